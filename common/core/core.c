@@ -1,0 +1,171 @@
+// SPDX-License-Identifier: Apache-2.0
+// core: errors, logging, clocks and file helpers shared by every module.
+// Logging writes each event as one line with a single fprintf so lines from
+// different threads never interleave.
+#include "core.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+int tdm_log_level = TDM_LOG_LEVEL_INFO;
+static const char *log_role = "tandem";
+
+const char *tdm_strerror(int err)
+{
+    switch (err) {
+    case TDM_OK: return "ok";
+    case TDM_ENOMEM: return "out of memory";
+    case TDM_EINVAL: return "invalid argument";
+    case TDM_ETIMEDOUT: return "timed out";
+    case TDM_ECLOSED: return "closed";
+    case TDM_EBUSY: return "busy";
+    case TDM_EPROTO: return "protocol or format error";
+    case TDM_ENOTFOUND: return "not found";
+    case TDM_ECAPACITY: return "out of capacity";
+    case TDM_EBACKEND: return "backend failure";
+    case TDM_ETRANSPORT: return "transport failure";
+    case TDM_EIO: return "i/o error";
+    default: return "unknown error";
+    }
+}
+
+int tdm_seterr(char *err, size_t errlen, int code, const char *fmt, ...)
+{
+    if (err && errlen > 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+void tdm_log_set_role(const char *role)
+{
+    log_role = role ? role : "tandem";
+}
+
+int tdm_log_set_level_name(const char *name)
+{
+    static const char *names[] = {"err", "warn", "info", "debug"};
+    for (int i = 0; i < 4; i++) {
+        if (strcasecmp(name, names[i]) == 0) {
+            tdm_log_level = i;
+            return TDM_OK;
+        }
+    }
+    if (strcasecmp(name, "error") == 0) {
+        tdm_log_level = TDM_LOG_LEVEL_ERR;
+        return TDM_OK;
+    }
+    return TDM_EINVAL;
+}
+
+void tdm_log_write(int level, const char *module, const char *fmt, ...)
+{
+    static const char *lv[] = {"ERROR", "WARN", "INFO", "DEBUG"};
+    char msg[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    char tbuf[32];
+    strftime(tbuf, sizeof tbuf, "%Y-%m-%dT%H:%M:%S", &tm);
+    if (level < 0)
+        level = 0;
+    if (level > 3)
+        level = 3;
+    fprintf(stderr, "%s.%03ldZ %s %s %s %s\n", tbuf, ts.tv_nsec / 1000000, lv[level], log_role,
+            module ? module : "-", msg);
+}
+
+void tdm_panic(const char *file, int line, const char *what)
+{
+    fprintf(stderr, "tandem: internal error at %s:%d: assertion failed: %s\n", file, line, what);
+    abort();
+}
+
+double tdm_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+double tdm_wall_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int tdm_read_file(const char *path, char **out, size_t *len, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (len)
+        *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        int e = errno;
+        return tdm_seterr(err, errlen, e == ENOENT ? TDM_ENOTFOUND : TDM_EIO, "%s: %s", path,
+                          strerror(e));
+    }
+    size_t cap = 65536, n = 0;
+    char *buf = malloc(cap);
+    if (!buf) {
+        fclose(f);
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "%s: out of memory", path);
+    }
+    for (;;) {
+        if (cap - n < 2) {
+            size_t ncap = cap * 2;
+            char *nb = realloc(buf, ncap);
+            if (!nb) {
+                free(buf);
+                fclose(f);
+                return tdm_seterr(err, errlen, TDM_ENOMEM, "%s: out of memory", path);
+            }
+            buf = nb;
+            cap = ncap;
+        }
+        size_t r = fread(buf + n, 1, cap - n - 1, f);
+        n += r;
+        if (r == 0) {
+            if (ferror(f)) {
+                int e = errno;
+                free(buf);
+                fclose(f);
+                return tdm_seterr(err, errlen, TDM_EIO, "%s: read failed: %s", path, strerror(e));
+            }
+            break;
+        }
+    }
+    fclose(f);
+    buf[n] = '\0';
+    *out = buf;
+    if (len)
+        *len = n;
+    return TDM_OK;
+}
+
+char *tdm_path_join(const char *dir, const char *name)
+{
+    size_t a = strlen(dir), b = strlen(name);
+    char *p = malloc(a + b + 2);
+    if (!p)
+        return NULL;
+    memcpy(p, dir, a);
+    size_t k = a;
+    if (a > 0 && dir[a - 1] != '/')
+        p[k++] = '/';
+    memcpy(p + k, name, b + 1);
+    return p;
+}

@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0
+// core: what every module shares. The error enum and its strerror, the log
+// macros (which check the level before formatting anything), a monotonic clock,
+// whole-file reading and the "fill err/errlen" helper used by slow-path APIs.
+#ifndef TDM_CORE_H
+#define TDM_CORE_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+// ---- errors -------------------------------------------------------------------
+enum tdm_err {
+    TDM_OK = 0,
+    TDM_ENOMEM,     // allocation failed
+    TDM_EINVAL,     // bad argument or bad input
+    TDM_ETIMEDOUT,  // deadline passed
+    TDM_ECLOSED,    // object closed or shutting down
+    TDM_EBUSY,      // try again later (queue full)
+    TDM_EPROTO,     // peer or file broke the protocol/format
+    TDM_ENOTFOUND,  // no such name (tensor, file, token)
+    TDM_ECAPACITY,  // out of a fixed resource (KV blocks)
+    TDM_EBACKEND,   // compute backend failure
+    TDM_ETRANSPORT, // network transport failure
+    TDM_EIO,        // file system error
+};
+
+// Returns a static, human-readable string for an enum tdm_err value.
+const char *tdm_strerror(int err);
+
+// Formats into err (if err != NULL and errlen > 0); always returns code, so a
+// caller can write `return tdm_seterr(err, errlen, TDM_EINVAL, "...", ...)`.
+int tdm_seterr(char *err, size_t errlen, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+// ---- logging ------------------------------------------------------------------
+enum tdm_log_level { TDM_LOG_LEVEL_ERR = 0, TDM_LOG_LEVEL_WARN, TDM_LOG_LEVEL_INFO, TDM_LOG_LEVEL_DEBUG };
+
+extern int tdm_log_level; // current threshold; messages above it are not formatted
+
+// Sets the role printed on every line ("router", "decode", ...); the string must
+// outlive all logging. Sets the level from a name ("err","warn","info","debug");
+// returns TDM_EINVAL for an unknown name.
+void tdm_log_set_role(const char *role);
+int tdm_log_set_level_name(const char *name);
+
+// One line to stderr: `ts level role module msg`.
+void tdm_log_write(int level, const char *module, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#define TDM_LOG_(lvl, module, ...)                                                                 \
+    do {                                                                                           \
+        if ((lvl) <= tdm_log_level)                                                                \
+            tdm_log_write((lvl), (module), __VA_ARGS__);                                           \
+    } while (0)
+#define TDM_LOG_ERR(module, ...) TDM_LOG_(TDM_LOG_LEVEL_ERR, module, __VA_ARGS__)
+#define TDM_LOG_WARN(module, ...) TDM_LOG_(TDM_LOG_LEVEL_WARN, module, __VA_ARGS__)
+#define TDM_LOG_INFO(module, ...) TDM_LOG_(TDM_LOG_LEVEL_INFO, module, __VA_ARGS__)
+#define TDM_LOG_DEBUG(module, ...) TDM_LOG_(TDM_LOG_LEVEL_DEBUG, module, __VA_ARGS__)
+
+// ---- assertions (on in release builds; only for our own bugs) -------------------
+void tdm_panic(const char *file, int line, const char *what) __attribute__((noreturn));
+#define TDM_ASSERT(cond)                                                                           \
+    do {                                                                                           \
+        if (!(cond))                                                                               \
+            tdm_panic(__FILE__, __LINE__, #cond);                                                  \
+    } while (0)
+
+// ---- time and files -----------------------------------------------------------------
+// Monotonic seconds (CLOCK_MONOTONIC).
+double tdm_now(void);
+// Wall-clock seconds since the epoch.
+double tdm_wall_now(void);
+
+// Reads a whole file into a NUL-terminated heap buffer (*out, caller frees; *len
+// excludes the NUL). Returns TDM_ENOTFOUND if it does not exist, TDM_EIO otherwise.
+int tdm_read_file(const char *path, char **out, size_t *len, char *err, size_t errlen);
+
+// Joins dir and name with one '/' into a heap string (caller frees); NULL on ENOMEM.
+char *tdm_path_join(const char *dir, const char *name);
+
+#endif

@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tests for core: error strings, file reading and path joining.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core.h"
+
+static void test_strerror(void **state)
+{
+    (void)state;
+    assert_string_equal(tdm_strerror(TDM_OK), "ok");
+    assert_string_equal(tdm_strerror(TDM_ECAPACITY), "out of capacity");
+    assert_string_equal(tdm_strerror(9999), "unknown error");
+}
+
+static void test_seterr(void **state)
+{
+    (void)state;
+    char err[32];
+    assert_int_equal(tdm_seterr(err, sizeof err, TDM_EINVAL, "x=%d", 3), TDM_EINVAL);
+    assert_string_equal(err, "x=3");
+    assert_int_equal(tdm_seterr(NULL, 0, TDM_EIO, "ignored"), TDM_EIO);
+}
+
+static void test_read_file(void **state)
+{
+    (void)state;
+    char path[] = "/tmp/tdm_core_testXXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, "hello\0world", 11), 11);
+    close(fd);
+    char *buf;
+    size_t len;
+    char err[256];
+    assert_int_equal(tdm_read_file(path, &buf, &len, err, sizeof err), TDM_OK);
+    assert_int_equal(len, 11);
+    assert_memory_equal(buf, "hello\0world", 11);
+    assert_int_equal(buf[11], 0);
+    free(buf);
+    unlink(path);
+    assert_int_equal(tdm_read_file(path, &buf, &len, err, sizeof err), TDM_ENOTFOUND);
+    assert_null(buf);
+    assert_non_null(strstr(err, path));
+}
+
+static void test_path_join(void **state)
+{
+    (void)state;
+    char *p = tdm_path_join("/a/b", "c.json");
+    assert_string_equal(p, "/a/b/c.json");
+    free(p);
+    p = tdm_path_join("/a/b/", "c.json");
+    assert_string_equal(p, "/a/b/c.json");
+    free(p);
+}
+
+static void test_log_level(void **state)
+{
+    (void)state;
+    assert_int_equal(tdm_log_set_level_name("debug"), TDM_OK);
+    assert_int_equal(tdm_log_level, TDM_LOG_LEVEL_DEBUG);
+    assert_int_equal(tdm_log_set_level_name("loud"), TDM_EINVAL);
+    assert_int_equal(tdm_log_set_level_name("info"), TDM_OK);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_strerror),   cmocka_unit_test(test_seterr),
+        cmocka_unit_test(test_read_file),  cmocka_unit_test(test_path_join),
+        cmocka_unit_test(test_log_level),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,134 @@
+// SPDX-License-Identifier: Apache-2.0
+// hf: Hugging Face model folders. Parses config.json (Qwen2ForCausalLM,
+// LlamaForCausalLM) and generation_config.json into plain structs with
+// validation, and maps safetensors files (single or sharded through
+// model.safetensors.index.json) read-only. Every byte of a safetensors header is
+// untrusted: offsets, shapes and dtypes are checked against the file size before
+// any tensor pointer is handed out. Also writes safetensors files (for
+// tandem-mkmodel and tests).
+#ifndef TDM_HF_H
+#define TDM_HF_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TDM_MAX_EOS 8
+
+enum tdm_arch { TDM_ARCH_QWEN2 = 0, TDM_ARCH_LLAMA };
+
+enum tdm_dtype {
+    TDM_DTYPE_F32 = 0,
+    TDM_DTYPE_F16,
+    TDM_DTYPE_BF16,
+};
+// Bytes per element; "F32"/"F16"/"BF16" names as safetensors writes them.
+size_t tdm_dtype_size(enum tdm_dtype dt);
+const char *tdm_dtype_name(enum tdm_dtype dt);
+
+enum tdm_rope_type { TDM_ROPE_DEFAULT = 0, TDM_ROPE_LLAMA3 };
+
+struct tdm_rope_scaling {
+    enum tdm_rope_type type;               // DEFAULT when rope_scaling is null/absent
+    float factor;                          // llama3: e.g. 8.0 or 32.0
+    float low_freq_factor;                 // llama3: e.g. 1.0
+    float high_freq_factor;                // llama3: e.g. 4.0
+    int original_max_position_embeddings;  // llama3: e.g. 8192
+};
+
+struct tdm_model_config {
+    enum tdm_arch arch;                    // from "architectures"[0]
+    char architecture[64];                 // the string as written
+    int hidden_size;
+    int intermediate_size;
+    int num_hidden_layers;
+    int num_attention_heads;
+    int num_key_value_heads;               // defaults to num_attention_heads
+    int head_dim;                          // defaults to hidden_size / num_attention_heads
+    int vocab_size;
+    int max_position_embeddings;
+    float rms_norm_eps;
+    double rope_theta;                     // default 10000
+    struct tdm_rope_scaling rope_scaling;
+    bool tie_word_embeddings;
+    bool attention_bias;                   // q/k/v biases: Qwen2 always; Llama when "attention_bias"
+    bool use_sliding_window;               // Qwen2 field (false for Qwen2.5)
+    int sliding_window;                    // 0 when absent/null
+    int max_window_layers;
+    int bos_token_id;                      // -1 when absent/null
+    int eos_token_ids[TDM_MAX_EOS];        // int or list in the file
+    int num_eos_token_ids;
+    enum tdm_dtype torch_dtype;            // BF16 when absent
+};
+
+// Parses and validates config.json text. On failure returns TDM_EINVAL (or
+// TDM_EPROTO for malformed JSON) and writes a precise message to err, e.g.
+// "config.json: num_key_value_heads=3 does not divide num_attention_heads=14".
+int tdm_hf_config_parse(struct tdm_model_config *cfg, const char *json, size_t len, char *err,
+                        size_t errlen);
+// Reads DIR/config.json and parses it.
+int tdm_hf_config_load(struct tdm_model_config *cfg, const char *dir, char *err, size_t errlen);
+
+// Defaults from generation_config.json. A has_* flag is false when the file is
+// silent; then vLLM's fallbacks apply (temperature 1, top_p 1, top_k off, ...).
+struct tdm_generation_config {
+    bool has_temperature;  float temperature;
+    bool has_top_p;        float top_p;
+    bool has_top_k;        int top_k;
+    bool has_min_p;        float min_p;
+    bool has_repetition_penalty; float repetition_penalty;
+    bool has_max_new_tokens; int max_new_tokens;
+    bool do_sample;        // informative only (vLLM ignores it)
+    int eos_token_ids[TDM_MAX_EOS];
+    int num_eos_token_ids;
+    int pad_token_id;      // -1 when absent
+    int bos_token_id;      // -1 when absent
+};
+// A missing DIR/generation_config.json is not an error: all has_* false.
+int tdm_hf_generation_config_load(struct tdm_generation_config *gc, const char *dir, char *err,
+                                  size_t errlen);
+int tdm_hf_generation_config_parse(struct tdm_generation_config *gc, const char *json, size_t len,
+                                   char *err, size_t errlen);
+
+// ---- safetensors ------------------------------------------------------------------
+#define TDM_ST_MAX_DIMS 4
+
+struct tdm_tensor {
+    const char *name;                      // owned by the tdm_safetensors
+    enum tdm_dtype dtype;
+    int ndim;
+    int64_t shape[TDM_ST_MAX_DIMS];
+    const void *data;                      // into the read-only mmap
+    size_t nbytes;
+};
+
+struct tdm_safetensors;
+
+// Opens PATH: a .safetensors file, or a model folder holding model.safetensors or
+// model.safetensors.index.json (+ its shards). Maps each file read-only.
+int tdm_st_open(struct tdm_safetensors **out, const char *path, char *err, size_t errlen);
+void tdm_st_free(struct tdm_safetensors *st);
+
+size_t tdm_st_count(const struct tdm_safetensors *st);
+const struct tdm_tensor *tdm_st_at(const struct tdm_safetensors *st, size_t i);
+// NULL when absent.
+const struct tdm_tensor *tdm_st_find(const struct tdm_safetensors *st, const char *name);
+// Finds NAME and checks its shape (ndim entries of shape); TDM_ENOTFOUND or
+// TDM_EINVAL with "model.layers.0.mlp.up_proj.weight: shape [4864, 895] does not
+// match the config's [4864, 896]".
+int tdm_st_get(const struct tdm_safetensors *st, const char *name, int ndim, const int64_t *shape,
+               const struct tdm_tensor **out, char *err, size_t errlen);
+
+// Writes a safetensors file with the given tensors (data copied from each
+// tensor's data pointer), header keys in the order given, offsets in order,
+// with an optional __metadata__ {"format":"pt"}.
+int tdm_st_write(const char *path, const struct tdm_tensor *tensors, size_t n, char *err,
+                 size_t errlen);
+
+// bf16/f16 <-> f32 conversions (round to nearest even for f32 -> bf16).
+float tdm_bf16_to_f32(uint16_t h);
+uint16_t tdm_f32_to_bf16(float f);
+float tdm_f16_to_f32(uint16_t h);
+uint16_t tdm_f32_to_f16(float f);
+
+#endif

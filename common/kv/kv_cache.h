@@ -1,0 +1,117 @@
+// SPDX-License-Identifier: Apache-2.0
+// kv: the paged KV cache. A pool of fixed-size blocks (block_size tokens each,
+// 16 by default) holds keys and values for every layer; each sequence owns a
+// block table mapping its positions to blocks. Blocks carry reference counts so
+// that full blocks can be shared by prefix: a full block is keyed by a chained
+// hash of (parent block hash, its token ids); once no sequence references it it
+// stays cached (evictable, LRU) until its memory is needed. The usage fraction
+// counts blocks referenced by sequences, so it returns to 0 when all finish.
+// Export/import copy a sequence's KV as contiguous bytes per layer for transfer.
+//
+// Storage, host memory, f32, per layer:
+//   k[layer] : [num_blocks][num_kv_heads][block_size][head_dim]
+//   v[layer] : [num_blocks][num_kv_heads][block_size][head_dim]
+// so one head's keys inside a block are contiguous rows of head_dim.
+#ifndef TDM_KV_CACHE_H
+#define TDM_KV_CACHE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct tdm_kv_config {
+    int num_layers;
+    int num_kv_heads;
+    int head_dim;
+    int block_size;            // tokens per block (16)
+    int num_blocks;            // pool size
+    bool enable_prefix_caching;
+};
+
+// Bytes one block takes across all layers (K and V).
+size_t tdm_kv_block_bytes(const struct tdm_kv_config *cfg);
+
+struct tdm_kv_cache;
+
+int tdm_kv_new(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg, char *err, size_t errlen);
+void tdm_kv_free(struct tdm_kv_cache *kv);
+const struct tdm_kv_config *tdm_kv_config(const struct tdm_kv_cache *kv);
+
+// Pointers to one block of one layer: [num_kv_heads][block_size][head_dim] f32.
+float *tdm_kv_k(struct tdm_kv_cache *kv, int layer, int block);
+float *tdm_kv_v(struct tdm_kv_cache *kv, int layer, int block);
+
+// A sequence's view of the cache. Caller storage: init before use, release after.
+struct tdm_kv_seq {
+    int *block_table;          // [cap_blocks] block ids, positions p -> block_table[p / block_size]
+    int num_blocks;            // blocks in the table
+    int cap_blocks;
+    int num_tokens;            // tokens whose KV is computed and committed
+    int num_cached_tokens;     // of those, how many came from the prefix cache
+    uint64_t *block_hashes;    // [cap_blocks] chained hash of each full block (0 = not full yet)
+};
+void tdm_kv_seq_init(struct tdm_kv_seq *seq);
+// Drops the sequence's references; full hashed blocks stay cached (evictable).
+void tdm_kv_seq_release(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq);
+
+// On an empty seq: finds the longest run of cached full blocks matching tokens
+// (never all n tokens: at least one token is left to compute, so the caller gets
+// logits), takes references, sets num_tokens = num_cached_tokens = the match.
+// Counts queries (n) and hits (the match) in tokens. Returns the match length.
+int tdm_kv_match_prefix(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const int32_t *tokens,
+                        int n);
+
+// Makes the block table cover total_tokens positions, taking free blocks (evicting
+// LRU cached ones when needed). All or nothing: TDM_ECAPACITY leaves seq unchanged.
+int tdm_kv_reserve(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_tokens);
+
+// Declares that KV for tokens[0..total_tokens) is now written; blocks that became
+// full get their chained hash and enter the prefix cache. tokens is the whole
+// sequence (prompt + generated) so far.
+void tdm_kv_commit(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const int32_t *tokens,
+                   int total_tokens);
+
+// Blocks a new sequence could get now (free + evictable).
+int tdm_kv_num_free_blocks(const struct tdm_kv_cache *kv);
+// Blocks referenced by at least one sequence / num_blocks, in [0, 1].
+float tdm_kv_usage(const struct tdm_kv_cache *kv);
+// Counters: prefix-cache queries and hits, in tokens, since creation.
+void tdm_kv_prefix_stats(const struct tdm_kv_cache *kv, uint64_t *queries, uint64_t *hits);
+// Self-check for tests: every block is free, cached or referenced exactly as the
+// refcounts say; returns TDM_OK or TDM_EPROTO with the first inconsistency in err.
+int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen);
+int tdm_kv_num_referenced_blocks(const struct tdm_kv_cache *kv);
+
+// ---- export / import for transfer ------------------------------------------------------
+#define TDM_KV_MAGIC 0x31564b54u   // "TKV1"
+
+// Fixed-layout header sent before KV payloads (little-endian, 96 bytes).
+struct tdm_kv_header {
+    uint32_t magic;            // TDM_KV_MAGIC
+    uint32_t version;          // 1
+    char model[48];            // served model name / id, NUL-padded
+    int32_t num_layers;
+    int32_t num_kv_heads;
+    int32_t head_dim;
+    int32_t block_size;
+    int32_t dtype;             // 0 = f32
+    int32_t num_tokens;        // tokens of KV the payload covers
+    int32_t first_block;       // index into the sequence's block table
+    int32_t num_blocks;
+};
+void tdm_kv_header_fill(const struct tdm_kv_cache *kv, const char *model, struct tdm_kv_header *h);
+// TDM_EPROTO with "kv header: head_dim 64 != 128" when h does not fit this cache/model.
+int tdm_kv_header_check(const struct tdm_kv_cache *kv, const char *model,
+                        const struct tdm_kv_header *h, char *err, size_t errlen);
+
+// Bytes of one layer's payload for nblocks blocks: K then V, each
+// [nblocks][num_kv_heads][block_size][head_dim] f32.
+size_t tdm_kv_layer_bytes(const struct tdm_kv_cache *kv, int nblocks);
+// Copies layer `layer` of seq's blocks [first_block, first_block+nblocks) into dst.
+int tdm_kv_export_layer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, int layer,
+                        int first_block, int nblocks, void *dst, size_t dst_len);
+// Writes such a payload into seq's blocks (which tdm_kv_reserve must have made).
+int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int layer,
+                        int first_block, int nblocks, const void *src, size_t src_len);
+
+#endif

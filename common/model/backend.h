@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: Apache-2.0
+// backend (internal to the model module): the compute operations a backend
+// provides, as a table of function pointers. model.c expresses the transformer
+// only through these; cpu/ implements them with threads and SIMD, and a CUDA
+// backend can implement the same table. Activation buffers come from the
+// backend's alloc (host memory for the CPU backend, device memory for CUDA).
+//
+// Batch invariance contract: for every op, each output row depends only on the
+// matching input rows and never on n (no split-K that depends on batch size, a
+// fixed reduction order per output element).
+#ifndef TDM_BACKEND_H
+#define TDM_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hf.h"
+#include "kv_cache.h"
+
+enum tdm_wtype {
+    TDM_W_F32 = 0,   // float [rows][cols]
+    TDM_W_BF16,      // uint16 [rows][cols] (possibly repacked: see the backend)
+    TDM_W_Q8,        // int8 [rows][cols] + f32 scales[rows]
+};
+
+// A weight matrix in the backend's own memory and layout.
+struct tdm_weight {
+    enum tdm_wtype type;
+    int rows;        // output features
+    int cols;        // input features
+    void *data;      // backend-owned
+    float *scales;   // Q8 only: [rows]
+    size_t nbytes;   // bytes a full read of this weight touches
+};
+
+// One source piece of a weight as stored in the checkpoint: `rows` rows of `cols`.
+// prepare_weight stacks several pieces vertically (e.g. q, k, v into one qkv).
+struct tdm_weight_src {
+    const void *data;
+    enum tdm_dtype dtype;
+    int rows;
+};
+
+// A sequence's slice of the batch for attention and KV writes.
+struct tdm_attn_seq {
+    int row;              // first row of this sequence in the batch's activations
+    int n_tokens;         // new tokens
+    int start_pos;        // position of the first new token
+    const int *block_table;
+};
+
+struct tdm_backend;
+
+struct tdm_backend_ops {
+    const char *name;
+    int (*create)(struct tdm_backend **out, int num_threads, char *err, size_t errlen);
+    void (*destroy)(struct tdm_backend *be);
+
+    // Builds w (rows = sum of parts' rows) in type `want` from checkpoint data.
+    int (*prepare_weight)(struct tdm_backend *be, struct tdm_weight *w,
+                          const struct tdm_weight_src *parts, int nparts, int cols,
+                          enum tdm_wtype want, char *err, size_t errlen);
+    void (*release_weight)(struct tdm_backend *be, struct tdm_weight *w);
+    // Activation memory (aligned to 64 bytes); free with release.
+    void *(*alloc)(struct tdm_backend *be, size_t bytes);
+    void (*release)(struct tdm_backend *be, void *p);
+
+    // y[n][w->rows] = x[n][w->cols] . w^T (+ bias[w->rows] when bias != NULL).
+    void (*matmul)(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                   const float *x, float *y, int n);
+    // out[n][w->cols] = rows ids[i] of the embedding matrix w.
+    void (*embed)(struct tdm_backend *be, const struct tdm_weight *w, const int32_t *ids, int n,
+                  float *out);
+    // out[n][dim] = x / rms(x) * weight (out may equal x).
+    void (*rmsnorm)(struct tdm_backend *be, const float *x, const float *weight, float eps,
+                    float *out, int n, int dim);
+    // Rotate-half RoPE in place on x[n][row_stride], heads at x + h*head_dim for
+    // h < n_heads; pos[n] positions; inv_freq[head_dim/2].
+    void (*rope)(struct tdm_backend *be, float *x, int n, int row_stride, int n_heads,
+                 int head_dim, const int32_t *pos, const float *inv_freq);
+    // Writes k/v rows ([rows][kv_dim], row stride `stride` floats) of every
+    // sequence's new tokens into their blocks of layer `layer`.
+    void (*kv_store)(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                     const struct tdm_attn_seq *seqs, int n_seqs, const float *k, const float *v,
+                     int stride);
+    // Causal GQA attention over the paged cache (new tokens already stored):
+    // out[row][n_heads*head_dim] from q[row][...] with row stride q_stride.
+    void (*attention)(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                      const struct tdm_attn_seq *seqs, int n_seqs, const float *q, int q_stride,
+                      float *out, int n_heads, int n_kv_heads, int head_dim, float scale);
+    // out[n][inter] = silu(gate_up[n][0:inter]) * gate_up[n][inter:2*inter].
+    void (*silu_mul)(struct tdm_backend *be, const float *gate_up, float *out, int n, int inter);
+    // x[i] += y[i] for i < count.
+    void (*add)(struct tdm_backend *be, float *x, const float *y, size_t count);
+};
+
+// Registered backends (backend.c): NULL when name is unknown or not built.
+const struct tdm_backend_ops *tdm_backend_find(const char *name);
+extern const struct tdm_backend_ops tdm_cpu_backend_ops;
+
+#endif

@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: Apache-2.0
+// model: loads a Qwen2/Llama model folder onto a compute backend and runs one
+// batched forward step over the paged KV cache. One step may mix sequences in
+// prefill (many new tokens, a chunk of the prompt) and in decode (one new
+// token); each brings its own positions and block table. A sequence's results
+// never depend on which other sequences share the step (fixed reduction order
+// per output element). All activation memory is allocated at load for
+// max_batch_tokens tokens: the forward allocates nothing.
+#ifndef TDM_MODEL_H
+#define TDM_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hf.h"
+#include "kv_cache.h"
+
+enum tdm_weight_mode {
+    TDM_WEIGHTS_BF16 = 0,  // as stored (f32/f16 checkpoints are rounded to bf16)
+    TDM_WEIGHTS_INT8,      // int8 with one f32 scale per output row, quantized at load
+};
+
+struct tdm_model_opts {
+    enum tdm_weight_mode weights;
+    int num_threads;       // compute threads; 0 = one per online core
+    int max_batch_tokens;  // tokens per forward step (activation workspace); default 512
+    int max_batch_seqs;    // sequences per forward step; default 64
+    const char *backend;   // "cpu" (default) or "cuda" when built with TANDEM_CUDA
+};
+void tdm_model_opts_default(struct tdm_model_opts *o);
+
+struct tdm_model;
+
+int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_model_opts *opts,
+                   char *err, size_t errlen);
+void tdm_model_free(struct tdm_model *m);
+const struct tdm_model_config *tdm_model_config(const struct tdm_model *m);
+const struct tdm_model_opts *tdm_model_opts(const struct tdm_model *m);
+// Bytes of weights one decode step reads (all matrices + the lm_head once).
+size_t tdm_model_weight_bytes(const struct tdm_model *m);
+// The KV geometry this model needs (num_layers, num_kv_heads, head_dim); the
+// caller fills block_size, num_blocks and enable_prefix_caching.
+void tdm_model_kv_config(const struct tdm_model *m, struct tdm_kv_config *cfg);
+
+enum tdm_logits_mode { TDM_LOGITS_NONE = 0, TDM_LOGITS_LAST, TDM_LOGITS_ALL };
+
+struct tdm_batch_seq {
+    const int32_t *tokens;     // [n_tokens] the new tokens this step
+    int n_tokens;
+    int start_pos;             // position of tokens[0] = tokens already in the KV cache
+    const int *block_table;    // covers positions [0, start_pos + n_tokens)
+    enum tdm_logits_mode logits;
+};
+
+// Runs one step: writes the new tokens' K/V into the cache and, per sequence,
+// logits rows into logits in batch order (n_tokens rows for ALL, 1 for LAST, 0
+// for NONE), each vocab_size floats. TDM_EINVAL when the batch exceeds
+// max_batch_tokens/max_batch_seqs or a position exceeds the context.
+int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
+                      const struct tdm_batch_seq *seqs, int n_seqs, float *logits);
+
+#endif

@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: Apache-2.0
+// sampling: turns one row of logits into the next token for one request, the way
+// vLLM does: logit bias, repetition/presence/frequency penalties, min_tokens
+// (EOS and stop ids masked), temperature, then top-k, top-p and min-p filters,
+// then a draw from the request's own RNG. Greedy when temperature == 0.
+// A sampler holds all its scratch memory from creation, so sampling allocates
+// nothing per token, and its draws depend only on its seed and its own history.
+#ifndef TDM_SAMPLING_H
+#define TDM_SAMPLING_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TDM_MAX_STOP_IDS 32
+#define TDM_MAX_LOGIT_BIAS 300
+#define TDM_MAX_LOGPROBS 20
+
+struct tdm_logit_bias {
+    int32_t token;
+    float bias;        // added to the raw logit; OpenAI range [-100, 100]
+};
+
+struct tdm_sampling_params {
+    float temperature;          // 0 = greedy; default 1
+    float top_p;                // (0, 1]; default 1
+    int top_k;                  // 0 or -1 = off
+    float min_p;                // [0, 1]; default 0
+    float repetition_penalty;   // > 0; 1 = off (HF/vLLM: divides positive logits, multiplies negative)
+    float presence_penalty;     // [-2, 2]
+    float frequency_penalty;    // [-2, 2]
+    bool has_seed;
+    uint64_t seed;
+    int min_tokens;             // EOS/stop ids masked until this many tokens were generated
+    bool ignore_eos;
+    int32_t stop_token_ids[TDM_MAX_STOP_IDS];
+    int num_stop_token_ids;
+    struct tdm_logit_bias logit_bias[TDM_MAX_LOGIT_BIAS];
+    int num_logit_bias;
+    int logprobs;               // -1: none; 0..TDM_MAX_LOGPROBS: the chosen token's logprob + top-N
+};
+
+// vLLM's fallbacks (temperature 1, top_p 1, top_k off, min_p 0, penalties off, logprobs -1).
+void tdm_sampling_params_default(struct tdm_sampling_params *p);
+// Range checks with an OpenAI-style message naming the field in err
+// ("temperature must be in [0, 2], got 3"). vocab_size bounds token ids.
+int tdm_sampling_params_validate(const struct tdm_sampling_params *p, int vocab_size, char *err,
+                                 size_t errlen);
+
+struct tdm_token_logprob {
+    int32_t token;
+    float logprob;             // log-softmax of the raw logits (before temperature/filters, as vLLM)
+};
+
+struct tdm_sample_result {
+    int32_t token;
+    float logprob;             // of the chosen token
+    int num_top;               // = params.logprobs when >= 0
+    struct tdm_token_logprob top[TDM_MAX_LOGPROBS];
+};
+
+struct tdm_sampler;
+
+// prompt: the prompt ids (the repetition penalty counts them, as vLLM does).
+// eos_ids: the model's EOS ids (masked before min_tokens unless ignore_eos... see .c).
+int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *p, int vocab_size,
+                    const int32_t *prompt, size_t n_prompt, const int32_t *eos_ids, int num_eos);
+void tdm_sampler_free(struct tdm_sampler *s);
+
+// Samples from logits[vocab_size] (modified in place), records the token in the
+// sampler's history and returns it; fills *res when res != NULL.
+int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, struct tdm_sample_result *res);
+
+// True when token ends the request: an EOS id (unless ignore_eos) or a stop id,
+// once min_tokens were generated.
+bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token);
+int tdm_sampler_num_generated(const struct tdm_sampler *s);
+
+#endif
