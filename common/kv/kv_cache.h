@@ -81,11 +81,20 @@ void tdm_kv_prefix_stats(const struct tdm_kv_cache *kv, uint64_t *queries, uint6
 // refcounts say; returns TDM_OK or TDM_EPROTO with the first inconsistency in err.
 int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen);
 int tdm_kv_num_referenced_blocks(const struct tdm_kv_cache *kv);
+// Cached blocks no sequence references (prefix-cache hits possible, reused LRU).
+int tdm_kv_num_evictable_blocks(const struct tdm_kv_cache *kv);
+// Evicts every unreferenced cached block (drops their hashes); referenced
+// blocks stay. For benchmarks and tests that need a cold cache.
+void tdm_kv_reset_prefix_cache(struct tdm_kv_cache *kv);
+// The detail of the last failed call on kv (reserve, export, import), "" if none.
+// Valid until the next call on kv.
+const char *tdm_kv_errmsg(const struct tdm_kv_cache *kv);
 
 // ---- export / import for transfer ------------------------------------------------------
 #define TDM_KV_MAGIC 0x31564b54u   // "TKV1"
 
-// Fixed-layout header sent before KV payloads (little-endian, 96 bytes).
+// Fixed-layout header sent before KV payloads (little-endian, 96 bytes: the
+// struct's own bytes on a little-endian host, which is all Tandem builds for).
 struct tdm_kv_header {
     uint32_t magic;            // TDM_KV_MAGIC
     uint32_t version;          // 1
@@ -98,6 +107,7 @@ struct tdm_kv_header {
     int32_t num_tokens;        // tokens of KV the payload covers
     int32_t first_block;       // index into the sequence's block table
     int32_t num_blocks;
+    uint32_t reserved[2];      // zero in version 1; pads the header to 96 bytes
 };
 void tdm_kv_header_fill(const struct tdm_kv_cache *kv, const char *model, struct tdm_kv_header *h);
 // TDM_EPROTO with "kv header: head_dim 64 != 128" when h does not fit this cache/model.
