@@ -90,6 +90,38 @@ int tdm_hf_generation_config_load(struct tdm_generation_config *gc, const char *
 int tdm_hf_generation_config_parse(struct tdm_generation_config *gc, const char *json, size_t len,
                                    char *err, size_t errlen);
 
+// Sampling values a request set; NULL means "not given in the request".
+struct tdm_sampling_request {
+    const float *temperature;
+    const float *top_p;
+    const int *top_k;                      // -1 or 0: off
+    const float *min_p;
+    const float *repetition_penalty;
+    const int *max_tokens;                 // <= 0 counts as not given
+};
+// The values a request runs with.
+struct tdm_sampling_resolved {
+    float temperature;                     // 0 (or tiny) = greedy, as in vLLM
+    float top_p;
+    int top_k;                             // 0 = off
+    float min_p;
+    float repetition_penalty;
+    int max_tokens;                        // -1 when nothing bounds it
+};
+// Resolves sampling values the way vLLM (--generation-config auto, its default)
+// does: a value set in the request wins; else generation_config.json's value;
+// else vLLM's fallback (temperature 1, top_p 1, top_k off, min_p 0,
+// repetition_penalty 1). A file top_k of exactly 50 is ignored, as in vLLM (it
+// reads the file through GenerationConfig.to_diff_dict(), which drops
+// transformers' defaults). max_tokens is the smallest of the request's
+// max_tokens, the file's max_new_tokens and max_tokens_limit (pass
+// max_model_len - prompt_len; <= 0 = unknown). gc and req may be NULL. The
+// eos_token_ids of gc are not applied here: vLLM treats them as extra stop
+// token ids (see docs/model-folders.md).
+void tdm_hf_sampling_resolve(const struct tdm_generation_config *gc,
+                             const struct tdm_sampling_request *req, int max_tokens_limit,
+                             struct tdm_sampling_resolved *out);
+
 // ---- safetensors ------------------------------------------------------------------
 #define TDM_ST_MAX_DIMS 4
 
