@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0
+// chat_render_driver: renders one conversation with tdm_chat so the Jinja2
+// reference (ref/render_ref.py) can compare the bytes. Not installed.
+//
+//   chat_render_driver (--config tokenizer_config.json | --template FILE|NAME)
+//                      MESSAGES.json [--gen]
+//
+// Writes the prompt to stdout with no added newline; on error writes the message
+// to stderr and exits 1 (2 for bad usage).
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chat.h"
+#include "core.h"
+
+int main(int argc, char **argv)
+{
+    const char *config = NULL, *tmpl = NULL, *messages = NULL;
+    bool gen = false;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--config") == 0 && i + 1 < argc)
+            config = argv[++i];
+        else if (strcmp(argv[i], "--template") == 0 && i + 1 < argc)
+            tmpl = argv[++i];
+        else if (strcmp(argv[i], "--gen") == 0)
+            gen = true;
+        else if (!messages && argv[i][0] != '-')
+            messages = argv[i];
+        else
+            goto usage;
+    }
+    if (!messages || (!config == !tmpl))
+        goto usage;
+
+    char err[512] = "";
+    char *cfg_text = NULL, *msg_text = NULL, *out = NULL;
+    size_t len = 0, n = 0;
+    cJSON *cfg = NULL;
+    const char *template_text = NULL;
+    struct tdm_chat_template *t = NULL;
+    struct tdm_chat_msg *msgs = NULL;
+    int rc;
+    if (config) {
+        rc = tdm_read_file(config, &cfg_text, &len, err, sizeof err);
+        if (rc != TDM_OK)
+            goto fail;
+        cfg = cJSON_ParseWithLength(cfg_text, len);
+        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
+        if (cJSON_IsString(ct))
+            template_text = ct->valuestring;
+    }
+    rc = tdm_chat_template_new(&t, template_text, tmpl, err, sizeof err);
+    if (rc != TDM_OK)
+        goto fail;
+    rc = tdm_read_file(messages, &msg_text, &len, err, sizeof err);
+    if (rc != TDM_OK)
+        goto fail;
+    rc = tdm_chat_msgs_parse(msg_text, len, &msgs, &n, err, sizeof err);
+    if (rc != TDM_OK)
+        goto fail;
+    rc = tdm_chat_render(t, msgs, n, gen, &out, err, sizeof err);
+    if (rc != TDM_OK)
+        goto fail;
+    fwrite(out, 1, strlen(out), stdout);
+fail:
+    if (rc != TDM_OK)
+        fprintf(stderr, "%s: %s\n", tdm_strerror(rc), err);
+    free(out);
+    tdm_chat_msgs_free(msgs, n);
+    tdm_chat_template_free(t);
+    free(msg_text);
+    cJSON_Delete(cfg);
+    free(cfg_text);
+    return rc == TDM_OK ? 0 : 1;
+usage:
+    fprintf(stderr, "usage: %s (--config tokenizer_config.json | --template FILE|NAME) "
+                    "MESSAGES.json [--gen]\n",
+            argv[0]);
+    return 2;
+}
