@@ -1,0 +1,758 @@
+// SPDX-License-Identifier: Apache-2.0
+// cpu_backend: the CPU implementation of struct tdm_backend_ops. This file
+// holds the object, weight preparation (repacking into the panel layout of
+// cpu_impl.h, bf16 rounding and int8 quantization), the parallel drivers and
+// the small ops; the SIMD inner loops live in cpu_kernels_<isa>.c.
+//
+// Batch invariance: work is split only along output rows (matmul blocks),
+// tokens and (sequence, head, token) attention tasks; every output element is
+// computed by the same instruction sequence whatever n, the tile it falls in
+// or the thread that computes it. Ops allocate nothing: matmul's activation
+// scratch is sized in prepare_weight for CPU_MM_CHUNK_TOKENS tokens of the
+// widest weight, and larger batches run in chunks of that many tokens.
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "core.h"
+#include "cpu_impl.h"
+
+// ---- ISA selection -------------------------------------------------------------------------
+static const char *const isa_names[TDM_CPU_ISA_COUNT] = {"portable", "avx2", "avx512"};
+
+const char *tdm_cpu_isa_name(enum tdm_cpu_isa isa)
+{
+    return (unsigned)isa < TDM_CPU_ISA_COUNT ? isa_names[isa] : NULL;
+}
+
+int tdm_cpu_isa_parse(const char *name, enum tdm_cpu_isa *out)
+{
+    for (int i = 0; i < TDM_CPU_ISA_COUNT; i++) {
+        if (name && strcmp(name, isa_names[i]) == 0) {
+            *out = (enum tdm_cpu_isa)i;
+            return TDM_OK;
+        }
+    }
+    return TDM_EINVAL;
+}
+
+int tdm_cpu_isa_supported(enum tdm_cpu_isa isa)
+{
+    switch (isa) {
+    case TDM_CPU_ISA_PORTABLE:
+        return 1;
+#if defined(__x86_64__) || defined(__i386__)
+    case TDM_CPU_ISA_AVX2:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case TDM_CPU_ISA_AVX512:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") &&
+               __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    default:
+        return 0;
+    }
+}
+
+enum tdm_cpu_isa tdm_cpu_isa_best(void)
+{
+    for (int i = TDM_CPU_ISA_COUNT - 1; i > 0; i--)
+        if (tdm_cpu_isa_supported((enum tdm_cpu_isa)i))
+            return (enum tdm_cpu_isa)i;
+    return TDM_CPU_ISA_PORTABLE;
+}
+
+static const struct cpu_kernels *isa_kernels(enum tdm_cpu_isa isa)
+{
+    switch (isa) {
+#if defined(__x86_64__)
+    case TDM_CPU_ISA_AVX2:
+        return &cpu_kernels_avx2;
+    case TDM_CPU_ISA_AVX512:
+        return &cpu_kernels_avx512;
+#endif
+    default:
+        return &cpu_kernels_portable;
+    }
+}
+
+int tdm_cpu_backend_set_isa(struct tdm_backend *be, enum tdm_cpu_isa isa)
+{
+    if ((unsigned)isa >= TDM_CPU_ISA_COUNT || !tdm_cpu_isa_supported(isa))
+        return TDM_EINVAL;
+    be->isa = isa;
+    be->k = isa_kernels(isa);
+    return TDM_OK;
+}
+
+enum tdm_cpu_isa tdm_cpu_backend_isa(const struct tdm_backend *be)
+{
+    return be->isa;
+}
+
+int tdm_cpu_backend_num_threads(const struct tdm_backend *be)
+{
+    return be->nthreads;
+}
+
+// ---- create / destroy / memory ----------------------------------------------------------------
+static void *alloc_aligned(size_t bytes)
+{
+    // Large buffers (weights) get 2 MiB alignment and transparent huge pages:
+    // streaming ~1 GB of weights per token through 4 KiB pages costs TLB misses.
+    size_t align = bytes >= (4u << 20) ? (2u << 20) : 64;
+    size_t rounded = (bytes + align - 1) / align * align;
+    void *p = NULL;
+    if (rounded == 0)
+        rounded = align;
+    if (posix_memalign(&p, align, rounded) != 0)
+        return NULL;
+#ifdef MADV_HUGEPAGE
+    if (align > 64)
+        madvise(p, rounded, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+static int cpu_create(struct tdm_backend **out, int num_threads, char *err, size_t errlen)
+{
+    enum tdm_cpu_isa isa = tdm_cpu_isa_best();
+    const char *force = getenv("TANDEM_CPU_ISA");
+    if (force && *force) {
+        if (tdm_cpu_isa_parse(force, &isa) != TDM_OK)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_CPU_ISA=%s: expected portable, avx2 or avx512", force);
+        if (!tdm_cpu_isa_supported(isa))
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_CPU_ISA=%s: this CPU does not support it", force);
+    }
+    if (num_threads < 0 || num_threads > 1024)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "cpu backend: num_threads=%d out of range",
+                          num_threads);
+    if (num_threads == 0) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        num_threads = online > 0 ? (int)(online < 1024 ? online : 1024) : 1;
+    }
+    struct tdm_backend *be = calloc(1, sizeof(*be));
+    if (!be)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cpu backend: out of memory");
+    be->isa = isa;
+    be->k = isa_kernels(isa);
+    be->nthreads = num_threads;
+    if (cpu_pool_new(&be->pool, num_threads) != TDM_OK) {
+        free(be);
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cpu backend: cannot start %d threads",
+                          num_threads);
+    }
+    TDM_LOG_INFO("cpu", "backend isa=%s threads=%d", tdm_cpu_isa_name(isa), num_threads);
+    *out = be;
+    return TDM_OK;
+}
+
+static void cpu_destroy(struct tdm_backend *be)
+{
+    if (!be)
+        return;
+    cpu_pool_free(be->pool);
+    free(be->xq);
+    free(be);
+}
+
+static void *cpu_alloc(struct tdm_backend *be, size_t bytes)
+{
+    (void)be;
+    return alloc_aligned(bytes);
+}
+
+static void cpu_release(struct tdm_backend *be, void *p)
+{
+    (void)be;
+    free(p);
+}
+
+// ---- weights ---------------------------------------------------------------------------------
+// IEEE half to float (exact), local so weight preparation needs no hf code.
+static float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    int exp = (h >> 10) & 0x1f;
+    uint32_t mant = h & 0x3ff;
+    float f;
+    if (exp == 0) {
+        f = ldexpf((float)mant, -24); // zero or subnormal
+    } else if (exp == 31) {
+        f = mant ? NAN : INFINITY;
+    } else {
+        uint32_t u = ((uint32_t)(exp - 15 + 127) << 23) | (mant << 13);
+        memcpy(&f, &u, 4);
+    }
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u |= sign;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float src_elem(const struct tdm_weight_src *s, size_t i)
+{
+    switch (s->dtype) {
+    case TDM_DTYPE_F32: {
+        float f;
+        memcpy(&f, (const uint8_t *)s->data + 4 * i, 4);
+        return f;
+    }
+    case TDM_DTYPE_F16: {
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)s->data + 2 * i, 2);
+        return f16_to_f32(h);
+    }
+    default: {
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)s->data + 2 * i, 2);
+        return cpu_bf16_to_f32(h);
+    }
+    }
+}
+
+// Round to nearest even (NaN kept quiet).
+static uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static uint16_t src_elem_bf16(const struct tdm_weight_src *s, size_t i)
+{
+    if (s->dtype == TDM_DTYPE_BF16) {
+        uint16_t h;
+        memcpy(&h, (const uint8_t *)s->data + 2 * i, 2);
+        return h;
+    }
+    return f32_to_bf16(src_elem(s, i));
+}
+
+// Byte offset of element (r, k) in the packed layout.
+static size_t packed_offset(const struct tdm_weight *w, int r, int k)
+{
+    int b = r / CPU_BLOCK_ROWS;
+    int g = (r % CPU_BLOCK_ROWS) / CPU_PANEL_ROWS;
+    int lane = r % CPU_PANEL_ROWS;
+    int G = cpu_w_block_panels(w, b);
+    size_t base = (size_t)(cpu_w_block(w, b) - (const uint8_t *)w->data);
+    switch (w->type) {
+    case TDM_W_BF16:
+        return base + ((size_t)(k / 2) * G + g) * 64 + (size_t)lane * 4 + (size_t)(k % 2) * 2;
+    case TDM_W_Q8:
+        return base + ((size_t)k * G + g) * 16 + (size_t)lane;
+    default:
+        return base + ((size_t)k * G + g) * 64 + (size_t)lane * 4;
+    }
+}
+
+static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
+                              const struct tdm_weight_src *parts, int nparts, int cols,
+                              enum tdm_wtype want, char *err, size_t errlen)
+{
+    memset(w, 0, sizeof(*w));
+    if (nparts < 1 || !parts || cols < 1)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "prepare_weight: nparts=%d cols=%d", nparts,
+                          cols);
+    if (want != TDM_W_F32 && want != TDM_W_BF16 && want != TDM_W_Q8)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "prepare_weight: unknown type %d", (int)want);
+    long long rows = 0;
+    for (int i = 0; i < nparts; i++) {
+        if (parts[i].rows < 1 || !parts[i].data)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "prepare_weight: part %d has %d rows", i,
+                              parts[i].rows);
+        if (parts[i].dtype != TDM_DTYPE_F32 && parts[i].dtype != TDM_DTYPE_F16 &&
+            parts[i].dtype != TDM_DTYPE_BF16)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "prepare_weight: part %d dtype %d", i,
+                              (int)parts[i].dtype);
+        rows += parts[i].rows;
+    }
+    if (rows > (1 << 30) || (long long)cols * rows > (1ll << 40))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "prepare_weight: %lld x %d too large", rows,
+                          cols);
+    w->type = want;
+    w->rows = (int)rows;
+    w->cols = cols;
+    int nblocks = cpu_w_blocks(w);
+    // The last block is laid out with its own G but allocating it full keeps
+    // the offset arithmetic trivially in bounds.
+    size_t data_bytes = (size_t)nblocks * cpu_w_steps(w) * CPU_BLOCK_PANELS *
+                        cpu_w_step_bytes(want);
+    w->data = alloc_aligned(data_bytes);
+    if (!w->data)
+        goto fail_oom;
+    memset(w->data, 0, data_bytes);
+    if (want == TDM_W_Q8) {
+        w->scales = alloc_aligned((size_t)nblocks * CPU_BLOCK_ROWS * sizeof(float));
+        if (!w->scales)
+            goto fail_oom;
+        memset(w->scales, 0, (size_t)nblocks * CPU_BLOCK_ROWS * sizeof(float));
+    }
+    // The activation scratch of the AVX-512 BF16 path must hold the widest weight.
+    size_t xs = ((size_t)(cols + 1) / 2 + 15) / 16 * 16;
+    if (xs > be->xq_stride) {
+        uint32_t *xq = alloc_aligned(CPU_MM_CHUNK_TOKENS * xs * sizeof(uint32_t));
+        if (!xq)
+            goto fail_oom;
+        free(be->xq);
+        be->xq = xq;
+        be->xq_stride = xs;
+    }
+    uint8_t *dst = w->data;
+    int r = 0;
+    for (int p = 0; p < nparts; p++) {
+        const struct tdm_weight_src *s = &parts[p];
+        for (int pr = 0; pr < s->rows; pr++, r++) {
+            size_t src0 = (size_t)pr * cols;
+            if (want == TDM_W_BF16) {
+                for (int k = 0; k < cols; k++) {
+                    uint16_t h = src_elem_bf16(s, src0 + k);
+                    memcpy(dst + packed_offset(w, r, k), &h, 2);
+                }
+            } else if (want == TDM_W_F32) {
+                for (int k = 0; k < cols; k++) {
+                    float f = src_elem(s, src0 + k);
+                    memcpy(dst + packed_offset(w, r, k), &f, 4);
+                }
+            } else {
+                // Symmetric per-row int8: scale = max|w| / 127, q = round(w / scale).
+                float amax = 0.0f;
+                for (int k = 0; k < cols; k++) {
+                    float a = fabsf(src_elem(s, src0 + k));
+                    if (a > amax)
+                        amax = a;
+                }
+                float scale = amax / 127.0f;
+                float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                w->scales[r] = scale;
+                for (int k = 0; k < cols; k++) {
+                    float q = nearbyintf(src_elem(s, src0 + k) * inv);
+                    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+                    dst[packed_offset(w, r, k)] = (uint8_t)(int8_t)q;
+                }
+            }
+        }
+    }
+    w->nbytes = data_bytes + (w->scales ? (size_t)w->rows * sizeof(float) : 0);
+    return TDM_OK;
+
+fail_oom:
+    free(w->data);
+    free(w->scales);
+    memset(w, 0, sizeof(*w));
+    return tdm_seterr(err, errlen, TDM_ENOMEM, "prepare_weight: out of memory for %lld x %d",
+                      rows, cols);
+}
+
+static void cpu_release_weight(struct tdm_backend *be, struct tdm_weight *w)
+{
+    (void)be;
+    if (!w)
+        return;
+    free(w->data);
+    free(w->scales);
+    memset(w, 0, sizeof(*w));
+}
+
+// ---- matmul -------------------------------------------------------------------------------------
+struct mm_job {
+    struct tdm_backend *be;
+    struct cpu_mm_args a;
+};
+
+static void split_range(int total, int tid, int nthreads, int *lo, int *hi)
+{
+    *lo = (int)((long long)total * tid / nthreads);
+    *hi = (int)((long long)total * (tid + 1) / nthreads);
+}
+
+static void mm_prep_task(void *arg, int tid, int nthreads)
+{
+    struct mm_job *j = arg;
+    int t0, t1;
+    split_range(j->a.n, tid, nthreads, &t0, &t1);
+    if (t1 > t0)
+        j->be->k->mm_prep_x(&j->a, t0, t1);
+}
+
+static void mm_task(void *arg, int tid, int nthreads)
+{
+    struct mm_job *j = arg;
+    int b0, b1;
+    split_range(cpu_w_blocks(j->a.w), tid, nthreads, &b0, &b1);
+    if (b1 > b0)
+        j->be->k->mm_blocks(&j->a, b0, b1);
+}
+
+static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                       const float *x, float *y, int n)
+{
+    for (int t0 = 0; t0 < n; t0 += CPU_MM_CHUNK_TOKENS) {
+        int nc = n - t0 < CPU_MM_CHUNK_TOKENS ? n - t0 : CPU_MM_CHUNK_TOKENS;
+        struct mm_job j = {
+            .be = be,
+            .a = {.w = w,
+                  .bias = bias,
+                  .x = x + (size_t)t0 * w->cols,
+                  .xq = be->xq,
+                  .xq_stride = be->xq_stride,
+                  .y = y + (size_t)t0 * w->rows,
+                  .n = nc},
+        };
+        if (be->k->mm_prep_x && w->type == TDM_W_BF16) {
+            // A decode step's vector is converted faster than a fork/join.
+            if ((size_t)nc * w->cols < 65536)
+                be->k->mm_prep_x(&j.a, 0, nc);
+            else
+                cpu_pool_run(be->pool, mm_prep_task, &j);
+        }
+        cpu_pool_run(be->pool, mm_task, &j);
+    }
+}
+
+// ---- embed ---------------------------------------------------------------------------------------
+static void cpu_embed(struct tdm_backend *be, const struct tdm_weight *w, const int32_t *ids,
+                      int n, float *out)
+{
+    (void)be;
+    const uint8_t *d = w->data;
+    for (int i = 0; i < n; i++) {
+        float *o = out + (size_t)i * w->cols;
+        int r = ids[i];
+        if (r < 0 || r >= w->rows) {
+            // Token ids are validated by the model; never read out of bounds.
+            TDM_LOG_ERR("cpu", "embed: token id %d outside [0, %d)", r, w->rows);
+            memset(o, 0, sizeof(float) * (size_t)w->cols);
+            continue;
+        }
+        for (int k = 0; k < w->cols; k++) {
+            size_t off = packed_offset(w, r, k);
+            if (w->type == TDM_W_BF16) {
+                uint16_t h;
+                memcpy(&h, d + off, 2);
+                o[k] = cpu_bf16_to_f32(h);
+            } else if (w->type == TDM_W_Q8) {
+                o[k] = (float)(int8_t)d[off] * w->scales[r];
+            } else {
+                memcpy(&o[k], d + off, 4);
+            }
+        }
+    }
+}
+
+// ---- row-wise ops --------------------------------------------------------------------------------
+struct rows_job {
+    const float *x;
+    const float *y;
+    const float *weight;
+    float *out;
+    float eps;
+    int n, dim;
+    int row_stride, n_heads, head_dim;
+    const int32_t *pos;
+    const float *inv_freq;
+    const struct cpu_kernels *k;
+};
+
+// Fixed-order sum of squares: 8 interleaved partial sums, combined pairwise.
+static float sum_squares(const float *x, int dim)
+{
+    float s[8] = {0};
+    int i = 0;
+    for (; i + 8 <= dim; i += 8)
+        for (int l = 0; l < 8; l++)
+            s[l] += x[i + l] * x[i + l];
+    for (int l = 0; i < dim; i++, l++)
+        s[l] += x[i] * x[i];
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+static void rmsnorm_task(void *arg, int tid, int nthreads)
+{
+    struct rows_job *j = arg;
+    int t0, t1;
+    split_range(j->n, tid, nthreads, &t0, &t1);
+    for (int t = t0; t < t1; t++) {
+        const float *x = j->x + (size_t)t * j->dim;
+        float *o = j->out + (size_t)t * j->dim;
+        float inv = 1.0f / sqrtf(sum_squares(x, j->dim) / (float)j->dim + j->eps);
+        for (int i = 0; i < j->dim; i++)
+            o[i] = x[i] * inv * j->weight[i];
+    }
+}
+
+static void cpu_rmsnorm(struct tdm_backend *be, const float *x, const float *weight, float eps,
+                        float *out, int n, int dim)
+{
+    struct rows_job j = {.x = x, .weight = weight, .out = out, .eps = eps, .n = n, .dim = dim};
+    if ((size_t)n * dim < 32768)
+        rmsnorm_task(&j, 0, 1);
+    else
+        cpu_pool_run(be->pool, rmsnorm_task, &j);
+}
+
+static void rope_row(float *x, int n_heads, int head_dim, int32_t pos, const float *inv_freq)
+{
+    int half = head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        // HF computes the angle in f32 (pos * inv_freq) and its cos/sin; we take
+        // that f32 angle and evaluate cos/sin in double, rounded once.
+        float ang = (float)pos * inv_freq[i];
+        float c = (float)cos((double)ang);
+        float s = (float)sin((double)ang);
+        for (int h = 0; h < n_heads; h++) {
+            float *v = x + (size_t)h * head_dim;
+            float x1 = v[i], x2 = v[i + half];
+            v[i] = x1 * c - x2 * s;
+            v[i + half] = x2 * c + x1 * s;
+        }
+    }
+}
+
+static void rope_task(void *arg, int tid, int nthreads)
+{
+    struct rows_job *j = arg;
+    int t0, t1;
+    split_range(j->n, tid, nthreads, &t0, &t1);
+    for (int t = t0; t < t1; t++)
+        rope_row(j->out + (size_t)t * j->row_stride, j->n_heads, j->head_dim, j->pos[t],
+                 j->inv_freq);
+}
+
+static void cpu_rope(struct tdm_backend *be, float *x, int n, int row_stride, int n_heads,
+                     int head_dim, const int32_t *pos, const float *inv_freq)
+{
+    struct rows_job j = {.out = x, .n = n, .row_stride = row_stride, .n_heads = n_heads,
+                         .head_dim = head_dim, .pos = pos, .inv_freq = inv_freq};
+    if (n < 4)
+        rope_task(&j, 0, 1);
+    else
+        cpu_pool_run(be->pool, rope_task, &j);
+}
+
+static void silu_task(void *arg, int tid, int nthreads)
+{
+    struct rows_job *j = arg;
+    int t0, t1;
+    split_range(j->n, tid, nthreads, &t0, &t1);
+    for (int t = t0; t < t1; t++) {
+        const float *gu = j->x + (size_t)t * 2 * j->dim;
+        j->k->silu_mul_row(gu, gu + j->dim, j->out + (size_t)t * j->dim, j->dim);
+    }
+}
+
+static void cpu_silu_mul(struct tdm_backend *be, const float *gate_up, float *out, int n, int inter)
+{
+    struct rows_job j = {.x = gate_up, .out = out, .n = n, .dim = inter, .k = be->k};
+    if (n == 1) {
+        // One decode row costs less than a fork/join.
+        be->k->silu_mul_row(gate_up, gate_up + inter, out, inter);
+    } else {
+        cpu_pool_run(be->pool, silu_task, &j);
+    }
+}
+
+struct add_job {
+    float *x;
+    const float *y;
+    size_t count;
+};
+
+static void add_task(void *arg, int tid, int nthreads)
+{
+    struct add_job *j = arg;
+    size_t lo = j->count * (size_t)tid / (size_t)nthreads;
+    size_t hi = j->count * (size_t)(tid + 1) / (size_t)nthreads;
+    for (size_t i = lo; i < hi; i++)
+        j->x[i] += j->y[i];
+}
+
+static void cpu_add(struct tdm_backend *be, float *x, const float *y, size_t count)
+{
+    struct add_job j = {.x = x, .y = y, .count = count};
+    if (count < 65536)
+        add_task(&j, 0, 1);
+    else
+        cpu_pool_run(be->pool, add_task, &j);
+}
+
+// ---- KV cache and attention ------------------------------------------------------------------------
+static void cpu_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                         const struct tdm_attn_seq *seqs, int n_seqs, const float *k,
+                         const float *v, int stride)
+{
+    (void)be;
+    const struct tdm_kv_config *c = tdm_kv_config(kv);
+    int bs = c->block_size, hd = c->head_dim;
+    for (int s = 0; s < n_seqs; s++) {
+        for (int i = 0; i < seqs[s].n_tokens; i++) {
+            int pos = seqs[s].start_pos + i;
+            int blk = seqs[s].block_table[pos / bs];
+            int slot = pos % bs;
+            const float *kr = k + (size_t)(seqs[s].row + i) * stride;
+            const float *vr = v + (size_t)(seqs[s].row + i) * stride;
+            float *kb = tdm_kv_k(kv, layer, blk);
+            float *vb = tdm_kv_v(kv, layer, blk);
+            for (int h = 0; h < c->num_kv_heads; h++) {
+                size_t off = ((size_t)h * bs + slot) * hd;
+                memcpy(kb + off, kr + (size_t)h * hd, sizeof(float) * (size_t)hd);
+                memcpy(vb + off, vr + (size_t)h * hd, sizeof(float) * (size_t)hd);
+            }
+        }
+    }
+}
+
+// Query tokens per attention task in prefill.
+#define ATTN_TASK_TOKENS 16
+
+struct attn_job {
+    struct tdm_kv_cache *kv;
+    const struct cpu_kernels *k;
+    int layer;
+    const struct tdm_attn_seq *seqs;
+    int n_seqs;
+    const float *q;
+    int q_stride;
+    float *out;
+    int n_heads, n_kv_heads, head_dim;
+    float scale;
+    int block_size;
+    const int *task_start; // [n_seqs + 1] prefix sums of tasks per sequence
+    _Atomic int next;
+};
+
+// One query row: online softmax over positions 0..p in chunks of at most
+// CPU_ATTN_CHUNK that never cross a block, so the chunking (and the result)
+// depends on p only, never on how the prompt was split into steps.
+static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, int i, int h)
+{
+    int hd = j->head_dim, bs = j->block_size;
+    int kvh = h / (j->n_heads / j->n_kv_heads);
+    int p = sq->start_pos + i;
+    const float *q = j->q + (size_t)(sq->row + i) * j->q_stride + (size_t)h * hd;
+    float *acc = j->out + (size_t)(sq->row + i) * j->n_heads * hd + (size_t)h * hd;
+    float s[CPU_ATTN_CHUNK];
+    float m = -INFINITY, l = 0.0f;
+    memset(acc, 0, sizeof(float) * (size_t)hd);
+    for (int pos = 0; pos <= p;) {
+        int blk = sq->block_table[pos / bs];
+        int slot = pos % bs;
+        int nk = bs - slot;
+        if (nk > CPU_ATTN_CHUNK)
+            nk = CPU_ATTN_CHUNK;
+        if (nk > p + 1 - pos)
+            nk = p + 1 - pos;
+        size_t off = ((size_t)kvh * bs + slot) * hd;
+        const float *kc = tdm_kv_k(j->kv, j->layer, blk) + off;
+        const float *vc = tdm_kv_v(j->kv, j->layer, blk) + off;
+        j->k->attn_scores(q, kc, nk, hd, j->scale, s);
+        float mc = s[0];
+        for (int t = 1; t < nk; t++)
+            mc = s[t] > mc ? s[t] : mc;
+        float m_new = mc > m ? mc : m;
+        float corr = m == -INFINITY ? 0.0f : expf(m - m_new);
+        j->k->attn_exp(s, nk, m_new);
+        float ls = 0.0f;
+        for (int t = 0; t < nk; t++)
+            ls += s[t];
+        l = l * corr + ls;
+        j->k->attn_accum(acc, corr, s, vc, nk, hd);
+        m = m_new;
+        pos += nk;
+    }
+    float inv = 1.0f / l;
+    for (int d = 0; d < hd; d++)
+        acc[d] *= inv;
+}
+
+static void attn_task(void *arg, int tid, int nthreads)
+{
+    (void)tid;
+    (void)nthreads;
+    struct attn_job *j = arg;
+    int total = j->task_start[j->n_seqs];
+    for (;;) {
+        int t = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (t >= total)
+            return;
+        int s = 0;
+        while (j->task_start[s + 1] <= t)
+            s++;
+        const struct tdm_attn_seq *sq = &j->seqs[s];
+        int local = t - j->task_start[s];
+        int chunks = (sq->n_tokens + ATTN_TASK_TOKENS - 1) / ATTN_TASK_TOKENS;
+        int h = local / chunks;
+        int c = local % chunks;
+        int i1 = (c + 1) * ATTN_TASK_TOKENS < sq->n_tokens ? (c + 1) * ATTN_TASK_TOKENS
+                                                          : sq->n_tokens;
+        for (int i = c * ATTN_TASK_TOKENS; i < i1; i++)
+            attn_query(j, sq, i, h);
+    }
+}
+
+// Sequences per attention call whose task table lives on the stack; larger
+// batches run in groups of this many.
+#define ATTN_MAX_SEQS 256
+
+static void cpu_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                          const struct tdm_attn_seq *seqs, int n_seqs, const float *q,
+                          int q_stride, float *out, int n_heads, int n_kv_heads, int head_dim,
+                          float scale)
+{
+    if (n_kv_heads < 1 || n_heads % n_kv_heads != 0 || head_dim < 2) {
+        TDM_LOG_ERR("cpu", "attention: bad heads %d/%d or head_dim %d", n_heads, n_kv_heads,
+                    head_dim);
+        return;
+    }
+    int task_start[ATTN_MAX_SEQS + 1];
+    for (int s0 = 0; s0 < n_seqs; s0 += ATTN_MAX_SEQS) {
+        int ns = n_seqs - s0 < ATTN_MAX_SEQS ? n_seqs - s0 : ATTN_MAX_SEQS;
+        task_start[0] = 0;
+        for (int s = 0; s < ns; s++) {
+            int chunks = (seqs[s0 + s].n_tokens + ATTN_TASK_TOKENS - 1) / ATTN_TASK_TOKENS;
+            task_start[s + 1] = task_start[s] + chunks * n_heads;
+        }
+        struct attn_job j = {.kv = kv, .k = be->k, .layer = layer, .seqs = seqs + s0,
+                             .n_seqs = ns, .q = q, .q_stride = q_stride, .out = out,
+                             .n_heads = n_heads, .n_kv_heads = n_kv_heads,
+                             .head_dim = head_dim, .scale = scale,
+                             .block_size = tdm_kv_config(kv)->block_size,
+                             .task_start = task_start};
+        atomic_init(&j.next, 0);
+        if (task_start[ns] == 1)
+            attn_task(&j, 0, 1);
+        else
+            cpu_pool_run(be->pool, attn_task, &j);
+    }
+}
+
+const struct tdm_backend_ops tdm_cpu_backend_ops = {
+    .name = "cpu",
+    .create = cpu_create,
+    .destroy = cpu_destroy,
+    .prepare_weight = cpu_prepare_weight,
+    .release_weight = cpu_release_weight,
+    .alloc = cpu_alloc,
+    .release = cpu_release,
+    .matmul = cpu_matmul,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .rope = cpu_rope,
+    .kv_store = cpu_kv_store,
+    .attention = cpu_attention,
+    .silu_mul = cpu_silu_mul,
+    .add = cpu_add,
+};

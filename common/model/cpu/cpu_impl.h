@@ -1,0 +1,130 @@
+// SPDX-License-Identifier: Apache-2.0
+// cpu_impl: internals shared by the CPU backend's files: the backend object,
+// the thread pool, the packed weight layout and the per-ISA kernel table.
+//
+// Packed weight layout (every dtype, every ISA path): rows are grouped in
+// blocks of CPU_BLOCK_ROWS = 64 rows = 4 panels of 16 rows; the last block keeps
+// only the panels it needs (G = ceil(rows_left / 16)), padding rows are zero.
+// Inside a block the reduction index is outermost, so one k step of all G
+// panels is a contiguous G * 64-byte run:
+//   BF16: [kp = ceil(cols/2)][G][16 rows][2] bf16  (a k pair per 32-bit lane, as
+//         vdpbf16ps consumes it; odd cols padded with a zero)
+//   Q8:   [cols][G][16 rows] int8,  scales [nblocks*64] f32 (0 for padding rows)
+//   F32:  [cols][G][16 rows] f32
+// A 16-lane vector therefore holds one k (pair) of 16 output rows: every
+// output element accumulates in its own lane over k in order and no
+// horizontal reduction exists, so the result of an element depends on its row
+// and its token only, never on the tile or batch it is computed in.
+#ifndef TDM_CPU_IMPL_H
+#define TDM_CPU_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "cpu_backend.h"
+
+#define CPU_PANEL_ROWS 16
+#define CPU_BLOCK_PANELS 4
+#define CPU_BLOCK_ROWS (CPU_PANEL_ROWS * CPU_BLOCK_PANELS)
+// Tokens converted and multiplied per pass of matmul (bounds the scratch).
+#define CPU_MM_CHUNK_TOKENS 512
+// Positions scored together in attention (a chunk never crosses a KV block).
+#define CPU_ATTN_CHUNK 16
+
+// ---- thread pool ---------------------------------------------------------------------
+// fn runs once on every thread (tid 0 is the caller) and returns before
+// cpu_pool_run does. The pool is driven by one thread at a time.
+typedef void (*cpu_task_fn)(void *arg, int tid, int nthreads);
+struct cpu_pool;
+int cpu_pool_new(struct cpu_pool **out, int nthreads);
+void cpu_pool_free(struct cpu_pool *p);
+void cpu_pool_run(struct cpu_pool *p, cpu_task_fn fn, void *arg);
+int cpu_pool_size(const struct cpu_pool *p);
+
+// ---- matmul arguments and weight geometry ------------------------------------------------
+struct cpu_mm_args {
+    const struct tdm_weight *w;
+    const float *bias;   // [rows] or NULL
+    const float *x;      // [n][cols] f32
+    const uint32_t *xq;  // [n][xq_stride] bf16 pairs (AVX-512 BF16 path) or NULL
+    size_t xq_stride;    // uint32 per row of xq
+    float *y;            // [n][rows]
+    int n;
+};
+
+static inline int cpu_w_blocks(const struct tdm_weight *w)
+{
+    return (w->rows + CPU_BLOCK_ROWS - 1) / CPU_BLOCK_ROWS;
+}
+
+// Panels stored in block b.
+static inline int cpu_w_block_panels(const struct tdm_weight *w, int b)
+{
+    int left = w->rows - b * CPU_BLOCK_ROWS;
+    int g = (left + CPU_PANEL_ROWS - 1) / CPU_PANEL_ROWS;
+    return g < CPU_BLOCK_PANELS ? g : CPU_BLOCK_PANELS;
+}
+
+// Bytes of one k step (BF16: one k pair) of one panel.
+static inline size_t cpu_w_step_bytes(enum tdm_wtype t)
+{
+    return t == TDM_W_BF16 ? 64 : t == TDM_W_Q8 ? 16 : 64;
+}
+
+// k steps per row: pairs for BF16, columns otherwise.
+static inline int cpu_w_steps(const struct tdm_weight *w)
+{
+    return w->type == TDM_W_BF16 ? (w->cols + 1) / 2 : w->cols;
+}
+
+// Start of block b inside w->data.
+static inline const uint8_t *cpu_w_block(const struct tdm_weight *w, int b)
+{
+    size_t full = (size_t)cpu_w_steps(w) * CPU_BLOCK_PANELS * cpu_w_step_bytes(w->type);
+    return (const uint8_t *)w->data + (size_t)b * full;
+}
+
+// ---- per-ISA kernels -----------------------------------------------------------------------
+struct cpu_kernels {
+    const char *name;
+    // Converts x rows [t0, t1) into a->xq; NULL when the path reads f32 x.
+    void (*mm_prep_x)(const struct cpu_mm_args *a, int t0, int t1);
+    // y rows of blocks [b0, b1) for all a->n tokens.
+    void (*mm_blocks)(const struct cpu_mm_args *a, int b0, int b1);
+    // out[i] = silu(gate[i]) * up[i] for i < inter.
+    void (*silu_mul_row)(const float *gate, const float *up, float *out, int inter);
+    // s[j] = scale * q . k[j] for j < nk; k rows are head_dim apart.
+    void (*attn_scores)(const float *q, const float *k, int nk, int head_dim, float scale,
+                        float *s);
+    // s[j] = exp(s[j] - m) for j < nk (s[j] <= m).
+    void (*attn_exp)(float *s, int nk, float m);
+    // acc = acc * corr + sum_j p[j] * v[j] (j ascending).
+    void (*attn_accum)(float *acc, float corr, const float *p, const float *v, int nk,
+                       int head_dim);
+};
+
+extern const struct cpu_kernels cpu_kernels_portable;
+extern const struct cpu_kernels cpu_kernels_avx2;
+extern const struct cpu_kernels cpu_kernels_avx512;
+
+// ---- the backend object ------------------------------------------------------------------------
+struct tdm_backend {
+    enum tdm_cpu_isa isa;
+    const struct cpu_kernels *k;
+    struct cpu_pool *pool;
+    int nthreads;
+    uint32_t *xq;        // [CPU_MM_CHUNK_TOKENS][xq_stride] bf16 pairs, host; grows in prepare_weight
+    size_t xq_stride;    // uint32 per row: ceil(max cols / 2) rounded up to 16
+};
+
+static inline float cpu_bf16_to_f32(uint16_t h)
+{
+    union {
+        uint32_t u;
+        float f;
+    } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+#endif

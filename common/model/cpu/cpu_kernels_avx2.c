@@ -1,0 +1,310 @@
+// SPDX-License-Identifier: Apache-2.0
+// cpu_kernels_avx2: the AVX2 + FMA path (x86-64 without AVX-512 BF16).
+// Compiled for that target through a pragma, called only after the CPU check.
+// Weights are widened to f32 in registers (bf16: shift / mask of the k pair,
+// int8: sign extension), activations stay f32. Each ymm lane is one output
+// element accumulating its k in order with FMA; a tile is 4 panels x 1 token
+// (decode) or 1 panel x up to 4 tokens, both giving the same per-lane chain.
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "cpu_impl.h"
+
+#if defined(__x86_64__)
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+#define AI static inline __attribute__((always_inline))
+#define TILE_T 4
+#define PF_BYTES 2048
+
+AI __m256 exp_ps(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+                                  23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lane mask for the first n (< 8) floats.
+AI __m256i tail_mask(int n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// ---- matmul ----------------------------------------------------------------------------------
+// Panels [g0, g0 + NG) of a block with G panels, tokens [t0, t0 + T).
+AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, int G, int g0, const int NG,
+             const int T, int t0, int row0, const int WT)
+{
+    const struct tdm_weight *w = a->w;
+    const int cols = w->cols;
+    const float *x = a->x + (size_t)t0 * cols;
+    __m256 acc[CPU_BLOCK_PANELS][2][TILE_T];
+#pragma GCC unroll 4
+    for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
+            for (int t = 0; t < TILE_T; t++)
+                if (g < NG && t < T)
+                    acc[g][h][t] = _mm256_setzero_ps();
+    if (WT == TDM_W_BF16) {
+        const size_t js = (size_t)G * 64;
+        const int full = cols / 2;
+        const __m256i hi_mask = _mm256_set1_epi32((int)0xffff0000u);
+        for (int j = 0; j <= full; j++) {
+            // j == full is the zero-padded last pair of an odd cols: only its
+            // even element exists.
+            if (j == full && !(cols & 1))
+                break;
+            const uint8_t *wj = wb + j * js + (size_t)g0 * 64;
+            if (T == 1) {
+#pragma GCC unroll 4
+                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                    if (g < NG)
+                        _mm_prefetch((const char *)wj + PF_BYTES + g * 64, _MM_HINT_T0);
+            }
+            __m256 we[CPU_BLOCK_PANELS][2], wo[CPU_BLOCK_PANELS][2];
+#pragma GCC unroll 4
+            for (int g = 0; g < CPU_BLOCK_PANELS; g++) {
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    if (g < NG) {
+                        __m256i v = _mm256_loadu_si256((const __m256i *)(wj + g * 64 + h * 32));
+                        we[g][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                        wo[g][h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < TILE_T; t++) {
+                if (t < T) {
+                    __m256 xe = _mm256_broadcast_ss(x + (size_t)t * cols + 2 * j);
+#pragma GCC unroll 4
+                    for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+#pragma GCC unroll 2
+                        for (int h = 0; h < 2; h++)
+                            if (g < NG)
+                                acc[g][h][t] = _mm256_fmadd_ps(we[g][h], xe, acc[g][h][t]);
+                    if (j < full) {
+                        __m256 xo = _mm256_broadcast_ss(x + (size_t)t * cols + 2 * j + 1);
+#pragma GCC unroll 4
+                        for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+#pragma GCC unroll 2
+                            for (int h = 0; h < 2; h++)
+                                if (g < NG)
+                                    acc[g][h][t] = _mm256_fmadd_ps(wo[g][h], xo, acc[g][h][t]);
+                    }
+                }
+            }
+        }
+    } else {
+        const size_t step = WT == TDM_W_Q8 ? 16 : 64;
+        const size_t js = (size_t)G * step;
+        for (int k = 0; k < cols; k++) {
+            const uint8_t *wk = wb + k * js + (size_t)g0 * step;
+            if (T == 1)
+                _mm_prefetch((const char *)wk + PF_BYTES, _MM_HINT_T0);
+            __m256 wv[CPU_BLOCK_PANELS][2];
+#pragma GCC unroll 4
+            for (int g = 0; g < CPU_BLOCK_PANELS; g++) {
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    if (g < NG) {
+                        if (WT == TDM_W_Q8)
+                            wv[g][h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                _mm_loadl_epi64((const __m128i *)(wk + g * step + h * 8))));
+                        else
+                            wv[g][h] = _mm256_loadu_ps((const float *)(wk + g * step) + h * 8);
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < TILE_T; t++) {
+                if (t < T) {
+                    __m256 xb = _mm256_broadcast_ss(x + (size_t)t * cols + k);
+#pragma GCC unroll 4
+                    for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+#pragma GCC unroll 2
+                        for (int h = 0; h < 2; h++)
+                            if (g < NG)
+                                acc[g][h][t] = _mm256_fmadd_ps(wv[g][h], xb, acc[g][h][t]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < CPU_BLOCK_PANELS; g++) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            if (g >= NG)
+                continue;
+            int r0 = row0 + (g0 + g) * 16 + h * 8;
+            int nr = w->rows - r0;
+            if (nr <= 0)
+                continue;
+            __m256 sc = WT == TDM_W_Q8 ? _mm256_loadu_ps(w->scales + r0) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+            for (int t = 0; t < TILE_T; t++) {
+                if (t >= T)
+                    continue;
+                __m256 v = acc[g][h][t];
+                if (WT == TDM_W_Q8)
+                    v = _mm256_mul_ps(v, sc);
+                float *y = a->y + (size_t)(t0 + t) * w->rows + r0;
+                if (nr >= 8) {
+                    if (a->bias)
+                        v = _mm256_add_ps(v, _mm256_loadu_ps(a->bias + r0));
+                    _mm256_storeu_ps(y, v);
+                } else {
+                    float tmp[8];
+                    _mm256_storeu_ps(tmp, v);
+                    for (int l = 0; l < nr; l++)
+                        y[l] = a->bias ? tmp[l] + a->bias[r0 + l] : tmp[l];
+                }
+            }
+        }
+    }
+}
+
+#define TILE_DISPATCH(fname, WT)                                                                   \
+    static void fname(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T, int t0,        \
+                      int row0)                                                                    \
+    {                                                                                              \
+        if (T == 1) {                                                                              \
+            switch (G) {                                                                           \
+            case 1: tile(a, wb, G, 0, 1, 1, t0, row0, WT); break;                                  \
+            case 2: tile(a, wb, G, 0, 2, 1, t0, row0, WT); break;                                  \
+            case 3: tile(a, wb, G, 0, 3, 1, t0, row0, WT); break;                                  \
+            default: tile(a, wb, G, 0, 4, 1, t0, row0, WT); break;                                 \
+            }                                                                                      \
+            return;                                                                                \
+        }                                                                                          \
+        for (int g = 0; g < G; g++) {                                                              \
+            switch (T) {                                                                           \
+            case 2: tile(a, wb, G, g, 1, 2, t0, row0, WT); break;                                  \
+            case 3: tile(a, wb, G, g, 1, 3, t0, row0, WT); break;                                  \
+            default: tile(a, wb, G, g, 1, 4, t0, row0, WT); break;                                 \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+TILE_DISPATCH(tile_bf16, TDM_W_BF16)
+TILE_DISPATCH(tile_q8, TDM_W_Q8)
+TILE_DISPATCH(tile_f32, TDM_W_F32)
+
+static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
+{
+    const struct tdm_weight *w = a->w;
+    void (*fn)(const struct cpu_mm_args *, const uint8_t *, int, int, int, int) =
+        w->type == TDM_W_BF16 ? tile_bf16 : w->type == TDM_W_Q8 ? tile_q8 : tile_f32;
+    for (int b = b0; b < b1; b++) {
+        const uint8_t *wb = cpu_w_block(w, b);
+        int G = cpu_w_block_panels(w, b);
+        for (int t0 = 0; t0 < a->n; t0 += TILE_T) {
+            int T = a->n - t0 < TILE_T ? a->n - t0 : TILE_T;
+            fn(a, wb, G, T, t0, b * CPU_BLOCK_ROWS);
+        }
+    }
+}
+
+// ---- elementwise and attention ------------------------------------------------------------------
+static void silu_mul_row(const float *gate, const float *up, float *out, int inter)
+{
+    int i = 0;
+    for (; i + 8 <= inter; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+    }
+    if (i < inter) {
+        __m256i m = tail_mask(inter - i);
+        __m256 g = _mm256_maskload_ps(gate + i, m);
+        __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(s, _mm256_maskload_ps(up + i, m)));
+    }
+}
+
+AI float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
+{
+    int full = hd & ~7;
+    __m256i m = tail_mask(hd - full);
+    for (int j = 0; j < nk; j++) {
+        const float *kr = k + (size_t)j * hd;
+        __m256 acc = _mm256_setzero_ps();
+        for (int d = 0; d < full; d += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kr + d), acc);
+        if (full < hd)
+            acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + full, m), _mm256_maskload_ps(kr + full, m),
+                                  acc);
+        s[j] = hsum(acc) * scale;
+    }
+}
+
+static void attn_exp(float *s, int nk, float m)
+{
+    __m256 mv = _mm256_set1_ps(m);
+    for (int j = 0; j < nk; j += 8) {
+        if (nk - j >= 8) {
+            _mm256_storeu_ps(s + j, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+        } else {
+            __m256i mk = tail_mask(nk - j);
+            __m256 v = _mm256_maskload_ps(s + j, mk);
+            _mm256_maskstore_ps(s + j, mk, exp_ps(_mm256_sub_ps(v, mv)));
+        }
+    }
+}
+
+static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
+{
+    __m256 c = _mm256_set1_ps(corr);
+    for (int d = 0; d < hd; d += 8) {
+        __m256i m = tail_mask(hd - d < 8 ? hd - d : 8);
+        if (hd - d >= 8)
+            m = _mm256_set1_epi32(-1);
+        __m256 a = _mm256_mul_ps(_mm256_maskload_ps(acc + d, m), c);
+        for (int j = 0; j < nk; j++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_maskload_ps(v + (size_t)j * hd + d, m),
+                                a);
+        _mm256_maskstore_ps(acc + d, m, a);
+    }
+}
+
+#pragma GCC pop_options
+
+const struct cpu_kernels cpu_kernels_avx2 = {
+    .name = "avx2",
+    .mm_prep_x = NULL,
+    .mm_blocks = mm_blocks,
+    .silu_mul_row = silu_mul_row,
+    .attn_scores = attn_scores,
+    .attn_exp = attn_exp,
+    .attn_accum = attn_accum,
+};
+
+#endif

@@ -1,0 +1,278 @@
+// SPDX-License-Identifier: Apache-2.0
+// cpu_kernels_avx512: the AVX-512 path (F/BW/VL/DQ + BF16 + VNNI, Zen 4 and
+// Sapphire Rapids class). Compiled for that target through a pragma so the
+// build needs no -march flag; cpu_backend.c only calls it after checking the
+// CPU features.
+//
+// BF16 matmul: activations are rounded to bf16 (nearest even) once per call
+// and paired as vdpbf16ps expects; W vectors hold one k pair of 16 rows, x is
+// broadcast, so each accumulator lane is one output element summing its k
+// pairs in order. A tile is up to 4 panels (64 rows) x 6 tokens = 24 zmm
+// accumulators; decode (n = 1) is the same tile with one token, streaming the
+// block's contiguous 256-byte k steps with software prefetch. Q8 and F32
+// weights are widened to f32 per k and use FMA against f32 activations.
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "cpu_impl.h"
+
+#if defined(__x86_64__)
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma")
+
+#define AI static inline __attribute__((always_inline))
+#define TILE_T 6
+// Bytes ahead of the stream the decode GEMV prefetches.
+#define PF_BYTES 2048
+
+AI __mmask16 lanes_mask(int n)
+{
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+
+// exp(x) for x in [-87.3, 88]: 2^n * p(r), r = x - n ln2, degree-6 Taylor
+// polynomial (|r| <= 0.35: error below 2 ulp).
+AI __m512 exp_ps(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// ---- matmul ---------------------------------------------------------------------------------
+static void mm_prep_x(const struct cpu_mm_args *a, int t0, int t1)
+{
+    int cols = a->w->cols;
+    for (int t = t0; t < t1; t++) {
+        const float *x = a->x + (size_t)t * cols;
+        uint32_t *d = (uint32_t *)a->xq + (size_t)t * a->xq_stride;
+        for (int k = 0; k < cols; k += 32) {
+            __m512 lo = _mm512_maskz_loadu_ps(lanes_mask(cols - k), x + k);
+            __m512 hi = _mm512_maskz_loadu_ps(lanes_mask(cols - k - 16 > 0 ? cols - k - 16 : 0),
+                                              x + k + 16);
+            __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+            _mm512_storeu_si512(d + k / 2, (__m512i)v);
+        }
+    }
+}
+
+// Rows [row0, row0 + 16 G) x tokens [t0, t0 + T) of weight type WT.
+AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const int T, int t0,
+             int row0, const int WT)
+{
+    const struct tdm_weight *w = a->w;
+    __m512 acc[CPU_BLOCK_PANELS][TILE_T];
+#pragma GCC unroll 4
+    for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+#pragma GCC unroll 6
+        for (int t = 0; t < TILE_T; t++)
+            if (g < G && t < T)
+                acc[g][t] = _mm512_setzero_ps();
+    if (WT == TDM_W_BF16) {
+        const size_t js = (size_t)G * 64;
+        const int kp = (w->cols + 1) / 2;
+        const size_t xs = a->xq_stride;
+        const uint32_t *xq = a->xq + (size_t)t0 * xs;
+        for (int j = 0; j < kp; j++) {
+            const uint8_t *wj = wb + j * js;
+            if (T == 1) {
+#pragma GCC unroll 4
+                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                    if (g < G)
+                        _mm_prefetch((const char *)wj + PF_BYTES + g * 64, _MM_HINT_T0);
+            }
+            __m512bh wv[CPU_BLOCK_PANELS];
+#pragma GCC unroll 4
+            for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                if (g < G)
+                    wv[g] = (__m512bh)_mm512_loadu_si512(wj + g * 64);
+#pragma GCC unroll 6
+            for (int t = 0; t < TILE_T; t++) {
+                if (t < T) {
+                    __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xq[t * xs + j]);
+#pragma GCC unroll 4
+                    for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                        if (g < G)
+                            acc[g][t] = _mm512_dpbf16_ps(acc[g][t], wv[g], xb);
+                }
+            }
+        }
+    } else {
+        const size_t step = WT == TDM_W_Q8 ? 16 : 64;
+        const size_t js = (size_t)G * step;
+        const int cols = w->cols;
+        const float *x = a->x + (size_t)t0 * cols;
+        for (int k = 0; k < cols; k++) {
+            const uint8_t *wk = wb + k * js;
+            if (T == 1) {
+                if (WT == TDM_W_Q8) {
+                    if ((k & 3) == 0)
+                        _mm_prefetch((const char *)wk + PF_BYTES, _MM_HINT_T0);
+                } else {
+#pragma GCC unroll 4
+                    for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                        if (g < G)
+                            _mm_prefetch((const char *)wk + PF_BYTES + g * 64, _MM_HINT_T0);
+                }
+            }
+            __m512 wv[CPU_BLOCK_PANELS];
+#pragma GCC unroll 4
+            for (int g = 0; g < CPU_BLOCK_PANELS; g++) {
+                if (g < G) {
+                    if (WT == TDM_W_Q8)
+                        wv[g] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                            _mm_loadu_si128((const __m128i *)(wk + g * step))));
+                    else
+                        wv[g] = _mm512_loadu_ps(wk + g * step);
+                }
+            }
+#pragma GCC unroll 6
+            for (int t = 0; t < TILE_T; t++) {
+                if (t < T) {
+                    __m512 xb = _mm512_set1_ps(x[(size_t)t * cols + k]);
+#pragma GCC unroll 4
+                    for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                        if (g < G)
+                            acc[g][t] = _mm512_fmadd_ps(wv[g], xb, acc[g][t]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < CPU_BLOCK_PANELS; g++) {
+        if (g >= G)
+            continue;
+        int r0 = row0 + g * 16;
+        int nr = w->rows - r0;
+        if (nr <= 0)
+            continue;
+        __mmask16 m = lanes_mask(nr);
+        __m512 sc = WT == TDM_W_Q8 ? _mm512_loadu_ps(w->scales + r0) : _mm512_setzero_ps();
+        __m512 bv = a->bias ? _mm512_maskz_loadu_ps(m, a->bias + r0) : _mm512_setzero_ps();
+#pragma GCC unroll 6
+        for (int t = 0; t < TILE_T; t++) {
+            if (t < T) {
+                __m512 v = acc[g][t];
+                if (WT == TDM_W_Q8)
+                    v = _mm512_mul_ps(v, sc);
+                if (a->bias)
+                    v = _mm512_add_ps(v, bv);
+                _mm512_mask_storeu_ps(a->y + (size_t)(t0 + t) * w->rows + r0, m, v);
+            }
+        }
+    }
+}
+
+#define TILE_CASE(WT, g, t)                                                                        \
+    case (g) * 8 + (t):                                                                            \
+        tile(a, wb, g, t, t0, row0, WT);                                                           \
+        break;
+#define TILE_CASES_G(WT, g)                                                                        \
+    TILE_CASE(WT, g, 1) TILE_CASE(WT, g, 2) TILE_CASE(WT, g, 3) TILE_CASE(WT, g, 4)               \
+        TILE_CASE(WT, g, 5) TILE_CASE(WT, g, 6)
+#define TILE_DISPATCH(fname, WT)                                                                   \
+    static void fname(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T, int t0,        \
+                      int row0)                                                                    \
+    {                                                                                              \
+        switch (G * 8 + T) {                                                                       \
+            TILE_CASES_G(WT, 1)                                                                    \
+            TILE_CASES_G(WT, 2)                                                                    \
+            TILE_CASES_G(WT, 3)                                                                    \
+            TILE_CASES_G(WT, 4)                                                                    \
+        default:                                                                                   \
+            break;                                                                                 \
+        }                                                                                          \
+    }
+
+TILE_DISPATCH(tile_bf16, TDM_W_BF16)
+TILE_DISPATCH(tile_q8, TDM_W_Q8)
+TILE_DISPATCH(tile_f32, TDM_W_F32)
+
+static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
+{
+    const struct tdm_weight *w = a->w;
+    void (*fn)(const struct cpu_mm_args *, const uint8_t *, int, int, int, int) =
+        w->type == TDM_W_BF16 ? tile_bf16 : w->type == TDM_W_Q8 ? tile_q8 : tile_f32;
+    for (int b = b0; b < b1; b++) {
+        const uint8_t *wb = cpu_w_block(w, b);
+        int G = cpu_w_block_panels(w, b);
+        for (int t0 = 0; t0 < a->n; t0 += TILE_T) {
+            int T = a->n - t0 < TILE_T ? a->n - t0 : TILE_T;
+            fn(a, wb, G, T, t0, b * CPU_BLOCK_ROWS);
+        }
+    }
+}
+
+// ---- elementwise and attention --------------------------------------------------------------
+static void silu_mul_row(const float *gate, const float *up, float *out, int inter)
+{
+    for (int i = 0; i < inter; i += 16) {
+        __mmask16 m = lanes_mask(inter - i);
+        __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+        __m512 u = _mm512_maskz_loadu_ps(m, up + i);
+        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(s, u));
+    }
+}
+
+static void attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
+{
+    for (int j = 0; j < nk; j++) {
+        const float *kr = k + (size_t)j * hd;
+        __m512 acc = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d += 16) {
+            __mmask16 m = lanes_mask(hd - d);
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), _mm512_maskz_loadu_ps(m, kr + d),
+                                  acc);
+        }
+        s[j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+}
+
+static void attn_exp(float *s, int nk, float m)
+{
+    __mmask16 mk = lanes_mask(nk);
+    __m512 v = _mm512_maskz_loadu_ps(mk, s);
+    _mm512_mask_storeu_ps(s, mk, exp_ps(_mm512_sub_ps(v, _mm512_set1_ps(m))));
+}
+
+static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
+{
+    __m512 c = _mm512_set1_ps(corr);
+    for (int d = 0; d < hd; d += 16) {
+        __mmask16 m = lanes_mask(hd - d);
+        __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + d), c);
+        for (int j = 0; j < nk; j++)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]),
+                                _mm512_maskz_loadu_ps(m, v + (size_t)j * hd + d), a);
+        _mm512_mask_storeu_ps(acc + d, m, a);
+    }
+}
+
+#pragma GCC pop_options
+
+const struct cpu_kernels cpu_kernels_avx512 = {
+    .name = "avx512",
+    .mm_prep_x = mm_prep_x,
+    .mm_blocks = mm_blocks,
+    .silu_mul_row = silu_mul_row,
+    .attn_scores = attn_scores,
+    .attn_exp = attn_exp,
+    .attn_accum = attn_accum,
+};
+
+#endif
