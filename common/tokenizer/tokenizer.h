@@ -27,6 +27,15 @@ void tdm_tok_free(struct tdm_tokenizer *tok);
 int tdm_tok_encode(const struct tdm_tokenizer *tok, const char *text, size_t len,
                    bool add_special_tokens, int32_t **ids, size_t *n);
 
+// Flags for tdm_tok_encode_ex.
+enum {
+    TDM_TOK_ADD_SPECIAL = 1,   // as add_special_tokens above
+    TDM_TOK_SPLIT_SPECIAL = 2, // special-token strings in text are plain text (HF split_special_tokens)
+};
+// tdm_tok_encode with flags; tdm_tok_encode(.., b, ..) is flags = b ? TDM_TOK_ADD_SPECIAL : 0.
+int tdm_tok_encode_ex(const struct tdm_tokenizer *tok, const char *text, size_t len, unsigned flags,
+                      int32_t **ids, size_t *n);
+
 // Decodes ids to text (heap, NUL-terminated, caller frees; *len without the NUL).
 // Ids outside the vocabulary are TDM_EINVAL. Bytes that do not form valid UTF-8
 // become U+FFFD, as HF decode does.
