@@ -16,12 +16,15 @@
 // (parent block id + that block's generation) equal the query's, so a 64-bit
 // collision costs at most a miss, never wrong KV. The generation of a block is
 // bumped whenever it leaves the map, which invalidates every child link to it.
-// A full block whose identity is already cached is not inserted again; it keeps
-// an alias (id, generation) to the cached twin so that its successors can still
-// link to the canonical chain.
+// A full block whose identity is already cached (two requests computed the same
+// prompt at once) is not inserted again: it records the cached twin as its alias
+// and takes a reference on it ("pins" it), so its successors link to the twin and
+// the chain stays reachable from the root for as long as the sequence lives. The
+// pin is dropped when the duplicate block is released.
 //
 // Not thread-safe: one engine thread owns the cache (house rule).
 #include "kv_cache.h"
+#include "kv_cache_impl.h"
 
 #include "core.h"
 
@@ -50,8 +53,7 @@ struct kv_block {
     int parent;         // canonical parent block when hashed (-1 = first block)
     uint32_t parent_gen;
     uint32_t gen;       // bumped each time the block leaves the map
-    int alias;          // unhashed full block: cached twin with identical content (-1 = none)
-    uint32_t alias_gen;
+    int alias;          // unhashed full block: pinned cached twin with identical content (-1 = none)
 };
 
 struct kv_queue {
@@ -77,6 +79,7 @@ struct tdm_kv_cache {
     struct kv_slot *slots;      // [slot_mask + 1] prefix map
     size_t slot_mask;
     uint64_t queries, hits;     // prefix-cache counters, tokens
+    tdm_kv_hash_fn hash_fn;     // kv_hash_block unless a test swapped it
     char errmsg[256];           // detail of the last failure
 };
 
@@ -282,6 +285,7 @@ int tdm_kv_new(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg, char 
     if (!kv)
         goto fail;
     kv->cfg = *cfg;
+    kv->hash_fn = kv_hash_block;
     kv->block_floats = (size_t)cfg->num_kv_heads * (size_t)cfg->block_size * (size_t)cfg->head_dim;
     size_t layer_bytes = kv->block_floats * sizeof(float) * (size_t)cfg->num_blocks;
     kv->k = calloc((size_t)cfg->num_layers, sizeof *kv->k);
@@ -409,6 +413,7 @@ static void block_decref(struct tdm_kv_cache *kv, int b)
     if (--bl->ref > 0)
         return;
     kv->num_used--;
+    int twin = bl->alias;
     bl->alias = -1;
     if (bl->hashed && kv->cfg.enable_prefix_caching) {
         bl->state = KV_EVICTABLE;
@@ -419,6 +424,8 @@ static void block_decref(struct tdm_kv_cache *kv, int b)
         bl->state = KV_FREE;
         q_push_tail(kv, &kv->free_q, b);
     }
+    if (twin >= 0)
+        block_decref(kv, twin); // a twin is hashed, so it has no alias: depth 1
 }
 
 void tdm_kv_seq_release(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq)
@@ -468,7 +475,7 @@ int tdm_kv_match_prefix(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const i
     int m = 0;
     for (; m < max_blocks; m++) {
         const int32_t *blk = tokens + (size_t)m * (size_t)bs;
-        uint64_t h = kv_hash_block(parent_hash, blk, bs);
+        uint64_t h = kv->hash_fn(parent_hash, blk, bs);
         int b = map_find(kv, h, parent, parent_gen, blk);
         if (b < 0)
             break;
@@ -535,45 +542,40 @@ int tdm_kv_reserve(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_to
 }
 
 // The cached block whose content equals seq's first (i + 1) blocks, with its
-// generation; false when there is none that a child could link to.
+// generation: the block itself when hashed, else its pinned twin. False only
+// for a block that is not full or was committed with prefix caching off.
 static bool seq_canonical(const struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, int i,
                           int *id, uint32_t *gen)
 {
-    const struct kv_block *bl = &kv->blocks[seq->block_table[i]];
-    if (bl->hashed) {
-        *id = seq->block_table[i];
-        *gen = bl->gen;
-        return true;
-    }
-    if (bl->alias >= 0) {
-        const struct kv_block *tw = &kv->blocks[bl->alias];
-        if (tw->hashed && tw->gen == bl->alias_gen) {
-            *id = bl->alias;
-            *gen = bl->alias_gen;
-            return true;
-        }
-    }
-    return false;
+    int b = seq->block_table[i];
+    const struct kv_block *bl = &kv->blocks[b];
+    if (!bl->hashed && bl->alias >= 0)
+        b = bl->alias;
+    if (!kv->blocks[b].hashed)
+        return false;
+    *id = b;
+    *gen = kv->blocks[b].gen;
+    return true;
 }
 
-// Gives the full block i of seq its identity in the prefix map, linking it to the
-// canonical block of i - 1 (parent_ok false: no such block, leave i unhashed).
+// Gives the full block i of seq its identity in the prefix map, linked to the
+// canonical block (parent, parent_gen) of i - 1, or pins the cached twin when
+// that identity is already there.
 static void seq_publish_block(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const int32_t *tokens,
                               int i, int parent, uint32_t parent_gen)
 {
     int bs = kv->cfg.block_size;
     int b = seq->block_table[i];
     struct kv_block *bl = &kv->blocks[b];
-    if (bl->hashed || bl->ref != 1)
-        return; // already cached (a prefix hit), or shared: its identity is fixed
+    if (bl->hashed || bl->alias >= 0)
+        return; // a prefix hit, or published by an earlier commit
     const int32_t *blk = tokens + (size_t)i * (size_t)bs;
     int twin = map_find(kv, seq->block_hashes[i], parent, parent_gen, blk);
     if (twin >= 0) {
+        block_incref(kv, twin);
         bl->alias = twin;
-        bl->alias_gen = kv->blocks[twin].gen;
         return;
     }
-    bl->alias = -1;
     bl->hash = seq->block_hashes[i];
     bl->parent = parent;
     bl->parent_gen = parent_gen;
@@ -581,25 +583,19 @@ static void seq_publish_block(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, c
     map_insert(kv, b);
 }
 
-// Links full blocks [from, to) of seq into the prefix map. When the canonical
-// chain is broken before `from` (a twin was evicted), walks back to the last
-// block that still has a canonical block and republishes from there.
+// Publishes the newly full blocks [from, to) of seq, each linked to the
+// canonical block before it.
 static void seq_publish(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const int32_t *tokens,
                         int from, int to)
 {
-    int start = from;
     int parent = -1;
     uint32_t parent_gen = 0;
-    while (start > 0 && !seq_canonical(kv, seq, start - 1, &parent, &parent_gen))
-        start--;
-    if (start == 0) {
-        parent = -1;
-        parent_gen = 0;
-    }
-    for (int i = start; i < to; i++) {
+    if (from > 0 && !seq_canonical(kv, seq, from - 1, &parent, &parent_gen))
+        return; // the chain is not cached: later blocks could never be reached
+    for (int i = from; i < to; i++) {
         seq_publish_block(kv, seq, tokens, i, parent, parent_gen);
         if (!seq_canonical(kv, seq, i, &parent, &parent_gen))
-            return; // cannot happen unless shared unhashed; stop linking
+            return;
     }
 }
 
@@ -620,7 +616,7 @@ void tdm_kv_commit(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const int32_
     int new_full = total_tokens / bs;
     uint64_t h = old_full > 0 ? seq->block_hashes[old_full - 1] : 0;
     for (int i = old_full; i < new_full; i++) {
-        h = kv_hash_block(h, tokens + (size_t)i * (size_t)bs, bs);
+        h = kv->hash_fn(h, tokens + (size_t)i * (size_t)bs, bs);
         seq->block_hashes[i] = h;
     }
     if (kv->cfg.enable_prefix_caching && new_full > old_full)
@@ -638,6 +634,19 @@ int tdm_kv_num_free_blocks(const struct tdm_kv_cache *kv)
 int tdm_kv_num_referenced_blocks(const struct tdm_kv_cache *kv)
 {
     return kv ? kv->num_used : 0;
+}
+
+int tdm_kv_block_refcount(const struct tdm_kv_cache *kv, int block)
+{
+    if (!kv || block < 0 || block >= kv->cfg.num_blocks)
+        return -1;
+    return kv->blocks[block].ref;
+}
+
+void tdm_kv_set_hash_fn(struct tdm_kv_cache *kv, tdm_kv_hash_fn fn)
+{
+    if (kv)
+        kv->hash_fn = fn ? fn : kv_hash_block;
 }
 
 int tdm_kv_num_evictable_blocks(const struct tdm_kv_cache *kv)
@@ -712,11 +721,20 @@ int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen)
         return tdm_seterr(err, errlen, TDM_EINVAL, "kv check: NULL cache");
     int nb = kv->cfg.num_blocks;
     char *seen = calloc((size_t)nb, 1);
-    if (!seen)
+    int *evict_pos = calloc((size_t)nb, sizeof *evict_pos);
+    if (!seen || !evict_pos) {
+        free(seen);
+        free(evict_pos);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "kv check: out of memory");
+    }
     int rc = check_queue(kv, &kv->free_q, KV_FREE, "free", seen, err, errlen);
     if (rc == TDM_OK)
         rc = check_queue(kv, &kv->evict_q, KV_EVICTABLE, "evictable", seen, err, errlen);
+    if (rc == TDM_OK) {
+        int pos = 0;
+        for (int b = kv->evict_q.head; b >= 0; b = kv->blocks[b].next)
+            evict_pos[b] = pos++;
+    }
     int used = 0, hashed = 0;
     for (int b = 0; rc == TDM_OK && b < nb; b++) {
         const struct kv_block *bl = &kv->blocks[b];
@@ -727,7 +745,18 @@ int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen)
                                 bl->state, bl->ref);
             used++;
         }
-        if (bl->hashed) {
+        if (rc == TDM_OK && bl->alias != -1) {
+            if (bl->alias < 0 || bl->alias >= nb || bl->alias == b)
+                rc = tdm_seterr(err, errlen, TDM_EPROTO, "kv check: block %d has alias %d", b,
+                                bl->alias);
+            else if (bl->hashed || bl->state != KV_USED || !kv->blocks[bl->alias].hashed ||
+                     kv->blocks[bl->alias].ref <= 0)
+                rc = tdm_seterr(err, errlen, TDM_EPROTO,
+                                "kv check: block %d aliases block %d but is hashed or unreferenced, "
+                                "or the twin is not a pinned cached block",
+                                b, bl->alias);
+        }
+        if (rc == TDM_OK && bl->hashed) {
             hashed++;
             if (!kv->cfg.enable_prefix_caching)
                 rc = tdm_seterr(err, errlen, TDM_EPROTO,
@@ -741,6 +770,24 @@ int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen)
                 rc = tdm_seterr(err, errlen, TDM_EPROTO,
                                 "kv check: hashed block %d is not what the map finds for its identity",
                                 b);
+            // No orphans: a cached block's parent is cached with the same generation,
+            // referenced whenever the child is, and (both evictable) evicted after it.
+            else if (bl->parent >= 0) {
+                const struct kv_block *pb = &kv->blocks[bl->parent];
+                if (!pb->hashed || pb->gen != bl->parent_gen)
+                    rc = tdm_seterr(err, errlen, TDM_EPROTO,
+                                    "kv check: block %d is an orphan (parent %d gen %u, link gen %u)",
+                                    b, bl->parent, pb->gen, bl->parent_gen);
+                else if (bl->ref > 0 && pb->ref == 0)
+                    rc = tdm_seterr(err, errlen, TDM_EPROTO,
+                                    "kv check: block %d is referenced but its parent %d is not", b,
+                                    bl->parent);
+                else if (bl->state == KV_EVICTABLE && pb->state == KV_EVICTABLE &&
+                         evict_pos[bl->parent] < evict_pos[b])
+                    rc = tdm_seterr(err, errlen, TDM_EPROTO,
+                                    "kv check: parent %d would be evicted before its child %d",
+                                    bl->parent, b);
+            }
         }
     }
     if (rc == TDM_OK && used != kv->num_used)
@@ -777,6 +824,7 @@ int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen)
         rc = tdm_seterr(err, errlen, TDM_EPROTO, "kv check: map has %zu entries, %d hashed blocks",
                         entries, kv->num_hashed);
     free(seen);
+    free(evict_pos);
     return rc;
 }
 

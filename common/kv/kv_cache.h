@@ -83,6 +83,8 @@ int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen);
 int tdm_kv_num_referenced_blocks(const struct tdm_kv_cache *kv);
 // Cached blocks no sequence references (prefix-cache hits possible, reused LRU).
 int tdm_kv_num_evictable_blocks(const struct tdm_kv_cache *kv);
+// Sequences referencing block (0 when free or only cached; -1 for a bad id).
+int tdm_kv_block_refcount(const struct tdm_kv_cache *kv, int block);
 // Evicts every unreferenced cached block (drops their hashes); referenced
 // blocks stay. For benchmarks and tests that need a cold cache.
 void tdm_kv_reset_prefix_cache(struct tdm_kv_cache *kv);

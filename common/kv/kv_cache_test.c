@@ -1,0 +1,918 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tests for kv: config validation, block accounting, all-or-nothing reserve,
+// prefix caching (sharing, partial blocks, the last-token rule, chained hashes,
+// twins of concurrently computed prompts), LRU eviction and rescue, usage, a
+// seeded random workload that checks consistency and KV content after every
+// step (also with a hash that collides on purpose), and export/import.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "kv_cache.h"
+#include "kv_cache_impl.h"
+
+// ---- helpers ---------------------------------------------------------------------------
+
+static struct tdm_kv_cache *make_cache(int layers, int heads, int head_dim, int bs, int nblocks,
+                                       bool prefix)
+{
+    struct tdm_kv_config cfg = {.num_layers = layers,
+                                .num_kv_heads = heads,
+                                .head_dim = head_dim,
+                                .block_size = bs,
+                                .num_blocks = nblocks,
+                                .enable_prefix_caching = prefix};
+    struct tdm_kv_cache *kv = NULL;
+    char err[256];
+    int rc = tdm_kv_new(&kv, &cfg, err, sizeof err);
+    if (rc != TDM_OK)
+        fail_msg("tdm_kv_new: %s", err);
+    return kv;
+}
+
+static void assert_consistent(const struct tdm_kv_cache *kv)
+{
+    char err[256] = "";
+    int rc = tdm_kv_check(kv, err, sizeof err);
+    if (rc != TDM_OK)
+        fail_msg("tdm_kv_check: %s", err);
+    int nb = tdm_kv_config(kv)->num_blocks;
+    assert_int_equal(tdm_kv_num_referenced_blocks(kv) + tdm_kv_num_free_blocks(kv), nb);
+}
+
+// Reserves and commits a whole prompt on a fresh seq (after an optional match).
+static int admit(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const int32_t *tokens, int n,
+                 bool match)
+{
+    tdm_kv_seq_init(seq);
+    int m = match ? tdm_kv_match_prefix(kv, seq, tokens, n) : 0;
+    int rc = tdm_kv_reserve(kv, seq, n);
+    if (rc != TDM_OK)
+        return rc;
+    tdm_kv_commit(kv, seq, tokens, n);
+    (void)m;
+    return TDM_OK;
+}
+
+static void seq_tokens(int32_t *out, int n, int32_t base)
+{
+    for (int i = 0; i < n; i++)
+        out[i] = base + i;
+}
+
+// ---- config and storage ----------------------------------------------------------------
+
+static void test_config_validation(void **state)
+{
+    (void)state;
+    struct tdm_kv_config good = {2, 2, 8, 16, 10, true};
+    const char *names[] = {"num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"};
+    for (int f = 0; f < 5; f++) {
+        for (int bad = -1; bad <= 0; bad++) {
+            struct tdm_kv_config c = good;
+            int *fields[] = {&c.num_layers, &c.num_kv_heads, &c.head_dim, &c.block_size,
+                             &c.num_blocks};
+            *fields[f] = bad;
+            struct tdm_kv_cache *kv = (struct tdm_kv_cache *)&c; // must be reset to NULL
+            char err[256] = "";
+            assert_int_equal(tdm_kv_new(&kv, &c, err, sizeof err), TDM_EINVAL);
+            assert_null(kv);
+            assert_non_null(strstr(err, names[f]));
+        }
+    }
+    struct tdm_kv_config huge = {INT_MAX, INT_MAX, INT_MAX, 1, 1, false};
+    struct tdm_kv_cache *kv = NULL;
+    char err[256] = "";
+    assert_int_equal(tdm_kv_new(&kv, &huge, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "overflows"));
+    struct tdm_kv_config tokens = {1, 1, 1, 1 << 16, 1 << 16, false};
+    assert_int_equal(tdm_kv_new(&kv, &tokens, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "exceeds"));
+    assert_int_equal(tdm_kv_new(&kv, NULL, err, sizeof err), TDM_EINVAL);
+
+    assert_int_equal(tdm_kv_block_bytes(&good), (size_t)2 * 2 * 2 * 16 * 8 * 4);
+    assert_int_equal(tdm_kv_block_bytes(&huge), 0);
+    tdm_kv_free(NULL);
+}
+
+static void test_pointers(void **state)
+{
+    (void)state;
+    struct tdm_kv_cache *kv = make_cache(3, 2, 8, 4, 5, false);
+    size_t block_floats = 2 * 4 * 8;
+    for (int l = 0; l < 3; l++) {
+        for (int b = 0; b < 5; b++) {
+            float *k = tdm_kv_k(kv, l, b), *v = tdm_kv_v(kv, l, b);
+            assert_non_null(k);
+            assert_non_null(v);
+            assert_int_equal((uintptr_t)k % 64, 0);
+            assert_int_equal((uintptr_t)v % 64, 0);
+            assert_true(k != v);
+            if (b > 0)
+                assert_ptr_equal(k, tdm_kv_k(kv, l, b - 1) + block_floats);
+            for (size_t i = 0; i < block_floats; i++) { // ASan catches an undersized pool
+                assert_true(k[i] == 0.0f && v[i] == 0.0f);
+                k[i] = (float)(l * 1000 + b);
+                v[i] = -(float)(l * 1000 + b);
+            }
+        }
+    }
+    assert_true(tdm_kv_k(kv, 1, 2)[0] == 1002.0f);
+    assert_null(tdm_kv_k(kv, -1, 0));
+    assert_null(tdm_kv_k(kv, 3, 0));
+    assert_null(tdm_kv_v(kv, 0, 5));
+    assert_null(tdm_kv_v(kv, 0, -1));
+    assert_null(tdm_kv_k(NULL, 0, 0));
+    assert_int_equal(tdm_kv_config(kv)->num_layers, 3);
+    tdm_kv_free(kv);
+}
+
+// ---- accounting ------------------------------------------------------------------------
+
+static void test_accounting(void **state)
+{
+    (void)state;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 4, 4, 10, false);
+    struct tdm_kv_seq a, b;
+    tdm_kv_seq_init(&a);
+    tdm_kv_seq_init(&b);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 10);
+    assert_int_equal(tdm_kv_reserve(kv, &a, 9), TDM_OK); // 3 blocks
+    assert_int_equal(a.num_blocks, 3);
+    assert_true(a.cap_blocks >= 3);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 7);
+    assert_int_equal(tdm_kv_reserve(kv, &a, 12), TDM_OK); // still 3
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 7);
+    assert_int_equal(tdm_kv_reserve(kv, &a, 5), TDM_OK); // never shrinks
+    assert_int_equal(a.num_blocks, 3);
+    assert_int_equal(tdm_kv_reserve(kv, &b, 1), TDM_OK);
+    assert_int_equal(tdm_kv_num_referenced_blocks(kv), 4);
+    // Deterministic allocation order: 0, 1, 2 then 3.
+    assert_int_equal(a.block_table[0], 0);
+    assert_int_equal(a.block_table[2], 2);
+    assert_int_equal(b.block_table[0], 3);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(tdm_kv_block_refcount(kv, a.block_table[i]), 1);
+    assert_consistent(kv);
+    // Grow a across many reallocations.
+    assert_int_equal(tdm_kv_reserve(kv, &a, 36), TDM_OK);
+    assert_int_equal(a.num_blocks, 9);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 0);
+    assert_consistent(kv);
+    tdm_kv_seq_release(kv, &a);
+    assert_null(a.block_table);
+    assert_int_equal(a.num_blocks, 0);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 9);
+    tdm_kv_seq_release(kv, &a); // twice: safe
+    struct tdm_kv_seq empty;
+    tdm_kv_seq_init(&empty);
+    tdm_kv_seq_release(kv, &empty);
+    tdm_kv_seq_release(kv, &b);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 10);
+    assert_int_equal(tdm_kv_num_referenced_blocks(kv), 0);
+    assert_int_equal(tdm_kv_block_refcount(kv, 0), 0);
+    assert_int_equal(tdm_kv_block_refcount(kv, 10), -1);
+    assert_consistent(kv);
+    assert_int_equal(tdm_kv_reserve(kv, &a, -1), TDM_EINVAL);
+    tdm_kv_free(kv);
+}
+
+static void test_reserve_all_or_nothing(void **state)
+{
+    (void)state;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 4, 4, 5, true);
+    struct tdm_kv_seq a, b;
+    int32_t toks[64];
+    seq_tokens(toks, 64, 100);
+    assert_int_equal(admit(kv, &a, toks, 12, true), TDM_OK); // 3 blocks
+    tdm_kv_seq_init(&b);
+    assert_int_equal(tdm_kv_reserve(kv, &b, 4), TDM_OK);
+    int *table = b.block_table;
+    int cap = b.cap_blocks;
+    assert_int_equal(tdm_kv_reserve(kv, &b, 13), TDM_ECAPACITY); // needs 3 more, 1 free
+    assert_non_null(strstr(tdm_kv_errmsg(kv), "available"));
+    assert_int_equal(b.num_blocks, 1);
+    assert_ptr_equal(b.block_table, table);
+    assert_int_equal(b.cap_blocks, cap);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 1);
+    assert_consistent(kv);
+    // Released a's hashed blocks become evictable and count as free again.
+    tdm_kv_seq_release(kv, &a);
+    assert_int_equal(tdm_kv_num_evictable_blocks(kv), 3);
+    assert_int_equal(tdm_kv_reserve(kv, &b, 20), TDM_OK); // all 5 blocks
+    assert_int_equal(tdm_kv_num_evictable_blocks(kv), 0);
+    assert_int_equal(tdm_kv_reserve(kv, &b, 21), TDM_ECAPACITY);
+    assert_consistent(kv);
+    tdm_kv_seq_release(kv, &b);
+    tdm_kv_free(kv);
+}
+
+static void test_usage(void **state)
+{
+    (void)state;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 4, 4, 10, true);
+    struct tdm_kv_seq s[3];
+    int32_t toks[40];
+    assert_true(tdm_kv_usage(kv) == 0.0f);
+    for (int i = 0; i < 3; i++) {
+        seq_tokens(toks, 40, 1000 * (i + 1));
+        assert_int_equal(admit(kv, &s[i], toks, 8, true), TDM_OK);
+        assert_float_equal(tdm_kv_usage(kv), 0.2f * (float)(i + 1), 1e-6);
+    }
+    for (int i = 0; i < 3; i++)
+        tdm_kv_seq_release(kv, &s[i]);
+    assert_true(tdm_kv_usage(kv) == 0.0f); // cached-but-unreferenced counts as free
+    assert_int_equal(tdm_kv_num_evictable_blocks(kv), 6);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 10);
+    tdm_kv_reset_prefix_cache(kv);
+    assert_int_equal(tdm_kv_num_evictable_blocks(kv), 0);
+    assert_consistent(kv);
+    tdm_kv_free(kv);
+}
+
+// ---- prefix caching ------------------------------------------------------------------------
+
+static void test_prefix_hit(void **state)
+{
+    int bs = (int)(intptr_t)*state;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 2, bs, 64, true);
+    int n = 2 * bs + bs / 2 + 1; // two full blocks and a partial one
+    int32_t toks[128];
+    seq_tokens(toks, 128, 7);
+    struct tdm_kv_seq a, b;
+    assert_int_equal(admit(kv, &a, toks, n, true), TDM_OK);
+    assert_int_equal(a.num_cached_tokens, 0);
+    assert_int_not_equal(a.block_hashes[0], 0);
+    assert_int_not_equal(a.block_hashes[1], 0);
+    if (n % bs)
+        assert_int_equal(a.block_hashes[a.num_blocks - 1], 0);
+
+    tdm_kv_seq_init(&b);
+    int m = tdm_kv_match_prefix(kv, &b, toks, n);
+    assert_int_equal(m, 2 * bs);
+    assert_int_equal(b.num_tokens, 2 * bs);
+    assert_int_equal(b.num_cached_tokens, 2 * bs);
+    assert_int_equal(b.num_blocks, 2);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(b.block_table[i], a.block_table[i]);
+        assert_int_equal(b.block_hashes[i], a.block_hashes[i]);
+        assert_int_equal(tdm_kv_block_refcount(kv, a.block_table[i]), 2);
+    }
+    assert_int_equal(tdm_kv_reserve(kv, &b, n), TDM_OK);
+    assert_int_not_equal(b.block_table[2], a.block_table[2]); // partial blocks are never shared
+    tdm_kv_commit(kv, &b, toks, n);
+    uint64_t q, h;
+    tdm_kv_prefix_stats(kv, &q, &h);
+    assert_int_equal(q, (uint64_t)(2 * n));
+    assert_int_equal(h, (uint64_t)(2 * bs));
+    assert_consistent(kv);
+
+    // A third request whose prompt ends inside block 2 still only shares 0 and 1.
+    struct tdm_kv_seq c;
+    tdm_kv_seq_init(&c);
+    assert_int_equal(tdm_kv_match_prefix(kv, &c, toks, 2 * bs + 1), 2 * bs);
+    // A non-empty seq is not matched again.
+    assert_int_equal(tdm_kv_match_prefix(kv, &c, toks, n), 0);
+    tdm_kv_seq_release(kv, &c);
+
+    // Whole prompt cached (exact multiple of block_size): the last block is left to compute.
+    tdm_kv_seq_init(&c);
+    assert_int_equal(tdm_kv_match_prefix(kv, &c, toks, 2 * bs), bs);
+    tdm_kv_seq_release(kv, &c);
+    // Shorter than one block: nothing to share.
+    if (bs > 1) {
+        tdm_kv_seq_init(&c);
+        assert_int_equal(tdm_kv_match_prefix(kv, &c, toks, bs - 1), 0);
+        assert_int_equal(c.num_blocks, 0);
+        tdm_kv_seq_release(kv, &c);
+    }
+
+    tdm_kv_seq_release(kv, &a);
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(tdm_kv_block_refcount(kv, b.block_table[i]), 1);
+    tdm_kv_seq_release(kv, &b);
+    assert_int_equal(tdm_kv_num_referenced_blocks(kv), 0);
+    assert_consistent(kv);
+    // Cached, unreferenced blocks are still found.
+    tdm_kv_seq_init(&c);
+    assert_int_equal(tdm_kv_match_prefix(kv, &c, toks, n), 2 * bs);
+    assert_consistent(kv);
+    tdm_kv_seq_release(kv, &c);
+    tdm_kv_free(kv);
+}
+
+static void test_chained_hash(void **state)
+{
+    int bs = (int)(intptr_t)*state;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 2, bs, 64, true);
+    int32_t x[32], y[32], z[32], w[32];
+    seq_tokens(x, bs, 100);
+    seq_tokens(y, bs, 200);
+    seq_tokens(z, bs, 300);
+    seq_tokens(w, bs, 400);
+    int32_t xy[65], zy[65], xw[65];
+    memcpy(xy, x, (size_t)bs * 4);
+    memcpy(xy + bs, y, (size_t)bs * 4);
+    memcpy(zy, z, (size_t)bs * 4);
+    memcpy(zy + bs, y, (size_t)bs * 4);
+    memcpy(xw, x, (size_t)bs * 4);
+    memcpy(xw + bs, w, (size_t)bs * 4);
+    xy[2 * bs] = zy[2 * bs] = xw[2 * bs] = 1;
+    struct tdm_kv_seq a, b;
+    assert_int_equal(admit(kv, &a, xy, 2 * bs + 1, true), TDM_OK);
+    tdm_kv_seq_init(&b);
+    // Block y is cached, but under parent x: no hit for z|y.
+    assert_int_equal(tdm_kv_match_prefix(kv, &b, zy, 2 * bs + 1), 0);
+    assert_int_equal(tdm_kv_reserve(kv, &b, 2 * bs + 1), TDM_OK);
+    tdm_kv_commit(kv, &b, zy, 2 * bs + 1);
+    assert_int_not_equal(b.block_hashes[1], a.block_hashes[1]);
+    assert_int_not_equal(b.block_table[1], a.block_table[1]);
+    tdm_kv_seq_release(kv, &b);
+    tdm_kv_seq_init(&b);
+    assert_int_equal(tdm_kv_match_prefix(kv, &b, xw, 2 * bs + 1), bs);
+    assert_int_equal(b.block_table[0], a.block_table[0]);
+    tdm_kv_seq_release(kv, &b);
+    tdm_kv_seq_release(kv, &a);
+    assert_consistent(kv);
+    tdm_kv_free(kv);
+}
+
+// Two requests with the same prompt computed concurrently (no hit for either):
+// the second one's blocks are twins, and its own continuation still chains onto
+// the cached prefix.
+static void test_twins(void **state)
+{
+    (void)state;
+    int bs = 4;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 2, bs, 16, true);
+    int32_t toks[32];
+    seq_tokens(toks, 32, 50);
+    struct tdm_kv_seq a, b, c;
+    tdm_kv_seq_init(&a);
+    tdm_kv_seq_init(&b);
+    assert_int_equal(tdm_kv_reserve(kv, &a, 8), TDM_OK);
+    assert_int_equal(tdm_kv_reserve(kv, &b, 8), TDM_OK);
+    tdm_kv_commit(kv, &a, toks, 8);
+    tdm_kv_commit(kv, &b, toks, 8);
+    assert_int_equal(b.block_hashes[1], a.block_hashes[1]);
+    assert_consistent(kv);
+    assert_int_equal(tdm_kv_reserve(kv, &b, 12), TDM_OK);
+    tdm_kv_commit(kv, &b, toks, 12);
+    assert_consistent(kv);
+    tdm_kv_seq_init(&c);
+    assert_int_equal(tdm_kv_match_prefix(kv, &c, toks, 13), 12);
+    assert_int_equal(c.block_table[0], a.block_table[0]);
+    assert_int_equal(c.block_table[1], a.block_table[1]);
+    assert_int_equal(c.block_table[2], b.block_table[2]);
+    tdm_kv_seq_release(kv, &c);
+
+    // b pins the twins: they outlive a and survive a cache reset, so b's chain
+    // stays reachable and its next block links onto it.
+    assert_int_equal(tdm_kv_block_refcount(kv, a.block_table[0]), 2);
+    int a0 = a.block_table[0], a1 = a.block_table[1];
+    tdm_kv_seq_release(kv, &a);
+    tdm_kv_reset_prefix_cache(kv);
+    assert_int_equal(tdm_kv_block_refcount(kv, a0), 1);
+    assert_int_equal(tdm_kv_num_referenced_blocks(kv), 5); // b's 3 + 2 pinned twins
+    assert_int_equal(tdm_kv_reserve(kv, &b, 16), TDM_OK);
+    tdm_kv_commit(kv, &b, toks, 16);
+    assert_consistent(kv);
+    tdm_kv_seq_init(&c);
+    assert_int_equal(tdm_kv_match_prefix(kv, &c, toks, 17), 16);
+    assert_int_equal(c.block_table[0], a0);
+    assert_int_equal(c.block_table[1], a1);
+    assert_int_equal(c.block_table[2], b.block_table[2]);
+    assert_int_equal(c.block_table[3], b.block_table[3]);
+    tdm_kv_seq_release(kv, &c);
+    tdm_kv_seq_release(kv, &b);
+    assert_int_equal(tdm_kv_num_referenced_blocks(kv), 0);
+    assert_consistent(kv);
+    tdm_kv_free(kv);
+}
+
+static void test_lru_eviction(void **state)
+{
+    (void)state;
+    int bs = 4;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 2, bs, 4, true);
+    int32_t p[4][5];
+    struct tdm_kv_seq s;
+    for (int i = 0; i < 4; i++) {
+        seq_tokens(p[i], 5, 100 * (i + 1));
+        assert_int_equal(admit(kv, &s, p[i], 4, true), TDM_OK);
+        assert_int_equal(s.block_table[0], i);
+        tdm_kv_seq_release(kv, &s);
+    }
+    assert_int_equal(tdm_kv_num_evictable_blocks(kv), 4);
+    // A hit rescues p[0]'s block: it leaves the evictable queue...
+    tdm_kv_seq_init(&s);
+    assert_int_equal(tdm_kv_match_prefix(kv, &s, p[0], 5), 4);
+    assert_int_equal(tdm_kv_num_evictable_blocks(kv), 3);
+    assert_true(tdm_kv_usage(kv) == 0.25f);
+    assert_consistent(kv);
+    // ...and comes back as the most recently used.
+    tdm_kv_seq_release(kv, &s);
+    struct tdm_kv_seq n;
+    tdm_kv_seq_init(&n);
+    assert_int_equal(tdm_kv_reserve(kv, &n, 4), TDM_OK);
+    assert_int_equal(n.block_table[0], 1); // p[1] was least recently released
+    assert_consistent(kv);
+    struct tdm_kv_seq q;
+    tdm_kv_seq_init(&q);
+    assert_int_equal(tdm_kv_match_prefix(kv, &q, p[1], 5), 0);
+    for (int i = 0; i < 4; i++) {
+        tdm_kv_seq_release(kv, &q);
+        tdm_kv_seq_init(&q);
+        assert_int_equal(tdm_kv_match_prefix(kv, &q, p[i], 5), i == 1 ? 0 : 4);
+    }
+    tdm_kv_seq_release(kv, &q);
+    assert_int_equal(tdm_kv_reserve(kv, &n, 8), TDM_OK);
+    // The loop released p0, p2, p3 in that order: p0 is now the oldest.
+    assert_int_equal(n.block_table[1], 0);
+    tdm_kv_seq_release(kv, &n);
+    assert_consistent(kv);
+    tdm_kv_free(kv);
+
+    // Within one sequence the tail is evicted before the prefix it hangs off.
+    kv = make_cache(1, 1, 2, bs, 2, true);
+    int32_t t[9];
+    seq_tokens(t, 9, 1);
+    assert_int_equal(admit(kv, &s, t, 8, true), TDM_OK);
+    int last = s.block_table[1];
+    tdm_kv_seq_release(kv, &s);
+    tdm_kv_seq_init(&n);
+    assert_int_equal(tdm_kv_reserve(kv, &n, 1), TDM_OK);
+    assert_int_equal(n.block_table[0], last);
+    tdm_kv_seq_init(&q);
+    assert_int_equal(tdm_kv_match_prefix(kv, &q, t, 9), 4);
+    tdm_kv_seq_release(kv, &q);
+    tdm_kv_seq_release(kv, &n);
+    assert_consistent(kv);
+    tdm_kv_free(kv);
+}
+
+static void test_prefix_disabled(void **state)
+{
+    (void)state;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 2, 4, 8, false);
+    int32_t toks[16];
+    seq_tokens(toks, 16, 3);
+    struct tdm_kv_seq a, b;
+    assert_int_equal(admit(kv, &a, toks, 9, true), TDM_OK);
+    assert_int_not_equal(a.block_hashes[0], 0); // hashes are still computed
+    tdm_kv_seq_init(&b);
+    assert_int_equal(tdm_kv_match_prefix(kv, &b, toks, 9), 0);
+    tdm_kv_seq_release(kv, &a);
+    assert_int_equal(tdm_kv_num_evictable_blocks(kv), 0);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 8);
+    uint64_t q = 1, h = 1;
+    tdm_kv_prefix_stats(kv, &q, &h);
+    assert_int_equal(q, 0);
+    assert_int_equal(h, 0);
+    assert_consistent(kv);
+    tdm_kv_free(kv);
+}
+
+static void test_commit_bad_input(void **state)
+{
+    (void)state;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 2, 4, 8, true);
+    int32_t toks[16];
+    seq_tokens(toks, 16, 3);
+    struct tdm_kv_seq a;
+    tdm_kv_seq_init(&a);
+    assert_int_equal(tdm_kv_reserve(kv, &a, 8), TDM_OK);
+    int saved = tdm_log_level;
+    tdm_log_level = -1; // the rejected commits log an error; keep the test output clean
+    tdm_kv_commit(kv, &a, toks, 9); // beyond the reservation
+    assert_int_equal(a.num_tokens, 0);
+    assert_int_equal(a.block_hashes[0], 0);
+    tdm_kv_commit(kv, &a, NULL, 4);
+    assert_int_equal(a.num_tokens, 0);
+    tdm_kv_commit(kv, &a, toks, 6);
+    assert_int_equal(a.num_tokens, 6);
+    tdm_kv_commit(kv, &a, toks, 5); // going backwards
+    tdm_log_level = saved;
+    assert_int_equal(a.num_tokens, 6);
+    assert_non_null(strstr(tdm_kv_errmsg(kv), "commit"));
+    tdm_kv_commit(kv, &a, toks, 8);
+    assert_int_not_equal(a.block_hashes[1], 0);
+    tdm_kv_seq_release(kv, &a);
+    assert_consistent(kv);
+    tdm_kv_free(kv);
+}
+
+// ---- random workload -------------------------------------------------------------------
+
+struct wl_param {
+    int block_size;
+    int num_blocks;
+    int ops;
+    bool prefix;
+    tdm_kv_hash_fn hash;
+};
+
+static uint64_t rng_state;
+static uint32_t rnd(uint32_t n)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)((rng_state >> 11) % n);
+}
+
+// A value that identifies tokens[0..p] (exact in a float: 24 bits).
+static float fingerprint(const int32_t *tokens, int p, uint32_t salt)
+{
+    uint64_t h = 1469598103934665603ull ^ salt;
+    for (int i = 0; i <= p; i++)
+        h = (h ^ (uint32_t)tokens[i]) * 1099511628211ull;
+    return (float)(uint32_t)((h ^ (h >> 29)) & 0xFFFFFF);
+}
+
+#define WL_MAX_SEQS 8
+#define WL_CAP 160
+
+struct wl_seq {
+    bool live;
+    struct tdm_kv_seq kv;
+    int32_t tokens[WL_CAP];
+    int n;
+};
+
+// Writes the KV of positions [from, to) as the model would: slot p % bs of block p / bs.
+static void wl_write(struct tdm_kv_cache *kv, struct wl_seq *s, int from, int to)
+{
+    int bs = tdm_kv_config(kv)->block_size, hd = tdm_kv_config(kv)->head_dim;
+    for (int p = from; p < to; p++) {
+        int b = s->kv.block_table[p / bs];
+        tdm_kv_k(kv, 0, b)[(p % bs) * hd] = fingerprint(s->tokens, p, 1);
+        tdm_kv_v(kv, 0, b)[(p % bs) * hd] = fingerprint(s->tokens, p, 2);
+    }
+}
+
+// A prefix hit must hold exactly this sequence's KV.
+static void wl_verify(struct tdm_kv_cache *kv, struct wl_seq *s, int upto)
+{
+    int bs = tdm_kv_config(kv)->block_size, hd = tdm_kv_config(kv)->head_dim;
+    for (int p = 0; p < upto; p++) {
+        int b = s->kv.block_table[p / bs];
+        if (tdm_kv_k(kv, 0, b)[(p % bs) * hd] != fingerprint(s->tokens, p, 1) ||
+            tdm_kv_v(kv, 0, b)[(p % bs) * hd] != fingerprint(s->tokens, p, 2))
+            fail_msg("prefix hit returned wrong KV at position %d (block %d)", p, b);
+    }
+}
+
+static void test_random_workload(void **state)
+{
+    const struct wl_param *wp = *state;
+    int bs = wp->block_size;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 2, bs, wp->num_blocks, wp->prefix);
+    if (wp->hash)
+        tdm_kv_set_hash_fn(kv, wp->hash);
+    rng_state = 0x9E3779B97F4A7C15ull ^ (uint64_t)bs;
+    // Shared roots from a tiny vocabulary so that equal blocks recur under
+    // different parents.
+    int32_t roots[4][48];
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < 48; i++)
+            roots[r][i] = (int32_t)rnd(r == 3 ? 3 : 6);
+    static struct wl_seq seqs[WL_MAX_SEQS];
+    memset(seqs, 0, sizeof seqs);
+    int hits_seen = 0, ecap = 0;
+    for (int op = 0; op < wp->ops; op++) {
+        uint32_t kind = rnd(10);
+        struct wl_seq *s = &seqs[rnd(WL_MAX_SEQS)];
+        if (!s->live && kind < 8) { // admit
+            int r = (int)rnd(4), cut = (int)rnd(49), extra = 1 + (int)rnd(24);
+            memcpy(s->tokens, roots[r], (size_t)cut * sizeof(int32_t));
+            for (int i = 0; i < extra; i++)
+                s->tokens[cut + i] = (int32_t)rnd(6);
+            s->n = cut + extra;
+            tdm_kv_seq_init(&s->kv);
+            int m = tdm_kv_match_prefix(kv, &s->kv, s->tokens, s->n);
+            assert_true(m >= 0 && m < s->n && m % bs == 0);
+            assert_int_equal(s->kv.num_tokens, m);
+            if (m > 0)
+                hits_seen++;
+            wl_verify(kv, s, m);
+            int rc = tdm_kv_reserve(kv, &s->kv, s->n);
+            if (rc == TDM_ECAPACITY) {
+                ecap++;
+                tdm_kv_seq_release(kv, &s->kv);
+            } else {
+                assert_int_equal(rc, TDM_OK);
+                wl_write(kv, s, m, s->n);
+                tdm_kv_commit(kv, &s->kv, s->tokens, s->n);
+                s->live = true;
+            }
+        } else if (s->live && kind < 7) { // extend (decode or a chunk)
+            int k = 1 + (int)rnd((uint32_t)(2 * bs + 1));
+            if (s->n + k <= WL_CAP) {
+                int rc = tdm_kv_reserve(kv, &s->kv, s->n + k);
+                if (rc == TDM_ECAPACITY) { // preempted
+                    ecap++;
+                    tdm_kv_seq_release(kv, &s->kv);
+                    s->live = false;
+                } else {
+                    assert_int_equal(rc, TDM_OK);
+                    for (int i = 0; i < k; i++)
+                        s->tokens[s->n + i] = (int32_t)rnd(6);
+                    int old = s->n;
+                    s->n += k;
+                    wl_write(kv, s, old, s->n);
+                    tdm_kv_commit(kv, &s->kv, s->tokens, s->n);
+                }
+            }
+        } else if (s->live) { // finish
+            wl_verify(kv, s, s->n);
+            tdm_kv_seq_release(kv, &s->kv);
+            s->live = false;
+        } else if (kind == 9 && rnd(50) == 0) {
+            tdm_kv_reset_prefix_cache(kv);
+        }
+        assert_consistent(kv);
+        for (int i = 0; i < WL_MAX_SEQS; i++)
+            for (int j = 0; seqs[i].live && j < seqs[i].kv.num_blocks; j++)
+                assert_true(tdm_kv_block_refcount(kv, seqs[i].kv.block_table[j]) > 0);
+    }
+    for (int i = 0; i < WL_MAX_SEQS; i++) {
+        if (seqs[i].live)
+            wl_verify(kv, &seqs[i], seqs[i].n);
+        tdm_kv_seq_release(kv, &seqs[i].kv);
+        seqs[i].live = false;
+    }
+    assert_consistent(kv);
+    assert_true(tdm_kv_usage(kv) == 0.0f);
+    assert_int_equal(tdm_kv_num_referenced_blocks(kv), 0);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), wp->num_blocks);
+    uint64_t q, h;
+    tdm_kv_prefix_stats(kv, &q, &h);
+    if (wp->prefix) {
+        assert_true(hits_seen > 0 && h > 0 && h < q);
+    } else {
+        assert_int_equal(tdm_kv_num_evictable_blocks(kv), 0);
+        assert_int_equal(h, 0);
+    }
+    assert_true(ecap > 0); // the pool was under pressure: eviction paths ran
+    tdm_kv_free(kv);
+}
+
+// Forces 64-bit collisions: every block of the same first-token parity collides.
+static uint64_t colliding_hash(uint64_t parent, const int32_t *tokens, int n)
+{
+    (void)parent;
+    (void)n;
+    return 1 + (uint64_t)(tokens[0] & 1);
+}
+
+static void test_forced_collisions(void **state)
+{
+    (void)state;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 2, 4, 16, true);
+    tdm_kv_set_hash_fn(kv, colliding_hash);
+    int32_t a_t[9] = {2, 4, 6, 8, 2, 4, 6, 8, 0}, b_t[9] = {0, 0, 0, 0, 2, 4, 6, 8, 0};
+    struct tdm_kv_seq a, b;
+    assert_int_equal(admit(kv, &a, a_t, 9, true), TDM_OK);
+    tdm_kv_seq_init(&b);
+    // Same hashes for both blocks, different content: no hit.
+    assert_int_equal(tdm_kv_match_prefix(kv, &b, b_t, 9), 0);
+    assert_int_equal(tdm_kv_reserve(kv, &b, 9), TDM_OK);
+    tdm_kv_commit(kv, &b, b_t, 9);
+    assert_int_equal(b.block_hashes[0], a.block_hashes[0]);
+    assert_consistent(kv);
+    struct tdm_kv_seq c;
+    tdm_kv_seq_init(&c);
+    assert_int_equal(tdm_kv_match_prefix(kv, &c, b_t, 9), 8);
+    assert_int_equal(c.block_table[0], b.block_table[0]);
+    assert_int_equal(c.block_table[1], b.block_table[1]);
+    tdm_kv_seq_release(kv, &c);
+    tdm_kv_seq_release(kv, &a);
+    tdm_kv_seq_release(kv, &b);
+    assert_consistent(kv);
+    tdm_kv_free(kv);
+}
+
+// ---- export / import -----------------------------------------------------------------------
+
+static void fill_pool(struct tdm_kv_cache *kv, uint32_t seed)
+{
+    const struct tdm_kv_config *c = tdm_kv_config(kv);
+    size_t nf = (size_t)c->num_kv_heads * (size_t)c->block_size * (size_t)c->head_dim;
+    rng_state = seed;
+    for (int l = 0; l < c->num_layers; l++)
+        for (int b = 0; b < c->num_blocks; b++)
+            for (size_t i = 0; i < nf; i++) {
+                tdm_kv_k(kv, l, b)[i] = (float)rnd(100000) / 7.0f;
+                tdm_kv_v(kv, l, b)[i] = -(float)rnd(100000) / 3.0f;
+            }
+}
+
+static void test_export_import(void **state)
+{
+    int bs = (int)(intptr_t)*state;
+    int L = 3, H = 2, D = 8;
+    struct tdm_kv_cache *src = make_cache(L, H, D, bs, 12, true);
+    struct tdm_kv_cache *dst = make_cache(L, H, D, bs, 12, true);
+    fill_pool(src, 77);
+    int ntok = 3 * bs - (bs > 1 ? 1 : 0);
+    struct tdm_kv_seq s, pad, d;
+    tdm_kv_seq_init(&pad);
+    assert_int_equal(tdm_kv_reserve(src, &pad, 2 * bs), TDM_OK); // so block ids differ
+    tdm_kv_seq_init(&s);
+    assert_int_equal(tdm_kv_reserve(src, &s, ntok), TDM_OK);
+    assert_int_equal(s.num_blocks, 3);
+    tdm_kv_seq_init(&d);
+    assert_int_equal(tdm_kv_reserve(dst, &d, ntok), TDM_OK);
+    assert_int_not_equal(d.block_table[0], s.block_table[0]);
+
+    size_t lb = tdm_kv_layer_bytes(src, 3);
+    size_t bb = (size_t)H * (size_t)bs * (size_t)D * sizeof(float);
+    assert_int_equal(lb, 2 * 3 * bb);
+    assert_int_equal(tdm_kv_layer_bytes(src, 0), 0);
+    unsigned char *buf = malloc(lb);
+    assert_non_null(buf);
+    for (int l = 0; l < L; l++) {
+        assert_int_equal(tdm_kv_export_layer(src, &s, l, 0, 3, buf, lb), TDM_OK);
+        // Layout: K of the 3 blocks, then V of the 3 blocks.
+        assert_memory_equal(buf + bb, tdm_kv_k(src, l, s.block_table[1]), bb);
+        assert_memory_equal(buf + 3 * bb, tdm_kv_v(src, l, s.block_table[0]), bb);
+        assert_int_equal(tdm_kv_import_layer(dst, &d, l, 0, 3, buf, lb), TDM_OK);
+    }
+    for (int l = 0; l < L; l++)
+        for (int i = 0; i < 3; i++) {
+            assert_memory_equal(tdm_kv_k(dst, l, d.block_table[i]),
+                                tdm_kv_k(src, l, s.block_table[i]), bb);
+            assert_memory_equal(tdm_kv_v(dst, l, d.block_table[i]),
+                                tdm_kv_v(src, l, s.block_table[i]), bb);
+        }
+    // A sub-range, into a different cache state.
+    fill_pool(src, 78);
+    size_t lb2 = tdm_kv_layer_bytes(src, 2);
+    assert_int_equal(tdm_kv_export_layer(src, &s, 2, 1, 2, buf, lb2), TDM_OK);
+    assert_int_equal(tdm_kv_import_layer(dst, &d, 2, 1, 2, buf, lb2), TDM_OK);
+    assert_memory_equal(tdm_kv_k(dst, 2, d.block_table[2]), tdm_kv_k(src, 2, s.block_table[2]), bb);
+    assert_memory_equal(tdm_kv_v(dst, 2, d.block_table[1]), tdm_kv_v(src, 2, s.block_table[1]), bb);
+    assert_memory_not_equal(tdm_kv_k(dst, 2, d.block_table[0]),
+                            tdm_kv_k(src, 2, s.block_table[0]), bb);
+    // Zero blocks is a valid, empty transfer.
+    assert_int_equal(tdm_kv_export_layer(src, &s, 0, 3, 0, NULL, 0), TDM_OK);
+
+    // Bad ranges and lengths.
+    int bad[][3] = {{-1, 0, 3}, {3, 0, 3}, {0, -1, 3}, {0, 0, 4}, {0, 1, 3}, {0, 3, 1}, {0, 0, -1}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        size_t len = bad[i][2] >= 0 ? tdm_kv_layer_bytes(src, bad[i][2]) : 0;
+        assert_int_equal(tdm_kv_export_layer(src, &s, bad[i][0], bad[i][1], bad[i][2], buf, len),
+                         TDM_EINVAL);
+        assert_int_equal(tdm_kv_import_layer(dst, &d, bad[i][0], bad[i][1], bad[i][2], buf, len),
+                         TDM_EINVAL);
+    }
+    assert_int_equal(tdm_kv_export_layer(src, &s, 0, 0, 3, buf, lb - 1), TDM_EINVAL);
+    assert_non_null(strstr(tdm_kv_errmsg(src), "bytes"));
+    assert_int_equal(tdm_kv_import_layer(dst, &d, 0, 0, 3, buf, lb + 1), TDM_EINVAL);
+    assert_int_equal(tdm_kv_import_layer(dst, &d, 0, 0, 3, NULL, lb), TDM_EINVAL);
+    assert_int_equal(tdm_kv_export_layer(src, NULL, 0, 0, 3, buf, lb), TDM_EINVAL);
+    assert_int_equal(tdm_kv_export_layer(NULL, &s, 0, 0, 3, buf, lb), TDM_EINVAL);
+
+    // Import never writes into a block the prefix cache or another seq holds.
+    int32_t toks[128];
+    seq_tokens(toks, 128, 5);
+    tdm_kv_commit(dst, &d, toks, ntok);
+    struct tdm_kv_seq e;
+    tdm_kv_seq_init(&e);
+    assert_int_equal(tdm_kv_match_prefix(dst, &e, toks, ntok), 2 * bs);
+    assert_int_equal(tdm_kv_reserve(dst, &e, ntok), TDM_OK);
+    size_t lb1 = tdm_kv_layer_bytes(dst, 1);
+    assert_int_equal(tdm_kv_import_layer(dst, &e, 0, 0, 1, buf, lb1), TDM_EINVAL);
+    assert_non_null(strstr(tdm_kv_errmsg(dst), "prefix-cached"));
+    assert_int_equal(tdm_kv_import_layer(dst, &e, 0, 2, 1, buf, lb1), TDM_OK);
+    tdm_kv_seq_release(dst, &e);
+    assert_consistent(dst);
+    assert_consistent(src);
+
+    free(buf);
+    tdm_kv_seq_release(src, &s);
+    tdm_kv_seq_release(src, &pad);
+    tdm_kv_seq_release(dst, &d);
+    tdm_kv_free(src);
+    tdm_kv_free(dst);
+}
+
+static void test_header(void **state)
+{
+    (void)state;
+    struct tdm_kv_cache *kv = make_cache(4, 2, 64, 16, 8, true);
+    struct tdm_kv_header h, x;
+    char err[256];
+    assert_int_equal(sizeof h, 96);
+    tdm_kv_header_fill(kv, "Qwen/Qwen2.5-0.5B-Instruct", &h);
+    assert_int_equal(h.magic, TDM_KV_MAGIC);
+    assert_int_equal(h.version, 1);
+    assert_string_equal(h.model, "Qwen/Qwen2.5-0.5B-Instruct");
+    assert_int_equal(h.num_layers, 4);
+    assert_int_equal(h.head_dim, 64);
+    assert_int_equal(h.dtype, 0);
+    h.num_tokens = 40;
+    h.first_block = 0;
+    h.num_blocks = 3;
+    // Through bytes, as a transport would send it.
+    unsigned char wire[96];
+    memcpy(wire, &h, sizeof wire);
+    memcpy(&x, wire, sizeof x);
+    assert_int_equal(tdm_kv_header_check(kv, "Qwen/Qwen2.5-0.5B-Instruct", &x, err, sizeof err),
+                     TDM_OK);
+    assert_memory_equal(wire, "TKV1", 4); // magic reads "TKV1" little-endian
+
+    struct {
+        size_t off;
+        int32_t value;
+        const char *msg;
+    } cases[] = {
+        {offsetof(struct tdm_kv_header, magic), 0x12345678, "magic"},
+        {offsetof(struct tdm_kv_header, version), 2, "version 2 != 1"},
+        {offsetof(struct tdm_kv_header, num_layers), 5, "num_layers 5 != 4"},
+        {offsetof(struct tdm_kv_header, num_kv_heads), 1, "num_kv_heads 1 != 2"},
+        {offsetof(struct tdm_kv_header, head_dim), 128, "head_dim 128 != 64"},
+        {offsetof(struct tdm_kv_header, block_size), 32, "block_size 32 != 16"},
+        {offsetof(struct tdm_kv_header, dtype), 1, "dtype 1 != 0"},
+        {offsetof(struct tdm_kv_header, num_tokens), -1, "negative"},
+        {offsetof(struct tdm_kv_header, first_block), -2, "negative"},
+        {offsetof(struct tdm_kv_header, num_blocks), -3, "negative"},
+        {offsetof(struct tdm_kv_header, num_blocks), 9, "exceed"},
+        {offsetof(struct tdm_kv_header, num_tokens), 49, "num_tokens 49"},
+        {offsetof(struct tdm_kv_header, reserved), 1, "reserved"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        x = h;
+        memcpy((char *)&x + cases[i].off, &cases[i].value, sizeof(int32_t));
+        err[0] = 0;
+        assert_int_equal(tdm_kv_header_check(kv, "Qwen/Qwen2.5-0.5B-Instruct", &x, err, sizeof err),
+                         TDM_EPROTO);
+        if (!strstr(err, cases[i].msg))
+            fail_msg("case %zu: \"%s\" lacks \"%s\"", i, err, cases[i].msg);
+    }
+    assert_int_equal(tdm_kv_header_check(kv, "other-model", &h, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "model"));
+    x = h;
+    memset(x.model, 'a', sizeof x.model);
+    assert_int_equal(tdm_kv_header_check(kv, "Qwen/Qwen2.5-0.5B-Instruct", &x, err, sizeof err),
+                     TDM_EPROTO);
+    assert_non_null(strstr(err, "NUL"));
+    // Long names are truncated the same way on both sides.
+    char longname[80];
+    memset(longname, 'm', sizeof longname - 1);
+    longname[79] = 0;
+    tdm_kv_header_fill(kv, longname, &x);
+    assert_int_equal(tdm_kv_header_check(kv, longname, &x, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_kv_header_check(NULL, "m", &x, err, sizeof err), TDM_EINVAL);
+    tdm_kv_free(kv);
+}
+
+int main(void)
+{
+    static const struct wl_param wl[] = {
+        {.block_size = 4, .num_blocks = 60, .ops = 3000, .prefix = true},
+        {.block_size = 1, .num_blocks = 240, .ops = 2000, .prefix = true},
+        {.block_size = 32, .num_blocks = 14, .ops = 2000, .prefix = true},
+        {.block_size = 16, .num_blocks = 20, .ops = 2000, .prefix = true},
+        {.block_size = 4, .num_blocks = 60, .ops = 2000, .prefix = true, .hash = colliding_hash},
+        {.block_size = 4, .num_blocks = 60, .ops = 1000, .prefix = false},
+    };
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_config_validation),
+        cmocka_unit_test(test_pointers),
+        cmocka_unit_test(test_accounting),
+        cmocka_unit_test(test_reserve_all_or_nothing),
+        cmocka_unit_test(test_usage),
+        cmocka_unit_test_prestate(test_prefix_hit, (void *)(intptr_t)16),
+        cmocka_unit_test_prestate(test_prefix_hit, (void *)(intptr_t)1),
+        cmocka_unit_test_prestate(test_prefix_hit, (void *)(intptr_t)32),
+        cmocka_unit_test_prestate(test_chained_hash, (void *)(intptr_t)16),
+        cmocka_unit_test_prestate(test_chained_hash, (void *)(intptr_t)1),
+        cmocka_unit_test_prestate(test_chained_hash, (void *)(intptr_t)32),
+        cmocka_unit_test(test_twins),
+        cmocka_unit_test(test_lru_eviction),
+        cmocka_unit_test(test_prefix_disabled),
+        cmocka_unit_test(test_commit_bad_input),
+        cmocka_unit_test_prestate(test_random_workload, (void *)&wl[0]),
+        cmocka_unit_test_prestate(test_random_workload, (void *)&wl[1]),
+        cmocka_unit_test_prestate(test_random_workload, (void *)&wl[2]),
+        cmocka_unit_test_prestate(test_random_workload, (void *)&wl[3]),
+        cmocka_unit_test_prestate(test_random_workload, (void *)&wl[4]),
+        cmocka_unit_test_prestate(test_random_workload, (void *)&wl[5]),
+        cmocka_unit_test(test_forced_collisions),
+        cmocka_unit_test_prestate(test_export_import, (void *)(intptr_t)4),
+        cmocka_unit_test_prestate(test_export_import, (void *)(intptr_t)1),
+        cmocka_unit_test_prestate(test_export_import, (void *)(intptr_t)32),
+        cmocka_unit_test(test_header),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
