@@ -1,0 +1,571 @@
+// SPDX-License-Identifier: Apache-2.0
+// model: a Qwen2 / Llama decoder expressed through the backend ops table.
+//
+// Load reads config.json and the safetensors tensors under their HF names,
+// checks every shape against the config, stacks q/k/v (and their biases) into
+// one qkv weight and gate/up into one gate_up weight so each layer runs three
+// big matmuls instead of six, and hands the bf16/f16/f32 checkpoint data to
+// the backend, which converts it to bf16 or int8 in its own layout. Norm
+// weights and biases become f32; RoPE inverse frequencies are computed once,
+// with HF's Llama 3 frequency scaling when rope_scaling says so. Every
+// activation buffer is sized for max_batch_tokens rows at load time, so the
+// forward allocates nothing.
+//
+// Forward, for a batch of sequences packed row after row:
+//   x = embed(tokens)
+//   per layer: h = rmsnorm(x); qkv = h.Wqkv^T + b; rope(q), rope(k);
+//              store k, v in the paged cache; a = attention(q, cache);
+//              x += a.Wo^T; h = rmsnorm(x); g = h.Wgu^T; x += silu_mul(g).Wd^T
+//   rows that want logits: gathered, final rmsnorm, lm_head into the caller's
+//   logits buffer.
+// Each row's numbers depend only on that row and its own sequence's cache (the
+// backend's batch-invariance contract), so a sequence gets bitwise the same
+// logits whatever else shares the step.
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "core.h"
+#include "model.h"
+
+// ---- structs --------------------------------------------------------------------------
+
+struct tdm_layer {
+    struct tdm_weight qkv;      // [q_dim + 2*kv_dim][hidden]
+    struct tdm_weight o;        // [hidden][q_dim]
+    struct tdm_weight gate_up;  // [2*inter][hidden]: gate rows then up rows
+    struct tdm_weight down;     // [hidden][inter]
+    // Small f32 vectors live in backend memory and are filled by the host at
+    // load: the CPU backend's memory is host memory.
+    float *qkv_bias;            // [q_dim + 2*kv_dim] f32 backend memory, NULL without bias
+    float *input_norm;          // [hidden] f32 backend memory
+    float *post_norm;           // [hidden] f32 backend memory
+};
+
+struct tdm_model {
+    struct tdm_model_config cfg;
+    struct tdm_model_opts opts;
+    const struct tdm_backend_ops *ops;
+    struct tdm_backend *be;
+
+    int q_dim;                  // num_attention_heads * head_dim
+    int kv_dim;                 // num_key_value_heads * head_dim
+    int qkv_dim;                // q_dim + 2 * kv_dim
+
+    struct tdm_layer *layers;   // [num_hidden_layers]
+    struct tdm_weight embed;    // [vocab][hidden] bf16 (lookup; also the head when tied + bf16)
+    struct tdm_weight lm_head;  // [vocab][hidden] in the weight mode; unused when head_is_embed
+    bool head_is_embed;         // tied and bf16: one weight serves both
+    float *final_norm;          // [hidden] f32 backend memory
+    float *inv_freq;            // [head_dim / 2] f32 backend memory
+
+    // Activations, backend memory, T = max_batch_tokens rows.
+    float *x;                   // [T][hidden] residual stream
+    float *h;                   // [T][hidden] normed input of a sublayer
+    float *qkv;                 // [T][qkv_dim]
+    float *attn;                // [T][q_dim]
+    float *gate_up;             // [T][2*inter]
+    float *act;                 // [T][inter]
+    int32_t *pos;               // [T] position of each row
+    int32_t *ids;               // [T] token id of each row
+    struct tdm_attn_seq *aseqs; // [max_batch_seqs]
+};
+
+// ---- options ---------------------------------------------------------------------------
+
+void tdm_model_opts_default(struct tdm_model_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->weights = TDM_WEIGHTS_BF16;
+    o->num_threads = 0;
+    o->max_batch_tokens = 512;
+    o->max_batch_seqs = 64;
+    o->backend = "cpu";
+}
+
+const struct tdm_model_config *tdm_model_config(const struct tdm_model *m) { return &m->cfg; }
+const struct tdm_model_opts *tdm_model_opts(const struct tdm_model *m) { return &m->opts; }
+
+size_t tdm_model_weight_bytes(const struct tdm_model *m)
+{
+    size_t b = 0;
+    for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+        const struct tdm_layer *L = &m->layers[l];
+        b += L->qkv.nbytes + L->o.nbytes + L->gate_up.nbytes + L->down.nbytes;
+    }
+    b += m->head_is_embed ? m->embed.nbytes : m->lm_head.nbytes;
+    return b;
+}
+
+void tdm_model_kv_config(const struct tdm_model *m, struct tdm_kv_config *cfg)
+{
+    cfg->num_layers = m->cfg.num_hidden_layers;
+    cfg->num_kv_heads = m->cfg.num_key_value_heads;
+    cfg->head_dim = m->cfg.head_dim;
+}
+
+// ---- load helpers ----------------------------------------------------------------------
+
+// Finds NAME with shape [d0] or [d0][d1]; a tensor pointer into the mapping.
+static int get_tensor(const struct tdm_safetensors *st, const char *name, int64_t d0, int64_t d1,
+                      const struct tdm_tensor **t, char *err, size_t errlen)
+{
+    int64_t shape[2] = {d0, d1};
+    return tdm_st_get(st, name, d1 > 0 ? 2 : 1, shape, t, err, errlen);
+}
+
+static float src_elem_f32(const void *data, enum tdm_dtype dt, size_t i)
+{
+    switch (dt) {
+    case TDM_DTYPE_F32:
+        return ((const float *)data)[i];
+    case TDM_DTYPE_F16:
+        return tdm_f16_to_f32(((const uint16_t *)data)[i]);
+    case TDM_DTYPE_BF16:
+    default:
+        return tdm_bf16_to_f32(((const uint16_t *)data)[i]);
+    }
+}
+
+// Copies a 1-D checkpoint vector into dst[off..off+n) as f32.
+static void copy_vec_f32(float *dst, const struct tdm_tensor *t, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        dst[i] = src_elem_f32(t->data, t->dtype, i);
+}
+
+static float *alloc_f32(struct tdm_model *m, size_t n)
+{
+    float *p = m->ops->alloc(m->be, n * sizeof(float));
+    if (p)
+        memset(p, 0, n * sizeof(float));
+    return p;
+}
+
+static int load_vec(struct tdm_model *m, const struct tdm_safetensors *st, const char *name,
+                    int64_t n, float **out, char *err, size_t errlen)
+{
+    const struct tdm_tensor *t;
+    int rc = get_tensor(st, name, n, 0, &t, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    *out = alloc_f32(m, (size_t)n);
+    if (*out == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "%s: out of memory", name);
+    copy_vec_f32(*out, t, (size_t)n);
+    return TDM_OK;
+}
+
+// Prepares one weight from nparts tensors named names[i], each [rows[i]][cols].
+static int load_weight(struct tdm_model *m, const struct tdm_safetensors *st,
+                       struct tdm_weight *w, const char *const *names, const int *rows,
+                       int nparts, int cols, enum tdm_wtype want, char *err, size_t errlen)
+{
+    struct tdm_weight_src parts[3];
+    for (int i = 0; i < nparts; i++) {
+        const struct tdm_tensor *t;
+        int rc = get_tensor(st, names[i], rows[i], cols, &t, err, errlen);
+        if (rc != TDM_OK)
+            return rc;
+        parts[i].data = t->data;
+        parts[i].dtype = t->dtype;
+        parts[i].rows = rows[i];
+    }
+    int rc = m->ops->prepare_weight(m->be, w, parts, nparts, cols, want, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    return TDM_OK;
+}
+
+// HF's rotary inverse frequencies: base^(-2i/d); with rope_scaling llama3 the
+// long wavelengths are divided by factor and the band between low and high
+// frequency wavelengths is interpolated (transformers' _compute_llama3_parameters).
+static void compute_inv_freq(const struct tdm_model_config *c, float *inv_freq)
+{
+    int half = c->head_dim / 2;
+    const struct tdm_rope_scaling *rs = &c->rope_scaling;
+    for (int i = 0; i < half; i++) {
+        double f = 1.0 / pow(c->rope_theta, (double)(2 * i) / (double)c->head_dim);
+        if (rs->type == TDM_ROPE_LLAMA3) {
+            double old_ctx = rs->original_max_position_embeddings;
+            double low_wavelen = old_ctx / rs->low_freq_factor;
+            double high_wavelen = old_ctx / rs->high_freq_factor;
+            double wavelen = 2.0 * M_PI / f;
+            if (wavelen > low_wavelen) {
+                f = f / rs->factor;
+            } else if (wavelen >= high_wavelen) {
+                double smooth = (old_ctx / wavelen - rs->low_freq_factor) /
+                                (rs->high_freq_factor - rs->low_freq_factor);
+                f = (1.0 - smooth) * f / rs->factor + smooth * f;
+            }
+        }
+        inv_freq[i] = (float)f;
+    }
+}
+
+static void release_weight(struct tdm_model *m, struct tdm_weight *w)
+{
+    if (w->data != NULL || w->scales != NULL)
+        m->ops->release_weight(m->be, w);
+    memset(w, 0, sizeof *w);
+}
+
+static void release_buf(struct tdm_model *m, void *p)
+{
+    if (p != NULL)
+        m->ops->release(m->be, p);
+}
+
+void tdm_model_free(struct tdm_model *m)
+{
+    if (m == NULL)
+        return;
+    if (m->be != NULL) {
+        if (m->layers != NULL) {
+            for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
+                struct tdm_layer *L = &m->layers[l];
+                release_weight(m, &L->qkv);
+                release_weight(m, &L->o);
+                release_weight(m, &L->gate_up);
+                release_weight(m, &L->down);
+                release_buf(m, L->qkv_bias);
+                release_buf(m, L->input_norm);
+                release_buf(m, L->post_norm);
+            }
+        }
+        release_weight(m, &m->embed);
+        release_weight(m, &m->lm_head);
+        release_buf(m, m->final_norm);
+        release_buf(m, m->inv_freq);
+        release_buf(m, m->x);
+        release_buf(m, m->h);
+        release_buf(m, m->qkv);
+        release_buf(m, m->attn);
+        release_buf(m, m->gate_up);
+        release_buf(m, m->act);
+        m->ops->destroy(m->be);
+    }
+    free(m->layers);
+    free(m->pos);
+    free(m->ids);
+    free(m->aseqs);
+    free(m);
+}
+
+static int load_layer(struct tdm_model *m, const struct tdm_safetensors *st, int l,
+                      enum tdm_wtype want, char *err, size_t errlen)
+{
+    const struct tdm_model_config *c = &m->cfg;
+    struct tdm_layer *L = &m->layers[l];
+    char n0[128], n1[128], n2[128];
+    const char *names[3] = {n0, n1, n2};
+    int hidden = c->hidden_size, inter = c->intermediate_size;
+    int rc;
+
+#define LNAME(buf, suffix) snprintf(buf, sizeof buf, "model.layers.%d.%s", l, suffix)
+    LNAME(n0, "self_attn.q_proj.weight");
+    LNAME(n1, "self_attn.k_proj.weight");
+    LNAME(n2, "self_attn.v_proj.weight");
+    int qkv_rows[3] = {m->q_dim, m->kv_dim, m->kv_dim};
+    if ((rc = load_weight(m, st, &L->qkv, names, qkv_rows, 3, hidden, want, err, errlen)))
+        return rc;
+    LNAME(n0, "self_attn.o_proj.weight");
+    int o_rows[1] = {hidden};
+    if ((rc = load_weight(m, st, &L->o, names, o_rows, 1, m->q_dim, want, err, errlen)))
+        return rc;
+    LNAME(n0, "mlp.gate_proj.weight");
+    LNAME(n1, "mlp.up_proj.weight");
+    int gu_rows[2] = {inter, inter};
+    if ((rc = load_weight(m, st, &L->gate_up, names, gu_rows, 2, hidden, want, err, errlen)))
+        return rc;
+    LNAME(n0, "mlp.down_proj.weight");
+    int d_rows[1] = {hidden};
+    if ((rc = load_weight(m, st, &L->down, names, d_rows, 1, inter, want, err, errlen)))
+        return rc;
+
+    if (c->attention_bias) {
+        L->qkv_bias = alloc_f32(m, (size_t)m->qkv_dim);
+        if (L->qkv_bias == NULL)
+            return tdm_seterr(err, errlen, TDM_ENOMEM, "layer %d: out of memory", l);
+        LNAME(n0, "self_attn.q_proj.bias");
+        LNAME(n1, "self_attn.k_proj.bias");
+        LNAME(n2, "self_attn.v_proj.bias");
+        int off = 0;
+        for (int i = 0; i < 3; i++) {
+            const struct tdm_tensor *t;
+            if ((rc = get_tensor(st, names[i], qkv_rows[i], 0, &t, err, errlen)))
+                return rc;
+            copy_vec_f32(L->qkv_bias + off, t, (size_t)qkv_rows[i]);
+            off += qkv_rows[i];
+        }
+    }
+    LNAME(n0, "input_layernorm.weight");
+    if ((rc = load_vec(m, st, n0, hidden, &L->input_norm, err, errlen)))
+        return rc;
+    LNAME(n0, "post_attention_layernorm.weight");
+    if ((rc = load_vec(m, st, n0, hidden, &L->post_norm, err, errlen)))
+        return rc;
+#undef LNAME
+    return TDM_OK;
+}
+
+int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_model_opts *opts,
+                   char *err, size_t errlen)
+{
+    struct tdm_model_opts defaults;
+    struct tdm_safetensors *st = NULL;
+    int rc;
+
+    *out = NULL;
+    if (opts == NULL) {
+        tdm_model_opts_default(&defaults);
+        opts = &defaults;
+    }
+    struct tdm_model *m = calloc(1, sizeof *m);
+    if (m == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
+    m->opts = *opts;
+    if (m->opts.backend == NULL)
+        m->opts.backend = "cpu";
+    if (m->opts.max_batch_tokens <= 0)
+        m->opts.max_batch_tokens = 512;
+    if (m->opts.max_batch_seqs <= 0)
+        m->opts.max_batch_seqs = 64;
+    if (m->opts.num_threads <= 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        m->opts.num_threads = n > 0 ? (int)n : 1;
+    }
+    if (m->opts.weights != TDM_WEIGHTS_BF16 && m->opts.weights != TDM_WEIGHTS_INT8) {
+        rc = tdm_seterr(err, errlen, TDM_EINVAL, "model: unknown weight mode %d",
+                        (int)m->opts.weights);
+        goto fail;
+    }
+
+    if ((rc = tdm_hf_config_load(&m->cfg, dir, err, errlen)) != TDM_OK)
+        goto fail;
+    const struct tdm_model_config *c = &m->cfg;
+    if (c->head_dim % 2 != 0) {
+        rc = tdm_seterr(err, errlen, TDM_EINVAL, "config.json: head_dim=%d is odd (RoPE pairs)",
+                        c->head_dim);
+        goto fail;
+    }
+    if (c->use_sliding_window) {
+        // Sliding-window attention is not implemented; refusing beats silently
+        // attending to the whole context.
+        rc = tdm_seterr(err, errlen, TDM_EINVAL,
+                        "config.json: use_sliding_window=true is not supported");
+        goto fail;
+    }
+    m->q_dim = c->num_attention_heads * c->head_dim;
+    m->kv_dim = c->num_key_value_heads * c->head_dim;
+    m->qkv_dim = m->q_dim + 2 * m->kv_dim;
+
+    m->ops = tdm_backend_find(m->opts.backend);
+    if (m->ops == NULL) {
+        rc = tdm_seterr(err, errlen, TDM_EINVAL, "model: backend \"%s\" is not built in",
+                        m->opts.backend);
+        goto fail;
+    }
+    if ((rc = m->ops->create(&m->be, m->opts.num_threads, err, errlen)) != TDM_OK) {
+        m->be = NULL;
+        goto fail;
+    }
+    if ((rc = tdm_st_open(&st, dir, err, errlen)) != TDM_OK)
+        goto fail;
+
+    enum tdm_wtype want = m->opts.weights == TDM_WEIGHTS_INT8 ? TDM_W_Q8 : TDM_W_BF16;
+    int hidden = c->hidden_size;
+    m->layers = calloc((size_t)c->num_hidden_layers, sizeof *m->layers);
+    if (m->layers == NULL) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
+        goto fail;
+    }
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        if ((rc = load_layer(m, st, l, want, err, errlen)) != TDM_OK)
+            goto fail;
+
+    const char *embed_name[1] = {"model.embed_tokens.weight"};
+    int vocab_rows[1] = {c->vocab_size};
+    if ((rc = load_weight(m, st, &m->embed, embed_name, vocab_rows, 1, hidden, TDM_W_BF16, err,
+                          errlen)) != TDM_OK)
+        goto fail;
+    if (c->tie_word_embeddings && want == TDM_W_BF16) {
+        m->head_is_embed = true;
+    } else {
+        const char *head_name[1] = {c->tie_word_embeddings ? "model.embed_tokens.weight"
+                                                           : "lm_head.weight"};
+        if ((rc = load_weight(m, st, &m->lm_head, head_name, vocab_rows, 1, hidden, want, err,
+                              errlen)) != TDM_OK)
+            goto fail;
+    }
+    if ((rc = load_vec(m, st, "model.norm.weight", hidden, &m->final_norm, err, errlen)))
+        goto fail;
+    tdm_st_free(st);
+    st = NULL;
+
+    m->inv_freq = alloc_f32(m, (size_t)c->head_dim / 2);
+    if (m->inv_freq == NULL) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
+        goto fail;
+    }
+    compute_inv_freq(c, m->inv_freq);
+
+    size_t T = (size_t)m->opts.max_batch_tokens;
+    m->x = alloc_f32(m, T * (size_t)hidden);
+    m->h = alloc_f32(m, T * (size_t)hidden);
+    m->qkv = alloc_f32(m, T * (size_t)m->qkv_dim);
+    m->attn = alloc_f32(m, T * (size_t)m->q_dim);
+    m->gate_up = alloc_f32(m, T * 2 * (size_t)c->intermediate_size);
+    m->act = alloc_f32(m, T * (size_t)c->intermediate_size);
+    m->pos = calloc(T, sizeof *m->pos);
+    m->ids = calloc(T, sizeof *m->ids);
+    m->aseqs = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->aseqs);
+    if (!m->x || !m->h || !m->qkv || !m->attn || !m->gate_up || !m->act || !m->pos || !m->ids ||
+        !m->aseqs) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM,
+                        "model: out of memory for activations of %zu tokens", T);
+        goto fail;
+    }
+    *out = m;
+    return TDM_OK;
+
+fail:
+    tdm_st_free(st);
+    tdm_model_free(m);
+    return rc;
+}
+
+// ---- forward ---------------------------------------------------------------------------
+
+// Checks everything the kernels would otherwise trust; returns total rows.
+static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *kv,
+                          const struct tdm_batch_seq *seqs, int n_seqs, int *n_rows,
+                          int *n_logit_rows)
+{
+    const struct tdm_model_config *c = &m->cfg;
+    const struct tdm_kv_config *kc = tdm_kv_config(kv);
+    if (seqs == NULL || n_seqs <= 0 || n_seqs > m->opts.max_batch_seqs)
+        return TDM_EINVAL;
+    if (kc->num_layers != c->num_hidden_layers || kc->num_kv_heads != c->num_key_value_heads ||
+        kc->head_dim != c->head_dim || kc->block_size <= 0)
+        return TDM_EINVAL;
+    int total = 0, logit_rows = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct tdm_batch_seq *q = &seqs[s];
+        if (q->tokens == NULL || q->block_table == NULL || q->n_tokens <= 0 || q->start_pos < 0)
+            return TDM_EINVAL;
+        if (q->n_tokens > m->opts.max_batch_tokens - total)
+            return TDM_EINVAL;
+        if (q->start_pos > c->max_position_embeddings - q->n_tokens)
+            return TDM_EINVAL;
+        for (int i = 0; i < q->n_tokens; i++)
+            if (q->tokens[i] < 0 || q->tokens[i] >= c->vocab_size)
+                return TDM_EINVAL;
+        int nblocks = (q->start_pos + q->n_tokens + kc->block_size - 1) / kc->block_size;
+        for (int b = 0; b < nblocks; b++)
+            if (q->block_table[b] < 0 || q->block_table[b] >= kc->num_blocks)
+                return TDM_EINVAL;
+        switch (q->logits) {
+        case TDM_LOGITS_NONE:
+            break;
+        case TDM_LOGITS_LAST:
+            logit_rows += 1;
+            break;
+        case TDM_LOGITS_ALL:
+            logit_rows += q->n_tokens;
+            break;
+        default:
+            return TDM_EINVAL;
+        }
+        total += q->n_tokens;
+    }
+    *n_rows = total;
+    *n_logit_rows = logit_rows;
+    return TDM_OK;
+}
+
+int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
+                      const struct tdm_batch_seq *seqs, int n_seqs, float *logits)
+{
+    if (m == NULL || kv == NULL)
+        return TDM_EINVAL;
+    int n, n_logit_rows;
+    int rc = validate_batch(m, kv, seqs, n_seqs, &n, &n_logit_rows);
+    if (rc != TDM_OK)
+        return rc;
+    if (n_logit_rows > 0 && logits == NULL)
+        return TDM_EINVAL;
+
+    const struct tdm_model_config *c = &m->cfg;
+    const struct tdm_backend_ops *ops = m->ops;
+    struct tdm_backend *be = m->be;
+    int hidden = c->hidden_size, inter = c->intermediate_size, hd = c->head_dim;
+    float eps = c->rms_norm_eps;
+    float scale = 1.0f / sqrtf((float)hd);
+
+    // Pack rows: token ids, positions and each sequence's slice.
+    int row = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct tdm_batch_seq *q = &seqs[s];
+        m->aseqs[s] = (struct tdm_attn_seq){.row = row,
+                                            .n_tokens = q->n_tokens,
+                                            .start_pos = q->start_pos,
+                                            .block_table = q->block_table};
+        for (int i = 0; i < q->n_tokens; i++) {
+            m->ids[row] = q->tokens[i];
+            m->pos[row] = q->start_pos + i;
+            row++;
+        }
+    }
+
+    ops->embed(be, &m->embed, m->ids, n, m->x);
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        const struct tdm_layer *L = &m->layers[l];
+        // Attention block. q, k, v live side by side in each qkv row.
+        ops->rmsnorm(be, m->x, L->input_norm, eps, m->h, n, hidden);
+        ops->matmul(be, &L->qkv, L->qkv_bias, m->h, m->qkv, n);
+        ops->rope(be, m->qkv, n, m->qkv_dim, c->num_attention_heads, hd, m->pos, m->inv_freq);
+        ops->rope(be, m->qkv + m->q_dim, n, m->qkv_dim, c->num_key_value_heads, hd, m->pos,
+                  m->inv_freq);
+        ops->kv_store(be, kv, l, m->aseqs, n_seqs, m->qkv + m->q_dim,
+                      m->qkv + m->q_dim + m->kv_dim, m->qkv_dim);
+        ops->attention(be, kv, l, m->aseqs, n_seqs, m->qkv, m->qkv_dim, m->attn,
+                       c->num_attention_heads, c->num_key_value_heads, hd, scale);
+        ops->matmul(be, &L->o, NULL, m->attn, m->h, n);
+        ops->add(be, m->x, m->h, (size_t)n * (size_t)hidden);
+        // MLP block (SwiGLU).
+        ops->rmsnorm(be, m->x, L->post_norm, eps, m->h, n, hidden);
+        ops->matmul(be, &L->gate_up, NULL, m->h, m->gate_up, n);
+        ops->silu_mul(be, m->gate_up, m->act, n, inter);
+        ops->matmul(be, &L->down, NULL, m->act, m->h, n);
+        ops->add(be, m->x, m->h, (size_t)n * (size_t)hidden);
+    }
+    if (n_logit_rows == 0)
+        return TDM_OK;
+
+    // Gather the rows that want logits (in batch order) into h, then norm and head.
+    int out_row = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const struct tdm_batch_seq *q = &seqs[s];
+        int first = m->aseqs[s].row, count = 0;
+        if (q->logits == TDM_LOGITS_LAST) {
+            first += q->n_tokens - 1;
+            count = 1;
+        } else if (q->logits == TDM_LOGITS_ALL) {
+            count = q->n_tokens;
+        }
+        if (count > 0) {
+            memmove(m->h + (size_t)out_row * hidden, m->x + (size_t)first * hidden,
+                    (size_t)count * hidden * sizeof(float));
+            out_row += count;
+        }
+    }
+    ops->rmsnorm(be, m->h, m->final_norm, eps, m->h, n_logit_rows, hidden);
+    // One lm_head read for all logit rows (n_logit_rows <= n fits the workspace).
+    ops->matmul(be, m->head_is_embed ? &m->embed : &m->lm_head, NULL, m->h, logits,
+                n_logit_rows);
+    return TDM_OK;
+}

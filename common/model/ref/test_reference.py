@@ -1,0 +1,151 @@
+#!/usr/bin/python3
+# SPDX-License-Identifier: Apache-2.0
+"""Golden test: tandem-generate against the independent NumPy reference.
+
+Builds small random models with tandem-mkmodel (Qwen2 tied and untied, GQA
+group sizes 1, 2 and 7, a Llama with rope_scaling llama3 and one with q/k/v
+biases), runs prompts of several lengths through tandem-generate (greedy,
+--ignore-eos, 16 new tokens, --dump-logits, a small --chunk so prompts span
+several prefill chunks and several 16-token KV blocks) and checks, per prompt:
+
+  * tokens: every generated token equals the reference's greedy choice given
+    the same prefix. The reference runs teacher-forced on prompt + engine
+    tokens; when all argmaxes agree this is exactly the reference's own greedy
+    continuation, so the sequences are identical.
+  * logits: for every step, max |engine - reference| <= TOL * std(reference
+    logits of that step), TOL = 2e-3 (logit std is ~4 for these models).
+
+Each CPU path the machine supports is checked: the portable path (f32
+activations) against the plain f32 reference and the AVX-512 BF16 path (matmul
+inputs rounded to bf16) against the reference run with bf16_acts=True, which
+rounds matmul inputs the same way. Exits 0 with a SKIPPED line when numpy is
+missing.
+
+usage: test_reference.py MKMODEL GENERATE WORKDIR
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zlib
+
+try:
+    import numpy as np
+except ImportError:
+    print("SKIPPED: numpy is not available to %s" % sys.executable)
+    sys.exit(0)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qwen2_ref  # noqa: E402
+
+TOL = 2e-3
+STEPS = 16
+
+MODELS = [
+    # name, mkmodel flags
+    ("qwen_tied_g2", ["--arch", "qwen2", "--hidden", "64", "--intermediate", "128", "--layers",
+                      "2", "--heads", "4", "--kv-heads", "2", "--vocab", "512", "--tie",
+                      "--seed", "11"]),
+    ("qwen_untied_g1", ["--arch", "qwen2", "--hidden", "64", "--intermediate", "160", "--layers",
+                        "3", "--heads", "4", "--kv-heads", "4", "--vocab", "300", "--no-tie",
+                        "--seed", "12"]),
+    ("qwen_tied_g7", ["--arch", "qwen2", "--hidden", "112", "--intermediate", "192", "--layers",
+                      "2", "--heads", "14", "--kv-heads", "2", "--head-dim", "16", "--vocab",
+                      "700", "--tie", "--seed", "13"]),
+    ("llama3_rope", ["--arch", "llama", "--hidden", "64", "--intermediate", "128", "--layers",
+                     "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "400",
+                     "--no-tie", "--rope-theta", "10000", "--rope-llama3", "--rope-factor", "8",
+                     "--rope-low-freq", "1", "--rope-high-freq", "4", "--rope-orig-max-pos",
+                     "64", "--seed", "14"]),
+    ("llama_bias", ["--arch", "llama", "--hidden", "96", "--intermediate", "128", "--layers",
+                        "2", "--heads", "6", "--kv-heads", "3", "--vocab", "320", "--tie",
+                        "--attention-bias", "--rope-theta", "500000", "--seed", "15"]),
+]
+
+# (prompt length, prefill chunk) pairs; lengths cross the 16-token block size
+# and the chunk size.
+PROMPTS = [(1, 256), (5, 4), (16, 8), (17, 5), (33, 16), (40, 7), (70, 32)]
+
+
+def run(cmd, env=None):
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    return p.returncode, p.stdout, p.stderr
+
+
+def supported_isas(generate, model_dir):
+    isas = []
+    for isa in ("portable", "avx512"):
+        env = dict(os.environ, TANDEM_CPU_ISA=isa)
+        rc, _, err = run([generate, "--model", model_dir, "--prompt-ids", "1", "--max-tokens",
+                          "1", "--threads", "1"], env)
+        if rc == 0:
+            isas.append(isa)
+        elif "does not support" not in err:
+            raise SystemExit("tandem-generate failed: %s" % err.strip())
+    return isas
+
+
+def main():
+    if len(sys.argv) != 4:
+        print(__doc__)
+        return 2
+    mkmodel, generate, work = sys.argv[1:]
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    failures = 0
+    checked = 0
+    worst = 0.0
+    isas = None
+    for name, flags in MODELS:
+        mdir = os.path.join(work, name)
+        rc, _, err = run([mkmodel, "--out", mdir] + flags)
+        if rc != 0:
+            print("FAIL %s: tandem-mkmodel: %s" % (name, err.strip()))
+            return 1
+        if isas is None:
+            isas = supported_isas(generate, mdir)
+            print("CPU paths checked: %s" % ", ".join(isas))
+        with open(os.path.join(mdir, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        refs = {False: qwen2_ref.Model(mdir, bf16_acts=False),
+                True: qwen2_ref.Model(mdir, bf16_acts=True)}
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        for plen, chunk in PROMPTS:
+            prompt = [int(x) for x in rng.integers(0, vocab - 3, size=plen)]
+            for isa in isas:
+                env = dict(os.environ, TANDEM_CPU_ISA=isa)
+                dump = os.path.join(work, "%s_%d_%s.f32" % (name, plen, isa))
+                rc, out, err = run([generate, "--model", mdir, "--prompt-ids",
+                                    ",".join(map(str, prompt)), "--max-tokens", str(STEPS),
+                                    "--chunk", str(chunk), "--threads", "2", "--ignore-eos",
+                                    "--json", "--dump-logits", dump], env)
+                if rc != 0:
+                    print("FAIL %s len=%d %s: tandem-generate: %s" % (name, plen, isa, err.strip()))
+                    failures += 1
+                    continue
+                ids = json.loads(out)["ids"]
+                eng = np.fromfile(dump, dtype="<f4").reshape(len(ids), vocab)
+                ref = refs[isa == "avx512"].forward(prompt + ids)[plen - 1:plen - 1 + len(ids)]
+                ref_ids = [int(t) for t in ref.argmax(axis=1)]
+                rel = (np.abs(eng - ref).max(axis=1) / ref.std(axis=1)).max()
+                worst = max(worst, rel)
+                checked += 1
+                ok = len(ids) == STEPS and ids == ref_ids and rel <= TOL
+                if not ok:
+                    failures += 1
+                    top2 = np.sort(ref, axis=1)[:, -2:]
+                    print("FAIL %s len=%d chunk=%d %s: engine %s ref %s max|d|/std %.2e "
+                          "(ref top-2 gaps %s)" % (name, plen, chunk, isa, ids, ref_ids, rel,
+                                                   np.round(top2[:, 1] - top2[:, 0], 4)))
+                else:
+                    print("ok   %s len=%d chunk=%d %s: %d tokens identical, max|d|/std %.2e"
+                          % (name, plen, chunk, isa, len(ids), rel))
+    print("%d runs checked, worst max|engine-ref|/std = %.2e (tolerance %.0e), %d failed"
+          % (checked, worst, TOL, failures))
+    return 1 if failures or checked == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+// SPDX-License-Identifier: Apache-2.0
+// tandem-generate: runs one prompt through the model with the shared runner
+// (chunked prefill, then decode) and prints the continuation. Sampling is
+// greedy unless --temperature is given (a tool for tests and quick checks, so
+// the deterministic choice is the default; generation_config.json is not
+// applied). --json prints one object with ids, text and per-phase timings;
+// --dump-logits writes the raw logits every token was sampled from as f32
+// little-endian [steps][vocab] for the reference test.
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "kv_cache.h"
+#include "model.h"
+#include "runner.h"
+#include "sampling.h"
+#include "tokenizer.h"
+
+struct args {
+    const char *model;
+    const char *prompt;
+    const char *prompt_ids;
+    int max_tokens;
+    struct tdm_sampling_params sp;
+    enum tdm_weight_mode weights;
+    int threads;
+    int chunk;
+    bool json;
+    bool ignore_eos;
+    const char *dump_logits;
+};
+
+static void usage(FILE *f)
+{
+    fputs("usage: tandem-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N\n"
+          "  [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-eos]\n"
+          "  [--dtype bf16|int8] [--threads N] [--chunk N] [--json] [--dump-logits FILE]\n",
+          f);
+}
+
+static int fail(const char *fmt, const char *a)
+{
+    fputs("tandem-generate: ", stderr);
+    fprintf(stderr, fmt, a);
+    fputc('\n', stderr);
+    return 1;
+}
+
+static bool parse_long(const char *v, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (*v == '\0' || *end != '\0' || errno != 0 || x < lo || x > hi)
+        return false;
+    *out = x;
+    return true;
+}
+
+static bool parse_float(const char *v, float *out)
+{
+    char *end;
+    float x = strtof(v, &end);
+    if (*v == '\0' || *end != '\0')
+        return false;
+    *out = x;
+    return true;
+}
+
+static int parse_args(struct args *a, int argc, char **argv)
+{
+    memset(a, 0, sizeof *a);
+    tdm_sampling_params_default(&a->sp);
+    a->sp.temperature = 0.0f;
+    a->max_tokens = 16;
+    a->chunk = 256;
+    for (int i = 1; i < argc; i++) {
+        const char *f = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        long x;
+        bool flag_only = strcmp(f, "--json") == 0 || strcmp(f, "--ignore-eos") == 0 ||
+                         strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0;
+        if (!flag_only && v == NULL)
+            return fail("%s needs a value", f);
+        if (strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0) {
+            usage(stdout);
+            exit(0);
+        } else if (strcmp(f, "--json") == 0) {
+            a->json = true;
+        } else if (strcmp(f, "--ignore-eos") == 0) {
+            a->ignore_eos = true;
+        } else if (strcmp(f, "--model") == 0) {
+            a->model = v;
+            i++;
+        } else if (strcmp(f, "--prompt") == 0) {
+            a->prompt = v;
+            i++;
+        } else if (strcmp(f, "--prompt-ids") == 0) {
+            a->prompt_ids = v;
+            i++;
+        } else if (strcmp(f, "--max-tokens") == 0) {
+            if (!parse_long(v, 1, 1000000, &x))
+                return fail("--max-tokens needs an integer >= 1, got \"%s\"", v);
+            a->max_tokens = (int)x;
+            i++;
+        } else if (strcmp(f, "--temperature") == 0) {
+            if (!parse_float(v, &a->sp.temperature))
+                return fail("--temperature needs a number, got \"%s\"", v);
+            i++;
+        } else if (strcmp(f, "--top-p") == 0) {
+            if (!parse_float(v, &a->sp.top_p))
+                return fail("--top-p needs a number, got \"%s\"", v);
+            i++;
+        } else if (strcmp(f, "--top-k") == 0) {
+            if (!parse_long(v, -1, 1000000000, &x))
+                return fail("--top-k needs an integer, got \"%s\"", v);
+            a->sp.top_k = (int)x;
+            i++;
+        } else if (strcmp(f, "--seed") == 0) {
+            char *end;
+            a->sp.seed = strtoull(v, &end, 10);
+            if (*v == '\0' || *end != '\0')
+                return fail("--seed needs an integer, got \"%s\"", v);
+            a->sp.has_seed = true;
+            i++;
+        } else if (strcmp(f, "--dtype") == 0) {
+            if (strcmp(v, "bf16") == 0)
+                a->weights = TDM_WEIGHTS_BF16;
+            else if (strcmp(v, "int8") == 0)
+                a->weights = TDM_WEIGHTS_INT8;
+            else
+                return fail("--dtype must be bf16 or int8, got \"%s\"", v);
+            i++;
+        } else if (strcmp(f, "--threads") == 0) {
+            if (!parse_long(v, 0, 1024, &x))
+                return fail("--threads needs an integer in [0, 1024], got \"%s\"", v);
+            a->threads = (int)x;
+            i++;
+        } else if (strcmp(f, "--chunk") == 0) {
+            if (!parse_long(v, 1, 65536, &x))
+                return fail("--chunk needs an integer in [1, 65536], got \"%s\"", v);
+            a->chunk = (int)x;
+            i++;
+        } else if (strcmp(f, "--dump-logits") == 0) {
+            a->dump_logits = v;
+            i++;
+        } else {
+            usage(stderr);
+            return fail("unknown argument \"%s\"", f);
+        }
+    }
+    if (a->model == NULL)
+        return fail("%s", "--model DIR is required");
+    if ((a->prompt == NULL) == (a->prompt_ids == NULL))
+        return fail("%s", "give exactly one of --prompt TEXT and --prompt-ids 1,2,3");
+    a->sp.ignore_eos = a->ignore_eos;
+    return 0;
+}
+
+// Parses "1,2,3" into a heap array.
+static int parse_ids(const char *s, int32_t **ids, int *n)
+{
+    size_t cap = 1;
+    for (const char *p = s; *p; p++)
+        cap += *p == ',';
+    *ids = malloc(cap * sizeof **ids);
+    if (*ids == NULL)
+        return TDM_ENOMEM;
+    *n = 0;
+    const char *p = s;
+    while (*p) {
+        char *end;
+        errno = 0;
+        long x = strtol(p, &end, 10);
+        if (end == p || errno != 0 || x < 0 || x > INT32_MAX || (*end != ',' && *end != '\0'))
+            return TDM_EINVAL;
+        (*ids)[(*n)++] = (int32_t)x;
+        p = *end == ',' ? end + 1 : end;
+    }
+    return *n > 0 ? TDM_OK : TDM_EINVAL;
+}
+
+static int write_logits(const char *path, const float *logits, size_t count)
+{
+    FILE *f = fopen(path, "wb");
+    if (f == NULL)
+        return TDM_EIO;
+    size_t w = fwrite(logits, sizeof(float), count, f); // x86-64 and arm64 are little-endian
+    int bad = ferror(f);
+    if (fclose(f) != 0 || bad || w != count)
+        return TDM_EIO;
+    return TDM_OK;
+}
+
+static void print_json(const struct args *a, const int32_t *prompt, int n_prompt,
+                       const struct tdm_gen_request *r, const char *text, double load_s,
+                       const struct tdm_gen_stats *st)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON *p = cJSON_AddArrayToObject(o, "prompt_ids");
+    for (int i = 0; i < n_prompt; i++)
+        cJSON_AddItemToArray(p, cJSON_CreateNumber(prompt[i]));
+    cJSON *ids = cJSON_AddArrayToObject(o, "ids");
+    for (int i = 0; i < r->n_out; i++)
+        cJSON_AddItemToArray(ids, cJSON_CreateNumber(r->out_ids[i]));
+    if (text)
+        cJSON_AddStringToObject(o, "text", text);
+    else
+        cJSON_AddNullToObject(o, "text");
+    cJSON_AddStringToObject(o, "finish_reason", r->stopped ? "stop" : "length");
+    cJSON_AddStringToObject(o, "dtype", a->weights == TDM_WEIGHTS_INT8 ? "int8" : "bf16");
+    cJSON *t = cJSON_AddObjectToObject(o, "timings");
+    cJSON_AddNumberToObject(t, "load_s", load_s);
+    cJSON_AddNumberToObject(t, "prefill_s", st->prefill_s);
+    cJSON_AddNumberToObject(t, "decode_s", st->decode_s);
+    cJSON_AddNumberToObject(t, "prefill_tokens", (double)st->prefill_tokens);
+    cJSON_AddNumberToObject(t, "decode_tokens", (double)st->decode_tokens);
+    cJSON_AddNumberToObject(t, "prefill_tokens_per_s",
+                            st->prefill_s > 0 ? (double)st->prefill_tokens / st->prefill_s : 0);
+    cJSON_AddNumberToObject(t, "decode_tokens_per_s",
+                            st->decode_s > 0 ? (double)st->decode_tokens / st->decode_s : 0);
+    cJSON_AddNumberToObject(t, "time_to_first_token_s", r->first_token_s);
+    char *s = cJSON_PrintUnformatted(o);
+    if (s)
+        puts(s);
+    free(s);
+    cJSON_Delete(o);
+}
+
+int main(int argc, char **argv)
+{
+    struct args a;
+    char err[512];
+    int rc = 1;
+    struct tdm_model *m = NULL;
+    struct tdm_kv_cache *kv = NULL;
+    struct tdm_tokenizer *tok = NULL;
+    int32_t *prompt = NULL, *out_ids = NULL;
+    float *logits = NULL;
+    char *text = NULL;
+    int n_prompt = 0;
+
+    if (parse_args(&a, argc, argv) != 0)
+        return 2;
+    tdm_log_set_role("generate");
+
+    double t0 = tdm_now();
+    struct tdm_model_opts mo;
+    tdm_model_opts_default(&mo);
+    mo.weights = a.weights;
+    mo.num_threads = a.threads;
+    mo.max_batch_seqs = 1;
+    mo.max_batch_tokens = a.chunk < 512 ? a.chunk : 512;
+    if (tdm_model_load(&m, a.model, &mo, err, sizeof err) != TDM_OK) {
+        fail("%s", err);
+        goto out;
+    }
+    double load_s = tdm_now() - t0;
+    const struct tdm_model_config *cfg = tdm_model_config(m);
+
+    // The tokenizer is needed for text prompts; with ids it only decodes the output.
+    int trc = tdm_tok_load(&tok, a.model, err, sizeof err);
+    if (trc != TDM_OK) {
+        tok = NULL;
+        if (a.prompt != NULL) {
+            fail("%s", err);
+            goto out;
+        }
+    }
+    if (a.prompt != NULL) {
+        size_t n;
+        if (tdm_tok_encode(tok, a.prompt, strlen(a.prompt), true, &prompt, &n) != TDM_OK ||
+            n == 0) {
+            fail("%s", "the prompt encodes to no tokens");
+            goto out;
+        }
+        n_prompt = (int)n;
+    } else {
+        int prc = parse_ids(a.prompt_ids, &prompt, &n_prompt);
+        if (prc == TDM_ENOMEM) {
+            fail("%s", "out of memory");
+            goto out;
+        }
+        if (prc != TDM_OK) {
+            fail("--prompt-ids needs comma-separated non-negative integers, got \"%s\"",
+                 a.prompt_ids);
+            goto out;
+        }
+    }
+
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = (n_prompt + a.max_tokens + kc.block_size - 1) / kc.block_size + 1;
+    kc.enable_prefix_caching = false;
+    if (tdm_kv_new(&kv, &kc, err, sizeof err) != TDM_OK) {
+        fail("%s", err);
+        goto out;
+    }
+
+    out_ids = malloc((size_t)a.max_tokens * sizeof *out_ids);
+    if (a.dump_logits)
+        logits = malloc((size_t)a.max_tokens * (size_t)cfg->vocab_size * sizeof *logits);
+    if (out_ids == NULL || (a.dump_logits && logits == NULL)) {
+        fail("%s", "out of memory");
+        goto out;
+    }
+    struct tdm_gen_request req;
+    memset(&req, 0, sizeof req);
+    req.prompt = prompt;
+    req.n_prompt = n_prompt;
+    req.max_tokens = a.max_tokens;
+    req.params = a.sp;
+    req.out_ids = out_ids;
+    req.logits_out = logits;
+    struct tdm_gen_opts go;
+    tdm_gen_opts_default(&go);
+    go.chunk = a.chunk;
+    struct tdm_gen_stats st;
+    if (tdm_gen_run(m, kv, &req, 1, &go, &st, err, sizeof err) != TDM_OK) {
+        fail("%s", err);
+        goto out;
+    }
+    if (a.dump_logits &&
+        write_logits(a.dump_logits, logits, (size_t)req.n_out * (size_t)cfg->vocab_size) !=
+            TDM_OK) {
+        fail("%s: cannot write the logits", a.dump_logits);
+        goto out;
+    }
+    size_t text_len = 0;
+    if (tok != NULL &&
+        tdm_tok_decode(tok, out_ids, (size_t)req.n_out, true, &text, &text_len) != TDM_OK)
+        text = NULL;
+    if (a.json) {
+        print_json(&a, prompt, n_prompt, &req, text, load_s, &st);
+    } else if (text != NULL) {
+        fwrite(text, 1, text_len, stdout);
+        fputc('\n', stdout);
+    } else {
+        for (int i = 0; i < req.n_out; i++)
+            printf("%s%d", i ? "," : "", (int)out_ids[i]);
+        fputc('\n', stdout);
+    }
+    rc = 0;
+out:
+    free(text);
+    free(logits);
+    free(out_ids);
+    free(prompt);
+    tdm_tok_free(tok);
+    tdm_kv_free(kv);
+    tdm_model_free(m);
+    return rc;
+}
