@@ -37,8 +37,9 @@ struct tdm_rope_scaling {
 };
 
 struct tdm_model_config {
-    enum tdm_arch arch;                    // from "architectures"[0]
-    char architecture[64];                 // the string as written
+    enum tdm_arch arch;                    // from "architectures"[0], else "model_type"
+    char architecture[64];                 // the class name as written (from model_type:
+                                           // the class transformers would use)
     int hidden_size;
     int intermediate_size;
     int num_hidden_layers;
@@ -46,27 +47,30 @@ struct tdm_model_config {
     int num_key_value_heads;               // defaults to num_attention_heads
     int head_dim;                          // defaults to hidden_size / num_attention_heads
     int vocab_size;
-    int max_position_embeddings;
-    float rms_norm_eps;
+    int max_position_embeddings;           // default 32768 (Qwen2) / 2048 (Llama)
+    float rms_norm_eps;                    // default 1e-6
     double rope_theta;                     // default 10000
     struct tdm_rope_scaling rope_scaling;
-    bool tie_word_embeddings;
+    bool tie_word_embeddings;              // default false (Qwen2Config and LlamaConfig)
     bool attention_bias;                   // q/k/v biases: Qwen2 always; Llama when "attention_bias"
     bool use_sliding_window;               // Qwen2 field (false for Qwen2.5)
-    int sliding_window;                    // 0 when absent/null
-    int max_window_layers;
-    int bos_token_id;                      // -1 when absent/null
-    int eos_token_ids[TDM_MAX_EOS];        // int or list in the file
-    int num_eos_token_ids;
-    enum tdm_dtype torch_dtype;            // BF16 when absent
+    int sliding_window;                    // 0 unless use_sliding_window (as transformers does)
+    int max_window_layers;                 // layers >= this use the window; Qwen2 default 28
+    int bos_token_id;                      // -1 when absent/null (a list: its first id)
+    int eos_token_ids[TDM_MAX_EOS];        // int or list in the file; every id < vocab_size
+    int num_eos_token_ids;                 // 0 when absent/null
+    enum tdm_dtype torch_dtype;            // "dtype" or "torch_dtype"; BF16 when absent
 };
 
-// Parses and validates config.json text. On failure returns TDM_EINVAL (or
-// TDM_EPROTO for malformed JSON) and writes a precise message to err, e.g.
+// Parses and validates config.json text (len bytes; need not be NUL-terminated).
+// On failure returns TDM_EINVAL (or TDM_EPROTO for malformed JSON or a top level
+// that is not an object) and writes a precise message to err, e.g.
 // "config.json: num_key_value_heads=3 does not divide num_attention_heads=14".
+// On success head_dim and num_key_value_heads are filled in even when absent.
+// Field list, defaults and checks: docs/model-folders.md.
 int tdm_hf_config_parse(struct tdm_model_config *cfg, const char *json, size_t len, char *err,
                         size_t errlen);
-// Reads DIR/config.json and parses it.
+// Reads DIR/config.json and parses it; TDM_ENOTFOUND/TDM_EIO when unreadable.
 int tdm_hf_config_load(struct tdm_model_config *cfg, const char *dir, char *err, size_t errlen);
 
 // Defaults from generation_config.json. A has_* flag is false when the file is
@@ -84,7 +88,9 @@ struct tdm_generation_config {
     int pad_token_id;      // -1 when absent
     int bos_token_id;      // -1 when absent
 };
-// A missing DIR/generation_config.json is not an error: all has_* false.
+// A missing DIR/generation_config.json is not an error: all has_* false, ids -1.
+// Null values count as absent; out-of-range values (temperature < 0, top_p
+// outside (0, 1], top_k < -1, ...) are TDM_EINVAL, bad JSON TDM_EPROTO.
 int tdm_hf_generation_config_load(struct tdm_generation_config *gc, const char *dir, char *err,
                                   size_t errlen);
 int tdm_hf_generation_config_parse(struct tdm_generation_config *gc, const char *json, size_t len,
@@ -136,14 +142,24 @@ struct tdm_tensor {
 
 struct tdm_safetensors;
 
-// Opens PATH: a .safetensors file, or a model folder holding model.safetensors or
-// model.safetensors.index.json (+ its shards). Maps each file read-only.
+// Opens PATH: a .safetensors file, a model.safetensors.index.json file, or a
+// model folder holding model.safetensors (preferred, as in transformers) or
+// model.safetensors.index.json (+ its shards). Maps each file read-only, once.
+// Errors: TDM_ENOTFOUND (no such file/folder, a shard the index names is
+// missing, a tensor the index names is not in its shard), TDM_EPROTO (malformed
+// header or index: bad lengths, offsets, shapes, overlaps, duplicate names),
+// TDM_EINVAL (valid but unsupported: dtype other than F32/F16/BF16, more than 4
+// dims), TDM_EIO; err names the file and the tensor. *out is NULL on failure.
+// Tensor data is aligned to its element size. The files must not be truncated
+// while open (that would fault, as with any mmap).
 int tdm_st_open(struct tdm_safetensors **out, const char *path, char *err, size_t errlen);
 void tdm_st_free(struct tdm_safetensors *st);
 
+// Tensors are ordered shard by shard (in order of first mention in the index),
+// by data offset within a shard. tdm_st_at returns NULL past the end.
 size_t tdm_st_count(const struct tdm_safetensors *st);
 const struct tdm_tensor *tdm_st_at(const struct tdm_safetensors *st, size_t i);
-// NULL when absent.
+// Hash lookup; NULL when absent.
 const struct tdm_tensor *tdm_st_find(const struct tdm_safetensors *st, const char *name);
 // Finds NAME and checks its shape (ndim entries of shape); TDM_ENOTFOUND or
 // TDM_EINVAL with "model.layers.0.mlp.up_proj.weight: shape [4864, 895] does not
@@ -153,11 +169,16 @@ int tdm_st_get(const struct tdm_safetensors *st, const char *name, int ndim, con
 
 // Writes a safetensors file with the given tensors (data copied from each
 // tensor's data pointer), header keys in the order given, offsets in order,
-// with an optional __metadata__ {"format":"pt"}.
+// __metadata__ {"format":"pt"} first, the header padded with spaces to a
+// multiple of 8 bytes. Written to PATH.tmp.XXXXXX then renamed over PATH.
+// TDM_EINVAL for bad tensors (duplicate name, nbytes not shape x dtype size,
+// NULL data with nbytes > 0), TDM_EIO for file errors (no partial file left).
 int tdm_st_write(const char *path, const struct tdm_tensor *tensors, size_t n, char *err,
                  size_t errlen);
 
-// bf16/f16 <-> f32 conversions (round to nearest even for f32 -> bf16).
+// bf16/f16 <-> f32 conversions. f32 -> bf16/f16 round to nearest, ties to even;
+// overflow gives inf; NaN stays NaN (sign and top payload bits kept, quiet bit
+// set); f16 subnormals are exact both ways.
 float tdm_bf16_to_f32(uint16_t h);
 uint16_t tdm_f32_to_bf16(float f);
 float tdm_f16_to_f32(uint16_t h);

@@ -668,6 +668,50 @@ static void test_mutations(void **state)
     free(orig);
 }
 
+// Many tensors (Llama 3 70B has 723, 405B 1137; use 8000): every one is found
+// by name, and lookups stay O(1) on average.
+static void test_find_many(void **state)
+{
+    (void)state;
+    enum { N = 8000 };
+    struct tdm_tensor *t = calloc(N, sizeof(*t));
+    char(*names)[48] = calloc(N, sizeof(*names));
+    float *vals = calloc(N, sizeof(float));
+    assert_non_null(t);
+    assert_non_null(names);
+    assert_non_null(vals);
+    for (int i = 0; i < N; i++) {
+        snprintf(names[i], sizeof(names[i]), "model.layers.%d.mlp.w%d.weight", i / 10, i % 10);
+        vals[i] = (float)i;
+        t[i] = (struct tdm_tensor){.name = names[i], .dtype = TDM_DTYPE_F32, .ndim = 1,
+                                   .shape = {1}, .data = &vals[i], .nbytes = 4};
+    }
+    char err[256];
+    const char *p = tpath("many.safetensors");
+    assert_int_equal(tdm_st_write(p, t, N, err, sizeof(err)), TDM_OK);
+    double t0 = tdm_now();
+    struct tdm_safetensors *st;
+    assert_int_equal(tdm_st_open(&st, p, err, sizeof(err)), TDM_OK);
+    double t1 = tdm_now();
+    assert_int_equal(tdm_st_count(st), N);
+    int rounds = 20;
+    for (int r = 0; r < rounds; r++) {
+        for (int i = 0; i < N; i++) {
+            const struct tdm_tensor *f = tdm_st_find(st, names[i]);
+            assert_non_null(f);
+            assert_true(*(const float *)f->data == (float)i);
+        }
+    }
+    double t2 = tdm_now();
+    assert_null(tdm_st_find(st, "model.layers.0.mlp.w10.weight"));
+    print_message("find_many: open %d tensors %.2f ms, %.0f ns per lookup\n", N,
+                  (t1 - t0) * 1e3, (t2 - t1) * 1e9 / ((double)rounds * N));
+    tdm_st_free(st);
+    free(vals);
+    free(names);
+    free(t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -678,6 +722,7 @@ int main(void)
         cmocka_unit_test(test_sharded_errors),
         cmocka_unit_test(test_bad_files),
         cmocka_unit_test(test_mutations),
+        cmocka_unit_test(test_find_many),
     };
     return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }

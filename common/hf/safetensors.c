@@ -361,7 +361,8 @@ static int load_file(struct tdm_safetensors *st, const char *path, char *err, si
     }
     cJSON_Delete(root);
 
-    qsort(st->entries + first, st->n - first, sizeof(*st->entries), cmp_entry_offset);
+    if (st->n > first)
+        qsort(st->entries + first, st->n - first, sizeof(*st->entries), cmp_entry_offset);
     const struct st_entry *prev = NULL;
     for (size_t i = first; i < st->n; i++) {
         const struct st_entry *e = &st->entries[i];
