@@ -45,15 +45,15 @@ _Static_assert(sizeof(struct tdm_kv_header) == 96, "kv header is 96 bytes on the
 enum kv_state { KV_FREE = 0, KV_EVICTABLE, KV_USED };
 
 struct kv_block {
-    int ref;            // sequences holding this block
-    int state;          // enum kv_state
-    int prev, next;     // links in the free or evictable queue (-1 = none)
-    bool hashed;        // in the prefix map (identity below is valid)
-    uint64_t hash;      // chained hash when hashed
-    int parent;         // canonical parent block when hashed (-1 = first block)
+    int ref;        // sequences holding this block
+    int state;      // enum kv_state
+    int prev, next; // links in the free or evictable queue (-1 = none)
+    bool hashed;    // in the prefix map (identity below is valid)
+    uint64_t hash;  // chained hash when hashed
+    int parent;     // canonical parent block when hashed (-1 = first block)
     uint32_t parent_gen;
-    uint32_t gen;       // bumped each time the block leaves the map
-    int alias;          // unhashed full block: pinned cached twin with identical content (-1 = none)
+    uint32_t gen; // bumped each time the block leaves the map
+    int alias;    // unhashed full block: pinned cached twin with identical content (-1 = none)
 };
 
 struct kv_queue {
@@ -67,20 +67,20 @@ struct kv_slot {
 
 struct tdm_kv_cache {
     struct tdm_kv_config cfg;
-    size_t block_floats;        // num_kv_heads * block_size * head_dim (one block, one layer, K or V)
-    float **k;                  // [num_layers] -> [num_blocks][num_kv_heads][block_size][head_dim] f32
-    float **v;                  // same shape as k
-    struct kv_block *blocks;    // [num_blocks]
-    int32_t *block_tokens;      // [num_blocks][block_size] token ids of hashed blocks
-    struct kv_queue free_q;     // FREE blocks, allocation order
-    struct kv_queue evict_q;    // EVICTABLE blocks, least recently released first
-    int num_used;               // blocks with ref > 0
-    int num_hashed;             // blocks in the map
-    struct kv_slot *slots;      // [slot_mask + 1] prefix map
+    size_t block_floats;     // num_kv_heads * block_size * head_dim (one block, one layer, K or V)
+    float **k;               // [num_layers] -> [num_blocks][num_kv_heads][block_size][head_dim] f32
+    float **v;               // same shape as k
+    struct kv_block *blocks; // [num_blocks]
+    int32_t *block_tokens;   // [num_blocks][block_size] token ids of hashed blocks
+    struct kv_queue free_q;  // FREE blocks, allocation order
+    struct kv_queue evict_q; // EVICTABLE blocks, least recently released first
+    int num_used;            // blocks with ref > 0
+    int num_hashed;          // blocks in the map
+    struct kv_slot *slots;   // [slot_mask + 1] prefix map
     size_t slot_mask;
-    uint64_t queries, hits;     // prefix-cache counters, tokens
-    tdm_kv_hash_fn hash_fn;     // kv_hash_block unless a test swapped it
-    char errmsg[256];           // detail of the last failure
+    uint64_t queries, hits; // prefix-cache counters, tokens
+    tdm_kv_hash_fn hash_fn; // kv_hash_block unless a test swapped it
+    char errmsg[256];       // detail of the last failure
 };
 
 // ---- hashing ----------------------------------------------------------------------
@@ -125,7 +125,8 @@ static uint64_t kv_hash_block(uint64_t parent, const int32_t *tokens, int n)
 
 // ---- small helpers -------------------------------------------------------------------
 
-static void kv_err(struct tdm_kv_cache *kv, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void kv_err(struct tdm_kv_cache *kv, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 static void kv_err(struct tdm_kv_cache *kv, const char *fmt, ...)
 {
     va_list ap;
@@ -561,8 +562,8 @@ static bool seq_canonical(const struct tdm_kv_cache *kv, const struct tdm_kv_seq
 // Gives the full block i of seq its identity in the prefix map, linked to the
 // canonical block (parent, parent_gen) of i - 1, or pins the cached twin when
 // that identity is already there.
-static void seq_publish_block(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const int32_t *tokens,
-                              int i, int parent, uint32_t parent_gen)
+static void seq_publish_block(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                              const int32_t *tokens, int i, int parent, uint32_t parent_gen)
 {
     int bs = kv->cfg.block_size;
     int b = seq->block_table[i];
@@ -694,8 +695,8 @@ static int check_queue(const struct tdm_kv_cache *kv, const struct kv_queue *q, 
         seen[b] = 1;
         const struct kv_block *bl = &kv->blocks[b];
         if (bl->state != state)
-            return tdm_seterr(err, errlen, TDM_EPROTO, "kv check: block %d in %s queue has state %d",
-                              b, name, bl->state);
+            return tdm_seterr(err, errlen, TDM_EPROTO,
+                              "kv check: block %d in %s queue has state %d", b, name, bl->state);
         if (bl->ref != 0)
             return tdm_seterr(err, errlen, TDM_EPROTO, "kv check: block %d in %s queue has ref %d",
                               b, name, bl->ref);
@@ -751,10 +752,11 @@ int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen)
                                 bl->alias);
             else if (bl->hashed || bl->state != KV_USED || !kv->blocks[bl->alias].hashed ||
                      kv->blocks[bl->alias].ref <= 0)
-                rc = tdm_seterr(err, errlen, TDM_EPROTO,
-                                "kv check: block %d aliases block %d but is hashed or unreferenced, "
-                                "or the twin is not a pinned cached block",
-                                b, bl->alias);
+                rc =
+                    tdm_seterr(err, errlen, TDM_EPROTO,
+                               "kv check: block %d aliases block %d but is hashed or unreferenced, "
+                               "or the twin is not a pinned cached block",
+                               b, bl->alias);
         }
         if (rc == TDM_OK && bl->hashed) {
             hashed++;
@@ -762,22 +764,24 @@ int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen)
                 rc = tdm_seterr(err, errlen, TDM_EPROTO,
                                 "kv check: block %d hashed with prefix caching off", b);
             else if (bl->hash == 0)
-                rc = tdm_seterr(err, errlen, TDM_EPROTO, "kv check: block %d hashed with hash 0", b);
+                rc =
+                    tdm_seterr(err, errlen, TDM_EPROTO, "kv check: block %d hashed with hash 0", b);
             else if (bl->parent < -1 || bl->parent >= nb || bl->parent == b)
                 rc = tdm_seterr(err, errlen, TDM_EPROTO, "kv check: block %d has parent %d", b,
                                 bl->parent);
             else if (map_find(kv, bl->hash, bl->parent, bl->parent_gen, kv_tokens_of(kv, b)) != b)
-                rc = tdm_seterr(err, errlen, TDM_EPROTO,
-                                "kv check: hashed block %d is not what the map finds for its identity",
-                                b);
+                rc = tdm_seterr(
+                    err, errlen, TDM_EPROTO,
+                    "kv check: hashed block %d is not what the map finds for its identity", b);
             // No orphans: a cached block's parent is cached with the same generation,
             // referenced whenever the child is, and (both evictable) evicted after it.
             else if (bl->parent >= 0) {
                 const struct kv_block *pb = &kv->blocks[bl->parent];
                 if (!pb->hashed || pb->gen != bl->parent_gen)
-                    rc = tdm_seterr(err, errlen, TDM_EPROTO,
-                                    "kv check: block %d is an orphan (parent %d gen %u, link gen %u)",
-                                    b, bl->parent, pb->gen, bl->parent_gen);
+                    rc = tdm_seterr(
+                        err, errlen, TDM_EPROTO,
+                        "kv check: block %d is an orphan (parent %d gen %u, link gen %u)", b,
+                        bl->parent, pb->gen, bl->parent_gen);
                 else if (bl->ref > 0 && pb->ref == 0)
                     rc = tdm_seterr(err, errlen, TDM_EPROTO,
                                     "kv check: block %d is referenced but its parent %d is not", b,
@@ -813,9 +817,11 @@ int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen)
             rc = tdm_seterr(err, errlen, TDM_EPROTO, "kv check: block %d is in the map twice",
                             s->block);
         else if (!kv->blocks[s->block].hashed || kv->blocks[s->block].hash != s->hash)
-            rc = tdm_seterr(err, errlen, TDM_EPROTO,
-                            "kv check: slot %zu names block %d which is not hashed so", i, s->block);
-        for (size_t j = s->hash & kv->slot_mask; rc == TDM_OK && j != i; j = (j + 1) & kv->slot_mask)
+            rc =
+                tdm_seterr(err, errlen, TDM_EPROTO,
+                           "kv check: slot %zu names block %d which is not hashed so", i, s->block);
+        for (size_t j = s->hash & kv->slot_mask; rc == TDM_OK && j != i;
+             j = (j + 1) & kv->slot_mask)
             if (kv->slots[j].block == KV_SLOT_EMPTY)
                 rc = tdm_seterr(err, errlen, TDM_EPROTO,
                                 "kv check: slot %zu unreachable from its home slot", i);
@@ -879,19 +885,19 @@ int tdm_kv_header_check(const struct tdm_kv_cache *kv, const char *model,
             return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: %s %d != %d", geo[i].name,
                               geo[i].got, geo[i].want);
     if (h->first_block < 0 || h->num_blocks < 0 || h->num_tokens < 0)
-        return tdm_seterr(err, errlen, TDM_EPROTO,
-                          "kv header: negative range (first_block %d, num_blocks %d, num_tokens %d)",
-                          h->first_block, h->num_blocks, h->num_tokens);
+        return tdm_seterr(
+            err, errlen, TDM_EPROTO,
+            "kv header: negative range (first_block %d, num_blocks %d, num_tokens %d)",
+            h->first_block, h->num_blocks, h->num_tokens);
     int64_t end_block = (int64_t)h->first_block + h->num_blocks;
     if (end_block > kv->cfg.num_blocks)
         return tdm_seterr(err, errlen, TDM_EPROTO,
                           "kv header: blocks [%d, %lld) exceed the pool of %d blocks",
                           h->first_block, (long long)end_block, kv->cfg.num_blocks);
     if ((int64_t)h->num_tokens > end_block * kv->cfg.block_size)
-        return tdm_seterr(err, errlen, TDM_EPROTO,
-                          "kv header: num_tokens %d > %lld tokens in blocks [0, %lld)",
-                          h->num_tokens, (long long)(end_block * kv->cfg.block_size),
-                          (long long)end_block);
+        return tdm_seterr(
+            err, errlen, TDM_EPROTO, "kv header: num_tokens %d > %lld tokens in blocks [0, %lld)",
+            h->num_tokens, (long long)(end_block * kv->cfg.block_size), (long long)end_block);
     if (h->reserved[0] != 0 || h->reserved[1] != 0)
         return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: reserved fields are not zero");
     return TDM_OK;
@@ -962,8 +968,8 @@ int tdm_kv_export_layer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, i
     return TDM_OK;
 }
 
-int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int layer,
-                        int first_block, int nblocks, const void *src, size_t src_len)
+int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int layer, int first_block,
+                        int nblocks, const void *src, size_t src_len)
 {
     if (!kv)
         return TDM_EINVAL;

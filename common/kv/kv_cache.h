@@ -8,7 +8,11 @@
 // counts blocks referenced by sequences, so it returns to 0 when all finish.
 // Export/import copy a sequence's KV as contiguous bytes per layer for transfer.
 //
-// Storage, host memory, f32, per layer:
+// Not thread-safe: one engine thread owns the cache and every seq on it.
+// docs/kv-cache.md describes the block states, hashing, eviction and the
+// transfer format.
+//
+// Storage, host memory, f32, per layer (64-byte aligned, zeroed at creation):
 //   k[layer] : [num_blocks][num_kv_heads][block_size][head_dim]
 //   v[layer] : [num_blocks][num_kv_heads][block_size][head_dim]
 // so one head's keys inside a block are contiguous rows of head_dim.
@@ -33,11 +37,14 @@ size_t tdm_kv_block_bytes(const struct tdm_kv_config *cfg);
 
 struct tdm_kv_cache;
 
+// TDM_EINVAL (err names the field) for a size <= 0 or a pool whose byte or token
+// count overflows; TDM_ENOMEM when the pool cannot be allocated.
 int tdm_kv_new(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg, char *err, size_t errlen);
 void tdm_kv_free(struct tdm_kv_cache *kv);
 const struct tdm_kv_config *tdm_kv_config(const struct tdm_kv_cache *kv);
 
-// Pointers to one block of one layer: [num_kv_heads][block_size][head_dim] f32.
+// Pointers to one block of one layer: [num_kv_heads][block_size][head_dim] f32;
+// NULL for a layer or block out of range.
 float *tdm_kv_k(struct tdm_kv_cache *kv, int layer, int block);
 float *tdm_kv_v(struct tdm_kv_cache *kv, int layer, int block);
 
@@ -51,23 +58,33 @@ struct tdm_kv_seq {
     uint64_t *block_hashes;    // [cap_blocks] chained hash of each full block (0 = not full yet)
 };
 void tdm_kv_seq_init(struct tdm_kv_seq *seq);
-// Drops the sequence's references; full hashed blocks stay cached (evictable).
+// Drops the sequence's references; full hashed blocks stay cached (evictable,
+// the sequence's last block first in eviction order). Frees the arrays and
+// re-inits seq, so releasing twice or releasing an empty seq is harmless.
 void tdm_kv_seq_release(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq);
 
 // On an empty seq: finds the longest run of cached full blocks matching tokens
 // (never all n tokens: at least one token is left to compute, so the caller gets
 // logits), takes references, sets num_tokens = num_cached_tokens = the match.
-// Counts queries (n) and hits (the match) in tokens. Returns the match length.
+// Counts queries (n) and hits (the match) in tokens. Returns the match length,
+// a multiple of block_size; 0 without counting when seq is not empty or prefix
+// caching is off.
 int tdm_kv_match_prefix(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const int32_t *tokens,
                         int n);
 
 // Makes the block table cover total_tokens positions, taking free blocks (evicting
-// LRU cached ones when needed). All or nothing: TDM_ECAPACITY leaves seq unchanged.
+// LRU cached ones when needed). All or nothing: TDM_ECAPACITY leaves seq unchanged
+// (tdm_kv_errmsg says how many blocks were missing). Never shrinks the table.
+// TDM_EINVAL for total_tokens < 0, TDM_ENOMEM if the table cannot grow.
 int tdm_kv_reserve(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_tokens);
 
 // Declares that KV for tokens[0..total_tokens) is now written; blocks that became
 // full get their chained hash and enter the prefix cache. tokens is the whole
-// sequence (prompt + generated) so far.
+// sequence (prompt + generated) so far. total_tokens must lie in
+// [seq->num_tokens, seq->num_blocks * block_size]; otherwise nothing changes and
+// the error is logged (tdm_kv_errmsg). A full block whose content is already
+// cached (two requests computed it at once) stays out of the map and pins its
+// cached twin until released, so later blocks still chain onto the cached prefix.
 void tdm_kv_commit(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const int32_t *tokens,
                    int total_tokens);
 
@@ -78,7 +95,9 @@ float tdm_kv_usage(const struct tdm_kv_cache *kv);
 // Counters: prefix-cache queries and hits, in tokens, since creation.
 void tdm_kv_prefix_stats(const struct tdm_kv_cache *kv, uint64_t *queries, uint64_t *hits);
 // Self-check for tests: every block is free, cached or referenced exactly as the
-// refcounts say; returns TDM_OK or TDM_EPROTO with the first inconsistency in err.
+// refcounts say, the map and the blocks' hashes agree, no cached block outlives
+// its parent; returns TDM_OK or TDM_EPROTO with the first inconsistency in err.
+// O(num_blocks): not for the serving path.
 int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen);
 int tdm_kv_num_referenced_blocks(const struct tdm_kv_cache *kv);
 // Cached blocks no sequence references (prefix-cache hits possible, reused LRU).
@@ -112,17 +131,27 @@ struct tdm_kv_header {
     uint32_t reserved[2];      // zero in version 1; pads the header to 96 bytes
 };
 void tdm_kv_header_fill(const struct tdm_kv_cache *kv, const char *model, struct tdm_kv_header *h);
-// TDM_EPROTO with "kv header: head_dim 64 != 128" when h does not fit this cache/model.
+// Sets num_tokens, first_block and num_blocks to 0 (the caller fills them); the
+// model name is truncated to 47 bytes.
+// TDM_EPROTO with "kv header: head_dim 64 != 128" (received != ours) when h does
+// not fit this cache/model: magic, version, model, geometry, dtype, a negative or
+// out-of-pool block range, num_tokens beyond the range's end, reserved != 0.
 int tdm_kv_header_check(const struct tdm_kv_cache *kv, const char *model,
                         const struct tdm_kv_header *h, char *err, size_t errlen);
 
 // Bytes of one layer's payload for nblocks blocks: K then V, each
 // [nblocks][num_kv_heads][block_size][head_dim] f32.
 size_t tdm_kv_layer_bytes(const struct tdm_kv_cache *kv, int nblocks);
+// 0 for nblocks < 0 or > num_blocks.
 // Copies layer `layer` of seq's blocks [first_block, first_block+nblocks) into dst.
+// dst_len must equal tdm_kv_layer_bytes(kv, nblocks); TDM_EINVAL (detail in
+// tdm_kv_errmsg) for a bad layer, range or length.
 int tdm_kv_export_layer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, int layer,
                         int first_block, int nblocks, void *dst, size_t dst_len);
 // Writes such a payload into seq's blocks (which tdm_kv_reserve must have made).
+// Same checks as export, and TDM_EINVAL for a block that is shared or in the
+// prefix cache (import only past the cached prefix), so a transfer can never
+// change KV another sequence relies on. Commit afterwards as usual.
 int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int layer,
                         int first_block, int nblocks, const void *src, size_t src_len);
 

@@ -491,7 +491,7 @@ static void test_commit_bad_input(void **state)
     tdm_kv_seq_init(&a);
     assert_int_equal(tdm_kv_reserve(kv, &a, 8), TDM_OK);
     int saved = tdm_log_level;
-    tdm_log_level = -1; // the rejected commits log an error; keep the test output clean
+    tdm_log_level = -1;             // the rejected commits log an error; keep the test output clean
     tdm_kv_commit(kv, &a, toks, 9); // beyond the reservation
     assert_int_equal(a.num_tokens, 0);
     assert_int_equal(a.block_hashes[0], 0);
@@ -761,8 +761,8 @@ static void test_export_import(void **state)
     assert_int_equal(tdm_kv_import_layer(dst, &d, 2, 1, 2, buf, lb2), TDM_OK);
     assert_memory_equal(tdm_kv_k(dst, 2, d.block_table[2]), tdm_kv_k(src, 2, s.block_table[2]), bb);
     assert_memory_equal(tdm_kv_v(dst, 2, d.block_table[1]), tdm_kv_v(src, 2, s.block_table[1]), bb);
-    assert_memory_not_equal(tdm_kv_k(dst, 2, d.block_table[0]),
-                            tdm_kv_k(src, 2, s.block_table[0]), bb);
+    assert_memory_not_equal(tdm_kv_k(dst, 2, d.block_table[0]), tdm_kv_k(src, 2, s.block_table[0]),
+                            bb);
     // Zero blocks is a valid, empty transfer.
     assert_int_equal(tdm_kv_export_layer(src, &s, 0, 3, 0, NULL, 0), TDM_OK);
 
