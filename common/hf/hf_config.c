@@ -340,8 +340,8 @@ static int config_fill(struct jctx *c, const cJSON *root, struct tdm_model_confi
     if ((rc = get_int(c, root, "hidden_size", true, 0, 1, pos, &cfg->hidden_size)) ||
         (rc = get_int(c, root, "intermediate_size", true, 0, 1, pos, &cfg->intermediate_size)) ||
         (rc = get_int(c, root, "num_hidden_layers", true, 0, 1, pos, &cfg->num_hidden_layers)) ||
-        (rc = get_int(c, root, "num_attention_heads", true, 0, 1, pos,
-                      &cfg->num_attention_heads)) ||
+        (rc =
+             get_int(c, root, "num_attention_heads", true, 0, 1, pos, &cfg->num_attention_heads)) ||
         (rc = get_int(c, root, "num_key_value_heads", false, cfg->num_attention_heads, 1, pos,
                       &cfg->num_key_value_heads)) ||
         (rc = get_int(c, root, "head_dim", false, 0, 1, pos, &cfg->head_dim)) ||
@@ -371,8 +371,8 @@ static int config_fill(struct jctx *c, const cJSON *root, struct tdm_model_confi
         if ((rc = get_bool(c, root, "mlp_bias", false, &mlp_bias)))
             return rc;
         if (mlp_bias)
-            return tdm_seterr(c->err, c->errlen, TDM_EINVAL,
-                              "%s: mlp_bias=true is not supported", c->file);
+            return tdm_seterr(c->err, c->errlen, TDM_EINVAL, "%s: mlp_bias=true is not supported",
+                              c->file);
     }
     const cJSON *act = field(root, "hidden_act");
     if (act && (!cJSON_IsString(act) || strcmp(act->valuestring, "silu") != 0)) {
@@ -492,9 +492,8 @@ static int generation_fill(struct jctx *c, const cJSON *root, struct tdm_generat
                             &gc->top_p)) ||
         (rc = get_opt_float(c, root, "min_p", 0, 1, false, "a number in [0, 1]", &gc->has_min_p,
                             &gc->min_p)) ||
-        (rc = get_opt_float(c, root, "repetition_penalty", 0, HUGE_VAL, true,
-                            "a positive number", &gc->has_repetition_penalty,
-                            &gc->repetition_penalty)))
+        (rc = get_opt_float(c, root, "repetition_penalty", 0, HUGE_VAL, true, "a positive number",
+                            &gc->has_repetition_penalty, &gc->repetition_penalty)))
         return rc;
     if (field(root, "top_k")) {
         if ((rc = get_int(c, root, "top_k", false, 0, -1, "an integer >= -1", &gc->top_k)))
@@ -578,19 +577,17 @@ void tdm_hf_sampling_resolve(const struct tdm_generation_config *gc,
     if (!gc)
         gc = &empty;
 
-    out->temperature = req->temperature ? *req->temperature
+    out->temperature = req->temperature      ? *req->temperature
                        : gc->has_temperature ? gc->temperature
                                              : 1.0f;
     out->top_p = req->top_p ? *req->top_p : gc->has_top_p ? gc->top_p : 1.0f;
     // vLLM reads the file through GenerationConfig.to_diff_dict(), which drops
     // values equal to transformers' defaults; only top_k=50 differs from vLLM's own
     // fallback (off), so a file saying top_k 50 leaves top_k off.
-    int top_k = req->top_k                         ? *req->top_k
-                : (gc->has_top_k && gc->top_k != 50) ? gc->top_k
-                                                     : 0;
+    int top_k = req->top_k ? *req->top_k : (gc->has_top_k && gc->top_k != 50) ? gc->top_k : 0;
     out->top_k = top_k < 0 ? 0 : top_k;
     out->min_p = req->min_p ? *req->min_p : gc->has_min_p ? gc->min_p : 0.0f;
-    out->repetition_penalty = req->repetition_penalty   ? *req->repetition_penalty
+    out->repetition_penalty = req->repetition_penalty      ? *req->repetition_penalty
                               : gc->has_repetition_penalty ? gc->repetition_penalty
                                                            : 1.0f;
     // vLLM's get_max_tokens: the smallest of the request's max_tokens, the file's

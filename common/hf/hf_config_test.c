@@ -255,11 +255,11 @@ static void test_model_type_only(void **state)
 // JSON text to put there (or NULL to drop the key).
 static char *llama_with(const char *key, const char *value)
 {
-    static const char *keys[] = {"architectures", "hidden_size", "intermediate_size",
-                                 "num_hidden_layers", "num_attention_heads",
-                                 "num_key_value_heads", "vocab_size", "rms_norm_eps"};
-    static const char *vals[] = {"[\"LlamaForCausalLM\"]", "896", "4864", "2", "14", "2",
-                                 "1000", "1e-6"};
+    static const char *keys[] = {"architectures",     "hidden_size",         "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                 "vocab_size",        "rms_norm_eps"};
+    static const char *vals[] = {
+        "[\"LlamaForCausalLM\"]", "896", "4864", "2", "14", "2", "1000", "1e-6"};
     size_t cap = 4096, at = 0;
     char *s = malloc(cap);
     at += (size_t)snprintf(s + at, cap - at, "{");
@@ -271,8 +271,7 @@ static char *llama_with(const char *key, const char *value)
             v = value;
         }
         if (v)
-            at += (size_t)snprintf(s + at, cap - at, "%s\"%s\":%s", at > 1 ? "," : "", keys[i],
-                                   v);
+            at += (size_t)snprintf(s + at, cap - at, "%s\"%s\":%s", at > 1 ? "," : "", keys[i], v);
     }
     if (!used && value)
         at += (size_t)snprintf(s + at, cap - at, ",\"%s\":%s", key, value);
@@ -310,8 +309,10 @@ static void test_config_errors(void **state)
     expect_error("num_key_value_heads", "28", TDM_EINVAL, "does not divide");
     expect_error("hidden_size", NULL, TDM_EINVAL,
                  "config.json: missing required field \"hidden_size\"");
-    expect_error("intermediate_size", NULL, TDM_EINVAL, "missing required field \"intermediate_size\"");
-    expect_error("num_hidden_layers", NULL, TDM_EINVAL, "missing required field \"num_hidden_layers\"");
+    expect_error("intermediate_size", NULL, TDM_EINVAL,
+                 "missing required field \"intermediate_size\"");
+    expect_error("num_hidden_layers", NULL, TDM_EINVAL,
+                 "missing required field \"num_hidden_layers\"");
     expect_error("num_attention_heads", NULL, TDM_EINVAL,
                  "missing required field \"num_attention_heads\"");
     expect_error("vocab_size", NULL, TDM_EINVAL, "missing required field \"vocab_size\"");
@@ -319,15 +320,22 @@ static void test_config_errors(void **state)
     expect_error("hidden_size", "\"896\"", TDM_EINVAL,
                  "config.json: hidden_size must be a positive integer, got \"896\"");
     expect_error("hidden_size", "0", TDM_EINVAL, "hidden_size must be a positive integer, got 0");
-    expect_error("hidden_size", "-896", TDM_EINVAL, "hidden_size must be a positive integer, got -896");
-    expect_error("hidden_size", "896.5", TDM_EINVAL, "hidden_size must be a positive integer, got 896.5");
+    expect_error("hidden_size", "-896", TDM_EINVAL,
+                 "hidden_size must be a positive integer, got -896");
+    expect_error("hidden_size", "896.5", TDM_EINVAL,
+                 "hidden_size must be a positive integer, got 896.5");
     expect_error("hidden_size", "1e12", TDM_EINVAL, "hidden_size must be a positive integer");
-    expect_error("hidden_size", "true", TDM_EINVAL, "hidden_size must be a positive integer, got true");
-    expect_error("num_hidden_layers", "[2]", TDM_EINVAL, "num_hidden_layers must be a positive integer, got [2]");
-    expect_error("intermediate_size", "-1", TDM_EINVAL, "intermediate_size must be a positive integer");
+    expect_error("hidden_size", "true", TDM_EINVAL,
+                 "hidden_size must be a positive integer, got true");
+    expect_error("num_hidden_layers", "[2]", TDM_EINVAL,
+                 "num_hidden_layers must be a positive integer, got [2]");
+    expect_error("intermediate_size", "-1", TDM_EINVAL,
+                 "intermediate_size must be a positive integer");
     expect_error("vocab_size", "0", TDM_EINVAL, "vocab_size must be a positive integer");
-    expect_error("num_key_value_heads", "0", TDM_EINVAL, "num_key_value_heads must be a positive integer");
-    expect_error("num_attention_heads", "0", TDM_EINVAL, "num_attention_heads must be a positive integer");
+    expect_error("num_key_value_heads", "0", TDM_EINVAL,
+                 "num_key_value_heads must be a positive integer");
+    expect_error("num_attention_heads", "0", TDM_EINVAL,
+                 "num_attention_heads must be a positive integer");
     expect_error("max_position_embeddings", "-5", TDM_EINVAL,
                  "max_position_embeddings must be a positive integer");
     expect_error("head_dim", "63", TDM_EINVAL, "config.json: head_dim=63 must be even");
@@ -353,7 +361,8 @@ static void test_config_errors(void **state)
                  "unsupported rope scaling type \"yarn\"");
     expect_error("rope_scaling", "{\"rope_type\":\"dynamic\",\"factor\":2.0}", TDM_EINVAL,
                  "unsupported rope scaling type \"dynamic\"");
-    expect_error("rope_scaling", "{\"factor\":2.0}", TDM_EINVAL, "rope_scaling has no \"rope_type\"");
+    expect_error("rope_scaling", "{\"factor\":2.0}", TDM_EINVAL,
+                 "rope_scaling has no \"rope_type\"");
     expect_error("rope_scaling", "[1]", TDM_EINVAL, "rope_scaling must be an object or null");
     expect_error("rope_scaling",
                  "{\"rope_type\":\"llama3\",\"factor\":8.0,\"low_freq_factor\":1.0,"
@@ -384,10 +393,14 @@ static void test_config_errors(void **state)
                  "max_window_layers must be a non-negative integer");
     expect_error("eos_token_id", "\"</s>\"", TDM_EINVAL,
                  "eos_token_id must be a non-negative integer or a list of them");
-    expect_error("eos_token_id", "[1, -2]", TDM_EINVAL, "eos_token_id must be a non-negative integer");
-    expect_error("eos_token_id", "[1,2,3,4,5,6,7,8,9]", TDM_EINVAL, "eos_token_id lists more than 8 ids");
-    expect_error("eos_token_id", "1000", TDM_EINVAL, "eos_token_id=1000 is not below vocab_size=1000");
-    expect_error("bos_token_id", "5000", TDM_EINVAL, "bos_token_id=5000 is not below vocab_size=1000");
+    expect_error("eos_token_id", "[1, -2]", TDM_EINVAL,
+                 "eos_token_id must be a non-negative integer");
+    expect_error("eos_token_id", "[1,2,3,4,5,6,7,8,9]", TDM_EINVAL,
+                 "eos_token_id lists more than 8 ids");
+    expect_error("eos_token_id", "1000", TDM_EINVAL,
+                 "eos_token_id=1000 is not below vocab_size=1000");
+    expect_error("bos_token_id", "5000", TDM_EINVAL,
+                 "bos_token_id=5000 is not below vocab_size=1000");
     expect_error("torch_dtype", "\"int8\"", TDM_EINVAL, "unsupported torch_dtype \"int8\"");
     expect_error("dtype", "\"float64\"", TDM_EINVAL, "unsupported dtype \"float64\"");
     expect_error("torch_dtype", "16", TDM_EINVAL, "torch_dtype must be a string, got 16");
@@ -450,7 +463,8 @@ static void test_generation_parse(void **state)
         const char *json, *msg;
         int code;
     } bad[] = {
-        {"{\"temperature\": -0.5}", "generation_config.json: temperature must be a non-negative number, got -0.5", TDM_EINVAL},
+        {"{\"temperature\": -0.5}",
+         "generation_config.json: temperature must be a non-negative number, got -0.5", TDM_EINVAL},
         {"{\"temperature\": \"hot\"}", "temperature must be a non-negative number", TDM_EINVAL},
         {"{\"top_p\": 0}", "top_p must be a number in (0, 1], got 0", TDM_EINVAL},
         {"{\"top_p\": 1.5}", "top_p must be a number in (0, 1]", TDM_EINVAL},
@@ -460,14 +474,15 @@ static void test_generation_parse(void **state)
         {"{\"repetition_penalty\": 0}", "repetition_penalty must be a positive number", TDM_EINVAL},
         {"{\"max_new_tokens\": 0}", "max_new_tokens must be a positive integer, got 0", TDM_EINVAL},
         {"{\"do_sample\": \"yes\"}", "do_sample must be true or false", TDM_EINVAL},
-        {"{\"eos_token_id\": [1, \"x\"]}", "eos_token_id must be a non-negative integer or a list", TDM_EINVAL},
+        {"{\"eos_token_id\": [1, \"x\"]}", "eos_token_id must be a non-negative integer or a list",
+         TDM_EINVAL},
         {"{\"pad_token_id\": -1}", "pad_token_id must be a non-negative integer", TDM_EINVAL},
         {"{\"temperature\": 0.5", "generation_config.json: not valid JSON", TDM_EPROTO},
         {"7", "generation_config.json: top level is not a JSON object", TDM_EPROTO},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-        int rc = tdm_hf_generation_config_parse(&gc, bad[i].json, strlen(bad[i].json), err,
-                                                sizeof(err));
+        int rc =
+            tdm_hf_generation_config_parse(&gc, bad[i].json, strlen(bad[i].json), err, sizeof(err));
         if (rc != bad[i].code || !strstr(err, bad[i].msg)) {
             print_error("%s: rc=%d err=\"%s\" want \"%s\"\n", bad[i].json, rc, err, bad[i].msg);
             fail();
@@ -522,8 +537,8 @@ static void test_sampling_resolve(void **state)
     // file values fill what the request leaves out
     float temp = 0.0f;
     int top_k = -1, max_tokens = 500;
-    struct tdm_sampling_request req = {.temperature = &temp, .top_k = &top_k,
-                                       .max_tokens = &max_tokens};
+    struct tdm_sampling_request req = {
+        .temperature = &temp, .top_k = &top_k, .max_tokens = &max_tokens};
     tdm_hf_sampling_resolve(&gc, &req, 4000, &r);
     assert_true(r.temperature == 0.0f); // request wins, even 0
     assert_true(r.top_p == 0.8f);
@@ -550,16 +565,11 @@ static void test_sampling_resolve(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_qwen_real),
-        cmocka_unit_test(test_qwen_generation_real),
-        cmocka_unit_test(test_llama2),
-        cmocka_unit_test(test_llama3),
-        cmocka_unit_test(test_llama_variants),
-        cmocka_unit_test(test_model_type_only),
-        cmocka_unit_test(test_config_errors),
-        cmocka_unit_test(test_config_bad_json),
-        cmocka_unit_test(test_generation_parse),
-        cmocka_unit_test(test_generation_missing_file),
+        cmocka_unit_test(test_qwen_real),        cmocka_unit_test(test_qwen_generation_real),
+        cmocka_unit_test(test_llama2),           cmocka_unit_test(test_llama3),
+        cmocka_unit_test(test_llama_variants),   cmocka_unit_test(test_model_type_only),
+        cmocka_unit_test(test_config_errors),    cmocka_unit_test(test_config_bad_json),
+        cmocka_unit_test(test_generation_parse), cmocka_unit_test(test_generation_missing_file),
         cmocka_unit_test(test_sampling_resolve),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

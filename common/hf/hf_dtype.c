@@ -112,7 +112,7 @@ uint16_t tdm_f32_to_f16(float f)
     if (e <= 0) {
         // Result is subnormal (or zero): value = m * 2^-24 with m = round(x * 2^24).
         if (e < -10)
-            return sign; // below half the smallest subnormal: rounds to zero
+            return sign;                 // below half the smallest subnormal: rounds to zero
         uint32_t full = man | 0x800000u; // implicit 1, value = full * 2^(exp-150)
         int shift = 14 - e;              // m = full * 2^(exp - 126): bits to drop
         uint32_t kept = full >> shift;

@@ -75,7 +75,8 @@ static void test_bf16(void **state)
     for (uint32_t h = 0; h < 0x10000; h++) {
         uint16_t back = tdm_f32_to_bf16(tdm_bf16_to_f32((uint16_t)h));
         if ((h & 0x7f80) == 0x7f80 && (h & 0x7f))
-            assert_true((back & 0x7f80) == 0x7f80 && (back & 0x7f) && (back & 0x8000) == (h & 0x8000));
+            assert_true((back & 0x7f80) == 0x7f80 && (back & 0x7f) &&
+                        (back & 0x8000) == (h & 0x8000));
         else
             assert_int_equal(back, h);
     }
@@ -87,8 +88,8 @@ static void test_f16(void **state)
     assert_true(tdm_f16_to_f32(0x3c00) == 1.0f);
     assert_true(tdm_f16_to_f32(0xc000) == -2.0f);
     assert_true(tdm_f16_to_f32(0x7bff) == 65504.0f);          // max normal
-    assert_true(tdm_f16_to_f32(0x0400) == ldexpf(1, -14));   // min normal
-    assert_true(tdm_f16_to_f32(0x0001) == ldexpf(1, -24));   // min subnormal
+    assert_true(tdm_f16_to_f32(0x0400) == ldexpf(1, -14));    // min normal
+    assert_true(tdm_f16_to_f32(0x0001) == ldexpf(1, -24));    // min subnormal
     assert_true(tdm_f16_to_f32(0x03ff) == ldexpf(1023, -24)); // max subnormal
     assert_true(tdm_f16_to_f32(0x8001) == -ldexpf(1, -24));
     assert_true(tdm_f16_to_f32(0x0200) == ldexpf(1, -15));
@@ -118,9 +119,9 @@ static void test_f16(void **state)
     // subnormals
     assert_int_equal(tdm_f32_to_f16(ldexpf(1, -24)), 0x0001);
     assert_int_equal(tdm_f32_to_f16(ldexpf(1023, -24)), 0x03ff);
-    assert_int_equal(tdm_f32_to_f16(ldexpf(1, -25)), 0x0000);        // tie to even (0)
-    assert_int_equal(tdm_f32_to_f16(ldexpf(3, -25)), 0x0002);        // 1.5 -> 2 (even)
-    assert_int_equal(tdm_f32_to_f16(ldexpf(5, -26)), 0x0001);        // 1.25 -> 1
+    assert_int_equal(tdm_f32_to_f16(ldexpf(1, -25)), 0x0000);           // tie to even (0)
+    assert_int_equal(tdm_f32_to_f16(ldexpf(3, -25)), 0x0002);           // 1.5 -> 2 (even)
+    assert_int_equal(tdm_f32_to_f16(ldexpf(5, -26)), 0x0001);           // 1.25 -> 1
     assert_int_equal(tdm_f32_to_f16(ldexpf(1, -25) * 1.0001f), 0x0001); // above half
     assert_int_equal(tdm_f32_to_f16(-ldexpf(1, -24)), 0x8001);
     assert_int_equal(tdm_f32_to_f16(ldexpf(1, -30)), 0x0000);

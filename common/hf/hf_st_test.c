@@ -101,14 +101,25 @@ static void test_round_trip(void **state)
     for (int i = 0; i < 6; i++)
         wq[i] = tdm_f32_to_bf16((float)i - 2.0f);
     struct tdm_tensor in[] = {
-        {.name = "model.layers.0.self_attn.q_proj.weight", .dtype = TDM_DTYPE_BF16, .ndim = 2,
-         .shape = {2, 3}, .data = wq, .nbytes = sizeof(wq)},
-        {.name = "model.norm.weight", .dtype = TDM_DTYPE_F32, .ndim = 1, .shape = {4},
-         .data = norm, .nbytes = sizeof(norm)},
-        {.name = "empty", .dtype = TDM_DTYPE_F32, .ndim = 2, .shape = {0, 5}, .data = NULL,
+        {.name = "model.layers.0.self_attn.q_proj.weight",
+         .dtype = TDM_DTYPE_BF16,
+         .ndim = 2,
+         .shape = {2, 3},
+         .data = wq,
+         .nbytes = sizeof(wq)},
+        {.name = "model.norm.weight",
+         .dtype = TDM_DTYPE_F32,
+         .ndim = 1,
+         .shape = {4},
+         .data = norm,
+         .nbytes = sizeof(norm)},
+        {.name = "empty",
+         .dtype = TDM_DTYPE_F32,
+         .ndim = 2,
+         .shape = {0, 5},
+         .data = NULL,
          .nbytes = 0},
-        {.name = "scale \"q\"\\", .dtype = TDM_DTYPE_F16, .ndim = 0, .data = &scalar,
-         .nbytes = 2},
+        {.name = "scale \"q\"\\", .dtype = TDM_DTYPE_F16, .ndim = 0, .data = &scalar, .nbytes = 2},
     };
     char err[512] = "";
     const char *p = tpath("rt.safetensors");
@@ -167,8 +178,8 @@ static void test_round_trip(void **state)
 
     const struct tdm_tensor *got;
     int64_t want_ok[2] = {2, 3}, want_bad[2] = {2, 4};
-    assert_int_equal(tdm_st_get(st, "model.layers.0.self_attn.q_proj.weight", 2, want_ok, &got,
-                                err, sizeof(err)),
+    assert_int_equal(tdm_st_get(st, "model.layers.0.self_attn.q_proj.weight", 2, want_ok, &got, err,
+                                sizeof(err)),
                      TDM_OK);
     assert_ptr_equal(got, t0);
     assert_int_equal(tdm_st_get(st, "model.layers.0.self_attn.q_proj.weight", 2, want_bad, &got,
@@ -219,9 +230,9 @@ static void test_get_message(void **state)
     assert_int_equal(tdm_st_open(&st, p, err, sizeof(err)), TDM_OK);
     const struct tdm_tensor *t;
     int64_t want[2] = {4864, 896};
-    assert_int_equal(tdm_st_get(st, "model.layers.0.mlp.up_proj.weight", 2, want, &t, err,
-                                sizeof(err)),
-                     TDM_EINVAL);
+    assert_int_equal(
+        tdm_st_get(st, "model.layers.0.mlp.up_proj.weight", 2, want, &t, err, sizeof(err)),
+        TDM_EINVAL);
     assert_string_equal(err, "model.layers.0.mlp.up_proj.weight: shape [4864, 895] does not "
                              "match the config's [4864, 896]");
     tdm_st_free(st);
@@ -239,27 +250,28 @@ static void test_write_errors(void **state)
     };
     assert_int_equal(tdm_st_write(tpath("w.safetensors"), dup, 3, err, sizeof(err)), TDM_EINVAL);
     assert_non_null(strstr(err, "tensor \"a\" given twice"));
-    struct tdm_tensor badn = {.name = "a", .dtype = TDM_DTYPE_F32, .ndim = 1, .shape = {3},
-                              .data = v, .nbytes = 8};
-    assert_int_equal(tdm_st_write(tpath("w.safetensors"), &badn, 1, err, sizeof(err)),
-                     TDM_EINVAL);
+    struct tdm_tensor badn = {
+        .name = "a", .dtype = TDM_DTYPE_F32, .ndim = 1, .shape = {3}, .data = v, .nbytes = 8};
+    assert_int_equal(tdm_st_write(tpath("w.safetensors"), &badn, 1, err, sizeof(err)), TDM_EINVAL);
     assert_non_null(strstr(err, "nbytes 8 does not match shape and dtype"));
-    struct tdm_tensor meta = {.name = "__metadata__", .dtype = TDM_DTYPE_F32, .ndim = 1,
-                              .shape = {2}, .data = v, .nbytes = 8};
-    assert_int_equal(tdm_st_write(tpath("w.safetensors"), &meta, 1, err, sizeof(err)),
-                     TDM_EINVAL);
-    struct tdm_tensor nodata = {.name = "a", .dtype = TDM_DTYPE_F32, .ndim = 1, .shape = {2},
-                                .nbytes = 8};
+    struct tdm_tensor meta = {.name = "__metadata__",
+                              .dtype = TDM_DTYPE_F32,
+                              .ndim = 1,
+                              .shape = {2},
+                              .data = v,
+                              .nbytes = 8};
+    assert_int_equal(tdm_st_write(tpath("w.safetensors"), &meta, 1, err, sizeof(err)), TDM_EINVAL);
+    struct tdm_tensor nodata = {
+        .name = "a", .dtype = TDM_DTYPE_F32, .ndim = 1, .shape = {2}, .nbytes = 8};
     assert_int_equal(tdm_st_write(tpath("w.safetensors"), &nodata, 1, err, sizeof(err)),
                      TDM_EINVAL);
     assert_non_null(strstr(err, "no data"));
-    struct tdm_tensor neg = {.name = "a", .dtype = TDM_DTYPE_F32, .ndim = 1, .shape = {-2},
-                             .data = v, .nbytes = 8};
+    struct tdm_tensor neg = {
+        .name = "a", .dtype = TDM_DTYPE_F32, .ndim = 1, .shape = {-2}, .data = v, .nbytes = 8};
     assert_int_equal(tdm_st_write(tpath("w.safetensors"), &neg, 1, err, sizeof(err)), TDM_EINVAL);
     assert_non_null(strstr(err, "shape[0] is negative"));
-    assert_int_equal(tdm_st_write("/nonexistent-tandem-dir/x.safetensors", dup, 1, err,
-                                  sizeof(err)),
-                     TDM_EIO);
+    assert_int_equal(
+        tdm_st_write("/nonexistent-tandem-dir/x.safetensors", dup, 1, err, sizeof(err)), TDM_EIO);
     assert_non_null(strstr(err, "/nonexistent-tandem-dir/x.safetensors"));
     // nothing was left behind by the failed writes
     assert_int_equal(access(tpath("w.safetensors"), F_OK), -1);
@@ -275,8 +287,12 @@ static void make_shard(const char *dir, const char *file, const char *const *nam
     for (size_t i = 0; i < n; i++) {
         for (int k = 0; k < 3; k++)
             vals[i][k] = base + (float)(i * 3 + (size_t)k);
-        t[i] = (struct tdm_tensor){.name = names[i], .dtype = TDM_DTYPE_F32, .ndim = 1,
-                                   .shape = {3}, .data = vals[i], .nbytes = sizeof(vals[i])};
+        t[i] = (struct tdm_tensor){.name = names[i],
+                                   .dtype = TDM_DTYPE_F32,
+                                   .ndim = 1,
+                                   .shape = {3},
+                                   .data = vals[i],
+                                   .nbytes = sizeof(vals[i])};
     }
     char path[512], err[256];
     snprintf(path, sizeof(path), "%s/%s", dir, file);
@@ -296,7 +312,8 @@ static void write_index(const char *dir, const char *json)
     write_text(path, json);
 }
 
-static const char *shard1[] = {"model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"};
+static const char *shard1[] = {"model.embed_tokens.weight",
+                               "model.layers.0.input_layernorm.weight"};
 static const char *shard2[] = {"model.norm.weight"};
 #define S1 "model-00001-of-00002.safetensors"
 #define S2 "model-00002-of-00002.safetensors"
@@ -307,8 +324,8 @@ static void expect_open_error(const char *path, int code, const char *msg)
     char err[1024] = "";
     int rc = tdm_st_open(&st, path, err, sizeof(err));
     if (rc != code || !strstr(err, msg) || st != NULL) {
-        print_error("%s: rc=%d (want %d) err=\"%s\" (want substring \"%s\")\n", path, rc, code,
-                    err, msg);
+        print_error("%s: rc=%d (want %d) err=\"%s\" (want substring \"%s\")\n", path, rc, code, err,
+                    msg);
         fail();
     }
 }
@@ -399,8 +416,9 @@ static void test_sharded_errors(void **state)
     expect_open_error(dir, TDM_EPROTO, "model.safetensors.index.json: not valid JSON");
 
     make_dir(dir, sizeof(dir), "bad_shard");
-    write_raw(tpath("bad_shard/" S1), "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],"
-                                      "\"data_offsets\":[0,4]}}",
+    write_raw(tpath("bad_shard/" S1),
+              "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],"
+              "\"data_offsets\":[0,4]}}",
               8);
     write_index(dir, "{\"weight_map\":{\"a\":\"" S1 "\"}}");
     expect_open_error(dir, TDM_EPROTO, S1 ": tensor \"a\": shape and dtype F32 make 8 bytes");
@@ -459,8 +477,8 @@ static void test_bad_files(void **state)
          "unsupported dtype \"F8_E4M3\""},
         {"{\"a\":{\"dtype\":\"F32\",\"shape\":3,\"data_offsets\":[0,12]}}", 12, TDM_EPROTO,
          "shape is not a list"},
-        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1],\"data_offsets\":[0,4]}}", 4,
-         TDM_EINVAL, "tensor \"a\": 5 dimensions (at most 4 are supported)"},
+        {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1],\"data_offsets\":[0,4]}}", 4, TDM_EINVAL,
+         "tensor \"a\": 5 dimensions (at most 4 are supported)"},
         {"{\"a\":{\"dtype\":\"F32\",\"shape\":[-1],\"data_offsets\":[0,4]}}", 4, TDM_EPROTO,
          "tensor \"a\": shape[0] is negative"},
         {"{\"a\":{\"dtype\":\"F32\",\"shape\":[2,-2],\"data_offsets\":[0,16]}}", 16, TDM_EPROTO,
@@ -509,8 +527,8 @@ static void test_bad_files(void **state)
          8, TDM_EPROTO, "tensor \"a\" appears twice"},
         {"{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[2,6]}}", 8, TDM_EPROTO,
          "tensor \"a\": data at file offset"},
-        {"{\"__metadata__\":[1],\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
-         4, TDM_EPROTO, "__metadata__ is not an object"},
+        {"{\"__metadata__\":[1],\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
+         TDM_EPROTO, "__metadata__ is not an object"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         // Data 8-aligned, like real writers, so only the intended fault shows.
@@ -521,11 +539,11 @@ static void test_bad_files(void **state)
     // Valid edge cases: gaps between tensors, zero-size tensors at the end,
     // a scalar, metadata with strings.
     write_raw_padded(p,
-              "{\"__metadata__\":{\"format\":\"pt\"},"
-              "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]},"
-              "\"z\":{\"dtype\":\"F16\",\"shape\":[0,3],\"data_offsets\":[16,16]},"
-              "\"s\":{\"dtype\":\"BF16\",\"shape\":[],\"data_offsets\":[0,2]}}",
-              16);
+                     "{\"__metadata__\":{\"format\":\"pt\"},"
+                     "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]},"
+                     "\"z\":{\"dtype\":\"F16\",\"shape\":[0,3],\"data_offsets\":[16,16]},"
+                     "\"s\":{\"dtype\":\"BF16\",\"shape\":[],\"data_offsets\":[0,2]}}",
+                     16);
     struct tdm_safetensors *st;
     char err[256] = "";
     int rc = tdm_st_open(&st, p, err, sizeof(err));
@@ -589,8 +607,8 @@ static void test_mutations(void **state)
     assert_non_null(buf);
     uint64_t sum = 0;
     int variants = 0, opened = 0;
-    static const char subst[] = {'0', '9', '-', '"', '{', '}', ',', ']', ' ', '\0', '\x7f',
-                                 (char)0xff};
+    static const char subst[] = {'0', '9', '-', '"',  '{',    '}',
+                                 ',', ']', ' ', '\0', '\x7f', (char)0xff};
 
     // 1. every header byte replaced by each of a few JSON-significant bytes
     for (size_t pos = 8; pos < 8 + hlen; pos++) {
@@ -662,7 +680,7 @@ static void test_mutations(void **state)
     print_message("mutations: %d variants, %d opened cleanly, %d rejected\n", variants, opened,
                   variants - opened);
     assert_true(variants >= 500);
-    assert_true(opened > 0);            // some mutations hit only padding or digits in data
+    assert_true(opened > 0);              // some mutations hit only padding or digits in data
     assert_true(variants - opened > 100); // most are caught
     free(buf);
     free(orig);
@@ -683,8 +701,12 @@ static void test_find_many(void **state)
     for (int i = 0; i < N; i++) {
         snprintf(names[i], sizeof(names[i]), "model.layers.%d.mlp.w%d.weight", i / 10, i % 10);
         vals[i] = (float)i;
-        t[i] = (struct tdm_tensor){.name = names[i], .dtype = TDM_DTYPE_F32, .ndim = 1,
-                                   .shape = {1}, .data = &vals[i], .nbytes = 4};
+        t[i] = (struct tdm_tensor){.name = names[i],
+                                   .dtype = TDM_DTYPE_F32,
+                                   .ndim = 1,
+                                   .shape = {1},
+                                   .data = &vals[i],
+                                   .nbytes = 4};
     }
     char err[256];
     const char *p = tpath("many.safetensors");
@@ -704,8 +726,8 @@ static void test_find_many(void **state)
     }
     double t2 = tdm_now();
     assert_null(tdm_st_find(st, "model.layers.0.mlp.w10.weight"));
-    print_message("find_many: open %d tensors %.2f ms, %.0f ns per lookup\n", N,
-                  (t1 - t0) * 1e3, (t2 - t1) * 1e9 / ((double)rounds * N));
+    print_message("find_many: open %d tensors %.2f ms, %.0f ns per lookup\n", N, (t1 - t0) * 1e3,
+                  (t2 - t1) * 1e9 / ((double)rounds * N));
     tdm_st_free(st);
     free(vals);
     free(names);
@@ -715,14 +737,10 @@ static void test_find_many(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_round_trip),
-        cmocka_unit_test(test_get_message),
-        cmocka_unit_test(test_write_errors),
-        cmocka_unit_test(test_sharded),
-        cmocka_unit_test(test_sharded_errors),
-        cmocka_unit_test(test_bad_files),
-        cmocka_unit_test(test_mutations),
-        cmocka_unit_test(test_find_many),
+        cmocka_unit_test(test_round_trip),     cmocka_unit_test(test_get_message),
+        cmocka_unit_test(test_write_errors),   cmocka_unit_test(test_sharded),
+        cmocka_unit_test(test_sharded_errors), cmocka_unit_test(test_bad_files),
+        cmocka_unit_test(test_mutations),      cmocka_unit_test(test_find_many),
     };
     return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }

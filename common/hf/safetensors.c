@@ -84,10 +84,9 @@ static int build_index(struct tdm_safetensors *st, char *err, size_t errlen)
         while (st->slots[s]) {
             const struct st_entry *o = &st->entries[st->slots[s] - 1];
             if (strcmp(o->t.name, name) == 0)
-                return tdm_seterr(err, errlen, TDM_EPROTO,
-                                  "%s: tensor \"%s\" appears twice (also in %s)",
-                                  st->files[st->entries[i].file].path, name,
-                                  st->files[o->file].path);
+                return tdm_seterr(
+                    err, errlen, TDM_EPROTO, "%s: tensor \"%s\" appears twice (also in %s)",
+                    st->files[st->entries[i].file].path, name, st->files[o->file].path);
             s = (s + 1) & (want - 1);
         }
         st->slots[s] = (uint32_t)(i + 1);
@@ -165,11 +164,13 @@ static int add_entry(struct tdm_safetensors *st, size_t fi, const cJSON *item, c
     const cJSON *shape = cJSON_GetObjectItemCaseSensitive(item, "shape");
     const cJSON *offs = cJSON_GetObjectItemCaseSensitive(item, "data_offsets");
     if (!dt || !shape || !offs)
-        return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": missing \"%s\"", path,
-                          name, !dt ? "dtype" : !shape ? "shape" : "data_offsets");
+        return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": missing \"%s\"", path, name,
+                          !dt      ? "dtype"
+                          : !shape ? "shape"
+                                   : "data_offsets");
     if (!cJSON_IsString(dt))
-        return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": dtype is not a string",
-                          path, name);
+        return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": dtype is not a string", path,
+                          name);
     enum tdm_dtype dtype;
     if (parse_dtype_name(dt->valuestring, &dtype))
         return tdm_seterr(err, errlen, TDM_EINVAL,
@@ -177,13 +178,13 @@ static int add_entry(struct tdm_safetensors *st, size_t fi, const cJSON *item, c
                           "BF16)",
                           path, name, dt->valuestring);
     if (!cJSON_IsArray(shape))
-        return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": shape is not a list",
-                          path, name);
+        return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": shape is not a list", path,
+                          name);
     int ndim = cJSON_GetArraySize(shape);
     if (ndim > TDM_ST_MAX_DIMS)
         return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "%s: tensor \"%s\": %d dimensions (at most %d are supported)", path,
-                          name, ndim, TDM_ST_MAX_DIMS);
+                          "%s: tensor \"%s\": %d dimensions (at most %d are supported)", path, name,
+                          ndim, TDM_ST_MAX_DIMS);
     int64_t dims[TDM_ST_MAX_DIMS] = {0};
     uint64_t count = 1;
     int k = 0;
@@ -195,22 +196,22 @@ static int add_entry(struct tdm_safetensors *st, size_t fi, const cJSON *item, c
             return tdm_seterr(err, errlen, TDM_EPROTO,
                               "%s: tensor \"%s\": shape[%d] is not an integer", path, name, k);
         if (d->valuedouble < 0)
-            return tdm_seterr(err, errlen, TDM_EPROTO,
-                              "%s: tensor \"%s\": shape[%d] is negative", path, name, k);
+            return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": shape[%d] is negative",
+                              path, name, k);
         if (d->valuedouble >= ST_MAX_OFFSET)
-            return tdm_seterr(err, errlen, TDM_EPROTO,
-                              "%s: tensor \"%s\": shape[%d] is too large", path, name, k);
+            return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": shape[%d] is too large",
+                              path, name, k);
         uint64_t v = (uint64_t)d->valuedouble;
         if (v != 0 && count > UINT64_MAX / v)
-            return tdm_seterr(err, errlen, TDM_EPROTO,
-                              "%s: tensor \"%s\": element count overflows", path, name);
+            return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": element count overflows",
+                              path, name);
         count *= v;
         dims[k++] = (int64_t)v;
     }
     uint64_t esize = tdm_dtype_size(dtype);
     if (count > UINT64_MAX / esize)
-        return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": byte count overflows",
-                          path, name);
+        return tdm_seterr(err, errlen, TDM_EPROTO, "%s: tensor \"%s\": byte count overflows", path,
+                          name);
     uint64_t nbytes = count * esize;
 
     if (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != 2)
@@ -234,7 +235,8 @@ static int add_entry(struct tdm_safetensors *st, size_t fi, const cJSON *item, c
     uint64_t begin = (uint64_t)ob->valuedouble, end = (uint64_t)oe->valuedouble;
     if (end < begin)
         return tdm_seterr(err, errlen, TDM_EPROTO,
-                          "%s: tensor \"%s\": data_offsets end %" PRIu64 " is before begin %" PRIu64,
+                          "%s: tensor \"%s\": data_offsets end %" PRIu64
+                          " is before begin %" PRIu64,
                           path, name, end, begin);
     if (end - begin != nbytes)
         return tdm_seterr(err, errlen, TDM_EPROTO,
@@ -350,8 +352,7 @@ static int load_file(struct tdm_safetensors *st, const char *path, char *err, si
         }
         if (strcmp(item->string, "__metadata__") == 0) {
             if (!cJSON_IsObject(item)) {
-                rc = tdm_seterr(err, errlen, TDM_EPROTO, "%s: __metadata__ is not an object",
-                                path);
+                rc = tdm_seterr(err, errlen, TDM_EPROTO, "%s: __metadata__ is not an object", path);
                 goto fail_root;
             }
             continue;
@@ -391,8 +392,7 @@ static bool shard_name_ok(const char *s)
     return s[0] != '\0' && strchr(s, '/') == NULL && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
 }
 
-static int load_index(struct tdm_safetensors *st, const char *index_path, char *err,
-                      size_t errlen)
+static int load_index(struct tdm_safetensors *st, const char *index_path, char *err, size_t errlen)
 {
     char *text = NULL, *dir = NULL;
     size_t len;
@@ -681,8 +681,8 @@ static int cmp_name_ptr(const void *a, const void *b)
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-static int check_write_args(const char *path, const struct tdm_tensor *tensors, size_t n,
-                            char *err, size_t errlen)
+static int check_write_args(const char *path, const struct tdm_tensor *tensors, size_t n, char *err,
+                            size_t errlen)
 {
     for (size_t i = 0; i < n; i++) {
         const struct tdm_tensor *t = &tensors[i];
@@ -693,8 +693,8 @@ static int check_write_args(const char *path, const struct tdm_tensor *tensors, 
             return tdm_seterr(err, errlen, TDM_EINVAL, "%s: tensor \"%s\": bad dtype %d", path,
                               t->name, (int)t->dtype);
         if (t->ndim < 0 || t->ndim > TDM_ST_MAX_DIMS)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: tensor \"%s\": ndim %d", path,
-                              t->name, t->ndim);
+            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: tensor \"%s\": ndim %d", path, t->name,
+                              t->ndim);
         uint64_t count = 1;
         for (int k = 0; k < t->ndim; k++) {
             if (t->shape[k] < 0)
@@ -712,8 +712,7 @@ static int check_write_args(const char *path, const struct tdm_tensor *tensors, 
                               "%s: tensor \"%s\": nbytes %zu does not match shape and dtype", path,
                               t->name, t->nbytes);
         if (t->nbytes && !t->data)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: tensor \"%s\": no data", path,
-                              t->name);
+            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: tensor \"%s\": no data", path, t->name);
     }
     if (n < 2)
         return TDM_OK;
