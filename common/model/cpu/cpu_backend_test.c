@@ -1,0 +1,548 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tests for the CPU backend, run on every SIMD path this machine supports:
+// each op against a naive double-precision reference written here (stated
+// tolerances below), matmul batch invariance (a token's output row is bitwise
+// the same for n = 1, 7 and 64 wherever it sits in the batch) and thread
+// invariance (1 vs 2 threads bitwise), odd shapes (rows not a multiple of 16 or
+// 64, odd cols), and paged attention with several sequences, scattered block
+// tables and GQA groups 1, 2 and 7, where a prompt split into prefill chunks
+// must give the outputs of one piece.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "core.h"
+#include "cpu_backend.h"
+#include "kv_cache.h"
+
+static const struct tdm_backend_ops *ops = &tdm_cpu_backend_ops;
+
+// ---- helpers -----------------------------------------------------------------------------
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static float frand(void) // uniform in [-1, 1)
+{
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(rng_state >> 40) / (double)(1ull << 23) - 1.0);
+}
+
+static void fill(float *x, size_t n, float amp)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = frand() * amp;
+}
+
+static float bf16_round(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1);
+    u &= 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t to_bf16_bits(float f)
+{
+    float r = bf16_round(f);
+    uint32_t u;
+    memcpy(&u, &r, 4);
+    return (uint16_t)(u >> 16);
+}
+
+static struct tdm_backend *make_backend(int threads)
+{
+    struct tdm_backend *be = NULL;
+    char err[256] = "";
+    int rc = ops->create(&be, threads, err, sizeof err);
+    if (rc != TDM_OK)
+        fail_msg("create: %s", err);
+    return be;
+}
+
+// Runs body once per supported ISA on be.
+#define FOR_EACH_ISA(be, isa)                                                                      \
+    for (int isa = 0; isa < TDM_CPU_ISA_COUNT; isa++)                                              \
+        if (tdm_cpu_isa_supported((enum tdm_cpu_isa)isa) &&                                        \
+            tdm_cpu_backend_set_isa(be, (enum tdm_cpu_isa)isa) == TDM_OK)
+
+// The weights exactly as the backend holds them, for the reference.
+static void effective_weights(const float *w, int rows, int cols, enum tdm_wtype t,
+                              enum tdm_dtype src, double *out)
+{
+    for (int r = 0; r < rows; r++) {
+        // The checkpoint value first (a bf16 source is already rounded).
+#define SRCV(k) (src == TDM_DTYPE_BF16 ? bf16_round(w[(size_t)r * cols + (k)]) : w[(size_t)r * cols + (k)])
+        float amax = 0;
+        for (int k = 0; k < cols; k++)
+            amax = fmaxf(amax, fabsf(SRCV(k)));
+        for (int k = 0; k < cols; k++) {
+            float v = SRCV(k);
+            if (t == TDM_W_BF16) {
+                out[(size_t)r * cols + k] = bf16_round(v);
+            } else if (t == TDM_W_Q8) {
+                float q = amax > 0 ? nearbyintf(v * (127.0f / amax)) : 0;
+                out[(size_t)r * cols + k] = q * (double)(amax / 127.0f);
+            } else {
+                out[(size_t)r * cols + k] = v;
+            }
+        }
+    }
+}
+
+// Prepares a weight from an f32 matrix given as two stacked parts of dtype dt.
+static void prepare(struct tdm_backend *be, struct tdm_weight *w, const float *m, int rows,
+                    int cols, enum tdm_wtype t, enum tdm_dtype dt, uint16_t *scratch)
+{
+    const void *src = m;
+    if (dt == TDM_DTYPE_BF16) {
+        for (size_t i = 0; i < (size_t)rows * cols; i++)
+            scratch[i] = to_bf16_bits(m[i]);
+        src = scratch;
+    }
+    size_t esz = dt == TDM_DTYPE_BF16 ? 2 : 4;
+    int r1 = rows / 3;
+    struct tdm_weight_src parts[2] = {
+        {.data = src, .dtype = dt, .rows = r1},
+        {.data = (const uint8_t *)src + (size_t)r1 * cols * esz, .dtype = dt, .rows = rows - r1},
+    };
+    char err[256] = "";
+    int rc = r1 > 0 ? ops->prepare_weight(be, w, parts, 2, cols, t, err, sizeof err)
+                    : ops->prepare_weight(be, w, &parts[1], 1, cols, t, err, sizeof err);
+    if (rc != TDM_OK)
+        fail_msg("prepare_weight: %s", err);
+    assert_int_equal(w->rows, rows);
+    assert_int_equal(w->cols, cols);
+}
+
+// ---- matmul --------------------------------------------------------------------------------
+static const int shapes[][2] = {{1, 1}, {5, 3}, {16, 32}, {77, 45}, {130, 96}, {200, 67},
+                                {64, 128}, {33, 1000}};
+
+static void check_matmul_accuracy(struct tdm_backend *be, enum tdm_wtype t, int isa)
+{
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        int rows = shapes[si][0], cols = shapes[si][1], n = 9;
+        float *wm = malloc(sizeof(float) * rows * cols);
+        double *we = malloc(sizeof(double) * rows * cols);
+        uint16_t *scratch = malloc(2 * (size_t)rows * cols);
+        float *x = malloc(sizeof(float) * n * cols), *bias = malloc(sizeof(float) * rows);
+        float *y = malloc(sizeof(float) * n * rows);
+        fill(wm, (size_t)rows * cols, 0.5f);
+        fill(x, (size_t)n * cols, 2.0f);
+        fill(bias, rows, 1.0f);
+        struct tdm_weight w;
+        prepare(be, &w, wm, rows, cols, t, t == TDM_W_F32 ? TDM_DTYPE_F32 : TDM_DTYPE_BF16,
+                scratch);
+        effective_weights(wm, rows, cols, t, t == TDM_W_F32 ? TDM_DTYPE_F32 : TDM_DTYPE_BF16, we);
+        ops->matmul(be, &w, si % 2 ? bias : NULL, x, y, n);
+        // AVX-512 BF16 rounds activations to bf16: relative error 2^-8 per
+        // product; f32 paths: accumulation error only.
+        double tol = (isa == TDM_CPU_ISA_AVX512 && t == TDM_W_BF16) ? 8e-3 : 1e-5;
+        for (int i = 0; i < n; i++) {
+            for (int r = 0; r < rows; r++) {
+                double ref = si % 2 ? bias[r] : 0, mag = 0;
+                for (int k = 0; k < cols; k++) {
+                    double p = we[(size_t)r * cols + k] * x[(size_t)i * cols + k];
+                    ref += p;
+                    mag += fabs(p);
+                }
+                double got = y[(size_t)i * rows + r];
+                if (fabs(got - ref) > tol * mag + 1e-6)
+                    fail_msg("isa %s type %d shape %dx%d token %d row %d: %g vs %g (mag %g)",
+                             tdm_cpu_isa_name((enum tdm_cpu_isa)isa), (int)t, rows, cols, i, r,
+                             got, ref, mag);
+            }
+        }
+        ops->release_weight(be, &w);
+        free(wm), free(we), free(scratch), free(x), free(bias), free(y);
+    }
+}
+
+static void test_matmul_accuracy(void **state)
+{
+    (void)state;
+    struct tdm_backend *be = make_backend(2);
+    FOR_EACH_ISA(be, isa)
+    {
+        check_matmul_accuracy(be, TDM_W_F32, isa);
+        check_matmul_accuracy(be, TDM_W_BF16, isa);
+        check_matmul_accuracy(be, TDM_W_Q8, isa);
+    }
+    ops->destroy(be);
+}
+
+// Row i of y for x rows placed at different batch positions and batch sizes.
+static void check_invariance(struct tdm_backend *be, struct tdm_backend *be1, enum tdm_wtype t,
+                             int rows, int cols)
+{
+    const int N = 64;
+    float *wm = malloc(sizeof(float) * rows * cols);
+    uint16_t *scratch = malloc(2 * (size_t)rows * cols);
+    float *x = malloc(sizeof(float) * N * cols), *bias = malloc(sizeof(float) * rows);
+    float *y64 = malloc(sizeof(float) * N * rows), *y = malloc(sizeof(float) * N * rows);
+    float *xb = malloc(sizeof(float) * 7 * cols);
+    fill(wm, (size_t)rows * cols, 0.3f);
+    fill(x, (size_t)N * cols, 3.0f);
+    fill(bias, rows, 1.0f);
+    struct tdm_weight w, w1;
+    prepare(be, &w, wm, rows, cols, t, TDM_DTYPE_BF16, scratch);
+    prepare(be1, &w1, wm, rows, cols, t, TDM_DTYPE_BF16, scratch);
+    ops->matmul(be, &w, bias, x, y64, N);
+    // 1 thread, whole batch.
+    ops->matmul(be1, &w1, bias, x, y, N);
+    assert_memory_equal(y, y64, sizeof(float) * N * rows);
+    for (int i = 0; i < N; i += 5) {
+        ops->matmul(be, &w, bias, x + (size_t)i * cols, y, 1);
+        assert_memory_equal(y, y64 + (size_t)i * rows, sizeof(float) * rows);
+        // Row i at position i % 7 of a batch of 7 other rows.
+        int at = i % 7;
+        for (int j = 0; j < 7; j++) {
+            int src = j == at ? i : (i + 11 * j + 1) % N;
+            memcpy(xb + (size_t)j * cols, x + (size_t)src * cols, sizeof(float) * cols);
+        }
+        ops->matmul(be, &w, bias, xb, y, 7);
+        assert_memory_equal(y + (size_t)at * rows, y64 + (size_t)i * rows, sizeof(float) * rows);
+    }
+    // A sub-batch starting at an odd offset (tiles fall differently).
+    ops->matmul(be, &w, bias, x + (size_t)3 * cols, y, N - 3);
+    assert_memory_equal(y, y64 + (size_t)3 * rows, sizeof(float) * (N - 3) * rows);
+    ops->release_weight(be, &w);
+    ops->release_weight(be1, &w1);
+    free(wm), free(scratch), free(x), free(bias), free(y64), free(y), free(xb);
+}
+
+static void test_matmul_batch_invariance(void **state)
+{
+    (void)state;
+    struct tdm_backend *be = make_backend(2), *be1 = make_backend(1);
+    FOR_EACH_ISA(be, isa)
+    {
+        assert_int_equal(tdm_cpu_backend_set_isa(be1, (enum tdm_cpu_isa)isa), TDM_OK);
+        for (enum tdm_wtype t = TDM_W_F32; t <= TDM_W_Q8; t++) {
+            check_invariance(be, be1, t, 200, 67);
+            check_invariance(be, be1, t, 96, 130);
+        }
+    }
+    ops->destroy(be);
+    ops->destroy(be1);
+}
+
+static void test_prepare_errors(void **state)
+{
+    (void)state;
+    struct tdm_backend *be = make_backend(1);
+    float m[4] = {1, 2, 3, 4};
+    struct tdm_weight w;
+    struct tdm_weight_src part = {.data = m, .dtype = TDM_DTYPE_F32, .rows = 2};
+    char err[128] = "";
+    assert_int_equal(ops->prepare_weight(be, &w, &part, 1, 0, TDM_W_BF16, err, sizeof err),
+                     TDM_EINVAL);
+    assert_true(strlen(err) > 0);
+    part.rows = 0;
+    assert_int_equal(ops->prepare_weight(be, &w, &part, 1, 2, TDM_W_BF16, err, sizeof err),
+                     TDM_EINVAL);
+    part.rows = 2;
+    assert_int_equal(ops->prepare_weight(be, &w, &part, 1, 2, (enum tdm_wtype)9, err, sizeof err),
+                     TDM_EINVAL);
+    // F16 source converts exactly.
+    uint16_t h[4] = {0x3c00, 0xc000, 0x3800, 0x0001}; // 1, -2, 0.5, 2^-24
+    struct tdm_weight_src hp = {.data = h, .dtype = TDM_DTYPE_F16, .rows = 2};
+    assert_int_equal(ops->prepare_weight(be, &w, &hp, 1, 2, TDM_W_F32, err, sizeof err), TDM_OK);
+    float out[4];
+    int32_t ids[2] = {0, 1};
+    ops->embed(be, &w, ids, 2, out);
+    assert_true(out[0] == 1.0f && out[1] == -2.0f && out[2] == 0.5f && out[3] == ldexpf(1, -24));
+    ops->release_weight(be, &w);
+    ops->destroy(be);
+
+    setenv("TANDEM_CPU_ISA", "bogus", 1);
+    struct tdm_backend *b2 = NULL;
+    assert_int_equal(ops->create(&b2, 1, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "bogus"));
+    setenv("TANDEM_CPU_ISA", "portable", 1);
+    assert_int_equal(ops->create(&b2, 1, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_cpu_backend_isa(b2), TDM_CPU_ISA_PORTABLE);
+    ops->destroy(b2);
+    unsetenv("TANDEM_CPU_ISA");
+}
+
+// ---- embed and element-wise ops ------------------------------------------------------------
+static void test_embed(void **state)
+{
+    (void)state;
+    struct tdm_backend *be = make_backend(2);
+    int rows = 70, cols = 33;
+    float *wm = malloc(sizeof(float) * rows * cols);
+    double *we = malloc(sizeof(double) * rows * cols);
+    uint16_t *scratch = malloc(2 * (size_t)rows * cols);
+    float out[4 * 33];
+    fill(wm, (size_t)rows * cols, 1.0f);
+    int32_t ids[4] = {0, 69, 17, 64};
+    for (enum tdm_wtype t = TDM_W_F32; t <= TDM_W_Q8; t++) {
+        struct tdm_weight w;
+        prepare(be, &w, wm, rows, cols, t, TDM_DTYPE_F32, scratch);
+        effective_weights(wm, rows, cols, t, TDM_DTYPE_F32, we);
+        ops->embed(be, &w, ids, 4, out);
+        for (int i = 0; i < 4; i++)
+            for (int k = 0; k < cols; k++)
+                assert_float_equal(out[i * cols + k], we[(size_t)ids[i] * cols + k], 1e-6);
+        // An out-of-range id yields zeros, never an out-of-bounds read.
+        int32_t bad = 70;
+        ops->embed(be, &w, &bad, 1, out);
+        assert_true(out[0] == 0.0f && out[cols - 1] == 0.0f);
+        ops->release_weight(be, &w);
+    }
+    free(wm), free(we), free(scratch);
+    ops->destroy(be);
+}
+
+static void test_rmsnorm_silu_add(void **state)
+{
+    (void)state;
+    struct tdm_backend *be = make_backend(2);
+    int n = 40, dim = 899, inter = 1001;
+    float *x = malloc(sizeof(float) * n * dim), *wt = malloc(sizeof(float) * dim);
+    float *o = malloc(sizeof(float) * n * dim), *gu = malloc(sizeof(float) * n * 2 * inter);
+    float *s = malloc(sizeof(float) * n * inter), *a = malloc(sizeof(float) * n * dim);
+    FOR_EACH_ISA(be, isa)
+    {
+        fill(x, (size_t)n * dim, 4.0f);
+        fill(wt, dim, 1.5f);
+        ops->rmsnorm(be, x, wt, 1e-6f, o, n, dim);
+        for (int t = 0; t < n; t++) {
+            double ss = 0;
+            for (int i = 0; i < dim; i++)
+                ss += (double)x[t * dim + i] * x[t * dim + i];
+            double inv = 1.0 / sqrt(ss / dim + 1e-6);
+            for (int i = 0; i < dim; i++) {
+                double ref = x[t * dim + i] * inv * wt[i];
+                assert_float_equal(o[t * dim + i], ref, 1e-5 * (fabs(ref) + 1e-3));
+            }
+        }
+        // In place gives the same bits; one row alone gives the same bits.
+        memcpy(a, x, sizeof(float) * n * dim);
+        ops->rmsnorm(be, a, wt, 1e-6f, a, n, dim);
+        assert_memory_equal(a, o, sizeof(float) * n * dim);
+        ops->rmsnorm(be, x + 5 * dim, wt, 1e-6f, a, 1, dim);
+        assert_memory_equal(a, o + 5 * dim, sizeof(float) * dim);
+
+        fill(gu, (size_t)n * 2 * inter, 12.0f);
+        gu[0] = -100.0f, gu[1] = 100.0f; // saturating exp
+        ops->silu_mul(be, gu, s, n, inter);
+        for (int t = 0; t < n; t++) {
+            for (int i = 0; i < inter; i++) {
+                double g = gu[(size_t)t * 2 * inter + i], u = gu[(size_t)t * 2 * inter + inter + i];
+                double ref = g / (1 + exp(-g)) * u;
+                assert_float_equal(s[(size_t)t * inter + i], ref, 2e-6 * fabs(ref) + 1e-30);
+            }
+        }
+        ops->silu_mul(be, gu + 7 * 2 * inter, a, 1, inter);
+        assert_memory_equal(a, s + 7 * inter, sizeof(float) * inter);
+
+        size_t cnt = (size_t)n * dim;
+        memcpy(a, x, sizeof(float) * cnt);
+        ops->add(be, a, o, cnt);
+        for (size_t i = 0; i < cnt; i++)
+            assert_true(a[i] == x[i] + o[i]);
+    }
+    free(x), free(wt), free(o), free(gu), free(s), free(a);
+    ops->destroy(be);
+}
+
+static void test_rope(void **state)
+{
+    (void)state;
+    struct tdm_backend *be = make_backend(2);
+    int n = 9, heads = 3, hd = 64, stride = heads * hd + 10;
+    float inv_freq[32];
+    for (int i = 0; i < hd / 2; i++)
+        inv_freq[i] = (float)(1.0 / pow(1000000.0, 2.0 * i / hd));
+    int32_t pos[9] = {0, 1, 2, 17, 100, 1000, 4095, 30000, 131071};
+    float *x = malloc(sizeof(float) * n * stride), *x0 = malloc(sizeof(float) * n * stride);
+    fill(x0, (size_t)n * stride, 2.0f);
+    memcpy(x, x0, sizeof(float) * n * stride);
+    ops->rope(be, x, n, stride, heads, hd, pos, inv_freq);
+    for (int t = 0; t < n; t++) {
+        for (int h = 0; h < heads; h++) {
+            const float *a = x0 + t * stride + h * hd;
+            const float *b = x + t * stride + h * hd;
+            for (int i = 0; i < hd / 2; i++) {
+                double ang = (double)(float)((float)pos[t] * inv_freq[i]);
+                double c = cos(ang), s = sin(ang);
+                assert_float_equal(b[i], a[i] * c - a[i + hd / 2] * s, 2e-6);
+                assert_float_equal(b[i + hd / 2], a[i + hd / 2] * c + a[i] * s, 2e-6);
+            }
+        }
+        // Untouched padding after the heads.
+        for (int i = heads * hd; i < stride; i++)
+            assert_true(x[t * stride + i] == x0[t * stride + i]);
+    }
+    free(x), free(x0);
+    ops->destroy(be);
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+struct attn_case {
+    int n_heads, n_kv_heads, head_dim, block_size;
+};
+
+static void run_attention_case(struct tdm_backend *be, const struct attn_case *c, int isa)
+{
+    const int n_seqs = 3, lens[3] = {1, 37, 70}, layers = 2, layer = 1;
+    int nblocks_total = 0;
+    for (int s = 0; s < n_seqs; s++)
+        nblocks_total += (lens[s] + c->block_size - 1) / c->block_size;
+    struct tdm_kv_config cfg = {.num_layers = layers, .num_kv_heads = c->n_kv_heads,
+                                .head_dim = c->head_dim, .block_size = c->block_size,
+                                .num_blocks = nblocks_total + 3};
+    struct tdm_kv_cache *kv = NULL;
+    char err[256] = "";
+    if (tdm_kv_new(&kv, &cfg, err, sizeof err) != TDM_OK)
+        fail_msg("kv: %s", err);
+    // Scattered block tables: blocks handed out from the end, interleaved.
+    int tables[3][64], next = cfg.num_blocks - 1;
+    for (int b = 0; b < 64; b++)
+        for (int s = 0; s < n_seqs; s++)
+            if (b * c->block_size < lens[s])
+                tables[s][b] = next--;
+    int total = 0;
+    for (int s = 0; s < n_seqs; s++)
+        total += lens[s];
+    int qd = c->n_heads * c->head_dim, kvd = c->n_kv_heads * c->head_dim;
+    int qkv_stride = qd + 2 * kvd;
+    float *qkv = malloc(sizeof(float) * total * qkv_stride);
+    float *out1 = malloc(sizeof(float) * total * qd), *out2 = malloc(sizeof(float) * total * qd);
+    fill(qkv, (size_t)total * qkv_stride, 1.5f);
+
+    // One piece: every sequence's whole prompt in one step.
+    struct tdm_attn_seq seqs[3];
+    int row = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        seqs[s] = (struct tdm_attn_seq){.row = row, .n_tokens = lens[s], .start_pos = 0,
+                                        .block_table = tables[s]};
+        row += lens[s];
+    }
+    float scale = 1.0f / sqrtf((float)c->head_dim);
+    ops->kv_store(be, kv, layer, seqs, n_seqs, qkv + qd, qkv + qd + kvd, qkv_stride);
+    ops->attention(be, kv, layer, seqs, n_seqs, qkv, qkv_stride, out1, c->n_heads, c->n_kv_heads,
+                   c->head_dim, scale);
+
+    // Reference in double from the source rows (not the cache).
+    int group = c->n_heads / c->n_kv_heads;
+    double *sc = malloc(sizeof(double) * 80);
+    for (int s = 0; s < n_seqs; s++) {
+        for (int i = 0; i < lens[s]; i++) {
+            const float *q = qkv + (size_t)(seqs[s].row + i) * qkv_stride;
+            for (int h = 0; h < c->n_heads; h++) {
+                int kh = h / group;
+                double mx = -1e300, sum = 0;
+                for (int p = 0; p <= i; p++) {
+                    const float *k = qkv + (size_t)(seqs[s].row + p) * qkv_stride + qd;
+                    double d = 0;
+                    for (int e = 0; e < c->head_dim; e++)
+                        d += (double)q[h * c->head_dim + e] * k[kh * c->head_dim + e];
+                    sc[p] = d * scale;
+                    mx = fmax(mx, sc[p]);
+                }
+                for (int p = 0; p <= i; p++)
+                    sum += (sc[p] = exp(sc[p] - mx));
+                for (int e = 0; e < c->head_dim; e++) {
+                    double ref = 0;
+                    for (int p = 0; p <= i; p++)
+                        ref += sc[p] * qkv[(size_t)(seqs[s].row + p) * qkv_stride + qd + kvd +
+                                          kh * c->head_dim + e];
+                    ref /= sum;
+                    double got = out1[(size_t)(seqs[s].row + i) * qd + h * c->head_dim + e];
+                    if (fabs(got - ref) > 2e-5 * (1 + fabs(ref)))
+                        fail_msg("isa %s heads %d/%d hd %d bs %d seq %d tok %d head %d dim %d: "
+                                 "%g vs %g",
+                                 tdm_cpu_isa_name((enum tdm_cpu_isa)isa), c->n_heads,
+                                 c->n_kv_heads, c->head_dim, c->block_size, s, i, h, e, got, ref);
+                }
+            }
+        }
+    }
+
+    // Several pieces: prefill chunks of 7 tokens, then decode-sized steps,
+    // each step with all sequences that still have tokens.
+    memset(out2, 0, sizeof(float) * total * qd);
+    float *step_qkv = malloc(sizeof(float) * total * qkv_stride);
+    float *step_out = malloc(sizeof(float) * total * qd);
+    int done[3] = {0, 0, 0};
+    for (int step = 0;; step++) {
+        struct tdm_attn_seq ss[3];
+        int ns = 0, r = 0;
+        for (int s = 0; s < n_seqs; s++) {
+            int left = lens[s] - done[s];
+            if (left == 0)
+                continue;
+            int take = step < 3 ? (left < 7 ? left : 7) : 1;
+            for (int i = 0; i < take; i++)
+                memcpy(step_qkv + (size_t)(r + i) * qkv_stride,
+                       qkv + (size_t)(seqs[s].row + done[s] + i) * qkv_stride,
+                       sizeof(float) * qkv_stride);
+            ss[ns++] = (struct tdm_attn_seq){.row = r, .n_tokens = take, .start_pos = done[s],
+                                             .block_table = tables[s]};
+            r += take;
+        }
+        if (ns == 0)
+            break;
+        ops->kv_store(be, kv, layer, ss, ns, step_qkv + qd, step_qkv + qd + kvd, qkv_stride);
+        ops->attention(be, kv, layer, ss, ns, step_qkv, qkv_stride, step_out, c->n_heads,
+                       c->n_kv_heads, c->head_dim, scale);
+        for (int k = 0, s = 0; s < n_seqs; s++) {
+            if (lens[s] == done[s])
+                continue;
+            memcpy(out2 + (size_t)(seqs[s].row + done[s]) * qd,
+                   step_out + (size_t)ss[k].row * qd, sizeof(float) * ss[k].n_tokens * qd);
+            done[s] += ss[k].n_tokens;
+            k++;
+        }
+    }
+    // Each query depends only on its position and the cache: bitwise equal.
+    assert_memory_equal(out1, out2, sizeof(float) * total * qd);
+    free(step_qkv), free(step_out), free(sc), free(qkv), free(out1), free(out2);
+    tdm_kv_free(kv);
+}
+
+static void test_attention(void **state)
+{
+    (void)state;
+    static const struct attn_case cases[] = {
+        {4, 4, 64, 16},  // group 1
+        {4, 2, 18, 5},   // group 2, head_dim not a multiple of 8, odd block size
+        {14, 2, 64, 16}, // Qwen2.5-0.5B: group 7
+        {7, 1, 128, 32}, // group 7, head_dim 128
+        {2, 1, 2, 3},    // smallest head_dim
+    };
+    struct tdm_backend *be = make_backend(2);
+    FOR_EACH_ISA(be, isa)
+    {
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+            run_attention_case(be, &cases[i], isa);
+    }
+    ops->destroy(be);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_matmul_accuracy),
+        cmocka_unit_test(test_matmul_batch_invariance),
+        cmocka_unit_test(test_prepare_errors),
+        cmocka_unit_test(test_embed),
+        cmocka_unit_test(test_rmsnorm_silu_add),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_attention),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
