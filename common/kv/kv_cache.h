@@ -12,7 +12,7 @@
 // docs/kv-cache.md describes the block states, hashing, eviction and the
 // transfer format.
 //
-// Storage, host memory, f32, per layer (64-byte aligned, zeroed at creation):
+// Storage, host memory, f32, per layer (page-aligned mmap, zero until written):
 //   k[layer] : [num_blocks][num_kv_heads][block_size][head_dim]
 //   v[layer] : [num_blocks][num_kv_heads][block_size][head_dim]
 // so one head's keys inside a block are contiguous rows of head_dim.
