@@ -1,0 +1,617 @@
+// SPDX-License-Identifier: Apache-2.0
+// sampling: one request's next-token choice, in vLLM's (v1 sampler) order:
+//
+//   raw logits --> logprobs (log-softmax of the RAW logits, vLLM's default
+//                  logprobs_mode "raw_logprobs"), computed from a copy
+//   logit_bias    logits[t] += bias (clamped to [-100, 100] as vLLM's API does)
+//   penalties     repetition over prompt+output tokens: l > 0 ? l / r : l * r;
+//                 then l -= frequency * count + presence * (count > 0) over the
+//                 OUTPUT tokens only
+//   min_tokens    EOS ids and stop ids -> -inf while fewer than min_tokens tokens
+//                 were generated (vLLM masks EOS here even with ignore_eos)
+//   temperature 0 -> greedy argmax (ties: lowest id); otherwise l / T, with T
+//                 raised to 0.01 when smaller (vLLM's _MAX_TEMP guard)
+//   min_p         keep p >= min_p * p_max
+//   top_k         keep logits >= the k-th largest (ties at the boundary stay)
+//   top_p         keep the smallest set, by probability, with mass >= p of the
+//                 distribution left by min_p and top_k (renormalised)
+//   draw          one uniform double from the request's xoshiro256** stream
+//
+// On return the caller's logits hold the processed values before temperature.
+// Everything vocab-sized is allocated in tdm_sampler_new; sampling allocates
+// nothing. Top-k uses a k-sized insertion buffer in one pass (or quickselect for a
+// large k) instead of sorting the vocabulary; top-p without top-k is a quickselect
+// on probability mass. A sampler's draws depend only on its seed and its own
+// history: one 64-bit draw per sampled token, none for greedy.
+#include "sampling.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "core.h"
+#include "sampling_impl.h"
+
+#define TDM_SAMPLING_MIN_TEMP 0.01f  // vLLM's _MAX_TEMP: smaller temperatures overflow
+#define TDM_LOGIT_BIAS_LIMIT 100.0f  // OpenAI's range; vLLM clamps to it
+#define TOPK_BUFFER_MAX 256          // up to this k, one pass with an insertion buffer
+
+struct tdm_sampler {
+    struct tdm_sampling_params p; // a copy; top_k 0 means off, temperature as used
+    int vocab_size;
+    bool greedy;
+    uint64_t rng[4];        // xoshiro256** state
+    int num_generated;      // tokens recorded by tdm_sampler_sample
+    int32_t *eos_ids;       // [num_eos]
+    int num_eos;
+    int32_t *masked_ids;    // [num_masked] EOS and stop ids, masked before min_tokens
+    int num_masked;
+    uint64_t *seen;         // [words] bitmap of prompt+output tokens; NULL: no repetition penalty
+    uint64_t *out_seen;     // [words] bitmap of output tokens; NULL: no presence/frequency
+    uint32_t *out_count;    // [vocab_size] occurrences in the output; with out_seen
+    size_t words;           // ceil(vocab_size / 64)
+    float *raw;             // [vocab_size] raw logits copy; NULL unless logprobs >= 0
+    int32_t *cand;          // [vocab_size] candidate ids; NULL when greedy
+    float *weight;          // [vocab_size] candidate weights exp((l - max) / T), scratch
+};
+
+// ---- parameters ------------------------------------------------------------------
+
+void tdm_sampling_params_default(struct tdm_sampling_params *p)
+{
+    memset(p, 0, sizeof *p);
+    p->temperature = 1.0f;
+    p->top_p = 1.0f;
+    p->top_k = 0;
+    p->min_p = 0.0f;
+    p->repetition_penalty = 1.0f;
+    p->logprobs = -1;
+}
+
+int tdm_sampling_params_validate(const struct tdm_sampling_params *p, int vocab_size, char *err,
+                                 size_t errlen)
+{
+    // Comparisons are written so that NaN fails them.
+    if (vocab_size <= 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "vocab_size must be positive, got %d",
+                          vocab_size);
+    if (!(p->temperature >= 0.0f && p->temperature <= 2.0f))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "temperature must be in [0, 2], got %g",
+                          (double)p->temperature);
+    if (!(p->top_p > 0.0f && p->top_p <= 1.0f))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "top_p must be in (0, 1], got %g",
+                          (double)p->top_p);
+    if (p->top_k < -1)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "top_k must be 0 or -1 (disabled), or at least 1, got %d", p->top_k);
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "min_p must be in [0, 1], got %g",
+                          (double)p->min_p);
+    if (!(p->repetition_penalty > 0.0f && isfinite(p->repetition_penalty)))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "repetition_penalty must be a finite number greater than zero, got %g",
+                          (double)p->repetition_penalty);
+    if (!(p->presence_penalty >= -2.0f && p->presence_penalty <= 2.0f))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "presence_penalty must be in [-2, 2], got %g",
+                          (double)p->presence_penalty);
+    if (!(p->frequency_penalty >= -2.0f && p->frequency_penalty <= 2.0f))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "frequency_penalty must be in [-2, 2], got %g",
+                          (double)p->frequency_penalty);
+    if (p->min_tokens < 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "min_tokens must be greater than or equal to 0, got %d", p->min_tokens);
+    if (p->logprobs < -1 || p->logprobs > TDM_MAX_LOGPROBS)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "logprobs must be in [0, %d] (or -1 for none), got %d", TDM_MAX_LOGPROBS,
+                          p->logprobs);
+    if (p->num_stop_token_ids < 0 || p->num_stop_token_ids > TDM_MAX_STOP_IDS)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "stop_token_ids may hold at most %d ids, got %d",
+                          TDM_MAX_STOP_IDS, p->num_stop_token_ids);
+    for (int i = 0; i < p->num_stop_token_ids; i++)
+        if (p->stop_token_ids[i] < 0 || p->stop_token_ids[i] >= vocab_size)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "stop_token_ids[%d] = %d is outside the vocabulary [0, %d)", i,
+                              (int)p->stop_token_ids[i], vocab_size);
+    if (p->num_logit_bias < 0 || p->num_logit_bias > TDM_MAX_LOGIT_BIAS)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "logit_bias may hold at most %d entries, got %d",
+                          TDM_MAX_LOGIT_BIAS, p->num_logit_bias);
+    for (int i = 0; i < p->num_logit_bias; i++) {
+        const struct tdm_logit_bias *b = &p->logit_bias[i];
+        if (b->token < 0 || b->token >= vocab_size)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "logit_bias token %d is outside the vocabulary [0, %d)",
+                              (int)b->token, vocab_size);
+        if (!isfinite(b->bias))
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "logit_bias for token %d must be a finite number", (int)b->token);
+    }
+    return TDM_OK;
+}
+
+// ---- RNG: xoshiro256** seeded through splitmix64 --------------------------------------
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t rng_next(uint64_t s[4])
+{
+    uint64_t result = rotl(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+static void rng_seed(uint64_t s[4], uint64_t seed)
+{
+    for (int i = 0; i < 4; i++)
+        s[i] = splitmix64(&seed);
+}
+
+// An unseeded request draws its seed from the kernel's entropy pool (getrandom),
+// shared by the whole process; if that fails, from the clock and a counter.
+static uint64_t entropy_seed(void)
+{
+    uint64_t seed;
+    if (getrandom(&seed, sizeof seed, 0) == (ssize_t)sizeof seed)
+        return seed;
+    static _Atomic uint64_t counter;
+    uint64_t x = (uint64_t)(tdm_wall_now() * 1e9) ^ (uint64_t)(uintptr_t)&seed;
+    x ^= splitmix64(&x) + counter++;
+    return x;
+}
+
+// ---- construction ----------------------------------------------------------------------
+
+int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *p, int vocab_size,
+                    const int32_t *prompt, size_t n_prompt, const int32_t *eos_ids, int num_eos)
+{
+    *out = NULL;
+    if (tdm_sampling_params_validate(p, vocab_size, NULL, 0) != TDM_OK || num_eos < 0 ||
+        (num_eos > 0 && !eos_ids) || (n_prompt > 0 && !prompt))
+        return TDM_EINVAL;
+    for (int i = 0; i < num_eos; i++)
+        if (eos_ids[i] < 0 || eos_ids[i] >= vocab_size)
+            return TDM_EINVAL;
+    for (size_t i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= vocab_size)
+            return TDM_EINVAL;
+
+    struct tdm_sampler *s = calloc(1, sizeof *s);
+    if (!s)
+        return TDM_ENOMEM;
+    s->p = *p;
+    s->vocab_size = vocab_size;
+    s->words = ((size_t)vocab_size + 63) / 64;
+    s->greedy = p->temperature == 0.0f;
+    if (!s->greedy && s->p.temperature < TDM_SAMPLING_MIN_TEMP)
+        s->p.temperature = TDM_SAMPLING_MIN_TEMP;
+    if (s->p.top_k < 0 || s->p.top_k >= vocab_size)
+        s->p.top_k = 0;
+    for (int i = 0; i < s->p.num_logit_bias; i++) {
+        float b = s->p.logit_bias[i].bias;
+        s->p.logit_bias[i].bias = b > TDM_LOGIT_BIAS_LIMIT    ? TDM_LOGIT_BIAS_LIMIT
+                                  : b < -TDM_LOGIT_BIAS_LIMIT ? -TDM_LOGIT_BIAS_LIMIT
+                                                              : b;
+    }
+    rng_seed(s->rng, p->has_seed ? p->seed : entropy_seed());
+
+    size_t v = (size_t)vocab_size;
+    s->num_eos = num_eos;
+    s->eos_ids = malloc(sizeof(int32_t) * (size_t)(num_eos > 0 ? num_eos : 1));
+    s->masked_ids = malloc(sizeof(int32_t) * (size_t)(num_eos + p->num_stop_token_ids + 1));
+    if (!s->eos_ids || !s->masked_ids)
+        goto fail;
+    if (num_eos > 0)
+        memcpy(s->eos_ids, eos_ids, sizeof(int32_t) * (size_t)num_eos);
+    for (int i = 0; i < num_eos; i++)
+        s->masked_ids[s->num_masked++] = eos_ids[i];
+    for (int i = 0; i < p->num_stop_token_ids; i++)
+        s->masked_ids[s->num_masked++] = p->stop_token_ids[i];
+
+    if (p->repetition_penalty != 1.0f) {
+        s->seen = calloc(s->words, sizeof(uint64_t));
+        if (!s->seen)
+            goto fail;
+        for (size_t i = 0; i < n_prompt; i++)
+            s->seen[prompt[i] >> 6] |= 1ull << (prompt[i] & 63);
+    }
+    if (p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f) {
+        s->out_seen = calloc(s->words, sizeof(uint64_t));
+        s->out_count = calloc(v, sizeof(uint32_t));
+        if (!s->out_seen || !s->out_count)
+            goto fail;
+    }
+    if (p->logprobs >= 0) {
+        s->raw = malloc(v * sizeof(float));
+        if (!s->raw)
+            goto fail;
+    }
+    if (!s->greedy) {
+        s->cand = malloc(v * sizeof(int32_t));
+        s->weight = malloc(v * sizeof(float));
+        if (!s->cand || !s->weight)
+            goto fail;
+    }
+    *out = s;
+    return TDM_OK;
+fail:
+    tdm_sampler_free(s);
+    return TDM_ENOMEM;
+}
+
+void tdm_sampler_free(struct tdm_sampler *s)
+{
+    if (!s)
+        return;
+    free(s->eos_ids);
+    free(s->masked_ids);
+    free(s->seen);
+    free(s->out_seen);
+    free(s->out_count);
+    free(s->raw);
+    free(s->cand);
+    free(s->weight);
+    free(s);
+}
+
+// ---- selection helpers -------------------------------------------------------------------
+
+// Order used for ties everywhere: larger weight first, then lower id.
+static bool before(const int32_t *ids, const float *w, size_t a, size_t b)
+{
+    return w[a] > w[b] || (w[a] == w[b] && ids[a] < ids[b]);
+}
+
+static void swap2(int32_t *ids, float *w, size_t a, size_t b)
+{
+    int32_t ti = ids[a];
+    ids[a] = ids[b];
+    ids[b] = ti;
+    float tw = w[a];
+    w[a] = w[b];
+    w[b] = tw;
+}
+
+// Insertion sort of a short range by `before`.
+static void sort_small(int32_t *ids, float *w, size_t lo, size_t hi)
+{
+    for (size_t i = lo + 1; i < hi; i++)
+        for (size_t j = i; j > lo && before(ids, w, j, j - 1); j--)
+            swap2(ids, w, j, j - 1);
+}
+
+// Heap sort by `before` (first = largest weight): O(n log n) without recursion,
+// the fallback when the mass quickselect makes poor progress and for top-k sets.
+static void sift_down(int32_t *ids, float *w, size_t base, size_t root, size_t n)
+{
+    for (;;) {
+        size_t child = 2 * root + 1;
+        if (child >= n)
+            return;
+        // The root is the element that comes first in `before` order.
+        if (child + 1 < n && before(ids, w, base + child + 1, base + child))
+            child++;
+        if (!before(ids, w, base + child, base + root))
+            return;
+        swap2(ids, w, base + root, base + child);
+        root = child;
+    }
+}
+
+static void sort_range(int32_t *ids, float *w, size_t lo, size_t hi)
+{
+    size_t n = hi - lo;
+    if (n <= 32) {
+        sort_small(ids, w, lo, hi);
+        return;
+    }
+    for (size_t i = n / 2; i-- > 0;)
+        sift_down(ids, w, lo, i, n);
+    for (size_t end = n - 1; end > 0; end--) {
+        swap2(ids, w, lo, lo + end);
+        sift_down(ids, w, lo, 0, end);
+    }
+    // The heap pops the element that comes first in `before` order to the end, so
+    // the range is now last-to-first: reverse it.
+    for (size_t a = lo, b = hi - 1; a < b; a++, b--)
+        swap2(ids, w, a, b);
+}
+
+size_t tdm_sampling_select_top_p(int32_t *ids, float *w, size_t n, double target)
+{
+    size_t lo = 0, hi = n;
+    double need = target; // mass still needed from [lo, hi); [0, lo) is kept
+    int budget = 64;      // partition rounds before falling back to a sort
+    while (hi - lo > 32 && budget-- > 0) {
+        size_t a = lo, b = lo + (hi - lo) / 2, c = hi - 1, piv;
+        // median of three positions, in `before` order
+        if (before(ids, w, a, b))
+            piv = before(ids, w, b, c) ? b : (before(ids, w, a, c) ? c : a);
+        else
+            piv = before(ids, w, a, c) ? a : (before(ids, w, b, c) ? c : b);
+        swap2(ids, w, piv, hi - 1);
+        size_t m = lo;
+        double mass = 0.0;
+        for (size_t i = lo; i < hi - 1; i++) {
+            if (before(ids, w, i, hi - 1)) {
+                mass += w[i];
+                swap2(ids, w, i, m);
+                m++;
+            }
+        }
+        swap2(ids, w, m, hi - 1); // the pivot now sits at m
+        if (mass >= need) {
+            hi = m; // the pivot's preceding mass already reaches target: cut before it
+        } else if (mass + w[m] >= need) {
+            return m + 1; // the pivot is the last one kept
+        } else {
+            need -= mass + w[m];
+            lo = m + 1;
+        }
+    }
+    sort_range(ids, w, lo, hi);
+    double acc = 0.0;
+    for (size_t i = lo; i < hi; i++) {
+        if (acc >= need)
+            return i;
+        acc += w[i];
+    }
+    return hi;
+}
+
+// Quickselect for the k-th largest of v[0..n) in place (k >= 1, k <= n).
+static float select_kth(float *v, size_t n, size_t k)
+{
+    size_t lo = 0, hi = n, want = k - 1; // want: index in descending order
+    while (hi - lo > 1) {
+        float a = v[lo], b = v[lo + (hi - lo) / 2], c = v[hi - 1];
+        float pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+        // Three-way partition: > pivot, == pivot, < pivot.
+        size_t lt = lo, i = lo, gt = hi;
+        while (i < gt) {
+            if (v[i] > pivot) {
+                float t = v[i];
+                v[i++] = v[lt];
+                v[lt++] = t;
+            } else if (v[i] < pivot) {
+                float t = v[i];
+                v[i] = v[--gt];
+                v[gt] = t;
+            } else {
+                i++;
+            }
+        }
+        if (want < lt)
+            hi = lt;
+        else if (want < gt)
+            return pivot;
+        else
+            lo = gt;
+    }
+    return v[lo];
+}
+
+float tdm_sampling_kth_largest(const float *logits, size_t n, size_t k, float *scratch)
+{
+    if (k <= TOPK_BUFFER_MAX) {
+        // One pass keeping the k largest in a descending buffer; after the first few
+        // thousand entries almost every value fails the single comparison.
+        float *buf = scratch;
+        for (size_t i = 0; i < k; i++)
+            buf[i] = -INFINITY;
+        for (size_t i = 0; i < n; i++) {
+            float l = logits[i];
+            if (!(l > buf[k - 1]))
+                continue; // also skips NaN
+            size_t j = k - 1;
+            while (j > 0 && buf[j - 1] < l) {
+                buf[j] = buf[j - 1];
+                j--;
+            }
+            buf[j] = l;
+        }
+        return buf[k - 1];
+    }
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+        if (logits[i] > -INFINITY) // drops -inf and NaN
+            scratch[m++] = logits[i];
+    if (m < k)
+        return -INFINITY;
+    return select_kth(scratch, m, k);
+}
+
+// ---- the per-token path -------------------------------------------------------------------
+
+static int32_t argmax(const float *logits, int n)
+{
+    int32_t best = 0;
+    float bv = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        if (logits[i] > bv) { // strict: ties keep the lowest id; NaN never wins
+            bv = logits[i];
+            best = i;
+        }
+    }
+    return best;
+}
+
+static void apply_penalties(struct tdm_sampler *s, float *logits)
+{
+    const struct tdm_sampling_params *p = &s->p;
+    for (int i = 0; i < p->num_logit_bias; i++)
+        logits[p->logit_bias[i].token] += p->logit_bias[i].bias;
+    if (s->seen) {
+        float r = p->repetition_penalty;
+        for (size_t wi = 0; wi < s->words; wi++) {
+            for (uint64_t bits = s->seen[wi]; bits; bits &= bits - 1) {
+                size_t t = wi * 64 + (size_t)__builtin_ctzll(bits);
+                float l = logits[t];
+                logits[t] = l > 0.0f ? l / r : l * r;
+            }
+        }
+    }
+    if (s->out_seen) {
+        for (size_t wi = 0; wi < s->words; wi++) {
+            for (uint64_t bits = s->out_seen[wi]; bits; bits &= bits - 1) {
+                size_t t = wi * 64 + (size_t)__builtin_ctzll(bits);
+                logits[t] -= p->frequency_penalty * (float)s->out_count[t] + p->presence_penalty;
+            }
+        }
+    }
+    if (s->num_generated < p->min_tokens)
+        for (int i = 0; i < s->num_masked; i++)
+            logits[s->masked_ids[i]] = -INFINITY;
+}
+
+// Random path: builds the candidate set (min_p, top_k, top_p) in cand/weight and
+// draws from it. Returns -1 when no candidate has positive weight.
+static int32_t sample_random(struct tdm_sampler *s, const float *logits)
+{
+    const struct tdm_sampling_params *p = &s->p;
+    size_t v = (size_t)s->vocab_size, n = 0;
+    float inv_t = 1.0f / p->temperature;
+    float lmax = -INFINITY;
+    for (size_t i = 0; i < v; i++)
+        if (logits[i] > lmax)
+            lmax = logits[i];
+    if (!isfinite(lmax))
+        return -1;
+    // Candidates: logits >= the k-th largest (top_k), weights exp((l - max) / T);
+    // min_p keeps weight >= min_p (the best token has weight 1).
+    float thr = -INFINITY;
+    if (p->top_k > 0)
+        thr = tdm_sampling_kth_largest(logits, v, (size_t)p->top_k, s->weight);
+    float min_w = p->min_p;
+    double total = 0.0;
+    for (size_t i = 0; i < v; i++) {
+        float l = logits[i];
+        if (!(l >= thr) || l == -INFINITY)
+            continue;
+        float w = expf((l - lmax) * inv_t);
+        if (!(w >= min_w) || w <= 0.0f)
+            continue;
+        s->cand[n] = (int32_t)i;
+        s->weight[n] = w;
+        total += w;
+        n++;
+    }
+    if (n == 0)
+        return -1;
+    if (p->top_p < 1.0f) {
+        n = tdm_sampling_select_top_p(s->cand, s->weight, n, (double)p->top_p * total);
+        total = 0.0;
+        for (size_t i = 0; i < n; i++)
+            total += s->weight[i];
+    }
+    // One uniform double in [0, 1) from the top 53 bits.
+    double u = (double)(rng_next(s->rng) >> 11) * 0x1.0p-53 * total;
+    double acc = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        acc += s->weight[i];
+        if (u < acc)
+            return s->cand[i];
+    }
+    return s->cand[n - 1]; // rounding left u just above the running sum
+}
+
+// log-softmax of the raw logits: the chosen token's value and the top N.
+static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm_sample_result *res)
+{
+    const float *raw = s->raw;
+    int v = s->vocab_size, k = s->p.logprobs;
+    float lmax = -INFINITY;
+    for (int i = 0; i < v; i++)
+        if (raw[i] > lmax)
+            lmax = raw[i];
+    double sum = 0.0;
+    for (int i = 0; i < v; i++)
+        sum += exp((double)raw[i] - (double)lmax);
+    double lse = (double)lmax + log(sum);
+    res->logprob = (float)((double)raw[token] - lse);
+    res->num_top = k;
+    if (k == 0)
+        return;
+    // Top k by value, ties to the lower id: a descending insertion buffer.
+    struct tdm_token_logprob *top = res->top;
+    int filled = 0;
+    for (int i = 0; i < v; i++) {
+        float l = raw[i];
+        if (filled == k && !(l > top[k - 1].logprob))
+            continue;
+        if (l != l)
+            continue;
+        int j = filled < k ? filled++ : k - 1;
+        while (j > 0 && top[j - 1].logprob < l) {
+            top[j] = top[j - 1];
+            j--;
+        }
+        top[j].token = i;
+        top[j].logprob = l;
+    }
+    res->num_top = filled;
+    for (int j = 0; j < filled; j++)
+        top[j].logprob = (float)((double)top[j].logprob - lse);
+}
+
+static void record(struct tdm_sampler *s, int32_t token)
+{
+    s->num_generated++;
+    if (s->seen)
+        s->seen[token >> 6] |= 1ull << (token & 63);
+    if (s->out_seen) {
+        s->out_seen[token >> 6] |= 1ull << (token & 63);
+        s->out_count[token]++;
+    }
+}
+
+int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, struct tdm_sample_result *res)
+{
+    if (s->raw)
+        memcpy(s->raw, logits, sizeof(float) * (size_t)s->vocab_size);
+    apply_penalties(s, logits);
+    int32_t token = -1;
+    if (!s->greedy)
+        token = sample_random(s, logits);
+    if (token < 0) // greedy, or nothing left to draw from (all -inf or NaN)
+        token = argmax(logits, s->vocab_size);
+    if (res) {
+        res->token = token;
+        res->logprob = 0.0f;
+        res->num_top = 0;
+        if (s->raw)
+            fill_logprobs(s, token, res);
+    }
+    record(s, token);
+    return token;
+}
+
+bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token)
+{
+    if (s->num_generated < s->p.min_tokens)
+        return false;
+    if (!s->p.ignore_eos)
+        for (int i = 0; i < s->num_eos; i++)
+            if (s->eos_ids[i] == token)
+                return true;
+    for (int i = 0; i < s->p.num_stop_token_ids; i++)
+        if (s->p.stop_token_ids[i] == token)
+            return true;
+    return false;
+}
+
+int tdm_sampler_num_generated(const struct tdm_sampler *s) { return s->num_generated; }

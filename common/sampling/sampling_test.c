@@ -1,0 +1,720 @@
+// SPDX-License-Identifier: Apache-2.0
+// sampling_test: the sampler against brute-force references. Filters are checked
+// over thousands of seeded draws (never a token outside the top-k / nucleus /
+// min-p set, empirical frequencies within a stated bound of the renormalised
+// probabilities, a chi-square test on the unfiltered distribution), penalties and
+// logprobs against the formulas, seeds for reproducibility and independence, and
+// every validation message. Seeds are fixed, so the runs are deterministic; the
+// bounds are about 4-5 standard deviations wide.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "sampling.h"
+#include "sampling_impl.h"
+
+// ---- helpers ---------------------------------------------------------------------
+
+static uint64_t test_rng = 12345;
+static double test_uniform(void)
+{
+    uint64_t z = (test_rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (double)(z >> 11) * 0x1.0p-53;
+}
+
+static void random_logits(float *l, int n, float scale)
+{
+    for (int i = 0; i < n; i++)
+        l[i] = (float)(test_uniform() * scale);
+}
+
+static struct tdm_sampler *make(const struct tdm_sampling_params *p, int vocab)
+{
+    struct tdm_sampler *s = NULL;
+    char err[256] = "";
+    if (tdm_sampling_params_validate(p, vocab, err, sizeof err) != TDM_OK)
+        fail_msg("validate: %s", err);
+    assert_int_equal(tdm_sampler_new(&s, p, vocab, NULL, 0, NULL, 0), TDM_OK);
+    return s;
+}
+
+// Samples from a fresh copy of master (the sampler modifies logits in place).
+static int32_t draw(struct tdm_sampler *s, const float *master, float *work, int vocab)
+{
+    memcpy(work, master, sizeof(float) * (size_t)vocab);
+    int32_t t = tdm_sampler_sample(s, work, NULL);
+    assert_true(t >= 0 && t < vocab);
+    return t;
+}
+
+static int count_greater(const float *l, int n, float v)
+{
+    int c = 0;
+    for (int i = 0; i < n; i++)
+        c += l[i] > v;
+    return c;
+}
+
+// ---- validation --------------------------------------------------------------------
+
+static void expect_invalid(const struct tdm_sampling_params *p, const char *needle)
+{
+    char err[256] = "";
+    assert_int_equal(tdm_sampling_params_validate(p, 100, err, sizeof err), TDM_EINVAL);
+    if (!strstr(err, needle))
+        fail_msg("'%s' does not contain '%s'", err, needle);
+    struct tdm_sampler *s = NULL;
+    assert_int_equal(tdm_sampler_new(&s, p, 100, NULL, 0, NULL, 0), TDM_EINVAL);
+    assert_null(s);
+}
+
+static void test_validate(void **state)
+{
+    (void)state;
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    assert_true(p.temperature == 1.0f && p.top_p == 1.0f && p.top_k == 0 && p.min_p == 0.0f);
+    assert_true(p.repetition_penalty == 1.0f && p.logprobs == -1 && !p.has_seed);
+    assert_int_equal(tdm_sampling_params_validate(&p, 100, NULL, 0), TDM_OK);
+
+#define BAD(field, value, needle)                                                                  \
+    do {                                                                                           \
+        tdm_sampling_params_default(&p);                                                           \
+        p.field = value;                                                                           \
+        expect_invalid(&p, needle);                                                                \
+    } while (0)
+    BAD(temperature, -0.1f, "temperature must be in [0, 2], got -0.1");
+    BAD(temperature, 2.5f, "temperature must be in [0, 2]");
+    BAD(temperature, NAN, "temperature");
+    BAD(top_p, 0.0f, "top_p must be in (0, 1], got 0");
+    BAD(top_p, 1.01f, "top_p");
+    BAD(top_k, -2, "top_k must be 0 or -1 (disabled), or at least 1, got -2");
+    BAD(min_p, 1.5f, "min_p must be in [0, 1]");
+    BAD(min_p, -0.1f, "min_p");
+    BAD(repetition_penalty, 0.0f, "repetition_penalty");
+    BAD(repetition_penalty, INFINITY, "repetition_penalty");
+    BAD(presence_penalty, 2.5f, "presence_penalty must be in [-2, 2]");
+    BAD(frequency_penalty, -3.0f, "frequency_penalty must be in [-2, 2]");
+    BAD(min_tokens, -1, "min_tokens");
+    BAD(logprobs, 21, "logprobs must be in [0, 20]");
+    BAD(logprobs, -2, "logprobs");
+    BAD(num_stop_token_ids, TDM_MAX_STOP_IDS + 1, "stop_token_ids");
+    BAD(num_logit_bias, -1, "logit_bias");
+#undef BAD
+    tdm_sampling_params_default(&p);
+    p.num_stop_token_ids = 2;
+    p.stop_token_ids[0] = 5;
+    p.stop_token_ids[1] = 100;
+    expect_invalid(&p, "stop_token_ids[1] = 100 is outside the vocabulary [0, 100)");
+    tdm_sampling_params_default(&p);
+    p.num_logit_bias = 1;
+    p.logit_bias[0] = (struct tdm_logit_bias){.token = -1, .bias = 1.0f};
+    expect_invalid(&p, "logit_bias token -1");
+    p.logit_bias[0] = (struct tdm_logit_bias){.token = 3, .bias = NAN};
+    expect_invalid(&p, "logit_bias for token 3");
+
+    // The edges that are allowed.
+    tdm_sampling_params_default(&p);
+    p.temperature = 2.0f;
+    p.top_k = -1;
+    p.min_p = 1.0f;
+    p.logprobs = TDM_MAX_LOGPROBS;
+    p.presence_penalty = -2.0f;
+    p.frequency_penalty = 2.0f;
+    assert_int_equal(tdm_sampling_params_validate(&p, 100, NULL, 0), TDM_OK);
+
+    // Out-of-vocabulary prompt or EOS ids are refused by tdm_sampler_new.
+    struct tdm_sampler *s = NULL;
+    int32_t bad = 100, good = 1;
+    tdm_sampling_params_default(&p);
+    assert_int_equal(tdm_sampler_new(&s, &p, 100, &bad, 1, NULL, 0), TDM_EINVAL);
+    assert_int_equal(tdm_sampler_new(&s, &p, 100, &good, 1, &bad, 1), TDM_EINVAL);
+    assert_null(s);
+}
+
+// ---- greedy ----------------------------------------------------------------------------
+
+static void test_greedy(void **state)
+{
+    (void)state;
+    enum { V = 1000 };
+    static float l[V];
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.0f;
+    struct tdm_sampler *s = make(&p, V);
+    for (int round = 0; round < 20; round++) {
+        random_logits(l, V, 10.0f);
+        int best = 0;
+        for (int i = 1; i < V; i++)
+            if (l[i] > l[best])
+                best = i;
+        assert_int_equal(tdm_sampler_sample(s, l, NULL), best);
+    }
+    for (int i = 0; i < V; i++)
+        l[i] = 0.0f;
+    l[700] = l[5] = l[3] = 1.0f; // ties: the lowest id
+    assert_int_equal(tdm_sampler_sample(s, l, NULL), 3);
+    assert_int_equal(tdm_sampler_num_generated(s), 21);
+    tdm_sampler_free(s);
+}
+
+// ---- top-k ---------------------------------------------------------------------------
+
+static void test_top_k(void **state)
+{
+    (void)state;
+    enum { V = 1000, K = 5, DRAWS = 5000 };
+    static float master[V], work[V];
+    random_logits(master, V, 4.0f);
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.top_k = K;
+    p.has_seed = true;
+    p.seed = 1;
+    struct tdm_sampler *s = make(&p, V);
+    int hits[V] = {0};
+    for (int i = 0; i < DRAWS; i++) {
+        int32_t t = draw(s, master, work, V);
+        if (count_greater(master, V, master[t]) >= K)
+            fail_msg("token %d is not among the %d best", t, K);
+        hits[t]++;
+    }
+    int distinct = 0;
+    for (int i = 0; i < V; i++)
+        distinct += hits[i] > 0;
+    assert_int_equal(distinct, K);
+    tdm_sampler_free(s);
+
+    // Ties at the k-th value stay in (vLLM masks only logits < the k-th largest).
+    for (int i = 0; i < V; i++)
+        master[i] = i < 10 ? 1.0f : 0.0f;
+    p.top_k = 3;
+    s = make(&p, V);
+    memset(hits, 0, sizeof hits);
+    for (int i = 0; i < 2000; i++) {
+        int32_t t = draw(s, master, work, V);
+        assert_true(t < 10);
+        hits[t]++;
+    }
+    for (int i = 0; i < 10; i++)
+        assert_true(hits[i] > 0);
+    tdm_sampler_free(s);
+}
+
+// A k above the insertion-buffer size takes the quickselect path.
+static void test_top_k_large_vocab(void **state)
+{
+    (void)state;
+    enum { V = 151936, K = 300 };
+    float *master = malloc(sizeof(float) * V), *work = malloc(sizeof(float) * V);
+    assert_non_null(master);
+    assert_non_null(work);
+    random_logits(master, V, 3.0f);
+    for (int k = 1; k <= 600; k += 299) {
+        float kth = tdm_sampling_kth_largest(master, V, (size_t)k, work);
+        assert_true(count_greater(master, V, kth) < k);
+        assert_true(count_greater(master, V, kth) + 1 >= k || kth == -INFINITY);
+    }
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.top_k = K;
+    p.has_seed = true;
+    p.seed = 2;
+    struct tdm_sampler *s = make(&p, V);
+    for (int i = 0; i < 100; i++) {
+        int32_t t = draw(s, master, work, V);
+        assert_true(count_greater(master, V, master[t]) < K);
+    }
+    tdm_sampler_free(s);
+    free(master);
+    free(work);
+}
+
+// ---- top-p ---------------------------------------------------------------------------
+
+// Renormalised frequencies over a small vocabulary must match want[] within tol.
+static void check_frequencies(struct tdm_sampler *s, const float *master, int v, const double *want,
+                              int draws, double tol)
+{
+    float work[64];
+    int hits[64] = {0};
+    for (int i = 0; i < draws; i++)
+        hits[draw(s, master, work, v)]++;
+    for (int i = 0; i < v; i++) {
+        double f = (double)hits[i] / draws;
+        if (fabs(f - want[i]) > tol)
+            fail_msg("token %d: frequency %.4f, expected %.4f (+-%.4f)", i, f, want[i], tol);
+    }
+}
+
+static void test_top_p_small(void **state)
+{
+    (void)state;
+    static const double prob[8] = {0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.01};
+    float master[8];
+    for (int i = 0; i < 8; i++)
+        master[i] = (float)log(prob[i]);
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.top_p = 0.75f; // 0.4 + 0.25 < 0.75 <= 0.4 + 0.25 + 0.15: the nucleus is {0, 1, 2}
+    p.has_seed = true;
+    p.seed = 3;
+    struct tdm_sampler *s = make(&p, 8);
+    const double want[8] = {0.4 / 0.8, 0.25 / 0.8, 0.15 / 0.8, 0, 0, 0, 0, 0};
+    check_frequencies(s, master, 8, want, 20000, 0.015);
+    tdm_sampler_free(s);
+}
+
+struct wid {
+    float w;
+    int32_t id;
+};
+static int cmp_wid(const void *a, const void *b)
+{
+    const struct wid *x = a, *y = b;
+    if (x->w != y->w)
+        return x->w > y->w ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+// The mass quickselect keeps exactly the brute-force nucleus (sort, then keep while
+// the mass before a token is < target), ties included.
+static void test_top_p_select_exact(void **state)
+{
+    (void)state;
+    static const size_t sizes[] = {1, 10, 33, 1000, 151936};
+    static const double ps[] = {0.05, 0.5, 0.9, 0.999};
+    for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+        size_t n = sizes[si];
+        int32_t *ids = malloc(n * sizeof *ids);
+        float *w = malloc(n * sizeof *w);
+        struct wid *ref = malloc(n * sizeof *ref);
+        unsigned char *in = calloc(n, 1);
+        assert_true(ids && w && ref && in);
+        for (int ties = 0; ties < 2; ties++) {
+            for (size_t pi = 0; pi < sizeof ps / sizeof ps[0]; pi++) {
+                double total = 0;
+                for (size_t i = 0; i < n; i++) {
+                    double u = test_uniform();
+                    // ties: only 8 distinct weights, so the boundary falls inside a tie
+                    w[i] = ties ? (float)(1 + (int)(u * 8)) : (float)exp(8.0 * u);
+                    ids[i] = (int32_t)i;
+                    ref[i] = (struct wid){w[i], (int32_t)i};
+                    total += w[i];
+                }
+                double target = ps[pi] * total;
+                qsort(ref, n, sizeof *ref, cmp_wid);
+                size_t want = 0;
+                double acc = 0;
+                while (want < n && acc < target)
+                    acc += ref[want++].w;
+                size_t got = tdm_sampling_select_top_p(ids, w, n, target);
+                if (got != want)
+                    fail_msg("n=%zu p=%g ties=%d: kept %zu, expected %zu", n, ps[pi], ties, got,
+                             want);
+                memset(in, 0, n);
+                for (size_t i = 0; i < got; i++)
+                    in[ids[i]] = 1;
+                for (size_t i = 0; i < want; i++)
+                    if (!in[ref[i].id])
+                        fail_msg("n=%zu p=%g: token %d missing from the nucleus", n, ps[pi],
+                                 ref[i].id);
+            }
+        }
+        free(ids);
+        free(w);
+        free(ref);
+        free(in);
+    }
+}
+
+static void test_top_p_large_vocab(void **state)
+{
+    (void)state;
+    enum { V = 151936 };
+    float *master = malloc(sizeof(float) * V), *work = malloc(sizeof(float) * V);
+    struct wid *ref = malloc(sizeof(struct wid) * V);
+    unsigned char *in = calloc(V, 1);
+    assert_true(master && work && ref && in);
+    random_logits(master, V, 12.0f);
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.top_p = 0.8f;
+    p.temperature = 0.8f;
+    p.has_seed = true;
+    p.seed = 4;
+    // Brute-force nucleus of softmax(l / T).
+    float lmax = -INFINITY;
+    for (int i = 0; i < V; i++)
+        lmax = fmaxf(lmax, master[i]);
+    double total = 0;
+    for (int i = 0; i < V; i++) {
+        ref[i] = (struct wid){expf((master[i] - lmax) / 0.8f), i};
+        total += ref[i].w;
+    }
+    qsort(ref, V, sizeof *ref, cmp_wid);
+    double acc = 0;
+    for (int i = 0; i < V && acc < 0.8 * total; i++) {
+        acc += ref[i].w;
+        in[ref[i].id] = 1;
+    }
+    struct tdm_sampler *s = make(&p, V);
+    for (int i = 0; i < 200; i++) {
+        int32_t t = draw(s, master, work, V);
+        if (!in[t])
+            fail_msg("token %d is outside the top-p set", t);
+    }
+    tdm_sampler_free(s);
+    free(master);
+    free(work);
+    free(ref);
+    free(in);
+}
+
+// ---- min-p ------------------------------------------------------------------------------
+
+static void test_min_p(void **state)
+{
+    (void)state;
+    static const double prob[6] = {0.5, 0.2, 0.1, 0.1, 0.06, 0.04};
+    float master[6];
+    for (int i = 0; i < 6; i++)
+        master[i] = (float)log(prob[i]);
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.min_p = 0.25f; // keeps p >= 0.125: tokens 0 and 1
+    p.has_seed = true;
+    p.seed = 5;
+    struct tdm_sampler *s = make(&p, 6);
+    const double want[6] = {0.5 / 0.7, 0.2 / 0.7, 0, 0, 0, 0};
+    check_frequencies(s, master, 6, want, 20000, 0.015);
+    tdm_sampler_free(s);
+
+    // vLLM (v1) applies min_p before top_p, so top_p sees the renormalised {0.714,
+    // 0.286}: with p = 0.65 only token 0 remains. (Top-p first would keep {0, 1}.)
+    p.top_p = 0.65f;
+    s = make(&p, 6);
+    const double only0[6] = {1, 0, 0, 0, 0, 0};
+    check_frequencies(s, master, 6, only0, 2000, 0.0);
+    tdm_sampler_free(s);
+}
+
+// ---- temperature and the full distribution --------------------------------------------------
+
+static void test_temperature_limit(void **state)
+{
+    (void)state;
+    enum { V = 1000 };
+    static float master[V], work[V];
+    random_logits(master, V, 10.0f);
+    int best = 0;
+    for (int i = 1; i < V; i++)
+        if (master[i] > master[best])
+            best = i;
+    master[best] += 1.0f; // a gap of 1 at T = 0.01 leaves the others < e^-100
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.has_seed = true;
+    p.seed = 6;
+    static const float temps[] = {0.01f, 1e-4f, 1e-7f}; // below 0.01 is raised to 0.01
+    for (size_t k = 0; k < 3; k++) {
+        p.temperature = temps[k];
+        struct tdm_sampler *s = make(&p, V);
+        for (int i = 0; i < 1000; i++)
+            assert_int_equal(draw(s, master, work, V), best);
+        tdm_sampler_free(s);
+    }
+}
+
+static void test_unfiltered_chi_square(void **state)
+{
+    (void)state;
+    enum { V = 10, DRAWS = 50000 };
+    float master[V], work[V];
+    random_logits(master, V, 3.0f);
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.7f;
+    p.has_seed = true;
+    p.seed = 7;
+    double prob[V], sum = 0;
+    for (int i = 0; i < V; i++)
+        sum += prob[i] = exp(master[i] / 0.7);
+    struct tdm_sampler *s = make(&p, V);
+    int hits[V] = {0};
+    for (int i = 0; i < DRAWS; i++)
+        hits[draw(s, master, work, V)]++;
+    double chi2 = 0;
+    for (int i = 0; i < V; i++) {
+        double e = DRAWS * prob[i] / sum;
+        chi2 += (hits[i] - e) * (hits[i] - e) / e;
+    }
+    // 9 degrees of freedom: P(chi2 > 40) is about 7e-6.
+    if (chi2 > 40.0)
+        fail_msg("chi-square %.1f over 9 degrees of freedom", chi2);
+    tdm_sampler_free(s);
+}
+
+// ---- seeds -----------------------------------------------------------------------------------
+
+static void sequence(uint64_t seed, int32_t *out, int n, const float *master, float *work)
+{
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.has_seed = true;
+    p.seed = seed;
+    struct tdm_sampler *s = make(&p, 1000);
+    for (int i = 0; i < n; i++)
+        out[i] = draw(s, master, work, 1000);
+    tdm_sampler_free(s);
+}
+
+static void test_seeds(void **state)
+{
+    (void)state;
+    enum { N = 200 };
+    static float master[1000], work[1000];
+    random_logits(master, 1000, 2.0f);
+    int32_t a[N], a2[N], b[2 * N];
+    sequence(42, a, N, master, work);
+    sequence(42, a2, N, master, work);
+    sequence(43, b, 2 * N, master, work);
+    assert_memory_equal(a, a2, sizeof a);
+    int differ = 0;
+    for (int i = 0; i < N; i++)
+        differ += a[i] != b[i];
+    assert_true(differ > N / 2);
+
+    // Interleaving two samplers, one drawing twice as often, changes neither stream.
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.has_seed = true;
+    p.seed = 42;
+    struct tdm_sampler *sa = make(&p, 1000);
+    p.seed = 43;
+    struct tdm_sampler *sb = make(&p, 1000);
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(draw(sb, master, work, 1000), b[2 * i]);
+        assert_int_equal(draw(sa, master, work, 1000), a[i]);
+        assert_int_equal(draw(sb, master, work, 1000), b[2 * i + 1]);
+    }
+    tdm_sampler_free(sa);
+    tdm_sampler_free(sb);
+
+    // Unseeded samplers get different streams.
+    tdm_sampling_params_default(&p);
+    struct tdm_sampler *u1 = make(&p, 1000), *u2 = make(&p, 1000);
+    differ = 0;
+    for (int i = 0; i < N; i++)
+        differ += draw(u1, master, work, 1000) != draw(u2, master, work, 1000);
+    assert_true(differ > N / 2);
+    tdm_sampler_free(u1);
+    tdm_sampler_free(u2);
+}
+
+// ---- penalties and bias -------------------------------------------------------------------
+
+static void force(struct tdm_sampler *s, int32_t token, int vocab)
+{
+    float l[16];
+    for (int i = 0; i < vocab; i++)
+        l[i] = 0.0f;
+    l[token] = 50.0f;
+    assert_int_equal(tdm_sampler_sample(s, l, NULL), token);
+}
+
+static void test_penalties_exact(void **state)
+{
+    (void)state;
+    enum { V = 16 };
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.0f;
+    p.repetition_penalty = 1.5f;
+    p.presence_penalty = 0.5f;
+    p.frequency_penalty = 0.25f;
+    p.logit_bias[0] = (struct tdm_logit_bias){.token = 5, .bias = 4.0f};
+    const int32_t prompt[] = {3, 3, 5};
+    struct tdm_sampler *s = NULL;
+    p.num_logit_bias = 1;
+    assert_int_equal(tdm_sampler_new(&s, &p, V, prompt, 3, NULL, 0), TDM_OK);
+    force(s, 7, V);
+    force(s, 7, V);
+    force(s, 3, V);
+    float l[V] = {0};
+    l[3] = 2.0f;
+    l[5] = -1.0f;
+    l[7] = 4.0f;
+    l[9] = 1.0f;
+    l[10] = -2.0f;
+    (void)tdm_sampler_sample(s, l, NULL);
+    // token 3: prompt and output (count 1); 5: prompt only, biased +4 first;
+    // 7: output twice; 9, 10: untouched.
+    assert_float_equal(l[3], 2.0f / 1.5f - (0.25f * 1.0f + 0.5f), 1e-6);
+    assert_float_equal(l[5], (-1.0f + 4.0f) / 1.5f, 1e-6);
+    assert_float_equal(l[7], 4.0f / 1.5f - (0.25f * 2.0f + 0.5f), 1e-6);
+    assert_float_equal(l[9], 1.0f, 0.0);
+    assert_float_equal(l[10], -2.0f, 0.0);
+    assert_float_equal(l[0], 0.0f, 0.0);
+    tdm_sampler_free(s);
+
+    // A negative logit of a repeated token is multiplied; the bias is clamped to 100.
+    p.num_logit_bias = 1;
+    p.logit_bias[0] = (struct tdm_logit_bias){.token = 2, .bias = 300.0f};
+    p.presence_penalty = p.frequency_penalty = 0.0f;
+    assert_int_equal(tdm_sampler_new(&s, &p, V, prompt, 3, NULL, 0), TDM_OK);
+    float m[V] = {0};
+    m[3] = -2.0f;
+    assert_int_equal(tdm_sampler_sample(s, m, NULL), 2);
+    assert_float_equal(m[3], -3.0f, 1e-6);
+    assert_float_equal(m[2], 100.0f, 0.0);
+    tdm_sampler_free(s);
+}
+
+// ---- min_tokens and stopping ------------------------------------------------------------------
+
+static void test_min_tokens(void **state)
+{
+    (void)state;
+    enum { V = 20 };
+    for (int ignore = 0; ignore < 2; ignore++) {
+        struct tdm_sampling_params p;
+        tdm_sampling_params_default(&p);
+        p.temperature = 0.0f;
+        p.min_tokens = 3;
+        p.ignore_eos = ignore;
+        p.num_stop_token_ids = 1;
+        p.stop_token_ids[0] = 8;
+        const int32_t eos = 9;
+        struct tdm_sampler *s = NULL;
+        assert_int_equal(tdm_sampler_new(&s, &p, V, NULL, 0, &eos, 1), TDM_OK);
+        assert_false(tdm_sampler_is_stop(s, 8)); // before min_tokens nothing stops
+        for (int i = 0; i < 4; i++) {
+            float l[V] = {0};
+            l[9] = 10.0f;
+            l[8] = 9.0f;
+            l[4] = 5.0f;
+            int32_t t = tdm_sampler_sample(s, l, NULL);
+            if (i < 3) {
+                // EOS and the stop id are masked, even with ignore_eos (as vLLM).
+                assert_int_equal(t, 4);
+                assert_true(isinf(l[9]) && l[9] < 0);
+                assert_false(tdm_sampler_is_stop(s, t));
+            } else {
+                assert_int_equal(t, 9);
+                assert_int_equal(tdm_sampler_is_stop(s, t), !ignore);
+                assert_true(tdm_sampler_is_stop(s, 8));
+            }
+        }
+        tdm_sampler_free(s);
+    }
+}
+
+// ---- logprobs ---------------------------------------------------------------------------------
+
+static void test_logprobs(void **state)
+{
+    (void)state;
+    enum { V = 50, N = 5 };
+    float master[V], l[V];
+    random_logits(master, V, 6.0f);
+    master[17] = master[30] = 7.0f; // a tie at the top: the lower id first
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.0f;
+    p.logprobs = N;
+    p.num_logit_bias = 1;
+    p.logit_bias[0] = (struct tdm_logit_bias){.token = 2, .bias = 50.0f}; // picks 2
+    struct tdm_sampler *s = make(&p, V);
+    memcpy(l, master, sizeof l);
+    struct tdm_sample_result res;
+    assert_int_equal(tdm_sampler_sample(s, l, &res), 2);
+    double mx = -INFINITY, sum = 0;
+    for (int i = 0; i < V; i++)
+        mx = fmax(mx, master[i]);
+    for (int i = 0; i < V; i++)
+        sum += exp(master[i] - mx);
+    double lse = mx + log(sum);
+    assert_int_equal(res.token, 2);
+    // From the RAW logits: the bias does not show.
+    assert_float_equal(res.logprob, master[2] - lse, 1e-5);
+    assert_int_equal(res.num_top, N);
+    assert_int_equal(res.top[0].token, 17);
+    assert_int_equal(res.top[1].token, 30);
+    for (int j = 0; j < N; j++) {
+        int t = res.top[j].token;
+        assert_float_equal(res.top[j].logprob, master[t] - lse, 1e-5);
+        assert_int_equal(count_greater(master, V, master[t]), j < 2 ? 0 : j);
+        if (j > 0)
+            assert_true(res.top[j].logprob <= res.top[j - 1].logprob);
+    }
+    tdm_sampler_free(s);
+
+    p.logprobs = 0;
+    p.num_logit_bias = 0;
+    s = make(&p, V);
+    memcpy(l, master, sizeof l);
+    assert_int_equal(tdm_sampler_sample(s, l, &res), 17);
+    assert_int_equal(res.num_top, 0);
+    assert_float_equal(res.logprob, 7.0 - lse, 1e-5);
+    tdm_sampler_free(s);
+}
+
+// ---- degenerate logits -------------------------------------------------------------------------
+
+static void test_degenerate_logits(void **state)
+{
+    (void)state;
+    enum { V = 64 };
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.top_k = 5;
+    p.top_p = 0.5f;
+    p.has_seed = true;
+    p.seed = 8;
+    struct tdm_sampler *s = make(&p, V);
+    float l[V];
+    for (int i = 0; i < V; i++)
+        l[i] = -INFINITY;
+    int32_t t = tdm_sampler_sample(s, l, NULL);
+    assert_true(t >= 0 && t < V);
+    for (int i = 0; i < V; i++)
+        l[i] = NAN;
+    l[9] = 1.0f;
+    assert_int_equal(tdm_sampler_sample(s, l, NULL), 9);
+    tdm_sampler_free(s);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_validate),
+        cmocka_unit_test(test_greedy),
+        cmocka_unit_test(test_top_k),
+        cmocka_unit_test(test_top_k_large_vocab),
+        cmocka_unit_test(test_top_p_small),
+        cmocka_unit_test(test_top_p_select_exact),
+        cmocka_unit_test(test_top_p_large_vocab),
+        cmocka_unit_test(test_min_p),
+        cmocka_unit_test(test_temperature_limit),
+        cmocka_unit_test(test_unfiltered_chi_square),
+        cmocka_unit_test(test_seeds),
+        cmocka_unit_test(test_penalties_exact),
+        cmocka_unit_test(test_min_tokens),
+        cmocka_unit_test(test_logprobs),
+        cmocka_unit_test(test_degenerate_logits),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
