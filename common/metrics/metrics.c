@@ -47,9 +47,9 @@ struct series {
     char *labels;
     char *labels_pre;
     char *labels_post;
-    _Atomic uint64_t value_bits;   // counter or gauge value, double bits
-    _Atomic uint64_t sum_bits;     // histogram sum, double bits
-    _Atomic uint64_t *buckets;     // [n_bounds + 1] non-cumulative counts; histogram only
+    _Atomic uint64_t value_bits; // counter or gauge value, double bits
+    _Atomic uint64_t sum_bits;   // histogram sum, double bits
+    _Atomic uint64_t *buckets;   // [n_bounds + 1] non-cumulative counts; histogram only
 };
 
 // The public handle types are a series each, so a handle converts to and from
@@ -68,13 +68,13 @@ struct family {
     struct tdm_metrics_registry *reg;
     _Atomic(struct family *) next; // next family in registration order
     enum family_kind kind;
-    char *name;                    // base name (a counter's without "_total")
-    char *help;                    // escaped for the HELP line
+    char *name;                      // base name (a counter's without "_total")
+    char *help;                      // escaped for the HELP line
     struct label_pair *const_labels; // [n_const_labels] registry's (unless opted out) + own
     size_t n_const_labels;
-    char **label_names;            // [n_label_names] variable label names
+    char **label_names; // [n_label_names] variable label names
     size_t n_label_names;
-    double *bounds;                // [n_bounds] histogram upper bounds, strictly increasing
+    double *bounds; // [n_bounds] histogram upper bounds, strictly increasing
     size_t n_bounds;
     struct series *root;
     _Atomic(struct series *) children; // head of the child list
@@ -341,6 +341,44 @@ static size_t format_py_float(char dst[32], double v)
     return layout_digits(dst, v < 0, digits, nd, exp10, 16, true);
 }
 
+// A histogram bound as prometheus_client's floatToGoString writes `le`: Python's
+// repr, switched to an exponent once seven or more digits precede the dot
+// ("2560.0", "0.001", "1e+06"). Label values are part of a series' identity, so
+// matching vLLM byte for byte keeps queries such as {le="1.0"} working. The
+// "e+0" prefix is Python's too (it would write "e+010" for 1e10).
+static size_t format_le(char dst[32], double v)
+{
+    if (isinf(v))
+        return (size_t)snprintf(dst, 32, v > 0 ? "+Inf" : "-Inf");
+    if (isnan(v))
+        return (size_t)snprintf(dst, 32, "NaN");
+    char repr[32];
+    size_t n = format_py_float(repr, v);
+    const char *dot = strchr(repr, '.');
+    size_t dotpos = dot ? (size_t)(dot - repr) : 0;
+    if (!(v > 0) || !dot || dotpos <= 6 || strchr(repr, 'e')) {
+        memcpy(dst, repr, n + 1);
+        return n;
+    }
+    char mantissa[40];
+    size_t m = 0;
+    mantissa[m++] = repr[0];
+    mantissa[m++] = '.';
+    for (size_t i = 1; i < n; i++)
+        if (i != dotpos)
+            mantissa[m++] = repr[i];
+    while (m > 0 && (mantissa[m - 1] == '0' || mantissa[m - 1] == '.'))
+        m--;
+    mantissa[m] = '\0';
+    // At most 17 digits, a dot and "e+0NN": always fits in 32.
+    char out[64];
+    int len = snprintf(out, sizeof out, "%se+0%zu", mantissa, dotpos - 1);
+    size_t k = len < 31 ? (size_t)len : 31;
+    memcpy(dst, out, k);
+    dst[k] = '\0';
+    return k;
+}
+
 // ---- labels -----------------------------------------------------------------------------
 
 static int cmp_pair(const void *a, const void *b)
@@ -442,9 +480,15 @@ static struct series *series_new(struct family *f, const char *const *values)
 {
     struct series *s;
     switch (f->kind) {
-    case KIND_COUNTER: s = (struct series *)calloc(1, sizeof(struct tdm_metrics_counter)); break;
-    case KIND_GAUGE: s = (struct series *)calloc(1, sizeof(struct tdm_metrics_gauge)); break;
-    default: s = (struct series *)calloc(1, sizeof(struct tdm_metrics_histogram)); break;
+    case KIND_COUNTER:
+        s = (struct series *)calloc(1, sizeof(struct tdm_metrics_counter));
+        break;
+    case KIND_GAUGE:
+        s = (struct series *)calloc(1, sizeof(struct tdm_metrics_gauge));
+        break;
+    default:
+        s = (struct series *)calloc(1, sizeof(struct tdm_metrics_histogram));
+        break;
     }
     if (!s)
         return NULL;
@@ -587,7 +631,9 @@ static size_t family_series_names(enum family_kind kind, const char *base, char 
         snprintf(names[0], 300, "%s", base);
         snprintf(names[1], 300, "%s_total", base);
         return 2;
-    case KIND_GAUGE: snprintf(names[0], 300, "%s", base); return 1;
+    case KIND_GAUGE:
+        snprintf(names[0], 300, "%s", base);
+        return 1;
     default:
         snprintf(names[0], 300, "%s", base);
         snprintf(names[1], 300, "%s_bucket", base);
@@ -641,14 +687,12 @@ static int family_register(struct series **out_root, struct tdm_metrics_registry
                           opts->name ? opts->name : "(null)");
     size_t name_len = strlen(opts->name);
     if (name_len > 200)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: metric name too long (%zu)",
-                          name_len);
+        return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: metric name too long (%zu)", name_len);
     if (kind == KIND_COUNTER && name_len > 6 && strcmp(opts->name + name_len - 6, "_total") == 0)
         name_len -= 6;
     if ((opts->n_label_names && !opts->label_names) ||
         (opts->n_const_labels && !opts->const_labels))
-        return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: label array is NULL",
-                          opts->name);
+        return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: label array is NULL", opts->name);
 
     // Every label name of the family, to check validity and duplicates.
     size_t n_reg = opts->no_registry_labels ? 0 : reg->n_const_labels;
@@ -676,8 +720,7 @@ static int family_register(struct series **out_root, struct tdm_metrics_registry
     }
     if (kind == KIND_HISTOGRAM) {
         if (n_bounds && !bounds)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: bounds are NULL",
-                              opts->name);
+            return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: bounds are NULL", opts->name);
         // A trailing +Inf is implicit; drop it so the +Inf line is written once.
         if (n_bounds && isinf(bounds[n_bounds - 1]) && bounds[n_bounds - 1] > 0)
             n_bounds--;
@@ -709,7 +752,8 @@ static int family_register(struct series **out_root, struct tdm_metrics_registry
         if (!f->const_labels)
             goto fail;
         for (size_t i = 0; i < f->n_const_labels; i++) {
-            const char *nm = i < n_reg ? reg->const_labels[i].name : opts->const_labels[i - n_reg].name;
+            const char *nm =
+                i < n_reg ? reg->const_labels[i].name : opts->const_labels[i - n_reg].name;
             const char *val =
                 i < n_reg ? reg->const_labels[i].value : opts->const_labels[i - n_reg].value;
             f->const_labels[i].name = dup_str(nm);
@@ -818,8 +862,7 @@ static struct series *find_child(struct family *f, const char *const *values, ui
     return NULL;
 }
 
-static struct series *series_labels(struct series *root, const char *const *values,
-                                    size_t n_values)
+static struct series *series_labels(struct series *root, const char *const *values, size_t n_values)
 {
     if (!root || root->values || !root->family->n_label_names ||
         n_values != root->family->n_label_names || !values)
@@ -855,8 +898,7 @@ struct tdm_metrics_counter *tdm_metrics_counter_labelsv(struct tdm_metrics_count
 struct tdm_metrics_gauge *tdm_metrics_gauge_labelsv(struct tdm_metrics_gauge *family,
                                                     const char *const *values, size_t n_values)
 {
-    return (struct tdm_metrics_gauge *)series_labels(family ? &family->s : NULL, values,
-                                                     n_values);
+    return (struct tdm_metrics_gauge *)series_labels(family ? &family->s : NULL, values, n_values);
 }
 
 struct tdm_metrics_histogram *tdm_metrics_histogram_labelsv(struct tdm_metrics_histogram *family,
@@ -979,7 +1021,7 @@ static void render_histogram_series(struct text *t, const struct family *f, cons
     for (size_t i = 0; i <= f->n_bounds; i++) {
         cum += atomic_load_explicit(&s->buckets[i], memory_order_relaxed);
         if (i < f->n_bounds)
-            tdm_metrics_format_double(le, f->bounds[i]);
+            format_le(le, f->bounds[i]);
         else
             snprintf(le, sizeof le, "+Inf");
         text_put(t, f->name);
@@ -1003,9 +1045,15 @@ static void render_series(struct text *t, const struct family *f, const struct s
 {
     double v = bits_double(atomic_load_explicit(&s->value_bits, memory_order_relaxed));
     switch (f->kind) {
-    case KIND_COUNTER: put_sample(t, f->name, "_total", s->labels, v); break;
-    case KIND_GAUGE: put_sample(t, f->name, "", s->labels, v); break;
-    case KIND_HISTOGRAM: render_histogram_series(t, f, s); break;
+    case KIND_COUNTER:
+        put_sample(t, f->name, "_total", s->labels, v);
+        break;
+    case KIND_GAUGE:
+        put_sample(t, f->name, "", s->labels, v);
+        break;
+    case KIND_HISTOGRAM:
+        render_histogram_series(t, f, s);
+        break;
     }
 }
 
@@ -1076,14 +1124,13 @@ int tdm_metrics_render(const struct tdm_metrics_registry *reg, char **out, size_
 
 // ---- vLLM bucket sets ---------------------------------------------------------------------
 
-static const double buckets_ttft[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,
-                                      0.25,  0.5,   0.75, 1.0,  2.5,  5.0,  7.5,  10.0,
+static const double buckets_ttft[] = {0.001, 0.005, 0.01, 0.02,  0.04,  0.06,  0.08, 0.1,
+                                      0.25,  0.5,   0.75, 1.0,   2.5,   5.0,   7.5,  10.0,
                                       20.0,  40.0,  80.0, 160.0, 640.0, 2560.0};
-static const double buckets_itl[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
-                                     0.3,  0.4,   0.5,  0.75,  1.0, 2.5,  5.0,
-                                     7.5,  10.0,  20.0, 40.0,  80.0};
-static const double buckets_request_latency[] = {0.3,  0.5,  0.8,   1.0,   1.5,   2.0,   2.5,
-                                                 5.0,  10.0, 15.0,  20.0,  30.0,  40.0,  50.0,
+static const double buckets_itl[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
+                                     0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+static const double buckets_request_latency[] = {0.3,  0.5,   0.8,   1.0,   1.5,   2.0,    2.5,
+                                                 5.0,  10.0,  15.0,  20.0,  30.0,  40.0,   50.0,
                                                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
 static const double buckets_params_n[] = {1, 2, 5, 10, 20};
 static const double buckets_iteration_tokens[] = {1,   8,    16,   32,   64,   128,  256,
@@ -1145,8 +1192,7 @@ size_t tdm_metrics_buckets_1_2_5(double *out, size_t cap, int64_t max_value)
 
 const char *tdm_metrics_finish_name(enum tdm_metrics_finish reason)
 {
-    static const char *const names[TDM_METRICS_FINISH_COUNT] = {"stop", "length", "abort",
-                                                                 "error"};
+    static const char *const names[TDM_METRICS_FINISH_COUNT] = {"stop", "length", "abort", "error"};
     return (unsigned)reason < TDM_METRICS_FINISH_COUNT ? names[reason] : NULL;
 }
 
@@ -1180,14 +1226,13 @@ static void vllm_counter(struct vllm_ctx *c, struct tdm_metrics_counter **out, c
         c->rc = tdm_metrics_counter_register(out, c->reg, &o, c->err, c->errlen);
 }
 
-static void vllm_histogram(struct vllm_ctx *c, struct tdm_metrics_histogram **out,
-                           const char *name, const char *help, const double *bounds,
-                           size_t n_bounds)
+static void vllm_histogram(struct vllm_ctx *c, struct tdm_metrics_histogram **out, const char *name,
+                           const char *help, const double *bounds, size_t n_bounds)
 {
     struct tdm_metrics_opts o = vllm_opts(c, name, help);
     if (c->rc == TDM_OK)
-        c->rc = tdm_metrics_histogram_register(out, c->reg, &o, bounds, n_bounds, c->err,
-                                               c->errlen);
+        c->rc =
+            tdm_metrics_histogram_register(out, c->reg, &o, bounds, n_bounds, c->err, c->errlen);
 }
 
 // vllm:cache_config_info: vLLM writes each CacheConfig field with Python's str().
@@ -1213,7 +1258,8 @@ static int vllm_cache_info(struct vllm_ctx *c, struct tdm_metrics_gauge **out,
     if (!labels)
         return tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "metrics: out of memory");
     labels[0] = (struct tdm_metrics_label){"block_size", block_size};
-    labels[1] = (struct tdm_metrics_label){"cache_dtype", ci->cache_dtype ? ci->cache_dtype : "auto"};
+    labels[1] =
+        (struct tdm_metrics_label){"cache_dtype", ci->cache_dtype ? ci->cache_dtype : "auto"};
     labels[2] = (struct tdm_metrics_label){"enable_prefix_caching",
                                            ci->enable_prefix_caching ? "True" : "False"};
     labels[3] = (struct tdm_metrics_label){"engine", c->labels[1].value};
@@ -1275,8 +1321,8 @@ int tdm_metrics_vllm_register(struct tdm_metrics_vllm *out, struct tdm_metrics_r
                  "Number of generation tokens processed.");
     if (c.rc == TDM_OK) {
         static const char *const reason_label[] = {"finished_reason"};
-        struct tdm_metrics_opts o = vllm_opts(&c, "vllm:request_success",
-                                              "Count of successfully processed requests.");
+        struct tdm_metrics_opts o =
+            vllm_opts(&c, "vllm:request_success", "Count of successfully processed requests.");
         o.label_names = reason_label;
         o.n_label_names = 1;
         c.rc = tdm_metrics_counter_register(&out->request_success, reg, &o, err, errlen);
@@ -1311,8 +1357,7 @@ int tdm_metrics_vllm_register(struct tdm_metrics_vllm *out, struct tdm_metrics_r
                    "Histogram of e2e request latency in seconds.", lat, n_lat);
     vllm_histogram(&c, &out->request_queue_time_seconds, "vllm:request_queue_time_seconds",
                    "Histogram of time spent in WAITING phase for request.", lat, n_lat);
-    vllm_histogram(&c, &out->request_inference_time_seconds,
-                   "vllm:request_inference_time_seconds",
+    vllm_histogram(&c, &out->request_inference_time_seconds, "vllm:request_inference_time_seconds",
                    "Histogram of time spent in RUNNING phase for request.", lat, n_lat);
     vllm_histogram(&c, &out->request_prefill_time_seconds, "vllm:request_prefill_time_seconds",
                    "Histogram of time spent in PREFILL phase for request.", lat, n_lat);

@@ -153,7 +153,8 @@ int tdm_metrics_render_buf(const struct tdm_metrics_registry *reg, char **buf, s
 // Formats a sample value as the exposition writes it into dst[32]: "NaN", "+Inf",
 // "-Inf", integers below 2^53 without exponent or fraction ("0", "1536"), other
 // values as the shortest %g that reads back exactly ("0.001", "1.5e-07").
-// Returns the length. Also used for `le` values.
+// Returns the length. (Bucket `le` values are written as prometheus_client does
+// instead, "1.0", "2560.0", so series identities match vLLM's.)
 size_t tdm_metrics_format_double(char dst[32], double value);
 
 // ---- vLLM bucket sets (pointers to static arrays; *n gets the count) -----------------
@@ -194,7 +195,7 @@ struct tdm_metrics_cache_info {
     int64_t num_cpu_blocks;        // < 0 writes "None"
     double gpu_memory_utilization; // fraction of device memory for the engine (0.9)
     bool enable_prefix_caching;
-    const char *cache_dtype;       // "auto" when NULL
+    const char *cache_dtype;               // "auto" when NULL
     const struct tdm_metrics_label *extra; // [n_extra] more fields, written as given
     size_t n_extra;
 };

@@ -34,7 +34,8 @@ int main(void)
     }
     static const char *const upstream_labels[] = {"upstream", "code"};
     struct tdm_metrics_opts o = {.name = "tandem:upstream_errors_total",
-                                 .help = "Upstream errors by target.\nSecond line \\ with backslash.",
+                                 .help =
+                                     "Upstream errors by target.\nSecond line \\ with backslash.",
                                  .label_names = upstream_labels,
                                  .n_label_names = 2};
     if (tdm_metrics_counter_register(&errors, reg, &o, err, sizeof err) != 0) {

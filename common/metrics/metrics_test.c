@@ -67,8 +67,10 @@ static void test_exact_text(void **state)
     struct tdm_metrics_histogram *lat = NULL;
     const struct tdm_metrics_label engine[] = {{"engine", "0"}};
     const double bounds[] = {0.125, 1, 2.5};
-    o = (struct tdm_metrics_opts){
-        .name = "test:latency_seconds", .help = "Latency.", .const_labels = engine, .n_const_labels = 1};
+    o = (struct tdm_metrics_opts){.name = "test:latency_seconds",
+                                  .help = "Latency.",
+                                  .const_labels = engine,
+                                  .n_const_labels = 1};
     assert_int_equal(tdm_metrics_histogram_register(&lat, reg, &o, bounds, 3, err, sizeof err),
                      TDM_OK);
     const double obs[] = {0.0625, 0.125, 0.5, 3, 100};
@@ -80,32 +82,33 @@ static void test_exact_text(void **state)
         .name = "test:by_reason", .help = "", .label_names = reason, .n_label_names = 1};
     assert_int_equal(tdm_metrics_gauge_register(&empty, reg, &o, err, sizeof err), TDM_OK);
 
-    const char *want =
-        "# HELP test:requests_total Requests seen.\\nBy reason \\\\ all.\n"
-        "# TYPE test:requests_total counter\n"
-        "test:requests_total{model_name=\"m\",reason=\"stop\"} 3\n"
-        "test:requests_total{model_name=\"m\",reason=\"q\\\"\\\\\\nx\"} 1\n"
-        "# HELP test:temp Temp.\n"
-        "# TYPE test:temp gauge\n"
-        "test:temp -2.5\n"
-        "# HELP test:latency_seconds Latency.\n"
-        "# TYPE test:latency_seconds histogram\n"
-        "test:latency_seconds_bucket{engine=\"0\",le=\"0.125\",model_name=\"m\"} 2\n"
-        "test:latency_seconds_bucket{engine=\"0\",le=\"1\",model_name=\"m\"} 3\n"
-        "test:latency_seconds_bucket{engine=\"0\",le=\"2.5\",model_name=\"m\"} 3\n"
-        "test:latency_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"m\"} 5\n"
-        "test:latency_seconds_count{engine=\"0\",model_name=\"m\"} 5\n"
-        "test:latency_seconds_sum{engine=\"0\",model_name=\"m\"} 103.6875\n"
-        "# HELP test:by_reason \n"
-        "# TYPE test:by_reason gauge\n";
+    const char *want = "# HELP test:requests_total Requests seen.\\nBy reason \\\\ all.\n"
+                       "# TYPE test:requests_total counter\n"
+                       "test:requests_total{model_name=\"m\",reason=\"stop\"} 3\n"
+                       "test:requests_total{model_name=\"m\",reason=\"q\\\"\\\\\\nx\"} 1\n"
+                       "# HELP test:temp Temp.\n"
+                       "# TYPE test:temp gauge\n"
+                       "test:temp -2.5\n"
+                       "# HELP test:latency_seconds Latency.\n"
+                       "# TYPE test:latency_seconds histogram\n"
+                       "test:latency_seconds_bucket{engine=\"0\",le=\"0.125\",model_name=\"m\"} 2\n"
+                       "test:latency_seconds_bucket{engine=\"0\",le=\"1.0\",model_name=\"m\"} 3\n"
+                       "test:latency_seconds_bucket{engine=\"0\",le=\"2.5\",model_name=\"m\"} 3\n"
+                       "test:latency_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"m\"} 5\n"
+                       "test:latency_seconds_count{engine=\"0\",model_name=\"m\"} 5\n"
+                       "test:latency_seconds_sum{engine=\"0\",model_name=\"m\"} 103.6875\n"
+                       "# HELP test:by_reason \n"
+                       "# TYPE test:by_reason gauge\n";
     char *text = render(reg);
     assert_string_equal(text, want);
     free(text);
 
     // Repeated lookups return the same cached child; the root of a labelled
     // family is not exported.
-    assert_ptr_equal(tdm_metrics_counter_labels(req, "stop"), tdm_metrics_counter_labels(req, "stop"));
-    assert_ptr_not_equal(tdm_metrics_counter_labels(req, "stop"), tdm_metrics_counter_labels(req, "stoq"));
+    assert_ptr_equal(tdm_metrics_counter_labels(req, "stop"),
+                     tdm_metrics_counter_labels(req, "stop"));
+    assert_ptr_not_equal(tdm_metrics_counter_labels(req, "stop"),
+                         tdm_metrics_counter_labels(req, "stoq"));
     tdm_metrics_counter_inc(req);
     text = render(reg);
     assert_null(strstr(text, "test:requests_total 1"));
@@ -173,15 +176,30 @@ static void test_format_double(void **state)
         double v;
         const char *want;
     } cases[] = {
-        {0.0, "0"},           {-0.0, "0"},         {1.0, "1"},
-        {-1.0, "-1"},         {2560.0, "2560"},    {16384.0, "16384"},
-        {123456789.0, "123456789"},                {0.001, "0.001"},
-        {0.1, "0.1"},         {0.3, "0.3"},        {0.075, "0.075"},
-        {2.5, "2.5"},         {-2.5, "-2.5"},      {0.0001, "0.0001"},
-        {1e-05, "1e-05"},     {1.5e-07, "1.5e-07"}, {123456.75, "123456.75"},
-        {1234567.5, "1.2345675e+06"},              {1e20, "1e+20"},
-        {0.1 + 0.2, "0.30000000000000004"},        {1.0 / 3.0, "0.3333333333333333"},
-        {NAN, "NaN"},         {INFINITY, "+Inf"},  {-INFINITY, "-Inf"},
+        {0.0, "0"},
+        {-0.0, "0"},
+        {1.0, "1"},
+        {-1.0, "-1"},
+        {2560.0, "2560"},
+        {16384.0, "16384"},
+        {123456789.0, "123456789"},
+        {0.001, "0.001"},
+        {0.1, "0.1"},
+        {0.3, "0.3"},
+        {0.075, "0.075"},
+        {2.5, "2.5"},
+        {-2.5, "-2.5"},
+        {0.0001, "0.0001"},
+        {1e-05, "1e-05"},
+        {1.5e-07, "1.5e-07"},
+        {123456.75, "123456.75"},
+        {1234567.5, "1.2345675e+06"},
+        {1e20, "1e+20"},
+        {0.1 + 0.2, "0.30000000000000004"},
+        {1.0 / 3.0, "0.3333333333333333"},
+        {NAN, "NaN"},
+        {INFINITY, "+Inf"},
+        {-INFINITY, "-Inf"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char buf[32];
@@ -210,7 +228,8 @@ static void test_histogram_buckets(void **state)
     struct tdm_metrics_histogram *h = NULL;
     const double bounds[] = {1, 2, 5, INFINITY}; // trailing +Inf is dropped
     struct tdm_metrics_opts o = {.name = "h", .help = "H."};
-    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, bounds, 4, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, bounds, 4, err, sizeof err),
+                     TDM_OK);
     // A value equal to a bound counts in that bucket (le = "less or equal").
     const double obs[] = {-3, 0.5, 1, 1.0000001, 2, 4.99, 5, 5.01, 1e9, NAN};
     for (size_t i = 0; i < sizeof obs / sizeof obs[0]; i++)
@@ -225,9 +244,12 @@ static void test_histogram_buckets(void **state)
 
     char *text = render(reg);
     // Cumulative and non-decreasing, +Inf once, _count equal to +Inf.
-    const char *want_lines[] = {"h_bucket{le=\"1\"} 3\n", "h_bucket{le=\"2\"} 5\n",
-                                "h_bucket{le=\"5\"} 7\n", "h_bucket{le=\"+Inf\"} 10\n",
-                                "h_count 10\n", "h_sum NaN\n"};
+    const char *want_lines[] = {"h_bucket{le=\"1.0\"} 3\n",
+                                "h_bucket{le=\"2.0\"} 5\n",
+                                "h_bucket{le=\"5.0\"} 7\n",
+                                "h_bucket{le=\"+Inf\"} 10\n",
+                                "h_count 10\n",
+                                "h_sum NaN\n"};
     const char *at = text;
     for (size_t i = 0; i < 6; i++) {
         const char *p = strstr(at, want_lines[i]);
@@ -238,10 +260,23 @@ static void test_histogram_buckets(void **state)
     assert_null(strstr(strstr(text, "+Inf") + 1, "+Inf"));
     free(text);
 
+    // `le` as prometheus_client writes it (Python repr, exponent from 1e6 up).
+    struct tdm_metrics_histogram *hl = NULL;
+    o.name = "hl";
+    const double big[] = {1e-05, 0.3, 100000, 1e6, 1234567.5, 1e16};
+    assert_int_equal(tdm_metrics_histogram_register(&hl, reg, &o, big, 6, err, sizeof err), TDM_OK);
+    text = render(reg);
+    assert_non_null(strstr(text, "hl_bucket{le=\"1e-05\"} 0\nhl_bucket{le=\"0.3\"} 0\n"
+                                 "hl_bucket{le=\"100000.0\"} 0\nhl_bucket{le=\"1e+06\"} 0\n"
+                                 "hl_bucket{le=\"1.2345675e+06\"} 0\nhl_bucket{le=\"1e+16\"} 0\n"
+                                 "hl_bucket{le=\"+Inf\"} 0\n"));
+    free(text);
+
     // No bounds at all: only the +Inf bucket.
     struct tdm_metrics_histogram *h0 = NULL;
     o.name = "h0";
-    assert_int_equal(tdm_metrics_histogram_register(&h0, reg, &o, NULL, 0, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_metrics_histogram_register(&h0, reg, &o, NULL, 0, err, sizeof err),
+                     TDM_OK);
     tdm_metrics_histogram_observe(h0, 0.25);
     text = render(reg);
     assert_non_null(strstr(text, "h0_bucket{le=\"+Inf\"} 1\nh0_count 1\nh0_sum 0.25\n"));
@@ -288,7 +323,8 @@ static void test_vllm_buckets(void **state)
     assert_int_equal(n, 19 * 3);
     assert_true(n <= TDM_METRICS_MAX_1_2_5);
     assert_true(out[n - 1] == 5e18);
-    assert_int_equal(tdm_metrics_buckets_1_2_5(out, TDM_METRICS_MAX_1_2_5, 4999999999999999999), 56);
+    assert_int_equal(tdm_metrics_buckets_1_2_5(out, TDM_METRICS_MAX_1_2_5, 4999999999999999999),
+                     56);
 }
 
 // ---- errors --------------------------------------------------------------------------------
@@ -322,14 +358,17 @@ static void test_errors(void **state)
 
     // Duplicate label between registry and family; variable label "le" on a histogram.
     static const char *const model_var[] = {"model_name"};
-    o = (struct tdm_metrics_opts){.name = "x", .help = "x", .label_names = model_var, .n_label_names = 1};
+    o = (struct tdm_metrics_opts){
+        .name = "x", .help = "x", .label_names = model_var, .n_label_names = 1};
     assert_int_equal(tdm_metrics_counter_register(&c, reg, &o, err, sizeof err), TDM_EINVAL);
     assert_non_null(strstr(err, "duplicate"));
     o.no_registry_labels = true; // then it is fine
     assert_int_equal(tdm_metrics_counter_register(&c, reg, &o, err, sizeof err), TDM_OK);
     static const char *const le[] = {"le"};
-    o = (struct tdm_metrics_opts){.name = "hist", .help = "x", .label_names = le, .n_label_names = 1};
-    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, NULL, 0, err, sizeof err), TDM_EINVAL);
+    o = (struct tdm_metrics_opts){
+        .name = "hist", .help = "x", .label_names = le, .n_label_names = 1};
+    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, NULL, 0, err, sizeof err),
+                     TDM_EINVAL);
 
     // Names that collide once suffixes are added.
     o = (struct tdm_metrics_opts){.name = "x_total", .help = "x"};
@@ -347,24 +386,31 @@ static void test_errors(void **state)
     // Bounds must be finite and strictly increasing (a trailing +Inf is allowed).
     o.name = "b1";
     const double dec[] = {1, 1};
-    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, dec, 2, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, dec, 2, err, sizeof err),
+                     TDM_EINVAL);
     const double nan_b[] = {1, NAN};
-    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, nan_b, 2, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, nan_b, 2, err, sizeof err),
+                     TDM_EINVAL);
     const double inf_mid[] = {1, INFINITY, 3};
-    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, inf_mid, 3, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, inf_mid, 3, err, sizeof err),
+                     TDM_EINVAL);
     const double ninf[] = {-INFINITY, 1};
-    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, ninf, 2, err, sizeof err), TDM_EINVAL);
-    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, NULL, 2, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, ninf, 2, err, sizeof err),
+                     TDM_EINVAL);
+    assert_int_equal(tdm_metrics_histogram_register(&h, reg, &o, NULL, 2, err, sizeof err),
+                     TDM_EINVAL);
 
     // Info metrics take no variable labels.
     static const char *const var[] = {"v"};
-    o = (struct tdm_metrics_opts){.name = "i_info", .help = "x", .label_names = var, .n_label_names = 1};
+    o = (struct tdm_metrics_opts){
+        .name = "i_info", .help = "x", .label_names = var, .n_label_names = 1};
     assert_int_equal(tdm_metrics_info_register(&g, reg, &o, err, sizeof err), TDM_EINVAL);
 
     // Child lookups: wrong count, NULL value, child of a child, unlabelled family.
     static const char *const two[] = {"a", "b"};
     struct tdm_metrics_counter *fam = NULL;
-    o = (struct tdm_metrics_opts){.name = "fam", .help = "x", .label_names = two, .n_label_names = 2};
+    o = (struct tdm_metrics_opts){
+        .name = "fam", .help = "x", .label_names = two, .n_label_names = 2};
     assert_int_equal(tdm_metrics_counter_register(&fam, reg, &o, err, sizeof err), TDM_OK);
     assert_null(tdm_metrics_counter_labels(fam, "only one"));
     assert_null(tdm_metrics_counter_labels(fam, "1", "2", "3"));
@@ -378,7 +424,8 @@ static void test_errors(void **state)
     assert_int_equal(tdm_metrics_gauge_register(&plain, reg, &o, err, sizeof err), TDM_OK);
     assert_null(tdm_metrics_gauge_labels(plain, "x"));
     // ("ab","") and ("a","b") are different children.
-    assert_ptr_not_equal(tdm_metrics_counter_labels(fam, "ab", ""), tdm_metrics_counter_labels(fam, "a", "b"));
+    assert_ptr_not_equal(tdm_metrics_counter_labels(fam, "ab", ""),
+                         tdm_metrics_counter_labels(fam, "a", "b"));
 
     // NULL handles are no-ops, reads of NULL are 0.
     tdm_metrics_counter_inc(NULL);
@@ -408,9 +455,13 @@ static void test_vllm_set(void **state)
     struct tdm_metrics_vllm_config cfg = {
         .model_name = "Qwen/Qwen2.5-0.5B-Instruct",
         .max_model_len = 32768,
-        .cache = {.block_size = 16, .num_gpu_blocks = 1024, .num_cpu_blocks = -1,
-                  .gpu_memory_utilization = 0.9, .enable_prefix_caching = true,
-                  .extra = extra, .n_extra = 1},
+        .cache = {.block_size = 16,
+                  .num_gpu_blocks = 1024,
+                  .num_cpu_blocks = -1,
+                  .gpu_memory_utilization = 0.9,
+                  .enable_prefix_caching = true,
+                  .extra = extra,
+                  .n_extra = 1},
     };
     int rc = tdm_metrics_vllm_register(&v, reg, &cfg, err, sizeof err);
     if (rc != TDM_OK)
@@ -443,38 +494,49 @@ static void test_vllm_set(void **state)
         "# TYPE vllm:prompt_tokens_total counter\n"
         "vllm:prompt_tokens_total" L " 7\n",
         "vllm:generation_tokens_total" L " 0\n",
-        "vllm:request_success_total{engine=\"0\",finished_reason=\"stop\",model_name=\"Qwen/Qwen2.5-0.5B-Instruct\"} 0\n"
-        "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"Qwen/Qwen2.5-0.5B-Instruct\"} 1\n"
-        "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\",model_name=\"Qwen/Qwen2.5-0.5B-Instruct\"} 0\n"
-        "vllm:request_success_total{engine=\"0\",finished_reason=\"error\",model_name=\"Qwen/Qwen2.5-0.5B-Instruct\"} 0\n",
-        "vllm:request_prompt_tokens_bucket" LE("5") " 0\n"
-        "vllm:request_prompt_tokens_bucket" LE("10") " 1\n",
-        "vllm:request_prompt_tokens_bucket" LE("20000") " 1\n"
-        "vllm:request_prompt_tokens_bucket" LE("+Inf") " 1\n"
-        "vllm:request_prompt_tokens_count" L " 1\n"
-        "vllm:request_prompt_tokens_sum" L " 7\n",
+        "vllm:request_success_total{engine=\"0\",finished_reason=\"stop\",model_name=\"Qwen/"
+        "Qwen2.5-0.5B-Instruct\"} 0\n"
+        "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"Qwen/"
+        "Qwen2.5-0.5B-Instruct\"} 1\n"
+        "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\",model_name=\"Qwen/"
+        "Qwen2.5-0.5B-Instruct\"} 0\n"
+        "vllm:request_success_total{engine=\"0\",finished_reason=\"error\",model_name=\"Qwen/"
+        "Qwen2.5-0.5B-Instruct\"} 0\n",
+        "vllm:request_prompt_tokens_bucket" LE("5.0") " 0\n"
+                                                      "vllm:request_prompt_tokens_bucket" LE(
+                                                          "10.0") " 1\n",
+        "vllm:request_prompt_tokens_bucket" LE(
+            "20000.0") " 1\n"
+                       "vllm:request_prompt_tokens_bucket" LE(
+                           "+Inf") " 1\n"
+                                   "vllm:request_prompt_tokens_count" L " 1\n"
+                                   "vllm:request_prompt_tokens_sum" L " 7\n",
         "# TYPE vllm:request_generation_tokens histogram\n",
         "# TYPE vllm:iteration_tokens_total histogram\n"
-        "vllm:iteration_tokens_total_bucket" LE("1") " 0\n"
-        "vllm:iteration_tokens_total_bucket" LE("8") " 0\n",
+        "vllm:iteration_tokens_total_bucket" LE("1.0") " 0\n"
+                                                       "vllm:iteration_tokens_total_bucket" LE(
+                                                           "8.0") " 0\n",
         "vllm:request_max_num_generation_tokens_count" L " 0\n",
-        "vllm:request_params_n_bucket" LE("20") " 0\n",
-        "vllm:request_params_max_tokens_bucket" LE("20000") " 0\n",
-        "vllm:time_to_first_token_seconds_bucket" LE("0.02") " 0\n"
-        "vllm:time_to_first_token_seconds_bucket" LE("0.04") " 1\n",
-        "vllm:time_to_first_token_seconds_bucket" LE("2560") " 1\n",
+        "vllm:request_params_n_bucket" LE("20.0") " 0\n",
+        "vllm:request_params_max_tokens_bucket" LE("20000.0") " 0\n",
+        "vllm:time_to_first_token_seconds_bucket" LE(
+            "0.02") " 0\n"
+                    "vllm:time_to_first_token_seconds_bucket" LE("0.04") " 1\n",
+        "vllm:time_to_first_token_seconds_bucket" LE("2560.0") " 1\n",
         "vllm:time_to_first_token_seconds_sum" L " 0.03\n",
         "vllm:inter_token_latency_seconds_bucket" LE("0.075") " 0\n",
         "# TYPE vllm:request_time_per_output_token_seconds histogram\n",
-        "vllm:e2e_request_latency_seconds_bucket" LE("7680") " 0\n",
+        "vllm:e2e_request_latency_seconds_bucket" LE("7680.0") " 0\n",
         "# TYPE vllm:request_queue_time_seconds histogram\n",
         "# TYPE vllm:request_inference_time_seconds histogram\n",
         "# TYPE vllm:request_prefill_time_seconds histogram\n",
         "# TYPE vllm:request_decode_time_seconds histogram\n",
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
         "# TYPE vllm:cache_config_info gauge\n"
-        "vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",enable_prefix_caching=\"True\","
-        "engine=\"0\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"1024\","
+        "vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",enable_prefix_caching="
+        "\"True\","
+        "engine=\"0\",gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks="
+        "\"1024\","
         "swap_space=\"4\"} 1\n",
     };
 #undef L
@@ -488,7 +550,7 @@ static void test_vllm_set(void **state)
         at = p + strlen(want[i]);
     }
     assert_string_equal(at, ""); // cache_config_info is last
-    assert_null(strstr(text, "le=\"50000\""));
+    assert_null(strstr(text, "le=\"50000.0\""));
     free(text);
 
     // Registering the set twice collides; a missing model name is rejected.
@@ -538,13 +600,15 @@ static void test_concurrent_exact(void **state)
     static const char *const reason[] = {"reason"};
     struct tdm_metrics_opts o = {.name = "c", .help = "c"};
     assert_int_equal(tdm_metrics_counter_register(&sh.counter, reg, &o, err, sizeof err), TDM_OK);
-    o = (struct tdm_metrics_opts){.name = "fam", .help = "f", .label_names = reason, .n_label_names = 1};
+    o = (struct tdm_metrics_opts){
+        .name = "fam", .help = "f", .label_names = reason, .n_label_names = 1};
     assert_int_equal(tdm_metrics_counter_register(&sh.family, reg, &o, err, sizeof err), TDM_OK);
     o = (struct tdm_metrics_opts){.name = "g", .help = "g"};
     assert_int_equal(tdm_metrics_gauge_register(&sh.gauge, reg, &o, err, sizeof err), TDM_OK);
     o.name = "h";
     const double bounds[] = {0.5, 2.5, 4.5};
-    assert_int_equal(tdm_metrics_histogram_register(&sh.hist, reg, &o, bounds, 3, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_metrics_histogram_register(&sh.hist, reg, &o, bounds, 3, err, sizeof err),
+                     TDM_OK);
 
     pthread_t t[N_THREADS];
     for (int i = 0; i < N_THREADS; i++)
@@ -632,17 +696,23 @@ static void test_render_while_updating(void **state)
     struct tdm_metrics_histogram *hist = NULL;
     struct tdm_metrics_opts o = {.name = "cr", .help = "c"};
     assert_int_equal(tdm_metrics_counter_register(&counter, reg, &o, err, sizeof err), TDM_OK);
-    o = (struct tdm_metrics_opts){.name = "fr", .help = "f", .label_names = who, .n_label_names = 1};
+    o = (struct tdm_metrics_opts){
+        .name = "fr", .help = "f", .label_names = who, .n_label_names = 1};
     assert_int_equal(tdm_metrics_counter_register(&family, reg, &o, err, sizeof err), TDM_OK);
     o = (struct tdm_metrics_opts){.name = "hr", .help = "h"};
     const double bounds[] = {1, 2, 3, 4, 5};
-    assert_int_equal(tdm_metrics_histogram_register(&hist, reg, &o, bounds, 5, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_metrics_histogram_register(&hist, reg, &o, bounds, 5, err, sizeof err),
+                     TDM_OK);
 
     struct shared sh[N_THREADS];
     pthread_t t[N_THREADS];
     for (int i = 0; i < N_THREADS; i++) {
-        sh[i] = (struct shared){.counter = counter, .family = family, .hist = hist,
-                                .reg = reg, .index = i, .stop = &stop};
+        sh[i] = (struct shared){.counter = counter,
+                                .family = family,
+                                .hist = hist,
+                                .reg = reg,
+                                .index = i,
+                                .stop = &stop};
         assert_int_equal(pthread_create(&t[i], NULL, churn_thread, &sh[i]), 0);
     }
     char *buf = NULL;
