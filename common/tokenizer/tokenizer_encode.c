@@ -153,6 +153,8 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem)
 
 static int push_ids(struct enc *e, const int32_t *ids, size_t n)
 {
+    if (n == 0)
+        return TDM_OK;
     int rc = grow((void **)&e->ids, &e->cap, e->n + n, sizeof *e->ids);
     if (rc)
         return rc;
