@@ -216,6 +216,33 @@ static void test_round_trip(void **state)
     tdm_st_free(st);
 }
 
+// Names needing JSON escapes (control bytes, quotes, backslash, UTF-8) survive.
+static void test_name_escapes(void **state)
+{
+    (void)state;
+    static const char *names[] = {"tab\there", "ctl\x01\x1f", "caf\xc3\xa9.weight", "q\"\\/",
+                                  "__metadata__x"};
+    float v = 1.0f;
+    struct tdm_tensor t[5];
+    for (int i = 0; i < 5; i++)
+        t[i] = (struct tdm_tensor){.name = names[i],
+                                   .dtype = TDM_DTYPE_F32,
+                                   .ndim = 1,
+                                   .shape = {1},
+                                   .data = &v,
+                                   .nbytes = 4};
+    char err[256];
+    const char *p = tpath("names.safetensors");
+    assert_int_equal(tdm_st_write(p, t, 5, err, sizeof(err)), TDM_OK);
+    struct tdm_safetensors *st;
+    assert_int_equal(tdm_st_open(&st, p, err, sizeof(err)), TDM_OK);
+    for (int i = 0; i < 5; i++) {
+        assert_non_null(tdm_st_find(st, names[i]));
+        assert_string_equal(tdm_st_at(st, (size_t)i)->name, names[i]);
+    }
+    tdm_st_free(st);
+}
+
 // The exact message format from hf.h, on a big (sparse) tensor.
 static void test_get_message(void **state)
 {
@@ -422,6 +449,13 @@ static void test_sharded_errors(void **state)
               8);
     write_index(dir, "{\"weight_map\":{\"a\":\"" S1 "\"}}");
     expect_open_error(dir, TDM_EPROTO, S1 ": tensor \"a\": shape and dtype F32 make 8 bytes");
+
+    // a FIFO where a shard should be fails instead of blocking
+    make_dir(dir, sizeof(dir), "fifo");
+    assert_int_equal(mkfifo(tpath("fifo/" S1), 0644), 0);
+    write_index(dir, "{\"weight_map\":{\"a\":\"" S1 "\"}}");
+    expect_open_error(dir, TDM_EIO, "not a regular file");
+    expect_open_error(tpath("fifo/" S1), TDM_EIO, "not a regular file or folder");
 
     make_dir(dir, sizeof(dir), "nothing");
     expect_open_error(dir, TDM_ENOTFOUND, "no model.safetensors or model.safetensors.index.json");
@@ -736,11 +770,18 @@ static void test_find_many(void **state)
 
 int main(void)
 {
+    // clang-format off
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_round_trip),     cmocka_unit_test(test_get_message),
-        cmocka_unit_test(test_write_errors),   cmocka_unit_test(test_sharded),
-        cmocka_unit_test(test_sharded_errors), cmocka_unit_test(test_bad_files),
-        cmocka_unit_test(test_mutations),      cmocka_unit_test(test_find_many),
+        cmocka_unit_test(test_round_trip),
+        cmocka_unit_test(test_name_escapes),
+        cmocka_unit_test(test_get_message),
+        cmocka_unit_test(test_write_errors),
+        cmocka_unit_test(test_sharded),
+        cmocka_unit_test(test_sharded_errors),
+        cmocka_unit_test(test_bad_files),
+        cmocka_unit_test(test_mutations),
+        cmocka_unit_test(test_find_many),
     };
+    // clang-format on
     return cmocka_run_group_tests(tests, setup_dir, remove_dir);
 }

@@ -283,7 +283,8 @@ static int load_file(struct tdm_safetensors *st, const char *path, char *err, si
         return tdm_seterr(err, errlen, TDM_ENOMEM, "%s: out of memory", path);
     st->nfiles++; // from here tdm_st_free releases f
 
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: a FIFO in place of a shard must fail below, not hang here.
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         int e = errno;
         return tdm_seterr(err, errlen, e == ENOENT ? TDM_ENOTFOUND : TDM_EIO, "%s: %s", path,
@@ -518,6 +519,10 @@ int tdm_st_open(struct tdm_safetensors **out, const char *path, char *err, size_
         int e = errno;
         rc = tdm_seterr(err, errlen, e == ENOENT ? TDM_ENOTFOUND : TDM_EIO, "%s: %s", path,
                         strerror(e));
+        goto fail;
+    }
+    if (!S_ISDIR(sb.st_mode) && !S_ISREG(sb.st_mode)) {
+        rc = tdm_seterr(err, errlen, TDM_EIO, "%s: not a regular file or folder", path);
         goto fail;
     }
     if (S_ISDIR(sb.st_mode)) {
