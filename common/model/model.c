@@ -34,15 +34,15 @@
 // ---- structs --------------------------------------------------------------------------
 
 struct tdm_layer {
-    struct tdm_weight qkv;      // [q_dim + 2*kv_dim][hidden]
-    struct tdm_weight o;        // [hidden][q_dim]
-    struct tdm_weight gate_up;  // [2*inter][hidden]: gate rows then up rows
-    struct tdm_weight down;     // [hidden][inter]
+    struct tdm_weight qkv;     // [q_dim + 2*kv_dim][hidden]
+    struct tdm_weight o;       // [hidden][q_dim]
+    struct tdm_weight gate_up; // [2*inter][hidden]: gate rows then up rows
+    struct tdm_weight down;    // [hidden][inter]
     // Small f32 vectors live in backend memory and are filled by the host at
     // load: the CPU backend's memory is host memory.
-    float *qkv_bias;            // [q_dim + 2*kv_dim] f32 backend memory, NULL without bias
-    float *input_norm;          // [hidden] f32 backend memory
-    float *post_norm;           // [hidden] f32 backend memory
+    float *qkv_bias;   // [q_dim + 2*kv_dim] f32 backend memory, NULL without bias
+    float *input_norm; // [hidden] f32 backend memory
+    float *post_norm;  // [hidden] f32 backend memory
 };
 
 struct tdm_model {
@@ -51,16 +51,16 @@ struct tdm_model {
     const struct tdm_backend_ops *ops;
     struct tdm_backend *be;
 
-    int q_dim;                  // num_attention_heads * head_dim
-    int kv_dim;                 // num_key_value_heads * head_dim
-    int qkv_dim;                // q_dim + 2 * kv_dim
+    int q_dim;   // num_attention_heads * head_dim
+    int kv_dim;  // num_key_value_heads * head_dim
+    int qkv_dim; // q_dim + 2 * kv_dim
 
-    struct tdm_layer *layers;   // [num_hidden_layers]
-    struct tdm_weight embed;    // [vocab][hidden] bf16 (lookup; also the head when tied + bf16)
-    struct tdm_weight lm_head;  // [vocab][hidden] in the weight mode; unused when head_is_embed
-    bool head_is_embed;         // tied and bf16: one weight serves both
-    float *final_norm;          // [hidden] f32 backend memory
-    float *inv_freq;            // [head_dim / 2] f32 backend memory
+    struct tdm_layer *layers;  // [num_hidden_layers]
+    struct tdm_weight embed;   // [vocab][hidden] bf16 (lookup; also the head when tied + bf16)
+    struct tdm_weight lm_head; // [vocab][hidden] in the weight mode; unused when head_is_embed
+    bool head_is_embed;        // tied and bf16: one weight serves both
+    float *final_norm;         // [hidden] f32 backend memory
+    float *inv_freq;           // [head_dim / 2] f32 backend memory
 
     // Activations, backend memory, T = max_batch_tokens rows.
     float *x;                   // [T][hidden] residual stream
@@ -86,8 +86,14 @@ void tdm_model_opts_default(struct tdm_model_opts *o)
     o->backend = "cpu";
 }
 
-const struct tdm_model_config *tdm_model_config(const struct tdm_model *m) { return &m->cfg; }
-const struct tdm_model_opts *tdm_model_opts(const struct tdm_model *m) { return &m->opts; }
+const struct tdm_model_config *tdm_model_config(const struct tdm_model *m)
+{
+    return &m->cfg;
+}
+const struct tdm_model_opts *tdm_model_opts(const struct tdm_model *m)
+{
+    return &m->opts;
+}
 
 size_t tdm_model_weight_bytes(const struct tdm_model *m)
 {
@@ -160,9 +166,9 @@ static int load_vec(struct tdm_model *m, const struct tdm_safetensors *st, const
 }
 
 // Prepares one weight from nparts tensors named names[i], each [rows[i]][cols].
-static int load_weight(struct tdm_model *m, const struct tdm_safetensors *st,
-                       struct tdm_weight *w, const char *const *names, const int *rows,
-                       int nparts, int cols, enum tdm_wtype want, char *err, size_t errlen)
+static int load_weight(struct tdm_model *m, const struct tdm_safetensors *st, struct tdm_weight *w,
+                       const char *const *names, const int *rows, int nparts, int cols,
+                       enum tdm_wtype want, char *err, size_t errlen)
 {
     struct tdm_weight_src parts[3];
     for (int i = 0; i < nparts; i++) {
@@ -530,8 +536,8 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         ops->rope(be, m->qkv, n, m->qkv_dim, c->num_attention_heads, hd, m->pos, m->inv_freq);
         ops->rope(be, m->qkv + m->q_dim, n, m->qkv_dim, c->num_key_value_heads, hd, m->pos,
                   m->inv_freq);
-        ops->kv_store(be, kv, l, m->aseqs, n_seqs, m->qkv + m->q_dim,
-                      m->qkv + m->q_dim + m->kv_dim, m->qkv_dim);
+        ops->kv_store(be, kv, l, m->aseqs, n_seqs, m->qkv + m->q_dim, m->qkv + m->q_dim + m->kv_dim,
+                      m->qkv_dim);
         ops->attention(be, kv, l, m->aseqs, n_seqs, m->qkv, m->qkv_dim, m->attn,
                        c->num_attention_heads, c->num_key_value_heads, hd, scale);
         ops->matmul(be, &L->o, NULL, m->attn, m->h, n);
@@ -565,7 +571,6 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
     }
     ops->rmsnorm(be, m->h, m->final_norm, eps, m->h, n_logit_rows, hidden);
     // One lm_head read for all logit rows (n_logit_rows <= n fits the workspace).
-    ops->matmul(be, m->head_is_embed ? &m->embed : &m->lm_head, NULL, m->h, logits,
-                n_logit_rows);
+    ops->matmul(be, m->head_is_embed ? &m->embed : &m->lm_head, NULL, m->h, logits, n_logit_rows);
     return TDM_OK;
 }

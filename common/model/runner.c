@@ -15,7 +15,7 @@ struct req_run {
     enum req_state state;
     struct tdm_kv_seq seq;
     struct tdm_sampler *sampler;
-    int32_t *hist;          // [n_prompt + max_tokens]
+    int32_t *hist; // [n_prompt + max_tokens]
     int computed;
 };
 
@@ -33,8 +33,8 @@ static void finish(struct tdm_kv_cache *kv, struct req_run *r)
 }
 
 int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_request *reqs,
-                int n_reqs, const struct tdm_gen_opts *opts, struct tdm_gen_stats *stats,
-                char *err, size_t errlen)
+                int n_reqs, const struct tdm_gen_opts *opts, struct tdm_gen_stats *stats, char *err,
+                size_t errlen)
 {
     const struct tdm_model_config *c = tdm_model_config(m);
     const struct tdm_model_opts *mo = tdm_model_opts(m);
@@ -104,9 +104,8 @@ int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_req
         struct req_run *r = &runs[i];
         tdm_kv_seq_init(&r->seq);
         r->hist = malloc(((size_t)q->n_prompt + (size_t)q->max_tokens) * sizeof(int32_t));
-        if (r->hist == NULL ||
-            tdm_sampler_new(&r->sampler, &q->params, vocab, q->prompt, (size_t)q->n_prompt,
-                            eos_ids, num_eos) != TDM_OK) {
+        if (r->hist == NULL || tdm_sampler_new(&r->sampler, &q->params, vocab, q->prompt,
+                                               (size_t)q->n_prompt, eos_ids, num_eos) != TDM_OK) {
             rc = tdm_seterr(err, errlen, TDM_ENOMEM, "runner: out of memory");
             goto out;
         }
@@ -126,8 +125,7 @@ int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_req
             if (r->state == REQ_WAITING) {
                 r->state = REQ_RUNNING;
                 if (q->use_prefix_cache)
-                    q->num_cached_tokens =
-                        tdm_kv_match_prefix(kv, &r->seq, q->prompt, q->n_prompt);
+                    q->num_cached_tokens = tdm_kv_match_prefix(kv, &r->seq, q->prompt, q->n_prompt);
                 r->computed = r->seq.num_tokens;
             }
             int take;

@@ -23,7 +23,7 @@
 
 struct tdm_gen_request {
     // In.
-    const int32_t *prompt;             // [n_prompt] token ids, n_prompt >= 1
+    const int32_t *prompt; // [n_prompt] token ids, n_prompt >= 1
     int n_prompt;
     int max_tokens;                    // tokens to generate (stops earlier on EOS/stop ids)
     struct tdm_sampling_params params; // temperature 0 = greedy
@@ -32,18 +32,18 @@ struct tdm_gen_request {
     float *logits_out;                 // optional [max_tokens][vocab]: the raw logits each
                                        // generated token was sampled from
     // Out.
-    int32_t *out_ids;                  // [max_tokens] caller storage, generated tokens
-    int n_out;                         // tokens generated
-    int num_cached_tokens;             // prompt tokens that came from the prefix cache
-    bool stopped;                      // ended on an EOS/stop id (else on max_tokens)
-    double first_token_s;              // seconds from the run's start to the first token
-    double finish_s;                   // seconds from the run's start to the last token
+    int32_t *out_ids;      // [max_tokens] caller storage, generated tokens
+    int n_out;             // tokens generated
+    int num_cached_tokens; // prompt tokens that came from the prefix cache
+    bool stopped;          // ended on an EOS/stop id (else on max_tokens)
+    double first_token_s;  // seconds from the run's start to the first token
+    double finish_s;       // seconds from the run's start to the last token
 };
 
 struct tdm_gen_opts {
-    int chunk;                         // max prompt tokens per request per step (default 256)
-    int max_step_tokens;               // token budget of one step (default: model's max_batch_tokens)
-    const int32_t *eos_ids;            // the model's EOS ids (NULL: config.json's)
+    int chunk;              // max prompt tokens per request per step (default 256)
+    int max_step_tokens;    // token budget of one step (default: model's max_batch_tokens)
+    const int32_t *eos_ids; // the model's EOS ids (NULL: config.json's)
     int num_eos;
 };
 void tdm_gen_opts_default(struct tdm_gen_opts *o);
@@ -52,10 +52,10 @@ void tdm_gen_opts_default(struct tdm_gen_opts *o);
 struct tdm_gen_stats {
     int steps;
     int prefill_steps, decode_steps;
-    long prefill_tokens;               // prompt tokens computed (prefix hits excluded)
-    long decode_tokens;                // tokens fed in decode rows
+    long prefill_tokens; // prompt tokens computed (prefix hits excluded)
+    long decode_tokens;  // tokens fed in decode rows
     long generated_tokens;
-    double prefill_s, decode_s;        // wall time of forward + sampling per phase
+    double prefill_s, decode_s; // wall time of forward + sampling per phase
 };
 
 // Runs the requests to completion. Each request keeps its KV sequence until it
@@ -64,7 +64,7 @@ struct tdm_gen_stats {
 // cannot hold a request (all requests are released first); TDM_EINVAL for a bad
 // request (err says which). stats may be NULL.
 int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_request *reqs,
-                int n_reqs, const struct tdm_gen_opts *opts, struct tdm_gen_stats *stats,
-                char *err, size_t errlen);
+                int n_reqs, const struct tdm_gen_opts *opts, struct tdm_gen_stats *stats, char *err,
+                size_t errlen);
 
 #endif

@@ -325,9 +325,8 @@ int main(int argc, char **argv)
         fail("%s", err);
         goto out;
     }
-    if (a.dump_logits &&
-        write_logits(a.dump_logits, logits, (size_t)req.n_out * (size_t)cfg->vocab_size) !=
-            TDM_OK) {
+    if (a.dump_logits && write_logits(a.dump_logits, logits,
+                                      (size_t)req.n_out * (size_t)cfg->vocab_size) != TDM_OK) {
         fail("%s: cannot write the logits", a.dump_logits);
         goto out;
     }

@@ -82,8 +82,8 @@ int tdm_mkmodel_validate(const struct tdm_mkmodel_spec *s, char *err, size_t err
         return tdm_seterr(err, errlen, TDM_EINVAL, "mkmodel: every size must be positive");
     if (s->num_heads % s->num_kv_heads != 0)
         return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "mkmodel: num_kv_heads=%d does not divide num_heads=%d",
-                          s->num_kv_heads, s->num_heads);
+                          "mkmodel: num_kv_heads=%d does not divide num_heads=%d", s->num_kv_heads,
+                          s->num_heads);
     if (s->head_dim == 0 && s->hidden_size % s->num_heads != 0)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "mkmodel: num_heads=%d does not divide hidden_size=%d (give --head-dim)",
@@ -97,10 +97,11 @@ int tdm_mkmodel_validate(const struct tdm_mkmodel_spec *s, char *err, size_t err
                           "special tokens (need >= 259)",
                           s->vocab_size);
     if (s->rope_theta <= 0 || !(s->rms_norm_eps > 0))
-        return tdm_seterr(err, errlen, TDM_EINVAL, "mkmodel: rope_theta and rms_norm_eps must be > 0");
-    if (s->rope_llama3 && (s->rope_factor <= 0 || s->rope_low_freq_factor <= 0 ||
-                           s->rope_high_freq_factor <= s->rope_low_freq_factor ||
-                           s->rope_original_max_pos <= 0))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "mkmodel: rope_theta and rms_norm_eps must be > 0");
+    if (s->rope_llama3 &&
+        (s->rope_factor <= 0 || s->rope_low_freq_factor <= 0 ||
+         s->rope_high_freq_factor <= s->rope_low_freq_factor || s->rope_original_max_pos <= 0))
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "mkmodel: llama3 rope scaling needs factor > 0, 0 < low_freq_factor < "
                           "high_freq_factor and original_max_position_embeddings > 0");
@@ -133,11 +134,21 @@ static void json_str(FILE *f, const char *s)
     fputc('"', f);
     for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
         switch (*p) {
-        case '"': fputs("\\\"", f); break;
-        case '\\': fputs("\\\\", f); break;
-        case '\n': fputs("\\n", f); break;
-        case '\r': fputs("\\r", f); break;
-        case '\t': fputs("\\t", f); break;
+        case '"':
+            fputs("\\\"", f);
+            break;
+        case '\\':
+            fputs("\\\\", f);
+            break;
+        case '\n':
+            fputs("\\n", f);
+            break;
+        case '\r':
+            fputs("\\r", f);
+            break;
+        case '\t':
+            fputs("\\t", f);
+            break;
         default:
             if (*p < 0x20)
                 fprintf(f, "\\u%04x", *p);
@@ -218,11 +229,11 @@ static void utf8_put(char *out, int cp)
 }
 
 struct vocab {
-    char **str;       // [cap] token strings (byte-level unicode, UTF-8)
+    char **str; // [cap] token strings (byte-level unicode, UTF-8)
     int n, cap;
-    int *slots;       // [nslots] open-addressing set of ids, -1 = empty
+    int *slots; // [nslots] open-addressing set of ids, -1 = empty
     size_t nslots;
-    char **merges;    // [nmerges] "a b"
+    char **merges; // [nmerges] "a b"
     int nmerges, cap_merges;
 };
 
@@ -351,9 +362,9 @@ static int pair_cmp(const void *x, const void *y)
 }
 
 struct word {
-    int *sym;   // current symbols
+    int *sym; // current symbols
     int n;
-    int count;  // occurrences in the text
+    int count; // occurrences in the text
 };
 
 static int build_vocab(struct vocab *v, int target, char *err, size_t errlen)
@@ -419,8 +430,8 @@ static int build_vocab(struct vocab *v, int target, char *err, size_t errlen)
         int np = 0;
         for (int w = 0; w < nwords; w++)
             for (int k = 0; k + 1 < words[w].n; k++)
-                pairs[np++] = (struct pair_count){words[w].sym[k], words[w].sym[k + 1],
-                                                  words[w].count};
+                pairs[np++] =
+                    (struct pair_count){words[w].sym[k], words[w].sym[k + 1], words[w].count};
         qsort(pairs, (size_t)np, sizeof *pairs, pair_cmp);
         long best = 1;
         int ba = -1, bb = -1;
@@ -534,8 +545,8 @@ int tdm_mkmodel_write_tokenizer(int vocab_size, const char *dir, char *err, size
     if ((rc = build_vocab(&v, target, err, errlen)) != TDM_OK)
         goto out;
     if (v.n != target) {
-        rc = tdm_seterr(err, errlen, TDM_EINVAL, "mkmodel: could only build %d of %d tokens",
-                        v.n, target);
+        rc = tdm_seterr(err, errlen, TDM_EINVAL, "mkmodel: could only build %d of %d tokens", v.n,
+                        target);
         goto out;
     }
 
@@ -694,8 +705,8 @@ static int scan_tokenizer(const char *json, int *max_id, int *eos, int *num_eos,
 // ---- weights ---------------------------------------------------------------------------
 
 struct tensor_list {
-    struct tdm_tensor *t;   // [cap]
-    char **names;           // owned names
+    struct tdm_tensor *t; // [cap]
+    char **names;         // owned names
     int n, cap;
 };
 

@@ -26,27 +26,28 @@
 #include "hf.h"
 
 struct tdm_mkmodel_spec {
-    enum tdm_arch arch;            // Qwen2ForCausalLM or LlamaForCausalLM
+    enum tdm_arch arch; // Qwen2ForCausalLM or LlamaForCausalLM
     int hidden_size;
     int intermediate_size;
     int num_layers;
     int num_heads;
     int num_kv_heads;
-    int head_dim;                  // 0 = hidden_size / num_heads
-    int vocab_size;                // >= 259 (256 bytes + 3 special tokens) for the own tokenizer
+    int head_dim;   // 0 = hidden_size / num_heads
+    int vocab_size; // >= 259 (256 bytes + 3 special tokens) for the own tokenizer
     int max_position_embeddings;
     bool tie_word_embeddings;
-    int attention_bias;            // -1 = by arch (Qwen2 yes, Llama no), 0 / 1 forced
+    int attention_bias; // -1 = by arch (Qwen2 yes, Llama no), 0 / 1 forced
     double rope_theta;
     float rms_norm_eps;
-    bool rope_llama3;              // write rope_scaling {"rope_type":"llama3", ...}
-    float rope_factor;             // llama3 scaling parameters
+    bool rope_llama3;  // write rope_scaling {"rope_type":"llama3", ...}
+    float rope_factor; // llama3 scaling parameters
     float rope_low_freq_factor;
     float rope_high_freq_factor;
     int rope_original_max_pos;
-    enum tdm_dtype dtype;          // of model.safetensors
+    enum tdm_dtype dtype; // of model.safetensors
     uint64_t seed;
-    const char *tokenizer_from;    // folder with tokenizer.json (+ tokenizer_config.json) to copy, or NULL
+    const char
+        *tokenizer_from; // folder with tokenizer.json (+ tokenizer_config.json) to copy, or NULL
 };
 
 // Fills s with a preset: "tiny" or "qwen2.5-0.5b". TDM_EINVAL for an unknown name.

@@ -13,13 +13,20 @@ several prefill chunks and several 16-token KV blocks) and checks, per prompt:
     tokens; when all argmaxes agree this is exactly the reference's own greedy
     continuation, so the sequences are identical.
   * logits: for every step, max |engine - reference| <= TOL * std(reference
-    logits of that step), TOL = 2e-3 (logit std is ~4 for these models).
+    logits of that step).
 
-Each CPU path the machine supports is checked: the portable path (f32
-activations) against the plain f32 reference and the AVX-512 BF16 path (matmul
-inputs rounded to bf16) against the reference run with bf16_acts=True, which
-rounds matmul inputs the same way. Exits 0 with a SKIPPED line when numpy is
-missing.
+Each CPU path the machine supports is checked:
+  * portable (f32 activations, f32 accumulation) against the plain float32
+    reference: TOL = 1e-4 and every token identical, no exception.
+  * AVX-512 BF16 (matmul inputs rounded to bf16, vdpbf16ps) against the
+    reference with bf16_acts=True, which rounds matmul inputs the same way. Most
+    steps then agree to the last bit, but an activation that lands within
+    float32 noise of a bf16 rounding boundary rounds the other way and moves
+    logits by up to ~1e-2 std in these tiny models. TOL = 3e-2, and a token may
+    differ only at a near-tie: where the reference's own top-2 gap is below
+    the logit difference measured at that very step; such steps are counted and
+    printed, and more than 2% of them fails the test.
+Exits 0 with a SKIPPED line when numpy is missing.
 
 usage: test_reference.py MKMODEL GENERATE WORKDIR
 """
@@ -40,7 +47,8 @@ except ImportError:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qwen2_ref  # noqa: E402
 
-TOL = 2e-3
+TOL = {"portable": 1e-4, "avx512": 3e-2}
+MAX_NEAR_TIE_FRACTION = 0.02
 STEPS = 16
 
 MODELS = [
@@ -96,7 +104,7 @@ def main():
     os.makedirs(work)
     failures = 0
     checked = 0
-    worst = 0.0
+    worst, steps, near_ties = {}, {}, {}
     isas = None
     for name, flags in MODELS:
         mdir = os.path.join(work, name)
@@ -129,21 +137,43 @@ def main():
                 eng = np.fromfile(dump, dtype="<f4").reshape(len(ids), vocab)
                 ref = refs[isa == "avx512"].forward(prompt + ids)[plen - 1:plen - 1 + len(ids)]
                 ref_ids = [int(t) for t in ref.argmax(axis=1)]
-                rel = (np.abs(eng - ref).max(axis=1) / ref.std(axis=1)).max()
-                worst = max(worst, rel)
+                diff = np.abs(eng - ref).max(axis=1)
+                rel = (diff / ref.std(axis=1)).max()
+                worst[isa] = max(worst.get(isa, 0.0), rel)
+                top2 = np.sort(ref, axis=1)[:, -2:]
+                gap = top2[:, 1] - top2[:, 0]
+                ties = 0
+                bad_tokens = len(ids) != STEPS
+                for i, (a, b) in enumerate(zip(ids, ref_ids)):
+                    if a == b:
+                        continue
+                    # Allowed only on the bf16 path, and only when the engine's
+                    # pick is the reference's runner-up within the measured error.
+                    if isa == "avx512" and gap[i] <= diff[i] and ref[i, a] >= top2[i, 0]:
+                        ties += 1
+                    else:
+                        bad_tokens = True
                 checked += 1
-                ok = len(ids) == STEPS and ids == ref_ids and rel <= TOL
-                if not ok:
+                steps[isa] = steps.get(isa, 0) + len(ids)
+                near_ties[isa] = near_ties.get(isa, 0) + ties
+                if bad_tokens or rel > TOL[isa]:
                     failures += 1
-                    top2 = np.sort(ref, axis=1)[:, -2:]
                     print("FAIL %s len=%d chunk=%d %s: engine %s ref %s max|d|/std %.2e "
                           "(ref top-2 gaps %s)" % (name, plen, chunk, isa, ids, ref_ids, rel,
-                                                   np.round(top2[:, 1] - top2[:, 0], 4)))
+                                                   np.round(gap, 4)))
                 else:
-                    print("ok   %s len=%d chunk=%d %s: %d tokens identical, max|d|/std %.2e"
-                          % (name, plen, chunk, isa, len(ids), rel))
-    print("%d runs checked, worst max|engine-ref|/std = %.2e (tolerance %.0e), %d failed"
-          % (checked, worst, TOL, failures))
+                    print("ok   %s len=%d chunk=%d %s: %d tokens%s, max|d|/std %.2e"
+                          % (name, plen, chunk, isa, len(ids),
+                             " (%d near-tie)" % ties if ties else " identical", rel))
+    for isa in sorted(steps):
+        frac = near_ties[isa] / max(steps[isa], 1)
+        print("%s: %d steps, worst max|engine-ref|/std = %.2e (tolerance %.0e), near-tie "
+              "token differences %d (%.2f%%)" % (isa, steps[isa], worst[isa], TOL[isa],
+                                                 near_ties[isa], 100 * frac))
+        if frac > MAX_NEAR_TIE_FRACTION:
+            print("FAIL %s: too many near-tie differences" % isa)
+            failures += 1
+    print("%d runs checked, %d failed" % (checked, failures))
     return 1 if failures or checked == 0 else 0
 
 
