@@ -30,14 +30,17 @@ static const char english_fallback[] =
     "use pieces of it in new free programs, and that you know you can do these things.\n\n";
 
 static const char cjk_text[] =
-    "今天早上天气很好，我和朋友一起去公园散步。公园里有很多人在锻炼身体，有的在跑步，有的在打太极拳。"
+    "今天早上天气很好，我和朋友一起去公园散步。公园里有很多人在锻炼身体，有的在跑步，有的在打太极拳"
+    "。"
     "湖边的柳树已经发芽了，春天真的来了。我们在长椅上坐了一会儿，聊起了小时候的事情。\n"
     "机器学习是人工智能的一个重要分支，它让计算机能够从数据中自动学习规律，而不需要明确的编程。"
     "近年来，大型语言模型的发展非常迅速，已经被广泛应用于翻译、写作和编程等领域。\n"
     "東京は日本の首都であり、世界でも有数の大都市です。毎日多くの人が電車で通勤しています。"
     "春には桜が咲き、多くの人々が公園で花見を楽しみます。\n"
-    "서울은 한국의 수도이며 인구가 천만 명에 가까운 큰 도시입니다. 한강이 도시를 가로질러 흐르고 있습니다.\n"
-    "这个服务器每秒可以处理数千个请求，延迟保持在几十毫秒以内。为了提高吞吐量，我们把预填充和解码分开部署。\n";
+    "서울은 한국의 수도이며 인구가 천만 명에 가까운 큰 도시입니다. 한강이 도시를 가로질러 흐르고 "
+    "있습니다.\n"
+    "这个服务器每秒可以处理数千个请求，延迟保持在几十毫秒以内。为了提高吞吐量，我们把预填充和解码分"
+    "开部署。\n";
 
 struct corpus {
     char *text;
@@ -125,8 +128,10 @@ static int bench_one(const struct tdm_tokenizer *tok, const char *name, const st
         t = tdm_now() - t0;
     } while (t < 0.5);
     double mb_s = (double)bytes / t / 1e6;
-    printf("%-8s %8.2f MB/s  %5.2f bytes/token  %zu bytes x %zu runs  ratio to %.0f MB/s goal: %.2f\n",
-           name, mb_s, (double)c->len / (double)(n ? n : 1), c->len, runs, GOAL_MB_S, mb_s / GOAL_MB_S);
+    printf(
+        "%-8s %8.2f MB/s  %5.2f bytes/token  %zu bytes x %zu runs  ratio to %.0f MB/s goal: %.2f\n",
+        name, mb_s, (double)c->len / (double)(n ? n : 1), c->len, runs, GOAL_MB_S,
+        mb_s / GOAL_MB_S);
     return TDM_OK;
 }
 

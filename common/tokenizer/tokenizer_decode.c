@@ -103,12 +103,12 @@ int tdm_tok_decode(const struct tdm_tokenizer *tok, const int32_t *ids, size_t n
 struct tdm_detok {
     const struct tdm_tokenizer *tok;
     bool skip_special_tokens;
-    bool first;        // no token emitted yet (for the space join without a decoder)
-    char held[4];      // a proper prefix of a character, at most 3 bytes
+    bool first;   // no token emitted yet (for the space join without a decoder)
+    char held[4]; // a proper prefix of a character, at most 3 bytes
     size_t n_held;
-    char *work;        // held bytes + the new token's bytes [work_cap]
+    char *work; // held bytes + the new token's bytes [work_cap]
     size_t work_cap;
-    char *out;         // the delta [out_cap]
+    char *out; // the delta [out_cap]
     size_t out_cap;
 };
 
@@ -165,7 +165,8 @@ int tdm_detok_push(struct tdm_detok *d, int32_t id, const char **delta, size_t *
     d->first = false;
     size_t n = d->n_held + sep + l;
     int rc;
-    if ((rc = ensure(&d->work, &d->work_cap, n + 1)) || (rc = ensure(&d->out, &d->out_cap, n * 3 + 1)))
+    if ((rc = ensure(&d->work, &d->work_cap, n + 1)) ||
+        (rc = ensure(&d->out, &d->out_cap, n * 3 + 1)))
         return rc;
     memcpy(d->work, d->held, d->n_held);
     if (sep)

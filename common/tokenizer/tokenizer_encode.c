@@ -125,8 +125,8 @@ struct enc {
     unsigned flags;
     int32_t *ids; // [cap] output
     size_t n, cap;
-    pcre2_match_data *md;             // shared by the stages: each copies its match before recursing
-    char *prefixed[TOK_MAX_STAGES];   // piece with the ByteLevel prefix space, per stage
+    pcre2_match_data *md;           // shared by the stages: each copies its match before recursing
+    char *prefixed[TOK_MAX_STAGES]; // piece with the ByteLevel prefix space, per stage
     size_t prefixed_cap[TOK_MAX_STAGES];
     struct bpe_sym *syms; // [syms_cap]
     size_t syms_cap;
@@ -325,7 +325,8 @@ static int bpe_word(struct enc *e, const char *w, size_t n)
     return TDM_OK;
 }
 
-// ---- pre-tokenizer -------------------------------------------------------------------------------
+// ---- pre-tokenizer
+// -------------------------------------------------------------------------------
 
 static size_t utf8_len_at(const char *s, size_t n)
 {
@@ -394,7 +395,8 @@ static int run_stage(struct enc *e, size_t k, const char *s, size_t n)
     return TDM_OK;
 }
 
-// ---- added tokens ------------------------------------------------------------------------------------
+// ---- added tokens
+// ------------------------------------------------------------------------------------
 
 static int32_t cp_before(const char *s, size_t end)
 {
@@ -457,7 +459,8 @@ static int split_added(struct enc *e, const struct tok_added_set *set, const cha
         i = stop; // the search resumes after the match even when it is rejected below
         if (skip_special && hit->special)
             continue;
-        if (hit->single_word && (is_word_char(cp_before(s, start)) || is_word_char(cp_at(s, n, stop))))
+        if (hit->single_word &&
+            (is_word_char(cp_before(s, start)) || is_word_char(cp_at(s, n, stop))))
             continue;
         if (hit->lstrip) {
             size_t ns = start;
@@ -516,10 +519,18 @@ static int on_raw_text(struct enc *e, const char *s, size_t n)
     for (size_t i = 0; i < tok->n_norm; i++) {
         int opts = UTF8PROC_STABLE;
         switch (tok->norm[i]) {
-        case TOK_NORM_NFC: opts |= UTF8PROC_COMPOSE; break;
-        case TOK_NORM_NFD: opts |= UTF8PROC_DECOMPOSE; break;
-        case TOK_NORM_NFKC: opts |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT; break;
-        case TOK_NORM_NFKD: opts |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT; break;
+        case TOK_NORM_NFC:
+            opts |= UTF8PROC_COMPOSE;
+            break;
+        case TOK_NORM_NFD:
+            opts |= UTF8PROC_DECOMPOSE;
+            break;
+        case TOK_NORM_NFKC:
+            opts |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+            break;
+        case TOK_NORM_NFKD:
+            opts |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+            break;
         }
         utf8proc_uint8_t *next = NULL;
         utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)cur, (utf8proc_ssize_t)norm_len,
@@ -536,7 +547,8 @@ static int on_raw_text(struct enc *e, const char *s, size_t n)
     return rc;
 }
 
-// ---- public ----------------------------------------------------------------------------------------------
+// ---- public
+// ----------------------------------------------------------------------------------------------
 
 int tdm_tok_encode_ex(const struct tdm_tokenizer *tok, const char *text, size_t len, unsigned flags,
                       int32_t **ids, size_t *n)

@@ -65,9 +65,9 @@ enum tok_stage_kind { TOK_STAGE_SPLIT = 1, TOK_STAGE_BYTELEVEL };
 enum tok_split_behavior { TOK_SPLIT_ISOLATED = 1, TOK_SPLIT_REMOVED };
 struct tok_stage {
     enum tok_stage_kind kind;
-    pcre2_code *re;              // compiled split regex (NULL for ByteLevel without regex)
+    pcre2_code *re; // compiled split regex (NULL for ByteLevel without regex)
     enum tok_split_behavior behavior;
-    bool add_prefix_space;       // ByteLevel only
+    bool add_prefix_space; // ByteLevel only
 };
 #define TOK_MAX_STAGES 6
 
@@ -87,26 +87,26 @@ struct tok_cache_slot {
 enum { TOK_ID_ADDED = 1, TOK_ID_SPECIAL = 2 };
 
 struct tdm_tokenizer {
-    int32_t vocab_size;          // max id + 1 over the model vocab and added tokens
-    const char **pieces;         // [vocab_size] token string per id (added content wins); NULL in gaps
-    uint32_t *piece_lens;        // [vocab_size]
-    const char **dec_bytes;      // [vocab_size] bytes the ByteLevel decoder gives for the id
-    uint32_t *dec_lens;          // [vocab_size]
-    uint8_t *id_flags;           // [vocab_size] TOK_ID_* bits
-    char *arena;                 // storage for model vocab strings and decoded bytes
-    struct tok_str_map vocab;    // model vocab string -> id
+    int32_t vocab_size;       // max id + 1 over the model vocab and added tokens
+    const char **pieces;      // [vocab_size] token string per id (added content wins); NULL in gaps
+    uint32_t *piece_lens;     // [vocab_size]
+    const char **dec_bytes;   // [vocab_size] bytes the ByteLevel decoder gives for the id
+    uint32_t *dec_lens;       // [vocab_size]
+    uint8_t *id_flags;        // [vocab_size] TOK_ID_* bits
+    char *arena;              // storage for model vocab strings and decoded bytes
+    struct tok_str_map vocab; // model vocab string -> id
 
     struct tok_merge_entry *merges; // [merges_cap], power of two
     size_t merges_cap;
     bool ignore_merges;
-    int32_t byte_id[256];        // id of the byte-level char of each byte, -1 if absent
-    uint16_t byte_char[256];     // GPT-2 bytes_to_unicode code point of each byte
-    int16_t char_byte[324];      // inverse for code points < 324, -1 elsewhere
+    int32_t byte_id[256];    // id of the byte-level char of each byte, -1 if absent
+    uint16_t byte_char[256]; // GPT-2 bytes_to_unicode code point of each byte
+    int16_t char_byte[324];  // inverse for code points < 324, -1 elsewhere
 
     enum tok_norm norm[TOK_MAX_NORM];
     size_t n_norm;
 
-    struct tok_added *added;     // [n_added]
+    struct tok_added *added; // [n_added]
     size_t n_added;
     struct tok_added_set raw_set;  // normalized == false, matched on the raw text
     struct tok_added_set norm_set; // normalized == true, matched after normalization
@@ -114,12 +114,12 @@ struct tdm_tokenizer {
     struct tok_stage stages[TOK_MAX_STAGES];
     size_t n_stages;
 
-    int32_t *prefix_ids;         // post-processor additions before the sequence [n_prefix]
+    int32_t *prefix_ids; // post-processor additions before the sequence [n_prefix]
     size_t n_prefix;
-    int32_t *suffix_ids;         // and after it [n_suffix]
+    int32_t *suffix_ids; // and after it [n_suffix]
     size_t n_suffix;
 
-    bool has_decoder;            // false: decode joins the token strings with spaces
+    bool has_decoder; // false: decode joins the token strings with spaces
 
     int32_t bos_id, eos_id, pad_id;
     char *chat_template;

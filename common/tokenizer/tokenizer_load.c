@@ -50,7 +50,8 @@ static int str_map_init(struct tok_str_map *m, size_t expected)
 }
 
 // Inserts key -> id; an existing key keeps its first id unless replace is set.
-static void str_map_put(struct tok_str_map *m, const char *key, uint32_t len, int32_t id, bool replace)
+static void str_map_put(struct tok_str_map *m, const char *key, uint32_t len, int32_t id,
+                        bool replace)
 {
     size_t mask = m->cap - 1;
     for (size_t i = tok_hash_bytes(key, len) & mask;; i = (i + 1) & mask) {
@@ -219,13 +220,15 @@ static int compile_regex(pcre2_code **out, const char *pat, size_t len, bool lit
         return TDM_ENOMEM;
     int ecode;
     PCRE2_SIZE eoff;
-    pcre2_code *re = pcre2_compile((PCRE2_SPTR)(literal ? pat : translated),
-                                   literal ? len : PCRE2_ZERO_TERMINATED, opts, &ecode, &eoff, NULL);
+    pcre2_code *re =
+        pcre2_compile((PCRE2_SPTR)(literal ? pat : translated),
+                      literal ? len : PCRE2_ZERO_TERMINATED, opts, &ecode, &eoff, NULL);
     free(translated);
     if (!re) {
         PCRE2_UCHAR msg[160];
         pcre2_get_error_message(ecode, msg, sizeof msg);
-        return LOAD_ERR(TDM_EINVAL, "tokenizer.json: pre_tokenizer regex does not compile at %zu: %s",
+        return LOAD_ERR(TDM_EINVAL,
+                        "tokenizer.json: pre_tokenizer regex does not compile at %zu: %s",
                         (size_t)eoff, (const char *)msg);
     }
     // JIT is an optimisation only: without it pcre2_match interprets the pattern.
@@ -335,7 +338,8 @@ static int load_pre_tokenizer(struct tdm_tokenizer *tok, const cJSON *p, char *e
     if (strcmp(type, "Sequence") == 0) {
         const cJSON *list = cJSON_GetObjectItemCaseSensitive(p, "pretokenizers");
         if (!cJSON_IsArray(list))
-            return LOAD_ERR(TDM_EPROTO, "tokenizer.json: pre_tokenizer Sequence without pretokenizers");
+            return LOAD_ERR(TDM_EPROTO,
+                            "tokenizer.json: pre_tokenizer Sequence without pretokenizers");
         const cJSON *it;
         cJSON_ArrayForEach(it, list)
         {
@@ -412,15 +416,19 @@ static int template_side(struct tdm_tokenizer *tok, const cJSON *pp, bool before
         const cJSON *def = cJSON_GetObjectItemCaseSensitive(specials, name);
         const cJSON *list = cJSON_GetObjectItemCaseSensitive(def, "ids");
         if (!cJSON_IsArray(list))
-            return LOAD_ERR(TDM_EPROTO, "tokenizer.json: TemplateProcessing special token %s "
-                                        "has no ids", name);
+            return LOAD_ERR(TDM_EPROTO,
+                            "tokenizer.json: TemplateProcessing special token %s "
+                            "has no ids",
+                            name);
         const cJSON *idv;
         cJSON_ArrayForEach(idv, list)
         {
             int32_t id = json_id(idv);
             if (id < 0 || id >= tok->vocab_size)
-                return LOAD_ERR(TDM_EPROTO, "tokenizer.json: TemplateProcessing special token %s "
-                                            "has an id outside the vocabulary", name);
+                return LOAD_ERR(TDM_EPROTO,
+                                "tokenizer.json: TemplateProcessing special token %s "
+                                "has an id outside the vocabulary",
+                                name);
             int32_t *grown = realloc(*ids, (*n + 1) * sizeof **ids);
             if (!grown)
                 return TDM_ENOMEM;
@@ -584,10 +592,18 @@ static int normalize_copy(const struct tdm_tokenizer *tok, const char *s, size_t
     for (size_t i = 0; i < tok->n_norm; i++) {
         int opts = UTF8PROC_STABLE;
         switch (tok->norm[i]) {
-        case TOK_NORM_NFC: opts |= UTF8PROC_COMPOSE; break;
-        case TOK_NORM_NFD: opts |= UTF8PROC_DECOMPOSE; break;
-        case TOK_NORM_NFKC: opts |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT; break;
-        case TOK_NORM_NFKD: opts |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT; break;
+        case TOK_NORM_NFC:
+            opts |= UTF8PROC_COMPOSE;
+            break;
+        case TOK_NORM_NFD:
+            opts |= UTF8PROC_DECOMPOSE;
+            break;
+        case TOK_NORM_NFKC:
+            opts |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
+            break;
+        case TOK_NORM_NFKD:
+            opts |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
+            break;
         }
         utf8proc_uint8_t *next = NULL;
         utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)cur, (utf8proc_ssize_t)cur_len,
@@ -656,7 +672,8 @@ static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, 
 {
     const char *type = json_str(model, "type");
     if (type && strcmp(type, "BPE") != 0)
-        return LOAD_ERR(TDM_EINVAL, "tokenizer.json: model type %s is not supported (only BPE)", type);
+        return LOAD_ERR(TDM_EINVAL, "tokenizer.json: model type %s is not supported (only BPE)",
+                        type);
     if (!json_is_null_or_absent(model, "dropout")) {
         const cJSON *d = cJSON_GetObjectItemCaseSensitive(model, "dropout");
         if (!cJSON_IsNumber(d) || d->valuedouble != 0)
@@ -683,8 +700,9 @@ static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, 
     int rc = load_added_list(tok, added_cap, cJSON_GetObjectItemCaseSensitive(root, "added_tokens"),
                              false, err, errlen);
     if (!rc && cfg)
-        rc = load_added_list(tok, added_cap, cJSON_GetObjectItemCaseSensitive(cfg, "added_tokens_decoder"),
-                             true, err, errlen);
+        rc = load_added_list(tok, added_cap,
+                             cJSON_GetObjectItemCaseSensitive(cfg, "added_tokens_decoder"), true,
+                             err, errlen);
     if (rc)
         return rc;
 
@@ -811,8 +829,10 @@ static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, 
         memcpy(joined + ll, r, rl);
         int32_t nid = tok_str_map_get(&tok->vocab, joined, ll + rl);
         if (lid < 0 || rid < 0 || nid < 0) {
-            rc = LOAD_ERR(TDM_EPROTO, "tokenizer.json: merge %d (%.*s %.*s) uses a token that is "
-                                      "not in the vocabulary", (int)rank, (int)ll, l, (int)rl, r);
+            rc = LOAD_ERR(TDM_EPROTO,
+                          "tokenizer.json: merge %d (%.*s %.*s) uses a token that is "
+                          "not in the vocabulary",
+                          (int)rank, (int)ll, l, (int)rl, r);
             break;
         }
         merge_put(tok, lid, rid, rank, nid);
@@ -831,7 +851,8 @@ static int load_from_json(struct tdm_tokenizer *tok, const cJSON *root, const cJ
         return LOAD_ERR(TDM_EPROTO, "tokenizer.json: no model object");
     int rc = load_vocab_and_merges(tok, model, &added_cap, root, cfg, err, errlen);
     if (!rc)
-        rc = load_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root, "normalizer"), err, errlen);
+        rc =
+            load_normalizer(tok, cJSON_GetObjectItemCaseSensitive(root, "normalizer"), err, errlen);
     if (!rc)
         rc = load_pre_tokenizer(tok, cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer"), err,
                                 errlen);
@@ -846,8 +867,9 @@ static int load_from_json(struct tdm_tokenizer *tok, const cJSON *root, const cJ
     for (size_t i = 0; i < tok->n_stages; i++)
         byte_level |= tok->stages[i].kind == TOK_STAGE_BYTELEVEL;
     if (!byte_level)
-        return LOAD_ERR(TDM_EINVAL, "tokenizer.json: only byte-level BPE is supported (no ByteLevel "
-                                    "pre_tokenizer)");
+        return LOAD_ERR(TDM_EINVAL,
+                        "tokenizer.json: only byte-level BPE is supported (no ByteLevel "
+                        "pre_tokenizer)");
 
     // Normalized added tokens are searched for in normalized text, so normalize them too.
     for (size_t i = 0; i < tok->n_added; i++) {
@@ -963,7 +985,8 @@ void tdm_tok_free(struct tdm_tokenizer *tok)
     free(tok);
 }
 
-// ---- accessors ------------------------------------------------------------------------------------
+// ---- accessors
+// ------------------------------------------------------------------------------------
 
 int tdm_tok_vocab_size(const struct tdm_tokenizer *tok)
 {

@@ -50,8 +50,8 @@ static struct tdm_tokenizer *need_qwen(void)
         return;                                                                                    \
     }
 
-static void expect_ids(const struct tdm_tokenizer *tok, unsigned flags, const char *text, size_t len,
-                       const int32_t *want, size_t n_want)
+static void expect_ids(const struct tdm_tokenizer *tok, unsigned flags, const char *text,
+                       size_t len, const int32_t *want, size_t n_want)
 {
     int32_t *ids;
     size_t n;
@@ -114,7 +114,8 @@ static void test_qwen_known_ids(void **state)
     // split_special: the text of <|im_end|> is BPE'd like any other text.
     int32_t *ids;
     size_t n;
-    assert_int_equal(tdm_tok_encode_ex(tok, "<|im_end|>", 10, TDM_TOK_SPLIT_SPECIAL, &ids, &n), TDM_OK);
+    assert_int_equal(tdm_tok_encode_ex(tok, "<|im_end|>", 10, TDM_TOK_SPLIT_SPECIAL, &ids, &n),
+                     TDM_OK);
     assert_true(n > 1);
     for (size_t i = 0; i < n; i++)
         assert_true(ids[i] < 151643);
@@ -157,14 +158,18 @@ struct bad_utf8 {
 
 #define R "\xef\xbf\xbd"
 static const struct bad_utf8 bad_cases[] = {
-    {"a\xff" "b", 3, "a" R "b"},
+    {"a\xff"
+     "b",
+     3, "a" R "b"},
     {"\xe4\xbd", 2, R},
     {"\xe4\xbd\xe4\xbd", 4, R R},
     {"x\xc0\xafy", 4, "x" R R "y"},
     {"\xed\xa0\x80", 3, R R R},
     {"\xf4\x90\x80\x80", 4, R R R R},
     {"\xf0\x9f\x98", 3, R},
-    {"\xf0\x9f\x98" "A", 4, R "A"},
+    {"\xf0\x9f\x98"
+     "A",
+     4, R "A"},
     {"\xe0\x80\x80", 3, R R R},
     {"\x80\x80", 2, R R},
     {"ok\xc3", 3, "ok" R},
@@ -196,15 +201,20 @@ static void test_qwen_invalid_utf8(void **state)
     (void)state;
     NEED_QWEN(tok);
     // "ï¿½" (U+FFFD) is 5691; two of them are 9973 (JS reference).
-    EXPECT(tok, 0, "a\xff" "b", 64, 5691, 65);
+    EXPECT(tok, 0,
+           "a\xff"
+           "b",
+           64, 5691, 65);
     EXPECT(tok, 0, "\xe4\xbd", 5691);
     EXPECT(tok, 0, "x\xc0\xafy", 87, 9973, 88);
     for (size_t i = 0; i < sizeof bad_cases / sizeof bad_cases[0]; i++) {
         int32_t *a, *b;
         size_t na, nb;
-        assert_int_equal(tdm_tok_encode(tok, bad_cases[i].in, bad_cases[i].len, false, &a, &na), TDM_OK);
-        assert_int_equal(tdm_tok_encode(tok, bad_cases[i].python, strlen(bad_cases[i].python), false,
-                                        &b, &nb), TDM_OK);
+        assert_int_equal(tdm_tok_encode(tok, bad_cases[i].in, bad_cases[i].len, false, &a, &na),
+                         TDM_OK);
+        assert_int_equal(
+            tdm_tok_encode(tok, bad_cases[i].python, strlen(bad_cases[i].python), false, &b, &nb),
+            TDM_OK);
         assert_int_equal(na, nb);
         assert_memory_equal(a, b, na * sizeof *a);
         char *text = decode_str(tok, a, na, false);
@@ -414,8 +424,14 @@ static void test_qwen_roundtrip(void **state)
     (void)state;
     NEED_QWEN(tok);
     static const char *texts[] = {
-        "Hello world", "  leading and trailing  ", "tabs\tand\nnewlines\r\n\r\n", "你好，世界 😀👨‍👩‍👧",
-        "I'VE 'Ll 's", "code: for (i = 0; i < n; i++) {}\n", "\xc3\xa9t\xc3\xa9", "",
+        "Hello world",
+        "  leading and trailing  ",
+        "tabs\tand\nnewlines\r\n\r\n",
+        "你好，世界 😀👨‍👩‍👧",
+        "I'VE 'Ll 's",
+        "code: for (i = 0; i < n; i++) {}\n",
+        "\xc3\xa9t\xc3\xa9",
+        "",
     };
     for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
         int32_t *ids;
@@ -446,7 +462,8 @@ static void *thread_main(void *arg)
         for (size_t i = 0; i < j->n_lines; i++) {
             int32_t *ids;
             size_t n;
-            if (tdm_tok_encode(j->tok, j->lines[i], strlen(j->lines[i]), false, &ids, &n) != TDM_OK ||
+            if (tdm_tok_encode(j->tok, j->lines[i], strlen(j->lines[i]), false, &ids, &n) !=
+                    TDM_OK ||
                 n != j->want_n[i] || memcmp(ids, j->want[i], n * sizeof *ids) != 0)
                 j->failures++;
             free(ids);
@@ -464,8 +481,8 @@ static void test_qwen_threads(void **state)
     int32_t **want = calloc(n_lines, sizeof *want);
     size_t *want_n = calloc(n_lines, sizeof *want_n);
     for (size_t i = 0; i < n_lines; i++)
-        assert_int_equal(tdm_tok_encode(tok, lines[i], strlen(lines[i]), false, &want[i], &want_n[i]),
-                         TDM_OK);
+        assert_int_equal(
+            tdm_tok_encode(tok, lines[i], strlen(lines[i]), false, &want[i], &want_n[i]), TDM_OK);
     pthread_t th[4];
     struct thread_job jobs[4];
     for (int t = 0; t < 4; t++) {
@@ -517,10 +534,10 @@ static void test_qwen_long_input(void **state)
 struct tiny {
     bool merges_as_pairs;
     bool ignore_merges;
-    bool prefix_space;   // ByteLevel add_prefix_space
+    bool prefix_space; // ByteLevel add_prefix_space
     bool no_decoder;
     const char *model_type;
-    const char *normalizer; // JSON
+    const char *normalizer;  // JSON
     const char *extra_merge; // appended to merges (JSON)
 };
 
@@ -549,22 +566,25 @@ static char *write_tiny(const struct tiny *t)
 #define P(...) (o += (size_t)snprintf(j + o, cap - o, __VA_ARGS__))
     P("{\"version\":\"1.0\",\"added_tokens\":["
       "{\"id\":300,\"content\":\"<s>\",\"special\":true,\"normalized\":false},"
-      "{\"id\":301,\"content\":\"<mask>\",\"special\":true,\"lstrip\":true,\"rstrip\":true,\"normalized\":false},"
+      "{\"id\":301,\"content\":\"<mask>\",\"special\":true,\"lstrip\":true,\"rstrip\":true,"
+      "\"normalized\":false},"
       "{\"id\":302,\"content\":\"hi\",\"special\":false,\"single_word\":true,\"normalized\":false},"
       "{\"id\":303,\"content\":\"\\u00e9\",\"special\":false,\"normalized\":true},"
       "{\"id\":304,\"content\":\"<|x|>\",\"special\":false,\"normalized\":false}],");
     P("\"normalizer\":%s,", t->normalizer ? t->normalizer : "{\"type\":\"NFC\"}");
     P("\"pre_tokenizer\":{\"type\":\"ByteLevel\",\"add_prefix_space\":%s,\"use_regex\":true},",
       t->prefix_space ? "true" : "false");
-    P("\"post_processor\":{\"type\":\"TemplateProcessing\",\"single\":[{\"SpecialToken\":{\"id\":\"<s>\","
+    P("\"post_processor\":{\"type\":\"TemplateProcessing\",\"single\":[{\"SpecialToken\":{\"id\":"
+      "\"<s>\","
       "\"type_id\":0}},{\"Sequence\":{\"id\":\"A\",\"type_id\":0}}],\"pair\":[],\"special_tokens\":"
       "{\"<s>\":{\"id\":\"<s>\",\"ids\":[300],\"tokens\":[\"<s>\"]}}},");
     P("\"decoder\":%s,", t->no_decoder ? "null" : "{\"type\":\"ByteLevel\"}");
-    P("\"model\":{\"type\":\"%s\",\"ignore_merges\":%s,\"vocab\":{", t->model_type ? t->model_type : "BPE",
-      t->ignore_merges ? "true" : "false");
+    P("\"model\":{\"type\":\"%s\",\"ignore_merges\":%s,\"vocab\":{",
+      t->model_type ? t->model_type : "BPE", t->ignore_merges ? "true" : "false");
     for (int b = 0; b < 256; b++)
         P("\"\\u%04x\":%d,", byte_cp(b), b);
-    P("\"he\":256,\"ll\":257,\"hell\":258,\"hello\":259,\"\\u0120h\":260,\"abc\":261},\"merges\":[");
+    P("\"he\":256,\"ll\":257,\"hell\":258,\"hello\":259,\"\\u0120h\":260,\"abc\":261},\"merges\":"
+      "[");
     if (t->merges_as_pairs)
         P("[\"h\",\"e\"],[\"l\",\"l\"],[\"he\",\"ll\"],[\"hell\",\"o\"],[\"\\u0120\",\"h\"]");
     else
@@ -690,7 +710,8 @@ static void test_load_errors(void **state)
     (void)state;
     struct tdm_tokenizer *tok = (struct tdm_tokenizer *)1;
     char err[256] = "";
-    assert_int_equal(tdm_tok_load(&tok, "/nonexistent/tokenizer/dir", err, sizeof err), TDM_ENOTFOUND);
+    assert_int_equal(tdm_tok_load(&tok, "/nonexistent/tokenizer/dir", err, sizeof err),
+                     TDM_ENOTFOUND);
     assert_null(tok);
 
     struct tiny t = {.model_type = "WordPiece"};
@@ -729,18 +750,12 @@ static int teardown_all(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_utf8_sanitize),
-        cmocka_unit_test(test_tiny_bpe),
-        cmocka_unit_test(test_tiny_variants),
-        cmocka_unit_test(test_load_errors),
-        cmocka_unit_test(test_qwen_known_ids),
-        cmocka_unit_test(test_qwen_metadata),
-        cmocka_unit_test(test_qwen_invalid_utf8),
-        cmocka_unit_test(test_qwen_decode),
-        cmocka_unit_test(test_qwen_detok_split_char),
-        cmocka_unit_test(test_qwen_detok_corpus),
-        cmocka_unit_test(test_qwen_roundtrip),
-        cmocka_unit_test(test_qwen_threads),
+        cmocka_unit_test(test_utf8_sanitize),         cmocka_unit_test(test_tiny_bpe),
+        cmocka_unit_test(test_tiny_variants),         cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_qwen_known_ids),        cmocka_unit_test(test_qwen_metadata),
+        cmocka_unit_test(test_qwen_invalid_utf8),     cmocka_unit_test(test_qwen_decode),
+        cmocka_unit_test(test_qwen_detok_split_char), cmocka_unit_test(test_qwen_detok_corpus),
+        cmocka_unit_test(test_qwen_roundtrip),        cmocka_unit_test(test_qwen_threads),
         cmocka_unit_test(test_qwen_long_input),
     };
     return cmocka_run_group_tests(tests, NULL, teardown_all);

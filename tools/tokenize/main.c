@@ -18,9 +18,9 @@ struct opts {
     const char *model_dir;
     const char *chat_template_path;
     bool decode, chat, jsonl;
-    bool add_special;     // post-processor additions (HF add_special_tokens, default on)
-    bool split_special;   // special-token strings in text stay text
-    bool skip_special;    // decode leaves special tokens out
+    bool add_special;   // post-processor additions (HF add_special_tokens, default on)
+    bool split_special; // special-token strings in text stay text
+    bool skip_special;  // decode leaves special tokens out
 };
 
 static void usage(FILE *f)
@@ -94,7 +94,9 @@ static int parse_ids(const char *s, int32_t **ids, size_t *n, char *err, size_t 
         long x = strtol(s, &end, 10);
         if (end == s || x < 0 || x > 2147483647L || (*end && !strchr(" \t\r\n,[]", *end))) {
             free(v);
-            return tdm_seterr(err, errlen, TDM_EINVAL, "not a token id near \"%.20s\"", s);
+            int shown = (int)strcspn(s, " \t\r\n,[]");
+            return tdm_seterr(err, errlen, TDM_EINVAL, "not a token id: \"%.*s\"",
+                              shown > 20 ? 20 : shown, s);
         }
         if (cnt == cap) {
             int32_t *g = realloc(v, cap * 2 * sizeof *v);
@@ -115,7 +117,8 @@ static int parse_ids(const char *s, int32_t **ids, size_t *n, char *err, size_t 
 
 static unsigned encode_flags(const struct opts *o)
 {
-    return (o->add_special ? TDM_TOK_ADD_SPECIAL : 0) | (o->split_special ? TDM_TOK_SPLIT_SPECIAL : 0);
+    return (o->add_special ? TDM_TOK_ADD_SPECIAL : 0) |
+           (o->split_special ? TDM_TOK_SPLIT_SPECIAL : 0);
 }
 
 static int run_jsonl(const struct tdm_tokenizer *tok, const struct opts *o, char *input, char *err,
@@ -154,7 +157,8 @@ static int run_jsonl(const struct tdm_tokenizer *tok, const struct opts *o, char
             rc = ids ? TDM_OK : TDM_ENOMEM;
             cJSON_ArrayForEach(it, idv)
             {
-                if (rc || !cJSON_IsNumber(it) || it->valuedouble < 0 || it->valuedouble > 2147483647.0) {
+                if (rc || !cJSON_IsNumber(it) || it->valuedouble < 0 ||
+                    it->valuedouble > 2147483647.0) {
                     rc = rc ? rc : TDM_EINVAL;
                     break;
                 }
@@ -174,8 +178,9 @@ static int run_jsonl(const struct tdm_tokenizer *tok, const struct opts *o, char
         cJSON_Delete(obj);
         if (rc) {
             cJSON_Delete(res);
-            return tdm_seterr(err, errlen, rc, "line %zu: %s (expected {\"text\": string} or "
-                                               "{\"ids\": [ids in the vocabulary]})",
+            return tdm_seterr(err, errlen, rc,
+                              "line %zu: %s (expected {\"text\": string} or "
+                              "{\"ids\": [ids in the vocabulary]})",
                               line_no, tdm_strerror(rc));
         }
         char *printed = cJSON_PrintUnformatted(res);
@@ -197,7 +202,8 @@ static int run_chat(const struct tdm_tokenizer *tok, const struct opts *o, const
     char *prompt = NULL;
     int32_t *ids = NULL;
     size_t n_ids;
-    int rc = tdm_chat_template_new(&t, tdm_tok_chat_template(tok), o->chat_template_path, err, errlen);
+    int rc =
+        tdm_chat_template_new(&t, tdm_tok_chat_template(tok), o->chat_template_path, err, errlen);
     if (rc)
         return rc;
     rc = tdm_chat_msgs_parse(input, len, &msgs, &n_msgs, err, errlen);
