@@ -9,6 +9,9 @@ pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
 pkg_check_modules(UTF8PROC REQUIRED IMPORTED_TARGET libutf8proc)
 pkg_check_modules(CMOCKA REQUIRED IMPORTED_TARGET cmocka)
 
+# civetweb ships a CMake package config (civetweb::civetweb).
+find_package(civetweb CONFIG REQUIRED)
+
 add_library(tdm::cjson ALIAS PkgConfig::CJSON)
 add_library(tdm::pcre2 ALIAS PkgConfig::PCRE2)
 add_library(tdm::utf8proc ALIAS PkgConfig::UTF8PROC)
