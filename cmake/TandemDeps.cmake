@@ -9,8 +9,14 @@ pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)
 pkg_check_modules(UTF8PROC REQUIRED IMPORTED_TARGET libutf8proc)
 pkg_check_modules(CMOCKA REQUIRED IMPORTED_TARGET cmocka)
 
-# civetweb ships a CMake package config (civetweb::civetweb).
-find_package(civetweb CONFIG REQUIRED)
+# civetweb: Debian's CMake package config also wants the civetweb server binary
+# (another package), so the library is found directly as civetweb::civetweb.
+find_path(CIVETWEB_INCLUDE_DIR civetweb.h REQUIRED)
+find_library(CIVETWEB_LIBRARY civetweb REQUIRED)
+add_library(civetweb::civetweb UNKNOWN IMPORTED)
+set_target_properties(civetweb::civetweb PROPERTIES
+  IMPORTED_LOCATION "${CIVETWEB_LIBRARY}"
+  INTERFACE_INCLUDE_DIRECTORIES "${CIVETWEB_INCLUDE_DIR}")
 
 add_library(tdm::cjson ALIAS PkgConfig::CJSON)
 add_library(tdm::pcre2 ALIAS PkgConfig::PCRE2)
