@@ -630,8 +630,17 @@ static void test_tiny_bpe(void **state)
         EXPECT(tok, 0, "hi there", 302, 32, 116, 256, 114, 101);
         // single_word: "hi" inside "this" is not the added token.
         EXPECT(tok, 0, "this", 116, 104, 105, 115);
-        // lstrip/rstrip eat the spaces around <mask>.
+        // Word characters are letters, digits and '_': punctuation around
+        // "hi" lets it match, '_' and digits do not.
+        EXPECT(tok, 0, ".hi.", 46, 302, 46);
+        EXPECT(tok, 0, "_hi_", 95, 104, 105, 95);
+        EXPECT(tok, 0, "1hi", 49, 104, 105);
+        // lstrip/rstrip eat the white space around <mask>, tabs included, but
+        // never what an earlier token already took.
         EXPECT(tok, 0, "a <mask> b", 97, 301, 98);
+        EXPECT(tok, 0, "a\t<mask>\tb", 97, 301, 98);
+        EXPECT(tok, 0, "<mask> <mask>", 301, 301);
+        EXPECT(tok, 0, "a  <s>", 97, 32, 32, 300); // no lstrip on <s>
         // normalized added token é matches after NFC of e + U+0301.
         EXPECT(tok, 0, "cafe\xcc\x81", 99, 97, 102, 303);
         // abc is in the vocab but no merge reaches it.
@@ -697,6 +706,14 @@ static void test_tiny_variants(void **state)
     assert_int_equal(dl, 3);
     assert_memory_equal(delta, " \xc4\xa0", 3);
     tdm_detok_free(d);
+    tdm_tok_free(tok);
+
+    // A pair listed twice keeps its last rank (HF fills a map in order): with
+    // h e moved to rank 5, " hello" merges l l (1), then \u0120 h (4), and
+    // \u0120h e has no merge.
+    t = (struct tiny){.extra_merge = "\"h e\""};
+    assert_int_equal(load_tiny(&t, &tok, err, sizeof err), TDM_OK);
+    EXPECT(tok, 0, "hello hello", 259, 260, 101, 257, 111);
     tdm_tok_free(tok);
 
     t = (struct tiny){.normalizer = "null"};

@@ -26,6 +26,31 @@ if (!existsSync(tokJson)) {
 const ref = new RefTokenizer(tokJson);
 const texts = readFileSync(args.corpus, 'utf8').split('\n').filter((l) => l.trim()).map((l) => JSON.parse(l).text);
 
+// Plus seeded random strings over blocks whose characters and properties are
+// the same in every Unicode version PCRE2, utf8proc and Node might carry.
+let seed = 12345;
+const rnd = (n) => {
+    seed = (seed * 1103515245 + 12345) % 2147483648;
+    return seed % n;
+};
+const blocks = [
+    [0x20, 0x7e], [0x20, 0x7e], [0x20, 0x7e], [0xa0, 0xff], [0x100, 0x17f], [0x300, 0x36f],
+    [0x391, 0x3c9], [0x410, 0x44f], [0x5d0, 0x5ea], [0x627, 0x64a], [0x660, 0x669],
+    [0x3041, 0x3093], [0x30a1, 0x30f6], [0x4e00, 0x9fa5], [0xac00, 0xd7a3], [0x1f600, 0x1f64f],
+    [0x2000, 0x200a], [0xff01, 0xff5e],
+];
+const ws = [' ', ' ', '  ', '\n', '\n\n', '\t', '\r\n', '\u00a0', '\u3000', '\u0085', "'s", "'LL"];
+for (let i = 0; i < 400; i++) {
+    let t = '';
+    const len = 1 + rnd(24);
+    for (let k = 0; k < len; k++) {
+        if (rnd(5) === 0) { t += ws[rnd(ws.length)]; continue; }
+        const [lo, hi] = blocks[rnd(blocks.length)];
+        t += String.fromCodePoint(lo + rnd(hi - lo + 1));
+    }
+    texts.push(t);
+}
+
 function runTool(lines, extra = []) {
     const r = spawnSync(args.tool, ['--model', args.model, '--jsonl', ...extra], {
         input: lines.map((o) => JSON.stringify(o)).join('\n') + '\n',
