@@ -486,30 +486,42 @@ static int32_t sample_random(struct tdm_sampler *s, const float *logits)
     size_t v = (size_t)s->vocab_size, n = 0;
     float inv_t = 1.0f / p->temperature;
     float lmax = -INFINITY;
-    for (size_t i = 0; i < v; i++)
-        if (logits[i] > lmax)
-            lmax = logits[i];
+    if (p->top_k > 0) {
+        // top_k: logits >= the k-th largest; the maximum is then among those few.
+        float thr = tdm_sampling_kth_largest(logits, v, (size_t)p->top_k, s->weight);
+        for (size_t i = 0; i < v; i++)
+            if (logits[i] >= thr && logits[i] > -INFINITY)
+                s->cand[n++] = (int32_t)i;
+        for (size_t j = 0; j < n; j++)
+            lmax = fmaxf(lmax, logits[s->cand[j]]);
+    } else {
+        for (size_t i = 0; i < v; i++)
+            if (logits[i] > lmax)
+                lmax = logits[i];
+        // Tokens with weight below e^-30 of the best one are dropped before the exp:
+        // even 150k of them weigh < 2e-8, under float32 resolution of the mass.
+        float cutoff = lmax - 30.0f * p->temperature;
+        for (size_t i = 0; i < v; i++)
+            if (logits[i] >= cutoff) // also drops NaN
+                s->cand[n++] = (int32_t)i;
+    }
     if (!isfinite(lmax))
         return -1;
-    // Candidates: logits >= the k-th largest (top_k), weights exp((l - max) / T);
-    // min_p keeps weight >= min_p (the best token has weight 1).
-    float thr = -INFINITY;
-    if (p->top_k > 0)
-        thr = tdm_sampling_kth_largest(logits, v, (size_t)p->top_k, s->weight);
+    // Weights exp((l - max) / T); min_p keeps weight >= min_p (the best one has 1).
     float min_w = p->min_p;
     double total = 0.0;
-    for (size_t i = 0; i < v; i++) {
-        float l = logits[i];
-        if (!(l >= thr) || l == -INFINITY)
-            continue;
-        float w = expf((l - lmax) * inv_t);
+    size_t kept = 0;
+    for (size_t j = 0; j < n; j++) {
+        int32_t id = s->cand[j];
+        float w = expf((logits[id] - lmax) * inv_t);
         if (!(w >= min_w) || w <= 0.0f)
             continue;
-        s->cand[n] = (int32_t)i;
-        s->weight[n] = w;
+        s->cand[kept] = id;
+        s->weight[kept] = w;
         total += w;
-        n++;
+        kept++;
     }
+    n = kept;
     if (n == 0)
         return -1;
     if (p->top_p < 1.0f) {
@@ -534,26 +546,16 @@ static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm
 {
     const float *raw = s->raw;
     int v = s->vocab_size, k = s->p.logprobs;
-    float lmax = -INFINITY;
-    for (int i = 0; i < v; i++)
-        if (raw[i] > lmax)
-            lmax = raw[i];
-    double sum = 0.0;
-    for (int i = 0; i < v; i++)
-        sum += exp((double)raw[i] - (double)lmax);
-    double lse = (double)lmax + log(sum);
-    res->logprob = (float)((double)raw[token] - lse);
-    res->num_top = k;
-    if (k == 0)
-        return;
-    // Top k by value, ties to the lower id: a descending insertion buffer.
+    // Pass 1: the maximum and the top k by value (ties to the lower id), kept in a
+    // descending insertion buffer. Pass 2: the sum of exponentials.
     struct tdm_token_logprob *top = res->top;
     int filled = 0;
+    float lmax = -INFINITY;
     for (int i = 0; i < v; i++) {
         float l = raw[i];
-        if (filled == k && !(l > top[k - 1].logprob))
-            continue;
-        if (l != l)
+        if (l > lmax)
+            lmax = l;
+        if (k == 0 || (filled == k && !(l > top[k - 1].logprob)) || l != l)
             continue;
         int j = filled < k ? filled++ : k - 1;
         while (j > 0 && top[j - 1].logprob < l) {
@@ -563,6 +565,11 @@ static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm
         top[j].token = i;
         top[j].logprob = l;
     }
+    double sum = 0.0;
+    for (int i = 0; i < v; i++)
+        sum += expf(raw[i] - lmax);
+    double lse = (double)lmax + log(sum);
+    res->logprob = (float)((double)raw[token] - lse);
     res->num_top = filled;
     for (int j = 0; j < filled; j++)
         top[j].logprob = (float)((double)top[j].logprob - lse);

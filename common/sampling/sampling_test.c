@@ -340,6 +340,44 @@ static void test_top_p_select_exact(void **state)
     }
 }
 
+// When the target equals a prefix sum exactly, the next token (whose preceding
+// mass is then == target) is dropped: vLLM drops cumsum(ascending) <= 1 - p.
+static void test_top_p_exact_boundary(void **state)
+{
+    (void)state;
+    for (size_t n = 8; n <= 4096; n *= 8) {
+        int32_t *ids = malloc(n * sizeof *ids);
+        float *w = malloc(n * sizeof *w);
+        assert_true(ids && w);
+        for (size_t cut = 1; cut < n; cut += n / 7 + 1) {
+            // Distinct integer weights n, n-1, ..., 1 in shuffled positions: sums are exact.
+            for (size_t i = 0; i < n; i++) {
+                ids[i] = (int32_t)i;
+                w[i] = (float)(n - i);
+            }
+            for (size_t i = n - 1; i > 0; i--) {
+                size_t j = (size_t)(test_uniform() * (double)(i + 1));
+                int32_t ti = ids[i];
+                ids[i] = ids[j];
+                ids[j] = ti;
+                float tw = w[i];
+                w[i] = w[j];
+                w[j] = tw;
+            }
+            double target = 0;
+            for (size_t i = 0; i < cut; i++)
+                target += (double)(n - i);
+            size_t got = tdm_sampling_select_top_p(ids, w, n, target);
+            if (got != cut)
+                fail_msg("n=%zu: target = mass of the best %zu, kept %zu", n, cut, got);
+            for (size_t i = 0; i < got; i++)
+                assert_true(w[i] > (float)(n - cut));
+        }
+        free(ids);
+        free(w);
+    }
+}
+
 static void test_top_p_large_vocab(void **state)
 {
     (void)state;
@@ -706,6 +744,7 @@ int main(void)
         cmocka_unit_test(test_top_k_large_vocab),
         cmocka_unit_test(test_top_p_small),
         cmocka_unit_test(test_top_p_select_exact),
+        cmocka_unit_test(test_top_p_exact_boundary),
         cmocka_unit_test(test_top_p_large_vocab),
         cmocka_unit_test(test_min_p),
         cmocka_unit_test(test_temperature_limit),
