@@ -29,8 +29,10 @@ int tdm_tok_encode(const struct tdm_tokenizer *tok, const char *text, size_t len
 
 // Flags for tdm_tok_encode_ex.
 enum {
-    TDM_TOK_ADD_SPECIAL = 1,   // as add_special_tokens above
-    TDM_TOK_SPLIT_SPECIAL = 2, // special-token strings in text are plain text (HF split_special_tokens)
+    // As add_special_tokens above.
+    TDM_TOK_ADD_SPECIAL = 1,
+    // Special-token strings in the text are plain text (HF split_special_tokens).
+    TDM_TOK_SPLIT_SPECIAL = 2,
 };
 // tdm_tok_encode with flags; tdm_tok_encode(.., b, ..) is flags = b ? TDM_TOK_ADD_SPECIAL : 0.
 int tdm_tok_encode_ex(const struct tdm_tokenizer *tok, const char *text, size_t len, unsigned flags,

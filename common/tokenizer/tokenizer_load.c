@@ -18,6 +18,7 @@
 #include <utf8proc.h>
 
 #define LOAD_ERR(code, ...) tdm_seterr(err, errlen, (code), __VA_ARGS__)
+#define TOK_MAX_VOCAB (1 << 24)
 
 // ---- hashing and maps ---------------------------------------------------------------
 
@@ -727,6 +728,10 @@ static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, 
     }
     if (max_id < 0)
         return LOAD_ERR(TDM_EPROTO, "tokenizer.json: empty vocabulary");
+    // Per-id tables are dense, so a stray huge id would cost gigabytes.
+    if (max_id >= TOK_MAX_VOCAB)
+        return LOAD_ERR(TDM_EPROTO, "tokenizer.json: token id %d is above the supported %d",
+                        (int)max_id, TOK_MAX_VOCAB - 1);
     tok->vocab_size = max_id + 1;
     size_t vs = (size_t)tok->vocab_size;
     tok->pieces = calloc(vs, sizeof *tok->pieces);

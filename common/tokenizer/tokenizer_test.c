@@ -539,6 +539,7 @@ struct tiny {
     const char *model_type;
     const char *normalizer;  // JSON
     const char *extra_merge; // appended to merges (JSON)
+    const char *extra_added; // appended to added_tokens (JSON)
 };
 
 // GPT-2 byte map, written again here so the test does not trust the library's.
@@ -570,7 +571,10 @@ static char *write_tiny(const struct tiny *t)
       "\"normalized\":false},"
       "{\"id\":302,\"content\":\"hi\",\"special\":false,\"single_word\":true,\"normalized\":false},"
       "{\"id\":303,\"content\":\"\\u00e9\",\"special\":false,\"normalized\":true},"
-      "{\"id\":304,\"content\":\"<|x|>\",\"special\":false,\"normalized\":false}],");
+      "{\"id\":304,\"content\":\"<|x|>\",\"special\":false,\"normalized\":false}");
+    if (t->extra_added)
+        P(",%s", t->extra_added);
+    P("],");
     P("\"normalizer\":%s,", t->normalizer ? t->normalizer : "{\"type\":\"NFC\"}");
     P("\"pre_tokenizer\":{\"type\":\"ByteLevel\",\"add_prefix_space\":%s,\"use_regex\":true},",
       t->prefix_space ? "true" : "false");
@@ -743,6 +747,13 @@ static void test_load_errors(void **state)
     t = (struct tiny){.extra_merge = "\"a b c\""};
     assert_int_equal(load_tiny(&t, &tok, err, sizeof err), TDM_EPROTO);
     t = (struct tiny){.extra_merge = "42"};
+    assert_int_equal(load_tiny(&t, &tok, err, sizeof err), TDM_EPROTO);
+    t = (struct tiny){.extra_added = "{\"id\":2000000000,\"content\":\"<big>\"}"};
+    assert_int_equal(load_tiny(&t, &tok, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "2000000000"));
+    t = (struct tiny){.extra_added = "{\"id\":305,\"content\":\"\"}"};
+    assert_int_equal(load_tiny(&t, &tok, err, sizeof err), TDM_EPROTO);
+    t = (struct tiny){.extra_added = "{\"content\":\"<noid>\"}"};
     assert_int_equal(load_tiny(&t, &tok, err, sizeof err), TDM_EPROTO);
 
     char path[] = "/tmp/tdm_tok_bad_XXXXXX";
