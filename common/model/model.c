@@ -533,9 +533,10 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         // Attention block. q, k, v live side by side in each qkv row.
         ops->rmsnorm(be, m->x, L->input_norm, eps, m->h, n, hidden);
         ops->matmul(be, &L->qkv, L->qkv_bias, m->h, m->qkv, n);
-        ops->rope(be, m->qkv, n, m->qkv_dim, c->num_attention_heads, hd, m->pos, m->inv_freq);
-        ops->rope(be, m->qkv + m->q_dim, n, m->qkv_dim, c->num_key_value_heads, hd, m->pos,
-                  m->inv_freq);
+        // k follows q in each row with the same head_dim, so one call rotates
+        // the n_heads query heads and the n_kv_heads key heads.
+        ops->rope(be, m->qkv, n, m->qkv_dim, c->num_attention_heads + c->num_key_value_heads, hd,
+                  m->pos, m->inv_freq);
         ops->kv_store(be, kv, l, m->aseqs, n_seqs, m->qkv + m->q_dim, m->qkv + m->q_dim + m->kv_dim,
                       m->qkv_dim);
         ops->attention(be, kv, l, m->aseqs, n_seqs, m->qkv, m->qkv_dim, m->attn,

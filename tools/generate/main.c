@@ -246,6 +246,7 @@ int main(int argc, char **argv)
     if (parse_args(&a, argc, argv) != 0)
         return 2;
     tdm_log_set_role("generate");
+    tdm_log_set_level_name("warn"); // stderr carries errors only
 
     double t0 = tdm_now();
     struct tdm_model_opts mo;

@@ -1,0 +1,257 @@
+// SPDX-License-Identifier: Apache-2.0
+// tandem-bench-engine: the whole forward (not single kernels) measured against
+// this machine's limits in one run, for bf16 and int8 weights:
+//   decode b1 / weight read   one decode step at batch 1 / the time to stream
+//                             tdm_model_weight_bytes once at the probed read
+//                             bandwidth (goal <= 1.3)
+//   decode b8, b32 speedup    decode tokens/s at batch 8 and 32 / at batch 1
+//                             (goal >= 10 at 32)
+//   prefill 512 / FMA peak    FLOP/s of one 512-token prefill (matmuls + attention
+//                             + one lm_head row) / the probed f32 FMA peak (goal >= 0.5)
+// plus tokens/s for decode and prefill and the peak RSS. Without --model it writes
+// the Qwen2.5-0.5B-shaped random model into the build folder once and reuses it.
+// Usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only]
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+
+#include "core.h"
+#include "cpu_probe.h"
+#include "kv_cache.h"
+#include "mkmodel.h"
+#include "model.h"
+
+#ifndef TANDEM_BENCH_MODEL_DIR
+#define TANDEM_BENCH_MODEL_DIR "qwen2.5-0.5b-random"
+#endif
+
+#define PROMPT 32 // context of every decoding sequence
+#define PREFILL 512
+
+struct result {
+    double b1_s, b8_s, b32_s; // seconds per decode step at batch 1, 8, 32
+    double prefill_s;         // seconds for the 512-token prefill
+    double prefill_flops;
+    size_t weight_bytes;
+};
+
+static void die(const char *what, const char *err)
+{
+    fprintf(stderr, "tandem-bench-engine: %s: %s\n", what, err);
+    exit(1);
+}
+
+static int argmax(const float *x, int n)
+{
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b])
+            b = i;
+    return b;
+}
+
+// Prefills `batch` sequences of PROMPT tokens, then times `steps` decode steps
+// of all of them together; returns the best seconds per step (the machine is
+// shared: the minimum is the least disturbed).
+static double time_decode(struct tdm_model *m, struct tdm_kv_cache *kv, int batch, int steps,
+                          float *logits)
+{
+    const struct tdm_model_config *c = tdm_model_config(m);
+    struct tdm_kv_seq seqs[32];
+    struct tdm_batch_seq b[32];
+    int32_t hist[32][PROMPT + 64];
+    for (int s = 0; s < batch; s++) {
+        tdm_kv_seq_init(&seqs[s]);
+        for (int i = 0; i < PROMPT; i++)
+            hist[s][i] = (int32_t)((s * 7919 + i * 104729) % (c->vocab_size - 3));
+        if (tdm_kv_reserve(kv, &seqs[s], PROMPT + steps + 2) != TDM_OK)
+            die("kv", "cache too small");
+        b[s] = (struct tdm_batch_seq){.tokens = hist[s],
+                                      .n_tokens = PROMPT,
+                                      .start_pos = 0,
+                                      .block_table = seqs[s].block_table,
+                                      .logits = TDM_LOGITS_LAST};
+    }
+    // Prompts in groups that fit the step's token budget (PREFILL tokens).
+    for (int s0 = 0; s0 < batch; s0 += PREFILL / PROMPT) {
+        int ns = batch - s0 < PREFILL / PROMPT ? batch - s0 : PREFILL / PROMPT;
+        if (tdm_model_forward(m, kv, b + s0, ns, logits) != TDM_OK)
+            die("forward", "prefill failed");
+        for (int s = 0; s < ns; s++)
+            hist[s0 + s][PROMPT] = argmax(logits + (size_t)s * c->vocab_size, c->vocab_size);
+    }
+    double best = 1e30;
+    for (int step = 0; step <= steps; step++) { // step 0 warms up
+        int pos = PROMPT + step;
+        for (int s = 0; s < batch; s++)
+            b[s] = (struct tdm_batch_seq){.tokens = hist[s] + pos,
+                                          .n_tokens = 1,
+                                          .start_pos = pos,
+                                          .block_table = seqs[s].block_table,
+                                          .logits = TDM_LOGITS_LAST};
+        double t0 = tdm_now();
+        if (tdm_model_forward(m, kv, b, batch, logits) != TDM_OK)
+            die("forward", "decode failed");
+        double dt = tdm_now() - t0;
+        if (step > 0 && dt < best)
+            best = dt;
+        for (int s = 0; s < batch; s++)
+            hist[s][pos + 1] = argmax(logits + (size_t)s * c->vocab_size, c->vocab_size);
+    }
+    for (int s = 0; s < batch; s++)
+        tdm_kv_seq_release(kv, &seqs[s]);
+    return best;
+}
+
+static double time_prefill(struct tdm_model *m, struct tdm_kv_cache *kv, int reps, float *logits)
+{
+    const struct tdm_model_config *c = tdm_model_config(m);
+    static int32_t ids[PREFILL];
+    for (int i = 0; i < PREFILL; i++)
+        ids[i] = (int32_t)((i * 7919 + 13) % (c->vocab_size - 3));
+    double best = 1e30;
+    for (int r = 0; r < reps; r++) {
+        struct tdm_kv_seq seq;
+        tdm_kv_seq_init(&seq);
+        if (tdm_kv_reserve(kv, &seq, PREFILL) != TDM_OK)
+            die("kv", "cache too small");
+        struct tdm_batch_seq b = {.tokens = ids,
+                                  .n_tokens = PREFILL,
+                                  .start_pos = 0,
+                                  .block_table = seq.block_table,
+                                  .logits = TDM_LOGITS_LAST};
+        double t0 = tdm_now();
+        if (tdm_model_forward(m, kv, &b, 1, logits) != TDM_OK)
+            die("forward", "prefill failed");
+        double dt = tdm_now() - t0;
+        if (dt < best)
+            best = dt;
+        tdm_kv_seq_release(kv, &seq);
+    }
+    return best;
+}
+
+// Multiply-adds of one n-token prefill from position 0, counted as 2 FLOP each:
+// every linear layer per token, q.k and p.v over the causal context, and the
+// lm_head for the one row that wants logits.
+static double prefill_flops(const struct tdm_model_config *c, int n)
+{
+    double hd = c->head_dim, h = c->hidden_size, in = c->intermediate_size;
+    double q = c->num_attention_heads * hd, kv = c->num_key_value_heads * hd;
+    double per_token = h * (q + 2 * kv) + q * h + 3 * h * in;
+    double attn_pairs = (double)n * (n + 1) / 2; // (query, key) pairs
+    double per_layer = 2 * per_token * n + 2 * 2 * q * attn_pairs;
+    return per_layer * c->num_hidden_layers + 2 * h * c->vocab_size;
+}
+
+static void run_mode(const char *dir, enum tdm_weight_mode mode, int threads, int steps,
+                     struct result *r)
+{
+    char err[512];
+    struct tdm_model_opts o;
+    struct tdm_model *m;
+    tdm_model_opts_default(&o);
+    o.weights = mode;
+    o.num_threads = threads;
+    o.max_batch_tokens = PREFILL;
+    o.max_batch_seqs = 32;
+    if (tdm_model_load(&m, dir, &o, err, sizeof err) != TDM_OK)
+        die("load", err);
+    const struct tdm_model_config *c = tdm_model_config(m);
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 32 * ((PROMPT + steps + 2 + 15) / 16) + PREFILL / 16 + 8;
+    struct tdm_kv_cache *kv;
+    if (tdm_kv_new(&kv, &kc, err, sizeof err) != TDM_OK)
+        die("kv", err);
+    float *logits = malloc((size_t)32 * c->vocab_size * sizeof(float));
+    if (logits == NULL)
+        die("logits", "out of memory");
+
+    r->weight_bytes = tdm_model_weight_bytes(m);
+    r->b1_s = time_decode(m, kv, 1, steps, logits);
+    r->b8_s = time_decode(m, kv, 8, steps, logits);
+    r->b32_s = time_decode(m, kv, 32, steps, logits);
+    r->prefill_s = time_prefill(m, kv, 2, logits);
+    r->prefill_flops = prefill_flops(c, PREFILL);
+
+    free(logits);
+    tdm_kv_free(kv);
+    tdm_model_free(m);
+}
+
+int main(int argc, char **argv)
+{
+    const char *dir = NULL;
+    int threads = 2, steps = 8;
+    bool bf16_only = false;
+    char err[512];
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--model") == 0 && i + 1 < argc) {
+            dir = argv[++i];
+        } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+            threads = atoi(argv[++i]);
+        } else if (strcmp(argv[i], "--steps") == 0 && i + 1 < argc) {
+            steps = atoi(argv[++i]);
+        } else if (strcmp(argv[i], "--bf16-only") == 0) {
+            bf16_only = true;
+        } else {
+            fprintf(stderr, "usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] "
+                            "[--bf16-only]\n");
+            return 2;
+        }
+    }
+    if (threads < 1 || threads > 1024 || steps < 1 || steps > 48) {
+        fprintf(stderr, "tandem-bench-engine: --threads must be >= 1 and --steps in [1, 48]\n");
+        return 2;
+    }
+    tdm_log_set_level_name("warn");
+
+    struct stat sb;
+    char cfg_path[1024];
+    if (dir == NULL) {
+        dir = TANDEM_BENCH_MODEL_DIR;
+        snprintf(cfg_path, sizeof cfg_path, "%s/model.safetensors", dir);
+        if (stat(cfg_path, &sb) != 0) {
+            struct tdm_mkmodel_spec s;
+            tdm_mkmodel_preset(&s, "qwen2.5-0.5b");
+            printf("writing the qwen2.5-0.5b-shaped random model to %s ...\n", dir);
+            fflush(stdout);
+            if (tdm_mkmodel_write(&s, dir, err, sizeof err) != TDM_OK)
+                die("mkmodel", err);
+        }
+    }
+
+    double bw = tdm_cpu_probe_read_bw((size_t)1 << 30, threads, 3);
+    double fma = tdm_cpu_probe_fma_peak(threads);
+    double bf16_peak = tdm_cpu_probe_bf16_peak(threads);
+    printf("model %s, %d threads\n", dir, threads);
+    printf("machine: read %.2f GB/s, f32 FMA peak %.1f GFLOP/s, bf16 dot peak %.1f GFLOP/s\n\n",
+           bw / 1e9, fma / 1e9, bf16_peak / 1e9);
+
+    static const char *const names[2] = {"bf16", "int8"};
+    printf("%-5s %9s %10s %9s %9s %9s %8s %8s %9s %10s %9s\n", "mode", "weights", "b1 step",
+           "b1/read", "b1 tok/s", "b8 tok/s", "b8/b1", "b32/b1", "b32 tok/s", "prefill/s",
+           "pf/FMA");
+    for (int mode = 0; mode < (bf16_only ? 1 : 2); mode++) {
+        struct result r;
+        run_mode(dir, mode == 0 ? TDM_WEIGHTS_BF16 : TDM_WEIGHTS_INT8, threads, steps, &r);
+        double read_s = (double)r.weight_bytes / bw;
+        double b1 = 1.0 / r.b1_s, b8 = 8.0 / r.b8_s, b32 = 32.0 / r.b32_s;
+        printf("%-5s %7.0fMB %8.1fms %9.2f %9.1f %9.1f %8.2f %8.2f %9.1f %10.1f %9.3f\n",
+               names[mode], r.weight_bytes / 1e6, r.b1_s * 1e3, r.b1_s / read_s, b1, b8, b8 / b1,
+               b32 / b1, b32, PREFILL / r.prefill_s, r.prefill_flops / r.prefill_s / fma);
+    }
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    printf("\ngoals: b1/read <= 1.3, b32/b1 >= 10, pf/FMA >= 0.5 (prefill of %d tokens)\n",
+           PREFILL);
+    printf("reference (llama.cpp on this machine): bf16 33 tok/s decode, 340 tok/s prefill-512; "
+           "Q8_0 40 / 227\n");
+    printf("peak RSS %.0f MB\n", ru.ru_maxrss / 1024.0);
+    return 0;
+}
