@@ -92,6 +92,10 @@ static bool is_word(char c)
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
 }
 
+// Operator characters that could fuse into another token if a space between two
+// of them were dropped ("* *" vs "**", "/ /" vs "//", "< =" vs "<=").
+static bool is_op(char c) { return c != 0 && strchr("+-*/%=<>!~|", c) != NULL; }
+
 enum tag_kind { TAG_VAR, TAG_BLOCK, TAG_COMMENT };
 
 // Writes a string literal starting at s[*i] (a quote) to out as a single-quoted
@@ -137,7 +141,8 @@ static bool canon_string(const char *s, size_t n, size_t *i, struct strbuf *out)
 }
 
 // Canonical form of the inside of a tag: whitespace kept (as one space) only
-// between two word characters, string literals re-quoted.
+// between two word characters or two operator characters, string literals
+// re-quoted.
 static bool canon_tag_body(const char *s, size_t n, struct strbuf *out)
 {
     size_t i = 0;
@@ -150,7 +155,7 @@ static bool canon_tag_body(const char *s, size_t n, struct strbuf *out)
             i++;
             continue;
         }
-        if (pending_space && prev && is_word(prev) && is_word(c))
+        if (pending_space && ((is_word(prev) && is_word(c)) || (is_op(prev) && is_op(c))))
             sb_addc(out, ' ');
         pending_space = false;
         if (c == '\'' || c == '"') {

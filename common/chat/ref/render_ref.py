@@ -75,6 +75,20 @@ def main():
         specials = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                     if cfg.get(k) is not None}
         templates["qwen2.5"] = (cfg["chat_template"], specials, ["--config", cfg_path])
+        # A re-indented copy (tabs, no indentation, trailing spaces) that tdm_chat must
+        # still recognise; Jinja renders it from its own text, so a canonicalisation
+        # that equated templates Jinja treats differently would show here.
+        # Every line of this template starts with a "{%-" or "{{-" tag, which eats the
+        # whitespace before it; the last line's end must stay as it is (a space there
+        # would be output, and tdm_chat rightly refuses that variant).
+        lines = cfg["chat_template"].split("\n")
+        last = len(lines) - 2
+        variant = "\n".join([("\t" * (i % 3)) + ln.strip() + (" " if i % 2 and i < last else "")
+                             for i, ln in enumerate(lines[:-1])] + lines[-1:])
+        vpath = os.path.join(tempfile.mkdtemp(prefix="tdm_chat_ref_"), "qwen_variant.jinja")
+        with open(vpath, "w", encoding="utf-8") as f:
+            f.write(variant)
+        templates["qwen2.5_reindented"] = (variant, specials, ["--template", vpath])
     else:
         print(f"note: {cfg_path} absent; the Qwen2.5 template is not checked")
     tmpdir = tempfile.mkdtemp(prefix="tdm_chat_ref_")
@@ -126,6 +140,33 @@ def main():
             if got != want:
                 print(f"FAIL {label}:\n  jinja2 : {want!r}\n  tandem : {got!r}")
                 failures += 1
+    # Near misses: tdm_chat must refuse them, and Jinja must show they really render
+    # differently from the template they resemble (so refusing them is right).
+    for k, miss in enumerate(spec.get("near_misses", [])):
+        path = os.path.join(tmpdir, f"miss{k}.jinja")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(miss["text"])
+        run = subprocess.run([args.driver, "--template", path, msg_path], capture_output=True)
+        if run.returncode != 1 or b"not recognised" not in run.stderr:
+            print(f"FAIL near miss {k}: tdm_chat did not refuse it")
+            failures += 1
+        base = spec["templates"][miss["like"]]["text"]
+        differs = False
+        for case in spec["cases"]:
+            if case.get("tandem_rejects"):
+                continue
+            kw = dict(messages=vllm_conversation(case["messages"]), tools=None, documents=None,
+                      add_generation_prompt=case.get("add_generation_prompt", False),
+                      **spec["templates"][miss["like"]].get("special_tokens", {}))
+            try:
+                differs |= env.from_string(miss["text"]).render(**kw) != \
+                    env.from_string(base).render(**kw)
+            except Exception:
+                differs = True
+        if not differs:
+            print(f"FAIL near miss {k}: Jinja renders it like {miss['like']}; it should be accepted")
+            failures += 1
+        checked += 1
     print(f"{checked} renderings checked, {failures} failed")
     return 1 if failures else 0
 
