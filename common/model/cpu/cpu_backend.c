@@ -253,7 +253,7 @@ static size_t packed_offset(const struct tdm_weight *w, int r, int k)
     case TDM_W_BF16:
         return base + ((size_t)(k / 2) * G + g) * 64 + (size_t)lane * 4 + (size_t)(k % 2) * 2;
     case TDM_W_Q8:
-        return base + ((size_t)k * G + g) * 16 + (size_t)lane;
+        return base + ((size_t)(k / 4) * G + g) * 64 + (size_t)lane * 4 + (size_t)(k % 4);
     default:
         return base + ((size_t)k * G + g) * 64 + (size_t)lane * 4;
     }
@@ -301,8 +301,12 @@ static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
             goto fail_oom;
         memset(w->scales, 0, (size_t)nblocks * CPU_BLOCK_ROWS * sizeof(float));
     }
-    // The activation scratch of the AVX-512 BF16 path must hold the widest weight.
-    size_t xs = ((size_t)(cols + 1) / 2 + 15) / 16 * 16;
+    // The activation scratch of the AVX-512 path must hold the widest weight:
+    // bf16 pairs, or int8 + a scale and a sum per 32 k.
+    size_t xs_bf16 = ((size_t)(cols + 1) / 2 + 15) / 16 * 16;
+    size_t xs_q8 = ((size_t)cpu_q8_kpad(cols) / 4 + 2 * (size_t)cpu_q8_kpad(cols) / CPU_Q8_BLOCK +
+                    15) / 16 * 16;
+    size_t xs = xs_bf16 > xs_q8 ? xs_bf16 : xs_q8;
     if (xs > be->xq_stride) {
         uint32_t *xq = alloc_aligned(CPU_MM_CHUNK_TOKENS * xs * sizeof(uint32_t));
         if (!xq)
@@ -311,21 +315,25 @@ static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
         be->xq = xq;
         be->xq_stride = xs;
     }
-    uint8_t *dst = w->data;
     int r = 0;
     for (int p = 0; p < nparts; p++) {
         const struct tdm_weight_src *s = &parts[p];
         for (int pr = 0; pr < s->rows; pr++, r++) {
             size_t src0 = (size_t)pr * cols;
+            // Row r's element k sits at base + k_step * stride (+ 2 for the odd
+            // element of a bf16 pair); see cpu_impl.h.
+            uint8_t *base = (uint8_t *)w->data + packed_offset(w, r, 0);
+            size_t stride = (size_t)cpu_w_block_panels(w, r / CPU_BLOCK_ROWS) *
+                            cpu_w_step_bytes(want);
             if (want == TDM_W_BF16) {
                 for (int k = 0; k < cols; k++) {
                     uint16_t h = src_elem_bf16(s, src0 + k);
-                    memcpy(dst + packed_offset(w, r, k), &h, 2);
+                    memcpy(base + (size_t)(k / 2) * stride + (size_t)(k % 2) * 2, &h, 2);
                 }
             } else if (want == TDM_W_F32) {
                 for (int k = 0; k < cols; k++) {
                     float f = src_elem(s, src0 + k);
-                    memcpy(dst + packed_offset(w, r, k), &f, 4);
+                    memcpy(base + (size_t)k * stride, &f, 4);
                 }
             } else {
                 // Symmetric per-row int8: scale = max|w| / 127, q = round(w / scale).
@@ -335,13 +343,12 @@ static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
                     if (a > amax)
                         amax = a;
                 }
-                float scale = amax / 127.0f;
                 float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-                w->scales[r] = scale;
+                w->scales[r] = amax / 127.0f;
                 for (int k = 0; k < cols; k++) {
                     float q = nearbyintf(src_elem(s, src0 + k) * inv);
                     q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-                    dst[packed_offset(w, r, k)] = (uint8_t)(int8_t)q;
+                    base[(size_t)(k / 4) * stride + (size_t)(k % 4)] = (uint8_t)(int8_t)q;
                 }
             }
         }
@@ -371,6 +378,8 @@ static void cpu_release_weight(struct tdm_backend *be, struct tdm_weight *w)
 struct mm_job {
     struct tdm_backend *be;
     struct cpu_mm_args a;
+    int chunk;           // row blocks per task
+    _Atomic int next;    // next task
 };
 
 static void split_range(int total, int tid, int nthreads, int *lo, int *hi)
@@ -388,13 +397,22 @@ static void mm_prep_task(void *arg, int tid, int nthreads)
         j->be->k->mm_prep_x(&j->a, t0, t1);
 }
 
+// Threads take chunks of row blocks as they come: on a shared machine a
+// descheduled thread does not hold up the others. Which thread computes a
+// block never changes its bits.
 static void mm_task(void *arg, int tid, int nthreads)
 {
+    (void)tid;
+    (void)nthreads;
     struct mm_job *j = arg;
-    int b0, b1;
-    split_range(cpu_w_blocks(j->a.w), tid, nthreads, &b0, &b1);
-    if (b1 > b0)
+    int nb = cpu_w_blocks(j->a.w);
+    for (;;) {
+        int b0 = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed) * j->chunk;
+        if (b0 >= nb)
+            return;
+        int b1 = b0 + j->chunk < nb ? b0 + j->chunk : nb;
         j->be->k->mm_blocks(&j->a, b0, b1);
+    }
 }
 
 static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
@@ -412,7 +430,14 @@ static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const
                   .y = y + (size_t)t0 * w->rows,
                   .n = nc},
         };
-        if (be->k->mm_prep_x && w->type == TDM_W_BF16) {
+        // Decode streams W: chunks of ~1/16 of a thread's share keep the
+        // streams long; batches compute a block per task.
+        int nb = cpu_w_blocks(w);
+        j.chunk = nc == 1 ? nb / (be->nthreads * 16) : 1;
+        if (j.chunk < 1)
+            j.chunk = 1;
+        atomic_init(&j.next, 0);
+        if (be->k->mm_prep_x && w->type != TDM_W_F32) {
             // A decode step's vector is converted faster than a fork/join.
             if ((size_t)nc * w->cols < 65536)
                 be->k->mm_prep_x(&j.a, 0, nc);

@@ -9,7 +9,9 @@
 // panels is a contiguous G * 64-byte run:
 //   BF16: [kp = ceil(cols/2)][G][16 rows][2] bf16  (a k pair per 32-bit lane, as
 //         vdpbf16ps consumes it; odd cols padded with a zero)
-//   Q8:   [cols][G][16 rows] int8,  scales [nblocks*64] f32 (0 for padding rows)
+//   Q8:   [kq = ceil(cols/32)*8][G][16 rows][4] int8 (a k quad per 32-bit lane,
+//         as vpdpbusd consumes it; cols padded with zeros to a multiple of 32),
+//         scales [nblocks*64] f32 (0 for padding rows)
 //   F32:  [cols][G][16 rows] f32
 // A 16-lane vector therefore holds one k (pair) of 16 output rows: every
 // output element accumulates in its own lane over k in order and no
@@ -47,8 +49,11 @@ struct cpu_mm_args {
     const struct tdm_weight *w;
     const float *bias;   // [rows] or NULL
     const float *x;      // [n][cols] f32
-    const uint32_t *xq;  // [n][xq_stride] bf16 pairs (AVX-512 BF16 path) or NULL
-    size_t xq_stride;    // uint32 per row of xq
+    // Activations converted by mm_prep_x, [n][xq_stride] uint32 per token:
+    // BF16 weights: bf16 pairs; Q8 weights: int8 [kpad], then f32 scale and
+    // int32 sum of each 32-k block. NULL when the path reads f32 x.
+    const uint32_t *xq;
+    size_t xq_stride;
     float *y;            // [n][rows]
     int n;
 };
@@ -69,13 +74,25 @@ static inline int cpu_w_block_panels(const struct tdm_weight *w, int b)
 // Bytes of one k step (BF16: one k pair) of one panel.
 static inline size_t cpu_w_step_bytes(enum tdm_wtype t)
 {
-    return t == TDM_W_BF16 ? 64 : t == TDM_W_Q8 ? 16 : 64;
+    (void)t;
+    return 64;
 }
 
-// k steps per row: pairs for BF16, columns otherwise.
+// Activation quantization block of the AVX-512 Q8 path (one scale per 32 k).
+#define CPU_Q8_BLOCK 32
+
+// Columns of a Q8 row including the zero padding.
+static inline int cpu_q8_kpad(int cols)
+{
+    return (cols + CPU_Q8_BLOCK - 1) / CPU_Q8_BLOCK * CPU_Q8_BLOCK;
+}
+
+// k steps per row: pairs for BF16, quads for Q8, columns for F32.
 static inline int cpu_w_steps(const struct tdm_weight *w)
 {
-    return w->type == TDM_W_BF16 ? (w->cols + 1) / 2 : w->cols;
+    return w->type == TDM_W_BF16 ? (w->cols + 1) / 2
+           : w->type == TDM_W_Q8 ? cpu_q8_kpad(w->cols) / 4
+                                 : w->cols;
 }
 
 // Start of block b inside w->data.
@@ -88,7 +105,8 @@ static inline const uint8_t *cpu_w_block(const struct tdm_weight *w, int b)
 // ---- per-ISA kernels -----------------------------------------------------------------------
 struct cpu_kernels {
     const char *name;
-    // Converts x rows [t0, t1) into a->xq; NULL when the path reads f32 x.
+    // Converts x rows [t0, t1) into a->xq for BF16/Q8 weights; NULL when the
+    // path reads f32 x.
     void (*mm_prep_x)(const struct cpu_mm_args *a, int t0, int t1);
     // y rows of blocks [b0, b1) for all a->n tokens.
     void (*mm_blocks)(const struct cpu_mm_args *a, int b0, int b1);
@@ -114,8 +132,9 @@ struct tdm_backend {
     const struct cpu_kernels *k;
     struct cpu_pool *pool;
     int nthreads;
-    uint32_t *xq;        // [CPU_MM_CHUNK_TOKENS][xq_stride] bf16 pairs, host; grows in prepare_weight
-    size_t xq_stride;    // uint32 per row: ceil(max cols / 2) rounded up to 16
+    uint32_t *xq;        // [CPU_MM_CHUNK_TOKENS][xq_stride] converted activations (see
+                         // cpu_mm_args), host; grows in prepare_weight
+    size_t xq_stride;    // uint32 per token: enough for the widest weight prepared
 };
 
 static inline float cpu_bf16_to_f32(uint16_t h)

@@ -113,27 +113,70 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, int G, int g0, cons
                 }
             }
         }
-    } else {
-        const size_t step = WT == TDM_W_Q8 ? 16 : 64;
-        const size_t js = (size_t)G * step;
-        for (int k = 0; k < cols; k++) {
-            const uint8_t *wk = wb + k * js + (size_t)g0 * step;
-            if (T == 1)
-                _mm_prefetch((const char *)wk + PF_BYTES, _MM_HINT_T0);
-            __m256 wv[CPU_BLOCK_PANELS][2];
+    } else if (WT == TDM_W_Q8) {
+        // A quad step holds k = 4q..4q+3 in the bytes of each lane; byte i is
+        // sign-extended by shifting it to the top and back.
+        const size_t js = (size_t)G * 64;
+        const int nq = (cols + 3) / 4;
+        for (int q = 0; q < nq; q++) {
+            const uint8_t *wq = wb + q * js + (size_t)g0 * 64;
+            if (T == 1) {
 #pragma GCC unroll 4
-            for (int g = 0; g < CPU_BLOCK_PANELS; g++) {
+                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                    if (g < NG)
+                        _mm_prefetch((const char *)wq + PF_BYTES + g * 64, _MM_HINT_T0);
+            }
+            __m256i v[CPU_BLOCK_PANELS][2];
+#pragma GCC unroll 4
+            for (int g = 0; g < CPU_BLOCK_PANELS; g++)
 #pragma GCC unroll 2
-                for (int h = 0; h < 2; h++) {
-                    if (g < NG) {
-                        if (WT == TDM_W_Q8)
-                            wv[g][h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                _mm_loadl_epi64((const __m128i *)(wk + g * step + h * 8))));
-                        else
-                            wv[g][h] = _mm256_loadu_ps((const float *)(wk + g * step) + h * 8);
+                for (int h = 0; h < 2; h++)
+                    if (g < NG)
+                        v[g][h] = _mm256_loadu_si256((const __m256i *)(wq + g * 64 + h * 32));
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                int k = 4 * q + i;
+                if (k >= cols)
+                    break;
+                __m256 wv[CPU_BLOCK_PANELS][2];
+#pragma GCC unroll 4
+                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+#pragma GCC unroll 2
+                    for (int h = 0; h < 2; h++)
+                        if (g < NG)
+                            wv[g][h] = _mm256_cvtepi32_ps(
+                                _mm256_srai_epi32(_mm256_slli_epi32(v[g][h], 24 - 8 * i), 24));
+#pragma GCC unroll 4
+                for (int t = 0; t < TILE_T; t++) {
+                    if (t < T) {
+                        __m256 xb = _mm256_broadcast_ss(x + (size_t)t * cols + k);
+#pragma GCC unroll 4
+                        for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+#pragma GCC unroll 2
+                            for (int h = 0; h < 2; h++)
+                                if (g < NG)
+                                    acc[g][h][t] = _mm256_fmadd_ps(wv[g][h], xb, acc[g][h][t]);
                     }
                 }
             }
+        }
+    } else {
+        const size_t js = (size_t)G * 64;
+        for (int k = 0; k < cols; k++) {
+            const uint8_t *wk = wb + k * js + (size_t)g0 * 64;
+            if (T == 1) {
+#pragma GCC unroll 4
+                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                    if (g < NG)
+                        _mm_prefetch((const char *)wk + PF_BYTES + g * 64, _MM_HINT_T0);
+            }
+            __m256 wv[CPU_BLOCK_PANELS][2];
+#pragma GCC unroll 4
+            for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++)
+                    if (g < NG)
+                        wv[g][h] = _mm256_loadu_ps((const float *)(wk + g * 64) + h * 8);
 #pragma GCC unroll 4
             for (int t = 0; t < TILE_T; t++) {
                 if (t < T) {

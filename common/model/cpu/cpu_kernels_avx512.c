@@ -9,8 +9,9 @@
 // broadcast, so each accumulator lane is one output element summing its k
 // pairs in order. A tile is up to 4 panels (64 rows) x 6 tokens = 24 zmm
 // accumulators; decode (n = 1) is the same tile with one token, streaming the
-// block's contiguous 256-byte k steps with software prefetch. Q8 and F32
-// weights are widened to f32 per k and use FMA against f32 activations.
+// block's contiguous 256-byte k steps with software prefetch. Q8 weights use
+// VNNI against activations quantized per token and 32-k block (tile_q8v); F32
+// weights use FMA against f32 activations.
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -53,8 +54,39 @@ AI __m512 exp_ps(__m512 x)
 }
 
 // ---- matmul ---------------------------------------------------------------------------------
+// Q8: per token and 32-k block, q = round(x / s) with s = max|x| / 127, and
+// the block's sum of q (for the +128 offset of the weights, see tile_q8v).
+static void prep_q8(const struct cpu_mm_args *a, int t0, int t1)
+{
+    int cols = a->w->cols, kpad = cpu_q8_kpad(cols), nblk = kpad / CPU_Q8_BLOCK;
+    for (int t = t0; t < t1; t++) {
+        const float *x = a->x + (size_t)t * cols;
+        uint8_t *row = (uint8_t *)(a->xq + (size_t)t * a->xq_stride);
+        float *sx = (float *)(row + kpad);
+        int32_t *xsum = (int32_t *)(row + kpad + 4 * (size_t)nblk);
+        for (int b = 0; b < nblk; b++) {
+            int k = b * CPU_Q8_BLOCK;
+            __m512 lo = _mm512_maskz_loadu_ps(lanes_mask(cols - k), x + k);
+            __m512 hi = _mm512_maskz_loadu_ps(lanes_mask(cols - k - 16 > 0 ? cols - k - 16 : 0),
+                                              x + k + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+            __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+            _mm_storeu_si128((__m128i *)(row + k), _mm512_cvtepi32_epi8(qlo));
+            _mm_storeu_si128((__m128i *)(row + k + 16), _mm512_cvtepi32_epi8(qhi));
+            sx[b] = amax / 127.0f;
+            xsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        }
+    }
+}
+
 static void mm_prep_x(const struct cpu_mm_args *a, int t0, int t1)
 {
+    if (a->w->type == TDM_W_Q8) {
+        prep_q8(a, t0, t1);
+        return;
+    }
     int cols = a->w->cols;
     for (int t = t0; t < t1; t++) {
         const float *x = a->x + (size_t)t * cols;
@@ -111,33 +143,23 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const 
             }
         }
     } else {
-        const size_t step = WT == TDM_W_Q8 ? 16 : 64;
+        const size_t step = 64;
         const size_t js = (size_t)G * step;
         const int cols = w->cols;
         const float *x = a->x + (size_t)t0 * cols;
         for (int k = 0; k < cols; k++) {
             const uint8_t *wk = wb + k * js;
             if (T == 1) {
-                if (WT == TDM_W_Q8) {
-                    if ((k & 3) == 0)
-                        _mm_prefetch((const char *)wk + PF_BYTES, _MM_HINT_T0);
-                } else {
 #pragma GCC unroll 4
-                    for (int g = 0; g < CPU_BLOCK_PANELS; g++)
-                        if (g < G)
-                            _mm_prefetch((const char *)wk + PF_BYTES + g * 64, _MM_HINT_T0);
-                }
+                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                    if (g < G)
+                        _mm_prefetch((const char *)wk + PF_BYTES + g * 64, _MM_HINT_T0);
             }
             __m512 wv[CPU_BLOCK_PANELS];
 #pragma GCC unroll 4
             for (int g = 0; g < CPU_BLOCK_PANELS; g++) {
-                if (g < G) {
-                    if (WT == TDM_W_Q8)
-                        wv[g] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                            _mm_loadu_si128((const __m128i *)(wk + g * step))));
-                    else
-                        wv[g] = _mm512_loadu_ps(wk + g * step);
-                }
+                if (g < G)
+                    wv[g] = _mm512_loadu_ps(wk + g * step);
             }
 #pragma GCC unroll 6
             for (int t = 0; t < TILE_T; t++) {
@@ -160,19 +182,133 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const 
         if (nr <= 0)
             continue;
         __mmask16 m = lanes_mask(nr);
-        __m512 sc = WT == TDM_W_Q8 ? _mm512_loadu_ps(w->scales + r0) : _mm512_setzero_ps();
         __m512 bv = a->bias ? _mm512_maskz_loadu_ps(m, a->bias + r0) : _mm512_setzero_ps();
 #pragma GCC unroll 6
         for (int t = 0; t < TILE_T; t++) {
             if (t < T) {
                 __m512 v = acc[g][t];
-                if (WT == TDM_W_Q8)
-                    v = _mm512_mul_ps(v, sc);
                 if (a->bias)
                     v = _mm512_add_ps(v, bv);
                 _mm512_mask_storeu_ps(a->y + (size_t)(t0 + t) * w->rows + r0, m, v);
             }
         }
+    }
+}
+
+// Q8 with VNNI: weights are stored as int8 q; flipping the top bit gives the
+// unsigned q + 128 that vpdpbusd multiplies with the signed activations, so a
+// 32-k block's exact integer dot is acc - 128 * sum(x_q). Each block is then
+// scaled by its activation scale into an f32 accumulator, block by block in
+// order; the integer part is exact, so only that f32 chain orders the result.
+#define TILE_TQ 3
+AI void tile_q8v(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const int T, int t0,
+                 int row0)
+{
+    const struct tdm_weight *w = a->w;
+    const int kpad = cpu_q8_kpad(w->cols), nblk = kpad / CPU_Q8_BLOCK;
+    const size_t js = (size_t)G * 64;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const uint8_t *xr[TILE_TQ];
+    __m512 acc[CPU_BLOCK_PANELS][TILE_TQ];
+#pragma GCC unroll 3
+    for (int t = 0; t < TILE_TQ; t++) {
+        xr[t] = t < T ? (const uint8_t *)(a->xq + (size_t)(t0 + t) * a->xq_stride) : NULL;
+#pragma GCC unroll 4
+        for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+            if (g < G && t < T)
+                acc[g][t] = _mm512_setzero_ps();
+    }
+    for (int blk = 0; blk < nblk; blk++) {
+        __m512i ai[CPU_BLOCK_PANELS][TILE_TQ];
+#pragma GCC unroll 3
+        for (int t = 0; t < TILE_TQ; t++)
+#pragma GCC unroll 4
+            for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                if (g < G && t < T)
+                    ai[g][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int qd = 0; qd < CPU_Q8_BLOCK / 4; qd++) {
+            int j = blk * (CPU_Q8_BLOCK / 4) + qd;
+            const uint8_t *wj = wb + j * js;
+            if (T == 1) {
+#pragma GCC unroll 4
+                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                    if (g < G)
+                        _mm_prefetch((const char *)wj + PF_BYTES + g * 64, _MM_HINT_T0);
+            }
+            __m512i wv[CPU_BLOCK_PANELS];
+#pragma GCC unroll 4
+            for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                if (g < G)
+                    wv[g] = _mm512_xor_si512(_mm512_loadu_si512(wj + g * 64), flip);
+#pragma GCC unroll 3
+            for (int t = 0; t < TILE_TQ; t++) {
+                if (t < T) {
+                    int32_t xv;
+                    memcpy(&xv, xr[t] + 4 * (size_t)j, 4);
+                    __m512i xb = _mm512_set1_epi32(xv);
+#pragma GCC unroll 4
+                    for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                        if (g < G)
+                            ai[g][t] = _mm512_dpbusd_epi32(ai[g][t], wv[g], xb);
+                }
+            }
+        }
+#pragma GCC unroll 3
+        for (int t = 0; t < TILE_TQ; t++) {
+            if (t < T) {
+                float sx;
+                int32_t xsum;
+                memcpy(&sx, xr[t] + kpad + 4 * (size_t)blk, 4);
+                memcpy(&xsum, xr[t] + kpad + 4 * ((size_t)nblk + blk), 4);
+                __m512i c = _mm512_set1_epi32(128 * xsum);
+                __m512 sv = _mm512_set1_ps(sx);
+#pragma GCC unroll 4
+                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+                    if (g < G)
+                        acc[g][t] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(ai[g][t], c)), sv, acc[g][t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < CPU_BLOCK_PANELS; g++) {
+        if (g >= G)
+            continue;
+        int r0 = row0 + g * 16;
+        int nr = w->rows - r0;
+        if (nr <= 0)
+            continue;
+        __mmask16 m = lanes_mask(nr);
+        __m512 sc = _mm512_loadu_ps(w->scales + r0);
+        __m512 bv = a->bias ? _mm512_maskz_loadu_ps(m, a->bias + r0) : _mm512_setzero_ps();
+#pragma GCC unroll 3
+        for (int t = 0; t < TILE_TQ; t++) {
+            if (t < T) {
+                __m512 v = _mm512_mul_ps(acc[g][t], sc);
+                if (a->bias)
+                    v = _mm512_add_ps(v, bv);
+                _mm512_mask_storeu_ps(a->y + (size_t)(t0 + t) * w->rows + r0, m, v);
+            }
+        }
+    }
+}
+
+static void tile_q8(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T, int t0, int row0)
+{
+    switch (G * 8 + T) {
+    case 1 * 8 + 1: tile_q8v(a, wb, 1, 1, t0, row0); break;
+    case 1 * 8 + 2: tile_q8v(a, wb, 1, 2, t0, row0); break;
+    case 1 * 8 + 3: tile_q8v(a, wb, 1, 3, t0, row0); break;
+    case 2 * 8 + 1: tile_q8v(a, wb, 2, 1, t0, row0); break;
+    case 2 * 8 + 2: tile_q8v(a, wb, 2, 2, t0, row0); break;
+    case 2 * 8 + 3: tile_q8v(a, wb, 2, 3, t0, row0); break;
+    case 3 * 8 + 1: tile_q8v(a, wb, 3, 1, t0, row0); break;
+    case 3 * 8 + 2: tile_q8v(a, wb, 3, 2, t0, row0); break;
+    case 3 * 8 + 3: tile_q8v(a, wb, 3, 3, t0, row0); break;
+    case 4 * 8 + 1: tile_q8v(a, wb, 4, 1, t0, row0); break;
+    case 4 * 8 + 2: tile_q8v(a, wb, 4, 2, t0, row0); break;
+    default: tile_q8v(a, wb, 4, 3, t0, row0); break;
     }
 }
 
@@ -198,7 +334,6 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const 
     }
 
 TILE_DISPATCH(tile_bf16, TDM_W_BF16)
-TILE_DISPATCH(tile_q8, TDM_W_Q8)
 TILE_DISPATCH(tile_f32, TDM_W_F32)
 
 static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
@@ -209,8 +344,9 @@ static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
     for (int b = b0; b < b1; b++) {
         const uint8_t *wb = cpu_w_block(w, b);
         int G = cpu_w_block_panels(w, b);
-        for (int t0 = 0; t0 < a->n; t0 += TILE_T) {
-            int T = a->n - t0 < TILE_T ? a->n - t0 : TILE_T;
+        int tt = w->type == TDM_W_Q8 ? TILE_TQ : TILE_T;
+        for (int t0 = 0; t0 < a->n; t0 += tt) {
+            int T = a->n - t0 < tt ? a->n - t0 : tt;
             fn(a, wb, G, T, t0, b * CPU_BLOCK_ROWS);
         }
     }

@@ -35,10 +35,10 @@ static void panel_dot(const struct cpu_mm_args *a, const uint8_t *wb, int G, int
         }
     } else if (w->type == TDM_W_Q8) {
         for (int k = 0; k < w->cols; k++) {
-            const int8_t *p = (const int8_t *)(wb + ((size_t)k * G + g) * 16);
+            const int8_t *p = (const int8_t *)(wb + ((size_t)(k / 4) * G + g) * 64) + k % 4;
             float xk = x[k];
             for (int l = 0; l < PANEL; l++)
-                acc[l] = acc[l] + (float)p[l] * xk;
+                acc[l] = acc[l] + (float)p[4 * l] * xk;
         }
     } else {
         for (int k = 0; k < w->cols; k++) {

@@ -25,7 +25,7 @@ struct probe_arg {
     long iters;          // compute probes: loop iterations
     int isa;             // TDM_CPU_ISA_*
     pthread_barrier_t *start;
-    double t_end;
+    double t_start, t_end;
     volatile float sink;
 };
 
@@ -125,6 +125,7 @@ static void *probe_thread(void *p)
     struct probe_arg *a = p;
     float r = 0.0f;
     pthread_barrier_wait(a->start);
+    a->t_start = tdm_now();
     switch (a->kind) {
     case PROBE_READ:
 #if defined(__x86_64__)
@@ -191,11 +192,14 @@ static double run_probe(struct probe_arg *proto, int n, const float *data, size_
         TDM_ASSERT(started == n);
     }
     pthread_barrier_wait(&bar);
-    double t0 = tdm_now(), t_end = t0;
-    for (int i = 0; i < n; i++) {
+    // The span from the first thread's start to the last one's end: this
+    // thread may be descheduled right after the barrier on a busy machine.
+    for (int i = 0; i < n; i++)
         pthread_join(th[i], NULL);
-        if (args[i].t_end > t_end)
-            t_end = args[i].t_end;
+    double t0 = args[0].t_start, t_end = args[0].t_end;
+    for (int i = 1; i < n; i++) {
+        t0 = args[i].t_start < t0 ? args[i].t_start : t0;
+        t_end = args[i].t_end > t_end ? args[i].t_end : t_end;
     }
     pthread_barrier_destroy(&bar);
     return t_end - t0;
@@ -231,7 +235,7 @@ static double compute_peak(enum probe_kind kind, int isa, double flop_per_iter_t
     int n = resolve_threads(nthreads);
     long iters = 1000000;
     double best = 0;
-    for (int r = 0; r < 5; r++) {
+    for (int r = 0; r < 8; r++) {
         struct probe_arg proto = {.kind = kind, .iters = iters, .isa = isa};
         double s = run_probe(&proto, n, NULL, 0);
         if (s <= 0)
@@ -239,8 +243,8 @@ static double compute_peak(enum probe_kind kind, int isa, double flop_per_iter_t
         double rate = flop_per_iter_thread * (double)iters * n / s;
         if (rate > best)
             best = rate;
-        if (s < 0.05)
-            iters *= 4; // too short to time well
+        if (s < 0.1)
+            iters *= 2; // too short to time well
     }
     return best;
 }

@@ -1,0 +1,198 @@
+// SPDX-License-Identifier: Apache-2.0
+// tandem-bench-kernels: measures, in one run, the machine's limits (read
+// bandwidth of a 1 GiB buffer, f32 FMA and bf16 dot-product peaks) and the CPU
+// backend's matmul against them, printing one line per ratio:
+//   gemv_bf16_vs_read   a decode step's matmuls over Qwen2.5-0.5B-shaped bf16
+//                       weights (~990 MB) / the time to read those bytes (goal <= 1.3)
+//   gemv_q8_vs_read     the same with int8 weights
+//   gemm512_<shape>     n = 512 FLOP/s / bf16 dot-product peak (goal >= 0.5)
+//   batch32_speedup     tokens/s at n = 32 / tokens/s at n = 1 over the whole
+//                       weight set (goal >= 10)
+// Usage: tandem-bench-kernels [--threads N] [--isa portable|avx2|avx512] [--quick]
+// (--quick: a 4-layer model, for smoke runs). Absolute numbers change with
+// the host; the ratios within one run are what this bench is for.
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "core.h"
+#include "cpu_backend.h"
+#include "cpu_probe.h"
+
+// Qwen2.5-0.5B: hidden 896, intermediate 4864, 14 + 2 + 2 heads of 64.
+#define HIDDEN 896
+#define INTER 4864
+#define QKV_ROWS (896 + 2 * 128)
+#define VOCAB 151936
+
+static const struct tdm_backend_ops *ops = &tdm_cpu_backend_ops;
+
+struct model_set {
+    int n;                   // matrices
+    struct tdm_weight *w;    // [n]
+    size_t bytes;            // sum of nbytes
+};
+
+static void die(const char *what, const char *err)
+{
+    fprintf(stderr, "tandem-bench-kernels: %s: %s\n", what, err);
+    exit(1);
+}
+
+static void prepare(struct tdm_backend *be, struct tdm_weight *w, const uint16_t *src, int rows,
+                    int cols, enum tdm_wtype t)
+{
+    struct tdm_weight_src part = {.data = src, .dtype = TDM_DTYPE_BF16, .rows = rows};
+    char err[256];
+    if (ops->prepare_weight(be, w, &part, 1, cols, t, err, sizeof err) != TDM_OK)
+        die("prepare_weight", err);
+}
+
+static void build_set(struct tdm_backend *be, struct model_set *m, int layers, const uint16_t *src,
+                      enum tdm_wtype t)
+{
+    m->n = layers * 4 + 1;
+    m->w = calloc((size_t)m->n, sizeof(*m->w));
+    m->bytes = 0;
+    if (!m->w)
+        die("calloc", "out of memory");
+    for (int l = 0; l < layers; l++) {
+        prepare(be, &m->w[4 * l + 0], src, QKV_ROWS, HIDDEN, t);
+        prepare(be, &m->w[4 * l + 1], src, HIDDEN, HIDDEN, t);
+        prepare(be, &m->w[4 * l + 2], src, 2 * INTER, HIDDEN, t);
+        prepare(be, &m->w[4 * l + 3], src, HIDDEN, INTER, t);
+    }
+    prepare(be, &m->w[m->n - 1], src, VOCAB, HIDDEN, t);
+    for (int i = 0; i < m->n; i++)
+        m->bytes += m->w[i].nbytes;
+}
+
+static void free_set(struct tdm_backend *be, struct model_set *m)
+{
+    for (int i = 0; i < m->n; i++)
+        ops->release_weight(be, &m->w[i]);
+    free(m->w);
+}
+
+// Seconds for one pass of every matrix of the set at batch n (best of reps).
+static double time_set(struct tdm_backend *be, const struct model_set *m, const float *x, float *y,
+                       int n, int reps)
+{
+    double best = 1e30;
+    for (int r = 0; r < reps; r++) {
+        double t0 = tdm_now();
+        for (int i = 0; i < m->n; i++)
+            ops->matmul(be, &m->w[i], NULL, x, y, n);
+        double s = tdm_now() - t0;
+        if (s < best)
+            best = s;
+    }
+    return best;
+}
+
+int main(int argc, char **argv)
+{
+    int threads = 0, quick = 0;
+    const char *isa_name = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc)
+            threads = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--isa") == 0 && i + 1 < argc)
+            isa_name = argv[++i];
+        else if (strcmp(argv[i], "--quick") == 0)
+            quick = 1;
+        else {
+            fprintf(stderr, "usage: %s [--threads N] [--isa portable|avx2|avx512] [--quick]\n",
+                    argv[0]);
+            return 2;
+        }
+    }
+    tdm_log_set_level_name("warn");
+    struct tdm_backend *be = NULL;
+    char err[256];
+    if (ops->create(&be, threads, err, sizeof err) != TDM_OK)
+        die("create", err);
+    if (isa_name) {
+        enum tdm_cpu_isa isa;
+        if (tdm_cpu_isa_parse(isa_name, &isa) != TDM_OK ||
+            tdm_cpu_backend_set_isa(be, isa) != TDM_OK)
+            die("--isa", "unknown or unsupported on this CPU");
+    }
+    int nt = tdm_cpu_backend_num_threads(be);
+    printf("isa %s threads %d\n", tdm_cpu_isa_name(tdm_cpu_backend_isa(be)), nt);
+
+    // (a), (b): the machine.
+    double bw = tdm_cpu_probe_read_bw((size_t)1 << 30, nt, quick ? 2 : 4);
+    double fma = tdm_cpu_probe_fma_peak(nt);
+    double bf16 = tdm_cpu_probe_bf16_peak(nt);
+    printf("read_bw_GBps %.2f\n", bw / 1e9);
+    printf("fma_peak_GFLOPs %.1f\n", fma / 1e9);
+    printf("bf16_dot_peak_GFLOPs %.1f\n", bf16 / 1e9);
+
+    // Random bf16 weights in [-0.5, 0.5) for the largest matrix, shared by all.
+    size_t src_n = (size_t)VOCAB * HIDDEN;
+    uint16_t *src = malloc(src_n * sizeof(uint16_t));
+    float *x = malloc(sizeof(float) * 512 * INTER);
+    float *y = malloc(sizeof(float) * 512 * (size_t)VOCAB);
+    if (!src || !x || !y)
+        die("malloc", "out of memory");
+    uint64_t s = 88172645463325252ull;
+    for (size_t i = 0; i < src_n; i++) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        float f = (float)((double)(s >> 40) / (double)(1ull << 24) - 0.5);
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        src[i] = (uint16_t)(u >> 16);
+    }
+    for (size_t i = 0; i < (size_t)512 * INTER; i++)
+        x[i] = (float)((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+
+    int layers = quick ? 4 : 24;
+    // (c) decode GEMV vs streaming the same bytes; (e) batch 32 vs batch 1.
+    struct model_set m;
+    build_set(be, &m, layers, src, TDM_W_BF16);
+    double t1 = time_set(be, &m, x, y, 1, 5);
+    double t_read = (double)m.bytes / bw;
+    printf("gemv_bf16_MB %.0f time_ms %.2f read_time_ms %.2f\n", m.bytes / 1e6, t1 * 1e3,
+           t_read * 1e3);
+    printf("gemv_bf16_vs_read %.3f (goal <= 1.3)\n", t1 / t_read);
+    double t32 = time_set(be, &m, x, y, 32, 3);
+    printf("batch32_time_ms %.2f batch1_time_ms %.2f\n", t32 * 1e3, t1 * 1e3);
+    printf("batch32_speedup %.2f (goal >= 10)\n", 32.0 * t1 / t32);
+    free_set(be, &m);
+
+    build_set(be, &m, layers, src, TDM_W_Q8);
+    double tq = time_set(be, &m, x, y, 1, 5);
+    t_read = (double)m.bytes / bw;
+    printf("gemv_q8_MB %.0f time_ms %.2f read_time_ms %.2f\n", m.bytes / 1e6, tq * 1e3,
+           t_read * 1e3);
+    printf("gemv_q8_vs_read %.3f\n", tq / t_read);
+    free_set(be, &m);
+
+    // (d) prefill-sized GEMM.
+    static const int shapes[2][2] = {{INTER, HIDDEN}, {HIDDEN, INTER}};
+    for (int i = 0; i < 2; i++) {
+        struct tdm_weight w;
+        prepare(be, &w, src, shapes[i][0], shapes[i][1], TDM_W_BF16);
+        ops->matmul(be, &w, NULL, x, y, 512); // warm
+        double best = 1e30;
+        for (int r = 0; r < 3; r++) {
+            double t0 = tdm_now();
+            ops->matmul(be, &w, NULL, x, y, 512);
+            double dt = tdm_now() - t0;
+            best = dt < best ? dt : best;
+        }
+        double flops = 2.0 * 512 * shapes[i][0] * shapes[i][1] / best;
+        printf("gemm512_%dx%d_GFLOPs %.1f\n", shapes[i][0], shapes[i][1], flops / 1e9);
+        printf("gemm512_%dx%d_vs_bf16_peak %.3f (goal >= 0.5)\n", shapes[i][0], shapes[i][1],
+               bf16 > 0 ? flops / bf16 : 0.0);
+        printf("gemm512_%dx%d_vs_fma_peak %.3f\n", shapes[i][0], shapes[i][1],
+               fma > 0 ? flops / fma : 0.0);
+        ops->release_weight(be, &w);
+    }
+    free(src), free(x), free(y);
+    ops->destroy(be);
+    return 0;
+}
