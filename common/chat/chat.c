@@ -32,7 +32,7 @@ struct strbuf {
     char *data; // [cap] bytes, NUL-terminated at len; heap
     size_t len;
     size_t cap;
-    bool oom;   // sticky: set on the first failed growth, checked once at the end
+    bool oom; // sticky: set on the first failed growth, checked once at the end
 };
 
 static void sb_reserve(struct strbuf *b, size_t extra)
@@ -63,9 +63,15 @@ static void sb_addn(struct strbuf *b, const char *s, size_t n)
     b->data[b->len] = '\0';
 }
 
-static void sb_add(struct strbuf *b, const char *s) { sb_addn(b, s, strlen(s)); }
+static void sb_add(struct strbuf *b, const char *s)
+{
+    sb_addn(b, s, strlen(s));
+}
 
-static void sb_addc(struct strbuf *b, char c) { sb_addn(b, &c, 1); }
+static void sb_addc(struct strbuf *b, char c)
+{
+    sb_addn(b, &c, 1);
+}
 
 // Hands the buffer to the caller (*out, heap) or frees it on OOM.
 static int sb_finish(struct strbuf *b, char **out, char *err, size_t errlen)
@@ -85,7 +91,10 @@ static int sb_finish(struct strbuf *b, char **out, char *err, size_t errlen)
 
 // ---- template canonicalisation ------------------------------------------------------
 
-static bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+static bool is_ws(char c)
+{
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 
 static bool is_word(char c)
 {
@@ -94,7 +103,10 @@ static bool is_word(char c)
 
 // Operator characters that could fuse into another token if a space between two
 // of them were dropped ("* *" vs "**", "/ /" vs "//", "< =" vs "<=").
-static bool is_op(char c) { return c != 0 && strchr("+-*/%=<>!~|", c) != NULL; }
+static bool is_op(char c)
+{
+    return c != 0 && strchr("+-*/%=<>!~|", c) != NULL;
+}
 
 enum tag_kind { TAG_VAR, TAG_BLOCK, TAG_COMMENT };
 
@@ -111,12 +123,24 @@ static bool canon_string(const char *s, size_t n, size_t *i, struct strbuf *out)
         if (c == '\\' && j + 1 < n) {
             char e = s[++j];
             switch (e) {
-            case 'n': c = '\n'; break;
-            case 't': c = '\t'; break;
-            case 'r': c = '\r'; break;
-            case '\\': c = '\\'; break;
-            case '\'': c = '\''; break;
-            case '"': c = '"'; break;
+            case 'n':
+                c = '\n';
+                break;
+            case 't':
+                c = '\t';
+                break;
+            case 'r':
+                c = '\r';
+                break;
+            case '\\':
+                c = '\\';
+                break;
+            case '\'':
+                c = '\'';
+                break;
+            case '"':
+                c = '"';
+                break;
             default: // kept verbatim: \xNN, \uNNNN ... are rare; stricter, never looser
                 sb_addc(out, '\\');
                 sb_addc(out, '\\');
@@ -125,12 +149,24 @@ static bool canon_string(const char *s, size_t n, size_t *i, struct strbuf *out)
             }
         }
         switch (c) {
-        case '\n': sb_add(out, "\\n"); break;
-        case '\t': sb_add(out, "\\t"); break;
-        case '\r': sb_add(out, "\\r"); break;
-        case '\\': sb_add(out, "\\\\"); break;
-        case '\'': sb_add(out, "\\'"); break;
-        default: sb_addc(out, c); break;
+        case '\n':
+            sb_add(out, "\\n");
+            break;
+        case '\t':
+            sb_add(out, "\\t");
+            break;
+        case '\r':
+            sb_add(out, "\\r");
+            break;
+        case '\\':
+            sb_add(out, "\\\\");
+            break;
+        case '\'':
+            sb_add(out, "\\'");
+            break;
+        default:
+            sb_addc(out, c);
+            break;
         }
     }
     if (j >= n)
@@ -338,7 +374,8 @@ static int recognise(const char *text, const char *what, enum tdm_chat_format *f
     int rc = canon_template(text, &canon);
     if (rc == TDM_ENOMEM)
         return tdm_seterr(err, errlen, rc, "out of memory reading the chat template");
-    for (size_t k = 0; rc == TDM_OK && k < sizeof known_templates / sizeof known_templates[0]; k++) {
+    for (size_t k = 0; rc == TDM_OK && k < sizeof known_templates / sizeof known_templates[0];
+         k++) {
         char *want = NULL;
         int krc = canon_template(known_templates[k].text, &want);
         if (krc != TDM_OK) {
@@ -356,10 +393,11 @@ static int recognise(const char *text, const char *what, enum tdm_chat_format *f
     free(canon);
     char snip[160];
     snippet(text, snip, sizeof snip);
-    return tdm_seterr(err, errlen, TDM_EINVAL,
-                      "%s: chat template not recognised (first 60 chars: %s); pass --chat-template "
-                      "FILE with a ChatML or Llama 3 template (or the name chatml, qwen2 or llama3)",
-                      what, snip);
+    return tdm_seterr(
+        err, errlen, TDM_EINVAL,
+        "%s: chat template not recognised (first 60 chars: %s); pass --chat-template "
+        "FILE with a ChatML or Llama 3 template (or the name chatml, qwen2 or llama3)",
+        what, snip);
 }
 
 int tdm_chat_template_new(struct tdm_chat_template **out, const char *template_text,
@@ -408,7 +446,10 @@ int tdm_chat_template_new(struct tdm_chat_template **out, const char *template_t
     return TDM_OK;
 }
 
-void tdm_chat_template_free(struct tdm_chat_template *t) { free(t); }
+void tdm_chat_template_free(struct tdm_chat_template *t)
+{
+    free(t);
+}
 
 enum tdm_chat_format tdm_chat_template_format(const struct tdm_chat_template *t)
 {
@@ -574,9 +615,15 @@ int tdm_chat_render(const struct tdm_chat_template *t, const struct tdm_chat_msg
         return tdm_seterr(err, errlen, TDM_EINVAL, "messages must not be empty");
     struct strbuf b = {0};
     switch (t->format) {
-    case TDM_CHAT_QWEN2: render_qwen2(&b, msgs, n, add_generation_prompt); break;
-    case TDM_CHAT_CHATML: render_chatml(&b, msgs, n, add_generation_prompt); break;
-    case TDM_CHAT_LLAMA3: render_llama3(&b, msgs, n, add_generation_prompt); break;
+    case TDM_CHAT_QWEN2:
+        render_qwen2(&b, msgs, n, add_generation_prompt);
+        break;
+    case TDM_CHAT_CHATML:
+        render_chatml(&b, msgs, n, add_generation_prompt);
+        break;
+    case TDM_CHAT_LLAMA3:
+        render_llama3(&b, msgs, n, add_generation_prompt);
+        break;
     }
     return sb_finish(&b, out, err, errlen);
 }

@@ -75,8 +75,9 @@ fail:
     free(cfg_text);
     return rc == TDM_OK ? 0 : 1;
 usage:
-    fprintf(stderr, "usage: %s (--config tokenizer_config.json | --template FILE|NAME) "
-                    "MESSAGES.json [--gen]\n",
+    fprintf(stderr,
+            "usage: %s (--config tokenizer_config.json | --template FILE|NAME) "
+            "MESSAGES.json [--gen]\n",
             argv[0]);
     return 2;
 }

@@ -224,17 +224,18 @@ static void test_qwen2_render(void **state)
                   "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>system\nNow verbose.<|im_end|>\n"
                   "<|im_start|>user\n why <|im_end|>\n");
     // Consecutive tool results share one user turn; a tool result ends the list.
-    expect_render(t,
-                  "[{\"role\":\"user\",\"content\":\"w?\"},{\"role\":\"assistant\",\"content\":null},"
-                  "{\"role\":\"tool\",\"content\":\"a\"},{\"role\":\"tool\",\"content\":\"b\"},"
-                  "{\"role\":\"assistant\",\"content\":\"ok\"},{\"role\":\"tool\",\"content\":\"c\"}]",
-                  true,
-                  "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
-                  "assistant.<|im_end|>\n<|im_start|>user\nw?<|im_end|>\n<|im_start|>assistant\n"
-                  "<|im_end|>\n<|im_start|>user\n<tool_response>\na\n</tool_response>\n"
-                  "<tool_response>\nb\n</tool_response><|im_end|>\n<|im_start|>assistant\nok"
-                  "<|im_end|>\n<|im_start|>user\n<tool_response>\nc\n</tool_response><|im_end|>\n"
-                  "<|im_start|>assistant\n");
+    expect_render(
+        t,
+        "[{\"role\":\"user\",\"content\":\"w?\"},{\"role\":\"assistant\",\"content\":null},"
+        "{\"role\":\"tool\",\"content\":\"a\"},{\"role\":\"tool\",\"content\":\"b\"},"
+        "{\"role\":\"assistant\",\"content\":\"ok\"},{\"role\":\"tool\",\"content\":\"c\"}]",
+        true,
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.<|im_end|>\n<|im_start|>user\nw?<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\na\n</tool_response>\n"
+        "<tool_response>\nb\n</tool_response><|im_end|>\n<|im_start|>assistant\nok"
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\nc\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n");
     tdm_chat_template_free(t);
 }
 
@@ -242,8 +243,9 @@ static void test_chatml_render(void **state)
 {
     (void)state;
     struct tdm_chat_template *t = make(chatml_text, NULL);
-    expect_render(t, "[{\"role\":\"user\",\"content\":\"Hi\"},{\"role\":\"assistant\",\"content\":"
-                     "\"Yo\"}]",
+    expect_render(t,
+                  "[{\"role\":\"user\",\"content\":\"Hi\"},{\"role\":\"assistant\",\"content\":"
+                  "\"Yo\"}]",
                   false, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nYo<|im_end|>\n");
     expect_render(t, "[{\"role\":\"tool\",\"content\":\"r\"}]", true,
                   "<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n");
@@ -255,14 +257,15 @@ static void test_llama3_render(void **state)
     (void)state;
     struct tdm_chat_template *t = make(tdm_chat_tmpl_llama3, NULL);
     // trim strips Python whitespace, Unicode included (U+3000, U+00A0, U+0085).
-    expect_render(t,
-                  "[{\"role\":\"system\",\"content\":\"  sys \\n\"},{\"role\":\"user\",\"content\":"
-                  "\"\\u3000\\u00a0hi there\\u0085\\t\"},{\"role\":\"assistant\",\"content\":\"\"}]",
-                  true,
-                  "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nsys<|eot_id|>"
-                  "<|start_header_id|>user<|end_header_id|>\n\nhi there<|eot_id|>"
-                  "<|start_header_id|>assistant<|end_header_id|>\n\n<|eot_id|>"
-                  "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    expect_render(
+        t,
+        "[{\"role\":\"system\",\"content\":\"  sys \\n\"},{\"role\":\"user\",\"content\":"
+        "\"\\u3000\\u00a0hi there\\u0085\\t\"},{\"role\":\"assistant\",\"content\":\"\"}]",
+        true,
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nsys<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nhi there<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n");
     tdm_chat_template_free(t);
 }
 
@@ -273,7 +276,8 @@ static void test_render_errors(void **state)
     char err[256] = "", *out = NULL;
     assert_int_equal(tdm_chat_render(t, NULL, 0, true, &out, err, sizeof err), TDM_EINVAL);
     assert_null(out);
-    struct tdm_chat_msg bad[] = {{.role = "user", .content = "x"}, {.role = "developer", .content = "y"}};
+    struct tdm_chat_msg bad[] = {{.role = "user", .content = "x"},
+                                 {.role = "developer", .content = "y"}};
     assert_int_equal(tdm_chat_render(t, bad, 2, true, &out, err, sizeof err), TDM_EINVAL);
     assert_non_null(strstr(err, "messages[1].role"));
     struct tdm_chat_msg nocontent[] = {{.role = "user", .content = NULL}};
@@ -316,9 +320,10 @@ static void test_parse_errors(void **state)
     expect_parse_error("[{\"role\":5,\"content\":\"a\"}]", "messages[0].role must be a string");
     expect_parse_error("[{\"role\":\"wizard\",\"content\":\"a\"}]",
                        "messages[0].role 'wizard' is not supported");
-    expect_parse_error("[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"user\",\"content\":\"b\"},"
-                       "{\"role\":\"user\",\"content\":7}]",
-                       "messages[2].content must be a string or a list of text parts");
+    expect_parse_error(
+        "[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"user\",\"content\":\"b\"},"
+        "{\"role\":\"user\",\"content\":7}]",
+        "messages[2].content must be a string or a list of text parts");
     expect_parse_error("[{\"role\":\"user\",\"content\":{\"text\":\"a\"}}]",
                        "messages[0].content must be a string or a list of text parts");
     expect_parse_error("[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\",\"image_url\":"
@@ -333,23 +338,19 @@ static void test_parse_errors(void **state)
     expect_parse_error("[{\"role\":\"user\",\"content\":null}]",
                        "messages[0].content is required for role user");
     expect_parse_error("[{\"role\":\"tool\"}]", "messages[0].content is required for role tool");
-    expect_parse_error("[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"1\"}]}]",
-                       "messages[0].tool_calls is not supported");
+    expect_parse_error(
+        "[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"1\"}]}]",
+        "messages[0].tool_calls is not supported");
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_real_qwen25_config),
-        cmocka_unit_test(test_known_texts),
-        cmocka_unit_test(test_equivalent_spellings),
-        cmocka_unit_test(test_near_misses_rejected),
-        cmocka_unit_test(test_missing_and_override),
-        cmocka_unit_test(test_qwen2_render),
-        cmocka_unit_test(test_chatml_render),
-        cmocka_unit_test(test_llama3_render),
-        cmocka_unit_test(test_render_errors),
-        cmocka_unit_test(test_parse_content_forms),
+        cmocka_unit_test(test_real_qwen25_config),   cmocka_unit_test(test_known_texts),
+        cmocka_unit_test(test_equivalent_spellings), cmocka_unit_test(test_near_misses_rejected),
+        cmocka_unit_test(test_missing_and_override), cmocka_unit_test(test_qwen2_render),
+        cmocka_unit_test(test_chatml_render),        cmocka_unit_test(test_llama3_render),
+        cmocka_unit_test(test_render_errors),        cmocka_unit_test(test_parse_content_forms),
         cmocka_unit_test(test_parse_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -34,27 +34,27 @@
 #include "core.h"
 #include "sampling_impl.h"
 
-#define TDM_SAMPLING_MIN_TEMP 0.01f  // vLLM's _MAX_TEMP: smaller temperatures overflow
-#define TDM_LOGIT_BIAS_LIMIT 100.0f  // OpenAI's range; vLLM clamps to it
-#define TOPK_BUFFER_MAX 256          // up to this k, one pass with an insertion buffer
+#define TDM_SAMPLING_MIN_TEMP 0.01f // vLLM's _MAX_TEMP: smaller temperatures overflow
+#define TDM_LOGIT_BIAS_LIMIT 100.0f // OpenAI's range; vLLM clamps to it
+#define TOPK_BUFFER_MAX 256         // up to this k, one pass with an insertion buffer
 
 struct tdm_sampler {
     struct tdm_sampling_params p; // a copy; top_k 0 means off, temperature as used
     int vocab_size;
     bool greedy;
-    uint64_t rng[4];        // xoshiro256** state
-    int num_generated;      // tokens recorded by tdm_sampler_sample
-    int32_t *eos_ids;       // [num_eos]
+    uint64_t rng[4];   // xoshiro256** state
+    int num_generated; // tokens recorded by tdm_sampler_sample
+    int32_t *eos_ids;  // [num_eos]
     int num_eos;
-    int32_t *masked_ids;    // [num_masked] EOS and stop ids, masked before min_tokens
+    int32_t *masked_ids; // [num_masked] EOS and stop ids, masked before min_tokens
     int num_masked;
-    uint64_t *seen;         // [words] bitmap of prompt+output tokens; NULL: no repetition penalty
-    uint64_t *out_seen;     // [words] bitmap of output tokens; NULL: no presence/frequency
-    uint32_t *out_count;    // [vocab_size] occurrences in the output; with out_seen
-    size_t words;           // ceil(vocab_size / 64)
-    float *raw;             // [vocab_size] raw logits copy; NULL unless logprobs >= 0
-    int32_t *cand;          // [vocab_size] candidate ids; NULL when greedy
-    float *weight;          // [vocab_size] candidate weights exp((l - max) / T), scratch
+    uint64_t *seen;      // [words] bitmap of prompt+output tokens; NULL: no repetition penalty
+    uint64_t *out_seen;  // [words] bitmap of output tokens; NULL: no presence/frequency
+    uint32_t *out_count; // [vocab_size] occurrences in the output; with out_seen
+    size_t words;        // ceil(vocab_size / 64)
+    float *raw;          // [vocab_size] raw logits copy; NULL unless logprobs >= 0
+    int32_t *cand;       // [vocab_size] candidate ids; NULL when greedy
+    float *weight;       // [vocab_size] candidate weights exp((l - max) / T), scratch
 };
 
 // ---- parameters ------------------------------------------------------------------
@@ -140,7 +140,10 @@ static uint64_t splitmix64(uint64_t *x)
     return z ^ (z >> 31);
 }
 
-static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+static uint64_t rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
 
 static uint64_t rng_next(uint64_t s[4])
 {
@@ -621,4 +624,7 @@ bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token)
     return false;
 }
 
-int tdm_sampler_num_generated(const struct tdm_sampler *s) { return s->num_generated; }
+int tdm_sampler_num_generated(const struct tdm_sampler *s)
+{
+    return s->num_generated;
+}
