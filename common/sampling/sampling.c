@@ -416,9 +416,10 @@ float tdm_sampling_kth_largest(const float *logits, size_t n, size_t k, float *s
         float *buf = scratch;
         for (size_t i = 0; i < k; i++)
             buf[i] = -INFINITY;
+        float floor_v = -INFINITY; // buf[k - 1], kept in a register
         for (size_t i = 0; i < n; i++) {
             float l = logits[i];
-            if (!(l > buf[k - 1]))
+            if (!(l > floor_v))
                 continue; // also skips NaN
             size_t j = k - 1;
             while (j > 0 && buf[j - 1] < l) {
@@ -426,8 +427,9 @@ float tdm_sampling_kth_largest(const float *logits, size_t n, size_t k, float *s
                 j--;
             }
             buf[j] = l;
+            floor_v = buf[k - 1];
         }
-        return buf[k - 1];
+        return floor_v;
     }
     size_t m = 0;
     for (size_t i = 0; i < n; i++)
