@@ -430,10 +430,11 @@ static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const
                   .y = y + (size_t)t0 * w->rows,
                   .n = nc},
         };
-        // Decode streams W: chunks of ~1/16 of a thread's share keep the
-        // streams long; batches compute a block per task.
+        // Decode: chunks of ~1/16 of a thread's share keep the weight streams
+        // long. Batches: one chunk per thread, so that every block but the
+        // first has its weights prefetched while the one before computes.
         int nb = cpu_w_blocks(w);
-        j.chunk = nc == 1 ? nb / (be->nthreads * 16) : 1;
+        j.chunk = nc == 1 ? nb / (be->nthreads * 16) : (nb + be->nthreads - 1) / be->nthreads;
         if (j.chunk < 1)
             j.chunk = 1;
         atomic_init(&j.next, 0);

@@ -26,7 +26,7 @@
 #define AI static inline __attribute__((always_inline))
 #define TILE_T 6
 // Bytes ahead of the stream the decode GEMV prefetches.
-#define PF_BYTES 2048
+#define PF_BYTES 8192
 
 AI __mmask16 lanes_mask(int n)
 {
@@ -103,7 +103,7 @@ static void mm_prep_x(const struct cpu_mm_args *a, int t0, int t1)
 
 // Rows [row0, row0 + 16 G) x tokens [t0, t0 + T) of weight type WT.
 AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const int T, int t0,
-             int row0, const int WT)
+             int row0, const uint8_t *pf, int pf_lines, const int WT)
 {
     const struct tdm_weight *w = a->w;
     __m512 acc[CPU_BLOCK_PANELS][TILE_T];
@@ -120,11 +120,14 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const 
         const uint32_t *xq = a->xq + (size_t)t0 * xs;
         for (int j = 0; j < kp; j++) {
             const uint8_t *wj = wb + j * js;
-            if (T == 1) {
+            if (T == 1 || pf_lines < 0) {
 #pragma GCC unroll 4
                 for (int g = 0; g < CPU_BLOCK_PANELS; g++)
                     if (g < G)
                         _mm_prefetch((const char *)wj + PF_BYTES + g * 64, _MM_HINT_T0);
+            } else if (pf) {
+                for (int l = 0; l < pf_lines; l++)
+                    _mm_prefetch((const char *)pf + ((size_t)j * pf_lines + l) * 64, _MM_HINT_T0);
             }
             __m512bh wv[CPU_BLOCK_PANELS];
 #pragma GCC unroll 4
@@ -149,11 +152,14 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const 
         const float *x = a->x + (size_t)t0 * cols;
         for (int k = 0; k < cols; k++) {
             const uint8_t *wk = wb + k * js;
-            if (T == 1) {
+            if (T == 1 || pf_lines < 0) {
 #pragma GCC unroll 4
                 for (int g = 0; g < CPU_BLOCK_PANELS; g++)
                     if (g < G)
                         _mm_prefetch((const char *)wk + PF_BYTES + g * 64, _MM_HINT_T0);
+            } else if (pf) {
+                for (int l = 0; l < pf_lines; l++)
+                    _mm_prefetch((const char *)pf + ((size_t)k * pf_lines + l) * 64, _MM_HINT_T0);
             }
             __m512 wv[CPU_BLOCK_PANELS];
 #pragma GCC unroll 4
@@ -202,7 +208,7 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const 
 // order; the integer part is exact, so only that f32 chain orders the result.
 #define TILE_TQ 3
 AI void tile_q8v(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const int T, int t0,
-                 int row0)
+                 int row0, const uint8_t *pf, int pf_lines)
 {
     const struct tdm_weight *w = a->w;
     const int kpad = cpu_q8_kpad(w->cols), nblk = kpad / CPU_Q8_BLOCK;
@@ -230,11 +236,14 @@ AI void tile_q8v(const struct cpu_mm_args *a, const uint8_t *wb, const int G, co
         for (int qd = 0; qd < CPU_Q8_BLOCK / 4; qd++) {
             int j = blk * (CPU_Q8_BLOCK / 4) + qd;
             const uint8_t *wj = wb + j * js;
-            if (T == 1) {
+            if (T == 1 || pf_lines < 0) {
 #pragma GCC unroll 4
                 for (int g = 0; g < CPU_BLOCK_PANELS; g++)
                     if (g < G)
                         _mm_prefetch((const char *)wj + PF_BYTES + g * 64, _MM_HINT_T0);
+            } else if (pf) {
+                for (int l = 0; l < pf_lines; l++)
+                    _mm_prefetch((const char *)pf + ((size_t)j * pf_lines + l) * 64, _MM_HINT_T0);
             }
             __m512i wv[CPU_BLOCK_PANELS];
 #pragma GCC unroll 4
@@ -294,34 +303,35 @@ AI void tile_q8v(const struct cpu_mm_args *a, const uint8_t *wb, const int G, co
     }
 }
 
-static void tile_q8(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T, int t0, int row0)
+static void tile_q8(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T, int t0, int row0,
+                    const uint8_t *pf, int pf_lines)
 {
     switch (G * 8 + T) {
-    case 1 * 8 + 1: tile_q8v(a, wb, 1, 1, t0, row0); break;
-    case 1 * 8 + 2: tile_q8v(a, wb, 1, 2, t0, row0); break;
-    case 1 * 8 + 3: tile_q8v(a, wb, 1, 3, t0, row0); break;
-    case 2 * 8 + 1: tile_q8v(a, wb, 2, 1, t0, row0); break;
-    case 2 * 8 + 2: tile_q8v(a, wb, 2, 2, t0, row0); break;
-    case 2 * 8 + 3: tile_q8v(a, wb, 2, 3, t0, row0); break;
-    case 3 * 8 + 1: tile_q8v(a, wb, 3, 1, t0, row0); break;
-    case 3 * 8 + 2: tile_q8v(a, wb, 3, 2, t0, row0); break;
-    case 3 * 8 + 3: tile_q8v(a, wb, 3, 3, t0, row0); break;
-    case 4 * 8 + 1: tile_q8v(a, wb, 4, 1, t0, row0); break;
-    case 4 * 8 + 2: tile_q8v(a, wb, 4, 2, t0, row0); break;
-    default: tile_q8v(a, wb, 4, 3, t0, row0); break;
+    case 1 * 8 + 1: tile_q8v(a, wb, 1, 1, t0, row0, pf, pf_lines); break;
+    case 1 * 8 + 2: tile_q8v(a, wb, 1, 2, t0, row0, pf, pf_lines); break;
+    case 1 * 8 + 3: tile_q8v(a, wb, 1, 3, t0, row0, pf, pf_lines); break;
+    case 2 * 8 + 1: tile_q8v(a, wb, 2, 1, t0, row0, pf, pf_lines); break;
+    case 2 * 8 + 2: tile_q8v(a, wb, 2, 2, t0, row0, pf, pf_lines); break;
+    case 2 * 8 + 3: tile_q8v(a, wb, 2, 3, t0, row0, pf, pf_lines); break;
+    case 3 * 8 + 1: tile_q8v(a, wb, 3, 1, t0, row0, pf, pf_lines); break;
+    case 3 * 8 + 2: tile_q8v(a, wb, 3, 2, t0, row0, pf, pf_lines); break;
+    case 3 * 8 + 3: tile_q8v(a, wb, 3, 3, t0, row0, pf, pf_lines); break;
+    case 4 * 8 + 1: tile_q8v(a, wb, 4, 1, t0, row0, pf, pf_lines); break;
+    case 4 * 8 + 2: tile_q8v(a, wb, 4, 2, t0, row0, pf, pf_lines); break;
+    default: tile_q8v(a, wb, 4, 3, t0, row0, pf, pf_lines); break;
     }
 }
 
 #define TILE_CASE(WT, g, t)                                                                        \
     case (g) * 8 + (t):                                                                            \
-        tile(a, wb, g, t, t0, row0, WT);                                                           \
+        tile(a, wb, g, t, t0, row0, pf, pf_lines, WT);                                             \
         break;
 #define TILE_CASES_G(WT, g)                                                                        \
     TILE_CASE(WT, g, 1) TILE_CASE(WT, g, 2) TILE_CASE(WT, g, 3) TILE_CASE(WT, g, 4)               \
         TILE_CASE(WT, g, 5) TILE_CASE(WT, g, 6)
 #define TILE_DISPATCH(fname, WT)                                                                   \
     static void fname(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T, int t0,        \
-                      int row0)                                                                    \
+                      int row0, const uint8_t *pf, int pf_lines)                                   \
     {                                                                                              \
         switch (G * 8 + T) {                                                                       \
             TILE_CASES_G(WT, 1)                                                                    \
@@ -336,18 +346,37 @@ static void tile_q8(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T
 TILE_DISPATCH(tile_bf16, TDM_W_BF16)
 TILE_DISPATCH(tile_f32, TDM_W_F32)
 
+// Tiles of a batch (n > 1) prefetch the chunk's next block, spread over the
+// first few tiles, so the block is in L2 when its turn comes; decode tiles,
+// and the first tile of a chunk's first block, prefetch their own stream
+// ahead instead (pf_lines < 0).
+#define PF_TILES 4
+
 static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
 {
     const struct tdm_weight *w = a->w;
-    void (*fn)(const struct cpu_mm_args *, const uint8_t *, int, int, int, int) =
-        w->type == TDM_W_BF16 ? tile_bf16 : w->type == TDM_W_Q8 ? tile_q8 : tile_f32;
+    void (*fn)(const struct cpu_mm_args *, const uint8_t *, int, int, int, int, const uint8_t *,
+               int) = w->type == TDM_W_BF16 ? tile_bf16 : w->type == TDM_W_Q8 ? tile_q8 : tile_f32;
+    const int tt = w->type == TDM_W_Q8 ? TILE_TQ : TILE_T;
+    const int steps = cpu_w_steps(w);
+    const int ntiles = (a->n + tt - 1) / tt;
+    const int pft = ntiles < PF_TILES ? ntiles : PF_TILES;
     for (int b = b0; b < b1; b++) {
         const uint8_t *wb = cpu_w_block(w, b);
         int G = cpu_w_block_panels(w, b);
-        int tt = w->type == TDM_W_Q8 ? TILE_TQ : TILE_T;
-        for (int t0 = 0; t0 < a->n; t0 += tt) {
+        const uint8_t *next = NULL;
+        size_t share = 0;
+        int pf_lines = 0;
+        if (a->n > 1 && b + 1 < b1) {
+            next = cpu_w_block(w, b + 1);
+            size_t bytes = (size_t)steps * cpu_w_block_panels(w, b + 1) * 64;
+            share = (bytes / (size_t)pft + 63) / 64 * 64;
+            pf_lines = (int)((share / 64 + (size_t)steps - 1) / (size_t)steps);
+        }
+        for (int t0 = 0, ti = 0; t0 < a->n; t0 += tt, ti++) {
             int T = a->n - t0 < tt ? a->n - t0 : tt;
-            fn(a, wb, G, T, t0, b * CPU_BLOCK_ROWS);
+            const uint8_t *pf = next && ti < pft ? next + (size_t)ti * share : NULL;
+            fn(a, wb, G, T, t0, b * CPU_BLOCK_ROWS, pf, b == b0 && ti == 0 ? -1 : pf_lines);
         }
     }
 }
