@@ -336,10 +336,12 @@ static void test_export_import(void **state)
 #define NB 16
 #define NB_TOKENS 12
 
-static void test_batch_invariance(void **state)
+// Runs the batch-invariance check on the CPU path named by isa (NULL = best).
+static void batch_invariance_on(const char *isa)
 {
-    (void)state;
     char err[256];
+    if (isa != NULL)
+        setenv("TANDEM_CPU_ISA", isa, 1);
     struct tdm_model *m = load(model_dir, TDM_WEIGHTS_BF16, NB);
     int vocab = tdm_model_config(m)->vocab_size;
     struct tdm_kv_cache *kv = new_kv(m, 128, false);
@@ -387,6 +389,44 @@ static void test_batch_invariance(void **state)
     tdm_kv_free(kv);
     free(lg_batch);
     free(lg_alone);
+    tdm_model_free(m);
+    unsetenv("TANDEM_CPU_ISA");
+}
+
+static void test_batch_invariance(void **state)
+{
+    (void)state;
+    batch_invariance_on(NULL);
+    batch_invariance_on("portable"); // the reference path of the CPU backend
+}
+
+static void test_runner_errors(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_model *m = load(model_dir, TDM_WEIGHTS_BF16, 4);
+    int vocab = tdm_model_config(m)->vocab_size;
+    struct tdm_kv_cache *kv = new_kv(m, 4, false); // 64 tokens
+    int32_t prompt[80], out[8];
+    make_prompt(prompt, 80, vocab, 77);
+    struct tdm_gen_request r[2];
+    init_req(&r[0], prompt, 40, 8, out);
+    init_req(&r[1], prompt, 80, 8, out);
+    assert_int_equal(tdm_gen_run(m, kv, &r[1], 1, NULL, NULL, err, sizeof err), TDM_ECAPACITY);
+    assert_non_null(strstr(err, "KV blocks"));
+    check_kv_idle(kv); // the failed run released what it held
+    assert_int_equal(tdm_gen_run(m, kv, r, 1, NULL, NULL, err, sizeof err), TDM_OK);
+    prompt[3] = vocab;
+    assert_int_equal(tdm_gen_run(m, kv, r, 1, NULL, NULL, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "outside the vocabulary"));
+    prompt[3] = 1;
+    r[0].max_tokens = 0;
+    assert_int_equal(tdm_gen_run(m, kv, r, 1, NULL, NULL, err, sizeof err), TDM_EINVAL);
+    r[0].max_tokens = 8;
+    r[0].params.temperature = -1;
+    assert_int_equal(tdm_gen_run(m, kv, r, 1, NULL, NULL, err, sizeof err), TDM_EINVAL);
+    check_kv_idle(kv);
+    tdm_kv_free(kv);
     tdm_model_free(m);
 }
 
@@ -520,7 +560,7 @@ int main(void)
         cmocka_unit_test(test_chunked_prefill), cmocka_unit_test(test_prefix_cache),
         cmocka_unit_test(test_export_import),   cmocka_unit_test(test_batch_invariance),
         cmocka_unit_test(test_int8_agrees),     cmocka_unit_test(test_bad_batches),
-        cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_load_errors),     cmocka_unit_test(test_runner_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
