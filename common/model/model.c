@@ -136,7 +136,7 @@ static float src_elem_f32(const void *data, enum tdm_dtype dt, size_t i)
     }
 }
 
-// Copies a 1-D checkpoint vector into dst[off..off+n) as f32.
+// Copies the n elements of a 1-D checkpoint vector into dst as f32.
 static void copy_vec_f32(float *dst, const struct tdm_tensor *t, size_t n)
 {
     for (size_t i = 0; i < n; i++)
