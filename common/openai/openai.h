@@ -1,0 +1,300 @@
+// SPDX-License-Identifier: Apache-2.0
+// openai: the OpenAI-compatible wire format as vLLM speaks it, with no I/O.
+// Parses and validates /v1/completions, /v1/chat/completions, /tokenize and
+// /detokenize bodies into plain structs (sampling values resolved against the
+// model's generation_config.json the way vLLM does), builds every response body
+// (non-stream, SSE chunks, usage chunk, logprobs in both formats, /v1/models,
+// /version, errors) as heap JSON strings, and matches stop strings over a stream
+// of text deltas without ever emitting part of a stop string.
+// Bad input never crashes: it becomes a struct tdm_oai_error (HTTP status, type,
+// param, message worded as vLLM words it). Field list and shapes: docs/api.md.
+#ifndef TDM_OPENAI_H
+#define TDM_OPENAI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chat.h"
+#include "hf.h"
+#include "sampling.h"
+
+#define TDM_OAI_MAX_STOP 16 // stop strings per request
+#define TDM_OAI_MAX_N                                                                              \
+    128                   // vLLM's VLLM_MAX_N_SEQUENCES default is larger; ours is a
+                          // per-request cap on parallel sequences
+#define TDM_OAI_ID_HEX 32 // random 128-bit ids are 32 lowercase hex digits
+
+// ---- errors ---------------------------------------------------------------------------
+// What the server sends back for a rejected request. type is the OpenAI SDK's
+// class name for the status ("BadRequestError", "NotFoundError", ...); param is
+// the offending field ("" = null in the body).
+struct tdm_oai_error {
+    int status; // HTTP status: 400, 401, 404, 405, 413, 500, 503 ...
+    char type[40];
+    char param[64];
+    char message[512];
+};
+
+// Fills e (status, the type for that status, param (NULL = none), message) and
+// returns TDM_EINVAL for 4xx statuses and TDM_EPROTO otherwise (a convenience for
+// `return tdm_oai_seterr(...)`).
+int tdm_oai_seterr(struct tdm_oai_error *e, int status, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+// The type name for an HTTP status: 400 BadRequestError, 401 AuthenticationError,
+// 403 PermissionDeniedError, 404 NotFoundError, 405 MethodNotAllowedError,
+// 413 RequestTooLargeError, 422 UnprocessableEntityError, 429 RateLimitError,
+// 501 NotImplementedError, 503 ServiceUnavailableError, 504 TimeoutError, other
+// 4xx BadRequestError, other 5xx InternalServerError. Static string.
+const char *tdm_oai_error_type(int status);
+// vLLM's nested error body {"error":{"message","type","param","code"}}, code =
+// status as an integer, param null when empty. Heap string (caller frees); NULL
+// on ENOMEM.
+char *tdm_oai_error_body(const struct tdm_oai_error *e);
+// Same from parts (type NULL = the type for status; param NULL = null).
+char *tdm_oai_error_body_from(int status, const char *type, const char *param, const char *message);
+
+// ---- ids ------------------------------------------------------------------------------
+// Writes 32 random lowercase hex digits (128 bits from getrandom) and a NUL.
+void tdm_oai_random_hex(char out[TDM_OAI_ID_HEX + 1]);
+
+// ---- model facts the parser needs ------------------------------------------------------
+struct tdm_oai_model_info {
+    const char *served_name; // the served model name; NULL accepts any "model"
+    int vocab_size;          // bounds token ids (prompt, logit_bias, stop_token_ids)
+    int max_model_len;       // context length (tokens)
+    const struct tdm_generation_config *gen; // generation_config.json defaults; may be NULL
+};
+
+// ---- completions and chat requests -------------------------------------------------------
+enum tdm_oai_kind { TDM_OAI_COMPLETION = 0, TDM_OAI_CHAT };
+
+// One prompt of a completions request: text or token ids (exactly one is set).
+struct tdm_oai_prompt {
+    char *text; // NUL-terminated UTF-8, or NULL when given as ids
+    size_t text_len;
+    int32_t *ids; // or NULL when given as text
+    size_t n_ids;
+};
+
+struct tdm_oai_request {
+    enum tdm_oai_kind kind;
+    char *model; // as sent; NULL when absent (the served model is meant)
+
+    // completions: prompt as a string, [string], [int] or [[int]] (one entry each)
+    struct tdm_oai_prompt *prompts;
+    size_t n_prompts;
+
+    // chat: the messages, parsed (tdm_chat_msgs_parse) and as compact JSON text
+    struct tdm_chat_msg *messages;
+    size_t n_messages;
+    char *messages_json;
+    bool add_generation_prompt;  // default true
+    bool continue_final_message; // default false; exclusive with add_generation_prompt
+
+    bool add_special_tokens; // completions default true, chat default false (vLLM)
+    int max_tokens;          // the request's max_tokens / max_completion_tokens;
+                             // completions default 16; chat -1 = not given
+    bool echo_only;          // completions echo with max_tokens 0: return the prompt
+                             // only, generate nothing
+    int n;                   // choices per prompt, 1..TDM_OAI_MAX_N
+    bool stream;
+    bool include_usage;           // stream_options.include_usage
+    bool continuous_usage_stats;  // stream_options.continuous_usage_stats
+    bool echo;                    // completions: prepend the prompt text
+    bool logprobs;                // return logprobs of generated tokens
+    int top_logprobs;             // completions: the logprobs int; chat: top_logprobs
+    char *stop[TDM_OAI_MAX_STOP]; // stop strings (heap, non-empty)
+    size_t n_stop;
+    bool include_stop_str_in_output;
+    bool skip_special_tokens;           // default true
+    bool spaces_between_special_tokens; // default true (accepted; byte-level BPE decode is
+                                        // unaffected by it)
+    bool return_token_ids;              // add prompt_token_ids / token_ids to choices
+    char *user;                         // NULL when absent
+    char *request_id;                   // the body's request_id, NULL when absent
+    int priority;                       // accepted (0 default); scheduling ignores it
+
+    // Sampling with generation_config.json defaults applied (tdm_hf_sampling_resolve);
+    // logprobs = top_logprobs when logprobs is on, else -1. Token ids are checked
+    // against vocab_size. max_tokens is resolved separately, once the prompt
+    // length is known (tdm_oai_request_max_tokens).
+    struct tdm_sampling_params sampling;
+};
+
+// Parses a completions (kind COMPLETION) or chat (kind CHAT) JSON body of len
+// bytes. On success fills *req (free with tdm_oai_request_fini) and returns
+// TDM_OK. On failure returns TDM_EINVAL (4xx: e filled, e.g. 400 "temperature
+// must be in [0, 2], got 3.0." param "temperature", or 404 for an unknown model)
+// or TDM_ENOMEM (e: 500), leaving *req empty. Unknown fields are ignored; a null
+// value counts as absent. Fields vLLM supports but Tandem does not (tools,
+// response_format, suffix, use_beam_search, prompt_logprobs, ...) are 400 "...
+// is not supported" unless set to their no-op value.
+int tdm_oai_request_parse(struct tdm_oai_request *req, enum tdm_oai_kind kind, const char *json,
+                          size_t len, const struct tdm_oai_model_info *model,
+                          struct tdm_oai_error *e);
+void tdm_oai_request_fini(struct tdm_oai_request *req);
+
+// Once the server has tokenized the prompt (prompt_len tokens): checks it fits
+// the context and resolves max_tokens as vLLM does (the request's value, else
+// max_model_len - prompt_len, bounded by generation_config max_new_tokens and
+// by the room left). Checks min_tokens <= max_tokens. Returns TDM_OK with
+// *max_tokens >= 1 (0 for echo_only), or TDM_EINVAL with e 400: "This model's
+// maximum context length is 32768 tokens. However, you requested 33000 tokens
+// (1000 in the messages, 32000 in the completion). Please reduce the length of
+// the messages or completion."
+int tdm_oai_request_max_tokens(const struct tdm_oai_request *req,
+                               const struct tdm_oai_model_info *model, size_t prompt_len,
+                               int *max_tokens, struct tdm_oai_error *e);
+
+// ---- /tokenize and /detokenize --------------------------------------------------------
+struct tdm_oai_tokenize_request {
+    char *model;  // NULL when absent
+    char *prompt; // set for the completions form, else NULL
+    size_t prompt_len;
+    struct tdm_chat_msg *messages; // set for the chat form, else NULL
+    size_t n_messages;
+    bool add_special_tokens;     // default true (prompt form), false (messages form)
+    bool add_generation_prompt;  // default true
+    bool continue_final_message; // default false
+    bool return_token_strs;      // default false
+};
+int tdm_oai_tokenize_parse(struct tdm_oai_tokenize_request *req, const char *json, size_t len,
+                           const struct tdm_oai_model_info *model, struct tdm_oai_error *e);
+void tdm_oai_tokenize_fini(struct tdm_oai_tokenize_request *req);
+// {"count","max_model_len","tokens":[...],"token_strs":[...]|null}; token_strs
+// NULL gives null. Heap string; NULL on ENOMEM.
+char *tdm_oai_tokenize_body(const int32_t *ids, size_t n, int max_model_len,
+                            const char *const *token_strs);
+
+struct tdm_oai_detokenize_request {
+    char *model;     // NULL when absent
+    int32_t *tokens; // checked against vocab_size
+    size_t n_tokens;
+};
+int tdm_oai_detokenize_parse(struct tdm_oai_detokenize_request *req, const char *json, size_t len,
+                             const struct tdm_oai_model_info *model, struct tdm_oai_error *e);
+void tdm_oai_detokenize_fini(struct tdm_oai_detokenize_request *req);
+// {"prompt": text}; invalid UTF-8 in text becomes U+FFFD. Heap string.
+char *tdm_oai_detokenize_body(const char *text, size_t len);
+
+// ---- response building -------------------------------------------------------------------
+// Identity shared by every body and chunk of one response: same id and created.
+struct tdm_oai_response {
+    enum tdm_oai_kind kind;
+    char id[96];       // "cmpl-<base>" or "chatcmpl-<base>"
+    int64_t created;   // Unix seconds
+    const char *model; // borrowed; the served model name
+};
+// base_id: the request's id (request_id field or X-Request-Id header; at most 80
+// bytes are used), or NULL for 32 random hex digits.
+void tdm_oai_response_init(struct tdm_oai_response *r, enum tdm_oai_kind kind, const char *model,
+                           const char *base_id);
+
+enum tdm_oai_finish {
+    TDM_OAI_FINISH_NONE = 0, // still running: finish_reason null
+    TDM_OAI_FINISH_STOP,     // EOS, stop token or stop string
+    TDM_OAI_FINISH_LENGTH,   // max_tokens or context full
+    TDM_OAI_FINISH_ABORT,    // cancelled
+    TDM_OAI_FINISH_ERROR,    // failed mid-way
+};
+const char *tdm_oai_finish_name(enum tdm_oai_finish f); // "stop", ... or NULL for NONE
+
+// One alternative's logprob at a position.
+struct tdm_oai_top_logprob {
+    int32_t id;
+    const char *token; // the token's text (bytes; invalid UTF-8 becomes U+FFFD)
+    size_t token_len;
+    float logprob; // -inf is written as -9999.0, as vLLM does
+};
+// One generated token with its logprob and alternatives.
+struct tdm_oai_token_logprob {
+    int32_t id;
+    const char *token;
+    size_t token_len;
+    float logprob;
+    int num_top; // entries in top (the request's top_logprobs)
+    const struct tdm_oai_top_logprob *top;
+};
+
+// One choice of a body or chunk. All pointers are borrowed.
+struct tdm_oai_choice {
+    int index;
+    const char *text; // full text (non-stream) or this chunk's delta; invalid UTF-8
+    size_t text_len;  // becomes U+FFFD
+    enum tdm_oai_finish finish;
+    const char *stop_str; // stop_reason: the matched stop string, else NULL
+    int32_t stop_token;   // stop_reason: the matched stop token id, else -1
+    bool has_logprobs;    // logprobs object (else null)
+    const struct tdm_oai_token_logprob *logprobs;
+    size_t n_logprobs;
+    size_t text_offset;       // completions logprobs: code points of text before this
+                              // choice's first token (echoed prompt + earlier chunks)
+    const int32_t *token_ids; // return_token_ids: this choice's ids (NULL: field omitted)
+    size_t n_token_ids;
+    const int32_t *prompt_token_ids; // return_token_ids: non-stream choices, first stream chunk
+    size_t n_prompt_token_ids;
+};
+struct tdm_oai_usage {
+    int prompt_tokens;
+    int completion_tokens; // total_tokens = the sum
+};
+
+// Non-stream body: completions {"id","object":"text_completion","created","model",
+// "choices":[{"index","text","logprobs","finish_reason","stop_reason"}],"usage"}
+// or chat {"object":"chat.completion", choices [{"index","message":{"role":
+// "assistant","content",...},"logprobs","finish_reason","stop_reason"}]}.
+// Heap string (caller frees); NULL on ENOMEM.
+char *tdm_oai_body(const struct tdm_oai_response *r, const struct tdm_oai_choice *choices, size_t n,
+                   const struct tdm_oai_usage *usage);
+// One stream chunk (the JSON only; the http module frames it as an SSE event):
+// completions "text_completion" choices with "text"; chat "chat.completion.chunk"
+// choices with "delta":{"content":...}. usage NULL omits the field (pass it for
+// continuous_usage_stats).
+char *tdm_oai_chunk(const struct tdm_oai_response *r, const struct tdm_oai_choice *choices,
+                    size_t n, const struct tdm_oai_usage *usage);
+// Chat only: the first chunk of a choice, delta {"role":"assistant","content":""}.
+char *tdm_oai_chat_role_chunk(const struct tdm_oai_response *r, int index);
+// The final usage-only chunk: "choices":[] and "usage" (stream_options.include_usage).
+char *tdm_oai_usage_chunk(const struct tdm_oai_response *r, const struct tdm_oai_usage *usage);
+
+// ---- /v1/models and /version --------------------------------------------------------------
+struct tdm_oai_model_card {
+    const char *id;     // served name
+    const char *root;   // model path or HF id (NULL: = id)
+    const char *parent; // NULL gives null
+    int max_model_len;
+    int64_t created;      // Unix seconds
+    const char *owned_by; // NULL gives "vllm" (clients match on it)
+};
+char *tdm_oai_models_body(const struct tdm_oai_model_card *cards, size_t n);
+char *tdm_oai_version_body(const char *version);
+
+// ---- stop strings over a stream ------------------------------------------------------------
+// Feeds generated text delta by delta. Each call hands back the text safe to send
+// now: everything except a tail that could still become a stop string (and an
+// incomplete UTF-8 character at the very end). When a stop string completes, the
+// text before it (or through it, with include_stop_str_in_output) is handed back
+// and the matcher is done: later feeds hand back nothing. When several stop
+// strings complete in one feed, the one that ends first wins (then the longer).
+// Memory grows to the longest delta plus the longest stop string, then stays.
+struct tdm_oai_stop;
+// stops: n non-empty strings (copied). n may be 0 (then every feed passes through).
+int tdm_oai_stop_new(struct tdm_oai_stop **out, const char *const *stops, size_t n,
+                     bool include_stop_str_in_output);
+void tdm_oai_stop_free(struct tdm_oai_stop *s);
+// *emit points into the matcher (valid until the next call). Returns the index of
+// the matched stop string, or -1 while none matched (and after the match: -1 and
+// nothing emitted). TDM-style errors: -2 on ENOMEM (nothing emitted).
+int tdm_oai_stop_feed(struct tdm_oai_stop *s, const char *delta, size_t len, const char **emit,
+                      size_t *emit_len);
+// At the end of generation without a match: hands back the held tail.
+void tdm_oai_stop_flush(struct tdm_oai_stop *s, const char **emit, size_t *emit_len);
+bool tdm_oai_stop_done(const struct tdm_oai_stop *s);
+
+// ---- helpers ------------------------------------------------------------------------------
+// Python len() of UTF-8 text: code points (each invalid byte counts one, as its
+// U+FFFD would).
+size_t tdm_oai_utf8_chars(const char *s, size_t len);
+
+#endif

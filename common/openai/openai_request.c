@@ -1,0 +1,888 @@
+// SPDX-License-Identifier: Apache-2.0
+// openai requests: JSON bodies of /v1/completions, /v1/chat/completions,
+// /tokenize and /detokenize into native structs, validated at the edge so the
+// engine only ever sees plain, in-range values. Messages follow vLLM's
+// (protocol.py and SamplingParams._verify_args) wording; type errors follow
+// pydantic's ("Input should be a valid integer"). A null field counts as absent;
+// unknown fields are ignored; features vLLM has and Tandem lacks are refused
+// with 400 rather than silently ignored, unless the value is a no-op.
+#include "openai.h"
+#include "openai_impl.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+// ---- typed field access ------------------------------------------------------------------
+// Each getter returns 1 when the field is present (non-null) and valid, 0 when
+// absent or null, and -1 after filling e with a 400 naming the field.
+
+static const cJSON *field(const cJSON *obj, const char *name)
+{
+    const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, name);
+    return it && !cJSON_IsNull(it) ? it : NULL;
+}
+
+static int get_number(const cJSON *obj, const char *name, double *out, struct tdm_oai_error *e)
+{
+    const cJSON *it = field(obj, name);
+    if (!it)
+        return 0;
+    if (!cJSON_IsNumber(it)) {
+        tdm_oai_seterr(e, 400, name, "%s: Input should be a valid number", name);
+        return -1;
+    }
+    *out = it->valuedouble;
+    return 1;
+}
+
+static bool json_is_int(const cJSON *it, double lo, double hi)
+{
+    return cJSON_IsNumber(it) && isfinite(it->valuedouble) &&
+           it->valuedouble == floor(it->valuedouble) && it->valuedouble >= lo &&
+           it->valuedouble <= hi;
+}
+
+static int get_int(const cJSON *obj, const char *name, int *out, struct tdm_oai_error *e)
+{
+    const cJSON *it = field(obj, name);
+    if (!it)
+        return 0;
+    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble) ||
+        it->valuedouble != floor(it->valuedouble)) {
+        tdm_oai_seterr(e, 400, name, "%s: Input should be a valid integer", name);
+        return -1;
+    }
+    // Out-of-int range values are clamped so range checks report them plainly.
+    double v = it->valuedouble;
+    *out = v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int)v;
+    return 1;
+}
+
+static int get_bool(const cJSON *obj, const char *name, bool *out, struct tdm_oai_error *e)
+{
+    const cJSON *it = field(obj, name);
+    if (!it)
+        return 0;
+    if (!cJSON_IsBool(it)) {
+        tdm_oai_seterr(e, 400, name, "%s: Input should be a valid boolean", name);
+        return -1;
+    }
+    *out = cJSON_IsTrue(it);
+    return 1;
+}
+
+// *out is a heap copy (caller frees).
+static int get_string(const cJSON *obj, const char *name, char **out, struct tdm_oai_error *e)
+{
+    const cJSON *it = field(obj, name);
+    if (!it)
+        return 0;
+    if (!cJSON_IsString(it)) {
+        tdm_oai_seterr(e, 400, name, "%s: Input should be a valid string", name);
+        return -1;
+    }
+    *out = strdup(it->valuestring);
+    if (!*out) {
+        tdm_oai_seterr(e, 500, NULL, "out of memory");
+        return -1;
+    }
+    return 1;
+}
+
+static int err_range(struct tdm_oai_error *e, const char *param, const char *fmt, double v)
+{
+    char num[32];
+    tdm_oai_fmt_float(num, v);
+    char msg[256];
+    snprintf(msg, sizeof msg, fmt, num);
+    return tdm_oai_seterr(e, 400, param, "%s", msg);
+}
+
+static int not_supported(struct tdm_oai_error *e, const char *name, const char *why)
+{
+    return tdm_oai_seterr(e, 400, name, "%s is not supported by this server%s%s", name,
+                          why ? ": " : "", why ? why : "");
+}
+
+static bool is_empty_value(const cJSON *it)
+{
+    return !it || cJSON_IsNull(it) || (cJSON_IsFalse(it)) ||
+           ((cJSON_IsArray(it) || cJSON_IsObject(it)) && !it->child) ||
+           (cJSON_IsString(it) && it->valuestring[0] == '\0');
+}
+
+// Fields vLLM supports that Tandem does not implement: refused unless empty/no-op.
+static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct tdm_oai_error *e)
+{
+    static const struct {
+        const char *name;
+        const char *why;
+    } fields[] = {
+        {"suffix", NULL},
+        {"tools", "no tool calling"},
+        {"functions", "no tool calling"},
+        {"function_call", "no tool calling"},
+        {"use_beam_search", NULL},
+        {"prompt_logprobs", "no prompt logprobs"},
+        {"allowed_token_ids", NULL},
+        {"bad_words", NULL},
+        {"truncate_prompt_tokens", NULL},
+        {"logits_processors", NULL},
+        {"prompt_embeds", NULL},
+        {"structured_outputs", "no structured outputs"},
+        {"guided_json", "no structured outputs"},
+        {"guided_regex", "no structured outputs"},
+        {"guided_choice", "no structured outputs"},
+        {"guided_grammar", "no structured outputs"},
+        {"guided_decoding_backend", "no structured outputs"},
+        {"return_tokens_as_token_ids", NULL},
+        {"logprob_token_ids", NULL},
+        {"cache_salt", NULL},
+        {"chat_template", "the server renders the model's own template"},
+        {"documents", NULL},
+        {"audio", NULL},
+        {"modalities", NULL},
+        {"mm_processor_kwargs", NULL},
+    };
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+        const cJSON *it = cJSON_GetObjectItemCaseSensitive(root, fields[i].name);
+        if (!is_empty_value(it))
+            return not_supported(e, fields[i].name, fields[i].why);
+    }
+    const cJSON *rf = field(root, "response_format");
+    if (rf) {
+        const cJSON *type = cJSON_IsObject(rf) ? field(rf, "type") : NULL;
+        if (!(cJSON_IsString(type) && strcmp(type->valuestring, "text") == 0))
+            return not_supported(e, "response_format", "only {\"type\": \"text\"}");
+    }
+    const cJSON *tc = field(root, "tool_choice");
+    if (tc && !(cJSON_IsString(tc) &&
+                (strcmp(tc->valuestring, "none") == 0 || strcmp(tc->valuestring, "auto") == 0)))
+        return not_supported(e, "tool_choice", "no tool calling");
+    const cJSON *ctk = field(root, "chat_template_kwargs");
+    if (ctk && !(cJSON_IsObject(ctk) && !ctk->child))
+        return not_supported(e, "chat_template_kwargs", NULL);
+    if (kind == TDM_OAI_CHAT) {
+        const cJSON *echo = field(root, "echo");
+        if (echo && !cJSON_IsFalse(echo))
+            return not_supported(e, "echo", "chat echo");
+    }
+    return TDM_OK;
+}
+
+// ---- prompts ---------------------------------------------------------------------------------
+static int token_ids(const cJSON *arr, const char *param, const struct tdm_oai_model_info *m,
+                     int32_t **ids, size_t *n, struct tdm_oai_error *e)
+{
+    size_t count = (size_t)cJSON_GetArraySize(arr);
+    *ids = NULL;
+    *n = 0;
+    if (count == 0)
+        return tdm_oai_seterr(e, 400, param, "The decoder prompt cannot be empty");
+    int32_t *out = malloc(count * sizeof *out);
+    if (!out)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    size_t i = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, arr)
+    {
+        if (!json_is_int(it, -2147483648.0, 2147483647.0)) {
+            free(out);
+            return tdm_oai_seterr(e, 400, param, "%s: token ids must be integers", param);
+        }
+        int v = (int)it->valuedouble;
+        if (v < 0 || (m && m->vocab_size > 0 && v >= m->vocab_size)) {
+            free(out);
+            return tdm_oai_seterr(e, 400, param, "Token id %d is out of vocabulary", v);
+        }
+        out[i++] = v;
+    }
+    *ids = out;
+    *n = count;
+    return TDM_OK;
+}
+
+static int prompt_text(const cJSON *s, struct tdm_oai_prompt *p, struct tdm_oai_error *e)
+{
+    if (s->valuestring[0] == '\0')
+        return tdm_oai_seterr(e, 400, "prompt", "The decoder prompt cannot be empty");
+    p->text = strdup(s->valuestring);
+    if (!p->text)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    p->text_len = strlen(p->text);
+    return TDM_OK;
+}
+
+static int parse_prompts(const cJSON *root, struct tdm_oai_request *r,
+                         const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    const cJSON *p = field(root, "prompt");
+    if (!p || (cJSON_IsArray(p) && !p->child))
+        return tdm_oai_seterr(e, 400, "prompt",
+                              "Either prompt or prompt_embeds must be provided and non-empty.");
+    static const char type_msg[] = "prompt: Input should be a valid string, a list of strings, a "
+                                   "list of token ids or a list of lists of token ids";
+    if (cJSON_IsString(p)) {
+        r->prompts = calloc(1, sizeof *r->prompts);
+        if (!r->prompts)
+            return tdm_oai_seterr(e, 500, NULL, "out of memory");
+        r->n_prompts = 1;
+        return prompt_text(p, &r->prompts[0], e);
+    }
+    if (!cJSON_IsArray(p))
+        return tdm_oai_seterr(e, 400, "prompt", "%s", type_msg);
+    const cJSON *first = p->child;
+    if (cJSON_IsNumber(first)) {
+        r->prompts = calloc(1, sizeof *r->prompts);
+        if (!r->prompts)
+            return tdm_oai_seterr(e, 500, NULL, "out of memory");
+        r->n_prompts = 1;
+        return token_ids(p, "prompt", m, &r->prompts[0].ids, &r->prompts[0].n_ids, e);
+    }
+    size_t count = (size_t)cJSON_GetArraySize(p);
+    r->prompts = calloc(count, sizeof *r->prompts);
+    if (!r->prompts)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    r->n_prompts = count;
+    bool strings = cJSON_IsString(first);
+    size_t i = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, p)
+    {
+        int rc;
+        if (strings && cJSON_IsString(it))
+            rc = prompt_text(it, &r->prompts[i], e);
+        else if (!strings && cJSON_IsArray(it))
+            rc = token_ids(it, "prompt", m, &r->prompts[i].ids, &r->prompts[i].n_ids, e);
+        else
+            rc = tdm_oai_seterr(e, 400, "prompt", "%s", type_msg);
+        if (rc != TDM_OK)
+            return rc;
+        i++;
+    }
+    return TDM_OK;
+}
+
+// ---- messages --------------------------------------------------------------------------------
+static int parse_messages(const cJSON *root, struct tdm_chat_msg **msgs, size_t *n, char **json_out,
+                          struct tdm_oai_error *e)
+{
+    const cJSON *m = field(root, "messages");
+    if (!m)
+        return tdm_oai_seterr(e, 400, "messages", "messages: Field required");
+    if (!cJSON_IsArray(m))
+        return tdm_oai_seterr(e, 400, "messages", "messages: Input should be a valid list");
+    if (!m->child)
+        return tdm_oai_seterr(e, 400, "messages", "messages must contain at least one message");
+    char *text = cJSON_PrintUnformatted(m);
+    if (!text)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    char err[256] = "";
+    int rc = tdm_chat_msgs_parse(text, strlen(text), msgs, n, err, sizeof err);
+    if (rc != TDM_OK) {
+        free(text);
+        if (rc == TDM_ENOMEM)
+            return tdm_oai_seterr(e, 500, NULL, "out of memory");
+        return tdm_oai_seterr(e, 400, "messages", "%s", err);
+    }
+    if (json_out)
+        *json_out = text;
+    else
+        free(text);
+    return TDM_OK;
+}
+
+// ---- stop, stop_token_ids, logit_bias -------------------------------------------------------
+static int parse_stop(const cJSON *root, struct tdm_oai_request *r, struct tdm_oai_error *e)
+{
+    const cJSON *s = field(root, "stop");
+    if (!s)
+        return TDM_OK;
+    if (cJSON_IsString(s)) {
+        if (!s->valuestring[0])
+            return tdm_oai_seterr(e, 400, "stop", "stop cannot contain an empty string.");
+        if (!(r->stop[0] = strdup(s->valuestring)))
+            return tdm_oai_seterr(e, 500, NULL, "out of memory");
+        r->n_stop = 1;
+        return TDM_OK;
+    }
+    if (!cJSON_IsArray(s))
+        return tdm_oai_seterr(e, 400, "stop",
+                              "stop: Input should be a valid string or a list of strings");
+    if (cJSON_GetArraySize(s) > TDM_OAI_MAX_STOP)
+        return tdm_oai_seterr(e, 400, "stop", "stop may hold at most %d strings, got %d",
+                              TDM_OAI_MAX_STOP, cJSON_GetArraySize(s));
+    const cJSON *it;
+    cJSON_ArrayForEach(it, s)
+    {
+        if (!cJSON_IsString(it))
+            return tdm_oai_seterr(e, 400, "stop",
+                                  "stop: Input should be a valid string or a list of strings");
+        if (!it->valuestring[0])
+            return tdm_oai_seterr(e, 400, "stop", "stop cannot contain an empty string.");
+        if (!(r->stop[r->n_stop] = strdup(it->valuestring)))
+            return tdm_oai_seterr(e, 500, NULL, "out of memory");
+        r->n_stop++;
+    }
+    return TDM_OK;
+}
+
+static int parse_stop_ids(const cJSON *root, struct tdm_sampling_params *p,
+                          const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    const cJSON *s = field(root, "stop_token_ids");
+    if (!s)
+        return TDM_OK;
+    if (!cJSON_IsArray(s))
+        return tdm_oai_seterr(e, 400, "stop_token_ids",
+                              "stop_token_ids: Input should be a valid list");
+    if (cJSON_GetArraySize(s) > TDM_MAX_STOP_IDS)
+        return tdm_oai_seterr(e, 400, "stop_token_ids",
+                              "stop_token_ids may hold at most %d ids, got %d", TDM_MAX_STOP_IDS,
+                              cJSON_GetArraySize(s));
+    const cJSON *it;
+    cJSON_ArrayForEach(it, s)
+    {
+        if (!json_is_int(it, -2147483648.0, 2147483647.0))
+            return tdm_oai_seterr(e, 400, "stop_token_ids",
+                                  "stop_token_ids must contain only integers");
+        int v = (int)it->valuedouble;
+        if (v < 0 || (m && m->vocab_size > 0 && v >= m->vocab_size))
+            return tdm_oai_seterr(e, 400, "stop_token_ids",
+                                  "token_id(s) [%d] in stop_token_ids contain out-of-vocab token "
+                                  "ids. Vocabulary size: %d",
+                                  v, m ? m->vocab_size : 0);
+        p->stop_token_ids[p->num_stop_token_ids++] = v;
+    }
+    return TDM_OK;
+}
+
+static int parse_logit_bias(const cJSON *root, struct tdm_sampling_params *p,
+                            const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    const cJSON *b = field(root, "logit_bias");
+    if (!b)
+        return TDM_OK;
+    if (!cJSON_IsObject(b))
+        return tdm_oai_seterr(e, 400, "logit_bias",
+                              "logit_bias: Input should be a valid dictionary");
+    if (cJSON_GetArraySize(b) > TDM_MAX_LOGIT_BIAS)
+        return tdm_oai_seterr(e, 400, "logit_bias",
+                              "logit_bias may hold at most %d entries, got %d", TDM_MAX_LOGIT_BIAS,
+                              cJSON_GetArraySize(b));
+    const cJSON *it;
+    cJSON_ArrayForEach(it, b)
+    {
+        char *end = NULL;
+        long id = strtol(it->string, &end, 10);
+        if (!it->string[0] || *end || id < INT32_MIN || id > INT32_MAX)
+            return tdm_oai_seterr(e, 400, "logit_bias",
+                                  "Found token_id `%.40s` in logit_bias but token_id must be an "
+                                  "integer or string representing an integer",
+                                  it->string);
+        if (id < 0 || (m && m->vocab_size > 0 && id >= m->vocab_size))
+            return tdm_oai_seterr(e, 400, "logit_bias",
+                                  "token_id(s) [%ld] in logit_bias contain out-of-vocab token ids. "
+                                  "Vocabulary size: %d",
+                                  id, m ? m->vocab_size : 0);
+        if (!cJSON_IsNumber(it))
+            return tdm_oai_seterr(e, 400, "logit_bias",
+                                  "logit_bias.%.40s: Input should be a valid number", it->string);
+        // OpenAI's range; vLLM clamps rather than rejects.
+        double v = it->valuedouble;
+        v = v > 100.0 ? 100.0 : v < -100.0 ? -100.0 : v;
+        p->logit_bias[p->num_logit_bias].token = (int32_t)id;
+        p->logit_bias[p->num_logit_bias].bias = (float)v;
+        p->num_logit_bias++;
+    }
+    return TDM_OK;
+}
+
+// ---- sampling values --------------------------------------------------------------------------
+// Reads the sampling fields, checks them in vLLM's order and words, and resolves
+// the defaults through generation_config.json.
+static int parse_sampling(const cJSON *root, struct tdm_oai_request *r,
+                          const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    struct tdm_sampling_params *p = &r->sampling;
+    tdm_sampling_params_default(p);
+    double temperature, top_p, min_p, rep, pres = 0, freq = 0, seed;
+    int top_k, rc;
+    float f_temperature, f_top_p, f_min_p, f_rep;
+    struct tdm_sampling_request sreq = {0};
+
+    if ((rc = get_number(root, "temperature", &temperature, e)) < 0)
+        return TDM_EINVAL;
+    if (rc) {
+        if (temperature < 0)
+            return err_range(e, "temperature", "temperature must be non-negative, got %s.",
+                             temperature);
+        if (temperature > 2)
+            return err_range(e, "temperature", "temperature must be in [0, 2], got %s.",
+                             temperature);
+        f_temperature = (float)temperature;
+        sreq.temperature = &f_temperature;
+    }
+    if ((rc = get_number(root, "top_p", &top_p, e)) < 0)
+        return TDM_EINVAL;
+    if (rc) {
+        if (!(top_p > 0 && top_p <= 1))
+            return err_range(e, "top_p", "top_p must be in (0, 1], got %s.", top_p);
+        f_top_p = (float)top_p;
+        sreq.top_p = &f_top_p;
+    }
+    if ((rc = get_int(root, "top_k", &top_k, e)) < 0)
+        return TDM_EINVAL;
+    if (rc) {
+        if (top_k < -1)
+            return tdm_oai_seterr(e, 400, "top_k",
+                                  "top_k must be 0 (disable), or at least 1, got %d.", top_k);
+        sreq.top_k = &top_k;
+    }
+    if ((rc = get_number(root, "min_p", &min_p, e)) < 0)
+        return TDM_EINVAL;
+    if (rc) {
+        if (!(min_p >= 0 && min_p <= 1))
+            return err_range(e, "min_p", "min_p must be in [0, 1], got %s.", min_p);
+        f_min_p = (float)min_p;
+        sreq.min_p = &f_min_p;
+    }
+    if ((rc = get_number(root, "repetition_penalty", &rep, e)) < 0)
+        return TDM_EINVAL;
+    if (rc) {
+        if (!(rep > 0))
+            return err_range(e, "repetition_penalty",
+                             "repetition_penalty must be greater than zero, got %s.", rep);
+        f_rep = (float)rep;
+        sreq.repetition_penalty = &f_rep;
+    }
+    if (get_number(root, "presence_penalty", &pres, e) < 0)
+        return TDM_EINVAL;
+    if (!(pres >= -2 && pres <= 2))
+        return err_range(e, "presence_penalty", "presence_penalty must be in [-2, 2], got %s.",
+                         pres);
+    if (get_number(root, "frequency_penalty", &freq, e) < 0)
+        return TDM_EINVAL;
+    if (!(freq >= -2 && freq <= 2))
+        return err_range(e, "frequency_penalty", "frequency_penalty must be in [-2, 2], got %s.",
+                         freq);
+    if ((rc = get_number(root, "seed", &seed, e)) < 0)
+        return TDM_EINVAL;
+    if (rc) {
+        // int64 range, as vLLM's Field(ge=-2**63, le=2**63-1); JSON numbers
+        // beyond 2^53 have already lost precision in the double.
+        if (seed != floor(seed))
+            return tdm_oai_seterr(e, 400, "seed", "seed: Input should be a valid integer");
+        if (seed < -9223372036854775808.0 || seed >= 9223372036854775808.0)
+            return tdm_oai_seterr(e, 400, "seed", "seed: Input should be %s",
+                                  seed < 0 ? "greater than or equal to -9223372036854775808"
+                                           : "less than or equal to 9223372036854775807");
+        p->has_seed = true;
+        p->seed = (uint64_t)(int64_t)seed;
+    }
+    if (get_bool(root, "ignore_eos", &p->ignore_eos, e) < 0)
+        return TDM_EINVAL;
+    if ((rc = get_int(root, "min_tokens", &p->min_tokens, e)) < 0)
+        return TDM_EINVAL;
+    if (p->min_tokens < 0)
+        return tdm_oai_seterr(e, 400, "min_tokens",
+                              "min_tokens must be greater than or equal to 0, got %d.",
+                              p->min_tokens);
+    if (parse_stop_ids(root, p, m, e) != TDM_OK)
+        return TDM_EINVAL;
+    if (parse_logit_bias(root, p, m, e) != TDM_OK)
+        return TDM_EINVAL;
+
+    struct tdm_sampling_resolved res;
+    tdm_hf_sampling_resolve(m ? m->gen : NULL, &sreq, 0, &res);
+    p->temperature = res.temperature;
+    p->top_p = res.top_p;
+    p->top_k = res.top_k;
+    p->min_p = res.min_p;
+    p->repetition_penalty = res.repetition_penalty;
+    p->presence_penalty = (float)pres;
+    p->frequency_penalty = (float)freq;
+    p->logprobs = r->logprobs ? r->top_logprobs : -1;
+    return TDM_OK;
+}
+
+static int parse_logprobs(const cJSON *root, struct tdm_oai_request *r, struct tdm_oai_error *e)
+{
+    int rc, v = 0;
+    if (r->kind == TDM_OAI_COMPLETION) {
+        if ((rc = get_int(root, "logprobs", &v, e)) < 0)
+            return TDM_EINVAL;
+        if (!rc)
+            return TDM_OK;
+        if (v < 0)
+            return tdm_oai_seterr(e, 400, "logprobs", "`logprobs` must be a positive value.");
+        r->logprobs = true;
+    } else {
+        bool on = false;
+        if (get_bool(root, "logprobs", &on, e) < 0)
+            return TDM_EINVAL;
+        if ((rc = get_int(root, "top_logprobs", &v, e)) < 0)
+            return TDM_EINVAL;
+        if (rc && v < 0)
+            return tdm_oai_seterr(e, 400, "top_logprobs",
+                                  "`top_logprobs` must be a positive value.");
+        if (v > 0 && !on)
+            return tdm_oai_seterr(e, 400, "top_logprobs",
+                                  "when using `top_logprobs`, `logprobs` must be set to true.");
+        r->logprobs = on;
+    }
+    if (v > TDM_MAX_LOGPROBS)
+        return tdm_oai_seterr(e, 400, "logprobs",
+                              "Requested sample logprobs of %d, which is greater than max "
+                              "allowed: %d",
+                              v, TDM_MAX_LOGPROBS);
+    r->top_logprobs = v;
+    return TDM_OK;
+}
+
+static int parse_model(const cJSON *root, char **model, const struct tdm_oai_model_info *m,
+                       struct tdm_oai_error *e)
+{
+    if (get_string(root, "model", model, e) < 0)
+        return e->status == 500 ? TDM_ENOMEM : TDM_EINVAL;
+    if (*model && m && m->served_name && strcmp(*model, m->served_name) != 0)
+        return tdm_oai_seterr(e, 404, "model", "The model `%.200s` does not exist.", *model);
+    return TDM_OK;
+}
+
+static int parse_root(cJSON **root, const char *json, size_t len, struct tdm_oai_error *e)
+{
+    *root = json ? cJSON_ParseWithLength(json, len) : NULL;
+    if (!*root)
+        return tdm_oai_seterr(e, 400, NULL, "The request body is not valid JSON");
+    if (!cJSON_IsObject(*root)) {
+        cJSON_Delete(*root);
+        *root = NULL;
+        return tdm_oai_seterr(e, 400, NULL, "The request body must be a JSON object");
+    }
+    return TDM_OK;
+}
+
+static int fail_code(const struct tdm_oai_error *e)
+{
+    return e->status >= 500 ? TDM_ENOMEM : TDM_EINVAL;
+}
+
+// ---- completions and chat -----------------------------------------------------------------------
+static int parse_request(struct tdm_oai_request *r, const cJSON *root,
+                         const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    int rc;
+    bool chat = r->kind == TDM_OAI_CHAT;
+    if (check_unsupported(root, r->kind, e) != TDM_OK)
+        return TDM_EINVAL;
+    if ((rc = parse_model(root, &r->model, m, e)) != TDM_OK)
+        return rc;
+    if (chat) {
+        if (parse_messages(root, &r->messages, &r->n_messages, &r->messages_json, e) != TDM_OK)
+            return fail_code(e);
+    } else if (parse_prompts(root, r, m, e) != TDM_OK) {
+        return fail_code(e);
+    }
+
+    if (get_bool(root, "stream", &r->stream, e) < 0)
+        return TDM_EINVAL;
+    const cJSON *so = field(root, "stream_options");
+    if (so) {
+        if (!cJSON_IsObject(so))
+            return tdm_oai_seterr(e, 400, "stream_options",
+                                  "stream_options: Input should be a valid dictionary");
+        if (!r->stream && so->child)
+            return tdm_oai_seterr(e, 400, "stream_options",
+                                  "Stream options can only be defined when `stream=True`.");
+        if (get_bool(so, "include_usage", &r->include_usage, e) < 0 ||
+            get_bool(so, "continuous_usage_stats", &r->continuous_usage_stats, e) < 0)
+            return TDM_EINVAL;
+    }
+
+    // max_tokens: chat prefers max_completion_tokens (vLLM: `max_completion_tokens or max_tokens`).
+    int mt = 0, mct = 0;
+    int has_mt = get_int(root, "max_tokens", &mt, e);
+    if (has_mt < 0)
+        return TDM_EINVAL;
+    int has_mct = chat ? get_int(root, "max_completion_tokens", &mct, e) : 0;
+    if (has_mct < 0)
+        return TDM_EINVAL;
+    if (get_bool(root, "echo", &r->echo, e) < 0)
+        return TDM_EINVAL;
+    const char *mt_name = "max_tokens";
+    if (has_mct && mct != 0) {
+        mt = mct;
+        has_mt = 1;
+        mt_name = "max_completion_tokens";
+    } else if (has_mct && !has_mt) {
+        mt = 0;
+        has_mt = 1;
+        mt_name = "max_completion_tokens";
+    }
+    r->max_tokens = chat ? -1 : 16;
+    if (has_mt) {
+        if (!chat && mt == 0 && r->echo) {
+            r->echo_only = true; // vLLM: echo without generation
+            r->max_tokens = 0;
+        } else if (mt < 1) {
+            return tdm_oai_seterr(e, 400, mt_name, "max_tokens must be at least 1, got %d.", mt);
+        } else {
+            r->max_tokens = mt;
+        }
+    }
+
+    if ((rc = get_int(root, "n", &r->n, e)) < 0)
+        return TDM_EINVAL;
+    if (!rc)
+        r->n = 1;
+    if (r->n < 1)
+        return tdm_oai_seterr(e, 400, "n", "n must be at least 1, got %d.", r->n);
+    if (r->n > TDM_OAI_MAX_N)
+        return tdm_oai_seterr(e, 400, "n", "n must be at most %d, got %d.", TDM_OAI_MAX_N, r->n);
+    int best_of = 0;
+    if ((rc = get_int(root, "best_of", &best_of, e)) < 0)
+        return TDM_EINVAL;
+    if (rc && best_of < r->n)
+        return tdm_oai_seterr(
+            e, 400, "best_of",
+            "best_of must be greater than or equal to n, got n=%d and best_of=%d.", r->n, best_of);
+    if (rc && best_of > r->n)
+        return not_supported(e, "best_of", "best_of greater than n");
+
+    if (parse_logprobs(root, r, e) != TDM_OK)
+        return TDM_EINVAL;
+    if (r->echo && r->logprobs)
+        return not_supported(e, "echo", "echo with logprobs needs prompt logprobs");
+    if (parse_stop(root, r, e) != TDM_OK)
+        return fail_code(e);
+
+    r->skip_special_tokens = true;
+    r->spaces_between_special_tokens = true;
+    r->add_special_tokens = !chat;
+    r->add_generation_prompt = true;
+    if (get_bool(root, "include_stop_str_in_output", &r->include_stop_str_in_output, e) < 0 ||
+        get_bool(root, "skip_special_tokens", &r->skip_special_tokens, e) < 0 ||
+        get_bool(root, "spaces_between_special_tokens", &r->spaces_between_special_tokens, e) < 0 ||
+        get_bool(root, "add_special_tokens", &r->add_special_tokens, e) < 0 ||
+        get_bool(root, "return_token_ids", &r->return_token_ids, e) < 0)
+        return TDM_EINVAL;
+    if (chat) {
+        if (get_bool(root, "add_generation_prompt", &r->add_generation_prompt, e) < 0 ||
+            get_bool(root, "continue_final_message", &r->continue_final_message, e) < 0)
+            return TDM_EINVAL;
+        if (r->add_generation_prompt && r->continue_final_message)
+            return tdm_oai_seterr(e, 400, "continue_final_message",
+                                  "Cannot set both `continue_final_message` and "
+                                  "`add_generation_prompt` to True.");
+    }
+    if (get_string(root, "user", &r->user, e) < 0 ||
+        get_string(root, "request_id", &r->request_id, e) < 0)
+        return fail_code(e);
+    if (get_int(root, "priority", &r->priority, e) < 0)
+        return TDM_EINVAL;
+
+    if (parse_sampling(root, r, m, e) != TDM_OK)
+        return fail_code(e);
+    if (r->max_tokens > 0 && r->sampling.min_tokens > r->max_tokens)
+        return tdm_oai_seterr(e, 400, "min_tokens",
+                              "min_tokens must be less than or equal to max_tokens=%d, got %d.",
+                              r->max_tokens, r->sampling.min_tokens);
+    if (r->sampling.temperature < 1e-5f && r->n > 1)
+        return tdm_oai_seterr(e, 400, "n", "n must be 1 when using greedy sampling, got %d.", r->n);
+    // Backstop: the sampler refuses what it cannot run; say so as a 400.
+    char err[256];
+    if (m && m->vocab_size > 0 &&
+        tdm_sampling_params_validate(&r->sampling, m->vocab_size, err, sizeof err) != TDM_OK)
+        return tdm_oai_seterr(e, 400, NULL, "%s", err);
+    return TDM_OK;
+}
+
+int tdm_oai_request_parse(struct tdm_oai_request *req, enum tdm_oai_kind kind, const char *json,
+                          size_t len, const struct tdm_oai_model_info *model,
+                          struct tdm_oai_error *e)
+{
+    memset(req, 0, sizeof *req);
+    req->kind = kind;
+    tdm_sampling_params_default(&req->sampling);
+    cJSON *root;
+    int rc = parse_root(&root, json, len, e);
+    if (rc != TDM_OK)
+        return rc;
+    rc = parse_request(req, root, model, e);
+    cJSON_Delete(root);
+    if (rc != TDM_OK) {
+        tdm_oai_request_fini(req);
+        req->kind = kind;
+    }
+    return rc;
+}
+
+void tdm_oai_request_fini(struct tdm_oai_request *req)
+{
+    if (!req)
+        return;
+    free(req->model);
+    for (size_t i = 0; i < req->n_prompts; i++) {
+        free(req->prompts[i].text);
+        free(req->prompts[i].ids);
+    }
+    free(req->prompts);
+    tdm_chat_msgs_free(req->messages, req->n_messages);
+    free(req->messages_json);
+    for (size_t i = 0; i < req->n_stop; i++)
+        free(req->stop[i]);
+    free(req->user);
+    free(req->request_id);
+    memset(req, 0, sizeof *req);
+}
+
+int tdm_oai_request_max_tokens(const struct tdm_oai_request *req,
+                               const struct tdm_oai_model_info *model, size_t prompt_len,
+                               int *max_tokens, struct tdm_oai_error *e)
+{
+    int max_len = model ? model->max_model_len : 0;
+    const char *where = req->kind == TDM_OAI_CHAT ? "messages" : "prompt";
+    *max_tokens = 0;
+    if (max_len > 0 && prompt_len >= (size_t)max_len &&
+        !(req->echo_only && prompt_len == (size_t)max_len))
+        return tdm_oai_seterr(e, 400, NULL,
+                              "This model's maximum context length is %d tokens. However, your "
+                              "request has %zu input tokens. Please reduce the length of the "
+                              "input %s.",
+                              max_len, prompt_len, where);
+    if (req->echo_only)
+        return TDM_OK;
+    if (max_len > 0 && req->max_tokens > 0 &&
+        prompt_len + (size_t)req->max_tokens > (size_t)max_len)
+        return tdm_oai_seterr(e, 400, NULL,
+                              "This model's maximum context length is %d tokens. However, you "
+                              "requested %zu tokens (%zu in the %s, %d in the completion). "
+                              "Please reduce the length of the %s or completion.",
+                              max_len, prompt_len + (size_t)req->max_tokens, prompt_len, where,
+                              req->max_tokens, where);
+    struct tdm_sampling_request sreq = {0};
+    int mt = req->max_tokens;
+    if (mt > 0)
+        sreq.max_tokens = &mt;
+    struct tdm_sampling_resolved res;
+    int room = max_len > 0 ? max_len - (int)prompt_len : 0;
+    tdm_hf_sampling_resolve(model ? model->gen : NULL, &sreq, room, &res);
+    if (res.max_tokens < 1)
+        return tdm_oai_seterr(e, 400, "max_tokens",
+                              "max_tokens is not set and the model's context length is unknown");
+    if (req->sampling.min_tokens > res.max_tokens)
+        return tdm_oai_seterr(e, 400, "min_tokens",
+                              "min_tokens must be less than or equal to max_tokens=%d, got %d.",
+                              res.max_tokens, req->sampling.min_tokens);
+    *max_tokens = res.max_tokens;
+    return TDM_OK;
+}
+
+// ---- /tokenize and /detokenize
+// -------------------------------------------------------------------
+static int parse_tokenize(struct tdm_oai_tokenize_request *r, const cJSON *root,
+                          const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    int rc;
+    if ((rc = parse_model(root, &r->model, m, e)) != TDM_OK)
+        return rc;
+    const cJSON *prompt = field(root, "prompt");
+    bool chat = field(root, "messages") != NULL;
+    if (chat && prompt)
+        return tdm_oai_seterr(e, 400, NULL, "Either prompt or messages must be given, not both");
+    if (chat) {
+        if (parse_messages(root, &r->messages, &r->n_messages, NULL, e) != TDM_OK)
+            return fail_code(e);
+    } else {
+        if (!prompt)
+            return tdm_oai_seterr(e, 400, "prompt", "prompt: Field required");
+        if (get_string(root, "prompt", &r->prompt, e) < 0)
+            return fail_code(e);
+        r->prompt_len = strlen(r->prompt);
+    }
+    r->add_special_tokens = !chat;
+    r->add_generation_prompt = true;
+    if (get_bool(root, "add_special_tokens", &r->add_special_tokens, e) < 0 ||
+        get_bool(root, "add_generation_prompt", &r->add_generation_prompt, e) < 0 ||
+        get_bool(root, "continue_final_message", &r->continue_final_message, e) < 0 ||
+        get_bool(root, "return_token_strs", &r->return_token_strs, e) < 0)
+        return TDM_EINVAL;
+    if (chat && r->add_generation_prompt && r->continue_final_message)
+        return tdm_oai_seterr(e, 400, "continue_final_message",
+                              "Cannot set both `continue_final_message` and "
+                              "`add_generation_prompt` to True.");
+    return TDM_OK;
+}
+
+int tdm_oai_tokenize_parse(struct tdm_oai_tokenize_request *req, const char *json, size_t len,
+                           const struct tdm_oai_model_info *model, struct tdm_oai_error *e)
+{
+    memset(req, 0, sizeof *req);
+    cJSON *root;
+    int rc = parse_root(&root, json, len, e);
+    if (rc != TDM_OK)
+        return rc;
+    rc = parse_tokenize(req, root, model, e);
+    cJSON_Delete(root);
+    if (rc != TDM_OK)
+        tdm_oai_tokenize_fini(req);
+    return rc;
+}
+
+void tdm_oai_tokenize_fini(struct tdm_oai_tokenize_request *req)
+{
+    if (!req)
+        return;
+    free(req->model);
+    free(req->prompt);
+    tdm_chat_msgs_free(req->messages, req->n_messages);
+    memset(req, 0, sizeof *req);
+}
+
+int tdm_oai_detokenize_parse(struct tdm_oai_detokenize_request *req, const char *json, size_t len,
+                             const struct tdm_oai_model_info *model, struct tdm_oai_error *e)
+{
+    memset(req, 0, sizeof *req);
+    cJSON *root;
+    int rc = parse_root(&root, json, len, e);
+    if (rc != TDM_OK)
+        return rc;
+    if ((rc = parse_model(root, &req->model, model, e)) != TDM_OK)
+        goto fail;
+    const cJSON *t = field(root, "tokens");
+    if (!t) {
+        rc = tdm_oai_seterr(e, 400, "tokens", "tokens: Field required");
+        goto fail;
+    }
+    if (!cJSON_IsArray(t)) {
+        rc = tdm_oai_seterr(e, 400, "tokens", "tokens: Input should be a valid list");
+        goto fail;
+    }
+    if (t->child) {
+        rc = token_ids(t, "tokens", model, &req->tokens, &req->n_tokens, e);
+        if (rc != TDM_OK)
+            goto fail;
+    }
+    cJSON_Delete(root);
+    return TDM_OK;
+fail:
+    cJSON_Delete(root);
+    tdm_oai_detokenize_fini(req);
+    return rc;
+}
+
+void tdm_oai_detokenize_fini(struct tdm_oai_detokenize_request *req)
+{
+    if (!req)
+        return;
+    free(req->model);
+    free(req->tokens);
+    memset(req, 0, sizeof *req);
+}

@@ -1,0 +1,457 @@
+// SPDX-License-Identifier: Apache-2.0
+// openai responses: builds the JSON bodies vLLM sends (completions and chat,
+// non-stream and stream chunks, usage chunk, logprobs in both formats,
+// /v1/models, /tokenize, /detokenize, /version). Field order follows vLLM's
+// pydantic models so byte-level diffs against vLLM stay readable. Text that may
+// hold invalid UTF-8 (token pieces split inside a character) is repaired with
+// U+FFFD before it enters a JSON string, as Python's decode(errors="replace").
+#include "openai.h"
+#include "openai_impl.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core.h"
+
+// vLLM writes logprobs below this (-inf after filtering) as -9999.0.
+#define LOGPROB_FLOOR -9999.0
+
+void tdm_oai_response_init(struct tdm_oai_response *r, enum tdm_oai_kind kind, const char *model,
+                           const char *base_id)
+{
+    memset(r, 0, sizeof *r);
+    r->kind = kind;
+    r->model = model ? model : "";
+    r->created = (int64_t)time(NULL);
+    char hex[TDM_OAI_ID_HEX + 1];
+    if (!base_id || !*base_id) {
+        tdm_oai_random_hex(hex);
+        base_id = hex;
+    }
+    snprintf(r->id, sizeof r->id, "%s%.80s", kind == TDM_OAI_CHAT ? "chatcmpl-" : "cmpl-", base_id);
+}
+
+const char *tdm_oai_finish_name(enum tdm_oai_finish f)
+{
+    switch (f) {
+    case TDM_OAI_FINISH_STOP:
+        return "stop";
+    case TDM_OAI_FINISH_LENGTH:
+        return "length";
+    case TDM_OAI_FINISH_ABORT:
+        return "abort";
+    case TDM_OAI_FINISH_ERROR:
+        return "error";
+    default:
+        return NULL;
+    }
+}
+
+// ---- small cJSON helpers (each returns false on ENOMEM) --------------------------------------
+static bool add_text(cJSON *obj, const char *name, const char *s, size_t len)
+{
+    char *fixed = tdm_oai_utf8_dup(s ? s : "", s ? len : 0);
+    if (!fixed)
+        return false;
+    bool ok = cJSON_AddStringToObject(obj, name, fixed) != NULL;
+    free(fixed);
+    return ok;
+}
+
+static bool add_logprob(cJSON *obj, const char *name, float lp)
+{
+    double v = isnan(lp) || lp < LOGPROB_FLOOR ? LOGPROB_FLOOR : (double)lp;
+    return cJSON_AddNumberToObject(obj, name, v) != NULL;
+}
+
+static bool add_ids(cJSON *obj, const char *name, const int32_t *ids, size_t n)
+{
+    cJSON *arr = cJSON_AddArrayToObject(obj, name);
+    if (!arr)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        cJSON *num = cJSON_CreateNumber(ids[i]);
+        if (!num || !cJSON_AddItemToArray(arr, num)) {
+            cJSON_Delete(num);
+            return false;
+        }
+    }
+    return true;
+}
+
+static bool add_head(cJSON *root, const struct tdm_oai_response *r, const char *object)
+{
+    return cJSON_AddStringToObject(root, "id", r->id) &&
+           cJSON_AddStringToObject(root, "object", object) &&
+           cJSON_AddNumberToObject(root, "created", (double)r->created) &&
+           cJSON_AddStringToObject(root, "model", r->model);
+}
+
+static bool add_usage(cJSON *root, const struct tdm_oai_usage *u)
+{
+    cJSON *usage = cJSON_AddObjectToObject(root, "usage");
+    return usage && cJSON_AddNumberToObject(usage, "prompt_tokens", u->prompt_tokens) &&
+           cJSON_AddNumberToObject(usage, "total_tokens",
+                                   (double)u->prompt_tokens + (double)u->completion_tokens) &&
+           cJSON_AddNumberToObject(usage, "completion_tokens", u->completion_tokens);
+}
+
+static bool add_stop_reason(cJSON *obj, const struct tdm_oai_choice *c)
+{
+    if (c->stop_str)
+        return add_text(obj, "stop_reason", c->stop_str, strlen(c->stop_str));
+    if (c->stop_token >= 0)
+        return cJSON_AddNumberToObject(obj, "stop_reason", c->stop_token) != NULL;
+    return cJSON_AddNullToObject(obj, "stop_reason") != NULL;
+}
+
+static bool add_finish(cJSON *obj, enum tdm_oai_finish f)
+{
+    const char *name = tdm_oai_finish_name(f);
+    return name ? cJSON_AddStringToObject(obj, "finish_reason", name) != NULL
+                : cJSON_AddNullToObject(obj, "finish_reason") != NULL;
+}
+
+// ---- logprobs ----------------------------------------------------------------------------------
+// Completions format: {"text_offset":[..],"token_logprobs":[..],"tokens":[..],
+// "top_logprobs":[{token: logprob, ...}, ..]}. Offsets count code points, as
+// Python's len() of the token strings vLLM accumulates.
+static bool add_completion_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
+{
+    cJSON *lp = cJSON_AddObjectToObject(obj, "logprobs");
+    if (!lp)
+        return false;
+    cJSON *offsets = cJSON_AddArrayToObject(lp, "text_offset");
+    cJSON *token_lps = cJSON_AddArrayToObject(lp, "token_logprobs");
+    cJSON *tokens = cJSON_AddArrayToObject(lp, "tokens");
+    cJSON *tops = cJSON_AddArrayToObject(lp, "top_logprobs");
+    if (!offsets || !token_lps || !tokens || !tops)
+        return false;
+    size_t offset = c->text_offset;
+    for (size_t i = 0; i < c->n_logprobs; i++) {
+        const struct tdm_oai_token_logprob *t = &c->logprobs[i];
+        char *tok = tdm_oai_utf8_dup(t->token ? t->token : "", t->token ? t->token_len : 0);
+        if (!tok)
+            return false;
+        double v = isnan(t->logprob) || t->logprob < LOGPROB_FLOOR ? LOGPROB_FLOOR : t->logprob;
+        cJSON *o = cJSON_CreateNumber((double)offset);
+        cJSON *l = cJSON_CreateNumber(v);
+        cJSON *s = cJSON_CreateString(tok);
+        cJSON *top = cJSON_CreateObject();
+        bool ok = o && l && s && top;
+        if (ok) {
+            cJSON_AddItemToArray(offsets, o);
+            cJSON_AddItemToArray(token_lps, l);
+            cJSON_AddItemToArray(tokens, s);
+            cJSON_AddItemToArray(tops, top);
+        } else {
+            cJSON_Delete(o);
+            cJSON_Delete(l);
+            cJSON_Delete(s);
+            cJSON_Delete(top);
+        }
+        // The top dict holds the alternatives and the sampled token; pieces that
+        // decode to the same text share a key (a Python dict keeps one).
+        for (int k = 0; ok && k <= t->num_top; k++) {
+            const char *piece = k < t->num_top ? t->top[k].token : t->token;
+            size_t plen = k < t->num_top ? t->top[k].token_len : t->token_len;
+            float plp = k < t->num_top ? t->top[k].logprob : t->logprob;
+            char *key = tdm_oai_utf8_dup(piece ? piece : "", piece ? plen : 0);
+            if (!key) {
+                ok = false;
+                break;
+            }
+            bool seen = cJSON_GetObjectItemCaseSensitive(top, key) != NULL;
+            if (!(k == t->num_top && seen)) {
+                double pv = isnan(plp) || plp < LOGPROB_FLOOR ? LOGPROB_FLOOR : plp;
+                cJSON *num = cJSON_CreateNumber(pv);
+                if (!num)
+                    ok = false;
+                else if (seen)
+                    cJSON_ReplaceItemInObjectCaseSensitive(top, key, num);
+                else
+                    cJSON_AddItemToObject(top, key, num);
+            }
+            free(key);
+        }
+        offset += tdm_oai_utf8_chars(tok, strlen(tok));
+        free(tok);
+        if (!ok)
+            return false;
+    }
+    return true;
+}
+
+// Chat format: {"content":[{"token","logprob","bytes":[..],"top_logprobs":[{"token",
+// "logprob","bytes"}]}]}; bytes are the UTF-8 of the (repaired) token text.
+static bool add_chat_token(cJSON *obj, const char *token, size_t len, float lp)
+{
+    char *tok = tdm_oai_utf8_dup(token ? token : "", token ? len : 0);
+    if (!tok)
+        return false;
+    bool ok = cJSON_AddStringToObject(obj, "token", tok) && add_logprob(obj, "logprob", lp);
+    cJSON *bytes = ok ? cJSON_AddArrayToObject(obj, "bytes") : NULL;
+    ok = ok && bytes;
+    for (const unsigned char *p = (const unsigned char *)tok; ok && *p; p++) {
+        cJSON *b = cJSON_CreateNumber(*p);
+        ok = b && cJSON_AddItemToArray(bytes, b);
+    }
+    free(tok);
+    return ok;
+}
+
+static bool add_chat_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
+{
+    cJSON *lp = cJSON_AddObjectToObject(obj, "logprobs");
+    cJSON *content = lp ? cJSON_AddArrayToObject(lp, "content") : NULL;
+    if (!content)
+        return false;
+    for (size_t i = 0; i < c->n_logprobs; i++) {
+        const struct tdm_oai_token_logprob *t = &c->logprobs[i];
+        cJSON *entry = cJSON_CreateObject();
+        if (!entry || !cJSON_AddItemToArray(content, entry)) {
+            cJSON_Delete(entry);
+            return false;
+        }
+        if (!add_chat_token(entry, t->token, t->token_len, t->logprob))
+            return false;
+        cJSON *tops = cJSON_AddArrayToObject(entry, "top_logprobs");
+        if (!tops)
+            return false;
+        for (int k = 0; k < t->num_top; k++) {
+            cJSON *alt = cJSON_CreateObject();
+            if (!alt || !cJSON_AddItemToArray(tops, alt)) {
+                cJSON_Delete(alt);
+                return false;
+            }
+            if (!add_chat_token(alt, t->top[k].token, t->top[k].token_len, t->top[k].logprob))
+                return false;
+        }
+    }
+    return true;
+}
+
+static bool add_logprobs(cJSON *obj, enum tdm_oai_kind kind, const struct tdm_oai_choice *c)
+{
+    if (!c->has_logprobs)
+        return cJSON_AddNullToObject(obj, "logprobs") != NULL;
+    return kind == TDM_OAI_CHAT ? add_chat_logprobs(obj, c) : add_completion_logprobs(obj, c);
+}
+
+// ---- bodies and chunks
+// ---------------------------------------------------------------------------
+static bool add_choice(cJSON *choices, enum tdm_oai_kind kind, bool stream,
+                       const struct tdm_oai_choice *c)
+{
+    cJSON *o = cJSON_CreateObject();
+    if (!o || !cJSON_AddItemToArray(choices, o)) {
+        cJSON_Delete(o);
+        return false;
+    }
+    if (!cJSON_AddNumberToObject(o, "index", c->index))
+        return false;
+    if (kind == TDM_OAI_COMPLETION) {
+        if (!add_text(o, "text", c->text, c->text_len))
+            return false;
+    } else {
+        cJSON *msg = cJSON_AddObjectToObject(o, stream ? "delta" : "message");
+        if (!msg)
+            return false;
+        if (!stream && !cJSON_AddStringToObject(msg, "role", "assistant"))
+            return false;
+        if (!add_text(msg, "content", c->text, c->text_len))
+            return false;
+        if (!stream && !cJSON_AddArrayToObject(msg, "tool_calls"))
+            return false;
+    }
+    if (!add_logprobs(o, kind, c) || !add_finish(o, c->finish) || !add_stop_reason(o, c))
+        return false;
+    if (c->token_ids && !add_ids(o, "token_ids", c->token_ids, c->n_token_ids))
+        return false;
+    if (c->prompt_token_ids &&
+        !add_ids(o, "prompt_token_ids", c->prompt_token_ids, c->n_prompt_token_ids))
+        return false;
+    return true;
+}
+
+static char *build(const struct tdm_oai_response *r, const struct tdm_oai_choice *choices, size_t n,
+                   const struct tdm_oai_usage *usage, bool stream)
+{
+    cJSON *root = cJSON_CreateObject();
+    if (!root)
+        return NULL;
+    char *out = NULL;
+    const char *object = r->kind == TDM_OAI_CHAT
+                             ? (stream ? "chat.completion.chunk" : "chat.completion")
+                             : "text_completion";
+    if (!add_head(root, r, object))
+        goto done;
+    cJSON *arr = cJSON_AddArrayToObject(root, "choices");
+    if (!arr)
+        goto done;
+    for (size_t i = 0; i < n; i++)
+        if (!add_choice(arr, r->kind, stream, &choices[i]))
+            goto done;
+    if (usage && !add_usage(root, usage))
+        goto done;
+    out = cJSON_PrintUnformatted(root);
+done:
+    cJSON_Delete(root);
+    return out;
+}
+
+char *tdm_oai_body(const struct tdm_oai_response *r, const struct tdm_oai_choice *choices, size_t n,
+                   const struct tdm_oai_usage *usage)
+{
+    struct tdm_oai_usage zero = {0, 0};
+    return build(r, choices, n, usage ? usage : &zero, false);
+}
+
+char *tdm_oai_chunk(const struct tdm_oai_response *r, const struct tdm_oai_choice *choices,
+                    size_t n, const struct tdm_oai_usage *usage)
+{
+    return build(r, choices, n, usage, true);
+}
+
+char *tdm_oai_chat_role_chunk(const struct tdm_oai_response *r, int index)
+{
+    cJSON *root = cJSON_CreateObject();
+    if (!root)
+        return NULL;
+    char *out = NULL;
+    if (!add_head(root, r, "chat.completion.chunk"))
+        goto done;
+    cJSON *arr = cJSON_AddArrayToObject(root, "choices");
+    cJSON *c = cJSON_CreateObject();
+    if (!arr || !c || !cJSON_AddItemToArray(arr, c)) {
+        cJSON_Delete(c);
+        goto done;
+    }
+    cJSON *delta;
+    if (!cJSON_AddNumberToObject(c, "index", index) ||
+        !(delta = cJSON_AddObjectToObject(c, "delta")) ||
+        !cJSON_AddStringToObject(delta, "role", "assistant") ||
+        !cJSON_AddStringToObject(delta, "content", "") || !cJSON_AddNullToObject(c, "logprobs") ||
+        !cJSON_AddNullToObject(c, "finish_reason"))
+        goto done;
+    out = cJSON_PrintUnformatted(root);
+done:
+    cJSON_Delete(root);
+    return out;
+}
+
+char *tdm_oai_usage_chunk(const struct tdm_oai_response *r, const struct tdm_oai_usage *usage)
+{
+    struct tdm_oai_usage zero = {0, 0};
+    return build(r, NULL, 0, usage ? usage : &zero, true);
+}
+
+// ---- /v1/models, /version, /tokenize, /detokenize ----------------------------------------------
+char *tdm_oai_models_body(const struct tdm_oai_model_card *cards, size_t n)
+{
+    cJSON *root = cJSON_CreateObject();
+    if (!root)
+        return NULL;
+    char *out = NULL;
+    cJSON *data;
+    if (!cJSON_AddStringToObject(root, "object", "list") ||
+        !(data = cJSON_AddArrayToObject(root, "data")))
+        goto done;
+    for (size_t i = 0; i < n; i++) {
+        const struct tdm_oai_model_card *m = &cards[i];
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(data, o)) {
+            cJSON_Delete(o);
+            goto done;
+        }
+        char hex[TDM_OAI_ID_HEX + 1], perm_id[48];
+        tdm_oai_random_hex(hex);
+        snprintf(perm_id, sizeof perm_id, "modelperm-%s", hex);
+        cJSON *perms, *perm;
+        if (!cJSON_AddStringToObject(o, "id", m->id ? m->id : "") ||
+            !cJSON_AddStringToObject(o, "object", "model") ||
+            !cJSON_AddNumberToObject(o, "created", (double)m->created) ||
+            !cJSON_AddStringToObject(o, "owned_by", m->owned_by ? m->owned_by : "vllm") ||
+            !cJSON_AddStringToObject(o, "root", m->root ? m->root : (m->id ? m->id : "")) ||
+            !(m->parent ? cJSON_AddStringToObject(o, "parent", m->parent)
+                        : cJSON_AddNullToObject(o, "parent")) ||
+            !cJSON_AddNumberToObject(o, "max_model_len", m->max_model_len) ||
+            !(perms = cJSON_AddArrayToObject(o, "permission")) || !(perm = cJSON_CreateObject()))
+            goto done;
+        cJSON_AddItemToArray(perms, perm);
+        if (!cJSON_AddStringToObject(perm, "id", perm_id) ||
+            !cJSON_AddStringToObject(perm, "object", "model_permission") ||
+            !cJSON_AddNumberToObject(perm, "created", (double)m->created) ||
+            !cJSON_AddBoolToObject(perm, "allow_create_engine", 0) ||
+            !cJSON_AddBoolToObject(perm, "allow_sampling", 1) ||
+            !cJSON_AddBoolToObject(perm, "allow_logprobs", 1) ||
+            !cJSON_AddBoolToObject(perm, "allow_search_indices", 0) ||
+            !cJSON_AddBoolToObject(perm, "allow_view", 1) ||
+            !cJSON_AddBoolToObject(perm, "allow_fine_tuning", 0) ||
+            !cJSON_AddStringToObject(perm, "organization", "*") ||
+            !cJSON_AddNullToObject(perm, "group") || !cJSON_AddBoolToObject(perm, "is_blocking", 0))
+            goto done;
+    }
+    out = cJSON_PrintUnformatted(root);
+done:
+    cJSON_Delete(root);
+    return out;
+}
+
+char *tdm_oai_version_body(const char *version)
+{
+    cJSON *root = cJSON_CreateObject();
+    char *out = NULL;
+    if (root && cJSON_AddStringToObject(root, "version", version ? version : ""))
+        out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return out;
+}
+
+char *tdm_oai_tokenize_body(const int32_t *ids, size_t n, int max_model_len,
+                            const char *const *token_strs)
+{
+    cJSON *root = cJSON_CreateObject();
+    if (!root)
+        return NULL;
+    char *out = NULL;
+    if (!cJSON_AddNumberToObject(root, "count", (double)n) ||
+        !cJSON_AddNumberToObject(root, "max_model_len", max_model_len) ||
+        !add_ids(root, "tokens", ids, n))
+        goto done;
+    if (token_strs) {
+        cJSON *arr = cJSON_AddArrayToObject(root, "token_strs");
+        if (!arr)
+            goto done;
+        for (size_t i = 0; i < n; i++) {
+            const char *s = token_strs[i] ? token_strs[i] : "";
+            char *fixed = tdm_oai_utf8_dup(s, strlen(s));
+            cJSON *str = fixed ? cJSON_CreateString(fixed) : NULL;
+            free(fixed);
+            if (!str || !cJSON_AddItemToArray(arr, str)) {
+                cJSON_Delete(str);
+                goto done;
+            }
+        }
+    } else if (!cJSON_AddNullToObject(root, "token_strs")) {
+        goto done;
+    }
+    out = cJSON_PrintUnformatted(root);
+done:
+    cJSON_Delete(root);
+    return out;
+}
+
+char *tdm_oai_detokenize_body(const char *text, size_t len)
+{
+    cJSON *root = cJSON_CreateObject();
+    char *out = NULL;
+    if (root && add_text(root, "prompt", text, len))
+        out = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    return out;
+}

@@ -1,0 +1,855 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tests of the openai request parser (every field, defaults, generation_config
+// resolution, vLLM-worded errors), max_tokens resolution against the context,
+// and every response builder (parsed back with cJSON and checked field by
+// field, including logprobs in both formats and UTF-8 repair).
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+#include <cmocka.h>
+
+#include "core.h"
+#include "openai.h"
+
+static const struct tdm_oai_model_info model = {
+    .served_name = "qwen", .vocab_size = 1000, .max_model_len = 100, .gen = NULL};
+
+static int parse(struct tdm_oai_request *r, enum tdm_oai_kind kind, const char *json,
+                 struct tdm_oai_error *e)
+{
+    memset(e, 0, sizeof *e);
+    return tdm_oai_request_parse(r, kind, json, strlen(json), &model, e);
+}
+
+// Parses json expecting failure with this status, param ("" = none) and message.
+static void expect_error(enum tdm_oai_kind kind, const char *json, int status, const char *param,
+                         const char *message)
+{
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    int rc = parse(&r, kind, json, &e);
+    if (rc == TDM_OK || e.status != status || strcmp(e.param, param) != 0 ||
+        !strstr(e.message, message)) {
+        print_error("body %s\n  got rc=%d status=%d param='%s' message='%s'\n  want status=%d "
+                    "param='%s' message containing '%s'\n",
+                    json, rc, e.status, e.param, e.message, status, param, message);
+        if (rc == TDM_OK)
+            tdm_oai_request_fini(&r);
+        fail();
+    }
+    assert_int_equal(rc, status >= 500 ? TDM_ENOMEM : TDM_EINVAL);
+    assert_null(r.prompts);
+    assert_null(r.model);
+}
+
+// ---- requests ----------------------------------------------------------------------------------
+static void test_completion_defaults(void **state)
+{
+    (void)state;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION, "{\"model\":\"qwen\",\"prompt\":\"Hello\"}", &e),
+                     TDM_OK);
+    assert_string_equal(r.model, "qwen");
+    assert_int_equal(r.n_prompts, 1);
+    assert_string_equal(r.prompts[0].text, "Hello");
+    assert_int_equal(r.prompts[0].text_len, 5);
+    assert_null(r.prompts[0].ids);
+    assert_int_equal(r.max_tokens, 16);
+    assert_int_equal(r.n, 1);
+    assert_false(r.stream);
+    assert_false(r.echo);
+    assert_false(r.logprobs);
+    assert_true(r.skip_special_tokens);
+    assert_true(r.spaces_between_special_tokens);
+    assert_true(r.add_special_tokens);
+    assert_int_equal(r.n_stop, 0);
+    assert_true(r.sampling.temperature == 1.0f);
+    assert_true(r.sampling.top_p == 1.0f);
+    assert_int_equal(r.sampling.top_k, 0);
+    assert_true(r.sampling.repetition_penalty == 1.0f);
+    assert_int_equal(r.sampling.logprobs, -1);
+    assert_false(r.sampling.has_seed);
+    tdm_oai_request_fini(&r);
+
+    // "model" may be absent; null counts as absent; unknown fields are ignored.
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"x\",\"temperature\":null,\"foo\":{\"bar\":[1]},"
+                           "\"kv_transfer_params\":{\"a\":1},\"suffix\":\"\",\"tools\":[]}",
+                           &e),
+                     TDM_OK);
+    assert_null(r.model);
+    assert_true(r.sampling.temperature == 1.0f);
+    tdm_oai_request_fini(&r);
+}
+
+static void test_completion_all_fields(void **state)
+{
+    (void)state;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    const char *json =
+        "{\"model\":\"qwen\",\"prompt\":[\"a\",\"b\"],\"max_tokens\":7,\"temperature\":0.5,"
+        "\"top_p\":0.9,\"top_k\":40,\"min_p\":0.05,\"repetition_penalty\":1.2,"
+        "\"presence_penalty\":0.5,\"frequency_penalty\":-0.5,\"logit_bias\":{\"5\":200,\"7\":-3},"
+        "\"seed\":-42,\"stop\":[\"\\n\",\"END\"],\"stop_token_ids\":[1,2],"
+        "\"include_stop_str_in_output\":true,\"skip_special_tokens\":false,"
+        "\"spaces_between_special_tokens\":false,\"n\":2,\"best_of\":2,\"stream\":true,"
+        "\"stream_options\":{\"include_usage\":true,\"continuous_usage_stats\":true},"
+        "\"logprobs\":3,\"echo\":false,\"ignore_eos\":true,\"min_tokens\":2,\"user\":\"u1\","
+        "\"add_special_tokens\":false,\"return_token_ids\":true,\"request_id\":\"abc\","
+        "\"priority\":3,\"use_beam_search\":false,\"length_penalty\":1.0}";
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION, json, &e), TDM_OK);
+    assert_int_equal(r.n_prompts, 2);
+    assert_string_equal(r.prompts[1].text, "b");
+    assert_int_equal(r.max_tokens, 7);
+    assert_true(r.sampling.temperature == 0.5f);
+    assert_true(r.sampling.top_p == 0.9f);
+    assert_int_equal(r.sampling.top_k, 40);
+    assert_true(r.sampling.min_p == 0.05f);
+    assert_true(r.sampling.repetition_penalty == 1.2f);
+    assert_true(r.sampling.presence_penalty == 0.5f);
+    assert_true(r.sampling.frequency_penalty == -0.5f);
+    assert_int_equal(r.sampling.num_logit_bias, 2);
+    assert_int_equal(r.sampling.logit_bias[0].token, 5);
+    assert_true(r.sampling.logit_bias[0].bias == 100.0f); // clamped as vLLM does
+    assert_true(r.sampling.logit_bias[1].bias == -3.0f);
+    assert_true(r.sampling.has_seed);
+    assert_true((int64_t)r.sampling.seed == -42);
+    assert_int_equal(r.n_stop, 2);
+    assert_string_equal(r.stop[0], "\n");
+    assert_string_equal(r.stop[1], "END");
+    assert_int_equal(r.sampling.num_stop_token_ids, 2);
+    assert_int_equal(r.sampling.stop_token_ids[1], 2);
+    assert_true(r.include_stop_str_in_output);
+    assert_false(r.skip_special_tokens);
+    assert_false(r.spaces_between_special_tokens);
+    assert_int_equal(r.n, 2);
+    assert_true(r.stream && r.include_usage && r.continuous_usage_stats);
+    assert_true(r.logprobs);
+    assert_int_equal(r.top_logprobs, 3);
+    assert_int_equal(r.sampling.logprobs, 3);
+    assert_true(r.sampling.ignore_eos);
+    assert_int_equal(r.sampling.min_tokens, 2);
+    assert_string_equal(r.user, "u1");
+    assert_false(r.add_special_tokens);
+    assert_true(r.return_token_ids);
+    assert_string_equal(r.request_id, "abc");
+    assert_int_equal(r.priority, 3);
+    tdm_oai_request_fini(&r);
+
+    // A single stop string; logprobs 0 still turns logprobs on.
+    assert_int_equal(
+        parse(&r, TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"stop\":\"###\",\"logprobs\":0}", &e),
+        TDM_OK);
+    assert_int_equal(r.n_stop, 1);
+    assert_string_equal(r.stop[0], "###");
+    assert_true(r.logprobs);
+    assert_int_equal(r.sampling.logprobs, 0);
+    tdm_oai_request_fini(&r);
+}
+
+static void test_prompt_forms(void **state)
+{
+    (void)state;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION, "{\"prompt\":[1,2,999]}", &e), TDM_OK);
+    assert_int_equal(r.n_prompts, 1);
+    assert_null(r.prompts[0].text);
+    assert_int_equal(r.prompts[0].n_ids, 3);
+    assert_int_equal(r.prompts[0].ids[2], 999);
+    tdm_oai_request_fini(&r);
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION, "{\"prompt\":[[1],[2,3]]}", &e), TDM_OK);
+    assert_int_equal(r.n_prompts, 2);
+    assert_int_equal(r.prompts[1].n_ids, 2);
+    assert_int_equal(r.prompts[1].ids[1], 3);
+    tdm_oai_request_fini(&r);
+
+    expect_error(TDM_OAI_COMPLETION, "{}", 400, "prompt",
+                 "Either prompt or prompt_embeds must be provided and non-empty.");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":[]}", 400, "prompt",
+                 "Either prompt or prompt_embeds");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":\"\"}", 400, "prompt",
+                 "The decoder prompt cannot be empty");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":[[1],[]]}", 400, "prompt",
+                 "The decoder prompt cannot be empty");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":[1,1000]}", 400, "prompt",
+                 "Token id 1000 is out of vocabulary");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":[1,-1]}", 400, "prompt",
+                 "Token id -1 is out of vocabulary");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":[1,2.5]}", 400, "prompt",
+                 "token ids must be integers");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":[\"a\",[1]]}", 400, "prompt",
+                 "Input should be a valid string");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":5}", 400, "prompt",
+                 "Input should be a valid string");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":{\"a\":1}}", 400, "prompt",
+                 "Input should be a valid string");
+}
+
+static void test_validation_errors(void **state)
+{
+    (void)state;
+    const enum tdm_oai_kind C = TDM_OAI_COMPLETION;
+    expect_error(C, "not json", 400, "", "not valid JSON");
+    expect_error(C, "[1,2]", 400, "", "must be a JSON object");
+    expect_error(C, "{\"model\":\"foo\",\"prompt\":\"x\"}", 404, "model",
+                 "The model `foo` does not exist.");
+    expect_error(C, "{\"model\":7,\"prompt\":\"x\"}", 400, "model",
+                 "Input should be a valid string");
+    expect_error(C, "{\"prompt\":\"x\",\"temperature\":3}", 400, "temperature",
+                 "temperature must be in [0, 2], got 3.0.");
+    expect_error(C, "{\"prompt\":\"x\",\"temperature\":-0.5}", 400, "temperature",
+                 "temperature must be non-negative, got -0.5.");
+    expect_error(C, "{\"prompt\":\"x\",\"temperature\":\"hot\"}", 400, "temperature",
+                 "temperature: Input should be a valid number");
+    expect_error(C, "{\"prompt\":\"x\",\"temperature\":true}", 400, "temperature",
+                 "Input should be a valid number");
+    expect_error(C, "{\"prompt\":\"x\",\"top_p\":0}", 400, "top_p",
+                 "top_p must be in (0, 1], got 0.0.");
+    expect_error(C, "{\"prompt\":\"x\",\"top_p\":1.5}", 400, "top_p", "got 1.5.");
+    expect_error(C, "{\"prompt\":\"x\",\"top_k\":-5}", 400, "top_k",
+                 "top_k must be 0 (disable), or at least 1, got -5.");
+    expect_error(C, "{\"prompt\":\"x\",\"top_k\":1.5}", 400, "top_k",
+                 "top_k: Input should be a valid integer");
+    expect_error(C, "{\"prompt\":\"x\",\"min_p\":1.1}", 400, "min_p",
+                 "min_p must be in [0, 1], got 1.1.");
+    expect_error(C, "{\"prompt\":\"x\",\"repetition_penalty\":0}", 400, "repetition_penalty",
+                 "repetition_penalty must be greater than zero, got 0.0.");
+    expect_error(C, "{\"prompt\":\"x\",\"presence_penalty\":2.5}", 400, "presence_penalty",
+                 "presence_penalty must be in [-2, 2], got 2.5.");
+    expect_error(C, "{\"prompt\":\"x\",\"frequency_penalty\":-3}", 400, "frequency_penalty",
+                 "frequency_penalty must be in [-2, 2], got -3.0.");
+    expect_error(C, "{\"prompt\":\"x\",\"n\":0}", 400, "n", "n must be at least 1, got 0.");
+    expect_error(C, "{\"prompt\":\"x\",\"n\":100000}", 400, "n", "n must be at most 128");
+    expect_error(C, "{\"prompt\":\"x\",\"n\":2,\"temperature\":0}", 400, "n",
+                 "n must be 1 when using greedy sampling, got 2.");
+    expect_error(C, "{\"prompt\":\"x\",\"n\":2,\"best_of\":1}", 400, "best_of",
+                 "best_of must be greater than or equal to n, got n=2 and best_of=1.");
+    expect_error(C, "{\"prompt\":\"x\",\"best_of\":3}", 400, "best_of", "not supported");
+    expect_error(C, "{\"prompt\":\"x\",\"max_tokens\":0}", 400, "max_tokens",
+                 "max_tokens must be at least 1, got 0.");
+    expect_error(C, "{\"prompt\":\"x\",\"max_tokens\":-3}", 400, "max_tokens",
+                 "max_tokens must be at least 1, got -3.");
+    expect_error(C, "{\"prompt\":\"x\",\"max_tokens\":\"5\"}", 400, "max_tokens",
+                 "max_tokens: Input should be a valid integer");
+    expect_error(C, "{\"prompt\":\"x\",\"min_tokens\":-1}", 400, "min_tokens",
+                 "min_tokens must be greater than or equal to 0, got -1.");
+    expect_error(C, "{\"prompt\":\"x\",\"min_tokens\":20,\"max_tokens\":10}", 400, "min_tokens",
+                 "min_tokens must be less than or equal to max_tokens=10, got 20.");
+    expect_error(C, "{\"prompt\":\"x\",\"seed\":1.5}", 400, "seed",
+                 "seed: Input should be a valid integer");
+    expect_error(C, "{\"prompt\":\"x\",\"seed\":1e20}", 400, "seed",
+                 "less than or equal to 9223372036854775807");
+    expect_error(C, "{\"prompt\":\"x\",\"stream\":1}", 400, "stream",
+                 "stream: Input should be a valid boolean");
+    expect_error(C, "{\"prompt\":\"x\",\"stream_options\":{\"include_usage\":true}}", 400,
+                 "stream_options", "Stream options can only be defined when `stream=True`.");
+    expect_error(C, "{\"prompt\":\"x\",\"logprobs\":-1}", 400, "logprobs",
+                 "`logprobs` must be a positive value.");
+    expect_error(C, "{\"prompt\":\"x\",\"logprobs\":21}", 400, "logprobs",
+                 "Requested sample logprobs of 21, which is greater than max allowed: 20");
+    expect_error(C, "{\"prompt\":\"x\",\"logprobs\":true}", 400, "logprobs",
+                 "Input should be a valid integer");
+    expect_error(C, "{\"prompt\":\"x\",\"stop\":[\"a\",\"\"]}", 400, "stop",
+                 "stop cannot contain an empty string.");
+    expect_error(C, "{\"prompt\":\"x\",\"stop\":\"\"}", 400, "stop",
+                 "stop cannot contain an empty string.");
+    expect_error(C, "{\"prompt\":\"x\",\"stop\":[1]}", 400, "stop",
+                 "Input should be a valid string");
+    expect_error(
+        C,
+        "{\"prompt\":\"x\",\"stop\":[\"1\",\"2\",\"3\",\"4\",\"5\",\"6\",\"7\",\"8\",\"9\","
+        "\"10\",\"11\",\"12\",\"13\",\"14\",\"15\",\"16\",\"17\"]}",
+        400, "stop", "at most 16");
+    expect_error(C, "{\"prompt\":\"x\",\"stop_token_ids\":[5000]}", 400, "stop_token_ids",
+                 "token_id(s) [5000] in stop_token_ids contain out-of-vocab token ids. Vocabulary "
+                 "size: 1000");
+    expect_error(C, "{\"prompt\":\"x\",\"stop_token_ids\":[\"a\"]}", 400, "stop_token_ids",
+                 "stop_token_ids must contain only integers");
+    expect_error(C, "{\"prompt\":\"x\",\"logit_bias\":{\"abc\":1}}", 400, "logit_bias",
+                 "Found token_id `abc` in logit_bias but token_id must be an integer or string "
+                 "representing an integer");
+    expect_error(
+        C, "{\"prompt\":\"x\",\"logit_bias\":{\"1000\":1}}", 400, "logit_bias",
+        "token_id(s) [1000] in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+        "1000");
+    expect_error(C, "{\"prompt\":\"x\",\"logit_bias\":{\"1\":\"x\"}}", 400, "logit_bias",
+                 "Input should be a valid number");
+    expect_error(C, "{\"prompt\":\"x\",\"logit_bias\":[1]}", 400, "logit_bias",
+                 "Input should be a valid dictionary");
+    expect_error(C, "{\"prompt\":\"x\",\"echo\":true,\"logprobs\":1}", 400, "echo",
+                 "not supported");
+    // Features vLLM has and Tandem does not: refused, not ignored.
+    expect_error(C, "{\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "suffix",
+                 "suffix is not supported");
+    expect_error(C, "{\"prompt\":\"x\",\"use_beam_search\":true}", 400, "use_beam_search",
+                 "not supported");
+    expect_error(C, "{\"prompt\":\"x\",\"prompt_logprobs\":1}", 400, "prompt_logprobs",
+                 "not supported");
+    expect_error(C, "{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}", 400,
+                 "response_format", "not supported");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_json\":{\"type\":\"object\"}}", 400, "guided_json",
+                 "guided_json is not supported by this server: no structured outputs");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_regex\":\"a+\"}", 400, "guided_regex",
+                 "not supported");
+    expect_error(C, "{\"prompt\":\"x\",\"allowed_token_ids\":[1]}", 400, "allowed_token_ids",
+                 "not supported");
+}
+
+static void test_unsupported_noop_values_accepted(void **state)
+{
+    (void)state;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    const char *ok[] = {
+        "{\"prompt\":\"x\",\"response_format\":{\"type\":\"text\"}}",
+        "{\"prompt\":\"x\",\"use_beam_search\":false,\"prompt_logprobs\":null,\"suffix\":null}",
+        "{\"prompt\":\"x\",\"tool_choice\":\"none\",\"tools\":null,\"bad_words\":[]}",
+        "{\"prompt\":\"x\",\"n\":2,\"best_of\":2}",
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        if (parse(&r, TDM_OAI_COMPLETION, ok[i], &e) != TDM_OK) {
+            print_error("%s: %s\n", ok[i], e.message);
+            fail();
+        }
+        tdm_oai_request_fini(&r);
+    }
+}
+
+static void test_echo_without_generation(void **state)
+{
+    (void)state;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    assert_int_equal(
+        parse(&r, TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"echo\":true,\"max_tokens\":0}", &e),
+        TDM_OK);
+    assert_true(r.echo && r.echo_only);
+    assert_int_equal(r.max_tokens, 0);
+    int mt = -1;
+    assert_int_equal(tdm_oai_request_max_tokens(&r, &model, 5, &mt, &e), TDM_OK);
+    assert_int_equal(mt, 0);
+    tdm_oai_request_fini(&r);
+}
+
+static void test_generation_config_defaults(void **state)
+{
+    (void)state;
+    struct tdm_generation_config gc = {0};
+    gc.has_temperature = true;
+    gc.temperature = 0.7f;
+    gc.has_top_p = true;
+    gc.top_p = 0.8f;
+    gc.has_top_k = true;
+    gc.top_k = 20;
+    gc.has_repetition_penalty = true;
+    gc.repetition_penalty = 1.1f;
+    gc.has_max_new_tokens = true;
+    gc.max_new_tokens = 8;
+    gc.pad_token_id = gc.bos_token_id = -1;
+    struct tdm_oai_model_info m = model;
+    m.gen = &gc;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    const char *json = "{\"prompt\":\"x\",\"top_p\":0.5}";
+    assert_int_equal(tdm_oai_request_parse(&r, TDM_OAI_COMPLETION, json, strlen(json), &m, &e),
+                     TDM_OK);
+    assert_true(r.sampling.temperature == 0.7f);
+    assert_true(r.sampling.top_p == 0.5f); // the request wins
+    assert_int_equal(r.sampling.top_k, 20);
+    assert_true(r.sampling.repetition_penalty == 1.1f);
+    int mt;
+    assert_int_equal(tdm_oai_request_max_tokens(&r, &m, 10, &mt, &e), TDM_OK);
+    assert_int_equal(mt, 8); // min(16 requested, 8 max_new_tokens, 90 room)
+    tdm_oai_request_fini(&r);
+}
+
+static void test_max_tokens_resolution(void **state)
+{
+    (void)state;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    int mt;
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION, "{\"prompt\":\"x\"}", &e), TDM_OK);
+    assert_int_equal(tdm_oai_request_max_tokens(&r, &model, 84, &mt, &e), TDM_OK);
+    assert_int_equal(mt, 16);
+    assert_int_equal(tdm_oai_request_max_tokens(&r, &model, 90, &mt, &e), TDM_EINVAL);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.message,
+                        "This model's maximum context length is 100 tokens. However, you "
+                        "requested 106 tokens (90 in the prompt, 16 in the completion). Please "
+                        "reduce the length of the prompt or completion.");
+    assert_int_equal(tdm_oai_request_max_tokens(&r, &model, 100, &mt, &e), TDM_EINVAL);
+    assert_string_equal(e.message, "This model's maximum context length is 100 tokens. However, "
+                                   "your request has 100 input tokens. Please reduce the length "
+                                   "of the input prompt.");
+    tdm_oai_request_fini(&r);
+
+    // Chat without max_tokens: the room left in the context.
+    assert_int_equal(
+        parse(&r, TDM_OAI_CHAT,
+              "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"min_tokens\":20}", &e),
+        TDM_OK);
+    assert_int_equal(r.max_tokens, -1);
+    assert_int_equal(tdm_oai_request_max_tokens(&r, &model, 70, &mt, &e), TDM_OK);
+    assert_int_equal(mt, 30);
+    assert_int_equal(tdm_oai_request_max_tokens(&r, &model, 90, &mt, &e), TDM_EINVAL);
+    assert_string_equal(e.param, "min_tokens");
+    tdm_oai_request_fini(&r);
+}
+
+static void test_chat_request(void **state)
+{
+    (void)state;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    const char *json =
+        "{\"model\":\"qwen\",\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"
+        "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"Hi\"}]}],"
+        "\"max_tokens\":9,\"max_completion_tokens\":12,\"logprobs\":true,\"top_logprobs\":2,"
+        "\"tool_choice\":\"auto\",\"parallel_tool_calls\":false}";
+    assert_int_equal(parse(&r, TDM_OAI_CHAT, json, &e), TDM_OK);
+    assert_int_equal(r.n_messages, 2);
+    assert_string_equal(r.messages[0].role, "system");
+    assert_string_equal(r.messages[1].content, "Hi");
+    assert_non_null(strstr(r.messages_json, "Be brief."));
+    assert_int_equal(r.max_tokens, 12); // max_completion_tokens wins
+    assert_true(r.logprobs);
+    assert_int_equal(r.top_logprobs, 2);
+    assert_int_equal(r.sampling.logprobs, 2);
+    assert_true(r.add_generation_prompt);
+    assert_false(r.continue_final_message);
+    assert_false(r.add_special_tokens);
+    tdm_oai_request_fini(&r);
+
+    assert_int_equal(parse(&r, TDM_OAI_CHAT,
+                           "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":"
+                           "\"assistant\",\"content\":\"b\"}],\"add_generation_prompt\":false,"
+                           "\"continue_final_message\":true,\"logprobs\":false}",
+                           &e),
+                     TDM_OK);
+    assert_true(r.continue_final_message);
+    assert_false(r.logprobs);
+    assert_int_equal(r.sampling.logprobs, -1);
+    tdm_oai_request_fini(&r);
+
+    const enum tdm_oai_kind K = TDM_OAI_CHAT;
+    expect_error(K, "{\"model\":\"qwen\"}", 400, "messages", "messages: Field required");
+    expect_error(K, "{\"messages\":[]}", 400, "messages", "at least one message");
+    expect_error(K, "{\"messages\":\"hi\"}", 400, "messages", "Input should be a valid list");
+    expect_error(K, "{\"messages\":[{\"content\":\"hi\"}]}", 400, "messages", "role");
+    expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"top_logprobs\":2}",
+                 400, "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.");
+    expect_error(K,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"logprobs\":true,"
+                 "\"top_logprobs\":-1}",
+                 400, "top_logprobs", "`top_logprobs` must be a positive value.");
+    expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"logprobs\":3}", 400,
+                 "logprobs", "Input should be a valid boolean");
+    expect_error(K,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],"
+                 "\"continue_final_message\":true}",
+                 400, "continue_final_message",
+                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.");
+    expect_error(K,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"tools\":[{\"type\":"
+                 "\"function\",\"function\":{\"name\":\"f\"}}]}",
+                 400, "tools", "tools is not supported by this server: no tool calling");
+    expect_error(
+        K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"tool_choice\":\"required\"}",
+        400, "tool_choice", "not supported");
+    expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"echo\":true}", 400,
+                 "echo", "not supported");
+    expect_error(
+        K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"max_completion_tokens\":0}",
+        400, "max_completion_tokens", "max_tokens must be at least 1, got 0.");
+}
+
+static void test_tokenize_detokenize_requests(void **state)
+{
+    (void)state;
+    struct tdm_oai_tokenize_request t;
+    struct tdm_oai_error e;
+    const char *j1 = "{\"model\":\"qwen\",\"prompt\":\"Hello\",\"return_token_strs\":true}";
+    assert_int_equal(tdm_oai_tokenize_parse(&t, j1, strlen(j1), &model, &e), TDM_OK);
+    assert_string_equal(t.prompt, "Hello");
+    assert_null(t.messages);
+    assert_true(t.add_special_tokens);
+    assert_true(t.return_token_strs);
+    tdm_oai_tokenize_fini(&t);
+    const char *j2 = "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}]}";
+    assert_int_equal(tdm_oai_tokenize_parse(&t, j2, strlen(j2), &model, &e), TDM_OK);
+    assert_null(t.prompt);
+    assert_int_equal(t.n_messages, 1);
+    assert_false(t.add_special_tokens);
+    assert_true(t.add_generation_prompt);
+    tdm_oai_tokenize_fini(&t);
+    const char *j3 = "{\"model\":\"other\",\"prompt\":\"x\"}";
+    assert_int_equal(tdm_oai_tokenize_parse(&t, j3, strlen(j3), &model, &e), TDM_EINVAL);
+    assert_int_equal(e.status, 404);
+    const char *j4 = "{}";
+    assert_int_equal(tdm_oai_tokenize_parse(&t, j4, strlen(j4), &model, &e), TDM_EINVAL);
+    assert_string_equal(e.param, "prompt");
+
+    struct tdm_oai_detokenize_request d;
+    const char *j5 = "{\"tokens\":[1,2,3]}";
+    assert_int_equal(tdm_oai_detokenize_parse(&d, j5, strlen(j5), &model, &e), TDM_OK);
+    assert_int_equal(d.n_tokens, 3);
+    assert_int_equal(d.tokens[2], 3);
+    tdm_oai_detokenize_fini(&d);
+    const char *j6 = "{\"tokens\":[1,5000]}";
+    assert_int_equal(tdm_oai_detokenize_parse(&d, j6, strlen(j6), &model, &e), TDM_EINVAL);
+    assert_string_equal(e.param, "tokens");
+    assert_non_null(strstr(e.message, "5000"));
+    const char *j7 = "{\"tokens\":[]}";
+    assert_int_equal(tdm_oai_detokenize_parse(&d, j7, strlen(j7), &model, &e), TDM_OK);
+    assert_int_equal(d.n_tokens, 0);
+    tdm_oai_detokenize_fini(&d);
+    const char *j8 = "{\"tokens\":\"1 2\"}";
+    assert_int_equal(tdm_oai_detokenize_parse(&d, j8, strlen(j8), &model, &e), TDM_EINVAL);
+}
+
+// ---- responses ---------------------------------------------------------------------------------
+static cJSON *parse_json(char *text)
+{
+    assert_non_null(text);
+    cJSON *j = cJSON_Parse(text);
+    if (!j)
+        print_error("not JSON: %s\n", text);
+    assert_non_null(j);
+    free(text);
+    return j;
+}
+
+static const cJSON *get(const cJSON *o, const char *path)
+{
+    // path: "a.b.0.c" (numbers index arrays)
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", path);
+    const cJSON *cur = o;
+    for (char *tok = strtok(buf, "."); tok && cur; tok = strtok(NULL, ".")) {
+        if (*tok >= '0' && *tok <= '9')
+            cur = cJSON_GetArrayItem(cur, atoi(tok));
+        else
+            cur = cJSON_GetObjectItemCaseSensitive(cur, tok);
+    }
+    if (!cur)
+        print_error("missing %s\n", path);
+    assert_non_null(cur);
+    return cur;
+}
+
+static void assert_str(const cJSON *o, const char *path, const char *want)
+{
+    const cJSON *it = get(o, path);
+    assert_true(cJSON_IsString(it));
+    assert_string_equal(it->valuestring, want);
+}
+
+static void assert_num(const cJSON *o, const char *path, double want)
+{
+    const cJSON *it = get(o, path);
+    assert_true(cJSON_IsNumber(it));
+    assert_true(fabs(it->valuedouble - want) < 1e-6);
+}
+
+static void assert_null_at(const cJSON *o, const char *path)
+{
+    assert_true(cJSON_IsNull(get(o, path)));
+}
+
+static void test_response_ids(void **state)
+{
+    (void)state;
+    char a[TDM_OAI_ID_HEX + 1], b[TDM_OAI_ID_HEX + 1];
+    tdm_oai_random_hex(a);
+    tdm_oai_random_hex(b);
+    assert_int_equal(strlen(a), 32);
+    assert_int_equal(strspn(a, "0123456789abcdef"), 32);
+    assert_string_not_equal(a, b);
+    struct tdm_oai_response r;
+    tdm_oai_response_init(&r, TDM_OAI_COMPLETION, "qwen", NULL);
+    assert_int_equal(strncmp(r.id, "cmpl-", 5), 0);
+    assert_int_equal(strlen(r.id), 5 + 32);
+    assert_true(r.created > 1700000000);
+    tdm_oai_response_init(&r, TDM_OAI_CHAT, "qwen", "req-1");
+    assert_string_equal(r.id, "chatcmpl-req-1");
+}
+
+static void test_completion_body(void **state)
+{
+    (void)state;
+    struct tdm_oai_response r;
+    tdm_oai_response_init(&r, TDM_OAI_COMPLETION, "qwen", "x1");
+    int32_t ids[] = {11, 12};
+    struct tdm_oai_choice c[2] = {
+        {.index = 0,
+         .text = " Paris",
+         .text_len = 6,
+         .finish = TDM_OAI_FINISH_STOP,
+         .stop_str = NULL,
+         .stop_token = -1,
+         .token_ids = ids,
+         .n_token_ids = 2},
+        {.index = 1,
+         .text = "bad\xC3",
+         .text_len = 4,
+         .finish = TDM_OAI_FINISH_LENGTH,
+         .stop_str = "\n\n",
+         .stop_token = -1},
+    };
+    struct tdm_oai_usage u = {7, 2};
+    cJSON *j = parse_json(tdm_oai_body(&r, c, 2, &u));
+    assert_str(j, "id", "cmpl-x1");
+    assert_str(j, "object", "text_completion");
+    assert_str(j, "model", "qwen");
+    assert_num(j, "created", (double)r.created);
+    assert_num(j, "choices.0.index", 0);
+    assert_str(j, "choices.0.text", " Paris");
+    assert_null_at(j, "choices.0.logprobs");
+    assert_str(j, "choices.0.finish_reason", "stop");
+    assert_null_at(j, "choices.0.stop_reason");
+    assert_num(j, "choices.0.token_ids.1", 12);
+    assert_str(j, "choices.1.text", "bad\xEF\xBF\xBD"); // repaired
+    assert_str(j, "choices.1.finish_reason", "length");
+    assert_str(j, "choices.1.stop_reason", "\n\n");
+    assert_num(j, "usage.prompt_tokens", 7);
+    assert_num(j, "usage.completion_tokens", 2);
+    assert_num(j, "usage.total_tokens", 9);
+    cJSON_Delete(j);
+
+    // A stop token id as stop_reason.
+    struct tdm_oai_choice s = {
+        .index = 0, .text = "", .finish = TDM_OAI_FINISH_STOP, .stop_token = 151643};
+    j = parse_json(tdm_oai_body(&r, &s, 1, &u));
+    assert_num(j, "choices.0.stop_reason", 151643);
+    cJSON_Delete(j);
+}
+
+static void test_chat_body_and_chunks(void **state)
+{
+    (void)state;
+    struct tdm_oai_response r;
+    tdm_oai_response_init(&r, TDM_OAI_CHAT, "qwen", NULL);
+    struct tdm_oai_choice c = {
+        .index = 0, .text = "Hi!", .text_len = 3, .finish = TDM_OAI_FINISH_STOP, .stop_token = -1};
+    struct tdm_oai_usage u = {5, 3};
+    cJSON *j = parse_json(tdm_oai_body(&r, &c, 1, &u));
+    assert_str(j, "object", "chat.completion");
+    assert_int_equal(strncmp(get(j, "id")->valuestring, "chatcmpl-", 9), 0);
+    assert_str(j, "choices.0.message.role", "assistant");
+    assert_str(j, "choices.0.message.content", "Hi!");
+    assert_true(cJSON_IsArray(get(j, "choices.0.message.tool_calls")));
+    assert_str(j, "choices.0.finish_reason", "stop");
+    assert_num(j, "usage.total_tokens", 8);
+    cJSON_Delete(j);
+
+    j = parse_json(tdm_oai_chat_role_chunk(&r, 1));
+    assert_str(j, "object", "chat.completion.chunk");
+    assert_str(j, "id", r.id);
+    assert_num(j, "choices.0.index", 1);
+    assert_str(j, "choices.0.delta.role", "assistant");
+    assert_str(j, "choices.0.delta.content", "");
+    assert_null_at(j, "choices.0.logprobs");
+    assert_null_at(j, "choices.0.finish_reason");
+    assert_null(cJSON_GetObjectItem(j, "usage"));
+    cJSON_Delete(j);
+
+    struct tdm_oai_choice d = {.index = 0, .text = " there", .text_len = 6, .stop_token = -1};
+    j = parse_json(tdm_oai_chunk(&r, &d, 1, NULL));
+    assert_str(j, "choices.0.delta.content", " there");
+    assert_null(cJSON_GetObjectItem(get(j, "choices.0.delta"), "role"));
+    assert_null_at(j, "choices.0.finish_reason");
+    assert_null(cJSON_GetObjectItem(j, "usage"));
+    cJSON_Delete(j);
+
+    // continuous_usage_stats: usage on a content chunk.
+    j = parse_json(tdm_oai_chunk(&r, &d, 1, &u));
+    assert_num(j, "usage.completion_tokens", 3);
+    cJSON_Delete(j);
+
+    j = parse_json(tdm_oai_usage_chunk(&r, &u));
+    assert_int_equal(cJSON_GetArraySize(get(j, "choices")), 0);
+    assert_num(j, "usage.prompt_tokens", 5);
+    assert_str(j, "object", "chat.completion.chunk");
+    cJSON_Delete(j);
+
+    // Completions stream chunk.
+    tdm_oai_response_init(&r, TDM_OAI_COMPLETION, "qwen", NULL);
+    struct tdm_oai_choice f = {
+        .index = 0, .text = ".", .text_len = 1, .finish = TDM_OAI_FINISH_ABORT, .stop_token = -1};
+    j = parse_json(tdm_oai_chunk(&r, &f, 1, NULL));
+    assert_str(j, "object", "text_completion");
+    assert_str(j, "choices.0.text", ".");
+    assert_str(j, "choices.0.finish_reason", "abort");
+    assert_null_at(j, "choices.0.stop_reason");
+    cJSON_Delete(j);
+}
+
+static void test_logprobs_formats(void **state)
+{
+    (void)state;
+    struct tdm_oai_top_logprob top0[2] = {
+        {.id = 1, .token = "Hi", .token_len = 2, .logprob = -0.25f},
+        {.id = 2, .token = "Hey", .token_len = 3, .logprob = -2.0f},
+    };
+    struct tdm_oai_top_logprob top1[2] = {
+        {.id = 3, .token = "\xC3\xA9t\xC3\xA9", .token_len = 5, .logprob = -0.5f},
+        {.id = 4, .token = "\xE2\x82", .token_len = 2, .logprob = -INFINITY}, // split char
+    };
+    struct tdm_oai_token_logprob lps[2] = {
+        {.id = 1, .token = "Hi", .token_len = 2, .logprob = -0.25f, .num_top = 2, .top = top0},
+        {.id = 3,
+         .token = "\xC3\xA9t\xC3\xA9",
+         .token_len = 5,
+         .logprob = -0.5f,
+         .num_top = 2,
+         .top = top1},
+    };
+    struct tdm_oai_choice c = {.index = 0,
+                               .text = "Hi\xC3\xA9t\xC3\xA9",
+                               .text_len = 7,
+                               .stop_token = -1,
+                               .has_logprobs = true,
+                               .logprobs = lps,
+                               .n_logprobs = 2,
+                               .text_offset = 4};
+    struct tdm_oai_response r;
+    tdm_oai_response_init(&r, TDM_OAI_COMPLETION, "qwen", NULL);
+    cJSON *j = parse_json(tdm_oai_chunk(&r, &c, 1, NULL));
+    assert_str(j, "choices.0.logprobs.tokens.0", "Hi");
+    assert_str(j, "choices.0.logprobs.tokens.1", "\xC3\xA9t\xC3\xA9");
+    assert_num(j, "choices.0.logprobs.token_logprobs.0", -0.25);
+    assert_num(j, "choices.0.logprobs.text_offset.0", 4);
+    assert_num(j, "choices.0.logprobs.text_offset.1", 6); // code points: 4 + len("Hi")
+    const cJSON *t0 = get(j, "choices.0.logprobs.top_logprobs.0");
+    assert_int_equal(cJSON_GetArraySize(t0), 2); // the sampled token is one of the two
+    assert_num(t0, "Hey", -2.0);
+    const cJSON *t1 = get(j, "choices.0.logprobs.top_logprobs.1");
+    assert_num(t1, "\xEF\xBF\xBD", -9999.0); // invalid UTF-8 repaired, -inf floored
+    cJSON_Delete(j);
+
+    tdm_oai_response_init(&r, TDM_OAI_CHAT, "qwen", NULL);
+    j = parse_json(tdm_oai_body(&r, &c, 1, NULL));
+    assert_str(j, "choices.0.logprobs.content.0.token", "Hi");
+    assert_num(j, "choices.0.logprobs.content.0.logprob", -0.25);
+    assert_num(j, "choices.0.logprobs.content.0.bytes.0", 'H');
+    assert_int_equal(cJSON_GetArraySize(get(j, "choices.0.logprobs.content.1.bytes")), 5);
+    assert_num(j, "choices.0.logprobs.content.1.bytes.0", 0xC3);
+    assert_int_equal(cJSON_GetArraySize(get(j, "choices.0.logprobs.content.0.top_logprobs")), 2);
+    assert_str(j, "choices.0.logprobs.content.0.top_logprobs.1.token", "Hey");
+    assert_str(j, "choices.0.logprobs.content.1.top_logprobs.1.token", "\xEF\xBF\xBD");
+    assert_num(j, "choices.0.logprobs.content.1.top_logprobs.1.logprob", -9999.0);
+    assert_num(j, "choices.0.logprobs.content.1.top_logprobs.1.bytes.0", 0xEF);
+    cJSON_Delete(j);
+}
+
+static void test_error_bodies(void **state)
+{
+    (void)state;
+    struct tdm_oai_error e;
+    assert_int_equal(tdm_oai_seterr(&e, 400, "temperature", "bad %d", 3), TDM_EINVAL);
+    cJSON *j = parse_json(tdm_oai_error_body(&e));
+    assert_str(j, "error.message", "bad 3");
+    assert_str(j, "error.type", "BadRequestError");
+    assert_str(j, "error.param", "temperature");
+    assert_num(j, "error.code", 400);
+    cJSON_Delete(j);
+    assert_int_equal(tdm_oai_seterr(&e, 500, NULL, "boom"), TDM_EPROTO);
+    j = parse_json(tdm_oai_error_body(&e));
+    assert_str(j, "error.type", "InternalServerError");
+    assert_null_at(j, "error.param");
+    assert_num(j, "error.code", 500);
+    cJSON_Delete(j);
+    j = parse_json(tdm_oai_error_body_from(404, NULL, "model", "The model `x` does not exist."));
+    assert_str(j, "error.type", "NotFoundError");
+    cJSON_Delete(j);
+    assert_string_equal(tdm_oai_error_type(401), "AuthenticationError");
+    assert_string_equal(tdm_oai_error_type(413), "RequestTooLargeError");
+    assert_string_equal(tdm_oai_error_type(418), "BadRequestError");
+    assert_string_equal(tdm_oai_error_type(503), "ServiceUnavailableError");
+    assert_string_equal(tdm_oai_error_type(502), "InternalServerError");
+}
+
+static void test_models_tokenize_version(void **state)
+{
+    (void)state;
+    struct tdm_oai_model_card card = {
+        .id = "qwen", .root = "/models/qwen", .max_model_len = 4096, .created = 1730000000};
+    cJSON *j = parse_json(tdm_oai_models_body(&card, 1));
+    assert_str(j, "object", "list");
+    assert_str(j, "data.0.id", "qwen");
+    assert_str(j, "data.0.object", "model");
+    assert_num(j, "data.0.created", 1730000000);
+    assert_str(j, "data.0.owned_by", "vllm");
+    assert_str(j, "data.0.root", "/models/qwen");
+    assert_null_at(j, "data.0.parent");
+    assert_num(j, "data.0.max_model_len", 4096);
+    assert_str(j, "data.0.permission.0.object", "model_permission");
+    assert_int_equal(strncmp(get(j, "data.0.permission.0.id")->valuestring, "modelperm-", 10), 0);
+    cJSON_Delete(j);
+
+    int32_t ids[] = {9707, 1879};
+    const char *strs[] = {"Hello", "\xC4\xA0world"};
+    j = parse_json(tdm_oai_tokenize_body(ids, 2, 4096, strs));
+    assert_num(j, "count", 2);
+    assert_num(j, "max_model_len", 4096);
+    assert_num(j, "tokens.1", 1879);
+    assert_str(j, "token_strs.1", "\xC4\xA0world");
+    cJSON_Delete(j);
+    j = parse_json(tdm_oai_tokenize_body(ids, 0, 4096, NULL));
+    assert_num(j, "count", 0);
+    assert_null_at(j, "token_strs");
+    cJSON_Delete(j);
+
+    j = parse_json(tdm_oai_detokenize_body("Hello\xFF", 6));
+    assert_str(j, "prompt", "Hello\xEF\xBF\xBD");
+    cJSON_Delete(j);
+    j = parse_json(tdm_oai_version_body("0.1.0"));
+    assert_str(j, "version", "0.1.0");
+    cJSON_Delete(j);
+}
+
+static void test_utf8_chars(void **state)
+{
+    (void)state;
+    assert_int_equal(tdm_oai_utf8_chars("abc", 3), 3);
+    assert_int_equal(tdm_oai_utf8_chars("\xC3\xA9t\xC3\xA9", 5), 3);
+    assert_int_equal(tdm_oai_utf8_chars("\xF0\x9F\x98\x80", 4), 1);
+    assert_int_equal(tdm_oai_utf8_chars("\xE2\x82", 2), 1); // one U+FFFD for the maximal subpart
+    assert_int_equal(tdm_oai_utf8_chars("\xFF\xFE", 2), 2);
+    assert_int_equal(tdm_oai_utf8_chars("", 0), 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_completion_defaults),
+        cmocka_unit_test(test_completion_all_fields),
+        cmocka_unit_test(test_prompt_forms),
+        cmocka_unit_test(test_validation_errors),
+        cmocka_unit_test(test_unsupported_noop_values_accepted),
+        cmocka_unit_test(test_echo_without_generation),
+        cmocka_unit_test(test_generation_config_defaults),
+        cmocka_unit_test(test_max_tokens_resolution),
+        cmocka_unit_test(test_chat_request),
+        cmocka_unit_test(test_tokenize_detokenize_requests),
+        cmocka_unit_test(test_response_ids),
+        cmocka_unit_test(test_completion_body),
+        cmocka_unit_test(test_chat_body_and_chunks),
+        cmocka_unit_test(test_logprobs_formats),
+        cmocka_unit_test(test_error_bodies),
+        cmocka_unit_test(test_models_tokenize_version),
+        cmocka_unit_test(test_utf8_chars),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
