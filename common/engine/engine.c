@@ -1,0 +1,1247 @@
+// SPDX-License-Identifier: Apache-2.0
+// engine: the engine thread and its scheduler (see engine.h and
+// docs/engine-scheduler.md).
+//
+// Invariants, per request (engine-thread state):
+//   hist[0 .. n_tokens) = prompt + generated ids; n_tokens = n_prompt + n_gen;
+//   `computed` of them have KV written and committed in seq (0 while waiting);
+//   a request is schedulable when computed < n_tokens: it gets up to
+//   n_tokens - computed new tokens and, when they reach n_tokens, a logits row
+//   from which the next token is sampled. A decode is the case n_tokens -
+//   computed == 1, a preempted request that comes back re-prefills prompt and
+//   generated tokens the same way and samples only new ones.
+//   Generated tokens, logprobs and top-N are append-only: index i is written
+//   before n_gen becomes i + 1 under the request's mutex, so stream readers read
+//   published indices without a lock.
+// Lock order: engine mu, then a request's mu; never the other way round.
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core.h"
+#include "engine.h"
+
+#define MOD "engine"
+
+enum req_state {
+    REQ_NEW = 0, // in the inbox (not yet seen by the engine thread)
+    REQ_WAITING, // in the waiting queue, no KV
+    REQ_RUNNING, // in the running set, owns seq
+    REQ_HELD,    // finished PREFILL_ONLY, seq kept for export
+    REQ_DONE,    // final output delivered, no KV
+};
+
+struct tdm_engine_request {
+    atomic_int refs;
+    struct tdm_engine *engine;
+    char id[64];
+    enum tdm_engine_kind kind;
+    tdm_engine_output_fn on_output;
+    void *ctx;
+    double arrival;
+    int n_prompt;
+    int max_gen;    // generated tokens allowed: min(max_tokens, max_model_len - n_prompt)
+    int max_tokens; // as requested (0 = none), for vllm:request_params_max_tokens
+    int params_n;
+    int num_top;        // top-N logprobs per token (0 when none)
+    bool want_logprobs; // logprobs >= 0
+
+    // Engine-thread state.
+    enum req_state state;
+    struct tdm_sampler *sampler;
+    struct tdm_kv_seq seq;
+    int32_t *hist;                 // [n_prompt + max_gen] prompt then generated ids
+    float *lp;                     // [max_gen] chosen-token logprobs, NULL unless want_logprobs
+    struct tdm_token_logprob *top; // [max_gen][num_top], NULL unless num_top > 0
+    int n_tokens;                  // n_prompt + n_gen
+    int computed;                  // tokens with committed KV
+    int n_gen;
+    int num_cached; // prefix-cache hit at first admission
+    bool admitted_once;
+    struct tdm_engine_request *prev, *next; // waiting queue links
+    int sched_take;                         // tokens scheduled this step (0 = not scheduled)
+    double t_first_sched, t_first_token, t_last_token;
+
+    // Guarded by engine->mu.
+    struct tdm_engine_request *inbox_next;
+    struct tdm_engine_request *ctl_next; // abort / release list
+    bool ctl_queued;
+    enum tdm_engine_finish ctl_reason; // NONE = release held KV only
+
+    // Guarded by mu: what the stream reader sees.
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int pub_gen;
+    bool pub_finished;
+    bool fin_returned;
+    int read_pos;
+    enum tdm_engine_finish reason;
+    int32_t stop_token;
+    int error;
+    char message[160];
+    bool kv_held; // written by the engine thread only, read after pub_finished
+    bool kv_release_asked;
+};
+
+struct sched_item {
+    struct tdm_engine_request *r;
+    int take;
+    bool logits;
+};
+
+struct tdm_engine {
+    struct tdm_engine_config cfg; // effective values
+    struct tdm_model *model;
+    struct tdm_kv_cache *kv;
+    struct tdm_metrics_vllm *m;
+    int vocab;
+    int32_t model_eos[TDM_MAX_EOS];
+    int num_model_eos;
+
+    // Engine-thread state.
+    struct tdm_engine_request **running; // [max_num_seqs] in admission order
+    int num_running;
+    struct tdm_engine_request *wait_head, *wait_tail;
+    int num_waiting_local;
+    int num_held;
+    struct tdm_engine_request *held_head; // PREFILL_ONLY requests keeping KV for export
+    struct sched_item *items;             // [max_num_seqs] this step's schedule
+    struct tdm_batch_seq *batch;          // [max_num_seqs]
+    float *logits;                        // [max_num_seqs][vocab]
+    struct tdm_sample_result sres;
+    uint64_t prefix_queries, prefix_hits, preemptions, steps, finished;
+
+    // Shared, guarded by mu.
+    pthread_mutex_t mu;
+    pthread_cond_t wake;    // engine thread waits here when idle
+    pthread_cond_t idle_cv; // drain/check waiters
+    struct tdm_engine_request *inbox_head, *inbox_tail;
+    struct tdm_engine_request *ctl_head;
+    int num_queued; // inbox + waiting (the bounded queue)
+    int num_active; // inbox + waiting + running, as of the last step
+    bool closed;    // submit refused
+    bool abort_all; // abort everything unfinished
+    bool stop;      // thread exits once nothing is active or held
+    bool check_req;
+    bool check_done;
+    int check_rc;
+    char check_err[256];
+    struct tdm_engine_stats stats;
+    pthread_t thread;
+};
+
+// ---- small helpers ------------------------------------------------------------------------
+void tdm_engine_config_default(struct tdm_engine_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->block_size = 16;
+    cfg->kv_memory_bytes = (size_t)256 << 20;
+    cfg->enable_prefix_caching = true;
+    cfg->max_num_batched_tokens = 2048;
+    cfg->max_num_seqs = 64;
+    cfg->max_waiting = 1024;
+}
+
+void tdm_engine_request_params_default(struct tdm_engine_request_params *p)
+{
+    memset(p, 0, sizeof *p);
+    tdm_sampling_params_default(&p->sampling);
+}
+
+const char *tdm_engine_finish_name(enum tdm_engine_finish reason)
+{
+    switch (reason) {
+    case TDM_ENGINE_FINISH_STOP:
+        return "stop";
+    case TDM_ENGINE_FINISH_LENGTH:
+        return "length";
+    case TDM_ENGINE_FINISH_ABORT:
+        return "abort";
+    case TDM_ENGINE_FINISH_ERROR:
+        return "error";
+    default:
+        return "";
+    }
+}
+
+static enum tdm_metrics_finish metrics_reason(enum tdm_engine_finish reason)
+{
+    switch (reason) {
+    case TDM_ENGINE_FINISH_STOP:
+        return TDM_METRICS_FINISH_STOP;
+    case TDM_ENGINE_FINISH_LENGTH:
+        return TDM_METRICS_FINISH_LENGTH;
+    case TDM_ENGINE_FINISH_ABORT:
+        return TDM_METRICS_FINISH_ABORT;
+    default:
+        return TDM_METRICS_FINISH_ERROR;
+    }
+}
+
+static int blocks_for(const struct tdm_engine *e, int tokens)
+{
+    return (tokens + e->cfg.block_size - 1) / e->cfg.block_size;
+}
+
+static void req_free(struct tdm_engine_request *r)
+{
+    tdm_sampler_free(r->sampler);
+    free(r->hist);
+    free(r->lp);
+    free(r->top);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cv);
+    free(r);
+}
+
+static void req_unref(struct tdm_engine_request *r)
+{
+    if (r != NULL && atomic_fetch_sub_explicit(&r->refs, 1, memory_order_acq_rel) == 1)
+        req_free(r);
+}
+
+void tdm_engine_request_release(struct tdm_engine_request *r)
+{
+    req_unref(r);
+}
+
+const char *tdm_engine_request_id(const struct tdm_engine_request *r)
+{
+    return r ? r->id : "";
+}
+
+const struct tdm_engine_config *tdm_engine_get_config(const struct tdm_engine *e)
+{
+    return &e->cfg;
+}
+
+// ---- waiting queue and running set (engine thread) ---------------------------------------
+static void wait_push_back(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    r->prev = e->wait_tail;
+    r->next = NULL;
+    if (e->wait_tail)
+        e->wait_tail->next = r;
+    else
+        e->wait_head = r;
+    e->wait_tail = r;
+    e->num_waiting_local++;
+    r->state = REQ_WAITING;
+}
+
+static void wait_push_front(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    r->prev = NULL;
+    r->next = e->wait_head;
+    if (e->wait_head)
+        e->wait_head->prev = r;
+    else
+        e->wait_tail = r;
+    e->wait_head = r;
+    e->num_waiting_local++;
+    r->state = REQ_WAITING;
+}
+
+static void wait_remove(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        e->wait_head = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    else
+        e->wait_tail = r->prev;
+    r->prev = r->next = NULL;
+    e->num_waiting_local--;
+}
+
+static void running_remove(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    for (int i = 0; i < e->num_running; i++) {
+        if (e->running[i] == r) {
+            memmove(&e->running[i], &e->running[i + 1],
+                    (size_t)(e->num_running - i - 1) * sizeof e->running[0]);
+            e->num_running--;
+            return;
+        }
+    }
+    TDM_ASSERT(!"request not in the running set");
+}
+
+// ---- output delivery (engine thread) ------------------------------------------------------
+static void fill_output(const struct tdm_engine_request *r, struct tdm_engine_output *o)
+{
+    memset(o, 0, sizeof *o);
+    o->request = (struct tdm_engine_request *)r;
+    o->id = r->id;
+    o->index = -1;
+    o->token = -1;
+    o->stop_token = -1;
+    o->num_prompt_tokens = r->n_prompt;
+    o->num_cached_tokens = r->num_cached;
+    o->num_generated = r->n_gen;
+    o->message = "";
+}
+
+static void observe_finish(struct tdm_engine *e, struct tdm_engine_request *r,
+                           enum tdm_engine_finish reason, double now)
+{
+    struct tdm_metrics_vllm *m = e->m;
+    if (m == NULL)
+        return;
+    tdm_metrics_counter_inc(m->request_success_by_reason[metrics_reason(reason)]);
+    tdm_metrics_histogram_observe(m->request_prompt_tokens, r->n_prompt);
+    tdm_metrics_histogram_observe(m->request_generation_tokens, r->n_gen);
+    tdm_metrics_histogram_observe(m->request_max_num_generation_tokens, r->n_gen);
+    tdm_metrics_histogram_observe(m->request_params_n, r->params_n);
+    tdm_metrics_histogram_observe(m->request_params_max_tokens, r->max_gen);
+    tdm_metrics_histogram_observe(m->e2e_request_latency_seconds, now - r->arrival);
+    if (r->admitted_once) {
+        tdm_metrics_histogram_observe(m->request_queue_time_seconds, r->t_first_sched - r->arrival);
+    }
+    if (r->n_gen > 0) {
+        // vLLM v1: prefill = first scheduled -> first token, decode = first -> last
+        // token, inference = first scheduled -> last token.
+        tdm_metrics_histogram_observe(m->request_prefill_time_seconds,
+                                      r->t_first_token - r->t_first_sched);
+        double decode = r->t_last_token - r->t_first_token;
+        tdm_metrics_histogram_observe(m->request_decode_time_seconds, decode);
+        tdm_metrics_histogram_observe(m->request_inference_time_seconds,
+                                      r->t_last_token - r->t_first_sched);
+        tdm_metrics_histogram_observe(m->request_time_per_output_token_seconds,
+                                      r->n_gen > 1 ? decode / (r->n_gen - 1) : 0.0);
+    }
+}
+
+// Publishes the finish to the stream and the callback, drops KV unless held, and
+// drops the engine's reference unless the KV is held (then release_kv drops it).
+// `with_token`: the finishing output carries the token just generated.
+static void finish_request(struct tdm_engine *e, struct tdm_engine_request *r,
+                           enum tdm_engine_finish reason, int32_t stop_token, int error,
+                           const char *message, bool with_token)
+{
+    double now = tdm_now();
+    if (r->state == REQ_WAITING) {
+        wait_remove(e, r);
+        pthread_mutex_lock(&e->mu);
+        e->num_queued--;
+        pthread_mutex_unlock(&e->mu);
+    } else if (r->state == REQ_RUNNING) {
+        running_remove(e, r);
+    }
+    bool hold = r->kind == TDM_ENGINE_REQ_PREFILL_ONLY && r->state == REQ_RUNNING &&
+                (reason == TDM_ENGINE_FINISH_STOP || reason == TDM_ENGINE_FINISH_LENGTH);
+    if (!hold)
+        tdm_kv_seq_release(e->kv, &r->seq);
+    r->state = hold ? REQ_HELD : REQ_DONE;
+    if (hold) {
+        // The held list reuses the waiting links (a held request waits no more).
+        r->prev = NULL;
+        r->next = e->held_head;
+        if (e->held_head)
+            e->held_head->prev = r;
+        e->held_head = r;
+        e->num_held++;
+    }
+    r->kv_held = hold;
+    e->finished++;
+    observe_finish(e, r, reason, now);
+    if (reason == TDM_ENGINE_FINISH_ERROR)
+        TDM_LOG_WARN(MOD, "req=%s finished with error: %s", r->id, message ? message : "");
+    else
+        TDM_LOG_DEBUG(MOD, "req=%s finished reason=%s prompt=%d generated=%d", r->id,
+                      tdm_engine_finish_name(reason), r->n_prompt, r->n_gen);
+
+    // The message is written before anyone can read it: the stream reads it only
+    // after pub_finished, the callback below gets it directly.
+    snprintf(r->message, sizeof r->message, "%s", message ? message : "");
+    if (r->on_output) {
+        struct tdm_engine_output o;
+        fill_output(r, &o);
+        if (with_token && r->n_gen > 0) {
+            int i = r->n_gen - 1;
+            o.index = i;
+            o.token = r->hist[r->n_prompt + i];
+            o.logprob = r->lp ? r->lp[i] : 0.0f;
+            o.num_top = r->num_top;
+            o.top = r->top ? r->top + (size_t)i * (size_t)r->num_top : NULL;
+        }
+        o.finished = true;
+        o.reason = reason;
+        o.stop_token = stop_token;
+        o.error = error;
+        o.message = r->message;
+        o.kv_held = hold;
+        r->on_output(r->ctx, &o);
+    }
+    // Stream last, so that a reader who saw the finish also saw every callback.
+    pthread_mutex_lock(&r->mu);
+    r->reason = reason;
+    r->stop_token = stop_token;
+    r->error = error;
+    r->pub_gen = r->n_gen;
+    r->pub_finished = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    if (!hold)
+        req_unref(r);
+}
+
+// A token that does not finish the request.
+static void deliver_token(struct tdm_engine_request *r)
+{
+    if (r->on_output) {
+        struct tdm_engine_output o;
+        int i = r->n_gen - 1;
+        fill_output(r, &o);
+        o.index = i;
+        o.token = r->hist[r->n_prompt + i];
+        o.logprob = r->lp ? r->lp[i] : 0.0f;
+        o.num_top = r->num_top;
+        o.top = r->top ? r->top + (size_t)i * (size_t)r->num_top : NULL;
+        r->on_output(r->ctx, &o);
+    }
+    pthread_mutex_lock(&r->mu);
+    r->pub_gen = r->n_gen;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void release_held(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    if (r->state != REQ_HELD)
+        return;
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        e->held_head = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    r->prev = r->next = NULL;
+    tdm_kv_seq_release(e->kv, &r->seq);
+    r->state = REQ_DONE;
+    e->num_held--;
+    req_unref(r);
+}
+
+// ---- stats and gauges -------------------------------------------------------------------
+static void publish_stats(struct tdm_engine *e)
+{
+    // Called with e->mu held.
+    struct tdm_engine_stats *s = &e->stats;
+    s->num_running = e->num_running;
+    s->num_waiting = e->num_queued;
+    s->num_held = e->num_held;
+    s->kv_usage = tdm_kv_usage(e->kv);
+    s->num_free_blocks = tdm_kv_num_free_blocks(e->kv);
+    s->num_total_blocks = e->cfg.num_blocks;
+    s->block_size = e->cfg.block_size;
+    s->prefix_queries = e->prefix_queries;
+    s->prefix_hits = e->prefix_hits;
+    s->num_preemptions = e->preemptions;
+    s->num_steps = e->steps;
+    s->num_finished = e->finished;
+    e->num_active = e->num_queued + e->num_running;
+    if (e->m) {
+        tdm_metrics_gauge_set(e->m->num_requests_running, s->num_running);
+        tdm_metrics_gauge_set(e->m->num_requests_waiting, s->num_waiting);
+        tdm_metrics_gauge_set(e->m->kv_cache_usage_perc, s->kv_usage);
+    }
+    if (e->num_active == 0)
+        pthread_cond_broadcast(&e->idle_cv);
+}
+
+void tdm_engine_get_stats(struct tdm_engine *e, struct tdm_engine_stats *out)
+{
+    pthread_mutex_lock(&e->mu);
+    *out = e->stats;
+    pthread_mutex_unlock(&e->mu);
+}
+
+// ---- scheduling (engine thread) ------------------------------------------------------------
+// Releases r's KV and puts it at the front of the waiting queue; its generated
+// tokens and sampler state stay, so it resumes without re-sampling them.
+static void preempt(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    running_remove(e, r);
+    tdm_kv_seq_release(e->kv, &r->seq);
+    r->computed = 0;
+    r->sched_take = 0;
+    wait_push_front(e, r);
+    pthread_mutex_lock(&e->mu);
+    e->num_queued++;
+    pthread_mutex_unlock(&e->mu);
+    e->preemptions++;
+    if (e->m)
+        tdm_metrics_counter_inc(e->m->num_preemptions);
+    TDM_LOG_DEBUG(MOD, "req=%s preempted generated=%d", r->id, r->n_gen);
+}
+
+static void unschedule(struct tdm_engine *e, int *n_items, int *budget,
+                       struct tdm_engine_request *r)
+{
+    (void)e;
+    for (int i = 0; i < *n_items; i++) {
+        if (e->items[i].r == r) {
+            *budget += e->items[i].take;
+            memmove(&e->items[i], &e->items[i + 1],
+                    (size_t)(*n_items - i - 1) * sizeof e->items[0]);
+            (*n_items)--;
+            return;
+        }
+    }
+}
+
+static void fail_unfit(struct tdm_engine *e, struct tdm_engine_request *r, int tokens)
+{
+    char msg[160];
+    snprintf(msg, sizeof msg, "needs %d KV blocks for %d tokens; the pool has %d",
+             blocks_for(e, tokens), tokens, e->cfg.num_blocks);
+    finish_request(e, r, TDM_ENGINE_FINISH_ERROR, -1, TDM_ECAPACITY, msg, false);
+}
+
+// Schedules one running request's next tokens (take <= budget), preempting the
+// most recently admitted running requests while its blocks do not fit. Returns
+// true when r was scheduled, false when r itself was preempted or failed.
+static bool schedule_running(struct tdm_engine *e, struct tdm_engine_request *r, int *n_items,
+                             int *budget, bool *preempted)
+{
+    int take = r->n_tokens - r->computed;
+    if (take > *budget)
+        take = *budget;
+    for (;;) {
+        // A prompt chunk shrinks to what the free blocks hold before anyone is
+        // preempted for it; a decode token needs its block.
+        int room =
+            (r->seq.num_blocks + tdm_kv_num_free_blocks(e->kv)) * e->cfg.block_size - r->computed;
+        int t = take < room ? take : room;
+        if (t >= 1 && tdm_kv_reserve(e->kv, &r->seq, r->computed + t) == TDM_OK) {
+            r->sched_take = t;
+            e->items[*n_items] =
+                (struct sched_item){.r = r, .take = t, .logits = r->computed + t == r->n_tokens};
+            (*n_items)++;
+            *budget -= t;
+            return true;
+        }
+        struct tdm_engine_request *victim = e->running[e->num_running - 1];
+        if (victim == r && blocks_for(e, r->computed + 1) > e->cfg.num_blocks) {
+            fail_unfit(e, r, r->computed + 1);
+            return false;
+        }
+        if (victim->sched_take > 0)
+            unschedule(e, n_items, budget, victim);
+        preempt(e, victim);
+        *preempted = true;
+        if (victim == r)
+            return false;
+    }
+}
+
+// Admits the waiting head if blocks and budget allow. Returns false to stop admitting.
+static bool admit_one(struct tdm_engine *e, int *n_items, int *budget)
+{
+    struct tdm_engine_request *r = e->wait_head;
+    if (blocks_for(e, r->n_tokens) > e->cfg.num_blocks) {
+        fail_unfit(e, r, r->n_tokens);
+        return true;
+    }
+    int match = tdm_kv_match_prefix(e->kv, &r->seq, r->hist, r->n_tokens);
+    int take = r->n_tokens - match;
+    if (take > *budget)
+        take = *budget;
+    if (tdm_kv_reserve(e->kv, &r->seq, match + take) != TDM_OK) {
+        tdm_kv_seq_release(e->kv, &r->seq); // drop the prefix references; retry later
+        return false;
+    }
+    if (e->cfg.enable_prefix_caching) {
+        e->prefix_queries += (uint64_t)r->n_tokens;
+        e->prefix_hits += (uint64_t)match;
+        if (e->m) {
+            tdm_metrics_counter_add(e->m->prefix_cache_queries, r->n_tokens);
+            tdm_metrics_counter_add(e->m->prefix_cache_hits, match);
+        }
+    }
+    wait_remove(e, r);
+    pthread_mutex_lock(&e->mu);
+    e->num_queued--;
+    pthread_mutex_unlock(&e->mu);
+    r->state = REQ_RUNNING;
+    r->computed = match;
+    if (!r->admitted_once) {
+        r->admitted_once = true;
+        r->num_cached = match;
+        r->t_first_sched = tdm_now();
+    }
+    e->running[e->num_running++] = r;
+    r->sched_take = take;
+    e->items[*n_items] =
+        (struct sched_item){.r = r, .take = take, .logits = match + take == r->n_tokens};
+    (*n_items)++;
+    *budget -= take;
+    return true;
+}
+
+// Builds this step's schedule into e->items; returns the number of items.
+static int schedule(struct tdm_engine *e)
+{
+    int n_items = 0;
+    int budget = e->cfg.max_num_batched_tokens;
+    bool preempted = false;
+    for (int i = 0; i < e->num_running; i++)
+        e->running[i]->sched_take = 0;
+    // Decodes first (one token each), then prompt chunks of running requests. A
+    // preemption removes the tail of `running`, so indices before i stay valid.
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < e->num_running && budget > 0; i++) {
+            struct tdm_engine_request *r = e->running[i];
+            bool is_decode = r->n_tokens - r->computed == 1;
+            if (r->sched_take > 0 || is_decode != (pass == 0))
+                continue;
+            if (!schedule_running(e, r, &n_items, &budget, &preempted))
+                i--; // r left the running set (preempted itself or failed)
+        }
+    }
+    // vLLM v1: no admissions in a step that had to preempt.
+    while (!preempted && e->wait_head != NULL && budget > 0 &&
+           e->num_running < e->cfg.max_num_seqs) {
+        if (!admit_one(e, &n_items, &budget))
+            break;
+    }
+    return n_items;
+}
+
+// ---- one step (engine thread) -------------------------------------------------------------
+static void run_step(struct tdm_engine *e, int n_items)
+{
+    struct tdm_metrics_vllm *m = e->m;
+    int total = 0;
+    for (int b = 0; b < n_items; b++) {
+        struct sched_item *it = &e->items[b];
+        struct tdm_engine_request *r = it->r;
+        e->batch[b] =
+            (struct tdm_batch_seq){.tokens = r->hist + r->computed,
+                                   .n_tokens = it->take,
+                                   .start_pos = r->computed,
+                                   .block_table = r->seq.block_table,
+                                   .logits = it->logits ? TDM_LOGITS_LAST : TDM_LOGITS_NONE};
+        total += it->take;
+    }
+    int rc = tdm_model_forward(e->model, e->kv, e->batch, n_items, e->logits);
+    e->steps++;
+    if (m)
+        tdm_metrics_histogram_observe(m->iteration_tokens_total, total);
+    if (rc != TDM_OK) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "model forward failed: %s", tdm_strerror(rc));
+        TDM_LOG_ERR(MOD, "step %llu: %s (%d sequences, %d tokens)", (unsigned long long)e->steps,
+                    msg, n_items, total);
+        for (int b = 0; b < n_items; b++)
+            finish_request(e, e->items[b].r, TDM_ENGINE_FINISH_ERROR, -1, rc, msg, false);
+        return;
+    }
+    double now = tdm_now();
+    int row = 0;
+    for (int b = 0; b < n_items; b++) {
+        struct sched_item *it = &e->items[b];
+        struct tdm_engine_request *r = it->r;
+        r->computed += it->take;
+        tdm_kv_commit(e->kv, &r->seq, r->hist, r->computed);
+        if (!it->logits)
+            continue;
+        float *lrow = e->logits + (size_t)row++ * (size_t)e->vocab;
+        int32_t tok = tdm_sampler_sample(r->sampler, lrow, r->want_logprobs ? &e->sres : NULL);
+        int i = r->n_gen;
+        r->hist[r->n_prompt + i] = tok;
+        if (r->lp)
+            r->lp[i] = e->sres.logprob;
+        if (r->top)
+            memcpy(r->top + (size_t)i * (size_t)r->num_top, e->sres.top,
+                   (size_t)r->num_top * sizeof *r->top);
+        r->n_gen++;
+        r->n_tokens++;
+        if (m) {
+            tdm_metrics_counter_inc(m->generation_tokens);
+            if (i == 0) {
+                // vLLM v1 counts a request's prompt tokens when its first token comes.
+                tdm_metrics_counter_add(m->prompt_tokens, r->n_prompt);
+                tdm_metrics_histogram_observe(m->time_to_first_token_seconds, now - r->arrival);
+            } else {
+                tdm_metrics_histogram_observe(m->inter_token_latency_seconds,
+                                              now - r->t_last_token);
+            }
+        }
+        if (i == 0)
+            r->t_first_token = now;
+        r->t_last_token = now;
+        if (tdm_sampler_is_stop(r->sampler, tok))
+            finish_request(e, r, TDM_ENGINE_FINISH_STOP, tok, TDM_OK, NULL, true);
+        else if (r->n_gen >= r->max_gen)
+            finish_request(e, r, TDM_ENGINE_FINISH_LENGTH, -1, TDM_OK, NULL, true);
+        else
+            deliver_token(r);
+    }
+}
+
+// Takes the inbox and the control list; applies aborts and releases.
+static void take_control(struct tdm_engine *e, bool *abort_all, bool *stop)
+{
+    pthread_mutex_lock(&e->mu);
+    struct tdm_engine_request *in = e->inbox_head;
+    struct tdm_engine_request *ctl = e->ctl_head;
+    e->inbox_head = e->inbox_tail = NULL;
+    e->ctl_head = NULL;
+    for (struct tdm_engine_request *c = ctl; c; c = c->ctl_next)
+        c->ctl_queued = false;
+    *abort_all = e->abort_all;
+    *stop = e->stop;
+    pthread_mutex_unlock(&e->mu);
+
+    while (in) {
+        struct tdm_engine_request *next = in->inbox_next;
+        in->inbox_next = NULL;
+        wait_push_back(e, in);
+        in = next;
+    }
+    // The control list is LIFO; order does not matter for aborts.
+    while (ctl) {
+        struct tdm_engine_request *next = ctl->ctl_next;
+        ctl->ctl_next = NULL;
+        if (ctl->state == REQ_HELD) {
+            release_held(e, ctl);
+        } else if (ctl->state == REQ_WAITING || ctl->state == REQ_RUNNING) {
+            enum tdm_engine_finish reason = ctl->ctl_reason != TDM_ENGINE_FINISH_NONE
+                                                ? ctl->ctl_reason
+                                                : TDM_ENGINE_FINISH_ABORT;
+            finish_request(e, ctl, reason, -1, TDM_OK,
+                           reason == TDM_ENGINE_FINISH_ABORT ? "aborted" : NULL, false);
+        }
+        req_unref(ctl); // the list's reference
+        ctl = next;
+    }
+    if (*abort_all) {
+        while (e->num_running > 0)
+            finish_request(e, e->running[e->num_running - 1], TDM_ENGINE_FINISH_ABORT, -1, TDM_OK,
+                           "engine shutting down", false);
+        while (e->wait_head)
+            finish_request(e, e->wait_head, TDM_ENGINE_FINISH_ABORT, -1, TDM_OK,
+                           "engine shutting down", false);
+    }
+}
+
+static void *engine_main(void *arg)
+{
+    struct tdm_engine *e = arg;
+    bool progressed = true;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        if (e->check_req) {
+            e->check_rc = tdm_kv_check(e->kv, e->check_err, sizeof e->check_err);
+            e->check_req = false;
+            e->check_done = true;
+            pthread_cond_broadcast(&e->idle_cv);
+        }
+        publish_stats(e);
+        // Sleep when nothing can move: no new requests, no control, and either no
+        // active request or the last step could schedule nothing (blocks held).
+        while (e->inbox_head == NULL && e->ctl_head == NULL && !e->check_req &&
+               !(e->abort_all && e->num_active > 0) && !e->stop &&
+               (e->num_active == 0 || !progressed))
+            pthread_cond_wait(&e->wake, &e->mu);
+        bool exit_now = e->stop && e->num_active == 0 && e->num_held == 0 &&
+                        e->inbox_head == NULL && e->ctl_head == NULL;
+        bool checking = e->check_req;
+        pthread_mutex_unlock(&e->mu);
+        if (exit_now)
+            break;
+        if (checking)
+            continue;
+
+        bool abort_all, stop;
+        take_control(e, &abort_all, &stop);
+        if (stop) {
+            // Shutdown: nobody can export any more.
+            while (e->held_head)
+                release_held(e, e->held_head);
+        }
+        int n_items = schedule(e);
+        progressed = n_items > 0;
+        if (n_items > 0)
+            run_step(e, n_items);
+    }
+    pthread_mutex_lock(&e->mu);
+    publish_stats(e);
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+// ---- creation and shutdown ----------------------------------------------------------------
+static int cond_init_monotonic(pthread_cond_t *cv)
+{
+    pthread_condattr_t a;
+    if (pthread_condattr_init(&a) != 0)
+        return TDM_ENOMEM;
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    int rc = pthread_cond_init(cv, &a);
+    pthread_condattr_destroy(&a);
+    return rc == 0 ? TDM_OK : TDM_ENOMEM;
+}
+
+// Waits on cv until the monotonic deadline (< 0: none); false on timeout.
+static bool cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadline)
+{
+    if (deadline < 0) {
+        pthread_cond_wait(cv, mu);
+        return true;
+    }
+    double now = tdm_now();
+    if (now >= deadline)
+        return false;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double rem = deadline - now;
+    long sec = (long)rem;
+    ts.tv_sec += sec;
+    ts.tv_nsec += (long)((rem - (double)sec) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return pthread_cond_timedwait(cv, mu, &ts) != ETIMEDOUT || tdm_now() < deadline;
+}
+
+int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
+                   const struct tdm_engine_config *cfg_in, char *err, size_t errlen)
+{
+    struct tdm_engine_config cfg;
+    int rc;
+    *out = NULL;
+    if (model == NULL)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: no model");
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        tdm_engine_config_default(&cfg);
+    const struct tdm_model_config *mc = tdm_model_config(model);
+    const struct tdm_model_opts *mo = tdm_model_opts(model);
+    if (cfg.block_size <= 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: block_size must be > 0, got %d",
+                          cfg.block_size);
+    if (cfg.num_blocks < 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: num_blocks must be >= 0, got %d",
+                          cfg.num_blocks);
+    if (cfg.max_num_batched_tokens <= 0 || cfg.max_num_seqs <= 0 || cfg.max_waiting <= 0 ||
+        cfg.max_model_len < 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "engine: max_num_batched_tokens, max_num_seqs and max_waiting must be "
+                          "> 0 and max_model_len >= 0");
+    if (cfg.max_model_len == 0)
+        cfg.max_model_len = mc->max_position_embeddings;
+    if (cfg.max_model_len > mc->max_position_embeddings || cfg.max_model_len < 2)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "engine: max_model_len %d outside [2, %d] (the model's context)",
+                          cfg.max_model_len, mc->max_position_embeddings);
+    if (cfg.max_num_batched_tokens > mo->max_batch_tokens)
+        cfg.max_num_batched_tokens = mo->max_batch_tokens;
+    if (cfg.max_num_seqs > mo->max_batch_seqs)
+        cfg.max_num_seqs = mo->max_batch_seqs;
+
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(model, &kc);
+    kc.block_size = cfg.block_size;
+    kc.enable_prefix_caching = cfg.enable_prefix_caching;
+    if (cfg.num_blocks == 0) {
+        kc.num_blocks = 1;
+        size_t bb = tdm_kv_block_bytes(&kc);
+        size_t nb = bb ? cfg.kv_memory_bytes / bb : 0;
+        if (nb < 1)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "engine: kv_memory_bytes %zu holds no block of %zu bytes",
+                              cfg.kv_memory_bytes, bb);
+        cfg.num_blocks =
+            nb > (size_t)(INT32_MAX / cfg.block_size) ? INT32_MAX / cfg.block_size : (int)nb;
+    }
+    kc.num_blocks = cfg.num_blocks;
+
+    struct tdm_engine *e = calloc(1, sizeof *e);
+    if (e == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
+    e->cfg = cfg;
+    e->model = model;
+    e->m = cfg.metrics;
+    e->vocab = mc->vocab_size;
+    e->num_model_eos = mc->num_eos_token_ids;
+    for (int i = 0; i < mc->num_eos_token_ids; i++)
+        e->model_eos[i] = mc->eos_token_ids[i];
+    rc = tdm_kv_new(&e->kv, &kc, err, errlen);
+    if (rc != TDM_OK)
+        goto fail_engine;
+    size_t ns = (size_t)cfg.max_num_seqs;
+    e->running = calloc(ns, sizeof *e->running);
+    e->items = calloc(ns, sizeof *e->items);
+    e->batch = calloc(ns, sizeof *e->batch);
+    e->logits = malloc(ns * (size_t)e->vocab * sizeof(float));
+    if (!e->running || !e->items || !e->batch || !e->logits) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
+        goto fail_arrays;
+    }
+    if (pthread_mutex_init(&e->mu, NULL) != 0) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
+        goto fail_arrays;
+    }
+    if (cond_init_monotonic(&e->wake) != TDM_OK) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
+        goto fail_mu;
+    }
+    if (cond_init_monotonic(&e->idle_cv) != TDM_OK) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
+        goto fail_wake;
+    }
+    pthread_mutex_lock(&e->mu);
+    publish_stats(e);
+    pthread_mutex_unlock(&e->mu);
+    if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: cannot start the engine thread");
+        goto fail_idle;
+    }
+    TDM_LOG_INFO(MOD,
+                 "started blocks=%d block_size=%d prefix_caching=%d max_num_batched_tokens=%d "
+                 "max_num_seqs=%d max_model_len=%d",
+                 cfg.num_blocks, cfg.block_size, (int)cfg.enable_prefix_caching,
+                 cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_model_len);
+    *out = e;
+    return TDM_OK;
+
+fail_idle:
+    pthread_cond_destroy(&e->idle_cv);
+fail_wake:
+    pthread_cond_destroy(&e->wake);
+fail_mu:
+    pthread_mutex_destroy(&e->mu);
+fail_arrays:
+    free(e->running);
+    free(e->items);
+    free(e->batch);
+    free(e->logits);
+    tdm_kv_free(e->kv);
+fail_engine:
+    free(e);
+    return rc;
+}
+
+int tdm_engine_drain(struct tdm_engine *e, double timeout_s)
+{
+    int rc = TDM_OK;
+    double deadline = timeout_s < 0 ? -1.0 : tdm_now() + timeout_s;
+    pthread_mutex_lock(&e->mu);
+    e->closed = true;
+    while (e->num_active > 0 || e->inbox_head != NULL) {
+        if (!cond_wait_until(&e->idle_cv, &e->mu, deadline))
+            break;
+    }
+    if (e->num_active > 0 || e->inbox_head != NULL) {
+        rc = TDM_ETIMEDOUT;
+        e->abort_all = true;
+        pthread_cond_signal(&e->wake);
+        while (e->num_active > 0 || e->inbox_head != NULL)
+            pthread_cond_wait(&e->idle_cv, &e->mu);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+void tdm_engine_free(struct tdm_engine *e)
+{
+    if (e == NULL)
+        return;
+    tdm_engine_drain(e, 0);
+    pthread_mutex_lock(&e->mu);
+    e->stop = true;
+    pthread_cond_signal(&e->wake);
+    pthread_mutex_unlock(&e->mu);
+    pthread_join(e->thread, NULL);
+    TDM_LOG_INFO(MOD, "stopped steps=%llu finished=%llu preemptions=%llu",
+                 (unsigned long long)e->steps, (unsigned long long)e->finished,
+                 (unsigned long long)e->preemptions);
+    pthread_cond_destroy(&e->idle_cv);
+    pthread_cond_destroy(&e->wake);
+    pthread_mutex_destroy(&e->mu);
+    free(e->running);
+    free(e->items);
+    free(e->batch);
+    free(e->logits);
+    tdm_kv_free(e->kv);
+    free(e);
+}
+
+// ---- submit, abort, stream ------------------------------------------------------------------
+int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_params *p,
+                      struct tdm_engine_request **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (e == NULL || p == NULL)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: no engine or params");
+    const char *id = p->id ? p->id : "-";
+    int max_len = e->cfg.max_model_len;
+    if (p->prompt == NULL || p->n_prompt <= 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: empty prompt", id);
+    if (p->n_prompt > max_len - 1)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "req=%s: prompt of %d tokens is longer than max_model_len - 1 (%d)", id,
+                          p->n_prompt, max_len - 1);
+    if (p->max_tokens < 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: max_tokens must be >= 0, got %d", id,
+                          p->max_tokens);
+    if (p->kind != TDM_ENGINE_REQ_GENERATE && p->kind != TDM_ENGINE_REQ_PREFILL_ONLY)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: unknown request kind %d", id,
+                          (int)p->kind);
+    for (int i = 0; i < p->n_prompt; i++)
+        if (p->prompt[i] < 0 || p->prompt[i] >= e->vocab)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "req=%s: prompt token %d (at %d) outside the vocabulary of %d", id,
+                              (int)p->prompt[i], i, e->vocab);
+    const int32_t *eos = p->eos_ids ? p->eos_ids : e->model_eos;
+    int num_eos = p->eos_ids ? p->num_eos : e->num_model_eos;
+    if (num_eos < 0 || num_eos > TDM_MAX_EOS)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: num_eos %d outside [0, %d]", id,
+                          num_eos, TDM_MAX_EOS);
+    for (int i = 0; i < num_eos; i++)
+        if (eos[i] < 0 || eos[i] >= e->vocab)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: EOS id %d outside the vocabulary",
+                              id, (int)eos[i]);
+    char verr[160];
+    int rc = tdm_sampling_params_validate(&p->sampling, e->vocab, verr, sizeof verr);
+    if (rc != TDM_OK)
+        return tdm_seterr(err, errlen, rc, "req=%s: %s", id, verr);
+
+    int max_gen = max_len - p->n_prompt;
+    if (p->max_tokens > 0 && p->max_tokens < max_gen)
+        max_gen = p->max_tokens;
+    if (p->kind == TDM_ENGINE_REQ_PREFILL_ONLY)
+        max_gen = 1;
+
+    struct tdm_engine_request *r = calloc(1, sizeof *r);
+    if (r == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
+    atomic_init(&r->refs, 2);
+    r->engine = e;
+    snprintf(r->id, sizeof r->id, "%s", id);
+    r->kind = p->kind;
+    r->on_output = p->on_output;
+    r->ctx = p->ctx;
+    r->arrival = p->arrival_time > 0 ? p->arrival_time : tdm_now();
+    r->n_prompt = p->n_prompt;
+    r->max_gen = max_gen;
+    r->max_tokens = p->max_tokens;
+    r->params_n = p->params_n > 0 ? p->params_n : 1;
+    r->want_logprobs = p->sampling.logprobs >= 0;
+    r->num_top = p->sampling.logprobs > 0 ? p->sampling.logprobs : 0;
+    r->n_tokens = p->n_prompt;
+    r->stop_token = -1;
+    tdm_kv_seq_init(&r->seq);
+    r->hist = malloc(((size_t)p->n_prompt + (size_t)max_gen) * sizeof *r->hist);
+    if (r->want_logprobs)
+        r->lp = calloc((size_t)max_gen, sizeof *r->lp);
+    if (r->num_top > 0)
+        r->top = calloc((size_t)max_gen * (size_t)r->num_top, sizeof *r->top);
+    if (r->hist == NULL || (r->want_logprobs && r->lp == NULL) || (r->num_top > 0 && !r->top)) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
+        goto fail_bufs;
+    }
+    memcpy(r->hist, p->prompt, (size_t)p->n_prompt * sizeof *r->hist);
+    rc = tdm_sampler_new(&r->sampler, &p->sampling, e->vocab, p->prompt, (size_t)p->n_prompt, eos,
+                         num_eos);
+    if (rc != TDM_OK) {
+        rc = tdm_seterr(err, errlen, rc, "req=%s: sampler: %s", id, tdm_strerror(rc));
+        goto fail_bufs;
+    }
+    if (pthread_mutex_init(&r->mu, NULL) != 0) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
+        goto fail_sampler;
+    }
+    if (cond_init_monotonic(&r->cv) != TDM_OK) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
+        goto fail_mu;
+    }
+
+    pthread_mutex_lock(&e->mu);
+    if (e->closed) {
+        pthread_mutex_unlock(&e->mu);
+        rc = tdm_seterr(err, errlen, TDM_ECLOSED, "engine: shutting down");
+        goto fail_cv;
+    }
+    if (e->num_queued >= e->cfg.max_waiting) {
+        pthread_mutex_unlock(&e->mu);
+        rc = tdm_seterr(err, errlen, TDM_EBUSY, "engine: waiting queue full (%d requests)",
+                        e->cfg.max_waiting);
+        goto fail_cv;
+    }
+    r->state = REQ_NEW;
+    if (e->inbox_tail)
+        e->inbox_tail->inbox_next = r;
+    else
+        e->inbox_head = r;
+    e->inbox_tail = r;
+    e->num_queued++;
+    e->num_active++;
+    pthread_cond_signal(&e->wake);
+    pthread_mutex_unlock(&e->mu);
+    TDM_LOG_DEBUG(MOD, "req=%s submitted prompt=%d max_gen=%d", r->id, r->n_prompt, max_gen);
+    *out = r;
+    return TDM_OK;
+
+fail_cv:
+    pthread_cond_destroy(&r->cv);
+fail_mu:
+    pthread_mutex_destroy(&r->mu);
+fail_sampler:
+    tdm_sampler_free(r->sampler);
+    r->sampler = NULL;
+fail_bufs:
+    free(r->hist);
+    free(r->lp);
+    free(r->top);
+    free(r);
+    return rc;
+}
+
+// Queues a control for r (abort with reason, or NONE: release held KV).
+static void queue_control(struct tdm_engine *e, struct tdm_engine_request *r,
+                          enum tdm_engine_finish reason)
+{
+    pthread_mutex_lock(&e->mu);
+    if (!r->ctl_queued) {
+        r->ctl_queued = true;
+        r->ctl_reason = reason;
+        atomic_fetch_add_explicit(&r->refs, 1, memory_order_relaxed);
+        r->ctl_next = e->ctl_head;
+        e->ctl_head = r;
+    } else if (r->ctl_reason == TDM_ENGINE_FINISH_NONE) {
+        r->ctl_reason = reason;
+    }
+    pthread_cond_signal(&e->wake);
+    pthread_mutex_unlock(&e->mu);
+}
+
+int tdm_engine_abort(struct tdm_engine *e, struct tdm_engine_request *r,
+                     enum tdm_engine_finish reason)
+{
+    if (e == NULL || r == NULL || r->engine != e ||
+        (reason != TDM_ENGINE_FINISH_ABORT && reason != TDM_ENGINE_FINISH_STOP &&
+         reason != TDM_ENGINE_FINISH_LENGTH))
+        return TDM_EINVAL;
+    queue_control(e, r, reason);
+    return TDM_OK;
+}
+
+int tdm_engine_release_kv(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    if (e == NULL || r == NULL || r->engine != e)
+        return TDM_EINVAL;
+    pthread_mutex_lock(&r->mu);
+    bool ok = r->pub_finished && r->kv_held && !r->kv_release_asked;
+    if (ok)
+        r->kv_release_asked = true;
+    pthread_mutex_unlock(&r->mu);
+    if (!ok)
+        return TDM_EINVAL;
+    queue_control(e, r, TDM_ENGINE_FINISH_NONE);
+    return TDM_OK;
+}
+
+// True when r holds KV the caller may read (finished PREFILL_ONLY, not released).
+static bool kv_readable(struct tdm_engine_request *r)
+{
+    pthread_mutex_lock(&r->mu);
+    bool ok = r->pub_finished && r->kv_held && !r->kv_release_asked;
+    pthread_mutex_unlock(&r->mu);
+    return ok;
+}
+
+int tdm_engine_kv_header(struct tdm_engine *e, struct tdm_engine_request *r, const char *model,
+                         struct tdm_kv_header *h)
+{
+    if (e == NULL || r == NULL || h == NULL || r->engine != e || !kv_readable(r))
+        return TDM_EINVAL;
+    tdm_kv_header_fill(e->kv, model ? model : "", h);
+    h->num_tokens = r->n_prompt;
+    h->first_block = 0;
+    h->num_blocks = r->seq.num_blocks;
+    return TDM_OK;
+}
+
+int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
+                            int first_block, int nblocks, void *dst, size_t dst_len)
+{
+    if (e == NULL || r == NULL || dst == NULL || r->engine != e || !kv_readable(r))
+        return TDM_EINVAL;
+    // Validated here so that the cache's export cannot fail (and write its error
+    // text, which the engine thread owns) when called from another thread.
+    const struct tdm_kv_config *kc = tdm_kv_config(e->kv);
+    if (layer < 0 || layer >= kc->num_layers || first_block < 0 || nblocks < 0 ||
+        first_block > r->seq.num_blocks || nblocks > r->seq.num_blocks - first_block ||
+        dst_len != tdm_kv_layer_bytes(e->kv, nblocks))
+        return TDM_EINVAL;
+    return tdm_kv_export_layer(e->kv, &r->seq, layer, first_block, nblocks, dst, dst_len);
+}
+
+int tdm_engine_stream_next(struct tdm_engine_request *r, double timeout_s,
+                           struct tdm_engine_chunk *out)
+{
+    memset(out, 0, sizeof *out);
+    double deadline = timeout_s < 0 ? -1.0 : tdm_now() + timeout_s;
+    pthread_mutex_lock(&r->mu);
+    if (r->fin_returned) {
+        pthread_mutex_unlock(&r->mu);
+        return TDM_ECLOSED;
+    }
+    while (r->read_pos == r->pub_gen && !r->pub_finished) {
+        if (!cond_wait_until(&r->cv, &r->mu, deadline)) {
+            pthread_mutex_unlock(&r->mu);
+            return TDM_ETIMEDOUT;
+        }
+    }
+    int i = r->read_pos;
+    out->first_index = i;
+    out->n = r->pub_gen - i;
+    out->tokens = r->hist + r->n_prompt + i;
+    out->logprobs = r->lp ? r->lp + i : NULL;
+    out->top = r->top ? r->top + (size_t)i * (size_t)r->num_top : NULL;
+    out->num_top = r->num_top;
+    out->num_prompt_tokens = r->n_prompt;
+    out->num_cached_tokens = r->num_cached;
+    out->stop_token = -1;
+    out->message = "";
+    r->read_pos = r->pub_gen;
+    if (r->pub_finished) {
+        r->fin_returned = true;
+        out->finished = true;
+        out->reason = r->reason;
+        out->stop_token = r->stop_token;
+        out->error = r->error;
+        out->message = r->message;
+        out->kv_held = r->kv_held;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return TDM_OK;
+}
+
+int tdm_engine_check_kv(struct tdm_engine *e, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&e->mu);
+    e->check_req = true;
+    e->check_done = false;
+    pthread_cond_signal(&e->wake);
+    while (!e->check_done)
+        pthread_cond_wait(&e->idle_cv, &e->mu);
+    int rc = e->check_rc;
+    if (rc != TDM_OK)
+        tdm_seterr(err, errlen, rc, "%s", e->check_err);
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}

@@ -1,0 +1,225 @@
+// SPDX-License-Identifier: Apache-2.0
+// engine: the serving engine. One engine thread owns a loaded model (borrowed),
+// the paged KV cache (owned), every request's sampler and the scheduler state,
+// and runs continuous batching the way vLLM v1 does: each step gives running
+// decodes one token each, continues partially prefilled prompts, then admits
+// waiting requests first come first served, within a token budget
+// (max_num_batched_tokens) and a sequence limit (max_num_seqs); long prompts
+// are prefilled in chunks. When a running request cannot get a KV block, the
+// most recently admitted one is preempted by recompute. docs/engine-scheduler.md
+// describes the thread model, the request lifecycle and the metric definitions.
+//
+// Threads: every function here except tdm_engine_new/tdm_engine_free is safe to
+// call from any thread. Other threads never touch the model or the cache; they
+// submit, abort and read outputs through the engine's queues.
+//
+// Request lifetime: tdm_engine_submit returns a handle with two references, the
+// caller's and the engine's. The engine drops its reference after it delivered
+// the request's final output (and released any KV it held for the caller); the
+// caller drops its own with tdm_engine_request_release at any time (before the
+// finish too: the request keeps running unless aborted). The handle stays valid
+// while the caller holds its reference.
+#ifndef TDM_ENGINE_H
+#define TDM_ENGINE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kv_cache.h"
+#include "metrics.h"
+#include "model.h"
+#include "sampling.h"
+
+struct tdm_engine;
+struct tdm_engine_request;
+
+// ---- configuration -------------------------------------------------------------------
+struct tdm_engine_config {
+    int block_size;                   // KV tokens per block; default 16
+    int num_blocks;                   // KV pool size in blocks; 0 = from kv_memory_bytes
+    size_t kv_memory_bytes;           // pool budget when num_blocks == 0; default 256 MiB
+    bool enable_prefix_caching;       // default true
+    int max_num_batched_tokens;       // token budget of one step; default 2048, capped by the
+                                      // model's max_batch_tokens (its activation workspace)
+    int max_num_seqs;                 // running requests at most; default 64, capped by the
+                                      // model's max_batch_seqs
+    int max_model_len;                // prompt + generated tokens; 0 = the model's context
+    int max_waiting;                  // bounded waiting queue: submit returns TDM_EBUSY when this
+                                      // many requests wait; default 1024
+    struct tdm_metrics_vllm *metrics; // vLLM metric handles to update; NULL = none
+};
+// Fills the defaults above.
+void tdm_engine_config_default(struct tdm_engine_config *cfg);
+
+// Creates the KV cache from cfg and the model's geometry and starts the engine
+// thread. model must outlive the engine and is used by no other thread
+// meanwhile. cfg may be NULL (defaults). TDM_EINVAL (err names the field) for a
+// bad config, TDM_ENOMEM, or the KV cache's error.
+int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
+                   const struct tdm_engine_config *cfg, char *err, size_t errlen);
+// Stops accepting requests, aborts every unfinished one (each still gets its
+// final output), releases held KV, joins the thread and frees the engine and
+// its cache. Request handles the caller still holds stay valid (release them
+// afterwards). Accepts NULL.
+void tdm_engine_free(struct tdm_engine *e);
+// Stops accepting requests (submit returns TDM_ECLOSED from now on) and waits up
+// to timeout_s seconds (< 0: no limit) for running and waiting requests to
+// finish; the rest are then aborted and the call waits until they got their
+// final output. Returns TDM_OK when all finished on their own, TDM_ETIMEDOUT
+// when some were aborted. The engine thread keeps running (for held KV) until
+// tdm_engine_free.
+int tdm_engine_drain(struct tdm_engine *e, double timeout_s);
+
+// The effective limits after defaults and caps.
+const struct tdm_engine_config *tdm_engine_get_config(const struct tdm_engine *e);
+
+// ---- requests ------------------------------------------------------------------------
+enum tdm_engine_finish {
+    TDM_ENGINE_FINISH_NONE = 0, // still running
+    TDM_ENGINE_FINISH_STOP,     // EOS or a stop token id (stop_token says which), or the API
+                                // layer matched a stop string (tdm_engine_abort)
+    TDM_ENGINE_FINISH_LENGTH,   // max_tokens generated or the context (max_model_len) is full
+    TDM_ENGINE_FINISH_ABORT,    // tdm_engine_abort, drain timeout or engine shutdown
+    TDM_ENGINE_FINISH_ERROR,    // failed in the engine (error/message say why)
+};
+// "stop", "length", "abort", "error" (vLLM's finished_reason), "" for NONE.
+const char *tdm_engine_finish_name(enum tdm_engine_finish reason);
+
+enum tdm_engine_kind {
+    TDM_ENGINE_REQ_GENERATE = 0, // normal request: prefill, then decode until it finishes
+    TDM_ENGINE_REQ_PREFILL_ONLY, // P/D prefill worker: computes the prompt's KV, samples the
+                                 // first token, finishes (stop/length as usual) and keeps its
+                                 // KV blocks until tdm_engine_release_kv (see below)
+};
+
+struct tdm_engine_output;
+// Called ON THE ENGINE THREAD for each new token and for the finish; it must be
+// cheap (copy what it needs, push to the caller's queue, signal) and must not
+// call back into the engine except tdm_engine_abort / tdm_engine_release_kv.
+typedef void (*tdm_engine_output_fn)(void *ctx, const struct tdm_engine_output *out);
+
+struct tdm_engine_request_params {
+    const char *id;                      // for logs (copied, truncated to 63 bytes); NULL = "-"
+    const int32_t *prompt;               // [n_prompt] token ids (copied)
+    int n_prompt;                        // 1 .. max_model_len - 1
+    struct tdm_sampling_params sampling; // temperature, seed, min_tokens, ignore_eos,
+                                         // stop_token_ids, logprobs, ...
+    int max_tokens;         // tokens to generate at most; 0 = up to the context. Generation
+                            // also ends (length) when prompt + output reach max_model_len.
+    const int32_t *eos_ids; // [num_eos] EOS ids; NULL = the model's config.json ones
+    int num_eos;
+    double arrival_time; // tdm_now() when the request arrived; 0 = at submit
+    int params_n;        // the API request's n (this is one of its n sequences), for
+                         // vllm:request_params_n; 0 = 1
+    enum tdm_engine_kind kind;
+    tdm_engine_output_fn on_output; // optional; the ready-made stream works either way
+    void *ctx;                      // for on_output; must stay valid until the final output
+};
+// Zeroes p and fills vLLM's default sampling params (tdm_sampling_params_default).
+void tdm_engine_request_params_default(struct tdm_engine_request_params *p);
+
+// One event of one request, as on_output sees it. Pointers are valid during the
+// callback only.
+struct tdm_engine_output {
+    struct tdm_engine_request *request;
+    const char *id;
+    int index;     // index of token among the generated tokens; -1: no new token
+    int32_t token; // the new token, -1 when none (finish-only output)
+    float logprob; // chosen token's logprob when logprobs >= 0, else 0
+    int num_top;   // top-N entries (sampling.logprobs when > 0)
+    const struct tdm_token_logprob *top; // [num_top]
+    int num_prompt_tokens;
+    int num_cached_tokens; // prompt tokens served by the prefix cache at first admission
+    int num_generated;     // generated tokens so far, this one included
+    // The finish (exactly one output per request has finished = true; it carries the
+    // last token when a token ended the request).
+    bool finished;
+    enum tdm_engine_finish reason;
+    int32_t stop_token;  // the EOS/stop id for STOP by token, else -1
+    int error;           // enum tdm_err for ERROR
+    const char *message; // why, for ERROR and ABORT ("" otherwise)
+    bool kv_held;        // PREFILL_ONLY: the KV stays pinned for export
+};
+
+// Validates and enqueues a request. On success *out is the caller's handle (see
+// "Request lifetime" above). TDM_EINVAL (err says why) for an empty or too long
+// prompt (> max_model_len - 1), a token outside the vocabulary, bad sampling
+// params or a negative max_tokens; TDM_EBUSY when the waiting queue is full;
+// TDM_ECLOSED after drain/free began; TDM_ENOMEM.
+int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_params *p,
+                      struct tdm_engine_request **out, char *err, size_t errlen);
+// Drops the caller's reference. Accepts NULL.
+void tdm_engine_request_release(struct tdm_engine_request *r);
+const char *tdm_engine_request_id(const struct tdm_engine_request *r);
+
+// Finishes the request with reason (ABORT, or STOP when the API layer matched a
+// stop string, or LENGTH) at the engine's next step, which comes promptly even
+// when idle; its KV is released then. A finished request is left alone (TDM_OK).
+// A held PREFILL_ONLY request gets its KV released. TDM_EINVAL for another reason.
+int tdm_engine_abort(struct tdm_engine *e, struct tdm_engine_request *r,
+                     enum tdm_engine_finish reason);
+
+// ---- the ready-made output stream (for HTTP threads) ---------------------------------
+// New outputs of one request since the previous call. The arrays point into the
+// request (append-only, never moved): valid while the caller holds the handle.
+struct tdm_engine_chunk {
+    int first_index;                     // index of tokens[0] among the generated tokens
+    int n;                               // new tokens (may be 0 with finished)
+    const int32_t *tokens;               // [n]
+    const float *logprobs;               // [n], NULL unless logprobs >= 0
+    const struct tdm_token_logprob *top; // [n][num_top], NULL unless logprobs > 0
+    int num_top;
+    int num_prompt_tokens;
+    int num_cached_tokens;
+    bool finished; // the request is over; later calls return TDM_ECLOSED
+    enum tdm_engine_finish reason;
+    int32_t stop_token;
+    int error;
+    const char *message; // valid while the caller holds the handle
+    bool kv_held;
+};
+// Waits up to timeout_s (< 0: no limit, 0: poll) for new tokens or the finish.
+// TDM_OK with out filled (n >= 1 or finished); TDM_ETIMEDOUT when nothing came;
+// TDM_ECLOSED when the finish was already returned. Only one thread may read a
+// given request's stream.
+int tdm_engine_stream_next(struct tdm_engine_request *r, double timeout_s,
+                           struct tdm_engine_chunk *out);
+
+// ---- P/D hooks: exporting a PREFILL_ONLY request's KV --------------------------------
+// After a PREFILL_ONLY request finished with kv_held, its blocks stay referenced
+// (nothing writes or reuses them), so any thread may copy them out with
+// tdm_engine_export_layer (same layout and checks as tdm_kv_export_layer; the
+// KV covers the prompt, num_prompt_tokens tokens). tdm_engine_kv_header fills a
+// transfer header for the whole prompt. tdm_engine_release_kv hands the blocks
+// back (at the engine's next step; also done by abort, drain timeout and free).
+// TDM_EINVAL when the request holds no KV or the range/length is wrong.
+int tdm_engine_kv_header(struct tdm_engine *e, struct tdm_engine_request *r, const char *model,
+                         struct tdm_kv_header *h);
+int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
+                            int first_block, int nblocks, void *dst, size_t dst_len);
+int tdm_engine_release_kv(struct tdm_engine *e, struct tdm_engine_request *r);
+
+// ---- stats -----------------------------------------------------------------------------
+struct tdm_engine_stats {
+    int num_running;     // requests in the running set
+    int num_waiting;     // submitted or preempted, not running
+    int num_held;        // PREFILL_ONLY requests holding KV for export
+    float kv_usage;      // referenced blocks / total blocks, [0, 1]
+    int num_free_blocks; // free + evictable (prefix-cached, unreferenced)
+    int num_total_blocks;
+    int block_size;
+    uint64_t prefix_queries; // prompt tokens looked up in the prefix cache at admission
+    uint64_t prefix_hits;    // of those, tokens found
+    uint64_t num_preemptions;
+    uint64_t num_steps;    // forward passes run
+    uint64_t num_finished; // requests finished (any reason)
+};
+// A consistent snapshot as of the end of the engine's last step (or idle point).
+void tdm_engine_get_stats(struct tdm_engine *e, struct tdm_engine_stats *out);
+
+// For tests: runs tdm_kv_check on the engine's cache at the engine's next idle
+// point (or between steps) and returns its result.
+int tdm_engine_check_kv(struct tdm_engine *e, char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,836 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tests for the engine on a tiny random model written by mkmodel (the library
+// behind tandem-mkmodel): outputs equal to the runner's (the plain reference
+// loop) for single, concurrent, late-joining and preempted requests; abort,
+// queue bound, bad input, drain, metrics, requests that cannot fit, and the
+// prefill-only hook (export, then import into another cache and continue).
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "core.h"
+#include "engine.h"
+#include "metrics.h"
+#include "mkmodel.h"
+#include "runner.h"
+
+static char model_dir[64];
+static struct tdm_model *model;
+static int vocab;
+
+#define WAIT_S 120.0 // generous: sanitizer builds on a shared 2-core host
+
+static void rm_model(const char *dir)
+{
+    static const char *const files[] = {"config.json", "model.safetensors",
+                                        "generation_config.json", "tokenizer.json",
+                                        "tokenizer_config.json"};
+    char p[128];
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
+        unlink(p);
+    }
+    rmdir(dir);
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_mkmodel_spec s;
+    strcpy(model_dir, "/tmp/tdm_engine_testXXXXXX");
+    if (mkdtemp(model_dir) == NULL)
+        return -1;
+    tdm_mkmodel_preset(&s, "tiny");
+    s.seed = 11;
+    if (tdm_mkmodel_write(&s, model_dir, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "mkmodel: %s\n", err);
+        return -1;
+    }
+    struct tdm_model_opts o;
+    tdm_model_opts_default(&o);
+    o.num_threads = 1;
+    o.max_batch_tokens = 256;
+    o.max_batch_seqs = 32;
+    if (tdm_model_load(&model, model_dir, &o, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "load: %s\n", err);
+        return -1;
+    }
+    vocab = tdm_model_config(model)->vocab_size;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    tdm_model_free(model);
+    rm_model(model_dir);
+    return 0;
+}
+
+static void make_prompt(int32_t *ids, int n, uint32_t seed)
+{
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        ids[i] = (int32_t)((seed >> 8) % (uint32_t)(vocab - 3)); // no special tokens
+    }
+}
+
+static void greedy(struct tdm_sampling_params *p)
+{
+    tdm_sampling_params_default(p);
+    p->temperature = 0;
+    p->ignore_eos = true;
+}
+
+// The runner's output for one request alone on a fresh cache (the reference).
+static int reference(const int32_t *prompt, int n_prompt, const struct tdm_sampling_params *sp,
+                     int max_tokens, int32_t *out)
+{
+    struct tdm_kv_config kc;
+    struct tdm_kv_cache *kv = NULL;
+    char err[256];
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(model, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 64;
+    assert_int_equal(tdm_kv_new(&kv, &kc, err, sizeof err), TDM_OK);
+    struct tdm_gen_request q;
+    memset(&q, 0, sizeof q);
+    q.prompt = prompt;
+    q.n_prompt = n_prompt;
+    q.max_tokens = max_tokens;
+    q.params = *sp;
+    q.out_ids = out;
+    int rc = tdm_gen_run(model, kv, &q, 1, NULL, NULL, err, sizeof err);
+    if (rc != TDM_OK)
+        fprintf(stderr, "runner: %s\n", err);
+    assert_int_equal(rc, TDM_OK);
+    tdm_kv_free(kv);
+    return q.n_out;
+}
+
+static struct tdm_engine *engine_make(int num_blocks, int budget, int max_seqs, int max_waiting,
+                                      struct tdm_metrics_vllm *m)
+{
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    char err[256];
+    tdm_engine_config_default(&c);
+    c.num_blocks = num_blocks;
+    if (budget > 0)
+        c.max_num_batched_tokens = budget;
+    if (max_seqs > 0)
+        c.max_num_seqs = max_seqs;
+    if (max_waiting > 0)
+        c.max_waiting = max_waiting;
+    c.metrics = m;
+    int rc = tdm_engine_new(&e, model, &c, err, sizeof err);
+    if (rc != TDM_OK)
+        fprintf(stderr, "engine: %s\n", err);
+    assert_int_equal(rc, TDM_OK);
+    return e;
+}
+
+static struct tdm_engine_request *submit(struct tdm_engine *e, const int32_t *prompt, int n,
+                                         const struct tdm_sampling_params *sp, int max_tokens)
+{
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    char err[256];
+    tdm_engine_request_params_default(&p);
+    p.id = "t";
+    p.prompt = prompt;
+    p.n_prompt = n;
+    p.sampling = *sp;
+    p.max_tokens = max_tokens;
+    int rc = tdm_engine_submit(e, &p, &r, err, sizeof err);
+    if (rc != TDM_OK)
+        fprintf(stderr, "submit: %s\n", err);
+    assert_int_equal(rc, TDM_OK);
+    return r;
+}
+
+struct collected {
+    int n;
+    bool finished;
+    enum tdm_engine_finish reason;
+    int error;
+    bool kv_held;
+};
+
+// Reads r's stream to the finish (or until `until` tokens when until > 0).
+static void collect(struct tdm_engine_request *r, int32_t *ids, int cap, struct collected *c,
+                    int until)
+{
+    struct tdm_engine_chunk ch;
+    for (;;) {
+        if (c->finished || (until > 0 && c->n >= until))
+            return;
+        int rc = tdm_engine_stream_next(r, WAIT_S, &ch);
+        assert_int_equal(rc, TDM_OK);
+        assert_int_equal(ch.first_index, c->n);
+        for (int i = 0; i < ch.n; i++) {
+            assert_true(c->n < cap);
+            ids[c->n++] = ch.tokens[i];
+        }
+        if (ch.finished) {
+            c->finished = true;
+            c->reason = ch.reason;
+            c->error = ch.error;
+            c->kv_held = ch.kv_held;
+            struct tdm_engine_chunk again;
+            assert_int_equal(tdm_engine_stream_next(r, 0, &again), TDM_ECLOSED);
+            return;
+        }
+    }
+}
+
+// Stats settle at the engine's next loop; poll briefly.
+static void wait_idle_stats(struct tdm_engine *e, struct tdm_engine_stats *s)
+{
+    double end = tdm_now() + WAIT_S;
+    do {
+        tdm_engine_get_stats(e, s);
+        if (s->num_running == 0 && s->num_waiting == 0 && s->kv_usage == 0.0f)
+            return;
+        usleep(1000);
+    } while (tdm_now() < end);
+}
+
+static void assert_kv_ok(struct tdm_engine *e)
+{
+    char err[256];
+    int rc = tdm_engine_check_kv(e, err, sizeof err);
+    if (rc != TDM_OK)
+        fprintf(stderr, "kv check: %s\n", err);
+    assert_int_equal(rc, TDM_OK);
+}
+
+// ---- tests ----------------------------------------------------------------------------------
+static void test_single_matches_runner(void **state)
+{
+    (void)state;
+    int lens[3] = {5, 40, 17};
+    int32_t prompts[3][64], refs[3][32];
+    struct tdm_sampling_params sps[3];
+    // References first: the runner and the engine thread must not share the model.
+    for (int k = 0; k < 3; k++) {
+        make_prompt(prompts[k], lens[k], 100 + (uint32_t)k);
+        greedy(&sps[k]);
+        if (k == 2) { // seeded sampling: same sampler, same draws
+            sps[k].temperature = 0.9f;
+            sps[k].has_seed = true;
+            sps[k].seed = 1234;
+        }
+        assert_int_equal(reference(prompts[k], lens[k], &sps[k], 12, refs[k]), 12);
+    }
+    // Budget 16 forces the 40-token prompt through three prefill chunks.
+    struct tdm_engine *e = engine_make(64, 16, 8, 0, NULL);
+    for (int k = 0; k < 3; k++) {
+        int32_t *prompt = prompts[k], *ref = refs[k], got[32];
+        struct tdm_engine_request *r = submit(e, prompt, lens[k], &sps[k], 12);
+        struct collected c = {0};
+        collect(r, got, 32, &c, 0);
+        assert_int_equal(c.n, 12);
+        assert_int_equal(c.reason, TDM_ENGINE_FINISH_LENGTH);
+        assert_memory_equal(got, ref, 12 * sizeof(int32_t));
+        tdm_engine_request_release(r);
+    }
+    struct tdm_engine_stats s;
+    wait_idle_stats(e, &s);
+    assert_int_equal(s.num_running, 0);
+    assert_true(s.kv_usage == 0.0f);
+    assert_int_equal((int)s.num_finished, 3);
+    assert_kv_ok(e);
+    tdm_engine_free(e);
+}
+
+struct cb_count {
+    int tokens;
+    int finishes;
+    int last_index;
+    bool order_ok;
+};
+
+static void count_cb(void *ctx, const struct tdm_engine_output *o)
+{
+    struct cb_count *c = ctx;
+    if (o->token >= 0) {
+        if (o->index != c->last_index + 1)
+            c->order_ok = false;
+        c->last_index = o->index;
+        c->tokens++;
+    }
+    if (o->finished)
+        c->finishes++;
+}
+
+static void test_concurrent_20(void **state)
+{
+    (void)state;
+    enum { N = 20 };
+    struct tdm_engine *e = engine_make(128, 64, 16, 0, NULL);
+    int32_t prompts[N][48], refs[N][32], got[N][32];
+    struct tdm_engine_request *rs[N];
+    struct cb_count cbs[N];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    // References first: the runner and the engine thread must not share the model.
+    for (int i = 0; i < N; i++) {
+        int n = 3 + (i * 7) % 40, mt = 4 + i;
+        make_prompt(prompts[i], n, 500 + (uint32_t)i);
+        assert_int_equal(reference(prompts[i], n, &sp, mt, refs[i]), mt);
+    }
+    for (int i = 0; i < N; i++) {
+        int n = 3 + (i * 7) % 40, mt = 4 + i;
+        struct tdm_engine_request_params p;
+        char err[256];
+        tdm_engine_request_params_default(&p);
+        p.prompt = prompts[i];
+        p.n_prompt = n;
+        p.sampling = sp;
+        p.max_tokens = mt;
+        cbs[i] = (struct cb_count){.last_index = -1, .order_ok = true};
+        p.on_output = count_cb;
+        p.ctx = &cbs[i];
+        assert_int_equal(tdm_engine_submit(e, &p, &rs[i], err, sizeof err), TDM_OK);
+    }
+    for (int i = 0; i < N; i++) {
+        struct collected c = {0};
+        collect(rs[i], got[i], 32, &c, 0);
+        assert_int_equal(c.n, 4 + i);
+        assert_int_equal(c.reason, TDM_ENGINE_FINISH_LENGTH);
+        assert_memory_equal(got[i], refs[i], (size_t)c.n * sizeof(int32_t));
+        // The callback ran on the engine thread before the stream saw the finish.
+        assert_int_equal(cbs[i].tokens, 4 + i);
+        assert_int_equal(cbs[i].finishes, 1);
+        assert_true(cbs[i].order_ok);
+        tdm_engine_request_release(rs[i]);
+    }
+    struct tdm_engine_stats s;
+    wait_idle_stats(e, &s);
+    assert_true(s.kv_usage == 0.0f);
+    assert_kv_ok(e);
+    tdm_engine_free(e);
+}
+
+struct gate {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int at_index;
+    bool reached, open;
+    int tokens_after_open; // tokens a produced once b and c were in
+};
+
+static void gate_cb(void *ctx, const struct tdm_engine_output *o)
+{
+    struct gate *g = ctx;
+    pthread_mutex_lock(&g->mu);
+    if (o->index == g->at_index) {
+        g->reached = true;
+        pthread_cond_broadcast(&g->cv);
+        while (!g->open)
+            pthread_cond_wait(&g->cv, &g->mu);
+    } else if (g->open && o->token >= 0) {
+        g->tokens_after_open++;
+    }
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void test_continuous_batching(void **state)
+{
+    (void)state;
+    int32_t pa[30], pb[50], pc[9], ra[40], rb[20], rc_[20], ga[40], gb[20], gc[20];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(pa, 30, 1);
+    make_prompt(pb, 50, 2);
+    make_prompt(pc, 9, 3);
+    reference(pa, 30, &sp, 40, ra);
+    reference(pb, 50, &sp, 20, rb);
+    reference(pc, 9, &sp, 20, rc_);
+    struct tdm_engine *e = engine_make(128, 32, 8, 0, NULL);
+    // a's callback holds the engine thread at a's 5th token until b and c are
+    // submitted, so they surely join while a decodes.
+    struct gate g = {.at_index = 4};
+    pthread_mutex_init(&g.mu, NULL);
+    pthread_cond_init(&g.cv, NULL);
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *a = NULL;
+    char err[256];
+    tdm_engine_request_params_default(&p);
+    p.prompt = pa;
+    p.n_prompt = 30;
+    p.sampling = sp;
+    p.max_tokens = 40;
+    p.on_output = gate_cb;
+    p.ctx = &g;
+    assert_int_equal(tdm_engine_submit(e, &p, &a, err, sizeof err), TDM_OK);
+    struct collected ca = {0}, cb = {0}, cc = {0};
+    pthread_mutex_lock(&g.mu);
+    while (!g.reached)
+        pthread_cond_wait(&g.cv, &g.mu);
+    pthread_mutex_unlock(&g.mu);
+    struct tdm_engine_request *b = submit(e, pb, 50, &sp, 20);
+    struct tdm_engine_request *c = submit(e, pc, 9, &sp, 20);
+    pthread_mutex_lock(&g.mu);
+    g.open = true;
+    pthread_cond_broadcast(&g.cv);
+    pthread_mutex_unlock(&g.mu);
+    collect(a, ga, 40, &ca, 0);
+    collect(b, gb, 20, &cb, 0);
+    collect(c, gc, 20, &cc, 0);
+    assert_int_equal(ca.n, 40);
+    assert_int_equal(cb.n, 20);
+    assert_int_equal(cc.n, 20);
+    assert_memory_equal(ga, ra, sizeof ra);
+    assert_memory_equal(gb, rb, sizeof rb);
+    assert_memory_equal(gc, rc_, sizeof rc_);
+    assert_int_equal(g.tokens_after_open, 40 - 5);
+    pthread_cond_destroy(&g.cv);
+    pthread_mutex_destroy(&g.mu);
+    tdm_engine_request_release(a);
+    tdm_engine_request_release(b);
+    tdm_engine_request_release(c);
+    tdm_engine_free(e);
+}
+
+static void run_preempt_workload(int num_blocks, int32_t got[6][40], int *n_out,
+                                 uint64_t *preemptions, double *metric_preempt)
+{
+    struct tdm_metrics_registry *reg = NULL;
+    struct tdm_metrics_vllm m;
+    char err[256];
+    assert_int_equal(tdm_metrics_registry_new(&reg, NULL, 0, err, sizeof err), TDM_OK);
+    struct tdm_metrics_vllm_config mc = {.model_name = "tiny", .max_model_len = 4096};
+    assert_int_equal(tdm_metrics_vllm_register(&m, reg, &mc, err, sizeof err), TDM_OK);
+    struct tdm_engine *e = engine_make(num_blocks, 64, 8, 0, &m);
+    struct tdm_engine_request *rs[6];
+    for (int i = 0; i < 6; i++) {
+        int32_t prompt[24];
+        struct tdm_sampling_params sp;
+        make_prompt(prompt, 20, 900 + (uint32_t)i);
+        greedy(&sp);
+        if (i == 3) { // seeded sampling survives preemption unchanged
+            sp.temperature = 1.0f;
+            sp.has_seed = true;
+            sp.seed = 77;
+        }
+        rs[i] = submit(e, prompt, 20, &sp, 40);
+    }
+    for (int i = 0; i < 6; i++) {
+        struct collected c = {0};
+        collect(rs[i], got[i], 40, &c, 0);
+        assert_int_equal(c.reason, TDM_ENGINE_FINISH_LENGTH);
+        n_out[i] = c.n;
+        tdm_engine_request_release(rs[i]);
+    }
+    struct tdm_engine_stats s;
+    wait_idle_stats(e, &s);
+    assert_true(s.kv_usage == 0.0f);
+    assert_kv_ok(e);
+    *preemptions = s.num_preemptions;
+    *metric_preempt = tdm_metrics_counter_value(m.num_preemptions);
+    tdm_engine_free(e);
+    tdm_metrics_registry_free(reg);
+}
+
+static void test_preemption(void **state)
+{
+    (void)state;
+    // 6 requests of 20 + 40 tokens need 4 blocks each (24 in all); 8 blocks
+    // hold two at a time, so decodes run out of blocks and preempt.
+    int32_t big[6][40], small[6][40];
+    int nb[6], ns[6];
+    uint64_t pre_big, pre_small;
+    double m_big, m_small;
+    run_preempt_workload(256, big, nb, &pre_big, &m_big);
+    run_preempt_workload(8, small, ns, &pre_small, &m_small);
+    print_message("preemptions: big pool %llu, small pool %llu\n", (unsigned long long)pre_big,
+                  (unsigned long long)pre_small);
+    assert_int_equal((int)pre_big, 0);
+    assert_true(pre_small > 0);
+    assert_true(m_small == (double)pre_small);
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(nb[i], 40);
+        assert_int_equal(ns[i], 40);
+        assert_memory_equal(big[i], small[i], 40 * sizeof(int32_t));
+    }
+}
+
+static void test_abort(void **state)
+{
+    (void)state;
+    struct tdm_engine *e = engine_make(256, 64, 1, 0, NULL);
+    int32_t prompt[40], got[4096];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, 40, 5);
+    struct tdm_engine_request *a = submit(e, prompt, 40, &sp, 3000);
+    struct tdm_engine_request *w = submit(e, prompt, 40, &sp, 10); // waits: max_num_seqs 1
+    struct collected ca = {0}, cw = {0};
+    collect(a, got, 4096, &ca, 3);
+    struct tdm_engine_stats s;
+    tdm_engine_get_stats(e, &s);
+    assert_true(s.kv_usage > 0.0f);
+    assert_int_equal(tdm_engine_abort(e, w, TDM_ENGINE_FINISH_STOP), TDM_OK);
+    assert_int_equal(tdm_engine_abort(e, a, TDM_ENGINE_FINISH_ABORT), TDM_OK);
+    assert_int_equal(tdm_engine_abort(e, a, TDM_ENGINE_FINISH_ERROR), TDM_EINVAL);
+    collect(a, got, 4096, &ca, 0);
+    collect(w, got, 4096, &cw, 0);
+    assert_int_equal(ca.reason, TDM_ENGINE_FINISH_ABORT);
+    assert_true(ca.n < 3000);
+    assert_int_equal(cw.reason, TDM_ENGINE_FINISH_STOP);
+    assert_int_equal(cw.n, 0);
+    wait_idle_stats(e, &s);
+    assert_true(s.kv_usage == 0.0f);
+    assert_int_equal(s.num_running, 0);
+    assert_int_equal(s.num_waiting, 0);
+    assert_kv_ok(e);
+    // Aborting a finished request is harmless.
+    assert_int_equal(tdm_engine_abort(e, a, TDM_ENGINE_FINISH_ABORT), TDM_OK);
+    tdm_engine_request_release(a);
+    tdm_engine_request_release(w);
+    // A request released by its caller before the finish still runs and frees itself.
+    struct tdm_engine_request *orphan = submit(e, prompt, 40, &sp, 5);
+    tdm_engine_request_release(orphan);
+    tdm_engine_free(e);
+}
+
+static void test_queue_bound_and_bad_input(void **state)
+{
+    (void)state;
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    char err[256];
+    tdm_engine_config_default(&c);
+    c.num_blocks = 64;
+    c.max_num_seqs = 1;
+    c.max_waiting = 2;
+    c.max_model_len = 64;
+    assert_int_equal(tdm_engine_new(&e, model, &c, err, sizeof err), TDM_OK);
+    int32_t prompt[64], got[64];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, 64, 9);
+    struct tdm_engine_request *a = submit(e, prompt, 8, &sp, 0); // runs to the context
+    struct collected ca = {0};
+    collect(a, got, 64, &ca, 1); // a is running now
+    struct tdm_engine_request *b = submit(e, prompt, 8, &sp, 4);
+    struct tdm_engine_request *q = submit(e, prompt, 8, &sp, 4);
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = 8;
+    p.sampling = sp;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EBUSY);
+    assert_null(r);
+    // Too long: max_model_len 64 leaves room for 63 prompt tokens.
+    p.n_prompt = 64;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "max_model_len"));
+    p.n_prompt = 8;
+    p.prompt = (const int32_t[]){1, 2, 3, 4, 5, 6, 7, 100000};
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    p.prompt = prompt;
+    p.sampling.temperature = -1;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    p.sampling = sp;
+    p.max_tokens = -1;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    p.max_tokens = 0;
+    p.n_prompt = 0;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    // a (max_tokens 0) stops at the context: 64 - 8 tokens, reason length.
+    collect(a, got, 64, &ca, 0);
+    assert_int_equal(ca.n, 56);
+    assert_int_equal(ca.reason, TDM_ENGINE_FINISH_LENGTH);
+    struct collected cb = {0}, cq = {0};
+    collect(b, got, 64, &cb, 0);
+    collect(q, got, 64, &cq, 0);
+    assert_int_equal(cb.n, 4);
+    assert_int_equal(cq.n, 4);
+    // A 63-token prompt fits and gets exactly one token.
+    struct tdm_engine_request *longest = submit(e, prompt, 63, &sp, 10);
+    struct collected cl = {0};
+    collect(longest, got, 64, &cl, 0);
+    assert_int_equal(cl.n, 1);
+    assert_int_equal(cl.reason, TDM_ENGINE_FINISH_LENGTH);
+    tdm_engine_request_release(a);
+    tdm_engine_request_release(b);
+    tdm_engine_request_release(q);
+    tdm_engine_request_release(longest);
+    tdm_engine_free(e);
+}
+
+static void test_drain(void **state)
+{
+    (void)state;
+    struct tdm_engine *e = engine_make(128, 64, 8, 0, NULL);
+    int32_t prompt[20], got[3000];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, 20, 13);
+    struct tdm_engine_request *rs[3];
+    for (int i = 0; i < 3; i++)
+        rs[i] = submit(e, prompt, 20, &sp, 15 + i);
+    assert_int_equal(tdm_engine_drain(e, -1), TDM_OK);
+    for (int i = 0; i < 3; i++) {
+        struct collected c = {0};
+        collect(rs[i], got, 3000, &c, 0);
+        assert_int_equal(c.n, 15 + i);
+        assert_int_equal(c.reason, TDM_ENGINE_FINISH_LENGTH);
+        tdm_engine_request_release(rs[i]);
+    }
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    char err[128];
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = 20;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_ECLOSED);
+    tdm_engine_free(e);
+
+    // A drain that times out aborts what is left; free of a busy engine too.
+    e = engine_make(256, 64, 8, 0, NULL);
+    struct tdm_engine_request *slow = submit(e, prompt, 20, &sp, 2500);
+    struct tdm_engine_request *slow2 = submit(e, prompt, 20, &sp, 2500);
+    struct collected c = {0};
+    collect(slow, got, 3000, &c, 1);
+    assert_int_equal(tdm_engine_drain(e, 0.01), TDM_ETIMEDOUT);
+    collect(slow, got, 3000, &c, 0);
+    assert_int_equal(c.reason, TDM_ENGINE_FINISH_ABORT);
+    tdm_engine_free(e);
+    struct collected c2 = {0};
+    collect(slow2, got, 3000, &c2, 0);
+    assert_int_equal(c2.reason, TDM_ENGINE_FINISH_ABORT);
+    tdm_engine_request_release(slow);
+    tdm_engine_request_release(slow2);
+
+    e = engine_make(256, 64, 8, 0, NULL);
+    struct tdm_engine_request *busy = submit(e, prompt, 20, &sp, 2500);
+    tdm_engine_free(e); // aborts it; the handle stays readable
+    struct collected c3 = {0};
+    collect(busy, got, 3000, &c3, 0);
+    assert_int_equal(c3.reason, TDM_ENGINE_FINISH_ABORT);
+    tdm_engine_request_release(busy);
+}
+
+static void test_metrics(void **state)
+{
+    (void)state;
+    struct tdm_metrics_registry *reg = NULL;
+    struct tdm_metrics_vllm m;
+    char err[256];
+    assert_int_equal(tdm_metrics_registry_new(&reg, NULL, 0, err, sizeof err), TDM_OK);
+    struct tdm_metrics_vllm_config mc = {.model_name = "tiny", .max_model_len = 4096};
+    assert_int_equal(tdm_metrics_vllm_register(&m, reg, &mc, err, sizeof err), TDM_OK);
+    struct tdm_engine *e = engine_make(128, 64, 8, 0, &m);
+    assert_true(tdm_metrics_gauge_value(m.num_requests_running) == 0);
+    assert_true(tdm_metrics_gauge_value(m.num_requests_waiting) == 0);
+    int32_t prompt[37], got[400];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, 37, 21);
+    struct tdm_engine_request *r = submit(e, prompt, 37, &sp, 300);
+    struct collected c = {0};
+    collect(r, got, 400, &c, 3);
+    // Gauges are published after each step: running 1 while it decodes.
+    double end = tdm_now() + WAIT_S;
+    while (tdm_metrics_gauge_value(m.num_requests_running) != 1 && tdm_now() < end)
+        usleep(1000);
+    assert_true(tdm_metrics_gauge_value(m.num_requests_running) == 1);
+    assert_true(tdm_metrics_gauge_value(m.kv_cache_usage_perc) > 0);
+    assert_int_equal(tdm_engine_abort(e, r, TDM_ENGINE_FINISH_STOP), TDM_OK);
+    collect(r, got, 400, &c, 0);
+    struct tdm_engine_stats s;
+    wait_idle_stats(e, &s);
+    assert_true(tdm_metrics_gauge_value(m.num_requests_running) == 0);
+    assert_true(tdm_metrics_gauge_value(m.num_requests_waiting) == 0);
+    assert_true(tdm_metrics_gauge_value(m.kv_cache_usage_perc) == 0);
+    // Second request, same prompt: two full blocks (32 tokens) hit the prefix cache.
+    struct tdm_engine_request *r2 = submit(e, prompt, 37, &sp, 6);
+    struct collected c2 = {0};
+    collect(r2, got, 400, &c2, 0);
+    wait_idle_stats(e, &s);
+    assert_int_equal(c2.n, 6);
+    assert_true(tdm_metrics_counter_value(m.generation_tokens) == c.n + 6);
+    assert_true(tdm_metrics_counter_value(m.prompt_tokens) == 2 * 37);
+    assert_true(tdm_metrics_counter_value(m.request_success_by_reason[TDM_METRICS_FINISH_STOP]) ==
+                1);
+    assert_true(tdm_metrics_counter_value(m.request_success_by_reason[TDM_METRICS_FINISH_LENGTH]) ==
+                1);
+    assert_true(tdm_metrics_counter_value(m.prefix_cache_queries) == 2 * 37);
+    assert_true(tdm_metrics_counter_value(m.prefix_cache_hits) == 32);
+    assert_true(s.prefix_hits == 32 && s.prefix_queries == 74);
+    assert_int_equal((int)tdm_metrics_histogram_count(m.time_to_first_token_seconds), 2);
+    assert_int_equal((int)tdm_metrics_histogram_count(m.e2e_request_latency_seconds), 2);
+    assert_int_equal((int)tdm_metrics_histogram_count(m.request_queue_time_seconds), 2);
+    assert_int_equal((int)tdm_metrics_histogram_count(m.request_prefill_time_seconds), 2);
+    assert_int_equal((int)tdm_metrics_histogram_count(m.inter_token_latency_seconds), c.n - 1 + 5);
+    assert_true(tdm_metrics_histogram_sum(m.request_generation_tokens) == c.n + 6);
+    assert_true(tdm_metrics_histogram_sum(m.request_prompt_tokens) == 74);
+    assert_int_equal((int)tdm_metrics_histogram_count(m.request_params_n), 2);
+    assert_true(tdm_metrics_histogram_sum(m.request_params_max_tokens) == 306);
+    assert_int_equal((int)tdm_metrics_histogram_count(m.iteration_tokens_total), (int)s.num_steps);
+    // Every token computed: 37 + (c.n - 1) decodes for r, 5 + 6 for r2 (32 cached).
+    assert_true(tdm_metrics_histogram_sum(m.iteration_tokens_total) == 37 + (c.n - 1) + 5 + 5);
+    tdm_engine_request_release(r);
+    tdm_engine_request_release(r2);
+    tdm_engine_free(e);
+    tdm_metrics_registry_free(reg);
+}
+
+static void test_unfit(void **state)
+{
+    (void)state;
+    // 4 blocks of 16 = 64 tokens in the whole pool.
+    struct tdm_engine *e = engine_make(4, 64, 8, 0, NULL);
+    int32_t prompt[80], got[200];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, 80, 31);
+    struct tdm_engine_request *big = submit(e, prompt, 70, &sp, 5);
+    struct tdm_engine_request *grows = submit(e, prompt, 20, &sp, 100);
+    struct collected cb = {0}, cg = {0};
+    collect(big, got, 200, &cb, 0);
+    assert_int_equal(cb.reason, TDM_ENGINE_FINISH_ERROR);
+    assert_int_equal(cb.error, TDM_ECAPACITY);
+    assert_int_equal(cb.n, 0);
+    collect(grows, got, 200, &cg, 0);
+    assert_int_equal(cg.reason, TDM_ENGINE_FINISH_ERROR);
+    assert_int_equal(cg.n, 64 - 20 + 1); // positions 0..63 fill the pool; the last
+                                         // token is sampled from position 63
+    struct tdm_engine_stats s;
+    wait_idle_stats(e, &s);
+    assert_true(s.kv_usage == 0.0f);
+    assert_kv_ok(e);
+    tdm_engine_request_release(big);
+    tdm_engine_request_release(grows);
+    tdm_engine_free(e);
+}
+
+static void test_prefill_only_export(void **state)
+{
+    (void)state;
+    int32_t prompt[45], ref[4], got[4];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, 45, 41);
+    assert_int_equal(reference(prompt, 45, &sp, 2, ref), 2);
+    struct tdm_engine *e = engine_make(64, 16, 8, 0, NULL);
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    char err[256];
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = 45;
+    p.sampling = sp;
+    p.max_tokens = 10; // a prefill-only request makes one token
+    p.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
+    struct collected c = {0};
+    collect(r, got, 4, &c, 0);
+    assert_int_equal(c.n, 1);
+    assert_int_equal(got[0], ref[0]);
+    assert_true(c.kv_held);
+    struct tdm_engine_stats s;
+    double end = tdm_now() + WAIT_S;
+    do { // stats settle at the engine's next loop
+        tdm_engine_get_stats(e, &s);
+    } while ((s.num_running != 0 || s.num_held != 1) && tdm_now() < end && usleep(1000) == 0);
+    assert_int_equal(s.num_held, 1);
+    assert_true(s.kv_usage > 0.0f);
+
+    struct tdm_kv_header h;
+    assert_int_equal(tdm_engine_kv_header(e, r, "tiny", &h), TDM_OK);
+    assert_int_equal(h.num_tokens, 45);
+    assert_int_equal(h.num_blocks, 3);
+    const struct tdm_model_config *mc = tdm_model_config(model);
+    int layers = mc->num_hidden_layers;
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(model, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 8;
+    struct tdm_kv_cache *kv2 = NULL;
+    assert_int_equal(tdm_kv_new(&kv2, &kc, err, sizeof err), TDM_OK);
+    size_t len = tdm_kv_layer_bytes(kv2, 3);
+    void **payload = calloc((size_t)layers, sizeof *payload);
+    for (int l = 0; l < layers; l++) {
+        payload[l] = malloc(len);
+        assert_int_equal(tdm_engine_export_layer(e, r, l, 0, 3, payload[l], len), TDM_OK);
+    }
+    assert_int_equal(tdm_engine_export_layer(e, r, layers, 0, 3, payload[0], len), TDM_EINVAL);
+    assert_int_equal(tdm_engine_export_layer(e, r, 0, 1, 3, payload[0], len), TDM_EINVAL);
+    assert_int_equal(tdm_engine_release_kv(e, r), TDM_OK);
+    assert_int_equal(tdm_engine_release_kv(e, r), TDM_EINVAL);
+    wait_idle_stats(e, &s);
+    assert_true(s.kv_usage == 0.0f);
+    end = tdm_now() + WAIT_S;
+    while (s.num_held != 0 && tdm_now() < end) {
+        usleep(1000);
+        tdm_engine_get_stats(e, &s);
+    }
+    assert_int_equal(s.num_held, 0);
+    assert_kv_ok(e);
+    tdm_engine_request_release(r);
+    tdm_engine_free(e); // the model is ours again
+
+    // Decode side: import the KV, feed the first token, get the reference's second.
+    struct tdm_kv_seq seq;
+    tdm_kv_seq_init(&seq);
+    assert_int_equal(tdm_kv_reserve(kv2, &seq, 46), TDM_OK);
+    for (int l = 0; l < layers; l++) {
+        assert_int_equal(tdm_kv_import_layer(kv2, &seq, l, 0, 3, payload[l], len), TDM_OK);
+        free(payload[l]);
+    }
+    free(payload);
+    tdm_kv_commit(kv2, &seq, prompt, 45);
+    float *logits = malloc((size_t)vocab * sizeof(float));
+    struct tdm_batch_seq b = {.tokens = &got[0],
+                              .n_tokens = 1,
+                              .start_pos = 45,
+                              .block_table = seq.block_table,
+                              .logits = TDM_LOGITS_LAST};
+    assert_int_equal(tdm_model_forward(model, kv2, &b, 1, logits), TDM_OK);
+    int best = 0;
+    for (int i = 1; i < vocab; i++)
+        if (logits[i] > logits[best])
+            best = i;
+    assert_int_equal(best, ref[1]);
+    free(logits);
+    tdm_kv_seq_release(kv2, &seq);
+    tdm_kv_free(kv2);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_single_matches_runner),
+        cmocka_unit_test(test_concurrent_20),
+        cmocka_unit_test(test_continuous_batching),
+        cmocka_unit_test(test_preemption),
+        cmocka_unit_test(test_abort),
+        cmocka_unit_test(test_queue_bound_and_bad_input),
+        cmocka_unit_test(test_drain),
+        cmocka_unit_test(test_metrics),
+        cmocka_unit_test(test_unfit),
+        cmocka_unit_test(test_prefill_only_export),
+    };
+    // ENGINE_TEST_FILTER=test_preemption runs one test (cmocka glob).
+    const char *filter = getenv("ENGINE_TEST_FILTER");
+    if (filter != NULL)
+        cmocka_set_test_filter(filter);
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
