@@ -660,19 +660,26 @@ struct attn_job {
     _Atomic int next;
 };
 
-// One query row: online softmax over positions 0..p in chunks of at most
-// CPU_ATTN_CHUNK that never cross a block, so the chunking (and the result)
-// depends on p only, never on how the prompt was split into steps.
-static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, int i, int h)
+// Query heads of one GQA group handled together: the group shares each K/V
+// chunk, read once from L2 into L1 for all of them.
+#define ATTN_MAX_GROUP 8
+
+// One query row, heads h0..h0+nh-1 (all on KV head kvh): online softmax over
+// positions 0..p in chunks of at most CPU_ATTN_CHUNK that never cross a block,
+// so the chunking (and each head's result) depends on p only, never on how
+// the prompt was split into steps or which heads share the pass.
+static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, int i, int kvh,
+                       int h0, int nh)
 {
     int hd = j->head_dim, bs = j->block_size;
-    int kvh = h / (j->n_heads / j->n_kv_heads);
     int p = sq->start_pos + i;
-    const float *q = j->q + (size_t)(sq->row + i) * j->q_stride + (size_t)h * hd;
-    float *acc = j->out + (size_t)(sq->row + i) * j->n_heads * hd + (size_t)h * hd;
+    const float *q = j->q + (size_t)(sq->row + i) * j->q_stride + (size_t)h0 * hd;
+    float *acc = j->out + (size_t)(sq->row + i) * j->n_heads * hd + (size_t)h0 * hd;
     float s[CPU_ATTN_CHUNK];
-    float m = -INFINITY, l = 0.0f;
-    memset(acc, 0, sizeof(float) * (size_t)hd);
+    float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
+    for (int g = 0; g < nh; g++)
+        m[g] = -INFINITY, l[g] = 0.0f;
+    memset(acc, 0, sizeof(float) * (size_t)hd * nh);
     for (int pos = 0; pos <= p;) {
         int blk = sq->block_table[pos / bs];
         int slot = pos % bs;
@@ -684,24 +691,30 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
         size_t off = ((size_t)kvh * bs + slot) * hd;
         const float *kc = tdm_kv_k(j->kv, j->layer, blk) + off;
         const float *vc = tdm_kv_v(j->kv, j->layer, blk) + off;
-        j->k->attn_scores(q, kc, nk, hd, j->scale, s);
-        float mc = s[0];
-        for (int t = 1; t < nk; t++)
-            mc = s[t] > mc ? s[t] : mc;
-        float m_new = mc > m ? mc : m;
-        float corr = m == -INFINITY ? 0.0f : expf(m - m_new);
-        j->k->attn_exp(s, nk, m_new);
-        float ls = 0.0f;
-        for (int t = 0; t < nk; t++)
-            ls += s[t];
-        l = l * corr + ls;
-        j->k->attn_accum(acc, corr, s, vc, nk, hd);
-        m = m_new;
+        for (int g = 0; g < nh; g++) {
+            float mc = j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale, s);
+            float m_new = mc > m[g] ? mc : m[g];
+            float corr = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
+            float ls = j->k->attn_exp(s, nk, m_new);
+            l[g] = l[g] * corr + ls;
+            j->k->attn_accum(acc + (size_t)g * hd, corr, s, vc, nk, hd);
+            m[g] = m_new;
+        }
         pos += nk;
     }
-    float inv = 1.0f / l;
-    for (int d = 0; d < hd; d++)
-        acc[d] *= inv;
+    for (int g = 0; g < nh; g++) {
+        float inv = 1.0f / l[g];
+        for (int d = 0; d < hd; d++)
+            acc[(size_t)g * hd + d] *= inv;
+    }
+}
+
+// Tasks of a sequence: (head unit, token chunk), a head unit being up to
+// ATTN_MAX_GROUP query heads of one KV head.
+static int attn_units(const struct attn_job *j)
+{
+    int group = j->n_heads / j->n_kv_heads;
+    return j->n_kv_heads * ((group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP);
 }
 
 static void attn_task(void *arg, int tid, int nthreads)
@@ -710,6 +723,8 @@ static void attn_task(void *arg, int tid, int nthreads)
     (void)nthreads;
     struct attn_job *j = arg;
     int total = j->task_start[j->n_seqs];
+    int group = j->n_heads / j->n_kv_heads;
+    int nsub = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
     for (;;) {
         int t = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (t >= total)
@@ -720,12 +735,16 @@ static void attn_task(void *arg, int tid, int nthreads)
         const struct tdm_attn_seq *sq = &j->seqs[s];
         int local = t - j->task_start[s];
         int chunks = (sq->n_tokens + ATTN_TASK_TOKENS - 1) / ATTN_TASK_TOKENS;
-        int h = local / chunks;
+        int unit = local / chunks;
         int c = local % chunks;
+        int kvh = unit / nsub;
+        int h0 = kvh * group + (unit % nsub) * ATTN_MAX_GROUP;
+        int nh = kvh * group + group - h0 < ATTN_MAX_GROUP ? kvh * group + group - h0
+                                                           : ATTN_MAX_GROUP;
         int i1 = (c + 1) * ATTN_TASK_TOKENS < sq->n_tokens ? (c + 1) * ATTN_TASK_TOKENS
                                                           : sq->n_tokens;
         for (int i = c * ATTN_TASK_TOKENS; i < i1; i++)
-            attn_query(j, sq, i, h);
+            attn_query(j, sq, i, kvh, h0, nh);
     }
 }
 
@@ -746,11 +765,6 @@ static void cpu_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int l
     int task_start[ATTN_MAX_SEQS + 1];
     for (int s0 = 0; s0 < n_seqs; s0 += ATTN_MAX_SEQS) {
         int ns = n_seqs - s0 < ATTN_MAX_SEQS ? n_seqs - s0 : ATTN_MAX_SEQS;
-        task_start[0] = 0;
-        for (int s = 0; s < ns; s++) {
-            int chunks = (seqs[s0 + s].n_tokens + ATTN_TASK_TOKENS - 1) / ATTN_TASK_TOKENS;
-            task_start[s + 1] = task_start[s] + chunks * n_heads;
-        }
         struct attn_job j = {.kv = kv, .k = be->k, .layer = layer, .seqs = seqs + s0,
                              .n_seqs = ns, .q = q, .q_stride = q_stride, .out = out,
                              .n_heads = n_heads, .n_kv_heads = n_kv_heads,
@@ -758,6 +772,12 @@ static void cpu_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int l
                              .block_size = tdm_kv_config(kv)->block_size,
                              .task_start = task_start};
         atomic_init(&j.next, 0);
+        int units = attn_units(&j);
+        task_start[0] = 0;
+        for (int s = 0; s < ns; s++) {
+            int chunks = (seqs[s0 + s].n_tokens + ATTN_TASK_TOKENS - 1) / ATTN_TASK_TOKENS;
+            task_start[s + 1] = task_start[s] + chunks * units;
+        }
         if (task_start[ns] == 1)
             attn_task(&j, 0, 1);
         else

@@ -112,11 +112,13 @@ struct cpu_kernels {
     void (*mm_blocks)(const struct cpu_mm_args *a, int b0, int b1);
     // out[i] = silu(gate[i]) * up[i] for i < inter.
     void (*silu_mul_row)(const float *gate, const float *up, float *out, int inter);
-    // s[j] = scale * q . k[j] for j < nk; k rows are head_dim apart.
-    void (*attn_scores)(const float *q, const float *k, int nk, int head_dim, float scale,
-                        float *s);
-    // s[j] = exp(s[j] - m) for j < nk (s[j] <= m).
-    void (*attn_exp)(float *s, int nk, float m);
+    // s[j] = scale * q . k[j] for j < nk (1 <= nk <= CPU_ATTN_CHUNK); k rows are
+    // head_dim apart. Returns max_j s[j].
+    float (*attn_scores)(const float *q, const float *k, int nk, int head_dim, float scale,
+                         float *s);
+    // s[j] = exp(s[j] - m) for j < nk (s[j] <= m); returns their sum (in a
+    // fixed order).
+    float (*attn_exp)(float *s, int nk, float m);
     // acc = acc * corr + sum_j p[j] * v[j] (j ascending).
     void (*attn_accum)(float *acc, float corr, const float *p, const float *v, int nk,
                        int head_dim);

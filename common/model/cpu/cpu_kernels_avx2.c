@@ -293,8 +293,9 @@ AI float hsum(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-static void attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
+static float attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
 {
+    float mx = -INFINITY;
     int full = hd & ~7;
     __m256i m = tail_mask(hd - full);
     for (int j = 0; j < nk; j++) {
@@ -306,21 +307,29 @@ static void attn_scores(const float *q, const float *k, int nk, int hd, float sc
             acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + full, m), _mm256_maskload_ps(kr + full, m),
                                   acc);
         s[j] = hsum(acc) * scale;
+        mx = s[j] > mx ? s[j] : mx;
     }
+    return mx;
 }
 
-static void attn_exp(float *s, int nk, float m)
+static float attn_exp(float *s, int nk, float m)
 {
     __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
     for (int j = 0; j < nk; j += 8) {
         if (nk - j >= 8) {
-            _mm256_storeu_ps(s + j, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+            __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+            _mm256_storeu_ps(s + j, e);
+            sum = _mm256_add_ps(sum, e);
         } else {
             __m256i mk = tail_mask(nk - j);
             __m256 v = _mm256_maskload_ps(s + j, mk);
-            _mm256_maskstore_ps(s + j, mk, exp_ps(_mm256_sub_ps(v, mv)));
+            __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(v, mv)), _mm256_castsi256_ps(mk));
+            _mm256_maskstore_ps(s + j, mk, e);
+            sum = _mm256_add_ps(sum, e);
         }
     }
+    return hsum(sum);
 }
 
 static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)

@@ -394,37 +394,87 @@ static void silu_mul_row(const float *gate, const float *up, float *out, int int
     }
 }
 
-static void attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
+// Sums of 16 vectors, one lane each: lane j of the result = sum of v[j]'s
+// lanes, through a fixed shuffle tree (quarters, halves, pairs, then a lane
+// permutation), much cheaper than 16 separate horizontal sums.
+AI __m512 transpose_sum16(__m512 v[16])
 {
-    for (int j = 0; j < nk; j++) {
-        const float *kr = k + (size_t)j * hd;
-        __m512 acc = _mm512_setzero_ps();
-        for (int d = 0; d < hd; d += 16) {
-            __mmask16 m = lanes_mask(hd - d);
-            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), _mm512_maskz_loadu_ps(m, kr + d),
-                                  acc);
-        }
-        s[j] = _mm512_reduce_add_ps(acc) * scale;
-    }
+    __m512 u[8], w[4], x[2];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
+    // w[i] quarter c holds 4 partials of v[4i + c].
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++)
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(w[i], w[i + 2]), _mm512_unpackhi_ps(w[i], w[i + 2]));
+    // x[0] quarter c: [v[c] 02, v[8+c] 02, v[c] 13, v[8+c] 13]; x[1] likewise for v[4+c], v[12+c].
+    __m512 y = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x[0]), _mm512_castps_pd(x[1]))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x[0]), _mm512_castps_pd(x[1]))));
+    // y quarter c: [v[c], v[8+c], v[4+c], v[12+c]] -> lane j = sum of v[j].
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, y);
 }
 
-static void attn_exp(float *s, int nk, float m)
+static float attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
+{
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++)
+        acc[j] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d += 16) {
+        __mmask16 m = lanes_mask(hd - d);
+        __m512 qv = _mm512_maskz_loadu_ps(m, q + d);
+        // Fully unrolled so that acc stays in registers.
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++)
+            if (j < nk)
+                acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + (size_t)j * hd + d),
+                                         acc[j]);
+    }
+    __mmask16 mk = lanes_mask(nk);
+    __m512 sv = _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(s, mk, sv);
+    return _mm512_mask_reduce_max_ps(mk, sv);
+}
+
+static float attn_exp(float *s, int nk, float m)
 {
     __mmask16 mk = lanes_mask(nk);
     __m512 v = _mm512_maskz_loadu_ps(mk, s);
-    _mm512_mask_storeu_ps(s, mk, exp_ps(_mm512_sub_ps(v, _mm512_set1_ps(m))));
+    __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(v, _mm512_set1_ps(m))));
+    _mm512_mask_storeu_ps(s, mk, e);
+    return _mm512_reduce_add_ps(e);
 }
 
+// Up to 64 dims (4 vectors) stay in registers while the keys stream by.
 static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
 {
     __m512 c = _mm512_set1_ps(corr);
-    for (int d = 0; d < hd; d += 16) {
-        __mmask16 m = lanes_mask(hd - d);
-        __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + d), c);
-        for (int j = 0; j < nk; j++)
-            a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]),
-                                _mm512_maskz_loadu_ps(m, v + (size_t)j * hd + d), a);
-        _mm512_mask_storeu_ps(acc + d, m, a);
+    for (int d0 = 0; d0 < hd; d0 += 64) {
+        __mmask16 m[4];
+        __m512 a[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            int left = hd - d0 - 16 * i;
+            m[i] = lanes_mask(left > 0 ? left : 0);
+            a[i] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m[i], acc + d0 + 16 * i), c);
+        }
+        for (int j = 0; j < nk; j++) {
+            __m512 pj = _mm512_set1_ps(p[j]);
+            const float *vr = v + (size_t)j * hd + d0;
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++)
+                a[i] = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[i], vr + 16 * i), a[i]);
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            _mm512_mask_storeu_ps(acc + d0 + 16 * i, m[i], a[i]);
     }
 }
 

@@ -84,21 +84,28 @@ static void silu_mul_row(const float *gate, const float *up, float *out, int int
     }
 }
 
-static void attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
+static float attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
 {
+    float mx = -INFINITY;
     for (int j = 0; j < nk; j++) {
         const float *kr = k + (size_t)j * hd;
         float d = 0.0f;
         for (int i = 0; i < hd; i++)
             d += q[i] * kr[i];
         s[j] = d * scale;
+        mx = s[j] > mx ? s[j] : mx;
     }
+    return mx;
 }
 
-static void attn_exp(float *s, int nk, float m)
+static float attn_exp(float *s, int nk, float m)
 {
-    for (int j = 0; j < nk; j++)
+    float sum = 0.0f;
+    for (int j = 0; j < nk; j++) {
         s[j] = expf(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
 }
 
 static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
