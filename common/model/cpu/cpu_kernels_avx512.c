@@ -373,10 +373,13 @@ static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
             share = (bytes / (size_t)pft + 63) / 64 * 64;
             pf_lines = (int)((share / 64 + (size_t)steps - 1) / (size_t)steps);
         }
-        for (int t0 = 0, ti = 0; t0 < a->n; t0 += tt, ti++) {
-            int T = a->n - t0 < tt ? a->n - t0 : tt;
+        // Tiles of balanced sizes (32 tokens: 6,6,5,5,5,5 rather than 6 x 5 + 2):
+        // a narrow tile reuses each weight load for fewer tokens.
+        for (int t0 = 0, ti = 0; t0 < a->n; ti++) {
+            int T = (a->n - t0 + (ntiles - ti) - 1) / (ntiles - ti);
             const uint8_t *pf = next && ti < pft ? next + (size_t)ti * share : NULL;
             fn(a, wb, G, T, t0, b * CPU_BLOCK_ROWS, pf, b == b0 && ti == 0 ? -1 : pf_lines);
+            t0 += T;
         }
     }
 }

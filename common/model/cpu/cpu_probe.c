@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #if defined(__x86_64__)
@@ -214,6 +215,10 @@ double tdm_cpu_probe_read_bw(size_t bytes, int nthreads, int reps)
     float *buf = NULL;
     if (posix_memalign((void **)&buf, 2u << 20, count * sizeof(float)) != 0)
         return 0;
+#ifdef MADV_HUGEPAGE
+    // Huge pages as the backend's weights get: TLB misses are not bandwidth.
+    madvise(buf, count * sizeof(float), MADV_HUGEPAGE);
+#endif
     memset(buf, 0, count * sizeof(float));
     struct probe_arg proto = {.kind = PROBE_READ,
                               .isa = tdm_cpu_isa_supported(TDM_CPU_ISA_AVX512)
