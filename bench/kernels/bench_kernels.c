@@ -153,18 +153,18 @@ int main(int argc, char **argv)
     // (c) decode GEMV vs streaming the same bytes; (e) batch 32 vs batch 1.
     struct model_set m;
     build_set(be, &m, layers, src, TDM_W_BF16);
-    double t1 = time_set(be, &m, x, y, 1, 5);
+    double t1 = time_set(be, &m, x, y, 1, 10);
     double t_read = (double)m.bytes / bw;
     printf("gemv_bf16_MB %.0f time_ms %.2f read_time_ms %.2f\n", m.bytes / 1e6, t1 * 1e3,
            t_read * 1e3);
     printf("gemv_bf16_vs_read %.3f (goal <= 1.3)\n", t1 / t_read);
-    double t32 = time_set(be, &m, x, y, 32, 3);
+    double t32 = time_set(be, &m, x, y, 32, 5);
     printf("batch32_time_ms %.2f batch1_time_ms %.2f\n", t32 * 1e3, t1 * 1e3);
     printf("batch32_speedup %.2f (goal >= 10)\n", 32.0 * t1 / t32);
     free_set(be, &m);
 
     build_set(be, &m, layers, src, TDM_W_Q8);
-    double tq = time_set(be, &m, x, y, 1, 5);
+    double tq = time_set(be, &m, x, y, 1, 10);
     t_read = (double)m.bytes / bw;
     printf("gemv_q8_MB %.0f time_ms %.2f read_time_ms %.2f\n", m.bytes / 1e6, tq * 1e3,
            t_read * 1e3);
@@ -192,6 +192,11 @@ int main(int argc, char **argv)
                fma > 0 ? flops / fma : 0.0);
         ops->release_weight(be, &w);
     }
+    // The machine may be shared: a limit probed once can catch a busy
+    // moment, so the read bandwidth is probed again and the best is kept
+    // (ratios above used the first probe; this line says how far off it was).
+    double bw2 = tdm_cpu_probe_read_bw((size_t)1 << 30, nt, quick ? 2 : 4);
+    printf("read_bw_again_GBps %.2f (first %.2f)\n", bw2 / 1e9, bw / 1e9);
     free(src), free(x), free(y);
     ops->destroy(be);
     return 0;

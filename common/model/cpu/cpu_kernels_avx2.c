@@ -18,7 +18,6 @@
 
 #define AI static inline __attribute__((always_inline))
 #define TILE_T 4
-#define PF_BYTES 2048
 
 AI __m256 exp_ps(__m256 x)
 {
@@ -73,12 +72,6 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, int G, int g0, cons
             if (j == full && !(cols & 1))
                 break;
             const uint8_t *wj = wb + j * js + (size_t)g0 * 64;
-            if (T == 1) {
-#pragma GCC unroll 4
-                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
-                    if (g < NG)
-                        _mm_prefetch((const char *)wj + PF_BYTES + g * 64, _MM_HINT_T0);
-            }
             __m256 we[CPU_BLOCK_PANELS][2], wo[CPU_BLOCK_PANELS][2];
 #pragma GCC unroll 4
             for (int g = 0; g < CPU_BLOCK_PANELS; g++) {
@@ -120,12 +113,6 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, int G, int g0, cons
         const int nq = (cols + 3) / 4;
         for (int q = 0; q < nq; q++) {
             const uint8_t *wq = wb + q * js + (size_t)g0 * 64;
-            if (T == 1) {
-#pragma GCC unroll 4
-                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
-                    if (g < NG)
-                        _mm_prefetch((const char *)wq + PF_BYTES + g * 64, _MM_HINT_T0);
-            }
             __m256i v[CPU_BLOCK_PANELS][2];
 #pragma GCC unroll 4
             for (int g = 0; g < CPU_BLOCK_PANELS; g++)
@@ -164,12 +151,6 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, int G, int g0, cons
         const size_t js = (size_t)G * 64;
         for (int k = 0; k < cols; k++) {
             const uint8_t *wk = wb + k * js + (size_t)g0 * 64;
-            if (T == 1) {
-#pragma GCC unroll 4
-                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
-                    if (g < NG)
-                        _mm_prefetch((const char *)wk + PF_BYTES + g * 64, _MM_HINT_T0);
-            }
             __m256 wv[CPU_BLOCK_PANELS][2];
 #pragma GCC unroll 4
             for (int g = 0; g < CPU_BLOCK_PANELS; g++)

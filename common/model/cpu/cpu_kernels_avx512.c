@@ -9,7 +9,7 @@
 // broadcast, so each accumulator lane is one output element summing its k
 // pairs in order. A tile is up to 4 panels (64 rows) x 6 tokens = 24 zmm
 // accumulators; decode (n = 1) is the same tile with one token, streaming the
-// block's contiguous 256-byte k steps with software prefetch. Q8 weights use
+// block's contiguous 256-byte k steps. Q8 weights use
 // VNNI against activations quantized per token and 32-k block (tile_q8v); F32
 // weights use FMA against f32 activations.
 #include <immintrin.h>
@@ -25,8 +25,6 @@
 
 #define AI static inline __attribute__((always_inline))
 #define TILE_T 6
-// Bytes ahead of the stream the decode GEMV prefetches.
-#define PF_BYTES 8192
 
 AI __mmask16 lanes_mask(int n)
 {
@@ -120,12 +118,7 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const 
         const uint32_t *xq = a->xq + (size_t)t0 * xs;
         for (int j = 0; j < kp; j++) {
             const uint8_t *wj = wb + j * js;
-            if (T == 1 || pf_lines < 0) {
-#pragma GCC unroll 4
-                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
-                    if (g < G)
-                        _mm_prefetch((const char *)wj + PF_BYTES + g * 64, _MM_HINT_T0);
-            } else if (pf) {
+            if (pf) {
                 for (int l = 0; l < pf_lines; l++)
                     _mm_prefetch((const char *)pf + ((size_t)j * pf_lines + l) * 64, _MM_HINT_T0);
             }
@@ -152,12 +145,7 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const 
         const float *x = a->x + (size_t)t0 * cols;
         for (int k = 0; k < cols; k++) {
             const uint8_t *wk = wb + k * js;
-            if (T == 1 || pf_lines < 0) {
-#pragma GCC unroll 4
-                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
-                    if (g < G)
-                        _mm_prefetch((const char *)wk + PF_BYTES + g * 64, _MM_HINT_T0);
-            } else if (pf) {
+            if (pf) {
                 for (int l = 0; l < pf_lines; l++)
                     _mm_prefetch((const char *)pf + ((size_t)k * pf_lines + l) * 64, _MM_HINT_T0);
             }
@@ -236,12 +224,7 @@ AI void tile_q8v(const struct cpu_mm_args *a, const uint8_t *wb, const int G, co
         for (int qd = 0; qd < CPU_Q8_BLOCK / 4; qd++) {
             int j = blk * (CPU_Q8_BLOCK / 4) + qd;
             const uint8_t *wj = wb + j * js;
-            if (T == 1 || pf_lines < 0) {
-#pragma GCC unroll 4
-                for (int g = 0; g < CPU_BLOCK_PANELS; g++)
-                    if (g < G)
-                        _mm_prefetch((const char *)wj + PF_BYTES + g * 64, _MM_HINT_T0);
-            } else if (pf) {
+            if (pf) {
                 for (int l = 0; l < pf_lines; l++)
                     _mm_prefetch((const char *)pf + ((size_t)j * pf_lines + l) * 64, _MM_HINT_T0);
             }
@@ -347,9 +330,9 @@ TILE_DISPATCH(tile_bf16, TDM_W_BF16)
 TILE_DISPATCH(tile_f32, TDM_W_F32)
 
 // Tiles of a batch (n > 1) prefetch the chunk's next block, spread over the
-// first few tiles, so the block is in L2 when its turn comes; decode tiles,
-// and the first tile of a chunk's first block, prefetch their own stream
-// ahead instead (pf_lines < 0).
+// first few tiles, so the block is in L2 when its turn comes. Decode streams
+// each chunk contiguously and the hardware prefetchers keep up with that
+// (software prefetch ahead of the stream measured slower).
 #define PF_TILES 4
 
 static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
@@ -378,7 +361,7 @@ static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
         for (int t0 = 0, ti = 0; t0 < a->n; ti++) {
             int T = (a->n - t0 + (ntiles - ti) - 1) / (ntiles - ti);
             const uint8_t *pf = next && ti < pft ? next + (size_t)ti * share : NULL;
-            fn(a, wb, G, T, t0, b * CPU_BLOCK_ROWS, pf, b == b0 && ti == 0 ? -1 : pf_lines);
+            fn(a, wb, G, T, t0, b * CPU_BLOCK_ROWS, pf, pf_lines);
             t0 += T;
         }
     }
