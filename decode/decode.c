@@ -1,0 +1,1388 @@
+// SPDX-License-Identifier: Apache-2.0
+// decode: the decode worker's server core (see decode.h). Three layers:
+//   - HTTP glue over civetweb (decode_http_*: headers, bodies, SSE framing,
+//     the one error -> status mapping of this server);
+//   - routes (health, metrics, models, version, tokenize, detokenize);
+//   - the generation path: parse (common/openai) -> chat template and tokenize
+//     -> context checks -> one engine request per choice -> read the engine's
+//     output stream -> incremental detokenizer -> stop-string matcher -> SSE
+//     chunks or one body.
+// Invariants: an HTTP thread never touches the model or the KV cache, only the
+// engine's queues; every engine request a handler submitted is aborted (if
+// still running) and released before the handler returns, so a client that
+// goes away never leaves KV blocks behind; a bad request is answered on its own
+// thread and never reaches the engine.
+#include <civetweb.h>
+#include <cjson/cJSON.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "chat.h"
+#include "core.h"
+#include "decode.h"
+#include "engine.h"
+#include "hf.h"
+#include "metrics.h"
+#include "model.h"
+#include "openai.h"
+#include "tokenizer.h"
+
+#ifndef TANDEM_VERSION
+#define TANDEM_VERSION "0.0.0"
+#endif
+
+#define MOD "decode"
+
+enum server_state { STATE_LOADING = 0, STATE_READY, STATE_DRAINING };
+
+struct tdm_decode_server {
+    struct tdm_decode_config cfg;
+    struct mg_context *mg;
+    int port;
+    _Atomic int state;
+    _Atomic int inflight;          // API handlers running (drain waits for 0)
+    pthread_mutex_t mu;            // guards nothing but the drain wait's condvar
+    pthread_cond_t idle_cv;
+
+    // after load
+    struct tdm_model *model;
+    struct tdm_tokenizer *tok;
+    struct tdm_chat_template *chat;   // NULL when the model has no usable template
+    char chat_err[256];               // why chat is unavailable
+    struct tdm_generation_config gen;
+    struct tdm_oai_model_info info;
+    int32_t eos_ids[2 * TDM_MAX_EOS]; // config.json's and generation_config.json's
+    int num_eos;
+    struct tdm_metrics_registry *reg;
+    struct tdm_metrics_vllm metrics;
+    struct tdm_engine *engine;
+    char served_name[TDM_DECODE_STR];
+    int max_model_len;
+    int num_blocks;
+    int64_t created;
+};
+
+// ---- small growable buffers ---------------------------------------------------------------
+struct sbuf {
+    char *p;
+    size_t len, cap;
+};
+
+static int sbuf_add(struct sbuf *b, const char *s, size_t n)
+{
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 256;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (p == NULL)
+            return TDM_ENOMEM;
+        b->p = p;
+        b->cap = cap;
+    }
+    if (n)
+        memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+    return TDM_OK;
+}
+
+static void sbuf_fini(struct sbuf *b)
+{
+    free(b->p);
+    memset(b, 0, sizeof *b);
+}
+
+// Logprobs of generated tokens with the strings they point at (owned here).
+struct lp_list {
+    struct tdm_oai_token_logprob *items;
+    size_t n, cap;
+};
+
+static void lp_clear(struct lp_list *l)
+{
+    for (size_t i = 0; i < l->n; i++) {
+        free((char *)l->items[i].token);
+        if (l->items[i].top) {
+            for (int j = 0; j < l->items[i].num_top; j++)
+                free((char *)l->items[i].top[j].token);
+            free((void *)l->items[i].top);
+        }
+    }
+    l->n = 0;
+}
+
+static void lp_fini(struct lp_list *l)
+{
+    lp_clear(l);
+    free(l->items);
+    memset(l, 0, sizeof *l);
+}
+
+// A token's own text for logprobs (ids the tokenizer does not know give "").
+static char *token_text(const struct tdm_tokenizer *tok, int32_t id, size_t *len)
+{
+    char *t = NULL;
+    if (tdm_tok_decode(tok, &id, 1, false, &t, len) != TDM_OK) {
+        t = strdup("");
+        *len = 0;
+    }
+    return t;
+}
+
+static int lp_add(struct lp_list *l, const struct tdm_tokenizer *tok, int32_t id, float logprob,
+                  const struct tdm_token_logprob *top, int num_top)
+{
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 16;
+        struct tdm_oai_token_logprob *p = realloc(l->items, cap * sizeof *p);
+        if (p == NULL)
+            return TDM_ENOMEM;
+        l->items = p;
+        l->cap = cap;
+    }
+    struct tdm_oai_token_logprob *it = &l->items[l->n];
+    memset(it, 0, sizeof *it);
+    it->id = id;
+    it->logprob = logprob;
+    it->token = token_text(tok, id, &it->token_len);
+    if (it->token == NULL)
+        return TDM_ENOMEM;
+    if (num_top > 0 && top != NULL) {
+        struct tdm_oai_top_logprob *t = calloc((size_t)num_top, sizeof *t);
+        if (t == NULL) {
+            free((char *)it->token);
+            return TDM_ENOMEM;
+        }
+        for (int j = 0; j < num_top; j++) {
+            t[j].id = top[j].token;
+            t[j].logprob = top[j].logprob;
+            t[j].token = token_text(tok, top[j].token, &t[j].token_len);
+        }
+        it->top = t;
+        it->num_top = num_top;
+    }
+    l->n++;
+    return TDM_OK;
+}
+
+// ---- HTTP glue ----------------------------------------------------------------------------
+// The one place this server maps an error code to an HTTP status.
+static int decode_http_status(int err)
+{
+    switch (err) {
+    case TDM_OK:
+        return 200;
+    case TDM_EINVAL:
+        return 400;
+    case TDM_ENOTFOUND:
+        return 404;
+    case TDM_EBUSY:
+    case TDM_ECLOSED:
+    case TDM_ECAPACITY:
+        return 503;
+    case TDM_ETIMEDOUT:
+        return 504;
+    default:
+        return 500;
+    }
+}
+
+// Sends a complete response with a Content-Length; Retry-After on 503 (queue
+// full or draining), so clients back off instead of hammering.
+static int http_send(struct mg_connection *c, int status, const char *ctype, const char *body,
+                     size_t len)
+{
+    char clen[32];
+    snprintf(clen, sizeof clen, "%zu", len);
+    mg_response_header_start(c, status);
+    if (ctype)
+        mg_response_header_add(c, "Content-Type", ctype, -1);
+    mg_response_header_add(c, "Content-Length", clen, -1);
+    if (status == 503)
+        mg_response_header_add(c, "Retry-After", "1", -1);
+    mg_response_header_send(c);
+    if (len > 0 && mg_write(c, body, len) <= 0)
+        return -1;
+    return 0;
+}
+
+static int http_send_json(struct mg_connection *c, int status, char *body_owned)
+{
+    if (body_owned == NULL) {
+        static const char oom[] = "{\"error\":{\"message\":\"out of memory\",\"type\":"
+                                  "\"InternalServerError\",\"param\":null,\"code\":500}}";
+        return http_send(c, 500, "application/json", oom, sizeof oom - 1);
+    }
+    int rc = http_send(c, status, "application/json", body_owned, strlen(body_owned));
+    free(body_owned);
+    return rc;
+}
+
+static int http_send_oai_error(struct mg_connection *c, const struct tdm_oai_error *e)
+{
+    return http_send_json(c, e->status, tdm_oai_error_body(e));
+}
+
+static int http_error(struct mg_connection *c, int status, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int http_error(struct mg_connection *c, int status, const char *param, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return http_send_json(c, status, tdm_oai_error_body_from(status, NULL, param, msg));
+}
+
+// Reads the body (at most limit bytes). 413 is answered here; returns -1 then.
+static int http_read_body(struct mg_connection *c, size_t limit, char **out, size_t *len)
+{
+    const struct mg_request_info *ri = mg_get_request_info(c);
+    *out = NULL;
+    *len = 0;
+    if (ri->content_length > 0 && (unsigned long long)ri->content_length > limit) {
+        http_error(c, 413, NULL, "Request body of %lld bytes exceeds the limit of %zu bytes.",
+                   ri->content_length, limit);
+        return -1;
+    }
+    struct sbuf b = {0};
+    char chunk[16384];
+    for (;;) {
+        int n = mg_read(c, chunk, sizeof chunk);
+        if (n <= 0)
+            break;
+        if (b.len + (size_t)n > limit) {
+            sbuf_fini(&b);
+            http_error(c, 413, NULL, "Request body exceeds the limit of %zu bytes.", limit);
+            return -1;
+        }
+        if (sbuf_add(&b, chunk, (size_t)n) != TDM_OK) {
+            sbuf_fini(&b);
+            http_error(c, 500, NULL, "out of memory");
+            return -1;
+        }
+    }
+    if (b.p == NULL && sbuf_add(&b, "", 0) != TDM_OK) {
+        http_error(c, 500, NULL, "out of memory");
+        return -1;
+    }
+    *out = b.p;
+    *len = b.len;
+    return 0;
+}
+
+// SSE: headers once, then "data: <json>\n\n" events in HTTP chunks. Returns -1
+// when the client is gone.
+static int sse_start(struct mg_connection *c)
+{
+    mg_response_header_start(c, 200);
+    mg_response_header_add(c, "Content-Type", "text/event-stream; charset=utf-8", -1);
+    mg_response_header_add(c, "Cache-Control", "no-cache", -1);
+    mg_response_header_add(c, "Transfer-Encoding", "chunked", -1);
+    return mg_response_header_send(c) < 0 ? -1 : 0;
+}
+
+static int sse_event(struct mg_connection *c, struct sbuf *scratch, const char *json)
+{
+    if (json == NULL)
+        return -2;
+    scratch->len = 0;
+    if (sbuf_add(scratch, "data: ", 6) != TDM_OK || sbuf_add(scratch, json, strlen(json)) ||
+        sbuf_add(scratch, "\n\n", 2) != TDM_OK)
+        return -2;
+    return mg_send_chunk(c, scratch->p, (unsigned)scratch->len) <= 0 ? -1 : 0;
+}
+
+static int sse_end(struct mg_connection *c, struct sbuf *scratch)
+{
+    scratch->len = 0;
+    sbuf_add(scratch, "data: [DONE]\n\n", 14);
+    if (mg_send_chunk(c, scratch->p, (unsigned)scratch->len) <= 0)
+        return -1;
+    return mg_send_chunk(c, "", 0) < 0 ? -1 : 0;
+}
+
+// ---- generation -------------------------------------------------------------------------
+// One choice = one engine request and the text pipeline behind it.
+struct choice {
+    int index;                  // choice index in the response (prompt_idx * n + i)
+    int prompt_idx;
+    struct tdm_engine_request *req;
+    struct tdm_detok *detok;
+    struct tdm_oai_stop *stop;
+    bool done;                  // finish known; nothing more is read
+    bool reported;              // stream: the finish chunk was written
+    enum tdm_oai_finish finish;
+    const char *stop_str;       // the matched stop string (owned by the request)
+    int32_t stop_token;         // stop_reason as a token id, else -1
+    int completion_tokens;
+    int error;                  // engine error (finish ERROR)
+    char message[256];
+    struct sbuf text;           // non-stream: all text; stream: not yet sent
+    struct lp_list lps;         // likewise for logprobs
+    int32_t *ids;               // likewise for token ids (return_token_ids)
+    size_t n_ids, cap_ids;
+    size_t chars_sent;          // stream: code points already sent (text_offset)
+    bool first_sent;            // stream: prompt_token_ids went out
+};
+
+struct prompt {
+    int32_t *ids;               // heap
+    size_t n;
+    char *text;                 // the prompt text for echo (heap)
+    size_t text_len;
+    int max_tokens;
+};
+
+struct call {
+    struct tdm_decode_server *s;
+    struct mg_connection *conn;
+    struct tdm_oai_request req;
+    struct tdm_oai_response resp;
+    struct prompt *prompts;
+    size_t n_prompts;
+    struct choice *choices;
+    size_t n_choices;
+    struct sbuf scratch;
+    bool client_gone;
+    int prompt_tokens;          // usage: each prompt once
+};
+
+static bool is_stop_id(const struct tdm_sampling_params *sp, int32_t id)
+{
+    for (int i = 0; i < sp->num_stop_token_ids; i++)
+        if (sp->stop_token_ids[i] == id)
+            return true;
+    return false;
+}
+
+static enum tdm_oai_finish map_finish(enum tdm_engine_finish f)
+{
+    switch (f) {
+    case TDM_ENGINE_FINISH_STOP:
+        return TDM_OAI_FINISH_STOP;
+    case TDM_ENGINE_FINISH_LENGTH:
+        return TDM_OAI_FINISH_LENGTH;
+    case TDM_ENGINE_FINISH_ABORT:
+        return TDM_OAI_FINISH_ABORT;
+    case TDM_ENGINE_FINISH_ERROR:
+        return TDM_OAI_FINISH_ERROR;
+    default:
+        return TDM_OAI_FINISH_NONE;
+    }
+}
+
+// Runs detokenized text through the stop matcher into the choice's pending text.
+static int feed_text(struct call *k, struct choice *ch, const char *delta, size_t len)
+{
+    const char *emit = NULL;
+    size_t emit_len = 0;
+    int idx = tdm_oai_stop_feed(ch->stop, delta, len, &emit, &emit_len);
+    if (idx == -2)
+        return TDM_ENOMEM;
+    if (emit_len > 0 && sbuf_add(&ch->text, emit, emit_len) != TDM_OK)
+        return TDM_ENOMEM;
+    if (idx >= 0) {
+        // A stop string completed: the choice ends here and the engine stops
+        // generating for it (counted as finished_reason "stop").
+        ch->done = true;
+        ch->finish = TDM_OAI_FINISH_STOP;
+        ch->stop_str = k->req.stop[idx];
+        ch->stop_token = -1;
+        tdm_engine_abort(k->s->engine, ch->req, TDM_ENGINE_FINISH_STOP);
+    }
+    return TDM_OK;
+}
+
+// Consumes one engine chunk into the choice.
+static int take_chunk(struct call *k, struct choice *ch, const struct tdm_engine_chunk *c)
+{
+    const struct tdm_oai_request *rq = &k->req;
+    for (int i = 0; i < c->n && !ch->done; i++) {
+        int32_t id = c->tokens[i];
+        ch->completion_tokens++;
+        if (rq->logprobs &&
+            lp_add(&ch->lps, k->s->tok, id, c->logprobs ? c->logprobs[i] : 0.0f,
+                   c->top ? c->top + (size_t)i * (size_t)c->num_top : NULL, c->num_top) != TDM_OK)
+            return TDM_ENOMEM;
+        if (rq->return_token_ids) {
+            if (ch->n_ids == ch->cap_ids) {
+                size_t cap = ch->cap_ids ? ch->cap_ids * 2 : 64;
+                int32_t *p = realloc(ch->ids, cap * sizeof *p);
+                if (p == NULL)
+                    return TDM_ENOMEM;
+                ch->ids = p;
+                ch->cap_ids = cap;
+            }
+            ch->ids[ch->n_ids++] = id;
+        }
+        // The EOS/stop token that ended the request adds no text (vLLM), unless
+        // the caller asked for stop strings in the output.
+        bool ended_by_it = c->finished && c->reason == TDM_ENGINE_FINISH_STOP &&
+                           c->stop_token >= 0 && i == c->n - 1 && id == c->stop_token;
+        if (ended_by_it && !rq->include_stop_str_in_output)
+            continue;
+        const char *delta = NULL;
+        size_t dlen = 0;
+        // Ids beyond the tokenizer (a model vocab padded past it) decode to nothing.
+        if (tdm_detok_push(ch->detok, id, &delta, &dlen) != TDM_OK)
+            dlen = 0;
+        if (dlen > 0 && feed_text(k, ch, delta, dlen) != TDM_OK)
+            return TDM_ENOMEM;
+    }
+    if (!ch->done && c->finished) {
+        const char *delta = NULL;
+        size_t dlen = 0;
+        if (tdm_detok_flush(ch->detok, &delta, &dlen) == TDM_OK && dlen > 0 &&
+            feed_text(k, ch, delta, dlen) != TDM_OK)
+            return TDM_ENOMEM;
+        if (!ch->done) {
+            const char *emit = NULL;
+            size_t elen = 0;
+            tdm_oai_stop_flush(ch->stop, &emit, &elen);
+            if (elen > 0 && sbuf_add(&ch->text, emit, elen) != TDM_OK)
+                return TDM_ENOMEM;
+            ch->done = true;
+            ch->finish = map_finish(c->reason);
+            ch->stop_token = (c->reason == TDM_ENGINE_FINISH_STOP && c->stop_token >= 0 &&
+                              is_stop_id(&rq->sampling, c->stop_token))
+                                 ? c->stop_token
+                                 : -1;
+            if (c->reason == TDM_ENGINE_FINISH_ERROR) {
+                ch->error = c->error;
+                snprintf(ch->message, sizeof ch->message, "%s",
+                         c->message && *c->message ? c->message : tdm_strerror(c->error));
+            }
+        }
+    }
+    return TDM_OK;
+}
+
+static void fill_choice(const struct call *k, const struct choice *ch, struct tdm_oai_choice *oc,
+                        bool with_finish)
+{
+    memset(oc, 0, sizeof *oc);
+    oc->index = ch->index;
+    oc->text = ch->text.p ? ch->text.p : "";
+    oc->text_len = ch->text.len;
+    oc->finish = with_finish ? ch->finish : TDM_OAI_FINISH_NONE;
+    oc->stop_str = with_finish ? ch->stop_str : NULL;
+    oc->stop_token = with_finish ? ch->stop_token : -1;
+    oc->has_logprobs = k->req.logprobs;
+    oc->logprobs = ch->lps.items;
+    oc->n_logprobs = ch->lps.n;
+    oc->text_offset = ch->chars_sent;
+    if (k->req.return_token_ids) {
+        oc->token_ids = ch->ids ? ch->ids : (const int32_t *)"";
+        oc->n_token_ids = ch->n_ids;
+        if (!ch->first_sent) {
+            const struct prompt *p = &k->prompts[ch->prompt_idx];
+            oc->prompt_token_ids = p->ids;
+            oc->n_prompt_token_ids = p->n;
+        }
+    }
+}
+
+// Stream: writes the choice's pending text (and its finish once known).
+static int stream_flush_choice(struct call *k, struct choice *ch)
+{
+    bool finish_now = ch->done && !ch->reported;
+    if (ch->text.len == 0 && !finish_now)
+        return 0;
+    if (finish_now && ch->finish == TDM_OAI_FINISH_ERROR)
+        return 0; // reported as an error event by the caller
+    struct tdm_oai_choice oc;
+    fill_choice(k, ch, &oc, finish_now);
+    struct tdm_oai_usage u = {k->prompts[ch->prompt_idx].n > 0
+                                  ? (int)k->prompts[ch->prompt_idx].n
+                                  : 0,
+                              ch->completion_tokens};
+    char *json = tdm_oai_chunk(&k->resp, &oc, 1, k->req.continuous_usage_stats ? &u : NULL);
+    int rc = sse_event(k->conn, &k->scratch, json);
+    free(json);
+    if (rc == -2)
+        return -2;
+    if (rc < 0)
+        return -1;
+    ch->chars_sent += tdm_oai_utf8_chars(ch->text.p ? ch->text.p : "", ch->text.len);
+    ch->text.len = 0;
+    lp_clear(&ch->lps);
+    ch->n_ids = 0;
+    ch->first_sent = true;
+    if (finish_now)
+        ch->reported = true;
+    return 0;
+}
+
+// Aborts what still runs and drops every handle (KV frees at the engine's next step).
+static void release_all(struct call *k, enum tdm_engine_finish why)
+{
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        if (ch->req) {
+            if (!ch->done)
+                tdm_engine_abort(k->s->engine, ch->req, why);
+            tdm_engine_request_release(ch->req);
+            ch->req = NULL;
+        }
+    }
+}
+
+static void call_fini(struct call *k)
+{
+    release_all(k, TDM_ENGINE_FINISH_ABORT);
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        tdm_detok_free(ch->detok);
+        tdm_oai_stop_free(ch->stop);
+        sbuf_fini(&ch->text);
+        lp_fini(&ch->lps);
+        free(ch->ids);
+    }
+    free(k->choices);
+    for (size_t i = 0; i < k->n_prompts; i++) {
+        free(k->prompts[i].ids);
+        free(k->prompts[i].text);
+    }
+    free(k->prompts);
+    sbuf_fini(&k->scratch);
+    tdm_oai_request_fini(&k->req);
+}
+
+// Tokenizes the request's prompts (completions) or renders and tokenizes the
+// chat. 4xx/5xx goes into e.
+static int build_prompts(struct call *k, struct tdm_oai_error *e)
+{
+    struct tdm_decode_server *s = k->s;
+    struct tdm_oai_request *rq = &k->req;
+    size_t np = rq->kind == TDM_OAI_CHAT ? 1 : rq->n_prompts;
+    k->prompts = calloc(np ? np : 1, sizeof *k->prompts);
+    if (k->prompts == NULL)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    k->n_prompts = np;
+    for (size_t i = 0; i < np; i++) {
+        struct prompt *p = &k->prompts[i];
+        const char *text = NULL;
+        size_t text_len = 0;
+        char *rendered = NULL;
+        if (rq->kind == TDM_OAI_CHAT) {
+            if (s->chat == NULL)
+                return tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
+                                      s->chat_err);
+            if (rq->continue_final_message)
+                return tdm_oai_seterr(e, 400, "continue_final_message",
+                                      "continue_final_message is not supported.");
+            char err[256];
+            int rc = tdm_chat_render(s->chat, rq->messages, rq->n_messages,
+                                     rq->add_generation_prompt, &rendered, err, sizeof err);
+            if (rc != TDM_OK)
+                return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
+            text = rendered;
+            text_len = strlen(rendered);
+        } else if (rq->prompts[i].text != NULL) {
+            text = rq->prompts[i].text;
+            text_len = rq->prompts[i].text_len;
+        }
+        if (text != NULL) {
+            int rc = tdm_tok_encode(s->tok, text, text_len, rq->add_special_tokens, &p->ids, &p->n);
+            if (rc == TDM_OK) {
+                p->text = malloc(text_len + 1);
+                if (p->text) {
+                    memcpy(p->text, text, text_len);
+                    p->text[text_len] = '\0';
+                    p->text_len = text_len;
+                }
+            }
+            free(rendered);
+            if (rc != TDM_OK || p->text == NULL)
+                return tdm_oai_seterr(e, 500, NULL, "tokenization failed: %s", tdm_strerror(rc));
+        } else {
+            p->n = rq->prompts[i].n_ids;
+            p->ids = malloc((p->n ? p->n : 1) * sizeof *p->ids);
+            if (p->ids == NULL)
+                return tdm_oai_seterr(e, 500, NULL, "out of memory");
+            memcpy(p->ids, rq->prompts[i].ids, p->n * sizeof *p->ids);
+            if (rq->echo && tdm_tok_decode(s->tok, p->ids, p->n, false, &p->text,
+                                           &p->text_len) != TDM_OK) {
+                p->text = strdup("");
+                p->text_len = 0;
+            }
+        }
+        if (p->n == 0)
+            return tdm_oai_seterr(e, 400, "prompt", "The decoder prompt cannot be empty");
+        int rc = tdm_oai_request_max_tokens(rq, &s->info, p->n, &p->max_tokens, e);
+        if (rc != TDM_OK)
+            return rc;
+        k->prompt_tokens += (int)p->n;
+    }
+    return TDM_OK;
+}
+
+// Submits one engine request per choice. On failure answers nothing; e is set.
+static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
+{
+    struct tdm_decode_server *s = k->s;
+    struct tdm_oai_request *rq = &k->req;
+    size_t n = (size_t)rq->n;
+    k->n_choices = k->n_prompts * n;
+    k->choices = calloc(k->n_choices, sizeof *k->choices);
+    if (k->choices == NULL)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        ch->index = (int)i;
+        ch->prompt_idx = (int)(i / n);
+        ch->stop_token = -1;
+        if (tdm_detok_new(&ch->detok, s->tok, rq->skip_special_tokens) != TDM_OK ||
+            tdm_oai_stop_new(&ch->stop, (const char *const *)rq->stop, rq->n_stop,
+                             rq->include_stop_str_in_output) != TDM_OK)
+            return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    }
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        const struct prompt *p = &k->prompts[ch->prompt_idx];
+        struct tdm_engine_request_params ep;
+        tdm_engine_request_params_default(&ep);
+        char id[128];
+        snprintf(id, sizeof id, "%s-%zu", k->resp.id, i);
+        ep.id = id;
+        ep.prompt = p->ids;
+        ep.n_prompt = (int)p->n;
+        ep.sampling = rq->sampling;
+        // vLLM gives the i-th of n sequences the seed + i, so choices differ but
+        // each is reproducible.
+        if (ep.sampling.has_seed)
+            ep.sampling.seed += (uint64_t)(i % n);
+        ep.max_tokens = p->max_tokens;
+        ep.eos_ids = s->eos_ids;
+        ep.num_eos = s->num_eos;
+        ep.arrival_time = arrival;
+        ep.params_n = rq->n;
+        char err[512];
+        int rc = tdm_engine_submit(s->engine, &ep, &ch->req, err, sizeof err);
+        if (rc != TDM_OK) {
+            ch->req = NULL;
+            release_all(k, TDM_ENGINE_FINISH_ABORT);
+            if (rc == TDM_EBUSY)
+                return tdm_oai_seterr(e, 503, NULL,
+                                      "The server is overloaded: the waiting queue is full "
+                                      "(--max-waiting %d). Retry later.",
+                                      s->cfg.max_waiting);
+            if (rc == TDM_ECLOSED)
+                return tdm_oai_seterr(e, 503, NULL, "The server is shutting down.");
+            return tdm_oai_seterr(e, decode_http_status(rc), NULL, "%s", err);
+        }
+    }
+    return TDM_OK;
+}
+
+// Reads engine output for every unfinished choice; blocks briefly when none
+// had anything. Returns the number of choices that progressed, -2 on ENOMEM.
+static int pump(struct call *k)
+{
+    int progressed = 0, active = 0;
+    for (size_t i = 0; i < k->n_choices; i++)
+        active += !k->choices[i].done;
+    bool waited = false;
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        if (ch->done)
+            continue;
+        // With one choice block on its stream; with several poll them and block
+        // a little on the first so the loop does not spin.
+        double wait = 0;
+        if (!waited) {
+            wait = active == 1 ? 1.0 : 0.002;
+            waited = true;
+        }
+        struct tdm_engine_chunk c;
+        int rc = tdm_engine_stream_next(ch->req, wait, &c);
+        if (rc == TDM_ETIMEDOUT)
+            continue;
+        if (rc == TDM_ECLOSED) { // finish already taken (should not happen)
+            ch->done = true;
+            continue;
+        }
+        if (take_chunk(k, ch, &c) != TDM_OK)
+            return -2;
+        progressed++;
+    }
+    return progressed;
+}
+
+static void usage_of(const struct call *k, struct tdm_oai_usage *u)
+{
+    u->prompt_tokens = k->prompt_tokens;
+    u->completion_tokens = 0;
+    for (size_t i = 0; i < k->n_choices; i++)
+        u->completion_tokens += k->choices[i].completion_tokens;
+}
+
+static bool all_done(const struct call *k)
+{
+    for (size_t i = 0; i < k->n_choices; i++)
+        if (!k->choices[i].done)
+            return false;
+    return true;
+}
+
+static const struct choice *first_error(const struct call *k)
+{
+    for (size_t i = 0; i < k->n_choices; i++)
+        if (k->choices[i].done && k->choices[i].finish == TDM_OAI_FINISH_ERROR)
+            return &k->choices[i];
+    return NULL;
+}
+
+static void run_stream(struct call *k)
+{
+    struct tdm_oai_error e;
+    if (sse_start(k->conn) < 0) {
+        k->client_gone = true;
+        return;
+    }
+    int rc = 0;
+    for (size_t i = 0; i < k->n_choices && rc == 0; i++) {
+        struct choice *ch = &k->choices[i];
+        if (k->req.kind == TDM_OAI_CHAT) {
+            char *json = tdm_oai_chat_role_chunk(&k->resp, ch->index);
+            rc = sse_event(k->conn, &k->scratch, json);
+            free(json);
+        } else if (k->req.echo) {
+            const struct prompt *p = &k->prompts[ch->prompt_idx];
+            if (sbuf_add(&ch->text, p->text ? p->text : "", p->text_len) != TDM_OK)
+                rc = -2;
+            else
+                rc = stream_flush_choice(k, ch);
+        }
+    }
+    while (rc == 0 && !all_done(k)) {
+        int n = pump(k);
+        if (n < 0) {
+            rc = -2;
+            break;
+        }
+        for (size_t i = 0; i < k->n_choices && rc == 0; i++)
+            rc = stream_flush_choice(k, &k->choices[i]);
+        if (first_error(k))
+            break;
+    }
+    if (rc == -1) {
+        k->client_gone = true;
+        return;
+    }
+    const struct choice *bad = first_error(k);
+    if (rc == -2 || bad) {
+        tdm_oai_seterr(&e, 500, NULL, "%s", bad ? bad->message : "out of memory");
+        char *json = tdm_oai_error_body(&e);
+        if (sse_event(k->conn, &k->scratch, json) == -1)
+            k->client_gone = true;
+        free(json);
+        if (!k->client_gone && sse_end(k->conn, &k->scratch) < 0)
+            k->client_gone = true;
+        return;
+    }
+    if (k->req.include_usage) {
+        struct tdm_oai_usage u;
+        usage_of(k, &u);
+        char *json = tdm_oai_usage_chunk(&k->resp, &u);
+        if (sse_event(k->conn, &k->scratch, json) < 0)
+            k->client_gone = true;
+        free(json);
+    }
+    if (!k->client_gone && sse_end(k->conn, &k->scratch) < 0)
+        k->client_gone = true;
+}
+
+static void run_collect(struct call *k)
+{
+    while (!all_done(k)) {
+        if (pump(k) < 0) {
+            http_error(k->conn, 500, NULL, "out of memory");
+            return;
+        }
+    }
+    const struct choice *bad = first_error(k);
+    if (bad) {
+        http_error(k->conn, 500, NULL, "%s", bad->message);
+        return;
+    }
+    struct tdm_oai_choice *oc = calloc(k->n_choices, sizeof *oc);
+    struct sbuf *full = calloc(k->n_choices, sizeof *full);
+    if (oc == NULL || full == NULL) {
+        free(oc);
+        free(full);
+        http_error(k->conn, 500, NULL, "out of memory");
+        return;
+    }
+    bool oom = false;
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        const struct prompt *p = &k->prompts[ch->prompt_idx];
+        fill_choice(k, ch, &oc[i], true);
+        if (k->req.echo) {
+            // Echo: the prompt text, then the completion; offsets start after it.
+            if (sbuf_add(&full[i], p->text ? p->text : "", p->text_len) != TDM_OK ||
+                sbuf_add(&full[i], ch->text.p ? ch->text.p : "", ch->text.len) != TDM_OK)
+                oom = true;
+            oc[i].text = full[i].p ? full[i].p : "";
+            oc[i].text_len = full[i].len;
+            oc[i].text_offset = tdm_oai_utf8_chars(p->text ? p->text : "", p->text_len);
+        }
+    }
+    struct tdm_oai_usage u;
+    usage_of(k, &u);
+    char *body = oom ? NULL : tdm_oai_body(&k->resp, oc, k->n_choices, &u);
+    if (http_send_json(k->conn, 200, body) < 0)
+        k->client_gone = true;
+    for (size_t i = 0; i < k->n_choices; i++)
+        sbuf_fini(&full[i]);
+    free(full);
+    free(oc);
+}
+
+// completions with echo and max_tokens 0: the prompts back, nothing generated.
+static void run_echo_only(struct call *k)
+{
+    k->n_choices = 0;
+    size_t n = k->n_prompts * (size_t)k->req.n;
+    struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
+    if (oc == NULL) {
+        http_error(k->conn, 500, NULL, "out of memory");
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const struct prompt *p = &k->prompts[i / (size_t)k->req.n];
+        oc[i].index = (int)i;
+        oc[i].text = p->text ? p->text : "";
+        oc[i].text_len = p->text_len;
+        oc[i].finish = TDM_OAI_FINISH_LENGTH;
+        oc[i].stop_token = -1;
+    }
+    struct tdm_oai_usage u = {k->prompt_tokens, 0};
+    if (!k->req.stream) {
+        http_send_json(k->conn, 200, tdm_oai_body(&k->resp, oc, n, &u));
+    } else if (sse_start(k->conn) == 0) {
+        int rc = 0;
+        for (size_t i = 0; i < n && rc == 0; i++) {
+            char *json = tdm_oai_chunk(&k->resp, &oc[i], 1, NULL);
+            rc = sse_event(k->conn, &k->scratch, json);
+            free(json);
+        }
+        if (rc == 0 && k->req.include_usage) {
+            char *json = tdm_oai_usage_chunk(&k->resp, &u);
+            rc = sse_event(k->conn, &k->scratch, json);
+            free(json);
+        }
+        if (rc == 0)
+            sse_end(k->conn, &k->scratch);
+    }
+    free(oc);
+}
+
+static void handle_generate(struct tdm_decode_server *s, struct mg_connection *c,
+                            enum tdm_oai_kind kind, const char *body, size_t len)
+{
+    double arrival = tdm_now();
+    struct call k;
+    memset(&k, 0, sizeof k);
+    k.s = s;
+    k.conn = c;
+    struct tdm_oai_error e;
+    if (tdm_oai_request_parse(&k.req, kind, body, len, &s->info, &e) != TDM_OK) {
+        http_send_oai_error(c, &e);
+        return;
+    }
+    const char *base = k.req.request_id ? k.req.request_id : mg_get_header(c, "X-Request-Id");
+    tdm_oai_response_init(&k.resp, kind, s->served_name, base);
+    if (build_prompts(&k, &e) != TDM_OK) {
+        http_send_oai_error(c, &e);
+        goto out;
+    }
+    if (k.req.echo_only) {
+        run_echo_only(&k);
+        goto out;
+    }
+    if (submit_all(&k, arrival, &e) != TDM_OK) {
+        http_send_oai_error(c, &e);
+        goto out;
+    }
+    if (k.req.stream)
+        run_stream(&k);
+    else
+        run_collect(&k);
+    if (k.client_gone)
+        TDM_LOG_INFO(MOD, "req=%s client disconnected, aborted", k.resp.id);
+    struct tdm_oai_usage u;
+    usage_of(&k, &u);
+    TDM_LOG_INFO(MOD, "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
+                 k.resp.id, k.n_choices, u.prompt_tokens, u.completion_tokens,
+                 k.client_gone ? "abort"
+                 : k.n_choices && k.choices[0].finish != TDM_OAI_FINISH_NONE
+                     ? tdm_oai_finish_name(k.choices[0].finish)
+                     : "-");
+out:
+    call_fini(&k);
+}
+
+// ---- tokenize / detokenize ------------------------------------------------------------------
+static void handle_tokenize(struct tdm_decode_server *s, struct mg_connection *c, const char *body,
+                            size_t len)
+{
+    struct tdm_oai_tokenize_request rq;
+    struct tdm_oai_error e;
+    if (tdm_oai_tokenize_parse(&rq, body, len, &s->info, &e) != TDM_OK) {
+        http_send_oai_error(c, &e);
+        return;
+    }
+    char *rendered = NULL;
+    const char *text = rq.prompt;
+    size_t text_len = rq.prompt_len;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    char **strs = NULL;
+    if (rq.messages != NULL) {
+        char err[256];
+        if (s->chat == NULL) {
+            http_error(c, 400, NULL, "This model has no usable chat template: %s", s->chat_err);
+            goto out;
+        }
+        if (tdm_chat_render(s->chat, rq.messages, rq.n_messages, rq.add_generation_prompt,
+                            &rendered, err, sizeof err) != TDM_OK) {
+            http_error(c, 400, "messages", "%s", err);
+            goto out;
+        }
+        text = rendered;
+        text_len = strlen(rendered);
+    }
+    if (tdm_tok_encode(s->tok, text ? text : "", text ? text_len : 0, rq.add_special_tokens, &ids,
+                       &n) != TDM_OK) {
+        http_error(c, 500, NULL, "tokenization failed");
+        goto out;
+    }
+    if (rq.return_token_strs) {
+        strs = calloc(n ? n : 1, sizeof *strs);
+        if (strs == NULL) {
+            http_error(c, 500, NULL, "out of memory");
+            goto out;
+        }
+        for (size_t i = 0; i < n; i++) {
+            const char *piece = tdm_tok_id_to_piece(s->tok, ids[i]);
+            strs[i] = (char *)(piece ? piece : "");
+        }
+    }
+    http_send_json(c, 200, tdm_oai_tokenize_body(ids, n, s->max_model_len,
+                                                 (const char *const *)strs));
+out:
+    free(strs);
+    free(ids);
+    free(rendered);
+    tdm_oai_tokenize_fini(&rq);
+}
+
+static void handle_detokenize(struct tdm_decode_server *s, struct mg_connection *c,
+                              const char *body, size_t len)
+{
+    struct tdm_oai_detokenize_request rq;
+    struct tdm_oai_error e;
+    if (tdm_oai_detokenize_parse(&rq, body, len, &s->info, &e) != TDM_OK) {
+        http_send_oai_error(c, &e);
+        return;
+    }
+    char *text = NULL;
+    size_t tl = 0;
+    int rc = tdm_tok_decode(s->tok, rq.tokens, rq.n_tokens, false, &text, &tl);
+    if (rc != TDM_OK)
+        http_error(c, decode_http_status(rc), "tokens", "Token ids are not in the vocabulary.");
+    else
+        http_send_json(c, 200, tdm_oai_detokenize_body(text, tl));
+    free(text);
+    tdm_oai_detokenize_fini(&rq);
+}
+
+// ---- routing --------------------------------------------------------------------------------
+static bool authorized(const struct tdm_decode_server *s, struct mg_connection *c)
+{
+    if (s->cfg.api_key[0] == '\0')
+        return true;
+    const char *h = mg_get_header(c, "Authorization");
+    if (h == NULL || strncmp(h, "Bearer ", 7) != 0)
+        return false;
+    return strcmp(h + 7, s->cfg.api_key) == 0;
+}
+
+static void handle_metrics(struct tdm_decode_server *s, struct mg_connection *c)
+{
+    if (s->reg == NULL) {
+        http_send(c, 200, TDM_METRICS_CONTENT_TYPE, "", 0);
+        return;
+    }
+    char *text = NULL;
+    size_t len = 0;
+    if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
+        http_error(c, 500, NULL, "metrics rendering failed");
+        return;
+    }
+    http_send(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
+    free(text);
+}
+
+static void handle_models(struct tdm_decode_server *s, struct mg_connection *c)
+{
+    struct tdm_oai_model_card card = {
+        .id = s->served_name,
+        .root = s->cfg.model,
+        .parent = NULL,
+        .max_model_len = s->max_model_len,
+        .created = s->created,
+        .owned_by = NULL,
+    };
+    http_send_json(c, 200, tdm_oai_models_body(&card, 1));
+}
+
+static bool is_api_post(const char *uri)
+{
+    return strcmp(uri, "/v1/completions") == 0 || strcmp(uri, "/v1/chat/completions") == 0 ||
+           strcmp(uri, "/tokenize") == 0 || strcmp(uri, "/detokenize") == 0;
+}
+
+static int on_request(struct mg_connection *c, void *cbdata)
+{
+    struct tdm_decode_server *s = cbdata;
+    const struct mg_request_info *ri = mg_get_request_info(c);
+    const char *uri = ri->local_uri ? ri->local_uri : "/";
+    const char *method = ri->request_method ? ri->request_method : "";
+    bool get = strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0;
+    bool post = strcmp(method, "POST") == 0;
+    int state = atomic_load(&s->state);
+
+    if (strcmp(uri, "/health") == 0 || strcmp(uri, "/ping") == 0) {
+        if (!get)
+            return http_error(c, 405, NULL, "Method Not Allowed"), 405;
+        if (state == STATE_READY)
+            http_send(c, 200, NULL, "", 0);
+        else
+            http_error(c, 503, NULL, "%s",
+                       state == STATE_LOADING ? "The model is loading." : "The server is draining.");
+        return 200;
+    }
+    if (strcmp(uri, "/metrics") == 0) {
+        if (!get)
+            return http_error(c, 405, NULL, "Method Not Allowed"), 405;
+        handle_metrics(s, c);
+        return 200;
+    }
+    if (strcmp(uri, "/version") == 0) {
+        if (!get)
+            return http_error(c, 405, NULL, "Method Not Allowed"), 405;
+        http_send_json(c, 200, tdm_oai_version_body(TANDEM_VERSION));
+        return 200;
+    }
+    bool models = strcmp(uri, "/v1/models") == 0;
+    if (!models && !is_api_post(uri)) {
+        http_error(c, 404, NULL, "Not Found: %s", uri);
+        return 404;
+    }
+    if (strncmp(uri, "/v1/", 4) == 0 && !authorized(s, c)) {
+        http_error(c, 401, NULL, "Unauthorized");
+        return 401;
+    }
+    if ((models && !get) || (!models && !post)) {
+        http_error(c, 405, NULL, "Method Not Allowed");
+        return 405;
+    }
+    if (state != STATE_READY) {
+        http_error(c, 503, NULL, "%s",
+                   state == STATE_LOADING ? "The model is loading." : "The server is shutting down.");
+        return 503;
+    }
+    atomic_fetch_add(&s->inflight, 1);
+    if (models) {
+        handle_models(s, c);
+    } else {
+        char *body = NULL;
+        size_t len = 0;
+        if (http_read_body(c, s->cfg.max_body_bytes, &body, &len) == 0) {
+            if (strcmp(uri, "/v1/completions") == 0)
+                handle_generate(s, c, TDM_OAI_COMPLETION, body, len);
+            else if (strcmp(uri, "/v1/chat/completions") == 0)
+                handle_generate(s, c, TDM_OAI_CHAT, body, len);
+            else if (strcmp(uri, "/tokenize") == 0)
+                handle_tokenize(s, c, body, len);
+            else
+                handle_detokenize(s, c, body, len);
+        }
+        free(body);
+    }
+    if (atomic_fetch_sub(&s->inflight, 1) == 1) {
+        pthread_mutex_lock(&s->mu);
+        pthread_cond_broadcast(&s->idle_cv);
+        pthread_mutex_unlock(&s->mu);
+    }
+    return 200;
+}
+
+static int on_log(const struct mg_connection *c, const char *message)
+{
+    (void)c;
+    TDM_LOG_DEBUG(MOD, "civetweb: %s", message);
+    return 1; // handled: civetweb writes nothing to stderr itself
+}
+
+// ---- lifecycle ---------------------------------------------------------------------------------
+int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decode_config *cfg,
+                          char *err, size_t errlen)
+{
+    *out = NULL;
+    if (cfg->model[0] == '\0')
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--model DIR is required");
+    struct tdm_decode_server *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    s->cfg = *cfg;
+    atomic_init(&s->state, STATE_LOADING);
+    atomic_init(&s->inflight, 0);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->idle_cv, NULL);
+    s->created = (int64_t)time(NULL);
+
+    int threads = cfg->http_threads;
+    if (threads <= 0) {
+        long t = (long)cfg->max_num_seqs + cfg->max_waiting;
+        threads = t < 16 ? 16 : t > 512 ? 512 : (int)t;
+    }
+    char listen[300], nthreads[16];
+    bool v6 = strchr(cfg->host, ':') != NULL;
+    snprintf(listen, sizeof listen, v6 ? "[%s]:%d" : "%s:%d", cfg->host, cfg->port);
+    snprintf(nthreads, sizeof nthreads, "%d", threads);
+    const char *options[] = {
+        "listening_ports", listen,  "num_threads", nthreads, "enable_keep_alive", "yes",
+        "keep_alive_timeout_ms", "5000", "request_timeout_ms", "600000", NULL,
+    };
+    struct mg_callbacks cb;
+    memset(&cb, 0, sizeof cb);
+    cb.log_message = on_log;
+    mg_init_library(0);
+    s->mg = mg_start(&cb, s, options);
+    if (s->mg == NULL) {
+        mg_exit_library();
+        pthread_cond_destroy(&s->idle_cv);
+        pthread_mutex_destroy(&s->mu);
+        free(s);
+        return tdm_seterr(err, errlen, TDM_ETRANSPORT, "cannot listen on %s", listen);
+    }
+    mg_set_request_handler(s->mg, "/", on_request, s);
+    struct mg_server_port ports[4];
+    int np = mg_get_server_ports(s->mg, 4, ports);
+    s->port = np > 0 ? ports[0].port : cfg->port;
+    *out = s;
+    return TDM_OK;
+}
+
+// Served name: the flag, else config.json's _name_or_path, else the folder name.
+static void resolve_served_name(struct tdm_decode_server *s)
+{
+    if (s->cfg.served_model_name[0]) {
+        snprintf(s->served_name, sizeof s->served_name, "%s", s->cfg.served_model_name);
+        return;
+    }
+    char *path = tdm_path_join(s->cfg.model, "config.json");
+    char *text = NULL;
+    size_t len = 0;
+    char err[64];
+    if (path && tdm_read_file(path, &text, &len, err, sizeof err) == TDM_OK) {
+        cJSON *j = cJSON_ParseWithLength(text, len);
+        const cJSON *n = cJSON_GetObjectItemCaseSensitive(j, "_name_or_path");
+        if (cJSON_IsString(n) && n->valuestring[0])
+            snprintf(s->served_name, sizeof s->served_name, "%s", n->valuestring);
+        cJSON_Delete(j);
+    }
+    free(text);
+    free(path);
+    if (s->served_name[0])
+        return;
+    char dir[TDM_DECODE_STR];
+    snprintf(dir, sizeof dir, "%s", s->cfg.model);
+    size_t n = strlen(dir);
+    while (n > 1 && dir[n - 1] == '/')
+        dir[--n] = '\0';
+    const char *base = strrchr(dir, '/');
+    snprintf(s->served_name, sizeof s->served_name, "%s", base && base[1] ? base + 1 : dir);
+}
+
+int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen)
+{
+    const struct tdm_decode_config *cfg = &s->cfg;
+    int rc = tdm_tok_load(&s->tok, cfg->model, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    rc = tdm_hf_generation_config_load(&s->gen, cfg->model, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    const char *tmpl = tdm_tok_chat_template(s->tok);
+    if (cfg->chat_template[0]) {
+        rc = tdm_chat_template_new(&s->chat, tmpl, cfg->chat_template, err, errlen);
+        if (rc != TDM_OK)
+            return rc; // an explicit template must work
+    } else if (tmpl == NULL) {
+        snprintf(s->chat_err, sizeof s->chat_err,
+                 "tokenizer_config.json has no chat_template (use --chat-template)");
+    } else if (tdm_chat_template_new(&s->chat, tmpl, NULL, s->chat_err, sizeof s->chat_err) !=
+               TDM_OK) {
+        s->chat = NULL;
+        TDM_LOG_WARN(MOD, "chat endpoint disabled: %s", s->chat_err);
+    }
+
+    struct tdm_model_opts mo;
+    tdm_model_opts_default(&mo);
+    mo.weights = cfg->int8 ? TDM_WEIGHTS_INT8 : TDM_WEIGHTS_BF16;
+    mo.num_threads = cfg->threads;
+    mo.max_batch_tokens = cfg->max_num_batched_tokens;
+    mo.max_batch_seqs = cfg->max_num_seqs;
+    rc = tdm_model_load(&s->model, cfg->model, &mo, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    const struct tdm_model_config *mc = tdm_model_config(s->model);
+    if (cfg->max_model_len > mc->max_position_embeddings)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--max-model-len %d exceeds the model's max_position_embeddings %d",
+                          cfg->max_model_len, mc->max_position_embeddings);
+    s->max_model_len = cfg->max_model_len ? cfg->max_model_len : mc->max_position_embeddings;
+    for (int i = 0; i < mc->num_eos_token_ids; i++)
+        s->eos_ids[s->num_eos++] = mc->eos_token_ids[i];
+    for (int i = 0; i < s->gen.num_eos_token_ids; i++) {
+        bool dup = false;
+        for (int j = 0; j < s->num_eos; j++)
+            dup |= s->eos_ids[j] == s->gen.eos_token_ids[i];
+        if (!dup && s->gen.eos_token_ids[i] >= 0 && s->gen.eos_token_ids[i] < mc->vocab_size)
+            s->eos_ids[s->num_eos++] = s->gen.eos_token_ids[i];
+    }
+    resolve_served_name(s);
+
+    // The pool size is computed here (as the engine would) because
+    // vllm:cache_config_info must carry num_gpu_blocks when it is registered.
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(s->model, &kc);
+    kc.block_size = cfg->block_size;
+    kc.num_blocks = 1;
+    size_t bb = tdm_kv_block_bytes(&kc);
+    int nb = cfg->num_kv_blocks;
+    if (nb == 0) {
+        size_t x = bb ? cfg->kv_cache_memory / bb : 0;
+        if (x < 1)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--kv-cache-memory %zu bytes holds no KV block of %zu bytes",
+                              cfg->kv_cache_memory, bb);
+        nb = x > (size_t)(INT32_MAX / cfg->block_size) ? INT32_MAX / cfg->block_size : (int)x;
+    }
+    s->num_blocks = nb;
+
+    struct tdm_metrics_label engine_label = {"engine", "0"};
+    (void)engine_label;
+    rc = tdm_metrics_registry_new(&s->reg, NULL, 0, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    struct tdm_metrics_vllm_config mcfg;
+    memset(&mcfg, 0, sizeof mcfg);
+    mcfg.model_name = s->served_name;
+    mcfg.engine = "0";
+    mcfg.max_model_len = s->max_model_len;
+    mcfg.cache.block_size = cfg->block_size;
+    mcfg.cache.num_gpu_blocks = nb;
+    mcfg.cache.num_cpu_blocks = -1;
+    mcfg.cache.gpu_memory_utilization = 0.9;
+    mcfg.cache.enable_prefix_caching = cfg->enable_prefix_caching;
+    rc = tdm_metrics_vllm_register(&s->metrics, s->reg, &mcfg, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+
+    struct tdm_engine_config ec;
+    tdm_engine_config_default(&ec);
+    ec.block_size = cfg->block_size;
+    ec.num_blocks = nb;
+    ec.enable_prefix_caching = cfg->enable_prefix_caching;
+    ec.max_num_batched_tokens = cfg->max_num_batched_tokens;
+    ec.max_num_seqs = cfg->max_num_seqs;
+    ec.max_model_len = s->max_model_len;
+    ec.max_waiting = cfg->max_waiting;
+    ec.metrics = &s->metrics;
+    rc = tdm_engine_new(&s->engine, s->model, &ec, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    s->max_model_len = tdm_engine_get_config(s->engine)->max_model_len;
+
+    s->info.served_name = s->served_name;
+    s->info.vocab_size = mc->vocab_size;
+    s->info.max_model_len = s->max_model_len;
+    s->info.gen = &s->gen;
+    atomic_store(&s->state, STATE_READY);
+    return TDM_OK;
+}
+
+int tdm_decode_server_port(const struct tdm_decode_server *s)
+{
+    return s->port;
+}
+
+const char *tdm_decode_server_model_name(const struct tdm_decode_server *s)
+{
+    return s->served_name;
+}
+
+int64_t tdm_decode_server_kv_capacity_tokens(const struct tdm_decode_server *s)
+{
+    return (int64_t)s->num_blocks * s->cfg.block_size;
+}
+
+int tdm_decode_server_drain(struct tdm_decode_server *s, double timeout_s)
+{
+    atomic_store(&s->state, STATE_DRAINING);
+    int rc = TDM_OK;
+    if (s->engine)
+        rc = tdm_engine_drain(s->engine, timeout_s);
+    // Handlers write their last chunks after the engine finished them.
+    double deadline = tdm_now() + 5.0;
+    pthread_mutex_lock(&s->mu);
+    while (atomic_load(&s->inflight) > 0 && tdm_now() < deadline) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 50 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->idle_cv, &s->mu, &ts);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+void tdm_decode_server_free(struct tdm_decode_server *s)
+{
+    if (s == NULL)
+        return;
+    atomic_store(&s->state, STATE_DRAINING);
+    // Engine first: it aborts whatever still runs so that handlers waiting on
+    // their streams return, then civetweb joins its threads.
+    if (s->engine)
+        tdm_engine_drain(s->engine, 0);
+    if (s->mg)
+        mg_stop(s->mg);
+    mg_exit_library();
+    tdm_engine_free(s->engine);
+    tdm_model_free(s->model);
+    tdm_chat_template_free(s->chat);
+    tdm_tok_free(s->tok);
+    tdm_metrics_registry_free(s->reg);
+    pthread_cond_destroy(&s->idle_cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}

@@ -1,0 +1,111 @@
+// SPDX-License-Identifier: Apache-2.0
+// decode: the decode worker (`tandem-decode`) as a library. It loads a model
+// folder, owns one engine (paged KV cache + continuous-batching scheduler on
+// one engine thread) and serves vLLM's OpenAI-compatible HTTP API on it:
+// /v1/completions, /v1/chat/completions (stream and non-stream), /v1/models,
+// /health, /metrics, /tokenize, /detokenize, /version. Each HTTP worker thread
+// parses a request, tokenizes it, submits one engine request per choice, reads
+// the engine's output stream, detokenizes incrementally, applies stop strings
+// and writes SSE chunks or one JSON body; a failed write (client gone) aborts
+// its engine requests so their KV blocks free at once.
+//
+// Lifecycle: tdm_decode_server_new starts listening at once (/health answers
+// 503 "loading"), tdm_decode_server_load loads the model and makes the server
+// ready, tdm_decode_server_drain stops accepting (health 503, new requests
+// 503), lets running requests finish up to a timeout, and
+// tdm_decode_server_free stops everything. docs/decode-worker.md describes the
+// behaviour, docs/configuration.md every flag.
+#ifndef TDM_DECODE_H
+#define TDM_DECODE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+// ---- configuration -------------------------------------------------------------------
+#define TDM_DECODE_STR 1024 // room for one path or name in the config
+
+// Every flag of tandem-decode; names follow vLLM's where vLLM has one. Strings
+// are stored inline so a config outlives argv and the config file.
+struct tdm_decode_config {
+    char model[TDM_DECODE_STR];             // --model DIR (required)
+    char host[256];                         // --host; default "0.0.0.0"
+    int port;                               // --port; default 8001; 0 = any free port
+    char served_model_name[TDM_DECODE_STR]; // --served-model-name; "" = config.json's
+                                            // _name_or_path, else the folder's name
+    int max_model_len;                      // --max-model-len; 0 = the model's context
+    int max_num_seqs;                       // --max-num-seqs; default 64
+    int max_num_batched_tokens;             // --max-num-batched-tokens; default 2048
+    int block_size;                         // --block-size; default 16
+    size_t kv_cache_memory;                 // --kv-cache-memory BYTES; default 256 MiB
+    int num_kv_blocks;                      // --num-kv-blocks; 0 = from kv_cache_memory
+    bool enable_prefix_caching;             // --[no-]enable-prefix-caching; default on
+    char api_key[256];                      // --api-key; "" = none
+    int threads;                            // --threads (compute); 0 = one per core
+    bool int8;                              // --dtype int8 (default bf16)
+    char chat_template[TDM_DECODE_STR];     // --chat-template FILE; "" = tokenizer's
+    int max_waiting;                        // --max-waiting; default 1024
+    double drain_timeout;                   // --drain-timeout SECONDS; default 30
+    char log_level[16];                     // --log-level err|warn|info|debug; default info
+    size_t max_body_bytes;                  // --max-body-bytes; default 16 MiB
+    int http_threads;                       // --http-threads; 0 = max_num_seqs + max_waiting,
+                                            // clamped to [16, 512]
+};
+
+// Fills the defaults above.
+void tdm_decode_config_default(struct tdm_decode_config *cfg);
+
+// Sets one option by its flag name without the leading "--" ("max-num-seqs";
+// '_' and '-' are interchangeable). value is the text after the flag, or for
+// the boolean enable-prefix-caching "true"/"false" (NULL = true). TDM_EINVAL
+// with err "--port: expected an integer in [0, 65535], got \"x\"" or "unknown
+// option \"--foo\"".
+int tdm_decode_config_set(struct tdm_decode_config *cfg, const char *name, const char *value,
+                          char *err, size_t errlen);
+
+// Reads a flat YAML file of "key: value" lines (keys as flags without "--";
+// '#' comments, blank lines, single or double quotes around a value) into cfg.
+// TDM_EINVAL with "FILE:LINE: ..." for a bad line, TDM_ENOTFOUND/TDM_EIO.
+int tdm_decode_config_load_file(struct tdm_decode_config *cfg, const char *path, char *err,
+                                size_t errlen);
+
+// Parses argv (argv[0] skipped): --config FILE is applied first, then the other
+// flags override it. Returns TDM_OK, 1 when --help was given (nothing else is
+// checked), or TDM_EINVAL with a one-line message in err (unknown flag, missing
+// or bad value, --model missing).
+int tdm_decode_config_parse_args(struct tdm_decode_config *cfg, int argc, char **argv, char *err,
+                                 size_t errlen);
+
+// The --help text.
+const char *tdm_decode_usage(void);
+
+// Parses a byte size: digits with an optional suffix K, M, G, T (binary), KiB,
+// MiB, GiB, TiB (binary) or KB, MB, GB, TB (decimal), B. TDM_EINVAL otherwise.
+int tdm_decode_parse_bytes(const char *text, size_t *out);
+
+// ---- the server --------------------------------------------------------------------------
+struct tdm_decode_server;
+
+// Validates cfg and starts the HTTP server on cfg->host:cfg->port; until
+// tdm_decode_server_load succeeds, /health answers 503 and every API route 503.
+// TDM_EINVAL (bad config, err says which) or TDM_ETRANSPORT (cannot listen).
+int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decode_config *cfg,
+                          char *err, size_t errlen);
+// Loads tokenizer, chat template, generation config and model, creates the
+// metrics registry and the engine, then marks the server ready. Errors: the
+// failing module's code and message.
+int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen);
+// The bound port (the real one when cfg->port was 0).
+int tdm_decode_server_port(const struct tdm_decode_server *s);
+// The served model name and the KV capacity in tokens (after load).
+const char *tdm_decode_server_model_name(const struct tdm_decode_server *s);
+int64_t tdm_decode_server_kv_capacity_tokens(const struct tdm_decode_server *s);
+// Stops accepting (health 503, new API requests 503) and lets running requests
+// finish for up to timeout_s seconds (< 0: no limit); the rest are aborted and
+// their streams end. Returns once every in-flight HTTP request has returned
+// (or after a further 5 s grace). TDM_OK or TDM_ETIMEDOUT (some were aborted).
+int tdm_decode_server_drain(struct tdm_decode_server *s, double timeout_s);
+// Stops the HTTP server, the engine and frees everything. Accepts NULL.
+void tdm_decode_server_free(struct tdm_decode_server *s);
+
+#endif

@@ -1,0 +1,169 @@
+// SPDX-License-Identifier: Apache-2.0
+// decode_config_test: the flag and config-file parser of tandem-decode
+// (defaults, every value kind, suffixes, file/flag precedence, error
+// messages with file:line). The server itself is covered by the Python
+// integration tests in integration-tests/.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "core.h"
+#include "decode.h"
+
+static int parse(struct tdm_decode_config *c, char *err, size_t errlen, int argc, ...)
+{
+    char *argv[32];
+    va_list ap;
+    va_start(ap, argc);
+    argv[0] = "tandem-decode";
+    for (int i = 1; i < argc; i++)
+        argv[i] = va_arg(ap, char *);
+    va_end(ap);
+    tdm_decode_config_default(c);
+    return tdm_decode_config_parse_args(c, argc, argv, err, errlen);
+}
+
+static void test_defaults(void **state)
+{
+    (void)state;
+    struct tdm_decode_config c;
+    char err[256];
+    assert_int_equal(parse(&c, err, sizeof err, 3, "--model", "/m"), TDM_OK);
+    assert_string_equal(c.model, "/m");
+    assert_string_equal(c.host, "0.0.0.0");
+    assert_int_equal(c.port, 8001);
+    assert_int_equal(c.block_size, 16);
+    assert_true(c.enable_prefix_caching);
+    assert_int_equal(c.max_num_seqs, 64);
+    assert_int_equal(c.max_num_batched_tokens, 2048);
+    assert_int_equal(c.kv_cache_memory, (size_t)256 << 20);
+    assert_int_equal(c.max_waiting, 1024);
+    assert_false(c.int8);
+    assert_string_equal(c.api_key, "");
+}
+
+static void test_flags(void **state)
+{
+    (void)state;
+    struct tdm_decode_config c;
+    char err[256];
+    assert_int_equal(parse(&c, err, sizeof err, 23, "--model", "/m", "--port=0", "--host",
+                           "127.0.0.1", "--kv-cache-memory", "2GiB", "--no-enable-prefix-caching",
+                           "--max_num_seqs", "8", "--dtype", "int8", "--api-key", "k",
+                           "--served-model-name", "Qwen/Qwen2.5-0.5B-Instruct", "--drain-timeout",
+                           "2.5", "--block-size", "32", "--max-waiting", "0"),
+                     TDM_OK);
+    assert_int_equal(c.port, 0);
+    assert_string_equal(c.host, "127.0.0.1");
+    assert_int_equal(c.kv_cache_memory, (size_t)2 << 30);
+    assert_false(c.enable_prefix_caching);
+    assert_int_equal(c.max_num_seqs, 8);
+    assert_true(c.int8);
+    assert_string_equal(c.api_key, "k");
+    assert_string_equal(c.served_model_name, "Qwen/Qwen2.5-0.5B-Instruct");
+    assert_true(c.drain_timeout == 2.5);
+    assert_int_equal(c.block_size, 32);
+    assert_int_equal(c.max_waiting, 0);
+}
+
+static void test_bad_flags(void **state)
+{
+    (void)state;
+    struct tdm_decode_config c;
+    char err[256];
+    assert_int_equal(parse(&c, err, sizeof err, 3, "--port", "x"), TDM_EINVAL);
+    assert_string_equal(err, "--port: expected an integer in [0, 65535], got \"x\"");
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--bogus"), TDM_EINVAL);
+    assert_non_null(strstr(err, "--bogus"));
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--port"), TDM_EINVAL);
+    assert_int_equal(parse(&c, err, sizeof err, 2, "--port=1"), TDM_EINVAL);
+    assert_string_equal(err, "--model DIR is required");
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--dtype", "fp8"), TDM_EINVAL);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--block-size", "12"),
+                     TDM_EINVAL);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-cache-memory", "2QB"),
+                     TDM_EINVAL);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "stray"), TDM_EINVAL);
+    assert_int_equal(parse(&c, err, sizeof err, 2, "--help"), 1);
+}
+
+static void test_bytes(void **state)
+{
+    (void)state;
+    size_t b;
+    assert_int_equal(tdm_decode_parse_bytes("1024", &b), TDM_OK);
+    assert_int_equal(b, 1024);
+    assert_int_equal(tdm_decode_parse_bytes("512MiB", &b), TDM_OK);
+    assert_int_equal(b, (size_t)512 << 20);
+    assert_int_equal(tdm_decode_parse_bytes("2G", &b), TDM_OK);
+    assert_int_equal(b, (size_t)2 << 30);
+    assert_int_equal(tdm_decode_parse_bytes("1.5GB", &b), TDM_OK);
+    assert_int_equal(b, (size_t)1500000000);
+    assert_int_equal(tdm_decode_parse_bytes("-1", &b), TDM_EINVAL);
+    assert_int_equal(tdm_decode_parse_bytes("GiB", &b), TDM_EINVAL);
+    assert_int_equal(tdm_decode_parse_bytes("1.5", &b), TDM_EINVAL);
+}
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+static void test_config_file(void **state)
+{
+    (void)state;
+    char path[] = "/tmp/decode_config_test_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    write_file(path, "# tandem-decode config\n"
+                     "model: /models/q  # trailing comment\n"
+                     "port: 9000\n"
+                     "\n"
+                     "served_model_name: \"Qwen/Qwen2.5-0.5B-Instruct\"\n"
+                     "enable-prefix-caching: false\n"
+                     "kv-cache-memory: '1GiB'\n"
+                     "api-key: 'a#b'\n");
+    struct tdm_decode_config c;
+    char err[512];
+    // A flag overrides the file even when it comes first.
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--port", "7000", "--config", path), TDM_OK);
+    assert_string_equal(c.model, "/models/q");
+    assert_int_equal(c.port, 7000);
+    assert_string_equal(c.served_model_name, "Qwen/Qwen2.5-0.5B-Instruct");
+    assert_false(c.enable_prefix_caching);
+    assert_int_equal(c.kv_cache_memory, (size_t)1 << 30);
+    assert_string_equal(c.api_key, "a#b");
+
+    write_file(path, "model: /m\nport: 99999\n");
+    assert_int_equal(parse(&c, err, sizeof err, 3, "--config", path), TDM_EINVAL);
+    assert_non_null(strstr(err, ":2: --port: expected an integer"));
+    write_file(path, "model /m\n");
+    assert_int_equal(parse(&c, err, sizeof err, 3, "--config", path), TDM_EINVAL);
+    assert_non_null(strstr(err, ":1: expected \"key: value\""));
+    write_file(path, "model: /m\nwhat: 1\n");
+    assert_int_equal(parse(&c, err, sizeof err, 3, "--config", path), TDM_EINVAL);
+    assert_non_null(strstr(err, ":2: unknown option \"--what\""));
+    unlink(path);
+    assert_int_equal(parse(&c, err, sizeof err, 3, "--config", path), TDM_EINVAL);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_defaults),   cmocka_unit_test(test_flags),
+        cmocka_unit_test(test_bad_flags),  cmocka_unit_test(test_bytes),
+        cmocka_unit_test(test_config_file),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,74 @@
+// SPDX-License-Identifier: Apache-2.0
+// tandem-decode: the decode worker's command line. Parses flags (and --config),
+// blocks SIGTERM/SIGINT in every thread so that only this one receives them,
+// starts the server (health 503 while loading), loads the model, logs one
+// line, then waits for a signal: the first drains (running requests finish
+// up to --drain-timeout) and exits 0; a second one during the drain exits at once.
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "decode.h"
+
+int main(int argc, char **argv)
+{
+    struct tdm_decode_config cfg;
+    char err[1024];
+    tdm_decode_config_default(&cfg);
+    int prc = tdm_decode_config_parse_args(&cfg, argc, argv, err, sizeof err);
+    if (prc == 1) {
+        fputs(tdm_decode_usage(), stdout);
+        return 0;
+    }
+    if (prc != 0) {
+        fprintf(stderr, "tandem-decode: %s\n", err);
+        return 2;
+    }
+    tdm_log_set_role("decode");
+    tdm_log_set_level_name(cfg.log_level);
+
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL); // inherited by civetweb's and the engine's threads
+    signal(SIGPIPE, SIG_IGN);                // a client gone shows as a failed write
+
+    double t0 = tdm_now();
+    struct tdm_decode_server *s = NULL;
+    if (tdm_decode_server_new(&s, &cfg, err, sizeof err) != TDM_OK) {
+        TDM_LOG_ERR("decode", "%s", err);
+        return 1;
+    }
+    // The modules log their own startup details at info; the operator gets one
+    // line from here (--log-level debug shows the rest).
+    if (tdm_log_level == TDM_LOG_LEVEL_INFO)
+        tdm_log_level = TDM_LOG_LEVEL_WARN;
+    int rc = tdm_decode_server_load(s, err, sizeof err);
+    tdm_log_set_level_name(cfg.log_level);
+    if (rc != TDM_OK) {
+        TDM_LOG_ERR("decode", "loading %s: %s", cfg.model, err);
+        tdm_decode_server_free(s);
+        return 1;
+    }
+    TDM_LOG_INFO("decode",
+                 "ready model=%s served_model_name=%s kv_capacity_tokens=%lld listening=http://%s:%d "
+                 "startup_s=%.3f",
+                 cfg.model, tdm_decode_server_model_name(s),
+                 (long long)tdm_decode_server_kv_capacity_tokens(s), cfg.host,
+                 tdm_decode_server_port(s), tdm_now() - t0);
+
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    TDM_LOG_INFO("decode", "signal=%d draining timeout_s=%.1f", sig, cfg.drain_timeout);
+    // A second signal during the drain ends the process at once.
+    pthread_sigmask(SIG_UNBLOCK, &sigs, NULL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGINT, SIG_DFL);
+    int drc = tdm_decode_server_drain(s, cfg.drain_timeout);
+    tdm_decode_server_free(s);
+    TDM_LOG_INFO("decode", "stopped drained=%s", drc == TDM_OK ? "all" : "timeout");
+    return 0;
+}
