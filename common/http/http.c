@@ -659,10 +659,10 @@ static int on_begin_request(struct mg_connection *mg)
     char allow[128];
     const struct route *r = find_route(s, method, path, &known, allow, sizeof allow);
     if (!r) {
-        char msg[320];
+        char msg[400];
         if (known) {
             tdm_http_add_header(&c, "Allow", allow);
-            snprintf(msg, sizeof msg, "Method %.16s is not allowed for %.200s (allowed: %s)",
+            snprintf(msg, sizeof msg, "Method %.16s is not allowed for %.200s (allowed: %.120s)",
                      method, path, allow);
             tdm_http_respond_error(&c, 405, NULL, NULL, msg);
         } else {
