@@ -632,6 +632,12 @@ static void cpu_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int la
             const float *vr = v + (size_t)(seqs[s].row + i) * stride;
             float *kb = tdm_kv_k(kv, layer, blk);
             float *vb = tdm_kv_v(kv, layer, blk);
+            if (!kb || !vb) {
+                // The model builds block tables from the kv module; never write
+                // through a bad one.
+                TDM_LOG_ERR("cpu", "kv_store: layer %d block %d out of range", layer, blk);
+                continue;
+            }
             for (int h = 0; h < c->num_kv_heads; h++) {
                 size_t off = ((size_t)h * bs + slot) * hd;
                 memcpy(kb + off, kr + (size_t)h * hd, sizeof(float) * (size_t)hd);
@@ -689,8 +695,15 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
         if (nk > p + 1 - pos)
             nk = p + 1 - pos;
         size_t off = ((size_t)kvh * bs + slot) * hd;
-        const float *kc = tdm_kv_k(j->kv, j->layer, blk) + off;
-        const float *vc = tdm_kv_v(j->kv, j->layer, blk) + off;
+        const float *kb = tdm_kv_k(j->kv, j->layer, blk);
+        const float *vb = tdm_kv_v(j->kv, j->layer, blk);
+        if (!kb || !vb) {
+            TDM_LOG_ERR("cpu", "attention: layer %d block %d out of range", j->layer, blk);
+            memset(acc, 0, sizeof(float) * (size_t)hd * nh);
+            return;
+        }
+        const float *kc = kb + off;
+        const float *vc = vb + off;
         for (int g = 0; g < nh; g++) {
             float mc = j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale, s);
             float m_new = mc > m[g] ? mc : m[g];

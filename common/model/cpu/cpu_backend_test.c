@@ -536,6 +536,32 @@ static void test_attention(void **state)
     ops->destroy(be);
 }
 
+// A block id outside the pool is logged and skipped, never dereferenced.
+static void test_attention_bad_block(void **state)
+{
+    (void)state;
+    struct tdm_backend *be = make_backend(2);
+    struct tdm_kv_config cfg = {.num_layers = 1, .num_kv_heads = 1, .head_dim = 4,
+                                .block_size = 4, .num_blocks = 2};
+    struct tdm_kv_cache *kv = NULL;
+    char err[128];
+    assert_int_equal(tdm_kv_new(&kv, &cfg, err, sizeof err), TDM_OK);
+    int table[2] = {0, 7};
+    float qkv[6 * 12], out[6 * 8];
+    fill(qkv, 6 * 12, 1.0f);
+    memset(out, 0x7f, sizeof out);
+    struct tdm_attn_seq seq = {.row = 0, .n_tokens = 6, .start_pos = 0, .block_table = table};
+    ops->kv_store(be, kv, 0, &seq, 1, qkv + 8, qkv + 10, 12);
+    ops->attention(be, kv, 0, &seq, 1, qkv, 12, out, 2, 1, 4, 0.5f);
+    // Tokens 0..3 live in block 0 and are fine; 4 and 5 need block 7: zeros.
+    for (int i = 0; i < 4 * 8; i++)
+        assert_true(isfinite(out[i]));
+    for (int i = 4 * 8; i < 6 * 8; i++)
+        assert_true(out[i] == 0.0f);
+    tdm_kv_free(kv);
+    ops->destroy(be);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -546,6 +572,7 @@ int main(void)
         cmocka_unit_test(test_rmsnorm_silu_add),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_attention_bad_block),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
