@@ -15,6 +15,7 @@
 //   published indices without a lock.
 // Lock order: engine mu, then a request's mu; never the other way round.
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -28,11 +29,12 @@
 #define MOD "engine"
 
 enum req_state {
-    REQ_NEW = 0, // in the inbox (not yet seen by the engine thread)
-    REQ_WAITING, // in the waiting queue, no KV
-    REQ_RUNNING, // in the running set, owns seq
-    REQ_HELD,    // finished PREFILL_ONLY, seq kept for export
-    REQ_DONE,    // final output delivered, no KV
+    REQ_NEW = 0,   // in the inbox (not yet seen by the engine thread)
+    REQ_WAITING,   // in the waiting queue, no KV
+    REQ_RUNNING,   // in the running set, owns seq
+    REQ_IMPORTING, // IMPORT_KV: blocks reserved, the caller imports the prompt's KV
+    REQ_HELD,      // finished PREFILL_ONLY, seq kept for export
+    REQ_DONE,      // final output delivered, no KV
 };
 
 struct tdm_engine_request {
@@ -68,9 +70,20 @@ struct tdm_engine_request {
 
     // Guarded by engine->mu.
     struct tdm_engine_request *inbox_next;
-    struct tdm_engine_request *ctl_next; // abort / release list
+    struct tdm_engine_request *ctl_next; // control list (abort, KV release, import done)
     bool ctl_queued;
-    enum tdm_engine_finish ctl_reason; // NONE = release held KV only
+    enum tdm_engine_finish ctl_abort; // NONE = no abort asked
+    bool ctl_release;                 // release held KV
+    bool ctl_import_done, ctl_import_ok;
+    // The same, copied by the engine thread when it takes the list.
+    struct tdm_engine_request *ctl_exec_next;
+    enum tdm_engine_finish ctl_exec_abort;
+    bool ctl_exec_release, ctl_exec_import, ctl_exec_import_ok;
+
+    // IMPORT_KV (engine thread).
+    int32_t first_token;
+    bool imported;                        // the KV arrived; from now on a normal request
+    enum tdm_engine_finish abort_pending; // abort asked while importing
 
     // Guarded by mu: what the stream reader sees.
     pthread_mutex_t mu;
@@ -85,6 +98,9 @@ struct tdm_engine_request {
     char message[160];
     bool kv_held; // written by the engine thread only, read after pub_finished
     bool kv_release_asked;
+    bool import_ready; // blocks reserved: import_first_block, import_num_blocks valid
+    bool import_done_called;
+    int import_first_block, import_num_blocks;
 };
 
 struct sched_item {
@@ -108,10 +124,13 @@ struct tdm_engine {
     struct tdm_engine_request *wait_head, *wait_tail;
     int num_waiting_local;
     int num_held;
-    struct tdm_engine_request *held_head; // PREFILL_ONLY requests keeping KV for export
-    struct sched_item *items;             // [max_num_seqs] this step's schedule
-    struct tdm_batch_seq *batch;          // [max_num_seqs]
-    float *logits;                        // [max_num_seqs][vocab]
+    struct tdm_engine_request *held_head;   // PREFILL_ONLY requests keeping KV for export
+    struct tdm_engine_request *import_head; // IMPORT_KV requests waiting for their KV
+    int num_importing;
+    bool abort_all_applied;
+    struct sched_item *items;    // [max_num_seqs] this step's schedule
+    struct tdm_batch_seq *batch; // [max_num_seqs]
+    float *logits;               // [max_num_seqs][vocab]
     struct tdm_sample_result sres;
     uint64_t prefix_queries, prefix_hits, preemptions, steps, finished;
 
@@ -260,6 +279,27 @@ static void wait_remove(struct tdm_engine *e, struct tdm_engine_request *r)
     e->num_waiting_local--;
 }
 
+// The held and importing lists reuse the waiting links (such a request waits no more).
+static void list_push(struct tdm_engine_request **head, struct tdm_engine_request *r)
+{
+    r->prev = NULL;
+    r->next = *head;
+    if (*head)
+        (*head)->prev = r;
+    *head = r;
+}
+
+static void list_unlink(struct tdm_engine_request **head, struct tdm_engine_request *r)
+{
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        *head = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    r->prev = r->next = NULL;
+}
+
 static void running_remove(struct tdm_engine *e, struct tdm_engine_request *r)
 {
     for (int i = 0; i < e->num_running; i++) {
@@ -333,6 +373,9 @@ static void finish_request(struct tdm_engine *e, struct tdm_engine_request *r,
         pthread_mutex_unlock(&e->mu);
     } else if (r->state == REQ_RUNNING) {
         running_remove(e, r);
+    } else if (r->state == REQ_IMPORTING) {
+        list_unlink(&e->import_head, r);
+        e->num_importing--;
     }
     bool hold = r->kind == TDM_ENGINE_REQ_PREFILL_ONLY && r->state == REQ_RUNNING &&
                 (reason == TDM_ENGINE_FINISH_STOP || reason == TDM_ENGINE_FINISH_LENGTH);
@@ -340,12 +383,7 @@ static void finish_request(struct tdm_engine *e, struct tdm_engine_request *r,
         tdm_kv_seq_release(e->kv, &r->seq);
     r->state = hold ? REQ_HELD : REQ_DONE;
     if (hold) {
-        // The held list reuses the waiting links (a held request waits no more).
-        r->prev = NULL;
-        r->next = e->held_head;
-        if (e->held_head)
-            e->held_head->prev = r;
-        e->held_head = r;
+        list_push(&e->held_head, r);
         e->num_held++;
     }
     r->kv_held = hold;
@@ -416,13 +454,7 @@ static void release_held(struct tdm_engine *e, struct tdm_engine_request *r)
 {
     if (r->state != REQ_HELD)
         return;
-    if (r->prev)
-        r->prev->next = r->next;
-    else
-        e->held_head = r->next;
-    if (r->next)
-        r->next->prev = r->prev;
-    r->prev = r->next = NULL;
+    list_unlink(&e->held_head, r);
     tdm_kv_seq_release(e->kv, &r->seq);
     r->state = REQ_DONE;
     e->num_held--;
@@ -437,6 +469,7 @@ static void publish_stats(struct tdm_engine *e)
     s->num_running = e->num_running;
     s->num_waiting = e->num_queued;
     s->num_held = e->num_held;
+    s->num_importing = e->num_importing;
     s->kv_usage = tdm_kv_usage(e->kv);
     s->num_free_blocks = tdm_kv_num_free_blocks(e->kv);
     s->num_total_blocks = e->cfg.num_blocks;
@@ -446,7 +479,7 @@ static void publish_stats(struct tdm_engine *e)
     s->num_preemptions = e->preemptions;
     s->num_steps = e->steps;
     s->num_finished = e->finished;
-    e->num_active = e->num_queued + e->num_running;
+    e->num_active = e->num_queued + e->num_running + e->num_importing;
     if (e->m) {
         tdm_metrics_gauge_set(e->m->num_requests_running, s->num_running);
         tdm_metrics_gauge_set(e->m->num_requests_waiting, s->num_waiting);
@@ -543,9 +576,66 @@ static bool schedule_running(struct tdm_engine *e, struct tdm_engine_request *r,
 }
 
 // Admits the waiting head if blocks and budget allow. Returns false to stop admitting.
+static void count_prefix(struct tdm_engine *e, int queried, int hit)
+{
+    if (!e->cfg.enable_prefix_caching)
+        return;
+    e->prefix_queries += (uint64_t)queried;
+    e->prefix_hits += (uint64_t)hit;
+    if (e->m) {
+        tdm_metrics_counter_add(e->m->prefix_cache_queries, queried);
+        tdm_metrics_counter_add(e->m->prefix_cache_hits, hit);
+    }
+}
+
+// Takes the waiting head off the queue as admitted (the caller sets its state).
+static void admitted(struct tdm_engine *e, struct tdm_engine_request *r, int match)
+{
+    wait_remove(e, r);
+    pthread_mutex_lock(&e->mu);
+    e->num_queued--;
+    pthread_mutex_unlock(&e->mu);
+    if (!r->admitted_once) {
+        r->admitted_once = true;
+        r->num_cached = match;
+        r->t_first_sched = tdm_now();
+    }
+}
+
+// IMPORT_KV admission: reserve the prompt's blocks and let the importer in.
+static bool admit_import(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    // The first decode step writes position n_prompt: that block must exist too.
+    if (blocks_for(e, r->n_prompt + 1) > e->cfg.num_blocks) {
+        fail_unfit(e, r, r->n_prompt + 1);
+        return true;
+    }
+    int match = tdm_kv_match_prefix(e->kv, &r->seq, r->hist, r->n_prompt);
+    if (tdm_kv_reserve(e->kv, &r->seq, r->n_prompt) != TDM_OK) {
+        tdm_kv_seq_release(e->kv, &r->seq);
+        return false;
+    }
+    count_prefix(e, r->n_prompt, match);
+    admitted(e, r, match);
+    r->state = REQ_IMPORTING;
+    r->computed = match;
+    list_push(&e->import_head, r);
+    e->num_importing++;
+    pthread_mutex_lock(&r->mu);
+    r->import_ready = true;
+    r->import_first_block = match / e->cfg.block_size;
+    r->import_num_blocks = r->seq.num_blocks - r->import_first_block;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    TDM_LOG_DEBUG(MOD, "req=%s importing blocks=%d cached=%d", r->id, r->import_num_blocks, match);
+    return true;
+}
+
 static bool admit_one(struct tdm_engine *e, int *n_items, int *budget)
 {
     struct tdm_engine_request *r = e->wait_head;
+    if (r->kind == TDM_ENGINE_REQ_IMPORT_KV && !r->imported)
+        return admit_import(e, r);
     if (blocks_for(e, r->n_tokens) > e->cfg.num_blocks) {
         fail_unfit(e, r, r->n_tokens);
         return true;
@@ -558,25 +648,10 @@ static bool admit_one(struct tdm_engine *e, int *n_items, int *budget)
         tdm_kv_seq_release(e->kv, &r->seq); // drop the prefix references; retry later
         return false;
     }
-    if (e->cfg.enable_prefix_caching) {
-        e->prefix_queries += (uint64_t)r->n_tokens;
-        e->prefix_hits += (uint64_t)match;
-        if (e->m) {
-            tdm_metrics_counter_add(e->m->prefix_cache_queries, r->n_tokens);
-            tdm_metrics_counter_add(e->m->prefix_cache_hits, match);
-        }
-    }
-    wait_remove(e, r);
-    pthread_mutex_lock(&e->mu);
-    e->num_queued--;
-    pthread_mutex_unlock(&e->mu);
+    count_prefix(e, r->n_tokens, match);
+    admitted(e, r, match);
     r->state = REQ_RUNNING;
     r->computed = match;
-    if (!r->admitted_once) {
-        r->admitted_once = true;
-        r->num_cached = match;
-        r->t_first_sched = tdm_now();
-    }
     e->running[e->num_running++] = r;
     r->sched_take = take;
     e->items[*n_items] =
@@ -608,7 +683,7 @@ static int schedule(struct tdm_engine *e)
     }
     // vLLM v1: no admissions in a step that had to preempt.
     while (!preempted && e->wait_head != NULL && budget > 0 &&
-           e->num_running < e->cfg.max_num_seqs) {
+           e->num_running + e->num_importing < e->cfg.max_num_seqs) {
         if (!admit_one(e, &n_items, &budget))
             break;
     }
@@ -616,6 +691,76 @@ static int schedule(struct tdm_engine *e)
 }
 
 // ---- one step (engine thread) -------------------------------------------------------------
+// Appends a sampled token (res: its logprobs, or NULL), updates the token
+// metrics, then finishes the request or delivers the token.
+static void append_token(struct tdm_engine *e, struct tdm_engine_request *r, int32_t tok,
+                         const struct tdm_sample_result *res, double now)
+{
+    struct tdm_metrics_vllm *m = e->m;
+    int i = r->n_gen;
+    r->hist[r->n_prompt + i] = tok;
+    if (r->lp)
+        r->lp[i] = res ? res->logprob : 0.0f;
+    if (r->top && res)
+        memcpy(r->top + (size_t)i * (size_t)r->num_top, res->top,
+               (size_t)r->num_top * sizeof *r->top);
+    r->n_gen++;
+    r->n_tokens++;
+    if (m) {
+        tdm_metrics_counter_inc(m->generation_tokens);
+        if (i == 0) {
+            // vLLM v1 counts a request's prompt tokens when its first token comes.
+            tdm_metrics_counter_add(m->prompt_tokens, r->n_prompt);
+            tdm_metrics_histogram_observe(m->time_to_first_token_seconds, now - r->arrival);
+        } else {
+            tdm_metrics_histogram_observe(m->inter_token_latency_seconds, now - r->t_last_token);
+        }
+    }
+    if (i == 0)
+        r->t_first_token = now;
+    r->t_last_token = now;
+    if (tdm_sampler_is_stop(r->sampler, tok))
+        finish_request(e, r, TDM_ENGINE_FINISH_STOP, tok, TDM_OK, NULL, true);
+    else if (r->n_gen >= r->max_gen)
+        finish_request(e, r, TDM_ENGINE_FINISH_LENGTH, -1, TDM_OK, NULL, true);
+    else
+        deliver_token(r);
+}
+
+// import_done of an IMPORT_KV request: commit the imported prompt, replay the
+// prefill worker's first token through the sampler and join the running set.
+static void import_finish(struct tdm_engine *e, struct tdm_engine_request *r, bool ok)
+{
+    if (!ok) {
+        finish_request(e, r, TDM_ENGINE_FINISH_ERROR, -1, TDM_ETRANSPORT, "KV import failed",
+                       false);
+        return;
+    }
+    if (r->abort_pending != TDM_ENGINE_FINISH_NONE) {
+        finish_request(e, r, r->abort_pending, -1, TDM_OK,
+                       r->abort_pending == TDM_ENGINE_FINISH_ABORT ? "aborted" : NULL, false);
+        return;
+    }
+    list_unlink(&e->import_head, r);
+    e->num_importing--;
+    tdm_kv_commit(e->kv, &r->seq, r->hist, r->n_prompt);
+    r->computed = r->n_prompt;
+    r->imported = true;
+    // A one-hot row: the sampler records the token and, when it samples, makes
+    // the same single draw the prefill worker's sampler made for it.
+    float *row = e->logits;
+    for (int v = 0; v < e->vocab; v++)
+        row[v] = -INFINITY;
+    row[r->first_token] = 0.0f;
+    int32_t got = tdm_sampler_sample(r->sampler, row, NULL);
+    if (got != r->first_token)
+        TDM_LOG_WARN(MOD, "req=%s first token %d is masked here (min_tokens?); kept", r->id,
+                     (int)r->first_token);
+    r->state = REQ_RUNNING;
+    e->running[e->num_running++] = r;
+    append_token(e, r, r->first_token, NULL, tdm_now());
+}
+
 static void run_step(struct tdm_engine *e, int n_items)
 {
     struct tdm_metrics_vllm *m = e->m;
@@ -655,35 +800,7 @@ static void run_step(struct tdm_engine *e, int n_items)
             continue;
         float *lrow = e->logits + (size_t)row++ * (size_t)e->vocab;
         int32_t tok = tdm_sampler_sample(r->sampler, lrow, r->want_logprobs ? &e->sres : NULL);
-        int i = r->n_gen;
-        r->hist[r->n_prompt + i] = tok;
-        if (r->lp)
-            r->lp[i] = e->sres.logprob;
-        if (r->top)
-            memcpy(r->top + (size_t)i * (size_t)r->num_top, e->sres.top,
-                   (size_t)r->num_top * sizeof *r->top);
-        r->n_gen++;
-        r->n_tokens++;
-        if (m) {
-            tdm_metrics_counter_inc(m->generation_tokens);
-            if (i == 0) {
-                // vLLM v1 counts a request's prompt tokens when its first token comes.
-                tdm_metrics_counter_add(m->prompt_tokens, r->n_prompt);
-                tdm_metrics_histogram_observe(m->time_to_first_token_seconds, now - r->arrival);
-            } else {
-                tdm_metrics_histogram_observe(m->inter_token_latency_seconds,
-                                              now - r->t_last_token);
-            }
-        }
-        if (i == 0)
-            r->t_first_token = now;
-        r->t_last_token = now;
-        if (tdm_sampler_is_stop(r->sampler, tok))
-            finish_request(e, r, TDM_ENGINE_FINISH_STOP, tok, TDM_OK, NULL, true);
-        else if (r->n_gen >= r->max_gen)
-            finish_request(e, r, TDM_ENGINE_FINISH_LENGTH, -1, TDM_OK, NULL, true);
-        else
-            deliver_token(r);
+        append_token(e, r, tok, r->want_logprobs ? &e->sres : NULL, now);
     }
 }
 
@@ -695,8 +812,18 @@ static void take_control(struct tdm_engine *e, bool *abort_all, bool *stop)
     struct tdm_engine_request *ctl = e->ctl_head;
     e->inbox_head = e->inbox_tail = NULL;
     e->ctl_head = NULL;
-    for (struct tdm_engine_request *c = ctl; c; c = c->ctl_next)
+    // Copy the flags under the lock, so that controls queued from now on go to a
+    // fresh entry.
+    for (struct tdm_engine_request *c = ctl; c; c = c->ctl_next) {
+        c->ctl_exec_next = c->ctl_next; // ctl_next is reused once ctl_queued is false
         c->ctl_queued = false;
+        c->ctl_exec_abort = c->ctl_abort;
+        c->ctl_exec_release = c->ctl_release;
+        c->ctl_exec_import = c->ctl_import_done;
+        c->ctl_exec_import_ok = c->ctl_import_ok;
+        c->ctl_abort = TDM_ENGINE_FINISH_NONE;
+        c->ctl_release = c->ctl_import_done = false;
+    }
     *abort_all = e->abort_all;
     *stop = e->stop;
     pthread_mutex_unlock(&e->mu);
@@ -709,21 +836,29 @@ static void take_control(struct tdm_engine *e, bool *abort_all, bool *stop)
     }
     // The control list is LIFO; order does not matter for aborts.
     while (ctl) {
-        struct tdm_engine_request *next = ctl->ctl_next;
-        ctl->ctl_next = NULL;
-        if (ctl->state == REQ_HELD) {
-            release_held(e, ctl);
-        } else if (ctl->state == REQ_WAITING || ctl->state == REQ_RUNNING) {
-            enum tdm_engine_finish reason = ctl->ctl_reason != TDM_ENGINE_FINISH_NONE
-                                                ? ctl->ctl_reason
-                                                : TDM_ENGINE_FINISH_ABORT;
-            finish_request(e, ctl, reason, -1, TDM_OK,
-                           reason == TDM_ENGINE_FINISH_ABORT ? "aborted" : NULL, false);
+        struct tdm_engine_request *next = ctl->ctl_exec_next;
+        enum tdm_engine_finish reason = ctl->ctl_exec_abort;
+        if (ctl->ctl_exec_import && ctl->state == REQ_IMPORTING)
+            import_finish(e, ctl, ctl->ctl_exec_import_ok);
+        if (reason != TDM_ENGINE_FINISH_NONE) {
+            if (ctl->state == REQ_WAITING || ctl->state == REQ_RUNNING)
+                finish_request(e, ctl, reason, -1, TDM_OK,
+                               reason == TDM_ENGINE_FINISH_ABORT ? "aborted" : NULL, false);
+            else if (ctl->state == REQ_IMPORTING && ctl->abort_pending == TDM_ENGINE_FINISH_NONE)
+                ctl->abort_pending = reason; // the importer may be writing its blocks
+            else if (ctl->state == REQ_HELD)
+                release_held(e, ctl);
         }
+        if (ctl->ctl_exec_release && ctl->state == REQ_HELD)
+            release_held(e, ctl);
         req_unref(ctl); // the list's reference
         ctl = next;
     }
-    if (*abort_all) {
+    if (*abort_all && !e->abort_all_applied) {
+        e->abort_all_applied = true;
+        for (struct tdm_engine_request *r = e->import_head; r; r = r->next)
+            if (r->abort_pending == TDM_ENGINE_FINISH_NONE)
+                r->abort_pending = TDM_ENGINE_FINISH_ABORT;
         while (e->num_running > 0)
             finish_request(e, e->running[e->num_running - 1], TDM_ENGINE_FINISH_ABORT, -1, TDM_OK,
                            "engine shutting down", false);
@@ -749,7 +884,7 @@ static void *engine_main(void *arg)
         // Sleep when nothing can move: no new requests, no control, and either no
         // active request or the last step could schedule nothing (blocks held).
         while (e->inbox_head == NULL && e->ctl_head == NULL && !e->check_req &&
-               !(e->abort_all && e->num_active > 0) && !e->stop &&
+               !(e->abort_all && !e->abort_all_applied) && !e->stop &&
                (e->num_active == 0 || !progressed))
             pthread_cond_wait(&e->wake, &e->mu);
         bool exit_now = e->stop && e->num_active == 0 && e->num_held == 0 &&
@@ -764,9 +899,12 @@ static void *engine_main(void *arg)
         bool abort_all, stop;
         take_control(e, &abort_all, &stop);
         if (stop) {
-            // Shutdown: nobody can export any more.
+            // Shutdown: nobody may export or import any more.
             while (e->held_head)
                 release_held(e, e->held_head);
+            while (e->import_head)
+                finish_request(e, e->import_head, TDM_ENGINE_FINISH_ABORT, -1, TDM_OK,
+                               "engine shutting down", false);
         }
         int n_items = schedule(e);
         progressed = n_items > 0;
@@ -959,8 +1097,10 @@ void tdm_engine_free(struct tdm_engine *e)
 {
     if (e == NULL)
         return;
-    tdm_engine_drain(e, 0);
+    // Not drain(0): that would wait for importers, who may never call import_done.
     pthread_mutex_lock(&e->mu);
+    e->closed = true;
+    e->abort_all = true;
     e->stop = true;
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->mu);
@@ -997,7 +1137,8 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     if (p->max_tokens < 0)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: max_tokens must be >= 0, got %d", id,
                           p->max_tokens);
-    if (p->kind != TDM_ENGINE_REQ_GENERATE && p->kind != TDM_ENGINE_REQ_PREFILL_ONLY)
+    if (p->kind != TDM_ENGINE_REQ_GENERATE && p->kind != TDM_ENGINE_REQ_PREFILL_ONLY &&
+        p->kind != TDM_ENGINE_REQ_IMPORT_KV)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: unknown request kind %d", id,
                           (int)p->kind);
     for (int i = 0; i < p->n_prompt; i++)
@@ -1005,6 +1146,10 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
             return tdm_seterr(err, errlen, TDM_EINVAL,
                               "req=%s: prompt token %d (at %d) outside the vocabulary of %d", id,
                               (int)p->prompt[i], i, e->vocab);
+    if (p->kind == TDM_ENGINE_REQ_IMPORT_KV && (p->first_token < 0 || p->first_token >= e->vocab))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "req=%s: first_token %d outside the vocabulary of %d", id,
+                          (int)p->first_token, e->vocab);
     const int32_t *eos = p->eos_ids ? p->eos_ids : e->model_eos;
     int num_eos = p->eos_ids ? p->num_eos : e->num_model_eos;
     if (num_eos < 0 || num_eos > TDM_MAX_EOS)
@@ -1032,6 +1177,7 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     r->engine = e;
     snprintf(r->id, sizeof r->id, "%s", id);
     r->kind = p->kind;
+    r->first_token = p->first_token;
     r->on_output = p->on_output;
     r->ctx = p->ctx;
     r->arrival = p->arrival_time > 0 ? p->arrival_time : tdm_now();
@@ -1111,18 +1257,32 @@ fail_bufs:
 }
 
 // Queues a control for r (abort with reason, or NONE: release held KV).
-static void queue_control(struct tdm_engine *e, struct tdm_engine_request *r,
+enum ctl_kind { CTL_ABORT, CTL_RELEASE, CTL_IMPORT_OK, CTL_IMPORT_FAILED };
+
+// Queues a control for r; the list holds a reference until the engine took it.
+static void queue_control(struct tdm_engine *e, struct tdm_engine_request *r, enum ctl_kind kind,
                           enum tdm_engine_finish reason)
 {
     pthread_mutex_lock(&e->mu);
     if (!r->ctl_queued) {
         r->ctl_queued = true;
-        r->ctl_reason = reason;
         atomic_fetch_add_explicit(&r->refs, 1, memory_order_relaxed);
         r->ctl_next = e->ctl_head;
         e->ctl_head = r;
-    } else if (r->ctl_reason == TDM_ENGINE_FINISH_NONE) {
-        r->ctl_reason = reason;
+    }
+    switch (kind) {
+    case CTL_ABORT:
+        if (r->ctl_abort == TDM_ENGINE_FINISH_NONE)
+            r->ctl_abort = reason;
+        break;
+    case CTL_RELEASE:
+        r->ctl_release = true;
+        break;
+    case CTL_IMPORT_OK:
+    case CTL_IMPORT_FAILED:
+        r->ctl_import_done = true;
+        r->ctl_import_ok = kind == CTL_IMPORT_OK;
+        break;
     }
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->mu);
@@ -1135,7 +1295,7 @@ int tdm_engine_abort(struct tdm_engine *e, struct tdm_engine_request *r,
         (reason != TDM_ENGINE_FINISH_ABORT && reason != TDM_ENGINE_FINISH_STOP &&
          reason != TDM_ENGINE_FINISH_LENGTH))
         return TDM_EINVAL;
-    queue_control(e, r, reason);
+    queue_control(e, r, CTL_ABORT, reason);
     return TDM_OK;
 }
 
@@ -1150,7 +1310,7 @@ int tdm_engine_release_kv(struct tdm_engine *e, struct tdm_engine_request *r)
     pthread_mutex_unlock(&r->mu);
     if (!ok)
         return TDM_EINVAL;
-    queue_control(e, r, TDM_ENGINE_FINISH_NONE);
+    queue_control(e, r, CTL_RELEASE, TDM_ENGINE_FINISH_NONE);
     return TDM_OK;
 }
 
@@ -1188,6 +1348,65 @@ int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, 
         dst_len != tdm_kv_layer_bytes(e->kv, nblocks))
         return TDM_EINVAL;
     return tdm_kv_export_layer(e->kv, &r->seq, layer, first_block, nblocks, dst, dst_len);
+}
+
+int tdm_engine_import_wait(struct tdm_engine_request *r, double timeout_s, int *first_block,
+                           int *num_blocks)
+{
+    if (r == NULL || r->kind != TDM_ENGINE_REQ_IMPORT_KV)
+        return TDM_ECLOSED;
+    double deadline = timeout_s < 0 ? -1.0 : tdm_now() + timeout_s;
+    int rc = TDM_OK;
+    pthread_mutex_lock(&r->mu);
+    while (!r->import_ready && !r->pub_finished) {
+        if (!cond_wait_until(&r->cv, &r->mu, deadline)) {
+            rc = TDM_ETIMEDOUT;
+            break;
+        }
+    }
+    if (rc == TDM_OK && (!r->import_ready || r->import_done_called))
+        rc = TDM_ECLOSED;
+    if (rc == TDM_OK) {
+        if (first_block)
+            *first_block = r->import_first_block;
+        if (num_blocks)
+            *num_blocks = r->import_num_blocks;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return rc;
+}
+
+int tdm_engine_import_layer(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
+                            int first_block, int nblocks, const void *src, size_t src_len)
+{
+    if (e == NULL || r == NULL || src == NULL || r->engine != e)
+        return TDM_EINVAL;
+    pthread_mutex_lock(&r->mu);
+    bool open = r->import_ready && !r->import_done_called;
+    int lo = r->import_first_block, hi = r->import_first_block + r->import_num_blocks;
+    pthread_mutex_unlock(&r->mu);
+    // Validated here so that the cache's import cannot fail (and write its error
+    // text, which the engine thread owns) when called from another thread.
+    const struct tdm_kv_config *kc = tdm_kv_config(e->kv);
+    if (!open || layer < 0 || layer >= kc->num_layers || first_block < lo || nblocks < 0 ||
+        nblocks > hi - first_block || src_len != tdm_kv_layer_bytes(e->kv, nblocks))
+        return TDM_EINVAL;
+    return tdm_kv_import_layer(e->kv, &r->seq, layer, first_block, nblocks, src, src_len);
+}
+
+int tdm_engine_import_done(struct tdm_engine *e, struct tdm_engine_request *r, bool ok)
+{
+    if (e == NULL || r == NULL || r->engine != e)
+        return TDM_EINVAL;
+    pthread_mutex_lock(&r->mu);
+    bool open = r->import_ready && !r->import_done_called;
+    if (open)
+        r->import_done_called = true;
+    pthread_mutex_unlock(&r->mu);
+    if (!open)
+        return TDM_EINVAL;
+    queue_control(e, r, ok ? CTL_IMPORT_OK : CTL_IMPORT_FAILED, TDM_ENGINE_FINISH_NONE);
+    return TDM_OK;
 }
 
 int tdm_engine_stream_next(struct tdm_engine_request *r, double timeout_s,

@@ -59,9 +59,9 @@ void tdm_engine_config_default(struct tdm_engine_config *cfg);
 int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
                    const struct tdm_engine_config *cfg, char *err, size_t errlen);
 // Stops accepting requests, aborts every unfinished one (each still gets its
-// final output), releases held KV, joins the thread and frees the engine and
-// its cache. Request handles the caller still holds stay valid (release them
-// afterwards). Accepts NULL.
+// final output; importing ones too, so stop importers first), releases held KV,
+// joins the thread and frees the engine and its cache. Request handles the caller still holds stay
+// valid (release them afterwards). Accepts NULL.
 void tdm_engine_free(struct tdm_engine *e);
 // Stops accepting requests (submit returns TDM_ECLOSED from now on) and waits up
 // to timeout_s seconds (< 0: no limit) for running and waiting requests to
@@ -91,6 +91,9 @@ enum tdm_engine_kind {
     TDM_ENGINE_REQ_PREFILL_ONLY, // P/D prefill worker: computes the prompt's KV, samples the
                                  // first token, finishes (stop/length as usual) and keeps its
                                  // KV blocks until tdm_engine_release_kv (see below)
+    TDM_ENGINE_REQ_IMPORT_KV,    // P/D decode worker: the prompt's KV comes from a prefill
+                                 // worker and first_token was sampled there; the engine
+                                 // reserves blocks, the caller imports, then it decodes on
 };
 
 struct tdm_engine_output;
@@ -113,6 +116,8 @@ struct tdm_engine_request_params {
     int params_n;        // the API request's n (this is one of its n sequences), for
                          // vllm:request_params_n; 0 = 1
     enum tdm_engine_kind kind;
+    int32_t first_token; // IMPORT_KV: the token the prefill worker sampled (delivered as this
+                         // request's output 0)
     tdm_engine_output_fn on_output; // optional; the ready-made stream works either way
     void *ctx;                      // for on_output; must stay valid until the final output
 };
@@ -200,11 +205,37 @@ int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, 
                             int first_block, int nblocks, void *dst, size_t dst_len);
 int tdm_engine_release_kv(struct tdm_engine *e, struct tdm_engine_request *r);
 
+// ---- P/D hooks: a request whose prompt KV is imported (IMPORT_KV) ----------------------
+// The engine admits an IMPORT_KV request like any other (FCFS, blocks for the
+// prompt reserved all or nothing, local prefix cache first) but computes nothing:
+// tdm_engine_import_wait returns once the blocks are reserved, with the block
+// range [*first_block, *first_block + *num_blocks) of the prompt the caller must
+// import (blocks before first_block were found in the local prefix cache). The
+// caller then imports layer by layer from any thread (tdm_engine_import_layer:
+// same layout and checks as tdm_kv_import_layer; the blocks are this request's
+// alone, nothing else touches them) and finally MUST call tdm_engine_import_done
+// (ok = false when the transfer failed: the request finishes with error
+// TDM_ETRANSPORT). On import_done the engine commits the KV, replays first_token
+// through the sampler (so its history and RNG position equal the prefill
+// worker's), delivers it as output 0 and decodes on. An abort while importing
+// takes effect at import_done (the blocks may be in use by the importer); drain
+// waits for it, free does not (stop importing before tdm_engine_free).
+// import_wait: TDM_OK, TDM_ETIMEDOUT, or TDM_ECLOSED when the request finished
+// before its blocks were reserved (too long for the pool, abort, shutdown) or is
+// not IMPORT_KV. import_layer / import_done: TDM_EINVAL outside that window or
+// for a bad range/length.
+int tdm_engine_import_wait(struct tdm_engine_request *r, double timeout_s, int *first_block,
+                           int *num_blocks);
+int tdm_engine_import_layer(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
+                            int first_block, int nblocks, const void *src, size_t src_len);
+int tdm_engine_import_done(struct tdm_engine *e, struct tdm_engine_request *r, bool ok);
+
 // ---- stats -----------------------------------------------------------------------------
 struct tdm_engine_stats {
     int num_running;     // requests in the running set
     int num_waiting;     // submitted or preempted, not running
     int num_held;        // PREFILL_ONLY requests holding KV for export
+    int num_importing;   // IMPORT_KV requests with reserved blocks, waiting for import_done
     float kv_usage;      // referenced blocks / total blocks, [0, 1]
     int num_free_blocks; // free + evictable (prefix-cached, unreferenced)
     int num_total_blocks;

@@ -814,6 +814,132 @@ static void test_prefill_only_export(void **state)
     tdm_kv_free(kv2);
 }
 
+// Prefill on one engine, export; import on another engine that decodes on: the
+// tokens equal a single-worker run, also for seeded sampling.
+static void test_pd_import_roundtrip(void **state)
+{
+    (void)state;
+    enum { NP = 45, MT = 12 };
+    int32_t prompt[NP], ref[MT], got[MT + 1];
+    char err[256];
+    struct tdm_sampling_params sp;
+    tdm_sampling_params_default(&sp);
+    sp.temperature = 0.8f;
+    sp.has_seed = true;
+    sp.seed = 99;
+    sp.ignore_eos = true;
+    make_prompt(prompt, NP, 61);
+    assert_int_equal(reference(prompt, NP, &sp, MT, ref), MT);
+    int layers = tdm_model_config(model)->num_hidden_layers;
+
+    // Prefill worker.
+    struct tdm_engine *pe = engine_make(64, 32, 8, 0, NULL);
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = NP;
+    p.sampling = sp;
+    p.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
+    assert_int_equal(tdm_engine_submit(pe, &p, &r, err, sizeof err), TDM_OK);
+    struct collected c = {0};
+    collect(r, got, MT + 1, &c, 0);
+    assert_int_equal(c.n, 1);
+    assert_true(c.kv_held);
+    int32_t first = got[0];
+    assert_int_equal(first, ref[0]);
+    struct tdm_kv_header h;
+    assert_int_equal(tdm_engine_kv_header(pe, r, "tiny", &h), TDM_OK);
+    int nb = h.num_blocks;
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(model, &kc);
+    kc.block_size = 16;
+    // tdm_kv_layer_bytes: K then V, each [nb][heads][16][head_dim] f32.
+    size_t layer_len = tdm_kv_block_bytes(&kc) / (size_t)layers * (size_t)nb;
+    void **payload = calloc((size_t)layers, sizeof *payload);
+    for (int l = 0; l < layers; l++) {
+        payload[l] = malloc(layer_len);
+        assert_int_equal(tdm_engine_export_layer(pe, r, l, 0, nb, payload[l], layer_len), TDM_OK);
+    }
+    assert_int_equal(tdm_engine_release_kv(pe, r), TDM_OK);
+    tdm_engine_request_release(r);
+    tdm_engine_free(pe);
+
+    // Decode worker.
+    struct tdm_engine *de = engine_make(64, 32, 8, 0, NULL);
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = NP;
+    p.sampling = sp;
+    p.max_tokens = MT;
+    p.kind = TDM_ENGINE_REQ_IMPORT_KV;
+    p.first_token = first;
+    assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
+    int fb = -1, n = -1;
+    assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
+    assert_int_equal(fb, 0); // a cold cache: nothing found locally
+    assert_int_equal(n, nb);
+    assert_int_equal(tdm_engine_import_layer(de, r, 0, 0, nb, payload[0], layer_len - 4),
+                     TDM_EINVAL);
+    for (int l = 0; l < layers; l++)
+        assert_int_equal(tdm_engine_import_layer(de, r, l, 0, nb, payload[l], layer_len), TDM_OK);
+    assert_int_equal(tdm_engine_import_done(de, r, true), TDM_OK);
+    assert_int_equal(tdm_engine_import_done(de, r, true), TDM_EINVAL);
+    struct collected cd = {0};
+    collect(r, got, MT + 1, &cd, 0);
+    assert_int_equal(cd.reason, TDM_ENGINE_FINISH_LENGTH);
+    assert_int_equal(cd.n, MT);
+    assert_memory_equal(got, ref, MT * sizeof(int32_t));
+    tdm_engine_request_release(r);
+
+    // Same prompt again: the decode side now finds the full blocks locally and
+    // imports only the last, partial one (a failed import ends in error).
+    assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
+    assert_int_equal(fb, NP / 16);
+    assert_int_equal(n, nb - NP / 16);
+    assert_int_equal(tdm_engine_import_done(de, r, false), TDM_OK);
+    struct collected cf = {0};
+    collect(r, got, MT + 1, &cf, 0);
+    assert_int_equal(cf.reason, TDM_ENGINE_FINISH_ERROR);
+    assert_int_equal(cf.error, TDM_ETRANSPORT);
+    tdm_engine_request_release(r);
+
+    // An abort while importing waits for import_done (the importer owns the blocks).
+    assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
+    assert_int_equal(tdm_engine_abort(de, r, TDM_ENGINE_FINISH_ABORT), TDM_OK);
+    struct tdm_engine_chunk ch;
+    assert_int_equal(tdm_engine_stream_next(r, 0.05, &ch), TDM_ETIMEDOUT);
+    assert_int_equal(tdm_engine_import_done(de, r, true), TDM_OK);
+    struct collected ca = {0};
+    collect(r, got, MT + 1, &ca, 0);
+    assert_int_equal(ca.reason, TDM_ENGINE_FINISH_ABORT);
+    assert_int_equal(ca.n, 0);
+    tdm_engine_request_release(r);
+
+    // Free while a request imports: it is aborted, free does not hang.
+    assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
+    struct tdm_engine_stats s;
+    double end = tdm_now() + WAIT_S;
+    do { // stats settle at the engine's next loop
+        tdm_engine_get_stats(de, &s);
+    } while (s.num_importing != 1 && tdm_now() < end && usleep(1000) == 0);
+    assert_int_equal(s.num_importing, 1);
+    assert_int_equal(s.num_waiting, 0);
+    tdm_engine_free(de);
+    struct collected cz = {0};
+    collect(r, got, MT + 1, &cz, 0);
+    assert_int_equal(cz.reason, TDM_ENGINE_FINISH_ABORT);
+    assert_int_equal(tdm_engine_import_done(NULL, r, true), TDM_EINVAL);
+    tdm_engine_request_release(r);
+    for (int l = 0; l < layers; l++)
+        free(payload[l]);
+    free(payload);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -827,6 +953,7 @@ int main(void)
         cmocka_unit_test(test_metrics),
         cmocka_unit_test(test_unfit),
         cmocka_unit_test(test_prefill_only_export),
+        cmocka_unit_test(test_pd_import_roundtrip),
     };
     // ENGINE_TEST_FILTER=test_preemption runs one test (cmocka glob).
     const char *filter = getenv("ENGINE_TEST_FILTER");
