@@ -681,7 +681,7 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
     int p = sq->start_pos + i;
     const float *q = j->q + (size_t)(sq->row + i) * j->q_stride + (size_t)h0 * hd;
     float *acc = j->out + (size_t)(sq->row + i) * j->n_heads * hd + (size_t)h0 * hd;
-    float s[CPU_ATTN_CHUNK];
+    float s[ATTN_MAX_GROUP][CPU_ATTN_CHUNK];
     float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
     for (int g = 0; g < nh; g++)
         m[g] = -INFINITY, l[g] = 0.0f;
@@ -704,15 +704,19 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
         }
         const float *kc = kb + off;
         const float *vc = vb + off;
+        // Stage by stage over the group's heads: the heads are independent,
+        // so the CPU overlaps one head's dependency chain with the next's.
+        float mc[ATTN_MAX_GROUP], corr[ATTN_MAX_GROUP];
+        for (int g = 0; g < nh; g++)
+            mc[g] = j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale, s[g]);
         for (int g = 0; g < nh; g++) {
-            float mc = j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale, s);
-            float m_new = mc > m[g] ? mc : m[g];
-            float corr = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
-            float ls = j->k->attn_exp(s, nk, m_new);
-            l[g] = l[g] * corr + ls;
-            j->k->attn_accum(acc + (size_t)g * hd, corr, s, vc, nk, hd);
+            float m_new = mc[g] > m[g] ? mc[g] : m[g];
+            corr[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
+            l[g] = l[g] * corr[g] + j->k->attn_exp(s[g], nk, m_new);
             m[g] = m_new;
         }
+        for (int g = 0; g < nh; g++)
+            j->k->attn_accum(acc + (size_t)g * hd, corr[g], s[g], vc, nk, hd);
         pos += nk;
     }
     for (int g = 0; g < nh; g++) {
