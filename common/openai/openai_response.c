@@ -91,13 +91,16 @@ static bool add_head(cJSON *root, const struct tdm_oai_response *r, const char *
            cJSON_AddStringToObject(root, "model", r->model);
 }
 
-static bool add_usage(cJSON *root, const struct tdm_oai_usage *u)
+// Non-stream bodies carry vLLM's always-serialized nulls (prompt_tokens_details);
+// stream chunks, serialized "exclude unset", do not.
+static bool add_usage(cJSON *root, const struct tdm_oai_usage *u, bool full)
 {
     cJSON *usage = cJSON_AddObjectToObject(root, "usage");
     return usage && cJSON_AddNumberToObject(usage, "prompt_tokens", u->prompt_tokens) &&
            cJSON_AddNumberToObject(usage, "total_tokens",
                                    (double)u->prompt_tokens + (double)u->completion_tokens) &&
-           cJSON_AddNumberToObject(usage, "completion_tokens", u->completion_tokens);
+           cJSON_AddNumberToObject(usage, "completion_tokens", u->completion_tokens) &&
+           (!full || cJSON_AddNullToObject(usage, "prompt_tokens_details"));
 }
 
 static bool add_stop_reason(cJSON *obj, const struct tdm_oai_choice *c)
@@ -296,7 +299,9 @@ static char *build(const struct tdm_oai_response *r, const struct tdm_oai_choice
     for (size_t i = 0; i < n; i++)
         if (!add_choice(arr, r->kind, stream, &choices[i]))
             goto done;
-    if (usage && !add_usage(root, usage))
+    if (usage && !add_usage(root, usage, !stream))
+        goto done;
+    if (!stream && !cJSON_AddNullToObject(root, "system_fingerprint"))
         goto done;
     out = cJSON_PrintUnformatted(root);
 done:

@@ -625,6 +625,8 @@ static void test_completion_body(void **state)
     assert_num(j, "usage.prompt_tokens", 7);
     assert_num(j, "usage.completion_tokens", 2);
     assert_num(j, "usage.total_tokens", 9);
+    assert_null_at(j, "usage.prompt_tokens_details");
+    assert_null_at(j, "system_fingerprint");
     cJSON_Delete(j);
 
     // A stop token id as stop_reason.
@@ -830,6 +832,57 @@ static void test_utf8_chars(void **state)
     assert_int_equal(tdm_oai_utf8_chars("", 0), 0);
 }
 
+// Truncations and byte mutations of valid bodies: every outcome is TDM_OK or a
+// 4xx with a message, never a crash (the sanitizer build runs this too).
+static void test_mutated_bodies_never_crash(void **state)
+{
+    (void)state;
+    static const char *const seeds[] = {
+        "{\"model\":\"qwen\",\"prompt\":[\"a\",\"b\"],\"max_tokens\":7,\"temperature\":0.5,"
+        "\"logit_bias\":{\"5\":2},\"stop\":[\"x\"],\"stream\":true,\"stream_options\":"
+        "{\"include_usage\":true},\"logprobs\":2,\"n\":2,\"seed\":3}",
+        "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"hi\"}]}],"
+        "\"logprobs\":true,\"top_logprobs\":3,\"stop_token_ids\":[1,2],\"min_tokens\":1}",
+        "{\"prompt\":[[1,2],[3]],\"echo\":true,\"max_tokens\":0}",
+    };
+    uint64_t x = 88172645463325252ULL;
+    char buf[512];
+    int ok = 0, rejected = 0;
+    for (size_t si = 0; si < sizeof seeds / sizeof seeds[0]; si++) {
+        size_t len = strlen(seeds[si]);
+        for (int iter = 0; iter < 400; iter++) {
+            memcpy(buf, seeds[si], len);
+            size_t n = len;
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            if (iter % 4 == 0) {
+                n = x % (len + 1); // truncation
+            } else {
+                for (int k = 0; k < 1 + iter % 3; k++) {
+                    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                    static const char alphabet[] = "{}[]\",:0123456789-.e truenfalsx\\\x80\xff";
+                    buf[x % len] = alphabet[(x >> 20) % (sizeof alphabet - 1)];
+                }
+            }
+            for (int kind = 0; kind < 2; kind++) {
+                struct tdm_oai_request r;
+                struct tdm_oai_error e;
+                memset(&e, 0, sizeof e);
+                int rc = tdm_oai_request_parse(&r, (enum tdm_oai_kind)kind, buf, n, &model, &e);
+                if (rc == TDM_OK) {
+                    ok++;
+                    tdm_oai_request_fini(&r);
+                } else {
+                    rejected++;
+                    assert_int_equal(rc, TDM_EINVAL);
+                    assert_true(e.status == 400 || e.status == 404);
+                    assert_true(e.message[0] != '\0');
+                }
+            }
+        }
+    }
+    assert_true(ok > 0 && rejected > 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -850,6 +903,7 @@ int main(void)
         cmocka_unit_test(test_error_bodies),
         cmocka_unit_test(test_models_tokenize_version),
         cmocka_unit_test(test_utf8_chars),
+        cmocka_unit_test(test_mutated_bodies_never_crash),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
