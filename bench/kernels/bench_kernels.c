@@ -30,9 +30,9 @@
 static const struct tdm_backend_ops *ops = &tdm_cpu_backend_ops;
 
 struct model_set {
-    int n;                   // matrices
-    struct tdm_weight *w;    // [n]
-    size_t bytes;            // sum of nbytes
+    int n;                // matrices
+    struct tdm_weight *w; // [n]
+    size_t bytes;         // sum of nbytes
 };
 
 static void die(const char *what, const char *err)

@@ -289,8 +289,8 @@ static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
     int nblocks = cpu_w_blocks(w);
     // The last block is laid out with its own G but allocating it full keeps
     // the offset arithmetic trivially in bounds.
-    size_t data_bytes = (size_t)nblocks * cpu_w_steps(w) * CPU_BLOCK_PANELS *
-                        cpu_w_step_bytes(want);
+    size_t data_bytes =
+        (size_t)nblocks * cpu_w_steps(w) * CPU_BLOCK_PANELS * cpu_w_step_bytes(want);
     w->data = alloc_aligned(data_bytes);
     if (!w->data)
         goto fail_oom;
@@ -304,8 +304,9 @@ static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
     // The activation scratch of the AVX-512 path must hold the widest weight:
     // bf16 pairs, or int8 + a scale and a sum per 32 k.
     size_t xs_bf16 = ((size_t)(cols + 1) / 2 + 15) / 16 * 16;
-    size_t xs_q8 = ((size_t)cpu_q8_kpad(cols) / 4 + 2 * (size_t)cpu_q8_kpad(cols) / CPU_Q8_BLOCK +
-                    15) / 16 * 16;
+    size_t xs_q8 =
+        ((size_t)cpu_q8_kpad(cols) / 4 + 2 * (size_t)cpu_q8_kpad(cols) / CPU_Q8_BLOCK + 15) / 16 *
+        16;
     size_t xs = xs_bf16 > xs_q8 ? xs_bf16 : xs_q8;
     if (xs > be->xq_stride) {
         uint32_t *xq = alloc_aligned(CPU_MM_CHUNK_TOKENS * xs * sizeof(uint32_t));
@@ -323,8 +324,8 @@ static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
             // Row r's element k sits at base + k_step * stride (+ 2 for the odd
             // element of a bf16 pair); see cpu_impl.h.
             uint8_t *base = (uint8_t *)w->data + packed_offset(w, r, 0);
-            size_t stride = (size_t)cpu_w_block_panels(w, r / CPU_BLOCK_ROWS) *
-                            cpu_w_step_bytes(want);
+            size_t stride =
+                (size_t)cpu_w_block_panels(w, r / CPU_BLOCK_ROWS) * cpu_w_step_bytes(want);
             if (want == TDM_W_BF16) {
                 for (int k = 0; k < cols; k++) {
                     uint16_t h = src_elem_bf16(s, src0 + k);
@@ -360,8 +361,8 @@ fail_oom:
     free(w->data);
     free(w->scales);
     memset(w, 0, sizeof(*w));
-    return tdm_seterr(err, errlen, TDM_ENOMEM, "prepare_weight: out of memory for %lld x %d",
-                      rows, cols);
+    return tdm_seterr(err, errlen, TDM_ENOMEM, "prepare_weight: out of memory for %lld x %d", rows,
+                      cols);
 }
 
 static void cpu_release_weight(struct tdm_backend *be, struct tdm_weight *w)
@@ -378,8 +379,8 @@ static void cpu_release_weight(struct tdm_backend *be, struct tdm_weight *w)
 struct mm_job {
     struct tdm_backend *be;
     struct cpu_mm_args a;
-    int chunk;           // row blocks per task
-    _Atomic int next;    // next task
+    int chunk;        // row blocks per task
+    _Atomic int next; // next task
 };
 
 static void split_range(int total, int tid, int nthreads, int *lo, int *hi)
@@ -449,9 +450,10 @@ static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const
     }
 }
 
-// ---- embed ---------------------------------------------------------------------------------------
-static void cpu_embed(struct tdm_backend *be, const struct tdm_weight *w, const int32_t *ids,
-                      int n, float *out)
+// ---- embed
+// ---------------------------------------------------------------------------------------
+static void cpu_embed(struct tdm_backend *be, const struct tdm_weight *w, const int32_t *ids, int n,
+                      float *out)
 {
     (void)be;
     const uint8_t *d = w->data;
@@ -479,7 +481,8 @@ static void cpu_embed(struct tdm_backend *be, const struct tdm_weight *w, const 
     }
 }
 
-// ---- row-wise ops --------------------------------------------------------------------------------
+// ---- row-wise ops
+// --------------------------------------------------------------------------------
 struct rows_job {
     const float *x;
     const float *y;
@@ -561,8 +564,13 @@ static void rope_task(void *arg, int tid, int nthreads)
 static void cpu_rope(struct tdm_backend *be, float *x, int n, int row_stride, int n_heads,
                      int head_dim, const int32_t *pos, const float *inv_freq)
 {
-    struct rows_job j = {.out = x, .n = n, .row_stride = row_stride, .n_heads = n_heads,
-                         .head_dim = head_dim, .pos = pos, .inv_freq = inv_freq};
+    struct rows_job j = {.out = x,
+                         .n = n,
+                         .row_stride = row_stride,
+                         .n_heads = n_heads,
+                         .head_dim = head_dim,
+                         .pos = pos,
+                         .inv_freq = inv_freq};
     if (n < 4)
         rope_task(&j, 0, 1);
     else
@@ -615,7 +623,8 @@ static void cpu_add(struct tdm_backend *be, float *x, const float *y, size_t cou
         cpu_pool_run(be->pool, add_task, &j);
 }
 
-// ---- KV cache and attention ------------------------------------------------------------------------
+// ---- KV cache and attention
+// ------------------------------------------------------------------------
 static void cpu_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
                          const struct tdm_attn_seq *seqs, int n_seqs, const float *k,
                          const float *v, int stride)
@@ -756,10 +765,10 @@ static void attn_task(void *arg, int tid, int nthreads)
         int c = local % chunks;
         int kvh = unit / nsub;
         int h0 = kvh * group + (unit % nsub) * ATTN_MAX_GROUP;
-        int nh = kvh * group + group - h0 < ATTN_MAX_GROUP ? kvh * group + group - h0
-                                                           : ATTN_MAX_GROUP;
-        int i1 = (c + 1) * ATTN_TASK_TOKENS < sq->n_tokens ? (c + 1) * ATTN_TASK_TOKENS
-                                                          : sq->n_tokens;
+        int nh =
+            kvh * group + group - h0 < ATTN_MAX_GROUP ? kvh * group + group - h0 : ATTN_MAX_GROUP;
+        int i1 =
+            (c + 1) * ATTN_TASK_TOKENS < sq->n_tokens ? (c + 1) * ATTN_TASK_TOKENS : sq->n_tokens;
         for (int i = c * ATTN_TASK_TOKENS; i < i1; i++)
             attn_query(j, sq, i, kvh, h0, nh);
     }
@@ -770,9 +779,8 @@ static void attn_task(void *arg, int tid, int nthreads)
 #define ATTN_MAX_SEQS 256
 
 static void cpu_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
-                          const struct tdm_attn_seq *seqs, int n_seqs, const float *q,
-                          int q_stride, float *out, int n_heads, int n_kv_heads, int head_dim,
-                          float scale)
+                          const struct tdm_attn_seq *seqs, int n_seqs, const float *q, int q_stride,
+                          float *out, int n_heads, int n_kv_heads, int head_dim, float scale)
 {
     if (n_kv_heads < 1 || n_heads % n_kv_heads != 0 || head_dim < 2) {
         TDM_LOG_ERR("cpu", "attention: bad heads %d/%d or head_dim %d", n_heads, n_kv_heads,
@@ -782,10 +790,18 @@ static void cpu_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int l
     int task_start[ATTN_MAX_SEQS + 1];
     for (int s0 = 0; s0 < n_seqs; s0 += ATTN_MAX_SEQS) {
         int ns = n_seqs - s0 < ATTN_MAX_SEQS ? n_seqs - s0 : ATTN_MAX_SEQS;
-        struct attn_job j = {.kv = kv, .k = be->k, .layer = layer, .seqs = seqs + s0,
-                             .n_seqs = ns, .q = q, .q_stride = q_stride, .out = out,
-                             .n_heads = n_heads, .n_kv_heads = n_kv_heads,
-                             .head_dim = head_dim, .scale = scale,
+        struct attn_job j = {.kv = kv,
+                             .k = be->k,
+                             .layer = layer,
+                             .seqs = seqs + s0,
+                             .n_seqs = ns,
+                             .q = q,
+                             .q_stride = q_stride,
+                             .out = out,
+                             .n_heads = n_heads,
+                             .n_kv_heads = n_kv_heads,
+                             .head_dim = head_dim,
+                             .scale = scale,
                              .block_size = tdm_kv_config(kv)->block_size,
                              .task_start = task_start};
         atomic_init(&j.next, 0);

@@ -80,7 +80,8 @@ static void effective_weights(const float *w, int rows, int cols, enum tdm_wtype
 {
     for (int r = 0; r < rows; r++) {
         // The checkpoint value first (a bf16 source is already rounded).
-#define SRCV(k) (src == TDM_DTYPE_BF16 ? bf16_round(w[(size_t)r * cols + (k)]) : w[(size_t)r * cols + (k)])
+#define SRCV(k)                                                                                    \
+    (src == TDM_DTYPE_BF16 ? bf16_round(w[(size_t)r * cols + (k)]) : w[(size_t)r * cols + (k)])
         float amax = 0;
         for (int k = 0; k < cols; k++)
             amax = fmaxf(amax, fabsf(SRCV(k)));
@@ -124,8 +125,8 @@ static void prepare(struct tdm_backend *be, struct tdm_weight *w, const float *m
 }
 
 // ---- matmul --------------------------------------------------------------------------------
-static const int shapes[][2] = {{1, 1}, {5, 3}, {16, 32}, {77, 45}, {130, 96}, {200, 67},
-                                {64, 128}, {33, 1000}};
+static const int shapes[][2] = {{1, 1},    {5, 3},    {16, 32},  {77, 45},
+                                {130, 96}, {200, 67}, {64, 128}, {33, 1000}};
 
 static void check_matmul_accuracy(struct tdm_backend *be, enum tdm_wtype t, int isa)
 {
@@ -161,8 +162,8 @@ static void check_matmul_accuracy(struct tdm_backend *be, enum tdm_wtype t, int 
                 double got = y[(size_t)i * rows + r];
                 if (fabs(got - ref) > tol * mag + 1e-6)
                     fail_msg("isa %s type %d shape %dx%d token %d row %d: %g vs %g (mag %g)",
-                             tdm_cpu_isa_name((enum tdm_cpu_isa)isa), (int)t, rows, cols, i, r,
-                             got, ref, mag);
+                             tdm_cpu_isa_name((enum tdm_cpu_isa)isa), (int)t, rows, cols, i, r, got,
+                             ref, mag);
             }
         }
         ops->release_weight(be, &w);
@@ -404,8 +405,10 @@ static void run_attention_case(struct tdm_backend *be, const struct attn_case *c
     int nblocks_total = 0;
     for (int s = 0; s < n_seqs; s++)
         nblocks_total += (lens[s] + c->block_size - 1) / c->block_size;
-    struct tdm_kv_config cfg = {.num_layers = layers, .num_kv_heads = c->n_kv_heads,
-                                .head_dim = c->head_dim, .block_size = c->block_size,
+    struct tdm_kv_config cfg = {.num_layers = layers,
+                                .num_kv_heads = c->n_kv_heads,
+                                .head_dim = c->head_dim,
+                                .block_size = c->block_size,
                                 .num_blocks = nblocks_total + 3};
     struct tdm_kv_cache *kv = NULL;
     char err[256] = "";
@@ -430,8 +433,8 @@ static void run_attention_case(struct tdm_backend *be, const struct attn_case *c
     struct tdm_attn_seq seqs[3];
     int row = 0;
     for (int s = 0; s < n_seqs; s++) {
-        seqs[s] = (struct tdm_attn_seq){.row = row, .n_tokens = lens[s], .start_pos = 0,
-                                        .block_table = tables[s]};
+        seqs[s] = (struct tdm_attn_seq){
+            .row = row, .n_tokens = lens[s], .start_pos = 0, .block_table = tables[s]};
         row += lens[s];
     }
     float scale = 1.0f / sqrtf((float)c->head_dim);
@@ -462,14 +465,14 @@ static void run_attention_case(struct tdm_backend *be, const struct attn_case *c
                     double ref = 0;
                     for (int p = 0; p <= i; p++)
                         ref += sc[p] * qkv[(size_t)(seqs[s].row + p) * qkv_stride + qd + kvd +
-                                          kh * c->head_dim + e];
+                                           kh * c->head_dim + e];
                     ref /= sum;
                     double got = out1[(size_t)(seqs[s].row + i) * qd + h * c->head_dim + e];
                     if (fabs(got - ref) > 2e-5 * (1 + fabs(ref)))
                         fail_msg("isa %s heads %d/%d hd %d bs %d seq %d tok %d head %d dim %d: "
                                  "%g vs %g",
-                                 tdm_cpu_isa_name((enum tdm_cpu_isa)isa), c->n_heads,
-                                 c->n_kv_heads, c->head_dim, c->block_size, s, i, h, e, got, ref);
+                                 tdm_cpu_isa_name((enum tdm_cpu_isa)isa), c->n_heads, c->n_kv_heads,
+                                 c->head_dim, c->block_size, s, i, h, e, got, ref);
                 }
             }
         }
@@ -493,8 +496,8 @@ static void run_attention_case(struct tdm_backend *be, const struct attn_case *c
                 memcpy(step_qkv + (size_t)(r + i) * qkv_stride,
                        qkv + (size_t)(seqs[s].row + done[s] + i) * qkv_stride,
                        sizeof(float) * qkv_stride);
-            ss[ns++] = (struct tdm_attn_seq){.row = r, .n_tokens = take, .start_pos = done[s],
-                                             .block_table = tables[s]};
+            ss[ns++] = (struct tdm_attn_seq){
+                .row = r, .n_tokens = take, .start_pos = done[s], .block_table = tables[s]};
             r += take;
         }
         if (ns == 0)
@@ -505,8 +508,8 @@ static void run_attention_case(struct tdm_backend *be, const struct attn_case *c
         for (int k = 0, s = 0; s < n_seqs; s++) {
             if (lens[s] == done[s])
                 continue;
-            memcpy(out2 + (size_t)(seqs[s].row + done[s]) * qd,
-                   step_out + (size_t)ss[k].row * qd, sizeof(float) * ss[k].n_tokens * qd);
+            memcpy(out2 + (size_t)(seqs[s].row + done[s]) * qd, step_out + (size_t)ss[k].row * qd,
+                   sizeof(float) * ss[k].n_tokens * qd);
             done[s] += ss[k].n_tokens;
             k++;
         }
@@ -541,8 +544,8 @@ static void test_attention_bad_block(void **state)
 {
     (void)state;
     struct tdm_backend *be = make_backend(2);
-    struct tdm_kv_config cfg = {.num_layers = 1, .num_kv_heads = 1, .head_dim = 4,
-                                .block_size = 4, .num_blocks = 2};
+    struct tdm_kv_config cfg = {
+        .num_layers = 1, .num_kv_heads = 1, .head_dim = 4, .block_size = 4, .num_blocks = 2};
     struct tdm_kv_cache *kv = NULL;
     char err[128];
     assert_int_equal(tdm_kv_new(&kv, &cfg, err, sizeof err), TDM_OK);
@@ -565,14 +568,10 @@ static void test_attention_bad_block(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_matmul_accuracy),
-        cmocka_unit_test(test_matmul_batch_invariance),
-        cmocka_unit_test(test_prepare_errors),
-        cmocka_unit_test(test_embed),
-        cmocka_unit_test(test_rmsnorm_silu_add),
-        cmocka_unit_test(test_rope),
-        cmocka_unit_test(test_attention),
-        cmocka_unit_test(test_attention_bad_block),
+        cmocka_unit_test(test_matmul_accuracy),  cmocka_unit_test(test_matmul_batch_invariance),
+        cmocka_unit_test(test_prepare_errors),   cmocka_unit_test(test_embed),
+        cmocka_unit_test(test_rmsnorm_silu_add), cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_attention),        cmocka_unit_test(test_attention_bad_block),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -47,14 +47,14 @@ int cpu_pool_size(const struct cpu_pool *p);
 // ---- matmul arguments and weight geometry ------------------------------------------------
 struct cpu_mm_args {
     const struct tdm_weight *w;
-    const float *bias;   // [rows] or NULL
-    const float *x;      // [n][cols] f32
+    const float *bias; // [rows] or NULL
+    const float *x;    // [n][cols] f32
     // Activations converted by mm_prep_x, [n][xq_stride] uint32 per token:
     // BF16 weights: bf16 pairs; Q8 weights: int8 [kpad], then f32 scale and
     // int32 sum of each 32-k block. NULL when the path reads f32 x.
     const uint32_t *xq;
     size_t xq_stride;
-    float *y;            // [n][rows]
+    float *y; // [n][rows]
     int n;
 };
 
@@ -134,9 +134,9 @@ struct tdm_backend {
     const struct cpu_kernels *k;
     struct cpu_pool *pool;
     int nthreads;
-    uint32_t *xq;        // [CPU_MM_CHUNK_TOKENS][xq_stride] converted activations (see
-                         // cpu_mm_args), host; grows in prepare_weight
-    size_t xq_stride;    // uint32 per token: enough for the widest weight prepared
+    uint32_t *xq;     // [CPU_MM_CHUNK_TOKENS][xq_stride] converted activations (see
+                      // cpu_mm_args), host; grows in prepare_weight
+    size_t xq_stride; // uint32 per token: enough for the widest weight prepared
 };
 
 static inline float cpu_bf16_to_f32(uint16_t h)

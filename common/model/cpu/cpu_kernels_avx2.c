@@ -34,8 +34,8 @@ AI __m256 exp_ps(__m256 x)
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
-                                  23);
+    __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
@@ -212,18 +212,32 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, int G, int g0, cons
     {                                                                                              \
         if (T == 1) {                                                                              \
             switch (G) {                                                                           \
-            case 1: tile(a, wb, G, 0, 1, 1, t0, row0, WT); break;                                  \
-            case 2: tile(a, wb, G, 0, 2, 1, t0, row0, WT); break;                                  \
-            case 3: tile(a, wb, G, 0, 3, 1, t0, row0, WT); break;                                  \
-            default: tile(a, wb, G, 0, 4, 1, t0, row0, WT); break;                                 \
+            case 1:                                                                                \
+                tile(a, wb, G, 0, 1, 1, t0, row0, WT);                                             \
+                break;                                                                             \
+            case 2:                                                                                \
+                tile(a, wb, G, 0, 2, 1, t0, row0, WT);                                             \
+                break;                                                                             \
+            case 3:                                                                                \
+                tile(a, wb, G, 0, 3, 1, t0, row0, WT);                                             \
+                break;                                                                             \
+            default:                                                                               \
+                tile(a, wb, G, 0, 4, 1, t0, row0, WT);                                             \
+                break;                                                                             \
             }                                                                                      \
             return;                                                                                \
         }                                                                                          \
         for (int g = 0; g < G; g++) {                                                              \
             switch (T) {                                                                           \
-            case 2: tile(a, wb, G, g, 1, 2, t0, row0, WT); break;                                  \
-            case 3: tile(a, wb, G, g, 1, 3, t0, row0, WT); break;                                  \
-            default: tile(a, wb, G, g, 1, 4, t0, row0, WT); break;                                 \
+            case 2:                                                                                \
+                tile(a, wb, G, g, 1, 2, t0, row0, WT);                                             \
+                break;                                                                             \
+            case 3:                                                                                \
+                tile(a, wb, G, g, 1, 3, t0, row0, WT);                                             \
+                break;                                                                             \
+            default:                                                                               \
+                tile(a, wb, G, g, 1, 4, t0, row0, WT);                                             \
+                break;                                                                             \
             }                                                                                      \
         }                                                                                          \
     }
@@ -236,7 +250,9 @@ static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
 {
     const struct tdm_weight *w = a->w;
     void (*fn)(const struct cpu_mm_args *, const uint8_t *, int, int, int, int) =
-        w->type == TDM_W_BF16 ? tile_bf16 : w->type == TDM_W_Q8 ? tile_q8 : tile_f32;
+        w->type == TDM_W_BF16 ? tile_bf16
+        : w->type == TDM_W_Q8 ? tile_q8
+                              : tile_f32;
     for (int b = b0; b < b1; b++) {
         const uint8_t *wb = cpu_w_block(w, b);
         int G = cpu_w_block_panels(w, b);

@@ -290,28 +290,53 @@ static void tile_q8(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T
                     const uint8_t *pf, int pf_lines)
 {
     switch (G * 8 + T) {
-    case 1 * 8 + 1: tile_q8v(a, wb, 1, 1, t0, row0, pf, pf_lines); break;
-    case 1 * 8 + 2: tile_q8v(a, wb, 1, 2, t0, row0, pf, pf_lines); break;
-    case 1 * 8 + 3: tile_q8v(a, wb, 1, 3, t0, row0, pf, pf_lines); break;
-    case 2 * 8 + 1: tile_q8v(a, wb, 2, 1, t0, row0, pf, pf_lines); break;
-    case 2 * 8 + 2: tile_q8v(a, wb, 2, 2, t0, row0, pf, pf_lines); break;
-    case 2 * 8 + 3: tile_q8v(a, wb, 2, 3, t0, row0, pf, pf_lines); break;
-    case 3 * 8 + 1: tile_q8v(a, wb, 3, 1, t0, row0, pf, pf_lines); break;
-    case 3 * 8 + 2: tile_q8v(a, wb, 3, 2, t0, row0, pf, pf_lines); break;
-    case 3 * 8 + 3: tile_q8v(a, wb, 3, 3, t0, row0, pf, pf_lines); break;
-    case 4 * 8 + 1: tile_q8v(a, wb, 4, 1, t0, row0, pf, pf_lines); break;
-    case 4 * 8 + 2: tile_q8v(a, wb, 4, 2, t0, row0, pf, pf_lines); break;
-    default: tile_q8v(a, wb, 4, 3, t0, row0, pf, pf_lines); break;
+    case 1 * 8 + 1:
+        tile_q8v(a, wb, 1, 1, t0, row0, pf, pf_lines);
+        break;
+    case 1 * 8 + 2:
+        tile_q8v(a, wb, 1, 2, t0, row0, pf, pf_lines);
+        break;
+    case 1 * 8 + 3:
+        tile_q8v(a, wb, 1, 3, t0, row0, pf, pf_lines);
+        break;
+    case 2 * 8 + 1:
+        tile_q8v(a, wb, 2, 1, t0, row0, pf, pf_lines);
+        break;
+    case 2 * 8 + 2:
+        tile_q8v(a, wb, 2, 2, t0, row0, pf, pf_lines);
+        break;
+    case 2 * 8 + 3:
+        tile_q8v(a, wb, 2, 3, t0, row0, pf, pf_lines);
+        break;
+    case 3 * 8 + 1:
+        tile_q8v(a, wb, 3, 1, t0, row0, pf, pf_lines);
+        break;
+    case 3 * 8 + 2:
+        tile_q8v(a, wb, 3, 2, t0, row0, pf, pf_lines);
+        break;
+    case 3 * 8 + 3:
+        tile_q8v(a, wb, 3, 3, t0, row0, pf, pf_lines);
+        break;
+    case 4 * 8 + 1:
+        tile_q8v(a, wb, 4, 1, t0, row0, pf, pf_lines);
+        break;
+    case 4 * 8 + 2:
+        tile_q8v(a, wb, 4, 2, t0, row0, pf, pf_lines);
+        break;
+    default:
+        tile_q8v(a, wb, 4, 3, t0, row0, pf, pf_lines);
+        break;
     }
 }
 
 #define TILE_CASE(WT, g, t)                                                                        \
-    case (g) * 8 + (t):                                                                            \
+    case (g)*8 + (t):                                                                              \
         tile(a, wb, g, t, t0, row0, pf, pf_lines, WT);                                             \
         break;
 #define TILE_CASES_G(WT, g)                                                                        \
-    TILE_CASE(WT, g, 1) TILE_CASE(WT, g, 2) TILE_CASE(WT, g, 3) TILE_CASE(WT, g, 4)               \
-        TILE_CASE(WT, g, 5) TILE_CASE(WT, g, 6)
+    TILE_CASE(WT, g, 1)                                                                            \
+    TILE_CASE(WT, g, 2) TILE_CASE(WT, g, 3) TILE_CASE(WT, g, 4) TILE_CASE(WT, g, 5)                \
+        TILE_CASE(WT, g, 6)
 #define TILE_DISPATCH(fname, WT)                                                                   \
     static void fname(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T, int t0,        \
                       int row0, const uint8_t *pf, int pf_lines)                                   \
@@ -339,7 +364,9 @@ static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
 {
     const struct tdm_weight *w = a->w;
     void (*fn)(const struct cpu_mm_args *, const uint8_t *, int, int, int, int, const uint8_t *,
-               int) = w->type == TDM_W_BF16 ? tile_bf16 : w->type == TDM_W_Q8 ? tile_q8 : tile_f32;
+               int) = w->type == TDM_W_BF16 ? tile_bf16
+                      : w->type == TDM_W_Q8 ? tile_q8
+                                            : tile_f32;
     const int tt = w->type == TDM_W_Q8 ? TILE_TQ : TILE_T;
     const int steps = cpu_w_steps(w);
     const int ntiles = (a->n + tt - 1) / tt;
@@ -394,10 +421,11 @@ AI __m512 transpose_sum16(__m512 v[16])
     for (int i = 0; i < 4; i++)
         w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
                              _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
-    // w[i] quarter c holds 4 partials of v[4i + c].
+        // w[i] quarter c holds 4 partials of v[4i + c].
 #pragma GCC unroll 2
     for (int i = 0; i < 2; i++)
-        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(w[i], w[i + 2]), _mm512_unpackhi_ps(w[i], w[i + 2]));
+        x[i] =
+            _mm512_add_ps(_mm512_unpacklo_ps(w[i], w[i + 2]), _mm512_unpackhi_ps(w[i], w[i + 2]));
     // x[0] quarter c: [v[c] 02, v[8+c] 02, v[c] 13, v[8+c] 13]; x[1] likewise for v[4+c], v[12+c].
     __m512 y = _mm512_add_ps(
         _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x[0]), _mm512_castps_pd(x[1]))),
@@ -420,8 +448,8 @@ static float attn_scores(const float *q, const float *k, int nk, int hd, float s
 #pragma GCC unroll 16
         for (int j = 0; j < 16; j++)
             if (j < nk)
-                acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + (size_t)j * hd + d),
-                                         acc[j]);
+                acc[j] =
+                    _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + (size_t)j * hd + d), acc[j]);
     }
     __mmask16 mk = lanes_mask(nk);
     __m512 sv = _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));

@@ -11,8 +11,8 @@
 #define PANEL CPU_PANEL_ROWS
 
 // One panel (16 rows) of a block for one token: acc[lane] over all k.
-static void panel_dot(const struct cpu_mm_args *a, const uint8_t *wb, int G, int g,
-                      const float *x, float acc[PANEL])
+static void panel_dot(const struct cpu_mm_args *a, const uint8_t *wb, int G, int g, const float *x,
+                      float acc[PANEL])
 {
     const struct tdm_weight *w = a->w;
     for (int l = 0; l < PANEL; l++)

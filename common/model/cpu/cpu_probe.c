@@ -22,9 +22,9 @@ enum probe_kind { PROBE_READ, PROBE_FMA, PROBE_BF16 };
 struct probe_arg {
     enum probe_kind kind;
     const float *data;
-    size_t count;        // floats in this thread's slice
-    long iters;          // compute probes: loop iterations
-    int isa;             // TDM_CPU_ISA_*
+    size_t count; // floats in this thread's slice
+    long iters;   // compute probes: loop iterations
+    int isa;      // TDM_CPU_ISA_*
     pthread_barrier_t *start;
     double t_start, t_end;
     volatile float sink;
@@ -73,7 +73,8 @@ static float bf16_avx512(long iters)
     __m512 acc[PROBE_CHAINS];
     for (int c = 0; c < PROBE_CHAINS; c++)
         acc[c] = _mm512_setzero_ps();
-    const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x33d633d6);
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80),
+                   b = (__m512bh)_mm512_set1_epi32(0x33d633d6);
     for (long i = 0; i < iters; i++) {
 #pragma GCC unroll 12
         for (int c = 0; c < PROBE_CHAINS; c++)
@@ -234,8 +235,7 @@ double tdm_cpu_probe_read_bw(size_t bytes, int nthreads, int reps)
     return best > 0 ? (double)(count * sizeof(float)) / best : 0;
 }
 
-static double compute_peak(enum probe_kind kind, int isa, double flop_per_iter_thread,
-                           int nthreads)
+static double compute_peak(enum probe_kind kind, int isa, double flop_per_iter_thread, int nthreads)
 {
     int n = resolve_threads(nthreads);
     long iters = 1000000;
