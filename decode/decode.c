@@ -12,7 +12,6 @@
 // still running) and released before the handler returns, so a client that
 // goes away never leaves KV blocks behind; a bad request is answered on its own
 // thread and never reaches the engine.
-#include <civetweb.h>
 #include <cjson/cJSON.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -27,6 +26,7 @@
 #include "decode.h"
 #include "engine.h"
 #include "hf.h"
+#include "http.h"
 #include "metrics.h"
 #include "model.h"
 #include "openai.h"
@@ -42,7 +42,7 @@ enum server_state { STATE_LOADING = 0, STATE_READY, STATE_DRAINING };
 
 struct tdm_decode_server {
     struct tdm_decode_config cfg;
-    struct mg_context *mg;
+    struct tdm_http_server *http;
     int port;
     _Atomic int state;
     _Atomic int inflight;          // API handlers running (drain waits for 0)
@@ -172,141 +172,50 @@ static int lp_add(struct lp_list *l, const struct tdm_tokenizer *tok, int32_t id
 }
 
 // ---- HTTP glue ----------------------------------------------------------------------------
-// The one place this server maps an error code to an HTTP status.
-static int decode_http_status(int err)
-{
-    switch (err) {
-    case TDM_OK:
-        return 200;
-    case TDM_EINVAL:
-        return 400;
-    case TDM_ENOTFOUND:
-        return 404;
-    case TDM_EBUSY:
-    case TDM_ECLOSED:
-    case TDM_ECAPACITY:
-        return 503;
-    case TDM_ETIMEDOUT:
-        return 504;
-    default:
-        return 500;
-    }
-}
-
-// Sends a complete response with a Content-Length; Retry-After on 503 (queue
-// full or draining), so clients back off instead of hammering.
-static int http_send(struct mg_connection *c, int status, const char *ctype, const char *body,
-                     size_t len)
-{
-    char clen[32];
-    snprintf(clen, sizeof clen, "%zu", len);
-    mg_response_header_start(c, status);
-    if (ctype)
-        mg_response_header_add(c, "Content-Type", ctype, -1);
-    mg_response_header_add(c, "Content-Length", clen, -1);
-    if (status == 503)
-        mg_response_header_add(c, "Retry-After", "1", -1);
-    mg_response_header_send(c);
-    if (len > 0 && mg_write(c, body, len) <= 0)
-        return -1;
-    return 0;
-}
-
-static int http_send_json(struct mg_connection *c, int status, char *body_owned)
+// Error -> status goes through tdm_http_status_for_err (common/http), except
+// that a full waiting queue and a draining server are 503 with Retry-After
+// (set where those errors are made, below).
+static void respond_json(struct tdm_http_conn *c, int status, char *body_owned)
 {
     if (body_owned == NULL) {
-        static const char oom[] = "{\"error\":{\"message\":\"out of memory\",\"type\":"
-                                  "\"InternalServerError\",\"param\":null,\"code\":500}}";
-        return http_send(c, 500, "application/json", oom, sizeof oom - 1);
+        tdm_http_respond_error(c, 500, NULL, NULL, "out of memory");
+        return;
     }
-    int rc = http_send(c, status, "application/json", body_owned, strlen(body_owned));
+    tdm_http_respond_json(c, status, body_owned);
     free(body_owned);
-    return rc;
 }
 
-static int http_send_oai_error(struct mg_connection *c, const struct tdm_oai_error *e)
+static void respond_oai_error(struct tdm_http_conn *c, const struct tdm_oai_error *e)
 {
-    return http_send_json(c, e->status, tdm_oai_error_body(e));
+    if (e->status == 503)
+        tdm_http_add_header(c, "Retry-After", "1");
+    tdm_http_respond_oai_error(c, e);
 }
 
-static int http_error(struct mg_connection *c, int status, const char *param, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int http_error(struct mg_connection *c, int status, const char *param, const char *fmt, ...)
+static void respond_error(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
+                          ...) __attribute__((format(printf, 4, 5)));
+static void respond_error(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
+                          ...)
 {
     char msg[512];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    return http_send_json(c, status, tdm_oai_error_body_from(status, NULL, param, msg));
+    if (status == 503)
+        tdm_http_add_header(c, "Retry-After", "1");
+    tdm_http_respond_error(c, status, NULL, param, msg);
 }
 
-// Reads the body (at most limit bytes). 413 is answered here; returns -1 then.
-static int http_read_body(struct mg_connection *c, size_t limit, char **out, size_t *len)
+// One SSE event from a heap JSON string (freed here). 0, -1 when the client is
+// gone, -2 on ENOMEM (json NULL).
+static int sse_send(struct tdm_http_conn *c, char *json_owned)
 {
-    const struct mg_request_info *ri = mg_get_request_info(c);
-    *out = NULL;
-    *len = 0;
-    if (ri->content_length > 0 && (unsigned long long)ri->content_length > limit) {
-        http_error(c, 413, NULL, "Request body of %lld bytes exceeds the limit of %zu bytes.",
-                   ri->content_length, limit);
-        return -1;
-    }
-    struct sbuf b = {0};
-    char chunk[16384];
-    for (;;) {
-        int n = mg_read(c, chunk, sizeof chunk);
-        if (n <= 0)
-            break;
-        if (b.len + (size_t)n > limit) {
-            sbuf_fini(&b);
-            http_error(c, 413, NULL, "Request body exceeds the limit of %zu bytes.", limit);
-            return -1;
-        }
-        if (sbuf_add(&b, chunk, (size_t)n) != TDM_OK) {
-            sbuf_fini(&b);
-            http_error(c, 500, NULL, "out of memory");
-            return -1;
-        }
-    }
-    if (b.p == NULL && sbuf_add(&b, "", 0) != TDM_OK) {
-        http_error(c, 500, NULL, "out of memory");
-        return -1;
-    }
-    *out = b.p;
-    *len = b.len;
-    return 0;
-}
-
-// SSE: headers once, then "data: <json>\n\n" events in HTTP chunks. Returns -1
-// when the client is gone.
-static int sse_start(struct mg_connection *c)
-{
-    mg_response_header_start(c, 200);
-    mg_response_header_add(c, "Content-Type", "text/event-stream; charset=utf-8", -1);
-    mg_response_header_add(c, "Cache-Control", "no-cache", -1);
-    mg_response_header_add(c, "Transfer-Encoding", "chunked", -1);
-    return mg_response_header_send(c) < 0 ? -1 : 0;
-}
-
-static int sse_event(struct mg_connection *c, struct sbuf *scratch, const char *json)
-{
-    if (json == NULL)
+    if (json_owned == NULL)
         return -2;
-    scratch->len = 0;
-    if (sbuf_add(scratch, "data: ", 6) != TDM_OK || sbuf_add(scratch, json, strlen(json)) ||
-        sbuf_add(scratch, "\n\n", 2) != TDM_OK)
-        return -2;
-    return mg_send_chunk(c, scratch->p, (unsigned)scratch->len) <= 0 ? -1 : 0;
-}
-
-static int sse_end(struct mg_connection *c, struct sbuf *scratch)
-{
-    scratch->len = 0;
-    sbuf_add(scratch, "data: [DONE]\n\n", 14);
-    if (mg_send_chunk(c, scratch->p, (unsigned)scratch->len) <= 0)
-        return -1;
-    return mg_send_chunk(c, "", 0) < 0 ? -1 : 0;
+    int rc = tdm_http_sse_event(c, json_owned, strlen(json_owned));
+    free(json_owned);
+    return rc == TDM_OK ? 0 : -1;
 }
 
 // ---- generation -------------------------------------------------------------------------
@@ -343,14 +252,13 @@ struct prompt {
 
 struct call {
     struct tdm_decode_server *s;
-    struct mg_connection *conn;
+    struct tdm_http_conn *conn;
     struct tdm_oai_request req;
     struct tdm_oai_response resp;
     struct prompt *prompts;
     size_t n_prompts;
     struct choice *choices;
     size_t n_choices;
-    struct sbuf scratch;
     bool client_gone;
     int prompt_tokens;          // usage: each prompt once
 };
@@ -504,9 +412,8 @@ static int stream_flush_choice(struct call *k, struct choice *ch)
                                   ? (int)k->prompts[ch->prompt_idx].n
                                   : 0,
                               ch->completion_tokens};
-    char *json = tdm_oai_chunk(&k->resp, &oc, 1, k->req.continuous_usage_stats ? &u : NULL);
-    int rc = sse_event(k->conn, &k->scratch, json);
-    free(json);
+    int rc = sse_send(k->conn,
+                      tdm_oai_chunk(&k->resp, &oc, 1, k->req.continuous_usage_stats ? &u : NULL));
     if (rc == -2)
         return -2;
     if (rc < 0)
@@ -552,7 +459,6 @@ static void call_fini(struct call *k)
         free(k->prompts[i].text);
     }
     free(k->prompts);
-    sbuf_fini(&k->scratch);
     tdm_oai_request_fini(&k->req);
 }
 
@@ -677,7 +583,7 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
                                       s->cfg.max_waiting);
             if (rc == TDM_ECLOSED)
                 return tdm_oai_seterr(e, 503, NULL, "The server is shutting down.");
-            return tdm_oai_seterr(e, decode_http_status(rc), NULL, "%s", err);
+            return tdm_oai_seterr(e, tdm_http_status_for_err(rc), NULL, "%s", err);
         }
     }
     return TDM_OK;
@@ -744,7 +650,7 @@ static const struct choice *first_error(const struct call *k)
 static void run_stream(struct call *k)
 {
     struct tdm_oai_error e;
-    if (sse_start(k->conn) < 0) {
+    if (tdm_http_sse_start(k->conn) != TDM_OK) {
         k->client_gone = true;
         return;
     }
@@ -752,9 +658,7 @@ static void run_stream(struct call *k)
     for (size_t i = 0; i < k->n_choices && rc == 0; i++) {
         struct choice *ch = &k->choices[i];
         if (k->req.kind == TDM_OAI_CHAT) {
-            char *json = tdm_oai_chat_role_chunk(&k->resp, ch->index);
-            rc = sse_event(k->conn, &k->scratch, json);
-            free(json);
+            rc = sse_send(k->conn, tdm_oai_chat_role_chunk(&k->resp, ch->index));
         } else if (k->req.echo) {
             const struct prompt *p = &k->prompts[ch->prompt_idx];
             if (sbuf_add(&ch->text, p->text ? p->text : "", p->text_len) != TDM_OK)
@@ -781,23 +685,18 @@ static void run_stream(struct call *k)
     const struct choice *bad = first_error(k);
     if (rc == -2 || bad) {
         tdm_oai_seterr(&e, 500, NULL, "%s", bad ? bad->message : "out of memory");
-        char *json = tdm_oai_error_body(&e);
-        if (sse_event(k->conn, &k->scratch, json) == -1)
-            k->client_gone = true;
-        free(json);
-        if (!k->client_gone && sse_end(k->conn, &k->scratch) < 0)
+        if (sse_send(k->conn, tdm_oai_error_body(&e)) == -1 ||
+            tdm_http_sse_end(k->conn, true) != TDM_OK)
             k->client_gone = true;
         return;
     }
     if (k->req.include_usage) {
         struct tdm_oai_usage u;
         usage_of(k, &u);
-        char *json = tdm_oai_usage_chunk(&k->resp, &u);
-        if (sse_event(k->conn, &k->scratch, json) < 0)
+        if (sse_send(k->conn, tdm_oai_usage_chunk(&k->resp, &u)) < 0)
             k->client_gone = true;
-        free(json);
     }
-    if (!k->client_gone && sse_end(k->conn, &k->scratch) < 0)
+    if (!k->client_gone && tdm_http_sse_end(k->conn, true) != TDM_OK)
         k->client_gone = true;
 }
 
@@ -805,13 +704,13 @@ static void run_collect(struct call *k)
 {
     while (!all_done(k)) {
         if (pump(k) < 0) {
-            http_error(k->conn, 500, NULL, "out of memory");
+            respond_error(k->conn, 500, NULL, "out of memory");
             return;
         }
     }
     const struct choice *bad = first_error(k);
     if (bad) {
-        http_error(k->conn, 500, NULL, "%s", bad->message);
+        respond_error(k->conn, 500, NULL, "%s", bad->message);
         return;
     }
     struct tdm_oai_choice *oc = calloc(k->n_choices, sizeof *oc);
@@ -819,7 +718,7 @@ static void run_collect(struct call *k)
     if (oc == NULL || full == NULL) {
         free(oc);
         free(full);
-        http_error(k->conn, 500, NULL, "out of memory");
+        respond_error(k->conn, 500, NULL, "out of memory");
         return;
     }
     bool oom = false;
@@ -840,8 +739,8 @@ static void run_collect(struct call *k)
     struct tdm_oai_usage u;
     usage_of(k, &u);
     char *body = oom ? NULL : tdm_oai_body(&k->resp, oc, k->n_choices, &u);
-    if (http_send_json(k->conn, 200, body) < 0)
-        k->client_gone = true;
+    respond_json(k->conn, 200, body);
+    k->client_gone = tdm_http_client_gone(k->conn);
     for (size_t i = 0; i < k->n_choices; i++)
         sbuf_fini(&full[i]);
     free(full);
@@ -855,7 +754,7 @@ static void run_echo_only(struct call *k)
     size_t n = k->n_prompts * (size_t)k->req.n;
     struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
     if (oc == NULL) {
-        http_error(k->conn, 500, NULL, "out of memory");
+        respond_error(k->conn, 500, NULL, "out of memory");
         return;
     }
     for (size_t i = 0; i < n; i++) {
@@ -868,26 +767,22 @@ static void run_echo_only(struct call *k)
     }
     struct tdm_oai_usage u = {k->prompt_tokens, 0};
     if (!k->req.stream) {
-        http_send_json(k->conn, 200, tdm_oai_body(&k->resp, oc, n, &u));
-    } else if (sse_start(k->conn) == 0) {
+        respond_json(k->conn, 200, tdm_oai_body(&k->resp, oc, n, &u));
+    } else if (tdm_http_sse_start(k->conn) == TDM_OK) {
         int rc = 0;
         for (size_t i = 0; i < n && rc == 0; i++) {
-            char *json = tdm_oai_chunk(&k->resp, &oc[i], 1, NULL);
-            rc = sse_event(k->conn, &k->scratch, json);
-            free(json);
+            rc = sse_send(k->conn, tdm_oai_chunk(&k->resp, &oc[i], 1, NULL));
         }
         if (rc == 0 && k->req.include_usage) {
-            char *json = tdm_oai_usage_chunk(&k->resp, &u);
-            rc = sse_event(k->conn, &k->scratch, json);
-            free(json);
+            rc = sse_send(k->conn, tdm_oai_usage_chunk(&k->resp, &u));
         }
         if (rc == 0)
-            sse_end(k->conn, &k->scratch);
+            tdm_http_sse_end(k->conn, true);
     }
     free(oc);
 }
 
-static void handle_generate(struct tdm_decode_server *s, struct mg_connection *c,
+static void handle_generate(struct tdm_decode_server *s, struct tdm_http_conn *c,
                             enum tdm_oai_kind kind, const char *body, size_t len)
 {
     double arrival = tdm_now();
@@ -897,13 +792,13 @@ static void handle_generate(struct tdm_decode_server *s, struct mg_connection *c
     k.conn = c;
     struct tdm_oai_error e;
     if (tdm_oai_request_parse(&k.req, kind, body, len, &s->info, &e) != TDM_OK) {
-        http_send_oai_error(c, &e);
+        respond_oai_error(c, &e);
         return;
     }
-    const char *base = k.req.request_id ? k.req.request_id : mg_get_header(c, "X-Request-Id");
+    const char *base = k.req.request_id ? k.req.request_id : tdm_http_header(c, "X-Request-Id");
     tdm_oai_response_init(&k.resp, kind, s->served_name, base);
     if (build_prompts(&k, &e) != TDM_OK) {
-        http_send_oai_error(c, &e);
+        respond_oai_error(c, &e);
         goto out;
     }
     if (k.req.echo_only) {
@@ -911,7 +806,7 @@ static void handle_generate(struct tdm_decode_server *s, struct mg_connection *c
         goto out;
     }
     if (submit_all(&k, arrival, &e) != TDM_OK) {
-        http_send_oai_error(c, &e);
+        respond_oai_error(c, &e);
         goto out;
     }
     if (k.req.stream)
@@ -933,13 +828,13 @@ out:
 }
 
 // ---- tokenize / detokenize ------------------------------------------------------------------
-static void handle_tokenize(struct tdm_decode_server *s, struct mg_connection *c, const char *body,
+static void handle_tokenize(struct tdm_decode_server *s, struct tdm_http_conn *c, const char *body,
                             size_t len)
 {
     struct tdm_oai_tokenize_request rq;
     struct tdm_oai_error e;
     if (tdm_oai_tokenize_parse(&rq, body, len, &s->info, &e) != TDM_OK) {
-        http_send_oai_error(c, &e);
+        respond_oai_error(c, &e);
         return;
     }
     char *rendered = NULL;
@@ -951,12 +846,12 @@ static void handle_tokenize(struct tdm_decode_server *s, struct mg_connection *c
     if (rq.messages != NULL) {
         char err[256];
         if (s->chat == NULL) {
-            http_error(c, 400, NULL, "This model has no usable chat template: %s", s->chat_err);
+            respond_error(c, 400, NULL, "This model has no usable chat template: %s", s->chat_err);
             goto out;
         }
         if (tdm_chat_render(s->chat, rq.messages, rq.n_messages, rq.add_generation_prompt,
                             &rendered, err, sizeof err) != TDM_OK) {
-            http_error(c, 400, "messages", "%s", err);
+            respond_error(c, 400, "messages", "%s", err);
             goto out;
         }
         text = rendered;
@@ -964,13 +859,13 @@ static void handle_tokenize(struct tdm_decode_server *s, struct mg_connection *c
     }
     if (tdm_tok_encode(s->tok, text ? text : "", text ? text_len : 0, rq.add_special_tokens, &ids,
                        &n) != TDM_OK) {
-        http_error(c, 500, NULL, "tokenization failed");
+        respond_error(c, 500, NULL, "tokenization failed");
         goto out;
     }
     if (rq.return_token_strs) {
         strs = calloc(n ? n : 1, sizeof *strs);
         if (strs == NULL) {
-            http_error(c, 500, NULL, "out of memory");
+            respond_error(c, 500, NULL, "out of memory");
             goto out;
         }
         for (size_t i = 0; i < n; i++) {
@@ -978,7 +873,7 @@ static void handle_tokenize(struct tdm_decode_server *s, struct mg_connection *c
             strs[i] = (char *)(piece ? piece : "");
         }
     }
-    http_send_json(c, 200, tdm_oai_tokenize_body(ids, n, s->max_model_len,
+    respond_json(c, 200, tdm_oai_tokenize_body(ids, n, s->max_model_len,
                                                  (const char *const *)strs));
 out:
     free(strs);
@@ -987,54 +882,27 @@ out:
     tdm_oai_tokenize_fini(&rq);
 }
 
-static void handle_detokenize(struct tdm_decode_server *s, struct mg_connection *c,
+static void handle_detokenize(struct tdm_decode_server *s, struct tdm_http_conn *c,
                               const char *body, size_t len)
 {
     struct tdm_oai_detokenize_request rq;
     struct tdm_oai_error e;
     if (tdm_oai_detokenize_parse(&rq, body, len, &s->info, &e) != TDM_OK) {
-        http_send_oai_error(c, &e);
+        respond_oai_error(c, &e);
         return;
     }
     char *text = NULL;
     size_t tl = 0;
     int rc = tdm_tok_decode(s->tok, rq.tokens, rq.n_tokens, false, &text, &tl);
     if (rc != TDM_OK)
-        http_error(c, decode_http_status(rc), "tokens", "Token ids are not in the vocabulary.");
+        respond_error(c, tdm_http_status_for_err(rc), "tokens", "Token ids are not in the vocabulary.");
     else
-        http_send_json(c, 200, tdm_oai_detokenize_body(text, tl));
+        respond_json(c, 200, tdm_oai_detokenize_body(text, tl));
     free(text);
     tdm_oai_detokenize_fini(&rq);
 }
 
-// ---- routing --------------------------------------------------------------------------------
-static bool authorized(const struct tdm_decode_server *s, struct mg_connection *c)
-{
-    if (s->cfg.api_key[0] == '\0')
-        return true;
-    const char *h = mg_get_header(c, "Authorization");
-    if (h == NULL || strncmp(h, "Bearer ", 7) != 0)
-        return false;
-    return strcmp(h + 7, s->cfg.api_key) == 0;
-}
-
-static void handle_metrics(struct tdm_decode_server *s, struct mg_connection *c)
-{
-    if (s->reg == NULL) {
-        http_send(c, 200, TDM_METRICS_CONTENT_TYPE, "", 0);
-        return;
-    }
-    char *text = NULL;
-    size_t len = 0;
-    if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
-        http_error(c, 500, NULL, "metrics rendering failed");
-        return;
-    }
-    http_send(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
-    free(text);
-}
-
-static void handle_models(struct tdm_decode_server *s, struct mg_connection *c)
+static void handle_models(struct tdm_decode_server *s, struct tdm_http_conn *c)
 {
     struct tdm_oai_model_card card = {
         .id = s->served_name,
@@ -1044,96 +912,96 @@ static void handle_models(struct tdm_decode_server *s, struct mg_connection *c)
         .created = s->created,
         .owned_by = NULL,
     };
-    http_send_json(c, 200, tdm_oai_models_body(&card, 1));
+    respond_json(c, 200, tdm_oai_models_body(&card, 1));
 }
 
-static bool is_api_post(const char *uri)
+// ---- routing --------------------------------------------------------------------------------
+// common/http has already matched (method, path), checked the API key and read
+// the body under --max-body-bytes (404/405/401/413 never get here).
+static void on_health(struct tdm_http_conn *c, void *arg)
 {
-    return strcmp(uri, "/v1/completions") == 0 || strcmp(uri, "/v1/chat/completions") == 0 ||
-           strcmp(uri, "/tokenize") == 0 || strcmp(uri, "/detokenize") == 0;
-}
-
-static int on_request(struct mg_connection *c, void *cbdata)
-{
-    struct tdm_decode_server *s = cbdata;
-    const struct mg_request_info *ri = mg_get_request_info(c);
-    const char *uri = ri->local_uri ? ri->local_uri : "/";
-    const char *method = ri->request_method ? ri->request_method : "";
-    bool get = strcmp(method, "GET") == 0 || strcmp(method, "HEAD") == 0;
-    bool post = strcmp(method, "POST") == 0;
+    struct tdm_decode_server *s = arg;
     int state = atomic_load(&s->state);
+    if (state == STATE_READY)
+        tdm_http_respond(c, 200, "application/json", "", 0);
+    else
+        respond_error(c, 503, NULL, "%s",
+                      state == STATE_LOADING ? "The model is loading." : "The server is draining.");
+}
 
-    if (strcmp(uri, "/health") == 0 || strcmp(uri, "/ping") == 0) {
-        if (!get)
-            return http_error(c, 405, NULL, "Method Not Allowed"), 405;
-        if (state == STATE_READY)
-            http_send(c, 200, NULL, "", 0);
-        else
-            http_error(c, 503, NULL, "%s",
-                       state == STATE_LOADING ? "The model is loading." : "The server is draining.");
-        return 200;
+static void on_metrics(struct tdm_http_conn *c, void *arg)
+{
+    struct tdm_decode_server *s = arg;
+    if (atomic_load(&s->state) == STATE_LOADING || s->reg == NULL) {
+        tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, "", 0);
+        return;
     }
-    if (strcmp(uri, "/metrics") == 0) {
-        if (!get)
-            return http_error(c, 405, NULL, "Method Not Allowed"), 405;
-        handle_metrics(s, c);
-        return 200;
+    char *text = NULL;
+    size_t len = 0;
+    if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
+        respond_error(c, 500, NULL, "metrics rendering failed");
+        return;
     }
-    if (strcmp(uri, "/version") == 0) {
-        if (!get)
-            return http_error(c, 405, NULL, "Method Not Allowed"), 405;
-        http_send_json(c, 200, tdm_oai_version_body(TANDEM_VERSION));
-        return 200;
-    }
-    bool models = strcmp(uri, "/v1/models") == 0;
-    if (!models && !is_api_post(uri)) {
-        http_error(c, 404, NULL, "Not Found: %s", uri);
-        return 404;
-    }
-    if (strncmp(uri, "/v1/", 4) == 0 && !authorized(s, c)) {
-        http_error(c, 401, NULL, "Unauthorized");
-        return 401;
-    }
-    if ((models && !get) || (!models && !post)) {
-        http_error(c, 405, NULL, "Method Not Allowed");
-        return 405;
-    }
-    if (state != STATE_READY) {
-        http_error(c, 503, NULL, "%s",
-                   state == STATE_LOADING ? "The model is loading." : "The server is shutting down.");
-        return 503;
-    }
+    tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
+    free(text);
+}
+
+static void on_version(struct tdm_http_conn *c, void *arg)
+{
+    (void)arg;
+    respond_json(c, 200, tdm_oai_version_body(TANDEM_VERSION));
+}
+
+enum api_route { ROUTE_MODELS, ROUTE_COMPLETIONS, ROUTE_CHAT, ROUTE_TOKENIZE, ROUTE_DETOKENIZE };
+
+// The API routes: 503 while loading or draining, counted in inflight so that
+// drain waits for their last writes.
+static void on_api(struct tdm_decode_server *s, struct tdm_http_conn *c, enum api_route r)
+{
     atomic_fetch_add(&s->inflight, 1);
-    if (models) {
+    int state = atomic_load(&s->state);
+    size_t len = 0;
+    const char *body = tdm_http_body(c, &len);
+    if (state != STATE_READY)
+        respond_error(c, 503, NULL, "%s",
+                      state == STATE_LOADING ? "The model is loading."
+                                             : "The server is shutting down.");
+    else if (r == ROUTE_MODELS)
         handle_models(s, c);
-    } else {
-        char *body = NULL;
-        size_t len = 0;
-        if (http_read_body(c, s->cfg.max_body_bytes, &body, &len) == 0) {
-            if (strcmp(uri, "/v1/completions") == 0)
-                handle_generate(s, c, TDM_OAI_COMPLETION, body, len);
-            else if (strcmp(uri, "/v1/chat/completions") == 0)
-                handle_generate(s, c, TDM_OAI_CHAT, body, len);
-            else if (strcmp(uri, "/tokenize") == 0)
-                handle_tokenize(s, c, body, len);
-            else
-                handle_detokenize(s, c, body, len);
-        }
-        free(body);
-    }
+    else if (r == ROUTE_COMPLETIONS)
+        handle_generate(s, c, TDM_OAI_COMPLETION, body, len);
+    else if (r == ROUTE_CHAT)
+        handle_generate(s, c, TDM_OAI_CHAT, body, len);
+    else if (r == ROUTE_TOKENIZE)
+        handle_tokenize(s, c, body, len);
+    else
+        handle_detokenize(s, c, body, len);
     if (atomic_fetch_sub(&s->inflight, 1) == 1) {
         pthread_mutex_lock(&s->mu);
         pthread_cond_broadcast(&s->idle_cv);
         pthread_mutex_unlock(&s->mu);
     }
-    return 200;
 }
 
-static int on_log(const struct mg_connection *c, const char *message)
+static void on_models(struct tdm_http_conn *c, void *arg)
 {
-    (void)c;
-    TDM_LOG_DEBUG(MOD, "civetweb: %s", message);
-    return 1; // handled: civetweb writes nothing to stderr itself
+    on_api(arg, c, ROUTE_MODELS);
+}
+static void on_completions(struct tdm_http_conn *c, void *arg)
+{
+    on_api(arg, c, ROUTE_COMPLETIONS);
+}
+static void on_chat(struct tdm_http_conn *c, void *arg)
+{
+    on_api(arg, c, ROUTE_CHAT);
+}
+static void on_tokenize(struct tdm_http_conn *c, void *arg)
+{
+    on_api(arg, c, ROUTE_TOKENIZE);
+}
+static void on_detokenize(struct tdm_http_conn *c, void *arg)
+{
+    on_api(arg, c, ROUTE_DETOKENIZE);
 }
 
 // ---- lifecycle ---------------------------------------------------------------------------------
@@ -1158,30 +1026,40 @@ int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decod
         long t = (long)cfg->max_num_seqs + cfg->max_waiting;
         threads = t < 16 ? 16 : t > 512 ? 512 : (int)t;
     }
-    char listen[300], nthreads[16];
-    bool v6 = strchr(cfg->host, ':') != NULL;
-    snprintf(listen, sizeof listen, v6 ? "[%s]:%d" : "%s:%d", cfg->host, cfg->port);
-    snprintf(nthreads, sizeof nthreads, "%d", threads);
-    const char *options[] = {
-        "listening_ports", listen,  "num_threads", nthreads, "enable_keep_alive", "yes",
-        "keep_alive_timeout_ms", "5000", "request_timeout_ms", "600000", NULL,
+    struct tdm_http_config hc;
+    memset(&hc, 0, sizeof hc);
+    hc.host = cfg->host;
+    hc.port = cfg->port;
+    hc.num_threads = threads;
+    hc.max_body_bytes = cfg->max_body_bytes;
+    hc.api_key = cfg->api_key[0] ? cfg->api_key : NULL;
+    static const struct {
+        const char *method, *path;
+        tdm_http_handler_fn fn;
+    } routes[] = {
+        {"GET", "/health", on_health},
+        {"GET", "/ping", on_health},
+        {"GET", "/metrics", on_metrics},
+        {"GET", "/version", on_version},
+        {"GET", "/v1/models", on_models},
+        {"POST", "/v1/completions", on_completions},
+        {"POST", "/v1/chat/completions", on_chat},
+        {"POST", "/tokenize", on_tokenize},
+        {"POST", "/detokenize", on_detokenize},
     };
-    struct mg_callbacks cb;
-    memset(&cb, 0, sizeof cb);
-    cb.log_message = on_log;
-    mg_init_library(0);
-    s->mg = mg_start(&cb, s, options);
-    if (s->mg == NULL) {
-        mg_exit_library();
+    int rc = tdm_http_server_new(&s->http, &hc, err, errlen);
+    for (size_t i = 0; rc == TDM_OK && i < sizeof routes / sizeof routes[0]; i++)
+        rc = tdm_http_route(s->http, routes[i].method, routes[i].path, routes[i].fn, s);
+    if (rc == TDM_OK)
+        rc = tdm_http_server_start(s->http, err, errlen);
+    if (rc != TDM_OK) {
+        tdm_http_server_free(s->http);
         pthread_cond_destroy(&s->idle_cv);
         pthread_mutex_destroy(&s->mu);
         free(s);
-        return tdm_seterr(err, errlen, TDM_ETRANSPORT, "cannot listen on %s", listen);
+        return rc;
     }
-    mg_set_request_handler(s->mg, "/", on_request, s);
-    struct mg_server_port ports[4];
-    int np = mg_get_server_ports(s->mg, 4, ports);
-    s->port = np > 0 ? ports[0].port : cfg->port;
+    s->port = tdm_http_server_port(s->http);
     *out = s;
     return TDM_OK;
 }
@@ -1285,8 +1163,6 @@ int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen
     }
     s->num_blocks = nb;
 
-    struct tdm_metrics_label engine_label = {"engine", "0"};
-    (void)engine_label;
     rc = tdm_metrics_registry_new(&s->reg, NULL, 0, err, errlen);
     if (rc != TDM_OK)
         return rc;
@@ -1374,14 +1250,13 @@ void tdm_decode_server_free(struct tdm_decode_server *s)
     // their streams return, then civetweb joins its threads.
     if (s->engine)
         tdm_engine_drain(s->engine, 0);
-    if (s->mg)
-        mg_stop(s->mg);
-    mg_exit_library();
+    tdm_http_server_stop(s->http);
     tdm_engine_free(s->engine);
     tdm_model_free(s->model);
     tdm_chat_template_free(s->chat);
     tdm_tok_free(s->tok);
     tdm_metrics_registry_free(s->reg);
+    tdm_http_server_free(s->http);
     pthread_cond_destroy(&s->idle_cv);
     pthread_mutex_destroy(&s->mu);
     free(s);

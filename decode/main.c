@@ -37,15 +37,15 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);                // a client gone shows as a failed write
 
     double t0 = tdm_now();
+    // The modules log their own startup details at info; the operator gets one
+    // line from here (--log-level debug shows the rest).
+    if (tdm_log_level == TDM_LOG_LEVEL_INFO)
+        tdm_log_level = TDM_LOG_LEVEL_WARN;
     struct tdm_decode_server *s = NULL;
     if (tdm_decode_server_new(&s, &cfg, err, sizeof err) != TDM_OK) {
         TDM_LOG_ERR("decode", "%s", err);
         return 1;
     }
-    // The modules log their own startup details at info; the operator gets one
-    // line from here (--log-level debug shows the rest).
-    if (tdm_log_level == TDM_LOG_LEVEL_INFO)
-        tdm_log_level = TDM_LOG_LEVEL_WARN;
     int rc = tdm_decode_server_load(s, err, sizeof err);
     tdm_log_set_level_name(cfg.log_level);
     if (rc != TDM_OK) {
