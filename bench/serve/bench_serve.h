@@ -25,20 +25,20 @@ struct tdm_tokenizer;
 // What to send and how; tdm_bench_config_init fills the defaults. Strings are
 // borrowed and must outlive the run.
 struct tdm_bench_config {
-    const char *base_url;     // "http://127.0.0.1:8000", no trailing '/'
-    const char *endpoint;     // "/v1/completions" or "/v1/chat/completions"
-    bool chat;                // chat body (messages, delta.content) instead of prompt/text
-    const char *model;        // the "model" field of every request
-    const char *api_key;      // sent as "Authorization: Bearer KEY"; NULL = none
-    int num_prompts;          // requests to send (the dataset must hold this many)
-    double request_rate;      // mean arrivals per second; INFINITY = all at time 0
-    double burstiness;        // gamma shape of the inter-arrival time; 1 = Poisson
-    int max_concurrency;      // requests in flight at most; 0 = unlimited
-    uint64_t seed;            // arrival times (and the random dataset) derive from it
-    bool ignore_eos;          // send "ignore_eos": true
-    double temperature;       // sampling temperature sent (vLLM's bench sends 0)
-    double timeout_s;         // per request, from send to the end of the stream
-    double slo_ttft_ms;       // goodput SLOs; <= 0 when not given
+    const char *base_url; // "http://127.0.0.1:8000", no trailing '/'
+    const char *endpoint; // "/v1/completions" or "/v1/chat/completions"
+    bool chat;            // chat body (messages, delta.content) instead of prompt/text
+    const char *model;    // the "model" field of every request
+    const char *api_key;  // sent as "Authorization: Bearer KEY"; NULL = none
+    int num_prompts;      // requests to send (the dataset must hold this many)
+    double request_rate;  // mean arrivals per second; INFINITY = all at time 0
+    double burstiness;    // gamma shape of the inter-arrival time; 1 = Poisson
+    int max_concurrency;  // requests in flight at most; 0 = unlimited
+    uint64_t seed;        // arrival times (and the random dataset) derive from it
+    bool ignore_eos;      // send "ignore_eos": true
+    double temperature;   // sampling temperature sent (vLLM's bench sends 0)
+    double timeout_s;     // per request, from send to the end of the stream
+    double slo_ttft_ms;   // goodput SLOs; <= 0 when not given
     double slo_tpot_ms;
     double slo_e2el_ms;
     double percentiles[TDM_BENCH_MAX_PERCENTILES]; // in (0, 100], ascending as given
@@ -90,17 +90,17 @@ void tdm_bench_dataset_fini(struct tdm_bench_dataset *ds);
 // One request's measurements (times in seconds).
 struct tdm_bench_request {
     bool success;
-    double start_s;      // when it was sent, from the benchmark start
-    double ttft_s;       // send -> first chunk with non-empty text
-    double latency_s;    // send -> end of the stream ([DONE])
-    int input_len;       // prompt tokens (dataset count, else the server's usage)
-    int output_tokens;   // usage.completion_tokens, else the re-tokenized text, else chunks
-    double *itl_s;       // [n_itl] gaps between consecutive content chunks, heap
+    double start_s;    // when it was sent, from the benchmark start
+    double ttft_s;     // send -> first chunk with non-empty text
+    double latency_s;  // send -> end of the stream ([DONE])
+    int input_len;     // prompt tokens (dataset count, else the server's usage)
+    int output_tokens; // usage.completion_tokens, else the re-tokenized text, else chunks
+    double *itl_s;     // [n_itl] gaps between consecutive content chunks, heap
     size_t n_itl;
     char *generated_text; // heap, NUL-terminated ("" when nothing arrived)
-    char reason[32];     // failures: a category ("HTTP 500", "timeout", "error event",
-                         // "connection", "incomplete stream", "no content", "bad chunk")
-    char error[256];     // failures: the detail a person needs; "" on success
+    char reason[32];      // failures: a category ("HTTP 500", "timeout", "error event",
+                          // "connection", "incomplete stream", "no content", "bad chunk")
+    char error[256];      // failures: the detail a person needs; "" on success
 };
 
 struct tdm_bench_run;
@@ -124,23 +124,23 @@ int tdm_bench_run_max_concurrency(const struct tdm_bench_run *run);
 // ---- metrics and reports ----------------------------------------------------------------
 // One latency distribution in milliseconds (0 when there are no samples, as vLLM).
 struct tdm_bench_stat {
-    double mean, median, std;                // std: population (numpy's default)
-    double p[TDM_BENCH_MAX_PERCENTILES];     // the config's percentiles, linear interpolation
-    size_t n;                                // samples
+    double mean, median, std;            // std: population (numpy's default)
+    double p[TDM_BENCH_MAX_PERCENTILES]; // the config's percentiles, linear interpolation
+    size_t n;                            // samples
 };
 
 struct tdm_bench_metrics {
     int completed, failed;
     double duration_s;
-    long long total_input;            // prompt tokens of completed requests
-    long long total_output;           // output tokens of completed requests
-    double request_throughput;        // completed / duration
-    double request_goodput;           // requests meeting every SLO / duration; 0 without SLOs
+    long long total_input;     // prompt tokens of completed requests
+    long long total_output;    // output tokens of completed requests
+    double request_throughput; // completed / duration
+    double request_goodput;    // requests meeting every SLO / duration; 0 without SLOs
     int good_completed;
-    double output_throughput;         // total_output / duration
-    double total_token_throughput;    // (total_input + total_output) / duration
-    double max_output_tokens_per_s;   // busiest one-second bucket of content chunks (vLLM)
-    int max_concurrent_requests;      // the most in flight at one instant
+    double output_throughput;       // total_output / duration
+    double total_token_throughput;  // (total_input + total_output) / duration
+    double max_output_tokens_per_s; // busiest one-second bucket of content chunks (vLLM)
+    int max_concurrent_requests;    // the most in flight at one instant
     struct tdm_bench_stat ttft, tpot, itl, e2el;
 };
 

@@ -42,27 +42,27 @@ int bench_parse_slo(struct tdm_bench_config *cfg, const char *term, char *err, s
 // chat) are timestamped with the time of the feed that completed them.
 struct bench_stream {
     bool chat;
-    double t_start;         // send time (monotonic seconds)
-    double t_last;          // the last content chunk's time
-    double t_done;          // when [DONE] arrived; 0 before
-    double ttft;            // seconds; valid when n_content > 0
-    size_t n_content;       // content chunks seen
-    double *itl;            // [itl_cap] gaps between content chunks, seconds
+    double t_start;   // send time (monotonic seconds)
+    double t_last;    // the last content chunk's time
+    double t_done;    // when [DONE] arrived; 0 before
+    double ttft;      // seconds; valid when n_content > 0
+    size_t n_content; // content chunks seen
+    double *itl;      // [itl_cap] gaps between content chunks, seconds
     size_t n_itl, itl_cap;
-    char *text;             // [text_cap] generated text, NUL-terminated
+    char *text; // [text_cap] generated text, NUL-terminated
     size_t text_len, text_cap;
-    int usage_completion;   // the last usage.completion_tokens; -1 when none came
-    int usage_prompt;       // the last usage.prompt_tokens; -1 when none came
-    bool done;              // [DONE] seen
-    bool failed;            // an error event or an unparsable chunk (what: error, reason)
+    int usage_completion; // the last usage.completion_tokens; -1 when none came
+    int usage_prompt;     // the last usage.prompt_tokens; -1 when none came
+    bool done;            // [DONE] seen
+    bool failed;          // an error event or an unparsable chunk (what: error, reason)
     char reason[32];
     char error[256];
-    char *line;             // [line_cap] the current, incomplete line
+    char *line; // [line_cap] the current, incomplete line
     size_t line_len, line_cap;
-    char *event;            // [event_cap] data lines of the current event, joined by '\n'
+    char *event; // [event_cap] data lines of the current event, joined by '\n'
     size_t event_len, event_cap;
     bool event_has_data;
-    bool oom;               // an allocation failed: the request is reported failed
+    bool oom; // an allocation failed: the request is reported failed
 };
 
 // expect_tokens sizes the buffers so that a normal stream never reallocates.

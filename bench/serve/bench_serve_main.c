@@ -219,8 +219,7 @@ static int parse_args(struct bench_args *a, int argc, char **argv, char *err, si
             if ((rc = parse_double(name, val, &cfg->burstiness, err, errlen)))
                 return rc;
             if (!(cfg->burstiness > 0) || isinf(cfg->burstiness))
-                return tdm_seterr(err, errlen, TDM_EINVAL, "%s must be a finite number > 0",
-                                  name);
+                return tdm_seterr(err, errlen, TDM_EINVAL, "%s must be a finite number > 0", name);
         } else if (is_flag(name, "--max-concurrency")) {
             if ((rc = parse_int(name, val, 1, &cfg->max_concurrency, err, errlen)))
                 return rc;
@@ -248,8 +247,7 @@ static int parse_args(struct bench_args *a, int argc, char **argv, char *err, si
             if ((rc = parse_double(name, val, &cfg->timeout_s, err, errlen)))
                 return rc;
             if (!(cfg->timeout_s > 0) || cfg->timeout_s > 1e6)
-                return tdm_seterr(err, errlen, TDM_EINVAL, "%s must be in (0, 1e6] seconds",
-                                  name);
+                return tdm_seterr(err, errlen, TDM_EINVAL, "%s must be in (0, 1e6] seconds", name);
         } else {
             return tdm_seterr(err, errlen, TDM_EINVAL, "unknown option %.60s (see --help)", name);
         }
@@ -348,11 +346,10 @@ int tdm_bench_main(int argc, char **argv, FILE *out, FILE *errf)
         goto done;
     }
     int rc = a.random_dataset
-                 ? tdm_bench_dataset_random(&ds, tok, cfg->num_prompts, a.input_len,
-                                            a.output_len, a.range_ratio, cfg->seed, err,
-                                            sizeof(err))
-                 : tdm_bench_dataset_file(&ds, a.dataset_path, tok, cfg->num_prompts,
-                                          a.output_len, err, sizeof(err));
+                 ? tdm_bench_dataset_random(&ds, tok, cfg->num_prompts, a.input_len, a.output_len,
+                                            a.range_ratio, cfg->seed, err, sizeof(err))
+                 : tdm_bench_dataset_file(&ds, a.dataset_path, tok, cfg->num_prompts, a.output_len,
+                                          err, sizeof(err));
     if (rc) {
         fprintf(errf, "tandem-bench: dataset: %s\n", err);
         goto done;

@@ -352,8 +352,7 @@ static cJSON *build_json(const struct tdm_bench_config *cfg, const struct tdm_be
         for (size_t k = 0; gaps && k < r->n_itl; k++)
             cJSON_AddItemToArray(gaps, cJSON_CreateNumber(r->itl_s[k]));
         cJSON_AddItemToArray(itls, gaps);
-        cJSON_AddItemToArray(texts,
-                             cJSON_CreateString(r->generated_text ? r->generated_text : ""));
+        cJSON_AddItemToArray(texts, cJSON_CreateString(r->generated_text ? r->generated_text : ""));
         cJSON_AddItemToArray(errors, cJSON_CreateString(r->error));
     }
     struct reason_count rc[32];

@@ -20,8 +20,8 @@
 #include "core.h"
 #include "tokenizer.h"
 
-#define POLL_MAX_MS 50      // the longest sleep between looks at the arrival schedule
-#define ERRBODY_MAX 1024    // bytes kept of a non-2xx response body
+#define POLL_MAX_MS 50   // the longest sleep between looks at the arrival schedule
+#define ERRBODY_MAX 1024 // bytes kept of a non-2xx response body
 
 struct tdm_bench_run {
     struct tdm_bench_request *reqs; // [n]
@@ -35,7 +35,7 @@ struct bench_req {
     CURL *easy;
     size_t index;
     bool started, finished;
-    long http_status;           // 0 until the first body byte
+    long http_status; // 0 until the first body byte
     struct bench_stream stream;
     char errbody[ERRBODY_MAX + 1];
     size_t errbody_len;
@@ -164,6 +164,8 @@ static void finish_request(struct tdm_bench_run *run, struct bench_req *q, CURLc
 {
     struct tdm_bench_request *r = &run->reqs[q->index];
     struct bench_stream *s = &q->stream;
+    if (q->http_status == 0) // no body arrived (an error status with an empty body)
+        curl_easy_getinfo(q->easy, CURLINFO_RESPONSE_CODE, &q->http_status);
     bool http_ok = q->http_status >= 200 && q->http_status <= 299;
     if (http_ok)
         bench_stream_finish(s, now);
@@ -306,18 +308,21 @@ int tdm_bench_run(struct tdm_bench_run **out, const struct tdm_bench_config *cfg
         rc = tdm_seterr(err, errlen, TDM_ETRANSPORT, "curl_global_init failed");
         goto fail_alloc;
     }
-    struct curl_slist *headers = NULL, *h;
+    struct curl_slist *headers = NULL;
     char auth[512];
-    h = curl_slist_append(headers, "Content-Type: application/json");
-    headers = h ? h : headers;
-    h = h ? curl_slist_append(headers, "Accept: text/event-stream") : NULL;
-    // No "Expect: 100-continue" round trip before long prompts.
-    h = h ? curl_slist_append(headers, "Expect:") : NULL;
-    if (h && cfg->api_key) {
-        snprintf(auth, sizeof(auth), "Authorization: Bearer %s", cfg->api_key);
-        h = curl_slist_append(headers, auth);
+    snprintf(auth, sizeof(auth), "Authorization: Bearer %s", cfg->api_key ? cfg->api_key : "");
+    // "Expect:" drops the 100-continue round trip libcurl adds before long bodies.
+    const char *lines[] = {"Content-Type: application/json", "Accept: text/event-stream",
+                           "Expect:", cfg->api_key ? auth : NULL};
+    for (size_t i = 0; i < sizeof(lines) / sizeof(lines[0]) && lines[i]; i++) {
+        struct curl_slist *h = curl_slist_append(headers, lines[i]);
+        if (!h) {
+            rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+            goto fail_curl;
+        }
+        headers = h;
     }
-    CURLM *multi = h ? curl_multi_init() : NULL;
+    CURLM *multi = curl_multi_init();
     if (!multi) {
         rc = tdm_seterr(err, errlen, TDM_ETRANSPORT, "libcurl initialisation failed");
         goto fail_curl;

@@ -105,8 +105,8 @@ static void on_content(struct bench_stream *s, const char *piece, size_t len, do
 static void on_error_event(struct bench_stream *s, const cJSON *err_obj, const cJSON *root)
 {
     char detail[256];
-    const cJSON *msg = cJSON_IsObject(err_obj) ? cJSON_GetObjectItemCaseSensitive(err_obj, "message")
-                                               : err_obj;
+    const cJSON *msg =
+        cJSON_IsObject(err_obj) ? cJSON_GetObjectItemCaseSensitive(err_obj, "message") : err_obj;
     if (!cJSON_IsString(msg))
         msg = cJSON_GetObjectItemCaseSensitive(root, "message");
     if (cJSON_IsString(msg)) {

@@ -6,6 +6,7 @@
 //   ok...     TTFT_MS, then max_tokens chunks ITL_MS apart, usage chunk, [DONE]
 //   nousage   the same without the usage chunk (output counted from chunks)
 //   fail500   HTTP 500 with an OpenAI error body
+//   fail503   HTTP 503 with an empty body
 //   drop      three chunks, then the connection closes mid-stream
 //   errevent  two chunks, then data: {"error":...} and [DONE]
 //   hang      headers, then silence (the client's timeout must end it)
@@ -57,7 +58,7 @@ struct fake_server {
     pthread_t conns[MAX_CONNS];
     int n_conns;
     atomic_int active, max_active;
-    atomic_int requests, saw_stream_usage, saw_ignore_eos;
+    atomic_int requests, saw_stream_usage, saw_ignore_eos, saw_api_key;
     atomic_int last_max_tokens;
 };
 
@@ -125,8 +126,8 @@ static void serve_request(struct fake_server *srv, int fd, const char *body)
     bool chat = cJSON_IsArray(msgs);
     if (chat)
         prompt = cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(msgs, 0), "content");
-    const cJSON *mt = cJSON_GetObjectItemCaseSensitive(req, chat ? "max_completion_tokens"
-                                                                  : "max_tokens");
+    const cJSON *mt =
+        cJSON_GetObjectItemCaseSensitive(req, chat ? "max_completion_tokens" : "max_tokens");
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(req, "stream_options");
     if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(so, "include_usage")) &&
         cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(req, "stream")))
@@ -137,6 +138,12 @@ static void serve_request(struct fake_server *srv, int fd, const char *body)
     int n = cJSON_IsNumber(mt) ? (int)mt->valuedouble : 16;
     atomic_store(&srv->last_max_tokens, n);
 
+    if (!strncmp(p, "fail503", 7)) {
+        const char *resp = "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                           "Connection: close\r\n\r\n";
+        send_all(fd, resp, strlen(resp));
+        goto out;
+    }
     if (!strncmp(p, "fail500", 7)) {
         const char *err = "{\"error\":{\"message\":\"boom\",\"type\":\"InternalServerError\","
                           "\"param\":null,\"code\":500}}";
@@ -221,6 +228,8 @@ static void *conn_main(void *arg)
         need = head_len + cl;
         if (len >= need || need >= sizeof(buf)) {
             atomic_fetch_add(&srv->requests, 1);
+            if (memmem(buf, head_len, "\r\nAuthorization: Bearer sk-test\r\n", 33))
+                atomic_fetch_add(&srv->saw_api_key, 1);
             serve_request(srv, c->fd, buf + head_len);
             break;
         }
@@ -643,9 +652,9 @@ static void test_random_dataset(void **state)
     for (size_t i = 0; i < a.n; i++) {
         int32_t *ids = NULL;
         size_t n = 0;
-        assert_int_equal(tdm_tok_encode(tok, a.prompts[i].text, strlen(a.prompts[i].text), false,
-                                        &ids, &n),
-                         TDM_OK);
+        assert_int_equal(
+            tdm_tok_encode(tok, a.prompts[i].text, strlen(a.prompts[i].text), false, &ids, &n),
+            TDM_OK);
         assert_int_equal(n, 48); // the server sees exactly input_len tokens
         for (size_t k = 0; k < n; k++)
             assert_false(tdm_tok_is_special(tok, ids[k]));
@@ -673,12 +682,31 @@ static void test_random_dataset(void **state)
 
 // ---- against the fake server -------------------------------------------------------------------
 static const char *const metric_keys[] = {
-    "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
-    "request_throughput", "output_throughput", "total_token_throughput",
-    "max_output_tokens_per_s", "max_concurrent_requests", "mean_ttft_ms", "median_ttft_ms",
-    "std_ttft_ms", "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-    "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
-    "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
+    "completed",
+    "failed",
+    "duration",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "std_ttft_ms",
+    "p50_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_e2el_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
 };
 
 static void test_stream_completions(void **state)
@@ -713,7 +741,7 @@ static void test_stream_completions(void **state)
         (void)jnum(o, metric_keys[i]);
     assert_int_equal((int)jnum(o, "completed"), 8);
     assert_int_equal((int)jnum(o, "failed"), 0);
-    assert_int_equal((int)jnum(o, "total_output_tokens"), 160); // usage.completion_tokens
+    assert_int_equal((int)jnum(o, "total_output_tokens"), 160);  // usage.completion_tokens
     assert_int_equal((int)jnum(o, "total_input_tokens"), 8 * 6); // usage.prompt_tokens
     assert_int_equal((int)jnum(o, "max_concurrent_requests"), 8);
     double dur = jnum(o, "duration");
@@ -756,12 +784,14 @@ static void test_stream_chat(void **state)
     snprintf(url, sizeof(url), "http://127.0.0.1:%d/", srv->port); // a trailing '/' is fine
     snprintf(dataset, sizeof(dataset), "file:%s", prompts);
     char *err = NULL;
-    int rc = run_main(NULL, &err, "--base-url", url, "--endpoint", "/v1/chat/completions",
-                      "--model", "m", "--dataset", dataset, "--output-len", "6", "--num-prompts",
-                      "3", "--json", json, "--ignore-eos", "--percentiles", "99.9", NULL);
+    int rc =
+        run_main(NULL, &err, "--base-url", url, "--endpoint", "/v1/chat/completions", "--model",
+                 "m", "--dataset", dataset, "--output-len", "6", "--num-prompts", "3", "--json",
+                 json, "--ignore-eos", "--percentiles", "99.9", "--api-key", "sk-test", NULL);
     if (rc != 0)
         fail_msg("exit %d, stderr: %s", rc, err);
     assert_int_equal(atomic_load(&srv->saw_ignore_eos), 3);
+    assert_int_equal(atomic_load(&srv->saw_api_key), 3);
     cJSON *o = read_json(json);
     assert_int_equal((int)jnum(o, "completed"), 3);
     assert_int_equal((int)jnum(o, "total_output_tokens"), 18);
@@ -769,8 +799,7 @@ static void test_stream_chat(void **state)
     check_range("chat mean_ttft_ms", jnum(o, "mean_ttft_ms"), 45, 400);
     (void)jnum(o, "p99.9_itl_ms");
     assert_null(cJSON_GetObjectItemCaseSensitive(o, "p99_itl_ms"));
-    assert_string_equal(cJSON_GetObjectItemCaseSensitive(o, "backend")->valuestring,
-                        "openai-chat");
+    assert_string_equal(cJSON_GetObjectItemCaseSensitive(o, "backend")->valuestring, "openai-chat");
     cJSON_Delete(o);
     free(err);
     fake_stop(srv);
@@ -785,7 +814,7 @@ static void test_failures(void **state)
     struct tmp_dir t;
     tmp_make(&t);
     char prompts[128], json[128], url[64], dataset[160];
-    tmp_file(&t, "p.txt", "ok\nfail500\ndrop\nerrevent\nhang\nnousage\n", prompts,
+    tmp_file(&t, "p.txt", "ok\nfail500\ndrop\nerrevent\nhang\nnousage\nfail503\n", prompts,
              sizeof(prompts));
     tmp_file(&t, "r.json", NULL, json, sizeof(json));
     snprintf(url, sizeof(url), "http://127.0.0.1:%d", srv->port);
@@ -793,17 +822,17 @@ static void test_failures(void **state)
     char *out = NULL, *err = NULL;
     double t0 = tdm_now();
     int rc = run_main(&out, &err, "--base-url", url, "--model", "m", "--dataset", dataset,
-                      "--output-len", "10", "--num-prompts", "6", "--json", json, "--timeout",
+                      "--output-len", "10", "--num-prompts", "7", "--json", json, "--timeout",
                       "0.6", "--goodput", "ttft:1", NULL);
     double took = tdm_now() - t0;
     if (rc != 0)
         fail_msg("exit %d (some requests succeeded), stderr: %s", rc, err);
     check_range("wall time with a hanging request", took, 0.55, 3.0); // the timeout ended it
-    assert_non_null(strstr(out, "Failed requests:                         4"));
+    assert_non_null(strstr(out, "Failed requests:                         5"));
     assert_non_null(strstr(out, "HTTP 500"));
     cJSON *o = read_json(json);
     assert_int_equal((int)jnum(o, "completed"), 2);
-    assert_int_equal((int)jnum(o, "failed"), 4);
+    assert_int_equal((int)jnum(o, "failed"), 5);
     // nousage: no usage and no tokenizer, so one token per content chunk.
     assert_int_equal((int)jnum(o, "total_output_tokens"), 20);
     assert_float_equal(jnum(o, "request_goodput"), 0.0, 0.0); // TTFT >= 50 ms > 1 ms
@@ -812,6 +841,7 @@ static void test_failures(void **state)
     assert_int_equal((int)jnum(reasons, "connection"), 1);
     assert_int_equal((int)jnum(reasons, "error event"), 1);
     assert_int_equal((int)jnum(reasons, "timeout"), 1);
+    assert_int_equal((int)jnum(reasons, "HTTP 503"), 1); // an error status with no body
     const cJSON *errors = cJSON_GetObjectItemCaseSensitive(o, "errors");
     assert_string_equal(cJSON_GetArrayItem(errors, 0)->valuestring, "");
     assert_non_null(strstr(cJSON_GetArrayItem(errors, 1)->valuestring, "boom"));
@@ -892,11 +922,11 @@ static void test_all_fail(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_percentiles),    cmocka_unit_test(test_sse_parser),
-        cmocka_unit_test(test_arrivals),       cmocka_unit_test(test_args),
-        cmocka_unit_test(test_file_dataset),   cmocka_unit_test(test_random_dataset),
+        cmocka_unit_test(test_percentiles),        cmocka_unit_test(test_sse_parser),
+        cmocka_unit_test(test_arrivals),           cmocka_unit_test(test_args),
+        cmocka_unit_test(test_file_dataset),       cmocka_unit_test(test_random_dataset),
         cmocka_unit_test(test_stream_completions), cmocka_unit_test(test_stream_chat),
-        cmocka_unit_test(test_failures),       cmocka_unit_test(test_max_concurrency),
+        cmocka_unit_test(test_failures),           cmocka_unit_test(test_max_concurrency),
         cmocka_unit_test(test_all_fail),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
