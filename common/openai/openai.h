@@ -288,6 +288,11 @@ void tdm_oai_stop_free(struct tdm_oai_stop *s);
 // nothing emitted). TDM-style errors: -2 on ENOMEM (nothing emitted).
 int tdm_oai_stop_feed(struct tdm_oai_stop *s, const char *delta, size_t len, const char **emit,
                       size_t *emit_len);
+// tdm_oai_stop_feed with may_match false holds back and emits the same way but
+// matches nothing: vLLM evaluates stop strings only once more than min_tokens
+// tokens were generated (then a stop string must end inside the new delta).
+int tdm_oai_stop_feed_ex(struct tdm_oai_stop *s, const char *delta, size_t len, bool may_match,
+                         const char **emit, size_t *emit_len);
 // At the end of generation without a match: hands back the held tail.
 void tdm_oai_stop_flush(struct tdm_oai_stop *s, const char **emit, size_t *emit_len);
 bool tdm_oai_stop_done(const struct tdm_oai_stop *s);

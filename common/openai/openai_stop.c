@@ -2,10 +2,10 @@
 // openai stop strings: a streaming matcher over generated text. Text not yet
 // sent ("pending") keeps only what could still be the start of a stop string,
 // so a client never sees part of a stop string that later completes (vLLM holds
-// back the same tail when stop strings are set). Invariant between calls: no
-// stop string occurs inside pending, and pending is a suffix of all text fed
-// so far shorter than the longest stop string (plus at most 3 bytes of an
-// incomplete UTF-8 character).
+// back the same tail when stop strings are set). Invariant between calls:
+// pending is a suffix of all text fed so far, shorter than the longest stop
+// string (plus at most 3 bytes of an incomplete UTF-8 character), and no stop
+// string ends inside it since the last feed that was allowed to match.
 #include "openai.h"
 #include "openai_impl.h"
 
@@ -137,6 +137,12 @@ static void emit_prefix(struct tdm_oai_stop *s, size_t n, const char **emit, siz
 int tdm_oai_stop_feed(struct tdm_oai_stop *s, const char *delta, size_t len, const char **emit,
                       size_t *emit_len)
 {
+    return tdm_oai_stop_feed_ex(s, delta, len, true, emit, emit_len);
+}
+
+int tdm_oai_stop_feed_ex(struct tdm_oai_stop *s, const char *delta, size_t len, bool may_match,
+                         const char **emit, size_t *emit_len)
+{
     *emit = s->out ? s->out : "";
     *emit_len = 0;
     if (s->done)
@@ -152,7 +158,7 @@ int tdm_oai_stop_feed(struct tdm_oai_stop *s, const char *delta, size_t len, con
     // one ending first; at equal ends the longer (earlier start) one.
     size_t best_end = (size_t)-1, best_start = 0;
     int best = -1;
-    for (size_t i = 0; i < s->n; i++) {
+    for (size_t i = 0; may_match && i < s->n; i++) {
         size_t l = s->lens[i];
         if (l > s->pending_len)
             continue;

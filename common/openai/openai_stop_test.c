@@ -283,6 +283,26 @@ static void test_randomized_against_reference(void **state)
 #undef NEXT
 }
 
+static void test_min_tokens_window(void **state)
+{
+    (void)state;
+    const char *stops[] = {"END", "N"};
+    struct tdm_oai_stop *s;
+    assert_int_equal(tdm_oai_stop_new(&s, stops, 2, false), 0);
+    const char *emit;
+    size_t len;
+    // Before min_tokens: "END" completes but may not match; "E" of a new
+    // candidate is still held back.
+    assert_int_equal(tdm_oai_stop_feed_ex(s, "xEND E", 6, false, &emit, &len), -1);
+    assert_int_equal(len, 5);
+    assert_memory_equal(emit, "xEND ", 5);
+    // Matching allowed again: "EN" completes "N" first (a stop must end in the new bytes).
+    assert_int_equal(tdm_oai_stop_feed_ex(s, "ND", 2, true, &emit, &len), 1);
+    assert_int_equal(len, 1);
+    assert_memory_equal(emit, "E", 1);
+    tdm_oai_stop_free(s);
+}
+
 static void test_bad_arguments(void **state)
 {
     (void)state;
@@ -303,6 +323,7 @@ int main(void)
         cmocka_unit_test(test_overlapping_candidates),
         cmocka_unit_test(test_multibyte),
         cmocka_unit_test(test_randomized_against_reference),
+        cmocka_unit_test(test_min_tokens_window),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
