@@ -251,8 +251,12 @@ static void *acceptor_main(void *arg)
         int fd = accept(srv->listen_fd, NULL, NULL);
         if (fd < 0)
             continue;
+        // No cmocka asserts off the main thread (they longjmp into it).
         struct fake_conn *c = malloc(sizeof(*c));
-        assert_non_null(c);
+        if (!c) {
+            close(fd);
+            continue;
+        }
         c->srv = srv;
         c->fd = fd;
         pthread_mutex_lock(&srv->mu);
