@@ -139,10 +139,12 @@ void tdm_oai_request_fini(struct tdm_oai_request *req);
 // the context and resolves max_tokens as vLLM does (the request's value, else
 // max_model_len - prompt_len, bounded by generation_config max_new_tokens and
 // by the room left). Checks min_tokens <= max_tokens. Returns TDM_OK with
-// *max_tokens >= 1 (0 for echo_only), or TDM_EINVAL with e 400: "This model's
-// maximum context length is 32768 tokens. However, you requested 33000 tokens
-// (1000 in the messages, 32000 in the completion). Please reduce the length of
-// the messages or completion."
+// *max_tokens >= 1 (0 for echo_only), or TDM_EINVAL with e 400 in vLLM's words:
+// "This model's maximum context length is 32768 tokens. However, your request
+// has 40000 input tokens. Please reduce the length of the input messages." or
+// "'max_tokens' or 'max_completion_tokens' is too large: 32000. This model's
+// maximum context length is 32768 tokens and your request has 1000 input tokens
+// (32000 > 32768 - 1000)." (param max_tokens).
 int tdm_oai_request_max_tokens(const struct tdm_oai_request *req,
                                const struct tdm_oai_model_info *model, size_t prompt_len,
                                int *max_tokens, struct tdm_oai_error *e);

@@ -748,25 +748,25 @@ int tdm_oai_request_max_tokens(const struct tdm_oai_request *req,
                                int *max_tokens, struct tdm_oai_error *e)
 {
     int max_len = model ? model->max_model_len : 0;
-    const char *where = req->kind == TDM_OAI_CHAT ? "messages" : "prompt";
     *max_tokens = 0;
+    // vLLM's words (serving_engine._validate_input, v0.10+), for both endpoints.
     if (max_len > 0 && prompt_len >= (size_t)max_len &&
         !(req->echo_only && prompt_len == (size_t)max_len))
         return tdm_oai_seterr(e, 400, NULL,
                               "This model's maximum context length is %d tokens. However, your "
                               "request has %zu input tokens. Please reduce the length of the "
-                              "input %s.",
-                              max_len, prompt_len, where);
+                              "input messages.",
+                              max_len, prompt_len);
     if (req->echo_only)
         return TDM_OK;
     if (max_len > 0 && req->max_tokens > 0 &&
         prompt_len + (size_t)req->max_tokens > (size_t)max_len)
-        return tdm_oai_seterr(e, 400, NULL,
-                              "This model's maximum context length is %d tokens. However, you "
-                              "requested %zu tokens (%zu in the %s, %d in the completion). "
-                              "Please reduce the length of the %s or completion.",
-                              max_len, prompt_len + (size_t)req->max_tokens, prompt_len, where,
-                              req->max_tokens, where);
+        return tdm_oai_seterr(e, 400, "max_tokens",
+                              "'max_tokens' or 'max_completion_tokens' is too large: %d. This "
+                              "model's maximum context length is %d tokens and your request has "
+                              "%zu input tokens (%d > %d - %zu).",
+                              req->max_tokens, max_len, prompt_len, req->max_tokens, max_len,
+                              prompt_len);
     struct tdm_sampling_request sreq = {0};
     int mt = req->max_tokens;
     if (mt > 0)

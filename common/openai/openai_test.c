@@ -384,14 +384,14 @@ static void test_max_tokens_resolution(void **state)
     assert_int_equal(mt, 16);
     assert_int_equal(tdm_oai_request_max_tokens(&r, &model, 90, &mt, &e), TDM_EINVAL);
     assert_int_equal(e.status, 400);
-    assert_string_equal(e.message,
-                        "This model's maximum context length is 100 tokens. However, you "
-                        "requested 106 tokens (90 in the prompt, 16 in the completion). Please "
-                        "reduce the length of the prompt or completion.");
+    assert_string_equal(e.param, "max_tokens");
+    assert_string_equal(e.message, "'max_tokens' or 'max_completion_tokens' is too large: 16. This "
+                                   "model's maximum context length is 100 tokens and your request "
+                                   "has 90 input tokens (16 > 100 - 90).");
     assert_int_equal(tdm_oai_request_max_tokens(&r, &model, 100, &mt, &e), TDM_EINVAL);
     assert_string_equal(e.message, "This model's maximum context length is 100 tokens. However, "
                                    "your request has 100 input tokens. Please reduce the length "
-                                   "of the input prompt.");
+                                   "of the input messages.");
     tdm_oai_request_fini(&r);
 
     // Chat without max_tokens: the room left in the context.
