@@ -21,6 +21,7 @@
 #include "backend.h"
 #include "core.h"
 #include "cpu_backend.h"
+#include "cpu_probe.h"
 #include "kv_cache.h"
 
 static const struct tdm_backend_ops *ops = &tdm_cpu_backend_ops;
@@ -565,6 +566,21 @@ static void test_attention_bad_block(void **state)
     ops->destroy(be);
 }
 
+// The probes measure something plausible (bytes/s and FLOP/s well above 0).
+static void test_probes(void **state)
+{
+    (void)state;
+    double bw = tdm_cpu_probe_read_bw((size_t)16 << 20, 1, 1);
+    assert_true(bw > 1e8);
+    assert_true(tdm_cpu_probe_read_bw(0, 1, 1) == 0);
+    if (tdm_cpu_isa_supported(TDM_CPU_ISA_AVX2))
+        assert_true(tdm_cpu_probe_fma_peak(1) > 1e8);
+    if (tdm_cpu_isa_supported(TDM_CPU_ISA_AVX512))
+        assert_true(tdm_cpu_probe_bf16_peak(1) > 1e8);
+    else
+        assert_true(tdm_cpu_probe_bf16_peak(1) == 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -572,6 +588,7 @@ int main(void)
         cmocka_unit_test(test_prepare_errors),   cmocka_unit_test(test_embed),
         cmocka_unit_test(test_rmsnorm_silu_add), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention),        cmocka_unit_test(test_attention_bad_block),
+        cmocka_unit_test(test_probes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
