@@ -8,6 +8,7 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -84,16 +85,34 @@ static void make_prompt(int32_t *ids, int n, uint32_t seed)
     }
 }
 
+// Greedy with penalties: a random tiny model alone tends to repeat one token;
+// the penalties make the output vary (and depend on the sampler's history).
 static void greedy(struct tdm_sampling_params *p)
 {
     tdm_sampling_params_default(p);
     p->temperature = 0;
     p->ignore_eos = true;
+    p->presence_penalty = 1.5f;
+    p->frequency_penalty = 0.5f;
+    p->logprobs = 0; // the chosen token's logprob: a fine check of the KV behind it
 }
 
+// Largest |a - b| over n logprobs. Chunk boundaries differ between the engine
+// and the runner (and across preemption), so equal tokens come with logprobs
+// equal to float rounding, while KV at wrong positions moves them by far more.
+static float max_lp_diff(const float *a, const float *b, int n)
+{
+    float d = 0;
+    for (int i = 0; i < n; i++)
+        d = fabsf(a[i] - b[i]) > d ? fabsf(a[i] - b[i]) : d;
+    return d;
+}
+#define LP_TOL 1e-4f
+
 // The runner's output for one request alone on a fresh cache (the reference).
+// lp (optional, [max_tokens]): each token's logprob, log-softmax of the raw logits.
 static int reference(const int32_t *prompt, int n_prompt, const struct tdm_sampling_params *sp,
-                     int max_tokens, int32_t *out)
+                     int max_tokens, int32_t *out, float *lp)
 {
     struct tdm_kv_config kc;
     struct tdm_kv_cache *kv = NULL;
@@ -110,10 +129,26 @@ static int reference(const int32_t *prompt, int n_prompt, const struct tdm_sampl
     q.max_tokens = max_tokens;
     q.params = *sp;
     q.out_ids = out;
+    float *logits = NULL;
+    if (lp) {
+        logits = malloc((size_t)max_tokens * (size_t)vocab * sizeof(float));
+        assert_non_null(logits);
+        q.logits_out = logits;
+    }
     int rc = tdm_gen_run(model, kv, &q, 1, NULL, NULL, err, sizeof err);
     if (rc != TDM_OK)
         fprintf(stderr, "runner: %s\n", err);
     assert_int_equal(rc, TDM_OK);
+    for (int t = 0; lp && t < q.n_out; t++) {
+        const float *row = logits + (size_t)t * (size_t)vocab;
+        double mx = row[0], sum = 0;
+        for (int v = 1; v < vocab; v++)
+            mx = row[v] > mx ? row[v] : mx;
+        for (int v = 0; v < vocab; v++)
+            sum += exp(row[v] - mx);
+        lp[t] = (float)(row[out[t]] - mx - log(sum));
+    }
+    free(logits);
     tdm_kv_free(kv);
     return q.n_out;
 }
@@ -160,6 +195,7 @@ static struct tdm_engine_request *submit(struct tdm_engine *e, const int32_t *pr
 }
 
 struct collected {
+    float *lp; // optional caller storage for the logprobs, [cap]
     int n;
     bool finished;
     enum tdm_engine_finish reason;
@@ -180,6 +216,8 @@ static void collect(struct tdm_engine_request *r, int32_t *ids, int cap, struct 
         assert_int_equal(ch.first_index, c->n);
         for (int i = 0; i < ch.n; i++) {
             assert_true(c->n < cap);
+            if (c->lp && ch.logprobs)
+                c->lp[c->n] = ch.logprobs[i];
             ids[c->n++] = ch.tokens[i];
         }
         if (ch.finished) {
@@ -221,28 +259,35 @@ static void test_single_matches_runner(void **state)
     (void)state;
     int lens[3] = {5, 40, 17};
     int32_t prompts[3][64], refs[3][32];
+    float ref_lp[3][32], lp[32];
     struct tdm_sampling_params sps[3];
     // References first: the runner and the engine thread must not share the model.
     for (int k = 0; k < 3; k++) {
         make_prompt(prompts[k], lens[k], 100 + (uint32_t)k);
         greedy(&sps[k]);
         if (k == 2) { // seeded sampling: same sampler, same draws
+            tdm_sampling_params_default(&sps[k]);
+            sps[k].logprobs = 0;
+            sps[k].ignore_eos = true;
             sps[k].temperature = 0.9f;
             sps[k].has_seed = true;
             sps[k].seed = 1234;
         }
-        assert_int_equal(reference(prompts[k], lens[k], &sps[k], 12, refs[k]), 12);
+        assert_int_equal(reference(prompts[k], lens[k], &sps[k], 12, refs[k], ref_lp[k]), 12);
     }
     // Budget 16 forces the 40-token prompt through three prefill chunks.
     struct tdm_engine *e = engine_make(64, 16, 8, 0, NULL);
     for (int k = 0; k < 3; k++) {
         int32_t *prompt = prompts[k], *ref = refs[k], got[32];
         struct tdm_engine_request *r = submit(e, prompt, lens[k], &sps[k], 12);
-        struct collected c = {0};
+        struct collected c = {.lp = lp};
         collect(r, got, 32, &c, 0);
         assert_int_equal(c.n, 12);
         assert_int_equal(c.reason, TDM_ENGINE_FINISH_LENGTH);
         assert_memory_equal(got, ref, 12 * sizeof(int32_t));
+        float d = max_lp_diff(lp, ref_lp[k], 12);
+        print_message("request %d: max |logprob - runner's| %.2e\n", k, (double)d);
+        assert_true(d <= LP_TOL);
         tdm_engine_request_release(r);
     }
     struct tdm_engine_stats s;
@@ -288,7 +333,7 @@ static void test_concurrent_20(void **state)
     for (int i = 0; i < N; i++) {
         int n = 3 + (i * 7) % 40, mt = 4 + i;
         make_prompt(prompts[i], n, 500 + (uint32_t)i);
-        assert_int_equal(reference(prompts[i], n, &sp, mt, refs[i]), mt);
+        assert_int_equal(reference(prompts[i], n, &sp, mt, refs[i], NULL), mt);
     }
     for (int i = 0; i < N; i++) {
         int n = 3 + (i * 7) % 40, mt = 4 + i;
@@ -350,14 +395,15 @@ static void test_continuous_batching(void **state)
 {
     (void)state;
     int32_t pa[30], pb[50], pc[9], ra[40], rb[20], rc_[20], ga[40], gb[20], gc[20];
+    float lpa[40], lpb[20], lpc[20], ea[40], eb[20], ec[20];
     struct tdm_sampling_params sp;
     greedy(&sp);
     make_prompt(pa, 30, 1);
     make_prompt(pb, 50, 2);
     make_prompt(pc, 9, 3);
-    reference(pa, 30, &sp, 40, ra);
-    reference(pb, 50, &sp, 20, rb);
-    reference(pc, 9, &sp, 20, rc_);
+    reference(pa, 30, &sp, 40, ra, lpa);
+    reference(pb, 50, &sp, 20, rb, lpb);
+    reference(pc, 9, &sp, 20, rc_, lpc);
     struct tdm_engine *e = engine_make(128, 32, 8, 0, NULL);
     // a's callback holds the engine thread at a's 5th token until b and c are
     // submitted, so they surely join while a decodes.
@@ -375,7 +421,7 @@ static void test_continuous_batching(void **state)
     p.on_output = gate_cb;
     p.ctx = &g;
     assert_int_equal(tdm_engine_submit(e, &p, &a, err, sizeof err), TDM_OK);
-    struct collected ca = {0}, cb = {0}, cc = {0};
+    struct collected ca = {.lp = ea}, cb = {.lp = eb}, cc = {.lp = ec};
     pthread_mutex_lock(&g.mu);
     while (!g.reached)
         pthread_cond_wait(&g.cv, &g.mu);
@@ -396,6 +442,11 @@ static void test_continuous_batching(void **state)
     assert_memory_equal(gb, rb, sizeof rb);
     assert_memory_equal(gc, rc_, sizeof rc_);
     assert_int_equal(g.tokens_after_open, 40 - 5);
+    float d = max_lp_diff(ea, lpa, 40);
+    d = fmaxf(d, max_lp_diff(eb, lpb, 20));
+    d = fmaxf(d, max_lp_diff(ec, lpc, 20));
+    print_message("max |logprob - runner's| %.2e\n", (double)d);
+    assert_true(d <= LP_TOL);
     pthread_cond_destroy(&g.cv);
     pthread_mutex_destroy(&g.mu);
     tdm_engine_request_release(a);
@@ -404,7 +455,7 @@ static void test_continuous_batching(void **state)
     tdm_engine_free(e);
 }
 
-static void run_preempt_workload(int num_blocks, int32_t got[6][40], int *n_out,
+static void run_preempt_workload(int num_blocks, int32_t got[6][40], float lp[6][40], int *n_out,
                                  uint64_t *preemptions, double *metric_preempt)
 {
     struct tdm_metrics_registry *reg = NULL;
@@ -421,6 +472,9 @@ static void run_preempt_workload(int num_blocks, int32_t got[6][40], int *n_out,
         make_prompt(prompt, 20, 900 + (uint32_t)i);
         greedy(&sp);
         if (i == 3) { // seeded sampling survives preemption unchanged
+            tdm_sampling_params_default(&sp);
+            sp.logprobs = 0;
+            sp.ignore_eos = true;
             sp.temperature = 1.0f;
             sp.has_seed = true;
             sp.seed = 77;
@@ -428,7 +482,7 @@ static void run_preempt_workload(int num_blocks, int32_t got[6][40], int *n_out,
         rs[i] = submit(e, prompt, 20, &sp, 40);
     }
     for (int i = 0; i < 6; i++) {
-        struct collected c = {0};
+        struct collected c = {.lp = lp[i]};
         collect(rs[i], got[i], 40, &c, 0);
         assert_int_equal(c.reason, TDM_ENGINE_FINISH_LENGTH);
         n_out[i] = c.n;
@@ -450,11 +504,12 @@ static void test_preemption(void **state)
     // 6 requests of 20 + 40 tokens need 4 blocks each (24 in all); 8 blocks
     // hold two at a time, so decodes run out of blocks and preempt.
     int32_t big[6][40], small[6][40];
+    float lbig[6][40], lsmall[6][40];
     int nb[6], ns[6];
     uint64_t pre_big, pre_small;
     double m_big, m_small;
-    run_preempt_workload(256, big, nb, &pre_big, &m_big);
-    run_preempt_workload(8, small, ns, &pre_small, &m_small);
+    run_preempt_workload(256, big, lbig, nb, &pre_big, &m_big);
+    run_preempt_workload(8, small, lsmall, ns, &pre_small, &m_small);
     print_message("preemptions: big pool %llu, small pool %llu\n", (unsigned long long)pre_big,
                   (unsigned long long)pre_small);
     assert_int_equal((int)pre_big, 0);
@@ -464,6 +519,8 @@ static void test_preemption(void **state)
         assert_int_equal(nb[i], 40);
         assert_int_equal(ns[i], 40);
         assert_memory_equal(big[i], small[i], 40 * sizeof(int32_t));
+        float d = max_lp_diff(lbig[i], lsmall[i], 40);
+        assert_true(d <= LP_TOL);
     }
 }
 
@@ -727,7 +784,7 @@ static void test_prefill_only_export(void **state)
     struct tdm_sampling_params sp;
     greedy(&sp);
     make_prompt(prompt, 45, 41);
-    assert_int_equal(reference(prompt, 45, &sp, 2, ref), 2);
+    assert_int_equal(reference(prompt, 45, &sp, 2, ref, NULL), 2);
     struct tdm_engine *e = engine_make(64, 16, 8, 0, NULL);
     struct tdm_engine_request_params p;
     struct tdm_engine_request *r = NULL;
@@ -821,6 +878,7 @@ static void test_pd_import_roundtrip(void **state)
     (void)state;
     enum { NP = 45, MT = 12 };
     int32_t prompt[NP], ref[MT], got[MT + 1];
+    float ref_lp[MT], lp[MT + 1];
     char err[256];
     struct tdm_sampling_params sp;
     tdm_sampling_params_default(&sp);
@@ -828,8 +886,9 @@ static void test_pd_import_roundtrip(void **state)
     sp.has_seed = true;
     sp.seed = 99;
     sp.ignore_eos = true;
+    sp.logprobs = 0;
     make_prompt(prompt, NP, 61);
-    assert_int_equal(reference(prompt, NP, &sp, MT, ref), MT);
+    assert_int_equal(reference(prompt, NP, &sp, MT, ref, ref_lp), MT);
     int layers = tdm_model_config(model)->num_hidden_layers;
 
     // Prefill worker.
@@ -886,11 +945,16 @@ static void test_pd_import_roundtrip(void **state)
         assert_int_equal(tdm_engine_import_layer(de, r, l, 0, nb, payload[l], layer_len), TDM_OK);
     assert_int_equal(tdm_engine_import_done(de, r, true), TDM_OK);
     assert_int_equal(tdm_engine_import_done(de, r, true), TDM_EINVAL);
-    struct collected cd = {0};
+    struct collected cd = {.lp = lp};
     collect(r, got, MT + 1, &cd, 0);
     assert_int_equal(cd.reason, TDM_ENGINE_FINISH_LENGTH);
     assert_int_equal(cd.n, MT);
     assert_memory_equal(got, ref, MT * sizeof(int32_t));
+    // Token 0 came from the prefill worker (no logprob here); the rest were
+    // computed on the imported KV.
+    float d = max_lp_diff(lp + 1, ref_lp + 1, MT - 1);
+    print_message("decode on imported KV: max |logprob - runner's| %.2e\n", (double)d);
+    assert_true(d <= LP_TOL);
     tdm_engine_request_release(r);
 
     // Same prompt again: the decode side now finds the full blocks locally and
@@ -940,10 +1004,61 @@ static void test_pd_import_roundtrip(void **state)
     free(payload);
 }
 
+// A stop token id ends the request with reason stop and names the id; logprobs
+// come with every token (greedy: the chosen token is the top-1).
+static void test_stop_and_logprobs(void **state)
+{
+    (void)state;
+    enum { NP = 21, MT = 16 };
+    int32_t prompt[NP], ref[MT], got[MT];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, NP, 71);
+    assert_int_equal(reference(prompt, NP, &sp, MT, ref, NULL), MT);
+    int j = 3; // the first position >= 3 whose token did not occur before
+    for (bool dup = true; dup && j < MT; j += dup) {
+        dup = false;
+        for (int k = 0; k < j; k++)
+            dup |= ref[k] == ref[j];
+    }
+    assert_true(j < MT);
+    struct tdm_engine *e = engine_make(64, 64, 8, 0, NULL);
+    struct tdm_sampling_params st = sp;
+    st.stop_token_ids[0] = ref[j];
+    st.num_stop_token_ids = 1;
+    st.logprobs = 3;
+    struct tdm_engine_request *r = submit(e, prompt, NP, &st, MT);
+    struct tdm_engine_chunk ch;
+    int n = 0;
+    bool finished = false;
+    while (!finished) {
+        assert_int_equal(tdm_engine_stream_next(r, WAIT_S, &ch), TDM_OK);
+        assert_non_null(ch.logprobs);
+        assert_non_null(ch.top);
+        assert_int_equal(ch.num_top, 3);
+        for (int i = 0; i < ch.n; i++) {
+            const struct tdm_token_logprob *top = ch.top + (size_t)i * 3;
+            got[n++] = ch.tokens[i];
+            // The penalties pick the token; logprobs are of the raw logits (vLLM).
+            assert_true(ch.logprobs[i] <= top[0].logprob);
+            assert_true(top[0].logprob <= 0.0f && top[0].logprob >= top[1].logprob &&
+                        top[1].logprob >= top[2].logprob);
+        }
+        finished = ch.finished;
+    }
+    assert_int_equal(ch.reason, TDM_ENGINE_FINISH_STOP);
+    assert_int_equal(ch.stop_token, ref[j]);
+    assert_int_equal(n, j + 1);
+    assert_memory_equal(got, ref, (size_t)n * sizeof(int32_t));
+    tdm_engine_request_release(r);
+    tdm_engine_free(e);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_single_matches_runner),
+        cmocka_unit_test(test_stop_and_logprobs),
         cmocka_unit_test(test_concurrent_20),
         cmocka_unit_test(test_continuous_batching),
         cmocka_unit_test(test_preemption),
