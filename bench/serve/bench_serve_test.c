@@ -923,6 +923,52 @@ static void test_all_fail(void **state)
     tmp_remove(&t, names, 2);
 }
 
+// No usage chunk but a tokenizer: output tokens are the generated text re-encoded,
+// input tokens the prompt encoded locally.
+static void test_count_with_tokenizer(void **state)
+{
+    (void)state;
+    struct stat st;
+    if (stat(QWEN_DIR "/tokenizer.json", &st) != 0)
+        skip();
+    struct tdm_tokenizer *tok = NULL;
+    char e[256];
+    assert_int_equal(tdm_tok_load(&tok, QWEN_DIR, e, sizeof(e)), TDM_OK);
+    const char *generated = " w0 w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11";
+    int32_t *ids = NULL;
+    size_t n_out = 0, n_in = 0;
+    assert_int_equal(tdm_tok_encode(tok, generated, strlen(generated), false, &ids, &n_out), 0);
+    free(ids);
+    assert_int_equal(tdm_tok_encode(tok, "nousage please", 14, false, &ids, &n_in), 0);
+    free(ids);
+    tdm_tok_free(tok);
+    assert_true(n_out != 12); // else this would not tell re-encoding from chunk counting
+
+    struct fake_server *srv = fake_start();
+    struct tmp_dir t;
+    tmp_make(&t);
+    char prompts[128], json[128], url[64], dataset[160];
+    tmp_file(&t, "p.txt", "nousage please\n", prompts, sizeof(prompts));
+    tmp_file(&t, "r.json", NULL, json, sizeof(json));
+    snprintf(url, sizeof(url), "http://127.0.0.1:%d", srv->port);
+    snprintf(dataset, sizeof(dataset), "file:%s", prompts);
+    char *err = NULL;
+    int rc =
+        run_main(NULL, &err, "--base-url", url, "--model", "m", "--dataset", dataset, "--tokenizer",
+                 QWEN_DIR, "--output-len", "12", "--num-prompts", "2", "--json", json, NULL);
+    if (rc != 0)
+        fail_msg("exit %d, stderr: %s", rc, err);
+    cJSON *o = read_json(json);
+    assert_int_equal((int)jnum(o, "completed"), 2);
+    assert_int_equal((int)jnum(o, "total_output_tokens"), 2 * (int)n_out);
+    assert_int_equal((int)jnum(o, "total_input_tokens"), 2 * (int)n_in);
+    cJSON_Delete(o);
+    free(err);
+    fake_stop(srv);
+    const char *names[] = {"p.txt", "r.json"};
+    tmp_remove(&t, names, 2);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -931,7 +977,7 @@ int main(void)
         cmocka_unit_test(test_file_dataset),       cmocka_unit_test(test_random_dataset),
         cmocka_unit_test(test_stream_completions), cmocka_unit_test(test_stream_chat),
         cmocka_unit_test(test_failures),           cmocka_unit_test(test_max_concurrency),
-        cmocka_unit_test(test_all_fail),
+        cmocka_unit_test(test_all_fail),           cmocka_unit_test(test_count_with_tokenizer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
