@@ -25,6 +25,7 @@
 
 #include "core.h"
 #include "http.h"
+#include "openai.h"
 
 // ---- raw client ------------------------------------------------------------------------------
 static int connect_to(int port)
@@ -285,6 +286,54 @@ static void h_prefix(struct tdm_http_conn *c, void *arg)
     tdm_http_respond(c, 200, NULL, out, (size_t)n);
 }
 
+// A miniature completions endpoint over both modules: parse, then either an
+// OpenAI error or a stream of chunks built by the openai builders.
+static void h_completions(struct tdm_http_conn *c, void *arg)
+{
+    (void)arg;
+    static const struct tdm_oai_model_info info = {
+        .served_name = "qwen", .vocab_size = 100, .max_model_len = 64};
+    size_t len;
+    const char *body = tdm_http_body(c, &len);
+    struct tdm_oai_request req;
+    struct tdm_oai_error e;
+    if (tdm_oai_request_parse(&req, TDM_OAI_COMPLETION, body, len, &info, &e) != TDM_OK) {
+        tdm_http_respond_oai_error(c, &e);
+        return;
+    }
+    struct tdm_oai_response r;
+    tdm_oai_response_init(&r, TDM_OAI_COMPLETION, "qwen", req.request_id);
+    static const char *const words[] = {" Paris", " is", " nice", "."};
+    if (!req.stream) {
+        struct tdm_oai_choice ch = {
+            .text = " Paris", .text_len = 6, .finish = TDM_OAI_FINISH_LENGTH, .stop_token = -1};
+        struct tdm_oai_usage u = {3, 1};
+        char *json = tdm_oai_body(&r, &ch, 1, &u);
+        tdm_http_respond_json(c, 200, json);
+        free(json);
+        tdm_oai_request_fini(&req);
+        return;
+    }
+    tdm_http_sse_start(c);
+    for (int i = 0; i < 4; i++) {
+        struct tdm_oai_choice ch = {.text = words[i],
+                                    .text_len = strlen(words[i]),
+                                    .finish = i == 3 ? TDM_OAI_FINISH_STOP : TDM_OAI_FINISH_NONE,
+                                    .stop_token = -1};
+        char *json = tdm_oai_chunk(&r, &ch, 1, NULL);
+        tdm_http_sse_event(c, json, strlen(json));
+        free(json);
+    }
+    if (req.include_usage) {
+        struct tdm_oai_usage u = {3, 4};
+        char *json = tdm_oai_usage_chunk(&r, &u);
+        tdm_http_sse_event(c, json, strlen(json));
+        free(json);
+    }
+    tdm_http_sse_end(c, true);
+    tdm_oai_request_fini(&req);
+}
+
 struct fixture {
     struct tdm_http_server *srv;
     struct gone_probe probe;
@@ -309,6 +358,7 @@ static int setup(void **state)
     tdm_http_route(f->srv, "GET", "/slow-sse", h_slow_sse, &f->probe);
     tdm_http_route(f->srv, "GET", "/noresp", h_noresp, NULL);
     tdm_http_route(f->srv, "GET", "/files/*", h_prefix, NULL);
+    tdm_http_route(f->srv, "POST", "/v1/completions", h_completions, NULL);
     if (tdm_http_server_port(f->srv) != 0)
         return -1;
     if (tdm_http_server_start(f->srv, err, sizeof err) != TDM_OK) {
@@ -560,6 +610,88 @@ static void test_lifecycle_and_errors(void **state)
     tdm_http_server_free(NULL);
 }
 
+static char *post(int port, const char *path, const char *json)
+{
+    char req[1024];
+    snprintf(req, sizeof req,
+             "POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+             "%zu\r\nConnection: close\r\n\r\n%s",
+             path, strlen(json), json);
+    return roundtrip(port, req);
+}
+
+static void test_openai_over_http(void **state)
+{
+    struct fixture *f = *state;
+    // Validation errors reach the client as vLLM's error bodies.
+    char *r = post(f->port, "/v1/completions", "{\"prompt\":\"x\",\"temperature\":5}");
+    assert_oai_error(r, 400, "BadRequestError");
+    cJSON *j = cJSON_Parse(body_of(r));
+    const cJSON *err = cJSON_GetObjectItem(j, "error");
+    assert_string_equal(cJSON_GetObjectItem(err, "message")->valuestring,
+                        "temperature must be in [0, 2], got 5.0.");
+    assert_string_equal(cJSON_GetObjectItem(err, "param")->valuestring, "temperature");
+    cJSON_Delete(j);
+    free(r);
+    r = post(f->port, "/v1/completions", "{\"model\":\"gpt-4\",\"prompt\":\"x\"}");
+    assert_oai_error(r, 404, "NotFoundError");
+    free(r);
+
+    r = post(f->port, "/v1/completions", "{\"prompt\":\"x\",\"request_id\":\"abc\"}");
+    assert_int_equal(status_of(r), 200);
+    j = cJSON_Parse(body_of(r));
+    assert_non_null(j);
+    assert_string_equal(cJSON_GetObjectItem(j, "id")->valuestring, "cmpl-abc");
+    cJSON_Delete(j);
+    free(r);
+
+    // A stream: every event is one JSON chunk, same id throughout, then usage, then [DONE].
+    r = post(f->port, "/v1/completions",
+             "{\"prompt\":\"x\",\"stream\":true,\"stream_options\":{\"include_usage\":true}}");
+    assert_int_equal(status_of(r), 200);
+    char events[8192];
+    dechunk(body_of(r), events, sizeof events);
+    char text[64] = "", id[96] = "";
+    int n_events = 0;
+    bool done = false, usage = false;
+    for (char *ev = events; *ev;) {
+        assert_memory_equal(ev, "data: ", 6);
+        char *end = strstr(ev, "\n\n");
+        assert_non_null(end);
+        *end = '\0';
+        const char *data = ev + 6;
+        if (strcmp(data, "[DONE]") == 0) {
+            done = true;
+            assert_string_equal(end + 2, "");
+        } else {
+            assert_false(done);
+            cJSON *c = cJSON_Parse(data);
+            assert_non_null(c);
+            const char *cid = cJSON_GetObjectItem(c, "id")->valuestring;
+            if (!id[0])
+                snprintf(id, sizeof id, "%s", cid);
+            assert_string_equal(cid, id);
+            const cJSON *choices = cJSON_GetObjectItem(c, "choices");
+            if (cJSON_GetArraySize(choices) == 0) {
+                usage = true;
+                assert_int_equal(
+                    cJSON_GetObjectItem(cJSON_GetObjectItem(c, "usage"), "total_tokens")->valueint,
+                    7);
+            } else {
+                strcat(text,
+                       cJSON_GetObjectItem(cJSON_GetArrayItem(choices, 0), "text")->valuestring);
+            }
+            cJSON_Delete(c);
+            n_events++;
+        }
+        ev = end + 2;
+    }
+    assert_true(done && usage);
+    assert_int_equal(n_events, 5);
+    assert_string_equal(text, " Paris is nice.");
+    free(r);
+}
+
 static void test_status_mapping(void **state)
 {
     (void)state;
@@ -589,6 +721,7 @@ int main(void)
         cmocka_unit_test(test_client_disconnect_detected),
         cmocka_unit_test(test_api_key),
         cmocka_unit_test(test_lifecycle_and_errors),
+        cmocka_unit_test(test_openai_over_http),
         cmocka_unit_test(test_status_mapping),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
