@@ -335,8 +335,8 @@ static void tile_q8(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T
         break;
 #define TILE_CASES_G(WT, g)                                                                        \
     TILE_CASE(WT, g, 1)                                                                            \
-    TILE_CASE(WT, g, 2) TILE_CASE(WT, g, 3) TILE_CASE(WT, g, 4) TILE_CASE(WT, g, 5)                \
-        TILE_CASE(WT, g, 6)
+    TILE_CASE(WT, g, 2)                                                                            \
+    TILE_CASE(WT, g, 3) TILE_CASE(WT, g, 4) TILE_CASE(WT, g, 5) TILE_CASE(WT, g, 6)
 #define TILE_DISPATCH(fname, WT)                                                                   \
     static void fname(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T, int t0,        \
                       int row0, const uint8_t *pf, int pf_lines)                                   \
@@ -435,7 +435,7 @@ AI __m512 transpose_sum16(__m512 v[16])
     return _mm512_permutexvar_ps(idx, y);
 }
 
-static float attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
+AI float scores_impl(const float *q, const float *k, int nk, const int hd, float scale, float *s)
 {
     __m512 acc[16];
 #pragma GCC unroll 16
@@ -457,6 +457,14 @@ static float attn_scores(const float *q, const float *k, int nk, int hd, float s
     return _mm512_mask_reduce_max_ps(mk, sv);
 }
 
+// head_dim 64 (Qwen2.5, Llama 3.2 1B...) gets a copy with constant offsets and masks.
+static float attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
+{
+    if (hd == 64)
+        return scores_impl(q, k, nk, 64, scale, s);
+    return scores_impl(q, k, nk, hd, scale, s);
+}
+
 static float attn_exp(float *s, int nk, float m)
 {
     __mmask16 mk = lanes_mask(nk);
@@ -467,7 +475,7 @@ static float attn_exp(float *s, int nk, float m)
 }
 
 // Up to 64 dims (4 vectors) stay in registers while the keys stream by.
-static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
+AI void accum_impl(float *acc, float corr, const float *p, const float *v, int nk, const int hd)
 {
     __m512 c = _mm512_set1_ps(corr);
     for (int d0 = 0; d0 < hd; d0 += 64) {
@@ -490,6 +498,14 @@ static void attn_accum(float *acc, float corr, const float *p, const float *v, i
         for (int i = 0; i < 4; i++)
             _mm512_mask_storeu_ps(acc + d0 + 16 * i, m[i], a[i]);
     }
+}
+
+static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
+{
+    if (hd == 64)
+        accum_impl(acc, corr, p, v, nk, 64);
+    else
+        accum_impl(acc, corr, p, v, nk, hd);
 }
 
 #pragma GCC pop_options
