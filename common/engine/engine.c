@@ -47,7 +47,7 @@ struct tdm_engine_request {
     double arrival;
     int n_prompt;
     int max_gen;    // generated tokens allowed: min(max_tokens, max_model_len - n_prompt)
-    int max_tokens; // as requested (0 = none), for vllm:request_params_max_tokens
+    int max_tokens; // as requested (0 = up to the context); metrics observe max_gen
     int params_n;
     int num_top;        // top-N logprobs per token (0 when none)
     bool want_logprobs; // logprobs >= 0
@@ -575,7 +575,6 @@ static bool schedule_running(struct tdm_engine *e, struct tdm_engine_request *r,
     }
 }
 
-// Admits the waiting head if blocks and budget allow. Returns false to stop admitting.
 static void count_prefix(struct tdm_engine *e, int queried, int hit)
 {
     if (!e->cfg.enable_prefix_caching)
@@ -631,6 +630,8 @@ static bool admit_import(struct tdm_engine *e, struct tdm_engine_request *r)
     return true;
 }
 
+// Admits the waiting head if blocks and budget allow (or finishes it when it can
+// never fit). Returns false to stop admitting: FCFS, nobody overtakes the head.
 static bool admit_one(struct tdm_engine *e, int *n_items, int *budget)
 {
     struct tdm_engine_request *r = e->wait_head;
