@@ -49,6 +49,7 @@ struct tdm_engine_request {
     int max_gen;    // generated tokens allowed: min(max_tokens, max_model_len - n_prompt)
     int max_tokens; // as requested (0 = up to the context); metrics observe max_gen
     int params_n;
+    int params_index;
     int num_top;        // top-N logprobs per token (0 when none)
     bool want_logprobs; // logprobs >= 0
 
@@ -338,7 +339,8 @@ static void observe_finish(struct tdm_engine *e, struct tdm_engine_request *r,
     tdm_metrics_histogram_observe(m->request_prompt_tokens, r->n_prompt);
     tdm_metrics_histogram_observe(m->request_generation_tokens, r->n_gen);
     tdm_metrics_histogram_observe(m->request_max_num_generation_tokens, r->n_gen);
-    tdm_metrics_histogram_observe(m->request_params_n, r->params_n);
+    if (r->params_index == 0)
+        tdm_metrics_histogram_observe(m->request_params_n, r->params_n);
     tdm_metrics_histogram_observe(m->request_params_max_tokens, r->max_gen);
     tdm_metrics_histogram_observe(m->e2e_request_latency_seconds, now - r->arrival);
     if (r->admitted_once) {
@@ -1135,6 +1137,9 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "req=%s: prompt of %d tokens is longer than max_model_len - 1 (%d)", id,
                           p->n_prompt, max_len - 1);
+    if (p->params_index < 0 || (p->params_n > 0 && p->params_index >= p->params_n))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: params_index %d outside [0, n=%d)", id,
+                          p->params_index, p->params_n > 0 ? p->params_n : 1);
     if (p->max_tokens < 0)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: max_tokens must be >= 0, got %d", id,
                           p->max_tokens);
@@ -1186,6 +1191,7 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     r->max_gen = max_gen;
     r->max_tokens = p->max_tokens;
     r->params_n = p->params_n > 0 ? p->params_n : 1;
+    r->params_index = p->params_index;
     r->want_logprobs = p->sampling.logprobs >= 0;
     r->num_top = p->sampling.logprobs > 0 ? p->sampling.logprobs : 0;
     r->n_tokens = p->n_prompt;

@@ -115,6 +115,8 @@ struct tdm_engine_request_params {
     double arrival_time; // tdm_now() when the request arrived; 0 = at submit
     int params_n;        // the API request's n (this is one of its n sequences), for
                          // vllm:request_params_n; 0 = 1
+    int params_index;    // which of the n sequences this is (0 .. n-1): only sequence 0
+                         // observes vllm:request_params_n, so it counts API requests
     enum tdm_engine_kind kind;
     int32_t first_token; // IMPORT_KV: the token the prefill worker sampled (delivered as this
                          // request's output 0)

@@ -771,6 +771,24 @@ static void test_metrics(void **state)
     assert_int_equal((int)tdm_metrics_histogram_count(m.iteration_tokens_total), (int)s.num_steps);
     // Every token computed: 37 + (c.n - 1) decodes for r, 5 + 6 for r2 (32 cached).
     assert_true(tdm_metrics_histogram_sum(m.iteration_tokens_total) == 37 + (c.n - 1) + 5 + 5);
+    // The second of an n = 2 API request does not observe request_params_n again.
+    struct tdm_engine_request_params p2;
+    struct tdm_engine_request *r3 = NULL;
+    tdm_engine_request_params_default(&p2);
+    p2.prompt = prompt;
+    p2.n_prompt = 37;
+    p2.sampling = sp;
+    p2.max_tokens = 2;
+    p2.params_n = 2;
+    p2.params_index = 2;
+    assert_int_equal(tdm_engine_submit(e, &p2, &r3, err, sizeof err), TDM_EINVAL);
+    p2.params_index = 1;
+    assert_int_equal(tdm_engine_submit(e, &p2, &r3, err, sizeof err), TDM_OK);
+    struct collected c3 = {0};
+    collect(r3, got, 400, &c3, 0);
+    tdm_engine_request_release(r3);
+    assert_int_equal((int)tdm_metrics_histogram_count(m.request_params_n), 2);
+    assert_int_equal((int)tdm_metrics_histogram_count(m.e2e_request_latency_seconds), 3);
     tdm_engine_request_release(r);
     tdm_engine_request_release(r2);
     tdm_engine_free(e);
