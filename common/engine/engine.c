@@ -874,6 +874,7 @@ static void take_control(struct tdm_engine *e, bool *abort_all, bool *stop)
 static void *engine_main(void *arg)
 {
     struct tdm_engine *e = arg;
+    pthread_setname_np(pthread_self(), "tdm-engine");
     bool progressed = true;
     for (;;) {
         pthread_mutex_lock(&e->mu);
@@ -990,6 +991,10 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
         cfg.max_num_batched_tokens = mo->max_batch_tokens;
     if (cfg.max_num_seqs > mo->max_batch_seqs)
         cfg.max_num_seqs = mo->max_batch_seqs;
+    // Every running request must get its decode token in every step, or the
+    // tail of the running set would starve (vLLM requires the same).
+    if (cfg.max_num_seqs > cfg.max_num_batched_tokens)
+        cfg.max_num_seqs = cfg.max_num_batched_tokens;
 
     struct tdm_kv_config kc;
     memset(&kc, 0, sizeof kc);

@@ -43,7 +43,7 @@ struct tdm_engine_config {
     int max_num_batched_tokens;       // token budget of one step; default 2048, capped by the
                                       // model's max_batch_tokens (its activation workspace)
     int max_num_seqs;                 // running requests at most; default 64, capped by the
-                                      // model's max_batch_seqs
+                                      // model's max_batch_seqs and max_num_batched_tokens
     int max_model_len;                // prompt + generated tokens; 0 = the model's context
     int max_waiting;                  // bounded waiting queue: submit returns TDM_EBUSY when this
                                       // many requests wait; default 1024
