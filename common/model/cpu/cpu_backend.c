@@ -431,14 +431,14 @@ static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const
                   .y = y + (size_t)t0 * w->rows,
                   .n = nc},
         };
-        // Decode of a large weight: chunks of ~1/16 of a thread's share keep
+        // Decode of a large weight: chunks of ~1/4 of a thread's share keep
         // the weight streams long yet balance a loaded machine. Small weights
         // and batches: one contiguous chunk per thread (a small weight's
         // stream is short already; a batch prefetches each next block while
         // the one before computes).
         int nb = cpu_w_blocks(w);
         j.chunk =
-            nc == 1 && nb >= 64 ? nb / (be->nthreads * 16) : (nb + be->nthreads - 1) / be->nthreads;
+            nc == 1 && nb >= 64 ? nb / (be->nthreads * 4) : (nb + be->nthreads - 1) / be->nthreads;
         if (j.chunk < 1)
             j.chunk = 1;
         atomic_init(&j.next, 0);
