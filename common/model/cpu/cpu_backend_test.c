@@ -400,7 +400,8 @@ struct attn_case {
     int n_heads, n_kv_heads, head_dim, block_size;
 };
 
-static void run_attention_case(struct tdm_backend *be, const struct attn_case *c, int isa)
+static void run_attention_case(struct tdm_backend *be, struct tdm_backend *be1,
+                               const struct attn_case *c, int isa)
 {
     const int n_seqs = 3, lens[3] = {1, 37, 70}, layers = 2, layer = 1;
     int nblocks_total = 0;
@@ -517,6 +518,10 @@ static void run_attention_case(struct tdm_backend *be, const struct attn_case *c
     }
     // Each query depends only on its position and the cache: bitwise equal.
     assert_memory_equal(out1, out2, sizeof(float) * total * qd);
+    // And not on the number of threads (the cache now holds the same K/V).
+    ops->attention(be1, kv, layer, seqs, n_seqs, qkv, qkv_stride, out2, c->n_heads, c->n_kv_heads,
+                   c->head_dim, scale);
+    assert_memory_equal(out1, out2, sizeof(float) * total * qd);
     free(step_qkv), free(step_out), free(sc), free(qkv), free(out1), free(out2);
     tdm_kv_free(kv);
 }
@@ -531,13 +536,15 @@ static void test_attention(void **state)
         {7, 1, 128, 32}, // group 7, head_dim 128
         {2, 1, 2, 3},    // smallest head_dim
     };
-    struct tdm_backend *be = make_backend(2);
+    struct tdm_backend *be = make_backend(2), *be1 = make_backend(1);
     FOR_EACH_ISA(be, isa)
     {
+        assert_int_equal(tdm_cpu_backend_set_isa(be1, (enum tdm_cpu_isa)isa), TDM_OK);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-            run_attention_case(be, &cases[i], isa);
+            run_attention_case(be, be1, &cases[i], isa);
     }
     ops->destroy(be);
+    ops->destroy(be1);
 }
 
 // A block id outside the pool is logged and skipped, never dereferenced.
