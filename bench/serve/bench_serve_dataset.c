@@ -32,7 +32,7 @@ void tdm_bench_dataset_fini(struct tdm_bench_dataset *ds)
 }
 
 // Uniform integer in [floor(len*(1-r)), ceil(len*(1+r))], at least 1 (vLLM's bounds).
-static int sample_len(struct bench_rng *rng, int len, double r)
+static int sample_len(struct tdm_rng *rng, int len, double r)
 {
     int lo = (int)floor(len * (1.0 - r));
     int hi = (int)ceil(len * (1.0 + r));
@@ -40,19 +40,19 @@ static int sample_len(struct bench_rng *rng, int len, double r)
         lo = 1;
     if (hi < lo)
         hi = lo;
-    return lo + (int)(bench_rng_next(rng) % (uint64_t)(hi - lo + 1));
+    return lo + (int)(tdm_rng_next(rng) % (uint64_t)(hi - lo + 1));
 }
 
 static void fill_random(int32_t *ids, size_t n, const int32_t *allowed, size_t n_allowed,
-                        struct bench_rng *rng)
+                        struct tdm_rng *rng)
 {
     for (size_t i = 0; i < n; i++)
-        ids[i] = allowed[bench_rng_next(rng) % n_allowed];
+        ids[i] = allowed[tdm_rng_next(rng) % n_allowed];
 }
 
 // One prompt of exactly target tokens (see the file comment); *text is heap.
 static int random_prompt(const struct tdm_tokenizer *tok, const int32_t *allowed, size_t n_allowed,
-                         int target, struct bench_rng *rng, char **text, int *actual)
+                         int target, struct tdm_rng *rng, char **text, int *actual)
 {
     int32_t *ids = malloc((size_t)target * sizeof(int32_t));
     if (!ids)
@@ -129,8 +129,8 @@ int tdm_bench_dataset_random(struct tdm_bench_dataset *out, const struct tdm_tok
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
         goto fail_allowed;
     }
-    struct bench_rng rng;
-    bench_rng_seed(&rng, seed);
+    struct tdm_rng rng;
+    tdm_rng_seed(&rng, seed);
     for (int i = 0; i < num_prompts; i++) {
         struct tdm_bench_prompt *p = &out->prompts[i];
         int in_len = sample_len(&rng, input_len, range_ratio);

@@ -10,16 +10,11 @@
 #include <stdint.h>
 
 #include "bench_serve.h"
+#include "core.h"
 
-// ---- random numbers (xoshiro256**, seeded by splitmix64) -----------------------------------
-struct bench_rng {
-    uint64_t s[4];
-};
-void bench_rng_seed(struct bench_rng *r, uint64_t seed);
-uint64_t bench_rng_next(struct bench_rng *r);
-double bench_rng_uniform(struct bench_rng *r); // [0, 1)
+// ---- random numbers (core's tdm_rng: xoshiro256**, seeded by splitmix64) -------------------
 // Gamma(shape, scale) (Marsaglia-Tsang); shape > 0.
-double bench_rng_gamma(struct bench_rng *r, double shape, double scale);
+double bench_rng_gamma(struct tdm_rng *r, double shape, double scale);
 
 // Arrival offsets in seconds for n requests, as vLLM schedules them: the first
 // at 0, then gaps drawn from Gamma(burstiness, 1/(rate*burstiness)) (exponential,

@@ -12,59 +12,19 @@
 #include "core.h"
 
 // ---- random numbers ------------------------------------------------------------------------
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
-
-void bench_rng_seed(struct bench_rng *r, uint64_t seed)
-{
-    uint64_t x = seed;
-    for (int i = 0; i < 4; i++)
-        r->s[i] = splitmix64(&x);
-}
-
-static uint64_t rotl(uint64_t v, int k)
-{
-    return (v << k) | (v >> (64 - k));
-}
-
-uint64_t bench_rng_next(struct bench_rng *r)
-{
-    uint64_t *s = r->s;
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
-}
-
-double bench_rng_uniform(struct bench_rng *r)
-{
-    // The top 53 bits make every double in [0, 1) on a 2^-53 grid equally likely.
-    return (double)(bench_rng_next(r) >> 11) * 0x1.0p-53;
-}
-
-static double rng_normal(struct bench_rng *r)
+static double rng_normal(struct tdm_rng *r)
 {
     // Box-Muller; 1 - u keeps the log argument in (0, 1].
-    double u1 = 1.0 - bench_rng_uniform(r);
-    double u2 = bench_rng_uniform(r);
+    double u1 = 1.0 - tdm_rng_uniform(r);
+    double u2 = tdm_rng_uniform(r);
     return sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2);
 }
 
-double bench_rng_gamma(struct bench_rng *r, double shape, double scale)
+double bench_rng_gamma(struct tdm_rng *r, double shape, double scale)
 {
     if (shape < 1.0) {
         // Gamma(a) = Gamma(a + 1) * U^(1/a) (Marsaglia-Tsang's boost for a < 1).
-        double u = 1.0 - bench_rng_uniform(r);
+        double u = 1.0 - tdm_rng_uniform(r);
         return bench_rng_gamma(r, shape + 1.0, scale) * pow(u, 1.0 / shape);
     }
     double d = shape - 1.0 / 3.0;
@@ -75,7 +35,7 @@ double bench_rng_gamma(struct bench_rng *r, double shape, double scale)
         if (v <= 0.0)
             continue;
         v = v * v * v;
-        double u = 1.0 - bench_rng_uniform(r);
+        double u = 1.0 - tdm_rng_uniform(r);
         if (log(u) < 0.5 * x * x + d - d * v + d * log(v))
             return d * v * scale;
     }
@@ -83,10 +43,10 @@ double bench_rng_gamma(struct bench_rng *r, double shape, double scale)
 
 void bench_arrival_times(double *out, size_t n, double rate, double burstiness, uint64_t seed)
 {
-    struct bench_rng r;
+    struct tdm_rng r;
     // A different stream from the dataset's, so changing --input-len does not
     // change the arrival schedule.
-    bench_rng_seed(&r, seed ^ 0x5eed0a11a1ULL);
+    tdm_rng_seed(&r, seed ^ 0x5eed0a11a1ULL);
     double t = 0.0;
     for (size_t i = 0; i < n; i++) {
         out[i] = t;

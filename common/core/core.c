@@ -93,6 +93,44 @@ void tdm_panic(const char *file, int line, const char *what)
     abort();
 }
 
+uint64_t tdm_splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+void tdm_rng_seed(struct tdm_rng *r, uint64_t seed)
+{
+    for (int i = 0; i < 4; i++)
+        r->s[i] = tdm_splitmix64(&seed);
+}
+
+static uint64_t rotl64(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+uint64_t tdm_rng_next(struct tdm_rng *r)
+{
+    uint64_t *s = r->s;
+    uint64_t result = rotl64(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl64(s[3], 45);
+    return result;
+}
+
+double tdm_rng_uniform(struct tdm_rng *r)
+{
+    return (double)(tdm_rng_next(r) >> 11) * 0x1.0p-53;
+}
+
 double tdm_now(void)
 {
     struct timespec ts;

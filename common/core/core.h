@@ -66,6 +66,19 @@ void tdm_panic(const char *file, int line, const char *what) __attribute__((nore
             tdm_panic(__FILE__, __LINE__, #cond);                                                  \
     } while (0)
 
+// ---- random numbers -----------------------------------------------------------------
+// xoshiro256** seeded through splitmix64: small, fast and of good quality. A
+// seed gives the same sequence on every machine (sampling seeds, benchmarks).
+struct tdm_rng {
+    uint64_t s[4];
+};
+void tdm_rng_seed(struct tdm_rng *r, uint64_t seed);
+uint64_t tdm_rng_next(struct tdm_rng *r);
+// Uniform in [0, 1) with 53 random bits.
+double tdm_rng_uniform(struct tdm_rng *r);
+// One splitmix64 step over *x (also a good 64-bit mixer).
+uint64_t tdm_splitmix64(uint64_t *x);
+
 // ---- time and files -----------------------------------------------------------------
 // Monotonic seconds (CLOCK_MONOTONIC).
 double tdm_now(void);

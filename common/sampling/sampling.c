@@ -42,7 +42,7 @@ struct tdm_sampler {
     struct tdm_sampling_params p; // a copy; top_k 0 means off, temperature as used
     int vocab_size;
     bool greedy;
-    uint64_t rng[4];   // xoshiro256** state
+    struct tdm_rng rng; // xoshiro256** state
     int num_generated; // tokens recorded by tdm_sampler_sample
     int32_t *eos_ids;  // [num_eos]
     int num_eos;
@@ -130,39 +130,7 @@ int tdm_sampling_params_validate(const struct tdm_sampling_params *p, int vocab_
     return TDM_OK;
 }
 
-// ---- RNG: xoshiro256** seeded through splitmix64 --------------------------------------
-
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-static uint64_t rotl(uint64_t x, int k)
-{
-    return (x << k) | (x >> (64 - k));
-}
-
-static uint64_t rng_next(uint64_t s[4])
-{
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
-}
-
-static void rng_seed(uint64_t s[4], uint64_t seed)
-{
-    for (int i = 0; i < 4; i++)
-        s[i] = splitmix64(&seed);
-}
+// ---- RNG: tdm_rng (xoshiro256** seeded through splitmix64, core.h) ---------------------
 
 // An unseeded request draws its seed from the kernel's entropy pool (getrandom),
 // shared by the whole process; if that fails, from the clock and a counter.
@@ -173,7 +141,7 @@ static uint64_t entropy_seed(void)
         return seed;
     static _Atomic uint64_t counter;
     uint64_t x = (uint64_t)(tdm_wall_now() * 1e9) ^ (uint64_t)(uintptr_t)&seed;
-    x ^= splitmix64(&x) + counter++;
+    x ^= tdm_splitmix64(&x) + counter++;
     return x;
 }
 
@@ -210,7 +178,7 @@ int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *
                                   : b < -TDM_LOGIT_BIAS_LIMIT ? -TDM_LOGIT_BIAS_LIMIT
                                                               : b;
     }
-    rng_seed(s->rng, p->has_seed ? p->seed : entropy_seed());
+    tdm_rng_seed(&s->rng, p->has_seed ? p->seed : entropy_seed());
 
     size_t v = (size_t)vocab_size;
     s->num_eos = num_eos;
@@ -536,7 +504,7 @@ static int32_t sample_random(struct tdm_sampler *s, const float *logits)
             total += s->weight[i];
     }
     // One uniform double in [0, 1) from the top 53 bits.
-    double u = (double)(rng_next(s->rng) >> 11) * 0x1.0p-53 * total;
+    double u = tdm_rng_uniform(&s->rng) * total;
     double acc = 0.0;
     for (size_t i = 0; i < n; i++) {
         acc += s->weight[i];
