@@ -513,36 +513,12 @@ static int on_raw_text(struct enc *e, const char *s, size_t n)
         all_nfc &= tok->norm[i] == TOK_NORM_NFC;
     if (tok->n_norm == 0 || (all_nfc && nfc_trivially_stable(s, n)))
         return split_added(e, &tok->norm_set, s, n, on_normalized_text);
-    char *norm = NULL;
-    size_t norm_len = n;
-    const char *cur = s;
-    for (size_t i = 0; i < tok->n_norm; i++) {
-        int opts = UTF8PROC_STABLE;
-        switch (tok->norm[i]) {
-        case TOK_NORM_NFC:
-            opts |= UTF8PROC_COMPOSE;
-            break;
-        case TOK_NORM_NFD:
-            opts |= UTF8PROC_DECOMPOSE;
-            break;
-        case TOK_NORM_NFKC:
-            opts |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
-            break;
-        case TOK_NORM_NFKD:
-            opts |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
-            break;
-        }
-        utf8proc_uint8_t *next = NULL;
-        utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)cur, (utf8proc_ssize_t)norm_len,
-                                          &next, (utf8proc_option_t)opts);
-        free(norm);
-        if (r < 0)
-            return r == UTF8PROC_ERROR_NOMEM ? TDM_ENOMEM : TDM_EINVAL;
-        norm = (char *)next;
-        cur = norm;
-        norm_len = (size_t)r;
-    }
-    int rc = split_added(e, &tok->norm_set, norm, norm_len, on_normalized_text);
+    char *norm;
+    size_t norm_len;
+    int rc = tok_normalize(tok, s, n, &norm, &norm_len);
+    if (rc != TDM_OK)
+        return rc;
+    rc = split_added(e, &tok->norm_set, norm, norm_len, on_normalized_text);
     free(norm);
     return rc;
 }

@@ -169,4 +169,8 @@ static inline const struct tok_merge_entry *tok_merge_find(const struct tdm_toke
     }
 }
 
+// Applies the normalizer steps to s (tokenizer_load.c); *out is heap, NUL-terminated.
+int tok_normalize(const struct tdm_tokenizer *tok, const char *s, size_t len, char **out,
+                  size_t *out_len);
+
 #endif

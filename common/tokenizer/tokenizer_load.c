@@ -580,15 +580,16 @@ static int build_added_set(struct tdm_tokenizer *tok, struct tok_added_set *set,
     return TDM_OK;
 }
 
-// Normalizes s with the tokenizer's normalizer steps into a heap string.
-static int normalize_copy(const struct tdm_tokenizer *tok, const char *s, size_t len, char **out,
-                          size_t *out_len)
+// Normalizes s with the tokenizer's normalizer steps (utf8proc) into a heap,
+// NUL-terminated string (*out, caller frees). TDM_EINVAL when utf8proc rejects
+// the text, TDM_ENOMEM.
+int tok_normalize(const struct tdm_tokenizer *tok, const char *s, size_t len, char **out,
+                  size_t *out_len)
 {
-    char *cur = malloc(len + 1);
-    if (!cur)
-        return TDM_ENOMEM;
-    memcpy(cur, s, len);
-    cur[len] = 0;
+    *out = NULL;
+    *out_len = 0;
+    char *norm = NULL;
+    const char *cur = s;
     size_t cur_len = len;
     for (size_t i = 0; i < tok->n_norm; i++) {
         int opts = UTF8PROC_STABLE;
@@ -609,13 +610,21 @@ static int normalize_copy(const struct tdm_tokenizer *tok, const char *s, size_t
         utf8proc_uint8_t *next = NULL;
         utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)cur, (utf8proc_ssize_t)cur_len,
                                           &next, (utf8proc_option_t)opts);
-        free(cur);
+        free(norm);
         if (r < 0)
             return r == UTF8PROC_ERROR_NOMEM ? TDM_ENOMEM : TDM_EINVAL;
-        cur = (char *)next;
+        norm = (char *)next;
+        cur = norm;
         cur_len = (size_t)r;
     }
-    *out = cur;
+    if (!norm) { // no normalizer: a plain copy
+        norm = malloc(len + 1);
+        if (!norm)
+            return TDM_ENOMEM;
+        memcpy(norm, s, len);
+        norm[len] = 0;
+    }
+    *out = norm;
     *out_len = cur_len;
     return TDM_OK;
 }
@@ -880,7 +889,7 @@ static int load_from_json(struct tdm_tokenizer *tok, const cJSON *root, const cJ
     for (size_t i = 0; i < tok->n_added; i++) {
         struct tok_added *ad = &tok->added[i];
         if (ad->normalized && tok->n_norm) {
-            if ((rc = normalize_copy(tok, ad->content, ad->len, &ad->match_text, &ad->match_len)))
+            if ((rc = tok_normalize(tok, ad->content, ad->len, &ad->match_text, &ad->match_len)))
                 return rc;
         } else {
             if (!(ad->match_text = strdup(ad->content)))
