@@ -72,12 +72,28 @@ static void test_log_level(void **state)
     assert_int_equal(tdm_log_set_level_name("info"), TDM_OK);
 }
 
+// Expected values computed separately (a Python transcription of the published
+// xoshiro256** and splitmix64 algorithms), seed 42.
+static void test_rng(void **state)
+{
+    (void)state;
+    struct tdm_rng r;
+    tdm_rng_seed(&r, 42);
+    assert_true(tdm_rng_next(&r) == 0x15780b2e0c2ec716ull);
+    assert_true(tdm_rng_next(&r) == 0x6104d9866d113a7eull);
+    assert_true(tdm_rng_next(&r) == 0xae17533239e499a1ull);
+    for (int i = 0; i < 1000; i++) {
+        double u = tdm_rng_uniform(&r);
+        assert_true(u >= 0.0 && u < 1.0);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_strerror),   cmocka_unit_test(test_seterr),
         cmocka_unit_test(test_read_file),  cmocka_unit_test(test_path_join),
-        cmocka_unit_test(test_log_level),
+        cmocka_unit_test(test_log_level),  cmocka_unit_test(test_rng),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
