@@ -263,10 +263,19 @@ struct call {
     int prompt_tokens;          // usage: each prompt once
 };
 
-static bool is_stop_id(const struct tdm_sampling_params *sp, int32_t id)
+// stop_reason of a request ended by token id: the id when it was one of the
+// request's stop_token_ids, or one of generation_config.json's eos ids other
+// than the tokenizer's EOS (vLLM adds those to stop_token_ids); null for EOS.
+static bool is_stop_id(const struct tdm_decode_server *s, const struct tdm_sampling_params *sp,
+                       int32_t id)
 {
     for (int i = 0; i < sp->num_stop_token_ids; i++)
         if (sp->stop_token_ids[i] == id)
+            return true;
+    if (id == tdm_tok_eos_id(s->tok))
+        return false;
+    for (int i = 0; i < s->gen.num_eos_token_ids; i++)
+        if (s->gen.eos_token_ids[i] == id)
             return true;
     return false;
 }
@@ -360,7 +369,7 @@ static int take_chunk(struct call *k, struct choice *ch, const struct tdm_engine
             ch->done = true;
             ch->finish = map_finish(c->reason);
             ch->stop_token = (c->reason == TDM_ENGINE_FINISH_STOP && c->stop_token >= 0 &&
-                              is_stop_id(&rq->sampling, c->stop_token))
+                              is_stop_id(k->s, &rq->sampling, c->stop_token))
                                  ? c->stop_token
                                  : -1;
             if (c->reason == TDM_ENGINE_FINISH_ERROR) {
@@ -388,7 +397,8 @@ static void fill_choice(const struct call *k, const struct choice *ch, struct td
     oc->n_logprobs = ch->lps.n;
     oc->text_offset = ch->chars_sent;
     if (k->req.return_token_ids) {
-        oc->token_ids = ch->ids ? ch->ids : (const int32_t *)"";
+        static const int32_t none[1] = {0}; // [] in the chunk, not an omitted field
+        oc->token_ids = ch->ids ? ch->ids : none;
         oc->n_token_ids = ch->n_ids;
         if (!ch->first_sent) {
             const struct prompt *p = &k->prompts[ch->prompt_idx];
@@ -1095,20 +1105,29 @@ static void resolve_served_name(struct tdm_decode_server *s)
     snprintf(s->served_name, sizeof s->served_name, "%s", base && base[1] ? base + 1 : dir);
 }
 
-int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen)
+// The text side of loading (tokenizer, generation_config.json, chat template);
+// runs on its own thread beside the model load to shorten the cold start.
+struct text_load {
+    struct tdm_decode_server *s;
+    int rc;
+    char err[512];
+};
+
+static void *load_text_side(void *arg)
 {
+    struct text_load *t = arg;
+    struct tdm_decode_server *s = t->s;
     const struct tdm_decode_config *cfg = &s->cfg;
-    int rc = tdm_tok_load(&s->tok, cfg->model, err, errlen);
-    if (rc != TDM_OK)
-        return rc;
-    rc = tdm_hf_generation_config_load(&s->gen, cfg->model, err, errlen);
-    if (rc != TDM_OK)
-        return rc;
+    t->rc = tdm_tok_load(&s->tok, cfg->model, t->err, sizeof t->err);
+    if (t->rc != TDM_OK)
+        return NULL;
+    t->rc = tdm_hf_generation_config_load(&s->gen, cfg->model, t->err, sizeof t->err);
+    if (t->rc != TDM_OK)
+        return NULL;
     const char *tmpl = tdm_tok_chat_template(s->tok);
     if (cfg->chat_template[0]) {
-        rc = tdm_chat_template_new(&s->chat, tmpl, cfg->chat_template, err, errlen);
-        if (rc != TDM_OK)
-            return rc; // an explicit template must work
+        // An explicit template must work.
+        t->rc = tdm_chat_template_new(&s->chat, tmpl, cfg->chat_template, t->err, sizeof t->err);
     } else if (tmpl == NULL) {
         snprintf(s->chat_err, sizeof s->chat_err,
                  "tokenizer_config.json has no chat_template (use --chat-template)");
@@ -1117,6 +1136,17 @@ int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen
         s->chat = NULL;
         TDM_LOG_WARN(MOD, "chat endpoint disabled: %s", s->chat_err);
     }
+    return NULL;
+}
+
+int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen)
+{
+    const struct tdm_decode_config *cfg = &s->cfg;
+    struct text_load tl = {.s = s, .rc = TDM_OK};
+    pthread_t th;
+    bool threaded = pthread_create(&th, NULL, load_text_side, &tl) == 0;
+    if (!threaded)
+        load_text_side(&tl);
 
     struct tdm_model_opts mo;
     tdm_model_opts_default(&mo);
@@ -1124,9 +1154,13 @@ int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen
     mo.num_threads = cfg->threads;
     mo.max_batch_tokens = cfg->max_num_batched_tokens;
     mo.max_batch_seqs = cfg->max_num_seqs;
-    rc = tdm_model_load(&s->model, cfg->model, &mo, err, errlen);
+    int rc = tdm_model_load(&s->model, cfg->model, &mo, err, errlen);
+    if (threaded)
+        pthread_join(th, NULL);
     if (rc != TDM_OK)
         return rc;
+    if (tl.rc != TDM_OK)
+        return tdm_seterr(err, errlen, tl.rc, "%s", tl.err);
     const struct tdm_model_config *mc = tdm_model_config(s->model);
     if (cfg->max_model_len > mc->max_position_embeddings)
         return tdm_seterr(err, errlen, TDM_EINVAL,
