@@ -1,0 +1,106 @@
+// SPDX-License-Identifier: Apache-2.0
+// router control: the control plane in one object for the request path. It
+// owns the config store (hot reload), the endpoint registry (discovery, health,
+// load, prefix index) and the router metrics, and turns a tokenized prompt into
+// a route: the decode endpoint, the prefill endpoint in use (if P/D) with the
+// others in retry order, the decision, and the config snapshot the request
+// keeps for its whole life (a reload never changes a request in flight).
+//
+// Typical use by router.c:
+//   tdm_router_control_new(&ctl, path, registry, ...); tdm_router_control_start(ctl, ...);
+//   per request:  tdm_router_control_route(ctl, tokens, n, session, &r, ...)
+//                 on prefill failure: tdm_router_control_report(...ERROR) then
+//                   tdm_router_control_next_prefill(ctl, &r) (false -> local prefill)
+//                 tdm_router_control_route_done(ctl, &r, "success")
+//   load reports: tdm_router_endpoints_set_load(tdm_router_control_endpoints(ctl), id, &load)
+//   SIGHUP:       tdm_router_control_reload(ctl, ...) from a normal thread
+//   GET /v1/router/config: tdm_router_control_config_json(ctl)
+// Thread-safe: route/report/next_prefill/route_done may run on any thread.
+#ifndef TDM_ROUTER_CONTROL_H
+#define TDM_ROUTER_CONTROL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "endpoints.h"
+#include "policy.h"
+#include "router_metrics.h"
+
+struct tdm_router_control;
+
+// An endpoint a request talks to (copied: valid after the registry changes).
+struct tdm_router_target {
+    uint64_t id;
+    char name[TDM_ROUTER_NAME_MAX]; // "host:http_port"
+    char host[TDM_ROUTER_NAME_MAX];
+    int http_port;
+    int nng_port;
+    enum tdm_router_role role;
+    uint64_t health_epoch; // changed since the last request => drop cached connections
+};
+
+struct tdm_router_route {
+    struct tdm_router_config *cfg;      // reference held until route_done
+    enum tdm_router_decision decision;  // may turn DECODE_ONLY when prefill retries run out
+    struct tdm_router_target decode;
+    struct tdm_router_target prefill[TDM_ROUTER_MAX_PREFILL_CANDIDATES]; // retry order
+    size_t n_prefill;       // candidates (0 when decode-only)
+    size_t prefill_idx;     // the one in use
+    int prefill_attempts;   // remote prefill attempts so far (1 after route)
+    size_t cached_tokens;   // believed cached on the decode endpoint
+    size_t uncached_tokens;
+    double deadline;        // tdm_now() + request_deadline_seconds
+    double routed_at;       // tdm_now() when routed
+    // private
+    bool decode_held_, prefill_held_;
+    uint64_t *block_hashes_; // [n_blocks_] prompt's full-block hashes
+    size_t n_blocks_;
+};
+
+// Loads the config (must be valid), registers the router metrics on reg (may
+// be NULL: no metrics), creates the endpoint registry. No threads yet.
+int tdm_router_control_new(struct tdm_router_control **out, const char *config_path,
+                           struct tdm_metrics_registry *reg, char *err, size_t errlen);
+// Resolves DNS names and checks health once (blocking, bounded by the health
+// timeout), then starts the discovery/health thread and, when watch is true,
+// the config file watcher.
+int tdm_router_control_start(struct tdm_router_control *ctl, bool watch, char *err, size_t errlen);
+// Stops the threads and frees. Routes still held must be done first. NULL ok.
+void tdm_router_control_free(struct tdm_router_control *ctl);
+
+struct tdm_router_config_store *tdm_router_control_store(struct tdm_router_control *ctl);
+struct tdm_router_endpoints *tdm_router_control_endpoints(struct tdm_router_control *ctl);
+struct tdm_router_metrics *tdm_router_control_metrics(struct tdm_router_control *ctl); // NULL if none
+
+// Chooses where a request goes. tokens: the prompt's token ids (for prefix
+// matching and the decider); session: the session header value or NULL.
+// Acquires the decode endpoint and the first prefill one, records the prompt's
+// blocks in their prefix indexes, counts the pick and decision metrics, logs
+// the scores at DEBUG. TDM_EBUSY (err says which role) when no healthy decode
+// endpoint exists (the route is then empty: no route_done needed, but
+// harmless); TDM_ENOMEM.
+int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
+                             const char *session, struct tdm_router_route *route, char *err,
+                             size_t errlen);
+// The prefill endpoint in use failed: releases it, counts a retry, acquires the
+// next healthy candidate. Returns false when retries (prefill_retries) or
+// candidates are exhausted: the route is then DECODE_ONLY (local prefill on the
+// decode endpoint) and the fallback is counted.
+bool tdm_router_control_next_prefill(struct tdm_router_control *ctl, struct tdm_router_route *r);
+// Passive health + upstream error metrics for one endpoint of the route.
+void tdm_router_control_report(struct tdm_router_control *ctl, const struct tdm_router_target *t,
+                               enum tdm_router_outcome outcome);
+// Releases the endpoints and the config reference; counts the request with
+// status ("success", "error", "cancelled"). Safe on a zeroed or failed route.
+void tdm_router_control_route_done(struct tdm_router_control *ctl, struct tdm_router_route *r,
+                                   const char *status);
+
+// SIGHUP: reloads the config file now (see tdm_router_config_store_reload).
+int tdm_router_control_reload(struct tdm_router_control *ctl, char *err, size_t errlen);
+// GET /v1/router/config body (heap JSON with the endpoints and their state
+// under "endpoints_state"); NULL on ENOMEM.
+char *tdm_router_control_config_json(struct tdm_router_control *ctl);
+
+#endif

@@ -1,0 +1,189 @@
+// SPDX-License-Identifier: Apache-2.0
+// router endpoints: the thread-safe registry of prefill and decode workers the
+// router can send to. Endpoints come from the config's static lists and from DNS
+// names (getaddrinfo, re-resolved periodically: new addresses are added,
+// vanished ones drain: no new requests, removed once their in-flight requests
+// finish). Each endpoint carries:
+//   - health: active checks (GET <health.path> on its HTTP port every interval,
+//     with a timeout; failure_threshold consecutive failures mark it unhealthy,
+//     success_threshold successes mark it healthy again) and passive reports
+//     from the request path (errors and timeouts count as failures, successes
+//     reset the count). health_epoch increments each time it turns healthy, so
+//     the request path can drop connection state to a worker that restarted.
+//   - load: running, waiting, KV usage as the worker last reported it (over nng,
+//     set by the request path) with the time it arrived; older than
+//     load_stale_seconds = treated as saturated (as llm-d does).
+//   - in-flight requests tracked by the router (acquire/release).
+//   - an approximate prefix index: an LRU set of the chained block hashes of the
+//     prompts routed there (capacity lru_capacity_per_server blocks), which KV
+//     events (stored/evicted hashes) from the worker can also feed exactly.
+//
+// Block hash (tdm_router_block_hashes): identical to the decode worker's KV
+// cache (common/kv, kv_hash_block): for block i of block_size tokens,
+//   h_i = H(h_{i-1}, tokens[i*bs .. (i+1)*bs)), h_{-1} = 0,
+// H = an xxHash64-style accumulation of two 32-bit token ids per 64-bit lane
+// (P1 0x9E3779B185EBCA87, P2 0xC2B2AE3D27D4EB4F, P3 0x165667B19E3779F9), length
+// mixed in, murmur3 fmix64 finish, 0 mapped to 1. Only full blocks are hashed.
+// So a KV event's hash is the same number the router computed for that prefix.
+//
+// Policies never see the registry: they get a snapshot (a plain array copied
+// under the lock, prefix matches for the request already counted), so no lock
+// is held while scoring.
+#ifndef TDM_ROUTER_ENDPOINTS_H
+#define TDM_ROUTER_ENDPOINTS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config.h"
+
+struct tdm_router_endpoints;
+struct tdm_router_metrics;
+
+#define TDM_ROUTER_NAME_MAX 128 // "host:http_port" with room for an IPv6 literal
+
+// Load as a worker reports it.
+struct tdm_router_load {
+    int running;          // requests in the running batch (vllm:num_requests_running)
+    int waiting;          // queued requests (vllm:num_requests_waiting)
+    double kv_usage;      // KV cache usage fraction, 0..1 (vllm:kv_cache_usage_perc)
+};
+
+// One endpoint as a policy sees it: a copy, valid as long as the snapshot.
+struct tdm_router_endpoint_view {
+    uint64_t id;                     // unique for the registry's life (never reused)
+    char name[TDM_ROUTER_NAME_MAX];  // "host:http_port" ("[v6]:port"); metric label value
+    char host[TDM_ROUTER_NAME_MAX];  // address to connect to (IP for DNS-discovered ones)
+    int http_port;
+    int nng_port;
+    enum tdm_router_role role;
+    bool healthy;                    // not failed (new endpoints start healthy)
+    bool draining;                   // removed from config/DNS: takes no new requests
+    uint64_t health_epoch;           // increments on every unhealthy -> healthy turn
+    int inflight;                    // router-tracked requests in flight
+    struct tdm_router_load load;     // last report (zeros if none yet)
+    bool has_load;                   // a report arrived at least once
+    bool load_stale;                 // no report, or older than load_stale_seconds
+    double load_age_seconds;         // seconds since the report (< 0: never)
+    int prefix_match_blocks;         // leading request blocks this endpoint is believed to cache
+};
+
+// What a policy scores: endpoints in registry order (stable: by id).
+struct tdm_router_snapshot {
+    struct tdm_router_endpoint_view *eps; // [n]
+    size_t n;
+    size_t n_request_blocks; // full blocks in the request's prompt (prefix denominator)
+    uint64_t seq;            // registry-wide pick sequence number (round robin position)
+    uint64_t seed;           // per-snapshot random seed (random pickers, tie-breaking)
+    double now;              // tdm_now() when taken
+};
+void tdm_router_snapshot_free(struct tdm_router_snapshot *snap); // frees eps; NULL ok
+
+// ---- block hashes ----------------------------------------------------------------------------
+// Writes the chained hashes of the full blocks of tokens[0..n) into out (at most
+// cap); returns the number of full blocks (n / block_size) even when larger than
+// cap (like snprintf). block_size <= 0 returns 0.
+size_t tdm_router_block_hashes(const int32_t *tokens, size_t n, int block_size, uint64_t *out,
+                               size_t cap);
+
+// ---- registry --------------------------------------------------------------------------------
+// A resolver for DNS names (tests inject a fake). Writes up to cap numeric
+// addresses ("10.0.0.5", "fd00::5") into addrs (each TDM_ROUTER_NAME_MAX bytes)
+// and returns how many (>= 0), or -1 when the name does not resolve (the
+// endpoints of that name are then kept: a DNS hiccup must not empty the pool).
+typedef int (*tdm_router_resolve_fn)(const char *name, char (*addrs)[TDM_ROUTER_NAME_MAX],
+                                     int cap, void *arg);
+// The default resolver: getaddrinfo (AF_UNSPEC, SOCK_STREAM), deduplicated.
+int tdm_router_resolve_getaddrinfo(const char *name, char (*addrs)[TDM_ROUTER_NAME_MAX], int cap,
+                                   void *arg);
+
+// Creates the registry from cfg (static endpoints added at once; DNS names
+// resolved on the first tdm_router_endpoints_refresh_dns). metrics may be NULL.
+// Does not start threads.
+int tdm_router_endpoints_new(struct tdm_router_endpoints **out, const struct tdm_router_config *cfg,
+                             struct tdm_router_metrics *metrics, char *err, size_t errlen);
+// Stops the threads, frees everything. NULL is fine.
+void tdm_router_endpoints_free(struct tdm_router_endpoints *reg);
+
+// Replaces the resolver (before start; NULL restores getaddrinfo).
+void tdm_router_endpoints_set_resolver(struct tdm_router_endpoints *reg, tdm_router_resolve_fn fn,
+                                       void *arg);
+
+// Applies a new config (hot reload): static endpoints no longer listed drain,
+// new ones are added, DNS names are re-resolved now, health/LRU settings take
+// effect at the next check. Existing endpoints keep their state.
+int tdm_router_endpoints_apply_config(struct tdm_router_endpoints *reg,
+                                      const struct tdm_router_config *cfg);
+
+// Resolves every DNS name of the current config once now: adds new addresses,
+// drains vanished ones. Returns TDM_OK (names that failed to resolve are logged
+// and keep their endpoints).
+int tdm_router_endpoints_refresh_dns(struct tdm_router_endpoints *reg);
+
+// Runs one round of active health checks on every endpoint now (blocking; at
+// most timeout per endpoint, checks run in parallel). For tests and startup.
+void tdm_router_endpoints_check_health(struct tdm_router_endpoints *reg);
+
+// Starts the background thread: DNS every dns_refresh_seconds, health checks
+// every health.interval_seconds, removal of drained endpoints. TDM_ENOMEM if the
+// thread cannot start.
+int tdm_router_endpoints_start(struct tdm_router_endpoints *reg);
+// Stops the thread (also done by free). Safe to call twice.
+void tdm_router_endpoints_stop(struct tdm_router_endpoints *reg);
+
+// Copies every endpoint that is not draining into *snap (heap; free with
+// tdm_router_snapshot_free), counting for each how many leading request blocks
+// (block_hashes[0..n_blocks), at most max_prefix_blocks_to_match) its prefix
+// index holds. block_hashes may be NULL with n_blocks 0. TDM_ENOMEM.
+int tdm_router_endpoints_snapshot(struct tdm_router_endpoints *reg, const uint64_t *block_hashes,
+                                  size_t n_blocks, struct tdm_router_snapshot *snap);
+
+// Looks an endpoint up by id or by name ("host:http_port"); copies it into *out.
+// TDM_ENOTFOUND when unknown or already removed.
+int tdm_router_endpoints_get(struct tdm_router_endpoints *reg, uint64_t id,
+                             struct tdm_router_endpoint_view *out);
+int tdm_router_endpoints_find(struct tdm_router_endpoints *reg, const char *name,
+                              struct tdm_router_endpoint_view *out);
+// Number of endpoints (not draining) and of those healthy, per role filter:
+// role_can_decode (decode = true) or role_can_prefill (decode = false).
+void tdm_router_endpoints_count(struct tdm_router_endpoints *reg, bool decode, size_t *total,
+                                size_t *healthy);
+
+// ---- request path hooks (thread-safe, no allocation) --------------------------------------------
+// A request starts using the endpoint: in-flight + 1 (a draining endpoint is
+// not removed while in-flight > 0). TDM_ENOTFOUND if the id is gone.
+int tdm_router_endpoints_acquire(struct tdm_router_endpoints *reg, uint64_t id);
+// The request is done with it: in-flight - 1.
+void tdm_router_endpoints_release(struct tdm_router_endpoints *reg, uint64_t id);
+
+enum tdm_router_outcome {
+    TDM_ROUTER_OUTCOME_SUCCESS = 0, // a response came back (resets the failure count)
+    TDM_ROUTER_OUTCOME_ERROR,       // connection refused/reset, 5xx, protocol error
+    TDM_ROUTER_OUTCOME_TIMEOUT,     // no answer within the deadline
+};
+// Passive health: errors and timeouts count toward failure_threshold exactly as
+// failed active checks do; a success resets the count (it does not by itself
+// revive an unhealthy endpoint: the active check does that).
+void tdm_router_endpoints_report(struct tdm_router_endpoints *reg, uint64_t id,
+                                 enum tdm_router_outcome outcome);
+
+// Load report from the worker (timestamped now). TDM_ENOTFOUND for an unknown id.
+int tdm_router_endpoints_set_load(struct tdm_router_endpoints *reg, uint64_t id,
+                                  const struct tdm_router_load *load);
+
+// Approximate index: the request's block hashes were routed to id (they will be
+// cached there); inserted/refreshed in its LRU.
+void tdm_router_endpoints_record_prefix(struct tdm_router_endpoints *reg, uint64_t id,
+                                        const uint64_t *block_hashes, size_t n_blocks);
+// KV events from the worker: blocks stored (inserted) and evicted (removed).
+int tdm_router_endpoints_apply_kv_event(struct tdm_router_endpoints *reg, uint64_t id,
+                                        const uint64_t *stored, size_t n_stored,
+                                        const uint64_t *evicted, size_t n_evicted);
+// Forgets the endpoint's whole index (a worker restart: its cache is empty).
+void tdm_router_endpoints_clear_prefix(struct tdm_router_endpoints *reg, uint64_t id);
+
+// For tests: marks an endpoint healthy/unhealthy directly.
+void tdm_router_endpoints_set_healthy(struct tdm_router_endpoints *reg, uint64_t id, bool healthy);
+
+#endif
