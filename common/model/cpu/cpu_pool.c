@@ -3,10 +3,10 @@
 // A run bumps a generation counter; workers spin on it briefly (ops of one
 // forward step follow each other within microseconds) and then sleep on a
 // futex, so an idle engine burns no CPU after ~100 us. The caller runs task 0
-// itself and spins until the workers have checked in. Tasks are handed out by
-// thread index only; which thread computes what never changes a result
-// because every op splits work along independent outputs.
-#include <errno.h>
+// itself and spins until the workers have checked in. The ops divide work by
+// thread index or through an atomic task counter; which thread computes what
+// never changes a result because every op splits work along independent
+// outputs. Linux only (futex).
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
