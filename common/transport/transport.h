@@ -1,0 +1,123 @@
+// SPDX-License-Identifier: Apache-2.0
+// transport: Tandem's wire between router, prefill and decode processes. Every
+// process listens on one nng PULL socket, its inbox; it reaches a peer through a
+// PUSH socket dialed to the peer's inbox URL (kept per URL in an outbox; nng
+// redials on its own, so a restarted peer is reached again within the reconnect
+// interval). Every message is one frame: a 16-byte header, a protobuf-c message
+// (proto/tandem.proto; packed and unpacked by the caller) and a raw payload
+// (KV bytes), so KV never goes through repeated float fields.
+//
+// Frame layout (little-endian): u32 magic "TDMF", u16 version (1), u16 type,
+// u32 message bytes, u32 payload bytes, then the message, then the payload.
+// A frame whose lengths do not add up exactly to its size, whose magic or
+// version differ, or whose type is unknown is rejected with TDM_EPROTO.
+//
+// Threads: an inbox is read by one thread; an outbox may be used from any
+// thread (sends to one URL are serialised by nng).
+#ifndef TDM_TRANSPORT_H
+#define TDM_TRANSPORT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TDM_NET_MAGIC 0x46444d54u // "TDMF"
+#define TDM_NET_VERSION 1
+#define TDM_NET_HEADER_BYTES 16
+#define TDM_NET_MAX_FRAME (1u << 30) // 1 GiB: larger frames are refused on receive
+
+// Message types (the protobuf message the frame carries).
+enum tdm_net_type {
+    TDM_NET_GENERATE = 1,       // tandem.GenerateRequest, router -> decode
+    TDM_NET_PREFILL = 2,        // tandem.PrefillRequest, decode -> prefill
+    TDM_NET_PREFILL_RESULT = 3, // tandem.PrefillResult, prefill -> decode
+    TDM_NET_KV_PULL = 4,        // tandem.KvPull, decode -> prefill
+    TDM_NET_KV_DATA = 5,        // tandem.KvData + raw KV payload, prefill -> decode
+    TDM_NET_TOKENS = 6,         // tandem.TokenChunk, decode -> router
+    TDM_NET_CANCEL = 7,         // tandem.Cancel, router -> decode -> prefill
+    TDM_NET_LOAD_QUERY = 8,     // tandem.LoadQuery, router -> worker
+    TDM_NET_LOAD_REPORT = 9,    // tandem.LoadReport, worker -> router
+    TDM_NET_KV_EVENTS = 10,     // tandem.KvEvents, worker -> router
+    TDM_NET_TYPE_MAX = 10,
+};
+// "generate", "prefill", ...; "?" for an unknown value.
+const char *tdm_net_type_name(int type);
+
+// ---- frames (pure functions, no sockets) ----------------------------------------------
+// A parsed frame: pointers into the buffer it was parsed from.
+struct tdm_net_frame {
+    int type;              // enum tdm_net_type
+    const uint8_t *msg;    // [msg_len] protobuf bytes
+    size_t msg_len;
+    const uint8_t *payload; // [payload_len] raw bytes (NULL when 0)
+    size_t payload_len;
+};
+
+// Bytes of a frame holding msg_len + payload_len bytes; 0 when too large.
+size_t tdm_net_frame_size(size_t msg_len, size_t payload_len);
+// Writes the 16-byte header for (type, msg_len, payload_len) into dst.
+void tdm_net_frame_header(uint8_t dst[TDM_NET_HEADER_BYTES], int type, size_t msg_len,
+                          size_t payload_len);
+// Parses buf[len]. TDM_OK with *out pointing into buf, or TDM_EPROTO with err
+// saying why ("frame: 10 bytes, shorter than the 16-byte header", "frame: bad
+// magic 0x...", "frame: version 2, expected 1", "frame: unknown type 99",
+// "frame: header says 120 bytes, got 100").
+int tdm_net_frame_parse(const void *buf, size_t len, struct tdm_net_frame *out, char *err,
+                        size_t errlen);
+
+// ---- instance ids -----------------------------------------------------------------------
+// A random nonzero 64-bit id (getrandom, else time and pid mixed): drawn once per
+// process start and carried in every message, so messages meant for an earlier
+// incarnation of a peer are recognised and dropped.
+uint64_t tdm_net_new_instance_id(void);
+
+// ---- inbox: the PULL socket a process listens on ---------------------------------------
+struct tdm_net_inbox;
+struct tdm_net_msg; // one received frame (owns its bytes)
+
+// Listens on url ("tcp://127.0.0.1:9101"; port 0 picks a free port,
+// "ipc:///tmp/x", "inproc://x"). TDM_ETRANSPORT with err when it cannot listen.
+int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, size_t errlen);
+// Closes the socket (a thread blocked in recv returns TDM_ECLOSED). Accepts NULL.
+void tdm_net_inbox_free(struct tdm_net_inbox *in);
+// Closes the socket but keeps the object (recv returns TDM_ECLOSED); for
+// shutting down a receiving thread before freeing.
+void tdm_net_inbox_close(struct tdm_net_inbox *in);
+// The URL peers should dial: the listen URL with port 0 replaced by the bound port.
+const char *tdm_net_inbox_url(const struct tdm_net_inbox *in);
+// Waits up to timeout_s (< 0: no limit) for a frame. TDM_OK with *out (free with
+// tdm_net_msg_free), TDM_ETIMEDOUT, TDM_ECLOSED after close, TDM_EPROTO for a
+// malformed frame (dropped; err says why; keep receiving).
+int tdm_net_inbox_recv(struct tdm_net_inbox *in, double timeout_s, struct tdm_net_msg **out,
+                       char *err, size_t errlen);
+
+// The parsed frame of a received message; valid until tdm_net_msg_free.
+const struct tdm_net_frame *tdm_net_msg_frame(const struct tdm_net_msg *m);
+void tdm_net_msg_free(struct tdm_net_msg *m);
+
+// ---- outbox: PUSH sockets to peers, one per URL ---------------------------------------
+struct tdm_net_outbox;
+
+// reconnect_ms: nng's redial interval bound (<= 0: 100 ms).
+int tdm_net_outbox_new(struct tdm_net_outbox **out, int reconnect_ms, char *err, size_t errlen);
+void tdm_net_outbox_free(struct tdm_net_outbox *ob);
+// Sends one frame to url, dialing on first use. Waits up to timeout_s for a
+// connected peer that takes it (0: only if one is ready now). TDM_OK once nng
+// accepted the frame (delivery is not confirmed: protocols above time out),
+// TDM_ETIMEDOUT when no peer was connected in time, TDM_EINVAL for a bad URL or
+// type, TDM_ENOMEM, TDM_ETRANSPORT (err says why).
+int tdm_net_send(struct tdm_net_outbox *ob, const char *url, int type, const void *msg,
+                 size_t msg_len, const void *payload, size_t payload_len, double timeout_s,
+                 char *err, size_t errlen);
+// Like tdm_net_send, but the payload is written in place: fill is called once
+// with the frame's payload area of payload_len bytes (so KV layers are exported
+// straight into the outgoing frame, with no extra copy). A nonzero return from
+// fill aborts the send and is returned.
+typedef int (*tdm_net_fill_fn)(void *arg, uint8_t *payload, size_t payload_len);
+int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, const void *msg,
+                      size_t msg_len, size_t payload_len, tdm_net_fill_fn fill, void *arg,
+                      double timeout_s, char *err, size_t errlen);
+// True when the outbox has a live connection to url now.
+bool tdm_net_connected(struct tdm_net_outbox *ob, const char *url);
+
+#endif
