@@ -24,6 +24,7 @@
 #include "chat.h"
 #include "core.h"
 #include "decode.h"
+#include "decode_parts.h"
 #include "engine.h"
 #include "hf.h"
 #include "http.h"
@@ -1294,4 +1295,26 @@ void tdm_decode_server_free(struct tdm_decode_server *s)
     pthread_cond_destroy(&s->idle_cv);
     pthread_mutex_destroy(&s->mu);
     free(s);
+}
+
+// ---- P/D hook (decode_parts.h) -------------------------------------------------------------
+int tdm_decode_server_parts(struct tdm_decode_server *s, struct tdm_decode_parts *out)
+{
+    if (s->engine == NULL)
+        return TDM_EBUSY;
+    out->engine = s->engine;
+    out->model = s->model;
+    out->reg = s->reg;
+    out->served_name = s->served_name;
+    out->eos_ids = s->eos_ids;
+    out->num_eos = s->num_eos;
+    out->max_model_len = s->max_model_len;
+    out->block_size = s->cfg.block_size;
+    out->vocab_size = s->info.vocab_size;
+    return TDM_OK;
+}
+
+bool tdm_decode_server_ready(const struct tdm_decode_server *s)
+{
+    return atomic_load(&s->state) == STATE_READY;
 }
