@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: Apache-2.0
+// tandem-prefill: the prefill worker's command line. Takes the prefill flags
+// (--nng-url, --kv-hold-seconds, --layers-per-frame) and passes every other flag
+// to the decode server's parser (same model, engine and HTTP flags as
+// tandem-decode), loads the model, starts the P/D prefill service, logs one
+// line and waits for SIGTERM/SIGINT: then it stops the service (held KV is
+// released) and drains the HTTP side.
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "decode.h"
+#include "prefill.h"
+
+static const char usage[] =
+    "usage: tandem-prefill --model DIR [--nng-url tcp://HOST:PORT] [--kv-hold-seconds S]\n"
+    "                      [--layers-per-frame N] [tandem-decode flags...]\n"
+    "  --nng-url URL          inbox for PrefillRequest/KvPull/Cancel (default tcp://0.0.0.0:9200)\n"
+    "  --kv-hold-seconds S    release prefilled KV not pulled within S seconds (default 30)\n"
+    "  --layers-per-frame N   at most N layers per KvData frame (default 4)\n"
+    "Every other flag is tandem-decode's (--port for /health and /metrics, default 8001).\n";
+
+int main(int argc, char **argv)
+{
+    char err[1024];
+    struct tdm_prefill_config pcfg;
+    tdm_prefill_config_default(&pcfg);
+    if (tdm_prefill_config_take_args(&pcfg, &argc, argv, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "tandem-prefill: %s\n", err);
+        return 2;
+    }
+    struct tdm_decode_config cfg;
+    tdm_decode_config_default(&cfg);
+    int prc = tdm_decode_config_parse_args(&cfg, argc, argv, err, sizeof err);
+    if (prc == 1) {
+        fputs(usage, stdout);
+        fputs(tdm_decode_usage(), stdout);
+        return 0;
+    }
+    if (prc != 0) {
+        fprintf(stderr, "tandem-prefill: %s\n", err);
+        return 2;
+    }
+    tdm_log_set_role("prefill");
+    tdm_log_set_level_name(cfg.log_level);
+
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    double t0 = tdm_now();
+    if (tdm_log_level == TDM_LOG_LEVEL_INFO)
+        tdm_log_level = TDM_LOG_LEVEL_WARN;
+    struct tdm_decode_server *s = NULL;
+    if (tdm_decode_server_new(&s, &cfg, err, sizeof err) != TDM_OK) {
+        TDM_LOG_ERR("prefill", "%s", err);
+        return 1;
+    }
+    int rc = tdm_decode_server_load(s, err, sizeof err);
+    tdm_log_set_level_name(cfg.log_level);
+    if (rc != TDM_OK) {
+        TDM_LOG_ERR("prefill", "loading %s: %s", cfg.model, err);
+        tdm_decode_server_free(s);
+        return 1;
+    }
+    struct tdm_prefill_service *p = NULL;
+    rc = tdm_prefill_service_new(&p, s, &pcfg, err, sizeof err);
+    if (rc != TDM_OK) {
+        TDM_LOG_ERR("prefill", "%s", err);
+        tdm_decode_server_free(s);
+        return 1;
+    }
+    TDM_LOG_INFO("prefill",
+                 "ready model=%s served_model_name=%s nng=%s instance=%016llx http=http://%s:%d "
+                 "startup_s=%.3f",
+                 cfg.model, tdm_decode_server_model_name(s), tdm_prefill_service_url(p),
+                 (unsigned long long)tdm_prefill_service_instance(p), cfg.host,
+                 tdm_decode_server_port(s), tdm_now() - t0);
+
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    TDM_LOG_INFO("prefill", "signal=%d stopping", sig);
+    pthread_sigmask(SIG_UNBLOCK, &sigs, NULL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGINT, SIG_DFL);
+    tdm_prefill_service_free(p);
+    tdm_decode_server_drain(s, cfg.drain_timeout);
+    tdm_decode_server_free(s);
+    return 0;
+}

@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: Apache-2.0
+// prefill: the prefill worker's P/D service (`tandem-prefill`). It runs on a
+// loaded decode server (decode_parts.h: same engine, model and metrics registry,
+// and the same HTTP surface: /health, /metrics and the OpenAI API) and listens
+// on an nng inbox for PrefillRequests from decode workers. Each one becomes a
+// PREFILL_ONLY engine request (batched and chunked with the others, prefix
+// cache first); when it finishes, the first token (sampled with the request's
+// own sampler state) goes back in a PrefillResult and the KV stays pinned until
+// the decode worker pulls the block range it lacks (KvPull), which is sent as
+// KvData frames of a few layers each, exported straight into the outgoing
+// frame; then the KV is released. A Cancel, a missing pull within hold_seconds,
+// the request's deadline, or a failed send all release the KV as well, so no
+// block outlives its request. docs/pd-protocol.md describes the protocol.
+#ifndef TDM_PREFILL_H
+#define TDM_PREFILL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct tdm_decode_server;
+struct tdm_prefill_service;
+
+struct tdm_prefill_config {
+    char nng_url[256];       // --nng-url: the inbox to listen on; default tcp://0.0.0.0:9200
+    double hold_seconds;     // --kv-hold-seconds: release KV not pulled within this; default 30
+    int layers_per_frame;    // --layers-per-frame: upper bound on layers per KvData frame; default 4
+    double send_timeout;     // seconds one frame may wait for the decode worker; default 5
+};
+void tdm_prefill_config_default(struct tdm_prefill_config *cfg);
+// Takes the prefill-only flags (--nng-url, --kv-hold-seconds, --layers-per-frame)
+// out of argv (compacting it; *argc shrinks) so the rest can go to
+// tdm_decode_config_parse_args. TDM_EINVAL with err for a bad value.
+int tdm_prefill_config_take_args(struct tdm_prefill_config *cfg, int *argc, char **argv, char *err,
+                                 size_t errlen);
+
+// Starts the service on a loaded server (tdm_decode_server_load done): opens
+// the inbox, registers the tandem:* transfer metrics, starts the receive thread.
+// TDM_EBUSY when the server is not loaded, TDM_ETRANSPORT when it cannot listen.
+int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_decode_server *server,
+                            const struct tdm_prefill_config *cfg, char *err, size_t errlen);
+// The URL decode workers dial (bound port filled in).
+const char *tdm_prefill_service_url(const struct tdm_prefill_service *p);
+// This process's instance id (in every message it sends).
+uint64_t tdm_prefill_service_instance(const struct tdm_prefill_service *p);
+// Stops receiving, aborts every job (their KV is released) and waits for the job
+// threads; call before tdm_decode_server_free. Accepts NULL.
+void tdm_prefill_service_free(struct tdm_prefill_service *p);
+
+#endif

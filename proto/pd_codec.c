@@ -1,0 +1,118 @@
+// SPDX-License-Identifier: Apache-2.0
+// pd_codec: C <-> protobuf-c conversions and framed sends (see pd_codec.h).
+#include "pd_codec.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+void tdm_pd_sampling_to_proto(const struct tdm_sampling_params *p, struct tdm_pd_sampling_msg *out)
+{
+    Tandem__SamplingParams init = TANDEM__SAMPLING_PARAMS__INIT;
+    out->msg = init;
+    Tandem__SamplingParams *m = &out->msg;
+    m->temperature = p->temperature;
+    m->top_p = p->top_p;
+    m->top_k = p->top_k;
+    m->min_p = p->min_p;
+    m->repetition_penalty = p->repetition_penalty;
+    m->presence_penalty = p->presence_penalty;
+    m->frequency_penalty = p->frequency_penalty;
+    m->has_seed = p->has_seed;
+    m->seed = p->seed;
+    m->min_tokens = p->min_tokens;
+    m->ignore_eos = p->ignore_eos;
+    int ns = p->num_stop_token_ids < 0 ? 0 : p->num_stop_token_ids;
+    if (ns > TDM_MAX_STOP_IDS)
+        ns = TDM_MAX_STOP_IDS;
+    memcpy(out->stop_ids, p->stop_token_ids, (size_t)ns * sizeof *out->stop_ids);
+    m->n_stop_token_ids = (size_t)ns;
+    m->stop_token_ids = out->stop_ids;
+    int nb = p->num_logit_bias < 0 ? 0 : p->num_logit_bias;
+    if (nb > TDM_MAX_LOGIT_BIAS)
+        nb = TDM_MAX_LOGIT_BIAS;
+    Tandem__LogitBias binit = TANDEM__LOGIT_BIAS__INIT;
+    for (int i = 0; i < nb; i++) {
+        out->bias[i] = binit;
+        out->bias[i].token = p->logit_bias[i].token;
+        out->bias[i].bias = p->logit_bias[i].bias;
+        out->bias_ptr[i] = &out->bias[i];
+    }
+    m->n_logit_bias = (size_t)nb;
+    m->logit_bias = out->bias_ptr;
+    m->logprobs = p->logprobs;
+}
+
+int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampling_params *out,
+                               char *err, size_t errlen)
+{
+    tdm_sampling_params_default(out);
+    if (m == NULL)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "sampling params missing");
+    if (m->n_stop_token_ids > TDM_MAX_STOP_IDS)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "stop_token_ids: %zu > %d entries",
+                          m->n_stop_token_ids, TDM_MAX_STOP_IDS);
+    if (m->n_logit_bias > TDM_MAX_LOGIT_BIAS)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "logit_bias: %zu > %d entries",
+                          m->n_logit_bias, TDM_MAX_LOGIT_BIAS);
+    out->temperature = m->temperature;
+    out->top_p = m->top_p;
+    out->top_k = m->top_k;
+    out->min_p = m->min_p;
+    out->repetition_penalty = m->repetition_penalty;
+    out->presence_penalty = m->presence_penalty;
+    out->frequency_penalty = m->frequency_penalty;
+    out->has_seed = m->has_seed;
+    out->seed = m->seed;
+    out->min_tokens = m->min_tokens;
+    out->ignore_eos = m->ignore_eos;
+    for (size_t i = 0; i < m->n_stop_token_ids; i++)
+        out->stop_token_ids[i] = m->stop_token_ids[i];
+    out->num_stop_token_ids = (int)m->n_stop_token_ids;
+    for (size_t i = 0; i < m->n_logit_bias; i++) {
+        if (m->logit_bias[i] == NULL)
+            return tdm_seterr(err, errlen, TDM_EPROTO, "logit_bias[%zu] missing", i);
+        out->logit_bias[i].token = m->logit_bias[i]->token;
+        out->logit_bias[i].bias = m->logit_bias[i]->bias;
+    }
+    out->num_logit_bias = (int)m->n_logit_bias;
+    out->logprobs = m->logprobs;
+    return TDM_OK;
+}
+
+int tdm_pd_send_fill(struct tdm_net_outbox *ob, const char *url, int type,
+                     const ProtobufCMessage *m, size_t payload_len, tdm_net_fill_fn fill,
+                     void *arg, double timeout_s, char *err, size_t errlen)
+{
+    size_t n = protobuf_c_message_get_packed_size(m);
+    uint8_t small[1024];
+    uint8_t *buf = n <= sizeof small ? small : malloc(n);
+    if (buf == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "pack: out of memory");
+    protobuf_c_message_pack(m, buf);
+    int rc = tdm_net_send_fill(ob, url, type, buf, n, payload_len, fill, arg, timeout_s, err,
+                               errlen);
+    if (buf != small)
+        free(buf);
+    return rc;
+}
+
+struct copy_arg {
+    const void *src;
+};
+
+static int copy_payload(void *arg, uint8_t *payload, size_t payload_len)
+{
+    memcpy(payload, ((struct copy_arg *)arg)->src, payload_len);
+    return 0;
+}
+
+int tdm_pd_send(struct tdm_net_outbox *ob, const char *url, int type, const ProtobufCMessage *m,
+                const void *payload, size_t payload_len, double timeout_s, char *err,
+                size_t errlen)
+{
+    struct copy_arg a = {payload};
+    return tdm_pd_send_fill(ob, url, type, m, payload ? payload_len : 0,
+                            payload ? copy_payload : NULL, &a, timeout_s, err, errlen);
+}

@@ -1,0 +1,42 @@
+// SPDX-License-Identifier: Apache-2.0
+// pd_codec: glue between Tandem's C types and the protobuf-c messages of
+// tandem.proto, shared by the router, the prefill worker and the decode
+// worker's P/D receiver: sampling params in both directions (with range checks
+// on the way in, since a peer's bytes are untrusted input), and sending a
+// packed message as one transport frame. Lives beside the .proto (not in
+// common/) because its API uses protobuf-c types.
+#ifndef TDM_PD_CODEC_H
+#define TDM_PD_CODEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sampling.h"
+#include "tandem.pb-c.h"
+#include "transport.h"
+
+// Storage for a SamplingParams message built from C params (the message points
+// into it; keep it alive while the message is packed).
+struct tdm_pd_sampling_msg {
+    Tandem__SamplingParams msg;
+    Tandem__LogitBias bias[TDM_MAX_LOGIT_BIAS];
+    Tandem__LogitBias *bias_ptr[TDM_MAX_LOGIT_BIAS];
+    int32_t stop_ids[TDM_MAX_STOP_IDS];
+};
+void tdm_pd_sampling_to_proto(const struct tdm_sampling_params *p, struct tdm_pd_sampling_msg *out);
+// TDM_EPROTO (err says which field) when m is NULL or a list is too long;
+// value ranges are the engine's to check (tdm_engine_submit validates).
+int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampling_params *out,
+                               char *err, size_t errlen);
+
+// Packs m and sends it as a frame of the given type (payload may be NULL).
+// Errors as tdm_net_send, TDM_ENOMEM.
+int tdm_pd_send(struct tdm_net_outbox *ob, const char *url, int type, const ProtobufCMessage *m,
+                const void *payload, size_t payload_len, double timeout_s, char *err,
+                size_t errlen);
+// Same with the payload written in place by fill (see tdm_net_send_fill).
+int tdm_pd_send_fill(struct tdm_net_outbox *ob, const char *url, int type,
+                     const ProtobufCMessage *m, size_t payload_len, tdm_net_fill_fn fill,
+                     void *arg, double timeout_s, char *err, size_t errlen);
+
+#endif
