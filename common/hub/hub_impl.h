@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: Apache-2.0
+// hub internals shared by hub.c, hub_http.c, hub_sha256.c and the tests: the
+// resolved client settings, the metadata a HEAD on a resolve URL yields, the
+// libcurl transfers and SHA-256.
+#ifndef TDM_HUB_IMPL_H
+#define TDM_HUB_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hub.h"
+
+// ---- SHA-256 (FIPS 180-4) --------------------------------------------------------
+struct tdm_hub_sha256 {
+    uint32_t h[8];
+    uint64_t total;          // bytes hashed so far
+    unsigned char block[64]; // pending partial block
+    size_t fill;             // bytes in block
+};
+void tdm_hub_sha256_init(struct tdm_hub_sha256 *s);
+void tdm_hub_sha256_update(struct tdm_hub_sha256 *s, const void *data, size_t len);
+void tdm_hub_sha256_final(struct tdm_hub_sha256 *s, unsigned char out[32]);
+// Hashes a whole file; hex gets 64 lowercase hex digits + NUL. TDM_EIO on errors.
+int tdm_hub_sha256_file(const char *path, char hex[65], char *err, size_t errlen);
+
+// ---- HTTP -------------------------------------------------------------------------
+// Settings after the environment was consulted (all strings owned).
+struct tdm_hub_client {
+    char *endpoint;    // no trailing '/'
+    char *token;       // NULL = no Authorization header
+    char *auth_origin; // "scheme://host:port" of endpoint: the only origin that gets the token
+    bool offline;
+    enum tdm_hub_progress progress; // never AUTO here
+    int max_retries;
+    double retry_base_s;
+    double connect_timeout_s;
+    double stall_timeout_s;
+};
+
+// What the Hub says about a file (huggingface_hub's HfFileMetadata).
+struct tdm_hub_meta {
+    char commit[64];  // X-Repo-Commit
+    char etag[160];   // X-Linked-Etag, else ETag; quotes and W/ removed
+    long long size;   // X-Linked-Size, else Content-Length; -1 unknown
+    char *location;   // where to GET the bytes (a CDN URL after a 3xx); heap, caller frees
+};
+
+// HEAD url following relative redirects only (renamed repos), as huggingface_hub
+// does; an absolute redirect (the CDN) ends the walk and becomes m->location.
+// TDM_ENOTFOUND on 404, TDM_EPROTO on 401/403/other 4xx, TDM_ETRANSPORT when
+// retries ran out.
+int tdm_hub_http_head(const struct tdm_hub_client *c, const char *url, struct tdm_hub_meta *m,
+                      char *err, size_t errlen);
+
+// GETs url into dest (appending: a partial dest is resumed with a Range
+// request; a 200 answer to a Range restarts it). Follows every redirect, with
+// the token only for c->auth_origin. Retries dropped connections, stalls and
+// 5xx with backoff. When expected_size >= 0 a complete answer of another size
+// is TDM_EPROTO (dest is deleted). label names the file in the progress output.
+int tdm_hub_http_download(const struct tdm_hub_client *c, const char *url, const char *dest,
+                          long long expected_size, const char *label, char *err, size_t errlen);
+
+// "scheme://host:port" (lowercase host, default port filled in) of url; -1 if unparsable.
+int tdm_hub_url_origin(const char *url, char *out, size_t cap);
+
+#endif
