@@ -302,7 +302,9 @@ static int feed_text(struct call *k, struct choice *ch, const char *delta, size_
 {
     const char *emit = NULL;
     size_t emit_len = 0;
-    int idx = tdm_oai_stop_feed(ch->stop, delta, len, &emit, &emit_len);
+    // vLLM looks for stop strings only once more than min_tokens tokens exist.
+    bool may_match = ch->completion_tokens > k->req.sampling.min_tokens;
+    int idx = tdm_oai_stop_feed_ex(ch->stop, delta, len, may_match, &emit, &emit_len);
     if (idx == -2)
         return TDM_ENOMEM;
     if (emit_len > 0 && sbuf_add(&ch->text, emit, emit_len) != TDM_OK)
@@ -678,11 +680,24 @@ static void run_stream(struct call *k)
                 rc = stream_flush_choice(k, ch);
         }
     }
+    double last_out = tdm_now();
     while (rc == 0 && !all_done(k)) {
         int n = pump(k);
         if (n < 0) {
             rc = -2;
             break;
+        }
+        // Nothing for a second (queued, or a long prefill): an SSE comment
+        // probes the client, so one that left is aborted before it is admitted.
+        double now = tdm_now();
+        if (n > 0) {
+            last_out = now;
+        } else if (now - last_out >= 1.0) {
+            last_out = now;
+            if (tdm_http_sse_comment(k->conn, "waiting") != TDM_OK) {
+                rc = -1;
+                break;
+            }
         }
         for (size_t i = 0; i < k->n_choices && rc == 0; i++)
             rc = stream_flush_choice(k, &k->choices[i]);

@@ -128,11 +128,19 @@ def overflow(args, model):
     h.check(isinstance(e, dict) and e.get("code") == 503 and
             e.get("type") == "ServiceUnavailableError" and "queue" in e.get("message", ""),
             "overflow body %r" % err)
-    a.close()
+    # The waiting client leaves: the server's keep-alive probe notices and aborts
+    # it while it still waits (a keeps running).
     b.close()
-    # b is admitted once a is aborted, then its first write fails and it is aborted too.
+    t0 = time.time()
+    wait_metric(srv, "vllm:num_requests_waiting", lambda v: v == 0,
+                "a closed waiting request still waits", timeout=10.0)
+    h.check(h.metric_value(srv.metrics(), "vllm:num_requests_running") == 1,
+            "the running request stopped")
+    waiting_gone_s = time.time() - t0
+    a.close()
     wait_idle(srv, "after closing both overflow streams", timeout=15.0)
     h.check(srv.stop() == 0, "exit status")
+    return waiting_gone_s
 
 
 def main():
@@ -142,9 +150,9 @@ def main():
     twenty_streams(srv)
     kv, freed_s, gen = disconnect(srv)
     h.check(srv.stop() == 0, "exit status")
-    overflow(args, model)
-    print("PASS: 20 streams; disconnect freed kv %.5f in %.3f s after %d tokens; overflow 503" %
-          (kv, freed_s, gen))
+    waiting_gone_s = overflow(args, model)
+    print("PASS: 20 streams; disconnect freed kv %.5f in %.3f s after %d tokens; overflow 503; "
+          "a waiting client that left was dropped after %.2f s" % (kv, freed_s, gen, waiting_gone_s))
 
 
 if __name__ == "__main__":

@@ -13,9 +13,13 @@
 #   BUILD_DIR  holds tandem-decode, tandem-bench, tandem-generate, tandem-mkmodel
 #              (default: build)
 #   MODEL_DIR  the 0.5B-shaped model (default: /tmp/tandem-qwen2.5-0.5b, made when
-#              missing; ~1 GB)
+#              missing; ~1 GB) with the real Qwen2 tokenizer copied in when
+#              TOKENIZER_FROM exists: the random dataset decodes random token ids to
+#              text, and tandem-mkmodel's own filler tokenizer yields text that does
+#              not survive as a JSON prompt (control bytes), so prompts would shrink.
 # Environment: THREADS (compute threads, default 0 = all cores), INPUT_LEN (128),
-#              OUTPUT_LEN (64), PORT (18123), OUT (result folder, default a temp dir).
+#              OUTPUT_LEN (64), PORT (18123), OUT (result folder, default a temp dir),
+#              TOKENIZER_FROM (default: ../shared/models/qwen2-tokenizer beside the repo).
 set -eu
 BUILD=${1:-build}
 MODEL=${2:-/tmp/tandem-qwen2.5-0.5b}
@@ -38,9 +42,15 @@ for b in "$DECODE" "$BENCH" "$GENERATE" "$MKMODEL"; do
     fi
 done
 mkdir -p "$OUT"
+TOKENIZER_FROM=${TOKENIZER_FROM:-$(dirname "$0")/../../../shared/models/qwen2-tokenizer}
 if [ ! -f "$MODEL/model.safetensors" ]; then
     echo "writing the 0.5B-shaped model to $MODEL"
-    "$MKMODEL" --preset qwen2.5-0.5b --out "$MODEL" >/dev/null
+    if [ -f "$TOKENIZER_FROM/tokenizer.json" ]; then
+        "$MKMODEL" --preset qwen2.5-0.5b --tokenizer-from "$TOKENIZER_FROM" --out "$MODEL" >/dev/null
+    else
+        echo "($TOKENIZER_FROM missing: tandem-mkmodel's own tokenizer; random prompts shrink)"
+        "$MKMODEL" --preset qwen2.5-0.5b --out "$MODEL" >/dev/null
+    fi
 fi
 # Weights into the page cache, so the cold start measures the server, not the disk.
 cat "$MODEL/model.safetensors" >/dev/null

@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+// pd_receiver: the decode worker's P/D side. It listens on an nng inbox for the
+// router's GenerateRequests and runs each one on the decode server's engine:
+// with a list of prefill workers it asks the first for a prefill
+// (PrefillRequest), submits an IMPORT_KV engine request with the first token
+// the prefill worker sampled, so the engine reserves the blocks after its own
+// prefix-cache match, pulls exactly the missing block range (KvPull), imports
+// the KvData frames layer by layer as they arrive, and decodes on; tokens go
+// back to the router as TokenChunks. A prefill worker that fails, disconnects
+// or is slow is replaced by the next listed one, then by a local prefill (the
+// router asks for that fallback), before any token reached the router, so the
+// client never sees a retry. Every wait is bounded (request deadline, prefill
+// and transfer timeouts); a Cancel from the router aborts the engine request
+// and cancels the prefill worker's job, so KV is freed on both sides.
+// docs/pd-protocol.md describes the protocol.
+#ifndef TDM_PD_RECEIVER_H
+#define TDM_PD_RECEIVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct tdm_decode_server;
+struct tdm_pd_receiver;
+
+struct tdm_pd_receiver_config {
+    char nng_url[256];        // --nng-url: inbox; "" = P/D off. e.g. tcp://0.0.0.0:9300
+    double prefill_timeout;   // --pd-prefill-timeout: seconds for a PrefillResult; default 60
+    double transfer_timeout;  // --pd-transfer-timeout: seconds for all KvData; default 30
+    double connect_grace;     // a prefill worker disconnected this long counts as failed; 1
+    int layers_per_frame;     // asked of the prefill worker; default 4
+    double send_timeout;      // seconds a frame may wait for its peer; default 2
+};
+void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg);
+// Takes --nng-url, --pd-prefill-timeout, --pd-transfer-timeout and
+// --pd-layers-per-frame out of argv (compacting it) before the decode parser
+// sees it. TDM_EINVAL with err for a bad value.
+int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv,
+                              char *err, size_t errlen);
+
+// Starts the receiver on a loaded server. TDM_EBUSY before load,
+// TDM_ETRANSPORT when it cannot listen.
+int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *server,
+                        const struct tdm_pd_receiver_config *cfg, char *err, size_t errlen);
+const char *tdm_pd_receiver_url(const struct tdm_pd_receiver *r);
+uint64_t tdm_pd_receiver_instance(const struct tdm_pd_receiver *r);
+// Stops receiving, aborts every request (each still sends its final chunk when
+// the router is reachable) and waits for their threads. Accepts NULL.
+void tdm_pd_receiver_free(struct tdm_pd_receiver *r);
+
+#endif
