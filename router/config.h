@@ -37,6 +37,12 @@ const char *tdm_router_role_name(enum tdm_router_role role);
 bool tdm_router_role_can_decode(enum tdm_router_role role);
 bool tdm_router_role_can_prefill(enum tdm_router_role role);
 
+// Longest endpoint name or host: "host:http_port" with room for an IPv6 literal.
+#define TDM_ROUTER_NAME_MAX 128
+
+// Prefill endpoints a route keeps in retry order (request.prefill_retries < this).
+#define TDM_ROUTER_MAX_PREFILL_CANDIDATES 8
+
 // ---- plugins ---------------------------------------------------------------------------------
 enum tdm_router_plugin_kind {
     TDM_ROUTER_PLUGIN_FILTER = 0,
@@ -104,7 +110,10 @@ struct tdm_router_plugin_params {
     // disagg-profile-handler: names of the profiles and of the prefill decider plugin
     char *decode_profile;           // profiles.decode ("decode")
     char *prefill_profile;          // profiles.prefill ("prefill")
-    char *prefill_decider;          // deciders.prefill (NULL = no P/D: decode-only)
+    char *prefill_decider;          // deciders.prefill (NULL: the only decider plugin, if
+                                    // exactly one exists; none = always disaggregate)
+    bool pd_threshold_set;          // deprecated pd-profile-handler `threshold` was given
+                                    // (kept in non_cached_tokens; acts as a prefix decider)
 };
 
 struct tdm_router_plugin {
@@ -251,7 +260,7 @@ struct tdm_router_config *tdm_router_config_store_get(struct tdm_router_config_s
 // Re-reads the file now (what SIGHUP calls; safe from any thread, not from a
 // signal handler: set a flag there and call this from a normal thread). Returns
 // TDM_OK when the new config is active or the file is unchanged (same bytes: no
-// swap, counted as success), else the error (old config kept; one WARN line;
+// swap, not counted), else the error (old config kept; one WARN line;
 // failure counted) with err filled.
 int tdm_router_config_store_reload(struct tdm_router_config_store *st, char *err, size_t errlen);
 

@@ -41,8 +41,6 @@
 struct tdm_router_endpoints;
 struct tdm_router_metrics;
 
-#define TDM_ROUTER_NAME_MAX 128 // "host:http_port" with room for an IPv6 literal
-
 // Load as a worker reports it.
 struct tdm_router_load {
     int running;          // requests in the running batch (vllm:num_requests_running)

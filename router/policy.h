@@ -31,8 +31,6 @@
 #include "config.h"
 #include "endpoints.h"
 
-#define TDM_ROUTER_MAX_PREFILL_CANDIDATES 8 // prefill endpoints kept in retry order
-
 // What the policy knows of a request (all borrowed for the call).
 struct tdm_router_request {
     size_t num_prompt_tokens;   // prompt length in tokens

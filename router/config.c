@@ -1,0 +1,1680 @@
+// SPDX-License-Identifier: Apache-2.0
+// router config: parses the router's YAML/JSON config into struct
+// tdm_router_config. libyaml loads the text into a node graph (anchors and
+// aliases resolved, line numbers kept); the walkers below check every key
+// against the keys its mapping allows, so a typo is an error naming its key
+// path ("plugins[2].parameters.nonCachedTokns: unknown key"), never a silent
+// default. The short form (`policy: least_loaded`) expands into the same
+// plugins and profiles the llm-d form would spell out, so the policy code only
+// knows one shape. The text is kept in the config so that a reload of
+// identical bytes is recognised and skipped.
+#include "config.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cjson/cJSON.h>
+#include <yaml.h>
+
+#include "config_impl.h"
+#include "core.h"
+
+#define MOD "router-config"
+#define PATH_MAX_ 256
+
+// snprintf through a va_list: key paths are truncated on purpose when absurdly
+// deep, which gcc's -Wformat-truncation would flag at every call.
+static int pathf(char *dst, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int pathf(char *dst, size_t cap, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(dst, cap, fmt, ap);
+    va_end(ap);
+    return n;
+}
+
+// ---- names ---------------------------------------------------------------------------------
+
+static const char *const role_names[TDM_ROUTER_ROLE_COUNT] = {
+    [TDM_ROUTER_ROLE_NONE] = "",
+    [TDM_ROUTER_ROLE_PREFILL] = "prefill",
+    [TDM_ROUTER_ROLE_DECODE] = "decode",
+    [TDM_ROUTER_ROLE_PREFILL_DECODE] = "prefill-decode",
+};
+
+const char *tdm_router_role_name(enum tdm_router_role role)
+{
+    if ((int)role < 0 || role >= TDM_ROUTER_ROLE_COUNT)
+        return NULL;
+    return role_names[role];
+}
+
+bool tdm_router_role_can_decode(enum tdm_router_role role)
+{
+    // llm-d's decode-filter keeps unlabelled pods (allowsNoLabel).
+    return role == TDM_ROUTER_ROLE_DECODE || role == TDM_ROUTER_ROLE_PREFILL_DECODE ||
+           role == TDM_ROUTER_ROLE_NONE;
+}
+
+bool tdm_router_role_can_prefill(enum tdm_router_role role)
+{
+    return role == TDM_ROUTER_ROLE_PREFILL || role == TDM_ROUTER_ROLE_PREFILL_DECODE;
+}
+
+struct plugin_type_info {
+    const char *name;
+    enum tdm_router_plugin_kind kind;
+};
+
+static const struct plugin_type_info plugin_types[TDM_ROUTER_PLUGIN_TYPE_COUNT] = {
+    [TDM_ROUTER_DECODE_FILTER] = {"decode-filter", TDM_ROUTER_PLUGIN_FILTER},
+    [TDM_ROUTER_PREFILL_FILTER] = {"prefill-filter", TDM_ROUTER_PLUGIN_FILTER},
+    [TDM_ROUTER_HEALTH_FILTER] = {"health-filter", TDM_ROUTER_PLUGIN_FILTER},
+    [TDM_ROUTER_UTILIZATION_DETECTOR] = {"utilization-detector", TDM_ROUTER_PLUGIN_FILTER},
+    [TDM_ROUTER_QUEUE_SCORER] = {"queue-scorer", TDM_ROUTER_PLUGIN_SCORER},
+    [TDM_ROUTER_KV_CACHE_UTIL_SCORER] = {"kv-cache-utilization-scorer", TDM_ROUTER_PLUGIN_SCORER},
+    [TDM_ROUTER_RUNNING_SCORER] = {"running-requests-size-scorer", TDM_ROUTER_PLUGIN_SCORER},
+    [TDM_ROUTER_PREFIX_CACHE_SCORER] = {"prefix-cache-scorer", TDM_ROUTER_PLUGIN_SCORER},
+    [TDM_ROUTER_LOAD_AWARE_SCORER] = {"load-aware-scorer", TDM_ROUTER_PLUGIN_SCORER},
+    [TDM_ROUTER_SESSION_AFFINITY_SCORER] = {"session-affinity-scorer", TDM_ROUTER_PLUGIN_SCORER},
+    [TDM_ROUTER_ACTIVE_REQUEST_SCORER] = {"active-request-scorer", TDM_ROUTER_PLUGIN_SCORER},
+    [TDM_ROUTER_MAX_SCORE_PICKER] = {"max-score-picker", TDM_ROUTER_PLUGIN_PICKER},
+    [TDM_ROUTER_RANDOM_PICKER] = {"random-picker", TDM_ROUTER_PLUGIN_PICKER},
+    [TDM_ROUTER_WEIGHTED_RANDOM_PICKER] = {"weighted-random-picker", TDM_ROUTER_PLUGIN_PICKER},
+    [TDM_ROUTER_ROUND_ROBIN_PICKER] = {"round-robin-picker", TDM_ROUTER_PLUGIN_PICKER},
+    [TDM_ROUTER_PREFIX_PD_DECIDER] = {"prefix-based-pd-decider", TDM_ROUTER_PLUGIN_DECIDER},
+    [TDM_ROUTER_ALWAYS_DISAGG_DECIDER] = {"always-disagg-pd-decider", TDM_ROUTER_PLUGIN_DECIDER},
+    [TDM_ROUTER_SINGLE_PROFILE_HANDLER] = {"single-profile-handler",
+                                           TDM_ROUTER_PLUGIN_PROFILE_HANDLER},
+    [TDM_ROUTER_DISAGG_PROFILE_HANDLER] = {"disagg-profile-handler",
+                                           TDM_ROUTER_PLUGIN_PROFILE_HANDLER},
+    [TDM_ROUTER_APPROX_PREFIX_PRODUCER] = {"approx-prefix-cache-producer",
+                                           TDM_ROUTER_PLUGIN_PRODUCER},
+};
+
+const char *tdm_router_plugin_type_name(enum tdm_router_plugin_type type)
+{
+    if ((int)type < 0 || type >= TDM_ROUTER_PLUGIN_TYPE_COUNT)
+        return NULL;
+    return plugin_types[type].name;
+}
+
+enum tdm_router_plugin_kind tdm_router_plugin_type_kind(enum tdm_router_plugin_type type)
+{
+    if ((int)type < 0 || type >= TDM_ROUTER_PLUGIN_TYPE_COUNT)
+        return TDM_ROUTER_PLUGIN_FILTER;
+    return plugin_types[type].kind;
+}
+
+// Deprecated llm-d names accepted as aliases.
+static int plugin_type_lookup(const char *name)
+{
+    for (int i = 0; i < TDM_ROUTER_PLUGIN_TYPE_COUNT; i++)
+        if (strcmp(plugin_types[i].name, name) == 0)
+            return i;
+    if (strcmp(name, "pd-profile-handler") == 0)
+        return TDM_ROUTER_DISAGG_PROFILE_HANDLER;
+    return -1;
+}
+
+// ---- parse context and scalar readers --------------------------------------------------------
+
+struct pctx {
+    yaml_document_t *doc;
+    char *err;
+    size_t errlen;
+};
+
+static yaml_node_t *node_at(struct pctx *c, int idx)
+{
+    return yaml_document_get_node(c->doc, idx);
+}
+
+static int line_of(const yaml_node_t *n)
+{
+    return n ? (int)n->start_mark.line + 1 : 0;
+}
+
+static const char *node_kind(const yaml_node_t *n)
+{
+    if (!n)
+        return "nothing";
+    switch (n->type) {
+    case YAML_SCALAR_NODE:
+        return "a scalar";
+    case YAML_SEQUENCE_NODE:
+        return "a list";
+    case YAML_MAPPING_NODE:
+        return "a mapping";
+    default:
+        return "nothing";
+    }
+}
+
+static int perr(struct pctx *c, const char *path, const yaml_node_t *n, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int perr(struct pctx *c, const char *path, const yaml_node_t *n, const char *fmt, ...)
+{
+    char msg[384];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (n)
+        return tdm_seterr(c->err, c->errlen, TDM_EINVAL, "%s: %s (line %d)", path, msg,
+                          line_of(n));
+    return tdm_seterr(c->err, c->errlen, TDM_EINVAL, "%s: %s", path, msg);
+}
+
+static const char *scalar(const yaml_node_t *n)
+{
+    return n && n->type == YAML_SCALAR_NODE ? (const char *)n->data.scalar.value : NULL;
+}
+
+static bool is_plain(const yaml_node_t *n)
+{
+    return n->data.scalar.style == YAML_PLAIN_SCALAR_STYLE ||
+           n->data.scalar.style == YAML_ANY_SCALAR_STYLE;
+}
+
+static int read_int(struct pctx *c, const char *path, yaml_node_t *n, int *out, long long min,
+                    long long max)
+{
+    const char *s = scalar(n);
+    if (!s)
+        return perr(c, path, n, "expected an integer, got %s", node_kind(n));
+    errno = 0;
+    char *end = NULL;
+    long long v = strtoll(s, &end, 10);
+    if (!*s || *end || errno || !is_plain(n))
+        return perr(c, path, n, "expected an integer, got '%s'", s);
+    if (v < min || v > max)
+        return perr(c, path, n, "%lld is out of range [%lld, %lld]", v, min, max);
+    *out = (int)v;
+    return TDM_OK;
+}
+
+static int read_double(struct pctx *c, const char *path, yaml_node_t *n, double *out, double min,
+                       double max)
+{
+    const char *s = scalar(n);
+    if (!s)
+        return perr(c, path, n, "expected a number, got %s", node_kind(n));
+    errno = 0;
+    char *end = NULL;
+    double v = strtod(s, &end);
+    if (!*s || *end || errno || !is_plain(n) || !isfinite(v))
+        return perr(c, path, n, "expected a number, got '%s'", s);
+    if (v < min || v > max)
+        return perr(c, path, n, "%g is out of range [%g, %g]", v, min, max);
+    *out = v;
+    return TDM_OK;
+}
+
+static int read_bool(struct pctx *c, const char *path, yaml_node_t *n, bool *out)
+{
+    const char *s = scalar(n);
+    if (s && is_plain(n)) {
+        if (!strcmp(s, "true") || !strcmp(s, "True") || !strcmp(s, "TRUE")) {
+            *out = true;
+            return TDM_OK;
+        }
+        if (!strcmp(s, "false") || !strcmp(s, "False") || !strcmp(s, "FALSE")) {
+            *out = false;
+            return TDM_OK;
+        }
+    }
+    return perr(c, path, n, "expected true or false, got %s%s%s", s ? "'" : "",
+                s ? s : node_kind(n), s ? "'" : "");
+}
+
+// A non-empty string; replaces *out (freed first).
+static int read_string(struct pctx *c, const char *path, yaml_node_t *n, char **out)
+{
+    const char *s = scalar(n);
+    if (!s)
+        return perr(c, path, n, "expected a string, got %s", node_kind(n));
+    if (!*s)
+        return perr(c, path, n, "must not be empty");
+    char *d = strdup(s);
+    if (!d)
+        return tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "%s: out of memory", path);
+    free(*out);
+    *out = d;
+    return TDM_OK;
+}
+
+static int set_string(struct pctx *c, char **out, const char *s)
+{
+    char *d = s ? strdup(s) : NULL;
+    if (s && !d)
+        return tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "out of memory");
+    free(*out);
+    *out = d;
+    return TDM_OK;
+}
+
+// Checks that every key of mapping n is a scalar in allowed (NULL-terminated)
+// and appears once.
+static int check_keys(struct pctx *c, const char *path, yaml_node_t *n,
+                      const char *const *allowed)
+{
+    if (!n || n->type != YAML_MAPPING_NODE)
+        return perr(c, path, n, "expected a mapping, got %s", node_kind(n));
+    for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
+        yaml_node_t *k = node_at(c, p->key);
+        const char *ks = scalar(k);
+        if (!ks)
+            return perr(c, path, k, "mapping keys must be strings");
+        bool ok = false;
+        for (const char *const *a = allowed; *a; a++)
+            if (!strcmp(*a, ks))
+                ok = true;
+        if (!ok) {
+            char known[256] = "";
+            size_t off = 0;
+            for (const char *const *a = allowed; *a && off < sizeof known; a++)
+                off += (size_t)pathf(known + off, sizeof known - off, "%s%s",
+                                        a == allowed ? "" : ", ", *a);
+            char kp[PATH_MAX_];
+            pathf(kp, sizeof kp, "%s%s%s", path, *path ? "." : "", ks);
+            return perr(c, kp, k, "unknown key (known: %s)", known);
+        }
+        for (yaml_node_pair_t *q = n->data.mapping.pairs.start; q < p; q++) {
+            const char *qs = scalar(node_at(c, q->key));
+            if (qs && !strcmp(qs, ks)) {
+                char kp[PATH_MAX_];
+                pathf(kp, sizeof kp, "%s%s%s", path, *path ? "." : "", ks);
+                return perr(c, kp, k, "duplicate key");
+            }
+        }
+    }
+    return TDM_OK;
+}
+
+// The value of key in mapping n, or NULL.
+static yaml_node_t *map_get(struct pctx *c, yaml_node_t *n, const char *key)
+{
+    if (!n || n->type != YAML_MAPPING_NODE)
+        return NULL;
+    for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
+        const char *ks = scalar(node_at(c, p->key));
+        if (ks && !strcmp(ks, key))
+            return node_at(c, p->value);
+    }
+    return NULL;
+}
+
+static bool is_null(const yaml_node_t *n)
+{
+    const char *s = scalar(n);
+    return s && n->data.scalar.style == YAML_PLAIN_SCALAR_STYLE &&
+           (!*s || !strcmp(s, "null") || !strcmp(s, "~"));
+}
+
+static size_t seq_len(const yaml_node_t *n)
+{
+    return (size_t)(n->data.sequence.items.top - n->data.sequence.items.start);
+}
+
+static void join(char *dst, size_t cap, const char *base, const char *key)
+{
+    pathf(dst, cap, "%s%s%s", base, *base ? "." : "", key);
+}
+
+// ---- config lifetime -------------------------------------------------------------------------
+
+static void params_free(struct tdm_router_plugin_params *p)
+{
+    free(p->session_header);
+    free(p->decode_profile);
+    free(p->prefill_profile);
+    free(p->prefill_decider);
+}
+
+static void config_free(struct tdm_router_config *cfg)
+{
+    if (!cfg)
+        return;
+    for (size_t i = 0; i < cfg->n_plugins; i++) {
+        free(cfg->plugins[i].name);
+        params_free(&cfg->plugins[i].params);
+    }
+    free(cfg->plugins);
+    for (size_t i = 0; i < cfg->n_profiles; i++) {
+        free(cfg->profiles[i].name);
+        free(cfg->profiles[i].refs);
+    }
+    free(cfg->profiles);
+    for (size_t i = 0; i < cfg->n_static; i++)
+        free(cfg->static_endpoints[i].host);
+    free(cfg->static_endpoints);
+    for (size_t i = 0; i < cfg->n_dns; i++)
+        free(cfg->dns_endpoints[i].name);
+    free(cfg->dns_endpoints);
+    free(cfg->health.path);
+    free(cfg->session_header);
+    free(cfg->source_path);
+    free(cfg->api_version);
+    free(cfg->short_policy);
+    free(cfg->text_);
+    free(cfg);
+}
+
+struct tdm_router_config *tdm_router_config_ref(struct tdm_router_config *cfg)
+{
+    if (cfg)
+        atomic_fetch_add(&cfg->refs_, 1);
+    return cfg;
+}
+
+void tdm_router_config_unref(struct tdm_router_config *cfg)
+{
+    if (cfg && atomic_fetch_sub(&cfg->refs_, 1) == 1)
+        config_free(cfg);
+}
+
+size_t tdm_router_config_find_plugin(const struct tdm_router_config *cfg, const char *name)
+{
+    for (size_t i = 0; cfg && name && i < cfg->n_plugins; i++)
+        if (!strcmp(cfg->plugins[i].name, name))
+            return i;
+    return SIZE_MAX;
+}
+
+static size_t find_profile(const struct tdm_router_config *cfg, const char *name)
+{
+    for (size_t i = 0; name && i < cfg->n_profiles; i++)
+        if (!strcmp(cfg->profiles[i].name, name))
+            return i;
+    return SIZE_MAX;
+}
+
+static void params_defaults(struct tdm_router_plugin_params *p)
+{
+    memset(p, 0, sizeof *p);
+    p->queue_depth_threshold = 5;
+    p->kv_cache_util_threshold = 0.8;
+    p->headroom = 0.0;
+    p->load_threshold = 128;
+    p->max_busy_requests = 64;
+    p->non_cached_tokens = 0;
+    p->max_num_of_endpoints = 1;
+    p->block_size_tokens = 16;
+    p->max_prefix_blocks_to_match = 256;
+    p->lru_capacity_per_server = 31250;
+}
+
+static void config_defaults(struct tdm_router_config *cfg)
+{
+    cfg->decode_profile = SIZE_MAX;
+    cfg->prefill_profile = SIZE_MAX;
+    cfg->pd_mode = TDM_ROUTER_PD_NEVER;
+    cfg->pd_threshold_tokens = 0;
+    cfg->dns_refresh_seconds = 10.0;
+    cfg->health.interval_seconds = 2.0;
+    cfg->health.timeout_seconds = 1.0;
+    cfg->health.failure_threshold = 3;
+    cfg->health.success_threshold = 1;
+    cfg->load_stale_seconds = 2.0;
+    cfg->request_deadline_seconds = 600.0;
+    cfg->prefill_retries = 1;
+    cfg->block_size_tokens = 16;
+    cfg->max_prefix_blocks_to_match = 256;
+    cfg->lru_capacity_per_server = 31250;
+}
+
+// Appends a plugin (name copied; defaults for params). Returns its index or SIZE_MAX.
+static size_t add_plugin(struct pctx *c, struct tdm_router_config *cfg, const char *name,
+                         enum tdm_router_plugin_type type)
+{
+    struct tdm_router_plugin *np = realloc(cfg->plugins, (cfg->n_plugins + 1) * sizeof *np);
+    if (!np) {
+        tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "out of memory");
+        return SIZE_MAX;
+    }
+    cfg->plugins = np;
+    struct tdm_router_plugin *p = &np[cfg->n_plugins];
+    memset(p, 0, sizeof *p);
+    p->type = type;
+    params_defaults(&p->params);
+    p->name = strdup(name);
+    if (!p->name) {
+        tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "out of memory");
+        return SIZE_MAX;
+    }
+    return cfg->n_plugins++;
+}
+
+static struct tdm_router_profile *add_profile(struct pctx *c, struct tdm_router_config *cfg,
+                                              const char *name)
+{
+    struct tdm_router_profile *np = realloc(cfg->profiles, (cfg->n_profiles + 1) * sizeof *np);
+    if (!np) {
+        tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "out of memory");
+        return NULL;
+    }
+    cfg->profiles = np;
+    struct tdm_router_profile *pr = &np[cfg->n_profiles];
+    memset(pr, 0, sizeof *pr);
+    pr->picker = SIZE_MAX;
+    pr->name = strdup(name);
+    if (!pr->name) {
+        tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "out of memory");
+        return NULL;
+    }
+    cfg->n_profiles++;
+    return pr;
+}
+
+static int profile_add_ref(struct pctx *c, struct tdm_router_profile *pr, size_t plugin,
+                           double weight)
+{
+    struct tdm_router_profile_ref *nr = realloc(pr->refs, (pr->n_refs + 1) * sizeof *nr);
+    if (!nr)
+        return tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "out of memory");
+    pr->refs = nr;
+    nr[pr->n_refs].plugin = plugin;
+    nr[pr->n_refs].weight = weight;
+    pr->n_refs++;
+    return TDM_OK;
+}
+
+// ---- plugins -------------------------------------------------------------------------------
+
+static int parse_params(struct pctx *c, const char *path, yaml_node_t *n,
+                        struct tdm_router_plugin *pl)
+{
+    struct tdm_router_plugin_params *p = &pl->params;
+    char kp[PATH_MAX_];
+    int rc;
+    if (is_null(n))
+        return TDM_OK;
+#define KEY(k) (join(kp, sizeof kp, path, k), kp)
+    switch (pl->type) {
+    case TDM_ROUTER_UTILIZATION_DETECTOR: {
+        static const char *const keys[] = {"queueDepthThreshold", "kvCacheUtilThreshold",
+                                           "headroom", NULL};
+        if ((rc = check_keys(c, path, n, keys)))
+            return rc;
+        yaml_node_t *v;
+        if ((v = map_get(c, n, "queueDepthThreshold")) &&
+            (rc = read_int(c, KEY("queueDepthThreshold"), v, &p->queue_depth_threshold, 0,
+                           1000000)))
+            return rc;
+        if ((v = map_get(c, n, "kvCacheUtilThreshold")) &&
+            (rc = read_double(c, KEY("kvCacheUtilThreshold"), v, &p->kv_cache_util_threshold, 0,
+                              1)))
+            return rc;
+        if ((v = map_get(c, n, "headroom")) &&
+            (rc = read_double(c, KEY("headroom"), v, &p->headroom, 0, 10)))
+            return rc;
+        return TDM_OK;
+    }
+    case TDM_ROUTER_LOAD_AWARE_SCORER: {
+        static const char *const keys[] = {"threshold", NULL};
+        if ((rc = check_keys(c, path, n, keys)))
+            return rc;
+        yaml_node_t *v = map_get(c, n, "threshold");
+        if (v && (rc = read_int(c, KEY("threshold"), v, &p->load_threshold, 1, 1000000)))
+            return rc;
+        return TDM_OK;
+    }
+    case TDM_ROUTER_ACTIVE_REQUEST_SCORER: {
+        static const char *const keys[] = {"maxBusyRequests", NULL};
+        if ((rc = check_keys(c, path, n, keys)))
+            return rc;
+        yaml_node_t *v = map_get(c, n, "maxBusyRequests");
+        if (v && (rc = read_int(c, KEY("maxBusyRequests"), v, &p->max_busy_requests, 1, 1000000)))
+            return rc;
+        return TDM_OK;
+    }
+    case TDM_ROUTER_SESSION_AFFINITY_SCORER: {
+        static const char *const keys[] = {"headerName", NULL};
+        if ((rc = check_keys(c, path, n, keys)))
+            return rc;
+        yaml_node_t *v = map_get(c, n, "headerName");
+        if (v) {
+            if ((rc = read_string(c, KEY("headerName"), v, &p->session_header)))
+                return rc;
+            for (char *s = p->session_header; *s; s++)
+                if (*s >= 'A' && *s <= 'Z')
+                    *s = (char)(*s - 'A' + 'a');
+        }
+        return TDM_OK;
+    }
+    case TDM_ROUTER_PREFIX_PD_DECIDER: {
+        static const char *const keys[] = {"nonCachedTokens", NULL};
+        if ((rc = check_keys(c, path, n, keys)))
+            return rc;
+        yaml_node_t *v = map_get(c, n, "nonCachedTokens");
+        if (v && (rc = read_int(c, KEY("nonCachedTokens"), v, &p->non_cached_tokens, 0,
+                                100000000)))
+            return rc;
+        return TDM_OK;
+    }
+    case TDM_ROUTER_MAX_SCORE_PICKER:
+    case TDM_ROUTER_RANDOM_PICKER:
+    case TDM_ROUTER_WEIGHTED_RANDOM_PICKER:
+    case TDM_ROUTER_ROUND_ROBIN_PICKER: {
+        static const char *const keys[] = {"maxNumOfEndpoints", NULL};
+        if ((rc = check_keys(c, path, n, keys)))
+            return rc;
+        yaml_node_t *v = map_get(c, n, "maxNumOfEndpoints");
+        if (v && (rc = read_int(c, KEY("maxNumOfEndpoints"), v, &p->max_num_of_endpoints, 1,
+                                1000)))
+            return rc;
+        return TDM_OK;
+    }
+    case TDM_ROUTER_PREFIX_CACHE_SCORER:
+    case TDM_ROUTER_APPROX_PREFIX_PRODUCER: {
+        static const char *const keys[] = {"blockSizeTokens",      "blockSize",
+                                           "maxPrefixBlocksToMatch", "lruCapacityPerServer",
+                                           "autoTune",             NULL};
+        if ((rc = check_keys(c, path, n, keys)))
+            return rc;
+        yaml_node_t *v;
+        if ((v = map_get(c, n, "blockSizeTokens")) &&
+            (rc = read_int(c, KEY("blockSizeTokens"), v, &p->block_size_tokens, 1, 4096)))
+            return rc;
+        // llm-d's older prefix-cache-scorer spelled it blockSize.
+        if ((v = map_get(c, n, "blockSize")) &&
+            (rc = read_int(c, KEY("blockSize"), v, &p->block_size_tokens, 1, 4096)))
+            return rc;
+        if ((v = map_get(c, n, "maxPrefixBlocksToMatch")) &&
+            (rc = read_int(c, KEY("maxPrefixBlocksToMatch"), v, &p->max_prefix_blocks_to_match,
+                           1, 1000000)))
+            return rc;
+        if ((v = map_get(c, n, "lruCapacityPerServer")) &&
+            (rc = read_int(c, KEY("lruCapacityPerServer"), v, &p->lru_capacity_per_server, 1,
+                           100000000)))
+            return rc;
+        if ((v = map_get(c, n, "autoTune"))) {
+            bool at = false;
+            if ((rc = read_bool(c, KEY("autoTune"), v, &at)))
+                return rc;
+            // The router has no metrics scrape to tune from: the block size must be
+            // given (it is the workers' --block-size).
+            if (at)
+                return perr(c, KEY("autoTune"), v,
+                            "not supported: set blockSizeTokens to the workers' block size");
+        }
+        return TDM_OK;
+    }
+    case TDM_ROUTER_DISAGG_PROFILE_HANDLER: {
+        static const char *const keys[] = {"profiles",       "deciders",      "threshold",
+                                           "decodeProfile", "prefillProfile", "hashBlockSize",
+                                           NULL};
+        if ((rc = check_keys(c, path, n, keys)))
+            return rc;
+        yaml_node_t *v;
+        if ((v = map_get(c, n, "profiles"))) {
+            char pp[PATH_MAX_];
+            join(pp, sizeof pp, path, "profiles");
+            static const char *const pk[] = {"decode", "prefill", NULL};
+            if ((rc = check_keys(c, pp, v, pk)))
+                return rc;
+            yaml_node_t *w;
+            if ((w = map_get(c, v, "decode")) &&
+                (rc = read_string(c, (join(kp, sizeof kp, pp, "decode"), kp), w,
+                                  &p->decode_profile)))
+                return rc;
+            if ((w = map_get(c, v, "prefill")) &&
+                (rc = read_string(c, (join(kp, sizeof kp, pp, "prefill"), kp), w,
+                                  &p->prefill_profile)))
+                return rc;
+        }
+        if ((v = map_get(c, n, "deciders"))) {
+            char pp[PATH_MAX_];
+            join(pp, sizeof pp, path, "deciders");
+            static const char *const dk[] = {"prefill", NULL};
+            if ((rc = check_keys(c, pp, v, dk)))
+                return rc;
+            yaml_node_t *w = map_get(c, v, "prefill");
+            if (w && (rc = read_string(c, (join(kp, sizeof kp, pp, "prefill"), kp), w,
+                                       &p->prefill_decider)))
+                return rc;
+        }
+        // Deprecated pd-profile-handler spelling.
+        if ((v = map_get(c, n, "decodeProfile")) &&
+            (rc = read_string(c, KEY("decodeProfile"), v, &p->decode_profile)))
+            return rc;
+        if ((v = map_get(c, n, "prefillProfile")) &&
+            (rc = read_string(c, KEY("prefillProfile"), v, &p->prefill_profile)))
+            return rc;
+        if ((v = map_get(c, n, "threshold"))) {
+            if ((rc = read_int(c, KEY("threshold"), v, &p->non_cached_tokens, 0, 100000000)))
+                return rc;
+            p->pd_threshold_set = true;
+        }
+        if ((v = map_get(c, n, "hashBlockSize")) &&
+            (rc = read_int(c, KEY("hashBlockSize"), v, &p->block_size_tokens, 1, 4096)))
+            return rc;
+        return TDM_OK;
+    }
+    default:
+        if (n->type == YAML_MAPPING_NODE &&
+            n->data.mapping.pairs.top == n->data.mapping.pairs.start)
+            return TDM_OK;
+        return perr(c, path, n, "%s takes no parameters", plugin_types[pl->type].name);
+    }
+#undef KEY
+}
+
+static int parse_plugins(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
+{
+    if (n->type != YAML_SEQUENCE_NODE)
+        return perr(c, "plugins", n, "expected a list, got %s", node_kind(n));
+    for (size_t i = 0; i < seq_len(n); i++) {
+        yaml_node_t *it = node_at(c, n->data.sequence.items.start[i]);
+        char path[PATH_MAX_], kp[PATH_MAX_];
+        pathf(path, sizeof path, "plugins[%zu]", i);
+        static const char *const keys[] = {"name", "type", "parameters", NULL};
+        int rc = check_keys(c, path, it, keys);
+        if (rc)
+            return rc;
+        yaml_node_t *tn = map_get(c, it, "type");
+        if (!tn)
+            return perr(c, path, it, "missing key 'type'");
+        const char *ts = scalar(tn);
+        join(kp, sizeof kp, path, "type");
+        if (!ts)
+            return perr(c, kp, tn, "expected a string, got %s", node_kind(tn));
+        int type = plugin_type_lookup(ts);
+        if (type < 0)
+            return perr(c, kp, tn,
+                        "unknown plugin type '%s' (see docs/router-config.md for the catalog)",
+                        ts);
+        const char *name = ts;
+        yaml_node_t *nn = map_get(c, it, "name");
+        if (nn) {
+            join(kp, sizeof kp, path, "name");
+            name = scalar(nn);
+            if (!name || !*name)
+                return perr(c, kp, nn, "expected a non-empty string");
+        }
+        if (tdm_router_config_find_plugin(cfg, name) != SIZE_MAX) {
+            join(kp, sizeof kp, path, nn ? "name" : "type");
+            return perr(c, kp, nn ? nn : tn, "a plugin named '%s' is already defined%s", name,
+                        nn ? "" : " (give this one a name)");
+        }
+        size_t idx = add_plugin(c, cfg, name, (enum tdm_router_plugin_type)type);
+        if (idx == SIZE_MAX)
+            return TDM_ENOMEM;
+        yaml_node_t *pn = map_get(c, it, "parameters");
+        if (pn) {
+            join(kp, sizeof kp, path, "parameters");
+            if ((rc = parse_params(c, kp, pn, &cfg->plugins[idx])))
+                return rc;
+        }
+    }
+    return TDM_OK;
+}
+
+static int parse_profiles(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
+{
+    if (n->type != YAML_SEQUENCE_NODE)
+        return perr(c, "schedulingProfiles", n, "expected a list, got %s", node_kind(n));
+    for (size_t i = 0; i < seq_len(n); i++) {
+        yaml_node_t *it = node_at(c, n->data.sequence.items.start[i]);
+        char path[PATH_MAX_], kp[PATH_MAX_];
+        pathf(path, sizeof path, "schedulingProfiles[%zu]", i);
+        static const char *const keys[] = {"name", "plugins", NULL};
+        int rc = check_keys(c, path, it, keys);
+        if (rc)
+            return rc;
+        yaml_node_t *nn = map_get(c, it, "name");
+        if (!nn)
+            return perr(c, path, it, "missing key 'name'");
+        join(kp, sizeof kp, path, "name");
+        const char *name = scalar(nn);
+        if (!name || !*name)
+            return perr(c, kp, nn, "expected a non-empty string");
+        if (find_profile(cfg, name) != SIZE_MAX)
+            return perr(c, kp, nn, "a profile named '%s' is already defined", name);
+        struct tdm_router_profile *pr = add_profile(c, cfg, name);
+        if (!pr)
+            return TDM_ENOMEM;
+        yaml_node_t *pl = map_get(c, it, "plugins");
+        join(kp, sizeof kp, path, "plugins");
+        if (!pl)
+            return perr(c, path, it, "missing key 'plugins'");
+        if (pl->type != YAML_SEQUENCE_NODE)
+            return perr(c, kp, pl, "expected a list, got %s", node_kind(pl));
+        for (size_t j = 0; j < seq_len(pl); j++) {
+            yaml_node_t *r = node_at(c, pl->data.sequence.items.start[j]);
+            char rp[PATH_MAX_], rk[PATH_MAX_];
+            pathf(rp, sizeof rp, "%s.plugins[%zu]", path, j);
+            static const char *const rkeys[] = {"pluginRef", "weight", NULL};
+            if ((rc = check_keys(c, rp, r, rkeys)))
+                return rc;
+            yaml_node_t *refn = map_get(c, r, "pluginRef");
+            if (!refn)
+                return perr(c, rp, r, "missing key 'pluginRef'");
+            join(rk, sizeof rk, rp, "pluginRef");
+            const char *ref = scalar(refn);
+            if (!ref)
+                return perr(c, rk, refn, "expected a string, got %s", node_kind(refn));
+            size_t pi = tdm_router_config_find_plugin(cfg, ref);
+            if (pi == SIZE_MAX)
+                return perr(c, rk, refn, "no plugin named '%s'", ref);
+            enum tdm_router_plugin_kind kind = plugin_types[cfg->plugins[pi].type].kind;
+            if (kind == TDM_ROUTER_PLUGIN_DECIDER || kind == TDM_ROUTER_PLUGIN_PROFILE_HANDLER ||
+                kind == TDM_ROUTER_PLUGIN_PRODUCER)
+                return perr(c, rk, refn,
+                            "'%s' is a %s: it is configured at the top level, not in a profile",
+                            ref,
+                            kind == TDM_ROUTER_PLUGIN_DECIDER           ? "decider"
+                            : kind == TDM_ROUTER_PLUGIN_PROFILE_HANDLER ? "profile handler"
+                                                                        : "producer");
+            for (size_t k = 0; k < pr->n_refs; k++)
+                if (pr->refs[k].plugin == pi)
+                    return perr(c, rk, refn, "'%s' is listed twice in this profile", ref);
+            double weight = 1.0;
+            yaml_node_t *wn = map_get(c, r, "weight");
+            if (wn) {
+                join(rk, sizeof rk, rp, "weight");
+                if (kind != TDM_ROUTER_PLUGIN_SCORER)
+                    return perr(c, rk, wn, "a weight applies to scorers only ('%s' is not one)",
+                                ref);
+                if ((rc = read_double(c, rk, wn, &weight, 0, 1e6)))
+                    return rc;
+            }
+            if (kind == TDM_ROUTER_PLUGIN_PICKER) {
+                if (pr->picker != SIZE_MAX)
+                    return perr(c, rk, refn, "a profile takes one picker ('%s' and '%s')",
+                                cfg->plugins[pr->refs[pr->picker].plugin].name, ref);
+                pr->picker = pr->n_refs;
+            }
+            if ((rc = profile_add_ref(c, pr, pi, weight)))
+                return rc;
+        }
+    }
+    return TDM_OK;
+}
+
+// A profile without a picker gets max-score-picker (llm-d's default).
+static int default_pickers(struct pctx *c, struct tdm_router_config *cfg)
+{
+    for (size_t i = 0; i < cfg->n_profiles; i++) {
+        struct tdm_router_profile *pr = &cfg->profiles[i];
+        if (pr->picker != SIZE_MAX)
+            continue;
+        size_t pi = SIZE_MAX;
+        for (size_t k = 0; k < cfg->n_plugins; k++)
+            if (cfg->plugins[k].type == TDM_ROUTER_MAX_SCORE_PICKER)
+                pi = k;
+        if (pi == SIZE_MAX) {
+            const char *nm = "max-score-picker";
+            if (tdm_router_config_find_plugin(cfg, nm) != SIZE_MAX)
+                nm = "tandem-default-max-score-picker";
+            pi = add_plugin(c, cfg, nm, TDM_ROUTER_MAX_SCORE_PICKER);
+            if (pi == SIZE_MAX)
+                return TDM_ENOMEM;
+        }
+        pr = &cfg->profiles[i];
+        pr->picker = pr->n_refs;
+        int rc = profile_add_ref(c, pr, pi, 1.0);
+        if (rc)
+            return rc;
+    }
+    return TDM_OK;
+}
+
+// Finds the profile handler and deciders and sets decode/prefill profiles and pd_*.
+static int resolve_handler(struct pctx *c, yaml_node_t *root, struct tdm_router_config *cfg)
+{
+    size_t handler = SIZE_MAX;
+    for (size_t i = 0; i < cfg->n_plugins; i++) {
+        if (plugin_types[cfg->plugins[i].type].kind != TDM_ROUTER_PLUGIN_PROFILE_HANDLER)
+            continue;
+        if (handler != SIZE_MAX) {
+            char p[PATH_MAX_];
+            pathf(p, sizeof p, "plugins[%zu]", i);
+            return perr(c, p, NULL, "only one profile handler may be configured ('%s' and '%s')",
+                        cfg->plugins[handler].name, cfg->plugins[i].name);
+        }
+        handler = i;
+    }
+    if (cfg->n_profiles == 0)
+        return perr(c, "schedulingProfiles", map_get(c, root, "schedulingProfiles"),
+                    "at least one scheduling profile is required");
+    char hp[PATH_MAX_];
+    pathf(hp, sizeof hp, "plugins[%zu].parameters", handler);
+    if (handler == SIZE_MAX || cfg->plugins[handler].type == TDM_ROUTER_SINGLE_PROFILE_HANDLER) {
+        if (cfg->n_profiles != 1)
+            return perr(c, "schedulingProfiles", map_get(c, root, "schedulingProfiles"),
+                        "%zu profiles need a disagg-profile-handler (the single-profile handler "
+                        "runs exactly one)",
+                        cfg->n_profiles);
+        cfg->decode_profile = 0;
+        cfg->pd_mode = TDM_ROUTER_PD_NEVER;
+        return TDM_OK;
+    }
+    struct tdm_router_plugin_params *hpar = &cfg->plugins[handler].params;
+    const char *dname = hpar->decode_profile ? hpar->decode_profile : "decode";
+    const char *pname = hpar->prefill_profile ? hpar->prefill_profile : "prefill";
+    char kp[PATH_MAX_];
+    cfg->decode_profile = find_profile(cfg, dname);
+    if (cfg->decode_profile == SIZE_MAX) {
+        join(kp, sizeof kp, hp, "profiles.decode");
+        return perr(c, kp, NULL, "no scheduling profile named '%s'", dname);
+    }
+    cfg->prefill_profile = find_profile(cfg, pname);
+    if (cfg->prefill_profile == SIZE_MAX) {
+        join(kp, sizeof kp, hp, "profiles.prefill");
+        return perr(c, kp, NULL, "no scheduling profile named '%s'", pname);
+    }
+    if (cfg->decode_profile == cfg->prefill_profile) {
+        join(kp, sizeof kp, hp, "profiles");
+        return perr(c, kp, NULL, "decode and prefill must be different profiles");
+    }
+    if (hpar->pd_threshold_set) {
+        // Deprecated pd-profile-handler `threshold`: a prefix decider of its own.
+        cfg->pd_mode = hpar->non_cached_tokens > 0 ? TDM_ROUTER_PD_PREFIX : TDM_ROUTER_PD_NEVER;
+        cfg->pd_threshold_tokens = hpar->non_cached_tokens;
+        return TDM_OK;
+    }
+    size_t decider = SIZE_MAX;
+    if (hpar->prefill_decider) {
+        decider = tdm_router_config_find_plugin(cfg, hpar->prefill_decider);
+        join(kp, sizeof kp, hp, "deciders.prefill");
+        if (decider == SIZE_MAX)
+            return perr(c, kp, NULL, "no plugin named '%s'", hpar->prefill_decider);
+        if (plugin_types[cfg->plugins[decider].type].kind != TDM_ROUTER_PLUGIN_DECIDER)
+            return perr(c, kp, NULL, "'%s' is not a decider", hpar->prefill_decider);
+    } else {
+        // No decider named: the only decider plugin if there is exactly one,
+        // else always disaggregate (llm-d's handler without a decider).
+        size_t found = 0;
+        for (size_t i = 0; i < cfg->n_plugins; i++)
+            if (plugin_types[cfg->plugins[i].type].kind == TDM_ROUTER_PLUGIN_DECIDER) {
+                decider = i;
+                found++;
+            }
+        if (found > 1) {
+            join(kp, sizeof kp, hp, "deciders.prefill");
+            return perr(c, kp, NULL, "%zu decider plugins: name the one to use", found);
+        }
+    }
+    if (decider == SIZE_MAX || cfg->plugins[decider].type == TDM_ROUTER_ALWAYS_DISAGG_DECIDER) {
+        cfg->pd_mode = TDM_ROUTER_PD_ALWAYS;
+    } else {
+        int t = cfg->plugins[decider].params.non_cached_tokens;
+        // llm-d: nonCachedTokens 0 disables the decider (decode-only).
+        cfg->pd_mode = t > 0 ? TDM_ROUTER_PD_PREFIX : TDM_ROUTER_PD_NEVER;
+        cfg->pd_threshold_tokens = t;
+    }
+    return TDM_OK;
+}
+
+// ---- the short form -----------------------------------------------------------------------------
+
+struct short_ref {
+    enum tdm_router_plugin_type type;
+    double weight;
+};
+
+static size_t get_or_add(struct pctx *c, struct tdm_router_config *cfg,
+                         enum tdm_router_plugin_type type)
+{
+    for (size_t i = 0; i < cfg->n_plugins; i++)
+        if (cfg->plugins[i].type == type)
+            return i;
+    return add_plugin(c, cfg, plugin_types[type].name, type);
+}
+
+static int short_profile(struct pctx *c, struct tdm_router_config *cfg, const char *name,
+                         enum tdm_router_plugin_type role_filter, const struct short_ref *refs,
+                         size_t n)
+{
+    size_t fi = get_or_add(c, cfg, role_filter);
+    if (fi == SIZE_MAX)
+        return TDM_ENOMEM;
+    struct tdm_router_profile *pr = add_profile(c, cfg, name);
+    if (!pr)
+        return TDM_ENOMEM;
+    size_t prof = cfg->n_profiles - 1;
+    int rc = profile_add_ref(c, pr, fi, 1.0);
+    for (size_t i = 0; !rc && i < n; i++) {
+        size_t pi = get_or_add(c, cfg, refs[i].type);
+        if (pi == SIZE_MAX)
+            return TDM_ENOMEM;
+        pr = &cfg->profiles[prof];
+        if (plugin_types[refs[i].type].kind == TDM_ROUTER_PLUGIN_PICKER)
+            pr->picker = pr->n_refs;
+        rc = profile_add_ref(c, pr, pi, refs[i].weight);
+    }
+    return rc;
+}
+
+// Expands `policy: NAME` into plugins and the decode/prefill profiles
+// (docs/router-config.md lists each expansion).
+static int expand_short(struct pctx *c, yaml_node_t *pn, struct tdm_router_config *cfg)
+{
+    static const struct short_ref rr[] = {{TDM_ROUTER_ROUND_ROBIN_PICKER, 1}};
+    static const struct short_ref rnd[] = {{TDM_ROUTER_RANDOM_PICKER, 1}};
+    static const struct short_ref ll[] = {{TDM_ROUTER_QUEUE_SCORER, 2},
+                                          {TDM_ROUTER_RUNNING_SCORER, 1},
+                                          {TDM_ROUTER_KV_CACHE_UTIL_SCORER, 1},
+                                          {TDM_ROUTER_MAX_SCORE_PICKER, 1}};
+    static const struct short_ref pc[] = {{TDM_ROUTER_PREFIX_CACHE_SCORER, 3},
+                                          {TDM_ROUTER_QUEUE_SCORER, 1},
+                                          {TDM_ROUTER_KV_CACHE_UTIL_SCORER, 1},
+                                          {TDM_ROUTER_MAX_SCORE_PICKER, 1}};
+    static const struct short_ref sa[] = {{TDM_ROUTER_SESSION_AFFINITY_SCORER, 10},
+                                          {TDM_ROUTER_QUEUE_SCORER, 1},
+                                          {TDM_ROUTER_KV_CACHE_UTIL_SCORER, 1},
+                                          {TDM_ROUTER_MAX_SCORE_PICKER, 1}};
+    const char *pol = scalar(pn);
+    const struct short_ref *d = NULL, *p = NULL;
+    size_t nd = 0, np = 0;
+#define SET(a, b) (d = (a), nd = sizeof(a) / sizeof *(a), p = (b), np = sizeof(b) / sizeof *(b))
+    if (!pol)
+        return perr(c, "policy", pn, "expected a string, got %s", node_kind(pn));
+    if (!strcmp(pol, "round_robin"))
+        SET(rr, rr);
+    else if (!strcmp(pol, "random"))
+        SET(rnd, rnd);
+    else if (!strcmp(pol, "least_loaded"))
+        SET(ll, ll);
+    else if (!strcmp(pol, "prefix_cache"))
+        SET(pc, pc);
+    else if (!strcmp(pol, "session_affinity"))
+        SET(sa, ll); // prefill has no session: balance it by load
+    else
+        return perr(c, "policy", pn,
+                    "unknown policy '%s' (known: round_robin, random, least_loaded, "
+                    "prefix_cache, session_affinity)",
+                    pol);
+#undef SET
+    int rc;
+    if ((rc = set_string(c, &cfg->short_policy, pol)))
+        return rc;
+    if ((rc = short_profile(c, cfg, "decode", TDM_ROUTER_DECODE_FILTER, d, nd)))
+        return rc;
+    if ((rc = short_profile(c, cfg, "prefill", TDM_ROUTER_PREFILL_FILTER, p, np)))
+        return rc;
+    cfg->decode_profile = 0;
+    cfg->prefill_profile = 1;
+    return TDM_OK;
+}
+
+// ---- Tandem sections ----------------------------------------------------------------------------
+
+// "host", "host:port", "[v6]" or "[v6]:port" into host (heap) and *port (unchanged
+// when absent).
+static int split_host_port(struct pctx *c, const char *path, yaml_node_t *n, const char *s,
+                           char **host, int *port)
+{
+    const char *h = s, *he, *ps = NULL;
+    if (*s == '[') {
+        he = strchr(s, ']');
+        if (!he)
+            return perr(c, path, n, "'%s': missing ']' after an IPv6 address", s);
+        h = s + 1;
+        if (he[1] == ':')
+            ps = he + 2;
+        else if (he[1])
+            return perr(c, path, n, "'%s': expected ':port' after ']'", s);
+    } else {
+        const char *colon = strchr(s, ':');
+        if (colon && strchr(colon + 1, ':'))
+            return perr(c, path, n, "'%s': write an IPv6 address as [addr]:port", s);
+        he = colon ? colon : s + strlen(s);
+        if (colon)
+            ps = colon + 1;
+    }
+    if (he == h)
+        return perr(c, path, n, "'%s': empty host", s);
+    if ((size_t)(he - h) >= TDM_ROUTER_NAME_MAX - 8)
+        return perr(c, path, n, "'%s': host too long", s);
+    if (ps) {
+        char *end = NULL;
+        errno = 0;
+        long v = strtol(ps, &end, 10);
+        if (!*ps || *end || errno || v < 1 || v > 65535)
+            return perr(c, path, n, "'%s': port must be an integer in [1, 65535]", s);
+        *port = (int)v;
+    }
+    *host = strndup(h, (size_t)(he - h));
+    if (!*host)
+        return tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "out of memory");
+    return TDM_OK;
+}
+
+static int add_static(struct pctx *c, struct tdm_router_config *cfg, char *host, int http_port,
+                      int nng_port, enum tdm_router_role role)
+{
+    struct tdm_router_static_endpoint *ns =
+        realloc(cfg->static_endpoints, (cfg->n_static + 1) * sizeof *ns);
+    if (!ns) {
+        free(host);
+        return tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "out of memory");
+    }
+    cfg->static_endpoints = ns;
+    ns[cfg->n_static++] = (struct tdm_router_static_endpoint){host, http_port, nng_port, role};
+    return TDM_OK;
+}
+
+static int add_dns(struct pctx *c, struct tdm_router_config *cfg, char *name, int http_port,
+                   int nng_port, enum tdm_router_role role)
+{
+    struct tdm_router_dns_endpoint *nd = realloc(cfg->dns_endpoints, (cfg->n_dns + 1) * sizeof *nd);
+    if (!nd) {
+        free(name);
+        return tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "out of memory");
+    }
+    cfg->dns_endpoints = nd;
+    nd[cfg->n_dns++] = (struct tdm_router_dns_endpoint){name, http_port, nng_port, role};
+    return TDM_OK;
+}
+
+// One entry of a static or dns list: "host[:port]" or {host|name, http_port, nng_port}.
+static int parse_entry(struct pctx *c, const char *path, yaml_node_t *n, bool dns,
+                       int def_http, int def_nng, enum tdm_router_role role,
+                       struct tdm_router_config *cfg)
+{
+    char *host = NULL;
+    int http = def_http, nng = def_nng, rc;
+    bool nng_given = def_nng > 0;
+    const char *s = scalar(n);
+    if (s) {
+        if ((rc = split_host_port(c, path, n, s, &host, &http)))
+            return rc;
+    } else {
+        static const char *const skeys[] = {"host", "http_port", "nng_port", NULL};
+        static const char *const dkeys[] = {"name", "http_port", "nng_port", NULL};
+        if ((rc = check_keys(c, path, n, dns ? dkeys : skeys)))
+            return rc;
+        const char *hk = dns ? "name" : "host";
+        yaml_node_t *hn = map_get(c, n, hk);
+        char kp[PATH_MAX_];
+        if (!hn)
+            return perr(c, path, n, "missing key '%s'", hk);
+        join(kp, sizeof kp, path, hk);
+        const char *hs = scalar(hn);
+        if (!hs || !*hs)
+            return perr(c, kp, hn, "expected a non-empty string");
+        if ((rc = split_host_port(c, kp, hn, hs, &host, &http)))
+            return rc;
+        yaml_node_t *v;
+        if ((v = map_get(c, n, "http_port")) &&
+            (rc = read_int(c, (join(kp, sizeof kp, path, "http_port"), kp), v, &http, 1, 65535)))
+            goto fail;
+        if ((v = map_get(c, n, "nng_port"))) {
+            if ((rc = read_int(c, (join(kp, sizeof kp, path, "nng_port"), kp), v, &nng, 1,
+                               65535)))
+                goto fail;
+            nng_given = true;
+        }
+    }
+    if (!nng_given) {
+        // Convention (docs/router-config.md): the worker's nng port is its HTTP port + 1000.
+        if (http + 1000 > 65535) {
+            rc = perr(c, path, n, "nng_port must be given when http_port + 1000 > 65535");
+            goto fail;
+        }
+        nng = http + 1000;
+    }
+    return dns ? add_dns(c, cfg, host, http, nng, role) : add_static(c, cfg, host, http, nng, role);
+fail:
+    free(host);
+    return rc;
+}
+
+static int parse_role_endpoints(struct pctx *c, const char *path, yaml_node_t *n,
+                                enum tdm_router_role role, struct tdm_router_config *cfg)
+{
+    int def_http = 8001, def_nng = 0, rc;
+    yaml_node_t *stat = NULL, *dns = NULL;
+    char kp[PATH_MAX_];
+    if (n->type == YAML_SEQUENCE_NODE) {
+        stat = n;
+    } else {
+        static const char *const keys[] = {"http_port", "nng_port", "static", "dns", NULL};
+        if ((rc = check_keys(c, path, n, keys)))
+            return rc;
+        yaml_node_t *v;
+        if ((v = map_get(c, n, "http_port")) &&
+            (rc = read_int(c, (join(kp, sizeof kp, path, "http_port"), kp), v, &def_http, 1,
+                           65535)))
+            return rc;
+        if ((v = map_get(c, n, "nng_port")) &&
+            (rc = read_int(c, (join(kp, sizeof kp, path, "nng_port"), kp), v, &def_nng, 1,
+                           65535)))
+            return rc;
+        stat = map_get(c, n, "static");
+        dns = map_get(c, n, "dns");
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        yaml_node_t *list = pass ? dns : stat;
+        if (!list || is_null(list))
+            continue;
+        char lp[PATH_MAX_];
+        if (list == n)
+            pathf(lp, sizeof lp, "%s", path);
+        else
+            join(lp, sizeof lp, path, pass ? "dns" : "static");
+        if (list->type != YAML_SEQUENCE_NODE)
+            return perr(c, lp, list, "expected a list, got %s", node_kind(list));
+        for (size_t i = 0; i < seq_len(list); i++) {
+            char ep[PATH_MAX_];
+            pathf(ep, sizeof ep, "%s[%zu]", lp, i);
+            if ((rc = parse_entry(c, ep, node_at(c, list->data.sequence.items.start[i]), pass == 1,
+                                  def_http, def_nng, role, cfg)))
+                return rc;
+        }
+    }
+    return TDM_OK;
+}
+
+static int parse_endpoints(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
+{
+    static const char *const keys[] = {"prefill", "decode", "prefill-decode",
+                                       "dns_refresh_seconds", NULL};
+    int rc = check_keys(c, "endpoints", n, keys);
+    if (rc)
+        return rc;
+    static const struct {
+        const char *key;
+        enum tdm_router_role role;
+    } roles[] = {{"prefill", TDM_ROUTER_ROLE_PREFILL},
+                 {"decode", TDM_ROUTER_ROLE_DECODE},
+                 {"prefill-decode", TDM_ROUTER_ROLE_PREFILL_DECODE}};
+    for (size_t i = 0; i < 3; i++) {
+        yaml_node_t *v = map_get(c, n, roles[i].key);
+        char kp[PATH_MAX_];
+        join(kp, sizeof kp, "endpoints", roles[i].key);
+        if (v && !is_null(v) && (rc = parse_role_endpoints(c, kp, v, roles[i].role, cfg)))
+            return rc;
+    }
+    yaml_node_t *v = map_get(c, n, "dns_refresh_seconds");
+    if (v && (rc = read_double(c, "endpoints.dns_refresh_seconds", v, &cfg->dns_refresh_seconds,
+                               0.1, 86400)))
+        return rc;
+    // The same endpoint twice would be scored twice.
+    for (size_t i = 0; i < cfg->n_static; i++)
+        for (size_t j = 0; j < i; j++)
+            if (!strcmp(cfg->static_endpoints[i].host, cfg->static_endpoints[j].host) &&
+                cfg->static_endpoints[i].http_port == cfg->static_endpoints[j].http_port)
+                return perr(c, "endpoints", n, "%s:%d is listed twice",
+                            cfg->static_endpoints[i].host, cfg->static_endpoints[i].http_port);
+    return TDM_OK;
+}
+
+static int parse_health(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
+{
+    static const char *const keys[] = {"interval_seconds", "timeout_seconds", "failure_threshold",
+                                       "success_threshold", "path", NULL};
+    int rc = check_keys(c, "health", n, keys);
+    yaml_node_t *v;
+    if (rc)
+        return rc;
+    if ((v = map_get(c, n, "interval_seconds")) &&
+        (rc = read_double(c, "health.interval_seconds", v, &cfg->health.interval_seconds, 0.05,
+                          3600)))
+        return rc;
+    if ((v = map_get(c, n, "timeout_seconds")) &&
+        (rc = read_double(c, "health.timeout_seconds", v, &cfg->health.timeout_seconds, 0.01,
+                          600)))
+        return rc;
+    if ((v = map_get(c, n, "failure_threshold")) &&
+        (rc = read_int(c, "health.failure_threshold", v, &cfg->health.failure_threshold, 1, 1000)))
+        return rc;
+    if ((v = map_get(c, n, "success_threshold")) &&
+        (rc = read_int(c, "health.success_threshold", v, &cfg->health.success_threshold, 1, 1000)))
+        return rc;
+    if ((v = map_get(c, n, "path"))) {
+        if ((rc = read_string(c, "health.path", v, &cfg->health.path)))
+            return rc;
+        if (cfg->health.path[0] != '/' || strpbrk(cfg->health.path, " \r\n"))
+            return perr(c, "health.path", v, "must start with '/' and contain no spaces");
+    }
+    return TDM_OK;
+}
+
+static int parse_request(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
+{
+    static const char *const keys[] = {"deadline_seconds", "prefill_retries", "session_header",
+                                       NULL};
+    int rc = check_keys(c, "request", n, keys);
+    yaml_node_t *v;
+    if (rc)
+        return rc;
+    if ((v = map_get(c, n, "deadline_seconds")) &&
+        (rc = read_double(c, "request.deadline_seconds", v, &cfg->request_deadline_seconds, 0.1,
+                          86400)))
+        return rc;
+    if ((v = map_get(c, n, "prefill_retries")) &&
+        (rc = read_int(c, "request.prefill_retries", v, &cfg->prefill_retries, 0,
+                       TDM_ROUTER_MAX_PREFILL_CANDIDATES - 1)))
+        return rc;
+    if ((v = map_get(c, n, "session_header"))) {
+        if ((rc = read_string(c, "request.session_header", v, &cfg->session_header)))
+            return rc;
+        for (char *s = cfg->session_header; *s; s++)
+            if (*s >= 'A' && *s <= 'Z')
+                *s = (char)(*s - 'A' + 'a');
+    }
+    return TDM_OK;
+}
+
+static int parse_prefix_index(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
+{
+    static const char *const keys[] = {"block_size_tokens", "max_prefix_blocks_to_match",
+                                       "lru_capacity_per_server", NULL};
+    int rc = check_keys(c, "prefix_index", n, keys);
+    yaml_node_t *v;
+    if (rc)
+        return rc;
+    if ((v = map_get(c, n, "block_size_tokens")) &&
+        (rc = read_int(c, "prefix_index.block_size_tokens", v, &cfg->block_size_tokens, 1, 4096)))
+        return rc;
+    if ((v = map_get(c, n, "max_prefix_blocks_to_match")) &&
+        (rc = read_int(c, "prefix_index.max_prefix_blocks_to_match", v,
+                       &cfg->max_prefix_blocks_to_match, 1, 1000000)))
+        return rc;
+    if ((v = map_get(c, n, "lru_capacity_per_server")) &&
+        (rc = read_int(c, "prefix_index.lru_capacity_per_server", v, &cfg->lru_capacity_per_server,
+                       1, 100000000)))
+        return rc;
+    return TDM_OK;
+}
+
+// ---- the document ---------------------------------------------------------------------------
+
+static int parse_root(struct pctx *c, yaml_node_t *root, struct tdm_router_config *cfg)
+{
+    static const char *const keys[] = {"apiVersion",  "kind",           "plugins",
+                                       "schedulingProfiles", "policy",  "pd_threshold_tokens",
+                                       "pd_mode",     "endpoints",      "health",
+                                       "load_stale_seconds", "request", "prefix_index",
+                                       NULL};
+    int rc;
+    if (!root || root->type != YAML_MAPPING_NODE)
+        return perr(c, "(top level)", root, "expected a mapping, got %s", node_kind(root));
+    if ((rc = check_keys(c, "", root, keys)))
+        return rc;
+    yaml_node_t *v;
+    if ((v = map_get(c, root, "apiVersion"))) {
+        if ((rc = read_string(c, "apiVersion", v, &cfg->api_version)))
+            return rc;
+        if (strncmp(cfg->api_version, "llm-d.ai/", 9) &&
+            strncmp(cfg->api_version, "inference.networking.x-k8s.io/", 30) &&
+            strncmp(cfg->api_version, "tandem/", 7))
+            return perr(c, "apiVersion", v,
+                        "'%s' is not an EndpointPickerConfig version (llm-d.ai/v1alpha1, "
+                        "llm-d.ai/v1)",
+                        cfg->api_version);
+    }
+    if ((v = map_get(c, root, "kind"))) {
+        const char *k = scalar(v);
+        if (!k || strcmp(k, "EndpointPickerConfig"))
+            return perr(c, "kind", v, "expected EndpointPickerConfig, got %s%s%s", k ? "'" : "",
+                        k ? k : node_kind(v), k ? "'" : "");
+    }
+    yaml_node_t *policy = map_get(c, root, "policy");
+    yaml_node_t *plugins = map_get(c, root, "plugins");
+    yaml_node_t *profiles = map_get(c, root, "schedulingProfiles");
+    yaml_node_t *pdt = map_get(c, root, "pd_threshold_tokens");
+    yaml_node_t *pdm = map_get(c, root, "pd_mode");
+    if (policy && (plugins || profiles))
+        return perr(c, "policy", policy,
+                    "use either the short form (policy) or plugins/schedulingProfiles, not both");
+    if (!policy && !plugins)
+        return perr(c, "(top level)", root,
+                    "no routing configured: give 'policy' (short form) or 'plugins' and "
+                    "'schedulingProfiles'");
+    if (!policy && (pdt || pdm))
+        return perr(c, pdt ? "pd_threshold_tokens" : "pd_mode", pdt ? pdt : pdm,
+                    "short-form key: with plugins, set the prefix-based-pd-decider's "
+                    "nonCachedTokens instead");
+
+    if (policy) {
+        if ((rc = expand_short(c, policy, cfg)))
+            return rc;
+        int threshold = 256; // default: prompts above 256 uncached tokens go to prefill
+        if (pdt && (rc = read_int(c, "pd_threshold_tokens", pdt, &threshold, 0, 100000000)))
+            return rc;
+        cfg->pd_threshold_tokens = threshold;
+        cfg->pd_mode = threshold > 0 ? TDM_ROUTER_PD_PREFIX : TDM_ROUTER_PD_NEVER;
+        if (pdm) {
+            const char *m = scalar(pdm);
+            if (m && !strcmp(m, "prefix"))
+                cfg->pd_mode = threshold > 0 ? TDM_ROUTER_PD_PREFIX : TDM_ROUTER_PD_NEVER;
+            else if (m && !strcmp(m, "always"))
+                cfg->pd_mode = TDM_ROUTER_PD_ALWAYS;
+            else if (m && !strcmp(m, "never"))
+                cfg->pd_mode = TDM_ROUTER_PD_NEVER;
+            else
+                return perr(c, "pd_mode", pdm, "expected prefix, always or never, got %s%s%s",
+                            m ? "'" : "", m ? m : node_kind(pdm), m ? "'" : "");
+        }
+    } else {
+        if ((rc = parse_plugins(c, plugins, cfg)))
+            return rc;
+        if (!profiles)
+            return perr(c, "schedulingProfiles", root, "missing (plugins need profiles)");
+        if ((rc = parse_profiles(c, profiles, cfg)))
+            return rc;
+        if ((rc = resolve_handler(c, root, cfg)))
+            return rc;
+    }
+    if ((rc = default_pickers(c, cfg)))
+        return rc;
+
+    if ((v = map_get(c, root, "endpoints")) && (rc = parse_endpoints(c, v, cfg)))
+        return rc;
+    if ((v = map_get(c, root, "health")) && (rc = parse_health(c, v, cfg)))
+        return rc;
+    if ((v = map_get(c, root, "load_stale_seconds")) &&
+        (rc = read_double(c, "load_stale_seconds", v, &cfg->load_stale_seconds, 0.01, 3600)))
+        return rc;
+    if ((v = map_get(c, root, "request")) && (rc = parse_request(c, v, cfg)))
+        return rc;
+    if ((v = map_get(c, root, "prefix_index")) && (rc = parse_prefix_index(c, v, cfg)))
+        return rc;
+    if (cfg->health.timeout_seconds > cfg->health.interval_seconds)
+        return perr(c, "health.timeout_seconds", map_get(c, root, "health"),
+                    "%g is longer than interval_seconds %g", cfg->health.timeout_seconds,
+                    cfg->health.interval_seconds);
+    if (!cfg->health.path && (rc = set_string(c, &cfg->health.path, "/health")))
+        return rc;
+
+    // Plugin parameters that configure the router as a whole: the prefix index
+    // (the producer's, else the scorer's, when given) and the session header.
+    for (size_t i = 0; i < cfg->n_plugins; i++) {
+        const struct tdm_router_plugin *p = &cfg->plugins[i];
+        if (p->type == TDM_ROUTER_APPROX_PREFIX_PRODUCER ||
+            (p->type == TDM_ROUTER_PREFIX_CACHE_SCORER &&
+             tdm_router_config_find_plugin(cfg, "approx-prefix-cache-producer") == SIZE_MAX)) {
+            struct tdm_router_plugin_params def;
+            params_defaults(&def);
+            if (p->params.block_size_tokens != def.block_size_tokens)
+                cfg->block_size_tokens = p->params.block_size_tokens;
+            if (p->params.max_prefix_blocks_to_match != def.max_prefix_blocks_to_match)
+                cfg->max_prefix_blocks_to_match = p->params.max_prefix_blocks_to_match;
+            if (p->params.lru_capacity_per_server != def.lru_capacity_per_server)
+                cfg->lru_capacity_per_server = p->params.lru_capacity_per_server;
+        }
+        if (p->type == TDM_ROUTER_SESSION_AFFINITY_SCORER && p->params.session_header &&
+            (rc = set_string(c, &cfg->session_header, p->params.session_header)))
+            return rc;
+    }
+    if (!cfg->session_header && (rc = set_string(c, &cfg->session_header, "x-session-token")))
+        return rc;
+    return TDM_OK;
+}
+
+int tdm_router_config_parse(struct tdm_router_config **out, const char *text, size_t len,
+                            const char *path, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (!text)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "no config text");
+    struct tdm_router_config *cfg = calloc(1, sizeof *cfg);
+    if (!cfg)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    atomic_init(&cfg->refs_, 1);
+    config_defaults(cfg);
+    int rc = TDM_ENOMEM;
+    cfg->text_ = strndup(text, len);
+    if (!cfg->text_ || (path && !(cfg->source_path = strdup(path)))) {
+        tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+        goto fail_cfg;
+    }
+    if (strlen(cfg->text_) != len) {
+        rc = tdm_seterr(err, errlen, TDM_EINVAL, "config contains a NUL byte");
+        goto fail_cfg;
+    }
+
+    yaml_parser_t parser;
+    yaml_document_t doc;
+    if (!yaml_parser_initialize(&parser)) {
+        tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+        goto fail_cfg;
+    }
+    yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
+    if (!yaml_parser_load(&parser, &doc)) {
+        rc = tdm_seterr(err, errlen, TDM_EINVAL, "line %d column %d: %s%s%s",
+                        (int)parser.problem_mark.line + 1, (int)parser.problem_mark.column + 1,
+                        parser.problem ? parser.problem : "YAML syntax error",
+                        parser.context ? " " : "", parser.context ? parser.context : "");
+        yaml_parser_delete(&parser);
+        goto fail_cfg;
+    }
+    struct pctx c = {&doc, err, errlen};
+    yaml_node_t *root = yaml_document_get_root_node(&doc);
+    if (!root)
+        rc = tdm_seterr(err, errlen, TDM_EINVAL, "the config is empty");
+    else
+        rc = parse_root(&c, root, cfg);
+    yaml_document_delete(&doc);
+    yaml_parser_delete(&parser);
+    if (rc)
+        goto fail_cfg;
+    *out = cfg;
+    return TDM_OK;
+
+fail_cfg:
+    config_free(cfg);
+    return rc;
+}
+
+int tdm_router_config_load(struct tdm_router_config **out, const char *path, char *err,
+                           size_t errlen)
+{
+    char *text = NULL;
+    size_t len = 0;
+    *out = NULL;
+    int rc = tdm_read_file(path, &text, &len, err, errlen);
+    if (rc)
+        return rc;
+    char detail[512] = "";
+    rc = tdm_router_config_parse(out, text, len, path, detail, sizeof detail);
+    free(text);
+    if (rc)
+        return tdm_seterr(err, errlen, rc, "%s: %s", path, detail);
+    return TDM_OK;
+}
+
+// ---- JSON view ------------------------------------------------------------------------------
+
+static void add_params_json(cJSON *o, const struct tdm_router_plugin *p)
+{
+    const struct tdm_router_plugin_params *q = &p->params;
+    switch (p->type) {
+    case TDM_ROUTER_UTILIZATION_DETECTOR:
+        cJSON_AddNumberToObject(o, "queueDepthThreshold", q->queue_depth_threshold);
+        cJSON_AddNumberToObject(o, "kvCacheUtilThreshold", q->kv_cache_util_threshold);
+        cJSON_AddNumberToObject(o, "headroom", q->headroom);
+        break;
+    case TDM_ROUTER_LOAD_AWARE_SCORER:
+        cJSON_AddNumberToObject(o, "threshold", q->load_threshold);
+        break;
+    case TDM_ROUTER_ACTIVE_REQUEST_SCORER:
+        cJSON_AddNumberToObject(o, "maxBusyRequests", q->max_busy_requests);
+        break;
+    case TDM_ROUTER_SESSION_AFFINITY_SCORER:
+        cJSON_AddStringToObject(o, "headerName",
+                                q->session_header ? q->session_header : "x-session-token");
+        break;
+    case TDM_ROUTER_PREFIX_PD_DECIDER:
+        cJSON_AddNumberToObject(o, "nonCachedTokens", q->non_cached_tokens);
+        break;
+    case TDM_ROUTER_MAX_SCORE_PICKER:
+    case TDM_ROUTER_RANDOM_PICKER:
+    case TDM_ROUTER_WEIGHTED_RANDOM_PICKER:
+    case TDM_ROUTER_ROUND_ROBIN_PICKER:
+        cJSON_AddNumberToObject(o, "maxNumOfEndpoints", q->max_num_of_endpoints);
+        break;
+    case TDM_ROUTER_PREFIX_CACHE_SCORER:
+    case TDM_ROUTER_APPROX_PREFIX_PRODUCER:
+        cJSON_AddNumberToObject(o, "blockSizeTokens", q->block_size_tokens);
+        cJSON_AddNumberToObject(o, "maxPrefixBlocksToMatch", q->max_prefix_blocks_to_match);
+        cJSON_AddNumberToObject(o, "lruCapacityPerServer", q->lru_capacity_per_server);
+        break;
+    case TDM_ROUTER_DISAGG_PROFILE_HANDLER: {
+        cJSON *pr = cJSON_AddObjectToObject(o, "profiles");
+        cJSON_AddStringToObject(pr, "decode", q->decode_profile ? q->decode_profile : "decode");
+        cJSON_AddStringToObject(pr, "prefill",
+                                q->prefill_profile ? q->prefill_profile : "prefill");
+        if (q->prefill_decider)
+            cJSON_AddStringToObject(cJSON_AddObjectToObject(o, "deciders"), "prefill",
+                                    q->prefill_decider);
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+static void format_rfc3339(double t, char buf[40])
+{
+    time_t s = (time_t)t;
+    struct tm tm;
+    gmtime_r(&s, &tm);
+    int ms = (int)((t - (double)s) * 1000.0);
+    if (ms < 0)
+        ms = 0;
+    if (ms > 999)
+        ms = 999;
+    pathf(buf, 40, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1,
+             tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ms);
+}
+
+static const char *pd_mode_name(enum tdm_router_pd_mode m)
+{
+    return m == TDM_ROUTER_PD_PREFIX ? "prefix" : m == TDM_ROUTER_PD_ALWAYS ? "always" : "never";
+}
+
+cJSON *tdm_router_config_json_object_(const struct tdm_router_config *cfg, double loaded_at)
+{
+    cJSON *o = cJSON_CreateObject();
+    if (!o)
+        return NULL;
+    if (cfg->source_path)
+        cJSON_AddStringToObject(o, "source", cfg->source_path);
+    if (loaded_at > 0) {
+        char ts[40];
+        format_rfc3339(loaded_at, ts);
+        cJSON_AddStringToObject(o, "loaded_at", ts);
+        cJSON_AddNumberToObject(o, "loaded_at_unix", loaded_at);
+    }
+    cJSON_AddStringToObject(o, "apiVersion", cfg->api_version ? cfg->api_version : "llm-d.ai/v1");
+    cJSON_AddStringToObject(o, "kind", "EndpointPickerConfig");
+    if (cfg->short_policy)
+        cJSON_AddStringToObject(o, "policy", cfg->short_policy);
+    cJSON *pl = cJSON_AddArrayToObject(o, "plugins");
+    for (size_t i = 0; pl && i < cfg->n_plugins; i++) {
+        cJSON *p = cJSON_CreateObject();
+        if (!p)
+            break;
+        cJSON_AddItemToArray(pl, p);
+        cJSON_AddStringToObject(p, "name", cfg->plugins[i].name);
+        cJSON_AddStringToObject(p, "type", plugin_types[cfg->plugins[i].type].name);
+        cJSON *par = cJSON_AddObjectToObject(p, "parameters");
+        if (par)
+            add_params_json(par, &cfg->plugins[i]);
+    }
+    cJSON *prs = cJSON_AddArrayToObject(o, "schedulingProfiles");
+    for (size_t i = 0; prs && i < cfg->n_profiles; i++) {
+        cJSON *p = cJSON_CreateObject();
+        if (!p)
+            break;
+        cJSON_AddItemToArray(prs, p);
+        cJSON_AddStringToObject(p, "name", cfg->profiles[i].name);
+        cJSON *refs = cJSON_AddArrayToObject(p, "plugins");
+        for (size_t j = 0; refs && j < cfg->profiles[i].n_refs; j++) {
+            const struct tdm_router_profile_ref *r = &cfg->profiles[i].refs[j];
+            cJSON *ro = cJSON_CreateObject();
+            if (!ro)
+                break;
+            cJSON_AddItemToArray(refs, ro);
+            cJSON_AddStringToObject(ro, "pluginRef", cfg->plugins[r->plugin].name);
+            if (plugin_types[cfg->plugins[r->plugin].type].kind == TDM_ROUTER_PLUGIN_SCORER)
+                cJSON_AddNumberToObject(ro, "weight", r->weight);
+        }
+    }
+    cJSON *pd = cJSON_AddObjectToObject(o, "pd");
+    if (pd) {
+        cJSON_AddStringToObject(pd, "decode_profile", cfg->profiles[cfg->decode_profile].name);
+        if (cfg->prefill_profile != SIZE_MAX)
+            cJSON_AddStringToObject(pd, "prefill_profile",
+                                    cfg->profiles[cfg->prefill_profile].name);
+        else
+            cJSON_AddNullToObject(pd, "prefill_profile");
+        cJSON_AddStringToObject(pd, "mode", pd_mode_name(cfg->pd_mode));
+        cJSON_AddNumberToObject(pd, "threshold_tokens", cfg->pd_threshold_tokens);
+    }
+    cJSON *eps = cJSON_AddObjectToObject(o, "endpoints");
+    if (eps) {
+        cJSON *st = cJSON_AddArrayToObject(eps, "static");
+        for (size_t i = 0; st && i < cfg->n_static; i++) {
+            const struct tdm_router_static_endpoint *e = &cfg->static_endpoints[i];
+            cJSON *eo = cJSON_CreateObject();
+            if (!eo)
+                break;
+            cJSON_AddItemToArray(st, eo);
+            cJSON_AddStringToObject(eo, "host", e->host);
+            cJSON_AddNumberToObject(eo, "http_port", e->http_port);
+            cJSON_AddNumberToObject(eo, "nng_port", e->nng_port);
+            cJSON_AddStringToObject(eo, "role", role_names[e->role]);
+        }
+        cJSON *dn = cJSON_AddArrayToObject(eps, "dns");
+        for (size_t i = 0; dn && i < cfg->n_dns; i++) {
+            const struct tdm_router_dns_endpoint *e = &cfg->dns_endpoints[i];
+            cJSON *eo = cJSON_CreateObject();
+            if (!eo)
+                break;
+            cJSON_AddItemToArray(dn, eo);
+            cJSON_AddStringToObject(eo, "name", e->name);
+            cJSON_AddNumberToObject(eo, "http_port", e->http_port);
+            cJSON_AddNumberToObject(eo, "nng_port", e->nng_port);
+            cJSON_AddStringToObject(eo, "role", role_names[e->role]);
+        }
+        cJSON_AddNumberToObject(eps, "dns_refresh_seconds", cfg->dns_refresh_seconds);
+    }
+    cJSON *h = cJSON_AddObjectToObject(o, "health");
+    if (h) {
+        cJSON_AddNumberToObject(h, "interval_seconds", cfg->health.interval_seconds);
+        cJSON_AddNumberToObject(h, "timeout_seconds", cfg->health.timeout_seconds);
+        cJSON_AddNumberToObject(h, "failure_threshold", cfg->health.failure_threshold);
+        cJSON_AddNumberToObject(h, "success_threshold", cfg->health.success_threshold);
+        cJSON_AddStringToObject(h, "path", cfg->health.path);
+    }
+    cJSON_AddNumberToObject(o, "load_stale_seconds", cfg->load_stale_seconds);
+    cJSON *rq = cJSON_AddObjectToObject(o, "request");
+    if (rq) {
+        cJSON_AddNumberToObject(rq, "deadline_seconds", cfg->request_deadline_seconds);
+        cJSON_AddNumberToObject(rq, "prefill_retries", cfg->prefill_retries);
+        cJSON_AddStringToObject(rq, "session_header", cfg->session_header);
+    }
+    cJSON *px = cJSON_AddObjectToObject(o, "prefix_index");
+    if (px) {
+        cJSON_AddNumberToObject(px, "block_size_tokens", cfg->block_size_tokens);
+        cJSON_AddNumberToObject(px, "max_prefix_blocks_to_match", cfg->max_prefix_blocks_to_match);
+        cJSON_AddNumberToObject(px, "lru_capacity_per_server", cfg->lru_capacity_per_server);
+    }
+    return o;
+}
+
+char *tdm_router_config_to_json(const struct tdm_router_config *cfg, double loaded_at)
+{
+    if (!cfg)
+        return NULL;
+    cJSON *o = tdm_router_config_json_object_(cfg, loaded_at);
+    if (!o)
+        return NULL;
+    char *s = cJSON_Print(o);
+    cJSON_Delete(o);
+    return s;
+}
