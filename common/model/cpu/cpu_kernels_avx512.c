@@ -354,8 +354,10 @@ static void tile_q8(const struct cpu_mm_args *a, const uint8_t *wb, int G, int T
 TILE_DISPATCH(tile_bf16, TDM_W_BF16)
 TILE_DISPATCH(tile_f32, TDM_W_F32)
 
-// Tiles of a batch (n > 1) prefetch the chunk's next block, spread over the
-// first few tiles, so the block is in L2 when its turn comes. Decode streams
+// Tiles of a batch of at least PF_TILES tiles prefetch the chunk's next block,
+// a quarter per tile over the first four, so the block is in L2 when its turn
+// comes. With fewer tiles a block computes too briefly for a prefetch stream
+// to keep pace (measured slower than leaving it to the hardware). Decode streams
 // each chunk contiguously and the hardware prefetchers keep up with that
 // (software prefetch ahead of the stream measured slower).
 #define PF_TILES 4
@@ -377,7 +379,7 @@ static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
         const uint8_t *next = NULL;
         size_t share = 0;
         int pf_lines = 0;
-        if (a->n > 1 && b + 1 < b1) {
+        if (ntiles >= PF_TILES && b + 1 < b1) {
             next = cpu_w_block(w, b + 1);
             size_t bytes = (size_t)steps * cpu_w_block_panels(w, b + 1) * 64;
             share = (bytes / (size_t)pft + 63) / 64 * 64;
