@@ -770,8 +770,15 @@ int tdm_hub_resolve_model(const char *model, const char *revision, struct tdm_hu
         r.commit[0] = '\0';
     TDM_LOG_INFO("hub", "fetching %s@%s from %s into %s", model, revision, r.client.endpoint,
                  r.repo_dir);
-    if ((rc = download_model(&r, err, errlen)) != TDM_OK)
+    if ((rc = download_model(&r, err, errlen)) != TDM_OK) {
+        // The very first request failed: maybe a mistyped local path.
+        if (!r.commit[0] && (rc == TDM_ENOTFOUND || rc == TDM_EPROTO) && err && errlen > 0) {
+            size_t l = strlen(err);
+            if (l + 1 < errlen)
+                snprintf(err + l, errlen - l, "; '%s' is not a local folder either", model);
+        }
         goto out;
+    }
     rc = snapshot_complete(&r, missing, sizeof missing, err, errlen);
     if (rc == TDM_ENOTFOUND)
         rc = tdm_seterr(err, errlen, TDM_EIO, "%s: %s missing after download", r.repo_dir,
