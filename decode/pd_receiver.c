@@ -1,0 +1,1038 @@
+// SPDX-License-Identifier: Apache-2.0
+// pd_receiver: the decode worker's P/D side (see pd_receiver.h). One receive
+// thread reads the inbox: it starts a job thread per GenerateRequest, hands
+// PrefillResults to their job, imports KvData frames straight from the
+// received message into the reserved blocks (under the receiver lock, so a job
+// that gives up cannot call import_done while a layer is being written), and
+// flips the cancel flag for Cancels. A job thread owns its engine request(s)
+// from submit to release and walks the attempts: listed prefill workers in
+// order, then local prefill.
+//
+// Invariants: nothing is sent to the router before an attempt succeeded (or the
+// request ended), so retries are invisible; every engine request a job submits
+// is released by the same job; a message whose to_instance or from_instance
+// does not match what the job expects is dropped, so a peer's restart leaves
+// no state that could match its new messages.
+#include "pd_receiver.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core.h"
+#include "decode.h"
+#include "decode_parts.h"
+#include "engine.h"
+#include "kv_cache.h"
+#include "metrics.h"
+#include "model.h"
+#include "pd_codec.h"
+#include "transport.h"
+
+#define MOD "pd"
+
+void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->prefill_timeout = 60;
+    cfg->transfer_timeout = 30;
+    cfg->connect_grace = 1.0;
+    cfg->layers_per_frame = 4;
+    cfg->send_timeout = 2;
+}
+
+int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv,
+                              char *err, size_t errlen)
+{
+    static const char *const names[] = {"--nng-url", "--pd-prefill-timeout",
+                                        "--pd-transfer-timeout", "--pd-layers-per-frame"};
+    int w = 1;
+    for (int i = 1; i < *argc; i++) {
+        const char *a = argv[i];
+        int which = -1;
+        const char *val = NULL;
+        for (int k = 0; k < 4; k++) {
+            size_t n = strlen(names[k]);
+            if (strncmp(a, names[k], n) == 0 && (a[n] == '\0' || a[n] == '=')) {
+                which = k;
+                if (a[n] == '=')
+                    val = a + n + 1;
+                else if (i + 1 < *argc)
+                    val = argv[++i];
+                else
+                    return tdm_seterr(err, errlen, TDM_EINVAL, "%s: missing value", names[k]);
+            }
+        }
+        if (which < 0) {
+            argv[w++] = argv[i];
+            continue;
+        }
+        if (which == 0) {
+            if (strlen(val) >= sizeof cfg->nng_url || (val[0] && strstr(val, "://") == NULL))
+                return tdm_seterr(err, errlen, TDM_EINVAL,
+                                  "--nng-url: expected tcp://HOST:PORT, got \"%s\"", val);
+            snprintf(cfg->nng_url, sizeof cfg->nng_url, "%s", val);
+            continue;
+        }
+        char *end = NULL;
+        double x = strtod(val, &end);
+        if (end == val || *end != '\0' || !(x > 0) || x > 1e6)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a positive number, got \"%s\"",
+                              names[which], val);
+        if (which == 1)
+            cfg->prefill_timeout = x;
+        else if (which == 2)
+            cfg->transfer_timeout = x;
+        else
+            cfg->layers_per_frame = x < 1 ? 1 : (int)x;
+    }
+    argv[w] = NULL;
+    *argc = w;
+    return TDM_OK;
+}
+
+// ---- state -------------------------------------------------------------------------------
+struct djob {
+    struct djob *next;
+    struct tdm_pd_receiver *rx;
+    Tandem__GenerateRequest *gen; // owned (unpacked)
+    char request_id[96];
+    char router_url[256];
+    uint64_t router_instance;
+    struct tdm_sampling_params sampling;
+    double arrival;  // tdm_now() at receipt
+    double deadline; // tdm_now() clock
+
+    // Under rx->mu (shared with the receive thread):
+    bool cancelled;
+    uint64_t transfer_id;         // current remote attempt, 0 = none
+    char prefill_url[256];
+    Tandem__PrefillResult *result; // owned once received
+    struct tdm_engine_request *req; // current engine request (for cancel)
+    bool importing;               // KvData may be imported into req now
+    uint64_t prefill_instance;    // from the result: KvData must come from it
+    int imp_first_block, imp_num_blocks;
+    int layers_done;
+    size_t bytes_done;
+    bool kv_failed;
+    char kv_err[256];
+};
+
+struct tdm_pd_receiver {
+    struct tdm_pd_receiver_config cfg;
+    struct tdm_decode_server *server;
+    struct tdm_decode_parts parts;
+    struct tdm_kv_config kvc;
+    uint64_t instance;
+    struct tdm_net_inbox *inbox;
+    struct tdm_net_outbox *outbox;
+    pthread_t rx_thread;
+    atomic_bool stopping;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv; // broadcast on any job change
+    struct djob *jobs;
+    int num_jobs;
+
+    struct tdm_metrics_counter *m_bytes, *m_blocks, *m_requests, *m_fail;
+    struct tdm_metrics_histogram *m_seconds;
+};
+
+const char *tdm_pd_receiver_url(const struct tdm_pd_receiver *r)
+{
+    return tdm_net_inbox_url(r->inbox);
+}
+
+uint64_t tdm_pd_receiver_instance(const struct tdm_pd_receiver *r)
+{
+    return r->instance;
+}
+
+static size_t layer_bytes(const struct tdm_kv_config *k, int nblocks)
+{
+    return 2u * (size_t)nblocks * (size_t)k->num_kv_heads * (size_t)k->block_size *
+           (size_t)k->head_dim * sizeof(float);
+}
+
+static void timed_wait(struct tdm_pd_receiver *rx, double seconds)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    long ns = (long)(seconds * 1e9);
+    ts.tv_sec += ns / 1000000000;
+    ts.tv_nsec += ns % 1000000000;
+    if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
+    }
+    pthread_cond_timedwait(&rx->cv, &rx->mu, &ts);
+}
+
+static void fail_count(struct tdm_pd_receiver *rx, const char *reason)
+{
+    tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m_fail, reason));
+}
+
+// ---- messages to the router --------------------------------------------------------------
+struct phases {
+    double queue, prefill, transfer;
+    const char *prefilled_by; // "" = local
+};
+
+// Sends one chunk; a router that cannot be reached within send_timeout makes
+// the caller abort (nobody is listening for these tokens any more).
+static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const struct phases *ph,
+                      const Tandem__PrefillResult *first)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    Tandem__TokenChunk m = TANDEM__TOKEN_CHUNK__INIT;
+    Tandem__PhaseTimes pt = TANDEM__PHASE_TIMES__INIT;
+    m.request_id = j->request_id;
+    m.to_instance = j->router_instance;
+    m.from_instance = rx->instance;
+    m.first_index = c->first_index;
+    m.n_tokens = (size_t)c->n;
+    m.tokens = (int32_t *)c->tokens;
+    float lp_first = 0;
+    float *lps = NULL;
+    Tandem__TopLogprob *tops = NULL, **top_ptr = NULL;
+    int nt = c->top ? c->num_top : 0;
+    if (c->logprobs && c->n > 0) {
+        lps = malloc((size_t)c->n * sizeof *lps);
+        if (lps == NULL)
+            return TDM_ENOMEM;
+        memcpy(lps, c->logprobs, (size_t)c->n * sizeof *lps);
+        // Output 0 of an imported request was sampled by the prefill worker: its
+        // logprobs are the ones it reported (the replay here has no logits).
+        if (first && c->first_index == 0)
+            lps[0] = lp_first = first->logprob;
+        m.n_logprobs = (size_t)c->n;
+        m.logprobs = lps;
+    }
+    if (nt > 0 && c->n > 0) {
+        size_t total = (size_t)c->n * (size_t)nt;
+        tops = calloc(total, sizeof *tops);
+        top_ptr = calloc(total, sizeof *top_ptr);
+        if (tops == NULL || top_ptr == NULL) {
+            free(lps);
+            free(tops);
+            free(top_ptr);
+            return TDM_ENOMEM;
+        }
+        Tandem__TopLogprob init = TANDEM__TOP_LOGPROB__INIT;
+        for (size_t i = 0; i < total; i++) {
+            tops[i] = init;
+            tops[i].token = c->top[i].token;
+            tops[i].logprob = c->top[i].logprob;
+            if (first && c->first_index == 0 && i < (size_t)nt && i < first->n_top) {
+                tops[i].token = first->top[i]->token;
+                tops[i].logprob = first->top[i]->logprob;
+            }
+            top_ptr[i] = &tops[i];
+        }
+        m.num_top = nt;
+        m.n_top = total;
+        m.top = top_ptr;
+    }
+    m.finished = c->finished;
+    m.finish_reason = (char *)(c->finished ? tdm_engine_finish_name(c->reason) : "");
+    m.stop_token = c->stop_token;
+    m.error = c->error;
+    m.message = (char *)(c->message ? c->message : "");
+    m.prompt_tokens = c->num_prompt_tokens;
+    m.cached_tokens = c->num_cached_tokens;
+    if (ph) {
+        pt.queue = ph->queue;
+        pt.prefill = ph->prefill;
+        pt.transfer = ph->transfer;
+        pt.first_token = tdm_now() - j->arrival;
+        m.phases = &pt;
+        m.prefilled_by = (char *)ph->prefilled_by;
+    }
+    char err[256];
+    int rc = tdm_pd_send(rx->outbox, j->router_url, TDM_NET_TOKENS, &m.base, NULL, 0,
+                         rx->cfg.send_timeout, err, sizeof err);
+    if (rc != TDM_OK)
+        TDM_LOG_WARN(MOD, "req=%s router unreachable: %s", j->request_id, err);
+    (void)lp_first;
+    free(lps);
+    free(tops);
+    free(top_ptr);
+    return rc;
+}
+
+// A final chunk without tokens (error, abort, or a finish decided here).
+static void send_finish(struct djob *j, enum tdm_engine_finish reason, int error,
+                        const char *message)
+{
+    struct tdm_engine_chunk c;
+    memset(&c, 0, sizeof c);
+    c.finished = true;
+    c.reason = reason;
+    c.stop_token = -1;
+    c.error = error;
+    c.message = message;
+    c.num_prompt_tokens = (int)j->gen->n_prompt;
+    send_chunk(j, &c, NULL, NULL);
+}
+
+// Streams an engine request's outputs to the router until it finishes; aborts
+// it on cancel, deadline, shutdown or an unreachable router. Releases nothing:
+// the caller owns the handle.
+static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
+                             const struct phases *ph, const Tandem__PrefillResult *first)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    bool sent_first = false, aborted = false;
+    for (;;) {
+        pthread_mutex_lock(&rx->mu);
+        bool stop = j->cancelled || atomic_load(&rx->stopping) || tdm_now() > j->deadline;
+        pthread_mutex_unlock(&rx->mu);
+        if (stop && !aborted) {
+            tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
+            aborted = true;
+        }
+        struct tdm_engine_chunk c;
+        int rc = tdm_engine_stream_next(req, 0.1, &c);
+        if (rc == TDM_ETIMEDOUT)
+            continue;
+        if (rc != TDM_OK)
+            return;
+        if (c.finished && c.reason == TDM_ENGINE_FINISH_ABORT && tdm_now() > j->deadline)
+            c.message = "the request's deadline passed";
+        rc = send_chunk(j, &c, sent_first ? NULL : ph, first);
+        sent_first = true;
+        if (c.finished)
+            return;
+        if (rc != TDM_OK && !aborted) {
+            tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
+            aborted = true;
+        }
+    }
+}
+
+static void fill_params(struct djob *j, struct tdm_engine_request_params *ep)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    tdm_engine_request_params_default(ep);
+    ep->id = j->request_id;
+    ep->prompt = j->gen->prompt;
+    ep->n_prompt = (int)j->gen->n_prompt;
+    ep->sampling = j->sampling;
+    ep->max_tokens = j->gen->max_tokens;
+    if (j->gen->n_eos_ids) {
+        ep->eos_ids = j->gen->eos_ids;
+        ep->num_eos = (int)j->gen->n_eos_ids;
+    } else {
+        ep->eos_ids = rx->parts.eos_ids;
+        ep->num_eos = rx->parts.num_eos;
+    }
+}
+
+// Local prefill: a plain GENERATE request on this engine.
+static void run_local(struct djob *j)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    struct tdm_engine_request_params ep;
+    fill_params(j, &ep);
+    ep.arrival_time = j->arrival;
+    char err[512];
+    struct tdm_engine_request *req = NULL;
+    int rc = tdm_engine_submit(rx->parts.engine, &ep, &req, err, sizeof err);
+    if (rc != TDM_OK) {
+        send_finish(j, TDM_ENGINE_FINISH_ERROR, rc, err);
+        return;
+    }
+    pthread_mutex_lock(&rx->mu);
+    j->req = req;
+    bool cancelled = j->cancelled;
+    pthread_mutex_unlock(&rx->mu);
+    if (cancelled)
+        tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
+    struct phases ph = {tdm_now() - j->arrival, 0, 0, ""};
+    stream_to_router(j, req, &ph, NULL);
+    pthread_mutex_lock(&rx->mu);
+    j->req = NULL;
+    pthread_mutex_unlock(&rx->mu);
+    tdm_engine_request_release(req);
+}
+
+static void cancel_prefill(struct djob *j, uint64_t transfer_id, const char *url,
+                           uint64_t instance)
+{
+    Tandem__Cancel m = TANDEM__CANCEL__INIT;
+    m.request_id = j->request_id;
+    m.transfer_id = transfer_id;
+    m.to_instance = instance;
+    char err[256];
+    tdm_pd_send(j->rx->outbox, url, TDM_NET_CANCEL, &m.base, NULL, 0, 0.2, err, sizeof err);
+}
+
+enum attempt { ATTEMPT_DONE = 0, ATTEMPT_RETRY };
+
+// Checks the prefill worker's KV header against this worker's cache geometry.
+static int check_header(struct djob *j, const Tandem__PrefillResult *r, char *err, size_t errlen)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    struct tdm_kv_header h;
+    if (r->kv_header.len != sizeof h)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: %zu bytes, expected %zu",
+                          r->kv_header.len, sizeof h);
+    memcpy(&h, r->kv_header.data, sizeof h);
+    const struct tdm_kv_config *k = &rx->kvc;
+    if (h.magic != TDM_KV_MAGIC || h.version != 1)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: bad magic/version");
+    if (h.num_layers != k->num_layers || h.num_kv_heads != k->num_kv_heads ||
+        h.head_dim != k->head_dim || h.block_size != k->block_size || h.dtype != 0)
+        return tdm_seterr(err, errlen, TDM_EPROTO,
+                          "kv header: layers/heads/head_dim/block_size/dtype %d/%d/%d/%d/%d != "
+                          "ours %d/%d/%d/%d/0",
+                          h.num_layers, h.num_kv_heads, h.head_dim, h.block_size, h.dtype,
+                          k->num_layers, k->num_kv_heads, k->head_dim, k->block_size);
+    char model[sizeof h.model + 1];
+    memcpy(model, h.model, sizeof h.model);
+    model[sizeof h.model] = '\0';
+    if (strncmp(model, rx->parts.served_name, sizeof h.model - 1) != 0)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: model \"%s\" != \"%s\"", model,
+                          rx->parts.served_name);
+    if (h.num_tokens != (int32_t)j->gen->n_prompt)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: %d tokens, prompt has %zu",
+                          h.num_tokens, j->gen->n_prompt);
+    return TDM_OK;
+}
+
+// Waits (under rx->mu) until pred holds, the job is cancelled, the service
+// stops, the deadline or `until` passes, or the prefill worker stayed
+// disconnected for connect_grace. Returns true when pred held.
+static bool wait_for(struct djob *j, bool (*pred)(const struct djob *), double until,
+                     bool *disconnected)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    double down_since = 0;
+    *disconnected = false;
+    while (!pred(j)) {
+        double now = tdm_now();
+        if (j->cancelled || atomic_load(&rx->stopping) || now > j->deadline || now > until)
+            return false;
+        // Checked without rx->mu held: the outbox has its own lock.
+        pthread_mutex_unlock(&rx->mu);
+        bool up = tdm_net_connected(rx->outbox, j->prefill_url);
+        pthread_mutex_lock(&rx->mu);
+        if (up)
+            down_since = 0;
+        else if (down_since == 0)
+            down_since = now;
+        else if (now - down_since > rx->cfg.connect_grace) {
+            *disconnected = true;
+            return pred(j);
+        }
+        timed_wait(rx, 0.05);
+    }
+    return true;
+}
+
+static bool have_result(const struct djob *j)
+{
+    return j->result != NULL;
+}
+
+static bool kv_complete(const struct djob *j)
+{
+    return j->kv_failed || j->layers_done >= j->rx->kvc.num_layers;
+}
+
+static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    struct tdm_engine *e = rx->parts.engine;
+    char err[512];
+    if (t == NULL || t->url == NULL || t->url[0] == '\0' || strlen(t->url) >= sizeof j->prefill_url)
+        return ATTEMPT_RETRY;
+    uint64_t tid = tdm_net_new_instance_id();
+    pthread_mutex_lock(&rx->mu);
+    j->transfer_id = tid;
+    snprintf(j->prefill_url, sizeof j->prefill_url, "%s", t->url);
+    j->result = NULL;
+    j->layers_done = 0;
+    j->bytes_done = 0;
+    j->kv_failed = false;
+    j->importing = false;
+    pthread_mutex_unlock(&rx->mu);
+
+    Tandem__PrefillRequest pr = TANDEM__PREFILL_REQUEST__INIT;
+    Tandem__Peer me = TANDEM__PEER__INIT;
+    me.url = (char *)tdm_net_inbox_url(rx->inbox);
+    me.instance = rx->instance;
+    struct tdm_pd_sampling_msg sm;
+    tdm_pd_sampling_to_proto(&j->sampling, &sm);
+    pr.request_id = j->request_id;
+    pr.transfer_id = tid;
+    pr.reply_to = &me;
+    pr.to_instance = t->instance;
+    pr.n_prompt = j->gen->n_prompt;
+    pr.prompt = j->gen->prompt;
+    pr.sampling = &sm.msg;
+    pr.n_eos_ids = j->gen->n_eos_ids;
+    pr.eos_ids = j->gen->eos_ids;
+    pr.deadline_unix = j->gen->deadline_unix;
+    pr.model = (char *)rx->parts.served_name;
+    pr.hold_seconds = rx->cfg.transfer_timeout;
+    double t0 = tdm_now();
+    int rc = tdm_pd_send(rx->outbox, t->url, TDM_NET_PREFILL, &pr.base, NULL, 0,
+                         rx->cfg.send_timeout, err, sizeof err);
+    if (rc != TDM_OK) {
+        TDM_LOG_WARN(MOD, "req=%s prefill %s unreachable: %s", j->request_id, t->url, err);
+        fail_count(rx, "unreachable");
+        return ATTEMPT_RETRY;
+    }
+
+    // 1. The prefill result.
+    bool disconnected = false;
+    pthread_mutex_lock(&rx->mu);
+    bool got = wait_for(j, have_result, t0 + rx->cfg.prefill_timeout, &disconnected);
+    Tandem__PrefillResult *res = j->result;
+    j->result = NULL;
+    if (res)
+        j->prefill_instance = res->from_instance;
+    pthread_mutex_unlock(&rx->mu);
+    if (!got || res == NULL || res->error != 0) {
+        const char *why = res ? "failed" : disconnected ? "disconnected" : "timeout";
+        if (res == NULL && !j->cancelled)
+            TDM_LOG_WARN(MOD, "req=%s prefill %s: %s", j->request_id, t->url, why);
+        else if (res)
+            TDM_LOG_WARN(MOD, "req=%s prefill %s failed: %s", j->request_id, t->url, res->message);
+        fail_count(rx, res ? "prefill_error" : disconnected ? "disconnected" : "timeout");
+        cancel_prefill(j, tid, t->url, res ? res->from_instance : t->instance);
+        if (res)
+            tandem__prefill_result__free_unpacked(res, NULL);
+        return ATTEMPT_RETRY;
+    }
+    double prefill_s = tdm_now() - t0;
+    if (check_header(j, res, err, sizeof err) != TDM_OK) {
+        TDM_LOG_WARN(MOD, "req=%s prefill %s refused: %s", j->request_id, t->url, err);
+        fail_count(rx, "header");
+        cancel_prefill(j, tid, t->url, res->from_instance);
+        tandem__prefill_result__free_unpacked(res, NULL);
+        return ATTEMPT_RETRY;
+    }
+    struct phases ph = {res->queue_seconds, prefill_s, 0, t->url};
+
+    // 2. A first token that already ends the request needs no KV.
+    int max_gen = rx->parts.max_model_len - (int)j->gen->n_prompt;
+    if (j->gen->max_tokens > 0 && j->gen->max_tokens < max_gen)
+        max_gen = j->gen->max_tokens;
+    if (res->stopped || max_gen <= 1) {
+        cancel_prefill(j, tid, t->url, res->from_instance);
+        struct tdm_engine_chunk c;
+        memset(&c, 0, sizeof c);
+        float lp = res->logprob;
+        c.n = 1;
+        c.tokens = &res->first_token;
+        c.logprobs = j->sampling.logprobs >= 0 ? &lp : NULL;
+        c.finished = true;
+        c.reason = res->stopped ? TDM_ENGINE_FINISH_STOP : TDM_ENGINE_FINISH_LENGTH;
+        c.stop_token = res->stopped ? res->first_token : -1;
+        c.num_prompt_tokens = res->num_prompt_tokens;
+        c.num_cached_tokens = res->num_cached_tokens;
+        c.message = "";
+        send_chunk(j, &c, &ph, res);
+        tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m_requests, "remote"));
+        tandem__prefill_result__free_unpacked(res, NULL);
+        return ATTEMPT_DONE;
+    }
+
+    // 3. Reserve blocks (after the local prefix-cache match) with the first token.
+    struct tdm_engine_request_params ep;
+    fill_params(j, &ep);
+    ep.kind = TDM_ENGINE_REQ_IMPORT_KV;
+    ep.first_token = res->first_token;
+    ep.arrival_time = j->arrival;
+    struct tdm_engine_request *req = NULL;
+    rc = tdm_engine_submit(e, &ep, &req, err, sizeof err);
+    if (rc != TDM_OK) {
+        // This engine cannot take it: local prefill would fail the same way.
+        cancel_prefill(j, tid, t->url, res->from_instance);
+        send_finish(j, TDM_ENGINE_FINISH_ERROR, rc, err);
+        tandem__prefill_result__free_unpacked(res, NULL);
+        return ATTEMPT_DONE;
+    }
+    pthread_mutex_lock(&rx->mu);
+    j->req = req;
+    pthread_mutex_unlock(&rx->mu);
+    int first_block = 0, num_blocks = 0;
+    double until = j->deadline;
+    for (;;) {
+        rc = tdm_engine_import_wait(req, 0.1, &first_block, &num_blocks);
+        pthread_mutex_lock(&rx->mu);
+        bool stop = j->cancelled || atomic_load(&rx->stopping);
+        pthread_mutex_unlock(&rx->mu);
+        if (rc != TDM_ETIMEDOUT || stop || tdm_now() > until)
+            break;
+    }
+    if (rc != TDM_OK) {
+        // Not reserved (cancelled, too long for the pool, shutdown, deadline).
+        cancel_prefill(j, tid, t->url, res->from_instance);
+        tdm_engine_abort(e, req, TDM_ENGINE_FINISH_ABORT);
+        // The blocks may have been reserved meanwhile: an abort then waits for
+        // import_done, so end the import window (as failed) to let it finish.
+        for (;;) {
+            int wrc = tdm_engine_import_wait(req, 0.1, &first_block, &num_blocks);
+            if (wrc == TDM_OK)
+                tdm_engine_import_done(e, req, false);
+            if (wrc != TDM_ETIMEDOUT)
+                break;
+        }
+        stream_to_router(j, req, &ph, res); // delivers the finish (abort/error)
+        goto done;
+    }
+
+    // 4. Pull the missing range; the receive thread imports frames as they come.
+    pthread_mutex_lock(&rx->mu);
+    j->imp_first_block = first_block;
+    j->imp_num_blocks = num_blocks;
+    j->importing = num_blocks > 0;
+    if (num_blocks == 0)
+        j->layers_done = rx->kvc.num_layers; // all cached locally
+    pthread_mutex_unlock(&rx->mu);
+    Tandem__KvPull pull = TANDEM__KV_PULL__INIT;
+    pull.transfer_id = tid;
+    pull.to_instance = res->from_instance;
+    pull.first_block = first_block;
+    pull.num_blocks = num_blocks;
+    pull.layers_per_frame = rx->cfg.layers_per_frame;
+    double t_pull = tdm_now();
+    rc = tdm_pd_send(rx->outbox, t->url, TDM_NET_KV_PULL, &pull.base, NULL, 0,
+                     rx->cfg.send_timeout, err, sizeof err);
+    pthread_mutex_lock(&rx->mu);
+    bool ok = false;
+    if (rc == TDM_OK)
+        ok = wait_for(j, kv_complete, t_pull + rx->cfg.transfer_timeout, &disconnected) &&
+             !j->kv_failed;
+    if (rc != TDM_OK)
+        snprintf(j->kv_err, sizeof j->kv_err, "pull not sent: %.200s", err);
+    else if (!ok && !j->kv_failed)
+        snprintf(j->kv_err, sizeof j->kv_err, "%s after %d of %d layers",
+                 j->cancelled ? "cancelled" : disconnected ? "prefill worker disconnected"
+                                                           : "transfer timed out",
+                 j->layers_done, rx->kvc.num_layers);
+    j->importing = false; // from here no frame touches req's blocks
+    size_t bytes = j->bytes_done;
+    char kv_err[256];
+    snprintf(kv_err, sizeof kv_err, "%s", j->kv_err);
+    pthread_mutex_unlock(&rx->mu);
+    double transfer_s = tdm_now() - t_pull;
+    tdm_engine_import_done(e, req, ok);
+    if (!ok) {
+        TDM_LOG_WARN(MOD, "req=%s KV from %s not installed: %s", j->request_id, t->url, kv_err);
+        fail_count(rx, "transfer");
+        cancel_prefill(j, tid, t->url, res->from_instance);
+        // Drain the failed request's finish without telling the router.
+        struct tdm_engine_chunk c;
+        while (tdm_engine_stream_next(req, 1.0, &c) != TDM_ECLOSED)
+            if (c.finished)
+                break;
+        pthread_mutex_lock(&rx->mu);
+        j->req = NULL;
+        pthread_mutex_unlock(&rx->mu);
+        tdm_engine_request_release(req);
+        tandem__prefill_result__free_unpacked(res, NULL);
+        return ATTEMPT_RETRY;
+    }
+    tdm_metrics_counter_add(rx->m_bytes, (double)bytes);
+    tdm_metrics_counter_add(rx->m_blocks, (double)num_blocks);
+    tdm_metrics_histogram_observe(rx->m_seconds, transfer_s);
+    tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m_requests, "remote"));
+    ph.transfer = transfer_s;
+    stream_to_router(j, req, &ph, res);
+done:
+    pthread_mutex_lock(&rx->mu);
+    j->req = NULL;
+    pthread_mutex_unlock(&rx->mu);
+    tdm_engine_request_release(req);
+    tandem__prefill_result__free_unpacked(res, NULL);
+    return ATTEMPT_DONE;
+}
+
+static void job_free(struct djob *j)
+{
+    if (j->result)
+        tandem__prefill_result__free_unpacked(j->result, NULL);
+    tandem__generate_request__free_unpacked(j->gen, NULL);
+    free(j);
+}
+
+static void *job_main(void *arg)
+{
+    struct djob *j = arg;
+    struct tdm_pd_receiver *rx = j->rx;
+    bool done = false;
+    for (size_t i = 0; i < j->gen->n_prefill && !done; i++) {
+        pthread_mutex_lock(&rx->mu);
+        bool stop = j->cancelled || atomic_load(&rx->stopping) || tdm_now() > j->deadline;
+        pthread_mutex_unlock(&rx->mu);
+        if (stop)
+            break;
+        done = try_remote(j, j->gen->prefill[i]) == ATTEMPT_DONE;
+    }
+    if (!done) {
+        pthread_mutex_lock(&rx->mu);
+        bool cancelled = j->cancelled || atomic_load(&rx->stopping);
+        pthread_mutex_unlock(&rx->mu);
+        if (cancelled)
+            send_finish(j, TDM_ENGINE_FINISH_ABORT, 0, "cancelled");
+        else if (tdm_now() > j->deadline)
+            send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ETIMEDOUT, "the request's deadline passed");
+        else if (j->gen->n_prefill == 0 || j->gen->local_fallback) {
+            tdm_metrics_counter_inc(tdm_metrics_counter_labels(
+                rx->m_requests, j->gen->n_prefill ? "fallback" : "local"));
+            run_local(j);
+        } else
+            send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ETRANSPORT,
+                        "every listed prefill worker failed");
+    }
+    pthread_mutex_lock(&rx->mu);
+    for (struct djob **pp = &rx->jobs; *pp; pp = &(*pp)->next) {
+        if (*pp == j) {
+            *pp = j->next;
+            rx->num_jobs--;
+            break;
+        }
+    }
+    pthread_cond_broadcast(&rx->cv);
+    pthread_mutex_unlock(&rx->mu);
+    job_free(j);
+    return NULL;
+}
+
+// ---- receive thread ----------------------------------------------------------------------
+static void on_generate(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+{
+    Tandem__GenerateRequest *g = tandem__generate_request__unpack(NULL, f->msg_len, f->msg);
+    if (g == NULL) {
+        TDM_LOG_WARN(MOD, "undecodable GenerateRequest dropped");
+        return;
+    }
+    if ((g->to_instance != 0 && g->to_instance != rx->instance) || g->reply_to == NULL ||
+        g->reply_to->url == NULL || g->reply_to->url[0] == '\0' ||
+        strlen(g->reply_to->url) >= sizeof(((struct djob *)0)->router_url)) {
+        tandem__generate_request__free_unpacked(g, NULL);
+        return;
+    }
+    struct djob *j = calloc(1, sizeof *j);
+    if (j == NULL) {
+        tandem__generate_request__free_unpacked(g, NULL);
+        return;
+    }
+    j->rx = rx;
+    j->gen = g;
+    snprintf(j->request_id, sizeof j->request_id, "%s", g->request_id);
+    snprintf(j->router_url, sizeof j->router_url, "%s", g->reply_to->url);
+    j->router_instance = g->reply_to->instance;
+    j->arrival = tdm_now();
+    double left = g->deadline_unix > 0 ? g->deadline_unix - (double)time(NULL) : 600;
+    j->deadline = j->arrival + (left > 0 ? left : 0);
+    char err[256];
+    if (!tdm_decode_server_ready(rx->server)) {
+        send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ECLOSED,
+                    "decode worker is not ready (loading or draining)");
+        job_free(j);
+        return;
+    }
+    if (tdm_pd_sampling_from_proto(g->sampling, &j->sampling, err, sizeof err) != TDM_OK ||
+        g->n_prompt == 0 || g->n_eos_ids > 64) {
+        send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_EINVAL,
+                    g->n_prompt == 0 ? "empty prompt" : err);
+        job_free(j);
+        return;
+    }
+    pthread_mutex_lock(&rx->mu);
+    for (struct djob *o = rx->jobs; o; o = o->next) {
+        if (strcmp(o->request_id, j->request_id) == 0 && o->router_instance == j->router_instance) {
+            pthread_mutex_unlock(&rx->mu);
+            send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_EINVAL, "duplicate request id");
+            job_free(j);
+            return;
+        }
+    }
+    j->next = rx->jobs;
+    rx->jobs = j;
+    rx->num_jobs++;
+    pthread_mutex_unlock(&rx->mu);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t th;
+    if (pthread_create(&th, &attr, job_main, j) != 0)
+        job_main(j); // slow but correct: the receive thread serves it
+    pthread_attr_destroy(&attr);
+}
+
+static struct djob *find_transfer(struct tdm_pd_receiver *rx, uint64_t tid)
+{
+    for (struct djob *j = rx->jobs; j; j = j->next)
+        if (j->transfer_id == tid && tid != 0)
+            return j;
+    return NULL;
+}
+
+static void on_result(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+{
+    Tandem__PrefillResult *r = tandem__prefill_result__unpack(NULL, f->msg_len, f->msg);
+    if (r == NULL)
+        return;
+    pthread_mutex_lock(&rx->mu);
+    struct djob *j = r->to_instance == rx->instance ? find_transfer(rx, r->transfer_id) : NULL;
+    if (j && j->result == NULL && !j->importing) {
+        j->result = r;
+        r = NULL;
+        pthread_cond_broadcast(&rx->cv);
+    }
+    pthread_mutex_unlock(&rx->mu);
+    if (r)
+        tandem__prefill_result__free_unpacked(r, NULL);
+}
+
+static void on_kv_data(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+{
+    Tandem__KvData *d = tandem__kv_data__unpack(NULL, f->msg_len, f->msg);
+    if (d == NULL)
+        return;
+    pthread_mutex_lock(&rx->mu);
+    struct djob *j = d->to_instance == rx->instance ? find_transfer(rx, d->transfer_id) : NULL;
+    if (j == NULL || !j->importing || j->kv_failed || d->from_instance != j->prefill_instance)
+        goto out;
+    if (d->error != 0) {
+        j->kv_failed = true;
+        snprintf(j->kv_err, sizeof j->kv_err, "prefill worker: %s", d->message);
+        goto signal;
+    }
+    size_t lb = layer_bytes(&rx->kvc, j->imp_num_blocks);
+    if (d->first_block != j->imp_first_block || d->num_blocks != j->imp_num_blocks ||
+        d->first_layer != j->layers_done || d->num_layers < 1 ||
+        d->first_layer + d->num_layers > rx->kvc.num_layers ||
+        f->payload_len != lb * (size_t)d->num_layers) {
+        j->kv_failed = true;
+        snprintf(j->kv_err, sizeof j->kv_err,
+                 "bad KvData: layers %d+%d blocks %d+%d payload %zu (expected layer %d, blocks "
+                 "%d+%d, %zu bytes a layer)",
+                 d->first_layer, d->num_layers, d->first_block, d->num_blocks, f->payload_len,
+                 j->layers_done, j->imp_first_block, j->imp_num_blocks, lb);
+        goto signal;
+    }
+    for (int l = 0; l < d->num_layers; l++) {
+        int rc = tdm_engine_import_layer(rx->parts.engine, j->req, d->first_layer + l,
+                                         d->first_block, d->num_blocks,
+                                         f->payload + (size_t)l * lb, lb);
+        if (rc != TDM_OK) {
+            j->kv_failed = true;
+            snprintf(j->kv_err, sizeof j->kv_err, "import of layer %d failed: %s",
+                     d->first_layer + l, tdm_strerror(rc));
+            goto signal;
+        }
+    }
+    j->layers_done += d->num_layers;
+    j->bytes_done += f->payload_len;
+signal:
+    pthread_cond_broadcast(&rx->cv);
+out:
+    pthread_mutex_unlock(&rx->mu);
+    tandem__kv_data__free_unpacked(d, NULL);
+}
+
+static void on_cancel(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+{
+    Tandem__Cancel *m = tandem__cancel__unpack(NULL, f->msg_len, f->msg);
+    if (m == NULL)
+        return;
+    pthread_mutex_lock(&rx->mu);
+    if (m->to_instance == rx->instance || m->to_instance == 0) {
+        for (struct djob *j = rx->jobs; j; j = j->next) {
+            if (strcmp(j->request_id, m->request_id) == 0) {
+                j->cancelled = true;
+                if (j->req)
+                    tdm_engine_abort(rx->parts.engine, j->req, TDM_ENGINE_FINISH_ABORT);
+            }
+        }
+        pthread_cond_broadcast(&rx->cv);
+    }
+    pthread_mutex_unlock(&rx->mu);
+    tandem__cancel__free_unpacked(m, NULL);
+}
+
+static void on_load_query(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+{
+    Tandem__LoadQuery *q = tandem__load_query__unpack(NULL, f->msg_len, f->msg);
+    if (q == NULL)
+        return;
+    if (q->reply_to && q->reply_to->url && q->reply_to->url[0]) {
+        struct tdm_engine_stats st;
+        tdm_engine_get_stats(rx->parts.engine, &st);
+        Tandem__LoadReport r = TANDEM__LOAD_REPORT__INIT;
+        r.instance = rx->instance;
+        r.to_instance = q->reply_to->instance;
+        r.role = "decode";
+        r.model = (char *)rx->parts.served_name;
+        r.running = st.num_running;
+        r.waiting = st.num_waiting;
+        r.kv_usage = st.kv_usage;
+        r.free_blocks = st.num_free_blocks;
+        r.total_blocks = st.num_total_blocks;
+        r.block_size = st.block_size;
+        r.held = st.num_importing;
+        r.seq = q->seq;
+        r.url = (char *)tdm_net_inbox_url(rx->inbox);
+        char err[256];
+        tdm_pd_send(rx->outbox, q->reply_to->url, TDM_NET_LOAD_REPORT, &r.base, NULL, 0, 0, err,
+                    sizeof err);
+    }
+    tandem__load_query__free_unpacked(q, NULL);
+}
+
+static void *rx_main(void *arg)
+{
+    struct tdm_pd_receiver *rx = arg;
+    char err[256];
+    while (!atomic_load(&rx->stopping)) {
+        struct tdm_net_msg *msg = NULL;
+        int rc = tdm_net_inbox_recv(rx->inbox, 0.2, &msg, err, sizeof err);
+        if (rc == TDM_ETIMEDOUT)
+            continue;
+        if (rc == TDM_ECLOSED)
+            break;
+        if (rc != TDM_OK) {
+            TDM_LOG_WARN(MOD, "dropped a frame: %s", err);
+            continue;
+        }
+        const struct tdm_net_frame *f = tdm_net_msg_frame(msg);
+        switch (f->type) {
+        case TDM_NET_GENERATE:
+            on_generate(rx, f);
+            break;
+        case TDM_NET_PREFILL_RESULT:
+            on_result(rx, f);
+            break;
+        case TDM_NET_KV_DATA:
+            on_kv_data(rx, f);
+            break;
+        case TDM_NET_CANCEL:
+            on_cancel(rx, f);
+            break;
+        case TDM_NET_LOAD_QUERY:
+            on_load_query(rx, f);
+            break;
+        default:
+            TDM_LOG_DEBUG(MOD, "ignored %s frame", tdm_net_type_name(f->type));
+        }
+        tdm_net_msg_free(msg);
+    }
+    return NULL;
+}
+
+static int register_metrics(struct tdm_pd_receiver *rx, char *err, size_t errlen)
+{
+    struct tdm_metrics_registry *reg = rx->parts.reg;
+    struct tdm_metrics_opts o;
+    memset(&o, 0, sizeof o);
+    o.name = "tandem:kv_received_bytes_total";
+    o.help = "KV bytes received from prefill workers and installed.";
+    int rc = tdm_metrics_counter_register(&rx->m_bytes, reg, &o, err, errlen);
+    o.name = "tandem:kv_received_blocks_total";
+    o.help = "KV blocks received from prefill workers and installed.";
+    if (rc == TDM_OK)
+        rc = tdm_metrics_counter_register(&rx->m_blocks, reg, &o, err, errlen);
+    static const char *const prefill[] = {"prefill"};
+    o.name = "tandem:pd_requests_total";
+    o.help = "Router requests by where the prompt was prefilled (remote, local, fallback).";
+    o.label_names = prefill;
+    o.n_label_names = 1;
+    if (rc == TDM_OK)
+        rc = tdm_metrics_counter_register(&rx->m_requests, reg, &o, err, errlen);
+    static const char *const reason[] = {"reason"};
+    o.name = "tandem:pd_prefill_failures_total";
+    o.help = "Remote prefill attempts that failed, by reason.";
+    o.label_names = reason;
+    if (rc == TDM_OK)
+        rc = tdm_metrics_counter_register(&rx->m_fail, reg, &o, err, errlen);
+    o.label_names = NULL;
+    o.n_label_names = 0;
+    static const double bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                    0.1,    0.25,  0.5,    1,     2.5,  5,     10};
+    o.name = "tandem:kv_receive_seconds";
+    o.help = "Seconds from KvPull sent to the last layer installed.";
+    if (rc == TDM_OK)
+        rc = tdm_metrics_histogram_register(&rx->m_seconds, reg, &o, bounds,
+                                            sizeof bounds / sizeof bounds[0], err, errlen);
+    return rc;
+}
+
+int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *server,
+                        const struct tdm_pd_receiver_config *cfg, char *err, size_t errlen)
+{
+    *out = NULL;
+    struct tdm_pd_receiver *rx = calloc(1, sizeof *rx);
+    if (rx == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "pd: out of memory");
+    rx->cfg = *cfg;
+    rx->server = server;
+    rx->instance = tdm_net_new_instance_id();
+    pthread_mutex_init(&rx->mu, NULL);
+    pthread_cond_init(&rx->cv, NULL);
+    int rc = tdm_decode_server_parts(server, &rx->parts);
+    if (rc != TDM_OK) {
+        tdm_seterr(err, errlen, rc, "pd: the server is not loaded");
+        goto fail;
+    }
+    tdm_model_kv_config(rx->parts.model, &rx->kvc);
+    rx->kvc.block_size = rx->parts.block_size;
+    rc = register_metrics(rx, err, errlen);
+    if (rc != TDM_OK)
+        goto fail;
+    rc = tdm_net_outbox_new(&rx->outbox, 100, err, errlen);
+    if (rc != TDM_OK)
+        goto fail;
+    rc = tdm_net_inbox_new(&rx->inbox, cfg->nng_url, err, errlen);
+    if (rc != TDM_OK)
+        goto fail_outbox;
+    if (pthread_create(&rx->rx_thread, NULL, rx_main, rx) != 0) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "pd: cannot start the receive thread");
+        goto fail_inbox;
+    }
+    *out = rx;
+    return TDM_OK;
+fail_inbox:
+    tdm_net_inbox_free(rx->inbox);
+fail_outbox:
+    tdm_net_outbox_free(rx->outbox);
+fail:
+    pthread_cond_destroy(&rx->cv);
+    pthread_mutex_destroy(&rx->mu);
+    free(rx);
+    return rc;
+}
+
+void tdm_pd_receiver_free(struct tdm_pd_receiver *rx)
+{
+    if (rx == NULL)
+        return;
+    atomic_store(&rx->stopping, true);
+    tdm_net_inbox_close(rx->inbox);
+    pthread_join(rx->rx_thread, NULL);
+    pthread_mutex_lock(&rx->mu);
+    for (struct djob *j = rx->jobs; j; j = j->next) {
+        j->cancelled = true;
+        if (j->req)
+            tdm_engine_abort(rx->parts.engine, j->req, TDM_ENGINE_FINISH_ABORT);
+    }
+    pthread_cond_broadcast(&rx->cv);
+    while (rx->num_jobs > 0)
+        pthread_cond_wait(&rx->cv, &rx->mu);
+    pthread_mutex_unlock(&rx->mu);
+    tdm_net_inbox_free(rx->inbox);
+    tdm_net_outbox_free(rx->outbox);
+    pthread_cond_destroy(&rx->cv);
+    pthread_mutex_destroy(&rx->mu);
+    free(rx);
+}
