@@ -11,12 +11,20 @@
 
 #include "core.h"
 #include "decode.h"
+#include "pd_receiver.h"
 
 int main(int argc, char **argv)
 {
     struct tdm_decode_config cfg;
     char err[1024];
     tdm_decode_config_default(&cfg);
+    // P/D flags (--nng-url, --pd-*) are taken out first (decode/pd_receiver.h).
+    struct tdm_pd_receiver_config pdcfg;
+    tdm_pd_receiver_config_default(&pdcfg);
+    if (tdm_pd_receiver_take_args(&pdcfg, &argc, argv, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "tandem-decode: %s\n", err);
+        return 2;
+    }
     int prc = tdm_decode_config_parse_args(&cfg, argc, argv, err, sizeof err);
     if (prc == 1) {
         fputs(tdm_decode_usage(), stdout);
@@ -53,6 +61,15 @@ int main(int argc, char **argv)
         tdm_decode_server_free(s);
         return 1;
     }
+    struct tdm_pd_receiver *pd = NULL;
+    if (pdcfg.nng_url[0] && tdm_pd_receiver_new(&pd, s, &pdcfg, err, sizeof err) != TDM_OK) {
+        TDM_LOG_ERR("decode", "P/D receiver: %s", err);
+        tdm_decode_server_free(s);
+        return 1;
+    }
+    if (pd)
+        TDM_LOG_INFO("decode", "pd nng=%s instance=%016llx", tdm_pd_receiver_url(pd),
+                     (unsigned long long)tdm_pd_receiver_instance(pd));
     TDM_LOG_INFO("decode",
                  "ready model=%s served_model_name=%s kv_capacity_tokens=%lld listening=http://%s:%d "
                  "startup_s=%.3f",
@@ -68,6 +85,7 @@ int main(int argc, char **argv)
     signal(SIGTERM, SIG_DFL);
     signal(SIGINT, SIG_DFL);
     int drc = tdm_decode_server_drain(s, cfg.drain_timeout);
+    tdm_pd_receiver_free(pd);
     tdm_decode_server_free(s);
     TDM_LOG_INFO("decode", "stopped drained=%s", drc == TDM_OK ? "all" : "timeout");
     return 0;
