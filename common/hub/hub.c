@@ -190,6 +190,8 @@ int tdm_hub_cache_dir(const struct tdm_hub_opts *opts, char *out, size_t cap, ch
 {
     const char *dir = opts && opts->cache_dir && *opts->cache_dir ? opts->cache_dir
                                                                    : env_nonempty("HF_HUB_CACHE");
+    if (!dir)
+        dir = env_nonempty("HUGGINGFACE_HUB_CACHE"); // the older name huggingface_hub still reads
     int n;
     if (dir) {
         n = snprintf(out, cap, "%s", dir);
@@ -213,6 +215,8 @@ static char *find_token(const struct tdm_hub_opts *opts)
     if (opts && opts->token)
         return *opts->token ? strdup(opts->token) : NULL;
     const char *t = env_nonempty("HF_TOKEN");
+    if (!t)
+        t = env_nonempty("HUGGING_FACE_HUB_TOKEN"); // the older name
     if (t)
         return strdup(t);
     char path[4200], home[4096];
@@ -711,8 +715,13 @@ int tdm_hub_resolve_model(const char *model, const char *revision, struct tdm_hu
     if (!model || !*model || !path_out || cap == 0)
         return tdm_seterr(err, errlen, TDM_EINVAL, "no model given");
     struct stat st;
-    if (stat(model, &st) == 0 && S_ISDIR(st.st_mode))
-        return put_path(model, path_out, cap, err, errlen);
+    if (stat(model, &st) == 0) {
+        if (S_ISDIR(st.st_mode))
+            return put_path(model, path_out, cap, err, errlen);
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "'%s' is a file; --model takes a model folder or a Hugging Face id",
+                          model);
+    }
     int rc = tdm_hub_validate_id(model, err, errlen);
     if (rc != TDM_OK)
         return rc;

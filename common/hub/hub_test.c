@@ -392,6 +392,8 @@ static int fx_setup(void **state)
     unsetenv("HF_HUB_CACHE");
     unsetenv("HF_ENDPOINT");
     unsetenv("HF_TOKEN_PATH");
+    unsetenv("HUGGINGFACE_HUB_CACHE");
+    unsetenv("HUGGING_FACE_HUB_TOKEN");
     setenv("HF_HOME", f->dir, 1); // also keeps a real ~/.cache/huggingface/token out
     f->s = srv_start();
     snprintf(f->endpoint, sizeof f->endpoint, "http://127.0.0.1:%d", f->s->port);
@@ -642,6 +644,27 @@ static void test_token_not_sent_cross_host(void **state)
                       srv_find(f->s, "model.safetensors"));
 }
 
+// Without HF_TOKEN, the token file `hf auth login` writes ($HF_HOME/token).
+static void test_token_file(void **state)
+{
+    struct fx *f = *state;
+    add_tiny_model(f->s, f->dir);
+    f->s->token = "hf_from_file";
+    char p[256], out[1024], err[512];
+    snprintf(p, sizeof p, "%s/token", f->dir);
+    FILE *fp = fopen(p, "wb");
+    assert_non_null(fp);
+    fputs("  hf_from_file\n", fp);
+    fclose(fp);
+    assert_int_equal(resolve(f, REPO, NULL, out, err), TDM_OK);
+    assert_true(atomic_load(&f->s->n_hub_bearer) >= 5);
+    // "" in opts means: send none, whatever the environment says
+    nftw(f->cache, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    f->o.token = "";
+    assert_int_equal(resolve(f, REPO, NULL, out, err), TDM_EPROTO);
+    assert_non_null(strstr(err, "HF_TOKEN"));
+}
+
 static void test_401_and_404(void **state)
 {
     struct fx *f = *state;
@@ -890,6 +913,11 @@ static void test_bad_inputs(void **state)
     assert_int_equal(resolve(f, "no/such/folder", NULL, out, err), TDM_EINVAL);
     assert_non_null(strstr(err, "no/such/folder"));
     assert_int_equal(resolve(f, REPO, "../x", out, err), TDM_EINVAL);
+    char file[128];
+    snprintf(file, sizeof file, "%s/model.gguf", f->dir);
+    write_text(file, "x");
+    assert_int_equal(resolve(f, file, NULL, out, err), TDM_EINVAL);
+    assert_non_null(strstr(err, "is a file"));
     assert_int_equal(tdm_hub_resolve_model(f->dir, NULL, &f->o, out, 4, err, sizeof err),
                      TDM_EINVAL);
     f->o.endpoint = "not a url";
@@ -909,6 +937,7 @@ int main(void)
         T(test_offline_errors),
         T(test_redirects_same_host),
         T(test_token_not_sent_cross_host),
+        T(test_token_file),
         T(test_401_and_404),
         T(test_resume_after_drop),
         T(test_resume_across_runs_and_ignored_range),
