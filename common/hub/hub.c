@@ -189,7 +189,7 @@ int tdm_hub_cache_dir(const struct tdm_hub_opts *opts, char *out, size_t cap, ch
                       size_t errlen)
 {
     const char *dir = opts && opts->cache_dir && *opts->cache_dir ? opts->cache_dir
-                                                                   : env_nonempty("HF_HUB_CACHE");
+                                                                  : env_nonempty("HF_HUB_CACHE");
     if (!dir)
         dir = env_nonempty("HUGGINGFACE_HUB_CACHE"); // the older name huggingface_hub still reads
     int n;
@@ -440,8 +440,8 @@ static int read_index_shards(const struct repo *r, cJSON **out, char *err, size_
     cJSON_ArrayForEach(it, map)
     {
         if (!cJSON_IsString(it) || !safe_relpath(it->valuestring)) {
-            rc = tdm_seterr(err, errlen, TDM_EPROTO, "%s: weight_map[\"%s\"] is not a file name",
-                            p, it->string ? it->string : "?");
+            rc = tdm_seterr(err, errlen, TDM_EPROTO, "%s: weight_map[\"%s\"] is not a file name", p,
+                            it->string ? it->string : "?");
             goto out;
         }
         bool seen = false;
@@ -613,9 +613,9 @@ static int fetch_file(struct repo *r, const char *file, bool optional, bool *fou
     struct tdm_hub_meta m = {0};
     char *rev = url_encode(r->commit[0] ? r->commit : r->revision, false);
     char *fenc = url_encode(file, true);
-    char *url = rev && fenc ? str_printf("%s/%s/resolve/%s/%s", r->client.endpoint, r->id, rev,
-                                         fenc)
-                            : NULL;
+    char *url = rev && fenc
+                    ? str_printf("%s/%s/resolve/%s/%s", r->client.endpoint, r->id, rev, fenc)
+                    : NULL;
     int rc = TDM_OK;
     if (!url) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
@@ -747,10 +747,9 @@ int tdm_hub_resolve_model(const char *model, const char *revision, struct tdm_hu
     }
 
     // 1. The cache, whoever wrote it: no network when it is complete.
-    bool have_commit = is_commit_hash(revision) ? (snprintf(r.commit, sizeof r.commit, "%s",
-                                                            revision),
-                                                   true)
-                                                : read_ref(&r);
+    bool have_commit = is_commit_hash(revision)
+                           ? (snprintf(r.commit, sizeof r.commit, "%s", revision), true)
+                           : read_ref(&r);
     if (have_commit) {
         rc = snapshot_complete(&r, missing, sizeof missing, err, errlen);
         if (rc == TDM_OK)
@@ -790,8 +789,7 @@ int tdm_hub_resolve_model(const char *model, const char *revision, struct tdm_hu
     }
     rc = snapshot_complete(&r, missing, sizeof missing, err, errlen);
     if (rc == TDM_ENOTFOUND)
-        rc = tdm_seterr(err, errlen, TDM_EIO, "%s: %s missing after download", r.repo_dir,
-                        missing);
+        rc = tdm_seterr(err, errlen, TDM_EIO, "%s: %s missing after download", r.repo_dir, missing);
     if (rc != TDM_OK)
         goto out;
 found:;

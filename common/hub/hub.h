@@ -41,8 +41,8 @@ struct tdm_hub_opts {
     const char *token;     // NULL = $HF_TOKEN, else the token file; "" = send no token
     bool offline;          // true: never use the network; false: $HF_HUB_OFFLINE decides
     enum tdm_hub_progress progress;
-    int max_retries;       // per file, on dropped connections and 5xx; 0 = 5, <0 = none
-    double retry_base_s;   // first backoff, doubled per retry (capped at 10 s); 0 = 1 s
+    int max_retries;          // per file, on dropped connections and 5xx; 0 = 5, <0 = none
+    double retry_base_s;      // first backoff, doubled per retry (capped at 10 s); 0 = 1 s
     double connect_timeout_s; // 0 = 10 s
     double stall_timeout_s;   // abort a transfer idle this long (then retried); 0 = 30 s
 };

@@ -36,7 +36,10 @@
 static pthread_once_t g_curl_once = PTHREAD_ONCE_INIT;
 static CURLcode g_curl_init_rc = CURLE_FAILED_INIT;
 
-static void curl_init_once(void) { g_curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
+static void curl_init_once(void)
+{
+    g_curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT);
+}
 
 // ---- URLs -------------------------------------------------------------------------
 
@@ -260,8 +263,7 @@ static int on_progress(void *ud, curl_off_t dltotal, curl_off_t dlnow, curl_off_
 }
 
 // One request, no redirects followed. Returns the curl code; r holds the answer.
-static CURLcode perform(const struct tdm_hub_client *c, const char *url, bool head,
-                        struct resp *r)
+static CURLcode perform(const struct tdm_hub_client *c, const char *url, bool head, struct resp *r)
 {
     CURL *h = curl_easy_init();
     if (!h)
@@ -331,7 +333,10 @@ static CURLcode perform(const struct tdm_hub_client *c, const char *url, bool he
     return rc;
 }
 
-static const char *loc_abs(const struct resp *r) { return r->redirect_url; }
+static const char *loc_abs(const struct resp *r)
+{
+    return r->redirect_url;
+}
 
 static bool loc_is_relative(const struct resp *r)
 {
@@ -383,13 +388,16 @@ static int status_error(const struct resp *r, const char *url, char *err, size_t
                           r->status, url, r->error_code[0] ? " (" : "", r->error_code,
                           r->error_code[0] ? ")" : "");
     if (r->status == 404)
-        return tdm_seterr(err, errlen, TDM_ENOTFOUND, "model or file not found (HTTP 404): %s%s%s%s",
-                          url, r->error_code[0] ? " (" : "", r->error_code,
-                          r->error_code[0] ? ")" : "");
+        return tdm_seterr(err, errlen, TDM_ENOTFOUND,
+                          "model or file not found (HTTP 404): %s%s%s%s", url,
+                          r->error_code[0] ? " (" : "", r->error_code, r->error_code[0] ? ")" : "");
     return tdm_seterr(err, errlen, TDM_EPROTO, "HTTP %ld for %s", r->status, url);
 }
 
-static bool retryable_status(long s) { return s >= 500 || s == 429 || s == 408; }
+static bool retryable_status(long s)
+{
+    return s >= 500 || s == 429 || s == 408;
+}
 
 static void normalize_etag(char *e)
 {
@@ -433,10 +441,10 @@ int tdm_hub_http_head(const struct tdm_hub_client *c, const char *url, struct td
                 backoff(c, attempt++);
                 continue;
             }
-            rc = cr != CURLE_OK ? tdm_seterr(err, errlen, TDM_ETRANSPORT,
-                                             "HEAD %s: %s (after %d retries)", cur,
-                                             curl_easy_strerror(cr), attempt)
-                                : status_error(&r, cur, err, errlen);
+            rc = cr != CURLE_OK
+                     ? tdm_seterr(err, errlen, TDM_ETRANSPORT, "HEAD %s: %s (after %d retries)",
+                                  cur, curl_easy_strerror(cr), attempt)
+                     : status_error(&r, cur, err, errlen);
             goto done;
         }
         if (r.status >= 300 && r.status < 400 && loc_abs(&r)) {
@@ -490,8 +498,8 @@ int tdm_hub_http_download(const struct tdm_hub_client *c, const char *url, const
     pthread_once(&g_curl_once, curl_init_once);
     if (g_curl_init_rc != CURLE_OK)
         return tdm_seterr(err, errlen, TDM_ETRANSPORT, "curl_global_init failed");
-    struct progress pg = {.label = label, .mode = c->progress, .total = expected_size,
-                          .t0 = tdm_now()};
+    struct progress pg = {
+        .label = label, .mode = c->progress, .total = expected_size, .t0 = tdm_now()};
     struct resp r = {0};
     resp_reset(&r);
     r.pg = &pg;
@@ -561,8 +569,10 @@ int tdm_hub_http_download(const struct tdm_hub_client *c, const char *url, const
                     backoff(c, attempt++);
                     continue;
                 }
-                rc = tdm_seterr(err, errlen, TDM_EPROTO, "%s: server keeps answering the wrong "
-                                "byte range", cur);
+                rc = tdm_seterr(err, errlen, TDM_EPROTO,
+                                "%s: server keeps answering the wrong "
+                                "byte range",
+                                cur);
                 goto done;
             }
             rc = tdm_seterr(err, errlen, TDM_EIO, "%s: write failed: %s", dest, strerror(errno));
@@ -595,8 +605,8 @@ int tdm_hub_http_download(const struct tdm_hub_client *c, const char *url, const
             }
             break;
         }
-        bool retry = cr != CURLE_OK ? retryable_curl(cr)
-                                    : (retryable_status(r.status) || r.status == 416);
+        bool retry =
+            cr != CURLE_OK ? retryable_curl(cr) : (retryable_status(r.status) || r.status == 416);
         if (!retry) {
             rc = cr != CURLE_OK ? tdm_seterr(err, errlen, TDM_ETRANSPORT, "GET %s: %s", cur,
                                              curl_easy_strerror(cr))
@@ -607,8 +617,7 @@ int tdm_hub_http_download(const struct tdm_hub_client *c, const char *url, const
             attempt = 0; // progress was made: the link works, just not for long
         if (attempt >= c->max_retries || total_attempts >= MAX_TOTAL_ATTEMPTS) {
             rc = tdm_seterr(err, errlen, TDM_ETRANSPORT, "GET %s: %s (gave up after %d attempts)",
-                            cur,
-                            cr != CURLE_OK ? curl_easy_strerror(cr) : "server error",
+                            cur, cr != CURLE_OK ? curl_easy_strerror(cr) : "server error",
                             total_attempts);
             goto done;
         }

@@ -40,10 +40,10 @@ struct tdm_hub_client {
 
 // What the Hub says about a file (huggingface_hub's HfFileMetadata).
 struct tdm_hub_meta {
-    char commit[64];  // X-Repo-Commit
-    char etag[160];   // X-Linked-Etag, else ETag; quotes and W/ removed
-    long long size;   // X-Linked-Size, else Content-Length; -1 unknown
-    char *location;   // where to GET the bytes (a CDN URL after a 3xx); heap, caller frees
+    char commit[64]; // X-Repo-Commit
+    char etag[160];  // X-Linked-Etag, else ETag; quotes and W/ removed
+    long long size;  // X-Linked-Size, else Content-Length; -1 unknown
+    char *location;  // where to GET the bytes (a CDN URL after a 3xx); heap, caller frees
 };
 
 // HEAD url following relative redirects only (renamed repos), as huggingface_hub

@@ -41,7 +41,7 @@ struct ffile {
     char name[128];
     unsigned char *data;
     size_t len;
-    char sha[65];     // sha256 hex: the LFS etag and CDN path
+    char sha[65]; // sha256 hex: the LFS etag and CDN path
     char git_etag[41];
     bool lfs;
 };
@@ -58,9 +58,9 @@ struct srv {
     const char *token;       // required as Bearer on /resolve/ when set
     atomic_int drop_after;   // >0: the next CDN body stops after this many bytes
     bool ignore_range;
-    long long size_lie;      // added to X-Linked-Size
-    bool corrupt;            // flip the first byte of CDN bodies
-    atomic_int fail_503;     // answer this many requests with 503 first
+    long long size_lie;  // added to X-Linked-Size
+    bool corrupt;        // flip the first byte of CDN bodies
+    atomic_int fail_503; // answer this many requests with 503 first
     // observations
     atomic_int n_req, n_range, n_cdn_auth, n_cdn, n_drops, n_hub_bearer;
     char last_range[64];
@@ -127,8 +127,9 @@ static void reply(int c, const char *status, const char *extra_headers, const vo
                   size_t blen, bool with_body)
 {
     char h[2048];
-    int n = snprintf(h, sizeof h, "HTTP/1.1 %s\r\nConnection: close\r\n%sContent-Length: %zu\r\n\r\n",
-                     status, extra_headers, blen);
+    int n =
+        snprintf(h, sizeof h, "HTTP/1.1 %s\r\nConnection: close\r\n%sContent-Length: %zu\r\n\r\n",
+                 status, extra_headers, blen);
     send_all(c, h, (size_t)n);
     if (with_body && blen)
         send_all(c, body, blen);
@@ -182,8 +183,8 @@ static void serve_cdn(struct srv *s, int c, bool head, const char *sha, const ch
         if (!s->ignore_range && sscanf(range, "bytes=%lld-", &a) == 1 && a >= 0 &&
             (size_t)a < f->len) {
             from = (size_t)a;
-            snprintf(extra, sizeof extra, "Content-Range: bytes %zu-%zu/%zu\r\n", from,
-                     f->len - 1, f->len);
+            snprintf(extra, sizeof extra, "Content-Range: bytes %zu-%zu/%zu\r\n", from, f->len - 1,
+                     f->len);
         }
     }
     const char *status = extra[0] ? "206 Partial Content" : "200 OK";
@@ -345,9 +346,9 @@ static void srv_free(struct srv *s)
 // ---- fixture ---------------------------------------------------------------------------------
 
 struct fx {
-    char dir[64];       // temp root
-    char cache[128];    // dir/hub
-    char endpoint[64];  // http://127.0.0.1:PORT
+    char dir[64];      // temp root
+    char cache[128];   // dir/hub
+    char endpoint[64]; // http://127.0.0.1:PORT
     struct srv *s;
     struct tdm_hub_opts o;
 };
@@ -416,7 +417,8 @@ static int fx_teardown(void **state)
     return 0;
 }
 
-static char *path_in(const struct fx *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static char *path_in(const struct fx *f, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 static char *path_in(const struct fx *f, const char *fmt, ...)
 {
     static char buf[4][640];
@@ -504,8 +506,8 @@ static void test_validate_id(void **state)
     (void)state;
     char err[512];
     const char *good[] = {"Qwen/Qwen2.5-0.5B-Instruct", "gpt2", "test-org/tiny", "a_b/c.d"};
-    const char *bad[] = {"", "a/b/c", "-x/y", "x/y-", "a--b/c", "a/b..c", "a/", "/b", "a b/c",
-                         "org/na$me", "./models/x"};
+    const char *bad[] = {"",   "a/b/c", "-x/y",  "x/y-",      "a--b/c",    "a/b..c",
+                         "a/", "/b",    "a b/c", "org/na$me", "./models/x"};
     for (size_t i = 0; i < sizeof good / sizeof *good; i++)
         assert_int_equal(tdm_hub_validate_id(good[i], err, sizeof err), TDM_OK);
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
@@ -542,9 +544,9 @@ static void test_download_layout_then_cache(void **state)
 
     char *buf;
     size_t len;
-    assert_int_equal(tdm_read_file(path_in(f, "models--test-org--tiny/refs/main"), &buf, &len,
-                                   err, sizeof err),
-                     TDM_OK);
+    assert_int_equal(
+        tdm_read_file(path_in(f, "models--test-org--tiny/refs/main"), &buf, &len, err, sizeof err),
+        TDM_OK);
     assert_string_equal(buf, COMMIT);
     free(buf);
     for (int i = 0; i < f->s->nfiles; i++) {
@@ -558,8 +560,7 @@ static void test_download_layout_then_cache(void **state)
         snprintf(want, sizeof want, "../../blobs/%s", ff->lfs ? ff->sha : ff->git_etag);
         assert_string_equal(target, want);
         assert_same_bytes(ptr, ff);
-        assert_false(
-            exists(path_in(f, "models--test-org--tiny/blobs/%s.incomplete", want + 12)));
+        assert_false(exists(path_in(f, "models--test-org--tiny/blobs/%s.incomplete", want + 12)));
     }
     assert_true(exists(path_in(f, ".locks/models--test-org--tiny/%s.lock",
                                srv_find(f->s, "model.safetensors")->sha)));
@@ -593,9 +594,9 @@ static void test_offline_errors(void **state)
     unsetenv("HF_HUB_OFFLINE");
     assert_int_equal(resolve(f, REPO, NULL, out, err), TDM_OK);
     int before = atomic_load(&f->s->n_req);
-    assert_int_equal(
-        unlink(path_in(f, "models--test-org--tiny/blobs/%s", srv_find(f->s, "tokenizer.json")->git_etag)),
-        0);
+    assert_int_equal(unlink(path_in(f, "models--test-org--tiny/blobs/%s",
+                                    srv_find(f->s, "tokenizer.json")->git_etag)),
+                     0);
     f->o.offline = true;
     assert_int_equal(resolve(f, REPO, NULL, out, err), TDM_ENOTFOUND);
     assert_non_null(strstr(err, "tokenizer.json"));
@@ -621,8 +622,9 @@ static void test_redirects_same_host(void **state)
     char out[1024], err[512];
     assert_int_equal(resolve(f, "test-org/tiny-old", NULL, out, err), TDM_OK);
     assert_string_equal(out, path_in(f, "models--test-org--tiny-old/snapshots/" COMMIT));
-    assert_same_bytes(path_in(f, "models--test-org--tiny-old/snapshots/" COMMIT "/model.safetensors"),
-                      srv_find(f->s, "model.safetensors"));
+    assert_same_bytes(
+        path_in(f, "models--test-org--tiny-old/snapshots/" COMMIT "/model.safetensors"),
+        srv_find(f->s, "model.safetensors"));
     assert_true(atomic_load(&f->s->n_cdn) >= 1);
     assert_int_equal(atomic_load(&f->s->n_cdn_auth), atomic_load(&f->s->n_cdn));
 }
@@ -760,7 +762,8 @@ static void test_size_and_sha_mismatch(void **state)
     assert_non_null(strstr(err, "model.safetensors"));
     assert_false(exists(path_in(f, "models--test-org--tiny/blobs/%s", w->sha)));
     assert_false(exists(path_in(f, "models--test-org--tiny/blobs/%s.incomplete", w->sha)));
-    assert_false(exists(path_in(f, "models--test-org--tiny/snapshots/" COMMIT "/model.safetensors")));
+    assert_false(
+        exists(path_in(f, "models--test-org--tiny/snapshots/" COMMIT "/model.safetensors")));
 
     f->s->size_lie = 0;
     f->s->corrupt = true;
@@ -798,11 +801,10 @@ static void test_sharded(void **state)
     struct srv *s = f->s;
     static const char cfg[] = "{\"architectures\":[\"Qwen2ForCausalLM\"]}";
     static const char tok[] = "{\"model\":{}}";
-    static const char idx[] =
-        "{\"metadata\":{\"total_size\":300},\"weight_map\":{"
-        "\"a.weight\":\"model-00001-of-00002.safetensors\","
-        "\"b.weight\":\"model-00002-of-00002.safetensors\","
-        "\"c.weight\":\"model-00001-of-00002.safetensors\"}}";
+    static const char idx[] = "{\"metadata\":{\"total_size\":300},\"weight_map\":{"
+                              "\"a.weight\":\"model-00001-of-00002.safetensors\","
+                              "\"b.weight\":\"model-00002-of-00002.safetensors\","
+                              "\"c.weight\":\"model-00001-of-00002.safetensors\"}}";
     unsigned char s1[3000], s2[1700];
     for (size_t i = 0; i < sizeof s1; i++)
         s1[i] = (unsigned char)(i * 7);
@@ -818,10 +820,11 @@ static void test_sharded(void **state)
     char out[1024], err[512];
     assert_int_equal(resolve(f, REPO, NULL, out, err), TDM_OK);
     for (int i = 0; i < s->nfiles; i++)
-        assert_same_bytes(path_in(f, "models--test-org--tiny/snapshots/" COMMIT "/%s",
-                                  s->files[i].name),
-                          &s->files[i]);
-    assert_true(exists(path_in(f, "models--test-org--tiny/.no_exist/" COMMIT "/model.safetensors")));
+        assert_same_bytes(
+            path_in(f, "models--test-org--tiny/snapshots/" COMMIT "/%s", s->files[i].name),
+            &s->files[i]);
+    assert_true(
+        exists(path_in(f, "models--test-org--tiny/.no_exist/" COMMIT "/model.safetensors")));
     assert_true(
         exists(path_in(f, "models--test-org--tiny/.no_exist/" COMMIT "/generation_config.json")));
     assert_int_equal(atomic_load(&s->n_cdn), 2);
@@ -831,9 +834,9 @@ static void test_sharded(void **state)
     assert_int_equal(resolve(f, REPO, NULL, out, err), TDM_OK);
     assert_int_equal(atomic_load(&s->n_req), n);
     // Losing a shard: only it is fetched again (by commit, no HEAD for the rest).
-    assert_int_equal(
-        unlink(path_in(f, "models--test-org--tiny/blobs/%s", srv_find(s, "model-00002-of-00002.safetensors")->sha)),
-        0);
+    assert_int_equal(unlink(path_in(f, "models--test-org--tiny/blobs/%s",
+                                    srv_find(s, "model-00002-of-00002.safetensors")->sha)),
+                     0);
     assert_int_equal(resolve(f, REPO, NULL, out, err), TDM_OK);
     assert_int_equal(atomic_load(&s->n_cdn), 3);
 }
