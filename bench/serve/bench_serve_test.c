@@ -118,7 +118,10 @@ static int send_token(int fd, bool chat, int i, bool last)
 static const char stream_head[] = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                                   "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
 
-static void serve_request(struct fake_server *srv, int fd, const char *body)
+// *released is set when the request stops counting as active: just before the
+// stream's last event, since the client may open its next connection as soon as
+// it has read that, before this thread gets to close() (a race under load).
+static void serve_request(struct fake_server *srv, int fd, const char *body, bool *released)
 {
     cJSON *req = cJSON_Parse(body);
     const cJSON *prompt = cJSON_GetObjectItemCaseSensitive(req, "prompt");
@@ -194,6 +197,8 @@ static void serve_request(struct fake_server *srv, int fd, const char *body)
                  strlen(p), strlen(p) + (size_t)n, n);
         send_event(fd, usage);
     }
+    atomic_fetch_sub(&srv->active, 1);
+    *released = true;
     send_event(fd, "[DONE]");
     send_all(fd, "0\r\n\r\n", 5);
 out:
@@ -211,6 +216,7 @@ static void *conn_main(void *arg)
     char buf[65536];
     size_t len = 0;
     size_t need = 0;
+    bool released = false;
     for (;;) {
         ssize_t k = recv(c->fd, buf + len, sizeof(buf) - 1 - len, 0);
         if (k <= 0)
@@ -230,13 +236,14 @@ static void *conn_main(void *arg)
             atomic_fetch_add(&srv->requests, 1);
             if (memmem(buf, head_len, "\r\nAuthorization: Bearer sk-test\r\n", 33))
                 atomic_fetch_add(&srv->saw_api_key, 1);
-            serve_request(srv, c->fd, buf + head_len);
+            serve_request(srv, c->fd, buf + head_len, &released);
             break;
         }
     }
 done:
     close(c->fd);
-    atomic_fetch_sub(&srv->active, 1);
+    if (!released)
+        atomic_fetch_sub(&srv->active, 1);
     free(c);
     return NULL;
 }
