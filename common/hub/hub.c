@@ -16,6 +16,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -80,6 +81,14 @@ static char *str_printf(const char *fmt, ...)
     vsnprintf(s, (size_t)n + 1, fmt, ap);
     va_end(ap);
     return s;
+}
+
+// A temporary name beside path, unique across processes (pid) and threads
+// (counter), for write-then-rename.
+static char *tmp_name(const char *path)
+{
+    static atomic_uint seq;
+    return str_printf("%s.tmp.%ld.%u", path, (long)getpid(), atomic_fetch_add(&seq, 1));
 }
 
 // mkdir -p of the folder part of path (everything before the last '/') when
@@ -385,7 +394,7 @@ static int write_file_atomic(const char *path, const char *content, char *err, s
     int rc = mkdir_p(path, true, err, errlen);
     if (rc != TDM_OK)
         return rc;
-    char *tmp = str_printf("%s.tmp.%ld", path, (long)getpid());
+    char *tmp = tmp_name(path);
     if (!tmp)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
     FILE *f = fopen(tmp, "wb");
@@ -519,7 +528,7 @@ static int link_pointer(const struct repo *r, const char *file, const char *etag
     rc = mkdir_p(ptr, true, err, errlen);
     if (rc != TDM_OK)
         goto out;
-    tmp = str_printf("%s.tmp.%ld", ptr, (long)getpid());
+    tmp = tmp_name(ptr);
     if (!tmp) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
         goto out;

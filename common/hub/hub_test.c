@@ -795,6 +795,88 @@ static void test_retry_5xx_and_give_up(void **state)
     assert_non_null(strstr(err, "config.json"));
 }
 
+// Runs resolve with stderr sent to a file; returns that file's text (caller frees).
+static char *resolve_capturing_stderr(struct fx *f, char *out, char *err)
+{
+    char path[128];
+    snprintf(path, sizeof path, "%s/stderr.txt", f->dir);
+    fflush(stderr);
+    int saved = dup(STDERR_FILENO);
+    FILE *cap = fopen(path, "wb");
+    assert_non_null(cap);
+    dup2(fileno(cap), STDERR_FILENO);
+    int rc = tdm_hub_resolve_model(REPO, NULL, &f->o, out, 1024, err, 512);
+    fflush(stderr);
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    fclose(cap);
+    assert_int_equal(rc, TDM_OK);
+    char *text;
+    size_t len;
+    assert_int_equal(tdm_read_file(path, &text, &len, err, 512), TDM_OK);
+    return text;
+}
+
+static void test_progress_output(void **state)
+{
+    struct fx *f = *state;
+    add_tiny_model(f->s, f->dir);
+    char out[1024], err[512];
+    // The bar: file name, MB, percent, rate; it survives a resume.
+    f->o.progress = TDM_HUB_PROGRESS_BAR;
+    atomic_store(&f->s->drop_after, 50000);
+    char *text = resolve_capturing_stderr(f, out, err);
+    assert_non_null(strstr(text, "model.safetensors"));
+    assert_non_null(strstr(text, "100.0%"));
+    assert_non_null(strstr(text, "MB/s"));
+    assert_non_null(strstr(text, "resuming"));
+    free(text);
+    // Not a terminal: one log line per downloaded file.
+    nftw(f->cache, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    f->o.progress = TDM_HUB_PROGRESS_LOG;
+    text = resolve_capturing_stderr(f, out, err);
+    assert_non_null(strstr(text, "downloaded test-org/tiny/model.safetensors bytes="));
+    assert_non_null(strstr(text, "downloaded test-org/tiny/config.json bytes="));
+    assert_null(strstr(text, "100.0%"));
+    free(text);
+}
+
+struct racer {
+    struct fx *f;
+    int rc;
+    char out[1024], err[512];
+};
+
+static void *race_main(void *arg)
+{
+    struct racer *r = arg;
+    r->rc =
+        tdm_hub_resolve_model(REPO, NULL, &r->f->o, r->out, sizeof r->out, r->err, sizeof r->err);
+    return NULL;
+}
+
+// Two resolvers sharing one cache (a prefill and a decode worker starting
+// together): the per-blob flock makes one download each blob, both succeed.
+static void test_concurrent_resolves(void **state)
+{
+    struct fx *f = *state;
+    add_tiny_model(f->s, f->dir);
+    struct racer a = {.f = f}, b = {.f = f};
+    pthread_t ta, tb;
+    assert_int_equal(pthread_create(&ta, NULL, race_main, &a), 0);
+    assert_int_equal(pthread_create(&tb, NULL, race_main, &b), 0);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    assert_int_equal(a.rc, TDM_OK);
+    assert_int_equal(b.rc, TDM_OK);
+    assert_string_equal(a.out, b.out);
+    assert_int_equal(atomic_load(&f->s->n_cdn), 1);
+    for (int i = 0; i < f->s->nfiles; i++)
+        assert_same_bytes(
+            path_in(f, "models--test-org--tiny/snapshots/" COMMIT "/%s", f->s->files[i].name),
+            &f->s->files[i]);
+}
+
 static void test_sharded(void **state)
 {
     struct fx *f = *state;
@@ -946,6 +1028,8 @@ int main(void)
         T(test_resume_across_runs_and_ignored_range),
         T(test_size_and_sha_mismatch),
         T(test_retry_5xx_and_give_up),
+        T(test_progress_output),
+        T(test_concurrent_resolves),
         T(test_sharded),
         T(test_foreign_cache_reused),
         T(test_bad_inputs),
