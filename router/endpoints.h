@@ -181,6 +181,15 @@ int tdm_router_endpoints_apply_kv_event(struct tdm_router_endpoints *reg, uint64
 // Forgets the endpoint's whole index (a worker restart: its cache is empty).
 void tdm_router_endpoints_clear_prefix(struct tdm_router_endpoints *reg, uint64_t id);
 
+// Every endpoint (draining ones too) into out[0..cap); returns the count (may
+// exceed cap). For GET /v1/router/config and tests.
+size_t tdm_router_endpoints_list(struct tdm_router_endpoints *reg,
+                                 struct tdm_router_endpoint_view *out, size_t cap);
+// Blocks in the endpoint's prefix index (0 for an unknown id).
+size_t tdm_router_endpoints_prefix_size(struct tdm_router_endpoints *reg, uint64_t id);
+// Seeds the generator of snapshot seeds (tests replay decisions with it).
+void tdm_router_endpoints_set_seed(struct tdm_router_endpoints *reg, uint64_t seed);
+
 // For tests: marks an endpoint healthy/unhealthy directly.
 void tdm_router_endpoints_set_healthy(struct tdm_router_endpoints *reg, uint64_t id, bool healthy);
 

@@ -1,0 +1,369 @@
+// SPDX-License-Identifier: Apache-2.0
+// router control: wires the config store, the endpoint registry and the router
+// metrics together and turns a prompt into a route (control.h). A route holds
+// a reference to the config it was made with and in-flight counts on the
+// endpoints it uses, so neither a reload nor a DNS change can pull them away
+// mid-request; route_done gives both back.
+#include "control.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config_impl.h"
+#include "core.h"
+
+#define MOD "router-control"
+
+struct tdm_router_control {
+    struct tdm_router_metrics metrics;
+    bool has_metrics;
+    struct tdm_router_config_store *store;
+    struct tdm_router_endpoints *eps;
+};
+
+static struct tdm_router_metrics *mx(struct tdm_router_control *ctl)
+{
+    return ctl->has_metrics ? &ctl->metrics : NULL;
+}
+
+static void on_reload(const struct tdm_router_config *new_cfg,
+                      const struct tdm_router_config *old_cfg, void *arg)
+{
+    (void)old_cfg;
+    struct tdm_router_control *ctl = arg;
+    if (tdm_router_endpoints_apply_config(ctl->eps, new_cfg) != TDM_OK)
+        TDM_LOG_ERR(MOD, "applying the new endpoint list failed (out of memory)");
+}
+
+int tdm_router_control_new(struct tdm_router_control **out, const char *config_path,
+                           struct tdm_metrics_registry *reg, char *err, size_t errlen)
+{
+    *out = NULL;
+    struct tdm_router_control *ctl = calloc(1, sizeof *ctl);
+    if (!ctl)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    int rc;
+    if (reg) {
+        if ((rc = tdm_router_metrics_register(&ctl->metrics, reg, err, errlen)))
+            goto fail_ctl;
+        ctl->has_metrics = true;
+    }
+    if ((rc = tdm_router_config_store_new(&ctl->store, config_path, mx(ctl), err, errlen)))
+        goto fail_ctl;
+    struct tdm_router_config *cfg = tdm_router_config_store_get(ctl->store, NULL);
+    rc = tdm_router_endpoints_new(&ctl->eps, cfg, mx(ctl), err, errlen);
+    tdm_router_config_unref(cfg);
+    if (rc)
+        goto fail_store;
+    tdm_router_config_store_on_reload(ctl->store, on_reload, ctl);
+    *out = ctl;
+    return TDM_OK;
+
+fail_store:
+    tdm_router_config_store_free(ctl->store);
+fail_ctl:
+    free(ctl);
+    return rc;
+}
+
+int tdm_router_control_start(struct tdm_router_control *ctl, bool watch, char *err, size_t errlen)
+{
+    int rc = tdm_router_endpoints_refresh_dns(ctl->eps);
+    if (rc)
+        return tdm_seterr(err, errlen, rc, "resolving endpoints: %s", tdm_strerror(rc));
+    tdm_router_endpoints_check_health(ctl->eps);
+    if ((rc = tdm_router_endpoints_start(ctl->eps)))
+        return tdm_seterr(err, errlen, rc, "cannot start the endpoint discovery thread");
+    if (watch && (rc = tdm_router_config_store_watch(ctl->store, 0, err, errlen)))
+        return rc;
+    return TDM_OK;
+}
+
+void tdm_router_control_free(struct tdm_router_control *ctl)
+{
+    if (!ctl)
+        return;
+    // The store's watcher calls into the registry: stop it first.
+    tdm_router_config_store_free(ctl->store);
+    tdm_router_endpoints_free(ctl->eps);
+    free(ctl);
+}
+
+struct tdm_router_config_store *tdm_router_control_store(struct tdm_router_control *ctl)
+{
+    return ctl->store;
+}
+
+struct tdm_router_endpoints *tdm_router_control_endpoints(struct tdm_router_control *ctl)
+{
+    return ctl->eps;
+}
+
+struct tdm_router_metrics *tdm_router_control_metrics(struct tdm_router_control *ctl)
+{
+    return mx(ctl);
+}
+
+static void to_target(const struct tdm_router_endpoint_view *v, struct tdm_router_target *t)
+{
+    t->id = v->id;
+    memcpy(t->name, v->name, sizeof t->name);
+    memcpy(t->host, v->host, sizeof t->host);
+    t->http_port = v->http_port;
+    t->nng_port = v->nng_port;
+    t->role = v->role;
+    t->health_epoch = v->health_epoch;
+}
+
+static void log_scores(const struct tdm_router_config *cfg, size_t profile, const char *what,
+                       const struct tdm_router_snapshot *snap,
+                       const struct tdm_router_endpoint_score *scores)
+{
+    char line[2048];
+    tdm_router_policy_format_scores(cfg, profile, snap, scores, line, sizeof line);
+    TDM_LOG_DEBUG(MOD, "%s scores: %s", what, line);
+}
+
+int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
+                             const char *session, struct tdm_router_route *route, char *err,
+                             size_t errlen)
+{
+    memset(route, 0, sizeof *route);
+    double t0 = tdm_now();
+    struct tdm_router_config *cfg = tdm_router_config_store_get(ctl->store, NULL);
+    size_t bs = (size_t)cfg->block_size_tokens;
+    size_t nb = tokens ? n / bs : 0;
+    uint64_t *hashes = NULL;
+    if (nb && !(hashes = malloc(nb * sizeof *hashes))) {
+        tdm_router_config_unref(cfg);
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    }
+    tdm_router_block_hashes(tokens, n, (int)bs, hashes, nb);
+
+    struct tdm_router_request req = {.num_prompt_tokens = n, .session = session};
+    struct tdm_router_snapshot snap = {0};
+    struct tdm_router_pick pick = {0};
+    struct tdm_router_endpoint_score *scores = NULL;
+    int rc = TDM_OK;
+    // An endpoint may leave between the snapshot and the acquire: pick again.
+    for (int attempt = 0; attempt < 3; attempt++) {
+        tdm_router_snapshot_free(&snap);
+        free(scores);
+        scores = NULL;
+        if ((rc = tdm_router_endpoints_snapshot(ctl->eps, hashes, nb, &snap)))
+            break;
+        if (tdm_log_level >= TDM_LOG_LEVEL_DEBUG && snap.n)
+            scores = calloc(2 * snap.n, sizeof *scores);
+        pick.decode_scores = scores;
+        pick.prefill_scores = scores ? scores + snap.n : NULL;
+        rc = tdm_router_policy_pick(cfg, &snap, &req, &pick);
+        if (rc)
+            break;
+        if (tdm_router_endpoints_acquire(ctl->eps, snap.eps[pick.decode].id) == TDM_OK) {
+            rc = TDM_OK;
+            break;
+        }
+        rc = TDM_EBUSY;
+    }
+    if (rc) {
+        if (rc == TDM_EBUSY) {
+            size_t total = 0, healthy = 0;
+            tdm_router_endpoints_count(ctl->eps, true, &total, &healthy);
+            tdm_seterr(err, errlen, TDM_EBUSY,
+                       "no healthy decode endpoint (%zu configured, %zu healthy)", total, healthy);
+            tdm_router_metrics_request(mx(ctl), "no_endpoint");
+        } else {
+            tdm_seterr(err, errlen, rc, "routing failed: %s", tdm_strerror(rc));
+        }
+        goto fail;
+    }
+
+    route->cfg = cfg;
+    cfg = NULL;
+    route->decision = pick.decision;
+    to_target(&snap.eps[pick.decode], &route->decode);
+    route->decode_held_ = true;
+    route->cached_tokens = pick.cached_tokens;
+    route->uncached_tokens = pick.uncached_tokens;
+    route->block_hashes_ = hashes;
+    route->n_blocks_ = nb;
+    hashes = NULL;
+    for (size_t i = 0; i < pick.n_prefill; i++)
+        to_target(&snap.eps[pick.prefill[i]], &route->prefill[route->n_prefill++]);
+    tdm_router_endpoints_record_prefix(ctl->eps, route->decode.id, route->block_hashes_,
+                                       route->n_blocks_);
+    tdm_router_metrics_pick(mx(ctl), route->decode.name, TDM_ROUTER_ROLE_DECODE);
+    if (route->decision == TDM_ROUTER_DECISION_PREFILL_DECODE) {
+        // The first candidate that is still there.
+        route->prefill_idx = 0;
+        while (route->prefill_idx < route->n_prefill &&
+               tdm_router_endpoints_acquire(ctl->eps, route->prefill[route->prefill_idx].id))
+            route->prefill_idx++;
+        if (route->prefill_idx < route->n_prefill) {
+            const struct tdm_router_target *p = &route->prefill[route->prefill_idx];
+            route->prefill_held_ = true;
+            route->prefill_attempts = 1;
+            tdm_router_endpoints_record_prefix(ctl->eps, p->id, route->block_hashes_,
+                                               route->n_blocks_);
+            tdm_router_metrics_pick(mx(ctl), p->name, TDM_ROUTER_ROLE_PREFILL);
+        } else {
+            route->decision = TDM_ROUTER_DECISION_DECODE_ONLY;
+            route->n_prefill = 0;
+        }
+    }
+    tdm_router_metrics_decision(mx(ctl), route->decision);
+    if (mx(ctl)) {
+        tdm_metrics_gauge_inc(ctl->metrics.inflight);
+        tdm_metrics_histogram_observe(ctl->metrics.routing, tdm_now() - t0);
+    }
+    route->routed_at = tdm_now();
+    route->deadline = route->routed_at + route->cfg->request_deadline_seconds;
+    if (scores) {
+        log_scores(route->cfg, route->cfg->decode_profile, "decode", &snap, pick.decode_scores);
+        if (pick.n_prefill)
+            log_scores(route->cfg, route->cfg->prefill_profile, "prefill", &snap,
+                       pick.prefill_scores);
+    }
+    TDM_LOG_DEBUG(MOD, "route decision=%s decode=%s prefill=%s prompt=%zu cached=%zu%s",
+                  tdm_router_decision_name(route->decision), route->decode.name,
+                  route->prefill_held_ ? route->prefill[route->prefill_idx].name : "-", n,
+                  route->cached_tokens, pick.fail_open ? " fail_open=1" : "");
+    free(scores);
+    tdm_router_snapshot_free(&snap);
+    return TDM_OK;
+
+fail:
+    free(scores);
+    tdm_router_snapshot_free(&snap);
+    free(hashes);
+    tdm_router_config_unref(cfg);
+    memset(route, 0, sizeof *route);
+    return rc;
+}
+
+bool tdm_router_control_next_prefill(struct tdm_router_control *ctl, struct tdm_router_route *r)
+{
+    if (r->decision != TDM_ROUTER_DECISION_PREFILL_DECODE || !r->cfg)
+        return false;
+    if (r->prefill_held_) {
+        const struct tdm_router_target *cur = &r->prefill[r->prefill_idx];
+        tdm_router_endpoints_release(ctl->eps, cur->id);
+        tdm_router_metrics_retry(mx(ctl), cur->name, TDM_ROUTER_ROLE_PREFILL);
+        r->prefill_held_ = false;
+    }
+    while (r->prefill_attempts < 1 + r->cfg->prefill_retries && r->prefill_idx + 1 < r->n_prefill) {
+        r->prefill_idx++;
+        const struct tdm_router_target *p = &r->prefill[r->prefill_idx];
+        struct tdm_router_endpoint_view v;
+        if (tdm_router_endpoints_get(ctl->eps, p->id, &v) || !v.healthy || v.draining)
+            continue; // it failed meanwhile: do not spend an attempt on it
+        if (tdm_router_endpoints_acquire(ctl->eps, p->id))
+            continue;
+        r->prefill_held_ = true;
+        r->prefill_attempts++;
+        tdm_router_endpoints_record_prefix(ctl->eps, p->id, r->block_hashes_, r->n_blocks_);
+        tdm_router_metrics_pick(mx(ctl), p->name, TDM_ROUTER_ROLE_PREFILL);
+        TDM_LOG_INFO(MOD, "prefill retry %d on %s", r->prefill_attempts - 1, p->name);
+        return true;
+    }
+    // Out of prefill endpoints: the decode worker prefills locally.
+    r->decision = TDM_ROUTER_DECISION_DECODE_ONLY;
+    if (mx(ctl))
+        tdm_metrics_counter_inc(ctl->metrics.prefill_fallback);
+    TDM_LOG_INFO(MOD, "remote prefill given up after %d attempts: local prefill on %s",
+                 r->prefill_attempts, r->decode.name);
+    return false;
+}
+
+void tdm_router_control_report(struct tdm_router_control *ctl, const struct tdm_router_target *t,
+                               enum tdm_router_outcome outcome)
+{
+    if (!t || !t->id)
+        return;
+    tdm_router_endpoints_report(ctl->eps, t->id, outcome);
+    if (outcome != TDM_ROUTER_OUTCOME_SUCCESS)
+        tdm_router_metrics_upstream_error(mx(ctl), t->name, t->role,
+                                          outcome == TDM_ROUTER_OUTCOME_TIMEOUT);
+}
+
+void tdm_router_control_route_done(struct tdm_router_control *ctl, struct tdm_router_route *r,
+                                   const char *status)
+{
+    if (!r || !r->cfg) {
+        if (r)
+            memset(r, 0, sizeof *r);
+        return;
+    }
+    if (r->decode_held_)
+        tdm_router_endpoints_release(ctl->eps, r->decode.id);
+    if (r->prefill_held_)
+        tdm_router_endpoints_release(ctl->eps, r->prefill[r->prefill_idx].id);
+    tdm_router_metrics_request(mx(ctl), status ? status : "success");
+    if (mx(ctl))
+        tdm_metrics_gauge_dec(ctl->metrics.inflight);
+    tdm_router_config_unref(r->cfg);
+    free(r->block_hashes_);
+    memset(r, 0, sizeof *r);
+}
+
+int tdm_router_control_reload(struct tdm_router_control *ctl, char *err, size_t errlen)
+{
+    return tdm_router_config_store_reload(ctl->store, err, errlen);
+}
+
+char *tdm_router_control_config_json(struct tdm_router_control *ctl)
+{
+    cJSON *o = tdm_router_config_store_json_object_(ctl->store);
+    if (!o)
+        return NULL;
+    size_t cap = 64, n;
+    struct tdm_router_endpoint_view *v = NULL;
+    for (;;) {
+        struct tdm_router_endpoint_view *nv = realloc(v, cap * sizeof *v);
+        if (!nv) {
+            free(v);
+            cJSON_Delete(o);
+            return NULL;
+        }
+        v = nv;
+        n = tdm_router_endpoints_list(ctl->eps, v, cap);
+        if (n <= cap)
+            break;
+        cap = n;
+    }
+    cJSON *arr = cJSON_AddArrayToObject(o, "endpoints_state");
+    for (size_t i = 0; arr && i < n; i++) {
+        cJSON *e = cJSON_CreateObject();
+        if (!e)
+            break;
+        cJSON_AddItemToArray(arr, e);
+        cJSON_AddStringToObject(e, "name", v[i].name);
+        cJSON_AddStringToObject(e, "role", v[i].role == TDM_ROUTER_ROLE_NONE
+                                               ? "none"
+                                               : tdm_router_role_name(v[i].role));
+        cJSON_AddNumberToObject(e, "nng_port", v[i].nng_port);
+        cJSON_AddBoolToObject(e, "healthy", v[i].healthy);
+        cJSON_AddBoolToObject(e, "draining", v[i].draining);
+        cJSON_AddNumberToObject(e, "inflight", v[i].inflight);
+        cJSON_AddNumberToObject(e, "health_epoch", (double)v[i].health_epoch);
+        if (v[i].has_load) {
+            cJSON *l = cJSON_AddObjectToObject(e, "load");
+            if (l) {
+                cJSON_AddNumberToObject(l, "running", v[i].load.running);
+                cJSON_AddNumberToObject(l, "waiting", v[i].load.waiting);
+                cJSON_AddNumberToObject(l, "kv_usage", v[i].load.kv_usage);
+                cJSON_AddNumberToObject(l, "age_seconds", v[i].load_age_seconds);
+                cJSON_AddBoolToObject(l, "stale", v[i].load_stale);
+            }
+        } else {
+            cJSON_AddNullToObject(e, "load");
+        }
+        cJSON_AddNumberToObject(e, "prefix_blocks",
+                                (double)tdm_router_endpoints_prefix_size(ctl->eps, v[i].id));
+    }
+    free(v);
+    char *s = cJSON_Print(o);
+    cJSON_Delete(o);
+    return s;
+}

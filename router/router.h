@@ -1,0 +1,66 @@
+// SPDX-License-Identifier: Apache-2.0
+// router: the request path of `tandem-router`. It serves the OpenAI HTTP
+// surface (common/http + common/openai: /v1/completions, /v1/chat/completions,
+// /v1/models, /tokenize, /detokenize, /health, /metrics, /version and
+// GET /v1/router/config), tokenizes and applies the chat template itself (for
+// prefix-aware routing and the P/D decision), asks the control plane
+// (control.h) for a route, and sends one GenerateRequest per choice over nng to
+// the chosen decode worker, listing the chosen prefill workers when the decider
+// disaggregates. Token chunks come back to the router's inbox and are
+// detokenized, stop-string matched and written as SSE or one JSON body.
+//
+// Failure handling: a decode worker that cannot be reached before any token is
+// replaced by another route (up to 3 attempts); one that stops answering load
+// queries (liveness_timeout) or comes back with a new instance id mid-stream
+// ends the stream with an SSE error event; a client that disconnects, a stop
+// string, or the request deadline sends Cancel to the decode worker (which
+// cancels its prefill worker), so KV is freed on both. Load reports arrive over
+// nng (LoadQuery every load_interval) and feed the endpoint registry.
+// docs/pd-protocol.md describes the protocol.
+#ifndef TDM_ROUTER_H
+#define TDM_ROUTER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct tdm_router_opts {
+    char config[1024];            // --config FILE (required): routing config (docs/router-config.md)
+    char model[1024];             // --model DIR (required): tokenizer, chat template, config.json
+    char served_model_name[256];  // --served-model-name; "" = config.json's _name_or_path or DIR
+    char chat_template[1024];     // --chat-template FILE; "" = the tokenizer's
+    char host[256];               // --host; default 0.0.0.0
+    int port;                     // --port; default 8000; 0 = any free port
+    char nng_url[256];            // --nng-url: the router's inbox; default tcp://127.0.0.1:0
+    char api_key[256];            // --api-key; "" = none
+    int http_threads;             // --http-threads; default 256 (one per open stream)
+    size_t max_body_bytes;        // --max-body-bytes; default 16 MiB
+    int max_model_len;            // --max-model-len; 0 = config.json's max_position_embeddings
+    char log_level[16];           // --log-level; default info
+    bool watch;                   // --[no-]watch-config: reload on file change; default on
+    double liveness_timeout;      // --liveness-timeout S: a worker silent this long mid-stream
+                                  // is lost; default 1.0
+    double load_interval;         // --load-interval S: LoadQuery period; default 0.2
+};
+void tdm_router_opts_default(struct tdm_router_opts *o);
+// Parses argv (argv[0] skipped). TDM_OK, 1 for --help, TDM_EINVAL with err.
+int tdm_router_opts_parse_args(struct tdm_router_opts *o, int argc, char **argv, char *err,
+                               size_t errlen);
+const char *tdm_router_usage(void);
+
+struct tdm_router_server;
+
+// Loads the tokenizer side and the routing config, starts the control plane
+// (discovery, health, config watch), the nng inbox and the load poller, then
+// the HTTP server. Errors: the failing part's code and message.
+int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_router_opts *o,
+                          char *err, size_t errlen);
+int tdm_router_server_port(const struct tdm_router_server *s);
+const char *tdm_router_server_nng_url(const struct tdm_router_server *s);
+// SIGHUP: reload the routing config now.
+int tdm_router_server_reload(struct tdm_router_server *s, char *err, size_t errlen);
+// Stops HTTP (open streams are cancelled upstream), the poller, the inbox and
+// the control plane; frees. Accepts NULL.
+void tdm_router_server_free(struct tdm_router_server *s);
+
+#endif
