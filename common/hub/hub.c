@@ -547,8 +547,10 @@ out:
 }
 
 // Downloads blobs/<etag> unless present, under the per-blob flock.
-static int fetch_blob(struct repo *r, const char *file, const struct tdm_hub_meta *m, char *err,
-                      size_t errlen)
+// The GET starts at the resolve URL, not at the CDN link the HEAD saw: each
+// attempt then gets a freshly signed link (they expire during long downloads).
+static int fetch_blob(struct repo *r, const char *file, const char *url,
+                      const struct tdm_hub_meta *m, char *err, size_t errlen)
 {
     int rc = TDM_OK, lock_fd = -1;
     char *blob = str_printf("%s/blobs/%s", r->repo_dir, m->etag);
@@ -571,7 +573,7 @@ static int fetch_blob(struct repo *r, const char *file, const struct tdm_hub_met
     if (file_exists(blob)) // another process finished it while we waited
         goto out;
     double t0 = tdm_now();
-    rc = tdm_hub_http_download(&r->client, m->location, part, m->size, file, err, errlen);
+    rc = tdm_hub_http_download(&r->client, url, part, m->size, file, err, errlen);
     if (rc != TDM_OK)
         goto out;
     if (is_sha256_hex(m->etag)) {
@@ -664,7 +666,7 @@ static int fetch_file(struct repo *r, const char *file, bool optional, bool *fou
                         m.commit, r->commit);
         goto out;
     }
-    if ((rc = fetch_blob(r, file, &m, err, errlen)) != TDM_OK)
+    if ((rc = fetch_blob(r, file, url, &m, err, errlen)) != TDM_OK)
         goto out;
     rc = link_pointer(r, file, m.etag, err, errlen);
 out:

@@ -43,7 +43,8 @@ struct tdm_hub_meta {
     char commit[64]; // X-Repo-Commit
     char etag[160];  // X-Linked-Etag, else ETag; quotes and W/ removed
     long long size;  // X-Linked-Size, else Content-Length; -1 unknown
-    char *location;  // where to GET the bytes (a CDN URL after a 3xx); heap, caller frees
+    char *location;  // where the bytes are (the CDN URL after a 3xx, else the URL asked);
+                     // heap, caller frees. Informational: downloads re-resolve each attempt.
 };
 
 // HEAD url following relative redirects only (renamed repos), as huggingface_hub
