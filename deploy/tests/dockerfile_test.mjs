@@ -1,0 +1,315 @@
+// SPDX-License-Identifier: Apache-2.0
+// deploy_dockerfile: static checks of deploy/Dockerfile (no container engine
+// is needed or used).
+//  - Shape: two or more stages, every base image Debian bookworm with an
+//    explicit tag; apt-get update and install in one RUN with
+//    --no-install-recommends and the lists removed; the build configures with
+//    CMAKE_BUILD_TYPE=Release and builds named targets that exist in the
+//    source tree (add_executable); the runtime stage copies from the build
+//    stage, installs no -dev package or toolchain, runs as a non-root USER,
+//    and uses exec-form CMD/ENTRYPOINT; no ADD; a .dockerignore for the
+//    context that leaves out build trees and .git.
+//  - Build packages: every REQUIRED dependency in the CMake files
+//    (pkg_check_modules, find_path, find_library, find_program) is provided by
+//    a package the build stage installs (mapped with dpkg -S on this Debian).
+//  - Runtime packages: every shared library the built binaries load (ldd)
+//    belongs to a package the runtime stage installs, to one of their
+//    dependencies (apt-cache depends --recurse), or to the base image's
+//    required set; every package named exists in the apt lists.
+// A self-test feeds broken Dockerfiles to the same checks.
+//
+//   node dockerfile_test.mjs --source-dir REPO [--bin NAME=PATH ...]
+// Exit 0 pass, 1 fail, 77 skipped (not a Debian system: no dpkg).
+import { existsSync, readFileSync, readdirSync, statSync } from 'node:fs';
+import path from 'node:path';
+import { Checker, parseArgs, run, skip, which } from './lib.mjs';
+
+const args = parseArgs(process.argv.slice(2), ['bin']);
+const src = args['source-dir'];
+if (!src) throw new Error('--source-dir is required');
+if (!which('dpkg') || !which('apt-cache')) skip('dpkg/apt-cache not found: the package checks need Debian');
+const bins = (args.bin || []).map((b) => b.split(/=(.*)/s).slice(0, 2));
+const c = new Checker('deploy_dockerfile');
+
+// ---- Dockerfile parsing --------------------------------------------------------------------
+// Instructions as {op, text, line}; continuation lines joined, comments dropped.
+export function parseDockerfile(text) {
+    const out = [];
+    let cur = null;
+    text.split('\n').forEach((raw, i) => {
+        const line = raw.replace(/\r$/, '');
+        if (/^\s*#/.test(line) || (!cur && !line.trim())) return;
+        if (!cur) {
+            const m = /^\s*([A-Za-z]+)\s+([\s\S]*)$/.exec(line);
+            if (!m) return;
+            cur = { op: m[1].toUpperCase(), text: m[2], line: i + 1 };
+        } else cur.text += ` ${line.trim()}`;
+        if (/\\$/.test(cur.text)) cur.text = cur.text.replace(/\\$/, '');
+        else {
+            cur.text = cur.text.replace(/\s+/g, ' ').trim();
+            out.push(cur);
+            cur = null;
+        }
+    });
+    if (cur) out.push(cur);
+    return out;
+}
+
+// Splits instructions into stages with global ARG defaults substituted into FROM.
+function stagesOf(instrs) {
+    const globalArgs = {};
+    const stages = [];
+    for (const ins of instrs) {
+        if (ins.op === 'ARG' && stages.length === 0) {
+            const [k, v] = ins.text.split('=');
+            globalArgs[k.trim()] = (v ?? '').trim();
+        } else if (ins.op === 'FROM') {
+            const m = /^(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?$/i.exec(ins.text);
+            const image = (m?.[1] || '').replace(/\$\{?(\w+)\}?/g, (_, k) => globalArgs[k] ?? '');
+            stages.push({ image, name: m?.[2] || String(stages.length), instrs: [], line: ins.line });
+        } else if (stages.length) stages[stages.length - 1].instrs.push(ins);
+    }
+    return stages;
+}
+
+// Package names an `apt-get install` in a RUN text installs (flags and shell variables skipped).
+function aptPackages(runText) {
+    const pk = [];
+    for (const m of runText.matchAll(/apt-get\s+install\s+([^&;|]*)/g)) {
+        for (const w of m[1].split(/\s+/)) if (w && !w.startsWith('-') && !w.startsWith('$')) pk.push(w);
+    }
+    return pk;
+}
+
+// Stage-shape checks; returns {build, runtime} package lists.
+export function checkShape(text, where, chk, sourceTargets) {
+    const stages = stagesOf(parseDockerfile(text));
+    chk.check(stages.length >= 2, where, `${stages.length} stage(s): expected a build stage and a runtime stage`);
+    for (const s of stages) {
+        chk.check(/^debian:bookworm(-[a-z0-9]+)?(@sha256:[0-9a-f]{64})?$/.test(s.image), `${where}:${s.line}`,
+            `stage ${s.name} is based on "${s.image}", expected debian:bookworm (tagged)`);
+    }
+    const pk = { build: [], runtime: [] };
+    stages.forEach((s, i) => {
+        const role = i === stages.length - 1 ? 'runtime' : 'build';
+        for (const ins of s.instrs) {
+            const w = `${where}:${ins.line}`;
+            chk.check(ins.op !== 'ADD', w, 'ADD: use COPY (ADD fetches URLs and unpacks archives implicitly)');
+            if (ins.op !== 'RUN') continue;
+            if (/apt-get\s+install/.test(ins.text)) {
+                chk.check(/apt-get\s+update/.test(ins.text), w, 'apt-get install without apt-get update in the same RUN (stale cached lists)');
+                chk.check(/--no-install-recommends/.test(ins.text), w, 'apt-get install without --no-install-recommends');
+                chk.check(/-y\b/.test(ins.text), w, 'apt-get install without -y');
+                chk.check(/rm -rf \/var\/lib\/apt\/lists/.test(ins.text), w, 'apt lists not removed in the same RUN');
+                pk[role].push(...aptPackages(ins.text));
+            }
+            chk.check(!/apt-get\s+upgrade|dist-upgrade/.test(ins.text), w, 'apt-get upgrade in an image build');
+        }
+    });
+    const build = stages.slice(0, -1);
+    const runtime = stages[stages.length - 1];
+    const buildText = build.flatMap((s) => s.instrs.filter((x) => x.op === 'RUN').map((x) => x.text)).join('\n');
+    chk.check(/-DCMAKE_BUILD_TYPE=Release\b/.test(buildText), where, 'the build does not configure CMAKE_BUILD_TYPE=Release');
+    const tm = /cmake\s+--build\s+[^&]*--target\s+([^&]*)/.exec(buildText);
+    if (chk.check(tm, where, 'cmake --build has no --target list (it would build every test and benchmark)')) {
+        const targets = tm[1].split(/\s+/).filter((t) => t && !t.startsWith('-') && !t.startsWith('/'));
+        for (const t of targets) {
+            chk.check(sourceTargets.has(t), where, `builds target ${t}, which no CMakeLists.txt defines (add_executable)`);
+        }
+        pk.targets = targets;
+    }
+    if (runtime) {
+        const w = `${where} stage ${runtime.name}`;
+        const users = runtime.instrs.filter((x) => x.op === 'USER').map((x) => x.text.split(':')[0]);
+        const last = users[users.length - 1];
+        chk.check(last && last !== 'root' && last !== '0', w, `runs as ${last || 'root (no USER)'}`);
+        chk.check(runtime.instrs.some((x) => x.op === 'COPY' && build.some((b) => x.text.includes(`--from=${b.name}`))), w,
+            'copies nothing from the build stage');
+        for (const x of runtime.instrs.filter((y) => y.op === 'CMD' || y.op === 'ENTRYPOINT')) {
+            let ok = false;
+            try {
+                ok = Array.isArray(JSON.parse(x.text));
+            } catch {
+                ok = false;
+            }
+            chk.check(ok, `${where}:${x.line}`, `${x.op} is in shell form (signals would go to /bin/sh, not the service)`);
+        }
+        for (const p of pk.runtime) {
+            chk.check(!/-dev$/.test(p) && !['build-essential', 'cmake', 'gcc', 'pkg-config', 'protobuf-c-compiler'].includes(p), w,
+                `installs build-only package ${p} in the runtime image`);
+        }
+    }
+    return pk;
+}
+
+// ---- the source tree ----------------------------------------------------------------------
+function cmakeFiles(dir, out = []) {
+    for (const n of readdirSync(dir)) {
+        if (n.startsWith('.') || n.startsWith('build') || n === 'node_modules') continue;
+        const p = path.join(dir, n);
+        const st = statSync(p);
+        if (st.isDirectory()) cmakeFiles(p, out);
+        else if (n === 'CMakeLists.txt' || n.endsWith('.cmake')) out.push(p);
+    }
+    return out;
+}
+
+const files = cmakeFiles(src).map((f) => [f, readFileSync(f, 'utf8').replace(/#.*$/gm, '')]);
+const sourceTargets = new Set(files.flatMap(([, t]) => [...t.matchAll(/add_executable\(\s*([\w-]+)/g)].map((m) => m[1])));
+
+// Debian packages owning paths, in one dpkg call (each call costs a database
+// load): path -> package or null. Each path is tried as given, resolved, and as
+// its /usr-merged twin, since dpkg knows only the name the package shipped.
+function ownersOf(paths) {
+    const cands = new Map();
+    for (const p of paths) {
+        const set = new Set([p]);
+        const real = run('readlink', ['-f', p]).stdout.trim();
+        if (real) set.add(real);
+        for (const q of [...set]) {
+            if (q.startsWith('/usr/lib/')) set.add(q.slice(4));
+            else if (q.startsWith('/lib/') || q.startsWith('/lib64/')) set.add(`/usr${q}`);
+        }
+        cands.set(p, [...set]);
+    }
+    const all = [...new Set([...cands.values()].flat())];
+    const owner = new Map();
+    if (all.length) {
+        for (const line of run('dpkg', ['-S', ...all]).stdout.split('\n')) {
+            const m = /^([^:,\s]+)(?::[\w-]+)?(?:, [^:]+)*: (\/.*)$/.exec(line);
+            if (m) owner.set(m[2], m[1]);
+        }
+    }
+    return new Map([...cands].map(([p, cs]) => [p, cs.map((q) => owner.get(q)).find(Boolean) || null]));
+}
+
+const multiarch = run('dpkg-architecture', ['-qDEB_HOST_MULTIARCH']).stdout.trim() || 'x86_64-linux-gnu';
+
+// REQUIRED CMake dependencies -> the file that must exist -> its package.
+function requiredDevFiles() {
+    const out = [];
+    for (const [f, t] of files) {
+        const rel = path.relative(src, f);
+        for (const m of t.matchAll(/pkg_check_modules\(\s*\w+\s+([^)]*)\)/g)) {
+            if (!/\bREQUIRED\b/.test(m[1])) continue;
+            for (const mod of m[1].split(/\s+/).filter((w) => w && !/^[A-Z_]+$/.test(w))) {
+                const pc = [`/usr/lib/${multiarch}/pkgconfig/${mod}.pc`, `/usr/share/pkgconfig/${mod}.pc`, `/usr/lib/pkgconfig/${mod}.pc`].find(existsSync);
+                out.push({ what: `pkg-config ${mod} (${rel})`, file: pc });
+            }
+        }
+        for (const m of t.matchAll(/find_path\(\s*\w+\s+([\w./-]+)[^)]*REQUIRED/g)) {
+            out.push({ what: `header ${m[1]} (${rel})`, file: [`/usr/include/${m[1]}`, `/usr/include/${multiarch}/${m[1]}`].find(existsSync) });
+        }
+        for (const m of t.matchAll(/find_library\(\s*\w+\s+(?:NAMES\s+)?([\w.-]+)[^)]*REQUIRED/g)) {
+            out.push({ what: `library ${m[1]} (${rel})`, file: [`/usr/lib/${multiarch}/lib${m[1]}.so`, `/usr/lib/lib${m[1]}.so`].find(existsSync) });
+        }
+        for (const m of t.matchAll(/find_program\(\s*\w+\s+(?:NAMES\s+)?([\w.-]+)[^)]*REQUIRED/g)) {
+            out.push({ what: `program ${m[1]} (${rel})`, file: which(m[1]) });
+        }
+    }
+    return out;
+}
+
+// Packages reachable through Depends/PreDepends from the named ones.
+function closure(pkgs) {
+    if (!pkgs.length) return new Set();
+    const r = run('apt-cache', ['depends', '--recurse', '--no-recommends', '--no-suggests', '--no-conflicts',
+        '--no-breaks', '--no-replaces', '--no-enhances', ...pkgs]);
+    return new Set(r.stdout.split('\n').filter((l) => l && !l.startsWith(' ') && !l.startsWith('<')).map((l) => l.trim()));
+}
+
+// What debian:bookworm-slim already has: the Essential and Priority: required packages.
+function basePackages() {
+    const r = run('dpkg-query', ['-W', '-f=${Package} ${Essential} ${Priority}\n']);
+    return new Set(r.stdout.split('\n').filter((l) => / yes | required$/.test(l)).map((l) => l.split(' ')[0]));
+}
+
+// ---- main ---------------------------------------------------------------------------------
+const dockerfile = path.join(src, 'deploy', 'Dockerfile');
+const text = readFileSync(dockerfile, 'utf8');
+const pk = checkShape(text, 'deploy/Dockerfile', c, sourceTargets);
+console.log(`build packages: ${pk.build.join(' ')}`);
+console.log(`runtime packages: ${pk.runtime.join(' ')}`);
+
+const ignore = path.join(src, 'deploy', 'Dockerfile.dockerignore');
+if (c.check(existsSync(ignore), 'deploy/Dockerfile.dockerignore', 'missing: the build context would include every build tree')) {
+    const lines = readFileSync(ignore, 'utf8').split('\n').map((l) => l.trim());
+    c.check(lines.some((l) => /^\/?build\*?\/?$/.test(l) || l === 'build*'), 'deploy/Dockerfile.dockerignore', 'does not exclude build*');
+    c.check(lines.includes('.git'), 'deploy/Dockerfile.dockerignore', 'does not exclude .git');
+}
+
+// Every package named exists in the apt lists (one apt-cache call for all).
+{
+    const named = [...new Set([...pk.build, ...pk.runtime])];
+    const known = new Set([...run('apt-cache', ['show', '--no-all-versions', ...named]).stdout.matchAll(/^Package: (\S+)/gm)].map((m) => m[1]));
+    for (const p of named) c.check(known.has(p), 'deploy/Dockerfile', `package ${p} is not in the apt lists`);
+}
+
+// Build dependencies.
+const buildSet = closure(pk.build);
+const devFiles = requiredDevFiles();
+const devOwners = ownersOf(devFiles.filter((d) => d.file).map((d) => d.file));
+for (const d of devFiles) {
+    if (!c.check(d.file, 'deploy/Dockerfile build stage', `${d.what}: not installed on this machine, cannot map it to a package`)) continue;
+    const owner = devOwners.get(d.file);
+    c.check(owner && buildSet.has(owner), 'deploy/Dockerfile build stage', `${d.what} comes from ${owner || '(no package)'}, which the build stage does not install`);
+}
+
+// Runtime libraries of the built binaries.
+const runSet = closure(pk.runtime);
+const base = basePackages();
+const SANITIZER = /^lib(asan|ubsan|tsan|lsan|hwasan)\d*$/;
+const neededOwners = new Set();
+if (!bins.length) console.log('NOTE: no --bin given: the runtime library check is skipped (build the service targets first)');
+for (const [name, p] of bins) {
+    if (!c.check(existsSync(p), `binary ${name}`, `${p} does not exist (build it first)`)) continue;
+    c.check(!pk.targets || pk.targets.includes(name), `binary ${name}`, 'is not among the Dockerfile build targets');
+    const r = run('ldd', [p]);
+    if (!c.check(r.status === 0, `binary ${name}`, `ldd failed: ${r.stderr}`)) continue;
+    const libs = [];
+    for (const line of r.stdout.split('\n')) {
+        const m = /^\s*(\S+)\s+=>\s+(\S+)/.exec(line) || /^\s*(\/\S+)\s+\(/.exec(line);
+        if (!m) continue;
+        const lib = m[1];
+        const file = m[2] && m[2] !== 'not' ? m[2] : m[1];
+        if (c.check(!/not found/.test(line), `binary ${name}`, `${lib} not found by ldd`)) libs.push([lib, file]);
+    }
+    const owners = ownersOf(libs.map(([, f]) => f));
+    for (const [lib, file] of libs) {
+        const owner = owners.get(file);
+        if (owner && SANITIZER.test(owner)) continue; // a sanitizer build's runtime, not the image's
+        c.check(owner && (runSet.has(owner) || base.has(owner)), `binary ${name}`,
+            `${lib} (${file}) comes from ${owner || '(no package)'}, which the runtime stage does not install`);
+        if (owner && !base.has(owner)) neededOwners.add(owner);
+    }
+    console.log(`checked ${name}: ${p}`);
+}
+// Self-test of the library mapping: dropping a runtime package that provides a
+// library the binaries load must leave that library uncovered.
+if (bins.length) {
+    // (Some are also pulled in by another listed package; at least one is not.)
+    const direct = [...neededOwners].filter((o) => pk.runtime.includes(o));
+    const caught = direct.filter((o) => !closure(pk.runtime.filter((x) => x !== o)).has(o));
+    c.check(caught.length > 0, 'self-test "runtime package dropped"',
+        `dropping any of ${direct.join(', ') || '(none)'} leaves every library covered: the check cannot fail`);
+}
+
+// Self-test: broken Dockerfiles must fail the shape checks.
+const MUTATIONS = [
+    ['single stage', (t) => t.replace(/FROM \$\{DEBIAN_IMAGE\} AS runtime[\s\S]*/, '')],
+    ['root user', (t) => t.replace(/^USER .*$/m, 'USER root')],
+    ['shell-form CMD', (t) => t.replace(/^CMD .*$/m, 'CMD tandem-decode --help')],
+    ['ubuntu base', (t) => t.replace('ARG DEBIAN_IMAGE=debian:bookworm-slim', 'ARG DEBIAN_IMAGE=ubuntu:22.04')],
+    ['recommends pulled in', (t) => t.replaceAll('--no-install-recommends', '')],
+    ['apt lists kept', (t) => t.replaceAll('rm -rf /var/lib/apt/lists/*', 'true')],
+    ['unknown target', (t) => t.replace('--target tandem-router', '--target tandem-routr')],
+    ['dev package at runtime', (t) => t.replace('libyaml-0-2 \\', 'libyaml-0-2 libyaml-dev \\')],
+];
+for (const [what, mutate] of MUTATIONS) {
+    const bad = mutate(text);
+    const probe = new Checker('probe');
+    if (!c.check(bad !== text, `self-test "${what}"`, 'the mutation did not apply (Dockerfile changed?)')) continue;
+    checkShape(bad, 'probe', probe, sourceTargets);
+    c.check(probe.errors.length > 0, `self-test "${what}"`, 'the checks did not notice');
+}
+c.report();

@@ -1,0 +1,436 @@
+// SPDX-License-Identifier: Apache-2.0
+// deploy_k8s: renders deploy/k8s/base and every overlay with `kubectl
+// kustomize`, validates each object offline against the Kubernetes schemas of
+// the pinned kubernetes-models packages (plus a strict unknown-field check, see
+// lib.mjs), and checks what the schemas cannot see: probes on /health, llm-d
+// role labels, headless Services that select exactly their role's pods on the
+// pods' real ports, HPAs aimed at existing Deployments, the router's ConfigMap
+// mounted as a directory (no subPath, no hash suffix), graceful-termination
+// timings consistent with the drain timeout, the model volume and init step,
+// Prometheus annotations and the PodMonitor, GPU resources in the gpu overlay
+// only, the router config's discovery names, and (when the binaries are built)
+// every flag in the manifests against the binary's --help. Finally it mutates
+// a rendered overlay in known-bad ways and requires each check to notice.
+//
+//   node k8s_test.mjs --source-dir REPO [--kubectl kubectl]
+//        [--bin tandem-decode=PATH ...]
+// Exit 0 pass, 1 fail, 77 skipped (kubectl absent).
+import { existsSync, readdirSync } from 'node:fs';
+import path from 'node:path';
+import { createRequire } from 'node:module';
+import YAML from 'yaml';
+import { Checker, checkFields, declarationOf, parseArgs, run, skip, which } from './lib.mjs';
+
+const require = createRequire(import.meta.url);
+const args = parseArgs(process.argv.slice(2), ['bin']);
+const src = args['source-dir'];
+if (!src) throw new Error('--source-dir is required');
+const kubectl = which(args.kubectl || 'kubectl');
+if (!kubectl) skip('kubectl not found (Debian: apt-get install kubernetes-client)');
+const bins = Object.fromEntries((args.bin || []).map((b) => b.split(/=(.*)/s).slice(0, 2)));
+
+// apiVersion/kind -> model module; anything else in the output is an error,
+// so no object escapes validation.
+const MODELS = {
+    'v1/Namespace': 'kubernetes-models/v1/Namespace',
+    'v1/ConfigMap': 'kubernetes-models/v1/ConfigMap',
+    'v1/Service': 'kubernetes-models/v1/Service',
+    'v1/PersistentVolumeClaim': 'kubernetes-models/v1/PersistentVolumeClaim',
+    'apps/v1/Deployment': 'kubernetes-models/apps/v1/Deployment',
+    'autoscaling/v2/HorizontalPodAutoscaler': 'kubernetes-models/autoscaling/v2/HorizontalPodAutoscaler',
+    'monitoring.coreos.com/v1/PodMonitor': '@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PodMonitor',
+};
+const ROLE = 'llm-d.ai/role';
+const WORKERS = ['prefill', 'decode'];
+
+// ---- rendering -----------------------------------------------------------------------
+function render(dir) {
+    const r = run(kubectl, ['kustomize', dir]);
+    if (r.status !== 0) throw new Error(`kubectl kustomize ${dir} failed:\n${r.stderr}`);
+    return YAML.parseAllDocuments(r.stdout).map((d) => {
+        if (d.errors.length) throw new Error(`${dir}: ${d.errors[0].message}`);
+        return d.toJS();
+    }).filter(Boolean);
+}
+
+function validateSchemas(objs, where, c) {
+    for (const o of objs) {
+        const key = `${o.apiVersion}/${o.kind}`;
+        const w = `${where} ${o.kind}/${o.metadata?.name}`;
+        const mod = MODELS[key];
+        if (!c.check(mod, w, `no schema for ${key} (add it to MODELS)`)) continue;
+        const cls = Object.values(require(mod)).find((v) => typeof v === 'function' && v.kind === o.kind);
+        try {
+            new cls(o).validate();
+            c.passed++;
+        } catch (e) {
+            c.fail(w, `schema: ${e.message}`);
+        }
+        checkFields(o, declarationOf(mod), w, (ww, m) => c.fail(ww, m));
+    }
+}
+
+// ---- helpers over rendered objects ---------------------------------------------------------
+const find = (objs, kind, name) => objs.find((o) => o.kind === kind && o.metadata?.name === name);
+const all = (objs, kind) => objs.filter((o) => o.kind === kind);
+const matches = (selector, labels) =>
+    !!selector && Object.keys(selector).length > 0 &&
+    Object.entries(selector).every(([k, v]) => labels?.[k] === v);
+const podLabels = (d) => d.spec?.template?.metadata?.labels || {};
+const podSpec = (d) => d.spec?.template?.spec || {};
+const containers = (d) => podSpec(d).containers || [];
+const allContainers = (d) => [...(podSpec(d).initContainers || []), ...containers(d)];
+
+// The value of --name=V or --name V in a container's args (string) or null.
+function flagValue(ct, name) {
+    const a = ct.args || [];
+    for (let i = 0; i < a.length; i++) {
+        if (a[i] === `--${name}`) return a[i + 1] ?? null;
+        if (a[i].startsWith(`--${name}=`)) return a[i].slice(name.length + 3);
+    }
+    return null;
+}
+
+// A probe/Service target port (name or number) -> the container port object.
+function resolvePort(d, port) {
+    for (const ct of containers(d)) {
+        for (const p of ct.ports || []) {
+            if (typeof port === 'number' ? p.containerPort === port : p.name === port) return p;
+        }
+    }
+    return null;
+}
+
+function preStopSleep(ct) {
+    const cmd = ct.lifecycle?.preStop?.exec?.command;
+    if (cmd && cmd[0] === 'sleep') return Number(cmd[1]);
+    if (ct.lifecycle?.preStop?.sleep) return Number(ct.lifecycle.preStop.sleep.seconds);
+    return 0;
+}
+
+// ---- the checks ---------------------------------------------------------------------------
+function checkRender(objs, overlay, c) {
+    const W = (what) => `${overlay}: ${what}`;
+    const deps = all(objs, 'Deployment');
+    const router = find(objs, 'Deployment', 'tandem-router');
+    c.check(router, W('Deployment/tandem-router'), 'missing');
+
+    for (const o of objs) {
+        if (o.kind !== 'Namespace') {
+            c.check(o.metadata?.namespace === 'tandem', W(`${o.kind}/${o.metadata?.name}`),
+                `namespace is ${o.metadata?.namespace}, expected tandem (DNS discovery needs one namespace)`);
+        }
+    }
+
+    // Every Deployment: probes on /health over a declared port, resources, non-root, one image.
+    const images = new Set();
+    for (const d of deps) {
+        const w = W(`Deployment/${d.metadata.name}`);
+        c.check(matches(d.spec?.selector?.matchLabels, podLabels(d)), w, 'selector does not match the pod template labels');
+        c.check(podSpec(d).securityContext?.runAsNonRoot === true, w, 'pod securityContext.runAsNonRoot is not true');
+        for (const ct of allContainers(d)) {
+            images.add(ct.image);
+            const r = ct.resources || {};
+            for (const res of ['cpu', 'memory']) {
+                c.check(r.requests?.[res] && r.limits?.[res], `${w} container ${ct.name}`, `resources.requests/limits.${res} missing`);
+            }
+        }
+        for (const ct of containers(d)) {
+            const wc = `${w} container ${ct.name}`;
+            for (const kind of ['readinessProbe', 'livenessProbe']) {
+                const pr = ct[kind]?.httpGet;
+                if (c.check(pr, wc, `${kind} is not an httpGet probe`)) {
+                    c.check(pr.path === '/health', wc, `${kind} path is ${pr.path}, expected /health`);
+                    c.check(resolvePort(d, pr.port), wc, `${kind} port ${pr.port} is not a container port`);
+                }
+            }
+            // Graceful termination: the preStop sleep plus the drain must fit in the
+            // grace period, and liveness must not kill a pod while it drains (503).
+            const drain = Number(flagValue(ct, 'drain-timeout') ?? 30);
+            const grace = podSpec(d).terminationGracePeriodSeconds ?? 30;
+            const sleep = preStopSleep(ct);
+            c.check(sleep > 0, wc, 'no preStop delay: the pod would get SIGTERM before the router stops sending to it');
+            c.check(grace > sleep + drain, wc, `terminationGracePeriodSeconds ${grace} <= preStop ${sleep} + drain-timeout ${drain}`);
+            const lv = ct.livenessProbe || {};
+            const tolerate = (lv.periodSeconds ?? 10) * (lv.failureThreshold ?? 3);
+            c.check(tolerate > drain, wc, `liveness gives up after ${tolerate}s, before the ${drain}s drain ends`);
+        }
+    }
+    c.check(images.size === 1, W('images'), `containers use ${images.size} images (${[...images].join(', ')}), expected one`);
+
+    // Workers: role labels, startup probe for the model load, model volume + download.
+    const pvcs = new Set(all(objs, 'PersistentVolumeClaim').map((p) => p.metadata.name));
+    const cms = new Map(all(objs, 'ConfigMap').map((m) => [m.metadata.name, m]));
+    for (const role of WORKERS) {
+        const d = find(objs, 'Deployment', `tandem-${role}`);
+        const w = W(`Deployment/tandem-${role}`);
+        if (!c.check(d, w, 'missing')) continue;
+        c.check(d.metadata.labels?.[ROLE] === role, w, `metadata label ${ROLE} is not ${role}`);
+        c.check(podLabels(d)[ROLE] === role, w, `pod label ${ROLE} is not ${role}`);
+        const main = containers(d)[0];
+        c.check(main?.command?.[0] === `tandem-${role}`, w, `first container runs ${main?.command?.[0]}, expected tandem-${role}`);
+        c.check(main?.startupProbe?.httpGet?.path === '/health', w, 'no startupProbe on /health (liveness would kill a pod loading its model)');
+        const vols = podSpec(d).volumes || [];
+        const mv = vols.find((v) => v.persistentVolumeClaim);
+        if (c.check(mv, w, 'no PersistentVolumeClaim volume for the model')) {
+            c.check(pvcs.has(mv.persistentVolumeClaim.claimName), w, `PVC ${mv.persistentVolumeClaim.claimName} is not in the output`);
+            const mm = main.volumeMounts?.find((m) => m.name === mv.name);
+            c.check(mm && mm.readOnly === true, w, 'the serving container does not mount the model volume read-only');
+        }
+        const init = (podSpec(d).initContainers || []).find((ic) => (ic.args || []).join(' ').includes('tandem-download') ||
+            (ic.command || []).includes('tandem-download'));
+        if (c.check(init, w, 'no init container runs tandem-download')) {
+            c.check(init.volumeMounts?.some((m) => m.name === mv?.name && !m.readOnly), w, 'download init container does not mount the model volume writable');
+            const tok = init.env?.find((e) => e.name === 'HF_TOKEN');
+            c.check(tok?.valueFrom?.secretKeyRef?.optional === true, w, 'HF_TOKEN must come from a Secret marked optional');
+            c.check(init.env?.some((e) => e.name === 'HF_HOME'), w, 'HF_HOME not set for the download');
+        }
+        // $(VAR) in args must be defined by env or envFrom of that container.
+        for (const ct of allContainers(d)) {
+            const names = new Set((ct.env || []).map((e) => e.name));
+            for (const ef of ct.envFrom || []) {
+                const cm = cms.get(ef.configMapRef?.name);
+                if (c.check(cm, `${w} container ${ct.name}`, `envFrom ConfigMap ${ef.configMapRef?.name} is not in the output`)) {
+                    Object.keys(cm.data || {}).forEach((k) => names.add(k));
+                }
+            }
+            for (const a of ct.args || []) {
+                for (const m of a.matchAll(/\$\(([A-Za-z_][A-Za-z0-9_]*)\)/g)) {
+                    c.check(names.has(m[1]), `${w} container ${ct.name}`, `args use $(${m[1]}), which no env defines`);
+                }
+            }
+        }
+    }
+
+    // Headless discovery Services select exactly their role's pods, on the pods' real ports.
+    for (const role of WORKERS) {
+        const s = find(objs, 'Service', `tandem-${role}`);
+        const w = W(`Service/tandem-${role}`);
+        if (!c.check(s, w, 'missing')) continue;
+        c.check(s.spec?.clusterIP === 'None', w, 'not headless (clusterIP: None): DNS would return one virtual IP, not the pods');
+        c.check(s.spec?.selector?.[ROLE] === role, w, `selector lacks ${ROLE}=${role}`);
+        const sel = deps.filter((d) => matches(s.spec?.selector, podLabels(d)));
+        c.check(sel.length === 1 && sel[0].metadata.name === `tandem-${role}`, w,
+            `selects ${sel.map((d) => d.metadata.name).join(', ') || 'no Deployment'}, expected tandem-${role} only`);
+        for (const p of s.spec?.ports || []) {
+            const cp = sel[0] && resolvePort(sel[0], p.targetPort ?? p.port);
+            if (c.check(cp, w, `port ${p.name} targets ${p.targetPort}, not a container port`)) {
+                // Clients of a headless Service connect to pod IPs: the port must be the container's.
+                c.check(cp.containerPort === p.port, w, `port ${p.name} is ${p.port} but the container listens on ${cp.containerPort}`);
+            }
+        }
+    }
+    const rs = find(objs, 'Service', 'tandem-router');
+    if (c.check(rs, W('Service/tandem-router'), 'missing') && router) {
+        const sel = deps.filter((d) => matches(rs.spec?.selector, podLabels(d)));
+        c.check(sel.length === 1 && sel[0] === router, W('Service/tandem-router'), 'does not select the router pods only');
+        for (const p of rs.spec?.ports || []) {
+            c.check(resolvePort(router, p.targetPort ?? p.port), W('Service/tandem-router'), `port ${p.name} targets no container port`);
+        }
+    }
+
+    // Autoscalers: one per worker role, aimed at an existing Deployment.
+    const hpas = all(objs, 'HorizontalPodAutoscaler');
+    for (const h of hpas) {
+        const w = W(`HorizontalPodAutoscaler/${h.metadata.name}`);
+        const t = h.spec?.scaleTargetRef || {};
+        c.check(t.kind === 'Deployment' && t.apiVersion === 'apps/v1' && find(objs, 'Deployment', t.name), w,
+            `scaleTargetRef ${t.apiVersion}/${t.kind}/${t.name} is not a Deployment in the output`);
+        c.check((h.spec?.minReplicas ?? 1) <= h.spec?.maxReplicas, w, 'minReplicas > maxReplicas');
+        const target = find(objs, 'Deployment', t.name);
+        if (target && (h.spec?.metrics || []).some((m) => m.resource?.name === 'cpu')) {
+            c.check(containers(target).every((ct) => ct.resources?.requests?.cpu), w, 'CPU utilisation needs cpu requests on every container');
+        }
+    }
+    for (const role of WORKERS) {
+        c.check(hpas.some((h) => h.spec?.scaleTargetRef?.name === `tandem-${role}`), W(`HPA for ${role}`), 'missing');
+    }
+
+    // Router config: a ConfigMap mounted as a directory, never by subPath, with a fixed name.
+    if (router) {
+        const ct = containers(router)[0];
+        const cfg = flagValue(ct, 'config');
+        const w = W('Deployment/tandem-router');
+        if (c.check(cfg, w, 'no --config flag')) {
+            const dir = path.posix.dirname(cfg);
+            const mount = (ct.volumeMounts || []).find((m) => m.mountPath === dir || m.mountPath === cfg);
+            if (c.check(mount, w, `nothing is mounted at ${dir}`)) {
+                c.check(!mount.subPath && !mount.subPathExpr, w,
+                    'the config is mounted with subPath: the kubelet never updates such a mount, so a hot reload would never see changes');
+                c.check(mount.mountPath === dir, w, `mount at ${mount.mountPath}: mount the directory ${dir}`);
+                const vol = (podSpec(router).volumes || []).find((v) => v.name === mount.name);
+                const cmName = vol?.configMap?.name;
+                const cm = cms.get(cmName);
+                if (c.check(cm, w, `config volume is not a ConfigMap in the output (${cmName})`)) {
+                    c.check(cmName === 'tandem-router-config', w,
+                        `ConfigMap is named ${cmName}: a hash suffix makes every edit a new ConfigMap and a router rollout`);
+                    const key = path.posix.basename(cfg);
+                    const items = vol.configMap.items;
+                    c.check(items ? items.some((i) => i.path === key) : key in (cm.data || {}), w, `ConfigMap has no ${key}`);
+                    if (cm.data?.[key]) checkRouterConfig(cm.data[key], objs, W(`ConfigMap/${cmName}`), c);
+                }
+            }
+        }
+    }
+
+    // Prometheus: annotations on every pod and a PodMonitor selecting them all.
+    const pms = all(objs, 'PodMonitor');
+    c.check(pms.length >= 1, W('PodMonitor'), 'missing');
+    for (const d of deps) {
+        const w = W(`Deployment/${d.metadata.name}`);
+        const an = d.spec?.template?.metadata?.annotations || {};
+        c.check(an['prometheus.io/scrape'] === 'true', w, 'pod annotation prometheus.io/scrape is not "true"');
+        const http = resolvePort(d, 'http');
+        c.check(http && an['prometheus.io/port'] === String(http.containerPort), w,
+            `prometheus.io/port ${an['prometheus.io/port']} is not the http container port ${http?.containerPort}`);
+        c.check(an['prometheus.io/path'] === '/metrics', w, 'prometheus.io/path is not /metrics');
+        const pm = pms.find((p) => matches(p.spec?.selector?.matchLabels, podLabels(d)));
+        if (c.check(pm, w, 'no PodMonitor selects these pods')) {
+            for (const ep of pm.spec.podMetricsEndpoints || []) {
+                c.check(resolvePort(d, ep.port), w, `PodMonitor endpoint port ${ep.port} is not a container port here`);
+            }
+        }
+    }
+
+    // GPU: the gpu overlay gives each worker a GPU on GPU nodes; nothing else asks for one.
+    const gpu = overlay.endsWith('gpu');
+    for (const d of deps) {
+        const w = W(`Deployment/${d.metadata.name}`);
+        const worker = WORKERS.some((r) => d.metadata.name === `tandem-${r}`);
+        const main = containers(d)[0] || {};
+        const n = Number(main.resources?.limits?.['nvidia.com/gpu'] ?? 0);
+        if (gpu && worker) {
+            c.check(n >= 1, w, 'no nvidia.com/gpu limit');
+            c.check((podSpec(d).tolerations || []).some((t) => t.key === 'nvidia.com/gpu'), w, 'no toleration for nvidia.com/gpu');
+            c.check(Object.keys(podSpec(d).nodeSelector || {}).some((k) => k.startsWith('nvidia.com/')), w, 'no GPU node selector');
+            c.check(/cuda/.test(main.image || ''), w, `image ${main.image} is not a CUDA build`);
+        } else {
+            c.check(n === 0, w, 'asks for nvidia.com/gpu outside the gpu overlay workers');
+        }
+    }
+}
+
+// The router's config names the headless Services with their roles and ports.
+function checkRouterConfig(text, objs, w, c) {
+    let cfg;
+    try {
+        cfg = YAML.parse(text);
+    } catch (e) {
+        c.fail(w, `router.yaml is not YAML: ${e.message}`);
+        return;
+    }
+    const dns = cfg?.endpoints?.dns || [];
+    for (const role of WORKERS) {
+        const e = dns.find((x) => x.role === role);
+        if (!c.check(e, w, `router.yaml has no DNS endpoint with role ${role}`)) continue;
+        const s = find(objs, 'Service', e.name);
+        if (!c.check(s && s.spec?.clusterIP === 'None', w, `DNS name ${e.name} is not a headless Service in the output`)) continue;
+        c.check(s.spec.selector?.[ROLE] === role, w, `DNS name ${e.name} (role ${role}) selects ${ROLE}=${s.spec.selector?.[ROLE]}`);
+        const ports = (s.spec.ports || []).map((p) => p.port);
+        c.check(ports.includes(e.httpPort), w, `${e.name}: httpPort ${e.httpPort} is not a port of the Service (${ports})`);
+        if (role === 'prefill' || e.nngPort !== undefined) {
+            c.check(ports.includes(e.nngPort), w, `${e.name}: nngPort ${e.nngPort} is not a port of the Service (${ports})`);
+        }
+    }
+}
+
+// Every --flag a container passes must be in its binary's --help (when built).
+function checkFlags(objs, overlay, c) {
+    const helps = {};
+    const helpOf = (bin) => {
+        if (!(bin in helps)) {
+            const p = bins[bin];
+            if (!p) return (helps[bin] = null);
+            if (!existsSync(p)) {
+                c.fail(`${overlay}: ${bin}`, `${p} does not exist (build the service targets first)`);
+                return (helps[bin] = null);
+            }
+            const r = run(p, ['--help']);
+            helps[bin] = new Set(`${r.stdout}\n${r.stderr}`.match(/--[a-z][a-z0-9-]*/g) || []);
+        }
+        return helps[bin];
+    };
+    const checkCall = (bin, flags, w) => {
+        const h = helpOf(bin);
+        if (h === null) return;
+        for (const f of flags) c.check(h.has(f), w, `${bin} has no flag ${f} (its --help does not list it)`);
+    };
+    for (const d of all(objs, 'Deployment')) {
+        for (const ct of allContainers(d)) {
+            const w = `${overlay}: Deployment/${d.metadata.name} container ${ct.name}`;
+            const cmd = ct.command || [];
+            if (cmd[0]?.startsWith('tandem-')) {
+                checkCall(cmd[0], [...cmd.slice(1), ...(ct.args || [])].filter((a) => a.startsWith('--')).map((a) => a.split('=')[0]), w);
+            } else {
+                // A shell script: each line calling a tandem-* binary.
+                for (const line of (ct.args || []).join('\n').split('\n')) {
+                    const m = /^\s*(tandem-[a-z]+)\s+(.*)$/.exec(line);
+                    if (m) checkCall(m[1], (m[2].match(/(?<=^|\s)--[a-z][a-z0-9-]*/g) || []), w);
+                }
+            }
+        }
+    }
+}
+
+// ---- main --------------------------------------------------------------------------------
+const c = new Checker('deploy_k8s');
+const k8s = path.join(src, 'deploy', 'k8s');
+const overlaysDir = path.join(k8s, 'overlays');
+const targets = [['base', path.join(k8s, 'base')],
+    ...readdirSync(overlaysDir).filter((n) => existsSync(path.join(overlaysDir, n, 'kustomization.yaml')))
+        .map((n) => [`overlays/${n}`, path.join(overlaysDir, n)])];
+c.check(targets.some(([n]) => n === 'overlays/cpu') && targets.some(([n]) => n === 'overlays/gpu'), 'overlays', 'cpu and gpu overlays expected');
+const rendered = {};
+for (const [name, dir] of targets) {
+    try {
+        rendered[name] = render(dir);
+    } catch (e) {
+        c.fail(name, e.message);
+        continue;
+    }
+    console.log(`rendered ${name}: ${rendered[name].length} objects`);
+    validateSchemas(rendered[name], name, c);
+    checkRender(rendered[name], name, c);
+    checkFlags(rendered[name], name, c);
+}
+for (const b of Object.keys(bins)) console.log(`flags checked against ${b} --help`);
+
+// Self-test: each mutation of a good render must be caught by checkRender.
+const MUTATIONS = [
+    ['readiness probe removed', 'overlays/cpu', (o) => delete find(o, 'Deployment', 'tandem-decode').spec.template.spec.containers[0].readinessProbe],
+    ['liveness path changed', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-prefill').spec.template.spec.containers[0].livenessProbe.httpGet.path = '/healthz')],
+    ['role label swapped', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-decode').spec.template.metadata.labels[ROLE] = 'prefill')],
+    ['headless Service given a cluster IP', 'overlays/cpu', (o) => delete find(o, 'Service', 'tandem-prefill').spec.clusterIP],
+    ['Service port differs from the container', 'overlays/cpu', (o) => (find(o, 'Service', 'tandem-decode').spec.ports[0].port = 80)],
+    ['HPA aimed at a missing Deployment', 'overlays/cpu', (o) => (find(o, 'HorizontalPodAutoscaler', 'tandem-decode').spec.scaleTargetRef.name = 'tandem-decoder')],
+    ['config mounted with subPath', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-router').spec.template.spec.containers[0].volumeMounts[0].subPath = 'router.yaml')],
+    ['grace period shorter than the drain', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-decode').spec.template.spec.terminationGracePeriodSeconds = 20)],
+    ['GPU limit dropped', 'overlays/gpu', (o) => delete find(o, 'Deployment', 'tandem-decode').spec.template.spec.containers[0].resources.limits['nvidia.com/gpu']],
+    ['GPU asked for in the cpu overlay', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-prefill').spec.template.spec.containers[0].resources.limits['nvidia.com/gpu'] = 1)],
+    ['prometheus port annotation wrong', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-router').spec.template.metadata.annotations['prometheus.io/port'] = '9090')],
+    ['HF token Secret not optional', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-decode').spec.template.spec.initContainers[0].env.find((e) => e.name === 'HF_TOKEN').valueFrom.secretKeyRef.optional = false)],
+];
+for (const [what, overlay, mutate] of MUTATIONS) {
+    if (!rendered[overlay]) continue;
+    const copy = structuredClone(rendered[overlay]);
+    try {
+        mutate(copy);
+    } catch (e) {
+        c.fail(`self-test "${what}"`, `cannot apply the mutation (${e.message})`);
+        continue;
+    }
+    const probe = new Checker('probe');
+    checkRender(copy, overlay, probe);
+    c.check(probe.errors.length > 0, `self-test "${what}"`, 'the checks did not notice');
+}
+// The strict field check must catch a misspelt field.
+{
+    const probe = new Checker('probe');
+    const d = structuredClone(find(rendered['overlays/cpu'] || [], 'Deployment', 'tandem-decode') || {});
+    if (d.spec) {
+        d.spec.template.spec.containers[0].readinesProbe = {};
+        checkFields(d, declarationOf(MODELS['apps/v1/Deployment']), 'probe', (w, m) => probe.fail(w, m));
+        c.check(probe.errors.length === 1, 'self-test "misspelt field"', `strict field check reported ${probe.errors.length} errors`);
+    }
+}
+c.report();
