@@ -96,20 +96,26 @@ EOF
 echo "cold start to /health 200: ${COLD_S} s"
 grep "ready" "$OUT/server.log" || true
 
+# ---- tandem-generate at batch 1 (the same lengths, no server) ---------------------------
+# Run right before and right after the concurrency-1 run (the mean is used), so
+# that a machine shared with other work disturbs both sides alike.
+PROMPT_IDS=$("$PY" -c "print(','.join(str(1000 + 37 * i % 50000) for i in range($INPUT_LEN)))")
+run_generate() {
+    "$GENERATE" --model "$MODEL" --prompt-ids "$PROMPT_IDS" --max-tokens "$OUTPUT_LEN" \
+        --ignore-eos --threads "$THREADS" --json >"$OUT/generate$1.json"
+}
+
 # ---- serving at concurrency 1, 8, 32 -------------------------------------------------
 for C in 1 8 32; do
-    N=$((C * 4))
+    [ "$C" = 1 ] && run_generate 1
+    N=$((C * 2))
     [ "$N" -lt 8 ] && N=8
     "$BENCH" --base-url "http://127.0.0.1:$PORT" --model Qwen/Qwen2.5-0.5B-Instruct \
         --tokenizer "$MODEL" --dataset random --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
         --num-prompts "$N" --max-concurrency "$C" --percentiles 50,99 --seed 1 \
         --json "$OUT/c$C.json" >"$OUT/c$C.txt" 2>&1 || { cat "$OUT/c$C.txt"; exit 1; }
+    [ "$C" = 1 ] && run_generate 2
 done
-
-# ---- tandem-generate at batch 1 (the same lengths, no server) ---------------------------
-PROMPT_IDS=$("$PY" -c "print(','.join(str(1000 + 37 * i % 50000) for i in range($INPUT_LEN)))")
-"$GENERATE" --model "$MODEL" --prompt-ids "$PROMPT_IDS" --max-tokens "$OUTPUT_LEN" --ignore-eos \
-    --threads "$THREADS" --json >"$OUT/generate.json"
 
 "$PY" - "$OUT" "$COLD_S" <<'EOF'
 import json, sys
@@ -124,17 +130,20 @@ for c in (1, 8, 32):
     print("%-6d %7.1fms %7.1fms %7.1fms %7.1fms %12.1f %8d" % (
         c, j["p50_ttft_ms"], j["p99_ttft_ms"], j["p50_itl_ms"], j["p99_itl_ms"],
         j["output_throughput"], j.get("failed", 0)))
-g = json.load(open("%s/generate.json" % out))["timings"]
-gen_tps = g["decode_tokens_per_s"]
+gens = [json.load(open("%s/generate%d.json" % (out, i)))["timings"] for i in (1, 2)]
+gen_tps = sum(g["decode_tokens_per_s"] for g in gens) / 2
+load_s = min(g["load_s"] for g in gens)
 srv_tps = 1000.0 / rows[1]["mean_tpot_ms"] if rows[1]["mean_tpot_ms"] > 0 else 0.0
 print()
 print("server decode at concurrency 1: %.2f tok/s (1 / mean TPOT %.1f ms)" %
       (srv_tps, rows[1]["mean_tpot_ms"]))
-print("tandem-generate decode:         %.2f tok/s" % gen_tps)
+print("tandem-generate decode:         %.2f tok/s (mean of %.2f before and %.2f after)" %
+      (gen_tps, gens[0]["decode_tokens_per_s"], gens[1]["decode_tokens_per_s"]))
 print("ratio server / generate:        %.3f (1.0 = no serving overhead)" %
       (srv_tps / gen_tps if gen_tps > 0 else 0.0))
 print("batching: output tok/s at 32 / at 1 = %.2f" %
       (rows[32]["output_throughput"] / rows[1]["output_throughput"]))
-print("cold start to /health 200: %.3f s" % cold)
+print("cold start to /health 200: %.3f s (tandem-generate's model load alone: %.3f s)" %
+      (cold, load_s))
 print("results in %s" % out)
 EOF
