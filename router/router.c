@@ -1,0 +1,1793 @@
+// SPDX-License-Identifier: Apache-2.0
+// router: the request path of tandem-router (see router.h). HTTP worker threads
+// parse, tokenize, route and then read their choices' upstream streams; the
+// inbox thread files incoming TokenChunks into those streams (by request id,
+// checking the sender's instance id) and LoadReports into the endpoint
+// registry; the poller thread sends LoadQuery to every endpoint. Per-endpoint
+// liveness (last report time and instance id) is kept here, keyed by the
+// registry's endpoint id; a new instance id means the worker restarted, so its
+// prefix index is cleared and streams bound to the old instance fail at once.
+//
+// The OpenAI response shaping (detokenization, stop strings, logprobs, echo,
+// usage, SSE) follows the decode worker's direct path (decode/decode.c) so that
+// text through the router equals text from the decode worker alone.
+#include "router.h"
+
+#include <cjson/cJSON.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "chat.h"
+#include "control.h"
+#include "core.h"
+#include "hf.h"
+#include "http.h"
+#include "metrics.h"
+#include "openai.h"
+#include "pd_codec.h"
+#include "tokenizer.h"
+#include "transport.h"
+
+#define MOD "router"
+#define MAX_EPS 512
+#define DECODE_ATTEMPTS 3
+
+// ---- options --------------------------------------------------------------------------------
+void tdm_router_opts_default(struct tdm_router_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    snprintf(o->host, sizeof o->host, "0.0.0.0");
+    o->port = 8000;
+    snprintf(o->nng_url, sizeof o->nng_url, "tcp://127.0.0.1:0");
+    o->http_threads = 256;
+    o->max_body_bytes = 16u << 20;
+    snprintf(o->log_level, sizeof o->log_level, "info");
+    o->watch = true;
+    o->liveness_timeout = 1.0;
+    o->load_interval = 0.2;
+}
+
+const char *tdm_router_usage(void)
+{
+    return "usage: tandem-router --config FILE --model DIR [options]\n"
+           "  --config FILE            routing config (docs/router-config.md); hot reloaded\n"
+           "  --model DIR              model folder for the tokenizer, chat template, config.json\n"
+           "  --served-model-name NAME name in requests and responses\n"
+           "  --chat-template FILE     override the tokenizer's chat template\n"
+           "  --host ADDR --port N     HTTP listen address (default 0.0.0.0:8000)\n"
+           "  --nng-url URL            the router's nng inbox (default tcp://127.0.0.1:0)\n"
+           "  --api-key KEY            require Authorization: Bearer KEY\n"
+           "  --http-threads N         concurrent HTTP requests (default 256)\n"
+           "  --max-body-bytes N       request body limit (default 16777216)\n"
+           "  --max-model-len N        context length (default config.json's)\n"
+           "  --liveness-timeout S     worker silent this long mid-stream = lost (default 1)\n"
+           "  --load-interval S        load query period (default 0.2)\n"
+           "  --no-watch-config        reload only on SIGHUP\n"
+           "  --log-level LEVEL        err|warn|info|debug (default info)\n";
+}
+
+static int set_str(char *dst, size_t cap, const char *flag, const char *v, char *err,
+                   size_t errlen)
+{
+    if (strlen(v) >= cap)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: value too long", flag);
+    snprintf(dst, cap, "%s", v);
+    return TDM_OK;
+}
+
+static int set_num(double *out, const char *flag, const char *v, double lo, double hi, char *err,
+                   size_t errlen)
+{
+    char *end = NULL;
+    double x = strtod(v, &end);
+    if (end == v || *end != '\0' || !(x >= lo && x <= hi))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a number in [%g, %g], got \"%s\"",
+                          flag, lo, hi, v);
+    *out = x;
+    return TDM_OK;
+}
+
+int tdm_router_opts_parse_args(struct tdm_router_opts *o, int argc, char **argv, char *err,
+                               size_t errlen)
+{
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0)
+            return 1;
+        if (strcmp(a, "--no-watch-config") == 0) {
+            o->watch = false;
+            continue;
+        }
+        if (strcmp(a, "--watch-config") == 0) {
+            o->watch = true;
+            continue;
+        }
+        if (strncmp(a, "--", 2) != 0)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "unexpected argument \"%s\"", a);
+        char name[64];
+        const char *v = NULL;
+        const char *eq = strchr(a, '=');
+        size_t nl = eq ? (size_t)(eq - a) : strlen(a);
+        if (nl >= sizeof name)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "unknown option \"%s\"", a);
+        memcpy(name, a, nl);
+        name[nl] = '\0';
+        if (eq)
+            v = eq + 1;
+        else if (i + 1 < argc)
+            v = argv[++i];
+        else
+            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: missing value", name);
+        double x = 0;
+        int rc = TDM_OK;
+        if (strcmp(name, "--config") == 0)
+            rc = set_str(o->config, sizeof o->config, name, v, err, errlen);
+        else if (strcmp(name, "--model") == 0)
+            rc = set_str(o->model, sizeof o->model, name, v, err, errlen);
+        else if (strcmp(name, "--served-model-name") == 0)
+            rc = set_str(o->served_model_name, sizeof o->served_model_name, name, v, err, errlen);
+        else if (strcmp(name, "--chat-template") == 0)
+            rc = set_str(o->chat_template, sizeof o->chat_template, name, v, err, errlen);
+        else if (strcmp(name, "--host") == 0)
+            rc = set_str(o->host, sizeof o->host, name, v, err, errlen);
+        else if (strcmp(name, "--nng-url") == 0)
+            rc = set_str(o->nng_url, sizeof o->nng_url, name, v, err, errlen);
+        else if (strcmp(name, "--api-key") == 0)
+            rc = set_str(o->api_key, sizeof o->api_key, name, v, err, errlen);
+        else if (strcmp(name, "--log-level") == 0)
+            rc = set_str(o->log_level, sizeof o->log_level, name, v, err, errlen);
+        else if (strcmp(name, "--port") == 0) {
+            rc = set_num(&x, name, v, 0, 65535, err, errlen);
+            o->port = (int)x;
+        } else if (strcmp(name, "--http-threads") == 0) {
+            rc = set_num(&x, name, v, 1, 4096, err, errlen);
+            o->http_threads = (int)x;
+        } else if (strcmp(name, "--max-body-bytes") == 0) {
+            rc = set_num(&x, name, v, 1024, 1e12, err, errlen);
+            o->max_body_bytes = (size_t)x;
+        } else if (strcmp(name, "--max-model-len") == 0) {
+            rc = set_num(&x, name, v, 0, 1e9, err, errlen);
+            o->max_model_len = (int)x;
+        } else if (strcmp(name, "--liveness-timeout") == 0)
+            rc = set_num(&o->liveness_timeout, name, v, 0.05, 3600, err, errlen);
+        else if (strcmp(name, "--load-interval") == 0)
+            rc = set_num(&o->load_interval, name, v, 0.01, 60, err, errlen);
+        else
+            return tdm_seterr(err, errlen, TDM_EINVAL, "unknown option \"%s\"", name);
+        if (rc != TDM_OK)
+            return rc;
+    }
+    if (o->config[0] == '\0')
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--config FILE is required");
+    if (o->model[0] == '\0')
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--model DIR is required");
+    return TDM_OK;
+}
+
+// ---- server state ------------------------------------------------------------------------------
+// Liveness of one endpoint as seen through its load reports.
+struct ep_live {
+    uint64_t id;        // registry endpoint id (0 = free slot)
+    uint64_t instance;  // the worker's instance id from its last report
+    double last_report; // tdm_now() of the last report
+};
+
+// One choice's upstream stream: chunks the inbox thread received for it.
+struct rstream {
+    struct rstream *next;
+    char request_id[128];
+    uint64_t ep_id;
+    uint64_t instance; // the decode worker's instance (0 until known)
+    double started;
+    Tandem__TokenChunk **q; // [qn] received, not yet read (under s->mu)
+    size_t qn, qcap;
+    bool overflow;
+};
+
+struct tdm_router_server {
+    struct tdm_router_opts o;
+    uint64_t instance;
+    struct tdm_http_server *http;
+    struct tdm_metrics_registry *reg;
+    struct tdm_router_control *ctl;
+    struct tdm_router_metrics *rm; // the control plane's (may be NULL)
+    struct tdm_net_inbox *inbox;
+    struct tdm_net_outbox *outbox;
+    pthread_t rx_thread, poll_thread;
+    bool rx_started, poll_started;
+    atomic_bool stopping;
+
+    // text side
+    struct tdm_tokenizer *tok;
+    struct tdm_chat_template *chat;
+    char chat_err[256];
+    struct tdm_generation_config gen;
+    struct tdm_oai_model_info info;
+    char served_name[256];
+    int max_model_len;
+    int32_t eos_ids[2 * TDM_MAX_EOS];
+    int num_eos;
+    int64_t created;
+
+    pthread_mutex_t mu; // streams and their queues
+    pthread_cond_t cv;  // broadcast when any stream got a chunk
+    struct rstream *streams;
+
+    pthread_mutex_t live_mu;
+    struct ep_live live[MAX_EPS];
+
+    struct tdm_metrics_counter *m_requests_by; // {decision, endpoint}
+    struct tdm_metrics_counter *m_lost;        // decode lost mid-stream
+};
+
+int tdm_router_server_port(const struct tdm_router_server *s)
+{
+    return tdm_http_server_port(s->http);
+}
+
+const char *tdm_router_server_nng_url(const struct tdm_router_server *s)
+{
+    return tdm_net_inbox_url(s->inbox);
+}
+
+int tdm_router_server_reload(struct tdm_router_server *s, char *err, size_t errlen)
+{
+    return tdm_router_control_reload(s->ctl, err, errlen);
+}
+
+static void nng_url_of(const char *host, int port, char *out, size_t cap)
+{
+    if (strchr(host, ':'))
+        snprintf(out, cap, "tcp://[%s]:%d", host, port);
+    else
+        snprintf(out, cap, "tcp://%s:%d", host, port);
+}
+
+static struct ep_live *live_find(struct tdm_router_server *s, uint64_t id, bool create)
+{
+    struct ep_live *free_slot = NULL;
+    for (int i = 0; i < MAX_EPS; i++) {
+        if (s->live[i].id == id)
+            return &s->live[i];
+        if (s->live[i].id == 0 && free_slot == NULL)
+            free_slot = &s->live[i];
+    }
+    if (create && free_slot) {
+        memset(free_slot, 0, sizeof *free_slot);
+        free_slot->id = id;
+        return free_slot;
+    }
+    return NULL;
+}
+
+// The endpoint's instance and last report time (0/0 when never heard of).
+static void live_get(struct tdm_router_server *s, uint64_t id, uint64_t *instance, double *last)
+{
+    pthread_mutex_lock(&s->live_mu);
+    struct ep_live *l = live_find(s, id, false);
+    *instance = l ? l->instance : 0;
+    *last = l ? l->last_report : 0;
+    pthread_mutex_unlock(&s->live_mu);
+}
+
+// ---- inbox and poller threads ------------------------------------------------------------------
+static struct rstream *stream_find(struct tdm_router_server *s, const char *id)
+{
+    for (struct rstream *st = s->streams; st; st = st->next)
+        if (strcmp(st->request_id, id) == 0)
+            return st;
+    return NULL;
+}
+
+static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f)
+{
+    Tandem__TokenChunk *m = tandem__token_chunk__unpack(NULL, f->msg_len, f->msg);
+    if (m == NULL)
+        return;
+    if (m->to_instance != s->instance) {
+        tandem__token_chunk__free_unpacked(m, NULL);
+        return;
+    }
+    pthread_mutex_lock(&s->mu);
+    struct rstream *st = stream_find(s, m->request_id);
+    if (st && st->instance == 0)
+        st->instance = m->from_instance;
+    if (st && st->instance == m->from_instance) {
+        if (st->qn == st->qcap) {
+            size_t cap = st->qcap ? st->qcap * 2 : 16;
+            Tandem__TokenChunk **q = cap < 1u << 20 ? realloc(st->q, cap * sizeof *q) : NULL;
+            if (q) {
+                st->q = q;
+                st->qcap = cap;
+            }
+        }
+        if (st->qn < st->qcap) {
+            st->q[st->qn++] = m;
+            m = NULL;
+        } else {
+            st->overflow = true;
+        }
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (m)
+        tandem__token_chunk__free_unpacked(m, NULL);
+}
+
+static void on_load_report(struct tdm_router_server *s, const struct tdm_net_frame *f)
+{
+    Tandem__LoadReport *r = tandem__load_report__unpack(NULL, f->msg_len, f->msg);
+    if (r == NULL)
+        return;
+    if (r->to_instance == s->instance && r->seq != 0) {
+        bool restarted = false;
+        pthread_mutex_lock(&s->live_mu);
+        struct ep_live *l = live_find(s, r->seq, true);
+        if (l) {
+            restarted = l->instance != 0 && l->instance != r->instance;
+            l->instance = r->instance;
+            l->last_report = tdm_now();
+        }
+        pthread_mutex_unlock(&s->live_mu);
+        struct tdm_router_endpoints *eps = tdm_router_control_endpoints(s->ctl);
+        if (restarted) {
+            // A new process: its prefix cache is empty, and streams of the old one
+            // fail at their next liveness check (instance mismatch).
+            TDM_LOG_INFO(MOD, "endpoint id=%llu restarted (new instance %016llx)",
+                         (unsigned long long)r->seq, (unsigned long long)r->instance);
+            tdm_router_endpoints_clear_prefix(eps, r->seq);
+        }
+        struct tdm_router_load load = {r->running, r->waiting, r->kv_usage};
+        tdm_router_endpoints_set_load(eps, r->seq, &load);
+    }
+    tandem__load_report__free_unpacked(r, NULL);
+}
+
+static void *rx_main(void *arg)
+{
+    struct tdm_router_server *s = arg;
+    char err[256];
+    while (!atomic_load(&s->stopping)) {
+        struct tdm_net_msg *msg = NULL;
+        int rc = tdm_net_inbox_recv(s->inbox, 0.2, &msg, err, sizeof err);
+        if (rc == TDM_ETIMEDOUT)
+            continue;
+        if (rc == TDM_ECLOSED)
+            break;
+        if (rc != TDM_OK) {
+            TDM_LOG_WARN(MOD, "dropped a frame: %s", err);
+            continue;
+        }
+        const struct tdm_net_frame *f = tdm_net_msg_frame(msg);
+        if (f->type == TDM_NET_TOKENS)
+            on_tokens(s, f);
+        else if (f->type == TDM_NET_LOAD_REPORT)
+            on_load_report(s, f);
+        tdm_net_msg_free(msg);
+    }
+    return NULL;
+}
+
+static void *poll_main(void *arg)
+{
+    struct tdm_router_server *s = arg;
+    struct tdm_router_endpoint_view *views = calloc(MAX_EPS, sizeof *views);
+    if (views == NULL)
+        return NULL;
+    while (!atomic_load(&s->stopping)) {
+        size_t n = tdm_router_endpoints_list(tdm_router_control_endpoints(s->ctl), views, MAX_EPS);
+        if (n > MAX_EPS)
+            n = MAX_EPS;
+        for (size_t i = 0; i < n; i++) {
+            Tandem__LoadQuery q = TANDEM__LOAD_QUERY__INIT;
+            Tandem__Peer me = TANDEM__PEER__INIT;
+            me.url = (char *)tdm_net_inbox_url(s->inbox);
+            me.instance = s->instance;
+            q.reply_to = &me;
+            q.seq = views[i].id; // echoed back: maps the report to its endpoint
+            char url[300], err[256];
+            nng_url_of(views[i].host, views[i].nng_port, url, sizeof url);
+            tdm_pd_send(s->outbox, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err, sizeof err);
+        }
+        struct timespec ts = {(time_t)s->o.load_interval,
+                              (long)((s->o.load_interval - (double)(time_t)s->o.load_interval) *
+                                     1e9)};
+        nanosleep(&ts, NULL);
+    }
+    free(views);
+    return NULL;
+}
+
+// ---- small growable buffers (as decode.c) ------------------------------------------------------
+struct sbuf {
+    char *p;
+    size_t len, cap;
+};
+
+static int sbuf_add(struct sbuf *b, const char *str, size_t n)
+{
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 256;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (p == NULL)
+            return TDM_ENOMEM;
+        b->p = p;
+        b->cap = cap;
+    }
+    if (n)
+        memcpy(b->p + b->len, str, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+    return TDM_OK;
+}
+
+static void sbuf_fini(struct sbuf *b)
+{
+    free(b->p);
+    memset(b, 0, sizeof *b);
+}
+
+struct lp_list {
+    struct tdm_oai_token_logprob *items;
+    size_t n, cap;
+};
+
+static void lp_clear(struct lp_list *l)
+{
+    for (size_t i = 0; i < l->n; i++) {
+        free((char *)l->items[i].token);
+        if (l->items[i].top) {
+            for (int j = 0; j < l->items[i].num_top; j++)
+                free((char *)l->items[i].top[j].token);
+            free((void *)l->items[i].top);
+        }
+    }
+    l->n = 0;
+}
+
+static void lp_fini(struct lp_list *l)
+{
+    lp_clear(l);
+    free(l->items);
+    memset(l, 0, sizeof *l);
+}
+
+static char *token_text(const struct tdm_tokenizer *tok, int32_t id, size_t *len)
+{
+    char *t = NULL;
+    if (tdm_tok_decode(tok, &id, 1, false, &t, len) != TDM_OK) {
+        t = strdup("");
+        *len = 0;
+    }
+    return t;
+}
+
+static int lp_add(struct lp_list *l, const struct tdm_tokenizer *tok, int32_t id, float logprob,
+                  Tandem__TopLogprob *const *top, int num_top)
+{
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 16;
+        struct tdm_oai_token_logprob *p = realloc(l->items, cap * sizeof *p);
+        if (p == NULL)
+            return TDM_ENOMEM;
+        l->items = p;
+        l->cap = cap;
+    }
+    struct tdm_oai_token_logprob *it = &l->items[l->n];
+    memset(it, 0, sizeof *it);
+    it->id = id;
+    it->logprob = logprob;
+    it->token = token_text(tok, id, &it->token_len);
+    if (it->token == NULL)
+        return TDM_ENOMEM;
+    if (num_top > 0 && top != NULL) {
+        struct tdm_oai_top_logprob *t = calloc((size_t)num_top, sizeof *t);
+        if (t == NULL) {
+            free((char *)it->token);
+            return TDM_ENOMEM;
+        }
+        for (int j = 0; j < num_top; j++) {
+            t[j].id = top[j]->token;
+            t[j].logprob = top[j]->logprob;
+            t[j].token = token_text(tok, top[j]->token, &t[j].token_len);
+        }
+        it->top = t;
+        it->num_top = num_top;
+    }
+    l->n++;
+    return TDM_OK;
+}
+
+// ---- HTTP glue -------------------------------------------------------------------------------
+static void respond_json(struct tdm_http_conn *c, int status, char *body_owned)
+{
+    if (body_owned == NULL) {
+        tdm_http_respond_error(c, 500, NULL, NULL, "out of memory");
+        return;
+    }
+    tdm_http_respond_json(c, status, body_owned);
+    free(body_owned);
+}
+
+static void respond_oai_error(struct tdm_http_conn *c, const struct tdm_oai_error *e)
+{
+    if (e->status == 503)
+        tdm_http_add_header(c, "Retry-After", "1");
+    tdm_http_respond_oai_error(c, e);
+}
+
+static void respond_error(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
+                          ...) __attribute__((format(printf, 4, 5)));
+static void respond_error(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
+                          ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (status == 503)
+        tdm_http_add_header(c, "Retry-After", "1");
+    tdm_http_respond_error(c, status, NULL, param, msg);
+}
+
+static int sse_send(struct tdm_http_conn *c, char *json_owned)
+{
+    if (json_owned == NULL)
+        return -2;
+    int rc = tdm_http_sse_event(c, json_owned, strlen(json_owned));
+    free(json_owned);
+    return rc == TDM_OK ? 0 : -1;
+}
+
+// ---- one API call ------------------------------------------------------------------------------
+struct choice {
+    int index;
+    int prompt_idx;
+    struct rstream *st;      // registered upstream stream, NULL when not started
+    bool upstream_done;      // the decode worker sent its finish (or was cancelled/lost)
+    struct tdm_detok *detok;
+    struct tdm_oai_stop *stop;
+    bool done;
+    bool reported;
+    bool got_chunk;          // any chunk arrived (phase times, first token)
+    enum tdm_oai_finish finish;
+    const char *stop_str;
+    int32_t stop_token;
+    int completion_tokens;
+    int error;
+    char message[256];
+    struct sbuf text;
+    struct lp_list lps;
+    int32_t *ids;
+    size_t n_ids, cap_ids;
+    size_t chars_sent;
+    bool first_sent;
+    double last_token_at;    // for the inter-token histogram
+};
+
+struct prompt {
+    int32_t *ids;
+    size_t n;
+    char *text;
+    size_t text_len;
+    int max_tokens;
+};
+
+struct call {
+    struct tdm_router_server *s;
+    struct tdm_http_conn *conn;
+    struct tdm_oai_request req;
+    struct tdm_oai_response resp;
+    struct prompt *prompts;
+    size_t n_prompts;
+    struct choice *choices;
+    size_t n_choices;
+    bool client_gone;
+    int prompt_tokens;
+    double arrival;
+    struct tdm_router_route route;
+    bool routed;
+    char decode_url[300];
+    char phases[512];        // the x-tandem-phases header value
+    bool lost;               // the decode worker was lost mid-request
+};
+
+static bool is_stop_id(const struct tdm_router_server *s, const struct tdm_sampling_params *sp,
+                       int32_t id)
+{
+    for (int i = 0; i < sp->num_stop_token_ids; i++)
+        if (sp->stop_token_ids[i] == id)
+            return true;
+    if (id == tdm_tok_eos_id(s->tok))
+        return false;
+    for (int i = 0; i < s->gen.num_eos_token_ids; i++)
+        if (s->gen.eos_token_ids[i] == id)
+            return true;
+    return false;
+}
+
+static enum tdm_oai_finish map_finish(const char *name)
+{
+    if (strcmp(name, "stop") == 0)
+        return TDM_OAI_FINISH_STOP;
+    if (strcmp(name, "length") == 0)
+        return TDM_OAI_FINISH_LENGTH;
+    if (strcmp(name, "abort") == 0)
+        return TDM_OAI_FINISH_ABORT;
+    return TDM_OAI_FINISH_ERROR;
+}
+
+static void send_cancel(struct call *k, struct choice *ch)
+{
+    if (ch->st == NULL || ch->upstream_done)
+        return;
+    Tandem__Cancel m = TANDEM__CANCEL__INIT;
+    m.request_id = ch->st->request_id;
+    m.to_instance = ch->st->instance;
+    char err[256];
+    tdm_pd_send(k->s->outbox, k->decode_url, TDM_NET_CANCEL, &m.base, NULL, 0, 0.2, err,
+                sizeof err);
+    ch->upstream_done = true;
+}
+
+static int feed_text(struct call *k, struct choice *ch, const char *delta, size_t len)
+{
+    const char *emit = NULL;
+    size_t emit_len = 0;
+    bool may_match = ch->completion_tokens > k->req.sampling.min_tokens;
+    int idx = tdm_oai_stop_feed_ex(ch->stop, delta, len, may_match, &emit, &emit_len);
+    if (idx == -2)
+        return TDM_ENOMEM;
+    if (emit_len > 0 && sbuf_add(&ch->text, emit, emit_len) != TDM_OK)
+        return TDM_ENOMEM;
+    if (idx >= 0) {
+        ch->done = true;
+        ch->finish = TDM_OAI_FINISH_STOP;
+        ch->stop_str = k->req.stop[idx];
+        ch->stop_token = -1;
+        send_cancel(k, ch); // the decode worker stops generating (and frees the KV)
+    }
+    return TDM_OK;
+}
+
+static void finish_error(struct choice *ch, int error, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void finish_error(struct choice *ch, int error, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ch->message, sizeof ch->message, fmt, ap);
+    va_end(ap);
+    ch->done = true;
+    ch->finish = TDM_OAI_FINISH_ERROR;
+    ch->error = error ? error : TDM_ETRANSPORT;
+}
+
+static void note_phases(struct call *k, const Tandem__TokenChunk *m)
+{
+    if (m->phases == NULL || k->phases[0])
+        return;
+    const Tandem__PhaseTimes *p = m->phases;
+    snprintf(k->phases, sizeof k->phases,
+             "decision=%s; decode=%s; prefill=%s; route=%.6f; queue=%.6f; prefill_s=%.6f; "
+             "transfer=%.6f; first_token=%.6f",
+             tdm_router_decision_name(k->route.decision), k->route.decode.name,
+             m->prefilled_by && m->prefilled_by[0] ? m->prefilled_by : "local",
+             k->route.routed_at - k->arrival, p->queue, p->prefill, p->transfer, p->first_token);
+    struct tdm_router_metrics *rm = k->s->rm;
+    if (rm && m->prefilled_by && m->prefilled_by[0])
+        tdm_metrics_histogram_observe(rm->kv_transfer, p->transfer);
+}
+
+// Consumes one upstream chunk into the choice.
+static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChunk *m)
+{
+    const struct tdm_oai_request *rq = &k->req;
+    struct tdm_router_metrics *rm = k->s->rm;
+    note_phases(k, m);
+    double now = tdm_now();
+    if (m->n_tokens > 0) {
+        if (!ch->got_chunk && rm)
+            tdm_metrics_histogram_observe(rm->ttft, now - k->arrival);
+        else if (rm && ch->last_token_at > 0)
+            tdm_metrics_histogram_observe(rm->itl, (now - ch->last_token_at) /
+                                                       (double)m->n_tokens);
+        ch->last_token_at = now;
+    }
+    ch->got_chunk = true;
+    bool with_lp = m->n_logprobs == m->n_tokens;
+    int nt = m->num_top > 0 && m->n_top == m->n_tokens * (size_t)m->num_top ? m->num_top : 0;
+    for (size_t i = 0; i < m->n_tokens && !ch->done; i++) {
+        int32_t id = m->tokens[i];
+        ch->completion_tokens++;
+        if (rq->logprobs && lp_add(&ch->lps, k->s->tok, id, with_lp ? m->logprobs[i] : 0.0f,
+                                   nt ? m->top + i * (size_t)nt : NULL, nt) != TDM_OK)
+            return TDM_ENOMEM;
+        if (rq->return_token_ids) {
+            if (ch->n_ids == ch->cap_ids) {
+                size_t cap = ch->cap_ids ? ch->cap_ids * 2 : 64;
+                int32_t *p = realloc(ch->ids, cap * sizeof *p);
+                if (p == NULL)
+                    return TDM_ENOMEM;
+                ch->ids = p;
+                ch->cap_ids = cap;
+            }
+            ch->ids[ch->n_ids++] = id;
+        }
+        bool ended_by_it = m->finished && strcmp(m->finish_reason, "stop") == 0 &&
+                           m->stop_token >= 0 && i == m->n_tokens - 1 && id == m->stop_token;
+        if (ended_by_it && !rq->include_stop_str_in_output)
+            continue;
+        const char *delta = NULL;
+        size_t dlen = 0;
+        if (tdm_detok_push(ch->detok, id, &delta, &dlen) != TDM_OK)
+            dlen = 0;
+        if (dlen > 0 && feed_text(k, ch, delta, dlen) != TDM_OK)
+            return TDM_ENOMEM;
+    }
+    if (m->finished)
+        ch->upstream_done = true;
+    if (!ch->done && m->finished) {
+        const char *delta = NULL;
+        size_t dlen = 0;
+        if (tdm_detok_flush(ch->detok, &delta, &dlen) == TDM_OK && dlen > 0 &&
+            feed_text(k, ch, delta, dlen) != TDM_OK)
+            return TDM_ENOMEM;
+        if (!ch->done) {
+            const char *emit = NULL;
+            size_t elen = 0;
+            tdm_oai_stop_flush(ch->stop, &emit, &elen);
+            if (elen > 0 && sbuf_add(&ch->text, emit, elen) != TDM_OK)
+                return TDM_ENOMEM;
+            ch->done = true;
+            ch->finish = map_finish(m->finish_reason);
+            ch->stop_token = (ch->finish == TDM_OAI_FINISH_STOP && m->stop_token >= 0 &&
+                              is_stop_id(k->s, &rq->sampling, m->stop_token))
+                                 ? m->stop_token
+                                 : -1;
+            if (ch->finish == TDM_OAI_FINISH_ERROR) {
+                ch->error = m->error ? m->error : TDM_ETRANSPORT;
+                snprintf(ch->message, sizeof ch->message, "%s",
+                         m->message && *m->message ? m->message : tdm_strerror(ch->error));
+            }
+        }
+    }
+    return TDM_OK;
+}
+
+// The decode worker of this call is alive: it answered a load query within
+// liveness_timeout (counted from the stream's start) with the same instance.
+static bool upstream_alive(struct call *k, const struct choice *ch, char *why, size_t cap)
+{
+    uint64_t inst = 0;
+    double last = 0;
+    live_get(k->s, k->route.decode.id, &inst, &last);
+    double since = last > ch->st->started ? last : ch->st->started;
+    if (tdm_now() - since > k->s->o.liveness_timeout) {
+        snprintf(why, cap, "decode worker %s stopped answering", k->route.decode.name);
+        return false;
+    }
+    pthread_mutex_lock(&k->s->mu);
+    uint64_t st_inst = ch->st->instance;
+    pthread_mutex_unlock(&k->s->mu);
+    if (inst != 0 && st_inst != 0 && inst != st_inst) {
+        snprintf(why, cap, "decode worker %s restarted", k->route.decode.name);
+        return false;
+    }
+    return true;
+}
+
+// Reads upstream chunks for every unfinished choice, waiting up to `wait`
+// seconds when none had any. Checks liveness and the deadline. Returns the
+// number of choices that progressed, -2 on ENOMEM.
+static int pump(struct call *k, double wait)
+{
+    struct tdm_router_server *s = k->s;
+    int progressed = 0;
+    double until = tdm_now() + wait;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        bool any = false;
+        for (size_t i = 0; i < k->n_choices; i++) {
+            struct choice *ch = &k->choices[i];
+            if (!ch->done && ch->st && (ch->st->qn > 0 || ch->st->overflow))
+                any = true;
+        }
+        if (any || tdm_now() >= until)
+            break;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    }
+    pthread_mutex_unlock(&s->mu);
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        if (ch->done || ch->st == NULL)
+            continue;
+        for (;;) {
+            pthread_mutex_lock(&s->mu);
+            Tandem__TokenChunk *m = NULL;
+            bool overflow = ch->st->overflow;
+            if (ch->st->qn > 0) {
+                m = ch->st->q[0];
+                memmove(ch->st->q, ch->st->q + 1, (ch->st->qn - 1) * sizeof *ch->st->q);
+                ch->st->qn--;
+            }
+            pthread_mutex_unlock(&s->mu);
+            if (m == NULL) {
+                if (overflow && !ch->done) {
+                    finish_error(ch, TDM_ENOMEM, "router: stream queue overflow");
+                    send_cancel(k, ch);
+                }
+                break;
+            }
+            int rc = take_chunk(k, ch, m);
+            tandem__token_chunk__free_unpacked(m, NULL);
+            if (rc != TDM_OK)
+                return -2;
+            progressed++;
+            if (ch->done)
+                break;
+        }
+        if (ch->done)
+            continue;
+        char why[256];
+        if (tdm_now() > k->route.deadline) {
+            finish_error(ch, TDM_ETIMEDOUT, "the request's deadline passed");
+            send_cancel(k, ch);
+        } else if (!upstream_alive(k, ch, why, sizeof why)) {
+            finish_error(ch, TDM_ETRANSPORT, "%s", why);
+            ch->upstream_done = true; // nobody to cancel
+            k->lost = true;
+        }
+    }
+    return progressed;
+}
+
+static bool all_done(const struct call *k)
+{
+    for (size_t i = 0; i < k->n_choices; i++)
+        if (!k->choices[i].done)
+            return false;
+    return true;
+}
+
+static const struct choice *first_error(const struct call *k)
+{
+    for (size_t i = 0; i < k->n_choices; i++)
+        if (k->choices[i].done && k->choices[i].finish == TDM_OAI_FINISH_ERROR)
+            return &k->choices[i];
+    return NULL;
+}
+
+static void usage_of(const struct call *k, struct tdm_oai_usage *u)
+{
+    u->prompt_tokens = k->prompt_tokens;
+    u->completion_tokens = 0;
+    for (size_t i = 0; i < k->n_choices; i++)
+        u->completion_tokens += k->choices[i].completion_tokens;
+}
+
+static void fill_choice(const struct call *k, const struct choice *ch, struct tdm_oai_choice *oc,
+                        bool with_finish)
+{
+    memset(oc, 0, sizeof *oc);
+    oc->index = ch->index;
+    oc->text = ch->text.p ? ch->text.p : "";
+    oc->text_len = ch->text.len;
+    oc->finish = with_finish ? ch->finish : TDM_OAI_FINISH_NONE;
+    oc->stop_str = with_finish ? ch->stop_str : NULL;
+    oc->stop_token = with_finish ? ch->stop_token : -1;
+    oc->has_logprobs = k->req.logprobs;
+    oc->logprobs = ch->lps.items;
+    oc->n_logprobs = ch->lps.n;
+    oc->text_offset = ch->chars_sent;
+    if (k->req.return_token_ids) {
+        static const int32_t none[1] = {0};
+        oc->token_ids = ch->ids ? ch->ids : none;
+        oc->n_token_ids = ch->n_ids;
+        if (!ch->first_sent) {
+            const struct prompt *p = &k->prompts[ch->prompt_idx];
+            oc->prompt_token_ids = p->ids;
+            oc->n_prompt_token_ids = p->n;
+        }
+    }
+}
+
+static int stream_flush_choice(struct call *k, struct choice *ch)
+{
+    bool finish_now = ch->done && !ch->reported;
+    if (ch->text.len == 0 && !finish_now)
+        return 0;
+    if (finish_now && ch->finish == TDM_OAI_FINISH_ERROR)
+        return 0;
+    struct tdm_oai_choice oc;
+    fill_choice(k, ch, &oc, finish_now);
+    struct tdm_oai_usage u = {(int)k->prompts[ch->prompt_idx].n, ch->completion_tokens};
+    int rc = sse_send(k->conn,
+                      tdm_oai_chunk(&k->resp, &oc, 1, k->req.continuous_usage_stats ? &u : NULL));
+    if (rc == -2)
+        return -2;
+    if (rc < 0)
+        return -1;
+    ch->chars_sent += tdm_oai_utf8_chars(ch->text.p ? ch->text.p : "", ch->text.len);
+    ch->text.len = 0;
+    lp_clear(&ch->lps);
+    ch->n_ids = 0;
+    ch->first_sent = true;
+    if (finish_now)
+        ch->reported = true;
+    return 0;
+}
+
+static int build_prompts(struct call *k, struct tdm_oai_error *e)
+{
+    struct tdm_router_server *s = k->s;
+    struct tdm_oai_request *rq = &k->req;
+    size_t np = rq->kind == TDM_OAI_CHAT ? 1 : rq->n_prompts;
+    k->prompts = calloc(np ? np : 1, sizeof *k->prompts);
+    if (k->prompts == NULL)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    k->n_prompts = np;
+    for (size_t i = 0; i < np; i++) {
+        struct prompt *p = &k->prompts[i];
+        const char *text = NULL;
+        size_t text_len = 0;
+        char *rendered = NULL;
+        if (rq->kind == TDM_OAI_CHAT) {
+            if (s->chat == NULL)
+                return tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
+                                      s->chat_err);
+            if (rq->continue_final_message)
+                return tdm_oai_seterr(e, 400, "continue_final_message",
+                                      "continue_final_message is not supported.");
+            char err[256];
+            int rc = tdm_chat_render(s->chat, rq->messages, rq->n_messages,
+                                     rq->add_generation_prompt, &rendered, err, sizeof err);
+            if (rc != TDM_OK)
+                return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
+            text = rendered;
+            text_len = strlen(rendered);
+        } else if (rq->prompts[i].text != NULL) {
+            text = rq->prompts[i].text;
+            text_len = rq->prompts[i].text_len;
+        }
+        if (text != NULL) {
+            int rc = tdm_tok_encode(s->tok, text, text_len, rq->add_special_tokens, &p->ids, &p->n);
+            if (rc == TDM_OK) {
+                p->text = malloc(text_len + 1);
+                if (p->text) {
+                    memcpy(p->text, text, text_len);
+                    p->text[text_len] = '\0';
+                    p->text_len = text_len;
+                }
+            }
+            free(rendered);
+            if (rc != TDM_OK || p->text == NULL)
+                return tdm_oai_seterr(e, 500, NULL, "tokenization failed: %s", tdm_strerror(rc));
+        } else {
+            p->n = rq->prompts[i].n_ids;
+            p->ids = malloc((p->n ? p->n : 1) * sizeof *p->ids);
+            if (p->ids == NULL)
+                return tdm_oai_seterr(e, 500, NULL, "out of memory");
+            memcpy(p->ids, rq->prompts[i].ids, p->n * sizeof *p->ids);
+            if (rq->echo && tdm_tok_decode(s->tok, p->ids, p->n, false, &p->text,
+                                           &p->text_len) != TDM_OK) {
+                p->text = strdup("");
+                p->text_len = 0;
+            }
+        }
+        if (p->n == 0)
+            return tdm_oai_seterr(e, 400, "prompt", "The decoder prompt cannot be empty");
+        int rc = tdm_oai_request_max_tokens(rq, &s->info, p->n, &p->max_tokens, e);
+        if (rc != TDM_OK)
+            return rc;
+        k->prompt_tokens += (int)p->n;
+    }
+    return TDM_OK;
+}
+
+static void stream_unregister(struct tdm_router_server *s, struct rstream *st)
+{
+    if (st == NULL)
+        return;
+    pthread_mutex_lock(&s->mu);
+    for (struct rstream **pp = &s->streams; *pp; pp = &(*pp)->next) {
+        if (*pp == st) {
+            *pp = st->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    for (size_t i = 0; i < st->qn; i++)
+        tandem__token_chunk__free_unpacked(st->q[i], NULL);
+    free(st->q);
+    free(st);
+}
+
+// Cancels what still runs upstream and forgets the streams.
+static void release_upstream(struct call *k)
+{
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        send_cancel(k, ch);
+        stream_unregister(k->s, ch->st);
+        ch->st = NULL;
+    }
+}
+
+// Sends one GenerateRequest per choice to the routed decode worker.
+static int send_generates(struct call *k, char *err, size_t errlen)
+{
+    struct tdm_router_server *s = k->s;
+    struct tdm_oai_request *rq = &k->req;
+    size_t n = (size_t)rq->n;
+    const struct tdm_router_route *r = &k->route;
+    uint64_t dec_inst = 0;
+    double last = 0;
+    live_get(s, r->decode.id, &dec_inst, &last);
+    Tandem__PrefillTarget targets[TDM_ROUTER_MAX_PREFILL_CANDIDATES];
+    Tandem__PrefillTarget *target_ptr[TDM_ROUTER_MAX_PREFILL_CANDIDATES];
+    char target_urls[TDM_ROUTER_MAX_PREFILL_CANDIDATES][300];
+    size_t nt = 0;
+    if (r->decision == TDM_ROUTER_DECISION_PREFILL_DECODE) {
+        for (size_t i = r->prefill_idx; i < r->n_prefill && nt < TDM_ROUTER_MAX_PREFILL_CANDIDATES;
+             i++) {
+            Tandem__PrefillTarget init = TANDEM__PREFILL_TARGET__INIT;
+            targets[nt] = init;
+            nng_url_of(r->prefill[i].host, r->prefill[i].nng_port, target_urls[nt],
+                       sizeof target_urls[nt]);
+            targets[nt].url = target_urls[nt];
+            double l2 = 0;
+            live_get(s, r->prefill[i].id, &targets[nt].instance, &l2);
+            target_ptr[nt] = &targets[nt];
+            nt++;
+        }
+    }
+    double left = r->deadline - tdm_now();
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        const struct prompt *p = &k->prompts[ch->prompt_idx];
+        struct rstream *st = calloc(1, sizeof *st);
+        if (st == NULL)
+            return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+        snprintf(st->request_id, sizeof st->request_id, "%.48s-%zu-%016llx", k->resp.id, i,
+                 (unsigned long long)tdm_net_new_instance_id());
+        st->ep_id = r->decode.id;
+        st->instance = dec_inst;
+        st->started = tdm_now();
+        pthread_mutex_lock(&s->mu);
+        st->next = s->streams;
+        s->streams = st;
+        pthread_mutex_unlock(&s->mu);
+        ch->st = st;
+        ch->upstream_done = false;
+
+        struct tdm_sampling_params sp = rq->sampling;
+        if (sp.has_seed)
+            sp.seed += (uint64_t)(i % n); // vLLM: the i-th of n gets seed + i
+        struct tdm_pd_sampling_msg sm;
+        tdm_pd_sampling_to_proto(&sp, &sm);
+        Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+        Tandem__Peer me = TANDEM__PEER__INIT;
+        me.url = (char *)tdm_net_inbox_url(s->inbox);
+        me.instance = s->instance;
+        g.request_id = st->request_id;
+        g.reply_to = &me;
+        g.to_instance = dec_inst;
+        g.n_prompt = p->n;
+        g.prompt = p->ids;
+        g.sampling = &sm.msg;
+        g.max_tokens = p->max_tokens;
+        g.deadline_unix = (double)time(NULL) + (left > 0 ? left : 0);
+        g.arrival_unix = (double)time(NULL);
+        g.n_prefill = nt;
+        g.prefill = target_ptr;
+        g.local_fallback = true;
+        int rc = tdm_pd_send(s->outbox, k->decode_url, TDM_NET_GENERATE, &g.base, NULL, 0,
+                             1.0, err, errlen);
+        if (rc != TDM_OK) {
+            ch->upstream_done = true; // never arrived: nothing to cancel
+            return rc;
+        }
+    }
+    return TDM_OK;
+}
+
+// Routes the call and starts its upstream streams, retrying other decode
+// workers when one cannot be reached. On failure e is set.
+static int route_and_send(struct call *k, struct tdm_oai_error *e)
+{
+    struct tdm_router_server *s = k->s;
+    const char *session = NULL;
+    struct tdm_router_config *cfg = tdm_router_config_store_get(tdm_router_control_store(s->ctl),
+                                                                NULL);
+    if (cfg && cfg->session_header)
+        session = tdm_http_header(k->conn, cfg->session_header);
+    const struct prompt *p0 = &k->prompts[0];
+    char err[512];
+    int rc = TDM_EBUSY;
+    snprintf(err, sizeof err, "no decode worker available");
+    for (int attempt = 0; attempt < DECODE_ATTEMPTS; attempt++) {
+        memset(&k->route, 0, sizeof k->route);
+        rc = tdm_router_control_route(s->ctl, p0->ids, p0->n, session, &k->route, err, sizeof err);
+        if (rc != TDM_OK)
+            break;
+        k->routed = true;
+        nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url,
+                   sizeof k->decode_url);
+        // Known dead (stale reports and no connection): do not wait for a send timeout.
+        uint64_t inst = 0;
+        double last = 0;
+        live_get(s, k->route.decode.id, &inst, &last);
+        bool dead = last > 0 && tdm_now() - last > s->o.liveness_timeout &&
+                    !tdm_net_connected(s->outbox, k->decode_url);
+        if (!dead) {
+            rc = send_generates(k, err, sizeof err);
+            if (rc == TDM_OK)
+                break;
+        } else {
+            rc = TDM_ETRANSPORT;
+            snprintf(err, sizeof err, "decode worker %s is not answering", k->route.decode.name);
+        }
+        TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s), rerouting", k->resp.id,
+                     k->route.decode.name, err);
+        release_upstream(k);
+        tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
+        if (s->rm) {
+            tdm_router_metrics_upstream_error(s->rm, k->route.decode.name, k->route.decode.role,
+                                              false);
+            tdm_router_metrics_retry(s->rm, k->route.decode.name, k->route.decode.role);
+        }
+        tdm_router_control_route_done(s->ctl, &k->route, "error");
+        k->routed = false;
+    }
+    tdm_router_config_unref(cfg);
+    if (rc == TDM_OK) {
+        tdm_metrics_counter_inc(tdm_metrics_counter_labels(
+            s->m_requests_by, tdm_router_decision_name(k->route.decision), k->route.decode.name));
+        return TDM_OK;
+    }
+    return tdm_oai_seterr(e, 503, NULL, "%s", err);
+}
+
+static void add_phase_header(struct call *k)
+{
+    if (k->phases[0])
+        tdm_http_add_header(k->conn, "x-tandem-phases", k->phases);
+    if (k->routed)
+        tdm_http_add_header(k->conn, "x-tandem-decode", k->route.decode.name);
+}
+
+static void run_stream(struct call *k)
+{
+    struct tdm_oai_error e;
+    // Wait for the first chunk of choice 0 before the headers go out, so an
+    // upstream failure before any token is a plain HTTP error and the phase
+    // times make it into the response header.
+    while (!k->choices[0].got_chunk && !k->choices[0].done) {
+        if (pump(k, 0.1) < 0) {
+            respond_error(k->conn, 500, NULL, "out of memory");
+            return;
+        }
+        if (tdm_http_client_gone(k->conn)) {
+            k->client_gone = true;
+            return;
+        }
+    }
+    const struct choice *bad0 = first_error(k);
+    if (bad0 && bad0->completion_tokens == 0 && all_done(k)) {
+        int status = bad0->error == TDM_ETIMEDOUT ? 504 : tdm_http_status_for_err(bad0->error);
+        respond_error(k->conn, status >= 500 || status == 429 ? status : 502, NULL, "%s",
+                      bad0->message);
+        return;
+    }
+    add_phase_header(k);
+    if (tdm_http_sse_start(k->conn) != TDM_OK) {
+        k->client_gone = true;
+        return;
+    }
+    int rc = 0;
+    for (size_t i = 0; i < k->n_choices && rc == 0; i++) {
+        struct choice *ch = &k->choices[i];
+        if (k->req.kind == TDM_OAI_CHAT) {
+            rc = sse_send(k->conn, tdm_oai_chat_role_chunk(&k->resp, ch->index));
+        } else if (k->req.echo) {
+            // The echoed prompt goes first, as a chunk of its own (no logprobs), so
+            // the generated tokens' text_offset counts it.
+            const struct prompt *p = &k->prompts[ch->prompt_idx];
+            static const int32_t none[1] = {0};
+            struct tdm_oai_choice oc;
+            memset(&oc, 0, sizeof oc);
+            oc.index = ch->index;
+            oc.text = p->text ? p->text : "";
+            oc.text_len = p->text_len;
+            oc.stop_token = -1;
+            oc.has_logprobs = k->req.logprobs;
+            if (k->req.return_token_ids) {
+                oc.token_ids = none;
+                oc.prompt_token_ids = p->ids;
+                oc.n_prompt_token_ids = p->n;
+                ch->first_sent = true;
+            }
+            rc = sse_send(k->conn, tdm_oai_chunk(&k->resp, &oc, 1, NULL));
+            ch->chars_sent += tdm_oai_utf8_chars(oc.text, oc.text_len);
+        }
+    }
+    while (rc == 0) {
+        for (size_t i = 0; i < k->n_choices && rc == 0; i++)
+            rc = stream_flush_choice(k, &k->choices[i]);
+        if (rc != 0 || all_done(k) || first_error(k))
+            break;
+        int n = pump(k, 0.1);
+        if (n < 0) {
+            rc = -2;
+            break;
+        }
+        if (n == 0 && tdm_http_client_gone(k->conn))
+            rc = -1;
+    }
+    if (rc == -1) {
+        k->client_gone = true;
+        return;
+    }
+    const struct choice *bad = first_error(k);
+    if (rc == -2 || bad) {
+        tdm_oai_seterr(&e, 500, NULL, "%s", bad ? bad->message : "out of memory");
+        if (sse_send(k->conn, tdm_oai_error_body(&e)) == -1 ||
+            tdm_http_sse_end(k->conn, true) != TDM_OK)
+            k->client_gone = true;
+        return;
+    }
+    if (k->req.include_usage) {
+        struct tdm_oai_usage u;
+        usage_of(k, &u);
+        if (sse_send(k->conn, tdm_oai_usage_chunk(&k->resp, &u)) < 0)
+            k->client_gone = true;
+    }
+    if (!k->client_gone && tdm_http_sse_end(k->conn, true) != TDM_OK)
+        k->client_gone = true;
+}
+
+static void run_collect(struct call *k)
+{
+    while (!all_done(k)) {
+        int n = pump(k, 0.1);
+        if (n < 0) {
+            respond_error(k->conn, 500, NULL, "out of memory");
+            return;
+        }
+        if (n == 0 && tdm_http_client_gone(k->conn)) {
+            k->client_gone = true;
+            return;
+        }
+    }
+    add_phase_header(k);
+    const struct choice *bad = first_error(k);
+    if (bad) {
+        int status = bad->error == TDM_ETIMEDOUT ? 504 : 502;
+        respond_error(k->conn, status, NULL, "%s", bad->message);
+        return;
+    }
+    struct tdm_oai_choice *oc = calloc(k->n_choices, sizeof *oc);
+    struct sbuf *full = calloc(k->n_choices, sizeof *full);
+    if (oc == NULL || full == NULL) {
+        free(oc);
+        free(full);
+        respond_error(k->conn, 500, NULL, "out of memory");
+        return;
+    }
+    bool oom = false;
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        const struct prompt *p = &k->prompts[ch->prompt_idx];
+        fill_choice(k, ch, &oc[i], true);
+        if (k->req.echo) {
+            if (sbuf_add(&full[i], p->text ? p->text : "", p->text_len) != TDM_OK ||
+                sbuf_add(&full[i], ch->text.p ? ch->text.p : "", ch->text.len) != TDM_OK)
+                oom = true;
+            oc[i].text = full[i].p ? full[i].p : "";
+            oc[i].text_len = full[i].len;
+            oc[i].text_offset = tdm_oai_utf8_chars(p->text ? p->text : "", p->text_len);
+        }
+    }
+    struct tdm_oai_usage u;
+    usage_of(k, &u);
+    char *body = oom ? NULL : tdm_oai_body(&k->resp, oc, k->n_choices, &u);
+    respond_json(k->conn, 200, body);
+    k->client_gone = tdm_http_client_gone(k->conn);
+    for (size_t i = 0; i < k->n_choices; i++)
+        sbuf_fini(&full[i]);
+    free(full);
+    free(oc);
+}
+
+static void run_echo_only(struct call *k)
+{
+    size_t n = k->n_prompts * (size_t)k->req.n;
+    struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
+    if (oc == NULL) {
+        respond_error(k->conn, 500, NULL, "out of memory");
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const struct prompt *p = &k->prompts[i / (size_t)k->req.n];
+        oc[i].index = (int)i;
+        oc[i].text = p->text ? p->text : "";
+        oc[i].text_len = p->text_len;
+        oc[i].finish = TDM_OAI_FINISH_LENGTH;
+        oc[i].stop_token = -1;
+    }
+    struct tdm_oai_usage u = {k->prompt_tokens, 0};
+    if (!k->req.stream) {
+        respond_json(k->conn, 200, tdm_oai_body(&k->resp, oc, n, &u));
+    } else if (tdm_http_sse_start(k->conn) == TDM_OK) {
+        int rc = 0;
+        for (size_t i = 0; i < n && rc == 0; i++)
+            rc = sse_send(k->conn, tdm_oai_chunk(&k->resp, &oc[i], 1, NULL));
+        if (rc == 0 && k->req.include_usage)
+            rc = sse_send(k->conn, tdm_oai_usage_chunk(&k->resp, &u));
+        if (rc == 0)
+            tdm_http_sse_end(k->conn, true);
+    }
+    free(oc);
+}
+
+static void call_fini(struct call *k)
+{
+    release_upstream(k);
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        tdm_detok_free(ch->detok);
+        tdm_oai_stop_free(ch->stop);
+        sbuf_fini(&ch->text);
+        lp_fini(&ch->lps);
+        free(ch->ids);
+    }
+    free(k->choices);
+    for (size_t i = 0; i < k->n_prompts; i++) {
+        free(k->prompts[i].ids);
+        free(k->prompts[i].text);
+    }
+    free(k->prompts);
+    tdm_oai_request_fini(&k->req);
+}
+
+static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c,
+                            enum tdm_oai_kind kind, const char *body, size_t len)
+{
+    struct call k;
+    memset(&k, 0, sizeof k);
+    k.s = s;
+    k.conn = c;
+    k.arrival = tdm_now();
+    struct tdm_oai_error e;
+    if (tdm_oai_request_parse(&k.req, kind, body, len, &s->info, &e) != TDM_OK) {
+        respond_oai_error(c, &e);
+        return;
+    }
+    const char *base = k.req.request_id ? k.req.request_id : tdm_http_header(c, "X-Request-Id");
+    tdm_oai_response_init(&k.resp, kind, s->served_name, base);
+    if (build_prompts(&k, &e) != TDM_OK) {
+        respond_oai_error(c, &e);
+        goto out;
+    }
+    if (k.req.echo_only) {
+        run_echo_only(&k);
+        goto out;
+    }
+    size_t n = (size_t)k.req.n;
+    k.n_choices = k.n_prompts * n;
+    k.choices = calloc(k.n_choices, sizeof *k.choices);
+    if (k.choices == NULL) {
+        respond_error(c, 500, NULL, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < k.n_choices; i++) {
+        struct choice *ch = &k.choices[i];
+        ch->index = (int)i;
+        ch->prompt_idx = (int)(i / n);
+        ch->stop_token = -1;
+        ch->upstream_done = true;
+        if (tdm_detok_new(&ch->detok, s->tok, k.req.skip_special_tokens) != TDM_OK ||
+            tdm_oai_stop_new(&ch->stop, (const char *const *)k.req.stop, k.req.n_stop,
+                             k.req.include_stop_str_in_output) != TDM_OK) {
+            respond_error(c, 500, NULL, "out of memory");
+            goto out;
+        }
+    }
+    if (route_and_send(&k, &e) != TDM_OK) {
+        respond_oai_error(c, &e);
+        goto out;
+    }
+    if (k.req.stream)
+        run_stream(&k);
+    else
+        run_collect(&k);
+    if (k.client_gone)
+        TDM_LOG_INFO(MOD, "req=%s client disconnected, cancelled upstream", k.resp.id);
+    const struct choice *bad = first_error(&k);
+    if (k.lost) {
+        tdm_metrics_counter_inc(k.s->m_lost);
+        tdm_router_control_report(s->ctl, &k.route.decode, TDM_ROUTER_OUTCOME_ERROR);
+        if (s->rm)
+            tdm_router_metrics_upstream_error(s->rm, k.route.decode.name, k.route.decode.role,
+                                              false);
+    } else if (!bad) {
+        tdm_router_control_report(s->ctl, &k.route.decode, TDM_ROUTER_OUTCOME_SUCCESS);
+    }
+    if (s->rm)
+        tdm_metrics_histogram_observe(s->rm->e2e, tdm_now() - k.arrival);
+    struct tdm_oai_usage u;
+    usage_of(&k, &u);
+    TDM_LOG_INFO(MOD, "req=%s done decode=%s decision=%s prompt_tokens=%d completion_tokens=%d %s",
+                 k.resp.id, k.route.decode.name, tdm_router_decision_name(k.route.decision),
+                 u.prompt_tokens, u.completion_tokens, k.phases);
+out:;
+    const char *status = k.client_gone ? "cancelled" : first_error(&k) ? "error" : "success";
+    call_fini(&k);
+    if (k.routed)
+        tdm_router_control_route_done(s->ctl, &k.route, status);
+}
+
+// ---- other routes ---------------------------------------------------------------------------
+static void handle_tokenize(struct tdm_router_server *s, struct tdm_http_conn *c, const char *body,
+                            size_t len)
+{
+    struct tdm_oai_tokenize_request rq;
+    struct tdm_oai_error e;
+    if (tdm_oai_tokenize_parse(&rq, body, len, &s->info, &e) != TDM_OK) {
+        respond_oai_error(c, &e);
+        return;
+    }
+    char *rendered = NULL;
+    const char *text = rq.prompt;
+    size_t text_len = rq.prompt_len;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    char **strs = NULL;
+    if (rq.messages != NULL) {
+        char err[256];
+        if (s->chat == NULL) {
+            respond_error(c, 400, NULL, "This model has no usable chat template: %s", s->chat_err);
+            goto out;
+        }
+        if (tdm_chat_render(s->chat, rq.messages, rq.n_messages, rq.add_generation_prompt,
+                            &rendered, err, sizeof err) != TDM_OK) {
+            respond_error(c, 400, "messages", "%s", err);
+            goto out;
+        }
+        text = rendered;
+        text_len = strlen(rendered);
+    }
+    if (tdm_tok_encode(s->tok, text ? text : "", text ? text_len : 0, rq.add_special_tokens, &ids,
+                       &n) != TDM_OK) {
+        respond_error(c, 500, NULL, "tokenization failed");
+        goto out;
+    }
+    if (rq.return_token_strs) {
+        strs = calloc(n ? n : 1, sizeof *strs);
+        if (strs == NULL) {
+            respond_error(c, 500, NULL, "out of memory");
+            goto out;
+        }
+        for (size_t i = 0; i < n; i++) {
+            const char *piece = tdm_tok_id_to_piece(s->tok, ids[i]);
+            strs[i] = (char *)(piece ? piece : "");
+        }
+    }
+    respond_json(c, 200,
+                 tdm_oai_tokenize_body(ids, n, s->max_model_len, (const char *const *)strs));
+out:
+    free(strs);
+    free(ids);
+    free(rendered);
+    tdm_oai_tokenize_fini(&rq);
+}
+
+static void handle_detokenize(struct tdm_router_server *s, struct tdm_http_conn *c,
+                              const char *body, size_t len)
+{
+    struct tdm_oai_detokenize_request rq;
+    struct tdm_oai_error e;
+    if (tdm_oai_detokenize_parse(&rq, body, len, &s->info, &e) != TDM_OK) {
+        respond_oai_error(c, &e);
+        return;
+    }
+    char *text = NULL;
+    size_t tl = 0;
+    int rc = tdm_tok_decode(s->tok, rq.tokens, rq.n_tokens, false, &text, &tl);
+    if (rc != TDM_OK)
+        respond_error(c, tdm_http_status_for_err(rc), "tokens",
+                      "Token ids are not in the vocabulary.");
+    else
+        respond_json(c, 200, tdm_oai_detokenize_body(text, tl));
+    free(text);
+    tdm_oai_detokenize_fini(&rq);
+}
+
+static void on_health(struct tdm_http_conn *c, void *arg)
+{
+    struct tdm_router_server *s = arg;
+    size_t total = 0, healthy = 0;
+    tdm_router_endpoints_count(tdm_router_control_endpoints(s->ctl), true, &total, &healthy);
+    if (healthy > 0 && !atomic_load(&s->stopping))
+        tdm_http_respond(c, 200, "application/json", "", 0);
+    else
+        respond_error(c, 503, NULL, "no healthy decode worker (%zu configured)", total);
+}
+
+static void on_metrics(struct tdm_http_conn *c, void *arg)
+{
+    struct tdm_router_server *s = arg;
+    char *text = NULL;
+    size_t len = 0;
+    if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
+        respond_error(c, 500, NULL, "metrics rendering failed");
+        return;
+    }
+    tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
+    free(text);
+}
+
+static void on_version(struct tdm_http_conn *c, void *arg)
+{
+    (void)arg;
+    respond_json(c, 200, tdm_oai_version_body(TANDEM_VERSION));
+}
+
+static void on_models(struct tdm_http_conn *c, void *arg)
+{
+    struct tdm_router_server *s = arg;
+    struct tdm_oai_model_card card = {
+        .id = s->served_name,
+        .root = s->o.model,
+        .parent = NULL,
+        .max_model_len = s->max_model_len,
+        .created = s->created,
+        .owned_by = NULL,
+    };
+    respond_json(c, 200, tdm_oai_models_body(&card, 1));
+}
+
+static void on_router_config(struct tdm_http_conn *c, void *arg)
+{
+    struct tdm_router_server *s = arg;
+    respond_json(c, 200, tdm_router_control_config_json(s->ctl));
+}
+
+static void on_completions(struct tdm_http_conn *c, void *arg)
+{
+    size_t len = 0;
+    const char *body = tdm_http_body(c, &len);
+    handle_generate(arg, c, TDM_OAI_COMPLETION, body, len);
+}
+
+static void on_chat(struct tdm_http_conn *c, void *arg)
+{
+    size_t len = 0;
+    const char *body = tdm_http_body(c, &len);
+    handle_generate(arg, c, TDM_OAI_CHAT, body, len);
+}
+
+static void on_tokenize(struct tdm_http_conn *c, void *arg)
+{
+    size_t len = 0;
+    const char *body = tdm_http_body(c, &len);
+    handle_tokenize(arg, c, body, len);
+}
+
+static void on_detokenize(struct tdm_http_conn *c, void *arg)
+{
+    size_t len = 0;
+    const char *body = tdm_http_body(c, &len);
+    handle_detokenize(arg, c, body, len);
+}
+
+// ---- lifecycle ---------------------------------------------------------------------------------
+static void resolve_served_name(struct tdm_router_server *s)
+{
+    if (s->o.served_model_name[0]) {
+        snprintf(s->served_name, sizeof s->served_name, "%s", s->o.served_model_name);
+        return;
+    }
+    char *path = tdm_path_join(s->o.model, "config.json");
+    char *text = NULL;
+    size_t len = 0;
+    char err[64];
+    if (path && tdm_read_file(path, &text, &len, err, sizeof err) == TDM_OK) {
+        cJSON *j = cJSON_ParseWithLength(text, len);
+        const cJSON *n = cJSON_GetObjectItemCaseSensitive(j, "_name_or_path");
+        if (cJSON_IsString(n) && n->valuestring[0])
+            snprintf(s->served_name, sizeof s->served_name, "%s", n->valuestring);
+        cJSON_Delete(j);
+    }
+    free(text);
+    free(path);
+    if (s->served_name[0])
+        return;
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s", s->o.model);
+    size_t n = strlen(dir);
+    while (n > 1 && dir[n - 1] == '/')
+        dir[--n] = '\0';
+    const char *b = strrchr(dir, '/');
+    snprintf(s->served_name, sizeof s->served_name, "%s", b && b[1] ? b + 1 : dir);
+}
+
+static int load_text_side(struct tdm_router_server *s, char *err, size_t errlen)
+{
+    int rc = tdm_tok_load(&s->tok, s->o.model, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    rc = tdm_hf_generation_config_load(&s->gen, s->o.model, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    struct tdm_model_config mc;
+    rc = tdm_hf_config_load(&mc, s->o.model, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    const char *tmpl = tdm_tok_chat_template(s->tok);
+    if (s->o.chat_template[0]) {
+        rc = tdm_chat_template_new(&s->chat, tmpl, s->o.chat_template, err, errlen);
+        if (rc != TDM_OK)
+            return rc;
+    } else if (tmpl == NULL) {
+        snprintf(s->chat_err, sizeof s->chat_err,
+                 "tokenizer_config.json has no chat_template (use --chat-template)");
+    } else if (tdm_chat_template_new(&s->chat, tmpl, NULL, s->chat_err, sizeof s->chat_err) !=
+               TDM_OK) {
+        s->chat = NULL;
+        TDM_LOG_WARN(MOD, "chat endpoint disabled: %s", s->chat_err);
+    }
+    if (s->o.max_model_len > mc.max_position_embeddings)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--max-model-len %d exceeds the model's max_position_embeddings %d",
+                          s->o.max_model_len, mc.max_position_embeddings);
+    s->max_model_len = s->o.max_model_len ? s->o.max_model_len : mc.max_position_embeddings;
+    resolve_served_name(s);
+    s->info.served_name = s->served_name;
+    s->info.vocab_size = mc.vocab_size;
+    s->info.max_model_len = s->max_model_len;
+    s->info.gen = &s->gen;
+    return TDM_OK;
+}
+
+static int register_metrics(struct tdm_router_server *s, char *err, size_t errlen)
+{
+    struct tdm_metrics_opts o;
+    memset(&o, 0, sizeof o);
+    static const char *const labels[] = {"decision", "endpoint"};
+    o.name = "tandem:router_requests_by_decision_total";
+    o.help = "Requests sent upstream by P/D decision and decode endpoint.";
+    o.label_names = labels;
+    o.n_label_names = 2;
+    int rc = tdm_metrics_counter_register(&s->m_requests_by, s->reg, &o, err, errlen);
+    o.label_names = NULL;
+    o.n_label_names = 0;
+    o.name = "tandem:router_decode_lost_total";
+    o.help = "Requests whose decode worker was lost mid-request (error sent to the client).";
+    if (rc == TDM_OK)
+        rc = tdm_metrics_counter_register(&s->m_lost, s->reg, &o, err, errlen);
+    return rc;
+}
+
+int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_router_opts *o,
+                          char *err, size_t errlen)
+{
+    *out = NULL;
+    struct tdm_router_server *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    s->o = *o;
+    s->instance = tdm_net_new_instance_id();
+    s->created = (int64_t)time(NULL);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    pthread_mutex_init(&s->live_mu, NULL);
+    int rc = load_text_side(s, err, errlen);
+    if (rc == TDM_OK)
+        rc = tdm_metrics_registry_new(&s->reg, NULL, 0, err, errlen);
+    if (rc == TDM_OK)
+        rc = register_metrics(s, err, errlen);
+    if (rc == TDM_OK)
+        rc = tdm_router_control_new(&s->ctl, o->config, s->reg, err, errlen);
+    if (rc != TDM_OK)
+        goto fail;
+    s->rm = tdm_router_control_metrics(s->ctl);
+    rc = tdm_net_outbox_new(&s->outbox, 100, err, errlen);
+    if (rc == TDM_OK)
+        rc = tdm_net_inbox_new(&s->inbox, o->nng_url, err, errlen);
+    if (rc != TDM_OK)
+        goto fail;
+    if (pthread_create(&s->rx_thread, NULL, rx_main, s) != 0) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "cannot start the inbox thread");
+        goto fail;
+    }
+    s->rx_started = true;
+    rc = tdm_router_control_start(s->ctl, o->watch, err, errlen);
+    if (rc != TDM_OK)
+        goto fail;
+    if (pthread_create(&s->poll_thread, NULL, poll_main, s) != 0) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "cannot start the load poller");
+        goto fail;
+    }
+    s->poll_started = true;
+
+    struct tdm_http_config hc;
+    memset(&hc, 0, sizeof hc);
+    hc.host = o->host;
+    hc.port = o->port;
+    hc.num_threads = o->http_threads;
+    hc.max_body_bytes = o->max_body_bytes;
+    hc.api_key = o->api_key[0] ? o->api_key : NULL;
+    static const struct {
+        const char *method, *path;
+        tdm_http_handler_fn fn;
+    } routes[] = {
+        {"GET", "/health", on_health},
+        {"GET", "/ping", on_health},
+        {"GET", "/metrics", on_metrics},
+        {"GET", "/version", on_version},
+        {"GET", "/v1/models", on_models},
+        {"GET", "/v1/router/config", on_router_config},
+        {"POST", "/v1/completions", on_completions},
+        {"POST", "/v1/chat/completions", on_chat},
+        {"POST", "/tokenize", on_tokenize},
+        {"POST", "/detokenize", on_detokenize},
+    };
+    rc = tdm_http_server_new(&s->http, &hc, err, errlen);
+    for (size_t i = 0; rc == TDM_OK && i < sizeof routes / sizeof routes[0]; i++)
+        rc = tdm_http_route(s->http, routes[i].method, routes[i].path, routes[i].fn, s);
+    if (rc == TDM_OK)
+        rc = tdm_http_server_start(s->http, err, errlen);
+    if (rc != TDM_OK)
+        goto fail;
+    *out = s;
+    return TDM_OK;
+fail:
+    tdm_router_server_free(s);
+    return rc;
+}
+
+void tdm_router_server_free(struct tdm_router_server *s)
+{
+    if (s == NULL)
+        return;
+    atomic_store(&s->stopping, true);
+    if (s->http) {
+        tdm_http_server_stop(s->http); // handlers return; their calls cancel upstream
+        tdm_http_server_free(s->http);
+    }
+    if (s->poll_started)
+        pthread_join(s->poll_thread, NULL);
+    if (s->inbox)
+        tdm_net_inbox_close(s->inbox);
+    if (s->rx_started)
+        pthread_join(s->rx_thread, NULL);
+    tdm_router_control_free(s->ctl);
+    tdm_net_inbox_free(s->inbox);
+    tdm_net_outbox_free(s->outbox);
+    tdm_metrics_registry_free(s->reg);
+    tdm_chat_template_free(s->chat);
+    tdm_tok_free(s->tok);
+    while (s->streams)
+        stream_unregister(s, s->streams);
+    pthread_mutex_destroy(&s->live_mu);
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
