@@ -409,6 +409,8 @@ static void want(struct tdm_router_endpoints *reg, const char *host, int http_po
         TDM_LOG_ERR(MOD, "out of memory adding endpoint %s", name);
 }
 
+static void reap(struct tdm_router_endpoints *reg);
+
 // Rebuilds the wanted set from the config and the DNS results (under mu);
 // endpoints no longer wanted start draining.
 static void reconcile(struct tdm_router_endpoints *reg, bool initial)
@@ -432,6 +434,7 @@ static void reconcile(struct tdm_router_endpoints *reg, bool initial)
             TDM_LOG_INFO(MOD, "endpoint %s draining (%d in flight)", e->name, e->inflight);
         }
     }
+    reap(reg);
     update_ready_gauges(reg);
 }
 
@@ -1077,6 +1080,8 @@ void tdm_router_endpoints_release(struct tdm_router_endpoints *reg, uint64_t id)
     struct endpoint *e = find_by_id(reg, id);
     if (e && e->inflight > 0)
         e->inflight--;
+    if (e && e->draining && e->inflight == 0)
+        reap(reg); // the last request on a vanished endpoint: it goes now
     pthread_mutex_unlock(&reg->mu);
 }
 
