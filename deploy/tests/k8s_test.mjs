@@ -310,7 +310,9 @@ function checkRender(objs, overlay, c) {
     }
 }
 
-// The router's config names the headless Services with their roles and ports.
+// The router's config (docs/router-config.md: endpoints.<role>.dns names,
+// http_port, nng_port) names the headless Services of the right role, in the
+// manifests' namespace, on the Services' ports.
 function checkRouterConfig(text, objs, w, c) {
     let cfg;
     try {
@@ -319,17 +321,21 @@ function checkRouterConfig(text, objs, w, c) {
         c.fail(w, `router.yaml is not YAML: ${e.message}`);
         return;
     }
-    const dns = cfg?.endpoints?.dns || [];
     for (const role of WORKERS) {
-        const e = dns.find((x) => x.role === role);
-        if (!c.check(e, w, `router.yaml has no DNS endpoint with role ${role}`)) continue;
-        const s = find(objs, 'Service', e.name);
-        if (!c.check(s && s.spec?.clusterIP === 'None', w, `DNS name ${e.name} is not a headless Service in the output`)) continue;
-        c.check(s.spec.selector?.[ROLE] === role, w, `DNS name ${e.name} (role ${role}) selects ${ROLE}=${s.spec.selector?.[ROLE]}`);
-        const ports = (s.spec.ports || []).map((p) => p.port);
-        c.check(ports.includes(e.httpPort), w, `${e.name}: httpPort ${e.httpPort} is not a port of the Service (${ports})`);
-        if (role === 'prefill' || e.nngPort !== undefined) {
-            c.check(ports.includes(e.nngPort), w, `${e.name}: nngPort ${e.nngPort} is not a port of the Service (${ports})`);
+        const ep = cfg?.endpoints?.[role];
+        const dns = (Array.isArray(ep) ? [] : ep?.dns || []).map((d) => (typeof d === 'string' ? d : d?.name));
+        if (!c.check(dns.length > 0, w, `router.yaml has no endpoints.${role}.dns name (pods must be discovered, not listed)`)) continue;
+        for (const name of dns) {
+            const [svc, ns] = String(name).split('.');
+            const s = find(objs, 'Service', svc);
+            if (!c.check(s && s.spec?.clusterIP === 'None', w, `endpoints.${role}.dns ${name}: ${svc} is not a headless Service in the output`)) continue;
+            c.check(!ns || ns === s.metadata.namespace, w, `endpoints.${role}.dns ${name}: namespace ${ns}, the Service is in ${s.metadata.namespace}`);
+            c.check(s.spec.selector?.[ROLE] === role, w, `endpoints.${role}.dns ${name} selects ${ROLE}=${s.spec.selector?.[ROLE]}`);
+            const ports = (s.spec.ports || []).map((p) => p.port);
+            c.check(ports.includes(ep.http_port), w, `endpoints.${role}.http_port ${ep.http_port} is not a port of ${svc} (${ports})`);
+            if (role === 'prefill') {
+                c.check(ports.includes(ep.nng_port), w, `endpoints.prefill.nng_port ${ep.nng_port} is not a port of ${svc} (${ports})`);
+            }
         }
     }
 }
@@ -408,6 +414,14 @@ const MUTATIONS = [
     ['GPU limit dropped', 'overlays/gpu', (o) => delete find(o, 'Deployment', 'tandem-decode').spec.template.spec.containers[0].resources.limits['nvidia.com/gpu']],
     ['GPU asked for in the cpu overlay', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-prefill').spec.template.spec.containers[0].resources.limits['nvidia.com/gpu'] = 1)],
     ['prometheus port annotation wrong', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-router').spec.template.metadata.annotations['prometheus.io/port'] = '9090')],
+    ['router config names a missing Service', 'overlays/cpu', (o) => {
+        const cm = find(o, 'ConfigMap', 'tandem-router-config');
+        cm.data['router.yaml'] = cm.data['router.yaml'].replaceAll('tandem-prefill.', 'tandem-prefil.');
+    }],
+    ['router config on the wrong port', 'overlays/cpu', (o) => {
+        const cm = find(o, 'ConfigMap', 'tandem-router-config');
+        cm.data['router.yaml'] = cm.data['router.yaml'].replaceAll('nng_port: 9001', 'nng_port: 9200');
+    }],
     ['HF token Secret not optional', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-decode').spec.template.spec.initContainers[0].env.find((e) => e.name === 'HF_TOKEN').valueFrom.secretKeyRef.optional = false)],
 ];
 for (const [what, overlay, mutate] of MUTATIONS) {

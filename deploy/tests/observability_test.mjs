@@ -5,7 +5,7 @@
 //    kubernetes_sd_configs block is swapped for a static one before the check
 //    and the relabelling rules are still checked); the Kubernetes job keeps
 //    pods by the prometheus.io/* annotations the manifests set, and the local
-//    job's ports are the ports the manifests give each role.
+//    job has a loopback target for each role, labelled as the pods are.
 //  - grafana-dashboard.json: a well-formed dashboard (unique panel ids, a grid
 //    that fits 24 columns without overlaps, the datasource and every $variable
 //    defined), every query valid PromQL (`promtool check rules` over a rule
@@ -96,15 +96,15 @@ function checkPrometheus() {
     for (const [comp, p] of Object.entries(ports)) {
         c.check(p.ann['prometheus.io/scrape'] === 'true', `base ${comp}`, 'pods not annotated prometheus.io/scrape');
     }
-    // Local variant: one target per role on the role's port.
+    // Local variant: one loopback target per role, labelled like the pods.
     const lfile = path.join(obs, 'prometheus-local.yml');
     promtoolCheckConfig(lfile, 'prometheus-local.yml');
     const l = YAML.parse(readFileSync(lfile, 'utf8'));
     const statics = (l.scrape_configs || []).flatMap((j) => j.static_configs || []);
-    for (const [comp, p] of Object.entries(ports)) {
+    for (const comp of Object.keys(ports)) {
         const sc = statics.find((s) => s.labels?.component === comp);
-        c.check(sc && sc.targets.includes(`127.0.0.1:${p.port}`), 'prometheus-local.yml',
-            `no target 127.0.0.1:${p.port} labelled component=${comp}`);
+        c.check(sc && sc.targets.every((t) => /^127\.0\.0\.1:\d+$/.test(t)), 'prometheus-local.yml', `no loopback target labelled component=${comp}`);
+        if (comp !== 'router') c.check(sc?.labels?.role === comp, 'prometheus-local.yml', `the ${comp} target has no role=${comp} label`);
     }
     c.check(Object.keys(ports).length === 3, 'base', `found ${Object.keys(ports).length} Deployments, expected 3`);
 }
