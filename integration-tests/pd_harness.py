@@ -1,0 +1,288 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers for the disaggregated-serving integration tests (Python 3 stdlib only).
+
+A Cluster starts tandem-router, N tandem-prefill and M tandem-decode processes
+on 127.0.0.1 with fixed ports picked at start (so a worker restarted by a test
+comes back on the same addresses, as a Kubernetes pod behind the same Service
+would), writes the router's config file, and kills every process it started
+when the test ends (atexit and a hard deadline). Exit status: 0 pass, 1 fail.
+"""
+import argparse
+import atexit
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+_PROCS = []
+
+
+def _kill_all():
+    for p in _PROCS:
+        if p.poll() is None:
+            p.kill()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+atexit.register(_kill_all)
+
+
+def parse_args():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--router", required=True)
+    ap.add_argument("--prefill", required=True)
+    ap.add_argument("--decode", required=True)
+    ap.add_argument("--mkmodel", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--deadline", type=float, default=240.0)
+    args = ap.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+
+    def on_alarm(signum, frame):
+        _kill_all()
+        print("FAIL: test deadline of %.0f s passed" % args.deadline, flush=True)
+        os._exit(1)
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(int(args.deadline))
+    return args
+
+
+def fail(msg):
+    print("FAIL: " + msg, flush=True)
+    _kill_all()
+    sys.exit(1)
+
+
+def check(cond, msg):
+    if not cond:
+        fail(msg)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def make_model(args, name="pd-tiny"):
+    """The tiny model with a context long enough for prompts of a few thousand tokens."""
+    out = os.path.join(args.workdir, name)
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        subprocess.run([args.mkmodel, "--preset", "tiny", "--max-pos", "8192", "--out", out],
+                       check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+# ---- HTTP ---------------------------------------------------------------------------------
+def request(port, method, path, body=None, timeout=60, headers=None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = json.dumps(body) if body is not None else None
+    h = {"Content-Type": "application/json"}
+    h.update(headers or {})
+    c.request(method, path, body=data, headers=h)
+    r = c.getresponse()
+    raw = r.read()
+    c.close()
+    try:
+        parsed = json.loads(raw) if raw else None
+    except ValueError:
+        parsed = raw.decode("utf-8", "replace")
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, parsed
+
+
+def post(port, path, body, timeout=60):
+    return request(port, "POST", path, body, timeout)
+
+
+class Stream:
+    """An SSE stream read event by event (so a test can stop reading or disconnect)."""
+
+    def __init__(self, port, path, body, timeout=30):
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        self.conn.request("POST", path, body=json.dumps(body),
+                          headers={"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        self.status = self.resp.status
+        self.headers = {k.lower(): v for k, v in self.resp.getheaders()}
+
+    def events(self):
+        """Yields parsed data events; "[DONE]" as the string."""
+        buf = b""
+        while True:
+            line = self.resp.readline()
+            if not line:
+                return
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                yield "[DONE]"
+                return
+            yield json.loads(data)
+
+    def close(self):
+        try:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, AttributeError):
+            pass
+        self.conn.close()
+
+
+def stream_text(port, body):
+    """Full streamed text, token ids and finish reason of choice 0."""
+    s = Stream(port, "/v1/completions", dict(body, stream=True))
+    check(s.status == 200, "stream status %d" % s.status)
+    text, ids, finish = "", [], None
+    for ev in s.events():
+        if ev == "[DONE]":
+            break
+        check("error" not in ev, "stream error event: %s" % ev)
+        for ch in ev.get("choices", []):
+            text += ch.get("text", "")
+            ids += ch.get("token_ids") or []
+            finish = ch.get("finish_reason") or finish
+    s.close()
+    return text, ids, finish, s.headers
+
+
+def metrics(port):
+    """Prometheus text -> {name{labels}: value}."""
+    st, _, body = request(port, "GET", "/metrics")
+    check(st == 200, "metrics status %d" % st)
+    out = {}
+    for line in body.splitlines() if isinstance(body, str) else []:
+        if not line or line.startswith("#"):
+            continue
+        k, _, v = line.rpartition(" ")
+        try:
+            out[k] = float(v)
+        except ValueError:
+            pass
+    return out
+
+
+def metric_sum(m, name):
+    """Sum of every series of a family (name with or without labels)."""
+    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
+
+
+# ---- the cluster --------------------------------------------------------------------------
+class Worker:
+    def __init__(self, kind, idx, http_port, nng_port):
+        self.kind, self.idx = kind, idx
+        self.http_port, self.nng_port = http_port, nng_port
+        self.proc = None
+
+    @property
+    def name(self):
+        return "127.0.0.1:%d" % self.http_port
+
+
+class Cluster:
+    def __init__(self, args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always",
+                 extra_yaml=""):
+        self.args = args
+        self.model = make_model(args)
+        self.prefill = [Worker("prefill", i, free_port(), free_port()) for i in range(n_prefill)]
+        self.decode = [Worker("decode", i, free_port(), free_port()) for i in range(n_decode)]
+        self.router_port = free_port()
+        self.router_proc = None
+        self.config = os.path.join(args.workdir, "router-%d.yaml" % os.getpid())
+        self.write_config(policy, pd_mode, extra_yaml)
+
+    def write_config(self, policy, pd_mode, extra_yaml=""):
+        lines = ["policy: %s" % policy, "pd_mode: %s" % pd_mode, "endpoints:", "  prefill:"]
+        for w in self.prefill:
+            lines.append("  - {host: 127.0.0.1, http_port: %d, nng_port: %d}"
+                         % (w.http_port, w.nng_port))
+        lines.append("  decode:")
+        for w in self.decode:
+            lines.append("  - {host: 127.0.0.1, http_port: %d, nng_port: %d}"
+                         % (w.http_port, w.nng_port))
+        lines += ["health:", "  interval_seconds: 0.5", "  timeout_seconds: 0.5",
+                  "  failure_threshold: 2", "load_stale_seconds: 2", "request:",
+                  "  deadline_seconds: 120", "  prefill_retries: 1"]
+        text = "\n".join(lines) + "\n" + extra_yaml
+        tmp = self.config + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, self.config)
+
+    def _log(self, name):
+        return open(os.path.join(self.args.workdir, "%s-%d.log" % (name, os.getpid())), "ab")
+
+    def start_worker(self, w):
+        binary = self.args.prefill if w.kind == "prefill" else self.args.decode
+        cmd = [binary, "--model", self.model, "--host", "127.0.0.1", "--port", str(w.http_port),
+               "--nng-url", "tcp://127.0.0.1:%d" % w.nng_port, "--threads", "1",
+               "--kv-cache-memory", "64MiB"]
+        w.proc = subprocess.Popen(cmd, stdout=self._log("%s%d" % (w.kind, w.idx)),
+                                  stderr=subprocess.STDOUT)
+        _PROCS.append(w.proc)
+
+    def wait_health(self, port, proc, timeout=30):
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            check(proc.poll() is None, "process on port %d exited (%s)" % (port, proc.returncode))
+            try:
+                st, _, _ = request(port, "GET", "/health", timeout=2)
+                if st == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        fail("port %d not healthy within %.0f s" % (port, timeout))
+
+    def start(self):
+        for w in self.prefill + self.decode:
+            self.start_worker(w)
+        for w in self.prefill + self.decode:
+            self.wait_health(w.http_port, w.proc)
+        cmd = [self.args.router, "--config", self.config, "--model", self.model, "--host",
+               "127.0.0.1", "--port", str(self.router_port), "--liveness-timeout", "1.0"]
+        self.router_proc = subprocess.Popen(cmd, stdout=self._log("router"),
+                                            stderr=subprocess.STDOUT)
+        _PROCS.append(self.router_proc)
+        self.wait_health(self.router_port, self.router_proc)
+        time.sleep(0.6)  # first load reports
+        return self
+
+    def kill(self, w, sig=signal.SIGKILL):
+        w.proc.send_signal(sig)
+        w.proc.wait(timeout=20)
+
+    def restart(self, w):
+        self.start_worker(w)
+        self.wait_health(w.http_port, w.proc)
+
+    def workers(self):
+        return self.prefill + self.decode
+
+    def wait_kv_free(self, timeout=10):
+        """Every live worker reports KV usage 0 and nothing running or waiting."""
+        t0 = time.time()
+        last = None
+        while time.time() - t0 < timeout:
+            last = []
+            for w in self.workers():
+                if w.proc is None or w.proc.poll() is not None:
+                    continue
+                m = metrics(w.http_port)
+                last.append((w.name, metric_sum(m, "vllm:kv_cache_usage_perc"),
+                             metric_sum(m, "vllm:num_requests_running"),
+                             metric_sum(m, "vllm:num_requests_waiting")))
+            if all(u == 0 and r == 0 and q == 0 for _, u, r, q in last):
+                return
+            time.sleep(0.1)
+        fail("KV not freed everywhere within %.0f s: %s" % (timeout, last))
