@@ -51,6 +51,7 @@ struct tdm_router_config_store {
     double loaded_at; // wall seconds
     char last_error[512];
     uint64_t n_success, n_failure;
+    char *last_failed_text; // bytes of the last invalid file (watcher dedup), or NULL
 
     pthread_mutex_t reload_mu; // one reload at a time
     tdm_router_config_reload_fn on_reload;
@@ -147,6 +148,7 @@ void tdm_router_config_store_free(struct tdm_router_config_store *st)
     tdm_router_config_unref(st->active);
     pthread_mutex_destroy(&st->mu);
     pthread_mutex_destroy(&st->reload_mu);
+    free(st->last_failed_text);
     free(st->path);
     free(st);
 }
@@ -171,7 +173,10 @@ struct tdm_router_config *tdm_router_config_store_get(struct tdm_router_config_s
     return c;
 }
 
-int tdm_router_config_store_reload(struct tdm_router_config_store *st, char *err, size_t errlen)
+// The watcher passes from_watch: a file whose bytes already failed is not
+// parsed, logged or counted again (one line per bad config, however many
+// events its update makes).
+static int reload(struct tdm_router_config_store *st, bool from_watch, char *err, size_t errlen)
 {
     char detail[512] = "";
     char *text = NULL;
@@ -188,11 +193,22 @@ int tdm_router_config_store_reload(struct tdm_router_config_store *st, char *err
         pthread_mutex_unlock(&st->reload_mu);
         return TDM_OK;
     }
+    if (!rc && from_watch && st->last_failed_text && strlen(st->last_failed_text) == len &&
+        memcmp(st->last_failed_text, text, len) == 0) {
+        tdm_router_config_unref(cur);
+        free(text);
+        pthread_mutex_unlock(&st->reload_mu);
+        return TDM_EINVAL;
+    }
     if (!rc) {
         char pdetail[480] = "";
         rc = tdm_router_config_parse(&next, text, len, st->path, pdetail, sizeof pdetail);
-        if (rc)
+        if (rc) {
             snprintf(detail, sizeof detail, "%s: %s", st->path, pdetail);
+            free(st->last_failed_text);
+            st->last_failed_text = text; // kept for the dedup above
+            text = NULL;
+        }
     }
     free(text);
     double now = tdm_wall_now();
@@ -207,6 +223,8 @@ int tdm_router_config_store_reload(struct tdm_router_config_store *st, char *err
         pthread_mutex_unlock(&st->reload_mu);
         return tdm_seterr(err, errlen, rc, "%s", detail);
     }
+    free(st->last_failed_text);
+    st->last_failed_text = NULL;
     pthread_mutex_lock(&st->mu);
     struct tdm_router_config *old = st->active; // the store's reference moves to us
     st->active = next;
@@ -227,6 +245,11 @@ int tdm_router_config_store_reload(struct tdm_router_config_store *st, char *err
     tdm_router_config_unref(cur);
     pthread_mutex_unlock(&st->reload_mu);
     return TDM_OK;
+}
+
+int tdm_router_config_store_reload(struct tdm_router_config_store *st, char *err, size_t errlen)
+{
+    return reload(st, false, err, errlen);
 }
 
 // Reads and discards pending inotify events; true when there were any.
@@ -260,23 +283,23 @@ static void *watch_main(void *arg)
         now = tdm_now();
         if (n > 0 && (pfd[0].revents & POLLIN) && drain_inotify(st->inotify_fd))
             pending_at = now + st->debounce_ms / 1000.0;
-        bool reload = false;
+        bool want = false;
         if (pending_at >= 0 && now >= pending_at) {
             pending_at = -1;
-            reload = true;
+            want = true;
         }
         if (now >= next_stat) {
             next_stat = now + 1.0;
             struct file_sig s = stat_sig(st->path);
             pthread_mutex_lock(&st->reload_mu); // st->sig is written by reloads
             if (s.valid && !sig_equal(&s, &st->sig))
-                reload = true;
+                want = true;
             pthread_mutex_unlock(&st->reload_mu);
         }
-        if (reload) {
+        if (want) {
             // A half-swapped ConfigMap may briefly lack the file: that is a
             // failed reload (old config kept) and the next event retries.
-            (void)tdm_router_config_store_reload(st, NULL, 0);
+            (void)reload(st, true, NULL, 0);
         }
     }
     return NULL;

@@ -1,0 +1,342 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tests of the control plane as the request path uses it: routes (decision,
+// held endpoints, prefix recording), prefill retries and the fallback to local
+// prefill, passive reports, the router metrics they move (rendered through the
+// registry), no-endpoint errors, a reload under a held route, and the
+// GET /v1/router/config body.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+#include <cmocka.h>
+
+#include "control.h"
+#include "core.h"
+
+struct env {
+    char dir[256];
+    char path[512];
+    struct tdm_metrics_registry *mreg;
+    struct tdm_router_control *ctl;
+};
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(text, 1, strlen(text), f), strlen(text));
+    assert_int_equal(fclose(f), 0);
+}
+
+static void env_open(struct env *e, const char *text)
+{
+    memset(e, 0, sizeof *e);
+    snprintf(e->dir, sizeof e->dir, "%s/router-ctl-XXXXXX", TANDEM_BINARY_DIR);
+    assert_non_null(mkdtemp(e->dir));
+    snprintf(e->path, sizeof e->path, "%s/router.yaml", e->dir);
+    write_file(e->path, text);
+    char err[512];
+    assert_int_equal(tdm_metrics_registry_new(&e->mreg, NULL, 0, err, sizeof err), TDM_OK);
+    int rc = tdm_router_control_new(&e->ctl, e->path, e->mreg, err, sizeof err);
+    if (rc)
+        fail_msg("control_new: %s", err);
+}
+
+static void env_close(struct env *e)
+{
+    tdm_router_control_free(e->ctl);
+    tdm_metrics_registry_free(e->mreg);
+    unlink(e->path);
+    rmdir(e->dir);
+}
+
+static int inflight_of(struct env *e, uint64_t id)
+{
+    struct tdm_router_endpoint_view v;
+    assert_int_equal(tdm_router_endpoints_get(tdm_router_control_endpoints(e->ctl), id, &v),
+                     TDM_OK);
+    return v.inflight;
+}
+
+static char *render(struct env *e)
+{
+    char *out = NULL;
+    size_t len = 0;
+    assert_int_equal(tdm_metrics_render(e->mreg, &out, &len), TDM_OK);
+    return out;
+}
+
+static void expect_line(const char *text, const char *line)
+{
+    if (!strstr(text, line))
+        fail_msg("metrics lack '%s'", line);
+}
+
+static const char *pd_cfg = "policy: prefix_cache\n"
+                            "pd_threshold_tokens: 32\n"
+                            "request: {prefill_retries: 1, deadline_seconds: 30}\n"
+                            "endpoints:\n"
+                            "  prefill: ['10.0.0.1:8101', '10.0.0.2:8101', '10.0.0.3:8101']\n"
+                            "  decode: ['10.0.1.1:8001', '10.0.1.2:8001']\n";
+
+static void test_route_decode_only_and_prefix(void **state)
+{
+    (void)state;
+    struct env e;
+    env_open(&e, pd_cfg);
+    int32_t tokens[64];
+    for (int i = 0; i < 64; i++)
+        tokens[i] = 1000 + i;
+    char err[256];
+    struct tdm_router_route r;
+    // 20 tokens <= 32: decode-only.
+    assert_int_equal(tdm_router_control_route(e.ctl, tokens, 20, NULL, &r, err, sizeof err), 0);
+    assert_int_equal(r.decision, TDM_ROUTER_DECISION_DECODE_ONLY);
+    assert_int_equal(r.n_prefill, 0);
+    assert_int_equal(r.decode.role, TDM_ROUTER_ROLE_DECODE);
+    assert_int_equal(r.decode.nng_port, 9001);
+    assert_int_equal(inflight_of(&e, r.decode.id), 1);
+    assert_true(r.deadline > r.routed_at + 29.0);
+    assert_non_null(r.cfg);
+    uint64_t did = r.decode.id, first_decode = did;
+    tdm_router_control_route_done(e.ctl, &r, "success");
+    assert_int_equal(inflight_of(&e, did), 0);
+    assert_null(r.cfg);
+    tdm_router_control_route_done(e.ctl, &r, "success"); // harmless twice
+
+    // 64 tokens, cold: prefill-decode. The blocks are recorded on both.
+    assert_int_equal(tdm_router_control_route(e.ctl, tokens, 64, NULL, &r, err, sizeof err), 0);
+    assert_int_equal(r.decision, TDM_ROUTER_DECISION_PREFILL_DECODE);
+    assert_int_equal(r.n_prefill, 3);
+    assert_int_equal(r.prefill_attempts, 1);
+    assert_int_equal(r.prefill[r.prefill_idx].role, TDM_ROUTER_ROLE_PREFILL);
+    assert_int_equal(inflight_of(&e, r.prefill[0].id), 1);
+    assert_int_equal(inflight_of(&e, r.prefill[1].id), 0); // only the one in use is held
+    did = r.decode.id;
+    uint64_t pid = r.prefill[0].id;
+    tdm_router_control_route_done(e.ctl, &r, "success");
+    assert_int_equal(inflight_of(&e, pid), 0);
+    // The same prompt again: the decode endpoint that has it wins and 48 of 64
+    // tokens are cached there (one token always left to compute... 4 blocks of
+    // 16 = 64 -> 63 cached), so 1 uncached token <= 32: local prefill.
+    assert_int_equal(tdm_router_control_route(e.ctl, tokens, 64, NULL, &r, err, sizeof err), 0);
+    assert_true(r.decode.id == did);
+    assert_int_equal(r.cached_tokens, 63);
+    assert_int_equal(r.decision, TDM_ROUTER_DECISION_DECODE_ONLY);
+    tdm_router_control_route_done(e.ctl, &r, "success");
+
+    char *m = render(&e);
+    expect_line(m, "tandem:router_pd_decision_total{decision_type=\"decode-only\"} 2");
+    expect_line(m, "tandem:router_pd_decision_total{decision_type=\"prefill-decode\"} 1");
+    expect_line(m, "tandem:router_requests_total{status=\"success\"} 3");
+    expect_line(m, "tandem:router_ready_endpoints{role=\"decode\"} 2");
+    expect_line(m, "tandem:router_ready_endpoints{role=\"prefill\"} 3");
+    expect_line(m, "tandem:router_inflight_requests 0");
+    expect_line(m, "tandem:router_scheduling_seconds_count 3");
+    char line[256];
+    struct tdm_router_endpoint_view v;
+    assert_int_equal(tdm_router_endpoints_get(tdm_router_control_endpoints(e.ctl), did, &v), 0);
+    snprintf(line, sizeof line,
+             "tandem:router_endpoint_picks_total{endpoint=\"%s\",role=\"decode\"} %d", v.name,
+             first_decode == did ? 3 : 2);
+    expect_line(m, line);
+    free(m);
+    env_close(&e);
+}
+
+static void test_prefill_retry_and_fallback(void **state)
+{
+    (void)state;
+    struct env e;
+    env_open(&e, pd_cfg);
+    int32_t tokens[100];
+    for (int i = 0; i < 100; i++)
+        tokens[i] = 7 * i;
+    char err[256];
+    struct tdm_router_route r;
+    assert_int_equal(tdm_router_control_route(e.ctl, tokens, 100, NULL, &r, err, sizeof err), 0);
+    assert_int_equal(r.decision, TDM_ROUTER_DECISION_PREFILL_DECODE);
+    struct tdm_router_target first = r.prefill[r.prefill_idx];
+    // The prefill worker fails: report it, move on (1 retry allowed).
+    tdm_router_control_report(e.ctl, &first, TDM_ROUTER_OUTCOME_ERROR);
+    assert_true(tdm_router_control_next_prefill(e.ctl, &r));
+    assert_int_equal(r.prefill_attempts, 2);
+    assert_true(r.prefill[r.prefill_idx].id != first.id);
+    assert_int_equal(inflight_of(&e, first.id), 0);
+    assert_int_equal(inflight_of(&e, r.prefill[r.prefill_idx].id), 1);
+    struct tdm_router_target second = r.prefill[r.prefill_idx];
+    tdm_router_control_report(e.ctl, &second, TDM_ROUTER_OUTCOME_TIMEOUT);
+    // Retries exhausted: local prefill.
+    assert_false(tdm_router_control_next_prefill(e.ctl, &r));
+    assert_int_equal(r.decision, TDM_ROUTER_DECISION_DECODE_ONLY);
+    assert_int_equal(inflight_of(&e, second.id), 0);
+    assert_false(tdm_router_control_next_prefill(e.ctl, &r)); // stays decode-only
+    tdm_router_control_route_done(e.ctl, &r, "success");
+
+    char *m = render(&e);
+    char line[256];
+    snprintf(line, sizeof line,
+             "tandem:router_upstream_errors_total{endpoint=\"%s\",kind=\"error\",role=\"prefill\"} 1",
+             first.name);
+    expect_line(m, line);
+    snprintf(line, sizeof line,
+             "tandem:router_upstream_errors_total{endpoint=\"%s\",kind=\"timeout\",role=\"prefill\"} "
+             "1",
+             second.name);
+    expect_line(m, line);
+    snprintf(line, sizeof line, "tandem:router_retries_total{endpoint=\"%s\",role=\"prefill\"} 1",
+             first.name);
+    expect_line(m, line);
+    expect_line(m, "tandem:router_prefill_fallback_total 1");
+    free(m);
+
+    // An unhealthy candidate is skipped without spending the retry (a new
+    // prompt: the last one is cached on its decode endpoint now).
+    for (int i = 0; i < 100; i++)
+        tokens[i] = 5 * i + 3;
+    assert_int_equal(tdm_router_control_route(e.ctl, tokens, 100, NULL, &r, err, sizeof err), 0);
+    assert_int_equal(r.n_prefill, 3);
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
+    tdm_router_endpoints_set_healthy(eps, r.prefill[1].id, false);
+    assert_true(tdm_router_control_next_prefill(e.ctl, &r));
+    assert_int_equal(r.prefill_idx, 2);
+    tdm_router_control_route_done(e.ctl, &r, "error");
+    env_close(&e);
+}
+
+static void test_no_endpoint(void **state)
+{
+    (void)state;
+    struct env e;
+    env_open(&e, "policy: round_robin\nendpoints: {decode: ['10.0.1.1:8001']}\n");
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
+    struct tdm_router_endpoint_view v;
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", &v), TDM_OK);
+    tdm_router_endpoints_set_healthy(eps, v.id, false);
+    char err[256];
+    struct tdm_router_route r;
+    int32_t t[4] = {1, 2, 3, 4};
+    assert_int_equal(tdm_router_control_route(e.ctl, t, 4, NULL, &r, err, sizeof err), TDM_EBUSY);
+    assert_string_equal(err, "no healthy decode endpoint (1 configured, 0 healthy)");
+    assert_null(r.cfg);
+    tdm_router_control_route_done(e.ctl, &r, "error"); // a failed route: no-op
+    char *m = render(&e);
+    expect_line(m, "tandem:router_requests_total{status=\"no_endpoint\"} 1");
+    expect_line(m, "tandem:router_requests_total{status=\"error\"} 0");
+    free(m);
+    // Session affinity through the control path: a token names the endpoint.
+    tdm_router_endpoints_set_healthy(eps, v.id, true);
+    assert_int_equal(tdm_router_control_route(e.ctl, NULL, 0, "x", &r, err, sizeof err), TDM_OK);
+    tdm_router_control_route_done(e.ctl, &r, "cancelled");
+    env_close(&e);
+}
+
+static void test_reload_under_held_route_and_json(void **state)
+{
+    (void)state;
+    struct env e;
+    env_open(&e, "policy: round_robin\nendpoints: {decode: ['10.0.1.1:8001', '10.0.1.2:8001']}\n");
+    char err[256];
+    struct tdm_router_route r;
+    int32_t t[8] = {0};
+    assert_int_equal(tdm_router_control_route(e.ctl, t, 8, NULL, &r, err, sizeof err), TDM_OK);
+    uint64_t held = r.decode.id;
+    // The new config drops the held endpoint and adds another.
+    write_file(e.path, "policy: least_loaded\n"
+                       "endpoints: {decode: ['10.0.1.2:8001', '10.0.1.3:8001']}\n");
+    assert_int_equal(tdm_router_control_reload(e.ctl, err, sizeof err), TDM_OK);
+    assert_string_equal(r.cfg->short_policy, "round_robin"); // the request keeps its config
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
+    struct tdm_router_endpoint_view v;
+    // Round robin's first pick is the first endpoint, 10.0.1.1: now draining
+    // until the route is done.
+    assert_int_equal(tdm_router_endpoints_get(eps, held, &v), TDM_OK);
+    assert_string_equal(v.name, "10.0.1.1:8001");
+    assert_true(v.draining);
+    char *json = tdm_router_control_config_json(e.ctl);
+    assert_non_null(json);
+    cJSON *o = cJSON_Parse(json);
+    assert_non_null(o);
+    assert_string_equal(cJSON_GetObjectItem(o, "policy")->valuestring, "least_loaded");
+    cJSON *st = cJSON_GetObjectItem(o, "endpoints_state");
+    assert_true(cJSON_GetArraySize(st) >= 2);
+    bool saw3 = false;
+    for (int i = 0; i < cJSON_GetArraySize(st); i++) {
+        cJSON *x = cJSON_GetArrayItem(st, i);
+        if (!strcmp(cJSON_GetObjectItem(x, "name")->valuestring, "10.0.1.3:8001")) {
+            saw3 = true;
+            assert_false(cJSON_IsTrue(cJSON_GetObjectItem(x, "healthy"))); // not checked yet
+            assert_true(cJSON_IsNull(cJSON_GetObjectItem(x, "load")));
+        }
+    }
+    assert_true(saw3);
+    assert_int_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "reloads"), "success")->valueint,
+                     1);
+    cJSON_Delete(o);
+    free(json);
+    tdm_router_control_route_done(e.ctl, &r, "success");
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", &v), TDM_ENOTFOUND);
+    // A bad reload keeps the config and counts the failure in the metrics.
+    write_file(e.path, "policy: least_loaded\nendpoints: {decode: 5}\n");
+    assert_int_equal(tdm_router_control_reload(e.ctl, err, sizeof err), TDM_EINVAL);
+    char *m = render(&e);
+    expect_line(m, "tandem:router_config_reload_total{result=\"failure\"} 1");
+    expect_line(m, "tandem:router_config_reload_total{result=\"success\"} 1");
+    assert_non_null(strstr(m, "tandem:router_config_last_reload_success_timestamp_seconds 1"));
+    free(m);
+    env_close(&e);
+}
+
+static void test_start_checks_health(void **state)
+{
+    (void)state;
+    struct env e;
+    // Nothing listens on port 1: the first check marks it down (threshold 1).
+    env_open(&e, "policy: round_robin\n"
+                 "health: {interval_seconds: 5, timeout_seconds: 0.2, failure_threshold: 1}\n"
+                 "endpoints: {decode: ['127.0.0.1:1']}\n");
+    char err[256];
+    assert_int_equal(tdm_router_control_start(e.ctl, true, err, sizeof err), TDM_OK);
+    struct tdm_router_endpoint_view v;
+    assert_int_equal(
+        tdm_router_endpoints_find(tdm_router_control_endpoints(e.ctl), "127.0.0.1:1", &v), 0);
+    assert_false(v.healthy);
+    assert_non_null(tdm_router_control_store(e.ctl));
+    assert_non_null(tdm_router_control_metrics(e.ctl));
+    env_close(&e);
+    // Without a registry there are no metrics, and everything still works.
+    char dir[256], path[512];
+    snprintf(dir, sizeof dir, "%s/router-ctl2-XXXXXX", TANDEM_BINARY_DIR);
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/r.yaml", dir);
+    write_file(path, "policy: random\nendpoints: {decode: ['10.0.0.1:8001']}\n");
+    struct tdm_router_control *ctl = NULL;
+    assert_int_equal(tdm_router_control_new(&ctl, path, NULL, err, sizeof err), TDM_OK);
+    assert_null(tdm_router_control_metrics(ctl));
+    struct tdm_router_route r;
+    assert_int_equal(tdm_router_control_route(ctl, NULL, 0, NULL, &r, err, sizeof err), TDM_OK);
+    tdm_router_control_route_done(ctl, &r, "success");
+    tdm_router_control_free(ctl);
+    tdm_router_control_free(NULL);
+    unlink(path);
+    rmdir(dir);
+}
+
+int main(void)
+{
+    tdm_log_level = TDM_LOG_LEVEL_ERR;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_route_decode_only_and_prefix),
+        cmocka_unit_test(test_prefill_retry_and_fallback),
+        cmocka_unit_test(test_no_endpoint),
+        cmocka_unit_test(test_reload_under_held_route_and_json),
+        cmocka_unit_test(test_start_checks_health),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
