@@ -1,0 +1,1384 @@
+// SPDX-License-Identifier: Apache-2.0
+// tandem: the local launcher. `tandem up` runs a whole Tandem stack on one
+// machine - the router, N prefill workers and M decode workers as child
+// processes - the way an operator would try it on a laptop before taking it to
+// a cluster:
+//
+//   1. the model: --model DIR or a Hugging Face id (common/hub), else the
+//      built-in demo model, written once with the mkmodel library into
+//      $XDG_CACHE_HOME/tandem/models/<preset>-v1 and reused afterwards;
+//   2. the ports: the router on --port, decode worker i on port+1+i, prefill
+//      worker j after them, each worker's nng inbox on its HTTP port + 1000
+//      (docs/router-config.md's convention); --port 0 picks free ports;
+//   3. a router config (short form: --policy and the workers' addresses) in a
+//      private temporary folder, parsed with the router's own parser first;
+//   4. the children, each in its own process group (so a terminal's Ctrl-C
+//      reaches only the launcher, which then stops them in order) and with
+//      PR_SET_PDEATHSIG (so they never outlive a killed launcher); their
+//      stdout and stderr come back through one pipe each and are printed line
+//      by line behind the child's name (`decode-0 | ...`);
+//   5. readiness: every child's /health polled until 200, with a deadline and
+//      an error naming the child that did not make it;
+//   6. shutdown on SIGINT/SIGTERM: the router first (its open streams still
+//      have their workers), then the workers together (each drains its
+//      running requests), SIGKILL after --drain-timeout + a grace period; a
+//      second signal kills at once. A child that dies on its own stops the
+//      stack with exit status 1.
+//
+// The launcher is single-threaded: one poll() loop over a self-pipe (signals)
+// and the children's pipes; health checks are short blocking HTTP requests on
+// the loopback between polls.
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "core.h"
+#include "hub.h"
+#include "mkmodel.h"
+
+#define MAX_WORKERS 64
+#define MAX_CHILDREN (2 * MAX_WORKERS + 1)
+#define LINE_CAP 8192 // a longer log line is printed in pieces
+
+// Version of the demo model's shapes: bump it when demo_spec changes so an old
+// cached folder is not mistaken for the new one.
+#define DEMO_MODEL_VERSION "v1"
+
+// ---- options ------------------------------------------------------------------------------
+
+struct up_opts {
+    const char *model;       // --model DIR|ID; NULL = the demo model
+    const char *revision;    // --revision (Hub ids); NULL = main
+    const char *preset;      // --model-preset: demo (default), tiny, qwen2.5-0.5b
+    const char *served_name; // --served-model-name; NULL = id, "tandem-demo" or the workers'
+    int n_prefill;           // --prefill N (0..MAX_WORKERS)
+    int n_decode;            // --decode M (1..MAX_WORKERS)
+    int port;                // --port: the router's; workers follow it; 0 = free ports
+    const char *host;        // --host: listen address of every process
+    int threads_per_worker;  // --threads-per-worker; 0 = online cores / workers
+    const char *policy;      // --policy (router short-form policy name)
+    const char *pd_mode;     // --pd-mode prefix|always|never
+    int pd_threshold;        // --pd-threshold: uncached prompt tokens for remote prefill
+    const char *log_level;   // --log-level, passed to every child
+    double startup_timeout;  // --startup-timeout: seconds until every /health is 200
+    double drain_timeout;    // --drain-timeout: passed to the workers; SIGKILL 15 s later
+    const char *bin_dir;     // --bin-dir: where the service binaries are
+    bool no_router;          // --no-router: workers only (decode workers serve the API)
+};
+
+static const char usage_text[] =
+    "usage: tandem up [options]\n"
+    "Runs a Tandem stack on this machine: the router, N prefill and M decode workers.\n"
+    "  --model DIR|ID            model folder or Hugging Face id (default: the built-in demo\n"
+    "                            model, generated on first use into the cache folder)\n"
+    "  --revision REV            branch, tag or commit of a Hugging Face id (default main)\n"
+    "  --model-preset NAME       demo model shapes: demo (default), tiny, qwen2.5-0.5b\n"
+    "  --served-model-name NAME  the model name clients send (default: the id, tandem-demo,\n"
+    "                            or what the workers derive from the folder)\n"
+    "  --prefill N               prefill workers (default 0)\n"
+    "  --decode M                decode workers (default 1)\n"
+    "  --port P                  router port (default 8000); decode i gets P+1+i, prefill j\n"
+    "                            P+1+M+j, nng inboxes HTTP+1000; 0 = free ports\n"
+    "  --host ADDR               listen address of every process (default 127.0.0.1)\n"
+    "  --threads-per-worker T    compute threads per worker (default: cores / workers)\n"
+    "  --policy NAME             round_robin, random, least_loaded (default), prefix_cache,\n"
+    "                            session_affinity\n"
+    "  --pd-mode MODE            prefix (default: remote prefill above --pd-threshold uncached\n"
+    "                            tokens), always, never; only with --prefill > 0\n"
+    "  --pd-threshold N          uncached prompt tokens above which to prefill remotely (256)\n"
+    "  --log-level L             err, warn, info (default), debug - for every process\n"
+    "  --startup-timeout S       seconds for every /health to turn 200 (default 600)\n"
+    "  --drain-timeout S         workers' drain on stop (default 30); SIGKILL 15 s after\n"
+    "  --bin-dir DIR             where tandem-router/-prefill/-decode are (default: next to\n"
+    "                            tandem, the build tree, then PATH)\n"
+    "  --no-router               decode workers only, each serving the API on its own port\n"
+    "Ctrl-C (SIGINT) or SIGTERM stops the stack: router first, then the workers drain.\n";
+
+static void opts_default(struct up_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->preset = "demo";
+    o->n_decode = 1;
+    o->port = 8000;
+    o->host = "127.0.0.1";
+    o->policy = "least_loaded";
+    o->pd_mode = "prefix";
+    o->pd_threshold = 256;
+    o->log_level = "info";
+    o->startup_timeout = 600;
+    o->drain_timeout = 30;
+}
+
+static int parse_long(const char *flag, const char *v, long lo, long hi, long *out)
+{
+    char *end = NULL;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (!*v || *end || errno || x < lo || x > hi) {
+        fprintf(stderr, "tandem up: %s: expected an integer in [%ld, %ld], got \"%s\"\n", flag, lo,
+                hi, v);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static int parse_seconds(const char *flag, const char *v, double *out)
+{
+    char *end = NULL;
+    double x = strtod(v, &end);
+    if (!*v || *end || !(x >= 0) || x > 86400) {
+        fprintf(stderr, "tandem up: %s: expected seconds in [0, 86400], got \"%s\"\n", flag, v);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+// Parses `up`'s arguments (argv[0] is "up"). Returns 0, 1 for --help, -1 after
+// printing one line about the bad argument.
+static int opts_parse(struct up_opts *o, int argc, char **argv)
+{
+    static char split[MAX_WORKERS * 4][512]; // "--name=value" copies (values point into them)
+    int n_split = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h"))
+            return 1;
+        if (!strcmp(a, "--no-router")) {
+            o->no_router = true;
+            continue;
+        }
+        if (strncmp(a, "--", 2)) {
+            fprintf(stderr, "tandem up: unexpected argument \"%s\" (see tandem up --help)\n", a);
+            return -1;
+        }
+        const char *name = a, *val = NULL;
+        const char *eq = strchr(a, '=');
+        if (eq) {
+            if (n_split == (int)(sizeof split / sizeof *split) || strlen(a) >= sizeof split[0]) {
+                fprintf(stderr, "tandem up: argument too long: %.40s...\n", a);
+                return -1;
+            }
+            char *s = split[n_split++];
+            strcpy(s, a);
+            s[eq - a] = '\0';
+            name = s;
+            val = s + (eq - a) + 1;
+        } else if (i + 1 < argc) {
+            val = argv[++i];
+        }
+        static const char *const known[] = {"--model",
+                                            "--revision",
+                                            "--model-preset",
+                                            "--served-model-name",
+                                            "--prefill",
+                                            "--decode",
+                                            "--port",
+                                            "--host",
+                                            "--threads-per-worker",
+                                            "--policy",
+                                            "--pd-mode",
+                                            "--pd-threshold",
+                                            "--log-level",
+                                            "--startup-timeout",
+                                            "--drain-timeout",
+                                            "--bin-dir",
+                                            NULL};
+        bool ok = false;
+        for (int k = 0; known[k]; k++)
+            ok = ok || !strcmp(name, known[k]);
+        if (!ok) {
+            fprintf(stderr, "tandem up: unknown flag %s (see tandem up --help)\n", name);
+            return -1;
+        }
+        if (!val) {
+            fprintf(stderr, "tandem up: %s needs a value\n", name);
+            return -1;
+        }
+        long x = 0;
+        if (!strcmp(name, "--model")) {
+            o->model = val;
+        } else if (!strcmp(name, "--revision")) {
+            o->revision = val;
+        } else if (!strcmp(name, "--model-preset")) {
+            o->preset = val;
+        } else if (!strcmp(name, "--served-model-name")) {
+            o->served_name = val;
+        } else if (!strcmp(name, "--prefill")) {
+            if (parse_long(name, val, 0, MAX_WORKERS, &x))
+                return -1;
+            o->n_prefill = (int)x;
+        } else if (!strcmp(name, "--decode")) {
+            if (parse_long(name, val, 1, MAX_WORKERS, &x))
+                return -1;
+            o->n_decode = (int)x;
+        } else if (!strcmp(name, "--port")) {
+            if (parse_long(name, val, 0, 65535, &x))
+                return -1;
+            o->port = (int)x;
+        } else if (!strcmp(name, "--host")) {
+            o->host = val;
+        } else if (!strcmp(name, "--threads-per-worker")) {
+            if (parse_long(name, val, 0, 1024, &x))
+                return -1;
+            o->threads_per_worker = (int)x;
+        } else if (!strcmp(name, "--policy")) {
+            o->policy = val;
+        } else if (!strcmp(name, "--pd-mode")) {
+            if (strcmp(val, "prefix") && strcmp(val, "always") && strcmp(val, "never")) {
+                fprintf(stderr,
+                        "tandem up: --pd-mode: expected prefix, always or never, got "
+                        "\"%s\"\n",
+                        val);
+                return -1;
+            }
+            o->pd_mode = val;
+        } else if (!strcmp(name, "--pd-threshold")) {
+            if (parse_long(name, val, 0, 100000000, &x))
+                return -1;
+            o->pd_threshold = (int)x;
+        } else if (!strcmp(name, "--log-level")) {
+            if (strcmp(val, "err") && strcmp(val, "warn") && strcmp(val, "info") &&
+                strcmp(val, "debug")) {
+                fprintf(stderr,
+                        "tandem up: --log-level: expected err, warn, info or debug, got "
+                        "\"%s\"\n",
+                        val);
+                return -1;
+            }
+            o->log_level = val;
+        } else if (!strcmp(name, "--startup-timeout")) {
+            if (parse_seconds(name, val, &o->startup_timeout))
+                return -1;
+        } else if (!strcmp(name, "--drain-timeout")) {
+            if (parse_seconds(name, val, &o->drain_timeout))
+                return -1;
+        } else if (!strcmp(name, "--bin-dir")) {
+            o->bin_dir = val;
+        }
+    }
+    if (o->model && strcmp(o->preset, "demo")) {
+        fprintf(stderr, "tandem up: --model-preset only applies to the demo model (no --model)\n");
+        return -1;
+    }
+    if (o->no_router && o->n_prefill) {
+        fprintf(stderr, "tandem up: --no-router runs decode workers only; prefill workers need "
+                        "the router (drop --prefill or --no-router)\n");
+        return -1;
+    }
+    if (!*o->host || strlen(o->host) > 200) {
+        fprintf(stderr, "tandem up: --host: expected an address\n");
+        return -1;
+    }
+    return 0;
+}
+
+// ---- output -------------------------------------------------------------------------------
+
+// snprintf that reports truncation (-1) instead of silently cutting a path.
+static int fmt(char *out, size_t cap, const char *f, ...) __attribute__((format(printf, 3, 4)));
+static int fmt(char *out, size_t cap, const char *f, ...)
+{
+    va_list ap;
+    va_start(ap, f);
+    int n = vsnprintf(out, cap, f, ap);
+    va_end(ap);
+    return n < 0 || (size_t)n >= cap ? -1 : 0;
+}
+
+static int name_width = 6; // the widest prefix ("tandem", "prefill-0", ...)
+static bool use_color;
+
+static const char *role_color(const char *name)
+{
+    if (!use_color)
+        return "";
+    if (!strncmp(name, "router", 6))
+        return "\033[35m";
+    if (!strncmp(name, "prefill", 7))
+        return "\033[33m";
+    if (!strncmp(name, "decode", 6))
+        return "\033[36m";
+    return "\033[1m";
+}
+
+// One line to stdout behind a name; stdout is flushed so lines from the children
+// and the launcher keep their order in a pipe too.
+static void out_line(const char *name, const char *text, size_t len)
+{
+    printf("%s%-*s |%s %.*s\n", role_color(name), name_width, name, use_color ? "\033[0m" : "",
+           (int)len, text);
+    fflush(stdout);
+}
+
+static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void say(const char *fmt, ...)
+{
+    char msg[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    out_line("tandem", msg, strlen(msg));
+}
+
+// ---- children -----------------------------------------------------------------------------
+
+enum child_role { CHILD_ROUTER, CHILD_PREFILL, CHILD_DECODE };
+
+struct child {
+    enum child_role role;
+    char name[24];      // "router", "prefill-0", "decode-3"
+    char bin[PATH_MAX]; // executable
+    int http_port;
+    int nng_port;        // workers' nng inbox; 0 for the router (it picks its own)
+    pid_t pid;           // 0 before start
+    int fd;              // read end of its stdout+stderr pipe; -1 after EOF
+    char line[LINE_CAP]; // bytes of the current, unfinished log line
+    size_t line_len;
+    bool healthy;
+    bool exited;
+    int status;           // waitpid status once exited
+    char last_health[96]; // what the last /health check saw, for the startup error
+};
+
+static struct child children[MAX_CHILDREN];
+static int n_children;
+
+// Signals reach the poll loop through this pipe (the handler writes the signal number).
+static int sig_pipe[2] = {-1, -1};
+static volatile sig_atomic_t stop_signals; // SIGINT/SIGTERM seen so far
+
+static void on_signal(int sig)
+{
+    int saved = errno;
+    unsigned char b = (unsigned char)sig;
+    if (sig == SIGINT || sig == SIGTERM)
+        stop_signals++;
+    if (write(sig_pipe[1], &b, 1) < 0) {
+        // The pipe is full: a wake-up is already pending, which is all it is for.
+    }
+    errno = saved;
+}
+
+static int install_signals(void)
+{
+    if (pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
+        return -1;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    if (sigaction(SIGINT, &sa, NULL) || sigaction(SIGTERM, &sa, NULL) ||
+        sigaction(SIGCHLD, &sa, NULL))
+        return -1;
+    signal(SIGPIPE, SIG_IGN); // a closed stdout reader shows as a failed write, not a death
+    return 0;
+}
+
+static void describe_status(int status, char *buf, size_t cap)
+{
+    if (WIFEXITED(status))
+        snprintf(buf, cap, "exit status %d", WEXITSTATUS(status));
+    else if (WIFSIGNALED(status))
+        snprintf(buf, cap, "signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
+    else
+        snprintf(buf, cap, "status 0x%x", status);
+}
+
+// Prints the complete lines in c->line (and all of it when flush is set).
+static void emit_lines(struct child *c, bool flush)
+{
+    size_t start = 0;
+    for (size_t i = 0; i < c->line_len; i++) {
+        if (c->line[i] == '\n') {
+            size_t end = i;
+            if (end > start && c->line[end - 1] == '\r')
+                end--;
+            out_line(c->name, c->line + start, end - start);
+            start = i + 1;
+        }
+    }
+    if (start < c->line_len && (flush || (start == 0 && c->line_len == sizeof c->line))) {
+        out_line(c->name, c->line + start, c->line_len - start);
+        start = c->line_len;
+    }
+    memmove(c->line, c->line + start, c->line_len - start);
+    c->line_len -= start;
+}
+
+static void read_child(struct child *c)
+{
+    for (;;) {
+        ssize_t n = read(c->fd, c->line + c->line_len, sizeof c->line - c->line_len);
+        if (n > 0) {
+            c->line_len += (size_t)n;
+            emit_lines(c, false);
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        emit_lines(c, true); // EOF (or a read error): the child closed its output
+        close(c->fd);
+        c->fd = -1;
+        return;
+    }
+}
+
+static void reap_children(void)
+{
+    for (;;) {
+        int status = 0;
+        pid_t pid = waitpid(-1, &status, WNOHANG);
+        if (pid <= 0)
+            return;
+        for (int i = 0; i < n_children; i++) {
+            if (children[i].pid == pid) {
+                children[i].exited = true;
+                children[i].status = status;
+            }
+        }
+    }
+}
+
+// Waits up to timeout seconds for output or a signal, prints what the children
+// wrote, and reaps those that exited.
+static void pump(double timeout)
+{
+    struct pollfd pf[MAX_CHILDREN + 1];
+    struct child *who[MAX_CHILDREN + 1];
+    int n = 0;
+    pf[n] = (struct pollfd){.fd = sig_pipe[0], .events = POLLIN};
+    who[n++] = NULL;
+    for (int i = 0; i < n_children; i++) {
+        if (children[i].fd >= 0) {
+            pf[n] = (struct pollfd){.fd = children[i].fd, .events = POLLIN};
+            who[n++] = &children[i];
+        }
+    }
+    int rc = poll(pf, (nfds_t)n, (int)(timeout * 1000));
+    if (rc > 0) {
+        for (int i = 0; i < n; i++) {
+            if (!(pf[i].revents & (POLLIN | POLLHUP | POLLERR)))
+                continue;
+            if (who[i]) {
+                read_child(who[i]);
+            } else {
+                unsigned char b[64];
+                while (read(sig_pipe[0], b, sizeof b) > 0) {
+                }
+            }
+        }
+    }
+    reap_children();
+}
+
+static bool child_running(const struct child *c)
+{
+    return c->pid > 0 && !c->exited;
+}
+
+// Starts c with argv; its stdout and stderr go to a pipe read by the launcher.
+static int start_child(struct child *c, char *const argv[])
+{
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) != 0) {
+        say("%s: pipe: %s", c->name, strerror(errno));
+        return -1;
+    }
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0) {
+        say("%s: fork: %s", c->name, strerror(errno));
+        close(p[0]);
+        close(p[1]);
+        return -1;
+    }
+    if (pid == 0) {
+        // Own process group: a terminal's Ctrl-C goes to the launcher only, which
+        // stops the children in order. PDEATHSIG: a launcher killed outright still
+        // takes its children with it (they drain as on any SIGTERM).
+        setpgid(0, 0);
+        prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (getppid() != parent)
+            _exit(1); // the launcher died before prctl took effect
+        int devnull = open("/dev/null", O_RDONLY);
+        if (devnull >= 0) {
+            dup2(devnull, 0);
+            close(devnull);
+        }
+        dup2(p[1], 1);
+        dup2(p[1], 2);
+        signal(SIGPIPE, SIG_DFL);
+        signal(SIGINT, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
+        signal(SIGCHLD, SIG_DFL);
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        execv(c->bin, argv);
+        dprintf(2, "cannot run %s: %s\n", c->bin, strerror(errno));
+        _exit(127);
+    }
+    close(p[1]);
+    fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
+    c->pid = pid;
+    c->fd = p[0];
+    return 0;
+}
+
+// ---- HTTP (health checks and /v1/models) -----------------------------------------------
+
+// The address to connect to for a listen address: the loopback for a wildcard.
+static const char *connect_host(const char *listen_host)
+{
+    if (!strcmp(listen_host, "0.0.0.0") || !strcmp(listen_host, "*"))
+        return "127.0.0.1";
+    if (!strcmp(listen_host, "::") || !strcmp(listen_host, "[::]"))
+        return "::1";
+    return listen_host;
+}
+
+// Connects to host:port within timeout seconds; the socket then has send and
+// receive timeouts of the same length. Returns the fd or -1 (why in *why).
+static int connect_to(const char *host, int port, double timeout, char *why, size_t whylen)
+{
+    char h[256], ps[16];
+    size_t hl = strlen(host);
+    if (host[0] == '[' && hl > 2 && host[hl - 1] == ']')
+        snprintf(h, sizeof h, "%.*s", (int)(hl - 2), host + 1);
+    else
+        snprintf(h, sizeof h, "%s", host);
+    snprintf(ps, sizeof ps, "%d", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    int gai = getaddrinfo(h, ps, &hints, &res);
+    if (gai) {
+        fmt(why, whylen, "cannot resolve %s: %s", h, gai_strerror(gai));
+        return -1;
+    }
+    int fd = -1;
+    snprintf(why, whylen, "no address");
+    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd < 0)
+            continue;
+        int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+        if (rc != 0 && errno == EINPROGRESS) {
+            struct pollfd pf = {.fd = fd, .events = POLLOUT};
+            int soerr = 0;
+            socklen_t sl = sizeof soerr;
+            if (poll(&pf, 1, (int)(timeout * 1000)) == 1 &&
+                getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) == 0 && soerr == 0)
+                rc = 0;
+            else
+                errno = soerr ? soerr : ETIMEDOUT;
+        }
+        if (rc == 0) {
+            fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+            struct timeval tv = {.tv_sec = (time_t)timeout,
+                                 .tv_usec = (suseconds_t)((timeout - (time_t)timeout) * 1e6)};
+            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+            setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+            break;
+        }
+        snprintf(why, whylen, "connect: %s", strerror(errno));
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    return fd;
+}
+
+// GET path; returns the HTTP status (or -1 with *why set) and copies up to cap-1
+// bytes of the body into body (may be NULL) NUL-terminated.
+static int http_get(const char *host, int port, const char *path, double timeout, char *body,
+                    size_t cap, char *why, size_t whylen)
+{
+    int fd = connect_to(host, port, timeout, why, whylen);
+    if (fd < 0)
+        return -1;
+    char req[512];
+    int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n\r\n",
+                     path, host, port);
+    if (write(fd, req, (size_t)n) != n) {
+        snprintf(why, whylen, "send: %s", strerror(errno));
+        close(fd);
+        return -1;
+    }
+    char resp[65536];
+    size_t got = 0;
+    for (;;) {
+        ssize_t r = read(fd, resp + got, sizeof resp - 1 - got);
+        if (r > 0) {
+            got += (size_t)r;
+            if (got == sizeof resp - 1)
+                break;
+            continue;
+        }
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && got == 0) {
+            snprintf(why, whylen, "read: %s", errno == EAGAIN ? "timed out" : strerror(errno));
+            close(fd);
+            return -1;
+        }
+        break;
+    }
+    close(fd);
+    resp[got] = '\0';
+    int status = 0;
+    if (sscanf(resp, "HTTP/1.%*d %d", &status) != 1) {
+        snprintf(why, whylen, "not an HTTP answer");
+        return -1;
+    }
+    if (body && cap) {
+        const char *b = strstr(resp, "\r\n\r\n");
+        snprintf(body, cap, "%s", b ? b + 4 : "");
+    }
+    snprintf(why, whylen, "HTTP %d", status);
+    return status;
+}
+
+// ---- ports ------------------------------------------------------------------------------
+
+// Binds host:port (0 = any) to see that it is free; returns the bound port, or
+// -1 with errno. With keep, *fd_out keeps the socket open (so the next probe
+// gets another free port).
+static int probe_port(const char *host, int port, int *fd_out)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC,
+                             .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV},
+                    *res = NULL;
+    char ps[16], h[256];
+    size_t hl = strlen(host);
+    if (host[0] == '[' && hl > 2 && host[hl - 1] == ']')
+        snprintf(h, sizeof h, "%.*s", (int)(hl - 2), host + 1);
+    else
+        snprintf(h, sizeof h, "%s", host);
+    snprintf(ps, sizeof ps, "%d", port);
+    if (getaddrinfo(h, ps, &hints, &res) != 0) {
+        errno = EADDRNOTAVAIL;
+        return -1;
+    }
+    int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int got = -1;
+    if (fd >= 0) {
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, res->ai_addr, res->ai_addrlen) == 0) {
+            struct sockaddr_storage ss;
+            socklen_t sl = sizeof ss;
+            if (getsockname(fd, (struct sockaddr *)&ss, &sl) == 0)
+                got = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                     : ((struct sockaddr_in *)&ss)->sin_port);
+        }
+        int saved = errno;
+        if (got >= 0 && fd_out)
+            *fd_out = fd;
+        else
+            close(fd);
+        errno = saved;
+    }
+    freeaddrinfo(res);
+    return got;
+}
+
+// Assigns every child's HTTP (and nng) port: fixed ones from --port, checked
+// free; or, with --port 0, distinct free ports from the kernel.
+static int assign_ports(const struct up_opts *o)
+{
+    if (o->port == 0) {
+        int held[2 * MAX_CHILDREN], n_held = 0, rc = 0;
+        for (int i = 0; i < n_children && !rc; i++) {
+            struct child *c = &children[i];
+            int fd = -1;
+            c->http_port = probe_port(o->host, 0, &fd);
+            if (fd >= 0)
+                held[n_held++] = fd;
+            if (c->role != CHILD_ROUTER) {
+                fd = -1;
+                c->nng_port = probe_port(o->host, 0, &fd);
+                if (fd >= 0)
+                    held[n_held++] = fd;
+            }
+            if (c->http_port < 0 || (c->role != CHILD_ROUTER && c->nng_port < 0)) {
+                say("cannot find a free port on %s: %s", o->host, strerror(errno));
+                rc = -1;
+            }
+        }
+        // Released only now, so that no two children got the same port.
+        for (int i = 0; i < n_held; i++)
+            close(held[i]);
+        return rc;
+    }
+    int next = o->port;
+    for (int i = 0; i < n_children; i++) {
+        struct child *c = &children[i];
+        c->http_port = next++;
+        if (c->role != CHILD_ROUTER)
+            c->nng_port = c->http_port + 1000;
+        int ports[2] = {c->http_port, c->nng_port};
+        for (int k = 0; k < 2; k++) {
+            if (!ports[k])
+                continue;
+            if (ports[k] > 65535) {
+                say("%s: port %d is out of range: choose a lower --port", c->name, ports[k]);
+                return -1;
+            }
+            if (probe_port(o->host, ports[k], NULL) < 0) {
+                say("%s: %s port %d on %s is not free (%s): stop what uses it or choose another "
+                    "--port (0 = any free ports)",
+                    c->name, k ? "nng" : "HTTP", ports[k], o->host, strerror(errno));
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+// ---- binaries ---------------------------------------------------------------------------
+
+static bool executable(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode) && access(path, X_OK) == 0;
+}
+
+// Finds a service binary: --bin-dir, the launcher's own folder (install prefix),
+// the build tree (build/deploy/local/tandem -> build/<sub>/<name>), then PATH.
+static int find_bin(const struct up_opts *o, const char *name, const char *sub, char *out,
+                    size_t cap)
+{
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (o->bin_dir) {
+        if (!fmt(out, cap, "%s/%s", o->bin_dir, name) && executable(out))
+            return 0;
+        say("%s not found in --bin-dir %s", name, o->bin_dir);
+        return -1;
+    }
+    if (n > 0) {
+        self[n] = '\0';
+        char *slash = strrchr(self, '/');
+        if (slash)
+            *slash = '\0';
+        if (!fmt(out, cap, "%s/%s", self, name) && executable(out))
+            return 0;
+        if (!fmt(out, cap, "%s/../../%s/%s", self, sub, name) && executable(out)) {
+            char *r = realpath(out, NULL);
+            if (r) {
+                snprintf(out, cap, "%s", r);
+                free(r);
+            }
+            return 0;
+        }
+    }
+    const char *path = getenv("PATH");
+    while (path && *path) {
+        const char *colon = strchr(path, ':');
+        size_t len = colon ? (size_t)(colon - path) : strlen(path);
+        if (len) {
+            if (!fmt(out, cap, "%.*s/%s", (int)len, path, name) && executable(out))
+                return 0;
+        }
+        path = colon ? colon + 1 : NULL;
+    }
+    say("%s not found next to tandem, in the build tree or on PATH (build it: cmake --build "
+        "BUILD --target %s, or give --bin-dir)",
+        name, name);
+    return -1;
+}
+
+// ---- the model ----------------------------------------------------------------------------
+
+static int mkdir_p(const char *path)
+{
+    char tmp[PATH_MAX];
+    snprintf(tmp, sizeof tmp, "%s", path);
+    for (char *p = tmp + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        if (mkdir(tmp, 0755) != 0 && errno != EEXIST)
+            return -1;
+        *p = '/';
+    }
+    return mkdir(tmp, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+// The demo shapes: a Qwen2 model small enough to load in well under a second
+// and to stream tokens quickly on two cores, big enough (4 layers, a 4096-token
+// vocabulary, 4k context) to exercise every part of the stack.
+static int demo_spec(struct tdm_mkmodel_spec *s, const char *preset)
+{
+    if (strcmp(preset, "demo"))
+        return tdm_mkmodel_preset(s, preset);
+    tdm_mkmodel_preset(s, "tiny");
+    s->hidden_size = 256;
+    s->intermediate_size = 768;
+    s->num_layers = 4;
+    s->num_heads = 4;
+    s->num_kv_heads = 2;
+    s->vocab_size = 4096;
+    s->max_position_embeddings = 4096;
+    s->seed = 20261202;
+    return TDM_OK;
+}
+
+static bool model_complete(const char *dir)
+{
+    static const char *const files[] = {"config.json", "model.safetensors", "tokenizer.json", NULL};
+    char p[PATH_MAX];
+    struct stat st;
+    for (int i = 0; files[i]; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
+        if (stat(p, &st) != 0 || !S_ISREG(st.st_mode))
+            return false;
+    }
+    return true;
+}
+
+static void remove_tree(const char *dir)
+{
+    static const char *const files[] = {
+        "config.json",           "model.safetensors",      "tokenizer.json",
+        "tokenizer_config.json", "generation_config.json", NULL};
+    char p[PATH_MAX];
+    for (int i = 0; files[i]; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
+        unlink(p);
+    }
+    rmdir(dir);
+}
+
+// The demo model's folder: reused when complete, else written into a temporary
+// sibling and renamed into place (so an interrupted generation is never reused).
+static int demo_model(const struct up_opts *o, char *out, size_t cap)
+{
+    struct tdm_mkmodel_spec spec;
+    char err[512];
+    if (demo_spec(&spec, o->preset) != TDM_OK) {
+        say("unknown --model-preset \"%s\" (demo, tiny, qwen2.5-0.5b)", o->preset);
+        return -1;
+    }
+    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    char base[PATH_MAX];
+    if (xdg && *xdg == '/')
+        snprintf(base, sizeof base, "%s/tandem/models", xdg);
+    else if (home && *home)
+        snprintf(base, sizeof base, "%s/.cache/tandem/models", home);
+    else {
+        say("neither XDG_CACHE_HOME nor HOME is set: give --model DIR");
+        return -1;
+    }
+    int n = snprintf(out, cap, "%s/%s-" DEMO_MODEL_VERSION, base, o->preset);
+    if (n < 0 || (size_t)n >= cap) {
+        say("cache path too long: %s", base);
+        return -1;
+    }
+    if (model_complete(out))
+        return 0;
+    if (mkdir_p(base) != 0) {
+        say("cannot create %s: %s", base, strerror(errno));
+        return -1;
+    }
+    char tmp[PATH_MAX];
+    if (fmt(tmp, sizeof tmp, "%s.tmp-%ld", out, (long)getpid())) {
+        say("cache path too long: %s", out);
+        return -1;
+    }
+    say("generating the demo model (preset %s, random weights) into %s", o->preset, out);
+    double t0 = tdm_now();
+    if (tdm_mkmodel_validate(&spec, err, sizeof err) != TDM_OK ||
+        tdm_mkmodel_write(&spec, tmp, err, sizeof err) != TDM_OK) {
+        say("writing the demo model: %s", err);
+        remove_tree(tmp);
+        return -1;
+    }
+    if (rename(tmp, out) != 0) {
+        // Another launcher finished first: use its folder.
+        remove_tree(tmp);
+        if (!model_complete(out)) {
+            say("cannot move the demo model into %s: %s", out, strerror(errno));
+            return -1;
+        }
+    }
+    say("demo model ready in %.1f s", tdm_now() - t0);
+    return 0;
+}
+
+// ---- router config ----------------------------------------------------------------------
+
+// Writes host in the form a URL or YAML needs ([v6] for IPv6 literals).
+static void url_host(const char *host, char *out, size_t cap)
+{
+    if (strchr(host, ':') && host[0] != '[')
+        snprintf(out, cap, "[%s]", host);
+    else
+        snprintf(out, cap, "%s", host);
+}
+
+// The short-form router config for this stack (docs/router-config.md).
+static int router_config_text(const struct up_opts *o, char *buf, size_t cap)
+{
+    char h[300];
+    url_host(connect_host(o->host), h, sizeof h);
+    size_t len = 0;
+#define PUT(...)                                                                                   \
+    do {                                                                                           \
+        int w_ = snprintf(buf + len, cap - len, __VA_ARGS__);                                      \
+        if (w_ < 0 || (size_t)w_ >= cap - len)                                                     \
+            return -1;                                                                             \
+        len += (size_t)w_;                                                                         \
+    } while (0)
+    PUT("# Written by `tandem up` for this run (deploy/local/tandem.c).\n");
+    PUT("policy: %s\n", o->policy);
+    if (o->n_prefill == 0)
+        PUT("pd_mode: never\n");
+    else
+        PUT("pd_threshold_tokens: %d\npd_mode: %s\n", o->pd_threshold, o->pd_mode);
+    PUT("endpoints:\n");
+    for (int pass = 0; pass < 2; pass++) {
+        enum child_role want = pass ? CHILD_DECODE : CHILD_PREFILL;
+        bool any = false;
+        for (int i = 0; i < n_children; i++) {
+            const struct child *c = &children[i];
+            if (c->role != want)
+                continue;
+            if (!any)
+                PUT("  %s:\n", pass ? "decode" : "prefill");
+            any = true;
+            PUT("    - {host: \"%s\", http_port: %d, nng_port: %d}\n", h, c->http_port,
+                c->nng_port);
+        }
+    }
+    // Local workers answer at once: notice a dead one within about a second.
+    PUT("health:\n  interval_seconds: 1\n  timeout_seconds: 1\n  failure_threshold: 2\n");
+#undef PUT
+    return 0;
+}
+
+// Creates a private folder and writes router.yaml into it, after checking the
+// text with the router's own parser (so a bad --policy fails here, clearly).
+static int write_router_config(const struct up_opts *o, char *dir, size_t dircap, char *path,
+                               size_t pathcap)
+{
+    char text[16384], err[1024];
+    if (router_config_text(o, text, sizeof text) != 0) {
+        say("router config too long");
+        return -1;
+    }
+    struct tdm_router_config *cfg = NULL;
+    if (tdm_router_config_parse(&cfg, text, strlen(text), "router.yaml", err, sizeof err) !=
+        TDM_OK) {
+        say("router config: %s", err);
+        return -1;
+    }
+    tdm_router_config_unref(cfg);
+    const char *tmpdir = getenv("TMPDIR");
+    snprintf(dir, dircap, "%s/tandem-up-XXXXXX", tmpdir && *tmpdir ? tmpdir : "/tmp");
+    if (!mkdtemp(dir)) {
+        say("cannot create a folder for the router config under %s: %s",
+            tmpdir && *tmpdir ? tmpdir : "/tmp", strerror(errno));
+        dir[0] = '\0';
+        return -1;
+    }
+    snprintf(path, pathcap, "%s/router.yaml", dir);
+    FILE *f = fopen(path, "w");
+    if (!f || fputs(text, f) == EOF || fclose(f) != 0) {
+        say("cannot write %s: %s", path, strerror(errno));
+        if (f)
+            fclose(f);
+        return -1;
+    }
+    return 0;
+}
+
+// ---- the stack ----------------------------------------------------------------------------
+
+// Sends sig to every running child of the given roles.
+static void signal_roles(int sig, bool router, bool workers)
+{
+    for (int i = 0; i < n_children; i++) {
+        struct child *c = &children[i];
+        bool is_router = c->role == CHILD_ROUTER;
+        if (child_running(c) && (is_router ? router : workers))
+            kill(c->pid, sig);
+    }
+}
+
+static bool any_running(bool router, bool workers)
+{
+    for (int i = 0; i < n_children; i++) {
+        bool is_router = children[i].role == CHILD_ROUTER;
+        if (child_running(&children[i]) && (is_router ? router : workers))
+            return true;
+    }
+    return false;
+}
+
+// Stops one group (router or workers): SIGTERM, pump output until they exit or
+// grace seconds pass (or a further signal arrives), then SIGKILL.
+static void stop_group(bool router, bool workers, double grace, sig_atomic_t signals_before)
+{
+    if (!any_running(router, workers))
+        return;
+    signal_roles(SIGTERM, router, workers);
+    double deadline = tdm_now() + grace;
+    while (any_running(router, workers) && tdm_now() < deadline && stop_signals <= signals_before)
+        pump(0.1);
+    if (any_running(router, workers)) {
+        if (stop_signals > signals_before)
+            say("second signal: killing what is left");
+        else
+            say("still running %.0f s after SIGTERM: killing what is left", grace);
+        signal_roles(SIGKILL, router, workers);
+        while (any_running(router, workers))
+            pump(0.1);
+    }
+}
+
+// Stops the whole stack in order; returns true when every child ended cleanly
+// (exit 0, or killed by the SIGTERM we sent before it set up its handler).
+static bool stop_stack(const struct up_opts *o)
+{
+    sig_atomic_t before = stop_signals;
+    // A signal that started the shutdown counts; the next one escalates.
+    stop_group(true, false, 30.0, before);
+    stop_group(false, true, o->drain_timeout + 15.0, before);
+    // Whatever they wrote last.
+    for (int i = 0; i < n_children; i++)
+        while (children[i].fd >= 0)
+            read_child(&children[i]);
+    bool clean = true;
+    for (int i = 0; i < n_children; i++) {
+        const struct child *c = &children[i];
+        if (!c->pid)
+            continue;
+        bool ok = (WIFEXITED(c->status) && WEXITSTATUS(c->status) == 0) ||
+                  (WIFSIGNALED(c->status) && WTERMSIG(c->status) == SIGTERM);
+        if (!ok) {
+            char st[96];
+            describe_status(c->status, st, sizeof st);
+            say("%s ended with %s", c->name, st);
+            clean = false;
+        }
+    }
+    return clean;
+}
+
+static void add_child(enum child_role role, int index, const char *bin)
+{
+    struct child *c = &children[n_children++];
+    memset(c, 0, sizeof *c);
+    c->role = role;
+    c->fd = -1;
+    if (role == CHILD_ROUTER)
+        snprintf(c->name, sizeof c->name, "router");
+    else
+        snprintf(c->name, sizeof c->name, "%s-%d", role == CHILD_PREFILL ? "prefill" : "decode",
+                 index);
+    snprintf(c->bin, sizeof c->bin, "%s", bin);
+    snprintf(c->last_health, sizeof c->last_health, "not checked yet");
+    if ((int)strlen(c->name) > name_width)
+        name_width = (int)strlen(c->name);
+}
+
+// Builds a child's argv into storage (strings in args, pointers in argv).
+struct argv_buf {
+    char args[32][1100];
+    char *argv[33];
+    int n;
+};
+
+static void arg(struct argv_buf *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void arg(struct argv_buf *a, const char *fmt, ...)
+{
+    if (a->n >= 32)
+        return; // never reached: the longest command line has 20 words
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(a->args[a->n], sizeof a->args[a->n], fmt, ap);
+    va_end(ap);
+    a->argv[a->n] = a->args[a->n];
+    a->n++;
+    a->argv[a->n] = NULL;
+}
+
+static int launch_all(const struct up_opts *o, const char *model, const char *served,
+                      const char *router_cfg, int threads)
+{
+    char nh[300];
+    url_host(o->host, nh, sizeof nh);
+    for (int i = 0; i < n_children; i++) {
+        struct child *c = &children[i];
+        struct argv_buf a = {.n = 0};
+        arg(&a, "%s", c->bin);
+        if (c->role == CHILD_ROUTER)
+            arg(&a, "--config"), arg(&a, "%s", router_cfg);
+        arg(&a, "--model"), arg(&a, "%s", model);
+        arg(&a, "--host"), arg(&a, "%s", o->host);
+        arg(&a, "--port"), arg(&a, "%d", c->http_port);
+        if (served)
+            arg(&a, "--served-model-name"), arg(&a, "%s", served);
+        arg(&a, "--log-level"), arg(&a, "%s", o->log_level);
+        if (c->role != CHILD_ROUTER) {
+            arg(&a, "--threads"), arg(&a, "%d", threads);
+            arg(&a, "--drain-timeout"), arg(&a, "%g", o->drain_timeout);
+            if (!o->no_router)
+                arg(&a, "--nng-url"), arg(&a, "tcp://%s:%d", nh, c->nng_port);
+        }
+        if (start_child(c, a.argv) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+// Polls every unhealthy child's /health until all answer 200. Returns 0 when
+// ready, 1 when a stop signal came first, -1 on a failure (already reported).
+static int wait_ready(const struct up_opts *o)
+{
+    const char *h = connect_host(o->host);
+    double deadline = tdm_now() + o->startup_timeout, next_check = 0;
+    for (;;) {
+        pump(0.1);
+        if (stop_signals)
+            return 1;
+        for (int i = 0; i < n_children; i++) {
+            struct child *c = &children[i];
+            if (c->exited) {
+                char st[96];
+                describe_status(c->status, st, sizeof st);
+                say("%s exited (%s) before it became healthy; see its log above", c->name, st);
+                return -1;
+            }
+        }
+        if (tdm_now() < next_check)
+            continue;
+        next_check = tdm_now() + 0.25;
+        bool all = true;
+        for (int i = 0; i < n_children; i++) {
+            struct child *c = &children[i];
+            if (c->healthy)
+                continue;
+            int st = http_get(h, c->http_port, "/health", 1.0, NULL, 0, c->last_health,
+                              sizeof c->last_health);
+            if (st == 200) {
+                c->healthy = true;
+                say("%s healthy on port %d", c->name, c->http_port);
+            } else {
+                all = false;
+            }
+        }
+        if (all)
+            return 0;
+        if (tdm_now() > deadline) {
+            for (int i = 0; i < n_children; i++)
+                if (!children[i].healthy)
+                    say("%s (port %d) did not become healthy within %.0f s (last /health: %s)",
+                        children[i].name, children[i].http_port, o->startup_timeout,
+                        children[i].last_health);
+            return -1;
+        }
+    }
+}
+
+// The served model name as the API reports it (for the curl line).
+static void served_name_from_api(const char *host, int port, char *out, size_t cap)
+{
+    char body[8192], why[128];
+    if (http_get(host, port, "/v1/models", 5.0, body, sizeof body, why, sizeof why) != 200)
+        return;
+    const char *id = strstr(body, "\"id\"");
+    if (!id || !(id = strchr(id + 4, '"')))
+        return;
+    const char *end = strchr(id + 1, '"');
+    if (end && (size_t)(end - id - 1) < cap)
+        snprintf(out, cap, "%.*s", (int)(end - id - 1), id + 1);
+}
+
+static void print_ready(const struct up_opts *o, const char *model, const char *served,
+                        const char *router_cfg, double t0)
+{
+    const char *h = connect_host(o->host);
+    char uh[300];
+    url_host(h, uh, sizeof uh);
+    const struct child *api = &children[0]; // the router, or decode-0 with --no-router
+    char name[256];
+    snprintf(name, sizeof name, "%s", served ? served : "");
+    if (!served)
+        served_name_from_api(h, api->http_port, name, sizeof name);
+    say("ready in %.1f s: %s%d prefill + %d decode workers, model %s (%s)", tdm_now() - t0,
+        o->no_router ? "no router, " : "", o->n_prefill, o->n_decode, name[0] ? name : "?", model);
+    for (int i = 0; i < n_children; i++) {
+        const struct child *c = &children[i];
+        if (c->role == CHILD_ROUTER)
+            say("  %-*s http://%s:%d  OpenAI API, policy %s  pid %ld", name_width, c->name, uh,
+                c->http_port, o->policy, (long)c->pid);
+        else if (o->no_router)
+            say("  %-*s http://%s:%d  OpenAI API  pid %ld", name_width, c->name, uh, c->http_port,
+                (long)c->pid);
+        else
+            say("  %-*s http://%s:%d  nng tcp://%s:%d  pid %ld", name_width, c->name, uh,
+                c->http_port, uh, c->nng_port, (long)c->pid);
+    }
+    if (router_cfg[0])
+        say("router config: %s", router_cfg);
+    say("try it (Ctrl-C stops the stack):");
+    printf("curl -s http://%s:%d/v1/completions -H 'Content-Type: application/json' -d "
+           "'{\"model\": \"%s\", \"prompt\": \"Serving a language model is\", \"max_tokens\": "
+           "32}'\n",
+           uh, api->http_port, name[0] ? name : "MODEL");
+    fflush(stdout);
+}
+
+static int cmd_up(int argc, char **argv)
+{
+    struct up_opts o;
+    opts_default(&o);
+    int prc = opts_parse(&o, argc, argv);
+    if (prc == 1) {
+        fputs(usage_text, stdout);
+        return 0;
+    }
+    if (prc != 0)
+        return 2;
+    use_color = isatty(1) && !getenv("NO_COLOR");
+    tdm_log_set_role("tandem");
+    tdm_log_set_level_name(o.log_level);
+    if (install_signals() != 0) {
+        fprintf(stderr, "tandem up: cannot install signal handlers: %s\n", strerror(errno));
+        return 1;
+    }
+    double t0 = tdm_now();
+    int rc = 1;
+    char cfg_dir[PATH_MAX] = "", cfg_path[PATH_MAX] = "";
+
+    // The binaries first: nothing is generated or downloaded for a stack that cannot run.
+    char bin[3][PATH_MAX];
+    if ((!o.no_router && find_bin(&o, "tandem-router", "router", bin[0], sizeof bin[0])) ||
+        (o.n_prefill && find_bin(&o, "tandem-prefill", "prefill", bin[1], sizeof bin[1])) ||
+        find_bin(&o, "tandem-decode", "decode", bin[2], sizeof bin[2]))
+        return 1;
+    if (!o.no_router)
+        add_child(CHILD_ROUTER, 0, bin[0]);
+    for (int i = 0; i < o.n_decode; i++)
+        add_child(CHILD_DECODE, i, bin[2]);
+    for (int i = 0; i < o.n_prefill; i++)
+        add_child(CHILD_PREFILL, i, bin[1]);
+    if (assign_ports(&o) != 0)
+        return 1;
+
+    // The model: a folder, a Hub id (downloaded or found in the cache), or the demo.
+    char model[PATH_MAX], err[1024];
+    const char *served = o.served_name;
+    if (o.model) {
+        struct tdm_hub_opts hub = {.progress = TDM_HUB_PROGRESS_AUTO};
+        int hrc =
+            tdm_hub_resolve_model(o.model, o.revision, &hub, model, sizeof model, err, sizeof err);
+        if (hrc != TDM_OK) {
+            say("--model %s: %s", o.model, err);
+            return 1;
+        }
+        if (!served && strcmp(model, o.model))
+            served = o.model; // a Hub id: clients send the id, as with vllm serve
+    } else {
+        if (demo_model(&o, model, sizeof model) != 0)
+            return 1;
+        if (!served)
+            served = "tandem-demo";
+    }
+
+    if (!o.no_router &&
+        write_router_config(&o, cfg_dir, sizeof cfg_dir, cfg_path, sizeof cfg_path) != 0)
+        goto out;
+
+    int workers = o.n_prefill + o.n_decode;
+    int threads = o.threads_per_worker;
+    if (threads == 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = cores > workers ? (int)(cores / workers) : 1;
+    }
+    say("starting %s%d decode + %d prefill workers (%d threads each), model %s",
+        o.no_router ? "" : "the router, ", o.n_decode, o.n_prefill, threads, model);
+    if (launch_all(&o, model, served, cfg_path, threads) != 0) {
+        stop_stack(&o);
+        goto out;
+    }
+    int wrc = wait_ready(&o);
+    if (wrc == 0) {
+        print_ready(&o, model, served, cfg_path, t0);
+        // Serve until a signal or a child's death.
+        const struct child *dead = NULL;
+        while (!stop_signals && !dead) {
+            pump(0.5);
+            for (int i = 0; i < n_children && !dead; i++)
+                if (children[i].exited)
+                    dead = &children[i];
+        }
+        if (dead) {
+            char st[96];
+            describe_status(dead->status, st, sizeof st);
+            say("%s exited unexpectedly (%s): stopping the stack", dead->name, st);
+            stop_stack(&o);
+            rc = 1;
+        } else {
+            say("stopping: router first, then the workers drain (a second Ctrl-C kills)");
+            rc = stop_stack(&o) ? 0 : 1;
+            say("stopped");
+        }
+    } else if (wrc == 1) {
+        say("stopping before the stack was ready");
+        rc = stop_stack(&o) ? 0 : 1;
+    } else {
+        say("startup failed: stopping the rest");
+        stop_stack(&o);
+        rc = 1;
+    }
+out:
+    if (cfg_path[0])
+        unlink(cfg_path);
+    if (cfg_dir[0])
+        rmdir(cfg_dir);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc >= 2 && !strcmp(argv[1], "up"))
+        return cmd_up(argc - 1, argv + 1);
+    if (argc >= 2 &&
+        (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help"))) {
+        fputs("usage: tandem up [options]   (tandem up --help lists them)\n", stdout);
+        return 0;
+    }
+    if (argc >= 2 && !strcmp(argv[1], "--version")) {
+        printf("tandem %s\n", TANDEM_VERSION);
+        return 0;
+    }
+    fprintf(stderr, "usage: tandem up [options]   (tandem up --help lists them)\n");
+    return 2;
+}
