@@ -168,8 +168,7 @@ static int perr(struct pctx *c, const char *path, const yaml_node_t *n, const ch
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     if (n)
-        return tdm_seterr(c->err, c->errlen, TDM_EINVAL, "%s: %s (line %d)", path, msg,
-                          line_of(n));
+        return tdm_seterr(c->err, c->errlen, TDM_EINVAL, "%s: %s (line %d)", path, msg, line_of(n));
     return tdm_seterr(c->err, c->errlen, TDM_EINVAL, "%s: %s", path, msg);
 }
 
@@ -263,8 +262,7 @@ static int set_string(struct pctx *c, char **out, const char *s)
 
 // Checks that every key of mapping n is a scalar in allowed (NULL-terminated)
 // and appears once.
-static int check_keys(struct pctx *c, const char *path, yaml_node_t *n,
-                      const char *const *allowed)
+static int check_keys(struct pctx *c, const char *path, yaml_node_t *n, const char *const *allowed)
 {
     if (!n || n->type != YAML_MAPPING_NODE)
         return perr(c, path, n, "expected a mapping, got %s", node_kind(n));
@@ -282,7 +280,7 @@ static int check_keys(struct pctx *c, const char *path, yaml_node_t *n,
             size_t off = 0;
             for (const char *const *a = allowed; *a && off < sizeof known; a++)
                 off += (size_t)pathf(known + off, sizeof known - off, "%s%s",
-                                        a == allowed ? "" : ", ", *a);
+                                     a == allowed ? "" : ", ", *a);
             char kp[PATH_MAX_];
             pathf(kp, sizeof kp, "%s%s%s", path, *path ? "." : "", ks);
             return perr(c, kp, k, "unknown key (known: %s)", known);
@@ -506,12 +504,12 @@ static int parse_params(struct pctx *c, const char *path, yaml_node_t *n,
             return rc;
         yaml_node_t *v;
         if ((v = map_get(c, n, "queueDepthThreshold")) &&
-            (rc = read_int(c, KEY("queueDepthThreshold"), v, &p->queue_depth_threshold, 0,
-                           1000000)))
+            (rc =
+                 read_int(c, KEY("queueDepthThreshold"), v, &p->queue_depth_threshold, 0, 1000000)))
             return rc;
         if ((v = map_get(c, n, "kvCacheUtilThreshold")) &&
-            (rc = read_double(c, KEY("kvCacheUtilThreshold"), v, &p->kv_cache_util_threshold, 0,
-                              1)))
+            (rc =
+                 read_double(c, KEY("kvCacheUtilThreshold"), v, &p->kv_cache_util_threshold, 0, 1)))
             return rc;
         if ((v = map_get(c, n, "headroom")) &&
             (rc = read_double(c, KEY("headroom"), v, &p->headroom, 0, 10)))
@@ -555,8 +553,7 @@ static int parse_params(struct pctx *c, const char *path, yaml_node_t *n,
         if ((rc = check_keys(c, path, n, keys)))
             return rc;
         yaml_node_t *v = map_get(c, n, "nonCachedTokens");
-        if (v && (rc = read_int(c, KEY("nonCachedTokens"), v, &p->non_cached_tokens, 0,
-                                100000000)))
+        if (v && (rc = read_int(c, KEY("nonCachedTokens"), v, &p->non_cached_tokens, 0, 100000000)))
             return rc;
         return TDM_OK;
     }
@@ -568,16 +565,15 @@ static int parse_params(struct pctx *c, const char *path, yaml_node_t *n,
         if ((rc = check_keys(c, path, n, keys)))
             return rc;
         yaml_node_t *v = map_get(c, n, "maxNumOfEndpoints");
-        if (v && (rc = read_int(c, KEY("maxNumOfEndpoints"), v, &p->max_num_of_endpoints, 1,
-                                1000)))
+        if (v && (rc = read_int(c, KEY("maxNumOfEndpoints"), v, &p->max_num_of_endpoints, 1, 1000)))
             return rc;
         return TDM_OK;
     }
     case TDM_ROUTER_PREFIX_CACHE_SCORER:
     case TDM_ROUTER_APPROX_PREFIX_PRODUCER: {
-        static const char *const keys[] = {"blockSizeTokens",      "blockSize",
-                                           "maxPrefixBlocksToMatch", "lruCapacityPerServer",
-                                           "autoTune",             NULL};
+        static const char *const keys[] = {
+            "blockSizeTokens",      "blockSize", "maxPrefixBlocksToMatch",
+            "lruCapacityPerServer", "autoTune",  NULL};
         if ((rc = check_keys(c, path, n, keys)))
             return rc;
         yaml_node_t *v;
@@ -589,8 +585,8 @@ static int parse_params(struct pctx *c, const char *path, yaml_node_t *n,
             (rc = read_int(c, KEY("blockSize"), v, &p->block_size_tokens, 1, 4096)))
             return rc;
         if ((v = map_get(c, n, "maxPrefixBlocksToMatch")) &&
-            (rc = read_int(c, KEY("maxPrefixBlocksToMatch"), v, &p->max_prefix_blocks_to_match,
-                           1, 1000000)))
+            (rc = read_int(c, KEY("maxPrefixBlocksToMatch"), v, &p->max_prefix_blocks_to_match, 1,
+                           1000000)))
             return rc;
         if ((v = map_get(c, n, "lruCapacityPerServer")) &&
             (rc = read_int(c, KEY("lruCapacityPerServer"), v, &p->lru_capacity_per_server, 1,
@@ -609,9 +605,9 @@ static int parse_params(struct pctx *c, const char *path, yaml_node_t *n,
         return TDM_OK;
     }
     case TDM_ROUTER_DISAGG_PROFILE_HANDLER: {
-        static const char *const keys[] = {"profiles",       "deciders",      "threshold",
-                                           "decodeProfile", "prefillProfile", "hashBlockSize",
-                                           NULL};
+        static const char *const keys[] = {
+            "profiles",       "deciders",      "threshold", "decodeProfile",
+            "prefillProfile", "hashBlockSize", NULL};
         if ((rc = check_keys(c, path, n, keys)))
             return rc;
         yaml_node_t *v;
@@ -690,8 +686,7 @@ static int parse_plugins(struct pctx *c, yaml_node_t *n, struct tdm_router_confi
         int type = plugin_type_lookup(ts);
         if (type < 0)
             return perr(c, kp, tn,
-                        "unknown plugin type '%s' (see docs/router-config.md for the catalog)",
-                        ts);
+                        "unknown plugin type '%s' (see docs/router-config.md for the catalog)", ts);
         const char *name = ts;
         yaml_node_t *nn = map_get(c, it, "name");
         if (nn) {
@@ -1078,9 +1073,8 @@ static int add_dns(struct pctx *c, struct tdm_router_config *cfg, char *name, in
 }
 
 // One entry of a static or dns list: "host[:port]" or {host|name, http_port, nng_port}.
-static int parse_entry(struct pctx *c, const char *path, yaml_node_t *n, bool dns,
-                       int def_http, int def_nng, enum tdm_router_role role,
-                       struct tdm_router_config *cfg)
+static int parse_entry(struct pctx *c, const char *path, yaml_node_t *n, bool dns, int def_http,
+                       int def_nng, enum tdm_router_role role, struct tdm_router_config *cfg)
 {
     char *host = NULL;
     int http = def_http, nng = def_nng, rc;
@@ -1110,8 +1104,7 @@ static int parse_entry(struct pctx *c, const char *path, yaml_node_t *n, bool dn
             (rc = read_int(c, (join(kp, sizeof kp, path, "http_port"), kp), v, &http, 1, 65535)))
             goto fail;
         if ((v = map_get(c, n, "nng_port"))) {
-            if ((rc = read_int(c, (join(kp, sizeof kp, path, "nng_port"), kp), v, &nng, 1,
-                               65535)))
+            if ((rc = read_int(c, (join(kp, sizeof kp, path, "nng_port"), kp), v, &nng, 1, 65535)))
                 goto fail;
             nng_given = true;
         }
@@ -1144,12 +1137,11 @@ static int parse_role_endpoints(struct pctx *c, const char *path, yaml_node_t *n
             return rc;
         yaml_node_t *v;
         if ((v = map_get(c, n, "http_port")) &&
-            (rc = read_int(c, (join(kp, sizeof kp, path, "http_port"), kp), v, &def_http, 1,
-                           65535)))
+            (rc =
+                 read_int(c, (join(kp, sizeof kp, path, "http_port"), kp), v, &def_http, 1, 65535)))
             return rc;
         if ((v = map_get(c, n, "nng_port")) &&
-            (rc = read_int(c, (join(kp, sizeof kp, path, "nng_port"), kp), v, &def_nng, 1,
-                           65535)))
+            (rc = read_int(c, (join(kp, sizeof kp, path, "nng_port"), kp), v, &def_nng, 1, 65535)))
             return rc;
         stat = map_get(c, n, "static");
         dns = map_get(c, n, "dns");
@@ -1178,8 +1170,8 @@ static int parse_role_endpoints(struct pctx *c, const char *path, yaml_node_t *n
 
 static int parse_endpoints(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
 {
-    static const char *const keys[] = {"prefill", "decode", "prefill-decode",
-                                       "dns_refresh_seconds", NULL};
+    static const char *const keys[] = {"prefill", "decode", "prefill-decode", "dns_refresh_seconds",
+                                       NULL};
     int rc = check_keys(c, "endpoints", n, keys);
     if (rc)
         return rc;
@@ -1212,8 +1204,12 @@ static int parse_endpoints(struct pctx *c, yaml_node_t *n, struct tdm_router_con
 
 static int parse_health(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
 {
-    static const char *const keys[] = {"interval_seconds", "timeout_seconds", "failure_threshold",
-                                       "success_threshold", "path", NULL};
+    static const char *const keys[] = {"interval_seconds",
+                                       "timeout_seconds",
+                                       "failure_threshold",
+                                       "success_threshold",
+                                       "path",
+                                       NULL};
     int rc = check_keys(c, "health", n, keys);
     yaml_node_t *v;
     if (rc)
@@ -1223,8 +1219,7 @@ static int parse_health(struct pctx *c, yaml_node_t *n, struct tdm_router_config
                           3600)))
         return rc;
     if ((v = map_get(c, n, "timeout_seconds")) &&
-        (rc = read_double(c, "health.timeout_seconds", v, &cfg->health.timeout_seconds, 0.01,
-                          600)))
+        (rc = read_double(c, "health.timeout_seconds", v, &cfg->health.timeout_seconds, 0.01, 600)))
         return rc;
     if ((v = map_get(c, n, "failure_threshold")) &&
         (rc = read_int(c, "health.failure_threshold", v, &cfg->health.failure_threshold, 1, 1000)))
@@ -1293,10 +1288,12 @@ static int parse_prefix_index(struct pctx *c, yaml_node_t *n, struct tdm_router_
 
 static int parse_root(struct pctx *c, yaml_node_t *root, struct tdm_router_config *cfg)
 {
-    static const char *const keys[] = {"apiVersion",  "kind",           "plugins",
-                                       "schedulingProfiles", "policy",  "pd_threshold_tokens",
-                                       "pd_mode",     "endpoints",      "health",
-                                       "load_stale_seconds", "request", "prefix_index",
+    static const char *const keys[] = {"apiVersion", "kind",
+                                       "plugins",    "schedulingProfiles",
+                                       "policy",     "pd_threshold_tokens",
+                                       "pd_mode",    "endpoints",
+                                       "health",     "load_stale_seconds",
+                                       "request",    "prefix_index",
                                        NULL};
     int rc;
     if (!root || root->type != YAML_MAPPING_NODE)
@@ -1525,8 +1522,7 @@ static void add_params_json(cJSON *o, const struct tdm_router_plugin *p)
     case TDM_ROUTER_DISAGG_PROFILE_HANDLER: {
         cJSON *pr = cJSON_AddObjectToObject(o, "profiles");
         cJSON_AddStringToObject(pr, "decode", q->decode_profile ? q->decode_profile : "decode");
-        cJSON_AddStringToObject(pr, "prefill",
-                                q->prefill_profile ? q->prefill_profile : "prefill");
+        cJSON_AddStringToObject(pr, "prefill", q->prefill_profile ? q->prefill_profile : "prefill");
         if (q->prefill_decider)
             cJSON_AddStringToObject(cJSON_AddObjectToObject(o, "deciders"), "prefill",
                                     q->prefill_decider);
@@ -1548,7 +1544,7 @@ static void format_rfc3339(double t, char buf[40])
     if (ms > 999)
         ms = 999;
     pathf(buf, 40, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1,
-             tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ms);
+          tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ms);
 }
 
 static const char *pd_mode_name(enum tdm_router_pd_mode m)

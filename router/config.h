@@ -55,23 +55,23 @@ enum tdm_router_plugin_kind {
 
 enum tdm_router_plugin_type {
     // filters
-    TDM_ROUTER_DECODE_FILTER = 0,     // "decode-filter"
-    TDM_ROUTER_PREFILL_FILTER,        // "prefill-filter"
-    TDM_ROUTER_HEALTH_FILTER,         // "health-filter" (Tandem; always applied first anyway)
-    TDM_ROUTER_UTILIZATION_DETECTOR,  // "utilization-detector": saturation filter, fail-open
+    TDM_ROUTER_DECODE_FILTER = 0,    // "decode-filter"
+    TDM_ROUTER_PREFILL_FILTER,       // "prefill-filter"
+    TDM_ROUTER_HEALTH_FILTER,        // "health-filter" (Tandem; always applied first anyway)
+    TDM_ROUTER_UTILIZATION_DETECTOR, // "utilization-detector": saturation filter, fail-open
     // scorers (each returns a score in [0, 1] per endpoint)
-    TDM_ROUTER_QUEUE_SCORER,          // "queue-scorer": min-max normalised waiting, short = 1
-    TDM_ROUTER_KV_CACHE_UTIL_SCORER,  // "kv-cache-utilization-scorer": 1 - kv usage
-    TDM_ROUTER_RUNNING_SCORER,        // "running-requests-size-scorer": min-max normalised running
-    TDM_ROUTER_PREFIX_CACHE_SCORER,   // "prefix-cache-scorer": matched blocks / prompt blocks
-    TDM_ROUTER_LOAD_AWARE_SCORER,     // "load-aware-scorer": 0.5 at empty queue -> 0 at threshold
+    TDM_ROUTER_QUEUE_SCORER,         // "queue-scorer": min-max normalised waiting, short = 1
+    TDM_ROUTER_KV_CACHE_UTIL_SCORER, // "kv-cache-utilization-scorer": 1 - kv usage
+    TDM_ROUTER_RUNNING_SCORER,       // "running-requests-size-scorer": min-max normalised running
+    TDM_ROUTER_PREFIX_CACHE_SCORER,  // "prefix-cache-scorer": matched blocks / prompt blocks
+    TDM_ROUTER_LOAD_AWARE_SCORER,    // "load-aware-scorer": 0.5 at empty queue -> 0 at threshold
     TDM_ROUTER_SESSION_AFFINITY_SCORER, // "session-affinity-scorer"
     TDM_ROUTER_ACTIVE_REQUEST_SCORER, // "active-request-scorer": router-tracked in-flight requests
     // pickers
-    TDM_ROUTER_MAX_SCORE_PICKER,      // "max-score-picker": highest total, random among ties
-    TDM_ROUTER_RANDOM_PICKER,         // "random-picker"
+    TDM_ROUTER_MAX_SCORE_PICKER,       // "max-score-picker": highest total, random among ties
+    TDM_ROUTER_RANDOM_PICKER,          // "random-picker"
     TDM_ROUTER_WEIGHTED_RANDOM_PICKER, // "weighted-random-picker": probability ~ total score
-    TDM_ROUTER_ROUND_ROBIN_PICKER,    // "round-robin-picker" (Tandem)
+    TDM_ROUTER_ROUND_ROBIN_PICKER,     // "round-robin-picker" (Tandem)
     // P/D deciders
     TDM_ROUTER_PREFIX_PD_DECIDER,     // "prefix-based-pd-decider" (nonCachedTokens)
     TDM_ROUTER_ALWAYS_DISAGG_DECIDER, // "always-disagg-pd-decider"
@@ -94,37 +94,37 @@ struct tdm_router_plugin_params {
     double kv_cache_util_threshold; // kvCacheUtilThreshold (0.8): kv usage > this = saturated
     double headroom;                // headroom (0): added to both limits as a fraction
     // load-aware-scorer
-    int load_threshold;             // threshold (128): waiting at which the score reaches 0
+    int load_threshold; // threshold (128): waiting at which the score reaches 0
     // active-request-scorer
-    int max_busy_requests;          // maxBusyRequests (64): in-flight count scored 0
+    int max_busy_requests; // maxBusyRequests (64): in-flight count scored 0
     // session-affinity-scorer
-    char *session_header;           // headerName ("x-session-token"), lower case
+    char *session_header; // headerName ("x-session-token"), lower case
     // prefix-based-pd-decider
-    int non_cached_tokens;          // nonCachedTokens (0 = never disaggregate, as llm-d)
+    int non_cached_tokens; // nonCachedTokens (0 = never disaggregate, as llm-d)
     // weighted-random-picker / max-score-picker
-    int max_num_of_endpoints;       // maxNumOfEndpoints (1); > 1 returns a ranked list
+    int max_num_of_endpoints; // maxNumOfEndpoints (1); > 1 returns a ranked list
     // approx-prefix-cache-producer
     int block_size_tokens;          // blockSizeTokens (16); must equal the workers' block size
     int max_prefix_blocks_to_match; // maxPrefixBlocksToMatch (256)
     int lru_capacity_per_server;    // lruCapacityPerServer (31250 blocks)
     // disagg-profile-handler: names of the profiles and of the prefill decider plugin
-    char *decode_profile;           // profiles.decode ("decode")
-    char *prefill_profile;          // profiles.prefill ("prefill")
-    char *prefill_decider;          // deciders.prefill (NULL: the only decider plugin, if
-                                    // exactly one exists; none = always disaggregate)
-    bool pd_threshold_set;          // deprecated pd-profile-handler `threshold` was given
-                                    // (kept in non_cached_tokens; acts as a prefix decider)
+    char *decode_profile;  // profiles.decode ("decode")
+    char *prefill_profile; // profiles.prefill ("prefill")
+    char *prefill_decider; // deciders.prefill (NULL: the only decider plugin, if
+                           // exactly one exists; none = always disaggregate)
+    bool pd_threshold_set; // deprecated pd-profile-handler `threshold` was given
+                           // (kept in non_cached_tokens; acts as a prefix decider)
 };
 
 struct tdm_router_plugin {
-    char *name;                        // unique; defaults to the type name
+    char *name; // unique; defaults to the type name
     enum tdm_router_plugin_type type;
     struct tdm_router_plugin_params params;
 };
 
 // One plugin used by a profile. Weight only matters for scorers (default 1).
 struct tdm_router_profile_ref {
-    size_t plugin;  // index into tdm_router_config.plugins
+    size_t plugin; // index into tdm_router_config.plugins
     double weight;
 };
 
@@ -133,15 +133,15 @@ struct tdm_router_profile {
     struct tdm_router_profile_ref *refs; // [n_refs] in file order
     size_t n_refs;
     // Derived at parse time (indices into refs; SIZE_MAX = none):
-    size_t picker;                       // the profile's picker (max-score-picker if none listed)
+    size_t picker; // the profile's picker (max-score-picker if none listed)
 };
 
 // ---- endpoints (Tandem section) ------------------------------------------------------------
 // A statically listed endpoint.
 struct tdm_router_static_endpoint {
-    char *host;      // IP address or host name to connect to, as written
-    int http_port;   // HTTP (OpenAI API, /health)
-    int nng_port;    // nng (requests, KV transfer, load reports)
+    char *host;    // IP address or host name to connect to, as written
+    int http_port; // HTTP (OpenAI API, /health)
+    int nng_port;  // nng (requests, KV transfer, load reports)
     enum tdm_router_role role;
 };
 
@@ -171,9 +171,9 @@ enum tdm_router_pd_mode {
 
 struct tdm_router_config {
     // Where it came from.
-    char *source_path;          // file path, or NULL when parsed from text
-    char *api_version;          // "llm-d.ai/v1alpha1" etc.; NULL in the short form
-    char *short_policy;         // "round_robin" etc. when the short form was used, else NULL
+    char *source_path;  // file path, or NULL when parsed from text
+    char *api_version;  // "llm-d.ai/v1alpha1" etc.; NULL in the short form
+    char *short_policy; // "round_robin" etc. when the short form was used, else NULL
 
     struct tdm_router_plugin *plugins; // [n_plugins] (the short form expands into these)
     size_t n_plugins;
@@ -191,9 +191,9 @@ struct tdm_router_config {
     size_t n_static;
     struct tdm_router_dns_endpoint *dns_endpoints; // [n_dns]
     size_t n_dns;
-    double dns_refresh_seconds;      // 10
+    double dns_refresh_seconds; // 10
     struct tdm_router_health_config health;
-    double load_stale_seconds;       // load older than this = saturated (2, as llm-d)
+    double load_stale_seconds; // load older than this = saturated (2, as llm-d)
 
     // Requests.
     double request_deadline_seconds; // whole request, router side (600)
@@ -201,9 +201,9 @@ struct tdm_router_config {
     char *session_header;            // header the session policy reads ("x-session-token")
 
     // Prefix index (approximate, router-side).
-    int block_size_tokens;           // 16
-    int max_prefix_blocks_to_match;  // 256
-    int lru_capacity_per_server;     // 31250
+    int block_size_tokens;          // 16
+    int max_prefix_blocks_to_match; // 256
+    int lru_capacity_per_server;    // 31250
 
     // Private: reference count and the original text.
     _Atomic int refs_;

@@ -198,8 +198,7 @@ static void test_first_load_must_be_valid(void **state)
     assert_null(st);
     assert_non_null(strstr(err, "policy: unknown policy 'nope'"));
     snprintf(path, sizeof path, "%s/absent.yaml", t.path);
-    assert_int_equal(tdm_router_config_store_new(&st, path, NULL, err, sizeof err),
-                     TDM_ENOTFOUND);
+    assert_int_equal(tdm_router_config_store_new(&st, path, NULL, err, sizeof err), TDM_ENOTFOUND);
     tdm_router_config_store_free(NULL);
     rm_rf(t.path);
 }

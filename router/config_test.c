@@ -237,7 +237,8 @@ static void test_llmd_deciders(void **state)
                        "- {name: decode, plugins: [{pluginRef: random-picker}]}\n";
     char text[1024];
     // always-disagg
-    snprintf(text, sizeof text, base, "", "- type: random-picker\n- type: always-disagg-pd-decider\n");
+    snprintf(text, sizeof text, base, "",
+             "- type: random-picker\n- type: always-disagg-pd-decider\n");
     struct tdm_router_config *c = parse_ok(text);
     assert_int_equal(c->pd_mode, TDM_ROUTER_PD_ALWAYS);
     tdm_router_config_unref(c);
@@ -305,7 +306,8 @@ static void test_short_form_variants(void **state)
     assert_int_equal(c->n_static, 2);
     assert_int_equal(c->static_endpoints[0].http_port, 8005);
     assert_int_equal(c->static_endpoints[1].http_port, 8005);
-    assert_int_equal(c->static_endpoints[0].role, TDM_ROUTER_ROLE_PREFILL); // roles in order prefill, decode
+    assert_int_equal(c->static_endpoints[0].role,
+                     TDM_ROUTER_ROLE_PREFILL); // roles in order prefill, decode
     tdm_router_config_unref(c);
 }
 
@@ -368,7 +370,8 @@ static void test_errors(void **state)
     parse_err("policy: random\npd_mode: sometimes\n", "pd_mode: expected prefix, always or never");
     parse_err("policy: random\nplugins: []\n", "either the short form");
     parse_err("endpoints: {}\n", "no routing configured");
-    parse_err("apiVersion: v1\npolicy: random\n", "apiVersion: 'v1' is not an EndpointPickerConfig");
+    parse_err("apiVersion: v1\npolicy: random\n",
+              "apiVersion: 'v1' is not an EndpointPickerConfig");
     parse_err("kind: Deployment\npolicy: random\n", "kind: expected EndpointPickerConfig");
     // llm-d form
     parse_err("plugins:\n- type: queue-scorer\n", "schedulingProfiles: missing");
@@ -411,21 +414,25 @@ static void test_errors(void **state)
     parse_err("plugins: [{type: disagg-profile-handler}]\nschedulingProfiles:\n"
               "- {name: decode, plugins: []}\n",
               "plugins[0].parameters.profiles.prefill: no scheduling profile named 'prefill'");
-    parse_err("plugins:\n- type: disagg-profile-handler\n  parameters: {deciders: {prefill: x}}\n"
-              "schedulingProfiles:\n- {name: decode, plugins: []}\n- {name: prefill, plugins: []}\n",
-              "plugins[0].parameters.deciders.prefill: no plugin named 'x'");
-    parse_err("plugins:\n- type: disagg-profile-handler\n"
-              "  parameters: {deciders: {prefill: queue-scorer}}\n- type: queue-scorer\n"
-              "schedulingProfiles:\n- {name: decode, plugins: []}\n- {name: prefill, plugins: []}\n",
-              "'queue-scorer' is not a decider");
+    parse_err(
+        "plugins:\n- type: disagg-profile-handler\n  parameters: {deciders: {prefill: x}}\n"
+        "schedulingProfiles:\n- {name: decode, plugins: []}\n- {name: prefill, plugins: []}\n",
+        "plugins[0].parameters.deciders.prefill: no plugin named 'x'");
+    parse_err(
+        "plugins:\n- type: disagg-profile-handler\n"
+        "  parameters: {deciders: {prefill: queue-scorer}}\n- type: queue-scorer\n"
+        "schedulingProfiles:\n- {name: decode, plugins: []}\n- {name: prefill, plugins: []}\n",
+        "'queue-scorer' is not a decider");
     parse_err("plugins:\n- type: disagg-profile-handler\n- type: single-profile-handler\n"
               "schedulingProfiles:\n- {name: decode, plugins: []}\n",
               "only one profile handler");
-    parse_err("plugins:\n- type: disagg-profile-handler\n- type: always-disagg-pd-decider\n"
-              "- {name: d2, type: prefix-based-pd-decider}\n"
-              "schedulingProfiles:\n- {name: decode, plugins: []}\n- {name: prefill, plugins: []}\n",
-              "2 decider plugins: name the one to use");
-    parse_err("policy: round_robin\npd_threshold_tokens: 3\nplugins: []\n", "either the short form");
+    parse_err(
+        "plugins:\n- type: disagg-profile-handler\n- type: always-disagg-pd-decider\n"
+        "- {name: d2, type: prefix-based-pd-decider}\n"
+        "schedulingProfiles:\n- {name: decode, plugins: []}\n- {name: prefill, plugins: []}\n",
+        "2 decider plugins: name the one to use");
+    parse_err("policy: round_robin\npd_threshold_tokens: 3\nplugins: []\n",
+              "either the short form");
     parse_err("plugins: [{type: queue-scorer}]\nschedulingProfiles: [{name: a, plugins: []}]\n"
               "pd_threshold_tokens: 3\n",
               "pd_threshold_tokens: short-form key");

@@ -339,9 +339,9 @@ char *tdm_router_control_config_json(struct tdm_router_control *ctl)
             break;
         cJSON_AddItemToArray(arr, e);
         cJSON_AddStringToObject(e, "name", v[i].name);
-        cJSON_AddStringToObject(e, "role", v[i].role == TDM_ROUTER_ROLE_NONE
-                                               ? "none"
-                                               : tdm_router_role_name(v[i].role));
+        cJSON_AddStringToObject(
+            e, "role",
+            v[i].role == TDM_ROUTER_ROLE_NONE ? "none" : tdm_router_role_name(v[i].role));
         cJSON_AddNumberToObject(e, "nng_port", v[i].nng_port);
         cJSON_AddBoolToObject(e, "healthy", v[i].healthy);
         cJSON_AddBoolToObject(e, "draining", v[i].draining);

@@ -42,17 +42,17 @@ struct tdm_router_target {
 };
 
 struct tdm_router_route {
-    struct tdm_router_config *cfg;      // reference held until route_done
-    enum tdm_router_decision decision;  // may turn DECODE_ONLY when prefill retries run out
+    struct tdm_router_config *cfg;     // reference held until route_done
+    enum tdm_router_decision decision; // may turn DECODE_ONLY when prefill retries run out
     struct tdm_router_target decode;
     struct tdm_router_target prefill[TDM_ROUTER_MAX_PREFILL_CANDIDATES]; // retry order
-    size_t n_prefill;       // candidates (0 when decode-only)
-    size_t prefill_idx;     // the one in use
-    int prefill_attempts;   // remote prefill attempts so far (1 after route)
-    size_t cached_tokens;   // believed cached on the decode endpoint
+    size_t n_prefill;     // candidates (0 when decode-only)
+    size_t prefill_idx;   // the one in use
+    int prefill_attempts; // remote prefill attempts so far (1 after route)
+    size_t cached_tokens; // believed cached on the decode endpoint
     size_t uncached_tokens;
-    double deadline;        // tdm_now() + request_deadline_seconds
-    double routed_at;       // tdm_now() when routed
+    double deadline;  // tdm_now() + request_deadline_seconds
+    double routed_at; // tdm_now() when routed
     // private
     bool decode_held_, prefill_held_;
     uint64_t *block_hashes_; // [n_blocks_] prompt's full-block hashes
@@ -72,7 +72,8 @@ void tdm_router_control_free(struct tdm_router_control *ctl);
 
 struct tdm_router_config_store *tdm_router_control_store(struct tdm_router_control *ctl);
 struct tdm_router_endpoints *tdm_router_control_endpoints(struct tdm_router_control *ctl);
-struct tdm_router_metrics *tdm_router_control_metrics(struct tdm_router_control *ctl); // NULL if none
+struct tdm_router_metrics *
+tdm_router_control_metrics(struct tdm_router_control *ctl); // NULL if none
 
 // Chooses where a request goes. tokens: the prompt's token ids (for prefix
 // matching and the decider); session: the session header value or NULL.

@@ -181,14 +181,16 @@ static void test_prefill_retry_and_fallback(void **state)
 
     char *m = render(&e);
     char line[256];
-    snprintf(line, sizeof line,
-             "tandem:router_upstream_errors_total{endpoint=\"%s\",kind=\"error\",role=\"prefill\"} 1",
-             first.name);
+    snprintf(
+        line, sizeof line,
+        "tandem:router_upstream_errors_total{endpoint=\"%s\",kind=\"error\",role=\"prefill\"} 1",
+        first.name);
     expect_line(m, line);
-    snprintf(line, sizeof line,
-             "tandem:router_upstream_errors_total{endpoint=\"%s\",kind=\"timeout\",role=\"prefill\"} "
-             "1",
-             second.name);
+    snprintf(
+        line, sizeof line,
+        "tandem:router_upstream_errors_total{endpoint=\"%s\",kind=\"timeout\",role=\"prefill\"} "
+        "1",
+        second.name);
     expect_line(m, line);
     snprintf(line, sizeof line, "tandem:router_retries_total{endpoint=\"%s\",role=\"prefill\"} 1",
              first.name);

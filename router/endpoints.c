@@ -265,8 +265,8 @@ struct endpoint {
 // Last good resolution of one DNS name.
 struct dns_state {
     char *name;
-    int n;                                // addresses; -1 = never resolved
-    char (*addrs)[TDM_ROUTER_NAME_MAX];  // [n]
+    int n;                              // addresses; -1 = never resolved
+    char (*addrs)[TDM_ROUTER_NAME_MAX]; // [n]
 };
 
 struct tdm_router_endpoints {
@@ -662,7 +662,8 @@ int tdm_router_endpoints_apply_config(struct tdm_router_endpoints *reg,
     return TDM_OK;
 }
 
-// ---- health --------------------------------------------------------------------------------------
+// ---- health
+// --------------------------------------------------------------------------------------
 
 // Applies one check result or passive report (under mu).
 static void health_result(struct tdm_router_endpoints *reg, struct endpoint *e, bool ok,
@@ -861,7 +862,8 @@ done:
     pthread_mutex_unlock(&reg->check_mu);
 }
 
-// ---- background thread ----------------------------------------------------------------------------
+// ---- background thread
+// ----------------------------------------------------------------------------
 
 static void *bg_main(void *arg)
 {
@@ -935,7 +937,8 @@ void tdm_router_endpoints_stop(struct tdm_router_endpoints *reg)
     pthread_mutex_unlock(&reg->mu);
 }
 
-// ---- snapshots and lookups ------------------------------------------------------------------------
+// ---- snapshots and lookups
+// ------------------------------------------------------------------------
 
 static void fill_view(const struct tdm_router_endpoints *reg, const struct endpoint *e, double now,
                       struct tdm_router_endpoint_view *v)

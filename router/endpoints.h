@@ -43,28 +43,28 @@ struct tdm_router_metrics;
 
 // Load as a worker reports it.
 struct tdm_router_load {
-    int running;          // requests in the running batch (vllm:num_requests_running)
-    int waiting;          // queued requests (vllm:num_requests_waiting)
-    double kv_usage;      // KV cache usage fraction, 0..1 (vllm:kv_cache_usage_perc)
+    int running;     // requests in the running batch (vllm:num_requests_running)
+    int waiting;     // queued requests (vllm:num_requests_waiting)
+    double kv_usage; // KV cache usage fraction, 0..1 (vllm:kv_cache_usage_perc)
 };
 
 // One endpoint as a policy sees it: a copy, valid as long as the snapshot.
 struct tdm_router_endpoint_view {
-    uint64_t id;                     // unique for the registry's life (never reused)
-    char name[TDM_ROUTER_NAME_MAX];  // "host:http_port" ("[v6]:port"); metric label value
-    char host[TDM_ROUTER_NAME_MAX];  // address to connect to (IP for DNS-discovered ones)
+    uint64_t id;                    // unique for the registry's life (never reused)
+    char name[TDM_ROUTER_NAME_MAX]; // "host:http_port" ("[v6]:port"); metric label value
+    char host[TDM_ROUTER_NAME_MAX]; // address to connect to (IP for DNS-discovered ones)
     int http_port;
     int nng_port;
     enum tdm_router_role role;
-    bool healthy;                    // not failed (new endpoints start healthy)
-    bool draining;                   // removed from config/DNS: takes no new requests
-    uint64_t health_epoch;           // increments on every unhealthy -> healthy turn
-    int inflight;                    // router-tracked requests in flight
-    struct tdm_router_load load;     // last report (zeros if none yet)
-    bool has_load;                   // a report arrived at least once
-    bool load_stale;                 // no report, or older than load_stale_seconds
-    double load_age_seconds;         // seconds since the report (< 0: never)
-    int prefix_match_blocks;         // leading request blocks this endpoint is believed to cache
+    bool healthy;                // not failed (new endpoints start healthy)
+    bool draining;               // removed from config/DNS: takes no new requests
+    uint64_t health_epoch;       // increments on every unhealthy -> healthy turn
+    int inflight;                // router-tracked requests in flight
+    struct tdm_router_load load; // last report (zeros if none yet)
+    bool has_load;               // a report arrived at least once
+    bool load_stale;             // no report, or older than load_stale_seconds
+    double load_age_seconds;     // seconds since the report (< 0: never)
+    int prefix_match_blocks;     // leading request blocks this endpoint is believed to cache
 };
 
 // What a policy scores: endpoints in registry order (stable: by id).
@@ -90,8 +90,8 @@ size_t tdm_router_block_hashes(const int32_t *tokens, size_t n, int block_size, 
 // addresses ("10.0.0.5", "fd00::5") into addrs (each TDM_ROUTER_NAME_MAX bytes)
 // and returns how many (>= 0), or -1 when the name does not resolve (the
 // endpoints of that name are then kept: a DNS hiccup must not empty the pool).
-typedef int (*tdm_router_resolve_fn)(const char *name, char (*addrs)[TDM_ROUTER_NAME_MAX],
-                                     int cap, void *arg);
+typedef int (*tdm_router_resolve_fn)(const char *name, char (*addrs)[TDM_ROUTER_NAME_MAX], int cap,
+                                     void *arg);
 // The default resolver: getaddrinfo (AF_UNSPEC, SOCK_STREAM), deduplicated.
 int tdm_router_resolve_getaddrinfo(const char *name, char (*addrs)[TDM_ROUTER_NAME_MAX], int cap,
                                    void *arg);

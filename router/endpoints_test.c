@@ -62,8 +62,11 @@ static bool find(struct tdm_router_endpoints *reg, const char *name,
 static void test_block_hashes_match_kv_cache(void **state)
 {
     (void)state;
-    struct tdm_kv_config kc = {.num_layers = 1, .num_kv_heads = 1, .head_dim = 4,
-                               .block_size = 16, .num_blocks = 32,
+    struct tdm_kv_config kc = {.num_layers = 1,
+                               .num_kv_heads = 1,
+                               .head_dim = 4,
+                               .block_size = 16,
+                               .num_blocks = 32,
                                .enable_prefix_caching = true};
     char err[256];
     struct tdm_kv_cache *kv = NULL;
@@ -222,7 +225,8 @@ static void test_dns_background_thread(void **state)
     tdm_router_config_unref(cfg);
 }
 
-// ---- config reload of the static list -------------------------------------------------------------
+// ---- config reload of the static list
+// -------------------------------------------------------------
 
 static void test_apply_config(void **state)
 {
@@ -421,7 +425,8 @@ static void test_passive_health(void **state)
     tdm_router_config_unref(cfg);
 }
 
-// ---- active health checks against a real HTTP server ----------------------------------------------
+// ---- active health checks against a real HTTP server
+// ----------------------------------------------
 
 static atomic_int health_status = 200;
 static atomic_int health_hits = 0;

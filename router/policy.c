@@ -102,7 +102,8 @@ static bool b64_decode(const char *s, char *out, size_t cap)
             if (v[k] < 0)
                 return false;
         }
-        uint32_t w = (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 | (uint32_t)v[3];
+        uint32_t w =
+            (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 | (uint32_t)v[3];
         out[o++] = (char)(w >> 16);
         if (s[i + 2] != '=')
             out[o++] = (char)(w >> 8 & 0xff);
@@ -130,7 +131,8 @@ static uint64_t rendezvous(const char *session, const char *name)
     return h;
 }
 
-// ---- one profile ----------------------------------------------------------------------------------
+// ---- one profile
+// ----------------------------------------------------------------------------------
 
 static bool role_fits(bool decode, enum tdm_router_role role)
 {
@@ -302,11 +304,11 @@ static int run_profile(const struct tdm_router_config *cfg, size_t profile, bool
         }
 
     // Picker: order the candidates (the first is the pick, the rest the retry order).
-    uint64_t rng = snap->seed ^ (decode ? 0x6465636f6465ull : 0x70726566696c6cull) ^
-                   ((uint64_t)profile << 48);
-    enum tdm_router_plugin_type picker =
-        pr->picker < pr->n_refs ? cfg->plugins[pr->refs[pr->picker].plugin].type
-                                : TDM_ROUTER_MAX_SCORE_PICKER;
+    uint64_t rng =
+        snap->seed ^ (decode ? 0x6465636f6465ull : 0x70726566696c6cull) ^ ((uint64_t)profile << 48);
+    enum tdm_router_plugin_type picker = pr->picker < pr->n_refs
+                                             ? cfg->plugins[pr->refs[pr->picker].plugin].type
+                                             : TDM_ROUTER_MAX_SCORE_PICKER;
     size_t order[POLICY_MAX_EPS];
     for (size_t k = 0; k < nc; k++)
         order[k] = k;
@@ -388,9 +390,9 @@ static int run_profile(const struct tdm_router_config *cfg, size_t profile, bool
 
 int tdm_router_policy_run_profile(const struct tdm_router_config *cfg, size_t profile, bool decode,
                                   const struct tdm_router_snapshot *snap,
-                                  const struct tdm_router_request *req, size_t *ranked,
-                                  size_t cap, size_t *n_ranked,
-                                  struct tdm_router_endpoint_score *scores, bool *fail_open)
+                                  const struct tdm_router_request *req, size_t *ranked, size_t cap,
+                                  size_t *n_ranked, struct tdm_router_endpoint_score *scores,
+                                  bool *fail_open)
 {
     return run_profile(cfg, profile, decode, snap, req, SIZE_MAX, ranked, cap, n_ranked, scores,
                        fail_open);
@@ -408,15 +410,15 @@ int tdm_router_policy_pick(const struct tdm_router_config *cfg,
     pick->decision = TDM_ROUTER_DECISION_DECODE_ONLY;
     size_t ranked[1], nr = 0;
     bool fo = false;
-    int rc = run_profile(cfg, cfg->decode_profile, true, snap, req, SIZE_MAX, ranked, 1, &nr, ds,
-                         &fo);
+    int rc =
+        run_profile(cfg, cfg->decode_profile, true, snap, req, SIZE_MAX, ranked, 1, &nr, ds, &fo);
     pick->fail_open = fo;
     if (rc)
         return rc;
     pick->decode = ranked[0];
     size_t prompt = req ? req->num_prompt_tokens : 0;
-    size_t cached = (size_t)snap->eps[pick->decode].prefix_match_blocks *
-                    (size_t)cfg->block_size_tokens;
+    size_t cached =
+        (size_t)snap->eps[pick->decode].prefix_match_blocks * (size_t)cfg->block_size_tokens;
     // The decode worker always computes at least the last prompt token itself.
     if (cached >= prompt)
         cached = prompt ? prompt - 1 : 0;
@@ -460,10 +462,10 @@ size_t tdm_router_policy_format_scores(const struct tdm_router_config *cfg, size
     const struct tdm_router_profile *pr = &cfg->profiles[profile];
     for (size_t i = 0; i < snap->n && o < cap; i++) {
         const struct tdm_router_endpoint_score *s = &scores[i];
-        int w = s->filtered ? snprintf(buf + o, cap - o, "%s%s filtered", o ? "; " : "",
-                                       snap->eps[i].name)
-                            : snprintf(buf + o, cap - o, "%s%s total=%.3f", o ? "; " : "",
-                                       snap->eps[i].name, s->total);
+        int w = s->filtered
+                    ? snprintf(buf + o, cap - o, "%s%s filtered", o ? "; " : "", snap->eps[i].name)
+                    : snprintf(buf + o, cap - o, "%s%s total=%.3f", o ? "; " : "",
+                               snap->eps[i].name, s->total);
         if (w < 0)
             break;
         o += (size_t)w;

@@ -33,8 +33,8 @@
 
 // What the policy knows of a request (all borrowed for the call).
 struct tdm_router_request {
-    size_t num_prompt_tokens;   // prompt length in tokens
-    const char *session;        // the session header's value, NULL when absent
+    size_t num_prompt_tokens; // prompt length in tokens
+    const char *session;      // the session header's value, NULL when absent
 };
 
 enum tdm_router_decision {
@@ -46,20 +46,20 @@ const char *tdm_router_decision_name(enum tdm_router_decision d);
 
 // Scores of one endpoint in one profile, for debug logs.
 struct tdm_router_endpoint_score {
-    size_t ep;                                    // index into the snapshot
-    double total;                                 // weighted sum
-    double scores[TDM_ROUTER_PLUGIN_TYPE_COUNT];  // per scorer type (NaN = not used)
-    bool filtered;                                // dropped by a filter (or role/health)
+    size_t ep;                                   // index into the snapshot
+    double total;                                // weighted sum
+    double scores[TDM_ROUTER_PLUGIN_TYPE_COUNT]; // per scorer type (NaN = not used)
+    bool filtered;                               // dropped by a filter (or role/health)
 };
 
 struct tdm_router_pick {
-    size_t decode;                                    // snapshot index; SIZE_MAX = none available
+    size_t decode; // snapshot index; SIZE_MAX = none available
     enum tdm_router_decision decision;
     size_t prefill[TDM_ROUTER_MAX_PREFILL_CANDIDATES]; // snapshot indices, retry order
-    size_t n_prefill;                                 // 0 when decode-only
-    size_t cached_tokens;       // tokens the decode endpoint is believed to cache
-    size_t uncached_tokens;     // num_prompt_tokens - cached_tokens
-    bool fail_open;             // a saturation filter let everything through
+    size_t n_prefill;                                  // 0 when decode-only
+    size_t cached_tokens;   // tokens the decode endpoint is believed to cache
+    size_t uncached_tokens; // num_prompt_tokens - cached_tokens
+    bool fail_open;         // a saturation filter let everything through
     // Debug: scores of every snapshot endpoint in the decode / prefill profile.
     // Caller storage: set these to arrays of snap->n entries (or NULL to skip).
     struct tdm_router_endpoint_score *decode_scores;
@@ -80,9 +80,9 @@ int tdm_router_policy_pick(const struct tdm_router_config *cfg,
 // when no candidate is left.
 int tdm_router_policy_run_profile(const struct tdm_router_config *cfg, size_t profile, bool decode,
                                   const struct tdm_router_snapshot *snap,
-                                  const struct tdm_router_request *req, size_t *ranked,
-                                  size_t cap, size_t *n_ranked,
-                                  struct tdm_router_endpoint_score *scores, bool *fail_open);
+                                  const struct tdm_router_request *req, size_t *ranked, size_t cap,
+                                  size_t *n_ranked, struct tdm_router_endpoint_score *scores,
+                                  bool *fail_open);
 
 // Whether an endpoint counts as saturated under a utilization-detector's
 // parameters (stale or missing load counts as saturated).

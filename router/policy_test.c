@@ -349,9 +349,9 @@ static void test_weighted_random(void **state)
         fail_msg("weighted-random ratio %.2f, expected ~4 (%d vs %d)", ratio, count[0], count[1]);
     // The ranked list still holds everyone (retry order).
     size_t ranked[3], n = 0;
-    assert_int_equal(tdm_router_policy_run_profile(cfg, 0, true, &f.snap, NULL, ranked, 3, &n, NULL,
-                                                   NULL),
-                     TDM_OK);
+    assert_int_equal(
+        tdm_router_policy_run_profile(cfg, 0, true, &f.snap, NULL, ranked, 3, &n, NULL, NULL),
+        TDM_OK);
     assert_int_equal(n, 3);
     assert_int_equal(ranked[2], 2);
     tdm_router_config_unref(cfg);

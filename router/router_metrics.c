@@ -43,8 +43,7 @@ int tdm_router_metrics_register(struct tdm_router_metrics *m, struct tdm_metrics
         return tdm_seterr(err, errlen, TDM_EINVAL, "router metrics: no registry");
 
     REG_COUNTER(pd_decision, "tandem:router_pd_decision_total",
-                "Routing decisions by type (llm-d: llm_d_epp_disagg_decision_total).",
-                l_decision);
+                "Routing decisions by type (llm-d: llm_d_epp_disagg_decision_total).", l_decision);
     m->pd_decision_by[0] = tdm_metrics_counter_labels(m->pd_decision, "decode-only");
     m->pd_decision_by[1] = tdm_metrics_counter_labels(m->pd_decision, "prefill-decode");
     REG_COUNTER(requests, "tandem:router_requests_total",
@@ -121,9 +120,9 @@ int tdm_router_metrics_register(struct tdm_router_metrics *m, struct tdm_metrics
                 "Config reloads by result (success, failure: old config kept).", l_result);
     m->config_reload_success = tdm_metrics_counter_labels(m->config_reload, "success");
     m->config_reload_failure = tdm_metrics_counter_labels(m->config_reload, "failure");
-    go = (struct tdm_metrics_opts){
-        .name = "tandem:router_config_last_reload_success_timestamp_seconds",
-        .help = "Unix time the active config was loaded."};
+    go = (struct tdm_metrics_opts){.name =
+                                       "tandem:router_config_last_reload_success_timestamp_seconds",
+                                   .help = "Unix time the active config was loaded."};
     if ((rc = tdm_metrics_gauge_register(&m->config_last_success, reg, &go, err, errlen)))
         return rc;
     if (!m->pd_decision_by[0] || !m->pd_decision_by[1] || !m->ready_prefill || !m->ready_decode ||
