@@ -481,8 +481,13 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
     pr.model = (char *)rx->parts.served_name;
     pr.hold_seconds = rx->cfg.transfer_timeout;
     double t0 = tdm_now();
-    int rc = tdm_pd_send(rx->outbox, t->url, TDM_NET_PREFILL, &pr.base, NULL, 0,
-                         rx->cfg.send_timeout, err, sizeof err);
+    // A worker we are not connected to gets a short dial window: a dead one must
+    // not cost the request the full send timeout before the next candidate.
+    double send_to = rx->cfg.send_timeout;
+    if (!tdm_net_connected(rx->outbox, t->url) && send_to > 0.5)
+        send_to = 0.5;
+    int rc = tdm_pd_send(rx->outbox, t->url, TDM_NET_PREFILL, &pr.base, NULL, 0, send_to, err,
+                         sizeof err);
     if (rc != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s prefill %s unreachable: %s", j->request_id, t->url, err);
         fail_count(rx, "unreachable");

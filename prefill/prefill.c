@@ -404,8 +404,11 @@ static void on_prefill(struct tdm_prefill_service *p, const struct tdm_net_frame
     }
     char err[512];
     if (m->to_instance != 0 && m->to_instance != p->instance) {
-        TDM_LOG_INFO(MOD, "req=%s for instance %016llx (not us) dropped", m->request_id,
+        // Meant for an earlier incarnation of this address: refuse it at once so
+        // the decode worker moves on instead of waiting for a result.
+        TDM_LOG_INFO(MOD, "req=%s for instance %016llx (not us) refused", m->request_id,
                      (unsigned long long)m->to_instance);
+        reply_error(p, m, TDM_ENOTFOUND, "prefill worker restarted (stale instance id)");
         goto out;
     }
     if (m->reply_to == NULL || m->reply_to->url == NULL || m->reply_to->url[0] == '\0' ||

@@ -778,7 +778,9 @@ static bool upstream_alive(struct call *k, const struct choice *ch, char *why, s
     pthread_mutex_lock(&k->s->mu);
     uint64_t st_inst = ch->st->instance;
     pthread_mutex_unlock(&k->s->mu);
-    if (inst != 0 && st_inst != 0 && inst != st_inst) {
+    // A report older than the stream may predate a restart the stream already
+    // talks to (its first chunk can beat the new instance's first report).
+    if (inst != 0 && st_inst != 0 && inst != st_inst && last > ch->st->started) {
         snprintf(why, cap, "decode worker %s restarted", k->route.decode.name);
         return false;
     }
@@ -1039,6 +1041,11 @@ static int send_generates(struct call *k, char *err, size_t errlen)
     uint64_t dec_inst = 0;
     double last = 0;
     live_get(s, r->decode.id, &dec_inst, &last);
+    // Address the worker's current instance only when its report is fresh: after
+    // a silence it may have restarted, and a message for the old instance would
+    // be dropped by the new one.
+    if (tdm_now() - last > s->o.liveness_timeout)
+        dec_inst = 0;
     Tandem__PrefillTarget targets[TDM_ROUTER_MAX_PREFILL_CANDIDATES];
     Tandem__PrefillTarget *target_ptr[TDM_ROUTER_MAX_PREFILL_CANDIDATES];
     char target_urls[TDM_ROUTER_MAX_PREFILL_CANDIDATES][300];
@@ -1053,6 +1060,8 @@ static int send_generates(struct call *k, char *err, size_t errlen)
             targets[nt].url = target_urls[nt];
             double l2 = 0;
             live_get(s, r->prefill[i].id, &targets[nt].instance, &l2);
+            if (tdm_now() - l2 > s->o.liveness_timeout)
+                targets[nt].instance = 0;
             target_ptr[nt] = &targets[nt];
             nt++;
         }
@@ -1366,6 +1375,39 @@ static void call_fini(struct call *k)
     tdm_oai_request_fini(&k->req);
 }
 
+// True when no choice produced a token yet (so a retry is invisible).
+static bool retryable(const struct call *k)
+{
+    for (size_t i = 0; i < k->n_choices; i++)
+        if (k->choices[i].completion_tokens > 0)
+            return false;
+    return true;
+}
+
+// Forgets the failed attempt: streams, finish state, the route.
+static void reset_for_retry(struct call *k)
+{
+    struct tdm_router_server *s = k->s;
+    release_upstream(k);
+    for (size_t i = 0; i < k->n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        ch->done = false;
+        ch->got_chunk = false;
+        ch->finish = TDM_OAI_FINISH_NONE;
+        ch->error = 0;
+        ch->message[0] = '\0';
+        ch->upstream_done = true;
+    }
+    k->lost = false;
+    k->phases[0] = '\0';
+    tdm_metrics_counter_inc(s->m_lost);
+    tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
+    if (s->rm)
+        tdm_router_metrics_retry(s->rm, k->route.decode.name, k->route.decode.role);
+    tdm_router_control_route_done(s->ctl, &k->route, "error");
+    k->routed = false;
+}
+
 static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c,
                             enum tdm_oai_kind kind, const char *body, size_t len)
 {
@@ -1409,9 +1451,27 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
             goto out;
         }
     }
-    if (route_and_send(&k, &e) != TDM_OK) {
-        respond_oai_error(c, &e);
-        goto out;
+    for (int attempt = 0;; attempt++) {
+        if (route_and_send(&k, &e) != TDM_OK) {
+            respond_oai_error(c, &e);
+            goto out;
+        }
+        // Until the first chunk arrives nothing reached the client: a decode
+        // worker lost in that window is replaced transparently.
+        while (!k.choices[0].got_chunk && !k.choices[0].done && !k.client_gone) {
+            if (pump(&k, 0.1) < 0) {
+                respond_error(c, 500, NULL, "out of memory");
+                goto out;
+            }
+            k.client_gone = tdm_http_client_gone(c);
+        }
+        if (k.client_gone)
+            goto out;
+        if (!k.lost || attempt + 1 >= DECODE_ATTEMPTS || !retryable(&k))
+            break;
+        TDM_LOG_WARN(MOD, "req=%s decode %s lost before the first token, rerouting", k.resp.id,
+                     k.route.decode.name);
+        reset_for_retry(&k);
     }
     if (k.req.stream)
         run_stream(&k);

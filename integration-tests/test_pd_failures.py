@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Failures in disaggregated serving, on router + 2 prefill + 2 decode:
+  - a prefill worker killed: requests still succeed (next prefill worker or
+    local prefill) with the same output as direct;
+  - a decode worker killed mid-stream: the client gets an SSE error event within
+    2 s, and new requests succeed on the survivor;
+  - the killed workers restarted on the same addresses serve again within
+    seconds (no stale connection state in router, decode or prefill);
+  - a client that disconnects mid-stream: KV usage returns to 0 on every worker.
+"""
+import json
+import random
+import time
+
+from pd_harness import (Cluster, Stream, check, metric_sum, metrics, parse_args, post,
+                        stream_text)
+
+
+def direct(cl, body):
+    live = [w for w in cl.decode if w.proc.poll() is None]
+    st, _, d = post(live[0].http_port, "/v1/completions", body)
+    check(st == 200, "direct status %d" % st)
+    return d["choices"][0]["text"]
+
+
+def routed_ok(cl, body, n, what):
+    served = []
+    want = direct(cl, body)
+    for i in range(n):
+        st, hdr, r = post(cl.router_port, "/v1/completions", body)
+        check(st == 200, "%s: request %d status %d: %s" % (what, i, st, r))
+        check(r["choices"][0]["text"] == want, "%s: request %d output differs" % (what, i))
+        served.append(hdr.get("x-tandem-decode"))
+    return served
+
+
+def main():
+    args = parse_args()
+    cl = Cluster(args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always").start()
+    rnd = random.Random(11)
+    body = {"prompt": [rnd.randrange(3, 500) for _ in range(300)], "max_tokens": 8,
+            "temperature": 0.7, "seed": 3}
+    routed_ok(cl, body, 4, "baseline")
+
+    # 1. Prefill worker killed: every request still succeeds.
+    p0 = cl.prefill[0]
+    before = metric_sum(metrics(cl.prefill[1].http_port), "tandem:pd_prefill_requests_total")
+    cl.kill(p0)
+    t0 = time.time()
+    routed_ok(cl, body, 6, "prefill killed")
+    took = time.time() - t0
+    after = metric_sum(metrics(cl.prefill[1].http_port), "tandem:pd_prefill_requests_total")
+    check(after > before, "the surviving prefill worker was not used")
+    print("prefill killed: 6 requests ok in %.2f s" % took, flush=True)
+
+    # 2. Decode worker killed mid-stream: error event within 2 s.
+    long_body = {"prompt": [rnd.randrange(3, 500) for _ in range(40)], "max_tokens": 7000,
+                 "ignore_eos": True, "temperature": 0, "stream": True}
+    s = Stream(cl.router_port, "/v1/completions", long_body)
+    check(s.status == 200, "stream status %d" % s.status)
+    victim = [w for w in cl.decode if w.name == s.headers.get("x-tandem-decode")]
+    check(len(victim) == 1, "no decode header: %s" % s.headers)
+    victim = victim[0]
+    events = s.events()
+    first = next(events)
+    check(isinstance(first, dict) and "choices" in first, "first event %r" % first)
+    cl.kill(victim)
+    t_kill = time.time()
+    got_error, finished_normally = False, False
+    for ev in events:
+        if ev == "[DONE]":
+            break
+        if "error" in ev:
+            got_error = True
+        elif any(c.get("finish_reason") for c in ev.get("choices", [])):
+            finished_normally = True
+    waited = time.time() - t_kill
+    s.close()
+    check(not finished_normally, "generation finished before the kill: make it longer")
+    check(got_error, "no SSE error event after the decode worker died")
+    check(waited <= 2.0, "error event after %.2f s (> 2 s)" % waited)
+    print("decode killed mid-stream: error event after %.2f s" % waited, flush=True)
+    survivor = [w for w in cl.decode if w is not victim][0]
+    served = routed_ok(cl, body, 6, "decode killed")
+    check(all(x == survivor.name for x in served), "served by %s, not the survivor" % served)
+
+    # 3. Restarts: both killed workers come back on the same addresses.
+    cl.restart(victim)
+    cl.restart(p0)
+    p0_before = 0.0
+    t0 = time.time()
+    back = False
+    while time.time() - t0 < 10 and not back:
+        served = routed_ok(cl, body, 2, "after restart")
+        back = victim.name in served
+        if not back:
+            time.sleep(0.2)
+    check(back, "the restarted decode worker served nothing within 10 s")
+    t1 = time.time()
+    used = False
+    while time.time() - t1 < 10 and not used:
+        routed_ok(cl, body, 2, "after prefill restart")
+        used = metric_sum(metrics(p0.http_port), "tandem:pd_prefill_requests_total") > p0_before
+    check(used, "the restarted prefill worker was never used within 10 s")
+    print("restarted workers serve again after %.2f s / %.2f s" % (t1 - t0, time.time() - t1),
+          flush=True)
+
+    # 4. Client disconnect mid-stream frees KV on every worker.
+    for i in range(3):
+        s = Stream(cl.router_port, "/v1/completions", dict(long_body, prompt=[
+            rnd.randrange(3, 500) for _ in range(1500)], max_tokens=6000))
+        check(s.status == 200, "stream status %d" % s.status)
+        next(s.events())
+        s.close()
+    cl.wait_kv_free(timeout=10)
+    print("PASS", flush=True)
+
+
+if __name__ == "__main__":
+    main()
