@@ -137,10 +137,14 @@ function checkRender(objs, overlay, c) {
         }
         for (const ct of containers(d)) {
             const wc = `${w} container ${ct.name}`;
+            // The router's /health is 503 while no decode worker is healthy, so
+            // its liveness uses /version (a restart cannot fix missing workers).
+            const isRouter = d === router;
             for (const kind of ['readinessProbe', 'livenessProbe']) {
                 const pr = ct[kind]?.httpGet;
+                const want = isRouter && kind === 'livenessProbe' ? '/version' : '/health';
                 if (c.check(pr, wc, `${kind} is not an httpGet probe`)) {
-                    c.check(pr.path === '/health', wc, `${kind} path is ${pr.path}, expected /health`);
+                    c.check(pr.path === want, wc, `${kind} path is ${pr.path}, expected ${want}`);
                     c.check(resolvePort(d, pr.port), wc, `${kind} port ${pr.port} is not a container port`);
                 }
             }
@@ -443,6 +447,7 @@ for (const n of notes) console.log(n);
 const MUTATIONS = [
     ['readiness probe removed', 'overlays/cpu', (o) => delete find(o, 'Deployment', 'tandem-decode').spec.template.spec.containers[0].readinessProbe],
     ['liveness path changed', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-prefill').spec.template.spec.containers[0].livenessProbe.httpGet.path = '/healthz')],
+    ['router liveness on /health', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-router').spec.template.spec.containers[0].livenessProbe.httpGet.path = '/health')],
     ['role label swapped', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-decode').spec.template.metadata.labels[ROLE] = 'prefill')],
     ['headless Service given a cluster IP', 'overlays/cpu', (o) => delete find(o, 'Service', 'tandem-prefill').spec.clusterIP],
     ['Service port differs from the container', 'overlays/cpu', (o) => (find(o, 'Service', 'tandem-decode').spec.ports[0].port = 80)],
