@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <dirent.h>
+
 #include <cmocka.h>
 #include <cjson/cJSON.h>
 
@@ -196,6 +198,34 @@ static void test_example_random_json(void **state)
     assert_int_equal(picker_of(c, c->decode_profile), TDM_ROUTER_RANDOM_PICKER);
     assert_int_equal(c->n_static, 3);
     tdm_router_config_unref(c);
+}
+
+// Every file in deploy/config/ parses, so a new example cannot slip in broken
+// (the ones listed also have their own tests above).
+static void test_every_example_parses(void **state)
+{
+    (void)state;
+    static const char *const tested[] = {"round-robin.yaml",  "least-loaded.yaml",
+                                         "prefix-cache.yaml", "session-affinity.yaml",
+                                         "pd-llm-d.yaml",     "random.json"};
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/deploy/config", TANDEM_SOURCE_DIR);
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        size_t len = strlen(e->d_name);
+        bool yaml = len > 5 && !strcmp(e->d_name + len - 5, ".yaml");
+        bool json = len > 5 && !strcmp(e->d_name + len - 5, ".json");
+        if (!yaml && !json)
+            continue;
+        struct tdm_router_config *c = load_example(e->d_name);
+        tdm_router_config_unref(c);
+        for (size_t i = 0; i < sizeof tested / sizeof *tested; i++)
+            n += !strcmp(tested[i], e->d_name);
+    }
+    closedir(d);
+    assert_int_equal(n, (int)(sizeof tested / sizeof *tested)); // the tested ones are all there
 }
 
 // ---- llm-d form details -------------------------------------------------------------------
@@ -508,6 +538,7 @@ int main(void)
         cmocka_unit_test(test_example_session_affinity),
         cmocka_unit_test(test_example_pd_llm_d),
         cmocka_unit_test(test_example_random_json),
+        cmocka_unit_test(test_every_example_parses),
         cmocka_unit_test(test_llmd_single_profile_defaults),
         cmocka_unit_test(test_llmd_deciders),
         cmocka_unit_test(test_short_form_variants),
