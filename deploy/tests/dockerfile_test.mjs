@@ -104,6 +104,8 @@ export function checkShape(text, where, chk, sourceTargets) {
                 pk[role].push(...aptPackages(ins.text));
             }
             chk.check(!/apt-get\s+upgrade|dist-upgrade/.test(ins.text), w, 'apt-get upgrade in an image build');
+            chk.check(!/(^|[;&|]\s*)apt\s/.test(ins.text), w, 'apt in a script: use apt-get (apt has no stable CLI)');
+            chk.check(!/\bsudo\b/.test(ins.text), w, 'sudo in a RUN');
         }
     });
     const build = stages.slice(0, -1);
