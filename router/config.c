@@ -1232,6 +1232,8 @@ static int parse_health(struct pctx *c, yaml_node_t *n, struct tdm_router_config
             return rc;
         if (cfg->health.path[0] != '/' || strpbrk(cfg->health.path, " \r\n"))
             return perr(c, "health.path", v, "must start with '/' and contain no spaces");
+        if (strlen(cfg->health.path) > 200)
+            return perr(c, "health.path", v, "longer than 200 bytes");
     }
     return TDM_OK;
 }

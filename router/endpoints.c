@@ -700,12 +700,13 @@ static void health_result(struct tdm_router_endpoints *reg, struct endpoint *e, 
 struct check {
     uint64_t id;
     char host[TDM_ROUTER_NAME_MAX];
+    char name[TDM_ROUTER_NAME_MAX]; // host:port, the Host header
     int port;
     int fd;
     int state; // 0 connecting, 1 sending, 2 reading, 3 done
     bool ok;
     char why[64];
-    char req[256];
+    char req[512]; // path <= 200 bytes (config), name < TDM_ROUTER_NAME_MAX
     size_t req_len, sent;
     char resp[64];
     size_t resp_len;
@@ -748,7 +749,7 @@ static void check_start(struct check *c, const char *path)
     int n = snprintf(c->req, sizeof c->req,
                      "GET %s HTTP/1.0\r\nHost: %s\r\nUser-Agent: tandem-router\r\n"
                      "Connection: close\r\n\r\n",
-                     path, c->host);
+                     path, c->name);
     c->req_len = n > 0 && (size_t)n < sizeof c->req ? (size_t)n : 0;
     c->state = 1; // POLLOUT signals the connect's end
 }
@@ -803,7 +804,8 @@ void tdm_router_endpoints_check_health(struct tdm_router_endpoints *reg)
     struct check *cs = calloc(n ? n : 1, sizeof *cs);
     for (size_t i = 0; cs && i < n; i++) {
         cs[i].id = reg->eps[i]->id;
-        snprintf(cs[i].host, sizeof cs[i].host, "%s", reg->eps[i]->host);
+        memcpy(cs[i].host, reg->eps[i]->host, sizeof cs[i].host);
+        memcpy(cs[i].name, reg->eps[i]->name, sizeof cs[i].name);
         cs[i].port = reg->eps[i]->http_port;
     }
     reg->health_due = false;
