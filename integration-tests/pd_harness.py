@@ -191,9 +191,10 @@ class Worker:
 
 class Cluster:
     def __init__(self, args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always",
-                 extra_yaml=""):
+                 extra_yaml="", model=None, worker_args=()):
         self.args = args
-        self.model = make_model(args)
+        self.model = model or make_model(args)
+        self.worker_args = list(worker_args)  # appended to every worker's flags (override)
         self.prefill = [Worker("prefill", i, free_port(), free_port()) for i in range(n_prefill)]
         self.decode = [Worker("decode", i, free_port(), free_port()) for i in range(n_decode)]
         self.router_port = free_port()
@@ -226,7 +227,7 @@ class Cluster:
         binary = self.args.prefill if w.kind == "prefill" else self.args.decode
         cmd = [binary, "--model", self.model, "--host", "127.0.0.1", "--port", str(w.http_port),
                "--nng-url", "tcp://127.0.0.1:%d" % w.nng_port, "--threads", "1",
-               "--kv-cache-memory", "64MiB"]
+               "--kv-cache-memory", "64MiB"] + self.worker_args
         w.proc = subprocess.Popen(cmd, stdout=self._log("%s%d" % (w.kind, w.idx)),
                                   stderr=subprocess.STDOUT)
         _PROCS.append(w.proc)

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench/pd: KV transfer time / prefill time on the Qwen2.5-0.5B-shaped model.
+
+Starts one tandem-prefill, one tandem-decode and tandem-router (pd_mode always)
+on loopback, sends prompts of random token ids of each size through the router
+with max_tokens 2 and reads the x-tandem-phases header the router returns:
+prefill_s (PrefillRequest sent -> PrefillResult received, as the decode worker
+sees it) and transfer (KvPull sent -> last layer installed in the decode
+worker's cache). Prints one line per size with the median ratio over --reps
+prompts (goal <= 0.02), and TTFT through the router vs the decode worker
+alone (local prefill) for the same prompt length.
+
+  /usr/bin/python3 bench/pd/bench_pd.py --build build [--sizes 256,1024,4096]
+"""
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "integration-tests"))
+import pd_harness as h  # noqa: E402
+
+
+def phases(hdr):
+    out = {}
+    for part in hdr.get("x-tandem-phases", "").split(";"):
+        k, _, v = part.strip().partition("=")
+        out[k] = v
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", required=True)
+    ap.add_argument("--model", default="/tmp/tandem-bench-pd/qwen2.5-0.5b")
+    ap.add_argument("--sizes", default="256,1024,4096")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    b = args.build
+    ns = argparse.Namespace(router=b + "/router/tandem-router", prefill=b + "/prefill/tandem-prefill",
+                            decode=b + "/decode/tandem-decode",
+                            mkmodel=b + "/tools/mkmodel/tandem-mkmodel",
+                            workdir=os.path.dirname(args.model), deadline=3600)
+    os.makedirs(ns.workdir, exist_ok=True)
+    if not os.path.exists(os.path.join(args.model, "model.safetensors")):
+        subprocess.run([ns.mkmodel, "--preset", "qwen2.5-0.5b", "--max-pos", "8192", "--out",
+                        args.model], check=True, stdout=subprocess.DEVNULL)
+    cl = h.Cluster(ns, n_prefill=1, n_decode=1, policy="round_robin", pd_mode="always",
+                   model=args.model,
+                   worker_args=["--threads", str(args.threads), "--kv-cache-memory", "2GiB",
+                                "--max-num-batched-tokens", "4096",
+                                "--no-enable-prefix-caching"])
+    cl.start()
+    rnd = random.Random(1)
+    print("tokens  prefill_s  transfer_s  transfer/prefill  ttft_direct_s  ttft_pd_s  kv_bytes",
+          flush=True)
+    for n in [int(x) for x in args.sizes.split(",")]:
+        ratios, pre, tra, td, tp = [], [], [], [], []
+        for r in range(args.reps):
+            body = {"prompt": [rnd.randrange(3, 150000) for _ in range(n)], "max_tokens": 2,
+                    "temperature": 0, "ignore_eos": True}
+            t0 = time.time()
+            st, hdr, _ = h.post(cl.router_port, "/v1/completions", body, timeout=3600)
+            tp.append(time.time() - t0)
+            h.check(st == 200, "router status %d" % st)
+            ph = phases(hdr)
+            p, t = float(ph["prefill_s"]), float(ph["transfer"])
+            pre.append(p)
+            tra.append(t)
+            ratios.append(t / p)
+            body["prompt"] = [rnd.randrange(3, 150000) for _ in range(n)]
+            t0 = time.time()
+            st, _, _ = h.post(cl.decode[0].http_port, "/v1/completions", body, timeout=3600)
+            td.append(time.time() - t0)
+        m = h.metrics(cl.prefill[0].http_port)
+        print("%6d  %9.3f  %10.4f  %16.4f  %13.3f  %9.3f  %d" % (
+            n, statistics.median(pre), statistics.median(tra), statistics.median(ratios),
+            statistics.median(td), statistics.median(tp),
+            h.metric_sum(m, "tandem:kv_transfer_bytes_total")), flush=True)
+    print("goal: transfer/prefill <= 0.02")
+
+
+if __name__ == "__main__":
+    main()
