@@ -46,15 +46,15 @@ struct tdm_decode_server {
     struct tdm_http_server *http;
     int port;
     _Atomic int state;
-    _Atomic int inflight;          // API handlers running (drain waits for 0)
-    pthread_mutex_t mu;            // guards nothing but the drain wait's condvar
+    _Atomic int inflight; // API handlers running (drain waits for 0)
+    pthread_mutex_t mu;   // guards nothing but the drain wait's condvar
     pthread_cond_t idle_cv;
 
     // after load
     struct tdm_model *model;
     struct tdm_tokenizer *tok;
-    struct tdm_chat_template *chat;   // NULL when the model has no usable template
-    char chat_err[256];               // why chat is unavailable
+    struct tdm_chat_template *chat; // NULL when the model has no usable template
+    char chat_err[256];             // why chat is unavailable
     struct tdm_generation_config gen;
     struct tdm_oai_model_info info;
     int32_t eos_ids[2 * TDM_MAX_EOS]; // config.json's and generation_config.json's
@@ -222,31 +222,31 @@ static int sse_send(struct tdm_http_conn *c, char *json_owned)
 // ---- generation -------------------------------------------------------------------------
 // One choice = one engine request and the text pipeline behind it.
 struct choice {
-    int index;                  // choice index in the response (prompt_idx * n + i)
+    int index; // choice index in the response (prompt_idx * n + i)
     int prompt_idx;
     struct tdm_engine_request *req;
     struct tdm_detok *detok;
     struct tdm_oai_stop *stop;
-    bool done;                  // finish known; nothing more is read
-    bool reported;              // stream: the finish chunk was written
+    bool done;     // finish known; nothing more is read
+    bool reported; // stream: the finish chunk was written
     enum tdm_oai_finish finish;
-    const char *stop_str;       // the matched stop string (owned by the request)
-    int32_t stop_token;         // stop_reason as a token id, else -1
+    const char *stop_str; // the matched stop string (owned by the request)
+    int32_t stop_token;   // stop_reason as a token id, else -1
     int completion_tokens;
-    int error;                  // engine error (finish ERROR)
+    int error; // engine error (finish ERROR)
     char message[256];
-    struct sbuf text;           // non-stream: all text; stream: not yet sent
-    struct lp_list lps;         // likewise for logprobs
-    int32_t *ids;               // likewise for token ids (return_token_ids)
+    struct sbuf text;   // non-stream: all text; stream: not yet sent
+    struct lp_list lps; // likewise for logprobs
+    int32_t *ids;       // likewise for token ids (return_token_ids)
     size_t n_ids, cap_ids;
-    size_t chars_sent;          // stream: code points already sent (text_offset)
-    bool first_sent;            // stream: prompt_token_ids went out
+    size_t chars_sent; // stream: code points already sent (text_offset)
+    bool first_sent;   // stream: prompt_token_ids went out
 };
 
 struct prompt {
-    int32_t *ids;               // heap
+    int32_t *ids; // heap
     size_t n;
-    char *text;                 // the prompt text for echo (heap)
+    char *text; // the prompt text for echo (heap)
     size_t text_len;
     int max_tokens;
 };
@@ -261,7 +261,7 @@ struct call {
     struct choice *choices;
     size_t n_choices;
     bool client_gone;
-    int prompt_tokens;          // usage: each prompt once
+    int prompt_tokens; // usage: each prompt once
 };
 
 // stop_reason of a request ended by token id: the id when it was one of the
@@ -421,9 +421,8 @@ static int stream_flush_choice(struct call *k, struct choice *ch)
         return 0; // reported as an error event by the caller
     struct tdm_oai_choice oc;
     fill_choice(k, ch, &oc, finish_now);
-    struct tdm_oai_usage u = {k->prompts[ch->prompt_idx].n > 0
-                                  ? (int)k->prompts[ch->prompt_idx].n
-                                  : 0,
+    struct tdm_oai_usage u = {k->prompts[ch->prompt_idx].n > 0 ? (int)k->prompts[ch->prompt_idx].n
+                                                               : 0,
                               ch->completion_tokens};
     int rc = sse_send(k->conn,
                       tdm_oai_chunk(&k->resp, &oc, 1, k->req.continuous_usage_stats ? &u : NULL));
@@ -528,8 +527,8 @@ static int build_prompts(struct call *k, struct tdm_oai_error *e)
             if (p->ids == NULL)
                 return tdm_oai_seterr(e, 500, NULL, "out of memory");
             memcpy(p->ids, rq->prompts[i].ids, p->n * sizeof *p->ids);
-            if (rq->echo && tdm_tok_decode(s->tok, p->ids, p->n, false, &p->text,
-                                           &p->text_len) != TDM_OK) {
+            if (rq->echo &&
+                tdm_tok_decode(s->tok, p->ids, p->n, false, &p->text, &p->text_len) != TDM_OK) {
                 p->text = strdup("");
                 p->text_len = 0;
             }
@@ -899,8 +898,8 @@ static void handle_tokenize(struct tdm_decode_server *s, struct tdm_http_conn *c
             strs[i] = (char *)(piece ? piece : "");
         }
     }
-    respond_json(c, 200, tdm_oai_tokenize_body(ids, n, s->max_model_len,
-                                                 (const char *const *)strs));
+    respond_json(c, 200,
+                 tdm_oai_tokenize_body(ids, n, s->max_model_len, (const char *const *)strs));
 out:
     free(strs);
     free(ids);
@@ -921,7 +920,8 @@ static void handle_detokenize(struct tdm_decode_server *s, struct tdm_http_conn 
     size_t tl = 0;
     int rc = tdm_tok_decode(s->tok, rq.tokens, rq.n_tokens, false, &text, &tl);
     if (rc != TDM_OK)
-        respond_error(c, tdm_http_status_for_err(rc), "tokens", "Token ids are not in the vocabulary.");
+        respond_error(c, tdm_http_status_for_err(rc), "tokens",
+                      "Token ids are not in the vocabulary.");
     else
         respond_json(c, 200, tdm_oai_detokenize_body(text, tl));
     free(text);

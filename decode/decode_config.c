@@ -111,8 +111,9 @@ static int set_int(int *dst, const char *flag, const char *v, long lo, long hi, 
     errno = 0;
     long x = v ? strtol(v, &end, 10) : 0;
     if (v == NULL || *v == '\0' || *end != '\0' || errno != 0 || x < lo || x > hi)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: expected an integer in [%ld, %ld], got \"%s\"",
-                          flag, lo, hi, v ? v : "");
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--%s: expected an integer in [%ld, %ld], got \"%s\"", flag, lo, hi,
+                          v ? v : "");
     *dst = (int)x;
     return TDM_OK;
 }
@@ -177,15 +178,17 @@ int tdm_decode_config_set(struct tdm_decode_config *cfg, const char *name, const
     if (strcmp(n, "block-size") == 0) {
         int rc = set_int(&cfg->block_size, n, v, 1, 1024, err, errlen);
         if (rc == TDM_OK && (cfg->block_size & (cfg->block_size - 1)) != 0)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "--block-size: expected a power of two, got \"%s\"", v);
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--block-size: expected a power of two, got \"%s\"", v);
         return rc;
     }
     if (strcmp(n, "kv-cache-memory") == 0) {
         size_t b;
         if (tdm_decode_parse_bytes(v, &b) != TDM_OK || b == 0)
-            return tdm_seterr(err, errlen, TDM_EINVAL,
-                              "--kv-cache-memory: expected a byte size like 2GiB or 512MiB, got \"%s\"",
-                              v ? v : "");
+            return tdm_seterr(
+                err, errlen, TDM_EINVAL,
+                "--kv-cache-memory: expected a byte size like 2GiB or 512MiB, got \"%s\"",
+                v ? v : "");
         cfg->kv_cache_memory = b;
         return TDM_OK;
     }
@@ -300,8 +303,8 @@ int tdm_decode_config_load_file(struct tdm_decode_config *cfg, const char *path,
             continue;
         char *colon = strchr(line, ':');
         if (colon == NULL) {
-            rc = tdm_seterr(err, errlen, TDM_EINVAL, "%s:%d: expected \"key: value\"", path,
-                            lineno);
+            rc =
+                tdm_seterr(err, errlen, TDM_EINVAL, "%s:%d: expected \"key: value\"", path, lineno);
             break;
         }
         *colon = '\0';

@@ -161,8 +161,8 @@ static void test_config_file(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_defaults),   cmocka_unit_test(test_flags),
-        cmocka_unit_test(test_bad_flags),  cmocka_unit_test(test_bytes),
+        cmocka_unit_test(test_defaults),    cmocka_unit_test(test_flags),
+        cmocka_unit_test(test_bad_flags),   cmocka_unit_test(test_bytes),
         cmocka_unit_test(test_config_file),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

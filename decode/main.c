@@ -70,12 +70,13 @@ int main(int argc, char **argv)
     if (pd)
         TDM_LOG_INFO("decode", "pd nng=%s instance=%016llx", tdm_pd_receiver_url(pd),
                      (unsigned long long)tdm_pd_receiver_instance(pd));
-    TDM_LOG_INFO("decode",
-                 "ready model=%s served_model_name=%s kv_capacity_tokens=%lld listening=http://%s:%d "
-                 "startup_s=%.3f",
-                 cfg.model, tdm_decode_server_model_name(s),
-                 (long long)tdm_decode_server_kv_capacity_tokens(s), cfg.host,
-                 tdm_decode_server_port(s), tdm_now() - t0);
+    TDM_LOG_INFO(
+        "decode",
+        "ready model=%s served_model_name=%s kv_capacity_tokens=%lld listening=http://%s:%d "
+        "startup_s=%.3f",
+        cfg.model, tdm_decode_server_model_name(s),
+        (long long)tdm_decode_server_kv_capacity_tokens(s), cfg.host, tdm_decode_server_port(s),
+        tdm_now() - t0);
 
     int sig = 0;
     sigwait(&sigs, &sig);
