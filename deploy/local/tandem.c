@@ -627,7 +627,7 @@ static int http_get(const char *host, int port, const char *path, double timeout
         close(fd);
         return -1;
     }
-    char resp[65536];
+    static char resp[1 << 18]; // single-threaded; large enough for a /metrics page
     size_t got = 0;
     for (;;) {
         ssize_t r = read(fd, resp + got, sizeof resp - 1 - got);
@@ -1157,6 +1157,35 @@ static int launch_all(const struct up_opts *o, const char *model, const char *se
     return 0;
 }
 
+// The router's /health turns 200 with the first healthy decode worker; the stack
+// is ready when the router counts every worker as ready (its
+// tandem:router_ready_endpoints gauge), so the first request can already be
+// disaggregated. Returns true when the counts match, or when the router does
+// not export the gauge (nothing more to wait for then).
+static bool router_sees_all(const char *host, const struct child *router, int n_prefill,
+                            int n_decode, char *why, size_t whylen)
+{
+    static char body[1 << 18];
+    if (http_get(host, router->http_port, "/metrics", 1.0, body, sizeof body, why, whylen) != 200)
+        return false;
+    static const char *const roles[2] = {"prefill", "decode"};
+    int want[2] = {n_prefill, n_decode};
+    for (int r = 0; r < 2; r++) {
+        char key[96];
+        snprintf(key, sizeof key, "tandem:router_ready_endpoints{role=\"%s\"} ", roles[r]);
+        const char *at = strstr(body, key);
+        if (!at)
+            return true;
+        int have = atoi(at + strlen(key));
+        if (have < want[r]) {
+            snprintf(why, whylen, "router counts %d of %d %s workers ready", have, want[r],
+                     roles[r]);
+            return false;
+        }
+    }
+    return true;
+}
+
 // Polls every unhealthy child's /health until all answer 200. Returns 0 when
 // ready, 1 when a stop signal came first, -1 on a failure (already reported).
 static int wait_ready(const struct up_opts *o)
@@ -1186,6 +1215,10 @@ static int wait_ready(const struct up_opts *o)
                 continue;
             int st = http_get(h, c->http_port, "/health", 1.0, NULL, 0, c->last_health,
                               sizeof c->last_health);
+            if (st == 200 && c->role == CHILD_ROUTER &&
+                !router_sees_all(h, c, o->n_prefill, o->n_decode, c->last_health,
+                                 sizeof c->last_health))
+                st = 0;
             if (st == 200) {
                 c->healthy = true;
                 say("%s healthy on port %d", c->name, c->http_port);

@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+"""stack_up: the whole stack started by `tandem up` (1 prefill + 1 decode + router).
+
+Checks: the launcher prints every endpoint and a curl line that works as
+printed; every child's log lines carry its role prefix; requests through the
+router are disaggregated (the prefill worker counts them); Ctrl-C's SIGTERM
+stops the router before the workers, exits 0, leaves no process and removes
+the router config. Then the failure paths: a worker killed outright stops the
+stack with a non-zero exit and a line naming it; a model the workers cannot
+load fails the startup naming the worker; a port in use and a bad flag fail
+before anything starts.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+from stack_harness import (Stack, Stream, check, fail, make_model, metric_sum, metrics, parse_args,
+                           pid_alive, post, request)
+
+
+def main():
+    args = parse_args()
+    model = make_model(args)
+    t0 = time.time()
+    st = Stack(args, "--model", model, "--prefill", "1", "--decode", "1", "--pd-mode", "always",
+               "--served-model-name", "tandem-test")
+    print("stack ready in %.1f s" % (time.time() - t0))
+
+    # Endpoints: router, decode-0, prefill-0 on distinct ports, workers with nng inboxes.
+    for name in ("router", "decode-0", "prefill-0"):
+        check(name in st.endpoints, "%s missing from the endpoint list:\n%s" % (name, st.log()))
+    ports = [e["port"] for e in st.endpoints.values()]
+    ports += [e["nng_port"] for e in st.endpoints.values() if e["nng_port"]]
+    check(len(set(ports)) == len(ports) == 5, "ports not distinct: %s" % st.endpoints)
+    for name in ("router", "decode-0", "prefill-0"):
+        s, _, _ = request(st.port(name), "GET", "/health")
+        check(s == 200, "%s /health %d after ready" % (name, s))
+
+    # Every child's startup line arrives behind its name.
+    st.wait_line(r"^router\s+\| .* ready config=")
+    st.wait_line(r"^decode-0\s+\| .* ready model=")
+    st.wait_line(r"^prefill-0\s+\| .* ready model=")
+    cfg_line = st.wait_line(r"^tandem\s+\| router config: ")
+    cfg_path = cfg_line.split("router config: ", 1)[1].strip()
+    check(os.path.isfile(cfg_path), "router config %s does not exist" % cfg_path)
+    with open(cfg_path) as f:
+        cfg = f.read()
+    check("policy: least_loaded" in cfg and "pd_mode: always" in cfg,
+          "unexpected router config:\n%s" % cfg)
+    check("nng_port: %d" % st.endpoints["decode-0"]["nng_port"] in cfg, "decode nng port missing")
+
+    # The printed curl works as printed (through a shell, like a paste).
+    check(st.curl and "/v1/completions" in st.curl, "no curl line: %r" % st.curl)
+    if shutil.which("curl"):
+        r = subprocess.run(["sh", "-c", st.curl], capture_output=True, text=True, timeout=60)
+        check(r.returncode == 0, "the printed curl failed: %s" % r.stderr)
+        body = json.loads(r.stdout)
+    else:
+        # No curl here: send what it would send.
+        data = st.curl.split("-d '", 1)[1].rsplit("'", 1)[0]
+        s, _, body = post(st.port(), "/v1/completions", json.loads(data))
+        check(s == 200, "the curl's request: %d %s" % (s, body))
+    check(body.get("object") == "text_completion" and body["model"] == "tandem-test",
+          "curl answer: %s" % body)
+    check(body["usage"]["completion_tokens"] >= 1, "curl usage: %s" % body)
+
+    # Through the router, non-stream and stream; the prefill worker did the prefills.
+    s, _, body = post(st.port(), "/v1/completions",
+                      {"model": "tandem-test", "prompt": "The launcher starts", "max_tokens": 12,
+                       "temperature": 0, "ignore_eos": True})
+    check(s == 200 and body["usage"]["completion_tokens"] == 12, "router completion: %s" % body)
+    stream = Stream(st.port(), "/v1/completions",
+                    {"model": "tandem-test", "prompt": "The launcher starts", "max_tokens": 12,
+                     "temperature": 0, "ignore_eos": True, "stream": True})
+    check(stream.status == 200, "stream status %d" % stream.status)
+    text, done = "", False
+    for ev in stream.events():
+        if ev == "[DONE]":
+            done = True
+            break
+        text += "".join(c.get("text", "") for c in ev.get("choices", []))
+    stream.close()
+    check(done and text == body["choices"][0]["text"],
+          "stream text %r != non-stream %r (done=%s)" % (text, body["choices"][0]["text"], done))
+    pf = metric_sum(metrics(st.port("prefill-0")), "tandem:pd_prefill_requests_total")
+    check(pf >= 3, "prefill-0 counted %g prefills for 3 disaggregated requests" % pf)
+
+    # Ctrl-C: the launcher stops the router first, then the workers drain; exit 0.
+    rc = st.stop(signal.SIGINT)
+    log = st.log()
+    check(rc == 0, "tandem up exited %d after SIGINT:\n%s" % (rc, log))
+    st.check_children_gone()
+    lines = st.lines
+    i_router = next((i for i, l in enumerate(lines) if l.startswith("router") and "signal=" in l),
+                    None)
+    i_decode = next((i for i, l in enumerate(lines) if l.startswith("decode-0") and "signal=" in l),
+                    None)
+    check(i_router is not None and i_decode is not None and i_router < i_decode,
+          "router was not stopped before decode-0:\n%s" % log)
+    check(any(l.startswith("tandem") and l.endswith("| stopped") for l in lines),
+          "no 'stopped' line:\n%s" % log)
+    check(not os.path.exists(cfg_path), "router config %s left behind" % cfg_path)
+    print("graceful stop ok")
+
+    # A worker that dies stops the stack, named, with a non-zero exit.
+    st = Stack(args, "--model", model, "--prefill", "0", "--decode", "1")
+    check("prefill-0" not in st.endpoints, "--prefill 0 started a prefill worker")
+    os.kill(st.endpoints["decode-0"]["pid"], signal.SIGKILL)
+    rc = st.wait_exit(60)
+    check(rc != 0, "tandem up exited 0 after decode-0 was killed")
+    st.wait_line(r"decode-0 exited unexpectedly \(signal 9")
+    st.check_children_gone()
+    print("worker death ok (exit %d)" % rc)
+
+    # A model the workers cannot load: the startup fails naming the worker.
+    empty = os.path.join(args.workdir, "empty-model")
+    os.makedirs(empty, exist_ok=True)
+    st = Stack(args, "--model", empty, "--decode", "1", wait_ready=False)
+    rc = st.wait_exit(120)
+    check(rc == 1, "tandem up with an empty model folder exited %d:\n%s" % (rc, st.log()))
+    st.wait_line(r"(decode-0|router) exited \(exit status 1\) before it became healthy")
+    st.wait_line(r"startup failed")
+    check(not any(pid_alive(p) for p in st.pids()), "children left after a failed startup")
+    print("startup failure ok")
+
+    # A port in use and a bad flag fail before anything starts.
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    r = subprocess.run([args.tandem, "up", "--model", model, "--port", str(port)],
+                       capture_output=True, text=True, timeout=60)
+    busy.close()
+    check(r.returncode == 1 and ("port %d" % port) in r.stdout and "not free" in r.stdout,
+          "busy port: exit %d, output %r" % (r.returncode, r.stdout + r.stderr))
+    r = subprocess.run([args.tandem, "up", "--decode", "0"], capture_output=True, text=True,
+                       timeout=30)
+    check(r.returncode == 2 and "--decode" in r.stderr, "--decode 0: %d %r" % (r.returncode,
+                                                                             r.stderr))
+    r = subprocess.run([args.tandem, "up", "--policy", "fastest", "--model", model, "--port", "0"],
+                       capture_output=True, text=True, timeout=30)
+    check(r.returncode == 1 and "unknown policy 'fastest'" in r.stdout,
+          "--policy fastest: %d %r" % (r.returncode, r.stdout + r.stderr))
+    r = subprocess.run([args.tandem, "up", "--help"], capture_output=True, text=True, timeout=30)
+    check(r.returncode == 0 and "--prefill N" in r.stdout, "--help: %d" % r.returncode)
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
