@@ -10,8 +10,9 @@
 // ignored). Endpoints present when the registry is created start healthy (the
 // router serves before the first check); endpoints that appear later (DNS, a
 // reload) start unhealthy and are checked at once, as a pod is only routed to
-// once it is ready. A turn from unhealthy to healthy clears the endpoint's
-// prefix index: the worker most likely restarted with an empty cache.
+// once it is ready; such a new endpoint joins at its first successful check,
+// while a failed one needs success_threshold. A turn from unhealthy to healthy clears the
+// endpoint's prefix index: the worker most likely restarted with an empty cache.
 //
 // The prefix index is an LRU set of 64-bit block hashes per endpoint: a node
 // array linked twice (a hash chain per bucket, and the recency list), grown
@@ -253,6 +254,7 @@ struct endpoint {
     enum tdm_router_role role;
     bool wanted; // scratch for reconciliation
     bool healthy, draining;
+    bool fresh;       // added after startup and never checked: its first success suffices
     int fails, succs; // consecutive failed / successful checks
     uint64_t health_epoch;
     int inflight;
@@ -375,6 +377,7 @@ static struct endpoint *add_endpoint(struct tdm_router_endpoints *reg, const cha
     e->nng_port = nng_port;
     e->role = role;
     e->healthy = healthy;
+    e->fresh = !healthy;
     e->health_epoch = 1;
     e->wanted = true;
     lru_init(&e->lru, (uint32_t)reg->cfg->lru_capacity_per_server);
@@ -675,7 +678,11 @@ static void health_result(struct tdm_router_endpoints *reg, struct endpoint *e, 
         if (!active)
             return; // a passive success does not revive an unhealthy endpoint
         e->succs++;
-        if (!e->healthy && e->succs >= h->success_threshold) {
+        // success_threshold guards the return of a failed endpoint; a new one
+        // (a pod that just became ready) joins at its first good check.
+        bool fresh = e->fresh;
+        e->fresh = false;
+        if (!e->healthy && (fresh || e->succs >= h->success_threshold)) {
             e->healthy = true;
             e->health_epoch++;
             lru_fini(&e->lru); // likely restarted: its prefix cache is empty
@@ -686,6 +693,8 @@ static void health_result(struct tdm_router_endpoints *reg, struct endpoint *e, 
         }
         return;
     }
+    if (active)
+        e->fresh = false;
     e->succs = 0;
     e->fails++;
     if (e->healthy && e->fails >= h->failure_threshold) {

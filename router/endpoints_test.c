@@ -494,6 +494,31 @@ static void test_active_health_checks(void **state)
     assert_true(v.health_epoch == epoch + 1);
     assert_int_equal(tdm_router_endpoints_prefix_size(reg, v.id), 0);
 
+    // An endpoint added later (a reload) joins at its first good check, while
+    // a failed one needs success_threshold (2) checks.
+    struct tdm_http_server *srv2 = NULL;
+    assert_int_equal(tdm_http_server_new(&srv2, &hc, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_http_route(srv2, "GET", "/health", health_handler, NULL), TDM_OK);
+    assert_int_equal(tdm_http_server_start(srv2, err, sizeof err), TDM_OK);
+    snprintf(text, sizeof text,
+             "policy: round_robin\n"
+             "health: {interval_seconds: 0.1, timeout_seconds: 0.1, failure_threshold: 2,"
+             " success_threshold: 2}\n"
+             "endpoints: {decode: ['127.0.0.1:%d', '127.0.0.1:1', '127.0.0.1:%d']}\n",
+             port, tdm_http_server_port(srv2));
+    struct tdm_router_config *cfg2 = cfg_of(text);
+    assert_int_equal(tdm_router_endpoints_apply_config(reg, cfg2), TDM_OK);
+    char name2[64];
+    snprintf(name2, sizeof name2, "127.0.0.1:%d", tdm_http_server_port(srv2));
+    struct tdm_router_endpoint_view v2;
+    assert_true(find(reg, name2, &v2));
+    assert_false(v2.healthy);
+    tdm_router_endpoints_check_health(reg);
+    assert_true(find(reg, name2, &v2));
+    assert_true(v2.healthy);
+    tdm_http_server_free(srv2);
+    tdm_router_config_unref(cfg2);
+
     // The background thread flips it within a few intervals.
     assert_int_equal(tdm_router_endpoints_start(reg), TDM_OK);
     atomic_store(&health_status, 503);
