@@ -373,37 +373,6 @@ static void cancel_prefill(struct djob *j, uint64_t transfer_id, const char *url
 
 enum attempt { ATTEMPT_DONE = 0, ATTEMPT_RETRY };
 
-// Checks the prefill worker's KV header against this worker's cache geometry.
-static int check_header(struct djob *j, const Tandem__PrefillResult *r, char *err, size_t errlen)
-{
-    struct tdm_pd_receiver *rx = j->rx;
-    struct tdm_kv_header h;
-    if (r->kv_header.len != sizeof h)
-        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: %zu bytes, expected %zu",
-                          r->kv_header.len, sizeof h);
-    memcpy(&h, r->kv_header.data, sizeof h);
-    const struct tdm_kv_config *k = &rx->kvc;
-    if (h.magic != TDM_KV_MAGIC || h.version != 1)
-        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: bad magic/version");
-    if (h.num_layers != k->num_layers || h.num_kv_heads != k->num_kv_heads ||
-        h.head_dim != k->head_dim || h.block_size != k->block_size || h.dtype != 0)
-        return tdm_seterr(err, errlen, TDM_EPROTO,
-                          "kv header: layers/heads/head_dim/block_size/dtype %d/%d/%d/%d/%d != "
-                          "ours %d/%d/%d/%d/0",
-                          h.num_layers, h.num_kv_heads, h.head_dim, h.block_size, h.dtype,
-                          k->num_layers, k->num_kv_heads, k->head_dim, k->block_size);
-    char model[sizeof h.model + 1];
-    memcpy(model, h.model, sizeof h.model);
-    model[sizeof h.model] = '\0';
-    if (strncmp(model, rx->parts.served_name, sizeof h.model - 1) != 0)
-        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: model \"%s\" != \"%s\"", model,
-                          rx->parts.served_name);
-    if (h.num_tokens != (int32_t)j->gen->n_prompt)
-        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: %d tokens, prompt has %zu",
-                          h.num_tokens, j->gen->n_prompt);
-    return TDM_OK;
-}
-
 // Waits (under rx->mu) until pred holds, the job is cancelled, the service
 // stops, the deadline or `until` passes, or the prefill worker stayed
 // disconnected for connect_grace. Returns true when pred held.
@@ -516,7 +485,9 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
         return ATTEMPT_RETRY;
     }
     double prefill_s = tdm_now() - t0;
-    if (check_header(j, res, err, sizeof err) != TDM_OK) {
+    if (tdm_pd_kv_header_check(res->kv_header.data, res->kv_header.len, &rx->kvc,
+                               rx->parts.served_name, (int)j->gen->n_prompt, err,
+                               sizeof err) != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s prefill %s refused: %s", j->request_id, t->url, err);
         fail_count(rx, "header");
         cancel_prefill(j, tid, t->url, res->from_instance);

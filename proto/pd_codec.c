@@ -81,6 +81,36 @@ int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampl
     return TDM_OK;
 }
 
+int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_config *k,
+                           const char *model, int num_tokens, char *err, size_t errlen)
+{
+    struct tdm_kv_header h;
+    if (bytes == NULL || len != sizeof h)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: %zu bytes, expected %zu", len,
+                          sizeof h);
+    memcpy(&h, bytes, sizeof h);
+    if (h.magic != TDM_KV_MAGIC || h.version != 1)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: bad magic 0x%08x / version %u",
+                          h.magic, h.version);
+    if (h.num_layers != k->num_layers || h.num_kv_heads != k->num_kv_heads ||
+        h.head_dim != k->head_dim || h.block_size != k->block_size || h.dtype != 0)
+        return tdm_seterr(err, errlen, TDM_EPROTO,
+                          "kv header: layers/heads/head_dim/block_size/dtype %d/%d/%d/%d/%d != "
+                          "ours %d/%d/%d/%d/0",
+                          h.num_layers, h.num_kv_heads, h.head_dim, h.block_size, h.dtype,
+                          k->num_layers, k->num_kv_heads, k->head_dim, k->block_size);
+    char name[sizeof h.model + 1];
+    memcpy(name, h.model, sizeof h.model);
+    name[sizeof h.model] = '\0';
+    if (strncmp(name, model, sizeof h.model - 1) != 0)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: model \"%s\" != \"%s\"", name,
+                          model);
+    if (h.num_tokens != num_tokens)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: %d tokens, prompt has %d",
+                          h.num_tokens, num_tokens);
+    return TDM_OK;
+}
+
 int tdm_pd_send_fill(struct tdm_net_outbox *ob, const char *url, int type,
                      const ProtobufCMessage *m, size_t payload_len, tdm_net_fill_fn fill,
                      void *arg, double timeout_s, char *err, size_t errlen)

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kv_cache.h"
 #include "sampling.h"
 #include "tandem.pb-c.h"
 #include "transport.h"
@@ -28,6 +29,14 @@ void tdm_pd_sampling_to_proto(const struct tdm_sampling_params *p, struct tdm_pd
 // value ranges are the engine's to check (tdm_engine_submit validates).
 int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampling_params *out,
                                char *err, size_t errlen);
+
+// Checks a PrefillResult's kv_header bytes (struct tdm_kv_header) against the
+// receiver's cache geometry (kv: layers, KV heads, head_dim, block size), its
+// served model name and the prompt length. TDM_EPROTO with err naming the
+// mismatch ("kv header: layers/heads/head_dim/block_size/dtype 2/2/64/16/0 !=
+// ours 24/2/64/16/0").
+int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_config *kv,
+                           const char *model, int num_tokens, char *err, size_t errlen);
 
 // Packs m and sends it as a frame of the given type (payload may be NULL).
 // Errors as tdm_net_send, TDM_ENOMEM.

@@ -1,0 +1,184 @@
+// SPDX-License-Identifier: Apache-2.0
+// pd_codec tests: sampling params survive the proto round trip; oversized
+// lists from a peer are refused; a KV header that does not fit the receiver's
+// cache (geometry, model, length, bad bytes) is refused; and garbage bytes
+// never unpack as a message.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "pd_codec.h"
+
+static void test_sampling_round_trip(void **state)
+{
+    (void)state;
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.7f;
+    p.top_p = 0.9f;
+    p.top_k = 40;
+    p.min_p = 0.05f;
+    p.repetition_penalty = 1.1f;
+    p.presence_penalty = 0.5f;
+    p.frequency_penalty = -0.5f;
+    p.has_seed = true;
+    p.seed = 0xfedcba9876543210ull;
+    p.min_tokens = 3;
+    p.ignore_eos = true;
+    p.num_stop_token_ids = 2;
+    p.stop_token_ids[0] = 7;
+    p.stop_token_ids[1] = 9;
+    p.num_logit_bias = 1;
+    p.logit_bias[0].token = 5;
+    p.logit_bias[0].bias = -100;
+    p.logprobs = 4;
+    struct tdm_pd_sampling_msg *sm = malloc(sizeof *sm);
+    tdm_pd_sampling_to_proto(&p, sm);
+    size_t n = protobuf_c_message_get_packed_size(&sm->msg.base);
+    uint8_t *buf = malloc(n);
+    protobuf_c_message_pack(&sm->msg.base, buf);
+    Tandem__SamplingParams *m = tandem__sampling_params__unpack(NULL, n, buf);
+    assert_non_null(m);
+    struct tdm_sampling_params q;
+    char err[256];
+    assert_int_equal(tdm_pd_sampling_from_proto(m, &q, err, sizeof err), TDM_OK);
+    assert_true(q.temperature == p.temperature && q.top_p == p.top_p && q.top_k == p.top_k);
+    assert_true(q.min_p == p.min_p && q.repetition_penalty == p.repetition_penalty);
+    assert_true(q.presence_penalty == p.presence_penalty);
+    assert_true(q.frequency_penalty == p.frequency_penalty);
+    assert_true(q.has_seed && q.seed == p.seed && q.min_tokens == 3 && q.ignore_eos);
+    assert_int_equal(q.num_stop_token_ids, 2);
+    assert_int_equal(q.stop_token_ids[1], 9);
+    assert_int_equal(q.num_logit_bias, 1);
+    assert_int_equal(q.logit_bias[0].token, 5);
+    assert_true(q.logit_bias[0].bias == -100);
+    assert_int_equal(q.logprobs, 4);
+
+    // A peer sending more stop ids than the engine holds is refused.
+    int32_t many[TDM_MAX_STOP_IDS + 1] = {0};
+    m->n_stop_token_ids = TDM_MAX_STOP_IDS + 1;
+    int32_t *saved = m->stop_token_ids;
+    m->stop_token_ids = many;
+    assert_int_equal(tdm_pd_sampling_from_proto(m, &q, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "stop_token_ids"));
+    m->stop_token_ids = saved;
+    m->n_stop_token_ids = 0;
+    assert_int_equal(tdm_pd_sampling_from_proto(NULL, &q, err, sizeof err), TDM_EPROTO);
+    tandem__sampling_params__free_unpacked(m, NULL);
+    free(buf);
+    free(sm);
+}
+
+static void fill_header(struct tdm_kv_header *h)
+{
+    memset(h, 0, sizeof *h);
+    h->magic = TDM_KV_MAGIC;
+    h->version = 1;
+    snprintf(h->model, sizeof h->model, "%s", "tiny");
+    h->num_layers = 2;
+    h->num_kv_heads = 2;
+    h->head_dim = 16;
+    h->block_size = 16;
+    h->num_tokens = 40;
+}
+
+static void test_kv_header_check(void **state)
+{
+    (void)state;
+    struct tdm_kv_config kv = {.num_layers = 2, .num_kv_heads = 2, .head_dim = 16,
+                               .block_size = 16, .num_blocks = 64};
+    struct tdm_kv_header h;
+    char err[256];
+    fill_header(&h);
+    assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "tiny", 40, err, sizeof err),
+                     TDM_OK);
+    // Each mismatch is refused with a message naming it.
+    fill_header(&h);
+    h.head_dim = 64;
+    assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "tiny", 40, err, sizeof err),
+                     TDM_EPROTO);
+    assert_non_null(strstr(err, "2/2/64/16/0 != ours 2/2/16/16/0"));
+    fill_header(&h);
+    h.block_size = 32;
+    assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "tiny", 40, err, sizeof err),
+                     TDM_EPROTO);
+    fill_header(&h);
+    h.dtype = 1;
+    assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "tiny", 40, err, sizeof err),
+                     TDM_EPROTO);
+    fill_header(&h);
+    assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "other", 40, err, sizeof err),
+                     TDM_EPROTO);
+    assert_non_null(strstr(err, "model"));
+    assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "tiny", 41, err, sizeof err),
+                     TDM_EPROTO);
+    assert_non_null(strstr(err, "40 tokens"));
+    h.magic = 0;
+    assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "tiny", 40, err, sizeof err),
+                     TDM_EPROTO);
+    assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h - 1, &kv, "tiny", 40, err, sizeof err),
+                     TDM_EPROTO);
+    assert_int_equal(tdm_pd_kv_header_check(NULL, 0, &kv, "tiny", 40, err, sizeof err),
+                     TDM_EPROTO);
+}
+
+static void test_garbage_messages(void **state)
+{
+    (void)state;
+    // Truncations of a valid GenerateRequest and random bytes: unpack returns NULL
+    // or a message (protobuf-c checks lengths); never reads out of bounds (ASan).
+    Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+    int32_t prompt[5] = {1, 2, 3, 4, 5};
+    g.request_id = "abc";
+    g.n_prompt = 5;
+    g.prompt = prompt;
+    g.max_tokens = 9;
+    size_t n = tandem__generate_request__get_packed_size(&g);
+    uint8_t *buf = malloc(n);
+    tandem__generate_request__pack(&g, buf);
+    Tandem__GenerateRequest *m = tandem__generate_request__unpack(NULL, n, buf);
+    assert_non_null(m);
+    assert_int_equal(m->n_prompt, 5);
+    assert_int_equal(m->prompt[4], 5);
+    assert_int_equal(m->max_tokens, 9);
+    tandem__generate_request__free_unpacked(m, NULL);
+    int nulls = 0;
+    for (size_t k = 1; k < n; k++) {
+        uint8_t *cut = malloc(k);
+        memcpy(cut, buf, k);
+        m = tandem__generate_request__unpack(NULL, k, cut);
+        nulls += m == NULL;
+        if (m)
+            tandem__generate_request__free_unpacked(m, NULL);
+        free(cut);
+    }
+    assert_true(nulls > 0);
+    struct tdm_rng rng;
+    tdm_rng_seed(&rng, 3);
+    uint8_t junk[64];
+    for (int it = 0; it < 2000; it++) {
+        size_t len = (size_t)(tdm_rng_next(&rng) % sizeof junk);
+        for (size_t i = 0; i < len; i++)
+            junk[i] = (uint8_t)tdm_rng_next(&rng);
+        Tandem__TokenChunk *t = tandem__token_chunk__unpack(NULL, len, junk);
+        if (t)
+            tandem__token_chunk__free_unpacked(t, NULL);
+    }
+    free(buf);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_sampling_round_trip),
+        cmocka_unit_test(test_kv_header_check),
+        cmocka_unit_test(test_garbage_messages),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
