@@ -56,7 +56,8 @@ struct tdm_router_endpoint_view {
     int http_port;
     int nng_port;
     enum tdm_router_role role;
-    bool healthy;                // not failed (new endpoints start healthy)
+    bool healthy;                // passes checks (endpoints present at startup start healthy,
+                                 // later ones join at their first good check)
     bool draining;               // removed from config/DNS: takes no new requests
     uint64_t health_epoch;       // increments on every unhealthy -> healthy turn
     int inflight;                // router-tracked requests in flight
