@@ -241,6 +241,7 @@ struct choice {
     size_t n_ids, cap_ids;
     size_t chars_sent; // stream: code points already sent (text_offset)
     bool first_sent;   // stream: prompt_token_ids went out
+    struct sbuf clean; // scratch for utf8_clean (reused, grows to the longest delta)
 };
 
 struct prompt {
@@ -297,9 +298,80 @@ static enum tdm_oai_finish map_finish(enum tdm_engine_finish f)
     }
 }
 
+// UTF-8 cleaning, the same way the response writer (common/openai) cleans
+// text: NUL and each maximal invalid subpart become one U+FFFD (Python's
+// decode(errors="replace")). lo/hi bound the second byte of a lead byte c.
+static void utf8_second_range(unsigned c, unsigned *lo, unsigned *hi)
+{
+    *lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
+    *hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
+}
+
+// Bytes of the character at s when valid (and not NUL), else 0 with *skip the
+// bytes one U+FFFD replaces.
+static size_t utf8_char_len(const unsigned char *s, size_t n, size_t *skip)
+{
+    unsigned c = s[0];
+    *skip = 1;
+    if (c > 0 && c < 0x80)
+        return 1;
+    size_t need = c >= 0xC2 && c <= 0xDF   ? 2
+                  : c >= 0xE0 && c <= 0xEF ? 3
+                  : c >= 0xF0 && c <= 0xF4 ? 4
+                                           : 0;
+    if (need == 0)
+        return 0;
+    size_t i = 1;
+    while (i < need && i < n) {
+        unsigned lo = 0x80, hi = 0xBF;
+        if (i == 1)
+            utf8_second_range(c, &lo, &hi);
+        if (s[i] < lo || s[i] > hi)
+            break;
+        i++;
+    }
+    if (i == need)
+        return need;
+    *skip = i;
+    return 0;
+}
+
+// The detokenizer holds back an incomplete character, so an invalid byte in a
+// delta is invalid for good: it becomes U+FFFD here, before the stop matcher,
+// so stop strings see the text the client will see (as vLLM's Python str).
+// Returns delta itself when it is clean, else the cleaned copy in scratch.
+static const char *utf8_clean(const char *delta, size_t len, struct sbuf *scratch, size_t *out_len)
+{
+    const unsigned char *u = (const unsigned char *)delta;
+    size_t i = 0, skip;
+    while (i < len) {
+        size_t l = utf8_char_len(u + i, len - i, &skip);
+        if (l == 0)
+            break;
+        i += l;
+    }
+    *out_len = len;
+    if (i == len)
+        return delta;
+    scratch->len = 0;
+    if (sbuf_add(scratch, delta, i) != TDM_OK)
+        return NULL;
+    while (i < len) {
+        size_t l = utf8_char_len(u + i, len - i, &skip);
+        if (sbuf_add(scratch, l ? delta + i : "\xEF\xBF\xBD", l ? l : 3) != TDM_OK)
+            return NULL;
+        i += l ? l : skip;
+    }
+    *out_len = scratch->len;
+    return scratch->p;
+}
+
 // Runs detokenized text through the stop matcher into the choice's pending text.
 static int feed_text(struct call *k, struct choice *ch, const char *delta, size_t len)
 {
+    delta = utf8_clean(delta, len, &ch->clean, &len);
+    if (delta == NULL)
+        return TDM_ENOMEM;
     const char *emit = NULL;
     size_t emit_len = 0;
     // vLLM looks for stop strings only once more than min_tokens tokens exist.
@@ -462,6 +534,7 @@ static void call_fini(struct call *k)
         tdm_detok_free(ch->detok);
         tdm_oai_stop_free(ch->stop);
         sbuf_fini(&ch->text);
+        sbuf_fini(&ch->clean);
         lp_fini(&ch->lps);
         free(ch->ids);
     }

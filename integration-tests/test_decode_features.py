@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Request features through tandem-decode, checked against greedy references.
+
+- stop strings: the text ends just before the stop string (or through it with
+  include_stop_str_in_output), finish_reason stop, stop_reason the string; a
+  stream never sends any part of it; usage counts tokens up to the match;
+- stop_token_ids: the choice ends at that id, stop_reason the id, its text
+  not included, completion_tokens includes it;
+- n > 1 with a seed: n distinct indexes, usage sums, same seed -> same choices;
+- several prompts in one request: one choice group each, prompt_tokens summed;
+- echo; logprobs (completions and chat); max_tokens default 16;
+- chat stream: role chunk first, content deltas, finish, [DONE];
+- generation_config.json defaults apply when the request is silent (top_k 1
+  makes sampling greedy) and the request's own values win.
+"""
+import json
+import os
+import shutil
+
+import decode_harness as h
+
+PROMPT_IDS = [72, 101, 108, 108, 111, 32, 119, 111]
+
+
+def comp(srv, **body):
+    status, _, r = srv.post_json("/v1/completions", body)
+    h.check(status == 200, "status %d: %r (request %r)" % (status, r, body))
+    return r
+
+
+def stream_text(srv, path, body):
+    st = h.Stream(srv, path, dict(body, stream=True))
+    h.check(st.status == 200, "stream status %d" % st.status)
+    evs = list(st.events())
+    st.close()
+    h.check(evs and evs[-1] == "[DONE]", "no [DONE]")
+    return evs[:-1]
+
+
+def main():
+    args = h.parse_args()
+    model = h.make_model(args)
+    srv = h.Server(args, model)
+    greedy = dict(prompt=PROMPT_IDS, max_tokens=40, temperature=0, ignore_eos=True,
+                  return_token_ids=True)
+    ref = comp(srv, **greedy)["choices"][0]
+    ref_text, ref_ids = ref["text"], ref["token_ids"]
+    h.check(len(ref_ids) == 40 and len(ref_text) >= 10, "reference %r" % ref)
+
+    # ---- stop strings
+    stop = ref_text[len(ref_text) // 2:len(ref_text) // 2 + 3]
+    cut = ref_text.index(stop)
+    r = comp(srv, **dict(greedy, stop=[stop]))
+    c = r["choices"][0]
+    h.check(c["text"] == ref_text[:cut], "stop: %r != %r" % (c["text"], ref_text[:cut]))
+    h.check(c["finish_reason"] == "stop" and c["stop_reason"] == stop, "stop finish %r" % c)
+    h.check(r["usage"]["completion_tokens"] < 40, "stop: usage %r" % r["usage"])
+    r = comp(srv, **dict(greedy, stop=[stop], include_stop_str_in_output=True))
+    h.check(r["choices"][0]["text"] == ref_text[:cut + len(stop)], "include_stop_str_in_output")
+    evs = stream_text(srv, "/v1/completions", dict(greedy, stop=["zzzz", stop]))
+    texts = [e["choices"][0]["text"] for e in evs if e["choices"]]
+    h.check("".join(texts) == ref_text[:cut], "stream stop text %r" % "".join(texts))
+    h.check(evs[-1]["choices"][0]["finish_reason"] == "stop" and
+            evs[-1]["choices"][0]["stop_reason"] == stop, "stream stop finish %r" % evs[-1])
+
+    # ---- stop_token_ids
+    k = 10
+    tid = ref_ids[k]
+    first = ref_ids.index(tid)
+    r = comp(srv, **dict(greedy, stop_token_ids=[tid]))
+    c = r["choices"][0]
+    h.check(c["finish_reason"] == "stop" and c["stop_reason"] == tid, "stop token %r" % c)
+    h.check(c["token_ids"] == ref_ids[:first + 1], "stop token ids %r" % c["token_ids"])
+    h.check(r["usage"]["completion_tokens"] == first + 1, "stop token usage %r" % r["usage"])
+    st, _, dt = srv.post_json("/detokenize", {"tokens": ref_ids[:first]})
+    h.check(c["text"] == dt["prompt"], "stop token text %r != %r" % (c["text"], dt["prompt"]))
+
+    # ---- n > 1 with a seed; several prompts
+    body = dict(prompt="Once upon a time", max_tokens=12, n=3, seed=7, temperature=1.0,
+                ignore_eos=True)
+    r1, r2 = comp(srv, **body), comp(srv, **body)
+    h.check([c["index"] for c in r1["choices"]] == [0, 1, 2], "n indexes %r" % r1["choices"])
+    h.check(r1["usage"]["completion_tokens"] == 36, "n usage %r" % r1["usage"])
+    h.check([c["text"] for c in r1["choices"]] == [c["text"] for c in r2["choices"]],
+            "same seed gave different choices")
+    h.check(len({c["text"] for c in r1["choices"]}) > 1, "n choices all equal (seed + i)")
+    _, _, t1 = srv.post_json("/tokenize", {"prompt": "a b"})
+    _, _, t2 = srv.post_json("/tokenize", {"prompt": "c d e"})
+    r = comp(srv, prompt=["a b", "c d e"], max_tokens=3, n=2, temperature=0.5, seed=1,
+             ignore_eos=True)
+    h.check([c["index"] for c in r["choices"]] == [0, 1, 2, 3], "multi-prompt indexes")
+    h.check(r["usage"]["prompt_tokens"] == t1["count"] + t2["count"] and
+            r["usage"]["completion_tokens"] == 12, "multi-prompt usage %r" % r["usage"])
+
+    # ---- echo, logprobs, default max_tokens
+    r = comp(srv, prompt="Hello", echo=True, max_tokens=4, temperature=0, ignore_eos=True)
+    h.check(r["choices"][0]["text"].startswith("Hello"), "echo %r" % r["choices"][0]["text"])
+    r = comp(srv, prompt="Hello", echo=True, max_tokens=0)
+    h.check(r["choices"][0]["text"] == "Hello" and r["usage"]["completion_tokens"] == 0,
+            "echo only %r" % r)
+    r = comp(srv, **dict(greedy, logprobs=3, max_tokens=5))
+    lp = r["choices"][0]["logprobs"]
+    h.check(len(lp["tokens"]) == 5 and len(lp["token_logprobs"]) == 5 and
+            len(lp["top_logprobs"]) == 5 and all(1 <= len(t) <= 4 for t in lp["top_logprobs"]),
+            "logprobs %r" % lp)
+    h.check(all(x <= 0 for x in lp["token_logprobs"]), "logprob > 0")
+    # Greedy: the chosen token is the most likely one.
+    h.check(all(abs(max(t.values()) - x) < 1e-5 for t, x in
+                zip(lp["top_logprobs"], lp["token_logprobs"])), "greedy token not the top one")
+    r = comp(srv, prompt="Hello", ignore_eos=True)
+    h.check(r["usage"]["completion_tokens"] == 16, "default max_tokens: %r" % r["usage"])
+
+    # ---- chat, non-stream and stream
+    msgs = [{"role": "user", "content": "Say something."}]
+    st, _, r = srv.post_json("/v1/chat/completions", {"messages": msgs, "max_tokens": 6,
+                                                      "temperature": 0, "ignore_eos": True,
+                                                      "logprobs": True, "top_logprobs": 2})
+    h.check(st == 200 and r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-"),
+            "chat %r" % r)
+    m = r["choices"][0]["message"]
+    h.check(m["role"] == "assistant" and isinstance(m["content"], str), "chat message %r" % m)
+    h.check(len(r["choices"][0]["logprobs"]["content"]) == 6, "chat logprobs")
+    evs = stream_text(srv, "/v1/chat/completions", {"messages": msgs, "max_tokens": 6,
+                                                     "temperature": 0, "ignore_eos": True})
+    h.check(evs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""},
+            "first chat chunk %r" % evs[0])
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in evs[1:])
+    h.check(content == m["content"], "chat stream %r != %r" % (content, m["content"]))
+    h.check(all(e["object"] == "chat.completion.chunk" and e["id"] == evs[0]["id"] for e in evs),
+            "chat chunk ids/objects")
+    h.check(evs[-1]["choices"][0]["finish_reason"] == "length", "chat finish %r" % evs[-1])
+    h.check(srv.stop() == 0, "exit status")
+
+    # ---- generation_config.json defaults
+    gdir = os.path.join(args.workdir, "tiny-topk1")
+    if os.path.exists(gdir):
+        shutil.rmtree(gdir)
+    shutil.copytree(model, gdir)
+    with open(os.path.join(gdir, "generation_config.json")) as f:
+        gc = json.load(f)
+    gc.update({"top_k": 1, "temperature": 0.9})
+    with open(os.path.join(gdir, "generation_config.json"), "w") as f:
+        json.dump(gc, f)
+    srv = h.Server(args, gdir)
+    silent = dict(prompt=PROMPT_IDS, max_tokens=40, ignore_eos=True, return_token_ids=True)
+    a = comp(srv, **dict(silent, seed=1))["choices"][0]["token_ids"]
+    b = comp(srv, **dict(silent, seed=2))["choices"][0]["token_ids"]
+    h.check(a == ref_ids and b == ref_ids, "generation_config top_k 1 not applied")
+    outs = {tuple(comp(srv, **dict(silent, seed=s, top_k=0, temperature=1.5))["choices"][0]
+                  ["token_ids"]) for s in range(3)}
+    h.check(len(outs) > 1, "the request's top_k did not override generation_config")
+    h.check(srv.stop() == 0, "exit status")
+    print("PASS: stop strings, stop ids, n/seed, multi-prompt, echo, logprobs, chat, "
+          "generation_config defaults")
+
+
+if __name__ == "__main__":
+    main()
