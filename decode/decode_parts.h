@@ -20,7 +20,7 @@ struct tdm_decode_parts {
     struct tdm_model *model;
     struct tdm_metrics_registry *reg; // for the role's own tandem:* metrics
     const char *served_name;
-    const int32_t *eos_ids;           // [num_eos] config.json's and generation_config.json's
+    const int32_t *eos_ids; // [num_eos] config.json's and generation_config.json's
     int num_eos;
     int max_model_len;
     int block_size;

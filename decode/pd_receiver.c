@@ -44,8 +44,8 @@ void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg)
     cfg->send_timeout = 2;
 }
 
-int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv,
-                              char *err, size_t errlen)
+int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv, char *err,
+                              size_t errlen)
 {
     static const char *const names[] = {"--nng-url", "--pd-prefill-timeout",
                                         "--pd-transfer-timeout", "--pd-layers-per-frame"};
@@ -108,12 +108,12 @@ struct djob {
 
     // Under rx->mu (shared with the receive thread):
     bool cancelled;
-    uint64_t transfer_id;         // current remote attempt, 0 = none
+    uint64_t transfer_id; // current remote attempt, 0 = none
     char prefill_url[256];
-    Tandem__PrefillResult *result; // owned once received
+    Tandem__PrefillResult *result;  // owned once received
     struct tdm_engine_request *req; // current engine request (for cancel)
-    bool importing;               // KvData may be imported into req now
-    uint64_t prefill_instance;    // from the result: KvData must come from it
+    bool importing;                 // KvData may be imported into req now
+    uint64_t prefill_instance;      // from the result: KvData must come from it
     int imp_first_block, imp_num_blocks;
     int layers_done;
     size_t bytes_done;
@@ -360,8 +360,7 @@ static void run_local(struct djob *j)
     tdm_engine_request_release(req);
 }
 
-static void cancel_prefill(struct djob *j, uint64_t transfer_id, const char *url,
-                           uint64_t instance)
+static void cancel_prefill(struct djob *j, uint64_t transfer_id, const char *url, uint64_t instance)
 {
     Tandem__Cancel m = TANDEM__CANCEL__INIT;
     m.request_id = j->request_id;
@@ -580,8 +579,8 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
     pull.num_blocks = num_blocks;
     pull.layers_per_frame = rx->cfg.layers_per_frame;
     double t_pull = tdm_now();
-    rc = tdm_pd_send(rx->outbox, t->url, TDM_NET_KV_PULL, &pull.base, NULL, 0,
-                     rx->cfg.send_timeout, err, sizeof err);
+    rc = tdm_pd_send(rx->outbox, t->url, TDM_NET_KV_PULL, &pull.base, NULL, 0, rx->cfg.send_timeout,
+                     err, sizeof err);
     pthread_mutex_lock(&rx->mu);
     bool ok = false;
     if (rc == TDM_OK)
@@ -591,8 +590,9 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
         snprintf(j->kv_err, sizeof j->kv_err, "pull not sent: %.200s", err);
     else if (!ok && !j->kv_failed)
         snprintf(j->kv_err, sizeof j->kv_err, "%s after %d of %d layers",
-                 j->cancelled ? "cancelled" : disconnected ? "prefill worker disconnected"
-                                                           : "transfer timed out",
+                 j->cancelled   ? "cancelled"
+                 : disconnected ? "prefill worker disconnected"
+                                : "transfer timed out",
                  j->layers_done, rx->kvc.num_layers);
     j->importing = false; // from here no frame touches req's blocks
     size_t bytes = j->bytes_done;
@@ -799,9 +799,9 @@ static void on_kv_data(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f
         goto signal;
     }
     for (int l = 0; l < d->num_layers; l++) {
-        int rc = tdm_engine_import_layer(rx->parts.engine, j->req, d->first_layer + l,
-                                         d->first_block, d->num_blocks,
-                                         f->payload + (size_t)l * lb, lb);
+        int rc =
+            tdm_engine_import_layer(rx->parts.engine, j->req, d->first_layer + l, d->first_block,
+                                    d->num_blocks, f->payload + (size_t)l * lb, lb);
         if (rc != TDM_OK) {
             j->kv_failed = true;
             snprintf(j->kv_err, sizeof j->kv_err, "import of layer %d failed: %s",

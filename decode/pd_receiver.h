@@ -23,19 +23,19 @@ struct tdm_decode_server;
 struct tdm_pd_receiver;
 
 struct tdm_pd_receiver_config {
-    char nng_url[256];        // --nng-url: inbox; "" = P/D off. e.g. tcp://0.0.0.0:9300
-    double prefill_timeout;   // --pd-prefill-timeout: seconds for a PrefillResult; default 60
-    double transfer_timeout;  // --pd-transfer-timeout: seconds for all KvData; default 30
-    double connect_grace;     // a prefill worker disconnected this long counts as failed; 1
-    int layers_per_frame;     // asked of the prefill worker; default 4
-    double send_timeout;      // seconds a frame may wait for its peer; default 2
+    char nng_url[256];       // --nng-url: inbox; "" = P/D off. e.g. tcp://0.0.0.0:9300
+    double prefill_timeout;  // --pd-prefill-timeout: seconds for a PrefillResult; default 60
+    double transfer_timeout; // --pd-transfer-timeout: seconds for all KvData; default 30
+    double connect_grace;    // a prefill worker disconnected this long counts as failed; 1
+    int layers_per_frame;    // asked of the prefill worker; default 4
+    double send_timeout;     // seconds a frame may wait for its peer; default 2
 };
 void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg);
 // Takes --nng-url, --pd-prefill-timeout, --pd-transfer-timeout and
 // --pd-layers-per-frame out of argv (compacting it) before the decode parser
 // sees it. TDM_EINVAL with err for a bad value.
-int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv,
-                              char *err, size_t errlen);
+int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv, char *err,
+                              size_t errlen);
 
 // Starts the receiver on a loaded server. TDM_EBUSY before load,
 // TDM_ETRANSPORT when it cannot listen.

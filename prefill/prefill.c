@@ -44,8 +44,8 @@ static int parse_double(const char *flag, const char *v, double lo, double *out,
     char *end = NULL;
     double x = v ? strtod(v, &end) : 0;
     if (v == NULL || end == v || *end != '\0' || !(x >= lo) || x > 1e9)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a number >= %g, got \"%s\"",
-                          flag, lo, v ? v : "");
+        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a number >= %g, got \"%s\"", flag,
+                          lo, v ? v : "");
     *out = x;
     return TDM_OK;
 }
@@ -106,7 +106,7 @@ struct pjob {
     char decode_url[256];
     uint64_t decode_instance;
     struct tdm_engine_request *req;
-    double deadline;     // wall-monotonic (tdm_now) time after which the job is abandoned
+    double deadline; // wall-monotonic (tdm_now) time after which the job is abandoned
     // Set by the receive thread under svc->mu:
     bool pulled;
     bool cancelled;
@@ -125,7 +125,7 @@ struct tdm_prefill_service {
     atomic_bool stopping;
 
     pthread_mutex_t mu;
-    pthread_cond_t cv;   // broadcast on any job flag change and on job exit
+    pthread_cond_t cv; // broadcast on any job flag change and on job exit
     struct pjob *jobs;
     int num_jobs;
 
@@ -238,8 +238,8 @@ static int push_kv(struct tdm_prefill_service *p, struct pjob *job)
         int rc = tdm_pd_send_fill(p->outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
                                   export_fill, &a, p->cfg.send_timeout, err, sizeof err);
         if (rc != TDM_OK) {
-            TDM_LOG_WARN(MOD, "req=%s transfer=%016llx layers %d..%d not sent: %s",
-                         job->request_id, (unsigned long long)job->transfer_id, l, l + n - 1, err);
+            TDM_LOG_WARN(MOD, "req=%s transfer=%016llx layers %d..%d not sent: %s", job->request_id,
+                         (unsigned long long)job->transfer_id, l, l + n - 1, err);
             fail_count(p, rc == TDM_EINVAL ? "export" : "send");
             if (rc == TDM_EINVAL)
                 send_kv_error(p, job, rc, err);
@@ -324,8 +324,8 @@ static void *job_main(void *arg)
         r.prefill_seconds = t_done - t_submit;
     } else {
         r.error = c.finished && c.error ? c.error : TDM_ECLOSED;
-        snprintf(err, sizeof err, "prefill %s: %s", c.finished ? tdm_engine_finish_name(c.reason)
-                                                               : "did not finish",
+        snprintf(err, sizeof err, "prefill %s: %s",
+                 c.finished ? tdm_engine_finish_name(c.reason) : "did not finish",
                  c.message && c.message[0] ? c.message : "no KV held");
         r.message = err;
         fail_count(p, "prefill");
@@ -361,8 +361,8 @@ static void *job_main(void *arg)
             push_kv(p, job);
         else if (!pulled) {
             fail_count(p, job->cancelled ? "cancelled" : "hold_timeout");
-            TDM_LOG_INFO(MOD, "req=%s transfer=%016llx KV released unpulled (%s)",
-                         job->request_id, (unsigned long long)job->transfer_id,
+            TDM_LOG_INFO(MOD, "req=%s transfer=%016llx KV released unpulled (%s)", job->request_id,
+                         (unsigned long long)job->transfer_id,
                          job->cancelled ? "cancelled" : "hold time or deadline passed");
         }
     }
@@ -431,8 +431,7 @@ static void on_prefill(struct tdm_prefill_service *p, const struct tdm_net_frame
         reply_error(p, m, TDM_EPROTO, err);
         goto out;
     }
-    if (m->n_prompt == 0 || m->n_prompt > (size_t)INT32_MAX / 2 ||
-        m->n_eos_ids > 64) {
+    if (m->n_prompt == 0 || m->n_prompt > (size_t)INT32_MAX / 2 || m->n_eos_ids > 64) {
         reply_error(p, m, TDM_EINVAL, "empty or oversized prompt / eos list");
         goto out;
     }
@@ -464,8 +463,7 @@ static void on_prefill(struct tdm_prefill_service *p, const struct tdm_net_frame
     pthread_mutex_lock(&p->mu);
     bool dup = job_find(p, m->transfer_id) != NULL;
     pthread_mutex_unlock(&p->mu);
-    int rc = dup ? TDM_EINVAL
-                 : tdm_engine_submit(p->parts.engine, &ep, &job->req, err, sizeof err);
+    int rc = dup ? TDM_EINVAL : tdm_engine_submit(p->parts.engine, &ep, &job->req, err, sizeof err);
     if (dup)
         snprintf(err, sizeof err, "transfer %016llx already in progress",
                  (unsigned long long)m->transfer_id);

@@ -21,10 +21,10 @@ struct tdm_decode_server;
 struct tdm_prefill_service;
 
 struct tdm_prefill_config {
-    char nng_url[256];       // --nng-url: the inbox to listen on; default tcp://0.0.0.0:9200
-    double hold_seconds;     // --kv-hold-seconds: release KV not pulled within this; default 30
-    int layers_per_frame;    // --layers-per-frame: upper bound on layers per KvData frame; default 4
-    double send_timeout;     // seconds one frame may wait for the decode worker; default 5
+    char nng_url[256];    // --nng-url: the inbox to listen on; default tcp://0.0.0.0:9200
+    double hold_seconds;  // --kv-hold-seconds: release KV not pulled within this; default 30
+    int layers_per_frame; // --layers-per-frame: upper bound on layers per KvData frame; default 4
+    double send_timeout;  // seconds one frame may wait for the decode worker; default 5
 };
 void tdm_prefill_config_default(struct tdm_prefill_config *cfg);
 // Takes the prefill-only flags (--nng-url, --kv-hold-seconds, --layers-per-frame)

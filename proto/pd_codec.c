@@ -54,8 +54,8 @@ int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampl
         return tdm_seterr(err, errlen, TDM_EPROTO, "stop_token_ids: %zu > %d entries",
                           m->n_stop_token_ids, TDM_MAX_STOP_IDS);
     if (m->n_logit_bias > TDM_MAX_LOGIT_BIAS)
-        return tdm_seterr(err, errlen, TDM_EPROTO, "logit_bias: %zu > %d entries",
-                          m->n_logit_bias, TDM_MAX_LOGIT_BIAS);
+        return tdm_seterr(err, errlen, TDM_EPROTO, "logit_bias: %zu > %d entries", m->n_logit_bias,
+                          TDM_MAX_LOGIT_BIAS);
     out->temperature = m->temperature;
     out->top_p = m->top_p;
     out->top_k = m->top_k;
@@ -112,8 +112,8 @@ int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_co
 }
 
 int tdm_pd_send_fill(struct tdm_net_outbox *ob, const char *url, int type,
-                     const ProtobufCMessage *m, size_t payload_len, tdm_net_fill_fn fill,
-                     void *arg, double timeout_s, char *err, size_t errlen)
+                     const ProtobufCMessage *m, size_t payload_len, tdm_net_fill_fn fill, void *arg,
+                     double timeout_s, char *err, size_t errlen)
 {
     size_t n = protobuf_c_message_get_packed_size(m);
     uint8_t small[1024];
@@ -121,8 +121,8 @@ int tdm_pd_send_fill(struct tdm_net_outbox *ob, const char *url, int type,
     if (buf == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "pack: out of memory");
     protobuf_c_message_pack(m, buf);
-    int rc = tdm_net_send_fill(ob, url, type, buf, n, payload_len, fill, arg, timeout_s, err,
-                               errlen);
+    int rc =
+        tdm_net_send_fill(ob, url, type, buf, n, payload_len, fill, arg, timeout_s, err, errlen);
     if (buf != small)
         free(buf);
     return rc;
@@ -139,8 +139,7 @@ static int copy_payload(void *arg, uint8_t *payload, size_t payload_len)
 }
 
 int tdm_pd_send(struct tdm_net_outbox *ob, const char *url, int type, const ProtobufCMessage *m,
-                const void *payload, size_t payload_len, double timeout_s, char *err,
-                size_t errlen)
+                const void *payload, size_t payload_len, double timeout_s, char *err, size_t errlen)
 {
     struct copy_arg a = {payload};
     return tdm_pd_send_fill(ob, url, type, m, payload ? payload_len : 0,

@@ -45,7 +45,7 @@ int tdm_pd_send(struct tdm_net_outbox *ob, const char *url, int type, const Prot
                 size_t errlen);
 // Same with the payload written in place by fill (see tdm_net_send_fill).
 int tdm_pd_send_fill(struct tdm_net_outbox *ob, const char *url, int type,
-                     const ProtobufCMessage *m, size_t payload_len, tdm_net_fill_fn fill,
-                     void *arg, double timeout_s, char *err, size_t errlen);
+                     const ProtobufCMessage *m, size_t payload_len, tdm_net_fill_fn fill, void *arg,
+                     double timeout_s, char *err, size_t errlen);
 
 #endif

@@ -91,8 +91,8 @@ static void fill_header(struct tdm_kv_header *h)
 static void test_kv_header_check(void **state)
 {
     (void)state;
-    struct tdm_kv_config kv = {.num_layers = 2, .num_kv_heads = 2, .head_dim = 16,
-                               .block_size = 16, .num_blocks = 64};
+    struct tdm_kv_config kv = {
+        .num_layers = 2, .num_kv_heads = 2, .head_dim = 16, .block_size = 16, .num_blocks = 64};
     struct tdm_kv_header h;
     char err[256];
     fill_header(&h);
@@ -124,8 +124,7 @@ static void test_kv_header_check(void **state)
                      TDM_EPROTO);
     assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h - 1, &kv, "tiny", 40, err, sizeof err),
                      TDM_EPROTO);
-    assert_int_equal(tdm_pd_kv_header_check(NULL, 0, &kv, "tiny", 40, err, sizeof err),
-                     TDM_EPROTO);
+    assert_int_equal(tdm_pd_kv_header_check(NULL, 0, &kv, "tiny", 40, err, sizeof err), TDM_EPROTO);
 }
 
 static void test_garbage_messages(void **state)

@@ -47,8 +47,8 @@ int main(int argc, char **argv)
         return 1;
     }
     TDM_LOG_INFO("router", "ready config=%s model=%s listening=http://%s:%d nng=%s startup_s=%.3f",
-                 o.config, o.model, o.host, tdm_router_server_port(s),
-                 tdm_router_server_nng_url(s), tdm_now() - t0);
+                 o.config, o.model, o.host, tdm_router_server_port(s), tdm_router_server_nng_url(s),
+                 tdm_now() - t0);
     for (;;) {
         int sig = 0;
         sigwait(&sigs, &sig);

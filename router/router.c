@@ -71,8 +71,7 @@ const char *tdm_router_usage(void)
            "  --log-level LEVEL        err|warn|info|debug (default info)\n";
 }
 
-static int set_str(char *dst, size_t cap, const char *flag, const char *v, char *err,
-                   size_t errlen)
+static int set_str(char *dst, size_t cap, const char *flag, const char *v, char *err, size_t errlen)
 {
     if (strlen(v) >= cap)
         return tdm_seterr(err, errlen, TDM_EINVAL, "%s: value too long", flag);
@@ -394,9 +393,9 @@ static void *poll_main(void *arg)
             nng_url_of(views[i].host, views[i].nng_port, url, sizeof url);
             tdm_pd_send(s->outbox, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err, sizeof err);
         }
-        struct timespec ts = {(time_t)s->o.load_interval,
-                              (long)((s->o.load_interval - (double)(time_t)s->o.load_interval) *
-                                     1e9)};
+        struct timespec ts = {
+            (time_t)s->o.load_interval,
+            (long)((s->o.load_interval - (double)(time_t)s->o.load_interval) * 1e9)};
         nanosleep(&ts, NULL);
     }
     free(views);
@@ -551,13 +550,13 @@ static int sse_send(struct tdm_http_conn *c, char *json_owned)
 struct choice {
     int index;
     int prompt_idx;
-    struct rstream *st;      // registered upstream stream, NULL when not started
-    bool upstream_done;      // the decode worker sent its finish (or was cancelled/lost)
+    struct rstream *st; // registered upstream stream, NULL when not started
+    bool upstream_done; // the decode worker sent its finish (or was cancelled/lost)
     struct tdm_detok *detok;
     struct tdm_oai_stop *stop;
     bool done;
     bool reported;
-    bool got_chunk;          // any chunk arrived (phase times, first token)
+    bool got_chunk; // any chunk arrived (phase times, first token)
     enum tdm_oai_finish finish;
     const char *stop_str;
     int32_t stop_token;
@@ -570,7 +569,7 @@ struct choice {
     size_t n_ids, cap_ids;
     size_t chars_sent;
     bool first_sent;
-    double last_token_at;    // for the inter-token histogram
+    double last_token_at; // for the inter-token histogram
 };
 
 struct prompt {
@@ -596,8 +595,8 @@ struct call {
     struct tdm_router_route route;
     bool routed;
     char decode_url[300];
-    char phases[512];        // the x-tandem-phases header value
-    bool lost;               // the decode worker was lost mid-request
+    char phases[512]; // the x-tandem-phases header value
+    bool lost;        // the decode worker was lost mid-request
 };
 
 static bool is_stop_id(const struct tdm_router_server *s, const struct tdm_sampling_params *sp,
@@ -698,8 +697,7 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
         if (!ch->got_chunk && rm)
             tdm_metrics_histogram_observe(rm->ttft, now - k->arrival);
         else if (rm && ch->last_token_at > 0)
-            tdm_metrics_histogram_observe(rm->itl, (now - ch->last_token_at) /
-                                                       (double)m->n_tokens);
+            tdm_metrics_histogram_observe(rm->itl, (now - ch->last_token_at) / (double)m->n_tokens);
         ch->last_token_at = now;
     }
     ch->got_chunk = true;
@@ -986,8 +984,8 @@ static int build_prompts(struct call *k, struct tdm_oai_error *e)
             if (p->ids == NULL)
                 return tdm_oai_seterr(e, 500, NULL, "out of memory");
             memcpy(p->ids, rq->prompts[i].ids, p->n * sizeof *p->ids);
-            if (rq->echo && tdm_tok_decode(s->tok, p->ids, p->n, false, &p->text,
-                                           &p->text_len) != TDM_OK) {
+            if (rq->echo &&
+                tdm_tok_decode(s->tok, p->ids, p->n, false, &p->text, &p->text_len) != TDM_OK) {
                 p->text = strdup("");
                 p->text_len = 0;
             }
@@ -1106,8 +1104,8 @@ static int send_generates(struct call *k, char *err, size_t errlen)
         g.n_prefill = nt;
         g.prefill = target_ptr;
         g.local_fallback = true;
-        int rc = tdm_pd_send(s->outbox, k->decode_url, TDM_NET_GENERATE, &g.base, NULL, 0,
-                             1.0, err, errlen);
+        int rc = tdm_pd_send(s->outbox, k->decode_url, TDM_NET_GENERATE, &g.base, NULL, 0, 1.0, err,
+                             errlen);
         if (rc != TDM_OK) {
             ch->upstream_done = true; // never arrived: nothing to cancel
             return rc;
@@ -1122,8 +1120,8 @@ static int route_and_send(struct call *k, struct tdm_oai_error *e)
 {
     struct tdm_router_server *s = k->s;
     const char *session = NULL;
-    struct tdm_router_config *cfg = tdm_router_config_store_get(tdm_router_control_store(s->ctl),
-                                                                NULL);
+    struct tdm_router_config *cfg =
+        tdm_router_config_store_get(tdm_router_control_store(s->ctl), NULL);
     if (cfg && cfg->session_header)
         session = tdm_http_header(k->conn, cfg->session_header);
     const struct prompt *p0 = &k->prompts[0];
@@ -1685,7 +1683,7 @@ static void resolve_served_name(struct tdm_router_server *s)
     while (n > 1 && dir[n - 1] == '/')
         dir[--n] = '\0';
     const char *b = strrchr(dir, '/');
-    snprintf(s->served_name, sizeof s->served_name, "%s", b && b[1] ? b + 1 : dir);
+    snprintf(s->served_name, sizeof s->served_name, "%.255s", b && b[1] ? b + 1 : dir);
 }
 
 static int load_text_side(struct tdm_router_server *s, char *err, size_t errlen)

@@ -25,22 +25,22 @@
 #include <stdint.h>
 
 struct tdm_router_opts {
-    char config[1024];            // --config FILE (required): routing config (docs/router-config.md)
-    char model[1024];             // --model DIR (required): tokenizer, chat template, config.json
-    char served_model_name[256];  // --served-model-name; "" = config.json's _name_or_path or DIR
-    char chat_template[1024];     // --chat-template FILE; "" = the tokenizer's
-    char host[256];               // --host; default 0.0.0.0
-    int port;                     // --port; default 8000; 0 = any free port
-    char nng_url[256];            // --nng-url: the router's inbox; default tcp://127.0.0.1:0
-    char api_key[256];            // --api-key; "" = none
-    int http_threads;             // --http-threads; default 256 (one per open stream)
-    size_t max_body_bytes;        // --max-body-bytes; default 16 MiB
-    int max_model_len;            // --max-model-len; 0 = config.json's max_position_embeddings
-    char log_level[16];           // --log-level; default info
-    bool watch;                   // --[no-]watch-config: reload on file change; default on
-    double liveness_timeout;      // --liveness-timeout S: a worker silent this long mid-stream
-                                  // is lost; default 1.0
-    double load_interval;         // --load-interval S: LoadQuery period; default 0.2
+    char config[1024];           // --config FILE (required): routing config (docs/router-config.md)
+    char model[1024];            // --model DIR (required): tokenizer, chat template, config.json
+    char served_model_name[256]; // --served-model-name; "" = config.json's _name_or_path or DIR
+    char chat_template[1024];    // --chat-template FILE; "" = the tokenizer's
+    char host[256];              // --host; default 0.0.0.0
+    int port;                    // --port; default 8000; 0 = any free port
+    char nng_url[256];           // --nng-url: the router's inbox; default tcp://127.0.0.1:0
+    char api_key[256];           // --api-key; "" = none
+    int http_threads;            // --http-threads; default 256 (one per open stream)
+    size_t max_body_bytes;       // --max-body-bytes; default 16 MiB
+    int max_model_len;           // --max-model-len; 0 = config.json's max_position_embeddings
+    char log_level[16];          // --log-level; default info
+    bool watch;                  // --[no-]watch-config: reload on file change; default on
+    double liveness_timeout;     // --liveness-timeout S: a worker silent this long mid-stream
+                                 // is lost; default 1.0
+    double load_interval;        // --load-interval S: LoadQuery period; default 0.2
 };
 void tdm_router_opts_default(struct tdm_router_opts *o);
 // Parses argv (argv[0] skipped). TDM_OK, 1 for --help, TDM_EINVAL with err.

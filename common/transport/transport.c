@@ -23,8 +23,8 @@
 #define MOD "transport"
 
 static const char *const type_names[] = {
-    "?",     "generate", "prefill", "prefill_result", "kv_pull",   "kv_data",
-    "tokens", "cancel",  "load_query", "load_report", "kv_events",
+    "?",      "generate", "prefill",    "prefill_result", "kv_pull",   "kv_data",
+    "tokens", "cancel",   "load_query", "load_report",    "kv_events",
 };
 
 const char *tdm_net_type_name(int type)
@@ -407,8 +407,7 @@ int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, cons
         int frc = fill(arg, body + TDM_NET_HEADER_BYTES + msg_len, payload_len);
         if (frc != 0) {
             nng_msg_free(m);
-            return tdm_seterr(err, errlen, frc, "send: payload fill failed: %s",
-                              tdm_strerror(frc));
+            return tdm_seterr(err, errlen, frc, "send: payload fill failed: %s", tdm_strerror(frc));
         }
     }
     pthread_mutex_lock(&p->send_mu);

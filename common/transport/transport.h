@@ -46,8 +46,8 @@ const char *tdm_net_type_name(int type);
 // ---- frames (pure functions, no sockets) ----------------------------------------------
 // A parsed frame: pointers into the buffer it was parsed from.
 struct tdm_net_frame {
-    int type;              // enum tdm_net_type
-    const uint8_t *msg;    // [msg_len] protobuf bytes
+    int type;           // enum tdm_net_type
+    const uint8_t *msg; // [msg_len] protobuf bytes
     size_t msg_len;
     const uint8_t *payload; // [payload_len] raw bytes (NULL when 0)
     size_t payload_len;

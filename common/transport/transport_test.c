@@ -132,9 +132,9 @@ static void test_inbox_outbox(void **state)
     uint8_t *payload = malloc(big);
     for (size_t i = 0; i < big; i++)
         payload[i] = (uint8_t)(i * 31 + 3);
-    assert_int_equal(tdm_net_send(ob, url, TDM_NET_KV_DATA, "hdr", 3, payload, big, 5.0, err,
-                                  sizeof err),
-                     TDM_OK);
+    assert_int_equal(
+        tdm_net_send(ob, url, TDM_NET_KV_DATA, "hdr", 3, payload, big, 5.0, err, sizeof err),
+        TDM_OK);
     struct tdm_net_msg *m = recv_one(in, 5.0);
     assert_non_null(m);
     const struct tdm_net_frame *f = tdm_net_msg_frame(m);
@@ -170,9 +170,8 @@ static void test_inbox_outbox(void **state)
     assert_false(tdm_net_connected(ob, saved));
 
     assert_int_equal(tdm_net_inbox_new(&in, saved, err, sizeof err), TDM_OK);
-    assert_int_equal(tdm_net_send(ob, saved, TDM_NET_CANCEL, "again", 5, NULL, 0, 3.0, err,
-                                  sizeof err),
-                     TDM_OK);
+    assert_int_equal(
+        tdm_net_send(ob, saved, TDM_NET_CANCEL, "again", 5, NULL, 0, 3.0, err, sizeof err), TDM_OK);
     m = recv_one(in, 3.0);
     assert_non_null(m);
     assert_int_equal(tdm_net_msg_frame(m)->type, TDM_NET_CANCEL);
@@ -181,8 +180,7 @@ static void test_inbox_outbox(void **state)
     tdm_net_msg_free(m);
 
     // Bad arguments.
-    assert_int_equal(tdm_net_send(ob, saved, 0, "x", 1, NULL, 0, 0.1, err, sizeof err),
-                     TDM_EINVAL);
+    assert_int_equal(tdm_net_send(ob, saved, 0, "x", 1, NULL, 0, 0.1, err, sizeof err), TDM_EINVAL);
     assert_int_equal(tdm_net_send(ob, "", 1, "x", 1, NULL, 0, 0.1, err, sizeof err), TDM_EINVAL);
     assert_int_equal(tdm_net_send(ob, "bogus://x", 1, "x", 1, NULL, 0, 0.1, err, sizeof err),
                      TDM_EINVAL);
