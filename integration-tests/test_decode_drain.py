@@ -17,8 +17,8 @@ def main():
     args = h.parse_args()
     model = h.make_model(args, "tiny-long", ["--max-pos", "32768"])
 
-    srv = h.Server(args, model, "--drain-timeout", "60")
-    st = h.Stream(srv, "/v1/completions", {"prompt": "Go on.", "max_tokens": 3000,
+    srv = h.Server(args, model, "--drain-timeout", "200")
+    st = h.Stream(srv, "/v1/completions", {"prompt": "Go on.", "max_tokens": 5000,
                                            "ignore_eos": True, "stream": True,
                                            "stream_options": {"include_usage": True}})
     events = st.events()
@@ -45,7 +45,7 @@ def main():
             usage = ev["usage"]
     st.close()
     h.check(done and finish == "length", "drained stream: finish %r done %r" % (finish, done))
-    h.check(usage["completion_tokens"] == 3000, "drained stream usage %r" % usage)
+    h.check(usage["completion_tokens"] == 5000, "drained stream usage %r" % usage)
     rc = srv.wait(timeout=30)
     h.check(rc == 0, "exit status %r after the drain" % rc)
     h.check(any("draining" in l for l in srv.log), "no drain log line")
