@@ -1116,14 +1116,32 @@ static int send_generates(struct call *k, char *err, size_t errlen)
 
 // Routes the call and starts its upstream streams, retrying other decode
 // workers when one cannot be reached. On failure e is set.
+// The session header the active config routes by: the decode profile's
+// session-affinity-scorer headerName, else request.session_header (NULL: none).
+static const char *session_header_of(const struct tdm_router_config *cfg)
+{
+    if (cfg == NULL)
+        return NULL;
+    if (cfg->decode_profile < cfg->n_profiles) {
+        const struct tdm_router_profile *pr = &cfg->profiles[cfg->decode_profile];
+        for (size_t i = 0; i < pr->n_refs; i++) {
+            const struct tdm_router_plugin *pl = &cfg->plugins[pr->refs[i].plugin];
+            if (pl->type == TDM_ROUTER_SESSION_AFFINITY_SCORER && pl->params.session_header)
+                return pl->params.session_header;
+        }
+    }
+    return cfg->session_header;
+}
+
 static int route_and_send(struct call *k, struct tdm_oai_error *e)
 {
     struct tdm_router_server *s = k->s;
     const char *session = NULL;
     struct tdm_router_config *cfg =
         tdm_router_config_store_get(tdm_router_control_store(s->ctl), NULL);
-    if (cfg && cfg->session_header)
-        session = tdm_http_header(k->conn, cfg->session_header);
+    const char *sh = session_header_of(cfg);
+    if (sh)
+        session = tdm_http_header(k->conn, sh);
     const struct prompt *p0 = &k->prompts[0];
     char err[512];
     int rc = TDM_EBUSY;
@@ -1175,8 +1193,14 @@ static void add_phase_header(struct call *k)
 {
     if (k->phases[0])
         tdm_http_add_header(k->conn, "x-tandem-phases", k->phases);
-    if (k->routed)
-        tdm_http_add_header(k->conn, "x-tandem-decode", k->route.decode.name);
+    if (!k->routed)
+        return;
+    tdm_http_add_header(k->conn, "x-tandem-decode", k->route.decode.name);
+    // Session affinity: the token that brings the client's next request back here.
+    const char *sh = session_header_of(k->route.cfg);
+    char token[2 * TDM_ROUTER_NAME_MAX];
+    if (sh && tdm_router_session_token(k->route.decode.name, token, sizeof token) > 0)
+        tdm_http_add_header(k->conn, sh, token);
 }
 
 static void run_stream(struct call *k)
