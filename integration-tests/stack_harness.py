@@ -45,11 +45,16 @@ atexit.register(_kill_all)
 
 
 def parse_args(extra=None):
+    """The common arguments (extra(ap) may add more); arms the test's hard deadline."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tandem", required=True, help="the tandem launcher binary")
     ap.add_argument("--mkmodel", required=True, help="tandem-mkmodel binary")
     ap.add_argument("--workdir", required=True, help="scratch folder in the build tree")
     ap.add_argument("--deadline", type=float, default=240.0, help="seconds before the test fails")
+    # The real clients (only the tests that use them read these).
+    ap.add_argument("--node", default="node", help="Node.js, for the OpenAI SDK test")
+    ap.add_argument("--npm", default="npm", help="npm, to install the pinned openai package")
+    ap.add_argument("--prometheus", default="prometheus", help="the Prometheus server binary")
     if extra:
         extra(ap)
     args = ap.parse_args()

@@ -1,0 +1,163 @@
+// SPDX-License-Identifier: Apache-2.0
+// The official OpenAI SDK for Node.js (npm `openai`, pinned in package.json)
+// against one Tandem endpoint: completions and chat completions, streaming and
+// not, a model list and an error. Every check is on what the SDK parsed: ids,
+// object types, choices, finish_reason, usage, and that the streamed deltas
+// concatenated equal the non-stream text for the same greedy request.
+//   node test_openai_sdk.mjs --base-url http://127.0.0.1:8000/v1 --model NAME --label router
+// Exit 0 when every check passed; 1 with the failed check on stderr.
+import assert from 'node:assert/strict';
+import OpenAI from 'openai';
+
+function arg(name) {
+    const i = process.argv.indexOf(name);
+    if (i < 0 || i + 1 >= process.argv.length)
+        throw new Error(`missing ${name}`);
+    return process.argv[i + 1];
+}
+
+const baseURL = arg('--base-url');
+const model = arg('--model');
+const label = arg('--label');
+// Tandem needs no key unless --api-key is set; the SDK insists on one.
+const client = new OpenAI({ baseURL, apiKey: 'tandem-test', maxRetries: 0, timeout: 60000 });
+
+function checkUsage(usage, what) {
+    assert.ok(usage, `${what}: usage missing`);
+    assert.ok(Number.isInteger(usage.prompt_tokens) && usage.prompt_tokens > 0,
+              `${what}: prompt_tokens ${usage.prompt_tokens}`);
+    assert.ok(Number.isInteger(usage.completion_tokens) && usage.completion_tokens > 0,
+              `${what}: completion_tokens ${usage.completion_tokens}`);
+    assert.equal(usage.total_tokens, usage.prompt_tokens + usage.completion_tokens,
+                 `${what}: total_tokens`);
+}
+
+async function completions() {
+    const req = { model, prompt: 'The official client says', max_tokens: 16, temperature: 0 };
+    const c = await client.completions.create(req);
+    assert.match(c.id, /^cmpl-/, 'completion id');
+    assert.equal(c.object, 'text_completion');
+    assert.equal(c.model, model);
+    assert.ok(Number.isInteger(c.created) && c.created > 1.6e9, `created ${c.created}`);
+    assert.equal(c.choices.length, 1);
+    const ch = c.choices[0];
+    assert.equal(ch.index, 0);
+    assert.equal(typeof ch.text, 'string');
+    assert.ok(['length', 'stop'].includes(ch.finish_reason), `finish_reason ${ch.finish_reason}`);
+    checkUsage(c.usage, 'completion');
+    if (ch.finish_reason === 'length')
+        assert.equal(c.usage.completion_tokens, 16, 'length after max_tokens');
+
+    const stream = await client.completions.create(
+        { ...req, stream: true, stream_options: { include_usage: true } });
+    let text = '', finish = null, usage = null, id = null, chunks = 0;
+    for await (const chunk of stream) {
+        id = id ?? chunk.id;
+        assert.equal(chunk.id, id, 'one id per stream');
+        assert.equal(chunk.object, 'text_completion');
+        assert.equal(chunk.model, model);
+        if (chunk.usage)
+            usage = chunk.usage;
+        for (const sc of chunk.choices) {
+            assert.equal(sc.index, 0);
+            text += sc.text;
+            chunks++;
+            if (sc.finish_reason)
+                finish = sc.finish_reason;
+        }
+    }
+    assert.match(id, /^cmpl-/);
+    assert.ok(chunks >= 1, 'no chunks');
+    assert.ok(ch.text.length > 0, 'non-empty text (the tiny test model always produces some)');
+    assert.equal(text, ch.text, 'streamed text == non-stream text (greedy)');
+    assert.equal(finish, ch.finish_reason, 'same finish_reason');
+    checkUsage(usage, 'completion stream');
+    assert.deepEqual([usage.prompt_tokens, usage.completion_tokens],
+                     [c.usage.prompt_tokens, c.usage.completion_tokens], 'same usage');
+    return `completions ok (${c.usage.completion_tokens} tokens, ${chunks} chunks)`;
+}
+
+async function chat() {
+    const req = {
+        model,
+        messages: [
+            { role: 'system', content: 'You are a test.' },
+            { role: 'user', content: 'Say something about serving.' },
+        ],
+        max_tokens: 12,
+        temperature: 0,
+    };
+    const c = await client.chat.completions.create(req);
+    assert.match(c.id, /^chatcmpl-/, 'chat id');
+    assert.equal(c.object, 'chat.completion');
+    assert.equal(c.model, model);
+    assert.equal(c.choices.length, 1);
+    const ch = c.choices[0];
+    assert.equal(ch.index, 0);
+    assert.equal(ch.message.role, 'assistant');
+    assert.equal(typeof ch.message.content, 'string');
+    assert.ok(['length', 'stop'].includes(ch.finish_reason), `finish_reason ${ch.finish_reason}`);
+    checkUsage(c.usage, 'chat');
+
+    const stream = await client.chat.completions.create(
+        { ...req, stream: true, stream_options: { include_usage: true } });
+    let content = '', role = null, finish = null, usage = null, id = null, chunks = 0;
+    for await (const chunk of stream) {
+        id = id ?? chunk.id;
+        assert.equal(chunk.id, id, 'one id per stream');
+        assert.equal(chunk.object, 'chat.completion.chunk');
+        assert.equal(chunk.model, model);
+        if (chunk.usage)
+            usage = chunk.usage;
+        for (const sc of chunk.choices) {
+            chunks++;
+            if (sc.delta.role)
+                role = role ?? sc.delta.role;
+            if (sc.delta.content)
+                content += sc.delta.content;
+            if (sc.finish_reason)
+                finish = sc.finish_reason;
+        }
+    }
+    assert.match(id, /^chatcmpl-/);
+    assert.equal(role, 'assistant', 'first delta carries the role');
+    assert.ok(ch.message.content.length > 0, 'non-empty content');
+    assert.equal(content, ch.message.content, 'streamed deltas == non-stream content (greedy)');
+    assert.equal(finish, ch.finish_reason, 'same finish_reason');
+    checkUsage(usage, 'chat stream');
+    assert.deepEqual([usage.prompt_tokens, usage.completion_tokens],
+                     [c.usage.prompt_tokens, c.usage.completion_tokens], 'same usage');
+
+    // The SDK's stream helper assembles the same message.
+    const runner = client.chat.completions.stream(req);
+    const final = await runner.finalChatCompletion();
+    assert.equal(final.choices[0].message.content, ch.message.content, 'stream helper content');
+    return `chat ok (${c.usage.completion_tokens} tokens, ${chunks} chunks)`;
+}
+
+async function models() {
+    const page = await client.models.list();
+    const ids = page.data.map((m) => m.id);
+    assert.ok(ids.includes(model), `models: ${ids}`);
+    assert.equal(page.data[0].object, 'model');
+    // An unknown model: the SDK raises its typed 404 with the server's message.
+    await assert.rejects(
+        client.completions.create({ model: 'no-such-model', prompt: 'x', max_tokens: 1 }),
+        (e) => e instanceof OpenAI.NotFoundError && e.status === 404 &&
+               typeof e.message === 'string' && e.message.length > 0,
+        'unknown model -> NotFoundError');
+    // A bad value: BadRequestError.
+    await assert.rejects(
+        client.completions.create({ model, prompt: 'x', max_tokens: 1, temperature: -1 }),
+        (e) => e instanceof OpenAI.BadRequestError && e.status === 400,
+        'temperature -1 -> BadRequestError');
+    return `models and errors ok (${ids.join(', ')})`;
+}
+
+try {
+    for (const step of [completions, chat, models])
+        console.log(`${label}: ${await step()}`);
+} catch (e) {
+    console.error(`FAIL ${label}: ${e.stack || e}`);
+    process.exit(1);
+}

@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""stack_demo: `tandem up` with no model: the built-in demo model, router + one decode worker.
+
+With XDG_CACHE_HOME pointing into the build folder: the first run generates
+the demo model into $XDG_CACHE_HOME/tandem/models/demo-v1 and serves it as
+`tandem-demo` with the router talking to the decode worker only (--prefill 0:
+no prefill section, pd_mode never); the second run reuses the folder without
+writing it again. A bad preset fails with a clear line.
+"""
+import os
+import shutil
+import subprocess
+
+from stack_harness import Stack, check, make_model, parse_args, post
+
+
+def main():
+    args = parse_args()
+    xdg = os.path.abspath(os.path.join(args.workdir, "xdg-cache"))
+    shutil.rmtree(xdg, ignore_errors=True)
+    env = {"XDG_CACHE_HOME": xdg}
+    folder = os.path.join(xdg, "tandem", "models", "demo-v1")
+
+    st = Stack(args, env=env)
+    st.wait_line(r"^tandem\s+\| generating the demo model \(preset demo")
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        check(os.path.isfile(os.path.join(folder, f)), "demo model lacks %s" % f)
+    check(set(st.endpoints) == {"router", "decode-0"}, "endpoints: %s" % st.endpoints)
+    cfg_path = st.wait_line(r"router config: ").split("router config: ", 1)[1].strip()
+    with open(cfg_path) as f:
+        cfg = f.read()
+    check("pd_mode: never" in cfg and "prefill:" not in cfg, "router config:\n%s" % cfg)
+    check('"model": "tandem-demo"' in st.curl, "curl line: %s" % st.curl)
+    s, _, body = post(st.port(), "/v1/chat/completions",
+                      {"model": "tandem-demo", "max_tokens": 8,
+                       "messages": [{"role": "user", "content": "Hello"}]})
+    check(s == 200 and body["object"] == "chat.completion" and
+          body["usage"]["completion_tokens"] >= 1, "demo chat: %d %s" % (s, body))
+    rc = st.stop()
+    check(rc == 0, "first run exited %d:\n%s" % (rc, st.log()))
+    st.check_children_gone()
+    mtime = os.path.getmtime(os.path.join(folder, "model.safetensors"))
+
+    st = Stack(args, env=env)
+    check(not any("generating the demo model" in l for l in st.lines),
+          "the second run generated the model again:\n%s" % st.log())
+    s, _, body = post(st.port(), "/v1/completions",
+                      {"model": "tandem-demo", "prompt": "Hello", "max_tokens": 4})
+    check(s == 200, "second run completion: %d %s" % (s, body))
+    rc = st.stop()
+    check(rc == 0, "second run exited %d" % rc)
+    check(os.path.getmtime(os.path.join(folder, "model.safetensors")) == mtime,
+          "the cached demo model was rewritten")
+    check(not any(n.startswith("demo-v1.tmp") for n in os.listdir(os.path.dirname(folder))),
+          "temporary folders left in the cache")
+
+    r = subprocess.run([args.tandem, "up", "--model-preset", "huge", "--port", "0"],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, **env))
+    check(r.returncode == 1 and 'unknown --model-preset "huge"' in r.stdout,
+          "bad preset: %d %r" % (r.returncode, r.stdout + r.stderr))
+    r = subprocess.run([args.tandem, "up", "--model", make_model(args), "--model-preset", "tiny"],
+                       capture_output=True, text=True, timeout=60)
+    check(r.returncode == 2 and "--model-preset" in r.stderr, "--model with --model-preset: %d %r"
+          % (r.returncode, r.stderr))
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()
