@@ -470,14 +470,16 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
     j->result = NULL;
     if (res)
         j->prefill_instance = res->from_instance;
+    bool was_cancelled = j->cancelled;
     pthread_mutex_unlock(&rx->mu);
     if (!got || res == NULL || res->error != 0) {
         const char *why = res ? "failed" : disconnected ? "disconnected" : "timeout";
-        if (res == NULL && !j->cancelled)
+        if (res == NULL && !was_cancelled)
             TDM_LOG_WARN(MOD, "req=%s prefill %s: %s", j->request_id, t->url, why);
         else if (res)
             TDM_LOG_WARN(MOD, "req=%s prefill %s failed: %s", j->request_id, t->url, res->message);
-        fail_count(rx, res ? "prefill_error" : disconnected ? "disconnected" : "timeout");
+        if (!was_cancelled)
+            fail_count(rx, res ? "prefill_error" : disconnected ? "disconnected" : "timeout");
         cancel_prefill(j, tid, t->url, res ? res->from_instance : t->instance);
         if (res)
             tandem__prefill_result__free_unpacked(res, NULL);
