@@ -5,13 +5,15 @@ With XDG_CACHE_HOME pointing into the build folder: the first run generates
 the demo model into $XDG_CACHE_HOME/tandem/models/demo-v1 and serves it as
 `tandem-demo` with the router talking to the decode worker only (--prefill 0:
 no prefill section, pd_mode never); the second run reuses the folder without
-writing it again. A bad preset fails with a clear line.
+writing it again. A Hub id found in the Hugging Face cache is served offline
+under the id (--no-router: the decode worker alone). A bad preset fails with a
+clear line.
 """
 import os
 import shutil
 import subprocess
 
-from stack_harness import Stack, check, make_model, parse_args, post
+from stack_harness import Stack, check, make_model, parse_args, post, request
 
 
 def main():
@@ -53,6 +55,27 @@ def main():
           "the cached demo model was rewritten")
     check(not any(n.startswith("demo-v1.tmp") for n in os.listdir(os.path.dirname(folder))),
           "temporary folders left in the cache")
+
+    # A Hub id already in the Hugging Face cache (as another tool would have
+    # left it) is served offline, under the id.
+    hf_home = os.path.abspath(os.path.join(args.workdir, "hf-home"))
+    shutil.rmtree(hf_home, ignore_errors=True)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = os.path.join(hf_home, "hub", "models--tandem-test--tiny")
+    snap = os.path.join(repo, "snapshots", commit)
+    os.makedirs(os.path.join(repo, "refs"))
+    shutil.copytree(make_model(args), snap)
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(commit)
+    st = Stack(args, "--model", "tandem-test/tiny", "--no-router", "--decode", "1",
+               env={"HF_HOME": hf_home, "HF_HUB_OFFLINE": "1"})
+    s, _, body = request(st.port("decode-0"), "GET", "/v1/models")
+    check(s == 200 and body["data"][0]["id"] == "tandem-test/tiny" and
+          body["data"][0]["root"] == snap, "models of the Hub id: %s" % body)
+    check('"model": "tandem-test/tiny"' in st.curl, "curl line: %s" % st.curl)
+    rc = st.stop()
+    check(rc == 0, "Hub id run exited %d:\n%s" % (rc, st.log()))
+    st.check_children_gone()
 
     r = subprocess.run([args.tandem, "up", "--model-preset", "huge", "--port", "0"],
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, **env))
