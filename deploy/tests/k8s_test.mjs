@@ -127,6 +127,12 @@ function checkRender(objs, overlay, c) {
     for (const d of deps) {
         const w = W(`Deployment/${d.metadata.name}`);
         c.check(matches(d.spec?.selector?.matchLabels, podLabels(d)), w, 'selector does not match the pod template labels');
+        for (const other of deps) {
+            if (other !== d) {
+                c.check(!matches(d.spec?.selector?.matchLabels, podLabels(other)), w,
+                    `selector also matches the pods of ${other.metadata.name} (the two controllers would fight over them)`);
+            }
+        }
         c.check(podSpec(d).securityContext?.runAsNonRoot === true, w, 'pod securityContext.runAsNonRoot is not true');
         for (const ct of allContainers(d)) {
             images.add(ct.image);
@@ -448,6 +454,7 @@ const MUTATIONS = [
     ['readiness probe removed', 'overlays/cpu', (o) => delete find(o, 'Deployment', 'tandem-decode').spec.template.spec.containers[0].readinessProbe],
     ['liveness path changed', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-prefill').spec.template.spec.containers[0].livenessProbe.httpGet.path = '/healthz')],
     ['router liveness on /health', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-router').spec.template.spec.containers[0].livenessProbe.httpGet.path = '/health')],
+    ['overlapping Deployment selectors', 'overlays/cpu', (o) => delete find(o, 'Deployment', 'tandem-decode').spec.selector.matchLabels['app.kubernetes.io/component']],
     ['role label swapped', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-decode').spec.template.metadata.labels[ROLE] = 'prefill')],
     ['headless Service given a cluster IP', 'overlays/cpu', (o) => delete find(o, 'Service', 'tandem-prefill').spec.clusterIP],
     ['Service port differs from the container', 'overlays/cpu', (o) => (find(o, 'Service', 'tandem-decode').spec.ports[0].port = 80)],
