@@ -35,7 +35,7 @@ struct tdm_decode_config {
                                             // _name_or_path, else the folder's name
     int max_model_len;                      // --max-model-len; 0 = the model's context
     int max_num_seqs;                       // --max-num-seqs; default 64
-    int max_num_batched_tokens;             // --max-num-batched-tokens; default 2048
+    int max_num_batched_tokens;             // --max-num-batched-tokens; default 512
     int block_size;                         // --block-size; default 16
     size_t kv_cache_memory;                 // --kv-cache-memory BYTES; default 256 MiB
     int num_kv_blocks;                      // --num-kv-blocks; 0 = from kv_cache_memory

@@ -20,7 +20,7 @@ void tdm_decode_config_default(struct tdm_decode_config *cfg)
     snprintf(cfg->host, sizeof cfg->host, "0.0.0.0");
     cfg->port = 8001;
     cfg->max_num_seqs = 64;
-    cfg->max_num_batched_tokens = 2048;
+    cfg->max_num_batched_tokens = 512;
     cfg->block_size = 16;
     cfg->kv_cache_memory = (size_t)256 << 20;
     cfg->enable_prefix_caching = true;
@@ -42,7 +42,7 @@ const char *tdm_decode_usage(void)
            "                                folder name)\n"
            "  --max-model-len N             context length (default: the model's)\n"
            "  --max-num-seqs N              running requests at most (default 64)\n"
-           "  --max-num-batched-tokens N    tokens per engine step (default 2048)\n"
+           "  --max-num-batched-tokens N    tokens per engine step (default 512)\n"
            "  --block-size N                KV tokens per block (default 16)\n"
            "  --kv-cache-memory BYTES       KV pool size, e.g. 2GiB (default 256MiB)\n"
            "  --num-kv-blocks N             KV pool size in blocks (overrides the above)\n"

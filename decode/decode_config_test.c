@@ -42,7 +42,7 @@ static void test_defaults(void **state)
     assert_int_equal(c.block_size, 16);
     assert_true(c.enable_prefix_caching);
     assert_int_equal(c.max_num_seqs, 64);
-    assert_int_equal(c.max_num_batched_tokens, 2048);
+    assert_int_equal(c.max_num_batched_tokens, 512);
     assert_int_equal(c.kv_cache_memory, (size_t)256 << 20);
     assert_int_equal(c.max_waiting, 1024);
     assert_false(c.int8);
