@@ -911,8 +911,7 @@ static void handle_generate(struct tdm_decode_server *s, struct tdm_http_conn *c
         run_stream(&k);
     else
         run_collect(&k);
-    if (k.client_gone)
-        TDM_LOG_INFO(MOD, "req=%s client disconnected, aborted", k.resp.id);
+    // One line per request; finish=abort when the client went away.
     struct tdm_oai_usage u;
     usage_of(&k, &u);
     TDM_LOG_INFO(MOD, "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
