@@ -1069,10 +1069,15 @@ static bool stop_stack(const struct up_opts *o)
     // A signal that started the shutdown counts; the next one escalates.
     stop_group(true, false, 30.0, before);
     stop_group(false, true, o->drain_timeout + 15.0, before);
-    // Whatever they wrote last.
-    for (int i = 0; i < n_children; i++)
-        while (children[i].fd >= 0)
-            read_child(&children[i]);
+    // Whatever they wrote last (bounded: a grandchild could hold a pipe open).
+    double end = tdm_now() + 2.0;
+    for (bool open_fd = true; open_fd && tdm_now() < end;) {
+        open_fd = false;
+        for (int i = 0; i < n_children; i++)
+            open_fd = open_fd || children[i].fd >= 0;
+        if (open_fd)
+            pump(0.1);
+    }
     bool clean = true;
     for (int i = 0; i < n_children; i++) {
         const struct child *c = &children[i];
