@@ -54,15 +54,13 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
 
     double t0 = tdm_now();
-    if (tdm_log_level == TDM_LOG_LEVEL_INFO)
-        tdm_log_level = TDM_LOG_LEVEL_WARN;
+    // The level is set once, before any thread starts: the HTTP threads read it.
     struct tdm_decode_server *s = NULL;
     if (tdm_decode_server_new(&s, &cfg, err, sizeof err) != TDM_OK) {
         TDM_LOG_ERR("prefill", "%s", err);
         return 1;
     }
     int rc = tdm_decode_server_load(s, err, sizeof err);
-    tdm_log_set_level_name(cfg.log_level);
     if (rc != TDM_OK) {
         TDM_LOG_ERR("prefill", "loading %s: %s", cfg.model, err);
         tdm_decode_server_free(s);
