@@ -5,7 +5,7 @@ Checks: the launcher prints every endpoint and a curl line that works as
 printed; every child's log lines carry its role prefix; requests through the
 router are disaggregated (the prefill worker counts them); Ctrl-C's SIGTERM
 stops the router before the workers, exits 0, leaves no process and removes
-the router config. Then the failure paths: a worker killed outright stops the
+the router config; SIGHUP reaches the router (config reload). Then the failure paths: a worker killed outright stops the
 stack with a non-zero exit and a line naming it; a model the workers cannot
 load fails the startup naming the worker; a port in use and a bad flag fail
 before anything starts.
@@ -88,6 +88,12 @@ def main():
           "stream text %r != non-stream %r (done=%s)" % (text, body["choices"][0]["text"], done))
     pf = metric_sum(metrics(st.port("prefill-0")), "tandem:pd_prefill_requests_total")
     check(pf >= 3, "prefill-0 counted %g prefills for 3 disaggregated requests" % pf)
+
+    # SIGHUP to the launcher reaches the router, which reloads its config.
+    st.proc.send_signal(signal.SIGHUP)
+    st.wait_line(r"^tandem\s+\| SIGHUP: the router reloads ")
+    st.wait_line(r"^router\s+\| .*SIGHUP: config reloaded")
+    check(st.proc.poll() is None, "tandem up exited on SIGHUP")
 
     # Ctrl-C: the launcher stops the router first, then the workers drain; exit 0.
     rc = st.stop(signal.SIGINT)

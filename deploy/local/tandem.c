@@ -23,7 +23,7 @@
 //      have their workers), then the workers together (each drains its
 //      running requests), SIGKILL after --drain-timeout + a grace period; a
 //      second signal kills at once. A child that dies on its own stops the
-//      stack with exit status 1.
+//      stack with exit status 1. SIGHUP is passed to the router (config reload).
 //
 // The launcher is single-threaded: one poll() loop over a self-pipe (signals)
 // and the children's pipes; health checks are short blocking HTTP requests on
@@ -110,7 +110,8 @@ static const char usage_text[] =
     "  --bin-dir DIR             where tandem-router/-prefill/-decode are (default: next to\n"
     "                            tandem, the build tree, then PATH)\n"
     "  --no-router               decode workers only, each serving the API on its own port\n"
-    "Ctrl-C (SIGINT) or SIGTERM stops the stack: router first, then the workers drain.\n";
+    "Ctrl-C (SIGINT) or SIGTERM stops the stack: router first, then the workers drain.\n"
+    "SIGHUP makes the router reload its config file (its path is printed at start).\n";
 
 static void opts_default(struct up_opts *o)
 {
@@ -367,6 +368,7 @@ static int n_children;
 // Signals reach the poll loop through this pipe (the handler writes the signal number).
 static int sig_pipe[2] = {-1, -1};
 static volatile sig_atomic_t stop_signals; // SIGINT/SIGTERM seen so far
+static volatile sig_atomic_t hup_pending;  // SIGHUP seen, not yet passed to the router
 
 static void on_signal(int sig)
 {
@@ -374,6 +376,8 @@ static void on_signal(int sig)
     unsigned char b = (unsigned char)sig;
     if (sig == SIGINT || sig == SIGTERM)
         stop_signals++;
+    if (sig == SIGHUP)
+        hup_pending = 1;
     if (write(sig_pipe[1], &b, 1) < 0) {
         // The pipe is full: a wake-up is already pending, which is all it is for.
     }
@@ -390,7 +394,7 @@ static int install_signals(void)
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART;
     if (sigaction(SIGINT, &sa, NULL) || sigaction(SIGTERM, &sa, NULL) ||
-        sigaction(SIGCHLD, &sa, NULL))
+        sigaction(SIGCHLD, &sa, NULL) || sigaction(SIGHUP, &sa, NULL))
         return -1;
     signal(SIGPIPE, SIG_IGN); // a closed stdout reader shows as a failed write, not a death
     return 0;
@@ -535,6 +539,7 @@ static int start_child(struct child *c, char *const argv[])
         signal(SIGINT, SIG_DFL);
         signal(SIGTERM, SIG_DFL);
         signal(SIGCHLD, SIG_DFL);
+        signal(SIGHUP, SIG_DFL);
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
@@ -1373,6 +1378,14 @@ static int cmd_up(int argc, char **argv)
         const struct child *dead = NULL;
         while (!stop_signals && !dead) {
             pump(0.5);
+            if (hup_pending) {
+                // SIGHUP: the router re-reads its config now (as tandem-router does).
+                hup_pending = 0;
+                if (!o.no_router && child_running(&children[0])) {
+                    say("SIGHUP: the router reloads %s", cfg_path);
+                    kill(children[0].pid, SIGHUP);
+                }
+            }
             for (int i = 0; i < n_children && !dead; i++)
                 if (children[i].exited)
                     dead = &children[i];
