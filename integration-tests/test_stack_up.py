@@ -7,7 +7,8 @@ router are disaggregated (the prefill worker counts them); Ctrl-C's SIGTERM
 stops the router before the workers, exits 0, leaves no process and removes
 the router config; SIGHUP reaches the router (config reload). Then the failure paths: a worker killed outright stops the
 stack with a non-zero exit and a line naming it; a model the workers cannot
-load fails the startup naming the worker; a port in use and a bad flag fail
+load fails the startup naming the worker, and so does one that never gets
+healthy (killed after the grace period, as it ignores SIGTERM); a port in use and a bad flag fail
 before anything starts.
 """
 import json
@@ -16,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 from stack_harness import (Stack, Stream, check, fail, make_model, metric_sum, metrics, parse_args,
@@ -132,6 +134,29 @@ def main():
     st.wait_line(r"startup failed")
     check(not any(pid_alive(p) for p in st.pids()), "children left after a failed startup")
     print("startup failure ok")
+
+    # A worker that never answers /health and ignores SIGTERM (a stand-in
+    # binary through --bin-dir): the startup deadline names it, and it is
+    # killed once the drain timeout and the grace period have passed.
+    fake_dir = os.path.join(args.workdir, "fake-bin")
+    os.makedirs(fake_dir, exist_ok=True)
+    fake = os.path.join(fake_dir, "tandem-decode")
+    with open(fake, "w") as f:
+        f.write("#!/bin/sh\necho fake decode starting\nexec %s -c 'import signal, time; "
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'\n"
+                % sys.executable)
+    os.chmod(fake, 0o755)
+    t0 = time.time()
+    st = Stack(args, "--model", model, "--no-router", "--bin-dir", fake_dir, "--startup-timeout",
+               "1", "--drain-timeout", "0", wait_ready=False)
+    rc = st.wait_exit(60)
+    check(rc == 1, "unhealthy worker: exit %d:\n%s" % (rc, st.log()))
+    st.wait_line(r"^decode-0\s+\| fake decode starting")
+    st.wait_line(r"decode-0 \(port \d+\) did not become healthy within 1 s \(last /health: ")
+    st.wait_line(r"still running 15 s after SIGTERM: killing")
+    st.wait_line(r"decode-0 ended with signal 9")
+    check(14 < time.time() - t0 < 40, "the kill came after %.1f s" % (time.time() - t0))
+    print("startup timeout and SIGKILL escalation ok")
 
     # A port in use and a bad flag fail before anything starts.
     busy = socket.socket()
