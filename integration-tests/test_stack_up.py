@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from stack_harness import (Stack, Stream, check, fail, make_model, metric_sum, metrics, parse_args,
+from stack_harness import (Stack, Stream, check, make_model, metric_sum, metrics, parse_args,
                            pid_alive, post, request)
 
 
