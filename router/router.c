@@ -183,6 +183,7 @@ struct rstream {
     uint64_t ep_id;
     uint64_t instance; // the decode worker's instance (0 until known)
     double started;
+    pthread_cond_t *cv;     // the reading call's: signalled on each chunk (under s->mu)
     Tandem__TokenChunk **q; // [qn] received, not yet read (under s->mu)
     size_t qn, qcap;
     bool overflow;
@@ -214,7 +215,6 @@ struct tdm_router_server {
     int64_t created;
 
     pthread_mutex_t mu; // streams and their queues
-    pthread_cond_t cv;  // broadcast when any stream got a chunk
     struct rstream *streams;
 
     pthread_mutex_t live_mu;
@@ -311,7 +311,7 @@ static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f
         } else {
             st->overflow = true;
         }
-        pthread_cond_broadcast(&s->cv);
+        pthread_cond_signal(st->cv); // one reader per call: wake only it
     }
     pthread_mutex_unlock(&s->mu);
     if (m)
@@ -595,8 +595,9 @@ struct call {
     struct tdm_router_route route;
     bool routed;
     char decode_url[300];
-    char phases[512]; // the x-tandem-phases header value
-    bool lost;        // the decode worker was lost mid-request
+    char phases[512];  // the x-tandem-phases header value
+    bool lost;         // the decode worker was lost mid-request
+    pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
 };
 
 static bool is_stop_id(const struct tdm_router_server *s, const struct tdm_sampling_params *sp,
@@ -810,7 +811,7 @@ static int pump(struct call *k, double wait)
             ts.tv_sec++;
             ts.tv_nsec -= 1000000000;
         }
-        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+        pthread_cond_timedwait(&k->cv, &s->mu, &ts);
     }
     pthread_mutex_unlock(&s->mu);
     for (size_t i = 0; i < k->n_choices; i++) {
@@ -1074,6 +1075,7 @@ static int send_generates(struct call *k, char *err, size_t errlen)
         snprintf(st->request_id, sizeof st->request_id, "%.48s-%zu-%016llx", k->resp.id, i,
                  (unsigned long long)tdm_net_new_instance_id());
         st->ep_id = r->decode.id;
+        st->cv = &k->cv;
         st->instance = dec_inst;
         st->started = tdm_now();
         pthread_mutex_lock(&s->mu);
@@ -1443,6 +1445,7 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
         respond_oai_error(c, &e);
         return;
     }
+    pthread_cond_init(&k.cv, NULL);
     const char *base = k.req.request_id ? k.req.request_id : tdm_http_header(c, "X-Request-Id");
     tdm_oai_response_init(&k.resp, kind, s->served_name, base);
     if (build_prompts(&k, &e) != TDM_OK) {
@@ -1521,6 +1524,7 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
 out:;
     const char *status = k.client_gone ? "cancelled" : first_error(&k) ? "error" : "success";
     call_fini(&k);
+    pthread_cond_destroy(&k.cv);
     if (k.routed)
         tdm_router_control_route_done(s->ctl, &k.route, status);
 }
@@ -1778,7 +1782,6 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     s->instance = tdm_net_new_instance_id();
     s->created = (int64_t)time(NULL);
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cv, NULL);
     pthread_mutex_init(&s->live_mu, NULL);
     int rc = load_text_side(s, err, errlen);
     if (rc == TDM_OK)
@@ -1869,7 +1872,6 @@ void tdm_router_server_free(struct tdm_router_server *s)
     while (s->streams)
         stream_unregister(s, s->streams);
     pthread_mutex_destroy(&s->live_mu);
-    pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
