@@ -8,8 +8,8 @@
     seconds (no stale connection state in router, decode or prefill);
   - a client that disconnects mid-stream: KV usage returns to 0 on every worker.
 """
-import json
 import random
+import signal
 import time
 
 from pd_harness import (Cluster, Stream, check, metric_sum, metrics, parse_args, post,
@@ -23,9 +23,9 @@ def direct(cl, body):
     return d["choices"][0]["text"]
 
 
-def routed_ok(cl, body, n, what):
+def routed_ok(cl, body, n, what, want=None):
     served = []
-    want = direct(cl, body)
+    want = want if want is not None else direct(cl, body)
     for i in range(n):
         st, hdr, r = post(cl.router_port, "/v1/completions", body)
         check(st == 200, "%s: request %d status %d: %s" % (what, i, st, r))
@@ -113,6 +113,29 @@ def main():
         next(s.events())
         s.close()
     cl.wait_kv_free(timeout=10)
+
+    # 5. A draining decode worker (SIGTERM) finishes its stream, refuses new
+    # work, and the router sends that work to the other worker: no failures.
+    s = Stream(cl.router_port, "/v1/completions", dict(long_body, max_tokens=3000))
+    check(s.status == 200, "stream status %d" % s.status)
+    draining = [w for w in cl.decode if w.name == s.headers.get("x-tandem-decode")][0]
+    events = s.events()
+    next(events)
+    want = direct(cl, body)
+    draining.proc.send_signal(signal.SIGTERM)
+    served = routed_ok(cl, body, 6, "during drain", want)
+    check(draining.name not in served[1:], "a draining worker took new work: %s" % served)
+    finish = None
+    for ev in events:
+        if ev == "[DONE]":
+            break
+        check("error" not in ev, "the draining worker's stream failed: %s" % ev)
+        for c in ev.get("choices", []):
+            finish = c.get("finish_reason") or finish
+    s.close()
+    check(finish == "length", "the draining worker's stream ended with %r" % finish)
+    draining.proc.wait(timeout=60)
+    print("drain: running stream finished, new requests rerouted", flush=True)
     print("PASS", flush=True)
 
 

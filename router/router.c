@@ -756,6 +756,10 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
                 ch->error = m->error ? m->error : TDM_ETRANSPORT;
                 snprintf(ch->message, sizeof ch->message, "%s",
                          m->message && *m->message ? m->message : tdm_strerror(ch->error));
+                // A worker that is loading or draining refused it before any
+                // token: another decode worker can take it (handle_generate).
+                if (ch->error == TDM_ECLOSED && ch->completion_tokens == 0)
+                    k->lost = true;
             }
         }
     }
