@@ -55,6 +55,20 @@ def main():
     st2, _, b = post(cl.decode[0].http_port, "/v1/chat/completions", chat)
     check(st == 200 and st2 == 200, "chat status %d/%d" % (st, st2))
     check(a["choices"][0]["message"] == b["choices"][0]["message"], "chat differs")
+    # n > 1 (each choice seeded seed + i), echo, stop strings: same bodies.
+    for extra in ({"n": 3, "temperature": 1.0, "seed": 77},
+                  {"echo": True, "temperature": 0},
+                  {"stop": ["e", " t"], "temperature": 0.8, "seed": 5}):
+        body = dict(prompt="the quick brown fox jumps over", max_tokens=16, **extra)
+        st, _, a = post(cl.router_port, "/v1/completions", body)
+        st2, _, b = post(cl.decode[1].http_port, "/v1/completions", body)
+        check(st == 200 and st2 == 200, "%s: status %d/%d" % (extra, st, st2))
+        ta = [(c["index"], c["text"], c["finish_reason"], c["stop_reason"]) for c in a["choices"]]
+        tb = [(c["index"], c["text"], c["finish_reason"], c["stop_reason"]) for c in b["choices"]]
+        check(ta == tb, "%s: router %s != direct %s" % (extra, ta, tb))
+        sa, _, _, _ = stream_text(cl.router_port, dict(body, n=1))
+        sb, _, _, _ = stream_text(cl.decode[1].http_port, dict(body, n=1))
+        check(sa == sb, "%s: streamed %r != %r" % (extra, sa, sb))
     # Validation errors come from the router itself.
     st, _, err = post(cl.router_port, "/v1/completions", {"prompt": "x", "temperature": 9})
     check(st == 400 and "temperature" in str(err), "bad temperature: %d %s" % (st, err))
