@@ -1312,10 +1312,6 @@ static int cmd_up(int argc, char **argv)
     use_color = isatty(1) && !getenv("NO_COLOR");
     tdm_log_set_role("tandem");
     tdm_log_set_level_name(o.log_level);
-    if (install_signals() != 0) {
-        fprintf(stderr, "tandem up: cannot install signal handlers: %s\n", strerror(errno));
-        return 1;
-    }
     double t0 = tdm_now();
     int rc = 1;
     char cfg_dir[PATH_MAX] = "", cfg_path[PATH_MAX] = "";
@@ -1355,6 +1351,12 @@ static int cmd_up(int argc, char **argv)
             served = "tandem-demo";
     }
 
+    // Until here a Ctrl-C simply ends the launcher (a download resumes next time;
+    // no child runs yet); from here on it stops the stack in order.
+    if (install_signals() != 0) {
+        say("cannot install signal handlers: %s", strerror(errno));
+        return 1;
+    }
     if (!o.no_router &&
         write_router_config(&o, cfg_dir, sizeof cfg_dir, cfg_path, sizeof cfg_path) != 0)
         goto out;
