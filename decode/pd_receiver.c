@@ -40,6 +40,7 @@ void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg)
     cfg->prefill_timeout = 60;
     cfg->transfer_timeout = 30;
     cfg->connect_grace = 1.0;
+    cfg->prefill_liveness = 2.0;
     cfg->layers_per_frame = 4;
     cfg->send_timeout = 2;
 }
@@ -48,13 +49,14 @@ int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, cha
                               size_t errlen)
 {
     static const char *const names[] = {"--nng-url", "--pd-prefill-timeout",
-                                        "--pd-transfer-timeout", "--pd-layers-per-frame"};
+                                        "--pd-transfer-timeout", "--pd-layers-per-frame",
+                                        "--pd-prefill-liveness"};
     int w = 1;
     for (int i = 1; i < *argc; i++) {
         const char *a = argv[i];
         int which = -1;
         const char *val = NULL;
-        for (int k = 0; k < 4; k++) {
+        for (int k = 0; k < 5; k++) {
             size_t n = strlen(names[k]);
             if (strncmp(a, names[k], n) == 0 && (a[n] == '\0' || a[n] == '=')) {
                 which = k;
@@ -86,6 +88,8 @@ int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, cha
             cfg->prefill_timeout = x;
         else if (which == 2)
             cfg->transfer_timeout = x;
+        else if (which == 4)
+            cfg->prefill_liveness = x;
         else
             cfg->layers_per_frame = x < 1 ? 1 : (int)x;
     }
@@ -119,6 +123,7 @@ struct djob {
     size_t bytes_done;
     bool kv_failed;
     char kv_err[256];
+    double prefill_heard; // tdm_now() of the prefill worker's last LoadReport for this attempt
 };
 
 struct tdm_pd_receiver {
@@ -379,14 +384,34 @@ static bool wait_for(struct djob *j, bool (*pred)(const struct djob *), double u
                      bool *disconnected)
 {
     struct tdm_pd_receiver *rx = j->rx;
-    double down_since = 0;
+    double down_since = 0, last_probe = 0, since = tdm_now();
     *disconnected = false;
     while (!pred(j)) {
         double now = tdm_now();
         if (j->cancelled || atomic_load(&rx->stopping) || now > j->deadline || now > until)
             return false;
-        // Checked without rx->mu held: the outbox has its own lock.
+        // A connected but hung worker (stopped, wedged) answers no load query.
+        double heard = j->prefill_heard > since ? j->prefill_heard : since;
+        if (now - heard > rx->cfg.prefill_liveness) {
+            *disconnected = true;
+            return pred(j);
+        }
+        bool probe = now - last_probe >= 0.25;
+        uint64_t tid = j->transfer_id;
+        // Sent and checked without rx->mu held: the outbox has its own lock.
         pthread_mutex_unlock(&rx->mu);
+        if (probe) {
+            Tandem__LoadQuery q = TANDEM__LOAD_QUERY__INIT;
+            Tandem__Peer me = TANDEM__PEER__INIT;
+            me.url = (char *)tdm_net_inbox_url(rx->inbox);
+            me.instance = rx->instance;
+            q.reply_to = &me;
+            q.seq = tid; // echoed back: finds this attempt
+            char err[256];
+            tdm_pd_send(rx->outbox, j->prefill_url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err,
+                        sizeof err);
+            last_probe = now;
+        }
         bool up = tdm_net_connected(rx->outbox, j->prefill_url);
         pthread_mutex_lock(&rx->mu);
         if (up)
@@ -428,6 +453,7 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
     j->bytes_done = 0;
     j->kv_failed = false;
     j->importing = false;
+    j->prefill_heard = 0;
     pthread_mutex_unlock(&rx->mu);
 
     Tandem__PrefillRequest pr = TANDEM__PREFILL_REQUEST__INIT;
@@ -840,6 +866,20 @@ static void on_cancel(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
     tandem__cancel__free_unpacked(m, NULL);
 }
 
+// A prefill worker's answer to the liveness probe of an attempt (seq = transfer id).
+static void on_load_report(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+{
+    Tandem__LoadReport *r = tandem__load_report__unpack(NULL, f->msg_len, f->msg);
+    if (r == NULL)
+        return;
+    pthread_mutex_lock(&rx->mu);
+    struct djob *j = r->to_instance == rx->instance ? find_transfer(rx, r->seq) : NULL;
+    if (j)
+        j->prefill_heard = tdm_now();
+    pthread_mutex_unlock(&rx->mu);
+    tandem__load_report__free_unpacked(r, NULL);
+}
+
 static void on_load_query(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
 {
     Tandem__LoadQuery *q = tandem__load_query__unpack(NULL, f->msg_len, f->msg);
@@ -900,6 +940,9 @@ static void *rx_main(void *arg)
             break;
         case TDM_NET_LOAD_QUERY:
             on_load_query(rx, f);
+            break;
+        case TDM_NET_LOAD_REPORT:
+            on_load_report(rx, f);
             break;
         default:
             TDM_LOG_DEBUG(MOD, "ignored %s frame", tdm_net_type_name(f->type));

@@ -27,13 +27,16 @@ struct tdm_pd_receiver_config {
     double prefill_timeout;  // --pd-prefill-timeout: seconds for a PrefillResult; default 60
     double transfer_timeout; // --pd-transfer-timeout: seconds for all KvData; default 30
     double connect_grace;    // a prefill worker disconnected this long counts as failed; 1
+    double prefill_liveness; // --pd-prefill-liveness: a prefill worker that answers no
+                             // LoadQuery (sent every 0.25 s while waiting on it) this long
+                             // counts as failed (hung, stopped); default 2
     int layers_per_frame;    // asked of the prefill worker; default 4
     double send_timeout;     // seconds a frame may wait for its peer; default 2
 };
 void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg);
-// Takes --nng-url, --pd-prefill-timeout, --pd-transfer-timeout and
-// --pd-layers-per-frame out of argv (compacting it) before the decode parser
-// sees it. TDM_EINVAL with err for a bad value.
+// Takes --nng-url, --pd-prefill-timeout, --pd-transfer-timeout,
+// --pd-layers-per-frame and --pd-prefill-liveness out of argv (compacting it) before the decode
+// parser sees it. TDM_EINVAL with err for a bad value.
 int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv, char *err,
                               size_t errlen);
 

@@ -105,6 +105,21 @@ def main():
     print("restarted workers serve again after %.2f s / %.2f s" % (t1 - t0, time.time() - t1),
           flush=True)
 
+    # 3b. A hung prefill worker (SIGSTOP: connected, silent) costs at most the
+    # decode worker's liveness window (2 s), never a hang.
+    hung = cl.prefill[1]
+    hung.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        for i in range(4):
+            t1 = time.time()
+            routed_ok(cl, body, 1, "prefill hung")
+            check(time.time() - t1 < 4.0, "request %d took %.1f s with a hung prefill worker"
+                  % (i, time.time() - t1))
+        print("hung prefill worker: 4 requests ok in %.2f s" % (time.time() - t0), flush=True)
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+
     # 4. Client disconnect mid-stream frees KV on every worker.
     for i in range(3):
         s = Stream(cl.router_port, "/v1/completions", dict(long_body, prompt=[
