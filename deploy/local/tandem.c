@@ -1328,7 +1328,7 @@ static int cmd_up(int argc, char **argv)
         add_child(CHILD_DECODE, i, bin[2]);
     for (int i = 0; i < o.n_prefill; i++)
         add_child(CHILD_PREFILL, i, bin[1]);
-    if (assign_ports(&o) != 0)
+    if (assign_ports(&o) != 0) // a taken port is reported before any download
         return 1;
 
     // The model: a folder, a Hub id (downloaded or found in the cache), or the demo.
@@ -1342,7 +1342,8 @@ static int cmd_up(int argc, char **argv)
             say("--model %s: %s", o.model, err);
             return 1;
         }
-        if (!served && strcmp(model, o.model))
+        struct stat mst;
+        if (!served && !(stat(o.model, &mst) == 0 && S_ISDIR(mst.st_mode)))
             served = o.model; // a Hub id: clients send the id, as with vllm serve
     } else {
         if (demo_model(&o, model, sizeof model) != 0)
@@ -1351,6 +1352,10 @@ static int cmd_up(int argc, char **argv)
             served = "tandem-demo";
     }
 
+    // Again just before the start: a long download gave other programs time to
+    // take a port found free earlier.
+    if (assign_ports(&o) != 0)
+        return 1;
     // Until here a Ctrl-C simply ends the launcher (a download resumes next time;
     // no child runs yet); from here on it stops the stack in order.
     if (install_signals() != 0) {
