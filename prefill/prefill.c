@@ -344,8 +344,20 @@ static void *job_main(void *arg)
         double until = tdm_now() + p->cfg.hold_seconds;
         if (job->deadline < until)
             until = job->deadline;
+        double down_since = 0;
         pthread_mutex_lock(&p->mu);
         while (!job->pulled && !job->cancelled && !atomic_load(&p->stopping) && tdm_now() < until) {
+            // The decode worker gone (its connection down for 1 s): nobody will pull.
+            pthread_mutex_unlock(&p->mu);
+            bool up = tdm_net_connected(p->outbox, job->decode_url);
+            pthread_mutex_lock(&p->mu);
+            double now = tdm_now();
+            if (up)
+                down_since = 0;
+            else if (down_since == 0)
+                down_since = now;
+            else if (now - down_since > 1.0)
+                break;
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             ts.tv_nsec += 100 * 1000 * 1000;
@@ -360,10 +372,12 @@ static void *job_main(void *arg)
         if (pulled && job->num_blocks > 0)
             push_kv(p, job);
         else if (!pulled) {
+            // A decode worker that disconnected counts as hold_timeout too.
             fail_count(p, job->cancelled ? "cancelled" : "hold_timeout");
             TDM_LOG_INFO(MOD, "req=%s transfer=%016llx KV released unpulled (%s)", job->request_id,
                          (unsigned long long)job->transfer_id,
-                         job->cancelled ? "cancelled" : "hold time or deadline passed");
+                         job->cancelled ? "cancelled"
+                                        : "hold time, deadline, or decode worker gone");
         }
     }
 
