@@ -1,0 +1,86 @@
+// SPDX-License-Identifier: Apache-2.0
+// P/D flag tests: tandem-prefill's and tandem-decode's P/D flags are taken out
+// of argv (both "--flag value" and "--flag=value"), the rest is left in order
+// for the decode server's parser, and bad values are refused with a message.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <string.h>
+
+#include "core.h"
+#include "pd_receiver.h"
+#include "prefill.h"
+
+static void test_prefill_args(void **state)
+{
+    (void)state;
+    char *argv[] = {"tandem-prefill",     "--model", "m", "--nng-url",
+                    "tcp://127.0.0.1:9",  "--port",  "1", "--kv-hold-seconds=2.5",
+                    "--layers-per-frame", "8",       NULL};
+    int argc = 10;
+    struct tdm_prefill_config cfg;
+    tdm_prefill_config_default(&cfg);
+    char err[256];
+    assert_int_equal(tdm_prefill_config_take_args(&cfg, &argc, argv, err, sizeof err), TDM_OK);
+    assert_int_equal(argc, 5);
+    assert_string_equal(argv[1], "--model");
+    assert_string_equal(argv[2], "m");
+    assert_string_equal(argv[3], "--port");
+    assert_string_equal(argv[4], "1");
+    assert_null(argv[5]);
+    assert_string_equal(cfg.nng_url, "tcp://127.0.0.1:9");
+    assert_true(cfg.hold_seconds == 2.5);
+    assert_int_equal(cfg.layers_per_frame, 8);
+
+    char *bad1[] = {"p", "--kv-hold-seconds", "x", NULL};
+    argc = 3;
+    assert_int_equal(tdm_prefill_config_take_args(&cfg, &argc, bad1, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "--kv-hold-seconds"));
+    char *bad2[] = {"p", "--nng-url", "localhost:9", NULL};
+    argc = 3;
+    assert_int_equal(tdm_prefill_config_take_args(&cfg, &argc, bad2, err, sizeof err), TDM_EINVAL);
+    char *bad3[] = {"p", "--nng-url", NULL};
+    argc = 2;
+    assert_int_equal(tdm_prefill_config_take_args(&cfg, &argc, bad3, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "missing value"));
+}
+
+static void test_decode_pd_args(void **state)
+{
+    (void)state;
+    char *argv[] = {"tandem-decode",
+                    "--nng-url=tcp://0.0.0.0:9301",
+                    "--model",
+                    "m",
+                    "--pd-prefill-timeout",
+                    "5",
+                    "--pd-prefill-liveness",
+                    "0.5",
+                    NULL};
+    int argc = 8;
+    struct tdm_pd_receiver_config cfg;
+    tdm_pd_receiver_config_default(&cfg);
+    assert_string_equal(cfg.nng_url, ""); // P/D off unless asked for
+    char err[256];
+    assert_int_equal(tdm_pd_receiver_take_args(&cfg, &argc, argv, err, sizeof err), TDM_OK);
+    assert_int_equal(argc, 3);
+    assert_string_equal(argv[1], "--model");
+    assert_string_equal(cfg.nng_url, "tcp://0.0.0.0:9301");
+    assert_true(cfg.prefill_timeout == 5);
+    assert_true(cfg.prefill_liveness == 0.5);
+    char *bad[] = {"d", "--pd-transfer-timeout", "-1", NULL};
+    argc = 3;
+    assert_int_equal(tdm_pd_receiver_take_args(&cfg, &argc, bad, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "--pd-transfer-timeout"));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_prefill_args),
+        cmocka_unit_test(test_decode_pd_args),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
