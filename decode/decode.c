@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "chat.h"
@@ -28,6 +29,7 @@
 #include "engine.h"
 #include "hf.h"
 #include "http.h"
+#include "hub.h"
 #include "metrics.h"
 #include "model.h"
 #include "openai.h"
@@ -63,6 +65,7 @@ struct tdm_decode_server {
     struct tdm_metrics_vllm metrics;
     struct tdm_engine *engine;
     char served_name[TDM_DECODE_STR];
+    char model_path[TDM_DECODE_STR]; // the folder --model names (a Hub id resolved to the cache)
     int max_model_len;
     int num_blocks;
     int64_t created;
@@ -1162,14 +1165,20 @@ int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decod
     return TDM_OK;
 }
 
-// Served name: the flag, else config.json's _name_or_path, else the folder name.
+// Served name: the flag, else the Hub id as given (as vLLM names a model by its
+// --model), else config.json's _name_or_path, else the folder name.
 static void resolve_served_name(struct tdm_decode_server *s)
 {
     if (s->cfg.served_model_name[0]) {
         snprintf(s->served_name, sizeof s->served_name, "%s", s->cfg.served_model_name);
         return;
     }
-    char *path = tdm_path_join(s->cfg.model, "config.json");
+    struct stat st;
+    if (stat(s->cfg.model, &st) != 0 || !S_ISDIR(st.st_mode)) { // a Hub id
+        snprintf(s->served_name, sizeof s->served_name, "%s", s->cfg.model);
+        return;
+    }
+    char *path = tdm_path_join(s->model_path, "config.json");
     char *text = NULL;
     size_t len = 0;
     char err[64];
@@ -1185,7 +1194,7 @@ static void resolve_served_name(struct tdm_decode_server *s)
     if (s->served_name[0])
         return;
     char dir[TDM_DECODE_STR];
-    snprintf(dir, sizeof dir, "%s", s->cfg.model);
+    snprintf(dir, sizeof dir, "%s", s->model_path);
     size_t n = strlen(dir);
     while (n > 1 && dir[n - 1] == '/')
         dir[--n] = '\0';
@@ -1206,10 +1215,10 @@ static void *load_text_side(void *arg)
     struct text_load *t = arg;
     struct tdm_decode_server *s = t->s;
     const struct tdm_decode_config *cfg = &s->cfg;
-    t->rc = tdm_tok_load(&s->tok, cfg->model, t->err, sizeof t->err);
+    t->rc = tdm_tok_load(&s->tok, s->model_path, t->err, sizeof t->err);
     if (t->rc != TDM_OK)
         return NULL;
-    t->rc = tdm_hf_generation_config_load(&s->gen, cfg->model, t->err, sizeof t->err);
+    t->rc = tdm_hf_generation_config_load(&s->gen, s->model_path, t->err, sizeof t->err);
     if (t->rc != TDM_OK)
         return NULL;
     const char *tmpl = tdm_tok_chat_template(s->tok);
@@ -1230,6 +1239,12 @@ static void *load_text_side(void *arg)
 int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen)
 {
     const struct tdm_decode_config *cfg = &s->cfg;
+    // A local folder is used as it is; an ORG/NAME id comes from the HF cache,
+    // downloaded first when missing (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply).
+    int hrc = tdm_hub_resolve_model(cfg->model, cfg->revision[0] ? cfg->revision : NULL, NULL,
+                                    s->model_path, sizeof s->model_path, err, errlen);
+    if (hrc != TDM_OK)
+        return hrc;
     struct text_load tl = {.s = s, .rc = TDM_OK};
     pthread_t th;
     bool threaded = pthread_create(&th, NULL, load_text_side, &tl) == 0;
@@ -1242,7 +1257,7 @@ int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen
     mo.num_threads = cfg->threads;
     mo.max_batch_tokens = cfg->max_num_batched_tokens;
     mo.max_batch_seqs = cfg->max_num_seqs;
-    int rc = tdm_model_load(&s->model, cfg->model, &mo, err, errlen);
+    int rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);
     if (threaded)
         pthread_join(th, NULL);
     if (rc != TDM_OK)

@@ -28,7 +28,8 @@
 // Every flag of tandem-decode; names follow vLLM's where vLLM has one. Strings
 // are stored inline so a config outlives argv and the config file.
 struct tdm_decode_config {
-    char model[TDM_DECODE_STR];             // --model DIR (required)
+    char model[TDM_DECODE_STR];             // --model DIR or Hugging Face id (required)
+    char revision[256];                     // --revision for a Hub id; "" = main
     char host[256];                         // --host; default "0.0.0.0"
     int port;                               // --port; default 8001; 0 = any free port
     char served_model_name[TDM_DECODE_STR]; // --served-model-name; "" = config.json's

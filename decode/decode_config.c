@@ -34,7 +34,9 @@ const char *tdm_decode_usage(void)
 {
     return "usage: tandem-decode --model DIR [options]\n"
            "Serves an OpenAI-compatible API (vLLM's shapes) on one model.\n"
-           "  --model DIR                   Hugging Face model folder (required)\n"
+           "  --model DIR|ORG/NAME          model folder, or a Hugging Face id fetched into\n"
+           "                                the HF cache (required; see docs/models.md)\n"
+           "  --revision REV                branch, tag or commit of a Hub id (default main)\n"
            "  --host ADDR                   listen address (default 0.0.0.0)\n"
            "  --port N                      listen port (default 8001; 0 = any free port)\n"
            "  --served-model-name NAME      model name in the API and metrics\n"
@@ -162,6 +164,8 @@ int tdm_decode_config_set(struct tdm_decode_config *cfg, const char *name, const
     const char *v = value;
     if (strcmp(n, "model") == 0)
         return set_str(cfg->model, sizeof cfg->model, n, v, false, err, errlen);
+    if (strcmp(n, "revision") == 0)
+        return set_str(cfg->revision, sizeof cfg->revision, n, v, false, err, errlen);
     if (strcmp(n, "host") == 0)
         return set_str(cfg->host, sizeof cfg->host, n, v, false, err, errlen);
     if (strcmp(n, "port") == 0)
