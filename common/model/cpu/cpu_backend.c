@@ -259,6 +259,79 @@ static size_t packed_offset(const struct tdm_weight *w, int r, int k)
     }
 }
 
+// Packs checkpoint row pr of part s as row r of w (see cpu_impl.h for the layout).
+static void prepare_row(struct tdm_weight *w, const struct tdm_weight_src *s, int pr, int r,
+                        int cols, enum tdm_wtype want)
+{
+    size_t src0 = (size_t)pr * cols;
+    // Row r's element k sits at base + k_step * stride (+ 2 for the odd
+    // element of a bf16 pair); see cpu_impl.h.
+    uint8_t *base = (uint8_t *)w->data + packed_offset(w, r, 0);
+    size_t stride = (size_t)cpu_w_block_panels(w, r / CPU_BLOCK_ROWS) * cpu_w_step_bytes(want);
+    if (want == TDM_W_BF16) {
+        for (int k = 0; k < cols; k++) {
+            uint16_t h = src_elem_bf16(s, src0 + k);
+            memcpy(base + (size_t)(k / 2) * stride + (size_t)(k % 2) * 2, &h, 2);
+        }
+    } else if (want == TDM_W_F32) {
+        for (int k = 0; k < cols; k++) {
+            float f = src_elem(s, src0 + k);
+            memcpy(base + (size_t)k * stride, &f, 4);
+        }
+    } else {
+        // Symmetric per-row int8: scale = max|w| / 127, q = round(w / scale).
+        float amax = 0.0f;
+        for (int k = 0; k < cols; k++) {
+            float a = fabsf(src_elem(s, src0 + k));
+            if (a > amax)
+                amax = a;
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        w->scales[r] = amax / 127.0f;
+        for (int k = 0; k < cols; k++) {
+            float q = nearbyintf(src_elem(s, src0 + k) * inv);
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+            base[(size_t)(k / 4) * stride + (size_t)(k % 4)] = (uint8_t)(int8_t)q;
+        }
+    }
+}
+
+struct prep_job {
+    struct tdm_weight *w;
+    const struct tdm_weight_src *parts;
+    int nparts;
+    int cols;
+    enum tdm_wtype want;
+};
+
+static void split_range(int total, int tid, int nthreads, int *lo, int *hi)
+{
+    *lo = (int)((long long)total * tid / nthreads);
+    *hi = (int)((long long)total * (tid + 1) / nthreads);
+}
+
+// Blocks are independent, so the pool's threads zero and pack disjoint block
+// ranges (the repacking of a 1 GB model is most of a cold start, and first
+// touching the pages in parallel spreads the page faults too).
+static void prep_task(void *arg, int tid, int nthreads)
+{
+    struct prep_job *j = arg;
+    int b0, b1;
+    split_range(cpu_w_blocks(j->w), tid, nthreads, &b0, &b1);
+    if (b0 >= b1)
+        return;
+    uint8_t *lo = (uint8_t *)cpu_w_block(j->w, b0), *hi = (uint8_t *)cpu_w_block(j->w, b1);
+    memset(lo, 0, (size_t)(hi - lo)); // padding lanes and steps must read as zero
+    int r0 = b0 * CPU_BLOCK_ROWS;
+    int r1 = b1 * CPU_BLOCK_ROWS < j->w->rows ? b1 * CPU_BLOCK_ROWS : j->w->rows;
+    int p = 0, first = 0; // part p holds rows [first, first + parts[p].rows)
+    for (int r = r0; r < r1; r++) {
+        while (r >= first + j->parts[p].rows)
+            first += j->parts[p++].rows;
+        prepare_row(j->w, &j->parts[p], r - first, r, j->cols, j->want);
+    }
+}
+
 static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
                               const struct tdm_weight_src *parts, int nparts, int cols,
                               enum tdm_wtype want, char *err, size_t errlen)
@@ -291,10 +364,9 @@ static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
     // the offset arithmetic trivially in bounds.
     size_t data_bytes =
         (size_t)nblocks * cpu_w_steps(w) * CPU_BLOCK_PANELS * cpu_w_step_bytes(want);
-    w->data = alloc_aligned(data_bytes);
+    w->data = alloc_aligned(data_bytes); // zeroed block by block in prep_task
     if (!w->data)
         goto fail_oom;
-    memset(w->data, 0, data_bytes);
     if (want == TDM_W_Q8) {
         w->scales = alloc_aligned((size_t)nblocks * CPU_BLOCK_ROWS * sizeof(float));
         if (!w->scales)
@@ -316,44 +388,8 @@ static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
         be->xq = xq;
         be->xq_stride = xs;
     }
-    int r = 0;
-    for (int p = 0; p < nparts; p++) {
-        const struct tdm_weight_src *s = &parts[p];
-        for (int pr = 0; pr < s->rows; pr++, r++) {
-            size_t src0 = (size_t)pr * cols;
-            // Row r's element k sits at base + k_step * stride (+ 2 for the odd
-            // element of a bf16 pair); see cpu_impl.h.
-            uint8_t *base = (uint8_t *)w->data + packed_offset(w, r, 0);
-            size_t stride =
-                (size_t)cpu_w_block_panels(w, r / CPU_BLOCK_ROWS) * cpu_w_step_bytes(want);
-            if (want == TDM_W_BF16) {
-                for (int k = 0; k < cols; k++) {
-                    uint16_t h = src_elem_bf16(s, src0 + k);
-                    memcpy(base + (size_t)(k / 2) * stride + (size_t)(k % 2) * 2, &h, 2);
-                }
-            } else if (want == TDM_W_F32) {
-                for (int k = 0; k < cols; k++) {
-                    float f = src_elem(s, src0 + k);
-                    memcpy(base + (size_t)k * stride, &f, 4);
-                }
-            } else {
-                // Symmetric per-row int8: scale = max|w| / 127, q = round(w / scale).
-                float amax = 0.0f;
-                for (int k = 0; k < cols; k++) {
-                    float a = fabsf(src_elem(s, src0 + k));
-                    if (a > amax)
-                        amax = a;
-                }
-                float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-                w->scales[r] = amax / 127.0f;
-                for (int k = 0; k < cols; k++) {
-                    float q = nearbyintf(src_elem(s, src0 + k) * inv);
-                    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-                    base[(size_t)(k / 4) * stride + (size_t)(k % 4)] = (uint8_t)(int8_t)q;
-                }
-            }
-        }
-    }
+    struct prep_job job = {.w = w, .parts = parts, .nparts = nparts, .cols = cols, .want = want};
+    cpu_pool_run(be->pool, prep_task, &job);
     w->nbytes = data_bytes + (w->scales ? (size_t)w->rows * sizeof(float) : 0);
     return TDM_OK;
 
@@ -383,11 +419,6 @@ struct mm_job {
     _Atomic int next; // next task
 };
 
-static void split_range(int total, int tid, int nthreads, int *lo, int *hi)
-{
-    *lo = (int)((long long)total * tid / nthreads);
-    *hi = (int)((long long)total * (tid + 1) / nthreads);
-}
 
 static void mm_prep_task(void *arg, int tid, int nthreads)
 {
