@@ -35,22 +35,14 @@
 #include <netinet/in.h>
 
 #include "core.h"
+#include "kv_cache.h"
 #include "router_metrics.h"
 
 #define MOD "router-endpoints"
 #define NIL UINT32_MAX
 #define MAX_DNS_ADDRS 256
 
-// ---- block hashes (identical to common/kv's kv_hash_block) ------------------------------------
-#define P1 0x9E3779B185EBCA87ull
-#define P2 0xC2B2AE3D27D4EB4Full
-#define P3 0x165667B19E3779F9ull
-
-static inline uint64_t rotl64(uint64_t x, int r)
-{
-    return (x << r) | (x >> (64 - r));
-}
-
+// Bucket spreading for the prefix index's hash chains (murmur3 fmix64).
 static inline uint64_t fmix64(uint64_t h)
 {
     h ^= h >> 33;
@@ -61,21 +53,7 @@ static inline uint64_t fmix64(uint64_t h)
     return h;
 }
 
-static uint64_t hash_block(uint64_t parent, const int32_t *tokens, int n)
-{
-    uint64_t acc = parent * P1 + P3;
-    int i = 0;
-    for (; i + 1 < n; i += 2) {
-        uint64_t lane = (uint64_t)(uint32_t)tokens[i] | ((uint64_t)(uint32_t)tokens[i + 1] << 32);
-        acc = rotl64(acc ^ rotl64(lane * P2, 31) * P1, 27) * P1 + P3;
-    }
-    if (i < n)
-        acc = rotl64(acc ^ (uint64_t)(uint32_t)tokens[i] * P1, 23) * P2 + P3;
-    acc ^= (uint64_t)n * P2;
-    acc = fmix64(acc);
-    return acc ? acc : 1;
-}
-
+// ---- block hashes (common/kv's chained hash, so the index keys what workers cache) -------------
 size_t tdm_router_block_hashes(const int32_t *tokens, size_t n, int block_size, uint64_t *out,
                                size_t cap)
 {
@@ -84,7 +62,7 @@ size_t tdm_router_block_hashes(const int32_t *tokens, size_t n, int block_size, 
     size_t nb = n / (size_t)block_size;
     uint64_t h = 0;
     for (size_t i = 0; i < nb && i < cap; i++) {
-        h = hash_block(h, tokens + i * (size_t)block_size, block_size);
+        h = tdm_kv_block_hash(h, tokens + i * (size_t)block_size, block_size);
         out[i] = h;
     }
     return nb;

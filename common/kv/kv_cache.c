@@ -82,7 +82,7 @@ struct tdm_kv_cache {
     struct kv_slot *slots;   // [slot_mask + 1] prefix map
     size_t slot_mask;
     uint64_t queries, hits; // prefix-cache counters, tokens
-    tdm_kv_hash_fn hash_fn; // kv_hash_block unless a test swapped it
+    tdm_kv_hash_fn hash_fn; // tdm_kv_block_hash unless a test swapped it
     char errmsg[256];       // detail of the last failure
 };
 
@@ -110,7 +110,7 @@ static inline uint64_t fmix64(uint64_t h)
     return h;
 }
 
-static uint64_t kv_hash_block(uint64_t parent, const int32_t *tokens, int n)
+uint64_t tdm_kv_block_hash(uint64_t parent, const int32_t *tokens, int n)
 {
     uint64_t acc = parent * P1 + P3;
     int i = 0;
@@ -289,7 +289,7 @@ int tdm_kv_new(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg, char 
     if (!kv)
         goto fail;
     kv->cfg = *cfg;
-    kv->hash_fn = kv_hash_block;
+    kv->hash_fn = tdm_kv_block_hash;
     kv->block_floats = (size_t)cfg->num_kv_heads * (size_t)cfg->block_size * (size_t)cfg->head_dim;
     size_t layer_bytes = kv->block_floats * sizeof(float) * (size_t)cfg->num_blocks;
     kv->k = calloc((size_t)cfg->num_layers, sizeof *kv->k);
@@ -654,7 +654,7 @@ int tdm_kv_block_refcount(const struct tdm_kv_cache *kv, int block)
 void tdm_kv_set_hash_fn(struct tdm_kv_cache *kv, tdm_kv_hash_fn fn)
 {
     if (kv)
-        kv->hash_fn = fn ? fn : kv_hash_block;
+        kv->hash_fn = fn ? fn : tdm_kv_block_hash;
 }
 
 int tdm_kv_num_evictable_blocks(const struct tdm_kv_cache *kv)

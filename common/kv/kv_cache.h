@@ -32,6 +32,15 @@ struct tdm_kv_config {
     bool enable_prefix_caching;
 };
 
+// The chained block hash: the key of a full block given its parent block's hash
+// (0 for the first block) and its n token ids; never 0 (0 marks "not full yet"
+// in tdm_kv_seq.block_hashes). This is the stable hash the router's prefix index
+// (router/endpoints.c) and the KV events rely on to agree with every worker's
+// cache: changing it changes what the router and the workers call a block, so
+// kv_cache_test pins known values. Non-cryptographic on purpose: a collision
+// is harmless because cache hits are verified against the stored tokens.
+uint64_t tdm_kv_block_hash(uint64_t parent, const int32_t *tokens, int n);
+
 // Bytes one block takes across all layers (K and V).
 size_t tdm_kv_block_bytes(const struct tdm_kv_config *cfg);
 

@@ -876,6 +876,24 @@ static void test_header(void **state)
     tdm_kv_free(kv);
 }
 
+// ---- the block hash's known values ------------------------------------------------------
+// The router's prefix index and the KV events key blocks by tdm_kv_block_hash, so
+// it must not change by accident: these values pin it (a deliberate change
+// updates them, the router and every worker together).
+static void test_block_hash_known_values(void **state)
+{
+    (void)state;
+    int32_t t16[16];
+    for (int i = 0; i < 16; i++)
+        t16[i] = i * 7 + 1;
+    const int32_t t3[3] = {151643, -1, 42};
+    uint64_t first = tdm_kv_block_hash(0, t16, 16);
+    assert_true(first == 0xf25906ab80cb1f67ull);
+    assert_true(tdm_kv_block_hash(first, t16, 16) == 0x0147fdca1d4f4601ull); // chained
+    assert_true(tdm_kv_block_hash(0, t3, 3) == 0x32a7433a3144bfd9ull);       // odd tail
+    assert_true(tdm_kv_block_hash(0, t3, 0) == 0xf490368aba8bfeacull);       // empty
+}
+
 int main(void)
 {
     static const struct wl_param wl[] = {
@@ -888,6 +906,7 @@ int main(void)
     };
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_config_validation),
+        cmocka_unit_test(test_block_hash_known_values),
         cmocka_unit_test(test_pointers),
         cmocka_unit_test(test_accounting),
         cmocka_unit_test(test_reserve_all_or_nothing),
