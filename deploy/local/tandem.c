@@ -8,7 +8,7 @@
 //      built-in demo model, written once with the mkmodel library into
 //      $XDG_CACHE_HOME/tandem/models/<preset>-v1 and reused afterwards;
 //   2. the ports: the router on --port, decode worker i on port+1+i, prefill
-//      worker j after them, each worker's nng inbox on its HTTP port + 1000
+//      worker j after them, each process's nng inbox on its HTTP port + 1000
 //      (docs/router-config.md's convention); --port 0 picks free ports;
 //   3. a router config (short form: --policy and the workers' addresses) in a
 //      private temporary folder, parsed with the router's own parser first;
@@ -351,7 +351,7 @@ struct child {
     char name[24];      // "router", "prefill-0", "decode-3"
     char bin[PATH_MAX]; // executable
     int http_port;
-    int nng_port;        // workers' nng inbox; 0 for the router (it picks its own)
+    int nng_port;        // nng inbox (the router's receives the workers' token chunks)
     pid_t pid;           // 0 before start
     int fd;              // read end of its stdout+stderr pipe; -1 after EOF
     char line[LINE_CAP]; // bytes of the current, unfinished log line
@@ -723,13 +723,11 @@ static int assign_ports(const struct up_opts *o)
             c->http_port = probe_port(o->host, 0, &fd);
             if (fd >= 0)
                 held[n_held++] = fd;
-            if (c->role != CHILD_ROUTER) {
-                fd = -1;
-                c->nng_port = probe_port(o->host, 0, &fd);
-                if (fd >= 0)
-                    held[n_held++] = fd;
-            }
-            if (c->http_port < 0 || (c->role != CHILD_ROUTER && c->nng_port < 0)) {
+            fd = -1;
+            c->nng_port = probe_port(o->host, 0, &fd);
+            if (fd >= 0)
+                held[n_held++] = fd;
+            if (c->http_port < 0 || c->nng_port < 0) {
                 say("cannot find a free port on %s: %s", o->host, strerror(errno));
                 rc = -1;
             }
@@ -743,12 +741,9 @@ static int assign_ports(const struct up_opts *o)
     for (int i = 0; i < n_children; i++) {
         struct child *c = &children[i];
         c->http_port = next++;
-        if (c->role != CHILD_ROUTER)
-            c->nng_port = c->http_port + 1000;
+        c->nng_port = c->http_port + 1000;
         int ports[2] = {c->http_port, c->nng_port};
         for (int k = 0; k < 2; k++) {
-            if (!ports[k])
-                continue;
             if (ports[k] > 65535) {
                 say("%s: port %d is out of range: choose a lower --port", c->name, ports[k]);
                 return -1;
@@ -1141,14 +1136,18 @@ static void arg(struct argv_buf *a, const char *fmt, ...)
 static int launch_all(const struct up_opts *o, const char *model, const char *served,
                       const char *router_cfg, int threads)
 {
-    char nh[300];
+    char nh[300], ch[300];
     url_host(o->host, nh, sizeof nh);
+    url_host(connect_host(o->host), ch, sizeof ch);
     for (int i = 0; i < n_children; i++) {
         struct child *c = &children[i];
         struct argv_buf a = {.n = 0};
         arg(&a, "%s", c->bin);
+        // The router's inbox gets a port chosen here too: left to the kernel it
+        // could take a worker's port in the moment between our probe and its bind.
         if (c->role == CHILD_ROUTER)
-            arg(&a, "--config"), arg(&a, "%s", router_cfg);
+            arg(&a, "--config"), arg(&a, "%s", router_cfg), arg(&a, "--nng-url"),
+                arg(&a, "tcp://%s:%d", ch, c->nng_port);
         arg(&a, "--model"), arg(&a, "%s", model);
         arg(&a, "--host"), arg(&a, "%s", o->host);
         arg(&a, "--port"), arg(&a, "%d", c->http_port);
@@ -1196,6 +1195,32 @@ static bool router_sees_all(const char *host, const struct child *router, int n_
     return true;
 }
 
+// One readiness probe of c: /health 200; for a worker behind the router also
+// its nng inbox accepting connections (a decode worker answers /health as soon
+// as the model is loaded, a moment before its P/D inbox listens, and a router
+// request in that moment would count against it); for the router, every worker
+// counted ready. Leaves what it saw in c->last_health.
+static bool check_child(const struct up_opts *o, const char *h, struct child *c)
+{
+    int st =
+        http_get(h, c->http_port, "/health", 1.0, NULL, 0, c->last_health, sizeof c->last_health);
+    if (st != 200)
+        return false;
+    if (c->role == CHILD_ROUTER)
+        return router_sees_all(h, c, o->n_prefill, o->n_decode, c->last_health,
+                               sizeof c->last_health);
+    if (o->no_router)
+        return true;
+    char why[96];
+    int fd = connect_to(h, c->nng_port, 1.0, why, sizeof why);
+    if (fd < 0) {
+        fmt(c->last_health, sizeof c->last_health, "200, but nng port %d: %s", c->nng_port, why);
+        return false;
+    }
+    close(fd);
+    return true;
+}
+
 // Polls every unhealthy child's /health until all answer 200. Returns 0 when
 // ready, 1 when a stop signal came first, -1 on a failure (already reported).
 static int wait_ready(const struct up_opts *o)
@@ -1218,22 +1243,22 @@ static int wait_ready(const struct up_opts *o)
         if (tdm_now() < next_check)
             continue;
         next_check = tdm_now() + 0.25;
+        // Workers first; the router only once every worker is up, so that what it
+        // reports is about workers that can already take requests.
         bool all = true;
-        for (int i = 0; i < n_children; i++) {
-            struct child *c = &children[i];
-            if (c->healthy)
-                continue;
-            int st = http_get(h, c->http_port, "/health", 1.0, NULL, 0, c->last_health,
-                              sizeof c->last_health);
-            if (st == 200 && c->role == CHILD_ROUTER &&
-                !router_sees_all(h, c, o->n_prefill, o->n_decode, c->last_health,
-                                 sizeof c->last_health))
-                st = 0;
-            if (st == 200) {
-                c->healthy = true;
-                say("%s healthy on port %d", c->name, c->http_port);
-            } else {
-                all = false;
+        for (int pass = 0; pass < 2; pass++) {
+            for (int i = 0; i < n_children; i++) {
+                struct child *c = &children[i];
+                if (c->healthy || (c->role == CHILD_ROUTER) != (pass == 1))
+                    continue;
+                if (pass == 1 && !all)
+                    break;
+                if (check_child(o, h, c)) {
+                    c->healthy = true;
+                    say("%s healthy on port %d", c->name, c->http_port);
+                } else {
+                    all = false;
+                }
             }
         }
         if (all)
