@@ -102,79 +102,6 @@ static void sbuf_fini(struct sbuf *b)
     memset(b, 0, sizeof *b);
 }
 
-// Logprobs of generated tokens with the strings they point at (owned here).
-struct lp_list {
-    struct tdm_oai_token_logprob *items;
-    size_t n, cap;
-};
-
-static void lp_clear(struct lp_list *l)
-{
-    for (size_t i = 0; i < l->n; i++) {
-        free((char *)l->items[i].token);
-        if (l->items[i].top) {
-            for (int j = 0; j < l->items[i].num_top; j++)
-                free((char *)l->items[i].top[j].token);
-            free((void *)l->items[i].top);
-        }
-    }
-    l->n = 0;
-}
-
-static void lp_fini(struct lp_list *l)
-{
-    lp_clear(l);
-    free(l->items);
-    memset(l, 0, sizeof *l);
-}
-
-// A token's own text for logprobs (ids the tokenizer does not know give "").
-static char *token_text(const struct tdm_tokenizer *tok, int32_t id, size_t *len)
-{
-    char *t = NULL;
-    if (tdm_tok_decode(tok, &id, 1, false, &t, len) != TDM_OK) {
-        t = strdup("");
-        *len = 0;
-    }
-    return t;
-}
-
-static int lp_add(struct lp_list *l, const struct tdm_tokenizer *tok, int32_t id, float logprob,
-                  const struct tdm_token_logprob *top, int num_top)
-{
-    if (l->n == l->cap) {
-        size_t cap = l->cap ? l->cap * 2 : 16;
-        struct tdm_oai_token_logprob *p = realloc(l->items, cap * sizeof *p);
-        if (p == NULL)
-            return TDM_ENOMEM;
-        l->items = p;
-        l->cap = cap;
-    }
-    struct tdm_oai_token_logprob *it = &l->items[l->n];
-    memset(it, 0, sizeof *it);
-    it->id = id;
-    it->logprob = logprob;
-    it->token = token_text(tok, id, &it->token_len);
-    if (it->token == NULL)
-        return TDM_ENOMEM;
-    if (num_top > 0 && top != NULL) {
-        struct tdm_oai_top_logprob *t = calloc((size_t)num_top, sizeof *t);
-        if (t == NULL) {
-            free((char *)it->token);
-            return TDM_ENOMEM;
-        }
-        for (int j = 0; j < num_top; j++) {
-            t[j].id = top[j].token;
-            t[j].logprob = top[j].logprob;
-            t[j].token = token_text(tok, top[j].token, &t[j].token_len);
-        }
-        it->top = t;
-        it->num_top = num_top;
-    }
-    l->n++;
-    return TDM_OK;
-}
-
 // ---- HTTP glue ----------------------------------------------------------------------------
 // Error -> status goes through tdm_http_status_for_err (common/http), except
 // that a full waiting queue and a draining server are 503 with Retry-After
@@ -225,26 +152,8 @@ static int sse_send(struct tdm_http_conn *c, char *json_owned)
 // ---- generation -------------------------------------------------------------------------
 // One choice = one engine request and the text pipeline behind it.
 struct choice {
-    int index; // choice index in the response (prompt_idx * n + i)
-    int prompt_idx;
+    struct tdm_oai_asm a; // tokens -> text, stop strings, logprobs, finish (common/openai)
     struct tdm_engine_request *req;
-    struct tdm_detok *detok;
-    struct tdm_oai_stop *stop;
-    bool done;     // finish known; nothing more is read
-    bool reported; // stream: the finish chunk was written
-    enum tdm_oai_finish finish;
-    const char *stop_str; // the matched stop string (owned by the request)
-    int32_t stop_token;   // stop_reason as a token id, else -1
-    int completion_tokens;
-    int error; // engine error (finish ERROR)
-    char message[256];
-    struct sbuf text;   // non-stream: all text; stream: not yet sent
-    struct lp_list lps; // likewise for logprobs
-    int32_t *ids;       // likewise for token ids (return_token_ids)
-    size_t n_ids, cap_ids;
-    size_t chars_sent; // stream: code points already sent (text_offset)
-    bool first_sent;   // stream: prompt_token_ids went out
-    struct sbuf clean; // scratch for utf8_clean (reused, grows to the longest delta)
 };
 
 struct prompt {
@@ -268,23 +177,6 @@ struct call {
     int prompt_tokens; // usage: each prompt once
 };
 
-// stop_reason of a request ended by token id: the id when it was one of the
-// request's stop_token_ids, or one of generation_config.json's eos ids other
-// than the tokenizer's EOS (vLLM adds those to stop_token_ids); null for EOS.
-static bool is_stop_id(const struct tdm_decode_server *s, const struct tdm_sampling_params *sp,
-                       int32_t id)
-{
-    for (int i = 0; i < sp->num_stop_token_ids; i++)
-        if (sp->stop_token_ids[i] == id)
-            return true;
-    if (id == tdm_tok_eos_id(s->tok))
-        return false;
-    for (int i = 0; i < s->gen.num_eos_token_ids; i++)
-        if (s->gen.eos_token_ids[i] == id)
-            return true;
-    return false;
-}
-
 static enum tdm_oai_finish map_finish(enum tdm_engine_finish f)
 {
     switch (f) {
@@ -301,217 +193,52 @@ static enum tdm_oai_finish map_finish(enum tdm_engine_finish f)
     }
 }
 
-// UTF-8 cleaning, the same way the response writer (common/openai) cleans
-// text: NUL and each maximal invalid subpart become one U+FFFD (Python's
-// decode(errors="replace")). lo/hi bound the second byte of a lead byte c.
-static void utf8_second_range(unsigned c, unsigned *lo, unsigned *hi)
-{
-    *lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
-    *hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
-}
-
-// Bytes of the character at s when valid (and not NUL), else 0 with *skip the
-// bytes one U+FFFD replaces.
-static size_t utf8_char_len(const unsigned char *s, size_t n, size_t *skip)
-{
-    unsigned c = s[0];
-    *skip = 1;
-    if (c > 0 && c < 0x80)
-        return 1;
-    size_t need = c >= 0xC2 && c <= 0xDF   ? 2
-                  : c >= 0xE0 && c <= 0xEF ? 3
-                  : c >= 0xF0 && c <= 0xF4 ? 4
-                                           : 0;
-    if (need == 0)
-        return 0;
-    size_t i = 1;
-    while (i < need && i < n) {
-        unsigned lo = 0x80, hi = 0xBF;
-        if (i == 1)
-            utf8_second_range(c, &lo, &hi);
-        if (s[i] < lo || s[i] > hi)
-            break;
-        i++;
-    }
-    if (i == need)
-        return need;
-    *skip = i;
-    return 0;
-}
-
-// The detokenizer holds back an incomplete character, so an invalid byte in a
-// delta is invalid for good: it becomes U+FFFD here, before the stop matcher,
-// so stop strings see the text the client will see (as vLLM's Python str).
-// Returns delta itself when it is clean, else the cleaned copy in scratch.
-static const char *utf8_clean(const char *delta, size_t len, struct sbuf *scratch, size_t *out_len)
-{
-    const unsigned char *u = (const unsigned char *)delta;
-    size_t i = 0, skip;
-    while (i < len) {
-        size_t l = utf8_char_len(u + i, len - i, &skip);
-        if (l == 0)
-            break;
-        i += l;
-    }
-    *out_len = len;
-    if (i == len)
-        return delta;
-    scratch->len = 0;
-    if (sbuf_add(scratch, delta, i) != TDM_OK)
-        return NULL;
-    while (i < len) {
-        size_t l = utf8_char_len(u + i, len - i, &skip);
-        if (sbuf_add(scratch, l ? delta + i : "\xEF\xBF\xBD", l ? l : 3) != TDM_OK)
-            return NULL;
-        i += l ? l : skip;
-    }
-    *out_len = scratch->len;
-    return scratch->p;
-}
-
-// Runs detokenized text through the stop matcher into the choice's pending text.
-static int feed_text(struct call *k, struct choice *ch, const char *delta, size_t len)
-{
-    delta = utf8_clean(delta, len, &ch->clean, &len);
-    if (delta == NULL)
-        return TDM_ENOMEM;
-    const char *emit = NULL;
-    size_t emit_len = 0;
-    // vLLM looks for stop strings only once more than min_tokens tokens exist.
-    bool may_match = ch->completion_tokens > k->req.sampling.min_tokens;
-    int idx = tdm_oai_stop_feed_ex(ch->stop, delta, len, may_match, &emit, &emit_len);
-    if (idx == -2)
-        return TDM_ENOMEM;
-    if (emit_len > 0 && sbuf_add(&ch->text, emit, emit_len) != TDM_OK)
-        return TDM_ENOMEM;
-    if (idx >= 0) {
-        // A stop string completed: the choice ends here and the engine stops
-        // generating for it (counted as finished_reason "stop").
-        ch->done = true;
-        ch->finish = TDM_OAI_FINISH_STOP;
-        ch->stop_str = k->req.stop[idx];
-        ch->stop_token = -1;
-        tdm_engine_abort(k->s->engine, ch->req, TDM_ENGINE_FINISH_STOP);
-    }
-    return TDM_OK;
-}
-
-// Consumes one engine chunk into the choice.
+// Consumes one engine chunk into the choice. A stop string that completes
+// aborts the engine request (counted as finished_reason "stop").
 static int take_chunk(struct call *k, struct choice *ch, const struct tdm_engine_chunk *c)
 {
     const struct tdm_oai_request *rq = &k->req;
-    for (int i = 0; i < c->n && !ch->done; i++) {
+    bool stopped = false;
+    for (int i = 0; i < c->n && !ch->a.done; i++) {
         int32_t id = c->tokens[i];
-        ch->completion_tokens++;
-        if (rq->logprobs &&
-            lp_add(&ch->lps, k->s->tok, id, c->logprobs ? c->logprobs[i] : 0.0f,
-                   c->top ? c->top + (size_t)i * (size_t)c->num_top : NULL, c->num_top) != TDM_OK)
-            return TDM_ENOMEM;
-        if (rq->return_token_ids) {
-            if (ch->n_ids == ch->cap_ids) {
-                size_t cap = ch->cap_ids ? ch->cap_ids * 2 : 64;
-                int32_t *p = realloc(ch->ids, cap * sizeof *p);
-                if (p == NULL)
-                    return TDM_ENOMEM;
-                ch->ids = p;
-                ch->cap_ids = cap;
-            }
-            ch->ids[ch->n_ids++] = id;
-        }
-        // The EOS/stop token that ended the request adds no text (vLLM), unless
-        // the caller asked for stop strings in the output.
         bool ended_by_it = c->finished && c->reason == TDM_ENGINE_FINISH_STOP &&
                            c->stop_token >= 0 && i == c->n - 1 && id == c->stop_token;
-        if (ended_by_it && !rq->include_stop_str_in_output)
-            continue;
-        const char *delta = NULL;
-        size_t dlen = 0;
-        // Ids beyond the tokenizer (a model vocab padded past it) decode to nothing.
-        if (tdm_detok_push(ch->detok, id, &delta, &dlen) != TDM_OK)
-            dlen = 0;
-        if (dlen > 0 && feed_text(k, ch, delta, dlen) != TDM_OK)
+        if (tdm_oai_asm_token(&ch->a, id, c->logprobs ? c->logprobs[i] : 0.0f,
+                              c->top ? c->top + (size_t)i * (size_t)c->num_top : NULL, c->num_top,
+                              ended_by_it, &stopped) != TDM_OK)
             return TDM_ENOMEM;
     }
-    if (!ch->done && c->finished) {
-        const char *delta = NULL;
-        size_t dlen = 0;
-        if (tdm_detok_flush(ch->detok, &delta, &dlen) == TDM_OK && dlen > 0 &&
-            feed_text(k, ch, delta, dlen) != TDM_OK)
-            return TDM_ENOMEM;
-        if (!ch->done) {
-            const char *emit = NULL;
-            size_t elen = 0;
-            tdm_oai_stop_flush(ch->stop, &emit, &elen);
-            if (elen > 0 && sbuf_add(&ch->text, emit, elen) != TDM_OK)
-                return TDM_ENOMEM;
-            ch->done = true;
-            ch->finish = map_finish(c->reason);
-            ch->stop_token = (c->reason == TDM_ENGINE_FINISH_STOP && c->stop_token >= 0 &&
-                              is_stop_id(k->s, &rq->sampling, c->stop_token))
+    if (!ch->a.done && c->finished) {
+        int32_t stop_token = (c->reason == TDM_ENGINE_FINISH_STOP && c->stop_token >= 0 &&
+                              tdm_oai_is_stop_id(&rq->sampling, tdm_tok_eos_id(k->s->tok),
+                                                 &k->s->gen, c->stop_token))
                                  ? c->stop_token
                                  : -1;
-            if (c->reason == TDM_ENGINE_FINISH_ERROR) {
-                ch->error = c->error;
-                snprintf(ch->message, sizeof ch->message, "%s",
-                         c->message && *c->message ? c->message : tdm_strerror(c->error));
-            }
-        }
+        if (tdm_oai_asm_finish(&ch->a, map_finish(c->reason), stop_token, c->error, c->message,
+                               &stopped) != TDM_OK)
+            return TDM_ENOMEM;
     }
+    if (stopped)
+        tdm_engine_abort(k->s->engine, ch->req, TDM_ENGINE_FINISH_STOP);
     return TDM_OK;
-}
-
-static void fill_choice(const struct call *k, const struct choice *ch, struct tdm_oai_choice *oc,
-                        bool with_finish)
-{
-    memset(oc, 0, sizeof *oc);
-    oc->index = ch->index;
-    oc->text = ch->text.p ? ch->text.p : "";
-    oc->text_len = ch->text.len;
-    oc->finish = with_finish ? ch->finish : TDM_OAI_FINISH_NONE;
-    oc->stop_str = with_finish ? ch->stop_str : NULL;
-    oc->stop_token = with_finish ? ch->stop_token : -1;
-    oc->has_logprobs = k->req.logprobs;
-    oc->logprobs = ch->lps.items;
-    oc->n_logprobs = ch->lps.n;
-    oc->text_offset = ch->chars_sent;
-    if (k->req.return_token_ids) {
-        static const int32_t none[1] = {0}; // [] in the chunk, not an omitted field
-        oc->token_ids = ch->ids ? ch->ids : none;
-        oc->n_token_ids = ch->n_ids;
-        if (!ch->first_sent) {
-            const struct prompt *p = &k->prompts[ch->prompt_idx];
-            oc->prompt_token_ids = p->ids;
-            oc->n_prompt_token_ids = p->n;
-        }
-    }
 }
 
 // Stream: writes the choice's pending text (and its finish once known).
 static int stream_flush_choice(struct call *k, struct choice *ch)
 {
-    bool finish_now = ch->done && !ch->reported;
-    if (ch->text.len == 0 && !finish_now)
-        return 0;
-    if (finish_now && ch->finish == TDM_OAI_FINISH_ERROR)
-        return 0; // reported as an error event by the caller
-    struct tdm_oai_choice oc;
-    fill_choice(k, ch, &oc, finish_now);
-    struct tdm_oai_usage u = {k->prompts[ch->prompt_idx].n > 0 ? (int)k->prompts[ch->prompt_idx].n
-                                                               : 0,
-                              ch->completion_tokens};
-    int rc = sse_send(k->conn,
-                      tdm_oai_chunk(&k->resp, &oc, 1, k->req.continuous_usage_stats ? &u : NULL));
-    if (rc == -2)
+    const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+    struct tdm_oai_usage u = {p->n > 0 ? (int)p->n : 0, ch->a.completion_tokens};
+    char *json = NULL;
+    bool finish_now = false;
+    if (tdm_oai_asm_stream_chunk(&ch->a, &k->resp, p->ids, p->n,
+                                 k->req.continuous_usage_stats ? &u : NULL, &json,
+                                 &finish_now) != TDM_OK)
         return -2;
-    if (rc < 0)
+    if (json == NULL)
+        return 0;
+    if (sse_send(k->conn, json) < 0)
         return -1;
-    ch->chars_sent += tdm_oai_utf8_chars(ch->text.p ? ch->text.p : "", ch->text.len);
-    ch->text.len = 0;
-    lp_clear(&ch->lps);
-    ch->n_ids = 0;
-    ch->first_sent = true;
-    if (finish_now)
-        ch->reported = true;
+    tdm_oai_asm_sent(&ch->a, finish_now);
     return 0;
 }
 
@@ -521,7 +248,7 @@ static void release_all(struct call *k, enum tdm_engine_finish why)
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
         if (ch->req) {
-            if (!ch->done)
+            if (!ch->a.done)
                 tdm_engine_abort(k->s->engine, ch->req, why);
             tdm_engine_request_release(ch->req);
             ch->req = NULL;
@@ -534,12 +261,7 @@ static void call_fini(struct call *k)
     release_all(k, TDM_ENGINE_FINISH_ABORT);
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        tdm_detok_free(ch->detok);
-        tdm_oai_stop_free(ch->stop);
-        sbuf_fini(&ch->text);
-        sbuf_fini(&ch->clean);
-        lp_fini(&ch->lps);
-        free(ch->ids);
+        tdm_oai_asm_fini(&ch->a);
     }
     free(k->choices);
     for (size_t i = 0; i < k->n_prompts; i++) {
@@ -631,17 +353,12 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
         return tdm_oai_seterr(e, 500, NULL, "out of memory");
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        ch->index = (int)i;
-        ch->prompt_idx = (int)(i / n);
-        ch->stop_token = -1;
-        if (tdm_detok_new(&ch->detok, s->tok, rq->skip_special_tokens) != TDM_OK ||
-            tdm_oai_stop_new(&ch->stop, (const char *const *)rq->stop, rq->n_stop,
-                             rq->include_stop_str_in_output) != TDM_OK)
+        if (tdm_oai_asm_init(&ch->a, rq, s->tok, (int)i, (int)(i / n)) != TDM_OK)
             return tdm_oai_seterr(e, 500, NULL, "out of memory");
     }
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        const struct prompt *p = &k->prompts[ch->prompt_idx];
+        const struct prompt *p = &k->prompts[ch->a.prompt_idx];
         struct tdm_engine_request_params ep;
         tdm_engine_request_params_default(&ep);
         char id[128];
@@ -683,11 +400,11 @@ static int pump(struct call *k)
 {
     int progressed = 0, active = 0;
     for (size_t i = 0; i < k->n_choices; i++)
-        active += !k->choices[i].done;
+        active += !k->choices[i].a.done;
     bool waited = false;
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        if (ch->done)
+        if (ch->a.done)
             continue;
         // With one choice block on its stream; with several poll them and block
         // a little on the first so the loop does not spin.
@@ -701,7 +418,7 @@ static int pump(struct call *k)
         if (rc == TDM_ETIMEDOUT)
             continue;
         if (rc == TDM_ECLOSED) { // finish already taken (should not happen)
-            ch->done = true;
+            ch->a.done = true;
             continue;
         }
         if (take_chunk(k, ch, &c) != TDM_OK)
@@ -716,13 +433,13 @@ static void usage_of(const struct call *k, struct tdm_oai_usage *u)
     u->prompt_tokens = k->prompt_tokens;
     u->completion_tokens = 0;
     for (size_t i = 0; i < k->n_choices; i++)
-        u->completion_tokens += k->choices[i].completion_tokens;
+        u->completion_tokens += k->choices[i].a.completion_tokens;
 }
 
 static bool all_done(const struct call *k)
 {
     for (size_t i = 0; i < k->n_choices; i++)
-        if (!k->choices[i].done)
+        if (!k->choices[i].a.done)
             return false;
     return true;
 }
@@ -730,7 +447,7 @@ static bool all_done(const struct call *k)
 static const struct choice *first_error(const struct call *k)
 {
     for (size_t i = 0; i < k->n_choices; i++)
-        if (k->choices[i].done && k->choices[i].finish == TDM_OAI_FINISH_ERROR)
+        if (k->choices[i].a.done && k->choices[i].a.finish == TDM_OAI_FINISH_ERROR)
             return &k->choices[i];
     return NULL;
 }
@@ -746,10 +463,10 @@ static void run_stream(struct call *k)
     for (size_t i = 0; i < k->n_choices && rc == 0; i++) {
         struct choice *ch = &k->choices[i];
         if (k->req.kind == TDM_OAI_CHAT) {
-            rc = sse_send(k->conn, tdm_oai_chat_role_chunk(&k->resp, ch->index));
+            rc = sse_send(k->conn, tdm_oai_chat_role_chunk(&k->resp, ch->a.index));
         } else if (k->req.echo) {
-            const struct prompt *p = &k->prompts[ch->prompt_idx];
-            if (sbuf_add(&ch->text, p->text ? p->text : "", p->text_len) != TDM_OK)
+            const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+            if (tdm_oai_asm_add_text(&ch->a, p->text, p->text_len) != TDM_OK)
                 rc = -2;
             else
                 rc = stream_flush_choice(k, ch);
@@ -785,7 +502,7 @@ static void run_stream(struct call *k)
     }
     const struct choice *bad = first_error(k);
     if (rc == -2 || bad) {
-        tdm_oai_seterr(&e, 500, NULL, "%s", bad ? bad->message : "out of memory");
+        tdm_oai_seterr(&e, 500, NULL, "%s", bad ? bad->a.message : "out of memory");
         if (sse_send(k->conn, tdm_oai_error_body(&e)) == -1 ||
             tdm_http_sse_end(k->conn, true) != TDM_OK)
             k->client_gone = true;
@@ -811,7 +528,7 @@ static void run_collect(struct call *k)
     }
     const struct choice *bad = first_error(k);
     if (bad) {
-        respond_error(k->conn, 500, NULL, "%s", bad->message);
+        respond_error(k->conn, 500, NULL, "%s", bad->a.message);
         return;
     }
     struct tdm_oai_choice *oc = calloc(k->n_choices, sizeof *oc);
@@ -825,12 +542,12 @@ static void run_collect(struct call *k)
     bool oom = false;
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        const struct prompt *p = &k->prompts[ch->prompt_idx];
-        fill_choice(k, ch, &oc[i], true);
+        const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+        tdm_oai_asm_choice(&ch->a, true, p->ids, p->n, &oc[i]);
         if (k->req.echo) {
             // Echo: the prompt text, then the completion; offsets start after it.
             if (sbuf_add(&full[i], p->text ? p->text : "", p->text_len) != TDM_OK ||
-                sbuf_add(&full[i], ch->text.p ? ch->text.p : "", ch->text.len) != TDM_OK)
+                sbuf_add(&full[i], ch->a.text.p ? ch->a.text.p : "", ch->a.text.len) != TDM_OK)
                 oom = true;
             oc[i].text = full[i].p ? full[i].p : "";
             oc[i].text_len = full[i].len;
@@ -920,8 +637,8 @@ static void handle_generate(struct tdm_decode_server *s, struct tdm_http_conn *c
     TDM_LOG_INFO(MOD, "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
                  k.resp.id, k.n_choices, u.prompt_tokens, u.completion_tokens,
                  k.client_gone ? "abort"
-                 : k.n_choices && k.choices[0].finish != TDM_OAI_FINISH_NONE
-                     ? tdm_oai_finish_name(k.choices[0].finish)
+                 : k.n_choices && k.choices[0].a.finish != TDM_OAI_FINISH_NONE
+                     ? tdm_oai_finish_name(k.choices[0].a.finish)
                      : "-");
 out:
     call_fini(&k);

@@ -433,77 +433,6 @@ static void sbuf_fini(struct sbuf *b)
     memset(b, 0, sizeof *b);
 }
 
-struct lp_list {
-    struct tdm_oai_token_logprob *items;
-    size_t n, cap;
-};
-
-static void lp_clear(struct lp_list *l)
-{
-    for (size_t i = 0; i < l->n; i++) {
-        free((char *)l->items[i].token);
-        if (l->items[i].top) {
-            for (int j = 0; j < l->items[i].num_top; j++)
-                free((char *)l->items[i].top[j].token);
-            free((void *)l->items[i].top);
-        }
-    }
-    l->n = 0;
-}
-
-static void lp_fini(struct lp_list *l)
-{
-    lp_clear(l);
-    free(l->items);
-    memset(l, 0, sizeof *l);
-}
-
-static char *token_text(const struct tdm_tokenizer *tok, int32_t id, size_t *len)
-{
-    char *t = NULL;
-    if (tdm_tok_decode(tok, &id, 1, false, &t, len) != TDM_OK) {
-        t = strdup("");
-        *len = 0;
-    }
-    return t;
-}
-
-static int lp_add(struct lp_list *l, const struct tdm_tokenizer *tok, int32_t id, float logprob,
-                  Tandem__TopLogprob *const *top, int num_top)
-{
-    if (l->n == l->cap) {
-        size_t cap = l->cap ? l->cap * 2 : 16;
-        struct tdm_oai_token_logprob *p = realloc(l->items, cap * sizeof *p);
-        if (p == NULL)
-            return TDM_ENOMEM;
-        l->items = p;
-        l->cap = cap;
-    }
-    struct tdm_oai_token_logprob *it = &l->items[l->n];
-    memset(it, 0, sizeof *it);
-    it->id = id;
-    it->logprob = logprob;
-    it->token = token_text(tok, id, &it->token_len);
-    if (it->token == NULL)
-        return TDM_ENOMEM;
-    if (num_top > 0 && top != NULL) {
-        struct tdm_oai_top_logprob *t = calloc((size_t)num_top, sizeof *t);
-        if (t == NULL) {
-            free((char *)it->token);
-            return TDM_ENOMEM;
-        }
-        for (int j = 0; j < num_top; j++) {
-            t[j].id = top[j]->token;
-            t[j].logprob = top[j]->logprob;
-            t[j].token = token_text(tok, top[j]->token, &t[j].token_len);
-        }
-        it->top = t;
-        it->num_top = num_top;
-    }
-    l->n++;
-    return TDM_OK;
-}
-
 // ---- HTTP glue -------------------------------------------------------------------------------
 static void respond_json(struct tdm_http_conn *c, int status, char *body_owned)
 {
@@ -548,27 +477,10 @@ static int sse_send(struct tdm_http_conn *c, char *json_owned)
 
 // ---- one API call ------------------------------------------------------------------------------
 struct choice {
-    int index;
-    int prompt_idx;
-    struct rstream *st; // registered upstream stream, NULL when not started
-    bool upstream_done; // the decode worker sent its finish (or was cancelled/lost)
-    struct tdm_detok *detok;
-    struct tdm_oai_stop *stop;
-    bool done;
-    bool reported;
-    bool got_chunk; // any chunk arrived (phase times, first token)
-    enum tdm_oai_finish finish;
-    const char *stop_str;
-    int32_t stop_token;
-    int completion_tokens;
-    int error;
-    char message[256];
-    struct sbuf text;
-    struct lp_list lps;
-    int32_t *ids;
-    size_t n_ids, cap_ids;
-    size_t chars_sent;
-    bool first_sent;
+    struct tdm_oai_asm a; // tokens -> text, stop strings, logprobs, finish (common/openai)
+    struct rstream *st;   // registered upstream stream, NULL when not started
+    bool upstream_done;   // the decode worker sent its finish (or was cancelled/lost)
+    bool got_chunk;       // any chunk arrived (phase times, first token)
     double last_token_at; // for the inter-token histogram
 };
 
@@ -600,20 +512,6 @@ struct call {
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
 };
 
-static bool is_stop_id(const struct tdm_router_server *s, const struct tdm_sampling_params *sp,
-                       int32_t id)
-{
-    for (int i = 0; i < sp->num_stop_token_ids; i++)
-        if (sp->stop_token_ids[i] == id)
-            return true;
-    if (id == tdm_tok_eos_id(s->tok))
-        return false;
-    for (int i = 0; i < s->gen.num_eos_token_ids; i++)
-        if (s->gen.eos_token_ids[i] == id)
-            return true;
-    return false;
-}
-
 static enum tdm_oai_finish map_finish(const char *name)
 {
     if (strcmp(name, "stop") == 0)
@@ -636,39 +534,6 @@ static void send_cancel(struct call *k, struct choice *ch)
     tdm_pd_send(k->s->outbox, k->decode_url, TDM_NET_CANCEL, &m.base, NULL, 0, 0.2, err,
                 sizeof err);
     ch->upstream_done = true;
-}
-
-static int feed_text(struct call *k, struct choice *ch, const char *delta, size_t len)
-{
-    const char *emit = NULL;
-    size_t emit_len = 0;
-    bool may_match = ch->completion_tokens > k->req.sampling.min_tokens;
-    int idx = tdm_oai_stop_feed_ex(ch->stop, delta, len, may_match, &emit, &emit_len);
-    if (idx == -2)
-        return TDM_ENOMEM;
-    if (emit_len > 0 && sbuf_add(&ch->text, emit, emit_len) != TDM_OK)
-        return TDM_ENOMEM;
-    if (idx >= 0) {
-        ch->done = true;
-        ch->finish = TDM_OAI_FINISH_STOP;
-        ch->stop_str = k->req.stop[idx];
-        ch->stop_token = -1;
-        send_cancel(k, ch); // the decode worker stops generating (and frees the KV)
-    }
-    return TDM_OK;
-}
-
-static void finish_error(struct choice *ch, int error, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void finish_error(struct choice *ch, int error, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(ch->message, sizeof ch->message, fmt, ap);
-    va_end(ap);
-    ch->done = true;
-    ch->finish = TDM_OAI_FINISH_ERROR;
-    ch->error = error ? error : TDM_ETRANSPORT;
 }
 
 static void note_phases(struct call *k, const Tandem__TokenChunk *m)
@@ -704,64 +569,42 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
     ch->got_chunk = true;
     bool with_lp = m->n_logprobs == m->n_tokens;
     int nt = m->num_top > 0 && m->n_top == m->n_tokens * (size_t)m->num_top ? m->num_top : 0;
-    for (size_t i = 0; i < m->n_tokens && !ch->done; i++) {
+    // A request asks for at most TDM_MAX_LOGPROBS alternatives; more from a
+    // worker are cut, not trusted.
+    int keep = nt < TDM_MAX_LOGPROBS ? nt : TDM_MAX_LOGPROBS;
+    struct tdm_token_logprob top[TDM_MAX_LOGPROBS];
+    bool stopped = false;
+    for (size_t i = 0; i < m->n_tokens && !ch->a.done; i++) {
         int32_t id = m->tokens[i];
-        ch->completion_tokens++;
-        if (rq->logprobs && lp_add(&ch->lps, k->s->tok, id, with_lp ? m->logprobs[i] : 0.0f,
-                                   nt ? m->top + i * (size_t)nt : NULL, nt) != TDM_OK)
-            return TDM_ENOMEM;
-        if (rq->return_token_ids) {
-            if (ch->n_ids == ch->cap_ids) {
-                size_t cap = ch->cap_ids ? ch->cap_ids * 2 : 64;
-                int32_t *p = realloc(ch->ids, cap * sizeof *p);
-                if (p == NULL)
-                    return TDM_ENOMEM;
-                ch->ids = p;
-                ch->cap_ids = cap;
-            }
-            ch->ids[ch->n_ids++] = id;
+        for (int j = 0; j < keep; j++) {
+            top[j].token = m->top[i * (size_t)nt + (size_t)j]->token;
+            top[j].logprob = m->top[i * (size_t)nt + (size_t)j]->logprob;
         }
         bool ended_by_it = m->finished && strcmp(m->finish_reason, "stop") == 0 &&
                            m->stop_token >= 0 && i == m->n_tokens - 1 && id == m->stop_token;
-        if (ended_by_it && !rq->include_stop_str_in_output)
-            continue;
-        const char *delta = NULL;
-        size_t dlen = 0;
-        if (tdm_detok_push(ch->detok, id, &delta, &dlen) != TDM_OK)
-            dlen = 0;
-        if (dlen > 0 && feed_text(k, ch, delta, dlen) != TDM_OK)
+        if (tdm_oai_asm_token(&ch->a, id, with_lp ? m->logprobs[i] : 0.0f, keep ? top : NULL,
+                              keep, ended_by_it, &stopped) != TDM_OK)
             return TDM_ENOMEM;
     }
+    if (stopped)
+        send_cancel(k, ch); // the decode worker stops generating (and frees the KV)
     if (m->finished)
         ch->upstream_done = true;
-    if (!ch->done && m->finished) {
-        const char *delta = NULL;
-        size_t dlen = 0;
-        if (tdm_detok_flush(ch->detok, &delta, &dlen) == TDM_OK && dlen > 0 &&
-            feed_text(k, ch, delta, dlen) != TDM_OK)
-            return TDM_ENOMEM;
-        if (!ch->done) {
-            const char *emit = NULL;
-            size_t elen = 0;
-            tdm_oai_stop_flush(ch->stop, &emit, &elen);
-            if (elen > 0 && sbuf_add(&ch->text, emit, elen) != TDM_OK)
-                return TDM_ENOMEM;
-            ch->done = true;
-            ch->finish = map_finish(m->finish_reason);
-            ch->stop_token = (ch->finish == TDM_OAI_FINISH_STOP && m->stop_token >= 0 &&
-                              is_stop_id(k->s, &rq->sampling, m->stop_token))
+    if (!ch->a.done && m->finished) {
+        enum tdm_oai_finish finish = map_finish(m->finish_reason);
+        int32_t stop_token = (finish == TDM_OAI_FINISH_STOP && m->stop_token >= 0 &&
+                              tdm_oai_is_stop_id(&rq->sampling, tdm_tok_eos_id(k->s->tok),
+                                                 &k->s->gen, m->stop_token))
                                  ? m->stop_token
                                  : -1;
-            if (ch->finish == TDM_OAI_FINISH_ERROR) {
-                ch->error = m->error ? m->error : TDM_ETRANSPORT;
-                snprintf(ch->message, sizeof ch->message, "%s",
-                         m->message && *m->message ? m->message : tdm_strerror(ch->error));
-                // A worker that is loading or draining refused it before any
-                // token: another decode worker can take it (handle_generate).
-                if (ch->error == TDM_ECLOSED && ch->completion_tokens == 0)
-                    k->lost = true;
-            }
-        }
+        if (tdm_oai_asm_finish(&ch->a, finish, stop_token, m->error ? m->error : TDM_ETRANSPORT,
+                               m->message, &stopped) != TDM_OK)
+            return TDM_ENOMEM;
+        // A worker that is loading or draining refused it before any token:
+        // another decode worker can take it (handle_generate).
+        if (ch->a.finish == TDM_OAI_FINISH_ERROR && ch->a.error == TDM_ECLOSED &&
+            ch->a.completion_tokens == 0)
+            k->lost = true;
     }
     return TDM_OK;
 }
@@ -803,7 +646,7 @@ static int pump(struct call *k, double wait)
         bool any = false;
         for (size_t i = 0; i < k->n_choices; i++) {
             struct choice *ch = &k->choices[i];
-            if (!ch->done && ch->st && (ch->st->qn > 0 || ch->st->overflow))
+            if (!ch->a.done && ch->st && (ch->st->qn > 0 || ch->st->overflow))
                 any = true;
         }
         if (any || tdm_now() >= until)
@@ -820,7 +663,7 @@ static int pump(struct call *k, double wait)
     pthread_mutex_unlock(&s->mu);
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        if (ch->done || ch->st == NULL)
+        if (ch->a.done || ch->st == NULL)
             continue;
         for (;;) {
             pthread_mutex_lock(&s->mu);
@@ -833,8 +676,8 @@ static int pump(struct call *k, double wait)
             }
             pthread_mutex_unlock(&s->mu);
             if (m == NULL) {
-                if (overflow && !ch->done) {
-                    finish_error(ch, TDM_ENOMEM, "router: stream queue overflow");
+                if (overflow && !ch->a.done) {
+                    tdm_oai_asm_fail(&ch->a, TDM_ENOMEM, "router: stream queue overflow");
                     send_cancel(k, ch);
                 }
                 break;
@@ -844,17 +687,17 @@ static int pump(struct call *k, double wait)
             if (rc != TDM_OK)
                 return -2;
             progressed++;
-            if (ch->done)
+            if (ch->a.done)
                 break;
         }
-        if (ch->done)
+        if (ch->a.done)
             continue;
         char why[256];
         if (tdm_now() > k->route.deadline) {
-            finish_error(ch, TDM_ETIMEDOUT, "the request's deadline passed");
+            tdm_oai_asm_fail(&ch->a, TDM_ETIMEDOUT, "the request's deadline passed");
             send_cancel(k, ch);
         } else if (!upstream_alive(k, ch, why, sizeof why)) {
-            finish_error(ch, TDM_ETRANSPORT, "%s", why);
+            tdm_oai_asm_fail(&ch->a, TDM_ETRANSPORT, "%s", why);
             ch->upstream_done = true; // nobody to cancel
             k->lost = true;
         }
@@ -865,7 +708,7 @@ static int pump(struct call *k, double wait)
 static bool all_done(const struct call *k)
 {
     for (size_t i = 0; i < k->n_choices; i++)
-        if (!k->choices[i].done)
+        if (!k->choices[i].a.done)
             return false;
     return true;
 }
@@ -873,7 +716,7 @@ static bool all_done(const struct call *k)
 static const struct choice *first_error(const struct call *k)
 {
     for (size_t i = 0; i < k->n_choices; i++)
-        if (k->choices[i].done && k->choices[i].finish == TDM_OAI_FINISH_ERROR)
+        if (k->choices[i].a.done && k->choices[i].a.finish == TDM_OAI_FINISH_ERROR)
             return &k->choices[i];
     return NULL;
 }
@@ -883,58 +726,24 @@ static void usage_of(const struct call *k, struct tdm_oai_usage *u)
     u->prompt_tokens = k->prompt_tokens;
     u->completion_tokens = 0;
     for (size_t i = 0; i < k->n_choices; i++)
-        u->completion_tokens += k->choices[i].completion_tokens;
-}
-
-static void fill_choice(const struct call *k, const struct choice *ch, struct tdm_oai_choice *oc,
-                        bool with_finish)
-{
-    memset(oc, 0, sizeof *oc);
-    oc->index = ch->index;
-    oc->text = ch->text.p ? ch->text.p : "";
-    oc->text_len = ch->text.len;
-    oc->finish = with_finish ? ch->finish : TDM_OAI_FINISH_NONE;
-    oc->stop_str = with_finish ? ch->stop_str : NULL;
-    oc->stop_token = with_finish ? ch->stop_token : -1;
-    oc->has_logprobs = k->req.logprobs;
-    oc->logprobs = ch->lps.items;
-    oc->n_logprobs = ch->lps.n;
-    oc->text_offset = ch->chars_sent;
-    if (k->req.return_token_ids) {
-        static const int32_t none[1] = {0};
-        oc->token_ids = ch->ids ? ch->ids : none;
-        oc->n_token_ids = ch->n_ids;
-        if (!ch->first_sent) {
-            const struct prompt *p = &k->prompts[ch->prompt_idx];
-            oc->prompt_token_ids = p->ids;
-            oc->n_prompt_token_ids = p->n;
-        }
-    }
+        u->completion_tokens += k->choices[i].a.completion_tokens;
 }
 
 static int stream_flush_choice(struct call *k, struct choice *ch)
 {
-    bool finish_now = ch->done && !ch->reported;
-    if (ch->text.len == 0 && !finish_now)
-        return 0;
-    if (finish_now && ch->finish == TDM_OAI_FINISH_ERROR)
-        return 0;
-    struct tdm_oai_choice oc;
-    fill_choice(k, ch, &oc, finish_now);
-    struct tdm_oai_usage u = {(int)k->prompts[ch->prompt_idx].n, ch->completion_tokens};
-    int rc = sse_send(k->conn,
-                      tdm_oai_chunk(&k->resp, &oc, 1, k->req.continuous_usage_stats ? &u : NULL));
-    if (rc == -2)
+    const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+    struct tdm_oai_usage u = {(int)p->n, ch->a.completion_tokens};
+    char *json = NULL;
+    bool finish_now = false;
+    if (tdm_oai_asm_stream_chunk(&ch->a, &k->resp, p->ids, p->n,
+                                 k->req.continuous_usage_stats ? &u : NULL, &json,
+                                 &finish_now) != TDM_OK)
         return -2;
-    if (rc < 0)
+    if (json == NULL)
+        return 0;
+    if (sse_send(k->conn, json) < 0)
         return -1;
-    ch->chars_sent += tdm_oai_utf8_chars(ch->text.p ? ch->text.p : "", ch->text.len);
-    ch->text.len = 0;
-    lp_clear(&ch->lps);
-    ch->n_ids = 0;
-    ch->first_sent = true;
-    if (finish_now)
-        ch->reported = true;
+    tdm_oai_asm_sent(&ch->a, finish_now);
     return 0;
 }
 
@@ -1072,7 +881,7 @@ static int send_generates(struct call *k, char *err, size_t errlen)
     double left = r->deadline - tdm_now();
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        const struct prompt *p = &k->prompts[ch->prompt_idx];
+        const struct prompt *p = &k->prompts[ch->a.prompt_idx];
         struct rstream *st = calloc(1, sizeof *st);
         if (st == NULL)
             return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
@@ -1215,7 +1024,7 @@ static void run_stream(struct call *k)
     // Wait for the first chunk of choice 0 before the headers go out, so an
     // upstream failure before any token is a plain HTTP error and the phase
     // times make it into the response header.
-    while (!k->choices[0].got_chunk && !k->choices[0].done) {
+    while (!k->choices[0].got_chunk && !k->choices[0].a.done) {
         if (pump(k, 0.1) < 0) {
             respond_error(k->conn, 500, NULL, "out of memory");
             return;
@@ -1226,10 +1035,10 @@ static void run_stream(struct call *k)
         }
     }
     const struct choice *bad0 = first_error(k);
-    if (bad0 && bad0->completion_tokens == 0 && all_done(k)) {
-        int status = bad0->error == TDM_ETIMEDOUT ? 504 : tdm_http_status_for_err(bad0->error);
+    if (bad0 && bad0->a.completion_tokens == 0 && all_done(k)) {
+        int status = bad0->a.error == TDM_ETIMEDOUT ? 504 : tdm_http_status_for_err(bad0->a.error);
         respond_error(k->conn, status >= 500 || status == 429 ? status : 502, NULL, "%s",
-                      bad0->message);
+                      bad0->a.message);
         return;
     }
     add_phase_header(k);
@@ -1241,15 +1050,15 @@ static void run_stream(struct call *k)
     for (size_t i = 0; i < k->n_choices && rc == 0; i++) {
         struct choice *ch = &k->choices[i];
         if (k->req.kind == TDM_OAI_CHAT) {
-            rc = sse_send(k->conn, tdm_oai_chat_role_chunk(&k->resp, ch->index));
+            rc = sse_send(k->conn, tdm_oai_chat_role_chunk(&k->resp, ch->a.index));
         } else if (k->req.echo) {
             // The echoed prompt goes first, as a chunk of its own (no logprobs), so
             // the generated tokens' text_offset counts it.
-            const struct prompt *p = &k->prompts[ch->prompt_idx];
+            const struct prompt *p = &k->prompts[ch->a.prompt_idx];
             static const int32_t none[1] = {0};
             struct tdm_oai_choice oc;
             memset(&oc, 0, sizeof oc);
-            oc.index = ch->index;
+            oc.index = ch->a.index;
             oc.text = p->text ? p->text : "";
             oc.text_len = p->text_len;
             oc.stop_token = -1;
@@ -1258,10 +1067,10 @@ static void run_stream(struct call *k)
                 oc.token_ids = none;
                 oc.prompt_token_ids = p->ids;
                 oc.n_prompt_token_ids = p->n;
-                ch->first_sent = true;
+                ch->a.first_sent = true;
             }
             rc = sse_send(k->conn, tdm_oai_chunk(&k->resp, &oc, 1, NULL));
-            ch->chars_sent += tdm_oai_utf8_chars(oc.text, oc.text_len);
+            ch->a.chars_sent += tdm_oai_utf8_chars(oc.text, oc.text_len);
         }
     }
     while (rc == 0) {
@@ -1283,7 +1092,7 @@ static void run_stream(struct call *k)
     }
     const struct choice *bad = first_error(k);
     if (rc == -2 || bad) {
-        tdm_oai_seterr(&e, 500, NULL, "%s", bad ? bad->message : "out of memory");
+        tdm_oai_seterr(&e, 500, NULL, "%s", bad ? bad->a.message : "out of memory");
         if (sse_send(k->conn, tdm_oai_error_body(&e)) == -1 ||
             tdm_http_sse_end(k->conn, true) != TDM_OK)
             k->client_gone = true;
@@ -1315,8 +1124,8 @@ static void run_collect(struct call *k)
     add_phase_header(k);
     const struct choice *bad = first_error(k);
     if (bad) {
-        int status = bad->error == TDM_ETIMEDOUT ? 504 : 502;
-        respond_error(k->conn, status, NULL, "%s", bad->message);
+        int status = bad->a.error == TDM_ETIMEDOUT ? 504 : 502;
+        respond_error(k->conn, status, NULL, "%s", bad->a.message);
         return;
     }
     struct tdm_oai_choice *oc = calloc(k->n_choices, sizeof *oc);
@@ -1330,11 +1139,11 @@ static void run_collect(struct call *k)
     bool oom = false;
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        const struct prompt *p = &k->prompts[ch->prompt_idx];
-        fill_choice(k, ch, &oc[i], true);
+        const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+        tdm_oai_asm_choice(&ch->a, true, p->ids, p->n, &oc[i]);
         if (k->req.echo) {
             if (sbuf_add(&full[i], p->text ? p->text : "", p->text_len) != TDM_OK ||
-                sbuf_add(&full[i], ch->text.p ? ch->text.p : "", ch->text.len) != TDM_OK)
+                sbuf_add(&full[i], ch->a.text.p ? ch->a.text.p : "", ch->a.text.len) != TDM_OK)
                 oom = true;
             oc[i].text = full[i].p ? full[i].p : "";
             oc[i].text_len = full[i].len;
@@ -1388,11 +1197,7 @@ static void call_fini(struct call *k)
     release_upstream(k);
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        tdm_detok_free(ch->detok);
-        tdm_oai_stop_free(ch->stop);
-        sbuf_fini(&ch->text);
-        lp_fini(&ch->lps);
-        free(ch->ids);
+        tdm_oai_asm_fini(&ch->a);
     }
     free(k->choices);
     for (size_t i = 0; i < k->n_prompts; i++) {
@@ -1407,7 +1212,7 @@ static void call_fini(struct call *k)
 static bool retryable(const struct call *k)
 {
     for (size_t i = 0; i < k->n_choices; i++)
-        if (k->choices[i].completion_tokens > 0)
+        if (k->choices[i].a.completion_tokens > 0)
             return false;
     return true;
 }
@@ -1419,11 +1224,8 @@ static void reset_for_retry(struct call *k)
     release_upstream(k);
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        ch->done = false;
+        tdm_oai_asm_reset_finish(&ch->a);
         ch->got_chunk = false;
-        ch->finish = TDM_OAI_FINISH_NONE;
-        ch->error = 0;
-        ch->message[0] = '\0';
         ch->upstream_done = true;
     }
     k->lost = false;
@@ -1469,13 +1271,8 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     }
     for (size_t i = 0; i < k.n_choices; i++) {
         struct choice *ch = &k.choices[i];
-        ch->index = (int)i;
-        ch->prompt_idx = (int)(i / n);
-        ch->stop_token = -1;
         ch->upstream_done = true;
-        if (tdm_detok_new(&ch->detok, s->tok, k.req.skip_special_tokens) != TDM_OK ||
-            tdm_oai_stop_new(&ch->stop, (const char *const *)k.req.stop, k.req.n_stop,
-                             k.req.include_stop_str_in_output) != TDM_OK) {
+        if (tdm_oai_asm_init(&ch->a, &k.req, s->tok, (int)i, (int)(i / n)) != TDM_OK) {
             respond_error(c, 500, NULL, "out of memory");
             goto out;
         }
@@ -1487,7 +1284,7 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
         }
         // Until the first chunk arrives nothing reached the client: a decode
         // worker lost in that window is replaced transparently.
-        while (!k.choices[0].got_chunk && !k.choices[0].done && !k.client_gone) {
+        while (!k.choices[0].got_chunk && !k.choices[0].a.done && !k.client_gone) {
             if (pump(&k, 0.1) < 0) {
                 respond_error(c, 500, NULL, "out of memory");
                 goto out;

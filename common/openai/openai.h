@@ -299,6 +299,93 @@ int tdm_oai_stop_feed_ex(struct tdm_oai_stop *s, const char *delta, size_t len, 
 void tdm_oai_stop_flush(struct tdm_oai_stop *s, const char **emit, size_t *emit_len);
 bool tdm_oai_stop_done(const struct tdm_oai_stop *s);
 
+// ---- response assembler: one choice's text pipeline ----------------------------------------
+// What both servers (decode's engine loop and the router's upstream stream) do
+// with the tokens of one choice: logprobs and token ids kept for the next
+// chunk, detokenize, invalid UTF-8 to U+FFFD, stop strings (after min_tokens), finish reason and
+// stop_reason, then the choice of a chunk or of the final body. The caller owns
+// the generator: when a stop string completes, tdm_oai_asm_token / _finish
+// report it and the caller stops (aborts or cancels) what produces the tokens.
+// Fields are public so servers read the state (done, finish, error, counts)
+// and mark an echoed prompt as sent. Allocation: grows the pending buffers to the
+// longest run between two chunks, then reuses them (cleared after each send).
+struct tdm_tokenizer;
+struct tdm_detok;
+
+struct tdm_oai_asm_buf {
+    char *p; // heap, NUL-terminated when non-NULL
+    size_t len, cap;
+};
+
+struct tdm_oai_asm {
+    int index;      // choice index in the response (prompt_idx * n + i)
+    int prompt_idx; // which prompt the choice continues
+    const struct tdm_oai_request *req; // borrowed: stop strings, logprobs, min_tokens...
+    const struct tdm_tokenizer *tok;   // borrowed
+    struct tdm_detok *detok;
+    struct tdm_oai_stop *stop;
+    bool done;       // finish known; later tokens are ignored
+    bool reported;   // stream: the finish chunk was written
+    enum tdm_oai_finish finish;
+    const char *stop_str; // the matched stop string (owned by req)
+    int32_t stop_token;   // stop_reason as a token id, else -1
+    int completion_tokens;
+    int error;         // finish ERROR: the error code
+    char message[256]; // finish ERROR: the message
+    struct tdm_oai_asm_buf text; // non-stream: all text; stream: not yet sent
+    struct tdm_oai_token_logprob *lps; // [n_lps] likewise; token strings owned here
+    size_t n_lps, cap_lps;
+    int32_t *ids; // [n_ids] likewise (return_token_ids)
+    size_t n_ids, cap_ids;
+    size_t chars_sent; // stream: code points already sent (text_offset)
+    bool first_sent;   // stream: prompt_token_ids went out
+    struct tdm_oai_asm_buf clean; // scratch for the UTF-8 cleaning
+};
+
+// a is caller storage (zeroed or not). TDM_ENOMEM leaves a safe to _fini.
+int tdm_oai_asm_init(struct tdm_oai_asm *a, const struct tdm_oai_request *req,
+                     const struct tdm_tokenizer *tok, int index, int prompt_idx);
+void tdm_oai_asm_fini(struct tdm_oai_asm *a); // a zeroed a is fine
+// Forgets the finish of a failed attempt (a retry on another worker): tokens,
+// text and counts stay as they are.
+void tdm_oai_asm_reset_finish(struct tdm_oai_asm *a);
+// One generated token with its logprob and top alternatives (top may be NULL).
+// ended_by_it: this is the EOS/stop token that ended the request (it adds no
+// text unless include_stop_str_in_output). *stopped is set true when a stop
+// string completed here (the choice is done, finish stop). TDM_OK / TDM_ENOMEM.
+int tdm_oai_asm_token(struct tdm_oai_asm *a, int32_t id, float logprob,
+                      const struct tdm_token_logprob *top, int num_top, bool ended_by_it,
+                      bool *stopped);
+// The generator finished the choice: flushes held text, then (unless a stop
+// string matched on the way) records finish, stop_token (-1 for none) and for
+// TDM_OAI_FINISH_ERROR error and message (NULL or "": tdm_strerror(error)).
+int tdm_oai_asm_finish(struct tdm_oai_asm *a, enum tdm_oai_finish finish, int32_t stop_token,
+                       int error, const char *message, bool *stopped);
+// Ends the choice with an error the server itself saw (timeout, lost upstream).
+void tdm_oai_asm_fail(struct tdm_oai_asm *a, int error, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+// Appends text to the pending text as is (an echoed prompt).
+int tdm_oai_asm_add_text(struct tdm_oai_asm *a, const char *text, size_t len);
+// The choice as it stands (pointers borrowed from a): pending text, logprobs and
+// ids; with_finish adds finish and stop_reason. prompt_ids go out with
+// return_token_ids until the first stream chunk was sent.
+void tdm_oai_asm_choice(const struct tdm_oai_asm *a, bool with_finish, const int32_t *prompt_ids,
+                        size_t n_prompt_ids, struct tdm_oai_choice *oc);
+// Stream: the next chunk of the choice into *json (heap, caller frees), or
+// *json NULL when there is nothing to send (no new text and no finish to
+// report; an error finish is the caller's error event). usage for
+// continuous_usage_stats (NULL omits it). *finish_now says whether it carries
+// the finish. TDM_ENOMEM. After the chunk went out call tdm_oai_asm_sent.
+int tdm_oai_asm_stream_chunk(const struct tdm_oai_asm *a, const struct tdm_oai_response *r,
+                             const int32_t *prompt_ids, size_t n_prompt_ids,
+                             const struct tdm_oai_usage *usage, char **json, bool *finish_now);
+void tdm_oai_asm_sent(struct tdm_oai_asm *a, bool finish_now);
+// stop_reason of a request ended by token id: the id when it was one of the
+// request's stop_token_ids, or one of generation_config.json's eos ids other
+// than the tokenizer's EOS (vLLM adds those to stop_token_ids); false for EOS.
+bool tdm_oai_is_stop_id(const struct tdm_sampling_params *sp, int32_t tok_eos,
+                        const struct tdm_generation_config *gen, int32_t id);
+
 // ---- helpers ------------------------------------------------------------------------------
 // Python len() of UTF-8 text: code points (each invalid byte counts one, as its
 // U+FFFD would).

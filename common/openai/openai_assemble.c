@@ -1,0 +1,387 @@
+// SPDX-License-Identifier: Apache-2.0
+// openai response assembler: one choice's text pipeline, shared by the decode
+// worker (tokens from its engine) and the router (tokens from a decode worker's
+// stream). Token ids come in; logprob entries, token ids and detokenized text
+// pass through the stop-string matcher into pending buffers; the finish reason
+// and stop_reason are recorded; a stream chunk or the final body's choice is
+// built from the pending state. Keeping one copy means a client sees the same
+// bytes whether it talks to a decode worker directly or through the router.
+#include "openai.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "tokenizer.h"
+
+// ---- buffers ----------------------------------------------------------------------------
+
+static int buf_add(struct tdm_oai_asm_buf *b, const char *s, size_t n)
+{
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 256;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (p == NULL)
+            return TDM_ENOMEM;
+        b->p = p;
+        b->cap = cap;
+    }
+    if (n)
+        memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+    return TDM_OK;
+}
+
+static void buf_fini(struct tdm_oai_asm_buf *b)
+{
+    free(b->p);
+    memset(b, 0, sizeof *b);
+}
+
+static void lps_clear(struct tdm_oai_asm *a)
+{
+    for (size_t i = 0; i < a->n_lps; i++) {
+        free((char *)a->lps[i].token);
+        if (a->lps[i].top) {
+            for (int j = 0; j < a->lps[i].num_top; j++)
+                free((char *)a->lps[i].top[j].token);
+            free((void *)a->lps[i].top);
+        }
+    }
+    a->n_lps = 0;
+}
+
+// A token's own text for logprobs (ids the tokenizer does not know give "").
+static char *token_text(const struct tdm_tokenizer *tok, int32_t id, size_t *len)
+{
+    char *t = NULL;
+    if (tdm_tok_decode(tok, &id, 1, false, &t, len) != TDM_OK) {
+        t = strdup("");
+        *len = 0;
+    }
+    return t;
+}
+
+static int lps_add(struct tdm_oai_asm *a, int32_t id, float logprob,
+                   const struct tdm_token_logprob *top, int num_top)
+{
+    if (a->n_lps == a->cap_lps) {
+        size_t cap = a->cap_lps ? a->cap_lps * 2 : 16;
+        struct tdm_oai_token_logprob *p = realloc(a->lps, cap * sizeof *p);
+        if (p == NULL)
+            return TDM_ENOMEM;
+        a->lps = p;
+        a->cap_lps = cap;
+    }
+    struct tdm_oai_token_logprob *it = &a->lps[a->n_lps];
+    memset(it, 0, sizeof *it);
+    it->id = id;
+    it->logprob = logprob;
+    it->token = token_text(a->tok, id, &it->token_len);
+    if (it->token == NULL)
+        return TDM_ENOMEM;
+    if (num_top > 0 && top != NULL) {
+        struct tdm_oai_top_logprob *t = calloc((size_t)num_top, sizeof *t);
+        if (t == NULL) {
+            free((char *)it->token);
+            return TDM_ENOMEM;
+        }
+        for (int j = 0; j < num_top; j++) {
+            t[j].id = top[j].token;
+            t[j].logprob = top[j].logprob;
+            t[j].token = token_text(a->tok, top[j].token, &t[j].token_len);
+        }
+        it->top = t;
+        it->num_top = num_top;
+    }
+    a->n_lps++;
+    return TDM_OK;
+}
+
+// ---- UTF-8 cleaning ------------------------------------------------------------------------
+// The same way the response writer cleans text: NUL and each maximal invalid
+// subpart become one U+FFFD (Python's decode(errors="replace")). lo/hi bound
+// the second byte of a lead byte c.
+static void utf8_second_range(unsigned c, unsigned *lo, unsigned *hi)
+{
+    *lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
+    *hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
+}
+
+// Bytes of the character at s when valid (and not NUL), else 0 with *skip the
+// bytes one U+FFFD replaces.
+static size_t utf8_char_len(const unsigned char *s, size_t n, size_t *skip)
+{
+    unsigned c = s[0];
+    *skip = 1;
+    if (c > 0 && c < 0x80)
+        return 1;
+    size_t need = c >= 0xC2 && c <= 0xDF   ? 2
+                  : c >= 0xE0 && c <= 0xEF ? 3
+                  : c >= 0xF0 && c <= 0xF4 ? 4
+                                           : 0;
+    if (need == 0)
+        return 0;
+    size_t i = 1;
+    while (i < need && i < n) {
+        unsigned lo = 0x80, hi = 0xBF;
+        if (i == 1)
+            utf8_second_range(c, &lo, &hi);
+        if (s[i] < lo || s[i] > hi)
+            break;
+        i++;
+    }
+    if (i == need)
+        return need;
+    *skip = i;
+    return 0;
+}
+
+// The detokenizer holds back an incomplete character, so an invalid byte in a
+// delta is invalid for good: it becomes U+FFFD here, before the stop matcher,
+// so stop strings see the text the client will see (as vLLM's Python str).
+// Returns delta itself when it is clean, else the cleaned copy in scratch.
+static const char *utf8_clean(const char *delta, size_t len, struct tdm_oai_asm_buf *scratch,
+                              size_t *out_len)
+{
+    const unsigned char *u = (const unsigned char *)delta;
+    size_t i = 0, skip;
+    while (i < len) {
+        size_t l = utf8_char_len(u + i, len - i, &skip);
+        if (l == 0)
+            break;
+        i += l;
+    }
+    *out_len = len;
+    if (i == len)
+        return delta;
+    scratch->len = 0;
+    if (buf_add(scratch, delta, i) != TDM_OK)
+        return NULL;
+    while (i < len) {
+        size_t l = utf8_char_len(u + i, len - i, &skip);
+        if (buf_add(scratch, l ? delta + i : "\xEF\xBF\xBD", l ? l : 3) != TDM_OK)
+            return NULL;
+        i += l ? l : skip;
+    }
+    *out_len = scratch->len;
+    return scratch->p;
+}
+
+// ---- the pipeline --------------------------------------------------------------------------
+
+int tdm_oai_asm_init(struct tdm_oai_asm *a, const struct tdm_oai_request *req,
+                     const struct tdm_tokenizer *tok, int index, int prompt_idx)
+{
+    memset(a, 0, sizeof *a);
+    a->req = req;
+    a->tok = tok;
+    a->index = index;
+    a->prompt_idx = prompt_idx;
+    a->stop_token = -1;
+    if (tdm_detok_new(&a->detok, tok, req->skip_special_tokens) != TDM_OK)
+        return TDM_ENOMEM;
+    if (tdm_oai_stop_new(&a->stop, (const char *const *)req->stop, req->n_stop,
+                         req->include_stop_str_in_output) != TDM_OK)
+        return TDM_ENOMEM;
+    return TDM_OK;
+}
+
+void tdm_oai_asm_fini(struct tdm_oai_asm *a)
+{
+    tdm_detok_free(a->detok);
+    tdm_oai_stop_free(a->stop);
+    buf_fini(&a->text);
+    buf_fini(&a->clean);
+    lps_clear(a);
+    free(a->lps);
+    free(a->ids);
+    memset(a, 0, sizeof *a);
+}
+
+void tdm_oai_asm_reset_finish(struct tdm_oai_asm *a)
+{
+    a->done = false;
+    a->finish = TDM_OAI_FINISH_NONE;
+    a->error = 0;
+    a->message[0] = '\0';
+}
+
+// Runs detokenized text through the stop matcher into the pending text.
+static int feed_text(struct tdm_oai_asm *a, const char *delta, size_t len, bool *stopped)
+{
+    delta = utf8_clean(delta, len, &a->clean, &len);
+    if (delta == NULL)
+        return TDM_ENOMEM;
+    const char *emit = NULL;
+    size_t emit_len = 0;
+    // vLLM looks for stop strings only once more than min_tokens tokens exist.
+    bool may_match = a->completion_tokens > a->req->sampling.min_tokens;
+    int idx = tdm_oai_stop_feed_ex(a->stop, delta, len, may_match, &emit, &emit_len);
+    if (idx == -2)
+        return TDM_ENOMEM;
+    if (emit_len > 0 && buf_add(&a->text, emit, emit_len) != TDM_OK)
+        return TDM_ENOMEM;
+    if (idx >= 0) {
+        // A stop string completed: the choice ends here; the caller stops the
+        // generator (counted as finish_reason "stop").
+        a->done = true;
+        a->finish = TDM_OAI_FINISH_STOP;
+        a->stop_str = a->req->stop[idx];
+        a->stop_token = -1;
+        *stopped = true;
+    }
+    return TDM_OK;
+}
+
+int tdm_oai_asm_token(struct tdm_oai_asm *a, int32_t id, float logprob,
+                      const struct tdm_token_logprob *top, int num_top, bool ended_by_it,
+                      bool *stopped)
+{
+    const struct tdm_oai_request *rq = a->req;
+    if (a->done)
+        return TDM_OK;
+    a->completion_tokens++;
+    if (rq->logprobs && lps_add(a, id, logprob, top, num_top) != TDM_OK)
+        return TDM_ENOMEM;
+    if (rq->return_token_ids) {
+        if (a->n_ids == a->cap_ids) {
+            size_t cap = a->cap_ids ? a->cap_ids * 2 : 64;
+            int32_t *p = realloc(a->ids, cap * sizeof *p);
+            if (p == NULL)
+                return TDM_ENOMEM;
+            a->ids = p;
+            a->cap_ids = cap;
+        }
+        a->ids[a->n_ids++] = id;
+    }
+    // The EOS/stop token that ended the request adds no text (vLLM), unless
+    // the caller asked for stop strings in the output.
+    if (ended_by_it && !rq->include_stop_str_in_output)
+        return TDM_OK;
+    const char *delta = NULL;
+    size_t dlen = 0;
+    // Ids beyond the tokenizer (a model vocab padded past it) decode to nothing.
+    if (tdm_detok_push(a->detok, id, &delta, &dlen) != TDM_OK)
+        dlen = 0;
+    if (dlen > 0 && feed_text(a, delta, dlen, stopped) != TDM_OK)
+        return TDM_ENOMEM;
+    return TDM_OK;
+}
+
+int tdm_oai_asm_finish(struct tdm_oai_asm *a, enum tdm_oai_finish finish, int32_t stop_token,
+                       int error, const char *message, bool *stopped)
+{
+    if (a->done)
+        return TDM_OK;
+    const char *delta = NULL;
+    size_t dlen = 0;
+    if (tdm_detok_flush(a->detok, &delta, &dlen) == TDM_OK && dlen > 0 &&
+        feed_text(a, delta, dlen, stopped) != TDM_OK)
+        return TDM_ENOMEM;
+    if (a->done)
+        return TDM_OK;
+    const char *emit = NULL;
+    size_t elen = 0;
+    tdm_oai_stop_flush(a->stop, &emit, &elen);
+    if (elen > 0 && buf_add(&a->text, emit, elen) != TDM_OK)
+        return TDM_ENOMEM;
+    a->done = true;
+    a->finish = finish;
+    a->stop_token = stop_token;
+    if (finish == TDM_OAI_FINISH_ERROR) {
+        a->error = error;
+        snprintf(a->message, sizeof a->message, "%s",
+                 message && *message ? message : tdm_strerror(error));
+    }
+    return TDM_OK;
+}
+
+void tdm_oai_asm_fail(struct tdm_oai_asm *a, int error, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(a->message, sizeof a->message, fmt, ap);
+    va_end(ap);
+    a->done = true;
+    a->finish = TDM_OAI_FINISH_ERROR;
+    a->error = error;
+}
+
+int tdm_oai_asm_add_text(struct tdm_oai_asm *a, const char *text, size_t len)
+{
+    return buf_add(&a->text, text ? text : "", text ? len : 0);
+}
+
+// ---- output ---------------------------------------------------------------------------------
+
+void tdm_oai_asm_choice(const struct tdm_oai_asm *a, bool with_finish, const int32_t *prompt_ids,
+                        size_t n_prompt_ids, struct tdm_oai_choice *oc)
+{
+    memset(oc, 0, sizeof *oc);
+    oc->index = a->index;
+    oc->text = a->text.p ? a->text.p : "";
+    oc->text_len = a->text.len;
+    oc->finish = with_finish ? a->finish : TDM_OAI_FINISH_NONE;
+    oc->stop_str = with_finish ? a->stop_str : NULL;
+    oc->stop_token = with_finish ? a->stop_token : -1;
+    oc->has_logprobs = a->req->logprobs;
+    oc->logprobs = a->lps;
+    oc->n_logprobs = a->n_lps;
+    oc->text_offset = a->chars_sent;
+    if (a->req->return_token_ids) {
+        static const int32_t none[1] = {0}; // [] in the chunk, not an omitted field
+        oc->token_ids = a->ids ? a->ids : none;
+        oc->n_token_ids = a->n_ids;
+        if (!a->first_sent) {
+            oc->prompt_token_ids = prompt_ids;
+            oc->n_prompt_token_ids = n_prompt_ids;
+        }
+    }
+}
+
+int tdm_oai_asm_stream_chunk(const struct tdm_oai_asm *a, const struct tdm_oai_response *r,
+                             const int32_t *prompt_ids, size_t n_prompt_ids,
+                             const struct tdm_oai_usage *usage, char **json, bool *finish_now)
+{
+    *json = NULL;
+    *finish_now = a->done && !a->reported;
+    if (a->text.len == 0 && !*finish_now)
+        return TDM_OK;
+    if (*finish_now && a->finish == TDM_OAI_FINISH_ERROR)
+        return TDM_OK; // reported as an error event by the caller
+    struct tdm_oai_choice oc;
+    tdm_oai_asm_choice(a, *finish_now, prompt_ids, n_prompt_ids, &oc);
+    *json = tdm_oai_chunk(r, &oc, 1, usage);
+    return *json ? TDM_OK : TDM_ENOMEM;
+}
+
+void tdm_oai_asm_sent(struct tdm_oai_asm *a, bool finish_now)
+{
+    a->chars_sent += tdm_oai_utf8_chars(a->text.p ? a->text.p : "", a->text.len);
+    a->text.len = 0;
+    lps_clear(a);
+    a->n_ids = 0;
+    a->first_sent = true;
+    if (finish_now)
+        a->reported = true;
+}
+
+bool tdm_oai_is_stop_id(const struct tdm_sampling_params *sp, int32_t tok_eos,
+                        const struct tdm_generation_config *gen, int32_t id)
+{
+    for (int i = 0; i < sp->num_stop_token_ids; i++)
+        if (sp->stop_token_ids[i] == id)
+            return true;
+    if (id == tok_eos)
+        return false;
+    for (int i = 0; gen && i < gen->num_eos_token_ids; i++)
+        if (gen->eos_token_ids[i] == id)
+            return true;
+    return false;
+}

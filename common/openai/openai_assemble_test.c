@@ -1,0 +1,263 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tests of the response assembler (the per-choice text pipeline both servers
+// use) with the Qwen2 tokenizer from the shared folder (skipped without it):
+// a stop string ends the choice and is reported once, min_tokens defers it,
+// the EOS token that ended a request adds no text, stop_reason ids,
+// logprobs and token ids are kept until a chunk is sent, text_offset advances,
+// an error finish keeps its message, and invalid UTF-8 becomes U+FFFD before
+// stop matching.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <sys/stat.h>
+
+#include "core.h"
+#include "openai.h"
+#include "tokenizer.h"
+
+#define TOK_DIR TANDEM_SHARED_DIR "/models/qwen2-tokenizer"
+
+static struct tdm_tokenizer *tok;
+
+static int setup(void **state)
+{
+    (void)state;
+    struct stat st;
+    if (stat(TOK_DIR "/tokenizer.json", &st) != 0)
+        return 0;
+    char err[256];
+    if (tdm_tok_load(&tok, TOK_DIR, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "tokenizer: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    tdm_tok_free(tok);
+    return 0;
+}
+
+static void request_init(struct tdm_oai_request *rq)
+{
+    memset(rq, 0, sizeof *rq);
+    rq->kind = TDM_OAI_COMPLETION;
+    rq->n = 1;
+    rq->skip_special_tokens = true;
+    rq->sampling.logprobs = -1;
+}
+
+// Feeds text's tokens one by one; returns the index of the token at which a
+// stop string completed, or -1.
+static int feed(struct tdm_oai_asm *a, const char *text)
+{
+    int32_t *ids = NULL;
+    size_t n = 0;
+    assert_int_equal(tdm_tok_encode(tok, text, strlen(text), false, &ids, &n), TDM_OK);
+    int hit = -1;
+    for (size_t i = 0; i < n; i++) {
+        bool stopped = false;
+        assert_int_equal(tdm_oai_asm_token(a, ids[i], -0.5f, NULL, 0, false, &stopped), TDM_OK);
+        if (stopped) {
+            assert_int_equal(hit, -1); // reported once
+            hit = (int)i;
+        }
+    }
+    free(ids);
+    return hit;
+}
+
+static void test_stop_string(void **state)
+{
+    (void)state;
+    if (tok == NULL)
+        skip();
+    struct tdm_oai_request rq;
+    request_init(&rq);
+    char stop[] = " world";
+    rq.stop[0] = stop;
+    rq.n_stop = 1;
+    struct tdm_oai_asm a;
+    assert_int_equal(tdm_oai_asm_init(&a, &rq, tok, 3, 1), TDM_OK);
+    assert_true(feed(&a, "Hello world and more") >= 0);
+    assert_true(a.done);
+    assert_int_equal(a.finish, TDM_OAI_FINISH_STOP);
+    assert_ptr_equal(a.stop_str, stop);
+    assert_string_equal(a.text.p, "Hello");
+    int before = a.completion_tokens;
+    bool stopped = false;
+    assert_int_equal(tdm_oai_asm_token(&a, 11, 0, NULL, 0, false, &stopped), TDM_OK);
+    assert_false(stopped);
+    assert_int_equal(a.completion_tokens, before); // ignored once done
+    struct tdm_oai_choice oc;
+    tdm_oai_asm_choice(&a, true, NULL, 0, &oc);
+    assert_int_equal(oc.index, 3);
+    assert_int_equal(oc.finish, TDM_OAI_FINISH_STOP);
+    assert_int_equal(oc.stop_token, -1);
+    tdm_oai_asm_fini(&a);
+
+    // min_tokens: no match before that many tokens exist; the text flows on.
+    rq.sampling.min_tokens = 50;
+    assert_int_equal(tdm_oai_asm_init(&a, &rq, tok, 0, 0), TDM_OK);
+    assert_int_equal(feed(&a, "Hello world and more"), -1);
+    bool s2 = false;
+    assert_int_equal(tdm_oai_asm_finish(&a, TDM_OAI_FINISH_LENGTH, -1, 0, NULL, &s2), TDM_OK);
+    assert_true(a.done);
+    assert_int_equal(a.finish, TDM_OAI_FINISH_LENGTH);
+    assert_string_equal(a.text.p, "Hello world and more");
+    tdm_oai_asm_fini(&a);
+}
+
+static void test_stream_chunks(void **state)
+{
+    (void)state;
+    if (tok == NULL)
+        skip();
+    struct tdm_oai_request rq;
+    request_init(&rq);
+    rq.logprobs = true;
+    rq.return_token_ids = true;
+    struct tdm_oai_response resp;
+    tdm_oai_response_init(&resp, TDM_OAI_COMPLETION, "m", "cmpl-x");
+    struct tdm_oai_asm a;
+    assert_int_equal(tdm_oai_asm_init(&a, &rq, tok, 0, 0), TDM_OK);
+    char *json = NULL;
+    bool finish_now = true;
+    const int32_t prompt[2] = {9707, 1879};
+    // Nothing yet: no chunk.
+    assert_int_equal(tdm_oai_asm_stream_chunk(&a, &resp, prompt, 2, NULL, &json, &finish_now),
+                     TDM_OK);
+    assert_null(json);
+    assert_false(finish_now);
+    assert_int_equal(feed(&a, "Hi there"), -1);
+    assert_true(a.n_lps > 0);
+    assert_int_equal(a.n_ids, a.n_lps);
+    struct tdm_oai_choice oc;
+    tdm_oai_asm_choice(&a, false, prompt, 2, &oc);
+    assert_int_equal(oc.n_prompt_token_ids, 2);
+    assert_int_equal(oc.n_logprobs, a.n_lps);
+    assert_int_equal(tdm_oai_asm_stream_chunk(&a, &resp, prompt, 2, NULL, &json, &finish_now),
+                     TDM_OK);
+    assert_non_null(json);
+    assert_false(finish_now);
+    assert_non_null(strstr(json, "\"prompt_token_ids\""));
+    free(json);
+    size_t len = a.text.len;
+    tdm_oai_asm_sent(&a, finish_now);
+    assert_int_equal(a.chars_sent, len); // ASCII: bytes = code points
+    assert_int_equal(a.text.len, 0);
+    assert_int_equal(a.n_lps, 0);
+    assert_int_equal(a.n_ids, 0);
+    assert_true(a.first_sent);
+    // The EOS that ended the request: counted, no text. Then the finish chunk.
+    int32_t eos = tdm_tok_eos_id(tok);
+    bool stopped = false;
+    assert_int_equal(tdm_oai_asm_token(&a, eos, 0, NULL, 0, true, &stopped), TDM_OK);
+    assert_int_equal(a.text.len, 0);
+    assert_int_equal(tdm_oai_asm_finish(&a, TDM_OAI_FINISH_STOP, -1, 0, NULL, &stopped), TDM_OK);
+    assert_int_equal(tdm_oai_asm_stream_chunk(&a, &resp, prompt, 2, NULL, &json, &finish_now),
+                     TDM_OK);
+    assert_non_null(json);
+    assert_true(finish_now);
+    assert_non_null(strstr(json, "\"finish_reason\":\"stop\""));
+    assert_null(strstr(json, "\"prompt_token_ids\""));
+    free(json);
+    tdm_oai_asm_sent(&a, finish_now);
+    assert_true(a.reported);
+    assert_int_equal(tdm_oai_asm_stream_chunk(&a, &resp, prompt, 2, NULL, &json, &finish_now),
+                     TDM_OK);
+    assert_null(json);
+    tdm_oai_asm_fini(&a);
+}
+
+static void test_errors_and_stop_ids(void **state)
+{
+    (void)state;
+    if (tok == NULL)
+        skip();
+    struct tdm_oai_request rq;
+    request_init(&rq);
+    struct tdm_oai_asm a;
+    assert_int_equal(tdm_oai_asm_init(&a, &rq, tok, 0, 0), TDM_OK);
+    bool stopped = false;
+    assert_int_equal(
+        tdm_oai_asm_finish(&a, TDM_OAI_FINISH_ERROR, -1, TDM_ETIMEDOUT, "", &stopped), TDM_OK);
+    assert_int_equal(a.error, TDM_ETIMEDOUT);
+    assert_string_equal(a.message, tdm_strerror(TDM_ETIMEDOUT));
+    char *json = NULL;
+    bool finish_now = false;
+    // An error finish is the caller's error event, not a chunk.
+    assert_int_equal(tdm_oai_asm_stream_chunk(&a, NULL, NULL, 0, NULL, &json, &finish_now),
+                     TDM_OK);
+    assert_null(json);
+    tdm_oai_asm_reset_finish(&a);
+    assert_false(a.done);
+    tdm_oai_asm_fail(&a, TDM_ETRANSPORT, "worker %s lost", "d0");
+    assert_string_equal(a.message, "worker d0 lost");
+    assert_int_equal(a.finish, TDM_OAI_FINISH_ERROR);
+    tdm_oai_asm_fini(&a);
+
+    struct tdm_sampling_params sp;
+    memset(&sp, 0, sizeof sp);
+    sp.stop_token_ids[0] = 42;
+    sp.num_stop_token_ids = 1;
+    struct tdm_generation_config gen;
+    memset(&gen, 0, sizeof gen);
+    gen.eos_token_ids[0] = 7;
+    gen.eos_token_ids[1] = 9;
+    gen.num_eos_token_ids = 2;
+    assert_true(tdm_oai_is_stop_id(&sp, 9, &gen, 42));
+    assert_true(tdm_oai_is_stop_id(&sp, 9, &gen, 7));
+    assert_false(tdm_oai_is_stop_id(&sp, 9, &gen, 9)); // the tokenizer's EOS: null
+    assert_false(tdm_oai_is_stop_id(&sp, 9, NULL, 7));
+    assert_false(tdm_oai_is_stop_id(&sp, 9, &gen, 8));
+}
+
+// A lone byte-level token for 0xFF decodes to an invalid byte: the stop string
+// "\xEF\xBF\xBD" (U+FFFD) matches it, as it would in vLLM's Python str.
+static void test_invalid_utf8_cleaned(void **state)
+{
+    (void)state;
+    if (tok == NULL)
+        skip();
+    int32_t id = tdm_tok_piece_to_id(tok, "\xC3\xBF"); // byte-level piece for 0xFF
+    if (id < 0)
+        skip();
+    struct tdm_oai_request rq;
+    request_init(&rq);
+    char stop[] = "\xEF\xBF\xBD";
+    rq.stop[0] = stop;
+    rq.n_stop = 1;
+    rq.include_stop_str_in_output = true;
+    struct tdm_oai_asm a;
+    assert_int_equal(tdm_oai_asm_init(&a, &rq, tok, 0, 0), TDM_OK);
+    assert_int_equal(feed(&a, "ab"), -1);
+    bool stopped = false;
+    assert_int_equal(tdm_oai_asm_token(&a, id, 0, NULL, 0, false, &stopped), TDM_OK);
+    if (!stopped) // the detokenizer may hold the byte until the end
+        assert_int_equal(tdm_oai_asm_finish(&a, TDM_OAI_FINISH_LENGTH, -1, 0, NULL, &stopped),
+                         TDM_OK);
+    assert_true(stopped);
+    assert_int_equal(a.finish, TDM_OAI_FINISH_STOP);
+    assert_string_equal(a.text.p, "ab\xEF\xBF\xBD");
+    tdm_oai_asm_fini(&a);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_stop_string),
+        cmocka_unit_test(test_stream_chunks),
+        cmocka_unit_test(test_errors_and_stop_ids),
+        cmocka_unit_test(test_invalid_utf8_cleaned),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
