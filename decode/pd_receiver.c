@@ -880,75 +880,56 @@ static void on_load_report(struct tdm_pd_receiver *rx, const struct tdm_net_fram
     tandem__load_report__free_unpacked(r, NULL);
 }
 
-static void on_load_query(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+// The load this worker reports to a router's liveness/load query.
+static void fill_load(void *arg, struct tdm_pd_load *load)
 {
-    Tandem__LoadQuery *q = tandem__load_query__unpack(NULL, f->msg_len, f->msg);
-    if (q == NULL)
-        return;
-    if (q->reply_to && q->reply_to->url && q->reply_to->url[0]) {
-        struct tdm_engine_stats st;
-        tdm_engine_get_stats(rx->parts.engine, &st);
-        Tandem__LoadReport r = TANDEM__LOAD_REPORT__INIT;
-        r.instance = rx->instance;
-        r.to_instance = q->reply_to->instance;
-        r.role = "decode";
-        r.model = (char *)rx->parts.served_name;
-        r.running = st.num_running;
-        r.waiting = st.num_waiting;
-        r.kv_usage = st.kv_usage;
-        r.free_blocks = st.num_free_blocks;
-        r.total_blocks = st.num_total_blocks;
-        r.block_size = st.block_size;
-        r.held = st.num_importing;
-        r.seq = q->seq;
-        r.url = (char *)tdm_net_inbox_url(rx->inbox);
-        char err[256];
-        tdm_pd_send(rx->outbox, q->reply_to->url, TDM_NET_LOAD_REPORT, &r.base, NULL, 0, 0, err,
-                    sizeof err);
+    struct tdm_pd_receiver *rx = arg;
+    struct tdm_engine_stats st;
+    tdm_engine_get_stats(rx->parts.engine, &st);
+    load->instance = rx->instance;
+    load->role = "decode";
+    load->model = rx->parts.served_name;
+    load->running = st.num_running;
+    load->waiting = st.num_waiting;
+    load->kv_usage = st.kv_usage;
+    load->free_blocks = st.num_free_blocks;
+    load->total_blocks = st.num_total_blocks;
+    load->block_size = st.block_size;
+    load->held = st.num_importing;
+    load->url = tdm_net_inbox_url(rx->inbox);
+}
+
+static void on_frame(void *arg, const struct tdm_net_frame *f)
+{
+    struct tdm_pd_receiver *rx = arg;
+    switch (f->type) {
+    case TDM_NET_GENERATE:
+        on_generate(rx, f);
+        break;
+    case TDM_NET_PREFILL_RESULT:
+        on_result(rx, f);
+        break;
+    case TDM_NET_KV_DATA:
+        on_kv_data(rx, f);
+        break;
+    case TDM_NET_CANCEL:
+        on_cancel(rx, f);
+        break;
+    case TDM_NET_LOAD_QUERY:
+        tdm_pd_answer_load_query(rx->outbox, f, fill_load, rx);
+        break;
+    case TDM_NET_LOAD_REPORT:
+        on_load_report(rx, f);
+        break;
+    default:
+        TDM_LOG_DEBUG(MOD, "ignored %s frame", tdm_net_type_name(f->type));
     }
-    tandem__load_query__free_unpacked(q, NULL);
 }
 
 static void *rx_main(void *arg)
 {
     struct tdm_pd_receiver *rx = arg;
-    char err[256];
-    while (!atomic_load(&rx->stopping)) {
-        struct tdm_net_msg *msg = NULL;
-        int rc = tdm_net_inbox_recv(rx->inbox, 0.2, &msg, err, sizeof err);
-        if (rc == TDM_ETIMEDOUT)
-            continue;
-        if (rc == TDM_ECLOSED)
-            break;
-        if (rc != TDM_OK) {
-            TDM_LOG_WARN(MOD, "dropped a frame: %s", err);
-            continue;
-        }
-        const struct tdm_net_frame *f = tdm_net_msg_frame(msg);
-        switch (f->type) {
-        case TDM_NET_GENERATE:
-            on_generate(rx, f);
-            break;
-        case TDM_NET_PREFILL_RESULT:
-            on_result(rx, f);
-            break;
-        case TDM_NET_KV_DATA:
-            on_kv_data(rx, f);
-            break;
-        case TDM_NET_CANCEL:
-            on_cancel(rx, f);
-            break;
-        case TDM_NET_LOAD_QUERY:
-            on_load_query(rx, f);
-            break;
-        case TDM_NET_LOAD_REPORT:
-            on_load_report(rx, f);
-            break;
-        default:
-            TDM_LOG_DEBUG(MOD, "ignored %s frame", tdm_net_type_name(f->type));
-        }
-        tdm_net_msg_free(msg);
-    }
+    tdm_net_inbox_serve(rx->inbox, &rx->stopping, on_frame, rx, MOD);
     return NULL;
 }
 

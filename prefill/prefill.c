@@ -545,70 +545,50 @@ static void on_cancel(struct tdm_prefill_service *p, const struct tdm_net_frame 
     tandem__cancel__free_unpacked(m, NULL);
 }
 
-static void on_load_query(struct tdm_prefill_service *p, const struct tdm_net_frame *f)
+// The load this worker reports to a load query (router or decode worker).
+static void fill_load(void *arg, struct tdm_pd_load *load)
 {
-    Tandem__LoadQuery *q = tandem__load_query__unpack(NULL, f->msg_len, f->msg);
-    if (q == NULL)
-        return;
-    if (q->reply_to && q->reply_to->url && q->reply_to->url[0]) {
-        struct tdm_engine_stats st;
-        tdm_engine_get_stats(p->parts.engine, &st);
-        Tandem__LoadReport r = TANDEM__LOAD_REPORT__INIT;
-        r.instance = p->instance;
-        r.to_instance = q->reply_to->instance;
-        r.role = "prefill";
-        r.model = (char *)p->parts.served_name;
-        r.running = st.num_running;
-        r.waiting = st.num_waiting;
-        r.kv_usage = st.kv_usage;
-        r.free_blocks = st.num_free_blocks;
-        r.total_blocks = st.num_total_blocks;
-        r.block_size = st.block_size;
-        r.held = st.num_held;
-        r.seq = q->seq;
-        r.url = (char *)tdm_net_inbox_url(p->inbox);
-        char err[256];
-        // Nonblocking: a router that went away must not stall this thread.
-        tdm_pd_send(p->outbox, q->reply_to->url, TDM_NET_LOAD_REPORT, &r.base, NULL, 0, 0, err,
-                    sizeof err);
+    struct tdm_prefill_service *p = arg;
+    struct tdm_engine_stats st;
+    tdm_engine_get_stats(p->parts.engine, &st);
+    load->instance = p->instance;
+    load->role = "prefill";
+    load->model = p->parts.served_name;
+    load->running = st.num_running;
+    load->waiting = st.num_waiting;
+    load->kv_usage = st.kv_usage;
+    load->free_blocks = st.num_free_blocks;
+    load->total_blocks = st.num_total_blocks;
+    load->block_size = st.block_size;
+    load->held = st.num_held;
+    load->url = tdm_net_inbox_url(p->inbox);
+}
+
+static void on_frame(void *arg, const struct tdm_net_frame *f)
+{
+    struct tdm_prefill_service *p = arg;
+    switch (f->type) {
+    case TDM_NET_PREFILL:
+        on_prefill(p, f);
+        break;
+    case TDM_NET_KV_PULL:
+        on_pull(p, f);
+        break;
+    case TDM_NET_CANCEL:
+        on_cancel(p, f);
+        break;
+    case TDM_NET_LOAD_QUERY:
+        tdm_pd_answer_load_query(p->outbox, f, fill_load, p);
+        break;
+    default:
+        TDM_LOG_DEBUG(MOD, "ignored %s frame", tdm_net_type_name(f->type));
     }
-    tandem__load_query__free_unpacked(q, NULL);
 }
 
 static void *rx_main(void *arg)
 {
     struct tdm_prefill_service *p = arg;
-    char err[256];
-    while (!atomic_load(&p->stopping)) {
-        struct tdm_net_msg *msg = NULL;
-        int rc = tdm_net_inbox_recv(p->inbox, 0.2, &msg, err, sizeof err);
-        if (rc == TDM_ETIMEDOUT)
-            continue;
-        if (rc == TDM_ECLOSED)
-            break;
-        if (rc != TDM_OK) {
-            TDM_LOG_WARN(MOD, "dropped a frame: %s", err);
-            continue;
-        }
-        const struct tdm_net_frame *f = tdm_net_msg_frame(msg);
-        switch (f->type) {
-        case TDM_NET_PREFILL:
-            on_prefill(p, f);
-            break;
-        case TDM_NET_KV_PULL:
-            on_pull(p, f);
-            break;
-        case TDM_NET_CANCEL:
-            on_cancel(p, f);
-            break;
-        case TDM_NET_LOAD_QUERY:
-            on_load_query(p, f);
-            break;
-        default:
-            TDM_LOG_DEBUG(MOD, "ignored %s frame", tdm_net_type_name(f->type));
-        }
-        tdm_net_msg_free(msg);
-    }
+    tdm_net_inbox_serve(p->inbox, &p->stopping, on_frame, p, MOD);
     return NULL;
 }
 

@@ -145,3 +145,34 @@ int tdm_pd_send(struct tdm_net_outbox *ob, const char *url, int type, const Prot
     return tdm_pd_send_fill(ob, url, type, m, payload ? payload_len : 0,
                             payload ? copy_payload : NULL, &a, timeout_s, err, errlen);
 }
+
+void tdm_pd_answer_load_query(struct tdm_net_outbox *ob, const struct tdm_net_frame *f,
+                              tdm_pd_load_fn fill, void *arg)
+{
+    Tandem__LoadQuery *q = tandem__load_query__unpack(NULL, f->msg_len, f->msg);
+    if (q == NULL)
+        return;
+    if (q->reply_to && q->reply_to->url && q->reply_to->url[0]) {
+        struct tdm_pd_load load;
+        memset(&load, 0, sizeof load);
+        fill(arg, &load);
+        Tandem__LoadReport r = TANDEM__LOAD_REPORT__INIT;
+        r.instance = load.instance;
+        r.to_instance = q->reply_to->instance;
+        r.role = (char *)(load.role ? load.role : "");
+        r.model = (char *)(load.model ? load.model : "");
+        r.running = load.running;
+        r.waiting = load.waiting;
+        r.kv_usage = load.kv_usage;
+        r.free_blocks = load.free_blocks;
+        r.total_blocks = load.total_blocks;
+        r.block_size = load.block_size;
+        r.held = load.held;
+        r.seq = q->seq;
+        r.url = (char *)(load.url ? load.url : "");
+        char err[256];
+        tdm_pd_send(ob, q->reply_to->url, TDM_NET_LOAD_REPORT, &r.base, NULL, 0, 0, err,
+                    sizeof err);
+    }
+    tandem__load_query__free_unpacked(q, NULL);
+}

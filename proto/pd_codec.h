@@ -38,6 +38,26 @@ int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampl
 int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_config *kv,
                            const char *model, int num_tokens, char *err, size_t errlen);
 
+// A worker's load, as it answers a LoadQuery (LoadReport fields; strings borrowed).
+struct tdm_pd_load {
+    uint64_t instance; // this process's instance id
+    const char *role;  // "prefill" or "decode"
+    const char *model; // served model name
+    int running, waiting;
+    float kv_usage; // referenced KV blocks / all
+    int free_blocks, total_blocks, block_size;
+    int held;        // prefill: KV held for export; decode: imports in progress
+    const char *url; // this worker's inbox URL
+};
+// Fills *load (called only for a query that can be answered).
+typedef void (*tdm_pd_load_fn)(void *arg, struct tdm_pd_load *load);
+// Answers a LOAD_QUERY frame f: unpacks it and, when it names a reply_to inbox,
+// sends a LoadReport (fill's load, to_instance and seq from the query) there
+// without blocking, so a router that went away cannot stall the caller's
+// thread. A malformed query or a failed send is dropped (the asker retries).
+void tdm_pd_answer_load_query(struct tdm_net_outbox *ob, const struct tdm_net_frame *f,
+                              tdm_pd_load_fn fill, void *arg);
+
 // Packs m and sends it as a frame of the given type (payload may be NULL).
 // Errors as tdm_net_send, TDM_ENOMEM.
 int tdm_pd_send(struct tdm_net_outbox *ob, const char *url, int type, const ProtobufCMessage *m,

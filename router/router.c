@@ -347,28 +347,19 @@ static void on_load_report(struct tdm_router_server *s, const struct tdm_net_fra
     tandem__load_report__free_unpacked(r, NULL);
 }
 
+static void on_frame(void *arg, const struct tdm_net_frame *f)
+{
+    struct tdm_router_server *s = arg;
+    if (f->type == TDM_NET_TOKENS)
+        on_tokens(s, f);
+    else if (f->type == TDM_NET_LOAD_REPORT)
+        on_load_report(s, f);
+}
+
 static void *rx_main(void *arg)
 {
     struct tdm_router_server *s = arg;
-    char err[256];
-    while (!atomic_load(&s->stopping)) {
-        struct tdm_net_msg *msg = NULL;
-        int rc = tdm_net_inbox_recv(s->inbox, 0.2, &msg, err, sizeof err);
-        if (rc == TDM_ETIMEDOUT)
-            continue;
-        if (rc == TDM_ECLOSED)
-            break;
-        if (rc != TDM_OK) {
-            TDM_LOG_WARN(MOD, "dropped a frame: %s", err);
-            continue;
-        }
-        const struct tdm_net_frame *f = tdm_net_msg_frame(msg);
-        if (f->type == TDM_NET_TOKENS)
-            on_tokens(s, f);
-        else if (f->type == TDM_NET_LOAD_REPORT)
-            on_load_report(s, f);
-        tdm_net_msg_free(msg);
-    }
+    tdm_net_inbox_serve(s->inbox, &s->stopping, on_frame, s, MOD);
     return NULL;
 }
 

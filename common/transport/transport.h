@@ -17,6 +17,7 @@
 #ifndef TDM_TRANSPORT_H
 #define TDM_TRANSPORT_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -90,6 +91,14 @@ const char *tdm_net_inbox_url(const struct tdm_net_inbox *in);
 // malformed frame (dropped; err says why; keep receiving).
 int tdm_net_inbox_recv(struct tdm_net_inbox *in, double timeout_s, struct tdm_net_msg **out,
                        char *err, size_t errlen);
+
+// A role's inbox thread: receives frames (0.2 s waits, so *stopping is seen
+// promptly) and hands each to handle(arg, frame) until *stopping is set or the
+// inbox is closed. The frame is valid only during the call. Malformed frames
+// are dropped with a warning logged under module. Returns when done.
+typedef void (*tdm_net_frame_handler)(void *arg, const struct tdm_net_frame *f);
+void tdm_net_inbox_serve(struct tdm_net_inbox *in, const atomic_bool *stopping,
+                         tdm_net_frame_handler handle, void *arg, const char *module);
 
 // The parsed frame of a received message; valid until tdm_net_msg_free.
 const struct tdm_net_frame *tdm_net_msg_frame(const struct tdm_net_msg *m);
