@@ -3,7 +3,8 @@
   - a prefill worker killed: requests still succeed (next prefill worker or
     local prefill) with the same output as direct;
   - a decode worker killed mid-stream: the client gets an SSE error event within
-    2 s, and new requests succeed on the survivor;
+    2 s, the router counts that one failure once in
+    tandem:router_upstream_errors_total, and new requests succeed on the survivor;
   - the killed workers restarted on the same addresses serve again within
     seconds (no stale connection state in router, decode or prefill);
   - a client that disconnects mid-stream: KV usage returns to 0 on every worker.
@@ -21,6 +22,13 @@ def direct(cl, body):
     st, _, d = post(live[0].http_port, "/v1/completions", body)
     check(st == 200, "direct status %d" % st)
     return d["choices"][0]["text"]
+
+
+def upstream_errors(cl, endpoint):
+    """The router's tandem:router_upstream_errors_total for one endpoint (all kinds)."""
+    return sum(v for k, v in metrics(cl.router_port).items()
+               if k.startswith("tandem:router_upstream_errors_total{")
+               and 'endpoint="%s"' % endpoint in k)
 
 
 def routed_ok(cl, body, n, what, want=None):
@@ -64,6 +72,7 @@ def main():
     events = s.events()
     first = next(events)
     check(isinstance(first, dict) and "choices" in first, "first event %r" % first)
+    errors_before = upstream_errors(cl, victim.name)
     cl.kill(victim)
     t_kill = time.time()
     got_error, finished_normally = False, False
@@ -80,6 +89,13 @@ def main():
     check(got_error, "no SSE error event after the decode worker died")
     check(waited <= 2.0, "error event after %.2f s (> 2 s)" % waited)
     print("decode killed mid-stream: error event after %.2f s" % waited, flush=True)
+    # One failed request, one upstream error (the router once counted it twice).
+    t0 = time.time()
+    while upstream_errors(cl, victim.name) == errors_before and time.time() - t0 < 3:
+        time.sleep(0.05)
+    time.sleep(0.3)  # a second count, if any, lands right after the first
+    counted = upstream_errors(cl, victim.name) - errors_before
+    check(counted == 1, "router_upstream_errors_total grew by %g for one failure" % counted)
     survivor = [w for w in cl.decode if w is not victim][0]
     served = routed_ok(cl, body, 6, "decode killed")
     check(all(x == survivor.name for x in served), "served by %s, not the survivor" % served)

@@ -977,12 +977,10 @@ static int route_and_send(struct call *k, struct tdm_oai_error *e)
         TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s), rerouting", k->resp.id,
                      k->route.decode.name, err);
         release_upstream(k);
+        // The report counts the upstream error (tandem:router_upstream_errors_total).
         tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
-        if (s->rm) {
-            tdm_router_metrics_upstream_error(s->rm, k->route.decode.name, k->route.decode.role,
-                                              false);
+        if (s->rm)
             tdm_router_metrics_retry(s->rm, k->route.decode.name, k->route.decode.role);
-        }
         tdm_router_control_route_done(s->ctl, &k->route, "error");
         k->routed = false;
     }
@@ -1299,10 +1297,8 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     const struct choice *bad = first_error(&k);
     if (k.lost) {
         tdm_metrics_counter_inc(k.s->m_lost);
+        // Counted once, by the report (tandem:router_upstream_errors_total).
         tdm_router_control_report(s->ctl, &k.route.decode, TDM_ROUTER_OUTCOME_ERROR);
-        if (s->rm)
-            tdm_router_metrics_upstream_error(s->rm, k.route.decode.name, k.route.decode.role,
-                                              false);
     } else if (!bad) {
         tdm_router_control_report(s->ctl, &k.route.decode, TDM_ROUTER_OUTCOME_SUCCESS);
     }
