@@ -46,9 +46,11 @@ int main(int argc, char **argv)
 
     double t0 = tdm_now();
     // The modules log their own startup details at info; the operator gets one
-    // line from here (--log-level debug shows the rest).
-    if (tdm_log_level == TDM_LOG_LEVEL_INFO)
-        tdm_log_level = TDM_LOG_LEVEL_WARN;
+    // line from here (--log-level debug shows the rest). The HTTP threads are
+    // up while this holds (health answers 503), so the level is atomic
+    // (common/core) and restored below without a race.
+    if (atomic_load(&tdm_log_level) == TDM_LOG_LEVEL_INFO)
+        atomic_store(&tdm_log_level, TDM_LOG_LEVEL_WARN);
     struct tdm_decode_server *s = NULL;
     if (tdm_decode_server_new(&s, &cfg, err, sizeof err) != TDM_OK) {
         TDM_LOG_ERR("decode", "%s", err);

@@ -11,7 +11,7 @@
 #include <strings.h>
 #include <time.h>
 
-int tdm_log_level = TDM_LOG_LEVEL_INFO;
+_Atomic int tdm_log_level = TDM_LOG_LEVEL_INFO;
 static const char *log_role = "tandem";
 
 const char *tdm_strerror(int err)
@@ -54,12 +54,12 @@ int tdm_log_set_level_name(const char *name)
     static const char *names[] = {"err", "warn", "info", "debug"};
     for (int i = 0; i < 4; i++) {
         if (strcasecmp(name, names[i]) == 0) {
-            tdm_log_level = i;
+            atomic_store_explicit(&tdm_log_level, i, memory_order_relaxed);
             return TDM_OK;
         }
     }
     if (strcasecmp(name, "error") == 0) {
-        tdm_log_level = TDM_LOG_LEVEL_ERR;
+        atomic_store_explicit(&tdm_log_level, TDM_LOG_LEVEL_ERR, memory_order_relaxed);
         return TDM_OK;
     }
     return TDM_EINVAL;

@@ -6,6 +6,7 @@
 #define TDM_CORE_H
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -36,7 +37,11 @@ int tdm_seterr(char *err, size_t errlen, int code, const char *fmt, ...)
 // ---- logging ------------------------------------------------------------------
 enum tdm_log_level { TDM_LOG_LEVEL_ERR = 0, TDM_LOG_LEVEL_WARN, TDM_LOG_LEVEL_INFO, TDM_LOG_LEVEL_DEBUG };
 
-extern int tdm_log_level; // current threshold; messages above it are not formatted
+// Current threshold; messages above it are not formatted. Atomic because any
+// thread may read it while main lowers it around a quiet startup phase and
+// restores it (decode/main.c); the log macros read it relaxed (a level change
+// may show up a few lines late, never as a torn value or a data race).
+extern _Atomic int tdm_log_level;
 
 // Sets the role printed on every line ("router", "decode", ...); the string must
 // outlive all logging. Sets the level from a name ("err","warn","info","debug");
@@ -50,7 +55,7 @@ void tdm_log_write(int level, const char *module, const char *fmt, ...)
 
 #define TDM_LOG_(lvl, module, ...)                                                                 \
     do {                                                                                           \
-        if ((lvl) <= tdm_log_level)                                                                \
+        if ((lvl) <= atomic_load_explicit(&tdm_log_level, memory_order_relaxed))                  \
             tdm_log_write((lvl), (module), __VA_ARGS__);                                           \
     } while (0)
 #define TDM_LOG_ERR(module, ...) TDM_LOG_(TDM_LOG_LEVEL_ERR, module, __VA_ARGS__)
