@@ -45,6 +45,19 @@ void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg)
     cfg->send_timeout = 2;
 }
 
+const char *tdm_pd_receiver_usage(void)
+{
+    return "Disaggregated prefill/decode (docs/pd-protocol.md; flags only, not --config keys):\n"
+           "  --nng-url URL                 this worker's nng inbox, e.g. tcp://0.0.0.0:9300;\n"
+           "                                enables P/D (default off)\n"
+           "  --pd-prefill-timeout SECONDS  wait for a prefill worker's result (default 60)\n"
+           "  --pd-transfer-timeout SECONDS wait for all of a transfer's KV (default 30)\n"
+           "  --pd-layers-per-frame N       KV layers per frame asked of the prefill worker\n"
+           "                                (default 4)\n"
+           "  --pd-prefill-liveness SECONDS a prefill worker silent to load queries this\n"
+           "                                long counts as failed (default 2)\n";
+}
+
 int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv, char *err,
                               size_t errlen)
 {

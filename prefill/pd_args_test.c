@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // P/D flag tests: tandem-prefill's and tandem-decode's P/D flags are taken out
 // of argv (both "--flag value" and "--flag=value"), the rest is left in order
-// for the decode server's parser, and bad values are refused with a message.
+// for the decode server's parser, bad values are refused with a message, and
+// tandem-decode --help lists every P/D flag the decode worker takes.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -76,11 +77,34 @@ static void test_decode_pd_args(void **state)
     assert_non_null(strstr(err, "--pd-transfer-timeout"));
 }
 
+static void test_decode_pd_usage(void **state)
+{
+    (void)state;
+    const char *u = tdm_pd_receiver_usage();
+    static const char *const flags[] = {"--nng-url", "--pd-prefill-timeout",
+                                        "--pd-transfer-timeout", "--pd-layers-per-frame",
+                                        "--pd-prefill-liveness"};
+    for (size_t i = 0; i < sizeof flags / sizeof *flags; i++) {
+        assert_non_null(strstr(u, flags[i]));
+        // each one is really taken out of argv
+        char val[] = "1";
+        char *argv[] = {"tandem-decode", (char *)flags[i], i == 0 ? "tcp://127.0.0.1:1" : val,
+                        NULL};
+        int argc = 3;
+        struct tdm_pd_receiver_config cfg;
+        tdm_pd_receiver_config_default(&cfg);
+        char err[256];
+        assert_int_equal(tdm_pd_receiver_take_args(&cfg, &argc, argv, err, sizeof err), TDM_OK);
+        assert_int_equal(argc, 1);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefill_args),
         cmocka_unit_test(test_decode_pd_args),
+        cmocka_unit_test(test_decode_pd_usage),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
