@@ -648,76 +648,24 @@ out:
 static void handle_tokenize(struct tdm_decode_server *s, struct tdm_http_conn *c, const char *body,
                             size_t len)
 {
-    struct tdm_oai_tokenize_request rq;
     struct tdm_oai_error e;
-    if (tdm_oai_tokenize_parse(&rq, body, len, &s->info, &e) != TDM_OK) {
+    char *out = NULL;
+    if (tdm_oai_tokenize_run(body, len, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len,
+                             &out, &e) != TDM_OK)
         respond_oai_error(c, &e);
-        return;
-    }
-    char *rendered = NULL;
-    const char *text = rq.prompt;
-    size_t text_len = rq.prompt_len;
-    int32_t *ids = NULL;
-    size_t n = 0;
-    char **strs = NULL;
-    if (rq.messages != NULL) {
-        char err[256];
-        if (s->chat == NULL) {
-            respond_error(c, 400, NULL, "This model has no usable chat template: %s", s->chat_err);
-            goto out;
-        }
-        if (tdm_chat_render(s->chat, rq.messages, rq.n_messages, rq.add_generation_prompt,
-                            &rendered, err, sizeof err) != TDM_OK) {
-            respond_error(c, 400, "messages", "%s", err);
-            goto out;
-        }
-        text = rendered;
-        text_len = strlen(rendered);
-    }
-    if (tdm_tok_encode(s->tok, text ? text : "", text ? text_len : 0, rq.add_special_tokens, &ids,
-                       &n) != TDM_OK) {
-        respond_error(c, 500, NULL, "tokenization failed");
-        goto out;
-    }
-    if (rq.return_token_strs) {
-        strs = calloc(n ? n : 1, sizeof *strs);
-        if (strs == NULL) {
-            respond_error(c, 500, NULL, "out of memory");
-            goto out;
-        }
-        for (size_t i = 0; i < n; i++) {
-            const char *piece = tdm_tok_id_to_piece(s->tok, ids[i]);
-            strs[i] = (char *)(piece ? piece : "");
-        }
-    }
-    respond_json(c, 200,
-                 tdm_oai_tokenize_body(ids, n, s->max_model_len, (const char *const *)strs));
-out:
-    free(strs);
-    free(ids);
-    free(rendered);
-    tdm_oai_tokenize_fini(&rq);
+    else
+        respond_json(c, 200, out);
 }
 
 static void handle_detokenize(struct tdm_decode_server *s, struct tdm_http_conn *c,
                               const char *body, size_t len)
 {
-    struct tdm_oai_detokenize_request rq;
     struct tdm_oai_error e;
-    if (tdm_oai_detokenize_parse(&rq, body, len, &s->info, &e) != TDM_OK) {
+    char *out = NULL;
+    if (tdm_oai_detokenize_run(body, len, &s->info, s->tok, &out, &e) != TDM_OK)
         respond_oai_error(c, &e);
-        return;
-    }
-    char *text = NULL;
-    size_t tl = 0;
-    int rc = tdm_tok_decode(s->tok, rq.tokens, rq.n_tokens, false, &text, &tl);
-    if (rc != TDM_OK)
-        respond_error(c, tdm_http_status_for_err(rc), "tokens",
-                      "Token ids are not in the vocabulary.");
     else
-        respond_json(c, 200, tdm_oai_detokenize_body(text, tl));
-    free(text);
-    tdm_oai_detokenize_fini(&rq);
+        respond_json(c, 200, out);
 }
 
 static void handle_models(struct tdm_decode_server *s, struct tdm_http_conn *c)

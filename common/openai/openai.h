@@ -180,6 +180,20 @@ void tdm_oai_detokenize_fini(struct tdm_oai_detokenize_request *req);
 // {"prompt": text}; invalid UTF-8 in text becomes U+FFFD. Heap string.
 char *tdm_oai_detokenize_body(const char *text, size_t len);
 
+// The whole /tokenize request: parse json, render the chat (messages form; chat
+// NULL means the model has none, chat_err says why), encode with tok, build the
+// body. TDM_OK with *body (heap; NULL on ENOMEM: answer 500), else an error
+// code with e filled (4xx/5xx as vLLM words it).
+struct tdm_tokenizer;
+int tdm_oai_tokenize_run(const char *json, size_t len, const struct tdm_oai_model_info *info,
+                         const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
+                         const char *chat_err, int max_model_len, char **body,
+                         struct tdm_oai_error *e);
+// The whole /detokenize request, the same way (ids outside the vocabulary: 400
+// on "tokens").
+int tdm_oai_detokenize_run(const char *json, size_t len, const struct tdm_oai_model_info *info,
+                           const struct tdm_tokenizer *tok, char **body, struct tdm_oai_error *e);
+
 // ---- response building -------------------------------------------------------------------
 // Identity shared by every body and chunk of one response: same id and created.
 struct tdm_oai_response {

@@ -4,8 +4,8 @@
 // a stop string ends the choice and is reported once, min_tokens defers it,
 // the EOS token that ended a request adds no text, stop_reason ids,
 // logprobs and token ids are kept until a chunk is sent, text_offset advances,
-// an error finish keeps its message, and invalid UTF-8 becomes U+FFFD before
-// stop matching.
+// an error finish keeps its message, invalid UTF-8 becomes U+FFFD before
+// stop matching; and /tokenize, /detokenize run end to end (bodies, errors).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -251,6 +251,47 @@ static void test_invalid_utf8_cleaned(void **state)
     tdm_oai_asm_fini(&a);
 }
 
+static void test_tokenize_run(void **state)
+{
+    (void)state;
+    if (tok == NULL)
+        skip();
+    struct tdm_oai_model_info info = {.served_name = NULL,
+                                      .vocab_size = tdm_tok_vocab_size(tok),
+                                      .max_model_len = 4096,
+                                      .gen = NULL};
+    struct tdm_oai_error e;
+    char *body = NULL;
+    const char *rq = "{\"prompt\":\"Hello world\",\"return_token_strs\":true}";
+    assert_int_equal(tdm_oai_tokenize_run(rq, strlen(rq), &info, tok, NULL, "none", 4096, &body, &e),
+                     TDM_OK);
+    assert_non_null(body);
+    assert_non_null(strstr(body, "\"count\":2"));
+    assert_non_null(strstr(body, "\"max_model_len\":4096"));
+    assert_non_null(strstr(body, "\"token_strs\":["));
+    free(body);
+    // The messages form without a chat template: 400 naming why.
+    const char *chat = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
+    assert_int_not_equal(
+        tdm_oai_tokenize_run(chat, strlen(chat), &info, tok, NULL, "no template", 4096, &body, &e),
+        TDM_OK);
+    assert_null(body);
+    assert_int_equal(e.status, 400);
+    assert_non_null(strstr(e.message, "no template"));
+    // A bad body is the parser's 400.
+    assert_int_not_equal(tdm_oai_tokenize_run("{", 1, &info, tok, NULL, "", 4096, &body, &e), TDM_OK);
+    assert_int_equal(e.status, 400);
+
+    const char *dt = "{\"tokens\":[9707,1879]}";
+    assert_int_equal(tdm_oai_detokenize_run(dt, strlen(dt), &info, tok, &body, &e), TDM_OK);
+    assert_string_equal(body, "{\"prompt\":\"Hello world\"}");
+    free(body);
+    const char *bad = "{\"tokens\":[-5]}";
+    assert_int_not_equal(tdm_oai_detokenize_run(bad, strlen(bad), &info, tok, &body, &e), TDM_OK);
+    assert_null(body);
+    assert_int_equal(e.status, 400);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -258,6 +299,7 @@ int main(void)
         cmocka_unit_test(test_stream_chunks),
         cmocka_unit_test(test_errors_and_stop_ids),
         cmocka_unit_test(test_invalid_utf8_cleaned),
+        cmocka_unit_test(test_tokenize_run),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
