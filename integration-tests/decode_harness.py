@@ -9,31 +9,16 @@ it ends (atexit and a hard deadline per test). Exit status: 0 pass, 1 fail,
 77 skipped (ctest SKIP_RETURN_CODE).
 """
 import argparse
-import atexit
 import http.client
 import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
-_PROCS = []
-
-
-def _kill_all():
-    for p in _PROCS:
-        if p.poll() is None:
-            p.kill()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-atexit.register(_kill_all)
+from proc_harness import arm_deadline, check, fail, kill_all, register  # noqa: F401 (re-exported)
 
 
 def parse_args():
@@ -46,26 +31,8 @@ def parse_args():
     ap.add_argument("--deadline", type=float, default=240.0, help="seconds before the test fails")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    # A hard bound: whatever hangs, the test ends and its processes die.
-    def on_alarm(signum, frame):
-        _kill_all()
-        print("FAIL: test deadline of %.0f s passed" % args.deadline, flush=True)
-        os._exit(1)
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(int(args.deadline))
+    arm_deadline(args.deadline)
     return args
-
-
-def fail(msg):
-    print("FAIL: " + msg, flush=True)
-    _kill_all()
-    sys.exit(1)
-
-
-def check(cond, msg):
-    if not cond:
-        fail(msg)
 
 
 def make_model(args, name="tiny", extra=()):
@@ -85,7 +52,7 @@ class Server:
         cmd = [args.decode, "--model", model, "--host", "127.0.0.1", "--port", "0"] + list(flags)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
-        _PROCS.append(self.proc)
+        register(self.proc)
         self.log = []
         self.port = None
         self.ready_line = None

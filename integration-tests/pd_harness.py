@@ -8,30 +8,16 @@ would), writes the router's config file, and kills every process it started
 when the test ends (atexit and a hard deadline). Exit status: 0 pass, 1 fail.
 """
 import argparse
-import atexit
 import http.client
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
-_PROCS = []
-
-
-def _kill_all():
-    for p in _PROCS:
-        if p.poll() is None:
-            p.kill()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-atexit.register(_kill_all)
+from proc_harness import (arm_deadline, check, fail, free_port, kill_all,  # noqa: F401
+                          register)
 
 
 def parse_args():
@@ -44,34 +30,8 @@ def parse_args():
     ap.add_argument("--deadline", type=float, default=240.0)
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-
-    def on_alarm(signum, frame):
-        _kill_all()
-        print("FAIL: test deadline of %.0f s passed" % args.deadline, flush=True)
-        os._exit(1)
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(int(args.deadline))
+    arm_deadline(args.deadline)
     return args
-
-
-def fail(msg):
-    print("FAIL: " + msg, flush=True)
-    _kill_all()
-    sys.exit(1)
-
-
-def check(cond, msg):
-    if not cond:
-        fail(msg)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def make_model(args, name="pd-tiny"):
@@ -230,7 +190,7 @@ class Cluster:
                "--kv-cache-memory", "64MiB"] + self.worker_args
         w.proc = subprocess.Popen(cmd, stdout=self._log("%s%d" % (w.kind, w.idx)),
                                   stderr=subprocess.STDOUT)
-        _PROCS.append(w.proc)
+        register(w.proc)
 
     def wait_health(self, port, proc, timeout=30):
         t0 = time.time()
@@ -254,7 +214,7 @@ class Cluster:
                "127.0.0.1", "--port", str(self.router_port), "--liveness-timeout", "1.0"]
         self.router_proc = subprocess.Popen(cmd, stdout=self._log("router"),
                                             stderr=subprocess.STDOUT)
-        _PROCS.append(self.router_proc)
+        register(self.router_proc)
         self.wait_health(self.router_port, self.router_proc)
         time.sleep(0.6)  # first load reports
         return self
