@@ -393,37 +393,6 @@ static void *poll_main(void *arg)
     return NULL;
 }
 
-// ---- small growable buffers (as decode.c) ------------------------------------------------------
-struct sbuf {
-    char *p;
-    size_t len, cap;
-};
-
-static int sbuf_add(struct sbuf *b, const char *str, size_t n)
-{
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 256;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (p == NULL)
-            return TDM_ENOMEM;
-        b->p = p;
-        b->cap = cap;
-    }
-    if (n)
-        memcpy(b->p + b->len, str, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-    return TDM_OK;
-}
-
-static void sbuf_fini(struct sbuf *b)
-{
-    free(b->p);
-    memset(b, 0, sizeof *b);
-}
-
 // ---- HTTP glue -------------------------------------------------------------------------------
 static void respond_json(struct tdm_http_conn *c, int status, char *body_owned)
 {
@@ -1118,7 +1087,7 @@ static void run_collect(struct call *k)
         return;
     }
     struct tdm_oai_choice *oc = calloc(k->n_choices, sizeof *oc);
-    struct sbuf *full = calloc(k->n_choices, sizeof *full);
+    struct tdm_oai_asm_buf *full = calloc(k->n_choices, sizeof *full);
     if (oc == NULL || full == NULL) {
         free(oc);
         free(full);
@@ -1129,15 +1098,9 @@ static void run_collect(struct call *k)
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
         const struct prompt *p = &k->prompts[ch->a.prompt_idx];
-        tdm_oai_asm_choice(&ch->a, true, p->ids, p->n, &oc[i]);
-        if (k->req.echo) {
-            if (sbuf_add(&full[i], p->text ? p->text : "", p->text_len) != TDM_OK ||
-                sbuf_add(&full[i], ch->a.text.p ? ch->a.text.p : "", ch->a.text.len) != TDM_OK)
-                oom = true;
-            oc[i].text = full[i].p ? full[i].p : "";
-            oc[i].text_len = full[i].len;
-            oc[i].text_offset = tdm_oai_utf8_chars(p->text ? p->text : "", p->text_len);
-        }
+        if (tdm_oai_asm_body_choice(&ch->a, k->req.echo, p->text, p->text_len, p->ids, p->n,
+                                    &full[i], &oc[i]) != TDM_OK)
+            oom = true;
     }
     struct tdm_oai_usage u;
     usage_of(k, &u);
@@ -1145,7 +1108,7 @@ static void run_collect(struct call *k)
     respond_json(k->conn, 200, body);
     k->client_gone = tdm_http_client_gone(k->conn);
     for (size_t i = 0; i < k->n_choices; i++)
-        sbuf_fini(&full[i]);
+        tdm_oai_asm_buf_fini(&full[i]);
     free(full);
     free(oc);
 }

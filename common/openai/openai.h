@@ -385,6 +385,15 @@ int tdm_oai_asm_add_text(struct tdm_oai_asm *a, const char *text, size_t len);
 // return_token_ids until the first stream chunk was sent.
 void tdm_oai_asm_choice(const struct tdm_oai_asm *a, bool with_finish, const int32_t *prompt_ids,
                         size_t n_prompt_ids, struct tdm_oai_choice *oc);
+// Non-stream: the choice of the final body (with finish). With echo the
+// prompt text comes first, joined with the generated text into *joined
+// (caller's storage, zeroed before; free with tdm_oai_asm_buf_fini after the
+// body is built) and text_offset counts the prompt. TDM_ENOMEM.
+int tdm_oai_asm_body_choice(const struct tdm_oai_asm *a, bool echo, const char *prompt_text,
+                            size_t prompt_text_len, const int32_t *prompt_ids,
+                            size_t n_prompt_ids, struct tdm_oai_asm_buf *joined,
+                            struct tdm_oai_choice *oc);
+void tdm_oai_asm_buf_fini(struct tdm_oai_asm_buf *b);
 // Stream: the next chunk of the choice into *json (heap, caller frees), or
 // *json NULL when there is nothing to send (no new text and no finish to
 // report; an error finish is the caller's error event). usage for

@@ -345,6 +345,30 @@ void tdm_oai_asm_choice(const struct tdm_oai_asm *a, bool with_finish, const int
     }
 }
 
+int tdm_oai_asm_body_choice(const struct tdm_oai_asm *a, bool echo, const char *prompt_text,
+                            size_t prompt_text_len, const int32_t *prompt_ids,
+                            size_t n_prompt_ids, struct tdm_oai_asm_buf *joined,
+                            struct tdm_oai_choice *oc)
+{
+    tdm_oai_asm_choice(a, true, prompt_ids, n_prompt_ids, oc);
+    if (!echo)
+        return TDM_OK;
+    // Echo: the prompt text, then the completion; offsets start after it.
+    int rc = buf_add(joined, prompt_text ? prompt_text : "", prompt_text ? prompt_text_len : 0);
+    if (rc == TDM_OK)
+        rc = buf_add(joined, a->text.p ? a->text.p : "", a->text.len);
+    oc->text = joined->p ? joined->p : "";
+    oc->text_len = joined->len;
+    oc->text_offset = tdm_oai_utf8_chars(prompt_text ? prompt_text : "",
+                                         prompt_text ? prompt_text_len : 0);
+    return rc;
+}
+
+void tdm_oai_asm_buf_fini(struct tdm_oai_asm_buf *b)
+{
+    buf_fini(b);
+}
+
 int tdm_oai_asm_stream_chunk(const struct tdm_oai_asm *a, const struct tdm_oai_response *r,
                              const int32_t *prompt_ids, size_t n_prompt_ids,
                              const struct tdm_oai_usage *usage, char **json, bool *finish_now)
