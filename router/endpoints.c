@@ -17,7 +17,8 @@
 // The prefix index is an LRU set of 64-bit block hashes per endpoint: a node
 // array linked twice (a hash chain per bucket, and the recency list), grown
 // by doubling up to lru_capacity_per_server, evicting the least recently
-// routed block beyond that.
+// routed block beyond that. A hash's bucket is its low bits: tdm_kv_block_hash
+// ends with an avalanche step (fmix64), so they are already uniform.
 #include "endpoints.h"
 
 #include <errno.h>
@@ -41,17 +42,6 @@
 #define MOD "router-endpoints"
 #define NIL UINT32_MAX
 #define MAX_DNS_ADDRS 256
-
-// Bucket spreading for the prefix index's hash chains (murmur3 fmix64).
-static inline uint64_t fmix64(uint64_t h)
-{
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ull;
-    h ^= h >> 33;
-    return h;
-}
 
 // ---- block hashes (common/kv's chained hash, so the index keys what workers cache) -------------
 size_t tdm_router_block_hashes(const int32_t *tokens, size_t n, int block_size, uint64_t *out,
@@ -101,7 +91,7 @@ static uint32_t lru_find(const struct prefix_lru *l, uint64_t h)
 {
     if (!l->nbuckets)
         return NIL;
-    for (uint32_t i = l->buckets[fmix64(h) & (l->nbuckets - 1)]; i != NIL; i = l->nodes[i].chain)
+    for (uint32_t i = l->buckets[h & (l->nbuckets - 1)]; i != NIL; i = l->nodes[i].chain)
         if (l->nodes[i].hash == h)
             return i;
     return NIL;
@@ -133,7 +123,7 @@ static void list_push_head(struct prefix_lru *l, uint32_t i)
 
 static void chain_unlink(struct prefix_lru *l, uint32_t i)
 {
-    uint32_t *p = &l->buckets[fmix64(l->nodes[i].hash) & (l->nbuckets - 1)];
+    uint32_t *p = &l->buckets[l->nodes[i].hash & (l->nbuckets - 1)];
     while (*p != i)
         p = &l->nodes[*p].chain;
     *p = l->nodes[i].chain;
@@ -180,7 +170,7 @@ static bool lru_grow(struct prefix_lru *l)
         for (uint32_t i = 0; i < nb; i++)
             b[i] = NIL;
         for (uint32_t i = l->head; i != NIL; i = nn[i].next) {
-            uint32_t s = (uint32_t)(fmix64(nn[i].hash) & (nb - 1));
+            uint32_t s = (uint32_t)(nn[i].hash & (nb - 1));
             nn[i].chain = b[s];
             b[s] = i;
         }
@@ -208,7 +198,7 @@ static void lru_insert(struct prefix_lru *l, uint64_t h)
     i = l->free_list;
     l->free_list = l->nodes[i].chain;
     l->nodes[i].hash = h;
-    uint32_t s = (uint32_t)(fmix64(h) & (l->nbuckets - 1));
+    uint32_t s = (uint32_t)(h & (l->nbuckets - 1));
     l->nodes[i].chain = l->buckets[s];
     l->buckets[s] = i;
     list_push_head(l, i);
