@@ -125,20 +125,12 @@ struct choice {
     struct tdm_engine_request *req;
 };
 
-struct prompt {
-    int32_t *ids; // heap
-    size_t n;
-    char *text; // the prompt text for echo (heap)
-    size_t text_len;
-    int max_tokens;
-};
-
 struct call {
     struct tdm_decode_server *s;
     struct tdm_http_conn *conn;
     struct tdm_oai_request req;
     struct tdm_oai_response resp;
-    struct prompt *prompts;
+    struct tdm_oai_tokenized_prompt *prompts; // [n_prompts]
     size_t n_prompts;
     struct choice *choices;
     size_t n_choices;
@@ -195,7 +187,7 @@ static int take_chunk(struct call *k, struct choice *ch, const struct tdm_engine
 // Stream: writes the choice's pending text (and its finish once known).
 static int stream_flush_choice(struct call *k, struct choice *ch)
 {
-    const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+    const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
     struct tdm_oai_usage u = {p->n > 0 ? (int)p->n : 0, ch->a.completion_tokens};
     char *json = NULL;
     bool finish_now = false;
@@ -233,11 +225,7 @@ static void call_fini(struct call *k)
         tdm_oai_asm_fini(&ch->a);
     }
     free(k->choices);
-    for (size_t i = 0; i < k->n_prompts; i++) {
-        free(k->prompts[i].ids);
-        free(k->prompts[i].text);
-    }
-    free(k->prompts);
+    tdm_oai_prompts_free(k->prompts, k->n_prompts);
     tdm_oai_request_fini(&k->req);
 }
 
@@ -246,68 +234,8 @@ static void call_fini(struct call *k)
 static int build_prompts(struct call *k, struct tdm_oai_error *e)
 {
     struct tdm_decode_server *s = k->s;
-    struct tdm_oai_request *rq = &k->req;
-    size_t np = rq->kind == TDM_OAI_CHAT ? 1 : rq->n_prompts;
-    k->prompts = calloc(np ? np : 1, sizeof *k->prompts);
-    if (k->prompts == NULL)
-        return tdm_oai_seterr(e, 500, NULL, "out of memory");
-    k->n_prompts = np;
-    for (size_t i = 0; i < np; i++) {
-        struct prompt *p = &k->prompts[i];
-        const char *text = NULL;
-        size_t text_len = 0;
-        char *rendered = NULL;
-        if (rq->kind == TDM_OAI_CHAT) {
-            if (s->chat == NULL)
-                return tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
-                                      s->chat_err);
-            if (rq->continue_final_message)
-                return tdm_oai_seterr(e, 400, "continue_final_message",
-                                      "continue_final_message is not supported.");
-            char err[256];
-            int rc = tdm_chat_render(s->chat, rq->messages, rq->n_messages,
-                                     rq->add_generation_prompt, &rendered, err, sizeof err);
-            if (rc != TDM_OK)
-                return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
-            text = rendered;
-            text_len = strlen(rendered);
-        } else if (rq->prompts[i].text != NULL) {
-            text = rq->prompts[i].text;
-            text_len = rq->prompts[i].text_len;
-        }
-        if (text != NULL) {
-            int rc = tdm_tok_encode(s->tok, text, text_len, rq->add_special_tokens, &p->ids, &p->n);
-            if (rc == TDM_OK) {
-                p->text = malloc(text_len + 1);
-                if (p->text) {
-                    memcpy(p->text, text, text_len);
-                    p->text[text_len] = '\0';
-                    p->text_len = text_len;
-                }
-            }
-            free(rendered);
-            if (rc != TDM_OK || p->text == NULL)
-                return tdm_oai_seterr(e, 500, NULL, "tokenization failed: %s", tdm_strerror(rc));
-        } else {
-            p->n = rq->prompts[i].n_ids;
-            p->ids = malloc((p->n ? p->n : 1) * sizeof *p->ids);
-            if (p->ids == NULL)
-                return tdm_oai_seterr(e, 500, NULL, "out of memory");
-            memcpy(p->ids, rq->prompts[i].ids, p->n * sizeof *p->ids);
-            if (rq->echo &&
-                tdm_tok_decode(s->tok, p->ids, p->n, false, &p->text, &p->text_len) != TDM_OK) {
-                p->text = strdup("");
-                p->text_len = 0;
-            }
-        }
-        if (p->n == 0)
-            return tdm_oai_seterr(e, 400, "prompt", "The decoder prompt cannot be empty");
-        int rc = tdm_oai_request_max_tokens(rq, &s->info, p->n, &p->max_tokens, e);
-        if (rc != TDM_OK)
-            return rc;
-        k->prompt_tokens += (int)p->n;
-    }
-    return TDM_OK;
+    return tdm_oai_prompts_build(&k->req, &s->info, s->tok, s->chat, s->chat_err, &k->prompts,
+                                 &k->n_prompts, &k->prompt_tokens, e);
 }
 
 // Submits one engine request per choice. On failure answers nothing; e is set.
@@ -327,7 +255,7 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
     }
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+        const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
         struct tdm_engine_request_params ep;
         tdm_engine_request_params_default(&ep);
         char id[128];
@@ -434,7 +362,7 @@ static void run_stream(struct call *k)
         if (k->req.kind == TDM_OAI_CHAT) {
             rc = sse_send(k->conn, tdm_oai_chat_role_chunk(&k->resp, ch->a.index));
         } else if (k->req.echo) {
-            const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+            const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
             if (tdm_oai_asm_add_text(&ch->a, p->text, p->text_len) != TDM_OK)
                 rc = -2;
             else
@@ -511,7 +439,7 @@ static void run_collect(struct call *k)
     bool oom = false;
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+        const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
         if (tdm_oai_asm_body_choice(&ch->a, k->req.echo, p->text, p->text_len, p->ids, p->n,
                                     &full[i], &oc[i]) != TDM_OK)
             oom = true;
@@ -538,7 +466,7 @@ static void run_echo_only(struct call *k)
         return;
     }
     for (size_t i = 0; i < n; i++) {
-        const struct prompt *p = &k->prompts[i / (size_t)k->req.n];
+        const struct tdm_oai_tokenized_prompt *p = &k->prompts[i / (size_t)k->req.n];
         oc[i].index = (int)i;
         oc[i].text = p->text ? p->text : "";
         oc[i].text_len = p->text_len;

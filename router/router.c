@@ -444,20 +444,12 @@ struct choice {
     double last_token_at; // for the inter-token histogram
 };
 
-struct prompt {
-    int32_t *ids;
-    size_t n;
-    char *text;
-    size_t text_len;
-    int max_tokens;
-};
-
 struct call {
     struct tdm_router_server *s;
     struct tdm_http_conn *conn;
     struct tdm_oai_request req;
     struct tdm_oai_response resp;
-    struct prompt *prompts;
+    struct tdm_oai_tokenized_prompt *prompts; // [n_prompts]
     size_t n_prompts;
     struct choice *choices;
     size_t n_choices;
@@ -691,7 +683,7 @@ static void usage_of(const struct call *k, struct tdm_oai_usage *u)
 
 static int stream_flush_choice(struct call *k, struct choice *ch)
 {
-    const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+    const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
     struct tdm_oai_usage u = {(int)p->n, ch->a.completion_tokens};
     char *json = NULL;
     bool finish_now = false;
@@ -707,71 +699,13 @@ static int stream_flush_choice(struct call *k, struct choice *ch)
     return 0;
 }
 
+// Tokenizes the request's prompts (completions) or renders and tokenizes the
+// chat. 4xx/5xx goes into e.
 static int build_prompts(struct call *k, struct tdm_oai_error *e)
 {
     struct tdm_router_server *s = k->s;
-    struct tdm_oai_request *rq = &k->req;
-    size_t np = rq->kind == TDM_OAI_CHAT ? 1 : rq->n_prompts;
-    k->prompts = calloc(np ? np : 1, sizeof *k->prompts);
-    if (k->prompts == NULL)
-        return tdm_oai_seterr(e, 500, NULL, "out of memory");
-    k->n_prompts = np;
-    for (size_t i = 0; i < np; i++) {
-        struct prompt *p = &k->prompts[i];
-        const char *text = NULL;
-        size_t text_len = 0;
-        char *rendered = NULL;
-        if (rq->kind == TDM_OAI_CHAT) {
-            if (s->chat == NULL)
-                return tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
-                                      s->chat_err);
-            if (rq->continue_final_message)
-                return tdm_oai_seterr(e, 400, "continue_final_message",
-                                      "continue_final_message is not supported.");
-            char err[256];
-            int rc = tdm_chat_render(s->chat, rq->messages, rq->n_messages,
-                                     rq->add_generation_prompt, &rendered, err, sizeof err);
-            if (rc != TDM_OK)
-                return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
-            text = rendered;
-            text_len = strlen(rendered);
-        } else if (rq->prompts[i].text != NULL) {
-            text = rq->prompts[i].text;
-            text_len = rq->prompts[i].text_len;
-        }
-        if (text != NULL) {
-            int rc = tdm_tok_encode(s->tok, text, text_len, rq->add_special_tokens, &p->ids, &p->n);
-            if (rc == TDM_OK) {
-                p->text = malloc(text_len + 1);
-                if (p->text) {
-                    memcpy(p->text, text, text_len);
-                    p->text[text_len] = '\0';
-                    p->text_len = text_len;
-                }
-            }
-            free(rendered);
-            if (rc != TDM_OK || p->text == NULL)
-                return tdm_oai_seterr(e, 500, NULL, "tokenization failed: %s", tdm_strerror(rc));
-        } else {
-            p->n = rq->prompts[i].n_ids;
-            p->ids = malloc((p->n ? p->n : 1) * sizeof *p->ids);
-            if (p->ids == NULL)
-                return tdm_oai_seterr(e, 500, NULL, "out of memory");
-            memcpy(p->ids, rq->prompts[i].ids, p->n * sizeof *p->ids);
-            if (rq->echo &&
-                tdm_tok_decode(s->tok, p->ids, p->n, false, &p->text, &p->text_len) != TDM_OK) {
-                p->text = strdup("");
-                p->text_len = 0;
-            }
-        }
-        if (p->n == 0)
-            return tdm_oai_seterr(e, 400, "prompt", "The decoder prompt cannot be empty");
-        int rc = tdm_oai_request_max_tokens(rq, &s->info, p->n, &p->max_tokens, e);
-        if (rc != TDM_OK)
-            return rc;
-        k->prompt_tokens += (int)p->n;
-    }
-    return TDM_OK;
+    return tdm_oai_prompts_build(&k->req, &s->info, s->tok, s->chat, s->chat_err, &k->prompts,
+                                 &k->n_prompts, &k->prompt_tokens, e);
 }
 
 static void stream_unregister(struct tdm_router_server *s, struct rstream *st)
@@ -841,7 +775,7 @@ static int send_generates(struct call *k, char *err, size_t errlen)
     double left = r->deadline - tdm_now();
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+        const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
         struct rstream *st = calloc(1, sizeof *st);
         if (st == NULL)
             return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
@@ -917,7 +851,7 @@ static int route_and_send(struct call *k, struct tdm_oai_error *e)
     const char *sh = session_header_of(cfg);
     if (sh)
         session = tdm_http_header(k->conn, sh);
-    const struct prompt *p0 = &k->prompts[0];
+    const struct tdm_oai_tokenized_prompt *p0 = &k->prompts[0];
     char err[512];
     int rc = TDM_EBUSY;
     snprintf(err, sizeof err, "no decode worker available");
@@ -1012,7 +946,7 @@ static void run_stream(struct call *k)
         } else if (k->req.echo) {
             // The echoed prompt goes first, as a chunk of its own (no logprobs), so
             // the generated tokens' text_offset counts it.
-            const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+            const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
             static const int32_t none[1] = {0};
             struct tdm_oai_choice oc;
             memset(&oc, 0, sizeof oc);
@@ -1097,7 +1031,7 @@ static void run_collect(struct call *k)
     bool oom = false;
     for (size_t i = 0; i < k->n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        const struct prompt *p = &k->prompts[ch->a.prompt_idx];
+        const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
         if (tdm_oai_asm_body_choice(&ch->a, k->req.echo, p->text, p->text_len, p->ids, p->n,
                                     &full[i], &oc[i]) != TDM_OK)
             oom = true;
@@ -1122,7 +1056,7 @@ static void run_echo_only(struct call *k)
         return;
     }
     for (size_t i = 0; i < n; i++) {
-        const struct prompt *p = &k->prompts[i / (size_t)k->req.n];
+        const struct tdm_oai_tokenized_prompt *p = &k->prompts[i / (size_t)k->req.n];
         oc[i].index = (int)i;
         oc[i].text = p->text ? p->text : "";
         oc[i].text_len = p->text_len;
@@ -1152,11 +1086,7 @@ static void call_fini(struct call *k)
         tdm_oai_asm_fini(&ch->a);
     }
     free(k->choices);
-    for (size_t i = 0; i < k->n_prompts; i++) {
-        free(k->prompts[i].ids);
-        free(k->prompts[i].text);
-    }
-    free(k->prompts);
+    tdm_oai_prompts_free(k->prompts, k->n_prompts);
     tdm_oai_request_fini(&k->req);
 }
 

@@ -149,6 +149,28 @@ int tdm_oai_request_max_tokens(const struct tdm_oai_request *req,
                                const struct tdm_oai_model_info *model, size_t prompt_len,
                                int *max_tokens, struct tdm_oai_error *e);
 
+// ---- prompts of a request, tokenized ----------------------------------------------------
+// One prompt of a completions request (or the rendered chat) as token ids.
+struct tdm_oai_tokenized_prompt {
+    int32_t *ids; // [n] heap
+    size_t n;
+    char *text; // the prompt text for echo (heap; NULL when not needed)
+    size_t text_len;
+    int max_tokens; // resolved against the context left (tdm_oai_request_max_tokens)
+};
+struct tdm_tokenizer;
+// Tokenizes the request's prompts (completions: one per prompt) or renders and
+// tokenizes the chat (one; chat NULL means the model has none, chat_err says
+// why). *out gets the array (n_out entries) even on failure, partly filled:
+// free it with tdm_oai_prompts_free either way. *prompt_tokens is the sum of
+// the prompts' lengths (usage counts each prompt once). TDM_OK, or an error
+// code with e filled (4xx/5xx as vLLM words them).
+int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oai_model_info *info,
+                          const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
+                          const char *chat_err, struct tdm_oai_tokenized_prompt **out,
+                          size_t *n_out, int *prompt_tokens, struct tdm_oai_error *e);
+void tdm_oai_prompts_free(struct tdm_oai_tokenized_prompt *p, size_t n); // NULL is fine
+
 // ---- /tokenize and /detokenize --------------------------------------------------------
 struct tdm_oai_tokenize_request {
     char *model;  // NULL when absent

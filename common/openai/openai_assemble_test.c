@@ -5,7 +5,8 @@
 // the EOS token that ended a request adds no text, stop_reason ids,
 // logprobs and token ids are kept until a chunk is sent, text_offset advances,
 // an error finish keeps its message, invalid UTF-8 becomes U+FFFD before
-// stop matching; and /tokenize, /detokenize run end to end (bodies, errors).
+// stop matching; /tokenize, /detokenize run end to end (bodies, errors); and
+// a request's prompts become token ids (echo text, max_tokens, errors).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -306,6 +307,56 @@ static void test_tokenize_run(void **state)
     assert_int_equal(e.status, 400);
 }
 
+static void test_prompts_build(void **state)
+{
+    (void)state;
+    if (tok == NULL)
+        skip();
+    struct tdm_oai_model_info info = {.served_name = NULL,
+                                      .vocab_size = tdm_tok_vocab_size(tok),
+                                      .max_model_len = 64,
+                                      .gen = NULL};
+    struct tdm_oai_error e;
+    struct tdm_oai_request rq;
+    const char *body = "{\"prompt\":[[9707,1879],[9707]],\"echo\":true,\"max_tokens\":5}";
+    assert_int_equal(tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, body, strlen(body), &info, &e),
+                     TDM_OK);
+    struct tdm_oai_tokenized_prompt *p = NULL;
+    size_t n = 0;
+    int total = 0;
+    assert_int_equal(tdm_oai_prompts_build(&rq, &info, tok, NULL, "", &p, &n, &total, &e), TDM_OK);
+    assert_int_equal(n, 2);
+    assert_int_equal(total, 3);
+    assert_int_equal(p[0].n, 2);
+    assert_string_equal(p[0].text, "Hello world"); // echo of an id prompt: its text
+    assert_int_equal(p[0].max_tokens, 5);
+    assert_string_equal(p[1].text, "Hello");
+    tdm_oai_prompts_free(p, n);
+    tdm_oai_request_fini(&rq);
+
+    // Too long for the context: the max_tokens check's 400.
+    body = "{\"prompt\":\"Hello\",\"max_tokens\":64}";
+    assert_int_equal(tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, body, strlen(body), &info, &e),
+                     TDM_OK);
+    assert_int_not_equal(tdm_oai_prompts_build(&rq, &info, tok, NULL, "", &p, &n, &total, &e),
+                         TDM_OK);
+    assert_int_equal(e.status, 400);
+    tdm_oai_prompts_free(p, n);
+    tdm_oai_request_fini(&rq);
+
+    // Chat without a template.
+    body = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
+    assert_int_equal(tdm_oai_request_parse(&rq, TDM_OAI_CHAT, body, strlen(body), &info, &e),
+                     TDM_OK);
+    assert_int_not_equal(
+        tdm_oai_prompts_build(&rq, &info, tok, NULL, "no template here", &p, &n, &total, &e),
+        TDM_OK);
+    assert_int_equal(e.status, 400);
+    assert_non_null(strstr(e.message, "no template here"));
+    tdm_oai_prompts_free(p, n);
+    tdm_oai_request_fini(&rq);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -314,6 +365,7 @@ int main(void)
         cmocka_unit_test(test_errors_and_stop_ids),
         cmocka_unit_test(test_invalid_utf8_cleaned),
         cmocka_unit_test(test_tokenize_run),
+        cmocka_unit_test(test_prompts_build),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// openai /tokenize and /detokenize: the whole request -> body step both
-// servers (decode worker and router) serve the same way: parse, render the
-// chat (messages form), encode or decode with the model's tokenizer, build the
-// body. The servers only move bytes over HTTP.
+// openai tokenizing steps both servers (decode worker and router) take the
+// same way: /tokenize and /detokenize from request to body (parse, render the
+// chat, encode or decode, build the body), and a generation request's prompts
+// turned into token ids with their max_tokens. The servers only move bytes.
 #include "openai.h"
 
 #include <stdlib.h>
@@ -87,4 +87,85 @@ int tdm_oai_detokenize_run(const char *json, size_t len, const struct tdm_oai_mo
     free(text);
     tdm_oai_detokenize_fini(&rq);
     return rc;
+}
+
+int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oai_model_info *info,
+                          const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
+                          const char *chat_err, struct tdm_oai_tokenized_prompt **out,
+                          size_t *n_out, int *prompt_tokens, struct tdm_oai_error *e)
+{
+    const struct tdm_oai_request *rq = req;
+    size_t np = rq->kind == TDM_OAI_CHAT ? 1 : rq->n_prompts;
+    *out = calloc(np ? np : 1, sizeof **out);
+    *n_out = 0;
+    *prompt_tokens = 0;
+    if (*out == NULL)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    *n_out = np;
+    for (size_t i = 0; i < np; i++) {
+        struct tdm_oai_tokenized_prompt *p = &(*out)[i];
+        const char *text = NULL;
+        size_t text_len = 0;
+        char *rendered = NULL;
+        if (rq->kind == TDM_OAI_CHAT) {
+            if (chat == NULL)
+                return tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
+                                      chat_err ? chat_err : "");
+            if (rq->continue_final_message)
+                return tdm_oai_seterr(e, 400, "continue_final_message",
+                                      "continue_final_message is not supported.");
+            char err[256];
+            int rc = tdm_chat_render(chat, rq->messages, rq->n_messages, rq->add_generation_prompt,
+                                     &rendered, err, sizeof err);
+            if (rc != TDM_OK)
+                return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
+            text = rendered;
+            text_len = strlen(rendered);
+        } else if (rq->prompts[i].text != NULL) {
+            text = rq->prompts[i].text;
+            text_len = rq->prompts[i].text_len;
+        }
+        if (text != NULL) {
+            int rc = tdm_tok_encode(tok, text, text_len, rq->add_special_tokens, &p->ids, &p->n);
+            if (rc == TDM_OK) {
+                p->text = malloc(text_len + 1);
+                if (p->text) {
+                    memcpy(p->text, text, text_len);
+                    p->text[text_len] = '\0';
+                    p->text_len = text_len;
+                }
+            }
+            free(rendered);
+            if (rc != TDM_OK || p->text == NULL)
+                return tdm_oai_seterr(e, 500, NULL, "tokenization failed: %s", tdm_strerror(rc));
+        } else {
+            p->n = rq->prompts[i].n_ids;
+            p->ids = malloc((p->n ? p->n : 1) * sizeof *p->ids);
+            if (p->ids == NULL)
+                return tdm_oai_seterr(e, 500, NULL, "out of memory");
+            memcpy(p->ids, rq->prompts[i].ids, p->n * sizeof *p->ids);
+            // Echo of a token-id prompt: its text (ids the tokenizer rejects echo "").
+            if (rq->echo && tdm_tok_decode(tok, p->ids, p->n, false, &p->text, &p->text_len) !=
+                                TDM_OK) {
+                p->text = strdup("");
+                p->text_len = 0;
+            }
+        }
+        if (p->n == 0)
+            return tdm_oai_seterr(e, 400, "prompt", "The decoder prompt cannot be empty");
+        int rc = tdm_oai_request_max_tokens(rq, info, p->n, &p->max_tokens, e);
+        if (rc != TDM_OK)
+            return rc;
+        *prompt_tokens += (int)p->n;
+    }
+    return TDM_OK;
+}
+
+void tdm_oai_prompts_free(struct tdm_oai_tokenized_prompt *p, size_t n)
+{
+    for (size_t i = 0; p && i < n; i++) {
+        free(p[i].ids);
+        free(p[i].text);
+    }
+    free(p);
 }
