@@ -428,31 +428,19 @@ static void run_collect(struct call *k)
         respond_error(k->conn, 500, NULL, "%s", bad->a.message);
         return;
     }
-    struct tdm_oai_choice *oc = calloc(k->n_choices, sizeof *oc);
-    struct tdm_oai_asm_buf *full = calloc(k->n_choices, sizeof *full);
-    if (oc == NULL || full == NULL) {
-        free(oc);
-        free(full);
+    const struct tdm_oai_asm **asms = calloc(k->n_choices ? k->n_choices : 1, sizeof *asms);
+    if (asms == NULL) {
         respond_error(k->conn, 500, NULL, "out of memory");
         return;
     }
-    bool oom = false;
-    for (size_t i = 0; i < k->n_choices; i++) {
-        struct choice *ch = &k->choices[i];
-        const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
-        if (tdm_oai_asm_body_choice(&ch->a, k->req.echo, p->text, p->text_len, p->ids, p->n,
-                                    &full[i], &oc[i]) != TDM_OK)
-            oom = true;
-    }
+    for (size_t i = 0; i < k->n_choices; i++)
+        asms[i] = &k->choices[i].a;
     struct tdm_oai_usage u;
     usage_of(k, &u);
-    char *body = oom ? NULL : tdm_oai_body(&k->resp, oc, k->n_choices, &u);
-    respond_json(k->conn, 200, body);
+    respond_json(k->conn, 200,
+                 tdm_oai_asm_body(&k->resp, k->req.echo, asms, k->n_choices, k->prompts, &u));
     k->client_gone = tdm_http_client_gone(k->conn);
-    for (size_t i = 0; i < k->n_choices; i++)
-        tdm_oai_asm_buf_fini(&full[i]);
-    free(full);
-    free(oc);
+    free(asms);
 }
 
 // completions with echo and max_tokens 0: the prompts back, nothing generated.

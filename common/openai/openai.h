@@ -416,6 +416,14 @@ int tdm_oai_asm_body_choice(const struct tdm_oai_asm *a, bool echo, const char *
                             size_t n_prompt_ids, struct tdm_oai_asm_buf *joined,
                             struct tdm_oai_choice *oc);
 void tdm_oai_asm_buf_fini(struct tdm_oai_asm_buf *b);
+// The non-stream body of n finished choices: choices[i] continues
+// prompts[choices[i]->prompt_idx]; with echo each text starts with its prompt.
+// Heap string; NULL on ENOMEM.
+struct tdm_oai_tokenized_prompt;
+char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
+                       const struct tdm_oai_asm *const *choices, size_t n,
+                       const struct tdm_oai_tokenized_prompt *prompts,
+                       const struct tdm_oai_usage *usage);
 // Stream: the next chunk of the choice into *json (heap, caller frees), or
 // *json NULL when there is nothing to send (no new text and no finish to
 // report; an error finish is the caller's error event). usage for

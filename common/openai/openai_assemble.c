@@ -369,6 +369,33 @@ void tdm_oai_asm_buf_fini(struct tdm_oai_asm_buf *b)
     buf_fini(b);
 }
 
+char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
+                       const struct tdm_oai_asm *const *choices, size_t n,
+                       const struct tdm_oai_tokenized_prompt *prompts,
+                       const struct tdm_oai_usage *usage)
+{
+    struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
+    struct tdm_oai_asm_buf *joined = calloc(n ? n : 1, sizeof *joined);
+    char *body = NULL;
+    if (oc == NULL || joined == NULL)
+        goto out;
+    bool oom = false;
+    for (size_t i = 0; i < n; i++) {
+        const struct tdm_oai_tokenized_prompt *p = &prompts[choices[i]->prompt_idx];
+        if (tdm_oai_asm_body_choice(choices[i], echo, p->text, p->text_len, p->ids, p->n,
+                                    &joined[i], &oc[i]) != TDM_OK)
+            oom = true;
+    }
+    if (!oom)
+        body = tdm_oai_body(r, oc, n, usage);
+out:
+    for (size_t i = 0; joined && i < n; i++)
+        buf_fini(&joined[i]);
+    free(joined);
+    free(oc);
+    return body;
+}
+
 int tdm_oai_asm_stream_chunk(const struct tdm_oai_asm *a, const struct tdm_oai_response *r,
                              const int32_t *prompt_ids, size_t n_prompt_ids,
                              const struct tdm_oai_usage *usage, char **json, bool *finish_now)

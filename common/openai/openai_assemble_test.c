@@ -128,6 +128,17 @@ static void test_stop_string(void **state)
     assert_string_equal(oc2.text, "Hello world and more");
     assert_int_equal(oc2.text_offset, 0);
     assert_null(joined.p);
+    // The whole body: every choice after its prompt (echo), usage as given.
+    struct tdm_oai_response resp;
+    tdm_oai_response_init(&resp, TDM_OAI_COMPLETION, "m", "x");
+    struct tdm_oai_tokenized_prompt prompts[1] = {{.text = (char *)"P:", .text_len = 2}};
+    const struct tdm_oai_asm *asms[2] = {&a, &a};
+    struct tdm_oai_usage usage = {2, 8};
+    char *body = tdm_oai_asm_body(&resp, true, asms, 2, prompts, &usage);
+    assert_non_null(body);
+    assert_non_null(strstr(body, "\"text\":\"P:Hello world and more\""));
+    assert_non_null(strstr(body, "\"completion_tokens\":8"));
+    free(body);
     tdm_oai_asm_fini(&a);
 }
 
