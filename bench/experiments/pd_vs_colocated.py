@@ -36,11 +36,17 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 MODEL_FLAGS = ["--preset", "qwen2.5-0.5b", "--layers", "8", "--hidden", "512",
                "--intermediate", "2048", "--heads", "8", "--kv-heads", "2"]
 
+# name -> `tandem up` flags; "{thr}" is replaced by --pd-threshold.
 CONFIGS = {
-    # Long prompts (B) are prefilled on the prefill worker; A's 64-token
-    # prompts stay below the threshold and are prefilled by the decode worker,
-    # as a deployment with a prefix/threshold rule would do.
-    "disaggregated": ["--prefill", "1", "--decode", "1"],
+    # Every prompt, A's short ones too, is prefilled on the prefill worker.
+    "disaggregated": ["--prefill", "1", "--decode", "1", "--pd-mode", "always"],
+    # Only prompts with more than --pd-threshold uncached tokens (B's) are
+    # prefilled remotely; A's 64-token prompts are prefilled by the decode
+    # worker itself, as llm-d's threshold decider does.
+    "disaggregated-prefix": ["--prefill", "1", "--decode", "1", "--pd-mode", "prefix",
+                             "--pd-threshold", "{thr}"],
+    # No prefill worker: each decode worker prefills its own prompts, B's long
+    # ones in chunks between the decode steps of A's streams.
     "colocated": ["--prefill", "0", "--decode", "2"],
 }
 
@@ -178,7 +184,7 @@ def bench_cmd(bench, port, served, model, out_json, *, input_len, output_len, n,
 def run_one(a, tandem, bench, name, run, outdir, cpus):
     tag = f"{name}-run{run}"
     port = a.port
-    flags = CONFIGS[name] + (a.extra_pd if name == "disaggregated" else [])
+    flags = [f.replace("{thr}", str(a.pd_threshold)) for f in CONFIGS[name]]
     stack = Stack(tandem, a.model, flags, port, 1,
                   os.path.join(outdir, f"{tag}.stack.log"))
     try:
@@ -237,6 +243,17 @@ def load(p):
         return json.load(f)
 
 
+def percentile(xs, q):
+    # numpy's default (linear interpolation), as tandem-bench computes them.
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
 def summarize(results, a):
     rows = []
     for r in results:
@@ -249,6 +266,12 @@ def summarize(results, a):
         rows.append({
             "tag": r["tag"], "config": r["config"], "run": r["run"], "wall": r["wall_s"],
             "itl50": A["median_itl_ms"], "itl99": A["p99_itl_ms"],
+            # The stalls a long prefill causes are a few gaps per long prompt
+            # among thousands: p99.9 and the maximum show them, p99 barely.
+            "itl999": 1000 * percentile([g for r_ in A["itls"] for g in r_], 99.9),
+            "itlmax": 1000 * max((g for r_ in A["itls"] for g in r_), default=0.0),
+            "slow_gaps": sum(1 for r_ in A["itls"] for g in r_ if g > a.stall_ms / 1000),
+            "stall_s": sum(g for r_ in A["itls"] for g in r_ if g > a.stall_ms / 1000),
             "tpot50": A["median_tpot_ms"], "tpot99": A["p99_tpot_ms"],
             "a_ttft99": A["p99_ttft_ms"],
             "b_ttft50": B["median_ttft_ms"], "b_ttft99": B["p99_ttft_ms"],
@@ -262,13 +285,15 @@ def summarize(results, a):
             "pd": r["pd_after"], "sent": r["prompt_tokens_sent"],
             "seen": r["prompt_tokens_seen_by_decode"],
         })
-    hdr = ("| config | run | A ITL p50 / p99 (ms) | A TPOT p50 / p99 (ms) | A TTFT p99 (ms) "
+    hdr = ("| config | run | A ITL p50 / p99 / p99.9 / max (ms) | A gaps > "
+           f"{a.stall_ms:g} ms: count, seconds | A TPOT p50 / p99 (ms) | A TTFT p99 (ms) "
            "| B TTFT p50 / p99 (ms) | B TPOT p50 (ms) | good A / B (of done) "
            "| goodput (req/s) | output tok/s | wall (s) |")
-    lines = [hdr, "|" + "---|" * 11]
+    lines = [hdr, "|" + "---|" * 12]
     for x in rows:
         lines.append(
-            f"| {x['config']} | {x['run']} | {x['itl50']:.1f} / {x['itl99']:.1f} "
+            f"| {x['config']} | {x['run']} | {x['itl50']:.1f} / {x['itl99']:.1f} / "
+            f"{x['itl999']:.0f} / {x['itlmax']:.0f} | {x['slow_gaps']}, {x['stall_s']:.1f} "
             f"| {x['tpot50']:.1f} / {x['tpot99']:.1f} | {x['a_ttft99']:.0f} "
             f"| {x['b_ttft50']:.0f} / {x['b_ttft99']:.0f} | {x['b_tpot50']:.1f} "
             f"| {round(x['a_good'] or 0)}/{x['a_n']} , {round(x['b_good'] or 0)}/{x['b_n']} "
@@ -290,14 +315,15 @@ def main():
     ap.add_argument("--tokenizer-from", default="/work/shared/models/qwen2-tokenizer")
     ap.add_argument("--out", default="/tmp/tandem-exp-pd")
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--configs", default="disaggregated,colocated")
+    ap.add_argument("--configs", default="disaggregated,disaggregated-prefix,colocated")
     ap.add_argument("--port", type=int, default=18700)
     ap.add_argument("--pd-threshold", type=int, default=1024,
-                    help="disaggregated: uncached prompt tokens above which to prefill remotely")
+                    help="disaggregated-prefix: uncached prompt tokens above which to "
+                    "prefill remotely")
     ap.add_argument("--a-input", type=int, default=64)
     ap.add_argument("--a-output", type=int, default=256)
     ap.add_argument("--a-concurrency", type=int, default=4)
-    ap.add_argument("--a-prompts", type=int, default=48)
+    ap.add_argument("--a-prompts", type=int, default=72)
     ap.add_argument("--b-input", type=int, default=2048)
     ap.add_argument("--b-output", type=int, default=16)
     ap.add_argument("--b-rate", type=float, default=0.15)
@@ -305,13 +331,15 @@ def main():
     ap.add_argument("--b-delay", type=float, default=2.0)
     ap.add_argument("--b-seed", type=int, default=10,
                     help="B's seed is this + the run number (A's is the run number)")
-    ap.add_argument("--pd-mode", default="always", choices=["always", "prefix"])
+    ap.add_argument("--stall-ms", type=float, default=100,
+                    help="an A inter-token gap above this counts as a stall in the table")
+    ap.add_argument("--summarize-only", action="store_true",
+                    help="rebuild the table from --out/results.json without running anything")
     ap.add_argument("--slo-a", default="ttft:1000,tpot:25")
     ap.add_argument("--slo-b", default="ttft:3000,tpot:25")
     a = ap.parse_args()
     a.slo_a = a.slo_a.split(",")
     a.slo_b = a.slo_b.split(",")
-    a.extra_pd = ["--pd-mode", a.pd_mode, "--pd-threshold", str(a.pd_threshold)]
     tandem = find_bin(a.build, "deploy/local/tandem")
     bench = find_bin(a.build, "bench/serve/tandem-bench")
     mkmodel = find_bin(a.build, "tools/mkmodel/tandem-mkmodel")
@@ -319,6 +347,10 @@ def main():
         if not os.path.exists(os.path.join(a.build, s)):
             log(f"note: {s} not under {a.build}; tandem up will look on PATH")
     os.makedirs(a.out, exist_ok=True)
+    if a.summarize_only:
+        with open(os.path.join(a.out, "results.json")) as f:
+            print(summarize(json.load(f), a))
+        return
     ensure_model(mkmodel, a.model, a.tokenizer_from)
     cpus = sorted(os.sched_getaffinity(0))[:2]
     log(f"cpus used for the workers: {cpus}; online {os.cpu_count()}; "
