@@ -9,6 +9,7 @@
 // server's tokenizer, as real traffic does. The file dataset reads one prompt
 // per line or JSON lines with a "prompt" field.
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,6 +42,19 @@ static int sample_len(struct tdm_rng *rng, int len, double r)
     if (hi < lo)
         hi = lo;
     return lo + (int)(tdm_rng_next(rng) % (uint64_t)(hi - lo + 1));
+}
+
+// A token whose text holds a NUL byte would cut the prompt short once it is
+// written into the JSON body (C strings): such tokens are never drawn.
+static bool decodes_to_nul(const struct tdm_tokenizer *tok, int32_t id)
+{
+    char *t = NULL;
+    size_t len = 0;
+    if (tdm_tok_decode(tok, &id, 1, false, &t, &len) != TDM_OK)
+        return true;
+    bool nul = memchr(t, '\0', len) != NULL;
+    free(t);
+    return nul;
 }
 
 static void fill_random(int32_t *ids, size_t n, const int32_t *allowed, size_t n_allowed,
@@ -117,7 +131,7 @@ int tdm_bench_dataset_random(struct tdm_bench_dataset *out, const struct tdm_tok
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
     size_t n_allowed = 0;
     for (int32_t id = 0; id < vocab; id++)
-        if (tdm_tok_id_to_piece(tok, id) && !tdm_tok_is_special(tok, id))
+        if (tdm_tok_id_to_piece(tok, id) && !tdm_tok_is_special(tok, id) && !decodes_to_nul(tok, id))
             allowed[n_allowed++] = id;
     int rc = TDM_OK;
     if (n_allowed == 0) {

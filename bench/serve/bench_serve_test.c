@@ -685,6 +685,19 @@ static void test_random_dataset(void **state)
         check_range("output_len with range 0.5", c.prompts[i].output_len, 8, 24);
     }
     assert_false(all_same);
+    // Seed 101 once drew a token that decodes to a NUL byte: the text was cut
+    // there (541 of 2048 tokens reached the server). No prompt may hold a NUL.
+    struct tdm_bench_dataset d;
+    assert_int_equal(tdm_bench_dataset_random(&d, tok, 1, 2048, 16, 0.0, 101, err, sizeof(err)),
+                     TDM_OK);
+    int32_t *dids = NULL;
+    size_t dn = 0;
+    assert_int_equal(
+        tdm_tok_encode(tok, d.prompts[0].text, strlen(d.prompts[0].text), false, &dids, &dn),
+        TDM_OK);
+    assert_int_equal(dn, 2048);
+    free(dids);
+    tdm_bench_dataset_fini(&d);
     tdm_bench_dataset_fini(&a);
     tdm_bench_dataset_fini(&b);
     tdm_bench_dataset_fini(&c);
