@@ -779,7 +779,7 @@ static void *load_text_side(void *arg)
     return NULL;
 }
 
-int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen)
+int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_t errlen)
 {
     const struct tdm_decode_config *cfg = &s->cfg;
     // A local folder is used as it is; an ORG/NAME id comes from the HF cache,
@@ -879,8 +879,20 @@ int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen
     s->info.vocab_size = mc->vocab_size;
     s->info.max_model_len = s->max_model_len;
     s->info.gen = &s->gen;
-    atomic_store(&s->state, STATE_READY);
     return TDM_OK;
+}
+
+void tdm_decode_server_set_ready(struct tdm_decode_server *s)
+{
+    atomic_store(&s->state, STATE_READY);
+}
+
+int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen)
+{
+    int rc = tdm_decode_server_load_unready(s, err, errlen);
+    if (rc == TDM_OK)
+        tdm_decode_server_set_ready(s);
+    return rc;
 }
 
 int tdm_decode_server_port(const struct tdm_decode_server *s)

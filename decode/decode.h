@@ -96,6 +96,12 @@ int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decod
 // metrics registry and the engine, then marks the server ready. Errors: the
 // failing module's code and message.
 int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen);
+// The same load without the last step: /health stays 503 until
+// tdm_decode_server_set_ready. For a main that must open more listeners first
+// (the P/D nng inbox), so that a worker is never reported healthy before every
+// port it advertises accepts connections.
+int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_t errlen);
+void tdm_decode_server_set_ready(struct tdm_decode_server *s);
 // The bound port (the real one when cfg->port was 0).
 int tdm_decode_server_port(const struct tdm_decode_server *s);
 // The served model name and the KV capacity in tokens (after load).

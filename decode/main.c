@@ -57,7 +57,7 @@ int main(int argc, char **argv)
         TDM_LOG_ERR("decode", "%s", err);
         return 1;
     }
-    int rc = tdm_decode_server_load(s, err, sizeof err);
+    int rc = tdm_decode_server_load_unready(s, err, sizeof err);
     tdm_log_set_level_name(cfg.log_level);
     if (rc != TDM_OK) {
         TDM_LOG_ERR("decode", "loading %s: %s", cfg.model, err);
@@ -70,6 +70,8 @@ int main(int argc, char **argv)
         tdm_decode_server_free(s);
         return 1;
     }
+    // Healthy only now that the nng inbox (when configured) accepts connections.
+    tdm_decode_server_set_ready(s);
     if (pd)
         TDM_LOG_INFO("decode", "pd nng=%s instance=%016llx", tdm_pd_receiver_url(pd),
                      (unsigned long long)tdm_pd_receiver_instance(pd));

@@ -60,7 +60,7 @@ int main(int argc, char **argv)
         TDM_LOG_ERR("prefill", "%s", err);
         return 1;
     }
-    int rc = tdm_decode_server_load(s, err, sizeof err);
+    int rc = tdm_decode_server_load_unready(s, err, sizeof err);
     if (rc != TDM_OK) {
         TDM_LOG_ERR("prefill", "loading %s: %s", cfg.model, err);
         tdm_decode_server_free(s);
@@ -73,6 +73,8 @@ int main(int argc, char **argv)
         tdm_decode_server_free(s);
         return 1;
     }
+    // Healthy only now that the nng inbox accepts connections.
+    tdm_decode_server_set_ready(s);
     TDM_LOG_INFO("prefill",
                  "ready model=%s served_model_name=%s nng=%s instance=%016llx http=http://%s:%d "
                  "startup_s=%.3f",
