@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Process and port helpers shared by decode_harness and pd_harness (Python 3
+"""Process and port helpers shared by decode_harness, pd_harness and stack_harness (Python 3
 stdlib only): every process a test starts is registered here and killed when
 the test ends (atexit, fail, or the hard deadline), so a failing or hanging
 test never leaves servers behind. Exit status convention: 0 pass, 1 fail.
@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 PROCS = []  # Popen objects the test started
+CHILD_PIDS = []  # pids of processes started by those (e.g. the launcher's workers)
 
 
 def kill_all():
@@ -22,6 +23,11 @@ def kill_all():
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+    for pid in CHILD_PIDS:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 atexit.register(kill_all)

@@ -10,38 +10,21 @@ any child pid it printed). Exit status: 0 pass, 1 fail, 77 skipped (ctest
 SKIP_RETURN_CODE).
 """
 import argparse
-import atexit
 import http.client
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-_PROCS = []      # Popen objects we started
-_CHILD_PIDS = [] # pids the launchers printed (killed at exit if still alive)
-
-
-def _kill_all():
-    for p in _PROCS:
-        if p.poll() is None:
-            p.kill()
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-    for pid in _CHILD_PIDS:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-atexit.register(_kill_all)
+# The process registry (killed at exit, on fail and at the deadline), fail/check
+# and free_port come from proc_harness; _PROCS/_CHILD_PIDS are its lists.
+from proc_harness import CHILD_PIDS as _CHILD_PIDS  # noqa: E402
+from proc_harness import PROCS as _PROCS  # noqa: E402,F401 (re-exported)
+from proc_harness import arm_deadline, check, fail, free_port, kill_all  # noqa: E402,F401
 
 
 def parse_args(extra=None):
@@ -59,40 +42,14 @@ def parse_args(extra=None):
         extra(ap)
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-
-    def on_alarm(signum, frame):
-        _kill_all()
-        print("FAIL: test deadline of %.0f s passed" % args.deadline, flush=True)
-        os._exit(1)
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(int(args.deadline))
+    arm_deadline(args.deadline)
     return args
-
-
-def fail(msg):
-    print("FAIL: " + msg, flush=True)
-    _kill_all()
-    sys.exit(1)
 
 
 def skip(msg):
     print("SKIPPED: " + msg, flush=True)
-    _kill_all()
+    kill_all()
     sys.exit(77)
-
-
-def check(cond, msg):
-    if not cond:
-        fail(msg)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def make_model(args, name="stack-tiny"):
