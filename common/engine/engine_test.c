@@ -29,19 +29,6 @@ static int vocab;
 
 #define WAIT_S 120.0 // generous: sanitizer builds on a shared 2-core host
 
-static void rm_model(const char *dir)
-{
-    static const char *const files[] = {"config.json", "model.safetensors",
-                                        "generation_config.json", "tokenizer.json",
-                                        "tokenizer_config.json"};
-    char p[128];
-    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
-        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
-        unlink(p);
-    }
-    rmdir(dir);
-}
-
 static int setup(void **state)
 {
     (void)state;
@@ -73,7 +60,7 @@ static int teardown(void **state)
 {
     (void)state;
     tdm_model_free(model);
-    rm_model(model_dir);
+    tdm_mkmodel_remove(model_dir);
     return 0;
 }
 

@@ -26,19 +26,6 @@
 static char model_dir[64];
 static char llama_dir[64];
 
-static void rm_model(const char *dir)
-{
-    static const char *const files[] = {"config.json", "model.safetensors",
-                                        "generation_config.json", "tokenizer.json",
-                                        "tokenizer_config.json"};
-    char p[128];
-    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
-        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
-        unlink(p);
-    }
-    rmdir(dir);
-}
-
 static int setup(void **state)
 {
     (void)state;
@@ -71,8 +58,8 @@ static int setup(void **state)
 static int teardown(void **state)
 {
     (void)state;
-    rm_model(model_dir);
-    rm_model(llama_dir);
+    tdm_mkmodel_remove(model_dir);
+    tdm_mkmodel_remove(llama_dir);
     return 0;
 }
 
@@ -550,7 +537,7 @@ static void test_load_errors(void **state)
     tdm_model_opts_default(&o);
     o.backend = "no-such-backend";
     assert_int_equal(tdm_model_load(&m, dir, &o, err, sizeof err), TDM_EINVAL);
-    rm_model(dir);
+    tdm_mkmodel_remove(dir);
     assert_int_equal(tdm_model_load(&m, dir, NULL, err, sizeof err) != TDM_OK, 1);
 }
 

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 #include "core.h"
@@ -942,4 +943,18 @@ int tdm_mkmodel_write(const struct tdm_mkmodel_spec *s, const char *out_dir, cha
     if ((rc = write_configs(s, out_dir, eos, num_eos, bos, err, errlen)) != TDM_OK)
         return rc;
     return write_weights(s, out_dir, err, errlen);
+}
+
+void tdm_mkmodel_remove(const char *dir)
+{
+    static const char *const files[] = {"config.json", "model.safetensors",
+                                        "generation_config.json", "tokenizer.json",
+                                        "tokenizer_config.json"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        char *p = tdm_path_join(dir, files[i]);
+        if (p)
+            unlink(p);
+        free(p);
+    }
+    rmdir(dir);
 }

@@ -66,4 +66,8 @@ int tdm_mkmodel_write(const struct tdm_mkmodel_spec *s, const char *out_dir, cha
 // <|im_start|>, <|im_end|> as the last three ids), ChatML chat template.
 int tdm_mkmodel_write_tokenizer(int vocab_size, const char *dir, char *err, size_t errlen);
 
+// Removes the files tdm_mkmodel_write writes from dir, then dir itself when it is
+// empty (for tests and tools that make throwaway models). Missing files are fine.
+void tdm_mkmodel_remove(const char *dir);
+
 #endif

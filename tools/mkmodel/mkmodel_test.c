@@ -21,19 +21,6 @@
 #include "mkmodel.h"
 #include "tokenizer.h"
 
-static void rm_model(const char *dir)
-{
-    static const char *const files[] = {"config.json", "model.safetensors",
-                                        "generation_config.json", "tokenizer.json",
-                                        "tokenizer_config.json"};
-    char p[128];
-    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
-        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
-        unlink(p);
-    }
-    rmdir(dir);
-}
-
 static void check_tokenizer(const char *dir, int vocab)
 {
     char err[256];
@@ -109,7 +96,7 @@ static void test_tiny_folder(void **state)
     assert_int_equal(t->dtype, TDM_DTYPE_BF16);
     tdm_st_free(st);
     check_tokenizer(dir, 512);
-    rm_model(dir);
+    tdm_mkmodel_remove(dir);
 }
 
 static void test_llama_and_seed(void **state)
@@ -159,8 +146,8 @@ static void test_llama_and_seed(void **state)
     free(da);
     free(db);
     check_tokenizer(a, 1000);
-    rm_model(a);
-    rm_model(b);
+    tdm_mkmodel_remove(a);
+    tdm_mkmodel_remove(b);
 }
 
 static void test_tokenizer_sizes(void **state)
@@ -173,7 +160,7 @@ static void test_tokenizer_sizes(void **state)
         assert_non_null(mkdtemp(dir));
         assert_int_equal(tdm_mkmodel_write_tokenizer(sizes[i], dir, err, sizeof err), TDM_OK);
         check_tokenizer(dir, sizes[i]);
-        rm_model(dir);
+        tdm_mkmodel_remove(dir);
     }
     assert_int_equal(tdm_mkmodel_write_tokenizer(258, "/tmp", err, sizeof err), TDM_EINVAL);
 }
