@@ -870,6 +870,9 @@ int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_
     ec.max_model_len = s->max_model_len;
     ec.max_waiting = cfg->max_waiting;
     ec.metrics = &s->metrics;
+    // KV events for the router's exact prefix index (read by the P/D receiver's
+    // load reports); with prefix caching off there are no cached blocks to report.
+    ec.kv_event_capacity = cfg->enable_prefix_caching ? 8192 : 0;
     rc = tdm_engine_new(&s->engine, s->model, &ec, err, errlen);
     if (rc != TDM_OK)
         return rc;

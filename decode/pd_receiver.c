@@ -34,6 +34,10 @@
 
 #define MOD "pd"
 
+// KV events per load report at most (the rest wait for the next report, 0.2 s
+// later); bounded so a report stays a few KiB and coalescing stays cheap.
+#define KV_EVENTS_PER_REPORT 512
+
 void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
@@ -157,6 +161,11 @@ struct tdm_pd_receiver {
 
     struct tdm_metrics_counter *m_bytes, *m_blocks, *m_requests, *m_fail;
     struct tdm_metrics_histogram *m_seconds;
+
+    // KV events of the load report being built (receive thread only).
+    struct tdm_kv_event kev[KV_EVENTS_PER_REPORT];
+    uint64_t kev_stored[KV_EVENTS_PER_REPORT], kev_evicted[KV_EVENTS_PER_REPORT];
+    uint64_t kev_batch;
 };
 
 const char *tdm_pd_receiver_url(const struct tdm_pd_receiver *r)
@@ -893,6 +902,37 @@ static void on_load_report(struct tdm_pd_receiver *rx, const struct tdm_net_fram
     tandem__load_report__free_unpacked(r, NULL);
 }
 
+// Takes the engine's pending KV events for a load report and keeps each hash's
+// last event only (newest first), so the router may apply the stored and the
+// evicted list in either order. Every report gets the next batch number: a
+// report that never arrives shows up as a gap and the router resyncs.
+static void fill_kv_events(struct tdm_pd_receiver *rx, struct tdm_pd_load *load)
+{
+    if (tdm_engine_get_config(rx->parts.engine)->kv_event_capacity <= 0)
+        return;
+    bool overflow = false;
+    int n = tdm_engine_take_kv_events(rx->parts.engine, rx->kev, KV_EVENTS_PER_REPORT, &overflow);
+    size_t ns = 0, ne = 0;
+    for (int i = n - 1; i >= 0; i--) {
+        bool later = false;
+        for (int j = i + 1; j < n && !later; j++)
+            later = rx->kev[j].hash == rx->kev[i].hash;
+        if (later)
+            continue;
+        if (rx->kev[i].kind == TDM_KV_EVENT_STORED)
+            rx->kev_stored[ns++] = rx->kev[i].hash;
+        else
+            rx->kev_evicted[ne++] = rx->kev[i].hash;
+    }
+    load->has_kv_events = true;
+    load->kv_cleared = overflow;
+    load->kv_batch = ++rx->kev_batch;
+    load->kv_stored = rx->kev_stored;
+    load->n_kv_stored = ns;
+    load->kv_evicted = rx->kev_evicted;
+    load->n_kv_evicted = ne;
+}
+
 // The load this worker reports to a router's liveness/load query.
 static void fill_load(void *arg, struct tdm_pd_load *load)
 {
@@ -910,6 +950,7 @@ static void fill_load(void *arg, struct tdm_pd_load *load)
     load->block_size = st.block_size;
     load->held = st.num_importing;
     load->url = tdm_net_inbox_url(rx->inbox);
+    fill_kv_events(rx, load);
 }
 
 static void on_frame(void *arg, const struct tdm_net_frame *f)

@@ -9,7 +9,8 @@ from the workers' own metrics and the router's response headers:
   - session_affinity: the same session header lands on the same worker, and the
     returned x-session-token brings the client back to it;
   - prefix_cache: a repeated long prompt goes back to the worker that caches it
-    (its prefix cache hits rise);
+    (its prefix cache hits rise); a prompt a decode worker served directly (the
+    router never saw it) is routed to that worker from its KV events alone;
   - least_loaded: with one decode worker busy, new requests go to the other.
 """
 import random
@@ -137,6 +138,25 @@ def main():
     hits = metric_sum(metrics(w.http_port), "vllm:prefix_cache_hits_total") - hits0[first]
     check(hits >= 3 * 304, "prefix cache hits on %s rose by %d only" % (first, hits))
     print("prefix_cache ok (%d cached tokens served)" % hits, flush=True)
+
+    # 4b. KV events: prompts served directly by one decode worker (bypassing the
+    # router, so its approximate index knows nothing of them) are routed to that
+    # worker once its load reports carried the stored block hashes. Two prompts
+    # per worker, both workers: a tie-break could not pick right 4 times.
+    for rnd_i in range(2):
+        for w in cl.decode:
+            p = [rnd.randrange(3, 500) for _ in range(320)]
+            st, _, _ = post(w.http_port, "/v1/completions", {"prompt": p, "max_tokens": 2})
+            check(st == 200, "direct request to %s status %d" % (w.name, st))
+            time.sleep(0.8)  # load reports every 0.2 s carry the KV events
+            st, hdr, _ = post(cl.router_port, "/v1/completions", {"prompt": p, "max_tokens": 2})
+            check(st == 200, "kv-events request status %d" % st)
+            check(hdr.get("x-tandem-decode") == w.name,
+                  "prompt cached on %s (KV events) routed to %s" % (w.name, hdr.get("x-tandem-decode")))
+            check(phases(hdr).get("decision") == "decode-only",
+                  "prompt cached on %s still prefilled remotely: %s"
+                  % (w.name, hdr.get("x-tandem-phases")))
+    print("prefix_cache from KV events ok", flush=True)
 
     # 5. Least loaded: one decode worker busy with a long stream.
     cl.write_config("least_loaded", "never")

@@ -170,6 +170,17 @@ void tdm_pd_answer_load_query(struct tdm_net_outbox *ob, const struct tdm_net_fr
         r.held = load.held;
         r.seq = q->seq;
         r.url = (char *)(load.url ? load.url : "");
+        Tandem__KvEvents kev = TANDEM__KV_EVENTS__INIT;
+        if (load.has_kv_events) {
+            kev.instance = load.instance;
+            kev.stored = (uint64_t *)load.kv_stored;
+            kev.n_stored = load.kv_stored ? load.n_kv_stored : 0;
+            kev.evicted = (uint64_t *)load.kv_evicted;
+            kev.n_evicted = load.kv_evicted ? load.n_kv_evicted : 0;
+            kev.cleared = load.kv_cleared;
+            kev.batch = load.kv_batch;
+            r.kv_events = &kev;
+        }
         char err[256];
         tdm_pd_send(ob, q->reply_to->url, TDM_NET_LOAD_REPORT, &r.base, NULL, 0, 0, err,
                     sizeof err);

@@ -48,6 +48,13 @@ struct tdm_pd_load {
     int free_blocks, total_blocks, block_size;
     int held;        // prefill: KV held for export; decode: imports in progress
     const char *url; // this worker's inbox URL
+    // KV events (decode workers): has_kv_events false = none sent, the router
+    // keeps only its approximate index. Arrays borrowed, a hash in at most one.
+    bool has_kv_events;
+    bool kv_cleared;     // events were lost since the previous report
+    uint64_t kv_batch;   // 1, 2, ... per report filled
+    const uint64_t *kv_stored, *kv_evicted;
+    size_t n_kv_stored, n_kv_evicted;
 };
 // Fills *load (called only for a query that can be answered).
 typedef void (*tdm_pd_load_fn)(void *arg, struct tdm_pd_load *load);

@@ -199,6 +199,14 @@ static void worker_load(void *arg, struct tdm_pd_load *load)
     load->block_size = 16;
     load->held = 7;
     load->url = tdm_net_inbox_url(w->in);
+    static const uint64_t stored[] = {11, 22}, evicted[] = {33};
+    load->has_kv_events = true;
+    load->kv_cleared = true;
+    load->kv_batch = 5;
+    load->kv_stored = stored;
+    load->n_kv_stored = 2;
+    load->kv_evicted = evicted;
+    load->n_kv_evicted = 1;
 }
 
 static void worker_frame(void *arg, const struct tdm_net_frame *f)
@@ -271,6 +279,14 @@ static void test_load_query_served(void **state)
     assert_int_equal(r->block_size, 16);
     assert_int_equal(r->held, 7);
     assert_string_equal(r->url, tdm_net_inbox_url(w.in));
+    assert_non_null(r->kv_events);
+    assert_true(r->kv_events->instance == 0x1234);
+    assert_true(r->kv_events->cleared);
+    assert_true(r->kv_events->batch == 5);
+    assert_int_equal(r->kv_events->n_stored, 2);
+    assert_true(r->kv_events->stored[0] == 11 && r->kv_events->stored[1] == 22);
+    assert_int_equal(r->kv_events->n_evicted, 1);
+    assert_true(r->kv_events->evicted[0] == 33);
     tandem__load_report__free_unpacked(r, NULL);
     tdm_net_msg_free(msg);
     // Every query reached the handler, the malformed one too (and got no report).

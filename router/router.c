@@ -174,6 +174,7 @@ struct ep_live {
     uint64_t id;        // registry endpoint id (0 = free slot)
     uint64_t instance;  // the worker's instance id from its last report
     double last_report; // tdm_now() of the last report
+    uint64_t kv_batch;  // KvEvents.batch of the last report (0 = none yet)
 };
 
 // One choice's upstream stream: chunks the inbox thread received for it.
@@ -324,13 +325,22 @@ static void on_load_report(struct tdm_router_server *s, const struct tdm_net_fra
     if (r == NULL)
         return;
     if (r->to_instance == s->instance && r->seq != 0) {
-        bool restarted = false;
+        bool restarted = false, kv_resync = false;
+        const Tandem__KvEvents *kev = r->kv_events;
         pthread_mutex_lock(&s->live_mu);
         struct ep_live *l = live_find(s, r->seq, true);
         if (l) {
             restarted = l->instance != 0 && l->instance != r->instance;
             l->instance = r->instance;
             l->last_report = tdm_now();
+            if (kev) {
+                // A lost report (batch gap) or a worker-side overflow lost events:
+                // the index for this worker can no longer be trusted. The first
+                // report keeps what the router recorded itself.
+                kv_resync = kev->cleared ||
+                            (!restarted && l->kv_batch != 0 && kev->batch != l->kv_batch + 1);
+                l->kv_batch = kev->batch;
+            }
         }
         pthread_mutex_unlock(&s->live_mu);
         struct tdm_router_endpoints *eps = tdm_router_control_endpoints(s->ctl);
@@ -340,6 +350,15 @@ static void on_load_report(struct tdm_router_server *s, const struct tdm_net_fra
             TDM_LOG_INFO(MOD, "endpoint id=%llu restarted (new instance %016llx)",
                          (unsigned long long)r->seq, (unsigned long long)r->instance);
             tdm_router_endpoints_clear_prefix(eps, r->seq);
+        }
+        if (l && kev) {
+            if (kv_resync && !restarted) {
+                TDM_LOG_INFO(MOD, "endpoint id=%llu: KV events lost, prefix index rebuilt",
+                             (unsigned long long)r->seq);
+                tdm_router_endpoints_clear_prefix(eps, r->seq);
+            }
+            tdm_router_endpoints_apply_kv_event(eps, r->seq, kev->stored, kev->n_stored,
+                                                kev->evicted, kev->n_evicted);
         }
         struct tdm_router_load load = {r->running, r->waiting, r->kv_usage};
         tdm_router_endpoints_set_load(eps, r->seq, &load);

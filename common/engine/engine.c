@@ -151,6 +151,9 @@ struct tdm_engine {
     int check_rc;
     char check_err[256];
     struct tdm_engine_stats stats;
+    struct tdm_kv_event *kv_ev; // [cfg.kv_event_capacity] taken from the cache, oldest first
+    int kv_ev_count;
+    bool kv_ev_overflow;
     pthread_t thread;
 };
 
@@ -871,6 +874,53 @@ static void take_control(struct tdm_engine *e, bool *abort_all, bool *stop)
     }
 }
 
+// Moves the cache's KV events into the shared buffer (caller holds mu). A full
+// buffer or a cache ring that overflowed makes the older events useless (the
+// consumer resyncs), so they are dropped and the overflow is passed on.
+static void drain_kv_events(struct tdm_engine *e)
+{
+    if (!e->kv_ev)
+        return;
+    for (;;) {
+        if (e->kv_ev_count == e->cfg.kv_event_capacity) {
+            if (tdm_kv_events_pending(e->kv) == 0)
+                return;
+            e->kv_ev_count = 0;
+            e->kv_ev_overflow = true;
+        }
+        bool ovf = false;
+        int room = e->cfg.kv_event_capacity - e->kv_ev_count;
+        int n = tdm_kv_events_take(e->kv, e->kv_ev + e->kv_ev_count, room, &ovf);
+        if (ovf) {
+            memmove(e->kv_ev, e->kv_ev + e->kv_ev_count, (size_t)n * sizeof *e->kv_ev);
+            e->kv_ev_count = 0;
+            e->kv_ev_overflow = true;
+        }
+        e->kv_ev_count += n;
+        if (n < room)
+            return;
+    }
+}
+
+int tdm_engine_take_kv_events(struct tdm_engine *e, struct tdm_kv_event *out, int cap,
+                              bool *overflow)
+{
+    if (overflow)
+        *overflow = false;
+    if (!e || !e->kv_ev || !out || cap <= 0)
+        return 0;
+    pthread_mutex_lock(&e->mu);
+    int n = e->kv_ev_count < cap ? e->kv_ev_count : cap;
+    memcpy(out, e->kv_ev, (size_t)n * sizeof *out);
+    memmove(e->kv_ev, e->kv_ev + n, (size_t)(e->kv_ev_count - n) * sizeof *out);
+    e->kv_ev_count -= n;
+    if (overflow)
+        *overflow = e->kv_ev_overflow;
+    e->kv_ev_overflow = false;
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
 static void *engine_main(void *arg)
 {
     struct tdm_engine *e = arg;
@@ -885,6 +935,7 @@ static void *engine_main(void *arg)
             pthread_cond_broadcast(&e->idle_cv);
         }
         publish_stats(e);
+        drain_kv_events(e);
         // Sleep when nothing can move: no new requests, no control, and either no
         // active request or the last step could schedule nothing (blocks held).
         while (e->inbox_head == NULL && e->ctl_head == NULL && !e->check_req &&
@@ -981,6 +1032,9 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "engine: max_num_batched_tokens, max_num_seqs and max_waiting must be "
                           "> 0 and max_model_len >= 0");
+    if (cfg.kv_event_capacity < 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "engine: kv_event_capacity must be >= 0, got %d", cfg.kv_event_capacity);
     if (cfg.max_model_len == 0)
         cfg.max_model_len = mc->max_position_embeddings;
     if (cfg.max_model_len > mc->max_position_embeddings || cfg.max_model_len < 2)
@@ -1027,6 +1081,14 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     rc = tdm_kv_new(&e->kv, &kc, err, errlen);
     if (rc != TDM_OK)
         goto fail_engine;
+    if (cfg.kv_event_capacity > 0) {
+        e->kv_ev = calloc((size_t)cfg.kv_event_capacity, sizeof *e->kv_ev);
+        if (!e->kv_ev || tdm_kv_events_enable(e->kv, cfg.kv_event_capacity) != TDM_OK) {
+            rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory for %d KV events",
+                            cfg.kv_event_capacity);
+            goto fail_arrays;
+        }
+    }
     size_t ns = (size_t)cfg.max_num_seqs;
     e->running = calloc(ns, sizeof *e->running);
     e->items = calloc(ns, sizeof *e->items);
@@ -1074,6 +1136,7 @@ fail_arrays:
     free(e->items);
     free(e->batch);
     free(e->logits);
+    free(e->kv_ev);
     tdm_kv_free(e->kv);
 fail_engine:
     free(e);
@@ -1123,6 +1186,7 @@ void tdm_engine_free(struct tdm_engine *e)
     free(e->items);
     free(e->batch);
     free(e->logits);
+    free(e->kv_ev);
     tdm_kv_free(e->kv);
     free(e);
 }

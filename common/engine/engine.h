@@ -48,6 +48,8 @@ struct tdm_engine_config {
     int max_waiting;                  // bounded waiting queue: submit returns TDM_EBUSY when this
                                       // many requests wait; default 1024
     struct tdm_metrics_vllm *metrics; // vLLM metric handles to update; NULL = none
+    int kv_event_capacity;            // > 0: record KV events (tdm_engine_take_kv_events) in
+                                      // buffers of this many events; default 0 = off
 };
 // Fills the defaults above.
 void tdm_engine_config_default(struct tdm_engine_config *cfg);
@@ -70,6 +72,15 @@ void tdm_engine_free(struct tdm_engine *e);
 // when some were aborted. The engine thread keeps running (for held KV) until
 // tdm_engine_free.
 int tdm_engine_drain(struct tdm_engine *e, double timeout_s);
+
+// KV events (common/kv: STORED / EVICTED block hashes of the prefix cache) when
+// cfg.kv_event_capacity > 0: the engine thread moves them after every step into
+// a buffer any thread can take from. Moves up to cap of the oldest into out and
+// returns how many (0 when off). *overflow (may be NULL) is true when events
+// were lost since the previous take (the KV cache's ring or this buffer was
+// full): the consumer must forget what it knows of this cache, then apply out.
+int tdm_engine_take_kv_events(struct tdm_engine *e, struct tdm_kv_event *out, int cap,
+                              bool *overflow);
 
 // The effective limits after defaults and caps.
 const struct tdm_engine_config *tdm_engine_get_config(const struct tdm_engine *e);

@@ -1088,6 +1088,61 @@ static void test_stop_and_logprobs(void **state)
     tdm_engine_free(e);
 }
 
+// KV events come out of the engine: a finished 40-token prompt stored its two
+// full prompt blocks under the chained hashes the router computes; the engine
+// without kv_event_capacity reports none.
+static void test_kv_events(void **state)
+{
+    (void)state;
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    char err[256];
+    tdm_engine_config_default(&c);
+    c.num_blocks = 64;
+    c.kv_event_capacity = -1;
+    assert_int_equal(tdm_engine_new(&e, model, &c, err, sizeof err), TDM_EINVAL);
+    c.kv_event_capacity = 256;
+    assert_int_equal(tdm_engine_new(&e, model, &c, err, sizeof err), TDM_OK);
+    int bs = tdm_engine_get_config(e)->block_size;
+    int32_t prompt[40];
+    make_prompt(prompt, 40, 4242);
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    struct tdm_engine_request *r = submit(e, prompt, 40, &sp, 2);
+    int32_t got[8];
+    struct collected cr = {0};
+    collect(r, got, 8, &cr, 0);
+    tdm_engine_request_release(r);
+    uint64_t h0 = tdm_kv_block_hash(0, prompt, bs);
+    uint64_t h1 = tdm_kv_block_hash(h0, prompt + bs, bs);
+    bool seen0 = false, seen1 = false, ovf = true;
+    struct tdm_kv_event ev[64];
+    // The engine thread moves events after each step: poll briefly.
+    for (int tries = 0; tries < 200 && !(seen0 && seen1); tries++) {
+        int n = tdm_engine_take_kv_events(e, ev, 64, &ovf);
+        assert_false(ovf);
+        for (int i = 0; i < n; i++) {
+            assert_int_equal(ev[i].kind, TDM_KV_EVENT_STORED);
+            seen0 |= ev[i].hash == h0;
+            seen1 |= ev[i].hash == h1;
+        }
+        if (!(seen0 && seen1))
+            usleep(10000);
+    }
+    assert_true(seen0);
+    assert_true(seen1);
+    tdm_engine_free(e);
+
+    struct tdm_engine *off = engine_make(64, 0, 0, 0, NULL);
+    r = submit(off, prompt, 40, &sp, 2);
+    struct collected co = {0};
+    collect(r, got, 8, &co, 0);
+    tdm_engine_request_release(r);
+    assert_int_equal(tdm_engine_take_kv_events(off, ev, 64, &ovf), 0);
+    assert_false(ovf);
+    tdm_engine_free(off);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1103,6 +1158,7 @@ int main(void)
         cmocka_unit_test(test_unfit),
         cmocka_unit_test(test_prefill_only_export),
         cmocka_unit_test(test_pd_import_roundtrip),
+        cmocka_unit_test(test_kv_events),
     };
     // ENGINE_TEST_FILTER=test_preemption runs one test (cmocka glob).
     const char *filter = getenv("ENGINE_TEST_FILTER");

@@ -84,6 +84,10 @@ struct tdm_kv_cache {
     uint64_t queries, hits; // prefix-cache counters, tokens
     tdm_kv_hash_fn hash_fn; // tdm_kv_block_hash unless a test swapped it
     char errmsg[256];       // detail of the last failure
+    // KV events ring (tdm_kv_events_enable); ev == NULL when not recording.
+    struct tdm_kv_event *ev;
+    int ev_cap, ev_head, ev_count;
+    bool ev_overflow;
 };
 
 // ---- hashing ----------------------------------------------------------------------
@@ -192,6 +196,23 @@ static int map_find(const struct tdm_kv_cache *kv, uint64_t hash, int parent, ui
 }
 
 // Inserts block b (identity already set in its kv_block / block_tokens).
+// Records a KV event; a full ring is emptied and flagged (see kv_cache.h) since
+// the consumer resynchronizes from scratch anyway.
+static void ev_push(struct tdm_kv_cache *kv, int kind, uint64_t hash)
+{
+    if (!kv->ev)
+        return;
+    if (kv->ev_count == kv->ev_cap) {
+        kv->ev_count = 0;
+        kv->ev_head = 0;
+        kv->ev_overflow = true;
+    }
+    int i = (kv->ev_head + kv->ev_count) % kv->ev_cap;
+    kv->ev[i].hash = hash;
+    kv->ev[i].kind = kind;
+    kv->ev_count++;
+}
+
 static void map_insert(struct tdm_kv_cache *kv, int b)
 {
     uint64_t hash = kv->blocks[b].hash;
@@ -202,6 +223,7 @@ static void map_insert(struct tdm_kv_cache *kv, int b)
     kv->slots[i].block = b;
     kv->blocks[b].hashed = true;
     kv->num_hashed++;
+    ev_push(kv, TDM_KV_EVENT_STORED, hash);
 }
 
 // Removes block b from the map (backward-shift deletion keeps probe chains
@@ -209,6 +231,7 @@ static void map_insert(struct tdm_kv_cache *kv, int b)
 static void map_remove(struct tdm_kv_cache *kv, int b)
 {
     struct kv_block *bl = &kv->blocks[b];
+    ev_push(kv, TDM_KV_EVENT_EVICTED, bl->hash);
     size_t i = bl->hash & kv->slot_mask;
     while (kv->slots[i].block != b) {
         TDM_ASSERT(kv->slots[i].block != KV_SLOT_EMPTY);
@@ -359,6 +382,7 @@ void tdm_kv_free(struct tdm_kv_cache *kv)
     free(kv->blocks);
     free(kv->block_tokens);
     free(kv->slots);
+    free(kv->ev);
     free(kv);
 }
 
@@ -1004,4 +1028,49 @@ int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int lay
         memcpy(kv->v[layer] + (size_t)b * kv->block_floats, v_in + (size_t)i * bb, bb);
     }
     return TDM_OK;
+}
+
+// ---- KV events --------------------------------------------------------------------------
+int tdm_kv_events_enable(struct tdm_kv_cache *kv, int capacity)
+{
+    if (!kv || capacity < 0)
+        return TDM_EINVAL;
+    if (capacity == kv->ev_cap && kv->ev)
+        return TDM_OK;
+    struct tdm_kv_event *ev = NULL;
+    if (capacity > 0) {
+        ev = calloc((size_t)capacity, sizeof *ev);
+        if (!ev)
+            return TDM_ENOMEM;
+    }
+    free(kv->ev);
+    kv->ev = ev;
+    kv->ev_cap = capacity;
+    kv->ev_head = kv->ev_count = 0;
+    kv->ev_overflow = false;
+    return TDM_OK;
+}
+
+int tdm_kv_events_take(struct tdm_kv_cache *kv, struct tdm_kv_event *out, int cap,
+                       bool *overflow)
+{
+    if (overflow)
+        *overflow = false;
+    if (!kv || !kv->ev)
+        return 0;
+    if (overflow)
+        *overflow = kv->ev_overflow;
+    kv->ev_overflow = false;
+    int n = 0;
+    while (out && n < cap && kv->ev_count > 0) {
+        out[n++] = kv->ev[kv->ev_head];
+        kv->ev_head = (kv->ev_head + 1) % kv->ev_cap;
+        kv->ev_count--;
+    }
+    return n;
+}
+
+int tdm_kv_events_pending(const struct tdm_kv_cache *kv)
+{
+    return kv && kv->ev ? kv->ev_count : 0;
 }

@@ -116,6 +116,36 @@ int tdm_kv_block_refcount(const struct tdm_kv_cache *kv, int block);
 // Evicts every unreferenced cached block (drops their hashes); referenced
 // blocks stay. For benchmarks and tests that need a cold cache.
 void tdm_kv_reset_prefix_cache(struct tdm_kv_cache *kv);
+// ---- KV events (exact prefix-aware routing) ------------------------------------------
+// When enabled, the cache records an event each time a full block's chained hash
+// enters the prefix map (STORED: tdm_kv_commit published it, including blocks
+// written by tdm_kv_import_layer) and each time one leaves it (EVICTED: reused by
+// tdm_kv_reserve, freed with prefix caching off, tdm_kv_reset_prefix_cache). A
+// decode worker forwards them to the router, whose prefix index for that worker
+// then holds exactly the hashes this map holds. Recording is a store into a
+// fixed ring (no allocation per event). When the ring is full the recorded
+// events are discarded and the overflow flag is set: the consumer must then drop
+// everything it knows about this cache and apply only the events that follow
+// (blocks cached before the overflow and still cached are then unknown to it
+// until stored again: an index that misses entries only routes less well).
+enum tdm_kv_event_kind { TDM_KV_EVENT_STORED = 1, TDM_KV_EVENT_EVICTED = 2 };
+struct tdm_kv_event {
+    uint64_t hash; // chained block hash (tdm_kv_block_hash)
+    int kind;      // enum tdm_kv_event_kind
+};
+// Starts recording into a ring of capacity events (allocated once here; a second
+// call with events pending keeps them only if capacity is unchanged). capacity 0
+// stops recording and frees the ring. TDM_EINVAL for capacity < 0, TDM_ENOMEM.
+int tdm_kv_events_enable(struct tdm_kv_cache *kv, int capacity);
+// Moves up to cap of the oldest recorded events into out (oldest first) and
+// returns how many. *overflow (may be NULL) says whether the ring overflowed
+// since the previous take (the flag is cleared by this call). 0 when recording
+// is off.
+int tdm_kv_events_take(struct tdm_kv_cache *kv, struct tdm_kv_event *out, int cap,
+                       bool *overflow);
+// Events recorded and not yet taken.
+int tdm_kv_events_pending(const struct tdm_kv_cache *kv);
+
 // The detail of the last failed call on kv (reserve, export, import), "" if none.
 // Valid until the next call on kv.
 const char *tdm_kv_errmsg(const struct tdm_kv_cache *kv);

@@ -894,6 +894,90 @@ static void test_block_hash_known_values(void **state)
     assert_true(tdm_kv_block_hash(0, t3, 0) == 0xf490368aba8bfeacull);       // empty
 }
 
+// ---- KV events ----------------------------------------------------------------------------
+
+// Commit records STORED for exactly the newly full blocks (chained hashes as in
+// the seq), eviction on reuse and reset record EVICTED, and a full ring is
+// flagged as overflow with only the later events kept.
+static void test_kv_events(void **state)
+{
+    (void)state;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 4, 4, 4, true);
+    struct tdm_kv_event ev[16];
+    bool ovf = true;
+    assert_int_equal(tdm_kv_events_take(kv, ev, 16, &ovf), 0); // off
+    assert_false(ovf);
+    assert_int_equal(tdm_kv_events_enable(kv, -1), TDM_EINVAL);
+    assert_int_equal(tdm_kv_events_enable(kv, 8), TDM_OK);
+
+    int32_t t[16];
+    seq_tokens(t, 10, 100); // 2 full blocks + 2 tokens
+    struct tdm_kv_seq a;
+    assert_int_equal(admit(kv, &a, t, 10, false), TDM_OK);
+    assert_int_equal(tdm_kv_events_pending(kv), 2);
+    int n = tdm_kv_events_take(kv, ev, 16, &ovf);
+    assert_int_equal(n, 2);
+    assert_false(ovf);
+    assert_int_equal(ev[0].kind, TDM_KV_EVENT_STORED);
+    assert_true(ev[0].hash == a.block_hashes[0]);
+    assert_true(ev[0].hash == tdm_kv_block_hash(0, t, 4));
+    assert_int_equal(ev[1].kind, TDM_KV_EVENT_STORED);
+    assert_true(ev[1].hash == tdm_kv_block_hash(ev[0].hash, t + 4, 4));
+    uint64_t h0 = ev[0].hash, h1 = ev[1].hash;
+    // Committing the partial block again adds nothing; filling it stores one more.
+    tdm_kv_commit(kv, &a, t, 10);
+    assert_int_equal(tdm_kv_events_pending(kv), 0);
+    tdm_kv_seq_release(kv, &a); // blocks stay cached: no event
+    assert_int_equal(tdm_kv_events_pending(kv), 0);
+
+    // A 16-token prompt needs all 4 blocks: both cached blocks are evicted (LRU).
+    seq_tokens(t, 16, 500);
+    struct tdm_kv_seq b;
+    assert_int_equal(admit(kv, &b, t, 16, false), TDM_OK);
+    n = tdm_kv_events_take(kv, ev, 16, &ovf);
+    assert_false(ovf);
+    int ev_h0 = 0, ev_h1 = 0, stored = 0;
+    for (int i = 0; i < n; i++) {
+        if (ev[i].kind == TDM_KV_EVENT_EVICTED) {
+            ev_h0 += ev[i].hash == h0;
+            ev_h1 += ev[i].hash == h1;
+        } else {
+            stored++;
+        }
+    }
+    assert_int_equal(ev_h0, 1);
+    assert_int_equal(ev_h1, 1);
+    assert_int_equal(stored, 4);
+    assert_int_equal(n, 6);
+    tdm_kv_seq_release(kv, &b);
+    tdm_kv_reset_prefix_cache(kv); // 4 cached blocks leave the map
+    n = tdm_kv_events_take(kv, ev, 2, &ovf); // partial take
+    assert_int_equal(n, 2);
+    assert_int_equal(tdm_kv_events_pending(kv), 2);
+    n = tdm_kv_events_take(kv, ev + 2, 16, &ovf);
+    assert_int_equal(n, 2);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(ev[i].kind, TDM_KV_EVENT_EVICTED);
+
+    // Overflow: 8 stored + 8 evicted > capacity 8 without a take.
+    for (int r = 0; r < 2; r++) {
+        seq_tokens(t, 16, 1000 + 100 * r);
+        assert_int_equal(admit(kv, &b, t, 16, false), TDM_OK);
+        tdm_kv_seq_release(kv, &b);
+    }
+    tdm_kv_reset_prefix_cache(kv);
+    n = tdm_kv_events_take(kv, ev, 16, &ovf);
+    assert_true(ovf);
+    assert_true(n > 0 && n <= 8);
+    assert_int_equal(ev[n - 1].kind, TDM_KV_EVENT_EVICTED); // the latest events survive
+    assert_int_equal(tdm_kv_events_take(kv, ev, 16, &ovf), 0);
+    assert_false(ovf); // reported once
+    assert_consistent(kv);
+    assert_int_equal(tdm_kv_events_enable(kv, 0), TDM_OK);
+    assert_int_equal(tdm_kv_events_pending(kv), 0);
+    tdm_kv_free(kv);
+}
+
 int main(void)
 {
     static const struct wl_param wl[] = {
@@ -932,6 +1016,7 @@ int main(void)
         cmocka_unit_test_prestate(test_export_import, (void *)(intptr_t)1),
         cmocka_unit_test_prestate(test_export_import, (void *)(intptr_t)32),
         cmocka_unit_test(test_header),
+        cmocka_unit_test(test_kv_events),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
