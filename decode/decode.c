@@ -73,39 +73,8 @@ struct tdm_decode_server {
 
 // ---- HTTP glue ----------------------------------------------------------------------------
 // Error -> status goes through tdm_http_status_for_err (common/http), except
-// that a full waiting queue and a draining server are 503 with Retry-After
-// (set where those errors are made, below).
-static void respond_json(struct tdm_http_conn *c, int status, char *body_owned)
-{
-    if (body_owned == NULL) {
-        tdm_http_respond_error(c, 500, NULL, NULL, "out of memory");
-        return;
-    }
-    tdm_http_respond_json(c, status, body_owned);
-    free(body_owned);
-}
-
-static void respond_oai_error(struct tdm_http_conn *c, const struct tdm_oai_error *e)
-{
-    if (e->status == 503)
-        tdm_http_add_header(c, "Retry-After", "1");
-    tdm_http_respond_oai_error(c, e);
-}
-
-static void respond_error(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
-                          ...) __attribute__((format(printf, 4, 5)));
-static void respond_error(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
-                          ...)
-{
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (status == 503)
-        tdm_http_add_header(c, "Retry-After", "1");
-    tdm_http_respond_error(c, status, NULL, param, msg);
-}
+// that a full waiting queue and a draining server are 503 (common/http adds
+// Retry-After to every 503 error).
 
 // One SSE event from a heap JSON string (freed here). 0, -1 when the client is
 // gone, -2 on ENOMEM (json NULL).
@@ -419,25 +388,25 @@ static void run_collect(struct call *k)
 {
     while (!all_done(k)) {
         if (pump(k) < 0) {
-            respond_error(k->conn, 500, NULL, "out of memory");
+            tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
             return;
         }
     }
     const struct choice *bad = first_error(k);
     if (bad) {
-        respond_error(k->conn, 500, NULL, "%s", bad->a.message);
+        tdm_http_respond_errorf(k->conn, 500, NULL, "%s", bad->a.message);
         return;
     }
     const struct tdm_oai_asm **asms = calloc(k->n_choices ? k->n_choices : 1, sizeof *asms);
     if (asms == NULL) {
-        respond_error(k->conn, 500, NULL, "out of memory");
+        tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
         return;
     }
     for (size_t i = 0; i < k->n_choices; i++)
         asms[i] = &k->choices[i].a;
     struct tdm_oai_usage u;
     usage_of(k, &u);
-    respond_json(k->conn, 200,
+    tdm_http_respond_json_owned(k->conn, 200,
                  tdm_oai_asm_body(&k->resp, k->req.echo, asms, k->n_choices, k->prompts, &u));
     k->client_gone = tdm_http_client_gone(k->conn);
     free(asms);
@@ -450,7 +419,7 @@ static void run_echo_only(struct call *k)
     size_t n = k->n_prompts * (size_t)k->req.n;
     struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
     if (oc == NULL) {
-        respond_error(k->conn, 500, NULL, "out of memory");
+        tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
         return;
     }
     for (size_t i = 0; i < n; i++) {
@@ -463,7 +432,7 @@ static void run_echo_only(struct call *k)
     }
     struct tdm_oai_usage u = {k->prompt_tokens, 0};
     if (!k->req.stream) {
-        respond_json(k->conn, 200, tdm_oai_body(&k->resp, oc, n, &u));
+        tdm_http_respond_json_owned(k->conn, 200, tdm_oai_body(&k->resp, oc, n, &u));
     } else if (tdm_http_sse_start(k->conn) == TDM_OK) {
         int rc = 0;
         for (size_t i = 0; i < n && rc == 0; i++) {
@@ -488,13 +457,13 @@ static void handle_generate(struct tdm_decode_server *s, struct tdm_http_conn *c
     k.conn = c;
     struct tdm_oai_error e;
     if (tdm_oai_request_parse(&k.req, kind, body, len, &s->info, &e) != TDM_OK) {
-        respond_oai_error(c, &e);
+        tdm_http_respond_oai_error(c, &e);
         return;
     }
     const char *base = k.req.request_id ? k.req.request_id : tdm_http_header(c, "X-Request-Id");
     tdm_oai_response_init(&k.resp, kind, s->served_name, base);
     if (build_prompts(&k, &e) != TDM_OK) {
-        respond_oai_error(c, &e);
+        tdm_http_respond_oai_error(c, &e);
         goto out;
     }
     if (k.req.echo_only) {
@@ -502,7 +471,7 @@ static void handle_generate(struct tdm_decode_server *s, struct tdm_http_conn *c
         goto out;
     }
     if (submit_all(&k, arrival, &e) != TDM_OK) {
-        respond_oai_error(c, &e);
+        tdm_http_respond_oai_error(c, &e);
         goto out;
     }
     if (k.req.stream)
@@ -530,9 +499,9 @@ static void handle_tokenize(struct tdm_decode_server *s, struct tdm_http_conn *c
     char *out = NULL;
     if (tdm_oai_tokenize_run(body, len, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len,
                              &out, &e) != TDM_OK)
-        respond_oai_error(c, &e);
+        tdm_http_respond_oai_error(c, &e);
     else
-        respond_json(c, 200, out);
+        tdm_http_respond_json_owned(c, 200, out);
 }
 
 static void handle_detokenize(struct tdm_decode_server *s, struct tdm_http_conn *c,
@@ -541,9 +510,9 @@ static void handle_detokenize(struct tdm_decode_server *s, struct tdm_http_conn 
     struct tdm_oai_error e;
     char *out = NULL;
     if (tdm_oai_detokenize_run(body, len, &s->info, s->tok, &out, &e) != TDM_OK)
-        respond_oai_error(c, &e);
+        tdm_http_respond_oai_error(c, &e);
     else
-        respond_json(c, 200, out);
+        tdm_http_respond_json_owned(c, 200, out);
 }
 
 static void handle_models(struct tdm_decode_server *s, struct tdm_http_conn *c)
@@ -556,7 +525,7 @@ static void handle_models(struct tdm_decode_server *s, struct tdm_http_conn *c)
         .created = s->created,
         .owned_by = NULL,
     };
-    respond_json(c, 200, tdm_oai_models_body(&card, 1));
+    tdm_http_respond_json_owned(c, 200, tdm_oai_models_body(&card, 1));
 }
 
 // ---- routing --------------------------------------------------------------------------------
@@ -569,7 +538,7 @@ static void on_health(struct tdm_http_conn *c, void *arg)
     if (state == STATE_READY)
         tdm_http_respond(c, 200, "application/json", "", 0);
     else
-        respond_error(c, 503, NULL, "%s",
+        tdm_http_respond_errorf(c, 503, NULL, "%s",
                       state == STATE_LOADING ? "The model is loading." : "The server is draining.");
 }
 
@@ -583,7 +552,7 @@ static void on_metrics(struct tdm_http_conn *c, void *arg)
     char *text = NULL;
     size_t len = 0;
     if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
-        respond_error(c, 500, NULL, "metrics rendering failed");
+        tdm_http_respond_errorf(c, 500, NULL, "metrics rendering failed");
         return;
     }
     tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
@@ -593,7 +562,7 @@ static void on_metrics(struct tdm_http_conn *c, void *arg)
 static void on_version(struct tdm_http_conn *c, void *arg)
 {
     (void)arg;
-    respond_json(c, 200, tdm_oai_version_body(TANDEM_VERSION));
+    tdm_http_respond_json_owned(c, 200, tdm_oai_version_body(TANDEM_VERSION));
 }
 
 enum api_route { ROUTE_MODELS, ROUTE_COMPLETIONS, ROUTE_CHAT, ROUTE_TOKENIZE, ROUTE_DETOKENIZE };
@@ -607,7 +576,7 @@ static void on_api(struct tdm_decode_server *s, struct tdm_http_conn *c, enum ap
     size_t len = 0;
     const char *body = tdm_http_body(c, &len);
     if (state != STATE_READY)
-        respond_error(c, 503, NULL, "%s",
+        tdm_http_respond_errorf(c, 503, NULL, "%s",
                       state == STATE_LOADING ? "The model is loading."
                                              : "The server is shutting down.");
     else if (r == ROUTE_MODELS)

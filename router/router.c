@@ -413,38 +413,6 @@ static void *poll_main(void *arg)
 }
 
 // ---- HTTP glue -------------------------------------------------------------------------------
-static void respond_json(struct tdm_http_conn *c, int status, char *body_owned)
-{
-    if (body_owned == NULL) {
-        tdm_http_respond_error(c, 500, NULL, NULL, "out of memory");
-        return;
-    }
-    tdm_http_respond_json(c, status, body_owned);
-    free(body_owned);
-}
-
-static void respond_oai_error(struct tdm_http_conn *c, const struct tdm_oai_error *e)
-{
-    if (e->status == 503)
-        tdm_http_add_header(c, "Retry-After", "1");
-    tdm_http_respond_oai_error(c, e);
-}
-
-static void respond_error(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
-                          ...) __attribute__((format(printf, 4, 5)));
-static void respond_error(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
-                          ...)
-{
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (status == 503)
-        tdm_http_add_header(c, "Retry-After", "1");
-    tdm_http_respond_error(c, status, NULL, param, msg);
-}
-
 static int sse_send(struct tdm_http_conn *c, char *json_owned)
 {
     if (json_owned == NULL)
@@ -937,7 +905,7 @@ static void run_stream(struct call *k)
     // times make it into the response header.
     while (!k->choices[0].got_chunk && !k->choices[0].a.done) {
         if (pump(k, 0.1) < 0) {
-            respond_error(k->conn, 500, NULL, "out of memory");
+            tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
             return;
         }
         if (tdm_http_client_gone(k->conn)) {
@@ -948,7 +916,7 @@ static void run_stream(struct call *k)
     const struct choice *bad0 = first_error(k);
     if (bad0 && bad0->a.completion_tokens == 0 && all_done(k)) {
         int status = bad0->a.error == TDM_ETIMEDOUT ? 504 : tdm_http_status_for_err(bad0->a.error);
-        respond_error(k->conn, status >= 500 || status == 429 ? status : 502, NULL, "%s",
+        tdm_http_respond_errorf(k->conn, status >= 500 || status == 429 ? status : 502, NULL, "%s",
                       bad0->a.message);
         return;
     }
@@ -1024,7 +992,7 @@ static void run_collect(struct call *k)
     while (!all_done(k)) {
         int n = pump(k, 0.1);
         if (n < 0) {
-            respond_error(k->conn, 500, NULL, "out of memory");
+            tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
             return;
         }
         if (n == 0 && tdm_http_client_gone(k->conn)) {
@@ -1036,19 +1004,19 @@ static void run_collect(struct call *k)
     const struct choice *bad = first_error(k);
     if (bad) {
         int status = bad->a.error == TDM_ETIMEDOUT ? 504 : 502;
-        respond_error(k->conn, status, NULL, "%s", bad->a.message);
+        tdm_http_respond_errorf(k->conn, status, NULL, "%s", bad->a.message);
         return;
     }
     const struct tdm_oai_asm **asms = calloc(k->n_choices ? k->n_choices : 1, sizeof *asms);
     if (asms == NULL) {
-        respond_error(k->conn, 500, NULL, "out of memory");
+        tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
         return;
     }
     for (size_t i = 0; i < k->n_choices; i++)
         asms[i] = &k->choices[i].a;
     struct tdm_oai_usage u;
     usage_of(k, &u);
-    respond_json(k->conn, 200,
+    tdm_http_respond_json_owned(k->conn, 200,
                  tdm_oai_asm_body(&k->resp, k->req.echo, asms, k->n_choices, k->prompts, &u));
     k->client_gone = tdm_http_client_gone(k->conn);
     free(asms);
@@ -1059,7 +1027,7 @@ static void run_echo_only(struct call *k)
     size_t n = k->n_prompts * (size_t)k->req.n;
     struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
     if (oc == NULL) {
-        respond_error(k->conn, 500, NULL, "out of memory");
+        tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
         return;
     }
     for (size_t i = 0; i < n; i++) {
@@ -1072,7 +1040,7 @@ static void run_echo_only(struct call *k)
     }
     struct tdm_oai_usage u = {k->prompt_tokens, 0};
     if (!k->req.stream) {
-        respond_json(k->conn, 200, tdm_oai_body(&k->resp, oc, n, &u));
+        tdm_http_respond_json_owned(k->conn, 200, tdm_oai_body(&k->resp, oc, n, &u));
     } else if (tdm_http_sse_start(k->conn) == TDM_OK) {
         int rc = 0;
         for (size_t i = 0; i < n && rc == 0; i++)
@@ -1137,14 +1105,14 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     k.arrival = tdm_now();
     struct tdm_oai_error e;
     if (tdm_oai_request_parse(&k.req, kind, body, len, &s->info, &e) != TDM_OK) {
-        respond_oai_error(c, &e);
+        tdm_http_respond_oai_error(c, &e);
         return;
     }
     pthread_cond_init(&k.cv, NULL);
     const char *base = k.req.request_id ? k.req.request_id : tdm_http_header(c, "X-Request-Id");
     tdm_oai_response_init(&k.resp, kind, s->served_name, base);
     if (build_prompts(&k, &e) != TDM_OK) {
-        respond_oai_error(c, &e);
+        tdm_http_respond_oai_error(c, &e);
         goto out;
     }
     if (k.req.echo_only) {
@@ -1155,27 +1123,27 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     k.n_choices = k.n_prompts * n;
     k.choices = calloc(k.n_choices, sizeof *k.choices);
     if (k.choices == NULL) {
-        respond_error(c, 500, NULL, "out of memory");
+        tdm_http_respond_errorf(c, 500, NULL, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < k.n_choices; i++) {
         struct choice *ch = &k.choices[i];
         ch->upstream_done = true;
         if (tdm_oai_asm_init(&ch->a, &k.req, s->tok, (int)i, (int)(i / n)) != TDM_OK) {
-            respond_error(c, 500, NULL, "out of memory");
+            tdm_http_respond_errorf(c, 500, NULL, "out of memory");
             goto out;
         }
     }
     for (int attempt = 0;; attempt++) {
         if (route_and_send(&k, &e) != TDM_OK) {
-            respond_oai_error(c, &e);
+            tdm_http_respond_oai_error(c, &e);
             goto out;
         }
         // Until the first chunk arrives nothing reached the client: a decode
         // worker lost in that window is replaced transparently.
         while (!k.choices[0].got_chunk && !k.choices[0].a.done && !k.client_gone) {
             if (pump(&k, 0.1) < 0) {
-                respond_error(c, 500, NULL, "out of memory");
+                tdm_http_respond_errorf(c, 500, NULL, "out of memory");
                 goto out;
             }
             k.client_gone = tdm_http_client_gone(c);
@@ -1225,9 +1193,9 @@ static void handle_tokenize(struct tdm_router_server *s, struct tdm_http_conn *c
     char *out = NULL;
     if (tdm_oai_tokenize_run(body, len, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len,
                              &out, &e) != TDM_OK)
-        respond_oai_error(c, &e);
+        tdm_http_respond_oai_error(c, &e);
     else
-        respond_json(c, 200, out);
+        tdm_http_respond_json_owned(c, 200, out);
 }
 
 static void handle_detokenize(struct tdm_router_server *s, struct tdm_http_conn *c,
@@ -1236,9 +1204,9 @@ static void handle_detokenize(struct tdm_router_server *s, struct tdm_http_conn 
     struct tdm_oai_error e;
     char *out = NULL;
     if (tdm_oai_detokenize_run(body, len, &s->info, s->tok, &out, &e) != TDM_OK)
-        respond_oai_error(c, &e);
+        tdm_http_respond_oai_error(c, &e);
     else
-        respond_json(c, 200, out);
+        tdm_http_respond_json_owned(c, 200, out);
 }
 
 static void on_health(struct tdm_http_conn *c, void *arg)
@@ -1249,7 +1217,7 @@ static void on_health(struct tdm_http_conn *c, void *arg)
     if (healthy > 0 && !atomic_load(&s->stopping))
         tdm_http_respond(c, 200, "application/json", "", 0);
     else
-        respond_error(c, 503, NULL, "no healthy decode worker (%zu configured)", total);
+        tdm_http_respond_errorf(c, 503, NULL, "no healthy decode worker (%zu configured)", total);
 }
 
 static void on_metrics(struct tdm_http_conn *c, void *arg)
@@ -1258,7 +1226,7 @@ static void on_metrics(struct tdm_http_conn *c, void *arg)
     char *text = NULL;
     size_t len = 0;
     if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
-        respond_error(c, 500, NULL, "metrics rendering failed");
+        tdm_http_respond_errorf(c, 500, NULL, "metrics rendering failed");
         return;
     }
     tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
@@ -1268,7 +1236,7 @@ static void on_metrics(struct tdm_http_conn *c, void *arg)
 static void on_version(struct tdm_http_conn *c, void *arg)
 {
     (void)arg;
-    respond_json(c, 200, tdm_oai_version_body(TANDEM_VERSION));
+    tdm_http_respond_json_owned(c, 200, tdm_oai_version_body(TANDEM_VERSION));
 }
 
 static void on_models(struct tdm_http_conn *c, void *arg)
@@ -1282,13 +1250,13 @@ static void on_models(struct tdm_http_conn *c, void *arg)
         .created = s->created,
         .owned_by = NULL,
     };
-    respond_json(c, 200, tdm_oai_models_body(&card, 1));
+    tdm_http_respond_json_owned(c, 200, tdm_oai_models_body(&card, 1));
 }
 
 static void on_router_config(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_router_server *s = arg;
-    respond_json(c, 200, tdm_router_control_config_json(s->ctl));
+    tdm_http_respond_json_owned(c, 200, tdm_router_control_config_json(s->ctl));
 }
 
 static void on_completions(struct tdm_http_conn *c, void *arg)

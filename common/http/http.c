@@ -420,9 +420,20 @@ int tdm_http_respond_json(struct tdm_http_conn *c, int status, const char *json)
     return tdm_http_respond(c, status, "application/json", json, json ? strlen(json) : 0);
 }
 
+int tdm_http_respond_json_owned(struct tdm_http_conn *c, int status, char *json)
+{
+    if (json == NULL)
+        return tdm_http_respond_error(c, 500, NULL, NULL, "out of memory");
+    int rc = tdm_http_respond_json(c, status, json);
+    free(json);
+    return rc;
+}
+
 int tdm_http_respond_error(struct tdm_http_conn *c, int status, const char *type, const char *param,
                            const char *message)
 {
+    if (status == 503)
+        tdm_http_add_header(c, "Retry-After", "1");
     char *body = tdm_oai_error_body_from(status, type, param, message);
     if (!body) {
         static const char fallback[] = "{\"error\":{\"message\":\"out of memory\",\"type\":"
@@ -437,6 +448,17 @@ int tdm_http_respond_error(struct tdm_http_conn *c, int status, const char *type
 int tdm_http_respond_oai_error(struct tdm_http_conn *c, const struct tdm_oai_error *e)
 {
     return tdm_http_respond_error(c, e->status, e->type[0] ? e->type : NULL, e->param, e->message);
+}
+
+int tdm_http_respond_errorf(struct tdm_http_conn *c, int status, const char *param,
+                            const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return tdm_http_respond_error(c, status, NULL, param, msg);
 }
 
 // ---- server-sent events

@@ -78,11 +78,18 @@ int tdm_http_respond(struct tdm_http_conn *c, int status, const char *content_ty
                      const char *body, size_t len);
 // application/json; json NUL-terminated.
 int tdm_http_respond_json(struct tdm_http_conn *c, int status, const char *json);
+// Same, taking ownership of a heap json (freed here); NULL (a failed build) is
+// answered with a 500 "out of memory" error body.
+int tdm_http_respond_json_owned(struct tdm_http_conn *c, int status, char *json);
 // An OpenAI error body {"error":{"message","type","param","code"}}; type NULL = the
-// type for status, param NULL = null.
+// type for status, param NULL = null. A 503 (queue full, draining, loading)
+// carries "Retry-After: 1".
 int tdm_http_respond_error(struct tdm_http_conn *c, int status, const char *type, const char *param,
                            const char *message);
 int tdm_http_respond_oai_error(struct tdm_http_conn *c, const struct tdm_oai_error *e);
+// tdm_http_respond_error with the type for status and a printf-style message.
+int tdm_http_respond_errorf(struct tdm_http_conn *c, int status, const char *param,
+                            const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
 // Server-Sent Events: 200 with Content-Type text/event-stream, Cache-Control
 // no-cache, no Content-Length, chunked (HTTP/1.1; HTTP/1.0 clients get the raw

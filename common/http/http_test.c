@@ -212,6 +212,19 @@ static void h_health(struct tdm_http_conn *c, void *arg)
     tdm_http_respond(c, 200, "text/plain; charset=utf-8", "ok", 2);
 }
 
+static void h_busy(struct tdm_http_conn *c, void *arg)
+{
+    (void)arg;
+    tdm_http_respond_errorf(c, 503, NULL, "queue full (%d waiting)", 7);
+}
+
+static void h_owned(struct tdm_http_conn *c, void *arg)
+{
+    (void)arg;
+    const char *q = tdm_http_query(c);
+    tdm_http_respond_json_owned(c, 200, q && strcmp(q, "null") == 0 ? NULL : strdup("{\"a\":1}"));
+}
+
 static void h_metrics(struct tdm_http_conn *c, void *arg)
 {
     (void)arg;
@@ -357,6 +370,8 @@ static int setup(void **state)
     tdm_http_route(f->srv, "GET", "/sse", h_sse, NULL);
     tdm_http_route(f->srv, "GET", "/slow-sse", h_slow_sse, &f->probe);
     tdm_http_route(f->srv, "GET", "/noresp", h_noresp, NULL);
+    tdm_http_route(f->srv, "GET", "/busy", h_busy, NULL);
+    tdm_http_route(f->srv, "GET", "/owned", h_owned, NULL);
     tdm_http_route(f->srv, "GET", "/files/*", h_prefix, NULL);
     tdm_http_route(f->srv, "POST", "/v1/completions", h_completions, NULL);
     if (tdm_http_server_port(f->srv) != 0)
@@ -411,6 +426,22 @@ static void test_not_found_and_method(void **state)
     assert_string_equal(header_of(r, "Allow", v, sizeof v), "POST, PUT");
     free(r);
     r = roundtrip(f->port, "GET /noresp HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert_oai_error(r, 500, "InternalServerError");
+    free(r);
+    // Every 503 error carries Retry-After; errorf formats the message.
+    r = roundtrip(f->port, "GET /busy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert_int_equal(status_of(r), 503);
+    char hv[32];
+    assert_non_null(header_of(r, "Retry-After", hv, sizeof hv));
+    assert_string_equal(hv, "1");
+    assert_non_null(strstr(body_of(r), "queue full (7 waiting)"));
+    free(r);
+    r = roundtrip(f->port, "GET /owned HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert_int_equal(status_of(r), 200);
+    assert_string_equal(body_of(r), "{\"a\":1}");
+    assert_null(header_of(r, "Retry-After", hv, sizeof hv));
+    free(r);
+    r = roundtrip(f->port, "GET /owned?null HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
     assert_oai_error(r, 500, "InternalServerError");
     free(r);
     r = roundtrip(f->port,
