@@ -899,7 +899,6 @@ static void add_phase_header(struct call *k)
 
 static void run_stream(struct call *k)
 {
-    struct tdm_oai_error e;
     // Wait for the first chunk of choice 0 before the headers go out, so an
     // upstream failure before any token is a plain HTTP error and the phase
     // times make it into the response header.
@@ -970,20 +969,11 @@ static void run_stream(struct call *k)
         return;
     }
     const struct choice *bad = first_error(k);
-    if (rc == -2 || bad) {
-        tdm_oai_seterr(&e, 500, NULL, "%s", bad ? bad->a.message : "out of memory");
-        if (sse_send(k->conn, tdm_oai_error_body(&e)) == -1 ||
-            tdm_http_sse_end(k->conn, true) != TDM_OK)
-            k->client_gone = true;
-        return;
-    }
-    if (k->req.include_usage) {
-        struct tdm_oai_usage u;
-        usage_of(k, &u);
-        if (sse_send(k->conn, tdm_oai_usage_chunk(&k->resp, &u)) < 0)
-            k->client_gone = true;
-    }
-    if (!k->client_gone && tdm_http_sse_end(k->conn, true) != TDM_OK)
+    struct tdm_oai_usage u;
+    usage_of(k, &u);
+    const char *failed = bad ? bad->a.message : rc == -2 ? "out of memory" : NULL;
+    if (tdm_http_sse_finish_oai(k->conn, &k->resp, failed, k->req.include_usage ? &u : NULL) !=
+        TDM_OK)
         k->client_gone = true;
 }
 

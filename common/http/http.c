@@ -463,6 +463,31 @@ int tdm_http_respond_errorf(struct tdm_http_conn *c, int status, const char *par
 
 // ---- server-sent events
 // ---------------------------------------------------------------------------
+int tdm_http_sse_finish_oai(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
+                            const char *error_message, const struct tdm_oai_usage *usage)
+{
+    if (error_message) {
+        struct tdm_oai_error e;
+        tdm_oai_seterr(&e, 500, NULL, "%s", error_message);
+        char *body = tdm_oai_error_body(&e);
+        if (body) { // without one (out of memory) the stream still ends
+            int rc = tdm_http_sse_event(c, body, strlen(body));
+            free(body);
+            if (rc != TDM_OK)
+                return TDM_ECLOSED;
+        }
+        return tdm_http_sse_end(c, true) == TDM_OK ? TDM_OK : TDM_ECLOSED;
+    }
+    if (usage) {
+        char *chunk = tdm_oai_usage_chunk(resp, usage);
+        int rc = chunk ? tdm_http_sse_event(c, chunk, strlen(chunk)) : TDM_ENOMEM;
+        free(chunk);
+        if (rc != TDM_OK)
+            return TDM_ECLOSED;
+    }
+    return tdm_http_sse_end(c, true) == TDM_OK ? TDM_OK : TDM_ECLOSED;
+}
+
 int tdm_http_sse_start(struct tdm_http_conn *c)
 {
     if (c->status)

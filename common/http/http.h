@@ -102,6 +102,14 @@ int tdm_http_sse_event(struct tdm_http_conn *c, const char *json, size_t len);
 int tdm_http_sse_comment(struct tdm_http_conn *c, const char *text);
 // Ends the stream: "data: [DONE]\n\n" when done is true, then the last chunk.
 int tdm_http_sse_end(struct tdm_http_conn *c, bool done);
+// Ends an OpenAI stream. With error_message: an error event (500 with that
+// message) then [DONE]; otherwise the usage chunk when usage != NULL (a failure
+// there ends nothing more) then [DONE]. TDM_OK, or TDM_ECLOSED when the client
+// is gone (or the usage chunk could not be built).
+struct tdm_oai_response;
+struct tdm_oai_usage;
+int tdm_http_sse_finish_oai(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
+                            const char *error_message, const struct tdm_oai_usage *usage);
 // True once a write to this client failed.
 bool tdm_http_client_gone(const struct tdm_http_conn *c);
 
