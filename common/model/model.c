@@ -14,7 +14,8 @@
 // Forward, for a batch of sequences packed row after row:
 //   x = embed(tokens)
 //   per layer: h = rmsnorm(x); qkv = h.Wqkv^T + b; rope(q), rope(k);
-//              store k, v in the paged cache; a = attention(q, cache);
+//              store k, v in the paged cache (then each sequence's on_layer
+//              hook, if set); a = attention(q, cache);
 //              x += a.Wo^T; h = rmsnorm(x); g = h.Wgu^T; x += silu_mul(g).Wd^T
 //   rows that want logits: gathered, final rmsnorm, lm_head into the caller's
 //   logits buffer.
@@ -547,6 +548,10 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         }
     }
 
+    bool any_hook = false;
+    for (int s = 0; s < n_seqs; s++)
+        any_hook |= seqs[s].on_layer != NULL;
+
     ops->embed(be, &m->embed, m->ids, n, m->x);
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const struct tdm_layer *L = &m->layers[l];
@@ -559,6 +564,11 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
                   m->pos, m->inv_freq);
         ops->kv_store(be, kv, l, m->aseqs, n_seqs, m->qkv + m->q_dim, m->qkv + m->q_dim + m->kv_dim,
                       m->qkv_dim);
+        // Layer l's KV is in the cache (the backend's ops are synchronous): a
+        // hook may hand it to a sender while the layers above still compute.
+        for (int s = 0; any_hook && s < n_seqs; s++)
+            if (seqs[s].on_layer)
+                seqs[s].on_layer(seqs[s].layer_arg, l);
         ops->attention(be, kv, l, m->aseqs, n_seqs, m->qkv, m->qkv_dim, m->attn,
                        c->num_attention_heads, c->num_key_value_heads, hd, scale);
         ops->matmul(be, &L->o, NULL, m->attn, m->h, n);

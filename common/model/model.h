@@ -45,12 +45,22 @@ void tdm_model_kv_config(const struct tdm_model *m, struct tdm_kv_config *cfg);
 
 enum tdm_logits_mode { TDM_LOGITS_NONE = 0, TDM_LOGITS_LAST, TDM_LOGITS_ALL };
 
+// Called inside tdm_model_forward, on the calling thread, right after layer
+// `layer` of this sequence's new tokens was written into the KV cache (layers
+// 0 .. num_layers-1 in order, once each per forward). From then on that layer's
+// KV of positions [0, start_pos + n_tokens) is final for this step: another
+// thread may copy it out while the forward computes later layers (the forward
+// writes only later layers of the cache). Must be cheap and must not block.
+typedef void (*tdm_layer_done_fn)(void *arg, int layer);
+
 struct tdm_batch_seq {
     const int32_t *tokens;     // [n_tokens] the new tokens this step
     int n_tokens;
     int start_pos;             // position of tokens[0] = tokens already in the KV cache
     const int *block_table;    // covers positions [0, start_pos + n_tokens)
     enum tdm_logits_mode logits;
+    tdm_layer_done_fn on_layer; // optional per-layer hook (NULL: none, no cost)
+    void *layer_arg;            // for on_layer
 };
 
 // Runs one step: writes the new tokens' K/V into the cache and, per sequence,

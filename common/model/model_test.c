@@ -3,7 +3,8 @@
 // chunked prefill equals one-shot and token-by-token prefill, prefix-cache hits
 // equal misses, exported/imported KV continues identically, a request's logits
 // are bitwise the same alone and inside a batch of 16 mixed requests (greedy
-// and seeded sampling), int8 mostly agrees with bf16, bad batches and broken
+// and seeded sampling), int8 mostly agrees with bf16, the per-layer hook fires
+// per layer in order after that layer's KV is written, bad batches and broken
 // checkpoints are clean errors, and every KV block is free or cached at the end.
 #include <setjmp.h>
 #include <stdarg.h>
@@ -495,6 +496,81 @@ static void test_bad_batches(void **state)
     tdm_model_free(m);
 }
 
+// The per-layer hook: called once per layer in order for the sequence that set
+// it only, after that layer's KV is written and before the next layer's is.
+struct layer_probe {
+    struct tdm_kv_cache *kv;
+    int block;      // the probed sequence's (only) block
+    int calls;      // hook calls so far
+    bool in_order;  // layer == calls at every call
+    bool written;   // layer l's K was nonzero at its call
+    bool next_zero; // layer l+1's K was still zero at layer l's call
+    int floats;     // floats of one block of one layer (K)
+};
+
+static bool block_nonzero(const float *p, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (p[i] != 0.0f)
+            return true;
+    return false;
+}
+
+static void probe_layer(void *arg, int layer)
+{
+    struct layer_probe *pr = arg;
+    const struct tdm_kv_config *kc = tdm_kv_config(pr->kv);
+    pr->in_order &= layer == pr->calls;
+    pr->calls++;
+    pr->written &= block_nonzero(tdm_kv_k(pr->kv, layer, pr->block), pr->floats);
+    if (layer + 1 < kc->num_layers)
+        pr->next_zero &= !block_nonzero(tdm_kv_k(pr->kv, layer + 1, pr->block), pr->floats);
+}
+
+static void test_layer_hook(void **state)
+{
+    (void)state;
+    struct tdm_model *m = load(model_dir, TDM_WEIGHTS_BF16, 2);
+    const struct tdm_model_config *c = tdm_model_config(m);
+    struct tdm_kv_cache *kv = new_kv(m, 8, false);
+    struct tdm_kv_seq a, b;
+    tdm_kv_seq_init(&a);
+    tdm_kv_seq_init(&b);
+    assert_int_equal(tdm_kv_reserve(kv, &a, 5), TDM_OK);
+    assert_int_equal(tdm_kv_reserve(kv, &b, 7), TDM_OK);
+    int32_t ids[7] = {1, 2, 3, 4, 5, 6, 7};
+    struct layer_probe pr = {.kv = kv,
+                             .block = b.block_table[0],
+                             .in_order = true,
+                             .written = true,
+                             .next_zero = true,
+                             .floats = c->num_key_value_heads * 16 * c->head_dim};
+    struct tdm_batch_seq batch[2] = {
+        {.tokens = ids, .n_tokens = 5, .block_table = a.block_table, .logits = TDM_LOGITS_LAST},
+        {.tokens = ids,
+         .n_tokens = 7,
+         .block_table = b.block_table,
+         .logits = TDM_LOGITS_LAST,
+         .on_layer = probe_layer,
+         .layer_arg = &pr}};
+    float *logits = malloc((size_t)2 * c->vocab_size * sizeof(float));
+    assert_int_equal(tdm_model_forward(m, kv, batch, 2, logits), TDM_OK);
+    assert_int_equal(pr.calls, c->num_hidden_layers);
+    assert_true(pr.in_order);
+    assert_true(pr.written);
+    assert_true(pr.next_zero);
+    // A batch the forward refuses calls no hook.
+    pr.calls = 0;
+    batch[1].n_tokens = 0;
+    assert_int_equal(tdm_model_forward(m, kv, batch, 2, logits), TDM_EINVAL);
+    assert_int_equal(pr.calls, 0);
+    tdm_kv_seq_release(kv, &a);
+    tdm_kv_seq_release(kv, &b);
+    tdm_kv_free(kv);
+    free(logits);
+    tdm_model_free(m);
+}
+
 static void test_load_errors(void **state)
 {
     (void)state;
@@ -547,7 +623,8 @@ int main(void)
         cmocka_unit_test(test_chunked_prefill), cmocka_unit_test(test_prefix_cache),
         cmocka_unit_test(test_export_import),   cmocka_unit_test(test_batch_invariance),
         cmocka_unit_test(test_int8_agrees),     cmocka_unit_test(test_bad_batches),
-        cmocka_unit_test(test_load_errors),     cmocka_unit_test(test_runner_errors),
+        cmocka_unit_test(test_load_errors),     cmocka_unit_test(test_layer_hook),
+        cmocka_unit_test(test_runner_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
