@@ -44,6 +44,8 @@ struct tdm_engine_request {
     enum tdm_engine_kind kind;
     tdm_engine_output_fn on_output;
     void *ctx;
+    tdm_engine_layer_fn on_layer; // PREFILL_ONLY push hook (NULL = none)
+    void *layer_ctx;
     double arrival;
     int n_prompt;
     int max_gen;    // generated tokens allowed: min(max_tokens, max_model_len - n_prompt)
@@ -99,6 +101,12 @@ struct tdm_engine_request {
     char message[160];
     bool kv_held; // written by the engine thread only, read after pub_finished
     bool kv_release_asked;
+    // Exports from other threads (tdm_engine_export_layer): layers [0, layers_final)
+    // are final (the push hook reported them); `exporting` copies are running;
+    // kv_gone: the engine released (or is releasing) the blocks, exports refused.
+    int layers_final;
+    int exporting;
+    bool kv_gone;
     bool import_ready; // blocks reserved: import_first_block, import_num_blocks valid
     bool import_done_called;
     int import_first_block, import_num_blocks;
@@ -363,6 +371,21 @@ static void observe_finish(struct tdm_engine *e, struct tdm_engine_request *r,
     }
 }
 
+// Releases r's KV blocks. A PREFILL_ONLY request's KV may be being copied by
+// another thread (tdm_engine_export_layer): refuse new copies, wait for the
+// running ones (a memcpy each, never a network wait), then release.
+static void drop_kv(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    if (r->kind == TDM_ENGINE_REQ_PREFILL_ONLY) {
+        pthread_mutex_lock(&r->mu);
+        r->kv_gone = true;
+        while (r->exporting > 0)
+            pthread_cond_wait(&r->cv, &r->mu);
+        pthread_mutex_unlock(&r->mu);
+    }
+    tdm_kv_seq_release(e->kv, &r->seq);
+}
+
 // Publishes the finish to the stream and the callback, drops KV unless held, and
 // drops the engine's reference unless the KV is held (then release_kv drops it).
 // `with_token`: the finishing output carries the token just generated.
@@ -385,7 +408,7 @@ static void finish_request(struct tdm_engine *e, struct tdm_engine_request *r,
     bool hold = r->kind == TDM_ENGINE_REQ_PREFILL_ONLY && r->state == REQ_RUNNING &&
                 (reason == TDM_ENGINE_FINISH_STOP || reason == TDM_ENGINE_FINISH_LENGTH);
     if (!hold)
-        tdm_kv_seq_release(e->kv, &r->seq);
+        drop_kv(e, r);
     r->state = hold ? REQ_HELD : REQ_DONE;
     if (hold) {
         list_push(&e->held_head, r);
@@ -460,7 +483,7 @@ static void release_held(struct tdm_engine *e, struct tdm_engine_request *r)
     if (r->state != REQ_HELD)
         return;
     list_unlink(&e->held_head, r);
-    tdm_kv_seq_release(e->kv, &r->seq);
+    drop_kv(e, r);
     r->state = REQ_DONE;
     e->num_held--;
     req_unref(r);
@@ -737,14 +760,16 @@ static void append_token(struct tdm_engine *e, struct tdm_engine_request *r, int
 // prefill worker's first token through the sampler and join the running set.
 static void import_finish(struct tdm_engine *e, struct tdm_engine_request *r, bool ok)
 {
-    if (!ok) {
-        finish_request(e, r, TDM_ENGINE_FINISH_ERROR, -1, TDM_ETRANSPORT, "KV import failed",
-                       false);
-        return;
-    }
+    // An abort asked meanwhile wins: the caller gave up (cancel, fallback), the
+    // transfer did not fail on its own.
     if (r->abort_pending != TDM_ENGINE_FINISH_NONE) {
         finish_request(e, r, r->abort_pending, -1, TDM_OK,
                        r->abort_pending == TDM_ENGINE_FINISH_ABORT ? "aborted" : NULL, false);
+        return;
+    }
+    if (!ok) {
+        finish_request(e, r, TDM_ENGINE_FINISH_ERROR, -1, TDM_ETRANSPORT, "KV import failed",
+                       false);
         return;
     }
     list_unlink(&e->import_head, r);
@@ -767,6 +792,18 @@ static void import_finish(struct tdm_engine *e, struct tdm_engine_request *r, bo
     append_token(e, r, r->first_token, NULL, tdm_now());
 }
 
+// The forward's per-layer hook for the final prompt chunk of a PREFILL_ONLY
+// request with a push hook: the layer is final from here on (exports of it are
+// allowed), then the owner hears of it.
+static void layer_done(void *arg, int layer)
+{
+    struct tdm_engine_request *r = arg;
+    pthread_mutex_lock(&r->mu);
+    r->layers_final = layer + 1;
+    pthread_mutex_unlock(&r->mu);
+    r->on_layer(r->layer_ctx, r, layer);
+}
+
 static void run_step(struct tdm_engine *e, int n_items)
 {
     struct tdm_metrics_vllm *m = e->m;
@@ -774,12 +811,17 @@ static void run_step(struct tdm_engine *e, int n_items)
     for (int b = 0; b < n_items; b++) {
         struct sched_item *it = &e->items[b];
         struct tdm_engine_request *r = it->r;
+        // A PREFILL_ONLY request's logits row comes with its final chunk: only
+        // then is each layer's KV of the whole prompt complete.
+        bool push = r->on_layer != NULL && it->logits;
         e->batch[b] =
             (struct tdm_batch_seq){.tokens = r->hist + r->computed,
                                    .n_tokens = it->take,
                                    .start_pos = r->computed,
                                    .block_table = r->seq.block_table,
-                                   .logits = it->logits ? TDM_LOGITS_LAST : TDM_LOGITS_NONE};
+                                   .logits = it->logits ? TDM_LOGITS_LAST : TDM_LOGITS_NONE,
+                                   .on_layer = push ? layer_done : NULL,
+                                   .layer_arg = push ? r : NULL};
         total += it->take;
     }
     int rc = tdm_model_forward(e->model, e->kv, e->batch, n_items, e->logits);
@@ -844,14 +886,16 @@ static void take_control(struct tdm_engine *e, bool *abort_all, bool *stop)
     while (ctl) {
         struct tdm_engine_request *next = ctl->ctl_exec_next;
         enum tdm_engine_finish reason = ctl->ctl_exec_abort;
+        // An abort queued with (or before) import_done is seen before it.
+        if (reason != TDM_ENGINE_FINISH_NONE && ctl->state == REQ_IMPORTING &&
+            ctl->abort_pending == TDM_ENGINE_FINISH_NONE)
+            ctl->abort_pending = reason; // the importer may be writing its blocks
         if (ctl->ctl_exec_import && ctl->state == REQ_IMPORTING)
             import_finish(e, ctl, ctl->ctl_exec_import_ok);
         if (reason != TDM_ENGINE_FINISH_NONE) {
             if (ctl->state == REQ_WAITING || ctl->state == REQ_RUNNING)
                 finish_request(e, ctl, reason, -1, TDM_OK,
                                reason == TDM_ENGINE_FINISH_ABORT ? "aborted" : NULL, false);
-            else if (ctl->state == REQ_IMPORTING && ctl->abort_pending == TDM_ENGINE_FINISH_NONE)
-                ctl->abort_pending = reason; // the importer may be writing its blocks
             else if (ctl->state == REQ_HELD)
                 release_held(e, ctl);
         }
@@ -1225,6 +1269,9 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "req=%s: first_token %d outside the vocabulary of %d", id,
                           (int)p->first_token, e->vocab);
+    if (p->on_layer != NULL && p->kind != TDM_ENGINE_REQ_PREFILL_ONLY)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "req=%s: on_layer is for PREFILL_ONLY requests only", id);
     const int32_t *eos = p->eos_ids ? p->eos_ids : e->model_eos;
     int num_eos = p->eos_ids ? p->num_eos : e->num_model_eos;
     if (num_eos < 0 || num_eos > TDM_MAX_EOS)
@@ -1255,6 +1302,8 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     r->first_token = p->first_token;
     r->on_output = p->on_output;
     r->ctx = p->ctx;
+    r->on_layer = p->on_layer;
+    r->layer_ctx = p->layer_ctx;
     r->arrival = p->arrival_time > 0 ? p->arrival_time : tdm_now();
     r->n_prompt = p->n_prompt;
     r->max_gen = max_gen;
@@ -1394,7 +1443,7 @@ int tdm_engine_release_kv(struct tdm_engine *e, struct tdm_engine_request *r)
 static bool kv_readable(struct tdm_engine_request *r)
 {
     pthread_mutex_lock(&r->mu);
-    bool ok = r->pub_finished && r->kv_held && !r->kv_release_asked;
+    bool ok = r->pub_finished && r->kv_held && !r->kv_release_asked && !r->kv_gone;
     pthread_mutex_unlock(&r->mu);
     return ok;
 }
@@ -1414,16 +1463,32 @@ int tdm_engine_kv_header(struct tdm_engine *e, struct tdm_engine_request *r, con
 int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
                             int first_block, int nblocks, void *dst, size_t dst_len)
 {
-    if (e == NULL || r == NULL || dst == NULL || r->engine != e || !kv_readable(r))
+    if (e == NULL || r == NULL || dst == NULL || r->engine != e)
+        return TDM_EINVAL;
+    // Final KV of this layer, not released: held after the finish, or reported
+    // by the push hook during the final step. The seq's block table does not
+    // change from the final step on, so reading it here is safe.
+    pthread_mutex_lock(&r->mu);
+    bool ok = !r->kv_gone && !r->kv_release_asked &&
+              ((r->pub_finished && r->kv_held) || layer < r->layers_final);
+    if (ok)
+        r->exporting++; // drop_kv waits for us
+    pthread_mutex_unlock(&r->mu);
+    if (!ok)
         return TDM_EINVAL;
     // Validated here so that the cache's export cannot fail (and write its error
     // text, which the engine thread owns) when called from another thread.
     const struct tdm_kv_config *kc = tdm_kv_config(e->kv);
-    if (layer < 0 || layer >= kc->num_layers || first_block < 0 || nblocks < 0 ||
-        first_block > r->seq.num_blocks || nblocks > r->seq.num_blocks - first_block ||
-        dst_len != tdm_kv_layer_bytes(e->kv, nblocks))
-        return TDM_EINVAL;
-    return tdm_kv_export_layer(e->kv, &r->seq, layer, first_block, nblocks, dst, dst_len);
+    int rc = TDM_EINVAL;
+    if (layer >= 0 && layer < kc->num_layers && first_block >= 0 && nblocks >= 0 &&
+        first_block <= r->seq.num_blocks && nblocks <= r->seq.num_blocks - first_block &&
+        dst_len == tdm_kv_layer_bytes(e->kv, nblocks))
+        rc = tdm_kv_export_layer(e->kv, &r->seq, layer, first_block, nblocks, dst, dst_len);
+    pthread_mutex_lock(&r->mu);
+    if (--r->exporting == 0)
+        pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    return rc;
 }
 
 int tdm_engine_import_wait(struct tdm_engine_request *r, double timeout_s, int *first_block,

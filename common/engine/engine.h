@@ -112,6 +112,15 @@ struct tdm_engine_output;
 // cheap (copy what it needs, push to the caller's queue, signal) and must not
 // call back into the engine except tdm_engine_abort / tdm_engine_release_kv.
 typedef void (*tdm_engine_output_fn)(void *ctx, const struct tdm_engine_output *out);
+// PREFILL_ONLY push hook: called ON THE ENGINE THREAD during the forward step
+// that computes the final chunk of r's prompt, once per layer in order (0 ..
+// num_layers-1), right after that layer's KV was written. From then on the
+// layer's KV of the whole prompt is final and tdm_engine_export_layer may copy
+// it from any thread while the engine computes the later layers (earlier
+// chunks' layers become exportable with it). Runs inside the forward: it must
+// be cheap and never block (signal a sender thread); it may call
+// tdm_engine_export_layer itself, at the cost of the copy on the engine thread.
+typedef void (*tdm_engine_layer_fn)(void *ctx, struct tdm_engine_request *r, int layer);
 
 struct tdm_engine_request_params {
     const char *id;                      // for logs (copied, truncated to 63 bytes); NULL = "-"
@@ -133,6 +142,9 @@ struct tdm_engine_request_params {
                          // request's output 0)
     tdm_engine_output_fn on_output; // optional; the ready-made stream works either way
     void *ctx;                      // for on_output; must stay valid until the final output
+    tdm_engine_layer_fn on_layer;   // PREFILL_ONLY only (TDM_EINVAL otherwise), optional: the
+                                    // push hook above; NULL = export after the finish only
+    void *layer_ctx;                // for on_layer; must stay valid until the final output
 };
 // Zeroes p and fills vLLM's default sampling params (tdm_sampling_params_default).
 void tdm_engine_request_params_default(struct tdm_engine_request_params *p);
@@ -208,10 +220,15 @@ int tdm_engine_stream_next(struct tdm_engine_request *r, double timeout_s,
 // After a PREFILL_ONLY request finished with kv_held, its blocks stay referenced
 // (nothing writes or reuses them), so any thread may copy them out with
 // tdm_engine_export_layer (same layout and checks as tdm_kv_export_layer; the
-// KV covers the prompt, num_prompt_tokens tokens). tdm_engine_kv_header fills a
-// transfer header for the whole prompt. tdm_engine_release_kv hands the blocks
-// back (at the engine's next step; also done by abort, drain timeout and free).
-// TDM_EINVAL when the request holds no KV or the range/length is wrong.
+// KV covers the prompt, num_prompt_tokens tokens). With an on_layer hook a
+// layer may be exported as soon as the hook reported it, while the request
+// still computes (see tdm_engine_layer_fn). tdm_engine_kv_header fills a
+// transfer header for the whole prompt (after the finish). tdm_engine_release_kv
+// hands the blocks back (at the engine's next step; also done by abort and
+// free); the engine frees them only once no export is copying from them, and
+// refuses exports from the moment they are released or their release was asked.
+// TDM_EINVAL when the request holds no (final) KV for that layer or the
+// range/length is wrong.
 int tdm_engine_kv_header(struct tdm_engine *e, struct tdm_engine_request *r, const char *model,
                          struct tdm_kv_header *h);
 int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, int layer,

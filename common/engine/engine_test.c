@@ -3,12 +3,14 @@
 // behind tandem-mkmodel): outputs equal to the runner's (the plain reference
 // loop) for single, concurrent, late-joining and preempted requests; abort,
 // queue bound, bad input, drain, metrics, requests that cannot fit, and the
-// prefill-only hook (export, then import into another cache and continue).
+// prefill-only hooks (export, the per-layer push hook of the final chunk,
+// exports racing a release, then import into another cache and continue).
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -905,6 +907,200 @@ static void test_prefill_only_export(void **state)
     tdm_kv_free(kv2);
 }
 
+// The push hook of a PREFILL_ONLY request: what the hook saw.
+struct push_probe {
+    struct tdm_engine *e;
+    int layers;
+    int nb;           // blocks of the prompt
+    size_t len;       // bytes of one layer's export of nb blocks
+    uint8_t *in_hook; // [layers][len] exported from inside the hook
+    int calls;
+    bool in_order;      // layer == calls at every call
+    bool exported;      // every in-hook export returned TDM_OK
+    bool ahead_refused; // layer l+1 was not exportable yet at layer l's call
+    uint8_t *scratch;   // [len]
+};
+
+static void push_probe_layer(void *ctx, struct tdm_engine_request *r, int layer)
+{
+    struct push_probe *p = ctx;
+    p->in_order &= layer == p->calls;
+    p->calls++;
+    if (layer >= p->layers)
+        return;
+    p->exported &= tdm_engine_export_layer(p->e, r, layer, 0, p->nb,
+                                           p->in_hook + (size_t)layer * p->len, p->len) == TDM_OK;
+    if (layer + 1 < p->layers)
+        p->ahead_refused &=
+            tdm_engine_export_layer(p->e, r, layer + 1, 0, p->nb, p->scratch, p->len) == TDM_EINVAL;
+}
+
+// Runs one PREFILL_ONLY request with the push hook on engine e (token budget
+// `budget`, so a prompt longer than it is prefilled in several chunks) beside
+// a plain request; checks the hook and that the KV exported from inside it is
+// the KV exported after the finish.
+static void push_hook_case(int n_prompt, int budget, uint32_t seed)
+{
+    int32_t prompt[64], other[64], ref[2], got[4];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, n_prompt, seed);
+    make_prompt(other, 30, seed + 1);
+    assert_int_equal(reference(prompt, n_prompt, &sp, 1, ref, NULL), 1);
+    struct tdm_engine *e = engine_make(64, budget, 8, 0, NULL);
+    int layers = tdm_model_config(model)->num_hidden_layers;
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(model, &kc);
+    kc.block_size = 16;
+    int nb = (n_prompt + 15) / 16;
+    size_t len = tdm_kv_block_bytes(&kc) / (size_t)layers * (size_t)nb;
+    struct push_probe pr = {.e = e,
+                            .layers = layers,
+                            .nb = nb,
+                            .len = len,
+                            .in_hook = calloc((size_t)layers, len),
+                            .in_order = true,
+                            .exported = true,
+                            .ahead_refused = true,
+                            .scratch = malloc(len)};
+    assert_non_null(pr.in_hook);
+    assert_non_null(pr.scratch);
+
+    // The hook is for PREFILL_ONLY requests only.
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    char err[256];
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = n_prompt;
+    p.sampling = sp;
+    p.on_layer = push_probe_layer;
+    p.layer_ctx = &pr;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "PREFILL_ONLY"));
+
+    // A plain request shares the steps: the hook is per request.
+    struct tdm_engine_request *plain = submit(e, other, 30, &sp, 3);
+    p.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
+    struct collected c = {0};
+    collect(r, got, 4, &c, 0);
+    assert_int_equal(c.n, 1);
+    assert_int_equal(got[0], ref[0]);
+    assert_true(c.kv_held);
+    // Once per layer, in order, in the final chunk's step only (earlier chunks
+    // would have called it again, and their KV would not have been complete).
+    assert_int_equal(pr.calls, layers);
+    assert_true(pr.in_order);
+    assert_true(pr.exported);
+    assert_true(pr.ahead_refused);
+    for (int l = 0; l < layers; l++) {
+        assert_int_equal(tdm_engine_export_layer(e, r, l, 0, nb, pr.scratch, len), TDM_OK);
+        assert_memory_equal(pr.scratch, pr.in_hook + (size_t)l * len, len);
+    }
+    struct collected cp = {0};
+    collect(plain, got, 4, &cp, 0);
+    assert_int_equal(cp.n, 3);
+    // Released: exports are refused from the moment the release was asked.
+    assert_int_equal(tdm_engine_release_kv(e, r), TDM_OK);
+    assert_int_equal(tdm_engine_export_layer(e, r, 0, 0, nb, pr.scratch, len), TDM_EINVAL);
+    struct tdm_engine_stats s;
+    wait_idle_stats(e, &s);
+    assert_true(s.kv_usage == 0.0f);
+    assert_kv_ok(e);
+    tdm_engine_request_release(r);
+    tdm_engine_request_release(plain);
+    tdm_engine_free(e);
+    free(pr.in_hook);
+    free(pr.scratch);
+}
+
+static void test_prefill_only_push_hook(void **state)
+{
+    (void)state;
+    push_hook_case(13, 64, 81); // shorter than one chunk
+    push_hook_case(45, 16, 82); // three chunks: 16 + 16 + 13
+}
+
+// Exports from another thread race with the release an abort causes: each copy
+// finishes before the engine frees the blocks (and another request reuses
+// them), later ones are refused. TSan/ASan builds would see a bad copy.
+struct export_racer {
+    struct tdm_engine *e;
+    struct tdm_engine_request *r;
+    int layers, nb;
+    size_t len;
+    atomic_int ok, refused;
+};
+
+// Copies layers until the engine refuses (the release reached it) or a bound.
+static void *export_race_main(void *arg)
+{
+    struct export_racer *x = arg;
+    uint8_t *buf = malloc(x->len);
+    double end = tdm_now() + WAIT_S;
+    for (int i = 0; tdm_now() < end; i++) {
+        int rc = tdm_engine_export_layer(x->e, x->r, i % x->layers, 0, x->nb, buf, x->len);
+        if (rc != TDM_OK) {
+            atomic_fetch_add(&x->refused, 1);
+            break;
+        }
+        atomic_fetch_add(&x->ok, 1);
+    }
+    free(buf);
+    return NULL;
+}
+
+static void test_export_races_release(void **state)
+{
+    (void)state;
+    int32_t prompt[40], got[4];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, 40, 91);
+    struct tdm_engine *e = engine_make(64, 64, 8, 0, NULL);
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    char err[256];
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = 40;
+    p.sampling = sp;
+    p.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
+    struct collected c = {0};
+    collect(r, got, 4, &c, 0);
+    assert_true(c.kv_held);
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(model, &kc);
+    kc.block_size = 16;
+    struct export_racer x = {.e = e, .r = r, .layers = kc.num_layers, .nb = 3};
+    x.len = tdm_kv_block_bytes(&kc) / (size_t)kc.num_layers * 3;
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, export_race_main, &x), 0);
+    while (atomic_load(&x.ok) == 0)
+        usleep(100);
+    // Another request reuses the freed blocks at once (ASan/TSan would see a
+    // copy from freed or rewritten blocks).
+    assert_int_equal(tdm_engine_abort(e, r, TDM_ENGINE_FINISH_ABORT), TDM_OK);
+    struct tdm_engine_request *next = submit(e, prompt, 40, &sp, 2);
+    pthread_join(th, NULL);
+    assert_true(atomic_load(&x.ok) > 0);
+    assert_int_equal(atomic_load(&x.refused), 1); // refused once released, never a bad copy
+    struct collected cn = {0};
+    collect(next, got, 4, &cn, 0);
+    assert_int_equal(cn.n, 2);
+    struct tdm_engine_stats s;
+    wait_idle_stats(e, &s);
+    assert_true(s.kv_usage == 0.0f);
+    assert_kv_ok(e);
+    tdm_engine_request_release(r);
+    tdm_engine_request_release(next);
+    tdm_engine_free(e);
+}
+
 // Prefill on one engine, export; import on another engine that decodes on: the
 // tokens equal a single-worker run, also for seeded sampling.
 static void test_pd_import_roundtrip(void **state)
@@ -1015,6 +1211,17 @@ static void test_pd_import_roundtrip(void **state)
     collect(r, got, MT + 1, &ca, 0);
     assert_int_equal(ca.reason, TDM_ENGINE_FINISH_ABORT);
     assert_int_equal(ca.n, 0);
+    tdm_engine_request_release(r);
+
+    // Aborted, then ended as failed (a decode worker giving up on remote
+    // prefill): the abort's reason, not a transfer error.
+    assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
+    assert_int_equal(tdm_engine_abort(de, r, TDM_ENGINE_FINISH_ABORT), TDM_OK);
+    assert_int_equal(tdm_engine_import_done(de, r, false), TDM_OK);
+    struct collected cb2 = {0};
+    collect(r, got, MT + 1, &cb2, 0);
+    assert_int_equal(cb2.reason, TDM_ENGINE_FINISH_ABORT);
     tdm_engine_request_release(r);
 
     // Free while a request imports: it is aborted, free does not hang.
@@ -1157,6 +1364,8 @@ int main(void)
         cmocka_unit_test(test_metrics),
         cmocka_unit_test(test_unfit),
         cmocka_unit_test(test_prefill_only_export),
+        cmocka_unit_test(test_prefill_only_push_hook),
+        cmocka_unit_test(test_export_races_release),
         cmocka_unit_test(test_pd_import_roundtrip),
         cmocka_unit_test(test_kv_events),
     };
