@@ -3,16 +3,18 @@
 // thread reads the inbox: it starts a job thread per GenerateRequest, hands
 // PrefillResults to their job, imports KvData frames straight from the
 // received message into the reserved blocks (under the receiver lock, so a job
-// that gives up cannot call import_done while a layer is being written), and
-// flips the cancel flag for Cancels. A job thread owns its engine request(s)
-// from submit to release and walks the attempts: listed prefill workers in
-// order, then local prefill.
+// that gives up cannot call import_done while a layer is being written; frames
+// may come before the PrefillResult), and flips the cancel flag for Cancels. A
+// job thread owns its engine request(s) from submit to release: it reserves
+// the prompt's blocks once (IMPORT_KV), then walks the attempts, listed
+// prefill workers in order with the same reserved blocks, then local prefill.
 //
 // Invariants: nothing is sent to the router before an attempt succeeded (or the
 // request ended), so retries are invisible; every engine request a job submits
-// is released by the same job; a message whose to_instance or from_instance
-// does not match what the job expects is dropped, so a peer's restart leaves
-// no state that could match its new messages.
+// is released by the same job; a message whose to_instance, transfer id or
+// from_instance does not match the job's current attempt is dropped, so a
+// failed attempt's late frames and a peer's restart leave no state that could
+// match new messages.
 #include "pd_receiver.h"
 
 #include <pthread.h>
@@ -55,7 +57,8 @@ const char *tdm_pd_receiver_usage(void)
            "  --nng-url URL                 this worker's nng inbox, e.g. tcp://0.0.0.0:9300;\n"
            "                                enables P/D (default off)\n"
            "  --pd-prefill-timeout SECONDS  wait for a prefill worker's result (default 60)\n"
-           "  --pd-transfer-timeout SECONDS wait for all of a transfer's KV (default 30)\n"
+           "  --pd-transfer-timeout SECONDS wait for the KV still missing after the prefill\n"
+           "                                result (default 30)\n"
            "  --pd-layers-per-frame N       KV layers per frame asked of the prefill worker\n"
            "                                (default 4)\n"
            "  --pd-prefill-liveness SECONDS a prefill worker silent to load queries this\n"
@@ -133,11 +136,13 @@ struct djob {
     char prefill_url[256];
     Tandem__PrefillResult *result;  // owned once received
     struct tdm_engine_request *req; // current engine request (for cancel)
-    bool importing;                 // KvData may be imported into req now
-    uint64_t prefill_instance;      // from the result: KvData must come from it
+    bool importing;                 // KvData of transfer_id may be imported into req now
+    uint64_t prefill_instance;      // KvData and an ok result must come from it; 0 = bound
+                                    // to the first that does
     int imp_first_block, imp_num_blocks;
     int layers_done;
     size_t bytes_done;
+    double t_first_frame, t_kv_done; // tdm_now() of the first frame / the last layer imported
     bool kv_failed;
     char kv_err[256];
     double prefill_heard; // tdm_now() of the prefill worker's last LoadReport for this attempt
@@ -449,9 +454,9 @@ static bool wait_for(struct djob *j, bool (*pred)(const struct djob *), double u
     return true;
 }
 
-static bool have_result(const struct djob *j)
+static bool result_or_kv_failed(const struct djob *j)
 {
-    return j->result != NULL;
+    return j->result != NULL || j->kv_failed;
 }
 
 static bool kv_complete(const struct djob *j)
@@ -459,10 +464,30 @@ static bool kv_complete(const struct djob *j)
     return j->kv_failed || j->layers_done >= j->rx->kvc.num_layers;
 }
 
-static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
+// Ends the current attempt (caller holds rx->mu): from here on no KvData touches
+// the reserved blocks and no message of this transfer id is accepted.
+static void attempt_end_locked(struct djob *j)
+{
+    j->importing = false;
+    j->transfer_id = 0;
+    if (j->result) {
+        tandem__prefill_result__free_unpacked(j->result, NULL);
+        j->result = NULL;
+    }
+}
+
+// One listed prefill worker: asks it to prefill and push the reserved block
+// range [first_block, first_block + num_blocks) of req, imports the frames as
+// they come (the receive thread does), and on success finishes the import
+// with the first token and streams the request to the router. On failure the
+// blocks stay reserved for the next candidate: the attempt's transfer id is
+// retired, so its late frames are dropped.
+static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
+                               struct tdm_engine_request *req, int first_block, int num_blocks)
 {
     struct tdm_pd_receiver *rx = j->rx;
     struct tdm_engine *e = rx->parts.engine;
+    int L = rx->kvc.num_layers;
     char err[512];
     if (t == NULL || t->url == NULL || t->url[0] == '\0' || strlen(t->url) >= sizeof j->prefill_url)
         return ATTEMPT_RETRY;
@@ -471,10 +496,15 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
     j->transfer_id = tid;
     snprintf(j->prefill_url, sizeof j->prefill_url, "%s", t->url);
     j->result = NULL;
-    j->layers_done = 0;
+    j->layers_done = num_blocks > 0 ? 0 : L; // nothing to import: complete
     j->bytes_done = 0;
+    j->t_first_frame = j->t_kv_done = 0;
     j->kv_failed = false;
-    j->importing = false;
+    j->kv_err[0] = '\0';
+    j->imp_first_block = first_block;
+    j->imp_num_blocks = num_blocks;
+    j->importing = num_blocks > 0;
+    j->prefill_instance = t->instance; // 0: bound to whoever answers first
     j->prefill_heard = 0;
     pthread_mutex_unlock(&rx->mu);
 
@@ -496,6 +526,9 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
     pr.deadline_unix = j->gen->deadline_unix;
     pr.model = (char *)rx->parts.served_name;
     pr.hold_seconds = rx->cfg.transfer_timeout;
+    struct tdm_pd_push push = {first_block, num_blocks, rx->cfg.layers_per_frame};
+    struct tdm_kv_header kvh;
+    tdm_pd_push_to_proto(&pr, &push, &rx->kvc, rx->parts.served_name, &kvh);
     double t0 = tdm_now();
     // A worker we are not connected to gets a short dial window: a dead one must
     // not cost the request the full send timeout before the next candidate.
@@ -507,179 +540,186 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t)
     if (rc != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s prefill %s unreachable: %s", j->request_id, t->url, err);
         fail_count(rx, "unreachable");
+        pthread_mutex_lock(&rx->mu);
+        attempt_end_locked(j);
+        pthread_mutex_unlock(&rx->mu);
         return ATTEMPT_RETRY;
     }
 
-    // 1. The prefill result.
+    // 1. The prefill result. KvData frames may come before it; the receive
+    //    thread imports them as they arrive.
     bool disconnected = false;
     pthread_mutex_lock(&rx->mu);
-    bool got = wait_for(j, have_result, t0 + rx->cfg.prefill_timeout, &disconnected);
+    wait_for(j, result_or_kv_failed, t0 + rx->cfg.prefill_timeout, &disconnected);
     Tandem__PrefillResult *res = j->result;
     j->result = NULL;
-    if (res)
-        j->prefill_instance = res->from_instance;
-    bool was_cancelled = j->cancelled;
+    bool kv_failed = j->kv_failed, was_cancelled = j->cancelled;
+    uint64_t instance = j->prefill_instance;
+    char kv_err[256];
+    snprintf(kv_err, sizeof kv_err, "%s", j->kv_err);
+    if (res == NULL || res->error != 0 || kv_failed)
+        attempt_end_locked(j);
     pthread_mutex_unlock(&rx->mu);
-    if (!got || res == NULL || res->error != 0) {
-        const char *why = res ? "failed" : disconnected ? "disconnected" : "timeout";
-        if (res == NULL && !was_cancelled)
-            TDM_LOG_WARN(MOD, "req=%s prefill %s: %s", j->request_id, t->url, why);
-        else if (res)
-            TDM_LOG_WARN(MOD, "req=%s prefill %s failed: %s", j->request_id, t->url, res->message);
+    if (res == NULL || res->error != 0 || kv_failed) {
+        const char *why = res && res->error ? "prefill_error"
+                          : kv_failed       ? "transfer"
+                          : disconnected    ? "disconnected"
+                                            : "timeout";
         if (!was_cancelled)
-            fail_count(rx, res ? "prefill_error" : disconnected ? "disconnected" : "timeout");
-        cancel_prefill(j, tid, t->url, res ? res->from_instance : t->instance);
+            TDM_LOG_WARN(MOD, "req=%s prefill %s failed (%s): %s", j->request_id, t->url, why,
+                         res && res->error ? res->message
+                         : kv_failed       ? kv_err
+                                           : why);
+        if (!was_cancelled)
+            fail_count(rx, why);
+        cancel_prefill(j, tid, t->url, res ? res->from_instance : instance);
         if (res)
             tandem__prefill_result__free_unpacked(res, NULL);
         return ATTEMPT_RETRY;
     }
-    double prefill_s = tdm_now() - t0;
-    if (tdm_pd_kv_header_check(res->kv_header.data, res->kv_header.len, &rx->kvc,
-                               rx->parts.served_name, (int)j->gen->n_prompt, err,
-                               sizeof err) != TDM_OK) {
+    double t_result = tdm_now();
+    double prefill_s = t_result - t0;
+    int vocab = tdm_model_config(rx->parts.model)->vocab_size;
+    rc = tdm_pd_kv_header_check(res->kv_header.data, res->kv_header.len, &rx->kvc,
+                                rx->parts.served_name, (int)j->gen->n_prompt, err, sizeof err);
+    if (rc == TDM_OK && (res->first_token < 0 || res->first_token >= vocab))
+        rc = tdm_seterr(err, sizeof err, TDM_EPROTO, "first token %d outside the vocabulary",
+                        (int)res->first_token);
+    if (rc != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s prefill %s refused: %s", j->request_id, t->url, err);
         fail_count(rx, "header");
+        pthread_mutex_lock(&rx->mu);
+        attempt_end_locked(j);
+        pthread_mutex_unlock(&rx->mu);
         cancel_prefill(j, tid, t->url, res->from_instance);
         tandem__prefill_result__free_unpacked(res, NULL);
         return ATTEMPT_RETRY;
     }
-    struct phases ph = {res->queue_seconds, prefill_s, 0, t->url};
 
-    // 2. A first token that already ends the request needs no KV.
-    int max_gen = rx->parts.max_model_len - (int)j->gen->n_prompt;
-    if (j->gen->max_tokens > 0 && j->gen->max_tokens < max_gen)
-        max_gen = j->gen->max_tokens;
-    if (res->stopped || max_gen <= 1) {
-        cancel_prefill(j, tid, t->url, res->from_instance);
-        struct tdm_engine_chunk c;
-        memset(&c, 0, sizeof c);
-        float lp = res->logprob;
-        c.n = 1;
-        c.tokens = &res->first_token;
-        c.logprobs = j->sampling.logprobs >= 0 ? &lp : NULL;
-        c.finished = true;
-        c.reason = res->stopped ? TDM_ENGINE_FINISH_STOP : TDM_ENGINE_FINISH_LENGTH;
-        c.stop_token = res->stopped ? res->first_token : -1;
-        c.num_prompt_tokens = res->num_prompt_tokens;
-        c.num_cached_tokens = res->num_cached_tokens;
-        c.message = "";
-        send_chunk(j, &c, &ph, res);
-        tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m_requests, "remote"));
-        tandem__prefill_result__free_unpacked(res, NULL);
-        return ATTEMPT_DONE;
-    }
-
-    // 3. Reserve blocks (after the local prefix-cache match) with the first token.
-    struct tdm_engine_request_params ep;
-    fill_params(j, &ep);
-    ep.kind = TDM_ENGINE_REQ_IMPORT_KV;
-    ep.first_token = res->first_token;
-    ep.arrival_time = j->arrival;
-    struct tdm_engine_request *req = NULL;
-    rc = tdm_engine_submit(e, &ep, &req, err, sizeof err);
-    if (rc != TDM_OK) {
-        // This engine cannot take it: local prefill would fail the same way.
-        cancel_prefill(j, tid, t->url, res->from_instance);
-        send_finish(j, TDM_ENGINE_FINISH_ERROR, rc, err);
-        tandem__prefill_result__free_unpacked(res, NULL);
-        return ATTEMPT_DONE;
-    }
+    // 2. The KV not yet here (the part of the transfer the prefill did not hide).
     pthread_mutex_lock(&rx->mu);
-    j->req = req;
-    pthread_mutex_unlock(&rx->mu);
-    int first_block = 0, num_blocks = 0;
-    double until = j->deadline;
-    for (;;) {
-        rc = tdm_engine_import_wait(req, 0.1, &first_block, &num_blocks);
-        pthread_mutex_lock(&rx->mu);
-        bool stop = j->cancelled || atomic_load(&rx->stopping);
-        pthread_mutex_unlock(&rx->mu);
-        if (rc != TDM_ETIMEDOUT || stop || tdm_now() > until)
-            break;
-    }
-    if (rc != TDM_OK) {
-        // Not reserved (cancelled, too long for the pool, shutdown, deadline).
-        cancel_prefill(j, tid, t->url, res->from_instance);
-        tdm_engine_abort(e, req, TDM_ENGINE_FINISH_ABORT);
-        // The blocks may have been reserved meanwhile: an abort then waits for
-        // import_done, so end the import window (as failed) to let it finish.
-        for (;;) {
-            int wrc = tdm_engine_import_wait(req, 0.1, &first_block, &num_blocks);
-            if (wrc == TDM_OK)
-                tdm_engine_import_done(e, req, false);
-            if (wrc != TDM_ETIMEDOUT)
-                break;
-        }
-        stream_to_router(j, req, &ph, res); // delivers the finish (abort/error)
-        goto done;
-    }
-
-    // 4. Pull the missing range; the receive thread imports frames as they come.
-    pthread_mutex_lock(&rx->mu);
-    j->imp_first_block = first_block;
-    j->imp_num_blocks = num_blocks;
-    j->importing = num_blocks > 0;
-    if (num_blocks == 0)
-        j->layers_done = rx->kvc.num_layers; // all cached locally
-    pthread_mutex_unlock(&rx->mu);
-    Tandem__KvPull pull = TANDEM__KV_PULL__INIT;
-    pull.transfer_id = tid;
-    pull.to_instance = res->from_instance;
-    pull.first_block = first_block;
-    pull.num_blocks = num_blocks;
-    pull.layers_per_frame = rx->cfg.layers_per_frame;
-    double t_pull = tdm_now();
-    rc = tdm_pd_send(rx->outbox, t->url, TDM_NET_KV_PULL, &pull.base, NULL, 0, rx->cfg.send_timeout,
-                     err, sizeof err);
-    pthread_mutex_lock(&rx->mu);
-    bool ok = false;
-    if (rc == TDM_OK)
-        ok = wait_for(j, kv_complete, t_pull + rx->cfg.transfer_timeout, &disconnected) &&
-             !j->kv_failed;
-    if (rc != TDM_OK)
-        snprintf(j->kv_err, sizeof j->kv_err, "pull not sent: %.200s", err);
-    else if (!ok && !j->kv_failed)
+    bool ok = wait_for(j, kv_complete, t_result + rx->cfg.transfer_timeout, &disconnected) &&
+              !j->kv_failed;
+    if (!ok && !j->kv_failed)
         snprintf(j->kv_err, sizeof j->kv_err, "%s after %d of %d layers",
                  j->cancelled   ? "cancelled"
                  : disconnected ? "prefill worker disconnected"
                                 : "transfer timed out",
-                 j->layers_done, rx->kvc.num_layers);
-    j->importing = false; // from here no frame touches req's blocks
+                 j->layers_done, L);
+    was_cancelled = j->cancelled;
     size_t bytes = j->bytes_done;
-    char kv_err[256];
+    double t_first = j->t_first_frame, t_done = j->t_kv_done;
     snprintf(kv_err, sizeof kv_err, "%s", j->kv_err);
+    attempt_end_locked(j); // from here no frame touches req's blocks
     pthread_mutex_unlock(&rx->mu);
-    double transfer_s = tdm_now() - t_pull;
-    tdm_engine_import_done(e, req, ok);
     if (!ok) {
-        TDM_LOG_WARN(MOD, "req=%s KV from %s not installed: %s", j->request_id, t->url, kv_err);
-        fail_count(rx, "transfer");
+        if (!was_cancelled) {
+            TDM_LOG_WARN(MOD, "req=%s KV from %s not installed: %s", j->request_id, t->url, kv_err);
+            fail_count(rx, "transfer");
+        }
         cancel_prefill(j, tid, t->url, res->from_instance);
-        // Drain the failed request's finish without telling the router.
-        struct tdm_engine_chunk c;
-        while (tdm_engine_stream_next(req, 1.0, &c) != TDM_ECLOSED)
-            if (c.finished)
-                break;
-        pthread_mutex_lock(&rx->mu);
-        j->req = NULL;
-        pthread_mutex_unlock(&rx->mu);
-        tdm_engine_request_release(req);
         tandem__prefill_result__free_unpacked(res, NULL);
         return ATTEMPT_RETRY;
     }
-    tdm_metrics_counter_add(rx->m_bytes, (double)bytes);
-    tdm_metrics_counter_add(rx->m_blocks, (double)num_blocks);
-    tdm_metrics_histogram_observe(rx->m_seconds, transfer_s);
+    // The exposed transfer: result -> last layer installed (0 when every frame
+    // came before the result).
+    double exposed = num_blocks > 0 && t_done > t_result ? t_done - t_result : 0;
+    if (num_blocks > 0) {
+        tdm_metrics_counter_add(rx->m_bytes, (double)bytes);
+        tdm_metrics_counter_add(rx->m_blocks, (double)num_blocks);
+        tdm_metrics_histogram_observe(rx->m_seconds, t_done - t_first);
+    }
     tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m_requests, "remote"));
-    ph.transfer = transfer_s;
+    TDM_LOG_DEBUG(MOD, "req=%s KV from %s: blocks=%d bytes=%zu prefill=%.4f exposed=%.4f",
+                  j->request_id, t->url, num_blocks, bytes, prefill_s, exposed);
+    tdm_engine_import_done(e, req, res->first_token, true);
+    struct phases ph = {res->queue_seconds, prefill_s, exposed, t->url};
     stream_to_router(j, req, &ph, res);
-done:
+    tandem__prefill_result__free_unpacked(res, NULL);
+    return ATTEMPT_DONE;
+}
+
+enum reserve { RESERVE_OK = 0, RESERVE_DONE, RESERVE_STOPPED };
+
+// Ends an IMPORT_KV request that will never get its KV (every prefill worker
+// failed, cancel, deadline): aborted, its import window closed, its finish
+// drained without telling the router, released.
+static void end_import(struct djob *j, struct tdm_engine_request *req)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    struct tdm_engine *e = rx->parts.engine;
+    tdm_engine_abort(e, req, TDM_ENGINE_FINISH_ABORT);
+    // Reserved (now or meanwhile): the abort waits for import_done.
+    for (;;) {
+        int wrc = tdm_engine_import_wait(req, 0.1, NULL, NULL);
+        if (wrc == TDM_OK)
+            tdm_engine_import_done(e, req, -1, false);
+        if (wrc != TDM_ETIMEDOUT)
+            break;
+    }
+    struct tdm_engine_chunk c;
+    while (tdm_engine_stream_next(req, 1.0, &c) != TDM_ECLOSED)
+        if (c.finished)
+            break;
     pthread_mutex_lock(&rx->mu);
     j->req = NULL;
     pthread_mutex_unlock(&rx->mu);
     tdm_engine_request_release(req);
-    tandem__prefill_result__free_unpacked(res, NULL);
-    return ATTEMPT_DONE;
+}
+
+// Reserves the prompt's blocks on this engine before any prefill worker is
+// asked (an IMPORT_KV request whose first token comes later), so the request
+// can name the block range it lacks. RESERVE_OK with *out and the range;
+// RESERVE_DONE when the request already ended and the router was told (this
+// engine cannot take it: local prefill would fail the same way);
+// RESERVE_STOPPED when it was cancelled, passed its deadline or the service
+// stops (nothing sent to the router yet).
+static enum reserve reserve_blocks(struct djob *j, struct tdm_engine_request **out,
+                                   int *first_block, int *num_blocks)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    struct tdm_engine *e = rx->parts.engine;
+    char err[512];
+    *out = NULL;
+    struct tdm_engine_request_params ep;
+    fill_params(j, &ep);
+    ep.kind = TDM_ENGINE_REQ_IMPORT_KV;
+    ep.arrival_time = j->arrival;
+    struct tdm_engine_request *req = NULL;
+    int rc = tdm_engine_submit(e, &ep, &req, err, sizeof err);
+    if (rc != TDM_OK) {
+        send_finish(j, TDM_ENGINE_FINISH_ERROR, rc, err);
+        return RESERVE_DONE;
+    }
+    pthread_mutex_lock(&rx->mu);
+    j->req = req;
+    pthread_mutex_unlock(&rx->mu);
+    bool stop = false;
+    for (;;) {
+        rc = tdm_engine_import_wait(req, 0.1, first_block, num_blocks);
+        pthread_mutex_lock(&rx->mu);
+        stop = j->cancelled || atomic_load(&rx->stopping) || tdm_now() > j->deadline;
+        pthread_mutex_unlock(&rx->mu);
+        if (rc != TDM_ETIMEDOUT || stop)
+            break;
+    }
+    if (rc == TDM_OK && !stop) {
+        *out = req;
+        return RESERVE_OK;
+    }
+    if (rc == TDM_ECLOSED && !stop) {
+        // Finished before its blocks were reserved (too long for the pool):
+        // the engine's finish says why.
+        struct phases ph = {tdm_now() - j->arrival, 0, 0, ""};
+        stream_to_router(j, req, &ph, NULL);
+        pthread_mutex_lock(&rx->mu);
+        j->req = NULL;
+        pthread_mutex_unlock(&rx->mu);
+        tdm_engine_request_release(req);
+        return RESERVE_DONE;
+    }
+    end_import(j, req);
+    return RESERVE_STOPPED;
 }
 
 static void job_free(struct djob *j)
@@ -695,13 +735,27 @@ static void *job_main(void *arg)
     struct djob *j = arg;
     struct tdm_pd_receiver *rx = j->rx;
     bool done = false;
-    for (size_t i = 0; i < j->gen->n_prefill && !done; i++) {
-        pthread_mutex_lock(&rx->mu);
-        bool stop = j->cancelled || atomic_load(&rx->stopping) || tdm_now() > j->deadline;
-        pthread_mutex_unlock(&rx->mu);
-        if (stop)
-            break;
-        done = try_remote(j, j->gen->prefill[i]) == ATTEMPT_DONE;
+    if (j->gen->n_prefill > 0) {
+        struct tdm_engine_request *req = NULL;
+        int first_block = 0, num_blocks = 0;
+        enum reserve rv = reserve_blocks(j, &req, &first_block, &num_blocks);
+        done = rv == RESERVE_DONE;
+        for (size_t i = 0; rv == RESERVE_OK && i < j->gen->n_prefill && !done; i++) {
+            pthread_mutex_lock(&rx->mu);
+            bool stop = j->cancelled || atomic_load(&rx->stopping) || tdm_now() > j->deadline;
+            pthread_mutex_unlock(&rx->mu);
+            if (stop)
+                break;
+            done = try_remote(j, j->gen->prefill[i], req, first_block, num_blocks) == ATTEMPT_DONE;
+        }
+        if (rv == RESERVE_OK && done) {
+            pthread_mutex_lock(&rx->mu);
+            j->req = NULL;
+            pthread_mutex_unlock(&rx->mu);
+            tdm_engine_request_release(req);
+        } else if (rv == RESERVE_OK) {
+            end_import(j, req); // every listed worker failed: the blocks go back
+        }
     }
     if (!done) {
         pthread_mutex_lock(&rx->mu);
@@ -811,7 +865,15 @@ static void on_result(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
         return;
     pthread_mutex_lock(&rx->mu);
     struct djob *j = r->to_instance == rx->instance ? find_transfer(rx, r->transfer_id) : NULL;
-    if (j && j->result == NULL && !j->importing) {
+    // An error result is taken from any instance (it only makes the job move
+    // on: a restarted worker refuses a request for its predecessor); an ok one
+    // only from the instance that sends this transfer's KV.
+    if (j && j->result == NULL && r->error == 0 && j->prefill_instance != 0 &&
+        r->from_instance != j->prefill_instance)
+        j = NULL;
+    if (j && j->result == NULL) {
+        if (r->error == 0 && j->prefill_instance == 0)
+            j->prefill_instance = r->from_instance;
         j->result = r;
         r = NULL;
         pthread_cond_broadcast(&rx->cv);
@@ -828,7 +890,11 @@ static void on_kv_data(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f
         return;
     pthread_mutex_lock(&rx->mu);
     struct djob *j = d->to_instance == rx->instance ? find_transfer(rx, d->transfer_id) : NULL;
-    if (j == NULL || !j->importing || j->kv_failed || d->from_instance != j->prefill_instance)
+    if (j == NULL || !j->importing || j->kv_failed)
+        goto out;
+    if (j->prefill_instance == 0)
+        j->prefill_instance = d->from_instance; // the attempt's sender from now on
+    if (d->from_instance != j->prefill_instance)
         goto out;
     if (d->error != 0) {
         j->kv_failed = true;
@@ -859,8 +925,12 @@ static void on_kv_data(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f
             goto signal;
         }
     }
+    if (j->layers_done == 0)
+        j->t_first_frame = tdm_now();
     j->layers_done += d->num_layers;
     j->bytes_done += f->payload_len;
+    if (j->layers_done >= rx->kvc.num_layers)
+        j->t_kv_done = tdm_now();
 signal:
     pthread_cond_broadcast(&rx->cv);
 out:
@@ -1017,7 +1087,7 @@ static int register_metrics(struct tdm_pd_receiver *rx, char *err, size_t errlen
     static const double bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                     0.1,    0.25,  0.5,    1,     2.5,  5,     10};
     o.name = "tandem:kv_receive_seconds";
-    o.help = "Seconds from KvPull sent to the last layer installed.";
+    o.help = "Seconds from the first KvData frame received to the last layer installed.";
     if (rc == TDM_OK)
         rc = tdm_metrics_histogram_register(&rx->m_seconds, reg, &o, bounds,
                                             sizeof bounds / sizeof bounds[0], err, errlen);

@@ -1,18 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
 // pd_receiver: the decode worker's P/D side. It listens on an nng inbox for the
 // router's GenerateRequests and runs each one on the decode server's engine:
-// with a list of prefill workers it asks the first for a prefill
-// (PrefillRequest), submits an IMPORT_KV engine request with the first token
-// the prefill worker sampled, so the engine reserves the blocks after its own
-// prefix-cache match, pulls exactly the missing block range (KvPull), imports
-// the KvData frames layer by layer as they arrive, and decodes on; tokens go
-// back to the router as TokenChunks. A prefill worker that fails, disconnects
-// or is slow is replaced by the next listed one, then by a local prefill (the
-// router asks for that fallback), before any token reached the router, so the
-// client never sees a retry. Every wait is bounded (request deadline, prefill
-// and transfer timeouts); a Cancel from the router aborts the engine request
-// and cancels the prefill worker's job, so KV is freed on both sides.
-// docs/pd-protocol.md describes the protocol.
+// with a list of prefill workers it first reserves the prompt's blocks (an
+// IMPORT_KV engine request; its own prefix-cache match comes first), then asks
+// the first prefill worker for a prefill that pushes exactly the missing block
+// range (PrefillRequest), imports the KvData frames layer group by layer group
+// as they arrive (while the prefill worker still computes later layers), and
+// once it has every layer and the PrefillResult (the first token the prefill
+// worker sampled) finishes the import and decodes on; tokens go back to the
+// router as TokenChunks. A prefill worker that fails, disconnects or is slow is
+// replaced by the next listed one (same reserved blocks), then by a local
+// prefill (the router asks for that fallback), before any token reached the
+// router, so the client never sees a retry. Every wait is bounded (request
+// deadline, prefill and transfer timeouts); a Cancel from the router aborts the
+// engine request and cancels the prefill worker's job, so KV is freed on both
+// sides. docs/pd-protocol.md describes the protocol.
 #ifndef TDM_PD_RECEIVER_H
 #define TDM_PD_RECEIVER_H
 
@@ -25,7 +27,8 @@ struct tdm_pd_receiver;
 struct tdm_pd_receiver_config {
     char nng_url[256];       // --nng-url: inbox; "" = P/D off. e.g. tcp://0.0.0.0:9300
     double prefill_timeout;  // --pd-prefill-timeout: seconds for a PrefillResult; default 60
-    double transfer_timeout; // --pd-transfer-timeout: seconds for all KvData; default 30
+    double transfer_timeout; // --pd-transfer-timeout: seconds for the KvData still missing
+                             // after the PrefillResult; default 30
     double connect_grace;    // a prefill worker disconnected this long counts as failed; 1
     double prefill_liveness; // --pd-prefill-liveness: a prefill worker that answers no
                              // LoadQuery (sent every 0.25 s while waiting on it) this long

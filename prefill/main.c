@@ -17,8 +17,9 @@
 static const char usage[] =
     "usage: tandem-prefill --model DIR [--nng-url tcp://HOST:PORT] [--kv-hold-seconds S]\n"
     "                      [--layers-per-frame N] [tandem-decode flags...]\n"
-    "  --nng-url URL          inbox for PrefillRequest/KvPull/Cancel (default tcp://0.0.0.0:9200)\n"
-    "  --kv-hold-seconds S    release prefilled KV not pulled within S seconds (default 30)\n"
+    "  --nng-url URL          inbox for PrefillRequest/Cancel (default tcp://0.0.0.0:9200)\n"
+    "  --kv-hold-seconds S    release prefilled KV not all sent S seconds after the prefill\n"
+    "                         (default 30)\n"
     "  --layers-per-frame N   at most N layers per KvData frame (default 4)\n"
     "Every other flag is tandem-decode's (--port for /health and /metrics, default 8001).\n";
 

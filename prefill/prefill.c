@@ -2,12 +2,17 @@
 // prefill: the prefill worker's P/D service (see prefill.h). One receive thread
 // reads the inbox and dispatches; each PrefillRequest gets a job thread that
 // owns its engine request from submit to release, so every exit path of that
-// one function releases the KV. The receive thread only flips flags on jobs
-// (pull arrived, cancelled) and signals; it never blocks on a peer.
+// one function releases the KV, and that is also the request's sender: the
+// engine's push hook (on the engine thread) only records which layers are final
+// and wakes it; the job thread exports each layer group straight into its
+// KvData frame while the engine computes the later layers, so the engine never
+// waits on the network. The receive thread only flips the cancel flag and
+// aborts; it never blocks on a peer.
 //
 // Invariants: a job is in the list from submit until its thread is about to
 // free it; messages whose to_instance is not ours were meant for an earlier
-// incarnation of this address and are dropped.
+// incarnation of this address and are dropped; the engine frees a request's
+// blocks only when no export copies from them (tdm_engine_export_layer).
 #include "prefill.h"
 
 #include <pthread.h>
@@ -106,11 +111,18 @@ struct pjob {
     char decode_url[256];
     uint64_t decode_instance;
     struct tdm_engine_request *req;
-    double deadline; // wall-monotonic (tdm_now) time after which the job is abandoned
+    double deadline;     // wall-monotonic (tdm_now) time after which the job is abandoned
+    double hold_seconds; // KV whose frames are not all sent this long after the finish: released
+    struct tdm_pd_push push; // the decode worker's block range and framing (checked)
+    double t_submit;
     // Set by the receive thread under svc->mu:
-    bool pulled;
     bool cancelled;
-    int first_block, num_blocks, layers_per_frame;
+    // Set by the engine thread (push hook, finish callback) under mu; cv wakes
+    // the job thread on a complete layer group and on the finish.
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int layers_ready; // layers whose KV of the whole prompt is final
+    bool finished;    // the engine delivered the request's finish
 };
 
 struct tdm_prefill_service {
@@ -125,7 +137,7 @@ struct tdm_prefill_service {
     atomic_bool stopping;
 
     pthread_mutex_t mu;
-    pthread_cond_t cv; // broadcast on any job flag change and on job exit
+    pthread_cond_t cv; // broadcast on job exit
     struct pjob *jobs;
     int num_jobs;
 
@@ -174,22 +186,50 @@ static size_t layer_bytes(const struct tdm_kv_config *k, int nblocks)
            (size_t)k->head_dim * sizeof(float);
 }
 
+// ---- engine-thread callbacks: cheap, never block ------------------------------------------
+// The push hook: layer `layer` of the final chunk is in the cache. Wakes the job
+// thread when a frame's worth of layers (or the last layers) is final.
+static void job_on_layer(void *ctx, struct tdm_engine_request *r, int layer)
+{
+    (void)r;
+    struct pjob *job = ctx;
+    int done = layer + 1;
+    pthread_mutex_lock(&job->mu);
+    job->layers_ready = done;
+    if (done % job->push.layers_per_frame == 0 || done == job->svc->kvc.num_layers)
+        pthread_cond_signal(&job->cv);
+    pthread_mutex_unlock(&job->mu);
+}
+
+static void job_on_output(void *ctx, const struct tdm_engine_output *o)
+{
+    struct pjob *job = ctx;
+    if (!o->finished)
+        return;
+    pthread_mutex_lock(&job->mu);
+    job->finished = true;
+    pthread_cond_signal(&job->cv);
+    pthread_mutex_unlock(&job->mu);
+}
+
+// ---- the job thread: pushes frames, reports the result, releases ---------------------------
 struct export_arg {
     struct tdm_prefill_service *svc;
     struct pjob *job;
     int first_layer, num_layers;
 };
 
-// Fills a KvData payload: layer after layer, straight from the pinned blocks.
+// Fills a KvData payload: layer after layer, straight from the engine's blocks
+// (final layers only: the engine refuses the others).
 static int export_fill(void *arg, uint8_t *payload, size_t payload_len)
 {
     struct export_arg *a = arg;
-    size_t lb = layer_bytes(&a->svc->kvc, a->job->num_blocks);
+    size_t lb = layer_bytes(&a->svc->kvc, a->job->push.num_blocks);
     if (lb * (size_t)a->num_layers != payload_len)
         return TDM_EINVAL;
     for (int l = 0; l < a->num_layers; l++) {
         int rc = tdm_engine_export_layer(a->svc->parts.engine, a->job->req, a->first_layer + l,
-                                         a->job->first_block, a->job->num_blocks,
+                                         a->job->push.first_block, a->job->push.num_blocks,
                                          payload + (size_t)l * lb, lb);
         if (rc != TDM_OK)
             return rc;
@@ -197,6 +237,25 @@ static int export_fill(void *arg, uint8_t *payload, size_t payload_len)
     return TDM_OK;
 }
 
+// Sends layers [first_layer, first_layer + n) of the push range as one KvData frame.
+static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first_layer, int n,
+                      char *err, size_t errlen)
+{
+    struct export_arg a = {p, job, first_layer, n};
+    Tandem__KvData d = TANDEM__KV_DATA__INIT;
+    d.transfer_id = job->transfer_id;
+    d.to_instance = job->decode_instance;
+    d.from_instance = p->instance;
+    d.first_layer = first_layer;
+    d.num_layers = n;
+    d.first_block = job->push.first_block;
+    d.num_blocks = job->push.num_blocks;
+    size_t bytes = layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
+    return tdm_pd_send_fill(p->outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
+                            export_fill, &a, p->cfg.send_timeout, err, errlen);
+}
+
+// Tells the decode worker the push failed, so it moves on at once (best effort).
 static void send_kv_error(struct tdm_prefill_service *p, struct pjob *job, int code,
                           const char *message)
 {
@@ -211,61 +270,13 @@ static void send_kv_error(struct tdm_prefill_service *p, struct pjob *job, int c
                 sizeof err);
 }
 
-// Sends the pulled block range as KvData frames of layers_per_frame layers.
-static int push_kv(struct tdm_prefill_service *p, struct pjob *job)
+// Reads the finished request's outcome and sends the PrefillResult (an error
+// one when the prefill failed or the push already did). Returns true when the
+// result reported success.
+static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool push_failed,
+                        const char *push_err)
 {
-    int L = p->kvc.num_layers;
-    int per = job->layers_per_frame;
-    if (per < 1)
-        per = 1;
-    if (per > p->cfg.layers_per_frame)
-        per = p->cfg.layers_per_frame;
-    double t0 = tdm_now();
-    size_t total = 0;
-    char err[256];
-    for (int l = 0; l < L; l += per) {
-        int n = L - l < per ? L - l : per;
-        struct export_arg a = {p, job, l, n};
-        Tandem__KvData d = TANDEM__KV_DATA__INIT;
-        d.transfer_id = job->transfer_id;
-        d.to_instance = job->decode_instance;
-        d.from_instance = p->instance;
-        d.first_layer = l;
-        d.num_layers = n;
-        d.first_block = job->first_block;
-        d.num_blocks = job->num_blocks;
-        size_t bytes = layer_bytes(&p->kvc, job->num_blocks) * (size_t)n;
-        int rc = tdm_pd_send_fill(p->outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
-                                  export_fill, &a, p->cfg.send_timeout, err, sizeof err);
-        if (rc != TDM_OK) {
-            TDM_LOG_WARN(MOD, "req=%s transfer=%016llx layers %d..%d not sent: %s", job->request_id,
-                         (unsigned long long)job->transfer_id, l, l + n - 1, err);
-            fail_count(p, rc == TDM_EINVAL ? "export" : "send");
-            if (rc == TDM_EINVAL)
-                send_kv_error(p, job, rc, err);
-            return rc;
-        }
-        total += bytes;
-    }
-    double dt = tdm_now() - t0;
-    tdm_metrics_counter_add(p->m_bytes, (double)total);
-    tdm_metrics_counter_add(p->m_blocks, (double)job->num_blocks);
-    tdm_metrics_histogram_observe(p->m_seconds, dt);
-    TDM_LOG_DEBUG(MOD, "req=%s transfer=%016llx sent blocks=%d bytes=%zu seconds=%.4f",
-                  job->request_id, (unsigned long long)job->transfer_id, job->num_blocks, total,
-                  dt);
-    return TDM_OK;
-}
-
-static void *job_main(void *arg)
-{
-    struct pjob *job = arg;
-    struct tdm_prefill_service *p = job->svc;
     struct tdm_engine *e = p->parts.engine;
-    char err[256];
-    double t_submit = tdm_now();
-
-    // 1. Wait for the prefill (the engine samples the first token and holds the KV).
     struct tdm_engine_chunk c;
     memset(&c, 0, sizeof c);
     bool have_token = false;
@@ -273,12 +284,8 @@ static void *job_main(void *arg)
     float first_lp = 0;
     Tandem__TopLogprob top[TDM_MAX_LOGPROBS], *top_ptr[TDM_MAX_LOGPROBS];
     int num_top = 0;
-    for (;;) {
-        pthread_mutex_lock(&p->mu);
-        bool cancel = job->cancelled || atomic_load(&p->stopping) || tdm_now() > job->deadline;
-        pthread_mutex_unlock(&p->mu);
-        if (cancel)
-            tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
+    // The finish callback ran just before the stream publishes it: the wait is short.
+    for (int tries = 0; tries < 100; tries++) {
         int rc = tdm_engine_stream_next(job->req, 0.1, &c);
         if (rc == TDM_ETIMEDOUT)
             continue;
@@ -300,15 +307,13 @@ static void *job_main(void *arg)
         if (c.finished)
             break;
     }
-    double t_done = tdm_now();
-
-    // 2. Report the first token (or the failure) to the decode worker.
     Tandem__PrefillResult r = TANDEM__PREFILL_RESULT__INIT;
     struct tdm_kv_header h;
+    char err[256];
     r.transfer_id = job->transfer_id;
     r.to_instance = job->decode_instance;
     r.from_instance = p->instance;
-    bool ok = c.finished && c.kv_held && have_token;
+    bool ok = c.finished && c.kv_held && have_token && !push_failed;
     if (ok && tdm_engine_kv_header(e, job->req, p->parts.served_name, &h) != TDM_OK)
         ok = false;
     if (ok) {
@@ -321,14 +326,18 @@ static void *job_main(void *arg)
         r.num_cached_tokens = c.num_cached_tokens;
         r.kv_header.data = (uint8_t *)&h;
         r.kv_header.len = sizeof h;
-        r.prefill_seconds = t_done - t_submit;
+        r.prefill_seconds = tdm_now() - job->t_submit;
     } else {
-        r.error = c.finished && c.error ? c.error : TDM_ECLOSED;
-        snprintf(err, sizeof err, "prefill %s: %s",
-                 c.finished ? tdm_engine_finish_name(c.reason) : "did not finish",
-                 c.message && c.message[0] ? c.message : "no KV held");
+        r.error = c.finished && c.error ? c.error : push_failed ? TDM_ETRANSPORT : TDM_ECLOSED;
+        if (push_failed)
+            snprintf(err, sizeof err, "KV push failed: %s", push_err);
+        else
+            snprintf(err, sizeof err, "prefill %s: %s",
+                     c.finished ? tdm_engine_finish_name(c.reason) : "did not finish",
+                     c.message && c.message[0] ? c.message : "no KV held");
         r.message = err;
-        fail_count(p, "prefill");
+        if (!push_failed)
+            fail_count(p, "prefill");
     }
     char serr[256];
     int src = tdm_pd_send(p->outbox, job->decode_url, TDM_NET_PREFILL_RESULT, &r.base, NULL, 0,
@@ -338,26 +347,35 @@ static void *job_main(void *arg)
         fail_count(p, "send");
         ok = false;
     }
+    return ok;
+}
 
-    // 3. Hold the KV until the pull, a cancel, the hold time or the deadline.
-    if (ok) {
-        double until = tdm_now() + p->cfg.hold_seconds;
-        if (job->deadline < until)
-            until = job->deadline;
-        double down_since = 0;
-        pthread_mutex_lock(&p->mu);
-        while (!job->pulled && !job->cancelled && !atomic_load(&p->stopping) && tdm_now() < until) {
-            // The decode worker gone (its connection down for 1 s): nobody will pull.
-            pthread_mutex_unlock(&p->mu);
-            bool up = tdm_net_connected(p->outbox, job->decode_url);
-            pthread_mutex_lock(&p->mu);
-            double now = tdm_now();
-            if (up)
-                down_since = 0;
-            else if (down_since == 0)
-                down_since = now;
-            else if (now - down_since > 1.0)
-                break;
+// One PrefillRequest from submit to release. Frames go out as the push hook
+// reports layer groups final (while the engine computes the later layers); the
+// result goes out as soon as the first token is sampled, between two frames at
+// the latest; the blocks stay pinned until the last frame was sent or the push
+// was given up, and are released on every path.
+static void *job_main(void *arg)
+{
+    struct pjob *job = arg;
+    struct tdm_prefill_service *p = job->svc;
+    struct tdm_engine *e = p->parts.engine;
+    int L = p->kvc.num_layers;
+    int per = job->push.layers_per_frame;
+    bool pushing = job->push.num_blocks > 0;
+    int sent = 0;             // layers sent
+    bool push_failed = false; // no more frames (failed, cancelled, prefill failed)
+    bool result_sent = false; // the PrefillResult went out (ok or not)
+    bool aborted = false;
+    double t_finish = 0, t_first_frame = 0;
+    size_t bytes = 0;
+    char err[256] = "";
+
+    for (;;) {
+        pthread_mutex_lock(&job->mu);
+        int want = sent + per < L ? sent + per : L;
+        bool frame_ready = pushing && !push_failed && sent < L && job->layers_ready >= want;
+        if (!frame_ready && !(job->finished && !result_sent)) {
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
             ts.tv_nsec += 100 * 1000 * 1000;
@@ -365,23 +383,84 @@ static void *job_main(void *arg)
                 ts.tv_sec++;
                 ts.tv_nsec -= 1000000000;
             }
-            pthread_cond_timedwait(&p->cv, &p->mu, &ts);
+            pthread_cond_timedwait(&job->cv, &job->mu, &ts);
+            frame_ready = pushing && !push_failed && sent < L && job->layers_ready >= want;
         }
-        bool pulled = job->pulled && !job->cancelled;
+        bool finished = job->finished;
+        pthread_mutex_unlock(&job->mu);
+
+        // Cancel, shutdown, deadline or a hold past its time: abort (releases
+        // held KV too; running exports finish first, later ones are refused).
+        pthread_mutex_lock(&p->mu);
+        bool cancelled = job->cancelled;
         pthread_mutex_unlock(&p->mu);
-        if (pulled && job->num_blocks > 0)
-            push_kv(p, job);
-        else if (!pulled) {
-            // A decode worker that disconnected counts as hold_timeout too.
-            fail_count(p, job->cancelled ? "cancelled" : "hold_timeout");
-            TDM_LOG_INFO(MOD, "req=%s transfer=%016llx KV released unpulled (%s)", job->request_id,
-                         (unsigned long long)job->transfer_id,
-                         job->cancelled ? "cancelled"
-                                        : "hold time, deadline, or decode worker gone");
+        double now = tdm_now();
+        bool hold_over = result_sent && now > t_finish + job->hold_seconds;
+        if ((cancelled || atomic_load(&p->stopping) || now > job->deadline || hold_over) &&
+            !aborted) {
+            tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
+            aborted = true;
+            if (pushing && !push_failed && sent < L) {
+                // A decode worker that gave up or went away counts as hold_timeout too.
+                fail_count(p, cancelled ? "cancelled" : "hold_timeout");
+                TDM_LOG_INFO(MOD, "req=%s transfer=%016llx push stopped after %d of %d layers (%s)",
+                             job->request_id, (unsigned long long)job->transfer_id, sent, L,
+                             cancelled ? "cancelled" : "shutdown, deadline or hold time");
+                snprintf(err, sizeof err, "%s", cancelled ? "cancelled" : "hold time or deadline");
+            }
+            push_failed = true;
         }
+
+        // The first token first: the decode worker finishes its import with it.
+        if (finished && !result_sent) {
+            bool ok = send_result(p, job, push_failed, err);
+            result_sent = true;
+            t_finish = tdm_now();
+            if (!ok)
+                push_failed = true; // the decode worker moves on at the error result
+            continue;
+        }
+        if (frame_ready && !push_failed) {
+            int n = want - sent;
+            if (t_first_frame == 0)
+                t_first_frame = tdm_now();
+            int rc = send_frame(p, job, sent, n, err, sizeof err);
+            if (rc == TDM_OK) {
+                // Counted per frame at once: the decode worker may be done
+                // with the request before this job gets to its end.
+                size_t fb = layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
+                tdm_metrics_counter_add(p->m_bytes, (double)fb);
+                sent += n;
+                bytes += fb;
+                continue;
+            }
+            pthread_mutex_lock(&p->mu);
+            cancelled = job->cancelled;
+            pthread_mutex_unlock(&p->mu);
+            TDM_LOG_WARN(MOD, "req=%s transfer=%016llx layers %d..%d not sent: %s", job->request_id,
+                         (unsigned long long)job->transfer_id, sent, sent + n - 1, err);
+            fail_count(p, cancelled ? "cancelled" : rc == TDM_EINVAL ? "export" : "send");
+            if (rc == TDM_EINVAL && !cancelled)
+                send_kv_error(p, job, rc, err);
+            push_failed = true;
+            // Nobody can use this prefill any more: stop computing it.
+            tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
+            aborted = true;
+            continue;
+        }
+        if (result_sent && (!pushing || push_failed || sent == L))
+            break;
+    }
+    if (pushing && sent == L) {
+        double dt = tdm_now() - t_first_frame;
+        tdm_metrics_counter_add(p->m_blocks, (double)job->push.num_blocks);
+        tdm_metrics_histogram_observe(p->m_seconds, dt);
+        TDM_LOG_DEBUG(MOD, "req=%s transfer=%016llx sent blocks=%d bytes=%zu seconds=%.4f",
+                      job->request_id, (unsigned long long)job->transfer_id, job->push.num_blocks,
+                      bytes, dt);
     }
 
-    // 4. Always: hand the blocks back and forget the job.
+    // Always: hand the blocks back and forget the job.
     tdm_engine_release_kv(e, job->req); // EINVAL when nothing is held: fine
     tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
     tdm_engine_request_release(job->req);
@@ -389,6 +468,8 @@ static void *job_main(void *arg)
     job_unlink(p, job);
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
+    pthread_cond_destroy(&job->cv);
+    pthread_mutex_destroy(&job->mu);
     free(job);
     return NULL;
 }
@@ -449,24 +530,46 @@ static void on_prefill(struct tdm_prefill_service *p, const struct tdm_net_frame
         reply_error(p, m, TDM_EINVAL, "empty or oversized prompt / eos list");
         goto out;
     }
+    // The push target: the decode worker's geometry must be ours, its range
+    // inside the prompt; refused before anything is computed.
+    struct tdm_pd_push push;
+    if (tdm_pd_push_from_proto(m, &p->kvc, p->parts.served_name, p->cfg.layers_per_frame, &push,
+                               err, sizeof err) != TDM_OK) {
+        TDM_LOG_WARN(MOD, "req=%s refused: %s", m->request_id, err);
+        reply_error(p, m, TDM_EPROTO, err);
+        goto out;
+    }
     struct pjob *job = calloc(1, sizeof *job);
     if (job == NULL) {
         reply_error(p, m, TDM_ENOMEM, "out of memory");
         goto out;
     }
+    pthread_mutex_init(&job->mu, NULL);
+    pthread_cond_init(&job->cv, NULL);
     job->svc = p;
     job->transfer_id = m->transfer_id;
+    job->push = push;
     snprintf(job->request_id, sizeof job->request_id, "%s", m->request_id);
     snprintf(job->decode_url, sizeof job->decode_url, "%s", m->reply_to->url);
     job->decode_instance = m->reply_to->instance;
     double now = tdm_now();
     double wall = (double)time(NULL);
     job->deadline = m->deadline_unix > 0 ? now + (m->deadline_unix - wall) : now + 600;
+    job->hold_seconds = p->cfg.hold_seconds;
+    if (m->hold_seconds > 0 && m->hold_seconds < job->hold_seconds)
+        job->hold_seconds = m->hold_seconds;
+    job->t_submit = now;
     ep.id = m->request_id;
     ep.prompt = m->prompt;
     ep.n_prompt = (int)m->n_prompt;
     ep.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
     ep.max_tokens = 1;
+    ep.on_output = job_on_output;
+    ep.ctx = job;
+    if (push.num_blocks > 0) {
+        ep.on_layer = job_on_layer;
+        ep.layer_ctx = job;
+    }
     if (m->n_eos_ids) {
         ep.eos_ids = m->eos_ids;
         ep.num_eos = (int)m->n_eos_ids;
@@ -474,24 +577,30 @@ static void on_prefill(struct tdm_prefill_service *p, const struct tdm_net_frame
         ep.eos_ids = p->parts.eos_ids;
         ep.num_eos = p->parts.num_eos;
     }
+    // Listed before submit: a Cancel that follows the request at once finds it.
     pthread_mutex_lock(&p->mu);
     bool dup = job_find(p, m->transfer_id) != NULL;
-    pthread_mutex_unlock(&p->mu);
-    int rc = dup ? TDM_EINVAL : tdm_engine_submit(p->parts.engine, &ep, &job->req, err, sizeof err);
-    if (dup)
+    int rc = TDM_EINVAL;
+    if (dup) {
         snprintf(err, sizeof err, "transfer %016llx already in progress",
                  (unsigned long long)m->transfer_id);
+    } else {
+        rc = tdm_engine_submit(p->parts.engine, &ep, &job->req, err, sizeof err);
+        if (rc == TDM_OK) {
+            job->next = p->jobs;
+            p->jobs = job;
+            p->num_jobs++;
+        }
+    }
+    pthread_mutex_unlock(&p->mu);
     if (rc != TDM_OK) {
+        pthread_cond_destroy(&job->cv);
+        pthread_mutex_destroy(&job->mu);
         free(job);
         reply_error(p, m, rc, err);
         fail_count(p, "submit");
         goto out;
     }
-    pthread_mutex_lock(&p->mu);
-    job->next = p->jobs;
-    p->jobs = job;
-    p->num_jobs++;
-    pthread_mutex_unlock(&p->mu);
     pthread_t th;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
@@ -505,26 +614,6 @@ static void on_prefill(struct tdm_prefill_service *p, const struct tdm_net_frame
     pthread_attr_destroy(&attr);
 out:
     tandem__prefill_request__free_unpacked(m, NULL);
-}
-
-static void on_pull(struct tdm_prefill_service *p, const struct tdm_net_frame *f)
-{
-    Tandem__KvPull *m = tandem__kv_pull__unpack(NULL, f->msg_len, f->msg);
-    if (m == NULL)
-        return;
-    if (m->to_instance == p->instance || m->to_instance == 0) {
-        pthread_mutex_lock(&p->mu);
-        struct pjob *job = job_find(p, m->transfer_id);
-        if (job && !job->pulled) {
-            job->pulled = true;
-            job->first_block = m->first_block;
-            job->num_blocks = m->num_blocks;
-            job->layers_per_frame = m->layers_per_frame;
-            pthread_cond_broadcast(&p->cv);
-        }
-        pthread_mutex_unlock(&p->mu);
-    }
-    tandem__kv_pull__free_unpacked(m, NULL);
 }
 
 static void on_cancel(struct tdm_prefill_service *p, const struct tdm_net_frame *f)
@@ -570,9 +659,6 @@ static void on_frame(void *arg, const struct tdm_net_frame *f)
     switch (f->type) {
     case TDM_NET_PREFILL:
         on_prefill(p, f);
-        break;
-    case TDM_NET_KV_PULL:
-        on_pull(p, f);
         break;
     case TDM_NET_CANCEL:
         on_cancel(p, f);
@@ -621,7 +707,8 @@ static int register_metrics(struct tdm_prefill_service *p, char *err, size_t err
     static const double bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                     0.1,    0.25,  0.5,    1,     2.5,  5,     10};
     o.name = "tandem:kv_transfer_seconds";
-    o.help = "Seconds to send one request's pulled KV (first frame to last).";
+    o.help = "Seconds from a request's first KvData frame to its last (frames go out as the "
+             "final chunk's layers finish, so this overlaps the prefill).";
     if (rc == TDM_OK)
         rc = tdm_metrics_histogram_register(&p->m_seconds, reg, &o, bounds,
                                             sizeof bounds / sizeof bounds[0], err, errlen);

@@ -2,15 +2,18 @@
 // prefill: the prefill worker's P/D service (`tandem-prefill`). It runs on a
 // loaded decode server (decode_parts.h: same engine, model and metrics registry,
 // and the same HTTP surface: /health, /metrics and the OpenAI API) and listens
-// on an nng inbox for PrefillRequests from decode workers. Each one becomes a
-// PREFILL_ONLY engine request (batched and chunked with the others, prefix
-// cache first); when it finishes, the first token (sampled with the request's
-// own sampler state) goes back in a PrefillResult and the KV stays pinned until
-// the decode worker pulls the block range it lacks (KvPull), which is sent as
-// KvData frames of a few layers each, exported straight into the outgoing
-// frame; then the KV is released. A Cancel, a missing pull within hold_seconds,
-// the request's deadline, or a failed send all release the KV as well, so no
-// block outlives its request. docs/pd-protocol.md describes the protocol.
+// on an nng inbox for PrefillRequests from decode workers. Each one names the
+// block range the decode worker lacks (it reserved its blocks first) and
+// becomes a PREFILL_ONLY engine request (batched and chunked with the others,
+// prefix cache first) with a push hook: in the step that computes the prompt's
+// final chunk, each group of layers whose KV is final is exported straight into
+// a KvData frame and sent while the engine computes the later layers. The
+// first token (sampled with the request's own sampler state) goes back in a
+// PrefillResult as soon as it exists, between two frames at the latest; the KV
+// stays pinned until the last frame is sent. A Cancel, a failed send, frames
+// not all sent within hold_seconds of the finish, or the request's deadline
+// release the KV as well, so no block outlives its request.
+// docs/pd-protocol.md describes the protocol.
 #ifndef TDM_PREFILL_H
 #define TDM_PREFILL_H
 
@@ -22,7 +25,8 @@ struct tdm_prefill_service;
 
 struct tdm_prefill_config {
     char nng_url[256];    // --nng-url: the inbox to listen on; default tcp://0.0.0.0:9200
-    double hold_seconds;  // --kv-hold-seconds: release KV not pulled within this; default 30
+    double hold_seconds;  // --kv-hold-seconds: release KV whose frames are not all sent this
+                          // long after the prefill finished; default 30
     int layers_per_frame; // --layers-per-frame: upper bound on layers per KvData frame; default 4
     double send_timeout;  // seconds one frame may wait for the decode worker; default 5
 };

@@ -2,6 +2,7 @@
 // pd_codec: C <-> protobuf-c conversions and framed sends (see pd_codec.h).
 #include "pd_codec.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -108,6 +109,57 @@ int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_co
     if (h.num_tokens != num_tokens)
         return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: %d tokens, prompt has %d",
                           h.num_tokens, num_tokens);
+    return TDM_OK;
+}
+
+void tdm_pd_push_to_proto(Tandem__PrefillRequest *m, const struct tdm_pd_push *push,
+                          const struct tdm_kv_config *kv, const char *model,
+                          struct tdm_kv_header *h)
+{
+    memset(h, 0, sizeof *h);
+    h->magic = TDM_KV_MAGIC;
+    h->version = 1;
+    snprintf(h->model, sizeof h->model, "%s", model ? model : "");
+    h->num_layers = kv->num_layers;
+    h->num_kv_heads = kv->num_kv_heads;
+    h->head_dim = kv->head_dim;
+    h->block_size = kv->block_size;
+    h->dtype = 0;
+    h->num_tokens = (int32_t)m->n_prompt;
+    h->first_block = push->first_block;
+    h->num_blocks = push->num_blocks;
+    m->first_block = push->first_block;
+    m->num_blocks = push->num_blocks;
+    m->layers_per_frame = push->layers_per_frame;
+    m->kv_header.data = (uint8_t *)h;
+    m->kv_header.len = sizeof *h;
+}
+
+int tdm_pd_push_from_proto(const Tandem__PrefillRequest *m, const struct tdm_kv_config *kv,
+                           const char *model, int max_layers_per_frame, struct tdm_pd_push *out,
+                           char *err, size_t errlen)
+{
+    memset(out, 0, sizeof *out);
+    if (m->n_prompt == 0 || m->n_prompt > (size_t)INT32_MAX / 2 || kv->block_size <= 0)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "push: prompt of %zu tokens", m->n_prompt);
+    int rc = tdm_pd_kv_header_check(m->kv_header.data, m->kv_header.len, kv, model,
+                                    (int)m->n_prompt, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    int64_t prompt_blocks = ((int64_t)m->n_prompt + kv->block_size - 1) / kv->block_size;
+    if (m->first_block < 0 || m->num_blocks < 0 ||
+        (int64_t)m->first_block + m->num_blocks > prompt_blocks)
+        return tdm_seterr(
+            err, errlen, TDM_EPROTO, "push: blocks [%d, %lld) outside the prompt's %lld blocks",
+            m->first_block, (long long)m->first_block + m->num_blocks, (long long)prompt_blocks);
+    if (m->num_blocks > 0 && m->layers_per_frame < 1)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "push: layers_per_frame %d < 1",
+                          m->layers_per_frame);
+    out->first_block = m->first_block;
+    out->num_blocks = m->num_blocks;
+    out->layers_per_frame = m->layers_per_frame < 1 ? 1 : m->layers_per_frame;
+    if (max_layers_per_frame >= 1 && out->layers_per_frame > max_layers_per_frame)
+        out->layers_per_frame = max_layers_per_frame;
     return TDM_OK;
 }
 

@@ -38,6 +38,28 @@ int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampl
 int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_config *kv,
                            const char *model, int num_tokens, char *err, size_t errlen);
 
+// The push target of a PrefillRequest: which of the prompt's blocks the decode
+// worker lacks (it reserved them before asking) and how to frame them.
+struct tdm_pd_push {
+    int first_block;      // first block of the prompt to send
+    int num_blocks;       // blocks to send; 0 = no KV, the result only
+    int layers_per_frame; // layers in one KvData frame, >= 1
+};
+// Fills m's push fields and kv_header from the sender's (decode worker's) cache
+// geometry kv, served model and prompt length. h is caller storage m points
+// into: keep it alive while m is packed.
+void tdm_pd_push_to_proto(Tandem__PrefillRequest *m, const struct tdm_pd_push *push,
+                          const struct tdm_kv_config *kv, const char *model,
+                          struct tdm_kv_header *h);
+// The receiver's (prefill worker's) side: checks m's kv_header against its own
+// cache geometry kv and served model and m's prompt length
+// (tdm_pd_kv_header_check), and the block range against the prompt's
+// ceil(n_prompt / block_size) blocks; caps layers_per_frame at
+// max_layers_per_frame. TDM_EPROTO with err naming the field.
+int tdm_pd_push_from_proto(const Tandem__PrefillRequest *m, const struct tdm_kv_config *kv,
+                           const char *model, int max_layers_per_frame, struct tdm_pd_push *out,
+                           char *err, size_t errlen);
+
 // A worker's load, as it answers a LoadQuery (LoadReport fields; strings borrowed).
 struct tdm_pd_load {
     uint64_t instance; // this process's instance id

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // pd_codec tests: sampling params survive the proto round trip; oversized
 // lists from a peer are refused; a KV header that does not fit the receiver's
-// cache (geometry, model, length, bad bytes) is refused; garbage bytes
+// cache (geometry, model, length, bad bytes) is refused; a PrefillRequest's
+// push target (block range, layers per frame, the sender's KV header) survives
+// packing and is checked on receipt; garbage bytes
 // never unpack as a message; and a worker's inbox loop (tdm_net_inbox_serve)
 // answers a LoadQuery with its load, ignoring a malformed one.
 #include <setjmp.h>
@@ -130,6 +132,71 @@ static void test_kv_header_check(void **state)
     assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h - 1, &kv, "tiny", 40, err, sizeof err),
                      TDM_EPROTO);
     assert_int_equal(tdm_pd_kv_header_check(NULL, 0, &kv, "tiny", 40, err, sizeof err), TDM_EPROTO);
+}
+
+// The push target of a PrefillRequest survives packing; the prefill side
+// refuses a header that does not fit its cache and a block range outside the
+// prompt, and caps layers_per_frame.
+static void test_push_target(void **state)
+{
+    (void)state;
+    struct tdm_kv_config kv = {
+        .num_layers = 2, .num_kv_heads = 2, .head_dim = 16, .block_size = 16, .num_blocks = 64};
+    int32_t prompt[40] = {0};
+    Tandem__PrefillRequest pr = TANDEM__PREFILL_REQUEST__INIT;
+    pr.request_id = "r";
+    pr.transfer_id = 7;
+    pr.n_prompt = 40;
+    pr.prompt = prompt;
+    struct tdm_pd_push push = {.first_block = 1, .num_blocks = 2, .layers_per_frame = 8};
+    struct tdm_kv_header h;
+    tdm_pd_push_to_proto(&pr, &push, &kv, "tiny", &h);
+    size_t n = tandem__prefill_request__get_packed_size(&pr);
+    uint8_t *buf = malloc(n);
+    tandem__prefill_request__pack(&pr, buf);
+    Tandem__PrefillRequest *m = tandem__prefill_request__unpack(NULL, n, buf);
+    assert_non_null(m);
+    assert_int_equal(m->first_block, 1);
+    assert_int_equal(m->num_blocks, 2);
+    assert_int_equal(m->layers_per_frame, 8);
+    assert_int_equal(m->kv_header.len, sizeof h);
+    char err[256];
+    struct tdm_pd_push got;
+    assert_int_equal(tdm_pd_push_from_proto(m, &kv, "tiny", 4, &got, err, sizeof err), TDM_OK);
+    assert_int_equal(got.first_block, 1);
+    assert_int_equal(got.num_blocks, 2);
+    assert_int_equal(got.layers_per_frame, 4); // capped by the receiver
+    assert_int_equal(tdm_pd_push_from_proto(m, &kv, "tiny", 0, &got, err, sizeof err), TDM_OK);
+    assert_int_equal(got.layers_per_frame, 8);
+
+    // Another model or geometry is refused before anything is computed.
+    assert_int_equal(tdm_pd_push_from_proto(m, &kv, "other", 4, &got, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "model"));
+    struct tdm_kv_config kv2 = kv;
+    kv2.head_dim = 64;
+    assert_int_equal(tdm_pd_push_from_proto(m, &kv2, "tiny", 4, &got, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "2/2/16/16/0 != ours 2/2/64/16/0"));
+    // The range must lie in the prompt's 3 blocks (40 tokens).
+    m->first_block = 2;
+    assert_int_equal(tdm_pd_push_from_proto(m, &kv, "tiny", 4, &got, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "blocks [2, 4) outside the prompt's 3 blocks"));
+    m->first_block = -1;
+    assert_int_equal(tdm_pd_push_from_proto(m, &kv, "tiny", 4, &got, err, sizeof err), TDM_EPROTO);
+    m->first_block = 1;
+    m->layers_per_frame = 0;
+    assert_int_equal(tdm_pd_push_from_proto(m, &kv, "tiny", 4, &got, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "layers_per_frame"));
+    m->num_blocks = 0; // nothing to send: the frame size does not matter
+    assert_int_equal(tdm_pd_push_from_proto(m, &kv, "tiny", 4, &got, err, sizeof err), TDM_OK);
+    assert_int_equal(got.num_blocks, 0);
+    // A header for another prompt length, or none at all.
+    m->n_prompt = 39;
+    assert_int_equal(tdm_pd_push_from_proto(m, &kv, "tiny", 4, &got, err, sizeof err), TDM_EPROTO);
+    m->n_prompt = 40;
+    m->kv_header.len = 0;
+    assert_int_equal(tdm_pd_push_from_proto(m, &kv, "tiny", 4, &got, err, sizeof err), TDM_EPROTO);
+    tandem__prefill_request__free_unpacked(m, NULL);
+    free(buf);
 }
 
 static void test_garbage_messages(void **state)
@@ -311,6 +378,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sampling_round_trip),
         cmocka_unit_test(test_kv_header_check),
+        cmocka_unit_test(test_push_target),
         cmocka_unit_test(test_garbage_messages),
         cmocka_unit_test(test_load_query_served),
     };

@@ -83,7 +83,8 @@ struct tdm_engine_request {
     enum tdm_engine_finish ctl_exec_abort;
     bool ctl_exec_release, ctl_exec_import, ctl_exec_import_ok;
 
-    // IMPORT_KV (engine thread).
+    // IMPORT_KV (engine thread; first_token is written by import_done before it
+    // queues the control that makes the engine thread read it).
     int32_t first_token;
     bool imported;                        // the KV arrived; from now on a normal request
     enum tdm_engine_finish abort_pending; // abort asked while importing
@@ -1265,10 +1266,6 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
             return tdm_seterr(err, errlen, TDM_EINVAL,
                               "req=%s: prompt token %d (at %d) outside the vocabulary of %d", id,
                               (int)p->prompt[i], i, e->vocab);
-    if (p->kind == TDM_ENGINE_REQ_IMPORT_KV && (p->first_token < 0 || p->first_token >= e->vocab))
-        return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "req=%s: first_token %d outside the vocabulary of %d", id,
-                          (int)p->first_token, e->vocab);
     if (p->on_layer != NULL && p->kind != TDM_ENGINE_REQ_PREFILL_ONLY)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "req=%s: on_layer is for PREFILL_ONLY requests only", id);
@@ -1299,7 +1296,7 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     r->engine = e;
     snprintf(r->id, sizeof r->id, "%s", id);
     r->kind = p->kind;
-    r->first_token = p->first_token;
+    r->first_token = -1;
     r->on_output = p->on_output;
     r->ctx = p->ctx;
     r->on_layer = p->on_layer;
@@ -1535,14 +1532,18 @@ int tdm_engine_import_layer(struct tdm_engine *e, struct tdm_engine_request *r, 
     return tdm_kv_import_layer(e->kv, &r->seq, layer, first_block, nblocks, src, src_len);
 }
 
-int tdm_engine_import_done(struct tdm_engine *e, struct tdm_engine_request *r, bool ok)
+int tdm_engine_import_done(struct tdm_engine *e, struct tdm_engine_request *r, int32_t first_token,
+                           bool ok)
 {
-    if (e == NULL || r == NULL || r->engine != e)
+    if (e == NULL || r == NULL || r->engine != e ||
+        (ok && (first_token < 0 || first_token >= e->vocab)))
         return TDM_EINVAL;
     pthread_mutex_lock(&r->mu);
     bool open = r->import_ready && !r->import_done_called;
-    if (open)
+    if (open) {
         r->import_done_called = true;
+        r->first_token = ok ? first_token : -1; // read by the engine thread after the control
+    }
     pthread_mutex_unlock(&r->mu);
     if (!open)
         return TDM_EINVAL;

@@ -103,8 +103,9 @@ enum tdm_engine_kind {
                                  // first token, finishes (stop/length as usual) and keeps its
                                  // KV blocks until tdm_engine_release_kv (see below)
     TDM_ENGINE_REQ_IMPORT_KV,    // P/D decode worker: the prompt's KV comes from a prefill
-                                 // worker and first_token was sampled there; the engine
-                                 // reserves blocks, the caller imports, then it decodes on
+                                 // worker; the engine reserves blocks, the caller imports and
+                                 // hands over the first token sampled there
+                                 // (tdm_engine_import_done), then it decodes on
 };
 
 struct tdm_engine_output;
@@ -138,8 +139,6 @@ struct tdm_engine_request_params {
     int params_index;    // which of the n sequences this is (0 .. n-1): only sequence 0
                          // observes vllm:request_params_n, so it counts API requests
     enum tdm_engine_kind kind;
-    int32_t first_token; // IMPORT_KV: the token the prefill worker sampled (delivered as this
-                         // request's output 0)
     tdm_engine_output_fn on_output; // optional; the ready-made stream works either way
     void *ctx;                      // for on_output; must stay valid until the final output
     tdm_engine_layer_fn on_layer;   // PREFILL_ONLY only (TDM_EINVAL otherwise), optional: the
@@ -240,25 +239,29 @@ int tdm_engine_release_kv(struct tdm_engine *e, struct tdm_engine_request *r);
 // prompt reserved all or nothing, local prefix cache first) but computes nothing:
 // tdm_engine_import_wait returns once the blocks are reserved, with the block
 // range [*first_block, *first_block + *num_blocks) of the prompt the caller must
-// import (blocks before first_block were found in the local prefix cache). The
+// import (blocks before first_block were found in the local prefix cache), so
+// the caller knows the range before the prompt is even prefilled elsewhere. The
 // caller then imports layer by layer from any thread (tdm_engine_import_layer:
 // same layout and checks as tdm_kv_import_layer; the blocks are this request's
 // alone, nothing else touches them) and finally MUST call tdm_engine_import_done
 // (ok = false when the transfer failed: the request finishes with error
-// TDM_ETRANSPORT). On import_done the engine commits the KV, replays first_token
-// through the sampler (so its history and RNG position equal the prefill
-// worker's), delivers it as output 0 and decodes on. An abort while importing
-// takes effect at import_done (the blocks may be in use by the importer); drain
-// waits for it, free does not (stop importing before tdm_engine_free).
+// TDM_ETRANSPORT, or with the abort's reason when one was asked meanwhile). On
+// import_done(ok) the engine commits the KV, replays first_token (sampled by
+// the prefill worker) through the sampler (so its history and RNG position
+// equal the prefill worker's), delivers it as output 0 and decodes on. An
+// abort while importing takes effect at import_done (the blocks may be in use
+// by the importer); drain waits for it, free does not (stop importing before
+// tdm_engine_free).
 // import_wait: TDM_OK, TDM_ETIMEDOUT, or TDM_ECLOSED when the request finished
 // before its blocks were reserved (too long for the pool, abort, shutdown) or is
-// not IMPORT_KV. import_layer / import_done: TDM_EINVAL outside that window or
-// for a bad range/length.
+// not IMPORT_KV. import_layer / import_done: TDM_EINVAL outside that window, for
+// a bad range/length, or (ok) a first_token outside the vocabulary.
 int tdm_engine_import_wait(struct tdm_engine_request *r, double timeout_s, int *first_block,
                            int *num_blocks);
 int tdm_engine_import_layer(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
                             int first_block, int nblocks, const void *src, size_t src_len);
-int tdm_engine_import_done(struct tdm_engine *e, struct tdm_engine_request *r, bool ok);
+int tdm_engine_import_done(struct tdm_engine *e, struct tdm_engine_request *r, int32_t first_token,
+                           bool ok);
 
 // ---- stats -----------------------------------------------------------------------------
 struct tdm_engine_stats {

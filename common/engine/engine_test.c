@@ -1163,7 +1163,6 @@ static void test_pd_import_roundtrip(void **state)
     p.sampling = sp;
     p.max_tokens = MT;
     p.kind = TDM_ENGINE_REQ_IMPORT_KV;
-    p.first_token = first;
     assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
     int fb = -1, n = -1;
     assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
@@ -1173,8 +1172,11 @@ static void test_pd_import_roundtrip(void **state)
                      TDM_EINVAL);
     for (int l = 0; l < layers; l++)
         assert_int_equal(tdm_engine_import_layer(de, r, l, 0, nb, payload[l], layer_len), TDM_OK);
-    assert_int_equal(tdm_engine_import_done(de, r, true), TDM_OK);
-    assert_int_equal(tdm_engine_import_done(de, r, true), TDM_EINVAL);
+    // The first token comes with import_done (the prefill worker's, known last).
+    assert_int_equal(tdm_engine_import_done(de, r, vocab, true), TDM_EINVAL);
+    assert_int_equal(tdm_engine_import_done(de, r, -1, true), TDM_EINVAL);
+    assert_int_equal(tdm_engine_import_done(de, r, first, true), TDM_OK);
+    assert_int_equal(tdm_engine_import_done(de, r, first, true), TDM_EINVAL);
     struct collected cd = {.lp = lp};
     collect(r, got, MT + 1, &cd, 0);
     assert_int_equal(cd.reason, TDM_ENGINE_FINISH_LENGTH);
@@ -1193,7 +1195,7 @@ static void test_pd_import_roundtrip(void **state)
     assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
     assert_int_equal(fb, NP / 16);
     assert_int_equal(n, nb - NP / 16);
-    assert_int_equal(tdm_engine_import_done(de, r, false), TDM_OK);
+    assert_int_equal(tdm_engine_import_done(de, r, -1, false), TDM_OK);
     struct collected cf = {0};
     collect(r, got, MT + 1, &cf, 0);
     assert_int_equal(cf.reason, TDM_ENGINE_FINISH_ERROR);
@@ -1206,7 +1208,7 @@ static void test_pd_import_roundtrip(void **state)
     assert_int_equal(tdm_engine_abort(de, r, TDM_ENGINE_FINISH_ABORT), TDM_OK);
     struct tdm_engine_chunk ch;
     assert_int_equal(tdm_engine_stream_next(r, 0.05, &ch), TDM_ETIMEDOUT);
-    assert_int_equal(tdm_engine_import_done(de, r, true), TDM_OK);
+    assert_int_equal(tdm_engine_import_done(de, r, first, true), TDM_OK);
     struct collected ca = {0};
     collect(r, got, MT + 1, &ca, 0);
     assert_int_equal(ca.reason, TDM_ENGINE_FINISH_ABORT);
@@ -1218,7 +1220,7 @@ static void test_pd_import_roundtrip(void **state)
     assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
     assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
     assert_int_equal(tdm_engine_abort(de, r, TDM_ENGINE_FINISH_ABORT), TDM_OK);
-    assert_int_equal(tdm_engine_import_done(de, r, false), TDM_OK);
+    assert_int_equal(tdm_engine_import_done(de, r, -1, false), TDM_OK);
     struct collected cb2 = {0};
     collect(r, got, MT + 1, &cb2, 0);
     assert_int_equal(cb2.reason, TDM_ENGINE_FINISH_ABORT);
@@ -1238,7 +1240,7 @@ static void test_pd_import_roundtrip(void **state)
     struct collected cz = {0};
     collect(r, got, MT + 1, &cz, 0);
     assert_int_equal(cz.reason, TDM_ENGINE_FINISH_ABORT);
-    assert_int_equal(tdm_engine_import_done(NULL, r, true), TDM_EINVAL);
+    assert_int_equal(tdm_engine_import_done(NULL, r, first, true), TDM_EINVAL);
     tdm_engine_request_release(r);
     for (int l = 0; l < layers; l++)
         free(payload[l]);
