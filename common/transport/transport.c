@@ -1,14 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
-// transport: frames and the nng inbox/outbox (see transport.h). The inbox is a
-// PULL listener; the outbox keeps one PUSH dialer per peer URL, created on first
-// use and kept for the process's life, so reconnects after a peer restart are
-// nng's job (bounded redial interval), and nothing here remembers a connection:
-// the peer's identity lives in the messages (instance ids), not in the socket.
+// transport: frames and the inbox/outbox (see transport.h), on nng's byte
+// streams (nng_stream: TCP, IPC) with Tandem's own frame header as the
+// framing. The inbox is a stream listener with a reader thread per connection;
+// the outbox keeps one connection per peer URL, redialed by a watcher thread.
+// Nothing here remembers a peer beyond its URL: the peer's identity lives in the
+// messages (instance ids), not in the connection.
+//
+// Why not nng's PUSH/PULL sockets: in nng 1.5.2 (Debian bookworm) a PUSH pipe
+// that closes while it is being started (a peer restarting just as the dialer
+// reconnects) stays on the socket's ready list after it is freed, and the next
+// send crashes (nng issue #1653, fixed upstream in 1.6). The transport test hit
+// it about once in 60 runs. With streams the connection lifecycle is ours.
 #include "transport.h"
 
 #include <nng/nng.h>
-#include <nng/protocol/pipeline0/pull.h>
-#include <nng/protocol/pipeline0/push.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -143,29 +148,297 @@ static int nng_to_tdm(int rv)
     }
 }
 
-static int ms_of(double seconds)
+static nng_duration ms_until(double deadline)
 {
-    if (seconds < 0)
+    if (deadline < 0)
         return NNG_DURATION_INFINITE;
-    double ms = seconds * 1000.0;
+    double ms = (deadline - tdm_now()) * 1000.0;
     if (ms > 1e9)
         return 1000000000;
-    int v = (int)ms;
-    return v < 1 && seconds > 0 ? 1 : v;
+    return ms < 1 ? 1 : (nng_duration)ms;
+}
+
+// An absolute CLOCK_MONOTONIC time for pthread_cond_timedwait (the condition
+// variables below are created with that clock).
+static struct timespec mono_at(double seconds_from_now)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    if (seconds_from_now < 0)
+        seconds_from_now = 0;
+    if (seconds_from_now > 1e6)
+        seconds_from_now = 1e6;
+    time_t whole = (time_t)seconds_from_now;
+    ts.tv_sec += whole;
+    ts.tv_nsec += (long)((seconds_from_now - (double)whole) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec += 1;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
+}
+
+static void cond_init_mono(pthread_cond_t *cv)
+{
+    pthread_condattr_t a;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &a);
+    pthread_condattr_destroy(&a);
+}
+
+// Every nng operation below runs on an aio of its own, allocated for the call
+// and freed before its stream, listener or dialer can be freed: in nng 1.5 a
+// timeout that fires just as the operation completes calls the provider's
+// cancel routine after the caller already saw the completion, and only
+// nng_aio_free waits for that call to end (freeing the stream first is a use
+// after free inside nng).
+static int aio_finish_wait(nng_aio *aio)
+{
+    nng_aio_wait(aio);
+    return nng_aio_result(aio);
+}
+
+// Moves exactly n bytes through s (send or receive), looping over partial
+// transfers, until deadline (tdm_now() time; < 0: none). A receive also ends
+// (NNG_ECLOSED) soon after *stop is set: it waits in 0.2 s slices, because an
+// operation started just after nng_stream_close may never complete in nng 1.5.
+// A timed-out receive consumes nothing, so the slices lose no bytes.
+// 0 or an nng error.
+static int stream_io(nng_stream *s, bool send, void *buf, size_t n, double deadline,
+                     const atomic_bool *stop)
+{
+    nng_aio *aio = NULL;
+    int rv = nng_aio_alloc(&aio, NULL, NULL);
+    if (rv != 0)
+        return rv;
+    uint8_t *p = buf;
+    while (n > 0) {
+        if (stop && atomic_load(stop)) {
+            rv = NNG_ECLOSED;
+            break;
+        }
+        nng_iov iov = {.iov_buf = p, .iov_len = n};
+        rv = nng_aio_set_iov(aio, 1, &iov);
+        if (rv != 0)
+            break;
+        nng_duration t = ms_until(deadline);
+        bool sliced = !send && stop && (t == NNG_DURATION_INFINITE || t > 200);
+        nng_aio_set_timeout(aio, sliced ? 200 : t);
+        if (send)
+            nng_stream_send(s, aio);
+        else
+            nng_stream_recv(s, aio);
+        rv = aio_finish_wait(aio);
+        if (rv == NNG_ETIMEDOUT && sliced)
+            continue;
+        if (rv != 0)
+            break;
+        size_t done = nng_aio_count(aio);
+        if (done == 0 || done > n) {
+            rv = NNG_ECLOSED;
+            break;
+        }
+        p += done;
+        n -= done;
+    }
+    nng_aio_free(aio);
+    return rv;
 }
 
 // ---- inbox -----------------------------------------------------------------------------
+// A stream listener; one acceptor thread; one reader thread per connection that
+// reads whole frames into a bounded queue (a full queue stops the readers, so a
+// slow consumer pushes back on senders through TCP instead of growing memory).
+#define INBOX_QUEUE_FRAMES 4096
+#define INBOX_QUEUE_BYTES ((size_t)512 << 20)
+
+struct tdm_net_msg {
+    struct tdm_net_msg *next;
+    uint8_t *buf; // the whole frame, header included
+    size_t len;
+    struct tdm_net_frame frame;
+};
+
+struct in_conn {
+    struct in_conn *next;
+    struct tdm_net_inbox *in;
+    nng_stream *s;
+};
+
 struct tdm_net_inbox {
-    nng_socket sock;
-    nng_listener listener;
-    atomic_bool closed;
+    nng_stream_listener *listener;
+    pthread_t acceptor;
+    atomic_bool closing; // close() has begun (idempotence)
+    pthread_mutex_t mu;
+    pthread_cond_t cv; // queue or reader count changed
+    bool closed;       // under mu: readers and recv stop
+    struct tdm_net_msg *head, *tail;
+    size_t queued, queued_bytes;
+    struct in_conn *conns;
+    int readers;
     char url[256]; // the URL peers dial (bound port filled in)
 };
 
-struct tdm_net_msg {
-    nng_msg *msg;
-    struct tdm_net_frame frame;
-};
+static void msg_free(struct tdm_net_msg *m)
+{
+    if (m == NULL)
+        return;
+    free(m->buf);
+    free(m);
+}
+
+// Reads one frame. NULL at end of stream or on error; *why set for a frame
+// that is malformed (then the connection must be dropped: it is out of step).
+static struct tdm_net_msg *read_frame(nng_stream *s, const atomic_bool *stop,
+                                      char *why, size_t whylen)
+{
+    uint8_t hdr[TDM_NET_HEADER_BYTES];
+    if (stream_io(s, false, hdr, sizeof hdr, -1, stop) != 0)
+        return NULL;
+    uint64_t msg_len = get_u32(hdr + 8), payload_len = get_u32(hdr + 12);
+    uint64_t total = TDM_NET_HEADER_BYTES + msg_len + payload_len;
+    if (get_u32(hdr) != TDM_NET_MAGIC) {
+        snprintf(why, whylen, "bad magic 0x%08x (not a Tandem peer)", get_u32(hdr));
+        return NULL;
+    }
+    if (total > TDM_NET_MAX_FRAME) {
+        snprintf(why, whylen, "frame of %llu bytes exceeds the %u-byte limit",
+                 (unsigned long long)total, TDM_NET_MAX_FRAME);
+        return NULL;
+    }
+    struct tdm_net_msg *m = calloc(1, sizeof *m);
+    if (m == NULL || (m->buf = malloc((size_t)total)) == NULL) {
+        snprintf(why, whylen, "out of memory for a %llu-byte frame", (unsigned long long)total);
+        free(m);
+        return NULL;
+    }
+    m->len = (size_t)total;
+    memcpy(m->buf, hdr, sizeof hdr);
+    if (stream_io(s, false, m->buf + sizeof hdr, m->len - sizeof hdr, -1, stop) != 0) {
+        msg_free(m);
+        return NULL;
+    }
+    char err[200];
+    if (tdm_net_frame_parse(m->buf, m->len, &m->frame, err, sizeof err) != TDM_OK) {
+        snprintf(why, whylen, "%s", err);
+        msg_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+static void *inbox_reader(void *arg)
+{
+    struct in_conn *c = arg;
+    struct tdm_net_inbox *in = c->in;
+    {
+        for (;;) {
+            char why[256] = "";
+            struct tdm_net_msg *m = read_frame(c->s, &in->closing, why, sizeof why);
+            if (m == NULL) {
+                if (why[0])
+                    TDM_LOG_WARN(MOD, "inbox %s: dropped a connection: %s", in->url, why);
+                break;
+            }
+            pthread_mutex_lock(&in->mu);
+            while (!in->closed && in->queued > 0 &&
+                   (in->queued >= INBOX_QUEUE_FRAMES ||
+                    in->queued_bytes + m->len > INBOX_QUEUE_BYTES))
+                pthread_cond_wait(&in->cv, &in->mu);
+            if (in->closed) {
+                pthread_mutex_unlock(&in->mu);
+                msg_free(m);
+                break;
+            }
+            if (in->tail)
+                in->tail->next = m;
+            else
+                in->head = m;
+            in->tail = m;
+            in->queued++;
+            in->queued_bytes += m->len;
+            pthread_cond_broadcast(&in->cv);
+            pthread_mutex_unlock(&in->mu);
+        }
+    }
+    pthread_mutex_lock(&in->mu);
+    for (struct in_conn **pp = &in->conns; *pp; pp = &(*pp)->next) {
+        if (*pp == c) {
+            *pp = c->next;
+            break;
+        }
+    }
+    in->readers--;
+    pthread_cond_broadcast(&in->cv);
+    pthread_mutex_unlock(&in->mu);
+    nng_stream_close(c->s);
+    nng_stream_free(c->s);
+    free(c);
+    return NULL;
+}
+
+static void *inbox_acceptor(void *arg)
+{
+    struct tdm_net_inbox *in = arg;
+    while (!atomic_load(&in->closing)) {
+        nng_aio *aio = NULL;
+        if (nng_aio_alloc(&aio, NULL, NULL) != 0) {
+            struct timespec ts = {0, 50 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        nng_aio_set_timeout(aio, 200); // slices, so closing is seen (see stream_io)
+        nng_stream_listener_accept(in->listener, aio);
+        int rv = aio_finish_wait(aio);
+        nng_stream *s = rv == 0 ? nng_aio_get_output(aio, 0) : NULL;
+        nng_aio_free(aio);
+        if (rv == NNG_ETIMEDOUT)
+            continue;
+        if (rv == NNG_ECLOSED || rv == NNG_ECANCELED)
+            break;
+        if (rv != 0) { // e.g. out of file descriptors: wait a little, keep serving
+            TDM_LOG_WARN(MOD, "inbox %s: accept: %s", in->url, nng_strerror(rv));
+            struct timespec ts = {0, 50 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        struct in_conn *c = calloc(1, sizeof *c);
+        if (c == NULL) {
+            nng_stream_free(s);
+            continue;
+        }
+        c->in = in;
+        c->s = s;
+        pthread_mutex_lock(&in->mu);
+        if (in->closed) {
+            pthread_mutex_unlock(&in->mu);
+            nng_stream_free(s);
+            free(c);
+            break;
+        }
+        c->next = in->conns;
+        in->conns = c;
+        in->readers++;
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int prc = pthread_create(&t, &attr, inbox_reader, c);
+        pthread_attr_destroy(&attr);
+        if (prc != 0) {
+            in->conns = c->next;
+            in->readers--;
+            pthread_mutex_unlock(&in->mu);
+            TDM_LOG_WARN(MOD, "inbox %s: cannot start a reader thread", in->url);
+            nng_stream_free(s);
+            free(c);
+            continue;
+        }
+        pthread_mutex_unlock(&in->mu);
+    }
+    return NULL;
+}
 
 int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, size_t errlen)
 {
@@ -175,20 +448,11 @@ int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, si
     struct tdm_net_inbox *in = calloc(1, sizeof *in);
     if (in == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "inbox: out of memory");
-    int rv = nng_pull0_open(&in->sock);
-    if (rv != 0) {
-        free(in);
-        return tdm_seterr(err, errlen, nng_to_tdm(rv), "inbox: nng_pull0_open: %s",
-                          nng_strerror(rv));
-    }
-    nng_socket_set_size(in->sock, NNG_OPT_RECVMAXSZ, TDM_NET_MAX_FRAME);
-    rv = nng_listener_create(&in->listener, in->sock, url);
+    int rv = nng_stream_listener_alloc(&in->listener, url);
     if (rv == 0)
-        rv = nng_listener_set_size(in->listener, NNG_OPT_RECVMAXSZ, TDM_NET_MAX_FRAME);
-    if (rv == 0)
-        rv = nng_listener_start(in->listener, 0);
+        rv = nng_stream_listener_listen(in->listener);
     if (rv != 0) {
-        nng_close(in->sock);
+        nng_stream_listener_free(in->listener);
         free(in);
         return tdm_seterr(err, errlen, TDM_ETRANSPORT, "inbox: cannot listen on %s: %s", url,
                           nng_strerror(rv));
@@ -197,8 +461,17 @@ int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, si
     size_t n = strlen(url);
     if (strncmp(url, "tcp://", 6) == 0 && n >= 2 && strcmp(url + n - 2, ":0") == 0) {
         int port = 0;
-        if (nng_listener_get_int(in->listener, NNG_OPT_TCP_BOUND_PORT, &port) == 0)
+        if (nng_stream_listener_get_int(in->listener, NNG_OPT_TCP_BOUND_PORT, &port) == 0)
             snprintf(in->url, sizeof in->url, "%.*s:%d", (int)(n - 2), url, port);
+    }
+    pthread_mutex_init(&in->mu, NULL);
+    cond_init_mono(&in->cv);
+    if (pthread_create(&in->acceptor, NULL, inbox_acceptor, in) != 0) {
+        nng_stream_listener_free(in->listener);
+        pthread_cond_destroy(&in->cv);
+        pthread_mutex_destroy(&in->mu);
+        free(in);
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "inbox: cannot start the acceptor thread");
     }
     *out = in;
     return TDM_OK;
@@ -206,9 +479,18 @@ int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, si
 
 void tdm_net_inbox_close(struct tdm_net_inbox *in)
 {
-    if (in == NULL || atomic_exchange(&in->closed, true))
+    if (in == NULL || atomic_exchange(&in->closing, true))
         return;
-    nng_close(in->sock);
+    nng_stream_listener_close(in->listener); // the acceptor's accept fails: it returns
+    pthread_join(in->acceptor, NULL);
+    pthread_mutex_lock(&in->mu);
+    in->closed = true;
+    for (struct in_conn *c = in->conns; c; c = c->next)
+        nng_stream_close(c->s); // its reader's receive fails: it unlinks and frees c
+    pthread_cond_broadcast(&in->cv);
+    while (in->readers > 0)
+        pthread_cond_wait(&in->cv, &in->mu);
+    pthread_mutex_unlock(&in->mu);
 }
 
 void tdm_net_inbox_free(struct tdm_net_inbox *in)
@@ -216,6 +498,14 @@ void tdm_net_inbox_free(struct tdm_net_inbox *in)
     if (in == NULL)
         return;
     tdm_net_inbox_close(in);
+    while (in->head) {
+        struct tdm_net_msg *m = in->head;
+        in->head = m->next;
+        msg_free(m);
+    }
+    nng_stream_listener_free(in->listener);
+    pthread_cond_destroy(&in->cv);
+    pthread_mutex_destroy(&in->mu);
     free(in);
 }
 
@@ -228,27 +518,32 @@ int tdm_net_inbox_recv(struct tdm_net_inbox *in, double timeout_s, struct tdm_ne
                        char *err, size_t errlen)
 {
     *out = NULL;
-    if (atomic_load(&in->closed))
+    struct timespec until = mono_at(timeout_s);
+    pthread_mutex_lock(&in->mu);
+    while (!in->closed && in->head == NULL && timeout_s != 0) {
+        if (timeout_s < 0)
+            pthread_cond_wait(&in->cv, &in->mu);
+        else if (pthread_cond_timedwait(&in->cv, &in->mu, &until) != 0)
+            break;
+    }
+    if (in->closed) {
+        pthread_mutex_unlock(&in->mu);
         return tdm_seterr(err, errlen, TDM_ECLOSED, "inbox: closed");
-    nng_socket_set_ms(in->sock, NNG_OPT_RECVTIMEO, ms_of(timeout_s));
-    nng_msg *m = NULL;
-    int rv = nng_recvmsg(in->sock, &m, timeout_s == 0 ? NNG_FLAG_NONBLOCK : 0);
-    if (rv != 0) {
-        int code = nng_to_tdm(rv);
-        return tdm_seterr(err, errlen, code, "inbox: recv: %s", nng_strerror(rv));
     }
-    struct tdm_net_msg *r = calloc(1, sizeof *r);
-    if (r == NULL) {
-        nng_msg_free(m);
-        return tdm_seterr(err, errlen, TDM_ENOMEM, "inbox: out of memory");
+    struct tdm_net_msg *m = in->head;
+    if (m == NULL) {
+        pthread_mutex_unlock(&in->mu);
+        return tdm_seterr(err, errlen, TDM_ETIMEDOUT, "inbox: recv: timed out");
     }
-    r->msg = m;
-    int rc = tdm_net_frame_parse(nng_msg_body(m), nng_msg_len(m), &r->frame, err, errlen);
-    if (rc != TDM_OK) {
-        tdm_net_msg_free(r);
-        return rc;
-    }
-    *out = r;
+    in->head = m->next;
+    if (in->head == NULL)
+        in->tail = NULL;
+    in->queued--;
+    in->queued_bytes -= m->len;
+    m->next = NULL;
+    pthread_cond_broadcast(&in->cv); // room for a waiting reader
+    pthread_mutex_unlock(&in->mu);
+    *out = m;
     return TDM_OK;
 }
 
@@ -279,22 +574,31 @@ const struct tdm_net_frame *tdm_net_msg_frame(const struct tdm_net_msg *m)
 
 void tdm_net_msg_free(struct tdm_net_msg *m)
 {
-    if (m == NULL)
-        return;
-    if (m->msg)
-        nng_msg_free(m->msg);
-    free(m);
+    msg_free(m);
 }
 
 // ---- outbox ----------------------------------------------------------------------------
-// One PUSH socket dialing one peer URL. pipes counts live connections (nng pipe
-// events), so "connected" needs no probe.
+// One stream dialer per peer URL and a watcher thread that keeps one connection
+// up: it dials (bounded), publishes the connection, then waits on a receive that
+// only ends when the connection does (an inbox never writes back), unpublishes
+// it and redials. Writers take send_mu for a whole frame, so frames never
+// interleave; the watcher frees a connection only while holding send_mu, so a
+// writer's connection stays valid while it writes. A write that fails or runs
+// out of time closes the connection (the frame may be half written: the peer's
+// reader drops the partial frame with the connection).
 struct peer {
     struct peer *next;
     char *url;
-    nng_socket sock;
-    nng_dialer dialer;
-    atomic_int pipes;
+    int reconnect_ms;
+    nng_stream_dialer *dialer;
+    pthread_t watcher;
+    pthread_mutex_t mu; // s, up, stopping
+    pthread_cond_t cv;  // up or stopping changed
+    nng_stream *s;
+    bool up, stopping;
+    atomic_bool drop; // the current connection is finished (a writer failed on it, or
+                      // stopping): ends the watcher's receive (stream_io's stop)
+    pthread_mutex_t send_mu;
 };
 
 struct tdm_net_outbox {
@@ -313,6 +617,100 @@ int tdm_net_outbox_new(struct tdm_net_outbox **out, int reconnect_ms, char *err,
     return TDM_OK;
 }
 
+// Sleeps up to ms unless the peer is stopping. True when stopping.
+static bool peer_nap(struct peer *p, int ms)
+{
+    struct timespec until = mono_at(ms / 1000.0);
+    pthread_mutex_lock(&p->mu);
+    while (!p->stopping && pthread_cond_timedwait(&p->cv, &p->mu, &until) == 0) {
+    }
+    bool stop = p->stopping;
+    pthread_mutex_unlock(&p->mu);
+    return stop;
+}
+
+static void *peer_watcher(void *arg)
+{
+    struct peer *p = arg;
+    // A dial may take up to 2 s (an address that drops SYNs would otherwise hold
+    // the watcher for the kernel's connect timeout).
+    int dial_ms = p->reconnect_ms * 20 < 2000 ? 2000 : p->reconnect_ms * 20;
+    int backoff = p->reconnect_ms / 2 + 1;
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        bool stop = p->stopping;
+        pthread_mutex_unlock(&p->mu);
+        if (stop)
+            break;
+        nng_aio *aio = NULL;
+        int rv = nng_aio_alloc(&aio, NULL, NULL);
+        nng_stream *s = NULL;
+        if (rv == 0) {
+            nng_aio_set_timeout(aio, dial_ms);
+            nng_stream_dialer_dial(p->dialer, aio);
+            rv = aio_finish_wait(aio);
+            if (rv == 0)
+                s = nng_aio_get_output(aio, 0);
+            nng_aio_free(aio);
+        }
+        if (rv != 0) {
+            if (peer_nap(p, backoff))
+                break;
+            backoff = backoff * 2 > p->reconnect_ms ? p->reconnect_ms : backoff * 2;
+            continue;
+        }
+        backoff = p->reconnect_ms / 2 + 1;
+        nng_stream_set_bool(s, NNG_OPT_TCP_NODELAY, true);
+        nng_stream_set_bool(s, NNG_OPT_TCP_KEEPALIVE, true);
+        pthread_mutex_lock(&p->mu);
+        if (p->stopping) {
+            pthread_mutex_unlock(&p->mu);
+            nng_stream_free(s);
+            break;
+        }
+        p->s = s;
+        p->up = true;
+        atomic_store(&p->drop, false);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+
+        // Ends only when the connection does (or the peer talks, which an inbox
+        // never does: either way the connection is finished).
+        uint8_t byte;
+        stream_io(s, false, &byte, 1, -1, &p->drop);
+
+        pthread_mutex_lock(&p->mu);
+        p->up = false;
+        p->s = NULL;
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+        nng_stream_close(s); // a writer blocked on it returns now
+        pthread_mutex_lock(&p->send_mu);
+        pthread_mutex_unlock(&p->send_mu);
+        nng_stream_free(s);
+    }
+    return NULL;
+}
+
+static void peer_free(struct peer *p)
+{
+    pthread_mutex_lock(&p->mu);
+    p->stopping = true;
+    atomic_store(&p->drop, true);
+    if (p->s)
+        nng_stream_close(p->s);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    nng_stream_dialer_close(p->dialer); // a pending dial fails now
+    pthread_join(p->watcher, NULL);
+    nng_stream_dialer_free(p->dialer);
+    pthread_mutex_destroy(&p->send_mu);
+    pthread_cond_destroy(&p->cv);
+    pthread_mutex_destroy(&p->mu);
+    free(p->url);
+    free(p);
+}
+
 void tdm_net_outbox_free(struct tdm_net_outbox *ob)
 {
     if (ob == NULL)
@@ -320,26 +718,14 @@ void tdm_net_outbox_free(struct tdm_net_outbox *ob)
     struct peer *p = ob->head;
     while (p) {
         struct peer *next = p->next;
-        nng_close(p->sock);
-        free(p->url);
-        free(p);
+        peer_free(p);
         p = next;
     }
     pthread_mutex_destroy(&ob->mu);
     free(ob);
 }
 
-static void on_pipe(nng_pipe pipe, nng_pipe_ev ev, void *arg)
-{
-    (void)pipe;
-    struct peer *p = arg;
-    if (ev == NNG_PIPE_EV_ADD_POST)
-        atomic_fetch_add(&p->pipes, 1);
-    else if (ev == NNG_PIPE_EV_REM_POST)
-        atomic_fetch_sub(&p->pipes, 1);
-}
-
-// The peer for url, created (and dialing) on first use. NULL with err on failure.
+// The peer for url, created (its watcher dialing) on first use. NULL with err on failure.
 static struct peer *peer_get(struct tdm_net_outbox *ob, const char *url, int *code, char *err,
                              size_t errlen)
 {
@@ -354,37 +740,32 @@ static struct peer *peer_get(struct tdm_net_outbox *ob, const char *url, int *co
     int rv = NNG_ENOMEM;
     if (p == NULL || (p->url = strdup(url)) == NULL)
         goto fail;
-    rv = nng_push0_open(&p->sock);
+    rv = nng_stream_dialer_alloc(&p->dialer, url);
     if (rv != 0)
         goto fail;
-    // A send queue so that many request threads sending small frames to one
-    // peer do not each wait for the pipe to finish the previous write (a
-    // serialisation that added ~100 ms at 100 concurrent streams). Sends still
-    // wait for a connected peer first (see tdm_net_send_fill), so a dead peer
-    // fails fast instead of filling the queue.
-    nng_socket_set_int(p->sock, NNG_OPT_SENDBUF, 256);
-    nng_pipe_notify(p->sock, NNG_PIPE_EV_ADD_POST, on_pipe, p);
-    nng_pipe_notify(p->sock, NNG_PIPE_EV_REM_POST, on_pipe, p);
-    rv = nng_dialer_create(&p->dialer, p->sock, url);
-    if (rv != 0)
-        goto fail_sock;
-    nng_dialer_set_ms(p->dialer, NNG_OPT_RECONNMINT, ob->reconnect_ms / 2 + 1);
-    nng_dialer_set_ms(p->dialer, NNG_OPT_RECONNMAXT, ob->reconnect_ms);
-    // Nonblocking: a peer that is down now is redialed in the background.
-    rv = nng_dialer_start(p->dialer, NNG_FLAG_NONBLOCK);
-    if (rv != 0)
-        goto fail_sock;
+    p->reconnect_ms = ob->reconnect_ms;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_mutex_init(&p->send_mu, NULL);
+    cond_init_mono(&p->cv);
+    if (pthread_create(&p->watcher, NULL, peer_watcher, p) != 0) {
+        pthread_cond_destroy(&p->cv);
+        pthread_mutex_destroy(&p->send_mu);
+        pthread_mutex_destroy(&p->mu);
+        rv = NNG_ENOMEM;
+        goto fail;
+    }
     p->next = ob->head;
     ob->head = p;
     pthread_mutex_unlock(&ob->mu);
     return p;
-fail_sock:
-    nng_close(p->sock);
 fail:
     pthread_mutex_unlock(&ob->mu);
-    if (p)
+    if (p) {
+        if (p->dialer)
+            nng_stream_dialer_free(p->dialer);
         free(p->url);
-    free(p);
+        free(p);
+    }
     *code = rv == NNG_ENOMEM ? TDM_ENOMEM : TDM_EINVAL;
     tdm_seterr(err, errlen, *code, "outbox: cannot dial %s: %s", url, nng_strerror(rv));
     return NULL;
@@ -394,11 +775,64 @@ bool tdm_net_connected(struct tdm_net_outbox *ob, const char *url)
 {
     pthread_mutex_lock(&ob->mu);
     bool up = false;
-    for (struct peer *p = ob->head; p; p = p->next)
-        if (strcmp(p->url, url) == 0)
-            up = atomic_load(&p->pipes) > 0;
+    for (struct peer *p = ob->head; p; p = p->next) {
+        if (strcmp(p->url, url) == 0) {
+            pthread_mutex_lock(&p->mu);
+            up = p->up;
+            pthread_mutex_unlock(&p->mu);
+        }
+    }
     pthread_mutex_unlock(&ob->mu);
     return up;
+}
+
+// Writes one whole frame to p within deadline. 0 or an nng error (NNG_ETIMEDOUT
+// when no connection came up in time).
+static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double deadline)
+{
+    for (;;) {
+        // Wait (bounded) for a connection.
+        struct timespec until = mono_at(deadline - tdm_now());
+        pthread_mutex_lock(&p->mu);
+        while (!p->up && !p->stopping && tdm_now() < deadline)
+            if (pthread_cond_timedwait(&p->cv, &p->mu, &until) != 0)
+                break;
+        bool up = p->up;
+        pthread_mutex_unlock(&p->mu);
+        if (!up)
+            return NNG_ETIMEDOUT;
+
+        // One writer at a time, bounded by the same deadline.
+        struct timespec rt;
+        clock_gettime(CLOCK_REALTIME, &rt);
+        double left = deadline - tdm_now();
+        if (left < 0)
+            left = 0;
+        rt.tv_sec += (time_t)left;
+        rt.tv_nsec += (long)((left - (double)(time_t)left) * 1e9);
+        if (rt.tv_nsec >= 1000000000L) {
+            rt.tv_sec += 1;
+            rt.tv_nsec -= 1000000000L;
+        }
+        if (pthread_mutex_timedlock(&p->send_mu, &rt) != 0)
+            return NNG_ETIMEDOUT;
+        pthread_mutex_lock(&p->mu);
+        nng_stream *s = p->up ? p->s : NULL;
+        pthread_mutex_unlock(&p->mu);
+        if (s == NULL) { // lost while waiting for the writer ahead: wait again
+            pthread_mutex_unlock(&p->send_mu);
+            if (tdm_now() >= deadline)
+                return NNG_ETIMEDOUT;
+            continue;
+        }
+        int rv = stream_io(s, true, (void *)buf, size, deadline, NULL);
+        if (rv != 0) { // half a frame may be out: the connection is done
+            atomic_store(&p->drop, true);
+            nng_stream_close(s);
+        }
+        pthread_mutex_unlock(&p->send_mu);
+        return rv;
+    }
 }
 
 int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, const void *msg,
@@ -417,50 +851,35 @@ int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, cons
     struct peer *p = peer_get(ob, url, &code, err, errlen);
     if (p == NULL)
         return code;
-    nng_msg *m = NULL;
-    int rv = nng_msg_alloc(&m, size);
-    if (rv != 0)
+    uint8_t *body = malloc(size);
+    if (body == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "send: out of memory (%zu bytes)", size);
-    uint8_t *body = nng_msg_body(m);
     tdm_net_frame_header(body, type, msg_len, payload_len);
     if (msg_len)
         memcpy(body + TDM_NET_HEADER_BYTES, msg, msg_len);
     if (fill && payload_len) {
         int frc = fill(arg, body + TDM_NET_HEADER_BYTES + msg_len, payload_len);
         if (frc != 0) {
-            nng_msg_free(m);
+            free(body);
             return tdm_seterr(err, errlen, frc, "send: payload fill failed: %s", tdm_strerror(frc));
         }
+    } else if (payload_len) {
+        memset(body + TDM_NET_HEADER_BYTES + msg_len, 0, payload_len);
     }
-    // Wait (bounded) for a connected peer: with a send queue nng would accept the
-    // frame with nobody there.
-    double until = tdm_now() + (timeout_s > 0 ? timeout_s : 0);
-    while (atomic_load(&p->pipes) <= 0 && tdm_now() < until) {
-        struct timespec ts = {0, 2 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-    }
-    if (atomic_load(&p->pipes) <= 0) {
+    // timeout 0 means "only to a peer connected now"; the write itself still
+    // gets a moment (a small frame goes straight into the socket buffer).
+    double now = tdm_now();
+    double deadline = now + (timeout_s > 0 ? timeout_s : 0);
+    int rv = 0;
+    if (timeout_s <= 0 && !tdm_net_connected(ob, url))
         rv = NNG_ETIMEDOUT;
-    } else {
-        // One aio per send: its timeout is per call (no shared socket option).
-        nng_aio *aio = NULL;
-        rv = nng_aio_alloc(&aio, NULL, NULL);
-        if (rv == 0) {
-            double left = until - tdm_now();
-            nng_aio_set_msg(aio, m);
-            nng_aio_set_timeout(aio, left > 0.001 ? ms_of(left) : 1);
-            nng_send_aio(p->sock, aio);
-            nng_aio_wait(aio);
-            rv = nng_aio_result(aio);
-            nng_aio_free(aio);
-        }
-    }
+    else
+        rv = peer_write(p, body, size, timeout_s > 0 ? deadline : now + 0.5);
+    free(body);
     if (rv != 0) {
-        nng_msg_free(m); // a send takes the message only on success
         code = nng_to_tdm(rv);
         return tdm_seterr(err, errlen, code, "send %s to %s: %s", tdm_net_type_name(type), url,
-                          rv == NNG_ETIMEDOUT || rv == NNG_EAGAIN ? "no connected peer"
-                                                                  : nng_strerror(rv));
+                          rv == NNG_ETIMEDOUT ? "no connected peer" : nng_strerror(rv));
     }
     return TDM_OK;
 }

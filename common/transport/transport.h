@@ -1,19 +1,23 @@
 // SPDX-License-Identifier: Apache-2.0
-// transport: Tandem's wire between router, prefill and decode processes. Every
-// process listens on one nng PULL socket, its inbox; it reaches a peer through a
-// PUSH socket dialed to the peer's inbox URL (kept per URL in an outbox; nng
-// redials on its own, so a restarted peer is reached again within the reconnect
-// interval). Every message is one frame: a 16-byte header, a protobuf-c message
-// (proto/tandem.proto; packed and unpacked by the caller) and a raw payload
-// (KV bytes), so KV never goes through repeated float fields.
+// transport: Tandem's wire between router, prefill and decode processes, on
+// nng byte streams (TCP). Every process listens on one address, its inbox; it
+// reaches a peer through one connection to the peer's inbox URL, kept per URL
+// in an outbox and redialed by a watcher thread, so a restarted peer is reached
+// again within the reconnect interval. Every message is one frame: a 16-byte
+// header, a protobuf-c message (proto/tandem.proto; packed and unpacked by the
+// caller) and a raw payload (KV bytes), so KV never goes through repeated float
+// fields. The header is the framing on the stream: a connection that sends a
+// malformed header (bad magic or version, unknown type, over 1 GiB) is dropped,
+// which costs only that connection.
 //
 // Frame layout (little-endian): u32 magic "TDMF", u16 version (1), u16 type,
 // u32 message bytes, u32 payload bytes, then the message, then the payload.
 // A frame whose lengths do not add up exactly to its size, whose magic or
 // version differ, or whose type is unknown is rejected with TDM_EPROTO.
 //
-// Threads: an inbox is read by one thread; an outbox may be used from any
-// thread (sends to one URL are serialised by nng).
+// Threads: an inbox is read by one thread (one reader thread per connection
+// fills its bounded queue); an outbox may be used from any thread (frames to one
+// URL are written whole, one at a time, in the order the senders got the turn).
 #ifndef TDM_TRANSPORT_H
 #define TDM_TRANSPORT_H
 
@@ -72,23 +76,24 @@ int tdm_net_frame_parse(const void *buf, size_t len, struct tdm_net_frame *out, 
 // incarnation of a peer are recognised and dropped.
 uint64_t tdm_net_new_instance_id(void);
 
-// ---- inbox: the PULL socket a process listens on ---------------------------------------
+// ---- inbox: the address a process listens on --------------------------------------------
 struct tdm_net_inbox;
 struct tdm_net_msg; // one received frame (owns its bytes)
 
-// Listens on url ("tcp://127.0.0.1:9101"; port 0 picks a free port,
-// "ipc:///tmp/x", "inproc://x"). TDM_ETRANSPORT with err when it cannot listen.
+// Listens on url ("tcp://127.0.0.1:9101"; port 0 picks a free port; also
+// "ipc:///tmp/x"). TDM_ETRANSPORT with err when it cannot listen.
 int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, size_t errlen);
-// Closes the socket (a thread blocked in recv returns TDM_ECLOSED). Accepts NULL.
+// Closes the inbox and frees it (frames still queued are dropped). Accepts NULL.
 void tdm_net_inbox_free(struct tdm_net_inbox *in);
-// Closes the socket but keeps the object (recv returns TDM_ECLOSED); for
-// shutting down a receiving thread before freeing.
+// Stops listening and closes every connection but keeps the object (a thread
+// blocked in recv returns TDM_ECLOSED within 0.2 s); for shutting down a
+// receiving thread before freeing.
 void tdm_net_inbox_close(struct tdm_net_inbox *in);
 // The URL peers should dial: the listen URL with port 0 replaced by the bound port.
 const char *tdm_net_inbox_url(const struct tdm_net_inbox *in);
 // Waits up to timeout_s (< 0: no limit) for a frame. TDM_OK with *out (free with
-// tdm_net_msg_free), TDM_ETIMEDOUT, TDM_ECLOSED after close, TDM_EPROTO for a
-// malformed frame (dropped; err says why; keep receiving).
+// tdm_net_msg_free), TDM_ETIMEDOUT, TDM_ECLOSED after close. Malformed frames
+// never reach recv: their connection is dropped (logged).
 int tdm_net_inbox_recv(struct tdm_net_inbox *in, double timeout_s, struct tdm_net_msg **out,
                        char *err, size_t errlen);
 
@@ -104,17 +109,20 @@ void tdm_net_inbox_serve(struct tdm_net_inbox *in, const atomic_bool *stopping,
 const struct tdm_net_frame *tdm_net_msg_frame(const struct tdm_net_msg *m);
 void tdm_net_msg_free(struct tdm_net_msg *m);
 
-// ---- outbox: PUSH sockets to peers, one per URL ---------------------------------------
+// ---- outbox: connections to peers, one per URL -----------------------------------------
 struct tdm_net_outbox;
 
-// reconnect_ms: nng's redial interval bound (<= 0: 100 ms).
+// reconnect_ms: the longest wait between redials of a peer that is down
+// (<= 0: 100 ms); a lost connection is redialed at once.
 int tdm_net_outbox_new(struct tdm_net_outbox **out, int reconnect_ms, char *err, size_t errlen);
 void tdm_net_outbox_free(struct tdm_net_outbox *ob);
 // Sends one frame to url, dialing on first use. Waits up to timeout_s for a
-// connected peer that takes it (0: only if one is ready now). TDM_OK once nng
-// accepted the frame (delivery is not confirmed: protocols above time out),
-// TDM_ETIMEDOUT when no peer was connected in time, TDM_EINVAL for a bad URL or
-// type, TDM_ENOMEM, TDM_ETRANSPORT (err says why).
+// connected peer and for the frame to be written (0: only if a connection is up
+// now). TDM_OK once the whole frame is in the connection (delivery is not
+// confirmed: protocols above time out), TDM_ETIMEDOUT when no peer was
+// connected in time, TDM_EINVAL for a bad URL or type, TDM_ENOMEM,
+// TDM_ETRANSPORT when the connection failed mid-frame (it is then dropped and
+// redialed; err says why).
 int tdm_net_send(struct tdm_net_outbox *ob, const char *url, int type, const void *msg,
                  size_t msg_len, const void *payload, size_t payload_len, double timeout_s,
                  char *err, size_t errlen);

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // transport tests: frame round trip and rejection of truncated, garbage and
 // mismatched frames; inbox/outbox delivery over loopback TCP including a large
-// payload; a peer that restarts on the same address is reached again; and a
-// send with no peer fails within its timeout instead of hanging.
+// payload; a peer that restarts on the same address is reached again (also in
+// a storm of restarts while frames are sent); a send with no peer fails within
+// its timeout instead of hanging; bad peers lose only their own connection;
+// concurrent senders never interleave frames.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -12,7 +14,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "core.h"
 #include "transport.h"
@@ -205,6 +213,221 @@ static void test_inbox_outbox(void **state)
     free(payload);
 }
 
+
+// The port of a "tcp://127.0.0.1:PORT" URL.
+static int url_port(const char *url)
+{
+    const char *colon = strrchr(url, ':');
+    return colon ? atoi(colon + 1) : 0;
+}
+
+// A plain TCP connection to 127.0.0.1:port (a peer that is not Tandem).
+static int raw_connect(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    return fd;
+}
+
+// Garbage, an oversized header and a half-sent frame each cost only their own
+// connection: frames from a well-behaved peer keep arriving, and closing the
+// inbox while a connection is mid-frame returns promptly.
+static void test_inbox_drops_bad_connections(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    const char *url = tdm_net_inbox_url(in);
+    int port = url_port(url);
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+
+    int junk = raw_connect(port);
+    const char http[] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    assert_int_equal(write(junk, http, sizeof http - 1), (ssize_t)(sizeof http - 1));
+    int huge = raw_connect(port);
+    uint8_t hdr[TDM_NET_HEADER_BYTES];
+    tdm_net_frame_header(hdr, TDM_NET_KV_DATA, 0xFFFFFFF0u, 0xFFFFFFF0u);
+    assert_int_equal(write(huge, hdr, sizeof hdr), (ssize_t)sizeof hdr);
+    int half = raw_connect(port);
+    tdm_net_frame_header(hdr, TDM_NET_CANCEL, 10, 0);
+    assert_int_equal(write(half, hdr, sizeof hdr), (ssize_t)sizeof hdr);
+    assert_int_equal(write(half, "abc", 3), 3);
+
+    assert_int_equal(tdm_net_send(ob, url, TDM_NET_CANCEL, "ok", 2, NULL, 0, 3.0, err, sizeof err),
+                     TDM_OK);
+    struct tdm_net_msg *m = recv_one(in, 3.0);
+    assert_non_null(m);
+    assert_int_equal(tdm_net_msg_frame(m)->msg_len, 2);
+    assert_memory_equal(tdm_net_msg_frame(m)->msg, "ok", 2);
+    tdm_net_msg_free(m);
+    assert_null(recv_one(in, 0.2)); // nothing from the bad peers
+    // The junk connections were closed by the inbox: a read sees EOF.
+    char b;
+    assert_true(read(junk, &b, 1) <= 0);
+    assert_true(read(huge, &b, 1) <= 0);
+
+    double t0 = tdm_now();
+    tdm_net_inbox_free(in); // "half" is still mid-frame
+    assert_true(tdm_now() - t0 < 2.0);
+    close(junk);
+    close(huge);
+    close(half);
+    tdm_net_outbox_free(ob);
+}
+
+struct sender {
+    struct tdm_net_outbox *ob;
+    const char *url;
+    int id, count, sent;
+    atomic_bool *stop;
+};
+
+// Sends count frames "id:seq" with a payload whose bytes all equal seq & 0xff.
+static void *send_many(void *arg)
+{
+    struct sender *s = arg;
+    char err[256];
+    uint8_t payload[3000];
+    for (int i = 0; i < s->count; i++) {
+        char msg[32];
+        int n = snprintf(msg, sizeof msg, "%d:%d", s->id, i);
+        memset(payload, i & 0xff, sizeof payload);
+        size_t plen = (size_t)(i % 7) * 500;
+        if (tdm_net_send(s->ob, s->url, TDM_NET_TOKENS, msg, (size_t)n, plen ? payload : NULL, plen,
+                         5.0, err, sizeof err) == TDM_OK)
+            s->sent++;
+    }
+    return NULL;
+}
+
+// Four threads share one outbox to one inbox: every frame arrives whole, in
+// each sender's order, never interleaved with another's.
+static void test_concurrent_senders(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+    enum { THREADS = 4, COUNT = 300 };
+    struct sender s[THREADS];
+    pthread_t t[THREADS];
+    for (int i = 0; i < THREADS; i++) {
+        s[i] = (struct sender){ob, tdm_net_inbox_url(in), i, COUNT, 0, NULL};
+        assert_int_equal(pthread_create(&t[i], NULL, send_many, &s[i]), 0);
+    }
+    int next[THREADS] = {0};
+    for (int got = 0; got < THREADS * COUNT; got++) {
+        struct tdm_net_msg *m = recv_one(in, 5.0);
+        assert_non_null(m);
+        const struct tdm_net_frame *f = tdm_net_msg_frame(m);
+        assert_int_equal(f->type, TDM_NET_TOKENS);
+        char msg[32] = {0};
+        assert_true(f->msg_len < sizeof msg);
+        memcpy(msg, f->msg, f->msg_len);
+        int id = -1, seq = -1;
+        assert_int_equal(sscanf(msg, "%d:%d", &id, &seq), 2);
+        assert_true(id >= 0 && id < THREADS);
+        assert_int_equal(seq, next[id]);
+        next[id]++;
+        assert_int_equal(f->payload_len, (size_t)(seq % 7) * 500);
+        for (size_t k = 0; k < f->payload_len; k++)
+            assert_int_equal(f->payload[k], seq & 0xff);
+        tdm_net_msg_free(m);
+    }
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(t[i], NULL);
+        assert_int_equal(s[i].sent, COUNT);
+    }
+    tdm_net_outbox_free(ob);
+    tdm_net_inbox_free(in);
+}
+
+static void *send_until_stopped(void *arg)
+{
+    struct sender *s = arg;
+    char err[256];
+    while (!atomic_load(s->stop)) {
+        if (tdm_net_send(s->ob, s->url, TDM_NET_CANCEL, "r", 1, NULL, 0, 0.05, err, sizeof err) ==
+            TDM_OK)
+            s->sent++;
+    }
+    return NULL;
+}
+
+// A peer that restarts over and over on the same address while frames are
+// being sent to it (the case that crashed nng's PUSH socket): the sender
+// survives, reconnects every time, and the last incarnation gets frames.
+static void test_peer_restart_storm(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    char url[256];
+    snprintf(url, sizeof url, "%s", tdm_net_inbox_url(in));
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 20, err, sizeof err), TDM_OK);
+    atomic_bool stop = false;
+    struct sender s = {ob, url, 0, 0, 0, &stop};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, send_until_stopped, &s), 0);
+    for (int cycle = 0; cycle < 40; cycle++) {
+        sleep_s(0.005 * (cycle % 5));
+        tdm_net_inbox_free(in);
+        in = NULL;
+        for (int tries = 0; tries < 100 && in == NULL; tries++)
+            if (tdm_net_inbox_new(&in, url, err, sizeof err) != TDM_OK)
+                sleep_s(0.01);
+        assert_non_null(in);
+    }
+    struct tdm_net_msg *m = recv_one(in, 5.0);
+    assert_non_null(m);
+    assert_int_equal(tdm_net_msg_frame(m)->type, TDM_NET_CANCEL);
+    tdm_net_msg_free(m);
+    atomic_store(&stop, true);
+    pthread_join(t, NULL);
+    assert_true(s.sent > 0);
+    tdm_net_outbox_free(ob);
+    tdm_net_inbox_free(in);
+}
+
+// An outbox that keeps redialing a peer that is down is freed promptly, and
+// its sends fail within their timeout.
+static void test_outbox_free_while_dialing(void **state)
+{
+    (void)state;
+    char err[256];
+    // A loopback port nobody listens on: bind one, note it, close it.
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t alen = sizeof a;
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &alen), 0);
+    close(fd);
+    char url[64];
+    snprintf(url, sizeof url, "tcp://127.0.0.1:%d", ntohs(a.sin_port));
+
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+    double t0 = tdm_now();
+    assert_int_equal(tdm_net_send(ob, url, TDM_NET_CANCEL, "x", 1, NULL, 0, 0.3, err, sizeof err),
+                     TDM_ETIMEDOUT);
+    assert_non_null(strstr(err, "no connected peer"));
+    assert_true(tdm_now() - t0 < 1.5);
+    assert_false(tdm_net_connected(ob, url));
+    t0 = tdm_now();
+    tdm_net_outbox_free(ob);
+    assert_true(tdm_now() - t0 < 1.0);
+}
+
 static void test_instance_ids(void **state)
 {
     (void)state;
@@ -218,6 +441,10 @@ int main(void)
         cmocka_unit_test(test_frame_round_trip),
         cmocka_unit_test(test_frame_rejects_garbage),
         cmocka_unit_test(test_inbox_outbox),
+        cmocka_unit_test(test_inbox_drops_bad_connections),
+        cmocka_unit_test(test_concurrent_senders),
+        cmocka_unit_test(test_peer_restart_storm),
+        cmocka_unit_test(test_outbox_free_while_dialing),
         cmocka_unit_test(test_instance_ids),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
