@@ -158,12 +158,13 @@ static nng_duration ms_until(double deadline)
     return ms < 1 ? 1 : (nng_duration)ms;
 }
 
-// An absolute CLOCK_MONOTONIC time for pthread_cond_timedwait (the condition
-// variables below are created with that clock).
-static struct timespec mono_at(double seconds_from_now)
+// The absolute time seconds_from_now on clock (CLOCK_MONOTONIC for the
+// condition variables below, which are created with it; CLOCK_REALTIME for
+// pthread_mutex_timedlock).
+static struct timespec clock_at(clockid_t clock, double seconds_from_now)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(clock, &ts);
     if (seconds_from_now < 0)
         seconds_from_now = 0;
     if (seconds_from_now > 1e6)
@@ -518,7 +519,7 @@ int tdm_net_inbox_recv(struct tdm_net_inbox *in, double timeout_s, struct tdm_ne
                        char *err, size_t errlen)
 {
     *out = NULL;
-    struct timespec until = mono_at(timeout_s);
+    struct timespec until = clock_at(CLOCK_MONOTONIC, timeout_s);
     pthread_mutex_lock(&in->mu);
     while (!in->closed && in->head == NULL && timeout_s != 0) {
         if (timeout_s < 0)
@@ -620,7 +621,7 @@ int tdm_net_outbox_new(struct tdm_net_outbox **out, int reconnect_ms, char *err,
 // Sleeps up to ms unless the peer is stopping. True when stopping.
 static bool peer_nap(struct peer *p, int ms)
 {
-    struct timespec until = mono_at(ms / 1000.0);
+    struct timespec until = clock_at(CLOCK_MONOTONIC, ms / 1000.0);
     pthread_mutex_lock(&p->mu);
     while (!p->stopping && pthread_cond_timedwait(&p->cv, &p->mu, &until) == 0) {
     }
@@ -792,7 +793,7 @@ static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double de
 {
     for (;;) {
         // Wait (bounded) for a connection.
-        struct timespec until = mono_at(deadline - tdm_now());
+        struct timespec until = clock_at(CLOCK_MONOTONIC, deadline - tdm_now());
         pthread_mutex_lock(&p->mu);
         while (!p->up && !p->stopping && tdm_now() < deadline)
             if (pthread_cond_timedwait(&p->cv, &p->mu, &until) != 0)
@@ -803,17 +804,7 @@ static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double de
             return NNG_ETIMEDOUT;
 
         // One writer at a time, bounded by the same deadline.
-        struct timespec rt;
-        clock_gettime(CLOCK_REALTIME, &rt);
-        double left = deadline - tdm_now();
-        if (left < 0)
-            left = 0;
-        rt.tv_sec += (time_t)left;
-        rt.tv_nsec += (long)((left - (double)(time_t)left) * 1e9);
-        if (rt.tv_nsec >= 1000000000L) {
-            rt.tv_sec += 1;
-            rt.tv_nsec -= 1000000000L;
-        }
+        struct timespec rt = clock_at(CLOCK_REALTIME, deadline - tdm_now());
         if (pthread_mutex_timedlock(&p->send_mu, &rt) != 0)
             return NNG_ETIMEDOUT;
         pthread_mutex_lock(&p->mu);
