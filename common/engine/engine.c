@@ -1473,14 +1473,30 @@ int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, 
     pthread_mutex_unlock(&r->mu);
     if (!ok)
         return TDM_EINVAL;
-    // Validated here so that the cache's export cannot fail (and write its error
-    // text, which the engine thread owns) when called from another thread.
+    // Validated and copied here, in tdm_kv_export_layer's layout (K then V, each
+    // [nblocks][heads][block_size][head_dim]), rather than through it: its
+    // checks read block refcounts and write the cache's error text, both the
+    // engine thread's, which keeps running meanwhile. The lease keeps these
+    // blocks referenced, and nothing writes a final layer of them.
     const struct tdm_kv_config *kc = tdm_kv_config(e->kv);
     int rc = TDM_EINVAL;
     if (layer >= 0 && layer < kc->num_layers && first_block >= 0 && nblocks >= 0 &&
         first_block <= r->seq.num_blocks && nblocks <= r->seq.num_blocks - first_block &&
-        dst_len == tdm_kv_layer_bytes(e->kv, nblocks))
-        rc = tdm_kv_export_layer(e->kv, &r->seq, layer, first_block, nblocks, dst, dst_len);
+        dst_len == tdm_kv_layer_bytes(e->kv, nblocks)) {
+        size_t bb = dst_len / 2 / (nblocks > 0 ? (size_t)nblocks : 1); // one block of K
+        uint8_t *k_out = dst, *v_out = k_out + (size_t)nblocks * bb;
+        rc = TDM_OK;
+        for (int i = 0; i < nblocks && rc == TDM_OK; i++) {
+            int b = r->seq.block_table[first_block + i];
+            const float *k = tdm_kv_k(e->kv, layer, b), *v = tdm_kv_v(e->kv, layer, b);
+            if (k == NULL || v == NULL) {
+                rc = TDM_EINVAL;
+                break;
+            }
+            memcpy(k_out + (size_t)i * bb, k, bb);
+            memcpy(v_out + (size_t)i * bb, v, bb);
+        }
+    }
     pthread_mutex_lock(&r->mu);
     if (--r->exporting == 0)
         pthread_cond_broadcast(&r->cv);
