@@ -5,10 +5,16 @@ Starts one tandem-prefill, one tandem-decode and tandem-router (pd_mode always)
 on loopback, sends prompts of random token ids of each size through the router
 with max_tokens 2 and reads the x-tandem-phases header the router returns:
 prefill_s (PrefillRequest sent -> PrefillResult received, as the decode worker
-sees it) and transfer (KvPull sent -> last layer installed in the decode
-worker's cache). Prints one line per size with the median ratio over --reps
-prompts (goal <= 0.02), and TTFT through the router vs the decode worker
-alone (local prefill) for the same prompt length.
+sees it) and transfer: the KV transfer the request waited for after the
+PrefillResult (the push sends KV layer group by layer group while the prefill's
+final chunk computes, so this is the part compute did not hide; with the
+earlier pull protocol it was the whole transfer). kv_window_s is the decode
+worker's tandem:kv_receive_seconds for the request (first KvData frame
+imported -> last layer installed; under the pull protocol, KvPull sent -> last
+layer installed). Prints one line per size with medians over --reps prompts
+(goal for transfer/prefill <= 0.02), and TTFT through the router vs the decode
+worker alone (local prefill) for the same prompt length (max_tokens 2: TTFT
+plus one decode step).
 
   /usr/bin/python3 bench/pd/bench_pd.py --build build [--sizes 256,1024,4096]
 """
@@ -56,16 +62,19 @@ def main():
                                 "--no-enable-prefix-caching"])
     cl.start()
     rnd = random.Random(1)
-    print("tokens  prefill_s  transfer_s  transfer/prefill  ttft_direct_s  ttft_pd_s  kv_bytes",
-          flush=True)
+    print("tokens  prefill_s  transfer_s  transfer/prefill  kv_window_s  ttft_direct_s  ttft_pd_s"
+          "  kv_bytes", flush=True)
+    window_name = "tandem:kv_receive_seconds_sum"
     for n in [int(x) for x in args.sizes.split(",")]:
-        ratios, pre, tra, td, tp = [], [], [], [], []
+        ratios, pre, tra, win, td, tp = [], [], [], [], [], []
         for r in range(args.reps):
             body = {"prompt": [rnd.randrange(3, 150000) for _ in range(n)], "max_tokens": 2,
                     "temperature": 0, "ignore_eos": True}
+            w0 = h.metric_sum(h.metrics(cl.decode[0].http_port), window_name)
             t0 = time.time()
             st, hdr, _ = h.post(cl.router_port, "/v1/completions", body, timeout=3600)
             tp.append(time.time() - t0)
+            win.append(h.metric_sum(h.metrics(cl.decode[0].http_port), window_name) - w0)
             h.check(st == 200, "router status %d" % st)
             ph = phases(hdr)
             p, t = float(ph["prefill_s"]), float(ph["transfer"])
@@ -77,9 +86,9 @@ def main():
             st, _, _ = h.post(cl.decode[0].http_port, "/v1/completions", body, timeout=3600)
             td.append(time.time() - t0)
         m = h.metrics(cl.prefill[0].http_port)
-        print("%6d  %9.3f  %10.4f  %16.4f  %13.3f  %9.3f  %d" % (
+        print("%6d  %9.3f  %10.4f  %16.4f  %11.4f  %13.3f  %9.3f  %d" % (
             n, statistics.median(pre), statistics.median(tra), statistics.median(ratios),
-            statistics.median(td), statistics.median(tp),
+            statistics.median(win), statistics.median(td), statistics.median(tp),
             h.metric_sum(m, "tandem:kv_transfer_bytes_total")), flush=True)
     print("goal: transfer/prefill <= 0.02")
 
