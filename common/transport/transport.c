@@ -9,7 +9,7 @@
 // Why not nng's PUSH/PULL sockets: in nng 1.5.2 (Debian bookworm) a PUSH pipe
 // that closes while it is being started (a peer restarting just as the dialer
 // reconnects) stays on the socket's ready list after it is freed, and the next
-// send crashes (nng issue #1653, fixed upstream in 1.6). The transport test hit
+// send crashes (nng issue #1653, fixed upstream after 1.5.2). The transport test hit
 // it about once in 60 runs. With streams the connection lifecycle is ours.
 #include "transport.h"
 

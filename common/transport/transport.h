@@ -36,7 +36,7 @@ enum tdm_net_type {
     TDM_NET_GENERATE = 1,       // tandem.GenerateRequest, router -> decode
     TDM_NET_PREFILL = 2,        // tandem.PrefillRequest, decode -> prefill
     TDM_NET_PREFILL_RESULT = 3, // tandem.PrefillResult, prefill -> decode
-    TDM_NET_KV_PULL = 4,        // tandem.KvPull, decode -> prefill
+    TDM_NET_KV_PULL = 4,        // retired (the late pull of held KV): never sent; dropped
     TDM_NET_KV_DATA = 5,        // tandem.KvData + raw KV payload, prefill -> decode
     TDM_NET_TOKENS = 6,         // tandem.TokenChunk, decode -> router
     TDM_NET_CANCEL = 7,         // tandem.Cancel, router -> decode -> prefill
