@@ -1,0 +1,110 @@
+// SPDX-License-Identifier: Apache-2.0
+// pd_service: the nng side that both P/D worker roles run, the decode worker's
+// P/D receiver (decode/pd_receiver.c) and the prefill worker
+// (prefill/prefill.c): an inbox and an outbox (common/transport), this
+// process's instance id, one receive thread that dispatches each frame to the
+// role's handler for its type and answers LoadQuery itself, and the stop
+// (flag, inbox closed, thread joined) the roles do before they wait for their
+// job threads. Also the shape of the transfer metrics both roles keep (bytes,
+// blocks, requests, failures by reason, seconds per transfer; each role its own
+// names) and the walk that takes a role's flags out of argv.
+//
+// Invariants: the handlers and fill_load run on the receive thread only, never
+// after tdm_pd_service_stop returned; the outbox stays usable from any thread
+// until tdm_pd_service_fini (job threads still send after stop).
+#ifndef TDM_PD_SERVICE_H
+#define TDM_PD_SERVICE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pd_codec.h"
+#include "transport.h"
+
+struct tdm_engine_stats;
+struct tdm_metrics_counter;
+struct tdm_metrics_histogram;
+struct tdm_metrics_registry;
+
+// ---- the service -------------------------------------------------------------------------
+struct tdm_pd_service_config {
+    const char *url;    // the inbox to listen on ("tcp://0.0.0.0:9200"; port 0 picks one)
+    const char *module; // log module and error prefix ("pd", "prefill"); borrowed, static
+    // The role's handler by frame type, called with arg; NULL: the frame is
+    // ignored (logged at DEBUG). LOAD_QUERY is answered with fill_load instead.
+    tdm_net_frame_handler on[TDM_NET_TYPE_MAX + 1];
+    tdm_pd_load_fn fill_load; // the load reported to a LoadQuery (tdm_pd_answer_load_query)
+    void *arg;                // for the handlers and fill_load
+};
+
+// Caller storage (embedded in the role's object); fields read-only to the role.
+struct tdm_pd_service {
+    uint64_t instance;             // this process's id, in every message it sends
+    struct tdm_net_inbox *inbox;   // owned
+    struct tdm_net_outbox *outbox; // owned; any thread may send until fini
+    atomic_bool stopping;          // set by tdm_pd_service_stop; job threads watch it too
+    struct tdm_pd_service_config cfg;
+    pthread_t rx_thread;
+};
+
+// Draws the instance id, opens the outbox (100 ms reconnect) and the inbox on
+// cfg->url and starts the receive thread. Errors as tdm_net_outbox_new and
+// tdm_net_inbox_new (TDM_ETRANSPORT when it cannot listen), TDM_ENOMEM with
+// "<module>: cannot start the receive thread"; on error nothing is left open.
+int tdm_pd_service_init(struct tdm_pd_service *s, const struct tdm_pd_service_config *cfg,
+                        char *err, size_t errlen);
+// The URL peers dial (the bound port filled in).
+const char *tdm_pd_service_url(const struct tdm_pd_service *s);
+// Sets stopping, closes the inbox and joins the receive thread: no handler runs
+// after it returns. The outbox is still open.
+void tdm_pd_service_stop(struct tdm_pd_service *s);
+// Frees the inbox and the outbox; after stop and after every thread that sends
+// has left.
+void tdm_pd_service_fini(struct tdm_pd_service *s);
+
+// Fills a load report's common fields: instance and url from s, role, model,
+// and the queue and block counts from the engine's stats st. held and KV
+// events are the role's.
+void tdm_pd_service_load(const struct tdm_pd_service *s, const struct tdm_engine_stats *st,
+                         const char *role, const char *model, struct tdm_pd_load *load);
+
+// ---- transfer metrics --------------------------------------------------------------------
+struct tdm_pd_metric_text {
+    const char *name, *help;
+};
+// Each role's names and help texts for the five families.
+struct tdm_pd_metric_names {
+    struct tdm_pd_metric_text bytes, blocks, requests;
+    const char *requests_label; // requests' variable label ("prefill"); NULL: none
+    struct tdm_pd_metric_text failures, seconds;
+};
+// Handles from the registry (valid while it lives).
+struct tdm_pd_metrics {
+    struct tdm_metrics_counter *bytes;     // KV bytes moved
+    struct tdm_metrics_counter *blocks;    // KV blocks moved
+    struct tdm_metrics_counter *requests;  // requests handled (labelled: update children)
+    struct tdm_metrics_counter *failures;  // failures by "reason" (tdm_pd_metrics_fail)
+    struct tdm_metrics_histogram *seconds; // seconds per transfer; buckets 0.5 ms .. 10 s
+};
+// Registers the five families in this order (bytes, blocks, requests,
+// failures, seconds). Errors as tdm_metrics_counter_register (a name already
+// registered: TDM_EINVAL); the families registered before the error stay.
+int tdm_pd_metrics_register(struct tdm_pd_metrics *m, struct tdm_metrics_registry *reg,
+                            const struct tdm_pd_metric_names *names, char *err, size_t errlen);
+// Counts one failure with label reason="<reason>".
+void tdm_pd_metrics_fail(const struct tdm_pd_metrics *m, const char *reason);
+
+// ---- flags -------------------------------------------------------------------------------
+// Sets the role's config from flag names[which] and its value; nonzero (err
+// filled) stops the walk and is returned.
+typedef int (*tdm_pd_flag_fn)(void *cfg, int which, const char *value, char *err, size_t errlen);
+// Takes the flags names[n] ("--flag VALUE" or "--flag=VALUE") out of argv
+// before another parser sees it: every other argument stays, in order, and
+// *argc shrinks (argv[*argc] = NULL). TDM_EINVAL "--flag: missing value" when
+// a flag ends argv; set's error otherwise (argv is then left part-compacted).
+int tdm_pd_take_flags(int *argc, char **argv, const char *const *names, int n, tdm_pd_flag_fn set,
+                      void *cfg, char *err, size_t errlen);
+
+#endif
