@@ -183,12 +183,6 @@ uint64_t tdm_pd_receiver_instance(const struct tdm_pd_receiver *r)
     return r->instance;
 }
 
-static size_t layer_bytes(const struct tdm_kv_config *k, int nblocks)
-{
-    return 2u * (size_t)nblocks * (size_t)k->num_kv_heads * (size_t)k->block_size *
-           (size_t)k->head_dim * sizeof(float);
-}
-
 static void timed_wait(struct tdm_pd_receiver *rx, double seconds)
 {
     struct timespec ts;
@@ -901,7 +895,7 @@ static void on_kv_data(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f
         snprintf(j->kv_err, sizeof j->kv_err, "prefill worker: %s", d->message);
         goto signal;
     }
-    size_t lb = layer_bytes(&rx->kvc, j->imp_num_blocks);
+    size_t lb = tdm_pd_layer_bytes(&rx->kvc, j->imp_num_blocks);
     if (d->first_block != j->imp_first_block || d->num_blocks != j->imp_num_blocks ||
         d->first_layer != j->layers_done || d->num_layers < 1 ||
         d->first_layer + d->num_layers > rx->kvc.num_layers ||

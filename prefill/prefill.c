@@ -179,13 +179,6 @@ static void fail_count(struct tdm_prefill_service *p, const char *reason)
     tdm_metrics_counter_inc(tdm_metrics_counter_labels(p->m_fail, reason));
 }
 
-// Bytes of one layer's payload for nblocks blocks (K then V, f32).
-static size_t layer_bytes(const struct tdm_kv_config *k, int nblocks)
-{
-    return 2u * (size_t)nblocks * (size_t)k->num_kv_heads * (size_t)k->block_size *
-           (size_t)k->head_dim * sizeof(float);
-}
-
 // ---- engine-thread callbacks: cheap, never block ------------------------------------------
 // The push hook: layer `layer` of the final chunk is in the cache. Wakes the job
 // thread when a frame's worth of layers (or the last layers) is final.
@@ -224,7 +217,7 @@ struct export_arg {
 static int export_fill(void *arg, uint8_t *payload, size_t payload_len)
 {
     struct export_arg *a = arg;
-    size_t lb = layer_bytes(&a->svc->kvc, a->job->push.num_blocks);
+    size_t lb = tdm_pd_layer_bytes(&a->svc->kvc, a->job->push.num_blocks);
     if (lb * (size_t)a->num_layers != payload_len)
         return TDM_EINVAL;
     for (int l = 0; l < a->num_layers; l++) {
@@ -250,7 +243,7 @@ static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first
     d.num_layers = n;
     d.first_block = job->push.first_block;
     d.num_blocks = job->push.num_blocks;
-    size_t bytes = layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
+    size_t bytes = tdm_pd_layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
     return tdm_pd_send_fill(p->outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
                             export_fill, &a, p->cfg.send_timeout, err, errlen);
 }
@@ -428,7 +421,7 @@ static void *job_main(void *arg)
             if (rc == TDM_OK) {
                 // Counted per frame at once: the decode worker may be done
                 // with the request before this job gets to its end.
-                size_t fb = layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
+                size_t fb = tdm_pd_layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
                 tdm_metrics_counter_add(p->m_bytes, (double)fb);
                 sent += n;
                 bytes += fb;

@@ -112,6 +112,12 @@ int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_co
     return TDM_OK;
 }
 
+size_t tdm_pd_layer_bytes(const struct tdm_kv_config *kv, int num_blocks)
+{
+    return 2u * (size_t)num_blocks * (size_t)kv->num_kv_heads * (size_t)kv->block_size *
+           (size_t)kv->head_dim * sizeof(float);
+}
+
 void tdm_pd_push_to_proto(Tandem__PrefillRequest *m, const struct tdm_pd_push *push,
                           const struct tdm_kv_config *kv, const char *model,
                           struct tdm_kv_header *h)

@@ -38,6 +38,11 @@ int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampl
 int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_config *kv,
                            const char *model, int num_tokens, char *err, size_t errlen);
 
+// Bytes of one layer of a KvData payload for num_blocks blocks of a cache with
+// geometry kv: K then V, each [num_blocks][num_kv_heads][block_size][head_dim]
+// f32 (tdm_kv_export_layer's layout). A frame of n layers carries n times this.
+size_t tdm_pd_layer_bytes(const struct tdm_kv_config *kv, int num_blocks);
+
 // The push target of a PrefillRequest: which of the prompt's blocks the decode
 // worker lacks (it reserved them before asking) and how to frame them.
 struct tdm_pd_push {
@@ -73,8 +78,8 @@ struct tdm_pd_load {
     // KV events (decode workers): has_kv_events false = none sent, the router
     // keeps only its approximate index. Arrays borrowed, a hash in at most one.
     bool has_kv_events;
-    bool kv_cleared;     // events were lost since the previous report
-    uint64_t kv_batch;   // 1, 2, ... per report filled
+    bool kv_cleared;   // events were lost since the previous report
+    uint64_t kv_batch; // 1, 2, ... per report filled
     const uint64_t *kv_stored, *kv_evicted;
     size_t n_kv_stored, n_kv_evicted;
 };

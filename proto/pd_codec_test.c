@@ -3,7 +3,8 @@
 // lists from a peer are refused; a KV header that does not fit the receiver's
 // cache (geometry, model, length, bad bytes) is refused; a PrefillRequest's
 // push target (block range, layers per frame, the sender's KV header) survives
-// packing and is checked on receipt; garbage bytes
+// packing and is checked on receipt; a KvData layer's size matches the
+// cache's export; garbage bytes
 // never unpack as a message; and a worker's inbox loop (tdm_net_inbox_serve)
 // answers a LoadQuery with its load, ignoring a malformed one.
 #include <setjmp.h>
@@ -199,6 +200,21 @@ static void test_push_target(void **state)
     free(buf);
 }
 
+// A KvData layer's size is what the cache's export writes for that range.
+static void test_layer_bytes(void **state)
+{
+    (void)state;
+    struct tdm_kv_config kv = {
+        .num_layers = 3, .num_kv_heads = 2, .head_dim = 16, .block_size = 8, .num_blocks = 10};
+    struct tdm_kv_cache *cache = NULL;
+    char err[256];
+    assert_int_equal(tdm_kv_new(&cache, &kv, err, sizeof err), TDM_OK);
+    for (int nb = 0; nb <= kv.num_blocks; nb++)
+        assert_int_equal(tdm_pd_layer_bytes(&kv, nb), tdm_kv_layer_bytes(cache, nb));
+    assert_int_equal(tdm_pd_layer_bytes(&kv, 3), 2u * 3 * 2 * 8 * 16 * sizeof(float));
+    tdm_kv_free(cache);
+}
+
 static void test_garbage_messages(void **state)
 {
     (void)state;
@@ -323,8 +339,8 @@ static void test_load_query_served(void **state)
     struct tdm_net_msg *msg = NULL;
     int sent = 0, rc = TDM_ETIMEDOUT;
     for (; sent < 50 && rc == TDM_ETIMEDOUT; sent++) {
-        assert_int_equal(tdm_pd_send(ob, tdm_net_inbox_url(w.in), TDM_NET_LOAD_QUERY, &q.base,
-                                     NULL, 0, 2.0, err, sizeof err),
+        assert_int_equal(tdm_pd_send(ob, tdm_net_inbox_url(w.in), TDM_NET_LOAD_QUERY, &q.base, NULL,
+                                     0, 2.0, err, sizeof err),
                          TDM_OK);
         rc = tdm_net_inbox_recv(asker, 0.1, &msg, err, sizeof err);
     }
@@ -376,11 +392,9 @@ static void test_load_query_served(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_sampling_round_trip),
-        cmocka_unit_test(test_kv_header_check),
-        cmocka_unit_test(test_push_target),
-        cmocka_unit_test(test_garbage_messages),
-        cmocka_unit_test(test_load_query_served),
+        cmocka_unit_test(test_sampling_round_trip), cmocka_unit_test(test_kv_header_check),
+        cmocka_unit_test(test_push_target),         cmocka_unit_test(test_layer_bytes),
+        cmocka_unit_test(test_garbage_messages),    cmocka_unit_test(test_load_query_served),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
