@@ -30,6 +30,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "pd_codec.h"
+#include "pd_service.h"
 #include "transport.h"
 
 #define MOD "prefill"
@@ -55,51 +56,32 @@ static int parse_double(const char *flag, const char *v, double lo, double *out,
     return TDM_OK;
 }
 
+static const char *const flag_names[] = {"--nng-url", "--kv-hold-seconds", "--layers-per-frame"};
+
+static int set_flag(void *arg, int which, const char *val, char *err, size_t errlen)
+{
+    struct tdm_prefill_config *cfg = arg;
+    double x = 0;
+    int rc = TDM_OK;
+    if (which == 0) {
+        if (strlen(val) >= sizeof cfg->nng_url || strstr(val, "://") == NULL)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--nng-url: expected tcp://HOST:PORT, got \"%s\"", val);
+        snprintf(cfg->nng_url, sizeof cfg->nng_url, "%s", val);
+    } else if (which == 1) {
+        rc = parse_double("--kv-hold-seconds", val, 0.1, &x, err, errlen);
+        cfg->hold_seconds = x;
+    } else {
+        rc = parse_double("--layers-per-frame", val, 1, &x, err, errlen);
+        cfg->layers_per_frame = (int)x;
+    }
+    return rc;
+}
+
 int tdm_prefill_config_take_args(struct tdm_prefill_config *cfg, int *argc, char **argv, char *err,
                                  size_t errlen)
 {
-    int w = 1;
-    for (int i = 1; i < *argc; i++) {
-        const char *a = argv[i];
-        const char *names[] = {"--nng-url", "--kv-hold-seconds", "--layers-per-frame"};
-        int which = -1;
-        const char *val = NULL;
-        for (int k = 0; k < 3; k++) {
-            size_t n = strlen(names[k]);
-            if (strncmp(a, names[k], n) == 0 && (a[n] == '\0' || a[n] == '=')) {
-                which = k;
-                if (a[n] == '=')
-                    val = a + n + 1;
-                else if (i + 1 < *argc)
-                    val = argv[++i];
-                else
-                    return tdm_seterr(err, errlen, TDM_EINVAL, "%s: missing value", names[k]);
-            }
-        }
-        if (which < 0) {
-            argv[w++] = argv[i];
-            continue;
-        }
-        double x = 0;
-        int rc = TDM_OK;
-        if (which == 0) {
-            if (strlen(val) >= sizeof cfg->nng_url || strstr(val, "://") == NULL)
-                return tdm_seterr(err, errlen, TDM_EINVAL,
-                                  "--nng-url: expected tcp://HOST:PORT, got \"%s\"", val);
-            snprintf(cfg->nng_url, sizeof cfg->nng_url, "%s", val);
-        } else if (which == 1) {
-            rc = parse_double("--kv-hold-seconds", val, 0.1, &x, err, errlen);
-            cfg->hold_seconds = x;
-        } else {
-            rc = parse_double("--layers-per-frame", val, 1, &x, err, errlen);
-            cfg->layers_per_frame = (int)x;
-        }
-        if (rc != TDM_OK)
-            return rc;
-    }
-    argv[w] = NULL;
-    *argc = w;
-    return TDM_OK;
+    return tdm_pd_take_flags(argc, argv, flag_names, 3, set_flag, cfg, err, errlen);
 }
 
 // ---- service -----------------------------------------------------------------------------
@@ -130,29 +112,24 @@ struct tdm_prefill_service {
     struct tdm_decode_server *server;
     struct tdm_decode_parts parts;
     struct tdm_kv_config kvc;
-    uint64_t instance;
-    struct tdm_net_inbox *inbox;
-    struct tdm_net_outbox *outbox;
-    pthread_t rx_thread;
-    atomic_bool stopping;
+    struct tdm_pd_service net; // inbox, outbox, instance id, receive thread, stopping
 
     pthread_mutex_t mu;
     pthread_cond_t cv; // broadcast on job exit
     struct pjob *jobs;
     int num_jobs;
 
-    struct tdm_metrics_counter *m_bytes, *m_blocks, *m_fail, *m_requests;
-    struct tdm_metrics_histogram *m_seconds;
+    struct tdm_pd_metrics m;
 };
 
 const char *tdm_prefill_service_url(const struct tdm_prefill_service *p)
 {
-    return tdm_net_inbox_url(p->inbox);
+    return tdm_pd_service_url(&p->net);
 }
 
 uint64_t tdm_prefill_service_instance(const struct tdm_prefill_service *p)
 {
-    return p->instance;
+    return p->net.instance;
 }
 
 static struct pjob *job_find(struct tdm_prefill_service *p, uint64_t transfer_id)
@@ -172,11 +149,6 @@ static void job_unlink(struct tdm_prefill_service *p, struct pjob *job)
             break;
         }
     }
-}
-
-static void fail_count(struct tdm_prefill_service *p, const char *reason)
-{
-    tdm_metrics_counter_inc(tdm_metrics_counter_labels(p->m_fail, reason));
 }
 
 // ---- engine-thread callbacks: cheap, never block ------------------------------------------
@@ -238,13 +210,13 @@ static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first
     Tandem__KvData d = TANDEM__KV_DATA__INIT;
     d.transfer_id = job->transfer_id;
     d.to_instance = job->decode_instance;
-    d.from_instance = p->instance;
+    d.from_instance = p->net.instance;
     d.first_layer = first_layer;
     d.num_layers = n;
     d.first_block = job->push.first_block;
     d.num_blocks = job->push.num_blocks;
     size_t bytes = tdm_pd_layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
-    return tdm_pd_send_fill(p->outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
+    return tdm_pd_send_fill(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
                             export_fill, &a, p->cfg.send_timeout, err, errlen);
 }
 
@@ -255,11 +227,11 @@ static void send_kv_error(struct tdm_prefill_service *p, struct pjob *job, int c
     Tandem__KvData d = TANDEM__KV_DATA__INIT;
     d.transfer_id = job->transfer_id;
     d.to_instance = job->decode_instance;
-    d.from_instance = p->instance;
+    d.from_instance = p->net.instance;
     d.error = code ? code : TDM_EPROTO;
     d.message = (char *)message;
     char err[256];
-    tdm_pd_send(p->outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0, 1.0, err,
+    tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0, 1.0, err,
                 sizeof err);
 }
 
@@ -305,7 +277,7 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
     char err[256];
     r.transfer_id = job->transfer_id;
     r.to_instance = job->decode_instance;
-    r.from_instance = p->instance;
+    r.from_instance = p->net.instance;
     bool ok = c.finished && c.kv_held && have_token && !push_failed;
     if (ok && tdm_engine_kv_header(e, job->req, p->parts.served_name, &h) != TDM_OK)
         ok = false;
@@ -330,14 +302,14 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
                      c.message && c.message[0] ? c.message : "no KV held");
         r.message = err;
         if (!push_failed)
-            fail_count(p, "prefill");
+            tdm_pd_metrics_fail(&p->m, "prefill");
     }
     char serr[256];
-    int src = tdm_pd_send(p->outbox, job->decode_url, TDM_NET_PREFILL_RESULT, &r.base, NULL, 0,
+    int src = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_PREFILL_RESULT, &r.base, NULL, 0,
                           p->cfg.send_timeout, serr, sizeof serr);
     if (src != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s result not delivered: %s", job->request_id, serr);
-        fail_count(p, "send");
+        tdm_pd_metrics_fail(&p->m, "send");
         ok = false;
     }
     return ok;
@@ -389,13 +361,13 @@ static void *job_main(void *arg)
         pthread_mutex_unlock(&p->mu);
         double now = tdm_now();
         bool hold_over = result_sent && now > t_finish + job->hold_seconds;
-        if ((cancelled || atomic_load(&p->stopping) || now > job->deadline || hold_over) &&
+        if ((cancelled || atomic_load(&p->net.stopping) || now > job->deadline || hold_over) &&
             !aborted) {
             tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
             aborted = true;
             if (pushing && !push_failed && sent < L) {
                 // A decode worker that gave up or went away counts as hold_timeout too.
-                fail_count(p, cancelled ? "cancelled" : "hold_timeout");
+                tdm_pd_metrics_fail(&p->m, cancelled ? "cancelled" : "hold_timeout");
                 TDM_LOG_INFO(MOD, "req=%s transfer=%016llx push stopped after %d of %d layers (%s)",
                              job->request_id, (unsigned long long)job->transfer_id, sent, L,
                              cancelled ? "cancelled" : "shutdown, deadline or hold time");
@@ -422,7 +394,7 @@ static void *job_main(void *arg)
                 // Counted per frame at once: the decode worker may be done
                 // with the request before this job gets to its end.
                 size_t fb = tdm_pd_layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
-                tdm_metrics_counter_add(p->m_bytes, (double)fb);
+                tdm_metrics_counter_add(p->m.bytes, (double)fb);
                 sent += n;
                 bytes += fb;
                 continue;
@@ -432,7 +404,9 @@ static void *job_main(void *arg)
             pthread_mutex_unlock(&p->mu);
             TDM_LOG_WARN(MOD, "req=%s transfer=%016llx layers %d..%d not sent: %s", job->request_id,
                          (unsigned long long)job->transfer_id, sent, sent + n - 1, err);
-            fail_count(p, cancelled ? "cancelled" : rc == TDM_EINVAL ? "export" : "send");
+            tdm_pd_metrics_fail(&p->m, cancelled          ? "cancelled"
+                                       : rc == TDM_EINVAL ? "export"
+                                                          : "send");
             if (rc == TDM_EINVAL && !cancelled)
                 send_kv_error(p, job, rc, err);
             push_failed = true;
@@ -446,8 +420,8 @@ static void *job_main(void *arg)
     }
     if (pushing && sent == L) {
         double dt = tdm_now() - t_first_frame;
-        tdm_metrics_counter_add(p->m_blocks, (double)job->push.num_blocks);
-        tdm_metrics_histogram_observe(p->m_seconds, dt);
+        tdm_metrics_counter_add(p->m.blocks, (double)job->push.num_blocks);
+        tdm_metrics_histogram_observe(p->m.seconds, dt);
         TDM_LOG_DEBUG(MOD, "req=%s transfer=%016llx sent blocks=%d bytes=%zu seconds=%.4f",
                       job->request_id, (unsigned long long)job->transfer_id, job->push.num_blocks,
                       bytes, dt);
@@ -475,23 +449,24 @@ static void reply_error(struct tdm_prefill_service *p, const Tandem__PrefillRequ
     Tandem__PrefillResult r = TANDEM__PREFILL_RESULT__INIT;
     r.transfer_id = m->transfer_id;
     r.to_instance = m->reply_to->instance;
-    r.from_instance = p->instance;
+    r.from_instance = p->net.instance;
     r.error = code;
     r.message = (char *)message;
     char err[256];
-    tdm_pd_send(p->outbox, m->reply_to->url, TDM_NET_PREFILL_RESULT, &r.base, NULL, 0, 1.0, err,
+    tdm_pd_send(p->net.outbox, m->reply_to->url, TDM_NET_PREFILL_RESULT, &r.base, NULL, 0, 1.0, err,
                 sizeof err);
 }
 
-static void on_prefill(struct tdm_prefill_service *p, const struct tdm_net_frame *f)
+static void on_prefill(void *arg, const struct tdm_net_frame *f)
 {
+    struct tdm_prefill_service *p = arg;
     Tandem__PrefillRequest *m = tandem__prefill_request__unpack(NULL, f->msg_len, f->msg);
     if (m == NULL) {
         TDM_LOG_WARN(MOD, "undecodable PrefillRequest dropped");
         return;
     }
     char err[512];
-    if (m->to_instance != 0 && m->to_instance != p->instance) {
+    if (m->to_instance != 0 && m->to_instance != p->net.instance) {
         // Meant for an earlier incarnation of this address: refuse it at once so
         // the decode worker moves on instead of waiting for a result.
         TDM_LOG_INFO(MOD, "req=%s for instance %016llx (not us) refused", m->request_id,
@@ -502,7 +477,7 @@ static void on_prefill(struct tdm_prefill_service *p, const struct tdm_net_frame
     if (m->reply_to == NULL || m->reply_to->url == NULL || m->reply_to->url[0] == '\0' ||
         strlen(m->reply_to->url) >= sizeof(((struct pjob *)0)->decode_url))
         goto out;
-    tdm_metrics_counter_inc(p->m_requests);
+    tdm_metrics_counter_inc(p->m.requests);
     if (!tdm_decode_server_ready(p->server)) {
         reply_error(p, m, TDM_ECLOSED, "prefill worker is not ready (loading or draining)");
         goto out;
@@ -591,7 +566,7 @@ static void on_prefill(struct tdm_prefill_service *p, const struct tdm_net_frame
         pthread_mutex_destroy(&job->mu);
         free(job);
         reply_error(p, m, rc, err);
-        fail_count(p, "submit");
+        tdm_pd_metrics_fail(&p->m, "submit");
         goto out;
     }
     pthread_t th;
@@ -609,12 +584,13 @@ out:
     tandem__prefill_request__free_unpacked(m, NULL);
 }
 
-static void on_cancel(struct tdm_prefill_service *p, const struct tdm_net_frame *f)
+static void on_cancel(void *arg, const struct tdm_net_frame *f)
 {
+    struct tdm_prefill_service *p = arg;
     Tandem__Cancel *m = tandem__cancel__unpack(NULL, f->msg_len, f->msg);
     if (m == NULL)
         return;
-    if (m->to_instance == p->instance || m->to_instance == 0) {
+    if (m->to_instance == p->net.instance || m->to_instance == 0) {
         pthread_mutex_lock(&p->mu);
         struct pjob *job = job_find(p, m->transfer_id);
         if (job) {
@@ -633,80 +609,22 @@ static void fill_load(void *arg, struct tdm_pd_load *load)
     struct tdm_prefill_service *p = arg;
     struct tdm_engine_stats st;
     tdm_engine_get_stats(p->parts.engine, &st);
-    load->instance = p->instance;
-    load->role = "prefill";
-    load->model = p->parts.served_name;
-    load->running = st.num_running;
-    load->waiting = st.num_waiting;
-    load->kv_usage = st.kv_usage;
-    load->free_blocks = st.num_free_blocks;
-    load->total_blocks = st.num_total_blocks;
-    load->block_size = st.block_size;
+    tdm_pd_service_load(&p->net, &st, "prefill", p->parts.served_name, load);
     load->held = st.num_held;
-    load->url = tdm_net_inbox_url(p->inbox);
 }
 
-static void on_frame(void *arg, const struct tdm_net_frame *f)
-{
-    struct tdm_prefill_service *p = arg;
-    switch (f->type) {
-    case TDM_NET_PREFILL:
-        on_prefill(p, f);
-        break;
-    case TDM_NET_CANCEL:
-        on_cancel(p, f);
-        break;
-    case TDM_NET_LOAD_QUERY:
-        tdm_pd_answer_load_query(p->outbox, f, fill_load, p);
-        break;
-    default:
-        TDM_LOG_DEBUG(MOD, "ignored %s frame", tdm_net_type_name(f->type));
-    }
-}
-
-static void *rx_main(void *arg)
-{
-    struct tdm_prefill_service *p = arg;
-    tdm_net_inbox_serve(p->inbox, &p->stopping, on_frame, p, MOD);
-    return NULL;
-}
-
-static int register_metrics(struct tdm_prefill_service *p, char *err, size_t errlen)
-{
-    struct tdm_metrics_registry *reg = p->parts.reg;
-    struct tdm_metrics_opts o;
-    memset(&o, 0, sizeof o);
-    o.name = "tandem:kv_transfer_bytes_total";
-    o.help = "KV bytes sent to decode workers.";
-    int rc = tdm_metrics_counter_register(&p->m_bytes, reg, &o, err, errlen);
-    o.name = "tandem:kv_transfer_blocks_total";
-    o.help = "KV blocks sent to decode workers.";
-    if (rc == TDM_OK)
-        rc = tdm_metrics_counter_register(&p->m_blocks, reg, &o, err, errlen);
-    o.name = "tandem:pd_prefill_requests_total";
-    o.help = "PrefillRequests received from decode workers.";
-    if (rc == TDM_OK)
-        rc = tdm_metrics_counter_register(&p->m_requests, reg, &o, err, errlen);
-    static const char *const reason[] = {"reason"};
-    o.name = "tandem:kv_transfer_failures_total";
-    o.help = "Prefill/transfer failures by reason (prefill, send, export, submit, cancelled, "
-             "hold_timeout).";
-    o.label_names = reason;
-    o.n_label_names = 1;
-    if (rc == TDM_OK)
-        rc = tdm_metrics_counter_register(&p->m_fail, reg, &o, err, errlen);
-    o.label_names = NULL;
-    o.n_label_names = 0;
-    static const double bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                                    0.1,    0.25,  0.5,    1,     2.5,  5,     10};
-    o.name = "tandem:kv_transfer_seconds";
-    o.help = "Seconds from a request's first KvData frame to its last (frames go out as the "
-             "final chunk's layers finish, so this overlaps the prefill).";
-    if (rc == TDM_OK)
-        rc = tdm_metrics_histogram_register(&p->m_seconds, reg, &o, bounds,
-                                            sizeof bounds / sizeof bounds[0], err, errlen);
-    return rc;
-}
+static const struct tdm_pd_metric_names metric_names = {
+    .bytes = {"tandem:kv_transfer_bytes_total", "KV bytes sent to decode workers."},
+    .blocks = {"tandem:kv_transfer_blocks_total", "KV blocks sent to decode workers."},
+    .requests = {"tandem:pd_prefill_requests_total",
+                 "PrefillRequests received from decode workers."},
+    .failures = {"tandem:kv_transfer_failures_total",
+                 "Prefill/transfer failures by reason (prefill, send, export, submit, "
+                 "cancelled, hold_timeout)."},
+    .seconds = {"tandem:kv_transfer_seconds",
+                "Seconds from a request's first KvData frame to its last (frames go out as the "
+                "final chunk's layers finish, so this overlaps the prefill)."},
+};
 
 int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_decode_server *server,
                             const struct tdm_prefill_config *cfg, char *err, size_t errlen)
@@ -717,7 +635,6 @@ int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_decode_
         return tdm_seterr(err, errlen, TDM_ENOMEM, "prefill: out of memory");
     p->cfg = *cfg;
     p->server = server;
-    p->instance = tdm_net_new_instance_id();
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     int rc = tdm_decode_server_parts(server, &p->parts);
@@ -727,25 +644,21 @@ int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_decode_
     }
     tdm_model_kv_config(p->parts.model, &p->kvc);
     p->kvc.block_size = p->parts.block_size;
-    rc = register_metrics(p, err, errlen);
+    rc = tdm_pd_metrics_register(&p->m, p->parts.reg, &metric_names, err, errlen);
     if (rc != TDM_OK)
         goto fail;
-    rc = tdm_net_outbox_new(&p->outbox, 100, err, errlen);
+    struct tdm_pd_service_config net = {
+        .url = cfg->nng_url,
+        .module = MOD,
+        .on = {[TDM_NET_PREFILL] = on_prefill, [TDM_NET_CANCEL] = on_cancel},
+        .fill_load = fill_load,
+        .arg = p,
+    };
+    rc = tdm_pd_service_init(&p->net, &net, err, errlen);
     if (rc != TDM_OK)
         goto fail;
-    rc = tdm_net_inbox_new(&p->inbox, cfg->nng_url, err, errlen);
-    if (rc != TDM_OK)
-        goto fail_outbox;
-    if (pthread_create(&p->rx_thread, NULL, rx_main, p) != 0) {
-        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "prefill: cannot start the receive thread");
-        goto fail_inbox;
-    }
     *out = p;
     return TDM_OK;
-fail_inbox:
-    tdm_net_inbox_free(p->inbox);
-fail_outbox:
-    tdm_net_outbox_free(p->outbox);
 fail:
     pthread_cond_destroy(&p->cv);
     pthread_mutex_destroy(&p->mu);
@@ -757,9 +670,7 @@ void tdm_prefill_service_free(struct tdm_prefill_service *p)
 {
     if (p == NULL)
         return;
-    atomic_store(&p->stopping, true);
-    tdm_net_inbox_close(p->inbox);
-    pthread_join(p->rx_thread, NULL);
+    tdm_pd_service_stop(&p->net);
     // Job threads see stopping, abort and release; wait for them to leave.
     pthread_mutex_lock(&p->mu);
     for (struct pjob *j = p->jobs; j; j = j->next)
@@ -768,8 +679,7 @@ void tdm_prefill_service_free(struct tdm_prefill_service *p)
     while (p->num_jobs > 0)
         pthread_cond_wait(&p->cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
-    tdm_net_inbox_free(p->inbox);
-    tdm_net_outbox_free(p->outbox);
+    tdm_pd_service_fini(&p->net);
     pthread_cond_destroy(&p->cv);
     pthread_mutex_destroy(&p->mu);
     free(p);
