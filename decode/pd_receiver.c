@@ -32,6 +32,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "pd_codec.h"
+#include "pd_service.h"
 #include "transport.h"
 
 #define MOD "pd"
@@ -65,57 +66,40 @@ const char *tdm_pd_receiver_usage(void)
            "                                long counts as failed (default 2)\n";
 }
 
+static const char *const flag_names[] = {"--nng-url", "--pd-prefill-timeout",
+                                         "--pd-transfer-timeout", "--pd-layers-per-frame",
+                                         "--pd-prefill-liveness"};
+
+static int set_flag(void *arg, int which, const char *val, char *err, size_t errlen)
+{
+    struct tdm_pd_receiver_config *cfg = arg;
+    if (which == 0) {
+        if (strlen(val) >= sizeof cfg->nng_url || (val[0] && strstr(val, "://") == NULL))
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--nng-url: expected tcp://HOST:PORT, got \"%s\"", val);
+        snprintf(cfg->nng_url, sizeof cfg->nng_url, "%s", val);
+        return TDM_OK;
+    }
+    char *end = NULL;
+    double x = strtod(val, &end);
+    if (end == val || *end != '\0' || !(x > 0) || x > 1e6)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a positive number, got \"%s\"",
+                          flag_names[which], val);
+    if (which == 1)
+        cfg->prefill_timeout = x;
+    else if (which == 2)
+        cfg->transfer_timeout = x;
+    else if (which == 4)
+        cfg->prefill_liveness = x;
+    else
+        cfg->layers_per_frame = x < 1 ? 1 : (int)x;
+    return TDM_OK;
+}
+
 int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv, char *err,
                               size_t errlen)
 {
-    static const char *const names[] = {"--nng-url", "--pd-prefill-timeout",
-                                        "--pd-transfer-timeout", "--pd-layers-per-frame",
-                                        "--pd-prefill-liveness"};
-    int w = 1;
-    for (int i = 1; i < *argc; i++) {
-        const char *a = argv[i];
-        int which = -1;
-        const char *val = NULL;
-        for (int k = 0; k < 5; k++) {
-            size_t n = strlen(names[k]);
-            if (strncmp(a, names[k], n) == 0 && (a[n] == '\0' || a[n] == '=')) {
-                which = k;
-                if (a[n] == '=')
-                    val = a + n + 1;
-                else if (i + 1 < *argc)
-                    val = argv[++i];
-                else
-                    return tdm_seterr(err, errlen, TDM_EINVAL, "%s: missing value", names[k]);
-            }
-        }
-        if (which < 0) {
-            argv[w++] = argv[i];
-            continue;
-        }
-        if (which == 0) {
-            if (strlen(val) >= sizeof cfg->nng_url || (val[0] && strstr(val, "://") == NULL))
-                return tdm_seterr(err, errlen, TDM_EINVAL,
-                                  "--nng-url: expected tcp://HOST:PORT, got \"%s\"", val);
-            snprintf(cfg->nng_url, sizeof cfg->nng_url, "%s", val);
-            continue;
-        }
-        char *end = NULL;
-        double x = strtod(val, &end);
-        if (end == val || *end != '\0' || !(x > 0) || x > 1e6)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a positive number, got \"%s\"",
-                              names[which], val);
-        if (which == 1)
-            cfg->prefill_timeout = x;
-        else if (which == 2)
-            cfg->transfer_timeout = x;
-        else if (which == 4)
-            cfg->prefill_liveness = x;
-        else
-            cfg->layers_per_frame = x < 1 ? 1 : (int)x;
-    }
-    argv[w] = NULL;
-    *argc = w;
-    return TDM_OK;
+    return tdm_pd_take_flags(argc, argv, flag_names, 5, set_flag, cfg, err, errlen);
 }
 
 // ---- state -------------------------------------------------------------------------------
@@ -153,19 +137,14 @@ struct tdm_pd_receiver {
     struct tdm_decode_server *server;
     struct tdm_decode_parts parts;
     struct tdm_kv_config kvc;
-    uint64_t instance;
-    struct tdm_net_inbox *inbox;
-    struct tdm_net_outbox *outbox;
-    pthread_t rx_thread;
-    atomic_bool stopping;
+    struct tdm_pd_service net; // inbox, outbox, instance id, receive thread, stopping
 
     pthread_mutex_t mu;
     pthread_cond_t cv; // broadcast on any job change
     struct djob *jobs;
     int num_jobs;
 
-    struct tdm_metrics_counter *m_bytes, *m_blocks, *m_requests, *m_fail;
-    struct tdm_metrics_histogram *m_seconds;
+    struct tdm_pd_metrics m;
 
     // KV events of the load report being built (receive thread only).
     struct tdm_kv_event kev[KV_EVENTS_PER_REPORT];
@@ -175,12 +154,12 @@ struct tdm_pd_receiver {
 
 const char *tdm_pd_receiver_url(const struct tdm_pd_receiver *r)
 {
-    return tdm_net_inbox_url(r->inbox);
+    return tdm_pd_service_url(&r->net);
 }
 
 uint64_t tdm_pd_receiver_instance(const struct tdm_pd_receiver *r)
 {
-    return r->instance;
+    return r->net.instance;
 }
 
 static void timed_wait(struct tdm_pd_receiver *rx, double seconds)
@@ -195,11 +174,6 @@ static void timed_wait(struct tdm_pd_receiver *rx, double seconds)
         ts.tv_nsec -= 1000000000;
     }
     pthread_cond_timedwait(&rx->cv, &rx->mu, &ts);
-}
-
-static void fail_count(struct tdm_pd_receiver *rx, const char *reason)
-{
-    tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m_fail, reason));
 }
 
 // ---- messages to the router --------------------------------------------------------------
@@ -218,7 +192,7 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
     Tandem__PhaseTimes pt = TANDEM__PHASE_TIMES__INIT;
     m.request_id = j->request_id;
     m.to_instance = j->router_instance;
-    m.from_instance = rx->instance;
+    m.from_instance = rx->net.instance;
     m.first_index = c->first_index;
     m.n_tokens = (size_t)c->n;
     m.tokens = (int32_t *)c->tokens;
@@ -279,7 +253,7 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
         m.prefilled_by = (char *)ph->prefilled_by;
     }
     char err[256];
-    int rc = tdm_pd_send(rx->outbox, j->router_url, TDM_NET_TOKENS, &m.base, NULL, 0,
+    int rc = tdm_pd_send(rx->net.outbox, j->router_url, TDM_NET_TOKENS, &m.base, NULL, 0,
                          rx->cfg.send_timeout, err, sizeof err);
     if (rc != TDM_OK)
         TDM_LOG_WARN(MOD, "req=%s router unreachable: %s", j->request_id, err);
@@ -315,7 +289,7 @@ static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
     bool sent_first = false, aborted = false;
     for (;;) {
         pthread_mutex_lock(&rx->mu);
-        bool stop = j->cancelled || atomic_load(&rx->stopping) || tdm_now() > j->deadline;
+        bool stop = j->cancelled || atomic_load(&rx->net.stopping) || tdm_now() > j->deadline;
         pthread_mutex_unlock(&rx->mu);
         if (stop && !aborted) {
             tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
@@ -393,7 +367,7 @@ static void cancel_prefill(struct djob *j, uint64_t transfer_id, const char *url
     m.transfer_id = transfer_id;
     m.to_instance = instance;
     char err[256];
-    tdm_pd_send(j->rx->outbox, url, TDM_NET_CANCEL, &m.base, NULL, 0, 0.2, err, sizeof err);
+    tdm_pd_send(j->rx->net.outbox, url, TDM_NET_CANCEL, &m.base, NULL, 0, 0.2, err, sizeof err);
 }
 
 enum attempt { ATTEMPT_DONE = 0, ATTEMPT_RETRY };
@@ -409,7 +383,7 @@ static bool wait_for(struct djob *j, bool (*pred)(const struct djob *), double u
     *disconnected = false;
     while (!pred(j)) {
         double now = tdm_now();
-        if (j->cancelled || atomic_load(&rx->stopping) || now > j->deadline || now > until)
+        if (j->cancelled || atomic_load(&rx->net.stopping) || now > j->deadline || now > until)
             return false;
         // A connected but hung worker (stopped, wedged) answers no load query.
         double heard = j->prefill_heard > since ? j->prefill_heard : since;
@@ -424,16 +398,16 @@ static bool wait_for(struct djob *j, bool (*pred)(const struct djob *), double u
         if (probe) {
             Tandem__LoadQuery q = TANDEM__LOAD_QUERY__INIT;
             Tandem__Peer me = TANDEM__PEER__INIT;
-            me.url = (char *)tdm_net_inbox_url(rx->inbox);
-            me.instance = rx->instance;
+            me.url = (char *)tdm_pd_service_url(&rx->net);
+            me.instance = rx->net.instance;
             q.reply_to = &me;
             q.seq = tid; // echoed back: finds this attempt
             char err[256];
-            tdm_pd_send(rx->outbox, j->prefill_url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err,
-                        sizeof err);
+            tdm_pd_send(rx->net.outbox, j->prefill_url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0,
+                        err, sizeof err);
             last_probe = now;
         }
-        bool up = tdm_net_connected(rx->outbox, j->prefill_url);
+        bool up = tdm_net_connected(rx->net.outbox, j->prefill_url);
         pthread_mutex_lock(&rx->mu);
         if (up)
             down_since = 0;
@@ -504,8 +478,8 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
 
     Tandem__PrefillRequest pr = TANDEM__PREFILL_REQUEST__INIT;
     Tandem__Peer me = TANDEM__PEER__INIT;
-    me.url = (char *)tdm_net_inbox_url(rx->inbox);
-    me.instance = rx->instance;
+    me.url = (char *)tdm_pd_service_url(&rx->net);
+    me.instance = rx->net.instance;
     struct tdm_pd_sampling_msg sm;
     tdm_pd_sampling_to_proto(&j->sampling, &sm);
     pr.request_id = j->request_id;
@@ -527,13 +501,13 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     // A worker we are not connected to gets a short dial window: a dead one must
     // not cost the request the full send timeout before the next candidate.
     double send_to = rx->cfg.send_timeout;
-    if (!tdm_net_connected(rx->outbox, t->url) && send_to > 0.5)
+    if (!tdm_net_connected(rx->net.outbox, t->url) && send_to > 0.5)
         send_to = 0.5;
-    int rc = tdm_pd_send(rx->outbox, t->url, TDM_NET_PREFILL, &pr.base, NULL, 0, send_to, err,
+    int rc = tdm_pd_send(rx->net.outbox, t->url, TDM_NET_PREFILL, &pr.base, NULL, 0, send_to, err,
                          sizeof err);
     if (rc != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s prefill %s unreachable: %s", j->request_id, t->url, err);
-        fail_count(rx, "unreachable");
+        tdm_pd_metrics_fail(&rx->m, "unreachable");
         pthread_mutex_lock(&rx->mu);
         attempt_end_locked(j);
         pthread_mutex_unlock(&rx->mu);
@@ -565,7 +539,7 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
                          : kv_failed       ? kv_err
                                            : why);
         if (!was_cancelled)
-            fail_count(rx, why);
+            tdm_pd_metrics_fail(&rx->m, why);
         cancel_prefill(j, tid, t->url, res ? res->from_instance : instance);
         if (res)
             tandem__prefill_result__free_unpacked(res, NULL);
@@ -581,7 +555,7 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
                         (int)res->first_token);
     if (rc != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s prefill %s refused: %s", j->request_id, t->url, err);
-        fail_count(rx, "header");
+        tdm_pd_metrics_fail(&rx->m, "header");
         pthread_mutex_lock(&rx->mu);
         attempt_end_locked(j);
         pthread_mutex_unlock(&rx->mu);
@@ -609,7 +583,7 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     if (!ok) {
         if (!was_cancelled) {
             TDM_LOG_WARN(MOD, "req=%s KV from %s not installed: %s", j->request_id, t->url, kv_err);
-            fail_count(rx, "transfer");
+            tdm_pd_metrics_fail(&rx->m, "transfer");
         }
         cancel_prefill(j, tid, t->url, res->from_instance);
         tandem__prefill_result__free_unpacked(res, NULL);
@@ -619,11 +593,11 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     // came before the result).
     double exposed = num_blocks > 0 && t_done > t_result ? t_done - t_result : 0;
     if (num_blocks > 0) {
-        tdm_metrics_counter_add(rx->m_bytes, (double)bytes);
-        tdm_metrics_counter_add(rx->m_blocks, (double)num_blocks);
-        tdm_metrics_histogram_observe(rx->m_seconds, t_done - t_first);
+        tdm_metrics_counter_add(rx->m.bytes, (double)bytes);
+        tdm_metrics_counter_add(rx->m.blocks, (double)num_blocks);
+        tdm_metrics_histogram_observe(rx->m.seconds, t_done - t_first);
     }
-    tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m_requests, "remote"));
+    tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m.requests, "remote"));
     TDM_LOG_DEBUG(MOD, "req=%s KV from %s: blocks=%d bytes=%zu prefill=%.4f exposed=%.4f",
                   j->request_id, t->url, num_blocks, bytes, prefill_s, exposed);
     tdm_engine_import_done(e, req, res->first_token, true);
@@ -692,7 +666,7 @@ static enum reserve reserve_blocks(struct djob *j, struct tdm_engine_request **o
     for (;;) {
         rc = tdm_engine_import_wait(req, 0.1, first_block, num_blocks);
         pthread_mutex_lock(&rx->mu);
-        stop = j->cancelled || atomic_load(&rx->stopping) || tdm_now() > j->deadline;
+        stop = j->cancelled || atomic_load(&rx->net.stopping) || tdm_now() > j->deadline;
         pthread_mutex_unlock(&rx->mu);
         if (rc != TDM_ETIMEDOUT || stop)
             break;
@@ -736,7 +710,7 @@ static void *job_main(void *arg)
         done = rv == RESERVE_DONE;
         for (size_t i = 0; rv == RESERVE_OK && i < j->gen->n_prefill && !done; i++) {
             pthread_mutex_lock(&rx->mu);
-            bool stop = j->cancelled || atomic_load(&rx->stopping) || tdm_now() > j->deadline;
+            bool stop = j->cancelled || atomic_load(&rx->net.stopping) || tdm_now() > j->deadline;
             pthread_mutex_unlock(&rx->mu);
             if (stop)
                 break;
@@ -753,7 +727,7 @@ static void *job_main(void *arg)
     }
     if (!done) {
         pthread_mutex_lock(&rx->mu);
-        bool cancelled = j->cancelled || atomic_load(&rx->stopping);
+        bool cancelled = j->cancelled || atomic_load(&rx->net.stopping);
         pthread_mutex_unlock(&rx->mu);
         if (cancelled)
             send_finish(j, TDM_ENGINE_FINISH_ABORT, 0, "cancelled");
@@ -761,7 +735,7 @@ static void *job_main(void *arg)
             send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ETIMEDOUT, "the request's deadline passed");
         else if (j->gen->n_prefill == 0 || j->gen->local_fallback) {
             tdm_metrics_counter_inc(tdm_metrics_counter_labels(
-                rx->m_requests, j->gen->n_prefill ? "fallback" : "local"));
+                rx->m.requests, j->gen->n_prefill ? "fallback" : "local"));
             run_local(j);
         } else
             send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ETRANSPORT,
@@ -782,14 +756,15 @@ static void *job_main(void *arg)
 }
 
 // ---- receive thread ----------------------------------------------------------------------
-static void on_generate(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+static void on_generate(void *arg, const struct tdm_net_frame *f)
 {
+    struct tdm_pd_receiver *rx = arg;
     Tandem__GenerateRequest *g = tandem__generate_request__unpack(NULL, f->msg_len, f->msg);
     if (g == NULL) {
         TDM_LOG_WARN(MOD, "undecodable GenerateRequest dropped");
         return;
     }
-    if ((g->to_instance != 0 && g->to_instance != rx->instance) || g->reply_to == NULL ||
+    if ((g->to_instance != 0 && g->to_instance != rx->net.instance) || g->reply_to == NULL ||
         g->reply_to->url == NULL || g->reply_to->url[0] == '\0' ||
         strlen(g->reply_to->url) >= sizeof(((struct djob *)0)->router_url)) {
         tandem__generate_request__free_unpacked(g, NULL);
@@ -852,13 +827,14 @@ static struct djob *find_transfer(struct tdm_pd_receiver *rx, uint64_t tid)
     return NULL;
 }
 
-static void on_result(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+static void on_result(void *arg, const struct tdm_net_frame *f)
 {
+    struct tdm_pd_receiver *rx = arg;
     Tandem__PrefillResult *r = tandem__prefill_result__unpack(NULL, f->msg_len, f->msg);
     if (r == NULL)
         return;
     pthread_mutex_lock(&rx->mu);
-    struct djob *j = r->to_instance == rx->instance ? find_transfer(rx, r->transfer_id) : NULL;
+    struct djob *j = r->to_instance == rx->net.instance ? find_transfer(rx, r->transfer_id) : NULL;
     // An error result is taken from any instance (it only makes the job move
     // on: a restarted worker refuses a request for its predecessor); an ok one
     // only from the instance that sends this transfer's KV.
@@ -877,13 +853,14 @@ static void on_result(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
         tandem__prefill_result__free_unpacked(r, NULL);
 }
 
-static void on_kv_data(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+static void on_kv_data(void *arg, const struct tdm_net_frame *f)
 {
+    struct tdm_pd_receiver *rx = arg;
     Tandem__KvData *d = tandem__kv_data__unpack(NULL, f->msg_len, f->msg);
     if (d == NULL)
         return;
     pthread_mutex_lock(&rx->mu);
-    struct djob *j = d->to_instance == rx->instance ? find_transfer(rx, d->transfer_id) : NULL;
+    struct djob *j = d->to_instance == rx->net.instance ? find_transfer(rx, d->transfer_id) : NULL;
     if (j == NULL || !j->importing || j->kv_failed)
         goto out;
     if (j->prefill_instance == 0)
@@ -932,13 +909,14 @@ out:
     tandem__kv_data__free_unpacked(d, NULL);
 }
 
-static void on_cancel(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+static void on_cancel(void *arg, const struct tdm_net_frame *f)
 {
+    struct tdm_pd_receiver *rx = arg;
     Tandem__Cancel *m = tandem__cancel__unpack(NULL, f->msg_len, f->msg);
     if (m == NULL)
         return;
     pthread_mutex_lock(&rx->mu);
-    if (m->to_instance == rx->instance || m->to_instance == 0) {
+    if (m->to_instance == rx->net.instance || m->to_instance == 0) {
         for (struct djob *j = rx->jobs; j; j = j->next) {
             if (strcmp(j->request_id, m->request_id) == 0) {
                 j->cancelled = true;
@@ -953,13 +931,14 @@ static void on_cancel(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
 }
 
 // A prefill worker's answer to the liveness probe of an attempt (seq = transfer id).
-static void on_load_report(struct tdm_pd_receiver *rx, const struct tdm_net_frame *f)
+static void on_load_report(void *arg, const struct tdm_net_frame *f)
 {
+    struct tdm_pd_receiver *rx = arg;
     Tandem__LoadReport *r = tandem__load_report__unpack(NULL, f->msg_len, f->msg);
     if (r == NULL)
         return;
     pthread_mutex_lock(&rx->mu);
-    struct djob *j = r->to_instance == rx->instance ? find_transfer(rx, r->seq) : NULL;
+    struct djob *j = r->to_instance == rx->net.instance ? find_transfer(rx, r->seq) : NULL;
     if (j)
         j->prefill_heard = tdm_now();
     pthread_mutex_unlock(&rx->mu);
@@ -1003,90 +982,24 @@ static void fill_load(void *arg, struct tdm_pd_load *load)
     struct tdm_pd_receiver *rx = arg;
     struct tdm_engine_stats st;
     tdm_engine_get_stats(rx->parts.engine, &st);
-    load->instance = rx->instance;
-    load->role = "decode";
-    load->model = rx->parts.served_name;
-    load->running = st.num_running;
-    load->waiting = st.num_waiting;
-    load->kv_usage = st.kv_usage;
-    load->free_blocks = st.num_free_blocks;
-    load->total_blocks = st.num_total_blocks;
-    load->block_size = st.block_size;
+    tdm_pd_service_load(&rx->net, &st, "decode", rx->parts.served_name, load);
     load->held = st.num_importing;
-    load->url = tdm_net_inbox_url(rx->inbox);
     fill_kv_events(rx, load);
 }
 
-static void on_frame(void *arg, const struct tdm_net_frame *f)
-{
-    struct tdm_pd_receiver *rx = arg;
-    switch (f->type) {
-    case TDM_NET_GENERATE:
-        on_generate(rx, f);
-        break;
-    case TDM_NET_PREFILL_RESULT:
-        on_result(rx, f);
-        break;
-    case TDM_NET_KV_DATA:
-        on_kv_data(rx, f);
-        break;
-    case TDM_NET_CANCEL:
-        on_cancel(rx, f);
-        break;
-    case TDM_NET_LOAD_QUERY:
-        tdm_pd_answer_load_query(rx->outbox, f, fill_load, rx);
-        break;
-    case TDM_NET_LOAD_REPORT:
-        on_load_report(rx, f);
-        break;
-    default:
-        TDM_LOG_DEBUG(MOD, "ignored %s frame", tdm_net_type_name(f->type));
-    }
-}
-
-static void *rx_main(void *arg)
-{
-    struct tdm_pd_receiver *rx = arg;
-    tdm_net_inbox_serve(rx->inbox, &rx->stopping, on_frame, rx, MOD);
-    return NULL;
-}
-
-static int register_metrics(struct tdm_pd_receiver *rx, char *err, size_t errlen)
-{
-    struct tdm_metrics_registry *reg = rx->parts.reg;
-    struct tdm_metrics_opts o;
-    memset(&o, 0, sizeof o);
-    o.name = "tandem:kv_received_bytes_total";
-    o.help = "KV bytes received from prefill workers and installed.";
-    int rc = tdm_metrics_counter_register(&rx->m_bytes, reg, &o, err, errlen);
-    o.name = "tandem:kv_received_blocks_total";
-    o.help = "KV blocks received from prefill workers and installed.";
-    if (rc == TDM_OK)
-        rc = tdm_metrics_counter_register(&rx->m_blocks, reg, &o, err, errlen);
-    static const char *const prefill[] = {"prefill"};
-    o.name = "tandem:pd_requests_total";
-    o.help = "Router requests by where the prompt was prefilled (remote, local, fallback).";
-    o.label_names = prefill;
-    o.n_label_names = 1;
-    if (rc == TDM_OK)
-        rc = tdm_metrics_counter_register(&rx->m_requests, reg, &o, err, errlen);
-    static const char *const reason[] = {"reason"};
-    o.name = "tandem:pd_prefill_failures_total";
-    o.help = "Remote prefill attempts that failed, by reason.";
-    o.label_names = reason;
-    if (rc == TDM_OK)
-        rc = tdm_metrics_counter_register(&rx->m_fail, reg, &o, err, errlen);
-    o.label_names = NULL;
-    o.n_label_names = 0;
-    static const double bounds[] = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                                    0.1,    0.25,  0.5,    1,     2.5,  5,     10};
-    o.name = "tandem:kv_receive_seconds";
-    o.help = "Seconds from the first KvData frame received to the last layer installed.";
-    if (rc == TDM_OK)
-        rc = tdm_metrics_histogram_register(&rx->m_seconds, reg, &o, bounds,
-                                            sizeof bounds / sizeof bounds[0], err, errlen);
-    return rc;
-}
+static const struct tdm_pd_metric_names metric_names = {
+    .bytes = {"tandem:kv_received_bytes_total",
+              "KV bytes received from prefill workers and installed."},
+    .blocks = {"tandem:kv_received_blocks_total",
+               "KV blocks received from prefill workers and installed."},
+    .requests = {"tandem:pd_requests_total",
+                 "Router requests by where the prompt was prefilled (remote, local, fallback)."},
+    .requests_label = "prefill",
+    .failures = {"tandem:pd_prefill_failures_total",
+                 "Remote prefill attempts that failed, by reason."},
+    .seconds = {"tandem:kv_receive_seconds",
+                "Seconds from the first KvData frame received to the last layer installed."},
+};
 
 int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *server,
                         const struct tdm_pd_receiver_config *cfg, char *err, size_t errlen)
@@ -1097,7 +1010,6 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *
         return tdm_seterr(err, errlen, TDM_ENOMEM, "pd: out of memory");
     rx->cfg = *cfg;
     rx->server = server;
-    rx->instance = tdm_net_new_instance_id();
     pthread_mutex_init(&rx->mu, NULL);
     pthread_cond_init(&rx->cv, NULL);
     int rc = tdm_decode_server_parts(server, &rx->parts);
@@ -1107,25 +1019,28 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *
     }
     tdm_model_kv_config(rx->parts.model, &rx->kvc);
     rx->kvc.block_size = rx->parts.block_size;
-    rc = register_metrics(rx, err, errlen);
+    rc = tdm_pd_metrics_register(&rx->m, rx->parts.reg, &metric_names, err, errlen);
     if (rc != TDM_OK)
         goto fail;
-    rc = tdm_net_outbox_new(&rx->outbox, 100, err, errlen);
+    struct tdm_pd_service_config net = {
+        .url = cfg->nng_url,
+        .module = MOD,
+        .on =
+            {
+                [TDM_NET_GENERATE] = on_generate,
+                [TDM_NET_PREFILL_RESULT] = on_result,
+                [TDM_NET_KV_DATA] = on_kv_data,
+                [TDM_NET_CANCEL] = on_cancel,
+                [TDM_NET_LOAD_REPORT] = on_load_report,
+            },
+        .fill_load = fill_load,
+        .arg = rx,
+    };
+    rc = tdm_pd_service_init(&rx->net, &net, err, errlen);
     if (rc != TDM_OK)
         goto fail;
-    rc = tdm_net_inbox_new(&rx->inbox, cfg->nng_url, err, errlen);
-    if (rc != TDM_OK)
-        goto fail_outbox;
-    if (pthread_create(&rx->rx_thread, NULL, rx_main, rx) != 0) {
-        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "pd: cannot start the receive thread");
-        goto fail_inbox;
-    }
     *out = rx;
     return TDM_OK;
-fail_inbox:
-    tdm_net_inbox_free(rx->inbox);
-fail_outbox:
-    tdm_net_outbox_free(rx->outbox);
 fail:
     pthread_cond_destroy(&rx->cv);
     pthread_mutex_destroy(&rx->mu);
@@ -1137,9 +1052,7 @@ void tdm_pd_receiver_free(struct tdm_pd_receiver *rx)
 {
     if (rx == NULL)
         return;
-    atomic_store(&rx->stopping, true);
-    tdm_net_inbox_close(rx->inbox);
-    pthread_join(rx->rx_thread, NULL);
+    tdm_pd_service_stop(&rx->net);
     pthread_mutex_lock(&rx->mu);
     for (struct djob *j = rx->jobs; j; j = j->next) {
         j->cancelled = true;
@@ -1150,8 +1063,7 @@ void tdm_pd_receiver_free(struct tdm_pd_receiver *rx)
     while (rx->num_jobs > 0)
         pthread_cond_wait(&rx->cv, &rx->mu);
     pthread_mutex_unlock(&rx->mu);
-    tdm_net_inbox_free(rx->inbox);
-    tdm_net_outbox_free(rx->outbox);
+    tdm_pd_service_fini(&rx->net);
     pthread_cond_destroy(&rx->cv);
     pthread_mutex_destroy(&rx->mu);
     free(rx);
