@@ -439,6 +439,55 @@ void tdm_oai_asm_sent(struct tdm_oai_asm *a, bool finish_now);
 bool tdm_oai_is_stop_id(const struct tdm_sampling_params *sp, int32_t tok_eos,
                         const struct tdm_generation_config *gen, int32_t id);
 
+// ---- one call: request, prompts and choices --------------------------------------------------
+// What a server holds for one completions/chat call, the same in the decode
+// worker (tokens from its engine) and the router (tokens from a decode worker's
+// stream): the parsed request, the response's identity, the prompts as token
+// ids and one assembler per choice. Where tokens come from stays with the
+// server: it feeds choices[i] (tdm_oai_asm_token, _finish, _fail) and stops its
+// generator when they report a stop string. The streaming loop over HTTP is
+// tdm_http_oai_stream (common/http).
+struct tdm_oai_call {
+    struct tdm_oai_request req;
+    struct tdm_oai_response resp;
+    struct tdm_oai_tokenized_prompt *prompts; // [n_prompts] heap
+    size_t n_prompts;
+    int prompt_tokens;           // usage: each prompt counted once
+    struct tdm_oai_asm *choices; // [n_choices] heap: choice i continues prompt i / req.n;
+    size_t n_choices;            // none for req.echo_only
+};
+// Parses a completions or chat body, names the response (id from the body's
+// request_id, else base_id (an X-Request-Id header; NULL = random), model
+// info->served_name), tokenizes the prompts (tdm_oai_prompts_build) and, unless
+// req.echo_only, sets up n_prompts * req.n choices. k is caller storage: free it
+// with tdm_oai_call_fini whatever this returns. TDM_OK, or an error code with e
+// filled (4xx/5xx as vLLM words it; 500 "out of memory").
+int tdm_oai_call_init(struct tdm_oai_call *k, enum tdm_oai_kind kind, const char *json, size_t len,
+                      const struct tdm_oai_model_info *info, const struct tdm_tokenizer *tok,
+                      const struct tdm_chat_template *chat, const char *chat_err,
+                      const char *base_id, struct tdm_oai_error *e);
+void tdm_oai_call_fini(struct tdm_oai_call *k); // a zeroed k is fine
+// True once every choice finished (an error finish counts).
+bool tdm_oai_call_done(const struct tdm_oai_call *k);
+// The first choice that finished with an error (its message is the client's), or NULL.
+const struct tdm_oai_asm *tdm_oai_call_failed(const struct tdm_oai_call *k);
+// The call's usage: prompt_tokens and all choices' completion tokens.
+void tdm_oai_call_usage(const struct tdm_oai_call *k, struct tdm_oai_usage *u);
+// Non-stream: the body of the finished choices with usage (echo as the request
+// asks). Heap string; NULL on ENOMEM.
+char *tdm_oai_call_body(const struct tdm_oai_call *k);
+// Stream: choice i's next chunk as tdm_oai_asm_stream_chunk makes it (with
+// continuous_usage_stats, usage is that choice's prompt and tokens so far).
+// After the chunk went out call tdm_oai_asm_sent(&k->choices[i], *finish_now).
+int tdm_oai_call_chunk(const struct tdm_oai_call *k, size_t i, char **json, bool *finish_now);
+// Stream, completions with echo: choice i's first chunk, its prompt's text alone
+// (no logprobs entries, token_ids [] and prompt_token_ids with return_token_ids,
+// usage as in tdm_oai_call_chunk), sent before any generated text of the
+// choice. *json NULL when the prompt text is empty. The choice counts it as
+// sent (text_offset moves past the prompt; prompt_token_ids went out) once
+// built: a stream that cannot write it ends there. TDM_OK / TDM_ENOMEM.
+int tdm_oai_call_echo_chunk(struct tdm_oai_call *k, size_t i, char **json);
+
 // ---- helpers ------------------------------------------------------------------------------
 // Python len() of UTF-8 text: code points (each invalid byte counts one, as its
 // U+FFFD would).

@@ -1,0 +1,349 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tests of one call's state (struct tdm_oai_call), the part the decode worker
+// and the router share around their token sources, with a small byte-level BPE
+// written by tools/mkmodel (so the tests never skip): a body becomes prompts
+// and n choices per prompt with the right index and prompt, ids come from
+// request_id, else the header, else random; rejected bodies keep their 4xx;
+// echo-only sets up no choices; done / first failure / usage over choices;
+// the non-stream body; stream chunks with per-prompt continuous usage; and the
+// echoed prompt's first chunk (alone, before tokens the choice already holds,
+// text_offset and prompt_token_ids accounted once).
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+#include <cmocka.h>
+
+#include "core.h"
+#include "mkmodel.h"
+#include "openai.h"
+#include "tokenizer.h"
+
+static struct tdm_tokenizer *tok;
+static char tok_dir[] = "/tmp/tdm_oai_call_XXXXXX";
+static struct tdm_oai_model_info info;
+
+static int setup(void **state)
+{
+    (void)state;
+    char err[256];
+    if (mkdtemp(tok_dir) == NULL)
+        return -1;
+    if (tdm_mkmodel_write_tokenizer(1000, tok_dir, err, sizeof err) != TDM_OK ||
+        tdm_tok_load(&tok, tok_dir, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "tokenizer: %s\n", err);
+        return -1;
+    }
+    info.served_name = "tiny";
+    info.vocab_size = tdm_tok_vocab_size(tok);
+    info.max_model_len = 256;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    tdm_tok_free(tok);
+    tdm_mkmodel_remove(tok_dir);
+    return 0;
+}
+
+static int start(struct tdm_oai_call *k, enum tdm_oai_kind kind, const char *body,
+                 const char *base_id, struct tdm_oai_error *e)
+{
+    return tdm_oai_call_init(k, kind, body, strlen(body), &info, tok, NULL, "no template here",
+                             base_id, e);
+}
+
+// Feeds text's tokens into choice i (logprob -0.5 each); returns how many.
+static int feed(struct tdm_oai_call *k, size_t i, const char *text)
+{
+    int32_t *ids = NULL;
+    size_t n = 0;
+    assert_int_equal(tdm_tok_encode(tok, text, strlen(text), false, &ids, &n), TDM_OK);
+    for (size_t t = 0; t < n; t++) {
+        bool stopped = false;
+        assert_int_equal(tdm_oai_asm_token(&k->choices[i], ids[t], -0.5f, NULL, 0, false, &stopped),
+                         TDM_OK);
+    }
+    free(ids);
+    return (int)n;
+}
+
+static void finish(struct tdm_oai_call *k, size_t i)
+{
+    bool stopped = false;
+    assert_int_equal(
+        tdm_oai_asm_finish(&k->choices[i], TDM_OAI_FINISH_LENGTH, -1, 0, NULL, &stopped), TDM_OK);
+}
+
+static const cJSON *choice0(const cJSON *j)
+{
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0);
+    assert_non_null(c);
+    return c;
+}
+
+static int usage_of(const cJSON *j, const char *field)
+{
+    const cJSON *u = cJSON_GetObjectItem(j, "usage");
+    assert_true(cJSON_IsObject(u));
+    return cJSON_GetObjectItem(u, field)->valueint;
+}
+
+static void test_init_choices_and_ids(void **state)
+{
+    (void)state;
+    struct tdm_oai_call k;
+    struct tdm_oai_error e;
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION,
+                           "{\"prompt\":[\"Hello world\",\"the cat\"],\"n\":3,\"max_tokens\":4,"
+                           "\"request_id\":\"abc\"}",
+                           "from-header", &e),
+                     TDM_OK);
+    assert_string_equal(k.resp.id, "cmpl-abc"); // the body's request_id wins
+    assert_string_equal(k.resp.model, "tiny");
+    assert_int_equal(k.n_prompts, 2);
+    assert_int_equal(k.prompt_tokens, (int)(k.prompts[0].n + k.prompts[1].n));
+    assert_int_equal(k.n_choices, 6);
+    for (size_t i = 0; i < k.n_choices; i++) {
+        assert_int_equal(k.choices[i].index, (int)i);
+        assert_int_equal(k.choices[i].prompt_idx, (int)(i / 3));
+        assert_false(k.choices[i].done);
+    }
+    tdm_oai_call_fini(&k);
+    assert_null(k.choices);
+    tdm_oai_call_fini(&k); // twice is fine
+
+    // Else the X-Request-Id (the caller's base id), else 32 random hex digits.
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION, "{\"prompt\":\"hi\"}", "from-header", &e),
+                     TDM_OK);
+    assert_string_equal(k.resp.id, "cmpl-from-header");
+    assert_int_equal(k.n_choices, 1);
+    tdm_oai_call_fini(&k);
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION, "{\"prompt\":\"hi\"}", NULL, &e), TDM_OK);
+    assert_int_equal(strlen(k.resp.id), strlen("cmpl-") + TDM_OAI_ID_HEX);
+    tdm_oai_call_fini(&k);
+}
+
+static void test_init_errors_and_echo_only(void **state)
+{
+    (void)state;
+    struct tdm_oai_call k;
+    struct tdm_oai_error e;
+    // The parser's 400 names the field; nothing is set up.
+    assert_int_not_equal(
+        start(&k, TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"temperature\":7}", NULL, &e), TDM_OK);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.param, "temperature");
+    assert_int_equal(k.n_choices, 0);
+    tdm_oai_call_fini(&k);
+    // Prompts that do not fit the context: 400 from the prompt step.
+    assert_int_not_equal(
+        start(&k, TDM_OAI_COMPLETION, "{\"prompt\":\"Hello\",\"max_tokens\":256}", NULL, &e),
+        TDM_OK);
+    assert_int_equal(e.status, 400);
+    assert_int_equal(k.n_choices, 0);
+    tdm_oai_call_fini(&k);
+    // Chat with no template: the server's reason in the message.
+    assert_int_not_equal(start(&k, TDM_OAI_CHAT,
+                               "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}", NULL, &e),
+                         TDM_OK);
+    assert_int_equal(e.status, 400);
+    assert_non_null(strstr(e.message, "no template here"));
+    tdm_oai_call_fini(&k);
+    // Echo with max_tokens 0: prompts, no choices to generate.
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"Hello world\",\"echo\":true,\"max_tokens\":0,\"n\":2}",
+                           NULL, &e),
+                     TDM_OK);
+    assert_true(k.req.echo_only);
+    assert_int_equal(k.n_choices, 0);
+    assert_null(k.choices);
+    assert_string_equal(k.prompts[0].text, "Hello world");
+    tdm_oai_call_fini(&k);
+}
+
+static void test_done_failed_usage_body(void **state)
+{
+    (void)state;
+    struct tdm_oai_call k;
+    struct tdm_oai_error e;
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"Hello\",\"n\":3,\"max_tokens\":8,\"echo\":true}", NULL,
+                           &e),
+                     TDM_OK);
+    assert_false(tdm_oai_call_done(&k));
+    assert_null(tdm_oai_call_failed(&k));
+    int t0 = feed(&k, 0, " world");
+    int t2 = feed(&k, 2, " the cat sat");
+    finish(&k, 0);
+    assert_false(tdm_oai_call_done(&k));
+    tdm_oai_asm_fail(&k.choices[1], TDM_ETRANSPORT, "worker %s lost", "d1");
+    tdm_oai_asm_fail(&k.choices[2], TDM_ETIMEDOUT, "late");
+    assert_true(tdm_oai_call_done(&k));
+    const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k);
+    assert_ptr_equal(bad, &k.choices[1]); // the first failed choice
+    assert_string_equal(bad->message, "worker d1 lost");
+    struct tdm_oai_usage u;
+    tdm_oai_call_usage(&k, &u);
+    assert_int_equal(u.prompt_tokens, k.prompt_tokens);
+    assert_int_equal(u.completion_tokens, t0 + t2);
+    tdm_oai_call_fini(&k);
+
+    // The body of finished choices: echo prepends the prompt, usage sums choices.
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"Hello\",\"n\":2,\"max_tokens\":8,\"echo\":true}", NULL,
+                           &e),
+                     TDM_OK);
+    t0 = feed(&k, 0, " world");
+    int t1 = feed(&k, 1, " there");
+    finish(&k, 0);
+    finish(&k, 1);
+    char *body = tdm_oai_call_body(&k);
+    assert_non_null(body);
+    cJSON *j = cJSON_Parse(body);
+    assert_non_null(j);
+    assert_string_equal(cJSON_GetObjectItem(j, "id")->valuestring, k.resp.id);
+    const cJSON *cs = cJSON_GetObjectItem(j, "choices");
+    assert_int_equal(cJSON_GetArraySize(cs), 2);
+    assert_string_equal(cJSON_GetObjectItem(cJSON_GetArrayItem(cs, 0), "text")->valuestring,
+                        "Hello world");
+    assert_string_equal(cJSON_GetObjectItem(cJSON_GetArrayItem(cs, 1), "text")->valuestring,
+                        "Hello there");
+    assert_string_equal(
+        cJSON_GetObjectItem(cJSON_GetArrayItem(cs, 1), "finish_reason")->valuestring, "length");
+    assert_int_equal(usage_of(j, "prompt_tokens"), k.prompt_tokens);
+    assert_int_equal(usage_of(j, "completion_tokens"), t0 + t1);
+    cJSON_Delete(j);
+    free(body);
+    tdm_oai_call_fini(&k);
+}
+
+static void test_stream_chunks_usage_per_prompt(void **state)
+{
+    (void)state;
+    struct tdm_oai_call k;
+    struct tdm_oai_error e;
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION,
+                           "{\"prompt\":[\"Hello\",\"the quick brown fox\"],\"max_tokens\":8,"
+                           "\"stream\":true,\"stream_options\":{\"include_usage\":true,"
+                           "\"continuous_usage_stats\":true}}",
+                           NULL, &e),
+                     TDM_OK);
+    assert_true(k.prompts[0].n != k.prompts[1].n);
+    char *json = NULL;
+    bool finish_now = true;
+    assert_int_equal(tdm_oai_call_chunk(&k, 1, &json, &finish_now), TDM_OK);
+    assert_null(json); // nothing to send yet
+    assert_false(finish_now);
+    int t = feed(&k, 1, " jumps");
+    assert_int_equal(tdm_oai_call_chunk(&k, 1, &json, &finish_now), TDM_OK);
+    assert_non_null(json);
+    cJSON *j = cJSON_Parse(json);
+    assert_string_equal(cJSON_GetObjectItem(choice0(j), "text")->valuestring, " jumps");
+    assert_int_equal(cJSON_GetObjectItem(choice0(j), "index")->valueint, 1);
+    // continuous_usage_stats: this choice's own prompt, its tokens so far.
+    assert_int_equal(usage_of(j, "prompt_tokens"), (int)k.prompts[1].n);
+    assert_int_equal(usage_of(j, "completion_tokens"), t);
+    cJSON_Delete(j);
+    free(json);
+    tdm_oai_asm_sent(&k.choices[1], finish_now);
+    finish(&k, 1);
+    assert_int_equal(tdm_oai_call_chunk(&k, 1, &json, &finish_now), TDM_OK);
+    assert_true(finish_now);
+    j = cJSON_Parse(json);
+    assert_string_equal(cJSON_GetObjectItem(choice0(j), "finish_reason")->valuestring, "length");
+    cJSON_Delete(j);
+    free(json);
+    tdm_oai_call_fini(&k);
+
+    // Without continuous_usage_stats chunks carry no usage.
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"Hello\",\"max_tokens\":8,\"stream\":true}", NULL, &e),
+                     TDM_OK);
+    feed(&k, 0, " world");
+    assert_int_equal(tdm_oai_call_chunk(&k, 0, &json, &finish_now), TDM_OK);
+    j = cJSON_Parse(json);
+    assert_null(cJSON_GetObjectItem(j, "usage"));
+    cJSON_Delete(j);
+    free(json);
+    tdm_oai_call_fini(&k);
+}
+
+static void test_echo_chunk(void **state)
+{
+    (void)state;
+    struct tdm_oai_call k;
+    struct tdm_oai_error e;
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"Hello w\xC3\xB6rld\",\"max_tokens\":8,\"echo\":true,"
+                           "\"return_token_ids\":true,\"stream\":true,"
+                           "\"stream_options\":{\"continuous_usage_stats\":true}}",
+                           NULL, &e),
+                     TDM_OK);
+    // Tokens the choice holds already (the router reads them before the
+    // stream starts) stay out of the echo chunk and follow in the next one.
+    int t = feed(&k, 0, " again");
+    char *json = NULL;
+    assert_int_equal(tdm_oai_call_echo_chunk(&k, 0, &json), TDM_OK);
+    assert_non_null(json);
+    cJSON *j = cJSON_Parse(json);
+    const cJSON *c = choice0(j);
+    assert_string_equal(cJSON_GetObjectItem(c, "text")->valuestring, "Hello w\xC3\xB6rld");
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(c, "finish_reason")));
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(c, "token_ids")), 0);
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(c, "prompt_token_ids")),
+                     (int)k.prompts[0].n);
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(c, "logprobs")));
+    assert_int_equal(usage_of(j, "prompt_tokens"), (int)k.prompts[0].n);
+    assert_int_equal(usage_of(j, "completion_tokens"), t);
+    cJSON_Delete(j);
+    free(json);
+    assert_int_equal(k.choices[0].chars_sent, 11); // the next text_offset: code points
+    assert_true(k.choices[0].first_sent);
+
+    bool finish_now = false;
+    assert_int_equal(tdm_oai_call_chunk(&k, 0, &json, &finish_now), TDM_OK);
+    j = cJSON_Parse(json);
+    c = choice0(j);
+    assert_string_equal(cJSON_GetObjectItem(c, "text")->valuestring, " again");
+    assert_null(cJSON_GetObjectItem(c, "prompt_token_ids")); // went out once
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(c, "token_ids")), t);
+    cJSON_Delete(j);
+    free(json);
+    tdm_oai_call_fini(&k);
+
+    // An empty prompt text has no echo chunk: ids the tokenizer cannot decode
+    // (a model vocabulary padded past the tokenizer's) echo "".
+    struct tdm_oai_model_info padded = info;
+    padded.vocab_size = info.vocab_size + 64;
+    char body[128];
+    snprintf(body, sizeof body, "{\"prompt\":[%d],\"max_tokens\":4,\"echo\":true,\"stream\":true}",
+             info.vocab_size + 10);
+    assert_int_equal(tdm_oai_call_init(&k, TDM_OAI_COMPLETION, body, strlen(body), &padded, tok,
+                                       NULL, "", NULL, &e),
+                     TDM_OK);
+    assert_int_equal(k.prompts[0].text_len, 0);
+    assert_int_equal(tdm_oai_call_echo_chunk(&k, 0, &json), TDM_OK);
+    assert_null(json);
+    assert_int_equal(k.choices[0].chars_sent, 0);
+    tdm_oai_call_fini(&k);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_init_choices_and_ids),
+        cmocka_unit_test(test_init_errors_and_echo_only),
+        cmocka_unit_test(test_done_failed_usage_body),
+        cmocka_unit_test(test_stream_chunks_usage_per_prompt),
+        cmocka_unit_test(test_echo_chunk),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
