@@ -8,6 +8,8 @@
 // JSON or plain text with a Content-Length, or Server-Sent Events over chunked
 // transfer encoding (keep-alive stays usable after the stream ends). A failed
 // write marks the client gone, so a streaming handler can abort its request.
+// The OpenAI routes both servers share (tokenize, detokenize, a completions or
+// chat call from its body to its SSE stream) sit on top (http_oai.c).
 // Each request runs on one of num_threads civetweb worker threads, from the
 // handler call to its return; a connection handle is used by that thread only.
 // civetweb types never appear here.
@@ -18,7 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-struct tdm_oai_error;
+#include "openai.h"
 
 struct tdm_http_config {
     const char *host;               // address to bind: "127.0.0.1", "0.0.0.0"; NULL = "0.0.0.0"
@@ -106,12 +108,52 @@ int tdm_http_sse_end(struct tdm_http_conn *c, bool done);
 // message) then [DONE]; otherwise the usage chunk when usage != NULL (a failure
 // there ends nothing more) then [DONE]. TDM_OK, or TDM_ECLOSED when the client
 // is gone (or the usage chunk could not be built).
-struct tdm_oai_response;
-struct tdm_oai_usage;
 int tdm_http_sse_finish_oai(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
                             const char *error_message, const struct tdm_oai_usage *usage);
 // True once a write to this client failed.
 bool tdm_http_client_gone(const struct tdm_http_conn *c);
+
+// ---- OpenAI routes (http_oai.c) --------------------------------------------------------------
+// What the decode worker and the router answer the same way, over common/openai:
+// /tokenize and /detokenize, and a completions/chat call (struct tdm_oai_call)
+// from its request to its stream; where the tokens come from is the caller's
+// pump.
+
+// POST /tokenize and /detokenize: the request body through tdm_oai_tokenize_run
+// / tdm_oai_detokenize_run, answered with the body or the OpenAI error.
+void tdm_http_oai_tokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
+                           const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
+                           const char *chat_err, int max_model_len);
+void tdm_http_oai_detokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
+                             const struct tdm_tokenizer *tok);
+// Starts a completions (kind TDM_OAI_COMPLETION) or chat call from the request
+// body and its X-Request-Id header (the response id when the body has no
+// request_id): tdm_oai_call_init into k. Answers by itself a rejected request
+// (its OpenAI error) and completions with echo and max_tokens 0 (each choice
+// its prompt's text, finish "length", as one body or a stream). Returns true
+// when the call's choices are to be generated, false when the request was
+// answered here. Free k with tdm_oai_call_fini either way.
+bool tdm_http_oai_call_start(struct tdm_http_conn *c, struct tdm_oai_call *k,
+                             enum tdm_oai_kind kind, const struct tdm_oai_model_info *info,
+                             const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
+                             const char *chat_err);
+// Moves the tokens that arrived into the call's choices (tdm_oai_asm_token,
+// _finish, _fail), waiting a little when none did, and stops the generator of
+// a choice that a stop string ended. Returns how many choices progressed (0:
+// nothing in the wait), or a negative value on ENOMEM.
+typedef int (*tdm_http_oai_pump_fn)(void *arg);
+// Streams a call whose generators run: starts the SSE response (headers added
+// before go out with it), writes each choice's opening chunk (chat: the
+// assistant role; completions with echo: the prompt text), then pumps and
+// writes each choice's news (tdm_oai_call_chunk) until every choice finished or
+// one failed, and ends with tdm_http_sse_finish_oai (the failed choice's
+// message as an error event, or the usage chunk when include_usage; [DONE]).
+// probe_idle_s > 0: after that long without progress an SSE comment probes the
+// client, so one that left is noticed while nothing is generated; 0: never.
+// TDM_OK, or TDM_ECLOSED when the client is gone (the caller stops what still
+// runs).
+int tdm_http_oai_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_http_oai_pump_fn pump,
+                        void *arg, double probe_idle_s);
 
 // ---- errors ----------------------------------------------------------------------------------
 // The HTTP status for an enum tdm_err (the one mapping every server uses): OK 200,

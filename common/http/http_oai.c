@@ -1,0 +1,181 @@
+// SPDX-License-Identifier: Apache-2.0
+// http OpenAI routes: what the decode worker and the router answer the same
+// way, over the public respond and SSE calls: /tokenize, /detokenize, and a
+// completions/chat call from its request (errors and echo-only answered here)
+// to its stream. The stream is one loop: pump the caller's token source, write
+// each choice's news as a chunk, stop at the first failed choice (an error
+// event: the client already has a 200) or once all finished, then usage and
+// [DONE]. A failed write means the client left; the loop returns at once so
+// that the caller cancels what still generates. Chunks of one choice go out in
+// order; choices interleave as their tokens arrive.
+#include "http.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "openai.h"
+
+// One SSE event from a heap JSON string (freed here): TDM_OK, TDM_ECLOSED when
+// the client is gone, TDM_ENOMEM when json is NULL (a failed build).
+static int sse_send(struct tdm_http_conn *c, char *json)
+{
+    if (json == NULL)
+        return TDM_ENOMEM;
+    int rc = tdm_http_sse_event(c, json, strlen(json));
+    free(json);
+    return rc == TDM_OK ? TDM_OK : TDM_ECLOSED;
+}
+
+// Writes choice i's pending text (and its finish once known), if any.
+static int flush_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t i)
+{
+    char *json = NULL;
+    bool finish_now = false;
+    if (tdm_oai_call_chunk(k, i, &json, &finish_now) != TDM_OK)
+        return TDM_ENOMEM;
+    if (json == NULL)
+        return TDM_OK;
+    int rc = sse_send(c, json);
+    if (rc == TDM_OK)
+        tdm_oai_asm_sent(&k->choices[i], finish_now);
+    return rc;
+}
+
+// Choice i's first chunk: chat names the assistant role; completions with echo
+// send the prompt text (the generated tokens' text_offset counts it).
+static int open_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t i)
+{
+    if (k->req.kind == TDM_OAI_CHAT)
+        return sse_send(c, tdm_oai_chat_role_chunk(&k->resp, k->choices[i].index));
+    if (!k->req.echo)
+        return TDM_OK;
+    char *json = NULL;
+    if (tdm_oai_call_echo_chunk(k, i, &json) != TDM_OK)
+        return TDM_ENOMEM;
+    return json ? sse_send(c, json) : TDM_OK;
+}
+
+int tdm_http_oai_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_http_oai_pump_fn pump,
+                        void *arg, double probe_idle_s)
+{
+    if (tdm_http_sse_start(c) != TDM_OK)
+        return TDM_ECLOSED;
+    int rc = TDM_OK;
+    for (size_t i = 0; i < k->n_choices && rc == TDM_OK; i++)
+        rc = open_choice(c, k, i);
+    double last_progress = tdm_now();
+    while (rc == TDM_OK) {
+        for (size_t i = 0; i < k->n_choices && rc == TDM_OK; i++)
+            rc = flush_choice(c, k, i);
+        if (rc != TDM_OK || tdm_oai_call_done(k) || tdm_oai_call_failed(k))
+            break;
+        int n = pump(arg);
+        if (n < 0) {
+            rc = TDM_ENOMEM;
+            break;
+        }
+        double now = tdm_now();
+        if (n > 0) {
+            last_progress = now;
+        } else if (tdm_http_client_gone(c)) {
+            rc = TDM_ECLOSED;
+        } else if (probe_idle_s > 0 && now - last_progress >= probe_idle_s) {
+            // Nothing for a while (queued, or a long prefill): the comment
+            // probes the client, so one that left is cancelled before its
+            // request is even admitted.
+            last_progress = now;
+            if (tdm_http_sse_comment(c, "waiting") != TDM_OK)
+                rc = TDM_ECLOSED;
+        }
+    }
+    if (rc == TDM_ECLOSED)
+        return TDM_ECLOSED;
+    const struct tdm_oai_asm *bad = tdm_oai_call_failed(k);
+    struct tdm_oai_usage u;
+    tdm_oai_call_usage(k, &u);
+    const char *failed = bad ? bad->message : rc == TDM_ENOMEM ? "out of memory" : NULL;
+    return tdm_http_sse_finish_oai(c, &k->resp, failed, k->req.include_usage ? &u : NULL);
+}
+
+// completions with echo and max_tokens 0: every choice is its prompt's text
+// with finish "length" and usage has no completion tokens, as one body or as a
+// stream (chunks, the usage chunk when include_usage, [DONE]).
+static void answer_echo_only(struct tdm_http_conn *c, const struct tdm_oai_call *k)
+{
+    size_t n = k->n_prompts * (size_t)k->req.n;
+    struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
+    if (oc == NULL) {
+        tdm_http_respond_errorf(c, 500, NULL, "out of memory");
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const struct tdm_oai_tokenized_prompt *p = &k->prompts[i / (size_t)k->req.n];
+        oc[i].index = (int)i;
+        oc[i].text = p->text ? p->text : "";
+        oc[i].text_len = p->text_len;
+        oc[i].finish = TDM_OAI_FINISH_LENGTH;
+        oc[i].stop_token = -1;
+    }
+    struct tdm_oai_usage u = {k->prompt_tokens, 0};
+    if (!k->req.stream) {
+        tdm_http_respond_json_owned(c, 200, tdm_oai_body(&k->resp, oc, n, &u));
+    } else if (tdm_http_sse_start(c) == TDM_OK) {
+        int rc = TDM_OK;
+        for (size_t i = 0; i < n && rc == TDM_OK; i++)
+            rc = sse_send(c, tdm_oai_chunk(&k->resp, &oc[i], 1, NULL));
+        if (rc == TDM_OK && k->req.include_usage)
+            rc = sse_send(c, tdm_oai_usage_chunk(&k->resp, &u));
+        if (rc == TDM_OK)
+            tdm_http_sse_end(c, true);
+    }
+    free(oc);
+}
+
+bool tdm_http_oai_call_start(struct tdm_http_conn *c, struct tdm_oai_call *k,
+                             enum tdm_oai_kind kind, const struct tdm_oai_model_info *info,
+                             const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
+                             const char *chat_err)
+{
+    size_t len = 0;
+    const char *body = tdm_http_body(c, &len);
+    struct tdm_oai_error e;
+    if (tdm_oai_call_init(k, kind, body, len, info, tok, chat, chat_err,
+                          tdm_http_header(c, "X-Request-Id"), &e) != TDM_OK) {
+        tdm_http_respond_oai_error(c, &e);
+        return false;
+    }
+    if (k->req.echo_only) {
+        answer_echo_only(c, k);
+        return false;
+    }
+    return true;
+}
+
+void tdm_http_oai_tokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
+                           const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
+                           const char *chat_err, int max_model_len)
+{
+    size_t len = 0;
+    const char *body = tdm_http_body(c, &len);
+    struct tdm_oai_error e;
+    char *out = NULL;
+    if (tdm_oai_tokenize_run(body, len, info, tok, chat, chat_err, max_model_len, &out, &e) !=
+        TDM_OK)
+        tdm_http_respond_oai_error(c, &e);
+    else
+        tdm_http_respond_json_owned(c, 200, out);
+}
+
+void tdm_http_oai_detokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
+                             const struct tdm_tokenizer *tok)
+{
+    size_t len = 0;
+    const char *body = tdm_http_body(c, &len);
+    struct tdm_oai_error e;
+    char *out = NULL;
+    if (tdm_oai_detokenize_run(body, len, info, tok, &out, &e) != TDM_OK)
+        tdm_http_respond_oai_error(c, &e);
+    else
+        tdm_http_respond_json_owned(c, 200, out);
+}
