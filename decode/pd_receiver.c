@@ -73,13 +73,8 @@ static const char *const flag_names[] = {"--nng-url", "--pd-prefill-timeout",
 static int set_flag(void *arg, int which, const char *val, char *err, size_t errlen)
 {
     struct tdm_pd_receiver_config *cfg = arg;
-    if (which == 0) {
-        if (strlen(val) >= sizeof cfg->nng_url || (val[0] && strstr(val, "://") == NULL))
-            return tdm_seterr(err, errlen, TDM_EINVAL,
-                              "--nng-url: expected tcp://HOST:PORT, got \"%s\"", val);
-        snprintf(cfg->nng_url, sizeof cfg->nng_url, "%s", val);
-        return TDM_OK;
-    }
+    if (which == 0) // "" turns P/D off
+        return tdm_pd_flag_url(cfg->nng_url, sizeof cfg->nng_url, val, true, err, errlen);
     char *end = NULL;
     double x = strtod(val, &end);
     if (end == val || *end != '\0' || !(x > 0) || x > 1e6)
@@ -174,6 +169,25 @@ static void timed_wait(struct tdm_pd_receiver *rx, double seconds)
         ts.tv_nsec -= 1000000000;
     }
     pthread_cond_timedwait(&rx->cv, &rx->mu, &ts);
+}
+
+// True once j should end: cancelled, the service stopping or its deadline passed.
+static bool job_stopped(struct djob *j)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    pthread_mutex_lock(&rx->mu);
+    bool stop = j->cancelled || atomic_load(&rx->net.stopping) || tdm_now() > j->deadline;
+    pthread_mutex_unlock(&rx->mu);
+    return stop;
+}
+
+// Forgets j's engine request (a cancel no longer reaches it) and releases it.
+static void job_release(struct djob *j, struct tdm_engine_request *req)
+{
+    pthread_mutex_lock(&j->rx->mu);
+    j->req = NULL;
+    pthread_mutex_unlock(&j->rx->mu);
+    tdm_engine_request_release(req);
 }
 
 // ---- messages to the router --------------------------------------------------------------
@@ -288,10 +302,7 @@ static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
     struct tdm_pd_receiver *rx = j->rx;
     bool sent_first = false, aborted = false;
     for (;;) {
-        pthread_mutex_lock(&rx->mu);
-        bool stop = j->cancelled || atomic_load(&rx->net.stopping) || tdm_now() > j->deadline;
-        pthread_mutex_unlock(&rx->mu);
-        if (stop && !aborted) {
+        if (job_stopped(j) && !aborted) {
             tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
             aborted = true;
         }
@@ -312,6 +323,15 @@ static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
             aborted = true;
         }
     }
+}
+
+// Streams a request prefilled on this engine (its phases: queue time only) to
+// the router, then releases it.
+static void stream_local(struct djob *j, struct tdm_engine_request *req)
+{
+    struct phases ph = {tdm_now() - j->arrival, 0, 0, ""};
+    stream_to_router(j, req, &ph, NULL);
+    job_release(j, req);
 }
 
 static void fill_params(struct djob *j, struct tdm_engine_request_params *ep)
@@ -352,12 +372,7 @@ static void run_local(struct djob *j)
     pthread_mutex_unlock(&rx->mu);
     if (cancelled)
         tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
-    struct phases ph = {tdm_now() - j->arrival, 0, 0, ""};
-    stream_to_router(j, req, &ph, NULL);
-    pthread_mutex_lock(&rx->mu);
-    j->req = NULL;
-    pthread_mutex_unlock(&rx->mu);
-    tdm_engine_request_release(req);
+    stream_local(j, req);
 }
 
 static void cancel_prefill(struct djob *j, uint64_t transfer_id, const char *url, uint64_t instance)
@@ -444,6 +459,14 @@ static void attempt_end_locked(struct djob *j)
     }
 }
 
+// The same, taking rx->mu.
+static void attempt_end(struct djob *j)
+{
+    pthread_mutex_lock(&j->rx->mu);
+    attempt_end_locked(j);
+    pthread_mutex_unlock(&j->rx->mu);
+}
+
 // One listed prefill worker: asks it to prefill and push the reserved block
 // range [first_block, first_block + num_blocks) of req, imports the frames as
 // they come (the receive thread does), and on success finishes the import
@@ -508,9 +531,7 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     if (rc != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s prefill %s unreachable: %s", j->request_id, t->url, err);
         tdm_pd_metrics_fail(&rx->m, "unreachable");
-        pthread_mutex_lock(&rx->mu);
-        attempt_end_locked(j);
-        pthread_mutex_unlock(&rx->mu);
+        attempt_end(j);
         return ATTEMPT_RETRY;
     }
 
@@ -556,9 +577,7 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     if (rc != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s prefill %s refused: %s", j->request_id, t->url, err);
         tdm_pd_metrics_fail(&rx->m, "header");
-        pthread_mutex_lock(&rx->mu);
-        attempt_end_locked(j);
-        pthread_mutex_unlock(&rx->mu);
+        attempt_end(j);
         cancel_prefill(j, tid, t->url, res->from_instance);
         tandem__prefill_result__free_unpacked(res, NULL);
         return ATTEMPT_RETRY;
@@ -629,10 +648,7 @@ static void end_import(struct djob *j, struct tdm_engine_request *req)
     while (tdm_engine_stream_next(req, 1.0, &c) != TDM_ECLOSED)
         if (c.finished)
             break;
-    pthread_mutex_lock(&rx->mu);
-    j->req = NULL;
-    pthread_mutex_unlock(&rx->mu);
-    tdm_engine_request_release(req);
+    job_release(j, req);
 }
 
 // Reserves the prompt's blocks on this engine before any prefill worker is
@@ -665,9 +681,7 @@ static enum reserve reserve_blocks(struct djob *j, struct tdm_engine_request **o
     bool stop = false;
     for (;;) {
         rc = tdm_engine_import_wait(req, 0.1, first_block, num_blocks);
-        pthread_mutex_lock(&rx->mu);
-        stop = j->cancelled || atomic_load(&rx->net.stopping) || tdm_now() > j->deadline;
-        pthread_mutex_unlock(&rx->mu);
+        stop = job_stopped(j);
         if (rc != TDM_ETIMEDOUT || stop)
             break;
     }
@@ -678,12 +692,7 @@ static enum reserve reserve_blocks(struct djob *j, struct tdm_engine_request **o
     if (rc == TDM_ECLOSED && !stop) {
         // Finished before its blocks were reserved (too long for the pool):
         // the engine's finish says why.
-        struct phases ph = {tdm_now() - j->arrival, 0, 0, ""};
-        stream_to_router(j, req, &ph, NULL);
-        pthread_mutex_lock(&rx->mu);
-        j->req = NULL;
-        pthread_mutex_unlock(&rx->mu);
-        tdm_engine_request_release(req);
+        stream_local(j, req);
         return RESERVE_DONE;
     }
     end_import(j, req);
@@ -709,18 +718,12 @@ static void *job_main(void *arg)
         enum reserve rv = reserve_blocks(j, &req, &first_block, &num_blocks);
         done = rv == RESERVE_DONE;
         for (size_t i = 0; rv == RESERVE_OK && i < j->gen->n_prefill && !done; i++) {
-            pthread_mutex_lock(&rx->mu);
-            bool stop = j->cancelled || atomic_load(&rx->net.stopping) || tdm_now() > j->deadline;
-            pthread_mutex_unlock(&rx->mu);
-            if (stop)
+            if (job_stopped(j))
                 break;
             done = try_remote(j, j->gen->prefill[i], req, first_block, num_blocks) == ATTEMPT_DONE;
         }
         if (rv == RESERVE_OK && done) {
-            pthread_mutex_lock(&rx->mu);
-            j->req = NULL;
-            pthread_mutex_unlock(&rx->mu);
-            tdm_engine_request_release(req);
+            job_release(j, req);
         } else if (rv == RESERVE_OK) {
             end_import(j, req); // every listed worker failed: the blocks go back
         }
@@ -819,8 +822,12 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     pthread_attr_destroy(&attr);
 }
 
-static struct djob *find_transfer(struct tdm_pd_receiver *rx, uint64_t tid)
+// The job whose current attempt is transfer tid, for a message addressed to this
+// instance (caller holds rx->mu); NULL for any other.
+static struct djob *find_attempt(struct tdm_pd_receiver *rx, uint64_t to_instance, uint64_t tid)
 {
+    if (to_instance != rx->net.instance)
+        return NULL;
     for (struct djob *j = rx->jobs; j; j = j->next)
         if (j->transfer_id == tid && tid != 0)
             return j;
@@ -834,7 +841,7 @@ static void on_result(void *arg, const struct tdm_net_frame *f)
     if (r == NULL)
         return;
     pthread_mutex_lock(&rx->mu);
-    struct djob *j = r->to_instance == rx->net.instance ? find_transfer(rx, r->transfer_id) : NULL;
+    struct djob *j = find_attempt(rx, r->to_instance, r->transfer_id);
     // An error result is taken from any instance (it only makes the job move
     // on: a restarted worker refuses a request for its predecessor); an ok one
     // only from the instance that sends this transfer's KV.
@@ -860,7 +867,7 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
     if (d == NULL)
         return;
     pthread_mutex_lock(&rx->mu);
-    struct djob *j = d->to_instance == rx->net.instance ? find_transfer(rx, d->transfer_id) : NULL;
+    struct djob *j = find_attempt(rx, d->to_instance, d->transfer_id);
     if (j == NULL || !j->importing || j->kv_failed)
         goto out;
     if (j->prefill_instance == 0)
@@ -938,7 +945,7 @@ static void on_load_report(void *arg, const struct tdm_net_frame *f)
     if (r == NULL)
         return;
     pthread_mutex_lock(&rx->mu);
-    struct djob *j = r->to_instance == rx->net.instance ? find_transfer(rx, r->seq) : NULL;
+    struct djob *j = find_attempt(rx, r->to_instance, r->seq);
     if (j)
         j->prefill_heard = tdm_now();
     pthread_mutex_unlock(&rx->mu);

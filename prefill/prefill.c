@@ -61,14 +61,11 @@ static const char *const flag_names[] = {"--nng-url", "--kv-hold-seconds", "--la
 static int set_flag(void *arg, int which, const char *val, char *err, size_t errlen)
 {
     struct tdm_prefill_config *cfg = arg;
+    if (which == 0)
+        return tdm_pd_flag_url(cfg->nng_url, sizeof cfg->nng_url, val, false, err, errlen);
     double x = 0;
-    int rc = TDM_OK;
-    if (which == 0) {
-        if (strlen(val) >= sizeof cfg->nng_url || strstr(val, "://") == NULL)
-            return tdm_seterr(err, errlen, TDM_EINVAL,
-                              "--nng-url: expected tcp://HOST:PORT, got \"%s\"", val);
-        snprintf(cfg->nng_url, sizeof cfg->nng_url, "%s", val);
-    } else if (which == 1) {
+    int rc;
+    if (which == 1) {
         rc = parse_double("--kv-hold-seconds", val, 0.1, &x, err, errlen);
         cfg->hold_seconds = x;
     } else {

@@ -171,3 +171,13 @@ int tdm_pd_take_flags(int *argc, char **argv, const char *const *names, int n, t
     *argc = w;
     return TDM_OK;
 }
+
+int tdm_pd_flag_url(char *dst, size_t dst_size, const char *value, bool allow_empty, char *err,
+                    size_t errlen)
+{
+    if (strlen(value) >= dst_size || ((value[0] || !allow_empty) && strstr(value, "://") == NULL))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--nng-url: expected tcp://HOST:PORT, got \"%s\"", value);
+    snprintf(dst, dst_size, "%s", value);
+    return TDM_OK;
+}

@@ -17,6 +17,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -106,5 +107,10 @@ typedef int (*tdm_pd_flag_fn)(void *cfg, int which, const char *value, char *err
 // a flag ends argv; set's error otherwise (argv is then left part-compacted).
 int tdm_pd_take_flags(int *argc, char **argv, const char *const *names, int n, tdm_pd_flag_fn set,
                       void *cfg, char *err, size_t errlen);
+// Copies an --nng-url value into dst[dst_size]. TDM_EINVAL "--nng-url: expected
+// tcp://HOST:PORT, got \"VALUE\"" (dst unchanged) when it does not fit or has no
+// "://"; "" is taken when allow_empty (the decode worker's "P/D off").
+int tdm_pd_flag_url(char *dst, size_t dst_size, const char *value, bool allow_empty, char *err,
+                    size_t errlen);
 
 #endif

@@ -6,7 +6,8 @@
 // metrics render with the role's names and help texts, the requests label or
 // none, the reason label and the fixed buckets, and a second registration of
 // the same names is refused; the flag walk takes both flag forms out of argv
-// and keeps the rest in order, and refuses a missing value or a bad one.
+// and keeps the rest in order, and refuses a missing value or a bad one; an
+// --nng-url value needs a scheme and must fit ("" only where allowed).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -326,13 +327,33 @@ static void test_take_flags(void **state)
     assert_int_equal(fl.calls, 1); // the walk stopped at the bad value
 }
 
+static void test_flag_url(void **state)
+{
+    (void)state;
+    char url[16] = "keep";
+    char err[256];
+    assert_int_equal(tdm_pd_flag_url(url, sizeof url, "tcp://h:1", false, err, sizeof err), TDM_OK);
+    assert_string_equal(url, "tcp://h:1");
+    assert_int_equal(tdm_pd_flag_url(url, sizeof url, "h:1", true, err, sizeof err), TDM_EINVAL);
+    assert_string_equal(err, "--nng-url: expected tcp://HOST:PORT, got \"h:1\"");
+    assert_string_equal(url, "tcp://h:1");
+    // 16 bytes do not fit in 16 (the NUL).
+    assert_int_equal(tdm_pd_flag_url(url, sizeof url, "tcp://host:12345", true, err, sizeof err),
+                     TDM_EINVAL);
+    assert_int_equal(tdm_pd_flag_url(url, sizeof url, "tcp://host:1234", true, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_pd_flag_url(url, sizeof url, "", false, err, sizeof err), TDM_EINVAL);
+    assert_string_equal(url, "tcp://host:1234");
+    assert_int_equal(tdm_pd_flag_url(url, sizeof url, "", true, err, sizeof err), TDM_OK);
+    assert_string_equal(url, "");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_service_dispatch),
-        cmocka_unit_test(test_service_init_fails),
-        cmocka_unit_test(test_metrics),
-        cmocka_unit_test(test_take_flags),
+        cmocka_unit_test(test_service_dispatch), cmocka_unit_test(test_service_init_fails),
+        cmocka_unit_test(test_metrics),          cmocka_unit_test(test_take_flags),
+        cmocka_unit_test(test_flag_url),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
