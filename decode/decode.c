@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// decode: the decode worker's server core (see decode.h). Three layers:
-//   - HTTP glue over civetweb (decode_http_*: headers, bodies, SSE framing,
-//     the one error -> status mapping of this server);
+// decode: the decode worker's server core (see decode.h). Two layers over
+// common/http:
 //   - routes (health, metrics, models, version, tokenize, detokenize);
-//   - the generation path: parse (common/openai) -> chat template and tokenize
-//     -> context checks -> one engine request per choice -> read the engine's
-//     output stream -> incremental detokenizer -> stop-string matcher -> SSE
-//     chunks or one body.
+//   - the generation path: parse, chat template, tokenize and context checks
+//     (common/openai's tdm_oai_call) -> one engine request per choice -> read
+//     the engine's output streams into the choices' assemblers (incremental
+//     detokenizer, stop-string matcher) -> SSE chunks (common/http's
+//     tdm_http_oai_stream, with this file's engine pump) or one body.
 // Invariants: an HTTP thread never touches the model or the KV cache, only the
 // engine's queues; every engine request a handler submitted is aborted (if
 // still running) and released before the handler returns, so a client that
@@ -71,40 +71,18 @@ struct tdm_decode_server {
     int64_t created;
 };
 
-// ---- HTTP glue ----------------------------------------------------------------------------
-// Error -> status goes through tdm_http_status_for_err (common/http), except
-// that a full waiting queue and a draining server are 503 (common/http adds
-// Retry-After to every 503 error).
-
-// One SSE event from a heap JSON string (freed here). 0, -1 when the client is
-// gone, -2 on ENOMEM (json NULL).
-static int sse_send(struct tdm_http_conn *c, char *json_owned)
-{
-    if (json_owned == NULL)
-        return -2;
-    int rc = tdm_http_sse_event(c, json_owned, strlen(json_owned));
-    free(json_owned);
-    return rc == TDM_OK ? 0 : -1;
-}
-
 // ---- generation -------------------------------------------------------------------------
-// One choice = one engine request and the text pipeline behind it.
-struct choice {
-    struct tdm_oai_asm a; // tokens -> text, stop strings, logprobs, finish (common/openai)
-    struct tdm_engine_request *req;
-};
-
+// One call = the request's choices (common/openai: tokens -> text, stop
+// strings, logprobs, finish) and one engine request per choice behind them;
+// common/http writes the stream. Error -> status goes through
+// tdm_http_status_for_err (common/http), except that a full waiting queue and a
+// draining server are 503 (common/http adds Retry-After to every 503 error).
 struct call {
     struct tdm_decode_server *s;
     struct tdm_http_conn *conn;
-    struct tdm_oai_request req;
-    struct tdm_oai_response resp;
-    struct tdm_oai_tokenized_prompt *prompts; // [n_prompts]
-    size_t n_prompts;
-    struct choice *choices;
-    size_t n_choices;
+    struct tdm_oai_call oai;
+    struct tdm_engine_request **reqs; // [oai.n_choices]; NULL once released
     bool client_gone;
-    int prompt_tokens; // usage: each prompt once
 };
 
 static enum tdm_oai_finish map_finish(enum tdm_engine_finish f)
@@ -123,65 +101,45 @@ static enum tdm_oai_finish map_finish(enum tdm_engine_finish f)
     }
 }
 
-// Consumes one engine chunk into the choice. A stop string that completes
+// Consumes one engine chunk into choice i. A stop string that completes
 // aborts the engine request (counted as finished_reason "stop").
-static int take_chunk(struct call *k, struct choice *ch, const struct tdm_engine_chunk *c)
+static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c)
 {
-    const struct tdm_oai_request *rq = &k->req;
+    struct tdm_oai_asm *a = &k->oai.choices[i];
     bool stopped = false;
-    for (int i = 0; i < c->n && !ch->a.done; i++) {
-        int32_t id = c->tokens[i];
+    for (int t = 0; t < c->n && !a->done; t++) {
+        int32_t id = c->tokens[t];
         bool ended_by_it = c->finished && c->reason == TDM_ENGINE_FINISH_STOP &&
-                           c->stop_token >= 0 && i == c->n - 1 && id == c->stop_token;
-        if (tdm_oai_asm_token(&ch->a, id, c->logprobs ? c->logprobs[i] : 0.0f,
-                              c->top ? c->top + (size_t)i * (size_t)c->num_top : NULL, c->num_top,
+                           c->stop_token >= 0 && t == c->n - 1 && id == c->stop_token;
+        if (tdm_oai_asm_token(a, id, c->logprobs ? c->logprobs[t] : 0.0f,
+                              c->top ? c->top + (size_t)t * (size_t)c->num_top : NULL, c->num_top,
                               ended_by_it, &stopped) != TDM_OK)
             return TDM_ENOMEM;
     }
-    if (!ch->a.done && c->finished) {
+    if (!a->done && c->finished) {
         int32_t stop_token = (c->reason == TDM_ENGINE_FINISH_STOP && c->stop_token >= 0 &&
-                              tdm_oai_is_stop_id(&rq->sampling, tdm_tok_eos_id(k->s->tok),
+                              tdm_oai_is_stop_id(&k->oai.req.sampling, tdm_tok_eos_id(k->s->tok),
                                                  &k->s->gen, c->stop_token))
                                  ? c->stop_token
                                  : -1;
-        if (tdm_oai_asm_finish(&ch->a, map_finish(c->reason), stop_token, c->error, c->message,
+        if (tdm_oai_asm_finish(a, map_finish(c->reason), stop_token, c->error, c->message,
                                &stopped) != TDM_OK)
             return TDM_ENOMEM;
     }
     if (stopped)
-        tdm_engine_abort(k->s->engine, ch->req, TDM_ENGINE_FINISH_STOP);
+        tdm_engine_abort(k->s->engine, k->reqs[i], TDM_ENGINE_FINISH_STOP);
     return TDM_OK;
-}
-
-// Stream: writes the choice's pending text (and its finish once known).
-static int stream_flush_choice(struct call *k, struct choice *ch)
-{
-    const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
-    struct tdm_oai_usage u = {p->n > 0 ? (int)p->n : 0, ch->a.completion_tokens};
-    char *json = NULL;
-    bool finish_now = false;
-    if (tdm_oai_asm_stream_chunk(&ch->a, &k->resp, p->ids, p->n,
-                                 k->req.continuous_usage_stats ? &u : NULL, &json,
-                                 &finish_now) != TDM_OK)
-        return -2;
-    if (json == NULL)
-        return 0;
-    if (sse_send(k->conn, json) < 0)
-        return -1;
-    tdm_oai_asm_sent(&ch->a, finish_now);
-    return 0;
 }
 
 // Aborts what still runs and drops every handle (KV frees at the engine's next step).
 static void release_all(struct call *k, enum tdm_engine_finish why)
 {
-    for (size_t i = 0; i < k->n_choices; i++) {
-        struct choice *ch = &k->choices[i];
-        if (ch->req) {
-            if (!ch->a.done)
-                tdm_engine_abort(k->s->engine, ch->req, why);
-            tdm_engine_request_release(ch->req);
-            ch->req = NULL;
+    for (size_t i = 0; k->reqs && i < k->oai.n_choices; i++) {
+        if (k->reqs[i]) {
+            if (!k->oai.choices[i].done)
+                tdm_engine_abort(k->s->engine, k->reqs[i], why);
+            tdm_engine_request_release(k->reqs[i]);
+            k->reqs[i] = NULL;
         }
     }
 }
@@ -189,46 +147,25 @@ static void release_all(struct call *k, enum tdm_engine_finish why)
 static void call_fini(struct call *k)
 {
     release_all(k, TDM_ENGINE_FINISH_ABORT);
-    for (size_t i = 0; i < k->n_choices; i++) {
-        struct choice *ch = &k->choices[i];
-        tdm_oai_asm_fini(&ch->a);
-    }
-    free(k->choices);
-    tdm_oai_prompts_free(k->prompts, k->n_prompts);
-    tdm_oai_request_fini(&k->req);
-}
-
-// Tokenizes the request's prompts (completions) or renders and tokenizes the
-// chat. 4xx/5xx goes into e.
-static int build_prompts(struct call *k, struct tdm_oai_error *e)
-{
-    struct tdm_decode_server *s = k->s;
-    return tdm_oai_prompts_build(&k->req, &s->info, s->tok, s->chat, s->chat_err, &k->prompts,
-                                 &k->n_prompts, &k->prompt_tokens, e);
+    free(k->reqs);
+    tdm_oai_call_fini(&k->oai);
 }
 
 // Submits one engine request per choice. On failure answers nothing; e is set.
 static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
 {
     struct tdm_decode_server *s = k->s;
-    struct tdm_oai_request *rq = &k->req;
+    const struct tdm_oai_request *rq = &k->oai.req;
     size_t n = (size_t)rq->n;
-    k->n_choices = k->n_prompts * n;
-    k->choices = calloc(k->n_choices, sizeof *k->choices);
-    if (k->choices == NULL)
+    k->reqs = calloc(k->oai.n_choices ? k->oai.n_choices : 1, sizeof *k->reqs);
+    if (k->reqs == NULL)
         return tdm_oai_seterr(e, 500, NULL, "out of memory");
-    for (size_t i = 0; i < k->n_choices; i++) {
-        struct choice *ch = &k->choices[i];
-        if (tdm_oai_asm_init(&ch->a, rq, s->tok, (int)i, (int)(i / n)) != TDM_OK)
-            return tdm_oai_seterr(e, 500, NULL, "out of memory");
-    }
-    for (size_t i = 0; i < k->n_choices; i++) {
-        struct choice *ch = &k->choices[i];
-        const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
+        const struct tdm_oai_tokenized_prompt *p = &k->oai.prompts[k->oai.choices[i].prompt_idx];
         struct tdm_engine_request_params ep;
         tdm_engine_request_params_default(&ep);
         char id[128];
-        snprintf(id, sizeof id, "%s-%zu", k->resp.id, i);
+        snprintf(id, sizeof id, "%s-%zu", k->oai.resp.id, i);
         ep.id = id;
         ep.prompt = p->ids;
         ep.n_prompt = (int)p->n;
@@ -243,9 +180,9 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
         ep.arrival_time = arrival;
         ep.params_n = rq->n;
         char err[512];
-        int rc = tdm_engine_submit(s->engine, &ep, &ch->req, err, sizeof err);
+        int rc = tdm_engine_submit(s->engine, &ep, &k->reqs[i], err, sizeof err);
         if (rc != TDM_OK) {
-            ch->req = NULL;
+            k->reqs[i] = NULL;
             release_all(k, TDM_ENGINE_FINISH_ABORT);
             if (rc == TDM_EBUSY)
                 return tdm_oai_seterr(e, 503, NULL,
@@ -262,15 +199,17 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
 
 // Reads engine output for every unfinished choice; blocks briefly when none
 // had anything. Returns the number of choices that progressed, -2 on ENOMEM.
-static int pump(struct call *k)
+// (The call's token source for tdm_http_oai_stream.)
+static int pump(void *arg)
 {
+    struct call *k = arg;
     int progressed = 0, active = 0;
-    for (size_t i = 0; i < k->n_choices; i++)
-        active += !k->choices[i].a.done;
+    for (size_t i = 0; i < k->oai.n_choices; i++)
+        active += !k->oai.choices[i].done;
     bool waited = false;
-    for (size_t i = 0; i < k->n_choices; i++) {
-        struct choice *ch = &k->choices[i];
-        if (ch->a.done)
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
+        struct tdm_oai_asm *a = &k->oai.choices[i];
+        if (a->done)
             continue;
         // With one choice block on its stream; with several poll them and block
         // a little on the first so the loop does not spin.
@@ -280,231 +219,70 @@ static int pump(struct call *k)
             waited = true;
         }
         struct tdm_engine_chunk c;
-        int rc = tdm_engine_stream_next(ch->req, wait, &c);
+        int rc = tdm_engine_stream_next(k->reqs[i], wait, &c);
         if (rc == TDM_ETIMEDOUT)
             continue;
         if (rc == TDM_ECLOSED) { // finish already taken (should not happen)
-            ch->a.done = true;
+            a->done = true;
             continue;
         }
-        if (take_chunk(k, ch, &c) != TDM_OK)
+        if (take_chunk(k, i, &c) != TDM_OK)
             return -2;
         progressed++;
     }
     return progressed;
 }
 
-static void usage_of(const struct call *k, struct tdm_oai_usage *u)
-{
-    u->prompt_tokens = k->prompt_tokens;
-    u->completion_tokens = 0;
-    for (size_t i = 0; i < k->n_choices; i++)
-        u->completion_tokens += k->choices[i].a.completion_tokens;
-}
-
-static bool all_done(const struct call *k)
-{
-    for (size_t i = 0; i < k->n_choices; i++)
-        if (!k->choices[i].a.done)
-            return false;
-    return true;
-}
-
-static const struct choice *first_error(const struct call *k)
-{
-    for (size_t i = 0; i < k->n_choices; i++)
-        if (k->choices[i].a.done && k->choices[i].a.finish == TDM_OAI_FINISH_ERROR)
-            return &k->choices[i];
-    return NULL;
-}
-
-static void run_stream(struct call *k)
-{
-    if (tdm_http_sse_start(k->conn) != TDM_OK) {
-        k->client_gone = true;
-        return;
-    }
-    int rc = 0;
-    for (size_t i = 0; i < k->n_choices && rc == 0; i++) {
-        struct choice *ch = &k->choices[i];
-        if (k->req.kind == TDM_OAI_CHAT) {
-            rc = sse_send(k->conn, tdm_oai_chat_role_chunk(&k->resp, ch->a.index));
-        } else if (k->req.echo) {
-            const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
-            if (tdm_oai_asm_add_text(&ch->a, p->text, p->text_len) != TDM_OK)
-                rc = -2;
-            else
-                rc = stream_flush_choice(k, ch);
-        }
-    }
-    double last_out = tdm_now();
-    while (rc == 0 && !all_done(k)) {
-        int n = pump(k);
-        if (n < 0) {
-            rc = -2;
-            break;
-        }
-        // Nothing for a second (queued, or a long prefill): an SSE comment
-        // probes the client, so one that left is aborted before it is admitted.
-        double now = tdm_now();
-        if (n > 0) {
-            last_out = now;
-        } else if (now - last_out >= 1.0) {
-            last_out = now;
-            if (tdm_http_sse_comment(k->conn, "waiting") != TDM_OK) {
-                rc = -1;
-                break;
-            }
-        }
-        for (size_t i = 0; i < k->n_choices && rc == 0; i++)
-            rc = stream_flush_choice(k, &k->choices[i]);
-        if (first_error(k))
-            break;
-    }
-    if (rc == -1) {
-        k->client_gone = true;
-        return;
-    }
-    const struct choice *bad = first_error(k);
-    struct tdm_oai_usage u;
-    usage_of(k, &u);
-    const char *failed = bad ? bad->a.message : rc == -2 ? "out of memory" : NULL;
-    if (tdm_http_sse_finish_oai(k->conn, &k->resp, failed, k->req.include_usage ? &u : NULL) !=
-        TDM_OK)
-        k->client_gone = true;
-}
-
 static void run_collect(struct call *k)
 {
-    while (!all_done(k)) {
+    while (!tdm_oai_call_done(&k->oai)) {
         if (pump(k) < 0) {
             tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
             return;
         }
     }
-    const struct choice *bad = first_error(k);
+    const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
     if (bad) {
-        tdm_http_respond_errorf(k->conn, 500, NULL, "%s", bad->a.message);
+        tdm_http_respond_errorf(k->conn, 500, NULL, "%s", bad->message);
         return;
     }
-    const struct tdm_oai_asm **asms = calloc(k->n_choices ? k->n_choices : 1, sizeof *asms);
-    if (asms == NULL) {
-        tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
-        return;
-    }
-    for (size_t i = 0; i < k->n_choices; i++)
-        asms[i] = &k->choices[i].a;
-    struct tdm_oai_usage u;
-    usage_of(k, &u);
-    tdm_http_respond_json_owned(k->conn, 200,
-                 tdm_oai_asm_body(&k->resp, k->req.echo, asms, k->n_choices, k->prompts, &u));
+    tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));
     k->client_gone = tdm_http_client_gone(k->conn);
-    free(asms);
-}
-
-// completions with echo and max_tokens 0: the prompts back, nothing generated.
-static void run_echo_only(struct call *k)
-{
-    k->n_choices = 0;
-    size_t n = k->n_prompts * (size_t)k->req.n;
-    struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
-    if (oc == NULL) {
-        tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
-        return;
-    }
-    for (size_t i = 0; i < n; i++) {
-        const struct tdm_oai_tokenized_prompt *p = &k->prompts[i / (size_t)k->req.n];
-        oc[i].index = (int)i;
-        oc[i].text = p->text ? p->text : "";
-        oc[i].text_len = p->text_len;
-        oc[i].finish = TDM_OAI_FINISH_LENGTH;
-        oc[i].stop_token = -1;
-    }
-    struct tdm_oai_usage u = {k->prompt_tokens, 0};
-    if (!k->req.stream) {
-        tdm_http_respond_json_owned(k->conn, 200, tdm_oai_body(&k->resp, oc, n, &u));
-    } else if (tdm_http_sse_start(k->conn) == TDM_OK) {
-        int rc = 0;
-        for (size_t i = 0; i < n && rc == 0; i++) {
-            rc = sse_send(k->conn, tdm_oai_chunk(&k->resp, &oc[i], 1, NULL));
-        }
-        if (rc == 0 && k->req.include_usage) {
-            rc = sse_send(k->conn, tdm_oai_usage_chunk(&k->resp, &u));
-        }
-        if (rc == 0)
-            tdm_http_sse_end(k->conn, true);
-    }
-    free(oc);
 }
 
 static void handle_generate(struct tdm_decode_server *s, struct tdm_http_conn *c,
-                            enum tdm_oai_kind kind, const char *body, size_t len)
+                            enum tdm_oai_kind kind)
 {
     double arrival = tdm_now();
     struct call k;
     memset(&k, 0, sizeof k);
     k.s = s;
     k.conn = c;
+    if (!tdm_http_oai_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
+        goto out; // answered: an error, or echo only
     struct tdm_oai_error e;
-    if (tdm_oai_request_parse(&k.req, kind, body, len, &s->info, &e) != TDM_OK) {
-        tdm_http_respond_oai_error(c, &e);
-        return;
-    }
-    const char *base = k.req.request_id ? k.req.request_id : tdm_http_header(c, "X-Request-Id");
-    tdm_oai_response_init(&k.resp, kind, s->served_name, base);
-    if (build_prompts(&k, &e) != TDM_OK) {
-        tdm_http_respond_oai_error(c, &e);
-        goto out;
-    }
-    if (k.req.echo_only) {
-        run_echo_only(&k);
-        goto out;
-    }
     if (submit_all(&k, arrival, &e) != TDM_OK) {
         tdm_http_respond_oai_error(c, &e);
         goto out;
     }
-    if (k.req.stream)
-        run_stream(&k);
+    // Streams probe the client after a second without tokens (queued, long prefill).
+    if (k.oai.req.stream)
+        k.client_gone = tdm_http_oai_stream(c, &k.oai, pump, &k, 1.0) == TDM_ECLOSED;
     else
         run_collect(&k);
     // One line per request; finish=abort when the client went away.
     struct tdm_oai_usage u;
-    usage_of(&k, &u);
+    tdm_oai_call_usage(&k.oai, &u);
+    const char *finish = k.client_gone ? "abort" : "-";
+    if (!k.client_gone && k.oai.n_choices && k.oai.choices[0].finish != TDM_OAI_FINISH_NONE)
+        finish = tdm_oai_finish_name(k.oai.choices[0].finish);
     TDM_LOG_INFO(MOD, "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
-                 k.resp.id, k.n_choices, u.prompt_tokens, u.completion_tokens,
-                 k.client_gone ? "abort"
-                 : k.n_choices && k.choices[0].a.finish != TDM_OAI_FINISH_NONE
-                     ? tdm_oai_finish_name(k.choices[0].a.finish)
-                     : "-");
+                 k.oai.resp.id, k.oai.n_choices, u.prompt_tokens, u.completion_tokens, finish);
 out:
     call_fini(&k);
 }
 
-// ---- tokenize / detokenize ------------------------------------------------------------------
-static void handle_tokenize(struct tdm_decode_server *s, struct tdm_http_conn *c, const char *body,
-                            size_t len)
-{
-    struct tdm_oai_error e;
-    char *out = NULL;
-    if (tdm_oai_tokenize_run(body, len, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len,
-                             &out, &e) != TDM_OK)
-        tdm_http_respond_oai_error(c, &e);
-    else
-        tdm_http_respond_json_owned(c, 200, out);
-}
-
-static void handle_detokenize(struct tdm_decode_server *s, struct tdm_http_conn *c,
-                              const char *body, size_t len)
-{
-    struct tdm_oai_error e;
-    char *out = NULL;
-    if (tdm_oai_detokenize_run(body, len, &s->info, s->tok, &out, &e) != TDM_OK)
-        tdm_http_respond_oai_error(c, &e);
-    else
-        tdm_http_respond_json_owned(c, 200, out);
-}
-
+// ---- models ---------------------------------------------------------------------------------
 static void handle_models(struct tdm_decode_server *s, struct tdm_http_conn *c)
 {
     struct tdm_oai_model_card card = {
@@ -563,8 +341,6 @@ static void on_api(struct tdm_decode_server *s, struct tdm_http_conn *c, enum ap
 {
     atomic_fetch_add(&s->inflight, 1);
     int state = atomic_load(&s->state);
-    size_t len = 0;
-    const char *body = tdm_http_body(c, &len);
     if (state != STATE_READY)
         tdm_http_respond_errorf(c, 503, NULL, "%s",
                       state == STATE_LOADING ? "The model is loading."
@@ -572,13 +348,13 @@ static void on_api(struct tdm_decode_server *s, struct tdm_http_conn *c, enum ap
     else if (r == ROUTE_MODELS)
         handle_models(s, c);
     else if (r == ROUTE_COMPLETIONS)
-        handle_generate(s, c, TDM_OAI_COMPLETION, body, len);
+        handle_generate(s, c, TDM_OAI_COMPLETION);
     else if (r == ROUTE_CHAT)
-        handle_generate(s, c, TDM_OAI_CHAT, body, len);
+        handle_generate(s, c, TDM_OAI_CHAT);
     else if (r == ROUTE_TOKENIZE)
-        handle_tokenize(s, c, body, len);
+        tdm_http_oai_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
     else
-        handle_detokenize(s, c, body, len);
+        tdm_http_oai_detokenize(c, &s->info, s->tok);
     if (atomic_fetch_sub(&s->inflight, 1) == 1) {
         pthread_mutex_lock(&s->mu);
         pthread_cond_broadcast(&s->idle_cv);
