@@ -9,8 +9,9 @@
 // prefix index is cleared and streams bound to the old instance fail at once.
 //
 // The OpenAI response shaping (detokenization, stop strings, logprobs, echo,
-// usage, SSE) follows the decode worker's direct path (decode/decode.c) so that
-// text through the router equals text from the decode worker alone.
+// usage, SSE) is the decode worker's own (common/openai's tdm_oai_call,
+// common/http's tdm_http_oai_stream) so that text through the router equals
+// text from the decode worker alone; this file feeds it TokenChunks.
 #include "router.h"
 
 #include <cjson/cJSON.h>
@@ -412,36 +413,22 @@ static void *poll_main(void *arg)
     return NULL;
 }
 
-// ---- HTTP glue -------------------------------------------------------------------------------
-static int sse_send(struct tdm_http_conn *c, char *json_owned)
-{
-    if (json_owned == NULL)
-        return -2;
-    int rc = tdm_http_sse_event(c, json_owned, strlen(json_owned));
-    free(json_owned);
-    return rc == TDM_OK ? 0 : -1;
-}
-
 // ---- one API call ------------------------------------------------------------------------------
+// Choice i of the call: its assembler in k->oai and its upstream stream.
 struct choice {
-    struct tdm_oai_asm a; // tokens -> text, stop strings, logprobs, finish (common/openai)
-    struct rstream *st;   // registered upstream stream, NULL when not started
-    bool upstream_done;   // the decode worker sent its finish (or was cancelled/lost)
-    bool got_chunk;       // any chunk arrived (phase times, first token)
-    double last_token_at; // for the inter-token histogram
+    struct tdm_oai_asm *a; // &k->oai.choices[i]: tokens -> text, stop strings, logprobs, finish
+    struct rstream *st;    // registered upstream stream, NULL when not started
+    bool upstream_done;    // the decode worker sent its finish (or was cancelled/lost)
+    bool got_chunk;        // any chunk arrived (phase times, first token)
+    double last_token_at;  // for the inter-token histogram
 };
 
 struct call {
     struct tdm_router_server *s;
     struct tdm_http_conn *conn;
-    struct tdm_oai_request req;
-    struct tdm_oai_response resp;
-    struct tdm_oai_tokenized_prompt *prompts; // [n_prompts]
-    size_t n_prompts;
-    struct choice *choices;
-    size_t n_choices;
+    struct tdm_oai_call oai; // request, prompts, choices' assemblers (common/openai)
+    struct choice *choices;  // [oai.n_choices]
     bool client_gone;
-    int prompt_tokens;
     double arrival;
     struct tdm_router_route route;
     bool routed;
@@ -494,7 +481,7 @@ static void note_phases(struct call *k, const Tandem__TokenChunk *m)
 // Consumes one upstream chunk into the choice.
 static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChunk *m)
 {
-    const struct tdm_oai_request *rq = &k->req;
+    const struct tdm_oai_request *rq = &k->oai.req;
     struct tdm_router_metrics *rm = k->s->rm;
     note_phases(k, m);
     double now = tdm_now();
@@ -513,7 +500,7 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
     int keep = nt < TDM_MAX_LOGPROBS ? nt : TDM_MAX_LOGPROBS;
     struct tdm_token_logprob top[TDM_MAX_LOGPROBS];
     bool stopped = false;
-    for (size_t i = 0; i < m->n_tokens && !ch->a.done; i++) {
+    for (size_t i = 0; i < m->n_tokens && !ch->a->done; i++) {
         int32_t id = m->tokens[i];
         for (int j = 0; j < keep; j++) {
             top[j].token = m->top[i * (size_t)nt + (size_t)j]->token;
@@ -521,28 +508,28 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
         }
         bool ended_by_it = m->finished && strcmp(m->finish_reason, "stop") == 0 &&
                            m->stop_token >= 0 && i == m->n_tokens - 1 && id == m->stop_token;
-        if (tdm_oai_asm_token(&ch->a, id, with_lp ? m->logprobs[i] : 0.0f, keep ? top : NULL,
-                              keep, ended_by_it, &stopped) != TDM_OK)
+        if (tdm_oai_asm_token(ch->a, id, with_lp ? m->logprobs[i] : 0.0f, keep ? top : NULL, keep,
+                              ended_by_it, &stopped) != TDM_OK)
             return TDM_ENOMEM;
     }
     if (stopped)
         send_cancel(k, ch); // the decode worker stops generating (and frees the KV)
     if (m->finished)
         ch->upstream_done = true;
-    if (!ch->a.done && m->finished) {
+    if (!ch->a->done && m->finished) {
         enum tdm_oai_finish finish = map_finish(m->finish_reason);
         int32_t stop_token = (finish == TDM_OAI_FINISH_STOP && m->stop_token >= 0 &&
                               tdm_oai_is_stop_id(&rq->sampling, tdm_tok_eos_id(k->s->tok),
                                                  &k->s->gen, m->stop_token))
                                  ? m->stop_token
                                  : -1;
-        if (tdm_oai_asm_finish(&ch->a, finish, stop_token, m->error ? m->error : TDM_ETRANSPORT,
+        if (tdm_oai_asm_finish(ch->a, finish, stop_token, m->error ? m->error : TDM_ETRANSPORT,
                                m->message, &stopped) != TDM_OK)
             return TDM_ENOMEM;
         // A worker that is loading or draining refused it before any token:
         // another decode worker can take it (handle_generate).
-        if (ch->a.finish == TDM_OAI_FINISH_ERROR && ch->a.error == TDM_ECLOSED &&
-            ch->a.completion_tokens == 0)
+        if (ch->a->finish == TDM_OAI_FINISH_ERROR && ch->a->error == TDM_ECLOSED &&
+            ch->a->completion_tokens == 0)
             k->lost = true;
     }
     return TDM_OK;
@@ -583,9 +570,9 @@ static int pump(struct call *k, double wait)
     pthread_mutex_lock(&s->mu);
     for (;;) {
         bool any = false;
-        for (size_t i = 0; i < k->n_choices; i++) {
+        for (size_t i = 0; i < k->oai.n_choices; i++) {
             struct choice *ch = &k->choices[i];
-            if (!ch->a.done && ch->st && (ch->st->qn > 0 || ch->st->overflow))
+            if (!ch->a->done && ch->st && (ch->st->qn > 0 || ch->st->overflow))
                 any = true;
         }
         if (any || tdm_now() >= until)
@@ -600,9 +587,9 @@ static int pump(struct call *k, double wait)
         pthread_cond_timedwait(&k->cv, &s->mu, &ts);
     }
     pthread_mutex_unlock(&s->mu);
-    for (size_t i = 0; i < k->n_choices; i++) {
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        if (ch->a.done || ch->st == NULL)
+        if (ch->a->done || ch->st == NULL)
             continue;
         for (;;) {
             pthread_mutex_lock(&s->mu);
@@ -615,8 +602,8 @@ static int pump(struct call *k, double wait)
             }
             pthread_mutex_unlock(&s->mu);
             if (m == NULL) {
-                if (overflow && !ch->a.done) {
-                    tdm_oai_asm_fail(&ch->a, TDM_ENOMEM, "router: stream queue overflow");
+                if (overflow && !ch->a->done) {
+                    tdm_oai_asm_fail(ch->a, TDM_ENOMEM, "router: stream queue overflow");
                     send_cancel(k, ch);
                 }
                 break;
@@ -626,73 +613,22 @@ static int pump(struct call *k, double wait)
             if (rc != TDM_OK)
                 return -2;
             progressed++;
-            if (ch->a.done)
+            if (ch->a->done)
                 break;
         }
-        if (ch->a.done)
+        if (ch->a->done)
             continue;
         char why[256];
         if (tdm_now() > k->route.deadline) {
-            tdm_oai_asm_fail(&ch->a, TDM_ETIMEDOUT, "the request's deadline passed");
+            tdm_oai_asm_fail(ch->a, TDM_ETIMEDOUT, "the request's deadline passed");
             send_cancel(k, ch);
         } else if (!upstream_alive(k, ch, why, sizeof why)) {
-            tdm_oai_asm_fail(&ch->a, TDM_ETRANSPORT, "%s", why);
+            tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT, "%s", why);
             ch->upstream_done = true; // nobody to cancel
             k->lost = true;
         }
     }
     return progressed;
-}
-
-static bool all_done(const struct call *k)
-{
-    for (size_t i = 0; i < k->n_choices; i++)
-        if (!k->choices[i].a.done)
-            return false;
-    return true;
-}
-
-static const struct choice *first_error(const struct call *k)
-{
-    for (size_t i = 0; i < k->n_choices; i++)
-        if (k->choices[i].a.done && k->choices[i].a.finish == TDM_OAI_FINISH_ERROR)
-            return &k->choices[i];
-    return NULL;
-}
-
-static void usage_of(const struct call *k, struct tdm_oai_usage *u)
-{
-    u->prompt_tokens = k->prompt_tokens;
-    u->completion_tokens = 0;
-    for (size_t i = 0; i < k->n_choices; i++)
-        u->completion_tokens += k->choices[i].a.completion_tokens;
-}
-
-static int stream_flush_choice(struct call *k, struct choice *ch)
-{
-    const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
-    struct tdm_oai_usage u = {(int)p->n, ch->a.completion_tokens};
-    char *json = NULL;
-    bool finish_now = false;
-    if (tdm_oai_asm_stream_chunk(&ch->a, &k->resp, p->ids, p->n,
-                                 k->req.continuous_usage_stats ? &u : NULL, &json,
-                                 &finish_now) != TDM_OK)
-        return -2;
-    if (json == NULL)
-        return 0;
-    if (sse_send(k->conn, json) < 0)
-        return -1;
-    tdm_oai_asm_sent(&ch->a, finish_now);
-    return 0;
-}
-
-// Tokenizes the request's prompts (completions) or renders and tokenizes the
-// chat. 4xx/5xx goes into e.
-static int build_prompts(struct call *k, struct tdm_oai_error *e)
-{
-    struct tdm_router_server *s = k->s;
-    return tdm_oai_prompts_build(&k->req, &s->info, s->tok, s->chat, s->chat_err, &k->prompts,
-                                 &k->n_prompts, &k->prompt_tokens, e);
 }
 
 static void stream_unregister(struct tdm_router_server *s, struct rstream *st)
@@ -716,7 +652,7 @@ static void stream_unregister(struct tdm_router_server *s, struct rstream *st)
 // Cancels what still runs upstream and forgets the streams.
 static void release_upstream(struct call *k)
 {
-    for (size_t i = 0; i < k->n_choices; i++) {
+    for (size_t i = 0; k->choices && i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
         send_cancel(k, ch);
         stream_unregister(k->s, ch->st);
@@ -728,7 +664,7 @@ static void release_upstream(struct call *k)
 static int send_generates(struct call *k, char *err, size_t errlen)
 {
     struct tdm_router_server *s = k->s;
-    struct tdm_oai_request *rq = &k->req;
+    struct tdm_oai_request *rq = &k->oai.req;
     size_t n = (size_t)rq->n;
     const struct tdm_router_route *r = &k->route;
     uint64_t dec_inst = 0;
@@ -760,13 +696,13 @@ static int send_generates(struct call *k, char *err, size_t errlen)
         }
     }
     double left = r->deadline - tdm_now();
-    for (size_t i = 0; i < k->n_choices; i++) {
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
+        const struct tdm_oai_tokenized_prompt *p = &k->oai.prompts[ch->a->prompt_idx];
         struct rstream *st = calloc(1, sizeof *st);
         if (st == NULL)
             return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
-        snprintf(st->request_id, sizeof st->request_id, "%.48s-%zu-%016llx", k->resp.id, i,
+        snprintf(st->request_id, sizeof st->request_id, "%.48s-%zu-%016llx", k->oai.resp.id, i,
                  (unsigned long long)tdm_net_new_instance_id());
         st->ep_id = r->decode.id;
         st->cv = &k->cv;
@@ -838,7 +774,7 @@ static int route_and_send(struct call *k, struct tdm_oai_error *e)
     const char *sh = session_header_of(cfg);
     if (sh)
         session = tdm_http_header(k->conn, sh);
-    const struct tdm_oai_tokenized_prompt *p0 = &k->prompts[0];
+    const struct tdm_oai_tokenized_prompt *p0 = &k->oai.prompts[0];
     char err[512];
     int rc = TDM_EBUSY;
     snprintf(err, sizeof err, "no decode worker available");
@@ -864,7 +800,7 @@ static int route_and_send(struct call *k, struct tdm_oai_error *e)
             rc = TDM_ETRANSPORT;
             snprintf(err, sizeof err, "decode worker %s is not answering", k->route.decode.name);
         }
-        TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s), rerouting", k->resp.id,
+        TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s), rerouting", k->oai.resp.id,
                      k->route.decode.name, err);
         release_upstream(k);
         // The report counts the upstream error (tandem:router_upstream_errors_total).
@@ -897,12 +833,18 @@ static void add_phase_header(struct call *k)
         tdm_http_add_header(k->conn, sh, token);
 }
 
+// The call's token source for tdm_http_oai_stream.
+static int stream_pump(void *arg)
+{
+    return pump(arg, 0.1);
+}
+
 static void run_stream(struct call *k)
 {
     // Wait for the first chunk of choice 0 before the headers go out, so an
     // upstream failure before any token is a plain HTTP error and the phase
     // times make it into the response header.
-    while (!k->choices[0].got_chunk && !k->choices[0].a.done) {
+    while (!k->choices[0].got_chunk && !k->choices[0].a->done) {
         if (pump(k, 0.1) < 0) {
             tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
             return;
@@ -912,74 +854,20 @@ static void run_stream(struct call *k)
             return;
         }
     }
-    const struct choice *bad0 = first_error(k);
-    if (bad0 && bad0->a.completion_tokens == 0 && all_done(k)) {
-        int status = bad0->a.error == TDM_ETIMEDOUT ? 504 : tdm_http_status_for_err(bad0->a.error);
+    const struct tdm_oai_asm *bad0 = tdm_oai_call_failed(&k->oai);
+    if (bad0 && bad0->completion_tokens == 0 && tdm_oai_call_done(&k->oai)) {
+        int status = bad0->error == TDM_ETIMEDOUT ? 504 : tdm_http_status_for_err(bad0->error);
         tdm_http_respond_errorf(k->conn, status >= 500 || status == 429 ? status : 502, NULL, "%s",
-                      bad0->a.message);
+                                bad0->message);
         return;
     }
     add_phase_header(k);
-    if (tdm_http_sse_start(k->conn) != TDM_OK) {
-        k->client_gone = true;
-        return;
-    }
-    int rc = 0;
-    for (size_t i = 0; i < k->n_choices && rc == 0; i++) {
-        struct choice *ch = &k->choices[i];
-        if (k->req.kind == TDM_OAI_CHAT) {
-            rc = sse_send(k->conn, tdm_oai_chat_role_chunk(&k->resp, ch->a.index));
-        } else if (k->req.echo) {
-            // The echoed prompt goes first, as a chunk of its own (no logprobs), so
-            // the generated tokens' text_offset counts it.
-            const struct tdm_oai_tokenized_prompt *p = &k->prompts[ch->a.prompt_idx];
-            static const int32_t none[1] = {0};
-            struct tdm_oai_choice oc;
-            memset(&oc, 0, sizeof oc);
-            oc.index = ch->a.index;
-            oc.text = p->text ? p->text : "";
-            oc.text_len = p->text_len;
-            oc.stop_token = -1;
-            oc.has_logprobs = k->req.logprobs;
-            if (k->req.return_token_ids) {
-                oc.token_ids = none;
-                oc.prompt_token_ids = p->ids;
-                oc.n_prompt_token_ids = p->n;
-                ch->a.first_sent = true;
-            }
-            rc = sse_send(k->conn, tdm_oai_chunk(&k->resp, &oc, 1, NULL));
-            ch->a.chars_sent += tdm_oai_utf8_chars(oc.text, oc.text_len);
-        }
-    }
-    while (rc == 0) {
-        for (size_t i = 0; i < k->n_choices && rc == 0; i++)
-            rc = stream_flush_choice(k, &k->choices[i]);
-        if (rc != 0 || all_done(k) || first_error(k))
-            break;
-        int n = pump(k, 0.1);
-        if (n < 0) {
-            rc = -2;
-            break;
-        }
-        if (n == 0 && tdm_http_client_gone(k->conn))
-            rc = -1;
-    }
-    if (rc == -1) {
-        k->client_gone = true;
-        return;
-    }
-    const struct choice *bad = first_error(k);
-    struct tdm_oai_usage u;
-    usage_of(k, &u);
-    const char *failed = bad ? bad->a.message : rc == -2 ? "out of memory" : NULL;
-    if (tdm_http_sse_finish_oai(k->conn, &k->resp, failed, k->req.include_usage ? &u : NULL) !=
-        TDM_OK)
-        k->client_gone = true;
+    k->client_gone = tdm_http_oai_stream(k->conn, &k->oai, stream_pump, k, 0) == TDM_ECLOSED;
 }
 
 static void run_collect(struct call *k)
 {
-    while (!all_done(k)) {
+    while (!tdm_oai_call_done(&k->oai)) {
         int n = pump(k, 0.1);
         if (n < 0) {
             tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
@@ -991,75 +879,28 @@ static void run_collect(struct call *k)
         }
     }
     add_phase_header(k);
-    const struct choice *bad = first_error(k);
+    const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
     if (bad) {
-        int status = bad->a.error == TDM_ETIMEDOUT ? 504 : 502;
-        tdm_http_respond_errorf(k->conn, status, NULL, "%s", bad->a.message);
+        int status = bad->error == TDM_ETIMEDOUT ? 504 : 502;
+        tdm_http_respond_errorf(k->conn, status, NULL, "%s", bad->message);
         return;
     }
-    const struct tdm_oai_asm **asms = calloc(k->n_choices ? k->n_choices : 1, sizeof *asms);
-    if (asms == NULL) {
-        tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
-        return;
-    }
-    for (size_t i = 0; i < k->n_choices; i++)
-        asms[i] = &k->choices[i].a;
-    struct tdm_oai_usage u;
-    usage_of(k, &u);
-    tdm_http_respond_json_owned(k->conn, 200,
-                 tdm_oai_asm_body(&k->resp, k->req.echo, asms, k->n_choices, k->prompts, &u));
+    tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));
     k->client_gone = tdm_http_client_gone(k->conn);
-    free(asms);
-}
-
-static void run_echo_only(struct call *k)
-{
-    size_t n = k->n_prompts * (size_t)k->req.n;
-    struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
-    if (oc == NULL) {
-        tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
-        return;
-    }
-    for (size_t i = 0; i < n; i++) {
-        const struct tdm_oai_tokenized_prompt *p = &k->prompts[i / (size_t)k->req.n];
-        oc[i].index = (int)i;
-        oc[i].text = p->text ? p->text : "";
-        oc[i].text_len = p->text_len;
-        oc[i].finish = TDM_OAI_FINISH_LENGTH;
-        oc[i].stop_token = -1;
-    }
-    struct tdm_oai_usage u = {k->prompt_tokens, 0};
-    if (!k->req.stream) {
-        tdm_http_respond_json_owned(k->conn, 200, tdm_oai_body(&k->resp, oc, n, &u));
-    } else if (tdm_http_sse_start(k->conn) == TDM_OK) {
-        int rc = 0;
-        for (size_t i = 0; i < n && rc == 0; i++)
-            rc = sse_send(k->conn, tdm_oai_chunk(&k->resp, &oc[i], 1, NULL));
-        if (rc == 0 && k->req.include_usage)
-            rc = sse_send(k->conn, tdm_oai_usage_chunk(&k->resp, &u));
-        if (rc == 0)
-            tdm_http_sse_end(k->conn, true);
-    }
-    free(oc);
 }
 
 static void call_fini(struct call *k)
 {
     release_upstream(k);
-    for (size_t i = 0; i < k->n_choices; i++) {
-        struct choice *ch = &k->choices[i];
-        tdm_oai_asm_fini(&ch->a);
-    }
     free(k->choices);
-    tdm_oai_prompts_free(k->prompts, k->n_prompts);
-    tdm_oai_request_fini(&k->req);
+    tdm_oai_call_fini(&k->oai);
 }
 
 // True when no choice produced a token yet (so a retry is invisible).
 static bool retryable(const struct call *k)
 {
-    for (size_t i = 0; i < k->n_choices; i++)
-        if (k->choices[i].a.completion_tokens > 0)
+    for (size_t i = 0; i < k->oai.n_choices; i++)
+        if (k->oai.choices[i].completion_tokens > 0)
             return false;
     return true;
 }
@@ -1069,9 +910,9 @@ static void reset_for_retry(struct call *k)
 {
     struct tdm_router_server *s = k->s;
     release_upstream(k);
-    for (size_t i = 0; i < k->n_choices; i++) {
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        tdm_oai_asm_reset_finish(&ch->a);
+        tdm_oai_asm_reset_finish(ch->a);
         ch->got_chunk = false;
         ch->upstream_done = true;
     }
@@ -1086,52 +927,34 @@ static void reset_for_retry(struct call *k)
 }
 
 static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c,
-                            enum tdm_oai_kind kind, const char *body, size_t len)
+                            enum tdm_oai_kind kind)
 {
     struct call k;
     memset(&k, 0, sizeof k);
     k.s = s;
     k.conn = c;
     k.arrival = tdm_now();
-    struct tdm_oai_error e;
-    if (tdm_oai_request_parse(&k.req, kind, body, len, &s->info, &e) != TDM_OK) {
-        tdm_http_respond_oai_error(c, &e);
-        return;
-    }
     pthread_cond_init(&k.cv, NULL);
-    const char *base = k.req.request_id ? k.req.request_id : tdm_http_header(c, "X-Request-Id");
-    tdm_oai_response_init(&k.resp, kind, s->served_name, base);
-    if (build_prompts(&k, &e) != TDM_OK) {
-        tdm_http_respond_oai_error(c, &e);
-        goto out;
-    }
-    if (k.req.echo_only) {
-        run_echo_only(&k);
-        goto out;
-    }
-    size_t n = (size_t)k.req.n;
-    k.n_choices = k.n_prompts * n;
-    k.choices = calloc(k.n_choices, sizeof *k.choices);
+    if (!tdm_http_oai_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
+        goto out; // answered: an error, or echo only
+    k.choices = calloc(k.oai.n_choices, sizeof *k.choices);
     if (k.choices == NULL) {
         tdm_http_respond_errorf(c, 500, NULL, "out of memory");
         goto out;
     }
-    for (size_t i = 0; i < k.n_choices; i++) {
-        struct choice *ch = &k.choices[i];
-        ch->upstream_done = true;
-        if (tdm_oai_asm_init(&ch->a, &k.req, s->tok, (int)i, (int)(i / n)) != TDM_OK) {
-            tdm_http_respond_errorf(c, 500, NULL, "out of memory");
-            goto out;
-        }
+    for (size_t i = 0; i < k.oai.n_choices; i++) {
+        k.choices[i].a = &k.oai.choices[i];
+        k.choices[i].upstream_done = true;
     }
     for (int attempt = 0;; attempt++) {
+        struct tdm_oai_error e;
         if (route_and_send(&k, &e) != TDM_OK) {
             tdm_http_respond_oai_error(c, &e);
             goto out;
         }
         // Until the first chunk arrives nothing reached the client: a decode
         // worker lost in that window is replaced transparently.
-        while (!k.choices[0].got_chunk && !k.choices[0].a.done && !k.client_gone) {
+        while (!k.choices[0].got_chunk && !k.choices[0].a->done && !k.client_gone) {
             if (pump(&k, 0.1) < 0) {
                 tdm_http_respond_errorf(c, 500, NULL, "out of memory");
                 goto out;
@@ -1142,17 +965,17 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
             goto out;
         if (!k.lost || attempt + 1 >= DECODE_ATTEMPTS || !retryable(&k))
             break;
-        TDM_LOG_WARN(MOD, "req=%s decode %s lost before the first token, rerouting", k.resp.id,
+        TDM_LOG_WARN(MOD, "req=%s decode %s lost before the first token, rerouting", k.oai.resp.id,
                      k.route.decode.name);
         reset_for_retry(&k);
     }
-    if (k.req.stream)
+    if (k.oai.req.stream)
         run_stream(&k);
     else
         run_collect(&k);
     if (k.client_gone)
-        TDM_LOG_INFO(MOD, "req=%s client disconnected, cancelled upstream", k.resp.id);
-    const struct choice *bad = first_error(&k);
+        TDM_LOG_INFO(MOD, "req=%s client disconnected, cancelled upstream", k.oai.resp.id);
+    const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k.oai);
     if (k.lost) {
         tdm_metrics_counter_inc(k.s->m_lost);
         // Counted once, by the report (tandem:router_upstream_errors_total).
@@ -1163,12 +986,14 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     if (s->rm)
         tdm_metrics_histogram_observe(s->rm->e2e, tdm_now() - k.arrival);
     struct tdm_oai_usage u;
-    usage_of(&k, &u);
+    tdm_oai_call_usage(&k.oai, &u);
     TDM_LOG_INFO(MOD, "req=%s done decode=%s decision=%s prompt_tokens=%d completion_tokens=%d %s",
-                 k.resp.id, k.route.decode.name, tdm_router_decision_name(k.route.decision),
+                 k.oai.resp.id, k.route.decode.name, tdm_router_decision_name(k.route.decision),
                  u.prompt_tokens, u.completion_tokens, k.phases);
 out:;
-    const char *status = k.client_gone ? "cancelled" : first_error(&k) ? "error" : "success";
+    const char *status = k.client_gone                 ? "cancelled"
+                         : tdm_oai_call_failed(&k.oai) ? "error"
+                                                       : "success";
     call_fini(&k);
     pthread_cond_destroy(&k.cv);
     if (k.routed)
@@ -1176,29 +1001,6 @@ out:;
 }
 
 // ---- other routes ---------------------------------------------------------------------------
-static void handle_tokenize(struct tdm_router_server *s, struct tdm_http_conn *c, const char *body,
-                            size_t len)
-{
-    struct tdm_oai_error e;
-    char *out = NULL;
-    if (tdm_oai_tokenize_run(body, len, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len,
-                             &out, &e) != TDM_OK)
-        tdm_http_respond_oai_error(c, &e);
-    else
-        tdm_http_respond_json_owned(c, 200, out);
-}
-
-static void handle_detokenize(struct tdm_router_server *s, struct tdm_http_conn *c,
-                              const char *body, size_t len)
-{
-    struct tdm_oai_error e;
-    char *out = NULL;
-    if (tdm_oai_detokenize_run(body, len, &s->info, s->tok, &out, &e) != TDM_OK)
-        tdm_http_respond_oai_error(c, &e);
-    else
-        tdm_http_respond_json_owned(c, 200, out);
-}
-
 static void on_health(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_router_server *s = arg;
@@ -1251,30 +1053,24 @@ static void on_router_config(struct tdm_http_conn *c, void *arg)
 
 static void on_completions(struct tdm_http_conn *c, void *arg)
 {
-    size_t len = 0;
-    const char *body = tdm_http_body(c, &len);
-    handle_generate(arg, c, TDM_OAI_COMPLETION, body, len);
+    handle_generate(arg, c, TDM_OAI_COMPLETION);
 }
 
 static void on_chat(struct tdm_http_conn *c, void *arg)
 {
-    size_t len = 0;
-    const char *body = tdm_http_body(c, &len);
-    handle_generate(arg, c, TDM_OAI_CHAT, body, len);
+    handle_generate(arg, c, TDM_OAI_CHAT);
 }
 
 static void on_tokenize(struct tdm_http_conn *c, void *arg)
 {
-    size_t len = 0;
-    const char *body = tdm_http_body(c, &len);
-    handle_tokenize(arg, c, body, len);
+    struct tdm_router_server *s = arg;
+    tdm_http_oai_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
 }
 
 static void on_detokenize(struct tdm_http_conn *c, void *arg)
 {
-    size_t len = 0;
-    const char *body = tdm_http_body(c, &len);
-    handle_detokenize(arg, c, body, len);
+    struct tdm_router_server *s = arg;
+    tdm_http_oai_detokenize(c, &s->info, s->tok);
 }
 
 // ---- lifecycle ---------------------------------------------------------------------------------
