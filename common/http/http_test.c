@@ -917,8 +917,14 @@ static int sse_events(char *body, char **ev, int max)
     return n;
 }
 
-static char *oai_stream(struct fixture *f, const char *path, const char *json, char *events,
-                        size_t cap)
+// The events of the last oai_events call (pointers into oai_buf).
+static char oai_buf[65536];
+static char *oai_ev[256];
+
+// Posts a streamed request, checks the SSE response, waits for the handler
+// and splits the events into oai_ev. Returns the count; *p gets the handler's
+// probe (stream result, stops seen, pumps).
+static int oai_events(struct fixture *f, const char *path, const char *json, struct oai_probe *p)
 {
     oai_reset(f);
     char *r = post(f->port, path, json);
@@ -926,8 +932,13 @@ static char *oai_stream(struct fixture *f, const char *path, const char *json, c
     char v[64];
     assert_string_equal(header_of(r, "Content-Type", v, sizeof v),
                         "text/event-stream; charset=utf-8");
-    dechunk(body_of(r), events, cap);
-    return r;
+    dechunk(body_of(r), oai_buf, sizeof oai_buf);
+    free(r);
+    *p = oai_wait(f);
+    int n = sse_events(oai_buf, oai_ev, 256);
+    assert_true(n > 0);
+    assert_string_equal(oai_ev[n - 1], "[DONE]");
+    return n;
 }
 
 static int int_of(const cJSON *o, const char *a, const char *b)
@@ -940,21 +951,17 @@ static int int_of(const cJSON *o, const char *a, const char *b)
 static void test_oai_stream_chat(void **state)
 {
     struct fixture *f = *state;
-    static char events[65536];
-    char *r = oai_stream(f, "/oai/chat",
-                         "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"n\":2,"
-                         "\"max_tokens\":100,\"stream\":true,\"stream_options\":{"
-                         "\"include_usage\":true,\"continuous_usage_stats\":true}}",
-                         events, sizeof events);
-    struct oai_probe p = oai_wait(f);
+    struct oai_probe p;
+    int n = oai_events(f, "/oai/chat",
+                       "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"n\":2,"
+                       "\"max_tokens\":100,\"stream\":true,\"stream_options\":{"
+                       "\"include_usage\":true,\"continuous_usage_stats\":true}}",
+                       &p);
     assert_int_equal(p.rc, TDM_OK);
-    char *ev[256];
-    int n = sse_events(events, ev, 256);
-    assert_string_equal(ev[n - 1], "[DONE]");
     char text[2][256] = {"", ""}, id[96] = "";
     int finishes[2] = {0, 0}, last_tokens[2] = {0, 0}, prompt_tokens = -1;
     for (int i = 0; i < n - 1; i++) {
-        cJSON *c = cJSON_Parse(ev[i]);
+        cJSON *c = cJSON_Parse(oai_ev[i]);
         assert_non_null(c);
         if (!id[0])
             snprintf(id, sizeof id, "%s", cJSON_GetObjectItem(c, "id")->valuestring);
@@ -1000,26 +1007,21 @@ static void test_oai_stream_chat(void **state)
         assert_string_equal(text[i], oai_text);
         assert_int_equal(finishes[i], 1);
     }
-    free(r);
 }
 
 static void test_oai_stream_echo_and_stop(void **state)
 {
     struct fixture *f = *state;
-    static char events[65536];
-    char *r = oai_stream(f, "/oai/completions",
-                         "{\"prompt\":\"Say:\",\"echo\":true,\"stop\":[\" fox\"],"
-                         "\"return_token_ids\":true,\"max_tokens\":100,\"stream\":true}",
-                         events, sizeof events);
-    struct oai_probe p = oai_wait(f);
+    struct oai_probe p;
+    int n = oai_events(f, "/oai/completions",
+                       "{\"prompt\":\"Say:\",\"echo\":true,\"stop\":[\" fox\"],"
+                       "\"return_token_ids\":true,\"max_tokens\":100,\"stream\":true}",
+                       &p);
     assert_int_equal(p.rc, TDM_OK);
     assert_int_equal(p.stops, 1); // the source heard of the stop string once
-    char *ev[256];
-    int n = sse_events(events, ev, 256);
-    assert_string_equal(ev[n - 1], "[DONE]");
     char text[256] = "";
     for (int i = 0; i < n - 1; i++) {
-        cJSON *c = cJSON_Parse(ev[i]);
+        cJSON *c = cJSON_Parse(oai_ev[i]);
         assert_non_null(c);
         assert_null(cJSON_GetObjectItem(c, "usage")); // no include_usage, no usage chunk
         const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItem(c, "choices"), 0);
@@ -1042,25 +1044,20 @@ static void test_oai_stream_echo_and_stop(void **state)
         cJSON_Delete(c);
     }
     assert_string_equal(text, "Say:The quick brown");
-    free(r);
 }
 
 static void test_oai_stream_error_and_probe(void **state)
 {
     struct fixture *f = *state;
-    static char events[65536];
+    struct oai_probe p;
     // A choice fails after the stream started: an error event, [DONE], no usage.
-    char *r = oai_stream(f, "/oai/completions?fail",
-                         "{\"prompt\":\"Hi\",\"n\":2,\"max_tokens\":100,\"stream\":true,"
-                         "\"stream_options\":{\"include_usage\":true}}",
-                         events, sizeof events);
-    struct oai_probe p = oai_wait(f);
+    int n = oai_events(f, "/oai/completions?fail",
+                       "{\"prompt\":\"Hi\",\"n\":2,\"max_tokens\":100,\"stream\":true,"
+                       "\"stream_options\":{\"include_usage\":true}}",
+                       &p);
     assert_int_equal(p.rc, TDM_OK);
-    char *ev[256];
-    int n = sse_events(events, ev, 256);
     assert_true(n >= 3);
-    assert_string_equal(ev[n - 1], "[DONE]");
-    cJSON *c = cJSON_Parse(ev[n - 2]);
+    cJSON *c = cJSON_Parse(oai_ev[n - 2]);
     const cJSON *err = cJSON_GetObjectItem(c, "error");
     assert_non_null(err);
     assert_string_equal(cJSON_GetObjectItem(err, "message")->valuestring,
@@ -1068,18 +1065,14 @@ static void test_oai_stream_error_and_probe(void **state)
     assert_int_equal(cJSON_GetObjectItem(err, "code")->valueint, 500);
     cJSON_Delete(c);
     for (int i = 0; i < n - 2; i++)
-        assert_null(strstr(ev[i], "\"usage\""));
-    free(r);
+        assert_null(strstr(oai_ev[i], "\"usage\""));
 
     // Nothing for a while: comments probe the client, then the stream goes on.
-    r = oai_stream(f, "/oai/completions?idle",
-                   "{\"prompt\":\"Hi\",\"max_tokens\":100,\"stream\":true}", events, sizeof events);
-    p = oai_wait(f);
+    n = oai_events(f, "/oai/completions?idle",
+                   "{\"prompt\":\"Hi\",\"max_tokens\":100,\"stream\":true}", &p);
     assert_int_equal(p.rc, TDM_OK);
-    n = sse_events(events, ev, 256);
-    assert_string_equal(ev[0], ": waiting");
-    assert_string_equal(ev[n - 1], "[DONE]");
-    free(r);
+    assert_string_equal(oai_ev[0], ": waiting");
+    assert_true(n > 2);
 }
 
 static void test_oai_stream_client_gone(void **state)
@@ -1145,28 +1138,23 @@ static void test_oai_start_answers(void **state)
     assert_int_equal(oai_wait(f).pumps, 0);
 
     // ... or as a stream: a chunk per choice, usage, [DONE].
-    static char events[8192];
-    r = oai_stream(f, "/oai/completions",
-                   "{\"prompt\":\"Hello\",\"echo\":true,\"max_tokens\":0,\"n\":2,\"stream\":true,"
-                   "\"stream_options\":{\"include_usage\":true}}",
-                   events, sizeof events);
-    char *ev[16];
-    int n = sse_events(events, ev, 16);
+    int n = oai_events(f, "/oai/completions",
+                       "{\"prompt\":\"Hello\",\"echo\":true,\"max_tokens\":0,\"n\":2,"
+                       "\"stream\":true,\"stream_options\":{\"include_usage\":true}}",
+                       &p);
+    assert_int_equal(p.pumps, 0);
     assert_int_equal(n, 4);
     for (int i = 0; i < 2; i++) {
-        j = cJSON_Parse(ev[i]);
+        j = cJSON_Parse(oai_ev[i]);
         const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0);
         assert_int_equal(cJSON_GetObjectItem(ch, "index")->valueint, i);
         assert_string_equal(cJSON_GetObjectItem(ch, "text")->valuestring, "Hello");
         cJSON_Delete(j);
     }
-    j = cJSON_Parse(ev[2]);
+    j = cJSON_Parse(oai_ev[2]);
     assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(j, "choices")), 0);
     assert_true(int_of(j, "usage", "prompt_tokens") > 0);
     cJSON_Delete(j);
-    assert_string_equal(ev[3], "[DONE]");
-    free(r);
-    oai_wait(f);
 
     // The X-Request-Id header names a response whose body has no request_id.
     oai_reset(f);
