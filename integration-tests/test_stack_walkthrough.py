@@ -65,6 +65,7 @@ def main():
     check(gauge(port, "vllm:num_requests_running") == 0, "running != 0 while idle")
     check(gauge(port, "vllm:kv_cache_usage_perc") == 0, "kv usage != 0 while idle")
     n_tokens = 4000
+    gen0 = gauge(port, "vllm:generation_tokens_total")
     stream = Stream(port, "/v1/completions",
                     {"model": MODEL, "prompt": PROMPT, "max_tokens": n_tokens, "stream": True,
                      "ignore_eos": True, "stream_options": {"include_usage": True}}, timeout=120)
@@ -92,8 +93,14 @@ def main():
         if finish is None and now - last_poll > 0.05:
             last_poll = now
             m = metrics(port)
-            samples.append((metric_sum(m, "vllm:num_requests_running"),
-                            metric_sum(m, "vllm:kv_cache_usage_perc")))
+            # The engine runs ahead of this reader by whatever the socket
+            # buffers hold, so near the end it may have finished while chunks
+            # are still unread: a sample counts only while the worker's own
+            # token counter says generation is still going (with a margin for
+            # the tokens made while one scrape is rendered).
+            if metric_sum(m, "vllm:generation_tokens_total") - gen0 < n_tokens - 16:
+                samples.append((metric_sum(m, "vllm:num_requests_running"),
+                                metric_sum(m, "vllm:kv_cache_usage_perc")))
     stream.close()
     check(done and finish == "length", "stream ended without length/[DONE] (finish %s)" % finish)
     check(usage and usage["completion_tokens"] == n_tokens, "usage chunk: %s" % usage)
