@@ -4,9 +4,9 @@
 // cache (geometry, model, length, bad bytes) is refused; a PrefillRequest's
 // push target (block range, layers per frame, the sender's KV header) survives
 // packing and is checked on receipt; a KvData layer's size matches the
-// cache's export; garbage bytes
-// never unpack as a message; and a worker's inbox loop (tdm_net_inbox_serve)
-// answers a LoadQuery with its load, ignoring a malformed one.
+// cache's export; and garbage bytes never unpack as a message. A LoadQuery's
+// answer (tdm_pd_answer_load_query) is tested where workers serve it, through
+// the P/D service (pd_service_test).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -15,10 +15,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include <pthread.h>
-#include <stdatomic.h>
-#include <unistd.h>
 
 #include "core.h"
 #include "pd_codec.h"
@@ -260,141 +256,14 @@ static void test_garbage_messages(void **state)
     free(buf);
 }
 
-// ---- load queries through a served inbox ----------------------------------------------------
-struct worker {
-    struct tdm_net_inbox *in;
-    struct tdm_net_outbox *ob;
-    atomic_bool stopping;
-    atomic_int frames; // every frame handed to the handler
-};
-
-static void worker_load(void *arg, struct tdm_pd_load *load)
-{
-    struct worker *w = arg;
-    load->instance = 0x1234;
-    load->role = "decode";
-    load->model = "m";
-    load->running = 3;
-    load->waiting = 4;
-    load->kv_usage = 0.5f;
-    load->free_blocks = 5;
-    load->total_blocks = 6;
-    load->block_size = 16;
-    load->held = 7;
-    load->url = tdm_net_inbox_url(w->in);
-    static const uint64_t stored[] = {11, 22}, evicted[] = {33};
-    load->has_kv_events = true;
-    load->kv_cleared = true;
-    load->kv_batch = 5;
-    load->kv_stored = stored;
-    load->n_kv_stored = 2;
-    load->kv_evicted = evicted;
-    load->n_kv_evicted = 1;
-}
-
-static void worker_frame(void *arg, const struct tdm_net_frame *f)
-{
-    struct worker *w = arg;
-    atomic_fetch_add(&w->frames, 1);
-    if (f->type == TDM_NET_LOAD_QUERY)
-        tdm_pd_answer_load_query(w->ob, f, worker_load, w);
-}
-
-static void *worker_main(void *arg)
-{
-    struct worker *w = arg;
-    tdm_net_inbox_serve(w->in, &w->stopping, worker_frame, w, "pd-codec-test");
-    return NULL;
-}
-
-static void test_load_query_served(void **state)
-{
-    (void)state;
-    char err[256];
-    struct worker w;
-    memset(&w, 0, sizeof w);
-    atomic_init(&w.stopping, false);
-    atomic_init(&w.frames, 0);
-    struct tdm_net_inbox *asker = NULL;
-    struct tdm_net_outbox *ob = NULL;
-    assert_int_equal(tdm_net_inbox_new(&w.in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
-    assert_int_equal(tdm_net_inbox_new(&asker, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
-    assert_int_equal(tdm_net_outbox_new(&w.ob, 50, err, sizeof err), TDM_OK);
-    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
-    pthread_t th;
-    assert_int_equal(pthread_create(&th, NULL, worker_main, &w), 0);
-
-    // A malformed query is dropped; a good one is answered.
-    assert_int_equal(tdm_net_send(ob, tdm_net_inbox_url(w.in), TDM_NET_LOAD_QUERY, "\xff\xff", 2,
-                                  NULL, 0, 2.0, err, sizeof err),
-                     TDM_OK);
-    Tandem__Peer peer = TANDEM__PEER__INIT;
-    peer.url = (char *)tdm_net_inbox_url(asker);
-    peer.instance = 99;
-    Tandem__LoadQuery q = TANDEM__LOAD_QUERY__INIT;
-    q.reply_to = &peer;
-    q.seq = 42;
-    // The answer is a nonblocking send: the first may find the worker's outbox
-    // not yet connected to the asker, so the asker repeats, as routers do.
-    struct tdm_net_msg *msg = NULL;
-    int sent = 0, rc = TDM_ETIMEDOUT;
-    for (; sent < 50 && rc == TDM_ETIMEDOUT; sent++) {
-        assert_int_equal(tdm_pd_send(ob, tdm_net_inbox_url(w.in), TDM_NET_LOAD_QUERY, &q.base, NULL,
-                                     0, 2.0, err, sizeof err),
-                         TDM_OK);
-        rc = tdm_net_inbox_recv(asker, 0.1, &msg, err, sizeof err);
-    }
-    assert_int_equal(rc, TDM_OK);
-    const struct tdm_net_frame *f = tdm_net_msg_frame(msg);
-    assert_int_equal(f->type, TDM_NET_LOAD_REPORT);
-    Tandem__LoadReport *r = tandem__load_report__unpack(NULL, f->msg_len, f->msg);
-    assert_non_null(r);
-    assert_true(r->instance == 0x1234);
-    assert_true(r->to_instance == 99);
-    assert_true(r->seq == 42);
-    assert_string_equal(r->role, "decode");
-    assert_string_equal(r->model, "m");
-    assert_int_equal(r->running, 3);
-    assert_int_equal(r->waiting, 4);
-    assert_true(r->kv_usage == 0.5f);
-    assert_int_equal(r->free_blocks, 5);
-    assert_int_equal(r->total_blocks, 6);
-    assert_int_equal(r->block_size, 16);
-    assert_int_equal(r->held, 7);
-    assert_string_equal(r->url, tdm_net_inbox_url(w.in));
-    assert_non_null(r->kv_events);
-    assert_true(r->kv_events->instance == 0x1234);
-    assert_true(r->kv_events->cleared);
-    assert_true(r->kv_events->batch == 5);
-    assert_int_equal(r->kv_events->n_stored, 2);
-    assert_true(r->kv_events->stored[0] == 11 && r->kv_events->stored[1] == 22);
-    assert_int_equal(r->kv_events->n_evicted, 1);
-    assert_true(r->kv_events->evicted[0] == 33);
-    tandem__load_report__free_unpacked(r, NULL);
-    tdm_net_msg_free(msg);
-    // Every query reached the handler, the malformed one too (and got no report).
-    for (int i = 0; i < 50 && atomic_load(&w.frames) < 1 + sent; i++)
-        usleep(20000);
-    assert_int_equal(atomic_load(&w.frames), 1 + sent);
-    while (tdm_net_inbox_recv(asker, 0.2, &msg, err, sizeof err) == TDM_OK) {
-        assert_int_equal(tdm_net_msg_frame(msg)->type, TDM_NET_LOAD_REPORT);
-        tdm_net_msg_free(msg);
-    }
-
-    atomic_store(&w.stopping, true);
-    assert_int_equal(pthread_join(th, NULL), 0);
-    tdm_net_outbox_free(ob);
-    tdm_net_outbox_free(w.ob);
-    tdm_net_inbox_free(asker);
-    tdm_net_inbox_free(w.in);
-}
-
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_sampling_round_trip), cmocka_unit_test(test_kv_header_check),
-        cmocka_unit_test(test_push_target),         cmocka_unit_test(test_layer_bytes),
-        cmocka_unit_test(test_garbage_messages),    cmocka_unit_test(test_load_query_served),
+        cmocka_unit_test(test_sampling_round_trip),
+        cmocka_unit_test(test_kv_header_check),
+        cmocka_unit_test(test_push_target),
+        cmocka_unit_test(test_layer_bytes),
+        cmocka_unit_test(test_garbage_messages),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

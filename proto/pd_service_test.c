@@ -1,13 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // pd_service tests: the service dispatches frames by type to the role's
 // handlers (with its arg), answers a LoadQuery with the role's load (the common
-// fields from tdm_pd_service_load), ignores frames without a handler and runs
-// no handler after stop; a URL it cannot listen on fails cleanly; the transfer
-// metrics render with the role's names and help texts, the requests label or
-// none, the reason label and the fixed buckets, and a second registration of
-// the same names is refused; the flag walk takes both flag forms out of argv
-// and keeps the rest in order, and refuses a missing value or a bad one; an
-// --nng-url value needs a scheme and must fit ("" only where allowed).
+// fields from tdm_pd_service_load, held and KV events) and drops a malformed
+// one, ignores frames without a handler and runs no handler after stop; a URL
+// it cannot listen on fails cleanly; the transfer metrics render with the
+// role's names and help texts, the requests label or none, the reason label
+// and the fixed buckets, and a second registration of the same names is
+// refused; the flag walk takes both flag forms out of argv and keeps the rest
+// in order, and refuses a missing value or a bad one; an --nng-url value needs
+// a scheme and must fit ("" only where allowed).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -16,6 +17,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <unistd.h>
 
 #include "core.h"
 #include "engine.h"
@@ -59,6 +62,14 @@ static void role_load(void *arg, struct tdm_pd_load *load)
     st.num_held = 7;
     tdm_pd_service_load(&r->svc, &st, "prefill", "m", load);
     load->held = st.num_held;
+    static const uint64_t stored[] = {11, 22}, evicted[] = {33};
+    load->has_kv_events = true;
+    load->kv_cleared = true;
+    load->kv_batch = 5;
+    load->kv_stored = stored;
+    load->n_kv_stored = 2;
+    load->kv_evicted = evicted;
+    load->n_kv_evicted = 1;
 }
 
 static void test_service_dispatch(void **state)
@@ -92,6 +103,10 @@ static void test_service_dispatch(void **state)
                      TDM_OK);
     assert_int_equal(tdm_net_send(ob, url, TDM_NET_CANCEL, "abc", 3, NULL, 0, 2.0, err, sizeof err),
                      TDM_OK);
+    // A malformed LoadQuery is dropped (no load asked, no report).
+    assert_int_equal(
+        tdm_net_send(ob, url, TDM_NET_LOAD_QUERY, "\xff\xff", 2, NULL, 0, 2.0, err, sizeof err),
+        TDM_OK);
     // The LoadQuery comes after them on the same connection: by its report
     // they were handled. The report is a nonblocking send, so ask again until
     // the service's outbox has connected to the asker.
@@ -102,8 +117,8 @@ static void test_service_dispatch(void **state)
     q.reply_to = &peer;
     q.seq = 42;
     struct tdm_net_msg *msg = NULL;
-    int rc = TDM_ETIMEDOUT;
-    for (int tries = 0; tries < 50 && rc == TDM_ETIMEDOUT; tries++) {
+    int rc = TDM_ETIMEDOUT, sent = 0;
+    for (; sent < 50 && rc == TDM_ETIMEDOUT; sent++) {
         assert_int_equal(
             tdm_pd_send(ob, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 2.0, err, sizeof err),
             TDM_OK);
@@ -126,12 +141,21 @@ static void test_service_dispatch(void **state)
     assert_int_equal(rep->block_size, 16);
     assert_int_equal(rep->held, 7);
     assert_string_equal(rep->url, url);
-    assert_null(rep->kv_events);
+    assert_non_null(rep->kv_events);
+    assert_true(rep->kv_events->instance == r->svc.instance);
+    assert_true(rep->kv_events->cleared && rep->kv_events->batch == 5);
+    assert_int_equal(rep->kv_events->n_stored, 2);
+    assert_true(rep->kv_events->stored[0] == 11 && rep->kv_events->stored[1] == 22);
+    assert_int_equal(rep->kv_events->n_evicted, 1);
+    assert_true(rep->kv_events->evicted[0] == 33);
     tandem__load_report__free_unpacked(rep, NULL);
     tdm_net_msg_free(msg);
     assert_int_equal(atomic_load(&r->cancels), 2);
     assert_int_equal(atomic_load(&r->load_frames), 0); // answered by the service, not handed on
-    assert_true(atomic_load(&r->loads) >= 1);
+    // Every well-formed query asked for the load once; the malformed one did not.
+    for (int i = 0; i < 50 && atomic_load(&r->loads) < sent; i++)
+        usleep(20000);
+    assert_int_equal(atomic_load(&r->loads), sent);
 
     // After stop no handler runs; the outbox still sends.
     tdm_pd_service_stop(&r->svc);
@@ -351,8 +375,10 @@ static void test_flag_url(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_service_dispatch), cmocka_unit_test(test_service_init_fails),
-        cmocka_unit_test(test_metrics),          cmocka_unit_test(test_take_flags),
+        cmocka_unit_test(test_service_dispatch),
+        cmocka_unit_test(test_service_init_fails),
+        cmocka_unit_test(test_metrics),
+        cmocka_unit_test(test_take_flags),
         cmocka_unit_test(test_flag_url),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
