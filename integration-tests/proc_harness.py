@@ -6,10 +6,12 @@ test never leaves servers behind. Exit status convention: 0 pass, 1 fail.
 """
 import atexit
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 PROCS = []  # Popen objects the test started
 CHILD_PIDS = []  # pids of processes started by those (e.g. the launcher's workers)
@@ -62,10 +64,38 @@ def check(cond, msg):
         fail(msg)
 
 
+_GIVEN_PORTS = set()
+_PORT_RNG = random.Random(os.getpid() ^ time.time_ns())
+
+
+def _ephemeral_range():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+            return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port():
-    """A TCP port free on 127.0.0.1 right now."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    """A TCP port free on 127.0.0.1 right now, never one this process handed
+    out before, and outside the kernel's ephemeral range: a port the kernel
+    picks for "port 0" can be picked again by the next probe, or taken as the
+    source port of an outgoing connection (the services dial each other)
+    before the process it was meant for binds it."""
+    lo, hi = _ephemeral_range()
+    first, last = (10000, lo - 1) if lo - 1 - 10000 >= 2000 else (hi + 1, 65535)
+    for _ in range(1000):
+        port = _PORT_RNG.randint(first, last)
+        if port in _GIVEN_PORTS:
+            continue
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            s.close()
+        _GIVEN_PORTS.add(port)
+        return port
+    fail("no free TCP port found in %d-%d" % (first, last))
