@@ -711,25 +711,74 @@ static int probe_port(const char *host, int port, int *fd_out)
     return got;
 }
 
+// The kernel's ephemeral port range (the source ports of outgoing connections).
+static void ephemeral_range(int *lo, int *hi)
+{
+    *lo = 32768;
+    *hi = 60999;
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+    if (f) {
+        int a, b;
+        if (fscanf(f, "%d %d", &a, &b) == 2 && a > 0 && b >= a && b <= 65535) {
+            *lo = a;
+            *hi = b;
+        }
+        fclose(f);
+    }
+}
+
+// A free port for --port 0, outside the ephemeral range and not one of
+// taken[n] (already handed out): a port the kernel picks for "port 0" can be
+// taken by any process's outgoing connection (the services dial each other as
+// they start) in the moment between our probe and the child's bind. The probe
+// socket stays open in *fd until every port is assigned. -1 with errno when
+// none is found.
+static int pick_port(const char *host, struct tdm_rng *rng, const int *taken, int n, int *fd)
+{
+    int lo, hi;
+    ephemeral_range(&lo, &hi);
+    int first = 10000, last = lo - 1;
+    if (last - first < 2000) {
+        first = hi + 1;
+        last = 65535;
+    }
+    if (last - first < 100) // no room outside the range: let the kernel choose
+        return probe_port(host, 0, fd);
+    for (int tries = 0; tries < 1000; tries++) {
+        int port = first + (int)(tdm_rng_next(rng) % (uint64_t)(last - first + 1));
+        bool dup = false;
+        for (int i = 0; i < n && !dup; i++)
+            dup = taken[i] == port;
+        if (!dup && probe_port(host, port, fd) == port)
+            return port;
+    }
+    errno = EADDRINUSE;
+    return -1;
+}
+
 // Assigns every child's HTTP (and nng) port: fixed ones from --port, checked
-// free; or, with --port 0, distinct free ports from the kernel.
+// free; or, with --port 0, distinct free ports outside the ephemeral range.
 static int assign_ports(const struct up_opts *o)
 {
     if (o->port == 0) {
         int held[2 * MAX_CHILDREN], n_held = 0, rc = 0;
+        int taken[2 * MAX_CHILDREN], n_taken = 0;
+        struct tdm_rng rng;
+        tdm_rng_seed(&rng, (uint64_t)getpid() ^ (uint64_t)time(NULL) << 20 ^ (uint64_t)clock());
         for (int i = 0; i < n_children && !rc; i++) {
             struct child *c = &children[i];
-            int fd = -1;
-            c->http_port = probe_port(o->host, 0, &fd);
-            if (fd >= 0)
-                held[n_held++] = fd;
-            fd = -1;
-            c->nng_port = probe_port(o->host, 0, &fd);
-            if (fd >= 0)
-                held[n_held++] = fd;
-            if (c->http_port < 0 || c->nng_port < 0) {
-                say("cannot find a free port on %s: %s", o->host, strerror(errno));
-                rc = -1;
+            int *ports[2] = {&c->http_port, &c->nng_port};
+            for (int k = 0; k < 2 && !rc; k++) {
+                int fd = -1;
+                *ports[k] = pick_port(o->host, &rng, taken, n_taken, &fd);
+                if (fd >= 0)
+                    held[n_held++] = fd;
+                if (*ports[k] < 0) {
+                    say("cannot find a free port on %s: %s", o->host, strerror(errno));
+                    rc = -1;
+                } else {
+                    taken[n_taken++] = *ports[k];
+                }
             }
         }
         // Released only now, so that no two children got the same port.
