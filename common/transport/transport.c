@@ -593,10 +593,10 @@ struct peer {
     int reconnect_ms;
     nng_stream_dialer *dialer;
     pthread_t watcher;
-    pthread_mutex_t mu; // s, up, stopping
-    pthread_cond_t cv;  // up or stopping changed
-    nng_stream *s;
-    bool up, stopping;
+    pthread_mutex_t mu; // s, stopping
+    pthread_cond_t cv;  // s or stopping changed
+    nng_stream *s; // the live connection; NULL while down
+    bool stopping;
     atomic_bool drop; // the current connection is finished (a writer failed on it, or
                       // stopping): ends the watcher's receive (stream_io's stop)
     pthread_mutex_t send_mu;
@@ -670,7 +670,6 @@ static void *peer_watcher(void *arg)
             break;
         }
         p->s = s;
-        p->up = true;
         atomic_store(&p->drop, false);
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
@@ -681,7 +680,6 @@ static void *peer_watcher(void *arg)
         stream_io(s, false, &byte, 1, -1, &p->drop);
 
         pthread_mutex_lock(&p->mu);
-        p->up = false;
         p->s = NULL;
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
@@ -779,7 +777,7 @@ bool tdm_net_connected(struct tdm_net_outbox *ob, const char *url)
     for (struct peer *p = ob->head; p; p = p->next) {
         if (strcmp(p->url, url) == 0) {
             pthread_mutex_lock(&p->mu);
-            up = p->up;
+            up = p->s != NULL;
             pthread_mutex_unlock(&p->mu);
         }
     }
@@ -795,10 +793,10 @@ static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double de
         // Wait (bounded) for a connection.
         struct timespec until = clock_at(CLOCK_MONOTONIC, deadline - tdm_now());
         pthread_mutex_lock(&p->mu);
-        while (!p->up && !p->stopping && tdm_now() < deadline)
+        while (!p->s && !p->stopping && tdm_now() < deadline)
             if (pthread_cond_timedwait(&p->cv, &p->mu, &until) != 0)
                 break;
-        bool up = p->up;
+        bool up = p->s != NULL;
         pthread_mutex_unlock(&p->mu);
         if (!up)
             return NNG_ETIMEDOUT;
@@ -808,7 +806,7 @@ static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double de
         if (pthread_mutex_timedlock(&p->send_mu, &rt) != 0)
             return NNG_ETIMEDOUT;
         pthread_mutex_lock(&p->mu);
-        nng_stream *s = p->up ? p->s : NULL;
+        nng_stream *s = p->s;
         pthread_mutex_unlock(&p->mu);
         if (s == NULL) { // lost while waiting for the writer ahead: wait again
             pthread_mutex_unlock(&p->send_mu);
