@@ -727,21 +727,15 @@ static void ephemeral_range(int *lo, int *hi)
     }
 }
 
-// A free port for --port 0, outside the ephemeral range and not one of
-// taken[n] (already handed out): a port the kernel picks for "port 0" can be
+// A free port for --port 0 in [first, last] (outside the ephemeral range) and
+// not one of taken[n] (already handed out): a port the kernel picks for "port 0" can be
 // taken by any process's outgoing connection (the services dial each other as
 // they start) in the moment between our probe and the child's bind. The probe
 // socket stays open in *fd until every port is assigned. -1 with errno when
 // none is found.
-static int pick_port(const char *host, struct tdm_rng *rng, const int *taken, int n, int *fd)
+static int pick_port(const char *host, int first, int last, struct tdm_rng *rng, const int *taken,
+                     int n, int *fd)
 {
-    int lo, hi;
-    ephemeral_range(&lo, &hi);
-    int first = 10000, last = lo - 1;
-    if (last - first < 2000) {
-        first = hi + 1;
-        last = 65535;
-    }
     if (last - first < 100) // no room outside the range: let the kernel choose
         return probe_port(host, 0, fd);
     for (int tries = 0; tries < 1000; tries++) {
@@ -765,12 +759,19 @@ static int assign_ports(const struct up_opts *o)
         int taken[2 * MAX_CHILDREN], n_taken = 0;
         struct tdm_rng rng;
         tdm_rng_seed(&rng, (uint64_t)getpid() ^ (uint64_t)time(NULL) << 20 ^ (uint64_t)clock());
+        int lo, hi;
+        ephemeral_range(&lo, &hi);
+        int first = 10000, last = lo - 1;
+        if (last - first < 2000) {
+            first = hi + 1;
+            last = 65535;
+        }
         for (int i = 0; i < n_children && !rc; i++) {
             struct child *c = &children[i];
             int *ports[2] = {&c->http_port, &c->nng_port};
             for (int k = 0; k < 2 && !rc; k++) {
                 int fd = -1;
-                *ports[k] = pick_port(o->host, &rng, taken, n_taken, &fd);
+                *ports[k] = pick_port(o->host, first, last, &rng, taken, n_taken, &fd);
                 if (fd >= 0)
                     held[n_held++] = fd;
                 if (*ports[k] < 0) {
