@@ -1413,6 +1413,43 @@ static int parse_root(struct pctx *c, yaml_node_t *root, struct tdm_router_confi
     return TDM_OK;
 }
 
+
+// Refuses a config nested deeper than TDM_JSON_MAX_DEPTH before libyaml builds
+// the document: its loader is fine with depth, but its scanner is quadratic in
+// flow-collection nesting (a 200 000-deep `{a: {a: ...}}` took minutes of CPU
+// and ignored SIGTERM meanwhile). The event pass stops at the first level too
+// deep, so a hostile file costs only the prefix up to that level.
+static int check_yaml_depth(const char *text, size_t len, char *err, size_t errlen)
+{
+    yaml_parser_t p;
+    if (!yaml_parser_initialize(&p))
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    yaml_parser_set_input_string(&p, (const unsigned char *)text, len);
+    int depth = 0, rc = TDM_OK;
+    for (;;) {
+        yaml_event_t ev;
+        if (!yaml_parser_parse(&p, &ev))
+            break; // a syntax error: yaml_parser_load reports it with its position
+        yaml_event_type_t type = ev.type;
+        int line = (int)ev.start_mark.line + 1;
+        yaml_event_delete(&ev);
+        if (type == YAML_STREAM_END_EVENT)
+            break;
+        if (type == YAML_SEQUENCE_START_EVENT || type == YAML_MAPPING_START_EVENT) {
+            if (++depth > TDM_JSON_MAX_DEPTH) {
+                rc = tdm_seterr(err, errlen, TDM_EINVAL,
+                                "line %d: the config nests deeper than %d levels", line,
+                                TDM_JSON_MAX_DEPTH);
+                break;
+            }
+        } else if (type == YAML_SEQUENCE_END_EVENT || type == YAML_MAPPING_END_EVENT) {
+            depth--;
+        }
+    }
+    yaml_parser_delete(&p);
+    return rc;
+}
+
 int tdm_router_config_parse(struct tdm_router_config **out, const char *text, size_t len,
                             const char *path, char *err, size_t errlen)
 {
@@ -1435,6 +1472,8 @@ int tdm_router_config_parse(struct tdm_router_config **out, const char *text, si
         goto fail_cfg;
     }
 
+    if ((rc = check_yaml_depth(text, len, err, errlen)) != TDM_OK)
+        goto fail_cfg;
     yaml_parser_t parser;
     yaml_document_t doc;
     if (!yaml_parser_initialize(&parser)) {

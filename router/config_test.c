@@ -485,6 +485,23 @@ static void test_error_line_numbers_and_file(void **state)
     // NUL inside the text
     assert_int_equal(tdm_router_config_parse(&c, "policy: random\0x", 16, NULL, err, sizeof err),
                      TDM_EINVAL);
+    // Nesting past the limit is refused before libyaml loads the document
+    // (its scanner is quadratic in flow nesting); at the limit it parses.
+    static char deep[2 * 200000 + 32];
+    int n = snprintf(deep, sizeof deep, "policy: ");
+    for (int i = 0; i < 200000; i++)
+        deep[n++] = '[';
+    for (int i = 0; i < 200000; i++)
+        deep[n++] = ']';
+    deep[n] = '\0';
+    parse_err(deep, "line 1: the config nests deeper than 128 levels");
+    n = snprintf(deep, sizeof deep, "policy: random\nx: ");
+    for (int i = 0; i < 127; i++) // 127 + the top-level mapping = 128
+        deep[n++] = '[';
+    for (int i = 0; i < 127; i++)
+        deep[n++] = ']';
+    deep[n] = '\0';
+    parse_err(deep, "x: unknown key");
 }
 
 static void test_json_view(void **state)

@@ -1085,7 +1085,9 @@ static void resolve_served_name(struct tdm_router_server *s)
     size_t len = 0;
     char err[64];
     if (path && tdm_read_file(path, &text, &len, err, sizeof err) == TDM_OK) {
-        cJSON *j = cJSON_ParseWithLength(text, len);
+        cJSON *j = tdm_json_check_depth(text, len, TDM_JSON_MAX_DEPTH, NULL, 0)
+                       ? NULL
+                       : cJSON_ParseWithLength(text, len);
         const cJSON *n = cJSON_GetObjectItemCaseSensitive(j, "_name_or_path");
         if (cJSON_IsString(n) && n->valuestring[0])
             snprintf(s->served_name, sizeof s->served_name, "%s", n->valuestring);

@@ -174,7 +174,9 @@ static int file_line(struct tdm_bench_prompt *p, const char *line, const char *p
     while (*s == ' ' || *s == '\t')
         s++;
     if (*s == '{') {
-        cJSON *obj = cJSON_Parse(s);
+        cJSON *obj = tdm_json_check_depth(s, strlen(s), TDM_JSON_MAX_DEPTH, NULL, 0)
+                         ? NULL
+                         : cJSON_Parse(s);
         const cJSON *prompt = cJSON_GetObjectItemCaseSensitive(obj, "prompt");
         if (!cJSON_IsObject(obj) || !cJSON_IsString(prompt)) {
             cJSON_Delete(obj);

@@ -144,7 +144,9 @@ static void set_fail(struct tdm_bench_request *r, const char *reason, const char
 // else the body itself.
 static void http_error_detail(struct tdm_bench_request *r, long status, const char *body)
 {
-    cJSON *root = cJSON_Parse(body);
+    cJSON *root = tdm_json_check_depth(body, strlen(body), TDM_JSON_MAX_DEPTH, NULL, 0)
+                      ? NULL
+                      : cJSON_Parse(body);
     const cJSON *e = cJSON_GetObjectItemCaseSensitive(root, "error");
     const cJSON *msg = cJSON_IsObject(e) ? cJSON_GetObjectItemCaseSensitive(e, "message") : e;
     if (!cJSON_IsString(msg))

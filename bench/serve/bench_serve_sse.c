@@ -128,7 +128,9 @@ static void on_event(struct bench_stream *s, double now)
         s->t_done = now;
         return;
     }
-    cJSON *root = cJSON_ParseWithLength(data, len);
+    cJSON *root = tdm_json_check_depth(data, len, TDM_JSON_MAX_DEPTH, NULL, 0)
+                      ? NULL
+                      : cJSON_ParseWithLength(data, len);
     if (!root || !cJSON_IsObject(root)) {
         char detail[256];
         snprintf(detail, sizeof(detail), "unparsable SSE data: %.*s", (int)(len > 160 ? 160 : len),

@@ -678,6 +678,9 @@ int tdm_chat_msgs_parse(const char *json, size_t len, struct tdm_chat_msg **msgs
     *msgs = NULL;
     *n = 0;
     int rc;
+    char depth_err[96];
+    if (tdm_json_check_depth(json, len, TDM_JSON_MAX_DEPTH, depth_err, sizeof depth_err))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "messages: %s", depth_err);
     cJSON *root = cJSON_ParseWithLength(json, len);
     if (!root)
         return tdm_seterr(err, errlen, TDM_EINVAL, "messages is not valid JSON");

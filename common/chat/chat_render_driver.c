@@ -46,6 +46,9 @@ int main(int argc, char **argv)
         rc = tdm_read_file(config, &cfg_text, &len, err, sizeof err);
         if (rc != TDM_OK)
             goto fail;
+        rc = tdm_json_check_depth(cfg_text, len, TDM_JSON_MAX_DEPTH, err, sizeof err);
+        if (rc != TDM_OK)
+            goto fail;
         cfg = cJSON_ParseWithLength(cfg_text, len);
         const cJSON *ct = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
         if (cJSON_IsString(ct))

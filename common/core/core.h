@@ -7,6 +7,7 @@
 
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -96,5 +97,18 @@ int tdm_read_file(const char *path, char **out, size_t *len, char *err, size_t e
 
 // Joins dir and name with one '/' into a heap string (caller frees); NULL on ENOMEM.
 char *tdm_path_join(const char *dir, const char *name);
+
+// ---- JSON nesting -------------------------------------------------------------------
+// The deepest array/object nesting accepted in any JSON text (request bodies,
+// config and model files, Hub answers). cJSON recurses about three frames per
+// level on the calling thread's stack; 128 levels take ~20 KiB, well inside
+// the ~100 KiB stacks of civetweb's worker threads (the old crash was at ~600).
+#define TDM_JSON_MAX_DEPTH 128
+
+// Scans text[0..len) without parsing (string contents and escapes skipped):
+// TDM_OK when no array or object nests deeper than max_depth, else TDM_EINVAL
+// with err "JSON nests deeper than N levels (at byte B)". Call it before
+// cJSON_Parse* on any text that came from outside the process.
+int tdm_json_check_depth(const char *text, size_t len, int max_depth, char *err, size_t errlen);
 
 #endif

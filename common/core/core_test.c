@@ -88,12 +88,47 @@ static void test_rng(void **state)
     }
 }
 
+// The nesting scan: arrays and objects count, brackets inside strings (escaped
+// quotes included) do not, the limit is inclusive, and the error names it.
+static int depth_ok(const char *s, int max)
+{
+    return tdm_json_check_depth(s, strlen(s), max, NULL, 0);
+}
+
+static void test_json_depth(void **state)
+{
+    (void)state;
+    assert_int_equal(depth_ok("", 1), TDM_OK);
+    assert_int_equal(depth_ok("{\"a\":[1,{\"b\":[]}]}", 4), TDM_OK);
+    assert_int_equal(depth_ok("{\"a\":[1,{\"b\":[]}]}", 3), TDM_EINVAL);
+    assert_int_equal(depth_ok("[[[]]]", 3), TDM_OK);
+    assert_int_equal(depth_ok("[[[[]]]]", 3), TDM_EINVAL);
+    // Siblings do not add up: depth is the deepest path, not the bracket count.
+    assert_int_equal(depth_ok("[[],[],[],[[]]]", 3), TDM_OK);
+    // Brackets in strings, an escaped quote and an escaped backslash before a quote.
+    assert_int_equal(depth_ok("[\"[[[[\"]", 1), TDM_OK);
+    assert_int_equal(depth_ok("[\"\\\"[[[[\"]", 1), TDM_OK);
+    assert_int_equal(depth_ok("[\"\\\\\",[[]]]", 2), TDM_EINVAL);
+    // Stray closers never go below zero, so they cannot buy extra depth.
+    assert_int_equal(depth_ok("]]]][[", 1), TDM_EINVAL);
+    char err[96];
+    char deep[2001];
+    memset(deep, '[', 2000);
+    deep[2000] = '\0';
+    assert_int_equal(tdm_json_check_depth(deep, 2000, TDM_JSON_MAX_DEPTH, err, sizeof err),
+                     TDM_EINVAL);
+    assert_string_equal(err, "JSON nests deeper than 128 levels (at byte 128)");
+    // Only len bytes are read: a deep tail past len is not seen.
+    assert_int_equal(tdm_json_check_depth(deep, 128, TDM_JSON_MAX_DEPTH, NULL, 0), TDM_OK);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_strerror),   cmocka_unit_test(test_seterr),
         cmocka_unit_test(test_read_file),  cmocka_unit_test(test_path_join),
         cmocka_unit_test(test_log_level),  cmocka_unit_test(test_rng),
+        cmocka_unit_test(test_json_depth),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -147,6 +147,9 @@ int tdm_hf_json_object(const char *what, const char *json, size_t len, cJSON **o
     *out = NULL;
     if (!json)
         return tdm_seterr(err, errlen, TDM_EINVAL, "%s: no text", what);
+    char depth_err[96];
+    if (tdm_json_check_depth(json, len, TDM_JSON_MAX_DEPTH, depth_err, sizeof depth_err))
+        return tdm_seterr(err, errlen, TDM_EPROTO, "%s: %s", what, depth_err);
     cJSON *root = cJSON_ParseWithLengthOpts(json, len, &end, false);
     if (!root) {
         size_t at = (end && end >= json && end <= json + len) ? (size_t)(end - json) : 0;

@@ -418,6 +418,13 @@ static void test_config_bad_json(void **state)
     assert_int_equal(parse(&cfg, "", err, sizeof(err)), TDM_EPROTO);
     assert_int_equal(parse(&cfg, "{} {}", err, sizeof(err)), TDM_EPROTO);
     assert_non_null(strstr(err, "trailing data"));
+    // nesting past TDM_JSON_MAX_DEPTH is refused before cJSON recurses into it
+    char deep[4096] = "{\"a\":";
+    size_t at = strlen(deep);
+    memset(deep + at, '[', 3000);
+    memset(deep + at + 3000, ']', 3000 - 2000); // unbalanced on purpose: never parsed
+    assert_int_equal(parse(&cfg, deep, err, sizeof(err)), TDM_EPROTO);
+    assert_non_null(strstr(err, "config.json: JSON nests deeper than 128 levels"));
     // length is honoured: the text after len is not read
     const char *t = "{\"model_type\":\"llama\"}garbage";
     assert_int_equal(tdm_hf_config_parse(&cfg, t, 22, err, sizeof(err)), TDM_EINVAL);

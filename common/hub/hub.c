@@ -433,7 +433,10 @@ static int read_index_shards(const struct repo *r, cJSON **out, char *err, size_
         free(p);
         return rc;
     }
-    cJSON *root = cJSON_ParseWithLength(buf, len);
+    char depth_err[96];
+    cJSON *root = tdm_json_check_depth(buf, len, TDM_JSON_MAX_DEPTH, depth_err, sizeof depth_err)
+                      ? NULL
+                      : cJSON_ParseWithLength(buf, len);
     free(buf);
     cJSON *map = root ? cJSON_GetObjectItemCaseSensitive(root, "weight_map") : NULL;
     cJSON *names = cJSON_CreateArray();

@@ -558,6 +558,10 @@ static int parse_model(const cJSON *root, char **model, const struct tdm_oai_mod
 
 static int parse_root(cJSON **root, const char *json, size_t len, struct tdm_oai_error *e)
 {
+    char depth_err[96];
+    *root = NULL;
+    if (json && tdm_json_check_depth(json, len, TDM_JSON_MAX_DEPTH, depth_err, sizeof depth_err))
+        return tdm_oai_seterr(e, 400, NULL, "The request body is not accepted: %s", depth_err);
     *root = json ? cJSON_ParseWithLength(json, len) : NULL;
     if (!*root)
         return tdm_oai_seterr(e, 400, NULL, "The request body is not valid JSON");

@@ -280,6 +280,12 @@ static cJSON *parse_json_file(const char *path, char *err, size_t errlen, int *r
     *rc = tdm_read_file(path, &text, &len, err, errlen);
     if (*rc)
         return NULL;
+    char depth_err[96];
+    if (tdm_json_check_depth(text, len, TDM_JSON_MAX_DEPTH, depth_err, sizeof depth_err)) {
+        *rc = LOAD_ERR(TDM_EPROTO, "%s: %s", path, depth_err);
+        free(text);
+        return NULL;
+    }
     cJSON *root = cJSON_ParseWithLength(text, len);
     if (!root) {
         const char *at = cJSON_GetErrorPtr();

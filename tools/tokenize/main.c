@@ -130,6 +130,10 @@ static int run_jsonl(const struct tdm_tokenizer *tok, const struct opts *o, char
         line_no++;
         if (strspn(line, " \t\r") == strlen(line))
             continue;
+        char depth_err[96];
+        if (tdm_json_check_depth(line, strlen(line), TDM_JSON_MAX_DEPTH, depth_err,
+                                 sizeof depth_err))
+            return tdm_seterr(err, errlen, TDM_EINVAL, "line %zu: %s", line_no, depth_err);
         cJSON *obj = cJSON_Parse(line);
         if (!cJSON_IsObject(obj)) {
             cJSON_Delete(obj);

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hostile input against every HTTP service of a P/D stack (router, prefill,
+decode), each request a clean error and every process alive afterwards.
+
+Deeply nested JSON (issue 11, part 1): cJSON parses arrays and objects by
+recursion on the caller's stack, and a 1.5 KB body of ~800 nested brackets
+used to overflow a civetweb worker thread's stack and kill the process (the
+router at ~600 levels). Every JSON route now refuses text nested deeper than
+128 levels with a 400 naming the limit, before parsing; text nested exactly
+128 deep is parsed and answered as the request's content deserves (here a
+400 for a prompt that is not token ids). Brackets inside strings do not
+count. After the hostile requests a normal completion succeeds through the
+router and on the decode worker directly.
+"""
+import http.client
+import json
+
+from pd_harness import Cluster, check, parse_args, post
+
+ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+
+
+def raw_post(port, path, data, timeout=30):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    body = r.read()
+    c.close()
+    return r.status, body
+
+
+def nested_prompt(depth):
+    # depth counts the outer object too: {"prompt": [[...]]} with depth-1 brackets.
+    return ('{"prompt":' + "[" * (depth - 1) + "]" * (depth - 1) + "}").encode()
+
+
+def nested_messages(depth):
+    inner = "[" * (depth - 3) + "]" * (depth - 3)
+    return ('{"messages":[{"role":"user","content":' + inner + "}]}").encode()
+
+
+def alive(cl):
+    for p in [cl.router_proc] + [w.proc for w in cl.workers()]:
+        check(p.poll() is None, "a service died (exit %s); see its log in the workdir" % p.returncode)
+
+
+def main():
+    args = parse_args()
+    cl = Cluster(args, n_prefill=1, n_decode=1, pd_mode="never").start()
+    ports = {"router": cl.router_port, "decode": cl.decode[0].http_port,
+             "prefill": cl.prefill[0].http_port}
+    for name, port in ports.items():
+        for path in ROUTES:
+            for depth in (129, 800, 5000, 100000):
+                for body in (nested_prompt(depth), nested_messages(depth)):
+                    st, data = raw_post(port, path, body)
+                    if name == "prefill" and st == 404:
+                        continue  # the prefill worker serves no OpenAI routes
+                    check(st == 400, "%s %s depth %d: status %d %r" % (name, path, depth, st,
+                                                                      data[:200]))
+                    e = json.loads(data)["error"]
+                    check("deeper than 128 levels" in e["message"],
+                          "%s %s depth %d: message %r" % (name, path, depth, e["message"]))
+            # Exactly at the limit: parsed, then refused for its content (or served).
+            st, data = raw_post(port, path, nested_prompt(128))
+            check(st in (400, 404), "%s %s depth 128: status %d %r" % (name, path, st, data[:200]))
+            if st == 400:
+                check("deeper than" not in json.loads(data)["error"]["message"],
+                      "%s %s: depth 128 must be accepted by the depth check" % (name, path))
+            # Brackets inside a string are text, not nesting.
+            st, data = raw_post(port, path, json.dumps(
+                {"prompt": "[" * 5000, "messages": [{"role": "user", "content": "{" * 5000}],
+                 "max_tokens": 2}).encode())
+            check(st in (200, 400, 404), "%s %s brackets in a string: %d %r" % (name, path, st,
+                                                                                data[:200]))
+            check(b"deeper than" not in data,
+                  "%s %s: brackets inside strings counted as nesting" % (name, path))
+        alive(cl)
+    for port in (cl.router_port, cl.decode[0].http_port):
+        st, _, body = post(port, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
+        check(st == 200 and body["choices"][0]["finish_reason"] == "length",
+              "a normal request after the hostile ones: %d %r" % (st, body))
+    alive(cl)
+    print("hostile_input: nested JSON refused on %d services x %d routes; all alive" %
+          (len(ports), len(ROUTES)))
+
+
+if __name__ == "__main__":
+    main()
