@@ -86,8 +86,9 @@ enum tdm_router_plugin_type {
 const char *tdm_router_plugin_type_name(enum tdm_router_plugin_type type);
 enum tdm_router_plugin_kind tdm_router_plugin_type_kind(enum tdm_router_plugin_type type);
 
-// Parameters: every plugin has the same struct; fields that do not apply to its
-// type keep their defaults (documented in docs/router-config.md).
+// Parameters: the storage the plugin tables (router/plugins/) point into. A
+// type's table names the fields it uses, with their keys, ranges and defaults;
+// the fields it does not name stay zero (docs/router-config.md lists them).
 struct tdm_router_plugin_params {
     // utilization-detector
     int queue_depth_threshold;      // queueDepthThreshold (5): waiting > this = saturated
@@ -101,9 +102,8 @@ struct tdm_router_plugin_params {
     char *session_header; // headerName ("x-session-token"), lower case
     // prefix-based-pd-decider
     int non_cached_tokens; // nonCachedTokens (0 = never disaggregate, as llm-d)
-    // weighted-random-picker / max-score-picker
-    int max_num_of_endpoints; // maxNumOfEndpoints (1); > 1 returns a ranked list
     // approx-prefix-cache-producer
+    // (disagg-profile-handler: hashBlockSize, 0 when not given)
     int block_size_tokens;          // blockSizeTokens (16); must equal the workers' block size
     int max_prefix_blocks_to_match; // maxPrefixBlocksToMatch (256)
     int lru_capacity_per_server;    // lruCapacityPerServer (31250 blocks)
