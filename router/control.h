@@ -12,7 +12,7 @@
 //                 on prefill failure: tdm_router_control_report(...ERROR) then
 //                   tdm_router_control_next_prefill(ctl, &r) (false -> local prefill)
 //                 tdm_router_control_route_done(ctl, &r, "success")
-//   load reports: tdm_router_endpoints_set_load(tdm_router_control_endpoints(ctl), id, &load)
+//   load reports: tdm_router_endpoints_on_report(tdm_router_control_endpoints(ctl), id, &rep, ...)
 //   SIGHUP:       tdm_router_control_reload(ctl, ...) from a normal thread
 //   GET /v1/router/config: tdm_router_control_config_json(ctl)
 // Thread-safe: route/report/next_prefill/route_done may run on any thread.

@@ -3,10 +3,11 @@
 // parse, tokenize, route and then read their choices' upstream streams; the
 // inbox thread files incoming TokenChunks into those streams (by request id,
 // checking the sender's instance id) and LoadReports into the endpoint
-// registry; the poller thread sends LoadQuery to every endpoint. Per-endpoint
-// liveness (last report time and instance id) is kept here, keyed by the
-// registry's endpoint id; a new instance id means the worker restarted, so its
-// prefix index is cleared and streams bound to the old instance fail at once.
+// registry (tdm_router_endpoints_on_report: load, liveness, instance id, KV
+// events, all kept there); the poller thread sends LoadQuery to every
+// endpoint with the endpoint's id as seq. A new instance id means the worker
+// restarted: the registry clears its prefix index and streams bound to the
+// old instance fail at their next liveness check.
 //
 // The OpenAI response shaping (detokenization, stop strings, logprobs, echo,
 // usage, SSE) is the decode worker's own (common/openai's tdm_oai_call,
@@ -170,14 +171,6 @@ int tdm_router_opts_parse_args(struct tdm_router_opts *o, int argc, char **argv,
 }
 
 // ---- server state ------------------------------------------------------------------------------
-// Liveness of one endpoint as seen through its load reports.
-struct ep_live {
-    uint64_t id;        // registry endpoint id (0 = free slot)
-    uint64_t instance;  // the worker's instance id from its last report
-    double last_report; // tdm_now() of the last report
-    uint64_t kv_batch;  // KvEvents.batch of the last report (0 = none yet)
-};
-
 // One choice's upstream stream: chunks the inbox thread received for it.
 struct rstream {
     struct rstream *next;
@@ -219,9 +212,6 @@ struct tdm_router_server {
     pthread_mutex_t mu; // streams and their queues
     struct rstream *streams;
 
-    pthread_mutex_t live_mu;
-    struct ep_live live[MAX_EPS];
-
     struct tdm_metrics_counter *m_requests_by; // {decision, endpoint}
     struct tdm_metrics_counter *m_lost;        // decode lost mid-stream
 };
@@ -249,31 +239,10 @@ static void nng_url_of(const char *host, int port, char *out, size_t cap)
         snprintf(out, cap, "tcp://%s:%d", host, port);
 }
 
-static struct ep_live *live_find(struct tdm_router_server *s, uint64_t id, bool create)
-{
-    struct ep_live *free_slot = NULL;
-    for (int i = 0; i < MAX_EPS; i++) {
-        if (s->live[i].id == id)
-            return &s->live[i];
-        if (s->live[i].id == 0 && free_slot == NULL)
-            free_slot = &s->live[i];
-    }
-    if (create && free_slot) {
-        memset(free_slot, 0, sizeof *free_slot);
-        free_slot->id = id;
-        return free_slot;
-    }
-    return NULL;
-}
-
 // The endpoint's instance and last report time (0/0 when never heard of).
 static void live_get(struct tdm_router_server *s, uint64_t id, uint64_t *instance, double *last)
 {
-    pthread_mutex_lock(&s->live_mu);
-    struct ep_live *l = live_find(s, id, false);
-    *instance = l ? l->instance : 0;
-    *last = l ? l->last_report : 0;
-    pthread_mutex_unlock(&s->live_mu);
+    tdm_router_endpoints_liveness(tdm_router_control_endpoints(s->ctl), id, instance, last);
 }
 
 // ---- inbox and poller threads ------------------------------------------------------------------
@@ -320,49 +289,36 @@ static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f
         tandem__token_chunk__free_unpacked(m, NULL);
 }
 
+// A LoadReport answers the poller's LoadQuery, whose seq was the endpoint id.
 static void on_load_report(struct tdm_router_server *s, const struct tdm_net_frame *f)
 {
     Tandem__LoadReport *r = tandem__load_report__unpack(NULL, f->msg_len, f->msg);
     if (r == NULL)
         return;
-    if (r->to_instance == s->instance && r->seq != 0) {
-        bool restarted = false, kv_resync = false;
+    uint64_t ep_id = r->seq;
+    if (r->to_instance == s->instance && ep_id != 0) {
         const Tandem__KvEvents *kev = r->kv_events;
-        pthread_mutex_lock(&s->live_mu);
-        struct ep_live *l = live_find(s, r->seq, true);
-        if (l) {
-            restarted = l->instance != 0 && l->instance != r->instance;
-            l->instance = r->instance;
-            l->last_report = tdm_now();
-            if (kev) {
-                // A lost report (batch gap) or a worker-side overflow lost events:
-                // the index for this worker can no longer be trusted. The first
-                // report keeps what the router recorded itself.
-                kv_resync = kev->cleared ||
-                            (!restarted && l->kv_batch != 0 && kev->batch != l->kv_batch + 1);
-                l->kv_batch = kev->batch;
-            }
-        }
-        pthread_mutex_unlock(&s->live_mu);
-        struct tdm_router_endpoints *eps = tdm_router_control_endpoints(s->ctl);
-        if (restarted) {
-            // A new process: its prefix cache is empty, and streams of the old one
-            // fail at their next liveness check (instance mismatch).
+        struct tdm_router_report rep = {
+            .instance = r->instance,
+            .load = {r->running, r->waiting, r->kv_usage},
+            .has_kv_events = kev != NULL,
+            .kv_batch = kev ? kev->batch : 0,
+            .kv_cleared = kev && kev->cleared,
+            .stored = kev ? kev->stored : NULL,
+            .n_stored = kev ? kev->n_stored : 0,
+            .evicted = kev ? kev->evicted : NULL,
+            .n_evicted = kev ? kev->n_evicted : 0,
+        };
+        bool restarted = false, resynced = false;
+        tdm_router_endpoints_on_report(tdm_router_control_endpoints(s->ctl), ep_id, &rep,
+                                       &restarted, &resynced);
+        // Streams of an old instance fail at their next liveness check.
+        if (restarted)
             TDM_LOG_INFO(MOD, "endpoint id=%llu restarted (new instance %016llx)",
-                         (unsigned long long)r->seq, (unsigned long long)r->instance);
-            tdm_router_endpoints_clear_prefix(eps, r->seq);
-        }
-        if (l && kev) {
-            if (kv_resync && !restarted) {
-                TDM_LOG_INFO(MOD, "endpoint id=%llu: KV events lost, prefix index rebuilt",
-                             (unsigned long long)r->seq);
-                tdm_router_endpoints_clear_prefix(eps, r->seq);
-            }
-            tdm_router_endpoints_apply_kv_event(eps, r->seq, kev->stored, kev->n_stored,
-                                                kev->evicted, kev->n_evicted);
-        }
-        struct tdm_router_load load = {r->running, r->waiting, r->kv_usage};
-        tdm_router_endpoints_set_load(eps, r->seq, &load);
+                         (unsigned long long)ep_id, (unsigned long long)r->instance);
+        if (resynced)
+            TDM_LOG_INFO(MOD, "endpoint id=%llu: KV events lost, prefix index rebuilt",
+                         (unsigned long long)ep_id);
     }
     tandem__load_report__free_unpacked(r, NULL);
 }
@@ -399,7 +355,7 @@ static void *poll_main(void *arg)
             me.url = (char *)tdm_net_inbox_url(s->inbox);
             me.instance = s->instance;
             q.reply_to = &me;
-            q.seq = views[i].id; // echoed back: maps the report to its endpoint
+            q.seq = views[i].id; // echoed back as LoadReport.seq: the report's endpoint
             char url[300], err[256];
             nng_url_of(views[i].host, views[i].nng_port, url, sizeof url);
             tdm_pd_send(s->outbox, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err, sizeof err);
@@ -1174,7 +1130,6 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     s->instance = tdm_net_new_instance_id();
     s->created = (int64_t)time(NULL);
     pthread_mutex_init(&s->mu, NULL);
-    pthread_mutex_init(&s->live_mu, NULL);
     int rc = load_text_side(s, err, errlen);
     if (rc == TDM_OK)
         rc = tdm_metrics_registry_new(&s->reg, NULL, 0, err, errlen);
@@ -1263,7 +1218,6 @@ void tdm_router_server_free(struct tdm_router_server *s)
     tdm_tok_free(s->tok);
     while (s->streams)
         stream_unregister(s, s->streams);
-    pthread_mutex_destroy(&s->live_mu);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
