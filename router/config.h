@@ -40,7 +40,7 @@ bool tdm_router_role_can_prefill(enum tdm_router_role role);
 // Longest endpoint name or host: "host:http_port" with room for an IPv6 literal.
 #define TDM_ROUTER_NAME_MAX 128
 
-// Prefill endpoints a route keeps in retry order (request.prefill_retries < this).
+// Prefill endpoints the policy ranks for a route (request.prefill_retries < this).
 #define TDM_ROUTER_MAX_PREFILL_CANDIDATES 8
 
 // ---- plugins ---------------------------------------------------------------------------------
@@ -197,7 +197,8 @@ struct tdm_router_config {
 
     // Requests.
     double request_deadline_seconds; // whole request, router side (600)
-    int prefill_retries;             // other prefill endpoints tried before local prefill (1)
+    int prefill_retries;             // prefill endpoints the decode worker is given beyond
+                                     // the first, tried in turn before local prefill (1)
     char *session_header;            // header the session policy reads ("x-session-token")
 
     // Prefix index (approximate, router-side).

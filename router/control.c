@@ -203,7 +203,10 @@ int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *toke
         if (route->prefill_idx < route->n_prefill) {
             const struct tdm_router_target *p = &route->prefill[route->prefill_idx];
             route->prefill_held_ = true;
-            route->prefill_attempts = 1;
+            // The decode worker gets this one and at most prefill_retries more.
+            size_t cap = route->prefill_idx + 1 + (size_t)route->cfg->prefill_retries;
+            if (route->n_prefill > cap)
+                route->n_prefill = cap;
             tdm_router_endpoints_record_prefix(ctl->eps, p->id, route->block_hashes_,
                                                route->n_blocks_);
             tdm_router_metrics_pick(mx(ctl), p->name, TDM_ROUTER_ROLE_PREFILL);
@@ -242,38 +245,14 @@ fail:
     return rc;
 }
 
-bool tdm_router_control_next_prefill(struct tdm_router_control *ctl, struct tdm_router_route *r)
+void tdm_router_control_prefill_outcome(struct tdm_router_control *ctl,
+                                        const struct tdm_router_route *r, bool remote)
 {
-    if (r->decision != TDM_ROUTER_DECISION_PREFILL_DECODE || !r->cfg)
-        return false;
-    if (r->prefill_held_) {
-        const struct tdm_router_target *cur = &r->prefill[r->prefill_idx];
-        tdm_router_endpoints_release(ctl->eps, cur->id);
-        tdm_router_metrics_retry(mx(ctl), cur->name, TDM_ROUTER_ROLE_PREFILL);
-        r->prefill_held_ = false;
-    }
-    while (r->prefill_attempts < 1 + r->cfg->prefill_retries && r->prefill_idx + 1 < r->n_prefill) {
-        r->prefill_idx++;
-        const struct tdm_router_target *p = &r->prefill[r->prefill_idx];
-        struct tdm_router_endpoint_view v;
-        if (tdm_router_endpoints_get(ctl->eps, p->id, &v) || !v.healthy || v.draining)
-            continue; // it failed meanwhile: do not spend an attempt on it
-        if (tdm_router_endpoints_acquire(ctl->eps, p->id))
-            continue;
-        r->prefill_held_ = true;
-        r->prefill_attempts++;
-        tdm_router_endpoints_record_prefix(ctl->eps, p->id, r->block_hashes_, r->n_blocks_);
-        tdm_router_metrics_pick(mx(ctl), p->name, TDM_ROUTER_ROLE_PREFILL);
-        TDM_LOG_INFO(MOD, "prefill retry %d on %s", r->prefill_attempts - 1, p->name);
-        return true;
-    }
-    // Out of prefill endpoints: the decode worker prefills locally.
-    r->decision = TDM_ROUTER_DECISION_DECODE_ONLY;
-    if (mx(ctl))
-        tdm_metrics_counter_inc(ctl->metrics.prefill_fallback);
-    TDM_LOG_INFO(MOD, "remote prefill given up after %d attempts: local prefill on %s",
-                 r->prefill_attempts, r->decode.name);
-    return false;
+    if (r->decision != TDM_ROUTER_DECISION_PREFILL_DECODE || remote || !mx(ctl))
+        return;
+    // Every prefill candidate failed: the decode worker prefilled locally.
+    tdm_metrics_counter_inc(ctl->metrics.prefill_fallback);
+    TDM_LOG_INFO(MOD, "remote prefill given up: local prefill on %s", r->decode.name);
 }
 
 void tdm_router_control_report(struct tdm_router_control *ctl, const struct tdm_router_target *t,

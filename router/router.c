@@ -430,8 +430,10 @@ static void note_phases(struct call *k, const Tandem__TokenChunk *m)
              m->prefilled_by && m->prefilled_by[0] ? m->prefilled_by : "local",
              k->route.routed_at - k->arrival, p->queue, p->prefill, p->transfer, p->first_token);
     struct tdm_router_metrics *rm = k->s->rm;
-    if (rm && m->prefilled_by && m->prefilled_by[0])
+    bool remote = m->prefilled_by && m->prefilled_by[0];
+    if (rm && remote)
         tdm_metrics_histogram_observe(rm->kv_transfer, p->transfer);
+    tdm_router_control_prefill_outcome(k->s->ctl, &k->route, remote);
 }
 
 // Consumes one upstream chunk into the choice.
