@@ -12,6 +12,7 @@
 
 #include "config_impl.h"
 #include "core.h"
+#include "retry.h"
 
 #define MOD "router-control"
 
@@ -125,9 +126,66 @@ static void log_scores(const struct tdm_router_config *cfg, size_t profile, cons
     TDM_LOG_DEBUG(MOD, "%s scores: %s", what, line);
 }
 
+// The policy's pick on a snapshot with the avoided endpoints marked unhealthy;
+// when that leaves no decode endpoint, the pick without avoidance.
+static int pick_avoiding(const struct tdm_router_config *cfg, struct tdm_router_snapshot *snap,
+                         const struct tdm_router_request *req, const uint64_t *avoid,
+                         size_t n_avoid, struct tdm_router_pick *pick)
+{
+    size_t marked[TDM_ROUTER_RETRY_MAX_ROUTES], nm = 0;
+    for (size_t a = 0; avoid && a < n_avoid; a++)
+        for (size_t i = 0; i < snap->n && nm < TDM_ROUTER_RETRY_MAX_ROUTES; i++)
+            if (snap->eps[i].id == avoid[a] && snap->eps[i].healthy) {
+                snap->eps[i].healthy = false;
+                marked[nm++] = i;
+            }
+    int rc = tdm_router_policy_pick(cfg, snap, req, pick);
+    for (size_t m = 0; m < nm; m++)
+        snap->eps[marked[m]].healthy = true;
+    if (rc == TDM_EBUSY && nm > 0)
+        rc = tdm_router_policy_pick(cfg, snap, req, pick);
+    return rc;
+}
+
+// Snapshot, pick and acquire the decode endpoint; an endpoint may leave
+// between the snapshot and the acquire, so this picks again (3 times).
+static int pick_and_hold(struct tdm_router_control *ctl, const struct tdm_router_config *cfg,
+                         const uint64_t *hashes, size_t nb, const struct tdm_router_request *req,
+                         const uint64_t *avoid, size_t n_avoid, struct tdm_router_snapshot *snap,
+                         struct tdm_router_pick *pick, struct tdm_router_endpoint_score **scores)
+{
+    int rc = TDM_OK;
+    for (int attempt = 0; attempt < 3; attempt++) {
+        tdm_router_snapshot_free(snap);
+        free(*scores);
+        *scores = NULL;
+        if ((rc = tdm_router_endpoints_snapshot(ctl->eps, hashes, nb, snap)))
+            break;
+        if (tdm_log_level >= TDM_LOG_LEVEL_DEBUG && snap->n)
+            *scores = calloc(2 * snap->n, sizeof **scores);
+        pick->decode_scores = *scores;
+        pick->prefill_scores = *scores ? *scores + snap->n : NULL;
+        rc = pick_avoiding(cfg, snap, req, avoid, n_avoid, pick);
+        if (rc)
+            break;
+        if (tdm_router_endpoints_acquire(ctl->eps, snap->eps[pick->decode].id) == TDM_OK)
+            return TDM_OK;
+        rc = TDM_EBUSY;
+    }
+    return rc;
+}
+
 int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
                              const char *session, struct tdm_router_route *route, char *err,
                              size_t errlen)
+{
+    return tdm_router_control_route_avoiding(ctl, tokens, n, session, NULL, 0, route, err, errlen);
+}
+
+int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int32_t *tokens,
+                                      size_t n, const char *session, const uint64_t *avoid,
+                                      size_t n_avoid, struct tdm_router_route *route, char *err,
+                                      size_t errlen)
 {
     memset(route, 0, sizeof *route);
     double t0 = tdm_now();
@@ -145,27 +203,7 @@ int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *toke
     struct tdm_router_snapshot snap = {0};
     struct tdm_router_pick pick = {0};
     struct tdm_router_endpoint_score *scores = NULL;
-    int rc = TDM_OK;
-    // An endpoint may leave between the snapshot and the acquire: pick again.
-    for (int attempt = 0; attempt < 3; attempt++) {
-        tdm_router_snapshot_free(&snap);
-        free(scores);
-        scores = NULL;
-        if ((rc = tdm_router_endpoints_snapshot(ctl->eps, hashes, nb, &snap)))
-            break;
-        if (tdm_log_level >= TDM_LOG_LEVEL_DEBUG && snap.n)
-            scores = calloc(2 * snap.n, sizeof *scores);
-        pick.decode_scores = scores;
-        pick.prefill_scores = scores ? scores + snap.n : NULL;
-        rc = tdm_router_policy_pick(cfg, &snap, &req, &pick);
-        if (rc)
-            break;
-        if (tdm_router_endpoints_acquire(ctl->eps, snap.eps[pick.decode].id) == TDM_OK) {
-            rc = TDM_OK;
-            break;
-        }
-        rc = TDM_EBUSY;
-    }
+    int rc = pick_and_hold(ctl, cfg, hashes, nb, &req, avoid, n_avoid, &snap, &pick, &scores);
     if (rc) {
         if (rc == TDM_EBUSY) {
             size_t total = 0, healthy = 0;

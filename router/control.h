@@ -90,6 +90,14 @@ tdm_router_control_metrics(struct tdm_router_control *ctl); // NULL if none
 int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
                              const char *session, struct tdm_router_route *route, char *err,
                              size_t errlen);
+// tdm_router_control_route for a retry: the decode endpoints in avoid[0..n_avoid)
+// (those that already failed the request) are not picked while another
+// healthy decode endpoint exists; when none does, they may be.
+int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int32_t *tokens,
+                                      size_t n, const char *session, const uint64_t *avoid,
+                                      size_t n_avoid, struct tdm_router_route *route, char *err,
+                                      size_t errlen);
+
 // The first chunk said who prefilled: remote (a prefill worker) or not (the
 // decode worker itself). A PREFILL_DECODE route prefilled locally counts
 // tandem:router_prefill_fallback_total.

@@ -210,6 +210,41 @@ static void test_prefill_retries_cap_and_fallback(void **state)
     env_close(&e);
 }
 
+// A retry's route avoids the decode endpoints that failed the request, unless
+// no other healthy one is left.
+static void test_route_avoiding(void **state)
+{
+    (void)state;
+    struct env e;
+    env_open(&e, "policy: round_robin\nendpoints: {decode: ['10.0.1.1:8001', '10.0.1.2:8001']}\n");
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
+    struct tdm_router_endpoint_view a, b;
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", &a), TDM_OK);
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.2:8001", &b), TDM_OK);
+    int32_t t[4] = {1, 2, 3, 4};
+    char err[256];
+    struct tdm_router_route r;
+    for (int i = 0; i < 4; i++) { // round robin alone would alternate
+        assert_int_equal(
+            tdm_router_control_route_avoiding(e.ctl, t, 4, NULL, &a.id, 1, &r, err, sizeof err),
+            TDM_OK);
+        assert_true(r.decode.id == b.id);
+        tdm_router_control_route_done(e.ctl, &r, "success");
+    }
+    uint64_t both[2] = {a.id, b.id};
+    assert_int_equal(
+        tdm_router_control_route_avoiding(e.ctl, t, 4, NULL, both, 2, &r, err, sizeof err), TDM_OK);
+    tdm_router_control_route_done(e.ctl, &r, "success");
+    // Avoidance never makes an unhealthy endpoint pickable.
+    tdm_router_endpoints_set_healthy(eps, b.id, false);
+    assert_int_equal(
+        tdm_router_control_route_avoiding(e.ctl, t, 4, NULL, &a.id, 1, &r, err, sizeof err),
+        TDM_OK);
+    assert_true(r.decode.id == a.id);
+    tdm_router_control_route_done(e.ctl, &r, "success");
+    env_close(&e);
+}
+
 static void test_no_endpoint(void **state)
 {
     (void)state;
@@ -334,6 +369,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_route_decode_only_and_prefix),
         cmocka_unit_test(test_prefill_retries_cap_and_fallback),
+        cmocka_unit_test(test_route_avoiding),
         cmocka_unit_test(test_no_endpoint),
         cmocka_unit_test(test_reload_under_held_route_and_json),
         cmocka_unit_test(test_start_checks_health),

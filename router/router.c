@@ -32,12 +32,13 @@
 #include "metrics.h"
 #include "openai.h"
 #include "pd_codec.h"
+#include "retry.h"
 #include "tokenizer.h"
 #include "transport.h"
 
 #define MOD "router"
 #define MAX_EPS 512
-#define DECODE_ATTEMPTS 3
+#define DECODE_ATTEMPTS 3 // routes per request in all (retry.h)
 
 // ---- options --------------------------------------------------------------------------------
 void tdm_router_opts_default(struct tdm_router_opts *o)
@@ -704,8 +705,6 @@ static int send_generates(struct call *k, char *err, size_t errlen)
     return TDM_OK;
 }
 
-// Routes the call and starts its upstream streams, retrying other decode
-// workers when one cannot be reached. On failure e is set.
 // The session header the active config routes by: the decode profile's
 // session-affinity-scorer headerName, else request.session_header (NULL: none).
 static const char *session_header_of(const struct tdm_router_config *cfg)
@@ -723,58 +722,47 @@ static const char *session_header_of(const struct tdm_router_config *cfg)
     return cfg->session_header;
 }
 
-static int route_and_send(struct call *k, struct tdm_oai_error *e)
+// The request's session header value (the connection's; NULL when absent).
+static const char *request_session(struct call *k)
+{
+    struct tdm_router_config *cfg =
+        tdm_router_config_store_get(tdm_router_control_store(k->s->ctl), NULL);
+    const char *sh = session_header_of(cfg);
+    const char *session = sh ? tdm_http_header(k->conn, sh) : NULL;
+    tdm_router_config_unref(cfg);
+    return session;
+}
+
+// ---- attempts under one retry budget (retry.h) ------------------------------------------------
+// Routes the call, avoiding the decode endpoints that already failed it, and
+// sends its GenerateRequests. NO_ROUTE or UNREACHABLE set err; OK and
+// UNREACHABLE leave the call routed (abandon_route gives an UNREACHABLE back).
+static enum tdm_router_attempt_end start_attempt(struct call *k, const struct tdm_router_retry *b,
+                                                 const char *session, char *err, size_t errlen)
 {
     struct tdm_router_server *s = k->s;
-    const char *session = NULL;
-    struct tdm_router_config *cfg =
-        tdm_router_config_store_get(tdm_router_control_store(s->ctl), NULL);
-    const char *sh = session_header_of(cfg);
-    if (sh)
-        session = tdm_http_header(k->conn, sh);
     const struct tdm_oai_tokenized_prompt *p0 = &k->oai.prompts[0];
-    char err[512];
-    int rc = TDM_EBUSY;
-    snprintf(err, sizeof err, "no decode worker available");
-    for (int attempt = 0; attempt < DECODE_ATTEMPTS; attempt++) {
-        memset(&k->route, 0, sizeof k->route);
-        rc = tdm_router_control_route(s->ctl, p0->ids, p0->n, session, &k->route, err, sizeof err);
-        if (rc != TDM_OK)
-            break;
-        k->routed = true;
-        nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url,
-                   sizeof k->decode_url);
-        // Known dead (stale reports and no connection): do not wait for a send timeout.
-        uint64_t inst = 0;
-        double last = 0;
-        live_get(s, k->route.decode.id, &inst, &last);
-        bool dead = last > 0 && tdm_now() - last > s->o.liveness_timeout &&
-                    !tdm_net_connected(s->outbox, k->decode_url);
-        if (!dead) {
-            rc = send_generates(k, err, sizeof err);
-            if (rc == TDM_OK)
-                break;
-        } else {
-            rc = TDM_ETRANSPORT;
-            snprintf(err, sizeof err, "decode worker %s is not answering", k->route.decode.name);
-        }
-        TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s), rerouting", k->oai.resp.id,
-                     k->route.decode.name, err);
-        release_upstream(k);
-        // The report counts the upstream error (tandem:router_upstream_errors_total).
-        tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
-        if (s->rm)
-            tdm_router_metrics_retry(s->rm, k->route.decode.name, k->route.decode.role);
-        tdm_router_control_route_done(s->ctl, &k->route, "error");
-        k->routed = false;
+    memset(&k->route, 0, sizeof k->route);
+    if (tdm_router_control_route_avoiding(s->ctl, p0->ids, p0->n, session, b->failed, b->n_failed,
+                                          &k->route, err, errlen) != TDM_OK)
+        return TDM_ROUTER_ATTEMPT_NO_ROUTE;
+    k->routed = true;
+    nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url,
+               sizeof k->decode_url);
+    // Known dead (stale reports and no connection): do not wait for a send timeout.
+    uint64_t inst = 0;
+    double last = 0;
+    live_get(s, k->route.decode.id, &inst, &last);
+    if (last > 0 && tdm_now() - last > s->o.liveness_timeout &&
+        !tdm_net_connected(s->outbox, k->decode_url)) {
+        snprintf(err, errlen, "decode worker %s is not answering", k->route.decode.name);
+        return TDM_ROUTER_ATTEMPT_UNREACHABLE;
     }
-    tdm_router_config_unref(cfg);
-    if (rc == TDM_OK) {
-        tdm_metrics_counter_inc(tdm_metrics_counter_labels(
-            s->m_requests_by, tdm_router_decision_name(k->route.decision), k->route.decode.name));
-        return TDM_OK;
-    }
-    return tdm_oai_seterr(e, 503, NULL, "%s", err);
+    if (send_generates(k, err, errlen) != TDM_OK)
+        return TDM_ROUTER_ATTEMPT_UNREACHABLE;
+    tdm_metrics_counter_inc(tdm_metrics_counter_labels(
+        s->m_requests_by, tdm_router_decision_name(k->route.decision), k->route.decode.name));
+    return TDM_ROUTER_ATTEMPT_OK;
 }
 
 static void add_phase_header(struct call *k)
@@ -854,17 +842,33 @@ static void call_fini(struct call *k)
     tdm_oai_call_fini(&k->oai);
 }
 
-// True when no choice produced a token yet (so a retry is invisible).
-static bool retryable(const struct call *k)
+// True when a choice produced a token (a retry would no longer be invisible).
+static bool client_saw_tokens(const struct call *k)
 {
     for (size_t i = 0; i < k->oai.n_choices; i++)
         if (k->oai.choices[i].completion_tokens > 0)
-            return false;
-    return true;
+            return true;
+    return false;
 }
 
-// Forgets the failed attempt: streams, finish state, the route.
-static void reset_for_retry(struct call *k)
+// Waits for choice 0's first chunk (or its end): until then nothing reached
+// the client, so a decode worker lost in that window is replaced
+// transparently. -2 on ENOMEM, else 0 (k->client_gone says if the client left).
+static int await_first_chunk(struct call *k)
+{
+    while (!k->choices[0].got_chunk && !k->choices[0].a->done && !k->client_gone) {
+        if (pump(k, 0.1) < 0)
+            return -2;
+        k->client_gone = tdm_http_client_gone(k->conn);
+    }
+    return 0;
+}
+
+// The one place a failed attempt is given up: its upstream streams cancelled
+// and forgotten, the choices' finish state reset, the decode endpoint reported
+// (passive health; tandem:router_upstream_errors_total), the loss and the
+// retry counted, the route released.
+static void abandon_route(struct call *k, bool lost, bool retrying)
 {
     struct tdm_router_server *s = k->s;
     release_upstream(k);
@@ -876,12 +880,55 @@ static void reset_for_retry(struct call *k)
     }
     k->lost = false;
     k->phases[0] = '\0';
-    tdm_metrics_counter_inc(s->m_lost);
+    if (lost)
+        tdm_metrics_counter_inc(s->m_lost);
     tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
-    if (s->rm)
+    if (s->rm && retrying)
         tdm_router_metrics_retry(s->rm, k->route.decode.name, k->route.decode.role);
     tdm_router_control_route_done(s->ctl, &k->route, "error");
     k->routed = false;
+}
+
+// Routes and starts the call, retrying within one budget of DECODE_ATTEMPTS
+// routes. Returns true when the call streams (or its decode worker was lost
+// past the budget: the normal path then reports the error), false when the
+// call was answered here or the client left.
+static bool start_with_retries(struct call *k)
+{
+    struct tdm_router_retry budget;
+    tdm_router_retry_init(&budget, DECODE_ATTEMPTS);
+    const char *session = request_session(k);
+    for (;;) {
+        char err[512];
+        enum tdm_router_attempt_end end = start_attempt(k, &budget, session, err, sizeof err);
+        if (end == TDM_ROUTER_ATTEMPT_OK) {
+            if (await_first_chunk(k) < 0) {
+                tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
+                return false;
+            }
+            if (k->client_gone)
+                return false;
+            if (!k->lost)
+                return true;
+            end = TDM_ROUTER_ATTEMPT_LOST;
+            snprintf(err, sizeof err, "lost before the first token");
+        }
+        uint64_t ep = k->routed ? k->route.decode.id : 0;
+        bool again = tdm_router_retry_next(&budget, end, ep, client_saw_tokens(k));
+        if (end == TDM_ROUTER_ATTEMPT_LOST && !again)
+            return true;
+        if (end != TDM_ROUTER_ATTEMPT_NO_ROUTE) {
+            TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s)%s", k->oai.resp.id,
+                         k->route.decode.name, err, again ? ", rerouting" : "");
+            abandon_route(k, end == TDM_ROUTER_ATTEMPT_LOST, again);
+        }
+        if (!again) {
+            struct tdm_oai_error e;
+            tdm_oai_seterr(&e, 503, NULL, "%s", err);
+            tdm_http_respond_oai_error(k->conn, &e);
+            return false;
+        }
+    }
 }
 
 static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c,
@@ -904,29 +951,8 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
         k.choices[i].a = &k.oai.choices[i];
         k.choices[i].upstream_done = true;
     }
-    for (int attempt = 0;; attempt++) {
-        struct tdm_oai_error e;
-        if (route_and_send(&k, &e) != TDM_OK) {
-            tdm_http_respond_oai_error(c, &e);
-            goto out;
-        }
-        // Until the first chunk arrives nothing reached the client: a decode
-        // worker lost in that window is replaced transparently.
-        while (!k.choices[0].got_chunk && !k.choices[0].a->done && !k.client_gone) {
-            if (pump(&k, 0.1) < 0) {
-                tdm_http_respond_errorf(c, 500, NULL, "out of memory");
-                goto out;
-            }
-            k.client_gone = tdm_http_client_gone(c);
-        }
-        if (k.client_gone)
-            goto out;
-        if (!k.lost || attempt + 1 >= DECODE_ATTEMPTS || !retryable(&k))
-            break;
-        TDM_LOG_WARN(MOD, "req=%s decode %s lost before the first token, rerouting", k.oai.resp.id,
-                     k.route.decode.name);
-        reset_for_retry(&k);
-    }
+    if (!start_with_retries(&k))
+        goto out;
     if (k.oai.req.stream)
         run_stream(&k);
     else
