@@ -1308,7 +1308,6 @@ static int parse_root(struct pctx *c, yaml_node_t *root, struct tdm_router_confi
     return TDM_OK;
 }
 
-
 // Refuses a config nested deeper than TDM_JSON_MAX_DEPTH before libyaml builds
 // the document: its loader is fine with depth, but its scanner is quadratic in
 // flow-collection nesting (a 200 000-deep `{a: {a: ...}}` took minutes of CPU
@@ -1527,7 +1526,8 @@ cJSON *tdm_router_config_json_object_(const struct tdm_router_config *cfg, doubl
                 break;
             cJSON_AddItemToArray(refs, ro);
             cJSON_AddStringToObject(ro, "pluginRef", cfg->plugins[r->plugin].name);
-            if (tdm_router_plugin_type_kind(cfg->plugins[r->plugin].type) == TDM_ROUTER_PLUGIN_SCORER)
+            if (tdm_router_plugin_type_kind(cfg->plugins[r->plugin].type) ==
+                TDM_ROUTER_PLUGIN_SCORER)
                 cJSON_AddNumberToObject(ro, "weight", r->weight);
         }
     }

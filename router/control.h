@@ -51,9 +51,9 @@ struct tdm_router_route {
     enum tdm_router_decision decision; // DECODE_ONLY when no prefill endpoint could be held
     struct tdm_router_target decode;
     struct tdm_router_target prefill[TDM_ROUTER_MAX_PREFILL_CANDIDATES]; // ranked
-    size_t n_prefill;   // end of the candidates the decode worker is given: at most
-                        // prefill_idx + 1 + request.prefill_retries (0 when decode-only)
-    size_t prefill_idx; // the first candidate still registered (held by the route)
+    size_t n_prefill;     // end of the candidates the decode worker is given: at most
+                          // prefill_idx + 1 + request.prefill_retries (0 when decode-only)
+    size_t prefill_idx;   // the first candidate still registered (held by the route)
     size_t cached_tokens; // believed cached on the decode endpoint
     size_t uncached_tokens;
     double deadline;  // tdm_now() + request_deadline_seconds

@@ -227,10 +227,10 @@ struct endpoint {
     uint64_t health_epoch;
     int inflight;
     struct tdm_router_load load;
-    double load_at;     // tdm_now() of the last report: load age and liveness
+    double load_at; // tdm_now() of the last report: load age and liveness
     bool has_load;
-    uint64_t instance;  // the worker's instance id from its last report (0: none)
-    uint64_t kv_batch;  // KvEvents.batch of the last report with events (0: none yet)
+    uint64_t instance; // the worker's instance id from its last report (0: none)
+    uint64_t kv_batch; // KvEvents.batch of the last report with events (0: none yet)
     struct prefix_lru lru;
 };
 
@@ -1131,8 +1131,8 @@ int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id
     return e ? TDM_OK : TDM_ENOTFOUND;
 }
 
-int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id,
-                                  uint64_t *instance, double *heard_at)
+int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id, uint64_t *instance,
+                                  double *heard_at)
 {
     pthread_mutex_lock(&reg->mu);
     struct endpoint *e = find_by_id(reg, id);

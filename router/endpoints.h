@@ -199,8 +199,8 @@ int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id
 // The endpoint's liveness: the instance id of its last report (0: none yet)
 // and when that report arrived (tdm_now(); 0: never). TDM_ENOTFOUND (both 0)
 // for an unknown or removed id.
-int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id,
-                                  uint64_t *instance, double *heard_at);
+int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id, uint64_t *instance,
+                                  double *heard_at);
 
 // Load alone (timestamped now), as on_report without instance or KV events.
 // TDM_ENOTFOUND for an unknown id.

@@ -334,9 +334,12 @@ static void test_on_report(void **state)
     uint64_t h[4] = {101, 102, 103, 104};
     tdm_router_endpoints_record_prefix(reg, v.id, h, 2); // what the router routed there
     bool restarted = true, resynced = true;
-    struct tdm_router_report r = {.instance = 0xA, .load = {.running = 1, .waiting = 2},
-                                  .has_kv_events = true, .kv_batch = 5,
-                                  .stored = &h[2], .n_stored = 1};
+    struct tdm_router_report r = {.instance = 0xA,
+                                  .load = {.running = 1, .waiting = 2},
+                                  .has_kv_events = true,
+                                  .kv_batch = 5,
+                                  .stored = &h[2],
+                                  .n_stored = 1};
     double t0 = tdm_now();
     assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &r, &restarted, &resynced), TDM_OK);
     assert_false(restarted);
@@ -371,8 +374,7 @@ static void test_on_report(void **state)
     // A new instance: a restart, whatever the batch says.
     tdm_router_endpoints_record_prefix(reg, v.id, h, 4);
     struct tdm_router_report r2 = {.instance = 0xB, .has_kv_events = true, .kv_batch = 1};
-    assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &r2, &restarted, &resynced),
-                     TDM_OK);
+    assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &r2, &restarted, &resynced), TDM_OK);
     assert_true(restarted);
     assert_false(resynced);
     assert_int_equal(tdm_router_endpoints_prefix_size(reg, v.id), 0);

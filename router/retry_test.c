@@ -41,7 +41,7 @@ static void test_no_retry_cases(void **state)
     tdm_router_retry_init(&b, 3);
     assert_false(tdm_router_retry_next(&b, TDM_ROUTER_ATTEMPT_OK, 1, false));
     assert_int_equal(b.routes, 0); // success spends nothing
-    tdm_router_retry_init(&b, 1); // a budget of one route never retries
+    tdm_router_retry_init(&b, 1);  // a budget of one route never retries
     assert_false(tdm_router_retry_next(&b, TDM_ROUTER_ATTEMPT_UNREACHABLE, 1, false));
 }
 

@@ -747,8 +747,7 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
                                           &k->route, err, errlen) != TDM_OK)
         return TDM_ROUTER_ATTEMPT_NO_ROUTE;
     k->routed = true;
-    nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url,
-               sizeof k->decode_url);
+    nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url, sizeof k->decode_url);
     // Known dead (stale reports and no connection): do not wait for a send timeout.
     uint64_t inst = 0;
     double last = 0;

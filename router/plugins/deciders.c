@@ -58,8 +58,8 @@ const struct tdm_router_plugin_ops tdm_router_single_profile_handler_ops = {
 static const struct tdm_router_param disagg_handler_params[] = {
     {"profiles.decode", TDM_ROUTER_PARAM_STRING, FIELD(decode_profile), 0, 0, 0, "decode", 0, NO,
      NULL},
-    {"profiles.prefill", TDM_ROUTER_PARAM_STRING, FIELD(prefill_profile), 0, 0, 0, "prefill", 0,
-     NO, NULL},
+    {"profiles.prefill", TDM_ROUTER_PARAM_STRING, FIELD(prefill_profile), 0, 0, 0, "prefill", 0, NO,
+     NULL},
     {"deciders.prefill", TDM_ROUTER_PARAM_STRING, FIELD(prefill_decider), 0, 0, 0, NULL, 0, NO,
      NULL},
     {"decodeProfile", TDM_ROUTER_PARAM_STRING, FIELD(decode_profile), 0, 0, 0, NULL,

@@ -66,8 +66,8 @@ const struct tdm_router_plugin_ops tdm_router_health_filter_ops = {
 };
 
 static const struct tdm_router_param utilization_params[] = {
-    {"queueDepthThreshold", TDM_ROUTER_PARAM_INT, FIELD(queue_depth_threshold), 0, 1000000, 5,
-     NULL, 0, NO, NULL},
+    {"queueDepthThreshold", TDM_ROUTER_PARAM_INT, FIELD(queue_depth_threshold), 0, 1000000, 5, NULL,
+     0, NO, NULL},
     {"kvCacheUtilThreshold", TDM_ROUTER_PARAM_DOUBLE, FIELD(kv_cache_util_threshold), 0, 1, 0.8,
      NULL, 0, NO, NULL},
     {"headroom", TDM_ROUTER_PARAM_DOUBLE, FIELD(headroom), 0, 10, 0, NULL, 0, NO, NULL},

@@ -41,14 +41,15 @@ enum tdm_router_param_type {
 struct tdm_router_param {
     const char *key; // YAML key; "a.b" is key b of the mapping under key a
     enum tdm_router_param_type type;
-    size_t offset;   // offsetof(struct tdm_router_plugin_params, field), or
-                     // TDM_ROUTER_PARAM_NO_FIELD (validated only: nothing to store)
-    double min, max; // accepted range (numbers; bools: false = 0, true = 1)
-    double def;      // default of a number field
+    size_t offset;       // offsetof(struct tdm_router_plugin_params, field), or
+                         // TDM_ROUTER_PARAM_NO_FIELD (validated only: nothing to store)
+    double min, max;     // accepted range (numbers; bools: false = 0, true = 1)
+    double def;          // default of a number field
     const char *def_str; // strings: the value the view shows while unset (NULL: omitted)
     unsigned flags;      // TDM_ROUTER_PARAM_*
     size_t given_offset; // TDM_ROUTER_PARAM_NO_FIELD, or offsetof a bool set when the key is given
-    const char *range_note; // the error for an out-of-range value (NULL: "V is out of range [a, b]")
+    const char
+        *range_note; // the error for an out-of-range value (NULL: "V is out of range [a, b]")
 };
 
 // Endpoints one profile run considers (more are ignored, with a warning: a
@@ -72,7 +73,7 @@ struct tdm_router_pick_ctx {
     const struct tdm_router_snapshot *snap;
     const double *total; // [nc] weighted score sums
     size_t nc;           // <= TDM_ROUTER_POLICY_MAX_EPS
-    uint64_t *rng; // splitmix64 state: the same snapshot replays the same order
+    uint64_t *rng;       // splitmix64 state: the same snapshot replays the same order
 };
 
 struct tdm_router_plugin_ops {
@@ -82,13 +83,14 @@ struct tdm_router_plugin_ops {
     size_t n_params;
     // Filters: keep e? When fail_open and the filter would drop every
     // candidate, it keeps them all (queue somewhere rather than reject).
-    bool (*keep)(const struct tdm_router_plugin_params *p, const struct tdm_router_endpoint_view *e);
+    bool (*keep)(const struct tdm_router_plugin_params *p,
+                 const struct tdm_router_endpoint_view *e);
     bool fail_open;
     // Scorers: prepare (may be NULL) runs once per profile run before score;
     // score gives candidate ctx->cand[k] a value in [0, 1].
     void (*prepare)(struct tdm_router_score_ctx *ctx);
-    double (*score)(const struct tdm_router_score_ctx *ctx, const struct tdm_router_plugin_params *p,
-                    size_t k);
+    double (*score)(const struct tdm_router_score_ctx *ctx,
+                    const struct tdm_router_plugin_params *p, size_t k);
     // Pickers: order[0..nc) holds 0..nc-1 on entry and the ranking (best
     // first, indices into the candidates) on return.
     void (*pick)(const struct tdm_router_pick_ctx *ctx, size_t *order);

@@ -300,10 +300,11 @@ static void test_parameters_act(void **state)
     assert_int_equal(c->pd_threshold_tokens, 100);
     tdm_router_config_unref(c);
     // A producer's blockSizeTokens wins over hashBlockSize.
-    const char *both = "plugins:\n- {type: disagg-profile-handler, parameters: {hashBlockSize: 32}}\n"
-                       "- {type: approx-prefix-cache-producer, parameters: {blockSizeTokens: 64}}\n"
-                       "schedulingProfiles:\n- {name: decode, plugins: []}\n"
-                       "- {name: prefill, plugins: []}\n";
+    const char *both =
+        "plugins:\n- {type: disagg-profile-handler, parameters: {hashBlockSize: 32}}\n"
+        "- {type: approx-prefix-cache-producer, parameters: {blockSizeTokens: 64}}\n"
+        "schedulingProfiles:\n- {name: decode, plugins: []}\n"
+        "- {name: prefill, plugins: []}\n";
     char err[512] = "";
     assert_int_equal(tdm_router_config_parse(&c, both, strlen(both), NULL, err, sizeof err), 0);
     assert_int_equal(c->block_size_tokens, 64);
@@ -327,10 +328,8 @@ static void test_parameters_act(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_unknown_key),
-        cmocka_unit_test(test_out_of_range),
-        cmocka_unit_test(test_defaults),
-        cmocka_unit_test(test_view_round_trip),
+        cmocka_unit_test(test_unknown_key),    cmocka_unit_test(test_out_of_range),
+        cmocka_unit_test(test_defaults),       cmocka_unit_test(test_view_round_trip),
         cmocka_unit_test(test_parameters_act),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -191,7 +191,9 @@ const struct tdm_router_plugin_ops tdm_router_queue_scorer_ops = {
     .name = "queue-scorer", .kind = TDM_ROUTER_PLUGIN_SCORER, .score = score_queue};
 
 const struct tdm_router_plugin_ops tdm_router_kv_cache_util_scorer_ops = {
-    .name = "kv-cache-utilization-scorer", .kind = TDM_ROUTER_PLUGIN_SCORER, .score = score_kv_util};
+    .name = "kv-cache-utilization-scorer",
+    .kind = TDM_ROUTER_PLUGIN_SCORER,
+    .score = score_kv_util};
 
 const struct tdm_router_plugin_ops tdm_router_running_scorer_ops = {
     .name = "running-requests-size-scorer",
@@ -206,8 +208,8 @@ const struct tdm_router_param tdm_router_prefix_index_params[TDM_ROUTER_N_PREFIX
     // llm-d's older prefix-cache-scorer spelled it blockSize.
     {"blockSize", TDM_ROUTER_PARAM_INT, FIELD(block_size_tokens), 1, 4096, 16, NULL,
      TDM_ROUTER_PARAM_HIDDEN, NO, NULL},
-    {"maxPrefixBlocksToMatch", TDM_ROUTER_PARAM_INT, FIELD(max_prefix_blocks_to_match), 1,
-     1000000, 256, NULL, 0, NO, NULL},
+    {"maxPrefixBlocksToMatch", TDM_ROUTER_PARAM_INT, FIELD(max_prefix_blocks_to_match), 1, 1000000,
+     256, NULL, 0, NO, NULL},
     {"lruCapacityPerServer", TDM_ROUTER_PARAM_INT, FIELD(lru_capacity_per_server), 1, 100000000,
      31250, NULL, 0, NO, NULL},
     // The router has no metrics scrape to tune from: only false is accepted.
@@ -250,8 +252,8 @@ const struct tdm_router_plugin_ops tdm_router_session_affinity_scorer_ops = {
 };
 
 static const struct tdm_router_param active_params[] = {
-    {"maxBusyRequests", TDM_ROUTER_PARAM_INT, FIELD(max_busy_requests), 1, 1000000, 64, NULL, 0,
-     NO, NULL},
+    {"maxBusyRequests", TDM_ROUTER_PARAM_INT, FIELD(max_busy_requests), 1, 1000000, 64, NULL, 0, NO,
+     NULL},
 };
 
 const struct tdm_router_plugin_ops tdm_router_active_request_scorer_ops = {
