@@ -738,8 +738,10 @@ static int resolve_handler(struct pctx *c, yaml_node_t *root, struct tdm_router_
         return TDM_OK;
     }
     struct tdm_router_plugin_params *hpar = &cfg->plugins[handler].params;
-    const char *dname = hpar->decode_profile ? hpar->decode_profile : "decode";
-    const char *pname = hpar->prefill_profile ? hpar->prefill_profile : "prefill";
+    const char *dname =
+        hpar->disagg_handler.decode_profile ? hpar->disagg_handler.decode_profile : "decode";
+    const char *pname =
+        hpar->disagg_handler.prefill_profile ? hpar->disagg_handler.prefill_profile : "prefill";
     char kp[PATH_MAX_];
     cfg->decode_profile = find_profile(cfg, dname);
     if (cfg->decode_profile == SIZE_MAX) {
@@ -755,19 +757,23 @@ static int resolve_handler(struct pctx *c, yaml_node_t *root, struct tdm_router_
         join(kp, sizeof kp, hp, "profiles");
         return perr(c, kp, NULL, "decode and prefill must be different profiles");
     }
-    if (hpar->pd_threshold_set) {
+    if (hpar->disagg_handler.threshold_set) {
         // Deprecated pd-profile-handler `threshold`: a prefix decider of its own.
-        cfg->pd_mode = tdm_router_prefix_pd_decider_ops.decide(hpar, &cfg->pd_threshold_tokens);
+        struct tdm_router_plugin_params own;
+        tdm_router_plugin_params_init(&own, TDM_ROUTER_PREFIX_PD_DECIDER);
+        own.prefix_decider.non_cached_tokens = hpar->disagg_handler.threshold;
+        cfg->pd_mode = tdm_router_prefix_pd_decider_ops.decide(&own, &cfg->pd_threshold_tokens);
         return TDM_OK;
     }
     size_t decider = SIZE_MAX;
-    if (hpar->prefill_decider) {
-        decider = tdm_router_config_find_plugin(cfg, hpar->prefill_decider);
+    const char *dn = hpar->disagg_handler.prefill_decider;
+    if (dn) {
+        decider = tdm_router_config_find_plugin(cfg, dn);
         join(kp, sizeof kp, hp, "deciders.prefill");
         if (decider == SIZE_MAX)
-            return perr(c, kp, NULL, "no plugin named '%s'", hpar->prefill_decider);
+            return perr(c, kp, NULL, "no plugin named '%s'", dn);
         if (tdm_router_plugin_type_kind(cfg->plugins[decider].type) != TDM_ROUTER_PLUGIN_DECIDER)
-            return perr(c, kp, NULL, "'%s' is not a decider", hpar->prefill_decider);
+            return perr(c, kp, NULL, "'%s' is not a decider", dn);
     } else {
         // No decider named: the only decider plugin if there is exactly one,
         // else always disaggregate (llm-d's handler without a decider).
@@ -1178,24 +1184,27 @@ static int apply_plugin_globals(struct pctx *c, struct tdm_router_config *cfg)
     tdm_router_plugin_params_init(&def, TDM_ROUTER_APPROX_PREFIX_PRODUCER);
     for (size_t i = 0; i < cfg->n_plugins; i++) {
         const struct tdm_router_plugin *p = &cfg->plugins[i];
-        if (p->type == TDM_ROUTER_DISAGG_PROFILE_HANDLER && p->params.block_size_tokens > 0)
-            cfg->block_size_tokens = p->params.block_size_tokens; // hashBlockSize given
+        if (p->type == TDM_ROUTER_DISAGG_PROFILE_HANDLER &&
+            p->params.disagg_handler.hash_block_size)
+            cfg->block_size_tokens = p->params.disagg_handler.hash_block_size;
     }
     for (size_t i = 0; i < cfg->n_plugins; i++) {
         const struct tdm_router_plugin *p = &cfg->plugins[i];
         if (p->type == TDM_ROUTER_APPROX_PREFIX_PRODUCER ||
             (p->type == TDM_ROUTER_PREFIX_CACHE_SCORER &&
              tdm_router_config_find_plugin(cfg, "approx-prefix-cache-producer") == SIZE_MAX)) {
-            if (p->params.block_size_tokens != def.block_size_tokens)
-                cfg->block_size_tokens = p->params.block_size_tokens;
-            if (p->params.max_prefix_blocks_to_match != def.max_prefix_blocks_to_match)
-                cfg->max_prefix_blocks_to_match = p->params.max_prefix_blocks_to_match;
-            if (p->params.lru_capacity_per_server != def.lru_capacity_per_server)
-                cfg->lru_capacity_per_server = p->params.lru_capacity_per_server;
+            const struct tdm_router_prefix_index_params *x = &p->params.prefix_index;
+            if (x->block_size_tokens != def.prefix_index.block_size_tokens)
+                cfg->block_size_tokens = x->block_size_tokens;
+            if (x->max_prefix_blocks_to_match != def.prefix_index.max_prefix_blocks_to_match)
+                cfg->max_prefix_blocks_to_match = x->max_prefix_blocks_to_match;
+            if (x->lru_capacity_per_server != def.prefix_index.lru_capacity_per_server)
+                cfg->lru_capacity_per_server = x->lru_capacity_per_server;
         }
         int rc;
-        if (p->type == TDM_ROUTER_SESSION_AFFINITY_SCORER && p->params.session_header &&
-            (rc = set_string(c, &cfg->session_header, p->params.session_header)))
+        const char *hn = p->params.session_affinity.header_name;
+        if (p->type == TDM_ROUTER_SESSION_AFFINITY_SCORER && hn &&
+            (rc = set_string(c, &cfg->session_header, hn)))
             return rc;
     }
     return TDM_OK;

@@ -715,8 +715,9 @@ static const char *session_header_of(const struct tdm_router_config *cfg)
         const struct tdm_router_profile *pr = &cfg->profiles[cfg->decode_profile];
         for (size_t i = 0; i < pr->n_refs; i++) {
             const struct tdm_router_plugin *pl = &cfg->plugins[pr->refs[i].plugin];
-            if (pl->type == TDM_ROUTER_SESSION_AFFINITY_SCORER && pl->params.session_header)
-                return pl->params.session_header;
+            if (pl->type == TDM_ROUTER_SESSION_AFFINITY_SCORER &&
+                pl->params.session_affinity.header_name)
+                return pl->params.session_affinity.header_name;
         }
     }
     return cfg->session_header;

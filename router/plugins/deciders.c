@@ -16,8 +16,8 @@
 static enum tdm_router_pd_mode decide_prefix(const struct tdm_router_plugin_params *p,
                                              int *threshold)
 {
-    *threshold = p->non_cached_tokens;
-    return p->non_cached_tokens > 0 ? TDM_ROUTER_PD_PREFIX : TDM_ROUTER_PD_NEVER;
+    *threshold = p->prefix_decider.non_cached_tokens;
+    return *threshold > 0 ? TDM_ROUTER_PD_PREFIX : TDM_ROUTER_PD_NEVER;
 }
 
 static enum tdm_router_pd_mode decide_always(const struct tdm_router_plugin_params *p,
@@ -29,8 +29,8 @@ static enum tdm_router_pd_mode decide_always(const struct tdm_router_plugin_para
 }
 
 static const struct tdm_router_param prefix_decider_params[] = {
-    {"nonCachedTokens", TDM_ROUTER_PARAM_INT, FIELD(non_cached_tokens), 0, 100000000, 0, NULL, 0,
-     NO, NULL},
+    {"nonCachedTokens", TDM_ROUTER_PARAM_INT, FIELD(prefix_decider.non_cached_tokens), 0, 100000000,
+     0, NULL, 0, NO, NULL},
 };
 
 const struct tdm_router_plugin_ops tdm_router_prefix_pd_decider_ops = {
@@ -52,24 +52,26 @@ const struct tdm_router_plugin_ops tdm_router_single_profile_handler_ops = {
     .kind = TDM_ROUTER_PLUGIN_PROFILE_HANDLER,
 };
 
-// The deprecated pd-profile-handler spellings (decodeProfile, prefillProfile,
-// threshold, hashBlockSize) are aliases: parsed into the same fields, hidden
-// from the view. `threshold` makes the handler its own prefix decider.
+// The deprecated pd-profile-handler spellings are hidden from the view:
+// decodeProfile and prefillProfile are aliases (the same fields as
+// profiles.decode / profiles.prefill), `threshold` makes the handler a prefix
+// decider of its own, hashBlockSize sets the prefix index block size unless a
+// producer or scorer sets it (config.c apply_plugin_globals).
 static const struct tdm_router_param disagg_handler_params[] = {
-    {"profiles.decode", TDM_ROUTER_PARAM_STRING, FIELD(decode_profile), 0, 0, 0, "decode", 0, NO,
-     NULL},
-    {"profiles.prefill", TDM_ROUTER_PARAM_STRING, FIELD(prefill_profile), 0, 0, 0, "prefill", 0, NO,
-     NULL},
-    {"deciders.prefill", TDM_ROUTER_PARAM_STRING, FIELD(prefill_decider), 0, 0, 0, NULL, 0, NO,
-     NULL},
-    {"decodeProfile", TDM_ROUTER_PARAM_STRING, FIELD(decode_profile), 0, 0, 0, NULL,
+    {"profiles.decode", TDM_ROUTER_PARAM_STRING, FIELD(disagg_handler.decode_profile), 0, 0, 0,
+     "decode", 0, NO, NULL},
+    {"profiles.prefill", TDM_ROUTER_PARAM_STRING, FIELD(disagg_handler.prefill_profile), 0, 0, 0,
+     "prefill", 0, NO, NULL},
+    {"deciders.prefill", TDM_ROUTER_PARAM_STRING, FIELD(disagg_handler.prefill_decider), 0, 0, 0,
+     NULL, 0, NO, NULL},
+    {"decodeProfile", TDM_ROUTER_PARAM_STRING, FIELD(disagg_handler.decode_profile), 0, 0, 0, NULL,
      TDM_ROUTER_PARAM_HIDDEN, NO, NULL},
-    {"prefillProfile", TDM_ROUTER_PARAM_STRING, FIELD(prefill_profile), 0, 0, 0, NULL,
-     TDM_ROUTER_PARAM_HIDDEN, NO, NULL},
-    {"threshold", TDM_ROUTER_PARAM_INT, FIELD(non_cached_tokens), 0, 100000000, 0, NULL,
-     TDM_ROUTER_PARAM_HIDDEN, FIELD(pd_threshold_set), NULL},
-    {"hashBlockSize", TDM_ROUTER_PARAM_INT, FIELD(block_size_tokens), 1, 4096, 16, NULL,
-     TDM_ROUTER_PARAM_HIDDEN, NO, NULL},
+    {"prefillProfile", TDM_ROUTER_PARAM_STRING, FIELD(disagg_handler.prefill_profile), 0, 0, 0,
+     NULL, TDM_ROUTER_PARAM_HIDDEN, NO, NULL},
+    {"threshold", TDM_ROUTER_PARAM_INT, FIELD(disagg_handler.threshold), 0, 100000000, 0, NULL,
+     TDM_ROUTER_PARAM_HIDDEN, FIELD(disagg_handler.threshold_set), NULL},
+    {"hashBlockSize", TDM_ROUTER_PARAM_INT, FIELD(disagg_handler.hash_block_size), 1, 4096, 16,
+     NULL, TDM_ROUTER_PARAM_HIDDEN, NO, NULL},
 };
 
 const struct tdm_router_plugin_ops tdm_router_disagg_profile_handler_ops = {

@@ -36,8 +36,8 @@ bool tdm_router_policy_saturated(const struct tdm_router_plugin_params *p,
 {
     if (!ep->has_load || ep->load_stale)
         return true; // llm-d: metrics we cannot trust count as saturated
-    double q_limit = p->queue_depth_threshold * (1.0 + p->headroom);
-    double kv_limit = p->kv_cache_util_threshold * (1.0 + p->headroom);
+    double q_limit = p->utilization.queue_depth_threshold * (1.0 + p->utilization.headroom);
+    double kv_limit = p->utilization.kv_cache_util_threshold * (1.0 + p->utilization.headroom);
     return ep->load.waiting > q_limit || ep->load.kv_usage > kv_limit;
 }
 
@@ -66,11 +66,11 @@ const struct tdm_router_plugin_ops tdm_router_health_filter_ops = {
 };
 
 static const struct tdm_router_param utilization_params[] = {
-    {"queueDepthThreshold", TDM_ROUTER_PARAM_INT, FIELD(queue_depth_threshold), 0, 1000000, 5, NULL,
-     0, NO, NULL},
-    {"kvCacheUtilThreshold", TDM_ROUTER_PARAM_DOUBLE, FIELD(kv_cache_util_threshold), 0, 1, 0.8,
-     NULL, 0, NO, NULL},
-    {"headroom", TDM_ROUTER_PARAM_DOUBLE, FIELD(headroom), 0, 10, 0, NULL, 0, NO, NULL},
+    {"queueDepthThreshold", TDM_ROUTER_PARAM_INT, FIELD(utilization.queue_depth_threshold), 0,
+     1000000, 5, NULL, 0, NO, NULL},
+    {"kvCacheUtilThreshold", TDM_ROUTER_PARAM_DOUBLE, FIELD(utilization.kv_cache_util_threshold), 0,
+     1, 0.8, NULL, 0, NO, NULL},
+    {"headroom", TDM_ROUTER_PARAM_DOUBLE, FIELD(utilization.headroom), 0, 10, 0, NULL, 0, NO, NULL},
 };
 
 const struct tdm_router_plugin_ops tdm_router_utilization_detector_ops = {

@@ -58,13 +58,14 @@ static double score_load_aware(const struct tdm_router_score_ctx *ctx,
     int waiting = cand_ep(ctx, k)->load.waiting;
     if (waiting <= 0)
         return 0.5;
-    return 0.5 * (1.0 - fmin(1.0, (double)waiting / (double)p->load_threshold));
+    return 0.5 * (1.0 - fmin(1.0, (double)waiting / (double)p->load_aware.threshold));
 }
 
 static double score_active(const struct tdm_router_score_ctx *ctx,
                            const struct tdm_router_plugin_params *p, size_t k)
 {
-    return 1.0 - fmin(1.0, (double)cand_ep(ctx, k)->inflight / (double)p->max_busy_requests);
+    return 1.0 - fmin(1.0, (double)cand_ep(ctx, k)->inflight /
+                               (double)p->active_request.max_busy_requests);
 }
 
 // ---- prefix ----------------------------------------------------------------------------------
@@ -203,15 +204,15 @@ const struct tdm_router_plugin_ops tdm_router_running_scorer_ops = {
 // The prefix index parameters; the approx-prefix-cache-producer takes the same
 // (config.c copies them to the config's prefix_index).
 const struct tdm_router_param tdm_router_prefix_index_params[TDM_ROUTER_N_PREFIX_INDEX_PARAMS] = {
-    {"blockSizeTokens", TDM_ROUTER_PARAM_INT, FIELD(block_size_tokens), 1, 4096, 16, NULL, 0, NO,
-     NULL},
+    {"blockSizeTokens", TDM_ROUTER_PARAM_INT, FIELD(prefix_index.block_size_tokens), 1, 4096, 16,
+     NULL, 0, NO, NULL},
     // llm-d's older prefix-cache-scorer spelled it blockSize.
-    {"blockSize", TDM_ROUTER_PARAM_INT, FIELD(block_size_tokens), 1, 4096, 16, NULL,
+    {"blockSize", TDM_ROUTER_PARAM_INT, FIELD(prefix_index.block_size_tokens), 1, 4096, 16, NULL,
      TDM_ROUTER_PARAM_HIDDEN, NO, NULL},
-    {"maxPrefixBlocksToMatch", TDM_ROUTER_PARAM_INT, FIELD(max_prefix_blocks_to_match), 1, 1000000,
-     256, NULL, 0, NO, NULL},
-    {"lruCapacityPerServer", TDM_ROUTER_PARAM_INT, FIELD(lru_capacity_per_server), 1, 100000000,
-     31250, NULL, 0, NO, NULL},
+    {"maxPrefixBlocksToMatch", TDM_ROUTER_PARAM_INT, FIELD(prefix_index.max_prefix_blocks_to_match),
+     1, 1000000, 256, NULL, 0, NO, NULL},
+    {"lruCapacityPerServer", TDM_ROUTER_PARAM_INT, FIELD(prefix_index.lru_capacity_per_server), 1,
+     100000000, 31250, NULL, 0, NO, NULL},
     // The router has no metrics scrape to tune from: only false is accepted.
     {"autoTune", TDM_ROUTER_PARAM_BOOL, NO, 0, 0, 0, NULL, TDM_ROUTER_PARAM_HIDDEN, NO,
      "not supported: set blockSizeTokens to the workers' block size"},
@@ -226,7 +227,8 @@ const struct tdm_router_plugin_ops tdm_router_prefix_cache_scorer_ops = {
 };
 
 static const struct tdm_router_param load_aware_params[] = {
-    {"threshold", TDM_ROUTER_PARAM_INT, FIELD(load_threshold), 1, 1000000, 128, NULL, 0, NO, NULL},
+    {"threshold", TDM_ROUTER_PARAM_INT, FIELD(load_aware.threshold), 1, 1000000, 128, NULL, 0, NO,
+     NULL},
 };
 
 const struct tdm_router_plugin_ops tdm_router_load_aware_scorer_ops = {
@@ -238,8 +240,8 @@ const struct tdm_router_plugin_ops tdm_router_load_aware_scorer_ops = {
 };
 
 static const struct tdm_router_param session_params[] = {
-    {"headerName", TDM_ROUTER_PARAM_STRING, FIELD(session_header), 0, 0, 0, "x-session-token",
-     TDM_ROUTER_PARAM_LOWER, NO, NULL},
+    {"headerName", TDM_ROUTER_PARAM_STRING, FIELD(session_affinity.header_name), 0, 0, 0,
+     "x-session-token", TDM_ROUTER_PARAM_LOWER, NO, NULL},
 };
 
 const struct tdm_router_plugin_ops tdm_router_session_affinity_scorer_ops = {
@@ -252,8 +254,8 @@ const struct tdm_router_plugin_ops tdm_router_session_affinity_scorer_ops = {
 };
 
 static const struct tdm_router_param active_params[] = {
-    {"maxBusyRequests", TDM_ROUTER_PARAM_INT, FIELD(max_busy_requests), 1, 1000000, 64, NULL, 0, NO,
-     NULL},
+    {"maxBusyRequests", TDM_ROUTER_PARAM_INT, FIELD(active_request.max_busy_requests), 1, 1000000,
+     64, NULL, 0, NO, NULL},
 };
 
 const struct tdm_router_plugin_ops tdm_router_active_request_scorer_ops = {
