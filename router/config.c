@@ -11,6 +11,7 @@
 #include "config.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -24,6 +25,7 @@
 
 #include "config_impl.h"
 #include "core.h"
+#include "plugins/plugins.h"
 
 #define MOD "router-config"
 #define PATH_MAX_ 256
@@ -66,62 +68,6 @@ bool tdm_router_role_can_decode(enum tdm_router_role role)
 bool tdm_router_role_can_prefill(enum tdm_router_role role)
 {
     return role == TDM_ROUTER_ROLE_PREFILL || role == TDM_ROUTER_ROLE_PREFILL_DECODE;
-}
-
-struct plugin_type_info {
-    const char *name;
-    enum tdm_router_plugin_kind kind;
-};
-
-static const struct plugin_type_info plugin_types[TDM_ROUTER_PLUGIN_TYPE_COUNT] = {
-    [TDM_ROUTER_DECODE_FILTER] = {"decode-filter", TDM_ROUTER_PLUGIN_FILTER},
-    [TDM_ROUTER_PREFILL_FILTER] = {"prefill-filter", TDM_ROUTER_PLUGIN_FILTER},
-    [TDM_ROUTER_HEALTH_FILTER] = {"health-filter", TDM_ROUTER_PLUGIN_FILTER},
-    [TDM_ROUTER_UTILIZATION_DETECTOR] = {"utilization-detector", TDM_ROUTER_PLUGIN_FILTER},
-    [TDM_ROUTER_QUEUE_SCORER] = {"queue-scorer", TDM_ROUTER_PLUGIN_SCORER},
-    [TDM_ROUTER_KV_CACHE_UTIL_SCORER] = {"kv-cache-utilization-scorer", TDM_ROUTER_PLUGIN_SCORER},
-    [TDM_ROUTER_RUNNING_SCORER] = {"running-requests-size-scorer", TDM_ROUTER_PLUGIN_SCORER},
-    [TDM_ROUTER_PREFIX_CACHE_SCORER] = {"prefix-cache-scorer", TDM_ROUTER_PLUGIN_SCORER},
-    [TDM_ROUTER_LOAD_AWARE_SCORER] = {"load-aware-scorer", TDM_ROUTER_PLUGIN_SCORER},
-    [TDM_ROUTER_SESSION_AFFINITY_SCORER] = {"session-affinity-scorer", TDM_ROUTER_PLUGIN_SCORER},
-    [TDM_ROUTER_ACTIVE_REQUEST_SCORER] = {"active-request-scorer", TDM_ROUTER_PLUGIN_SCORER},
-    [TDM_ROUTER_MAX_SCORE_PICKER] = {"max-score-picker", TDM_ROUTER_PLUGIN_PICKER},
-    [TDM_ROUTER_RANDOM_PICKER] = {"random-picker", TDM_ROUTER_PLUGIN_PICKER},
-    [TDM_ROUTER_WEIGHTED_RANDOM_PICKER] = {"weighted-random-picker", TDM_ROUTER_PLUGIN_PICKER},
-    [TDM_ROUTER_ROUND_ROBIN_PICKER] = {"round-robin-picker", TDM_ROUTER_PLUGIN_PICKER},
-    [TDM_ROUTER_PREFIX_PD_DECIDER] = {"prefix-based-pd-decider", TDM_ROUTER_PLUGIN_DECIDER},
-    [TDM_ROUTER_ALWAYS_DISAGG_DECIDER] = {"always-disagg-pd-decider", TDM_ROUTER_PLUGIN_DECIDER},
-    [TDM_ROUTER_SINGLE_PROFILE_HANDLER] = {"single-profile-handler",
-                                           TDM_ROUTER_PLUGIN_PROFILE_HANDLER},
-    [TDM_ROUTER_DISAGG_PROFILE_HANDLER] = {"disagg-profile-handler",
-                                           TDM_ROUTER_PLUGIN_PROFILE_HANDLER},
-    [TDM_ROUTER_APPROX_PREFIX_PRODUCER] = {"approx-prefix-cache-producer",
-                                           TDM_ROUTER_PLUGIN_PRODUCER},
-};
-
-const char *tdm_router_plugin_type_name(enum tdm_router_plugin_type type)
-{
-    if ((int)type < 0 || type >= TDM_ROUTER_PLUGIN_TYPE_COUNT)
-        return NULL;
-    return plugin_types[type].name;
-}
-
-enum tdm_router_plugin_kind tdm_router_plugin_type_kind(enum tdm_router_plugin_type type)
-{
-    if ((int)type < 0 || type >= TDM_ROUTER_PLUGIN_TYPE_COUNT)
-        return TDM_ROUTER_PLUGIN_FILTER;
-    return plugin_types[type].kind;
-}
-
-// Deprecated llm-d names accepted as aliases.
-static int plugin_type_lookup(const char *name)
-{
-    for (int i = 0; i < TDM_ROUTER_PLUGIN_TYPE_COUNT; i++)
-        if (strcmp(plugin_types[i].name, name) == 0)
-            return i;
-    if (strcmp(name, "pd-profile-handler") == 0)
-        return TDM_ROUTER_DISAGG_PROFILE_HANDLER;
-    return -1;
 }
 
 // ---- parse context and scalar readers --------------------------------------------------------
@@ -329,21 +275,13 @@ static void join(char *dst, size_t cap, const char *base, const char *key)
 
 // ---- config lifetime -------------------------------------------------------------------------
 
-static void params_free(struct tdm_router_plugin_params *p)
-{
-    free(p->session_header);
-    free(p->decode_profile);
-    free(p->prefill_profile);
-    free(p->prefill_decider);
-}
-
 static void config_free(struct tdm_router_config *cfg)
 {
     if (!cfg)
         return;
     for (size_t i = 0; i < cfg->n_plugins; i++) {
         free(cfg->plugins[i].name);
-        params_free(&cfg->plugins[i].params);
+        tdm_router_plugin_params_fini(&cfg->plugins[i].params, cfg->plugins[i].type);
     }
     free(cfg->plugins);
     for (size_t i = 0; i < cfg->n_profiles; i++) {
@@ -395,21 +333,6 @@ static size_t find_profile(const struct tdm_router_config *cfg, const char *name
     return SIZE_MAX;
 }
 
-static void params_defaults(struct tdm_router_plugin_params *p)
-{
-    memset(p, 0, sizeof *p);
-    p->queue_depth_threshold = 5;
-    p->kv_cache_util_threshold = 0.8;
-    p->headroom = 0.0;
-    p->load_threshold = 128;
-    p->max_busy_requests = 64;
-    p->non_cached_tokens = 0;
-    p->max_num_of_endpoints = 1;
-    p->block_size_tokens = 16;
-    p->max_prefix_blocks_to_match = 256;
-    p->lru_capacity_per_server = 31250;
-}
-
 static void config_defaults(struct tdm_router_config *cfg)
 {
     cfg->decode_profile = SIZE_MAX;
@@ -442,7 +365,7 @@ static size_t add_plugin(struct pctx *c, struct tdm_router_config *cfg, const ch
     struct tdm_router_plugin *p = &np[cfg->n_plugins];
     memset(p, 0, sizeof *p);
     p->type = type;
-    params_defaults(&p->params);
+    tdm_router_plugin_params_init(&p->params, type);
     p->name = strdup(name);
     if (!p->name) {
         tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "out of memory");
@@ -487,181 +410,142 @@ static int profile_add_ref(struct pctx *c, struct tdm_router_profile *pr, size_t
 
 // ---- plugins -------------------------------------------------------------------------------
 
+// Reads one table parameter from node v into its field (or only validates it).
+static int read_param(struct pctx *c, const char *path, yaml_node_t *v,
+                      const struct tdm_router_param *d, struct tdm_router_plugin_params *p)
+{
+    char *field = d->offset == TDM_ROUTER_PARAM_NO_FIELD ? NULL : (char *)p + d->offset;
+    // A note replaces the plain range message: the parse then accepts any
+    // value of the type and checks the range itself.
+    double lo = d->range_note ? -1e300 : d->min, hi = d->range_note ? 1e300 : d->max;
+    double num = 0;
+    int rc = TDM_OK;
+    switch (d->type) {
+    case TDM_ROUTER_PARAM_INT: {
+        int iv = 0;
+        long long ilo = d->range_note ? INT_MIN : (long long)lo;
+        long long ihi = d->range_note ? INT_MAX : (long long)hi;
+        if ((rc = read_int(c, path, v, &iv, ilo, ihi)))
+            return rc;
+        num = iv;
+        if (field && !(d->range_note && (num < d->min || num > d->max)))
+            *(int *)(void *)field = iv;
+        break;
+    }
+    case TDM_ROUTER_PARAM_DOUBLE:
+        if ((rc = read_double(c, path, v, &num, lo, hi)))
+            return rc;
+        if (field && !(d->range_note && (num < d->min || num > d->max)))
+            *(double *)(void *)field = num;
+        break;
+    case TDM_ROUTER_PARAM_BOOL: {
+        bool b = false;
+        if ((rc = read_bool(c, path, v, &b)))
+            return rc;
+        num = b ? 1 : 0;
+        if (field && !(num < d->min || num > d->max))
+            *(bool *)(void *)field = b;
+        break;
+    }
+    case TDM_ROUTER_PARAM_STRING:
+        if (!field)
+            return perr(c, path, v, "not stored"); // a table bug: strings always have a field
+        if ((rc = read_string(c, path, v, (char **)(void *)field)))
+            return rc;
+        if (d->flags & TDM_ROUTER_PARAM_LOWER)
+            for (char *q = *(char **)(void *)field; *q; q++)
+                if (*q >= 'A' && *q <= 'Z')
+                    *q = (char)(*q - 'A' + 'a');
+        break;
+    }
+    if (d->type != TDM_ROUTER_PARAM_STRING && (num < d->min || num > d->max))
+        return perr(c, path, v, "%s", d->range_note);
+    if (d->given_offset != TDM_ROUTER_PARAM_NO_FIELD)
+        *(bool *)(void *)((char *)p + d->given_offset) = true;
+    return TDM_OK;
+}
+
+#define MAX_PARAM_KEYS 16
+
+// The distinct first components of the table's keys ("profiles" of
+// "profiles.decode"), or with prefix set, the second components under it.
+static size_t param_keys(const struct tdm_router_plugin_ops *ops, const char *prefix,
+                         char (*buf)[64], const char **keys)
+{
+    size_t n = 0, plen = prefix ? strlen(prefix) : 0;
+    for (size_t i = 0; i < ops->n_params && n < MAX_PARAM_KEYS; i++) {
+        const char *k = ops->params[i].key;
+        if (prefix && (strncmp(k, prefix, plen) || k[plen] != '.'))
+            continue;
+        const char *start = prefix ? k + plen + 1 : k;
+        size_t len = strcspn(start, ".");
+        pathf(buf[n], sizeof buf[n], "%.*s", (int)len, start);
+        bool dup = false;
+        for (size_t j = 0; j < n; j++)
+            dup |= !strcmp(keys[j], buf[n]);
+        if (!dup) {
+            keys[n] = buf[n];
+            n++;
+        }
+    }
+    keys[n] = NULL;
+    return n;
+}
+
+// Checks the keys of the parameters mapping (and of its nested mappings)
+// against the type's table.
+static int check_param_keys(struct pctx *c, const char *path, yaml_node_t *n,
+                            const struct tdm_router_plugin_ops *ops)
+{
+    char buf[MAX_PARAM_KEYS][64], sub[MAX_PARAM_KEYS][64];
+    const char *keys[MAX_PARAM_KEYS + 1], *subkeys[MAX_PARAM_KEYS + 1];
+    size_t nk = param_keys(ops, NULL, buf, keys);
+    int rc = check_keys(c, path, n, keys);
+    for (size_t i = 0; !rc && i < nk; i++) {
+        yaml_node_t *v = map_get(c, n, keys[i]);
+        if (v && param_keys(ops, keys[i], sub, subkeys) > 0) {
+            char pp[PATH_MAX_];
+            join(pp, sizeof pp, path, keys[i]);
+            rc = check_keys(c, pp, v, subkeys);
+        }
+    }
+    return rc;
+}
+
+// The node of a (possibly dotted) table key in mapping n, or NULL.
+static yaml_node_t *param_node(struct pctx *c, yaml_node_t *n, const char *key)
+{
+    const char *dot = strchr(key, '.');
+    if (!dot)
+        return map_get(c, n, key);
+    char head[64];
+    pathf(head, sizeof head, "%.*s", (int)(dot - key), key);
+    return map_get(c, map_get(c, n, head), dot + 1);
+}
+
+// A plugin's `parameters`, walked through its type's table in table order
+// (so an alias written after its key wins, as the keys are documented).
 static int parse_params(struct pctx *c, const char *path, yaml_node_t *n,
                         struct tdm_router_plugin *pl)
 {
-    struct tdm_router_plugin_params *p = &pl->params;
-    char kp[PATH_MAX_];
-    int rc;
+    const struct tdm_router_plugin_ops *ops = tdm_router_plugin_ops_of(pl->type);
     if (is_null(n))
         return TDM_OK;
-#define KEY(k) (join(kp, sizeof kp, path, k), kp)
-    switch (pl->type) {
-    case TDM_ROUTER_UTILIZATION_DETECTOR: {
-        static const char *const keys[] = {"queueDepthThreshold", "kvCacheUtilThreshold",
-                                           "headroom", NULL};
-        if ((rc = check_keys(c, path, n, keys)))
-            return rc;
-        yaml_node_t *v;
-        if ((v = map_get(c, n, "queueDepthThreshold")) &&
-            (rc =
-                 read_int(c, KEY("queueDepthThreshold"), v, &p->queue_depth_threshold, 0, 1000000)))
-            return rc;
-        if ((v = map_get(c, n, "kvCacheUtilThreshold")) &&
-            (rc =
-                 read_double(c, KEY("kvCacheUtilThreshold"), v, &p->kv_cache_util_threshold, 0, 1)))
-            return rc;
-        if ((v = map_get(c, n, "headroom")) &&
-            (rc = read_double(c, KEY("headroom"), v, &p->headroom, 0, 10)))
-            return rc;
-        return TDM_OK;
-    }
-    case TDM_ROUTER_LOAD_AWARE_SCORER: {
-        static const char *const keys[] = {"threshold", NULL};
-        if ((rc = check_keys(c, path, n, keys)))
-            return rc;
-        yaml_node_t *v = map_get(c, n, "threshold");
-        if (v && (rc = read_int(c, KEY("threshold"), v, &p->load_threshold, 1, 1000000)))
-            return rc;
-        return TDM_OK;
-    }
-    case TDM_ROUTER_ACTIVE_REQUEST_SCORER: {
-        static const char *const keys[] = {"maxBusyRequests", NULL};
-        if ((rc = check_keys(c, path, n, keys)))
-            return rc;
-        yaml_node_t *v = map_get(c, n, "maxBusyRequests");
-        if (v && (rc = read_int(c, KEY("maxBusyRequests"), v, &p->max_busy_requests, 1, 1000000)))
-            return rc;
-        return TDM_OK;
-    }
-    case TDM_ROUTER_SESSION_AFFINITY_SCORER: {
-        static const char *const keys[] = {"headerName", NULL};
-        if ((rc = check_keys(c, path, n, keys)))
-            return rc;
-        yaml_node_t *v = map_get(c, n, "headerName");
-        if (v) {
-            if ((rc = read_string(c, KEY("headerName"), v, &p->session_header)))
-                return rc;
-            for (char *s = p->session_header; *s; s++)
-                if (*s >= 'A' && *s <= 'Z')
-                    *s = (char)(*s - 'A' + 'a');
-        }
-        return TDM_OK;
-    }
-    case TDM_ROUTER_PREFIX_PD_DECIDER: {
-        static const char *const keys[] = {"nonCachedTokens", NULL};
-        if ((rc = check_keys(c, path, n, keys)))
-            return rc;
-        yaml_node_t *v = map_get(c, n, "nonCachedTokens");
-        if (v && (rc = read_int(c, KEY("nonCachedTokens"), v, &p->non_cached_tokens, 0, 100000000)))
-            return rc;
-        return TDM_OK;
-    }
-    case TDM_ROUTER_MAX_SCORE_PICKER:
-    case TDM_ROUTER_RANDOM_PICKER:
-    case TDM_ROUTER_WEIGHTED_RANDOM_PICKER:
-    case TDM_ROUTER_ROUND_ROBIN_PICKER: {
-        static const char *const keys[] = {"maxNumOfEndpoints", NULL};
-        if ((rc = check_keys(c, path, n, keys)))
-            return rc;
-        yaml_node_t *v = map_get(c, n, "maxNumOfEndpoints");
-        if (v && (rc = read_int(c, KEY("maxNumOfEndpoints"), v, &p->max_num_of_endpoints, 1, 1000)))
-            return rc;
-        return TDM_OK;
-    }
-    case TDM_ROUTER_PREFIX_CACHE_SCORER:
-    case TDM_ROUTER_APPROX_PREFIX_PRODUCER: {
-        static const char *const keys[] = {
-            "blockSizeTokens",      "blockSize", "maxPrefixBlocksToMatch",
-            "lruCapacityPerServer", "autoTune",  NULL};
-        if ((rc = check_keys(c, path, n, keys)))
-            return rc;
-        yaml_node_t *v;
-        if ((v = map_get(c, n, "blockSizeTokens")) &&
-            (rc = read_int(c, KEY("blockSizeTokens"), v, &p->block_size_tokens, 1, 4096)))
-            return rc;
-        // llm-d's older prefix-cache-scorer spelled it blockSize.
-        if ((v = map_get(c, n, "blockSize")) &&
-            (rc = read_int(c, KEY("blockSize"), v, &p->block_size_tokens, 1, 4096)))
-            return rc;
-        if ((v = map_get(c, n, "maxPrefixBlocksToMatch")) &&
-            (rc = read_int(c, KEY("maxPrefixBlocksToMatch"), v, &p->max_prefix_blocks_to_match, 1,
-                           1000000)))
-            return rc;
-        if ((v = map_get(c, n, "lruCapacityPerServer")) &&
-            (rc = read_int(c, KEY("lruCapacityPerServer"), v, &p->lru_capacity_per_server, 1,
-                           100000000)))
-            return rc;
-        if ((v = map_get(c, n, "autoTune"))) {
-            bool at = false;
-            if ((rc = read_bool(c, KEY("autoTune"), v, &at)))
-                return rc;
-            // The router has no metrics scrape to tune from: the block size must be
-            // given (it is the workers' --block-size).
-            if (at)
-                return perr(c, KEY("autoTune"), v,
-                            "not supported: set blockSizeTokens to the workers' block size");
-        }
-        return TDM_OK;
-    }
-    case TDM_ROUTER_DISAGG_PROFILE_HANDLER: {
-        static const char *const keys[] = {
-            "profiles",       "deciders",      "threshold", "decodeProfile",
-            "prefillProfile", "hashBlockSize", NULL};
-        if ((rc = check_keys(c, path, n, keys)))
-            return rc;
-        yaml_node_t *v;
-        if ((v = map_get(c, n, "profiles"))) {
-            char pp[PATH_MAX_];
-            join(pp, sizeof pp, path, "profiles");
-            static const char *const pk[] = {"decode", "prefill", NULL};
-            if ((rc = check_keys(c, pp, v, pk)))
-                return rc;
-            yaml_node_t *w;
-            if ((w = map_get(c, v, "decode")) &&
-                (rc = read_string(c, (join(kp, sizeof kp, pp, "decode"), kp), w,
-                                  &p->decode_profile)))
-                return rc;
-            if ((w = map_get(c, v, "prefill")) &&
-                (rc = read_string(c, (join(kp, sizeof kp, pp, "prefill"), kp), w,
-                                  &p->prefill_profile)))
-                return rc;
-        }
-        if ((v = map_get(c, n, "deciders"))) {
-            char pp[PATH_MAX_];
-            join(pp, sizeof pp, path, "deciders");
-            static const char *const dk[] = {"prefill", NULL};
-            if ((rc = check_keys(c, pp, v, dk)))
-                return rc;
-            yaml_node_t *w = map_get(c, v, "prefill");
-            if (w && (rc = read_string(c, (join(kp, sizeof kp, pp, "prefill"), kp), w,
-                                       &p->prefill_decider)))
-                return rc;
-        }
-        // Deprecated pd-profile-handler spelling.
-        if ((v = map_get(c, n, "decodeProfile")) &&
-            (rc = read_string(c, KEY("decodeProfile"), v, &p->decode_profile)))
-            return rc;
-        if ((v = map_get(c, n, "prefillProfile")) &&
-            (rc = read_string(c, KEY("prefillProfile"), v, &p->prefill_profile)))
-            return rc;
-        if ((v = map_get(c, n, "threshold"))) {
-            if ((rc = read_int(c, KEY("threshold"), v, &p->non_cached_tokens, 0, 100000000)))
-                return rc;
-            p->pd_threshold_set = true;
-        }
-        if ((v = map_get(c, n, "hashBlockSize")) &&
-            (rc = read_int(c, KEY("hashBlockSize"), v, &p->block_size_tokens, 1, 4096)))
-            return rc;
-        return TDM_OK;
-    }
-    default:
+    if (ops->n_params == 0) {
         if (n->type == YAML_MAPPING_NODE &&
             n->data.mapping.pairs.top == n->data.mapping.pairs.start)
             return TDM_OK;
-        return perr(c, path, n, "%s takes no parameters", plugin_types[pl->type].name);
+        return perr(c, path, n, "%s takes no parameters", ops->name);
     }
-#undef KEY
+    int rc = check_param_keys(c, path, n, ops);
+    for (size_t i = 0; !rc && i < ops->n_params; i++) {
+        yaml_node_t *v = param_node(c, n, ops->params[i].key);
+        char kp[PATH_MAX_];
+        join(kp, sizeof kp, path, ops->params[i].key);
+        if (v)
+            rc = read_param(c, kp, v, &ops->params[i], &pl->params);
+    }
+    return rc;
 }
 
 static int parse_plugins(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
@@ -683,7 +567,7 @@ static int parse_plugins(struct pctx *c, yaml_node_t *n, struct tdm_router_confi
         join(kp, sizeof kp, path, "type");
         if (!ts)
             return perr(c, kp, tn, "expected a string, got %s", node_kind(tn));
-        int type = plugin_type_lookup(ts);
+        int type = tdm_router_plugin_lookup(ts);
         if (type < 0)
             return perr(c, kp, tn,
                         "unknown plugin type '%s' (see docs/router-config.md for the catalog)", ts);
@@ -760,7 +644,7 @@ static int parse_profiles(struct pctx *c, yaml_node_t *n, struct tdm_router_conf
             size_t pi = tdm_router_config_find_plugin(cfg, ref);
             if (pi == SIZE_MAX)
                 return perr(c, rk, refn, "no plugin named '%s'", ref);
-            enum tdm_router_plugin_kind kind = plugin_types[cfg->plugins[pi].type].kind;
+            enum tdm_router_plugin_kind kind = tdm_router_plugin_type_kind(cfg->plugins[pi].type);
             if (kind == TDM_ROUTER_PLUGIN_DECIDER || kind == TDM_ROUTER_PLUGIN_PROFILE_HANDLER ||
                 kind == TDM_ROUTER_PLUGIN_PRODUCER)
                 return perr(c, rk, refn,
@@ -828,7 +712,7 @@ static int resolve_handler(struct pctx *c, yaml_node_t *root, struct tdm_router_
 {
     size_t handler = SIZE_MAX;
     for (size_t i = 0; i < cfg->n_plugins; i++) {
-        if (plugin_types[cfg->plugins[i].type].kind != TDM_ROUTER_PLUGIN_PROFILE_HANDLER)
+        if (tdm_router_plugin_type_kind(cfg->plugins[i].type) != TDM_ROUTER_PLUGIN_PROFILE_HANDLER)
             continue;
         if (handler != SIZE_MAX) {
             char p[PATH_MAX_];
@@ -854,8 +738,10 @@ static int resolve_handler(struct pctx *c, yaml_node_t *root, struct tdm_router_
         return TDM_OK;
     }
     struct tdm_router_plugin_params *hpar = &cfg->plugins[handler].params;
-    const char *dname = hpar->decode_profile ? hpar->decode_profile : "decode";
-    const char *pname = hpar->prefill_profile ? hpar->prefill_profile : "prefill";
+    const char *dname =
+        hpar->disagg_handler.decode_profile ? hpar->disagg_handler.decode_profile : "decode";
+    const char *pname =
+        hpar->disagg_handler.prefill_profile ? hpar->disagg_handler.prefill_profile : "prefill";
     char kp[PATH_MAX_];
     cfg->decode_profile = find_profile(cfg, dname);
     if (cfg->decode_profile == SIZE_MAX) {
@@ -871,26 +757,29 @@ static int resolve_handler(struct pctx *c, yaml_node_t *root, struct tdm_router_
         join(kp, sizeof kp, hp, "profiles");
         return perr(c, kp, NULL, "decode and prefill must be different profiles");
     }
-    if (hpar->pd_threshold_set) {
+    if (hpar->disagg_handler.threshold_set) {
         // Deprecated pd-profile-handler `threshold`: a prefix decider of its own.
-        cfg->pd_mode = hpar->non_cached_tokens > 0 ? TDM_ROUTER_PD_PREFIX : TDM_ROUTER_PD_NEVER;
-        cfg->pd_threshold_tokens = hpar->non_cached_tokens;
+        struct tdm_router_plugin_params own;
+        tdm_router_plugin_params_init(&own, TDM_ROUTER_PREFIX_PD_DECIDER);
+        own.prefix_decider.non_cached_tokens = hpar->disagg_handler.threshold;
+        cfg->pd_mode = tdm_router_prefix_pd_decider_ops.decide(&own, &cfg->pd_threshold_tokens);
         return TDM_OK;
     }
     size_t decider = SIZE_MAX;
-    if (hpar->prefill_decider) {
-        decider = tdm_router_config_find_plugin(cfg, hpar->prefill_decider);
+    const char *dn = hpar->disagg_handler.prefill_decider;
+    if (dn) {
+        decider = tdm_router_config_find_plugin(cfg, dn);
         join(kp, sizeof kp, hp, "deciders.prefill");
         if (decider == SIZE_MAX)
-            return perr(c, kp, NULL, "no plugin named '%s'", hpar->prefill_decider);
-        if (plugin_types[cfg->plugins[decider].type].kind != TDM_ROUTER_PLUGIN_DECIDER)
-            return perr(c, kp, NULL, "'%s' is not a decider", hpar->prefill_decider);
+            return perr(c, kp, NULL, "no plugin named '%s'", dn);
+        if (tdm_router_plugin_type_kind(cfg->plugins[decider].type) != TDM_ROUTER_PLUGIN_DECIDER)
+            return perr(c, kp, NULL, "'%s' is not a decider", dn);
     } else {
         // No decider named: the only decider plugin if there is exactly one,
         // else always disaggregate (llm-d's handler without a decider).
         size_t found = 0;
         for (size_t i = 0; i < cfg->n_plugins; i++)
-            if (plugin_types[cfg->plugins[i].type].kind == TDM_ROUTER_PLUGIN_DECIDER) {
+            if (tdm_router_plugin_type_kind(cfg->plugins[i].type) == TDM_ROUTER_PLUGIN_DECIDER) {
                 decider = i;
                 found++;
             }
@@ -899,14 +788,12 @@ static int resolve_handler(struct pctx *c, yaml_node_t *root, struct tdm_router_
             return perr(c, kp, NULL, "%zu decider plugins: name the one to use", found);
         }
     }
-    if (decider == SIZE_MAX || cfg->plugins[decider].type == TDM_ROUTER_ALWAYS_DISAGG_DECIDER) {
-        cfg->pd_mode = TDM_ROUTER_PD_ALWAYS;
-    } else {
-        int t = cfg->plugins[decider].params.non_cached_tokens;
-        // llm-d: nonCachedTokens 0 disables the decider (decode-only).
-        cfg->pd_mode = t > 0 ? TDM_ROUTER_PD_PREFIX : TDM_ROUTER_PD_NEVER;
-        cfg->pd_threshold_tokens = t;
-    }
+    // No decider: llm-d's handler without one always disaggregates.
+    const struct tdm_router_plugin_ops *dops =
+        decider == SIZE_MAX ? &tdm_router_always_disagg_decider_ops
+                            : tdm_router_plugin_ops_of(cfg->plugins[decider].type);
+    cfg->pd_mode = dops->decide(decider == SIZE_MAX ? hpar : &cfg->plugins[decider].params,
+                                &cfg->pd_threshold_tokens);
     return TDM_OK;
 }
 
@@ -923,7 +810,7 @@ static size_t get_or_add(struct pctx *c, struct tdm_router_config *cfg,
     for (size_t i = 0; i < cfg->n_plugins; i++)
         if (cfg->plugins[i].type == type)
             return i;
-    return add_plugin(c, cfg, plugin_types[type].name, type);
+    return add_plugin(c, cfg, tdm_router_plugin_type_name(type), type);
 }
 
 static int short_profile(struct pctx *c, struct tdm_router_config *cfg, const char *name,
@@ -943,7 +830,7 @@ static int short_profile(struct pctx *c, struct tdm_router_config *cfg, const ch
         if (pi == SIZE_MAX)
             return TDM_ENOMEM;
         pr = &cfg->profiles[prof];
-        if (plugin_types[refs[i].type].kind == TDM_ROUTER_PLUGIN_PICKER)
+        if (tdm_router_plugin_type_kind(refs[i].type) == TDM_ROUTER_PLUGIN_PICKER)
             pr->picker = pr->n_refs;
         rc = profile_add_ref(c, pr, pi, refs[i].weight);
     }
@@ -1288,6 +1175,41 @@ static int parse_prefix_index(struct pctx *c, yaml_node_t *n, struct tdm_router_
 
 // ---- the document ---------------------------------------------------------------------------
 
+// Plugin parameters that configure the router as a whole: the prefix index
+// (the deprecated handler's hashBlockSize, then the producer's, else the
+// scorer's, when they differ from the table default) and the session header.
+static int apply_plugin_globals(struct pctx *c, struct tdm_router_config *cfg)
+{
+    struct tdm_router_plugin_params def;
+    tdm_router_plugin_params_init(&def, TDM_ROUTER_APPROX_PREFIX_PRODUCER);
+    for (size_t i = 0; i < cfg->n_plugins; i++) {
+        const struct tdm_router_plugin *p = &cfg->plugins[i];
+        if (p->type == TDM_ROUTER_DISAGG_PROFILE_HANDLER &&
+            p->params.disagg_handler.hash_block_size)
+            cfg->block_size_tokens = p->params.disagg_handler.hash_block_size;
+    }
+    for (size_t i = 0; i < cfg->n_plugins; i++) {
+        const struct tdm_router_plugin *p = &cfg->plugins[i];
+        if (p->type == TDM_ROUTER_APPROX_PREFIX_PRODUCER ||
+            (p->type == TDM_ROUTER_PREFIX_CACHE_SCORER &&
+             tdm_router_config_find_plugin(cfg, "approx-prefix-cache-producer") == SIZE_MAX)) {
+            const struct tdm_router_prefix_index_params *x = &p->params.prefix_index;
+            if (x->block_size_tokens != def.prefix_index.block_size_tokens)
+                cfg->block_size_tokens = x->block_size_tokens;
+            if (x->max_prefix_blocks_to_match != def.prefix_index.max_prefix_blocks_to_match)
+                cfg->max_prefix_blocks_to_match = x->max_prefix_blocks_to_match;
+            if (x->lru_capacity_per_server != def.prefix_index.lru_capacity_per_server)
+                cfg->lru_capacity_per_server = x->lru_capacity_per_server;
+        }
+        int rc;
+        const char *hn = p->params.session_affinity.header_name;
+        if (p->type == TDM_ROUTER_SESSION_AFFINITY_SCORER && hn &&
+            (rc = set_string(c, &cfg->session_header, hn)))
+            return rc;
+    }
+    return TDM_OK;
+}
+
 static int parse_root(struct pctx *c, yaml_node_t *root, struct tdm_router_config *cfg)
 {
     static const char *const keys[] = {"apiVersion", "kind",
@@ -1388,31 +1310,12 @@ static int parse_root(struct pctx *c, yaml_node_t *root, struct tdm_router_confi
     if (!cfg->health.path && (rc = set_string(c, &cfg->health.path, "/health")))
         return rc;
 
-    // Plugin parameters that configure the router as a whole: the prefix index
-    // (the producer's, else the scorer's, when given) and the session header.
-    for (size_t i = 0; i < cfg->n_plugins; i++) {
-        const struct tdm_router_plugin *p = &cfg->plugins[i];
-        if (p->type == TDM_ROUTER_APPROX_PREFIX_PRODUCER ||
-            (p->type == TDM_ROUTER_PREFIX_CACHE_SCORER &&
-             tdm_router_config_find_plugin(cfg, "approx-prefix-cache-producer") == SIZE_MAX)) {
-            struct tdm_router_plugin_params def;
-            params_defaults(&def);
-            if (p->params.block_size_tokens != def.block_size_tokens)
-                cfg->block_size_tokens = p->params.block_size_tokens;
-            if (p->params.max_prefix_blocks_to_match != def.max_prefix_blocks_to_match)
-                cfg->max_prefix_blocks_to_match = p->params.max_prefix_blocks_to_match;
-            if (p->params.lru_capacity_per_server != def.lru_capacity_per_server)
-                cfg->lru_capacity_per_server = p->params.lru_capacity_per_server;
-        }
-        if (p->type == TDM_ROUTER_SESSION_AFFINITY_SCORER && p->params.session_header &&
-            (rc = set_string(c, &cfg->session_header, p->params.session_header)))
-            return rc;
-    }
+    if ((rc = apply_plugin_globals(c, cfg)))
+        return rc;
     if (!cfg->session_header && (rc = set_string(c, &cfg->session_header, "x-session-token")))
         return rc;
     return TDM_OK;
 }
-
 
 // Refuses a config nested deeper than TDM_JSON_MAX_DEPTH before libyaml builds
 // the document: its loader is fine with depth, but its scanner is quadratic in
@@ -1526,51 +1429,46 @@ int tdm_router_config_load(struct tdm_router_config **out, const char *path, cha
 
 // ---- JSON view ------------------------------------------------------------------------------
 
-static void add_params_json(cJSON *o, const struct tdm_router_plugin *p)
+// The plugin's parameters as its table lists them (hidden keys left out;
+// "a.b" keys nested; an unset string shows the table's def_str, if any).
+static void add_params_json(cJSON *o, const struct tdm_router_plugin *pl)
 {
-    const struct tdm_router_plugin_params *q = &p->params;
-    switch (p->type) {
-    case TDM_ROUTER_UTILIZATION_DETECTOR:
-        cJSON_AddNumberToObject(o, "queueDepthThreshold", q->queue_depth_threshold);
-        cJSON_AddNumberToObject(o, "kvCacheUtilThreshold", q->kv_cache_util_threshold);
-        cJSON_AddNumberToObject(o, "headroom", q->headroom);
-        break;
-    case TDM_ROUTER_LOAD_AWARE_SCORER:
-        cJSON_AddNumberToObject(o, "threshold", q->load_threshold);
-        break;
-    case TDM_ROUTER_ACTIVE_REQUEST_SCORER:
-        cJSON_AddNumberToObject(o, "maxBusyRequests", q->max_busy_requests);
-        break;
-    case TDM_ROUTER_SESSION_AFFINITY_SCORER:
-        cJSON_AddStringToObject(o, "headerName",
-                                q->session_header ? q->session_header : "x-session-token");
-        break;
-    case TDM_ROUTER_PREFIX_PD_DECIDER:
-        cJSON_AddNumberToObject(o, "nonCachedTokens", q->non_cached_tokens);
-        break;
-    case TDM_ROUTER_MAX_SCORE_PICKER:
-    case TDM_ROUTER_RANDOM_PICKER:
-    case TDM_ROUTER_WEIGHTED_RANDOM_PICKER:
-    case TDM_ROUTER_ROUND_ROBIN_PICKER:
-        cJSON_AddNumberToObject(o, "maxNumOfEndpoints", q->max_num_of_endpoints);
-        break;
-    case TDM_ROUTER_PREFIX_CACHE_SCORER:
-    case TDM_ROUTER_APPROX_PREFIX_PRODUCER:
-        cJSON_AddNumberToObject(o, "blockSizeTokens", q->block_size_tokens);
-        cJSON_AddNumberToObject(o, "maxPrefixBlocksToMatch", q->max_prefix_blocks_to_match);
-        cJSON_AddNumberToObject(o, "lruCapacityPerServer", q->lru_capacity_per_server);
-        break;
-    case TDM_ROUTER_DISAGG_PROFILE_HANDLER: {
-        cJSON *pr = cJSON_AddObjectToObject(o, "profiles");
-        cJSON_AddStringToObject(pr, "decode", q->decode_profile ? q->decode_profile : "decode");
-        cJSON_AddStringToObject(pr, "prefill", q->prefill_profile ? q->prefill_profile : "prefill");
-        if (q->prefill_decider)
-            cJSON_AddStringToObject(cJSON_AddObjectToObject(o, "deciders"), "prefill",
-                                    q->prefill_decider);
-        break;
-    }
-    default:
-        break;
+    const struct tdm_router_plugin_ops *ops = tdm_router_plugin_ops_of(pl->type);
+    for (size_t i = 0; i < ops->n_params; i++) {
+        const struct tdm_router_param *d = &ops->params[i];
+        if ((d->flags & TDM_ROUTER_PARAM_HIDDEN) || d->offset == TDM_ROUTER_PARAM_NO_FIELD)
+            continue;
+        const char *field = (const char *)&pl->params + d->offset;
+        const char *str = NULL;
+        if (d->type == TDM_ROUTER_PARAM_STRING) {
+            str = *(char *const *)(const void *)field;
+            if (!str && !(str = d->def_str))
+                continue;
+        }
+        cJSON *dst = o;
+        const char *key = d->key, *dot = strchr(key, '.');
+        if (dot) {
+            char head[64];
+            pathf(head, sizeof head, "%.*s", (int)(dot - key), key);
+            dst = cJSON_GetObjectItemCaseSensitive(o, head);
+            if (!dst && !(dst = cJSON_AddObjectToObject(o, head)))
+                return;
+            key = dot + 1;
+        }
+        switch (d->type) {
+        case TDM_ROUTER_PARAM_INT:
+            cJSON_AddNumberToObject(dst, key, *(const int *)(const void *)field);
+            break;
+        case TDM_ROUTER_PARAM_DOUBLE:
+            cJSON_AddNumberToObject(dst, key, *(const double *)(const void *)field);
+            break;
+        case TDM_ROUTER_PARAM_BOOL:
+            cJSON_AddBoolToObject(dst, key, *(const bool *)(const void *)field);
+            break;
+        case TDM_ROUTER_PARAM_STRING:
+            cJSON_AddStringToObject(dst, key, str);
+            break;
+        }
     }
 }
 
@@ -1617,7 +1515,7 @@ cJSON *tdm_router_config_json_object_(const struct tdm_router_config *cfg, doubl
             break;
         cJSON_AddItemToArray(pl, p);
         cJSON_AddStringToObject(p, "name", cfg->plugins[i].name);
-        cJSON_AddStringToObject(p, "type", plugin_types[cfg->plugins[i].type].name);
+        cJSON_AddStringToObject(p, "type", tdm_router_plugin_type_name(cfg->plugins[i].type));
         cJSON *par = cJSON_AddObjectToObject(p, "parameters");
         if (par)
             add_params_json(par, &cfg->plugins[i]);
@@ -1637,7 +1535,8 @@ cJSON *tdm_router_config_json_object_(const struct tdm_router_config *cfg, doubl
                 break;
             cJSON_AddItemToArray(refs, ro);
             cJSON_AddStringToObject(ro, "pluginRef", cfg->plugins[r->plugin].name);
-            if (plugin_types[cfg->plugins[r->plugin].type].kind == TDM_ROUTER_PLUGIN_SCORER)
+            if (tdm_router_plugin_type_kind(cfg->plugins[r->plugin].type) ==
+                TDM_ROUTER_PLUGIN_SCORER)
                 cJSON_AddNumberToObject(ro, "weight", r->weight);
         }
     }

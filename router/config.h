@@ -40,7 +40,7 @@ bool tdm_router_role_can_prefill(enum tdm_router_role role);
 // Longest endpoint name or host: "host:http_port" with room for an IPv6 literal.
 #define TDM_ROUTER_NAME_MAX 128
 
-// Prefill endpoints a route keeps in retry order (request.prefill_retries < this).
+// Prefill endpoints the policy ranks for a route (request.prefill_retries < this).
 #define TDM_ROUTER_MAX_PREFILL_CANDIDATES 8
 
 // ---- plugins ---------------------------------------------------------------------------------
@@ -86,34 +86,46 @@ enum tdm_router_plugin_type {
 const char *tdm_router_plugin_type_name(enum tdm_router_plugin_type type);
 enum tdm_router_plugin_kind tdm_router_plugin_type_kind(enum tdm_router_plugin_type type);
 
-// Parameters: every plugin has the same struct; fields that do not apply to its
-// type keep their defaults (documented in docs/router-config.md).
+// Parameters: the storage the plugin tables (router/plugins/) point into, one
+// member per plugin type that takes parameters (a plugin only uses its type's
+// member: the members overlap). A type's table names its fields with their
+// keys, ranges and defaults (docs/router-config.md lists them).
+struct tdm_router_prefix_index_params { // prefix-cache-scorer, approx-prefix-cache-producer
+    int block_size_tokens;              // blockSizeTokens (16); must equal the workers' block size
+    int max_prefix_blocks_to_match;     // maxPrefixBlocksToMatch (256)
+    int lru_capacity_per_server;        // lruCapacityPerServer (31250 blocks)
+};
+
 struct tdm_router_plugin_params {
-    // utilization-detector
-    int queue_depth_threshold;      // queueDepthThreshold (5): waiting > this = saturated
-    double kv_cache_util_threshold; // kvCacheUtilThreshold (0.8): kv usage > this = saturated
-    double headroom;                // headroom (0): added to both limits as a fraction
-    // load-aware-scorer
-    int load_threshold; // threshold (128): waiting at which the score reaches 0
-    // active-request-scorer
-    int max_busy_requests; // maxBusyRequests (64): in-flight count scored 0
-    // session-affinity-scorer
-    char *session_header; // headerName ("x-session-token"), lower case
-    // prefix-based-pd-decider
-    int non_cached_tokens; // nonCachedTokens (0 = never disaggregate, as llm-d)
-    // weighted-random-picker / max-score-picker
-    int max_num_of_endpoints; // maxNumOfEndpoints (1); > 1 returns a ranked list
-    // approx-prefix-cache-producer
-    int block_size_tokens;          // blockSizeTokens (16); must equal the workers' block size
-    int max_prefix_blocks_to_match; // maxPrefixBlocksToMatch (256)
-    int lru_capacity_per_server;    // lruCapacityPerServer (31250 blocks)
-    // disagg-profile-handler: names of the profiles and of the prefill decider plugin
-    char *decode_profile;  // profiles.decode ("decode")
-    char *prefill_profile; // profiles.prefill ("prefill")
-    char *prefill_decider; // deciders.prefill (NULL: the only decider plugin, if
-                           // exactly one exists; none = always disaggregate)
-    bool pd_threshold_set; // deprecated pd-profile-handler `threshold` was given
-                           // (kept in non_cached_tokens; acts as a prefix decider)
+    union {
+        struct {                            // utilization-detector
+            int queue_depth_threshold;      // queueDepthThreshold (5): waiting > this = saturated
+            double kv_cache_util_threshold; // kvCacheUtilThreshold (0.8): kv usage > this
+            double headroom;                // headroom (0): added to both limits as a fraction
+        } utilization;
+        struct {           // load-aware-scorer
+            int threshold; // threshold (128): waiting at which the score reaches 0
+        } load_aware;
+        struct {                   // active-request-scorer
+            int max_busy_requests; // maxBusyRequests (64): in-flight count scored 0
+        } active_request;
+        struct {               // session-affinity-scorer
+            char *header_name; // headerName ("x-session-token"), lower case; NULL = default
+        } session_affinity;
+        struct {                   // prefix-based-pd-decider
+            int non_cached_tokens; // nonCachedTokens (0 = never disaggregate, as llm-d)
+        } prefix_decider;
+        struct tdm_router_prefix_index_params prefix_index;
+        struct { // disagg-profile-handler: names of the profiles and of the decider
+            char *decode_profile;  // profiles.decode (NULL = "decode")
+            char *prefill_profile; // profiles.prefill (NULL = "prefill")
+            char *prefill_decider; // deciders.prefill (NULL: the only decider plugin, if
+                                   // exactly one exists; none = always disaggregate)
+            int threshold;         // deprecated `threshold`: a prefix decider of its own
+            bool threshold_set;    // ... was given
+            int hash_block_size;   // deprecated hashBlockSize (0 = not given)
+        } disagg_handler;
+    };
 };
 
 struct tdm_router_plugin {
@@ -197,7 +209,8 @@ struct tdm_router_config {
 
     // Requests.
     double request_deadline_seconds; // whole request, router side (600)
-    int prefill_retries;             // other prefill endpoints tried before local prefill (1)
+    int prefill_retries;             // prefill endpoints the decode worker is given beyond
+                                     // the first, tried in turn before local prefill (1)
     char *session_header;            // header the session policy reads ("x-session-token")
 
     // Prefix index (approximate, router-side).

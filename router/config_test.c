@@ -177,10 +177,10 @@ static void test_example_pd_llm_d(void **state)
     assert_int_equal(c->pd_threshold_tokens, 256);
     size_t u = tdm_router_config_find_plugin(c, "utilization-detector");
     assert_true(u != SIZE_MAX);
-    assert_int_equal(c->plugins[u].params.queue_depth_threshold, 8);
-    assert_true(c->plugins[u].params.kv_cache_util_threshold == 0.9);
+    assert_int_equal(c->plugins[u].params.utilization.queue_depth_threshold, 8);
+    assert_true(c->plugins[u].params.utilization.kv_cache_util_threshold == 0.9);
     size_t la = tdm_router_config_find_plugin(c, "load-aware-scorer");
-    assert_int_equal(c->plugins[la].params.load_threshold, 64);
+    assert_int_equal(c->plugins[la].params.load_aware.threshold, 64);
     assert_true(weight_of(c, c->decode_profile, TDM_ROUTER_PREFIX_CACHE_SCORER) == 2.0);
     assert_true(weight_of(c, c->prefill_profile, TDM_ROUTER_PREFIX_CACHE_SCORER) < 0);
     assert_int_equal(picker_of(c, c->decode_profile), TDM_ROUTER_MAX_SCORE_PICKER);

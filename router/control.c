@@ -12,6 +12,7 @@
 
 #include "config_impl.h"
 #include "core.h"
+#include "retry.h"
 
 #define MOD "router-control"
 
@@ -125,9 +126,66 @@ static void log_scores(const struct tdm_router_config *cfg, size_t profile, cons
     TDM_LOG_DEBUG(MOD, "%s scores: %s", what, line);
 }
 
+// The policy's pick on a snapshot with the avoided endpoints marked unhealthy;
+// when that leaves no decode endpoint, the pick without avoidance.
+static int pick_avoiding(const struct tdm_router_config *cfg, struct tdm_router_snapshot *snap,
+                         const struct tdm_router_request *req, const uint64_t *avoid,
+                         size_t n_avoid, struct tdm_router_pick *pick)
+{
+    size_t marked[TDM_ROUTER_RETRY_MAX_ROUTES], nm = 0;
+    for (size_t a = 0; avoid && a < n_avoid; a++)
+        for (size_t i = 0; i < snap->n && nm < TDM_ROUTER_RETRY_MAX_ROUTES; i++)
+            if (snap->eps[i].id == avoid[a] && snap->eps[i].healthy) {
+                snap->eps[i].healthy = false;
+                marked[nm++] = i;
+            }
+    int rc = tdm_router_policy_pick(cfg, snap, req, pick);
+    for (size_t m = 0; m < nm; m++)
+        snap->eps[marked[m]].healthy = true;
+    if (rc == TDM_EBUSY && nm > 0)
+        rc = tdm_router_policy_pick(cfg, snap, req, pick);
+    return rc;
+}
+
+// Snapshot, pick and acquire the decode endpoint; an endpoint may leave
+// between the snapshot and the acquire, so this picks again (3 times).
+static int pick_and_hold(struct tdm_router_control *ctl, const struct tdm_router_config *cfg,
+                         const uint64_t *hashes, size_t nb, const struct tdm_router_request *req,
+                         const uint64_t *avoid, size_t n_avoid, struct tdm_router_snapshot *snap,
+                         struct tdm_router_pick *pick, struct tdm_router_endpoint_score **scores)
+{
+    int rc = TDM_OK;
+    for (int attempt = 0; attempt < 3; attempt++) {
+        tdm_router_snapshot_free(snap);
+        free(*scores);
+        *scores = NULL;
+        if ((rc = tdm_router_endpoints_snapshot(ctl->eps, hashes, nb, snap)))
+            break;
+        if (tdm_log_level >= TDM_LOG_LEVEL_DEBUG && snap->n)
+            *scores = calloc(2 * snap->n, sizeof **scores);
+        pick->decode_scores = *scores;
+        pick->prefill_scores = *scores ? *scores + snap->n : NULL;
+        rc = pick_avoiding(cfg, snap, req, avoid, n_avoid, pick);
+        if (rc)
+            break;
+        if (tdm_router_endpoints_acquire(ctl->eps, snap->eps[pick->decode].id) == TDM_OK)
+            return TDM_OK;
+        rc = TDM_EBUSY;
+    }
+    return rc;
+}
+
 int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
                              const char *session, struct tdm_router_route *route, char *err,
                              size_t errlen)
+{
+    return tdm_router_control_route_avoiding(ctl, tokens, n, session, NULL, 0, route, err, errlen);
+}
+
+int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int32_t *tokens,
+                                      size_t n, const char *session, const uint64_t *avoid,
+                                      size_t n_avoid, struct tdm_router_route *route, char *err,
+                                      size_t errlen)
 {
     memset(route, 0, sizeof *route);
     double t0 = tdm_now();
@@ -145,27 +203,7 @@ int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *toke
     struct tdm_router_snapshot snap = {0};
     struct tdm_router_pick pick = {0};
     struct tdm_router_endpoint_score *scores = NULL;
-    int rc = TDM_OK;
-    // An endpoint may leave between the snapshot and the acquire: pick again.
-    for (int attempt = 0; attempt < 3; attempt++) {
-        tdm_router_snapshot_free(&snap);
-        free(scores);
-        scores = NULL;
-        if ((rc = tdm_router_endpoints_snapshot(ctl->eps, hashes, nb, &snap)))
-            break;
-        if (tdm_log_level >= TDM_LOG_LEVEL_DEBUG && snap.n)
-            scores = calloc(2 * snap.n, sizeof *scores);
-        pick.decode_scores = scores;
-        pick.prefill_scores = scores ? scores + snap.n : NULL;
-        rc = tdm_router_policy_pick(cfg, &snap, &req, &pick);
-        if (rc)
-            break;
-        if (tdm_router_endpoints_acquire(ctl->eps, snap.eps[pick.decode].id) == TDM_OK) {
-            rc = TDM_OK;
-            break;
-        }
-        rc = TDM_EBUSY;
-    }
+    int rc = pick_and_hold(ctl, cfg, hashes, nb, &req, avoid, n_avoid, &snap, &pick, &scores);
     if (rc) {
         if (rc == TDM_EBUSY) {
             size_t total = 0, healthy = 0;
@@ -203,7 +241,10 @@ int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *toke
         if (route->prefill_idx < route->n_prefill) {
             const struct tdm_router_target *p = &route->prefill[route->prefill_idx];
             route->prefill_held_ = true;
-            route->prefill_attempts = 1;
+            // The decode worker gets this one and at most prefill_retries more.
+            size_t cap = route->prefill_idx + 1 + (size_t)route->cfg->prefill_retries;
+            if (route->n_prefill > cap)
+                route->n_prefill = cap;
             tdm_router_endpoints_record_prefix(ctl->eps, p->id, route->block_hashes_,
                                                route->n_blocks_);
             tdm_router_metrics_pick(mx(ctl), p->name, TDM_ROUTER_ROLE_PREFILL);
@@ -242,38 +283,14 @@ fail:
     return rc;
 }
 
-bool tdm_router_control_next_prefill(struct tdm_router_control *ctl, struct tdm_router_route *r)
+void tdm_router_control_prefill_outcome(struct tdm_router_control *ctl,
+                                        const struct tdm_router_route *r, bool remote)
 {
-    if (r->decision != TDM_ROUTER_DECISION_PREFILL_DECODE || !r->cfg)
-        return false;
-    if (r->prefill_held_) {
-        const struct tdm_router_target *cur = &r->prefill[r->prefill_idx];
-        tdm_router_endpoints_release(ctl->eps, cur->id);
-        tdm_router_metrics_retry(mx(ctl), cur->name, TDM_ROUTER_ROLE_PREFILL);
-        r->prefill_held_ = false;
-    }
-    while (r->prefill_attempts < 1 + r->cfg->prefill_retries && r->prefill_idx + 1 < r->n_prefill) {
-        r->prefill_idx++;
-        const struct tdm_router_target *p = &r->prefill[r->prefill_idx];
-        struct tdm_router_endpoint_view v;
-        if (tdm_router_endpoints_get(ctl->eps, p->id, &v) || !v.healthy || v.draining)
-            continue; // it failed meanwhile: do not spend an attempt on it
-        if (tdm_router_endpoints_acquire(ctl->eps, p->id))
-            continue;
-        r->prefill_held_ = true;
-        r->prefill_attempts++;
-        tdm_router_endpoints_record_prefix(ctl->eps, p->id, r->block_hashes_, r->n_blocks_);
-        tdm_router_metrics_pick(mx(ctl), p->name, TDM_ROUTER_ROLE_PREFILL);
-        TDM_LOG_INFO(MOD, "prefill retry %d on %s", r->prefill_attempts - 1, p->name);
-        return true;
-    }
-    // Out of prefill endpoints: the decode worker prefills locally.
-    r->decision = TDM_ROUTER_DECISION_DECODE_ONLY;
-    if (mx(ctl))
-        tdm_metrics_counter_inc(ctl->metrics.prefill_fallback);
-    TDM_LOG_INFO(MOD, "remote prefill given up after %d attempts: local prefill on %s",
-                 r->prefill_attempts, r->decode.name);
-    return false;
+    if (r->decision != TDM_ROUTER_DECISION_PREFILL_DECODE || remote || !mx(ctl))
+        return;
+    // Every prefill candidate failed: the decode worker prefilled locally.
+    tdm_metrics_counter_inc(ctl->metrics.prefill_fallback);
+    TDM_LOG_INFO(MOD, "remote prefill given up: local prefill on %s", r->decode.name);
 }
 
 void tdm_router_control_report(struct tdm_router_control *ctl, const struct tdm_router_target *t,

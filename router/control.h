@@ -2,20 +2,25 @@
 // router control: the control plane in one object for the request path. It
 // owns the config store (hot reload), the endpoint registry (discovery, health,
 // load, prefix index) and the router metrics, and turns a tokenized prompt into
-// a route: the decode endpoint, the prefill endpoint in use (if P/D) with the
-// others in retry order, the decision, and the config snapshot the request
+// a route: the decode endpoint, the prefill endpoints (if P/D) in the order the
+// decode worker tries them, the decision, and the config snapshot the request
 // keeps for its whole life (a reload never changes a request in flight).
 //
 // Typical use by router.c:
 //   tdm_router_control_new(&ctl, path, registry, ...); tdm_router_control_start(ctl, ...);
 //   per request:  tdm_router_control_route(ctl, tokens, n, session, &r, ...)
-//                 on prefill failure: tdm_router_control_report(...ERROR) then
-//                   tdm_router_control_next_prefill(ctl, &r) (false -> local prefill)
+//                 send GenerateRequest to r.decode with r.prefill[r.prefill_idx ..
+//                   r.n_prefill) as its prefill targets: the decode worker tries
+//                   them in order and prefills locally when all fail (the router
+//                   does not retry prefill itself)
+//                 first chunk: tdm_router_control_prefill_outcome(ctl, &r, remote?)
+//                 decode failure: tdm_router_control_report(...ERROR), route_done,
+//                   route again within the request's retry budget (retry.h)
 //                 tdm_router_control_route_done(ctl, &r, "success")
-//   load reports: tdm_router_endpoints_set_load(tdm_router_control_endpoints(ctl), id, &load)
+//   load reports: tdm_router_endpoints_on_report(tdm_router_control_endpoints(ctl), id, &rep, ...)
 //   SIGHUP:       tdm_router_control_reload(ctl, ...) from a normal thread
 //   GET /v1/router/config: tdm_router_control_config_json(ctl)
-// Thread-safe: route/report/next_prefill/route_done may run on any thread.
+// Thread-safe: route/report/prefill_outcome/route_done may run on any thread.
 #ifndef TDM_ROUTER_CONTROL_H
 #define TDM_ROUTER_CONTROL_H
 
@@ -43,12 +48,12 @@ struct tdm_router_target {
 
 struct tdm_router_route {
     struct tdm_router_config *cfg;     // reference held until route_done
-    enum tdm_router_decision decision; // may turn DECODE_ONLY when prefill retries run out
+    enum tdm_router_decision decision; // DECODE_ONLY when no prefill endpoint could be held
     struct tdm_router_target decode;
-    struct tdm_router_target prefill[TDM_ROUTER_MAX_PREFILL_CANDIDATES]; // retry order
-    size_t n_prefill;     // candidates (0 when decode-only)
-    size_t prefill_idx;   // the one in use
-    int prefill_attempts; // remote prefill attempts so far (1 after route)
+    struct tdm_router_target prefill[TDM_ROUTER_MAX_PREFILL_CANDIDATES]; // ranked
+    size_t n_prefill;     // end of the candidates the decode worker is given: at most
+                          // prefill_idx + 1 + request.prefill_retries (0 when decode-only)
+    size_t prefill_idx;   // the first candidate still registered (held by the route)
     size_t cached_tokens; // believed cached on the decode endpoint
     size_t uncached_tokens;
     double deadline;  // tdm_now() + request_deadline_seconds
@@ -85,11 +90,19 @@ tdm_router_control_metrics(struct tdm_router_control *ctl); // NULL if none
 int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
                              const char *session, struct tdm_router_route *route, char *err,
                              size_t errlen);
-// The prefill endpoint in use failed: releases it, counts a retry, acquires the
-// next healthy candidate. Returns false when retries (prefill_retries) or
-// candidates are exhausted: the route is then DECODE_ONLY (local prefill on the
-// decode endpoint) and the fallback is counted.
-bool tdm_router_control_next_prefill(struct tdm_router_control *ctl, struct tdm_router_route *r);
+// tdm_router_control_route for a retry: the decode endpoints in avoid[0..n_avoid)
+// (those that already failed the request) are not picked while another
+// healthy decode endpoint exists; when none does, they may be.
+int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int32_t *tokens,
+                                      size_t n, const char *session, const uint64_t *avoid,
+                                      size_t n_avoid, struct tdm_router_route *route, char *err,
+                                      size_t errlen);
+
+// The first chunk said who prefilled: remote (a prefill worker) or not (the
+// decode worker itself). A PREFILL_DECODE route prefilled locally counts
+// tandem:router_prefill_fallback_total.
+void tdm_router_control_prefill_outcome(struct tdm_router_control *ctl,
+                                        const struct tdm_router_route *r, bool remote);
 // Passive health + upstream error metrics for one endpoint of the route.
 void tdm_router_control_report(struct tdm_router_control *ctl, const struct tdm_router_target *t,
                                enum tdm_router_outcome outcome);

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Tests of the control plane as the request path uses it: routes (decision,
-// held endpoints, prefix recording), prefill retries and the fallback to local
-// prefill, passive reports, the router metrics they move (rendered through the
-// registry), no-endpoint errors, a reload under a held route, and the
-// GET /v1/router/config body.
+// held endpoints, prefix recording), the request.prefill_retries cap on the
+// prefill targets and the local-prefill fallback count, passive reports, the
+// router metrics they move (rendered through the registry), no-endpoint
+// errors, a reload under a held route, and the GET /v1/router/config body.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -113,8 +113,9 @@ static void test_route_decode_only_and_prefix(void **state)
     // 64 tokens, cold: prefill-decode. The blocks are recorded on both.
     assert_int_equal(tdm_router_control_route(e.ctl, tokens, 64, NULL, &r, err, sizeof err), 0);
     assert_int_equal(r.decision, TDM_ROUTER_DECISION_PREFILL_DECODE);
-    assert_int_equal(r.n_prefill, 3);
-    assert_int_equal(r.prefill_attempts, 1);
+    // 3 prefill endpoints ranked, prefill_retries 1: the decode worker gets 2.
+    assert_int_equal(r.n_prefill, 2);
+    assert_int_equal(r.prefill_idx, 0);
     assert_int_equal(r.prefill[r.prefill_idx].role, TDM_ROUTER_ROLE_PREFILL);
     assert_int_equal(inflight_of(&e, r.prefill[0].id), 1);
     assert_int_equal(inflight_of(&e, r.prefill[1].id), 0); // only the one in use is held
@@ -150,65 +151,97 @@ static void test_route_decode_only_and_prefix(void **state)
     env_close(&e);
 }
 
-static void test_prefill_retry_and_fallback(void **state)
+// request.prefill_retries caps the prefill endpoints a route hands the decode
+// worker (it tries them in order, then prefills locally); a local prefill of a
+// P/D route counts as a fallback.
+static void test_prefill_retries_cap_and_fallback(void **state)
+{
+    (void)state;
+    int32_t tokens[100];
+    char err[256];
+    for (int retries = 0; retries <= 3; retries++) {
+        char text[512];
+        snprintf(text, sizeof text,
+                 "policy: least_loaded\npd_mode: always\nrequest: {prefill_retries: %d}\n"
+                 "endpoints:\n"
+                 "  prefill: ['10.0.0.1:8101', '10.0.0.2:8101', '10.0.0.3:8101']\n"
+                 "  decode: ['10.0.1.1:8001']\n",
+                 retries);
+        struct env e;
+        env_open(&e, text);
+        for (int i = 0; i < 100; i++)
+            tokens[i] = 7 * i + retries;
+        struct tdm_router_route r;
+        assert_int_equal(tdm_router_control_route(e.ctl, tokens, 100, NULL, &r, err, sizeof err),
+                         0);
+        assert_int_equal(r.decision, TDM_ROUTER_DECISION_PREFILL_DECODE);
+        size_t want = retries + 1 < 3 ? (size_t)retries + 1 : 3; // 3 prefill endpoints exist
+        assert_int_equal(r.n_prefill - r.prefill_idx, want);
+        for (size_t i = r.prefill_idx; i < r.n_prefill; i++)
+            for (size_t j = r.prefill_idx; j < i; j++)
+                assert_true(r.prefill[i].id != r.prefill[j].id);
+        // Only the first is held.
+        assert_int_equal(inflight_of(&e, r.prefill[r.prefill_idx].id), 1);
+        if (r.n_prefill - r.prefill_idx > 1)
+            assert_int_equal(inflight_of(&e, r.prefill[r.prefill_idx + 1].id), 0);
+        // Remote prefill happened: no fallback. Then a local one: one fallback.
+        tdm_router_control_prefill_outcome(e.ctl, &r, true);
+        char *m = render(&e);
+        expect_line(m, "tandem:router_prefill_fallback_total 0");
+        free(m);
+        tdm_router_control_prefill_outcome(e.ctl, &r, false);
+        m = render(&e);
+        expect_line(m, "tandem:router_prefill_fallback_total 1");
+        free(m);
+        tdm_router_control_route_done(e.ctl, &r, "success");
+        env_close(&e);
+    }
+    // A decode-only route never counts a fallback.
+    struct env e;
+    env_open(&e, pd_cfg);
+    struct tdm_router_route r;
+    assert_int_equal(tdm_router_control_route(e.ctl, tokens, 10, NULL, &r, err, sizeof err), 0);
+    assert_int_equal(r.decision, TDM_ROUTER_DECISION_DECODE_ONLY);
+    tdm_router_control_prefill_outcome(e.ctl, &r, false);
+    char *m = render(&e);
+    expect_line(m, "tandem:router_prefill_fallback_total 0");
+    free(m);
+    tdm_router_control_route_done(e.ctl, &r, "success");
+    env_close(&e);
+}
+
+// A retry's route avoids the decode endpoints that failed the request, unless
+// no other healthy one is left.
+static void test_route_avoiding(void **state)
 {
     (void)state;
     struct env e;
-    env_open(&e, pd_cfg);
-    int32_t tokens[100];
-    for (int i = 0; i < 100; i++)
-        tokens[i] = 7 * i;
+    env_open(&e, "policy: round_robin\nendpoints: {decode: ['10.0.1.1:8001', '10.0.1.2:8001']}\n");
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
+    struct tdm_router_endpoint_view a, b;
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", &a), TDM_OK);
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.2:8001", &b), TDM_OK);
+    int32_t t[4] = {1, 2, 3, 4};
     char err[256];
     struct tdm_router_route r;
-    assert_int_equal(tdm_router_control_route(e.ctl, tokens, 100, NULL, &r, err, sizeof err), 0);
-    assert_int_equal(r.decision, TDM_ROUTER_DECISION_PREFILL_DECODE);
-    struct tdm_router_target first = r.prefill[r.prefill_idx];
-    // The prefill worker fails: report it, move on (1 retry allowed).
-    tdm_router_control_report(e.ctl, &first, TDM_ROUTER_OUTCOME_ERROR);
-    assert_true(tdm_router_control_next_prefill(e.ctl, &r));
-    assert_int_equal(r.prefill_attempts, 2);
-    assert_true(r.prefill[r.prefill_idx].id != first.id);
-    assert_int_equal(inflight_of(&e, first.id), 0);
-    assert_int_equal(inflight_of(&e, r.prefill[r.prefill_idx].id), 1);
-    struct tdm_router_target second = r.prefill[r.prefill_idx];
-    tdm_router_control_report(e.ctl, &second, TDM_ROUTER_OUTCOME_TIMEOUT);
-    // Retries exhausted: local prefill.
-    assert_false(tdm_router_control_next_prefill(e.ctl, &r));
-    assert_int_equal(r.decision, TDM_ROUTER_DECISION_DECODE_ONLY);
-    assert_int_equal(inflight_of(&e, second.id), 0);
-    assert_false(tdm_router_control_next_prefill(e.ctl, &r)); // stays decode-only
+    for (int i = 0; i < 4; i++) { // round robin alone would alternate
+        assert_int_equal(
+            tdm_router_control_route_avoiding(e.ctl, t, 4, NULL, &a.id, 1, &r, err, sizeof err),
+            TDM_OK);
+        assert_true(r.decode.id == b.id);
+        tdm_router_control_route_done(e.ctl, &r, "success");
+    }
+    uint64_t both[2] = {a.id, b.id};
+    assert_int_equal(
+        tdm_router_control_route_avoiding(e.ctl, t, 4, NULL, both, 2, &r, err, sizeof err), TDM_OK);
     tdm_router_control_route_done(e.ctl, &r, "success");
-
-    char *m = render(&e);
-    char line[256];
-    snprintf(
-        line, sizeof line,
-        "tandem:router_upstream_errors_total{endpoint=\"%s\",kind=\"error\",role=\"prefill\"} 1",
-        first.name);
-    expect_line(m, line);
-    snprintf(
-        line, sizeof line,
-        "tandem:router_upstream_errors_total{endpoint=\"%s\",kind=\"timeout\",role=\"prefill\"} "
-        "1",
-        second.name);
-    expect_line(m, line);
-    snprintf(line, sizeof line, "tandem:router_retries_total{endpoint=\"%s\",role=\"prefill\"} 1",
-             first.name);
-    expect_line(m, line);
-    expect_line(m, "tandem:router_prefill_fallback_total 1");
-    free(m);
-
-    // An unhealthy candidate is skipped without spending the retry (a new
-    // prompt: the last one is cached on its decode endpoint now).
-    for (int i = 0; i < 100; i++)
-        tokens[i] = 5 * i + 3;
-    assert_int_equal(tdm_router_control_route(e.ctl, tokens, 100, NULL, &r, err, sizeof err), 0);
-    assert_int_equal(r.n_prefill, 3);
-    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
-    tdm_router_endpoints_set_healthy(eps, r.prefill[1].id, false);
-    assert_true(tdm_router_control_next_prefill(e.ctl, &r));
-    assert_int_equal(r.prefill_idx, 2);
-    tdm_router_control_route_done(e.ctl, &r, "error");
+    // Avoidance never makes an unhealthy endpoint pickable.
+    tdm_router_endpoints_set_healthy(eps, b.id, false);
+    assert_int_equal(
+        tdm_router_control_route_avoiding(e.ctl, t, 4, NULL, &a.id, 1, &r, err, sizeof err),
+        TDM_OK);
+    assert_true(r.decode.id == a.id);
+    tdm_router_control_route_done(e.ctl, &r, "success");
     env_close(&e);
 }
 
@@ -335,7 +368,8 @@ int main(void)
     tdm_log_level = TDM_LOG_LEVEL_ERR;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_route_decode_only_and_prefix),
-        cmocka_unit_test(test_prefill_retry_and_fallback),
+        cmocka_unit_test(test_prefill_retries_cap_and_fallback),
+        cmocka_unit_test(test_route_avoiding),
         cmocka_unit_test(test_no_endpoint),
         cmocka_unit_test(test_reload_under_held_route_and_json),
         cmocka_unit_test(test_start_checks_health),

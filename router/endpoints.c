@@ -227,8 +227,10 @@ struct endpoint {
     uint64_t health_epoch;
     int inflight;
     struct tdm_router_load load;
-    double load_at; // tdm_now() of the last report
+    double load_at; // tdm_now() of the last report: load age and liveness
     bool has_load;
+    uint64_t instance; // the worker's instance id from its last report (0: none)
+    uint64_t kv_batch; // KvEvents.batch of the last report with events (0: none yet)
     struct prefix_lru lru;
 };
 
@@ -932,6 +934,7 @@ static void fill_view(const struct tdm_router_endpoints *reg, const struct endpo
     v->healthy = e->healthy;
     v->draining = e->draining;
     v->health_epoch = e->health_epoch;
+    v->instance = e->instance;
     v->inflight = e->inflight;
     v->load = e->load;
     v->has_load = e->has_load;
@@ -1088,6 +1091,53 @@ int tdm_router_endpoints_set_load(struct tdm_router_endpoints *reg, uint64_t id,
         e->load_at = tdm_now();
         e->has_load = true;
     }
+    pthread_mutex_unlock(&reg->mu);
+    return e ? TDM_OK : TDM_ENOTFOUND;
+}
+
+int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id,
+                                   const struct tdm_router_report *r, bool *restarted,
+                                   bool *resynced)
+{
+    bool re = false, resync = false;
+    pthread_mutex_lock(&reg->mu);
+    struct endpoint *e = find_by_id(reg, id);
+    if (e) {
+        re = r->instance != 0 && e->instance != 0 && e->instance != r->instance;
+        if (r->instance != 0)
+            e->instance = r->instance;
+        e->load = r->load;
+        e->load_at = tdm_now();
+        e->has_load = true;
+        if (re)
+            lru_fini(&e->lru); // a new process: its prefix cache is empty
+        if (r->has_kv_events) {
+            // A lost report (batch gap) or a worker-side overflow lost events.
+            resync = !re && (r->kv_cleared || (e->kv_batch != 0 && r->kv_batch != e->kv_batch + 1));
+            if (resync)
+                lru_fini(&e->lru);
+            e->kv_batch = r->kv_batch;
+            for (size_t i = 0; r->stored && i < r->n_stored; i++)
+                lru_insert(&e->lru, r->stored[i]);
+            for (size_t i = 0; r->evicted && i < r->n_evicted; i++)
+                lru_remove(&e->lru, r->evicted[i]);
+        }
+    }
+    pthread_mutex_unlock(&reg->mu);
+    if (restarted)
+        *restarted = re;
+    if (resynced)
+        *resynced = resync;
+    return e ? TDM_OK : TDM_ENOTFOUND;
+}
+
+int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id, uint64_t *instance,
+                                  double *heard_at)
+{
+    pthread_mutex_lock(&reg->mu);
+    struct endpoint *e = find_by_id(reg, id);
+    *instance = e ? e->instance : 0;
+    *heard_at = e && e->has_load ? e->load_at : 0;
     pthread_mutex_unlock(&reg->mu);
     return e ? TDM_OK : TDM_ENOTFOUND;
 }

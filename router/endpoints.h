@@ -10,9 +10,11 @@
 //     from the request path (errors and timeouts count as failures, successes
 //     reset the count). health_epoch increments each time it turns healthy, so
 //     the request path can drop connection state to a worker that restarted.
-//   - load: running, waiting, KV usage as the worker last reported it (over nng,
-//     set by the request path) with the time it arrived; older than
-//     load_stale_seconds = treated as saturated (as llm-d does).
+//   - load and liveness: running, waiting, KV usage as the worker last reported
+//     it (over nng; tdm_router_endpoints_on_report) with the time it arrived and
+//     the worker's instance id (a new one = a restart); load older than
+//     load_stale_seconds = treated as saturated (as llm-d does), and the router
+//     judges a stream's worker lost from the same time.
 //   - in-flight requests tracked by the router (acquire/release).
 //   - an approximate prefix index: an LRU set of the chained block hashes of the
 //     prompts routed there (capacity lru_capacity_per_server blocks), which KV
@@ -60,6 +62,7 @@ struct tdm_router_endpoint_view {
                                  // later ones join at their first good check)
     bool draining;               // removed from config/DNS: takes no new requests
     uint64_t health_epoch;       // increments on every unhealthy -> healthy turn
+    uint64_t instance;           // the worker's instance id from its last report (0: none)
     int inflight;                // router-tracked requests in flight
     struct tdm_router_load load; // last report (zeros if none yet)
     bool has_load;               // a report arrived at least once
@@ -167,7 +170,40 @@ enum tdm_router_outcome {
 void tdm_router_endpoints_report(struct tdm_router_endpoints *reg, uint64_t id,
                                  enum tdm_router_outcome outcome);
 
-// Load report from the worker (timestamped now). TDM_ENOTFOUND for an unknown id.
+// A worker's LoadReport as the router received it (arrays borrowed for the call).
+struct tdm_router_report {
+    uint64_t instance;           // the worker process's instance id (0 = not given)
+    struct tdm_router_load load; // its load
+    bool has_kv_events;          // the report carried KV events (decode workers)
+    uint64_t kv_batch;           // their batch number (consecutive unless one was lost)
+    bool kv_cleared;             // the worker lost events itself (overflow): index untrusted
+    const uint64_t *stored;      // [n_stored] block hashes now cached
+    size_t n_stored;
+    const uint64_t *evicted; // [n_evicted] block hashes no longer cached
+    size_t n_evicted;
+};
+
+// Records a worker's report under one lock: the load and the time it arrived
+// (the endpoint's single "last heard" time, load staleness and liveness alike),
+// the instance id, and the KV events. A different instance id than the last
+// report's means the worker restarted: its prefix index is cleared (*restarted
+// = true). KV events after a gap in batch numbers (a lost report) or with
+// kv_cleared clear the index before they apply, as the index can no longer be
+// trusted; the first report's events apply on top of what the router recorded
+// itself (*resynced = true when the index was cleared for lost events).
+// restarted/resynced may be NULL. TDM_ENOTFOUND for an unknown id.
+int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id,
+                                   const struct tdm_router_report *r, bool *restarted,
+                                   bool *resynced);
+
+// The endpoint's liveness: the instance id of its last report (0: none yet)
+// and when that report arrived (tdm_now(); 0: never). TDM_ENOTFOUND (both 0)
+// for an unknown or removed id.
+int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id, uint64_t *instance,
+                                  double *heard_at);
+
+// Load alone (timestamped now), as on_report without instance or KV events.
+// TDM_ENOTFOUND for an unknown id.
 int tdm_router_endpoints_set_load(struct tdm_router_endpoints *reg, uint64_t id,
                                   const struct tdm_router_load *load);
 

@@ -2,7 +2,8 @@
 // Tests of the endpoint registry: block hashes equal the KV cache's, DNS
 // discovery through a fake resolver (addresses added, vanished ones drained
 // after their in-flight requests), config reloads of the static list, load
-// staleness, the prefix index (routing records, KV events, LRU capacity),
+// staleness, reports (liveness, restarts, KV event batches), the prefix index
+// (routing records, KV events, LRU capacity),
 // passive health, and active health checks against a local HTTP server whose
 // /health flips between 200 and 503.
 #include <setjmp.h>
@@ -315,6 +316,78 @@ static int snapshot_match(struct tdm_router_endpoints *reg, const uint64_t *h, s
     return m;
 }
 
+// Reports: one lock records load, liveness, instance and KV events; a new
+// instance is a restart (index cleared), a batch gap or a worker-side clear
+// resyncs the index before the events apply.
+static void test_on_report(void **state)
+{
+    (void)state;
+    struct tdm_router_config *cfg =
+        cfg_of("policy: prefix_cache\nendpoints: {decode: ['10.0.0.1:8001']}\n");
+    struct tdm_router_endpoints *reg = reg_of(cfg);
+    struct tdm_router_endpoint_view v;
+    assert_true(find(reg, "10.0.0.1:8001", &v));
+    uint64_t inst = 7;
+    double heard = 7;
+    assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &inst, &heard), TDM_OK);
+    assert_true(inst == 0 && heard == 0); // never heard
+    uint64_t h[4] = {101, 102, 103, 104};
+    tdm_router_endpoints_record_prefix(reg, v.id, h, 2); // what the router routed there
+    bool restarted = true, resynced = true;
+    struct tdm_router_report r = {.instance = 0xA,
+                                  .load = {.running = 1, .waiting = 2},
+                                  .has_kv_events = true,
+                                  .kv_batch = 5,
+                                  .stored = &h[2],
+                                  .n_stored = 1};
+    double t0 = tdm_now();
+    assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &r, &restarted, &resynced), TDM_OK);
+    assert_false(restarted);
+    assert_false(resynced); // the first batch keeps what the router recorded itself
+    assert_int_equal(tdm_router_endpoints_prefix_size(reg, v.id), 3);
+    assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &inst, &heard), TDM_OK);
+    assert_true(inst == 0xA);
+    assert_true(heard >= t0 && heard <= tdm_now());
+    assert_true(find(reg, "10.0.0.1:8001", &v));
+    assert_true(v.has_load && v.load.waiting == 2 && v.instance == 0xA);
+    // The next batch: applied on top.
+    r.kv_batch = 6;
+    r.stored = &h[3];
+    assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &r, &restarted, &resynced), TDM_OK);
+    assert_false(restarted || resynced);
+    assert_int_equal(tdm_router_endpoints_prefix_size(reg, v.id), 4);
+    // A gap (batch 8 after 6): the index is rebuilt from this batch alone.
+    r.kv_batch = 8;
+    r.stored = &h[0];
+    assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &r, &restarted, &resynced), TDM_OK);
+    assert_false(restarted);
+    assert_true(resynced);
+    assert_int_equal(tdm_router_endpoints_prefix_size(reg, v.id), 1);
+    // The worker lost events itself.
+    r.kv_batch = 9;
+    r.kv_cleared = true;
+    r.stored = NULL;
+    r.n_stored = 0;
+    assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &r, &restarted, &resynced), TDM_OK);
+    assert_true(resynced);
+    assert_int_equal(tdm_router_endpoints_prefix_size(reg, v.id), 0);
+    // A new instance: a restart, whatever the batch says.
+    tdm_router_endpoints_record_prefix(reg, v.id, h, 4);
+    struct tdm_router_report r2 = {.instance = 0xB, .has_kv_events = true, .kv_batch = 1};
+    assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &r2, &restarted, &resynced), TDM_OK);
+    assert_true(restarted);
+    assert_false(resynced);
+    assert_int_equal(tdm_router_endpoints_prefix_size(reg, v.id), 0);
+    assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &inst, &heard), TDM_OK);
+    assert_true(inst == 0xB);
+    // Unknown ids.
+    assert_int_equal(tdm_router_endpoints_on_report(reg, 999, &r2, NULL, NULL), TDM_ENOTFOUND);
+    assert_int_equal(tdm_router_endpoints_liveness(reg, 999, &inst, &heard), TDM_ENOTFOUND);
+    assert_true(inst == 0 && heard == 0);
+    tdm_router_endpoints_free(reg);
+    tdm_router_config_unref(cfg);
+}
+
 static void test_prefix_index(void **state)
 {
     (void)state;
@@ -601,6 +674,7 @@ int main(void)
         cmocka_unit_test(test_apply_config),
         cmocka_unit_test(test_load_staleness),
         cmocka_unit_test(test_prefix_index),
+        cmocka_unit_test(test_on_report),
         cmocka_unit_test(test_passive_health),
         cmocka_unit_test(test_active_health_checks),
         cmocka_unit_test(test_health_timeout),

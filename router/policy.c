@@ -1,12 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// router policy: the scheduling cycle of policy.h as pure functions. Each
-// profile run works in a fixed-size scratch on the stack for up to
-// POLICY_MAX_EPS endpoints (more are ignored beyond that, with a warning once
-// per snapshot size: a router with thousands of workers needs a different
-// data structure anyway). Random choices come from a splitmix64 stream seeded
-// by the snapshot's seed and the profile, so the same snapshot replays the same
-// pick, while consecutive snapshots spread ties uniformly (llm-d-router#2515:
-// deterministic tie-breaking sent bursts to one pod).
+// router policy: the scheduling cycle of policy.h as pure functions. A profile
+// run is a loop over the plugins the profile lists, calling each one's ops
+// table (router/plugins/): filters in order, then every scorer weighted into a
+// total, then the picker's ordering. It works in a fixed-size scratch on the
+// stack for up to TDM_ROUTER_POLICY_MAX_EPS endpoints (more are ignored, with a
+// warning). Random choices come from a splitmix64 stream seeded by the
+// snapshot's seed and the profile, so the same snapshot replays the same pick.
 #include "policy.h"
 
 #include <math.h>
@@ -15,9 +14,9 @@
 #include <string.h>
 
 #include "core.h"
+#include "plugins/plugins.h"
 
 #define MOD "router-policy"
-#define POLICY_MAX_EPS 256
 
 const char *tdm_router_decision_name(enum tdm_router_decision d)
 {
@@ -30,119 +29,105 @@ const char *tdm_router_decision_name(enum tdm_router_decision d)
     return "unknown";
 }
 
-static uint64_t splitmix64(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-// Uniform double in [0, 1).
-static double rand01(uint64_t *s)
-{
-    return (double)(splitmix64(s) >> 11) * (1.0 / 9007199254740992.0);
-}
-
-bool tdm_router_policy_saturated(const struct tdm_router_plugin_params *p,
-                                 const struct tdm_router_endpoint_view *ep)
-{
-    if (!ep->has_load || ep->load_stale)
-        return true; // llm-d: metrics we cannot trust count as saturated
-    double q_limit = p->queue_depth_threshold * (1.0 + p->headroom);
-    double kv_limit = p->kv_cache_util_threshold * (1.0 + p->headroom);
-    return ep->load.waiting > q_limit || ep->load.kv_usage > kv_limit;
-}
-
-// ---- session tokens (base64 of the endpoint name, as llm-d) -----------------------------------
-
-static const char b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-size_t tdm_router_session_token(const char *endpoint_name, char *buf, size_t cap)
-{
-    size_t n = strlen(endpoint_name), need = (n + 2) / 3 * 4;
-    if (cap < need + 1) {
-        if (cap)
-            buf[0] = '\0';
-        return 0;
-    }
-    const unsigned char *s = (const unsigned char *)endpoint_name;
-    size_t o = 0;
-    for (size_t i = 0; i < n; i += 3) {
-        uint32_t v = (uint32_t)s[i] << 16;
-        if (i + 1 < n)
-            v |= (uint32_t)s[i + 1] << 8;
-        if (i + 2 < n)
-            v |= s[i + 2];
-        buf[o++] = b64[(v >> 18) & 63];
-        buf[o++] = b64[(v >> 12) & 63];
-        buf[o++] = i + 1 < n ? b64[(v >> 6) & 63] : '=';
-        buf[o++] = i + 2 < n ? b64[v & 63] : '=';
-    }
-    buf[o] = '\0';
-    return o;
-}
-
-static int b64_val(char c)
-{
-    const char *p = c ? strchr(b64, c) : NULL;
-    return p ? (int)(p - b64) : -1;
-}
-
-// Decodes standard base64 into out (NUL-terminated); false when s is not base64.
-static bool b64_decode(const char *s, char *out, size_t cap)
-{
-    size_t n = strlen(s), o = 0;
-    if (n == 0 || n % 4 || n / 4 * 3 >= cap)
-        return false;
-    for (size_t i = 0; i < n; i += 4) {
-        int v[4];
-        for (int k = 0; k < 4; k++) {
-            v[k] = s[i + k] == '=' && i + 4 == n && k >= 2 ? 0 : b64_val(s[i + k]);
-            if (v[k] < 0)
-                return false;
-        }
-        uint32_t w =
-            (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 | (uint32_t)v[3];
-        out[o++] = (char)(w >> 16);
-        if (s[i + 2] != '=')
-            out[o++] = (char)(w >> 8 & 0xff);
-        if (s[i + 3] != '=')
-            out[o++] = (char)(w & 0xff);
-    }
-    out[o] = '\0';
-    return strlen(out) == o; // no embedded NUL
-}
-
-// FNV-1a of the session and the endpoint name: rendezvous (highest random
-// weight) hashing, so a session maps to the same endpoint while it exists and
-// only the sessions of a removed endpoint move.
-static uint64_t rendezvous(const char *session, const char *name)
-{
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (const char *p = session; *p; p++)
-        h = (h ^ (unsigned char)*p) * 0x100000001b3ull;
-    h = (h ^ 0xff) * 0x100000001b3ull;
-    for (const char *p = name; *p; p++)
-        h = (h ^ (unsigned char)*p) * 0x100000001b3ull;
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    return h;
-}
-
-// ---- one profile
-// ----------------------------------------------------------------------------------
+// ---- one profile (llm-d's scheduling cycle) ----------------------------------------------------
 
 static bool role_fits(bool decode, enum tdm_router_role role)
 {
     return decode ? tdm_router_role_can_decode(role) : tdm_router_role_can_prefill(role);
 }
 
-// Min-max normalised "less is better" score of value among candidates.
-static double minmax_low(double v, double lo, double hi)
+// One profile run's working set, on the stack.
+struct run {
+    const struct tdm_router_config *cfg;
+    const struct tdm_router_profile *pr;
+    const struct tdm_router_snapshot *snap;
+    size_t cand[TDM_ROUTER_POLICY_MAX_EPS]; // snapshot indices still in the running
+    size_t nc;
+    double total[TDM_ROUTER_POLICY_MAX_EPS]; // [nc] weighted score sums
+};
+
+static const struct tdm_router_plugin *ref_plugin(const struct run *r, size_t i)
 {
-    return hi > lo ? (hi - v) / (hi - lo) : 1.0;
+    return &r->cfg->plugins[r->pr->refs[i].plugin];
+}
+
+// Role and health first (an unhealthy endpoint is never picked), then the
+// profile's filters in order.
+static void run_filters(struct run *r, bool decode, size_t exclude, bool *fail_open)
+{
+    const struct tdm_router_snapshot *snap = r->snap;
+    size_t n = snap->n < TDM_ROUTER_POLICY_MAX_EPS ? snap->n : TDM_ROUTER_POLICY_MAX_EPS;
+    if (snap->n > TDM_ROUTER_POLICY_MAX_EPS)
+        TDM_LOG_WARN(MOD, "%zu endpoints: only the first %d are considered", snap->n,
+                     TDM_ROUTER_POLICY_MAX_EPS);
+    r->nc = 0;
+    for (size_t i = 0; i < n; i++) {
+        const struct tdm_router_endpoint_view *e = &snap->eps[i];
+        if (i != exclude && e->healthy && !e->draining && role_fits(decode, e->role))
+            r->cand[r->nc++] = i;
+    }
+    for (size_t f = 0; f < r->pr->n_refs && r->nc > 0; f++) {
+        const struct tdm_router_plugin *pl = ref_plugin(r, f);
+        const struct tdm_router_plugin_ops *ops = tdm_router_plugin_ops_of(pl->type);
+        if (ops->kind != TDM_ROUTER_PLUGIN_FILTER)
+            continue;
+        size_t keep[TDM_ROUTER_POLICY_MAX_EPS], nk = 0;
+        for (size_t k = 0; k < r->nc; k++)
+            if (ops->keep(&pl->params, &snap->eps[r->cand[k]]))
+                keep[nk++] = r->cand[k];
+        if (nk == 0 && ops->fail_open) {
+            if (fail_open)
+                *fail_open = true;
+            continue;
+        }
+        memcpy(r->cand, keep, nk * sizeof *keep);
+        r->nc = nk;
+    }
+}
+
+// Every scorer of the profile, weighted, into r->total.
+static void run_scorers(struct run *r, const struct tdm_router_request *req,
+                        struct tdm_router_endpoint_score *scores)
+{
+    struct tdm_router_score_ctx ctx = {
+        .snap = r->snap,
+        .req = req,
+        .cand = r->cand,
+        .nc = r->nc,
+        .lo_waiting = INFINITY,
+        .hi_waiting = -INFINITY,
+        .lo_running = INFINITY,
+        .hi_running = -INFINITY,
+        .max_prefix_blocks = r->cfg->max_prefix_blocks_to_match,
+        .session_target = SIZE_MAX,
+    };
+    for (size_t k = 0; k < r->nc; k++) {
+        const struct tdm_router_endpoint_view *e = &r->snap->eps[r->cand[k]];
+        ctx.lo_waiting = fmin(ctx.lo_waiting, e->load.waiting);
+        ctx.hi_waiting = fmax(ctx.hi_waiting, e->load.waiting);
+        ctx.lo_running = fmin(ctx.lo_running, e->load.running);
+        ctx.hi_running = fmax(ctx.hi_running, e->load.running);
+        r->total[k] = 0.0;
+    }
+    for (size_t i = 0; i < r->pr->n_refs; i++) {
+        const struct tdm_router_plugin *pl = ref_plugin(r, i);
+        const struct tdm_router_plugin_ops *ops = tdm_router_plugin_ops_of(pl->type);
+        if (ops->kind != TDM_ROUTER_PLUGIN_SCORER)
+            continue;
+        if (ops->prepare)
+            ops->prepare(&ctx);
+        double w = r->pr->refs[i].weight;
+        for (size_t k = 0; k < r->nc; k++) {
+            double s = ops->score(&ctx, &pl->params, k);
+            r->total[k] += w * s;
+            if (scores)
+                scores[r->cand[k]].scores[pl->type] = s;
+        }
+    }
+    for (size_t k = 0; scores && k < r->nc; k++) {
+        scores[r->cand[k]].filtered = false;
+        scores[r->cand[k]].total = r->total[k];
+    }
 }
 
 static int run_profile(const struct tdm_router_config *cfg, size_t profile, bool decode,
@@ -155,235 +140,33 @@ static int run_profile(const struct tdm_router_config *cfg, size_t profile, bool
         *fail_open = false;
     if (profile >= cfg->n_profiles)
         return TDM_EINVAL;
-    const struct tdm_router_profile *pr = &cfg->profiles[profile];
-    size_t n = snap->n < POLICY_MAX_EPS ? snap->n : POLICY_MAX_EPS;
-    if (snap->n > POLICY_MAX_EPS)
-        TDM_LOG_WARN(MOD, "%zu endpoints: only the first %d are considered", snap->n,
-                     POLICY_MAX_EPS);
-    size_t cand[POLICY_MAX_EPS], nc = 0;
-    double total[POLICY_MAX_EPS];
-
-    if (scores)
-        for (size_t i = 0; i < snap->n; i++) {
-            scores[i].ep = i;
-            scores[i].total = NAN;
-            scores[i].filtered = true;
-            for (int t = 0; t < TDM_ROUTER_PLUGIN_TYPE_COUNT; t++)
-                scores[i].scores[t] = NAN;
-        }
-    // Role and health first: an unhealthy endpoint is never picked.
-    for (size_t i = 0; i < n; i++) {
-        const struct tdm_router_endpoint_view *e = &snap->eps[i];
-        if (i != exclude && e->healthy && !e->draining && role_fits(decode, e->role))
-            cand[nc++] = i;
+    struct run r = {.cfg = cfg, .pr = &cfg->profiles[profile], .snap = snap};
+    for (size_t i = 0; scores && i < snap->n; i++) {
+        scores[i].ep = i;
+        scores[i].total = NAN;
+        scores[i].filtered = true;
+        for (int t = 0; t < TDM_ROUTER_PLUGIN_TYPE_COUNT; t++)
+            scores[i].scores[t] = NAN;
     }
-    // Filters in profile order.
-    for (size_t r = 0; r < pr->n_refs && nc > 0; r++) {
-        const struct tdm_router_plugin *pl = &cfg->plugins[pr->refs[r].plugin];
-        if (tdm_router_plugin_type_kind(pl->type) != TDM_ROUTER_PLUGIN_FILTER)
-            continue;
-        size_t keep[POLICY_MAX_EPS], nk = 0;
-        for (size_t k = 0; k < nc; k++) {
-            const struct tdm_router_endpoint_view *e = &snap->eps[cand[k]];
-            bool ok = true;
-            switch (pl->type) {
-            case TDM_ROUTER_DECODE_FILTER:
-                ok = tdm_router_role_can_decode(e->role);
-                break;
-            case TDM_ROUTER_PREFILL_FILTER:
-                ok = tdm_router_role_can_prefill(e->role);
-                break;
-            case TDM_ROUTER_HEALTH_FILTER:
-                ok = e->healthy;
-                break;
-            case TDM_ROUTER_UTILIZATION_DETECTOR:
-                ok = !tdm_router_policy_saturated(&pl->params, e);
-                break;
-            default:
-                break;
-            }
-            if (ok)
-                keep[nk++] = cand[k];
-        }
-        if (nk == 0 && pl->type == TDM_ROUTER_UTILIZATION_DETECTOR) {
-            // Fail open: all saturated means queue somewhere rather than reject.
-            if (fail_open)
-                *fail_open = true;
-            continue;
-        }
-        memcpy(cand, keep, nk * sizeof *keep);
-        nc = nk;
-    }
-    if (nc == 0)
+    run_filters(&r, decode, exclude, fail_open);
+    if (r.nc == 0)
         return TDM_EBUSY;
+    run_scorers(&r, req, scores);
 
-    // Scorers: the weighted sum of scores in [0, 1].
-    double lo_w = INFINITY, hi_w = -INFINITY, lo_r = INFINITY, hi_r = -INFINITY;
-    for (size_t k = 0; k < nc; k++) {
-        const struct tdm_router_endpoint_view *e = &snap->eps[cand[k]];
-        lo_w = fmin(lo_w, e->load.waiting);
-        hi_w = fmax(hi_w, e->load.waiting);
-        lo_r = fmin(lo_r, e->load.running);
-        hi_r = fmax(hi_r, e->load.running);
-        total[k] = 0.0;
-    }
-    // Session affinity target: the endpoint the token names, else rendezvous.
-    size_t session_target = SIZE_MAX;
-    bool has_session_scorer = false;
-    for (size_t r = 0; r < pr->n_refs; r++)
-        has_session_scorer |=
-            cfg->plugins[pr->refs[r].plugin].type == TDM_ROUTER_SESSION_AFFINITY_SCORER;
-    if (has_session_scorer && req && req->session && *req->session) {
-        char named[TDM_ROUTER_NAME_MAX + 4];
-        bool decoded = b64_decode(req->session, named, sizeof named);
-        for (size_t k = 0; k < nc && session_target == SIZE_MAX; k++) {
-            const char *nm = snap->eps[cand[k]].name;
-            if ((decoded && !strcmp(named, nm)) || !strcmp(req->session, nm))
-                session_target = cand[k];
-        }
-        if (session_target == SIZE_MAX) {
-            uint64_t best = 0;
-            for (size_t k = 0; k < nc; k++) {
-                uint64_t h = rendezvous(req->session, snap->eps[cand[k]].name);
-                if (session_target == SIZE_MAX || h > best) {
-                    best = h;
-                    session_target = cand[k];
-                }
-            }
-        }
-    }
-    for (size_t r = 0; r < pr->n_refs; r++) {
-        const struct tdm_router_plugin *pl = &cfg->plugins[pr->refs[r].plugin];
-        if (tdm_router_plugin_type_kind(pl->type) != TDM_ROUTER_PLUGIN_SCORER)
-            continue;
-        double w = pr->refs[r].weight;
-        for (size_t k = 0; k < nc; k++) {
-            const struct tdm_router_endpoint_view *e = &snap->eps[cand[k]];
-            double s = 0.0;
-            switch (pl->type) {
-            case TDM_ROUTER_QUEUE_SCORER:
-                s = minmax_low(e->load.waiting, lo_w, hi_w);
-                break;
-            case TDM_ROUTER_KV_CACHE_UTIL_SCORER:
-                s = 1.0 - fmin(1.0, fmax(0.0, e->load.kv_usage));
-                break;
-            case TDM_ROUTER_RUNNING_SCORER:
-                s = minmax_low(e->load.running, lo_r, hi_r);
-                break;
-            case TDM_ROUTER_PREFIX_CACHE_SCORER: {
-                size_t denom = snap->n_request_blocks;
-                if (denom > (size_t)cfg->max_prefix_blocks_to_match)
-                    denom = (size_t)cfg->max_prefix_blocks_to_match;
-                s = denom ? fmin(1.0, (double)e->prefix_match_blocks / (double)denom) : 0.0;
-                break;
-            }
-            case TDM_ROUTER_LOAD_AWARE_SCORER:
-                s = e->load.waiting <= 0
-                        ? 0.5
-                        : 0.5 * (1.0 - fmin(1.0, (double)e->load.waiting /
-                                                     (double)pl->params.load_threshold));
-                break;
-            case TDM_ROUTER_SESSION_AFFINITY_SCORER:
-                s = cand[k] == session_target ? 1.0 : 0.0;
-                break;
-            case TDM_ROUTER_ACTIVE_REQUEST_SCORER:
-                s = 1.0 - fmin(1.0, (double)e->inflight / (double)pl->params.max_busy_requests);
-                break;
-            default:
-                break;
-            }
-            total[k] += w * s;
-            if (scores)
-                scores[cand[k]].scores[pl->type] = s;
-        }
-    }
-    if (scores)
-        for (size_t k = 0; k < nc; k++) {
-            scores[cand[k]].filtered = false;
-            scores[cand[k]].total = total[k];
-        }
-
-    // Picker: order the candidates (the first is the pick, the rest the retry order).
+    // The picker orders the candidates: the first is the pick, the rest the retry order.
     uint64_t rng =
         snap->seed ^ (decode ? 0x6465636f6465ull : 0x70726566696c6cull) ^ ((uint64_t)profile << 48);
-    enum tdm_router_plugin_type picker = pr->picker < pr->n_refs
-                                             ? cfg->plugins[pr->refs[pr->picker].plugin].type
-                                             : TDM_ROUTER_MAX_SCORE_PICKER;
-    size_t order[POLICY_MAX_EPS];
-    for (size_t k = 0; k < nc; k++)
+    const struct tdm_router_plugin_ops *picker =
+        r.pr->picker < r.pr->n_refs ? tdm_router_plugin_ops_of(ref_plugin(&r, r.pr->picker)->type)
+                                    : &tdm_router_max_score_picker_ops;
+    size_t order[TDM_ROUTER_POLICY_MAX_EPS];
+    for (size_t k = 0; k < r.nc; k++)
         order[k] = k;
-    switch (picker) {
-    case TDM_ROUTER_ROUND_ROBIN_PICKER: {
-        size_t start = (size_t)(snap->seq % nc);
-        for (size_t k = 0; k < nc; k++)
-            order[k] = (start + k) % nc;
-        break;
-    }
-    case TDM_ROUTER_RANDOM_PICKER:
-        for (size_t k = nc; k > 1; k--) { // Fisher-Yates
-            size_t j = (size_t)(splitmix64(&rng) % k);
-            size_t t = order[k - 1];
-            order[k - 1] = order[j];
-            order[j] = t;
-        }
-        break;
-    case TDM_ROUTER_WEIGHTED_RANDOM_PICKER: {
-        // Draw without replacement, probability proportional to the total
-        // (uniform when every total is 0).
-        double wsum = 0.0;
-        for (size_t k = 0; k < nc; k++)
-            wsum += fmax(0.0, total[k]);
-        for (size_t m = 0; m < nc; m++) {
-            size_t pick = m;
-            if (wsum > 0) {
-                double x = rand01(&rng) * wsum;
-                for (size_t k = m; k < nc; k++) {
-                    double wk = fmax(0.0, total[order[k]]);
-                    pick = k;
-                    if (x < wk)
-                        break;
-                    x -= wk;
-                }
-                // Rounding may walk past the last positive weight.
-                while (pick > m && fmax(0.0, total[order[pick]]) <= 0.0)
-                    pick--;
-            } else {
-                pick = m + (size_t)(splitmix64(&rng) % (nc - m));
-            }
-            size_t t = order[m];
-            order[m] = order[pick];
-            order[pick] = t;
-            wsum -= fmax(0.0, total[order[m]]);
-            if (wsum < 1e-12)
-                wsum = 0.0;
-        }
-        break;
-    }
-    default: {
-        // max-score: descending total, ties in random order (insertion sort on a
-        // random key; nc is small).
-        uint64_t key[POLICY_MAX_EPS];
-        for (size_t k = 0; k < nc; k++)
-            key[k] = splitmix64(&rng);
-        for (size_t a = 1; a < nc; a++) {
-            size_t v = order[a], b = a;
-            while (b > 0) {
-                size_t u = order[b - 1];
-                double d = total[v] - total[u];
-                bool before = d > 1e-9 || (fabs(d) <= 1e-9 && key[v] < key[u]);
-                if (!before)
-                    break;
-                order[b] = u;
-                b--;
-            }
-            order[b] = v;
-        }
-        break;
-    }
-    }
-    size_t m = nc < cap ? nc : cap;
+    struct tdm_router_pick_ctx pctx = {.snap = snap, .total = r.total, .nc = r.nc, .rng = &rng};
+    picker->pick(&pctx, order);
+    size_t m = r.nc < cap ? r.nc : cap;
     for (size_t k = 0; k < m; k++)
-        ranked[k] = cand[order[k]];
+        ranked[k] = r.cand[order[k]];
     *n_ranked = m;
     return TDM_OK;
 }

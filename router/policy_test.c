@@ -289,13 +289,13 @@ static void test_saturation_filter_fail_open_and_stale(void **state)
     f.eps[1].has_load = false; // never reported
     assert_int_equal(pick_decode(cfg, &f, NULL), 0);
     // tdm_router_policy_saturated directly
-    struct tdm_router_plugin_params par = {.queue_depth_threshold = 5,
-                                           .kv_cache_util_threshold = 0.8};
+    struct tdm_router_plugin_params par = {
+        .utilization = {.queue_depth_threshold = 5, .kv_cache_util_threshold = 0.8}};
     struct tdm_router_endpoint_view v = {.has_load = true, .load = {.waiting = 5}};
     assert_false(tdm_router_policy_saturated(&par, &v));
     v.load.waiting = 6;
     assert_true(tdm_router_policy_saturated(&par, &v));
-    par.headroom = 0.5; // limits 7.5 and 1.2
+    par.utilization.headroom = 0.5; // limits 7.5 and 1.2
     assert_false(tdm_router_policy_saturated(&par, &v));
     tdm_router_config_unref(cfg);
 }

@@ -3,10 +3,11 @@
 // parse, tokenize, route and then read their choices' upstream streams; the
 // inbox thread files incoming TokenChunks into those streams (by request id,
 // checking the sender's instance id) and LoadReports into the endpoint
-// registry; the poller thread sends LoadQuery to every endpoint. Per-endpoint
-// liveness (last report time and instance id) is kept here, keyed by the
-// registry's endpoint id; a new instance id means the worker restarted, so its
-// prefix index is cleared and streams bound to the old instance fail at once.
+// registry (tdm_router_endpoints_on_report: load, liveness, instance id, KV
+// events, all kept there); the poller thread sends LoadQuery to every
+// endpoint with the endpoint's id as seq. A new instance id means the worker
+// restarted: the registry clears its prefix index and streams bound to the
+// old instance fail at their next liveness check.
 //
 // The OpenAI response shaping (detokenization, stop strings, logprobs, echo,
 // usage, SSE) is the decode worker's own (common/openai's tdm_oai_call,
@@ -31,12 +32,13 @@
 #include "metrics.h"
 #include "openai.h"
 #include "pd_codec.h"
+#include "retry.h"
 #include "tokenizer.h"
 #include "transport.h"
 
 #define MOD "router"
 #define MAX_EPS 512
-#define DECODE_ATTEMPTS 3
+#define DECODE_ATTEMPTS 3 // routes per request in all (retry.h)
 
 // ---- options --------------------------------------------------------------------------------
 void tdm_router_opts_default(struct tdm_router_opts *o)
@@ -170,14 +172,6 @@ int tdm_router_opts_parse_args(struct tdm_router_opts *o, int argc, char **argv,
 }
 
 // ---- server state ------------------------------------------------------------------------------
-// Liveness of one endpoint as seen through its load reports.
-struct ep_live {
-    uint64_t id;        // registry endpoint id (0 = free slot)
-    uint64_t instance;  // the worker's instance id from its last report
-    double last_report; // tdm_now() of the last report
-    uint64_t kv_batch;  // KvEvents.batch of the last report (0 = none yet)
-};
-
 // One choice's upstream stream: chunks the inbox thread received for it.
 struct rstream {
     struct rstream *next;
@@ -219,9 +213,6 @@ struct tdm_router_server {
     pthread_mutex_t mu; // streams and their queues
     struct rstream *streams;
 
-    pthread_mutex_t live_mu;
-    struct ep_live live[MAX_EPS];
-
     struct tdm_metrics_counter *m_requests_by; // {decision, endpoint}
     struct tdm_metrics_counter *m_lost;        // decode lost mid-stream
 };
@@ -249,31 +240,10 @@ static void nng_url_of(const char *host, int port, char *out, size_t cap)
         snprintf(out, cap, "tcp://%s:%d", host, port);
 }
 
-static struct ep_live *live_find(struct tdm_router_server *s, uint64_t id, bool create)
-{
-    struct ep_live *free_slot = NULL;
-    for (int i = 0; i < MAX_EPS; i++) {
-        if (s->live[i].id == id)
-            return &s->live[i];
-        if (s->live[i].id == 0 && free_slot == NULL)
-            free_slot = &s->live[i];
-    }
-    if (create && free_slot) {
-        memset(free_slot, 0, sizeof *free_slot);
-        free_slot->id = id;
-        return free_slot;
-    }
-    return NULL;
-}
-
 // The endpoint's instance and last report time (0/0 when never heard of).
 static void live_get(struct tdm_router_server *s, uint64_t id, uint64_t *instance, double *last)
 {
-    pthread_mutex_lock(&s->live_mu);
-    struct ep_live *l = live_find(s, id, false);
-    *instance = l ? l->instance : 0;
-    *last = l ? l->last_report : 0;
-    pthread_mutex_unlock(&s->live_mu);
+    tdm_router_endpoints_liveness(tdm_router_control_endpoints(s->ctl), id, instance, last);
 }
 
 // ---- inbox and poller threads ------------------------------------------------------------------
@@ -320,49 +290,36 @@ static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f
         tandem__token_chunk__free_unpacked(m, NULL);
 }
 
+// A LoadReport answers the poller's LoadQuery, whose seq was the endpoint id.
 static void on_load_report(struct tdm_router_server *s, const struct tdm_net_frame *f)
 {
     Tandem__LoadReport *r = tandem__load_report__unpack(NULL, f->msg_len, f->msg);
     if (r == NULL)
         return;
-    if (r->to_instance == s->instance && r->seq != 0) {
-        bool restarted = false, kv_resync = false;
+    uint64_t ep_id = r->seq;
+    if (r->to_instance == s->instance && ep_id != 0) {
         const Tandem__KvEvents *kev = r->kv_events;
-        pthread_mutex_lock(&s->live_mu);
-        struct ep_live *l = live_find(s, r->seq, true);
-        if (l) {
-            restarted = l->instance != 0 && l->instance != r->instance;
-            l->instance = r->instance;
-            l->last_report = tdm_now();
-            if (kev) {
-                // A lost report (batch gap) or a worker-side overflow lost events:
-                // the index for this worker can no longer be trusted. The first
-                // report keeps what the router recorded itself.
-                kv_resync = kev->cleared ||
-                            (!restarted && l->kv_batch != 0 && kev->batch != l->kv_batch + 1);
-                l->kv_batch = kev->batch;
-            }
-        }
-        pthread_mutex_unlock(&s->live_mu);
-        struct tdm_router_endpoints *eps = tdm_router_control_endpoints(s->ctl);
-        if (restarted) {
-            // A new process: its prefix cache is empty, and streams of the old one
-            // fail at their next liveness check (instance mismatch).
+        struct tdm_router_report rep = {
+            .instance = r->instance,
+            .load = {r->running, r->waiting, r->kv_usage},
+            .has_kv_events = kev != NULL,
+            .kv_batch = kev ? kev->batch : 0,
+            .kv_cleared = kev && kev->cleared,
+            .stored = kev ? kev->stored : NULL,
+            .n_stored = kev ? kev->n_stored : 0,
+            .evicted = kev ? kev->evicted : NULL,
+            .n_evicted = kev ? kev->n_evicted : 0,
+        };
+        bool restarted = false, resynced = false;
+        tdm_router_endpoints_on_report(tdm_router_control_endpoints(s->ctl), ep_id, &rep,
+                                       &restarted, &resynced);
+        // Streams of an old instance fail at their next liveness check.
+        if (restarted)
             TDM_LOG_INFO(MOD, "endpoint id=%llu restarted (new instance %016llx)",
-                         (unsigned long long)r->seq, (unsigned long long)r->instance);
-            tdm_router_endpoints_clear_prefix(eps, r->seq);
-        }
-        if (l && kev) {
-            if (kv_resync && !restarted) {
-                TDM_LOG_INFO(MOD, "endpoint id=%llu: KV events lost, prefix index rebuilt",
-                             (unsigned long long)r->seq);
-                tdm_router_endpoints_clear_prefix(eps, r->seq);
-            }
-            tdm_router_endpoints_apply_kv_event(eps, r->seq, kev->stored, kev->n_stored,
-                                                kev->evicted, kev->n_evicted);
-        }
-        struct tdm_router_load load = {r->running, r->waiting, r->kv_usage};
-        tdm_router_endpoints_set_load(eps, r->seq, &load);
+                         (unsigned long long)ep_id, (unsigned long long)r->instance);
+        if (resynced)
+            TDM_LOG_INFO(MOD, "endpoint id=%llu: KV events lost, prefix index rebuilt",
+                         (unsigned long long)ep_id);
     }
     tandem__load_report__free_unpacked(r, NULL);
 }
@@ -399,7 +356,7 @@ static void *poll_main(void *arg)
             me.url = (char *)tdm_net_inbox_url(s->inbox);
             me.instance = s->instance;
             q.reply_to = &me;
-            q.seq = views[i].id; // echoed back: maps the report to its endpoint
+            q.seq = views[i].id; // echoed back as LoadReport.seq: the report's endpoint
             char url[300], err[256];
             nng_url_of(views[i].host, views[i].nng_port, url, sizeof url);
             tdm_pd_send(s->outbox, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err, sizeof err);
@@ -474,8 +431,10 @@ static void note_phases(struct call *k, const Tandem__TokenChunk *m)
              m->prefilled_by && m->prefilled_by[0] ? m->prefilled_by : "local",
              k->route.routed_at - k->arrival, p->queue, p->prefill, p->transfer, p->first_token);
     struct tdm_router_metrics *rm = k->s->rm;
-    if (rm && m->prefilled_by && m->prefilled_by[0])
+    bool remote = m->prefilled_by && m->prefilled_by[0];
+    if (rm && remote)
         tdm_metrics_histogram_observe(rm->kv_transfer, p->transfer);
+    tdm_router_control_prefill_outcome(k->s->ctl, &k->route, remote);
 }
 
 // Consumes one upstream chunk into the choice.
@@ -746,8 +705,6 @@ static int send_generates(struct call *k, char *err, size_t errlen)
     return TDM_OK;
 }
 
-// Routes the call and starts its upstream streams, retrying other decode
-// workers when one cannot be reached. On failure e is set.
 // The session header the active config routes by: the decode profile's
 // session-affinity-scorer headerName, else request.session_header (NULL: none).
 static const char *session_header_of(const struct tdm_router_config *cfg)
@@ -758,65 +715,54 @@ static const char *session_header_of(const struct tdm_router_config *cfg)
         const struct tdm_router_profile *pr = &cfg->profiles[cfg->decode_profile];
         for (size_t i = 0; i < pr->n_refs; i++) {
             const struct tdm_router_plugin *pl = &cfg->plugins[pr->refs[i].plugin];
-            if (pl->type == TDM_ROUTER_SESSION_AFFINITY_SCORER && pl->params.session_header)
-                return pl->params.session_header;
+            if (pl->type == TDM_ROUTER_SESSION_AFFINITY_SCORER &&
+                pl->params.session_affinity.header_name)
+                return pl->params.session_affinity.header_name;
         }
     }
     return cfg->session_header;
 }
 
-static int route_and_send(struct call *k, struct tdm_oai_error *e)
+// The request's session header value (the connection's; NULL when absent).
+static const char *request_session(struct call *k)
+{
+    struct tdm_router_config *cfg =
+        tdm_router_config_store_get(tdm_router_control_store(k->s->ctl), NULL);
+    const char *sh = session_header_of(cfg);
+    const char *session = sh ? tdm_http_header(k->conn, sh) : NULL;
+    tdm_router_config_unref(cfg);
+    return session;
+}
+
+// ---- attempts under one retry budget (retry.h) ------------------------------------------------
+// Routes the call, avoiding the decode endpoints that already failed it, and
+// sends its GenerateRequests. NO_ROUTE or UNREACHABLE set err; OK and
+// UNREACHABLE leave the call routed (abandon_route gives an UNREACHABLE back).
+static enum tdm_router_attempt_end start_attempt(struct call *k, const struct tdm_router_retry *b,
+                                                 const char *session, char *err, size_t errlen)
 {
     struct tdm_router_server *s = k->s;
-    const char *session = NULL;
-    struct tdm_router_config *cfg =
-        tdm_router_config_store_get(tdm_router_control_store(s->ctl), NULL);
-    const char *sh = session_header_of(cfg);
-    if (sh)
-        session = tdm_http_header(k->conn, sh);
     const struct tdm_oai_tokenized_prompt *p0 = &k->oai.prompts[0];
-    char err[512];
-    int rc = TDM_EBUSY;
-    snprintf(err, sizeof err, "no decode worker available");
-    for (int attempt = 0; attempt < DECODE_ATTEMPTS; attempt++) {
-        memset(&k->route, 0, sizeof k->route);
-        rc = tdm_router_control_route(s->ctl, p0->ids, p0->n, session, &k->route, err, sizeof err);
-        if (rc != TDM_OK)
-            break;
-        k->routed = true;
-        nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url,
-                   sizeof k->decode_url);
-        // Known dead (stale reports and no connection): do not wait for a send timeout.
-        uint64_t inst = 0;
-        double last = 0;
-        live_get(s, k->route.decode.id, &inst, &last);
-        bool dead = last > 0 && tdm_now() - last > s->o.liveness_timeout &&
-                    !tdm_net_connected(s->outbox, k->decode_url);
-        if (!dead) {
-            rc = send_generates(k, err, sizeof err);
-            if (rc == TDM_OK)
-                break;
-        } else {
-            rc = TDM_ETRANSPORT;
-            snprintf(err, sizeof err, "decode worker %s is not answering", k->route.decode.name);
-        }
-        TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s), rerouting", k->oai.resp.id,
-                     k->route.decode.name, err);
-        release_upstream(k);
-        // The report counts the upstream error (tandem:router_upstream_errors_total).
-        tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
-        if (s->rm)
-            tdm_router_metrics_retry(s->rm, k->route.decode.name, k->route.decode.role);
-        tdm_router_control_route_done(s->ctl, &k->route, "error");
-        k->routed = false;
+    memset(&k->route, 0, sizeof k->route);
+    if (tdm_router_control_route_avoiding(s->ctl, p0->ids, p0->n, session, b->failed, b->n_failed,
+                                          &k->route, err, errlen) != TDM_OK)
+        return TDM_ROUTER_ATTEMPT_NO_ROUTE;
+    k->routed = true;
+    nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url, sizeof k->decode_url);
+    // Known dead (stale reports and no connection): do not wait for a send timeout.
+    uint64_t inst = 0;
+    double last = 0;
+    live_get(s, k->route.decode.id, &inst, &last);
+    if (last > 0 && tdm_now() - last > s->o.liveness_timeout &&
+        !tdm_net_connected(s->outbox, k->decode_url)) {
+        snprintf(err, errlen, "decode worker %s is not answering", k->route.decode.name);
+        return TDM_ROUTER_ATTEMPT_UNREACHABLE;
     }
-    tdm_router_config_unref(cfg);
-    if (rc == TDM_OK) {
-        tdm_metrics_counter_inc(tdm_metrics_counter_labels(
-            s->m_requests_by, tdm_router_decision_name(k->route.decision), k->route.decode.name));
-        return TDM_OK;
-    }
-    return tdm_oai_seterr(e, 503, NULL, "%s", err);
+    if (send_generates(k, err, errlen) != TDM_OK)
+        return TDM_ROUTER_ATTEMPT_UNREACHABLE;
+    tdm_metrics_counter_inc(tdm_metrics_counter_labels(
+        s->m_requests_by, tdm_router_decision_name(k->route.decision), k->route.decode.name));
+    return TDM_ROUTER_ATTEMPT_OK;
 }
 
 static void add_phase_header(struct call *k)
@@ -896,17 +842,33 @@ static void call_fini(struct call *k)
     tdm_oai_call_fini(&k->oai);
 }
 
-// True when no choice produced a token yet (so a retry is invisible).
-static bool retryable(const struct call *k)
+// True when a choice produced a token (a retry would no longer be invisible).
+static bool client_saw_tokens(const struct call *k)
 {
     for (size_t i = 0; i < k->oai.n_choices; i++)
         if (k->oai.choices[i].completion_tokens > 0)
-            return false;
-    return true;
+            return true;
+    return false;
 }
 
-// Forgets the failed attempt: streams, finish state, the route.
-static void reset_for_retry(struct call *k)
+// Waits for choice 0's first chunk (or its end): until then nothing reached
+// the client, so a decode worker lost in that window is replaced
+// transparently. -2 on ENOMEM, else 0 (k->client_gone says if the client left).
+static int await_first_chunk(struct call *k)
+{
+    while (!k->choices[0].got_chunk && !k->choices[0].a->done && !k->client_gone) {
+        if (pump(k, 0.1) < 0)
+            return -2;
+        k->client_gone = tdm_http_client_gone(k->conn);
+    }
+    return 0;
+}
+
+// The one place a failed attempt is given up: its upstream streams cancelled
+// and forgotten, the choices' finish state reset, the decode endpoint reported
+// (passive health; tandem:router_upstream_errors_total), the loss and the
+// retry counted, the route released.
+static void abandon_route(struct call *k, bool lost, bool retrying)
 {
     struct tdm_router_server *s = k->s;
     release_upstream(k);
@@ -918,12 +880,55 @@ static void reset_for_retry(struct call *k)
     }
     k->lost = false;
     k->phases[0] = '\0';
-    tdm_metrics_counter_inc(s->m_lost);
+    if (lost)
+        tdm_metrics_counter_inc(s->m_lost);
     tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
-    if (s->rm)
+    if (s->rm && retrying)
         tdm_router_metrics_retry(s->rm, k->route.decode.name, k->route.decode.role);
     tdm_router_control_route_done(s->ctl, &k->route, "error");
     k->routed = false;
+}
+
+// Routes and starts the call, retrying within one budget of DECODE_ATTEMPTS
+// routes. Returns true when the call streams (or its decode worker was lost
+// past the budget: the normal path then reports the error), false when the
+// call was answered here or the client left.
+static bool start_with_retries(struct call *k)
+{
+    struct tdm_router_retry budget;
+    tdm_router_retry_init(&budget, DECODE_ATTEMPTS);
+    const char *session = request_session(k);
+    for (;;) {
+        char err[512];
+        enum tdm_router_attempt_end end = start_attempt(k, &budget, session, err, sizeof err);
+        if (end == TDM_ROUTER_ATTEMPT_OK) {
+            if (await_first_chunk(k) < 0) {
+                tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
+                return false;
+            }
+            if (k->client_gone)
+                return false;
+            if (!k->lost)
+                return true;
+            end = TDM_ROUTER_ATTEMPT_LOST;
+            snprintf(err, sizeof err, "lost before the first token");
+        }
+        uint64_t ep = k->routed ? k->route.decode.id : 0;
+        bool again = tdm_router_retry_next(&budget, end, ep, client_saw_tokens(k));
+        if (end == TDM_ROUTER_ATTEMPT_LOST && !again)
+            return true;
+        if (end != TDM_ROUTER_ATTEMPT_NO_ROUTE) {
+            TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s)%s", k->oai.resp.id,
+                         k->route.decode.name, err, again ? ", rerouting" : "");
+            abandon_route(k, end == TDM_ROUTER_ATTEMPT_LOST, again);
+        }
+        if (!again) {
+            struct tdm_oai_error e;
+            tdm_oai_seterr(&e, 503, NULL, "%s", err);
+            tdm_http_respond_oai_error(k->conn, &e);
+            return false;
+        }
+    }
 }
 
 static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c,
@@ -946,29 +951,8 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
         k.choices[i].a = &k.oai.choices[i];
         k.choices[i].upstream_done = true;
     }
-    for (int attempt = 0;; attempt++) {
-        struct tdm_oai_error e;
-        if (route_and_send(&k, &e) != TDM_OK) {
-            tdm_http_respond_oai_error(c, &e);
-            goto out;
-        }
-        // Until the first chunk arrives nothing reached the client: a decode
-        // worker lost in that window is replaced transparently.
-        while (!k.choices[0].got_chunk && !k.choices[0].a->done && !k.client_gone) {
-            if (pump(&k, 0.1) < 0) {
-                tdm_http_respond_errorf(c, 500, NULL, "out of memory");
-                goto out;
-            }
-            k.client_gone = tdm_http_client_gone(c);
-        }
-        if (k.client_gone)
-            goto out;
-        if (!k.lost || attempt + 1 >= DECODE_ATTEMPTS || !retryable(&k))
-            break;
-        TDM_LOG_WARN(MOD, "req=%s decode %s lost before the first token, rerouting", k.oai.resp.id,
-                     k.route.decode.name);
-        reset_for_retry(&k);
-    }
+    if (!start_with_retries(&k))
+        goto out;
     if (k.oai.req.stream)
         run_stream(&k);
     else
@@ -1174,7 +1158,6 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     s->instance = tdm_net_new_instance_id();
     s->created = (int64_t)time(NULL);
     pthread_mutex_init(&s->mu, NULL);
-    pthread_mutex_init(&s->live_mu, NULL);
     int rc = load_text_side(s, err, errlen);
     if (rc == TDM_OK)
         rc = tdm_metrics_registry_new(&s->reg, NULL, 0, err, errlen);
@@ -1263,7 +1246,6 @@ void tdm_router_server_free(struct tdm_router_server *s)
     tdm_tok_free(s->tok);
     while (s->streams)
         stream_unregister(s, s->streams);
-    pthread_mutex_destroy(&s->live_mu);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
