@@ -178,6 +178,12 @@ static void test_format_goals(void **state)
     assert_int_equal(tdm_gpu_report_format(&p, &e, &d, out, sizeof out), 2);
     assert_non_null(strstr(out, "MISSED"));
 
+    // Over nng the P/D figures are shown but issue 10's CUDA IPC goals are not judged.
+    snprintf(d.transport, sizeof d.transport, "nng");
+    assert_int_equal(tdm_gpu_report_format(&p, &e, &d, out, sizeof out), 2);
+    assert_non_null(strstr(out, "--kv-transfer nng (the P/D goals are for cuda-ipc: not judged)"));
+    assert_non_null(strstr(out, "P/D 2048, exposed transfer / TTFT            not measured"));
+
     // Without the engine and P/D steps every goal is "not measured", none missed.
     assert_int_equal(tdm_gpu_report_format(&p, NULL, NULL, out, sizeof out), 0);
     assert_non_null(strstr(out, "engine  not measured"));
