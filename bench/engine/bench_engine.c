@@ -34,7 +34,7 @@
 #define TANDEM_BENCH_MODEL_DIR "qwen2.5-0.5b-random"
 #endif
 
-#define PROMPT 32 // context of every decoding sequence
+#define PROMPT 32   // context of every decoding sequence
 #define PREFILL 512 // the default prefill chunk, and the token budget of prompt steps
 #define MAX_BATCH 64
 #define MAX_PREFILL 4096
@@ -238,7 +238,8 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
     FILE *f = fopen(path, "w");
     if (f == NULL)
         return -1;
-    fprintf(f, "{\"device\": \"cpu\", \"weights\": \"%s\", \"threads\": %zu, \"weight_bytes\": %zu,\n",
+    fprintf(f,
+            "{\"device\": \"cpu\", \"weights\": \"%s\", \"threads\": %zu, \"weight_bytes\": %zu,\n",
             mode, threads, r->weight_bytes);
     fprintf(f, " \"decode\": [");
     for (int i = 0; i < pl->n_batches; i++)
@@ -270,14 +271,18 @@ int main(int argc, char **argv)
             bf16_only = true;
         } else if (strcmp(argv[i], "--batches") == 0 && i + 1 < argc) {
             if (!parse_list(argv[++i], 1, MAX_BATCH, pl.batches, &pl.n_batches)) {
-                fprintf(stderr, "tandem-bench-engine: --batches wants up to %d sizes in [1, %d], "
-                                "comma-separated\n", MAX_POINTS, MAX_BATCH);
+                fprintf(stderr,
+                        "tandem-bench-engine: --batches wants up to %d sizes in [1, %d], "
+                        "comma-separated\n",
+                        MAX_POINTS, MAX_BATCH);
                 return 2;
             }
         } else if (strcmp(argv[i], "--prefill") == 0 && i + 1 < argc) {
             if (!parse_list(argv[++i], 1, MAX_PREFILL, pl.prefill, &pl.n_prefill)) {
-                fprintf(stderr, "tandem-bench-engine: --prefill wants up to %d lengths in [1, %d], "
-                                "comma-separated\n", MAX_POINTS, MAX_PREFILL);
+                fprintf(stderr,
+                        "tandem-bench-engine: --prefill wants up to %d lengths in [1, %d], "
+                        "comma-separated\n",
+                        MAX_POINTS, MAX_PREFILL);
                 return 2;
             }
         } else if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
@@ -334,9 +339,9 @@ int main(int argc, char **argv)
     int i1 = find(pl.batches, pl.n_batches, 1), i8 = find(pl.batches, pl.n_batches, 8);
     int i32 = find(pl.batches, pl.n_batches, 32), ip = find(pl.prefill, pl.n_prefill, PREFILL);
     if (i1 >= 0 && i8 >= 0 && i32 >= 0 && ip >= 0) {
-        printf("%-5s %8s %8s %7s %8s %8s %9s %6s %6s %9s %7s %7s\n", "mode", "weights",
-               "b1 step", "b1/read", "b1 tok/s", "b8 tok/s", "b32 tok/s", "b8/b1", "b32/b1",
-               "pf tok/s", "pf/FMA", "pf/bf16");
+        printf("%-5s %8s %8s %7s %8s %8s %9s %6s %6s %9s %7s %7s\n", "mode", "weights", "b1 step",
+               "b1/read", "b1 tok/s", "b8 tok/s", "b32 tok/s", "b8/b1", "b32/b1", "pf tok/s",
+               "pf/FMA", "pf/bf16");
         for (int mode = 0; mode < nmodes; mode++) {
             const struct result *r = &res[mode];
             double read_s = (double)r->weight_bytes / bw;

@@ -92,7 +92,10 @@ struct timer {
     cudaStream_t stream;
 };
 
-static void timer_begin(struct timer *t) { CK(cudaEventRecord(t->start, t->stream)); }
+static void timer_begin(struct timer *t)
+{
+    CK(cudaEventRecord(t->start, t->stream));
+}
 
 // Seconds since timer_begin, after everything queued on the stream finished.
 static double timer_end(struct timer *t)
@@ -107,8 +110,8 @@ static double timer_end(struct timer *t)
 enum what { READ, COPY, MEMCPY };
 
 // Best bytes/s over `reps` repetitions of `iters` back-to-back operations.
-static double best_bandwidth(struct timer *t, enum what w, const void *src, void *dst,
-                             size_t bytes, int *sink, int grid, int reps, int iters)
+static double best_bandwidth(struct timer *t, enum what w, const void *src, void *dst, size_t bytes,
+                             int *sink, int grid, int reps, int iters)
 {
     size_t n16 = bytes / 16;
     double moved = w == READ ? (double)bytes : 2.0 * (double)bytes;

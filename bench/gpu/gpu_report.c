@@ -15,11 +15,11 @@
 #include "core.h"
 
 // ---- goals (issues 9 and 10) -----------------------------------------------------------
-#define GOAL_DECODE_B1_MS 1.0       // ms per token at batch 1, at most
+#define GOAL_DECODE_B1_MS 1.0        // ms per token at batch 1, at most
 #define GOAL_DECODE_B64_TOKS 20000.0 // tokens/s at batch 64, at least
-#define GOAL_PREFILL_2048_UTIL 0.40 // of the bf16 GEMM peak, at least
-#define GOAL_PD_EXPOSED 0.02        // exposed transfer / TTFT at 2048 tokens, at most
-#define GOAL_IPC_UTIL 0.50          // IPC copy / device-to-device bandwidth, at least
+#define GOAL_PREFILL_2048_UTIL 0.40  // of the bf16 GEMM peak, at least
+#define GOAL_PD_EXPOSED 0.02         // exposed transfer / TTFT at 2048 tokens, at most
+#define GOAL_IPC_UTIL 0.50           // IPC copy / device-to-device bandwidth, at least
 
 // ---- JSON helpers --------------------------------------------------------------------
 // A positive finite number at key, or false.
@@ -269,8 +269,8 @@ static int goal(struct out *o, const char *what, bool measured, double value, co
         return 0;
     }
     bool met = at_most ? value <= bound : value >= bound;
-    put(o, "  goal %-44s %10.3f %-8s %s %g: %s\n", what, value, unit, at_most ? "<=" : ">=",
-        bound, met ? "met" : "MISSED");
+    put(o, "  goal %-44s %10.3f %-8s %s %g: %s\n", what, value, unit, at_most ? "<=" : ">=", bound,
+        met ? "met" : "MISSED");
     return met ? 0 : 1;
 }
 
@@ -292,8 +292,9 @@ int tdm_gpu_report_format(const struct tdm_gpu_probe *probe, const struct tdm_gp
     int missed = 0;
     put(&o, "device  %s (sm_%d%d, %d SMs, %.1f GiB)\n", probe->device, probe->cc_major,
         probe->cc_minor, probe->sm_count, probe->mem_bytes / (1024.0 * 1024 * 1024));
-    put(&o, "probe   read %.0f GB/s, copy kernel %.0f GB/s, cudaMemcpy d2d %.0f GB/s (read+write), "
-            "bf16 GEMM %dx%dx%d %.1f TFLOP/s\n",
+    put(&o,
+        "probe   read %.0f GB/s, copy kernel %.0f GB/s, cudaMemcpy d2d %.0f GB/s (read+write), "
+        "bf16 GEMM %dx%dx%d %.1f TFLOP/s\n",
         probe->read_gbs, probe->copy_gbs, probe->d2d_gbs, probe->gemm_m, probe->gemm_n,
         probe->gemm_k, probe->bf16_tflops);
 
@@ -303,7 +304,8 @@ int tdm_gpu_report_format(const struct tdm_gpu_probe *probe, const struct tdm_gp
         put(&o, "engine  device %s, weights %.0f MB (one read at the probed bandwidth: %.3f ms)\n",
             engine->device, engine->weight_bytes / 1e6,
             engine->weight_bytes / (probe->read_gbs * 1e9) * 1e3);
-        put(&o, "  %-14s %10s %12s %14s\n", "decode batch", "step ms", "tokens/s", "weight-read/bw");
+        put(&o, "  %-14s %10s %12s %14s\n", "decode batch", "step ms", "tokens/s",
+            "weight-read/bw");
         for (int i = 0; i < engine->n_decode; i++) {
             const struct tdm_gpu_point *p = &engine->decode[i];
             put(&o, "  %-14d %10.3f %12.0f %14.3f\n", p->size, p->seconds * 1e3,
@@ -346,8 +348,8 @@ int tdm_gpu_report_format(const struct tdm_gpu_probe *probe, const struct tdm_gp
     }
 
     put(&o, "goals (issues 9 and 10)\n");
-    missed += goal(&o, "decode batch 1, ms per token", b1 != NULL, b1 ? b1->seconds * 1e3 : 0,
-                   "ms", true, GOAL_DECODE_B1_MS);
+    missed += goal(&o, "decode batch 1, ms per token", b1 != NULL, b1 ? b1->seconds * 1e3 : 0, "ms",
+                   true, GOAL_DECODE_B1_MS);
     missed += goal(&o, "decode batch 64, tokens/s", b64 != NULL, b64 ? 64 / b64->seconds : 0,
                    "tok/s", false, GOAL_DECODE_B64_TOKS);
     missed += goal(&o, "prefill 2048, fraction of bf16 peak", p2k != NULL,

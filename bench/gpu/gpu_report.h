@@ -29,14 +29,14 @@
 
 // What tandem-gpu-probe measured (its JSON, bench/gpu/gpu_probe.cu).
 struct tdm_gpu_probe {
-    char device[128];      // e.g. "NVIDIA H200"
+    char device[128];       // e.g. "NVIDIA H200"
     int cc_major, cc_minor; // compute capability
     int sm_count;
-    double mem_bytes;      // device memory, bytes
-    double read_gbs;       // streaming read kernel, GB/s (1e9 bytes), bytes read
-    double copy_gbs;       // copy kernel, GB/s, bytes read + bytes written
-    double d2d_gbs;        // cudaMemcpy device-to-device, GB/s, bytes read + written
-    double bf16_tflops;    // cuBLASLt bf16 GEMM, f32 accumulate, TFLOP/s (1e12)
+    double mem_bytes;           // device memory, bytes
+    double read_gbs;            // streaming read kernel, GB/s (1e9 bytes), bytes read
+    double copy_gbs;            // copy kernel, GB/s, bytes read + bytes written
+    double d2d_gbs;             // cudaMemcpy device-to-device, GB/s, bytes read + written
+    double bf16_tflops;         // cuBLASLt bf16 GEMM, f32 accumulate, TFLOP/s (1e12)
     int gemm_m, gemm_n, gemm_k; // the GEMM's shape
 };
 

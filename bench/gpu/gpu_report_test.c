@@ -35,11 +35,12 @@ static const char *ENGINE =
 
 // 2048 tokens: exposed 1 ms of a 100 ms TTFT (0.01); 0.35 GB in 0.2 ms:
 // 2 * 0.35e9 / 2e-4 = 3500 GB/s = 0.5 of d2d.
-static const char *PD = "{\"transport\": \"cuda-ipc\", \"sizes\": ["
-                        " {\"tokens\": 512, \"ttft_direct_s\": 0.02, \"ttft_pd_s\": 0.03,"
-                        "  \"transfer_s\": 0.0005},"
-                        " {\"tokens\": 2048, \"ttft_direct_s\": 0.09, \"ttft_pd_s\": 0.1,"
-                        "  \"transfer_s\": 0.001, \"kv_bytes\": 350000000, \"kv_window_s\": 0.0002}]}";
+static const char *PD =
+    "{\"transport\": \"cuda-ipc\", \"sizes\": ["
+    " {\"tokens\": 512, \"ttft_direct_s\": 0.02, \"ttft_pd_s\": 0.03,"
+    "  \"transfer_s\": 0.0005},"
+    " {\"tokens\": 2048, \"ttft_direct_s\": 0.09, \"ttft_pd_s\": 0.1,"
+    "  \"transfer_s\": 0.001, \"kv_bytes\": 350000000, \"kv_window_s\": 0.0002}]}";
 
 static void test_parse_probe(void **state)
 {
@@ -109,20 +110,22 @@ static void test_parse_engine_and_pd(void **state)
 
     // A prefill without flops, a decode step of 0 s, a missing array, a bad P/D size.
     assert_int_equal(tdm_gpu_report_parse_engine(
-                         &e, "{\"weight_bytes\": 1, \"decode\": [], \"prefill\": [{\"tokens\": 2, "
-                             "\"seconds\": 1}]}",
+                         &e,
+                         "{\"weight_bytes\": 1, \"decode\": [], \"prefill\": [{\"tokens\": 2, "
+                         "\"seconds\": 1}]}",
                          err, sizeof err),
                      TDM_EPROTO);
     assert_non_null(strstr(err, "prefill[0]"));
     assert_int_equal(tdm_gpu_report_parse_engine(
-                         &e, "{\"weight_bytes\": 1, \"decode\": [{\"batch\": 1, \"seconds\": 0}], "
-                             "\"prefill\": []}",
+                         &e,
+                         "{\"weight_bytes\": 1, \"decode\": [{\"batch\": 1, \"seconds\": 0}], "
+                         "\"prefill\": []}",
                          err, sizeof err),
                      TDM_EPROTO);
     assert_non_null(strstr(err, "decode[0]"));
-    assert_int_equal(tdm_gpu_report_parse_engine(&e, "{\"weight_bytes\": 1, \"prefill\": []}", err,
-                                                 sizeof err),
-                     TDM_EPROTO);
+    assert_int_equal(
+        tdm_gpu_report_parse_engine(&e, "{\"weight_bytes\": 1, \"prefill\": []}", err, sizeof err),
+        TDM_EPROTO);
     assert_non_null(strstr(err, "decode missing"));
     assert_int_equal(tdm_gpu_report_parse_pd(&d,
                                              "{\"sizes\": [{\"tokens\": 8, \"ttft_direct_s\": 1, "
@@ -205,10 +208,8 @@ static void test_format_goals(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_parse_probe),
-        cmocka_unit_test(test_probe_errors),
-        cmocka_unit_test(test_parse_engine_and_pd),
-        cmocka_unit_test(test_ratios),
+        cmocka_unit_test(test_parse_probe),         cmocka_unit_test(test_probe_errors),
+        cmocka_unit_test(test_parse_engine_and_pd), cmocka_unit_test(test_ratios),
         cmocka_unit_test(test_format_goals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -116,8 +116,8 @@ void tdm_kvx_ipc_cache_free(struct tdm_kvx_ipc_cache *c);
 // Returns TDM_OK, TDM_EINVAL (empty peer name), or TDM_EBACKEND with err set
 // when the open fails (the caller then chooses again with TDM_KVX_IPC_FAILED).
 int tdm_kvx_ipc_cache_get(struct tdm_kvx_ipc_cache *c, const char *peer, uint64_t instance,
-                          const uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES], void **dev_ptr,
-                          char *err, size_t errlen);
+                          const uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES], void **dev_ptr, char *err,
+                          size_t errlen);
 // Closes and forgets peer's entry (the peer left or failed). No-op when absent.
 void tdm_kvx_ipc_cache_drop(struct tdm_kvx_ipc_cache *c, const char *peer);
 // Entries held (for tests and /health details).
@@ -127,7 +127,7 @@ int tdm_kvx_ipc_cache_size(const struct tdm_kvx_ipc_cache *c);
 struct tdm_kvx_link;
 
 enum tdm_kvx_role {
-    TDM_KVX_DECODE = 0, // makes the unique id, rank 0 (receives)
+    TDM_KVX_DECODE = 0,  // makes the unique id, rank 0 (receives)
     TDM_KVX_PREFILL = 1, // joins with the id it was sent, rank 1 (sends)
 };
 

@@ -36,7 +36,10 @@ static bool allows(const struct tdm_kvx_side *s, enum tdm_kvx_mode m)
     return s->setting == TDM_KVX_AUTO || s->setting == m;
 }
 
-static bool known(const char *host) { return host != NULL && host[0] != '\0'; }
+static bool known(const char *host)
+{
+    return host != NULL && host[0] != '\0';
+}
 
 // Why mode m is impossible for the pair, or NULL when it is possible.
 static const char *impossible(const struct tdm_kvx_side *p, const struct tdm_kvx_side *d,
@@ -48,7 +51,8 @@ static const char *impossible(const struct tdm_kvx_side *p, const struct tdm_kvx
         if (!p->gpu || !d->gpu)
             return "cuda-ipc needs a GPU on both workers";
         if (!known(p->host_id) || !known(d->host_id) || strcmp(p->host_id, d->host_id) != 0) {
-            snprintf(buf, len, "cuda-ipc needs both workers on one host: prefill on %s, decode on %s",
+            snprintf(buf, len,
+                     "cuda-ipc needs both workers on one host: prefill on %s, decode on %s",
                      known(p->host_id) ? p->host_id : "(unknown)",
                      known(d->host_id) ? d->host_id : "(unknown)");
             return buf;
@@ -68,8 +72,7 @@ static const char *impossible(const struct tdm_kvx_side *p, const struct tdm_kvx
 }
 
 int tdm_kvx_choose(const struct tdm_kvx_side *prefill, const struct tdm_kvx_side *decode,
-                   enum tdm_kvx_ipc_open ipc_open, enum tdm_kvx_mode *out, char *why,
-                   size_t whylen)
+                   enum tdm_kvx_ipc_open ipc_open, enum tdm_kvx_mode *out, char *why, size_t whylen)
 {
     static const enum tdm_kvx_mode order[] = {TDM_KVX_CUDA_IPC, TDM_KVX_NCCL, TDM_KVX_NNG};
     char buf[256];

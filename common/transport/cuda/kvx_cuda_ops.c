@@ -115,4 +115,7 @@ static const struct tdm_kvx_ops CUDA_OPS = {
     .nccl_destroy = nccl_destroy,
 };
 
-const struct tdm_kvx_ops *tdm_kvx_cuda_ops(void) { return &CUDA_OPS; }
+const struct tdm_kvx_ops *tdm_kvx_cuda_ops(void)
+{
+    return &CUDA_OPS;
+}

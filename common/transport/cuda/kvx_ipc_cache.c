@@ -77,8 +77,8 @@ static struct entry *lookup(struct tdm_kvx_ipc_cache *c, const char *peer)
 }
 
 int tdm_kvx_ipc_cache_get(struct tdm_kvx_ipc_cache *c, const char *peer, uint64_t instance,
-                          const uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES], void **dev_ptr,
-                          char *err, size_t errlen)
+                          const uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES], void **dev_ptr, char *err,
+                          size_t errlen)
 {
     *dev_ptr = NULL;
     if (peer == NULL || peer[0] == '\0' || strlen(peer) >= PEER_MAX)

@@ -77,8 +77,8 @@ static int start(struct tdm_kvx_link *l, uint64_t instance, double now,
             l->ops->nccl_abort(l->ops->ctx, comm);
             l->aborts++;
         }
-        return tdm_seterr(err, errlen, TDM_ETRANSPORT, "kvx: NCCL init as rank %d failed: %s",
-                          rank, why[0] ? why : "?");
+        return tdm_seterr(err, errlen, TDM_ETRANSPORT, "kvx: NCCL init as rank %d failed: %s", rank,
+                          why[0] ? why : "?");
     }
     l->comm = comm;
     l->instance = instance;
@@ -143,6 +143,12 @@ bool tdm_kvx_link_ready_for(struct tdm_kvx_link *l, uint64_t instance)
     return l->state == TDM_KVX_LINK_READY;
 }
 
-enum tdm_kvx_link_state tdm_kvx_link_state(const struct tdm_kvx_link *l) { return l->state; }
+enum tdm_kvx_link_state tdm_kvx_link_state(const struct tdm_kvx_link *l)
+{
+    return l->state;
+}
 
-uint64_t tdm_kvx_link_aborts(const struct tdm_kvx_link *l) { return l->aborts; }
+uint64_t tdm_kvx_link_aborts(const struct tdm_kvx_link *l)
+{
+    return l->aborts;
+}

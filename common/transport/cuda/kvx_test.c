@@ -78,8 +78,7 @@ static int f_init_start(void *ctx, const uint8_t id[TDM_KVX_NCCL_ID_BYTES], int 
     return 0;
 }
 
-static int f_state(void *ctx, void *comm, enum tdm_kvx_comm_state *state, char *err,
-                   size_t errlen)
+static int f_state(void *ctx, void *comm, enum tdm_kvx_comm_state *state, char *err, size_t errlen)
 {
     struct fake *f = ctx;
     (void)comm;
@@ -147,9 +146,8 @@ static void test_mode_names(void **state)
 static void test_choose_every_combination(void **state)
 {
     (void)state;
-    static const char *const hosts[][2] = {{"node-a", "node-a"}, {"node-a", "node-b"},
-                                           {NULL, NULL},         {"", ""},
-                                           {"node-a", NULL}};
+    static const char *const hosts[][2] = {
+        {"node-a", "node-a"}, {"node-a", "node-b"}, {NULL, NULL}, {"", ""}, {"node-a", NULL}};
     static const enum tdm_kvx_mode order[] = {TDM_KVX_CUDA_IPC, TDM_KVX_NCCL, TDM_KVX_NNG};
     int combos = 0, chosen[4] = {0}, refused = 0;
     for (int ps = 0; ps < 4; ps++)
@@ -168,8 +166,8 @@ static void test_choose_every_combination(void **state)
                         bool same_host = h == 0;
                         bool possible[4] = {
                             [TDM_KVX_NNG] = true,
-                            [TDM_KVX_CUDA_IPC] = p.gpu && d.gpu && same_host &&
-                                                 io != TDM_KVX_IPC_FAILED,
+                            [TDM_KVX_CUDA_IPC] =
+                                p.gpu && d.gpu && same_host && io != TDM_KVX_IPC_FAILED,
                             [TDM_KVX_NCCL] = p.gpu && d.gpu && p.nccl && d.nccl,
                         };
                         enum tdm_kvx_mode want = TDM_KVX_AUTO; // AUTO here: none
@@ -232,8 +230,8 @@ static void test_choose_named_cases(void **state)
     struct tdm_kvx_side ipc_a = gpu_a;
     ipc_a.setting = TDM_KVX_CUDA_IPC;
     assert_int_equal(tdm_kvx_choose(&ipc_a, &gpu_b, TDM_KVX_IPC_UNTRIED, &m, why, sizeof why), -1);
-    assert_string_equal(why,
-                        "cuda-ipc needs both workers on one host: prefill on node-a, decode on node-b");
+    assert_string_equal(
+        why, "cuda-ipc needs both workers on one host: prefill on node-a, decode on node-b");
     // Explicit settings that disagree.
     struct tdm_kvx_side nccl_b = gpu_b;
     nccl_b.setting = TDM_KVX_NCCL;
