@@ -62,6 +62,12 @@ static void get_str(const cJSON *o, const char *key, char *out, size_t outlen, c
 
 static cJSON *parse_object(const char *json, const char *what, char *err, size_t errlen)
 {
+    char why[160];
+    if (json != NULL &&
+        tdm_json_check_depth(json, strlen(json), TDM_JSON_MAX_DEPTH, why, sizeof why) != TDM_OK) {
+        tdm_seterr(err, errlen, TDM_EPROTO, "%s: %s", what, why);
+        return NULL;
+    }
     cJSON *root = json ? cJSON_Parse(json) : NULL;
     if (root == NULL || !cJSON_IsObject(root)) {
         cJSON_Delete(root);

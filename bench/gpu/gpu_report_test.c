@@ -84,9 +84,15 @@ static void test_probe_errors(void **state)
         if (strstr(err, cases[i].msg) == NULL)
             fail_msg("case %zu: error '%s' does not name '%s'", i, err, cases[i].msg);
     }
-    char err[64];
+    char err[256];
     struct tdm_gpu_probe p;
     assert_int_equal(tdm_gpu_report_parse_probe(&p, "{\"device\": ", err, sizeof err), TDM_EPROTO);
+    // Nesting deeper than TDM_JSON_MAX_DEPTH is refused before cJSON recurses into it.
+    static char deep[2 * 200 + 1];
+    memset(deep, '[', 200);
+    memset(deep + 200, ']', 200);
+    assert_int_equal(tdm_gpu_report_parse_probe(&p, deep, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "128"));
     assert_int_equal(tdm_gpu_report_parse_probe(&p, NULL, err, sizeof err), TDM_EPROTO);
 }
 
