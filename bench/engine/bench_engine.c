@@ -51,6 +51,7 @@ struct result {
     double prefill_s[MAX_POINTS]; // seconds for one prefill of plan.prefill[i] tokens
     double prefill_flops[MAX_POINTS];
     size_t weight_bytes;
+    char device[32]; // the backend the model ran on (tdm_model_opts.backend)
 };
 
 static void die(const char *what, const char *err)
@@ -181,6 +182,7 @@ static void run_mode(const char *dir, enum tdm_weight_mode mode, int threads, in
     o.max_batch_seqs = max_batch < 32 ? 32 : max_batch;
     if (tdm_model_load(&m, dir, &o, err, sizeof err) != TDM_OK)
         die("load", err);
+    snprintf(r->device, sizeof r->device, "%s", o.backend != NULL ? o.backend : "cpu");
     const struct tdm_model_config *c = tdm_model_config(m);
     struct tdm_kv_config kc;
     memset(&kc, 0, sizeof kc);
@@ -239,8 +241,9 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
     if (f == NULL)
         return -1;
     fprintf(f,
-            "{\"device\": \"cpu\", \"weights\": \"%s\", \"threads\": %zu, \"weight_bytes\": %zu,\n",
-            mode, threads, r->weight_bytes);
+            "{\"device\": \"%s\", \"weights\": \"%s\", \"threads\": %zu, \"weight_bytes\": "
+            "%zu,\n",
+            r->device, mode, threads, r->weight_bytes);
     fprintf(f, " \"decode\": [");
     for (int i = 0; i < pl->n_batches; i++)
         fprintf(f, "%s{\"batch\": %d, \"seconds\": %.9g}", i ? ", " : "", pl->batches[i],

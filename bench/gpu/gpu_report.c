@@ -325,10 +325,15 @@ int tdm_gpu_report_format(const struct tdm_gpu_probe *probe, const struct tdm_gp
                 p->size / p->seconds, tdm_gpu_report_prefill_util(probe, p->flops, p->seconds));
         }
     }
-    const struct tdm_gpu_point *b1 = engine ? point(engine->decode, engine->n_decode, 1) : NULL;
-    const struct tdm_gpu_point *b64 = engine ? point(engine->decode, engine->n_decode, 64) : NULL;
+    // Figures from another device (the CPU backend) are shown, never judged as the GPU's.
+    bool on_gpu = engine != NULL && strncmp(engine->device, "cuda", 4) == 0;
+    if (engine != NULL && !on_gpu)
+        put(&o, "  (ran on %s, not a GPU: the decode and prefill goals are not judged)\n",
+            engine->device);
+    const struct tdm_gpu_point *b1 = on_gpu ? point(engine->decode, engine->n_decode, 1) : NULL;
+    const struct tdm_gpu_point *b64 = on_gpu ? point(engine->decode, engine->n_decode, 64) : NULL;
     const struct tdm_gpu_point *p2k =
-        engine ? point(engine->prefill, engine->n_prefill, 2048) : NULL;
+        on_gpu ? point(engine->prefill, engine->n_prefill, 2048) : NULL;
 
     const struct tdm_gpu_pd_point *pd2k = NULL, *pdmax = NULL;
     if (pd == NULL) {

@@ -187,6 +187,14 @@ static void test_format_goals(void **state)
     assert_int_equal(tdm_gpu_report_format(&p, &e, &d, out, sizeof out), 2);
     assert_non_null(strstr(out, "MISSED"));
 
+    // Engine figures from the CPU backend are shown but never judged as the GPU's.
+    snprintf(e.device, sizeof e.device, "cpu");
+    assert_int_equal(tdm_gpu_report_format(&p, &e, &d, out, sizeof out), 0);
+    assert_non_null(
+        strstr(out, "(ran on cpu, not a GPU: the decode and prefill goals are not judged)"));
+    assert_non_null(strstr(out, "decode batch 1, ms per token                 not measured"));
+    snprintf(e.device, sizeof e.device, "cuda:0");
+
     // Over nng the P/D figures are shown but issue 10's CUDA IPC goals are not judged.
     snprintf(d.transport, sizeof d.transport, "nng");
     assert_int_equal(tdm_gpu_report_format(&p, &e, &d, out, sizeof out), 2);
