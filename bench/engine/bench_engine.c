@@ -12,7 +12,12 @@
 //                             the AVX-512 BF16 path (vdpbf16ps)
 // plus tokens/s for decode and prefill and the peak RSS. Without --model it writes
 // the Qwen2.5-0.5B-shaped random model into the build folder once and reuses it.
+// --batches and --prefill choose other decode batch sizes (up to 64) and prefill
+// chunks (up to 4096 tokens; the table above needs the defaults 1,8,32 and 512,
+// otherwise one line per point is printed); --json FILE also writes the first
+// mode's figures for bench/gpu/check.sh (tandem-gpu-report reads them).
 // Usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only]
+//                            [--batches LIST] [--prefill LIST] [--json FILE]
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,14 +34,24 @@
 #define TANDEM_BENCH_MODEL_DIR "qwen2.5-0.5b-random"
 #endif
 
-#define PROMPT 32 // context of every decoding sequence
-#define PREFILL 512
+#define PROMPT 32   // context of every decoding sequence
+#define PREFILL 512 // the default prefill chunk, and the token budget of prompt steps
+#define MAX_BATCH 64
+#define MAX_PREFILL 4096
+#define MAX_POINTS 8
+
+// What to measure: decode batch sizes and prefill chunk lengths.
+struct plan {
+    int batches[MAX_POINTS], n_batches;
+    int prefill[MAX_POINTS], n_prefill;
+};
 
 struct result {
-    double b1_s, b8_s, b32_s; // seconds per decode step at batch 1, 8, 32
-    double prefill_s;         // seconds for the 512-token prefill
-    double prefill_flops;
+    double decode_s[MAX_POINTS];  // seconds per decode step at plan.batches[i]
+    double prefill_s[MAX_POINTS]; // seconds for one prefill of plan.prefill[i] tokens
+    double prefill_flops[MAX_POINTS];
     size_t weight_bytes;
+    char device[32]; // the backend the model ran on (tdm_model_opts.backend)
 };
 
 static void die(const char *what, const char *err)
@@ -61,9 +76,9 @@ static double time_decode(struct tdm_model *m, struct tdm_kv_cache *kv, int batc
                           float *logits)
 {
     const struct tdm_model_config *c = tdm_model_config(m);
-    struct tdm_kv_seq seqs[32];
-    struct tdm_batch_seq b[32];
-    int32_t hist[32][PROMPT + 64];
+    struct tdm_kv_seq seqs[MAX_BATCH];
+    struct tdm_batch_seq b[MAX_BATCH];
+    static int32_t hist[MAX_BATCH][PROMPT + 64];
     for (int s = 0; s < batch; s++) {
         tdm_kv_seq_init(&seqs[s]);
         for (int i = 0; i < PROMPT; i++)
@@ -107,20 +122,21 @@ static double time_decode(struct tdm_model *m, struct tdm_kv_cache *kv, int batc
     return best;
 }
 
-static double time_prefill(struct tdm_model *m, struct tdm_kv_cache *kv, int reps, float *logits)
+static double time_prefill(struct tdm_model *m, struct tdm_kv_cache *kv, int n, int reps,
+                           float *logits)
 {
     const struct tdm_model_config *c = tdm_model_config(m);
-    static int32_t ids[PREFILL];
-    for (int i = 0; i < PREFILL; i++)
+    static int32_t ids[MAX_PREFILL];
+    for (int i = 0; i < n; i++)
         ids[i] = (int32_t)((i * 7919 + 13) % (c->vocab_size - 3));
     double best = 1e30;
     for (int r = 0; r < reps; r++) {
         struct tdm_kv_seq seq;
         tdm_kv_seq_init(&seq);
-        if (tdm_kv_reserve(kv, &seq, PREFILL) != TDM_OK)
+        if (tdm_kv_reserve(kv, &seq, n) != TDM_OK)
             die("kv", "cache too small");
         struct tdm_batch_seq b = {.tokens = ids,
-                                  .n_tokens = PREFILL,
+                                  .n_tokens = n,
                                   .start_pos = 0,
                                   .block_table = seq.block_table,
                                   .logits = TDM_LOGITS_LAST};
@@ -149,49 +165,104 @@ static double prefill_flops(const struct tdm_model_config *c, int n)
 }
 
 static void run_mode(const char *dir, enum tdm_weight_mode mode, int threads, int steps,
-                     struct result *r)
+                     const struct plan *pl, struct result *r)
 {
+    int max_batch = 1, max_prefill = PREFILL;
+    for (int i = 0; i < pl->n_batches; i++)
+        max_batch = pl->batches[i] > max_batch ? pl->batches[i] : max_batch;
+    for (int i = 0; i < pl->n_prefill; i++)
+        max_prefill = pl->prefill[i] > max_prefill ? pl->prefill[i] : max_prefill;
     char err[512];
     struct tdm_model_opts o;
     struct tdm_model *m;
     tdm_model_opts_default(&o);
     o.weights = mode;
     o.num_threads = threads;
-    o.max_batch_tokens = PREFILL;
-    o.max_batch_seqs = 32;
+    o.max_batch_tokens = max_prefill;
+    o.max_batch_seqs = max_batch < 32 ? 32 : max_batch;
     if (tdm_model_load(&m, dir, &o, err, sizeof err) != TDM_OK)
         die("load", err);
+    snprintf(r->device, sizeof r->device, "%s", o.backend != NULL ? o.backend : "cpu");
     const struct tdm_model_config *c = tdm_model_config(m);
     struct tdm_kv_config kc;
     memset(&kc, 0, sizeof kc);
     tdm_model_kv_config(m, &kc);
     kc.block_size = 16;
-    kc.num_blocks = 32 * ((PROMPT + steps + 2 + 15) / 16) + PREFILL / 16 + 8;
+    kc.num_blocks = max_batch * ((PROMPT + steps + 2 + 15) / 16) + max_prefill / 16 + 8;
     struct tdm_kv_cache *kv;
     if (tdm_kv_new(&kv, &kc, err, sizeof err) != TDM_OK)
         die("kv", err);
-    float *logits = malloc((size_t)32 * c->vocab_size * sizeof(float));
+    float *logits = malloc((size_t)o.max_batch_seqs * c->vocab_size * sizeof(float));
     if (logits == NULL)
         die("logits", "out of memory");
 
     r->weight_bytes = tdm_model_weight_bytes(m);
-    r->b1_s = time_decode(m, kv, 1, steps, logits);
-    r->b8_s = time_decode(m, kv, 8, steps, logits);
-    r->b32_s = time_decode(m, kv, 32, steps, logits);
-    r->prefill_s = time_prefill(m, kv, 2, logits);
-    r->prefill_flops = prefill_flops(c, PREFILL);
+    for (int i = 0; i < pl->n_batches; i++)
+        r->decode_s[i] = time_decode(m, kv, pl->batches[i], steps, logits);
+    for (int i = 0; i < pl->n_prefill; i++) {
+        r->prefill_s[i] = time_prefill(m, kv, pl->prefill[i], 2, logits);
+        r->prefill_flops[i] = prefill_flops(c, pl->prefill[i]);
+    }
 
     free(logits);
     tdm_kv_free(kv);
     tdm_model_free(m);
 }
 
+// Parses "1,8,32" into out[] (each in [lo, hi], at most MAX_POINTS); false when bad.
+static bool parse_list(const char *s, int lo, int hi, int *out, int *n)
+{
+    *n = 0;
+    while (*s) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < lo || v > hi || *n == MAX_POINTS || (*end != ',' && *end != '\0'))
+            return false;
+        out[(*n)++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+    }
+    return *n > 0;
+}
+
+// Index of size in list, or -1.
+static int find(const int *list, int n, int size)
+{
+    for (int i = 0; i < n; i++)
+        if (list[i] == size)
+            return i;
+    return -1;
+}
+
+// The first mode's figures as JSON (bench/gpu/gpu_report.h reads it).
+static int write_json(const char *path, const char *mode, size_t threads, const struct plan *pl,
+                      const struct result *r)
+{
+    FILE *f = fopen(path, "w");
+    if (f == NULL)
+        return -1;
+    fprintf(f,
+            "{\"device\": \"%s\", \"weights\": \"%s\", \"threads\": %zu, \"weight_bytes\": "
+            "%zu,\n",
+            r->device, mode, threads, r->weight_bytes);
+    fprintf(f, " \"decode\": [");
+    for (int i = 0; i < pl->n_batches; i++)
+        fprintf(f, "%s{\"batch\": %d, \"seconds\": %.9g}", i ? ", " : "", pl->batches[i],
+                r->decode_s[i]);
+    fprintf(f, "],\n \"prefill\": [");
+    for (int i = 0; i < pl->n_prefill; i++)
+        fprintf(f, "%s{\"tokens\": %d, \"seconds\": %.9g, \"flops\": %.9g}", i ? ", " : "",
+                pl->prefill[i], r->prefill_s[i], r->prefill_flops[i]);
+    fprintf(f, "]}\n");
+    return fclose(f) == 0 ? 0 : -1;
+}
+
 int main(int argc, char **argv)
 {
-    const char *dir = NULL;
+    const char *dir = NULL, *json = NULL;
     int threads = 2, steps = 8;
     bool bf16_only = false;
     char err[512];
+    struct plan pl = {.batches = {1, 8, 32}, .n_batches = 3, .prefill = {PREFILL}, .n_prefill = 1};
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--model") == 0 && i + 1 < argc) {
             dir = argv[++i];
@@ -201,9 +272,27 @@ int main(int argc, char **argv)
             steps = atoi(argv[++i]);
         } else if (strcmp(argv[i], "--bf16-only") == 0) {
             bf16_only = true;
+        } else if (strcmp(argv[i], "--batches") == 0 && i + 1 < argc) {
+            if (!parse_list(argv[++i], 1, MAX_BATCH, pl.batches, &pl.n_batches)) {
+                fprintf(stderr,
+                        "tandem-bench-engine: --batches wants up to %d sizes in [1, %d], "
+                        "comma-separated\n",
+                        MAX_POINTS, MAX_BATCH);
+                return 2;
+            }
+        } else if (strcmp(argv[i], "--prefill") == 0 && i + 1 < argc) {
+            if (!parse_list(argv[++i], 1, MAX_PREFILL, pl.prefill, &pl.n_prefill)) {
+                fprintf(stderr,
+                        "tandem-bench-engine: --prefill wants up to %d lengths in [1, %d], "
+                        "comma-separated\n",
+                        MAX_POINTS, MAX_PREFILL);
+                return 2;
+            }
+        } else if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
+            json = argv[++i];
         } else {
             fprintf(stderr, "usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] "
-                            "[--bf16-only]\n");
+                            "[--bf16-only] [--batches LIST] [--prefill LIST] [--json FILE]\n");
             return 2;
         }
     }
@@ -237,7 +326,8 @@ int main(int argc, char **argv)
     struct result res[2];
     int nmodes = bf16_only ? 1 : 2;
     for (int mode = 0; mode < nmodes; mode++)
-        run_mode(dir, mode == 0 ? TDM_WEIGHTS_BF16 : TDM_WEIGHTS_INT8, threads, steps, &res[mode]);
+        run_mode(dir, mode == 0 ? TDM_WEIGHTS_BF16 : TDM_WEIGHTS_INT8, threads, steps, &pl,
+                 &res[mode]);
     double bw2 = tdm_cpu_probe_read_bw((size_t)1 << 30, threads, 3);
     double fma2 = tdm_cpu_probe_fma_peak(threads);
     double bf16_peak2 = tdm_cpu_probe_bf16_peak(threads);
@@ -249,18 +339,39 @@ int main(int argc, char **argv)
     printf("machine (best of 2 probes): read %.2f GB/s, f32 FMA peak %.1f GFLOP/s, bf16 dot "
            "peak %.1f GFLOP/s\n\n",
            bw / 1e9, fma / 1e9, bf16_peak / 1e9);
-    printf("%-5s %8s %8s %7s %8s %8s %9s %6s %6s %9s %7s %7s\n", "mode", "weights", "b1 step",
-           "b1/read", "b1 tok/s", "b8 tok/s", "b32 tok/s", "b8/b1", "b32/b1", "pf tok/s", "pf/FMA",
-           "pf/bf16");
-    for (int mode = 0; mode < nmodes; mode++) {
-        const struct result *r = &res[mode];
-        double read_s = (double)r->weight_bytes / bw;
-        double b1 = 1.0 / r->b1_s, b8 = 8.0 / r->b8_s, b32 = 32.0 / r->b32_s;
-        double pf = r->prefill_flops / r->prefill_s;
-        printf("%-5s %6.0fMB %6.1fms %7.2f %8.1f %8.1f %9.1f %6.2f %6.2f %9.1f %7.3f %7.3f\n",
-               names[mode], r->weight_bytes / 1e6, r->b1_s * 1e3, r->b1_s / read_s, b1, b8, b32,
-               b8 / b1, b32 / b1, PREFILL / r->prefill_s, pf / fma,
-               bf16_peak > 0 ? pf / bf16_peak : 0.0);
+    int i1 = find(pl.batches, pl.n_batches, 1), i8 = find(pl.batches, pl.n_batches, 8);
+    int i32 = find(pl.batches, pl.n_batches, 32), ip = find(pl.prefill, pl.n_prefill, PREFILL);
+    if (i1 >= 0 && i8 >= 0 && i32 >= 0 && ip >= 0) {
+        printf("%-5s %8s %8s %7s %8s %8s %9s %6s %6s %9s %7s %7s\n", "mode", "weights", "b1 step",
+               "b1/read", "b1 tok/s", "b8 tok/s", "b32 tok/s", "b8/b1", "b32/b1", "pf tok/s",
+               "pf/FMA", "pf/bf16");
+        for (int mode = 0; mode < nmodes; mode++) {
+            const struct result *r = &res[mode];
+            double read_s = (double)r->weight_bytes / bw;
+            double b1 = 1.0 / r->decode_s[i1], b8 = 8.0 / r->decode_s[i8];
+            double b32 = 32.0 / r->decode_s[i32];
+            double pf = r->prefill_flops[ip] / r->prefill_s[ip];
+            printf("%-5s %6.0fMB %6.1fms %7.2f %8.1f %8.1f %9.1f %6.2f %6.2f %9.1f %7.3f %7.3f\n",
+                   names[mode], r->weight_bytes / 1e6, r->decode_s[i1] * 1e3,
+                   r->decode_s[i1] / read_s, b1, b8, b32, b8 / b1, b32 / b1,
+                   PREFILL / r->prefill_s[ip], pf / fma, bf16_peak > 0 ? pf / bf16_peak : 0.0);
+        }
+    } else {
+        for (int mode = 0; mode < nmodes; mode++) {
+            const struct result *r = &res[mode];
+            for (int i = 0; i < pl.n_batches; i++)
+                printf("%-5s decode batch %-4d %9.2f ms/step %10.1f tok/s\n", names[mode],
+                       pl.batches[i], r->decode_s[i] * 1e3, pl.batches[i] / r->decode_s[i]);
+            for (int i = 0; i < pl.n_prefill; i++)
+                printf("%-5s prefill %-4d      %9.2f ms      %10.1f tok/s %7.3f of FMA peak\n",
+                       names[mode], pl.prefill[i], r->prefill_s[i] * 1e3,
+                       pl.prefill[i] / r->prefill_s[i],
+                       r->prefill_flops[i] / r->prefill_s[i] / fma);
+        }
+    }
+    if (json != NULL && write_json(json, names[0], (size_t)threads, &pl, &res[0]) != 0) {
+        fprintf(stderr, "tandem-bench-engine: --json %s: cannot write\n", json);
+        return 1;
     }
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);

@@ -16,6 +16,14 @@
 //    belongs to a package the runtime stage installs, to one of their
 //    dependencies (apt-cache depends --recurse), or to the base image's
 //    required set; every package named exists in the apt lists.
+// deploy/Dockerfile.cuda (the CUDA image) gets the same shape checks with
+// NVIDIA's CUDA images as bases instead: the build stage a "devel" image, the
+// runtime stage the "runtime" image of the same CUDA version and Ubuntu, the
+// build configured with -DTANDEM_CUDA=ON and CUDA architectures. Its package
+// lists are Ubuntu's, which this Debian machine cannot resolve, so they are
+// checked against the Debian Dockerfile's (checked above against ldd): the
+// same build packages, and the same runtime packages under Ubuntu 24.04's
+// names (NOBLE_NAMES).
 // A self-test feeds broken Dockerfiles to the same checks.
 //
 //   node dockerfile_test.mjs --source-dir REPO [--bin NAME=PATH ...]
@@ -81,14 +89,32 @@ function aptPackages(runText) {
     return pk;
 }
 
-// Stage-shape checks; returns {build, runtime} package lists.
-export function checkShape(text, where, chk, sourceTargets) {
-    const stages = stagesOf(parseDockerfile(text));
-    chk.check(stages.length >= 2, where, `${stages.length} stage(s): expected a build stage and a runtime stage`);
+// Base-image policies: each checks the stages' FROM images.
+const DEBIAN_BASES = (stages, where, chk) => {
     for (const s of stages) {
         chk.check(/^debian:bookworm(-[a-z0-9]+)?(@sha256:[0-9a-f]{64})?$/.test(s.image), `${where}:${s.line}`,
             `stage ${s.name} is based on "${s.image}", expected debian:bookworm (tagged)`);
     }
+};
+const CUDA_IMAGE = /^(?:nvcr\.io\/)?nvidia\/cuda:(\d+\.\d+\.\d+)-(devel|runtime|base)-(ubuntu\d+\.\d+)(?:@sha256:[0-9a-f]{64})?$/;
+const CUDA_BASES = (stages, where, chk) => {
+    const flavours = stages.map((s) => CUDA_IMAGE.exec(s.image));
+    stages.forEach((s, i) => {
+        const m = flavours[i];
+        const want = i === stages.length - 1 ? 'runtime' : 'devel';
+        if (chk.check(m, `${where}:${s.line}`, `stage ${s.name} is based on "${s.image}", expected nvidia/cuda:X.Y.Z-${want}-ubuntuNN.NN`)) {
+            chk.check(m[2] === want, `${where}:${s.line}`, `stage ${s.name} uses the CUDA ${m[2]} image, expected ${want}`);
+        }
+    });
+    const tags = new Set(flavours.filter(Boolean).map((m) => `${m[1]} ${m[3]}`));
+    chk.check(tags.size <= 1, where, `stages use different CUDA versions or Ubuntu releases (${[...tags].join(', ')}): the runtime must match what nvcc built against`);
+};
+
+// Stage-shape checks; returns {build, runtime} package lists.
+export function checkShape(text, where, chk, sourceTargets, checkBases = DEBIAN_BASES) {
+    const stages = stagesOf(parseDockerfile(text));
+    chk.check(stages.length >= 2, where, `${stages.length} stage(s): expected a build stage and a runtime stage`);
+    checkBases(stages, where, chk);
     const pk = { build: [], runtime: [] };
     stages.forEach((s, i) => {
         const role = i === stages.length - 1 ? 'runtime' : 'build';
@@ -294,6 +320,59 @@ if (bins.length) {
     const caught = direct.filter((o) => !closure(pk.runtime.filter((x) => x !== o)).has(o));
     c.check(caught.length > 0, 'self-test "runtime package dropped"',
         `dropping any of ${direct.join(', ') || '(none)'} leaves every library covered: the check cannot fail`);
+}
+
+// ---- the CUDA image --------------------------------------------------------------------
+// Debian bookworm -> Ubuntu 24.04 package names where they differ (the t64
+// transition, a new utf8proc soname); every other name is the same.
+const NOBLE_NAMES = { libcurl4: 'libcurl4t64', libutf8proc2: 'libutf8proc3' };
+
+// The CUDA Dockerfile's shape, CUDA configuration and package lists against the Debian one's.
+function checkCuda(cudaText, debianPk, where, chk) {
+    const pk = checkShape(cudaText, where, chk, sourceTargets, CUDA_BASES);
+    const stages = stagesOf(parseDockerfile(cudaText));
+    const buildText = stages.slice(0, -1).flatMap((s) => s.instrs.filter((x) => x.op === 'RUN').map((x) => x.text)).join('\n');
+    chk.check(/-DTANDEM_CUDA=ON\b/.test(buildText), where, 'the build does not configure -DTANDEM_CUDA=ON');
+    chk.check(/-DCMAKE_CUDA_ARCHITECTURES=/.test(buildText), where, 'the build does not set CMAKE_CUDA_ARCHITECTURES (the GPUs the image runs on)');
+    const same = (a, b) => a.size === b.size && [...a].every((x) => b.has(x));
+    const want = new Set(debianPk.runtime.map((p) => NOBLE_NAMES[p] || p));
+    const have = new Set(pk.runtime);
+    chk.check(same(want, have), `${where} runtime stage`,
+        `packages ${[...have].sort().join(' ')} are not deploy/Dockerfile's under their Ubuntu names (${[...want].sort().join(' ')})`);
+    chk.check(same(new Set(debianPk.build), new Set(pk.build)), `${where} build stage`,
+        `packages differ from deploy/Dockerfile's build stage (${pk.build.join(' ')} vs ${debianPk.build.join(' ')})`);
+    chk.check(same(new Set(debianPk.targets || []), new Set(pk.targets || [])), where,
+        'builds other targets than deploy/Dockerfile');
+    return pk;
+}
+
+const cudaFile = path.join(src, 'deploy', 'Dockerfile.cuda');
+let cudaText = '';
+if (c.check(existsSync(cudaFile), 'deploy/Dockerfile.cuda', 'missing (the CUDA image)')) {
+    cudaText = readFileSync(cudaFile, 'utf8');
+    const cpk = checkCuda(cudaText, pk, 'deploy/Dockerfile.cuda', c);
+    console.log(`CUDA runtime packages: ${cpk.runtime.join(' ')}`);
+    const cignore = path.join(src, 'deploy', 'Dockerfile.cuda.dockerignore');
+    if (c.check(existsSync(cignore), 'deploy/Dockerfile.cuda.dockerignore', 'missing: the build context would include every build tree')) {
+        const lines = readFileSync(cignore, 'utf8').split('\n').map((l) => l.trim());
+        c.check(lines.includes('build*') && lines.includes('.git'), 'deploy/Dockerfile.cuda.dockerignore', 'does not exclude build* and .git');
+    }
+}
+const CUDA_MUTATIONS = [
+    ['debian base', (t) => t.replace('FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS build', 'FROM debian:bookworm AS build')],
+    ['runtime on the devel image', (t) => t.replace('-runtime-${UBUNTU} AS runtime', '-devel-${UBUNTU} AS runtime')],
+    ['CUDA versions differ', (t) => t.replace('FROM nvidia/cuda:${CUDA_VERSION}-runtime', 'FROM nvidia/cuda:12.4.1-runtime')],
+    ['CUDA not enabled', (t) => t.replaceAll('-DTANDEM_CUDA=ON', '-DTANDEM_CUDA=OFF')],
+    ['runtime library dropped', (t) => t.replace('libcurl4t64 libyaml-0-2', 'libcurl4t64')],
+    ['Debian package name kept', (t) => t.replace('libutf8proc3', 'libutf8proc2')],
+    ['root user', (t) => t.replace(/^USER .*$/m, 'USER root')],
+];
+for (const [what, mutate] of cudaText ? CUDA_MUTATIONS : []) {
+    const bad = mutate(cudaText);
+    const probe = new Checker('probe');
+    if (!c.check(bad !== cudaText, `self-test cuda "${what}"`, 'the mutation did not apply (Dockerfile.cuda changed?)')) continue;
+    checkCuda(bad, pk, 'probe', probe);
+    c.check(probe.errors.length > 0, `self-test cuda "${what}"`, 'the checks did not notice');
 }
 
 // Self-test: broken Dockerfiles must fail the shape checks.

@@ -7,9 +7,13 @@
 // pods' real ports, HPAs aimed at existing Deployments, the router's ConfigMap
 // mounted as a directory (no subPath, no hash suffix), graceful-termination
 // timings consistent with the drain timeout, the model volume and init step,
-// Prometheus annotations and the PodMonitor, GPU resources in the gpu overlay
-// only, the router config's discovery names, and (when the binaries are built)
-// every flag in the manifests against the binary's --help. Finally it mutates
+// Prometheus annotations and the PodMonitor, GPU resources in the gpu overlays
+// only (a device-plugin GPU per worker, or one DRA claim shared by a pod's
+// prefill and decode containers in gpu-one-pod) with --device cuda and a
+// --kv-transfer choice, the router config's discovery names, and (when the
+// binaries are built) every flag in the manifests against the binary's --help.
+// Flags in PENDING_FLAGS may appear in the gpu overlays ahead of the binaries
+// (reported as PENDING, never allowed in the cpu overlay). Finally it mutates
 // a rendered overlay in known-bad ways and requires each check to notice.
 //
 //   node k8s_test.mjs --source-dir REPO [--kubectl kubectl]
@@ -42,6 +46,32 @@ const MODELS = {
 };
 const ROLE = 'llm-d.ai/role';
 const WORKERS = ['prefill', 'decode'];
+// Role label of a pod that runs both workers (the gpu-one-pod variant), llm-d's "both".
+const BOTH = 'both';
+// Kinds no kubernetes-models package covers: checked by hand here.
+const CUSTOM = {
+    // Dynamic Resource Allocation (resource.k8s.io/v1, Kubernetes 1.34).
+    'resource.k8s.io/v1/ResourceClaimTemplate': (o, w, c) => {
+        const reqs = o.spec?.spec?.devices?.requests;
+        if (!c.check(Array.isArray(reqs) && reqs.length > 0, w, 'spec.spec.devices.requests is empty')) return;
+        for (const r of reqs) {
+            c.check(typeof r.name === 'string' && r.name, w, 'a device request has no name');
+            c.check(typeof r.exactly?.deviceClassName === 'string', w, `request ${r.name}: no exactly.deviceClassName`);
+            const known = new Set(['name', 'exactly', 'firstAvailable']);
+            for (const k of Object.keys(r)) c.check(known.has(k), w, `request ${r.name}: unknown field ${k}`);
+        }
+        for (const k of Object.keys(o)) c.check(['apiVersion', 'kind', 'metadata', 'spec'].includes(k), w, `unknown field ${k}`);
+    },
+};
+// Flags the gpu overlays use before the binaries have them: the flag -> the
+// issue that adds it. Accepted (as PENDING) only in overlays/gpu*, and only
+// while the binary answers "unknown option"; once it knows the flag, the
+// normal check applies and the entry can go.
+const PENDING_FLAGS = {
+    '--device': 'issue 9 (the CUDA backend)',
+    '--gpu-memory-utilization': 'issue 9 (the device KV pool)',
+    '--kv-transfer': 'issue 10 (GPU KV transfer)',
+};
 
 // ---- rendering -----------------------------------------------------------------------
 function render(dir) {
@@ -57,6 +87,10 @@ function validateSchemas(objs, where, c) {
     for (const o of objs) {
         const key = `${o.apiVersion}/${o.kind}`;
         const w = `${where} ${o.kind}/${o.metadata?.name}`;
+        if (CUSTOM[key]) {
+            CUSTOM[key](o, w, c);
+            continue;
+        }
         const mod = MODELS[key];
         if (!c.check(mod, w, `no schema for ${key} (add it to MODELS)`)) continue;
         const cls = Object.values(require(mod)).find((v) => typeof v === 'function' && v.kind === o.kind);
@@ -80,6 +114,15 @@ const podLabels = (d) => d.spec?.template?.metadata?.labels || {};
 const podSpec = (d) => d.spec?.template?.spec || {};
 const containers = (d) => podSpec(d).containers || [];
 const allContainers = (d) => [...(podSpec(d).initContainers || []), ...containers(d)];
+// The Deployment and container that run tandem-<role>: its own Deployment, or
+// (gpu-one-pod) a container in another role's pods.
+function workerOf(objs, role) {
+    const bin = `tandem-${role}`;
+    const runs = (d) => containers(d).find((ct) => ct.command?.[0] === bin);
+    const own = find(objs, 'Deployment', bin);
+    const d = own || all(objs, 'Deployment').find(runs);
+    return d ? { d, ct: runs(d) || containers(d)[0], own: !!own } : null;
+}
 
 // The value of --name=V or --name V in a container's args (string) or null.
 function flagValue(ct, name) {
@@ -172,13 +215,14 @@ function checkRender(objs, overlay, c) {
     const pvcs = new Set(all(objs, 'PersistentVolumeClaim').map((p) => p.metadata.name));
     const cms = new Map(all(objs, 'ConfigMap').map((m) => [m.metadata.name, m]));
     for (const role of WORKERS) {
-        const d = find(objs, 'Deployment', `tandem-${role}`);
+        const wk = workerOf(objs, role);
         const w = W(`Deployment/tandem-${role}`);
-        if (!c.check(d, w, 'missing')) continue;
-        c.check(d.metadata.labels?.[ROLE] === role, w, `metadata label ${ROLE} is not ${role}`);
-        c.check(podLabels(d)[ROLE] === role, w, `pod label ${ROLE} is not ${role}`);
-        const main = containers(d)[0];
-        c.check(main?.command?.[0] === `tandem-${role}`, w, `first container runs ${main?.command?.[0]}, expected tandem-${role}`);
+        if (!c.check(wk, w, `missing (no Deployment runs tandem-${role})`)) continue;
+        const { d, ct: main } = wk;
+        const roles = wk.own ? [role, BOTH] : [BOTH];
+        c.check(roles.includes(d.metadata.labels?.[ROLE]), w, `metadata label ${ROLE} is not ${roles.join(' or ')}`);
+        c.check(roles.includes(podLabels(d)[ROLE]), w, `pod label ${ROLE} is not ${roles.join(' or ')}`);
+        c.check(main?.command?.[0] === `tandem-${role}`, w, `${wk.own ? 'first container' : 'no container'} runs ${main?.command?.[0]}, expected tandem-${role}`);
         c.check(main?.startupProbe?.httpGet?.path === '/health', w, 'no startupProbe on /health (liveness would kill a pod loading its model)');
     }
     if (router) c.check(!podLabels(router)[ROLE], W('Deployment/tandem-router'), `router pods carry ${ROLE} (llm-d's decode-filter would take them for workers)`);
@@ -235,10 +279,11 @@ function checkRender(objs, overlay, c) {
         const w = W(`Service/tandem-${role}`);
         if (!c.check(s, w, 'missing')) continue;
         c.check(s.spec?.clusterIP === 'None', w, 'not headless (clusterIP: None): DNS would return one virtual IP, not the pods');
-        c.check(s.spec?.selector?.[ROLE] === role, w, `selector lacks ${ROLE}=${role}`);
+        c.check([role, BOTH].includes(s.spec?.selector?.[ROLE]), w, `selector lacks ${ROLE}=${role} (or ${BOTH})`);
         const sel = deps.filter((d) => matches(s.spec?.selector, podLabels(d)));
-        c.check(sel.length === 1 && sel[0].metadata.name === `tandem-${role}`, w,
-            `selects ${sel.map((d) => d.metadata.name).join(', ') || 'no Deployment'}, expected tandem-${role} only`);
+        const want = workerOf(objs, role)?.d.metadata.name;
+        c.check(sel.length === 1 && sel[0].metadata.name === want, w,
+            `selects ${sel.map((d) => d.metadata.name).join(', ') || 'no Deployment'}, expected ${want} only (the pods running tandem-${role})`);
         for (const p of s.spec?.ports || []) {
             const cp = sel[0] && resolvePort(sel[0], p.targetPort ?? p.port);
             if (c.check(cp, w, `port ${p.name} targets ${p.targetPort}, not a container port`)) {
@@ -270,7 +315,8 @@ function checkRender(objs, overlay, c) {
         }
     }
     for (const role of WORKERS) {
-        c.check(hpas.some((h) => h.spec?.scaleTargetRef?.name === `tandem-${role}`), W(`HPA for ${role}`), 'missing');
+        const target = workerOf(objs, role)?.d.metadata.name;
+        c.check(hpas.some((h) => h.spec?.scaleTargetRef?.name === target), W(`HPA for ${role}`), `missing (none scales ${target})`);
     }
 
     // Router config: a ConfigMap mounted as a directory, never by subPath, with a fixed name.
@@ -319,20 +365,42 @@ function checkRender(objs, overlay, c) {
         }
     }
 
-    // GPU: the gpu overlay gives each worker a GPU on GPU nodes; nothing else asks for one.
-    const gpu = overlay.endsWith('gpu');
+    // GPU: the gpu overlays give each worker container a GPU on GPU nodes (a
+    // device-plugin nvidia.com/gpu, or a DRA claim of the pod that the pod's
+    // workers share) and run it with --device cuda and a --kv-transfer
+    // choice; nothing else asks for a GPU.
+    const gpu = /\/gpu(-|$)/.test(overlay);
+    const claimTemplates = new Set(all(objs, 'ResourceClaimTemplate').map((t) => t.metadata.name));
     for (const d of deps) {
         const w = W(`Deployment/${d.metadata.name}`);
-        const worker = WORKERS.some((r) => d.metadata.name === `tandem-${r}`);
-        const main = containers(d)[0] || {};
-        const n = Number(main.resources?.limits?.['nvidia.com/gpu'] ?? 0);
-        if (gpu && worker) {
-            c.check(n >= 1, w, 'no nvidia.com/gpu limit');
+        const podClaims = new Map((podSpec(d).resourceClaims || []).map((rc) => [rc.name, rc]));
+        for (const rc of podClaims.values()) {
+            c.check(rc.resourceClaimName || claimTemplates.has(rc.resourceClaimTemplateName), w,
+                `resourceClaim ${rc.name}: template ${rc.resourceClaimTemplateName} is not in the output`);
+        }
+        for (const ct of containers(d)) {
+            const wc = `${w} container ${ct.name}`;
+            const worker = WORKERS.some((r) => ct.command?.[0] === `tandem-${r}`);
+            const n = Number(ct.resources?.limits?.['nvidia.com/gpu'] ?? 0);
+            const claims = (ct.resources?.claims || []).map((x) => x.name);
+            for (const name of claims) c.check(podClaims.has(name), wc, `resources.claims names ${name}, which the pod does not declare`);
+            if (gpu && worker) {
+                c.check(n >= 1 || claims.length >= 1, wc, 'no GPU: neither an nvidia.com/gpu limit nor a resource claim');
+                c.check(/^cuda(:\d+)?$/.test(flagValue(ct, 'device') ?? ''), wc, `--device is ${flagValue(ct, 'device')}, expected cuda (the CPU backend on a GPU node)`);
+                c.check(['auto', 'nng', 'cuda-ipc', 'nccl'].includes(flagValue(ct, 'kv-transfer')), wc, `--kv-transfer is ${flagValue(ct, 'kv-transfer')}, expected auto|nng|cuda-ipc|nccl`);
+                c.check(/cuda/.test(ct.image || ''), wc, `image ${ct.image} is not a CUDA build`);
+            } else {
+                c.check(n === 0 && claims.length === 0, wc, 'asks for a GPU outside the gpu overlays\' workers');
+            }
+        }
+        if (gpu && containers(d).some((ct) => WORKERS.some((r) => ct.command?.[0] === `tandem-${r}`))) {
             c.check((podSpec(d).tolerations || []).some((t) => t.key === 'nvidia.com/gpu'), w, 'no toleration for nvidia.com/gpu');
             c.check(Object.keys(podSpec(d).nodeSelector || {}).some((k) => k.startsWith('nvidia.com/')), w, 'no GPU node selector');
-            c.check(/cuda/.test(main.image || ''), w, `image ${main.image} is not a CUDA build`);
-        } else {
-            c.check(n === 0, w, 'asks for nvidia.com/gpu outside the gpu overlay workers');
+            // Two workers sharing one GPU's claim copy KV over CUDA IPC: one pod, its IPC namespace shared.
+            const shared = containers(d).filter((ct) => (ct.resources?.claims || []).length > 0);
+            if (shared.length > 1) {
+                c.check(podSpec(d).hostIPC !== true, w, "hostIPC: the pod's own IPC namespace, which its containers share, is enough for CUDA IPC");
+            }
         }
     }
 }
@@ -357,7 +425,7 @@ function checkRouterConfig(text, objs, w, c) {
             const s = find(objs, 'Service', svc);
             if (!c.check(s && s.spec?.clusterIP === 'None', w, `endpoints.${role}.dns ${name}: ${svc} is not a headless Service in the output`)) continue;
             c.check(!ns || ns === s.metadata.namespace, w, `endpoints.${role}.dns ${name}: namespace ${ns}, the Service is in ${s.metadata.namespace}`);
-            c.check(s.spec.selector?.[ROLE] === role, w, `endpoints.${role}.dns ${name} selects ${ROLE}=${s.spec.selector?.[ROLE]}`);
+            c.check([role, BOTH].includes(s.spec.selector?.[ROLE]), w, `endpoints.${role}.dns ${name} selects ${ROLE}=${s.spec.selector?.[ROLE]}`);
             const ports = (s.spec.ports || []).map((p) => p.port);
             c.check(ports.includes(ep.http_port), w, `endpoints.${role}.http_port ${ep.http_port} is not a port of ${svc} (${ports})`);
             if (role === 'prefill') {
@@ -402,6 +470,9 @@ function checkFlags(objs, overlay, c) {
             } else if (accepts(bin, arg)) {
                 c.passed++;
                 notes.add(`NOTE: ${bin} accepts ${f} but its --help does not list it`);
+            } else if (PENDING_FLAGS[f] && /(^|\/)gpu(-|$)/.test(overlay.replace(/^overlays\//, ''))) {
+                c.passed++;
+                notes.add(`PENDING: ${bin} has no ${f} yet (${PENDING_FLAGS[f]}); the gpu overlays use it ahead of the binary`);
             } else {
                 c.fail(w, `${bin} has no flag ${f} (not in its --help, and it answers "unknown option")`);
             }
@@ -432,7 +503,7 @@ const overlaysDir = path.join(k8s, 'overlays');
 const targets = [['base', path.join(k8s, 'base')],
     ...readdirSync(overlaysDir).filter((n) => existsSync(path.join(overlaysDir, n, 'kustomization.yaml')))
         .map((n) => [`overlays/${n}`, path.join(overlaysDir, n)])];
-c.check(targets.some(([n]) => n === 'overlays/cpu') && targets.some(([n]) => n === 'overlays/gpu'), 'overlays', 'cpu and gpu overlays expected');
+c.check(['cpu', 'gpu', 'gpu-one-pod'].every((o) => targets.some(([n]) => n === `overlays/${o}`)), 'overlays', 'cpu, gpu and gpu-one-pod overlays expected');
 const rendered = {};
 for (const [name, dir] of targets) {
     try {
@@ -447,6 +518,32 @@ for (const [name, dir] of targets) {
     checkFlags(rendered[name], name, c);
 }
 for (const b of Object.keys(bins)) console.log(`flags checked against ${b} --help`);
+
+// gpu-one-pod's router config is the base's with the prefill ports moved to
+// the prefill container's: nothing else may drift apart.
+function routerConfigOf(objs) {
+    const cm = find(objs || [], 'ConfigMap', 'tandem-router-config');
+    return cm ? YAML.parse(cm.data['router.yaml']) : null;
+}
+{
+    const base = routerConfigOf(rendered['base']);
+    const one = routerConfigOf(rendered['overlays/gpu-one-pod']);
+    const pod = find(rendered['overlays/gpu-one-pod'] || [], 'Deployment', 'tandem-decode');
+    if (c.check(base && one && pod, 'overlays/gpu-one-pod: router config', 'missing')) {
+        const pre = containers(pod).find((ct) => ct.command?.[0] === 'tandem-prefill');
+        const ports = (pre?.ports || []).map((p) => p.containerPort);
+        c.check(ports.includes(one.endpoints?.prefill?.http_port) && ports.includes(one.endpoints?.prefill?.nng_port),
+            'overlays/gpu-one-pod: router config', `prefill ports ${one.endpoints?.prefill?.http_port}/${one.endpoints?.prefill?.nng_port} are not the prefill container's (${ports})`);
+        const strip = (cfg) => {
+            const x = structuredClone(cfg);
+            delete x.endpoints.prefill.http_port;
+            delete x.endpoints.prefill.nng_port;
+            return JSON.stringify(x);
+        };
+        c.check(strip(base) === strip(one), 'overlays/gpu-one-pod: router config',
+            'differs from deploy/k8s/base/router-config.yaml beyond the prefill ports (copy the change over)');
+    }
+}
 for (const n of notes) console.log(n);
 
 // Self-test: each mutation of a good render must be caught by checkRender.
@@ -462,6 +559,23 @@ const MUTATIONS = [
     ['config mounted with subPath', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-router').spec.template.spec.containers[0].volumeMounts[0].subPath = 'router.yaml')],
     ['grace period shorter than the drain', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-decode').spec.template.spec.terminationGracePeriodSeconds = 20)],
     ['GPU limit dropped', 'overlays/gpu', (o) => delete find(o, 'Deployment', 'tandem-decode').spec.template.spec.containers[0].resources.limits['nvidia.com/gpu']],
+    ['GPU worker on the CPU backend', 'overlays/gpu', (o) => {
+        const a = find(o, 'Deployment', 'tandem-prefill').spec.template.spec.containers[0].args;
+        a.splice(a.indexOf('--device=cuda'), 1);
+    }],
+    ['no --kv-transfer choice', 'overlays/gpu', (o) => {
+        const a = find(o, 'Deployment', 'tandem-decode').spec.template.spec.containers[0].args;
+        a.splice(a.indexOf('--kv-transfer=auto'), 1);
+    }],
+    ['one-pod prefill container without the GPU claim', 'overlays/gpu-one-pod', (o) => delete find(o, 'Deployment', 'tandem-decode').spec.template.spec.containers[1].resources.claims],
+    ['one-pod claim template missing', 'overlays/gpu-one-pod', (o) => o.splice(o.findIndex((x) => x.kind === 'ResourceClaimTemplate'), 1)],
+    ['one-pod prefill Service on the decode ports', 'overlays/gpu-one-pod', (o) => {
+        const p = find(o, 'Service', 'tandem-prefill').spec.ports[0];
+        p.port = 8001;
+        p.targetPort = 'http';
+    }],
+    ['one-pod without a prefill container', 'overlays/gpu-one-pod', (o) => find(o, 'Deployment', 'tandem-decode').spec.template.spec.containers.pop()],
+    ['one-pod pods labelled decode only', 'overlays/gpu-one-pod', (o) => (find(o, 'Deployment', 'tandem-decode').spec.template.metadata.labels[ROLE] = 'decode')],
     ['GPU asked for in the cpu overlay', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-prefill').spec.template.spec.containers[0].resources.limits['nvidia.com/gpu'] = 1)],
     ['prometheus port annotation wrong', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-router').spec.template.metadata.annotations['prometheus.io/port'] = '9090')],
     ['router config names a missing Service', 'overlays/cpu', (o) => {
@@ -498,6 +612,18 @@ if (bins['tandem-decode'] && rendered['overlays/cpu']) {
     const probe = new Checker('probe');
     checkFlags(copy, 'probe', probe);
     c.check(probe.errors.length === 1, 'self-test "unknown flag"', `flag check reported ${probe.errors.length} errors`);
+}
+// A pending flag the binary lacks is an error outside the gpu overlays.
+if (bins['tandem-decode'] && rendered['overlays/cpu']) {
+    const help = run(bins['tandem-decode'], ['--help']);
+    const lacking = Object.keys(PENDING_FLAGS).filter((f) => !`${help.stdout}\n${help.stderr}`.includes(f));
+    for (const f of lacking) {
+        const copy = structuredClone(rendered['overlays/cpu']);
+        find(copy, 'Deployment', 'tandem-decode').spec.template.spec.containers[0].args.push(`${f}=cuda`);
+        const probe = new Checker('probe');
+        checkFlags(copy, 'overlays/cpu', probe);
+        c.check(probe.errors.length === 1, `self-test "pending flag ${f} in the cpu overlay"`, `flag check reported ${probe.errors.length} errors`);
+    }
 }
 // The strict field check must catch a misspelt field.
 {

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# ctest gpu_engine_json: tandem-bench-engine's --batches/--prefill/--json (what
+# check.sh asks of it) on the tiny model, read back by tandem-gpu-report.
+#   engine_json_test.sh MKMODEL BENCH_ENGINE GPU_REPORT WORKDIR
+set -eu
+mkmodel=$1 engine=$2 report=$3 work=$4
+rm -rf "$work"
+mkdir -p "$work"
+"$mkmodel" --preset tiny --out "$work/tiny" >/dev/null
+"$engine" --model "$work/tiny" --threads 1 --steps 1 --bf16-only --batches 1,3,64 \
+    --prefill 8,40 --json "$work/engine.json" >"$work/engine.txt"
+cat "$work/engine.txt" "$work/engine.json"
+grep -q "decode batch 64" "$work/engine.txt"
+cat >"$work/probe.json" <<'JSON'
+{"device": {"name": "Fake GPU", "cc": "9.0", "sms": 132, "mem_bytes": 150000000000},
+ "read_gbs": 4000.0, "copy_gbs": 7000.0, "d2d_gbs": 6500.0,
+ "gemm": {"m": 8192, "n": 8192, "k": 8192}, "bf16_tflops": 700.0}
+JSON
+"$report" --probe "$work/probe.json" --engine "$work/engine.json" | tee "$work/summary.txt"
+# Three decode rows, two prefill rows.
+for n in 1 3 64 8 40; do
+    grep -Eq "^  $n +[0-9.]+ +[0-9]+ +[0-9.]+$" "$work/summary.txt" ||
+        { echo "no row for $n in the summary"; exit 1; }
+done
+# The CPU backend's figures: shown, not judged as the GPU's.
+grep -q '"device": "cpu"' "$work/engine.json"
+grep -q "ran on cpu, not a GPU" "$work/summary.txt"
+grep -Eq "decode batch 64, tokens/s +not measured" "$work/summary.txt"
+# Bad lists are refused.
+if "$engine" --batches 1,65 >/dev/null 2>&1; then echo "--batches 65 accepted"; exit 1; fi
+if "$engine" --prefill 8,x >/dev/null 2>&1; then echo "--prefill 8,x accepted"; exit 1; fi
+echo PASS

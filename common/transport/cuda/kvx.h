@@ -1,0 +1,175 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvx: the control plane of GPU-to-GPU KV transfer (issue 10), everything
+// about it that does not move bytes:
+//   - the --kv-transfer choice per (prefill, decode) pair: a pure function of
+//     both workers' settings, devices, hosts and whether the decode worker's
+//     pool handle opened;
+//   - a cache of opened CUDA IPC pool handles keyed by the decode worker's
+//     name, dropped (closed) when its instance id changes;
+//   - the NCCL communicator of one pair: the decode side makes the unique id
+//     (sent to the prefill side over the nng control plane by the caller),
+//     both sides start a non-blocking init, poll it against a deadline and
+//     for asynchronous errors; an error, a timeout or a peer instance change
+//     aborts the communicator and the next transfer builds a new one. A
+//     failure is returned as TDM_ETRANSPORT / TDM_ETIMEDOUT so the caller can
+//     retry the next prefill worker with the same blocks, then prefill locally.
+// The CUDA and NCCL calls go through struct tdm_kvx_ops: the real table
+// (tdm_kvx_cuda_ops, built with TANDEM_CUDA) calls cudart and NCCL; unit tests
+// pass a fake. No CUDA or NCCL type appears here: handles and ids are bytes.
+//
+// Threads: none of these objects locks. A worker's engine thread owns its
+// cache and links (the thread that issues the copies and sends the frames).
+#ifndef TDM_KVX_H
+#define TDM_KVX_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+// ---- the choice --------------------------------------------------------------------------
+enum tdm_kvx_mode {
+    TDM_KVX_AUTO = 0, // pick per pair: CUDA IPC, else NCCL, else nng
+    TDM_KVX_NNG,      // KV frames through host memory over nng (today's path)
+    TDM_KVX_CUDA_IPC, // same node: copy into the decode worker's pool through its IPC handle
+    TDM_KVX_NCCL,     // GPUs anywhere: NCCL send/recv per layer group
+};
+
+// "auto", "nng", "cuda-ipc", "nccl" <-> the mode. parse returns 0, or -1 for
+// anything else (the flag's error names the accepted values).
+int tdm_kvx_mode_parse(const char *s, enum tdm_kvx_mode *out);
+const char *tdm_kvx_mode_name(enum tdm_kvx_mode m);
+
+// What one worker tells its peer about itself (carried in the control plane).
+struct tdm_kvx_side {
+    enum tdm_kvx_mode setting; // its --kv-transfer
+    bool gpu;                  // its backend runs on a CUDA device (--device cuda)
+    bool nccl;                 // built with NCCL (TANDEM_CUDA)
+    const char *host_id;       // the node's identity (e.g. /proc/sys/kernel/random/boot_id);
+                               // NULL or "" = unknown, never the same host as another
+};
+
+// Whether the decode worker's pool handle opened in the prefill process.
+enum tdm_kvx_ipc_open {
+    TDM_KVX_IPC_UNTRIED = 0, // not tried yet: CUDA IPC stays a candidate
+    TDM_KVX_IPC_OPENED,
+    TDM_KVX_IPC_FAILED,
+};
+
+// The transport for one (prefill, decode) pair. Each side allows its setting
+// (auto allows all three); the pair gets the first of CUDA IPC, NCCL, nng that
+// both allow and that is possible: CUDA IPC needs GPUs on both sides, the same
+// non-empty host id and a handle that did not fail to open; NCCL needs GPUs
+// and NCCL on both sides; nng is always possible (a CPU side included: the
+// payload carries its dtype). Returns 0 with *out set, or -1 with why filled
+// ("prefill wants cuda-ipc, decode wants nccl", "cuda-ipc needs both workers
+// on one host: prefill on A, decode on B") when nothing both allow is possible.
+int tdm_kvx_choose(const struct tdm_kvx_side *prefill, const struct tdm_kvx_side *decode,
+                   enum tdm_kvx_ipc_open ipc_open, enum tdm_kvx_mode *out, char *why,
+                   size_t whylen);
+
+// ---- the CUDA/NCCL calls -----------------------------------------------------------------
+#define TDM_KVX_IPC_HANDLE_BYTES 64 // sizeof(cudaIpcMemHandle_t)
+#define TDM_KVX_NCCL_ID_BYTES 128   // NCCL_UNIQUE_ID_BYTES
+
+// State of a communicator, as ncclCommGetAsyncError reports it.
+enum tdm_kvx_comm_state {
+    TDM_KVX_COMM_PENDING = 0, // non-blocking init (or an operation) in progress
+    TDM_KVX_COMM_READY,
+    TDM_KVX_COMM_ERROR,
+};
+
+// Each returns 0 on success, -1 on failure (and may write a reason into err).
+// `ctx` is the table's own state. A communicator is an opaque pointer.
+struct tdm_kvx_ops {
+    void *ctx;
+    int (*ipc_open)(void *ctx, const uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES], void **dev_ptr,
+                    char *err, size_t errlen);
+    int (*ipc_close)(void *ctx, void *dev_ptr);
+    int (*nccl_unique_id)(void *ctx, uint8_t id[TDM_KVX_NCCL_ID_BYTES], char *err, size_t errlen);
+    // Starts a non-blocking ncclCommInitRankConfig of 2 ranks.
+    int (*nccl_init_start)(void *ctx, const uint8_t id[TDM_KVX_NCCL_ID_BYTES], int rank,
+                           void **comm, char *err, size_t errlen);
+    // ncclCommGetAsyncError: fills *state; -1 when the call itself failed.
+    int (*nccl_state)(void *ctx, void *comm, enum tdm_kvx_comm_state *state, char *err,
+                      size_t errlen);
+    int (*nccl_abort)(void *ctx, void *comm);   // ncclCommAbort: never blocks on the peer
+    int (*nccl_destroy)(void *ctx, void *comm); // ncclCommDestroy of a healthy communicator
+};
+
+// The real table (cudart + NCCL), present only in a TANDEM_CUDA build.
+const struct tdm_kvx_ops *tdm_kvx_cuda_ops(void);
+
+// ---- CUDA IPC handle cache (prefill side) --------------------------------------------------
+struct tdm_kvx_ipc_cache;
+
+// A cache of at most `capacity` opened handles (>= 1). Returns TDM_OK or
+// TDM_ENOMEM/TDM_EINVAL. The cache keeps `ops` (it must outlive the cache).
+int tdm_kvx_ipc_cache_new(struct tdm_kvx_ipc_cache **out, const struct tdm_kvx_ops *ops,
+                          int capacity);
+// Closes every open handle, then frees. Accepts NULL.
+void tdm_kvx_ipc_cache_free(struct tdm_kvx_ipc_cache *c);
+
+// The device address of `peer`'s KV pool. Opens the handle on the first use,
+// and again (after closing the old mapping) when `instance` or the handle
+// differs from the cached one: a restarted decode worker's pool is a new
+// allocation. When full, the least recently used entry is closed first.
+// Returns TDM_OK, TDM_EINVAL (empty peer name), or TDM_EBACKEND with err set
+// when the open fails (the caller then chooses again with TDM_KVX_IPC_FAILED).
+int tdm_kvx_ipc_cache_get(struct tdm_kvx_ipc_cache *c, const char *peer, uint64_t instance,
+                          const uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES], void **dev_ptr, char *err,
+                          size_t errlen);
+// Closes and forgets peer's entry (the peer left or failed). No-op when absent.
+void tdm_kvx_ipc_cache_drop(struct tdm_kvx_ipc_cache *c, const char *peer);
+// Entries held (for tests and /health details).
+int tdm_kvx_ipc_cache_size(const struct tdm_kvx_ipc_cache *c);
+
+// ---- NCCL communicator of one (prefill, decode) pair -------------------------------------
+struct tdm_kvx_link;
+
+enum tdm_kvx_role {
+    TDM_KVX_DECODE = 0,  // makes the unique id, rank 0 (receives)
+    TDM_KVX_PREFILL = 1, // joins with the id it was sent, rank 1 (sends)
+};
+
+enum tdm_kvx_link_state {
+    TDM_KVX_LINK_IDLE = 0, // no communicator: the next transfer builds one
+    TDM_KVX_LINK_INIT,     // non-blocking init in progress
+    TDM_KVX_LINK_READY,
+};
+
+// A link for `role` with an init deadline of `init_timeout_s` seconds (> 0).
+int tdm_kvx_link_new(struct tdm_kvx_link **out, const struct tdm_kvx_ops *ops,
+                     enum tdm_kvx_role role, double init_timeout_s);
+// Aborts a communicator still initialising, destroys a ready one. Accepts NULL.
+void tdm_kvx_link_free(struct tdm_kvx_link *l);
+
+// Decode side: aborts any communicator, makes a new unique id (copied into
+// id_out for the caller to send) and starts init as rank 0 for peer
+// `instance`; `now` is the monotonic time (tdm_now()). TDM_OK or TDM_ETRANSPORT.
+int tdm_kvx_link_create(struct tdm_kvx_link *l, uint64_t instance, double now,
+                        uint8_t id_out[TDM_KVX_NCCL_ID_BYTES], char *err, size_t errlen);
+// Prefill side: aborts any communicator and starts init as rank 1 with the id
+// the decode side sent. TDM_OK or TDM_ETRANSPORT.
+int tdm_kvx_link_join(struct tdm_kvx_link *l, uint64_t instance, double now,
+                      const uint8_t id[TDM_KVX_NCCL_ID_BYTES], char *err, size_t errlen);
+
+// Polls the communicator (call before each layer group and while waiting for
+// init): TDM_OK ready; TDM_EBUSY still initialising; TDM_ETIMEDOUT init passed
+// its deadline, or TDM_ETRANSPORT an asynchronous error: the communicator is
+// aborted, the link is idle and err says why; TDM_ECLOSED idle (nothing to poll).
+int tdm_kvx_link_poll(struct tdm_kvx_link *l, double now, char *err, size_t errlen);
+
+// Whether the link is ready for the peer's current `instance`. A different
+// instance (the peer restarted) aborts the communicator and returns false, so
+// the transfer fails over and the next one builds a new communicator.
+bool tdm_kvx_link_ready_for(struct tdm_kvx_link *l, uint64_t instance);
+
+// Aborts the communicator (a transfer failed or passed its deadline; the
+// caller's cancel path). The link is idle afterwards.
+void tdm_kvx_link_abort(struct tdm_kvx_link *l);
+
+enum tdm_kvx_link_state tdm_kvx_link_state(const struct tdm_kvx_link *l);
+// Communicators this link has aborted (tandem:kv_transfer_aborts_total).
+uint64_t tdm_kvx_link_aborts(const struct tdm_kvx_link *l);
+
+#endif

@@ -1,0 +1,459 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tests for kvx with a fake CUDA/NCCL table: the --kv-transfer choice over
+// every combination of settings, devices, NCCL, hosts and IPC-open outcomes
+// (against the rules stated in kvx.h, plus named cases with their messages);
+// the IPC handle cache (one open per peer instance, close on instance or
+// handle change, on failure, on eviction and on free); the NCCL link (id made
+// by the decode side and joined by the prefill side, init deadline, async
+// error, peer instance change, each aborting into an idle link that the next
+// transfer rebuilds, destroy vs abort on free).
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <stdio.h>
+#include <string.h>
+
+#include "core.h"
+#include "kvx.h"
+
+// ---- the fake table ------------------------------------------------------------------------
+struct fake {
+    int opens, closes, fail_open;
+    void *closed[16];
+    uintptr_t next_ptr;
+    int ids, inits, aborts, destroys, fail_id, fail_init;
+    int last_rank;
+    uint8_t last_id[TDM_KVX_NCCL_ID_BYTES];
+    enum tdm_kvx_comm_state state; // what nccl_state reports
+    int state_call_fails;
+    void *aborted[16];
+};
+
+static int f_ipc_open(void *ctx, const uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES], void **dev_ptr,
+                      char *err, size_t errlen)
+{
+    struct fake *f = ctx;
+    if (f->fail_open) {
+        snprintf(err, errlen, "invalid device context");
+        return -1;
+    }
+    f->opens++;
+    *dev_ptr = (void *)(f->next_ptr += 0x1000 + handle[0]); // distinct per open
+    return 0;
+}
+
+static int f_ipc_close(void *ctx, void *dev_ptr)
+{
+    struct fake *f = ctx;
+    f->closed[f->closes++ % 16] = dev_ptr;
+    return 0;
+}
+
+static int f_unique_id(void *ctx, uint8_t id[TDM_KVX_NCCL_ID_BYTES], char *err, size_t errlen)
+{
+    struct fake *f = ctx;
+    if (f->fail_id) {
+        snprintf(err, errlen, "no network");
+        return -1;
+    }
+    memset(id, 0xa0 + ++f->ids, TDM_KVX_NCCL_ID_BYTES);
+    return 0;
+}
+
+static int f_init_start(void *ctx, const uint8_t id[TDM_KVX_NCCL_ID_BYTES], int rank, void **comm,
+                        char *err, size_t errlen)
+{
+    struct fake *f = ctx;
+    f->inits++;
+    f->last_rank = rank;
+    memcpy(f->last_id, id, TDM_KVX_NCCL_ID_BYTES);
+    *comm = (void *)(uintptr_t)(0x100 * f->inits);
+    if (f->fail_init) {
+        snprintf(err, errlen, "unhandled system error");
+        return -1;
+    }
+    return 0;
+}
+
+static int f_state(void *ctx, void *comm, enum tdm_kvx_comm_state *state, char *err, size_t errlen)
+{
+    struct fake *f = ctx;
+    (void)comm;
+    if (f->state_call_fails)
+        return -1;
+    *state = f->state;
+    if (f->state == TDM_KVX_COMM_ERROR)
+        snprintf(err, errlen, "remote process exited");
+    return 0;
+}
+
+static int f_abort(void *ctx, void *comm)
+{
+    struct fake *f = ctx;
+    f->aborted[f->aborts++ % 16] = comm;
+    return 0;
+}
+
+static int f_destroy(void *ctx, void *comm)
+{
+    struct fake *f = ctx;
+    (void)comm;
+    f->destroys++;
+    return 0;
+}
+
+static struct fake F;
+static const struct tdm_kvx_ops OPS = {
+    .ctx = &F,
+    .ipc_open = f_ipc_open,
+    .ipc_close = f_ipc_close,
+    .nccl_unique_id = f_unique_id,
+    .nccl_init_start = f_init_start,
+    .nccl_state = f_state,
+    .nccl_abort = f_abort,
+    .nccl_destroy = f_destroy,
+};
+
+static int reset(void **state)
+{
+    (void)state;
+    memset(&F, 0, sizeof F);
+    F.next_ptr = 0x7f0000000000u;
+    return 0;
+}
+
+// ---- the choice --------------------------------------------------------------------------
+static void test_mode_names(void **state)
+{
+    (void)state;
+    static const char *const names[] = {"auto", "nng", "cuda-ipc", "nccl"};
+    for (int i = 0; i < 4; i++) {
+        enum tdm_kvx_mode m;
+        assert_int_equal(tdm_kvx_mode_parse(names[i], &m), 0);
+        assert_string_equal(tdm_kvx_mode_name(m), names[i]);
+    }
+    enum tdm_kvx_mode m;
+    assert_int_equal(tdm_kvx_mode_parse("ipc", &m), -1);
+    assert_int_equal(tdm_kvx_mode_parse("", &m), -1);
+    assert_int_equal(tdm_kvx_mode_parse(NULL, &m), -1);
+    assert_string_equal(tdm_kvx_mode_name((enum tdm_kvx_mode)9), "?");
+}
+
+// Every combination, against the rules of kvx.h written out as a table.
+static void test_choose_every_combination(void **state)
+{
+    (void)state;
+    static const char *const hosts[][2] = {
+        {"node-a", "node-a"}, {"node-a", "node-b"}, {NULL, NULL}, {"", ""}, {"node-a", NULL}};
+    static const enum tdm_kvx_mode order[] = {TDM_KVX_CUDA_IPC, TDM_KVX_NCCL, TDM_KVX_NNG};
+    int combos = 0, chosen[4] = {0}, refused = 0;
+    for (int ps = 0; ps < 4; ps++)
+        for (int ds = 0; ds < 4; ds++)
+            for (int bits = 0; bits < 16; bits++)
+                for (size_t h = 0; h < sizeof hosts / sizeof hosts[0]; h++)
+                    for (int io = 0; io < 3; io++) {
+                        struct tdm_kvx_side p = {.setting = (enum tdm_kvx_mode)ps,
+                                                 .gpu = bits & 1,
+                                                 .nccl = bits & 2,
+                                                 .host_id = hosts[h][0]};
+                        struct tdm_kvx_side d = {.setting = (enum tdm_kvx_mode)ds,
+                                                 .gpu = bits & 4,
+                                                 .nccl = bits & 8,
+                                                 .host_id = hosts[h][1]};
+                        bool same_host = h == 0;
+                        bool possible[4] = {
+                            [TDM_KVX_NNG] = true,
+                            [TDM_KVX_CUDA_IPC] =
+                                p.gpu && d.gpu && same_host && io != TDM_KVX_IPC_FAILED,
+                            [TDM_KVX_NCCL] = p.gpu && d.gpu && p.nccl && d.nccl,
+                        };
+                        enum tdm_kvx_mode want = TDM_KVX_AUTO; // AUTO here: none
+                        for (int k = 0; k < 3 && want == TDM_KVX_AUTO; k++) {
+                            enum tdm_kvx_mode m = order[k];
+                            bool allowed = (p.setting == TDM_KVX_AUTO || p.setting == m) &&
+                                           (d.setting == TDM_KVX_AUTO || d.setting == m);
+                            if (allowed && possible[m])
+                                want = m;
+                        }
+                        enum tdm_kvx_mode got = TDM_KVX_AUTO;
+                        char why[256] = "";
+                        int rc = tdm_kvx_choose(&p, &d, (enum tdm_kvx_ipc_open)io, &got, why,
+                                                sizeof why);
+                        combos++;
+                        if (want == TDM_KVX_AUTO) {
+                            if (rc != -1 || why[0] == '\0')
+                                fail_msg("p=%d d=%d bits=%d h=%zu io=%d: expected a refusal", ps,
+                                         ds, bits, h, io);
+                            refused++;
+                        } else {
+                            if (rc != 0 || got != want)
+                                fail_msg("p=%d d=%d bits=%d h=%zu io=%d: got %s (rc %d), want %s",
+                                         ps, ds, bits, h, io, tdm_kvx_mode_name(got), rc,
+                                         tdm_kvx_mode_name(want));
+                            chosen[got]++;
+                        }
+                    }
+    assert_int_equal(combos, 4 * 4 * 16 * 5 * 3);
+    // Every outcome happens somewhere.
+    assert_true(chosen[TDM_KVX_NNG] > 0 && chosen[TDM_KVX_CUDA_IPC] > 0 &&
+                chosen[TDM_KVX_NCCL] > 0 && refused > 0);
+}
+
+static void test_choose_named_cases(void **state)
+{
+    (void)state;
+    struct tdm_kvx_side gpu_a = {TDM_KVX_AUTO, true, true, "node-a"};
+    struct tdm_kvx_side gpu_b = {TDM_KVX_AUTO, true, true, "node-b"};
+    struct tdm_kvx_side cpu_a = {TDM_KVX_AUTO, false, false, "node-a"};
+    enum tdm_kvx_mode m;
+    char why[256];
+
+    // Same node: CUDA IPC; its handle failed to open: NCCL; other node: NCCL.
+    assert_int_equal(tdm_kvx_choose(&gpu_a, &gpu_a, TDM_KVX_IPC_UNTRIED, &m, why, sizeof why), 0);
+    assert_int_equal(m, TDM_KVX_CUDA_IPC);
+    assert_int_equal(tdm_kvx_choose(&gpu_a, &gpu_a, TDM_KVX_IPC_FAILED, &m, why, sizeof why), 0);
+    assert_int_equal(m, TDM_KVX_NCCL);
+    assert_int_equal(tdm_kvx_choose(&gpu_a, &gpu_b, TDM_KVX_IPC_OPENED, &m, why, sizeof why), 0);
+    assert_int_equal(m, TDM_KVX_NCCL);
+    // A CPU worker on either side: nng (dtype-tagged payload).
+    assert_int_equal(tdm_kvx_choose(&cpu_a, &gpu_a, TDM_KVX_IPC_UNTRIED, &m, why, sizeof why), 0);
+    assert_int_equal(m, TDM_KVX_NNG);
+    // nng asked by one side wins over auto.
+    struct tdm_kvx_side nng_a = gpu_a;
+    nng_a.setting = TDM_KVX_NNG;
+    assert_int_equal(tdm_kvx_choose(&gpu_a, &nng_a, TDM_KVX_IPC_UNTRIED, &m, why, sizeof why), 0);
+    assert_int_equal(m, TDM_KVX_NNG);
+    // Explicit cuda-ipc across nodes: refused, naming the hosts.
+    struct tdm_kvx_side ipc_a = gpu_a;
+    ipc_a.setting = TDM_KVX_CUDA_IPC;
+    assert_int_equal(tdm_kvx_choose(&ipc_a, &gpu_b, TDM_KVX_IPC_UNTRIED, &m, why, sizeof why), -1);
+    assert_string_equal(
+        why, "cuda-ipc needs both workers on one host: prefill on node-a, decode on node-b");
+    // Explicit settings that disagree.
+    struct tdm_kvx_side nccl_b = gpu_b;
+    nccl_b.setting = TDM_KVX_NCCL;
+    assert_int_equal(tdm_kvx_choose(&ipc_a, &nccl_b, TDM_KVX_IPC_UNTRIED, &m, why, sizeof why), -1);
+    assert_string_equal(why, "prefill wants cuda-ipc, decode wants nccl");
+    // Explicit nccl with a CPU decode worker.
+    struct tdm_kvx_side nccl_a = gpu_a;
+    nccl_a.setting = TDM_KVX_NCCL;
+    assert_int_equal(tdm_kvx_choose(&nccl_a, &cpu_a, TDM_KVX_IPC_UNTRIED, &m, why, sizeof why), -1);
+    assert_string_equal(why, "nccl needs a GPU on both workers");
+    // Unknown hosts are never the same host.
+    struct tdm_kvx_side anon = {TDM_KVX_CUDA_IPC, true, true, NULL};
+    assert_int_equal(tdm_kvx_choose(&anon, &anon, TDM_KVX_IPC_UNTRIED, &m, why, sizeof why), -1);
+    assert_non_null(strstr(why, "(unknown)"));
+}
+
+// ---- the IPC handle cache ------------------------------------------------------------------
+static void handle_of(uint8_t h[TDM_KVX_IPC_HANDLE_BYTES], uint8_t v)
+{
+    memset(h, v, TDM_KVX_IPC_HANDLE_BYTES);
+}
+
+static void test_ipc_cache(void **state)
+{
+    (void)state;
+    struct tdm_kvx_ipc_cache *c;
+    uint8_t h1[TDM_KVX_IPC_HANDLE_BYTES], h2[TDM_KVX_IPC_HANDLE_BYTES];
+    handle_of(h1, 1);
+    handle_of(h2, 2);
+    char err[256];
+    void *p1, *p2, *p3;
+    assert_int_equal(tdm_kvx_ipc_cache_new(&c, &OPS, 2), TDM_OK);
+
+    // One open per peer instance.
+    assert_int_equal(tdm_kvx_ipc_cache_get(c, "tcp://d0:9001", 7, h1, &p1, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_kvx_ipc_cache_get(c, "tcp://d0:9001", 7, h1, &p2, err, sizeof err),
+                     TDM_OK);
+    assert_ptr_equal(p1, p2);
+    assert_int_equal(F.opens, 1);
+    assert_int_equal(tdm_kvx_ipc_cache_size(c), 1);
+
+    // The peer restarted (new instance): the old mapping is closed, a new one opened.
+    assert_int_equal(tdm_kvx_ipc_cache_get(c, "tcp://d0:9001", 8, h1, &p2, err, sizeof err),
+                     TDM_OK);
+    assert_ptr_not_equal(p1, p2);
+    assert_int_equal(F.opens, 2);
+    assert_int_equal(F.closes, 1);
+    assert_ptr_equal(F.closed[0], p1);
+    // A new handle under the same instance (the pool reallocated): same.
+    assert_int_equal(tdm_kvx_ipc_cache_get(c, "tcp://d0:9001", 8, h2, &p3, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(F.closes, 2);
+    assert_ptr_equal(F.closed[1], p2);
+
+    // A failed open: TDM_EBACKEND naming the peer, nothing held for it.
+    F.fail_open = 1;
+    assert_int_equal(tdm_kvx_ipc_cache_get(c, "tcp://d1:9001", 1, h1, &p1, err, sizeof err),
+                     TDM_EBACKEND);
+    assert_non_null(strstr(err, "tcp://d1:9001"));
+    assert_non_null(strstr(err, "invalid device context"));
+    assert_null(p1);
+    assert_int_equal(tdm_kvx_ipc_cache_size(c), 1);
+    F.fail_open = 0;
+
+    // Full: the least recently used peer is closed to make room.
+    assert_int_equal(tdm_kvx_ipc_cache_get(c, "tcp://d1:9001", 1, h1, &p1, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_kvx_ipc_cache_get(c, "tcp://d1:9001", 1, h1, &p1, err, sizeof err),
+                     TDM_OK); // d1 now more recent than d0
+    int closes = F.closes;
+    assert_int_equal(tdm_kvx_ipc_cache_get(c, "tcp://d2:9001", 1, h1, &p2, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(F.closes, closes + 1);
+    assert_ptr_equal(F.closed[closes % 16], p3); // d0's mapping
+    assert_int_equal(tdm_kvx_ipc_cache_size(c), 2);
+
+    // Drop closes; bad names are refused; free closes the rest.
+    tdm_kvx_ipc_cache_drop(c, "tcp://d1:9001");
+    tdm_kvx_ipc_cache_drop(c, "tcp://nobody:1");
+    assert_int_equal(F.closes, closes + 2);
+    assert_int_equal(tdm_kvx_ipc_cache_size(c), 1);
+    assert_int_equal(tdm_kvx_ipc_cache_get(c, "", 1, h1, &p1, err, sizeof err), TDM_EINVAL);
+    tdm_kvx_ipc_cache_free(c);
+    assert_int_equal(F.closes, closes + 3);
+    assert_int_equal(F.opens, F.closes); // every mapping closed exactly once
+    tdm_kvx_ipc_cache_free(NULL);
+    assert_int_equal(tdm_kvx_ipc_cache_new(&c, &OPS, 0), TDM_EINVAL);
+}
+
+// ---- the NCCL link -------------------------------------------------------------------------
+static void test_link_handshake(void **state)
+{
+    (void)state;
+    struct tdm_kvx_link *dec, *pre;
+    uint8_t id[TDM_KVX_NCCL_ID_BYTES];
+    char err[256];
+    assert_int_equal(tdm_kvx_link_new(&dec, &OPS, TDM_KVX_DECODE, 5.0), TDM_OK);
+    assert_int_equal(tdm_kvx_link_new(&pre, &OPS, TDM_KVX_PREFILL, 5.0), TDM_OK);
+    assert_int_equal(tdm_kvx_link_poll(dec, 0, err, sizeof err), TDM_ECLOSED);
+    assert_false(tdm_kvx_link_ready_for(dec, 1));
+
+    // Decode makes the id and starts as rank 0; prefill joins as rank 1 with it.
+    assert_int_equal(tdm_kvx_link_create(dec, 0xbeef, 100.0, id, err, sizeof err), TDM_OK);
+    assert_int_equal(F.ids, 1);
+    assert_int_equal(F.last_rank, 0);
+    assert_int_equal(tdm_kvx_link_state(dec), TDM_KVX_LINK_INIT);
+    assert_int_equal(tdm_kvx_link_join(pre, 0xd00d, 100.1, id, err, sizeof err), TDM_OK);
+    assert_int_equal(F.last_rank, 1);
+    assert_memory_equal(F.last_id, id, TDM_KVX_NCCL_ID_BYTES);
+    assert_int_equal(F.ids, 1); // the prefill side makes none
+    // The roles cannot be swapped.
+    assert_int_equal(tdm_kvx_link_create(pre, 1, 0, id, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_kvx_link_join(dec, 1, 0, id, err, sizeof err), TDM_EINVAL);
+
+    // Pending until ready; ready for its peer instance.
+    F.state = TDM_KVX_COMM_PENDING;
+    assert_int_equal(tdm_kvx_link_poll(dec, 101.0, err, sizeof err), TDM_EBUSY);
+    assert_false(tdm_kvx_link_ready_for(dec, 0xbeef));
+    F.state = TDM_KVX_COMM_READY;
+    assert_int_equal(tdm_kvx_link_poll(dec, 102.0, err, sizeof err), TDM_OK);
+    assert_true(tdm_kvx_link_ready_for(dec, 0xbeef));
+    // An operation pending on a ready communicator is not an init timeout.
+    F.state = TDM_KVX_COMM_PENDING;
+    assert_int_equal(tdm_kvx_link_poll(dec, 500.0, err, sizeof err), TDM_EBUSY);
+    assert_int_equal(tdm_kvx_link_state(dec), TDM_KVX_LINK_READY);
+    assert_int_equal(F.aborts, 0);
+
+    // Freeing a ready link destroys its communicator; one still initialising is aborted.
+    tdm_kvx_link_free(dec);
+    assert_int_equal(F.destroys, 1);
+    tdm_kvx_link_free(pre);
+    assert_int_equal(F.aborts, 1);
+    tdm_kvx_link_free(NULL);
+    assert_int_equal(tdm_kvx_link_new(&dec, &OPS, TDM_KVX_DECODE, 0), TDM_EINVAL);
+}
+
+static void test_link_failures(void **state)
+{
+    (void)state;
+    struct tdm_kvx_link *l;
+    uint8_t id[TDM_KVX_NCCL_ID_BYTES];
+    char err[256];
+    assert_int_equal(tdm_kvx_link_new(&l, &OPS, TDM_KVX_DECODE, 2.0), TDM_OK);
+
+    // Init past its deadline: aborted, idle, ETIMEDOUT.
+    F.state = TDM_KVX_COMM_PENDING;
+    assert_int_equal(tdm_kvx_link_create(l, 1, 10.0, id, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_kvx_link_poll(l, 11.9, err, sizeof err), TDM_EBUSY);
+    assert_int_equal(tdm_kvx_link_poll(l, 12.0, err, sizeof err), TDM_ETIMEDOUT);
+    assert_non_null(strstr(err, "not ready after 2.0 s"));
+    assert_int_equal(tdm_kvx_link_state(l), TDM_KVX_LINK_IDLE);
+    assert_int_equal(F.aborts, 1);
+    assert_int_equal(tdm_kvx_link_aborts(l), 1);
+    assert_int_equal(tdm_kvx_link_poll(l, 13.0, err, sizeof err), TDM_ECLOSED);
+
+    // The next transfer rebuilds: a new id, a new communicator, ready.
+    assert_int_equal(tdm_kvx_link_create(l, 1, 20.0, id, err, sizeof err), TDM_OK);
+    assert_int_equal(F.ids, 2);
+    F.state = TDM_KVX_COMM_READY;
+    assert_int_equal(tdm_kvx_link_poll(l, 20.5, err, sizeof err), TDM_OK);
+
+    // An asynchronous error (the peer died mid-transfer): aborted, ETRANSPORT with NCCL's reason.
+    F.state = TDM_KVX_COMM_ERROR;
+    assert_int_equal(tdm_kvx_link_poll(l, 21.0, err, sizeof err), TDM_ETRANSPORT);
+    assert_non_null(strstr(err, "remote process exited"));
+    assert_int_equal(tdm_kvx_link_state(l), TDM_KVX_LINK_IDLE);
+    assert_int_equal(F.aborts, 2);
+
+    // ncclCommGetAsyncError itself failing counts as an error too.
+    F.state = TDM_KVX_COMM_READY;
+    assert_int_equal(tdm_kvx_link_create(l, 1, 30.0, id, err, sizeof err), TDM_OK);
+    F.state_call_fails = 1;
+    assert_int_equal(tdm_kvx_link_poll(l, 30.1, err, sizeof err), TDM_ETRANSPORT);
+    assert_int_equal(F.aborts, 3);
+    F.state_call_fails = 0;
+
+    // The peer restarted (a new instance id): the communicator is aborted at
+    // once, not used, and the next create builds one for the new instance.
+    assert_int_equal(tdm_kvx_link_create(l, 1, 40.0, id, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_kvx_link_poll(l, 40.1, err, sizeof err), TDM_OK);
+    assert_false(tdm_kvx_link_ready_for(l, 2));
+    assert_int_equal(F.aborts, 4);
+    assert_int_equal(tdm_kvx_link_state(l), TDM_KVX_LINK_IDLE);
+    assert_int_equal(tdm_kvx_link_create(l, 2, 41.0, id, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_kvx_link_poll(l, 41.1, err, sizeof err), TDM_OK);
+    assert_true(tdm_kvx_link_ready_for(l, 2));
+
+    // Creating while a communicator exists aborts the old one first.
+    assert_int_equal(tdm_kvx_link_create(l, 2, 50.0, id, err, sizeof err), TDM_OK);
+    assert_int_equal(F.aborts, 5);
+
+    // An explicit abort (a transfer passed its deadline, or was cancelled).
+    tdm_kvx_link_abort(l);
+    assert_int_equal(F.aborts, 6);
+    tdm_kvx_link_abort(l); // idle: nothing to abort
+    assert_int_equal(F.aborts, 6);
+
+    // Init and id failures: ETRANSPORT, a half-made communicator aborted, idle.
+    F.fail_init = 1;
+    assert_int_equal(tdm_kvx_link_create(l, 3, 60.0, id, err, sizeof err), TDM_ETRANSPORT);
+    assert_non_null(strstr(err, "unhandled system error"));
+    assert_int_equal(F.aborts, 7);
+    assert_int_equal(tdm_kvx_link_state(l), TDM_KVX_LINK_IDLE);
+    F.fail_init = 0;
+    F.fail_id = 1;
+    assert_int_equal(tdm_kvx_link_create(l, 3, 61.0, id, err, sizeof err), TDM_ETRANSPORT);
+    assert_non_null(strstr(err, "ncclGetUniqueId"));
+    F.fail_id = 0;
+    tdm_kvx_link_free(l);
+    assert_int_equal(F.destroys, 0); // never freed while ready in this test
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup(test_mode_names, reset),
+        cmocka_unit_test_setup(test_choose_every_combination, reset),
+        cmocka_unit_test_setup(test_choose_named_cases, reset),
+        cmocka_unit_test_setup(test_ipc_cache, reset),
+        cmocka_unit_test_setup(test_link_handshake, reset),
+        cmocka_unit_test_setup(test_link_failures, reset),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
