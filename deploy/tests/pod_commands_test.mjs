@@ -108,7 +108,7 @@ async function playPod(d, objs, shared) {
         return m ? m[1] + local(ct, m[2]) : local(ct, a);
     };
     const envOf = (ct) => {
-        const env = { PATH: `${path.dirname(bins['tandem-download'])}:/usr/bin:/bin`, HOSTNAME: `${name}-test` };
+        const env = {};
         for (const ef of ct.envFrom || []) Object.assign(env, cms.get(ef.configMapRef.name)?.data || {});
         for (const e of ct.env || []) {
             if (e.value !== undefined) env[e.name] = e.value;
@@ -116,7 +116,13 @@ async function playPod(d, objs, shared) {
             else if (e.valueFrom?.secretKeyRef?.optional) continue; // no Secret here: skipped, as the kubelet does
             else c.fail(`${name} container ${ct.name}`, `env ${e.name} has a source the test cannot play`);
         }
+        // Only the manifest's values are paths inside the pod. The test's own
+        // PATH (the build folder) and the local model folder are paths on this
+        // machine and stay as they are, wherever the checkout lives (a clone
+        // under /tmp used to have its PATH rewritten into the pod's /tmp volume).
         for (const k of Object.keys(env)) env[k] = local(ct, env[k]);
+        env.PATH = `${path.dirname(bins['tandem-download'])}:/usr/bin:/bin`;
+        env.HOSTNAME ??= `${name}-test`;
         env.MODEL_ID = shared.modelSource; // a local folder instead of a Hub id: no network
         return env;
     };
