@@ -345,11 +345,28 @@ static bool loc_is_relative(const struct resp *r)
            !(r->location[0] == '/' && r->location[1] == '/');
 }
 
+// A host that does not resolve or refuses the connection will not do better a
+// second later: no network, a wrong HF_ENDPOINT, a proxy that is not there.
+// Those fail at once with what to do instead; retries are for timeouts, dropped
+// links and 5xx answers.
+static bool unreachable_curl(CURLcode rc)
+{
+    return rc == CURLE_COULDNT_RESOLVE_HOST || rc == CURLE_COULDNT_RESOLVE_PROXY ||
+           rc == CURLE_COULDNT_CONNECT;
+}
+
+static const char *unreachable_hint(CURLcode rc)
+{
+    return unreachable_curl(rc)
+               ? " (the Hub cannot be reached from here: serve a local folder with --model DIR, "
+                 "set HF_HUB_OFFLINE=1 when the model is already in the HF cache, or run "
+                 "tandem-download ORG/NAME where there is network and copy $HF_HOME over)"
+               : "";
+}
+
 static bool retryable_curl(CURLcode rc)
 {
     switch (rc) {
-    case CURLE_COULDNT_RESOLVE_HOST:
-    case CURLE_COULDNT_CONNECT:
     case CURLE_OPERATION_TIMEDOUT:
     case CURLE_PARTIAL_FILE:
     case CURLE_GOT_NOTHING:
@@ -442,8 +459,8 @@ int tdm_hub_http_head(const struct tdm_hub_client *c, const char *url, struct td
                 continue;
             }
             rc = cr != CURLE_OK
-                     ? tdm_seterr(err, errlen, TDM_ETRANSPORT, "HEAD %s: %s (after %d retries)",
-                                  cur, curl_easy_strerror(cr), attempt)
+                     ? tdm_seterr(err, errlen, TDM_ETRANSPORT, "HEAD %s: %s (after %d retries)%s",
+                                  cur, curl_easy_strerror(cr), attempt, unreachable_hint(cr))
                      : status_error(&r, cur, err, errlen);
             goto done;
         }
@@ -608,8 +625,8 @@ int tdm_hub_http_download(const struct tdm_hub_client *c, const char *url, const
         bool retry =
             cr != CURLE_OK ? retryable_curl(cr) : (retryable_status(r.status) || r.status == 416);
         if (!retry) {
-            rc = cr != CURLE_OK ? tdm_seterr(err, errlen, TDM_ETRANSPORT, "GET %s: %s", cur,
-                                             curl_easy_strerror(cr))
+            rc = cr != CURLE_OK ? tdm_seterr(err, errlen, TDM_ETRANSPORT, "GET %s: %s%s", cur,
+                                             curl_easy_strerror(cr), unreachable_hint(cr))
                                 : status_error(&r, cur, err, errlen);
             goto done;
         }

@@ -786,13 +786,19 @@ static void test_retry_5xx_and_give_up(void **state)
     assert_int_equal(resolve(f, REPO, NULL, out, err), TDM_OK);
     assert_int_equal(atomic_load(&f->s->fail_503), 0);
 
-    // A dead endpoint: bounded retries, then a transport error.
+    // A dead endpoint (connection refused): no retry at all, a transport error
+    // at once that says what to do instead (issue 14: no network used to retry
+    // for 26 s). The backoff is raised so that a single retry would show.
     nftw(f->cache, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
     srv_stop(f->s);
+    f->o.retry_base_s = 2.0;
     double t0 = tdm_now();
     assert_int_equal(resolve(f, REPO, NULL, out, err), TDM_ETRANSPORT);
-    assert_true(tdm_now() - t0 < 5.0);
+    assert_true(tdm_now() - t0 < 1.5);
     assert_non_null(strstr(err, "config.json"));
+    assert_non_null(strstr(err, "(after 0 retries)"));
+    assert_non_null(strstr(err, "HF_HUB_OFFLINE=1"));
+    f->o.retry_base_s = 0.01;
 }
 
 // Runs resolve with stderr sent to a file; returns that file's text (caller frees).
