@@ -187,9 +187,16 @@ static int reload(struct tdm_router_config_store *st, bool from_watch, char *err
     struct tdm_router_config *cur = tdm_router_config_store_get(st, NULL);
     struct tdm_router_config *next = NULL;
     if (!rc && cur->text_ && strlen(cur->text_) == len && memcmp(cur->text_, text, len) == 0) {
-        // Same bytes: an editor's touch or one of several events of one update.
+        // Same bytes: an editor's touch or one of several events of one update,
+        // or the active config restored after a rejected edit. The file is what
+        // runs, so no error stands (counters stay: nothing was loaded).
         tdm_router_config_unref(cur);
         free(text);
+        free(st->last_failed_text);
+        st->last_failed_text = NULL;
+        pthread_mutex_lock(&st->mu);
+        st->last_error[0] = '\0';
+        pthread_mutex_unlock(&st->mu);
         pthread_mutex_unlock(&st->reload_mu);
         return TDM_OK;
     }

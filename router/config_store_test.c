@@ -171,6 +171,21 @@ static void test_explicit_reload(void **state)
     cJSON_Delete(o);
     free(json);
 
+    // Restoring the active config's exact bytes after a rejected edit clears
+    // last_error too (issue 14), without counting a reload.
+    write_file(path, "policy: nonsense\n");
+    assert_int_not_equal(tdm_router_config_store_reload(st, NULL, 0), TDM_OK);
+    struct tdm_router_config *act = tdm_router_config_store_get(st, NULL);
+    write_file(path, act->text_);
+    tdm_router_config_unref(act);
+    assert_int_equal(tdm_router_config_store_reload(st, NULL, 0), TDM_OK);
+    json = tdm_router_config_store_json(st);
+    o = cJSON_Parse(json);
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(o, "last_error")));
+    assert_int_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "reloads"), "success")->valueint, 1);
+    cJSON_Delete(o);
+    free(json);
+
     // A good file again clears last_error.
     write_file(path, "policy: random\n");
     assert_int_equal(tdm_router_config_store_reload(st, NULL, 0), TDM_OK);
