@@ -1504,7 +1504,7 @@ cJSON *tdm_router_config_json_object_(const struct tdm_router_config *cfg, doubl
         cJSON_AddStringToObject(o, "loaded_at", ts);
         cJSON_AddNumberToObject(o, "loaded_at_unix", loaded_at);
     }
-    cJSON_AddStringToObject(o, "apiVersion", cfg->api_version ? cfg->api_version : "llm-d.ai/v1");
+    cJSON_AddStringToObject(o, "apiVersion", cfg->api_version ? cfg->api_version : TDM_ROUTER_DEFAULT_API_VERSION);
     cJSON_AddStringToObject(o, "kind", "EndpointPickerConfig");
     if (cfg->short_policy)
         cJSON_AddStringToObject(o, "policy", cfg->short_policy);

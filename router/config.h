@@ -39,6 +39,10 @@ bool tdm_router_role_can_prefill(enum tdm_router_role role);
 
 // Longest endpoint name or host: "host:http_port" with room for an IPv6 literal.
 #define TDM_ROUTER_NAME_MAX 128
+// The apiVersion /v1/router/config shows for a file that names none: the one
+// docs/router-config.md and deploy/config/pd-llm-d.yaml use (llm-d's
+// EndpointPickerConfig); a file's own apiVersion is shown as written.
+#define TDM_ROUTER_DEFAULT_API_VERSION "llm-d.ai/v1alpha1"
 
 // Prefill endpoints the policy ranks for a route (request.prefill_retries < this).
 #define TDM_ROUTER_MAX_PREFILL_CANDIDATES 8

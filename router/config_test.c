@@ -166,6 +166,13 @@ static void test_example_session_affinity(void **state)
 static void test_example_pd_llm_d(void **state)
 {
     (void)state;
+    // A file without apiVersion shows the documented default.
+    struct tdm_router_config *plain = parse_ok("policy: random\n");
+    char *pv = tdm_router_config_to_json(plain, 0);
+    assert_non_null(strstr(pv, "\"llm-d.ai/v1alpha1\""));
+    assert_null(strstr(pv, "\"llm-d.ai/v1\""));
+    free(pv);
+    tdm_router_config_unref(plain);
     struct tdm_router_config *c = load_example("pd-llm-d.yaml");
     assert_null(c->short_policy);
     assert_string_equal(c->api_version, "llm-d.ai/v1alpha1");
