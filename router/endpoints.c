@@ -223,6 +223,9 @@ struct endpoint {
     bool wanted; // scratch for reconciliation
     bool healthy, draining;
     bool fresh;       // added after startup and never checked: its first success suffices
+    double added_at;  // tdm_now() when it was added (startup grace)
+    bool answered;    // an active check succeeded at least once
+    bool grace_noted; // the "not answered within the grace" warning was logged
     int fails, succs; // consecutive failed / successful checks
     uint64_t health_epoch;
     int inflight;
@@ -348,6 +351,7 @@ static struct endpoint *add_endpoint(struct tdm_router_endpoints *reg, const cha
     e->role = role;
     e->healthy = healthy;
     e->fresh = !healthy;
+    e->added_at = tdm_now();
     e->health_epoch = 1;
     e->wanted = true;
     lru_init(&e->lru, (uint32_t)reg->cfg->lru_capacity_per_server);
@@ -648,6 +652,7 @@ static void health_result(struct tdm_router_endpoints *reg, struct endpoint *e, 
         if (!active)
             return; // a passive success does not revive an unhealthy endpoint
         e->succs++;
+        e->answered = true;
         // success_threshold guards the return of a failed endpoint; a new one
         // (a pod that just became ready) joins at its first good check.
         bool fresh = e->fresh;
@@ -667,13 +672,23 @@ static void health_result(struct tdm_router_endpoints *reg, struct endpoint *e, 
         e->fresh = false;
     e->succs = 0;
     e->fails++;
+    bool starting = !e->answered && tdm_now() - e->added_at < TDM_ROUTER_STARTUP_GRACE_S;
     if (e->healthy && e->fails >= h->failure_threshold) {
         e->healthy = false;
-        TDM_LOG_WARN(MOD, "endpoint %s unhealthy after %d failures (last: %s)", e->name, e->fails,
-                     why);
+        if (starting)
+            TDM_LOG_DEBUG(MOD, "endpoint %s not answering yet (starting; last: %s)", e->name, why);
+        else
+            TDM_LOG_WARN(MOD, "endpoint %s unhealthy after %d failures (last: %s)", e->name,
+                         e->fails, why);
         tdm_router_metrics_endpoint_health(reg->metrics, e->name, e->role, false);
         update_ready_gauges(reg);
+    } else if (!e->healthy && !e->answered && !starting && !e->grace_noted) {
+        // It never came up: say so once, when the grace runs out.
+        TDM_LOG_WARN(MOD, "endpoint %s has not answered a health check in %.0f s (last: %s)",
+                     e->name, TDM_ROUTER_STARTUP_GRACE_S, why);
     }
+    if (!e->answered && !starting)
+        e->grace_noted = true;
 }
 
 struct check {
@@ -932,6 +947,7 @@ static void fill_view(const struct tdm_router_endpoints *reg, const struct endpo
     v->nng_port = e->nng_port;
     v->role = e->role;
     v->healthy = e->healthy;
+    v->starting = !e->answered && now - e->added_at < TDM_ROUTER_STARTUP_GRACE_S;
     v->draining = e->draining;
     v->health_epoch = e->health_epoch;
     v->instance = e->instance;

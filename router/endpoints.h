@@ -51,6 +51,12 @@ struct tdm_router_load {
 };
 
 // One endpoint as a policy sees it: a copy, valid as long as the snapshot.
+// Startup grace: a worker that has not answered a health check yet is
+// starting, not failing (the router usually probes before the workers listen).
+// Its failed checks still take it out of routing, but they are logged at debug
+// level; only when it has not answered for this long is that a warning.
+#define TDM_ROUTER_STARTUP_GRACE_S 30.0
+
 struct tdm_router_endpoint_view {
     uint64_t id;                    // unique for the registry's life (never reused)
     char name[TDM_ROUTER_NAME_MAX]; // "host:http_port" ("[v6]:port"); metric label value
@@ -60,6 +66,9 @@ struct tdm_router_endpoint_view {
     enum tdm_router_role role;
     bool healthy;                // passes checks (endpoints present at startup start healthy,
                                  // later ones join at their first good check)
+    bool starting;               // never answered a check yet and added less than
+                                 // TDM_ROUTER_STARTUP_GRACE_S ago: its state is unknown,
+                                 // and failing checks are not logged as a failure
     bool draining;               // removed from config/DNS: takes no new requests
     uint64_t health_epoch;       // increments on every unhealthy -> healthy turn
     uint64_t instance;           // the worker's instance id from its last report (0: none)

@@ -480,6 +480,9 @@ static void test_passive_health(void **state)
     tdm_router_endpoints_report(reg, v.id, TDM_ROUTER_OUTCOME_ERROR);
     assert_true(find(reg, v.name, &v));
     assert_false(v.healthy);
+    // Never answered an active check and just added: starting (its failures
+    // are not logged as one), though it is out of routing all the same.
+    assert_true(v.starting);
     assert_true(tdm_metrics_gauge_value(hg) == 0.0);
     assert_true(tdm_metrics_gauge_value(m.ready_decode) == 0.0);
     // A passive success does not revive it; only an active check (or the test hook) does.
@@ -539,10 +542,12 @@ static void test_active_health_checks(void **state)
     tdm_router_endpoints_check_health(reg);
     assert_true(find(reg, name, &v));
     assert_true(v.healthy);
+    assert_false(v.starting); // answered: its state is known
     assert_true(atomic_load(&health_hits) >= 1);
     tdm_router_endpoints_check_health(reg);
     assert_true(find(reg, "127.0.0.1:1", &dead));
     assert_false(dead.healthy); // two refused connects
+    assert_true(dead.starting); // but never answered yet: starting, not reported as failed
 
     // 503: unhealthy after failure_threshold checks.
     atomic_store(&health_status, 503);
@@ -552,6 +557,7 @@ static void test_active_health_checks(void **state)
     tdm_router_endpoints_check_health(reg);
     assert_true(find(reg, name, &v));
     assert_false(v.healthy);
+    assert_false(v.starting); // it answered before: this is a failure
     uint64_t epoch = v.health_epoch;
     // The prefix index of a worker that went away is cleared when it returns.
     uint64_t hh[2] = {1, 2};
