@@ -64,9 +64,43 @@ static void fill_random(int32_t *ids, size_t n, const int32_t *allowed, size_t n
         ids[i] = allowed[tdm_rng_next(rng) % n_allowed];
 }
 
+// Tokens that are a space and a plain ASCII word (" the", " cat") and encode
+// back to themselves: a run of them is its own pre-token after any prefix that
+// does not end in whitespace, so appending them adds exactly one token each.
+// They close the gap when a random prompt's re-encoding misses its length.
+struct stable_tokens {
+    int32_t *ids;
+    size_t n;
+};
+
+static bool is_stable(const struct tdm_tokenizer *tok, int32_t id)
+{
+    char *t = NULL;
+    size_t len = 0;
+    if (tdm_tok_decode(tok, &id, 1, false, &t, &len) != TDM_OK)
+        return false;
+    bool ok = len >= 3 && t[0] == ' ';
+    for (size_t i = 1; ok && i < len; i++)
+        ok = (t[i] >= 'a' && t[i] <= 'z') || (t[i] >= 'A' && t[i] <= 'Z');
+    if (ok) {
+        int32_t *enc = NULL;
+        size_t m = 0;
+        ok = tdm_tok_encode(tok, t, len, false, &enc, &m) == TDM_OK && m == 1 && enc[0] == id;
+        free(enc);
+    }
+    free(t);
+    return ok;
+}
+
 // One prompt of exactly target tokens (see the file comment); *text is heap.
+// Each round decodes the ids and re-encodes the text; on a miss it keeps what
+// the tokenizer made of it minus the last token (which may have merged across
+// the boundary) and fills the rest with stable tokens, which converges in a
+// round or two. *actual is the length the text really encodes to; only a
+// tokenizer without stable tokens can leave it off target.
 static int random_prompt(const struct tdm_tokenizer *tok, const int32_t *allowed, size_t n_allowed,
-                         int target, struct tdm_rng *rng, char **text, int *actual)
+                         const struct stable_tokens *stable, int target, struct tdm_rng *rng,
+                         char **text, int *actual)
 {
     int32_t *ids = malloc((size_t)target * sizeof(int32_t));
     if (!ids)
@@ -95,11 +129,31 @@ static int random_prompt(const struct tdm_tokenizer *tok, const int32_t *allowed
             free(enc);
             break;
         }
-        // Keep what the tokenizer made of the text: trimmed to target, or
-        // extended with fresh random ids.
         size_t keep = m < (size_t)target ? m : (size_t)target;
-        memcpy(ids, enc, keep * sizeof(int32_t));
-        fill_random(ids + keep, (size_t)target - keep, allowed, n_allowed, rng);
+        if (stable->n) {
+            // The last kept token may have merged across the boundary, and a
+            // prefix ending in whitespace would merge with a stable token's space.
+            if (keep > 0)
+                keep--;
+            while (keep > 0) {
+                char *piece = NULL;
+                size_t pl = 0;
+                bool ws = tdm_tok_decode(tok, &enc[keep - 1], 1, false, &piece, &pl) != TDM_OK ||
+                          pl == 0 || strchr(" \t\r\n", piece[pl - 1]) != NULL;
+                free(piece);
+                if (!ws)
+                    break;
+                keep--;
+            }
+            if (round >= RANDOM_PROMPT_ROUNDS / 2)
+                keep = 0; // a prefix that will not settle: stable tokens only
+            memcpy(ids, enc, keep * sizeof(int32_t));
+            for (size_t k = keep; k < (size_t)target; k++)
+                ids[k] = stable->ids[tdm_rng_next(rng) % stable->n];
+        } else {
+            memcpy(ids, enc, keep * sizeof(int32_t));
+            fill_random(ids + keep, (size_t)target - keep, allowed, n_allowed, rng);
+        }
         free(enc);
     }
     free(ids);
@@ -133,7 +187,15 @@ int tdm_bench_dataset_random(struct tdm_bench_dataset *out, const struct tdm_tok
     for (int32_t id = 0; id < vocab; id++)
         if (tdm_tok_id_to_piece(tok, id) && !tdm_tok_is_special(tok, id) && !decodes_to_nul(tok, id))
             allowed[n_allowed++] = id;
+    struct stable_tokens stable = {malloc((n_allowed ? n_allowed : 1) * sizeof(int32_t)), 0};
     int rc = TDM_OK;
+    if (!stable.ids) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+        goto fail_allowed;
+    }
+    for (size_t i = 0; i < n_allowed; i++)
+        if (is_stable(tok, allowed[i]))
+            stable.ids[stable.n++] = allowed[i];
     if (n_allowed == 0) {
         rc = tdm_seterr(err, errlen, TDM_EINVAL, "the tokenizer has no non-special tokens");
         goto fail_allowed;
@@ -149,18 +211,21 @@ int tdm_bench_dataset_random(struct tdm_bench_dataset *out, const struct tdm_tok
         struct tdm_bench_prompt *p = &out->prompts[i];
         int in_len = sample_len(&rng, input_len, range_ratio);
         p->output_len = sample_len(&rng, output_len, range_ratio);
-        rc = random_prompt(tok, allowed, n_allowed, in_len, &rng, &p->text, &p->input_len);
+        rc = random_prompt(tok, allowed, n_allowed, &stable, in_len, &rng, &p->text,
+                           &p->input_len);
         if (rc) {
             tdm_seterr(err, errlen, rc, "random prompt %d: %s", i, tdm_strerror(rc));
             goto fail_prompts;
         }
         out->n++;
     }
+    free(stable.ids);
     free(allowed);
     return TDM_OK;
 fail_prompts:
     tdm_bench_dataset_fini(out);
 fail_allowed:
+    free(stable.ids);
     free(allowed);
     return rc;
 }

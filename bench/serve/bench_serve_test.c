@@ -19,6 +19,7 @@
 #include "bench_serve.h"
 #include "bench_serve_impl.h"
 #include "core.h"
+#include "mkmodel.h"
 #include "tokenizer.h"
 
 #include <arpa/inet.h>
@@ -648,6 +649,56 @@ static void test_file_dataset(void **state)
     tmp_remove(&t, names, 3);
 }
 
+// Every random prompt re-encodes to exactly its length (issue 14: with the
+// demo model's tokenizer, --input-len 256 over 120 prompts reached the server
+// as 30 799 tokens, not 30 720). Uses tandem-mkmodel's tokenizer, so it never
+// skips, and the real Qwen2.5 one when ../shared is there.
+static void check_exact_lengths(const char *dir, int num, int len)
+{
+    struct tdm_tokenizer *tok = NULL;
+    char err[256];
+    assert_int_equal(tdm_tok_load(&tok, dir, err, sizeof(err)), TDM_OK);
+    struct tdm_bench_dataset ds;
+    assert_int_equal(tdm_bench_dataset_random(&ds, tok, num, len, 4, 0.0, 3, err, sizeof(err)),
+                     TDM_OK);
+    long total = 0;
+    for (size_t i = 0; i < ds.n; i++) {
+        int32_t *ids = NULL;
+        size_t n = 0;
+        assert_int_equal(
+            tdm_tok_encode(tok, ds.prompts[i].text, strlen(ds.prompts[i].text), false, &ids, &n),
+            TDM_OK);
+        free(ids);
+        if ((int)n != len || ds.prompts[i].input_len != len)
+            fail_msg("%s: prompt %zu encodes to %zu tokens (reported %d), wanted %d", dir, i, n,
+                     ds.prompts[i].input_len, len);
+        total += (long)n;
+    }
+    assert_int_equal(total, (long)num * len);
+    tdm_bench_dataset_fini(&ds);
+    tdm_tok_free(tok);
+}
+
+static void test_random_dataset_exact_lengths(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/tandem-bench-tok-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char err[256];
+    assert_int_equal(tdm_mkmodel_write_tokenizer(2048, dir, err, sizeof(err)), TDM_OK);
+    check_exact_lengths(dir, 120, 256);
+    check_exact_lengths(dir, 20, 7);
+    char path[512];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    unlink(path);
+    rmdir(dir);
+    struct stat st;
+    if (stat(QWEN_DIR "/tokenizer.json", &st) == 0)
+        check_exact_lengths(QWEN_DIR, 40, 256);
+}
+
 static void test_random_dataset(void **state)
 {
     (void)state;
@@ -995,6 +1046,7 @@ int main(void)
         cmocka_unit_test(test_percentiles),        cmocka_unit_test(test_sse_parser),
         cmocka_unit_test(test_arrivals),           cmocka_unit_test(test_args),
         cmocka_unit_test(test_file_dataset),       cmocka_unit_test(test_random_dataset),
+        cmocka_unit_test(test_random_dataset_exact_lengths),
         cmocka_unit_test(test_stream_completions), cmocka_unit_test(test_stream_chat),
         cmocka_unit_test(test_failures),           cmocka_unit_test(test_max_concurrency),
         cmocka_unit_test(test_all_fail),           cmocka_unit_test(test_count_with_tokenizer),
