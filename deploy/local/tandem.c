@@ -879,23 +879,10 @@ static int mkdir_p(const char *path)
     return mkdir(tmp, 0755) != 0 && errno != EEXIST ? -1 : 0;
 }
 
-// The demo shapes: a Qwen2 model small enough to load in well under a second
-// and to stream tokens quickly on two cores, big enough (4 layers, a 4096-token
-// vocabulary, 4k context) to exercise every part of the stack.
+// The demo shapes are tandem-mkmodel's "demo" preset (one definition).
 static int demo_spec(struct tdm_mkmodel_spec *s, const char *preset)
 {
-    if (strcmp(preset, "demo"))
-        return tdm_mkmodel_preset(s, preset);
-    tdm_mkmodel_preset(s, "tiny");
-    s->hidden_size = 256;
-    s->intermediate_size = 768;
-    s->num_layers = 4;
-    s->num_heads = 4;
-    s->num_kv_heads = 2;
-    s->vocab_size = 4096;
-    s->max_position_embeddings = 4096;
-    s->seed = 20261202;
-    return TDM_OK;
+    return tdm_mkmodel_preset(s, preset);
 }
 
 static bool model_complete(const char *dir)

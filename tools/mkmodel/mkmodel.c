@@ -50,6 +50,20 @@ int tdm_mkmodel_preset(struct tdm_mkmodel_spec *s, const char *name)
         s->max_position_embeddings = 4096;
         return TDM_OK;
     }
+    if (strcmp(name, "demo") == 0) {
+        // `tandem up`'s demo model: small enough to load in well under a second
+        // and stream quickly on two cores, big enough (4 layers, a 4096-token
+        // vocabulary, 4k context) to exercise every part of the stack.
+        s->hidden_size = 256;
+        s->intermediate_size = 768;
+        s->num_layers = 4;
+        s->num_heads = 4;
+        s->num_kv_heads = 2;
+        s->vocab_size = 4096;
+        s->max_position_embeddings = 4096;
+        s->seed = 20261202;
+        return TDM_OK;
+    }
     if (strcmp(name, "qwen2.5-0.5b") == 0) {
         s->hidden_size = 896;
         s->intermediate_size = 4864;

@@ -50,7 +50,8 @@ struct tdm_mkmodel_spec {
         *tokenizer_from; // folder with tokenizer.json (+ tokenizer_config.json) to copy, or NULL
 };
 
-// Fills s with a preset: "tiny" or "qwen2.5-0.5b". TDM_EINVAL for an unknown name.
+// Fills s with a preset: "tiny", "demo" (tandem up's demo model) or "qwen2.5-0.5b".
+// TDM_EINVAL for an unknown name.
 int tdm_mkmodel_preset(struct tdm_mkmodel_spec *s, const char *name);
 
 // Checks the shape fields (positive, heads divisible, vocab room for the tokenizer).

@@ -185,6 +185,14 @@ static void test_validation(void **state)
     assert_int_equal(tdm_mkmodel_preset(&s, "qwen2.5-0.5b"), TDM_OK);
     assert_int_equal(s.vocab_size, 151936);
     assert_int_equal(tdm_mkmodel_validate(&s, err, sizeof err), TDM_OK);
+    // "demo" is tandem up's default model (its shapes and seed define the
+    // cached demo folder: changing them changes every demo's weights).
+    assert_int_equal(tdm_mkmodel_preset(&s, "demo"), TDM_OK);
+    assert_int_equal(s.hidden_size, 256);
+    assert_int_equal(s.num_layers, 4);
+    assert_int_equal(s.vocab_size, 4096);
+    assert_true(s.seed == 20261202);
+    assert_int_equal(tdm_mkmodel_validate(&s, err, sizeof err), TDM_OK);
 }
 
 int main(void)
