@@ -111,4 +111,8 @@ char *tdm_path_join(const char *dir, const char *name);
 // cJSON_Parse* on any text that came from outside the process.
 int tdm_json_check_depth(const char *text, size_t len, int max_depth, char *err, size_t errlen);
 
+// True when a string in the JSON text holds a \u0000 escape (or a raw NUL):
+// cJSON's strings end there, so the rest would be silently dropped.
+bool tdm_json_has_nul_escape(const char *text, size_t len);
+
 #endif

@@ -118,6 +118,11 @@ static void test_json_depth(void **state)
     assert_int_equal(tdm_json_check_depth(deep, 2000, TDM_JSON_MAX_DEPTH, err, sizeof err),
                      TDM_EINVAL);
     assert_string_equal(err, "JSON nests deeper than 128 levels (at byte 128)");
+    // \u0000 inside a string, not an escaped backslash followed by "u0000".
+    assert_true(tdm_json_has_nul_escape("{\"p\":\"a\\u0000b\"}", 15));
+    assert_false(tdm_json_has_nul_escape("{\"p\":\"a\\\\u0000b\"}", 16));
+    assert_false(tdm_json_has_nul_escape("{\"p\":\"a\\u0001b\"}", 15));
+    assert_false(tdm_json_has_nul_escape("{\"p\":1} \\u0000", 14));
     // Only len bytes are read: a deep tail past len is not seen.
     assert_int_equal(tdm_json_check_depth(deep, 128, TDM_JSON_MAX_DEPTH, NULL, 0), TDM_OK);
 }

@@ -51,3 +51,26 @@ int tdm_json_check_depth(const char *text, size_t len, int max_depth, char *err,
     }
     return TDM_OK;
 }
+
+bool tdm_json_has_nul_escape(const char *text, size_t len)
+{
+    bool in_string = false;
+    for (size_t i = 0; i < len; i++) {
+        char c = text[i];
+        if (!in_string) {
+            in_string = c == '"';
+            continue;
+        }
+        if (c == '"') {
+            in_string = false;
+        } else if (c == '\\' && i + 1 < len) {
+            if (text[i + 1] == 'u' && i + 5 < len && text[i + 2] == '0' && text[i + 3] == '0' &&
+                text[i + 4] == '0' && text[i + 5] == '0')
+                return true;
+            i++; // the escaped byte (a backslash, a quote, 'u' of another code point)
+        } else if (c == '\0') {
+            return true; // a raw NUL inside a string: invalid JSON, refused all the same
+        }
+    }
+    return false;
+}

@@ -58,9 +58,16 @@ static int get_int(const cJSON *obj, const char *name, int *out, struct tdm_oai_
         tdm_oai_seterr(e, 400, name, "%s: Input should be a valid integer", name);
         return -1;
     }
-    // Out-of-int range values are clamped so range checks report them plainly.
+    // Every integer field is a count, an id, a size or a priority: none means
+    // anything outside 32 bits (top_k or priority of 1e30 used to be clamped
+    // and accepted).
     double v = it->valuedouble;
-    *out = v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int)v;
+    if (v > INT32_MAX || v < INT32_MIN) {
+        tdm_oai_seterr(e, 400, name, "%s must be between %d and %d, got %.17g.", name, INT32_MIN,
+                       INT32_MAX, v);
+        return -1;
+    }
+    *out = (int)v;
     return 1;
 }
 
@@ -562,6 +569,12 @@ static int parse_root(cJSON **root, const char *json, size_t len, struct tdm_oai
     *root = NULL;
     if (json && tdm_json_check_depth(json, len, TDM_JSON_MAX_DEPTH, depth_err, sizeof depth_err))
         return tdm_oai_seterr(e, 400, NULL, "The request body is not accepted: %s", depth_err);
+    // cJSON ends its strings at a decoded \u0000, which would silently cut a
+    // prompt ("a\u0000bbbb" became 1 token): refuse it instead.
+    if (json && tdm_json_has_nul_escape(json, len))
+        return tdm_oai_seterr(e, 400, NULL,
+                              "The request body is not accepted: strings must not contain "
+                              "NUL characters (\\u0000)");
     *root = json ? cJSON_ParseWithLength(json, len) : NULL;
     if (!*root)
         return tdm_oai_seterr(e, 400, NULL, "The request body is not valid JSON");
@@ -689,6 +702,18 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
     if (get_string(root, "user", &r->user, e) < 0 ||
         get_string(root, "request_id", &r->request_id, e) < 0)
         return fail_code(e);
+    // The request id goes into every log line and response id: no control
+    // characters (a newline would forge log lines), at most 256 bytes.
+    if (r->request_id) {
+        size_t n = strlen(r->request_id);
+        if (n > 256)
+            return tdm_oai_seterr(e, 400, "request_id",
+                                  "request_id must be at most 256 bytes, got %zu.", n);
+        for (size_t i = 0; i < n; i++)
+            if ((unsigned char)r->request_id[i] < 0x20 || r->request_id[i] == 0x7f)
+                return tdm_oai_seterr(e, 400, "request_id",
+                                      "request_id must not contain control characters.");
+    }
     if (get_int(root, "priority", &r->priority, e) < 0)
         return TDM_EINVAL;
 

@@ -245,6 +245,19 @@ static void test_validation_errors(void **state)
                  "min_tokens must be greater than or equal to 0, got -1.");
     expect_error(C, "{\"prompt\":\"x\",\"min_tokens\":20,\"max_tokens\":10}", 400, "min_tokens",
                  "min_tokens must be less than or equal to max_tokens=10, got 20.");
+    // Integers beyond 32 bits mean nothing for any field (issue 11: top_k and
+    // priority of 1e30 used to be clamped and accepted).
+    expect_error(C, "{\"prompt\":\"x\",\"top_k\":1e30}", 400, "top_k",
+                 "top_k must be between -2147483648 and 2147483647, got 1e+30.");
+    expect_error(C, "{\"prompt\":\"x\",\"priority\":-1e30}", 400, "priority",
+                 "priority must be between");
+    expect_error(C, "{\"prompt\":\"x\",\"max_tokens\":4294967296}", 400, "max_tokens",
+                 "max_tokens must be between");
+    // A NUL would cut the prompt short; a control character in request_id
+    // would forge log lines.
+    expect_error(C, "{\"prompt\":\"a\\u0000bbbb\"}", 400, "", "NUL characters");
+    expect_error(C, "{\"prompt\":\"x\",\"request_id\":\"a\\nlevel=ERR\"}", 400, "request_id",
+                 "request_id must not contain control characters.");
     expect_error(C, "{\"prompt\":\"x\",\"seed\":1.5}", 400, "seed",
                  "seed: Input should be a valid integer");
     expect_error(C, "{\"prompt\":\"x\",\"seed\":1e20}", 400, "seed",
