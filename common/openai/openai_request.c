@@ -575,9 +575,21 @@ static int parse_root(cJSON **root, const char *json, size_t len, struct tdm_oai
         return tdm_oai_seterr(e, 400, NULL,
                               "The request body is not accepted: strings must not contain "
                               "NUL characters (\\u0000)");
-    *root = json ? cJSON_ParseWithLength(json, len) : NULL;
+    const char *end = NULL;
+    *root = json ? cJSON_ParseWithLengthOpts(json, len, &end, false) : NULL;
     if (!*root)
         return tdm_oai_seterr(e, 400, NULL, "The request body is not valid JSON");
+    // cJSON stops after the first value: anything but whitespace after it
+    // (a second object, smuggled bytes) makes the body invalid.
+    while (end && end < json + len && (*end == ' ' || *end == '\t' || *end == '\r' || *end == '\n'))
+        end++;
+    if (end && end < json + len) {
+        cJSON_Delete(*root);
+        *root = NULL;
+        return tdm_oai_seterr(e, 400, NULL,
+                              "The request body is not valid JSON: trailing data at byte %zu",
+                              (size_t)(end - json));
+    }
     if (!cJSON_IsObject(*root)) {
         cJSON_Delete(*root);
         *root = NULL;

@@ -201,6 +201,9 @@ static void test_validation_errors(void **state)
     const enum tdm_oai_kind C = TDM_OAI_COMPLETION;
     expect_error(C, "not json", 400, "", "not valid JSON");
     expect_error(C, "[1,2]", 400, "", "must be a JSON object");
+    expect_error(C, "{\"prompt\":\"x\"} {\"prompt\":\"y\"}", 400, "",
+                 "not valid JSON: trailing data at byte 15");
+    expect_error(C, "{\"prompt\":\"x\"}GET / HTTP/1.1", 400, "", "trailing data");
     expect_error(C, "{\"model\":\"foo\",\"prompt\":\"x\"}", 404, "model",
                  "The model `foo` does not exist.");
     expect_error(C, "{\"model\":7,\"prompt\":\"x\"}", 400, "model",
