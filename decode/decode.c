@@ -5,8 +5,8 @@
 //   - the generation path: parse, chat template, tokenize and context checks
 //     (common/openai's tdm_oai_call) -> one engine request per choice -> read
 //     the engine's output streams into the choices' assemblers (incremental
-//     detokenizer, stop-string matcher) -> SSE chunks (common/http's
-//     tdm_http_oai_stream, with this file's engine pump) or one body.
+//     detokenizer, stop-string matcher) -> SSE chunks (common/openai's
+//     tdm_oai_http_stream, with this file's engine pump) or one body.
 // Invariants: an HTTP thread never touches the model or the KV cache, only the
 // engine's queues; every engine request a handler submitted is aborted (if
 // still running) and released before the handler returns, so a client that
@@ -33,6 +33,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "openai.h"
+#include "openai_http.h"
 #include "tokenizer.h"
 
 #ifndef TANDEM_VERSION
@@ -74,9 +75,9 @@ struct tdm_decode_server {
 // ---- generation -------------------------------------------------------------------------
 // One call = the request's choices (common/openai: tokens -> text, stop
 // strings, logprobs, finish) and one engine request per choice behind them;
-// common/http writes the stream. Error -> status goes through
-// tdm_http_status_for_err (common/http), except that a full waiting queue and a
-// draining server are 503 (common/http adds Retry-After to every 503 error).
+// common/openai's openai_http writes the stream. Error -> status goes through
+// tdm_oai_status_for_err, except that a full waiting queue and a draining
+// server are 503 (tdm_oai_http_error adds Retry-After to every 503 error).
 struct call {
     struct tdm_decode_server *s;
     struct tdm_http_conn *conn;
@@ -191,7 +192,7 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
                                       s->cfg.max_waiting);
             if (rc == TDM_ECLOSED)
                 return tdm_oai_seterr(e, 503, NULL, "The server is shutting down.");
-            return tdm_oai_seterr(e, tdm_http_status_for_err(rc), NULL, "%s", err);
+            return tdm_oai_seterr(e, tdm_oai_status_for_err(rc), NULL, "%s", err);
         }
     }
     return TDM_OK;
@@ -199,7 +200,7 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
 
 // Reads engine output for every unfinished choice; blocks briefly when none
 // had anything. Returns the number of choices that progressed, -2 on ENOMEM.
-// (The call's token source for tdm_http_oai_stream.)
+// (The call's token source for tdm_oai_http_stream.)
 static int pump(void *arg)
 {
     struct call *k = arg;
@@ -237,13 +238,13 @@ static void run_collect(struct call *k)
 {
     while (!tdm_oai_call_done(&k->oai)) {
         if (pump(k) < 0) {
-            tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
+            tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
             return;
         }
     }
     const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
     if (bad) {
-        tdm_http_respond_errorf(k->conn, 500, NULL, "%s", bad->message);
+        tdm_oai_http_errorf(k->conn, 500, NULL, "%s", bad->message);
         return;
     }
     tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));
@@ -258,16 +259,16 @@ static void handle_generate(struct tdm_decode_server *s, struct tdm_http_conn *c
     memset(&k, 0, sizeof k);
     k.s = s;
     k.conn = c;
-    if (!tdm_http_oai_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
+    if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
         goto out; // answered: an error, or echo only
     struct tdm_oai_error e;
     if (submit_all(&k, arrival, &e) != TDM_OK) {
-        tdm_http_respond_oai_error(c, &e);
+        tdm_oai_http_error(c, &e);
         goto out;
     }
     // Streams probe the client after a second without tokens (queued, long prefill).
     if (k.oai.req.stream)
-        k.client_gone = tdm_http_oai_stream(c, &k.oai, pump, &k, 1.0) == TDM_ECLOSED;
+        k.client_gone = tdm_oai_http_stream(c, &k.oai, pump, &k, 1.0) == TDM_ECLOSED;
     else
         run_collect(&k);
     // One line per request; finish=abort when the client went away.
@@ -306,7 +307,7 @@ static void on_health(struct tdm_http_conn *c, void *arg)
     if (state == STATE_READY)
         tdm_http_respond(c, 200, "application/json", "", 0);
     else
-        tdm_http_respond_errorf(c, 503, NULL, "%s",
+        tdm_oai_http_errorf(c, 503, NULL, "%s",
                       state == STATE_LOADING ? "The model is loading." : "The server is draining.");
 }
 
@@ -320,7 +321,7 @@ static void on_metrics(struct tdm_http_conn *c, void *arg)
     char *text = NULL;
     size_t len = 0;
     if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
-        tdm_http_respond_errorf(c, 500, NULL, "metrics rendering failed");
+        tdm_oai_http_errorf(c, 500, NULL, "metrics rendering failed");
         return;
     }
     tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
@@ -342,7 +343,7 @@ static void on_api(struct tdm_decode_server *s, struct tdm_http_conn *c, enum ap
     atomic_fetch_add(&s->inflight, 1);
     int state = atomic_load(&s->state);
     if (state != STATE_READY)
-        tdm_http_respond_errorf(c, 503, NULL, "%s",
+        tdm_oai_http_errorf(c, 503, NULL, "%s",
                       state == STATE_LOADING ? "The model is loading."
                                              : "The server is shutting down.");
     else if (r == ROUTE_MODELS)
@@ -352,9 +353,9 @@ static void on_api(struct tdm_decode_server *s, struct tdm_http_conn *c, enum ap
     else if (r == ROUTE_CHAT)
         handle_generate(s, c, TDM_OAI_CHAT);
     else if (r == ROUTE_TOKENIZE)
-        tdm_http_oai_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
+        tdm_oai_http_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
     else
-        tdm_http_oai_detokenize(c, &s->info, s->tok);
+        tdm_oai_http_detokenize(c, &s->info, s->tok);
     if (atomic_fetch_sub(&s->inflight, 1) == 1) {
         pthread_mutex_lock(&s->mu);
         pthread_cond_broadcast(&s->idle_cv);
@@ -412,6 +413,7 @@ int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decod
     hc.num_threads = threads;
     hc.max_body_bytes = cfg->max_body_bytes;
     hc.api_key = cfg->api_key[0] ? cfg->api_key : NULL;
+    hc.error_body = tdm_oai_http_error_body;
     static const struct {
         const char *method, *path;
         tdm_http_handler_fn fn;

@@ -11,7 +11,7 @@
 //
 // The OpenAI response shaping (detokenization, stop strings, logprobs, echo,
 // usage, SSE) is the decode worker's own (common/openai's tdm_oai_call,
-// common/http's tdm_http_oai_stream) so that text through the router equals
+// common/openai's tdm_oai_http_stream) so that text through the router equals
 // text from the decode worker alone; this file feeds it TokenChunks.
 #include "router.h"
 
@@ -31,6 +31,7 @@
 #include "http.h"
 #include "metrics.h"
 #include "openai.h"
+#include "openai_http.h"
 #include "pd_codec.h"
 #include "retry.h"
 #include "tokenizer.h"
@@ -779,7 +780,7 @@ static void add_phase_header(struct call *k)
         tdm_http_add_header(k->conn, sh, token);
 }
 
-// The call's token source for tdm_http_oai_stream.
+// The call's token source for tdm_oai_http_stream.
 static int stream_pump(void *arg)
 {
     return pump(arg, 0.1);
@@ -792,7 +793,7 @@ static void run_stream(struct call *k)
     // times make it into the response header.
     while (!k->choices[0].got_chunk && !k->choices[0].a->done) {
         if (pump(k, 0.1) < 0) {
-            tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
+            tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
             return;
         }
         if (tdm_http_client_gone(k->conn)) {
@@ -802,13 +803,13 @@ static void run_stream(struct call *k)
     }
     const struct tdm_oai_asm *bad0 = tdm_oai_call_failed(&k->oai);
     if (bad0 && bad0->completion_tokens == 0 && tdm_oai_call_done(&k->oai)) {
-        int status = bad0->error == TDM_ETIMEDOUT ? 504 : tdm_http_status_for_err(bad0->error);
-        tdm_http_respond_errorf(k->conn, status >= 500 || status == 429 ? status : 502, NULL, "%s",
+        int status = bad0->error == TDM_ETIMEDOUT ? 504 : tdm_oai_status_for_err(bad0->error);
+        tdm_oai_http_errorf(k->conn, status >= 500 || status == 429 ? status : 502, NULL, "%s",
                                 bad0->message);
         return;
     }
     add_phase_header(k);
-    k->client_gone = tdm_http_oai_stream(k->conn, &k->oai, stream_pump, k, 0) == TDM_ECLOSED;
+    k->client_gone = tdm_oai_http_stream(k->conn, &k->oai, stream_pump, k, 0) == TDM_ECLOSED;
 }
 
 static void run_collect(struct call *k)
@@ -816,7 +817,7 @@ static void run_collect(struct call *k)
     while (!tdm_oai_call_done(&k->oai)) {
         int n = pump(k, 0.1);
         if (n < 0) {
-            tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
+            tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
             return;
         }
         if (n == 0 && tdm_http_client_gone(k->conn)) {
@@ -828,7 +829,7 @@ static void run_collect(struct call *k)
     const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
     if (bad) {
         int status = bad->error == TDM_ETIMEDOUT ? 504 : 502;
-        tdm_http_respond_errorf(k->conn, status, NULL, "%s", bad->message);
+        tdm_oai_http_errorf(k->conn, status, NULL, "%s", bad->message);
         return;
     }
     tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));
@@ -903,7 +904,7 @@ static bool start_with_retries(struct call *k)
         enum tdm_router_attempt_end end = start_attempt(k, &budget, session, err, sizeof err);
         if (end == TDM_ROUTER_ATTEMPT_OK) {
             if (await_first_chunk(k) < 0) {
-                tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
+                tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
                 return false;
             }
             if (k->client_gone)
@@ -925,7 +926,7 @@ static bool start_with_retries(struct call *k)
         if (!again) {
             struct tdm_oai_error e;
             tdm_oai_seterr(&e, 503, NULL, "%s", err);
-            tdm_http_respond_oai_error(k->conn, &e);
+            tdm_oai_http_error(k->conn, &e);
             return false;
         }
     }
@@ -940,11 +941,11 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     k.conn = c;
     k.arrival = tdm_now();
     pthread_cond_init(&k.cv, NULL);
-    if (!tdm_http_oai_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
+    if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
         goto out; // answered: an error, or echo only
     k.choices = calloc(k.oai.n_choices, sizeof *k.choices);
     if (k.choices == NULL) {
-        tdm_http_respond_errorf(c, 500, NULL, "out of memory");
+        tdm_oai_http_errorf(c, 500, NULL, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < k.oai.n_choices; i++) {
@@ -993,7 +994,7 @@ static void on_health(struct tdm_http_conn *c, void *arg)
     if (healthy > 0 && !atomic_load(&s->stopping))
         tdm_http_respond(c, 200, "application/json", "", 0);
     else
-        tdm_http_respond_errorf(c, 503, NULL, "no healthy decode worker (%zu configured)", total);
+        tdm_oai_http_errorf(c, 503, NULL, "no healthy decode worker (%zu configured)", total);
 }
 
 static void on_metrics(struct tdm_http_conn *c, void *arg)
@@ -1002,7 +1003,7 @@ static void on_metrics(struct tdm_http_conn *c, void *arg)
     char *text = NULL;
     size_t len = 0;
     if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
-        tdm_http_respond_errorf(c, 500, NULL, "metrics rendering failed");
+        tdm_oai_http_errorf(c, 500, NULL, "metrics rendering failed");
         return;
     }
     tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
@@ -1048,13 +1049,13 @@ static void on_chat(struct tdm_http_conn *c, void *arg)
 static void on_tokenize(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_router_server *s = arg;
-    tdm_http_oai_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
+    tdm_oai_http_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
 }
 
 static void on_detokenize(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_router_server *s = arg;
-    tdm_http_oai_detokenize(c, &s->info, s->tok);
+    tdm_oai_http_detokenize(c, &s->info, s->tok);
 }
 
 // ---- lifecycle ---------------------------------------------------------------------------------
@@ -1194,6 +1195,7 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     hc.num_threads = o->http_threads;
     hc.max_body_bytes = o->max_body_bytes;
     hc.api_key = o->api_key[0] ? o->api_key : NULL;
+    hc.error_body = tdm_oai_http_error_body;
     static const struct {
         const char *method, *path;
         tdm_http_handler_fn fn;

@@ -47,6 +47,10 @@ int tdm_oai_seterr(struct tdm_oai_error *e, int status, const char *param, const
 // 501 NotImplementedError, 503 ServiceUnavailableError, 504 TimeoutError, other
 // 4xx BadRequestError, other 5xx InternalServerError. Static string.
 const char *tdm_oai_error_type(int status);
+// The HTTP status for an enum tdm_err (the one mapping every server uses): OK 200,
+// EINVAL 400, ENOTFOUND 404, EBUSY 429, ECAPACITY/ECLOSED 503, ETIMEDOUT 504,
+// EPROTO/ETRANSPORT 502, ENOMEM/EBACKEND/EIO and anything else 500.
+int tdm_oai_status_for_err(int err);
 // vLLM's nested error body {"error":{"message","type","param","code"}}, code =
 // status as an integer, param null when empty. Heap string (caller frees); NULL
 // on ENOMEM.
@@ -446,7 +450,7 @@ bool tdm_oai_is_stop_id(const struct tdm_sampling_params *sp, int32_t tok_eos,
 // ids and one assembler per choice. Where tokens come from stays with the
 // server: it feeds choices[i] (tdm_oai_asm_token, _finish, _fail) and stops its
 // generator when they report a stop string. The streaming loop over HTTP is
-// tdm_http_oai_stream (common/http).
+// tdm_oai_http_stream (openai_http.h).
 struct tdm_oai_call {
     struct tdm_oai_request req;
     struct tdm_oai_response resp;

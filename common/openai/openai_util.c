@@ -47,6 +47,30 @@ const char *tdm_oai_error_type(int status)
     }
 }
 
+int tdm_oai_status_for_err(int err)
+{
+    switch (err) {
+    case TDM_OK:
+        return 200;
+    case TDM_EINVAL:
+        return 400;
+    case TDM_ENOTFOUND:
+        return 404;
+    case TDM_EBUSY:
+        return 429;
+    case TDM_ECAPACITY:
+    case TDM_ECLOSED:
+        return 503;
+    case TDM_ETIMEDOUT:
+        return 504;
+    case TDM_EPROTO:
+    case TDM_ETRANSPORT:
+        return 502;
+    default:
+        return 500;
+    }
+}
+
 int tdm_oai_seterr(struct tdm_oai_error *e, int status, const char *param, const char *fmt, ...)
 {
     int code = status >= 400 && status < 500 ? TDM_EINVAL : TDM_EPROTO;
