@@ -75,9 +75,9 @@ struct tdm_decode_server {
 // ---- generation -------------------------------------------------------------------------
 // One call = the request's choices (common/openai: tokens -> text, stop
 // strings, logprobs, finish) and one engine request per choice behind them;
-// common/openai's openai_http writes the stream. Error -> status goes through
-// tdm_oai_status_for_err, except that a full waiting queue and a draining
-// server are 503 (tdm_oai_http_error adds Retry-After to every 503 error).
+// common/openai's openai_http writes the stream. A failure is answered by
+// tdm_oai_error_from_err / tdm_oai_http_fail, as the router answers it (a full
+// waiting queue and a draining server are 503 with Retry-After).
 struct call {
     struct tdm_decode_server *s;
     struct tdm_http_conn *conn;
@@ -185,14 +185,10 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
         if (rc != TDM_OK) {
             k->reqs[i] = NULL;
             release_all(k, TDM_ENGINE_FINISH_ABORT);
-            if (rc == TDM_EBUSY)
-                return tdm_oai_seterr(e, 503, NULL,
-                                      "The server is overloaded: the waiting queue is full "
-                                      "(--max-waiting %d). Retry later.",
-                                      s->cfg.max_waiting);
-            if (rc == TDM_ECLOSED)
-                return tdm_oai_seterr(e, 503, NULL, "The server is shutting down.");
-            return tdm_oai_seterr(e, tdm_oai_status_for_err(rc), NULL, "%s", err);
+            // The engine's message for a full queue names --max-waiting; the
+            // router answers the same failure with the same body.
+            return tdm_oai_error_from_err(
+                e, rc, rc == TDM_ECLOSED ? "The server is shutting down." : err);
         }
     }
     return TDM_OK;
@@ -244,7 +240,7 @@ static void run_collect(struct call *k)
     }
     const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
     if (bad) {
-        tdm_oai_http_errorf(k->conn, 500, NULL, "%s", bad->message);
+        tdm_oai_http_fail(k->conn, bad->error, bad->message);
         return;
     }
     tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));

@@ -803,9 +803,7 @@ static void run_stream(struct call *k)
     }
     const struct tdm_oai_asm *bad0 = tdm_oai_call_failed(&k->oai);
     if (bad0 && bad0->completion_tokens == 0 && tdm_oai_call_done(&k->oai)) {
-        int status = bad0->error == TDM_ETIMEDOUT ? 504 : tdm_oai_status_for_err(bad0->error);
-        tdm_oai_http_errorf(k->conn, status >= 500 || status == 429 ? status : 502, NULL, "%s",
-                                bad0->message);
+        tdm_oai_http_fail(k->conn, bad0->error, bad0->message);
         return;
     }
     add_phase_header(k);
@@ -828,8 +826,7 @@ static void run_collect(struct call *k)
     add_phase_header(k);
     const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
     if (bad) {
-        int status = bad->error == TDM_ETIMEDOUT ? 504 : 502;
-        tdm_oai_http_errorf(k->conn, status, NULL, "%s", bad->message);
+        tdm_oai_http_fail(k->conn, bad->error, bad->message);
         return;
     }
     tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));

@@ -1345,7 +1345,7 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     }
     if (e->num_queued >= e->cfg.max_waiting) {
         pthread_mutex_unlock(&e->mu);
-        rc = tdm_seterr(err, errlen, TDM_EBUSY, "engine: waiting queue full (%d requests)",
+        rc = tdm_seterr(err, errlen, TDM_EBUSY, "the waiting queue is full (--max-waiting %d)",
                         e->cfg.max_waiting);
         goto fail_cv;
     }

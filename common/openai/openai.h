@@ -47,10 +47,18 @@ int tdm_oai_seterr(struct tdm_oai_error *e, int status, const char *param, const
 // 501 NotImplementedError, 503 ServiceUnavailableError, 504 TimeoutError, other
 // 4xx BadRequestError, other 5xx InternalServerError. Static string.
 const char *tdm_oai_error_type(int status);
-// The HTTP status for an enum tdm_err (the one mapping every server uses): OK 200,
-// EINVAL 400, ENOTFOUND 404, EBUSY 429, ECAPACITY/ECLOSED 503, ETIMEDOUT 504,
-// EPROTO/ETRANSPORT 502, ENOMEM/EBACKEND/EIO and anything else 500.
+// The HTTP status for an enum tdm_err, the one mapping every server uses (the
+// table in docs/api.md): OK 200, EINVAL 400, ENOTFOUND 404, EBUSY (a full
+// waiting queue: 503 as vLLM answers it, not 429), ECAPACITY and ECLOSED 503,
+// ETIMEDOUT 504, EPROTO and ETRANSPORT 502, ENOMEM, EBACKEND, EIO and anything
+// else 500.
 int tdm_oai_status_for_err(int err);
+// One failure as every server answers it, direct or routed, streamed or not:
+// e gets tdm_oai_status_for_err(err), the type for that status, param none, and
+// the message: for EBUSY "The server is overloaded: <detail>. Retry later.",
+// otherwise detail (NULL = tdm_strerror(err)); err TDM_OK (a failure that
+// carries no code) is 500. Returns as tdm_oai_seterr.
+int tdm_oai_error_from_err(struct tdm_oai_error *e, int err, const char *detail);
 // vLLM's nested error body {"error":{"message","type","param","code"}}, code =
 // status as an integer, param null when empty. Heap string (caller frees); NULL
 // on ENOMEM.

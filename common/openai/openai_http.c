@@ -38,6 +38,13 @@ int tdm_oai_http_error(struct tdm_http_conn *c, const struct tdm_oai_error *e)
     return rc;
 }
 
+int tdm_oai_http_fail(struct tdm_http_conn *c, int err, const char *detail)
+{
+    struct tdm_oai_error e;
+    tdm_oai_error_from_err(&e, err, detail);
+    return tdm_oai_http_error(c, &e);
+}
+
 int tdm_oai_http_errorf(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
                         ...)
 {
@@ -131,17 +138,20 @@ int tdm_oai_http_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai
     const struct tdm_oai_asm *bad = tdm_oai_call_failed(k);
     struct tdm_oai_usage u;
     tdm_oai_call_usage(k, &u);
-    const char *failed = bad ? bad->message : rc == TDM_ENOMEM ? "out of memory" : NULL;
-    return tdm_oai_http_sse_finish(c, &k->resp, failed, k->req.include_usage ? &u : NULL);
+    struct tdm_oai_error e;
+    if (bad)
+        tdm_oai_error_from_err(&e, bad->error, bad->message);
+    else if (rc == TDM_ENOMEM)
+        tdm_oai_error_from_err(&e, TDM_ENOMEM, "out of memory");
+    return tdm_oai_http_sse_finish(c, &k->resp, bad || rc == TDM_ENOMEM ? &e : NULL,
+                                   k->req.include_usage ? &u : NULL);
 }
 
 int tdm_oai_http_sse_finish(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
-                            const char *error_message, const struct tdm_oai_usage *usage)
+                            const struct tdm_oai_error *error, const struct tdm_oai_usage *usage)
 {
-    if (error_message) {
-        struct tdm_oai_error e;
-        tdm_oai_seterr(&e, 500, NULL, "%s", error_message);
-        char *body = tdm_oai_error_body(&e);
+    if (error) {
+        char *body = tdm_oai_error_body(error);
         if (body) { // without one (out of memory) the stream still ends
             int rc = tdm_http_sse_event(c, body, strlen(body));
             free(body);

@@ -23,6 +23,9 @@ char *tdm_oai_http_error_body(int status, const char *message);
 // draining, carries "Retry-After: 1"). TDM_ECLOSED when the client is gone,
 // TDM_EINVAL when already answered.
 int tdm_oai_http_error(struct tdm_http_conn *c, const struct tdm_oai_error *e);
+// Answers the failure err with detail as every server does
+// (tdm_oai_error_from_err, then tdm_oai_http_error).
+int tdm_oai_http_fail(struct tdm_http_conn *c, int err, const char *detail);
 // Same with the type for status and a printf-style message.
 int tdm_oai_http_errorf(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
                         ...) __attribute__((format(printf, 4, 5)));
@@ -58,18 +61,20 @@ typedef int (*tdm_oai_pump_fn)(void *arg);
 // assistant role; completions with echo: the prompt text), then pumps and
 // writes each choice's news (tdm_oai_call_chunk) until every choice finished or
 // one failed, and ends with tdm_oai_http_sse_finish (the failed choice's
-// message as an error event, or the usage chunk when include_usage; [DONE]).
+// error, tdm_oai_error_from_err of its code and message, as an error event, or
+// the usage chunk when include_usage; [DONE]).
 // probe_idle_s > 0: after that long without progress an SSE comment probes the
 // client, so one that left is noticed while nothing is generated; 0: never.
 // TDM_OK, or TDM_ECLOSED when the client is gone (the caller stops what still
 // runs).
 int tdm_oai_http_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai_pump_fn pump,
                         void *arg, double probe_idle_s);
-// Ends an OpenAI stream. With error_message: an error event (500 with that
-// message) then [DONE]; otherwise the usage chunk when usage != NULL (a failure
-// there ends nothing more) then [DONE]. TDM_OK, or TDM_ECLOSED when the client
-// is gone (or the usage chunk could not be built).
+// Ends an OpenAI stream. With error: that error's body as an event (the client
+// already has a 200; the body is the one a request not yet answered would get)
+// then [DONE]; otherwise the usage chunk when usage != NULL (a failure there
+// ends nothing more) then [DONE]. TDM_OK, or TDM_ECLOSED when the client is
+// gone (or the usage chunk could not be built).
 int tdm_oai_http_sse_finish(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
-                            const char *error_message, const struct tdm_oai_usage *usage);
+                            const struct tdm_oai_error *error, const struct tdm_oai_usage *usage);
 
 #endif

@@ -33,6 +33,12 @@
 #include "tokenizer.h"
 
 // ---- handlers ---------------------------------------------------------------------------------
+static void h_queue_full(struct tdm_http_conn *c, void *arg)
+{
+    (void)arg;
+    tdm_oai_http_fail(c, TDM_EBUSY, "the waiting queue is full (--max-waiting 1)");
+}
+
 static void h_busy(struct tdm_http_conn *c, void *arg)
 {
     (void)arg;
@@ -239,6 +245,7 @@ static int setup(void **state)
     if (tdm_http_server_new(&f->srv, &cfg, err, sizeof err) != TDM_OK)
         return -1;
     tdm_http_route(f->srv, "GET", "/busy", h_busy, NULL);
+    tdm_http_route(f->srv, "GET", "/queue-full", h_queue_full, NULL);
     tdm_http_route(f->srv, "POST", "/v1/completions", h_completions, NULL);
     tdm_http_route(f->srv, "POST", "/oai/completions", h_oai_completions, &f->oai);
     tdm_http_route(f->srv, "POST", "/oai/chat", h_oai_chat, &f->oai);
@@ -530,7 +537,9 @@ static void test_oai_stream_error_and_probe(void **state)
     assert_non_null(err);
     assert_string_equal(cJSON_GetObjectItem(err, "message")->valuestring,
                         "decode worker d1 stopped answering");
-    assert_int_equal(cJSON_GetObjectItem(err, "code")->valueint, 500);
+    // The event carries the body the failure gets before a stream starts: a
+    // lost worker (ETRANSPORT) is 502 everywhere (was 500 in the event only).
+    assert_int_equal(cJSON_GetObjectItem(err, "code")->valueint, 502);
     cJSON_Delete(c);
     for (int i = 0; i < n - 2; i++)
         assert_null(strstr(oai_ev[i], "\"usage\""));
@@ -679,7 +688,9 @@ static void test_status_mapping(void **state)
     assert_int_equal(tdm_oai_status_for_err(TDM_OK), 200);
     assert_int_equal(tdm_oai_status_for_err(TDM_EINVAL), 400);
     assert_int_equal(tdm_oai_status_for_err(TDM_ENOTFOUND), 404);
-    assert_int_equal(tdm_oai_status_for_err(TDM_EBUSY), 429);
+    // A full waiting queue is 503 with Retry-After, as vLLM answers it (was
+    // 429, which the router gave for the same failure while decode gave 503).
+    assert_int_equal(tdm_oai_status_for_err(TDM_EBUSY), 503);
     assert_int_equal(tdm_oai_status_for_err(TDM_ECAPACITY), 503);
     assert_int_equal(tdm_oai_status_for_err(TDM_ECLOSED), 503);
     assert_int_equal(tdm_oai_status_for_err(TDM_ETIMEDOUT), 504);
@@ -690,6 +701,46 @@ static void test_status_mapping(void **state)
     assert_int_equal(tdm_oai_status_for_err(TDM_EIO), 500);
     assert_int_equal(tdm_oai_status_for_err(999), 500);
     assert_string_equal(tdm_http_reason(413), "Payload Too Large");
+
+    // The failure's answer: status, type and message from one function.
+    struct tdm_oai_error e;
+    assert_int_equal(
+        tdm_oai_error_from_err(&e, TDM_EBUSY, "the waiting queue is full (--max-waiting 1)"),
+        TDM_EPROTO);
+    assert_int_equal(e.status, 503);
+    assert_string_equal(e.type, "ServiceUnavailableError");
+    assert_string_equal(e.message, "The server is overloaded: the waiting queue is full "
+                                   "(--max-waiting 1). Retry later.");
+    assert_int_equal(tdm_oai_error_from_err(&e, TDM_EINVAL, "bad"), TDM_EINVAL);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.message, "bad");
+    tdm_oai_error_from_err(&e, TDM_ETRANSPORT, "decode worker d1 stopped answering");
+    assert_int_equal(e.status, 502);
+    assert_string_equal(e.type, "InternalServerError");
+    tdm_oai_error_from_err(&e, TDM_ETIMEDOUT, NULL);
+    assert_int_equal(e.status, 504);
+    assert_string_equal(e.message, tdm_strerror(TDM_ETIMEDOUT));
+    tdm_oai_error_from_err(&e, TDM_OK, "no code"); // a failure without a code
+    assert_int_equal(e.status, 500);
+}
+
+// tdm_oai_http_fail answers a failure as every server does: the same status,
+// Retry-After and body whichever path (direct, routed, streamed or not) met it.
+static void test_fail_answer(void **state)
+{
+    struct fixture *f = *state;
+    char *r =
+        roundtrip(f->port, "GET /queue-full HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert_oai_error(r, 503, "ServiceUnavailableError");
+    char hv[32];
+    assert_string_equal(header_of(r, "Retry-After", hv, sizeof hv), "1");
+    cJSON *j = cJSON_Parse(body_of(r));
+    assert_string_equal(
+        cJSON_GetObjectItem(cJSON_GetObjectItem(j, "error"), "message")->valuestring,
+        "The server is overloaded: the waiting queue is full (--max-waiting 1). "
+        "Retry later.");
+    cJSON_Delete(j);
+    free(r);
 }
 int main(void)
 {
@@ -703,6 +754,7 @@ int main(void)
         cmocka_unit_test(test_oai_start_answers),
         cmocka_unit_test(test_oai_tokenize_routes),
         cmocka_unit_test(test_status_mapping),
+        cmocka_unit_test(test_fail_answer),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -56,8 +56,7 @@ int tdm_oai_status_for_err(int err)
         return 400;
     case TDM_ENOTFOUND:
         return 404;
-    case TDM_EBUSY:
-        return 429;
+    case TDM_EBUSY: // vLLM: a full queue is 503 with Retry-After, never 429
     case TDM_ECAPACITY:
     case TDM_ECLOSED:
         return 503;
@@ -84,6 +83,16 @@ int tdm_oai_seterr(struct tdm_oai_error *e, int status, const char *param, const
     vsnprintf(e->message, sizeof e->message, fmt, ap);
     va_end(ap);
     return code;
+}
+
+int tdm_oai_error_from_err(struct tdm_oai_error *e, int err, const char *detail)
+{
+    if (detail == NULL || detail[0] == '\0')
+        detail = tdm_strerror(err);
+    int status = err == TDM_OK ? 500 : tdm_oai_status_for_err(err); // a failure without a code
+    if (err == TDM_EBUSY)
+        return tdm_oai_seterr(e, status, NULL, "The server is overloaded: %s. Retry later.", detail);
+    return tdm_oai_seterr(e, status, NULL, "%s", detail);
 }
 
 char *tdm_oai_error_body_from(int status, const char *type, const char *param, const char *message)
