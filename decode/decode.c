@@ -187,8 +187,8 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
             release_all(k, TDM_ENGINE_FINISH_ABORT);
             // The engine's message for a full queue names --max-waiting; the
             // router answers the same failure with the same body.
-            return tdm_oai_error_from_err(
-                e, rc, rc == TDM_ECLOSED ? "The server is shutting down." : err);
+            return tdm_oai_error_from_err(e, rc,
+                                          rc == TDM_ECLOSED ? "The server is shutting down." : err);
         }
     }
     return TDM_OK;
@@ -304,7 +304,8 @@ static void on_health(struct tdm_http_conn *c, void *arg)
         tdm_http_respond(c, 200, "application/json", "", 0);
     else
         tdm_oai_http_errorf(c, 503, NULL, "%s",
-                      state == STATE_LOADING ? "The model is loading." : "The server is draining.");
+                            state == STATE_LOADING ? "The model is loading."
+                                                   : "The server is draining.");
 }
 
 static void on_metrics(struct tdm_http_conn *c, void *arg)
@@ -340,8 +341,8 @@ static void on_api(struct tdm_decode_server *s, struct tdm_http_conn *c, enum ap
     int state = atomic_load(&s->state);
     if (state != STATE_READY)
         tdm_oai_http_errorf(c, 503, NULL, "%s",
-                      state == STATE_LOADING ? "The model is loading."
-                                             : "The server is shutting down.");
+                            state == STATE_LOADING ? "The model is loading."
+                                                   : "The server is shutting down.");
     else if (r == ROUTE_MODELS)
         handle_models(s, c);
     else if (r == ROUTE_COMPLETIONS)

@@ -91,7 +91,8 @@ int tdm_oai_error_from_err(struct tdm_oai_error *e, int err, const char *detail)
         detail = tdm_strerror(err);
     int status = err == TDM_OK ? 500 : tdm_oai_status_for_err(err); // a failure without a code
     if (err == TDM_EBUSY)
-        return tdm_oai_seterr(e, status, NULL, "The server is overloaded: %s. Retry later.", detail);
+        return tdm_oai_seterr(e, status, NULL, "The server is overloaded: %s. Retry later.",
+                              detail);
     return tdm_oai_seterr(e, status, NULL, "%s", detail);
 }
 
