@@ -395,7 +395,7 @@ int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decod
     atomic_init(&s->state, STATE_LOADING);
     atomic_init(&s->inflight, 0);
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->idle_cv, NULL);
+    tdm_cond_init(&s->idle_cv);
     s->created = (int64_t)time(NULL);
 
     int threads = cfg->http_threads;
@@ -659,14 +659,7 @@ int tdm_decode_server_drain(struct tdm_decode_server *s, double timeout_s)
     double deadline = tdm_now() + 5.0;
     pthread_mutex_lock(&s->mu);
     while (atomic_load(&s->inflight) > 0 && tdm_now() < deadline) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 50 * 1000 * 1000;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&s->idle_cv, &s->mu, &ts);
+        tdm_cond_wait_for(&s->idle_cv, &s->mu, 0.05);
     }
     pthread_mutex_unlock(&s->mu);
     return rc;

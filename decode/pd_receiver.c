@@ -159,16 +159,7 @@ uint64_t tdm_pd_receiver_instance(const struct tdm_pd_receiver *r)
 
 static void timed_wait(struct tdm_pd_receiver *rx, double seconds)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    long ns = (long)(seconds * 1e9);
-    ts.tv_sec += ns / 1000000000;
-    ts.tv_nsec += ns % 1000000000;
-    if (ts.tv_nsec >= 1000000000) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000;
-    }
-    pthread_cond_timedwait(&rx->cv, &rx->mu, &ts);
+    tdm_cond_wait_for(&rx->cv, &rx->mu, seconds);
 }
 
 // True once j should end: cancelled, the service stopping or its deadline passed.
@@ -1018,7 +1009,7 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *
     rx->cfg = *cfg;
     rx->server = server;
     pthread_mutex_init(&rx->mu, NULL);
-    pthread_cond_init(&rx->cv, NULL);
+    tdm_cond_init(&rx->cv);
     int rc = tdm_decode_server_parts(server, &rx->parts);
     if (rc != TDM_OK) {
         tdm_seterr(err, errlen, rc, "pd: the server is not loaded");

@@ -338,14 +338,7 @@ static void *job_main(void *arg)
         int want = sent + per < L ? sent + per : L;
         bool frame_ready = pushing && !push_failed && sent < L && job->layers_ready >= want;
         if (!frame_ready && !(job->finished && !result_sent)) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 100 * 1000 * 1000;
-            if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000;
-            }
-            pthread_cond_timedwait(&job->cv, &job->mu, &ts);
+            tdm_cond_wait_for(&job->cv, &job->mu, 0.1);
             frame_ready = pushing && !push_failed && sent < L && job->layers_ready >= want;
         }
         bool finished = job->finished;
@@ -510,7 +503,7 @@ static void on_prefill(void *arg, const struct tdm_net_frame *f)
         goto out;
     }
     pthread_mutex_init(&job->mu, NULL);
-    pthread_cond_init(&job->cv, NULL);
+    tdm_cond_init(&job->cv);
     job->svc = p;
     job->transfer_id = m->transfer_id;
     job->push = push;

@@ -537,14 +537,7 @@ static int pump(struct call *k, double wait)
         }
         if (any || tdm_now() >= until)
             break;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 20 * 1000 * 1000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
-        pthread_cond_timedwait(&k->cv, &s->mu, &ts);
+        tdm_cond_wait_for(&k->cv, &s->mu, 0.02);
     }
     pthread_mutex_unlock(&s->mu);
     for (size_t i = 0; i < k->oai.n_choices; i++) {
@@ -937,7 +930,7 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     k.s = s;
     k.conn = c;
     k.arrival = tdm_now();
-    pthread_cond_init(&k.cv, NULL);
+    tdm_cond_init(&k.cv);
     if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
         goto out; // answered: an error, or echo only
     k.choices = calloc(k.oai.n_choices, sizeof *k.choices);

@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // core: what every module shares. The error enum and its strerror, the log
 // macros (which check the level before formatting anything), a monotonic clock,
-// whole-file reading and the "fill err/errlen" helper used by slow-path APIs.
+// timed waits on condition variables over that clock, whole-file reading and
+// the "fill err/errlen" helper used by slow-path APIs.
 #ifndef TDM_CORE_H
 #define TDM_CORE_H
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -94,6 +96,20 @@ double tdm_wall_now(void);
 // Reads a whole file into a NUL-terminated heap buffer (*out, caller frees; *len
 // excludes the NUL). Returns TDM_ENOTFOUND if it does not exist, TDM_EIO otherwise.
 int tdm_read_file(const char *path, char **out, size_t *len, char *err, size_t errlen);
+
+// ---- timed waits on the monotonic clock ------------------------------------------
+// A condition variable whose timed waits run on CLOCK_MONOTONIC (the clock of
+// tdm_now), so a step of the wall clock neither cuts a wait short nor
+// stretches it. Every condition variable that is waited on with a timeout is
+// made here. TDM_OK, or TDM_ENOMEM when pthread refuses.
+int tdm_cond_init(pthread_cond_t *cv);
+// Waits on cv (from tdm_cond_init; mu held, as for pthread_cond_wait) until it
+// is signalled or tdm_now() reaches deadline (< 0: no deadline). Returns false
+// when the deadline passed, true otherwise; wakeups may be spurious, so callers
+// re-check their condition in a loop.
+bool tdm_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadline);
+// Same for at most seconds from now (a deadline of tdm_now() + seconds).
+bool tdm_cond_wait_for(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds);
 
 // Joins dir and name with one '/' into a heap string (caller frees); NULL on ENOMEM.
 char *tdm_path_join(const char *dir, const char *name);

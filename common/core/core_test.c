@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "core.h"
@@ -122,13 +123,71 @@ static void test_json_depth(void **state)
     assert_int_equal(tdm_json_check_depth(deep, 128, TDM_JSON_MAX_DEPTH, NULL, 0), TDM_OK);
 }
 
+// ---- timed waits on the monotonic clock ----
+struct waker {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int flag;
+};
+
+static void *wake_later(void *arg)
+{
+    struct waker *w = arg;
+    struct timespec d = {0, 30 * 1000 * 1000};
+    nanosleep(&d, NULL);
+    pthread_mutex_lock(&w->mu);
+    w->flag = 1;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+static void test_cond_wait(void **state)
+{
+    (void)state;
+    struct waker w = {.flag = 0};
+    pthread_mutex_init(&w.mu, NULL);
+    assert_int_equal(tdm_cond_init(&w.cv), TDM_OK);
+    pthread_mutex_lock(&w.mu);
+    // Times out after about the asked time, on the monotonic clock.
+    double t0 = tdm_now();
+    assert_false(tdm_cond_wait_for(&w.cv, &w.mu, 0.05));
+    double took = tdm_now() - t0;
+    assert_true(took >= 0.049 && took < 1.0);
+    // A deadline already passed (or zero time) returns at once.
+    t0 = tdm_now();
+    assert_false(tdm_cond_wait_until(&w.cv, &w.mu, tdm_now() - 1.0));
+    assert_false(tdm_cond_wait_for(&w.cv, &w.mu, 0));
+    assert_true(tdm_now() - t0 < 0.01);
+    // A signal ends the wait well before its deadline.
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, wake_later, &w), 0);
+    t0 = tdm_now();
+    while (!w.flag && tdm_cond_wait_for(&w.cv, &w.mu, 10.0))
+        ;
+    assert_int_equal(w.flag, 1);
+    assert_true(tdm_now() - t0 < 5.0);
+    pthread_mutex_unlock(&w.mu);
+    pthread_join(th, NULL);
+    // No deadline: waits for the signal.
+    w.flag = 0;
+    pthread_mutex_lock(&w.mu);
+    assert_int_equal(pthread_create(&th, NULL, wake_later, &w), 0);
+    while (!w.flag)
+        assert_true(tdm_cond_wait_until(&w.cv, &w.mu, -1));
+    pthread_mutex_unlock(&w.mu);
+    pthread_join(th, NULL);
+    pthread_cond_destroy(&w.cv);
+    pthread_mutex_destroy(&w.mu);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_strerror),   cmocka_unit_test(test_seterr),
         cmocka_unit_test(test_read_file),  cmocka_unit_test(test_path_join),
         cmocka_unit_test(test_log_level),  cmocka_unit_test(test_rng),
-        cmocka_unit_test(test_json_depth),
+        cmocka_unit_test(test_json_depth), cmocka_unit_test(test_cond_wait),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

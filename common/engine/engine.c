@@ -1018,40 +1018,6 @@ static void *engine_main(void *arg)
 }
 
 // ---- creation and shutdown ----------------------------------------------------------------
-static int cond_init_monotonic(pthread_cond_t *cv)
-{
-    pthread_condattr_t a;
-    if (pthread_condattr_init(&a) != 0)
-        return TDM_ENOMEM;
-    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
-    int rc = pthread_cond_init(cv, &a);
-    pthread_condattr_destroy(&a);
-    return rc == 0 ? TDM_OK : TDM_ENOMEM;
-}
-
-// Waits on cv until the monotonic deadline (< 0: none); false on timeout.
-static bool cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadline)
-{
-    if (deadline < 0) {
-        pthread_cond_wait(cv, mu);
-        return true;
-    }
-    double now = tdm_now();
-    if (now >= deadline)
-        return false;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    double rem = deadline - now;
-    long sec = (long)rem;
-    ts.tv_sec += sec;
-    ts.tv_nsec += (long)((rem - (double)sec) * 1e9);
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
-    return pthread_cond_timedwait(cv, mu, &ts) != ETIMEDOUT || tdm_now() < deadline;
-}
-
 int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
                    const struct tdm_engine_config *cfg_in, char *err, size_t errlen)
 {
@@ -1147,11 +1113,11 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
         goto fail_arrays;
     }
-    if (cond_init_monotonic(&e->wake) != TDM_OK) {
+    if (tdm_cond_init(&e->wake) != TDM_OK) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
         goto fail_mu;
     }
-    if (cond_init_monotonic(&e->idle_cv) != TDM_OK) {
+    if (tdm_cond_init(&e->idle_cv) != TDM_OK) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
         goto fail_wake;
     }
@@ -1195,7 +1161,7 @@ int tdm_engine_drain(struct tdm_engine *e, double timeout_s)
     pthread_mutex_lock(&e->mu);
     e->closed = true;
     while (e->num_active > 0 || e->inbox_head != NULL) {
-        if (!cond_wait_until(&e->idle_cv, &e->mu, deadline))
+        if (!tdm_cond_wait_until(&e->idle_cv, &e->mu, deadline))
             break;
     }
     if (e->num_active > 0 || e->inbox_head != NULL) {
@@ -1332,7 +1298,7 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
         goto fail_sampler;
     }
-    if (cond_init_monotonic(&r->cv) != TDM_OK) {
+    if (tdm_cond_init(&r->cv) != TDM_OK) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
         goto fail_mu;
     }
@@ -1513,7 +1479,7 @@ int tdm_engine_import_wait(struct tdm_engine_request *r, double timeout_s, int *
     int rc = TDM_OK;
     pthread_mutex_lock(&r->mu);
     while (!r->import_ready && !r->pub_finished) {
-        if (!cond_wait_until(&r->cv, &r->mu, deadline)) {
+        if (!tdm_cond_wait_until(&r->cv, &r->mu, deadline)) {
             rc = TDM_ETIMEDOUT;
             break;
         }
@@ -1578,7 +1544,7 @@ int tdm_engine_stream_next(struct tdm_engine_request *r, double timeout_s,
         return TDM_ECLOSED;
     }
     while (r->read_pos == r->pub_gen && !r->pub_finished) {
-        if (!cond_wait_until(&r->cv, &r->mu, deadline)) {
+        if (!tdm_cond_wait_until(&r->cv, &r->mu, deadline)) {
             pthread_mutex_unlock(&r->mu);
             return TDM_ETIMEDOUT;
         }

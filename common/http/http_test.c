@@ -135,7 +135,7 @@ static int setup(void **state)
 {
     struct fixture *f = calloc(1, sizeof *f);
     pthread_mutex_init(&f->probe.mu, NULL);
-    pthread_cond_init(&f->probe.cv, NULL);
+    tdm_cond_init(&f->probe.cv);
     // The server's own errors get the OpenAI body every role installs.
     struct tdm_http_config cfg = {.host = "127.0.0.1",
                                   .port = 0,
@@ -328,10 +328,7 @@ static void test_client_disconnect_detected(void **state)
     double t0 = tdm_now();
     pthread_mutex_lock(&f->probe.mu);
     while (!f->probe.finished) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += 6;
-        if (pthread_cond_timedwait(&f->probe.cv, &f->probe.mu, &ts) != 0)
+        if (!tdm_cond_wait_for(&f->probe.cv, &f->probe.mu, 6.0))
             break;
     }
     bool finished = f->probe.finished, gone = f->probe.gone;

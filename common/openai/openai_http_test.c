@@ -223,7 +223,7 @@ static int setup(void **state)
 {
     struct fixture *f = calloc(1, sizeof *f);
     pthread_mutex_init(&f->oai.mu, NULL);
-    pthread_cond_init(&f->oai.cv, NULL);
+    tdm_cond_init(&f->oai.cv);
     char tok_err[256];
     if (mkdtemp(oai_dir) == NULL ||
         tdm_mkmodel_write_tokenizer(1000, oai_dir, tok_err, sizeof tok_err) != TDM_OK ||
@@ -380,10 +380,7 @@ static struct oai_probe oai_wait(struct fixture *f)
 {
     pthread_mutex_lock(&f->oai.mu);
     while (!f->oai.finished) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += 10;
-        if (pthread_cond_timedwait(&f->oai.cv, &f->oai.mu, &ts) != 0)
+        if (!tdm_cond_wait_for(&f->oai.cv, &f->oai.mu, 10.0))
             break;
     }
     struct oai_probe p = {
