@@ -52,49 +52,45 @@ void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg)
     cfg->send_timeout = 2;
 }
 
-const char *tdm_pd_receiver_usage(void)
+static int set_nng_url(void *o, const char *v, char *err, size_t errlen)
 {
-    return "Disaggregated prefill/decode (docs/pd-protocol.md; flags only, not --config keys):\n"
-           "  --nng-url URL                 this worker's nng inbox, e.g. tcp://0.0.0.0:9300;\n"
-           "                                enables P/D (default off)\n"
-           "  --pd-prefill-timeout SECONDS  wait for a prefill worker's result (default 60)\n"
-           "  --pd-transfer-timeout SECONDS wait for the KV still missing after the prefill\n"
-           "                                result (default 30)\n"
-           "  --pd-layers-per-frame N       KV layers per frame asked of the prefill worker\n"
-           "                                (default 4)\n"
-           "  --pd-prefill-liveness SECONDS a prefill worker silent to load queries this\n"
-           "                                long counts as failed (default 2)\n";
+    struct tdm_pd_receiver_config *cfg = o;
+    return tdm_pd_flag_url(cfg->nng_url, sizeof cfg->nng_url, v, true, err, errlen); // "" = off
 }
 
-static const char *const flag_names[] = {"--nng-url", "--pd-prefill-timeout",
-                                         "--pd-transfer-timeout", "--pd-layers-per-frame",
-                                         "--pd-prefill-liveness"};
+#define SECONDS(n, field, h)                                                                       \
+    {.name = n, .kind = TDM_FLAG_DOUBLE, .offset = offsetof(struct tdm_pd_receiver_config, field), \
+     .min = 1e-9, .max = 1e6, .metavar = "SECONDS", .help = h}
 
-static int set_flag(void *arg, int which, const char *val, char *err, size_t errlen)
+static const struct tdm_flag receiver_flags[] = {
+    {.name = "nng-url", .kind = TDM_FLAG_FN, .fn = set_nng_url, .metavar = "URL",
+     .help = "this worker's nng inbox, e.g. tcp://0.0.0.0:9300;\nenables P/D (default off)"},
+    SECONDS("pd-prefill-timeout", prefill_timeout,
+            "wait for a prefill worker's result (default 60)"),
+    SECONDS("pd-transfer-timeout", transfer_timeout,
+            "wait for the KV still missing after the prefill\nresult (default 30)"),
+    {.name = "pd-layers-per-frame", .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct tdm_pd_receiver_config, layers_per_frame), .min = 1, .max = 1e6,
+     .metavar = "N", .help = "KV layers per frame asked of the prefill worker\n(default 4)"},
+    SECONDS("pd-prefill-liveness", prefill_liveness,
+            "a prefill worker silent to load queries this\nlong counts as failed (default 2)"),
+};
+
+static const struct tdm_flags receiver_table = {
+    .usage = "Disaggregated prefill/decode (docs/pd-protocol.md; flags only, not --config keys):\n",
+    .flags = receiver_flags,
+    .n = sizeof receiver_flags / sizeof receiver_flags[0],
+};
+
+const struct tdm_flags *tdm_pd_receiver_flags(void)
 {
-    struct tdm_pd_receiver_config *cfg = arg;
-    if (which == 0) // "" turns P/D off
-        return tdm_pd_flag_url(cfg->nng_url, sizeof cfg->nng_url, val, true, err, errlen);
-    char *end = NULL;
-    double x = strtod(val, &end);
-    if (end == val || *end != '\0' || !(x > 0) || x > 1e6)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a positive number, got \"%s\"",
-                          flag_names[which], val);
-    if (which == 1)
-        cfg->prefill_timeout = x;
-    else if (which == 2)
-        cfg->transfer_timeout = x;
-    else if (which == 4)
-        cfg->prefill_liveness = x;
-    else
-        cfg->layers_per_frame = x < 1 ? 1 : (int)x;
-    return TDM_OK;
+    return &receiver_table;
 }
 
 int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv, char *err,
                               size_t errlen)
 {
-    return tdm_pd_take_flags(argc, argv, flag_names, 5, set_flag, cfg, err, errlen);
+    return tdm_flags_take(&receiver_table, cfg, argc, argv, err, errlen);
 }
 
 // ---- state -------------------------------------------------------------------------------

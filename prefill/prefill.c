@@ -44,41 +44,42 @@ void tdm_prefill_config_default(struct tdm_prefill_config *cfg)
     cfg->send_timeout = 5;
 }
 
-static int parse_double(const char *flag, const char *v, double lo, double *out, char *err,
-                        size_t errlen)
+static int set_nng_url(void *o, const char *v, char *err, size_t errlen)
 {
-    char *end = NULL;
-    double x = v ? strtod(v, &end) : 0;
-    if (v == NULL || end == v || *end != '\0' || !(x >= lo) || x > 1e9)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a number >= %g, got \"%s\"", flag,
-                          lo, v ? v : "");
-    *out = x;
-    return TDM_OK;
+    struct tdm_prefill_config *cfg = o;
+    return tdm_pd_flag_url(cfg->nng_url, sizeof cfg->nng_url, v, false, err, errlen);
 }
 
-static const char *const flag_names[] = {"--nng-url", "--kv-hold-seconds", "--layers-per-frame"};
+static const struct tdm_flag prefill_flags[] = {
+    {.name = "nng-url", .kind = TDM_FLAG_FN, .fn = set_nng_url, .metavar = "URL",
+     .help = "inbox for PrefillRequest/Cancel (default tcp://0.0.0.0:9200)"},
+    {.name = "kv-hold-seconds", .kind = TDM_FLAG_DOUBLE,
+     .offset = offsetof(struct tdm_prefill_config, hold_seconds), .min = 0.1, .max = 1e9,
+     .metavar = "S",
+     .help = "release prefilled KV not all sent S seconds after the prefill\n(default 30)"},
+    {.name = "layers-per-frame", .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct tdm_prefill_config, layers_per_frame), .min = 1, .max = 1e9,
+     .metavar = "N", .help = "at most N layers per KvData frame (default 4)"},
+};
 
-static int set_flag(void *arg, int which, const char *val, char *err, size_t errlen)
+static const struct tdm_flags prefill_table = {
+    .usage = "usage: tandem-prefill --model DIR [--nng-url tcp://HOST:PORT] [--kv-hold-seconds S]\n"
+             "                      [--layers-per-frame N] [tandem-decode flags...]\n",
+    .flags = prefill_flags,
+    .n = sizeof prefill_flags / sizeof prefill_flags[0],
+    .footer = "Every other flag is tandem-decode's (--port for /health and /metrics, default "
+              "8001).\n",
+};
+
+const struct tdm_flags *tdm_prefill_flags(void)
 {
-    struct tdm_prefill_config *cfg = arg;
-    if (which == 0)
-        return tdm_pd_flag_url(cfg->nng_url, sizeof cfg->nng_url, val, false, err, errlen);
-    double x = 0;
-    int rc;
-    if (which == 1) {
-        rc = parse_double("--kv-hold-seconds", val, 0.1, &x, err, errlen);
-        cfg->hold_seconds = x;
-    } else {
-        rc = parse_double("--layers-per-frame", val, 1, &x, err, errlen);
-        cfg->layers_per_frame = (int)x;
-    }
-    return rc;
+    return &prefill_table;
 }
 
 int tdm_prefill_config_take_args(struct tdm_prefill_config *cfg, int *argc, char **argv, char *err,
                                  size_t errlen)
 {
-    return tdm_pd_take_flags(argc, argv, flag_names, 3, set_flag, cfg, err, errlen);
+    return tdm_flags_take(&prefill_table, cfg, argc, argv, err, errlen);
 }
 
 // ---- service -----------------------------------------------------------------------------

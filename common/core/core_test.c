@@ -345,6 +345,22 @@ static void test_flags_take_and_help(void **state)
     assert_null(argv[5]);
     assert_int_equal(o.n, 5);
     assert_true(o.on);
+    // "=" form; a longer name that starts like a known one stays; a bad value stops.
+    char *eq[] = {"prog", "--num-things=9", "--num-thingsx", "1", NULL};
+    argc = 4;
+    assert_int_equal(tdm_flags_take(&opt_table, &o, &argc, eq, err, sizeof err), TDM_OK);
+    assert_int_equal(o.n, 9);
+    assert_int_equal(argc, 3);
+    assert_string_equal(eq[1], "--num-thingsx");
+    char *none[] = {"prog", NULL};
+    argc = 1;
+    assert_int_equal(tdm_flags_take(&opt_table, &o, &argc, none, err, sizeof err), TDM_OK);
+    assert_int_equal(argc, 1);
+    assert_null(none[1]);
+    char *badval[] = {"prog", "--rate=x", "--name", "n", NULL};
+    argc = 4;
+    assert_int_equal(tdm_flags_take(&opt_table, &o, &argc, badval, err, sizeof err), TDM_EINVAL);
+    assert_string_equal(err, "--rate: expected a number in [0.5, 2], got \"x\"");
     char *bad[] = {"prog", "--num-things", NULL};
     argc = 2;
     assert_int_equal(tdm_flags_take(&opt_table, &o, &argc, bad, err, sizeof err), TDM_EINVAL);
