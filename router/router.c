@@ -56,115 +56,58 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
     o->load_interval = 0.2;
 }
 
-const char *tdm_router_usage(void)
-{
-    return "usage: tandem-router --config FILE --model DIR [options]\n"
-           "  --config FILE            routing config (docs/router-config.md); hot reloaded\n"
-           "  --model DIR              model folder for the tokenizer, chat template, config.json\n"
-           "  --served-model-name NAME name in requests and responses\n"
-           "  --chat-template FILE     override the tokenizer's chat template\n"
-           "  --host ADDR --port N     HTTP listen address (default 0.0.0.0:8000)\n"
-           "  --nng-url URL            the router's nng inbox (default tcp://127.0.0.1:0)\n"
-           "  --api-key KEY            require Authorization: Bearer KEY\n"
-           "  --http-threads N         concurrent HTTP requests (default 256)\n"
-           "  --max-body-bytes N       request body limit (default 16777216)\n"
-           "  --max-model-len N        context length (default config.json's)\n"
-           "  --liveness-timeout S     worker silent this long mid-stream = lost (default 1)\n"
-           "  --load-interval S        load query period (default 0.2)\n"
-           "  --no-watch-config        reload only on SIGHUP\n"
-           "  --log-level LEVEL        err|warn|info|debug (default info)\n";
-}
+#define OFF(field) offsetof(struct tdm_router_opts, field)
+#define SIZE(field) sizeof(((struct tdm_router_opts *)0)->field)
+// Strings may be empty, as before the table (an empty --api-key means none).
+#define STR(n, field, mv, h)                                                                       \
+    {.name = n, .kind = TDM_FLAG_STR, .offset = OFF(field), .size = SIZE(field), .metavar = mv,   \
+     .help = h, .empty_ok = true}
+#define NUM(n, k, field, lo, hi, mv, h)                                                            \
+    {.name = n, .kind = k, .offset = OFF(field), .min = lo, .max = hi, .metavar = mv, .help = h}
 
-static int set_str(char *dst, size_t cap, const char *flag, const char *v, char *err, size_t errlen)
-{
-    if (strlen(v) >= cap)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: value too long", flag);
-    snprintf(dst, cap, "%s", v);
-    return TDM_OK;
-}
+static const struct tdm_flag router_flags[] = {
+    STR("config", config, "FILE", "routing config (docs/router-config.md); hot reloaded"),
+    STR("model", model, "DIR", "model folder for the tokenizer, chat template, config.json"),
+    STR("served-model-name", served_model_name, "NAME", "name in requests and responses"),
+    STR("chat-template", chat_template, "FILE", "override the tokenizer's chat template"),
+    STR("host", host, "ADDR", "HTTP listen address (default 0.0.0.0)"),
+    NUM("port", TDM_FLAG_INT, port, 0, 65535, "N", "HTTP listen port (default 8000)"),
+    STR("nng-url", nng_url, "URL", "the router's nng inbox (default tcp://127.0.0.1:0)"),
+    STR("api-key", api_key, "KEY", "require Authorization: Bearer KEY"),
+    NUM("http-threads", TDM_FLAG_INT, http_threads, 1, 4096, "N",
+        "concurrent HTTP requests (default 256)"),
+    NUM("max-body-bytes", TDM_FLAG_BYTES, max_body_bytes, 1024, 1e12, "N",
+        "request body limit (default 16777216)"),
+    NUM("max-model-len", TDM_FLAG_INT, max_model_len, 0, 1e9, "N",
+        "context length (default config.json's)"),
+    NUM("liveness-timeout", TDM_FLAG_DOUBLE, liveness_timeout, 0.05, 3600, "S",
+        "worker silent this long mid-stream = lost (default 1)"),
+    NUM("load-interval", TDM_FLAG_DOUBLE, load_interval, 0.01, 60, "S",
+        "load query period (default 0.2)"),
+    {.name = "watch-config", .kind = TDM_FLAG_BOOL, .offset = OFF(watch),
+     .help = "reload the config when its file changes (default)"},
+    {.name = "no-watch-config", .kind = TDM_FLAG_NOT, .offset = OFF(watch),
+     .help = "reload only on SIGHUP"},
+    STR("log-level", log_level, "LEVEL", "err|warn|info|debug (default info)"),
+};
 
-static int set_num(double *out, const char *flag, const char *v, double lo, double hi, char *err,
-                   size_t errlen)
+static const struct tdm_flags router_table = {
+    .usage = "usage: tandem-router --config FILE --model DIR [options]\n",
+    .flags = router_flags,
+    .n = sizeof router_flags / sizeof router_flags[0],
+};
+
+const struct tdm_flags *tdm_router_flags(void)
 {
-    char *end = NULL;
-    double x = strtod(v, &end);
-    if (end == v || *end != '\0' || !(x >= lo && x <= hi))
-        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a number in [%g, %g], got \"%s\"",
-                          flag, lo, hi, v);
-    *out = x;
-    return TDM_OK;
+    return &router_table;
 }
 
 int tdm_router_opts_parse_args(struct tdm_router_opts *o, int argc, char **argv, char *err,
                                size_t errlen)
 {
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0)
-            return 1;
-        if (strcmp(a, "--no-watch-config") == 0) {
-            o->watch = false;
-            continue;
-        }
-        if (strcmp(a, "--watch-config") == 0) {
-            o->watch = true;
-            continue;
-        }
-        if (strncmp(a, "--", 2) != 0)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "unexpected argument \"%s\"", a);
-        char name[64];
-        const char *v = NULL;
-        const char *eq = strchr(a, '=');
-        size_t nl = eq ? (size_t)(eq - a) : strlen(a);
-        if (nl >= sizeof name)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "unknown option \"%s\"", a);
-        memcpy(name, a, nl);
-        name[nl] = '\0';
-        if (eq)
-            v = eq + 1;
-        else if (i + 1 < argc)
-            v = argv[++i];
-        else
-            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: missing value", name);
-        double x = 0;
-        int rc = TDM_OK;
-        if (strcmp(name, "--config") == 0)
-            rc = set_str(o->config, sizeof o->config, name, v, err, errlen);
-        else if (strcmp(name, "--model") == 0)
-            rc = set_str(o->model, sizeof o->model, name, v, err, errlen);
-        else if (strcmp(name, "--served-model-name") == 0)
-            rc = set_str(o->served_model_name, sizeof o->served_model_name, name, v, err, errlen);
-        else if (strcmp(name, "--chat-template") == 0)
-            rc = set_str(o->chat_template, sizeof o->chat_template, name, v, err, errlen);
-        else if (strcmp(name, "--host") == 0)
-            rc = set_str(o->host, sizeof o->host, name, v, err, errlen);
-        else if (strcmp(name, "--nng-url") == 0)
-            rc = set_str(o->nng_url, sizeof o->nng_url, name, v, err, errlen);
-        else if (strcmp(name, "--api-key") == 0)
-            rc = set_str(o->api_key, sizeof o->api_key, name, v, err, errlen);
-        else if (strcmp(name, "--log-level") == 0)
-            rc = set_str(o->log_level, sizeof o->log_level, name, v, err, errlen);
-        else if (strcmp(name, "--port") == 0) {
-            rc = set_num(&x, name, v, 0, 65535, err, errlen);
-            o->port = (int)x;
-        } else if (strcmp(name, "--http-threads") == 0) {
-            rc = set_num(&x, name, v, 1, 4096, err, errlen);
-            o->http_threads = (int)x;
-        } else if (strcmp(name, "--max-body-bytes") == 0) {
-            rc = set_num(&x, name, v, 1024, 1e12, err, errlen);
-            o->max_body_bytes = (size_t)x;
-        } else if (strcmp(name, "--max-model-len") == 0) {
-            rc = set_num(&x, name, v, 0, 1e9, err, errlen);
-            o->max_model_len = (int)x;
-        } else if (strcmp(name, "--liveness-timeout") == 0)
-            rc = set_num(&o->liveness_timeout, name, v, 0.05, 3600, err, errlen);
-        else if (strcmp(name, "--load-interval") == 0)
-            rc = set_num(&o->load_interval, name, v, 0.01, 60, err, errlen);
-        else
-            return tdm_seterr(err, errlen, TDM_EINVAL, "unknown option \"%s\"", name);
-        if (rc != TDM_OK)
-            return rc;
-    }
+    int rc = tdm_flags_parse(&router_table, o, argc, argv, NULL, 0, NULL, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
     if (o->config[0] == '\0')
         return tdm_seterr(err, errlen, TDM_EINVAL, "--config FILE is required");
     if (o->model[0] == '\0')
