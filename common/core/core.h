@@ -144,6 +144,7 @@ struct tdm_flag {
     int (*fn)(void *opts, const char *value, char *err, size_t errlen); // FN only
     bool no_value;       // FN: the flag takes no value
     bool empty_ok;       // STR, PTR: "" is accepted (else "expected a non-empty value")
+    bool hidden;         // not listed by tdm_flags_help (another spelling of a listed flag)
 };
 
 struct tdm_flags {

@@ -298,6 +298,8 @@ void tdm_flags_help(const struct tdm_flags *t, FILE *f)
         fputs(t->usage, f);
     for (size_t i = 0; i < t->n; i++) {
         const struct tdm_flag *fl = &t->flags[i];
+        if (fl->hidden)
+            continue;
         int col = fprintf(f, "  --%s%s%s", fl->name, fl->metavar ? " " : "",
                           fl->metavar ? fl->metavar : "");
         const char *h = fl->help ? fl->help : "";

@@ -245,6 +245,7 @@ static const struct tdm_flag opt_flags[] = {
     {.name = "on", .kind = TDM_FLAG_BOOL, .offset = offsetof(struct opts, on), .help = "on"},
     {.name = "no-watch", .kind = TDM_FLAG_NOT, .offset = offsetof(struct opts, watch)},
     {.name = "mode", .kind = TDM_FLAG_FN, .fn = set_mode, .metavar = "fast|slow"},
+    {.name = "speed", .kind = TDM_FLAG_FN, .fn = set_mode, .hidden = true},
 };
 static const struct tdm_flags opt_table = {"usage: prog [options] [FILE]\n", opt_flags,
                                            sizeof opt_flags / sizeof opt_flags[0], "footer\n"};
@@ -292,6 +293,8 @@ static void test_flags_parse(void **state)
     assert_false(o.on);
     assert_int_equal(o.fn_calls, 1);
     assert_string_equal(o.fn_value, "fast");
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 3, "--speed", "slow"), TDM_OK);
+    assert_string_equal(o.fn_value, "slow");
     // --help anywhere, even after a bad flag.
     assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 3, "--bogus", "-h"), 1);
     assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 2, "--help"), 1);
@@ -378,6 +381,7 @@ static void test_flags_take_and_help(void **state)
     assert_non_null(strstr(buf, "  --on                          on\n"));
     assert_non_null(strstr(buf, "  --mode fast|slow\n"));
     assert_non_null(strstr(buf, "footer\n"));
+    assert_null(strstr(buf, "--speed")); // hidden: another spelling of --mode
 
     size_t b;
     assert_int_equal(tdm_parse_bytes("512MiB", &b), TDM_OK);
