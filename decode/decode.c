@@ -86,19 +86,19 @@ struct call {
     bool client_gone;
 };
 
-static enum tdm_oai_finish map_finish(enum tdm_engine_finish f)
+static enum tdm_finish map_finish(enum tdm_finish f)
 {
     switch (f) {
-    case TDM_ENGINE_FINISH_STOP:
-        return TDM_OAI_FINISH_STOP;
-    case TDM_ENGINE_FINISH_LENGTH:
-        return TDM_OAI_FINISH_LENGTH;
-    case TDM_ENGINE_FINISH_ABORT:
-        return TDM_OAI_FINISH_ABORT;
-    case TDM_ENGINE_FINISH_ERROR:
-        return TDM_OAI_FINISH_ERROR;
+    case TDM_FINISH_STOP:
+        return TDM_FINISH_STOP;
+    case TDM_FINISH_LENGTH:
+        return TDM_FINISH_LENGTH;
+    case TDM_FINISH_ABORT:
+        return TDM_FINISH_ABORT;
+    case TDM_FINISH_ERROR:
+        return TDM_FINISH_ERROR;
     default:
-        return TDM_OAI_FINISH_NONE;
+        return TDM_FINISH_NONE;
     }
 }
 
@@ -110,7 +110,7 @@ static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c
     bool stopped = false;
     for (int t = 0; t < c->n && !a->done; t++) {
         int32_t id = c->tokens[t];
-        bool ended_by_it = c->finished && c->reason == TDM_ENGINE_FINISH_STOP &&
+        bool ended_by_it = c->finished && c->reason == TDM_FINISH_STOP &&
                            c->stop_token >= 0 && t == c->n - 1 && id == c->stop_token;
         if (tdm_oai_asm_token(a, id, c->logprobs ? c->logprobs[t] : 0.0f,
                               c->top ? c->top + (size_t)t * (size_t)c->num_top : NULL, c->num_top,
@@ -118,7 +118,7 @@ static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c
             return TDM_ENOMEM;
     }
     if (!a->done && c->finished) {
-        int32_t stop_token = (c->reason == TDM_ENGINE_FINISH_STOP && c->stop_token >= 0 &&
+        int32_t stop_token = (c->reason == TDM_FINISH_STOP && c->stop_token >= 0 &&
                               tdm_oai_is_stop_id(&k->oai.req.sampling, tdm_tok_eos_id(k->s->tok),
                                                  &k->s->gen, c->stop_token))
                                  ? c->stop_token
@@ -128,12 +128,12 @@ static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c
             return TDM_ENOMEM;
     }
     if (stopped)
-        tdm_engine_abort(k->s->engine, k->reqs[i], TDM_ENGINE_FINISH_STOP);
+        tdm_engine_abort(k->s->engine, k->reqs[i], TDM_FINISH_STOP);
     return TDM_OK;
 }
 
 // Aborts what still runs and drops every handle (KV frees at the engine's next step).
-static void release_all(struct call *k, enum tdm_engine_finish why)
+static void release_all(struct call *k, enum tdm_finish why)
 {
     for (size_t i = 0; k->reqs && i < k->oai.n_choices; i++) {
         if (k->reqs[i]) {
@@ -147,7 +147,7 @@ static void release_all(struct call *k, enum tdm_engine_finish why)
 
 static void call_fini(struct call *k)
 {
-    release_all(k, TDM_ENGINE_FINISH_ABORT);
+    release_all(k, TDM_FINISH_ABORT);
     free(k->reqs);
     tdm_oai_call_fini(&k->oai);
 }
@@ -184,7 +184,7 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
         int rc = tdm_engine_submit(s->engine, &ep, &k->reqs[i], err, sizeof err);
         if (rc != TDM_OK) {
             k->reqs[i] = NULL;
-            release_all(k, TDM_ENGINE_FINISH_ABORT);
+            release_all(k, TDM_FINISH_ABORT);
             // The engine's message for a full queue names --max-waiting; the
             // router answers the same failure with the same body.
             return tdm_oai_error_from_err(e, rc,
@@ -271,8 +271,8 @@ static void handle_generate(struct tdm_decode_server *s, struct tdm_http_conn *c
     struct tdm_oai_usage u;
     tdm_oai_call_usage(&k.oai, &u);
     const char *finish = k.client_gone ? "abort" : "-";
-    if (!k.client_gone && k.oai.n_choices && k.oai.choices[0].finish != TDM_OAI_FINISH_NONE)
-        finish = tdm_oai_finish_name(k.oai.choices[0].finish);
+    if (!k.client_gone && k.oai.n_choices && k.oai.choices[0].finish != TDM_FINISH_NONE)
+        finish = tdm_finish_name(k.oai.choices[0].finish);
     TDM_LOG_INFO(MOD, "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
                  k.oai.resp.id, k.oai.n_choices, u.prompt_tokens, u.completion_tokens, finish);
 out:

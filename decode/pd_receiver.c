@@ -239,7 +239,7 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
         m.top = top_ptr;
     }
     m.finished = c->finished;
-    m.finish_reason = (char *)(c->finished ? tdm_engine_finish_name(c->reason) : "");
+    m.finish = c->finished ? tdm_pd_finish_to_proto(c->reason) : TANDEM__FINISH_REASON__FINISH_NONE;
     m.stop_token = c->stop_token;
     m.error = c->error;
     m.message = (char *)(c->message ? c->message : "");
@@ -266,7 +266,7 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
 }
 
 // A final chunk without tokens (error, abort, or a finish decided here).
-static void send_finish(struct djob *j, enum tdm_engine_finish reason, int error,
+static void send_finish(struct djob *j, enum tdm_finish reason, int error,
                         const char *message)
 {
     struct tdm_engine_chunk c;
@@ -290,7 +290,7 @@ static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
     bool sent_first = false, aborted = false;
     for (;;) {
         if (job_stopped(j) && !aborted) {
-            tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(rx->parts.engine, req, TDM_FINISH_ABORT);
             aborted = true;
         }
         struct tdm_engine_chunk c;
@@ -299,14 +299,14 @@ static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
             continue;
         if (rc != TDM_OK)
             return;
-        if (c.finished && c.reason == TDM_ENGINE_FINISH_ABORT && tdm_now() > j->deadline)
+        if (c.finished && c.reason == TDM_FINISH_ABORT && tdm_now() > j->deadline)
             c.message = "the request's deadline passed";
         rc = send_chunk(j, &c, sent_first ? NULL : ph, first);
         sent_first = true;
         if (c.finished)
             return;
         if (rc != TDM_OK && !aborted) {
-            tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(rx->parts.engine, req, TDM_FINISH_ABORT);
             aborted = true;
         }
     }
@@ -350,7 +350,7 @@ static void run_local(struct djob *j)
     struct tdm_engine_request *req = NULL;
     int rc = tdm_engine_submit(rx->parts.engine, &ep, &req, err, sizeof err);
     if (rc != TDM_OK) {
-        send_finish(j, TDM_ENGINE_FINISH_ERROR, rc, err);
+        send_finish(j, TDM_FINISH_ERROR, rc, err);
         return;
     }
     pthread_mutex_lock(&rx->mu);
@@ -358,7 +358,7 @@ static void run_local(struct djob *j)
     bool cancelled = j->cancelled;
     pthread_mutex_unlock(&rx->mu);
     if (cancelled)
-        tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
+        tdm_engine_abort(rx->parts.engine, req, TDM_FINISH_ABORT);
     stream_local(j, req);
 }
 
@@ -622,7 +622,7 @@ static void end_import(struct djob *j, struct tdm_engine_request *req)
 {
     struct tdm_pd_receiver *rx = j->rx;
     struct tdm_engine *e = rx->parts.engine;
-    tdm_engine_abort(e, req, TDM_ENGINE_FINISH_ABORT);
+    tdm_engine_abort(e, req, TDM_FINISH_ABORT);
     // Reserved (now or meanwhile): the abort waits for import_done.
     for (;;) {
         int wrc = tdm_engine_import_wait(req, 0.1, NULL, NULL);
@@ -659,7 +659,7 @@ static enum reserve reserve_blocks(struct djob *j, struct tdm_engine_request **o
     struct tdm_engine_request *req = NULL;
     int rc = tdm_engine_submit(e, &ep, &req, err, sizeof err);
     if (rc != TDM_OK) {
-        send_finish(j, TDM_ENGINE_FINISH_ERROR, rc, err);
+        send_finish(j, TDM_FINISH_ERROR, rc, err);
         return RESERVE_DONE;
     }
     pthread_mutex_lock(&rx->mu);
@@ -720,15 +720,15 @@ static void *job_main(void *arg)
         bool cancelled = j->cancelled || atomic_load(&rx->net.stopping);
         pthread_mutex_unlock(&rx->mu);
         if (cancelled)
-            send_finish(j, TDM_ENGINE_FINISH_ABORT, 0, "cancelled");
+            send_finish(j, TDM_FINISH_ABORT, 0, "cancelled");
         else if (tdm_now() > j->deadline)
-            send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ETIMEDOUT, "the request's deadline passed");
+            send_finish(j, TDM_FINISH_ERROR, TDM_ETIMEDOUT, "the request's deadline passed");
         else if (j->gen->n_prefill == 0 || j->gen->local_fallback) {
             tdm_metrics_counter_inc(tdm_metrics_counter_labels(
                 rx->m.requests, j->gen->n_prefill ? "fallback" : "local"));
             run_local(j);
         } else
-            send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ETRANSPORT,
+            send_finish(j, TDM_FINISH_ERROR, TDM_ETRANSPORT,
                         "every listed prefill worker failed");
     }
     pthread_mutex_lock(&rx->mu);
@@ -775,14 +775,14 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     j->deadline = j->arrival + (left > 0 ? left : 0);
     char err[256];
     if (!tdm_decode_server_ready(rx->server)) {
-        send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ECLOSED,
+        send_finish(j, TDM_FINISH_ERROR, TDM_ECLOSED,
                     "decode worker is not ready (loading or draining)");
         job_free(j);
         return;
     }
     if (tdm_pd_sampling_from_proto(g->sampling, &j->sampling, err, sizeof err) != TDM_OK ||
         g->n_prompt == 0 || g->n_eos_ids > 64) {
-        send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_EINVAL,
+        send_finish(j, TDM_FINISH_ERROR, TDM_EINVAL,
                     g->n_prompt == 0 ? "empty prompt" : err);
         job_free(j);
         return;
@@ -791,7 +791,7 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     for (struct djob *o = rx->jobs; o; o = o->next) {
         if (strcmp(o->request_id, j->request_id) == 0 && o->router_instance == j->router_instance) {
             pthread_mutex_unlock(&rx->mu);
-            send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_EINVAL, "duplicate request id");
+            send_finish(j, TDM_FINISH_ERROR, TDM_EINVAL, "duplicate request id");
             job_free(j);
             return;
         }
@@ -915,7 +915,7 @@ static void on_cancel(void *arg, const struct tdm_net_frame *f)
             if (strcmp(j->request_id, m->request_id) == 0) {
                 j->cancelled = true;
                 if (j->req)
-                    tdm_engine_abort(rx->parts.engine, j->req, TDM_ENGINE_FINISH_ABORT);
+                    tdm_engine_abort(rx->parts.engine, j->req, TDM_FINISH_ABORT);
             }
         }
         pthread_cond_broadcast(&rx->cv);
@@ -1051,7 +1051,7 @@ void tdm_pd_receiver_free(struct tdm_pd_receiver *rx)
     for (struct djob *j = rx->jobs; j; j = j->next) {
         j->cancelled = true;
         if (j->req)
-            tdm_engine_abort(rx->parts.engine, j->req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(rx->parts.engine, j->req, TDM_FINISH_ABORT);
     }
     pthread_cond_broadcast(&rx->cv);
     while (rx->num_jobs > 0)

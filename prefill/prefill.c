@@ -284,7 +284,7 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
         r.logprob = first_lp;
         r.n_top = (size_t)num_top;
         r.top = top_ptr;
-        r.stopped = c.reason == TDM_ENGINE_FINISH_STOP;
+        r.stopped = c.reason == TDM_FINISH_STOP;
         r.num_prompt_tokens = c.num_prompt_tokens;
         r.num_cached_tokens = c.num_cached_tokens;
         r.kv_header.data = (uint8_t *)&h;
@@ -296,7 +296,7 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
             snprintf(err, sizeof err, "KV push failed: %s", push_err);
         else
             snprintf(err, sizeof err, "prefill %s: %s",
-                     c.finished ? tdm_engine_finish_name(c.reason) : "did not finish",
+                     c.finished ? tdm_finish_name(c.reason) : "did not finish",
                      c.message && c.message[0] ? c.message : "no KV held");
         r.message = err;
         if (!push_failed)
@@ -354,7 +354,7 @@ static void *job_main(void *arg)
         bool hold_over = result_sent && now > t_finish + job->hold_seconds;
         if ((cancelled || atomic_load(&p->net.stopping) || now > job->deadline || hold_over) &&
             !aborted) {
-            tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(e, job->req, TDM_FINISH_ABORT);
             aborted = true;
             if (pushing && !push_failed && sent < L) {
                 // A decode worker that gave up or went away counts as hold_timeout too.
@@ -402,7 +402,7 @@ static void *job_main(void *arg)
                 send_kv_error(p, job, rc, err);
             push_failed = true;
             // Nobody can use this prefill any more: stop computing it.
-            tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(e, job->req, TDM_FINISH_ABORT);
             aborted = true;
             continue;
         }
@@ -420,7 +420,7 @@ static void *job_main(void *arg)
 
     // Always: hand the blocks back and forget the job.
     tdm_engine_release_kv(e, job->req); // EINVAL when nothing is held: fine
-    tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
+    tdm_engine_abort(e, job->req, TDM_FINISH_ABORT);
     tdm_engine_request_release(job->req);
     pthread_mutex_lock(&p->mu);
     job_unlink(p, job);
@@ -586,7 +586,7 @@ static void on_cancel(void *arg, const struct tdm_net_frame *f)
         struct pjob *job = job_find(p, m->transfer_id);
         if (job) {
             job->cancelled = true;
-            tdm_engine_abort(p->parts.engine, job->req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(p->parts.engine, job->req, TDM_FINISH_ABORT);
             pthread_cond_broadcast(&p->cv);
         }
         pthread_mutex_unlock(&p->mu);
@@ -665,7 +665,7 @@ void tdm_prefill_service_free(struct tdm_prefill_service *p)
     // Job threads see stopping, abort and release; wait for them to leave.
     pthread_mutex_lock(&p->mu);
     for (struct pjob *j = p->jobs; j; j = j->next)
-        tdm_engine_abort(p->parts.engine, j->req, TDM_ENGINE_FINISH_ABORT);
+        tdm_engine_abort(p->parts.engine, j->req, TDM_FINISH_ABORT);
     pthread_cond_broadcast(&p->cv);
     while (p->num_jobs > 0)
         pthread_cond_wait(&p->cv, &p->mu);

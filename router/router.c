@@ -339,17 +339,6 @@ struct call {
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
 };
 
-static enum tdm_oai_finish map_finish(const char *name)
-{
-    if (strcmp(name, "stop") == 0)
-        return TDM_OAI_FINISH_STOP;
-    if (strcmp(name, "length") == 0)
-        return TDM_OAI_FINISH_LENGTH;
-    if (strcmp(name, "abort") == 0)
-        return TDM_OAI_FINISH_ABORT;
-    return TDM_OAI_FINISH_ERROR;
-}
-
 static void send_cancel(struct call *k, struct choice *ch)
 {
     if (ch->st == NULL || ch->upstream_done)
@@ -409,7 +398,7 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
             top[j].token = m->top[i * (size_t)nt + (size_t)j]->token;
             top[j].logprob = m->top[i * (size_t)nt + (size_t)j]->logprob;
         }
-        bool ended_by_it = m->finished && strcmp(m->finish_reason, "stop") == 0 &&
+        bool ended_by_it = m->finished && m->finish == TANDEM__FINISH_REASON__FINISH_STOP &&
                            m->stop_token >= 0 && i == m->n_tokens - 1 && id == m->stop_token;
         if (tdm_oai_asm_token(ch->a, id, with_lp ? m->logprobs[i] : 0.0f, keep ? top : NULL, keep,
                               ended_by_it, &stopped) != TDM_OK)
@@ -420,8 +409,11 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
     if (m->finished)
         ch->upstream_done = true;
     if (!ch->a->done && m->finished) {
-        enum tdm_oai_finish finish = map_finish(m->finish_reason);
-        int32_t stop_token = (finish == TDM_OAI_FINISH_STOP && m->stop_token >= 0 &&
+        // A finished chunk without a reason is a broken peer: an error finish.
+        enum tdm_finish finish = tdm_pd_finish_from_proto(m->finish);
+        if (finish == TDM_FINISH_NONE)
+            finish = TDM_FINISH_ERROR;
+        int32_t stop_token = (finish == TDM_FINISH_STOP && m->stop_token >= 0 &&
                               tdm_oai_is_stop_id(&rq->sampling, tdm_tok_eos_id(k->s->tok),
                                                  &k->s->gen, m->stop_token))
                                  ? m->stop_token
@@ -431,7 +423,7 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
             return TDM_ENOMEM;
         // A worker that is loading or draining refused it before any token:
         // another decode worker can take it (handle_generate).
-        if (ch->a->finish == TDM_OAI_FINISH_ERROR && ch->a->error == TDM_ECLOSED &&
+        if (ch->a->finish == TDM_FINISH_ERROR && ch->a->error == TDM_ECLOSED &&
             ch->a->completion_tokens == 0)
             k->lost = true;
     }

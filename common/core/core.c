@@ -146,6 +146,12 @@ double tdm_wall_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+const char *tdm_finish_name(enum tdm_finish reason)
+{
+    static const char *const names[TDM_FINISH_COUNT] = {NULL, "stop", "length", "abort", "error"};
+    return (unsigned)reason < TDM_FINISH_COUNT ? names[reason] : NULL;
+}
+
 int tdm_cond_init(pthread_cond_t *cv)
 {
     pthread_condattr_t a;

@@ -38,6 +38,21 @@ const char *tdm_strerror(int err);
 int tdm_seterr(char *err, size_t errlen, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+// ---- finish reason ----------------------------------------------------------------
+// Why a sequence stopped: one enum from the engine through the wire
+// (TokenChunk.finish, the same numbers) to the metrics' finished_reason label
+// and the OpenAI finish_reason; the names are vLLM's.
+enum tdm_finish {
+    TDM_FINISH_NONE = 0, // still running (finish_reason null)
+    TDM_FINISH_STOP,     // EOS, a stop token id (stop_token says which) or a stop string
+    TDM_FINISH_LENGTH,   // max_tokens generated or the context (max_model_len) is full
+    TDM_FINISH_ABORT,    // cancelled: abort, client gone, drain timeout or shutdown
+    TDM_FINISH_ERROR,    // failed (an error code and message say why)
+    TDM_FINISH_COUNT,    // the number of values (not a reason)
+};
+// "stop", "length", "abort", "error"; NULL for NONE and values out of range.
+const char *tdm_finish_name(enum tdm_finish reason);
+
 // ---- logging ------------------------------------------------------------------
 enum tdm_log_level { TDM_LOG_LEVEL_ERR = 0, TDM_LOG_LEVEL_WARN, TDM_LOG_LEVEL_INFO, TDM_LOG_LEVEL_DEBUG };
 

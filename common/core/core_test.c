@@ -123,6 +123,18 @@ static void test_json_depth(void **state)
     assert_int_equal(tdm_json_check_depth(deep, 128, TDM_JSON_MAX_DEPTH, NULL, 0), TDM_OK);
 }
 
+static void test_finish_name(void **state)
+{
+    (void)state;
+    assert_null(tdm_finish_name(TDM_FINISH_NONE));
+    assert_string_equal(tdm_finish_name(TDM_FINISH_STOP), "stop");
+    assert_string_equal(tdm_finish_name(TDM_FINISH_LENGTH), "length");
+    assert_string_equal(tdm_finish_name(TDM_FINISH_ABORT), "abort");
+    assert_string_equal(tdm_finish_name(TDM_FINISH_ERROR), "error");
+    assert_null(tdm_finish_name(TDM_FINISH_COUNT));
+    assert_null(tdm_finish_name((enum tdm_finish)-1));
+}
+
 // ---- timed waits on the monotonic clock ----
 struct waker {
     pthread_mutex_t mu;
@@ -403,6 +415,7 @@ int main(void)
         cmocka_unit_test(test_rng),
         cmocka_unit_test(test_json_depth),
         cmocka_unit_test(test_cond_wait),
+        cmocka_unit_test(test_finish_name),
         cmocka_unit_test(test_flags_parse),
         cmocka_unit_test(test_flags_take_and_help),
     };

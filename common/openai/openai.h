@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "chat.h"
+#include "core.h" // enum tdm_finish
 #include "hf.h"
 #include "sampling.h"
 
@@ -241,14 +242,6 @@ struct tdm_oai_response {
 void tdm_oai_response_init(struct tdm_oai_response *r, enum tdm_oai_kind kind, const char *model,
                            const char *base_id);
 
-enum tdm_oai_finish {
-    TDM_OAI_FINISH_NONE = 0, // still running: finish_reason null
-    TDM_OAI_FINISH_STOP,     // EOS, stop token or stop string
-    TDM_OAI_FINISH_LENGTH,   // max_tokens or context full
-    TDM_OAI_FINISH_ABORT,    // cancelled
-    TDM_OAI_FINISH_ERROR,    // failed mid-way
-};
-const char *tdm_oai_finish_name(enum tdm_oai_finish f); // "stop", ... or NULL for NONE
 
 // One alternative's logprob at a position.
 struct tdm_oai_top_logprob {
@@ -272,7 +265,7 @@ struct tdm_oai_choice {
     int index;
     const char *text; // full text (non-stream) or this chunk's delta; invalid UTF-8
     size_t text_len;  // becomes U+FFFD
-    enum tdm_oai_finish finish;
+    enum tdm_finish finish;
     const char *stop_str; // stop_reason: the matched stop string, else NULL
     int32_t stop_token;   // stop_reason: the matched stop token id, else -1
     bool has_logprobs;    // logprobs object (else null)
@@ -374,7 +367,7 @@ struct tdm_oai_asm {
     struct tdm_oai_stop *stop;
     bool done;       // finish known; later tokens are ignored
     bool reported;   // stream: the finish chunk was written
-    enum tdm_oai_finish finish;
+    enum tdm_finish finish;
     const char *stop_str; // the matched stop string (owned by req)
     int32_t stop_token;   // stop_reason as a token id, else -1
     int completion_tokens;
@@ -406,8 +399,8 @@ int tdm_oai_asm_token(struct tdm_oai_asm *a, int32_t id, float logprob,
                       bool *stopped);
 // The generator finished the choice: flushes held text, then (unless a stop
 // string matched on the way) records finish, stop_token (-1 for none) and for
-// TDM_OAI_FINISH_ERROR error and message (NULL or "": tdm_strerror(error)).
-int tdm_oai_asm_finish(struct tdm_oai_asm *a, enum tdm_oai_finish finish, int32_t stop_token,
+// TDM_FINISH_ERROR error and message (NULL or "": tdm_strerror(error)).
+int tdm_oai_asm_finish(struct tdm_oai_asm *a, enum tdm_finish finish, int32_t stop_token,
                        int error, const char *message, bool *stopped);
 // Ends the choice with an error the server itself saw (timeout, lost upstream).
 void tdm_oai_asm_fail(struct tdm_oai_asm *a, int error, const char *fmt, ...)

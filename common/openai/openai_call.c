@@ -60,7 +60,7 @@ bool tdm_oai_call_done(const struct tdm_oai_call *k)
 const struct tdm_oai_asm *tdm_oai_call_failed(const struct tdm_oai_call *k)
 {
     for (size_t i = 0; i < k->n_choices; i++)
-        if (k->choices[i].done && k->choices[i].finish == TDM_OAI_FINISH_ERROR)
+        if (k->choices[i].done && k->choices[i].finish == TDM_FINISH_ERROR)
             return &k->choices[i];
     return NULL;
 }

@@ -186,7 +186,7 @@ static void answer_echo_only(struct tdm_http_conn *c, const struct tdm_oai_call 
         oc[i].index = (int)i;
         oc[i].text = p->text ? p->text : "";
         oc[i].text_len = p->text_len;
-        oc[i].finish = TDM_OAI_FINISH_LENGTH;
+        oc[i].finish = TDM_FINISH_LENGTH;
         oc[i].stop_token = -1;
     }
     struct tdm_oai_usage u = {k->prompt_tokens, 0};

@@ -65,7 +65,7 @@ static void h_completions(struct tdm_http_conn *c, void *arg)
     static const char *const words[] = {" Paris", " is", " nice", "."};
     if (!req.stream) {
         struct tdm_oai_choice ch = {
-            .text = " Paris", .text_len = 6, .finish = TDM_OAI_FINISH_LENGTH, .stop_token = -1};
+            .text = " Paris", .text_len = 6, .finish = TDM_FINISH_LENGTH, .stop_token = -1};
         struct tdm_oai_usage u = {3, 1};
         char *json = tdm_oai_body(&r, &ch, 1, &u);
         tdm_http_respond_json(c, 200, json);
@@ -77,7 +77,7 @@ static void h_completions(struct tdm_http_conn *c, void *arg)
     for (int i = 0; i < 4; i++) {
         struct tdm_oai_choice ch = {.text = words[i],
                                     .text_len = strlen(words[i]),
-                                    .finish = i == 3 ? TDM_OAI_FINISH_STOP : TDM_OAI_FINISH_NONE,
+                                    .finish = i == 3 ? TDM_FINISH_STOP : TDM_FINISH_NONE,
                                     .stop_token = -1};
         char *json = tdm_oai_chunk(&r, &ch, 1, NULL);
         tdm_http_sse_event(c, json, strlen(json));
@@ -150,7 +150,7 @@ static int script_pump(void *arg)
             rc = tdm_oai_asm_token(a, sc->ids[sc->pos[i]++ % sc->n_ids], -0.25f, NULL, 0, false,
                                    &stopped);
         else
-            rc = tdm_oai_asm_finish(a, TDM_OAI_FINISH_LENGTH, -1, 0, NULL, &stopped);
+            rc = tdm_oai_asm_finish(a, TDM_FINISH_LENGTH, -1, 0, NULL, &stopped);
         if (rc != TDM_OK)
             return -1;
         sc->stops += stopped;
