@@ -86,47 +86,27 @@ struct call {
     bool client_gone;
 };
 
-static enum tdm_finish map_finish(enum tdm_finish f)
-{
-    switch (f) {
-    case TDM_FINISH_STOP:
-        return TDM_FINISH_STOP;
-    case TDM_FINISH_LENGTH:
-        return TDM_FINISH_LENGTH;
-    case TDM_FINISH_ABORT:
-        return TDM_FINISH_ABORT;
-    case TDM_FINISH_ERROR:
-        return TDM_FINISH_ERROR;
-    default:
-        return TDM_FINISH_NONE;
-    }
-}
-
-// Consumes one engine chunk into choice i. A stop string that completes
-// aborts the engine request (counted as finished_reason "stop").
+// Consumes one engine chunk into choice i (common/openai's shared step). A
+// stop string that completes aborts the engine request (counted as
+// finished_reason "stop").
 static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c)
 {
-    struct tdm_oai_asm *a = &k->oai.choices[i];
+    const struct tdm_oai_gen_chunk g = {
+        .tokens = c->tokens,
+        .n = c->n > 0 ? (size_t)c->n : 0,
+        .logprobs = c->logprobs,
+        .top = c->top,
+        .num_top = c->num_top,
+        .finished = c->finished,
+        .reason = c->reason,
+        .stop_token = c->stop_token,
+        .error = c->error,
+        .message = c->message,
+    };
     bool stopped = false;
-    for (int t = 0; t < c->n && !a->done; t++) {
-        int32_t id = c->tokens[t];
-        bool ended_by_it = c->finished && c->reason == TDM_FINISH_STOP &&
-                           c->stop_token >= 0 && t == c->n - 1 && id == c->stop_token;
-        if (tdm_oai_asm_token(a, id, c->logprobs ? c->logprobs[t] : 0.0f,
-                              c->top ? c->top + (size_t)t * (size_t)c->num_top : NULL, c->num_top,
-                              ended_by_it, &stopped) != TDM_OK)
-            return TDM_ENOMEM;
-    }
-    if (!a->done && c->finished) {
-        int32_t stop_token = (c->reason == TDM_FINISH_STOP && c->stop_token >= 0 &&
-                              tdm_oai_is_stop_id(&k->oai.req.sampling, tdm_tok_eos_id(k->s->tok),
-                                                 &k->s->gen, c->stop_token))
-                                 ? c->stop_token
-                                 : -1;
-        if (tdm_oai_asm_finish(a, map_finish(c->reason), stop_token, c->error, c->message,
-                               &stopped) != TDM_OK)
-            return TDM_ENOMEM;
-    }
+    if (tdm_oai_call_take(&k->oai, i, &g, tdm_tok_eos_id(k->s->tok), &k->s->gen, &stopped) !=
+        TDM_OK)
+        return TDM_ENOMEM;
     if (stopped)
         tdm_engine_abort(k->s->engine, k->reqs[i], TDM_FINISH_STOP);
     return TDM_OK;

@@ -34,6 +34,7 @@
 #include "openai_http.h"
 #include "pd_codec.h"
 #include "retry.h"
+#include "router_stream.h"
 #include "tokenizer.h"
 #include "transport.h"
 
@@ -370,10 +371,10 @@ static void note_phases(struct call *k, const Tandem__TokenChunk *m)
     tdm_router_control_prefill_outcome(k->s->ctl, &k->route, remote);
 }
 
-// Consumes one upstream chunk into the choice.
+// Consumes one upstream chunk into the choice (router_stream.c), with the
+// metrics it feeds: time to first token and inter-token latency.
 static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChunk *m)
 {
-    const struct tdm_oai_request *rq = &k->oai.req;
     struct tdm_router_metrics *rm = k->s->rm;
     note_phases(k, m);
     double now = tdm_now();
@@ -385,73 +386,42 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
         ch->last_token_at = now;
     }
     ch->got_chunk = true;
-    bool with_lp = m->n_logprobs == m->n_tokens;
-    int nt = m->num_top > 0 && m->n_top == m->n_tokens * (size_t)m->num_top ? m->num_top : 0;
-    // A request asks for at most TDM_MAX_LOGPROBS alternatives; more from a
-    // worker are cut, not trusted.
-    int keep = nt < TDM_MAX_LOGPROBS ? nt : TDM_MAX_LOGPROBS;
-    struct tdm_token_logprob top[TDM_MAX_LOGPROBS];
-    bool stopped = false;
-    for (size_t i = 0; i < m->n_tokens && !ch->a->done; i++) {
-        int32_t id = m->tokens[i];
-        for (int j = 0; j < keep; j++) {
-            top[j].token = m->top[i * (size_t)nt + (size_t)j]->token;
-            top[j].logprob = m->top[i * (size_t)nt + (size_t)j]->logprob;
-        }
-        bool ended_by_it = m->finished && m->finish == TANDEM__FINISH_REASON__FINISH_STOP &&
-                           m->stop_token >= 0 && i == m->n_tokens - 1 && id == m->stop_token;
-        if (tdm_oai_asm_token(ch->a, id, with_lp ? m->logprobs[i] : 0.0f, keep ? top : NULL, keep,
-                              ended_by_it, &stopped) != TDM_OK)
-            return TDM_ENOMEM;
-    }
-    if (stopped)
+    struct tdm_router_take r;
+    if (tdm_router_take_chunk(&k->oai, (size_t)(ch->a - k->oai.choices), m,
+                              tdm_tok_eos_id(k->s->tok), &k->s->gen, &r) != TDM_OK)
+        return TDM_ENOMEM;
+    if (r.stopped)
         send_cancel(k, ch); // the decode worker stops generating (and frees the KV)
-    if (m->finished)
+    if (r.upstream_done)
         ch->upstream_done = true;
-    if (!ch->a->done && m->finished) {
-        // A finished chunk without a reason is a broken peer: an error finish.
-        enum tdm_finish finish = tdm_pd_finish_from_proto(m->finish);
-        if (finish == TDM_FINISH_NONE)
-            finish = TDM_FINISH_ERROR;
-        int32_t stop_token = (finish == TDM_FINISH_STOP && m->stop_token >= 0 &&
-                              tdm_oai_is_stop_id(&rq->sampling, tdm_tok_eos_id(k->s->tok),
-                                                 &k->s->gen, m->stop_token))
-                                 ? m->stop_token
-                                 : -1;
-        if (tdm_oai_asm_finish(ch->a, finish, stop_token, m->error ? m->error : TDM_ETRANSPORT,
-                               m->message, &stopped) != TDM_OK)
-            return TDM_ENOMEM;
-        // A worker that is loading or draining refused it before any token:
-        // another decode worker can take it (handle_generate).
-        if (ch->a->finish == TDM_FINISH_ERROR && ch->a->error == TDM_ECLOSED &&
-            ch->a->completion_tokens == 0)
-            k->lost = true;
-    }
+    // A worker that is loading or draining refused it before any token:
+    // another decode worker can take it (handle_generate).
+    if (r.refused)
+        k->lost = true;
     return TDM_OK;
 }
 
-// The decode worker of this call is alive: it answered a load query within
-// liveness_timeout (counted from the stream's start) with the same instance.
+// The decode worker of this call is alive (router_stream.c's verdict on its
+// last load report and instance).
 static bool upstream_alive(struct call *k, const struct choice *ch, char *why, size_t cap)
 {
     uint64_t inst = 0;
     double last = 0;
     live_get(k->s, k->route.decode.id, &inst, &last);
-    double since = last > ch->st->started ? last : ch->st->started;
-    if (tdm_now() - since > k->s->o.liveness_timeout) {
-        snprintf(why, cap, "decode worker %s stopped answering", k->route.decode.name);
-        return false;
-    }
     pthread_mutex_lock(&k->s->mu);
     uint64_t st_inst = ch->st->instance;
     pthread_mutex_unlock(&k->s->mu);
-    // A report older than the stream may predate a restart the stream already
-    // talks to (its first chunk can beat the new instance's first report).
-    if (inst != 0 && st_inst != 0 && inst != st_inst && last > ch->st->started) {
+    switch (tdm_router_upstream_check(tdm_now(), ch->st->started, last, k->s->o.liveness_timeout,
+                                      inst, st_inst)) {
+    case TDM_ROUTER_UPSTREAM_SILENT:
+        snprintf(why, cap, "decode worker %s stopped answering", k->route.decode.name);
+        return false;
+    case TDM_ROUTER_UPSTREAM_RESTARTED:
         snprintf(why, cap, "decode worker %s restarted", k->route.decode.name);
         return false;
+    default:
+        return true;
     }
-    return true;
 }
 
 // Reads upstream chunks for every unfinished choice, waiting up to `wait`
@@ -768,15 +738,6 @@ static void call_fini(struct call *k)
     tdm_oai_call_fini(&k->oai);
 }
 
-// True when a choice produced a token (a retry would no longer be invisible).
-static bool client_saw_tokens(const struct call *k)
-{
-    for (size_t i = 0; i < k->oai.n_choices; i++)
-        if (k->oai.choices[i].completion_tokens > 0)
-            return true;
-    return false;
-}
-
 // Waits for choice 0's first chunk (or its end): until then nothing reached
 // the client, so a decode worker lost in that window is replaced
 // transparently. -2 on ENOMEM, else 0 (k->client_gone says if the client left).
@@ -840,7 +801,7 @@ static bool start_with_retries(struct call *k)
             snprintf(err, sizeof err, "lost before the first token");
         }
         uint64_t ep = k->routed ? k->route.decode.id : 0;
-        bool again = tdm_router_retry_next(&budget, end, ep, client_saw_tokens(k));
+        bool again = tdm_router_retry_next(&budget, end, ep, !tdm_router_call_retryable(&k->oai));
         if (end == TDM_ROUTER_ATTEMPT_LOST && !again)
             return true;
         if (end != TDM_ROUTER_ATTEMPT_NO_ROUTE) {

@@ -485,6 +485,31 @@ char *tdm_oai_call_body(const struct tdm_oai_call *k);
 // continuous_usage_stats, usage is that choice's prompt and tokens so far).
 // After the chunk went out call tdm_oai_asm_sent(&k->choices[i], *finish_now).
 int tdm_oai_call_chunk(const struct tdm_oai_call *k, size_t i, char **json, bool *finish_now);
+// One piece of a choice's generator output, in the generator's own terms (the
+// engine's stream in the decode worker, a TokenChunk in the router): new
+// tokens with their logprobs, and its finish once finished.
+struct tdm_oai_gen_chunk {
+    const int32_t *tokens;               // [n]
+    size_t n;
+    const float *logprobs;               // [n] or NULL (not asked for)
+    const struct tdm_token_logprob *top; // [n][num_top] or NULL
+    int num_top;                         // <= TDM_MAX_LOGPROBS
+    bool finished;                       // the generator is done with this choice
+    enum tdm_finish reason;              // finished: why (not NONE)
+    int32_t stop_token;                  // finished by a stop token id: that id, else -1
+    int error;                           // reason ERROR: the code
+    const char *message;                 // reason ERROR: the message (NULL = tdm_strerror)
+};
+// Feeds chunk c into choice i (the step the decode worker and the router
+// share): every token into the assembler (the last one marked as the stop
+// token when it ended the choice), then, when finished, the finish with the
+// stop token named (stop_reason) only as vLLM names it: one of the request's
+// stop_token_ids or generation_config's eos ids, never the tokenizer's own EOS
+// tok_eos (tdm_oai_is_stop_id). *stopped: a stop string ended the choice here,
+// so the caller stops its generator. Tokens after the choice is done are
+// ignored. TDM_OK / TDM_ENOMEM.
+int tdm_oai_call_take(struct tdm_oai_call *k, size_t i, const struct tdm_oai_gen_chunk *c,
+                      int32_t tok_eos, const struct tdm_generation_config *gen, bool *stopped);
 // Stream, completions with echo: choice i's first chunk, its prompt's text alone
 // (no logprobs entries, token_ids [] and prompt_token_ids with return_token_ids,
 // usage as in tdm_oai_call_chunk), sent before any generated text of the
