@@ -77,14 +77,12 @@ static int set_config_done(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
-#define OFF(field) offsetof(struct tdm_decode_config, field)
-#define SIZE(field) sizeof(((struct tdm_decode_config *)0)->field)
 #define STR(n, field, mv, h)                                                                       \
-    {.name = n, .kind = TDM_FLAG_STR, .offset = OFF(field), .size = SIZE(field), .metavar = mv,   \
-     .help = h}
+    TDM_FLAG_FIELD(struct tdm_decode_config, n, TDM_FLAG_STR, field, .metavar = mv, .help = h)
 #define INT(n, field, lo, hi, mv, h)                                                               \
-    {.name = n, .kind = TDM_FLAG_INT, .offset = OFF(field), .min = lo, .max = hi, .metavar = mv,  \
-     .help = h}
+    TDM_FLAG_FIELD(struct tdm_decode_config, n, TDM_FLAG_INT, field, .min = lo, .max = hi,      \
+                   .metavar = mv, .help = h)
+#define OFF(field) offsetof(struct tdm_decode_config, field)
 
 static const struct tdm_flag decode_flags[] = {
     STR("model", model, "DIR|ORG/NAME",

@@ -57,14 +57,14 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
     o->load_interval = 0.2;
 }
 
-#define OFF(field) offsetof(struct tdm_router_opts, field)
-#define SIZE(field) sizeof(((struct tdm_router_opts *)0)->field)
-// Strings may be empty, as before the table (an empty --api-key means none).
 #define STR(n, field, mv, h)                                                                       \
-    {.name = n, .kind = TDM_FLAG_STR, .offset = OFF(field), .size = SIZE(field), .metavar = mv,   \
-     .help = h, .empty_ok = true}
+    TDM_FLAG_FIELD(struct tdm_router_opts, n, TDM_FLAG_STR, field, .metavar = mv, .help = h,    \
+                   .empty_ok = true)
 #define NUM(n, k, field, lo, hi, mv, h)                                                            \
-    {.name = n, .kind = k, .offset = OFF(field), .min = lo, .max = hi, .metavar = mv, .help = h}
+    TDM_FLAG_FIELD(struct tdm_router_opts, n, k, field, .min = lo, .max = hi, .metavar = mv,    \
+                   .help = h)
+#define OFF(field) offsetof(struct tdm_router_opts, field)
+// Strings may be empty, as before the table (an empty --api-key means none).
 
 static const struct tdm_flag router_flags[] = {
     STR("config", config, "FILE", "routing config (docs/router-config.md); hot reloaded"),

@@ -199,21 +199,15 @@ static int take_goodput(struct bench_args *a, int *argc, char **argv, char *err,
     return TDM_OK;
 }
 
-#define OFF(field) offsetof(struct bench_args, field)
 #define PTR(n, field, mv, h)                                                                       \
-    {                                                                                              \
-        .name = n, .kind = TDM_FLAG_PTR, .offset = OFF(field), .metavar = mv, .help = h,           \
-        .empty_ok = true                                                                           \
-    }
+    TDM_FLAG_FIELD(struct bench_args, n, TDM_FLAG_PTR, field, .metavar = mv, .help = h,         \
+                   .empty_ok = true)
 #define COUNT(n, field, mv, h, hide)                                                               \
-    {                                                                                              \
-        .name = n, .kind = TDM_FLAG_INT, .offset = OFF(field), .min = 1, .max = 100000000,         \
-        .metavar = mv, .help = h, .hidden = hide                                                   \
-    }
+    TDM_FLAG_FIELD(struct bench_args, n, TDM_FLAG_INT, field, .min = 1, .max = 100000000,       \
+                   .metavar = mv, .help = h, .hidden = hide)
 #define FN(n, f, mv, h, hide)                                                                      \
-    {                                                                                              \
-        .name = n, .kind = TDM_FLAG_FN, .fn = f, .metavar = mv, .help = h, .hidden = hide          \
-    }
+    {.name = n, .kind = TDM_FLAG_FN, .fn = f, .metavar = mv, .help = h, .hidden = hide}
+#define OFF(field) offsetof(struct bench_args, field)
 
 static const struct tdm_flag bench_flags[] = {
     PTR("base-url", cfg.base_url, "URL",

@@ -162,6 +162,15 @@ struct tdm_flag {
     bool hidden;         // not listed by tdm_flags_help (another spelling of a listed flag)
 };
 
+// A table entry for field of the options struct T: name, kind, offset and size
+// filled in; the rest (.metavar, .help, .min, .max, ...) given after field.
+#define TDM_FLAG_FIELD(T, n, k, field, ...)                                                        \
+    {.name = (n),                                                                                  \
+     .kind = (k),                                                                                  \
+     .offset = offsetof(T, field),                                                                 \
+     .size = sizeof(((T *)0)->field),                                                              \
+     __VA_ARGS__}
+
 struct tdm_flags {
     const char *usage;            // --help's first lines, each ending in '\n'
     const struct tdm_flag *flags; // [n]

@@ -102,16 +102,12 @@ static int set_log_level(void *opts, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
-#define OFF(field) offsetof(struct up_opts, field)
 #define PTR(n, field, mv, h)                                                                       \
-    {                                                                                              \
-        .name = n, .kind = TDM_FLAG_PTR, .offset = OFF(field), .metavar = mv, .help = h,           \
-        .empty_ok = true                                                                           \
-    }
+    TDM_FLAG_FIELD(struct up_opts, n, TDM_FLAG_PTR, field, .metavar = mv, .help = h,            \
+                   .empty_ok = true)
 #define NUM(n, k, field, lo, hi, mv, h)                                                            \
-    {                                                                                              \
-        .name = n, .kind = k, .offset = OFF(field), .min = lo, .max = hi, .metavar = mv, .help = h \
-    }
+    TDM_FLAG_FIELD(struct up_opts, n, k, field, .min = lo, .max = hi, .metavar = mv, .help = h)
+#define OFF(field) offsetof(struct up_opts, field)
 
 static const struct tdm_flag up_flags[] = {
     PTR("model", model, "DIR|ID",

@@ -58,16 +58,11 @@ static int set_dtype(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
-#define OFF(field) offsetof(struct args, field)
 #define PTR(n, field, mv, h)                                                                       \
-    {                                                                                              \
-        .name = n, .kind = TDM_FLAG_PTR, .offset = OFF(field), .metavar = mv, .help = h,           \
-        .empty_ok = true                                                                           \
-    }
+    TDM_FLAG_FIELD(struct args, n, TDM_FLAG_PTR, field, .metavar = mv, .help = h, .empty_ok = true)
 #define NUM(n, k, field, lo, hi, mv, h)                                                            \
-    {                                                                                              \
-        .name = n, .kind = k, .offset = OFF(field), .min = lo, .max = hi, .metavar = mv, .help = h \
-    }
+    TDM_FLAG_FIELD(struct args, n, k, field, .min = lo, .max = hi, .metavar = mv, .help = h)
+#define OFF(field) offsetof(struct args, field)
 
 static const struct tdm_flag generate_flags[] = {
     PTR("model", model, "DIR", "the model folder (required)"),

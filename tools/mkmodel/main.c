@@ -84,25 +84,15 @@ static int set_seed(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
-#define OFF(field) offsetof(struct mk_args, field)
 #define SIZE(n, field, h)                                                                          \
-    {                                                                                              \
-        .name = n, .kind = TDM_FLAG_INT, .offset = OFF(s.field), .min = 0, .max = 1e9,             \
-        .metavar = "N", .help = h                                                                  \
-    }
+    TDM_FLAG_FIELD(struct mk_args, n, TDM_FLAG_INT, s.field, .min = 0, .max = 1e9, .metavar = "N", \
+                   .help = h)
 #define REAL(n, k, field, h)                                                                       \
-    {                                                                                              \
-        .name = n, .kind = k, .offset = OFF(s.field), .min = -1e300, .max = 1e300, .metavar = "X", \
-        .help = h                                                                                  \
-    }
-#define FN(n, f, mv, h)                                                                            \
-    {                                                                                              \
-        .name = n, .kind = TDM_FLAG_FN, .fn = f, .metavar = mv, .help = h                          \
-    }
-#define FN0(n, f, h)                                                                               \
-    {                                                                                              \
-        .name = n, .kind = TDM_FLAG_FN, .fn = f, .no_value = true, .help = h                       \
-    }
+    TDM_FLAG_FIELD(struct mk_args, n, k, s.field, .min = -1e300, .max = 1e300, .metavar = "X",  \
+                   .help = h)
+#define FN(n, f, mv, h) {.name = n, .kind = TDM_FLAG_FN, .fn = f, .metavar = mv, .help = h}
+#define FN0(n, f, h) {.name = n, .kind = TDM_FLAG_FN, .fn = f, .no_value = true, .help = h}
+#define OFF(field) offsetof(struct mk_args, field)
 
 static const struct tdm_flag mkmodel_flags[] = {
     {.name = "out",
