@@ -5,8 +5,8 @@
 //   - the generation path: parse, chat template, tokenize and context checks
 //     (common/openai's tdm_oai_call) -> one engine request per choice -> read
 //     the engine's output streams into the choices' assemblers (incremental
-//     detokenizer, stop-string matcher) -> SSE chunks (common/http's
-//     tdm_http_oai_stream, with this file's engine pump) or one body.
+//     detokenizer, stop-string matcher) -> SSE chunks (common/openai's
+//     tdm_oai_http_stream, with this file's engine pump) or one body.
 // Invariants: an HTTP thread never touches the model or the KV cache, only the
 // engine's queues; every engine request a handler submitted is aborted (if
 // still running) and released before the handler returns, so a client that
@@ -33,6 +33,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "openai.h"
+#include "openai_http.h"
 #include "tokenizer.h"
 
 #ifndef TANDEM_VERSION
@@ -74,9 +75,9 @@ struct tdm_decode_server {
 // ---- generation -------------------------------------------------------------------------
 // One call = the request's choices (common/openai: tokens -> text, stop
 // strings, logprobs, finish) and one engine request per choice behind them;
-// common/http writes the stream. Error -> status goes through
-// tdm_http_status_for_err (common/http), except that a full waiting queue and a
-// draining server are 503 (common/http adds Retry-After to every 503 error).
+// common/openai's openai_http writes the stream. A failure is answered by
+// tdm_oai_error_from_err / tdm_oai_http_fail, as the router answers it (a full
+// waiting queue and a draining server are 503 with Retry-After).
 struct call {
     struct tdm_decode_server *s;
     struct tdm_http_conn *conn;
@@ -85,54 +86,34 @@ struct call {
     bool client_gone;
 };
 
-static enum tdm_oai_finish map_finish(enum tdm_engine_finish f)
-{
-    switch (f) {
-    case TDM_ENGINE_FINISH_STOP:
-        return TDM_OAI_FINISH_STOP;
-    case TDM_ENGINE_FINISH_LENGTH:
-        return TDM_OAI_FINISH_LENGTH;
-    case TDM_ENGINE_FINISH_ABORT:
-        return TDM_OAI_FINISH_ABORT;
-    case TDM_ENGINE_FINISH_ERROR:
-        return TDM_OAI_FINISH_ERROR;
-    default:
-        return TDM_OAI_FINISH_NONE;
-    }
-}
-
-// Consumes one engine chunk into choice i. A stop string that completes
-// aborts the engine request (counted as finished_reason "stop").
+// Consumes one engine chunk into choice i (common/openai's shared step). A
+// stop string that completes aborts the engine request (counted as
+// finished_reason "stop").
 static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c)
 {
-    struct tdm_oai_asm *a = &k->oai.choices[i];
+    const struct tdm_oai_gen_chunk g = {
+        .tokens = c->tokens,
+        .n = c->n > 0 ? (size_t)c->n : 0,
+        .logprobs = c->logprobs,
+        .top = c->top,
+        .num_top = c->num_top,
+        .finished = c->finished,
+        .reason = c->reason,
+        .stop_token = c->stop_token,
+        .error = c->error,
+        .message = c->message,
+    };
     bool stopped = false;
-    for (int t = 0; t < c->n && !a->done; t++) {
-        int32_t id = c->tokens[t];
-        bool ended_by_it = c->finished && c->reason == TDM_ENGINE_FINISH_STOP &&
-                           c->stop_token >= 0 && t == c->n - 1 && id == c->stop_token;
-        if (tdm_oai_asm_token(a, id, c->logprobs ? c->logprobs[t] : 0.0f,
-                              c->top ? c->top + (size_t)t * (size_t)c->num_top : NULL, c->num_top,
-                              ended_by_it, &stopped) != TDM_OK)
-            return TDM_ENOMEM;
-    }
-    if (!a->done && c->finished) {
-        int32_t stop_token = (c->reason == TDM_ENGINE_FINISH_STOP && c->stop_token >= 0 &&
-                              tdm_oai_is_stop_id(&k->oai.req.sampling, tdm_tok_eos_id(k->s->tok),
-                                                 &k->s->gen, c->stop_token))
-                                 ? c->stop_token
-                                 : -1;
-        if (tdm_oai_asm_finish(a, map_finish(c->reason), stop_token, c->error, c->message,
-                               &stopped) != TDM_OK)
-            return TDM_ENOMEM;
-    }
+    if (tdm_oai_call_take(&k->oai, i, &g, tdm_tok_eos_id(k->s->tok), &k->s->gen, &stopped) !=
+        TDM_OK)
+        return TDM_ENOMEM;
     if (stopped)
-        tdm_engine_abort(k->s->engine, k->reqs[i], TDM_ENGINE_FINISH_STOP);
+        tdm_engine_abort(k->s->engine, k->reqs[i], TDM_FINISH_STOP);
     return TDM_OK;
 }
 
 // Aborts what still runs and drops every handle (KV frees at the engine's next step).
-static void release_all(struct call *k, enum tdm_engine_finish why)
+static void release_all(struct call *k, enum tdm_finish why)
 {
     for (size_t i = 0; k->reqs && i < k->oai.n_choices; i++) {
         if (k->reqs[i]) {
@@ -146,7 +127,7 @@ static void release_all(struct call *k, enum tdm_engine_finish why)
 
 static void call_fini(struct call *k)
 {
-    release_all(k, TDM_ENGINE_FINISH_ABORT);
+    release_all(k, TDM_FINISH_ABORT);
     free(k->reqs);
     tdm_oai_call_fini(&k->oai);
 }
@@ -183,15 +164,11 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
         int rc = tdm_engine_submit(s->engine, &ep, &k->reqs[i], err, sizeof err);
         if (rc != TDM_OK) {
             k->reqs[i] = NULL;
-            release_all(k, TDM_ENGINE_FINISH_ABORT);
-            if (rc == TDM_EBUSY)
-                return tdm_oai_seterr(e, 503, NULL,
-                                      "The server is overloaded: the waiting queue is full "
-                                      "(--max-waiting %d). Retry later.",
-                                      s->cfg.max_waiting);
-            if (rc == TDM_ECLOSED)
-                return tdm_oai_seterr(e, 503, NULL, "The server is shutting down.");
-            return tdm_oai_seterr(e, tdm_http_status_for_err(rc), NULL, "%s", err);
+            release_all(k, TDM_FINISH_ABORT);
+            // The engine's message for a full queue names --max-waiting; the
+            // router answers the same failure with the same body.
+            return tdm_oai_error_from_err(e, rc,
+                                          rc == TDM_ECLOSED ? "The server is shutting down." : err);
         }
     }
     return TDM_OK;
@@ -199,7 +176,7 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
 
 // Reads engine output for every unfinished choice; blocks briefly when none
 // had anything. Returns the number of choices that progressed, -2 on ENOMEM.
-// (The call's token source for tdm_http_oai_stream.)
+// (The call's token source for tdm_oai_http_stream.)
 static int pump(void *arg)
 {
     struct call *k = arg;
@@ -237,13 +214,13 @@ static void run_collect(struct call *k)
 {
     while (!tdm_oai_call_done(&k->oai)) {
         if (pump(k) < 0) {
-            tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
+            tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
             return;
         }
     }
     const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
     if (bad) {
-        tdm_http_respond_errorf(k->conn, 500, NULL, "%s", bad->message);
+        tdm_oai_http_fail(k->conn, bad->error, bad->message);
         return;
     }
     tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));
@@ -258,24 +235,24 @@ static void handle_generate(struct tdm_decode_server *s, struct tdm_http_conn *c
     memset(&k, 0, sizeof k);
     k.s = s;
     k.conn = c;
-    if (!tdm_http_oai_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
+    if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
         goto out; // answered: an error, or echo only
     struct tdm_oai_error e;
     if (submit_all(&k, arrival, &e) != TDM_OK) {
-        tdm_http_respond_oai_error(c, &e);
+        tdm_oai_http_error(c, &e);
         goto out;
     }
     // Streams probe the client after a second without tokens (queued, long prefill).
     if (k.oai.req.stream)
-        k.client_gone = tdm_http_oai_stream(c, &k.oai, pump, &k, 1.0) == TDM_ECLOSED;
+        k.client_gone = tdm_oai_http_stream(c, &k.oai, pump, &k, 1.0) == TDM_ECLOSED;
     else
         run_collect(&k);
     // One line per request; finish=abort when the client went away.
     struct tdm_oai_usage u;
     tdm_oai_call_usage(&k.oai, &u);
     const char *finish = k.client_gone ? "abort" : "-";
-    if (!k.client_gone && k.oai.n_choices && k.oai.choices[0].finish != TDM_OAI_FINISH_NONE)
-        finish = tdm_oai_finish_name(k.oai.choices[0].finish);
+    if (!k.client_gone && k.oai.n_choices && k.oai.choices[0].finish != TDM_FINISH_NONE)
+        finish = tdm_finish_name(k.oai.choices[0].finish);
     TDM_LOG_INFO(MOD, "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
                  k.oai.resp.id, k.oai.n_choices, u.prompt_tokens, u.completion_tokens, finish);
 out:
@@ -306,8 +283,9 @@ static void on_health(struct tdm_http_conn *c, void *arg)
     if (state == STATE_READY)
         tdm_http_respond(c, 200, "application/json", "", 0);
     else
-        tdm_http_respond_errorf(c, 503, NULL, "%s",
-                      state == STATE_LOADING ? "The model is loading." : "The server is draining.");
+        tdm_oai_http_errorf(c, 503, NULL, "%s",
+                            state == STATE_LOADING ? "The model is loading."
+                                                   : "The server is draining.");
 }
 
 static void on_metrics(struct tdm_http_conn *c, void *arg)
@@ -320,7 +298,7 @@ static void on_metrics(struct tdm_http_conn *c, void *arg)
     char *text = NULL;
     size_t len = 0;
     if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
-        tdm_http_respond_errorf(c, 500, NULL, "metrics rendering failed");
+        tdm_oai_http_errorf(c, 500, NULL, "metrics rendering failed");
         return;
     }
     tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
@@ -342,9 +320,9 @@ static void on_api(struct tdm_decode_server *s, struct tdm_http_conn *c, enum ap
     atomic_fetch_add(&s->inflight, 1);
     int state = atomic_load(&s->state);
     if (state != STATE_READY)
-        tdm_http_respond_errorf(c, 503, NULL, "%s",
-                      state == STATE_LOADING ? "The model is loading."
-                                             : "The server is shutting down.");
+        tdm_oai_http_errorf(c, 503, NULL, "%s",
+                            state == STATE_LOADING ? "The model is loading."
+                                                   : "The server is shutting down.");
     else if (r == ROUTE_MODELS)
         handle_models(s, c);
     else if (r == ROUTE_COMPLETIONS)
@@ -352,9 +330,9 @@ static void on_api(struct tdm_decode_server *s, struct tdm_http_conn *c, enum ap
     else if (r == ROUTE_CHAT)
         handle_generate(s, c, TDM_OAI_CHAT);
     else if (r == ROUTE_TOKENIZE)
-        tdm_http_oai_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
+        tdm_oai_http_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
     else
-        tdm_http_oai_detokenize(c, &s->info, s->tok);
+        tdm_oai_http_detokenize(c, &s->info, s->tok);
     if (atomic_fetch_sub(&s->inflight, 1) == 1) {
         pthread_mutex_lock(&s->mu);
         pthread_cond_broadcast(&s->idle_cv);
@@ -397,7 +375,7 @@ int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decod
     atomic_init(&s->state, STATE_LOADING);
     atomic_init(&s->inflight, 0);
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->idle_cv, NULL);
+    tdm_cond_init(&s->idle_cv);
     s->created = (int64_t)time(NULL);
 
     int threads = cfg->http_threads;
@@ -412,6 +390,7 @@ int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decod
     hc.num_threads = threads;
     hc.max_body_bytes = cfg->max_body_bytes;
     hc.api_key = cfg->api_key[0] ? cfg->api_key : NULL;
+    hc.error_body = tdm_oai_http_error_body;
     static const struct {
         const char *method, *path;
         tdm_http_handler_fn fn;
@@ -660,14 +639,7 @@ int tdm_decode_server_drain(struct tdm_decode_server *s, double timeout_s)
     double deadline = tdm_now() + 5.0;
     pthread_mutex_lock(&s->mu);
     while (atomic_load(&s->inflight) > 0 && tdm_now() < deadline) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 50 * 1000 * 1000;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&s->idle_cv, &s->mu, &ts);
+        tdm_cond_wait_for(&s->idle_cv, &s->mu, 0.05);
     }
     pthread_mutex_unlock(&s->mu);
     return rc;

@@ -77,12 +77,10 @@ int tdm_decode_config_load_file(struct tdm_decode_config *cfg, const char *path,
 int tdm_decode_config_parse_args(struct tdm_decode_config *cfg, int argc, char **argv, char *err,
                                  size_t errlen);
 
-// The --help text.
-const char *tdm_decode_usage(void);
-
-// Parses a byte size: digits with an optional suffix K, M, G, T (binary), KiB,
-// MiB, GiB, TiB (binary) or KB, MB, GB, TB (decimal), B. TDM_EINVAL otherwise.
-int tdm_decode_parse_bytes(const char *text, size_t *out);
+// The flag table (core's struct tdm_flags): --help is tdm_flags_help of it.
+// Byte sizes ("2GiB", "512MiB") parse with core's tdm_parse_bytes.
+struct tdm_flags;
+const struct tdm_flags *tdm_decode_flags(void);
 
 // ---- the server --------------------------------------------------------------------------
 struct tdm_decode_server;

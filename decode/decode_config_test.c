@@ -98,17 +98,17 @@ static void test_bytes(void **state)
 {
     (void)state;
     size_t b;
-    assert_int_equal(tdm_decode_parse_bytes("1024", &b), TDM_OK);
+    assert_int_equal(tdm_parse_bytes("1024", &b), TDM_OK);
     assert_int_equal(b, 1024);
-    assert_int_equal(tdm_decode_parse_bytes("512MiB", &b), TDM_OK);
+    assert_int_equal(tdm_parse_bytes("512MiB", &b), TDM_OK);
     assert_int_equal(b, (size_t)512 << 20);
-    assert_int_equal(tdm_decode_parse_bytes("2G", &b), TDM_OK);
+    assert_int_equal(tdm_parse_bytes("2G", &b), TDM_OK);
     assert_int_equal(b, (size_t)2 << 30);
-    assert_int_equal(tdm_decode_parse_bytes("1.5GB", &b), TDM_OK);
+    assert_int_equal(tdm_parse_bytes("1.5GB", &b), TDM_OK);
     assert_int_equal(b, (size_t)1500000000);
-    assert_int_equal(tdm_decode_parse_bytes("-1", &b), TDM_EINVAL);
-    assert_int_equal(tdm_decode_parse_bytes("GiB", &b), TDM_EINVAL);
-    assert_int_equal(tdm_decode_parse_bytes("1.5", &b), TDM_EINVAL);
+    assert_int_equal(tdm_parse_bytes("-1", &b), TDM_EINVAL);
+    assert_int_equal(tdm_parse_bytes("GiB", &b), TDM_EINVAL);
+    assert_int_equal(tdm_parse_bytes("1.5", &b), TDM_EINVAL);
 }
 
 static void write_file(const char *path, const char *text)

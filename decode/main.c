@@ -27,8 +27,8 @@ int main(int argc, char **argv)
     }
     int prc = tdm_decode_config_parse_args(&cfg, argc, argv, err, sizeof err);
     if (prc == 1) {
-        fputs(tdm_decode_usage(), stdout);
-        fputs(tdm_pd_receiver_usage(), stdout);
+        tdm_flags_help(tdm_decode_flags(), stdout);
+        tdm_flags_help(tdm_pd_receiver_flags(), stdout);
         return 0;
     }
     if (prc != 0) {

@@ -52,49 +52,45 @@ void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg)
     cfg->send_timeout = 2;
 }
 
-const char *tdm_pd_receiver_usage(void)
+static int set_nng_url(void *o, const char *v, char *err, size_t errlen)
 {
-    return "Disaggregated prefill/decode (docs/pd-protocol.md; flags only, not --config keys):\n"
-           "  --nng-url URL                 this worker's nng inbox, e.g. tcp://0.0.0.0:9300;\n"
-           "                                enables P/D (default off)\n"
-           "  --pd-prefill-timeout SECONDS  wait for a prefill worker's result (default 60)\n"
-           "  --pd-transfer-timeout SECONDS wait for the KV still missing after the prefill\n"
-           "                                result (default 30)\n"
-           "  --pd-layers-per-frame N       KV layers per frame asked of the prefill worker\n"
-           "                                (default 4)\n"
-           "  --pd-prefill-liveness SECONDS a prefill worker silent to load queries this\n"
-           "                                long counts as failed (default 2)\n";
+    struct tdm_pd_receiver_config *cfg = o;
+    return tdm_pd_flag_url(cfg->nng_url, sizeof cfg->nng_url, v, true, err, errlen); // "" = off
 }
 
-static const char *const flag_names[] = {"--nng-url", "--pd-prefill-timeout",
-                                         "--pd-transfer-timeout", "--pd-layers-per-frame",
-                                         "--pd-prefill-liveness"};
+#define SECONDS(n, field, h)                                                                       \
+    {.name = n, .kind = TDM_FLAG_DOUBLE, .offset = offsetof(struct tdm_pd_receiver_config, field), \
+     .min = 1e-9, .max = 1e6, .metavar = "SECONDS", .help = h}
 
-static int set_flag(void *arg, int which, const char *val, char *err, size_t errlen)
+static const struct tdm_flag receiver_flags[] = {
+    {.name = "nng-url", .kind = TDM_FLAG_FN, .fn = set_nng_url, .metavar = "URL",
+     .help = "this worker's nng inbox, e.g. tcp://0.0.0.0:9300;\nenables P/D (default off)"},
+    SECONDS("pd-prefill-timeout", prefill_timeout,
+            "wait for a prefill worker's result (default 60)"),
+    SECONDS("pd-transfer-timeout", transfer_timeout,
+            "wait for the KV still missing after the prefill\nresult (default 30)"),
+    {.name = "pd-layers-per-frame", .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct tdm_pd_receiver_config, layers_per_frame), .min = 1, .max = 1e6,
+     .metavar = "N", .help = "KV layers per frame asked of the prefill worker\n(default 4)"},
+    SECONDS("pd-prefill-liveness", prefill_liveness,
+            "a prefill worker silent to load queries this\nlong counts as failed (default 2)"),
+};
+
+static const struct tdm_flags receiver_table = {
+    .usage = "Disaggregated prefill/decode (docs/pd-protocol.md; flags only, not --config keys):\n",
+    .flags = receiver_flags,
+    .n = sizeof receiver_flags / sizeof receiver_flags[0],
+};
+
+const struct tdm_flags *tdm_pd_receiver_flags(void)
 {
-    struct tdm_pd_receiver_config *cfg = arg;
-    if (which == 0) // "" turns P/D off
-        return tdm_pd_flag_url(cfg->nng_url, sizeof cfg->nng_url, val, true, err, errlen);
-    char *end = NULL;
-    double x = strtod(val, &end);
-    if (end == val || *end != '\0' || !(x > 0) || x > 1e6)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a positive number, got \"%s\"",
-                          flag_names[which], val);
-    if (which == 1)
-        cfg->prefill_timeout = x;
-    else if (which == 2)
-        cfg->transfer_timeout = x;
-    else if (which == 4)
-        cfg->prefill_liveness = x;
-    else
-        cfg->layers_per_frame = x < 1 ? 1 : (int)x;
-    return TDM_OK;
+    return &receiver_table;
 }
 
 int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv, char *err,
                               size_t errlen)
 {
-    return tdm_pd_take_flags(argc, argv, flag_names, 5, set_flag, cfg, err, errlen);
+    return tdm_flags_take(&receiver_table, cfg, argc, argv, err, errlen);
 }
 
 // ---- state -------------------------------------------------------------------------------
@@ -159,16 +155,7 @@ uint64_t tdm_pd_receiver_instance(const struct tdm_pd_receiver *r)
 
 static void timed_wait(struct tdm_pd_receiver *rx, double seconds)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    long ns = (long)(seconds * 1e9);
-    ts.tv_sec += ns / 1000000000;
-    ts.tv_nsec += ns % 1000000000;
-    if (ts.tv_nsec >= 1000000000) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000;
-    }
-    pthread_cond_timedwait(&rx->cv, &rx->mu, &ts);
+    tdm_cond_wait_for(&rx->cv, &rx->mu, seconds);
 }
 
 // True once j should end: cancelled, the service stopping or its deadline passed.
@@ -252,7 +239,7 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
         m.top = top_ptr;
     }
     m.finished = c->finished;
-    m.finish_reason = (char *)(c->finished ? tdm_engine_finish_name(c->reason) : "");
+    m.finish = c->finished ? tdm_pd_finish_to_proto(c->reason) : TANDEM__FINISH_REASON__FINISH_NONE;
     m.stop_token = c->stop_token;
     m.error = c->error;
     m.message = (char *)(c->message ? c->message : "");
@@ -279,7 +266,7 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
 }
 
 // A final chunk without tokens (error, abort, or a finish decided here).
-static void send_finish(struct djob *j, enum tdm_engine_finish reason, int error,
+static void send_finish(struct djob *j, enum tdm_finish reason, int error,
                         const char *message)
 {
     struct tdm_engine_chunk c;
@@ -303,7 +290,7 @@ static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
     bool sent_first = false, aborted = false;
     for (;;) {
         if (job_stopped(j) && !aborted) {
-            tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(rx->parts.engine, req, TDM_FINISH_ABORT);
             aborted = true;
         }
         struct tdm_engine_chunk c;
@@ -312,14 +299,14 @@ static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
             continue;
         if (rc != TDM_OK)
             return;
-        if (c.finished && c.reason == TDM_ENGINE_FINISH_ABORT && tdm_now() > j->deadline)
+        if (c.finished && c.reason == TDM_FINISH_ABORT && tdm_now() > j->deadline)
             c.message = "the request's deadline passed";
         rc = send_chunk(j, &c, sent_first ? NULL : ph, first);
         sent_first = true;
         if (c.finished)
             return;
         if (rc != TDM_OK && !aborted) {
-            tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(rx->parts.engine, req, TDM_FINISH_ABORT);
             aborted = true;
         }
     }
@@ -363,7 +350,7 @@ static void run_local(struct djob *j)
     struct tdm_engine_request *req = NULL;
     int rc = tdm_engine_submit(rx->parts.engine, &ep, &req, err, sizeof err);
     if (rc != TDM_OK) {
-        send_finish(j, TDM_ENGINE_FINISH_ERROR, rc, err);
+        send_finish(j, TDM_FINISH_ERROR, rc, err);
         return;
     }
     pthread_mutex_lock(&rx->mu);
@@ -371,7 +358,7 @@ static void run_local(struct djob *j)
     bool cancelled = j->cancelled;
     pthread_mutex_unlock(&rx->mu);
     if (cancelled)
-        tdm_engine_abort(rx->parts.engine, req, TDM_ENGINE_FINISH_ABORT);
+        tdm_engine_abort(rx->parts.engine, req, TDM_FINISH_ABORT);
     stream_local(j, req);
 }
 
@@ -635,7 +622,7 @@ static void end_import(struct djob *j, struct tdm_engine_request *req)
 {
     struct tdm_pd_receiver *rx = j->rx;
     struct tdm_engine *e = rx->parts.engine;
-    tdm_engine_abort(e, req, TDM_ENGINE_FINISH_ABORT);
+    tdm_engine_abort(e, req, TDM_FINISH_ABORT);
     // Reserved (now or meanwhile): the abort waits for import_done.
     for (;;) {
         int wrc = tdm_engine_import_wait(req, 0.1, NULL, NULL);
@@ -672,7 +659,7 @@ static enum reserve reserve_blocks(struct djob *j, struct tdm_engine_request **o
     struct tdm_engine_request *req = NULL;
     int rc = tdm_engine_submit(e, &ep, &req, err, sizeof err);
     if (rc != TDM_OK) {
-        send_finish(j, TDM_ENGINE_FINISH_ERROR, rc, err);
+        send_finish(j, TDM_FINISH_ERROR, rc, err);
         return RESERVE_DONE;
     }
     pthread_mutex_lock(&rx->mu);
@@ -733,15 +720,15 @@ static void *job_main(void *arg)
         bool cancelled = j->cancelled || atomic_load(&rx->net.stopping);
         pthread_mutex_unlock(&rx->mu);
         if (cancelled)
-            send_finish(j, TDM_ENGINE_FINISH_ABORT, 0, "cancelled");
+            send_finish(j, TDM_FINISH_ABORT, 0, "cancelled");
         else if (tdm_now() > j->deadline)
-            send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ETIMEDOUT, "the request's deadline passed");
+            send_finish(j, TDM_FINISH_ERROR, TDM_ETIMEDOUT, "the request's deadline passed");
         else if (j->gen->n_prefill == 0 || j->gen->local_fallback) {
             tdm_metrics_counter_inc(tdm_metrics_counter_labels(
                 rx->m.requests, j->gen->n_prefill ? "fallback" : "local"));
             run_local(j);
         } else
-            send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ETRANSPORT,
+            send_finish(j, TDM_FINISH_ERROR, TDM_ETRANSPORT,
                         "every listed prefill worker failed");
     }
     pthread_mutex_lock(&rx->mu);
@@ -788,14 +775,14 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     j->deadline = j->arrival + (left > 0 ? left : 0);
     char err[256];
     if (!tdm_decode_server_ready(rx->server)) {
-        send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_ECLOSED,
+        send_finish(j, TDM_FINISH_ERROR, TDM_ECLOSED,
                     "decode worker is not ready (loading or draining)");
         job_free(j);
         return;
     }
     if (tdm_pd_sampling_from_proto(g->sampling, &j->sampling, err, sizeof err) != TDM_OK ||
         g->n_prompt == 0 || g->n_eos_ids > 64) {
-        send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_EINVAL,
+        send_finish(j, TDM_FINISH_ERROR, TDM_EINVAL,
                     g->n_prompt == 0 ? "empty prompt" : err);
         job_free(j);
         return;
@@ -804,7 +791,7 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     for (struct djob *o = rx->jobs; o; o = o->next) {
         if (strcmp(o->request_id, j->request_id) == 0 && o->router_instance == j->router_instance) {
             pthread_mutex_unlock(&rx->mu);
-            send_finish(j, TDM_ENGINE_FINISH_ERROR, TDM_EINVAL, "duplicate request id");
+            send_finish(j, TDM_FINISH_ERROR, TDM_EINVAL, "duplicate request id");
             job_free(j);
             return;
         }
@@ -928,7 +915,7 @@ static void on_cancel(void *arg, const struct tdm_net_frame *f)
             if (strcmp(j->request_id, m->request_id) == 0) {
                 j->cancelled = true;
                 if (j->req)
-                    tdm_engine_abort(rx->parts.engine, j->req, TDM_ENGINE_FINISH_ABORT);
+                    tdm_engine_abort(rx->parts.engine, j->req, TDM_FINISH_ABORT);
             }
         }
         pthread_cond_broadcast(&rx->cv);
@@ -1018,7 +1005,7 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *
     rx->cfg = *cfg;
     rx->server = server;
     pthread_mutex_init(&rx->mu, NULL);
-    pthread_cond_init(&rx->cv, NULL);
+    tdm_cond_init(&rx->cv);
     int rc = tdm_decode_server_parts(server, &rx->parts);
     if (rc != TDM_OK) {
         tdm_seterr(err, errlen, rc, "pd: the server is not loaded");
@@ -1064,7 +1051,7 @@ void tdm_pd_receiver_free(struct tdm_pd_receiver *rx)
     for (struct djob *j = rx->jobs; j; j = j->next) {
         j->cancelled = true;
         if (j->req)
-            tdm_engine_abort(rx->parts.engine, j->req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(rx->parts.engine, j->req, TDM_FINISH_ABORT);
     }
     pthread_cond_broadcast(&rx->cv);
     while (rx->num_jobs > 0)

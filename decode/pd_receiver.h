@@ -42,9 +42,11 @@ void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg);
 // parser sees it. TDM_EINVAL with err for a bad value.
 int tdm_pd_receiver_take_args(struct tdm_pd_receiver_config *cfg, int *argc, char **argv, char *err,
                               size_t errlen);
-// The P/D flags' part of `tandem-decode --help` (static text; every flag
-// tdm_pd_receiver_take_args accepts, with its default).
-const char *tdm_pd_receiver_usage(void);
+// The P/D flags' table (core's struct tdm_flags): `tandem-decode --help` lists
+// it after the decode flags (tdm_flags_help); tdm_pd_receiver_take_args takes
+// exactly these.
+struct tdm_flags;
+const struct tdm_flags *tdm_pd_receiver_flags(void);
 
 // Starts the receiver on a loaded server. TDM_EBUSY before load,
 // TDM_ETRANSPORT when it cannot listen.

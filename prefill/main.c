@@ -14,15 +14,6 @@
 #include "decode.h"
 #include "prefill.h"
 
-static const char usage[] =
-    "usage: tandem-prefill --model DIR [--nng-url tcp://HOST:PORT] [--kv-hold-seconds S]\n"
-    "                      [--layers-per-frame N] [tandem-decode flags...]\n"
-    "  --nng-url URL          inbox for PrefillRequest/Cancel (default tcp://0.0.0.0:9200)\n"
-    "  --kv-hold-seconds S    release prefilled KV not all sent S seconds after the prefill\n"
-    "                         (default 30)\n"
-    "  --layers-per-frame N   at most N layers per KvData frame (default 4)\n"
-    "Every other flag is tandem-decode's (--port for /health and /metrics, default 8001).\n";
-
 int main(int argc, char **argv)
 {
     char err[1024];
@@ -36,8 +27,8 @@ int main(int argc, char **argv)
     tdm_decode_config_default(&cfg);
     int prc = tdm_decode_config_parse_args(&cfg, argc, argv, err, sizeof err);
     if (prc == 1) {
-        fputs(usage, stdout);
-        fputs(tdm_decode_usage(), stdout);
+        tdm_flags_help(tdm_prefill_flags(), stdout);
+        tdm_flags_help(tdm_decode_flags(), stdout);
         return 0;
     }
     if (prc != 0) {

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "core.h"
@@ -80,7 +81,11 @@ static void test_decode_pd_args(void **state)
 static void test_decode_pd_usage(void **state)
 {
     (void)state;
-    const char *u = tdm_pd_receiver_usage();
+    char u[4096] = "";
+    FILE *f = fmemopen(u, sizeof u, "w");
+    assert_non_null(f);
+    tdm_flags_help(tdm_pd_receiver_flags(), f);
+    fclose(f);
     static const char *const flags[] = {"--nng-url", "--pd-prefill-timeout",
                                         "--pd-transfer-timeout", "--pd-layers-per-frame",
                                         "--pd-prefill-liveness"};

@@ -44,41 +44,42 @@ void tdm_prefill_config_default(struct tdm_prefill_config *cfg)
     cfg->send_timeout = 5;
 }
 
-static int parse_double(const char *flag, const char *v, double lo, double *out, char *err,
-                        size_t errlen)
+static int set_nng_url(void *o, const char *v, char *err, size_t errlen)
 {
-    char *end = NULL;
-    double x = v ? strtod(v, &end) : 0;
-    if (v == NULL || end == v || *end != '\0' || !(x >= lo) || x > 1e9)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a number >= %g, got \"%s\"", flag,
-                          lo, v ? v : "");
-    *out = x;
-    return TDM_OK;
+    struct tdm_prefill_config *cfg = o;
+    return tdm_pd_flag_url(cfg->nng_url, sizeof cfg->nng_url, v, false, err, errlen);
 }
 
-static const char *const flag_names[] = {"--nng-url", "--kv-hold-seconds", "--layers-per-frame"};
+static const struct tdm_flag prefill_flags[] = {
+    {.name = "nng-url", .kind = TDM_FLAG_FN, .fn = set_nng_url, .metavar = "URL",
+     .help = "inbox for PrefillRequest/Cancel (default tcp://0.0.0.0:9200)"},
+    {.name = "kv-hold-seconds", .kind = TDM_FLAG_DOUBLE,
+     .offset = offsetof(struct tdm_prefill_config, hold_seconds), .min = 0.1, .max = 1e9,
+     .metavar = "S",
+     .help = "release prefilled KV not all sent S seconds after the prefill\n(default 30)"},
+    {.name = "layers-per-frame", .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct tdm_prefill_config, layers_per_frame), .min = 1, .max = 1e9,
+     .metavar = "N", .help = "at most N layers per KvData frame (default 4)"},
+};
 
-static int set_flag(void *arg, int which, const char *val, char *err, size_t errlen)
+static const struct tdm_flags prefill_table = {
+    .usage = "usage: tandem-prefill --model DIR [--nng-url tcp://HOST:PORT] [--kv-hold-seconds S]\n"
+             "                      [--layers-per-frame N] [tandem-decode flags...]\n",
+    .flags = prefill_flags,
+    .n = sizeof prefill_flags / sizeof prefill_flags[0],
+    .footer = "Every other flag is tandem-decode's (--port for /health and /metrics, default "
+              "8001).\n",
+};
+
+const struct tdm_flags *tdm_prefill_flags(void)
 {
-    struct tdm_prefill_config *cfg = arg;
-    if (which == 0)
-        return tdm_pd_flag_url(cfg->nng_url, sizeof cfg->nng_url, val, false, err, errlen);
-    double x = 0;
-    int rc;
-    if (which == 1) {
-        rc = parse_double("--kv-hold-seconds", val, 0.1, &x, err, errlen);
-        cfg->hold_seconds = x;
-    } else {
-        rc = parse_double("--layers-per-frame", val, 1, &x, err, errlen);
-        cfg->layers_per_frame = (int)x;
-    }
-    return rc;
+    return &prefill_table;
 }
 
 int tdm_prefill_config_take_args(struct tdm_prefill_config *cfg, int *argc, char **argv, char *err,
                                  size_t errlen)
 {
-    return tdm_pd_take_flags(argc, argv, flag_names, 3, set_flag, cfg, err, errlen);
+    return tdm_flags_take(&prefill_table, cfg, argc, argv, err, errlen);
 }
 
 // ---- service -----------------------------------------------------------------------------
@@ -283,7 +284,7 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
         r.logprob = first_lp;
         r.n_top = (size_t)num_top;
         r.top = top_ptr;
-        r.stopped = c.reason == TDM_ENGINE_FINISH_STOP;
+        r.stopped = c.reason == TDM_FINISH_STOP;
         r.num_prompt_tokens = c.num_prompt_tokens;
         r.num_cached_tokens = c.num_cached_tokens;
         r.kv_header.data = (uint8_t *)&h;
@@ -295,7 +296,7 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
             snprintf(err, sizeof err, "KV push failed: %s", push_err);
         else
             snprintf(err, sizeof err, "prefill %s: %s",
-                     c.finished ? tdm_engine_finish_name(c.reason) : "did not finish",
+                     c.finished ? tdm_finish_name(c.reason) : "did not finish",
                      c.message && c.message[0] ? c.message : "no KV held");
         r.message = err;
         if (!push_failed)
@@ -338,14 +339,7 @@ static void *job_main(void *arg)
         int want = sent + per < L ? sent + per : L;
         bool frame_ready = pushing && !push_failed && sent < L && job->layers_ready >= want;
         if (!frame_ready && !(job->finished && !result_sent)) {
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 100 * 1000 * 1000;
-            if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000;
-            }
-            pthread_cond_timedwait(&job->cv, &job->mu, &ts);
+            tdm_cond_wait_for(&job->cv, &job->mu, 0.1);
             frame_ready = pushing && !push_failed && sent < L && job->layers_ready >= want;
         }
         bool finished = job->finished;
@@ -360,7 +354,7 @@ static void *job_main(void *arg)
         bool hold_over = result_sent && now > t_finish + job->hold_seconds;
         if ((cancelled || atomic_load(&p->net.stopping) || now > job->deadline || hold_over) &&
             !aborted) {
-            tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(e, job->req, TDM_FINISH_ABORT);
             aborted = true;
             if (pushing && !push_failed && sent < L) {
                 // A decode worker that gave up or went away counts as hold_timeout too.
@@ -408,7 +402,7 @@ static void *job_main(void *arg)
                 send_kv_error(p, job, rc, err);
             push_failed = true;
             // Nobody can use this prefill any more: stop computing it.
-            tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(e, job->req, TDM_FINISH_ABORT);
             aborted = true;
             continue;
         }
@@ -426,7 +420,7 @@ static void *job_main(void *arg)
 
     // Always: hand the blocks back and forget the job.
     tdm_engine_release_kv(e, job->req); // EINVAL when nothing is held: fine
-    tdm_engine_abort(e, job->req, TDM_ENGINE_FINISH_ABORT);
+    tdm_engine_abort(e, job->req, TDM_FINISH_ABORT);
     tdm_engine_request_release(job->req);
     pthread_mutex_lock(&p->mu);
     job_unlink(p, job);
@@ -510,7 +504,7 @@ static void on_prefill(void *arg, const struct tdm_net_frame *f)
         goto out;
     }
     pthread_mutex_init(&job->mu, NULL);
-    pthread_cond_init(&job->cv, NULL);
+    tdm_cond_init(&job->cv);
     job->svc = p;
     job->transfer_id = m->transfer_id;
     job->push = push;
@@ -592,7 +586,7 @@ static void on_cancel(void *arg, const struct tdm_net_frame *f)
         struct pjob *job = job_find(p, m->transfer_id);
         if (job) {
             job->cancelled = true;
-            tdm_engine_abort(p->parts.engine, job->req, TDM_ENGINE_FINISH_ABORT);
+            tdm_engine_abort(p->parts.engine, job->req, TDM_FINISH_ABORT);
             pthread_cond_broadcast(&p->cv);
         }
         pthread_mutex_unlock(&p->mu);
@@ -671,7 +665,7 @@ void tdm_prefill_service_free(struct tdm_prefill_service *p)
     // Job threads see stopping, abort and release; wait for them to leave.
     pthread_mutex_lock(&p->mu);
     for (struct pjob *j = p->jobs; j; j = j->next)
-        tdm_engine_abort(p->parts.engine, j->req, TDM_ENGINE_FINISH_ABORT);
+        tdm_engine_abort(p->parts.engine, j->req, TDM_FINISH_ABORT);
     pthread_cond_broadcast(&p->cv);
     while (p->num_jobs > 0)
         pthread_cond_wait(&p->cv, &p->mu);

@@ -34,6 +34,10 @@ void tdm_prefill_config_default(struct tdm_prefill_config *cfg);
 // Takes the prefill-only flags (--nng-url, --kv-hold-seconds, --layers-per-frame)
 // out of argv (compacting it; *argc shrinks) so the rest can go to
 // tdm_decode_config_parse_args. TDM_EINVAL with err for a bad value.
+// The prefill flags' table (core's struct tdm_flags), the first part of
+// `tandem-prefill --help`.
+struct tdm_flags;
+const struct tdm_flags *tdm_prefill_flags(void);
 int tdm_prefill_config_take_args(struct tdm_prefill_config *cfg, int *argc, char **argv, char *err,
                                  size_t errlen);
 

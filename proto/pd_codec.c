@@ -8,6 +8,26 @@
 
 #include "core.h"
 
+// The wire's numbers are enum tdm_finish's, so a cast converts; these checks
+// keep the two from drifting apart.
+_Static_assert(TANDEM__FINISH_REASON__FINISH_NONE == (int)TDM_FINISH_NONE &&
+                   TANDEM__FINISH_REASON__FINISH_STOP == (int)TDM_FINISH_STOP &&
+                   TANDEM__FINISH_REASON__FINISH_LENGTH == (int)TDM_FINISH_LENGTH &&
+                   TANDEM__FINISH_REASON__FINISH_ABORT == (int)TDM_FINISH_ABORT &&
+                   TANDEM__FINISH_REASON__FINISH_ERROR == (int)TDM_FINISH_ERROR,
+               "tandem.proto FinishReason must match enum tdm_finish");
+
+Tandem__FinishReason tdm_pd_finish_to_proto(enum tdm_finish reason)
+{
+    return (unsigned)reason < TDM_FINISH_COUNT ? (Tandem__FinishReason)reason
+                                               : TANDEM__FINISH_REASON__FINISH_ERROR;
+}
+
+enum tdm_finish tdm_pd_finish_from_proto(Tandem__FinishReason reason)
+{
+    return (unsigned)reason < TDM_FINISH_COUNT ? (enum tdm_finish)reason : TDM_FINISH_ERROR;
+}
+
 void tdm_pd_sampling_to_proto(const struct tdm_sampling_params *p, struct tdm_pd_sampling_msg *out)
 {
     Tandem__SamplingParams init = TANDEM__SAMPLING_PARAMS__INIT;

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core.h"
 #include "kv_cache.h"
 #include "sampling.h"
 #include "tandem.pb-c.h"
@@ -29,6 +30,12 @@ void tdm_pd_sampling_to_proto(const struct tdm_sampling_params *p, struct tdm_pd
 // value ranges are the engine's to check (tdm_engine_submit validates).
 int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampling_params *out,
                                char *err, size_t errlen);
+
+// A finish reason on the wire (TokenChunk.finish): the same numbers as enum
+// tdm_finish. From the wire, a value this build does not know is an error
+// finish (a peer's bytes are untrusted).
+Tandem__FinishReason tdm_pd_finish_to_proto(enum tdm_finish reason);
+enum tdm_finish tdm_pd_finish_from_proto(Tandem__FinishReason reason);
 
 // Checks a PrefillResult's kv_header bytes (struct tdm_kv_header) against the
 // receiver's cache geometry (kv: layers, KV heads, head_dim, block size), its

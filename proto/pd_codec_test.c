@@ -92,6 +92,27 @@ static void fill_header(struct tdm_kv_header *h)
     h->num_tokens = 40;
 }
 
+// The finish reason crosses the wire as the same number; a value from a newer
+// or broken peer reads as an error finish.
+static void test_finish_on_the_wire(void **state)
+{
+    (void)state;
+    for (int r = TDM_FINISH_NONE; r < TDM_FINISH_COUNT; r++) {
+        Tandem__TokenChunk m = TANDEM__TOKEN_CHUNK__INIT;
+        m.finished = r != TDM_FINISH_NONE;
+        m.finish = tdm_pd_finish_to_proto((enum tdm_finish)r);
+        uint8_t buf[64];
+        size_t n = tandem__token_chunk__pack(&m, buf);
+        Tandem__TokenChunk *back = tandem__token_chunk__unpack(NULL, n, buf);
+        assert_non_null(back);
+        assert_int_equal(tdm_pd_finish_from_proto(back->finish), r);
+        tandem__token_chunk__free_unpacked(back, NULL);
+    }
+    assert_int_equal(tdm_pd_finish_from_proto((Tandem__FinishReason)99), TDM_FINISH_ERROR);
+    assert_int_equal(tdm_pd_finish_from_proto((Tandem__FinishReason)-1), TDM_FINISH_ERROR);
+    assert_int_equal(tdm_pd_finish_to_proto((enum tdm_finish)7), TANDEM__FINISH_REASON__FINISH_ERROR);
+}
+
 static void test_kv_header_check(void **state)
 {
     (void)state;
@@ -261,6 +282,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sampling_round_trip),
         cmocka_unit_test(test_kv_header_check),
+        cmocka_unit_test(test_finish_on_the_wire),
         cmocka_unit_test(test_push_target),
         cmocka_unit_test(test_layer_bytes),
         cmocka_unit_test(test_garbage_messages),

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// pd_service: the P/D roles' shared nng service, transfer metrics and flag
-// walk (see pd_service.h).
+// pd_service: the P/D roles' shared nng service, transfer metrics and the
+// --nng-url check (see pd_service.h).
 #include "pd_service.h"
 
 #include <stdio.h>
@@ -139,39 +139,6 @@ void tdm_pd_metrics_fail(const struct tdm_pd_metrics *m, const char *reason)
 }
 
 // ---- flags -------------------------------------------------------------------------------
-int tdm_pd_take_flags(int *argc, char **argv, const char *const *names, int n, tdm_pd_flag_fn set,
-                      void *cfg, char *err, size_t errlen)
-{
-    int w = 1;
-    for (int i = 1; i < *argc; i++) {
-        const char *a = argv[i];
-        int which = -1;
-        const char *val = NULL;
-        for (int k = 0; k < n; k++) {
-            size_t len = strlen(names[k]);
-            if (strncmp(a, names[k], len) == 0 && (a[len] == '\0' || a[len] == '=')) {
-                which = k;
-                if (a[len] == '=')
-                    val = a + len + 1;
-                else if (i + 1 < *argc)
-                    val = argv[++i];
-                else
-                    return tdm_seterr(err, errlen, TDM_EINVAL, "%s: missing value", names[k]);
-            }
-        }
-        if (which < 0) {
-            argv[w++] = argv[i];
-            continue;
-        }
-        int rc = set(cfg, which, val, err, errlen);
-        if (rc != TDM_OK)
-            return rc;
-    }
-    argv[w] = NULL;
-    *argc = w;
-    return TDM_OK;
-}
-
 int tdm_pd_flag_url(char *dst, size_t dst_size, const char *value, bool allow_empty, char *err,
                     size_t errlen)
 {

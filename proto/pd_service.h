@@ -7,7 +7,8 @@
 // (flag, inbox closed, thread joined) the roles do before they wait for their
 // job threads. Also the shape of the transfer metrics both roles keep (bytes,
 // blocks, requests, failures by reason, seconds per transfer; each role its own
-// names) and the walk that takes a role's flags out of argv.
+// names) and the check of an --nng-url value (the flags themselves are core
+// flag tables, tdm_flags_take).
 //
 // Invariants: the handlers and fill_load run on the receive thread only, never
 // after tdm_pd_service_stop returned; the outbox stays usable from any thread
@@ -98,15 +99,6 @@ int tdm_pd_metrics_register(struct tdm_pd_metrics *m, struct tdm_metrics_registr
 void tdm_pd_metrics_fail(const struct tdm_pd_metrics *m, const char *reason);
 
 // ---- flags -------------------------------------------------------------------------------
-// Sets the role's config from flag names[which] and its value; nonzero (err
-// filled) stops the walk and is returned.
-typedef int (*tdm_pd_flag_fn)(void *cfg, int which, const char *value, char *err, size_t errlen);
-// Takes the flags names[n] ("--flag VALUE" or "--flag=VALUE") out of argv
-// before another parser sees it: every other argument stays, in order, and
-// *argc shrinks (argv[*argc] = NULL). TDM_EINVAL "--flag: missing value" when
-// a flag ends argv; set's error otherwise (argv is then left part-compacted).
-int tdm_pd_take_flags(int *argc, char **argv, const char *const *names, int n, tdm_pd_flag_fn set,
-                      void *cfg, char *err, size_t errlen);
 // Copies an --nng-url value into dst[dst_size]. TDM_EINVAL "--nng-url: expected
 // tcp://HOST:PORT, got \"VALUE\"" (dst unchanged) when it does not fit or has no
 // "://"; "" is taken when allow_empty (the decode worker's "P/D off").

@@ -6,8 +6,7 @@
 // it cannot listen on fails cleanly; the transfer metrics render with the
 // role's names and help texts, the requests label or none, the reason label
 // and the fixed buckets, and a second registration of the same names is
-// refused; the flag walk takes both flag forms out of argv and keeps the rest
-// in order, and refuses a missing value or a bad one; an --nng-url value needs
+// refused; an --nng-url value needs
 // a scheme and must fit ("" only where allowed).
 #include <setjmp.h>
 #include <stdarg.h>
@@ -286,71 +285,6 @@ static void test_metrics(void **state)
 }
 
 // ---- flags -------------------------------------------------------------------------------
-struct flags {
-    char url[32];
-    double seconds;
-    int calls;
-};
-
-static int set_flag(void *arg, int which, const char *value, char *err, size_t errlen)
-{
-    struct flags *fl = arg;
-    fl->calls++;
-    if (which == 0) {
-        snprintf(fl->url, sizeof fl->url, "%s", value);
-        return TDM_OK;
-    }
-    char *end = NULL;
-    fl->seconds = strtod(value, &end);
-    if (end == value || *end != '\0')
-        return tdm_seterr(err, errlen, TDM_EINVAL, "--seconds: bad \"%s\"", value);
-    return TDM_OK;
-}
-
-static void test_take_flags(void **state)
-{
-    (void)state;
-    static const char *const names[] = {"--url", "--seconds"};
-    char err[256] = "";
-    struct flags fl;
-    memset(&fl, 0, sizeof fl);
-    char *argv[] = {"prog",   "--model", "m", "--url=tcp://h:1", "--seconds", "2.5", "--urls", "x",
-                    "--port", "1",       NULL};
-    int argc = 10;
-    assert_int_equal(tdm_pd_take_flags(&argc, argv, names, 2, set_flag, &fl, err, sizeof err),
-                     TDM_OK);
-    assert_int_equal(argc, 7);
-    const char *rest[] = {"prog", "--model", "m", "--urls", "x", "--port", "1"};
-    for (int i = 0; i < 7; i++)
-        assert_string_equal(argv[i], rest[i]);
-    assert_null(argv[7]);
-    assert_string_equal(fl.url, "tcp://h:1");
-    assert_true(fl.seconds == 2.5);
-    assert_int_equal(fl.calls, 2);
-
-    char *none[] = {"prog", NULL};
-    argc = 1;
-    assert_int_equal(tdm_pd_take_flags(&argc, none, names, 2, set_flag, &fl, err, sizeof err),
-                     TDM_OK);
-    assert_int_equal(argc, 1);
-    assert_null(none[1]);
-
-    char *missing[] = {"prog", "--seconds", NULL};
-    argc = 2;
-    assert_int_equal(tdm_pd_take_flags(&argc, missing, names, 2, set_flag, &fl, err, sizeof err),
-                     TDM_EINVAL);
-    assert_string_equal(err, "--seconds: missing value");
-    assert_int_equal(argc, 2);
-
-    char *bad[] = {"prog", "--seconds=x", "--url", "u", NULL};
-    argc = 4;
-    fl.calls = 0;
-    assert_int_equal(tdm_pd_take_flags(&argc, bad, names, 2, set_flag, &fl, err, sizeof err),
-                     TDM_EINVAL);
-    assert_non_null(strstr(err, "--seconds: bad \"x\""));
-    assert_int_equal(fl.calls, 1); // the walk stopped at the bad value
-}
-
 static void test_flag_url(void **state)
 {
     (void)state;
@@ -378,7 +312,6 @@ int main(void)
         cmocka_unit_test(test_service_dispatch),
         cmocka_unit_test(test_service_init_fails),
         cmocka_unit_test(test_metrics),
-        cmocka_unit_test(test_take_flags),
         cmocka_unit_test(test_flag_url),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -510,7 +510,7 @@ int tdm_router_endpoints_new(struct tdm_router_endpoints **out, const struct tdm
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
     pthread_mutex_init(&reg->mu, NULL);
     pthread_mutex_init(&reg->check_mu, NULL);
-    pthread_cond_init(&reg->cv, NULL);
+    tdm_cond_init(&reg->cv);
     reg->cfg = tdm_router_config_ref((struct tdm_router_config *)cfg);
     reg->metrics = metrics;
     reg->resolve = tdm_router_resolve_getaddrinfo;
@@ -889,15 +889,7 @@ static void *bg_main(void *arg)
         double wake = next_health < now + 0.1 ? next_health : now + 0.1;
         if (reg->cfg->n_dns && next_dns < wake)
             wake = next_dns;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        double d = wake - now;
-        if (d < 0)
-            d = 0;
-        long ns = ts.tv_nsec + (long)((d - (long)d) * 1e9);
-        ts.tv_sec += (time_t)d + ns / 1000000000L;
-        ts.tv_nsec = ns % 1000000000L;
-        pthread_cond_timedwait(&reg->cv, &reg->mu, &ts);
+        tdm_cond_wait_for(&reg->cv, &reg->mu, wake - now);
     }
     pthread_mutex_unlock(&reg->mu);
     return NULL;

@@ -19,11 +19,11 @@ int main(int argc, char **argv)
     tdm_router_opts_default(&o);
     int prc = tdm_router_opts_parse_args(&o, argc, argv, err, sizeof err);
     if (prc == 1) {
-        fputs(tdm_router_usage(), stdout);
+        tdm_flags_help(tdm_router_flags(), stdout);
         return 0;
     }
     if (prc != TDM_OK) {
-        fprintf(stderr, "tandem-router: %s\n%s", err, tdm_router_usage());
+        fprintf(stderr, "tandem-router: %s (see --help)\n", err);
         return 2;
     }
     tdm_log_set_role("router");

@@ -11,7 +11,7 @@
 //
 // The OpenAI response shaping (detokenization, stop strings, logprobs, echo,
 // usage, SSE) is the decode worker's own (common/openai's tdm_oai_call,
-// common/http's tdm_http_oai_stream) so that text through the router equals
+// common/openai's tdm_oai_http_stream) so that text through the router equals
 // text from the decode worker alone; this file feeds it TokenChunks.
 #include "router.h"
 
@@ -31,8 +31,10 @@
 #include "http.h"
 #include "metrics.h"
 #include "openai.h"
+#include "openai_http.h"
 #include "pd_codec.h"
 #include "retry.h"
+#include "router_stream.h"
 #include "tokenizer.h"
 #include "transport.h"
 
@@ -55,115 +57,58 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
     o->load_interval = 0.2;
 }
 
-const char *tdm_router_usage(void)
-{
-    return "usage: tandem-router --config FILE --model DIR [options]\n"
-           "  --config FILE            routing config (docs/router-config.md); hot reloaded\n"
-           "  --model DIR              model folder for the tokenizer, chat template, config.json\n"
-           "  --served-model-name NAME name in requests and responses\n"
-           "  --chat-template FILE     override the tokenizer's chat template\n"
-           "  --host ADDR --port N     HTTP listen address (default 0.0.0.0:8000)\n"
-           "  --nng-url URL            the router's nng inbox (default tcp://127.0.0.1:0)\n"
-           "  --api-key KEY            require Authorization: Bearer KEY\n"
-           "  --http-threads N         concurrent HTTP requests (default 256)\n"
-           "  --max-body-bytes N       request body limit (default 16777216)\n"
-           "  --max-model-len N        context length (default config.json's)\n"
-           "  --liveness-timeout S     worker silent this long mid-stream = lost (default 1)\n"
-           "  --load-interval S        load query period (default 0.2)\n"
-           "  --no-watch-config        reload only on SIGHUP\n"
-           "  --log-level LEVEL        err|warn|info|debug (default info)\n";
-}
+#define STR(n, field, mv, h)                                                                       \
+    TDM_FLAG_FIELD(struct tdm_router_opts, n, TDM_FLAG_STR, field, .metavar = mv, .help = h,    \
+                   .empty_ok = true)
+#define NUM(n, k, field, lo, hi, mv, h)                                                            \
+    TDM_FLAG_FIELD(struct tdm_router_opts, n, k, field, .min = lo, .max = hi, .metavar = mv,    \
+                   .help = h)
+#define OFF(field) offsetof(struct tdm_router_opts, field)
+// Strings may be empty, as before the table (an empty --api-key means none).
 
-static int set_str(char *dst, size_t cap, const char *flag, const char *v, char *err, size_t errlen)
-{
-    if (strlen(v) >= cap)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: value too long", flag);
-    snprintf(dst, cap, "%s", v);
-    return TDM_OK;
-}
+static const struct tdm_flag router_flags[] = {
+    STR("config", config, "FILE", "routing config (docs/router-config.md); hot reloaded"),
+    STR("model", model, "DIR", "model folder for the tokenizer, chat template, config.json"),
+    STR("served-model-name", served_model_name, "NAME", "name in requests and responses"),
+    STR("chat-template", chat_template, "FILE", "override the tokenizer's chat template"),
+    STR("host", host, "ADDR", "HTTP listen address (default 0.0.0.0)"),
+    NUM("port", TDM_FLAG_INT, port, 0, 65535, "N", "HTTP listen port (default 8000)"),
+    STR("nng-url", nng_url, "URL", "the router's nng inbox (default tcp://127.0.0.1:0)"),
+    STR("api-key", api_key, "KEY", "require Authorization: Bearer KEY"),
+    NUM("http-threads", TDM_FLAG_INT, http_threads, 1, 4096, "N",
+        "concurrent HTTP requests (default 256)"),
+    NUM("max-body-bytes", TDM_FLAG_BYTES, max_body_bytes, 1024, 1e12, "N",
+        "request body limit (default 16777216)"),
+    NUM("max-model-len", TDM_FLAG_INT, max_model_len, 0, 1e9, "N",
+        "context length (default config.json's)"),
+    NUM("liveness-timeout", TDM_FLAG_DOUBLE, liveness_timeout, 0.05, 3600, "S",
+        "worker silent this long mid-stream = lost (default 1)"),
+    NUM("load-interval", TDM_FLAG_DOUBLE, load_interval, 0.01, 60, "S",
+        "load query period (default 0.2)"),
+    {.name = "watch-config", .kind = TDM_FLAG_BOOL, .offset = OFF(watch),
+     .help = "reload the config when its file changes (default)"},
+    {.name = "no-watch-config", .kind = TDM_FLAG_NOT, .offset = OFF(watch),
+     .help = "reload only on SIGHUP"},
+    STR("log-level", log_level, "LEVEL", "err|warn|info|debug (default info)"),
+};
 
-static int set_num(double *out, const char *flag, const char *v, double lo, double hi, char *err,
-                   size_t errlen)
+static const struct tdm_flags router_table = {
+    .usage = "usage: tandem-router --config FILE --model DIR [options]\n",
+    .flags = router_flags,
+    .n = sizeof router_flags / sizeof router_flags[0],
+};
+
+const struct tdm_flags *tdm_router_flags(void)
 {
-    char *end = NULL;
-    double x = strtod(v, &end);
-    if (end == v || *end != '\0' || !(x >= lo && x <= hi))
-        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: expected a number in [%g, %g], got \"%s\"",
-                          flag, lo, hi, v);
-    *out = x;
-    return TDM_OK;
+    return &router_table;
 }
 
 int tdm_router_opts_parse_args(struct tdm_router_opts *o, int argc, char **argv, char *err,
                                size_t errlen)
 {
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0)
-            return 1;
-        if (strcmp(a, "--no-watch-config") == 0) {
-            o->watch = false;
-            continue;
-        }
-        if (strcmp(a, "--watch-config") == 0) {
-            o->watch = true;
-            continue;
-        }
-        if (strncmp(a, "--", 2) != 0)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "unexpected argument \"%s\"", a);
-        char name[64];
-        const char *v = NULL;
-        const char *eq = strchr(a, '=');
-        size_t nl = eq ? (size_t)(eq - a) : strlen(a);
-        if (nl >= sizeof name)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "unknown option \"%s\"", a);
-        memcpy(name, a, nl);
-        name[nl] = '\0';
-        if (eq)
-            v = eq + 1;
-        else if (i + 1 < argc)
-            v = argv[++i];
-        else
-            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: missing value", name);
-        double x = 0;
-        int rc = TDM_OK;
-        if (strcmp(name, "--config") == 0)
-            rc = set_str(o->config, sizeof o->config, name, v, err, errlen);
-        else if (strcmp(name, "--model") == 0)
-            rc = set_str(o->model, sizeof o->model, name, v, err, errlen);
-        else if (strcmp(name, "--served-model-name") == 0)
-            rc = set_str(o->served_model_name, sizeof o->served_model_name, name, v, err, errlen);
-        else if (strcmp(name, "--chat-template") == 0)
-            rc = set_str(o->chat_template, sizeof o->chat_template, name, v, err, errlen);
-        else if (strcmp(name, "--host") == 0)
-            rc = set_str(o->host, sizeof o->host, name, v, err, errlen);
-        else if (strcmp(name, "--nng-url") == 0)
-            rc = set_str(o->nng_url, sizeof o->nng_url, name, v, err, errlen);
-        else if (strcmp(name, "--api-key") == 0)
-            rc = set_str(o->api_key, sizeof o->api_key, name, v, err, errlen);
-        else if (strcmp(name, "--log-level") == 0)
-            rc = set_str(o->log_level, sizeof o->log_level, name, v, err, errlen);
-        else if (strcmp(name, "--port") == 0) {
-            rc = set_num(&x, name, v, 0, 65535, err, errlen);
-            o->port = (int)x;
-        } else if (strcmp(name, "--http-threads") == 0) {
-            rc = set_num(&x, name, v, 1, 4096, err, errlen);
-            o->http_threads = (int)x;
-        } else if (strcmp(name, "--max-body-bytes") == 0) {
-            rc = set_num(&x, name, v, 1024, 1e12, err, errlen);
-            o->max_body_bytes = (size_t)x;
-        } else if (strcmp(name, "--max-model-len") == 0) {
-            rc = set_num(&x, name, v, 0, 1e9, err, errlen);
-            o->max_model_len = (int)x;
-        } else if (strcmp(name, "--liveness-timeout") == 0)
-            rc = set_num(&o->liveness_timeout, name, v, 0.05, 3600, err, errlen);
-        else if (strcmp(name, "--load-interval") == 0)
-            rc = set_num(&o->load_interval, name, v, 0.01, 60, err, errlen);
-        else
-            return tdm_seterr(err, errlen, TDM_EINVAL, "unknown option \"%s\"", name);
-        if (rc != TDM_OK)
-            return rc;
-    }
+    int rc = tdm_flags_parse(&router_table, o, argc, argv, NULL, 0, NULL, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
     if (o->config[0] == '\0')
         return tdm_seterr(err, errlen, TDM_EINVAL, "--config FILE is required");
     if (o->model[0] == '\0')
@@ -395,17 +340,6 @@ struct call {
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
 };
 
-static enum tdm_oai_finish map_finish(const char *name)
-{
-    if (strcmp(name, "stop") == 0)
-        return TDM_OAI_FINISH_STOP;
-    if (strcmp(name, "length") == 0)
-        return TDM_OAI_FINISH_LENGTH;
-    if (strcmp(name, "abort") == 0)
-        return TDM_OAI_FINISH_ABORT;
-    return TDM_OAI_FINISH_ERROR;
-}
-
 static void send_cancel(struct call *k, struct choice *ch)
 {
     if (ch->st == NULL || ch->upstream_done)
@@ -437,10 +371,10 @@ static void note_phases(struct call *k, const Tandem__TokenChunk *m)
     tdm_router_control_prefill_outcome(k->s->ctl, &k->route, remote);
 }
 
-// Consumes one upstream chunk into the choice.
+// Consumes one upstream chunk into the choice (router_stream.c), with the
+// metrics it feeds: time to first token and inter-token latency.
 static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChunk *m)
 {
-    const struct tdm_oai_request *rq = &k->oai.req;
     struct tdm_router_metrics *rm = k->s->rm;
     note_phases(k, m);
     double now = tdm_now();
@@ -452,70 +386,42 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
         ch->last_token_at = now;
     }
     ch->got_chunk = true;
-    bool with_lp = m->n_logprobs == m->n_tokens;
-    int nt = m->num_top > 0 && m->n_top == m->n_tokens * (size_t)m->num_top ? m->num_top : 0;
-    // A request asks for at most TDM_MAX_LOGPROBS alternatives; more from a
-    // worker are cut, not trusted.
-    int keep = nt < TDM_MAX_LOGPROBS ? nt : TDM_MAX_LOGPROBS;
-    struct tdm_token_logprob top[TDM_MAX_LOGPROBS];
-    bool stopped = false;
-    for (size_t i = 0; i < m->n_tokens && !ch->a->done; i++) {
-        int32_t id = m->tokens[i];
-        for (int j = 0; j < keep; j++) {
-            top[j].token = m->top[i * (size_t)nt + (size_t)j]->token;
-            top[j].logprob = m->top[i * (size_t)nt + (size_t)j]->logprob;
-        }
-        bool ended_by_it = m->finished && strcmp(m->finish_reason, "stop") == 0 &&
-                           m->stop_token >= 0 && i == m->n_tokens - 1 && id == m->stop_token;
-        if (tdm_oai_asm_token(ch->a, id, with_lp ? m->logprobs[i] : 0.0f, keep ? top : NULL, keep,
-                              ended_by_it, &stopped) != TDM_OK)
-            return TDM_ENOMEM;
-    }
-    if (stopped)
+    struct tdm_router_take r;
+    if (tdm_router_take_chunk(&k->oai, (size_t)(ch->a - k->oai.choices), m,
+                              tdm_tok_eos_id(k->s->tok), &k->s->gen, &r) != TDM_OK)
+        return TDM_ENOMEM;
+    if (r.stopped)
         send_cancel(k, ch); // the decode worker stops generating (and frees the KV)
-    if (m->finished)
+    if (r.upstream_done)
         ch->upstream_done = true;
-    if (!ch->a->done && m->finished) {
-        enum tdm_oai_finish finish = map_finish(m->finish_reason);
-        int32_t stop_token = (finish == TDM_OAI_FINISH_STOP && m->stop_token >= 0 &&
-                              tdm_oai_is_stop_id(&rq->sampling, tdm_tok_eos_id(k->s->tok),
-                                                 &k->s->gen, m->stop_token))
-                                 ? m->stop_token
-                                 : -1;
-        if (tdm_oai_asm_finish(ch->a, finish, stop_token, m->error ? m->error : TDM_ETRANSPORT,
-                               m->message, &stopped) != TDM_OK)
-            return TDM_ENOMEM;
-        // A worker that is loading or draining refused it before any token:
-        // another decode worker can take it (handle_generate).
-        if (ch->a->finish == TDM_OAI_FINISH_ERROR && ch->a->error == TDM_ECLOSED &&
-            ch->a->completion_tokens == 0)
-            k->lost = true;
-    }
+    // A worker that is loading or draining refused it before any token:
+    // another decode worker can take it (handle_generate).
+    if (r.refused)
+        k->lost = true;
     return TDM_OK;
 }
 
-// The decode worker of this call is alive: it answered a load query within
-// liveness_timeout (counted from the stream's start) with the same instance.
+// The decode worker of this call is alive (router_stream.c's verdict on its
+// last load report and instance).
 static bool upstream_alive(struct call *k, const struct choice *ch, char *why, size_t cap)
 {
     uint64_t inst = 0;
     double last = 0;
     live_get(k->s, k->route.decode.id, &inst, &last);
-    double since = last > ch->st->started ? last : ch->st->started;
-    if (tdm_now() - since > k->s->o.liveness_timeout) {
-        snprintf(why, cap, "decode worker %s stopped answering", k->route.decode.name);
-        return false;
-    }
     pthread_mutex_lock(&k->s->mu);
     uint64_t st_inst = ch->st->instance;
     pthread_mutex_unlock(&k->s->mu);
-    // A report older than the stream may predate a restart the stream already
-    // talks to (its first chunk can beat the new instance's first report).
-    if (inst != 0 && st_inst != 0 && inst != st_inst && last > ch->st->started) {
+    switch (tdm_router_upstream_check(tdm_now(), ch->st->started, last, k->s->o.liveness_timeout,
+                                      inst, st_inst)) {
+    case TDM_ROUTER_UPSTREAM_SILENT:
+        snprintf(why, cap, "decode worker %s stopped answering", k->route.decode.name);
+        return false;
+    case TDM_ROUTER_UPSTREAM_RESTARTED:
         snprintf(why, cap, "decode worker %s restarted", k->route.decode.name);
         return false;
+    default:
+        return true;
     }
-    return true;
 }
 
 // Reads upstream chunks for every unfinished choice, waiting up to `wait`
@@ -536,14 +442,7 @@ static int pump(struct call *k, double wait)
         }
         if (any || tdm_now() >= until)
             break;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 20 * 1000 * 1000;
-        if (ts.tv_nsec >= 1000000000) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000;
-        }
-        pthread_cond_timedwait(&k->cv, &s->mu, &ts);
+        tdm_cond_wait_for(&k->cv, &s->mu, 0.02);
     }
     pthread_mutex_unlock(&s->mu);
     for (size_t i = 0; i < k->oai.n_choices; i++) {
@@ -779,7 +678,7 @@ static void add_phase_header(struct call *k)
         tdm_http_add_header(k->conn, sh, token);
 }
 
-// The call's token source for tdm_http_oai_stream.
+// The call's token source for tdm_oai_http_stream.
 static int stream_pump(void *arg)
 {
     return pump(arg, 0.1);
@@ -792,7 +691,7 @@ static void run_stream(struct call *k)
     // times make it into the response header.
     while (!k->choices[0].got_chunk && !k->choices[0].a->done) {
         if (pump(k, 0.1) < 0) {
-            tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
+            tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
             return;
         }
         if (tdm_http_client_gone(k->conn)) {
@@ -802,13 +701,11 @@ static void run_stream(struct call *k)
     }
     const struct tdm_oai_asm *bad0 = tdm_oai_call_failed(&k->oai);
     if (bad0 && bad0->completion_tokens == 0 && tdm_oai_call_done(&k->oai)) {
-        int status = bad0->error == TDM_ETIMEDOUT ? 504 : tdm_http_status_for_err(bad0->error);
-        tdm_http_respond_errorf(k->conn, status >= 500 || status == 429 ? status : 502, NULL, "%s",
-                                bad0->message);
+        tdm_oai_http_fail(k->conn, bad0->error, bad0->message);
         return;
     }
     add_phase_header(k);
-    k->client_gone = tdm_http_oai_stream(k->conn, &k->oai, stream_pump, k, 0) == TDM_ECLOSED;
+    k->client_gone = tdm_oai_http_stream(k->conn, &k->oai, stream_pump, k, 0) == TDM_ECLOSED;
 }
 
 static void run_collect(struct call *k)
@@ -816,7 +713,7 @@ static void run_collect(struct call *k)
     while (!tdm_oai_call_done(&k->oai)) {
         int n = pump(k, 0.1);
         if (n < 0) {
-            tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
+            tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
             return;
         }
         if (n == 0 && tdm_http_client_gone(k->conn)) {
@@ -827,8 +724,7 @@ static void run_collect(struct call *k)
     add_phase_header(k);
     const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
     if (bad) {
-        int status = bad->error == TDM_ETIMEDOUT ? 504 : 502;
-        tdm_http_respond_errorf(k->conn, status, NULL, "%s", bad->message);
+        tdm_oai_http_fail(k->conn, bad->error, bad->message);
         return;
     }
     tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));
@@ -840,15 +736,6 @@ static void call_fini(struct call *k)
     release_upstream(k);
     free(k->choices);
     tdm_oai_call_fini(&k->oai);
-}
-
-// True when a choice produced a token (a retry would no longer be invisible).
-static bool client_saw_tokens(const struct call *k)
-{
-    for (size_t i = 0; i < k->oai.n_choices; i++)
-        if (k->oai.choices[i].completion_tokens > 0)
-            return true;
-    return false;
 }
 
 // Waits for choice 0's first chunk (or its end): until then nothing reached
@@ -903,7 +790,7 @@ static bool start_with_retries(struct call *k)
         enum tdm_router_attempt_end end = start_attempt(k, &budget, session, err, sizeof err);
         if (end == TDM_ROUTER_ATTEMPT_OK) {
             if (await_first_chunk(k) < 0) {
-                tdm_http_respond_errorf(k->conn, 500, NULL, "out of memory");
+                tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
                 return false;
             }
             if (k->client_gone)
@@ -914,7 +801,7 @@ static bool start_with_retries(struct call *k)
             snprintf(err, sizeof err, "lost before the first token");
         }
         uint64_t ep = k->routed ? k->route.decode.id : 0;
-        bool again = tdm_router_retry_next(&budget, end, ep, client_saw_tokens(k));
+        bool again = tdm_router_retry_next(&budget, end, ep, !tdm_router_call_retryable(&k->oai));
         if (end == TDM_ROUTER_ATTEMPT_LOST && !again)
             return true;
         if (end != TDM_ROUTER_ATTEMPT_NO_ROUTE) {
@@ -925,7 +812,7 @@ static bool start_with_retries(struct call *k)
         if (!again) {
             struct tdm_oai_error e;
             tdm_oai_seterr(&e, 503, NULL, "%s", err);
-            tdm_http_respond_oai_error(k->conn, &e);
+            tdm_oai_http_error(k->conn, &e);
             return false;
         }
     }
@@ -939,12 +826,12 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     k.s = s;
     k.conn = c;
     k.arrival = tdm_now();
-    pthread_cond_init(&k.cv, NULL);
-    if (!tdm_http_oai_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
+    tdm_cond_init(&k.cv);
+    if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
         goto out; // answered: an error, or echo only
     k.choices = calloc(k.oai.n_choices, sizeof *k.choices);
     if (k.choices == NULL) {
-        tdm_http_respond_errorf(c, 500, NULL, "out of memory");
+        tdm_oai_http_errorf(c, 500, NULL, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < k.oai.n_choices; i++) {
@@ -993,7 +880,7 @@ static void on_health(struct tdm_http_conn *c, void *arg)
     if (healthy > 0 && !atomic_load(&s->stopping))
         tdm_http_respond(c, 200, "application/json", "", 0);
     else
-        tdm_http_respond_errorf(c, 503, NULL, "no healthy decode worker (%zu configured)", total);
+        tdm_oai_http_errorf(c, 503, NULL, "no healthy decode worker (%zu configured)", total);
 }
 
 static void on_metrics(struct tdm_http_conn *c, void *arg)
@@ -1002,7 +889,7 @@ static void on_metrics(struct tdm_http_conn *c, void *arg)
     char *text = NULL;
     size_t len = 0;
     if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
-        tdm_http_respond_errorf(c, 500, NULL, "metrics rendering failed");
+        tdm_oai_http_errorf(c, 500, NULL, "metrics rendering failed");
         return;
     }
     tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
@@ -1048,13 +935,13 @@ static void on_chat(struct tdm_http_conn *c, void *arg)
 static void on_tokenize(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_router_server *s = arg;
-    tdm_http_oai_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
+    tdm_oai_http_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
 }
 
 static void on_detokenize(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_router_server *s = arg;
-    tdm_http_oai_detokenize(c, &s->info, s->tok);
+    tdm_oai_http_detokenize(c, &s->info, s->tok);
 }
 
 // ---- lifecycle ---------------------------------------------------------------------------------
@@ -1194,6 +1081,7 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     hc.num_threads = o->http_threads;
     hc.max_body_bytes = o->max_body_bytes;
     hc.api_key = o->api_key[0] ? o->api_key : NULL;
+    hc.error_body = tdm_oai_http_error_body;
     static const struct {
         const char *method, *path;
         tdm_http_handler_fn fn;

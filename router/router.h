@@ -43,10 +43,13 @@ struct tdm_router_opts {
     double load_interval;        // --load-interval S: LoadQuery period; default 0.2
 };
 void tdm_router_opts_default(struct tdm_router_opts *o);
-// Parses argv (argv[0] skipped). TDM_OK, 1 for --help, TDM_EINVAL with err.
+// Parses argv (argv[0] skipped) through the flag table. TDM_OK, 1 for --help,
+// TDM_EINVAL with a one-line err (a bad flag, --config or --model missing).
 int tdm_router_opts_parse_args(struct tdm_router_opts *o, int argc, char **argv, char *err,
                                size_t errlen);
-const char *tdm_router_usage(void);
+// The flag table (core's struct tdm_flags): --help is tdm_flags_help of it.
+struct tdm_flags;
+const struct tdm_flags *tdm_router_flags(void);
 
 struct tdm_router_server;
 

@@ -256,50 +256,97 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
     return fclose(f) == 0 ? 0 : -1;
 }
 
+struct bench_args {
+    const char *dir;  // --model DIR; NULL = a generated model of Qwen2.5-0.5B's shape
+    const char *json; // --json FILE
+    int threads, steps;
+    bool bf16_only;
+    struct plan pl; // --batches, --prefill
+};
+
+static int set_batches(void *o, const char *v, char *err, size_t errlen)
+{
+    struct plan *pl = &((struct bench_args *)o)->pl;
+    if (!parse_list(v, 1, MAX_BATCH, pl->batches, &pl->n_batches))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--batches wants up to %d sizes in [1, %d], comma-separated", MAX_POINTS,
+                          MAX_BATCH);
+    return TDM_OK;
+}
+
+static int set_prefill(void *o, const char *v, char *err, size_t errlen)
+{
+    struct plan *pl = &((struct bench_args *)o)->pl;
+    if (!parse_list(v, 1, MAX_PREFILL, pl->prefill, &pl->n_prefill))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--prefill wants up to %d lengths in [1, %d], comma-separated",
+                          MAX_POINTS, MAX_PREFILL);
+    return TDM_OK;
+}
+
+static const struct tdm_flag bench_flags[] = {
+    {.name = "model",
+     .kind = TDM_FLAG_PTR,
+     .offset = offsetof(struct bench_args, dir),
+     .metavar = "DIR",
+     .help = "model folder (default: a generated model of Qwen2.5-0.5B's shape)"},
+    {.name = "threads",
+     .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct bench_args, threads),
+     .min = 1,
+     .max = 1024,
+     .metavar = "N",
+     .help = "compute threads (default 2)"},
+    {.name = "steps",
+     .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct bench_args, steps),
+     .min = 1,
+     .max = 48,
+     .metavar = "N",
+     .help = "decode steps measured (default 8)"},
+    {.name = "bf16-only",
+     .kind = TDM_FLAG_BOOL,
+     .offset = offsetof(struct bench_args, bf16_only),
+     .help = "skip the int8 weights"},
+    {.name = "batches",
+     .kind = TDM_FLAG_FN,
+     .fn = set_batches,
+     .metavar = "LIST",
+     .help = "decode batch sizes, comma-separated (default 1,8,32)"},
+    {.name = "prefill",
+     .kind = TDM_FLAG_FN,
+     .fn = set_prefill,
+     .metavar = "LIST",
+     .help = "prefill lengths in tokens, comma-separated (default 512)"},
+    {.name = "json",
+     .kind = TDM_FLAG_PTR,
+     .offset = offsetof(struct bench_args, json),
+     .metavar = "FILE",
+     .help = "also write the first mode's figures as JSON"},
+};
+static const struct tdm_flags bench_table = {
+    .usage = "usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only] "
+             "[--batches LIST] [--prefill LIST] [--json FILE]\n",
+    .flags = bench_flags,
+    .n = sizeof bench_flags / sizeof bench_flags[0],
+};
+
 int main(int argc, char **argv)
 {
-    const char *dir = NULL, *json = NULL;
-    int threads = 2, steps = 8;
-    bool bf16_only = false;
+    struct bench_args a = {
+        .threads = 2,
+        .steps = 8,
+        .pl = {.batches = {1, 8, 32}, .n_batches = 3, .prefill = {PREFILL}, .n_prefill = 1},
+    };
+    int exit_code = 0;
+    if (tdm_flags_main(&bench_table, &a, argc, argv, NULL, 0, NULL, "tandem-bench-engine",
+                       &exit_code))
+        return exit_code;
+    const char *dir = a.dir, *json = a.json;
+    int threads = a.threads, steps = a.steps;
+    bool bf16_only = a.bf16_only;
+    struct plan pl = a.pl;
     char err[512];
-    struct plan pl = {.batches = {1, 8, 32}, .n_batches = 3, .prefill = {PREFILL}, .n_prefill = 1};
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--model") == 0 && i + 1 < argc) {
-            dir = argv[++i];
-        } else if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
-            threads = atoi(argv[++i]);
-        } else if (strcmp(argv[i], "--steps") == 0 && i + 1 < argc) {
-            steps = atoi(argv[++i]);
-        } else if (strcmp(argv[i], "--bf16-only") == 0) {
-            bf16_only = true;
-        } else if (strcmp(argv[i], "--batches") == 0 && i + 1 < argc) {
-            if (!parse_list(argv[++i], 1, MAX_BATCH, pl.batches, &pl.n_batches)) {
-                fprintf(stderr,
-                        "tandem-bench-engine: --batches wants up to %d sizes in [1, %d], "
-                        "comma-separated\n",
-                        MAX_POINTS, MAX_BATCH);
-                return 2;
-            }
-        } else if (strcmp(argv[i], "--prefill") == 0 && i + 1 < argc) {
-            if (!parse_list(argv[++i], 1, MAX_PREFILL, pl.prefill, &pl.n_prefill)) {
-                fprintf(stderr,
-                        "tandem-bench-engine: --prefill wants up to %d lengths in [1, %d], "
-                        "comma-separated\n",
-                        MAX_POINTS, MAX_PREFILL);
-                return 2;
-            }
-        } else if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
-            json = argv[++i];
-        } else {
-            fprintf(stderr, "usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] "
-                            "[--bf16-only] [--batches LIST] [--prefill LIST] [--json FILE]\n");
-            return 2;
-        }
-    }
-    if (threads < 1 || threads > 1024 || steps < 1 || steps > 48) {
-        fprintf(stderr, "tandem-bench-engine: --threads must be >= 1 and --steps in [1, 48]\n");
-        return 2;
-    }
     tdm_log_set_level_name("warn");
 
     struct stat sb;

@@ -92,23 +92,43 @@ static double time_set(struct tdm_backend *be, const struct model_set *m, const 
     return best;
 }
 
+struct bench_args {
+    int threads;
+    const char *isa_name;
+    bool quick;
+};
+
+#define OFF(field) offsetof(struct bench_args, field)
+static const struct tdm_flag bench_flags[] = {
+    {.name = "threads",
+     .kind = TDM_FLAG_INT,
+     .offset = OFF(threads),
+     .min = 0,
+     .max = 1024,
+     .metavar = "N",
+     .help = "compute threads (default 0: one per core)"},
+    {.name = "isa",
+     .kind = TDM_FLAG_PTR,
+     .offset = OFF(isa_name),
+     .metavar = "portable|avx2|avx512",
+     .help = "kernel set (default: the best this CPU has)"},
+    {.name = "quick", .kind = TDM_FLAG_BOOL, .offset = OFF(quick), .help = "fewer repetitions"},
+};
+static const struct tdm_flags bench_table = {
+    .usage = "usage: tandem-bench-kernels [--threads N] [--isa portable|avx2|avx512] [--quick]\n",
+    .flags = bench_flags,
+    .n = sizeof bench_flags / sizeof bench_flags[0],
+};
+
 int main(int argc, char **argv)
 {
-    int threads = 0, quick = 0;
-    const char *isa_name = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc)
-            threads = atoi(argv[++i]);
-        else if (strcmp(argv[i], "--isa") == 0 && i + 1 < argc)
-            isa_name = argv[++i];
-        else if (strcmp(argv[i], "--quick") == 0)
-            quick = 1;
-        else {
-            fprintf(stderr, "usage: %s [--threads N] [--isa portable|avx2|avx512] [--quick]\n",
-                    argv[0]);
-            return 2;
-        }
-    }
+    struct bench_args a = {.threads = 0};
+    int exit_code = 0;
+    if (tdm_flags_main(&bench_table, &a, argc, argv, NULL, 0, NULL, "tandem-bench-kernels",
+                       &exit_code))
+        return exit_code;
+    int threads = a.threads, quick = a.quick;
+    const char *isa_name = a.isa_name;
     tdm_log_set_level_name("warn");
     struct tdm_backend *be = NULL;
     char err[256];

@@ -36,62 +36,18 @@ bool tdm_bench_config_has_slo(const struct tdm_bench_config *cfg)
     return cfg->slo_ttft_ms > 0 || cfg->slo_tpot_ms > 0 || cfg->slo_e2el_ms > 0;
 }
 
-static const char usage_text[] =
-    "usage: tandem-bench --model NAME [options]\n"
-    "Benchmarks an OpenAI-compatible server with streaming requests (like vllm bench serve).\n"
-    "\n"
-    "  --base-url URL          server (default http://127.0.0.1:8000); or --host H --port P\n"
-    "  --endpoint PATH         /v1/completions (default) or /v1/chat/completions\n"
-    "  --backend NAME          openai | vllm (completions) or openai-chat (chat)\n"
-    "  --model NAME            the \"model\" field sent (required)\n"
-    "  --tokenizer DIR         folder with tokenizer.json (required for --dataset random)\n"
-    "  --dataset random|file:PATH\n"
-    "                          random prompts of exact token lengths (default), or a file with\n"
-    "                          one prompt per line / JSON lines {\"prompt\":..,\"output_len\":..}\n"
-    "  --input-len N           random prompt length in tokens (default 1024)\n"
-    "  --output-len N          max_tokens per request (default 128)\n"
-    "  --range-ratio R         lengths uniform in [N*(1-R), N*(1+R)], 0 <= R < 1 (default 0)\n"
-    "  --num-prompts N         requests to send (default 1000)\n"
-    "  --request-rate R        mean requests/s, Poisson arrivals; inf = all at once (default)\n"
-    "  --burstiness B          gamma shape of arrival gaps; 1 = Poisson (default 1)\n"
-    "  --max-concurrency C     at most C requests in flight (default unlimited)\n"
-    "  --seed S                prompts and arrival times (default 0)\n"
-    "  --ignore-eos            send ignore_eos (default on for random, off for file datasets)\n"
-    "  --no-ignore-eos         do not send ignore_eos\n"
-    "  --temperature T         sampling temperature sent (default 0)\n"
-    "  --goodput KEY:MS ...    SLOs for goodput: ttft:MS tpot:MS e2el:MS (one or more)\n"
-    "  --percentiles LIST      percentiles reported, e.g. 50,90,99 (default)\n"
-    "  --json FILE             also write the results as JSON (vLLM's key names)\n"
-    "  --api-key KEY           Authorization: Bearer KEY (default $OPENAI_API_KEY)\n"
-    "  --timeout S             per-request timeout in seconds (default 600)\n"
-    "  -h, --help              this text\n"
-    "vLLM spellings accepted: --random-input-len, --random-output-len, --random-range-ratio,\n"
-    "--metric-percentiles, --dataset-name random.\n"
-    "Exit status: 0 done, 1 every request failed, 2 bad arguments.\n";
-
 struct bench_args {
     struct tdm_bench_config cfg;
-    const char *host, *port, *tokenizer_dir, *json_path, *dataset_path;
+    const char *host, *port, *tokenizer_dir, *json_path, *dataset_path, *backend;
     bool random_dataset;
     int input_len, output_len;
     double range_ratio;
     int ignore_eos; // -1 = the dataset's default
-    bool endpoint_given, help;
+    bool endpoint_given;
     char base_url_buf[512];
 };
 
-static int parse_int(const char *flag, const char *v, int lo, int *out, char *err, size_t errlen)
-{
-    char *end;
-    errno = 0;
-    long x = strtol(v, &end, 10);
-    if (end == v || *end || errno || x < lo || x > 100000000)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: \"%s\" is not an integer >= %d", flag, v,
-                          lo);
-    *out = (int)x;
-    return TDM_OK;
-}
-
+// ---- flags that need more than a type and a range ---------------------------------------------
 static int parse_double(const char *flag, const char *v, double *out, char *err, size_t errlen)
 {
     char *end;
@@ -103,11 +59,222 @@ static int parse_double(const char *flag, const char *v, double *out, char *err,
     return TDM_OK;
 }
 
-static bool is_flag(const char *arg, const char *name)
+static int set_endpoint(void *o, const char *v, char *err, size_t errlen)
 {
-    return !strcmp(arg, name);
+    (void)err;
+    (void)errlen;
+    struct bench_args *a = o;
+    a->cfg.endpoint = v;
+    a->endpoint_given = true;
+    return TDM_OK;
 }
 
+static int set_dataset(void *o, const char *v, char *err, size_t errlen)
+{
+    struct bench_args *a = o;
+    if (!strcmp(v, "random")) {
+        a->random_dataset = true;
+    } else if (!strncmp(v, "file:", 5) && v[5]) {
+        a->random_dataset = false;
+        a->dataset_path = v + 5;
+    } else {
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--dataset: \"%s\" is neither random nor file:PATH", v);
+    }
+    a->cfg.dataset_name = v;
+    return TDM_OK;
+}
+
+static int set_range_ratio(void *o, const char *v, char *err, size_t errlen)
+{
+    struct bench_args *a = o;
+    int rc = parse_double("--range-ratio", v, &a->range_ratio, err, errlen);
+    if (rc == TDM_OK && !(a->range_ratio >= 0 && a->range_ratio < 1))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--range-ratio must be in [0, 1)");
+    return rc;
+}
+
+static int set_request_rate(void *o, const char *v, char *err, size_t errlen)
+{
+    struct bench_args *a = o;
+    int rc = parse_double("--request-rate", v, &a->cfg.request_rate, err, errlen);
+    if (rc == TDM_OK && !(a->cfg.request_rate > 0))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--request-rate must be > 0 (or inf)");
+    return rc;
+}
+
+static int set_burstiness(void *o, const char *v, char *err, size_t errlen)
+{
+    struct bench_args *a = o;
+    int rc = parse_double("--burstiness", v, &a->cfg.burstiness, err, errlen);
+    if (rc == TDM_OK && (!(a->cfg.burstiness > 0) || isinf(a->cfg.burstiness)))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--burstiness must be a finite number > 0");
+    return rc;
+}
+
+static int set_temperature(void *o, const char *v, char *err, size_t errlen)
+{
+    struct bench_args *a = o;
+    int rc = parse_double("--temperature", v, &a->cfg.temperature, err, errlen);
+    if (rc == TDM_OK && (!(a->cfg.temperature >= 0) || isinf(a->cfg.temperature)))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--temperature must be >= 0");
+    return rc;
+}
+
+static int set_timeout(void *o, const char *v, char *err, size_t errlen)
+{
+    struct bench_args *a = o;
+    int rc = parse_double("--timeout", v, &a->cfg.timeout_s, err, errlen);
+    if (rc == TDM_OK && (!(a->cfg.timeout_s > 0) || a->cfg.timeout_s > 1e6))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--timeout must be in (0, 1e6] seconds");
+    return rc;
+}
+
+static int set_seed(void *o, const char *v, char *err, size_t errlen)
+{
+    struct bench_args *a = o;
+    char *end;
+    errno = 0;
+    unsigned long long s = strtoull(v, &end, 10);
+    if (end == v || *end || errno || v[0] == '-')
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--seed: \"%s\" is not an integer >= 0", v);
+    a->cfg.seed = s;
+    return TDM_OK;
+}
+
+static int set_ignore_eos(void *o, const char *v, char *err, size_t errlen)
+{
+    if (v)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--ignore-eos takes no value");
+    ((struct bench_args *)o)->ignore_eos = 1;
+    return TDM_OK;
+}
+
+static int set_no_ignore_eos(void *o, const char *v, char *err, size_t errlen)
+{
+    if (v)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--no-ignore-eos takes no value");
+    ((struct bench_args *)o)->ignore_eos = 0;
+    return TDM_OK;
+}
+
+static int set_percentiles(void *o, const char *v, char *err, size_t errlen)
+{
+    return bench_parse_percentiles(&((struct bench_args *)o)->cfg, v, err, errlen);
+}
+
+static int set_goodput(void *o, const char *v, char *err, size_t errlen)
+{
+    return bench_parse_slo(&((struct bench_args *)o)->cfg, v, err, errlen);
+}
+
+// vLLM's --goodput takes one or more KEY:MS words after the flag; they are
+// taken out of argv here (into cfg) so the table parser sees none of them.
+static int take_goodput(struct bench_args *a, int *argc, char **argv, char *err, size_t errlen)
+{
+    int w = 1, rc;
+    for (int i = 1; i < *argc; i++) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--goodput") != 0 && strncmp(arg, "--goodput=", 10) != 0) {
+            argv[w++] = argv[i];
+            continue;
+        }
+        int terms = 0;
+        if (arg[9] == '=') {
+            if ((rc = bench_parse_slo(&a->cfg, arg + 10, err, errlen)))
+                return rc;
+            terms++;
+        }
+        while (i + 1 < *argc && strncmp(argv[i + 1], "--", 2) && strchr(argv[i + 1], ':')) {
+            if ((rc = bench_parse_slo(&a->cfg, argv[++i], err, errlen)))
+                return rc;
+            terms++;
+        }
+        if (!terms)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--goodput needs KEY:MS terms (ttft:MS tpot:MS e2el:MS)");
+    }
+    argv[w] = NULL;
+    *argc = w;
+    return TDM_OK;
+}
+
+#define PTR(n, field, mv, h)                                                                       \
+    TDM_FLAG_FIELD(struct bench_args, n, TDM_FLAG_PTR, field, .metavar = mv, .help = h,         \
+                   .empty_ok = true)
+#define COUNT(n, field, mv, h, hide)                                                               \
+    TDM_FLAG_FIELD(struct bench_args, n, TDM_FLAG_INT, field, .min = 1, .max = 100000000,       \
+                   .metavar = mv, .help = h, .hidden = hide)
+#define FN(n, f, mv, h, hide)                                                                      \
+    {.name = n, .kind = TDM_FLAG_FN, .fn = f, .metavar = mv, .help = h, .hidden = hide}
+#define OFF(field) offsetof(struct bench_args, field)
+
+static const struct tdm_flag bench_flags[] = {
+    PTR("base-url", cfg.base_url, "URL",
+        "server (default http://127.0.0.1:8000); or --host H --port P"),
+    PTR("host", host, "H", NULL),
+    PTR("port", port, "P", NULL),
+    FN("endpoint", set_endpoint, "PATH", "/v1/completions (default) or /v1/chat/completions",
+       false),
+    PTR("backend", backend, "NAME", "openai | vllm (completions) or openai-chat (chat)"),
+    PTR("model", cfg.model, "NAME", "the \"model\" field sent (required)"),
+    PTR("tokenizer", tokenizer_dir, "DIR",
+        "folder with tokenizer.json (required for --dataset random)"),
+    FN("dataset", set_dataset, "random|file:PATH",
+       "random prompts of exact token lengths (default), or a file with\n"
+       "one prompt per line / JSON lines {\"prompt\":..,\"output_len\":..}",
+       false),
+    FN("dataset-name", set_dataset, NULL, NULL, true),
+    COUNT("input-len", input_len, "N", "random prompt length in tokens (default 1024)", false),
+    COUNT("random-input-len", input_len, NULL, NULL, true),
+    COUNT("output-len", output_len, "N", "max_tokens per request (default 128)", false),
+    COUNT("random-output-len", output_len, NULL, NULL, true),
+    FN("range-ratio", set_range_ratio, "R",
+       "lengths uniform in [N*(1-R), N*(1+R)], 0 <= R < 1 (default 0)", false),
+    FN("random-range-ratio", set_range_ratio, NULL, NULL, true),
+    COUNT("num-prompts", cfg.num_prompts, "N", "requests to send (default 1000)", false),
+    FN("request-rate", set_request_rate, "R",
+       "mean requests/s, Poisson arrivals; inf = all at once (default)", false),
+    FN("burstiness", set_burstiness, "B", "gamma shape of arrival gaps; 1 = Poisson (default 1)",
+       false),
+    COUNT("max-concurrency", cfg.max_concurrency, "C",
+          "at most C requests in flight (default unlimited)", false),
+    FN("seed", set_seed, "S", "prompts and arrival times (default 0)", false),
+    {.name = "ignore-eos",
+     .kind = TDM_FLAG_FN,
+     .fn = set_ignore_eos,
+     .no_value = true,
+     .help = "send ignore_eos (default on for random, off for file datasets)"},
+    {.name = "no-ignore-eos",
+     .kind = TDM_FLAG_FN,
+     .fn = set_no_ignore_eos,
+     .no_value = true,
+     .help = "do not send ignore_eos"},
+    FN("temperature", set_temperature, "T", "sampling temperature sent (default 0)", false),
+    FN("goodput", set_goodput, "KEY:MS ...",
+       "SLOs for goodput: ttft:MS tpot:MS e2el:MS (one or more)", false),
+    FN("percentiles", set_percentiles, "LIST", "percentiles reported, e.g. 50,90,99 (default)",
+       false),
+    FN("metric-percentiles", set_percentiles, NULL, NULL, true),
+    PTR("json", json_path, "FILE", "also write the results as JSON (vLLM's key names)"),
+    PTR("api-key", cfg.api_key, "KEY", "Authorization: Bearer KEY (default $OPENAI_API_KEY)"),
+    FN("timeout", set_timeout, "S", "per-request timeout in seconds (default 600)", false),
+};
+
+static const struct tdm_flags bench_table = {
+    .usage = "usage: tandem-bench --model NAME [options]\n"
+             "Benchmarks an OpenAI-compatible server with streaming requests (like vllm bench "
+             "serve).\n\n",
+    .flags = bench_flags,
+    .n = sizeof bench_flags / sizeof bench_flags[0],
+    .footer = "  -h, --help                    this text\n"
+              "vLLM spellings accepted: --random-input-len, --random-output-len, "
+              "--random-range-ratio,\n"
+              "--metric-percentiles, --dataset-name random.\n"
+              "Exit status: 0 done, 1 every request failed, 2 bad arguments.\n",
+};
+
+// Returns TDM_OK, 1 for --help, or TDM_EINVAL with a one-line err.
 static int parse_args(struct bench_args *a, int argc, char **argv, char *err, size_t errlen)
 {
     memset(a, 0, sizeof(*a));
@@ -117,141 +284,20 @@ static int parse_args(struct bench_args *a, int argc, char **argv, char *err, si
     a->input_len = 1024;
     a->output_len = 128;
     a->ignore_eos = -1;
-    const char *backend = NULL;
-    int rc;
-    for (int i = 1; i < argc; i++) {
-        char *arg = argv[i];
-        const char *val = NULL;
-        char name[64];
-        // --flag=value is the same as --flag value.
-        char *eq = strncmp(arg, "--", 2) ? NULL : strchr(arg, '=');
-        if (eq) {
-            size_t nl = (size_t)(eq - arg);
-            if (nl >= sizeof(name))
-                return tdm_seterr(err, errlen, TDM_EINVAL, "unknown option %.60s", arg);
-            memcpy(name, arg, nl);
-            name[nl] = '\0';
-            val = eq + 1;
-        } else {
-            snprintf(name, sizeof(name), "%s", arg);
-        }
-        if (is_flag(name, "-h") || is_flag(name, "--help")) {
-            a->help = true;
-            return TDM_OK;
-        }
-        if (is_flag(name, "--ignore-eos") || is_flag(name, "--no-ignore-eos")) {
-            if (val)
-                return tdm_seterr(err, errlen, TDM_EINVAL, "%s takes no value", name);
-            a->ignore_eos = is_flag(name, "--ignore-eos");
-            continue;
-        }
-        if (is_flag(name, "--goodput")) {
-            // vLLM's form: one or more KEY:MS words after the flag.
-            int terms = 0;
-            if (val) {
-                if ((rc = bench_parse_slo(cfg, val, err, errlen)))
-                    return rc;
-                terms++;
-            }
-            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) && strchr(argv[i + 1], ':')) {
-                if ((rc = bench_parse_slo(cfg, argv[++i], err, errlen)))
-                    return rc;
-                terms++;
-            }
-            if (!terms)
-                return tdm_seterr(err, errlen, TDM_EINVAL,
-                                  "--goodput needs KEY:MS terms (ttft:MS tpot:MS e2el:MS)");
-            continue;
-        }
-        if (strncmp(name, "--", 2))
-            return tdm_seterr(err, errlen, TDM_EINVAL, "unexpected argument \"%.60s\"", arg);
-        if (!val) {
-            if (i + 1 >= argc)
-                return tdm_seterr(err, errlen, TDM_EINVAL, "%s needs a value", name);
-            val = argv[++i];
-        }
-        if (is_flag(name, "--base-url")) {
-            cfg->base_url = val;
-        } else if (is_flag(name, "--host")) {
-            a->host = val;
-        } else if (is_flag(name, "--port")) {
-            a->port = val;
-        } else if (is_flag(name, "--endpoint")) {
-            cfg->endpoint = val;
-            a->endpoint_given = true;
-        } else if (is_flag(name, "--backend")) {
-            backend = val;
-        } else if (is_flag(name, "--model")) {
-            cfg->model = val;
-        } else if (is_flag(name, "--tokenizer")) {
-            a->tokenizer_dir = val;
-        } else if (is_flag(name, "--dataset") || is_flag(name, "--dataset-name")) {
-            if (!strcmp(val, "random")) {
-                a->random_dataset = true;
-            } else if (!strncmp(val, "file:", 5) && val[5]) {
-                a->random_dataset = false;
-                a->dataset_path = val + 5;
-            } else {
-                return tdm_seterr(err, errlen, TDM_EINVAL,
-                                  "%s: \"%s\" is neither random nor file:PATH", name, val);
-            }
-            cfg->dataset_name = val;
-        } else if (is_flag(name, "--input-len") || is_flag(name, "--random-input-len")) {
-            if ((rc = parse_int(name, val, 1, &a->input_len, err, errlen)))
-                return rc;
-        } else if (is_flag(name, "--output-len") || is_flag(name, "--random-output-len")) {
-            if ((rc = parse_int(name, val, 1, &a->output_len, err, errlen)))
-                return rc;
-        } else if (is_flag(name, "--range-ratio") || is_flag(name, "--random-range-ratio")) {
-            if ((rc = parse_double(name, val, &a->range_ratio, err, errlen)))
-                return rc;
-            if (!(a->range_ratio >= 0 && a->range_ratio < 1))
-                return tdm_seterr(err, errlen, TDM_EINVAL, "%s must be in [0, 1)", name);
-        } else if (is_flag(name, "--num-prompts")) {
-            if ((rc = parse_int(name, val, 1, &cfg->num_prompts, err, errlen)))
-                return rc;
-        } else if (is_flag(name, "--request-rate")) {
-            if ((rc = parse_double(name, val, &cfg->request_rate, err, errlen)))
-                return rc;
-            if (!(cfg->request_rate > 0))
-                return tdm_seterr(err, errlen, TDM_EINVAL, "%s must be > 0 (or inf)", name);
-        } else if (is_flag(name, "--burstiness")) {
-            if ((rc = parse_double(name, val, &cfg->burstiness, err, errlen)))
-                return rc;
-            if (!(cfg->burstiness > 0) || isinf(cfg->burstiness))
-                return tdm_seterr(err, errlen, TDM_EINVAL, "%s must be a finite number > 0", name);
-        } else if (is_flag(name, "--max-concurrency")) {
-            if ((rc = parse_int(name, val, 1, &cfg->max_concurrency, err, errlen)))
-                return rc;
-        } else if (is_flag(name, "--seed")) {
-            char *end;
-            errno = 0;
-            unsigned long long s = strtoull(val, &end, 10);
-            if (end == val || *end || errno || val[0] == '-')
-                return tdm_seterr(err, errlen, TDM_EINVAL, "%s: \"%s\" is not an integer >= 0",
-                                  name, val);
-            cfg->seed = s;
-        } else if (is_flag(name, "--temperature")) {
-            if ((rc = parse_double(name, val, &cfg->temperature, err, errlen)))
-                return rc;
-            if (!(cfg->temperature >= 0) || isinf(cfg->temperature))
-                return tdm_seterr(err, errlen, TDM_EINVAL, "%s must be >= 0", name);
-        } else if (is_flag(name, "--percentiles") || is_flag(name, "--metric-percentiles")) {
-            if ((rc = bench_parse_percentiles(cfg, val, err, errlen)))
-                return rc;
-        } else if (is_flag(name, "--json")) {
-            a->json_path = val;
-        } else if (is_flag(name, "--api-key")) {
-            cfg->api_key = val;
-        } else if (is_flag(name, "--timeout")) {
-            if ((rc = parse_double(name, val, &cfg->timeout_s, err, errlen)))
-                return rc;
-            if (!(cfg->timeout_s > 0) || cfg->timeout_s > 1e6)
-                return tdm_seterr(err, errlen, TDM_EINVAL, "%s must be in (0, 1e6] seconds", name);
-        } else {
-            return tdm_seterr(err, errlen, TDM_EINVAL, "unknown option %.60s (see --help)", name);
-        }
-    }
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help"))
+            return 1;
+    char **args = calloc((size_t)argc + 1, sizeof *args); // take_goodput compacts this copy
+    if (args == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    memcpy(args, argv, (size_t)argc * sizeof *args);
+    int rc = take_goodput(a, &argc, args, err, errlen);
+    if (rc == TDM_OK)
+        rc = tdm_flags_parse(&bench_table, a, argc, args, NULL, 0, NULL, err, errlen);
+    free(args); // the values point into argv, not into this copy
+    if (rc != TDM_OK)
+        return rc == TDM_ENOMEM ? TDM_EINVAL : rc;
+    const char *backend = a->backend;
 
     if (backend) {
         if (!strcmp(backend, "openai-chat")) {
@@ -322,13 +368,14 @@ int tdm_bench_main(int argc, char **argv, FILE *out, FILE *errf)
 {
     struct bench_args a;
     char err[512] = "";
-    if (parse_args(&a, argc, argv, err, sizeof(err))) {
+    int prc = parse_args(&a, argc, argv, err, sizeof(err));
+    if (prc == 1) {
+        tdm_flags_help(&bench_table, out);
+        return 0;
+    }
+    if (prc != TDM_OK) {
         fprintf(errf, "tandem-bench: %s\n", err);
         return 2;
-    }
-    if (a.help) {
-        fputs(usage_text, out);
-        return 0;
     }
     struct tdm_bench_config *cfg = &a.cfg;
     int status = 2;

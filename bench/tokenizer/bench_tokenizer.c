@@ -135,9 +135,20 @@ static int bench_one(const struct tdm_tokenizer *tok, const char *name, const st
     return TDM_OK;
 }
 
+static const struct tdm_flags bench_table = {
+    .usage = "usage: tandem-bench-tokenizer [MODEL_DIR]\n"
+             "  MODEL_DIR                     folder with tokenizer.json (default: the shared\n"
+             "                                Qwen2 tokenizer)\n",
+};
+
 int main(int argc, char **argv)
 {
-    const char *dir = argc > 1 ? argv[1] : TANDEM_SOURCE_DIR "/../shared/models/qwen2-tokenizer";
+    char *rest[1];
+    int n_rest = 0, exit_code = 0;
+    if (tdm_flags_main(&bench_table, NULL, argc, argv, rest, 1, &n_rest, "tandem-bench-tokenizer",
+                       &exit_code))
+        return exit_code;
+    const char *dir = n_rest > 0 ? rest[0] : TANDEM_SOURCE_DIR "/../shared/models/qwen2-tokenizer";
     char err[512] = "";
     struct tdm_tokenizer *tok;
     double t0 = tdm_now();

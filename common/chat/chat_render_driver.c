@@ -15,22 +15,36 @@
 #include "chat.h"
 #include "core.h"
 
+struct driver_args {
+    const char *config, *tmpl;
+    bool gen;
+};
+
+static const struct tdm_flag driver_flags[] = {
+    TDM_FLAG_FIELD(struct driver_args, "config", TDM_FLAG_PTR, config,
+                   .metavar = "tokenizer_config.json", .help = "the template from this file"),
+    TDM_FLAG_FIELD(struct driver_args, "template", TDM_FLAG_PTR, tmpl, .metavar = "FILE|NAME",
+                   .help = "a template file or a known template's name"),
+    TDM_FLAG_FIELD(struct driver_args, "gen", TDM_FLAG_BOOL, gen,
+                   .help = "add the generation prompt"),
+};
+static const struct tdm_flags driver_table = {
+    .usage = "usage: chat_render_driver (--config tokenizer_config.json | --template FILE|NAME) "
+             "MESSAGES.json [--gen]\n",
+    .flags = driver_flags,
+    .n = sizeof driver_flags / sizeof driver_flags[0],
+};
+
 int main(int argc, char **argv)
 {
-    const char *config = NULL, *tmpl = NULL, *messages = NULL;
-    bool gen = false;
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--config") == 0 && i + 1 < argc)
-            config = argv[++i];
-        else if (strcmp(argv[i], "--template") == 0 && i + 1 < argc)
-            tmpl = argv[++i];
-        else if (strcmp(argv[i], "--gen") == 0)
-            gen = true;
-        else if (!messages && argv[i][0] != '-')
-            messages = argv[i];
-        else
-            goto usage;
-    }
+    struct driver_args a = {.config = NULL};
+    char *rest[1];
+    int n_rest = 0, exit_code = 0;
+    if (tdm_flags_main(&driver_table, &a, argc, argv, rest, 1, &n_rest, "chat_render_driver",
+                       &exit_code))
+        return exit_code;
+    const char *config = a.config, *tmpl = a.tmpl, *messages = n_rest ? rest[0] : NULL;
+    bool gen = a.gen;
     if (!messages || (!config == !tmpl))
         goto usage;
 
@@ -78,9 +92,6 @@ fail:
     free(cfg_text);
     return rc == TDM_OK ? 0 : 1;
 usage:
-    fprintf(stderr,
-            "usage: %s (--config tokenizer_config.json | --template FILE|NAME) "
-            "MESSAGES.json [--gen]\n",
-            argv[0]);
+    tdm_flags_help(&driver_table, stderr);
     return 2;
 }

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// core: errors, logging, clocks and file helpers shared by every module.
+// core: errors, logging, clocks, monotonic timed waits and file helpers shared
+// by every module.
 // Logging writes each event as one line with a single fprintf so lines from
 // different threads never interleave.
 #include "core.h"
@@ -143,6 +144,52 @@ double tdm_wall_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+const char *tdm_finish_name(enum tdm_finish reason)
+{
+    static const char *const names[TDM_FINISH_COUNT] = {NULL, "stop", "length", "abort", "error"};
+    return (unsigned)reason < TDM_FINISH_COUNT ? names[reason] : NULL;
+}
+
+int tdm_cond_init(pthread_cond_t *cv)
+{
+    pthread_condattr_t a;
+    if (pthread_condattr_init(&a) != 0)
+        return TDM_ENOMEM;
+    int rc = pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    if (rc == 0)
+        rc = pthread_cond_init(cv, &a);
+    pthread_condattr_destroy(&a);
+    return rc == 0 ? TDM_OK : TDM_ENOMEM;
+}
+
+bool tdm_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadline)
+{
+    if (deadline < 0) {
+        pthread_cond_wait(cv, mu);
+        return true;
+    }
+    double rem = deadline - tdm_now();
+    if (rem <= 0)
+        return false;
+    if (rem > 1e6) // keeps tv_sec far from overflow; the caller loops anyway
+        rem = 1e6;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    time_t whole = (time_t)rem;
+    ts.tv_sec += whole;
+    ts.tv_nsec += (long)((rem - (double)whole) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return pthread_cond_timedwait(cv, mu, &ts) != ETIMEDOUT || tdm_now() < deadline;
+}
+
+bool tdm_cond_wait_for(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds)
+{
+    return tdm_cond_wait_until(cv, mu, tdm_now() + (seconds > 0 ? seconds : 0));
 }
 
 int tdm_read_file(const char *path, char **out, size_t *len, char *err, size_t errlen)

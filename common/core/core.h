@@ -1,15 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 // core: what every module shares. The error enum and its strerror, the log
 // macros (which check the level before formatting anything), a monotonic clock,
-// whole-file reading and the "fill err/errlen" helper used by slow-path APIs.
+// timed waits on condition variables over that clock, whole-file reading and
+// the "fill err/errlen" helper used by slow-path APIs.
 #ifndef TDM_CORE_H
 #define TDM_CORE_H
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 // ---- errors -------------------------------------------------------------------
 enum tdm_err {
@@ -34,6 +37,21 @@ const char *tdm_strerror(int err);
 // caller can write `return tdm_seterr(err, errlen, TDM_EINVAL, "...", ...)`.
 int tdm_seterr(char *err, size_t errlen, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+
+// ---- finish reason ----------------------------------------------------------------
+// Why a sequence stopped: one enum from the engine through the wire
+// (TokenChunk.finish, the same numbers) to the metrics' finished_reason label
+// and the OpenAI finish_reason; the names are vLLM's.
+enum tdm_finish {
+    TDM_FINISH_NONE = 0, // still running (finish_reason null)
+    TDM_FINISH_STOP,     // EOS, a stop token id (stop_token says which) or a stop string
+    TDM_FINISH_LENGTH,   // max_tokens generated or the context (max_model_len) is full
+    TDM_FINISH_ABORT,    // cancelled: abort, client gone, drain timeout or shutdown
+    TDM_FINISH_ERROR,    // failed (an error code and message say why)
+    TDM_FINISH_COUNT,    // the number of values (not a reason)
+};
+// "stop", "length", "abort", "error"; NULL for NONE and values out of range.
+const char *tdm_finish_name(enum tdm_finish reason);
 
 // ---- logging ------------------------------------------------------------------
 enum tdm_log_level { TDM_LOG_LEVEL_ERR = 0, TDM_LOG_LEVEL_WARN, TDM_LOG_LEVEL_INFO, TDM_LOG_LEVEL_DEBUG };
@@ -94,6 +112,101 @@ double tdm_wall_now(void);
 // Reads a whole file into a NUL-terminated heap buffer (*out, caller frees; *len
 // excludes the NUL). Returns TDM_ENOTFOUND if it does not exist, TDM_EIO otherwise.
 int tdm_read_file(const char *path, char **out, size_t *len, char *err, size_t errlen);
+
+// ---- timed waits on the monotonic clock ------------------------------------------
+// A condition variable whose timed waits run on CLOCK_MONOTONIC (the clock of
+// tdm_now), so a step of the wall clock neither cuts a wait short nor
+// stretches it. Every condition variable that is waited on with a timeout is
+// made here. TDM_OK, or TDM_ENOMEM when pthread refuses.
+int tdm_cond_init(pthread_cond_t *cv);
+// Waits on cv (from tdm_cond_init; mu held, as for pthread_cond_wait) until it
+// is signalled or tdm_now() reaches deadline (< 0: no deadline). Returns false
+// when the deadline passed, true otherwise; wakeups may be spurious, so callers
+// re-check their condition in a loop.
+bool tdm_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadline);
+// Same for at most seconds from now (a deadline of tdm_now() + seconds).
+bool tdm_cond_wait_for(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds);
+
+// ---- command-line flags (core_flags.c) ------------------------------------------
+// One table per program (or per part of one) maps each flag to a field of an
+// options struct, so parsing, range checks, error messages and --help come
+// from one place and every binary behaves the same: "--name VALUE" or
+// "--name=VALUE" ('_' in a name matches '-'), a boolean without a value,
+// -h/--help (the caller prints tdm_flags_help and exits 0), and a one-line
+// error (TDM_EINVAL, err filled) for an unknown flag, a missing or bad value or
+// a stray argument. The same table can set a flag by name from a config file
+// (tdm_flags_set). Tables are static const data; parsing writes only opts.
+enum tdm_flag_kind {
+    TDM_FLAG_STR,    // char[size] at offset: a copy of the value
+    TDM_FLAG_PTR,    // const char * at offset: points at the value (in argv)
+    TDM_FLAG_INT,    // int at offset: a base-10 integer in [min, max]
+    TDM_FLAG_DOUBLE, // double at offset: a number in [min, max]
+    TDM_FLAG_FLOAT,  // float at offset: a number in [min, max]
+    TDM_FLAG_BYTES,  // size_t at offset: a byte size ("2GiB", "512MiB", "4096") in [min, max]
+    TDM_FLAG_BOOL,   // bool at offset: no value = true, else true/false/1/0/yes/no
+    TDM_FLAG_NOT,    // bool at offset, inverted ("--no-x"): no value = false
+    TDM_FLAG_FN,     // fn(opts, value, err, errlen); value NULL when no_value
+};
+
+struct tdm_flag {
+    const char *name;    // without the dashes: "max-num-seqs"
+    enum tdm_flag_kind kind;
+    size_t offset;       // offsetof(options struct, field); unused by FN
+    size_t size;         // STR: sizeof the field (the value must be shorter)
+    double min, max;     // INT, DOUBLE, FLOAT, BYTES: the accepted range
+    const char *metavar; // the value's name in --help ("N", "DIR"); NULL = none shown
+    const char *help;    // --help text; '\n' continues it on the next line
+    int (*fn)(void *opts, const char *value, char *err, size_t errlen); // FN only
+    bool no_value;       // FN: the flag takes no value
+    bool empty_ok;       // STR, PTR: "" is accepted (else "expected a non-empty value")
+    bool hidden;         // not listed by tdm_flags_help (another spelling of a listed flag)
+};
+
+// A table entry for field of the options struct T: name, kind, offset and size
+// filled in; the rest (.metavar, .help, .min, .max, ...) given after field.
+#define TDM_FLAG_FIELD(T, n, k, field, ...)                                                        \
+    {.name = (n),                                                                                  \
+     .kind = (k),                                                                                  \
+     .offset = offsetof(T, field),                                                                 \
+     .size = sizeof(((T *)0)->field),                                                              \
+     __VA_ARGS__}
+
+struct tdm_flags {
+    const char *usage;            // --help's first lines, each ending in '\n'
+    const struct tdm_flag *flags; // [n]
+    size_t n;
+    const char *footer;           // printed after the table (NULL = none)
+};
+
+// Sets flag name (with or without "--"; '_' matches '-') from value (NULL =
+// given without one). TDM_EINVAL with "unknown option \"--name\"" or the flag's
+// own message ("--port: expected an integer in [0, 65535], got \"x\"").
+int tdm_flags_set(const struct tdm_flags *t, void *opts, const char *name, const char *value,
+                  char *err, size_t errlen);
+// Parses argv[1..argc) into opts. Bare arguments go to rest[0..max_rest) in
+// order (*n_rest their count; rest may be NULL when none are allowed), more
+// than max_rest is an error. Returns TDM_OK, 1 for -h/--help (anywhere), or
+// TDM_EINVAL with a one-line message in err.
+int tdm_flags_parse(const struct tdm_flags *t, void *opts, int argc, char **argv, char **rest,
+                    int max_rest, int *n_rest, char *err, size_t errlen);
+// Takes the flags of t (with their values) out of argv, applying them to opts,
+// and keeps the rest in order (argv[*argc] = NULL): for a program whose flags
+// come from several tables. TDM_OK or TDM_EINVAL ("--name: missing value", a
+// bad value); -h/--help and unknown flags are left for the main table.
+int tdm_flags_take(const struct tdm_flags *t, void *opts, int *argc, char **argv, char *err,
+                   size_t errlen);
+// Writes t's usage, one line per flag ("  --name METAVAR" padded, then its
+// help), and its footer to f.
+void tdm_flags_help(const struct tdm_flags *t, FILE *f);
+// A main's whole argv step: tdm_flags_parse, then on --help the help on stdout
+// (exit 0), on an error "prog: <message> (see --help)" on stderr (exit 2).
+// Returns true when main should return *exit_code now.
+bool tdm_flags_main(const struct tdm_flags *t, void *opts, int argc, char **argv, char **rest,
+                    int max_rest, int *n_rest, const char *prog, int *exit_code);
+// Parses a byte size: digits with an optional fraction and a unit B, K/KiB/k,
+// KB, M/MiB, MB, G/GiB, GB, T/TiB, TB (binary unless it ends in "B" after a
+// decimal prefix). TDM_OK or TDM_EINVAL (not a whole number of bytes).
+int tdm_parse_bytes(const char *text, size_t *out);
 
 // Joins dir and name with one '/' into a heap string (caller frees); NULL on ENOMEM.
 char *tdm_path_join(const char *dir, const char *name);

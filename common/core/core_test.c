@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "core.h"
@@ -127,13 +128,301 @@ static void test_json_depth(void **state)
     assert_int_equal(tdm_json_check_depth(deep, 128, TDM_JSON_MAX_DEPTH, NULL, 0), TDM_OK);
 }
 
+static void test_finish_name(void **state)
+{
+    (void)state;
+    assert_null(tdm_finish_name(TDM_FINISH_NONE));
+    assert_string_equal(tdm_finish_name(TDM_FINISH_STOP), "stop");
+    assert_string_equal(tdm_finish_name(TDM_FINISH_LENGTH), "length");
+    assert_string_equal(tdm_finish_name(TDM_FINISH_ABORT), "abort");
+    assert_string_equal(tdm_finish_name(TDM_FINISH_ERROR), "error");
+    assert_null(tdm_finish_name(TDM_FINISH_COUNT));
+    assert_null(tdm_finish_name((enum tdm_finish)-1));
+}
+
+// ---- timed waits on the monotonic clock ----
+struct waker {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int flag;
+};
+
+static void *wake_later(void *arg)
+{
+    struct waker *w = arg;
+    struct timespec d = {0, 30 * 1000 * 1000};
+    nanosleep(&d, NULL);
+    pthread_mutex_lock(&w->mu);
+    w->flag = 1;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+static void test_cond_wait(void **state)
+{
+    (void)state;
+    struct waker w = {.flag = 0};
+    pthread_mutex_init(&w.mu, NULL);
+    assert_int_equal(tdm_cond_init(&w.cv), TDM_OK);
+    pthread_mutex_lock(&w.mu);
+    // Times out after about the asked time, on the monotonic clock.
+    double t0 = tdm_now();
+    assert_false(tdm_cond_wait_for(&w.cv, &w.mu, 0.05));
+    double took = tdm_now() - t0;
+    assert_true(took >= 0.049 && took < 1.0);
+    // A deadline already passed (or zero time) returns at once.
+    t0 = tdm_now();
+    assert_false(tdm_cond_wait_until(&w.cv, &w.mu, tdm_now() - 1.0));
+    assert_false(tdm_cond_wait_for(&w.cv, &w.mu, 0));
+    assert_true(tdm_now() - t0 < 0.01);
+    // A signal ends the wait well before its deadline.
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, wake_later, &w), 0);
+    t0 = tdm_now();
+    while (!w.flag && tdm_cond_wait_for(&w.cv, &w.mu, 10.0))
+        ;
+    assert_int_equal(w.flag, 1);
+    assert_true(tdm_now() - t0 < 5.0);
+    pthread_mutex_unlock(&w.mu);
+    pthread_join(th, NULL);
+    // No deadline: waits for the signal.
+    w.flag = 0;
+    pthread_mutex_lock(&w.mu);
+    assert_int_equal(pthread_create(&th, NULL, wake_later, &w), 0);
+    while (!w.flag)
+        assert_true(tdm_cond_wait_until(&w.cv, &w.mu, -1));
+    pthread_mutex_unlock(&w.mu);
+    pthread_join(th, NULL);
+    pthread_cond_destroy(&w.cv);
+    pthread_mutex_destroy(&w.mu);
+}
+
+// ---- flags ----
+struct opts {
+    char name[8];
+    const char *path;
+    int n;
+    double rate;
+    float temp;
+    size_t bytes;
+    bool on, watch;
+    int fn_calls;
+    const char *fn_value;
+};
+
+static int set_mode(void *o, const char *v, char *err, size_t errlen)
+{
+    struct opts *op = o;
+    if (strcmp(v, "fast") != 0 && strcmp(v, "slow") != 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--mode: expected fast or slow, got \"%s\"", v);
+    op->fn_calls++;
+    op->fn_value = v;
+    return TDM_OK;
+}
+
+static const struct tdm_flag opt_flags[] = {
+    {.name = "name",
+     .kind = TDM_FLAG_STR,
+     .offset = offsetof(struct opts, name),
+     .size = sizeof((struct opts *)0)->name,
+     .metavar = "NAME",
+     .help = "a name"},
+    {.name = "path",
+     .kind = TDM_FLAG_PTR,
+     .offset = offsetof(struct opts, path),
+     .metavar = "DIR",
+     .help = "a folder\nsecond line",
+     .empty_ok = true},
+    {.name = "num-things",
+     .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct opts, n),
+     .min = 0,
+     .max = 100,
+     .metavar = "N",
+     .help = "how many"},
+    {.name = "rate",
+     .kind = TDM_FLAG_DOUBLE,
+     .offset = offsetof(struct opts, rate),
+     .min = 0.5,
+     .max = 2,
+     .metavar = "R"},
+    {.name = "temp",
+     .kind = TDM_FLAG_FLOAT,
+     .offset = offsetof(struct opts, temp),
+     .min = 0,
+     .max = 2,
+     .metavar = "T"},
+    {.name = "mem",
+     .kind = TDM_FLAG_BYTES,
+     .offset = offsetof(struct opts, bytes),
+     .min = 1024,
+     .max = 1e12,
+     .metavar = "BYTES"},
+    {.name = "on", .kind = TDM_FLAG_BOOL, .offset = offsetof(struct opts, on), .help = "on"},
+    {.name = "no-watch", .kind = TDM_FLAG_NOT, .offset = offsetof(struct opts, watch)},
+    {.name = "mode", .kind = TDM_FLAG_FN, .fn = set_mode, .metavar = "fast|slow"},
+    {.name = "speed", .kind = TDM_FLAG_FN, .fn = set_mode, .hidden = true},
+};
+static const struct tdm_flags opt_table = {"usage: prog [options] [FILE]\n", opt_flags,
+                                           sizeof opt_flags / sizeof opt_flags[0], "footer\n"};
+
+static int parse_opts(struct opts *o, char **rest, int *n_rest, char *err, size_t errlen, int argc,
+                      ...)
+{
+    char *argv[32] = {"prog"};
+    va_list ap;
+    va_start(ap, argc);
+    for (int i = 1; i < argc; i++)
+        argv[i] = va_arg(ap, char *);
+    va_end(ap);
+    memset(o, 0, sizeof *o);
+    o->watch = true;
+    return tdm_flags_parse(&opt_table, o, argc, argv, rest, 1, n_rest, err, errlen);
+}
+
+static void test_flags_parse(void **state)
+{
+    (void)state;
+    struct opts o;
+    char err[256];
+    char *rest[1];
+    int n_rest = -1;
+    // Both value forms, '_' for '-', a boolean without a value, a bare argument.
+    assert_int_equal(parse_opts(&o, rest, &n_rest, err, sizeof err, 13, "--name", "abc",
+                                "--path=", "--num_things", "7", "--rate=1.5", "--temp", "0.25",
+                                "--on", "file.txt", "--mem", "2KiB"),
+                     TDM_OK);
+    assert_string_equal(o.name, "abc");
+    assert_string_equal(o.path, "");
+    assert_int_equal(o.n, 7);
+    assert_true(o.rate == 1.5);
+    assert_true(o.temp == 0.25f);
+    assert_true(o.on);
+    assert_int_equal(o.bytes, 2048);
+    assert_int_equal(n_rest, 1);
+    assert_string_equal(rest[0], "file.txt");
+    assert_true(o.watch);
+    assert_int_equal(
+        parse_opts(&o, NULL, NULL, err, sizeof err, 4, "--no-watch", "--on=false", "--mode=fast"),
+        TDM_OK);
+    assert_false(o.watch);
+    assert_false(o.on);
+    assert_int_equal(o.fn_calls, 1);
+    assert_string_equal(o.fn_value, "fast");
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 3, "--speed", "slow"), TDM_OK);
+    assert_string_equal(o.fn_value, "slow");
+    // --help anywhere, even after a bad flag.
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 3, "--bogus", "-h"), 1);
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 2, "--help"), 1);
+    // One-line errors.
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 2, "--bogus=1"), TDM_EINVAL);
+    assert_string_equal(err, "unknown option \"--bogus\"");
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 2, "--name"), TDM_EINVAL);
+    assert_string_equal(err, "--name: missing value");
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 3, "--num-things", "101"),
+                     TDM_EINVAL);
+    assert_string_equal(err, "--num-things: expected an integer in [0, 100], got \"101\"");
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 3, "--rate", "x"), TDM_EINVAL);
+    assert_string_equal(err, "--rate: expected a number in [0.5, 2], got \"x\"");
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 3, "--name", "toolongname"),
+                     TDM_EINVAL);
+    assert_string_equal(err, "--name: value longer than 7 bytes");
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 3, "--name", ""), TDM_EINVAL);
+    assert_string_equal(err, "--name: expected a non-empty value");
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 3, "--mem", "1000"), TDM_EINVAL);
+    assert_non_null(strstr(err, "--mem: expected a byte size"));
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 2, "--on=maybe"), TDM_EINVAL);
+    assert_string_equal(err, "--on: expected true or false, got \"maybe\"");
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 2, "--mode=medium"), TDM_EINVAL);
+    assert_string_equal(err, "--mode: expected fast or slow, got \"medium\"");
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 2, "stray"), TDM_EINVAL);
+    assert_string_equal(err, "unexpected argument \"stray\"");
+    assert_int_equal(parse_opts(&o, rest, &n_rest, err, sizeof err, 3, "a", "b"), TDM_EINVAL);
+    assert_string_equal(err, "unexpected argument \"b\"");
+    // By name, as a config file does.
+    memset(&o, 0, sizeof o);
+    assert_int_equal(tdm_flags_set(&opt_table, &o, "num_things", "3", err, sizeof err), TDM_OK);
+    assert_int_equal(o.n, 3);
+    assert_int_equal(tdm_flags_set(&opt_table, &o, "what", "3", err, sizeof err), TDM_EINVAL);
+    assert_string_equal(err, "unknown option \"--what\"");
+}
+
+static void test_flags_take_and_help(void **state)
+{
+    (void)state;
+    struct opts o;
+    memset(&o, 0, sizeof o);
+    char err[256];
+    char *argv[] = {"prog", "--model", "m", "--num-things", "5", "--other=1", "--on", "x", NULL};
+    int argc = 8;
+    assert_int_equal(tdm_flags_take(&opt_table, &o, &argc, argv, err, sizeof err), TDM_OK);
+    assert_int_equal(argc, 5);
+    assert_string_equal(argv[1], "--model");
+    assert_string_equal(argv[2], "m");
+    assert_string_equal(argv[3], "--other=1");
+    assert_string_equal(argv[4], "x");
+    assert_null(argv[5]);
+    assert_int_equal(o.n, 5);
+    assert_true(o.on);
+    // "=" form; a longer name that starts like a known one stays; a bad value stops.
+    char *eq[] = {"prog", "--num-things=9", "--num-thingsx", "1", NULL};
+    argc = 4;
+    assert_int_equal(tdm_flags_take(&opt_table, &o, &argc, eq, err, sizeof err), TDM_OK);
+    assert_int_equal(o.n, 9);
+    assert_int_equal(argc, 3);
+    assert_string_equal(eq[1], "--num-thingsx");
+    char *none[] = {"prog", NULL};
+    argc = 1;
+    assert_int_equal(tdm_flags_take(&opt_table, &o, &argc, none, err, sizeof err), TDM_OK);
+    assert_int_equal(argc, 1);
+    assert_null(none[1]);
+    char *badval[] = {"prog", "--rate=x", "--name", "n", NULL};
+    argc = 4;
+    assert_int_equal(tdm_flags_take(&opt_table, &o, &argc, badval, err, sizeof err), TDM_EINVAL);
+    assert_string_equal(err, "--rate: expected a number in [0.5, 2], got \"x\"");
+    char *bad[] = {"prog", "--num-things", NULL};
+    argc = 2;
+    assert_int_equal(tdm_flags_take(&opt_table, &o, &argc, bad, err, sizeof err), TDM_EINVAL);
+    assert_string_equal(err, "--num-things: missing value");
+
+    char buf[2048] = "";
+    FILE *f = fmemopen(buf, sizeof buf, "w");
+    assert_non_null(f);
+    tdm_flags_help(&opt_table, f);
+    fclose(f);
+    assert_non_null(strstr(buf, "usage: prog [options] [FILE]\n"));
+    assert_non_null(strstr(buf, "  --num-things N                how many\n"));
+    assert_non_null(strstr(buf, "  --path DIR                    a folder\n"
+                                "                                second line\n"));
+    assert_non_null(strstr(buf, "  --on                          on\n"));
+    assert_non_null(strstr(buf, "  --mode fast|slow\n"));
+    assert_non_null(strstr(buf, "footer\n"));
+    assert_null(strstr(buf, "--speed")); // hidden: another spelling of --mode
+
+    size_t b;
+    assert_int_equal(tdm_parse_bytes("512MiB", &b), TDM_OK);
+    assert_int_equal(b, (size_t)512 << 20);
+    assert_int_equal(tdm_parse_bytes("1.5GB", &b), TDM_OK);
+    assert_int_equal(b, 1500000000u);
+    assert_int_equal(tdm_parse_bytes("1.5", &b), TDM_EINVAL);
+    assert_int_equal(tdm_parse_bytes("GiB", &b), TDM_EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_strerror),   cmocka_unit_test(test_seterr),
-        cmocka_unit_test(test_read_file),  cmocka_unit_test(test_path_join),
-        cmocka_unit_test(test_log_level),  cmocka_unit_test(test_rng),
+        cmocka_unit_test(test_strerror),
+        cmocka_unit_test(test_seterr),
+        cmocka_unit_test(test_read_file),
+        cmocka_unit_test(test_path_join),
+        cmocka_unit_test(test_log_level),
+        cmocka_unit_test(test_rng),
         cmocka_unit_test(test_json_depth),
+        cmocka_unit_test(test_cond_wait),
+        cmocka_unit_test(test_finish_name),
+        cmocka_unit_test(test_flags_parse),
+        cmocka_unit_test(test_flags_take_and_help),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

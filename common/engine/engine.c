@@ -75,19 +75,19 @@ struct tdm_engine_request {
     struct tdm_engine_request *inbox_next;
     struct tdm_engine_request *ctl_next; // control list (abort, KV release, import done)
     bool ctl_queued;
-    enum tdm_engine_finish ctl_abort; // NONE = no abort asked
+    enum tdm_finish ctl_abort; // NONE = no abort asked
     bool ctl_release;                 // release held KV
     bool ctl_import_done, ctl_import_ok;
     // The same, copied by the engine thread when it takes the list.
     struct tdm_engine_request *ctl_exec_next;
-    enum tdm_engine_finish ctl_exec_abort;
+    enum tdm_finish ctl_exec_abort;
     bool ctl_exec_release, ctl_exec_import, ctl_exec_import_ok;
 
     // IMPORT_KV (engine thread; first_token is written by import_done before it
     // queues the control that makes the engine thread read it).
     int32_t first_token;
     bool imported;                        // the KV arrived; from now on a normal request
-    enum tdm_engine_finish abort_pending; // abort asked while importing
+    enum tdm_finish abort_pending; // abort asked while importing
 
     // Guarded by mu: what the stream reader sees.
     pthread_mutex_t mu;
@@ -96,7 +96,7 @@ struct tdm_engine_request {
     bool pub_finished;
     bool fin_returned;
     int read_pos;
-    enum tdm_engine_finish reason;
+    enum tdm_finish reason;
     int32_t stop_token;
     int error;
     char message[160];
@@ -182,36 +182,6 @@ void tdm_engine_request_params_default(struct tdm_engine_request_params *p)
 {
     memset(p, 0, sizeof *p);
     tdm_sampling_params_default(&p->sampling);
-}
-
-const char *tdm_engine_finish_name(enum tdm_engine_finish reason)
-{
-    switch (reason) {
-    case TDM_ENGINE_FINISH_STOP:
-        return "stop";
-    case TDM_ENGINE_FINISH_LENGTH:
-        return "length";
-    case TDM_ENGINE_FINISH_ABORT:
-        return "abort";
-    case TDM_ENGINE_FINISH_ERROR:
-        return "error";
-    default:
-        return "";
-    }
-}
-
-static enum tdm_metrics_finish metrics_reason(enum tdm_engine_finish reason)
-{
-    switch (reason) {
-    case TDM_ENGINE_FINISH_STOP:
-        return TDM_METRICS_FINISH_STOP;
-    case TDM_ENGINE_FINISH_LENGTH:
-        return TDM_METRICS_FINISH_LENGTH;
-    case TDM_ENGINE_FINISH_ABORT:
-        return TDM_METRICS_FINISH_ABORT;
-    default:
-        return TDM_METRICS_FINISH_ERROR;
-    }
 }
 
 static int blocks_for(const struct tdm_engine *e, int tokens)
@@ -342,12 +312,12 @@ static void fill_output(const struct tdm_engine_request *r, struct tdm_engine_ou
 }
 
 static void observe_finish(struct tdm_engine *e, struct tdm_engine_request *r,
-                           enum tdm_engine_finish reason, double now)
+                           enum tdm_finish reason, double now)
 {
     struct tdm_metrics_vllm *m = e->m;
     if (m == NULL)
         return;
-    tdm_metrics_counter_inc(m->request_success_by_reason[metrics_reason(reason)]);
+    tdm_metrics_counter_inc(m->request_success_by_reason[reason > TDM_FINISH_NONE && reason < TDM_FINISH_COUNT ? reason : TDM_FINISH_ERROR]);
     tdm_metrics_histogram_observe(m->request_prompt_tokens, r->n_prompt);
     tdm_metrics_histogram_observe(m->request_generation_tokens, r->n_gen);
     tdm_metrics_histogram_observe(m->request_max_num_generation_tokens, r->n_gen);
@@ -391,7 +361,7 @@ static void drop_kv(struct tdm_engine *e, struct tdm_engine_request *r)
 // drops the engine's reference unless the KV is held (then release_kv drops it).
 // `with_token`: the finishing output carries the token just generated.
 static void finish_request(struct tdm_engine *e, struct tdm_engine_request *r,
-                           enum tdm_engine_finish reason, int32_t stop_token, int error,
+                           enum tdm_finish reason, int32_t stop_token, int error,
                            const char *message, bool with_token)
 {
     double now = tdm_now();
@@ -407,7 +377,7 @@ static void finish_request(struct tdm_engine *e, struct tdm_engine_request *r,
         e->num_importing--;
     }
     bool hold = r->kind == TDM_ENGINE_REQ_PREFILL_ONLY && r->state == REQ_RUNNING &&
-                (reason == TDM_ENGINE_FINISH_STOP || reason == TDM_ENGINE_FINISH_LENGTH);
+                (reason == TDM_FINISH_STOP || reason == TDM_FINISH_LENGTH);
     if (!hold)
         drop_kv(e, r);
     r->state = hold ? REQ_HELD : REQ_DONE;
@@ -418,11 +388,11 @@ static void finish_request(struct tdm_engine *e, struct tdm_engine_request *r,
     r->kv_held = hold;
     e->finished++;
     observe_finish(e, r, reason, now);
-    if (reason == TDM_ENGINE_FINISH_ERROR)
+    if (reason == TDM_FINISH_ERROR)
         TDM_LOG_WARN(MOD, "req=%s finished with error: %s", r->id, message ? message : "");
     else
         TDM_LOG_DEBUG(MOD, "req=%s finished reason=%s prompt=%d generated=%d", r->id,
-                      tdm_engine_finish_name(reason), r->n_prompt, r->n_gen);
+                      tdm_finish_name(reason), r->n_prompt, r->n_gen);
 
     // The message is written before anyone can read it: the stream reads it only
     // after pub_finished, the callback below gets it directly.
@@ -564,7 +534,7 @@ static void fail_unfit(struct tdm_engine *e, struct tdm_engine_request *r, int t
     char msg[160];
     snprintf(msg, sizeof msg, "needs %d KV blocks for %d tokens; the pool has %d",
              blocks_for(e, tokens), tokens, e->cfg.num_blocks);
-    finish_request(e, r, TDM_ENGINE_FINISH_ERROR, -1, TDM_ECAPACITY, msg, false);
+    finish_request(e, r, TDM_FINISH_ERROR, -1, TDM_ECAPACITY, msg, false);
 }
 
 // Schedules one running request's next tokens (take <= budget), preempting the
@@ -750,9 +720,9 @@ static void append_token(struct tdm_engine *e, struct tdm_engine_request *r, int
         r->t_first_token = now;
     r->t_last_token = now;
     if (tdm_sampler_is_stop(r->sampler, tok))
-        finish_request(e, r, TDM_ENGINE_FINISH_STOP, tok, TDM_OK, NULL, true);
+        finish_request(e, r, TDM_FINISH_STOP, tok, TDM_OK, NULL, true);
     else if (r->n_gen >= r->max_gen)
-        finish_request(e, r, TDM_ENGINE_FINISH_LENGTH, -1, TDM_OK, NULL, true);
+        finish_request(e, r, TDM_FINISH_LENGTH, -1, TDM_OK, NULL, true);
     else
         deliver_token(r);
 }
@@ -763,13 +733,13 @@ static void import_finish(struct tdm_engine *e, struct tdm_engine_request *r, bo
 {
     // An abort asked meanwhile wins: the caller gave up (cancel, fallback), the
     // transfer did not fail on its own.
-    if (r->abort_pending != TDM_ENGINE_FINISH_NONE) {
+    if (r->abort_pending != TDM_FINISH_NONE) {
         finish_request(e, r, r->abort_pending, -1, TDM_OK,
-                       r->abort_pending == TDM_ENGINE_FINISH_ABORT ? "aborted" : NULL, false);
+                       r->abort_pending == TDM_FINISH_ABORT ? "aborted" : NULL, false);
         return;
     }
     if (!ok) {
-        finish_request(e, r, TDM_ENGINE_FINISH_ERROR, -1, TDM_ETRANSPORT, "KV import failed",
+        finish_request(e, r, TDM_FINISH_ERROR, -1, TDM_ETRANSPORT, "KV import failed",
                        false);
         return;
     }
@@ -835,7 +805,7 @@ static void run_step(struct tdm_engine *e, int n_items)
         TDM_LOG_ERR(MOD, "step %llu: %s (%d sequences, %d tokens)", (unsigned long long)e->steps,
                     msg, n_items, total);
         for (int b = 0; b < n_items; b++)
-            finish_request(e, e->items[b].r, TDM_ENGINE_FINISH_ERROR, -1, rc, msg, false);
+            finish_request(e, e->items[b].r, TDM_FINISH_ERROR, -1, rc, msg, false);
         return;
     }
     double now = tdm_now();
@@ -870,7 +840,7 @@ static void take_control(struct tdm_engine *e, bool *abort_all, bool *stop)
         c->ctl_exec_release = c->ctl_release;
         c->ctl_exec_import = c->ctl_import_done;
         c->ctl_exec_import_ok = c->ctl_import_ok;
-        c->ctl_abort = TDM_ENGINE_FINISH_NONE;
+        c->ctl_abort = TDM_FINISH_NONE;
         c->ctl_release = c->ctl_import_done = false;
     }
     *abort_all = e->abort_all;
@@ -886,17 +856,17 @@ static void take_control(struct tdm_engine *e, bool *abort_all, bool *stop)
     // The control list is LIFO; order does not matter for aborts.
     while (ctl) {
         struct tdm_engine_request *next = ctl->ctl_exec_next;
-        enum tdm_engine_finish reason = ctl->ctl_exec_abort;
+        enum tdm_finish reason = ctl->ctl_exec_abort;
         // An abort queued with (or before) import_done is seen before it.
-        if (reason != TDM_ENGINE_FINISH_NONE && ctl->state == REQ_IMPORTING &&
-            ctl->abort_pending == TDM_ENGINE_FINISH_NONE)
+        if (reason != TDM_FINISH_NONE && ctl->state == REQ_IMPORTING &&
+            ctl->abort_pending == TDM_FINISH_NONE)
             ctl->abort_pending = reason; // the importer may be writing its blocks
         if (ctl->ctl_exec_import && ctl->state == REQ_IMPORTING)
             import_finish(e, ctl, ctl->ctl_exec_import_ok);
-        if (reason != TDM_ENGINE_FINISH_NONE) {
+        if (reason != TDM_FINISH_NONE) {
             if (ctl->state == REQ_WAITING || ctl->state == REQ_RUNNING)
                 finish_request(e, ctl, reason, -1, TDM_OK,
-                               reason == TDM_ENGINE_FINISH_ABORT ? "aborted" : NULL, false);
+                               reason == TDM_FINISH_ABORT ? "aborted" : NULL, false);
             else if (ctl->state == REQ_HELD)
                 release_held(e, ctl);
         }
@@ -908,13 +878,13 @@ static void take_control(struct tdm_engine *e, bool *abort_all, bool *stop)
     if (*abort_all && !e->abort_all_applied) {
         e->abort_all_applied = true;
         for (struct tdm_engine_request *r = e->import_head; r; r = r->next)
-            if (r->abort_pending == TDM_ENGINE_FINISH_NONE)
-                r->abort_pending = TDM_ENGINE_FINISH_ABORT;
+            if (r->abort_pending == TDM_FINISH_NONE)
+                r->abort_pending = TDM_FINISH_ABORT;
         while (e->num_running > 0)
-            finish_request(e, e->running[e->num_running - 1], TDM_ENGINE_FINISH_ABORT, -1, TDM_OK,
+            finish_request(e, e->running[e->num_running - 1], TDM_FINISH_ABORT, -1, TDM_OK,
                            "engine shutting down", false);
         while (e->wait_head)
-            finish_request(e, e->wait_head, TDM_ENGINE_FINISH_ABORT, -1, TDM_OK,
+            finish_request(e, e->wait_head, TDM_FINISH_ABORT, -1, TDM_OK,
                            "engine shutting down", false);
     }
 }
@@ -1003,7 +973,7 @@ static void *engine_main(void *arg)
             while (e->held_head)
                 release_held(e, e->held_head);
             while (e->import_head)
-                finish_request(e, e->import_head, TDM_ENGINE_FINISH_ABORT, -1, TDM_OK,
+                finish_request(e, e->import_head, TDM_FINISH_ABORT, -1, TDM_OK,
                                "engine shutting down", false);
         }
         int n_items = schedule(e);
@@ -1018,40 +988,6 @@ static void *engine_main(void *arg)
 }
 
 // ---- creation and shutdown ----------------------------------------------------------------
-static int cond_init_monotonic(pthread_cond_t *cv)
-{
-    pthread_condattr_t a;
-    if (pthread_condattr_init(&a) != 0)
-        return TDM_ENOMEM;
-    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
-    int rc = pthread_cond_init(cv, &a);
-    pthread_condattr_destroy(&a);
-    return rc == 0 ? TDM_OK : TDM_ENOMEM;
-}
-
-// Waits on cv until the monotonic deadline (< 0: none); false on timeout.
-static bool cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadline)
-{
-    if (deadline < 0) {
-        pthread_cond_wait(cv, mu);
-        return true;
-    }
-    double now = tdm_now();
-    if (now >= deadline)
-        return false;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    double rem = deadline - now;
-    long sec = (long)rem;
-    ts.tv_sec += sec;
-    ts.tv_nsec += (long)((rem - (double)sec) * 1e9);
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
-    return pthread_cond_timedwait(cv, mu, &ts) != ETIMEDOUT || tdm_now() < deadline;
-}
-
 int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
                    const struct tdm_engine_config *cfg_in, char *err, size_t errlen)
 {
@@ -1147,11 +1083,11 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
         goto fail_arrays;
     }
-    if (cond_init_monotonic(&e->wake) != TDM_OK) {
+    if (tdm_cond_init(&e->wake) != TDM_OK) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
         goto fail_mu;
     }
-    if (cond_init_monotonic(&e->idle_cv) != TDM_OK) {
+    if (tdm_cond_init(&e->idle_cv) != TDM_OK) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
         goto fail_wake;
     }
@@ -1195,7 +1131,7 @@ int tdm_engine_drain(struct tdm_engine *e, double timeout_s)
     pthread_mutex_lock(&e->mu);
     e->closed = true;
     while (e->num_active > 0 || e->inbox_head != NULL) {
-        if (!cond_wait_until(&e->idle_cv, &e->mu, deadline))
+        if (!tdm_cond_wait_until(&e->idle_cv, &e->mu, deadline))
             break;
     }
     if (e->num_active > 0 || e->inbox_head != NULL) {
@@ -1332,7 +1268,7 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
         goto fail_sampler;
     }
-    if (cond_init_monotonic(&r->cv) != TDM_OK) {
+    if (tdm_cond_init(&r->cv) != TDM_OK) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
         goto fail_mu;
     }
@@ -1345,7 +1281,7 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     }
     if (e->num_queued >= e->cfg.max_waiting) {
         pthread_mutex_unlock(&e->mu);
-        rc = tdm_seterr(err, errlen, TDM_EBUSY, "engine: waiting queue full (%d requests)",
+        rc = tdm_seterr(err, errlen, TDM_EBUSY, "the waiting queue is full (--max-waiting %d)",
                         e->cfg.max_waiting);
         goto fail_cv;
     }
@@ -1383,7 +1319,7 @@ enum ctl_kind { CTL_ABORT, CTL_RELEASE, CTL_IMPORT_OK, CTL_IMPORT_FAILED };
 
 // Queues a control for r; the list holds a reference until the engine took it.
 static void queue_control(struct tdm_engine *e, struct tdm_engine_request *r, enum ctl_kind kind,
-                          enum tdm_engine_finish reason)
+                          enum tdm_finish reason)
 {
     pthread_mutex_lock(&e->mu);
     if (!r->ctl_queued) {
@@ -1394,7 +1330,7 @@ static void queue_control(struct tdm_engine *e, struct tdm_engine_request *r, en
     }
     switch (kind) {
     case CTL_ABORT:
-        if (r->ctl_abort == TDM_ENGINE_FINISH_NONE)
+        if (r->ctl_abort == TDM_FINISH_NONE)
             r->ctl_abort = reason;
         break;
     case CTL_RELEASE:
@@ -1411,11 +1347,11 @@ static void queue_control(struct tdm_engine *e, struct tdm_engine_request *r, en
 }
 
 int tdm_engine_abort(struct tdm_engine *e, struct tdm_engine_request *r,
-                     enum tdm_engine_finish reason)
+                     enum tdm_finish reason)
 {
     if (e == NULL || r == NULL || r->engine != e ||
-        (reason != TDM_ENGINE_FINISH_ABORT && reason != TDM_ENGINE_FINISH_STOP &&
-         reason != TDM_ENGINE_FINISH_LENGTH))
+        (reason != TDM_FINISH_ABORT && reason != TDM_FINISH_STOP &&
+         reason != TDM_FINISH_LENGTH))
         return TDM_EINVAL;
     queue_control(e, r, CTL_ABORT, reason);
     return TDM_OK;
@@ -1432,7 +1368,7 @@ int tdm_engine_release_kv(struct tdm_engine *e, struct tdm_engine_request *r)
     pthread_mutex_unlock(&r->mu);
     if (!ok)
         return TDM_EINVAL;
-    queue_control(e, r, CTL_RELEASE, TDM_ENGINE_FINISH_NONE);
+    queue_control(e, r, CTL_RELEASE, TDM_FINISH_NONE);
     return TDM_OK;
 }
 
@@ -1513,7 +1449,7 @@ int tdm_engine_import_wait(struct tdm_engine_request *r, double timeout_s, int *
     int rc = TDM_OK;
     pthread_mutex_lock(&r->mu);
     while (!r->import_ready && !r->pub_finished) {
-        if (!cond_wait_until(&r->cv, &r->mu, deadline)) {
+        if (!tdm_cond_wait_until(&r->cv, &r->mu, deadline)) {
             rc = TDM_ETIMEDOUT;
             break;
         }
@@ -1563,7 +1499,7 @@ int tdm_engine_import_done(struct tdm_engine *e, struct tdm_engine_request *r, i
     pthread_mutex_unlock(&r->mu);
     if (!open)
         return TDM_EINVAL;
-    queue_control(e, r, ok ? CTL_IMPORT_OK : CTL_IMPORT_FAILED, TDM_ENGINE_FINISH_NONE);
+    queue_control(e, r, ok ? CTL_IMPORT_OK : CTL_IMPORT_FAILED, TDM_FINISH_NONE);
     return TDM_OK;
 }
 
@@ -1578,7 +1514,7 @@ int tdm_engine_stream_next(struct tdm_engine_request *r, double timeout_s,
         return TDM_ECLOSED;
     }
     while (r->read_pos == r->pub_gen && !r->pub_finished) {
-        if (!cond_wait_until(&r->cv, &r->mu, deadline)) {
+        if (!tdm_cond_wait_until(&r->cv, &r->mu, deadline)) {
             pthread_mutex_unlock(&r->mu);
             return TDM_ETIMEDOUT;
         }

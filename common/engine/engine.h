@@ -26,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core.h" // enum tdm_finish
 #include "kv_cache.h"
 #include "metrics.h"
 #include "model.h"
@@ -86,16 +87,6 @@ int tdm_engine_take_kv_events(struct tdm_engine *e, struct tdm_kv_event *out, in
 const struct tdm_engine_config *tdm_engine_get_config(const struct tdm_engine *e);
 
 // ---- requests ------------------------------------------------------------------------
-enum tdm_engine_finish {
-    TDM_ENGINE_FINISH_NONE = 0, // still running
-    TDM_ENGINE_FINISH_STOP,     // EOS or a stop token id (stop_token says which), or the API
-                                // layer matched a stop string (tdm_engine_abort)
-    TDM_ENGINE_FINISH_LENGTH,   // max_tokens generated or the context (max_model_len) is full
-    TDM_ENGINE_FINISH_ABORT,    // tdm_engine_abort, drain timeout or engine shutdown
-    TDM_ENGINE_FINISH_ERROR,    // failed in the engine (error/message say why)
-};
-// "stop", "length", "abort", "error" (vLLM's finished_reason), "" for NONE.
-const char *tdm_engine_finish_name(enum tdm_engine_finish reason);
 
 enum tdm_engine_kind {
     TDM_ENGINE_REQ_GENERATE = 0, // normal request: prefill, then decode until it finishes
@@ -164,7 +155,7 @@ struct tdm_engine_output {
     // The finish (exactly one output per request has finished = true; it carries the
     // last token when a token ended the request).
     bool finished;
-    enum tdm_engine_finish reason;
+    enum tdm_finish reason;
     int32_t stop_token;  // the EOS/stop id for STOP by token, else -1
     int error;           // enum tdm_err for ERROR
     const char *message; // why, for ERROR and ABORT ("" otherwise)
@@ -187,7 +178,7 @@ const char *tdm_engine_request_id(const struct tdm_engine_request *r);
 // when idle; its KV is released then. A finished request is left alone (TDM_OK).
 // A held PREFILL_ONLY request gets its KV released. TDM_EINVAL for another reason.
 int tdm_engine_abort(struct tdm_engine *e, struct tdm_engine_request *r,
-                     enum tdm_engine_finish reason);
+                     enum tdm_finish reason);
 
 // ---- the ready-made output stream (for HTTP threads) ---------------------------------
 // New outputs of one request since the previous call. The arrays point into the
@@ -202,7 +193,7 @@ struct tdm_engine_chunk {
     int num_prompt_tokens;
     int num_cached_tokens;
     bool finished; // the request is over; later calls return TDM_ECLOSED
-    enum tdm_engine_finish reason;
+    enum tdm_finish reason;
     int32_t stop_token;
     int error;
     const char *message; // valid while the caller holds the handle

@@ -187,7 +187,7 @@ struct collected {
     float *lp; // optional caller storage for the logprobs, [cap]
     int n;
     bool finished;
-    enum tdm_engine_finish reason;
+    enum tdm_finish reason;
     int error;
     bool kv_held;
 };
@@ -272,7 +272,7 @@ static void test_single_matches_runner(void **state)
         struct collected c = {.lp = lp};
         collect(r, got, 32, &c, 0);
         assert_int_equal(c.n, 12);
-        assert_int_equal(c.reason, TDM_ENGINE_FINISH_LENGTH);
+        assert_int_equal(c.reason, TDM_FINISH_LENGTH);
         assert_memory_equal(got, ref, 12 * sizeof(int32_t));
         float d = max_lp_diff(lp, ref_lp[k], 12);
         print_message("request %d: max |logprob - runner's| %.2e\n", k, (double)d);
@@ -369,7 +369,7 @@ static void test_concurrent_20(void **state)
         struct collected c = {0};
         collect(rs[i], got[i], 32, &c, 0);
         assert_int_equal(c.n, 4 + i);
-        assert_int_equal(c.reason, TDM_ENGINE_FINISH_LENGTH);
+        assert_int_equal(c.reason, TDM_FINISH_LENGTH);
         assert_memory_equal(got[i], refs[i], (size_t)c.n * sizeof(int32_t));
         // The callback ran on the engine thread before the stream saw the finish.
         assert_int_equal(cbs[i].tokens, 4 + i);
@@ -502,7 +502,7 @@ static void run_preempt_workload(int num_blocks, int32_t got[6][40], float lp[6]
     for (int i = 0; i < 6; i++) {
         struct collected c = {.lp = lp[i]};
         collect(rs[i], got[i], 40, &c, 0);
-        assert_int_equal(c.reason, TDM_ENGINE_FINISH_LENGTH);
+        assert_int_equal(c.reason, TDM_FINISH_LENGTH);
         n_out[i] = c.n;
         tdm_engine_request_release(rs[i]);
     }
@@ -557,14 +557,14 @@ static void test_abort(void **state)
     struct tdm_engine_stats s;
     tdm_engine_get_stats(e, &s);
     assert_true(s.kv_usage > 0.0f);
-    assert_int_equal(tdm_engine_abort(e, w, TDM_ENGINE_FINISH_STOP), TDM_OK);
-    assert_int_equal(tdm_engine_abort(e, a, TDM_ENGINE_FINISH_ABORT), TDM_OK);
-    assert_int_equal(tdm_engine_abort(e, a, TDM_ENGINE_FINISH_ERROR), TDM_EINVAL);
+    assert_int_equal(tdm_engine_abort(e, w, TDM_FINISH_STOP), TDM_OK);
+    assert_int_equal(tdm_engine_abort(e, a, TDM_FINISH_ABORT), TDM_OK);
+    assert_int_equal(tdm_engine_abort(e, a, TDM_FINISH_ERROR), TDM_EINVAL);
     collect(a, got, 4096, &ca, 0);
     collect(w, got, 4096, &cw, 0);
-    assert_int_equal(ca.reason, TDM_ENGINE_FINISH_ABORT);
+    assert_int_equal(ca.reason, TDM_FINISH_ABORT);
     assert_true(ca.n < 3000);
-    assert_int_equal(cw.reason, TDM_ENGINE_FINISH_STOP);
+    assert_int_equal(cw.reason, TDM_FINISH_STOP);
     assert_int_equal(cw.n, 0);
     wait_idle_stats(e, &s);
     assert_true(s.kv_usage == 0.0f);
@@ -572,7 +572,7 @@ static void test_abort(void **state)
     assert_int_equal(s.num_waiting, 0);
     assert_kv_ok(e);
     // Aborting a finished request is harmless.
-    assert_int_equal(tdm_engine_abort(e, a, TDM_ENGINE_FINISH_ABORT), TDM_OK);
+    assert_int_equal(tdm_engine_abort(e, a, TDM_FINISH_ABORT), TDM_OK);
     tdm_engine_request_release(a);
     tdm_engine_request_release(w);
     // A request released by its caller before the finish still runs and frees itself.
@@ -629,7 +629,7 @@ static void test_queue_bound_and_bad_input(void **state)
     // a (max_tokens 0) stops at the context: 64 - 8 tokens, reason length.
     collect(a, got, 64, &ca, 0);
     assert_int_equal(ca.n, 56);
-    assert_int_equal(ca.reason, TDM_ENGINE_FINISH_LENGTH);
+    assert_int_equal(ca.reason, TDM_FINISH_LENGTH);
     struct collected cb = {0}, cq = {0};
     collect(b, got, 64, &cb, 0);
     collect(q, got, 64, &cq, 0);
@@ -640,7 +640,7 @@ static void test_queue_bound_and_bad_input(void **state)
     struct collected cl = {0};
     collect(longest, got, 64, &cl, 0);
     assert_int_equal(cl.n, 1);
-    assert_int_equal(cl.reason, TDM_ENGINE_FINISH_LENGTH);
+    assert_int_equal(cl.reason, TDM_FINISH_LENGTH);
     tdm_engine_request_release(a);
     tdm_engine_request_release(b);
     tdm_engine_request_release(q);
@@ -664,7 +664,7 @@ static void test_drain(void **state)
         struct collected c = {0};
         collect(rs[i], got, 3000, &c, 0);
         assert_int_equal(c.n, 15 + i);
-        assert_int_equal(c.reason, TDM_ENGINE_FINISH_LENGTH);
+        assert_int_equal(c.reason, TDM_FINISH_LENGTH);
         tdm_engine_request_release(rs[i]);
     }
     struct tdm_engine_request_params p;
@@ -684,11 +684,11 @@ static void test_drain(void **state)
     collect(slow, got, 3000, &c, 1);
     assert_int_equal(tdm_engine_drain(e, 0.01), TDM_ETIMEDOUT);
     collect(slow, got, 3000, &c, 0);
-    assert_int_equal(c.reason, TDM_ENGINE_FINISH_ABORT);
+    assert_int_equal(c.reason, TDM_FINISH_ABORT);
     tdm_engine_free(e);
     struct collected c2 = {0};
     collect(slow2, got, 3000, &c2, 0);
-    assert_int_equal(c2.reason, TDM_ENGINE_FINISH_ABORT);
+    assert_int_equal(c2.reason, TDM_FINISH_ABORT);
     tdm_engine_request_release(slow);
     tdm_engine_request_release(slow2);
 
@@ -697,7 +697,7 @@ static void test_drain(void **state)
     tdm_engine_free(e); // aborts it; the handle stays readable
     struct collected c3 = {0};
     collect(busy, got, 3000, &c3, 0);
-    assert_int_equal(c3.reason, TDM_ENGINE_FINISH_ABORT);
+    assert_int_equal(c3.reason, TDM_FINISH_ABORT);
     tdm_engine_request_release(busy);
 }
 
@@ -726,7 +726,7 @@ static void test_metrics(void **state)
         usleep(1000);
     assert_true(tdm_metrics_gauge_value(m.num_requests_running) == 1);
     assert_true(tdm_metrics_gauge_value(m.kv_cache_usage_perc) > 0);
-    assert_int_equal(tdm_engine_abort(e, r, TDM_ENGINE_FINISH_STOP), TDM_OK);
+    assert_int_equal(tdm_engine_abort(e, r, TDM_FINISH_STOP), TDM_OK);
     collect(r, got, 400, &c, 0);
     struct tdm_engine_stats s;
     wait_idle_stats(e, &s);
@@ -741,9 +741,9 @@ static void test_metrics(void **state)
     assert_int_equal(c2.n, 6);
     assert_true(tdm_metrics_counter_value(m.generation_tokens) == c.n + 6);
     assert_true(tdm_metrics_counter_value(m.prompt_tokens) == 2 * 37);
-    assert_true(tdm_metrics_counter_value(m.request_success_by_reason[TDM_METRICS_FINISH_STOP]) ==
+    assert_true(tdm_metrics_counter_value(m.request_success_by_reason[TDM_FINISH_STOP]) ==
                 1);
-    assert_true(tdm_metrics_counter_value(m.request_success_by_reason[TDM_METRICS_FINISH_LENGTH]) ==
+    assert_true(tdm_metrics_counter_value(m.request_success_by_reason[TDM_FINISH_LENGTH]) ==
                 1);
     assert_true(tdm_metrics_counter_value(m.prefix_cache_queries) == 2 * 37);
     assert_true(tdm_metrics_counter_value(m.prefix_cache_hits) == 32);
@@ -797,11 +797,11 @@ static void test_unfit(void **state)
     struct tdm_engine_request *grows = submit(e, prompt, 20, &sp, 100);
     struct collected cb = {0}, cg = {0};
     collect(big, got, 200, &cb, 0);
-    assert_int_equal(cb.reason, TDM_ENGINE_FINISH_ERROR);
+    assert_int_equal(cb.reason, TDM_FINISH_ERROR);
     assert_int_equal(cb.error, TDM_ECAPACITY);
     assert_int_equal(cb.n, 0);
     collect(grows, got, 200, &cg, 0);
-    assert_int_equal(cg.reason, TDM_ENGINE_FINISH_ERROR);
+    assert_int_equal(cg.reason, TDM_FINISH_ERROR);
     assert_int_equal(cg.n, 64 - 20 + 1); // positions 0..63 fill the pool; the last
                                          // token is sampled from position 63
     struct tdm_engine_stats s;
@@ -1084,7 +1084,7 @@ static void test_export_races_release(void **state)
         usleep(100);
     // Another request reuses the freed blocks at once (ASan/TSan would see a
     // copy from freed or rewritten blocks).
-    assert_int_equal(tdm_engine_abort(e, r, TDM_ENGINE_FINISH_ABORT), TDM_OK);
+    assert_int_equal(tdm_engine_abort(e, r, TDM_FINISH_ABORT), TDM_OK);
     struct tdm_engine_request *next = submit(e, prompt, 40, &sp, 2);
     pthread_join(th, NULL);
     assert_true(atomic_load(&x.ok) > 0);
@@ -1179,7 +1179,7 @@ static void test_pd_import_roundtrip(void **state)
     assert_int_equal(tdm_engine_import_done(de, r, first, true), TDM_EINVAL);
     struct collected cd = {.lp = lp};
     collect(r, got, MT + 1, &cd, 0);
-    assert_int_equal(cd.reason, TDM_ENGINE_FINISH_LENGTH);
+    assert_int_equal(cd.reason, TDM_FINISH_LENGTH);
     assert_int_equal(cd.n, MT);
     assert_memory_equal(got, ref, MT * sizeof(int32_t));
     // Token 0 came from the prefill worker (no logprob here); the rest were
@@ -1198,20 +1198,20 @@ static void test_pd_import_roundtrip(void **state)
     assert_int_equal(tdm_engine_import_done(de, r, -1, false), TDM_OK);
     struct collected cf = {0};
     collect(r, got, MT + 1, &cf, 0);
-    assert_int_equal(cf.reason, TDM_ENGINE_FINISH_ERROR);
+    assert_int_equal(cf.reason, TDM_FINISH_ERROR);
     assert_int_equal(cf.error, TDM_ETRANSPORT);
     tdm_engine_request_release(r);
 
     // An abort while importing waits for import_done (the importer owns the blocks).
     assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
     assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
-    assert_int_equal(tdm_engine_abort(de, r, TDM_ENGINE_FINISH_ABORT), TDM_OK);
+    assert_int_equal(tdm_engine_abort(de, r, TDM_FINISH_ABORT), TDM_OK);
     struct tdm_engine_chunk ch;
     assert_int_equal(tdm_engine_stream_next(r, 0.05, &ch), TDM_ETIMEDOUT);
     assert_int_equal(tdm_engine_import_done(de, r, first, true), TDM_OK);
     struct collected ca = {0};
     collect(r, got, MT + 1, &ca, 0);
-    assert_int_equal(ca.reason, TDM_ENGINE_FINISH_ABORT);
+    assert_int_equal(ca.reason, TDM_FINISH_ABORT);
     assert_int_equal(ca.n, 0);
     tdm_engine_request_release(r);
 
@@ -1219,11 +1219,11 @@ static void test_pd_import_roundtrip(void **state)
     // prefill): the abort's reason, not a transfer error.
     assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
     assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
-    assert_int_equal(tdm_engine_abort(de, r, TDM_ENGINE_FINISH_ABORT), TDM_OK);
+    assert_int_equal(tdm_engine_abort(de, r, TDM_FINISH_ABORT), TDM_OK);
     assert_int_equal(tdm_engine_import_done(de, r, -1, false), TDM_OK);
     struct collected cb2 = {0};
     collect(r, got, MT + 1, &cb2, 0);
-    assert_int_equal(cb2.reason, TDM_ENGINE_FINISH_ABORT);
+    assert_int_equal(cb2.reason, TDM_FINISH_ABORT);
     tdm_engine_request_release(r);
 
     // Free while a request imports: it is aborted, free does not hang.
@@ -1239,7 +1239,7 @@ static void test_pd_import_roundtrip(void **state)
     tdm_engine_free(de);
     struct collected cz = {0};
     collect(r, got, MT + 1, &cz, 0);
-    assert_int_equal(cz.reason, TDM_ENGINE_FINISH_ABORT);
+    assert_int_equal(cz.reason, TDM_FINISH_ABORT);
     assert_int_equal(tdm_engine_import_done(NULL, r, first, true), TDM_EINVAL);
     tdm_engine_request_release(r);
     for (int l = 0; l < layers; l++)
@@ -1289,7 +1289,7 @@ static void test_stop_and_logprobs(void **state)
         }
         finished = ch.finished;
     }
-    assert_int_equal(ch.reason, TDM_ENGINE_FINISH_STOP);
+    assert_int_equal(ch.reason, TDM_FINISH_STOP);
     assert_int_equal(ch.stop_token, ref[j]);
     assert_int_equal(n, j + 1);
     assert_memory_equal(got, ref, (size_t)n * sizeof(int32_t));

@@ -10,14 +10,12 @@
 
 #include <civetweb.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 
 #include "core.h"
-#include "openai.h"
 
 #define MAX_EXTRA_HEADERS 16
 #define DEFAULT_THREADS 64
@@ -41,6 +39,7 @@ struct tdm_http_server {
     char *api_key; // NULL = none
     char **exempt; // NULL-terminated
     int timeout_ms;
+    tdm_http_error_body_fn error_body; // NULL = text/plain errors
     struct route *routes;
     size_t n_routes;
     bool started;
@@ -65,30 +64,6 @@ struct tdm_http_conn {
 };
 
 // ---- status helpers ---------------------------------------------------------------------------
-int tdm_http_status_for_err(int err)
-{
-    switch (err) {
-    case TDM_OK:
-        return 200;
-    case TDM_EINVAL:
-        return 400;
-    case TDM_ENOTFOUND:
-        return 404;
-    case TDM_EBUSY:
-        return 429;
-    case TDM_ECAPACITY:
-    case TDM_ECLOSED:
-        return 503;
-    case TDM_ETIMEDOUT:
-        return 504;
-    case TDM_EPROTO:
-    case TDM_ETRANSPORT:
-        return 502;
-    default:
-        return 500;
-    }
-}
-
 const char *tdm_http_reason(int status)
 {
     switch (status) {
@@ -160,6 +135,7 @@ int tdm_http_server_new(struct tdm_http_server **out, const struct tdm_http_conf
     s->num_threads = cfg->num_threads > 0 ? cfg->num_threads : DEFAULT_THREADS;
     s->max_body = cfg->max_body_bytes ? cfg->max_body_bytes : DEFAULT_BODY_LIMIT;
     s->timeout_ms = cfg->request_timeout_ms > 0 ? cfg->request_timeout_ms : DEFAULT_TIMEOUT_MS;
+    s->error_body = cfg->error_body;
     if (cfg->api_key && *cfg->api_key && !(s->api_key = strdup(cfg->api_key)))
         goto fail;
     const char *const *ex = cfg->auth_exempt ? cfg->auth_exempt : default_exempt;
@@ -423,71 +399,26 @@ int tdm_http_respond_json(struct tdm_http_conn *c, int status, const char *json)
 int tdm_http_respond_json_owned(struct tdm_http_conn *c, int status, char *json)
 {
     if (json == NULL)
-        return tdm_http_respond_error(c, 500, NULL, NULL, "out of memory");
+        return tdm_http_respond_error(c, 500, "out of memory");
     int rc = tdm_http_respond_json(c, status, json);
     free(json);
     return rc;
 }
 
-int tdm_http_respond_error(struct tdm_http_conn *c, int status, const char *type, const char *param,
-                           const char *message)
+int tdm_http_respond_error(struct tdm_http_conn *c, int status, const char *message)
 {
-    if (status == 503)
-        tdm_http_add_header(c, "Retry-After", "1");
-    char *body = tdm_oai_error_body_from(status, type, param, message);
-    if (!body) {
-        static const char fallback[] = "{\"error\":{\"message\":\"out of memory\",\"type\":"
-                                       "\"InternalServerError\",\"param\":null,\"code\":500}}";
-        return tdm_http_respond(c, 500, "application/json", fallback, sizeof fallback - 1);
-    }
+    if (message == NULL)
+        message = "";
+    char *body = c->srv->error_body ? c->srv->error_body(status, message) : NULL;
+    if (body == NULL)
+        return tdm_http_respond(c, status, NULL, message, strlen(message));
     int rc = tdm_http_respond_json(c, status, body);
     free(body);
     return rc;
 }
 
-int tdm_http_respond_oai_error(struct tdm_http_conn *c, const struct tdm_oai_error *e)
-{
-    return tdm_http_respond_error(c, e->status, e->type[0] ? e->type : NULL, e->param, e->message);
-}
-
-int tdm_http_respond_errorf(struct tdm_http_conn *c, int status, const char *param,
-                            const char *fmt, ...)
-{
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    return tdm_http_respond_error(c, status, NULL, param, msg);
-}
-
 // ---- server-sent events
 // ---------------------------------------------------------------------------
-int tdm_http_sse_finish_oai(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
-                            const char *error_message, const struct tdm_oai_usage *usage)
-{
-    if (error_message) {
-        struct tdm_oai_error e;
-        tdm_oai_seterr(&e, 500, NULL, "%s", error_message);
-        char *body = tdm_oai_error_body(&e);
-        if (body) { // without one (out of memory) the stream still ends
-            int rc = tdm_http_sse_event(c, body, strlen(body));
-            free(body);
-            if (rc != TDM_OK)
-                return TDM_ECLOSED;
-        }
-        return tdm_http_sse_end(c, true) == TDM_OK ? TDM_OK : TDM_ECLOSED;
-    }
-    if (usage) {
-        char *chunk = tdm_oai_usage_chunk(resp, usage);
-        int rc = chunk ? tdm_http_sse_event(c, chunk, strlen(chunk)) : TDM_ENOMEM;
-        free(chunk);
-        if (rc != TDM_OK)
-            return TDM_ECLOSED;
-    }
-    return tdm_http_sse_end(c, true) == TDM_OK ? TDM_OK : TDM_ECLOSED;
-}
-
 int tdm_http_sse_start(struct tdm_http_conn *c)
 {
     if (c->status)
@@ -697,7 +628,7 @@ static int on_begin_request(struct mg_connection *mg)
 
     if (s->api_key && !path_exempt(s, path) && !authorized(&c)) {
         tdm_http_add_header(&c, "WWW-Authenticate", "Bearer");
-        tdm_http_respond_error(&c, 401, NULL, NULL,
+        tdm_http_respond_error(&c, 401,
                                "Unauthorized: a valid API key is required (Authorization: Bearer "
                                "<key>)");
         goto done;
@@ -711,10 +642,10 @@ static int on_begin_request(struct mg_connection *mg)
             tdm_http_add_header(&c, "Allow", allow);
             snprintf(msg, sizeof msg, "Method %.16s is not allowed for %.200s (allowed: %.120s)",
                      method, path, allow);
-            tdm_http_respond_error(&c, 405, NULL, NULL, msg);
+            tdm_http_respond_error(&c, 405, msg);
         } else {
             snprintf(msg, sizeof msg, "The path %.200s was not found", path);
-            tdm_http_respond_error(&c, 404, NULL, NULL, msg);
+            tdm_http_respond_error(&c, 404, msg);
         }
         goto done;
     }
@@ -723,18 +654,18 @@ static int on_begin_request(struct mg_connection *mg)
         char msg[160];
         snprintf(msg, sizeof msg, "The request body is larger than the limit of %zu bytes",
                  s->max_body);
-        tdm_http_respond_error(&c, 413, NULL, NULL, msg);
+        tdm_http_respond_error(&c, 413, msg);
         goto done;
     }
     if (body_status) {
-        tdm_http_respond_error(&c, body_status, NULL, NULL,
+        tdm_http_respond_error(&c, body_status,
                                body_status == 500 ? "out of memory"
                                                   : "The request body could not be read");
         goto done;
     }
     r->fn(&c, r->arg);
     if (!c.status)
-        tdm_http_respond_error(&c, 500, NULL, NULL, "The handler sent no response");
+        tdm_http_respond_error(&c, 500, "The handler sent no response");
     else if (c.sse)
         tdm_http_sse_end(&c, false); // a handler that forgot to end still gets valid framing
 done:

@@ -1190,12 +1190,6 @@ size_t tdm_metrics_buckets_1_2_5(double *out, size_t cap, int64_t max_value)
 
 // ---- the standard vLLM engine set ---------------------------------------------------------
 
-const char *tdm_metrics_finish_name(enum tdm_metrics_finish reason)
-{
-    static const char *const names[TDM_METRICS_FINISH_COUNT] = {"stop", "length", "abort", "error"};
-    return (unsigned)reason < TDM_METRICS_FINISH_COUNT ? names[reason] : NULL;
-}
-
 struct vllm_ctx {
     struct tdm_metrics_registry *reg;
     struct tdm_metrics_label labels[2]; // model_name, engine
@@ -1326,9 +1320,9 @@ int tdm_metrics_vllm_register(struct tdm_metrics_vllm *out, struct tdm_metrics_r
         o.label_names = reason_label;
         o.n_label_names = 1;
         c.rc = tdm_metrics_counter_register(&out->request_success, reg, &o, err, errlen);
-        for (int r = 0; c.rc == TDM_OK && r < TDM_METRICS_FINISH_COUNT; r++) {
+        for (int r = TDM_FINISH_STOP; c.rc == TDM_OK && r < TDM_FINISH_COUNT; r++) {
             out->request_success_by_reason[r] =
-                tdm_metrics_counter_labels(out->request_success, tdm_metrics_finish_name(r));
+                tdm_metrics_counter_labels(out->request_success, tdm_finish_name(r));
             if (!out->request_success_by_reason[r])
                 c.rc = tdm_seterr(err, errlen, TDM_ENOMEM, "metrics: out of memory");
         }

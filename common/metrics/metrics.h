@@ -29,6 +29,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core.h" // enum tdm_finish
+
 struct tdm_metrics_registry;
 struct tdm_metrics_counter;   // one series of a counter family (or the family's root)
 struct tdm_metrics_gauge;     // one series of a gauge family (or the family's root)
@@ -176,16 +178,6 @@ const double *tdm_metrics_buckets_iteration_tokens(size_t *n);
 size_t tdm_metrics_buckets_1_2_5(double *out, size_t cap, int64_t max_value);
 
 // ---- the standard vLLM engine set -------------------------------------------------------
-// vLLM's finished_reason values, pre-created so they export as 0 from the start.
-enum tdm_metrics_finish {
-    TDM_METRICS_FINISH_STOP = 0, // "stop": EOS or a stop string/token
-    TDM_METRICS_FINISH_LENGTH,   // "length": max_tokens or the context length
-    TDM_METRICS_FINISH_ABORT,    // "abort": client went away or cancelled
-    TDM_METRICS_FINISH_ERROR,    // "error": failed inside the engine
-    TDM_METRICS_FINISH_COUNT,
-};
-// Returns the label value ("stop", ...) or NULL when out of range.
-const char *tdm_metrics_finish_name(enum tdm_metrics_finish reason);
 
 // Cache configuration shown by vllm:cache_config_info; values are written as
 // Python's str() would (True/False, None, 0.9), as vLLM does.
@@ -221,7 +213,8 @@ struct tdm_metrics_vllm {
     struct tdm_metrics_counter *prompt_tokens;
     struct tdm_metrics_counter *generation_tokens;
     struct tdm_metrics_counter *request_success; // family, label finished_reason
-    struct tdm_metrics_counter *request_success_by_reason[TDM_METRICS_FINISH_COUNT];
+    struct tdm_metrics_counter *request_success_by_reason[TDM_FINISH_COUNT]; // by enum tdm_finish
+                                                                       // (core); [NONE] unused
     // histograms of counts (1-2-5 buckets up to max_model_len unless noted)
     struct tdm_metrics_histogram *request_prompt_tokens;
     struct tdm_metrics_histogram *request_generation_tokens;

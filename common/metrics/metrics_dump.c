@@ -51,8 +51,8 @@ int main(void)
     tdm_metrics_gauge_set(v.kv_cache_usage_perc, 0.4375);
     tdm_metrics_counter_add(v.prompt_tokens, 1234567);
     tdm_metrics_counter_add(v.generation_tokens, 4096);
-    tdm_metrics_counter_inc(v.request_success_by_reason[TDM_METRICS_FINISH_STOP]);
-    tdm_metrics_counter_inc(v.request_success_by_reason[TDM_METRICS_FINISH_LENGTH]);
+    tdm_metrics_counter_inc(v.request_success_by_reason[TDM_FINISH_STOP]);
+    tdm_metrics_counter_inc(v.request_success_by_reason[TDM_FINISH_LENGTH]);
     for (int i = 0; i < 100; i++) {
         tdm_metrics_histogram_observe(v.time_to_first_token_seconds, 0.013 * i);
         tdm_metrics_histogram_observe(v.inter_token_latency_seconds, 0.0071 * i);

@@ -466,16 +466,16 @@ static void test_vllm_set(void **state)
     int rc = tdm_metrics_vllm_register(&v, reg, &cfg, err, sizeof err);
     if (rc != TDM_OK)
         fail_msg("vllm_register: %s", err);
-    for (int r = 0; r < TDM_METRICS_FINISH_COUNT; r++)
+    for (int r = TDM_FINISH_STOP; r < TDM_FINISH_COUNT; r++)
         assert_non_null(v.request_success_by_reason[r]);
     assert_ptr_equal(tdm_metrics_counter_labels(v.request_success, "stop"),
-                     v.request_success_by_reason[TDM_METRICS_FINISH_STOP]);
-    assert_null(tdm_metrics_finish_name(TDM_METRICS_FINISH_COUNT));
+                     v.request_success_by_reason[TDM_FINISH_STOP]);
+    assert_null(tdm_finish_name(TDM_FINISH_COUNT));
 
     tdm_metrics_gauge_set(v.num_requests_running, 2);
     tdm_metrics_gauge_set(v.kv_cache_usage_perc, 0.25);
     tdm_metrics_counter_add(v.prompt_tokens, 7);
-    tdm_metrics_counter_inc(v.request_success_by_reason[TDM_METRICS_FINISH_LENGTH]);
+    tdm_metrics_counter_inc(v.request_success_by_reason[TDM_FINISH_LENGTH]);
     tdm_metrics_histogram_observe(v.time_to_first_token_seconds, 0.03);
     tdm_metrics_histogram_observe(v.request_prompt_tokens, 7);
 

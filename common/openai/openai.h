@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "chat.h"
+#include "core.h" // enum tdm_finish
 #include "hf.h"
 #include "sampling.h"
 
@@ -47,6 +48,18 @@ int tdm_oai_seterr(struct tdm_oai_error *e, int status, const char *param, const
 // 501 NotImplementedError, 503 ServiceUnavailableError, 504 TimeoutError, other
 // 4xx BadRequestError, other 5xx InternalServerError. Static string.
 const char *tdm_oai_error_type(int status);
+// The HTTP status for an enum tdm_err, the one mapping every server uses (the
+// table in docs/api.md): OK 200, EINVAL 400, ENOTFOUND 404, EBUSY (a full
+// waiting queue: 503 as vLLM answers it, not 429), ECAPACITY and ECLOSED 503,
+// ETIMEDOUT 504, EPROTO and ETRANSPORT 502, ENOMEM, EBACKEND, EIO and anything
+// else 500.
+int tdm_oai_status_for_err(int err);
+// One failure as every server answers it, direct or routed, streamed or not:
+// e gets tdm_oai_status_for_err(err), the type for that status, param none, and
+// the message: for EBUSY "The server is overloaded: <detail>. Retry later.",
+// otherwise detail (NULL = tdm_strerror(err)); err TDM_OK (a failure that
+// carries no code) is 500. Returns as tdm_oai_seterr.
+int tdm_oai_error_from_err(struct tdm_oai_error *e, int err, const char *detail);
 // vLLM's nested error body {"error":{"message","type","param","code"}}, code =
 // status as an integer, param null when empty. Heap string (caller frees); NULL
 // on ENOMEM.
@@ -229,14 +242,6 @@ struct tdm_oai_response {
 void tdm_oai_response_init(struct tdm_oai_response *r, enum tdm_oai_kind kind, const char *model,
                            const char *base_id);
 
-enum tdm_oai_finish {
-    TDM_OAI_FINISH_NONE = 0, // still running: finish_reason null
-    TDM_OAI_FINISH_STOP,     // EOS, stop token or stop string
-    TDM_OAI_FINISH_LENGTH,   // max_tokens or context full
-    TDM_OAI_FINISH_ABORT,    // cancelled
-    TDM_OAI_FINISH_ERROR,    // failed mid-way
-};
-const char *tdm_oai_finish_name(enum tdm_oai_finish f); // "stop", ... or NULL for NONE
 
 // One alternative's logprob at a position.
 struct tdm_oai_top_logprob {
@@ -260,7 +265,7 @@ struct tdm_oai_choice {
     int index;
     const char *text; // full text (non-stream) or this chunk's delta; invalid UTF-8
     size_t text_len;  // becomes U+FFFD
-    enum tdm_oai_finish finish;
+    enum tdm_finish finish;
     const char *stop_str; // stop_reason: the matched stop string, else NULL
     int32_t stop_token;   // stop_reason: the matched stop token id, else -1
     bool has_logprobs;    // logprobs object (else null)
@@ -362,7 +367,7 @@ struct tdm_oai_asm {
     struct tdm_oai_stop *stop;
     bool done;       // finish known; later tokens are ignored
     bool reported;   // stream: the finish chunk was written
-    enum tdm_oai_finish finish;
+    enum tdm_finish finish;
     const char *stop_str; // the matched stop string (owned by req)
     int32_t stop_token;   // stop_reason as a token id, else -1
     int completion_tokens;
@@ -394,8 +399,8 @@ int tdm_oai_asm_token(struct tdm_oai_asm *a, int32_t id, float logprob,
                       bool *stopped);
 // The generator finished the choice: flushes held text, then (unless a stop
 // string matched on the way) records finish, stop_token (-1 for none) and for
-// TDM_OAI_FINISH_ERROR error and message (NULL or "": tdm_strerror(error)).
-int tdm_oai_asm_finish(struct tdm_oai_asm *a, enum tdm_oai_finish finish, int32_t stop_token,
+// TDM_FINISH_ERROR error and message (NULL or "": tdm_strerror(error)).
+int tdm_oai_asm_finish(struct tdm_oai_asm *a, enum tdm_finish finish, int32_t stop_token,
                        int error, const char *message, bool *stopped);
 // Ends the choice with an error the server itself saw (timeout, lost upstream).
 void tdm_oai_asm_fail(struct tdm_oai_asm *a, int error, const char *fmt, ...)
@@ -446,7 +451,7 @@ bool tdm_oai_is_stop_id(const struct tdm_sampling_params *sp, int32_t tok_eos,
 // ids and one assembler per choice. Where tokens come from stays with the
 // server: it feeds choices[i] (tdm_oai_asm_token, _finish, _fail) and stops its
 // generator when they report a stop string. The streaming loop over HTTP is
-// tdm_http_oai_stream (common/http).
+// tdm_oai_http_stream (openai_http.h).
 struct tdm_oai_call {
     struct tdm_oai_request req;
     struct tdm_oai_response resp;
@@ -480,6 +485,31 @@ char *tdm_oai_call_body(const struct tdm_oai_call *k);
 // continuous_usage_stats, usage is that choice's prompt and tokens so far).
 // After the chunk went out call tdm_oai_asm_sent(&k->choices[i], *finish_now).
 int tdm_oai_call_chunk(const struct tdm_oai_call *k, size_t i, char **json, bool *finish_now);
+// One piece of a choice's generator output, in the generator's own terms (the
+// engine's stream in the decode worker, a TokenChunk in the router): new
+// tokens with their logprobs, and its finish once finished.
+struct tdm_oai_gen_chunk {
+    const int32_t *tokens;               // [n]
+    size_t n;
+    const float *logprobs;               // [n] or NULL (not asked for)
+    const struct tdm_token_logprob *top; // [n][num_top] or NULL
+    int num_top;                         // <= TDM_MAX_LOGPROBS
+    bool finished;                       // the generator is done with this choice
+    enum tdm_finish reason;              // finished: why (not NONE)
+    int32_t stop_token;                  // finished by a stop token id: that id, else -1
+    int error;                           // reason ERROR: the code
+    const char *message;                 // reason ERROR: the message (NULL = tdm_strerror)
+};
+// Feeds chunk c into choice i (the step the decode worker and the router
+// share): every token into the assembler (the last one marked as the stop
+// token when it ended the choice), then, when finished, the finish with the
+// stop token named (stop_reason) only as vLLM names it: one of the request's
+// stop_token_ids or generation_config's eos ids, never the tokenizer's own EOS
+// tok_eos (tdm_oai_is_stop_id). *stopped: a stop string ended the choice here,
+// so the caller stops its generator. Tokens after the choice is done are
+// ignored. TDM_OK / TDM_ENOMEM.
+int tdm_oai_call_take(struct tdm_oai_call *k, size_t i, const struct tdm_oai_gen_chunk *c,
+                      int32_t tok_eos, const struct tdm_generation_config *gen, bool *stopped);
 // Stream, completions with echo: choice i's first chunk, its prompt's text alone
 // (no logprobs entries, token_ids [] and prompt_token_ids with return_token_ids,
 // usage as in tdm_oai_call_chunk), sent before any generated text of the

@@ -207,7 +207,7 @@ void tdm_oai_asm_fini(struct tdm_oai_asm *a)
 void tdm_oai_asm_reset_finish(struct tdm_oai_asm *a)
 {
     a->done = false;
-    a->finish = TDM_OAI_FINISH_NONE;
+    a->finish = TDM_FINISH_NONE;
     a->error = 0;
     a->message[0] = '\0';
 }
@@ -231,7 +231,7 @@ static int feed_text(struct tdm_oai_asm *a, const char *delta, size_t len, bool 
         // A stop string completed: the choice ends here; the caller stops the
         // generator (counted as finish_reason "stop").
         a->done = true;
-        a->finish = TDM_OAI_FINISH_STOP;
+        a->finish = TDM_FINISH_STOP;
         a->stop_str = a->req->stop[idx];
         a->stop_token = -1;
         *stopped = true;
@@ -274,7 +274,7 @@ int tdm_oai_asm_token(struct tdm_oai_asm *a, int32_t id, float logprob,
     return TDM_OK;
 }
 
-int tdm_oai_asm_finish(struct tdm_oai_asm *a, enum tdm_oai_finish finish, int32_t stop_token,
+int tdm_oai_asm_finish(struct tdm_oai_asm *a, enum tdm_finish finish, int32_t stop_token,
                        int error, const char *message, bool *stopped)
 {
     if (a->done)
@@ -294,7 +294,7 @@ int tdm_oai_asm_finish(struct tdm_oai_asm *a, enum tdm_oai_finish finish, int32_
     a->done = true;
     a->finish = finish;
     a->stop_token = stop_token;
-    if (finish == TDM_OAI_FINISH_ERROR) {
+    if (finish == TDM_FINISH_ERROR) {
         a->error = error;
         snprintf(a->message, sizeof a->message, "%s",
                  message && *message ? message : tdm_strerror(error));
@@ -309,7 +309,7 @@ void tdm_oai_asm_fail(struct tdm_oai_asm *a, int error, const char *fmt, ...)
     vsnprintf(a->message, sizeof a->message, fmt, ap);
     va_end(ap);
     a->done = true;
-    a->finish = TDM_OAI_FINISH_ERROR;
+    a->finish = TDM_FINISH_ERROR;
     a->error = error;
 }
 
@@ -327,7 +327,7 @@ void tdm_oai_asm_choice(const struct tdm_oai_asm *a, bool with_finish, const int
     oc->index = a->index;
     oc->text = a->text.p ? a->text.p : "";
     oc->text_len = a->text.len;
-    oc->finish = with_finish ? a->finish : TDM_OAI_FINISH_NONE;
+    oc->finish = with_finish ? a->finish : TDM_FINISH_NONE;
     oc->stop_str = with_finish ? a->stop_str : NULL;
     oc->stop_token = with_finish ? a->stop_token : -1;
     oc->has_logprobs = a->req->logprobs;
@@ -404,7 +404,7 @@ int tdm_oai_asm_stream_chunk(const struct tdm_oai_asm *a, const struct tdm_oai_r
     *finish_now = a->done && !a->reported;
     if (a->text.len == 0 && !*finish_now)
         return TDM_OK;
-    if (*finish_now && a->finish == TDM_OAI_FINISH_ERROR)
+    if (*finish_now && a->finish == TDM_FINISH_ERROR)
         return TDM_OK; // reported as an error event by the caller
     struct tdm_oai_choice oc;
     tdm_oai_asm_choice(a, *finish_now, prompt_ids, n_prompt_ids, &oc);

@@ -90,7 +90,7 @@ static void test_stop_string(void **state)
     assert_int_equal(tdm_oai_asm_init(&a, &rq, tok, 3, 1), TDM_OK);
     assert_true(feed(&a, "Hello world and more") >= 0);
     assert_true(a.done);
-    assert_int_equal(a.finish, TDM_OAI_FINISH_STOP);
+    assert_int_equal(a.finish, TDM_FINISH_STOP);
     assert_ptr_equal(a.stop_str, stop);
     assert_string_equal(a.text.p, "Hello");
     int before = a.completion_tokens;
@@ -101,7 +101,7 @@ static void test_stop_string(void **state)
     struct tdm_oai_choice oc;
     tdm_oai_asm_choice(&a, true, NULL, 0, &oc);
     assert_int_equal(oc.index, 3);
-    assert_int_equal(oc.finish, TDM_OAI_FINISH_STOP);
+    assert_int_equal(oc.finish, TDM_FINISH_STOP);
     assert_int_equal(oc.stop_token, -1);
     tdm_oai_asm_fini(&a);
 
@@ -110,9 +110,9 @@ static void test_stop_string(void **state)
     assert_int_equal(tdm_oai_asm_init(&a, &rq, tok, 0, 0), TDM_OK);
     assert_int_equal(feed(&a, "Hello world and more"), -1);
     bool s2 = false;
-    assert_int_equal(tdm_oai_asm_finish(&a, TDM_OAI_FINISH_LENGTH, -1, 0, NULL, &s2), TDM_OK);
+    assert_int_equal(tdm_oai_asm_finish(&a, TDM_FINISH_LENGTH, -1, 0, NULL, &s2), TDM_OK);
     assert_true(a.done);
-    assert_int_equal(a.finish, TDM_OAI_FINISH_LENGTH);
+    assert_int_equal(a.finish, TDM_FINISH_LENGTH);
     assert_string_equal(a.text.p, "Hello world and more");
     // The body's choice: with echo the prompt comes first and offsets follow it.
     struct tdm_oai_asm_buf joined = {0};
@@ -122,7 +122,7 @@ static void test_stop_string(void **state)
     assert_int_equal(oc2.text_len, 7 + strlen("Hello world and more"));
     assert_memory_equal(oc2.text, "Say: \xC3\xA9Hello world and more", oc2.text_len);
     assert_int_equal(oc2.text_offset, 6); // code points of the prompt
-    assert_int_equal(oc2.finish, TDM_OAI_FINISH_LENGTH);
+    assert_int_equal(oc2.finish, TDM_FINISH_LENGTH);
     tdm_oai_asm_buf_fini(&joined);
     assert_int_equal(tdm_oai_asm_body_choice(&a, false, "x", 1, NULL, 0, &joined, &oc2), TDM_OK);
     assert_string_equal(oc2.text, "Hello world and more");
@@ -188,7 +188,7 @@ static void test_stream_chunks(void **state)
     bool stopped = false;
     assert_int_equal(tdm_oai_asm_token(&a, eos, 0, NULL, 0, true, &stopped), TDM_OK);
     assert_int_equal(a.text.len, 0);
-    assert_int_equal(tdm_oai_asm_finish(&a, TDM_OAI_FINISH_STOP, -1, 0, NULL, &stopped), TDM_OK);
+    assert_int_equal(tdm_oai_asm_finish(&a, TDM_FINISH_STOP, -1, 0, NULL, &stopped), TDM_OK);
     assert_int_equal(tdm_oai_asm_stream_chunk(&a, &resp, prompt, 2, NULL, &json, &finish_now),
                      TDM_OK);
     assert_non_null(json);
@@ -215,7 +215,7 @@ static void test_errors_and_stop_ids(void **state)
     assert_int_equal(tdm_oai_asm_init(&a, &rq, tok, 0, 0), TDM_OK);
     bool stopped = false;
     assert_int_equal(
-        tdm_oai_asm_finish(&a, TDM_OAI_FINISH_ERROR, -1, TDM_ETIMEDOUT, "", &stopped), TDM_OK);
+        tdm_oai_asm_finish(&a, TDM_FINISH_ERROR, -1, TDM_ETIMEDOUT, "", &stopped), TDM_OK);
     assert_int_equal(a.error, TDM_ETIMEDOUT);
     assert_string_equal(a.message, tdm_strerror(TDM_ETIMEDOUT));
     char *json = NULL;
@@ -228,7 +228,7 @@ static void test_errors_and_stop_ids(void **state)
     assert_false(a.done);
     tdm_oai_asm_fail(&a, TDM_ETRANSPORT, "worker %s lost", "d0");
     assert_string_equal(a.message, "worker d0 lost");
-    assert_int_equal(a.finish, TDM_OAI_FINISH_ERROR);
+    assert_int_equal(a.finish, TDM_FINISH_ERROR);
     tdm_oai_asm_fini(&a);
 
     struct tdm_sampling_params sp;
@@ -269,10 +269,10 @@ static void test_invalid_utf8_cleaned(void **state)
     bool stopped = false;
     assert_int_equal(tdm_oai_asm_token(&a, id, 0, NULL, 0, false, &stopped), TDM_OK);
     if (!stopped) // the detokenizer may hold the byte until the end
-        assert_int_equal(tdm_oai_asm_finish(&a, TDM_OAI_FINISH_LENGTH, -1, 0, NULL, &stopped),
+        assert_int_equal(tdm_oai_asm_finish(&a, TDM_FINISH_LENGTH, -1, 0, NULL, &stopped),
                          TDM_OK);
     assert_true(stopped);
-    assert_int_equal(a.finish, TDM_OAI_FINISH_STOP);
+    assert_int_equal(a.finish, TDM_FINISH_STOP);
     assert_string_equal(a.text.p, "ab\xEF\xBF\xBD");
     tdm_oai_asm_fini(&a);
 }

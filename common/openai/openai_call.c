@@ -60,7 +60,7 @@ bool tdm_oai_call_done(const struct tdm_oai_call *k)
 const struct tdm_oai_asm *tdm_oai_call_failed(const struct tdm_oai_call *k)
 {
     for (size_t i = 0; i < k->n_choices; i++)
-        if (k->choices[i].done && k->choices[i].finish == TDM_OAI_FINISH_ERROR)
+        if (k->choices[i].done && k->choices[i].finish == TDM_FINISH_ERROR)
             return &k->choices[i];
     return NULL;
 }
@@ -129,4 +129,28 @@ int tdm_oai_call_echo_chunk(struct tdm_oai_call *k, size_t i, char **json)
     a->chars_sent += tdm_oai_utf8_chars(p->text, p->text_len);
     a->first_sent = true;
     return TDM_OK;
+}
+
+int tdm_oai_call_take(struct tdm_oai_call *k, size_t i, const struct tdm_oai_gen_chunk *c,
+                      int32_t tok_eos, const struct tdm_generation_config *gen, bool *stopped)
+{
+    struct tdm_oai_asm *a = &k->choices[i];
+    *stopped = false;
+    for (size_t t = 0; t < c->n && !a->done; t++) {
+        int32_t id = c->tokens[t];
+        // The EOS or stop id that ended the choice is its last token.
+        bool ended_by_it = c->finished && c->reason == TDM_FINISH_STOP && c->stop_token >= 0 &&
+                           t == c->n - 1 && id == c->stop_token;
+        if (tdm_oai_asm_token(a, id, c->logprobs ? c->logprobs[t] : 0.0f,
+                              c->top ? c->top + t * (size_t)c->num_top : NULL,
+                              c->top ? c->num_top : 0, ended_by_it, stopped) != TDM_OK)
+            return TDM_ENOMEM;
+    }
+    if (a->done || !c->finished)
+        return TDM_OK;
+    int32_t stop_token = c->reason == TDM_FINISH_STOP && c->stop_token >= 0 &&
+                                 tdm_oai_is_stop_id(&k->req.sampling, tok_eos, gen, c->stop_token)
+                             ? c->stop_token
+                             : -1;
+    return tdm_oai_asm_finish(a, c->reason, stop_token, c->error, c->message, stopped);
 }

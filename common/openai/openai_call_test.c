@@ -79,7 +79,7 @@ static void finish(struct tdm_oai_call *k, size_t i)
 {
     bool stopped = false;
     assert_int_equal(
-        tdm_oai_asm_finish(&k->choices[i], TDM_OAI_FINISH_LENGTH, -1, 0, NULL, &stopped), TDM_OK);
+        tdm_oai_asm_finish(&k->choices[i], TDM_FINISH_LENGTH, -1, 0, NULL, &stopped), TDM_OK);
 }
 
 static const cJSON *choice0(const cJSON *j)

@@ -35,22 +35,6 @@ void tdm_oai_response_init(struct tdm_oai_response *r, enum tdm_oai_kind kind, c
     snprintf(r->id, sizeof r->id, "%s%.80s", kind == TDM_OAI_CHAT ? "chatcmpl-" : "cmpl-", base_id);
 }
 
-const char *tdm_oai_finish_name(enum tdm_oai_finish f)
-{
-    switch (f) {
-    case TDM_OAI_FINISH_STOP:
-        return "stop";
-    case TDM_OAI_FINISH_LENGTH:
-        return "length";
-    case TDM_OAI_FINISH_ABORT:
-        return "abort";
-    case TDM_OAI_FINISH_ERROR:
-        return "error";
-    default:
-        return NULL;
-    }
-}
-
 // ---- small cJSON helpers (each returns false on ENOMEM) --------------------------------------
 static bool add_text(cJSON *obj, const char *name, const char *s, size_t len)
 {
@@ -112,9 +96,9 @@ static bool add_stop_reason(cJSON *obj, const struct tdm_oai_choice *c)
     return cJSON_AddNullToObject(obj, "stop_reason") != NULL;
 }
 
-static bool add_finish(cJSON *obj, enum tdm_oai_finish f)
+static bool add_finish(cJSON *obj, enum tdm_finish f)
 {
-    const char *name = tdm_oai_finish_name(f);
+    const char *name = tdm_finish_name(f);
     return name ? cJSON_AddStringToObject(obj, "finish_reason", name) != NULL
                 : cJSON_AddNullToObject(obj, "finish_reason") != NULL;
 }

@@ -611,7 +611,7 @@ static void test_completion_body(void **state)
         {.index = 0,
          .text = " Paris",
          .text_len = 6,
-         .finish = TDM_OAI_FINISH_STOP,
+         .finish = TDM_FINISH_STOP,
          .stop_str = NULL,
          .stop_token = -1,
          .token_ids = ids,
@@ -619,7 +619,7 @@ static void test_completion_body(void **state)
         {.index = 1,
          .text = "bad\xC3",
          .text_len = 4,
-         .finish = TDM_OAI_FINISH_LENGTH,
+         .finish = TDM_FINISH_LENGTH,
          .stop_str = "\n\n",
          .stop_token = -1},
     };
@@ -647,7 +647,7 @@ static void test_completion_body(void **state)
 
     // A stop token id as stop_reason.
     struct tdm_oai_choice s = {
-        .index = 0, .text = "", .finish = TDM_OAI_FINISH_STOP, .stop_token = 151643};
+        .index = 0, .text = "", .finish = TDM_FINISH_STOP, .stop_token = 151643};
     j = parse_json(tdm_oai_body(&r, &s, 1, &u));
     assert_num(j, "choices.0.stop_reason", 151643);
     cJSON_Delete(j);
@@ -659,7 +659,7 @@ static void test_chat_body_and_chunks(void **state)
     struct tdm_oai_response r;
     tdm_oai_response_init(&r, TDM_OAI_CHAT, "qwen", NULL);
     struct tdm_oai_choice c = {
-        .index = 0, .text = "Hi!", .text_len = 3, .finish = TDM_OAI_FINISH_STOP, .stop_token = -1};
+        .index = 0, .text = "Hi!", .text_len = 3, .finish = TDM_FINISH_STOP, .stop_token = -1};
     struct tdm_oai_usage u = {5, 3};
     cJSON *j = parse_json(tdm_oai_body(&r, &c, 1, &u));
     assert_str(j, "object", "chat.completion");
@@ -704,7 +704,7 @@ static void test_chat_body_and_chunks(void **state)
     // Completions stream chunk.
     tdm_oai_response_init(&r, TDM_OAI_COMPLETION, "qwen", NULL);
     struct tdm_oai_choice f = {
-        .index = 0, .text = ".", .text_len = 1, .finish = TDM_OAI_FINISH_ABORT, .stop_token = -1};
+        .index = 0, .text = ".", .text_len = 1, .finish = TDM_FINISH_ABORT, .stop_token = -1};
     j = parse_json(tdm_oai_chunk(&r, &f, 1, NULL));
     assert_str(j, "object", "text_completion");
     assert_str(j, "choices.0.text", ".");

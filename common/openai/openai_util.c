@@ -47,6 +47,29 @@ const char *tdm_oai_error_type(int status)
     }
 }
 
+int tdm_oai_status_for_err(int err)
+{
+    switch (err) {
+    case TDM_OK:
+        return 200;
+    case TDM_EINVAL:
+        return 400;
+    case TDM_ENOTFOUND:
+        return 404;
+    case TDM_EBUSY: // vLLM: a full queue is 503 with Retry-After, never 429
+    case TDM_ECAPACITY:
+    case TDM_ECLOSED:
+        return 503;
+    case TDM_ETIMEDOUT:
+        return 504;
+    case TDM_EPROTO:
+    case TDM_ETRANSPORT:
+        return 502;
+    default:
+        return 500;
+    }
+}
+
 int tdm_oai_seterr(struct tdm_oai_error *e, int status, const char *param, const char *fmt, ...)
 {
     int code = status >= 400 && status < 500 ? TDM_EINVAL : TDM_EPROTO;
@@ -60,6 +83,17 @@ int tdm_oai_seterr(struct tdm_oai_error *e, int status, const char *param, const
     vsnprintf(e->message, sizeof e->message, fmt, ap);
     va_end(ap);
     return code;
+}
+
+int tdm_oai_error_from_err(struct tdm_oai_error *e, int err, const char *detail)
+{
+    if (detail == NULL || detail[0] == '\0')
+        detail = tdm_strerror(err);
+    int status = err == TDM_OK ? 500 : tdm_oai_status_for_err(err); // a failure without a code
+    if (err == TDM_EBUSY)
+        return tdm_oai_seterr(e, status, NULL, "The server is overloaded: %s. Retry later.",
+                              detail);
+    return tdm_oai_seterr(e, status, NULL, "%s", detail);
 }
 
 char *tdm_oai_error_body_from(int status, const char *type, const char *param, const char *message)

@@ -60,9 +60,39 @@ static void run(const char *name, const struct tdm_sampling_params *p, const flo
     tdm_sampler_free(s);
 }
 
+struct bench_args {
+    int iters;
+};
+
+static const struct tdm_flag bench_flags[] = {
+    {.name = "iters",
+     .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct bench_args, iters),
+     .min = 1,
+     .max = 1000000000,
+     .metavar = "N",
+     .help = "samples per case (default 200)"},
+};
+static const struct tdm_flags bench_table = {
+    .usage = "usage: sampling_bench [ITERS | --iters N]\n",
+    .flags = bench_flags,
+    .n = sizeof bench_flags / sizeof bench_flags[0],
+};
+
 int main(int argc, char **argv)
 {
-    int iters = argc > 1 ? atoi(argv[1]) : 200;
+    struct bench_args a = {.iters = 200};
+    char *rest[1];
+    int n_rest = 0, exit_code = 0;
+    if (tdm_flags_main(&bench_table, &a, argc, argv, rest, 1, &n_rest, "sampling_bench",
+                       &exit_code))
+        return exit_code;
+    // The count as a bare argument too (docs/sampling.md runs `sampling_bench 500`).
+    if (n_rest > 0 && tdm_flags_set(&bench_table, &a, "iters", rest[0], NULL, 0) != TDM_OK) {
+        fprintf(stderr, "sampling_bench: ITERS must be an integer >= 1, got \"%s\"\n", rest[0]);
+        return 2;
+    }
+    int iters = a.iters;
     float *row = malloc(sizeof(float) * VOCAB), *work = malloc(sizeof(float) * VOCAB);
     if (!row || !work)
         return 1;

@@ -179,15 +179,6 @@ static struct timespec clock_at(clockid_t clock, double seconds_from_now)
     return ts;
 }
 
-static void cond_init_mono(pthread_cond_t *cv)
-{
-    pthread_condattr_t a;
-    pthread_condattr_init(&a);
-    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
-    pthread_cond_init(cv, &a);
-    pthread_condattr_destroy(&a);
-}
-
 // Every nng operation below runs on an aio of its own, allocated for the call
 // and freed before its stream, listener or dialer can be freed: in nng 1.5 a
 // timeout that fires just as the operation completes calls the provider's
@@ -466,7 +457,7 @@ int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, si
             snprintf(in->url, sizeof in->url, "%.*s:%d", (int)(n - 2), url, port);
     }
     pthread_mutex_init(&in->mu, NULL);
-    cond_init_mono(&in->cv);
+    tdm_cond_init(&in->cv);
     if (pthread_create(&in->acceptor, NULL, inbox_acceptor, in) != 0) {
         nng_stream_listener_free(in->listener);
         pthread_cond_destroy(&in->cv);
@@ -745,7 +736,7 @@ static struct peer *peer_get(struct tdm_net_outbox *ob, const char *url, int *co
     p->reconnect_ms = ob->reconnect_ms;
     pthread_mutex_init(&p->mu, NULL);
     pthread_mutex_init(&p->send_mu, NULL);
-    cond_init_mono(&p->cv);
+    tdm_cond_init(&p->cv);
     if (pthread_create(&p->watcher, NULL, peer_watcher, p) != 0) {
         pthread_cond_destroy(&p->cv);
         pthread_mutex_destroy(&p->send_mu);

@@ -84,34 +84,84 @@ struct up_opts {
     bool no_router;          // --no-router: workers only (decode workers serve the API)
 };
 
-static const char usage_text[] =
-    "usage: tandem up [options]\n"
-    "Runs a Tandem stack on this machine: the router, N prefill and M decode workers.\n"
-    "  --model DIR|ID            model folder or Hugging Face id (default: the built-in demo\n"
-    "                            model, generated on first use into the cache folder)\n"
-    "  --revision REV            branch, tag or commit of a Hugging Face id (default main)\n"
-    "  --model-preset NAME       demo model shapes: demo (default), tiny, qwen2.5-0.5b\n"
-    "  --served-model-name NAME  the model name clients send (default: the id, tandem-demo,\n"
-    "                            or what the workers derive from the folder)\n"
-    "  --prefill N               prefill workers (default 0)\n"
-    "  --decode M                decode workers (default 1)\n"
-    "  --port P                  router port (default 8000); decode i gets P+1+i, prefill j\n"
-    "                            P+1+M+j, nng inboxes HTTP+1000; 0 = free ports\n"
-    "  --host ADDR               listen address of every process (default 127.0.0.1)\n"
-    "  --threads-per-worker T    compute threads per worker (default: cores / workers)\n"
-    "  --policy NAME             round_robin, random, least_loaded (default), prefix_cache,\n"
-    "                            session_affinity\n"
-    "  --pd-mode MODE            prefix (default: remote prefill above --pd-threshold uncached\n"
-    "                            tokens), always, never; only with --prefill > 0\n"
-    "  --pd-threshold N          uncached prompt tokens above which to prefill remotely (256)\n"
-    "  --log-level L             err, warn, info (default), debug - for every process\n"
-    "  --startup-timeout S       seconds for every /health to turn 200 (default 600)\n"
-    "  --drain-timeout S         workers' drain on stop (default 30); SIGKILL 15 s after\n"
-    "  --bin-dir DIR             where tandem-router/-prefill/-decode are (default: next to\n"
-    "                            tandem, the build tree, then PATH)\n"
-    "  --no-router               decode workers only, each serving the API on its own port\n"
-    "Ctrl-C (SIGINT) or SIGTERM stops the stack: router first, then the workers drain.\n"
-    "SIGHUP makes the router reload its config file (its path is printed at start).\n";
+static int set_pd_mode(void *opts, const char *v, char *err, size_t errlen)
+{
+    if (strcmp(v, "prefix") && strcmp(v, "always") && strcmp(v, "never"))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--pd-mode: expected prefix, always or never, got \"%s\"", v);
+    ((struct up_opts *)opts)->pd_mode = v;
+    return TDM_OK;
+}
+
+static int set_log_level(void *opts, const char *v, char *err, size_t errlen)
+{
+    if (strcmp(v, "err") && strcmp(v, "warn") && strcmp(v, "info") && strcmp(v, "debug"))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--log-level: expected err, warn, info or debug, got \"%s\"", v);
+    ((struct up_opts *)opts)->log_level = v;
+    return TDM_OK;
+}
+
+#define PTR(n, field, mv, h)                                                                       \
+    TDM_FLAG_FIELD(struct up_opts, n, TDM_FLAG_PTR, field, .metavar = mv, .help = h,            \
+                   .empty_ok = true)
+#define NUM(n, k, field, lo, hi, mv, h)                                                            \
+    TDM_FLAG_FIELD(struct up_opts, n, k, field, .min = lo, .max = hi, .metavar = mv, .help = h)
+#define OFF(field) offsetof(struct up_opts, field)
+
+static const struct tdm_flag up_flags[] = {
+    PTR("model", model, "DIR|ID",
+        "model folder or Hugging Face id (default: the built-in demo\nmodel, generated on first "
+        "use into the cache folder)"),
+    PTR("revision", revision, "REV", "branch, tag or commit of a Hugging Face id (default main)"),
+    PTR("model-preset", preset, "NAME", "demo model shapes: demo (default), tiny, qwen2.5-0.5b"),
+    PTR("served-model-name", served_name, "NAME",
+        "the model name clients send (default: the id, tandem-demo,\nor what the workers derive "
+        "from the folder)"),
+    NUM("prefill", TDM_FLAG_INT, n_prefill, 0, MAX_WORKERS, "N", "prefill workers (default 0)"),
+    NUM("decode", TDM_FLAG_INT, n_decode, 1, MAX_WORKERS, "M", "decode workers (default 1)"),
+    NUM("port", TDM_FLAG_INT, port, 0, 65535, "P",
+        "router port (default 8000); decode i gets P+1+i, prefill j\nP+1+M+j, nng inboxes "
+        "HTTP+1000; 0 = free ports"),
+    PTR("host", host, "ADDR", "listen address of every process (default 127.0.0.1)"),
+    NUM("threads-per-worker", TDM_FLAG_INT, threads_per_worker, 0, 1024, "T",
+        "compute threads per worker (default: cores / workers)"),
+    PTR("policy", policy, "NAME",
+        "round_robin, random, least_loaded (default), prefix_cache,\nsession_affinity"),
+    {.name = "pd-mode",
+     .kind = TDM_FLAG_FN,
+     .fn = set_pd_mode,
+     .metavar = "MODE",
+     .help = "prefix (default: remote prefill above --pd-threshold uncached\ntokens), always, "
+             "never; only with --prefill > 0"},
+    NUM("pd-threshold", TDM_FLAG_INT, pd_threshold, 0, 100000000, "N",
+        "uncached prompt tokens above which to prefill remotely (256)"),
+    {.name = "log-level",
+     .kind = TDM_FLAG_FN,
+     .fn = set_log_level,
+     .metavar = "L",
+     .help = "err, warn, info (default), debug - for every process"},
+    NUM("startup-timeout", TDM_FLAG_DOUBLE, startup_timeout, 0, 86400, "S",
+        "seconds for every /health to turn 200 (default 600)"),
+    NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
+        "workers' drain on stop (default 30); SIGKILL 15 s after"),
+    PTR("bin-dir", bin_dir, "DIR",
+        "where tandem-router/-prefill/-decode are (default: next to\ntandem, the build tree, "
+        "then PATH)"),
+    {.name = "no-router",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(no_router),
+     .help = "decode workers only, each serving the API on its own port"},
+};
+
+static const struct tdm_flags up_table = {
+    .usage = "usage: tandem up [options]\n"
+             "Runs a Tandem stack on this machine: the router, N prefill and M decode workers.\n",
+    .flags = up_flags,
+    .n = sizeof up_flags / sizeof up_flags[0],
+    .footer = "Ctrl-C (SIGINT) or SIGTERM stops the stack: router first, then the workers drain.\n"
+              "SIGHUP makes the router reload its config file (its path is printed at start).\n",
+};
 
 static void opts_default(struct up_opts *o)
 {
@@ -128,154 +178,17 @@ static void opts_default(struct up_opts *o)
     o->drain_timeout = 30;
 }
 
-static int parse_long(const char *flag, const char *v, long lo, long hi, long *out)
-{
-    char *end = NULL;
-    errno = 0;
-    long x = strtol(v, &end, 10);
-    if (!*v || *end || errno || x < lo || x > hi) {
-        fprintf(stderr, "tandem up: %s: expected an integer in [%ld, %ld], got \"%s\"\n", flag, lo,
-                hi, v);
-        return -1;
-    }
-    *out = x;
-    return 0;
-}
-
-static int parse_seconds(const char *flag, const char *v, double *out)
-{
-    char *end = NULL;
-    double x = strtod(v, &end);
-    if (!*v || *end || !(x >= 0) || x > 86400) {
-        fprintf(stderr, "tandem up: %s: expected seconds in [0, 86400], got \"%s\"\n", flag, v);
-        return -1;
-    }
-    *out = x;
-    return 0;
-}
-
 // Parses `up`'s arguments (argv[0] is "up"). Returns 0, 1 for --help, -1 after
 // printing one line about the bad argument.
 static int opts_parse(struct up_opts *o, int argc, char **argv)
 {
-    static char split[MAX_WORKERS * 4][512]; // "--name=value" copies (values point into them)
-    int n_split = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h"))
-            return 1;
-        if (!strcmp(a, "--no-router")) {
-            o->no_router = true;
-            continue;
-        }
-        if (strncmp(a, "--", 2)) {
-            fprintf(stderr, "tandem up: unexpected argument \"%s\" (see tandem up --help)\n", a);
-            return -1;
-        }
-        const char *name = a, *val = NULL;
-        const char *eq = strchr(a, '=');
-        if (eq) {
-            if (n_split == (int)(sizeof split / sizeof *split) || strlen(a) >= sizeof split[0]) {
-                fprintf(stderr, "tandem up: argument too long: %.40s...\n", a);
-                return -1;
-            }
-            char *s = split[n_split++];
-            strcpy(s, a);
-            s[eq - a] = '\0';
-            name = s;
-            val = s + (eq - a) + 1;
-        } else if (i + 1 < argc) {
-            val = argv[++i];
-        }
-        static const char *const known[] = {"--model",
-                                            "--revision",
-                                            "--model-preset",
-                                            "--served-model-name",
-                                            "--prefill",
-                                            "--decode",
-                                            "--port",
-                                            "--host",
-                                            "--threads-per-worker",
-                                            "--policy",
-                                            "--pd-mode",
-                                            "--pd-threshold",
-                                            "--log-level",
-                                            "--startup-timeout",
-                                            "--drain-timeout",
-                                            "--bin-dir",
-                                            NULL};
-        bool ok = false;
-        for (int k = 0; known[k]; k++)
-            ok = ok || !strcmp(name, known[k]);
-        if (!ok) {
-            fprintf(stderr, "tandem up: unknown flag %s (see tandem up --help)\n", name);
-            return -1;
-        }
-        if (!val) {
-            fprintf(stderr, "tandem up: %s needs a value\n", name);
-            return -1;
-        }
-        long x = 0;
-        if (!strcmp(name, "--model")) {
-            o->model = val;
-        } else if (!strcmp(name, "--revision")) {
-            o->revision = val;
-        } else if (!strcmp(name, "--model-preset")) {
-            o->preset = val;
-        } else if (!strcmp(name, "--served-model-name")) {
-            o->served_name = val;
-        } else if (!strcmp(name, "--prefill")) {
-            if (parse_long(name, val, 0, MAX_WORKERS, &x))
-                return -1;
-            o->n_prefill = (int)x;
-        } else if (!strcmp(name, "--decode")) {
-            if (parse_long(name, val, 1, MAX_WORKERS, &x))
-                return -1;
-            o->n_decode = (int)x;
-        } else if (!strcmp(name, "--port")) {
-            if (parse_long(name, val, 0, 65535, &x))
-                return -1;
-            o->port = (int)x;
-        } else if (!strcmp(name, "--host")) {
-            o->host = val;
-        } else if (!strcmp(name, "--threads-per-worker")) {
-            if (parse_long(name, val, 0, 1024, &x))
-                return -1;
-            o->threads_per_worker = (int)x;
-        } else if (!strcmp(name, "--policy")) {
-            o->policy = val;
-        } else if (!strcmp(name, "--pd-mode")) {
-            if (strcmp(val, "prefix") && strcmp(val, "always") && strcmp(val, "never")) {
-                fprintf(stderr,
-                        "tandem up: --pd-mode: expected prefix, always or never, got "
-                        "\"%s\"\n",
-                        val);
-                return -1;
-            }
-            o->pd_mode = val;
-        } else if (!strcmp(name, "--pd-threshold")) {
-            if (parse_long(name, val, 0, 100000000, &x))
-                return -1;
-            o->pd_threshold = (int)x;
-        } else if (!strcmp(name, "--log-level")) {
-            if (strcmp(val, "err") && strcmp(val, "warn") && strcmp(val, "info") &&
-                strcmp(val, "debug")) {
-                fprintf(stderr,
-                        "tandem up: --log-level: expected err, warn, info or debug, got "
-                        "\"%s\"\n",
-                        val);
-                return -1;
-            }
-            o->log_level = val;
-        } else if (!strcmp(name, "--startup-timeout")) {
-            if (parse_seconds(name, val, &o->startup_timeout))
-                return -1;
-        } else if (!strcmp(name, "--drain-timeout")) {
-            if (parse_seconds(name, val, &o->drain_timeout))
-                return -1;
-        } else if (!strcmp(name, "--bin-dir")) {
-            o->bin_dir = val;
-        }
+    char err[512];
+    int rc = tdm_flags_parse(&up_table, o, argc, argv, NULL, 0, NULL, err, sizeof err);
+    if (rc == 1)
+        return 1;
+    if (rc != TDM_OK) {
+        fprintf(stderr, "tandem up: %s (see tandem up --help)\n", err);
+        return -1;
     }
     if (o->model && strcmp(o->preset, "demo")) {
         fprintf(stderr, "tandem up: --model-preset only applies to the demo model (no --model)\n");
@@ -1366,7 +1279,7 @@ static int cmd_up(int argc, char **argv)
     opts_default(&o);
     int prc = opts_parse(&o, argc, argv);
     if (prc == 1) {
-        fputs(usage_text, stdout);
+        tdm_flags_help(&up_table, stdout);
         return 0;
     }
     if (prc != 0)

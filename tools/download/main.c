@@ -4,6 +4,7 @@
 // scripts can write `dir=$(tandem-download Qwen/Qwen2.5-0.5B-Instruct)`.
 // Progress and errors go to stderr; exit status 0 only when the folder holds
 // every file the engine needs.
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,53 +12,69 @@
 #include "core.h"
 #include "hub.h"
 
-static void usage(FILE *f)
+struct download_args {
+    const char *revision;
+    struct tdm_hub_opts hub;
+};
+
+static int set_quiet(void *o, const char *v, char *err, size_t errlen)
 {
-    fprintf(f, "usage: tandem-download MODEL_ID [--revision R] [--cache-dir D] [--offline] "
-               "[--quiet]\n"
-               "  MODEL_ID     ORG/NAME on the Hugging Face Hub (or an existing folder)\n"
-               "  --revision   branch, tag or commit (default main)\n"
-               "  --cache-dir  hub cache folder (default $HF_HUB_CACHE, else $HF_HOME/hub,\n"
-               "               else ~/.cache/huggingface/hub)\n"
-               "  --offline    use the cache only (as HF_HUB_OFFLINE=1)\n"
-               "  --quiet      no progress output\n"
-               "Environment: HF_HOME, HF_HUB_CACHE, HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE.\n"
-               "Prints the snapshot folder on stdout.\n");
+    (void)v;
+    (void)err;
+    (void)errlen;
+    ((struct download_args *)o)->hub.progress = TDM_HUB_PROGRESS_QUIET;
+    return TDM_OK;
 }
+
+#define OFF(field) offsetof(struct download_args, field)
+static const struct tdm_flag download_flags[] = {
+    {.name = "revision",
+     .kind = TDM_FLAG_PTR,
+     .offset = OFF(revision),
+     .metavar = "R",
+     .help = "branch, tag or commit (default main)"},
+    {.name = "cache-dir",
+     .kind = TDM_FLAG_PTR,
+     .offset = OFF(hub.cache_dir),
+     .metavar = "D",
+     .help = "hub cache folder (default $HF_HUB_CACHE, else $HF_HOME/hub,\nelse "
+             "~/.cache/huggingface/hub)"},
+    {.name = "offline",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(hub.offline),
+     .help = "use the cache only (as HF_HUB_OFFLINE=1)"},
+    {.name = "quiet",
+     .kind = TDM_FLAG_FN,
+     .fn = set_quiet,
+     .no_value = true,
+     .help = "no progress output"},
+};
+static const struct tdm_flags download_table = {
+    .usage = "usage: tandem-download MODEL_ID [--revision R] [--cache-dir D] [--offline] "
+             "[--quiet]\n"
+             "  MODEL_ID                      ORG/NAME on the Hugging Face Hub (or an existing "
+             "folder)\n",
+    .flags = download_flags,
+    .n = sizeof download_flags / sizeof download_flags[0],
+    .footer = "Environment: HF_HOME, HF_HUB_CACHE, HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE.\n"
+              "Prints the snapshot folder on stdout.\n",
+};
 
 int main(int argc, char **argv)
 {
-    const char *model = NULL, *revision = NULL;
-    struct tdm_hub_opts opts = {0};
+    struct download_args a = {0};
     tdm_log_set_role("download");
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
-            usage(stdout);
-            return 0;
-        } else if (strcmp(a, "--revision") == 0 && i + 1 < argc) {
-            revision = argv[++i];
-        } else if (strcmp(a, "--cache-dir") == 0 && i + 1 < argc) {
-            opts.cache_dir = argv[++i];
-        } else if (strcmp(a, "--offline") == 0) {
-            opts.offline = true;
-        } else if (strcmp(a, "--quiet") == 0) {
-            opts.progress = TDM_HUB_PROGRESS_QUIET;
-        } else if (a[0] == '-' && a[1] == '-') {
-            fprintf(stderr, "tandem-download: unknown or incomplete option %s\n", a);
-            usage(stderr);
-            return 2;
-        } else if (!model) {
-            model = a;
-        } else {
-            fprintf(stderr, "tandem-download: one MODEL_ID only (got %s and %s)\n", model, a);
-            return 2;
-        }
-    }
-    if (!model) {
-        usage(stderr);
+    char *rest[1];
+    int n_rest = 0, exit_code = 0;
+    if (tdm_flags_main(&download_table, &a, argc, argv, rest, 1, &n_rest, "tandem-download",
+                       &exit_code))
+        return exit_code;
+    if (n_rest == 0) {
+        fprintf(stderr, "tandem-download: MODEL_ID is required (see --help)\n");
         return 2;
     }
+    const char *model = rest[0], *revision = a.revision;
+    struct tdm_hub_opts opts = a.hub;
     char path[4096], err[1024];
     int rc = tdm_hub_resolve_model(model, revision, &opts, path, sizeof path, err, sizeof err);
     if (rc != TDM_OK) {

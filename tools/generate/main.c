@@ -33,13 +33,71 @@ struct args {
     const char *dump_logits;
 };
 
-static void usage(FILE *f)
+static int set_seed(void *o, const char *v, char *err, size_t errlen)
 {
-    fputs("usage: tandem-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N\n"
-          "  [--temperature T] [--top-p P] [--top-k K] [--seed S] [--ignore-eos]\n"
-          "  [--dtype bf16|int8] [--threads N] [--chunk N] [--json] [--dump-logits FILE]\n",
-          f);
+    struct args *a = o;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (*v == '\0' || *end != '\0' || errno != 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--seed: expected an integer, got \"%s\"", v);
+    a->sp.seed = x;
+    a->sp.has_seed = true;
+    return TDM_OK;
 }
+
+static int set_dtype(void *o, const char *v, char *err, size_t errlen)
+{
+    struct args *a = o;
+    if (strcmp(v, "bf16") == 0)
+        a->weights = TDM_WEIGHTS_BF16;
+    else if (strcmp(v, "int8") == 0)
+        a->weights = TDM_WEIGHTS_INT8;
+    else
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--dtype: expected bf16 or int8, got \"%s\"", v);
+    return TDM_OK;
+}
+
+#define PTR(n, field, mv, h)                                                                       \
+    TDM_FLAG_FIELD(struct args, n, TDM_FLAG_PTR, field, .metavar = mv, .help = h, .empty_ok = true)
+#define NUM(n, k, field, lo, hi, mv, h)                                                            \
+    TDM_FLAG_FIELD(struct args, n, k, field, .min = lo, .max = hi, .metavar = mv, .help = h)
+#define OFF(field) offsetof(struct args, field)
+
+static const struct tdm_flag generate_flags[] = {
+    PTR("model", model, "DIR", "the model folder (required)"),
+    PTR("prompt", prompt, "TEXT", "the prompt as text (or --prompt-ids)"),
+    PTR("prompt-ids", prompt_ids, "1,2,3", "the prompt as token ids"),
+    NUM("max-tokens", TDM_FLAG_INT, max_tokens, 1, 1000000, "N", "tokens to generate (default 16)"),
+    NUM("temperature", TDM_FLAG_FLOAT, sp.temperature, -1e9, 1e9, "T",
+        "sampling temperature (default 0: greedy)"),
+    NUM("top-p", TDM_FLAG_FLOAT, sp.top_p, -1e9, 1e9, "P", "nucleus sampling mass"),
+    NUM("top-k", TDM_FLAG_INT, sp.top_k, -1, 1000000000, "K", "sample among the K most likely"),
+    {.name = "seed", .kind = TDM_FLAG_FN, .fn = set_seed, .metavar = "S", .help = "sampling seed"},
+    {.name = "ignore-eos",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(ignore_eos),
+     .help = "go on past the end-of-sequence token"},
+    {.name = "dtype",
+     .kind = TDM_FLAG_FN,
+     .fn = set_dtype,
+     .metavar = "bf16|int8",
+     .help = "weight format (default bf16)"},
+    NUM("threads", TDM_FLAG_INT, threads, 0, 1024, "N", "compute threads (0: one per core)"),
+    NUM("chunk", TDM_FLAG_INT, chunk, 1, 65536, "N", "prefill chunk in tokens (default 256)"),
+    {.name = "json",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(json),
+     .help = "print one JSON object: ids, text, per-phase timings"},
+    PTR("dump-logits", dump_logits, "FILE", "write every step's logits as f32 [steps][vocab]"),
+};
+
+static const struct tdm_flags generate_table = {
+    .usage = "usage: tandem-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens "
+             "N\n",
+    .flags = generate_flags,
+    .n = sizeof generate_flags / sizeof generate_flags[0],
+};
 
 static int fail(const char *fmt, const char *a)
 {
@@ -49,114 +107,26 @@ static int fail(const char *fmt, const char *a)
     return 1;
 }
 
-static bool parse_long(const char *v, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long x = strtol(v, &end, 10);
-    if (*v == '\0' || *end != '\0' || errno != 0 || x < lo || x > hi)
-        return false;
-    *out = x;
-    return true;
-}
-
-static bool parse_float(const char *v, float *out)
-{
-    char *end;
-    float x = strtof(v, &end);
-    if (*v == '\0' || *end != '\0')
-        return false;
-    *out = x;
-    return true;
-}
-
-static int parse_args(struct args *a, int argc, char **argv)
+// Returns 0 to run, else main's exit status (0 after --help).
+static int parse_args(struct args *a, int argc, char **argv, bool *stop)
 {
     memset(a, 0, sizeof *a);
     tdm_sampling_params_default(&a->sp);
     a->sp.temperature = 0.0f;
     a->max_tokens = 16;
     a->chunk = 256;
-    for (int i = 1; i < argc; i++) {
-        const char *f = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        long x;
-        bool flag_only = strcmp(f, "--json") == 0 || strcmp(f, "--ignore-eos") == 0 ||
-                         strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0;
-        if (!flag_only && v == NULL)
-            return fail("%s needs a value", f);
-        if (strcmp(f, "--help") == 0 || strcmp(f, "-h") == 0) {
-            usage(stdout);
-            exit(0);
-        } else if (strcmp(f, "--json") == 0) {
-            a->json = true;
-        } else if (strcmp(f, "--ignore-eos") == 0) {
-            a->ignore_eos = true;
-        } else if (strcmp(f, "--model") == 0) {
-            a->model = v;
-            i++;
-        } else if (strcmp(f, "--prompt") == 0) {
-            a->prompt = v;
-            i++;
-        } else if (strcmp(f, "--prompt-ids") == 0) {
-            a->prompt_ids = v;
-            i++;
-        } else if (strcmp(f, "--max-tokens") == 0) {
-            if (!parse_long(v, 1, 1000000, &x))
-                return fail("--max-tokens needs an integer >= 1, got \"%s\"", v);
-            a->max_tokens = (int)x;
-            i++;
-        } else if (strcmp(f, "--temperature") == 0) {
-            if (!parse_float(v, &a->sp.temperature))
-                return fail("--temperature needs a number, got \"%s\"", v);
-            i++;
-        } else if (strcmp(f, "--top-p") == 0) {
-            if (!parse_float(v, &a->sp.top_p))
-                return fail("--top-p needs a number, got \"%s\"", v);
-            i++;
-        } else if (strcmp(f, "--top-k") == 0) {
-            if (!parse_long(v, -1, 1000000000, &x))
-                return fail("--top-k needs an integer, got \"%s\"", v);
-            a->sp.top_k = (int)x;
-            i++;
-        } else if (strcmp(f, "--seed") == 0) {
-            char *end;
-            a->sp.seed = strtoull(v, &end, 10);
-            if (*v == '\0' || *end != '\0')
-                return fail("--seed needs an integer, got \"%s\"", v);
-            a->sp.has_seed = true;
-            i++;
-        } else if (strcmp(f, "--dtype") == 0) {
-            if (strcmp(v, "bf16") == 0)
-                a->weights = TDM_WEIGHTS_BF16;
-            else if (strcmp(v, "int8") == 0)
-                a->weights = TDM_WEIGHTS_INT8;
-            else
-                return fail("--dtype must be bf16 or int8, got \"%s\"", v);
-            i++;
-        } else if (strcmp(f, "--threads") == 0) {
-            if (!parse_long(v, 0, 1024, &x))
-                return fail("--threads needs an integer in [0, 1024], got \"%s\"", v);
-            a->threads = (int)x;
-            i++;
-        } else if (strcmp(f, "--chunk") == 0) {
-            if (!parse_long(v, 1, 65536, &x))
-                return fail("--chunk needs an integer in [1, 65536], got \"%s\"", v);
-            a->chunk = (int)x;
-            i++;
-        } else if (strcmp(f, "--dump-logits") == 0) {
-            a->dump_logits = v;
-            i++;
-        } else {
-            usage(stderr);
-            return fail("unknown argument \"%s\"", f);
-        }
-    }
+    int exit_code = 0;
+    *stop = tdm_flags_main(&generate_table, a, argc, argv, NULL, 0, NULL, "tandem-generate",
+                           &exit_code);
+    if (*stop)
+        return exit_code;
+    *stop = true;
     if (a->model == NULL)
-        return fail("%s", "--model DIR is required");
+        return fail("%s", "--model DIR is required") + 1;
     if ((a->prompt == NULL) == (a->prompt_ids == NULL))
-        return fail("%s", "give exactly one of --prompt TEXT and --prompt-ids 1,2,3");
+        return fail("%s", "give exactly one of --prompt TEXT and --prompt-ids 1,2,3") + 1;
     a->sp.ignore_eos = a->ignore_eos;
+    *stop = false;
     return 0;
 }
 
@@ -243,8 +213,10 @@ int main(int argc, char **argv)
     char *text = NULL;
     int n_prompt = 0;
 
-    if (parse_args(&a, argc, argv) != 0)
-        return 2;
+    bool stop = false;
+    int exit_code = parse_args(&a, argc, argv, &stop);
+    if (stop)
+        return exit_code;
     tdm_log_set_role("generate");
     tdm_log_set_level_name("warn"); // stderr carries errors only
 

@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // tandem-mkmodel: command line over mkmodel.c. Starts from a preset (tiny by
-// default), applies every flag given, validates and writes the folder.
+// default), applies every flag given (core's flag table), validates and writes
+// the folder.
+#include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,179 +11,163 @@
 #include "core.h"
 #include "mkmodel.h"
 
-static void usage(FILE *f)
+struct mk_args {
+    struct tdm_mkmodel_spec s;
+    const char *out; // --out DIR
+};
+
+// --preset is applied before the other flags (main), so they override it.
+static int set_preset_done(void *o, const char *v, char *err, size_t errlen)
 {
-    fputs("usage: tandem-mkmodel --out DIR [--preset tiny|qwen2.5-0.5b] [--arch qwen2|llama]\n"
-          "  [--hidden N] [--intermediate N] [--layers N] [--heads N] [--kv-heads N]\n"
-          "  [--head-dim N] [--vocab N] [--max-pos N] [--tie|--no-tie]\n"
-          "  [--attention-bias|--no-attention-bias] (Llama only; Qwen2 always has biases)\n"
-          "  [--rope-theta X] [--rms-eps X] [--rope-llama3 [--rope-factor X]\n"
-          "   [--rope-low-freq X] [--rope-high-freq X] [--rope-orig-max-pos N]]\n"
-          "  [--dtype bf16|f16|f32] [--seed N] [--tokenizer-from DIR]\n",
-          f);
+    (void)o;
+    (void)v;
+    (void)err;
+    (void)errlen;
+    return TDM_OK;
 }
 
-static int parse_int(const char *flag, const char *v, int *out)
+static int set_arch(void *o, const char *v, char *err, size_t errlen)
 {
-    char *end;
-    long x = strtol(v, &end, 10);
-    if (*v == '\0' || *end != '\0' || x < 0 || x > 1000000000) {
-        fprintf(stderr, "tandem-mkmodel: %s needs a non-negative integer, got \"%s\"\n", flag, v);
-        return -1;
-    }
-    *out = (int)x;
-    return 0;
+    struct mk_args *a = o;
+    if (strcmp(v, "qwen2") == 0)
+        a->s.arch = TDM_ARCH_QWEN2;
+    else if (strcmp(v, "llama") == 0)
+        a->s.arch = TDM_ARCH_LLAMA;
+    else
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--arch: expected qwen2 or llama, got \"%s\"",
+                          v);
+    return TDM_OK;
 }
 
-static int parse_double(const char *flag, const char *v, double *out)
+static int set_attention_bias(void *o, const char *v, char *err, size_t errlen)
 {
-    char *end;
-    double x = strtod(v, &end);
-    if (*v == '\0' || *end != '\0') {
-        fprintf(stderr, "tandem-mkmodel: %s needs a number, got \"%s\"\n", flag, v);
-        return -1;
-    }
-    *out = x;
-    return 0;
+    (void)v;
+    (void)err;
+    (void)errlen;
+    ((struct mk_args *)o)->s.attention_bias = 1;
+    return TDM_OK;
 }
+
+static int set_no_attention_bias(void *o, const char *v, char *err, size_t errlen)
+{
+    (void)v;
+    (void)err;
+    (void)errlen;
+    ((struct mk_args *)o)->s.attention_bias = 0;
+    return TDM_OK;
+}
+
+static int set_dtype(void *o, const char *v, char *err, size_t errlen)
+{
+    struct mk_args *a = o;
+    if (strcmp(v, "bf16") == 0)
+        a->s.dtype = TDM_DTYPE_BF16;
+    else if (strcmp(v, "f16") == 0)
+        a->s.dtype = TDM_DTYPE_F16;
+    else if (strcmp(v, "f32") == 0)
+        a->s.dtype = TDM_DTYPE_F32;
+    else
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--dtype: expected bf16, f16 or f32, got \"%s\"",
+                          v);
+    return TDM_OK;
+}
+
+static int set_seed(void *o, const char *v, char *err, size_t errlen)
+{
+    struct mk_args *a = o;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (*v == '\0' || *end != '\0' || errno != 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--seed: expected an integer, got \"%s\"", v);
+    a->s.seed = x;
+    return TDM_OK;
+}
+
+#define SIZE(n, field, h)                                                                          \
+    TDM_FLAG_FIELD(struct mk_args, n, TDM_FLAG_INT, s.field, .min = 0, .max = 1e9, .metavar = "N", \
+                   .help = h)
+#define REAL(n, k, field, h)                                                                       \
+    TDM_FLAG_FIELD(struct mk_args, n, k, s.field, .min = -1e300, .max = 1e300, .metavar = "X",  \
+                   .help = h)
+#define FN(n, f, mv, h) {.name = n, .kind = TDM_FLAG_FN, .fn = f, .metavar = mv, .help = h}
+#define FN0(n, f, h) {.name = n, .kind = TDM_FLAG_FN, .fn = f, .no_value = true, .help = h}
+#define OFF(field) offsetof(struct mk_args, field)
+
+static const struct tdm_flag mkmodel_flags[] = {
+    {.name = "out",
+     .kind = TDM_FLAG_PTR,
+     .offset = OFF(out),
+     .metavar = "DIR",
+     .help = "the folder to write (required)"},
+    FN("preset", set_preset_done, "tiny|qwen2.5-0.5b", "the starting shape (default tiny)"),
+    FN("arch", set_arch, "qwen2|llama", "architecture"),
+    SIZE("hidden", hidden_size, "hidden size"),
+    SIZE("intermediate", intermediate_size, "MLP size"),
+    SIZE("layers", num_layers, "decoder layers"),
+    SIZE("heads", num_heads, "attention heads"),
+    SIZE("kv-heads", num_kv_heads, "KV heads"),
+    SIZE("head-dim", head_dim, "head size (0 = hidden / heads)"),
+    SIZE("vocab", vocab_size, "vocabulary size"),
+    SIZE("max-pos", max_position_embeddings, "context length"),
+    {.name = "tie",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(s.tie_word_embeddings),
+     .help = "tie the embedding and the LM head"},
+    {.name = "no-tie",
+     .kind = TDM_FLAG_NOT,
+     .offset = OFF(s.tie_word_embeddings),
+     .help = "separate LM head"},
+    FN0("attention-bias", set_attention_bias, "QKV biases (Llama only; Qwen2 always has them)"),
+    FN0("no-attention-bias", set_no_attention_bias, "no QKV biases (Llama only)"),
+    REAL("rope-theta", TDM_FLAG_DOUBLE, rope_theta, "RoPE base"),
+    REAL("rms-eps", TDM_FLAG_FLOAT, rms_norm_eps, "RMSNorm epsilon"),
+    {.name = "rope-llama3",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(s.rope_llama3),
+     .help = "write llama3 rope_scaling (with the four below)"},
+    REAL("rope-factor", TDM_FLAG_FLOAT, rope_factor, "llama3 scaling factor"),
+    REAL("rope-low-freq", TDM_FLAG_FLOAT, rope_low_freq_factor, "llama3 low_freq_factor"),
+    REAL("rope-high-freq", TDM_FLAG_FLOAT, rope_high_freq_factor, "llama3 high_freq_factor"),
+    SIZE("rope-orig-max-pos", rope_original_max_pos, "llama3 original_max_position_embeddings"),
+    FN("dtype", set_dtype, "bf16|f16|f32", "dtype of model.safetensors"),
+    FN("seed", set_seed, "N", "seed of the random weights"),
+    {.name = "tokenizer-from",
+     .kind = TDM_FLAG_PTR,
+     .offset = OFF(s.tokenizer_from),
+     .metavar = "DIR",
+     .help = "copy tokenizer.json (+ tokenizer_config.json) from DIR"},
+};
+
+static const struct tdm_flags mkmodel_table = {
+    .usage = "usage: tandem-mkmodel --out DIR [--preset tiny|qwen2.5-0.5b] [options]\n",
+    .flags = mkmodel_flags,
+    .n = sizeof mkmodel_flags / sizeof mkmodel_flags[0],
+};
 
 int main(int argc, char **argv)
 {
-    struct tdm_mkmodel_spec s;
-    const char *out = NULL;
+    struct mk_args a = {.out = NULL};
     char err[512];
-    tdm_mkmodel_preset(&s, "tiny");
+    tdm_mkmodel_preset(&a.s, "tiny");
     // The preset comes first so that later flags override it whatever their order.
-    for (int i = 1; i + 1 < argc; i++)
-        if (strcmp(argv[i], "--preset") == 0 && tdm_mkmodel_preset(&s, argv[i + 1]) != TDM_OK) {
-            fprintf(stderr, "tandem-mkmodel: unknown preset \"%s\" (tiny, qwen2.5-0.5b)\n",
-                    argv[i + 1]);
-            return 2;
-        }
     for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        double d;
-        int bad = 0;
-#define NEED_VALUE()                                                                               \
-    do {                                                                                           \
-        if (v == NULL) {                                                                           \
-            fprintf(stderr, "tandem-mkmodel: %s needs a value\n", a);                              \
-            return 2;                                                                              \
-        }                                                                                          \
-        i++;                                                                                       \
-    } while (0)
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-            usage(stdout);
-            return 0;
-        } else if (strcmp(a, "--preset") == 0) {
-            NEED_VALUE();
-        } else if (strcmp(a, "--out") == 0) {
-            NEED_VALUE();
-            out = v;
-        } else if (strcmp(a, "--arch") == 0) {
-            NEED_VALUE();
-            if (strcmp(v, "qwen2") == 0)
-                s.arch = TDM_ARCH_QWEN2;
-            else if (strcmp(v, "llama") == 0)
-                s.arch = TDM_ARCH_LLAMA;
-            else {
-                fprintf(stderr, "tandem-mkmodel: --arch must be qwen2 or llama, got \"%s\"\n", v);
-                return 2;
-            }
-        } else if (strcmp(a, "--hidden") == 0) {
-            NEED_VALUE();
-            bad = parse_int(a, v, &s.hidden_size);
-        } else if (strcmp(a, "--intermediate") == 0) {
-            NEED_VALUE();
-            bad = parse_int(a, v, &s.intermediate_size);
-        } else if (strcmp(a, "--layers") == 0) {
-            NEED_VALUE();
-            bad = parse_int(a, v, &s.num_layers);
-        } else if (strcmp(a, "--heads") == 0) {
-            NEED_VALUE();
-            bad = parse_int(a, v, &s.num_heads);
-        } else if (strcmp(a, "--kv-heads") == 0) {
-            NEED_VALUE();
-            bad = parse_int(a, v, &s.num_kv_heads);
-        } else if (strcmp(a, "--head-dim") == 0) {
-            NEED_VALUE();
-            bad = parse_int(a, v, &s.head_dim);
-        } else if (strcmp(a, "--vocab") == 0) {
-            NEED_VALUE();
-            bad = parse_int(a, v, &s.vocab_size);
-        } else if (strcmp(a, "--max-pos") == 0) {
-            NEED_VALUE();
-            bad = parse_int(a, v, &s.max_position_embeddings);
-        } else if (strcmp(a, "--tie") == 0) {
-            s.tie_word_embeddings = true;
-        } else if (strcmp(a, "--no-tie") == 0) {
-            s.tie_word_embeddings = false;
-        } else if (strcmp(a, "--attention-bias") == 0) {
-            s.attention_bias = 1;
-        } else if (strcmp(a, "--no-attention-bias") == 0) {
-            s.attention_bias = 0;
-        } else if (strcmp(a, "--rope-theta") == 0) {
-            NEED_VALUE();
-            bad = parse_double(a, v, &s.rope_theta);
-        } else if (strcmp(a, "--rms-eps") == 0) {
-            NEED_VALUE();
-            if (!(bad = parse_double(a, v, &d)))
-                s.rms_norm_eps = (float)d;
-        } else if (strcmp(a, "--rope-llama3") == 0) {
-            s.rope_llama3 = true;
-        } else if (strcmp(a, "--rope-factor") == 0) {
-            NEED_VALUE();
-            if (!(bad = parse_double(a, v, &d)))
-                s.rope_factor = (float)d;
-        } else if (strcmp(a, "--rope-low-freq") == 0) {
-            NEED_VALUE();
-            if (!(bad = parse_double(a, v, &d)))
-                s.rope_low_freq_factor = (float)d;
-        } else if (strcmp(a, "--rope-high-freq") == 0) {
-            NEED_VALUE();
-            if (!(bad = parse_double(a, v, &d)))
-                s.rope_high_freq_factor = (float)d;
-        } else if (strcmp(a, "--rope-orig-max-pos") == 0) {
-            NEED_VALUE();
-            bad = parse_int(a, v, &s.rope_original_max_pos);
-        } else if (strcmp(a, "--dtype") == 0) {
-            NEED_VALUE();
-            if (strcmp(v, "bf16") == 0)
-                s.dtype = TDM_DTYPE_BF16;
-            else if (strcmp(v, "f16") == 0)
-                s.dtype = TDM_DTYPE_F16;
-            else if (strcmp(v, "f32") == 0)
-                s.dtype = TDM_DTYPE_F32;
-            else {
-                fprintf(stderr, "tandem-mkmodel: --dtype must be bf16, f16 or f32, got \"%s\"\n",
-                        v);
-                return 2;
-            }
-        } else if (strcmp(a, "--seed") == 0) {
-            NEED_VALUE();
-            char *end;
-            s.seed = strtoull(v, &end, 10);
-            bad = *v == '\0' || *end != '\0';
-            if (bad)
-                fprintf(stderr, "tandem-mkmodel: --seed needs an integer, got \"%s\"\n", v);
-        } else if (strcmp(a, "--tokenizer-from") == 0) {
-            NEED_VALUE();
-            s.tokenizer_from = v;
-        } else {
-            fprintf(stderr, "tandem-mkmodel: unknown argument \"%s\"\n", a);
-            usage(stderr);
+        const char *p = strcmp(argv[i], "--preset") == 0 && i + 1 < argc ? argv[i + 1]
+                        : strncmp(argv[i], "--preset=", 9) == 0          ? argv[i] + 9
+                                                                         : NULL;
+        if (p && tdm_mkmodel_preset(&a.s, p) != TDM_OK) {
+            fprintf(stderr, "tandem-mkmodel: unknown preset \"%s\" (tiny, qwen2.5-0.5b)\n", p);
             return 2;
         }
-#undef NEED_VALUE
-        if (bad)
-            return 2;
     }
-    if (out == NULL) {
-        fprintf(stderr, "tandem-mkmodel: --out DIR is required\n");
+    int exit_code = 0;
+    if (tdm_flags_main(&mkmodel_table, &a, argc, argv, NULL, 0, NULL, "tandem-mkmodel", &exit_code))
+        return exit_code;
+    if (a.out == NULL) {
+        fprintf(stderr, "tandem-mkmodel: --out DIR is required (see --help)\n");
         return 2;
     }
-    if (tdm_mkmodel_write(&s, out, err, sizeof err) != TDM_OK) {
+    if (tdm_mkmodel_write(&a.s, a.out, err, sizeof err) != TDM_OK) {
         fprintf(stderr, "tandem-mkmodel: %s\n", err);
         return 1;
     }

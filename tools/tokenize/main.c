@@ -23,22 +23,52 @@ struct opts {
     bool skip_special;  // decode leaves special tokens out
 };
 
-static void usage(FILE *f)
-{
-    fputs("usage: tandem-tokenize --model DIR [options] < input\n"
-          "  (default)              encode stdin text, print ids separated by spaces\n"
-          "  --decode               read ids (whitespace/comma separated), print the text\n"
-          "  --chat                 read an OpenAI messages JSON array, print the rendered\n"
-          "                         prompt, a newline, then its ids\n"
-          "  --chat-template FILE   use this chat template instead of tokenizer_config.json's\n"
-          "  --jsonl                one JSON object per line: {\"text\":..} -> {\"ids\":[..]},\n"
-          "                         {\"ids\":[..]} -> {\"text\":..}\n"
-          "  --no-special           do not add the post-processor's special tokens (BOS)\n"
-          "  --split-special        treat special-token strings in the text as plain text\n"
-          "  --skip-special-tokens  leave special tokens out when decoding\n"
-          "  --help                 this text\n",
-          f);
-}
+#define OFF(field) offsetof(struct opts, field)
+static const struct tdm_flag tokenize_flags[] = {
+    {.name = "model",
+     .kind = TDM_FLAG_PTR,
+     .offset = OFF(model_dir),
+     .metavar = "DIR",
+     .help = "the model folder (its tokenizer; required)"},
+    {.name = "decode",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(decode),
+     .help = "read ids (whitespace/comma separated), print the text"},
+    {.name = "chat",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(chat),
+     .help = "read an OpenAI messages JSON array, print the rendered\nprompt, a newline, then its "
+             "ids"},
+    {.name = "chat-template",
+     .kind = TDM_FLAG_PTR,
+     .offset = OFF(chat_template_path),
+     .metavar = "FILE",
+     .help = "use this chat template instead of tokenizer_config.json's"},
+    {.name = "jsonl",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(jsonl),
+     .help = "one JSON object per line: {\"text\":..} -> {\"ids\":[..]},\n{\"ids\":[..]} -> "
+             "{\"text\":..}"},
+    {.name = "no-special",
+     .kind = TDM_FLAG_NOT,
+     .offset = OFF(add_special),
+     .help = "do not add the post-processor's special tokens (BOS)"},
+    {.name = "split-special",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(split_special),
+     .help = "treat special-token strings in the text as plain text"},
+    {.name = "skip-special-tokens",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(skip_special),
+     .help = "leave special tokens out when decoding"},
+};
+static const struct tdm_flags tokenize_table = {
+    .usage = "usage: tandem-tokenize --model DIR [options] < input\n"
+             "  (default: encode stdin text, print ids separated by spaces)\n",
+    .flags = tokenize_flags,
+    .n = sizeof tokenize_flags / sizeof tokenize_flags[0],
+    .footer = "  --help                        this text\n",
+};
 
 static int read_stdin(char **out, size_t *len)
 {
@@ -230,32 +260,10 @@ static int run_chat(const struct tdm_tokenizer *tok, const struct opts *o, const
 int main(int argc, char **argv)
 {
     struct opts o = {.add_special = true};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--model") == 0 && i + 1 < argc)
-            o.model_dir = argv[++i];
-        else if (strcmp(a, "--chat-template") == 0 && i + 1 < argc)
-            o.chat_template_path = argv[++i];
-        else if (strcmp(a, "--decode") == 0)
-            o.decode = true;
-        else if (strcmp(a, "--chat") == 0)
-            o.chat = true;
-        else if (strcmp(a, "--jsonl") == 0)
-            o.jsonl = true;
-        else if (strcmp(a, "--no-special") == 0)
-            o.add_special = false;
-        else if (strcmp(a, "--split-special") == 0)
-            o.split_special = true;
-        else if (strcmp(a, "--skip-special-tokens") == 0)
-            o.skip_special = true;
-        else if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-            usage(stdout);
-            return 0;
-        } else {
-            fprintf(stderr, "tandem-tokenize: unknown or incomplete option %s (see --help)\n", a);
-            return 2;
-        }
-    }
+    int exit_code = 0;
+    if (tdm_flags_main(&tokenize_table, &o, argc, argv, NULL, 0, NULL, "tandem-tokenize",
+                       &exit_code))
+        return exit_code;
     if (!o.model_dir) {
         fprintf(stderr, "tandem-tokenize: --model DIR is required (see --help)\n");
         return 2;

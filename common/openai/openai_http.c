@@ -1,20 +1,64 @@
 // SPDX-License-Identifier: Apache-2.0
-// http OpenAI routes: what the decode worker and the router answer the same
-// way, over the public respond and SSE calls: /tokenize, /detokenize, and a
-// completions/chat call from its request (errors and echo-only answered here)
-// to its stream. The stream is one loop: pump the caller's token source, write
-// each choice's news as a chunk, stop at the first failed choice (an error
-// event: the client already has a 200) or once all finished, then usage and
-// [DONE]. A failed write means the client left; the loop returns at once so
-// that the caller cancels what still generates. Chunks of one choice go out in
-// order; choices interleave as their tokens arrive.
-#include "http.h"
+// openai_http: what the decode worker and the router answer the same way, over
+// common/http's public respond and SSE calls: OpenAI errors, /tokenize,
+// /detokenize, and a completions/chat call from its request (errors and
+// echo-only answered here) to its stream. The stream is one loop: pump the caller's token source,
+// write each choice's news as a chunk, stop at the first failed choice (an error event: the client
+// already has a 200) or once all finished, then usage and [DONE]. A failed write means the client
+// left; the loop returns at once so that the caller cancels what still generates. Chunks of one
+// choice go out in order; choices interleave as their tokens arrive.
+#include "openai_http.h"
 
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
-#include "openai.h"
+
+// ---- errors ----------------------------------------------------------------------------------
+char *tdm_oai_http_error_body(int status, const char *message)
+{
+    return tdm_oai_error_body_from(status, NULL, NULL, message);
+}
+
+int tdm_oai_http_error(struct tdm_http_conn *c, const struct tdm_oai_error *e)
+{
+    if (e->status == 503)
+        tdm_http_add_header(c, "Retry-After", "1");
+    char *body =
+        tdm_oai_error_body_from(e->status, e->type[0] ? e->type : NULL, e->param, e->message);
+    if (!body) {
+        static const char fallback[] = "{\"error\":{\"message\":\"out of memory\",\"type\":"
+                                       "\"InternalServerError\",\"param\":null,\"code\":500}}";
+        return tdm_http_respond(c, 500, "application/json", fallback, sizeof fallback - 1);
+    }
+    int rc = tdm_http_respond_json(c, e->status, body);
+    free(body);
+    return rc;
+}
+
+int tdm_oai_http_fail(struct tdm_http_conn *c, int err, const char *detail)
+{
+    struct tdm_oai_error e;
+    tdm_oai_error_from_err(&e, err, detail);
+    return tdm_oai_http_error(c, &e);
+}
+
+int tdm_oai_http_errorf(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
+                        ...)
+{
+    struct tdm_oai_error e;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    tdm_oai_seterr(&e, status, param, "%s", msg);
+    return tdm_oai_http_error(c, &e);
+}
+
+// ---- the stream ------------------------------------------------------------------------------
 
 // One SSE event from a heap JSON string (freed here): TDM_OK, TDM_ECLOSED when
 // the client is gone, TDM_ENOMEM when json is NULL (a failed build).
@@ -56,7 +100,7 @@ static int open_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t i
     return json ? sse_send(c, json) : TDM_OK;
 }
 
-int tdm_http_oai_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_http_oai_pump_fn pump,
+int tdm_oai_http_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai_pump_fn pump,
                         void *arg, double probe_idle_s)
 {
     if (tdm_http_sse_start(c) != TDM_OK)
@@ -94,8 +138,36 @@ int tdm_http_oai_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_htt
     const struct tdm_oai_asm *bad = tdm_oai_call_failed(k);
     struct tdm_oai_usage u;
     tdm_oai_call_usage(k, &u);
-    const char *failed = bad ? bad->message : rc == TDM_ENOMEM ? "out of memory" : NULL;
-    return tdm_http_sse_finish_oai(c, &k->resp, failed, k->req.include_usage ? &u : NULL);
+    struct tdm_oai_error e;
+    if (bad)
+        tdm_oai_error_from_err(&e, bad->error, bad->message);
+    else if (rc == TDM_ENOMEM)
+        tdm_oai_error_from_err(&e, TDM_ENOMEM, "out of memory");
+    return tdm_oai_http_sse_finish(c, &k->resp, bad || rc == TDM_ENOMEM ? &e : NULL,
+                                   k->req.include_usage ? &u : NULL);
+}
+
+int tdm_oai_http_sse_finish(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
+                            const struct tdm_oai_error *error, const struct tdm_oai_usage *usage)
+{
+    if (error) {
+        char *body = tdm_oai_error_body(error);
+        if (body) { // without one (out of memory) the stream still ends
+            int rc = tdm_http_sse_event(c, body, strlen(body));
+            free(body);
+            if (rc != TDM_OK)
+                return TDM_ECLOSED;
+        }
+        return tdm_http_sse_end(c, true) == TDM_OK ? TDM_OK : TDM_ECLOSED;
+    }
+    if (usage) {
+        char *chunk = tdm_oai_usage_chunk(resp, usage);
+        int rc = chunk ? tdm_http_sse_event(c, chunk, strlen(chunk)) : TDM_ENOMEM;
+        free(chunk);
+        if (rc != TDM_OK)
+            return TDM_ECLOSED;
+    }
+    return tdm_http_sse_end(c, true) == TDM_OK ? TDM_OK : TDM_ECLOSED;
 }
 
 // completions with echo and max_tokens 0: every choice is its prompt's text
@@ -106,7 +178,7 @@ static void answer_echo_only(struct tdm_http_conn *c, const struct tdm_oai_call 
     size_t n = k->n_prompts * (size_t)k->req.n;
     struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
     if (oc == NULL) {
-        tdm_http_respond_errorf(c, 500, NULL, "out of memory");
+        tdm_oai_http_errorf(c, 500, NULL, "out of memory");
         return;
     }
     for (size_t i = 0; i < n; i++) {
@@ -114,7 +186,7 @@ static void answer_echo_only(struct tdm_http_conn *c, const struct tdm_oai_call 
         oc[i].index = (int)i;
         oc[i].text = p->text ? p->text : "";
         oc[i].text_len = p->text_len;
-        oc[i].finish = TDM_OAI_FINISH_LENGTH;
+        oc[i].finish = TDM_FINISH_LENGTH;
         oc[i].stop_token = -1;
     }
     struct tdm_oai_usage u = {k->prompt_tokens, 0};
@@ -132,7 +204,7 @@ static void answer_echo_only(struct tdm_http_conn *c, const struct tdm_oai_call 
     free(oc);
 }
 
-bool tdm_http_oai_call_start(struct tdm_http_conn *c, struct tdm_oai_call *k,
+bool tdm_oai_http_call_start(struct tdm_http_conn *c, struct tdm_oai_call *k,
                              enum tdm_oai_kind kind, const struct tdm_oai_model_info *info,
                              const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
                              const char *chat_err)
@@ -142,7 +214,7 @@ bool tdm_http_oai_call_start(struct tdm_http_conn *c, struct tdm_oai_call *k,
     struct tdm_oai_error e;
     if (tdm_oai_call_init(k, kind, body, len, info, tok, chat, chat_err,
                           tdm_http_header(c, "X-Request-Id"), &e) != TDM_OK) {
-        tdm_http_respond_oai_error(c, &e);
+        tdm_oai_http_error(c, &e);
         return false;
     }
     if (k->req.echo_only) {
@@ -152,7 +224,7 @@ bool tdm_http_oai_call_start(struct tdm_http_conn *c, struct tdm_oai_call *k,
     return true;
 }
 
-void tdm_http_oai_tokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
+void tdm_oai_http_tokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
                            const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
                            const char *chat_err, int max_model_len)
 {
@@ -162,12 +234,12 @@ void tdm_http_oai_tokenize(struct tdm_http_conn *c, const struct tdm_oai_model_i
     char *out = NULL;
     if (tdm_oai_tokenize_run(body, len, info, tok, chat, chat_err, max_model_len, &out, &e) !=
         TDM_OK)
-        tdm_http_respond_oai_error(c, &e);
+        tdm_oai_http_error(c, &e);
     else
         tdm_http_respond_json_owned(c, 200, out);
 }
 
-void tdm_http_oai_detokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
+void tdm_oai_http_detokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
                              const struct tdm_tokenizer *tok)
 {
     size_t len = 0;
@@ -175,7 +247,7 @@ void tdm_http_oai_detokenize(struct tdm_http_conn *c, const struct tdm_oai_model
     struct tdm_oai_error e;
     char *out = NULL;
     if (tdm_oai_detokenize_run(body, len, info, tok, &out, &e) != TDM_OK)
-        tdm_http_respond_oai_error(c, &e);
+        tdm_oai_http_error(c, &e);
     else
         tdm_http_respond_json_owned(c, 200, out);
 }

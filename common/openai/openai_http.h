@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: Apache-2.0
+// openai_http: the OpenAI API over common/http, as the decode worker and the
+// router both answer it: OpenAI error answers (the body of the server's own
+// errors too, as its error_body hook), /tokenize and /detokenize, and a
+// completions or chat call (struct tdm_oai_call) from its request to its SSE
+// stream or body. Where the tokens come from is the caller's pump; this module
+// turns them into chunks. It sits above common/http, which knows nothing of
+// OpenAI. Functions run on the request's HTTP worker thread and use only that
+// request's connection.
+#ifndef TDM_OPENAI_HTTP_H
+#define TDM_OPENAI_HTTP_H
+
+#include <stdbool.h>
+
+#include "http.h"
+#include "openai.h"
+
+// ---- errors ----------------------------------------------------------------------------------
+// The tdm_http_config.error_body hook: the OpenAI error body for status and
+// message (the type for status, param null). Heap JSON, NULL on ENOMEM.
+char *tdm_oai_http_error_body(int status, const char *message);
+// Answers the OpenAI error e (a 503, the server being overloaded, loading or
+// draining, carries "Retry-After: 1"). TDM_ECLOSED when the client is gone,
+// TDM_EINVAL when already answered.
+int tdm_oai_http_error(struct tdm_http_conn *c, const struct tdm_oai_error *e);
+// Answers the failure err with detail as every server does
+// (tdm_oai_error_from_err, then tdm_oai_http_error).
+int tdm_oai_http_fail(struct tdm_http_conn *c, int err, const char *detail);
+// Same with the type for status and a printf-style message.
+int tdm_oai_http_errorf(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
+                        ...) __attribute__((format(printf, 4, 5)));
+
+// ---- routes ----------------------------------------------------------------------------------
+// POST /tokenize and /detokenize: the request body through tdm_oai_tokenize_run
+// / tdm_oai_detokenize_run, answered with the body or the OpenAI error.
+void tdm_oai_http_tokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
+                           const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
+                           const char *chat_err, int max_model_len);
+void tdm_oai_http_detokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
+                             const struct tdm_tokenizer *tok);
+
+// ---- one completions or chat call -------------------------------------------------------------
+// Starts a completions (kind TDM_OAI_COMPLETION) or chat call from the request
+// body and its X-Request-Id header (the response id when the body has no
+// request_id): tdm_oai_call_init into k. Answers by itself a rejected request
+// (its OpenAI error) and completions with echo and max_tokens 0 (each choice
+// its prompt's text, finish "length", as one body or a stream). Returns true
+// when the call's choices are to be generated, false when the request was
+// answered here. Free k with tdm_oai_call_fini either way.
+bool tdm_oai_http_call_start(struct tdm_http_conn *c, struct tdm_oai_call *k,
+                             enum tdm_oai_kind kind, const struct tdm_oai_model_info *info,
+                             const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
+                             const char *chat_err);
+// Moves the tokens that arrived into the call's choices (tdm_oai_asm_token,
+// _finish, _fail), waiting a little when none did, and stops the generator of
+// a choice that a stop string ended. Returns how many choices progressed (0:
+// nothing in the wait), or a negative value on ENOMEM.
+typedef int (*tdm_oai_pump_fn)(void *arg);
+// Streams a call whose generators run: starts the SSE response (headers added
+// before go out with it), writes each choice's opening chunk (chat: the
+// assistant role; completions with echo: the prompt text), then pumps and
+// writes each choice's news (tdm_oai_call_chunk) until every choice finished or
+// one failed, and ends with tdm_oai_http_sse_finish (the failed choice's
+// error, tdm_oai_error_from_err of its code and message, as an error event, or
+// the usage chunk when include_usage; [DONE]).
+// probe_idle_s > 0: after that long without progress an SSE comment probes the
+// client, so one that left is noticed while nothing is generated; 0: never.
+// TDM_OK, or TDM_ECLOSED when the client is gone (the caller stops what still
+// runs).
+int tdm_oai_http_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai_pump_fn pump,
+                        void *arg, double probe_idle_s);
+// Ends an OpenAI stream. With error: that error's body as an event (the client
+// already has a 200; the body is the one a request not yet answered would get)
+// then [DONE]; otherwise the usage chunk when usage != NULL (a failure there
+// ends nothing more) then [DONE]. TDM_OK, or TDM_ECLOSED when the client is
+// gone (or the usage chunk could not be built).
+int tdm_oai_http_sse_finish(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
+                            const struct tdm_oai_error *error, const struct tdm_oai_usage *usage);
+
+#endif
