@@ -228,4 +228,24 @@ int tdm_json_check_depth(const char *text, size_t len, int max_depth, char *err,
 // cJSON's strings end there, so the rest would be silently dropped.
 bool tdm_json_has_nul_escape(const char *text, size_t len);
 
+// ---- SHA-256 and HMAC-SHA256 (FIPS 180-4, RFC 2104) ---------------------------------------
+// Streaming SHA-256 (LFS download checks in hub, the control plane's
+// connection handshake in transport).
+struct tdm_sha256 {
+    uint32_t h[8];
+    uint64_t total;          // bytes hashed so far
+    unsigned char block[64]; // pending partial block
+    size_t fill;             // bytes in block
+};
+void tdm_sha256_init(struct tdm_sha256 *s);
+void tdm_sha256_update(struct tdm_sha256 *s, const void *data, size_t len);
+void tdm_sha256_final(struct tdm_sha256 *s, unsigned char out[32]);
+// Hashes a whole file; hex gets 64 lowercase hex digits + NUL. TDM_EIO on errors.
+int tdm_sha256_file(const char *path, char hex[65], char *err, size_t errlen);
+// out = HMAC-SHA256(key, msg); any key length.
+void tdm_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg_len,
+                     unsigned char out[32]);
+// Compares n bytes in time independent of where they differ (MAC checks).
+bool tdm_ct_equal(const void *a, const void *b, size_t n);
+
 #endif

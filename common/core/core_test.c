@@ -409,6 +409,32 @@ static void test_flags_take_and_help(void **state)
     assert_int_equal(tdm_parse_bytes("GiB", &b), TDM_EINVAL);
 }
 
+// RFC 4231 test cases 2 (short key) and 6 (a key longer than the block).
+static void hex_of(const unsigned char *d, char *hex)
+{
+    for (int i = 0; i < 32; i++)
+        snprintf(hex + 2 * i, 3, "%02x", d[i]);
+}
+
+static void test_hmac_sha256(void **state)
+{
+    (void)state;
+    unsigned char mac[32];
+    char hex[65];
+    const char *m2 = "what do ya want for nothing?";
+    tdm_hmac_sha256("Jefe", 4, m2, strlen(m2), mac);
+    hex_of(mac, hex);
+    assert_string_equal(hex, "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+    unsigned char key[131];
+    memset(key, 0xaa, sizeof key);
+    const char *m6 = "Test Using Larger Than Block-Size Key - Hash Key First";
+    tdm_hmac_sha256(key, sizeof key, m6, strlen(m6), mac);
+    hex_of(mac, hex);
+    assert_string_equal(hex, "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54");
+    assert_true(tdm_ct_equal("abc", "abc", 3));
+    assert_false(tdm_ct_equal("abc", "abd", 3));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -419,6 +445,7 @@ int main(void)
         cmocka_unit_test(test_log_level),
         cmocka_unit_test(test_rng),
         cmocka_unit_test(test_json_depth),
+        cmocka_unit_test(test_hmac_sha256),
         cmocka_unit_test(test_cond_wait),
         cmocka_unit_test(test_finish_name),
         cmocka_unit_test(test_flags_parse),

@@ -581,7 +581,7 @@ static int fetch_blob(struct repo *r, const char *file, const char *url,
         goto out;
     if (is_sha256_hex(m->etag)) {
         char hex[65];
-        rc = tdm_hub_sha256_file(part, hex, err, errlen);
+        rc = tdm_sha256_file(part, hex, err, errlen);
         if (rc != TDM_OK)
             goto out;
         if (strcasecmp(hex, m->etag) != 0) {

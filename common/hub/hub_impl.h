@@ -11,19 +11,6 @@
 
 #include "hub.h"
 
-// ---- SHA-256 (FIPS 180-4) --------------------------------------------------------
-struct tdm_hub_sha256 {
-    uint32_t h[8];
-    uint64_t total;          // bytes hashed so far
-    unsigned char block[64]; // pending partial block
-    size_t fill;             // bytes in block
-};
-void tdm_hub_sha256_init(struct tdm_hub_sha256 *s);
-void tdm_hub_sha256_update(struct tdm_hub_sha256 *s, const void *data, size_t len);
-void tdm_hub_sha256_final(struct tdm_hub_sha256 *s, unsigned char out[32]);
-// Hashes a whole file; hex gets 64 lowercase hex digits + NUL. TDM_EIO on errors.
-int tdm_hub_sha256_file(const char *path, char hex[65], char *err, size_t errlen);
-
 // ---- HTTP -------------------------------------------------------------------------
 // Settings after the environment was consulted (all strings owned).
 struct tdm_hub_client {

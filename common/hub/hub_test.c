@@ -74,11 +74,11 @@ static void ffile_set(struct ffile *f, const char *name, const void *data, size_
     memcpy(f->data, data, len);
     f->len = len;
     f->lfs = lfs;
-    struct tdm_hub_sha256 s;
+    struct tdm_sha256 s;
     unsigned char d[32];
-    tdm_hub_sha256_init(&s);
-    tdm_hub_sha256_update(&s, data, len);
-    tdm_hub_sha256_final(&s, d);
+    tdm_sha256_init(&s);
+    tdm_sha256_update(&s, data, len);
+    tdm_sha256_final(&s, d);
     for (int i = 0; i < 32; i++)
         snprintf(f->sha + 2 * i, 3, "%02x", d[i]);
     // a git-blob-like 40-hex etag, distinct from the sha256
@@ -474,28 +474,28 @@ static void test_sha256_vectors(void **state)
          "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"},
     };
     for (size_t i = 0; i < sizeof v / sizeof *v; i++) {
-        struct tdm_hub_sha256 s;
+        struct tdm_sha256 s;
         unsigned char d[32];
         char hex[65];
-        tdm_hub_sha256_init(&s);
+        tdm_sha256_init(&s);
         // feed in odd pieces so the partial-block path is exercised
         size_t n = strlen(v[i].msg);
         for (size_t j = 0; j < n; j += 7)
-            tdm_hub_sha256_update(&s, v[i].msg + j, n - j < 7 ? n - j : 7);
-        tdm_hub_sha256_final(&s, d);
+            tdm_sha256_update(&s, v[i].msg + j, n - j < 7 ? n - j : 7);
+        tdm_sha256_final(&s, d);
         for (int k = 0; k < 32; k++)
             snprintf(hex + 2 * k, 3, "%02x", d[k]);
         assert_string_equal(hex, v[i].hex);
     }
     // one million 'a' (FIPS 180-2 appendix B.3)
-    struct tdm_hub_sha256 s;
+    struct tdm_sha256 s;
     unsigned char d[32], chunk[1000];
     char hex[65];
     memset(chunk, 'a', sizeof chunk);
-    tdm_hub_sha256_init(&s);
+    tdm_sha256_init(&s);
     for (int i = 0; i < 1000; i++)
-        tdm_hub_sha256_update(&s, chunk, sizeof chunk);
-    tdm_hub_sha256_final(&s, d);
+        tdm_sha256_update(&s, chunk, sizeof chunk);
+    tdm_sha256_final(&s, d);
     for (int k = 0; k < 32; k++)
         snprintf(hex + 2 * k, 3, "%02x", d[k]);
     assert_string_equal(hex, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");

@@ -1,15 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// SHA-256 (FIPS 180-4) for verifying LFS downloads: the Hub's ETag of an LFS
-// file is the sha256 of its content, so a finished blob is hashed once and
-// compared before it is moved into place. Streaming API so a whole file is
-// hashed in fixed 1 MiB reads.
+// SHA-256 (FIPS 180-4) and HMAC-SHA256 (RFC 2104). hub verifies LFS downloads
+// with it (the Hub's ETag of an LFS file is the sha256 of its content, hashed
+// in fixed 1 MiB reads); transport's connection handshake proves knowledge of
+// the control plane's shared secret with HMAC.
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
-#include "hub_impl.h"
 
 static const uint32_t K[64] = {
     0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
@@ -65,7 +64,7 @@ static void compress(uint32_t h[8], const unsigned char *p)
     h[7] += k;
 }
 
-void tdm_hub_sha256_init(struct tdm_hub_sha256 *s)
+void tdm_sha256_init(struct tdm_sha256 *s)
 {
     static const uint32_t iv[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
                                    0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
@@ -74,7 +73,7 @@ void tdm_hub_sha256_init(struct tdm_hub_sha256 *s)
     s->fill = 0;
 }
 
-void tdm_hub_sha256_update(struct tdm_hub_sha256 *s, const void *data, size_t len)
+void tdm_sha256_update(struct tdm_sha256 *s, const void *data, size_t len)
 {
     const unsigned char *p = data;
     s->total += len;
@@ -95,7 +94,7 @@ void tdm_hub_sha256_update(struct tdm_hub_sha256 *s, const void *data, size_t le
     s->fill = len;
 }
 
-void tdm_hub_sha256_final(struct tdm_hub_sha256 *s, unsigned char out[32])
+void tdm_sha256_final(struct tdm_sha256 *s, unsigned char out[32])
 {
     uint64_t bits = s->total * 8;
     s->block[s->fill++] = 0x80;
@@ -116,7 +115,7 @@ void tdm_hub_sha256_final(struct tdm_hub_sha256 *s, unsigned char out[32])
     }
 }
 
-int tdm_hub_sha256_file(const char *path, char hex[65], char *err, size_t errlen)
+int tdm_sha256_file(const char *path, char hex[65], char *err, size_t errlen)
 {
     FILE *f = fopen(path, "rb");
     if (!f)
@@ -127,19 +126,56 @@ int tdm_hub_sha256_file(const char *path, char hex[65], char *err, size_t errlen
         fclose(f);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "sha256: out of memory");
     }
-    struct tdm_hub_sha256 s;
-    tdm_hub_sha256_init(&s);
+    struct tdm_sha256 s;
+    tdm_sha256_init(&s);
     size_t n;
     while ((n = fread(buf, 1, CHUNK, f)) > 0)
-        tdm_hub_sha256_update(&s, buf, n);
+        tdm_sha256_update(&s, buf, n);
     int bad = ferror(f);
     free(buf);
     fclose(f);
     if (bad)
         return tdm_seterr(err, errlen, TDM_EIO, "%s: read error", path);
     unsigned char d[32];
-    tdm_hub_sha256_final(&s, d);
+    tdm_sha256_final(&s, d);
     for (int i = 0; i < 32; i++)
         snprintf(hex + 2 * i, 3, "%02x", d[i]);
     return TDM_OK;
+}
+
+void tdm_hmac_sha256(const void *key, size_t key_len, const void *msg, size_t msg_len,
+                     unsigned char out[32])
+{
+    unsigned char k[64] = {0};
+    if (key_len > 64) {
+        struct tdm_sha256 s;
+        tdm_sha256_init(&s);
+        tdm_sha256_update(&s, key, key_len);
+        tdm_sha256_final(&s, k);
+    } else if (key_len > 0) {
+        memcpy(k, key, key_len);
+    }
+    unsigned char pad[64], inner[32];
+    struct tdm_sha256 s;
+    for (int i = 0; i < 64; i++)
+        pad[i] = k[i] ^ 0x36;
+    tdm_sha256_init(&s);
+    tdm_sha256_update(&s, pad, 64);
+    tdm_sha256_update(&s, msg, msg_len);
+    tdm_sha256_final(&s, inner);
+    for (int i = 0; i < 64; i++)
+        pad[i] = k[i] ^ 0x5c;
+    tdm_sha256_init(&s);
+    tdm_sha256_update(&s, pad, 64);
+    tdm_sha256_update(&s, inner, 32);
+    tdm_sha256_final(&s, out);
+}
+
+bool tdm_ct_equal(const void *a, const void *b, size_t n)
+{
+    const volatile unsigned char *x = a, *y = b;
+    unsigned char d = 0;
+    for (size_t i = 0; i < n; i++)
+        d |= x[i] ^ y[i];
+    return d == 0;
 }
