@@ -238,6 +238,206 @@ static int stream_io(nng_stream *s, bool send, void *buf, size_t n, double deadl
     return rv;
 }
 
+// ---- authentication ------------------------------------------------------------------------
+// With a shared secret (TANDEM_INTERNAL_SECRET_FILE or TANDEM_INTERNAL_SECRET,
+// or tdm_net_set_secret), every connection starts with a mutual proof of the
+// secret before any frame is read, so a peer without it can neither submit
+// work nor receive any (issue 11: the nng ports served anyone):
+//   dialer -> listener: "TDMA" u16 version u16 0, nonce_d[16]              (24 bytes)
+//   listener -> dialer: "TDMA" u16 version u16 0, nonce_l[16],
+//                       HMAC(K, "L" | nonce_d | nonce_l)                     (56 bytes)
+//   dialer -> listener: HMAC(K, "D" | nonce_l | nonce_d)                     (32 bytes)
+// Each side answers only after checking the other's proof (the listener's MAC
+// is checked before the dialer sends its own), nonces are fresh per
+// connection (no replay), and the one-letter role prefix keeps a MAC made for
+// one direction from being reflected in the other. Each step has a 2 s limit,
+// so a silent connection costs one reader thread for 2 s at most. Traffic is
+// not encrypted: keep the ports on the pod network behind the NetworkPolicy
+// (deploy/k8s) or loopback.
+#define AUTH_MAGIC 0x41444d54u // "TDMA"
+#define AUTH_VERSION 1
+#define AUTH_STEP_S 2.0
+#define AUTH_MIN_KEY 16
+#define AUTH_MAX_KEY 1024
+
+static pthread_mutex_t g_auth_mu = PTHREAD_MUTEX_INITIALIZER;
+static bool g_auth_set; // set explicitly or loaded from the environment
+static unsigned char g_auth_key[AUTH_MAX_KEY];
+static size_t g_auth_len; // 0: no secret, connections are not authenticated
+
+int tdm_net_set_secret(const void *key, size_t len, char *err, size_t errlen)
+{
+    if (len > 0 && (len < AUTH_MIN_KEY || len > AUTH_MAX_KEY))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "internal secret: %zu bytes, must be %d to %d", len, AUTH_MIN_KEY,
+                          AUTH_MAX_KEY);
+    pthread_mutex_lock(&g_auth_mu);
+    if (len)
+        memcpy(g_auth_key, key, len);
+    g_auth_len = len;
+    g_auth_set = true;
+    pthread_mutex_unlock(&g_auth_mu);
+    return TDM_OK;
+}
+
+// The secret from the environment, once, unless tdm_net_set_secret came first.
+static int auth_load(char *err, size_t errlen)
+{
+    pthread_mutex_lock(&g_auth_mu);
+    bool done = g_auth_set;
+    pthread_mutex_unlock(&g_auth_mu);
+    if (done)
+        return TDM_OK;
+    const char *file = getenv("TANDEM_INTERNAL_SECRET_FILE");
+    const char *val = getenv("TANDEM_INTERNAL_SECRET");
+    if (file && *file) {
+        char *text = NULL;
+        size_t len = 0;
+        char ferr[200];
+        if (tdm_read_file(file, &text, &len, ferr, sizeof ferr) != TDM_OK)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "TANDEM_INTERNAL_SECRET_FILE: %s", ferr);
+        while (len > 0 && (text[len - 1] == '\n' || text[len - 1] == '\r'))
+            len--; // a trailing newline (echo > file, kubectl create secret --from-file)
+        int rc = tdm_net_set_secret(text, len ? len : 1, err, errlen);
+        free(text);
+        return rc == TDM_OK ? TDM_OK
+                            : tdm_seterr(err, errlen, rc,
+                                         "TANDEM_INTERNAL_SECRET_FILE %s: the secret must be %d to "
+                                         "%d bytes",
+                                         file, AUTH_MIN_KEY, AUTH_MAX_KEY);
+    }
+    if (val && *val) {
+        if (tdm_net_set_secret(val, strlen(val), err, errlen) != TDM_OK)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_INTERNAL_SECRET: the secret must be %d to %d bytes",
+                              AUTH_MIN_KEY, AUTH_MAX_KEY);
+        return TDM_OK;
+    }
+    return tdm_net_set_secret(NULL, 0, err, errlen);
+}
+
+// A copy of the secret (the inbox/outbox keep it: later changes do not move it).
+static size_t auth_key(unsigned char key[AUTH_MAX_KEY])
+{
+    pthread_mutex_lock(&g_auth_mu);
+    size_t n = g_auth_len;
+    memcpy(key, g_auth_key, n);
+    pthread_mutex_unlock(&g_auth_mu);
+    return n;
+}
+
+bool tdm_net_authenticated(void)
+{
+    if (auth_load(NULL, 0) != TDM_OK)
+        return false;
+    pthread_mutex_lock(&g_auth_mu);
+    bool on = g_auth_len > 0;
+    pthread_mutex_unlock(&g_auth_mu);
+    return on;
+}
+
+static void auth_nonce(unsigned char n[16])
+{
+    if (getrandom(n, 16, 0) != 16) {
+        for (int i = 0; i < 2; i++) {
+            uint64_t x = tdm_net_new_instance_id();
+            memcpy(n + 8 * i, &x, 8);
+        }
+    }
+}
+
+static void auth_mac(const unsigned char *key, size_t klen, char role, const unsigned char a[16],
+                     const unsigned char b[16], unsigned char out[32])
+{
+    unsigned char msg[33];
+    msg[0] = (unsigned char)role;
+    memcpy(msg + 1, a, 16);
+    memcpy(msg + 17, b, 16);
+    tdm_hmac_sha256(key, klen, msg, sizeof msg, out);
+}
+
+// Logs at most one refused or dropped connection a second (a scanner or a
+// misconfigured peer redialing every 100 ms must not flood the log).
+static void warn_limited(const char *fmt, const char *where, const char *why)
+{
+    static _Atomic long long last_ms;
+    long long now = (long long)(tdm_now() * 1000.0);
+    long long prev = atomic_load(&last_ms);
+    if (now - prev >= 1000 && atomic_compare_exchange_strong(&last_ms, &prev, now))
+        TDM_LOG_WARN(MOD, fmt, where, why);
+}
+
+// The dialer's side. 0, or nonzero with why set.
+static int auth_dialer(nng_stream *s, const unsigned char *key, size_t klen, char *why,
+                       size_t wl)
+{
+    unsigned char hello[24], nonce_d[16], reply[56], mac[32];
+    put_u32(hello, AUTH_MAGIC);
+    put_u16(hello + 4, AUTH_VERSION);
+    put_u16(hello + 6, 0);
+    auth_nonce(nonce_d);
+    memcpy(hello + 8, nonce_d, 16);
+    if (stream_io(s, true, hello, sizeof hello, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
+        stream_io(s, false, reply, sizeof reply, tdm_now() + AUTH_STEP_S, NULL) != 0) {
+        snprintf(why, wl, "no handshake answer (does the peer have the same "
+                          "TANDEM_INTERNAL_SECRET?)");
+        return -1;
+    }
+    if (get_u32(reply) != AUTH_MAGIC || get_u16(reply + 4) != AUTH_VERSION) {
+        snprintf(why, wl, "the peer answered no handshake (it runs without a secret?)");
+        return -1;
+    }
+    auth_mac(key, klen, 'L', nonce_d, reply + 8, mac);
+    if (!tdm_ct_equal(mac, reply + 24, 32)) {
+        snprintf(why, wl, "the peer's proof is wrong (a different TANDEM_INTERNAL_SECRET)");
+        return -1;
+    }
+    auth_mac(key, klen, 'D', reply + 8, nonce_d, mac);
+    if (stream_io(s, true, mac, sizeof mac, tdm_now() + AUTH_STEP_S, NULL) != 0) {
+        snprintf(why, wl, "the connection closed during the handshake");
+        return -1;
+    }
+    return 0;
+}
+
+// The listener's side. 0, or nonzero with why set.
+static int auth_listener(nng_stream *s, const unsigned char *key, size_t klen,
+                         const atomic_bool *stop, char *why, size_t wl)
+{
+    unsigned char hello[24], reply[56], mac[32], proof[32];
+    int rv = stream_io(s, false, hello, sizeof hello, tdm_now() + AUTH_STEP_S, stop);
+    if (rv == NNG_ECLOSED || rv == NNG_ECONNRESET || rv == NNG_ECONNSHUT) {
+        snprintf(why, wl, "closed before the handshake");
+        return -2; // a port probe (a readiness check's connect and close): not worth a warning
+    }
+    if (rv != 0) {
+        snprintf(why, wl, "no handshake within %.0f s", AUTH_STEP_S);
+        return -1;
+    }
+    if (get_u32(hello) != AUTH_MAGIC || get_u16(hello + 4) != AUTH_VERSION) {
+        snprintf(why, wl, "no handshake (magic 0x%08x): an unauthenticated peer or a peer "
+                          "without TANDEM_INTERNAL_SECRET",
+                 get_u32(hello));
+        return -1;
+    }
+    put_u32(reply, AUTH_MAGIC);
+    put_u16(reply + 4, AUTH_VERSION);
+    put_u16(reply + 6, 0);
+    auth_nonce(reply + 8);
+    auth_mac(key, klen, 'L', hello + 8, reply + 8, reply + 24);
+    if (stream_io(s, true, reply, sizeof reply, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
+        stream_io(s, false, proof, sizeof proof, tdm_now() + AUTH_STEP_S, stop) != 0) {
+        snprintf(why, wl, "the peer gave no proof (a different secret, or not a Tandem peer)");
+        return -1;
+    }
+    auth_mac(key, klen, 'D', reply + 8, hello + 8, mac);
+    if (!tdm_ct_equal(mac, proof, 32)) {
+        snprintf(why, wl, "the peer's proof is wrong (a different TANDEM_INTERNAL_SECRET)");
+        return -1;
+    }
+    return 0;
+}
+
 // ---- inbox -----------------------------------------------------------------------------
 // A stream listener; one acceptor thread; one reader thread per connection that
 // reads whole frames into a bounded queue (a full queue stops the readers, so a
@@ -270,6 +470,8 @@ struct tdm_net_inbox {
     struct in_conn *conns;
     int readers;
     char url[256]; // the URL peers dial (bound port filled in)
+    unsigned char key[AUTH_MAX_KEY]; // the shared secret at creation
+    size_t key_len;                  // 0: connections are not authenticated
 };
 
 static void msg_free(struct tdm_net_msg *m)
@@ -290,6 +492,11 @@ static struct tdm_net_msg *read_frame(nng_stream *s, const atomic_bool *stop,
         return NULL;
     uint64_t msg_len = get_u32(hdr + 8), payload_len = get_u32(hdr + 12);
     uint64_t total = TDM_NET_HEADER_BYTES + msg_len + payload_len;
+    if (get_u32(hdr) == AUTH_MAGIC) {
+        snprintf(why, whylen, "the peer sent an authentication handshake, but this process has "
+                              "no TANDEM_INTERNAL_SECRET");
+        return NULL;
+    }
     if (get_u32(hdr) != TDM_NET_MAGIC) {
         snprintf(why, whylen, "bad magic 0x%08x (not a Tandem peer)", get_u32(hdr));
         return NULL;
@@ -324,13 +531,21 @@ static void *inbox_reader(void *arg)
 {
     struct in_conn *c = arg;
     struct tdm_net_inbox *in = c->in;
-    {
+    char awhy[200];
+    int arv = in->key_len ? auth_listener(c->s, in->key, in->key_len, &in->closing, awhy,
+                                          sizeof awhy)
+                          : 0;
+    if (arv == -1) {
+        warn_limited("inbox %s: refused a connection: %s", in->url, awhy);
+    } else if (arv != 0) {
+        TDM_LOG_DEBUG(MOD, "inbox %s: %s", in->url, awhy);
+    } else {
         for (;;) {
             char why[256] = "";
             struct tdm_net_msg *m = read_frame(c->s, &in->closing, why, sizeof why);
             if (m == NULL) {
                 if (why[0])
-                    TDM_LOG_WARN(MOD, "inbox %s: dropped a connection: %s", in->url, why);
+                    warn_limited("inbox %s: dropped a connection: %s", in->url, why);
                 break;
             }
             pthread_mutex_lock(&in->mu);
@@ -437,9 +652,13 @@ int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, si
     *out = NULL;
     if (url == NULL || strlen(url) >= 200)
         return tdm_seterr(err, errlen, TDM_EINVAL, "inbox: bad url");
+    int arc = auth_load(err, errlen);
+    if (arc != TDM_OK)
+        return arc;
     struct tdm_net_inbox *in = calloc(1, sizeof *in);
     if (in == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "inbox: out of memory");
+    in->key_len = auth_key(in->key);
     int rv = nng_stream_listener_alloc(&in->listener, url);
     if (rv == 0)
         rv = nng_stream_listener_listen(in->listener);
@@ -591,19 +810,28 @@ struct peer {
     atomic_bool drop; // the current connection is finished (a writer failed on it, or
                       // stopping): ends the watcher's receive (stream_io's stop)
     pthread_mutex_t send_mu;
+    const unsigned char *key; // the outbox's secret (key_len 0: no handshake)
+    size_t key_len;
 };
 
 struct tdm_net_outbox {
     pthread_mutex_t mu;
     struct peer *head;
     int reconnect_ms;
+    unsigned char key[AUTH_MAX_KEY]; // the shared secret at creation
+    size_t key_len;
 };
 
 int tdm_net_outbox_new(struct tdm_net_outbox **out, int reconnect_ms, char *err, size_t errlen)
 {
+    *out = NULL;
+    int arc = auth_load(err, errlen);
+    if (arc != TDM_OK)
+        return arc;
     *out = calloc(1, sizeof **out);
     if (*out == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "outbox: out of memory");
+    (*out)->key_len = auth_key((*out)->key);
     pthread_mutex_init(&(*out)->mu, NULL);
     (*out)->reconnect_ms = reconnect_ms > 0 ? reconnect_ms : 100;
     return TDM_OK;
@@ -651,9 +879,19 @@ static void *peer_watcher(void *arg)
             backoff = backoff * 2 > p->reconnect_ms ? p->reconnect_ms : backoff * 2;
             continue;
         }
-        backoff = p->reconnect_ms / 2 + 1;
         nng_stream_set_bool(s, NNG_OPT_TCP_NODELAY, true);
         nng_stream_set_bool(s, NNG_OPT_TCP_KEEPALIVE, true);
+        char awhy[200];
+        if (p->key_len && auth_dialer(s, p->key, p->key_len, awhy, sizeof awhy) != 0) {
+            warn_limited("outbox: %s refused: %s", p->url, awhy);
+            nng_stream_close(s);
+            nng_stream_free(s);
+            if (peer_nap(p, backoff))
+                break;
+            backoff = backoff * 2 > p->reconnect_ms ? p->reconnect_ms : backoff * 2;
+            continue;
+        }
+        backoff = p->reconnect_ms / 2 + 1;
         pthread_mutex_lock(&p->mu);
         if (p->stopping) {
             pthread_mutex_unlock(&p->mu);
@@ -734,6 +972,8 @@ static struct peer *peer_get(struct tdm_net_outbox *ob, const char *url, int *co
     if (rv != 0)
         goto fail;
     p->reconnect_ms = ob->reconnect_ms;
+    p->key = ob->key;
+    p->key_len = ob->key_len;
     pthread_mutex_init(&p->mu, NULL);
     pthread_mutex_init(&p->send_mu, NULL);
     tdm_cond_init(&p->cv);

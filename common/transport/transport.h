@@ -76,6 +76,22 @@ int tdm_net_frame_parse(const void *buf, size_t len, struct tdm_net_frame *out, 
 // incarnation of a peer are recognised and dropped.
 uint64_t tdm_net_new_instance_id(void);
 
+// ---- authentication ----------------------------------------------------------------------
+// The control plane's shared secret. Every inbox and outbox takes the secret
+// in force when it is created: the first creation reads it from
+// TANDEM_INTERNAL_SECRET_FILE (a file's bytes, trailing newlines dropped: a
+// mounted Kubernetes Secret) or TANDEM_INTERNAL_SECRET, unless
+// tdm_net_set_secret came first. With a secret, a connection carries frames
+// only after both ends proved they hold it (HMAC-SHA256 challenge-response,
+// transport.c); a peer without it is dropped before any byte of a frame is
+// read. Without one (neither variable set), connections are open as before.
+// A secret must be 16 to 1024 bytes: a bad file or length is an error from
+// tdm_net_inbox_new / tdm_net_outbox_new (err names the variable).
+// tdm_net_set_secret(NULL, 0) turns authentication off.
+int tdm_net_set_secret(const void *key, size_t len, char *err, size_t errlen);
+// True when connections made now would be authenticated (the environment is read).
+bool tdm_net_authenticated(void);
+
 // ---- inbox: the address a process listens on --------------------------------------------
 struct tdm_net_inbox;
 struct tdm_net_msg; // one received frame (owns its bytes)

@@ -428,6 +428,92 @@ static void test_outbox_free_while_dialing(void **state)
     assert_true(tdm_now() - t0 < 1.0);
 }
 
+// The shared secret (issue 11): with the same secret frames flow; a peer
+// without it, with another secret, or speaking frames straight away gets
+// nothing through and is dropped; a silent connection is dropped after the
+// handshake's 2 s; a bad secret is a clear creation error. Each inbox/outbox
+// keeps the secret in force when it was made.
+static void test_authentication(void **state)
+{
+    (void)state;
+    char err[256];
+    const char *k1 = "0123456789abcdef-secret-one", *k2 = "0123456789abcdef-secret-two";
+    assert_int_equal(tdm_net_set_secret(k1, strlen(k1), err, sizeof err), TDM_OK);
+    assert_true(tdm_net_authenticated());
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    const char *url = tdm_net_inbox_url(in);
+    struct tdm_net_outbox *good = NULL;
+    assert_int_equal(tdm_net_outbox_new(&good, 50, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_net_send(good, url, TDM_NET_CANCEL, "ok", 2, NULL, 0, 3.0, err, sizeof err),
+                     TDM_OK);
+    struct tdm_net_msg *m = recv_one(in, 3.0);
+    assert_non_null(m);
+    assert_memory_equal(tdm_net_msg_frame(m)->msg, "ok", 2);
+    tdm_net_msg_free(m);
+
+    // Another secret, and no secret at all: sends never find a connection.
+    assert_int_equal(tdm_net_set_secret(k2, strlen(k2), err, sizeof err), TDM_OK);
+    struct tdm_net_outbox *other = NULL;
+    assert_int_equal(tdm_net_outbox_new(&other, 50, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_net_set_secret(NULL, 0, err, sizeof err), TDM_OK);
+    assert_false(tdm_net_authenticated());
+    struct tdm_net_outbox *open = NULL;
+    assert_int_equal(tdm_net_outbox_new(&open, 50, err, sizeof err), TDM_OK);
+    assert_int_equal(
+        tdm_net_send(other, url, TDM_NET_CANCEL, "x", 1, NULL, 0, 1.0, err, sizeof err),
+        TDM_ETIMEDOUT);
+    assert_false(tdm_net_connected(other, url));
+    // An open outbox writes its frame on a connection the inbox then drops
+    // unread (the frame header is no handshake).
+    (void)tdm_net_send(open, url, TDM_NET_CANCEL, "y", 1, NULL, 0, 1.0, err, sizeof err);
+    // A raw frame sent straight away is refused too, before it is read.
+    int raw = raw_connect(url_port(url));
+    uint8_t frame[TDM_NET_HEADER_BYTES + 1];
+    tdm_net_frame_header(frame, TDM_NET_CANCEL, 1, 0);
+    frame[TDM_NET_HEADER_BYTES] = 'z';
+    assert_int_equal(write(raw, frame, sizeof frame), (ssize_t)sizeof frame);
+    // A silent connection is closed after the handshake's limit.
+    int silent = raw_connect(url_port(url));
+    assert_null(recv_one(in, 0.5)); // nothing from any of them
+    char b;
+    assert_true(read(raw, &b, 1) <= 0);
+    double t0 = tdm_now();
+    assert_true(read(silent, &b, 1) <= 0);
+    assert_true(tdm_now() - t0 < 4.0);
+    close(raw);
+    close(silent);
+    // The good peer still gets through.
+    assert_int_equal(
+        tdm_net_send(good, url, TDM_NET_CANCEL, "ok2", 3, NULL, 0, 3.0, err, sizeof err), TDM_OK);
+    m = recv_one(in, 3.0);
+    assert_non_null(m);
+    assert_int_equal(tdm_net_msg_frame(m)->msg_len, 3);
+    tdm_net_msg_free(m);
+    tdm_net_outbox_free(open);
+    tdm_net_outbox_free(other);
+    tdm_net_outbox_free(good);
+    tdm_net_inbox_free(in);
+
+    // An open inbox and an authenticating outbox do not connect either.
+    struct tdm_net_inbox *open_in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&open_in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_net_set_secret(k1, strlen(k1), err, sizeof err), TDM_OK);
+    struct tdm_net_outbox *auth = NULL;
+    assert_int_equal(tdm_net_outbox_new(&auth, 50, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_net_send(auth, tdm_net_inbox_url(open_in), TDM_NET_CANCEL, "x", 1, NULL,
+                                  0, 1.0, err, sizeof err),
+                     TDM_ETIMEDOUT);
+    assert_null(recv_one(open_in, 0.2));
+    tdm_net_outbox_free(auth);
+    tdm_net_inbox_free(open_in);
+
+    // Secrets of a bad length are refused with the reason.
+    assert_int_equal(tdm_net_set_secret("short", 5, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "must be 16 to 1024"));
+    assert_int_equal(tdm_net_set_secret(NULL, 0, err, sizeof err), TDM_OK);
+}
+
 static void test_instance_ids(void **state)
 {
     (void)state;
@@ -445,6 +531,7 @@ int main(void)
         cmocka_unit_test(test_concurrent_senders),
         cmocka_unit_test(test_peer_restart_storm),
         cmocka_unit_test(test_outbox_free_while_dialing),
+        cmocka_unit_test(test_authentication),
         cmocka_unit_test(test_instance_ids),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -16,7 +16,9 @@
 //      reaches only the launcher, which then stops them in order) and with
 //      PR_SET_PDEATHSIG (so they never outlive a killed launcher); their
 //      stdout and stderr come back through one pipe each and are printed line
-//      by line behind the child's name (`decode-0 | ...`);
+//      by line behind the child's name (`decode-0 | ...`); they share a
+//      control-plane secret drawn for the run (TANDEM_INTERNAL_SECRET, unless
+//      the operator set one), so the stack's nng ports refuse other processes;
 //   5. readiness: every child's /health polled until 200, with a deadline and
 //      an error naming the child that did not make it;
 //   6. shutdown on SIGINT/SIGTERM: the router first (its open streams still
@@ -53,6 +55,7 @@
 #include "core.h"
 #include "hub.h"
 #include "mkmodel.h"
+#include "transport.h"
 
 #define MAX_WORKERS 64
 #define MAX_CHILDREN (2 * MAX_WORKERS + 1)
@@ -1297,6 +1300,16 @@ static int cmd_up(int argc, char **argv)
         (o.n_prefill && find_bin(&o, "tandem-prefill", "prefill", bin[1], sizeof bin[1])) ||
         find_bin(&o, "tandem-decode", "decode", bin[2], sizeof bin[2]))
         return 1;
+    // The control plane's shared secret (common/transport): one drawn per run
+    // unless the operator gave one, so the stack's nng ports refuse any other
+    // process. Children inherit it through the environment.
+    if (!getenv("TANDEM_INTERNAL_SECRET_FILE") && !getenv("TANDEM_INTERNAL_SECRET")) {
+        char secret[65];
+        for (int i = 0; i < 4; i++)
+            snprintf(secret + 16 * i, 17, "%016llx",
+                     (unsigned long long)tdm_net_new_instance_id());
+        setenv("TANDEM_INTERNAL_SECRET", secret, 1);
+    }
     if (!o.no_router)
         add_child(CHILD_ROUTER, 0, bin[0]);
     for (int i = 0; i < o.n_decode; i++)
