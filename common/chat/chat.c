@@ -19,11 +19,11 @@
 #define CHAT_MAX_VARS 32
 
 struct tdm_chat_template {
-    struct arena arena;  // the AST and its strings
-    struct node *root;   // N_BODY
+    struct arena arena; // the AST and its strings
+    struct node *root;  // N_BODY
     struct {
         char *name, *value; // heap
-    } vars[CHAT_MAX_VARS];   // set with tdm_chat_template_set_var
+    } vars[CHAT_MAX_VARS];  // set with tdm_chat_template_set_var
     size_t nvars;
 };
 
@@ -158,6 +158,15 @@ int tdm_chat_template_set_var(struct tdm_chat_template *t, const char *name, con
     return TDM_OK;
 }
 
+int tdm_chat_template_set_tokens(struct tdm_chat_template *t, const char *bos_token,
+                                 const char *eos_token)
+{
+    int rc = bos_token ? tdm_chat_template_set_var(t, "bos_token", bos_token) : TDM_OK;
+    if (rc == TDM_OK && eos_token)
+        rc = tdm_chat_template_set_var(t, "eos_token", eos_token);
+    return rc;
+}
+
 // ---- render -----------------------------------------------------------------------------
 
 int tdm_chat_render_json(const struct tdm_chat_template *t, const char *messages_json,
@@ -166,8 +175,8 @@ int tdm_chat_render_json(const struct tdm_chat_template *t, const char *messages
 {
     *out = NULL;
     struct strbuf prompt = {.limit = CHAT_MAX_OUTPUT};
-    struct render r = {.arena = {.cap = CHAT_MAX_ARENA}, .out = &prompt, .err = err,
-                       .errlen = errlen};
+    struct render r = {
+        .arena = {.cap = CHAT_MAX_ARENA}, .out = &prompt, .err = err, .errlen = errlen};
     struct val messages, tools = v_none();
     r.globals = arena_alloc(&r.arena, sizeof *r.globals);
     int rc = r.globals ? TDM_OK : rerr(&r, TDM_ENOMEM, "out of memory");
@@ -211,7 +220,8 @@ int tdm_chat_render(const struct tdm_chat_template *t, const struct tdm_chat_msg
     cJSON *arr = cJSON_CreateArray();
     for (size_t i = 0; arr && i < n; i++) {
         cJSON *m = cJSON_CreateObject();
-        if (!m || !cJSON_AddItemToArray(arr, m) || !cJSON_AddStringToObject(m, "role", msgs[i].role) ||
+        if (!m || !cJSON_AddItemToArray(arr, m) ||
+            !cJSON_AddStringToObject(m, "role", msgs[i].role) ||
             !cJSON_AddStringToObject(m, "content", msgs[i].content)) {
             cJSON_Delete(arr);
             arr = NULL;

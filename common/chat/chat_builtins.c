@@ -399,20 +399,20 @@ int v_iterate(struct render *r, struct val v, struct val *out)
 }
 
 static const char *const str_methods[] = {
-    "capitalize", "casefold",   "center",     "count",        "encode",     "endswith",
-    "expandtabs", "find",       "format",     "format_map",   "index",      "isalnum",
-    "isalpha",    "isascii",    "isdecimal",  "isdigit",      "isidentifier", "islower",
-    "isnumeric",  "isprintable", "isspace",   "istitle",      "isupper",    "join",
-    "ljust",      "lower",      "lstrip",     "maketrans",    "partition",  "removeprefix",
-    "removesuffix", "replace",  "rfind",      "rindex",       "rjust",      "rpartition",
-    "rsplit",     "rstrip",     "split",      "splitlines",   "startswith", "strip",
-    "swapcase",   "title",      "translate",  "upper",        "zfill",      NULL};
-static const char *const dict_methods[] = {"clear", "copy",   "fromkeys", "get",    "items",
-                                           "keys",  "pop",    "popitem",  "setdefault",
-                                           "update", "values", NULL};
-static const char *const list_methods[] = {"append", "clear",  "copy", "count",   "extend",
-                                           "index",  "insert", "pop",  "remove",  "reverse",
-                                           "sort",   NULL};
+    "capitalize",   "casefold",    "center",    "count",      "encode",       "endswith",
+    "expandtabs",   "find",        "format",    "format_map", "index",        "isalnum",
+    "isalpha",      "isascii",     "isdecimal", "isdigit",    "isidentifier", "islower",
+    "isnumeric",    "isprintable", "isspace",   "istitle",    "isupper",      "join",
+    "ljust",        "lower",       "lstrip",    "maketrans",  "partition",    "removeprefix",
+    "removesuffix", "replace",     "rfind",     "rindex",     "rjust",        "rpartition",
+    "rsplit",       "rstrip",      "split",     "splitlines", "startswith",   "strip",
+    "swapcase",     "title",       "translate", "upper",      "zfill",        NULL};
+static const char *const dict_methods[] = {"clear",      "copy",   "fromkeys", "get",
+                                           "items",      "keys",   "pop",      "popitem",
+                                           "setdefault", "update", "values",   NULL};
+static const char *const list_methods[] = {"append", "clear",   "copy",   "count",
+                                           "extend", "index",   "insert", "pop",
+                                           "remove", "reverse", "sort",   NULL};
 
 static const char *method_name(const char *const *table, const char *name, size_t n)
 {
@@ -632,19 +632,45 @@ enum {
 };
 
 static const char *const filter_names[F_COUNT_ALL] = {
-    [F_ABS] = "abs",         [F_ATTR] = "attr",         [F_CAPITALIZE] = "capitalize",
-    [F_COUNT] = "count",     [F_D] = "d",               [F_DEFAULT] = "default",
-    [F_DICTSORT] = "dictsort", [F_E] = "e",             [F_ESCAPE] = "escape",
-    [F_FIRST] = "first",     [F_FLOAT] = "float",       [F_FORCEESCAPE] = "forceescape",
-    [F_INDENT] = "indent",   [F_INT] = "int",           [F_ITEMS] = "items",
-    [F_JOIN] = "join",       [F_LAST] = "last",         [F_LENGTH] = "length",
-    [F_LIST] = "list",       [F_LOWER] = "lower",       [F_MAP] = "map",
-    [F_MAX] = "max",         [F_MIN] = "min",           [F_REJECT] = "reject",
-    [F_REJECTATTR] = "rejectattr", [F_REPLACE] = "replace", [F_REVERSE] = "reverse",
-    [F_ROUND] = "round",     [F_SAFE] = "safe",         [F_SELECT] = "select",
-    [F_SELECTATTR] = "selectattr", [F_SORT] = "sort",   [F_STRING] = "string",
-    [F_SUM] = "sum",         [F_TITLE] = "title",       [F_TOJSON] = "tojson",
-    [F_TRIM] = "trim",       [F_UNIQUE] = "unique",     [F_UPPER] = "upper",
+    [F_ABS] = "abs",
+    [F_ATTR] = "attr",
+    [F_CAPITALIZE] = "capitalize",
+    [F_COUNT] = "count",
+    [F_D] = "d",
+    [F_DEFAULT] = "default",
+    [F_DICTSORT] = "dictsort",
+    [F_E] = "e",
+    [F_ESCAPE] = "escape",
+    [F_FIRST] = "first",
+    [F_FLOAT] = "float",
+    [F_FORCEESCAPE] = "forceescape",
+    [F_INDENT] = "indent",
+    [F_INT] = "int",
+    [F_ITEMS] = "items",
+    [F_JOIN] = "join",
+    [F_LAST] = "last",
+    [F_LENGTH] = "length",
+    [F_LIST] = "list",
+    [F_LOWER] = "lower",
+    [F_MAP] = "map",
+    [F_MAX] = "max",
+    [F_MIN] = "min",
+    [F_REJECT] = "reject",
+    [F_REJECTATTR] = "rejectattr",
+    [F_REPLACE] = "replace",
+    [F_REVERSE] = "reverse",
+    [F_ROUND] = "round",
+    [F_SAFE] = "safe",
+    [F_SELECT] = "select",
+    [F_SELECTATTR] = "selectattr",
+    [F_SORT] = "sort",
+    [F_STRING] = "string",
+    [F_SUM] = "sum",
+    [F_TITLE] = "title",
+    [F_TOJSON] = "tojson",
+    [F_TRIM] = "trim",
+    [F_UNIQUE] = "unique",
+    [F_UPPER] = "upper",
     [F_WORDCOUNT] = "wordcount",
 };
 
@@ -694,16 +720,36 @@ enum {
 };
 
 static const char *const test_names[T_COUNT_ALL] = {
-    [T_BOOLEAN] = "boolean",   [T_CALLABLE] = "callable", [T_DEFINED] = "defined",
-    [T_DIVISIBLEBY] = "divisibleby", [T_EQ] = "eq",       [T_EQUALTO] = "equalto",
-    [T_ESCAPED] = "escaped",   [T_EVEN] = "even",         [T_FALSE] = "false",
-    [T_FLOAT_] = "float",      [T_GE] = "ge",             [T_GT] = "gt",
-    [T_GREATERTHAN] = "greaterthan", [T_IN] = "in",       [T_INTEGER] = "integer",
-    [T_ITERABLE] = "iterable", [T_LE] = "le",             [T_LESSTHAN] = "lessthan",
-    [T_LOWER] = "lower",       [T_LT] = "lt",             [T_MAPPING] = "mapping",
-    [T_NE] = "ne",             [T_NONE] = "none",         [T_NUMBER] = "number",
-    [T_ODD] = "odd",           [T_SAMEAS] = "sameas",     [T_SEQUENCE] = "sequence",
-    [T_STRING_] = "string",    [T_TRUE] = "true",         [T_UNDEFINED] = "undefined",
+    [T_BOOLEAN] = "boolean",
+    [T_CALLABLE] = "callable",
+    [T_DEFINED] = "defined",
+    [T_DIVISIBLEBY] = "divisibleby",
+    [T_EQ] = "eq",
+    [T_EQUALTO] = "equalto",
+    [T_ESCAPED] = "escaped",
+    [T_EVEN] = "even",
+    [T_FALSE] = "false",
+    [T_FLOAT_] = "float",
+    [T_GE] = "ge",
+    [T_GT] = "gt",
+    [T_GREATERTHAN] = "greaterthan",
+    [T_IN] = "in",
+    [T_INTEGER] = "integer",
+    [T_ITERABLE] = "iterable",
+    [T_LE] = "le",
+    [T_LESSTHAN] = "lessthan",
+    [T_LOWER] = "lower",
+    [T_LT] = "lt",
+    [T_MAPPING] = "mapping",
+    [T_NE] = "ne",
+    [T_NONE] = "none",
+    [T_NUMBER] = "number",
+    [T_ODD] = "odd",
+    [T_SAMEAS] = "sameas",
+    [T_SEQUENCE] = "sequence",
+    [T_STRING_] = "string",
+    [T_TRUE] = "true",
+    [T_UNDEFINED] = "undefined",
     [T_UPPER] = "upper",
 };
 
@@ -714,7 +760,6 @@ int builtin_test_index(const char *name)
             return i;
     return -1;
 }
-
 
 int builtin_test(struct render *r, int idx, struct val v, const struct val *args, size_t nargs,
                  bool *out)
@@ -786,8 +831,10 @@ int builtin_test(struct render *r, int idx, struct val v, const struct val *args
     case T_LESSTHAN:
         if (v_compare(r, v, a, &cmp) != TDM_OK)
             return r->rc;
-        *out = idx == T_GE ? cmp >= 0 : idx == T_LE ? cmp <= 0
-               : (idx == T_GT || idx == T_GREATERTHAN) ? cmp > 0 : cmp < 0;
+        *out = idx == T_GE                             ? cmp >= 0
+               : idx == T_LE                           ? cmp <= 0
+               : (idx == T_GT || idx == T_GREATERTHAN) ? cmp > 0
+                                                       : cmp < 0;
         return TDM_OK;
     case T_IN:
         return v_contains(r, a, v, out);
@@ -878,8 +925,7 @@ static int do_tojson(struct render *r, struct val v, const struct val *args,
         if (a.kind == V_INT || a.kind == V_BOOL) {
             int64_t k = a.kind == V_INT ? a.u.i : a.u.b;
             if (k > 64)
-                return rerr(r, TDM_EINVAL, "tojson: indent %lld is too large",
-                            (long long)k);
+                return rerr(r, TDM_EINVAL, "tojson: indent %lld is too large", (long long)k);
             o.indent = k < 0 ? 0 : (int)k;
         } else if (a.kind == V_STR) {
             char *s = cstr(r, a.u.str.s, a.u.str.n);
@@ -1013,8 +1059,8 @@ static int do_select(struct render *r, struct val in, const struct val *args,
     return TDM_OK;
 }
 
-static int do_map(struct render *r, struct val in, const struct val *args,
-                  const char *const *names, size_t nargs, struct val *out)
+static int do_map(struct render *r, struct val in, const struct val *args, const char *const *names,
+                  size_t nargs, struct val *out)
 {
     struct val items, attr, def = v_undef(NULL), fname;
     if (v_list_new(r, 0, out) != TDM_OK)
@@ -1096,7 +1142,8 @@ static int do_sort(struct render *r, struct val in, bool reverse, bool case_sens
         size_t j = i;
         while (j > 0 && rc == TDM_OK) {
             int cmp;
-            if (!charge(r, 1) || (rc = sort_cmp(r, keys[j - 1], k, case_sensitive, &cmp)) != TDM_OK) {
+            if (!charge(r, 1) ||
+                (rc = sort_cmp(r, keys[j - 1], k, case_sensitive, &cmp)) != TDM_OK) {
                 rc = r->rc;
                 break;
             }
@@ -1190,8 +1237,8 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
         bool start = true;
         for (size_t i = 0; i < s.u.str.n; i++) {
             char c = p[i];
-            bool sep = c == '-' || c == ' ' || c == '\t' || c == '\n' || c == '\r' ||
-                       c == '\f' || c == '\v' || c == '(' || c == '{' || c == '[' || c == '<';
+            bool sep = c == '-' || c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' ||
+                       c == '\v' || c == '(' || c == '{' || c == '[' || c == '<';
             if (sep) {
                 start = true;
                 continue;
@@ -1252,8 +1299,8 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
             v_list_push(r, pairs.u.list, t);
         }
         bool by_value = by.kind == V_STR && by.u.str.n == 5 && memcmp(by.u.str.s, "value", 5) == 0;
-        return do_sort(r, pairs, v_truthy(rev), v_truthy(cs), by_value ? v_int(1) : v_int(0),
-                       false, out);
+        return do_sort(r, pairs, v_truthy(rev), v_truthy(cs), by_value ? v_int(1) : v_int(0), false,
+                       out);
     }
     case F_E:
     case F_ESCAPE:
@@ -1443,8 +1490,8 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
         double y = strncmp(how, "ceil", 4) == 0    ? ceil(x * m) / m
                    : strncmp(how, "floor", 5) == 0 ? floor(x * m) / m
                                                    : nearbyint(x * m) / m;
-        *out = in.kind == V_FLOAT || strncmp(how, "common", 6) != 0 ? v_float(y)
-                                                                      : v_int((int64_t)y);
+        *out =
+            in.kind == V_FLOAT || strncmp(how, "common", 6) != 0 ? v_float(y) : v_int((int64_t)y);
         return TDM_OK;
     }
     case F_SAFE:
@@ -1477,9 +1524,12 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
                 !(it.kind == V_INT || it.kind == V_FLOAT || it.kind == V_BOOL))
                 return rerr(r, TDM_EINVAL, "sum: unsupported operand types '%s' and '%s'",
                             v_type_name(acc), v_type_name(it));
-            double fa = acc.kind == V_FLOAT ? acc.u.f : acc.kind == V_INT ? (double)acc.u.i : acc.u.b;
+            double fa = acc.kind == V_FLOAT ? acc.u.f
+                        : acc.kind == V_INT ? (double)acc.u.i
+                                            : acc.u.b;
             double fb = it.kind == V_FLOAT ? it.u.f : it.kind == V_INT ? (double)it.u.i : it.u.b;
-            int64_t ia = acc.kind == V_INT ? acc.u.i : acc.u.b, ib = it.kind == V_INT ? it.u.i : it.u.b, z;
+            int64_t ia = acc.kind == V_INT ? acc.u.i : acc.u.b,
+                    ib = it.kind == V_INT ? it.u.i : it.u.b, z;
             if (fl)
                 acc = v_float(fa + fb);
             else if (__builtin_add_overflow(ia, ib, &z))
@@ -1549,8 +1599,11 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
 
 enum { G_RAISE, G_STRFTIME, G_NAMESPACE, G_RANGE, G_DICT, G_COUNT_ALL };
 static const char *const global_names[G_COUNT_ALL] = {
-    [G_RAISE] = "raise_exception", [G_STRFTIME] = "strftime_now", [G_NAMESPACE] = "namespace",
-    [G_RANGE] = "range",           [G_DICT] = "dict",
+    [G_RAISE] = "raise_exception",
+    [G_STRFTIME] = "strftime_now",
+    [G_NAMESPACE] = "namespace",
+    [G_RANGE] = "range",
+    [G_DICT] = "dict",
 };
 
 int builtin_global(const char *name, struct val *out)
@@ -1665,8 +1718,8 @@ static int prefix_test(struct render *r, struct val self, struct val a, bool end
         return rerr(r, TDM_EINVAL, "%s first arg must be str or a tuple of str, not %s",
                     end ? "endswith" : "startswith", v_type_name(a));
     size_t n = a.u.str.n;
-    *res = n <= self.u.str.n &&
-           memcmp(self.u.str.s + (end ? self.u.str.n - n : 0), a.u.str.s, n) == 0;
+    *res =
+        n <= self.u.str.n && memcmp(self.u.str.s + (end ? self.u.str.n - n : 0), a.u.str.s, n) == 0;
     return TDM_OK;
 }
 
@@ -1700,8 +1753,13 @@ static int str_method(struct render *r, struct val self, const char *m, const st
         return do_strip(r, self, a, !M("rstrip"), !M("lstrip"), out);
     }
     if (M("upper") || M("lower") || M("capitalize") || M("title") || M("swapcase"))
-        return map_case(r, self, M("upper") ? 0 : M("lower") ? 1 : M("capitalize") ? 2
-                                                  : M("title") ? 3 : 4, out);
+        return map_case(r, self,
+                        M("upper")        ? 0
+                        : M("lower")      ? 1
+                        : M("capitalize") ? 2
+                        : M("title")      ? 3
+                                          : 4,
+                        out);
     if (M("replace")) {
         struct val count = v_int(-1);
         if (!arg(args, names, nargs, 0, NULL, &a) || !arg(args, names, nargs, 1, NULL, &b))
@@ -1721,8 +1779,8 @@ static int str_method(struct render *r, struct val self, const char *m, const st
             struct val it = items.u.list->items[i];
             if (it.kind != V_STR) {
                 free(bb.data);
-                return rerr(r, TDM_EINVAL, "sequence item %zu: expected str instance, %s found",
-                            i, v_type_name(it));
+                return rerr(r, TDM_EINVAL, "sequence item %zu: expected str instance, %s found", i,
+                            v_type_name(it));
             }
             if (i)
                 sb_addn(&bb, self.u.str.s, self.u.str.n);
@@ -1744,8 +1802,8 @@ static int str_method(struct render *r, struct val self, const char *m, const st
             if (a.u.str.n == 0) {
                 c = (int64_t)utf8_len(h, hn) + 1;
             } else {
-                for (const char *p = h; (p = find_bytes(p, hn - (size_t)(p - h), a.u.str.s,
-                                                         a.u.str.n)) != NULL;
+                for (const char *p = h;
+                     (p = find_bytes(p, hn - (size_t)(p - h), a.u.str.s, a.u.str.n)) != NULL;
                      p += a.u.str.n)
                     c++;
             }
@@ -1756,9 +1814,8 @@ static int str_method(struct render *r, struct val self, const char *m, const st
         if (M("find") || M("index")) {
             hit = find_bytes(h, hn, a.u.str.s, a.u.str.n);
         } else {
-            for (const char *p = h; (p = find_bytes(p, hn - (size_t)(p - h), a.u.str.s,
-                                                     a.u.str.n)) != NULL;
-                 p++) {
+            for (const char *p = h;
+                 (p = find_bytes(p, hn - (size_t)(p - h), a.u.str.s, a.u.str.n)) != NULL; p++) {
                 hit = p;
                 if (p == h + hn)
                     break;
@@ -1857,8 +1914,8 @@ static int dict_method(struct render *r, struct val self, const char *m, const s
     return rerr(r, TDM_EINVAL, "dict.%s() is not allowed (the template sandbox is immutable)", m);
 }
 
-int builtin_call(struct render *r, struct val fn, const struct val *args,
-                 const char *const *names, size_t nargs, struct val *out)
+int builtin_call(struct render *r, struct val fn, const struct val *args, const char *const *names,
+                 size_t nargs, struct val *out)
 {
     if (!charge(r, 1))
         return r->rc;

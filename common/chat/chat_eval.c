@@ -355,7 +355,8 @@ static int do_slice(struct render *r, struct val obj, struct val vs, struct val 
         return rerr(r, TDM_EINVAL, "'%s' object is not subscriptable", v_type_name(obj));
     }
     int64_t start, stop;
-    bool has_s = vs.kind == V_INT || vs.kind == V_BOOL, has_e = ve.kind == V_INT || ve.kind == V_BOOL;
+    bool has_s = vs.kind == V_INT || vs.kind == V_BOOL,
+         has_e = ve.kind == V_INT || ve.kind == V_BOOL;
     if (step > 0) {
         start = has_s ? as_i(vs) : 0;
         stop = has_e ? as_i(ve) : len;
@@ -659,8 +660,8 @@ static int eval(struct render *r, const struct node *nd, struct scope *sc, struc
 
 // ---- statements ----------------------------------------------------------------------
 
-static int assign_targets(struct render *r, struct scope *sc, const char *const *names,
-                          size_t n, struct val v)
+static int assign_targets(struct render *r, struct scope *sc, const char *const *names, size_t n,
+                          struct val v)
 {
     if (n == 1)
         return scope_set(r, sc, names[0], v);

@@ -19,14 +19,14 @@
 #include <stdint.h>
 
 // ---- limits (stated in docs/chat-templates.md) -----------------------------------
-#define CHAT_MAX_OUTPUT (8u << 20)        // bytes of rendered prompt
-#define CHAT_MAX_STRING (8u << 20)        // bytes of any one string value
-#define CHAT_MAX_ARENA (256u << 20)       // bytes of values made by one render
-#define CHAT_MAX_ITERATIONS 200000        // loop iterations in one render, all loops
-#define CHAT_MAX_CALL_DEPTH 64            // nested macro / caller() calls
-#define CHAT_MAX_NEST 128                 // nesting of template blocks and expressions
-#define CHAT_MAX_JSON_DEPTH 128           // nesting of messages/tools JSON
-#define CHAT_MAX_WORK 400000000ull        // node evaluations + bytes scanned, one render
+#define CHAT_MAX_OUTPUT (8u << 20)  // bytes of rendered prompt
+#define CHAT_MAX_STRING (8u << 20)  // bytes of any one string value
+#define CHAT_MAX_ARENA (256u << 20) // bytes of values made by one render
+#define CHAT_MAX_ITERATIONS 200000  // loop iterations in one render, all loops
+#define CHAT_MAX_CALL_DEPTH 64      // nested macro / caller() calls
+#define CHAT_MAX_NEST 128           // nesting of template blocks and expressions
+#define CHAT_MAX_JSON_DEPTH 128     // nesting of messages/tools JSON
+#define CHAT_MAX_WORK 400000000ull  // node evaluations + bytes scanned, one render
 
 // ---- arena -------------------------------------------------------------------------
 struct arena_chunk;
@@ -128,17 +128,17 @@ struct scope {
 };
 
 struct render {
-    struct arena arena;     // every value of this render
-    struct strbuf *out;     // where output goes now (a capture swaps it)
-    struct scope *globals;  // render variables + top-level sets
-    char *err;              // message buffer (the caller's)
+    struct arena arena;    // every value of this render
+    struct strbuf *out;    // where output goes now (a capture swaps it)
+    struct scope *globals; // render variables + top-level sets
+    char *err;             // message buffer (the caller's)
     size_t errlen;
-    int rc;                 // first error; TDM_OK while rendering
-    int line;               // line of the statement being run, for errors
-    int64_t iterations;     // loop iterations so far (CHAT_MAX_ITERATIONS)
+    int rc;             // first error; TDM_OK while rendering
+    int line;           // line of the statement being run, for errors
+    int64_t iterations; // loop iterations so far (CHAT_MAX_ITERATIONS)
     int call_depth;
-    uint64_t work;          // CHAT_MAX_WORK
-    int loop_ctl;           // 1: break, 2: continue pending
+    uint64_t work; // CHAT_MAX_WORK
+    int loop_ctl;  // 1: break, 2: continue pending
 };
 
 int rerr(struct render *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -177,10 +177,9 @@ void html_escape(struct strbuf *b, const char *s, size_t n);
 int sb_to_val(struct render *r, struct strbuf *b, struct val *out);
 
 // ---- JSON --------------------------------------------------------------------------
-int json_to_val(struct render *r, const char *text, size_t len, const char *what,
-                struct val *out);
+int json_to_val(struct render *r, const char *text, size_t len, const char *what, struct val *out);
 struct tojson_opts {
-    int indent;          // -1: none
+    int indent;             // -1: none
     const char *indent_str; // when indent is a string (NULL otherwise)
     const char *item_sep, *key_sep;
     bool sort_keys;
@@ -217,34 +216,34 @@ int chat_lex(struct arena *a, const char *src, struct token **toks, size_t *ntok
 // ---- AST ---------------------------------------------------------------------------
 enum node_kind {
     // statements
-    N_BODY,     // kids: statements
-    N_TEXT,     // s
-    N_OUTPUT,   // a: expression
-    N_IF,       // a: cond, b: then (N_BODY), c: else (body or N_IF) or NULL
-    N_FOR,      // targets in names; a: iterable, b: body, c: else, d: filter condition
-    N_SET,      // names/ a: target (name or N_GETATTR on a namespace); b: value
-    N_SET_BLOCK,// s: name; b: body; d: filter chain applied (or NULL)
-    N_MACRO,    // s: name; names: params; kids: defaults (or NULL per param); b: body
-    N_CALL_BLOCK, // a: the call; names: caller params; b: body
+    N_BODY,         // kids: statements
+    N_TEXT,         // s
+    N_OUTPUT,       // a: expression
+    N_IF,           // a: cond, b: then (N_BODY), c: else (body or N_IF) or NULL
+    N_FOR,          // targets in names; a: iterable, b: body, c: else, d: filter condition
+    N_SET,          // names/ a: target (name or N_GETATTR on a namespace); b: value
+    N_SET_BLOCK,    // s: name; b: body; d: filter chain applied (or NULL)
+    N_MACRO,        // s: name; names: params; kids: defaults (or NULL per param); b: body
+    N_CALL_BLOCK,   // a: the call; names: caller params; b: body
     N_FILTER_BLOCK, // d: filter chain (N_FILTER with a == NULL at the bottom); b: body
     N_BREAK,
     N_CONTINUE,
     // expressions
-    N_CONST,    // v
-    N_NAME,     // s
-    N_GETATTR,  // a . s
-    N_GETITEM,  // a [ b ]
-    N_SLICE,    // a [ b : c : d ] (any of b c d may be NULL)
-    N_CALL,     // a ( kids ) ; names[i] != NULL: keyword argument
-    N_FILTER,   // s: filter name; a: input (NULL: the block's text); kids/names: args
-    N_TEST,     // s: test name; a: input; kids/names: args; neg
-    N_UNARY,    // s: "not" "-" "+"; a
-    N_BINARY,   // s: operator; a b
-    N_COMPARE,  // a: first operand; kids: operands; names: operators (chained)
-    N_COND,     // a if b else c
-    N_LIST,     // kids
-    N_TUPLE,    // kids
-    N_DICT,     // kids: key, value, key, value...
+    N_CONST,   // v
+    N_NAME,    // s
+    N_GETATTR, // a . s
+    N_GETITEM, // a [ b ]
+    N_SLICE,   // a [ b : c : d ] (any of b c d may be NULL)
+    N_CALL,    // a ( kids ) ; names[i] != NULL: keyword argument
+    N_FILTER,  // s: filter name; a: input (NULL: the block's text); kids/names: args
+    N_TEST,    // s: test name; a: input; kids/names: args; neg
+    N_UNARY,   // s: "not" "-" "+"; a
+    N_BINARY,  // s: operator; a b
+    N_COMPARE, // a: first operand; kids: operands; names: operators (chained)
+    N_COND,    // a if b else c
+    N_LIST,    // kids
+    N_TUPLE,   // kids
+    N_DICT,    // kids: key, value, key, value...
 };
 
 struct node {
@@ -275,8 +274,8 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
                    const char *const *names, size_t nargs, struct val *out);
 int builtin_test(struct render *r, int idx, struct val in, const struct val *args, size_t nargs,
                  bool *out);
-int builtin_call(struct render *r, struct val fn, const struct val *args,
-                 const char *const *names, size_t nargs, struct val *out);
+int builtin_call(struct render *r, struct val fn, const struct val *args, const char *const *names,
+                 size_t nargs, struct val *out);
 // Attribute lookup as Jinja's sandboxed getattr (methods first, then items).
 int get_attr(struct render *r, struct val obj, const char *name, size_t n, struct val *out);
 int get_item(struct render *r, struct val obj, struct val key, struct val *out);

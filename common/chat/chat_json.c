@@ -30,8 +30,8 @@ static int jp_err(struct jp *p, const char *msg)
 
 static void jp_ws(struct jp *p)
 {
-    while (p->i < p->n && (p->s[p->i] == ' ' || p->s[p->i] == '\t' || p->s[p->i] == '\n' ||
-                           p->s[p->i] == '\r'))
+    while (p->i < p->n &&
+           (p->s[p->i] == ' ' || p->s[p->i] == '\t' || p->s[p->i] == '\n' || p->s[p->i] == '\r'))
         p->i++;
 }
 
@@ -42,7 +42,7 @@ static int hex4(struct jp *p, uint32_t *v)
     *v = 0;
     for (int k = 0; k < 4; k++) {
         char c = p->s[p->i++];
-        int d = c >= '0' && c <= '9' ? c - '0'
+        int d = c >= '0' && c <= '9'   ? c - '0'
                 : c >= 'a' && c <= 'f' ? c - 'a' + 10
                 : c >= 'A' && c <= 'F' ? c - 'A' + 10
                                        : -1;
@@ -276,8 +276,7 @@ static int jp_value(struct jp *p, struct val *out, int depth)
     return jp_err(p, "unexpected character");
 }
 
-int json_to_val(struct render *r, const char *text, size_t len, const char *what,
-                struct val *out)
+int json_to_val(struct render *r, const char *text, size_t len, const char *what, struct val *out)
 {
     struct jp p = {.r = r, .s = text, .n = len, .what = what};
     int rc = jp_value(&p, out, 0);

@@ -167,7 +167,7 @@ static int lex_string(struct lexer *L, struct token *t)
         if (hex) {
             for (int k = 0; k < hex; k++, j++) {
                 char h = j < L->n ? L->s[j] : 0;
-                int d = is_digit(h) ? h - '0'
+                int d = is_digit(h)            ? h - '0'
                         : h >= 'a' && h <= 'f' ? h - 'a' + 10
                         : h >= 'A' && h <= 'F' ? h - 'A' + 10
                                                : -1;
@@ -258,9 +258,9 @@ static int lex_number(struct lexer *L, struct token *t)
     return TDM_OK;
 }
 
-static const char *const ops[] = {"//", "**", "==", "!=", ">=", "<=", "+", "-", "/", "*", "%",
-                                  "~",  "[",  "]",  "(",  ")",  "{",  "}", ">", "<", "=", ".",
-                                  ":",  "|",  ",",  ";"};
+static const char *const ops[] = {"//", "**", "==", "!=", ">=", "<=", "+", "-", "/",
+                                  "*",  "%",  "~",  "[",  "]",  "(",  ")", "{", "}",
+                                  ">",  "<",  "=",  ".",  ":",  "|",  ",", ";"};
 
 // Lexes the inside of a {{ }} or {% %} tag up to and including its end.
 // Sets *line_starting to whether the end match ended with a newline.
@@ -366,16 +366,16 @@ int chat_lex(struct arena *a, const char *src, struct token **toks, size_t *ntok
     while (L.i < L.n) {
         // Next tag start.
         size_t j = L.i;
-        while (j + 1 < L.n && !(L.s[j] == '{' && (L.s[j + 1] == '{' || L.s[j + 1] == '%' ||
-                                                   L.s[j + 1] == '#')))
+        while (j + 1 < L.n &&
+               !(L.s[j] == '{' && (L.s[j + 1] == '{' || L.s[j + 1] == '%' || L.s[j + 1] == '#')))
             j++;
         bool at_tag = j + 1 < L.n;
         if (!at_tag)
             j = L.n;
         size_t tstart = L.i, tend = j;
         char kind = at_tag ? L.s[j + 1] : 0;
-        char sign = at_tag && j + 2 < L.n && (L.s[j + 2] == '-' || L.s[j + 2] == '+') ? L.s[j + 2]
-                                                                                       : 0;
+        char sign =
+            at_tag && j + 2 < L.n && (L.s[j + 2] == '-' || L.s[j + 2] == '+') ? L.s[j + 2] : 0;
         if (sign == '-') {
             tend = tstart + rstrip_len(L.s + tstart, tend - tstart);
         } else if (at_tag && sign != '+' && kind != '{') {
@@ -393,8 +393,8 @@ int chat_lex(struct arena *a, const char *src, struct token **toks, size_t *ntok
             }
         }
         if (tend > tstart) {
-            struct token t = {.kind = T_DATA, .s = L.s + tstart, .n = tend - tstart,
-                              .line = L.line};
+            struct token t = {
+                .kind = T_DATA, .s = L.s + tstart, .n = tend - tstart, .line = L.line};
             if ((rc = push(&L, t)) != TDM_OK)
                 goto fail;
         }

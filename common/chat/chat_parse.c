@@ -25,7 +25,8 @@ struct parser {
     int rc;
 };
 
-static int perr(struct parser *p, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int perr(struct parser *p, int line, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 static int perr(struct parser *p, int line, const char *fmt, ...)
 {
@@ -616,8 +617,11 @@ static struct node *parse_math2(struct parser *p)
     struct node *l = parse_pow(p);
     while (l) {
         const struct token *t = cur(p);
-        const char *op = tok_op(t, "*") ? "*" : tok_op(t, "/") ? "/" : tok_op(t, "//") ? "//"
-                                                 : tok_op(t, "%") ? "%" : NULL;
+        const char *op = tok_op(t, "*")    ? "*"
+                         : tok_op(t, "/")  ? "/"
+                         : tok_op(t, "//") ? "//"
+                         : tok_op(t, "%")  ? "%"
+                                           : NULL;
         if (!op)
             break;
         next(p);
@@ -1176,9 +1180,8 @@ static struct node *parse_body(struct parser *p, const char *const *ends, const 
                 break;
             }
             if (name->kind == T_NAME &&
-                (tok_name(name, "endif") || tok_name(name, "endfor") ||
-                 tok_name(name, "elif") || tok_name(name, "else") ||
-                 tok_name(name, "endmacro") || tok_name(name, "endset") ||
+                (tok_name(name, "endif") || tok_name(name, "endfor") || tok_name(name, "elif") ||
+                 tok_name(name, "else") || tok_name(name, "endmacro") || tok_name(name, "endset") ||
                  tok_name(name, "endcall") || tok_name(name, "endfilter"))) {
                 char buf[64];
                 perr(p, name->line, "unexpected tag %s", describe(name, buf, sizeof buf));

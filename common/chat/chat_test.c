@@ -173,19 +173,19 @@ static void test_whitespace_control(void **state)
     static const struct {
         const char *tmpl, *want;
     } cases[] = {
-        {"{% if true %}\nA\n{% endif %}\nB\n", "A\nB"},       // trim_blocks, final \n
-        {"  {% if true %}A{% endif %}", "A"},                  // lstrip_blocks at start
-        {"x\n  {% if true %}A{% endif %}", "x\nA"},            // lstrip after a newline
-        {"x  {% if true %}A{% endif %}", "x  A"},              // not at a line start
-        {"  {{ 'A' }}", "  A"},                                // no lstrip for {{
-        {"a  \n  {%- if true %}A{% endif %}", "aA"},           // '-' strips newlines too
+        {"{% if true %}\nA\n{% endif %}\nB\n", "A\nB"}, // trim_blocks, final \n
+        {"  {% if true %}A{% endif %}", "A"},           // lstrip_blocks at start
+        {"x\n  {% if true %}A{% endif %}", "x\nA"},     // lstrip after a newline
+        {"x  {% if true %}A{% endif %}", "x  A"},       // not at a line start
+        {"  {{ 'A' }}", "  A"},                         // no lstrip for {{
+        {"a  \n  {%- if true %}A{% endif %}", "aA"},    // '-' strips newlines too
         {"{% if true -%}  \n  A{% endif %}", "A"},
-        {"  {%+ if true %}A{% endif %}", "  A"},               // '+' keeps lstrip off
-        {"{% if true +%}\nA{% endif %}", "\nA"},               // '+' keeps trim off
-        {"{{ 'a' }}\n{{ 'b' }}", "a\nb"},                      // no trim after }}
-        {"{# c #}\nA", "A"},                                   // comments trim too
+        {"  {%+ if true %}A{% endif %}", "  A"}, // '+' keeps lstrip off
+        {"{% if true +%}\nA{% endif %}", "\nA"}, // '+' keeps trim off
+        {"{{ 'a' }}\n{{ 'b' }}", "a\nb"},        // no trim after }}
+        {"{# c #}\nA", "A"},                     // comments trim too
         {"{{- 'a' -}}  \n  {{ 'b' }}", "ab"},
-        {"A\r\nB\r\n", "A\nB"},                                // newlines normalised
+        {"A\r\nB\r\n", "A\nB"}, // newlines normalised
         {"{% for x in [1,2] %}\n  {{ x }}\n{% endfor %}", "  1\n  2\n"},
         {"{% set x %}\n  v {{ 1 }}\n{% endset %}[{{ x }}]", "[  v 1\n]"},
     };
@@ -222,13 +222,15 @@ static void test_expressions(void **state)
         const char *tmpl, *want;
     } cases[] = {
         {"{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
-         "{% endfor %}{{ ns.n }}", "2"},
+         "{% endfor %}{{ ns.n }}",
+         "2"},
         {"{% set x = 1 %}{% for m in messages %}{% set x = 5 %}{% endfor %}{{ x }}", "1"},
         {"{% macro f(a, b='d') %}[{{ a }}{{ b }}]{% endmacro %}{{ f(1) }}{{ f(2, b=3) }}",
          "[1d][23]"},
         {"{% macro w() %}<{{ caller() }}>{% endmacro %}{% call w() %}in{% endcall %}", "<in>"},
         {"{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ ',' if not loop.last }}"
-         "{% endfor %}", "1/2,2/2"},
+         "{% endfor %}",
+         "1/2,2/2"},
         {"{% for m in messages if m.role == 'user' %}{{ m.content }}{% else %}none{% endfor %}",
          "a"},
         {"{% for m in [] %}x{% else %}empty{% endfor %}", "empty"},
@@ -249,10 +251,10 @@ static void test_expressions(void **state)
          "x1None|2|yes"},
         {"{% for k, v in {'a': 1, 'b': 2} | items %}{{ k }}={{ v }};{% endfor %}", "a=1;b=2;"},
         {"{% for i in range(5) %}{% if i == 3 %}{% break %}{% endif %}{% if i == 1 %}"
-         "{% continue %}{% endif %}{{ i }}{% endfor %}", "02"},
+         "{% continue %}{% endif %}{{ i }}{% endfor %}",
+         "02"},
         {"{{ '  line1\nline2' | indent(2) }}", "  line1\n  line2"},
-        {"{{ messages[0].get('missing', 'dflt') }}{{ messages[0]['role'] | upper }}",
-         "dfltUSER"},
+        {"{{ messages[0].get('missing', 'dflt') }}{{ messages[0]['role'] | upper }}", "dfltUSER"},
     };
     const char *msgs = "[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\","
                        "\"content\":\"b\"}]";
@@ -264,8 +266,8 @@ static void test_expressions(void **state)
         free(out);
         tdm_chat_template_free(t);
     }
-    struct tdm_chat_template *t = make("{{ raise_exception('bad role ' ~ messages[0].role) }}",
-                                       NULL);
+    struct tdm_chat_template *t =
+        make("{{ raise_exception('bad role ' ~ messages[0].role) }}", NULL);
     expect_render_error(t, "[{\"role\":\"user\",\"content\":\"a\"}]", TDM_EINVAL,
                         "raise_exception: bad role user");
     tdm_chat_template_free(t);
@@ -371,13 +373,16 @@ static void test_hostile(void **state)
          TDM_ECAPACITY, "loop iterations (limit)"},
         {"{{ 'x' * 1000000000 }}", TDM_ECAPACITY, "a string would exceed"},
         {"{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(64) %}"
-         "{% set ns.s = ns.s + ns.s %}{% endfor %}", TDM_ECAPACITY, "a string would exceed"},
+         "{% set ns.s = ns.s + ns.s %}{% endfor %}",
+         TDM_ECAPACITY, "a string would exceed"},
         {"{% for i in range(99999) %}{{ 'y' * 100000 }}{% endfor %}", TDM_ECAPACITY,
          "output would exceed"},
         {"{% set ns = namespace(l=[0]) %}{% for i in range(60) %}{% set ns.l = ns.l + ns.l %}"
-         "{% endfor %}", TDM_ECAPACITY, "(limit)"},
+         "{% endfor %}",
+         TDM_ECAPACITY, "(limit)"},
         {"{% set s = 'ab' * 4000000 %}{% for i in range(90000) %}{% if 'zz' in s %}{% endif %}"
-         "{% endfor %}", TDM_ECAPACITY, "steps (limit)"},
+         "{% endfor %}",
+         TDM_ECAPACITY, "steps (limit)"},
         {"{{ messages[0].content.missing.deeper }}", TDM_EINVAL, "is undefined"},
         {"{{ 1 // 0 }}", TDM_EINVAL, "division or modulo by zero"},
         {"{{ 9223372036854775807 + 1 }}", TDM_EINVAL, "integer overflow"},
@@ -590,12 +595,18 @@ static void test_parse_errors(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_real_qwen25_config), cmocka_unit_test(test_builtin_names),
-        cmocka_unit_test(test_whitespace_control), cmocka_unit_test(test_expressions),
-        cmocka_unit_test(test_load_errors),        cmocka_unit_test(test_missing_and_override),
-        cmocka_unit_test(test_hostile),            cmocka_unit_test(test_qwen2_render),
-        cmocka_unit_test(test_chatml_render),      cmocka_unit_test(test_llama3_render),
-        cmocka_unit_test(test_render_errors),      cmocka_unit_test(test_parse_content_forms),
+        cmocka_unit_test(test_real_qwen25_config),
+        cmocka_unit_test(test_builtin_names),
+        cmocka_unit_test(test_whitespace_control),
+        cmocka_unit_test(test_expressions),
+        cmocka_unit_test(test_load_errors),
+        cmocka_unit_test(test_missing_and_override),
+        cmocka_unit_test(test_hostile),
+        cmocka_unit_test(test_qwen2_render),
+        cmocka_unit_test(test_chatml_render),
+        cmocka_unit_test(test_llama3_render),
+        cmocka_unit_test(test_render_errors),
+        cmocka_unit_test(test_parse_content_forms),
         cmocka_unit_test(test_parse_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

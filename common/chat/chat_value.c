@@ -386,8 +386,10 @@ const char *v_type_name(struct val v)
     case V_STR:
         return "str";
     case V_LIST:
-        return v.u.list->gen ? "generator" : v.u.list->view ? "dict_view"
-               : v.u.list->tuple ? "tuple" : "list";
+        return v.u.list->gen     ? "generator"
+               : v.u.list->view  ? "dict_view"
+               : v.u.list->tuple ? "tuple"
+                                 : "list";
     case V_DICT:
         return "dict";
     case V_NS:
@@ -436,8 +438,9 @@ int v_compare(struct render *r, struct val a, struct val b, int *cmp)
     }
     if (a.kind == V_UNDEF || b.kind == V_UNDEF)
         return rerr(r, TDM_EINVAL, "'%s' is undefined",
-                    (a.kind == V_UNDEF ? a : b).u.undef_name ? (a.kind == V_UNDEF ? a : b).u.undef_name
-                                                             : "value");
+                    (a.kind == V_UNDEF ? a : b).u.undef_name
+                        ? (a.kind == V_UNDEF ? a : b).u.undef_name
+                        : "value");
     return rerr(r, TDM_EINVAL, "'<' not supported between instances of '%s' and '%s'",
                 v_type_name(a), v_type_name(b));
 }
@@ -643,8 +646,8 @@ static void str_repr(struct strbuf *b, const char *s, size_t n)
         } else if (cp < 0x20 || (cp >= 0x7F && cp <= 0xA0) || cp == 0xAD) {
             snprintf(esc, sizeof esc, "\\x%02x", cp);
             sb_add(b, esc);
-        } else if ((cp >= 0x2028 && cp <= 0x202F && cp != 0x202F) || cp == 0x2060 ||
-                   cp == 0xFEFF || (cp >= 0x200B && cp <= 0x200F)) {
+        } else if ((cp >= 0x2028 && cp <= 0x202F && cp != 0x202F) || cp == 0x2060 || cp == 0xFEFF ||
+                   (cp >= 0x200B && cp <= 0x200F)) {
             snprintf(esc, sizeof esc, "\\u%04x", cp);
             sb_add(b, esc);
         } else {
