@@ -7,13 +7,17 @@
 // order Jinja's sandbox does it (a dict's methods shadow its keys for `.name`).
 // A filter or test name not in these tables is refused when the template loads;
 // a method that exists in Python but is not implemented here fails the render
-// with its name, never a silent wrong result. Case mapping (upper, lower, title,
-// capitalize) covers ASCII only; other letters are left as they are.
+// with its name, never a silent wrong result. Case mapping uses the C library's
+// Unicode simple case tables (plus Python's sharp-s rule), not Python's full
+// SpecialCasing: a handful of characters (e.g. U+0130, ligatures) differ.
+#include <locale.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <wctype.h>
 
 #include "chat_impl.h"
 #include "core.h"
@@ -151,35 +155,80 @@ static int do_strip(struct render *r, struct val s, struct val chars, bool left,
     return TDM_OK;
 }
 
+// Unicode simple case mapping from the C library's C.UTF-8 tables (a locale object
+// made once, never installed, so nothing global changes); ASCII when unavailable.
+static locale_t case_locale;
+static pthread_once_t case_once = PTHREAD_ONCE_INIT;
+
+static void case_locale_init(void)
+{
+    case_locale = newlocale(LC_CTYPE_MASK, "C.UTF-8", (locale_t)0);
+}
+
+static uint32_t cp_case(uint32_t cp, bool upper)
+{
+    if (cp < 0x80)
+        return (uint32_t)(upper ? ascii_upper((char)cp) : ascii_lower((char)cp));
+    pthread_once(&case_once, case_locale_init);
+    if (!case_locale)
+        return cp;
+    return (uint32_t)(upper ? towupper_l((wint_t)cp, case_locale)
+                            : towlower_l((wint_t)cp, case_locale));
+}
+
+static bool cp_cased(uint32_t cp)
+{
+    return cp_case(cp, true) != cp || cp_case(cp, false) != cp;
+}
+
+// Appends cp upper- or lower-cased; Python maps U+00DF (sharp s) to "SS" in upper().
+static void put_case(struct strbuf *b, uint32_t cp, bool upper, bool title)
+{
+    if (cp == 0xDF && upper) {
+        sb_add(b, title ? "Ss" : "SS");
+        return;
+    }
+    utf8_put(b, cp_case(cp, upper));
+}
+
 static int map_case(struct render *r, struct val s, int mode, struct val *out)
 {
     // mode 0 upper, 1 lower, 2 capitalize, 3 str.title, 4 swapcase
-    char *p = arena_strndup(&r->arena, s.u.str.s, s.u.str.n);
-    if (!p)
-        return oom_cap(r);
-    bool prev_alpha = false;
-    for (size_t i = 0; i < s.u.str.n; i++) {
-        char c = p[i];
+    struct strbuf b = {.limit = CHAT_MAX_STRING};
+    bool prev_cased = false;
+    size_t k = 0;
+    for (size_t i = 0; i < s.u.str.n; k++) {
+        uint32_t cp;
+        size_t len = utf8_next(s.u.str.s, s.u.str.n, i, &cp);
+        if (cp == 0xFFFD && len == 1 && (unsigned char)s.u.str.s[i] >= 0x80) {
+            sb_addn(&b, s.u.str.s + i, 1); // invalid UTF-8: kept as it is
+            i += len;
+            continue;
+        }
         switch (mode) {
         case 0:
-            p[i] = ascii_upper(c);
+            put_case(&b, cp, true, false);
             break;
         case 1:
-            p[i] = ascii_lower(c);
+            put_case(&b, cp, false, false);
             break;
         case 2:
-            p[i] = i == 0 ? ascii_upper(c) : ascii_lower(c);
+            put_case(&b, cp, k == 0, k == 0);
             break;
         case 3:
-            p[i] = prev_alpha ? ascii_lower(c) : ascii_upper(c);
-            prev_alpha = ascii_alpha(c) || (unsigned char)c >= 0x80;
+            put_case(&b, cp, !prev_cased, !prev_cased);
+            prev_cased = cp_cased(cp);
             break;
         default:
-            p[i] = c >= 'a' && c <= 'z' ? ascii_upper(c) : ascii_lower(c);
+            put_case(&b, cp, cp_case(cp, false) == cp, false);
         }
+        i += len;
     }
-    *out = v_strn(p, s.u.str.n);
-    return charge(r, s.u.str.n / 64) ? TDM_OK : r->rc;
+    int rc = sb_to_val(r, &b, out);
+    free(b.data);
+    if (rc == TDM_OK && !charge(r, s.u.str.n / 64))
+        return r->rc;
+    return rc;
 }
 
 static int do_replace(struct render *r, struct val s, struct val old, struct val new_,
@@ -1228,26 +1277,27 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
             return rc;
         return map_case(r, s, idx == F_UPPER ? 0 : idx == F_LOWER ? 1 : 2, out);
     case F_TITLE: {
-        // Jinja: words split on [-\s({[<]+, each word's first char upper, rest lower.
+        // Jinja: words split on [-\s({[<]+; each word's first character upper, the
+        // rest lower.
         if ((rc = soft_str(r, in, &s)) != TDM_OK)
             return rc;
-        char *p = cstr(r, s.u.str.s, s.u.str.n);
-        if (!p)
-            return oom_cap(r);
+        struct strbuf tb = {.limit = CHAT_MAX_STRING};
         bool start = true;
-        for (size_t i = 0; i < s.u.str.n; i++) {
-            char c = p[i];
-            bool sep = c == '-' || c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' ||
-                       c == '\v' || c == '(' || c == '{' || c == '[' || c == '<';
-            if (sep) {
-                start = true;
-                continue;
-            }
-            p[i] = start ? ascii_upper(c) : ascii_lower(c);
-            start = false;
+        for (size_t i = 0; i < s.u.str.n;) {
+            uint32_t cp;
+            size_t len = utf8_next(s.u.str.s, s.u.str.n, i, &cp);
+            bool sep = cp == '-' || py_isspace(cp) || cp == '(' || cp == '{' || cp == '[' ||
+                       cp == '<';
+            if (sep)
+                sb_addn(&tb, s.u.str.s + i, len);
+            else
+                put_case(&tb, cp, start, start);
+            start = sep;
+            i += len;
         }
-        *out = v_strn(p, s.u.str.n);
-        return TDM_OK;
+        rc = sb_to_val(r, &tb, out);
+        free(tb.data);
+        return rc;
     }
     case F_COUNT:
     case F_LENGTH:

@@ -6,9 +6,10 @@
 # over the conversations in corpus.json (tools, assistant tool calls, tool results,
 # empty content, unicode) with Jinja2 set up as HF's apply_chat_template sets it,
 # and checks that chat_render_driver --raw (tdm_chat_render_json) prints the same
-# bytes, or fails where Jinja2 fails.
+# bytes, or fails where Jinja2 fails. --extra DIR adds the templates there
+# (ref/templates: Tandem's own templates exercising Jinja2/Python semantics).
 #
-#   template_corpus.py --driver PATH --corpus corpus.json --shared DIR
+#   template_corpus.py --driver PATH --corpus corpus.json --shared DIR [--extra DIR]
 #
 # Exit 0: all equal; 1: a mismatch; 77: skipped (no jinja2, or no shared folder).
 import argparse
@@ -47,6 +48,7 @@ def main():
     ap.add_argument("--driver", required=True)
     ap.add_argument("--corpus", required=True)
     ap.add_argument("--shared", required=True)
+    ap.add_argument("--extra", help="a folder of more .jinja templates")
     ap.add_argument("-v", action="store_true", help="print every comparison")
     args = ap.parse_args()
     try:
@@ -66,10 +68,13 @@ def main():
 
     # name -> (template text, special tokens, driver arguments)
     templates = {}
-    for name in sorted(os.listdir(tdir)):
+    paths = [os.path.join(tdir, n) for n in sorted(os.listdir(tdir))]
+    if args.extra:
+        paths += [os.path.join(args.extra, n) for n in sorted(os.listdir(args.extra))]
+    for path in paths:
+        name = os.path.basename(path)
         if not name.endswith(".jinja"):
             continue
-        path = os.path.join(tdir, name)
         with open(path, encoding="utf-8") as f:
             text = f.read()
         specials = dict(corpus["special_tokens"].get(name, {}))
