@@ -968,6 +968,17 @@ static int do_tojson(struct render *r, struct val v, const struct val *args,
     // HF: tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
     struct tojson_opts o = {.indent = -1, .item_sep = ", ", .key_sep = ": "};
     struct val a;
+    static const char *const known[] = {"ensure_ascii", "indent", "separators", "sort_keys"};
+    for (size_t i = 0; i < nargs; i++) {
+        bool ok = !names || !names[i];
+        for (size_t k = 0; k < 4 && !ok; k++)
+            ok = strcmp(names[i], known[k]) == 0;
+        if (!ok)
+            return rerr(r, TDM_EINVAL, "tojson() got an unexpected keyword argument '%s'",
+                        names[i]);
+    }
+    if (npositional(names, nargs) > 4)
+        return rerr(r, TDM_EINVAL, "tojson() takes at most 5 arguments");
     if (arg(args, names, nargs, 0, "ensure_ascii", &a))
         o.ensure_ascii = v_truthy(a);
     if (arg(args, names, nargs, 1, "indent", &a) && a.kind != V_NONE) {

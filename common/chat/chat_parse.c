@@ -770,6 +770,34 @@ static struct node *parse_expr(struct parser *p)
     return nd;
 }
 
+// Jinja's parse_tuple: "a, b" without parentheses is a tuple (in {{ }}, if, for
+// and set); condexpr false leaves a trailing "if" to the statement (if tests and
+// for iterables do not take inline ifs).
+static struct node *parse_tuple(struct parser *p, bool condexpr)
+{
+    int line = cur(p)->line;
+    struct node *first = condexpr ? parse_expr(p) : parse_or(p);
+    if (!first || !tok_op(cur(p), ","))
+        return first;
+    struct node *tup = mk(p, N_TUPLE, line);
+    struct kids k = {0};
+    if (!tup || kids_push(p, &k, first, NULL) != TDM_OK)
+        return NULL;
+    while (tok_op(cur(p), ",") && p->rc == TDM_OK) {
+        next(p);
+        const struct token *t = cur(p);
+        if (t->kind == T_VAR_END || t->kind == T_BLOCK_END || tok_op(t, ")") ||
+            tok_name(t, "recursive"))
+            break;
+        struct node *item = condexpr ? parse_expr(p) : parse_or(p);
+        if (!item || kids_push(p, &k, item, NULL) != TDM_OK)
+            break;
+    }
+    if (kids_finish(p, &k, tup, false) != TDM_OK || p->rc != TDM_OK)
+        return NULL;
+    return tup;
+}
+
 // ---- statements ----------------------------------------------------------------------
 
 static struct node *parse_body(struct parser *p, const char *const *ends, const char **which,
@@ -793,7 +821,7 @@ static struct node *parse_if(struct parser *p, int line)
     struct node *nd = mk(p, N_IF, line);
     if (!nd)
         return NULL;
-    nd->a = parse_expr(p);
+    nd->a = parse_tuple(p, false);
     if (!nd->a || end_block(p) != TDM_OK)
         return NULL;
     static const char *const ends[] = {"elif", "else", "endif", NULL};
@@ -886,7 +914,7 @@ static struct node *parse_for(struct parser *p, int line)
         return NULL;
     }
     next(p);
-    nd->a = parse_or(p); // no inline if here: 'if' starts the loop filter
+    nd->a = parse_tuple(p, false); // no inline if here: 'if' starts the loop filter
     if (!nd->a)
         return NULL;
     if (tok_name(cur(p), "if")) {
@@ -943,23 +971,7 @@ static struct node *parse_set(struct parser *p, int line)
         return NULL;
     if (tok_op(cur(p), "=")) {
         next(p);
-        struct node *v = parse_expr(p);
-        if (v && tok_op(cur(p), ",")) { // set a = 1, 2 makes a tuple
-            struct node *tup = mk(p, N_TUPLE, line);
-            struct kids k = {0};
-            if (!tup || kids_push(p, &k, v, NULL) != TDM_OK)
-                return NULL;
-            while (tok_op(cur(p), ",") && p->rc == TDM_OK) {
-                next(p);
-                struct node *item = parse_expr(p);
-                if (!item || kids_push(p, &k, item, NULL) != TDM_OK)
-                    break;
-            }
-            if (kids_finish(p, &k, tup, false) != TDM_OK || p->rc != TDM_OK)
-                return NULL;
-            v = tup;
-        }
-        nd->b = v;
+        nd->b = parse_tuple(p, true); // set a = 1, 2 makes a tuple
         if (!nd->b || end_block(p) != TDM_OK)
             return NULL;
         return nd;
@@ -1162,7 +1174,7 @@ static struct node *parse_body(struct parser *p, const char *const *ends, const 
             next(p);
             nd = mk(p, N_OUTPUT, t->line);
             if (nd) {
-                nd->a = parse_expr(p);
+                nd->a = parse_tuple(p, true);
                 if (!nd->a || expect_kind(p, T_VAR_END, "'}}'") != TDM_OK)
                     nd = NULL;
             }

@@ -665,9 +665,8 @@ static int text_or_repr(struct render *r, struct val v, struct strbuf *b, bool r
         return r->rc;
     switch (v.kind) {
     case V_UNDEF:
-        if (repr)
-            return rerr(r, TDM_EINVAL, "'%s' is undefined",
-                        v.u.undef_name ? v.u.undef_name : "value");
+        if (repr) // repr(jinja2.Undefined()), e.g. inside a printed dict
+            sb_add(b, "Undefined");
         return TDM_OK;
     case V_NONE:
         sb_add(b, "None");
