@@ -18,15 +18,17 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core.h"
+
 // ---- limits (stated in docs/chat-templates.md) -----------------------------------
-#define CHAT_MAX_OUTPUT (8u << 20)  // bytes of rendered prompt
-#define CHAT_MAX_STRING (8u << 20)  // bytes of any one string value
-#define CHAT_MAX_ARENA (128u << 20) // bytes of values made by one render
-#define CHAT_MAX_ITERATIONS 200000  // loop iterations in one render, all loops
-#define CHAT_MAX_CALL_DEPTH 64      // nested macro / caller() calls
-#define CHAT_MAX_NEST 128           // nesting of template blocks and expressions
-#define CHAT_MAX_JSON_DEPTH 128     // nesting of messages/tools JSON
-#define CHAT_MAX_WORK 100000000ull  // node evaluations + bytes scanned, one render
+#define CHAT_MAX_OUTPUT (8u << 20)             // bytes of rendered prompt
+#define CHAT_MAX_STRING (8u << 20)             // bytes of any one string value
+#define CHAT_MAX_ARENA (128u << 20)            // bytes of values made by one render
+#define CHAT_MAX_ITERATIONS 200000             // loop iterations in one render, all loops
+#define CHAT_MAX_CALL_DEPTH 64                 // nested macro / caller() calls
+#define CHAT_MAX_NEST 128                      // nesting of template blocks and expressions
+#define CHAT_MAX_JSON_DEPTH TDM_JSON_MAX_DEPTH // nesting of messages/tools JSON (core.h)
+#define CHAT_MAX_WORK 100000000ull             // node evaluations + bytes scanned, one render
 
 // ---- arena -------------------------------------------------------------------------
 struct arena_chunk;
