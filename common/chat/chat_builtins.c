@@ -815,6 +815,12 @@ int builtin_test(struct render *r, int idx, struct val v, const struct val *args
 {
     struct val a = nargs ? args[0] : v_undef(NULL);
     int cmp;
+    bool binary = idx == T_DIVISIBLEBY || idx == T_EQ || idx == T_EQUALTO || idx == T_NE ||
+                  idx == T_SAMEAS || idx == T_GE || idx == T_GT || idx == T_GREATERTHAN ||
+                  idx == T_LE || idx == T_LT || idx == T_LESSTHAN || idx == T_IN;
+    if (nargs != (binary ? 1u : 0u))
+        return rerr(r, TDM_EINVAL, "test '%s' takes %d argument(s), got %zu", test_names[idx],
+                    binary ? 1 : 0, nargs);
     switch (idx) {
     case T_BOOLEAN:
         *out = v.kind == V_BOOL;
@@ -1297,8 +1303,8 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
         for (size_t i = 0; i < s.u.str.n;) {
             uint32_t cp;
             size_t len = utf8_next(s.u.str.s, s.u.str.n, i, &cp);
-            bool sep = cp == '-' || py_isspace(cp) || cp == '(' || cp == '{' || cp == '[' ||
-                       cp == '<';
+            bool sep =
+                cp == '-' || py_isspace(cp) || cp == '(' || cp == '{' || cp == '[' || cp == '<';
             if (sep)
                 sb_addn(&tb, s.u.str.s + i, len);
             else

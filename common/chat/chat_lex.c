@@ -209,6 +209,24 @@ static int lex_number(struct lexer *L, struct token *t)
     char buf[80];
     size_t o = 0;
     bool is_float = false;
+    // Jinja's integer rule is [1-9](_?\d)* | 0(_?0)*: "01" is two tokens, 0 and 1,
+    // unless a '.' or exponent makes it a float (floats may start with zeros).
+    size_t digits_end = j;
+    while (digits_end < L->n && (is_digit(L->s[digits_end]) || L->s[digits_end] == '_'))
+        digits_end++;
+    bool float_follows =
+        digits_end < L->n &&
+        (L->s[digits_end] == 'e' || L->s[digits_end] == 'E' ||
+         (L->s[digits_end] == '.' && digits_end + 1 < L->n && is_digit(L->s[digits_end + 1])));
+    if (L->s[j] == '0' && !float_follows) {
+        while (j < L->n &&
+               (L->s[j] == '0' || (L->s[j] == '_' && j + 1 < L->n && L->s[j + 1] == '0')))
+            j++;
+        t->kind = T_INT;
+        t->i = 0;
+        advance(L, j);
+        return TDM_OK;
+    }
     while (j < L->n && (is_digit(L->s[j]) || L->s[j] == '_')) {
         if (L->s[j] != '_' && o < sizeof buf - 1)
             buf[o++] = L->s[j];

@@ -297,6 +297,8 @@ static void test_load_errors(void **state)
         {"{{ a b }}", "expected '}}', got 'b'"},
         {"{# never closed", "unterminated comment"},
         {"{{ 1 + }}", "expected an expression"},
+        {"{{ 01 }}", "expected '}}', got a number"}, // Jinja lexes 01 as 0, 1
+        {"{% if a if b else c %}{% endif %}", "expected '%}', got 'if'"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         struct tdm_chat_template *t = NULL;
@@ -385,6 +387,8 @@ static void test_hostile(void **state)
          TDM_ECAPACITY, "steps (limit)"},
         {"{{ messages[0].content.missing.deeper }}", TDM_EINVAL, "is undefined"},
         {"{{ 1 // 0 }}", TDM_EINVAL, "division or modulo by zero"},
+        {"{{ 1 is ne }}", TDM_EINVAL, "test 'ne' takes 1 argument(s), got 0"},
+        {"{{ [1] | tojson(ensure_asci=true) }}", TDM_EINVAL, "unexpected keyword argument"},
         {"{{ 9223372036854775807 + 1 }}", TDM_EINVAL, "integer overflow"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
