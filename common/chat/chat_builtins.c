@@ -62,12 +62,7 @@ static const char *find_bytes(const char *h, size_t hn, const char *n, size_t nn
 {
     if (nn == 0)
         return h;
-    if (nn > hn)
-        return NULL;
-    for (size_t i = 0; i + nn <= hn; i++)
-        if (h[i] == n[0] && memcmp(h + i, n, nn) == 0)
-            return h + i;
-    return NULL;
+    return memmem(h, hn, n, nn); // glibc's two-way search (the build defines _GNU_SOURCE)
 }
 
 static int need_str(struct render *r, struct val v, const char *what)
@@ -112,7 +107,7 @@ static int do_strip(struct render *r, struct val s, struct val chars, bool left,
     bool use_chars = chars.kind == V_STR;
     if (!use_chars && chars.kind != V_NONE && chars.kind != V_UNDEF)
         return rerr(r, TDM_EINVAL, "strip arg must be None or str");
-    if (!charge(r, n / 16))
+    if (!charge(r, n / 2))
         return r->rc;
     // Walk code points, remembering the first and last kept.
     size_t first_keep = n, last_keep_end = 0;
@@ -226,7 +221,7 @@ static int map_case(struct render *r, struct val s, int mode, struct val *out)
     }
     int rc = sb_to_val(r, &b, out);
     free(b.data);
-    if (rc == TDM_OK && !charge(r, s.u.str.n / 64))
+    if (rc == TDM_OK && !charge(r, s.u.str.n / 2))
         return r->rc;
     return rc;
 }
@@ -265,7 +260,7 @@ static int do_replace(struct render *r, struct val s, struct val old, struct val
         }
         sb_addn(&b, p, (size_t)(end - p));
     }
-    if (!charge(r, s.u.str.n / 16))
+    if (!charge(r, s.u.str.n / 2))
         return r->rc;
     int rc = sb_to_val(r, &b, out);
     free(b.data);
@@ -286,7 +281,7 @@ static int do_split(struct render *r, struct val s, struct val sep, int64_t maxs
     struct vlist *l = out->u.list;
     const char *p = s.u.str.s;
     size_t n = s.u.str.n;
-    if (!charge(r, n / 16))
+    if (!charge(r, n / 2))
         return r->rc;
     if (sep.kind == V_STR) {
         if (sep.u.str.n == 0)

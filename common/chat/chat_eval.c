@@ -123,7 +123,7 @@ static int str_concat(struct render *r, struct val a, struct val b, struct val *
             memcpy(p, a.u.str.s, a.u.str.n);
         if (b.u.str.n)
             memcpy(p + a.u.str.n, b.u.str.s, b.u.str.n);
-        if (!charge(r, (a.u.str.n + b.u.str.n) / 64))
+        if (!charge(r, (a.u.str.n + b.u.str.n) / 16))
             return r->rc;
         *out = v_strn(p, a.u.str.n + b.u.str.n);
         return TDM_OK;
@@ -278,7 +278,7 @@ static int arith(struct render *r, const char *op, struct val a, struct val b, s
 
 static int contains(struct render *r, struct val hay, struct val needle, bool *out)
 {
-    if (hay.kind == V_STR && !charge(r, hay.u.str.n / 16))
+    if (hay.kind == V_STR && !charge(r, hay.u.str.n / 4))
         return r->rc;
     if (hay.kind == V_LIST && !charge(r, hay.u.list->n))
         return r->rc;

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -351,6 +352,53 @@ static void test_missing_and_override(void **state)
     assert_null(t);
 }
 
+// A loaded template is immutable: threads rendering it at once get the same bytes.
+struct render_job {
+    const struct tdm_chat_template *t;
+    const char *want;
+    int bad;
+};
+
+static void *render_many(void *arg)
+{
+    struct render_job *job = arg;
+    for (int i = 0; i < 300; i++) {
+        char err[256], *out = NULL;
+        if (tdm_chat_render_json(job->t,
+                                 "[{\"role\":\"system\",\"content\":\"S\"},{\"role\":"
+                                 "\"user\",\"content\":\"Hi \u00e9\"}]",
+                                 "[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]", true,
+                                 &out, err, sizeof err) != TDM_OK ||
+            strcmp(out, job->want) != 0)
+            job->bad++;
+        free(out);
+    }
+    return NULL;
+}
+
+static void test_concurrent_renders(void **state)
+{
+    (void)state;
+    struct tdm_chat_template *t = make(NULL, "qwen2");
+    char *want = render_raw(t,
+                            "[{\"role\":\"system\",\"content\":\"S\"},{\"role\":\"user\","
+                            "\"content\":\"Hi \u00e9\"}]",
+                            "[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]", true);
+    assert_non_null(strstr(want, "{\"type\": \"function\", \"function\": {\"name\": \"f\"}}"));
+    pthread_t th[4];
+    struct render_job jobs[4];
+    for (int i = 0; i < 4; i++) {
+        jobs[i] = (struct render_job){.t = t, .want = want};
+        assert_int_equal(pthread_create(&th[i], NULL, render_many, &jobs[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        assert_int_equal(jobs[i].bad, 0);
+    }
+    free(want);
+    tdm_chat_template_free(t);
+}
+
 // ---- hostile templates and inputs ----------------------------------------------------
 
 static double now_s(void)
@@ -606,6 +654,7 @@ int main(void)
         cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_missing_and_override),
         cmocka_unit_test(test_hostile),
+        cmocka_unit_test(test_concurrent_renders),
         cmocka_unit_test(test_qwen2_render),
         cmocka_unit_test(test_chatml_render),
         cmocka_unit_test(test_llama3_render),

@@ -175,7 +175,7 @@ int v_str_copy(struct render *r, const char *s, size_t n, struct val *out)
     if (!p)
         return rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
                     CHAT_MAX_ARENA >> 20);
-    if (!charge(r, n / 64))
+    if (!charge(r, n / 16))
         return r->rc;
     *out = v_strn(p, n);
     return TDM_OK;
