@@ -178,6 +178,7 @@ int tdm_chat_render_json(const struct tdm_chat_template *t, const char *messages
     struct render r = {
         .arena = {.cap = CHAT_MAX_ARENA}, .out = &prompt, .err = err, .errlen = errlen};
     struct val messages, tools = v_none();
+    r.stack_base = (uintptr_t)__builtin_frame_address(0);
     r.globals = arena_alloc(&r.arena, sizeof *r.globals);
     int rc = r.globals ? TDM_OK : rerr(&r, TDM_ENOMEM, "out of memory");
     if (rc == TDM_OK)

@@ -525,7 +525,7 @@ static int eval_filter(struct render *r, const struct node *nd, struct scope *sc
 
 static int eval(struct render *r, const struct node *nd, struct scope *sc, struct val *out)
 {
-    if (!charge(r, 1))
+    if (!charge(r, 1) || !stack_ok(r))
         return r->rc;
     struct val a, b;
     int rc;
@@ -735,7 +735,7 @@ static int exec(struct render *r, const struct node *nd, struct scope *sc)
 {
     struct val v;
     int rc;
-    if (!charge(r, 1))
+    if (!charge(r, 1) || !stack_ok(r))
         return r->rc;
     if (nd->kind != N_BODY)
         r->line = nd->line;

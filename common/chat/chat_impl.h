@@ -28,7 +28,14 @@
 #define CHAT_MAX_CALL_DEPTH 64                 // nested macro / caller() calls
 #define CHAT_MAX_NEST 128                      // nesting of template blocks and expressions
 #define CHAT_MAX_JSON_DEPTH TDM_JSON_MAX_DEPTH // nesting of messages/tools JSON (core.h)
-#define CHAT_MAX_WORK 100000000ull             // node evaluations + bytes scanned, one render
+// Bytes of C stack one render may use; sanitizer builds have frames about twice
+// as large, so they get twice the budget.
+#if defined(__SANITIZE_ADDRESS__)
+#define CHAT_MAX_STACK (96u << 10)
+#else
+#define CHAT_MAX_STACK (48u << 10)
+#endif
+#define CHAT_MAX_WORK 100000000ull  // node evaluations + weighted bytes scanned/copied
 
 // ---- arena -------------------------------------------------------------------------
 struct arena_chunk;
@@ -141,7 +148,13 @@ struct render {
     int call_depth;
     uint64_t work; // CHAT_MAX_WORK
     int loop_ctl;  // 1: break, 2: continue pending
+    uintptr_t stack_base; // frame address where the render started
+    size_t stack_peak;    // deepest stack use seen (bytes)
 };
+
+// Fails the render once its recursion has used CHAT_MAX_STACK bytes of C stack:
+// renders run on HTTP worker threads, whose stacks are small (about 100 KiB).
+bool stack_ok(struct render *r);
 
 int rerr(struct render *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 bool charge(struct render *r, uint64_t units); // false (and an error) past CHAT_MAX_WORK

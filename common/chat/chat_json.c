@@ -187,7 +187,7 @@ static int jp_value(struct jp *p, struct val *out, int depth)
     if (depth > CHAT_MAX_JSON_DEPTH)
         return rerr(p->r, TDM_EINVAL, "%s: JSON nested deeper than %d (limit)", p->what,
                     CHAT_MAX_JSON_DEPTH);
-    if (!charge(p->r, 1))
+    if (!charge(p->r, 1) || !stack_ok(p->r))
         return p->r->rc;
     jp_ws(p);
     if (p->i >= p->n)
@@ -389,7 +389,7 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
     char num[64];
     if (level > CHAT_MAX_JSON_DEPTH)
         return rerr(r, TDM_EINVAL, "tojson: nested deeper than %d (limit)", CHAT_MAX_JSON_DEPTH);
-    if (!charge(r, 1))
+    if (!charge(r, 1) || !stack_ok(r))
         return r->rc;
     switch (v.kind) {
     case V_NONE:
@@ -444,13 +444,18 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
             sb_add(b, "{}");
             return TDM_OK;
         }
-        size_t order_stack[64], *order = order_stack;
-        if (d->n > 64 && !(order = malloc(d->n * sizeof *order)))
-            return rerr(r, TDM_ENOMEM, "out of memory");
-        for (size_t i = 0; i < d->n; i++)
-            order[i] = i;
+        // Key order: insertion order, or sorted (heap, so deep nesting stays cheap
+        // on the stack).
+        size_t *order = NULL;
+        if (o->sort_keys) {
+            order = malloc(d->n * sizeof *order);
+            if (!order)
+                return rerr(r, TDM_ENOMEM, "out of memory");
+            for (size_t i = 0; i < d->n; i++)
+                order[i] = i;
+        }
         int rc = TDM_OK;
-        if (o->sort_keys) { // insertion sort: dicts in templates are small
+        if (order) { // insertion sort: dicts in templates are small
             for (size_t i = 1; i < d->n && rc == TDM_OK; i++) {
                 size_t k = order[i], j = i;
                 while (j > 0) {
@@ -473,17 +478,17 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
             if (indenting(o))
                 newline_indent(b, o, level + 1);
             struct strbuf kb = {0};
-            rc = key_text(r, d->keys[order[i]], &kb);
+            size_t k = order ? order[i] : i;
+            rc = key_text(r, d->keys[k], &kb);
             if (rc == TDM_OK)
                 json_string(b, kb.data ? kb.data : "", kb.len, o->ensure_ascii);
             free(kb.data);
             if (rc == TDM_OK) {
                 sb_add(b, o->key_sep);
-                rc = dump(r, d->vals[order[i]], o, b, level + 1);
+                rc = dump(r, d->vals[k], o, b, level + 1);
             }
         }
-        if (order != order_stack)
-            free(order);
+        free(order);
         if (rc != TDM_OK)
             return rc;
         if (indenting(o))

@@ -352,6 +352,68 @@ static void test_missing_and_override(void **state)
     assert_null(t);
 }
 
+// Renders run on HTTP worker threads with small stacks (civetweb: about 100 KiB):
+// recursion stops at CHAT_MAX_STACK, long before such a stack overflows, while
+// modest recursion (nested tool schemas) still renders.
+static void *render_on_small_stack(void *arg)
+{
+    int *failures = arg;
+    struct tdm_chat_template *t = NULL;
+    char err[512], *out = NULL;
+    // Each call level nests 8 blocks and a 24-deep expression: within the call-depth
+    // limit (64) this would need several hundred KiB of stack without the guard.
+    char rec[1024];
+    size_t o = (size_t)snprintf(rec, sizeof rec, "{%% macro f(n) %%}");
+    for (int k = 0; k < 8; k++)
+        o += (size_t)snprintf(rec + o, sizeof rec - o, "{%% if true %%}");
+    o += (size_t)snprintf(rec + o, sizeof rec - o, "{{ ");
+    for (int k = 0; k < 24; k++)
+        o += (size_t)snprintf(rec + o, sizeof rec - o, "'' ~ (");
+    o += (size_t)snprintf(rec + o, sizeof rec - o, "f(n + 1)");
+    for (int k = 0; k < 24; k++)
+        rec[o++] = ')';
+    o += (size_t)snprintf(rec + o, sizeof rec - o, " }}");
+    for (int k = 0; k < 8; k++)
+        o += (size_t)snprintf(rec + o, sizeof rec - o, "{%% endif %%}");
+    snprintf(rec + o, sizeof rec - o, "{%% endmacro %%}{{ f(0) }}");
+    if (tdm_chat_template_new(&t, rec, NULL, err, sizeof err) != TDM_OK ||
+        tdm_chat_render_json(t, "[]", NULL, true, &out, err, sizeof err) != TDM_ECAPACITY ||
+        !strstr(err, "of stack (limit)"))
+        (*failures)++;
+    tdm_chat_template_free(t);
+    if (tdm_chat_template_new(&t,
+                              "{% macro f(n) %}{% if n > 0 %}[{{ f(n - 1) }}]{% endif %}"
+                              "{% endmacro %}{{ f(20) }}{{ messages | tojson }}",
+                              NULL, err, sizeof err) != TDM_OK)
+        (*failures)++;
+    char deep[300];
+    memset(deep, '[', 127);
+    memset(deep + 127, ']', 127);
+    deep[254] = '\0';
+    int rc = tdm_chat_render_json(t, deep, NULL, true, &out, err, sizeof err);
+    if (rc != TDM_OK)
+        fprintf(stderr, "small stack: %s\n", err);
+    if (rc != TDM_OK || strncmp(out, "[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]][[[", 43) != 0)
+        (*failures)++;
+    free(out);
+    tdm_chat_template_free(t);
+    return NULL;
+}
+
+static void test_small_stack(void **state)
+{
+    (void)state;
+    pthread_attr_t attr;
+    pthread_t th;
+    int failures = 0;
+    assert_int_equal(pthread_attr_init(&attr), 0);
+    assert_int_equal(pthread_attr_setstacksize(&attr, 128 << 10), 0);
+    assert_int_equal(pthread_create(&th, &attr, render_on_small_stack, &failures), 0);
+    pthread_join(th, NULL);
+    pthread_attr_destroy(&attr);
+    assert_int_equal(failures, 0);
+}
+
 // A loaded template is immutable: threads rendering it at once get the same bytes.
 struct render_job {
     const struct tdm_chat_template *t;
@@ -417,7 +479,9 @@ static void test_hostile(void **state)
         const char *needle;
     } cases[] = {
         {"{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", TDM_ECAPACITY,
-         "macro calls nested deeper than 64"},
+         "of stack (limit)"},
+        {"{% macro f(n) %}{% for i in [1] %}{{ f(n) }}{% endfor %}{% endmacro %}{{ f(0) }}",
+         TDM_ECAPACITY, "(limit)"},
         {"{% for i in range(1000000) %}{% endfor %}", TDM_ECAPACITY, "range too big"},
         {"{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
          TDM_ECAPACITY, "loop iterations (limit)"},
@@ -655,6 +719,7 @@ int main(void)
         cmocka_unit_test(test_missing_and_override),
         cmocka_unit_test(test_hostile),
         cmocka_unit_test(test_concurrent_renders),
+        cmocka_unit_test(test_small_stack),
         cmocka_unit_test(test_qwen2_render),
         cmocka_unit_test(test_chatml_render),
         cmocka_unit_test(test_llama3_render),

@@ -140,6 +140,20 @@ bool charge(struct render *r, uint64_t units)
     return true;
 }
 
+bool stack_ok(struct render *r)
+{
+    uintptr_t here = (uintptr_t)__builtin_frame_address(0);
+    size_t used = r->stack_base > here ? r->stack_base - here : here - r->stack_base;
+    if (used > r->stack_peak)
+        r->stack_peak = used;
+    if (used > CHAT_MAX_STACK) {
+        rerr(r, TDM_ECAPACITY, "the template recursed past %u KiB of stack (limit)",
+             CHAT_MAX_STACK >> 10);
+        return false;
+    }
+    return true;
+}
+
 // ---- constructors ------------------------------------------------------------------
 
 struct val v_undef(const char *name)
@@ -661,7 +675,7 @@ static void str_repr(struct strbuf *b, const char *s, size_t n)
 static int text_or_repr(struct render *r, struct val v, struct strbuf *b, bool repr)
 {
     char num[64];
-    if (!charge(r, 1))
+    if (!charge(r, 1) || !stack_ok(r))
         return r->rc;
     switch (v.kind) {
     case V_UNDEF:
