@@ -35,7 +35,7 @@
 #else
 #define CHAT_MAX_STACK (48u << 10)
 #endif
-#define CHAT_MAX_WORK 100000000ull  // node evaluations + weighted bytes scanned/copied
+#define CHAT_MAX_WORK 100000000ull // node evaluations + weighted bytes scanned/copied
 
 // ---- arena -------------------------------------------------------------------------
 struct arena_chunk;
@@ -146,10 +146,9 @@ struct render {
     int line;           // line of the statement being run, for errors
     int64_t iterations; // loop iterations so far (CHAT_MAX_ITERATIONS)
     int call_depth;
-    uint64_t work; // CHAT_MAX_WORK
-    int loop_ctl;  // 1: break, 2: continue pending
+    uint64_t work;        // CHAT_MAX_WORK
+    int loop_ctl;         // 1: break, 2: continue pending
     uintptr_t stack_base; // frame address where the render started
-    size_t stack_peak;    // deepest stack use seen (bytes)
 };
 
 // Fails the render once its recursion has used CHAT_MAX_STACK bytes of C stack:

@@ -144,8 +144,6 @@ bool stack_ok(struct render *r)
 {
     uintptr_t here = (uintptr_t)__builtin_frame_address(0);
     size_t used = r->stack_base > here ? r->stack_base - here : here - r->stack_base;
-    if (used > r->stack_peak)
-        r->stack_peak = used;
     if (used > CHAT_MAX_STACK) {
         rerr(r, TDM_ECAPACITY, "the template recursed past %u KiB of stack (limit)",
              CHAT_MAX_STACK >> 10);
