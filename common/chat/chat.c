@@ -33,7 +33,7 @@ struct tdm_chat_template {
 static int sb_finish(struct strbuf *b, char **out, char *err, size_t errlen)
 {
     if (!b->oom && !b->data) { // nothing was appended: an empty string
-        sb_addn(b, "", 0);
+        chat_sb_addn(b, "", 0);
     }
     if (b->oom) {
         free(b->data);
@@ -117,7 +117,7 @@ void tdm_chat_template_free(struct tdm_chat_template *t)
         free(t->vars[i].name);
         free(t->vars[i].value);
     }
-    arena_free(&t->arena);
+    chat_arena_free(&t->arena);
     free(t);
 }
 
@@ -177,29 +177,29 @@ int tdm_chat_render_json(const struct tdm_chat_template *t, const char *messages
     struct strbuf prompt = {.limit = CHAT_MAX_OUTPUT};
     struct render r = {
         .arena = {.cap = CHAT_MAX_ARENA}, .out = &prompt, .err = err, .errlen = errlen};
-    struct val messages, tools = v_none();
+    struct val messages, tools = chat_v_none();
     r.stack_base = (uintptr_t)__builtin_frame_address(0);
-    r.globals = arena_alloc(&r.arena, sizeof *r.globals);
-    int rc = r.globals ? TDM_OK : rerr(&r, TDM_ENOMEM, "out of memory");
+    r.globals = chat_arena_alloc(&r.arena, sizeof *r.globals);
+    int rc = r.globals ? TDM_OK : chat_rerr(&r, TDM_ENOMEM, "out of memory");
     if (rc == TDM_OK)
-        rc = json_to_val(&r, messages_json, strlen(messages_json), "messages", &messages);
+        rc = chat_json_to_val(&r, messages_json, strlen(messages_json), "messages", &messages);
     if (rc == TDM_OK && tools_json)
-        rc = json_to_val(&r, tools_json, strlen(tools_json), "tools", &tools);
-#define SETV(name, v) v_dict_set(&r, &r.globals->vars, v_strn(name, strlen(name)), v)
+        rc = chat_json_to_val(&r, tools_json, strlen(tools_json), "tools", &tools);
+#define SETV(name, v) chat_v_dict_set(&r, &r.globals->vars, chat_v_strn(name, strlen(name)), v)
     for (size_t i = 0; i < t->nvars && rc == TDM_OK; i++)
-        rc = SETV(t->vars[i].name, v_strn(t->vars[i].value, strlen(t->vars[i].value)));
+        rc = SETV(t->vars[i].name, chat_v_strn(t->vars[i].value, strlen(t->vars[i].value)));
     if (rc == TDM_OK)
         rc = SETV("messages", messages);
     if (rc == TDM_OK)
         rc = SETV("tools", tools);
     if (rc == TDM_OK)
-        rc = SETV("documents", v_none());
+        rc = SETV("documents", chat_v_none());
     if (rc == TDM_OK)
-        rc = SETV("add_generation_prompt", v_bool(add_generation_prompt));
+        rc = SETV("add_generation_prompt", chat_v_bool(add_generation_prompt));
 #undef SETV
     if (rc == TDM_OK)
         rc = chat_eval_render(&r, t->root);
-    arena_free(&r.arena);
+    chat_arena_free(&r.arena);
     if (rc != TDM_OK) {
         free(prompt.data);
         return rc;
@@ -274,8 +274,8 @@ static int join_text_parts(const cJSON *parts, size_t idx, char **out, char *err
                               "messages[%zu].content[%zu].text must be a string", idx, j);
         }
         if (ntext++ > 0)
-            sb_addc(&b, '\n');
-        sb_add(&b, text->valuestring);
+            chat_sb_addc(&b, '\n');
+        chat_sb_add(&b, text->valuestring);
         j++;
     }
     return sb_finish(&b, out, err, errlen);

@@ -26,8 +26,8 @@
 
 static int oom_cap(struct render *r)
 {
-    return rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
-                CHAT_MAX_ARENA >> 20);
+    return chat_rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
+                     CHAT_MAX_ARENA >> 20);
 }
 
 // Finds an argument by position (before any keyword) or by keyword name.
@@ -70,8 +70,9 @@ static int need_str(struct render *r, struct val v, const char *what)
     if (v.kind == V_STR)
         return TDM_OK;
     if (v.kind == V_UNDEF)
-        return rerr(r, TDM_EINVAL, "'%s' is undefined", v.u.undef_name ? v.u.undef_name : "value");
-    return rerr(r, TDM_EINVAL, "%s: expected a string, got %s", what, v_type_name(v));
+        return chat_rerr(r, TDM_EINVAL, "'%s' is undefined",
+                         v.u.undef_name ? v.u.undef_name : "value");
+    return chat_rerr(r, TDM_EINVAL, "%s: expected a string, got %s", what, chat_v_type_name(v));
 }
 
 static int need_int(struct render *r, struct val v, const char *what, int64_t *out)
@@ -80,7 +81,7 @@ static int need_int(struct render *r, struct val v, const char *what, int64_t *o
         *out = v.kind == V_INT ? v.u.i : v.u.b;
         return TDM_OK;
     }
-    return rerr(r, TDM_EINVAL, "%s: expected an integer, got %s", what, v_type_name(v));
+    return chat_rerr(r, TDM_EINVAL, "%s: expected an integer, got %s", what, chat_v_type_name(v));
 }
 
 static char ascii_upper(char c)
@@ -106,26 +107,26 @@ static int do_strip(struct render *r, struct val s, struct val chars, bool left,
     size_t n = s.u.str.n, start = 0, end = n;
     bool use_chars = chars.kind == V_STR;
     if (!use_chars && chars.kind != V_NONE && chars.kind != V_UNDEF)
-        return rerr(r, TDM_EINVAL, "strip arg must be None or str");
-    if (!charge(r, n / 2))
+        return chat_rerr(r, TDM_EINVAL, "strip arg must be None or str");
+    if (!chat_charge(r, n / 2))
         return r->rc;
     // Walk code points, remembering the first and last kept.
     size_t first_keep = n, last_keep_end = 0;
     for (size_t i = 0; i < n;) {
         uint32_t cp;
-        size_t len = utf8_next(p, n, i, &cp);
+        size_t len = chat_utf8_next(p, n, i, &cp);
         bool strip;
         if (use_chars) {
             strip = false;
             for (size_t j = 0; j < chars.u.str.n;) {
                 uint32_t c2;
-                size_t l2 = utf8_next(chars.u.str.s, chars.u.str.n, j, &c2);
+                size_t l2 = chat_utf8_next(chars.u.str.s, chars.u.str.n, j, &c2);
                 if (c2 == cp && l2 == len && memcmp(chars.u.str.s + j, p + i, len) == 0)
                     strip = true;
                 j += l2;
             }
         } else {
-            strip = py_isspace(cp);
+            strip = chat_py_isspace(cp);
         }
         if (!strip) {
             if (first_keep == n)
@@ -145,7 +146,7 @@ static int do_strip(struct render *r, struct val s, struct val chars, bool left,
         if (right)
             end = last_keep_end;
     }
-    *out = v_strn(p + start, end > start ? end - start : 0);
+    *out = chat_v_strn(p + start, end > start ? end - start : 0);
     out->markup = s.markup;
     return TDM_OK;
 }
@@ -180,10 +181,10 @@ static bool cp_cased(uint32_t cp)
 static void put_case(struct strbuf *b, uint32_t cp, bool upper, bool title)
 {
     if (cp == 0xDF && upper) {
-        sb_add(b, title ? "Ss" : "SS");
+        chat_sb_add(b, title ? "Ss" : "SS");
         return;
     }
-    utf8_put(b, cp_case(cp, upper));
+    chat_utf8_put(b, cp_case(cp, upper));
 }
 
 static int map_case(struct render *r, struct val s, int mode, struct val *out)
@@ -194,9 +195,9 @@ static int map_case(struct render *r, struct val s, int mode, struct val *out)
     size_t k = 0;
     for (size_t i = 0; i < s.u.str.n; k++) {
         uint32_t cp;
-        size_t len = utf8_next(s.u.str.s, s.u.str.n, i, &cp);
+        size_t len = chat_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
         if (cp == 0xFFFD && len == 1 && (unsigned char)s.u.str.s[i] >= 0x80) {
-            sb_addn(&b, s.u.str.s + i, 1); // invalid UTF-8: kept as it is
+            chat_sb_addn(&b, s.u.str.s + i, 1); // invalid UTF-8: kept as it is
             i += len;
             continue;
         }
@@ -219,9 +220,9 @@ static int map_case(struct render *r, struct val s, int mode, struct val *out)
         }
         i += len;
     }
-    int rc = sb_to_val(r, &b, out);
+    int rc = chat_sb_to_val(r, &b, out);
     free(b.data);
-    if (rc == TDM_OK && !charge(r, s.u.str.n / 2))
+    if (rc == TDM_OK && !chat_charge(r, s.u.str.n / 2))
         return r->rc;
     return rc;
 }
@@ -239,13 +240,13 @@ static int do_replace(struct render *r, struct val s, struct val old, struct val
         size_t i = 0;
         while (true) {
             if (count < 0 || done < count) {
-                sb_addn(&b, new_.u.str.s, new_.u.str.n);
+                chat_sb_addn(&b, new_.u.str.s, new_.u.str.n);
                 done++;
             }
             if (i >= s.u.str.n)
                 break;
-            size_t len = utf8_next(s.u.str.s, s.u.str.n, i, &cp);
-            sb_addn(&b, s.u.str.s + i, len);
+            size_t len = chat_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
+            chat_sb_addn(&b, s.u.str.s + i, len);
             i += len;
         }
     } else {
@@ -253,39 +254,39 @@ static int do_replace(struct render *r, struct val s, struct val old, struct val
             const char *hit = find_bytes(p, (size_t)(end - p), old.u.str.s, old.u.str.n);
             if (!hit)
                 break;
-            sb_addn(&b, p, (size_t)(hit - p));
-            sb_addn(&b, new_.u.str.s, new_.u.str.n);
+            chat_sb_addn(&b, p, (size_t)(hit - p));
+            chat_sb_addn(&b, new_.u.str.s, new_.u.str.n);
             p = hit + old.u.str.n;
             done++;
         }
-        sb_addn(&b, p, (size_t)(end - p));
+        chat_sb_addn(&b, p, (size_t)(end - p));
     }
-    if (!charge(r, s.u.str.n / 2))
+    if (!chat_charge(r, s.u.str.n / 2))
         return r->rc;
-    int rc = sb_to_val(r, &b, out);
+    int rc = chat_sb_to_val(r, &b, out);
     free(b.data);
     return rc;
 }
 
 static int push_str(struct render *r, struct vlist *l, const char *s, size_t n)
 {
-    return v_list_push(r, l, v_strn(s, n));
+    return chat_v_list_push(r, l, chat_v_strn(s, n));
 }
 
 // str.split / str.rsplit (sep NULL: runs of whitespace).
 static int do_split(struct render *r, struct val s, struct val sep, int64_t maxsplit, bool rev,
                     struct val *out)
 {
-    if (v_list_new(r, 0, out) != TDM_OK)
+    if (chat_v_list_new(r, 0, out) != TDM_OK)
         return r->rc;
     struct vlist *l = out->u.list;
     const char *p = s.u.str.s;
     size_t n = s.u.str.n;
-    if (!charge(r, n / 2))
+    if (!chat_charge(r, n / 2))
         return r->rc;
     if (sep.kind == V_STR) {
         if (sep.u.str.n == 0)
-            return rerr(r, TDM_EINVAL, "empty separator");
+            return chat_rerr(r, TDM_EINVAL, "empty separator");
         if (!rev) {
             size_t i = 0;
             int64_t splits = 0;
@@ -328,16 +329,16 @@ static int do_split(struct render *r, struct val s, struct val sep, int64_t maxs
         return TDM_OK;
     }
     if (sep.kind != V_NONE && sep.kind != V_UNDEF)
-        return rerr(r, TDM_EINVAL, "must be str or None, not %s", v_type_name(sep));
+        return chat_rerr(r, TDM_EINVAL, "must be str or None, not %s", chat_v_type_name(sep));
     if (rev && maxsplit >= 0)
-        return rerr(r, TDM_EINVAL, "rsplit() with maxsplit and no separator is not supported");
+        return chat_rerr(r, TDM_EINVAL, "rsplit() with maxsplit and no separator is not supported");
     // Whitespace split.
     size_t i = 0;
     int64_t splits = 0;
     while (i < n) {
         uint32_t cp;
-        size_t len = utf8_next(p, n, i, &cp);
-        if (py_isspace(cp)) {
+        size_t len = chat_utf8_next(p, n, i, &cp);
+        if (chat_py_isspace(cp)) {
             i += len;
             continue;
         }
@@ -349,16 +350,16 @@ static int do_split(struct render *r, struct val s, struct val sep, int64_t maxs
                 size_t k = end - 1;
                 while (k > start && ((unsigned char)p[k] & 0xC0) == 0x80)
                     k--;
-                utf8_next(p, n, k, &cp);
-                if (!py_isspace(cp))
+                chat_utf8_next(p, n, k, &cp);
+                if (!chat_py_isspace(cp))
                     break;
                 end = k;
             }
             return push_str(r, l, p + start, end - start);
         }
         while (i < n) {
-            len = utf8_next(p, n, i, &cp);
-            if (py_isspace(cp))
+            len = chat_utf8_next(p, n, i, &cp);
+            if (chat_py_isspace(cp))
                 break;
             i += len;
         }
@@ -373,7 +374,7 @@ static int do_split(struct render *r, struct val s, struct val sep, int64_t maxs
 static size_t line_break_len(const char *p, size_t n, size_t i)
 {
     uint32_t cp;
-    size_t len = utf8_next(p, n, i, &cp);
+    size_t len = chat_utf8_next(p, n, i, &cp);
     if (cp == '\r' && i + 1 < n && p[i + 1] == '\n')
         return 2;
     if (cp == '\n' || cp == '\r' || cp == 0x0B || cp == 0x0C || cp == 0x1C || cp == 0x1D ||
@@ -384,7 +385,7 @@ static size_t line_break_len(const char *p, size_t n, size_t i)
 
 static int do_splitlines(struct render *r, struct val s, bool keepends, struct val *out)
 {
-    if (v_list_new(r, 0, out) != TDM_OK)
+    if (chat_v_list_new(r, 0, out) != TDM_OK)
         return r->rc;
     const char *p = s.u.str.s;
     size_t n = s.u.str.n, start = 0, i = 0;
@@ -397,7 +398,7 @@ static int do_splitlines(struct render *r, struct val s, bool keepends, struct v
             start = i;
         } else {
             uint32_t cp;
-            i += utf8_next(p, n, i, &cp);
+            i += chat_utf8_next(p, n, i, &cp);
         }
     }
     if (start < n)
@@ -407,28 +408,28 @@ static int do_splitlines(struct render *r, struct val s, bool keepends, struct v
 
 // ---- iteration and lookup --------------------------------------------------------------
 
-int v_iterate(struct render *r, struct val v, struct val *out)
+int chat_v_iterate(struct render *r, struct val v, struct val *out)
 {
     switch (v.kind) {
     case V_LIST:
         if (v.u.list->gen && v.u.list->consumed) // a Python generator runs once
-            return v_list_new(r, 0, out);
+            return chat_v_list_new(r, 0, out);
         if (v.u.list->gen)
             v.u.list->consumed = true;
         *out = v;
         return TDM_OK;
     case V_DICT:
-        if (v_list_new(r, v.u.dict->n, out) != TDM_OK)
+        if (chat_v_list_new(r, v.u.dict->n, out) != TDM_OK)
             return r->rc;
         for (size_t i = 0; i < v.u.dict->n; i++)
-            v_list_push(r, out->u.list, v.u.dict->keys[i]);
+            chat_v_list_push(r, out->u.list, v.u.dict->keys[i]);
         return r->rc;
     case V_STR: {
-        if (v_list_new(r, 0, out) != TDM_OK)
+        if (chat_v_list_new(r, 0, out) != TDM_OK)
             return r->rc;
         uint32_t cp;
         for (size_t i = 0; i < v.u.str.n;) {
-            size_t len = utf8_next(v.u.str.s, v.u.str.n, i, &cp);
+            size_t len = chat_utf8_next(v.u.str.s, v.u.str.n, i, &cp);
             if (push_str(r, out->u.list, v.u.str.s + i, len) != TDM_OK)
                 return r->rc;
             i += len;
@@ -436,9 +437,9 @@ int v_iterate(struct render *r, struct val v, struct val *out)
         return TDM_OK;
     }
     case V_UNDEF:
-        return v_list_new(r, 0, out);
+        return chat_v_list_new(r, 0, out);
     default:
-        return rerr(r, TDM_EINVAL, "'%s' object is not iterable", v_type_name(v));
+        return chat_rerr(r, TDM_EINVAL, "'%s' object is not iterable", chat_v_type_name(v));
     }
 }
 
@@ -468,7 +469,7 @@ static const char *method_name(const char *const *table, const char *name, size_
 
 static int bind_method(struct render *r, struct val self, const char *name, struct val *out)
 {
-    struct val *s = arena_alloc(&r->arena, sizeof *s);
+    struct val *s = chat_arena_alloc(&r->arena, sizeof *s);
     if (!s)
         return oom_cap(r);
     *s = self;
@@ -478,24 +479,24 @@ static int bind_method(struct render *r, struct val self, const char *name, stru
 
 static char *cstr(struct render *r, const char *s, size_t n)
 {
-    return arena_strndup(&r->arena, s, n);
+    return chat_arena_strndup(&r->arena, s, n);
 }
 
-int get_attr(struct render *r, struct val obj, const char *name, size_t n, struct val *out)
+int chat_get_attr(struct render *r, struct val obj, const char *name, size_t n, struct val *out)
 {
     const char *m;
     switch (obj.kind) {
     case V_UNDEF:
-        return rerr(r, TDM_EINVAL, "'%s' is undefined (reading .%.*s)",
-                    obj.u.undef_name ? obj.u.undef_name : "value", (int)n, name);
+        return chat_rerr(r, TDM_EINVAL, "'%s' is undefined (reading .%.*s)",
+                         obj.u.undef_name ? obj.u.undef_name : "value", (int)n, name);
     case V_DICT:
         if ((m = method_name(dict_methods, name, n)))
             return bind_method(r, obj, m, out);
-        if (v_dict_get(obj.u.dict, name, n, out))
+        if (chat_v_dict_get(obj.u.dict, name, n, out))
             return TDM_OK;
         break;
     case V_NS:
-        if (v_dict_get(obj.u.dict, name, n, out))
+        if (chat_v_dict_get(obj.u.dict, name, n, out))
             return TDM_OK;
         break;
     case V_STR:
@@ -510,27 +511,27 @@ int get_attr(struct render *r, struct val obj, const char *name, size_t n, struc
         struct loopinfo *li = obj.u.loop;
 #define IS(s) (n == strlen(s) && memcmp(name, s, n) == 0)
         if (IS("index0"))
-            *out = v_int(li->index0);
+            *out = chat_v_int(li->index0);
         else if (IS("index"))
-            *out = v_int(li->index0 + 1);
+            *out = chat_v_int(li->index0 + 1);
         else if (IS("revindex"))
-            *out = v_int(li->length - li->index0);
+            *out = chat_v_int(li->length - li->index0);
         else if (IS("revindex0"))
-            *out = v_int(li->length - li->index0 - 1);
+            *out = chat_v_int(li->length - li->index0 - 1);
         else if (IS("first"))
-            *out = v_bool(li->index0 == 0);
+            *out = chat_v_bool(li->index0 == 0);
         else if (IS("last"))
-            *out = v_bool(li->index0 == li->length - 1);
+            *out = chat_v_bool(li->index0 == li->length - 1);
         else if (IS("length"))
-            *out = v_int(li->length);
+            *out = chat_v_int(li->length);
         else if (IS("previtem"))
             *out = li->prev;
         else if (IS("nextitem"))
             *out = li->next;
         else if (IS("depth"))
-            *out = v_int(1);
+            *out = chat_v_int(1);
         else if (IS("depth0"))
-            *out = v_int(0);
+            *out = chat_v_int(0);
         else if (IS("cycle"))
             return bind_method(r, obj, "cycle", out);
         else
@@ -541,18 +542,18 @@ int get_attr(struct render *r, struct val obj, const char *name, size_t n, struc
     default:
         break;
     }
-    *out = v_undef(cstr(r, name, n));
+    *out = chat_v_undef(cstr(r, name, n));
     return TDM_OK;
 }
 
-int get_item(struct render *r, struct val obj, struct val key, struct val *out)
+int chat_get_item(struct render *r, struct val obj, struct val key, struct val *out)
 {
     switch (obj.kind) {
     case V_UNDEF:
-        return rerr(r, TDM_EINVAL, "'%s' is undefined (reading an item)",
-                    obj.u.undef_name ? obj.u.undef_name : "value");
+        return chat_rerr(r, TDM_EINVAL, "'%s' is undefined (reading an item)",
+                         obj.u.undef_name ? obj.u.undef_name : "value");
     case V_DICT:
-        if (v_dict_find(obj.u.dict, key, out))
+        if (chat_v_dict_find(obj.u.dict, key, out))
             return TDM_OK;
         break;
     case V_LIST:
@@ -571,20 +572,20 @@ int get_item(struct render *r, struct val obj, struct val key, struct val *out)
                     return TDM_OK;
                 }
             } else {
-                int64_t n = (int64_t)utf8_len(obj.u.str.s, obj.u.str.n);
+                int64_t n = (int64_t)chat_utf8_len(obj.u.str.s, obj.u.str.n);
                 if (i < 0)
                     i += n;
                 if (i >= 0 && i < n) {
                     size_t off = 0;
                     uint32_t cp;
                     for (int64_t k = 0; k < i; k++)
-                        off += utf8_next(obj.u.str.s, obj.u.str.n, off, &cp);
-                    size_t len = utf8_next(obj.u.str.s, obj.u.str.n, off, &cp);
-                    *out = v_strn(obj.u.str.s + off, len);
+                        off += chat_utf8_next(obj.u.str.s, obj.u.str.n, off, &cp);
+                    size_t len = chat_utf8_next(obj.u.str.s, obj.u.str.n, off, &cp);
+                    *out = chat_v_strn(obj.u.str.s + off, len);
                     return TDM_OK;
                 }
             }
-            *out = v_undef("index out of range");
+            *out = chat_v_undef("index out of range");
             return TDM_OK;
         }
         break;
@@ -592,8 +593,9 @@ int get_item(struct render *r, struct val obj, struct val key, struct val *out)
         break;
     }
     if (key.kind == V_STR)
-        return get_attr(r, obj.kind == V_DICT ? v_none() : obj, key.u.str.s, key.u.str.n, out);
-    *out = v_undef(NULL);
+        return chat_get_attr(r, obj.kind == V_DICT ? chat_v_none() : obj, key.u.str.s, key.u.str.n,
+                             out);
+    *out = chat_v_undef(NULL);
     return TDM_OK;
 }
 
@@ -601,7 +603,7 @@ int get_item(struct render *r, struct val obj, struct val key, struct val *out)
 static int attr_path(struct render *r, struct val item, struct val attr, struct val *out)
 {
     if (attr.kind == V_INT)
-        return get_item(r, item, attr, out);
+        return chat_get_item(r, item, attr, out);
     if (need_str(r, attr, "attribute") != TDM_OK)
         return r->rc;
     const char *p = attr.u.str.s, *end = p + attr.u.str.n;
@@ -609,17 +611,17 @@ static int attr_path(struct render *r, struct val item, struct val attr, struct 
     while (true) {
         const char *dot = memchr(p, '.', (size_t)(end - p));
         const char *seg_end = dot ? dot : end;
-        struct val key = v_strn(p, (size_t)(seg_end - p));
+        struct val key = chat_v_strn(p, (size_t)(seg_end - p));
         bool digits = seg_end > p;
         for (const char *q = p; q < seg_end; q++)
             digits &= *q >= '0' && *q <= '9';
         if (digits)
-            key = v_int(strtoll(p, NULL, 10));
+            key = chat_v_int(strtoll(p, NULL, 10));
         if (cur.kind == V_UNDEF) {
             *out = cur;
             return TDM_OK;
         }
-        if (get_item(r, cur, key, &cur) != TDM_OK)
+        if (chat_get_item(r, cur, key, &cur) != TDM_OK)
             return r->rc;
         if (!dot)
             break;
@@ -718,7 +720,7 @@ static const char *const filter_names[F_COUNT_ALL] = {
     [F_WORDCOUNT] = "wordcount",
 };
 
-int builtin_filter_index(const char *name)
+int chat_builtin_filter_index(const char *name)
 {
     for (int i = 0; i < F_COUNT_ALL; i++)
         if (strcmp(filter_names[i], name) == 0)
@@ -797,7 +799,7 @@ static const char *const test_names[T_COUNT_ALL] = {
     [T_UPPER] = "upper",
 };
 
-int builtin_test_index(const char *name)
+int chat_builtin_test_index(const char *name)
 {
     for (int i = 0; i < T_COUNT_ALL; i++)
         if (strcmp(test_names[i], name) == 0)
@@ -805,17 +807,17 @@ int builtin_test_index(const char *name)
     return -1;
 }
 
-int builtin_test(struct render *r, int idx, struct val v, const struct val *args, size_t nargs,
-                 bool *out)
+int chat_builtin_test(struct render *r, int idx, struct val v, const struct val *args, size_t nargs,
+                      bool *out)
 {
-    struct val a = nargs ? args[0] : v_undef(NULL);
+    struct val a = nargs ? args[0] : chat_v_undef(NULL);
     int cmp;
     bool binary = idx == T_DIVISIBLEBY || idx == T_EQ || idx == T_EQUALTO || idx == T_NE ||
                   idx == T_SAMEAS || idx == T_GE || idx == T_GT || idx == T_GREATERTHAN ||
                   idx == T_LE || idx == T_LT || idx == T_LESSTHAN || idx == T_IN;
     if (nargs != (binary ? 1u : 0u))
-        return rerr(r, TDM_EINVAL, "test '%s' takes %d argument(s), got %zu", test_names[idx],
-                    binary ? 1 : 0, nargs);
+        return chat_rerr(r, TDM_EINVAL, "test '%s' takes %d argument(s), got %zu", test_names[idx],
+                         binary ? 1 : 0, nargs);
     switch (idx) {
     case T_BOOLEAN:
         *out = v.kind == V_BOOL;
@@ -837,20 +839,20 @@ int builtin_test(struct render *r, int idx, struct val v, const struct val *args
             (idx == T_DIVISIBLEBY && need_int(r, a, "divisibleby", &d) != TDM_OK))
             return r->rc;
         if (d == 0)
-            return rerr(r, TDM_EINVAL, "integer division or modulo by zero");
+            return chat_rerr(r, TDM_EINVAL, "integer division or modulo by zero");
         int64_t m = x % d;
         *out = idx == T_ODD ? m != 0 : m == 0;
         return TDM_OK;
     }
     case T_EQ:
     case T_EQUALTO:
-        *out = v_equal(v, a);
+        *out = chat_v_equal(v, a);
         return TDM_OK;
     case T_NE:
-        *out = !v_equal(v, a);
+        *out = !chat_v_equal(v, a);
         return TDM_OK;
     case T_SAMEAS:
-        *out = v.kind == a.kind && v_equal(v, a) &&
+        *out = v.kind == a.kind && chat_v_equal(v, a) &&
                (v.kind == V_NONE || v.kind == V_BOOL || v.kind == V_UNDEF ||
                 (v.kind == V_LIST && v.u.list == a.u.list) ||
                 (v.kind == V_DICT && v.u.dict == a.u.dict) || v.kind == V_INT);
@@ -879,7 +881,7 @@ int builtin_test(struct render *r, int idx, struct val v, const struct val *args
     case T_LE:
     case T_LT:
     case T_LESSTHAN:
-        if (v_compare(r, v, a, &cmp) != TDM_OK)
+        if (chat_v_compare(r, v, a, &cmp) != TDM_OK)
             return r->rc;
         *out = idx == T_GE                             ? cmp >= 0
                : idx == T_LE                           ? cmp <= 0
@@ -887,7 +889,7 @@ int builtin_test(struct render *r, int idx, struct val v, const struct val *args
                                                        : cmp < 0;
         return TDM_OK;
     case T_IN:
-        return v_contains(r, a, v, out);
+        return chat_v_contains(r, a, v, out);
     case T_ITERABLE:
         *out = v.kind == V_LIST || v.kind == V_DICT || v.kind == V_STR || v.kind == V_UNDEF ||
                v.kind == V_LOOP;
@@ -909,7 +911,7 @@ int builtin_test(struct render *r, int idx, struct val v, const struct val *args
     case T_UPPER: {
         if (v.kind != V_STR) {
             struct val s;
-            if (v_stringify(r, v, &s) != TDM_OK)
+            if (chat_v_stringify(r, v, &s) != TDM_OK)
                 return r->rc;
             v = s;
         }
@@ -926,33 +928,34 @@ int builtin_test(struct render *r, int idx, struct val v, const struct val *args
         return TDM_OK;
     }
     }
-    return rerr(r, TDM_EINVAL, "internal: unknown test %d", idx);
+    return chat_rerr(r, TDM_EINVAL, "internal: unknown test %d", idx);
 }
 
-int v_contains(struct render *r, struct val hay, struct val needle, bool *out)
+int chat_v_contains(struct render *r, struct val hay, struct val needle, bool *out)
 {
     switch (hay.kind) {
     case V_STR:
         if (needle.kind != V_STR)
-            return rerr(r, TDM_EINVAL, "'in <string>' requires string as left operand, not %s",
-                        v_type_name(needle));
+            return chat_rerr(r, TDM_EINVAL, "'in <string>' requires string as left operand, not %s",
+                             chat_v_type_name(needle));
         *out = find_bytes(hay.u.str.s, hay.u.str.n, needle.u.str.s, needle.u.str.n) != NULL;
         return TDM_OK;
     case V_LIST:
         *out = false;
         for (size_t i = 0; i < hay.u.list->n && !*out; i++)
-            *out = v_equal(hay.u.list->items[i], needle);
+            *out = chat_v_equal(hay.u.list->items[i], needle);
         return TDM_OK;
     case V_DICT: {
         struct val tmp;
-        *out = v_dict_find(hay.u.dict, needle, &tmp);
+        *out = chat_v_dict_find(hay.u.dict, needle, &tmp);
         return TDM_OK;
     }
     case V_UNDEF:
         *out = false;
         return TDM_OK;
     default:
-        return rerr(r, TDM_EINVAL, "argument of type '%s' is not iterable", v_type_name(hay));
+        return chat_rerr(r, TDM_EINVAL, "argument of type '%s' is not iterable",
+                         chat_v_type_name(hay));
     }
 }
 
@@ -960,7 +963,7 @@ int v_contains(struct render *r, struct val hay, struct val needle, bool *out)
 
 static int soft_str(struct render *r, struct val v, struct val *out)
 {
-    return v_stringify(r, v, out);
+    return chat_v_stringify(r, v, out);
 }
 
 static int do_tojson(struct render *r, struct val v, const struct val *args,
@@ -975,18 +978,18 @@ static int do_tojson(struct render *r, struct val v, const struct val *args,
         for (size_t k = 0; k < 4 && !ok; k++)
             ok = strcmp(names[i], known[k]) == 0;
         if (!ok)
-            return rerr(r, TDM_EINVAL, "tojson() got an unexpected keyword argument '%s'",
-                        names[i]);
+            return chat_rerr(r, TDM_EINVAL, "tojson() got an unexpected keyword argument '%s'",
+                             names[i]);
     }
     if (npositional(names, nargs) > 4)
-        return rerr(r, TDM_EINVAL, "tojson() takes at most 5 arguments");
+        return chat_rerr(r, TDM_EINVAL, "tojson() takes at most 5 arguments");
     if (arg(args, names, nargs, 0, "ensure_ascii", &a))
-        o.ensure_ascii = v_truthy(a);
+        o.ensure_ascii = chat_v_truthy(a);
     if (arg(args, names, nargs, 1, "indent", &a) && a.kind != V_NONE) {
         if (a.kind == V_INT || a.kind == V_BOOL) {
             int64_t k = a.kind == V_INT ? a.u.i : a.u.b;
             if (k > 64)
-                return rerr(r, TDM_EINVAL, "tojson: indent %lld is too large", (long long)k);
+                return chat_rerr(r, TDM_EINVAL, "tojson: indent %lld is too large", (long long)k);
             o.indent = k < 0 ? 0 : (int)k;
         } else if (a.kind == V_STR) {
             char *s = cstr(r, a.u.str.s, a.u.str.n);
@@ -995,25 +998,25 @@ static int do_tojson(struct render *r, struct val v, const struct val *args,
             o.indent_str = s;
             o.indent = 0;
         } else {
-            return rerr(r, TDM_EINVAL, "tojson: indent must be an int or a string");
+            return chat_rerr(r, TDM_EINVAL, "tojson: indent must be an int or a string");
         }
         o.item_sep = ",";
     }
     if (arg(args, names, nargs, 2, "separators", &a) && a.kind != V_NONE) {
         if (a.kind != V_LIST || a.u.list->n != 2 || a.u.list->items[0].kind != V_STR ||
             a.u.list->items[1].kind != V_STR)
-            return rerr(r, TDM_EINVAL, "tojson: separators must be a pair of strings");
+            return chat_rerr(r, TDM_EINVAL, "tojson: separators must be a pair of strings");
         o.item_sep = cstr(r, a.u.list->items[0].u.str.s, a.u.list->items[0].u.str.n);
         o.key_sep = cstr(r, a.u.list->items[1].u.str.s, a.u.list->items[1].u.str.n);
         if (!o.item_sep || !o.key_sep)
             return oom_cap(r);
     }
     if (arg(args, names, nargs, 3, "sort_keys", &a))
-        o.sort_keys = v_truthy(a);
+        o.sort_keys = chat_v_truthy(a);
     struct strbuf b = {.limit = CHAT_MAX_STRING};
-    int rc = val_to_json(r, v, &o, &b);
+    int rc = chat_val_to_json(r, v, &o, &b);
     if (rc == TDM_OK)
-        rc = sb_to_val(r, &b, out);
+        rc = chat_sb_to_val(r, &b, out);
     free(b.data);
     return rc;
 }
@@ -1021,7 +1024,7 @@ static int do_tojson(struct render *r, struct val v, const struct val *args,
 static int do_indent(struct render *r, struct val s, const struct val *args,
                      const char *const *names, size_t nargs, struct val *out)
 {
-    struct val w = v_int(4), first = v_bool(false), blank = v_bool(false);
+    struct val w = chat_v_int(4), first = chat_v_bool(false), blank = chat_v_bool(false);
     arg(args, names, nargs, 0, "width", &w);
     arg(args, names, nargs, 1, "first", &first);
     arg(args, names, nargs, 2, "blank", &blank);
@@ -1033,21 +1036,21 @@ static int do_indent(struct render *r, struct val s, const struct val *args,
         if (need_int(r, w, "indent", &k) != TDM_OK)
             return r->rc;
         if (k > 1024)
-            return rerr(r, TDM_EINVAL, "indent: width %lld is too large", (long long)k);
+            return chat_rerr(r, TDM_EINVAL, "indent: width %lld is too large", (long long)k);
         if (k < 0)
             k = 0;
-        char *sp = arena_alloc(&r->arena, (size_t)k + 1);
+        char *sp = chat_arena_alloc(&r->arena, (size_t)k + 1);
         if (!sp)
             return oom_cap(r);
         memset(sp, ' ', (size_t)k);
-        ind = v_strn(sp, (size_t)k);
+        ind = chat_v_strn(sp, (size_t)k);
     }
     // s += "\n"; lines = s.splitlines()
     struct val text;
     struct strbuf tb = {.limit = CHAT_MAX_STRING};
-    sb_addn(&tb, s.u.str.s, s.u.str.n);
-    sb_addc(&tb, '\n');
-    int trc = sb_to_val(r, &tb, &text);
+    chat_sb_addn(&tb, s.u.str.s, s.u.str.n);
+    chat_sb_addc(&tb, '\n');
+    int trc = chat_sb_to_val(r, &tb, &text);
     free(tb.data);
     if (trc != TDM_OK)
         return trc;
@@ -1056,17 +1059,17 @@ static int do_indent(struct render *r, struct val s, const struct val *args,
         return r->rc;
     struct strbuf b = {.limit = CHAT_MAX_STRING};
     struct vlist *l = lines.u.list;
-    if (v_truthy(first))
-        sb_addn(&b, ind.u.str.s, ind.u.str.n);
+    if (chat_v_truthy(first))
+        chat_sb_addn(&b, ind.u.str.s, ind.u.str.n);
     for (size_t i = 0; i < l->n; i++) {
         if (i > 0) {
-            sb_addc(&b, '\n');
-            if (v_truthy(blank) || l->items[i].u.str.n)
-                sb_addn(&b, ind.u.str.s, ind.u.str.n);
+            chat_sb_addc(&b, '\n');
+            if (chat_v_truthy(blank) || l->items[i].u.str.n)
+                chat_sb_addn(&b, ind.u.str.s, ind.u.str.n);
         }
-        sb_addn(&b, l->items[i].u.str.s, l->items[i].u.str.n);
+        chat_sb_addn(&b, l->items[i].u.str.s, l->items[i].u.str.n);
     }
-    int rc = sb_to_val(r, &b, out);
+    int rc = chat_sb_to_val(r, &b, out);
     free(b.data);
     return rc;
 }
@@ -1077,18 +1080,18 @@ static int do_select(struct render *r, struct val in, const struct val *args,
                      struct val *out)
 {
     struct val items;
-    if (v_list_new(r, 0, out) != TDM_OK)
+    if (chat_v_list_new(r, 0, out) != TDM_OK)
         return r->rc;
     out->u.list->gen = true;
-    if (!v_truthy(in)) // Jinja: `if value:` before iterating
+    if (!chat_v_truthy(in)) // Jinja: `if value:` before iterating
         return TDM_OK;
-    if (v_iterate(r, in, &items) != TDM_OK)
+    if (chat_v_iterate(r, in, &items) != TDM_OK)
         return r->rc;
     size_t np = npositional(names, nargs);
     size_t first = by_attr ? 1 : 0;
-    struct val attr = v_undef(NULL), testname = v_undef(NULL);
+    struct val attr = chat_v_undef(NULL), testname = chat_v_undef(NULL);
     if (by_attr && !arg(args, names, nargs, 0, NULL, &attr))
-        return rerr(r, TDM_EINVAL, "selectattr/rejectattr need an attribute name");
+        return chat_rerr(r, TDM_EINVAL, "selectattr/rejectattr need an attribute name");
     int test = -1;
     if (arg(args, names, nargs, first, NULL, &testname)) {
         if (need_str(r, testname, "select test") != TDM_OK)
@@ -1096,25 +1099,25 @@ static int do_select(struct render *r, struct val in, const struct val *args,
         char *tn = cstr(r, testname.u.str.s, testname.u.str.n);
         if (!tn)
             return oom_cap(r);
-        test = builtin_test_index(tn);
+        test = chat_builtin_test_index(tn);
         if (test < 0)
-            return rerr(r, TDM_EINVAL, "unknown test '%s'", tn);
+            return chat_rerr(r, TDM_EINVAL, "unknown test '%s'", tn);
     }
     size_t ntest_args = np > first + 1 ? np - first - 1 : 0;
     for (size_t i = 0; i < items.u.list->n; i++) {
-        if (!charge(r, 1))
+        if (!chat_charge(r, 1))
             return r->rc;
         struct val item = items.u.list->items[i], v = item;
         if (by_attr && attr_path(r, item, attr, &v) != TDM_OK)
             return r->rc;
         bool ok;
         if (test >= 0) {
-            if (builtin_test(r, test, v, args + first + 1, ntest_args, &ok) != TDM_OK)
+            if (chat_builtin_test(r, test, v, args + first + 1, ntest_args, &ok) != TDM_OK)
                 return r->rc;
         } else {
-            ok = v_truthy(v);
+            ok = chat_v_truthy(v);
         }
-        if (ok == keep_if && v_list_push(r, out->u.list, item) != TDM_OK)
+        if (ok == keep_if && chat_v_list_push(r, out->u.list, item) != TDM_OK)
             return r->rc;
     }
     return TDM_OK;
@@ -1123,13 +1126,13 @@ static int do_select(struct render *r, struct val in, const struct val *args,
 static int do_map(struct render *r, struct val in, const struct val *args, const char *const *names,
                   size_t nargs, struct val *out)
 {
-    struct val items, attr, def = v_undef(NULL), fname;
-    if (v_list_new(r, 0, out) != TDM_OK)
+    struct val items, attr, def = chat_v_undef(NULL), fname;
+    if (chat_v_list_new(r, 0, out) != TDM_OK)
         return r->rc;
     out->u.list->gen = true;
-    if (!v_truthy(in)) // Jinja: `if value:` before iterating
+    if (!chat_v_truthy(in)) // Jinja: `if value:` before iterating
         return TDM_OK;
-    if (v_iterate(r, in, &items) != TDM_OK)
+    if (chat_v_iterate(r, in, &items) != TDM_OK)
         return r->rc;
     bool has_default = arg(args, names, nargs, SIZE_MAX, "default", &def);
     if (arg(args, names, nargs, SIZE_MAX, "attribute", &attr)) {
@@ -1139,26 +1142,26 @@ static int do_map(struct render *r, struct val in, const struct val *args, const
                 return r->rc;
             if (v.kind == V_UNDEF && has_default)
                 v = def;
-            if (v_list_push(r, out->u.list, v) != TDM_OK)
+            if (chat_v_list_push(r, out->u.list, v) != TDM_OK)
                 return r->rc;
         }
         return TDM_OK;
     }
     if (!arg(args, names, nargs, 0, NULL, &fname) || need_str(r, fname, "map") != TDM_OK)
-        return rerr(r, TDM_EINVAL, "map needs a filter name or attribute=");
+        return chat_rerr(r, TDM_EINVAL, "map needs a filter name or attribute=");
     char *fn = cstr(r, fname.u.str.s, fname.u.str.n);
     if (!fn)
         return oom_cap(r);
-    int f = builtin_filter_index(fn);
+    int f = chat_builtin_filter_index(fn);
     if (f < 0)
-        return rerr(r, TDM_EINVAL, "unknown filter '%s' in map", fn);
+        return chat_rerr(r, TDM_EINVAL, "unknown filter '%s' in map", fn);
     // The filter's own arguments follow its name.
     size_t rest = nargs - 1;
     for (size_t i = 0; i < items.u.list->n; i++) {
         struct val v;
-        if (builtin_filter(r, f, items.u.list->items[i], args + 1, names ? names + 1 : NULL, rest,
-                           &v) != TDM_OK ||
-            v_list_push(r, out->u.list, v) != TDM_OK)
+        if (chat_builtin_filter(r, f, items.u.list->items[i], args + 1, names ? names + 1 : NULL,
+                                rest, &v) != TDM_OK ||
+            chat_v_list_push(r, out->u.list, v) != TDM_OK)
             return r->rc;
     }
     return TDM_OK;
@@ -1171,25 +1174,26 @@ static int sort_cmp(struct render *r, struct val a, struct val b, bool case_sens
         struct val la, lb;
         if (map_case(r, a, 1, &la) != TDM_OK || map_case(r, b, 1, &lb) != TDM_OK)
             return r->rc;
-        return v_compare(r, la, lb, cmp);
+        return chat_v_compare(r, la, lb, cmp);
     }
-    return v_compare(r, a, b, cmp);
+    return chat_v_compare(r, a, b, cmp);
 }
 
 static int do_sort(struct render *r, struct val in, bool reverse, bool case_sensitive,
                    struct val attr, bool by_key_of_pair, struct val *out)
 {
     struct val items;
-    if (v_iterate(r, in, &items) != TDM_OK || v_list_new(r, items.u.list->n, out) != TDM_OK)
+    if (chat_v_iterate(r, in, &items) != TDM_OK ||
+        chat_v_list_new(r, items.u.list->n, out) != TDM_OK)
         return r->rc;
     size_t n = items.u.list->n;
     struct val *keys = calloc(n ? n : 1, sizeof *keys);
     if (!keys)
-        return rerr(r, TDM_ENOMEM, "out of memory");
+        return chat_rerr(r, TDM_ENOMEM, "out of memory");
     int rc = TDM_OK;
     for (size_t i = 0; i < n && rc == TDM_OK; i++) {
         struct val it = items.u.list->items[i];
-        v_list_push(r, out->u.list, it);
+        chat_v_list_push(r, out->u.list, it);
         if (by_key_of_pair)
             keys[i] = it.u.list->items[0];
         else if (attr.kind != V_UNDEF)
@@ -1203,7 +1207,7 @@ static int do_sort(struct render *r, struct val in, bool reverse, bool case_sens
         size_t j = i;
         while (j > 0 && rc == TDM_OK) {
             int cmp;
-            if (!charge(r, 1) ||
+            if (!chat_charge(r, 1) ||
                 (rc = sort_cmp(r, keys[j - 1], k, case_sensitive, &cmp)) != TDM_OK) {
                 rc = r->rc;
                 break;
@@ -1260,28 +1264,29 @@ static int parse_float_text(const char *s, size_t n, double *out)
     return 0;
 }
 
-int builtin_filter(struct render *r, int idx, struct val in, const struct val *args,
-                   const char *const *names, size_t nargs, struct val *out)
+int chat_builtin_filter(struct render *r, int idx, struct val in, const struct val *args,
+                        const char *const *names, size_t nargs, struct val *out)
 {
     struct val a, b, s;
     int rc;
-    if (!charge(r, 1))
+    if (!chat_charge(r, 1))
         return r->rc;
     switch (idx) {
     case F_ABS:
         if (in.kind == V_INT && in.u.i != INT64_MIN)
-            *out = v_int(in.u.i < 0 ? -in.u.i : in.u.i);
+            *out = chat_v_int(in.u.i < 0 ? -in.u.i : in.u.i);
         else if (in.kind == V_FLOAT)
-            *out = v_float(fabs(in.u.f));
+            *out = chat_v_float(fabs(in.u.f));
         else if (in.kind == V_BOOL)
-            *out = v_int(in.u.b);
+            *out = chat_v_int(in.u.b);
         else
-            return rerr(r, TDM_EINVAL, "bad operand type for abs(): '%s'", v_type_name(in));
+            return chat_rerr(r, TDM_EINVAL, "bad operand type for abs(): '%s'",
+                             chat_v_type_name(in));
         return TDM_OK;
     case F_ATTR:
         if (!arg(args, names, nargs, 0, "name", &a) || need_str(r, a, "attr") != TDM_OK)
-            return rerr(r, TDM_EINVAL, "attr needs a name");
-        return get_attr(r, in, a.u.str.s, a.u.str.n, out);
+            return chat_rerr(r, TDM_EINVAL, "attr needs a name");
+        return chat_get_attr(r, in, a.u.str.s, a.u.str.n, out);
     case F_CAPITALIZE:
     case F_LOWER:
     case F_UPPER:
@@ -1297,17 +1302,17 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
         bool start = true;
         for (size_t i = 0; i < s.u.str.n;) {
             uint32_t cp;
-            size_t len = utf8_next(s.u.str.s, s.u.str.n, i, &cp);
-            bool sep =
-                cp == '-' || py_isspace(cp) || cp == '(' || cp == '{' || cp == '[' || cp == '<';
+            size_t len = chat_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
+            bool sep = cp == '-' || chat_py_isspace(cp) || cp == '(' || cp == '{' || cp == '[' ||
+                       cp == '<';
             if (sep)
-                sb_addn(&tb, s.u.str.s + i, len);
+                chat_sb_addn(&tb, s.u.str.s + i, len);
             else
                 put_case(&tb, cp, start, start);
             start = sep;
             i += len;
         }
-        rc = sb_to_val(r, &tb, out);
+        rc = chat_sb_to_val(r, &tb, out);
         free(tb.data);
         return rc;
     }
@@ -1315,54 +1320,57 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
     case F_LENGTH:
         switch (in.kind) {
         case V_STR:
-            *out = v_int((int64_t)utf8_len(in.u.str.s, in.u.str.n));
+            *out = chat_v_int((int64_t)chat_utf8_len(in.u.str.s, in.u.str.n));
             return TDM_OK;
         case V_LIST:
             if (in.u.list->gen)
-                return rerr(r, TDM_EINVAL, "object of type 'generator' has no len()");
-            *out = v_int((int64_t)in.u.list->n);
+                return chat_rerr(r, TDM_EINVAL, "object of type 'generator' has no len()");
+            *out = chat_v_int((int64_t)in.u.list->n);
             return TDM_OK;
         case V_DICT:
-            *out = v_int((int64_t)in.u.dict->n);
+            *out = chat_v_int((int64_t)in.u.dict->n);
             return TDM_OK;
         case V_UNDEF:
-            *out = v_int(0);
+            *out = chat_v_int(0);
             return TDM_OK;
         case V_LOOP:
-            *out = v_int(in.u.loop->length);
+            *out = chat_v_int(in.u.loop->length);
             return TDM_OK;
         default:
-            return rerr(r, TDM_EINVAL, "object of type '%s' has no len()", v_type_name(in));
+            return chat_rerr(r, TDM_EINVAL, "object of type '%s' has no len()",
+                             chat_v_type_name(in));
         }
     case F_D:
     case F_DEFAULT: {
-        struct val def = v_strn("", 0), boolean = v_bool(false);
+        struct val def = chat_v_strn("", 0), boolean = chat_v_bool(false);
         arg(args, names, nargs, 0, "default_value", &def);
         arg(args, names, nargs, 1, "boolean", &boolean);
-        *out = in.kind == V_UNDEF || (v_truthy(boolean) && !v_truthy(in)) ? def : in;
+        *out = in.kind == V_UNDEF || (chat_v_truthy(boolean) && !chat_v_truthy(in)) ? def : in;
         return TDM_OK;
     }
     case F_DICTSORT: {
         if (in.kind != V_DICT)
-            return rerr(r, TDM_EINVAL, "dictsort needs a mapping, got %s", v_type_name(in));
-        struct val cs = v_bool(false), by = v_strn("key", 3), rev = v_bool(false), pairs;
+            return chat_rerr(r, TDM_EINVAL, "dictsort needs a mapping, got %s",
+                             chat_v_type_name(in));
+        struct val cs = chat_v_bool(false), by = chat_v_strn("key", 3), rev = chat_v_bool(false),
+                   pairs;
         arg(args, names, nargs, 0, "case_sensitive", &cs);
         arg(args, names, nargs, 1, "by", &by);
         arg(args, names, nargs, 2, "reverse", &rev);
-        if (v_list_new(r, in.u.dict->n, &pairs) != TDM_OK)
+        if (chat_v_list_new(r, in.u.dict->n, &pairs) != TDM_OK)
             return r->rc;
         for (size_t i = 0; i < in.u.dict->n; i++) {
             struct val t;
-            if (v_list_new(r, 2, &t) != TDM_OK)
+            if (chat_v_list_new(r, 2, &t) != TDM_OK)
                 return r->rc;
             t.u.list->tuple = true;
-            v_list_push(r, t.u.list, in.u.dict->keys[i]);
-            v_list_push(r, t.u.list, in.u.dict->vals[i]);
-            v_list_push(r, pairs.u.list, t);
+            chat_v_list_push(r, t.u.list, in.u.dict->keys[i]);
+            chat_v_list_push(r, t.u.list, in.u.dict->vals[i]);
+            chat_v_list_push(r, pairs.u.list, t);
         }
         bool by_value = by.kind == V_STR && by.u.str.n == 5 && memcmp(by.u.str.s, "value", 5) == 0;
-        return do_sort(r, pairs, v_truthy(rev), v_truthy(cs), by_value ? v_int(1) : v_int(0), false,
-                       out);
+        return do_sort(r, pairs, chat_v_truthy(rev), chat_v_truthy(cs),
+                       by_value ? chat_v_int(1) : chat_v_int(0), false, out);
     }
     case F_E:
     case F_ESCAPE:
@@ -1374,8 +1382,8 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
         if ((rc = soft_str(r, in, &s)) != TDM_OK)
             return rc;
         struct strbuf bb = {.limit = CHAT_MAX_STRING};
-        html_escape(&bb, s.u.str.s, s.u.str.n);
-        rc = sb_to_val(r, &bb, out);
+        chat_html_escape(&bb, s.u.str.s, s.u.str.n);
+        rc = chat_sb_to_val(r, &bb, out);
         free(bb.data);
         out->markup = true;
         return rc;
@@ -1384,31 +1392,31 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
     case F_LAST: {
         struct val items;
         if (idx == F_LAST && in.kind == V_LIST && in.u.list->gen)
-            return rerr(r, TDM_EINVAL, "'generator' object is not reversible");
-        if (v_iterate(r, in, &items) != TDM_OK)
+            return chat_rerr(r, TDM_EINVAL, "'generator' object is not reversible");
+        if (chat_v_iterate(r, in, &items) != TDM_OK)
             return r->rc;
         if (items.u.list->n == 0)
-            *out = v_undef(idx == F_FIRST ? "first" : "last");
+            *out = chat_v_undef(idx == F_FIRST ? "first" : "last");
         else
             *out = items.u.list->items[idx == F_FIRST ? 0 : items.u.list->n - 1];
         return TDM_OK;
     }
     case F_FLOAT: {
-        struct val def = v_float(0.0);
+        struct val def = chat_v_float(0.0);
         arg(args, names, nargs, 0, "default", &def);
         double d;
         if (in.kind == V_FLOAT)
             *out = in;
         else if (in.kind == V_INT || in.kind == V_BOOL)
-            *out = v_float(in.kind == V_INT ? (double)in.u.i : in.u.b);
+            *out = chat_v_float(in.kind == V_INT ? (double)in.u.i : in.u.b);
         else if (in.kind == V_STR && parse_float_text(in.u.str.s, in.u.str.n, &d) == 0)
-            *out = v_float(d);
+            *out = chat_v_float(d);
         else
             *out = def;
         return TDM_OK;
     }
     case F_INT: {
-        struct val def = v_int(0), base = v_int(10);
+        struct val def = chat_v_int(0), base = chat_v_int(10);
         arg(args, names, nargs, 0, "default", &def);
         arg(args, names, nargs, 1, "base", &base);
         int64_t i;
@@ -1416,16 +1424,16 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
         if (in.kind == V_INT)
             *out = in;
         else if (in.kind == V_BOOL)
-            *out = v_int(in.u.b);
+            *out = chat_v_int(in.u.b);
         else if (in.kind == V_FLOAT && isfinite(in.u.f) && fabs(in.u.f) < 9.2e18)
-            *out = v_int((int64_t)in.u.f);
+            *out = chat_v_int((int64_t)in.u.f);
         else if (in.kind == V_STR &&
                  parse_int_text(in.u.str.s, in.u.str.n, base.kind == V_INT ? (int)base.u.i : 10,
                                 &i) == 0)
-            *out = v_int(i);
+            *out = chat_v_int(i);
         else if (in.kind == V_STR && parse_float_text(in.u.str.s, in.u.str.n, &d) == 0 &&
                  isfinite(d) && fabs(d) < 9.2e18)
-            *out = v_int((int64_t)d);
+            *out = chat_v_int((int64_t)d);
         else
             *out = def;
         return TDM_OK;
@@ -1436,26 +1444,26 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
         return do_indent(r, s, args, names, nargs, out);
     case F_ITEMS:
         if (in.kind == V_UNDEF)
-            return v_list_new(r, 0, out);
+            return chat_v_list_new(r, 0, out);
         if (in.kind != V_DICT)
-            return rerr(r, TDM_EINVAL, "Can only get item pairs from a mapping.");
-        if (v_list_new(r, in.u.dict->n, out) != TDM_OK)
+            return chat_rerr(r, TDM_EINVAL, "Can only get item pairs from a mapping.");
+        if (chat_v_list_new(r, in.u.dict->n, out) != TDM_OK)
             return r->rc;
         for (size_t i = 0; i < in.u.dict->n; i++) {
             struct val t;
-            if (v_list_new(r, 2, &t) != TDM_OK)
+            if (chat_v_list_new(r, 2, &t) != TDM_OK)
                 return r->rc;
             t.u.list->tuple = true;
-            v_list_push(r, t.u.list, in.u.dict->keys[i]);
-            v_list_push(r, t.u.list, in.u.dict->vals[i]);
-            v_list_push(r, out->u.list, t);
+            chat_v_list_push(r, t.u.list, in.u.dict->keys[i]);
+            chat_v_list_push(r, t.u.list, in.u.dict->vals[i]);
+            chat_v_list_push(r, out->u.list, t);
         }
         out->u.list->gen = true;
         return r->rc;
     case F_JOIN: {
-        struct val items, sep = v_strn("", 0), attr;
+        struct val items, sep = chat_v_strn("", 0), attr;
         arg(args, names, nargs, 0, "d", &sep);
-        if (v_iterate(r, in, &items) != TDM_OK)
+        if (chat_v_iterate(r, in, &items) != TDM_OK)
             return r->rc;
         if (sep.kind != V_STR && soft_str(r, sep, &sep) != TDM_OK)
             return r->rc;
@@ -1467,36 +1475,36 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
             if (by_attr && (rc = attr_path(r, it, attr, &it)) != TDM_OK)
                 break;
             if (i)
-                sb_addn(&bb, sep.u.str.s, sep.u.str.n);
-            rc = v_to_text(r, it, &bb);
+                chat_sb_addn(&bb, sep.u.str.s, sep.u.str.n);
+            rc = chat_v_to_text(r, it, &bb);
         }
         if (rc == TDM_OK)
-            rc = sb_to_val(r, &bb, out);
+            rc = chat_sb_to_val(r, &bb, out);
         free(bb.data);
         return rc;
     }
     case F_LIST:
-        if ((rc = v_iterate(r, in, &a)) != TDM_OK)
+        if ((rc = chat_v_iterate(r, in, &a)) != TDM_OK)
             return rc;
-        if (v_list_new(r, a.u.list->n, out) != TDM_OK)
+        if (chat_v_list_new(r, a.u.list->n, out) != TDM_OK)
             return r->rc;
         for (size_t i = 0; i < a.u.list->n; i++)
-            v_list_push(r, out->u.list, a.u.list->items[i]);
+            chat_v_list_push(r, out->u.list, a.u.list->items[i]);
         return r->rc;
     case F_MAP:
         return do_map(r, in, args, names, nargs, out);
     case F_MAX:
     case F_MIN: {
-        struct val items, cs = v_bool(false), attr = v_undef(NULL), sorted;
+        struct val items, cs = chat_v_bool(false), attr = chat_v_undef(NULL), sorted;
         arg(args, names, nargs, 0, "case_sensitive", &cs);
         arg(args, names, nargs, 1, "attribute", &attr);
-        if (v_iterate(r, in, &items) != TDM_OK)
+        if (chat_v_iterate(r, in, &items) != TDM_OK)
             return r->rc;
         if (items.u.list->n == 0) {
-            *out = v_undef(idx == F_MAX ? "max" : "min");
+            *out = chat_v_undef(idx == F_MAX ? "max" : "min");
             return TDM_OK;
         }
-        if (do_sort(r, items, idx == F_MAX, v_truthy(cs), attr, false, &sorted) != TDM_OK)
+        if (do_sort(r, items, idx == F_MAX, chat_v_truthy(cs), attr, false, &sorted) != TDM_OK)
             return r->rc;
         *out = sorted.u.list->items[0];
         return TDM_OK;
@@ -1508,11 +1516,11 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
     case F_SELECTATTR:
         return do_select(r, in, args, names, nargs, true, idx == F_SELECTATTR, out);
     case F_REPLACE: {
-        struct val count = v_none();
+        struct val count = chat_v_none();
         if ((rc = soft_str(r, in, &s)) != TDM_OK)
             return rc;
         if (!arg(args, names, nargs, 0, "old", &a) || !arg(args, names, nargs, 1, "new", &b))
-            return rerr(r, TDM_EINVAL, "replace needs old and new");
+            return chat_rerr(r, TDM_EINVAL, "replace needs old and new");
         arg(args, names, nargs, 2, "count", &count);
         int64_t c = -1;
         if (count.kind != V_NONE && need_int(r, count, "replace count", &c) != TDM_OK)
@@ -1522,38 +1530,39 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
     case F_REVERSE:
         if (in.kind == V_STR) {
             struct val chars;
-            if (v_iterate(r, in, &chars) != TDM_OK)
+            if (chat_v_iterate(r, in, &chars) != TDM_OK)
                 return r->rc;
             struct strbuf bb = {.limit = CHAT_MAX_STRING};
             for (size_t i = chars.u.list->n; i-- > 0;)
-                sb_addn(&bb, chars.u.list->items[i].u.str.s, chars.u.list->items[i].u.str.n);
-            rc = sb_to_val(r, &bb, out);
+                chat_sb_addn(&bb, chars.u.list->items[i].u.str.s, chars.u.list->items[i].u.str.n);
+            rc = chat_sb_to_val(r, &bb, out);
             free(bb.data);
             return rc;
         }
-        if ((rc = v_iterate(r, in, &a)) != TDM_OK || v_list_new(r, a.u.list->n, out) != TDM_OK)
+        if ((rc = chat_v_iterate(r, in, &a)) != TDM_OK ||
+            chat_v_list_new(r, a.u.list->n, out) != TDM_OK)
             return r->rc;
         for (size_t i = a.u.list->n; i-- > 0;)
-            v_list_push(r, out->u.list, a.u.list->items[i]);
+            chat_v_list_push(r, out->u.list, a.u.list->items[i]);
         out->u.list->gen = true; // reversed(): an iterator
         return r->rc;
     case F_ROUND: {
-        struct val prec = v_int(0), method = v_strn("common", 6);
+        struct val prec = chat_v_int(0), method = chat_v_strn("common", 6);
         arg(args, names, nargs, 0, "precision", &prec);
         arg(args, names, nargs, 1, "method", &method);
         int64_t p = 0;
         if (need_int(r, prec, "round precision", &p) != TDM_OK)
             return r->rc;
         if (in.kind != V_INT && in.kind != V_FLOAT && in.kind != V_BOOL)
-            return rerr(r, TDM_EINVAL, "round needs a number, got %s", v_type_name(in));
+            return chat_rerr(r, TDM_EINVAL, "round needs a number, got %s", chat_v_type_name(in));
         double x = in.kind == V_FLOAT ? in.u.f : in.kind == V_INT ? (double)in.u.i : in.u.b;
         double m = pow(10.0, (double)p);
         const char *how = method.kind == V_STR ? method.u.str.s : "common";
         double y = strncmp(how, "ceil", 4) == 0    ? ceil(x * m) / m
                    : strncmp(how, "floor", 5) == 0 ? floor(x * m) / m
                                                    : nearbyint(x * m) / m;
-        *out =
-            in.kind == V_FLOAT || strncmp(how, "common", 6) != 0 ? v_float(y) : v_int((int64_t)y);
+        *out = in.kind == V_FLOAT || strncmp(how, "common", 6) != 0 ? chat_v_float(y)
+                                                                    : chat_v_int((int64_t)y);
         return TDM_OK;
     }
     case F_SAFE:
@@ -1562,19 +1571,19 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
         out->markup = true;
         return TDM_OK;
     case F_SORT: {
-        struct val rev = v_bool(false), cs = v_bool(false), attr = v_undef(NULL);
+        struct val rev = chat_v_bool(false), cs = chat_v_bool(false), attr = chat_v_undef(NULL);
         arg(args, names, nargs, 0, "reverse", &rev);
         arg(args, names, nargs, 1, "case_sensitive", &cs);
         arg(args, names, nargs, 2, "attribute", &attr);
-        return do_sort(r, in, v_truthy(rev), v_truthy(cs), attr, false, out);
+        return do_sort(r, in, chat_v_truthy(rev), chat_v_truthy(cs), attr, false, out);
     }
     case F_STRING:
         return soft_str(r, in, out);
     case F_SUM: {
-        struct val attr = v_undef(NULL), start = v_int(0), items;
+        struct val attr = chat_v_undef(NULL), start = chat_v_int(0), items;
         arg(args, names, nargs, 0, "attribute", &attr);
         arg(args, names, nargs, 1, "start", &start);
-        if (v_iterate(r, in, &items) != TDM_OK)
+        if (chat_v_iterate(r, in, &items) != TDM_OK)
             return r->rc;
         struct val acc = start;
         for (size_t i = 0; i < items.u.list->n; i++) {
@@ -1584,8 +1593,8 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
             bool fl = acc.kind == V_FLOAT || it.kind == V_FLOAT;
             if (!(acc.kind == V_INT || acc.kind == V_FLOAT || acc.kind == V_BOOL) ||
                 !(it.kind == V_INT || it.kind == V_FLOAT || it.kind == V_BOOL))
-                return rerr(r, TDM_EINVAL, "sum: unsupported operand types '%s' and '%s'",
-                            v_type_name(acc), v_type_name(it));
+                return chat_rerr(r, TDM_EINVAL, "sum: unsupported operand types '%s' and '%s'",
+                                 chat_v_type_name(acc), chat_v_type_name(it));
             double fa = acc.kind == V_FLOAT ? acc.u.f
                         : acc.kind == V_INT ? (double)acc.u.i
                                             : acc.u.b;
@@ -1593,11 +1602,11 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
             int64_t ia = acc.kind == V_INT ? acc.u.i : acc.u.b,
                     ib = it.kind == V_INT ? it.u.i : it.u.b, z;
             if (fl)
-                acc = v_float(fa + fb);
+                acc = chat_v_float(fa + fb);
             else if (__builtin_add_overflow(ia, ib, &z))
-                return rerr(r, TDM_EINVAL, "integer overflow in sum");
+                return chat_rerr(r, TDM_EINVAL, "integer overflow in sum");
             else
-                acc = v_int(z);
+                acc = chat_v_int(z);
         }
         *out = acc;
         return TDM_OK;
@@ -1605,34 +1614,34 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
     case F_TOJSON:
         return do_tojson(r, in, args, names, nargs, out);
     case F_TRIM: {
-        struct val chars = v_none();
+        struct val chars = chat_v_none();
         arg(args, names, nargs, 0, "chars", &chars);
         if ((rc = soft_str(r, in, &s)) != TDM_OK)
             return rc;
         return do_strip(r, s, chars, true, true, out);
     }
     case F_UNIQUE: {
-        struct val items, cs = v_bool(false), attr = v_undef(NULL);
+        struct val items, cs = chat_v_bool(false), attr = chat_v_undef(NULL);
         arg(args, names, nargs, 0, "case_sensitive", &cs);
         arg(args, names, nargs, 1, "attribute", &attr);
-        if (v_iterate(r, in, &items) != TDM_OK || v_list_new(r, 0, out) != TDM_OK)
+        if (chat_v_iterate(r, in, &items) != TDM_OK || chat_v_list_new(r, 0, out) != TDM_OK)
             return r->rc;
         struct val seen;
-        if (v_list_new(r, 0, &seen) != TDM_OK)
+        if (chat_v_list_new(r, 0, &seen) != TDM_OK)
             return r->rc;
         for (size_t i = 0; i < items.u.list->n; i++) {
             struct val it = items.u.list->items[i], key = it;
             if (attr.kind != V_UNDEF && attr_path(r, it, attr, &key) != TDM_OK)
                 return r->rc;
-            if (!v_truthy(cs) && key.kind == V_STR && map_case(r, key, 1, &key) != TDM_OK)
+            if (!chat_v_truthy(cs) && key.kind == V_STR && map_case(r, key, 1, &key) != TDM_OK)
                 return r->rc;
             bool dup = false;
-            if (!charge(r, seen.u.list->n))
+            if (!chat_charge(r, seen.u.list->n))
                 return r->rc;
             for (size_t j = 0; j < seen.u.list->n && !dup; j++)
-                dup = v_equal(seen.u.list->items[j], key);
-            if (!dup && (v_list_push(r, seen.u.list, key) != TDM_OK ||
-                         v_list_push(r, out->u.list, it) != TDM_OK))
+                dup = chat_v_equal(seen.u.list->items[j], key);
+            if (!dup && (chat_v_list_push(r, seen.u.list, key) != TDM_OK ||
+                         chat_v_list_push(r, out->u.list, it) != TDM_OK))
                 return r->rc;
         }
         out->u.list->gen = true;
@@ -1650,11 +1659,11 @@ int builtin_filter(struct render *r, int idx, struct val in, const struct val *a
                 words++;
             in_word = w;
         }
-        *out = v_int(words);
+        *out = chat_v_int(words);
         return TDM_OK;
     }
     }
-    return rerr(r, TDM_EINVAL, "internal: unknown filter %d", idx);
+    return chat_rerr(r, TDM_EINVAL, "internal: unknown filter %d", idx);
 }
 
 // ---- globals -------------------------------------------------------------------------
@@ -1668,7 +1677,7 @@ static const char *const global_names[G_COUNT_ALL] = {
     [G_DICT] = "dict",
 };
 
-int builtin_global(const char *name, struct val *out)
+int chat_builtin_global(const char *name, struct val *out)
 {
     for (int i = 0; i < G_COUNT_ALL; i++) {
         if (strcmp(global_names[i], name) == 0) {
@@ -1690,15 +1699,15 @@ static int call_global(struct render *r, int fn, const struct val *args, const c
     case G_RAISE: {
         struct strbuf b = {.limit = 1024};
         if (nargs)
-            v_to_text(r, args[0], &b);
+            chat_v_to_text(r, args[0], &b);
         b.over = false;
-        int rc = rerr(r, TDM_EINVAL, "raise_exception: %s", b.data ? b.data : "");
+        int rc = chat_rerr(r, TDM_EINVAL, "raise_exception: %s", b.data ? b.data : "");
         free(b.data);
         return rc;
     }
     case G_STRFTIME: {
         if (!arg(args, names, nargs, 0, "format", &a) || need_str(r, a, "strftime_now") != TDM_OK)
-            return rerr(r, TDM_EINVAL, "strftime_now needs a format string");
+            return chat_rerr(r, TDM_EINVAL, "strftime_now needs a format string");
         char *fmtz = cstr(r, a.u.str.s, a.u.str.n);
         if (!fmtz)
             return oom_cap(r);
@@ -1708,26 +1717,26 @@ static int call_global(struct render *r, int fn, const struct val *args, const c
         char buf[512];
         size_t n = strftime(buf, sizeof buf, fmtz, &tm);
         if (n == 0 && a.u.str.n)
-            return rerr(r, TDM_EINVAL, "strftime_now: format yields nothing or too much text");
-        return v_str_copy(r, buf, n, out);
+            return chat_rerr(r, TDM_EINVAL, "strftime_now: format yields nothing or too much text");
+        return chat_v_str_copy(r, buf, n, out);
     }
     case G_NAMESPACE:
     case G_DICT: {
-        if (v_dict_new(r, out) != TDM_OK)
+        if (chat_v_dict_new(r, out) != TDM_OK)
             return r->rc;
         for (size_t i = 0; i < nargs; i++) {
             if (names && names[i]) {
-                if (v_dict_set(r, out->u.dict, v_strn(names[i], strlen(names[i])), args[i]) !=
-                    TDM_OK)
+                if (chat_v_dict_set(r, out->u.dict, chat_v_strn(names[i], strlen(names[i])),
+                                    args[i]) != TDM_OK)
                     return r->rc;
             } else if (args[i].kind == V_DICT) {
                 for (size_t k = 0; k < args[i].u.dict->n; k++)
-                    if (v_dict_set(r, out->u.dict, args[i].u.dict->keys[k],
-                                   args[i].u.dict->vals[k]) != TDM_OK)
+                    if (chat_v_dict_set(r, out->u.dict, args[i].u.dict->keys[k],
+                                        args[i].u.dict->vals[k]) != TDM_OK)
                         return r->rc;
             } else {
-                return rerr(r, TDM_EINVAL, "%s() takes keyword arguments or a dict",
-                            global_names[fn]);
+                return chat_rerr(r, TDM_EINVAL, "%s() takes keyword arguments or a dict",
+                                 global_names[fn]);
             }
         }
         if (fn == G_NAMESPACE)
@@ -1745,24 +1754,24 @@ static int call_global(struct render *r, int fn, const struct val *args, const c
                 (nargs == 3 && need_int(r, args[2], "range", &step) != TDM_OK))
                 return r->rc;
         } else {
-            return rerr(r, TDM_EINVAL, "range expected 1 to 3 arguments, got %zu", nargs);
+            return chat_rerr(r, TDM_EINVAL, "range expected 1 to 3 arguments, got %zu", nargs);
         }
         if (step == 0)
-            return rerr(r, TDM_EINVAL, "range() arg 3 must not be zero");
+            return chat_rerr(r, TDM_EINVAL, "range() arg 3 must not be zero");
         double count = step > 0 ? ceil(((double)hi - (double)lo) / (double)step)
                                 : ceil(((double)lo - (double)hi) / (double)-step);
         if (count > CHAT_MAX_RANGE)
-            return rerr(r, TDM_ECAPACITY, "range too big: %.0f items (limit %d)", count,
-                        CHAT_MAX_RANGE);
-        if (v_list_new(r, count > 0 ? (size_t)count : 0, out) != TDM_OK)
+            return chat_rerr(r, TDM_ECAPACITY, "range too big: %.0f items (limit %d)", count,
+                             CHAT_MAX_RANGE);
+        if (chat_v_list_new(r, count > 0 ? (size_t)count : 0, out) != TDM_OK)
             return r->rc;
         for (int64_t v = lo; step > 0 ? v < hi : v > hi; v += step)
-            if (v_list_push(r, out->u.list, v_int(v)) != TDM_OK)
+            if (chat_v_list_push(r, out->u.list, chat_v_int(v)) != TDM_OK)
                 return r->rc;
         return TDM_OK;
     }
     }
-    return rerr(r, TDM_EINVAL, "internal: unknown global %d", fn);
+    return chat_rerr(r, TDM_EINVAL, "internal: unknown global %d", fn);
 }
 
 // ---- methods -------------------------------------------------------------------------
@@ -1777,8 +1786,8 @@ static int prefix_test(struct render *r, struct val self, struct val a, bool end
         return TDM_OK;
     }
     if (a.kind != V_STR)
-        return rerr(r, TDM_EINVAL, "%s first arg must be str or a tuple of str, not %s",
-                    end ? "endswith" : "startswith", v_type_name(a));
+        return chat_rerr(r, TDM_EINVAL, "%s first arg must be str or a tuple of str, not %s",
+                         end ? "endswith" : "startswith", chat_v_type_name(a));
     size_t n = a.u.str.n;
     *res =
         n <= self.u.str.n && memcmp(self.u.str.s + (end ? self.u.str.n - n : 0), a.u.str.s, n) == 0;
@@ -1788,22 +1797,22 @@ static int prefix_test(struct render *r, struct val self, struct val a, bool end
 static int str_method(struct render *r, struct val self, const char *m, const struct val *args,
                       const char *const *names, size_t nargs, struct val *out)
 {
-    struct val a = v_none(), b = v_none();
+    struct val a = chat_v_none(), b = chat_v_none();
     bool res;
 #define M(s) (strcmp(m, s) == 0)
     if (M("startswith") || M("endswith")) {
         if (!arg(args, names, nargs, 0, NULL, &a))
-            return rerr(r, TDM_EINVAL, "%s() takes at least 1 argument", m);
+            return chat_rerr(r, TDM_EINVAL, "%s() takes at least 1 argument", m);
         if (nargs > 1)
-            return rerr(r, TDM_EINVAL, "%s() with start/end is not supported", m);
+            return chat_rerr(r, TDM_EINVAL, "%s() with start/end is not supported", m);
         if (prefix_test(r, self, a, M("endswith"), &res) != TDM_OK)
             return r->rc;
-        *out = v_bool(res);
+        *out = chat_v_bool(res);
         return TDM_OK;
     }
     if (M("split") || M("rsplit")) {
         arg(args, names, nargs, 0, "sep", &a);
-        struct val ms = v_int(-1);
+        struct val ms = chat_v_int(-1);
         arg(args, names, nargs, 1, "maxsplit", &ms);
         int64_t maxsplit = -1;
         if (need_int(r, ms, m, &maxsplit) != TDM_OK)
@@ -1823,9 +1832,9 @@ static int str_method(struct render *r, struct val self, const char *m, const st
                                           : 4,
                         out);
     if (M("replace")) {
-        struct val count = v_int(-1);
+        struct val count = chat_v_int(-1);
         if (!arg(args, names, nargs, 0, NULL, &a) || !arg(args, names, nargs, 1, NULL, &b))
-            return rerr(r, TDM_EINVAL, "replace() needs old and new");
+            return chat_rerr(r, TDM_EINVAL, "replace() needs old and new");
         arg(args, names, nargs, 2, "count", &count);
         int64_t c = -1;
         if (need_int(r, count, "replace", &c) != TDM_OK)
@@ -1834,42 +1843,43 @@ static int str_method(struct render *r, struct val self, const char *m, const st
     }
     if (M("join")) {
         struct val items;
-        if (!arg(args, names, nargs, 0, NULL, &a) || v_iterate(r, a, &items) != TDM_OK)
-            return rerr(r, TDM_EINVAL, "join() needs an iterable");
+        if (!arg(args, names, nargs, 0, NULL, &a) || chat_v_iterate(r, a, &items) != TDM_OK)
+            return chat_rerr(r, TDM_EINVAL, "join() needs an iterable");
         struct strbuf bb = {.limit = CHAT_MAX_STRING};
         for (size_t i = 0; i < items.u.list->n; i++) {
             struct val it = items.u.list->items[i];
             if (it.kind != V_STR) {
                 free(bb.data);
-                return rerr(r, TDM_EINVAL, "sequence item %zu: expected str instance, %s found", i,
-                            v_type_name(it));
+                return chat_rerr(r, TDM_EINVAL,
+                                 "sequence item %zu: expected str instance, %s found", i,
+                                 chat_v_type_name(it));
             }
             if (i)
-                sb_addn(&bb, self.u.str.s, self.u.str.n);
-            sb_addn(&bb, it.u.str.s, it.u.str.n);
+                chat_sb_addn(&bb, self.u.str.s, self.u.str.n);
+            chat_sb_addn(&bb, it.u.str.s, it.u.str.n);
         }
-        int rc = sb_to_val(r, &bb, out);
+        int rc = chat_sb_to_val(r, &bb, out);
         free(bb.data);
         return rc;
     }
     if (M("find") || M("rfind") || M("count") || M("index") || M("rindex")) {
         if (!arg(args, names, nargs, 0, NULL, &a) || need_str(r, a, m) != TDM_OK)
-            return rerr(r, TDM_EINVAL, "%s() needs a string", m);
+            return chat_rerr(r, TDM_EINVAL, "%s() needs a string", m);
         if (nargs > 1)
-            return rerr(r, TDM_EINVAL, "%s() with start/end is not supported", m);
+            return chat_rerr(r, TDM_EINVAL, "%s() with start/end is not supported", m);
         const char *h = self.u.str.s;
         size_t hn = self.u.str.n;
         if (M("count")) {
             int64_t c = 0;
             if (a.u.str.n == 0) {
-                c = (int64_t)utf8_len(h, hn) + 1;
+                c = (int64_t)chat_utf8_len(h, hn) + 1;
             } else {
                 for (const char *p = h;
                      (p = find_bytes(p, hn - (size_t)(p - h), a.u.str.s, a.u.str.n)) != NULL;
                      p += a.u.str.n)
                     c++;
             }
-            *out = v_int(c);
+            *out = chat_v_int(c);
             return TDM_OK;
         }
         const char *hit = NULL;
@@ -1884,18 +1894,18 @@ static int str_method(struct render *r, struct val self, const char *m, const st
             }
         }
         if (!hit && (M("index") || M("rindex")))
-            return rerr(r, TDM_EINVAL, "substring not found");
-        *out = v_int(hit ? (int64_t)utf8_len(h, (size_t)(hit - h)) : -1);
+            return chat_rerr(r, TDM_EINVAL, "substring not found");
+        *out = chat_v_int(hit ? (int64_t)chat_utf8_len(h, (size_t)(hit - h)) : -1);
         return TDM_OK;
     }
     if (M("splitlines")) {
-        struct val keep = v_bool(false);
+        struct val keep = chat_v_bool(false);
         arg(args, names, nargs, 0, "keepends", &keep);
-        return do_splitlines(r, self, v_truthy(keep), out);
+        return do_splitlines(r, self, chat_v_truthy(keep), out);
     }
     if (M("removeprefix") || M("removesuffix")) {
         if (!arg(args, names, nargs, 0, NULL, &a) || need_str(r, a, m) != TDM_OK)
-            return rerr(r, TDM_EINVAL, "%s() needs a string", m);
+            return chat_rerr(r, TDM_EINVAL, "%s() needs a string", m);
         bool end = M("removesuffix");
         if (prefix_test(r, self, a, end, &res) != TDM_OK)
             return r->rc;
@@ -1928,11 +1938,11 @@ static int str_method(struct render *r, struct val self, const char *m, const st
         }
         if (M("islower") || M("isupper"))
             ok = ok && cased;
-        *out = v_bool(ok);
+        *out = chat_v_bool(ok);
         return TDM_OK;
     }
 #undef M
-    return rerr(r, TDM_EINVAL, "str.%s() is not supported by this renderer", m);
+    return chat_rerr(r, TDM_EINVAL, "str.%s() is not supported by this renderer", m);
 }
 
 static int dict_method(struct render *r, struct val self, const char *m, const struct val *args,
@@ -1940,16 +1950,16 @@ static int dict_method(struct render *r, struct val self, const char *m, const s
 {
     struct vdict *d = self.u.dict;
     if (strcmp(m, "get") == 0) {
-        struct val key, def = v_none();
+        struct val key, def = chat_v_none();
         if (!arg(args, names, nargs, 0, NULL, &key))
-            return rerr(r, TDM_EINVAL, "get expected at least 1 argument, got 0");
+            return chat_rerr(r, TDM_EINVAL, "get expected at least 1 argument, got 0");
         arg(args, names, nargs, 1, NULL, &def);
-        if (!v_dict_find(d, key, out))
+        if (!chat_v_dict_find(d, key, out))
             *out = def;
         return TDM_OK;
     }
     if (strcmp(m, "items") == 0) {
-        if (builtin_filter(r, F_ITEMS, self, NULL, NULL, 0, out) != TDM_OK)
+        if (chat_builtin_filter(r, F_ITEMS, self, NULL, NULL, 0, out) != TDM_OK)
             return r->rc;
         out->u.list->gen = false;
         out->u.list->view = true;
@@ -1957,29 +1967,30 @@ static int dict_method(struct render *r, struct val self, const char *m, const s
     }
     if (strcmp(m, "keys") == 0 || strcmp(m, "values") == 0) {
         bool keys = m[0] == 'k';
-        if (v_list_new(r, d->n, out) != TDM_OK)
+        if (chat_v_list_new(r, d->n, out) != TDM_OK)
             return r->rc;
         for (size_t i = 0; i < d->n; i++)
-            v_list_push(r, out->u.list, keys ? d->keys[i] : d->vals[i]);
+            chat_v_list_push(r, out->u.list, keys ? d->keys[i] : d->vals[i]);
         out->u.list->view = true;
         return r->rc;
     }
     if (strcmp(m, "copy") == 0) {
-        if (v_dict_new(r, out) != TDM_OK)
+        if (chat_v_dict_new(r, out) != TDM_OK)
             return r->rc;
         for (size_t i = 0; i < d->n; i++)
-            if (v_dict_set(r, out->u.dict, d->keys[i], d->vals[i]) != TDM_OK)
+            if (chat_v_dict_set(r, out->u.dict, d->keys[i], d->vals[i]) != TDM_OK)
                 return r->rc;
         return TDM_OK;
     }
     // pop, update, clear, setdefault, popitem: Jinja's immutable sandbox refuses them.
-    return rerr(r, TDM_EINVAL, "dict.%s() is not allowed (the template sandbox is immutable)", m);
+    return chat_rerr(r, TDM_EINVAL, "dict.%s() is not allowed (the template sandbox is immutable)",
+                     m);
 }
 
-int builtin_call(struct render *r, struct val fn, const struct val *args, const char *const *names,
-                 size_t nargs, struct val *out)
+int chat_builtin_call(struct render *r, struct val fn, const struct val *args,
+                      const char *const *names, size_t nargs, struct val *out)
 {
-    if (!charge(r, 1))
+    if (!chat_charge(r, 1))
         return r->rc;
     if (fn.kind == V_FUNC)
         return call_global(r, fn.u.func, args, names, nargs, out);
@@ -1992,30 +2003,30 @@ int builtin_call(struct render *r, struct val fn, const struct val *args, const 
         return dict_method(r, self, m, args, names, nargs, out);
     case V_LOOP:
         if (nargs == 0)
-            return rerr(r, TDM_EINVAL, "no items for cycling given");
+            return chat_rerr(r, TDM_EINVAL, "no items for cycling given");
         *out = args[self.u.loop->index0 % (int64_t)nargs];
         return TDM_OK;
     case V_LIST:
         if (strcmp(m, "count") == 0 || strcmp(m, "index") == 0) {
             if (nargs != 1)
-                return rerr(r, TDM_EINVAL, "list.%s() takes exactly one argument", m);
+                return chat_rerr(r, TDM_EINVAL, "list.%s() takes exactly one argument", m);
             int64_t c = 0, first = -1;
             for (size_t i = 0; i < self.u.list->n; i++)
-                if (v_equal(self.u.list->items[i], args[0])) {
+                if (chat_v_equal(self.u.list->items[i], args[0])) {
                     c++;
                     if (first < 0)
                         first = (int64_t)i;
                 }
             if (m[0] == 'i' && first < 0)
-                return rerr(r, TDM_EINVAL, "list.index(x): x not in list");
-            *out = v_int(m[0] == 'c' ? c : first);
+                return chat_rerr(r, TDM_EINVAL, "list.index(x): x not in list");
+            *out = chat_v_int(m[0] == 'c' ? c : first);
             return TDM_OK;
         }
         if (strcmp(m, "copy") == 0)
-            return builtin_filter(r, F_LIST, self, NULL, NULL, 0, out);
-        return rerr(r, TDM_EINVAL, "list.%s() is not allowed (the template sandbox is immutable)",
-                    m);
+            return chat_builtin_filter(r, F_LIST, self, NULL, NULL, 0, out);
+        return chat_rerr(r, TDM_EINVAL,
+                         "list.%s() is not allowed (the template sandbox is immutable)", m);
     default:
-        return rerr(r, TDM_EINVAL, "cannot call a method of %s", v_type_name(self));
+        return chat_rerr(r, TDM_EINVAL, "cannot call a method of %s", chat_v_type_name(self));
     }
 }

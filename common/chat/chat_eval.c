@@ -23,10 +23,10 @@ static int exec(struct render *r, const struct node *nd, struct scope *sc);
 
 static int scope_new(struct render *r, struct scope *parent, struct scope **out)
 {
-    struct scope *s = arena_alloc(&r->arena, sizeof *s);
+    struct scope *s = chat_arena_alloc(&r->arena, sizeof *s);
     if (!s)
-        return rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
-                    CHAT_MAX_ARENA >> 20);
+        return chat_rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
+                         CHAT_MAX_ARENA >> 20);
     s->parent = parent;
     *out = s;
     return TDM_OK;
@@ -34,18 +34,18 @@ static int scope_new(struct render *r, struct scope *parent, struct scope **out)
 
 static int scope_set(struct render *r, struct scope *sc, const char *name, struct val v)
 {
-    return v_dict_set(r, &sc->vars, v_strn(name, strlen(name)), v);
+    return chat_v_dict_set(r, &sc->vars, chat_v_strn(name, strlen(name)), v);
 }
 
 static int lookup(struct render *r, struct scope *sc, const char *name, size_t n, struct val *out)
 {
     for (; sc; sc = sc->parent)
-        if (v_dict_get(&sc->vars, name, n, out))
+        if (chat_v_dict_get(&sc->vars, name, n, out))
             return TDM_OK;
     (void)r;
-    if (builtin_global(name, out) == TDM_OK)
+    if (chat_builtin_global(name, out) == TDM_OK)
         return TDM_OK;
-    *out = v_undef(name);
+    *out = chat_v_undef(name);
     return TDM_OK;
 }
 
@@ -53,11 +53,11 @@ static int lookup(struct render *r, struct scope *sc, const char *name, size_t n
 
 static int emit(struct render *r, const char *s, size_t n)
 {
-    sb_addn(r->out, s, n);
+    chat_sb_addn(r->out, s, n);
     if (r->out->oom)
-        return rerr(r, TDM_ENOMEM, "out of memory");
+        return chat_rerr(r, TDM_ENOMEM, "out of memory");
     if (r->out->over)
-        return rerr(r, TDM_ECAPACITY, "output would exceed %zu bytes (limit)", r->out->limit);
+        return chat_rerr(r, TDM_ECAPACITY, "output would exceed %zu bytes (limit)", r->out->limit);
     return TDM_OK;
 }
 
@@ -70,7 +70,7 @@ static int capture(struct render *r, const struct node *body, struct scope *sc, 
     int rc = exec(r, body, sc);
     r->out = saved;
     if (rc == TDM_OK)
-        rc = sb_to_val(r, &buf, out);
+        rc = chat_sb_to_val(r, &buf, out);
     free(buf.data);
     return rc;
 }
@@ -94,7 +94,7 @@ static int64_t as_i(struct val v)
 
 static int undefined_err(struct render *r, struct val v)
 {
-    return rerr(r, TDM_EINVAL, "'%s' is undefined", v.u.undef_name ? v.u.undef_name : "value");
+    return chat_rerr(r, TDM_EINVAL, "'%s' is undefined", v.u.undef_name ? v.u.undef_name : "value");
 }
 
 static int type_err(struct render *r, const char *op, struct val a, struct val b)
@@ -103,8 +103,8 @@ static int type_err(struct render *r, const char *op, struct val a, struct val b
         return undefined_err(r, a);
     if (b.kind == V_UNDEF)
         return undefined_err(r, b);
-    return rerr(r, TDM_EINVAL, "unsupported operand type(s) for %s: '%s' and '%s'", op,
-                v_type_name(a), v_type_name(b));
+    return chat_rerr(r, TDM_EINVAL, "unsupported operand type(s) for %s: '%s' and '%s'", op,
+                     chat_v_type_name(a), chat_v_type_name(b));
 }
 
 static int str_concat(struct render *r, struct val a, struct val b, struct val *out)
@@ -113,31 +113,31 @@ static int str_concat(struct render *r, struct val a, struct val b, struct val *
     bool markup = a.markup || b.markup;
     if (!markup) {
         if ((uint64_t)a.u.str.n + b.u.str.n > CHAT_MAX_STRING)
-            return rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)",
-                        CHAT_MAX_STRING);
-        char *p = arena_alloc(&r->arena, a.u.str.n + b.u.str.n + 1);
+            return chat_rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)",
+                             CHAT_MAX_STRING);
+        char *p = chat_arena_alloc(&r->arena, a.u.str.n + b.u.str.n + 1);
         if (!p)
-            return rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
-                        CHAT_MAX_ARENA >> 20);
+            return chat_rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
+                             CHAT_MAX_ARENA >> 20);
         if (a.u.str.n)
             memcpy(p, a.u.str.s, a.u.str.n);
         if (b.u.str.n)
             memcpy(p + a.u.str.n, b.u.str.s, b.u.str.n);
-        if (!charge(r, (a.u.str.n + b.u.str.n) / 16))
+        if (!chat_charge(r, (a.u.str.n + b.u.str.n) / 16))
             return r->rc;
-        *out = v_strn(p, a.u.str.n + b.u.str.n);
+        *out = chat_v_strn(p, a.u.str.n + b.u.str.n);
         return TDM_OK;
     }
     struct strbuf buf = {.limit = CHAT_MAX_STRING};
     if (a.markup)
-        sb_addn(&buf, a.u.str.s, a.u.str.n);
+        chat_sb_addn(&buf, a.u.str.s, a.u.str.n);
     else
-        html_escape(&buf, a.u.str.s, a.u.str.n);
+        chat_html_escape(&buf, a.u.str.s, a.u.str.n);
     if (b.markup)
-        sb_addn(&buf, b.u.str.s, b.u.str.n);
+        chat_sb_addn(&buf, b.u.str.s, b.u.str.n);
     else
-        html_escape(&buf, b.u.str.s, b.u.str.n);
-    int rc = sb_to_val(r, &buf, out);
+        chat_html_escape(&buf, b.u.str.s, b.u.str.n);
+    int rc = chat_sb_to_val(r, &buf, out);
     free(buf.data);
     out->markup = true;
     return rc;
@@ -149,24 +149,25 @@ static int repeat(struct render *r, struct val seq, int64_t times, struct val *o
         times = 0;
     if (seq.kind == V_STR) {
         if (seq.u.str.n && (uint64_t)times > CHAT_MAX_STRING / seq.u.str.n)
-            return rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)",
-                        CHAT_MAX_STRING);
+            return chat_rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)",
+                             CHAT_MAX_STRING);
         struct strbuf buf = {.limit = CHAT_MAX_STRING};
         for (int64_t k = 0; k < times; k++)
-            sb_addn(&buf, seq.u.str.s, seq.u.str.n);
-        int rc = sb_to_val(r, &buf, out);
+            chat_sb_addn(&buf, seq.u.str.s, seq.u.str.n);
+        int rc = chat_sb_to_val(r, &buf, out);
         free(buf.data);
         out->markup = seq.markup;
         return rc;
     }
     size_t n = seq.u.list->n;
     if (n && (uint64_t)times > CHAT_MAX_ITERATIONS / n)
-        return rerr(r, TDM_ECAPACITY, "a list would exceed %d items (limit)", CHAT_MAX_ITERATIONS);
-    if (v_list_new(r, n * (size_t)times, out) != TDM_OK)
+        return chat_rerr(r, TDM_ECAPACITY, "a list would exceed %d items (limit)",
+                         CHAT_MAX_ITERATIONS);
+    if (chat_v_list_new(r, n * (size_t)times, out) != TDM_OK)
         return r->rc;
     for (int64_t k = 0; k < times; k++)
         for (size_t i = 0; i < n; i++)
-            if (v_list_push(r, out->u.list, seq.u.list->items[i]) != TDM_OK)
+            if (chat_v_list_push(r, out->u.list, seq.u.list->items[i]) != TDM_OK)
                 return r->rc;
     return TDM_OK;
 }
@@ -175,11 +176,11 @@ static int arith(struct render *r, const char *op, struct val a, struct val b, s
 {
     if (op[0] == '~') {
         struct strbuf buf = {.limit = CHAT_MAX_STRING};
-        int rc = v_to_text(r, a, &buf);
+        int rc = chat_v_to_text(r, a, &buf);
         if (rc == TDM_OK)
-            rc = v_to_text(r, b, &buf);
+            rc = chat_v_to_text(r, b, &buf);
         if (rc == TDM_OK)
-            rc = sb_to_val(r, &buf, out);
+            rc = chat_sb_to_val(r, &buf, out);
         free(buf.data);
         return rc;
     }
@@ -189,14 +190,14 @@ static int arith(struct render *r, const char *op, struct val a, struct val b, s
         if (a.u.list->tuple != b.u.list->tuple || a.u.list->gen || b.u.list->gen ||
             a.u.list->view || b.u.list->view)
             return type_err(r, "+", a, b);
-        if (v_list_new(r, a.u.list->n + b.u.list->n, out) != TDM_OK)
+        if (chat_v_list_new(r, a.u.list->n + b.u.list->n, out) != TDM_OK)
             return r->rc;
         for (size_t i = 0; i < a.u.list->n; i++)
-            v_list_push(r, out->u.list, a.u.list->items[i]);
+            chat_v_list_push(r, out->u.list, a.u.list->items[i]);
         for (size_t i = 0; i < b.u.list->n; i++)
-            v_list_push(r, out->u.list, b.u.list->items[i]);
+            chat_v_list_push(r, out->u.list, b.u.list->items[i]);
         out->u.list->tuple = a.u.list->tuple;
-        if (!charge(r, out->u.list->n))
+        if (!chat_charge(r, out->u.list->n))
             return r->rc;
         return r->rc;
     }
@@ -209,14 +210,15 @@ static int arith(struct render *r, const char *op, struct val a, struct val b, s
     }
     if (!is_num(a) || !is_num(b)) {
         if (op[0] == '%' && a.kind == V_STR)
-            return rerr(r, TDM_EINVAL, "printf-style string formatting ('%%') is not supported");
+            return chat_rerr(r, TDM_EINVAL,
+                             "printf-style string formatting ('%%') is not supported");
         return type_err(r, op, a, b);
     }
     bool fl = a.kind == V_FLOAT || b.kind == V_FLOAT;
     if (strcmp(op, "/") == 0) {
         if (as_f(b) == 0)
-            return rerr(r, TDM_EINVAL, "division by zero");
-        *out = v_float(as_f(a) / as_f(b));
+            return chat_rerr(r, TDM_EINVAL, "division by zero");
+        *out = chat_v_float(as_f(a) / as_f(b));
         return TDM_OK;
     }
     if (fl) {
@@ -231,10 +233,10 @@ static int arith(struct render *r, const char *op, struct val a, struct val b, s
             z = pow(x, y);
         else {
             if (y == 0)
-                return rerr(r, TDM_EINVAL, "float division by zero");
+                return chat_rerr(r, TDM_EINVAL, "float division by zero");
             z = strcmp(op, "//") == 0 ? floor(x / y) : x - y * floor(x / y);
         }
-        *out = v_float(z);
+        *out = chat_v_float(z);
         return TDM_OK;
     }
     int64_t x = as_i(a), y = as_i(b), z;
@@ -247,18 +249,18 @@ static int arith(struct render *r, const char *op, struct val a, struct val b, s
         ovf = __builtin_mul_overflow(x, y, &z);
     else if (strcmp(op, "**") == 0) {
         if (y < 0) {
-            *out = v_float(pow((double)x, (double)y));
+            *out = chat_v_float(pow((double)x, (double)y));
             return TDM_OK;
         }
         z = 1;
         for (int64_t k = 0; k < y && !ovf; k++) {
             ovf = __builtin_mul_overflow(z, x, &z);
-            if (!charge(r, 1))
+            if (!chat_charge(r, 1))
                 return r->rc;
         }
     } else {
         if (y == 0)
-            return rerr(r, TDM_EINVAL, "integer division or modulo by zero");
+            return chat_rerr(r, TDM_EINVAL, "integer division or modulo by zero");
         if (x == INT64_MIN && y == -1)
             ovf = true;
         else {
@@ -271,30 +273,30 @@ static int arith(struct render *r, const char *op, struct val a, struct val b, s
         }
     }
     if (ovf)
-        return rerr(r, TDM_EINVAL, "integer overflow in '%s'", op);
-    *out = v_int(z);
+        return chat_rerr(r, TDM_EINVAL, "integer overflow in '%s'", op);
+    *out = chat_v_int(z);
     return TDM_OK;
 }
 
 static int contains(struct render *r, struct val hay, struct val needle, bool *out)
 {
-    if (hay.kind == V_STR && !charge(r, hay.u.str.n / 4))
+    if (hay.kind == V_STR && !chat_charge(r, hay.u.str.n / 4))
         return r->rc;
-    if (hay.kind == V_LIST && !charge(r, hay.u.list->n))
+    if (hay.kind == V_LIST && !chat_charge(r, hay.u.list->n))
         return r->rc;
     if (needle.kind == V_UNDEF && hay.kind == V_STR)
         return undefined_err(r, needle);
-    return v_contains(r, hay, needle, out);
+    return chat_v_contains(r, hay, needle, out);
 }
 
 static int compare_op(struct render *r, const char *op, struct val a, struct val b, bool *res)
 {
     if (strcmp(op, "==") == 0) {
-        *res = v_equal(a, b);
+        *res = chat_v_equal(a, b);
         return TDM_OK;
     }
     if (strcmp(op, "!=") == 0) {
-        *res = !v_equal(a, b);
+        *res = !chat_v_equal(a, b);
         return TDM_OK;
     }
     if (strcmp(op, "in") == 0)
@@ -305,7 +307,7 @@ static int compare_op(struct render *r, const char *op, struct val a, struct val
         return rc;
     }
     int cmp;
-    if (v_compare(r, a, b, &cmp) != TDM_OK)
+    if (chat_v_compare(r, a, b, &cmp) != TDM_OK)
         return r->rc;
     if (strcmp(op, "<") == 0)
         *res = cmp < 0;
@@ -325,34 +327,34 @@ static int do_slice(struct render *r, struct val obj, struct val vs, struct val 
     for (int k = 0; k < 3; k++) {
         struct val v = k == 0 ? vs : k == 1 ? ve : vt;
         if (v.kind != V_NONE && v.kind != V_UNDEF && v.kind != V_INT && v.kind != V_BOOL)
-            return rerr(r, TDM_EINVAL, "slice indices must be integers or None, not %s",
-                        v_type_name(v));
+            return chat_rerr(r, TDM_EINVAL, "slice indices must be integers or None, not %s",
+                             chat_v_type_name(v));
     }
     int64_t step = vt.kind == V_INT || vt.kind == V_BOOL ? as_i(vt) : 1;
     if (step == 0)
-        return rerr(r, TDM_EINVAL, "slice step cannot be zero");
+        return chat_rerr(r, TDM_EINVAL, "slice step cannot be zero");
     size_t *offs = NULL; // str: byte offset of each code point, plus the end
     int64_t len;
     if (obj.kind == V_LIST && (obj.u.list->gen || obj.u.list->view)) {
-        return rerr(r, TDM_EINVAL, "'%s' object is not subscriptable", v_type_name(obj));
+        return chat_rerr(r, TDM_EINVAL, "'%s' object is not subscriptable", chat_v_type_name(obj));
     } else if (obj.kind == V_LIST) {
         len = (int64_t)obj.u.list->n;
     } else if (obj.kind == V_STR) {
-        len = (int64_t)utf8_len(obj.u.str.s, obj.u.str.n);
+        len = (int64_t)chat_utf8_len(obj.u.str.s, obj.u.str.n);
         offs = malloc(((size_t)len + 1) * sizeof *offs);
         if (!offs)
-            return rerr(r, TDM_ENOMEM, "out of memory");
+            return chat_rerr(r, TDM_ENOMEM, "out of memory");
         size_t i = 0, k = 0;
         uint32_t cp;
         while (i < obj.u.str.n) {
             offs[k++] = i;
-            i += utf8_next(obj.u.str.s, obj.u.str.n, i, &cp);
+            i += chat_utf8_next(obj.u.str.s, obj.u.str.n, i, &cp);
         }
         offs[k] = obj.u.str.n;
     } else if (obj.kind == V_UNDEF) {
         return undefined_err(r, obj);
     } else {
-        return rerr(r, TDM_EINVAL, "'%s' object is not subscriptable", v_type_name(obj));
+        return chat_rerr(r, TDM_EINVAL, "'%s' object is not subscriptable", chat_v_type_name(obj));
     }
     int64_t start, stop;
     bool has_s = vs.kind == V_INT || vs.kind == V_BOOL,
@@ -382,34 +384,35 @@ static int do_slice(struct render *r, struct val obj, struct val vs, struct val 
     }
     int rc = TDM_OK;
     if (obj.kind == V_LIST) {
-        if ((rc = v_list_new(r, 0, out)) == TDM_OK) {
+        if ((rc = chat_v_list_new(r, 0, out)) == TDM_OK) {
             out->u.list->tuple = obj.u.list->tuple;
             for (int64_t i = start; (step > 0 ? i < stop : i > stop) && rc == TDM_OK; i += step)
-                rc = v_list_push(r, out->u.list, obj.u.list->items[i]);
+                rc = chat_v_list_push(r, out->u.list, obj.u.list->items[i]);
         }
         return rc;
     }
     struct strbuf buf = {.limit = CHAT_MAX_STRING};
     if (step == 1 && start < stop)
-        sb_addn(&buf, obj.u.str.s + offs[start], offs[stop] - offs[start]);
+        chat_sb_addn(&buf, obj.u.str.s + offs[start], offs[stop] - offs[start]);
     else
         for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step)
-            sb_addn(&buf, obj.u.str.s + offs[i], offs[i + 1] - offs[i]);
+            chat_sb_addn(&buf, obj.u.str.s + offs[i], offs[i + 1] - offs[i]);
     free(offs);
-    rc = sb_to_val(r, &buf, out);
+    rc = chat_sb_to_val(r, &buf, out);
     free(buf.data);
     return rc;
 }
 
 // ---- calls ---------------------------------------------------------------------------
 
-int eval_macro_call(struct render *r, struct val macro, const struct val *args,
-                    const char *const *names, size_t nargs, struct val *caller, struct val *out)
+int chat_eval_macro_call(struct render *r, struct val macro, const struct val *args,
+                         const char *const *names, size_t nargs, struct val *caller,
+                         struct val *out)
 {
     const struct node *m = macro.u.macro;
     if (r->call_depth >= CHAT_MAX_CALL_DEPTH)
-        return rerr(r, TDM_ECAPACITY, "macro calls nested deeper than %d (limit)",
-                    CHAT_MAX_CALL_DEPTH);
+        return chat_rerr(r, TDM_ECAPACITY, "macro calls nested deeper than %d (limit)",
+                         CHAT_MAX_CALL_DEPTH);
     struct scope *sc = NULL;
     if (scope_new(r, macro.closure, &sc) != TDM_OK)
         return r->rc;
@@ -422,14 +425,14 @@ int eval_macro_call(struct render *r, struct val macro, const struct val *args,
                 if (strcmp(m->names[k], names[i]) == 0)
                     break;
             if (k == m->nnames)
-                return rerr(r, TDM_EINVAL, "macro '%s' takes no keyword argument '%s'", mname,
-                            names[i]);
+                return chat_rerr(r, TDM_EINVAL, "macro '%s' takes no keyword argument '%s'", mname,
+                                 names[i]);
             if (scope_set(r, sc, m->names[k], args[i]) != TDM_OK)
                 return r->rc;
         } else {
             if (npos >= m->nnames)
-                return rerr(r, TDM_EINVAL, "macro '%s' takes not more than %zu argument(s)", mname,
-                            m->nnames);
+                return chat_rerr(r, TDM_EINVAL, "macro '%s' takes not more than %zu argument(s)",
+                                 mname, m->nnames);
             if (scope_set(r, sc, m->names[npos], args[i]) != TDM_OK)
                 return r->rc;
             npos++;
@@ -438,9 +441,9 @@ int eval_macro_call(struct render *r, struct val macro, const struct val *args,
     int line = r->line;
     for (size_t k = 0; k < m->nnames; k++) {
         struct val have;
-        if (v_dict_get(&sc->vars, m->names[k], strlen(m->names[k]), &have))
+        if (chat_v_dict_get(&sc->vars, m->names[k], strlen(m->names[k]), &have))
             continue;
-        struct val def = v_undef(m->names[k]);
+        struct val def = chat_v_undef(m->names[k]);
         if (m->kids && m->kids[k] && eval(r, m->kids[k], sc, &def) != TDM_OK)
             return r->rc;
         if (scope_set(r, sc, m->names[k], def) != TDM_OK)
@@ -460,15 +463,15 @@ static int call_value(struct render *r, struct val fn, const struct val *args,
                       const char *const *names, size_t nargs, struct val *caller, struct val *out)
 {
     if (fn.kind == V_MACRO)
-        return eval_macro_call(r, fn, args, names, nargs, caller, out);
+        return chat_eval_macro_call(r, fn, args, names, nargs, caller, out);
     if (caller)
-        return rerr(r, TDM_EINVAL, "{%% call %%} needs a macro");
+        return chat_rerr(r, TDM_EINVAL, "{%% call %%} needs a macro");
     if (fn.kind == V_FUNC || fn.kind == V_METHOD)
-        return builtin_call(r, fn, args, names, nargs, out);
+        return chat_builtin_call(r, fn, args, names, nargs, out);
     if (fn.kind == V_UNDEF)
-        return rerr(r, TDM_EINVAL, "'%s' is undefined (called as a function)",
-                    fn.u.undef_name ? fn.u.undef_name : "value");
-    return rerr(r, TDM_EINVAL, "'%s' object is not callable", v_type_name(fn));
+        return chat_rerr(r, TDM_EINVAL, "'%s' is undefined (called as a function)",
+                         fn.u.undef_name ? fn.u.undef_name : "value");
+    return chat_rerr(r, TDM_EINVAL, "'%s' object is not callable", chat_v_type_name(fn));
 }
 
 // Evaluates nd->kids as call arguments into a heap array (caller frees).
@@ -479,7 +482,7 @@ static int eval_args(struct render *r, const struct node *nd, struct scope *sc, 
         return TDM_OK;
     *args = calloc(nd->nkids, sizeof **args);
     if (!*args)
-        return rerr(r, TDM_ENOMEM, "out of memory");
+        return chat_rerr(r, TDM_ENOMEM, "out of memory");
     for (size_t i = 0; i < nd->nkids; i++)
         if (eval(r, nd->kids[i], sc, &(*args)[i]) != TDM_OK)
             return r->rc;
@@ -510,13 +513,13 @@ static int eval_filter(struct render *r, const struct node *nd, struct scope *sc
     else if (nd->a)
         rc = eval(r, nd->a, sc, &in);
     else {
-        in = block ? *block : v_undef(NULL);
+        in = block ? *block : chat_v_undef(NULL);
         rc = TDM_OK;
     }
     if (rc == TDM_OK)
         rc = eval_args(r, nd, sc, &args);
     if (rc == TDM_OK)
-        rc = builtin_filter(r, nd->builtin, in, args, nd->names, nd->nkids, out);
+        rc = chat_builtin_filter(r, nd->builtin, in, args, nd->names, nd->nkids, out);
     free(args);
     return rc;
 }
@@ -525,7 +528,7 @@ static int eval_filter(struct render *r, const struct node *nd, struct scope *sc
 
 static int eval(struct render *r, const struct node *nd, struct scope *sc, struct val *out)
 {
-    if (!charge(r, 1) || !stack_ok(r))
+    if (!chat_charge(r, 1) || !chat_stack_ok(r))
         return r->rc;
     struct val a, b;
     int rc;
@@ -538,13 +541,13 @@ static int eval(struct render *r, const struct node *nd, struct scope *sc, struc
     case N_GETATTR:
         if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK)
             return rc;
-        return get_attr(r, a, nd->s, nd->sn, out);
+        return chat_get_attr(r, a, nd->s, nd->sn, out);
     case N_GETITEM:
         if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK || (rc = eval(r, nd->b, sc, &b)) != TDM_OK)
             return rc;
-        return get_item(r, a, b, out);
+        return chat_get_item(r, a, b, out);
     case N_SLICE: {
-        struct val s = v_none(), e = v_none(), t = v_none();
+        struct val s = chat_v_none(), e = chat_v_none(), t = chat_v_none();
         if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK ||
             (nd->b && (rc = eval(r, nd->b, sc, &s)) != TDM_OK) ||
             (nd->c && (rc = eval(r, nd->c, sc, &e)) != TDM_OK) ||
@@ -560,42 +563,42 @@ static int eval(struct render *r, const struct node *nd, struct scope *sc, struc
         struct val *args = NULL;
         bool res = false;
         if ((rc = eval(r, nd->a, sc, &a)) == TDM_OK && (rc = eval_args(r, nd, sc, &args)) == TDM_OK)
-            rc = builtin_test(r, nd->builtin, a, args, nd->nkids, &res);
+            rc = chat_builtin_test(r, nd->builtin, a, args, nd->nkids, &res);
         free(args);
-        *out = v_bool(res != nd->neg);
+        *out = chat_v_bool(res != nd->neg);
         return rc;
     }
     case N_UNARY:
         if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK)
             return rc;
         if (nd->s[0] == 'n') {
-            *out = v_bool(!v_truthy(a));
+            *out = chat_v_bool(!chat_v_truthy(a));
         } else if (a.kind == V_FLOAT) {
-            *out = v_float(nd->s[0] == '-' ? -a.u.f : a.u.f);
+            *out = chat_v_float(nd->s[0] == '-' ? -a.u.f : a.u.f);
         } else if (a.kind == V_INT || a.kind == V_BOOL) {
             int64_t i = as_i(a);
             if (nd->s[0] == '-' && i == INT64_MIN)
-                return rerr(r, TDM_EINVAL, "integer overflow in unary '-'");
-            *out = v_int(nd->s[0] == '-' ? -i : i);
+                return chat_rerr(r, TDM_EINVAL, "integer overflow in unary '-'");
+            *out = chat_v_int(nd->s[0] == '-' ? -i : i);
         } else if (a.kind == V_UNDEF) {
             return undefined_err(r, a);
         } else {
-            return rerr(r, TDM_EINVAL, "bad operand type for unary %s: '%s'", nd->s,
-                        v_type_name(a));
+            return chat_rerr(r, TDM_EINVAL, "bad operand type for unary %s: '%s'", nd->s,
+                             chat_v_type_name(a));
         }
         return TDM_OK;
     case N_BINARY:
         if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK)
             return rc;
         if (strcmp(nd->s, "and") == 0) {
-            if (!v_truthy(a)) {
+            if (!chat_v_truthy(a)) {
                 *out = a;
                 return TDM_OK;
             }
             return eval(r, nd->b, sc, out);
         }
         if (strcmp(nd->s, "or") == 0) {
-            if (v_truthy(a)) {
+            if (chat_v_truthy(a)) {
                 *out = a;
                 return TDM_OK;
             }
@@ -615,46 +618,46 @@ static int eval(struct render *r, const struct node *nd, struct scope *sc, struc
                 return rc;
             a = b;
         }
-        *out = v_bool(res);
+        *out = chat_v_bool(res);
         return TDM_OK;
     }
     case N_COND:
         if ((rc = eval(r, nd->b, sc, &a)) != TDM_OK)
             return rc;
-        if (v_truthy(a))
+        if (chat_v_truthy(a))
             return eval(r, nd->a, sc, out);
         if (nd->c)
             return eval(r, nd->c, sc, out);
-        *out = v_undef(NULL);
+        *out = chat_v_undef(NULL);
         return TDM_OK;
     case N_LIST:
     case N_TUPLE:
-        if ((rc = v_list_new(r, nd->nkids, out)) != TDM_OK)
+        if ((rc = chat_v_list_new(r, nd->nkids, out)) != TDM_OK)
             return rc;
         out->u.list->tuple = nd->kind == N_TUPLE;
         for (size_t i = 0; i < nd->nkids; i++) {
             if ((rc = eval(r, nd->kids[i], sc, &a)) != TDM_OK ||
-                (rc = v_list_push(r, out->u.list, a)) != TDM_OK)
+                (rc = chat_v_list_push(r, out->u.list, a)) != TDM_OK)
                 return rc;
         }
         return TDM_OK;
     case N_DICT:
-        if ((rc = v_dict_new(r, out)) != TDM_OK)
+        if ((rc = chat_v_dict_new(r, out)) != TDM_OK)
             return rc;
         for (size_t i = 0; i + 1 < nd->nkids; i += 2) {
             if ((rc = eval(r, nd->kids[i], sc, &a)) != TDM_OK ||
                 (rc = eval(r, nd->kids[i + 1], sc, &b)) != TDM_OK)
                 return rc;
             if (a.kind == V_LIST && !a.u.list->tuple)
-                return rerr(r, TDM_EINVAL, "unhashable type: 'list'");
+                return chat_rerr(r, TDM_EINVAL, "unhashable type: 'list'");
             if (a.kind == V_DICT)
-                return rerr(r, TDM_EINVAL, "unhashable type: 'dict'");
-            if ((rc = v_dict_set(r, out->u.dict, a, b)) != TDM_OK)
+                return chat_rerr(r, TDM_EINVAL, "unhashable type: 'dict'");
+            if ((rc = chat_v_dict_set(r, out->u.dict, a, b)) != TDM_OK)
                 return rc;
         }
         return TDM_OK;
     default:
-        return rerr(r, TDM_EINVAL, "internal: statement node used as an expression");
+        return chat_rerr(r, TDM_EINVAL, "internal: statement node used as an expression");
     }
 }
 
@@ -666,10 +669,11 @@ static int assign_targets(struct render *r, struct scope *sc, const char *const 
     if (n == 1)
         return scope_set(r, sc, names[0], v);
     struct val items;
-    if (v_iterate(r, v, &items) != TDM_OK)
+    if (chat_v_iterate(r, v, &items) != TDM_OK)
         return r->rc;
     if (items.u.list->n != n)
-        return rerr(r, TDM_EINVAL, "cannot unpack %zu values into %zu names", items.u.list->n, n);
+        return chat_rerr(r, TDM_EINVAL, "cannot unpack %zu values into %zu names", items.u.list->n,
+                         n);
     for (size_t i = 0; i < n; i++)
         if (scope_set(r, sc, names[i], items.u.list->items[i]) != TDM_OK)
             return r->rc;
@@ -679,7 +683,7 @@ static int assign_targets(struct render *r, struct scope *sc, const char *const 
 static int exec_for(struct render *r, const struct node *nd, struct scope *sc)
 {
     struct val seq, items;
-    if (eval(r, nd->a, sc, &seq) != TDM_OK || v_iterate(r, seq, &items) != TDM_OK)
+    if (eval(r, nd->a, sc, &seq) != TDM_OK || chat_v_iterate(r, seq, &items) != TDM_OK)
         return r->rc;
     struct scope *ls = NULL;
     if (scope_new(r, sc, &ls) != TDM_OK)
@@ -687,17 +691,18 @@ static int exec_for(struct render *r, const struct node *nd, struct scope *sc)
     const char *const *targets = nd->names;
     if (nd->d) { // {% for x in xs if cond %}: filter first, so loop.length counts the kept
         struct val kept;
-        if (v_list_new(r, 0, &kept) != TDM_OK)
+        if (chat_v_list_new(r, 0, &kept) != TDM_OK)
             return r->rc;
         for (size_t i = 0; i < items.u.list->n; i++) {
             struct val c;
             if (++r->iterations > CHAT_MAX_ITERATIONS)
-                return rerr(r, TDM_ECAPACITY, "more than %d loop iterations (limit)",
-                            CHAT_MAX_ITERATIONS);
+                return chat_rerr(r, TDM_ECAPACITY, "more than %d loop iterations (limit)",
+                                 CHAT_MAX_ITERATIONS);
             if (assign_targets(r, ls, targets, nd->nnames, items.u.list->items[i]) != TDM_OK ||
                 eval(r, nd->d, ls, &c) != TDM_OK)
                 return r->rc;
-            if (v_truthy(c) && v_list_push(r, kept.u.list, items.u.list->items[i]) != TDM_OK)
+            if (chat_v_truthy(c) &&
+                chat_v_list_push(r, kept.u.list, items.u.list->items[i]) != TDM_OK)
                 return r->rc;
         }
         items = kept;
@@ -705,19 +710,19 @@ static int exec_for(struct render *r, const struct node *nd, struct scope *sc)
     size_t n = items.u.list->n;
     if (n == 0)
         return nd->c ? exec(r, nd->c, sc) : TDM_OK;
-    struct loopinfo *li = arena_alloc(&r->arena, sizeof *li);
+    struct loopinfo *li = chat_arena_alloc(&r->arena, sizeof *li);
     if (!li)
-        return rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
-                    CHAT_MAX_ARENA >> 20);
+        return chat_rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
+                         CHAT_MAX_ARENA >> 20);
     li->length = (int64_t)n;
     struct val loopv = {.kind = V_LOOP, .u.loop = li};
     for (size_t i = 0; i < n; i++) {
         if (++r->iterations > CHAT_MAX_ITERATIONS)
-            return rerr(r, TDM_ECAPACITY, "more than %d loop iterations (limit)",
-                        CHAT_MAX_ITERATIONS);
+            return chat_rerr(r, TDM_ECAPACITY, "more than %d loop iterations (limit)",
+                             CHAT_MAX_ITERATIONS);
         li->index0 = (int64_t)i;
-        li->prev = i > 0 ? items.u.list->items[i - 1] : v_undef("previtem");
-        li->next = i + 1 < n ? items.u.list->items[i + 1] : v_undef("nextitem");
+        li->prev = i > 0 ? items.u.list->items[i - 1] : chat_v_undef("previtem");
+        li->next = i + 1 < n ? items.u.list->items[i + 1] : chat_v_undef("nextitem");
         if (assign_targets(r, ls, targets, nd->nnames, items.u.list->items[i]) != TDM_OK ||
             scope_set(r, ls, "loop", loopv) != TDM_OK)
             return r->rc;
@@ -735,7 +740,7 @@ static int exec(struct render *r, const struct node *nd, struct scope *sc)
 {
     struct val v;
     int rc;
-    if (!charge(r, 1) || !stack_ok(r))
+    if (!chat_charge(r, 1) || !chat_stack_ok(r))
         return r->rc;
     if (nd->kind != N_BODY)
         r->line = nd->line;
@@ -755,13 +760,13 @@ static int exec(struct render *r, const struct node *nd, struct scope *sc)
             return rc;
         if (v.kind == V_STR)
             return emit(r, v.u.str.s, v.u.str.n);
-        rc = v_to_text(r, v, r->out);
+        rc = chat_v_to_text(r, v, r->out);
         return rc;
     }
     case N_IF:
         if ((rc = eval(r, nd->a, sc, &v)) != TDM_OK)
             return rc;
-        if (v_truthy(v))
+        if (chat_v_truthy(v))
             return exec(r, nd->b, sc);
         return nd->c ? exec(r, nd->c, sc) : TDM_OK;
     case N_FOR:
@@ -774,9 +779,10 @@ static int exec(struct render *r, const struct node *nd, struct scope *sc)
             if ((rc = eval(r, nd->a->a, sc, &ns)) != TDM_OK)
                 return rc;
             if (ns.kind != V_NS)
-                return rerr(r, TDM_EINVAL, "cannot assign attribute on non-namespace object '%s'",
-                            nd->a->a->s);
-            return v_dict_set(r, ns.u.dict, v_strn(nd->a->s, nd->a->sn), v);
+                return chat_rerr(r, TDM_EINVAL,
+                                 "cannot assign attribute on non-namespace object '%s'",
+                                 nd->a->a->s);
+            return chat_v_dict_set(r, ns.u.dict, chat_v_strn(nd->a->s, nd->a->sn), v);
         }
         return assign_targets(r, sc, nd->names, nd->nnames, v);
     case N_SET_BLOCK:
@@ -792,13 +798,13 @@ static int exec(struct render *r, const struct node *nd, struct scope *sc)
         struct val caller = {.kind = V_MACRO, .u.macro = nd, .closure = sc};
         if ((rc = eval_call(r, nd->a, sc, &caller, &v)) != TDM_OK)
             return rc;
-        return v_to_text(r, v, r->out);
+        return chat_v_to_text(r, v, r->out);
     }
     case N_FILTER_BLOCK:
         if ((rc = capture(r, nd->b, sc, &v)) != TDM_OK ||
             (rc = eval_filter(r, nd->d, sc, &v, &v)) != TDM_OK)
             return rc;
-        return v_to_text(r, v, r->out);
+        return chat_v_to_text(r, v, r->out);
     case N_BREAK:
         r->loop_ctl = 1;
         return TDM_OK;
@@ -806,7 +812,7 @@ static int exec(struct render *r, const struct node *nd, struct scope *sc)
         r->loop_ctl = 2;
         return TDM_OK;
     default:
-        return rerr(r, TDM_EINVAL, "internal: expression node used as a statement");
+        return chat_rerr(r, TDM_EINVAL, "internal: expression node used as a statement");
     }
 }
 

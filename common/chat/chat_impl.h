@@ -44,9 +44,9 @@ struct arena {
     size_t used;              // bytes handed out, all chunks
     size_t cap;               // 0: unlimited
 };
-void *arena_alloc(struct arena *a, size_t n); // zeroed, 16-aligned; NULL past cap or OOM
-char *arena_strndup(struct arena *a, const char *s, size_t n);
-void arena_free(struct arena *a);
+void *chat_arena_alloc(struct arena *a, size_t n); // zeroed, 16-aligned; NULL past cap or OOM
+char *chat_arena_strndup(struct arena *a, const char *s, size_t n);
+void chat_arena_free(struct arena *a);
 
 // ---- growable byte buffer (heap) ---------------------------------------------------
 struct strbuf {
@@ -57,9 +57,9 @@ struct strbuf {
     bool oom;     // sticky
     bool over;    // sticky: the limit was hit
 };
-void sb_addn(struct strbuf *b, const char *s, size_t n);
-void sb_add(struct strbuf *b, const char *s);
-void sb_addc(struct strbuf *b, char c);
+void chat_sb_addn(struct strbuf *b, const char *s, size_t n);
+void chat_sb_add(struct strbuf *b, const char *s);
+void chat_sb_addc(struct strbuf *b, char c);
 
 // ---- values ------------------------------------------------------------------------
 enum vkind {
@@ -153,45 +153,47 @@ struct render {
 
 // Fails the render once its recursion has used CHAT_MAX_STACK bytes of C stack:
 // renders run on HTTP worker threads, whose stacks are small (about 100 KiB).
-bool stack_ok(struct render *r);
+bool chat_stack_ok(struct render *r);
 
-int rerr(struct render *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-bool charge(struct render *r, uint64_t units); // false (and an error) past CHAT_MAX_WORK
+int chat_rerr(struct render *r, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+bool chat_charge(struct render *r, uint64_t units); // false (and an error) past CHAT_MAX_WORK
 
-struct val v_undef(const char *name);
-struct val v_none(void);
-struct val v_bool(bool b);
-struct val v_int(int64_t i);
-struct val v_float(double f);
-struct val v_strn(const char *s, size_t n); // s must outlive the render
-int v_str_copy(struct render *r, const char *s, size_t n, struct val *out);
-int v_list_new(struct render *r, size_t cap, struct val *out);
-int v_list_push(struct render *r, struct vlist *l, struct val v);
-int v_dict_new(struct render *r, struct val *out);
-int v_dict_set(struct render *r, struct vdict *d, struct val key, struct val v);
-bool v_dict_get(const struct vdict *d, const char *key, size_t n, struct val *out);
-bool v_dict_find(const struct vdict *d, struct val key, struct val *out);
+struct val chat_v_undef(const char *name);
+struct val chat_v_none(void);
+struct val chat_v_bool(bool b);
+struct val chat_v_int(int64_t i);
+struct val chat_v_float(double f);
+struct val chat_v_strn(const char *s, size_t n); // s must outlive the render
+int chat_v_str_copy(struct render *r, const char *s, size_t n, struct val *out);
+int chat_v_list_new(struct render *r, size_t cap, struct val *out);
+int chat_v_list_push(struct render *r, struct vlist *l, struct val v);
+int chat_v_dict_new(struct render *r, struct val *out);
+int chat_v_dict_set(struct render *r, struct vdict *d, struct val key, struct val v);
+bool chat_v_dict_get(const struct vdict *d, const char *key, size_t n, struct val *out);
+bool chat_v_dict_find(const struct vdict *d, struct val key, struct val *out);
 
-bool v_truthy(struct val v);
-bool v_equal(struct val a, struct val b);
-int v_compare(struct render *r, struct val a, struct val b, int *cmp); // Python <
-const char *v_type_name(struct val v);
+bool chat_v_truthy(struct val v);
+bool chat_v_equal(struct val a, struct val b);
+int chat_v_compare(struct render *r, struct val a, struct val b, int *cmp); // Python <
+const char *chat_v_type_name(struct val v);
 // Python str(v) appended to b (jinja's soft_str); TDM_EINVAL for values with no text.
-int v_to_text(struct render *r, struct val v, struct strbuf *b);
-int v_repr(struct render *r, struct val v, struct strbuf *b);
-int v_stringify(struct render *r, struct val v, struct val *out); // str(v) as a V_STR
-void py_float_repr(double f, char *buf, size_t n);
-size_t utf8_len(const char *s, size_t n); // code points; invalid bytes count one each
-size_t utf8_next(const char *s, size_t n, size_t i, uint32_t *cp);
-void utf8_put(struct strbuf *b, uint32_t cp);
-bool py_isspace(uint32_t cp);
-void html_escape(struct strbuf *b, const char *s, size_t n);
+int chat_v_to_text(struct render *r, struct val v, struct strbuf *b);
+int chat_v_repr(struct render *r, struct val v, struct strbuf *b);
+int chat_v_stringify(struct render *r, struct val v, struct val *out); // str(v) as a V_STR
+void chat_py_float_repr(double f, char *buf, size_t n);
+size_t chat_utf8_len(const char *s, size_t n); // code points; invalid bytes count one each
+size_t chat_utf8_next(const char *s, size_t n, size_t i, uint32_t *cp);
+void chat_utf8_put(struct strbuf *b, uint32_t cp);
+bool chat_py_isspace(uint32_t cp);
+void chat_html_escape(struct strbuf *b, const char *s, size_t n);
 
 // Takes a strbuf's bytes into the arena as a string value and resets the buffer.
-int sb_to_val(struct render *r, struct strbuf *b, struct val *out);
+int chat_sb_to_val(struct render *r, struct strbuf *b, struct val *out);
 
 // ---- JSON --------------------------------------------------------------------------
-int json_to_val(struct render *r, const char *text, size_t len, const char *what, struct val *out);
+int chat_json_to_val(struct render *r, const char *text, size_t len, const char *what,
+                     struct val *out);
 struct tojson_opts {
     int indent;             // -1: none
     const char *indent_str; // when indent is a string (NULL otherwise)
@@ -199,7 +201,7 @@ struct tojson_opts {
     bool sort_keys;
     bool ensure_ascii;
 };
-int val_to_json(struct render *r, struct val v, const struct tojson_opts *o, struct strbuf *b);
+int chat_val_to_json(struct render *r, struct val v, const struct tojson_opts *o, struct strbuf *b);
 
 // ---- lexer -------------------------------------------------------------------------
 enum tok_kind {
@@ -280,26 +282,27 @@ int chat_parse(struct arena *a, const struct token *toks, size_t ntoks, struct n
                char *err, size_t errlen);
 
 // ---- builtins ----------------------------------------------------------------------
-int builtin_filter_index(const char *name); // -1 when unknown
-int builtin_test_index(const char *name);
-int builtin_global(const char *name, struct val *out); // V_FUNC for known globals
+int chat_builtin_filter_index(const char *name); // -1 when unknown
+int chat_builtin_test_index(const char *name);
+int chat_builtin_global(const char *name, struct val *out); // V_FUNC for known globals
 // args[nargs] with names[nargs] (NULL: positional).
-int builtin_filter(struct render *r, int idx, struct val in, const struct val *args,
-                   const char *const *names, size_t nargs, struct val *out);
-int builtin_test(struct render *r, int idx, struct val in, const struct val *args, size_t nargs,
-                 bool *out);
-int builtin_call(struct render *r, struct val fn, const struct val *args, const char *const *names,
-                 size_t nargs, struct val *out);
+int chat_builtin_filter(struct render *r, int idx, struct val in, const struct val *args,
+                        const char *const *names, size_t nargs, struct val *out);
+int chat_builtin_test(struct render *r, int idx, struct val in, const struct val *args,
+                      size_t nargs, bool *out);
+int chat_builtin_call(struct render *r, struct val fn, const struct val *args,
+                      const char *const *names, size_t nargs, struct val *out);
 // Attribute lookup as Jinja's sandboxed getattr (methods first, then items).
-int get_attr(struct render *r, struct val obj, const char *name, size_t n, struct val *out);
-int get_item(struct render *r, struct val obj, struct val key, struct val *out);
+int chat_get_attr(struct render *r, struct val obj, const char *name, size_t n, struct val *out);
+int chat_get_item(struct render *r, struct val obj, struct val key, struct val *out);
 // Python `needle in hay` (str: substring; list: ==; dict: key; Undefined: false).
-int v_contains(struct render *r, struct val hay, struct val needle, bool *out);
+int chat_v_contains(struct render *r, struct val hay, struct val needle, bool *out);
 // Iteration: a list of the items `for` would see (dict: keys; str: characters).
-int v_iterate(struct render *r, struct val v, struct val *out_list);
+int chat_v_iterate(struct render *r, struct val v, struct val *out_list);
 // Macro invocation lives in chat_eval.c.
-int eval_macro_call(struct render *r, struct val macro, const struct val *args,
-                    const char *const *names, size_t nargs, struct val *caller, struct val *out);
+int chat_eval_macro_call(struct render *r, struct val macro, const struct val *args,
+                         const char *const *names, size_t nargs, struct val *caller,
+                         struct val *out);
 
 // ---- evaluation --------------------------------------------------------------------
 int chat_eval_render(struct render *r, const struct node *root);

@@ -25,7 +25,7 @@ struct jp {
 
 static int jp_err(struct jp *p, const char *msg)
 {
-    return rerr(p->r, TDM_EINVAL, "%s: invalid JSON at byte %zu: %s", p->what, p->i, msg);
+    return chat_rerr(p->r, TDM_EINVAL, "%s: invalid JSON at byte %zu: %s", p->what, p->i, msg);
 }
 
 static void jp_ws(struct jp *p)
@@ -77,7 +77,7 @@ static int jp_string(struct jp *p, struct val *out)
             while (p->i < p->n && p->s[p->i] != '"' && p->s[p->i] != '\\' &&
                    (unsigned char)p->s[p->i] >= 0x20)
                 p->i++;
-            sb_addn(&b, p->s + start, p->i - start);
+            chat_sb_addn(&b, p->s + start, p->i - start);
             continue;
         }
         if (++p->i >= p->n) {
@@ -90,22 +90,22 @@ static int jp_string(struct jp *p, struct val *out)
         case '"':
         case '\\':
         case '/':
-            sb_addc(&b, e);
+            chat_sb_addc(&b, e);
             break;
         case 'b':
-            sb_addc(&b, '\b');
+            chat_sb_addc(&b, '\b');
             break;
         case 'f':
-            sb_addc(&b, '\f');
+            chat_sb_addc(&b, '\f');
             break;
         case 'n':
-            sb_addc(&b, '\n');
+            chat_sb_addc(&b, '\n');
             break;
         case 'r':
-            sb_addc(&b, '\r');
+            chat_sb_addc(&b, '\r');
             break;
         case 't':
-            sb_addc(&b, '\t');
+            chat_sb_addc(&b, '\t');
             break;
         case 'u':
             if ((rc = hex4(p, &cp)) != TDM_OK)
@@ -126,14 +126,14 @@ static int jp_string(struct jp *p, struct val *out)
                 rc = jp_err(p, "lone UTF-16 surrogate");
                 goto done;
             }
-            utf8_put(&b, cp);
+            chat_utf8_put(&b, cp);
             break;
         default:
             rc = jp_err(p, "bad escape");
             goto done;
         }
     }
-    rc = sb_to_val(p->r, &b, out);
+    rc = chat_sb_to_val(p->r, &b, out);
 done:
     free(b.data);
     return rc;
@@ -172,22 +172,22 @@ static int jp_number(struct jp *p, struct val *out)
         long long v = strtoll(buf, &end, 10);
         if (*end || errno == ERANGE)
             return jp_err(p, "integer out of range");
-        *out = v_int(v);
+        *out = chat_v_int(v);
         return TDM_OK;
     }
     double d = strtod(buf, &end);
     if (*end)
         return jp_err(p, "bad number");
-    *out = v_float(d);
+    *out = chat_v_float(d);
     return TDM_OK;
 }
 
 static int jp_value(struct jp *p, struct val *out, int depth)
 {
     if (depth > CHAT_MAX_JSON_DEPTH)
-        return rerr(p->r, TDM_EINVAL, "%s: JSON nested deeper than %d (limit)", p->what,
-                    CHAT_MAX_JSON_DEPTH);
-    if (!charge(p->r, 1) || !stack_ok(p->r))
+        return chat_rerr(p->r, TDM_EINVAL, "%s: JSON nested deeper than %d (limit)", p->what,
+                         CHAT_MAX_JSON_DEPTH);
+    if (!chat_charge(p->r, 1) || !chat_stack_ok(p->r))
         return p->r->rc;
     jp_ws(p);
     if (p->i >= p->n)
@@ -198,7 +198,7 @@ static int jp_value(struct jp *p, struct val *out, int depth)
         return jp_string(p, out);
     if (c == '{') {
         p->i++;
-        if ((rc = v_dict_new(p->r, out)) != TDM_OK)
+        if ((rc = chat_v_dict_new(p->r, out)) != TDM_OK)
             return rc;
         jp_ws(p);
         if (p->i < p->n && p->s[p->i] == '}') {
@@ -218,7 +218,7 @@ static int jp_value(struct jp *p, struct val *out, int depth)
             p->i++;
             if ((rc = jp_value(p, &v, depth + 1)) != TDM_OK)
                 return rc;
-            if ((rc = v_dict_set(p->r, out->u.dict, k, v)) != TDM_OK)
+            if ((rc = chat_v_dict_set(p->r, out->u.dict, k, v)) != TDM_OK)
                 return rc;
             jp_ws(p);
             if (p->i < p->n && p->s[p->i] == ',') {
@@ -234,7 +234,7 @@ static int jp_value(struct jp *p, struct val *out, int depth)
     }
     if (c == '[') {
         p->i++;
-        if ((rc = v_list_new(p->r, 0, out)) != TDM_OK)
+        if ((rc = chat_v_list_new(p->r, 0, out)) != TDM_OK)
             return rc;
         jp_ws(p);
         if (p->i < p->n && p->s[p->i] == ']') {
@@ -245,7 +245,7 @@ static int jp_value(struct jp *p, struct val *out, int depth)
             struct val v;
             if ((rc = jp_value(p, &v, depth + 1)) != TDM_OK)
                 return rc;
-            if ((rc = v_list_push(p->r, out->u.list, v)) != TDM_OK)
+            if ((rc = chat_v_list_push(p->r, out->u.list, v)) != TDM_OK)
                 return rc;
             jp_ws(p);
             if (p->i < p->n && p->s[p->i] == ',') {
@@ -267,7 +267,7 @@ static int jp_value(struct jp *p, struct val *out, int depth)
         size_t wn = strlen(words[k].word);
         if (p->n - p->i >= wn && memcmp(p->s + p->i, words[k].word, wn) == 0) {
             p->i += wn;
-            *out = words[k].kind == 2 ? v_none() : v_bool(words[k].kind == 1);
+            *out = words[k].kind == 2 ? chat_v_none() : chat_v_bool(words[k].kind == 1);
             return TDM_OK;
         }
     }
@@ -276,7 +276,8 @@ static int jp_value(struct jp *p, struct val *out, int depth)
     return jp_err(p, "unexpected character");
 }
 
-int json_to_val(struct render *r, const char *text, size_t len, const char *what, struct val *out)
+int chat_json_to_val(struct render *r, const char *text, size_t len, const char *what,
+                     struct val *out)
 {
     struct jp p = {.r = r, .s = text, .n = len, .what = what};
     int rc = jp_value(&p, out, 0);
@@ -292,32 +293,32 @@ int json_to_val(struct render *r, const char *text, size_t len, const char *what
 
 static void json_string(struct strbuf *b, const char *s, size_t n, bool ascii)
 {
-    sb_addc(b, '"');
+    chat_sb_addc(b, '"');
     for (size_t i = 0; i < n;) {
         uint32_t cp;
-        size_t len = utf8_next(s, n, i, &cp);
+        size_t len = chat_utf8_next(s, n, i, &cp);
         char esc[16];
         switch (cp) {
         case '"':
-            sb_add(b, "\\\"");
+            chat_sb_add(b, "\\\"");
             break;
         case '\\':
-            sb_add(b, "\\\\");
+            chat_sb_add(b, "\\\\");
             break;
         case '\n':
-            sb_add(b, "\\n");
+            chat_sb_add(b, "\\n");
             break;
         case '\r':
-            sb_add(b, "\\r");
+            chat_sb_add(b, "\\r");
             break;
         case '\t':
-            sb_add(b, "\\t");
+            chat_sb_add(b, "\\t");
             break;
         case '\b':
-            sb_add(b, "\\b");
+            chat_sb_add(b, "\\b");
             break;
         case '\f':
-            sb_add(b, "\\f");
+            chat_sb_add(b, "\\f");
             break;
         default:
             if (cp < 0x20 || (ascii && cp > 0x7E)) {
@@ -328,25 +329,25 @@ static void json_string(struct strbuf *b, const char *s, size_t n, bool ascii)
                 } else {
                     snprintf(esc, sizeof esc, "\\u%04x", cp);
                 }
-                sb_add(b, esc);
+                chat_sb_add(b, esc);
             } else {
-                sb_addn(b, s + i, len);
+                chat_sb_addn(b, s + i, len);
             }
         }
         i += len;
     }
-    sb_addc(b, '"');
+    chat_sb_addc(b, '"');
 }
 
 static void newline_indent(struct strbuf *b, const struct tojson_opts *o, int level)
 {
-    sb_addc(b, '\n');
+    chat_sb_addc(b, '\n');
     for (int k = 0; k < level; k++) {
         if (o->indent_str)
-            sb_add(b, o->indent_str);
+            chat_sb_add(b, o->indent_str);
         else
             for (int s = 0; s < o->indent; s++)
-                sb_addc(b, ' ');
+                chat_sb_addc(b, ' ');
     }
 }
 
@@ -361,25 +362,26 @@ static int key_text(struct render *r, struct val k, struct strbuf *b)
     char num[64];
     switch (k.kind) {
     case V_STR:
-        sb_addn(b, k.u.str.s, k.u.str.n);
+        chat_sb_addn(b, k.u.str.s, k.u.str.n);
         return TDM_OK;
     case V_BOOL:
-        sb_add(b, k.u.b ? "true" : "false");
+        chat_sb_add(b, k.u.b ? "true" : "false");
         return TDM_OK;
     case V_NONE:
-        sb_add(b, "null");
+        chat_sb_add(b, "null");
         return TDM_OK;
     case V_INT:
         snprintf(num, sizeof num, "%lld", (long long)k.u.i);
-        sb_add(b, num);
+        chat_sb_add(b, num);
         return TDM_OK;
     case V_FLOAT:
-        py_float_repr(k.u.f, num, sizeof num);
-        sb_add(b, num);
+        chat_py_float_repr(k.u.f, num, sizeof num);
+        chat_sb_add(b, num);
         return TDM_OK;
     default:
-        return rerr(r, TDM_EINVAL, "tojson: keys must be str, int, float, bool or None, not %s",
-                    v_type_name(k));
+        return chat_rerr(r, TDM_EINVAL,
+                         "tojson: keys must be str, int, float, bool or None, not %s",
+                         chat_v_type_name(k));
     }
 }
 
@@ -388,28 +390,29 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
 {
     char num[64];
     if (level > CHAT_MAX_JSON_DEPTH)
-        return rerr(r, TDM_EINVAL, "tojson: nested deeper than %d (limit)", CHAT_MAX_JSON_DEPTH);
-    if (!charge(r, 1) || !stack_ok(r))
+        return chat_rerr(r, TDM_EINVAL, "tojson: nested deeper than %d (limit)",
+                         CHAT_MAX_JSON_DEPTH);
+    if (!chat_charge(r, 1) || !chat_stack_ok(r))
         return r->rc;
     switch (v.kind) {
     case V_NONE:
-        sb_add(b, "null");
+        chat_sb_add(b, "null");
         return TDM_OK;
     case V_BOOL:
-        sb_add(b, v.u.b ? "true" : "false");
+        chat_sb_add(b, v.u.b ? "true" : "false");
         return TDM_OK;
     case V_INT:
         snprintf(num, sizeof num, "%lld", (long long)v.u.i);
-        sb_add(b, num);
+        chat_sb_add(b, num);
         return TDM_OK;
     case V_FLOAT:
         if (isnan(v.u.f))
-            sb_add(b, "NaN");
+            chat_sb_add(b, "NaN");
         else if (isinf(v.u.f))
-            sb_add(b, v.u.f < 0 ? "-Infinity" : "Infinity");
+            chat_sb_add(b, v.u.f < 0 ? "-Infinity" : "Infinity");
         else {
-            py_float_repr(v.u.f, num, sizeof num);
-            sb_add(b, num);
+            chat_py_float_repr(v.u.f, num, sizeof num);
+            chat_sb_add(b, num);
         }
         return TDM_OK;
     case V_STR:
@@ -418,16 +421,16 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
     case V_LIST: {
         struct vlist *l = v.u.list;
         if (l->gen || l->view)
-            return rerr(r, TDM_EINVAL, "tojson: Object of type %s is not JSON serializable",
-                        v_type_name(v));
+            return chat_rerr(r, TDM_EINVAL, "tojson: Object of type %s is not JSON serializable",
+                             chat_v_type_name(v));
         if (l->n == 0) {
-            sb_add(b, "[]");
+            chat_sb_add(b, "[]");
             return TDM_OK;
         }
-        sb_addc(b, '[');
+        chat_sb_addc(b, '[');
         for (size_t i = 0; i < l->n; i++) {
             if (i)
-                sb_add(b, o->item_sep);
+                chat_sb_add(b, o->item_sep);
             if (indenting(o))
                 newline_indent(b, o, level + 1);
             if (dump(r, l->items[i], o, b, level + 1) != TDM_OK)
@@ -435,13 +438,13 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
         }
         if (indenting(o))
             newline_indent(b, o, level);
-        sb_addc(b, ']');
+        chat_sb_addc(b, ']');
         return TDM_OK;
     }
     case V_DICT: {
         struct vdict *d = v.u.dict;
         if (d->n == 0) {
-            sb_add(b, "{}");
+            chat_sb_add(b, "{}");
             return TDM_OK;
         }
         // Key order: insertion order, or sorted (heap, so deep nesting stays cheap
@@ -450,7 +453,7 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
         if (o->sort_keys) {
             order = malloc(d->n * sizeof *order);
             if (!order)
-                return rerr(r, TDM_ENOMEM, "out of memory");
+                return chat_rerr(r, TDM_ENOMEM, "out of memory");
             for (size_t i = 0; i < d->n; i++)
                 order[i] = i;
         }
@@ -460,7 +463,7 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
                 size_t k = order[i], j = i;
                 while (j > 0) {
                     int cmp = 0;
-                    if ((rc = v_compare(r, d->keys[order[j - 1]], d->keys[k], &cmp)) != TDM_OK)
+                    if ((rc = chat_v_compare(r, d->keys[order[j - 1]], d->keys[k], &cmp)) != TDM_OK)
                         break;
                     if (cmp <= 0)
                         break;
@@ -471,10 +474,10 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
             }
         }
         if (rc == TDM_OK)
-            sb_addc(b, '{');
+            chat_sb_addc(b, '{');
         for (size_t i = 0; i < d->n && rc == TDM_OK; i++) {
             if (i)
-                sb_add(b, o->item_sep);
+                chat_sb_add(b, o->item_sep);
             if (indenting(o))
                 newline_indent(b, o, level + 1);
             struct strbuf kb = {0};
@@ -484,7 +487,7 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
                 json_string(b, kb.data ? kb.data : "", kb.len, o->ensure_ascii);
             free(kb.data);
             if (rc == TDM_OK) {
-                sb_add(b, o->key_sep);
+                chat_sb_add(b, o->key_sep);
                 rc = dump(r, d->vals[k], o, b, level + 1);
             }
         }
@@ -493,21 +496,22 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
             return rc;
         if (indenting(o))
             newline_indent(b, o, level);
-        sb_addc(b, '}');
+        chat_sb_addc(b, '}');
         return TDM_OK;
     }
     default:
-        return rerr(r, TDM_EINVAL, "tojson: Object of type %s is not JSON serializable",
-                    v_type_name(v));
+        return chat_rerr(r, TDM_EINVAL, "tojson: Object of type %s is not JSON serializable",
+                         chat_v_type_name(v));
     }
 }
 
-int val_to_json(struct render *r, struct val v, const struct tojson_opts *o, struct strbuf *b)
+int chat_val_to_json(struct render *r, struct val v, const struct tojson_opts *o, struct strbuf *b)
 {
     int rc = dump(r, v, o, b, 0);
     if (rc == TDM_OK && b->oom)
-        return rerr(r, TDM_ENOMEM, "out of memory");
+        return chat_rerr(r, TDM_ENOMEM, "out of memory");
     if (rc == TDM_OK && b->over)
-        return rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)", CHAT_MAX_STRING);
+        return chat_rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)",
+                         CHAT_MAX_STRING);
     return rc;
 }

@@ -62,8 +62,8 @@ static void skip_ws(struct lexer *L)
     size_t j = L->i;
     while (j < L->n) {
         uint32_t cp;
-        size_t len = utf8_next(L->s, L->n, j, &cp);
-        if (!py_isspace(cp))
+        size_t len = chat_utf8_next(L->s, L->n, j, &cp);
+        if (!chat_py_isspace(cp))
             break;
         j += len;
     }
@@ -76,9 +76,9 @@ static size_t rstrip_len(const char *s, size_t n)
     size_t end = 0, i = 0;
     while (i < n) {
         uint32_t cp;
-        size_t len = utf8_next(s, n, i, &cp);
+        size_t len = chat_utf8_next(s, n, i, &cp);
         i += len;
-        if (!py_isspace(cp))
+        if (!chat_py_isspace(cp))
             end = i;
     }
     return end;
@@ -104,7 +104,7 @@ static int lex_string(struct lexer *L, struct token *t)
     while (j < L->n && L->s[j] != q) {
         char c = L->s[j];
         if (c != '\\' || j + 1 >= L->n) {
-            sb_addc(&b, c);
+            chat_sb_addc(&b, c);
             j++;
             continue;
         }
@@ -118,28 +118,28 @@ static int lex_string(struct lexer *L, struct token *t)
         case '\\':
         case '\'':
         case '"':
-            sb_addc(&b, e);
+            chat_sb_addc(&b, e);
             break;
         case 'a':
-            sb_addc(&b, '\a');
+            chat_sb_addc(&b, '\a');
             break;
         case 'b':
-            sb_addc(&b, '\b');
+            chat_sb_addc(&b, '\b');
             break;
         case 'f':
-            sb_addc(&b, '\f');
+            chat_sb_addc(&b, '\f');
             break;
         case 'n':
-            sb_addc(&b, '\n');
+            chat_sb_addc(&b, '\n');
             break;
         case 'r':
-            sb_addc(&b, '\r');
+            chat_sb_addc(&b, '\r');
             break;
         case 't':
-            sb_addc(&b, '\t');
+            chat_sb_addc(&b, '\t');
             break;
         case 'v':
-            sb_addc(&b, '\v');
+            chat_sb_addc(&b, '\v');
             break;
         case 'x':
             hex = 2;
@@ -158,10 +158,10 @@ static int lex_string(struct lexer *L, struct token *t)
                 cp = (uint32_t)(e - '0');
                 for (int k = 0; k < 2 && j < L->n && L->s[j] >= '0' && L->s[j] <= '7'; k++)
                     cp = cp * 8 + (uint32_t)(L->s[j++] - '0');
-                utf8_put(&b, cp);
+                chat_utf8_put(&b, cp);
             } else {
-                sb_addc(&b, '\\');
-                sb_addc(&b, e);
+                chat_sb_addc(&b, '\\');
+                chat_sb_addc(&b, e);
             }
         }
         if (hex) {
@@ -181,7 +181,7 @@ static int lex_string(struct lexer *L, struct token *t)
                 rc = lex_err(L, "%s", "invalid code point escape in a string literal");
                 goto done;
             }
-            utf8_put(&b, cp);
+            chat_utf8_put(&b, cp);
         }
     }
     if (j >= L->n) {
@@ -194,7 +194,7 @@ static int lex_string(struct lexer *L, struct token *t)
     }
     t->kind = T_STRING;
     t->n = b.len;
-    t->s = arena_strndup(L->a, b.data ? b.data : "", b.len);
+    t->s = chat_arena_strndup(L->a, b.data ? b.data : "", b.len);
     if (!t->s)
         rc = tdm_seterr(L->err, L->errlen, TDM_ENOMEM, "out of memory");
     advance(L, j + 1);
@@ -361,7 +361,7 @@ int chat_lex(struct arena *a, const char *src, struct token **toks, size_t *ntok
     *ntoks = 0;
     // Newlines to "\n", then keep_trailing_newline=False.
     size_t srclen = strlen(src);
-    char *norm = arena_alloc(a, srclen + 1);
+    char *norm = chat_arena_alloc(a, srclen + 1);
     if (!norm)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
     size_t n = 0;

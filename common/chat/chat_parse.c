@@ -126,7 +126,7 @@ static int expect_kind(struct parser *p, enum tok_kind k, const char *what)
 
 static struct node *mk(struct parser *p, enum node_kind kind, int line)
 {
-    struct node *nd = arena_alloc(p->a, sizeof *nd);
+    struct node *nd = chat_arena_alloc(p->a, sizeof *nd);
     if (!nd) {
         if (p->rc == TDM_OK) {
             p->rc = TDM_ENOMEM;
@@ -141,7 +141,7 @@ static struct node *mk(struct parser *p, enum node_kind kind, int line)
 
 static const char *name_dup(struct parser *p, const struct token *t)
 {
-    char *s = arena_strndup(p->a, t->s, t->n);
+    char *s = chat_arena_strndup(p->a, t->s, t->n);
     if (!s && p->rc == TDM_OK) {
         p->rc = TDM_ENOMEM;
         tdm_seterr(p->err, p->errlen, TDM_ENOMEM, "out of memory");
@@ -182,11 +182,11 @@ static int kids_finish(struct parser *p, struct kids *k, struct node *nd, bool w
 {
     int rc = TDM_OK;
     if (k->n) {
-        nd->kids = arena_alloc(p->a, k->n * sizeof *nd->kids);
+        nd->kids = chat_arena_alloc(p->a, k->n * sizeof *nd->kids);
         if (nd->kids)
             memcpy(nd->kids, k->v, k->n * sizeof *nd->kids);
         if (with_names) {
-            nd->names = arena_alloc(p->a, k->n * sizeof *nd->names);
+            nd->names = chat_arena_alloc(p->a, k->n * sizeof *nd->names);
             if (nd->names)
                 memcpy(nd->names, k->names, k->n * sizeof *nd->names);
             nd->nnames = k->n;
@@ -277,7 +277,7 @@ static struct node *parse_filter(struct parser *p, struct node *input)
         return NULL;
     nd->s = name_dup(p, t);
     nd->a = input;
-    nd->builtin = nd->s ? builtin_filter_index(nd->s) : -1;
+    nd->builtin = nd->s ? chat_builtin_filter_index(nd->s) : -1;
     if (nd->s && nd->builtin < 0) {
         perr(p, t->line, "unknown filter '%s'", nd->s);
         return NULL;
@@ -308,7 +308,7 @@ static struct node *parse_test(struct parser *p, struct node *input)
     nd->s = name_dup(p, t);
     nd->a = input;
     nd->neg = neg;
-    nd->builtin = nd->s ? builtin_test_index(nd->s) : -1;
+    nd->builtin = nd->s ? chat_builtin_test_index(nd->s) : -1;
     if (nd->s && nd->builtin < 0) {
         perr(p, t->line, "unknown test '%s'", nd->s);
         return NULL;
@@ -418,7 +418,7 @@ static struct node *parse_postfix(struct parser *p, struct node *nd)
                 struct node *g = mk(p, N_GETITEM, a->line), *k = mk(p, N_CONST, a->line);
                 if (!g || !k)
                     return NULL;
-                k->v = v_int(a->i);
+                k->v = chat_v_int(a->i);
                 g->a = nd;
                 g->b = k;
                 nd = g;
@@ -488,11 +488,11 @@ static struct node *parse_primary(struct parser *p)
         if (!nd)
             return NULL;
         if (tok_name(t, "true") || tok_name(t, "True")) {
-            nd->v = v_bool(true);
+            nd->v = chat_v_bool(true);
         } else if (tok_name(t, "false") || tok_name(t, "False")) {
-            nd->v = v_bool(false);
+            nd->v = chat_v_bool(false);
         } else if (tok_name(t, "none") || tok_name(t, "None")) {
-            nd->v = v_none();
+            nd->v = chat_v_none();
         } else {
             nd->kind = N_NAME;
             nd->s = name_dup(p, t);
@@ -504,16 +504,16 @@ static struct node *parse_primary(struct parser *p)
         // Adjacent literals concatenate.
         struct strbuf b = {0};
         while (cur(p)->kind == T_STRING) {
-            sb_addn(&b, cur(p)->s, cur(p)->n);
+            chat_sb_addn(&b, cur(p)->s, cur(p)->n);
             next(p);
         }
         nd = mk(p, N_CONST, t->line);
-        char *s = nd ? arena_strndup(p->a, b.data ? b.data : "", b.len) : NULL;
+        char *s = nd ? chat_arena_strndup(p->a, b.data ? b.data : "", b.len) : NULL;
         if (nd && (b.oom || !s)) {
             perr(p, t->line, "out of memory");
             nd = NULL;
         } else if (nd) {
-            nd->v = v_strn(s, b.len);
+            nd->v = chat_v_strn(s, b.len);
         }
         free(b.data);
         return nd;
@@ -522,7 +522,7 @@ static struct node *parse_primary(struct parser *p)
     case T_FLOAT:
         nd = mk(p, N_CONST, t->line);
         if (nd)
-            nd->v = t->kind == T_INT ? v_int(t->i) : v_float(t->f);
+            nd->v = t->kind == T_INT ? chat_v_int(t->i) : chat_v_float(t->f);
         next(p);
         return nd;
     case T_OP:
@@ -548,7 +548,7 @@ static struct node *parse_primary(struct parser *p)
             if (!tup)
                 return NULL;
             // prepend first
-            struct node **kids = arena_alloc(p->a, (tup->nkids + 1) * sizeof *kids);
+            struct node **kids = chat_arena_alloc(p->a, (tup->nkids + 1) * sizeof *kids);
             if (!kids) {
                 perr(p, t->line, "out of memory");
                 return NULL;
@@ -890,7 +890,7 @@ static int parse_targets(struct parser *p, struct node *nd, bool allow_attr)
         return p->rc;
     }
     if (k.n) {
-        nd->names = arena_alloc(p->a, k.n * sizeof *nd->names);
+        nd->names = chat_arena_alloc(p->a, k.n * sizeof *nd->names);
         if (!nd->names) {
             free(k.v);
             free(k.names);

@@ -20,7 +20,7 @@ struct arena_chunk {
     _Alignas(16) unsigned char data[];
 };
 
-void *arena_alloc(struct arena *a, size_t n)
+void *chat_arena_alloc(struct arena *a, size_t n)
 {
     n = (n + 15) & ~(size_t)15;
     if (n == 0)
@@ -45,15 +45,15 @@ void *arena_alloc(struct arena *a, size_t n)
     return p;
 }
 
-char *arena_strndup(struct arena *a, const char *s, size_t n)
+char *chat_arena_strndup(struct arena *a, const char *s, size_t n)
 {
-    char *p = arena_alloc(a, n + 1);
+    char *p = chat_arena_alloc(a, n + 1);
     if (p && n)
         memcpy(p, s, n);
     return p;
 }
 
-void arena_free(struct arena *a)
+void chat_arena_free(struct arena *a)
 {
     struct arena_chunk *c = a->head;
     while (c) {
@@ -89,7 +89,7 @@ static void sb_reserve(struct strbuf *b, size_t extra)
     b->cap = cap;
 }
 
-void sb_addn(struct strbuf *b, const char *s, size_t n)
+void chat_sb_addn(struct strbuf *b, const char *s, size_t n)
 {
     sb_reserve(b, n);
     if (b->oom || b->over)
@@ -100,19 +100,19 @@ void sb_addn(struct strbuf *b, const char *s, size_t n)
     b->data[b->len] = '\0';
 }
 
-void sb_add(struct strbuf *b, const char *s)
+void chat_sb_add(struct strbuf *b, const char *s)
 {
-    sb_addn(b, s, strlen(s));
+    chat_sb_addn(b, s, strlen(s));
 }
 
-void sb_addc(struct strbuf *b, char c)
+void chat_sb_addc(struct strbuf *b, char c)
 {
-    sb_addn(b, &c, 1);
+    chat_sb_addn(b, &c, 1);
 }
 
 // ---- errors and work accounting ------------------------------------------------------
 
-int rerr(struct render *r, int code, const char *fmt, ...)
+int chat_rerr(struct render *r, int code, const char *fmt, ...)
 {
     if (r->rc != TDM_OK)
         return r->rc; // keep the first error
@@ -129,24 +129,24 @@ int rerr(struct render *r, int code, const char *fmt, ...)
     return code;
 }
 
-bool charge(struct render *r, uint64_t units)
+bool chat_charge(struct render *r, uint64_t units)
 {
     r->work += units;
     if (r->work > CHAT_MAX_WORK) {
-        rerr(r, TDM_ECAPACITY, "rendering took more than %llu steps (limit)",
-             (unsigned long long)CHAT_MAX_WORK);
+        chat_rerr(r, TDM_ECAPACITY, "rendering took more than %llu steps (limit)",
+                  (unsigned long long)CHAT_MAX_WORK);
         return false;
     }
     return true;
 }
 
-bool stack_ok(struct render *r)
+bool chat_stack_ok(struct render *r)
 {
     uintptr_t here = (uintptr_t)__builtin_frame_address(0);
     size_t used = r->stack_base > here ? r->stack_base - here : here - r->stack_base;
     if (used > CHAT_MAX_STACK) {
-        rerr(r, TDM_ECAPACITY, "the template recursed past %u KiB of stack (limit)",
-             CHAT_MAX_STACK >> 10);
+        chat_rerr(r, TDM_ECAPACITY, "the template recursed past %u KiB of stack (limit)",
+                  CHAT_MAX_STACK >> 10);
         return false;
     }
     return true;
@@ -154,52 +154,54 @@ bool stack_ok(struct render *r)
 
 // ---- constructors ------------------------------------------------------------------
 
-struct val v_undef(const char *name)
+struct val chat_v_undef(const char *name)
 {
     return (struct val){.kind = V_UNDEF, .u.undef_name = name};
 }
-struct val v_none(void)
+struct val chat_v_none(void)
 {
     return (struct val){.kind = V_NONE};
 }
-struct val v_bool(bool b)
+struct val chat_v_bool(bool b)
 {
     return (struct val){.kind = V_BOOL, .u.b = b};
 }
-struct val v_int(int64_t i)
+struct val chat_v_int(int64_t i)
 {
     return (struct val){.kind = V_INT, .u.i = i};
 }
-struct val v_float(double f)
+struct val chat_v_float(double f)
 {
     return (struct val){.kind = V_FLOAT, .u.f = f};
 }
-struct val v_strn(const char *s, size_t n)
+struct val chat_v_strn(const char *s, size_t n)
 {
     return (struct val){.kind = V_STR, .u.str = {s, n}};
 }
 
-int v_str_copy(struct render *r, const char *s, size_t n, struct val *out)
+int chat_v_str_copy(struct render *r, const char *s, size_t n, struct val *out)
 {
     if (n > CHAT_MAX_STRING)
-        return rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)", CHAT_MAX_STRING);
-    char *p = arena_strndup(&r->arena, s, n);
+        return chat_rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)",
+                         CHAT_MAX_STRING);
+    char *p = chat_arena_strndup(&r->arena, s, n);
     if (!p)
-        return rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
-                    CHAT_MAX_ARENA >> 20);
-    if (!charge(r, n / 16))
+        return chat_rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
+                         CHAT_MAX_ARENA >> 20);
+    if (!chat_charge(r, n / 16))
         return r->rc;
-    *out = v_strn(p, n);
+    *out = chat_v_strn(p, n);
     return TDM_OK;
 }
 
-int sb_to_val(struct render *r, struct strbuf *b, struct val *out)
+int chat_sb_to_val(struct render *r, struct strbuf *b, struct val *out)
 {
     if (b->oom)
-        return rerr(r, TDM_ENOMEM, "out of memory");
+        return chat_rerr(r, TDM_ENOMEM, "out of memory");
     if (b->over)
-        return rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)", CHAT_MAX_STRING);
-    int rc = v_str_copy(r, b->data ? b->data : "", b->len, out);
+        return chat_rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)",
+                         CHAT_MAX_STRING);
+    int rc = chat_v_str_copy(r, b->data ? b->data : "", b->len, out);
     b->len = 0;
     return rc;
 }
@@ -211,10 +213,10 @@ static int grow(struct render *r, void **items, size_t elem, size_t *cap, size_t
     size_t ncap = *cap ? *cap * 2 : 4;
     while (ncap < want)
         ncap *= 2;
-    void *p = arena_alloc(&r->arena, ncap * elem);
+    void *p = chat_arena_alloc(&r->arena, ncap * elem);
     if (!p)
-        return rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
-                    CHAT_MAX_ARENA >> 20);
+        return chat_rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
+                         CHAT_MAX_ARENA >> 20);
     if (*cap)
         memcpy(p, *items, *cap * elem);
     *items = p;
@@ -222,19 +224,19 @@ static int grow(struct render *r, void **items, size_t elem, size_t *cap, size_t
     return TDM_OK;
 }
 
-int v_list_new(struct render *r, size_t cap, struct val *out)
+int chat_v_list_new(struct render *r, size_t cap, struct val *out)
 {
-    struct vlist *l = arena_alloc(&r->arena, sizeof *l);
+    struct vlist *l = chat_arena_alloc(&r->arena, sizeof *l);
     if (!l)
-        return rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
-                    CHAT_MAX_ARENA >> 20);
+        return chat_rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
+                         CHAT_MAX_ARENA >> 20);
     if (cap && grow(r, (void **)&l->items, sizeof *l->items, &l->cap, cap) != TDM_OK)
         return r->rc;
     *out = (struct val){.kind = V_LIST, .u.list = l};
     return TDM_OK;
 }
 
-int v_list_push(struct render *r, struct vlist *l, struct val v)
+int chat_v_list_push(struct render *r, struct vlist *l, struct val v)
 {
     if (grow(r, (void **)&l->items, sizeof *l->items, &l->cap, l->n + 1) != TDM_OK)
         return r->rc;
@@ -242,12 +244,12 @@ int v_list_push(struct render *r, struct vlist *l, struct val v)
     return TDM_OK;
 }
 
-int v_dict_new(struct render *r, struct val *out)
+int chat_v_dict_new(struct render *r, struct val *out)
 {
-    struct vdict *d = arena_alloc(&r->arena, sizeof *d);
+    struct vdict *d = chat_arena_alloc(&r->arena, sizeof *d);
     if (!d)
-        return rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
-                    CHAT_MAX_ARENA >> 20);
+        return chat_rerr(r, TDM_ECAPACITY, "rendering needs more than %u MiB of values (limit)",
+                         CHAT_MAX_ARENA >> 20);
     *out = (struct val){.kind = V_DICT, .u.dict = d};
     return TDM_OK;
 }
@@ -255,12 +257,12 @@ int v_dict_new(struct render *r, struct val *out)
 static size_t dict_index(const struct vdict *d, struct val key)
 {
     for (size_t i = 0; i < d->n; i++)
-        if (v_equal(d->keys[i], key))
+        if (chat_v_equal(d->keys[i], key))
             return i;
     return SIZE_MAX;
 }
 
-int v_dict_set(struct render *r, struct vdict *d, struct val key, struct val v)
+int chat_v_dict_set(struct render *r, struct vdict *d, struct val key, struct val v)
 {
     size_t i = dict_index(d, key);
     if (i != SIZE_MAX) {
@@ -277,7 +279,7 @@ int v_dict_set(struct render *r, struct vdict *d, struct val key, struct val v)
     return TDM_OK;
 }
 
-bool v_dict_get(const struct vdict *d, const char *key, size_t n, struct val *out)
+bool chat_v_dict_get(const struct vdict *d, const char *key, size_t n, struct val *out)
 {
     for (size_t i = 0; i < d->n; i++) {
         const struct val *k = &d->keys[i];
@@ -289,7 +291,7 @@ bool v_dict_get(const struct vdict *d, const char *key, size_t n, struct val *ou
     return false;
 }
 
-bool v_dict_find(const struct vdict *d, struct val key, struct val *out)
+bool chat_v_dict_find(const struct vdict *d, struct val key, struct val *out)
 {
     size_t i = dict_index(d, key);
     if (i == SIZE_MAX)
@@ -300,7 +302,7 @@ bool v_dict_find(const struct vdict *d, struct val key, struct val *out)
 
 // ---- Python semantics ----------------------------------------------------------------
 
-bool v_truthy(struct val v)
+bool chat_v_truthy(struct val v)
 {
     switch (v.kind) {
     case V_UNDEF:
@@ -338,7 +340,7 @@ static int64_t num_i(struct val v)
     return v.kind == V_INT ? v.u.i : (int64_t)v.u.b;
 }
 
-bool v_equal(struct val a, struct val b)
+bool chat_v_equal(struct val a, struct val b)
 {
     if (is_num(a) && is_num(b)) {
         if (a.kind == V_FLOAT || b.kind == V_FLOAT)
@@ -359,7 +361,7 @@ bool v_equal(struct val a, struct val b)
         if (a.u.list->n != b.u.list->n || a.u.list->tuple != b.u.list->tuple)
             return false;
         for (size_t i = 0; i < a.u.list->n; i++)
-            if (!v_equal(a.u.list->items[i], b.u.list->items[i]))
+            if (!chat_v_equal(a.u.list->items[i], b.u.list->items[i]))
                 return false;
         return true;
     case V_DICT:
@@ -367,7 +369,8 @@ bool v_equal(struct val a, struct val b)
             return false;
         for (size_t i = 0; i < a.u.dict->n; i++) {
             struct val o;
-            if (!v_dict_find(b.u.dict, a.u.dict->keys[i], &o) || !v_equal(a.u.dict->vals[i], o))
+            if (!chat_v_dict_find(b.u.dict, a.u.dict->keys[i], &o) ||
+                !chat_v_equal(a.u.dict->vals[i], o))
                 return false;
         }
         return true;
@@ -382,7 +385,7 @@ bool v_equal(struct val a, struct val b)
     }
 }
 
-const char *v_type_name(struct val v)
+const char *chat_v_type_name(struct val v)
 {
     switch (v.kind) {
     case V_UNDEF:
@@ -418,7 +421,7 @@ const char *v_type_name(struct val v)
     return "?";
 }
 
-int v_compare(struct render *r, struct val a, struct val b, int *cmp)
+int chat_v_compare(struct render *r, struct val a, struct val b, int *cmp)
 {
     if (is_num(a) && is_num(b)) {
         if (a.kind == V_FLOAT || b.kind == V_FLOAT) {
@@ -441,27 +444,27 @@ int v_compare(struct render *r, struct val a, struct val b, int *cmp)
     if (a.kind == V_LIST && b.kind == V_LIST) {
         size_t n = a.u.list->n < b.u.list->n ? a.u.list->n : b.u.list->n;
         for (size_t i = 0; i < n; i++) {
-            if (v_equal(a.u.list->items[i], b.u.list->items[i]))
+            if (chat_v_equal(a.u.list->items[i], b.u.list->items[i]))
                 continue;
-            return v_compare(r, a.u.list->items[i], b.u.list->items[i], cmp);
+            return chat_v_compare(r, a.u.list->items[i], b.u.list->items[i], cmp);
         }
         *cmp = a.u.list->n < b.u.list->n ? -1 : a.u.list->n > b.u.list->n;
         return TDM_OK;
     }
     if (a.kind == V_UNDEF || b.kind == V_UNDEF)
-        return rerr(r, TDM_EINVAL, "'%s' is undefined",
-                    (a.kind == V_UNDEF ? a : b).u.undef_name
-                        ? (a.kind == V_UNDEF ? a : b).u.undef_name
-                        : "value");
-    return rerr(r, TDM_EINVAL, "'<' not supported between instances of '%s' and '%s'",
-                v_type_name(a), v_type_name(b));
+        return chat_rerr(r, TDM_EINVAL, "'%s' is undefined",
+                         (a.kind == V_UNDEF ? a : b).u.undef_name
+                             ? (a.kind == V_UNDEF ? a : b).u.undef_name
+                             : "value");
+    return chat_rerr(r, TDM_EINVAL, "'<' not supported between instances of '%s' and '%s'",
+                     chat_v_type_name(a), chat_v_type_name(b));
 }
 
 // ---- text ----------------------------------------------------------------------------
 
 // Python's repr(float): the shortest digits that round-trip, fixed notation for
 // decimal exponents in (-4, 16], scientific with a two-digit exponent otherwise.
-void py_float_repr(double f, char *buf, size_t n)
+void chat_py_float_repr(double f, char *buf, size_t n)
 {
     if (isnan(f)) {
         snprintf(buf, n, "nan");
@@ -531,7 +534,7 @@ void py_float_repr(double f, char *buf, size_t n)
     snprintf(buf, n, "%s", out);
 }
 
-size_t utf8_next(const char *str, size_t n, size_t i, uint32_t *cp)
+size_t chat_utf8_next(const char *str, size_t n, size_t i, uint32_t *cp)
 {
     const unsigned char *s = (const unsigned char *)str;
     unsigned char c = s[i];
@@ -568,16 +571,16 @@ size_t utf8_next(const char *str, size_t n, size_t i, uint32_t *cp)
     return len;
 }
 
-size_t utf8_len(const char *s, size_t n)
+size_t chat_utf8_len(const char *s, size_t n)
 {
     size_t count = 0;
     uint32_t cp;
-    for (size_t i = 0; i < n; i += utf8_next(s, n, i, &cp))
+    for (size_t i = 0; i < n; i += chat_utf8_next(s, n, i, &cp))
         count++;
     return count;
 }
 
-void utf8_put(struct strbuf *b, uint32_t cp)
+void chat_utf8_put(struct strbuf *b, uint32_t cp)
 {
     char buf[4];
     size_t n;
@@ -600,11 +603,11 @@ void utf8_put(struct strbuf *b, uint32_t cp)
         buf[3] = (char)(0x80 | (cp & 0x3F));
         n = 4;
     }
-    sb_addn(b, buf, n);
+    chat_sb_addn(b, buf, n);
 }
 
 // Python's str.isspace() for one code point.
-bool py_isspace(uint32_t cp)
+bool chat_py_isspace(uint32_t cp)
 {
     return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 ||
            cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
@@ -612,27 +615,27 @@ bool py_isspace(uint32_t cp)
 }
 
 // markupsafe.escape: & < > " ' become entities.
-void html_escape(struct strbuf *b, const char *s, size_t n)
+void chat_html_escape(struct strbuf *b, const char *s, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
         switch (s[i]) {
         case '&':
-            sb_add(b, "&amp;");
+            chat_sb_add(b, "&amp;");
             break;
         case '<':
-            sb_add(b, "&lt;");
+            chat_sb_add(b, "&lt;");
             break;
         case '>':
-            sb_add(b, "&gt;");
+            chat_sb_add(b, "&gt;");
             break;
         case '"':
-            sb_add(b, "&#34;");
+            chat_sb_add(b, "&#34;");
             break;
         case '\'':
-            sb_add(b, "&#39;");
+            chat_sb_add(b, "&#39;");
             break;
         default:
-            sb_addc(b, s[i]);
+            chat_sb_addc(b, s[i]);
         }
     }
 }
@@ -641,127 +644,127 @@ static void str_repr(struct strbuf *b, const char *s, size_t n)
 {
     bool has_sq = memchr(s, '\'', n) != NULL, has_dq = memchr(s, '"', n) != NULL;
     char q = has_sq && !has_dq ? '"' : '\'';
-    sb_addc(b, q);
+    chat_sb_addc(b, q);
     for (size_t i = 0; i < n;) {
         uint32_t cp;
-        size_t len = utf8_next(s, n, i, &cp);
+        size_t len = chat_utf8_next(s, n, i, &cp);
         char esc[12];
         if (cp == (uint32_t)q || cp == '\\') {
-            sb_addc(b, '\\');
-            sb_addc(b, (char)cp);
+            chat_sb_addc(b, '\\');
+            chat_sb_addc(b, (char)cp);
         } else if (cp == '\n') {
-            sb_add(b, "\\n");
+            chat_sb_add(b, "\\n");
         } else if (cp == '\r') {
-            sb_add(b, "\\r");
+            chat_sb_add(b, "\\r");
         } else if (cp == '\t') {
-            sb_add(b, "\\t");
+            chat_sb_add(b, "\\t");
         } else if (cp < 0x20 || (cp >= 0x7F && cp <= 0xA0) || cp == 0xAD) {
             snprintf(esc, sizeof esc, "\\x%02x", cp);
-            sb_add(b, esc);
+            chat_sb_add(b, esc);
         } else if ((cp >= 0x2028 && cp <= 0x202F && cp != 0x202F) || cp == 0x2060 || cp == 0xFEFF ||
                    (cp >= 0x200B && cp <= 0x200F)) {
             snprintf(esc, sizeof esc, "\\u%04x", cp);
-            sb_add(b, esc);
+            chat_sb_add(b, esc);
         } else {
-            sb_addn(b, s + i, len);
+            chat_sb_addn(b, s + i, len);
         }
         i += len;
     }
-    sb_addc(b, q);
+    chat_sb_addc(b, q);
 }
 
 static int text_or_repr(struct render *r, struct val v, struct strbuf *b, bool repr)
 {
     char num[64];
-    if (!charge(r, 1) || !stack_ok(r))
+    if (!chat_charge(r, 1) || !chat_stack_ok(r))
         return r->rc;
     switch (v.kind) {
     case V_UNDEF:
         if (repr) // repr(jinja2.Undefined()), e.g. inside a printed dict
-            sb_add(b, "Undefined");
+            chat_sb_add(b, "Undefined");
         return TDM_OK;
     case V_NONE:
-        sb_add(b, "None");
+        chat_sb_add(b, "None");
         return TDM_OK;
     case V_BOOL:
-        sb_add(b, v.u.b ? "True" : "False");
+        chat_sb_add(b, v.u.b ? "True" : "False");
         return TDM_OK;
     case V_INT:
         snprintf(num, sizeof num, "%lld", (long long)v.u.i);
-        sb_add(b, num);
+        chat_sb_add(b, num);
         return TDM_OK;
     case V_FLOAT:
-        py_float_repr(v.u.f, num, sizeof num);
-        sb_add(b, num);
+        chat_py_float_repr(v.u.f, num, sizeof num);
+        chat_sb_add(b, num);
         return TDM_OK;
     case V_STR:
         if (repr)
             str_repr(b, v.u.str.s, v.u.str.n);
         else
-            sb_addn(b, v.u.str.s, v.u.str.n);
+            chat_sb_addn(b, v.u.str.s, v.u.str.n);
         return TDM_OK;
     case V_LIST: {
         struct vlist *l = v.u.list;
         if (l->gen || l->view) // Python prints an address or a view type here
-            return rerr(r, TDM_EINVAL, "cannot convert a %s to text", v_type_name(v));
-        sb_addc(b, l->tuple ? '(' : '[');
+            return chat_rerr(r, TDM_EINVAL, "cannot convert a %s to text", chat_v_type_name(v));
+        chat_sb_addc(b, l->tuple ? '(' : '[');
         for (size_t i = 0; i < l->n; i++) {
             if (i)
-                sb_add(b, ", ");
+                chat_sb_add(b, ", ");
             if (text_or_repr(r, l->items[i], b, true) != TDM_OK)
                 return r->rc;
         }
         if (l->tuple && l->n == 1)
-            sb_addc(b, ',');
-        sb_addc(b, l->tuple ? ')' : ']');
+            chat_sb_addc(b, ',');
+        chat_sb_addc(b, l->tuple ? ')' : ']');
         return TDM_OK;
     }
     case V_DICT: {
         struct vdict *d = v.u.dict;
-        sb_addc(b, '{');
+        chat_sb_addc(b, '{');
         for (size_t i = 0; i < d->n; i++) {
             if (i)
-                sb_add(b, ", ");
+                chat_sb_add(b, ", ");
             if (text_or_repr(r, d->keys[i], b, true) != TDM_OK)
                 return r->rc;
-            sb_add(b, ": ");
+            chat_sb_add(b, ": ");
             if (text_or_repr(r, d->vals[i], b, true) != TDM_OK)
                 return r->rc;
         }
-        sb_addc(b, '}');
+        chat_sb_addc(b, '}');
         return TDM_OK;
     }
     default:
         // Python would print an object address here: no byte-identical text exists.
-        return rerr(r, TDM_EINVAL, "cannot convert a %s to text", v_type_name(v));
+        return chat_rerr(r, TDM_EINVAL, "cannot convert a %s to text", chat_v_type_name(v));
     }
 }
 
-int v_to_text(struct render *r, struct val v, struct strbuf *b)
+int chat_v_to_text(struct render *r, struct val v, struct strbuf *b)
 {
     int rc = text_or_repr(r, v, b, false);
     if (rc == TDM_OK && b->oom)
-        return rerr(r, TDM_ENOMEM, "out of memory");
+        return chat_rerr(r, TDM_ENOMEM, "out of memory");
     if (rc == TDM_OK && b->over)
-        return rerr(r, TDM_ECAPACITY, "output would exceed %zu bytes (limit)", b->limit);
+        return chat_rerr(r, TDM_ECAPACITY, "output would exceed %zu bytes (limit)", b->limit);
     return rc;
 }
 
-int v_repr(struct render *r, struct val v, struct strbuf *b)
+int chat_v_repr(struct render *r, struct val v, struct strbuf *b)
 {
     return text_or_repr(r, v, b, true);
 }
 
-int v_stringify(struct render *r, struct val v, struct val *out)
+int chat_v_stringify(struct render *r, struct val v, struct val *out)
 {
     if (v.kind == V_STR) {
         *out = v;
         return TDM_OK;
     }
     struct strbuf b = {.limit = CHAT_MAX_STRING};
-    int rc = v_to_text(r, v, &b);
+    int rc = chat_v_to_text(r, v, &b);
     if (rc == TDM_OK)
-        rc = sb_to_val(r, &b, out);
+        rc = chat_sb_to_val(r, &b, out);
     free(b.data);
     return rc;
 }
