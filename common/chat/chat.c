@@ -159,11 +159,13 @@ int tdm_chat_template_set_var(struct tdm_chat_template *t, const char *name, con
 }
 
 int tdm_chat_template_set_tokens(struct tdm_chat_template *t, const char *bos_token,
-                                 const char *eos_token)
+                                 const char *eos_token, const char *pad_token)
 {
     int rc = bos_token ? tdm_chat_template_set_var(t, "bos_token", bos_token) : TDM_OK;
     if (rc == TDM_OK && eos_token)
         rc = tdm_chat_template_set_var(t, "eos_token", eos_token);
+    if (rc == TDM_OK && pad_token)
+        rc = tdm_chat_template_set_var(t, "pad_token", pad_token);
     return rc;
 }
 

@@ -38,11 +38,12 @@ void tdm_chat_template_free(struct tdm_chat_template *t);
 // The built-in "llama3" name presets bos_token "<|begin_of_text|>".
 int tdm_chat_template_set_var(struct tdm_chat_template *t, const char *name, const char *value);
 
-// Sets bos_token and eos_token (HF passes the tokenizer's special tokens to the
-// template); a NULL leaves that variable as it is. Callers pass the tokenizer's
-// tokens: tdm_tok_id_to_piece(tok, tdm_tok_bos_id(tok)) and the same for eos.
+// Sets bos_token, eos_token and pad_token (HF passes the tokenizer's special
+// tokens to the template); a NULL leaves that variable as it is. Callers pass the
+// tokenizer's tokens: tdm_tok_id_to_piece(tok, tdm_tok_bos_id(tok)), and the same
+// for eos and pad.
 int tdm_chat_template_set_tokens(struct tdm_chat_template *t, const char *bos_token,
-                                 const char *eos_token);
+                                 const char *eos_token, const char *pad_token);
 
 // Renders msgs ({role, content} only); *out is heap (caller frees). TDM_EINVAL
 // (with err) for an unknown role, a missing content, or when the template raises

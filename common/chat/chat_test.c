@@ -160,6 +160,13 @@ static void test_builtin_names(void **state)
     expect_render_error(t, "[{\"role\":\"user\",\"content\":\"Hi\"}]", TDM_EINVAL,
                         "'bos_token' is undefined");
     tdm_chat_template_free(t);
+    // The tokenizer's special tokens; NULL leaves a variable as it is (undefined here).
+    t = make("{{ bos_token }}|{{ eos_token is defined }}|{{ pad_token }}", NULL);
+    assert_int_equal(tdm_chat_template_set_tokens(t, "<b>", NULL, "<p>"), TDM_OK);
+    char *vars = render_raw(t, "[]", NULL, false);
+    assert_string_equal(vars, "<b>|False|<p>");
+    free(vars);
+    tdm_chat_template_free(t);
     t = make(tdm_chat_tmpl_chatml_ws, NULL);
     expect_render(t, "[{\"role\":\"user\",\"content\":\"Hi\"}]", true,
                   "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
