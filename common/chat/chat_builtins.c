@@ -972,17 +972,6 @@ static int do_tojson(struct render *r, struct val v, const struct val *args,
     // HF: tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
     struct tojson_opts o = {.indent = -1, .item_sep = ", ", .key_sep = ": "};
     struct val a;
-    static const char *const known[] = {"ensure_ascii", "indent", "separators", "sort_keys"};
-    for (size_t i = 0; i < nargs; i++) {
-        bool ok = !names || !names[i];
-        for (size_t k = 0; k < 4 && !ok; k++)
-            ok = strcmp(names[i], known[k]) == 0;
-        if (!ok)
-            return chat_rerr(r, TDM_EINVAL, "tojson() got an unexpected keyword argument '%s'",
-                             names[i]);
-    }
-    if (npositional(names, nargs) > 4)
-        return chat_rerr(r, TDM_EINVAL, "tojson() takes at most 5 arguments");
     if (arg(args, names, nargs, 0, "ensure_ascii", &a))
         o.ensure_ascii = chat_v_truthy(a);
     if (arg(args, names, nargs, 1, "indent", &a) && a.kind != V_NONE) {
@@ -1264,9 +1253,65 @@ static int parse_float_text(const char *s, size_t n, double *out)
     return 0;
 }
 
+// Each filter's parameters after its input, in order, as Jinja2 (and HF's tojson)
+// declare them; NULL entries end the list. map/select/reject/selectattr/rejectattr
+// take *args and **kwargs and are not checked here.
+static const char *const filter_params[F_COUNT_ALL][5] = {
+    [F_ATTR] = {"name"},
+    [F_D] = {"default_value", "boolean"},
+    [F_DEFAULT] = {"default_value", "boolean"},
+    [F_DICTSORT] = {"case_sensitive", "by", "reverse"},
+    [F_FLOAT] = {"default"},
+    [F_INDENT] = {"width", "first", "blank"},
+    [F_INT] = {"default", "base"},
+    [F_JOIN] = {"d", "attribute"},
+    [F_MAX] = {"case_sensitive", "attribute"},
+    [F_MIN] = {"case_sensitive", "attribute"},
+    [F_REPLACE] = {"old", "new", "count"},
+    [F_ROUND] = {"precision", "method"},
+    [F_SORT] = {"reverse", "case_sensitive", "attribute"},
+    [F_SUM] = {"attribute", "start"},
+    [F_TOJSON] = {"ensure_ascii", "indent", "separators", "sort_keys"},
+    [F_TRIM] = {"chars"},
+    [F_UNIQUE] = {"case_sensitive", "attribute"},
+};
+
+// Python's TypeError for a call that does not fit the filter's signature.
+static int check_filter_args(struct render *r, int idx, const char *const *names, size_t nargs)
+{
+    if (idx == F_MAP || idx == F_SELECT || idx == F_REJECT || idx == F_SELECTATTR ||
+        idx == F_REJECTATTR)
+        return TDM_OK;
+    const char *const *params = filter_params[idx];
+    size_t nparams = 0;
+    while (nparams < 5 && params[nparams])
+        nparams++;
+    size_t npos = npositional(names, nargs);
+    if (npos > nparams)
+        return chat_rerr(r, TDM_EINVAL, "%s() takes %zu positional argument(s) but %zu were given",
+                         filter_names[idx], nparams, npos);
+    for (size_t i = 0; i < nargs; i++) {
+        if (!names || !names[i])
+            continue;
+        size_t k;
+        for (k = 0; k < nparams; k++)
+            if (strcmp(params[k], names[i]) == 0)
+                break;
+        if (k == nparams)
+            return chat_rerr(r, TDM_EINVAL, "%s() got an unexpected keyword argument '%s'",
+                             filter_names[idx], names[i]);
+        if (k < npos)
+            return chat_rerr(r, TDM_EINVAL, "%s() got multiple values for argument '%s'",
+                             filter_names[idx], names[i]);
+    }
+    return TDM_OK;
+}
+
 int chat_builtin_filter(struct render *r, int idx, struct val in, const struct val *args,
                         const char *const *names, size_t nargs, struct val *out)
 {
+    if (check_filter_args(r, idx, names, nargs) != TDM_OK)
+        return r->rc;
     struct val a, b, s;
     int rc;
     if (!chat_charge(r, 1))

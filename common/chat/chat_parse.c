@@ -379,6 +379,22 @@ static struct node *parse_subscript(struct parser *p, struct node *obj, int line
         }
         break;
     }
+    if (!slice && parts[0] && tok_op(cur(p), ",")) {
+        // a[1, 2]: the key is a tuple (Jinja's parse_subscript)
+        struct node *tup = mk(p, N_TUPLE, line);
+        struct kids k = {0};
+        if (!tup || kids_push(p, &k, parts[0], NULL) != TDM_OK)
+            return NULL;
+        while (tok_op(cur(p), ",") && p->rc == TDM_OK) {
+            next(p);
+            struct node *item = parse_expr(p);
+            if (!item || kids_push(p, &k, item, NULL) != TDM_OK)
+                break;
+        }
+        if (kids_finish(p, &k, tup, false) != TDM_OK || p->rc != TDM_OK)
+            return NULL;
+        parts[0] = tup;
+    }
     if (expect_op(p, "]") != TDM_OK)
         return NULL;
     struct node *nd = mk(p, slice ? N_SLICE : N_GETITEM, line);

@@ -251,6 +251,7 @@ static void test_expressions(void **state)
         {"{{ ' x '.strip() }}|{{ 'a,b,,c'.split(',') }}|{{ 'Hi'.upper() }}",
          "x|['a', 'b', '', 'c']|HI"},
         {"{{ 'a<b' | safe + '<' }}|{{ '<' + 'x' }}", "a<b&lt;|<x"},
+        {"{{ {(1, 2): 't'}[1, 2] }}|{{ 0[1, 2] | sum }}", "t|0"},
         {"{{ x is defined }}{{ none is none }}{{ 'a' is string }}{{ {} is mapping }}",
          "FalseTrueTrueTrue"},
         {"{{ 7 // 2 }} {{ -7 // 2 }} {{ 7 % 3 }} {{ 2 ** 10 }} {{ 1 / 4 }} {{ 1e20 }}",
@@ -508,6 +509,8 @@ static void test_hostile(void **state)
         {"{{ 1 // 0 }}", TDM_EINVAL, "division or modulo by zero"},
         {"{{ 1 is ne }}", TDM_EINVAL, "test 'ne' takes 1 argument(s), got 0"},
         {"{{ [1] | tojson(ensure_asci=true) }}", TDM_EINVAL, "unexpected keyword argument"},
+        {"{{ 'a' | indent(2, width=3) }}", TDM_EINVAL, "multiple values for argument 'width'"},
+        {"{{ 'a' | trim(' ', 'x') }}", TDM_EINVAL, "takes 1 positional argument(s) but 2"},
         {"{{ 9223372036854775807 + 1 }}", TDM_EINVAL, "integer overflow"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
