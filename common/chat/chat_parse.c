@@ -824,6 +824,22 @@ static int end_block(struct parser *p)
     return expect_kind(p, T_BLOCK_END, "'%}'");
 }
 
+// The '%}' that opens a body; Jinja allows a colon before it for Python
+// compatibility ({% if x: %}, {% else: %}).
+static int open_body(struct parser *p)
+{
+    if (tok_op(cur(p), ":"))
+        next(p);
+    return end_block(p);
+}
+
+// Consumes 'else' (the body stopped at it) and the '%}' opening the else body.
+static int close_tag_body(struct parser *p)
+{
+    next(p);
+    return open_body(p);
+}
+
 // Consumes the end tag's name (the caller's body stopped at it) and its '%}'.
 static int close_tag(struct parser *p)
 {
@@ -838,7 +854,7 @@ static struct node *parse_if(struct parser *p, int line)
     if (!nd)
         return NULL;
     nd->a = parse_tuple(p, false);
-    if (!nd->a || end_block(p) != TDM_OK)
+    if (!nd->a || open_body(p) != TDM_OK)
         return NULL;
     static const char *const ends[] = {"elif", "else", "endif", NULL};
     const char *which = NULL;
@@ -852,7 +868,7 @@ static struct node *parse_if(struct parser *p, int line)
         if (!nd->c)
             return NULL;
     } else if (strcmp(which, "else") == 0) {
-        if (close_tag(p) != TDM_OK)
+        if (close_tag_body(p) != TDM_OK)
             return NULL;
         static const char *const ends2[] = {"endif", NULL};
         nd->c = parse_body(p, ends2, &which, line, "if");
@@ -943,7 +959,7 @@ static struct node *parse_for(struct parser *p, int line)
         perr(p, cur(p)->line, "recursive for loops are not supported");
         return NULL;
     }
-    if (end_block(p) != TDM_OK)
+    if (open_body(p) != TDM_OK)
         return NULL;
     static const char *const ends[] = {"else", "endfor", NULL};
     const char *which = NULL;
@@ -953,7 +969,7 @@ static struct node *parse_for(struct parser *p, int line)
     if (!nd->b)
         return NULL;
     if (strcmp(which, "else") == 0) {
-        if (close_tag(p) != TDM_OK)
+        if (close_tag_body(p) != TDM_OK)
             return NULL;
         static const char *const ends2[] = {"endfor", NULL};
         nd->c = parse_body(p, ends2, &which, line, "for");
@@ -1005,7 +1021,7 @@ static struct node *parse_set(struct parser *p, int line)
         if (!nd->d)
             return NULL;
     }
-    if (end_block(p) != TDM_OK)
+    if (open_body(p) != TDM_OK)
         return NULL;
     static const char *const ends[] = {"endset", NULL};
     const char *which;
@@ -1081,7 +1097,7 @@ static struct node *parse_statement(struct parser *p)
         }
         nd->s = name_dup(p, cur(p));
         next(p);
-        if (parse_params(p, nd) != TDM_OK || end_block(p) != TDM_OK)
+        if (parse_params(p, nd) != TDM_OK || open_body(p) != TDM_OK)
             return NULL;
         static const char *const ends[] = {"endmacro", NULL};
         const char *which;
@@ -1107,7 +1123,7 @@ static struct node *parse_statement(struct parser *p)
             perr(p, line, "{%% call %%} needs a macro call");
             return NULL;
         }
-        if (end_block(p) != TDM_OK)
+        if (open_body(p) != TDM_OK)
             return NULL;
         static const char *const ends[] = {"endcall", NULL};
         const char *which;
@@ -1122,7 +1138,7 @@ static struct node *parse_statement(struct parser *p)
         if (!nd)
             return NULL;
         nd->d = parse_filter_chain(p);
-        if (!nd->d || end_block(p) != TDM_OK)
+        if (!nd->d || open_body(p) != TDM_OK)
             return NULL;
         static const char *const ends[] = {"endfilter", NULL};
         const char *which;
@@ -1134,7 +1150,7 @@ static struct node *parse_statement(struct parser *p)
     if (tok_name(t, "generation")) {
         // HF's AssistantTracker: marks assistant text for masks; renders its body.
         next(p);
-        if (end_block(p) != TDM_OK)
+        if (open_body(p) != TDM_OK)
             return NULL;
         static const char *const ends[] = {"endgeneration", NULL};
         const char *which;

@@ -259,6 +259,8 @@ static void test_expressions(void **state)
         {"{{ 'x' ~ 1 ~ none }}|{{ 1 if false else 2 }}|{{ 'yes' if 'ell' in 'hello' }}",
          "x1None|2|yes"},
         {"{% for k, v in {'a': 1, 'b': 2} | items %}{{ k }}={{ v }};{% endfor %}", "a=1;b=2;"},
+        {"{% if messages: %}y{% else: %}n{% endif %}{% for m in []: %}{% else: %}e{% endfor %}",
+         "ye"},
         {"{% for i in range(5) %}{% if i == 3 %}{% break %}{% endif %}{% if i == 1 %}"
          "{% continue %}{% endif %}{{ i }}{% endfor %}",
          "02"},
