@@ -406,11 +406,10 @@ static struct node *parse_subscript(struct parser *p, struct node *obj, int line
         nd->c = parts[1];
         nd->d = parts[2];
     } else {
-        if (!parts[0]) {
-            perr(p, line, "empty subscript '[]'");
+        // a[] is a[()] in Jinja: an empty tuple key
+        nd->b = parts[0] ? parts[0] : mk(p, N_TUPLE, line);
+        if (!nd->b)
             return NULL;
-        }
-        nd->b = parts[0];
     }
     return nd;
 }

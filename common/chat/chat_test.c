@@ -251,7 +251,7 @@ static void test_expressions(void **state)
         {"{{ ' x '.strip() }}|{{ 'a,b,,c'.split(',') }}|{{ 'Hi'.upper() }}",
          "x|['a', 'b', '', 'c']|HI"},
         {"{{ 'a<b' | safe + '<' }}|{{ '<' + 'x' }}", "a<b&lt;|<x"},
-        {"{{ {(1, 2): 't'}[1, 2] }}|{{ 0[1, 2] | sum }}", "t|0"},
+        {"{{ {(1, 2): 't'}[1, 2] }}|{{ 0[1, 2] | sum }}|{{ [1][] is defined }}", "t|0|False"},
         {"{{ x is defined }}{{ none is none }}{{ 'a' is string }}{{ {} is mapping }}",
          "FalseTrueTrueTrue"},
         {"{{ 7 // 2 }} {{ -7 // 2 }} {{ 7 % 3 }} {{ 2 ** 10 }} {{ 1 / 4 }} {{ 1e20 }}",
