@@ -492,6 +492,13 @@ static void *load_text_side(void *arg)
         s->chat = NULL;
         TDM_LOG_WARN(MOD, "chat endpoint disabled: %s", s->chat_err);
     }
+    // HF hands the template the tokenizer's special tokens (bos_token, eos_token).
+    if (s->chat && t->rc == TDM_OK &&
+        (t->rc = tdm_chat_template_set_tokens(
+             s->chat, tdm_tok_id_to_piece(s->tok, tdm_tok_bos_id(s->tok)),
+             tdm_tok_id_to_piece(s->tok, tdm_tok_eos_id(s->tok)),
+             tdm_tok_id_to_piece(s->tok, tdm_tok_pad_id(s->tok)))) != TDM_OK)
+        snprintf(t->err, sizeof t->err, "chat template: setting special tokens failed");
     return NULL;
 }
 

@@ -1002,6 +1002,12 @@ static int load_text_side(struct tdm_router_server *s, char *err, size_t errlen)
         s->chat = NULL;
         TDM_LOG_WARN(MOD, "chat endpoint disabled: %s", s->chat_err);
     }
+    // HF hands the template the tokenizer's special tokens (bos_token, eos_token).
+    if (s->chat && (rc = tdm_chat_template_set_tokens(
+                        s->chat, tdm_tok_id_to_piece(s->tok, tdm_tok_bos_id(s->tok)),
+                        tdm_tok_id_to_piece(s->tok, tdm_tok_eos_id(s->tok)),
+                        tdm_tok_id_to_piece(s->tok, tdm_tok_pad_id(s->tok)))) != TDM_OK)
+        return tdm_seterr(err, errlen, rc, "chat template: setting special tokens failed");
     if (s->o.max_model_len > mc.max_position_embeddings)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "--max-model-len %d exceeds the model's max_position_embeddings %d",

@@ -1,9 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// chat_known.h: the chat template texts Tandem recognises, exactly as they ship in
-// the models' tokenizer_config.json. chat.c canonicalises both these and the text
-// it is given (Jinja whitespace control applied, insignificant spaces inside tags
-// dropped, string literals re-quoted) and accepts only an exact match, so a template
-// that would render differently is never mistaken for a known one.
+// chat_known.h: the built-in chat template texts that --chat-template selects by
+// name (qwen2, llama3, chatml), exactly as they ship in the models'
+// tokenizer_config.json; the renderer runs them like any other template.
 #ifndef TDM_CHAT_KNOWN_H
 #define TDM_CHAT_KNOWN_H
 

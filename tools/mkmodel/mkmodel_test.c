@@ -55,7 +55,11 @@ static void check_tokenizer(const char *dir, int vocab)
     struct tdm_chat_template *t = NULL;
     assert_int_equal(tdm_chat_template_new(&t, tdm_tok_chat_template(tok), NULL, err, sizeof err),
                      TDM_OK);
-    assert_int_equal(tdm_chat_template_format(t), TDM_CHAT_CHATML);
+    struct tdm_chat_msg msg = {.role = "user", .content = "hi"};
+    char *prompt = NULL;
+    assert_int_equal(tdm_chat_render(t, &msg, 1, true, &prompt, err, sizeof err), TDM_OK);
+    assert_string_equal(prompt, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    free(prompt);
     tdm_chat_template_free(t);
     tdm_tok_free(tok);
 }

@@ -238,8 +238,14 @@ static int run_chat(const struct tdm_tokenizer *tok, const struct opts *o, const
     size_t n_ids;
     int rc =
         tdm_chat_template_new(&t, tdm_tok_chat_template(tok), o->chat_template_path, err, errlen);
-    if (rc)
+    if (!rc)
+        rc = tdm_chat_template_set_tokens(t, tdm_tok_id_to_piece(tok, tdm_tok_bos_id(tok)),
+                                          tdm_tok_id_to_piece(tok, tdm_tok_eos_id(tok)),
+                                          tdm_tok_id_to_piece(tok, tdm_tok_pad_id(tok)));
+    if (rc) {
+        tdm_chat_template_free(t);
         return rc;
+    }
     rc = tdm_chat_msgs_parse(input, len, &msgs, &n_msgs, err, errlen);
     if (!rc)
         rc = tdm_chat_render(t, msgs, n_msgs, true, &prompt, err, errlen);
