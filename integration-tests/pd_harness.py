@@ -153,11 +153,15 @@ class Cluster:
     def __init__(self, args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always",
                  extra_yaml="", model=None, worker_args=()):
         self.args = args
+        # The control plane runs authenticated, as tandem up and the k8s
+        # manifests run it: every process of the cluster inherits one secret.
+        os.environ.setdefault("TANDEM_INTERNAL_SECRET", os.urandom(24).hex())
         self.model = model or make_model(args)
         self.worker_args = list(worker_args)  # appended to every worker's flags (override)
         self.prefill = [Worker("prefill", i, free_port(), free_port()) for i in range(n_prefill)]
         self.decode = [Worker("decode", i, free_port(), free_port()) for i in range(n_decode)]
         self.router_port = free_port()
+        self.router_nng = free_port()
         self.router_proc = None
         self.config = os.path.join(args.workdir, "router-%d.yaml" % os.getpid())
         self.write_config(policy, pd_mode, extra_yaml)
@@ -211,7 +215,8 @@ class Cluster:
         for w in self.prefill + self.decode:
             self.wait_health(w.http_port, w.proc)
         cmd = [self.args.router, "--config", self.config, "--model", self.model, "--host",
-               "127.0.0.1", "--port", str(self.router_port), "--liveness-timeout", "1.0"]
+               "127.0.0.1", "--port", str(self.router_port), "--liveness-timeout", "1.0",
+               "--nng-url", "tcp://127.0.0.1:%d" % self.router_nng]
         self.router_proc = subprocess.Popen(cmd, stdout=self._log("router"),
                                             stderr=subprocess.STDOUT)
         register(self.router_proc)

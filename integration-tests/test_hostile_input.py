@@ -9,13 +9,17 @@ router at ~600 levels). Every JSON route now refuses text nested deeper than
 128 levels with a 400 naming the limit, before parsing; text nested exactly
 128 deep is parsed and answered as the request's content deserves (here a
 400 for a prompt that is not token ids). Brackets inside strings do not
-count. After the hostile requests a normal completion succeeds through the
-router and on the decode worker directly.
+count. The internal nng ports refuse peers without the cluster's secret
+before reading a frame. After the hostile requests a normal completion
+succeeds through the router and on the decode worker directly.
 """
 import http.client
 import json
+import socket
+import struct
+import time
 
-from pd_harness import Cluster, check, parse_args, post
+from pd_harness import Cluster, check, metric_sum, metrics, parse_args, post
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
@@ -37,6 +41,38 @@ def nested_prompt(depth):
 def nested_messages(depth):
     inner = "[" * (depth - 3) + "]" * (depth - 3)
     return ('{"messages":[{"role":"user","content":' + inner + "}]}").encode()
+
+
+def frame(msg_type, msg):
+    # Tandem's 16-byte frame header ("TDMF", version 1, type, lengths), then the message.
+    return struct.pack("<IHHII", 0x46444D54, 1, msg_type, len(msg), 0) + msg
+
+
+def unauthenticated_frames(cl):
+    """The nng ports refuse a peer without the cluster's secret before reading a
+    frame (issue 11, part 2): a well-formed GenerateRequest, CANCEL or LoadQuery
+    sent straight to a worker's or the router's inbox gets the connection closed
+    and starts no work; a silent connection is closed after the handshake's 2 s."""
+    # GenerateRequest{request_id="evil", prompt=[1,2,3], max_tokens=4} (hand-encoded).
+    gen = b"\x0a\x04evil" + b"\x22\x03\x01\x02\x03" + b"\x30\x04"
+    before = metric_sum(metrics(cl.decode[0].http_port), "vllm:request_success_total")
+    for port in [w.nng_port for w in cl.workers()] + [cl.router_nng]:
+        for data in (frame(1, gen), frame(8, b""), b""):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            t0 = time.time()
+            if data:
+                s.sendall(data)
+            try:
+                got = s.recv(64)
+            except (ConnectionResetError, socket.timeout):
+                got = b""
+            s.close()
+            check(got == b"", "nng port %d answered an unauthenticated peer: %r" % (port, got))
+            check(time.time() - t0 < 4.0, "nng port %d held an unauthenticated connection" % port)
+    time.sleep(0.5)
+    after = metric_sum(metrics(cl.decode[0].http_port), "vllm:request_success_total")
+    check(after == before, "an unauthenticated GenerateRequest was served (%s -> %s)" %
+          (before, after))
 
 
 def alive(cl):
@@ -76,6 +112,7 @@ def main():
             check(b"deeper than" not in data,
                   "%s %s: brackets inside strings counted as nesting" % (name, path))
         alive(cl)
+    unauthenticated_frames(cl)
     for port in (cl.router_port, cl.decode[0].http_port):
         st, _, body = post(port, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
         check(st == 200 and body["choices"][0]["finish_reason"] == "length",
