@@ -42,6 +42,7 @@ const MODELS = {
     'v1/PersistentVolumeClaim': 'kubernetes-models/v1/PersistentVolumeClaim',
     'apps/v1/Deployment': 'kubernetes-models/apps/v1/Deployment',
     'autoscaling/v2/HorizontalPodAutoscaler': 'kubernetes-models/autoscaling/v2/HorizontalPodAutoscaler',
+    'networking.k8s.io/v1/NetworkPolicy': 'kubernetes-models/networking.k8s.io/v1/NetworkPolicy',
     'monitoring.coreos.com/v1/PodMonitor': '@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PodMonitor',
 };
 const ROLE = 'llm-d.ai/role';
@@ -226,6 +227,24 @@ function checkRender(objs, overlay, c) {
         c.check(main?.startupProbe?.httpGet?.path === '/health', w, 'no startupProbe on /health (liveness would kill a pod loading its model)');
     }
     if (router) c.check(!podLabels(router)[ROLE], W('Deployment/tandem-router'), `router pods carry ${ROLE} (llm-d's decode-filter would take them for workers)`);
+
+    // Every Tandem process takes the control plane's secret from the Secret the
+    // docs have the operator create, not optional (a pod without it must not
+    // start), and a NetworkPolicy admits only Tandem's pods to the workers.
+    for (const d of deps) {
+        const w = W(`Deployment/${d.metadata.name}`);
+        for (const ct of containers(d).filter((x) => (x.command?.[0] || '').startsWith('tandem-'))) {
+            const e = ct.env?.find((x) => x.name === 'TANDEM_INTERNAL_SECRET');
+            c.check(e?.valueFrom?.secretKeyRef?.name === 'tandem-internal' && e.valueFrom.secretKeyRef.key === 'secret' &&
+                !e.valueFrom.secretKeyRef.optional, w, `container ${ct.name}: TANDEM_INTERNAL_SECRET must come from Secret tandem-internal (key secret, not optional)`);
+        }
+    }
+    const nps = all(objs, 'NetworkPolicy');
+    const workerNp = nps.find((n) => (n.spec?.podSelector?.matchExpressions || []).some((m) => m.key === ROLE));
+    if (c.check(workerNp, W('NetworkPolicy'), 'no NetworkPolicy selects the worker pods by role')) {
+        c.check((workerNp.spec.ingress || []).every((r) => (r.from || []).length > 0), W(`NetworkPolicy/${workerNp.metadata.name}`),
+            'an ingress rule without "from" opens the workers to every pod');
+    }
 
     // Every service that loads the model (--model): the volume, read-only, and a download step before it.
     for (const d of deps) {
@@ -590,6 +609,11 @@ const MUTATIONS = [
         const a = find(o, 'Deployment', 'tandem-router').spec.template.spec.containers[0].args;
         a[a.findIndex((x) => x.startsWith('--nng-url'))] = '--nng-url=tcp://127.0.0.1:9000';
     }],
+    ['internal secret optional', 'overlays/cpu', (o) => {
+        const ct = find(o, 'Deployment', 'tandem-decode').spec.template.spec.containers[0];
+        ct.env.find((e) => e.name === 'TANDEM_INTERNAL_SECRET').valueFrom.secretKeyRef.optional = true;
+    }],
+    ['worker NetworkPolicy open to all', 'overlays/cpu', (o) => (find(o, 'NetworkPolicy', 'tandem-workers').spec.ingress[0].from = [])],
     ['HF token Secret not optional', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-decode').spec.template.spec.initContainers[0].env.find((e) => e.name === 'HF_TOKEN').valueFrom.secretKeyRef.optional = false)],
 ];
 for (const [what, overlay, mutate] of MUTATIONS) {

@@ -16,6 +16,7 @@
 //
 //   node pod_commands_test.mjs --source-dir REPO --workdir DIR [--kubectl K] --bin NAME=PATH ...
 // Exit 0 pass, 1 fail, 77 skipped (kubectl or a service binary absent).
+import { randomBytes } from 'node:crypto';
 import { spawn } from 'node:child_process';
 import { existsSync, mkdirSync, readlinkSync, realpathSync, rmSync, writeFileSync } from 'node:fs';
 import net from 'node:net';
@@ -27,6 +28,8 @@ import { Checker, parseArgs, run, skip, which } from './lib.mjs';
 const args = parseArgs(process.argv.slice(2), ['bin']);
 const src = args['source-dir'];
 const work = args.workdir;
+// One control-plane secret for every pod of the run, as a cluster's Secret gives them.
+const internalSecret = randomBytes(24).toString('hex');
 if (!src || !work) throw new Error('--source-dir and --workdir are required');
 const kubectl = which(args.kubectl || 'kubectl');
 if (!kubectl) skip('kubectl not found (Debian: apt-get install kubernetes-client)');
@@ -113,6 +116,7 @@ async function playPod(d, objs, shared) {
         for (const e of ct.env || []) {
             if (e.value !== undefined) env[e.name] = e.value;
             else if (e.valueFrom?.fieldRef?.fieldPath === 'status.podIP') env[e.name] = '127.0.0.1';
+            else if (e.valueFrom?.secretKeyRef?.name === 'tandem-internal') env[e.name] = internalSecret; // the Secret docs/kubernetes.md has the operator create
             else if (e.valueFrom?.secretKeyRef?.optional) continue; // no Secret here: skipped, as the kubelet does
             else c.fail(`${name} container ${ct.name}`, `env ${e.name} has a source the test cannot play`);
         }
