@@ -812,6 +812,8 @@ struct peer {
     pthread_mutex_t send_mu;
     const unsigned char *key; // the outbox's secret (key_len 0: no handshake)
     size_t key_len;
+    int users;        // under the outbox's mu: sends using this peer now
+    double last_used; // under the outbox's mu: tdm_now() when the last send ended
 };
 
 struct tdm_net_outbox {
@@ -820,6 +822,9 @@ struct tdm_net_outbox {
     int reconnect_ms;
     unsigned char key[AUTH_MAX_KEY]; // the shared secret at creation
     size_t key_len;
+    int n_peers;    // under mu
+    int max_peers;  // more distinct URLs evict the least recently used idle peer
+    double idle_s;  // a peer unused this long is closed (its watcher stops redialing)
 };
 
 int tdm_net_outbox_new(struct tdm_net_outbox **out, int reconnect_ms, char *err, size_t errlen)
@@ -832,6 +837,8 @@ int tdm_net_outbox_new(struct tdm_net_outbox **out, int reconnect_ms, char *err,
     if (*out == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "outbox: out of memory");
     (*out)->key_len = auth_key((*out)->key);
+    (*out)->max_peers = TDM_NET_MAX_PEERS;
+    (*out)->idle_s = TDM_NET_PEER_IDLE_S;
     pthread_mutex_init(&(*out)->mu, NULL);
     (*out)->reconnect_ms = reconnect_ms > 0 ? reconnect_ms : 100;
     return TDM_OK;
@@ -953,16 +960,72 @@ void tdm_net_outbox_free(struct tdm_net_outbox *ob)
     free(ob);
 }
 
-// The peer for url, created (its watcher dialing) on first use. NULL with err on failure.
+// Unlinks idle peers (under ob->mu): every peer unused for idle_s, then, while
+// the outbox is full, the least recently used one nobody is sending on. The
+// caller frees the returned list outside the lock (freeing joins a watcher).
+static struct peer *peers_evict(struct tdm_net_outbox *ob, double now)
+{
+    struct peer *freed = NULL;
+    for (struct peer **pp = &ob->head; *pp;) {
+        struct peer *p = *pp;
+        if (p->users == 0 && now - p->last_used > ob->idle_s) {
+            *pp = p->next;
+            p->next = freed;
+            freed = p;
+            ob->n_peers--;
+        } else {
+            pp = &p->next;
+        }
+    }
+    while (ob->n_peers >= ob->max_peers) {
+        struct peer **lru = NULL;
+        for (struct peer **pp = &ob->head; *pp; pp = &(*pp)->next)
+            if ((*pp)->users == 0 && (!lru || (*pp)->last_used < (*lru)->last_used))
+                lru = pp;
+        if (!lru)
+            break;
+        struct peer *p = *lru;
+        *lru = p->next;
+        p->next = freed;
+        freed = p;
+        ob->n_peers--;
+    }
+    return freed;
+}
+
+static void peers_free(struct peer *list)
+{
+    while (list) {
+        struct peer *next = list->next;
+        TDM_LOG_DEBUG(MOD, "outbox: closed idle peer %s", list->url);
+        peer_free(list);
+        list = next;
+    }
+}
+
+// The peer for url, created (its watcher dialing) on first use, with one more
+// user (release with peer_put). A new URL first evicts idle peers, so a flood
+// of reply addresses cannot grow threads and dials without bound. NULL with
+// err on failure (TDM_ECAPACITY when every peer is busy and the outbox full).
 static struct peer *peer_get(struct tdm_net_outbox *ob, const char *url, int *code, char *err,
                              size_t errlen)
 {
     pthread_mutex_lock(&ob->mu);
     for (struct peer *p = ob->head; p; p = p->next) {
         if (strcmp(p->url, url) == 0) {
+            p->users++;
             pthread_mutex_unlock(&ob->mu);
             return p;
         }
+    }
+    struct peer *evicted = peers_evict(ob, tdm_now());
+    if (ob->n_peers >= ob->max_peers) {
+        pthread_mutex_unlock(&ob->mu);
+        peers_free(evicted);
+        *code = TDM_ECAPACITY;
+        tdm_seterr(err, errlen, TDM_ECAPACITY, "outbox: %d peers busy, cannot add %s",
+                   ob->max_peers, url);
+        return NULL;
     }
     struct peer *p = calloc(1, sizeof *p);
     int rv = NNG_ENOMEM;
@@ -974,6 +1037,8 @@ static struct peer *peer_get(struct tdm_net_outbox *ob, const char *url, int *co
     p->reconnect_ms = ob->reconnect_ms;
     p->key = ob->key;
     p->key_len = ob->key_len;
+    p->users = 1;
+    p->last_used = tdm_now();
     pthread_mutex_init(&p->mu, NULL);
     pthread_mutex_init(&p->send_mu, NULL);
     tdm_cond_init(&p->cv);
@@ -986,10 +1051,13 @@ static struct peer *peer_get(struct tdm_net_outbox *ob, const char *url, int *co
     }
     p->next = ob->head;
     ob->head = p;
+    ob->n_peers++;
     pthread_mutex_unlock(&ob->mu);
+    peers_free(evicted);
     return p;
 fail:
     pthread_mutex_unlock(&ob->mu);
+    peers_free(evicted);
     if (p) {
         if (p->dialer)
             nng_stream_dialer_free(p->dialer);
@@ -999,6 +1067,30 @@ fail:
     *code = rv == NNG_ENOMEM ? TDM_ENOMEM : TDM_EINVAL;
     tdm_seterr(err, errlen, *code, "outbox: cannot dial %s: %s", url, nng_strerror(rv));
     return NULL;
+}
+
+static void peer_put(struct tdm_net_outbox *ob, struct peer *p)
+{
+    pthread_mutex_lock(&ob->mu);
+    p->users--;
+    p->last_used = tdm_now();
+    pthread_mutex_unlock(&ob->mu);
+}
+
+void tdm_net_outbox_set_limits(struct tdm_net_outbox *ob, int max_peers, double idle_s)
+{
+    pthread_mutex_lock(&ob->mu);
+    ob->max_peers = max_peers > 0 ? max_peers : TDM_NET_MAX_PEERS;
+    ob->idle_s = idle_s > 0 ? idle_s : TDM_NET_PEER_IDLE_S;
+    pthread_mutex_unlock(&ob->mu);
+}
+
+int tdm_net_outbox_peers(struct tdm_net_outbox *ob)
+{
+    pthread_mutex_lock(&ob->mu);
+    int n = ob->n_peers;
+    pthread_mutex_unlock(&ob->mu);
+    return n;
 }
 
 bool tdm_net_connected(struct tdm_net_outbox *ob, const char *url)
@@ -1072,8 +1164,10 @@ int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, cons
     if (p == NULL)
         return code;
     uint8_t *body = malloc(size);
-    if (body == NULL)
+    if (body == NULL) {
+        peer_put(ob, p);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "send: out of memory (%zu bytes)", size);
+    }
     tdm_net_frame_header(body, type, msg_len, payload_len);
     if (msg_len)
         memcpy(body + TDM_NET_HEADER_BYTES, msg, msg_len);
@@ -1081,6 +1175,7 @@ int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, cons
         int frc = fill(arg, body + TDM_NET_HEADER_BYTES + msg_len, payload_len);
         if (frc != 0) {
             free(body);
+            peer_put(ob, p);
             return tdm_seterr(err, errlen, frc, "send: payload fill failed: %s", tdm_strerror(frc));
         }
     } else if (payload_len) {
@@ -1096,6 +1191,7 @@ int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, cons
     else
         rv = peer_write(p, body, size, timeout_s > 0 ? deadline : now + 0.5);
     free(body);
+    peer_put(ob, p);
     if (rv != 0) {
         code = nng_to_tdm(rv);
         return tdm_seterr(err, errlen, code, "send %s to %s: %s", tdm_net_type_name(type), url,

@@ -153,4 +153,17 @@ int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, cons
 // True when the outbox has a live connection to url now.
 bool tdm_net_connected(struct tdm_net_outbox *ob, const char *url);
 
+// Bounds on the peers (URLs) an outbox keeps, each a connection and a watcher
+// thread that redials it: a peer unused for TDM_NET_PEER_IDLE_S is closed, and
+// a new URL beyond TDM_NET_MAX_PEERS evicts the least recently used idle one
+// (a send to a new URL with every peer busy is TDM_ECAPACITY). So frames that
+// name ever new reply addresses cannot grow threads and dials without bound.
+// A closed peer is dialed again on its next send.
+#define TDM_NET_MAX_PEERS 256
+#define TDM_NET_PEER_IDLE_S 300.0
+// Changes the bounds (<= 0 restores a default); for tests and tuning.
+void tdm_net_outbox_set_limits(struct tdm_net_outbox *ob, int max_peers, double idle_s);
+// Peers (URLs) the outbox holds now.
+int tdm_net_outbox_peers(struct tdm_net_outbox *ob);
+
 #endif

@@ -428,6 +428,51 @@ static void test_outbox_free_while_dialing(void **state)
     assert_true(tdm_now() - t0 < 1.0);
 }
 
+// Frames naming ever new reply addresses must not grow the outbox without
+// bound (issue 11: 600 frames made 600 redialing threads for good): past
+// max_peers the least recently used idle peer goes, and idle peers are closed
+// after idle_s; a closed peer is dialed again when used.
+static void test_outbox_peer_bounds(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+    tdm_net_outbox_set_limits(ob, 4, 60.0);
+    for (int i = 0; i < 40; i++) {
+        char url[64];
+        snprintf(url, sizeof url, "tcp://127.0.0.1:%d", 1 + i); // nobody listens there
+        (void)tdm_net_send(ob, url, TDM_NET_CANCEL, "x", 1, NULL, 0, 0, err, sizeof err);
+        assert_true(tdm_net_outbox_peers(ob) <= 4);
+    }
+    assert_int_equal(tdm_net_outbox_peers(ob), 4);
+    // Idle expiry: after idle_s, the next new URL sweeps every idle peer.
+    tdm_net_outbox_set_limits(ob, 4, 0.2);
+    sleep_s(0.3);
+    (void)tdm_net_send(ob, "tcp://127.0.0.1:77", TDM_NET_CANCEL, "x", 1, NULL, 0, 0, err,
+                       sizeof err);
+    assert_int_equal(tdm_net_outbox_peers(ob), 1);
+    // A real peer that was evicted is reached again on its next send.
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    const char *url = tdm_net_inbox_url(in);
+    assert_int_equal(tdm_net_send(ob, url, TDM_NET_CANCEL, "a", 1, NULL, 0, 3.0, err, sizeof err),
+                     TDM_OK);
+    sleep_s(0.3);
+    (void)tdm_net_send(ob, "tcp://127.0.0.1:78", TDM_NET_CANCEL, "x", 1, NULL, 0, 0, err,
+                       sizeof err); // sweeps the idle inbox peer
+    assert_false(tdm_net_connected(ob, url));
+    assert_int_equal(tdm_net_send(ob, url, TDM_NET_CANCEL, "b", 1, NULL, 0, 3.0, err, sizeof err),
+                     TDM_OK);
+    for (int k = 0; k < 2; k++) {
+        struct tdm_net_msg *m = recv_one(in, 3.0);
+        assert_non_null(m);
+        tdm_net_msg_free(m);
+    }
+    tdm_net_outbox_free(ob);
+    tdm_net_inbox_free(in);
+}
+
 // The shared secret (issue 11): with the same secret frames flow; a peer
 // without it, with another secret, or speaking frames straight away gets
 // nothing through and is dropped; a silent connection is dropped after the
@@ -531,6 +576,7 @@ int main(void)
         cmocka_unit_test(test_concurrent_senders),
         cmocka_unit_test(test_peer_restart_storm),
         cmocka_unit_test(test_outbox_free_while_dialing),
+        cmocka_unit_test(test_outbox_peer_bounds),
         cmocka_unit_test(test_authentication),
         cmocka_unit_test(test_instance_ids),
     };
