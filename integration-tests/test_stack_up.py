@@ -5,8 +5,9 @@ Checks: the launcher prints every endpoint and a curl line that works as
 printed; every child's log lines carry its role prefix; requests through the
 router are disaggregated (the prefill worker counts them); Ctrl-C's SIGTERM
 stops the router before the workers, exits 0, leaves no process and removes
-the router config; SIGHUP reaches the router (config reload). Then the failure paths: a worker killed outright stops the
-stack with a non-zero exit and a line naming it; a model the workers cannot
+the router config; SIGHUP reaches the router (config reload). Then the failure paths: a worker killed outright is
+restarted while the other serves (--restart on-failure, the default), or with
+--restart never stops the stack with a non-zero exit and a line naming it; a model the workers cannot
 load fails the startup naming the worker, and so does one that never gets
 healthy (killed after the grace period, as it ignores SIGTERM); a port in use and a bad flag fail
 before anything starts.
@@ -114,8 +115,34 @@ def main():
     check(not os.path.exists(cfg_path), "router config %s left behind" % cfg_path)
     print("graceful stop ok")
 
-    # A worker that dies stops the stack, named, with a non-zero exit.
-    st = Stack(args, "--model", model, "--prefill", "0", "--decode", "1")
+    # Supervision (the default, --restart on-failure): a worker killed outright
+    # is started again while the other serves, and the stack keeps running.
+    st = Stack(args, "--model", model, "--prefill", "0", "--decode", "2")
+    os.kill(st.endpoints["decode-0"]["pid"], signal.SIGKILL)
+    for i in range(4):
+        code, _, body = post(st.port(), "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        check(code == 200, "request %d while decode-0 is down: %d %r" % (i, code, body))
+    st.wait_line(r"decode-0 exited unexpectedly \(signal 9.*restarting it in 1 s")
+    line = st.wait_line(r"decode-0 restarted \(restart 1, pid \d+\)")
+    new_pid = int(line.rsplit("pid ", 1)[1].rstrip(")"))
+    st.endpoints["decode-0-restarted"] = dict(st.endpoints["decode-0"], pid=new_pid)
+    t0 = time.time()
+    while time.time() - t0 < 60:
+        try:
+            if request(st.port("decode-0"), "GET", "/health", timeout=2)[0] == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.2)
+    check(request(st.port("decode-0"), "GET", "/health")[0] == 200, "decode-0 not back:\n" + st.log())
+    check(st.proc.poll() is None, "tandem up stopped after a worker died:\n" + st.log())
+    rc = st.stop()
+    check(rc == 0, "tandem up exited %d after a supervised restart" % rc)
+    st.check_children_gone()
+    print("supervised restart ok (decode-0 back in %.1f s)" % (time.time() - t0))
+
+    # With --restart never, a worker that dies stops the stack, named, with a non-zero exit.
+    st = Stack(args, "--model", model, "--prefill", "0", "--decode", "1", "--restart", "never")
     check("prefill-0" not in st.endpoints, "--prefill 0 started a prefill worker")
     os.kill(st.endpoints["decode-0"]["pid"], signal.SIGKILL)
     rc = st.wait_exit(60)

@@ -21,11 +21,14 @@
 //      the operator set one), so the stack's nng ports refuse other processes;
 //   5. readiness: every child's /health polled until 200, with a deadline and
 //      an error naming the child that did not make it;
-//   6. shutdown on SIGINT/SIGTERM: the router first (its open streams still
+//   6. supervision: a child that dies on its own is started again with the
+//      same command line after a backoff (--restart on-failure, the default;
+//      the router routes around a missing worker meanwhile); with --restart
+//      never its death stops the stack with exit status 1;
+//   7. shutdown on SIGINT/SIGTERM: the router first (its open streams still
 //      have their workers), then the workers together (each drains its
 //      running requests), SIGKILL after --drain-timeout + a grace period; a
-//      second signal kills at once. A child that dies on its own stops the
-//      stack with exit status 1. SIGHUP is passed to the router (config reload).
+//      second signal kills at once. SIGHUP is passed to the router (config reload).
 //
 // The launcher is single-threaded: one poll() loop over a self-pipe (signals)
 // and the children's pipes; health checks are short blocking HTTP requests on
@@ -85,7 +88,17 @@ struct up_opts {
     double drain_timeout;    // --drain-timeout: passed to the workers; SIGKILL 15 s later
     const char *bin_dir;     // --bin-dir: where the service binaries are
     bool no_router;          // --no-router: workers only (decode workers serve the API)
+    bool restart;            // --restart on-failure (default) | never
 };
+
+static int set_restart(void *opts, const char *v, char *err, size_t errlen)
+{
+    if (strcmp(v, "on-failure") && strcmp(v, "never"))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--restart: expected on-failure or never, got \"%s\"", v);
+    ((struct up_opts *)opts)->restart = !strcmp(v, "on-failure");
+    return TDM_OK;
+}
 
 static int set_pd_mode(void *opts, const char *v, char *err, size_t errlen)
 {
@@ -151,6 +164,12 @@ static const struct tdm_flag up_flags[] = {
     PTR("bin-dir", bin_dir, "DIR",
         "where tandem-router/-prefill/-decode are (default: next to\ntandem, the build tree, "
         "then PATH)"),
+    {.name = "restart",
+     .kind = TDM_FLAG_FN,
+     .fn = set_restart,
+     .metavar = "WHEN",
+     .help = "on-failure (default: a child that dies is started again,\nbackoff 1 s doubling to 30 s; "
+             "the others keep serving), never\n(a death stops the stack)"},
     {.name = "no-router",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(no_router),
@@ -179,6 +198,7 @@ static void opts_default(struct up_opts *o)
     o->log_level = "info";
     o->startup_timeout = 600;
     o->drain_timeout = 30;
+    o->restart = true;
 }
 
 // Parses `up`'s arguments (argv[0] is "up"). Returns 0, 1 for --help, -1 after
@@ -260,6 +280,12 @@ static void say(const char *fmt, ...)
 
 // ---- children -----------------------------------------------------------------------------
 
+struct argv_buf {
+    char args[32][1100];
+    char *argv[33];
+    int n;
+};
+
 enum child_role { CHILD_ROUTER, CHILD_PREFILL, CHILD_DECODE };
 
 struct child {
@@ -276,6 +302,10 @@ struct child {
     bool exited;
     int status;           // waitpid status once exited
     char last_health[96]; // what the last /health check saw, for the startup error
+    struct argv_buf *argv; // its command line, kept for restarts (heap)
+    int restarts;          // times it was started again after dying
+    double started_at;     // tdm_now() of its last start
+    double restart_at;     // > 0: dead, to be started again at this tdm_now()
 };
 
 static struct child children[MAX_CHILDREN];
@@ -467,6 +497,7 @@ static int start_child(struct child *c, char *const argv[])
     fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
     c->pid = pid;
     c->fd = p[0];
+    c->started_at = tdm_now();
     return 0;
 }
 
@@ -1066,11 +1097,6 @@ static void add_child(enum child_role role, int index, const char *bin)
 }
 
 // Builds a child's argv into storage (strings in args, pointers in argv).
-struct argv_buf {
-    char args[32][1100];
-    char *argv[33];
-    int n;
-};
 
 static void arg(struct argv_buf *a, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void arg(struct argv_buf *a, const char *fmt, ...)
@@ -1094,6 +1120,10 @@ static int launch_all(const struct up_opts *o, const char *model, const char *se
     url_host(connect_host(o->host), ch, sizeof ch);
     for (int i = 0; i < n_children; i++) {
         struct child *c = &children[i];
+        if (!c->argv && !(c->argv = calloc(1, sizeof *c->argv))) {
+            say("%s: out of memory", c->name);
+            return -1;
+        }
         struct argv_buf a = {.n = 0};
         arg(&a, "%s", c->bin);
         // The router's inbox gets a port chosen here too: left to the kernel it
@@ -1113,10 +1143,61 @@ static int launch_all(const struct up_opts *o, const char *model, const char *se
             if (!o->no_router)
                 arg(&a, "--nng-url"), arg(&a, "tcp://%s:%d", nh, c->nng_port);
         }
-        if (start_child(c, a.argv) != 0)
+        *c->argv = a;
+        for (int k = 0; k < a.n; k++) // the copy's argv points into the copy
+            c->argv->argv[k] = c->argv->args[k];
+        if (start_child(c, c->argv->argv) != 0)
             return -1;
     }
     return 0;
+}
+
+// Supervision (--restart on-failure): a child that died is started again with
+// the same command line after a backoff (1 s, doubling to 30 s, back to 1 s
+// once it has run for a minute), as a process supervisor or the kubelet would;
+// the router routes around a missing worker meanwhile. Returns false when
+// restarting is off and the stack must stop.
+static bool supervise(const struct up_opts *o)
+{
+    double now = tdm_now();
+    for (int i = 0; i < n_children; i++) {
+        struct child *c = &children[i];
+        if (c->exited && c->restart_at == 0) {
+            char st[96];
+            describe_status(c->status, st, sizeof st);
+            if (!o->restart) {
+                say("%s exited unexpectedly (%s): stopping the stack", c->name, st);
+                return false;
+            }
+            double backoff = 1.0;
+            if (now - c->started_at < 60.0)
+                for (int k = 0; k < c->restarts && backoff < 30.0; k++)
+                    backoff *= 2;
+            else
+                c->restarts = 0;
+            if (backoff > 30.0)
+                backoff = 30.0;
+            c->restart_at = now + backoff;
+            say("%s exited unexpectedly (%s): restarting it in %.0f s", c->name, st, backoff);
+        }
+        if (c->exited && c->restart_at > 0 && now >= c->restart_at) {
+            if (c->fd >= 0) {
+                close(c->fd);
+                c->fd = -1;
+            }
+            c->line_len = 0;
+            c->exited = false;
+            c->healthy = false;
+            c->restart_at = 0;
+            c->restarts++;
+            c->started_at = now;
+            if (start_child(c, c->argv->argv) == 0)
+                say("%s restarted (restart %d, pid %ld)", c->name, c->restarts, (long)c->pid);
+            else
+                c->restart_at = now + 5.0; // fork failed: try again later
+        }
+    }
+    return true;
 }
 
 // The router's /health turns 200 with the first healthy decode worker; the stack
@@ -1369,8 +1450,8 @@ static int cmd_up(int argc, char **argv)
     int wrc = wait_ready(&o);
     if (wrc == 0) {
         print_ready(&o, model, served, cfg_path, t0);
-        // Serve until a signal or a child's death.
-        const struct child *dead = NULL;
+        // Serve until a signal (or, with --restart never, a child's death).
+        bool dead = false;
         while (!stop_signals && !dead) {
             pump(0.5);
             if (hup_pending) {
@@ -1381,14 +1462,9 @@ static int cmd_up(int argc, char **argv)
                     kill(children[0].pid, SIGHUP);
                 }
             }
-            for (int i = 0; i < n_children && !dead; i++)
-                if (children[i].exited)
-                    dead = &children[i];
+            dead = !supervise(&o);
         }
         if (dead) {
-            char st[96];
-            describe_status(dead->status, st, sizeof st);
-            say("%s exited unexpectedly (%s): stopping the stack", dead->name, st);
             stop_stack(&o);
             rc = 1;
         } else {
@@ -1405,6 +1481,10 @@ static int cmd_up(int argc, char **argv)
         rc = 1;
     }
 out:
+    for (int i = 0; i < n_children; i++) {
+        free(children[i].argv);
+        children[i].argv = NULL;
+    }
     if (cfg_path[0])
         unlink(cfg_path);
     if (cfg_dir[0])
