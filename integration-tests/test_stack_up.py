@@ -14,11 +14,13 @@ before anything starts.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from stack_harness import (Stack, Stream, check, make_model, metric_sum, metrics, parse_args,
@@ -98,8 +100,59 @@ def main():
     st.wait_line(r"^router\s+\| .*SIGHUP: config reloaded")
     check(st.proc.poll() is None, "tandem up exited on SIGHUP")
 
-    # Ctrl-C: the launcher stops the router first, then the workers drain; exit 0.
-    rc = st.stop(signal.SIGINT)
+    # Ctrl-C during two long streams through the router (issue 14: the router
+    # used to cut them): it drains like the workers, /health turns 503, and
+    # both streams finish with every token, finish_reason and [DONE].
+    streams = [Stream(st.port(), "/v1/completions",
+                      {"prompt": "stream %d" % i, "max_tokens": 8000, "ignore_eos": True,
+                       "stream": True}) for i in range(2)]
+    results = [None, None]
+    started = [threading.Event(), threading.Event()]
+
+    def consume(i):
+        n, finish, done = 0, None, False
+        for ev in streams[i].events():
+            started[i].set()
+            if ev == "[DONE]":
+                done = True
+                break
+            for ch in ev.get("choices", []):
+                n += 1 if ch.get("text") is not None else 0
+                finish = ch.get("finish_reason") or finish
+        results[i] = (n, finish, done)
+
+    readers = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
+    for r in readers:
+        r.start()
+    for ev in started:
+        ev.wait(30)
+    st.proc.send_signal(signal.SIGINT)
+    st.wait_line(r"^router\s+\| .*signal=\d+ draining")
+    code = None
+    try:
+        code = request(st.port(), "GET", "/health", timeout=2)[0]
+    except OSError:
+        pass
+    check(code in (None, 503), "router /health during the drain: %s" % code)
+    for r in readers:
+        r.join(120)
+    for i, res in enumerate(results):
+        check(res is not None and res[1] == "length" and res[2],
+              "stream %d through the router did not finish during the drain: %r" % (i, res))
+    # Both ended after the drain began (else this checked nothing).
+    t_end = time.time() + 20
+    while True:  # the router logs a request after its last chunk went out
+        lines = list(st.lines)
+        i_drain = next(i for i, l in enumerate(lines) if re.search(r"^router .*draining", l))
+        late = [l for l in lines[i_drain:] if re.search(r"^router .*completion_tokens=8000 ", l)]
+        if len(late) == 2 or time.time() > t_end:
+            break
+        time.sleep(0.1)
+    check(len(late) == 2, "the streams did not outlive the drain's start:\n" + st.log())
+    print("router drain ok (streams: %s)" % results)
+
+    # The launcher stopped the router first, then the workers drained; exit 0.
+    rc = st.wait_exit(120)
     log = st.log()
     check(rc == 0, "tandem up exited %d after SIGINT:\n%s" % (rc, log))
     st.check_children_gone()

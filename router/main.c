@@ -2,8 +2,9 @@
 // tandem-router: the router's command line. Parses flags, blocks SIGTERM,
 // SIGINT and SIGHUP in every thread so this one takes them with sigwait: SIGHUP
 // reloads the routing config (the old one stays when the new is invalid), the
-// first SIGTERM/SIGINT stops the server (open streams are cancelled upstream)
-// and exits 0.
+// first SIGTERM/SIGINT drains (/health 503, new requests 503, open streams
+// finish within --drain-timeout; the rest end with an error event and are
+// cancelled upstream) and exits 0.
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,9 +60,13 @@ int main(int argc, char **argv)
                 TDM_LOG_INFO("router", "SIGHUP: config reloaded");
             continue;
         }
-        TDM_LOG_INFO("router", "signal=%d stopping", sig);
+        TDM_LOG_INFO("router", "signal=%d draining (up to %.0f s)", sig, o.drain_timeout);
         break;
     }
+    // As the workers do: no new requests, open streams finish within
+    // --drain-timeout, the rest end with an error event when the server stops.
+    tdm_router_server_drain(s, o.drain_timeout);
+    TDM_LOG_INFO("router", "stopping");
     tdm_router_server_free(s);
     return 0;
 }

@@ -55,6 +55,7 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
     o->watch = true;
     o->liveness_timeout = 1.0;
     o->load_interval = 0.2;
+    o->drain_timeout = 30;
 }
 
 #define STR(n, field, mv, h)                                                                       \
@@ -89,6 +90,8 @@ static const struct tdm_flag router_flags[] = {
      .help = "reload the config when its file changes (default)"},
     {.name = "no-watch-config", .kind = TDM_FLAG_NOT, .offset = OFF(watch),
      .help = "reload only on SIGHUP"},
+    NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
+        "on SIGTERM, open requests may finish this long (default 30)"),
     STR("log-level", log_level, "LEVEL", "err|warn|info|debug (default info)"),
 };
 
@@ -142,6 +145,8 @@ struct tdm_router_server {
     pthread_t rx_thread, poll_thread;
     bool rx_started, poll_started;
     atomic_bool stopping;
+    atomic_bool draining;      // drain began: no new API requests, /health 503
+    _Atomic int inflight;      // API handlers running (the drain waits for 0)
 
     // text side
     struct tdm_tokenizer *tok;
@@ -479,6 +484,10 @@ static int pump(struct call *k, double wait)
         char why[256];
         if (tdm_now() > k->route.deadline) {
             tdm_oai_asm_fail(ch->a, TDM_ETIMEDOUT, "the request's deadline passed");
+            send_cancel(k, ch);
+        } else if (atomic_load(&s->stopping)) {
+            // Past the drain: the stream ends with an error event, not a cut.
+            tdm_oai_asm_fail(ch->a, TDM_ECLOSED, "the router is shutting down");
             send_cancel(k, ch);
         } else if (!upstream_alive(k, ch, why, sizeof why)) {
             tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT, "%s", why);
@@ -877,7 +886,9 @@ static void on_health(struct tdm_http_conn *c, void *arg)
     struct tdm_router_server *s = arg;
     size_t total = 0, healthy = 0;
     tdm_router_endpoints_count(tdm_router_control_endpoints(s->ctl), true, &total, &healthy);
-    if (healthy > 0 && !atomic_load(&s->stopping))
+    if (atomic_load(&s->draining) || atomic_load(&s->stopping))
+        tdm_oai_http_errorf(c, 503, NULL, "The server is draining.");
+    else if (healthy > 0)
         tdm_http_respond(c, 200, "application/json", "", 0);
     else
         tdm_oai_http_errorf(c, 503, NULL, "no healthy decode worker (%zu configured)", total);
@@ -922,14 +933,42 @@ static void on_router_config(struct tdm_http_conn *c, void *arg)
     tdm_http_respond_json_owned(c, 200, tdm_router_control_config_json(s->ctl));
 }
 
+// Admits a generation request unless the server drains; counted in inflight
+// so that the drain can wait for it.
+static void generate_counted(struct tdm_router_server *s, struct tdm_http_conn *c,
+                             enum tdm_oai_kind kind)
+{
+    atomic_fetch_add(&s->inflight, 1);
+    if (atomic_load(&s->draining))
+        tdm_oai_http_fail(c, TDM_ECLOSED, "The server is draining.");
+    else
+        handle_generate(s, c, kind);
+    atomic_fetch_sub(&s->inflight, 1);
+}
+
 static void on_completions(struct tdm_http_conn *c, void *arg)
 {
-    handle_generate(arg, c, TDM_OAI_COMPLETION);
+    generate_counted(arg, c, TDM_OAI_COMPLETION);
 }
 
 static void on_chat(struct tdm_http_conn *c, void *arg)
 {
-    handle_generate(arg, c, TDM_OAI_CHAT);
+    generate_counted(arg, c, TDM_OAI_CHAT);
+}
+
+int tdm_router_server_drain(struct tdm_router_server *s, double timeout_s)
+{
+    atomic_store(&s->draining, true);
+    double deadline = tdm_now() + (timeout_s > 0 ? timeout_s : 0);
+    int left = 0;
+    while ((left = atomic_load(&s->inflight)) > 0 && tdm_now() < deadline) {
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    if (left > 0)
+        TDM_LOG_WARN(MOD, "drain: %d request(s) still open after %.0f s; ending them", left,
+                     timeout_s);
+    return left > 0 ? TDM_ETIMEDOUT : TDM_OK;
 }
 
 static void on_tokenize(struct tdm_http_conn *c, void *arg)

@@ -41,6 +41,8 @@ struct tdm_router_opts {
     double liveness_timeout;     // --liveness-timeout S: a worker silent this long mid-stream
                                  // is lost; default 1.0
     double load_interval;        // --load-interval S: LoadQuery period; default 0.2
+    double drain_timeout;        // --drain-timeout S: on SIGTERM, how long open requests may
+                                 // finish before the rest end with an error event; default 30
 };
 void tdm_router_opts_default(struct tdm_router_opts *o);
 // Parses argv (argv[0] skipped) through the flag table. TDM_OK, 1 for --help,
@@ -52,6 +54,12 @@ struct tdm_flags;
 const struct tdm_flags *tdm_router_flags(void);
 
 struct tdm_router_server;
+
+// Drains the server: /health turns 503 and new API requests get 503 "The
+// server is draining." (Retry-After), while requests already admitted go on;
+// returns once none is left (TDM_OK) or after timeout_s (TDM_ETIMEDOUT). Free
+// the server after it: requests still open then end with an error event.
+int tdm_router_server_drain(struct tdm_router_server *s, double timeout_s);
 
 // Loads the tokenizer side and the routing config, starts the control plane
 // (discovery, health, config watch), the nng inbox and the load poller, then

@@ -160,7 +160,7 @@ static const struct tdm_flag up_flags[] = {
     NUM("startup-timeout", TDM_FLAG_DOUBLE, startup_timeout, 0, 86400, "S",
         "seconds for every /health to turn 200 (default 600)"),
     NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
-        "workers' drain on stop (default 30); SIGKILL 15 s after"),
+        "drain on stop, router and workers (default 30); SIGKILL 15 s\nafter"),
     PTR("bin-dir", bin_dir, "DIR",
         "where tandem-router/-prefill/-decode are (default: next to\ntandem, the build tree, "
         "then PATH)"),
@@ -1051,7 +1051,7 @@ static bool stop_stack(const struct up_opts *o)
 {
     sig_atomic_t before = stop_signals;
     // A signal that started the shutdown counts; the next one escalates.
-    stop_group(true, false, 30.0, before);
+    stop_group(true, false, o->drain_timeout + 15.0, before); // the router drains too
     stop_group(false, true, o->drain_timeout + 15.0, before);
     // Whatever they wrote last (bounded: a grandchild could hold a pipe open).
     double end = tdm_now() + 2.0;
@@ -1137,9 +1137,9 @@ static int launch_all(const struct up_opts *o, const char *model, const char *se
         if (served)
             arg(&a, "--served-model-name"), arg(&a, "%s", served);
         arg(&a, "--log-level"), arg(&a, "%s", o->log_level);
+        arg(&a, "--drain-timeout"), arg(&a, "%g", o->drain_timeout);
         if (c->role != CHILD_ROUTER) {
             arg(&a, "--threads"), arg(&a, "%d", threads);
-            arg(&a, "--drain-timeout"), arg(&a, "%g", o->drain_timeout);
             if (!o->no_router)
                 arg(&a, "--nng-url"), arg(&a, "tcp://%s:%d", nh, c->nng_port);
         }
