@@ -1,0 +1,237 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_emu: the fiber scheduler behind cuda_emu.h. Each launch runs the grid's
+// blocks one after another; inside a block every thread is a ucontext fiber
+// with its own stack, and the scheduler runs each runnable fiber until it
+// finishes or waits (block barrier or warp barrier), then releases barriers
+// whose participants have all arrived. A state where some fibers wait and no
+// barrier can be released is a kernel bug (deadlock, divergent barrier) and
+// aborts with a message naming it.
+//
+// Under AddressSanitizer the stack switches are announced with
+// __sanitizer_{start,finish}_switch_fiber so its stack bookkeeping follows.
+#include "cuda_emu.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define TDM_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TDM_EMU_ASAN 1
+#endif
+#endif
+#ifdef TDM_EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace tdm_emu {
+dim3 cur_thread_idx, cur_block_idx, cur_block_dim, cur_grid_dim;
+
+namespace {
+enum fiber_state { RUNNABLE, AT_BLOCK_BARRIER, AT_WARP_BARRIER, DONE };
+
+constexpr size_t STACK_BYTES = 256 * 1024;
+constexpr unsigned MAX_THREADS = 1024;
+
+struct fiber {
+    ucontext_t ctx;
+    fiber_state state;
+    dim3 tid;
+};
+
+struct scheduler {
+    ucontext_t main_ctx;
+    std::vector<fiber> fibers;
+    std::vector<uint64_t> slots; // [threads] one shuffle slot per lane
+    char *stacks = nullptr;      // [MAX_THREADS][STACK_BYTES], mmap'd once, untouched until used
+    int cur = -1;
+    const std::function<void()> *body = nullptr;
+    unsigned long long blocks = 0;
+#ifdef TDM_EMU_ASAN
+    const void *main_stack_bottom = nullptr;
+    size_t main_stack_size = 0;
+#endif
+};
+
+scheduler S;
+
+[[noreturn]] void die(const char *what)
+{
+    fprintf(stderr, "cuda_emu: kernel bug: %s (block %u,%u,%u)\n", what, cur_block_idx.x,
+            cur_block_idx.y, cur_block_idx.z);
+    abort();
+}
+
+char *stack_of(int i) { return S.stacks + (size_t)i * STACK_BYTES; }
+
+// Fiber side: hands control back to the scheduler and returns when resumed.
+void yield_to_scheduler()
+{
+    fiber &f = S.fibers[(size_t)S.cur];
+#ifdef TDM_EMU_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, S.main_stack_bottom, S.main_stack_size);
+#endif
+    swapcontext(&f.ctx, &S.main_ctx);
+#ifdef TDM_EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+}
+
+void fiber_entry()
+{
+#ifdef TDM_EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &S.main_stack_bottom, &S.main_stack_size);
+#endif
+    (*S.body)();
+    S.fibers[(size_t)S.cur].state = DONE;
+#ifdef TDM_EMU_ASAN
+    // The fiber ends: no fake stack to keep.
+    __sanitizer_start_switch_fiber(nullptr, S.main_stack_bottom, S.main_stack_size);
+#endif
+    // uc_link resumes the scheduler.
+}
+
+// Scheduler side: runs fiber i until it waits or finishes.
+void resume(int i)
+{
+    fiber &f = S.fibers[(size_t)i];
+    S.cur = i;
+    cur_thread_idx = f.tid;
+#ifdef TDM_EMU_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, stack_of(i), STACK_BYTES);
+#endif
+    swapcontext(&S.main_ctx, &f.ctx);
+#ifdef TDM_EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+    S.cur = -1;
+}
+
+// Apart from run_block: getcontext returns twice, which would make the
+// compiler assume run_block's locals can be clobbered.
+__attribute__((noinline)) void init_fiber(unsigned i)
+{
+    fiber &f = S.fibers[i];
+    f.state = RUNNABLE;
+    f.tid = dim3(i % cur_block_dim.x, (i / cur_block_dim.x) % cur_block_dim.y,
+                 i / (cur_block_dim.x * cur_block_dim.y));
+    if (getcontext(&f.ctx) != 0)
+        die("getcontext failed");
+    f.ctx.uc_stack.ss_sp = stack_of((int)i);
+    f.ctx.uc_stack.ss_size = STACK_BYTES;
+    f.ctx.uc_link = &S.main_ctx;
+    makecontext(&f.ctx, fiber_entry, 0);
+}
+
+void run_block(unsigned nthreads)
+{
+    for (unsigned i = 0; i < nthreads; i++)
+        init_fiber(i);
+    unsigned nwarps = nthreads / 32;
+    for (;;) {
+        for (unsigned i = 0; i < nthreads; i++)
+            if (S.fibers[i].state == RUNNABLE)
+                resume((int)i);
+        // Every fiber now waits or is done: release what can be released.
+        unsigned done = 0, at_block = 0;
+        bool released = false;
+        for (unsigned w = 0; w < nwarps; w++) {
+            unsigned wd = 0, ww = 0;
+            for (unsigned l = 0; l < 32; l++) {
+                fiber_state st = S.fibers[w * 32 + l].state;
+                wd += st == DONE;
+                ww += st == AT_WARP_BARRIER;
+                at_block += st == AT_BLOCK_BARRIER;
+            }
+            done += wd;
+            if (ww == 32) {
+                for (unsigned l = 0; l < 32; l++)
+                    S.fibers[w * 32 + l].state = RUNNABLE;
+                released = true;
+            } else if (ww > 0 && wd > 0) {
+                die("warp shuffle with lanes that already exited");
+            }
+        }
+        if (done == nthreads)
+            return;
+        if (released)
+            continue;
+        if (at_block + done == nthreads) {
+            if (done > 0)
+                die("__syncthreads reached after some threads of the block exited");
+            for (unsigned i = 0; i < nthreads; i++)
+                S.fibers[i].state = RUNNABLE;
+            continue;
+        }
+        die("deadlock: threads wait at barriers that can never complete");
+    }
+}
+} // namespace
+
+void launch(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body)
+{
+    unsigned nthreads = block.x * block.y * block.z;
+    if (shmem != 0)
+        die("dynamic shared memory is not supported by the emulator");
+    if (nthreads == 0 || nthreads > MAX_THREADS || nthreads % 32 != 0)
+        die("block size must be a positive multiple of 32, at most 1024");
+    if (S.stacks == nullptr) {
+        void *p = mmap(nullptr, (size_t)MAX_THREADS * STACK_BYTES, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED)
+            die("cannot map fiber stacks");
+        S.stacks = (char *)p;
+        S.fibers.resize(MAX_THREADS);
+        S.slots.resize(MAX_THREADS);
+    }
+    if (S.body != nullptr)
+        die("kernel launched from inside a kernel");
+    S.body = &body;
+    cur_grid_dim = grid;
+    cur_block_dim = block;
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                cur_block_idx = dim3(x, y, z);
+                run_block(nthreads);
+                S.blocks++;
+            }
+    S.body = nullptr;
+}
+
+static int linear_tid()
+{
+    return (int)(threadIdx.x + threadIdx.y * blockDim.x + threadIdx.z * blockDim.x * blockDim.y);
+}
+
+void syncthreads()
+{
+    S.fibers[(size_t)S.cur].state = AT_BLOCK_BARRIER;
+    yield_to_scheduler();
+}
+
+int lane_id() { return linear_tid() % 32; }
+
+uint64_t warp_exchange(uint64_t mine, int src)
+{
+    int t = linear_tid();
+    int base = t - t % 32;
+    S.slots[(size_t)t] = mine;
+    S.fibers[(size_t)S.cur].state = AT_WARP_BARRIER;
+    yield_to_scheduler();
+    uint64_t got = (src >= 0 && src < 32) ? S.slots[(size_t)(base + src)] : mine;
+    // Nobody may overwrite a slot before every lane has read.
+    S.fibers[(size_t)S.cur].state = AT_WARP_BARRIER;
+    yield_to_scheduler();
+    return got;
+}
+
+unsigned long long blocks_run() { return S.blocks; }
+} // namespace tdm_emu
