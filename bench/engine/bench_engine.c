@@ -190,7 +190,7 @@ static void run_mode(const char *dir, enum tdm_weight_mode mode, int threads, in
     kc.block_size = 16;
     kc.num_blocks = max_batch * ((PROMPT + steps + 2 + 15) / 16) + max_prefill / 16 + 8;
     struct tdm_kv_cache *kv;
-    if (tdm_kv_new(&kv, &kc, err, sizeof err) != TDM_OK)
+    if (tdm_model_kv_new(m, &kc, &kv, err, sizeof err) != TDM_OK)
         die("kv", err);
     float *logits = malloc((size_t)o.max_batch_seqs * c->vocab_size * sizeof(float));
     if (logits == NULL)

@@ -27,6 +27,7 @@ struct tdm_model_opts {
     int max_batch_tokens;  // tokens per forward step (activation workspace); default 512
     int max_batch_seqs;    // sequences per forward step; default 64
     const char *backend;   // "cpu" (default) or "cuda" when built with TANDEM_CUDA
+    int device;            // accelerator ordinal for "cuda" (--device cuda:N); default 0
 };
 void tdm_model_opts_default(struct tdm_model_opts *o);
 
@@ -42,6 +43,12 @@ size_t tdm_model_weight_bytes(const struct tdm_model *m);
 // The KV geometry this model needs (num_layers, num_kv_heads, head_dim); the
 // caller fills block_size, num_blocks and enable_prefix_caching.
 void tdm_model_kv_config(const struct tdm_model *m, struct tdm_kv_config *cfg);
+// A KV cache for cfg whose pool lives where this model's backend computes
+// (host f32 for the CPU backend, device memory for CUDA): what tdm_kv_new is
+// for a host pool. Same errors as tdm_kv_new, plus the backend's (TDM_ENOMEM
+// when device memory cannot hold the pool, TDM_EBACKEND).
+int tdm_model_kv_new(struct tdm_model *m, const struct tdm_kv_config *cfg,
+                     struct tdm_kv_cache **out, char *err, size_t errlen);
 
 enum tdm_logits_mode { TDM_LOGITS_NONE = 0, TDM_LOGITS_LAST, TDM_LOGITS_ALL };
 

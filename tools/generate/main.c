@@ -270,7 +270,7 @@ int main(int argc, char **argv)
     kc.block_size = 16;
     kc.num_blocks = (n_prompt + a.max_tokens + kc.block_size - 1) / kc.block_size + 1;
     kc.enable_prefix_caching = false;
-    if (tdm_kv_new(&kv, &kc, err, sizeof err) != TDM_OK) {
+    if (tdm_model_kv_new(m, &kc, &kv, err, sizeof err) != TDM_OK) {
         fail("%s", err);
         goto out;
     }

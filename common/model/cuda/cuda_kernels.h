@@ -118,7 +118,8 @@ int tdm_cuk_kv_store(void *stream, enum tdm_cuk_kv_type type, const float *k, co
                      int stride, const int32_t *slots, int n, void *k_cache, void *v_cache,
                      int n_kv_heads, int head_dim, int block_size);
 // Causal GQA attention over the paged cache (see struct tdm_cuk_attn_args);
-// head_dim 64 or 128, n_heads / n_kv_heads in 1..8.
+// head_dim 16, 32, 64 or 128 (Qwen2.5 and Llama 3 use 64 and 128; 16 and 32
+// serve the tiny test models), any n_heads divisible by n_kv_heads.
 int tdm_cuk_attention(void *stream, const struct tdm_cuk_attn_args *a);
 
 // The detail of the last failed tdm_cuk_* call of this thread.

@@ -75,12 +75,16 @@ template <class KV, int HD> static int attention_typed(void *stream, const tdm_c
 template <class KV> static int attention_kv(void *stream, const tdm_cuk_attn_args *a)
 {
     switch (a->head_dim) {
+    case 16: // the tiny test models
+        return attention_typed<KV, 16>(stream, a);
+    case 32:
+        return attention_typed<KV, 32>(stream, a);
     case 64:
         return attention_typed<KV, 64>(stream, a);
     case 128:
         return attention_typed<KV, 128>(stream, a);
     default:
-        return fail(TDM_CUK_EINVAL, "attention: head_dim %d (supported: 64, 128)", a->head_dim);
+        return fail(TDM_CUK_EINVAL, "attention: head_dim %d (supported: 16, 32, 64, 128)", a->head_dim);
     }
 }
 } // namespace tdm_cuk

@@ -132,7 +132,7 @@ static struct tdm_backend *cpu_be(void)
 {
     static struct tdm_backend *be;
     char err[256];
-    if (be == NULL && cpu->create(&be, 1, err, sizeof err) != TDM_OK)
+    if (be == NULL && cpu->create(&be, 1, 0, err, sizeof err) != TDM_OK)
         fail_msg("cpu backend: %s", err);
     return be;
 }

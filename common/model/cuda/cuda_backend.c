@@ -1,0 +1,659 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_backend: struct tdm_backend_ops for NVIDIA GPUs, written against the
+// thin device API of cuda_dev.h and the kernel launchers of cuda_kernels.h.
+// This one file is compiled twice: with cuda_dev.c + cuda_kernels.cu into the
+// product (TANDEM_CUDA=ON, registered as "cuda" in backend.c), and with the
+// emulated device API and kernels into tdm_model_cuda_emu (tests only,
+// registered by the test as "cuda"), so CI runs this host code end to end.
+//
+// Memory: weights bf16 row-major [rows][cols] in device memory (uploaded once;
+// int8 weight-only is not implemented here and is refused at load); activations
+// f32 from alloc (zero-filled device memory); the KV pool a struct
+// tdm_kv_storage of this backend (bf16 by default, f32 with
+// TANDEM_CUDA_KV_DTYPE=f32, which the emulator's exactness test uses).
+//
+// Per forward, begin_forward turns the batch's host block tables into device
+// metadata once (flat KV slots of the new rows, block tables, the attention
+// plan of cuda_kernels.h); kv_store and attention of every layer reuse it.
+// The staging buffers grow to the largest batch seen and are then reused.
+//
+// Errors: ops return nothing (the ops table's contract), so the first failure
+// (a launch, a GEMM, a staging copy) is kept in be->err and returned by the
+// next download or sync; later ops still run but their output is garbage the
+// caller never sees as success.
+//
+// Batch invariance: the kernels map each row by its own shape (cuda_kernels.h)
+// and the GEMM's algorithm is fixed per weight shape (cuda_dev.h), so a row's
+// numbers do not depend on the rest of the batch. docs/gpu-backend.md says
+// what is and is not verified.
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "core.h"
+#include "cuda_backend.h"
+#include "cuda_dev.h"
+#include "cuda_kernels.h"
+
+// A growable device buffer (staging, scratch).
+struct dev_buf {
+    void *p;
+    size_t bytes;
+};
+
+struct tdm_backend {
+    struct tdm_cuda_dev *dev;
+    void *stream;
+    enum tdm_cuk_kv_type kv_type; // element type of KV pools this backend makes
+    int err;                      // first failure since the last sync/download (TDM_OK if none)
+    char errmsg[256];
+
+    struct dev_buf xb;            // bf16 GEMM input [n][cols]
+    // begin_forward's staging: host copies, and their device twins.
+    int n_rows, n_seqs;           // of the staged forward
+    int32_t *h_slots;             // [cap_rows] flat KV slot of each new row
+    int32_t *h_bt;                // [cap_seqs][bt_stride]
+    int32_t *h_row, *h_ntok, *h_start, *h_dec, *h_tiles; // plan inputs and outputs
+    struct tdm_cuk_seq *h_seqs;
+    int cap_rows, cap_seqs, cap_bt, cap_tiles;
+    struct dev_buf d_slots, d_bt, d_seqs, d_dec, d_tiles, d_part_o, d_part_ml;
+    struct tdm_cuk_plan plan;
+    int bt_stride;
+};
+
+static void fail(struct tdm_backend *be, int code, const char *fmt, const char *detail)
+{
+    if (be->err != TDM_OK)
+        return;
+    be->err = code;
+    snprintf(be->errmsg, sizeof be->errmsg, fmt, detail);
+    TDM_LOG_ERR("cuda", "%s", be->errmsg);
+}
+
+static void launch_check(struct tdm_backend *be, int cuk_rc)
+{
+    if (cuk_rc != TDM_CUK_OK)
+        fail(be, cuk_rc == TDM_CUK_EINVAL ? TDM_EINVAL : TDM_EBACKEND, "kernel: %s",
+             tdm_cuk_errmsg());
+}
+
+// Grows b to at least bytes (contents are not kept). TDM_OK or TDM_ENOMEM.
+static int buf_reserve(struct tdm_backend *be, struct dev_buf *b, size_t bytes)
+{
+    if (b->bytes >= bytes)
+        return TDM_OK;
+    size_t want = b->bytes ? b->bytes : 4096;
+    while (want < bytes)
+        want *= 2;
+    void *p = tdm_cuda_dev_alloc(be->dev, want);
+    if (p == NULL)
+        return TDM_ENOMEM;
+    tdm_cuda_dev_free(be->dev, b->p);
+    b->p = p;
+    b->bytes = want;
+    return TDM_OK;
+}
+
+static void buf_free(struct tdm_backend *be, struct dev_buf *b)
+{
+    tdm_cuda_dev_free(be->dev, b->p);
+    b->p = NULL;
+    b->bytes = 0;
+}
+
+// ---- create / destroy / memory ----------------------------------------------------------------
+static int cuda_create(struct tdm_backend **out, int num_threads, int device, char *err,
+                       size_t errlen)
+{
+    (void)num_threads; // host threads are not the CUDA backend's compute
+    *out = NULL;
+    struct tdm_backend *be = calloc(1, sizeof *be);
+    if (be == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda backend: out of memory");
+    int rc = tdm_cuda_dev_open(&be->dev, device, err, errlen);
+    if (rc != TDM_OK) {
+        free(be);
+        return rc;
+    }
+    be->stream = tdm_cuda_dev_stream(be->dev);
+    be->kv_type = TDM_CUK_KV_BF16;
+    const char *kvd = getenv("TANDEM_CUDA_KV_DTYPE");
+    if (kvd && *kvd) {
+        if (strcmp(kvd, "f32") == 0) {
+            be->kv_type = TDM_CUK_KV_F32;
+        } else if (strcmp(kvd, "bf16") != 0) {
+            tdm_cuda_dev_close(be->dev);
+            free(be);
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_CUDA_KV_DTYPE=%s: expected bf16 or f32", kvd);
+        }
+    }
+    TDM_LOG_INFO("cuda", "backend device=%d name=\"%s\" kv=%s", device,
+                 tdm_cuda_dev_name(be->dev), be->kv_type == TDM_CUK_KV_F32 ? "f32" : "bf16");
+    *out = be;
+    return TDM_OK;
+}
+
+static void cuda_destroy(struct tdm_backend *be)
+{
+    if (be == NULL)
+        return;
+    buf_free(be, &be->xb);
+    buf_free(be, &be->d_slots);
+    buf_free(be, &be->d_bt);
+    buf_free(be, &be->d_seqs);
+    buf_free(be, &be->d_dec);
+    buf_free(be, &be->d_tiles);
+    buf_free(be, &be->d_part_o);
+    buf_free(be, &be->d_part_ml);
+    free(be->h_slots);
+    free(be->h_bt);
+    free(be->h_row);
+    free(be->h_ntok);
+    free(be->h_start);
+    free(be->h_dec);
+    free(be->h_tiles);
+    free(be->h_seqs);
+    tdm_cuda_dev_close(be->dev);
+    free(be);
+}
+
+static void *cuda_alloc(struct tdm_backend *be, size_t bytes)
+{
+    void *p = tdm_cuda_dev_alloc(be->dev, bytes);
+    if (p && tdm_cuda_dev_memset(be->dev, p, 0, bytes) != TDM_OK) {
+        tdm_cuda_dev_free(be->dev, p);
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_release(struct tdm_backend *be, void *p)
+{
+    tdm_cuda_dev_free(be->dev, p);
+}
+
+// Returns and clears the sticky error.
+static int take_err(struct tdm_backend *be)
+{
+    int rc = be->err;
+    be->err = TDM_OK;
+    return rc;
+}
+
+static int cuda_upload(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (tdm_cuda_dev_h2d(be->dev, dst, src, bytes) != TDM_OK)
+        fail(be, TDM_EBACKEND, "upload: %s", tdm_cuda_dev_errmsg(be->dev));
+    return be->err;
+}
+
+static int cuda_download(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (tdm_cuda_dev_d2h(be->dev, dst, src, bytes) != TDM_OK)
+        fail(be, TDM_EBACKEND, "download: %s", tdm_cuda_dev_errmsg(be->dev));
+    return take_err(be);
+}
+
+static int cuda_copy(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (tdm_cuda_dev_d2d(be->dev, dst, src, bytes) != TDM_OK)
+        fail(be, TDM_EBACKEND, "copy: %s", tdm_cuda_dev_errmsg(be->dev));
+    return be->err;
+}
+
+static int cuda_sync(struct tdm_backend *be)
+{
+    if (tdm_cuda_dev_sync(be->dev) != TDM_OK)
+        fail(be, TDM_EBACKEND, "sync: %s", tdm_cuda_dev_errmsg(be->dev));
+    return take_err(be);
+}
+
+// ---- weights -----------------------------------------------------------------------------------
+static uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint16_t src_bf16(const struct tdm_weight_src *s, size_t i)
+{
+    uint16_t h;
+    switch (s->dtype) {
+    case TDM_DTYPE_BF16:
+        memcpy(&h, (const uint8_t *)s->data + 2 * i, 2);
+        return h;
+    case TDM_DTYPE_F16:
+        memcpy(&h, (const uint8_t *)s->data + 2 * i, 2);
+        return f32_to_bf16(tdm_f16_to_f32(h));
+    default: {
+        float f;
+        memcpy(&f, (const uint8_t *)s->data + 4 * i, 4);
+        return f32_to_bf16(f);
+    }
+    }
+}
+
+static int cuda_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
+                               const struct tdm_weight_src *parts, int nparts, int cols,
+                               enum tdm_wtype want, char *err, size_t errlen)
+{
+    memset(w, 0, sizeof *w);
+    if (want != TDM_W_BF16)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "cuda backend: only bf16 weights are supported (int8 weight-only is "
+                          "CPU-only for now)");
+    int rows = 0;
+    for (int i = 0; i < nparts; i++)
+        rows += parts[i].rows;
+    if (rows <= 0 || cols <= 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "cuda backend: weight %d x %d", rows, cols);
+    size_t n = (size_t)rows * (size_t)cols;
+    uint16_t *host = malloc(n * sizeof *host);
+    if (host == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda backend: out of host memory");
+    size_t off = 0;
+    for (int p = 0; p < nparts; p++) {
+        size_t cnt = (size_t)parts[p].rows * (size_t)cols;
+        for (size_t i = 0; i < cnt; i++)
+            host[off + i] = src_bf16(&parts[p], i);
+        off += cnt;
+    }
+    void *d = tdm_cuda_dev_alloc(be->dev, n * sizeof *host);
+    int rc = TDM_OK;
+    if (d == NULL)
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM,
+                        "cuda backend: out of device memory for a %d x %d weight", rows, cols);
+    else if (tdm_cuda_dev_h2d(be->dev, d, host, n * sizeof *host) != TDM_OK)
+        rc = tdm_seterr(err, errlen, TDM_EBACKEND, "cuda backend: weight upload: %s",
+                        tdm_cuda_dev_errmsg(be->dev));
+    free(host);
+    if (rc != TDM_OK) {
+        tdm_cuda_dev_free(be->dev, d);
+        return rc;
+    }
+    w->type = TDM_W_BF16;
+    w->rows = rows;
+    w->cols = cols;
+    w->data = d;
+    w->nbytes = n * sizeof(uint16_t);
+    return TDM_OK;
+}
+
+static void cuda_release_weight(struct tdm_backend *be, struct tdm_weight *w)
+{
+    tdm_cuda_dev_free(be->dev, w->data);
+    w->data = NULL;
+}
+
+// ---- compute ops ------------------------------------------------------------------------------
+static void cuda_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                        const float *x, float *y, int n)
+{
+    size_t count = (size_t)n * (size_t)w->cols;
+    if (buf_reserve(be, &be->xb, count * sizeof(uint16_t)) != TDM_OK) {
+        fail(be, TDM_ENOMEM, "matmul: %s", "out of device memory for the bf16 input");
+        return;
+    }
+    launch_check(be, tdm_cuk_to_bf16(be->stream, x, be->xb.p, count));
+    if (tdm_cuda_dev_gemm_bf16(be->dev, w->data, w->rows, w->cols, be->xb.p, n, bias, y) !=
+        TDM_OK)
+        fail(be, TDM_EBACKEND, "matmul: %s", tdm_cuda_dev_errmsg(be->dev));
+}
+
+static void cuda_embed(struct tdm_backend *be, const struct tdm_weight *w, const int32_t *ids,
+                       int n, float *out)
+{
+    launch_check(be, tdm_cuk_embed(be->stream, w->data, w->rows, w->cols, ids, n, out));
+}
+
+static void cuda_rmsnorm(struct tdm_backend *be, const float *x, const float *weight, float eps,
+                         float *out, int n, int dim)
+{
+    launch_check(be, tdm_cuk_rmsnorm(be->stream, x, weight, eps, out, n, dim));
+}
+
+static void cuda_rope(struct tdm_backend *be, float *x, int n, int row_stride, int n_heads,
+                      int head_dim, const int32_t *pos, const float *inv_freq)
+{
+    launch_check(be, tdm_cuk_rope(be->stream, x, n, row_stride, n_heads, head_dim, pos, inv_freq));
+}
+
+static void cuda_silu_mul(struct tdm_backend *be, const float *gate_up, float *out, int n,
+                          int inter)
+{
+    launch_check(be, tdm_cuk_silu_mul(be->stream, gate_up, out, n, inter));
+}
+
+static void cuda_add(struct tdm_backend *be, float *x, const float *y, size_t count)
+{
+    launch_check(be, tdm_cuk_add(be->stream, x, y, count));
+}
+
+// ---- KV storage ---------------------------------------------------------------------------------
+struct cuda_kv_storage {
+    struct tdm_kv_storage base;
+    struct tdm_backend *be;
+    enum tdm_cuk_kv_type type;
+    int num_layers;
+    size_t block_elems; // num_kv_heads * block_size * head_dim
+    size_t elem_bytes;  // 2 (bf16) or 4 (f32)
+    void **k, **v;      // [num_layers] -> device [num_blocks][heads][block_size][head_dim]
+    void *host_block;   // [block_elems * elem_bytes] staging of one block, host
+};
+
+static void kvs_free(struct tdm_kv_storage *st)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    if (s == NULL)
+        return;
+    for (int l = 0; l < s->num_layers; l++) {
+        if (s->k)
+            tdm_cuda_dev_free(s->be->dev, s->k[l]);
+        if (s->v)
+            tdm_cuda_dev_free(s->be->dev, s->v[l]);
+    }
+    free(s->k);
+    free(s->v);
+    free(s->host_block);
+    free(s);
+}
+
+static void *kvs_layer_k(struct tdm_kv_storage *st, int layer)
+{
+    return ((struct cuda_kv_storage *)st)->k[layer];
+}
+
+static void *kvs_layer_v(struct tdm_kv_storage *st, int layer)
+{
+    return ((struct cuda_kv_storage *)st)->v[layer];
+}
+
+// One block of one pool to host f32, or host f32 into one block.
+static int kvs_block_out(struct cuda_kv_storage *s, const void *pool, int block, float *dst)
+{
+    size_t bytes = s->block_elems * s->elem_bytes;
+    const uint8_t *src = (const uint8_t *)pool + (size_t)block * bytes;
+    if (s->type == TDM_CUK_KV_F32)
+        return tdm_cuda_dev_d2h(s->be->dev, dst, src, bytes);
+    int rc = tdm_cuda_dev_d2h(s->be->dev, s->host_block, src, bytes);
+    const uint16_t *h = s->host_block;
+    for (size_t i = 0; rc == TDM_OK && i < s->block_elems; i++)
+        dst[i] = bf16_to_f32(h[i]);
+    return rc;
+}
+
+static int kvs_block_in(struct cuda_kv_storage *s, void *pool, int block, const float *src)
+{
+    size_t bytes = s->block_elems * s->elem_bytes;
+    uint8_t *dst = (uint8_t *)pool + (size_t)block * bytes;
+    if (s->type == TDM_CUK_KV_F32)
+        return tdm_cuda_dev_h2d(s->be->dev, dst, src, bytes);
+    uint16_t *h = s->host_block;
+    for (size_t i = 0; i < s->block_elems; i++)
+        h[i] = f32_to_bf16(src[i]);
+    return tdm_cuda_dev_h2d(s->be->dev, dst, h, bytes);
+}
+
+static int kvs_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                      float *k_out, float *v_out)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    for (int i = 0; i < nblocks; i++)
+        if (kvs_block_out(s, s->k[layer], blocks[i], k_out + (size_t)i * s->block_elems) ||
+            kvs_block_out(s, s->v[layer], blocks[i], v_out + (size_t)i * s->block_elems))
+            return TDM_EBACKEND;
+    return TDM_OK;
+}
+
+static int kvs_import(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                      const float *k_in, const float *v_in)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    for (int i = 0; i < nblocks; i++)
+        if (kvs_block_in(s, s->k[layer], blocks[i], k_in + (size_t)i * s->block_elems) ||
+            kvs_block_in(s, s->v[layer], blocks[i], v_in + (size_t)i * s->block_elems))
+            return TDM_EBACKEND;
+    return TDM_OK;
+}
+
+static const struct tdm_kv_storage_ops kvs_ops = {
+    .free = kvs_free,
+    .layer_k = kvs_layer_k,
+    .layer_v = kvs_layer_v,
+    .export_blocks = kvs_export,
+    .import_blocks = kvs_import,
+};
+
+static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_config *cfg,
+                               struct tdm_kv_storage **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (cfg->num_layers <= 0 || cfg->num_kv_heads <= 0 || cfg->block_size <= 0 ||
+        cfg->head_dim <= 0 || cfg->num_blocks <= 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "cuda kv: bad geometry");
+    struct cuda_kv_storage *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda kv: out of memory");
+    s->base.ops = &kvs_ops;
+    s->base.host_f32 = false;
+    s->be = be;
+    s->type = be->kv_type;
+    s->elem_bytes = s->type == TDM_CUK_KV_F32 ? 4 : 2;
+    s->block_elems = (size_t)cfg->num_kv_heads * (size_t)cfg->block_size * (size_t)cfg->head_dim;
+    size_t layer_bytes = s->block_elems * s->elem_bytes * (size_t)cfg->num_blocks;
+    s->k = calloc((size_t)cfg->num_layers, sizeof *s->k);
+    s->v = calloc((size_t)cfg->num_layers, sizeof *s->v);
+    s->host_block = malloc(s->block_elems * s->elem_bytes);
+    if (!s->k || !s->v || !s->host_block) {
+        kvs_free(&s->base);
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda kv: out of memory");
+    }
+    s->num_layers = cfg->num_layers;
+    for (int l = 0; l < cfg->num_layers; l++) {
+        // Zeroed so a kernel reading past a sequence's last token sees finite numbers.
+        s->k[l] = cuda_alloc(be, layer_bytes);
+        s->v[l] = cuda_alloc(be, layer_bytes);
+        if (!s->k[l] || !s->v[l]) {
+            kvs_free(&s->base);
+            return tdm_seterr(err, errlen, TDM_ENOMEM,
+                              "cuda kv: out of device memory for %d blocks (%zu bytes a layer)",
+                              cfg->num_blocks, 2 * layer_bytes);
+        }
+    }
+    *out = &s->base;
+    return TDM_OK;
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+// Grows a host array to n elements of size sz; false when out of memory.
+static bool grow(void **p, int *cap, int n, size_t sz)
+{
+    if (n <= *cap)
+        return true;
+    void *q = realloc(*p, (size_t)n * sz);
+    if (q == NULL)
+        return false;
+    *p = q;
+    *cap = n;
+    return true;
+}
+
+static int cuda_begin_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                              const struct tdm_attn_seq *seqs, int n_seqs)
+{
+    const struct tdm_kv_config *c = tdm_kv_config(kv);
+    if (tdm_kv_storage(kv)->ops != &kvs_ops) {
+        fail(be, TDM_EINVAL, "begin_forward: %s",
+             "the KV cache is not in this backend's memory (create it with tdm_model_kv_new)");
+        return take_err(be);
+    }
+    int bs = c->block_size, rows = 0, bt_stride = 1, tiles = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int nb = (seqs[s].start_pos + seqs[s].n_tokens + bs - 1) / bs;
+        bt_stride = nb > bt_stride ? nb : bt_stride;
+        rows += seqs[s].n_tokens;
+        tiles += (seqs[s].n_tokens + TDM_CUK_PREFILL_BQ - 1) / TDM_CUK_PREFILL_BQ;
+    }
+    bool ok = grow((void **)&be->h_slots, &be->cap_rows, rows, sizeof(int32_t)) &&
+              grow((void **)&be->h_bt, &be->cap_bt, n_seqs * bt_stride, sizeof(int32_t)) &&
+              grow((void **)&be->h_tiles, &be->cap_tiles, 2 * tiles, sizeof(int32_t));
+    if (ok && n_seqs > be->cap_seqs) {
+        // Five arrays of one capacity: the capacity moves only when all grew.
+        int c1 = be->cap_seqs, c2 = c1, c3 = c1, c4 = c1, c5 = c1;
+        ok = grow((void **)&be->h_row, &c1, n_seqs, sizeof(int32_t)) &&
+             grow((void **)&be->h_ntok, &c2, n_seqs, sizeof(int32_t)) &&
+             grow((void **)&be->h_start, &c3, n_seqs, sizeof(int32_t)) &&
+             grow((void **)&be->h_dec, &c4, n_seqs, sizeof(int32_t)) &&
+             grow((void **)&be->h_seqs, &c5, n_seqs, sizeof(struct tdm_cuk_seq));
+        if (ok)
+            be->cap_seqs = n_seqs;
+    }
+    if (!ok) {
+        fail(be, TDM_ENOMEM, "begin_forward: %s", "out of host memory");
+        return take_err(be);
+    }
+    for (int s = 0; s < n_seqs; s++) {
+        const struct tdm_attn_seq *q = &seqs[s];
+        int nb = (q->start_pos + q->n_tokens + bs - 1) / bs;
+        for (int b = 0; b < bt_stride; b++)
+            be->h_bt[s * bt_stride + b] = b < nb ? q->block_table[b] : 0;
+        for (int i = 0; i < q->n_tokens; i++) {
+            int pos = q->start_pos + i;
+            be->h_slots[q->row + i] = q->block_table[pos / bs] * bs + pos % bs;
+        }
+        be->h_row[s] = q->row;
+        be->h_ntok[s] = q->n_tokens;
+        be->h_start[s] = q->start_pos;
+    }
+    if (tdm_cuk_attn_plan(be->h_row, be->h_ntok, be->h_start, n_seqs, 1, 1, be->h_seqs, be->h_dec,
+                          be->h_tiles, tiles, &be->plan) != TDM_CUK_OK) {
+        fail(be, TDM_EINVAL, "begin_forward: %s", tdm_cuk_errmsg());
+        return take_err(be);
+    }
+    if (buf_reserve(be, &be->d_slots, (size_t)rows * sizeof(int32_t)) ||
+        buf_reserve(be, &be->d_bt, (size_t)n_seqs * bt_stride * sizeof(int32_t)) ||
+        buf_reserve(be, &be->d_seqs, (size_t)n_seqs * sizeof(struct tdm_cuk_seq)) ||
+        buf_reserve(be, &be->d_dec, (size_t)n_seqs * sizeof(int32_t)) ||
+        buf_reserve(be, &be->d_tiles, (size_t)tiles * 2 * sizeof(int32_t) + 8)) {
+        fail(be, TDM_ENOMEM, "begin_forward: %s", "out of device memory for attention metadata");
+        return take_err(be);
+    }
+    if (tdm_cuda_dev_h2d(be->dev, be->d_slots.p, be->h_slots, (size_t)rows * sizeof(int32_t)) ||
+        tdm_cuda_dev_h2d(be->dev, be->d_bt.p, be->h_bt,
+                         (size_t)n_seqs * bt_stride * sizeof(int32_t)) ||
+        tdm_cuda_dev_h2d(be->dev, be->d_seqs.p, be->h_seqs,
+                         (size_t)n_seqs * sizeof(struct tdm_cuk_seq)) ||
+        tdm_cuda_dev_h2d(be->dev, be->d_dec.p, be->h_dec,
+                         (size_t)be->plan.n_decode * sizeof(int32_t)) ||
+        tdm_cuda_dev_h2d(be->dev, be->d_tiles.p, be->h_tiles,
+                         (size_t)be->plan.n_tiles * 2 * sizeof(int32_t))) {
+        fail(be, TDM_EBACKEND, "begin_forward: %s", tdm_cuda_dev_errmsg(be->dev));
+        return take_err(be);
+    }
+    be->n_rows = rows;
+    be->n_seqs = n_seqs;
+    be->bt_stride = bt_stride;
+    return be->err;
+}
+
+static void cuda_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                          const struct tdm_attn_seq *seqs, int n_seqs, const float *k,
+                          const float *v, int stride)
+{
+    (void)seqs;
+    struct tdm_kv_storage *st = tdm_kv_storage(kv);
+    if (st->ops != &kvs_ops || n_seqs != be->n_seqs) {
+        fail(be, TDM_EINVAL, "kv_store: %s", "no begin_forward for this batch and cache");
+        return;
+    }
+    const struct tdm_kv_config *c = tdm_kv_config(kv);
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    launch_check(be, tdm_cuk_kv_store(be->stream, s->type, k, v, stride, be->d_slots.p,
+                                      be->n_rows, s->k[layer], s->v[layer], c->num_kv_heads,
+                                      c->head_dim, c->block_size));
+}
+
+static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                           const struct tdm_attn_seq *seqs, int n_seqs, const float *q,
+                           int q_stride, float *out, int n_heads, int n_kv_heads, int head_dim,
+                           float scale)
+{
+    (void)seqs;
+    struct tdm_kv_storage *st = tdm_kv_storage(kv);
+    if (st->ops != &kvs_ops || n_seqs != be->n_seqs) {
+        fail(be, TDM_EINVAL, "attention: %s", "no begin_forward for this batch and cache");
+        return;
+    }
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    const struct tdm_cuk_plan *p = &be->plan;
+    size_t part = (size_t)p->n_decode * (size_t)n_heads * (size_t)p->max_splits;
+    if (buf_reserve(be, &be->d_part_o, part * (size_t)head_dim * sizeof(float) + 4) ||
+        buf_reserve(be, &be->d_part_ml, part * 2 * sizeof(float) + 4)) {
+        fail(be, TDM_ENOMEM, "attention: %s", "out of device memory for decode splits");
+        return;
+    }
+    struct tdm_cuk_attn_args a = {
+        .kv_type = s->type,
+        .q = q,
+        .q_stride = q_stride,
+        .out = out,
+        .k_cache = s->k[layer],
+        .v_cache = s->v[layer],
+        .seqs = be->d_seqs.p,
+        .block_tables = be->d_bt.p,
+        .bt_stride = be->bt_stride,
+        .decode_seqs = be->d_dec.p,
+        .n_decode = p->n_decode,
+        .max_splits = p->max_splits,
+        .part_o = be->d_part_o.p,
+        .part_ml = be->d_part_ml.p,
+        .prefill_tiles = be->d_tiles.p,
+        .n_tiles = p->n_tiles,
+        .n_heads = n_heads,
+        .n_kv_heads = n_kv_heads,
+        .head_dim = head_dim,
+        .block_size = tdm_kv_config(kv)->block_size,
+        .scale = scale,
+    };
+    launch_check(be, tdm_cuk_attention(be->stream, &a));
+}
+
+const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
+    .name = "cuda",
+    .host_memory = false,
+    .create = cuda_create,
+    .destroy = cuda_destroy,
+    .prepare_weight = cuda_prepare_weight,
+    .release_weight = cuda_release_weight,
+    .alloc = cuda_alloc,
+    .release = cuda_release,
+    .upload = cuda_upload,
+    .download = cuda_download,
+    .copy = cuda_copy,
+    .sync = cuda_sync,
+    .kv_storage_new = cuda_kv_storage_new,
+    .begin_forward = cuda_begin_forward,
+    .matmul = cuda_matmul,
+    .embed = cuda_embed,
+    .rmsnorm = cuda_rmsnorm,
+    .rope = cuda_rope,
+    .kv_store = cuda_kv_store,
+    .attention = cuda_attention,
+    .silu_mul = cuda_silu_mul,
+    .add = cuda_add,
+};

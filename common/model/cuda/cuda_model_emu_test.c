@@ -1,0 +1,405 @@
+// SPDX-License-Identifier: Apache-2.0
+// The whole CUDA backend (cuda_backend.c's host code, the kernels, the KV
+// storage in "device" memory) on the execution-model emulator, driven by the
+// real model code (model.c) on tiny random models from mkmodel, against the
+// CPU backend:
+//   - greedy tokens equal the CPU backend's, and so does the argmax of every
+//     logits row of a second prefill chunk (at offset 150 or 21) and of 12
+//     decode steps: a 270-token prompt on the tiny preset (head_dim 16) with
+//     f32 KV (decode past position 256: two flash-decoding splits), and 45-token
+//     prompts with bf16 KV (the product default) and on a Qwen2-style model
+//     with head_dim 64 and GQA 7 (7 query heads, 1 KV head);
+//   - batch invariance: two sequences in one forward get bitwise the logits
+//     they get alone;
+//   - KV export/import through the storage interface: export from the device
+//     pool equals the CPU pool's export of the same prefill (within f32
+//     rounding), and a sequence imported into a fresh device cache continues
+//     with the same greedy tokens;
+//   - clean errors: int8 weights on cuda, a host KV cache handed to a cuda model.
+// The GEMM is the emulated device API's loop (cuBLASLt itself runs only on a
+// GPU: cuda_ops_gpu_test).
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "core.h"
+#include "cuda_backend.h"
+#include "kv_cache.h"
+#include "mkmodel.h"
+#include "model.h"
+
+static char tiny_dir[64], gqa7_dir[64];
+
+#define MAX_PROMPT 270
+#define STEPS 12
+
+static int setup(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_mkmodel_spec s;
+    strcpy(tiny_dir, "/tmp/tdm_cuda_tinyXXXXXX");
+    strcpy(gqa7_dir, "/tmp/tdm_cuda_gqa7XXXXXX");
+    if (mkdtemp(tiny_dir) == NULL || mkdtemp(gqa7_dir) == NULL)
+        return -1;
+    tdm_mkmodel_preset(&s, "tiny");
+    s.seed = 11;
+    if (tdm_mkmodel_write(&s, tiny_dir, err, sizeof err) != TDM_OK)
+        goto fail;
+    tdm_mkmodel_preset(&s, "tiny");
+    s.hidden_size = 7 * 64;
+    s.num_heads = 7;
+    s.num_kv_heads = 1;
+    s.head_dim = 64;
+    s.intermediate_size = 256;
+    s.seed = 12;
+    if (tdm_mkmodel_write(&s, gqa7_dir, err, sizeof err) != TDM_OK)
+        goto fail;
+    return tdm_backend_register(&tdm_cuda_emu_backend_ops) == TDM_OK ? 0 : -1;
+fail:
+    fprintf(stderr, "mkmodel: %s\n", err);
+    return -1;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    tdm_mkmodel_remove(tiny_dir);
+    tdm_mkmodel_remove(gqa7_dir);
+    return 0;
+}
+
+static struct tdm_model *load(const char *dir, const char *backend, const char *kv_dtype)
+{
+    struct tdm_model_opts o;
+    struct tdm_model *m = NULL;
+    char err[256];
+    tdm_model_opts_default(&o);
+    o.backend = backend;
+    o.num_threads = 1;
+    o.max_batch_tokens = 256;
+    o.max_batch_seqs = 4;
+    setenv("TANDEM_CUDA_KV_DTYPE", kv_dtype, 1);
+    int rc = tdm_model_load(&m, dir, &o, err, sizeof err);
+    if (rc != TDM_OK)
+        fail_msg("load %s on %s: %s", dir, backend, err);
+    return m;
+}
+
+static struct tdm_kv_cache *new_kv(struct tdm_model *m)
+{
+    struct tdm_kv_config kc;
+    struct tdm_kv_cache *kv = NULL;
+    char err[256];
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 64;
+    if (tdm_model_kv_new(m, &kc, &kv, err, sizeof err) != TDM_OK)
+        fail_msg("kv: %s", err);
+    return kv;
+}
+
+static void make_prompt(int32_t *ids, int n, int vocab, uint32_t seed)
+{
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        ids[i] = (int32_t)((seed >> 8) % (uint32_t)(vocab - 3));
+    }
+}
+
+static int argmax(const float *x, int n)
+{
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b])
+            b = i;
+    return b;
+}
+
+// One forward of n tokens of one sequence at pos; the last row's logits (all
+// n rows' with `all`) into out.
+static void step_mode(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                      int32_t *hist, int pos, int n, float *out, bool all)
+{
+    assert_int_equal(tdm_kv_reserve(kv, seq, pos + n), TDM_OK);
+    struct tdm_batch_seq b = {.tokens = hist + pos,
+                              .n_tokens = n,
+                              .start_pos = pos,
+                              .block_table = seq->block_table,
+                              .logits = all ? TDM_LOGITS_ALL : TDM_LOGITS_LAST};
+    assert_int_equal(tdm_model_forward(m, kv, &b, 1, out), TDM_OK);
+    tdm_kv_commit(kv, seq, hist, pos + n);
+}
+
+static void step(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                 int32_t *hist, int pos, int n, float *out)
+{
+    step_mode(m, kv, seq, hist, pos, n, out, false);
+}
+
+// Prefill in two chunks (logits of every row of the second) then greedy
+// decode; hist gets the STEPS + 1 new tokens after the prompt, logits
+// [prompt - chunk1 + STEPS][vocab]: the second chunk's rows, then each step's.
+static void greedy(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                   int32_t *hist, int prompt, int chunk1, float *logits)
+{
+    int vocab = tdm_model_config(m)->vocab_size, n2 = prompt - chunk1;
+    step(m, kv, seq, hist, 0, chunk1, logits);
+    step_mode(m, kv, seq, hist, chunk1, n2, logits, true);
+    hist[prompt] = argmax(logits + (size_t)(n2 - 1) * vocab, vocab);
+    for (int s = 0; s < STEPS; s++) {
+        float *row = logits + (size_t)(n2 + s) * vocab;
+        step(m, kv, seq, hist, prompt + s, 1, row);
+        hist[prompt + s + 1] = argmax(row, vocab);
+    }
+}
+
+// The CPU's and the emulated CUDA backend's greedy tokens, and the argmax of
+// every logits row (the next token at each position of the second chunk and
+// each step) must agree, except near-ties: rows where the CPU's logits of the
+// two picks are within tie_tol (0 with f32 KV: no exception; bf16 KV rounds
+// the cache the CPU keeps in f32, which moves logits by up to ~0.1 here).
+static void compare_greedy(const char *dir, const char *kv_dtype, int prompt, int chunk1,
+                           float tie_tol)
+{
+    struct tdm_model *mc = load(dir, "cpu", kv_dtype), *mg = load(dir, "cuda", kv_dtype);
+    int vocab = tdm_model_config(mc)->vocab_size;
+    struct tdm_kv_cache *kc = new_kv(mc), *kg = new_kv(mg);
+    int32_t hc[MAX_PROMPT + STEPS + 1], hg[MAX_PROMPT + STEPS + 1];
+    make_prompt(hc, prompt, vocab, 5);
+    memcpy(hg, hc, sizeof hc);
+    int rows = prompt - chunk1 + STEPS;
+    size_t nl = (size_t)rows * vocab;
+    float *lc = malloc(nl * sizeof *lc), *lg = malloc(nl * sizeof *lg);
+    struct tdm_kv_seq sc, sg;
+    tdm_kv_seq_init(&sc);
+    tdm_kv_seq_init(&sg);
+    greedy(mc, kc, &sc, hc, prompt, chunk1, lc);
+    greedy(mg, kg, &sg, hg, prompt, chunk1, lg);
+    float worst = 0.0f, scale = 0.0f;
+    for (size_t i = 0; i < nl; i++) {
+        float e = fabsf(lc[i] - lg[i]);
+        worst = e > worst ? e : worst;
+        scale = fabsf(lc[i]) > scale ? fabsf(lc[i]) : scale;
+    }
+    int distinct = 0, ties = 0, prev = -1;
+    for (int r = 0; r < rows; r++) {
+        const float *rc = lc + (size_t)r * vocab;
+        int a = argmax(rc, vocab), b = argmax(lg + (size_t)r * vocab, vocab);
+        if (a != b) {
+            if (!(rc[a] - rc[b] <= tie_tol))
+                fail_msg("row %d: cpu picks %d, cuda %d (cpu logits %g vs %g)", r, a, b, rc[a],
+                         rc[b]);
+            ties++;
+        }
+        distinct += a != prev;
+        prev = a;
+    }
+    printf("%s kv %s, prompt %d: max |logit diff| %g (max |logit| %g); %d rows, %d argmax "
+           "changes, %d near-tie flips; generated:",
+           dir, kv_dtype, prompt, worst, scale, rows, distinct, ties);
+    for (int i = prompt; i <= prompt + STEPS; i++)
+        printf(" %d", hg[i]);
+    printf("\n");
+    assert_memory_equal(hc + prompt, hg + prompt, (STEPS + 1) * sizeof(int32_t));
+    tdm_kv_seq_release(kc, &sc);
+    tdm_kv_seq_release(kg, &sg);
+    free(lc), free(lg);
+    tdm_kv_free(kc), tdm_kv_free(kg);
+    tdm_model_free(mc), tdm_model_free(mg);
+}
+
+static void test_greedy_tiny_f32(void **state)
+{
+    (void)state;
+    // Decode past position 256: two flash-decoding splits.
+    compare_greedy(tiny_dir, "f32", MAX_PROMPT, 150, 0.0f);
+}
+
+static void test_greedy_tiny_bf16(void **state)
+{
+    (void)state;
+    compare_greedy(tiny_dir, "bf16", 45, 21, 0.25f);
+}
+
+static void test_greedy_gqa7_f32(void **state)
+{
+    (void)state;
+    compare_greedy(gqa7_dir, "f32", 45, 21, 0.0f);
+}
+
+static void test_greedy_gqa7_bf16(void **state)
+{
+    (void)state;
+    compare_greedy(gqa7_dir, "bf16", 45, 21, 0.25f);
+}
+
+// Two sequences (a 40-token prefill and a decode at position 20) in one
+// forward get bitwise the logits they get alone.
+static void test_batch_invariance(void **state)
+{
+    (void)state;
+    struct tdm_model *m = load(gqa7_dir, "cuda", "bf16");
+    int vocab = tdm_model_config(m)->vocab_size;
+    int32_t a[64], b[64];
+    make_prompt(a, 40, vocab, 1);
+    make_prompt(b, 21, vocab, 2);
+    float *alone = malloc(2 * (size_t)vocab * sizeof(float));
+    float *both = malloc(2 * (size_t)vocab * sizeof(float));
+    for (int round = 0; round < 2; round++) {
+        struct tdm_kv_cache *kv = new_kv(m);
+        struct tdm_kv_seq sa, sb;
+        tdm_kv_seq_init(&sa);
+        tdm_kv_seq_init(&sb);
+        // b's first 20 tokens are in the cache before the measured step.
+        float scratch[4096];
+        assert_true(vocab <= 4096);
+        step(m, kv, &sb, b, 0, 20, scratch);
+        assert_int_equal(tdm_kv_reserve(kv, &sa, 40), TDM_OK);
+        assert_int_equal(tdm_kv_reserve(kv, &sb, 21), TDM_OK);
+        struct tdm_batch_seq bs[2] = {
+            {.tokens = a, .n_tokens = 40, .start_pos = 0, .block_table = sa.block_table,
+             .logits = TDM_LOGITS_LAST},
+            {.tokens = b + 20, .n_tokens = 1, .start_pos = 20, .block_table = sb.block_table,
+             .logits = TDM_LOGITS_LAST},
+        };
+        if (round == 0) {
+            assert_int_equal(tdm_model_forward(m, kv, &bs[0], 1, alone), TDM_OK);
+            assert_int_equal(tdm_model_forward(m, kv, &bs[1], 1, alone + vocab), TDM_OK);
+        } else {
+            assert_int_equal(tdm_model_forward(m, kv, bs, 2, both), TDM_OK);
+        }
+        tdm_kv_seq_release(kv, &sa);
+        tdm_kv_seq_release(kv, &sb);
+        tdm_kv_free(kv);
+    }
+    assert_memory_equal(alone, both, 2 * (size_t)vocab * sizeof(float));
+    free(alone), free(both);
+    tdm_model_free(m);
+}
+
+// Export from the device pool vs the CPU pool after the same prefill; import
+// into a fresh device cache continues with the same greedy tokens.
+static void test_export_import(void **state)
+{
+    (void)state;
+    struct tdm_model *mc = load(tiny_dir, "cpu", "f32"), *mg = load(tiny_dir, "cuda", "f32");
+    int vocab = tdm_model_config(mc)->vocab_size, layers = tdm_model_config(mc)->num_hidden_layers;
+    int n = 37;
+    struct tdm_kv_cache *kc = new_kv(mc), *kg = new_kv(mg), *kg2 = new_kv(mg);
+    int32_t h[64], h2[64];
+    make_prompt(h, n, vocab, 3);
+    float *l = malloc(8 * (size_t)vocab * sizeof(float));
+    struct tdm_kv_seq sc, sg, sg2;
+    tdm_kv_seq_init(&sc), tdm_kv_seq_init(&sg), tdm_kv_seq_init(&sg2);
+    step(mc, kc, &sc, h, 0, n, l);
+    step(mg, kg, &sg, h, 0, n, l);
+    int nb = sg.num_blocks;
+    size_t bytes = tdm_kv_layer_bytes(kg, nb);
+    float *ec = malloc(bytes), *eg = malloc(bytes);
+    assert_int_equal(tdm_kv_reserve(kg2, &sg2, n), TDM_OK);
+    float worst = 0.0f;
+    for (int layer = 0; layer < layers; layer++) {
+        assert_int_equal(tdm_kv_export_layer(kc, &sc, layer, 0, nb, ec, bytes), TDM_OK);
+        assert_int_equal(tdm_kv_export_layer(kg, &sg, layer, 0, nb, eg, bytes), TDM_OK);
+        // Positions past the prompt are never written: compare the prompt's rows only.
+        size_t per_block = bytes / sizeof(float) / 2 / (size_t)nb; // heads * 16 * head_dim
+        size_t row = per_block / 16 / (size_t)tdm_model_config(mc)->num_key_value_heads;
+        for (size_t i = 0; i < bytes / sizeof(float); i++) {
+            size_t in_block = i % per_block, blk = (i / per_block) % (size_t)nb;
+            size_t slot = (in_block / row) % 16;
+            if (blk * 16 + slot >= (size_t)n)
+                continue;
+            float e = fabsf(ec[i] - eg[i]);
+            worst = e > worst ? e : worst;
+        }
+        assert_int_equal(tdm_kv_import_layer(kg2, &sg2, layer, 0, nb, eg, bytes), TDM_OK);
+    }
+    printf("export cpu vs cuda(emu): max |kv diff| %g\n", worst);
+    assert_true(worst < 1e-4f);
+    tdm_kv_commit(kg2, &sg2, h, n);
+    h[n] = argmax(l, vocab);
+    memcpy(h2, h, sizeof h);
+    for (int s = 0; s < 6; s++) {
+        step(mg, kg, &sg, h, n + s, 1, l);
+        h[n + s + 1] = argmax(l, vocab);
+        step(mg, kg2, &sg2, h2, n + s, 1, l + vocab);
+        h2[n + s + 1] = argmax(l + vocab, vocab);
+        assert_memory_equal(l, l + vocab, (size_t)vocab * sizeof(float));
+    }
+    assert_memory_equal(h, h2, sizeof h);
+    tdm_kv_seq_release(kc, &sc), tdm_kv_seq_release(kg, &sg), tdm_kv_seq_release(kg2, &sg2);
+    tdm_kv_free(kc), tdm_kv_free(kg), tdm_kv_free(kg2);
+    free(ec), free(eg), free(l);
+    tdm_model_free(mc), tdm_model_free(mg);
+}
+
+static void test_errors(void **state)
+{
+    (void)state;
+    struct tdm_model_opts o;
+    struct tdm_model *m = NULL;
+    char err[256];
+    tdm_model_opts_default(&o);
+    o.backend = "cuda";
+    o.weights = TDM_WEIGHTS_INT8;
+    assert_int_equal(tdm_model_load(&m, tiny_dir, &o, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "only bf16 weights"));
+    o.weights = TDM_WEIGHTS_BF16;
+    o.device = 1;
+    assert_int_equal(tdm_model_load(&m, tiny_dir, &o, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "device 1 requested"));
+
+    // A host KV cache handed to a cuda model: a clean TDM_EINVAL, no write.
+    m = load(tiny_dir, "cuda", "bf16");
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 8;
+    struct tdm_kv_cache *host_kv;
+    assert_int_equal(tdm_kv_new(&host_kv, &kc, err, sizeof err), TDM_OK);
+    struct tdm_kv_seq s;
+    tdm_kv_seq_init(&s);
+    assert_int_equal(tdm_kv_reserve(host_kv, &s, 4), TDM_OK);
+    int32_t ids[4] = {1, 2, 3, 4};
+    float logits[4096];
+    struct tdm_batch_seq b = {.tokens = ids,
+                              .n_tokens = 4,
+                              .start_pos = 0,
+                              .block_table = s.block_table,
+                              .logits = TDM_LOGITS_LAST};
+    assert_int_equal(tdm_model_forward(m, host_kv, &b, 1, logits), TDM_EINVAL);
+    // The model still works on its own cache afterwards.
+    struct tdm_kv_cache *kv = new_kv(m);
+    struct tdm_kv_seq s2;
+    tdm_kv_seq_init(&s2);
+    assert_int_equal(tdm_kv_reserve(kv, &s2, 4), TDM_OK);
+    b.block_table = s2.block_table;
+    assert_int_equal(tdm_model_forward(m, kv, &b, 1, logits), TDM_OK);
+    tdm_kv_seq_release(host_kv, &s);
+    tdm_kv_seq_release(kv, &s2);
+    tdm_kv_free(host_kv);
+    tdm_kv_free(kv);
+    tdm_model_free(m);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_greedy_tiny_f32),  cmocka_unit_test(test_greedy_tiny_bf16),
+        cmocka_unit_test(test_greedy_gqa7_f32),  cmocka_unit_test(test_greedy_gqa7_bf16),
+        cmocka_unit_test(test_batch_invariance), cmocka_unit_test(test_export_import),
+        cmocka_unit_test(test_errors),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
