@@ -61,6 +61,9 @@ struct tdm_backend_ops {
     // device: which accelerator (cuda:N); ignored by the CPU backend.
     int (*create)(struct tdm_backend **out, int num_threads, int device, char *err, size_t errlen);
     void (*destroy)(struct tdm_backend *be);
+    // Optional: accelerators visible to this process (0 when none); NULL for
+    // a backend that needs no device (CPU).
+    int (*device_count)(void);
 
     // Builds w (rows = sum of parts' rows) in type `want` from checkpoint data.
     int (*prepare_weight)(struct tdm_backend *be, struct tdm_weight *w,

@@ -92,6 +92,46 @@ void tdm_model_opts_default(struct tdm_model_opts *o)
     o->device = 0;
 }
 
+int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err,
+                              size_t errlen)
+{
+    const struct tdm_backend_ops *cuda = tdm_backend_find("cuda");
+    int visible = cuda && cuda->device_count ? cuda->device_count() : 0;
+    if (spec == NULL || spec[0] == '\0' || strcmp(spec, "auto") == 0) {
+        o->backend = visible > 0 ? "cuda" : "cpu";
+        o->device = 0;
+        return TDM_OK;
+    }
+    if (strcmp(spec, "cpu") == 0) {
+        o->backend = "cpu";
+        o->device = 0;
+        return TDM_OK;
+    }
+    int ordinal = 0;
+    if (strncmp(spec, "cuda", 4) == 0 && (spec[4] == '\0' || spec[4] == ':')) {
+        if (spec[4] == ':') {
+            char *end;
+            long v = strtol(spec + 5, &end, 10);
+            if (spec[5] == '\0' || *end != '\0' || v < 0 || v > 1023)
+                return tdm_seterr(err, errlen, TDM_EINVAL,
+                                  "--device %s: expected cuda:N with N a GPU index", spec);
+            ordinal = (int)v;
+        }
+        if (cuda == NULL)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--device %s: this build has no CUDA backend (configure with "
+                              "-DTANDEM_CUDA=ON)",
+                              spec);
+        if (ordinal >= visible)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "--device %s: %d CUDA GPU%s visible", spec,
+                              visible, visible == 1 ? "" : "s");
+        o->backend = "cuda";
+        o->device = ordinal;
+        return TDM_OK;
+    }
+    return tdm_seterr(err, errlen, TDM_EINVAL, "--device %s: expected cpu, cuda or cuda:N", spec);
+}
+
 const struct tdm_model_config *tdm_model_config(const struct tdm_model *m)
 {
     return &m->cfg;

@@ -30,6 +30,14 @@ struct tdm_model_opts {
     int device;            // accelerator ordinal for "cuda" (--device cuda:N); default 0
 };
 void tdm_model_opts_default(struct tdm_model_opts *o);
+// Sets o->backend and o->device from a --device value (vLLM's flag): "cpu",
+// "cuda", "cuda:N", or NULL / "" / "auto" for the default: "cuda" when this
+// build has the CUDA backend and a GPU is visible, else "cpu". TDM_EINVAL with
+// err saying why for anything else, for cuda in a build without it, and for
+// cuda when no GPU (or not GPU N) is visible: asking for a GPU that is not
+// there is a startup error, never a silent fallback to the CPU.
+int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err,
+                              size_t errlen);
 
 struct tdm_model;
 

@@ -636,6 +636,7 @@ static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int 
 const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
     .name = "cuda",
     .host_memory = false,
+    .device_count = tdm_cuda_dev_count,
     .create = cuda_create,
     .destroy = cuda_destroy,
     .prepare_weight = cuda_prepare_weight,

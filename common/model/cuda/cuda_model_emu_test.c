@@ -343,6 +343,24 @@ static void test_export_import(void **state)
     tdm_model_free(mc), tdm_model_free(mg);
 }
 
+// --device with the (emulated) CUDA backend registered: one GPU visible.
+static void test_device_flag(void **state)
+{
+    (void)state;
+    struct tdm_model_opts o;
+    char err[256];
+    tdm_model_opts_default(&o);
+    assert_int_equal(tdm_model_opts_set_device(&o, NULL, err, sizeof err), TDM_OK);
+    assert_string_equal(o.backend, "cuda"); // auto: a GPU is visible
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda:0", err, sizeof err), TDM_OK);
+    assert_string_equal(o.backend, "cuda");
+    assert_int_equal(o.device, 0);
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda:1", err, sizeof err), TDM_EINVAL);
+    assert_string_equal(err, "--device cuda:1: 1 CUDA GPU visible");
+    assert_int_equal(tdm_model_opts_set_device(&o, "cpu", err, sizeof err), TDM_OK);
+    assert_string_equal(o.backend, "cpu");
+}
+
 static void test_errors(void **state)
 {
     (void)state;
@@ -399,7 +417,7 @@ int main(void)
         cmocka_unit_test(test_greedy_tiny_f32),  cmocka_unit_test(test_greedy_tiny_bf16),
         cmocka_unit_test(test_greedy_gqa7_f32),  cmocka_unit_test(test_greedy_gqa7_bf16),
         cmocka_unit_test(test_batch_invariance), cmocka_unit_test(test_export_import),
-        cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_device_flag),      cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
