@@ -114,6 +114,21 @@ static void test_device(void **state)
     assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--device", "cuda:63"),
                      TDM_EINVAL);
     assert_true(strstr(err, "no CUDA backend") != NULL || strstr(err, "visible") != NULL);
+
+    // The GPU memory flags (vLLM's names).
+    assert_true(c.gpu_memory_utilization == 0.9);
+    assert_int_equal(parse(&c, err, sizeof err, 7, "--model", "/m", "--gpu-memory-utilization",
+                           "0.5", "--num-gpu-blocks-override", "100"),
+                     TDM_OK);
+    assert_true(c.gpu_memory_utilization == 0.5);
+    assert_int_equal(c.num_kv_blocks, 100);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--gpu-memory-utilization",
+                           "1.5"),
+                     TDM_EINVAL);
+    assert_string_equal(err, "--gpu-memory-utilization: expected a fraction in (0, 1], got \"1.5\"");
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--num-gpu-blocks-override",
+                           "0"),
+                     TDM_EINVAL);
 }
 
 static void test_bytes(void **state)

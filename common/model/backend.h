@@ -85,6 +85,12 @@ struct tdm_backend_ops {
     // download. NULL when ops are synchronous and cannot fail (CPU).
     int (*sync)(struct tdm_backend *be);
 
+    // Optional (NULL: the pool is sized by the caller's host memory budget):
+    // how many KV blocks of cfg's geometry fit in `utilization` (vLLM's
+    // --gpu-memory-utilization: a fraction of the device's total memory) given
+    // what the process already holds on the device (weights, activations).
+    int (*kv_capacity)(struct tdm_backend *be, const struct tdm_kv_config *cfg,
+                       double utilization, int *num_blocks, char *err, size_t errlen);
     // Optional (NULL: the default host f32 pool): a KV storage for cfg in this
     // backend's memory; the caller hands it to tdm_kv_new_with_storage.
     int (*kv_storage_new)(struct tdm_backend *be, const struct tdm_kv_config *cfg,

@@ -159,6 +159,20 @@ void tdm_model_kv_config(const struct tdm_model *m, struct tdm_kv_config *cfg)
     cfg->head_dim = m->cfg.head_dim;
 }
 
+int tdm_model_kv_capacity(struct tdm_model *m, const struct tdm_kv_config *cfg,
+                          double utilization, int *num_blocks, char *err, size_t errlen)
+{
+    if (!(utilization > 0.0 && utilization <= 1.0))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--gpu-memory-utilization %g: expected a fraction in (0, 1]",
+                          utilization);
+    if (m->ops->kv_capacity == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOTFOUND,
+                          "the %s backend has no device memory to take a fraction of",
+                          m->ops->name);
+    return m->ops->kv_capacity(m->be, cfg, utilization, num_blocks, err, errlen);
+}
+
 int tdm_model_kv_new(struct tdm_model *m, const struct tdm_kv_config *cfg,
                      struct tdm_kv_cache **out, char *err, size_t errlen)
 {

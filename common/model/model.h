@@ -51,6 +51,14 @@ size_t tdm_model_weight_bytes(const struct tdm_model *m);
 // The KV geometry this model needs (num_layers, num_kv_heads, head_dim); the
 // caller fills block_size, num_blocks and enable_prefix_caching.
 void tdm_model_kv_config(const struct tdm_model *m, struct tdm_kv_config *cfg);
+// KV blocks of cfg's geometry (block_size set) that fit in `utilization` of
+// the device's memory after what the model already holds there (vLLM's
+// --gpu-memory-utilization). TDM_ENOTFOUND on a backend without device memory
+// (the CPU: size the pool from a byte budget instead); TDM_ECAPACITY with err
+// saying how much is missing when not even one block fits; TDM_EINVAL for a
+// utilization outside (0, 1].
+int tdm_model_kv_capacity(struct tdm_model *m, const struct tdm_kv_config *cfg,
+                          double utilization, int *num_blocks, char *err, size_t errlen);
 // A KV cache for cfg whose pool lives where this model's backend computes
 // (host f32 for the CPU backend, device memory for CUDA): what tdm_kv_new is
 // for a host pool. Same errors as tdm_kv_new, plus the backend's (TDM_ENOMEM

@@ -439,6 +439,33 @@ static const struct tdm_kv_storage_ops kvs_ops = {
     .import_blocks = kvs_import,
 };
 
+// Device memory kept free beyond the pool for what grows after it is made
+// (the GEMM input and attention scratch buffers, cuBLASLt's kernels).
+#define KV_HEADROOM ((size_t)256 << 20)
+
+static int cuda_kv_capacity(struct tdm_backend *be, const struct tdm_kv_config *cfg,
+                            double utilization, int *num_blocks, char *err, size_t errlen)
+{
+    size_t free_b, total_b;
+    if (tdm_cuda_dev_mem_info(be->dev, &free_b, &total_b) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EBACKEND, "cuda kv: %s", tdm_cuda_dev_errmsg(be->dev));
+    size_t elem = be->kv_type == TDM_CUK_KV_F32 ? 4 : 2;
+    size_t block = 2 * elem * (size_t)cfg->num_layers * (size_t)cfg->num_kv_heads *
+                   (size_t)cfg->block_size * (size_t)cfg->head_dim;
+    // vLLM's budget: utilization * total, minus what is in use (ours and any
+    // other process's on this device).
+    double budget = utilization * (double)total_b - (double)(total_b - free_b) - (double)KV_HEADROOM;
+    if (budget < (double)block)
+        return tdm_seterr(err, errlen, TDM_ECAPACITY,
+                          "--gpu-memory-utilization %.2f of %.1f GiB leaves no room for one KV "
+                          "block of %zu bytes (%.1f GiB already in use, %.2f GiB kept free)",
+                          utilization, total_b / 1073741824.0,
+                          block, (total_b - free_b) / 1073741824.0, KV_HEADROOM / 1073741824.0);
+    double nb = budget / (double)block;
+    *num_blocks = nb > (double)(INT32_MAX / cfg->block_size) ? INT32_MAX / cfg->block_size : (int)nb;
+    return TDM_OK;
+}
+
 static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_config *cfg,
                                struct tdm_kv_storage **out, char *err, size_t errlen)
 {
@@ -647,6 +674,7 @@ const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
     .download = cuda_download,
     .copy = cuda_copy,
     .sync = cuda_sync,
+    .kv_capacity = cuda_kv_capacity,
     .kv_storage_new = cuda_kv_storage_new,
     .begin_forward = cuda_begin_forward,
     .matmul = cuda_matmul,

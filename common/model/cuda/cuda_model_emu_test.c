@@ -361,6 +361,30 @@ static void test_device_flag(void **state)
     assert_string_equal(o.backend, "cpu");
 }
 
+// --gpu-memory-utilization on the emulated device (a pretend 1 GiB, all
+// free): (F * 1 GiB - 256 MiB headroom) / bf16 block bytes; the CPU backend
+// has no device memory to size from.
+static void test_kv_capacity(void **state)
+{
+    (void)state;
+    struct tdm_model *m = load(tiny_dir, "cuda", "bf16"), *mc = load(tiny_dir, "cpu", "f32");
+    struct tdm_kv_config kc;
+    char err[256];
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    size_t block = 2 * 2 * (size_t)kc.num_layers * kc.num_kv_heads * 16 * kc.head_dim;
+    int nb = 0;
+    assert_int_equal(tdm_model_kv_capacity(m, &kc, 0.5, &nb, err, sizeof err), TDM_OK);
+    assert_int_equal(nb, (int)(((size_t)512 << 20) - ((size_t)256 << 20)) / (int)block);
+    assert_int_equal(tdm_model_kv_capacity(m, &kc, 0.2, &nb, err, sizeof err), TDM_ECAPACITY);
+    assert_non_null(strstr(err, "leaves no room"));
+    assert_int_equal(tdm_model_kv_capacity(m, &kc, 0.0, &nb, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_model_kv_capacity(mc, &kc, 0.5, &nb, err, sizeof err), TDM_ENOTFOUND);
+    tdm_model_free(m);
+    tdm_model_free(mc);
+}
+
 static void test_errors(void **state)
 {
     (void)state;
@@ -417,7 +441,8 @@ int main(void)
         cmocka_unit_test(test_greedy_tiny_f32),  cmocka_unit_test(test_greedy_tiny_bf16),
         cmocka_unit_test(test_greedy_gqa7_f32),  cmocka_unit_test(test_greedy_gqa7_bf16),
         cmocka_unit_test(test_batch_invariance), cmocka_unit_test(test_export_import),
-        cmocka_unit_test(test_device_flag),      cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_device_flag),      cmocka_unit_test(test_kv_capacity),
+        cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
