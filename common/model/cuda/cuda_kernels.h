@@ -56,7 +56,7 @@ struct tdm_cuk_seq {
 // `decode_seqs`, `prefill_tiles`, `part_o` and `part_ml` are device memory laid
 // out by tdm_cuk_attn_plan; q, out and the caches as in the header comment.
 struct tdm_cuk_attn_args {
-    enum tdm_cuk_kv_type kv_type;
+    int kv_type; // enum tdm_cuk_kv_type (an int: C++ may not hold other values in the enum)
     const float *q;    // [rows][q_stride], heads at h * head_dim
     int q_stride;
     float *out;        // [rows][n_heads * head_dim]
@@ -114,7 +114,7 @@ int tdm_cuk_to_bf16(void *stream, const float *x, uint16_t *y, size_t count);
 // Writes rows i < n of k and v (row stride `stride` floats, n_kv_heads *
 // head_dim each) into flat slot slots[i] = block * block_size + offset of this
 // layer's caches; a negative slot skips the row (padding).
-int tdm_cuk_kv_store(void *stream, enum tdm_cuk_kv_type type, const float *k, const float *v,
+int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v,
                      int stride, const int32_t *slots, int n, void *k_cache, void *v_cache,
                      int n_kv_heads, int head_dim, int block_size);
 // Causal GQA attention over the paged cache (see struct tdm_cuk_attn_args);

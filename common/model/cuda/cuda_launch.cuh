@@ -192,7 +192,7 @@ int tdm_cuk_to_bf16(void *stream, const float *x, uint16_t *y, size_t count)
     return tdm_cuk::launched("to_bf16");
 }
 
-int tdm_cuk_kv_store(void *stream, enum tdm_cuk_kv_type type, const float *k, const float *v,
+int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v,
                      int stride, const int32_t *slots, int n, void *k_cache, void *v_cache,
                      int n_kv_heads, int head_dim, int block_size)
 {

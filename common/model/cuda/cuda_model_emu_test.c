@@ -18,6 +18,13 @@
 //   - clean errors: int8 weights on cuda, a host KV cache handed to a cuda model.
 // The GEMM is the emulated device API's loop (cuBLASLt itself runs only on a
 // GPU: cuda_ops_gpu_test).
+//
+// Built twice: cuda_model_emu_test (the emulator, label unit) and, with
+// TANDEM_CUDA, cuda_model_gpu_test (TDM_CUDA_TEST_GPU: the real backend
+// registered as "cuda" in backend.c, label gpu, exit 77 without a GPU), where
+// the same comparisons also check cuBLASLt's GEMM and its batch invariance.
+// The device-flag and memory-arithmetic tests assume the emulator's one
+// pretend 1 GiB device and run on it only.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -63,7 +70,11 @@ static int setup(void **state)
     s.seed = 12;
     if (tdm_mkmodel_write(&s, gqa7_dir, err, sizeof err) != TDM_OK)
         goto fail;
+#ifdef TDM_CUDA_TEST_GPU
+    return 0;
+#else
     return tdm_backend_register(&tdm_cuda_emu_backend_ops) == TDM_OK ? 0 : -1;
+#endif
 fail:
     fprintf(stderr, "mkmodel: %s\n", err);
     return -1;
@@ -347,6 +358,9 @@ static void test_export_import(void **state)
 static void test_device_flag(void **state)
 {
     (void)state;
+#ifdef TDM_CUDA_TEST_GPU
+    skip();
+#endif
     struct tdm_model_opts o;
     char err[256];
     tdm_model_opts_default(&o);
@@ -367,6 +381,9 @@ static void test_device_flag(void **state)
 static void test_kv_capacity(void **state)
 {
     (void)state;
+#ifdef TDM_CUDA_TEST_GPU
+    skip();
+#endif
     struct tdm_model *m = load(tiny_dir, "cuda", "bf16"), *mc = load(tiny_dir, "cpu", "f32");
     struct tdm_kv_config kc;
     char err[256];
@@ -437,6 +454,15 @@ static void test_errors(void **state)
 
 int main(void)
 {
+#ifdef TDM_CUDA_TEST_GPU
+    struct tdm_model_opts probe;
+    char err[256];
+    tdm_model_opts_default(&probe);
+    if (tdm_model_opts_set_device(&probe, "cuda", err, sizeof err) != TDM_OK) {
+        printf("cuda_model_gpu_test: %s; skipped\n", err);
+        return 77;
+    }
+#endif
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_tiny_f32),  cmocka_unit_test(test_greedy_tiny_bf16),
         cmocka_unit_test(test_greedy_gqa7_f32),  cmocka_unit_test(test_greedy_gqa7_bf16),

@@ -563,7 +563,7 @@ static void test_attention_errors(void **state)
     a.n_kv_heads = 3;
     assert_int_equal(tdm_cuk_attention(stream, &a), TDM_CUK_EINVAL);
     a.n_kv_heads = 2;
-    a.kv_type = (enum tdm_cuk_kv_type)7;
+    a.kv_type = 7;
     assert_int_equal(tdm_cuk_attention(stream, &a), TDM_CUK_EINVAL);
 
     int32_t row[1] = {0}, ntok[1] = {0}, start[1] = {0}, dec[1], tiles[2];

@@ -9,14 +9,17 @@
 //
 // Under AddressSanitizer the stack switches are announced with
 // __sanitizer_{start,finish}_switch_fiber so its stack bookkeeping follows.
+//
+// The switch itself: on x86-64 a few instructions saving the callee-saved
+// registers and the FP control words (swapcontext also saves the signal mask,
+// one system call per switch, which made the emulated model tests several
+// times slower); elsewhere, and under AddressSanitizer, ucontext.
 #include "cuda_emu.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <ucontext.h>
-
-#include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
 #define TDM_EMU_ASAN 1
@@ -29,6 +32,46 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
+// Not under ASan: a fiber that ends by switching away leaves its frames'
+// redzones poisoned on a stack the next block reuses; ucontext's return
+// through uc_link unwinds them.
+#if defined(__x86_64__) && !defined(TDM_EMU_UCONTEXT) && !defined(TDM_EMU_ASAN)
+#define TDM_EMU_ASM_SWITCH 1
+// Saves rbp, rbx, r12-r15, MXCSR and the x87 control word on the current
+// stack, stores the stack pointer in *save_sp, and resumes the context whose
+// stack pointer is load_sp (saved the same way, or built by init_stack).
+extern "C" void tdm_emu_switch(void **save_sp, void *load_sp);
+__asm__(".text\n"
+        ".globl tdm_emu_switch\n"
+        ".type tdm_emu_switch,@function\n"
+        "tdm_emu_switch:\n"
+        "    pushq %rbp\n"
+        "    pushq %rbx\n"
+        "    pushq %r12\n"
+        "    pushq %r13\n"
+        "    pushq %r14\n"
+        "    pushq %r15\n"
+        "    subq $8, %rsp\n"
+        "    stmxcsr (%rsp)\n"
+        "    fnstcw 4(%rsp)\n"
+        "    movq %rsp, (%rdi)\n"
+        "    movq %rsi, %rsp\n"
+        "    ldmxcsr (%rsp)\n"
+        "    fldcw 4(%rsp)\n"
+        "    addq $8, %rsp\n"
+        "    popq %r15\n"
+        "    popq %r14\n"
+        "    popq %r13\n"
+        "    popq %r12\n"
+        "    popq %rbx\n"
+        "    popq %rbp\n"
+        "    ret\n"
+        ".size tdm_emu_switch, .-tdm_emu_switch\n");
+#endif
+
+#include <vector>
+
+
 namespace tdm_emu {
 dim3 cur_thread_idx, cur_block_idx, cur_block_dim, cur_grid_dim;
 
@@ -39,13 +82,21 @@ constexpr size_t STACK_BYTES = 256 * 1024;
 constexpr unsigned MAX_THREADS = 1024;
 
 struct fiber {
+#ifdef TDM_EMU_ASM_SWITCH
+    void *sp; // saved stack pointer while not running
+#else
     ucontext_t ctx;
+#endif
     fiber_state state;
     dim3 tid;
 };
 
 struct scheduler {
+#ifdef TDM_EMU_ASM_SWITCH
+    void *main_sp;
+#else
     ucontext_t main_ctx;
+#endif
     std::vector<fiber> fibers;
     std::vector<uint64_t> slots; // [threads] one shuffle slot per lane
     char *stacks = nullptr;      // [MAX_THREADS][STACK_BYTES], mmap'd once, untouched until used
@@ -77,7 +128,11 @@ void yield_to_scheduler()
     void *fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, S.main_stack_bottom, S.main_stack_size);
 #endif
+#ifdef TDM_EMU_ASM_SWITCH
+    tdm_emu_switch(&f.sp, S.main_sp);
+#else
     swapcontext(&f.ctx, &S.main_ctx);
+#endif
 #ifdef TDM_EMU_ASAN
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -94,7 +149,12 @@ void fiber_entry()
     // The fiber ends: no fake stack to keep.
     __sanitizer_start_switch_fiber(nullptr, S.main_stack_bottom, S.main_stack_size);
 #endif
-    // uc_link resumes the scheduler.
+#ifdef TDM_EMU_ASM_SWITCH
+    void *dead_sp;
+    tdm_emu_switch(&dead_sp, S.main_sp); // never resumed
+    die("a finished fiber was resumed");
+#endif
+    // ucontext: uc_link resumes the scheduler.
 }
 
 // Scheduler side: runs fiber i until it waits or finishes.
@@ -107,7 +167,11 @@ void resume(int i)
     void *fake = nullptr;
     __sanitizer_start_switch_fiber(&fake, stack_of(i), STACK_BYTES);
 #endif
+#ifdef TDM_EMU_ASM_SWITCH
+    tdm_emu_switch(&S.main_sp, f.sp);
+#else
     swapcontext(&S.main_ctx, &f.ctx);
+#endif
 #ifdef TDM_EMU_ASAN
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -122,12 +186,33 @@ __attribute__((noinline)) void init_fiber(unsigned i)
     f.state = RUNNABLE;
     f.tid = dim3(i % cur_block_dim.x, (i / cur_block_dim.x) % cur_block_dim.y,
                  i / (cur_block_dim.x * cur_block_dim.y));
+#ifdef TDM_EMU_ASM_SWITCH
+    // A stack tdm_emu_switch can resume: from the top (16-byte aligned) a
+    // zero return address for fiber_entry (so it starts as if called: rsp =
+    // 8 mod 16), fiber_entry as the address `ret` takes, six zero registers,
+    // then the current MXCSR and x87 control word.
+    uintptr_t top = ((uintptr_t)stack_of((int)i) + STACK_BYTES) & ~(uintptr_t)15;
+    uint64_t *sp = (uint64_t *)top;
+    *--sp = 0;
+    *--sp = (uint64_t)(uintptr_t)&fiber_entry;
+    for (int r = 0; r < 6; r++)
+        *--sp = 0;
+    uint32_t csr[2];
+    __asm__ volatile("stmxcsr %0" : "=m"(csr[0]));
+    uint16_t cw;
+    __asm__ volatile("fnstcw %0" : "=m"(cw));
+    csr[1] = cw;
+    --sp;
+    memcpy(sp, csr, 8);
+    f.sp = sp;
+#else
     if (getcontext(&f.ctx) != 0)
         die("getcontext failed");
     f.ctx.uc_stack.ss_sp = stack_of((int)i);
     f.ctx.uc_stack.ss_size = STACK_BYTES;
     f.ctx.uc_link = &S.main_ctx;
     makecontext(&f.ctx, fiber_entry, 0);
+#endif
 }
 
 void run_block(unsigned nthreads)
