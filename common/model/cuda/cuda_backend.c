@@ -50,11 +50,11 @@ struct tdm_backend {
     int err;                      // first failure since the last sync/download (TDM_OK if none)
     char errmsg[256];
 
-    struct dev_buf xb;            // bf16 GEMM input [n][cols]
+    struct dev_buf xb; // bf16 GEMM input [n][cols]
     // begin_forward's staging: host copies, and their device twins.
-    int n_rows, n_seqs;           // of the staged forward
-    int32_t *h_slots;             // [cap_rows] flat KV slot of each new row
-    int32_t *h_bt;                // [cap_seqs][bt_stride]
+    int n_rows, n_seqs;                                  // of the staged forward
+    int32_t *h_slots;                                    // [cap_rows] flat KV slot of each new row
+    int32_t *h_bt;                                       // [cap_seqs][bt_stride]
     int32_t *h_row, *h_ntok, *h_start, *h_dec, *h_tiles; // plan inputs and outputs
     struct tdm_cuk_seq *h_seqs;
     int cap_rows, cap_seqs, cap_bt, cap_tiles;
@@ -130,8 +130,8 @@ static int cuda_create(struct tdm_backend **out, int num_threads, int device, ch
                               "TANDEM_CUDA_KV_DTYPE=%s: expected bf16 or f32", kvd);
         }
     }
-    TDM_LOG_INFO("cuda", "backend device=%d name=\"%s\" kv=%s", device,
-                 tdm_cuda_dev_name(be->dev), be->kv_type == TDM_CUK_KV_F32 ? "f32" : "bf16");
+    TDM_LOG_INFO("cuda", "backend device=%d name=\"%s\" kv=%s", device, tdm_cuda_dev_name(be->dev),
+                 be->kv_type == TDM_CUK_KV_F32 ? "f32" : "bf16");
     *out = be;
     return TDM_OK;
 }
@@ -310,8 +310,7 @@ static void cuda_matmul(struct tdm_backend *be, const struct tdm_weight *w, cons
         return;
     }
     launch_check(be, tdm_cuk_to_bf16(be->stream, x, be->xb.p, count));
-    if (tdm_cuda_dev_gemm_bf16(be->dev, w->data, w->rows, w->cols, be->xb.p, n, bias, y) !=
-        TDM_OK)
+    if (tdm_cuda_dev_gemm_bf16(be->dev, w->data, w->rows, w->cols, be->xb.p, n, bias, y) != TDM_OK)
         fail(be, TDM_EBACKEND, "matmul: %s", tdm_cuda_dev_errmsg(be->dev));
 }
 
@@ -454,15 +453,17 @@ static int cuda_kv_capacity(struct tdm_backend *be, const struct tdm_kv_config *
                    (size_t)cfg->block_size * (size_t)cfg->head_dim;
     // vLLM's budget: utilization * total, minus what is in use (ours and any
     // other process's on this device).
-    double budget = utilization * (double)total_b - (double)(total_b - free_b) - (double)KV_HEADROOM;
+    double budget =
+        utilization * (double)total_b - (double)(total_b - free_b) - (double)KV_HEADROOM;
     if (budget < (double)block)
         return tdm_seterr(err, errlen, TDM_ECAPACITY,
                           "--gpu-memory-utilization %.2f of %.1f GiB leaves no room for one KV "
                           "block of %zu bytes (%.1f GiB already in use, %.2f GiB kept free)",
-                          utilization, total_b / 1073741824.0,
-                          block, (total_b - free_b) / 1073741824.0, KV_HEADROOM / 1073741824.0);
+                          utilization, total_b / 1073741824.0, block,
+                          (total_b - free_b) / 1073741824.0, KV_HEADROOM / 1073741824.0);
     double nb = budget / (double)block;
-    *num_blocks = nb > (double)(INT32_MAX / cfg->block_size) ? INT32_MAX / cfg->block_size : (int)nb;
+    *num_blocks =
+        nb > (double)(INT32_MAX / cfg->block_size) ? INT32_MAX / cfg->block_size : (int)nb;
     return TDM_OK;
 }
 
@@ -610,9 +611,9 @@ static void cuda_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int l
     }
     const struct tdm_kv_config *c = tdm_kv_config(kv);
     struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
-    launch_check(be, tdm_cuk_kv_store(be->stream, s->type, k, v, stride, be->d_slots.p,
-                                      be->n_rows, s->k[layer], s->v[layer], c->num_kv_heads,
-                                      c->head_dim, c->block_size));
+    launch_check(be, tdm_cuk_kv_store(be->stream, s->type, k, v, stride, be->d_slots.p, be->n_rows,
+                                      s->k[layer], s->v[layer], c->num_kv_heads, c->head_dim,
+                                      c->block_size));
 }
 
 static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,

@@ -64,8 +64,8 @@ int tdm_cuda_dev_open(struct tdm_cuda_dev **out, int ordinal, char *err, size_t 
     *out = NULL;
     int n = tdm_cuda_dev_count();
     if (ordinal < 0 || ordinal >= n)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "cuda: device %d requested, %d visible",
-                          ordinal, n);
+        return tdm_seterr(err, errlen, TDM_EINVAL, "cuda: device %d requested, %d visible", ordinal,
+                          n);
     struct tdm_cuda_dev *d = calloc(1, sizeof *d);
     if (d == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda: out of memory");
@@ -267,8 +267,8 @@ static const cublasLtMatmulAlgo_t *gemm_plan(struct tdm_cuda_dev *d, int rows, i
     res = &p->algo;
 out:
     if (res == NULL)
-        snprintf(d->errmsg, sizeof d->errmsg, "gemm: no cuBLASLt algorithm for a %d x %d bf16 weight",
-                 rows, cols);
+        snprintf(d->errmsg, sizeof d->errmsg,
+                 "gemm: no cuBLASLt algorithm for a %d x %d bf16 weight", rows, cols);
     if (pref)
         cublasLtMatmulPreferenceDestroy(pref);
     gemm_descs_free(&g);
@@ -289,16 +289,16 @@ int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, 
     int rc = gemm_descs_make(&g, rows, cols, n, bias);
     if (rc == TDM_OK) {
         const float one = 1.0f, zero = 0.0f;
-        cublasStatus_t st = cublasLtMatmul(d->lt, g.op, &one, w, g.a, x, g.b, &zero, y, g.c, y,
-                                           g.c, algo, d->workspace, TDM_GEMM_WORKSPACE, d->stream);
+        cublasStatus_t st = cublasLtMatmul(d->lt, g.op, &one, w, g.a, x, g.b, &zero, y, g.c, y, g.c,
+                                           algo, d->workspace, TDM_GEMM_WORKSPACE, d->stream);
         if (st != CUBLAS_STATUS_SUCCESS) {
             snprintf(d->errmsg, sizeof d->errmsg, "gemm: cublasLtMatmul %d x %d, n %d: status %d",
                      rows, cols, n, (int)st);
             rc = TDM_EBACKEND;
         }
     } else {
-        snprintf(d->errmsg, sizeof d->errmsg, "gemm: cuBLASLt descriptors for %d x %d, n %d",
-                 rows, cols, n);
+        snprintf(d->errmsg, sizeof d->errmsg, "gemm: cuBLASLt descriptors for %d x %d, n %d", rows,
+                 cols, n);
     }
     gemm_descs_free(&g);
     return rc;

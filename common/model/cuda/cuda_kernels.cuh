@@ -16,7 +16,8 @@
 
 #include "cuda_kernels.h"
 
-namespace tdm_cuk {
+namespace tdm_cuk
+{
 
 // ---- scalar helpers ------------------------------------------------------------------------
 __device__ __forceinline__ float bf16_to_f32(uint16_t h)
@@ -38,10 +39,22 @@ __device__ __forceinline__ uint16_t f32_to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
-__device__ __forceinline__ float kv_load(const float *p) { return *p; }
-__device__ __forceinline__ float kv_load(const uint16_t *p) { return bf16_to_f32(*p); }
-__device__ __forceinline__ void kv_put(float *p, float v) { *p = v; }
-__device__ __forceinline__ void kv_put(uint16_t *p, float v) { *p = f32_to_bf16(v); }
+__device__ __forceinline__ float kv_load(const float *p)
+{
+    return *p;
+}
+__device__ __forceinline__ float kv_load(const uint16_t *p)
+{
+    return bf16_to_f32(*p);
+}
+__device__ __forceinline__ void kv_put(float *p, float v)
+{
+    *p = v;
+}
+__device__ __forceinline__ void kv_put(uint16_t *p, float v)
+{
+    *p = f32_to_bf16(v);
+}
 
 __device__ __forceinline__ float warp_sum(float v)
 {
@@ -113,8 +126,8 @@ __global__ void rmsnorm_kernel(const float *x, const float *weight, float eps, f
 // grid (n), any block: each thread rotates (head, i) pairs. The angle is the
 // f32 product pos * inv_freq (as HF computes it), its cos/sin evaluated in
 // double and rounded once, as the CPU backend does.
-__global__ void rope_kernel(float *x, int row_stride, int n_heads, int head_dim,
-                            const int32_t *pos, const float *inv_freq)
+__global__ void rope_kernel(float *x, int row_stride, int n_heads, int head_dim, const int32_t *pos,
+                            const float *inv_freq)
 {
     int half = head_dim / 2;
     float *xr = x + (size_t)blockIdx.x * row_stride;
@@ -246,7 +259,8 @@ __global__ void __launch_bounds__(128)
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < nk; j++)
-            acc += sc[j] * kv_load(&kv_row(v_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD)[d]);
+            acc +=
+                sc[j] * kv_load(&kv_row(v_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD)[d]);
         part_o[slot * HD + d] = acc;
     }
     if (threadIdx.x == 0) {
@@ -307,8 +321,8 @@ __global__ void __launch_bounds__(128)
     int h = blockIdx.y;
     int kvh = h / (n_heads / n_kv_heads);
     int nq = sq.n_tokens - i0 < BQ ? sq.n_tokens - i0 : BQ;
-    int q_pos0 = sq.start_pos + i0;      // position of the tile's first query
-    int kv_end = q_pos0 + nq;            // keys [0, kv_end) are visible to some row
+    int q_pos0 = sq.start_pos + i0; // position of the tile's first query
+    int kv_end = q_pos0 + nq;       // keys [0, kv_end) are visible to some row
     const int32_t *bt = block_tables + (size_t)si * bt_stride;
 
     for (int idx = threadIdx.x; idx < BQ * HD; idx += blockDim.x) {

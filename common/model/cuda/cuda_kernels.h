@@ -56,20 +56,20 @@ struct tdm_cuk_seq {
 // `decode_seqs`, `prefill_tiles`, `part_o` and `part_ml` are device memory laid
 // out by tdm_cuk_attn_plan; q, out and the caches as in the header comment.
 struct tdm_cuk_attn_args {
-    int kv_type; // enum tdm_cuk_kv_type (an int: C++ may not hold other values in the enum)
-    const float *q;    // [rows][q_stride], heads at h * head_dim
+    int kv_type;    // enum tdm_cuk_kv_type (an int: C++ may not hold other values in the enum)
+    const float *q; // [rows][q_stride], heads at h * head_dim
     int q_stride;
-    float *out;        // [rows][n_heads * head_dim]
-    const void *k_cache, *v_cache; // this layer's pool
+    float *out;                     // [rows][n_heads * head_dim]
+    const void *k_cache, *v_cache;  // this layer's pool
     const struct tdm_cuk_seq *seqs; // [n_seqs]
     const int32_t *block_tables;    // [n_seqs][bt_stride]
     int bt_stride;
-    const int32_t *decode_seqs;     // [n_decode] seq indices with n_tokens == 1
+    const int32_t *decode_seqs; // [n_decode] seq indices with n_tokens == 1
     int n_decode;
-    int max_splits;                 // max over decode seqs of their split count
-    float *part_o;                  // [n_decode][n_heads][max_splits][head_dim] scratch
-    float *part_ml;                 // [n_decode][n_heads][max_splits][2] scratch (max, sum)
-    const int32_t *prefill_tiles;   // [n_tiles][2] (seq index, first row in the seq)
+    int max_splits;               // max over decode seqs of their split count
+    float *part_o;                // [n_decode][n_heads][max_splits][head_dim] scratch
+    float *part_ml;               // [n_decode][n_heads][max_splits][2] scratch (max, sum)
+    const int32_t *prefill_tiles; // [n_tiles][2] (seq index, first row in the seq)
     int n_tiles;
     int n_heads, n_kv_heads, head_dim, block_size;
     float scale;
@@ -114,9 +114,9 @@ int tdm_cuk_to_bf16(void *stream, const float *x, uint16_t *y, size_t count);
 // Writes rows i < n of k and v (row stride `stride` floats, n_kv_heads *
 // head_dim each) into flat slot slots[i] = block * block_size + offset of this
 // layer's caches; a negative slot skips the row (padding).
-int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v,
-                     int stride, const int32_t *slots, int n, void *k_cache, void *v_cache,
-                     int n_kv_heads, int head_dim, int block_size);
+int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int stride,
+                     const int32_t *slots, int n, void *k_cache, void *v_cache, int n_kv_heads,
+                     int head_dim, int block_size);
 // Causal GQA attention over the paged cache (see struct tdm_cuk_attn_args);
 // head_dim 16, 32, 64 or 128 (Qwen2.5 and Llama 3 use 64 and 128; 16 and 32
 // serve the tiny test models), any n_heads divisible by n_kv_heads.

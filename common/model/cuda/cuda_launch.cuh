@@ -12,7 +12,8 @@
 
 #include "cuda_kernels.cuh"
 
-namespace tdm_cuk {
+namespace tdm_cuk
+{
 static thread_local char errbuf[256];
 
 static int fail(int code, const char *fmt, ...)
@@ -57,10 +58,10 @@ template <class KV, int HD> static int attention_typed(void *stream, const tdm_c
     }
     if (a->n_decode > 0) {
         dim3 grid((unsigned)a->n_decode, (unsigned)a->n_heads, (unsigned)a->max_splits);
-        TDM_CUDA_LAUNCH((attn_decode_kernel<KV, HD>), grid, dim3(128), 0, stream, a->q,
-                        a->q_stride, (const KV *)a->k_cache, (const KV *)a->v_cache, a->seqs,
-                        a->block_tables, a->bt_stride, a->decode_seqs, a->max_splits, a->part_o,
-                        a->part_ml, a->n_heads, a->n_kv_heads, a->block_size, a->scale);
+        TDM_CUDA_LAUNCH((attn_decode_kernel<KV, HD>), grid, dim3(128), 0, stream, a->q, a->q_stride,
+                        (const KV *)a->k_cache, (const KV *)a->v_cache, a->seqs, a->block_tables,
+                        a->bt_stride, a->decode_seqs, a->max_splits, a->part_o, a->part_ml,
+                        a->n_heads, a->n_kv_heads, a->block_size, a->scale);
         int rc = launched("attention decode");
         if (rc != TDM_CUK_OK)
             return rc;
@@ -84,14 +85,18 @@ template <class KV> static int attention_kv(void *stream, const tdm_cuk_attn_arg
     case 128:
         return attention_typed<KV, 128>(stream, a);
     default:
-        return fail(TDM_CUK_EINVAL, "attention: head_dim %d (supported: 16, 32, 64, 128)", a->head_dim);
+        return fail(TDM_CUK_EINVAL, "attention: head_dim %d (supported: 16, 32, 64, 128)",
+                    a->head_dim);
     }
 }
 } // namespace tdm_cuk
 
 extern "C" {
 
-const char *tdm_cuk_errmsg(void) { return tdm_cuk::errbuf; }
+const char *tdm_cuk_errmsg(void)
+{
+    return tdm_cuk::errbuf;
+}
 
 int tdm_cuk_decode_splits(int kv_len)
 {
@@ -107,8 +112,10 @@ int tdm_cuk_attn_plan(const int32_t *row, const int32_t *n_tokens, const int32_t
     plan->part_floats = 0;
     for (int s = 0; s < n_seqs; s++) {
         if (n_tokens[s] < 1 || start_pos[s] < 0 || row[s] < 0)
-            return tdm_cuk::fail(TDM_CUK_EINVAL, "attention plan: sequence %d has n_tokens %d, "
-                                 "start_pos %d, row %d", s, n_tokens[s], start_pos[s], row[s]);
+            return tdm_cuk::fail(TDM_CUK_EINVAL,
+                                 "attention plan: sequence %d has n_tokens %d, "
+                                 "start_pos %d, row %d",
+                                 s, n_tokens[s], start_pos[s], row[s]);
         seqs[s].row = row[s];
         seqs[s].n_tokens = n_tokens[s];
         seqs[s].start_pos = start_pos[s];
@@ -129,8 +136,8 @@ int tdm_cuk_attn_plan(const int32_t *row, const int32_t *n_tokens, const int32_t
             plan->n_tiles++;
         }
     }
-    plan->part_floats = (size_t)plan->n_decode * (size_t)n_heads * (size_t)plan->max_splits *
-                        (size_t)head_dim;
+    plan->part_floats =
+        (size_t)plan->n_decode * (size_t)n_heads * (size_t)plan->max_splits * (size_t)head_dim;
     return TDM_CUK_OK;
 }
 
@@ -158,8 +165,8 @@ int tdm_cuk_rope(void *stream, float *x, int n, int row_stride, int n_heads, int
                  const int32_t *pos, const float *inv_freq)
 {
     if (n <= 0 || n_heads <= 0 || head_dim < 2 || head_dim % 2 || row_stride < n_heads * head_dim)
-        return tdm_cuk::fail(TDM_CUK_EINVAL, "rope: n %d, %d heads of %d in rows of %d", n,
-                             n_heads, head_dim, row_stride);
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "rope: n %d, %d heads of %d in rows of %d", n, n_heads,
+                             head_dim, row_stride);
     TDM_CUDA_LAUNCH(tdm_cuk::rope_kernel, dim3((unsigned)n), dim3(128), 0, stream, x, row_stride,
                     n_heads, head_dim, pos, inv_freq);
     return tdm_cuk::launched("rope");
@@ -178,8 +185,8 @@ int tdm_cuk_add(void *stream, float *x, const float *y, size_t count)
 {
     if (count == 0)
         return TDM_CUK_OK;
-    TDM_CUDA_LAUNCH(tdm_cuk::add_kernel, dim3(tdm_cuk::grid_for(count, 256)), dim3(256), 0,
-                    stream, x, y, count);
+    TDM_CUDA_LAUNCH(tdm_cuk::add_kernel, dim3(tdm_cuk::grid_for(count, 256)), dim3(256), 0, stream,
+                    x, y, count);
     return tdm_cuk::launched("add");
 }
 
@@ -192,22 +199,22 @@ int tdm_cuk_to_bf16(void *stream, const float *x, uint16_t *y, size_t count)
     return tdm_cuk::launched("to_bf16");
 }
 
-int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v,
-                     int stride, const int32_t *slots, int n, void *k_cache, void *v_cache,
-                     int n_kv_heads, int head_dim, int block_size)
+int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int stride,
+                     const int32_t *slots, int n, void *k_cache, void *v_cache, int n_kv_heads,
+                     int head_dim, int block_size)
 {
     if (n <= 0 || n_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 ||
         stride < n_kv_heads * head_dim)
         return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_store: n %d, %d heads of %d, block %d, stride %d",
                              n, n_kv_heads, head_dim, block_size, stride);
     if (type == TDM_CUK_KV_F32) {
-        TDM_CUDA_LAUNCH(tdm_cuk::kv_store_kernel<float>, dim3((unsigned)n), dim3(128), 0, stream,
-                        k, v, stride, slots, (float *)k_cache, (float *)v_cache, n_kv_heads,
-                        head_dim, block_size);
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_store_kernel<float>, dim3((unsigned)n), dim3(128), 0, stream, k,
+                        v, stride, slots, (float *)k_cache, (float *)v_cache, n_kv_heads, head_dim,
+                        block_size);
     } else if (type == TDM_CUK_KV_BF16) {
-        TDM_CUDA_LAUNCH(tdm_cuk::kv_store_kernel<uint16_t>, dim3((unsigned)n), dim3(128), 0,
-                        stream, k, v, stride, slots, (uint16_t *)k_cache, (uint16_t *)v_cache,
-                        n_kv_heads, head_dim, block_size);
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_store_kernel<uint16_t>, dim3((unsigned)n), dim3(128), 0, stream,
+                        k, v, stride, slots, (uint16_t *)k_cache, (uint16_t *)v_cache, n_kv_heads,
+                        head_dim, block_size);
     } else {
         return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_store: unknown KV type %d", (int)type);
     }
@@ -218,9 +225,11 @@ int tdm_cuk_attention(void *stream, const struct tdm_cuk_attn_args *a)
 {
     if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->block_size <= 0 ||
         a->n_decode < 0 || a->n_tiles < 0 || (a->n_decode > 0 && a->max_splits <= 0))
-        return tdm_cuk::fail(TDM_CUK_EINVAL, "attention: heads %d/%d, block %d, %d decode, "
-                             "%d splits, %d tiles", a->n_heads, a->n_kv_heads, a->block_size,
-                             a->n_decode, a->max_splits, a->n_tiles);
+        return tdm_cuk::fail(TDM_CUK_EINVAL,
+                             "attention: heads %d/%d, block %d, %d decode, "
+                             "%d splits, %d tiles",
+                             a->n_heads, a->n_kv_heads, a->block_size, a->n_decode, a->max_splits,
+                             a->n_tiles);
     if (a->kv_type == TDM_CUK_KV_F32)
         return tdm_cuk::attention_kv<float>(stream, a);
     if (a->kv_type == TDM_CUK_KV_BF16)

@@ -278,9 +278,15 @@ static void test_batch_invariance(void **state)
         assert_int_equal(tdm_kv_reserve(kv, &sa, 40), TDM_OK);
         assert_int_equal(tdm_kv_reserve(kv, &sb, 21), TDM_OK);
         struct tdm_batch_seq bs[2] = {
-            {.tokens = a, .n_tokens = 40, .start_pos = 0, .block_table = sa.block_table,
+            {.tokens = a,
+             .n_tokens = 40,
+             .start_pos = 0,
+             .block_table = sa.block_table,
              .logits = TDM_LOGITS_LAST},
-            {.tokens = b + 20, .n_tokens = 1, .start_pos = 20, .block_table = sb.block_table,
+            {.tokens = b + 20,
+             .n_tokens = 1,
+             .start_pos = 20,
+             .block_table = sb.block_table,
              .logits = TDM_LOGITS_LAST},
         };
         if (round == 0) {

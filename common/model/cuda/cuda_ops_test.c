@@ -271,8 +271,14 @@ static void test_silu_add_bf16(void **state)
     assert_memory_equal(sum, want, sizeof sum); // one rounded f32 add: exact everywhere
 
     // f32 -> bf16: round to nearest even, ties, specials.
-    float specials[8] = {1.0f, -2.5f, 1.00390625f /* tie: 1 + 2^-8, to even */,
-                         1.01171875f /* tie: to odd+1 */, INFINITY, -INFINITY, NAN, 3.4e38f};
+    float specials[8] = {1.0f,
+                         -2.5f,
+                         1.00390625f /* tie: 1 + 2^-8, to even */,
+                         1.01171875f /* tie: to odd+1 */,
+                         INFINITY,
+                         -INFINITY,
+                         NAN,
+                         3.4e38f};
     float src[COUNT];
     memcpy(src, x, sizeof src);
     memcpy(src, specials, sizeof specials);
@@ -324,8 +330,8 @@ static void test_gemm(void **state)
         }
     printf("gemm: max error %g\n", worst);
     // Batch invariance: token 4 alone gives its row bitwise.
-    assert_int_equal(
-        tdm_cuda_dev_gemm_bf16(dev, d_w, ROWS, COLS, d_xb + 4 * COLS, 1, d_b, d_y), TDM_OK);
+    assert_int_equal(tdm_cuda_dev_gemm_bf16(dev, d_w, ROWS, COLS, d_xb + 4 * COLS, 1, d_b, d_y),
+                     TDM_OK);
     from_dev(y1, d_y, sizeof y1);
     assert_memory_equal(y1, y + 4 * ROWS, sizeof y1);
     tdm_cuda_dev_free(dev, d_w), tdm_cuda_dev_free(dev, d_x), tdm_cuda_dev_free(dev, d_b);
@@ -394,10 +400,10 @@ static void dev_attention(const struct attn_case *c, const float *qkv_host, int 
         .n_decode = plan.n_decode,
         .max_splits = plan.max_splits,
         .part_o = plan.part_floats ? dev_zeros(plan.part_floats * sizeof(float)) : NULL,
-        .part_ml = plan.part_floats ? dev_zeros(plan.part_floats / c->hd * 2 * sizeof(float))
-                                    : NULL,
-        .prefill_tiles = plan.n_tiles ? to_dev(tiles, (size_t)plan.n_tiles * 2 * sizeof(int32_t))
-                                      : NULL,
+        .part_ml =
+            plan.part_floats ? dev_zeros(plan.part_floats / c->hd * 2 * sizeof(float)) : NULL,
+        .prefill_tiles =
+            plan.n_tiles ? to_dev(tiles, (size_t)plan.n_tiles * 2 * sizeof(int32_t)) : NULL,
         .n_tiles = plan.n_tiles,
         .n_heads = c->n_heads,
         .n_kv_heads = c->n_kv_heads,
@@ -488,8 +494,8 @@ static void run_attention_case(const struct attn_case *c)
     float *want = malloc((size_t)rows * q_dim * sizeof *want);
     float *got = malloc((size_t)rows * q_dim * sizeof *got);
     cpu->kv_store(cpu_be(), kv, layer, aseqs, NSEQ, qkv + q_dim, qkv + q_dim + kv_dim, qkv_dim);
-    cpu->attention(cpu_be(), kv, layer, aseqs, NSEQ, qkv, qkv_dim, want, c->n_heads,
-                   c->n_kv_heads, c->hd, 1.0f / sqrtf((float)c->hd));
+    cpu->attention(cpu_be(), kv, layer, aseqs, NSEQ, qkv, qkv_dim, want, c->n_heads, c->n_kv_heads,
+                   c->hd, 1.0f / sqrtf((float)c->hd));
 
     // Device: store through flat slots, then the same pool must hold the same KV.
     int32_t *slots = malloc((size_t)rows * sizeof *slots);
@@ -500,8 +506,8 @@ static void run_attention_case(const struct attn_case *c)
         }
     float *d_qkv = to_dev(qkv, (size_t)rows * qkv_dim * sizeof *qkv);
     int32_t *d_slots = to_dev(slots, (size_t)rows * sizeof *slots);
-    ok(tdm_cuk_kv_store(stream, c->kv_type, d_qkv + q_dim, d_qkv + q_dim + kv_dim, qkv_dim,
-                        d_slots, rows, d_kc, d_vc, c->n_kv_heads, c->hd, BS));
+    ok(tdm_cuk_kv_store(stream, c->kv_type, d_qkv + q_dim, d_qkv + q_dim + kv_dim, qkv_dim, d_slots,
+                        rows, d_kc, d_vc, c->n_kv_heads, c->hd, BS));
     from_dev(hk, d_kc, layer_floats * elem);
     from_dev(hv, d_vc, layer_floats * elem);
     for (size_t i = 0; i < layer_floats; i++) {
@@ -607,9 +613,12 @@ int main(void)
     }
 #endif
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_embed),         cmocka_unit_test(test_rmsnorm),
-        cmocka_unit_test(test_rope),          cmocka_unit_test(test_silu_add_bf16),
-        cmocka_unit_test(test_gemm),          cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_embed),
+        cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_silu_add_bf16),
+        cmocka_unit_test(test_gemm),
+        cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_errors),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);

@@ -25,8 +25,8 @@ int tdm_cuda_dev_open(struct tdm_cuda_dev **out, int ordinal, char *err, size_t 
 {
     *out = NULL;
     if (ordinal != 0)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "cuda: device %d requested, 1 visible (emulator)",
-                          ordinal);
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "cuda: device %d requested, 1 visible (emulator)", ordinal);
     struct tdm_cuda_dev *d = calloc(1, sizeof *d);
     if (d == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda: out of memory");

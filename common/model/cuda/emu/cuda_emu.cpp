@@ -71,11 +71,12 @@ __asm__(".text\n"
 
 #include <vector>
 
-
-namespace tdm_emu {
+namespace tdm_emu
+{
 dim3 cur_thread_idx, cur_block_idx, cur_block_dim, cur_grid_dim;
 
-namespace {
+namespace
+{
 enum fiber_state { RUNNABLE, AT_BLOCK_BARRIER, AT_WARP_BARRIER, DONE };
 
 constexpr size_t STACK_BYTES = 256 * 1024;
@@ -118,7 +119,10 @@ scheduler S;
     abort();
 }
 
-char *stack_of(int i) { return S.stacks + (size_t)i * STACK_BYTES; }
+char *stack_of(int i)
+{
+    return S.stacks + (size_t)i * STACK_BYTES;
+}
 
 // Fiber side: hands control back to the scheduler and returns when resumed.
 void yield_to_scheduler()
@@ -302,7 +306,10 @@ void syncthreads()
     yield_to_scheduler();
 }
 
-int lane_id() { return linear_tid() % 32; }
+int lane_id()
+{
+    return linear_tid() % 32;
+}
 
 uint64_t warp_exchange(uint64_t mine, int src)
 {
@@ -318,5 +325,8 @@ uint64_t warp_exchange(uint64_t mine, int src)
     return got;
 }
 
-unsigned long long blocks_run() { return S.blocks; }
+unsigned long long blocks_run()
+{
+    return S.blocks;
+}
 } // namespace tdm_emu

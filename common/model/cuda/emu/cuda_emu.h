@@ -37,10 +37,13 @@
 
 struct dim3 {
     unsigned x, y, z;
-    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_)
+    {
+    }
 };
 
-namespace tdm_emu {
+namespace tdm_emu
+{
 // The running fiber's coordinates (set by the scheduler at every switch).
 extern dim3 cur_thread_idx, cur_block_idx, cur_block_dim, cur_grid_dim;
 
@@ -75,7 +78,10 @@ unsigned long long blocks_run();
 #define __shared__ static
 #define __restrict__ __restrict
 
-static inline void __syncthreads(void) { ::tdm_emu::syncthreads(); }
+static inline void __syncthreads(void)
+{
+    ::tdm_emu::syncthreads();
+}
 
 template <class T> static inline uint64_t tdm_emu_bits(T v)
 {
@@ -93,14 +99,16 @@ template <class T> static inline T tdm_emu_from_bits(uint64_t u)
 
 // Full-warp shuffles only (mask 0xffffffff, width 32), which is all the
 // kernels use.
-template <class T> static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32)
+template <class T>
+static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32)
 {
     (void)mask;
     (void)width;
     int src = ::tdm_emu::lane_id() ^ lane_mask;
     return tdm_emu_from_bits<T>(::tdm_emu::warp_exchange(tdm_emu_bits(v), src));
 }
-template <class T> static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32)
+template <class T>
+static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32)
 {
     (void)mask;
     (void)width;
@@ -129,8 +137,14 @@ template <class T> static inline T atomicMax(T *p, T v)
     return old;
 }
 
-static inline float __fdividef(float a, float b) { return a / b; }
-static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+static inline float __fdividef(float a, float b)
+{
+    return a / b;
+}
+static inline float rsqrtf(float x)
+{
+    return 1.0f / sqrtf(x);
+}
 
 #define TDM_CUDA_LAUNCH(kernel, grid, block, shmem, stream, ...)                                   \
     ((void)(stream), ::tdm_emu::launch((grid), (block), (shmem), [&]() { kernel(__VA_ARGS__); }))

@@ -70,8 +70,8 @@ static void test_syncthreads(void **state)
     TDM_CUDA_LAUNCH(rotate_kernel, dim3(2), dim3(256), 0, nullptr, in, out);
     for (int b = 0; b < 2; b++)
         for (int t = 0; t < 256; t++) {
-            int left = (t + 255) % 256;               // who wrote s[left] in phase 3
-            int src = b * 256 + (left + 1) % 256;     // what left had read
+            int left = (t + 255) % 256;           // who wrote s[left] in phase 3
+            int src = b * 256 + (left + 1) % 256; // what left had read
             assert_int_equal(out[b * 256 + t], in[src] * 2 + 1);
         }
 }
@@ -174,8 +174,8 @@ static void test_bug_detection(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_coords),   cmocka_unit_test(test_syncthreads),
-        cmocka_unit_test(test_shuffles), cmocka_unit_test(test_atomics),
+        cmocka_unit_test(test_coords),        cmocka_unit_test(test_syncthreads),
+        cmocka_unit_test(test_shuffles),      cmocka_unit_test(test_atomics),
         cmocka_unit_test(test_bug_detection),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
