@@ -212,24 +212,6 @@ static int cuda_sync(struct tdm_backend *be)
 }
 
 // ---- weights -----------------------------------------------------------------------------------
-static uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-static float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static uint16_t src_bf16(const struct tdm_weight_src *s, size_t i)
 {
     uint16_t h;
@@ -239,11 +221,11 @@ static uint16_t src_bf16(const struct tdm_weight_src *s, size_t i)
         return h;
     case TDM_DTYPE_F16:
         memcpy(&h, (const uint8_t *)s->data + 2 * i, 2);
-        return f32_to_bf16(tdm_f16_to_f32(h));
+        return tdm_f32_to_bf16(tdm_f16_to_f32(h));
     default: {
         float f;
         memcpy(&f, (const uint8_t *)s->data + 4 * i, 4);
-        return f32_to_bf16(f);
+        return tdm_f32_to_bf16(f);
     }
     }
 }
@@ -392,7 +374,7 @@ static int kvs_block_out(struct cuda_kv_storage *s, const void *pool, int block,
     int rc = tdm_cuda_dev_d2h(s->be->dev, s->host_block, src, bytes);
     const uint16_t *h = s->host_block;
     for (size_t i = 0; rc == TDM_OK && i < s->block_elems; i++)
-        dst[i] = bf16_to_f32(h[i]);
+        dst[i] = tdm_bf16_to_f32(h[i]);
     return rc;
 }
 
@@ -404,7 +386,7 @@ static int kvs_block_in(struct cuda_kv_storage *s, void *pool, int block, const 
         return tdm_cuda_dev_h2d(s->be->dev, dst, src, bytes);
     uint16_t *h = s->host_block;
     for (size_t i = 0; i < s->block_elems; i++)
-        h[i] = f32_to_bf16(src[i]);
+        h[i] = tdm_f32_to_bf16(src[i]);
     return tdm_cuda_dev_h2d(s->be->dev, dst, h, bytes);
 }
 
