@@ -39,6 +39,7 @@ struct tdm_cuda_dev {
     void *workspace; // [TDM_GEMM_WORKSPACE] bytes, device
     struct gemm_plan plans[TDM_GEMM_MAX_SHAPES];
     int nplans;
+    bool warned_fallback; // the fixed-algorithm fallback was logged once
     char name[256];
     char errmsg[256];
 };
@@ -291,6 +292,19 @@ int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, 
         const float one = 1.0f, zero = 0.0f;
         cublasStatus_t st = cublasLtMatmul(d->lt, g.op, &one, w, g.a, x, g.b, &zero, y, g.c, y, g.c,
                                            algo, d->workspace, TDM_GEMM_WORKSPACE, d->stream);
+        if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+            // The shape's algorithm refuses this n: let cuBLASLt choose for
+            // this call (correct, but this shape's rows may then depend on n).
+            if (!d->warned_fallback) {
+                d->warned_fallback = true;
+                TDM_LOG_WARN("cuda",
+                             "gemm %d x %d: the fixed algorithm refused n=%d; cuBLASLt chooses "
+                             "for such calls (batch invariance not guaranteed for them)",
+                             rows, cols, n);
+            }
+            st = cublasLtMatmul(d->lt, g.op, &one, w, g.a, x, g.b, &zero, y, g.c, y, g.c, NULL,
+                                d->workspace, TDM_GEMM_WORKSPACE, d->stream);
+        }
         if (st != CUBLAS_STATUS_SUCCESS) {
             snprintf(d->errmsg, sizeof d->errmsg, "gemm: cublasLtMatmul %d x %d, n %d: status %d",
                      rows, cols, n, (int)st);
