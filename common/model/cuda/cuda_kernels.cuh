@@ -201,11 +201,16 @@ __device__ __forceinline__ const KV *kv_row(const KV *cache, const int32_t *bt, 
 }
 
 // ---- decode attention (flash-decoding) ---------------------------------------------------
-// grid (n_decode, n_heads, max_splits), block 128. Block (s, h, z) scores the
-// positions [z * PART, min(L, (z + 1) * PART)) of decode sequence s for query
-// head h (L = start_pos + 1) and writes the unnormalised sum of p * v with its
-// max and sum of exponentials; combine_kernel merges the splits in order.
-// Splits beyond the sequence's own count exit at once (the whole block).
+// grid (n_decode, n_kv_heads * ceil(group / TDM_CUK_DECODE_GROUP), max_splits),
+// block 128. Block (s, u, z) serves up to TDM_CUK_DECODE_GROUP query heads of
+// one KV head (a GQA group, or a slice of a larger one), so each K and V
+// element of the split is read once for all of them. It scores the positions
+// [z * PART, min(L, (z + 1) * PART)) of decode sequence s (L = start_pos + 1)
+// and writes, per query head, the unnormalised sum of p * v with its max and
+// sum of exponentials; combine_kernel merges the splits in order. Splits
+// beyond the sequence's own count exit at once (the whole block). Each head's
+// arithmetic (dot order, softmax, accumulation order) does not depend on how
+// many heads share the block.
 template <class KV, int HD>
 __global__ void __launch_bounds__(128)
     attn_decode_kernel(const float *q, int q_stride, const KV *k_cache, const KV *v_cache,
@@ -213,60 +218,91 @@ __global__ void __launch_bounds__(128)
                        const int32_t *decode_seqs, int max_splits, float *part_o, float *part_ml,
                        int n_heads, int n_kv_heads, int block_size, float scale)
 {
-    constexpr int PART = TDM_CUK_DECODE_PART;
-    __shared__ float qs[HD];
-    __shared__ float sc[PART];
+    constexpr int PART = TDM_CUK_DECODE_PART, GMAX = TDM_CUK_DECODE_GROUP;
+    constexpr int KR = (HD + 31) / 32; // head_dim elements per lane
+    __shared__ float qs[GMAX][HD];
+    __shared__ float sc[GMAX][PART];
     __shared__ float red[32];
+    __shared__ float m_s[GMAX], l_s[GMAX];
     int si = decode_seqs[blockIdx.x];
     tdm_cuk_seq sq = seqs[si];
-    int h = blockIdx.y, split = blockIdx.z;
+    int split = blockIdx.z;
     int kv_len = sq.start_pos + 1;
     int p0 = split * PART;
     if (p0 >= kv_len)
         return;
     int nk = kv_len - p0 < PART ? kv_len - p0 : PART;
-    int kvh = h / (n_heads / n_kv_heads);
+    int group = n_heads / n_kv_heads;
+    int subs = (group + GMAX - 1) / GMAX;
+    int kvh = blockIdx.y / subs;
+    int h0 = kvh * group + (blockIdx.y % subs) * GMAX;
+    int ng = kvh * group + group - h0 < GMAX ? kvh * group + group - h0 : GMAX;
     const int32_t *bt = block_tables + (size_t)si * bt_stride;
-    const float *qr = q + (size_t)sq.row * q_stride + (size_t)h * HD;
-    for (int d = threadIdx.x; d < HD; d += blockDim.x)
-        qs[d] = qr[d];
+    const float *qr = q + (size_t)sq.row * q_stride + (size_t)h0 * HD;
+    for (int idx = threadIdx.x; idx < ng * HD; idx += blockDim.x)
+        qs[idx / HD][idx % HD] = qr[idx];
     __syncthreads();
 
-    // Scores: a warp per position, lanes over head_dim.
+    // Scores: a warp per position, lanes over head_dim; the key row is read
+    // once into registers and dotted with every head of the group.
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
     for (int j = warp; j < nk; j += nwarps) {
         const KV *kr = kv_row(k_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD);
-        float part = 0.0f;
-        for (int d = lane; d < HD; d += 32)
-            part += qs[d] * kv_load(&kr[d]);
-        part = warp_sum(part);
-        if (lane == 0)
-            sc[j] = part * scale;
+        float kreg[KR];
+        for (int r = 0; r < KR; r++) {
+            int d = lane + 32 * r;
+            kreg[r] = d < HD ? kv_load(&kr[d]) : 0.0f;
+        }
+        for (int g = 0; g < ng; g++) {
+            float part = 0.0f;
+            for (int r = 0; r < KR; r++) {
+                int d = lane + 32 * r;
+                if (d < HD)
+                    part += qs[g][d] * kreg[r];
+            }
+            part = warp_sum(part);
+            if (lane == 0)
+                sc[g][j] = part * scale;
+        }
     }
     __syncthreads();
-    float mx = -INFINITY;
-    for (int j = threadIdx.x; j < nk; j += blockDim.x)
-        mx = fmaxf(mx, sc[j]);
-    mx = block_max(mx, red);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < nk; j += blockDim.x) {
-        float e = expf(sc[j] - mx);
-        sc[j] = e;
-        sum += e;
+    for (int g = 0; g < ng; g++) {
+        float mx = -INFINITY;
+        for (int j = threadIdx.x; j < nk; j += blockDim.x)
+            mx = fmaxf(mx, sc[g][j]);
+        mx = block_max(mx, red);
+        float sum = 0.0f;
+        for (int j = threadIdx.x; j < nk; j += blockDim.x) {
+            float e = expf(sc[g][j] - mx);
+            sc[g][j] = e;
+            sum += e;
+        }
+        sum = block_sum(sum, red); // its barriers also publish sc[g]
+        if (threadIdx.x == 0) {
+            m_s[g] = mx;
+            l_s[g] = sum;
+        }
     }
-    sum = block_sum(sum, red); // its barriers also publish sc
-    size_t slot = ((size_t)blockIdx.x * n_heads + h) * max_splits + split;
+    // Each V element once, into every head's accumulator.
+    size_t slot0 = ((size_t)blockIdx.x * n_heads + h0) * max_splits + split;
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < nk; j++)
-            acc +=
-                sc[j] * kv_load(&kv_row(v_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD)[d]);
-        part_o[slot * HD + d] = acc;
+        float acc[GMAX];
+        for (int g = 0; g < GMAX; g++)
+            acc[g] = 0.0f;
+        for (int j = 0; j < nk; j++) {
+            float v =
+                kv_load(&kv_row(v_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD)[d]);
+            for (int g = 0; g < ng; g++)
+                acc[g] += sc[g][j] * v;
+        }
+        for (int g = 0; g < ng; g++)
+            part_o[(slot0 + (size_t)g * max_splits) * HD + d] = acc[g];
     }
-    if (threadIdx.x == 0) {
-        part_ml[slot * 2] = mx;
-        part_ml[slot * 2 + 1] = sum;
-    }
+    if (threadIdx.x == 0)
+        for (int g = 0; g < ng; g++) {
+            part_ml[(slot0 + (size_t)g * max_splits) * 2] = m_s[g];
+            part_ml[(slot0 + (size_t)g * max_splits) * 2 + 1] = l_s[g];
+        }
 }
 
 // grid (n_decode, n_heads), block 128: out = sum_z o_z e^(m_z - M) / sum_z l_z e^(m_z - M).

@@ -40,6 +40,8 @@ enum tdm_cuk_kv_type { TDM_CUK_KV_F32 = 0, TDM_CUK_KV_BF16 = 1 };
 // Positions of one decode split (flash-decoding): a sequence of L cached
 // positions runs in ceil(L / TDM_CUK_DECODE_PART) splits, a function of L alone.
 #define TDM_CUK_DECODE_PART 256
+// Query heads of one KV head a decode block serves (reading K/V once for all).
+#define TDM_CUK_DECODE_GROUP 8
 // Query rows per prefill tile (FlashAttention-2 style), and keys per KV tile.
 #define TDM_CUK_PREFILL_BQ 16
 #define TDM_CUK_PREFILL_BK 16

@@ -57,7 +57,9 @@ template <class KV, int HD> static int attention_typed(void *stream, const tdm_c
             return rc;
     }
     if (a->n_decode > 0) {
-        dim3 grid((unsigned)a->n_decode, (unsigned)a->n_heads, (unsigned)a->max_splits);
+        int group = a->n_heads / a->n_kv_heads;
+        int units = a->n_kv_heads * ((group + TDM_CUK_DECODE_GROUP - 1) / TDM_CUK_DECODE_GROUP);
+        dim3 grid((unsigned)a->n_decode, (unsigned)units, (unsigned)a->max_splits);
         TDM_CUDA_LAUNCH((attn_decode_kernel<KV, HD>), grid, dim3(128), 0, stream, a->q, a->q_stride,
                         (const KV *)a->k_cache, (const KV *)a->v_cache, a->seqs, a->block_tables,
                         a->bt_stride, a->decode_seqs, a->max_splits, a->part_o, a->part_ml,

@@ -14,7 +14,8 @@
 //     side is given the same bf16-rounded K/V, so the tolerance is the same);
 //   GEMM (bf16 in, f32 accumulate): 1e-4 relative to sum |w x|, against a
 //     double-precision reference.
-// Attention covers GQA groups 1, 2, 7 and 8, head_dim 64 and 128, f32 and bf16
+// Attention covers GQA groups 1, 2, 7, 8 and 12 (two decode blocks per KV
+// head), head_dim 64 and 128, f32 and bf16
 // KV, scattered (non-contiguous, permuted) block tables, a 37-token prefill
 // (not a multiple of the 16-row tile or the 16-token block), chunked prefill
 // at offsets 16 and 21, decodes at positions 5 and 300 (two decode splits of
@@ -549,6 +550,7 @@ static void test_attention(void **state)
     const struct attn_case cases[] = {
         {2, 2, 64, TDM_CUK_KV_F32},  {4, 2, 128, TDM_CUK_KV_F32}, {7, 1, 64, TDM_CUK_KV_F32},
         {8, 1, 128, TDM_CUK_KV_F32}, {4, 2, 64, TDM_CUK_KV_BF16}, {14, 2, 128, TDM_CUK_KV_BF16},
+        {12, 1, 64, TDM_CUK_KV_F32}, // a group of 12: two decode blocks (8 + 4) per KV head
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         run_attention_case(&cases[i]);
