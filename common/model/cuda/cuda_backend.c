@@ -27,6 +27,7 @@
 // numbers do not depend on the rest of the batch. docs/gpu-backend.md says
 // what is and is not verified.
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,7 +59,13 @@ struct tdm_backend {
     int32_t *h_row, *h_ntok, *h_start, *h_dec, *h_tiles; // plan inputs and outputs
     struct tdm_cuk_seq *h_seqs;
     int cap_rows, cap_seqs, cap_bt, cap_tiles;
-    struct dev_buf d_slots, d_bt, d_seqs, d_dec, d_tiles, d_part_o, d_part_ml;
+    // The five arrays above go to the device in one copy: packed (16-byte
+    // aligned pieces) in h_meta, copied to d_meta; the m_* point into d_meta.
+    uint8_t *h_meta;
+    int cap_meta;
+    struct dev_buf d_meta, d_part_o, d_part_ml;
+    const int32_t *m_slots, *m_bt, *m_dec, *m_tiles;
+    const struct tdm_cuk_seq *m_seqs;
     struct tdm_cuk_plan plan;
     int bt_stride;
 };
@@ -141,11 +148,8 @@ static void cuda_destroy(struct tdm_backend *be)
     if (be == NULL)
         return;
     buf_free(be, &be->xb);
-    buf_free(be, &be->d_slots);
-    buf_free(be, &be->d_bt);
-    buf_free(be, &be->d_seqs);
-    buf_free(be, &be->d_dec);
-    buf_free(be, &be->d_tiles);
+    buf_free(be, &be->d_meta);
+    free(be->h_meta);
     buf_free(be, &be->d_part_o);
     buf_free(be, &be->d_part_ml);
     free(be->h_slots);
@@ -555,26 +559,38 @@ static int cuda_begin_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
         fail(be, TDM_EINVAL, "begin_forward: %s", tdm_cuk_errmsg());
         return take_err(be);
     }
-    if (buf_reserve(be, &be->d_slots, (size_t)rows * sizeof(int32_t)) ||
-        buf_reserve(be, &be->d_bt, (size_t)n_seqs * bt_stride * sizeof(int32_t)) ||
-        buf_reserve(be, &be->d_seqs, (size_t)n_seqs * sizeof(struct tdm_cuk_seq)) ||
-        buf_reserve(be, &be->d_dec, (size_t)n_seqs * sizeof(int32_t)) ||
-        buf_reserve(be, &be->d_tiles, (size_t)tiles * 2 * sizeof(int32_t) + 8)) {
+    // One packed copy: slots, block tables, seqs, decode list, tiles.
+    const void *src[5] = {be->h_slots, be->h_bt, be->h_seqs, be->h_dec, be->h_tiles};
+    size_t len[5] = {(size_t)rows * sizeof(int32_t), (size_t)n_seqs * bt_stride * sizeof(int32_t),
+                     (size_t)n_seqs * sizeof(struct tdm_cuk_seq),
+                     (size_t)be->plan.n_decode * sizeof(int32_t),
+                     (size_t)be->plan.n_tiles * 2 * sizeof(int32_t)};
+    size_t off[5], total = 0;
+    for (int i = 0; i < 5; i++) {
+        off[i] = total;
+        total += (len[i] + 15) / 16 * 16;
+    }
+    if (total > (size_t)INT32_MAX || !grow((void **)&be->h_meta, &be->cap_meta, (int)total, 1)) {
+        fail(be, TDM_ENOMEM, "begin_forward: %s", "out of host memory");
+        return take_err(be);
+    }
+    for (int i = 0; i < 5; i++)
+        if (len[i])
+            memcpy(be->h_meta + off[i], src[i], len[i]);
+    if (buf_reserve(be, &be->d_meta, total) != TDM_OK) {
         fail(be, TDM_ENOMEM, "begin_forward: %s", "out of device memory for attention metadata");
         return take_err(be);
     }
-    if (tdm_cuda_dev_h2d(be->dev, be->d_slots.p, be->h_slots, (size_t)rows * sizeof(int32_t)) ||
-        tdm_cuda_dev_h2d(be->dev, be->d_bt.p, be->h_bt,
-                         (size_t)n_seqs * bt_stride * sizeof(int32_t)) ||
-        tdm_cuda_dev_h2d(be->dev, be->d_seqs.p, be->h_seqs,
-                         (size_t)n_seqs * sizeof(struct tdm_cuk_seq)) ||
-        tdm_cuda_dev_h2d(be->dev, be->d_dec.p, be->h_dec,
-                         (size_t)be->plan.n_decode * sizeof(int32_t)) ||
-        tdm_cuda_dev_h2d(be->dev, be->d_tiles.p, be->h_tiles,
-                         (size_t)be->plan.n_tiles * 2 * sizeof(int32_t))) {
+    if (tdm_cuda_dev_h2d(be->dev, be->d_meta.p, be->h_meta, total) != TDM_OK) {
         fail(be, TDM_EBACKEND, "begin_forward: %s", tdm_cuda_dev_errmsg(be->dev));
         return take_err(be);
     }
+    const uint8_t *base = be->d_meta.p;
+    be->m_slots = (const int32_t *)(base + off[0]);
+    be->m_bt = (const int32_t *)(base + off[1]);
+    be->m_seqs = (const struct tdm_cuk_seq *)(base + off[2]);
+    be->m_dec = (const int32_t *)(base + off[3]);
+    be->m_tiles = (const int32_t *)(base + off[4]);
     be->n_rows = rows;
     be->n_seqs = n_seqs;
     be->bt_stride = bt_stride;
@@ -593,7 +609,7 @@ static void cuda_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int l
     }
     const struct tdm_kv_config *c = tdm_kv_config(kv);
     struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
-    launch_check(be, tdm_cuk_kv_store(be->stream, s->type, k, v, stride, be->d_slots.p, be->n_rows,
+    launch_check(be, tdm_cuk_kv_store(be->stream, s->type, k, v, stride, be->m_slots, be->n_rows,
                                       s->k[layer], s->v[layer], c->num_kv_heads, c->head_dim,
                                       c->block_size));
 }
@@ -624,15 +640,15 @@ static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int 
         .out = out,
         .k_cache = s->k[layer],
         .v_cache = s->v[layer],
-        .seqs = be->d_seqs.p,
-        .block_tables = be->d_bt.p,
+        .seqs = be->m_seqs,
+        .block_tables = be->m_bt,
         .bt_stride = be->bt_stride,
-        .decode_seqs = be->d_dec.p,
+        .decode_seqs = be->m_dec,
         .n_decode = p->n_decode,
         .max_splits = p->max_splits,
         .part_o = be->d_part_o.p,
         .part_ml = be->d_part_ml.p,
-        .prefill_tiles = be->d_tiles.p,
+        .prefill_tiles = be->m_tiles,
         .n_tiles = p->n_tiles,
         .n_heads = n_heads,
         .n_kv_heads = n_kv_heads,

@@ -290,8 +290,7 @@ __global__ void __launch_bounds__(128)
         for (int g = 0; g < GMAX; g++)
             acc[g] = 0.0f;
         for (int j = 0; j < nk; j++) {
-            float v =
-                kv_load(&kv_row(v_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD)[d]);
+            float v = kv_load(&kv_row(v_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD)[d]);
             for (int g = 0; g < ng; g++)
                 acc[g] += sc[g][j] * v;
         }
@@ -345,8 +344,10 @@ __global__ void __launch_bounds__(128)
                         int block_size, float scale)
 {
     constexpr int BQ = TDM_CUK_PREFILL_BQ, BK = TDM_CUK_PREFILL_BK;
-    __shared__ float qs[BQ][HD];
-    __shared__ float ks[BK][HD];
+    // Rows of q and k padded by one float: the score loop's threads read one
+    // column of several rows at once, which would otherwise hit one bank.
+    __shared__ float qs[BQ][HD + 1];
+    __shared__ float ks[BK][HD + 1];
     __shared__ float vs[BK][HD];
     __shared__ float os[BQ][HD];
     __shared__ float sc[BQ][BK];
