@@ -335,10 +335,11 @@ struct cuda_kv_storage {
     struct tdm_backend *be;
     enum tdm_cuk_kv_type type;
     int num_layers;
-    size_t block_elems; // num_kv_heads * block_size * head_dim
-    size_t elem_bytes;  // 2 (bf16) or 4 (f32)
-    void **k, **v;      // [num_layers] -> device [num_blocks][heads][block_size][head_dim]
-    void *host_block;   // [block_elems * elem_bytes] staging of one block, host
+    size_t block_elems;       // num_kv_heads * block_size * head_dim
+    size_t elem_bytes;        // 2 (bf16) or 4 (f32)
+    void **k, **v;            // [num_layers] -> device [num_blocks][heads][block_size][head_dim]
+    struct dev_buf d_blocks;  // [nblocks] int32 block ids of one export/import, device
+    struct dev_buf d_staging; // [nblocks][block_elems] f32, device
 };
 
 static void kvs_free(struct tdm_kv_storage *st)
@@ -354,7 +355,8 @@ static void kvs_free(struct tdm_kv_storage *st)
     }
     free(s->k);
     free(s->v);
-    free(s->host_block);
+    buf_free(s->be, &s->d_blocks);
+    buf_free(s->be, &s->d_staging);
     free(s);
 }
 
@@ -368,40 +370,32 @@ static void *kvs_layer_v(struct tdm_kv_storage *st, int layer)
     return ((struct cuda_kv_storage *)st)->v[layer];
 }
 
-// One block of one pool to host f32, or host f32 into one block.
-static int kvs_block_out(struct cuda_kv_storage *s, const void *pool, int block, float *dst)
+// Export/import: the block ids go to the device, a kernel gathers the blocks
+// into (or scatters them from) an f32 staging buffer in the transfer layout,
+// and one copy per pool moves it to or from the host.
+static int kvs_stage(struct cuda_kv_storage *s, const int *blocks, int nblocks)
 {
-    size_t bytes = s->block_elems * s->elem_bytes;
-    const uint8_t *src = (const uint8_t *)pool + (size_t)block * bytes;
-    if (s->type == TDM_CUK_KV_F32)
-        return tdm_cuda_dev_d2h(s->be->dev, dst, src, bytes);
-    int rc = tdm_cuda_dev_d2h(s->be->dev, s->host_block, src, bytes);
-    const uint16_t *h = s->host_block;
-    for (size_t i = 0; rc == TDM_OK && i < s->block_elems; i++)
-        dst[i] = tdm_bf16_to_f32(h[i]);
-    return rc;
-}
-
-static int kvs_block_in(struct cuda_kv_storage *s, void *pool, int block, const float *src)
-{
-    size_t bytes = s->block_elems * s->elem_bytes;
-    uint8_t *dst = (uint8_t *)pool + (size_t)block * bytes;
-    if (s->type == TDM_CUK_KV_F32)
-        return tdm_cuda_dev_h2d(s->be->dev, dst, src, bytes);
-    uint16_t *h = s->host_block;
-    for (size_t i = 0; i < s->block_elems; i++)
-        h[i] = tdm_f32_to_bf16(src[i]);
-    return tdm_cuda_dev_h2d(s->be->dev, dst, h, bytes);
+    struct tdm_backend *be = s->be;
+    if (buf_reserve(be, &s->d_blocks, (size_t)nblocks * sizeof(int32_t)) ||
+        buf_reserve(be, &s->d_staging, (size_t)nblocks * s->block_elems * sizeof(float)))
+        return TDM_ENOMEM;
+    return tdm_cuda_dev_h2d(be->dev, s->d_blocks.p, blocks, (size_t)nblocks * sizeof(int32_t));
 }
 
 static int kvs_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
                       float *k_out, float *v_out)
 {
     struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
-    for (int i = 0; i < nblocks; i++)
-        if (kvs_block_out(s, s->k[layer], blocks[i], k_out + (size_t)i * s->block_elems) ||
-            kvs_block_out(s, s->v[layer], blocks[i], v_out + (size_t)i * s->block_elems))
-            return TDM_EBACKEND;
+    void *stream = s->be->stream;
+    size_t bytes = (size_t)nblocks * s->block_elems * sizeof(float);
+    if (kvs_stage(s, blocks, nblocks) != TDM_OK ||
+        tdm_cuk_kv_gather(stream, s->type, s->k[layer], s->d_blocks.p, nblocks, s->block_elems,
+                          s->d_staging.p) != TDM_CUK_OK ||
+        tdm_cuda_dev_d2h(s->be->dev, k_out, s->d_staging.p, bytes) != TDM_OK ||
+        tdm_cuk_kv_gather(stream, s->type, s->v[layer], s->d_blocks.p, nblocks, s->block_elems,
+                          s->d_staging.p) != TDM_CUK_OK ||
+        tdm_cuda_dev_d2h(s->be->dev, v_out, s->d_staging.p, bytes) != TDM_OK)
+        return TDM_EBACKEND;
     return TDM_OK;
 }
 
@@ -409,10 +403,19 @@ static int kvs_import(struct tdm_kv_storage *st, int layer, const int *blocks, i
                       const float *k_in, const float *v_in)
 {
     struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
-    for (int i = 0; i < nblocks; i++)
-        if (kvs_block_in(s, s->k[layer], blocks[i], k_in + (size_t)i * s->block_elems) ||
-            kvs_block_in(s, s->v[layer], blocks[i], v_in + (size_t)i * s->block_elems))
-            return TDM_EBACKEND;
+    void *stream = s->be->stream;
+    size_t bytes = (size_t)nblocks * s->block_elems * sizeof(float);
+    // h2d returns once the host data is consumed, and the scatter is stream
+    // ordered before the next copy reuses the staging buffer.
+    if (kvs_stage(s, blocks, nblocks) != TDM_OK ||
+        tdm_cuda_dev_h2d(s->be->dev, s->d_staging.p, k_in, bytes) != TDM_OK ||
+        tdm_cuk_kv_scatter(stream, s->type, s->k[layer], s->d_blocks.p, nblocks, s->block_elems,
+                           s->d_staging.p) != TDM_CUK_OK ||
+        tdm_cuda_dev_h2d(s->be->dev, s->d_staging.p, v_in, bytes) != TDM_OK ||
+        tdm_cuk_kv_scatter(stream, s->type, s->v[layer], s->d_blocks.p, nblocks, s->block_elems,
+                           s->d_staging.p) != TDM_CUK_OK ||
+        tdm_cuda_dev_sync(s->be->dev) != TDM_OK)
+        return TDM_EBACKEND;
     return TDM_OK;
 }
 
@@ -472,8 +475,7 @@ static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_confi
     size_t layer_bytes = s->block_elems * s->elem_bytes * (size_t)cfg->num_blocks;
     s->k = calloc((size_t)cfg->num_layers, sizeof *s->k);
     s->v = calloc((size_t)cfg->num_layers, sizeof *s->v);
-    s->host_block = malloc(s->block_elems * s->elem_bytes);
-    if (!s->k || !s->v || !s->host_block) {
+    if (!s->k || !s->v) {
         kvs_free(&s->base);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda kv: out of memory");
     }

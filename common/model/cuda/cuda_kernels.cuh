@@ -191,6 +191,28 @@ __global__ void kv_store_kernel(const float *k, const float *v, int stride, cons
     }
 }
 
+// grid (nblocks), any block: whole blocks of one layer's pool to or from f32
+// rows in block-list order (the KV transfer layout: export and import).
+template <class KV>
+__global__ void kv_gather_kernel(const KV *pool, const int32_t *blocks, size_t block_elems,
+                                 float *out)
+{
+    const KV *src = pool + (size_t)blocks[blockIdx.x] * block_elems;
+    float *dst = out + (size_t)blockIdx.x * block_elems;
+    for (size_t i = threadIdx.x; i < block_elems; i += blockDim.x)
+        dst[i] = kv_load(&src[i]);
+}
+
+template <class KV>
+__global__ void kv_scatter_kernel(KV *pool, const int32_t *blocks, size_t block_elems,
+                                  const float *in)
+{
+    KV *dst = pool + (size_t)blocks[blockIdx.x] * block_elems;
+    const float *src = in + (size_t)blockIdx.x * block_elems;
+    for (size_t i = threadIdx.x; i < block_elems; i += blockDim.x)
+        kv_put(&dst[i], src[i]);
+}
+
 // Address of position pos of KV head kvh in a paged layer.
 template <class KV>
 __device__ __forceinline__ const KV *kv_row(const KV *cache, const int32_t *bt, int pos,

@@ -119,6 +119,13 @@ int tdm_cuk_to_bf16(void *stream, const float *x, uint16_t *y, size_t count);
 int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int stride,
                      const int32_t *slots, int n, void *k_cache, void *v_cache, int n_kv_heads,
                      int head_dim, int block_size);
+// out[i][block_elems] = f32 of pool block blocks[i], i < n (export), and the
+// reverse: pool block blocks[i] = in[i] rounded to the pool's type (import).
+// block_elems = n_kv_heads * block_size * head_dim.
+int tdm_cuk_kv_gather(void *stream, int type, const void *pool, const int32_t *blocks, int n,
+                      size_t block_elems, float *out);
+int tdm_cuk_kv_scatter(void *stream, int type, void *pool, const int32_t *blocks, int n,
+                       size_t block_elems, const float *in);
 // Causal GQA attention over the paged cache (see struct tdm_cuk_attn_args);
 // head_dim 16, 32, 64 or 128 (Qwen2.5 and Llama 3 use 64 and 128; 16 and 32
 // serve the tiny test models), any n_heads divisible by n_kv_heads.

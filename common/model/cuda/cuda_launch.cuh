@@ -223,6 +223,38 @@ int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int
     return tdm_cuk::launched("kv_store");
 }
 
+int tdm_cuk_kv_gather(void *stream, int type, const void *pool, const int32_t *blocks, int n,
+                      size_t block_elems, float *out)
+{
+    if (n <= 0 || block_elems == 0)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_gather: %d blocks of %zu", n, block_elems);
+    if (type == TDM_CUK_KV_F32)
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_gather_kernel<float>, dim3((unsigned)n), dim3(256), 0, stream,
+                        (const float *)pool, blocks, block_elems, out);
+    else if (type == TDM_CUK_KV_BF16)
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_gather_kernel<uint16_t>, dim3((unsigned)n), dim3(256), 0,
+                        stream, (const uint16_t *)pool, blocks, block_elems, out);
+    else
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_gather: unknown KV type %d", type);
+    return tdm_cuk::launched("kv_gather");
+}
+
+int tdm_cuk_kv_scatter(void *stream, int type, void *pool, const int32_t *blocks, int n,
+                       size_t block_elems, const float *in)
+{
+    if (n <= 0 || block_elems == 0)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_scatter: %d blocks of %zu", n, block_elems);
+    if (type == TDM_CUK_KV_F32)
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_scatter_kernel<float>, dim3((unsigned)n), dim3(256), 0, stream,
+                        (float *)pool, blocks, block_elems, in);
+    else if (type == TDM_CUK_KV_BF16)
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_scatter_kernel<uint16_t>, dim3((unsigned)n), dim3(256), 0,
+                        stream, (uint16_t *)pool, blocks, block_elems, in);
+    else
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_scatter: unknown KV type %d", type);
+    return tdm_cuk::launched("kv_scatter");
+}
+
 int tdm_cuk_attention(void *stream, const struct tdm_cuk_attn_args *a)
 {
     if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->block_size <= 0 ||

@@ -408,6 +408,35 @@ static void test_kv_capacity(void **state)
     tdm_model_free(mc);
 }
 
+// bf16 device pools: export -> import into a fresh cache -> export gives the
+// same bytes (the transfer format is f32; bf16 values widen exactly).
+static void test_export_import_bf16(void **state)
+{
+    (void)state;
+    struct tdm_model *m = load(gqa7_dir, "cuda", "bf16");
+    int vocab = tdm_model_config(m)->vocab_size, layers = tdm_model_config(m)->num_hidden_layers;
+    struct tdm_kv_cache *a = new_kv(m), *b = new_kv(m);
+    int32_t h[64];
+    make_prompt(h, 40, vocab, 4);
+    float *l = malloc((size_t)vocab * sizeof(float));
+    struct tdm_kv_seq sa, sb;
+    tdm_kv_seq_init(&sa), tdm_kv_seq_init(&sb);
+    step(m, a, &sa, h, 0, 40, l);
+    assert_int_equal(tdm_kv_reserve(b, &sb, 40), TDM_OK);
+    size_t bytes = tdm_kv_layer_bytes(a, sa.num_blocks);
+    unsigned char *x = malloc(bytes), *y = malloc(bytes);
+    for (int layer = 0; layer < layers; layer++) {
+        assert_int_equal(tdm_kv_export_layer(a, &sa, layer, 0, sa.num_blocks, x, bytes), TDM_OK);
+        assert_int_equal(tdm_kv_import_layer(b, &sb, layer, 0, sb.num_blocks, x, bytes), TDM_OK);
+        assert_int_equal(tdm_kv_export_layer(b, &sb, layer, 0, sb.num_blocks, y, bytes), TDM_OK);
+        assert_memory_equal(x, y, bytes);
+    }
+    tdm_kv_seq_release(a, &sa), tdm_kv_seq_release(b, &sb);
+    tdm_kv_free(a), tdm_kv_free(b);
+    free(x), free(y), free(l);
+    tdm_model_free(m);
+}
+
 static void test_errors(void **state)
 {
     (void)state;
@@ -470,11 +499,11 @@ int main(void)
     }
 #endif
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_greedy_tiny_f32),  cmocka_unit_test(test_greedy_tiny_bf16),
-        cmocka_unit_test(test_greedy_gqa7_f32),  cmocka_unit_test(test_greedy_gqa7_bf16),
-        cmocka_unit_test(test_batch_invariance), cmocka_unit_test(test_export_import),
-        cmocka_unit_test(test_device_flag),      cmocka_unit_test(test_kv_capacity),
-        cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_greedy_tiny_f32),    cmocka_unit_test(test_greedy_tiny_bf16),
+        cmocka_unit_test(test_greedy_gqa7_f32),    cmocka_unit_test(test_greedy_gqa7_bf16),
+        cmocka_unit_test(test_batch_invariance),   cmocka_unit_test(test_export_import),
+        cmocka_unit_test(test_export_import_bf16), cmocka_unit_test(test_device_flag),
+        cmocka_unit_test(test_kv_capacity),        cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -556,6 +556,43 @@ static void test_attention(void **state)
         run_attention_case(&cases[i]);
 }
 
+// Export/import kernels: blocks in list order, widened exactly from bf16 and
+// rounded to nearest even into it; other blocks untouched.
+static void test_kv_gather_scatter(void **state)
+{
+    (void)state;
+    enum { NB = 6, BE = 40 };
+    uint16_t pool[NB * BE], back[NB * BE];
+    for (int i = 0; i < NB * BE; i++)
+        pool[i] = bf16_bits(frand());
+    int32_t list[3] = {4, 1, 3};
+    float out[3 * BE], in[2 * BE];
+    uint16_t *d_pool = to_dev(pool, sizeof pool);
+    int32_t *d_list = to_dev(list, sizeof list);
+    float *d_buf = dev_zeros(sizeof out);
+    ok(tdm_cuk_kv_gather(stream, TDM_CUK_KV_BF16, d_pool, d_list, 3, BE, d_buf));
+    from_dev(out, d_buf, sizeof out);
+    for (int b = 0; b < 3; b++)
+        for (int i = 0; i < BE; i++)
+            assert_true(out[b * BE + i] == bf16_value(pool[list[b] * BE + i]));
+    fill(in, 2 * BE, 3.0f);
+    int32_t list2[2] = {5, 0};
+    assert_int_equal(tdm_cuda_dev_h2d(dev, d_list, list2, sizeof list2), TDM_OK);
+    assert_int_equal(tdm_cuda_dev_h2d(dev, d_buf, in, sizeof in), TDM_OK);
+    ok(tdm_cuk_kv_scatter(stream, TDM_CUK_KV_BF16, d_pool, d_list, 2, BE, d_buf));
+    from_dev(back, d_pool, sizeof back);
+    for (int i = 0; i < NB * BE; i++) {
+        int blk = i / BE;
+        uint16_t want = blk == 5   ? bf16_bits(in[i % BE])
+                        : blk == 0 ? bf16_bits(in[BE + i % BE])
+                                   : pool[i];
+        assert_int_equal(back[i], want);
+    }
+    assert_int_equal(tdm_cuk_kv_gather(stream, TDM_CUK_KV_BF16, d_pool, d_list, 0, BE, d_buf),
+                     TDM_CUK_EINVAL);
+    tdm_cuda_dev_free(dev, d_pool), tdm_cuda_dev_free(dev, d_list), tdm_cuda_dev_free(dev, d_buf);
+}
+
 static void test_attention_errors(void **state)
 {
     (void)state;
@@ -622,6 +659,7 @@ int main(void)
         cmocka_unit_test(test_gemm),
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_errors),
+        cmocka_unit_test(test_kv_gather_scatter),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
