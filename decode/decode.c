@@ -523,6 +523,7 @@ int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_
     mo.num_threads = cfg->threads;
     mo.max_batch_tokens = cfg->max_num_batched_tokens;
     mo.max_batch_seqs = cfg->max_num_seqs;
+    mo.enforce_eager = cfg->enforce_eager;
     int rc = tdm_model_opts_set_device(&mo, cfg->device, err, errlen);
     if (rc == TDM_OK)
         rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);

@@ -117,6 +117,9 @@ static void test_device(void **state)
 
     // The GPU memory flags (vLLM's names).
     assert_true(c.gpu_memory_utilization == 0.9);
+    assert_false(c.enforce_eager);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--enforce-eager"), TDM_OK);
+    assert_true(c.enforce_eager);
     assert_int_equal(parse(&c, err, sizeof err, 7, "--model", "/m", "--gpu-memory-utilization",
                            "0.5", "--num-gpu-blocks-override", "100"),
                      TDM_OK);

@@ -48,6 +48,7 @@ struct tdm_attn_seq {
     int n_tokens;         // new tokens
     int start_pos;        // position of the first new token
     const int *block_table;
+    bool pad;             // a padding row of a graph bucket: no KV write, output unused
 };
 
 struct tdm_backend;
@@ -101,6 +102,17 @@ struct tdm_backend_ops {
     // forward, which then receive the same seqs.
     int (*begin_forward)(struct tdm_backend *be, struct tdm_kv_cache *kv,
                          const struct tdm_attn_seq *seqs, int n_seqs);
+    // Optional (NULL: every step runs eagerly): CUDA graphs for decode steps.
+    // The model calls graph_begin instead of begin_forward for a step whose
+    // sequences all decode one token, padded to a bucket of n_seqs (1, 2, 4,
+    // 8, ... rows, padding rows marked pad). *replay true: a graph of this
+    // bucket is ready and the model skips its ops up to graph_end, which
+    // launches it; false: the model issues its ops as usual (recorded into a
+    // new graph, or run eagerly the first time a bucket is seen, which sizes
+    // the buffers the graph will use), then graph_end.
+    int (*graph_begin)(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                       const struct tdm_attn_seq *seqs, int n_seqs, bool *replay);
+    int (*graph_end)(struct tdm_backend *be);
 
     // y[n][w->rows] = x[n][w->cols] . w^T (+ bias[w->rows] when bias != NULL).
     void (*matmul)(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,

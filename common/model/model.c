@@ -77,6 +77,7 @@ struct tdm_model {
     float *logits_be;           // [T][vocab] backend memory; NULL on a host-memory backend,
                                 // which writes the caller's logits directly
     struct tdm_attn_seq *aseqs; // [max_batch_seqs]
+    int pad_table[1];           // block table of a graph bucket's padding rows (block 0, read only)
 };
 
 // ---- options ---------------------------------------------------------------------------
@@ -653,6 +654,7 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
 
     // Pack rows: token ids, positions and each sequence's slice.
     int row = 0;
+    bool all_decode = true;
     for (int s = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         m->aseqs[s] = (struct tdm_attn_seq){.row = row,
@@ -664,18 +666,50 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             m->pos[row] = q->start_pos + i;
             row++;
         }
+        all_decode &= q->n_tokens == 1 && q->logits == TDM_LOGITS_LAST;
     }
 
     bool any_hook = false;
     for (int s = 0; s < n_seqs; s++)
         any_hook |= seqs[s].on_layer != NULL;
+
+    // A decode-only step runs as a CUDA graph of its padded bucket (vLLM's
+    // cudagraph capture sizes): rows n_seqs .. bucket-1 are padding (token 0
+    // at position 0, no KV write) whose outputs are never read.
+    bool graph = ops->graph_begin != NULL && !m->opts.enforce_eager && all_decode && !any_hook;
+    int n_seqs_run = n_seqs;
+    if (graph) {
+        int bucket = 1;
+        while (bucket < n_seqs)
+            bucket *= 2;
+        if (bucket > m->opts.max_batch_seqs || bucket > m->opts.max_batch_tokens)
+            bucket = n_seqs;
+        for (int s = n_seqs; s < bucket; s++) {
+            m->aseqs[s] = (struct tdm_attn_seq){
+                .row = s, .n_tokens = 1, .start_pos = 0, .block_table = m->pad_table, .pad = true};
+            m->ids[s] = 0;
+            m->pos[s] = 0;
+        }
+        n_seqs_run = bucket;
+        n = bucket;
+        n_logit_rows = bucket; // the padding rows' logits are computed, never copied out
+    }
+    int n_logit_real = graph ? n_seqs : n_logit_rows;
     if (!ops->host_memory) {
         if ((rc = ops->upload(be, m->ids_be, m->ids, (size_t)n * sizeof(int32_t))) != TDM_OK ||
             (rc = ops->upload(be, m->pos_be, m->pos, (size_t)n * sizeof(int32_t))) != TDM_OK)
             return rc;
     }
-    if (ops->begin_forward && (rc = ops->begin_forward(be, kv, m->aseqs, n_seqs)) != TDM_OK)
+    bool replay = false;
+    if (graph) {
+        if ((rc = ops->graph_begin(be, kv, m->aseqs, n_seqs_run, &replay)) != TDM_OK)
+            return rc;
+        if (replay)
+            goto graph_done;
+    } else if (ops->begin_forward &&
+               (rc = ops->begin_forward(be, kv, m->aseqs, n_seqs)) != TDM_OK) {
         return rc;
+    }
 
     ops->embed(be, &m->embed, m->ids_be, n, m->x);
     for (int l = 0; l < c->num_hidden_layers; l++) {
@@ -687,7 +721,7 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         // the n_heads query heads and the n_kv_heads key heads.
         ops->rope(be, m->qkv, n, m->qkv_dim, c->num_attention_heads + c->num_key_value_heads, hd,
                   m->pos_be, m->inv_freq);
-        ops->kv_store(be, kv, l, m->aseqs, n_seqs, m->qkv + m->q_dim, m->qkv + m->q_dim + m->kv_dim,
+        ops->kv_store(be, kv, l, m->aseqs, n_seqs_run, m->qkv + m->q_dim, m->qkv + m->q_dim + m->kv_dim,
                       m->qkv_dim);
         // Layer l's KV is in the cache (ops are synchronous, or stream-ordered
         // with the storage's copies out of the cache): a hook may hand it to a
@@ -695,7 +729,7 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         for (int s = 0; any_hook && s < n_seqs; s++)
             if (seqs[s].on_layer)
                 seqs[s].on_layer(seqs[s].layer_arg, l);
-        ops->attention(be, kv, l, m->aseqs, n_seqs, m->qkv, m->qkv_dim, m->attn,
+        ops->attention(be, kv, l, m->aseqs, n_seqs_run, m->qkv, m->qkv_dim, m->attn,
                        c->num_attention_heads, c->num_key_value_heads, hd, scale);
         ops->matmul(be, &L->o, NULL, m->attn, m->h, n);
         ops->add(be, m->x, m->h, (size_t)n * (size_t)hidden);
@@ -709,9 +743,12 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
     if (n_logit_rows == 0)
         return ops->sync ? ops->sync(be) : TDM_OK;
 
-    // Gather the rows that want logits (in batch order) into h, then norm and head.
+    // Gather the rows that want logits (in batch order) into h, then norm and
+    // head. A graph step's rows all want logits, in order: one copy.
+    if (graph && (rc = ops->copy(be, m->h, m->x, (size_t)n * hidden * sizeof(float))) != TDM_OK)
+        return rc;
     int out_row = 0;
-    for (int s = 0; s < n_seqs; s++) {
+    for (int s = 0; !graph && s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         int first = m->aseqs[s].row, count = 0;
         if (q->logits == TDM_LOGITS_LAST) {
@@ -738,8 +775,11 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         ops->matmul(be, head, NULL, m->h, logits, n_logit_rows);
         return TDM_OK;
     }
-    // Logits reach the host once per step; sampling stays on the host.
     ops->matmul(be, head, NULL, m->h, m->logits_be, n_logit_rows);
+graph_done:
+    if (graph && (rc = ops->graph_end(be)) != TDM_OK)
+        return rc;
+    // Logits reach the host once per step; sampling stays on the host.
     return ops->download(be, logits, m->logits_be,
-                         (size_t)n_logit_rows * (size_t)c->vocab_size * sizeof(float));
+                         (size_t)n_logit_real * (size_t)c->vocab_size * sizeof(float));
 }

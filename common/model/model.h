@@ -28,6 +28,7 @@ struct tdm_model_opts {
     int max_batch_seqs;    // sequences per forward step; default 64
     const char *backend;   // "cpu" (default) or "cuda" when built with TANDEM_CUDA
     int device;            // accelerator ordinal for "cuda" (--device cuda:N); default 0
+    bool enforce_eager;    // --enforce-eager: no CUDA graphs (vLLM's flag); default false
 };
 void tdm_model_opts_default(struct tdm_model_opts *o);
 // Sets o->backend and o->device from a --device value (vLLM's flag): "cpu",

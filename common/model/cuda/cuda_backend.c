@@ -38,6 +38,10 @@
 #include "cuda_dev.h"
 #include "cuda_kernels.h"
 
+// Graphs kept at once (bucket sizes x sequence-length buckets); the least
+// recently used is dropped beyond this.
+#define TDM_CUDA_GRAPH_SLOTS 32
+
 // A growable device buffer (staging, scratch).
 struct dev_buf {
     void *p;
@@ -68,6 +72,22 @@ struct tdm_backend {
     const struct tdm_cuk_seq *m_seqs;
     struct tdm_cuk_plan plan;
     int bt_stride;
+
+    // CUDA graphs of decode steps, one per (rows, block-table width, splits,
+    // KV storage); gen counts buffer moves, and a graph captured under an
+    // older gen is stale (recaptured).
+    struct graph_slot {
+        int rows, bt_stride, splits;
+        const struct tdm_kv_storage *kvs;
+        void *graph;  // NULL until captured
+        unsigned gen; // be->gen at capture
+        unsigned long long last_use;
+    } graphs[TDM_CUDA_GRAPH_SLOTS];
+    unsigned gen;
+    unsigned long long tick;
+    int graph_cur;      // slot of the step between graph_begin and graph_end, -1 if none
+    int graph_mode;     // 0 eager warm-up, 1 capturing, 2 replay
+    unsigned graph_gen; // be->gen when the capture began
 };
 
 static void fail(struct tdm_backend *be, int code, const char *fmt, const char *detail)
@@ -100,6 +120,7 @@ static int buf_reserve(struct tdm_backend *be, struct dev_buf *b, size_t bytes)
     tdm_cuda_dev_free(be->dev, b->p);
     b->p = p;
     b->bytes = want;
+    be->gen++; // a captured graph that used the old buffer is stale
     return TDM_OK;
 }
 
@@ -125,6 +146,7 @@ static int cuda_create(struct tdm_backend **out, int num_threads, int device, ch
         return rc;
     }
     be->stream = tdm_cuda_dev_stream(be->dev);
+    be->graph_cur = -1;
     be->kv_type = TDM_CUK_KV_BF16;
     const char *kvd = getenv("TANDEM_CUDA_KV_DTYPE");
     if (kvd && *kvd) {
@@ -148,6 +170,8 @@ static void cuda_destroy(struct tdm_backend *be)
     if (be == NULL)
         return;
     buf_free(be, &be->xb);
+    for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++)
+        tdm_cuda_dev_graph_free(be->dev, be->graphs[i].graph);
     buf_free(be, &be->d_meta);
     free(be->h_meta);
     buf_free(be, &be->d_part_o);
@@ -355,6 +379,7 @@ static void kvs_free(struct tdm_kv_storage *st)
     }
     free(s->k);
     free(s->v);
+    s->be->gen++; // graphs that addressed this pool are stale
     buf_free(s->be, &s->d_blocks);
     buf_free(s->be, &s->d_staging);
     free(s);
@@ -509,8 +534,11 @@ static bool grow(void **p, int *cap, int n, size_t sz)
     return true;
 }
 
-static int cuda_begin_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
-                              const struct tdm_attn_seq *seqs, int n_seqs)
+// Stages the attention metadata of a forward. fixed_bt_stride / fixed_splits
+// (0 = as the batch needs) give a graph step its bucket's fixed shapes.
+static int stage_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                         const struct tdm_attn_seq *seqs, int n_seqs, int fixed_bt_stride,
+                         int fixed_splits)
 {
     const struct tdm_kv_config *c = tdm_kv_config(kv);
     if (tdm_kv_storage(kv)->ops != &kvs_ops) {
@@ -525,6 +553,8 @@ static int cuda_begin_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
         rows += seqs[s].n_tokens;
         tiles += (seqs[s].n_tokens + TDM_CUK_PREFILL_BQ - 1) / TDM_CUK_PREFILL_BQ;
     }
+    if (fixed_bt_stride > 0)
+        bt_stride = fixed_bt_stride;
     bool ok = grow((void **)&be->h_slots, &be->cap_rows, rows, sizeof(int32_t)) &&
               grow((void **)&be->h_bt, &be->cap_bt, n_seqs * bt_stride, sizeof(int32_t)) &&
               grow((void **)&be->h_tiles, &be->cap_tiles, 2 * tiles, sizeof(int32_t));
@@ -550,7 +580,7 @@ static int cuda_begin_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
             be->h_bt[s * bt_stride + b] = b < nb ? q->block_table[b] : 0;
         for (int i = 0; i < q->n_tokens; i++) {
             int pos = q->start_pos + i;
-            be->h_slots[q->row + i] = q->block_table[pos / bs] * bs + pos % bs;
+            be->h_slots[q->row + i] = q->pad ? -1 : q->block_table[pos / bs] * bs + pos % bs;
         }
         be->h_row[s] = q->row;
         be->h_ntok[s] = q->n_tokens;
@@ -561,6 +591,8 @@ static int cuda_begin_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
         fail(be, TDM_EINVAL, "begin_forward: %s", tdm_cuk_errmsg());
         return take_err(be);
     }
+    if (fixed_splits > 0 && fixed_splits >= be->plan.max_splits)
+        be->plan.max_splits = fixed_splits;
     // One packed copy: slots, block tables, seqs, decode list, tiles.
     const void *src[5] = {be->h_slots, be->h_bt, be->h_seqs, be->h_dec, be->h_tiles};
     size_t len[5] = {(size_t)rows * sizeof(int32_t), (size_t)n_seqs * bt_stride * sizeof(int32_t),
@@ -596,6 +628,121 @@ static int cuda_begin_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
     be->n_rows = rows;
     be->n_seqs = n_seqs;
     be->bt_stride = bt_stride;
+    return be->err;
+}
+
+static int cuda_begin_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                              const struct tdm_attn_seq *seqs, int n_seqs)
+{
+    return stage_forward(be, kv, seqs, n_seqs, 0, 0);
+}
+
+// ---- CUDA graphs -------------------------------------------------------------------------------
+static int pow2_at_least(int x)
+{
+    int p = 1;
+    while (p < x)
+        p *= 2;
+    return p;
+}
+
+static void graph_drop(struct tdm_backend *be, struct graph_slot *g)
+{
+    tdm_cuda_dev_graph_free(be->dev, g->graph);
+    memset(g, 0, sizeof *g);
+}
+
+// A decode step's graph: its key is the padded row count, the block-table
+// width and split count rounded up to powers of two (so a sequence growing
+// past one needs a new graph only log-many times), and the KV pool.
+static int cuda_graph_begin(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                            const struct tdm_attn_seq *seqs, int n_seqs, bool *replay)
+{
+    *replay = false;
+    be->graph_cur = -1;
+    const struct tdm_kv_config *c = tdm_kv_config(kv);
+    int max_len = 1;
+    for (int s = 0; s < n_seqs; s++) {
+        if (seqs[s].n_tokens != 1) {
+            fail(be, TDM_EINVAL, "graph_begin: %s", "a graph step decodes one token per sequence");
+            return take_err(be);
+        }
+        max_len = seqs[s].start_pos + 1 > max_len ? seqs[s].start_pos + 1 : max_len;
+    }
+    int bt_stride = pow2_at_least((max_len + c->block_size - 1) / c->block_size);
+    int splits = pow2_at_least(tdm_cuk_decode_splits(max_len));
+    int rc = stage_forward(be, kv, seqs, n_seqs, bt_stride, splits);
+    if (rc != TDM_OK)
+        return rc;
+    const struct tdm_kv_storage *kvs = tdm_kv_storage(kv);
+    int slot = -1, lru = 0;
+    for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++) {
+        struct graph_slot *g = &be->graphs[i];
+        if (g->rows == n_seqs && g->bt_stride == bt_stride && g->splits == splits &&
+            g->kvs == kvs) {
+            slot = i;
+            break;
+        }
+        if (g->last_use < be->graphs[lru].last_use)
+            lru = i;
+    }
+    if (slot < 0) {
+        // First sight of this bucket: run eagerly, which sizes every buffer
+        // the graph will use, and capture next time.
+        slot = lru;
+        graph_drop(be, &be->graphs[slot]);
+        struct graph_slot *g = &be->graphs[slot];
+        g->rows = n_seqs;
+        g->bt_stride = bt_stride;
+        g->splits = splits;
+        g->kvs = kvs;
+        be->graph_mode = 0;
+    } else if (be->graphs[slot].graph != NULL && be->graphs[slot].gen == be->gen) {
+        be->graph_mode = 2;
+        *replay = true;
+    } else {
+        tdm_cuda_dev_graph_free(be->dev, be->graphs[slot].graph);
+        be->graphs[slot].graph = NULL;
+        if (tdm_cuda_dev_capture_begin(be->dev) != TDM_OK) {
+            fail(be, TDM_EBACKEND, "graph capture: %s", tdm_cuda_dev_errmsg(be->dev));
+            return take_err(be);
+        }
+        be->graph_mode = 1;
+        be->graph_gen = be->gen;
+    }
+    be->graphs[slot].last_use = ++be->tick;
+    be->graph_cur = slot;
+    return TDM_OK;
+}
+
+static int cuda_graph_end(struct tdm_backend *be)
+{
+    if (be->graph_cur < 0) {
+        fail(be, TDM_EINVAL, "graph_end: %s", "no graph_begin");
+        return take_err(be);
+    }
+    struct graph_slot *g = &be->graphs[be->graph_cur];
+    be->graph_cur = -1;
+    if (be->graph_mode == 0)
+        return be->err;
+    if (be->graph_mode == 1) {
+        void *graph = NULL;
+        if (tdm_cuda_dev_capture_end(be->dev, &graph) != TDM_OK) {
+            fail(be, TDM_EBACKEND, "graph capture: %s", tdm_cuda_dev_errmsg(be->dev));
+            return take_err(be);
+        }
+        if (be->gen != be->graph_gen || be->err != TDM_OK) {
+            // A buffer moved (or an op failed) while recording: the graph
+            // must not run; the step failed and the next one recaptures.
+            tdm_cuda_dev_graph_free(be->dev, graph);
+            fail(be, TDM_EBACKEND, "graph capture: %s", "a buffer moved while recording");
+            return take_err(be);
+        }
+        g->graph = graph;
+        g->gen = be->gen;
+    }
+    if (tdm_cuda_dev_graph_launch(be->dev, g->graph) != TDM_OK)
+        fail(be, TDM_EBACKEND, "graph launch: %s", tdm_cuda_dev_errmsg(be->dev));
     return be->err;
 }
 
@@ -678,6 +825,8 @@ const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
     .kv_capacity = cuda_kv_capacity,
     .kv_storage_new = cuda_kv_storage_new,
     .begin_forward = cuda_begin_forward,
+    .graph_begin = cuda_graph_begin,
+    .graph_end = cuda_graph_end,
     .matmul = cuda_matmul,
     .embed = cuda_embed,
     .rmsnorm = cuda_rmsnorm,

@@ -318,6 +318,43 @@ int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, 
     return rc;
 }
 
+// ---- graphs ----------------------------------------------------------------------------------
+int tdm_cuda_dev_capture_begin(struct tdm_cuda_dev *d)
+{
+    // Relaxed: cuBLASLt may query its own state while the stream records.
+    cudaError_t e = cudaStreamBeginCapture(d->stream, cudaStreamCaptureModeRelaxed);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaStreamBeginCapture", e);
+}
+
+int tdm_cuda_dev_capture_end(struct tdm_cuda_dev *d, void **graph)
+{
+    *graph = NULL;
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(d->stream, &g);
+    if (e != cudaSuccess)
+        return cuda_fail(d, "cudaStreamEndCapture", e);
+    cudaGraphExec_t exec = NULL;
+    e = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess)
+        return cuda_fail(d, "cudaGraphInstantiate", e);
+    *graph = (void *)exec;
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_graph_launch(struct tdm_cuda_dev *d, void *graph)
+{
+    cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)graph, d->stream);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaGraphLaunch", e);
+}
+
+void tdm_cuda_dev_graph_free(struct tdm_cuda_dev *d, void *graph)
+{
+    (void)d;
+    if (graph)
+        cudaGraphExecDestroy((cudaGraphExec_t)graph);
+}
+
 const char *tdm_cuda_dev_errmsg(const struct tdm_cuda_dev *d)
 {
     return d->errmsg;

@@ -55,6 +55,16 @@ int tdm_cuda_dev_sync(struct tdm_cuda_dev *d);
 int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, int cols,
                            const uint16_t *x, int n, const float *bias, float *y);
 
+// CUDA graphs: between capture_begin and capture_end the stream's work
+// (kernels, d2d copies, memsets, GEMMs) is recorded into a graph instead of
+// run; graph_launch runs it as one unit. h2d, d2h and sync are errors while
+// capturing. Pointers and sizes are fixed at capture: the caller replays a
+// graph only while every buffer it used is unchanged. TDM_OK or TDM_EBACKEND.
+int tdm_cuda_dev_capture_begin(struct tdm_cuda_dev *d);
+int tdm_cuda_dev_capture_end(struct tdm_cuda_dev *d, void **graph);
+int tdm_cuda_dev_graph_launch(struct tdm_cuda_dev *d, void *graph);
+void tdm_cuda_dev_graph_free(struct tdm_cuda_dev *d, void *graph); // NULL is fine
+
 // The detail of the last failed call on d.
 const char *tdm_cuda_dev_errmsg(const struct tdm_cuda_dev *d);
 

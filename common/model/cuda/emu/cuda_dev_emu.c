@@ -16,6 +16,39 @@ struct tdm_cuda_dev {
     char errmsg[128];
 };
 
+// The emulator's stream capture (emu/cuda_emu.cpp, C linkage).
+void tdm_emu_capture_begin(void);
+void *tdm_emu_capture_end(void);
+int tdm_emu_capturing(void);
+void tdm_emu_stream_work(void (*fn)(void *arg), const void *arg, size_t arg_bytes);
+void tdm_emu_graph_launch(void *graph);
+void tdm_emu_graph_free(void *graph);
+
+// Host <-> device copies and sync are not stream work CUDA can capture.
+static int not_while_capturing(struct tdm_cuda_dev *d, const char *what)
+{
+    if (!tdm_emu_capturing())
+        return TDM_OK;
+    snprintf(d->errmsg, sizeof d->errmsg, "%s while capturing a graph", what);
+    return TDM_EBACKEND;
+}
+
+struct copy_work {
+    void *dst;
+    const void *src;
+    size_t bytes;
+    int byte; // memset value; -1 for a copy
+};
+
+static void run_copy(void *arg)
+{
+    struct copy_work *w = arg;
+    if (w->byte >= 0)
+        memset(w->dst, w->byte, w->bytes);
+    else if (w->bytes)
+        memmove(w->dst, w->src, w->bytes);
+}
+
 int tdm_cuda_dev_count(void)
 {
     return 1;
@@ -77,7 +110,8 @@ void tdm_cuda_dev_free(struct tdm_cuda_dev *d, void *p)
 
 int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
 {
-    (void)d;
+    if (not_while_capturing(d, "h2d copy") != TDM_OK)
+        return TDM_EBACKEND;
     if (bytes)
         memcpy(dst, src, bytes);
     return TDM_OK;
@@ -85,28 +119,65 @@ int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t 
 
 int tdm_cuda_dev_d2h(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
 {
-    return tdm_cuda_dev_h2d(d, dst, src, bytes);
+    if (not_while_capturing(d, "d2h copy") != TDM_OK)
+        return TDM_EBACKEND;
+    if (bytes)
+        memcpy(dst, src, bytes);
+    return TDM_OK;
 }
 
 int tdm_cuda_dev_d2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
 {
     (void)d;
-    if (bytes)
-        memmove(dst, src, bytes);
+    struct copy_work w = {.dst = dst, .src = src, .bytes = bytes, .byte = -1};
+    tdm_emu_stream_work(run_copy, &w, sizeof w);
     return TDM_OK;
 }
 
 int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t bytes)
 {
     (void)d;
-    memset(dst, byte, bytes);
+    struct copy_work w = {.dst = dst, .src = NULL, .bytes = bytes, .byte = byte & 0xff};
+    tdm_emu_stream_work(run_copy, &w, sizeof w);
     return TDM_OK;
 }
 
 int tdm_cuda_dev_sync(struct tdm_cuda_dev *d)
 {
-    (void)d;
+    return not_while_capturing(d, "sync");
+}
+
+int tdm_cuda_dev_capture_begin(struct tdm_cuda_dev *d)
+{
+    if (not_while_capturing(d, "capture_begin") != TDM_OK)
+        return TDM_EBACKEND;
+    tdm_emu_capture_begin();
     return TDM_OK;
+}
+
+int tdm_cuda_dev_capture_end(struct tdm_cuda_dev *d, void **graph)
+{
+    *graph = tdm_emu_capture_end();
+    if (*graph == NULL) {
+        snprintf(d->errmsg, sizeof d->errmsg, "capture_end without capture_begin");
+        return TDM_EBACKEND;
+    }
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_graph_launch(struct tdm_cuda_dev *d, void *graph)
+{
+    if (not_while_capturing(d, "graph launch") != TDM_OK)
+        return TDM_EBACKEND;
+    tdm_emu_graph_launch(graph);
+    return TDM_OK;
+}
+
+void tdm_cuda_dev_graph_free(struct tdm_cuda_dev *d, void *graph)
+{
+    (void)d;
+    if (graph)
+        tdm_emu_graph_free(graph);
 }
 
 static float bf16_f32(uint16_t h)
@@ -117,13 +188,20 @@ static float bf16_f32(uint16_t h)
     return f;
 }
 
-int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, int cols,
-                           const uint16_t *x, int n, const float *bias, float *y)
+struct gemm_work {
+    const uint16_t *w, *x;
+    const float *bias;
+    float *y;
+    int rows, cols, n;
+};
+
+static void run_gemm(void *arg)
 {
-    if (rows <= 0 || cols <= 0 || n <= 0) {
-        snprintf(d->errmsg, sizeof d->errmsg, "gemm: %d x %d weight, n %d", rows, cols, n);
-        return TDM_EINVAL;
-    }
+    const struct gemm_work *g = arg;
+    const uint16_t *w = g->w, *x = g->x;
+    const float *bias = g->bias;
+    float *y = g->y;
+    int rows = g->rows, cols = g->cols, n = g->n;
     for (int t = 0; t < n; t++) {
         const uint16_t *xr = x + (size_t)t * cols;
         for (int r = 0; r < rows; r++) {
@@ -134,6 +212,17 @@ int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, 
             y[(size_t)t * rows + r] = bias ? acc + bias[r] : acc;
         }
     }
+}
+
+int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, int cols,
+                           const uint16_t *x, int n, const float *bias, float *y)
+{
+    if (rows <= 0 || cols <= 0 || n <= 0) {
+        snprintf(d->errmsg, sizeof d->errmsg, "gemm: %d x %d weight, n %d", rows, cols, n);
+        return TDM_EINVAL;
+    }
+    struct gemm_work g = {.w = w, .x = x, .bias = bias, .y = y, .rows = rows, .cols = cols, .n = n};
+    tdm_emu_stream_work(run_gemm, &g, sizeof g);
     return TDM_OK;
 }
 

@@ -264,7 +264,24 @@ void run_block(unsigned nthreads)
 }
 } // namespace
 
+// Work recorded by a capture, in stream order.
+struct emu_graph {
+    std::vector<std::function<void()>> work;
+};
+static emu_graph *capture_graph; // non-NULL while capturing
+
+static void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body);
+
 void launch(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body)
+{
+    if (capture_graph != nullptr) {
+        capture_graph->work.push_back([=]() { run_grid(grid, block, shmem, body); });
+        return;
+    }
+    run_grid(grid, block, shmem, body);
+}
+
+static void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body)
 {
     unsigned nthreads = block.x * block.y * block.z;
     if (shmem != 0)
@@ -330,3 +347,57 @@ unsigned long long blocks_run()
     return S.blocks;
 }
 } // namespace tdm_emu
+
+using tdm_emu::capture_graph;
+using tdm_emu::emu_graph;
+
+extern "C" void tdm_emu_capture_begin(void)
+{
+    if (capture_graph != nullptr)
+        tdm_emu::die("capture begun twice");
+    capture_graph = new emu_graph;
+}
+
+extern "C" void *tdm_emu_capture_end(void)
+{
+    emu_graph *g = capture_graph;
+    capture_graph = nullptr;
+    return g;
+}
+
+extern "C" int tdm_emu_capturing(void)
+{
+    return capture_graph != nullptr;
+}
+
+extern "C" void tdm_emu_stream_work(void (*fn)(void *arg), const void *arg, size_t arg_bytes)
+{
+    if (capture_graph == nullptr) {
+        fn(const_cast<void *>(arg));
+        return;
+    }
+    std::vector<unsigned char> copy((const unsigned char *)arg,
+                                    (const unsigned char *)arg + arg_bytes);
+    capture_graph->work.push_back([fn, copy]() mutable { fn(copy.data()); });
+}
+
+static unsigned long long graph_launches;
+
+extern "C" unsigned long long tdm_emu_graph_launches(void)
+{
+    return graph_launches;
+}
+
+extern "C" void tdm_emu_graph_launch(void *graph)
+{
+    graph_launches++;
+    if (capture_graph != nullptr)
+        tdm_emu::die("graph launched while capturing");
+    for (auto &w : ((emu_graph *)graph)->work)
+        w();
+}
+
+extern "C" void tdm_emu_graph_free(void *graph)
+{
+    delete (emu_graph *)graph;
+}

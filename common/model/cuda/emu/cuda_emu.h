@@ -61,7 +61,29 @@ uint64_t warp_exchange(uint64_t mine, int src);
 int lane_id();
 // Blocks launched since the process started (tests check that work happened).
 unsigned long long blocks_run();
+
+// A kernel and its arguments evaluated now (by value), for launch or capture.
+template <class F, class... A> std::function<void()> bind_args(F f, A... a)
+{
+    return [=]() { f(a...); };
+}
 } // namespace tdm_emu
+
+// Stream capture (CUDA graphs) on the emulator: between begin and end, launches
+// and the emulated device API's stream work are recorded instead of run; a
+// graph replays them in order. C linkage for the emulated device API.
+extern "C" {
+void tdm_emu_capture_begin(void);
+// The recorded work as a graph (NULL if nothing was being captured).
+void *tdm_emu_capture_end(void);
+int tdm_emu_capturing(void);
+// Records fn(arg copy) while capturing (arg_bytes copied now); runs it at once otherwise.
+void tdm_emu_stream_work(void (*fn)(void *arg), const void *arg, size_t arg_bytes);
+void tdm_emu_graph_launch(void *graph);
+void tdm_emu_graph_free(void *graph);
+// Graphs launched since the process started (tests check replays happened).
+unsigned long long tdm_emu_graph_launches(void);
+}
 
 #define threadIdx (::tdm_emu::cur_thread_idx)
 #define blockIdx (::tdm_emu::cur_block_idx)
@@ -147,6 +169,7 @@ static inline float rsqrtf(float x)
 }
 
 #define TDM_CUDA_LAUNCH(kernel, grid, block, shmem, stream, ...)                                   \
-    ((void)(stream), ::tdm_emu::launch((grid), (block), (shmem), [&]() { kernel(__VA_ARGS__); }))
+    ((void)(stream),                                                                               \
+     ::tdm_emu::launch((grid), (block), (shmem), ::tdm_emu::bind_args(kernel, __VA_ARGS__)))
 
 #endif
