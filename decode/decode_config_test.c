@@ -105,8 +105,7 @@ static void test_device(void **state)
     assert_string_equal(c.device, "cpu");
     assert_int_equal(parse(&c, err, sizeof err, 3, "--model", "/m"), TDM_OK);
     assert_string_equal(c.device, "");
-    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--device", "tpu"),
-                     TDM_EINVAL);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--device", "tpu"), TDM_EINVAL);
     assert_string_equal(err, "--device tpu: expected cpu, cuda or cuda:N");
     assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--device", "cuda:x"),
                      TDM_EINVAL);
@@ -125,13 +124,14 @@ static void test_device(void **state)
                      TDM_OK);
     assert_true(c.gpu_memory_utilization == 0.5);
     assert_int_equal(c.num_kv_blocks, 100);
-    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--gpu-memory-utilization",
-                           "1.5"),
-                     TDM_EINVAL);
-    assert_string_equal(err, "--gpu-memory-utilization: expected a fraction in (0, 1], got \"1.5\"");
-    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--num-gpu-blocks-override",
-                           "0"),
-                     TDM_EINVAL);
+    assert_int_equal(
+        parse(&c, err, sizeof err, 5, "--model", "/m", "--gpu-memory-utilization", "1.5"),
+        TDM_EINVAL);
+    assert_string_equal(err,
+                        "--gpu-memory-utilization: expected a fraction in (0, 1], got \"1.5\"");
+    assert_int_equal(
+        parse(&c, err, sizeof err, 5, "--model", "/m", "--num-gpu-blocks-override", "0"),
+        TDM_EINVAL);
 }
 
 static void test_bytes(void **state)
@@ -201,10 +201,9 @@ static void test_config_file(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_defaults),    cmocka_unit_test(test_flags),
-        cmocka_unit_test(test_bad_flags),
-        cmocka_unit_test(test_device),   cmocka_unit_test(test_bytes),
-        cmocka_unit_test(test_config_file),
+        cmocka_unit_test(test_defaults),  cmocka_unit_test(test_flags),
+        cmocka_unit_test(test_bad_flags), cmocka_unit_test(test_device),
+        cmocka_unit_test(test_bytes),     cmocka_unit_test(test_config_file),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1101,9 +1101,8 @@ int tdm_kv_export_layer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, i
         return rc;
     float *k_out = dst;
     float *v_out = k_out + (size_t)nblocks * kv->block_floats;
-    if (nblocks > 0 &&
-        kv->st->ops->export_blocks(kv->st, layer, seq->block_table + first_block, nblocks, k_out, v_out) !=
-            TDM_OK) {
+    if (nblocks > 0 && kv->st->ops->export_blocks(kv->st, layer, seq->block_table + first_block,
+                                                  nblocks, k_out, v_out) != TDM_OK) {
         kv_err(kv, "kv export: the storage failed to copy %d blocks of layer %d", nblocks, layer);
         return TDM_EBACKEND;
     }
@@ -1132,9 +1131,8 @@ int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int lay
     }
     const float *k_in = src;
     const float *v_in = k_in + (size_t)nblocks * kv->block_floats;
-    if (nblocks > 0 &&
-        kv->st->ops->import_blocks(kv->st, layer, seq->block_table + first_block, nblocks, k_in, v_in) !=
-            TDM_OK) {
+    if (nblocks > 0 && kv->st->ops->import_blocks(kv->st, layer, seq->block_table + first_block,
+                                                  nblocks, k_in, v_in) != TDM_OK) {
         kv_err(kv, "kv import: the storage failed to copy %d blocks of layer %d", nblocks, layer);
         return TDM_EBACKEND;
     }

@@ -1086,8 +1086,7 @@ static void test_storage_interface(void **state)
     assert_int_equal(f->last_blocks[0], s.block_table[0]);
     assert_int_equal(f->last_blocks[1], s.block_table[1]);
     // K of block 1 then V (the fake negates V) in the transfer layout.
-    assert_true(buf[f->block_floats] ==
-                f->pool[(8 + (size_t)s.block_table[1]) * f->block_floats]);
+    assert_true(buf[f->block_floats] == f->pool[(8 + (size_t)s.block_table[1]) * f->block_floats]);
     assert_true(buf[2 * f->block_floats] ==
                 -f->pool[(8 + (size_t)s.block_table[0]) * f->block_floats]);
     // A storage failure is the call's error, with the detail.

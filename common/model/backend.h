@@ -48,7 +48,7 @@ struct tdm_attn_seq {
     int n_tokens;         // new tokens
     int start_pos;        // position of the first new token
     const int *block_table;
-    bool pad;             // a padding row of a graph bucket: no KV write, output unused
+    bool pad; // a padding row of a graph bucket: no KV write, output unused
 };
 
 struct tdm_backend;
@@ -90,8 +90,8 @@ struct tdm_backend_ops {
     // how many KV blocks of cfg's geometry fit in `utilization` (vLLM's
     // --gpu-memory-utilization: a fraction of the device's total memory) given
     // what the process already holds on the device (weights, activations).
-    int (*kv_capacity)(struct tdm_backend *be, const struct tdm_kv_config *cfg,
-                       double utilization, int *num_blocks, char *err, size_t errlen);
+    int (*kv_capacity)(struct tdm_backend *be, const struct tdm_kv_config *cfg, double utilization,
+                       int *num_blocks, char *err, size_t errlen);
     // Optional (NULL: the default host f32 pool): a KV storage for cfg in this
     // backend's memory; the caller hands it to tdm_kv_new_with_storage.
     int (*kv_storage_new)(struct tdm_backend *be, const struct tdm_kv_config *cfg,

@@ -93,8 +93,7 @@ void tdm_model_opts_default(struct tdm_model_opts *o)
     o->device = 0;
 }
 
-int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err,
-                              size_t errlen)
+int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err, size_t errlen)
 {
     const struct tdm_backend_ops *cuda = tdm_backend_find("cuda");
     int visible = cuda && cuda->device_count ? cuda->device_count() : 0;
@@ -160,8 +159,8 @@ void tdm_model_kv_config(const struct tdm_model *m, struct tdm_kv_config *cfg)
     cfg->head_dim = m->cfg.head_dim;
 }
 
-int tdm_model_kv_capacity(struct tdm_model *m, const struct tdm_kv_config *cfg,
-                          double utilization, int *num_blocks, char *err, size_t errlen)
+int tdm_model_kv_capacity(struct tdm_model *m, const struct tdm_kv_config *cfg, double utilization,
+                          int *num_blocks, char *err, size_t errlen)
 {
     if (!(utilization > 0.0 && utilization <= 1.0))
         return tdm_seterr(err, errlen, TDM_EINVAL,
@@ -499,8 +498,7 @@ int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_mod
                         m->opts.backend);
         goto fail;
     }
-    if ((rc = m->ops->create(&m->be, m->opts.num_threads, m->opts.device, err, errlen)) !=
-        TDM_OK) {
+    if ((rc = m->ops->create(&m->be, m->opts.num_threads, m->opts.device, err, errlen)) != TDM_OK) {
         m->be = NULL;
         goto fail;
     }
@@ -544,8 +542,8 @@ int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_mod
             goto fail;
         }
         compute_inv_freq(c, inv_freq);
-        rc = upload_vec(m, inv_freq, (size_t)c->head_dim / 2, &m->inv_freq, err, errlen,
-                        "inv_freq");
+        rc =
+            upload_vec(m, inv_freq, (size_t)c->head_dim / 2, &m->inv_freq, err, errlen, "inv_freq");
         free(inv_freq);
         if (rc != TDM_OK)
             goto fail;
@@ -721,8 +719,8 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         // the n_heads query heads and the n_kv_heads key heads.
         ops->rope(be, m->qkv, n, m->qkv_dim, c->num_attention_heads + c->num_key_value_heads, hd,
                   m->pos_be, m->inv_freq);
-        ops->kv_store(be, kv, l, m->aseqs, n_seqs_run, m->qkv + m->q_dim, m->qkv + m->q_dim + m->kv_dim,
-                      m->qkv_dim);
+        ops->kv_store(be, kv, l, m->aseqs, n_seqs_run, m->qkv + m->q_dim,
+                      m->qkv + m->q_dim + m->kv_dim, m->qkv_dim);
         // Layer l's KV is in the cache (ops are synchronous, or stream-ordered
         // with the storage's copies out of the cache): a hook may hand it to a
         // sender while the layers above still compute.

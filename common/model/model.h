@@ -37,8 +37,7 @@ void tdm_model_opts_default(struct tdm_model_opts *o);
 // err saying why for anything else, for cuda in a build without it, and for
 // cuda when no GPU (or not GPU N) is visible: asking for a GPU that is not
 // there is a startup error, never a silent fallback to the CPU.
-int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err,
-                              size_t errlen);
+int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err, size_t errlen);
 
 struct tdm_model;
 
@@ -58,8 +57,8 @@ void tdm_model_kv_config(const struct tdm_model *m, struct tdm_kv_config *cfg);
 // (the CPU: size the pool from a byte budget instead); TDM_ECAPACITY with err
 // saying how much is missing when not even one block fits; TDM_EINVAL for a
 // utilization outside (0, 1].
-int tdm_model_kv_capacity(struct tdm_model *m, const struct tdm_kv_config *cfg,
-                          double utilization, int *num_blocks, char *err, size_t errlen);
+int tdm_model_kv_capacity(struct tdm_model *m, const struct tdm_kv_config *cfg, double utilization,
+                          int *num_blocks, char *err, size_t errlen);
 // A KV cache for cfg whose pool lives where this model's backend computes
 // (host f32 for the CPU backend, device memory for CUDA): what tdm_kv_new is
 // for a host pool. Same errors as tdm_kv_new, plus the backend's (TDM_ENOMEM

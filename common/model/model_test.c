@@ -646,8 +646,7 @@ int main(void)
         cmocka_unit_test(test_export_import),   cmocka_unit_test(test_batch_invariance),
         cmocka_unit_test(test_int8_agrees),     cmocka_unit_test(test_bad_batches),
         cmocka_unit_test(test_load_errors),     cmocka_unit_test(test_layer_hook),
-        cmocka_unit_test(test_runner_errors),
-        cmocka_unit_test(test_device_flag),
+        cmocka_unit_test(test_runner_errors),   cmocka_unit_test(test_device_flag),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
