@@ -24,7 +24,8 @@
 // registered as "cuda" in backend.c, label gpu, exit 77 without a GPU), where
 // the same comparisons also check cuBLASLt's GEMM and its batch invariance.
 // The device-flag and memory-arithmetic tests assume the emulator's one
-// pretend 1 GiB device and run on it only.
+// pretend 1 GiB device and run on it only; the GPU build adds the 0.5B shape
+// vs the CPU backend and batch-of-32 invariance (too slow to emulate).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -35,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "backend.h"
 #include "core.h"
@@ -584,6 +586,129 @@ static void test_errors(void **state)
     tdm_model_free(m);
 }
 
+#ifdef TDM_CUDA_TEST_GPU
+// ---- GPU only: the Qwen2.5-0.5B shape ------------------------------------------------------
+// Too slow for the emulator. The random model is written once into the build
+// folder (about 1 GB).
+static char big_dir[1024];
+
+static void ensure_big_model(void)
+{
+    char path[1100], err[256];
+    snprintf(big_dir, sizeof big_dir, "%s/qwen2.5-0.5b-random-gpu-test", TANDEM_BINARY_DIR);
+    snprintf(path, sizeof path, "%s/model.safetensors", big_dir);
+    struct stat sb;
+    if (stat(path, &sb) == 0)
+        return;
+    struct tdm_mkmodel_spec s;
+    tdm_mkmodel_preset(&s, "qwen2.5-0.5b");
+    if (tdm_mkmodel_write(&s, big_dir, err, sizeof err) != TDM_OK)
+        fail_msg("mkmodel: %s", err);
+}
+
+// The 0.5B shape (14 heads / 2 KV heads, head_dim 64) on the GPU vs the CPU
+// backend: the argmax of every row of a 64-token prefill's second chunk
+// agrees (near-ties within 0.25 excepted).
+static void test_big_prefill_vs_cpu(void **state)
+{
+    (void)state;
+    ensure_big_model();
+    struct tdm_model *mc = load(big_dir, "cpu", "bf16"), *mg = load(big_dir, "cuda", "bf16");
+    int vocab = tdm_model_config(mc)->vocab_size, n = 64, c1 = 40;
+    struct tdm_kv_cache *kc = new_kv(mc), *kg = new_kv(mg);
+    int32_t h[64];
+    make_prompt(h, n, vocab, 77);
+    float *lc = malloc((size_t)(n - c1) * vocab * sizeof(float));
+    float *lg = malloc((size_t)(n - c1) * vocab * sizeof(float));
+    struct tdm_kv_seq sc, sg;
+    tdm_kv_seq_init(&sc), tdm_kv_seq_init(&sg);
+    step(mc, kc, &sc, h, 0, c1, lc);
+    step(mg, kg, &sg, h, 0, c1, lg);
+    step_mode(mc, kc, &sc, h, c1, n - c1, lc, true);
+    step_mode(mg, kg, &sg, h, c1, n - c1, lg, true);
+    int ties = 0;
+    float worst = 0.0f;
+    for (int r = 0; r < n - c1; r++) {
+        const float *rc = lc + (size_t)r * vocab, *rg = lg + (size_t)r * vocab;
+        int a = argmax(rc, vocab), b = argmax(rg, vocab);
+        for (int i = 0; i < vocab; i++)
+            worst = fabsf(rc[i] - rg[i]) > worst ? fabsf(rc[i] - rg[i]) : worst;
+        if (a != b) {
+            if (!(rc[a] - rc[b] <= 0.25f))
+                fail_msg("row %d: cpu picks %d, cuda %d (cpu logits %g vs %g)", r, a, b, rc[a],
+                         rc[b]);
+            ties++;
+        }
+    }
+    printf("0.5B shape: max |logit diff| %g over %d rows, %d near-tie flips\n", worst, n - c1,
+           ties);
+    tdm_kv_seq_release(kc, &sc), tdm_kv_seq_release(kg, &sg);
+    tdm_kv_free(kc), tdm_kv_free(kg);
+    free(lc), free(lg);
+    tdm_model_free(mc), tdm_model_free(mg);
+}
+
+// Batch invariance on the GPU: sequence 0's decode logits alone (graph
+// bucket 1) and inside a batch of 32 (bucket 32), bitwise.
+static void test_big_batch32_invariance(void **state)
+{
+    (void)state;
+    ensure_big_model();
+    struct tdm_model_opts o;
+    struct tdm_model *m = NULL;
+    char err[256];
+    tdm_model_opts_default(&o);
+    o.backend = "cuda";
+    o.max_batch_tokens = 512;
+    o.max_batch_seqs = 32;
+    setenv("TANDEM_CUDA_KV_DTYPE", "bf16", 1);
+    if (tdm_model_load(&m, big_dir, &o, err, sizeof err) != TDM_OK)
+        fail_msg("load: %s", err);
+    int vocab = tdm_model_config(m)->vocab_size;
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 32 * 4 + 8;
+    struct tdm_kv_cache *kv;
+    assert_int_equal(tdm_model_kv_new(m, &kc, &kv, err, sizeof err), TDM_OK);
+    enum { B = 32 };
+    static int32_t h[B][64];
+    struct tdm_kv_seq sq[B];
+    float *l = malloc((size_t)B * vocab * sizeof(float));
+    float *alone = malloc((size_t)vocab * sizeof(float));
+    for (int s = 0; s < B; s++) {
+        int len = 10 + s;
+        make_prompt(h[s], len + 1, vocab, 100 + (uint32_t)s);
+        tdm_kv_seq_init(&sq[s]);
+        step(m, kv, &sq[s], h[s], 0, len, l);
+    }
+    struct tdm_batch_seq b[B];
+    for (int s = 0; s < B; s++) {
+        int pos = 10 + s;
+        assert_int_equal(tdm_kv_reserve(kv, &sq[s], pos + 1), TDM_OK);
+        b[s] = (struct tdm_batch_seq){.tokens = h[s] + pos,
+                                      .n_tokens = 1,
+                                      .start_pos = pos,
+                                      .block_table = sq[s].block_table,
+                                      .logits = TDM_LOGITS_LAST};
+    }
+    // Alone three times (warm-up, capture, replay), then the batch three times;
+    // rewriting a position's KV with the same values each time.
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(tdm_model_forward(m, kv, &b[0], 1, alone), TDM_OK);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(tdm_model_forward(m, kv, b, B, l), TDM_OK);
+        assert_memory_equal(l, alone, (size_t)vocab * sizeof(float));
+    }
+    for (int s = 0; s < B; s++)
+        tdm_kv_seq_release(kv, &sq[s]);
+    tdm_kv_free(kv);
+    free(l), free(alone);
+    tdm_model_free(m);
+}
+#endif
+
 int main(void)
 {
 #ifdef TDM_CUDA_TEST_GPU
@@ -607,6 +732,10 @@ int main(void)
         cmocka_unit_test(test_device_flag),
         cmocka_unit_test(test_kv_capacity),
         cmocka_unit_test(test_errors),
+#ifdef TDM_CUDA_TEST_GPU
+        cmocka_unit_test(test_big_prefill_vs_cpu),
+        cmocka_unit_test(test_big_batch32_invariance),
+#endif
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
