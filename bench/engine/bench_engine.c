@@ -179,6 +179,7 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
     tdm_model_opts_default(&o);
     o.backend = device->backend;
     o.device = device->device;
+    o.enforce_eager = device->enforce_eager;
     o.weights = mode;
     o.num_threads = threads;
     o.max_batch_tokens = max_prefill;
@@ -263,6 +264,7 @@ struct bench_args {
     const char *dir;  // --model DIR; NULL = a generated model of Qwen2.5-0.5B's shape
     const char *json; // --json FILE
     const char *device; // --device cpu|cuda|cuda:N; NULL = auto
+    bool enforce_eager; // --enforce-eager
     int threads, steps;
     bool bf16_only;
     struct plan pl; // --batches, --prefill
@@ -333,10 +335,15 @@ static const struct tdm_flag bench_flags[] = {
      .metavar = "cpu|cuda|cuda:N",
      .help = "where the model computes (default cuda when built with CUDA and a GPU is visible, "
              "else cpu); cuda runs bf16 only"},
+    {.name = "enforce-eager",
+     .kind = TDM_FLAG_BOOL,
+     .offset = offsetof(struct bench_args, enforce_eager),
+     .help = "no CUDA graphs for decode steps"},
 };
 static const struct tdm_flags bench_table = {
     .usage = "usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only] "
-             "[--batches LIST] [--prefill LIST] [--json FILE] [--device cpu|cuda|cuda:N]\n",
+             "[--batches LIST] [--prefill LIST] [--json FILE] [--device cpu|cuda|cuda:N]\n"
+             "       [--enforce-eager]\n",
     .flags = bench_flags,
     .n = sizeof bench_flags / sizeof bench_flags[0],
 };
@@ -359,6 +366,7 @@ int main(int argc, char **argv)
     char err[512];
     struct tdm_model_opts dev_opts;
     tdm_model_opts_default(&dev_opts);
+    dev_opts.enforce_eager = a.enforce_eager;
     if (tdm_model_opts_set_device(&dev_opts, a.device, err, sizeof err) != TDM_OK) {
         fprintf(stderr, "tandem-bench-engine: %s\n", err);
         return 2;
