@@ -523,7 +523,10 @@ int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_
     mo.num_threads = cfg->threads;
     mo.max_batch_tokens = cfg->max_num_batched_tokens;
     mo.max_batch_seqs = cfg->max_num_seqs;
-    int rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);
+    mo.enforce_eager = cfg->enforce_eager;
+    int rc = tdm_model_opts_set_device(&mo, cfg->device, err, errlen);
+    if (rc == TDM_OK)
+        rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);
     if (threaded)
         pthread_join(th, NULL);
     if (rc != TDM_OK)
@@ -557,6 +560,16 @@ int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_
     size_t bb = tdm_kv_block_bytes(&kc);
     int nb = cfg->num_kv_blocks;
     if (nb == 0) {
+        // A device backend sizes its pool from --gpu-memory-utilization.
+        int dev_blocks = 0;
+        rc = tdm_model_kv_capacity(s->model, &kc, cfg->gpu_memory_utilization, &dev_blocks, err,
+                                   errlen);
+        if (rc == TDM_OK)
+            nb = dev_blocks;
+        else if (rc != TDM_ENOTFOUND)
+            return rc;
+    }
+    if (nb == 0) {
         size_t x = bb ? cfg->kv_cache_memory / bb : 0;
         if (x < 1)
             return tdm_seterr(err, errlen, TDM_EINVAL,
@@ -577,7 +590,7 @@ int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_
     mcfg.cache.block_size = cfg->block_size;
     mcfg.cache.num_gpu_blocks = nb;
     mcfg.cache.num_cpu_blocks = -1;
-    mcfg.cache.gpu_memory_utilization = 0.9;
+    mcfg.cache.gpu_memory_utilization = cfg->gpu_memory_utilization;
     mcfg.cache.enable_prefix_caching = cfg->enable_prefix_caching;
     rc = tdm_metrics_vllm_register(&s->metrics, s->reg, &mcfg, err, errlen);
     if (rc != TDM_OK)

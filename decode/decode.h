@@ -43,6 +43,9 @@ struct tdm_decode_config {
     bool enable_prefix_caching;             // --[no-]enable-prefix-caching; default on
     char api_key[256];                      // --api-key; "" = none
     int threads;                            // --threads (compute); 0 = one per core
+    char device[32];                        // --device cpu|cuda|cuda:N; "" = auto
+    double gpu_memory_utilization;          // --gpu-memory-utilization; default 0.9 (device only)
+    bool enforce_eager;                     // --enforce-eager: no CUDA graphs
     bool int8;                              // --dtype int8 (default bf16)
     char chat_template[TDM_DECODE_STR];     // --chat-template FILE; "" = tokenizer's
     int max_waiting;                        // --max-waiting; default 1024

@@ -12,6 +12,7 @@
 
 #include "core.h"
 #include "decode.h"
+#include "model.h"
 
 void tdm_decode_config_default(struct tdm_decode_config *cfg)
 {
@@ -22,6 +23,7 @@ void tdm_decode_config_default(struct tdm_decode_config *cfg)
     cfg->max_num_batched_tokens = 512;
     cfg->block_size = 16;
     cfg->kv_cache_memory = (size_t)256 << 20;
+    cfg->gpu_memory_utilization = 0.9;
     cfg->enable_prefix_caching = true;
     cfg->max_waiting = 1024;
     cfg->drain_timeout = 30.0;
@@ -77,6 +79,34 @@ static int set_config_done(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
+// --device: checked at parse time, so a GPU asked for and not visible (or a
+// build without CUDA) is a startup error naming the flag.
+static int set_device(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_decode_config *cfg = o;
+    struct tdm_model_opts probe;
+    tdm_model_opts_default(&probe);
+    int rc = tdm_model_opts_set_device(&probe, v, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    if (strlen(v) >= sizeof cfg->device)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--device %s: too long", v);
+    snprintf(cfg->device, sizeof cfg->device, "%s", v);
+    return TDM_OK;
+}
+
+static int set_gpu_memory_utilization(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_decode_config *cfg = o;
+    char *end;
+    double x = strtod(v, &end);
+    if (*v == '\0' || *end != '\0' || !(x > 0.0 && x <= 1.0))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--gpu-memory-utilization: expected a fraction in (0, 1], got \"%s\"", v);
+    cfg->gpu_memory_utilization = x;
+    return TDM_OK;
+}
+
 #define STR(n, field, mv, h)                                                                       \
     TDM_FLAG_FIELD(struct tdm_decode_config, n, TDM_FLAG_STR, field, .metavar = mv, .help = h)
 #define INT(n, field, lo, hi, mv, h)                                                               \
@@ -99,33 +129,82 @@ static const struct tdm_flag decode_flags[] = {
     INT("max-num-seqs", max_num_seqs, 1, 65536, "N", "running requests at most (default 64)"),
     INT("max-num-batched-tokens", max_num_batched_tokens, 1, 1 << 20, "N",
         "tokens per engine step (default 512)"),
-    {.name = "block-size", .kind = TDM_FLAG_FN, .fn = set_block_size, .metavar = "N",
+    {.name = "block-size",
+     .kind = TDM_FLAG_FN,
+     .fn = set_block_size,
+     .metavar = "N",
      .help = "KV tokens per block (default 16)"},
-    {.name = "kv-cache-memory", .kind = TDM_FLAG_BYTES, .offset = OFF(kv_cache_memory), .min = 1,
-     .max = 1.8e19, .metavar = "BYTES", .help = "KV pool size, e.g. 2GiB (default 256MiB)"},
+    {.name = "kv-cache-memory",
+     .kind = TDM_FLAG_BYTES,
+     .offset = OFF(kv_cache_memory),
+     .min = 1,
+     .max = 1.8e19,
+     .metavar = "BYTES",
+     .help = "KV pool size, e.g. 2GiB (default 256MiB)"},
     INT("num-kv-blocks", num_kv_blocks, 1, INT_MAX / 1024, "N",
         "KV pool size in blocks (overrides the above)"),
-    {.name = "enable-prefix-caching", .kind = TDM_FLAG_BOOL, .offset = OFF(enable_prefix_caching),
+    INT("num-gpu-blocks-override", num_kv_blocks, 1, INT_MAX / 1024, "N",
+        "vLLM's name for --num-kv-blocks"),
+    {.name = "enable-prefix-caching",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(enable_prefix_caching),
      .help = "reuse cached prompt prefixes (default)"},
-    {.name = "no-enable-prefix-caching", .kind = TDM_FLAG_NOT,
-     .offset = OFF(enable_prefix_caching), .help = "turn prefix caching off"},
+    {.name = "no-enable-prefix-caching",
+     .kind = TDM_FLAG_NOT,
+     .offset = OFF(enable_prefix_caching),
+     .help = "turn prefix caching off"},
     STR("api-key", api_key, "KEY", "require 'Authorization: Bearer KEY' on /v1/*"),
     INT("threads", threads, 0, 1024, "N", "compute threads (default: one per core)"),
-    {.name = "dtype", .kind = TDM_FLAG_FN, .fn = set_dtype, .metavar = "bf16|int8",
+    {.name = "device",
+     .kind = TDM_FLAG_FN,
+     .fn = set_device,
+     .metavar = "cpu|cuda|cuda:N",
+     .help = "where the model computes (default cuda when built\nwith CUDA and a GPU is visible, "
+             "else cpu; the CUDA\nbackend is verified on an emulator only so far)"},
+    {.name = "enforce-eager",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(enforce_eager),
+     .help = "no CUDA graphs for decode steps (default: graphs\nper padded batch size 1, 2, 4, "
+             "... on cuda)"},
+    {.name = "gpu-memory-utilization",
+     .kind = TDM_FLAG_FN,
+     .fn = set_gpu_memory_utilization,
+     .metavar = "F",
+     .help = "on a GPU: the KV pool gets F of the device's memory\nminus what is already in use "
+             "(default 0.9);\n--kv-cache-memory sizes CPU pools only"},
+    {.name = "dtype",
+     .kind = TDM_FLAG_FN,
+     .fn = set_dtype,
+     .metavar = "bf16|int8",
      .help = "weight format (default bf16)"},
     STR("chat-template", chat_template, "FILE", "chat template overriding the tokenizer's"),
     INT("max-waiting", max_waiting, 0, 1 << 20, "N",
         "waiting-queue bound; beyond it 503 (default 1024)"),
-    {.name = "drain-timeout", .kind = TDM_FLAG_DOUBLE, .offset = OFF(drain_timeout), .min = 0,
-     .max = 1e9, .metavar = "SECONDS", .help = "SIGTERM: time running requests get (default 30)"},
-    {.name = "log-level", .kind = TDM_FLAG_FN, .fn = set_log_level,
-     .metavar = "err|warn|info|debug", .help = "(default info)"},
-    {.name = "max-body-bytes", .kind = TDM_FLAG_BYTES, .offset = OFF(max_body_bytes),
-     .min = 1024, .max = 1.8e19, .metavar = "BYTES",
+    {.name = "drain-timeout",
+     .kind = TDM_FLAG_DOUBLE,
+     .offset = OFF(drain_timeout),
+     .min = 0,
+     .max = 1e9,
+     .metavar = "SECONDS",
+     .help = "SIGTERM: time running requests get (default 30)"},
+    {.name = "log-level",
+     .kind = TDM_FLAG_FN,
+     .fn = set_log_level,
+     .metavar = "err|warn|info|debug",
+     .help = "(default info)"},
+    {.name = "max-body-bytes",
+     .kind = TDM_FLAG_BYTES,
+     .offset = OFF(max_body_bytes),
+     .min = 1024,
+     .max = 1.8e19,
+     .metavar = "BYTES",
      .help = "request body limit; beyond it 413 (default 16MiB)"},
     INT("http-threads", http_threads, 0, 4096, "N",
         "HTTP worker threads (default max-num-seqs +\nmax-waiting, clamped to [16, 512])"),
-    {.name = "config", .kind = TDM_FLAG_FN, .fn = set_config_done, .metavar = "FILE",
+    {.name = "config",
+     .kind = TDM_FLAG_FN,
+     .fn = set_config_done,
+     .metavar = "FILE",
      .help = "flat YAML 'key: value' file with these keys"},
 };
 

@@ -94,6 +94,46 @@ static void test_bad_flags(void **state)
     assert_int_equal(parse(&c, err, sizeof err, 2, "--help"), 1);
 }
 
+// --device: checked at parse time; asking for a GPU that is not there (or a
+// build without CUDA) is a startup error naming the flag.
+static void test_device(void **state)
+{
+    (void)state;
+    struct tdm_decode_config c;
+    char err[256];
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--device", "cpu"), TDM_OK);
+    assert_string_equal(c.device, "cpu");
+    assert_int_equal(parse(&c, err, sizeof err, 3, "--model", "/m"), TDM_OK);
+    assert_string_equal(c.device, "");
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--device", "tpu"), TDM_EINVAL);
+    assert_string_equal(err, "--device tpu: expected cpu, cuda or cuda:N");
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--device", "cuda:x"),
+                     TDM_EINVAL);
+    // Here: no CUDA backend in the default build, or no GPU visible in a CUDA build.
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--device", "cuda:63"),
+                     TDM_EINVAL);
+    assert_true(strstr(err, "no CUDA backend") != NULL || strstr(err, "visible") != NULL);
+
+    // The GPU memory flags (vLLM's names).
+    assert_true(c.gpu_memory_utilization == 0.9);
+    assert_false(c.enforce_eager);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--enforce-eager"), TDM_OK);
+    assert_true(c.enforce_eager);
+    assert_int_equal(parse(&c, err, sizeof err, 7, "--model", "/m", "--gpu-memory-utilization",
+                           "0.5", "--num-gpu-blocks-override", "100"),
+                     TDM_OK);
+    assert_true(c.gpu_memory_utilization == 0.5);
+    assert_int_equal(c.num_kv_blocks, 100);
+    assert_int_equal(
+        parse(&c, err, sizeof err, 5, "--model", "/m", "--gpu-memory-utilization", "1.5"),
+        TDM_EINVAL);
+    assert_string_equal(err,
+                        "--gpu-memory-utilization: expected a fraction in (0, 1], got \"1.5\"");
+    assert_int_equal(
+        parse(&c, err, sizeof err, 5, "--model", "/m", "--num-gpu-blocks-override", "0"),
+        TDM_EINVAL);
+}
+
 static void test_bytes(void **state)
 {
     (void)state;
@@ -161,9 +201,9 @@ static void test_config_file(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_defaults),    cmocka_unit_test(test_flags),
-        cmocka_unit_test(test_bad_flags),   cmocka_unit_test(test_bytes),
-        cmocka_unit_test(test_config_file),
+        cmocka_unit_test(test_defaults),  cmocka_unit_test(test_flags),
+        cmocka_unit_test(test_bad_flags), cmocka_unit_test(test_device),
+        cmocka_unit_test(test_bytes),     cmocka_unit_test(test_config_file),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -29,10 +29,24 @@ def parse_args():
     ap.add_argument("--workdir", required=True, help="scratch folder in the build tree")
     ap.add_argument("--promtool", default="promtool")
     ap.add_argument("--deadline", type=float, default=240.0, help="seconds before the test fails")
+    ap.add_argument("--server-flags", default="",
+                    help="extra tandem-decode flags for every server, e.g. '--device cuda'")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     arm_deadline(args.deadline)
+    if "cuda" in args.server_flags:
+        skip_without_gpu(args)
     return args
+
+
+def skip_without_gpu(args):
+    """Exits 77 (skipped) when tandem-decode sees no CUDA GPU: it refuses
+    --device cuda at startup, naming how many are visible."""
+    r = subprocess.run([args.decode, "--model", "/nonexistent", "--device", "cuda"],
+                       capture_output=True, text=True, timeout=60)
+    if "0 CUDA GPUs visible" in r.stderr or "no CUDA backend" in r.stderr:
+        print("skipped: %s" % r.stderr.strip())
+        raise SystemExit(77)
 
 
 def make_model(args, name="tiny", extra=()):
@@ -50,6 +64,7 @@ class Server:
 
     def __init__(self, args, model, *flags, ready_timeout=60.0):
         cmd = [args.decode, "--model", model, "--host", "127.0.0.1", "--port", "0"] + list(flags)
+        cmd += args.server_flags.split()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         register(self.proc)

@@ -164,8 +164,9 @@ static double prefill_flops(const struct tdm_model_config *c, int n)
     return per_layer * c->num_hidden_layers + 2 * h * c->vocab_size;
 }
 
-static void run_mode(const char *dir, enum tdm_weight_mode mode, int threads, int steps,
-                     const struct plan *pl, struct result *r)
+static void run_mode(const char *dir, const struct tdm_model_opts *device,
+                     enum tdm_weight_mode mode, int threads, int steps, const struct plan *pl,
+                     struct result *r)
 {
     int max_batch = 1, max_prefill = PREFILL;
     for (int i = 0; i < pl->n_batches; i++)
@@ -176,6 +177,9 @@ static void run_mode(const char *dir, enum tdm_weight_mode mode, int threads, in
     struct tdm_model_opts o;
     struct tdm_model *m;
     tdm_model_opts_default(&o);
+    o.backend = device->backend;
+    o.device = device->device;
+    o.enforce_eager = device->enforce_eager;
     o.weights = mode;
     o.num_threads = threads;
     o.max_batch_tokens = max_prefill;
@@ -190,7 +194,7 @@ static void run_mode(const char *dir, enum tdm_weight_mode mode, int threads, in
     kc.block_size = 16;
     kc.num_blocks = max_batch * ((PROMPT + steps + 2 + 15) / 16) + max_prefill / 16 + 8;
     struct tdm_kv_cache *kv;
-    if (tdm_kv_new(&kv, &kc, err, sizeof err) != TDM_OK)
+    if (tdm_model_kv_new(m, &kc, &kv, err, sizeof err) != TDM_OK)
         die("kv", err);
     float *logits = malloc((size_t)o.max_batch_seqs * c->vocab_size * sizeof(float));
     if (logits == NULL)
@@ -259,6 +263,8 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
 struct bench_args {
     const char *dir;  // --model DIR; NULL = a generated model of Qwen2.5-0.5B's shape
     const char *json; // --json FILE
+    const char *device; // --device cpu|cuda|cuda:N; NULL = auto
+    bool enforce_eager; // --enforce-eager
     int threads, steps;
     bool bf16_only;
     struct plan pl; // --batches, --prefill
@@ -323,10 +329,21 @@ static const struct tdm_flag bench_flags[] = {
      .offset = offsetof(struct bench_args, json),
      .metavar = "FILE",
      .help = "also write the first mode's figures as JSON"},
+    {.name = "device",
+     .kind = TDM_FLAG_PTR,
+     .offset = offsetof(struct bench_args, device),
+     .metavar = "cpu|cuda|cuda:N",
+     .help = "where the model computes (default cuda when built with CUDA and a GPU is visible, "
+             "else cpu); cuda runs bf16 only"},
+    {.name = "enforce-eager",
+     .kind = TDM_FLAG_BOOL,
+     .offset = offsetof(struct bench_args, enforce_eager),
+     .help = "no CUDA graphs for decode steps"},
 };
 static const struct tdm_flags bench_table = {
     .usage = "usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only] "
-             "[--batches LIST] [--prefill LIST] [--json FILE]\n",
+             "[--batches LIST] [--prefill LIST] [--json FILE] [--device cpu|cuda|cuda:N]\n"
+             "       [--enforce-eager]\n",
     .flags = bench_flags,
     .n = sizeof bench_flags / sizeof bench_flags[0],
 };
@@ -347,6 +364,15 @@ int main(int argc, char **argv)
     bool bf16_only = a.bf16_only;
     struct plan pl = a.pl;
     char err[512];
+    struct tdm_model_opts dev_opts;
+    tdm_model_opts_default(&dev_opts);
+    dev_opts.enforce_eager = a.enforce_eager;
+    if (tdm_model_opts_set_device(&dev_opts, a.device, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "tandem-bench-engine: %s\n", err);
+        return 2;
+    }
+    if (strcmp(dev_opts.backend, "cpu") != 0)
+        bf16_only = true; // int8 weight-only is CPU-only
     tdm_log_set_level_name("warn");
 
     struct stat sb;
@@ -373,8 +399,8 @@ int main(int argc, char **argv)
     struct result res[2];
     int nmodes = bf16_only ? 1 : 2;
     for (int mode = 0; mode < nmodes; mode++)
-        run_mode(dir, mode == 0 ? TDM_WEIGHTS_BF16 : TDM_WEIGHTS_INT8, threads, steps, &pl,
-                 &res[mode]);
+        run_mode(dir, &dev_opts, mode == 0 ? TDM_WEIGHTS_BF16 : TDM_WEIGHTS_INT8, threads, steps,
+                 &pl, &res[mode]);
     double bw2 = tdm_cpu_probe_read_bw((size_t)1 << 30, threads, 3);
     double fma2 = tdm_cpu_probe_fma_peak(threads);
     double bf16_peak2 = tdm_cpu_probe_bf16_peak(threads);

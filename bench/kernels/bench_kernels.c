@@ -132,7 +132,7 @@ int main(int argc, char **argv)
     tdm_log_set_level_name("warn");
     struct tdm_backend *be = NULL;
     char err[256];
-    if (ops->create(&be, threads, err, sizeof err) != TDM_OK)
+    if (ops->create(&be, threads, 0, err, sizeof err) != TDM_OK)
         die("create", err);
     if (isa_name) {
         enum tdm_cpu_isa isa;

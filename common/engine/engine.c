@@ -1059,7 +1059,7 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     e->num_model_eos = mc->num_eos_token_ids;
     for (int i = 0; i < mc->num_eos_token_ids; i++)
         e->model_eos[i] = mc->eos_token_ids[i];
-    rc = tdm_kv_new(&e->kv, &kc, err, errlen);
+    rc = tdm_model_kv_new(model, &kc, &e->kv, err, errlen);
     if (rc != TDM_OK)
         goto fail_engine;
     if (cfg.kv_event_capacity > 0) {

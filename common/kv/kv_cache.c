@@ -70,9 +70,7 @@ struct kv_slot {
 struct tdm_kv_cache {
     struct tdm_kv_config cfg;
     size_t block_floats;     // num_kv_heads * block_size * head_dim (one block, one layer, K or V)
-    float **k;               // [num_layers] -> [num_blocks][num_kv_heads][block_size][head_dim] f32
-    float **v;               // same shape as k
-    size_t layer_bytes;      // bytes of one k[layer] or v[layer] mapping
+    struct tdm_kv_storage *st; // the pool (owned)
     struct kv_block *blocks; // [num_blocks]
     int32_t *block_tokens;   // [num_blocks][block_size] token ids of hashed blocks
     struct kv_queue free_q;  // FREE blocks, allocation order
@@ -275,11 +273,9 @@ size_t tdm_kv_block_bytes(const struct tdm_kv_config *cfg)
     return r;
 }
 
-int tdm_kv_new(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg, char *err, size_t errlen)
+// Checks cfg; TDM_OK or TDM_EINVAL with the field named.
+static int check_config(const struct tdm_kv_config *cfg, char *err, size_t errlen)
 {
-    if (!out || !cfg)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "kv: NULL argument");
-    *out = NULL;
     const struct {
         const char *name;
         int value;
@@ -306,36 +302,149 @@ int tdm_kv_new(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg, char 
                           "%d dims x 2 x 4 bytes) overflows size_t",
                           cfg->num_blocks, cfg->num_layers, cfg->num_kv_heads, cfg->block_size,
                           cfg->head_dim);
+    return TDM_OK;
+}
 
-    int rc = TDM_ENOMEM;
-    struct tdm_kv_cache *kv = calloc(1, sizeof *kv);
-    if (!kv)
+// ---- host storage (the default) ---------------------------------------------------------
+struct host_storage {
+    struct tdm_kv_storage base;
+    int num_layers;
+    size_t block_floats; // one block, one layer, K or V
+    size_t layer_bytes;  // bytes of one k[layer] or v[layer] mapping
+    float **k;           // [num_layers] -> [num_blocks][num_kv_heads][block_size][head_dim] f32
+    float **v;           // same shape as k
+};
+
+static void host_free(struct tdm_kv_storage *st)
+{
+    struct host_storage *h = (struct host_storage *)st;
+    if (!h)
+        return;
+    for (int l = 0; l < h->num_layers; l++) {
+        if (h->k && h->k[l])
+            munmap(h->k[l], h->layer_bytes);
+        if (h->v && h->v[l])
+            munmap(h->v[l], h->layer_bytes);
+    }
+    free(h->k);
+    free(h->v);
+    free(h);
+}
+
+static void *host_layer_k(struct tdm_kv_storage *st, int layer)
+{
+    return ((struct host_storage *)st)->k[layer];
+}
+
+static void *host_layer_v(struct tdm_kv_storage *st, int layer)
+{
+    return ((struct host_storage *)st)->v[layer];
+}
+
+static int host_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                       float *k_out, float *v_out)
+{
+    struct host_storage *h = (struct host_storage *)st;
+    size_t bf = h->block_floats;
+    for (int i = 0; i < nblocks; i++) {
+        memcpy(k_out + (size_t)i * bf, h->k[layer] + (size_t)blocks[i] * bf, bf * sizeof(float));
+        memcpy(v_out + (size_t)i * bf, h->v[layer] + (size_t)blocks[i] * bf, bf * sizeof(float));
+    }
+    return TDM_OK;
+}
+
+static int host_import(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                       const float *k_in, const float *v_in)
+{
+    struct host_storage *h = (struct host_storage *)st;
+    size_t bf = h->block_floats;
+    for (int i = 0; i < nblocks; i++) {
+        memcpy(h->k[layer] + (size_t)blocks[i] * bf, k_in + (size_t)i * bf, bf * sizeof(float));
+        memcpy(h->v[layer] + (size_t)blocks[i] * bf, v_in + (size_t)i * bf, bf * sizeof(float));
+    }
+    return TDM_OK;
+}
+
+static const struct tdm_kv_storage_ops host_ops = {
+    .free = host_free,
+    .layer_k = host_layer_k,
+    .layer_v = host_layer_v,
+    .export_blocks = host_export,
+    .import_blocks = host_import,
+};
+
+static int host_storage_new(struct host_storage **out, const struct tdm_kv_config *cfg)
+{
+    struct host_storage *h = calloc(1, sizeof *h);
+    if (!h)
+        return TDM_ENOMEM;
+    h->base.ops = &host_ops;
+    h->base.host_f32 = true;
+    h->block_floats = (size_t)cfg->num_kv_heads * (size_t)cfg->block_size * (size_t)cfg->head_dim;
+    h->layer_bytes = h->block_floats * sizeof(float) * (size_t)cfg->num_blocks;
+    h->k = calloc((size_t)cfg->num_layers, sizeof *h->k);
+    h->v = calloc((size_t)cfg->num_layers, sizeof *h->v);
+    if (!h->k || !h->v)
         goto fail;
-    kv->cfg = *cfg;
-    kv->hash_fn = tdm_kv_block_hash;
-    kv->block_floats = (size_t)cfg->num_kv_heads * (size_t)cfg->block_size * (size_t)cfg->head_dim;
-    size_t layer_bytes = kv->block_floats * sizeof(float) * (size_t)cfg->num_blocks;
-    kv->k = calloc((size_t)cfg->num_layers, sizeof *kv->k);
-    kv->v = calloc((size_t)cfg->num_layers, sizeof *kv->v);
-    if (!kv->k || !kv->v)
-        goto fail_kv;
-    kv->layer_bytes = layer_bytes;
+    h->num_layers = cfg->num_layers;
     // Anonymous mappings: page-aligned (so 64-byte aligned) and zero-filled by the
     // kernel on first touch, so a kernel reading past a sequence's last token sees
     // finite numbers, and creating a multi-GB pool does not touch every page up
     // front (a memset of 3 GB took ~10 s on a loaded host).
     for (int l = 0; l < cfg->num_layers; l++) {
         void *pk =
-            mmap(NULL, layer_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            mmap(NULL, h->layer_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (pk == MAP_FAILED)
-            goto fail_kv;
-        kv->k[l] = pk;
+            goto fail;
+        h->k[l] = pk;
         void *pv =
-            mmap(NULL, layer_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            mmap(NULL, h->layer_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (pv == MAP_FAILED)
-            goto fail_kv;
-        kv->v[l] = pv;
+            goto fail;
+        h->v[l] = pv;
     }
+    *out = h;
+    return TDM_OK;
+fail:
+    host_free(&h->base);
+    return TDM_ENOMEM;
+}
+
+// ---- cache lifetime ---------------------------------------------------------------------
+int tdm_kv_new(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg, char *err, size_t errlen)
+{
+    if (!out || !cfg)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "kv: NULL argument");
+    *out = NULL;
+    int rc = check_config(cfg, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    struct host_storage *h;
+    if (host_storage_new(&h, cfg) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_ENOMEM,
+                          "kv: out of memory allocating %d blocks of %zu bytes", cfg->num_blocks,
+                          tdm_kv_block_bytes(cfg));
+    rc = tdm_kv_new_with_storage(out, cfg, &h->base, err, errlen);
+    if (rc != TDM_OK)
+        host_free(&h->base);
+    return rc;
+}
+
+int tdm_kv_new_with_storage(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg,
+                            struct tdm_kv_storage *st, char *err, size_t errlen)
+{
+    if (!out || !cfg || !st || !st->ops)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "kv: NULL argument");
+    *out = NULL;
+    int rc = check_config(cfg, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    struct tdm_kv_cache *kv = calloc(1, sizeof *kv);
+    if (!kv)
+        goto fail;
+    kv->cfg = *cfg;
+    kv->hash_fn = tdm_kv_block_hash;
+    kv->block_floats = (size_t)cfg->num_kv_heads * (size_t)cfg->block_size * (size_t)cfg->head_dim;
     kv->blocks = calloc((size_t)cfg->num_blocks, sizeof *kv->blocks);
     kv->block_tokens = calloc((size_t)cfg->num_blocks * (size_t)cfg->block_size, sizeof(int32_t));
     size_t nslots = 16;
@@ -357,28 +466,23 @@ int tdm_kv_new(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg, char 
         kv->blocks[b].alias = -1;
         q_push_tail(kv, &kv->free_q, b);
     }
+    kv->st = st; // taken only now that nothing can fail
     *out = kv;
     return TDM_OK;
 
 fail_kv:
     tdm_kv_free(kv);
 fail:
-    return tdm_seterr(err, errlen, rc, "kv: out of memory allocating %d blocks of %zu bytes",
-                      cfg->num_blocks, block_bytes);
+    return tdm_seterr(err, errlen, TDM_ENOMEM, "kv: out of memory for the tables of %d blocks",
+                      cfg->num_blocks);
 }
 
 void tdm_kv_free(struct tdm_kv_cache *kv)
 {
     if (!kv)
         return;
-    for (int l = 0; l < kv->cfg.num_layers; l++) {
-        if (kv->k && kv->k[l])
-            munmap(kv->k[l], kv->layer_bytes);
-        if (kv->v && kv->v[l])
-            munmap(kv->v[l], kv->layer_bytes);
-    }
-    free(kv->k);
-    free(kv->v);
+    if (kv->st)
+        kv->st->ops->free(kv->st);
     free(kv->blocks);
     free(kv->block_tokens);
     free(kv->slots);
@@ -391,6 +495,11 @@ const struct tdm_kv_config *tdm_kv_config(const struct tdm_kv_cache *kv)
     return kv ? &kv->cfg : NULL;
 }
 
+struct tdm_kv_storage *tdm_kv_storage(struct tdm_kv_cache *kv)
+{
+    return kv ? kv->st : NULL;
+}
+
 const char *tdm_kv_errmsg(const struct tdm_kv_cache *kv)
 {
     return kv ? kv->errmsg : "kv: NULL cache";
@@ -398,16 +507,18 @@ const char *tdm_kv_errmsg(const struct tdm_kv_cache *kv)
 
 float *tdm_kv_k(struct tdm_kv_cache *kv, int layer, int block)
 {
-    if (!kv || layer < 0 || layer >= kv->cfg.num_layers || block < 0 || block >= kv->cfg.num_blocks)
+    if (!kv || !kv->st->host_f32 || layer < 0 || layer >= kv->cfg.num_layers || block < 0 ||
+        block >= kv->cfg.num_blocks)
         return NULL;
-    return kv->k[layer] + (size_t)block * kv->block_floats;
+    return (float *)kv->st->ops->layer_k(kv->st, layer) + (size_t)block * kv->block_floats;
 }
 
 float *tdm_kv_v(struct tdm_kv_cache *kv, int layer, int block)
 {
-    if (!kv || layer < 0 || layer >= kv->cfg.num_layers || block < 0 || block >= kv->cfg.num_blocks)
+    if (!kv || !kv->st->host_f32 || layer < 0 || layer >= kv->cfg.num_layers || block < 0 ||
+        block >= kv->cfg.num_blocks)
         return NULL;
-    return kv->v[layer] + (size_t)block * kv->block_floats;
+    return (float *)kv->st->ops->layer_v(kv->st, layer) + (size_t)block * kv->block_floats;
 }
 
 // ---- sequences ------------------------------------------------------------------------
@@ -988,13 +1099,12 @@ int tdm_kv_export_layer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, i
     int rc = check_transfer(kv, seq, layer, first_block, nblocks, dst, dst_len, "export");
     if (rc != TDM_OK)
         return rc;
-    size_t bb = kv->block_floats * sizeof(float);
-    char *k_out = dst;
-    char *v_out = k_out + (size_t)nblocks * bb;
-    for (int i = 0; i < nblocks; i++) {
-        int b = seq->block_table[first_block + i];
-        memcpy(k_out + (size_t)i * bb, kv->k[layer] + (size_t)b * kv->block_floats, bb);
-        memcpy(v_out + (size_t)i * bb, kv->v[layer] + (size_t)b * kv->block_floats, bb);
+    float *k_out = dst;
+    float *v_out = k_out + (size_t)nblocks * kv->block_floats;
+    if (nblocks > 0 && kv->st->ops->export_blocks(kv->st, layer, seq->block_table + first_block,
+                                                  nblocks, k_out, v_out) != TDM_OK) {
+        kv_err(kv, "kv export: the storage failed to copy %d blocks of layer %d", nblocks, layer);
+        return TDM_EBACKEND;
     }
     return TDM_OK;
 }
@@ -1019,13 +1129,12 @@ int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int lay
             return TDM_EINVAL;
         }
     }
-    size_t bb = kv->block_floats * sizeof(float);
-    const char *k_in = src;
-    const char *v_in = k_in + (size_t)nblocks * bb;
-    for (int i = 0; i < nblocks; i++) {
-        int b = seq->block_table[first_block + i];
-        memcpy(kv->k[layer] + (size_t)b * kv->block_floats, k_in + (size_t)i * bb, bb);
-        memcpy(kv->v[layer] + (size_t)b * kv->block_floats, v_in + (size_t)i * bb, bb);
+    const float *k_in = src;
+    const float *v_in = k_in + (size_t)nblocks * kv->block_floats;
+    if (nblocks > 0 && kv->st->ops->import_blocks(kv->st, layer, seq->block_table + first_block,
+                                                  nblocks, k_in, v_in) != TDM_OK) {
+        kv_err(kv, "kv import: the storage failed to copy %d blocks of layer %d", nblocks, layer);
+        return TDM_EBACKEND;
     }
     return TDM_OK;
 }

@@ -12,10 +12,14 @@
 // docs/kv-cache.md describes the block states, hashing, eviction and the
 // transfer format.
 //
-// Storage, host memory, f32, per layer (page-aligned mmap, zero until written):
+// Storage, per layer, K and V apart:
 //   k[layer] : [num_blocks][num_kv_heads][block_size][head_dim]
 //   v[layer] : [num_blocks][num_kv_heads][block_size][head_dim]
-// so one head's keys inside a block are contiguous rows of head_dim.
+// so one head's keys inside a block are contiguous rows of head_dim. Where the
+// pool lives is the storage's business (struct tdm_kv_storage below): by
+// default host memory, f32, page-aligned mmap, zero until written (the CPU
+// backend's); a backend with its own memory (CUDA: device memory, bf16)
+// provides a storage, and the cache keeps the bookkeeping either way.
 #ifndef TDM_KV_CACHE_H
 #define TDM_KV_CACHE_H
 
@@ -46,14 +50,47 @@ size_t tdm_kv_block_bytes(const struct tdm_kv_config *cfg);
 
 struct tdm_kv_cache;
 
+// ---- storage --------------------------------------------------------------------------
+// The pool's memory, provided by a compute backend (tdm_model_kv_new picks the
+// model's). A storage object embeds struct tdm_kv_storage as its first member;
+// the cache calls ops only with layer in [0, num_layers) and block ids in
+// [0, num_blocks) it has checked.
+struct tdm_kv_storage;
+struct tdm_kv_storage_ops {
+    // Frees the pool and the storage object.
+    void (*free)(struct tdm_kv_storage *st);
+    // Base of layer's K or V pool in the storage's memory (layout above, of the
+    // storage's element type): what a backend's kernels address.
+    void *(*layer_k)(struct tdm_kv_storage *st, int layer);
+    void *(*layer_v)(struct tdm_kv_storage *st, int layer);
+    // Copies blocks[0..nblocks) of `layer` into host k_out/v_out, each
+    // [nblocks][num_kv_heads][block_size][head_dim] f32 (the transfer layout),
+    // or writes such host data into those blocks. TDM_OK or TDM_EBACKEND.
+    int (*export_blocks)(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                         float *k_out, float *v_out);
+    int (*import_blocks)(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                         const float *k_in, const float *v_in);
+};
+struct tdm_kv_storage {
+    const struct tdm_kv_storage_ops *ops;
+    bool host_f32; // the pool is host memory of f32 (tdm_kv_k/tdm_kv_v work)
+};
+
 // TDM_EINVAL (err names the field) for a size <= 0 or a pool whose byte or token
-// count overflows; TDM_ENOMEM when the pool cannot be allocated.
+// count overflows; TDM_ENOMEM when the pool cannot be allocated. The pool is
+// host memory (the default storage).
 int tdm_kv_new(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg, char *err, size_t errlen);
+// The same on a storage the caller made for cfg; the cache takes st on
+// success only (and frees it in tdm_kv_free).
+int tdm_kv_new_with_storage(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg,
+                            struct tdm_kv_storage *st, char *err, size_t errlen);
 void tdm_kv_free(struct tdm_kv_cache *kv);
 const struct tdm_kv_config *tdm_kv_config(const struct tdm_kv_cache *kv);
+// The cache's storage (never NULL for a live cache).
+struct tdm_kv_storage *tdm_kv_storage(struct tdm_kv_cache *kv);
 
 // Pointers to one block of one layer: [num_kv_heads][block_size][head_dim] f32;
-// NULL for a layer or block out of range.
+// NULL for a layer or block out of range, or when the pool is not host f32.
 float *tdm_kv_k(struct tdm_kv_cache *kv, int layer, int block);
 float *tdm_kv_v(struct tdm_kv_cache *kv, int layer, int block);
 
@@ -184,7 +221,9 @@ size_t tdm_kv_layer_bytes(const struct tdm_kv_cache *kv, int nblocks);
 // 0 for nblocks < 0 or > num_blocks.
 // Copies layer `layer` of seq's blocks [first_block, first_block+nblocks) into dst.
 // dst_len must equal tdm_kv_layer_bytes(kv, nblocks); TDM_EINVAL (detail in
-// tdm_kv_errmsg) for a bad layer, range or length.
+// tdm_kv_errmsg) for a bad layer, range or length, TDM_EBACKEND when the
+// storage's copy failed. The payload is f32 whatever the storage holds (a bf16
+// device pool is widened on export and rounded to nearest even on import).
 int tdm_kv_export_layer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, int layer,
                         int first_block, int nblocks, void *dst, size_t dst_len);
 // Writes such a payload into seq's blocks (which tdm_kv_reserve must have made).

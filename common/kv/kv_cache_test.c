@@ -978,6 +978,134 @@ static void test_kv_events(void **state)
     tdm_kv_free(kv);
 }
 
+// ---- storage interface -------------------------------------------------------------------
+// A storage that records what the cache asks of it, over a plain array: the
+// cache must route export/import through export_blocks/import_blocks with the
+// sequence's block ids, free it once, leave tdm_kv_k NULL (not host f32), and
+// not take it when creation fails.
+struct fake_storage {
+    struct tdm_kv_storage base;
+    float *pool; // [layers][num_blocks][block_floats], K and V alike (tests only)
+    size_t block_floats;
+    int num_blocks;
+    int exports, imports, last_layer, last_blocks[4];
+    int *frees;
+};
+
+static void fake_free(struct tdm_kv_storage *st)
+{
+    struct fake_storage *f = (struct fake_storage *)st;
+    (*f->frees)++;
+    free(f->pool);
+    free(f);
+}
+
+static void *fake_layer(struct tdm_kv_storage *st, int layer)
+{
+    struct fake_storage *f = (struct fake_storage *)st;
+    return f->pool + (size_t)layer * f->num_blocks * f->block_floats;
+}
+
+static int fake_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                       float *k_out, float *v_out)
+{
+    struct fake_storage *f = (struct fake_storage *)st;
+    f->exports++;
+    f->last_layer = layer;
+    for (int i = 0; i < nblocks; i++) {
+        f->last_blocks[i % 4] = blocks[i];
+        const float *b = (float *)fake_layer(st, layer) + (size_t)blocks[i] * f->block_floats;
+        memcpy(k_out + (size_t)i * f->block_floats, b, f->block_floats * sizeof(float));
+        for (size_t j = 0; j < f->block_floats; j++)
+            v_out[(size_t)i * f->block_floats + j] = -b[j];
+    }
+    return layer == 2 ? TDM_EBACKEND : TDM_OK; // layer 2 plays a failed device copy
+}
+
+static int fake_import(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                       const float *k_in, const float *v_in)
+{
+    struct fake_storage *f = (struct fake_storage *)st;
+    (void)v_in;
+    f->imports++;
+    f->last_layer = layer;
+    for (int i = 0; i < nblocks; i++) {
+        f->last_blocks[i % 4] = blocks[i];
+        memcpy((float *)fake_layer(st, layer) + (size_t)blocks[i] * f->block_floats,
+               k_in + (size_t)i * f->block_floats, f->block_floats * sizeof(float));
+    }
+    return TDM_OK;
+}
+
+static const struct tdm_kv_storage_ops fake_ops = {
+    .free = fake_free,
+    .layer_k = fake_layer,
+    .layer_v = fake_layer,
+    .export_blocks = fake_export,
+    .import_blocks = fake_import,
+};
+
+static void test_storage_interface(void **state)
+{
+    (void)state;
+    struct tdm_kv_config cfg = {
+        .num_layers = 3, .num_kv_heads = 2, .head_dim = 4, .block_size = 4, .num_blocks = 8};
+    int frees = 0;
+    struct fake_storage *f = calloc(1, sizeof *f);
+    assert_non_null(f);
+    f->base.ops = &fake_ops;
+    f->base.host_f32 = false;
+    f->block_floats = 2 * 4 * 4;
+    f->num_blocks = 8;
+    f->frees = &frees;
+    f->pool = calloc(3 * 8 * f->block_floats, sizeof(float));
+    for (size_t i = 0; i < 3 * 8 * f->block_floats; i++)
+        f->pool[i] = (float)i;
+    char err[256];
+    struct tdm_kv_cache *kv;
+
+    // A bad config fails without taking the storage.
+    struct tdm_kv_config bad = cfg;
+    bad.num_blocks = 0;
+    assert_int_equal(tdm_kv_new_with_storage(&kv, &bad, &f->base, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(frees, 0);
+
+    assert_int_equal(tdm_kv_new_with_storage(&kv, &cfg, &f->base, err, sizeof err), TDM_OK);
+    assert_ptr_equal(tdm_kv_storage(kv), &f->base);
+    assert_null(tdm_kv_k(kv, 0, 0)); // not host f32
+    struct tdm_kv_seq pad, s;
+    tdm_kv_seq_init(&pad);
+    tdm_kv_seq_init(&s);
+    assert_int_equal(tdm_kv_reserve(kv, &pad, 4), TDM_OK);
+    assert_int_equal(tdm_kv_reserve(kv, &s, 8), TDM_OK);
+    size_t lb = tdm_kv_layer_bytes(kv, 2);
+    float *buf = malloc(lb);
+    assert_int_equal(tdm_kv_export_layer(kv, &s, 1, 0, 2, buf, lb), TDM_OK);
+    assert_int_equal(f->exports, 1);
+    assert_int_equal(f->last_layer, 1);
+    assert_int_equal(f->last_blocks[0], s.block_table[0]);
+    assert_int_equal(f->last_blocks[1], s.block_table[1]);
+    // K of block 1 then V (the fake negates V) in the transfer layout.
+    assert_true(buf[f->block_floats] == f->pool[(8 + (size_t)s.block_table[1]) * f->block_floats]);
+    assert_true(buf[2 * f->block_floats] ==
+                -f->pool[(8 + (size_t)s.block_table[0]) * f->block_floats]);
+    // A storage failure is the call's error, with the detail.
+    assert_int_equal(tdm_kv_export_layer(kv, &s, 2, 0, 2, buf, lb), TDM_EBACKEND);
+    assert_non_null(strstr(tdm_kv_errmsg(kv), "storage failed"));
+    // buf now holds layer 2's blocks (the failed export still copied): import
+    // them into layer 0.
+    assert_int_equal(tdm_kv_import_layer(kv, &s, 0, 0, 2, buf, lb), TDM_OK);
+    assert_int_equal(f->imports, 1);
+    assert_int_equal(f->last_layer, 0);
+    assert_true(f->pool[(size_t)s.block_table[1] * f->block_floats] ==
+                f->pool[(16 + (size_t)s.block_table[1]) * f->block_floats]);
+    free(buf);
+    tdm_kv_seq_release(kv, &s);
+    tdm_kv_seq_release(kv, &pad);
+    tdm_kv_free(kv);
+    assert_int_equal(frees, 1);
+}
+
 int main(void)
 {
     static const struct wl_param wl[] = {
@@ -1017,6 +1145,7 @@ int main(void)
         cmocka_unit_test_prestate(test_export_import, (void *)(intptr_t)32),
         cmocka_unit_test(test_header),
         cmocka_unit_test(test_kv_events),
+        cmocka_unit_test(test_storage_interface),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -11,6 +11,7 @@
 #ifndef TDM_BACKEND_H
 #define TDM_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -47,14 +48,23 @@ struct tdm_attn_seq {
     int n_tokens;         // new tokens
     int start_pos;        // position of the first new token
     const int *block_table;
+    bool pad; // a padding row of a graph bucket: no KV write, output unused
 };
 
 struct tdm_backend;
 
 struct tdm_backend_ops {
     const char *name;
-    int (*create)(struct tdm_backend **out, int num_threads, char *err, size_t errlen);
+    // true: alloc returns host memory the model may read and write directly
+    // (CPU); false: device memory, reached only through upload, download and
+    // copy below (CUDA).
+    bool host_memory;
+    // device: which accelerator (cuda:N); ignored by the CPU backend.
+    int (*create)(struct tdm_backend **out, int num_threads, int device, char *err, size_t errlen);
     void (*destroy)(struct tdm_backend *be);
+    // Optional: accelerators visible to this process (0 when none); NULL for
+    // a backend that needs no device (CPU).
+    int (*device_count)(void);
 
     // Builds w (rows = sum of parts' rows) in type `want` from checkpoint data.
     int (*prepare_weight)(struct tdm_backend *be, struct tdm_weight *w,
@@ -64,6 +74,45 @@ struct tdm_backend_ops {
     // Activation memory (aligned to 64 bytes); free with release.
     void *(*alloc)(struct tdm_backend *be, size_t bytes);
     void (*release)(struct tdm_backend *be, void *p);
+    // Host -> backend memory, backend -> host (returns once dst holds the data,
+    // after every op issued before it), and inside backend memory (no
+    // overlap). TDM_OK, or the first error of any op since the last download
+    // or sync (ops themselves return nothing; a backend whose launches can
+    // fail keeps the first failure until then).
+    int (*upload)(struct tdm_backend *be, void *dst, const void *src, size_t bytes);
+    int (*download)(struct tdm_backend *be, void *dst, const void *src, size_t bytes);
+    int (*copy)(struct tdm_backend *be, void *dst, const void *src, size_t bytes);
+    // Waits for every op issued; returns the first error since the last sync or
+    // download. NULL when ops are synchronous and cannot fail (CPU).
+    int (*sync)(struct tdm_backend *be);
+
+    // Optional (NULL: the pool is sized by the caller's host memory budget):
+    // how many KV blocks of cfg's geometry fit in `utilization` (vLLM's
+    // --gpu-memory-utilization: a fraction of the device's total memory) given
+    // what the process already holds on the device (weights, activations).
+    int (*kv_capacity)(struct tdm_backend *be, const struct tdm_kv_config *cfg, double utilization,
+                       int *num_blocks, char *err, size_t errlen);
+    // Optional (NULL: the default host f32 pool): a KV storage for cfg in this
+    // backend's memory; the caller hands it to tdm_kv_new_with_storage.
+    int (*kv_storage_new)(struct tdm_backend *be, const struct tdm_kv_config *cfg,
+                          struct tdm_kv_storage **out, char *err, size_t errlen);
+    // Optional: called once per forward, before the first layer, with the
+    // batch's sequences (host block tables); the backend may stage in its own
+    // memory what kv_store and attention need for every layer of this
+    // forward, which then receive the same seqs.
+    int (*begin_forward)(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                         const struct tdm_attn_seq *seqs, int n_seqs);
+    // Optional (NULL: every step runs eagerly): CUDA graphs for decode steps.
+    // The model calls graph_begin instead of begin_forward for a step whose
+    // sequences all decode one token, padded to a bucket of n_seqs (1, 2, 4,
+    // 8, ... rows, padding rows marked pad). *replay true: a graph of this
+    // bucket is ready and the model skips its ops up to graph_end, which
+    // launches it; false: the model issues its ops as usual (recorded into a
+    // new graph, or run eagerly the first time a bucket is seen, which sizes
+    // the buffers the graph will use), then graph_end.
+    int (*graph_begin)(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                       const struct tdm_attn_seq *seqs, int n_seqs, bool *replay);
+    int (*graph_end)(struct tdm_backend *be);
 
     // y[n][w->rows] = x[n][w->cols] . w^T (+ bias[w->rows] when bias != NULL).
     void (*matmul)(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
@@ -96,6 +145,9 @@ struct tdm_backend_ops {
 
 // Registered backends (backend.c): NULL when name is unknown or not built.
 const struct tdm_backend_ops *tdm_backend_find(const char *name);
+// Adds a backend under ops->name for this process (tests: the CUDA backend on
+// the execution-model emulator). TDM_ECAPACITY when the table is full.
+int tdm_backend_register(const struct tdm_backend_ops *ops);
 extern const struct tdm_backend_ops tdm_cpu_backend_ops;
 
 #endif

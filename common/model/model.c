@@ -40,8 +40,7 @@ struct tdm_layer {
     struct tdm_weight o;       // [hidden][q_dim]
     struct tdm_weight gate_up; // [2*inter][hidden]: gate rows then up rows
     struct tdm_weight down;    // [hidden][inter]
-    // Small f32 vectors live in backend memory and are filled by the host at
-    // load: the CPU backend's memory is host memory.
+    // Small f32 vectors live in backend memory, uploaded at load.
     float *qkv_bias;   // [q_dim + 2*kv_dim] f32 backend memory, NULL without bias
     float *input_norm; // [hidden] f32 backend memory
     float *post_norm;  // [hidden] f32 backend memory
@@ -71,9 +70,14 @@ struct tdm_model {
     float *attn;                // [T][q_dim]
     float *gate_up;             // [T][2*inter]
     float *act;                 // [T][inter]
-    int32_t *pos;               // [T] position of each row
-    int32_t *ids;               // [T] token id of each row
+    int32_t *pos;               // [T] position of each row, host
+    int32_t *ids;               // [T] token id of each row, host
+    int32_t *pos_be;            // [T] pos in backend memory (== pos on a host-memory backend)
+    int32_t *ids_be;            // [T] ids in backend memory (== ids on a host-memory backend)
+    float *logits_be;           // [T][vocab] backend memory; NULL on a host-memory backend,
+                                // which writes the caller's logits directly
     struct tdm_attn_seq *aseqs; // [max_batch_seqs]
+    int pad_table[1];           // block table of a graph bucket's padding rows (block 0, read only)
 };
 
 // ---- options ---------------------------------------------------------------------------
@@ -86,6 +90,46 @@ void tdm_model_opts_default(struct tdm_model_opts *o)
     o->max_batch_tokens = 512;
     o->max_batch_seqs = 64;
     o->backend = "cpu";
+    o->device = 0;
+}
+
+int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err, size_t errlen)
+{
+    const struct tdm_backend_ops *cuda = tdm_backend_find("cuda");
+    int visible = cuda && cuda->device_count ? cuda->device_count() : 0;
+    if (spec == NULL || spec[0] == '\0' || strcmp(spec, "auto") == 0) {
+        o->backend = visible > 0 ? "cuda" : "cpu";
+        o->device = 0;
+        return TDM_OK;
+    }
+    if (strcmp(spec, "cpu") == 0) {
+        o->backend = "cpu";
+        o->device = 0;
+        return TDM_OK;
+    }
+    int ordinal = 0;
+    if (strncmp(spec, "cuda", 4) == 0 && (spec[4] == '\0' || spec[4] == ':')) {
+        if (spec[4] == ':') {
+            char *end;
+            long v = strtol(spec + 5, &end, 10);
+            if (spec[5] == '\0' || *end != '\0' || v < 0 || v > 1023)
+                return tdm_seterr(err, errlen, TDM_EINVAL,
+                                  "--device %s: expected cuda:N with N a GPU index", spec);
+            ordinal = (int)v;
+        }
+        if (cuda == NULL)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--device %s: this build has no CUDA backend (configure with "
+                              "-DTANDEM_CUDA=ON)",
+                              spec);
+        if (ordinal >= visible)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "--device %s: %d CUDA GPU%s visible", spec,
+                              visible, visible == 1 ? "" : "s");
+        o->backend = "cuda";
+        o->device = ordinal;
+        return TDM_OK;
+    }
+    return tdm_seterr(err, errlen, TDM_EINVAL, "--device %s: expected cpu, cuda or cuda:N", spec);
 }
 
 const struct tdm_model_config *tdm_model_config(const struct tdm_model *m)
@@ -113,6 +157,36 @@ void tdm_model_kv_config(const struct tdm_model *m, struct tdm_kv_config *cfg)
     cfg->num_layers = m->cfg.num_hidden_layers;
     cfg->num_kv_heads = m->cfg.num_key_value_heads;
     cfg->head_dim = m->cfg.head_dim;
+}
+
+int tdm_model_kv_capacity(struct tdm_model *m, const struct tdm_kv_config *cfg, double utilization,
+                          int *num_blocks, char *err, size_t errlen)
+{
+    if (!(utilization > 0.0 && utilization <= 1.0))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--gpu-memory-utilization %g: expected a fraction in (0, 1]",
+                          utilization);
+    if (m->ops->kv_capacity == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOTFOUND,
+                          "the %s backend has no device memory to take a fraction of",
+                          m->ops->name);
+    return m->ops->kv_capacity(m->be, cfg, utilization, num_blocks, err, errlen);
+}
+
+int tdm_model_kv_new(struct tdm_model *m, const struct tdm_kv_config *cfg,
+                     struct tdm_kv_cache **out, char *err, size_t errlen)
+{
+    if (m->ops->kv_storage_new == NULL)
+        return tdm_kv_new(out, cfg, err, errlen);
+    *out = NULL;
+    struct tdm_kv_storage *st;
+    int rc = m->ops->kv_storage_new(m->be, cfg, &st, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    rc = tdm_kv_new_with_storage(out, cfg, st, err, errlen);
+    if (rc != TDM_OK)
+        st->ops->free(st);
+    return rc;
 }
 
 // ---- load helpers ----------------------------------------------------------------------
@@ -148,9 +222,24 @@ static void copy_vec_f32(float *dst, const struct tdm_tensor *t, size_t n)
 static float *alloc_f32(struct tdm_model *m, size_t n)
 {
     float *p = m->ops->alloc(m->be, n * sizeof(float));
-    if (p)
+    if (p && m->ops->host_memory)
         memset(p, 0, n * sizeof(float));
     return p;
+}
+
+// Backend memory holding the n f32 values of host (a small vector: norm
+// weights, biases, inv_freq).
+static int upload_vec(struct tdm_model *m, const float *host, size_t n, float **out, char *err,
+                      size_t errlen, const char *what)
+{
+    *out = alloc_f32(m, n);
+    if (*out == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "%s: out of memory", what);
+    int rc = m->ops->upload(m->be, *out, host, n * sizeof(float));
+    if (rc != TDM_OK)
+        return tdm_seterr(err, errlen, rc, "%s: upload to the %s backend failed", what,
+                          m->ops->name);
+    return TDM_OK;
 }
 
 static int load_vec(struct tdm_model *m, const struct tdm_safetensors *st, const char *name,
@@ -160,11 +249,13 @@ static int load_vec(struct tdm_model *m, const struct tdm_safetensors *st, const
     int rc = get_tensor(st, name, n, 0, &t, err, errlen);
     if (rc != TDM_OK)
         return rc;
-    *out = alloc_f32(m, (size_t)n);
-    if (*out == NULL)
+    float *host = malloc((size_t)n * sizeof *host);
+    if (host == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "%s: out of memory", name);
-    copy_vec_f32(*out, t, (size_t)n);
-    return TDM_OK;
+    copy_vec_f32(host, t, (size_t)n);
+    rc = upload_vec(m, host, (size_t)n, out, err, errlen, name);
+    free(host);
+    return rc;
 }
 
 // Drops the checkpoint pages of a tensor the backend has copied from: the
@@ -273,6 +364,11 @@ void tdm_model_free(struct tdm_model *m)
         release_buf(m, m->attn);
         release_buf(m, m->gate_up);
         release_buf(m, m->act);
+        if (m->ids_be != m->ids)
+            release_buf(m, m->ids_be);
+        if (m->pos_be != m->pos)
+            release_buf(m, m->pos_be);
+        release_buf(m, m->logits_be);
         m->ops->destroy(m->be);
     }
     free(m->layers);
@@ -314,8 +410,8 @@ static int load_layer(struct tdm_model *m, const struct tdm_safetensors *st, int
         return rc;
 
     if (c->attention_bias) {
-        L->qkv_bias = alloc_f32(m, (size_t)m->qkv_dim);
-        if (L->qkv_bias == NULL)
+        float *bias = malloc((size_t)m->qkv_dim * sizeof *bias);
+        if (bias == NULL)
             return tdm_seterr(err, errlen, TDM_ENOMEM, "layer %d: out of memory", l);
         LNAME(n0, "self_attn.q_proj.bias");
         LNAME(n1, "self_attn.k_proj.bias");
@@ -323,11 +419,17 @@ static int load_layer(struct tdm_model *m, const struct tdm_safetensors *st, int
         int off = 0;
         for (int i = 0; i < 3; i++) {
             const struct tdm_tensor *t;
-            if ((rc = get_tensor(st, names[i], qkv_rows[i], 0, &t, err, errlen)))
+            if ((rc = get_tensor(st, names[i], qkv_rows[i], 0, &t, err, errlen))) {
+                free(bias);
                 return rc;
-            copy_vec_f32(L->qkv_bias + off, t, (size_t)qkv_rows[i]);
+            }
+            copy_vec_f32(bias + off, t, (size_t)qkv_rows[i]);
             off += qkv_rows[i];
         }
+        rc = upload_vec(m, bias, (size_t)m->qkv_dim, &L->qkv_bias, err, errlen, n0);
+        free(bias);
+        if (rc != TDM_OK)
+            return rc;
     }
     LNAME(n0, "input_layernorm.weight");
     if ((rc = load_vec(m, st, n0, hidden, &L->input_norm, err, errlen)))
@@ -396,7 +498,7 @@ int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_mod
                         m->opts.backend);
         goto fail;
     }
-    if ((rc = m->ops->create(&m->be, m->opts.num_threads, err, errlen)) != TDM_OK) {
+    if ((rc = m->ops->create(&m->be, m->opts.num_threads, m->opts.device, err, errlen)) != TDM_OK) {
         m->be = NULL;
         goto fail;
     }
@@ -433,12 +535,19 @@ int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_mod
     tdm_st_free(st);
     st = NULL;
 
-    m->inv_freq = alloc_f32(m, (size_t)c->head_dim / 2);
-    if (m->inv_freq == NULL) {
-        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
-        goto fail;
+    {
+        float *inv_freq = malloc((size_t)c->head_dim / 2 * sizeof *inv_freq);
+        if (inv_freq == NULL) {
+            rc = tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
+            goto fail;
+        }
+        compute_inv_freq(c, inv_freq);
+        rc =
+            upload_vec(m, inv_freq, (size_t)c->head_dim / 2, &m->inv_freq, err, errlen, "inv_freq");
+        free(inv_freq);
+        if (rc != TDM_OK)
+            goto fail;
     }
-    compute_inv_freq(c, m->inv_freq);
 
     size_t T = (size_t)m->opts.max_batch_tokens;
     m->x = alloc_f32(m, T * (size_t)hidden);
@@ -450,8 +559,16 @@ int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_mod
     m->pos = calloc(T, sizeof *m->pos);
     m->ids = calloc(T, sizeof *m->ids);
     m->aseqs = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->aseqs);
+    if (m->ops->host_memory) {
+        m->ids_be = m->ids;
+        m->pos_be = m->pos;
+    } else {
+        m->ids_be = m->ops->alloc(m->be, T * sizeof(int32_t));
+        m->pos_be = m->ops->alloc(m->be, T * sizeof(int32_t));
+        m->logits_be = alloc_f32(m, T * (size_t)c->vocab_size);
+    }
     if (!m->x || !m->h || !m->qkv || !m->attn || !m->gate_up || !m->act || !m->pos || !m->ids ||
-        !m->aseqs) {
+        !m->aseqs || !m->ids_be || !m->pos_be || (!m->ops->host_memory && !m->logits_be)) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM,
                         "model: out of memory for activations of %zu tokens", T);
         goto fail;
@@ -535,6 +652,7 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
 
     // Pack rows: token ids, positions and each sequence's slice.
     int row = 0;
+    bool all_decode = true;
     for (int s = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         m->aseqs[s] = (struct tdm_attn_seq){.row = row,
@@ -546,13 +664,52 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             m->pos[row] = q->start_pos + i;
             row++;
         }
+        all_decode &= q->n_tokens == 1 && q->logits == TDM_LOGITS_LAST;
     }
 
     bool any_hook = false;
     for (int s = 0; s < n_seqs; s++)
         any_hook |= seqs[s].on_layer != NULL;
 
-    ops->embed(be, &m->embed, m->ids, n, m->x);
+    // A decode-only step runs as a CUDA graph of its padded bucket (vLLM's
+    // cudagraph capture sizes): rows n_seqs .. bucket-1 are padding (token 0
+    // at position 0, no KV write) whose outputs are never read.
+    bool graph = ops->graph_begin != NULL && !m->opts.enforce_eager && all_decode && !any_hook;
+    int n_seqs_run = n_seqs;
+    if (graph) {
+        int bucket = 1;
+        while (bucket < n_seqs)
+            bucket *= 2;
+        if (bucket > m->opts.max_batch_seqs || bucket > m->opts.max_batch_tokens)
+            bucket = n_seqs;
+        for (int s = n_seqs; s < bucket; s++) {
+            m->aseqs[s] = (struct tdm_attn_seq){
+                .row = s, .n_tokens = 1, .start_pos = 0, .block_table = m->pad_table, .pad = true};
+            m->ids[s] = 0;
+            m->pos[s] = 0;
+        }
+        n_seqs_run = bucket;
+        n = bucket;
+        n_logit_rows = bucket; // the padding rows' logits are computed, never copied out
+    }
+    int n_logit_real = graph ? n_seqs : n_logit_rows;
+    if (!ops->host_memory) {
+        if ((rc = ops->upload(be, m->ids_be, m->ids, (size_t)n * sizeof(int32_t))) != TDM_OK ||
+            (rc = ops->upload(be, m->pos_be, m->pos, (size_t)n * sizeof(int32_t))) != TDM_OK)
+            return rc;
+    }
+    bool replay = false;
+    if (graph) {
+        if ((rc = ops->graph_begin(be, kv, m->aseqs, n_seqs_run, &replay)) != TDM_OK)
+            return rc;
+        if (replay)
+            goto graph_done;
+    } else if (ops->begin_forward &&
+               (rc = ops->begin_forward(be, kv, m->aseqs, n_seqs)) != TDM_OK) {
+        return rc;
+    }
+
+    ops->embed(be, &m->embed, m->ids_be, n, m->x);
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const struct tdm_layer *L = &m->layers[l];
         // Attention block. q, k, v live side by side in each qkv row.
@@ -561,15 +718,16 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         // k follows q in each row with the same head_dim, so one call rotates
         // the n_heads query heads and the n_kv_heads key heads.
         ops->rope(be, m->qkv, n, m->qkv_dim, c->num_attention_heads + c->num_key_value_heads, hd,
-                  m->pos, m->inv_freq);
-        ops->kv_store(be, kv, l, m->aseqs, n_seqs, m->qkv + m->q_dim, m->qkv + m->q_dim + m->kv_dim,
-                      m->qkv_dim);
-        // Layer l's KV is in the cache (the backend's ops are synchronous): a
-        // hook may hand it to a sender while the layers above still compute.
+                  m->pos_be, m->inv_freq);
+        ops->kv_store(be, kv, l, m->aseqs, n_seqs_run, m->qkv + m->q_dim,
+                      m->qkv + m->q_dim + m->kv_dim, m->qkv_dim);
+        // Layer l's KV is in the cache (ops are synchronous, or stream-ordered
+        // with the storage's copies out of the cache): a hook may hand it to a
+        // sender while the layers above still compute.
         for (int s = 0; any_hook && s < n_seqs; s++)
             if (seqs[s].on_layer)
                 seqs[s].on_layer(seqs[s].layer_arg, l);
-        ops->attention(be, kv, l, m->aseqs, n_seqs, m->qkv, m->qkv_dim, m->attn,
+        ops->attention(be, kv, l, m->aseqs, n_seqs_run, m->qkv, m->qkv_dim, m->attn,
                        c->num_attention_heads, c->num_key_value_heads, hd, scale);
         ops->matmul(be, &L->o, NULL, m->attn, m->h, n);
         ops->add(be, m->x, m->h, (size_t)n * (size_t)hidden);
@@ -581,11 +739,14 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         ops->add(be, m->x, m->h, (size_t)n * (size_t)hidden);
     }
     if (n_logit_rows == 0)
-        return TDM_OK;
+        return ops->sync ? ops->sync(be) : TDM_OK;
 
-    // Gather the rows that want logits (in batch order) into h, then norm and head.
+    // Gather the rows that want logits (in batch order) into h, then norm and
+    // head. A graph step's rows all want logits, in order: one copy.
+    if (graph && (rc = ops->copy(be, m->h, m->x, (size_t)n * hidden * sizeof(float))) != TDM_OK)
+        return rc;
     int out_row = 0;
-    for (int s = 0; s < n_seqs; s++) {
+    for (int s = 0; !graph && s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         int first = m->aseqs[s].row, count = 0;
         if (q->logits == TDM_LOGITS_LAST) {
@@ -595,13 +756,28 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             count = q->n_tokens;
         }
         if (count > 0) {
-            memmove(m->h + (size_t)out_row * hidden, m->x + (size_t)first * hidden,
-                    (size_t)count * hidden * sizeof(float));
+            // h and x are distinct buffers, so copy's no-overlap rule holds.
+            size_t bytes = (size_t)count * hidden * sizeof(float);
+            if (ops->host_memory)
+                memcpy(m->h + (size_t)out_row * hidden, m->x + (size_t)first * hidden, bytes);
+            else if ((rc = ops->copy(be, m->h + (size_t)out_row * hidden,
+                                     m->x + (size_t)first * hidden, bytes)) != TDM_OK)
+                return rc;
             out_row += count;
         }
     }
     ops->rmsnorm(be, m->h, m->final_norm, eps, m->h, n_logit_rows, hidden);
     // One lm_head read for all logit rows (n_logit_rows <= n fits the workspace).
-    ops->matmul(be, m->head_is_embed ? &m->embed : &m->lm_head, NULL, m->h, logits, n_logit_rows);
-    return TDM_OK;
+    const struct tdm_weight *head = m->head_is_embed ? &m->embed : &m->lm_head;
+    if (ops->host_memory) {
+        ops->matmul(be, head, NULL, m->h, logits, n_logit_rows);
+        return TDM_OK;
+    }
+    ops->matmul(be, head, NULL, m->h, m->logits_be, n_logit_rows);
+graph_done:
+    if (graph && (rc = ops->graph_end(be)) != TDM_OK)
+        return rc;
+    // Logits reach the host once per step; sampling stays on the host.
+    return ops->download(be, logits, m->logits_be,
+                         (size_t)n_logit_real * (size_t)c->vocab_size * sizeof(float));
 }

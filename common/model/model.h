@@ -27,8 +27,17 @@ struct tdm_model_opts {
     int max_batch_tokens;  // tokens per forward step (activation workspace); default 512
     int max_batch_seqs;    // sequences per forward step; default 64
     const char *backend;   // "cpu" (default) or "cuda" when built with TANDEM_CUDA
+    int device;            // accelerator ordinal for "cuda" (--device cuda:N); default 0
+    bool enforce_eager;    // --enforce-eager: no CUDA graphs (vLLM's flag); default false
 };
 void tdm_model_opts_default(struct tdm_model_opts *o);
+// Sets o->backend and o->device from a --device value (vLLM's flag): "cpu",
+// "cuda", "cuda:N", or NULL / "" / "auto" for the default: "cuda" when this
+// build has the CUDA backend and a GPU is visible, else "cpu". TDM_EINVAL with
+// err saying why for anything else, for cuda in a build without it, and for
+// cuda when no GPU (or not GPU N) is visible: asking for a GPU that is not
+// there is a startup error, never a silent fallback to the CPU.
+int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err, size_t errlen);
 
 struct tdm_model;
 
@@ -42,6 +51,20 @@ size_t tdm_model_weight_bytes(const struct tdm_model *m);
 // The KV geometry this model needs (num_layers, num_kv_heads, head_dim); the
 // caller fills block_size, num_blocks and enable_prefix_caching.
 void tdm_model_kv_config(const struct tdm_model *m, struct tdm_kv_config *cfg);
+// KV blocks of cfg's geometry (block_size set) that fit in `utilization` of
+// the device's memory after what the model already holds there (vLLM's
+// --gpu-memory-utilization). TDM_ENOTFOUND on a backend without device memory
+// (the CPU: size the pool from a byte budget instead); TDM_ECAPACITY with err
+// saying how much is missing when not even one block fits; TDM_EINVAL for a
+// utilization outside (0, 1].
+int tdm_model_kv_capacity(struct tdm_model *m, const struct tdm_kv_config *cfg, double utilization,
+                          int *num_blocks, char *err, size_t errlen);
+// A KV cache for cfg whose pool lives where this model's backend computes
+// (host f32 for the CPU backend, device memory for CUDA): what tdm_kv_new is
+// for a host pool. Same errors as tdm_kv_new, plus the backend's (TDM_ENOMEM
+// when device memory cannot hold the pool, TDM_EBACKEND).
+int tdm_model_kv_new(struct tdm_model *m, const struct tdm_kv_config *cfg,
+                     struct tdm_kv_cache **out, char *err, size_t errlen);
 
 enum tdm_logits_mode { TDM_LOGITS_NONE = 0, TDM_LOGITS_LAST, TDM_LOGITS_ALL };
 

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backend.h"
 #include "core.h"
 #include "kv_cache.h"
 #include "mkmodel.h"
@@ -388,6 +389,27 @@ static void test_batch_invariance(void **state)
     batch_invariance_on("portable"); // the reference path of the CPU backend
 }
 
+// --device in a build without the CUDA backend: cpu and auto give cpu, any
+// cuda is a clear error, never a silent CPU fallback.
+static void test_device_flag(void **state)
+{
+    (void)state;
+    struct tdm_model_opts o;
+    char err[256];
+    tdm_model_opts_default(&o);
+    if (tdm_backend_find("cuda") != NULL) {
+        skip(); // a TANDEM_CUDA build: cuda_model_emu_test / the gpu tests cover it
+    }
+    assert_int_equal(tdm_model_opts_set_device(&o, "", err, sizeof err), TDM_OK);
+    assert_string_equal(o.backend, "cpu");
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda", err, sizeof err), TDM_EINVAL);
+    assert_string_equal(err, "--device cuda: this build has no CUDA backend (configure with "
+                             "-DTANDEM_CUDA=ON)");
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda:2", err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda:", err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_model_opts_set_device(&o, "CPU", err, sizeof err), TDM_EINVAL);
+}
+
 static void test_runner_errors(void **state)
 {
     (void)state;
@@ -624,7 +646,7 @@ int main(void)
         cmocka_unit_test(test_export_import),   cmocka_unit_test(test_batch_invariance),
         cmocka_unit_test(test_int8_agrees),     cmocka_unit_test(test_bad_batches),
         cmocka_unit_test(test_load_errors),     cmocka_unit_test(test_layer_hook),
-        cmocka_unit_test(test_runner_errors),
+        cmocka_unit_test(test_runner_errors),   cmocka_unit_test(test_device_flag),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -27,6 +27,8 @@ struct args {
     struct tdm_sampling_params sp;
     enum tdm_weight_mode weights;
     int threads;
+    const char *device; // --device; NULL = auto
+    bool enforce_eager; // --enforce-eager
     int chunk;
     bool json;
     bool ignore_eos;
@@ -85,6 +87,13 @@ static const struct tdm_flag generate_flags[] = {
      .help = "weight format (default bf16)"},
     NUM("threads", TDM_FLAG_INT, threads, 0, 1024, "N", "compute threads (0: one per core)"),
     NUM("chunk", TDM_FLAG_INT, chunk, 1, 65536, "N", "prefill chunk in tokens (default 256)"),
+    PTR("device", device, "cpu|cuda|cuda:N",
+        "where the model computes (default cuda when built\nwith CUDA and a GPU is visible, else "
+        "cpu)"),
+    {.name = "enforce-eager",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(enforce_eager),
+     .help = "no CUDA graphs for decode steps"},
     {.name = "json",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(json),
@@ -225,6 +234,11 @@ int main(int argc, char **argv)
     tdm_model_opts_default(&mo);
     mo.weights = a.weights;
     mo.num_threads = a.threads;
+    mo.enforce_eager = a.enforce_eager;
+    if (tdm_model_opts_set_device(&mo, a.device, err, sizeof err) != TDM_OK) {
+        fail("%s", err);
+        goto out;
+    }
     mo.max_batch_seqs = 1;
     mo.max_batch_tokens = a.chunk < 512 ? a.chunk : 512;
     if (tdm_model_load(&m, a.model, &mo, err, sizeof err) != TDM_OK) {
@@ -270,7 +284,7 @@ int main(int argc, char **argv)
     kc.block_size = 16;
     kc.num_blocks = (n_prompt + a.max_tokens + kc.block_size - 1) / kc.block_size + 1;
     kc.enable_prefix_caching = false;
-    if (tdm_kv_new(&kv, &kc, err, sizeof err) != TDM_OK) {
+    if (tdm_model_kv_new(m, &kc, &kv, err, sizeof err) != TDM_OK) {
         fail("%s", err);
         goto out;
     }

@@ -120,8 +120,10 @@ static void *alloc_aligned(size_t bytes)
     return p;
 }
 
-static int cpu_create(struct tdm_backend **out, int num_threads, char *err, size_t errlen)
+static int cpu_create(struct tdm_backend **out, int num_threads, int device, char *err,
+                      size_t errlen)
 {
+    (void)device;
     enum tdm_cpu_isa isa = tdm_cpu_isa_best();
     const char *force = getenv("TANDEM_CPU_ISA");
     if (force && *force) {
@@ -852,8 +854,29 @@ static void cpu_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int l
     }
 }
 
+// Backend memory is host memory: the copies are memcpy, nothing to stage.
+static int cpu_upload(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
+{
+    (void)be;
+    if (bytes)
+        memcpy(dst, src, bytes);
+    return TDM_OK;
+}
+
+static int cpu_copy(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
+{
+    (void)be;
+    if (bytes)
+        memmove(dst, src, bytes);
+    return TDM_OK;
+}
+
 const struct tdm_backend_ops tdm_cpu_backend_ops = {
     .name = "cpu",
+    .host_memory = true,
+    .upload = cpu_upload,
+    .download = cpu_upload,
+    .copy = cpu_copy,
     .create = cpu_create,
     .destroy = cpu_destroy,
     .prepare_weight = cpu_prepare_weight,

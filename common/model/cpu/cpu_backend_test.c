@@ -63,7 +63,7 @@ static struct tdm_backend *make_backend(int threads)
 {
     struct tdm_backend *be = NULL;
     char err[256] = "";
-    int rc = ops->create(&be, threads, err, sizeof err);
+    int rc = ops->create(&be, threads, 0, err, sizeof err);
     if (rc != TDM_OK)
         fail_msg("create: %s", err);
     return be;
@@ -271,10 +271,10 @@ static void test_prepare_errors(void **state)
 
     setenv("TANDEM_CPU_ISA", "bogus", 1);
     struct tdm_backend *b2 = NULL;
-    assert_int_equal(ops->create(&b2, 1, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(ops->create(&b2, 1, 0, err, sizeof err), TDM_EINVAL);
     assert_non_null(strstr(err, "bogus"));
     setenv("TANDEM_CPU_ISA", "portable", 1);
-    assert_int_equal(ops->create(&b2, 1, err, sizeof err), TDM_OK);
+    assert_int_equal(ops->create(&b2, 1, 0, err, sizeof err), TDM_OK);
     assert_int_equal(tdm_cpu_backend_isa(b2), TDM_CPU_ISA_PORTABLE);
     ops->destroy(b2);
     unsetenv("TANDEM_CPU_ISA");

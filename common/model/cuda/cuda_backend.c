@@ -1,0 +1,838 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_backend: struct tdm_backend_ops for NVIDIA GPUs, written against the
+// thin device API of cuda_dev.h and the kernel launchers of cuda_kernels.h.
+// This one file is compiled twice: with cuda_dev.c + cuda_kernels.cu into the
+// product (TANDEM_CUDA=ON, registered as "cuda" in backend.c), and with the
+// emulated device API and kernels into tdm_model_cuda_emu (tests only,
+// registered by the test as "cuda"), so CI runs this host code end to end.
+//
+// Memory: weights bf16 row-major [rows][cols] in device memory (uploaded once;
+// int8 weight-only is not implemented here and is refused at load); activations
+// f32 from alloc (zero-filled device memory); the KV pool a struct
+// tdm_kv_storage of this backend (bf16 by default, f32 with
+// TANDEM_CUDA_KV_DTYPE=f32, which the emulator's exactness test uses).
+//
+// Per forward, begin_forward turns the batch's host block tables into device
+// metadata once (flat KV slots of the new rows, block tables, the attention
+// plan of cuda_kernels.h); kv_store and attention of every layer reuse it.
+// The staging buffers grow to the largest batch seen and are then reused.
+//
+// Errors: ops return nothing (the ops table's contract), so the first failure
+// (a launch, a GEMM, a staging copy) is kept in be->err and returned by the
+// next download or sync; later ops still run but their output is garbage the
+// caller never sees as success.
+//
+// Batch invariance: the kernels map each row by its own shape (cuda_kernels.h)
+// and the GEMM's algorithm is fixed per weight shape (cuda_dev.h), so a row's
+// numbers do not depend on the rest of the batch. docs/gpu-backend.md says
+// what is and is not verified.
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "core.h"
+#include "cuda_backend.h"
+#include "cuda_dev.h"
+#include "cuda_kernels.h"
+
+// Graphs kept at once (bucket sizes x sequence-length buckets); the least
+// recently used is dropped beyond this.
+#define TDM_CUDA_GRAPH_SLOTS 32
+
+// A growable device buffer (staging, scratch).
+struct dev_buf {
+    void *p;
+    size_t bytes;
+};
+
+struct tdm_backend {
+    struct tdm_cuda_dev *dev;
+    void *stream;
+    enum tdm_cuk_kv_type kv_type; // element type of KV pools this backend makes
+    int err;                      // first failure since the last sync/download (TDM_OK if none)
+    char errmsg[256];
+
+    struct dev_buf xb; // bf16 GEMM input [n][cols]
+    // begin_forward's staging: host copies, and their device twins.
+    int n_rows, n_seqs;                                  // of the staged forward
+    int32_t *h_slots;                                    // [cap_rows] flat KV slot of each new row
+    int32_t *h_bt;                                       // [cap_seqs][bt_stride]
+    int32_t *h_row, *h_ntok, *h_start, *h_dec, *h_tiles; // plan inputs and outputs
+    struct tdm_cuk_seq *h_seqs;
+    int cap_rows, cap_seqs, cap_bt, cap_tiles;
+    // The five arrays above go to the device in one copy: packed (16-byte
+    // aligned pieces) in h_meta, copied to d_meta; the m_* point into d_meta.
+    uint8_t *h_meta;
+    int cap_meta;
+    struct dev_buf d_meta, d_part_o, d_part_ml;
+    const int32_t *m_slots, *m_bt, *m_dec, *m_tiles;
+    const struct tdm_cuk_seq *m_seqs;
+    struct tdm_cuk_plan plan;
+    int bt_stride;
+
+    // CUDA graphs of decode steps, one per (rows, block-table width, splits,
+    // KV storage); gen counts buffer moves, and a graph captured under an
+    // older gen is stale (recaptured).
+    struct graph_slot {
+        int rows, bt_stride, splits;
+        const struct tdm_kv_storage *kvs;
+        void *graph;  // NULL until captured
+        unsigned gen; // be->gen at capture
+        unsigned long long last_use;
+    } graphs[TDM_CUDA_GRAPH_SLOTS];
+    unsigned gen;
+    unsigned long long tick;
+    int graph_cur;      // slot of the step between graph_begin and graph_end, -1 if none
+    int graph_mode;     // 0 eager warm-up, 1 capturing, 2 replay
+    unsigned graph_gen; // be->gen when the capture began
+};
+
+static void fail(struct tdm_backend *be, int code, const char *fmt, const char *detail)
+{
+    if (be->err != TDM_OK)
+        return;
+    be->err = code;
+    snprintf(be->errmsg, sizeof be->errmsg, fmt, detail);
+    TDM_LOG_ERR("cuda", "%s", be->errmsg);
+}
+
+static void launch_check(struct tdm_backend *be, int cuk_rc)
+{
+    if (cuk_rc != TDM_CUK_OK)
+        fail(be, cuk_rc == TDM_CUK_EINVAL ? TDM_EINVAL : TDM_EBACKEND, "kernel: %s",
+             tdm_cuk_errmsg());
+}
+
+// Grows b to at least bytes (contents are not kept). TDM_OK or TDM_ENOMEM.
+static int buf_reserve(struct tdm_backend *be, struct dev_buf *b, size_t bytes)
+{
+    if (b->bytes >= bytes)
+        return TDM_OK;
+    size_t want = b->bytes ? b->bytes : 4096;
+    while (want < bytes)
+        want *= 2;
+    void *p = tdm_cuda_dev_alloc(be->dev, want);
+    if (p == NULL)
+        return TDM_ENOMEM;
+    tdm_cuda_dev_free(be->dev, b->p);
+    b->p = p;
+    b->bytes = want;
+    be->gen++; // a captured graph that used the old buffer is stale
+    return TDM_OK;
+}
+
+static void buf_free(struct tdm_backend *be, struct dev_buf *b)
+{
+    tdm_cuda_dev_free(be->dev, b->p);
+    b->p = NULL;
+    b->bytes = 0;
+}
+
+// ---- create / destroy / memory ----------------------------------------------------------------
+static int cuda_create(struct tdm_backend **out, int num_threads, int device, char *err,
+                       size_t errlen)
+{
+    (void)num_threads; // host threads are not the CUDA backend's compute
+    *out = NULL;
+    struct tdm_backend *be = calloc(1, sizeof *be);
+    if (be == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda backend: out of memory");
+    int rc = tdm_cuda_dev_open(&be->dev, device, err, errlen);
+    if (rc != TDM_OK) {
+        free(be);
+        return rc;
+    }
+    be->stream = tdm_cuda_dev_stream(be->dev);
+    be->graph_cur = -1;
+    be->kv_type = TDM_CUK_KV_BF16;
+    const char *kvd = getenv("TANDEM_CUDA_KV_DTYPE");
+    if (kvd && *kvd) {
+        if (strcmp(kvd, "f32") == 0) {
+            be->kv_type = TDM_CUK_KV_F32;
+        } else if (strcmp(kvd, "bf16") != 0) {
+            tdm_cuda_dev_close(be->dev);
+            free(be);
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_CUDA_KV_DTYPE=%s: expected bf16 or f32", kvd);
+        }
+    }
+    TDM_LOG_INFO("cuda", "backend device=%d name=\"%s\" kv=%s", device, tdm_cuda_dev_name(be->dev),
+                 be->kv_type == TDM_CUK_KV_F32 ? "f32" : "bf16");
+    *out = be;
+    return TDM_OK;
+}
+
+static void cuda_destroy(struct tdm_backend *be)
+{
+    if (be == NULL)
+        return;
+    buf_free(be, &be->xb);
+    for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++)
+        tdm_cuda_dev_graph_free(be->dev, be->graphs[i].graph);
+    buf_free(be, &be->d_meta);
+    free(be->h_meta);
+    buf_free(be, &be->d_part_o);
+    buf_free(be, &be->d_part_ml);
+    free(be->h_slots);
+    free(be->h_bt);
+    free(be->h_row);
+    free(be->h_ntok);
+    free(be->h_start);
+    free(be->h_dec);
+    free(be->h_tiles);
+    free(be->h_seqs);
+    tdm_cuda_dev_close(be->dev);
+    free(be);
+}
+
+static void *cuda_alloc(struct tdm_backend *be, size_t bytes)
+{
+    void *p = tdm_cuda_dev_alloc(be->dev, bytes);
+    if (p && tdm_cuda_dev_memset(be->dev, p, 0, bytes) != TDM_OK) {
+        tdm_cuda_dev_free(be->dev, p);
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_release(struct tdm_backend *be, void *p)
+{
+    tdm_cuda_dev_free(be->dev, p);
+}
+
+// Returns and clears the sticky error.
+static int take_err(struct tdm_backend *be)
+{
+    int rc = be->err;
+    be->err = TDM_OK;
+    return rc;
+}
+
+static int cuda_upload(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (tdm_cuda_dev_h2d(be->dev, dst, src, bytes) != TDM_OK)
+        fail(be, TDM_EBACKEND, "upload: %s", tdm_cuda_dev_errmsg(be->dev));
+    return be->err;
+}
+
+static int cuda_download(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (tdm_cuda_dev_d2h(be->dev, dst, src, bytes) != TDM_OK)
+        fail(be, TDM_EBACKEND, "download: %s", tdm_cuda_dev_errmsg(be->dev));
+    return take_err(be);
+}
+
+static int cuda_copy(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (tdm_cuda_dev_d2d(be->dev, dst, src, bytes) != TDM_OK)
+        fail(be, TDM_EBACKEND, "copy: %s", tdm_cuda_dev_errmsg(be->dev));
+    return be->err;
+}
+
+static int cuda_sync(struct tdm_backend *be)
+{
+    if (tdm_cuda_dev_sync(be->dev) != TDM_OK)
+        fail(be, TDM_EBACKEND, "sync: %s", tdm_cuda_dev_errmsg(be->dev));
+    return take_err(be);
+}
+
+// ---- weights -----------------------------------------------------------------------------------
+static uint16_t src_bf16(const struct tdm_weight_src *s, size_t i)
+{
+    uint16_t h;
+    switch (s->dtype) {
+    case TDM_DTYPE_BF16:
+        memcpy(&h, (const uint8_t *)s->data + 2 * i, 2);
+        return h;
+    case TDM_DTYPE_F16:
+        memcpy(&h, (const uint8_t *)s->data + 2 * i, 2);
+        return tdm_f32_to_bf16(tdm_f16_to_f32(h));
+    default: {
+        float f;
+        memcpy(&f, (const uint8_t *)s->data + 4 * i, 4);
+        return tdm_f32_to_bf16(f);
+    }
+    }
+}
+
+static int cuda_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
+                               const struct tdm_weight_src *parts, int nparts, int cols,
+                               enum tdm_wtype want, char *err, size_t errlen)
+{
+    memset(w, 0, sizeof *w);
+    if (want != TDM_W_BF16)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "cuda backend: only bf16 weights are supported (int8 weight-only is "
+                          "CPU-only for now)");
+    int rows = 0;
+    for (int i = 0; i < nparts; i++)
+        rows += parts[i].rows;
+    if (rows <= 0 || cols <= 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "cuda backend: weight %d x %d", rows, cols);
+    size_t n = (size_t)rows * (size_t)cols;
+    uint16_t *host = malloc(n * sizeof *host);
+    if (host == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda backend: out of host memory");
+    size_t off = 0;
+    for (int p = 0; p < nparts; p++) {
+        size_t cnt = (size_t)parts[p].rows * (size_t)cols;
+        for (size_t i = 0; i < cnt; i++)
+            host[off + i] = src_bf16(&parts[p], i);
+        off += cnt;
+    }
+    void *d = tdm_cuda_dev_alloc(be->dev, n * sizeof *host);
+    int rc = TDM_OK;
+    if (d == NULL)
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM,
+                        "cuda backend: out of device memory for a %d x %d weight", rows, cols);
+    else if (tdm_cuda_dev_h2d(be->dev, d, host, n * sizeof *host) != TDM_OK)
+        rc = tdm_seterr(err, errlen, TDM_EBACKEND, "cuda backend: weight upload: %s",
+                        tdm_cuda_dev_errmsg(be->dev));
+    free(host);
+    if (rc != TDM_OK) {
+        tdm_cuda_dev_free(be->dev, d);
+        return rc;
+    }
+    w->type = TDM_W_BF16;
+    w->rows = rows;
+    w->cols = cols;
+    w->data = d;
+    w->nbytes = n * sizeof(uint16_t);
+    return TDM_OK;
+}
+
+static void cuda_release_weight(struct tdm_backend *be, struct tdm_weight *w)
+{
+    tdm_cuda_dev_free(be->dev, w->data);
+    w->data = NULL;
+}
+
+// ---- compute ops ------------------------------------------------------------------------------
+static void cuda_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                        const float *x, float *y, int n)
+{
+    size_t count = (size_t)n * (size_t)w->cols;
+    if (buf_reserve(be, &be->xb, count * sizeof(uint16_t)) != TDM_OK) {
+        fail(be, TDM_ENOMEM, "matmul: %s", "out of device memory for the bf16 input");
+        return;
+    }
+    launch_check(be, tdm_cuk_to_bf16(be->stream, x, be->xb.p, count));
+    if (tdm_cuda_dev_gemm_bf16(be->dev, w->data, w->rows, w->cols, be->xb.p, n, bias, y) != TDM_OK)
+        fail(be, TDM_EBACKEND, "matmul: %s", tdm_cuda_dev_errmsg(be->dev));
+}
+
+static void cuda_embed(struct tdm_backend *be, const struct tdm_weight *w, const int32_t *ids,
+                       int n, float *out)
+{
+    launch_check(be, tdm_cuk_embed(be->stream, w->data, w->rows, w->cols, ids, n, out));
+}
+
+static void cuda_rmsnorm(struct tdm_backend *be, const float *x, const float *weight, float eps,
+                         float *out, int n, int dim)
+{
+    launch_check(be, tdm_cuk_rmsnorm(be->stream, x, weight, eps, out, n, dim));
+}
+
+static void cuda_rope(struct tdm_backend *be, float *x, int n, int row_stride, int n_heads,
+                      int head_dim, const int32_t *pos, const float *inv_freq)
+{
+    launch_check(be, tdm_cuk_rope(be->stream, x, n, row_stride, n_heads, head_dim, pos, inv_freq));
+}
+
+static void cuda_silu_mul(struct tdm_backend *be, const float *gate_up, float *out, int n,
+                          int inter)
+{
+    launch_check(be, tdm_cuk_silu_mul(be->stream, gate_up, out, n, inter));
+}
+
+static void cuda_add(struct tdm_backend *be, float *x, const float *y, size_t count)
+{
+    launch_check(be, tdm_cuk_add(be->stream, x, y, count));
+}
+
+// ---- KV storage ---------------------------------------------------------------------------------
+struct cuda_kv_storage {
+    struct tdm_kv_storage base;
+    struct tdm_backend *be;
+    enum tdm_cuk_kv_type type;
+    int num_layers;
+    size_t block_elems;       // num_kv_heads * block_size * head_dim
+    size_t elem_bytes;        // 2 (bf16) or 4 (f32)
+    void **k, **v;            // [num_layers] -> device [num_blocks][heads][block_size][head_dim]
+    struct dev_buf d_blocks;  // [nblocks] int32 block ids of one export/import, device
+    struct dev_buf d_staging; // [nblocks][block_elems] f32, device
+};
+
+static void kvs_free(struct tdm_kv_storage *st)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    if (s == NULL)
+        return;
+    for (int l = 0; l < s->num_layers; l++) {
+        if (s->k)
+            tdm_cuda_dev_free(s->be->dev, s->k[l]);
+        if (s->v)
+            tdm_cuda_dev_free(s->be->dev, s->v[l]);
+    }
+    free(s->k);
+    free(s->v);
+    s->be->gen++; // graphs that addressed this pool are stale
+    buf_free(s->be, &s->d_blocks);
+    buf_free(s->be, &s->d_staging);
+    free(s);
+}
+
+static void *kvs_layer_k(struct tdm_kv_storage *st, int layer)
+{
+    return ((struct cuda_kv_storage *)st)->k[layer];
+}
+
+static void *kvs_layer_v(struct tdm_kv_storage *st, int layer)
+{
+    return ((struct cuda_kv_storage *)st)->v[layer];
+}
+
+// Export/import: the block ids go to the device, a kernel gathers the blocks
+// into (or scatters them from) an f32 staging buffer in the transfer layout,
+// and one copy per pool moves it to or from the host.
+static int kvs_stage(struct cuda_kv_storage *s, const int *blocks, int nblocks)
+{
+    struct tdm_backend *be = s->be;
+    if (buf_reserve(be, &s->d_blocks, (size_t)nblocks * sizeof(int32_t)) ||
+        buf_reserve(be, &s->d_staging, (size_t)nblocks * s->block_elems * sizeof(float)))
+        return TDM_ENOMEM;
+    return tdm_cuda_dev_h2d(be->dev, s->d_blocks.p, blocks, (size_t)nblocks * sizeof(int32_t));
+}
+
+static int kvs_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                      float *k_out, float *v_out)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    void *stream = s->be->stream;
+    size_t bytes = (size_t)nblocks * s->block_elems * sizeof(float);
+    if (kvs_stage(s, blocks, nblocks) != TDM_OK ||
+        tdm_cuk_kv_gather(stream, s->type, s->k[layer], s->d_blocks.p, nblocks, s->block_elems,
+                          s->d_staging.p) != TDM_CUK_OK ||
+        tdm_cuda_dev_d2h(s->be->dev, k_out, s->d_staging.p, bytes) != TDM_OK ||
+        tdm_cuk_kv_gather(stream, s->type, s->v[layer], s->d_blocks.p, nblocks, s->block_elems,
+                          s->d_staging.p) != TDM_CUK_OK ||
+        tdm_cuda_dev_d2h(s->be->dev, v_out, s->d_staging.p, bytes) != TDM_OK)
+        return TDM_EBACKEND;
+    return TDM_OK;
+}
+
+static int kvs_import(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                      const float *k_in, const float *v_in)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    void *stream = s->be->stream;
+    size_t bytes = (size_t)nblocks * s->block_elems * sizeof(float);
+    // h2d returns once the host data is consumed, and the scatter is stream
+    // ordered before the next copy reuses the staging buffer.
+    if (kvs_stage(s, blocks, nblocks) != TDM_OK ||
+        tdm_cuda_dev_h2d(s->be->dev, s->d_staging.p, k_in, bytes) != TDM_OK ||
+        tdm_cuk_kv_scatter(stream, s->type, s->k[layer], s->d_blocks.p, nblocks, s->block_elems,
+                           s->d_staging.p) != TDM_CUK_OK ||
+        tdm_cuda_dev_h2d(s->be->dev, s->d_staging.p, v_in, bytes) != TDM_OK ||
+        tdm_cuk_kv_scatter(stream, s->type, s->v[layer], s->d_blocks.p, nblocks, s->block_elems,
+                           s->d_staging.p) != TDM_CUK_OK ||
+        tdm_cuda_dev_sync(s->be->dev) != TDM_OK)
+        return TDM_EBACKEND;
+    return TDM_OK;
+}
+
+static const struct tdm_kv_storage_ops kvs_ops = {
+    .free = kvs_free,
+    .layer_k = kvs_layer_k,
+    .layer_v = kvs_layer_v,
+    .export_blocks = kvs_export,
+    .import_blocks = kvs_import,
+};
+
+// Device memory kept free beyond the pool for what grows after it is made
+// (the GEMM input and attention scratch buffers, cuBLASLt's kernels).
+#define KV_HEADROOM ((size_t)256 << 20)
+
+static int cuda_kv_capacity(struct tdm_backend *be, const struct tdm_kv_config *cfg,
+                            double utilization, int *num_blocks, char *err, size_t errlen)
+{
+    size_t free_b, total_b;
+    if (tdm_cuda_dev_mem_info(be->dev, &free_b, &total_b) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EBACKEND, "cuda kv: %s", tdm_cuda_dev_errmsg(be->dev));
+    size_t elem = be->kv_type == TDM_CUK_KV_F32 ? 4 : 2;
+    size_t block = 2 * elem * (size_t)cfg->num_layers * (size_t)cfg->num_kv_heads *
+                   (size_t)cfg->block_size * (size_t)cfg->head_dim;
+    // vLLM's budget: utilization * total, minus what is in use (ours and any
+    // other process's on this device).
+    double budget =
+        utilization * (double)total_b - (double)(total_b - free_b) - (double)KV_HEADROOM;
+    if (budget < (double)block)
+        return tdm_seterr(err, errlen, TDM_ECAPACITY,
+                          "--gpu-memory-utilization %.2f of %.1f GiB leaves no room for one KV "
+                          "block of %zu bytes (%.1f GiB already in use, %.2f GiB kept free)",
+                          utilization, total_b / 1073741824.0, block,
+                          (total_b - free_b) / 1073741824.0, KV_HEADROOM / 1073741824.0);
+    double nb = budget / (double)block;
+    *num_blocks =
+        nb > (double)(INT32_MAX / cfg->block_size) ? INT32_MAX / cfg->block_size : (int)nb;
+    return TDM_OK;
+}
+
+static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_config *cfg,
+                               struct tdm_kv_storage **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (cfg->num_layers <= 0 || cfg->num_kv_heads <= 0 || cfg->block_size <= 0 ||
+        cfg->head_dim <= 0 || cfg->num_blocks <= 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "cuda kv: bad geometry");
+    struct cuda_kv_storage *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda kv: out of memory");
+    s->base.ops = &kvs_ops;
+    s->base.host_f32 = false;
+    s->be = be;
+    s->type = be->kv_type;
+    s->elem_bytes = s->type == TDM_CUK_KV_F32 ? 4 : 2;
+    s->block_elems = (size_t)cfg->num_kv_heads * (size_t)cfg->block_size * (size_t)cfg->head_dim;
+    size_t layer_bytes = s->block_elems * s->elem_bytes * (size_t)cfg->num_blocks;
+    s->k = calloc((size_t)cfg->num_layers, sizeof *s->k);
+    s->v = calloc((size_t)cfg->num_layers, sizeof *s->v);
+    if (!s->k || !s->v) {
+        kvs_free(&s->base);
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda kv: out of memory");
+    }
+    s->num_layers = cfg->num_layers;
+    for (int l = 0; l < cfg->num_layers; l++) {
+        // Zeroed so a kernel reading past a sequence's last token sees finite numbers.
+        s->k[l] = cuda_alloc(be, layer_bytes);
+        s->v[l] = cuda_alloc(be, layer_bytes);
+        if (!s->k[l] || !s->v[l]) {
+            kvs_free(&s->base);
+            return tdm_seterr(err, errlen, TDM_ENOMEM,
+                              "cuda kv: out of device memory for %d blocks (%zu bytes a layer)",
+                              cfg->num_blocks, 2 * layer_bytes);
+        }
+    }
+    *out = &s->base;
+    return TDM_OK;
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+// Grows a host array to n elements of size sz; false when out of memory.
+static bool grow(void **p, int *cap, int n, size_t sz)
+{
+    if (n <= *cap)
+        return true;
+    void *q = realloc(*p, (size_t)n * sz);
+    if (q == NULL)
+        return false;
+    *p = q;
+    *cap = n;
+    return true;
+}
+
+// Stages the attention metadata of a forward. fixed_bt_stride / fixed_splits
+// (0 = as the batch needs) give a graph step its bucket's fixed shapes.
+static int stage_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                         const struct tdm_attn_seq *seqs, int n_seqs, int fixed_bt_stride,
+                         int fixed_splits)
+{
+    const struct tdm_kv_config *c = tdm_kv_config(kv);
+    if (tdm_kv_storage(kv)->ops != &kvs_ops) {
+        fail(be, TDM_EINVAL, "begin_forward: %s",
+             "the KV cache is not in this backend's memory (create it with tdm_model_kv_new)");
+        return take_err(be);
+    }
+    int bs = c->block_size, rows = 0, bt_stride = 1, tiles = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int nb = (seqs[s].start_pos + seqs[s].n_tokens + bs - 1) / bs;
+        bt_stride = nb > bt_stride ? nb : bt_stride;
+        rows += seqs[s].n_tokens;
+        tiles += (seqs[s].n_tokens + TDM_CUK_PREFILL_BQ - 1) / TDM_CUK_PREFILL_BQ;
+    }
+    if (fixed_bt_stride > 0)
+        bt_stride = fixed_bt_stride;
+    bool ok = grow((void **)&be->h_slots, &be->cap_rows, rows, sizeof(int32_t)) &&
+              grow((void **)&be->h_bt, &be->cap_bt, n_seqs * bt_stride, sizeof(int32_t)) &&
+              grow((void **)&be->h_tiles, &be->cap_tiles, 2 * tiles, sizeof(int32_t));
+    if (ok && n_seqs > be->cap_seqs) {
+        // Five arrays of one capacity: the capacity moves only when all grew.
+        int c1 = be->cap_seqs, c2 = c1, c3 = c1, c4 = c1, c5 = c1;
+        ok = grow((void **)&be->h_row, &c1, n_seqs, sizeof(int32_t)) &&
+             grow((void **)&be->h_ntok, &c2, n_seqs, sizeof(int32_t)) &&
+             grow((void **)&be->h_start, &c3, n_seqs, sizeof(int32_t)) &&
+             grow((void **)&be->h_dec, &c4, n_seqs, sizeof(int32_t)) &&
+             grow((void **)&be->h_seqs, &c5, n_seqs, sizeof(struct tdm_cuk_seq));
+        if (ok)
+            be->cap_seqs = n_seqs;
+    }
+    if (!ok) {
+        fail(be, TDM_ENOMEM, "begin_forward: %s", "out of host memory");
+        return take_err(be);
+    }
+    for (int s = 0; s < n_seqs; s++) {
+        const struct tdm_attn_seq *q = &seqs[s];
+        int nb = (q->start_pos + q->n_tokens + bs - 1) / bs;
+        for (int b = 0; b < bt_stride; b++)
+            be->h_bt[s * bt_stride + b] = b < nb ? q->block_table[b] : 0;
+        for (int i = 0; i < q->n_tokens; i++) {
+            int pos = q->start_pos + i;
+            be->h_slots[q->row + i] = q->pad ? -1 : q->block_table[pos / bs] * bs + pos % bs;
+        }
+        be->h_row[s] = q->row;
+        be->h_ntok[s] = q->n_tokens;
+        be->h_start[s] = q->start_pos;
+    }
+    if (tdm_cuk_attn_plan(be->h_row, be->h_ntok, be->h_start, n_seqs, 1, 1, be->h_seqs, be->h_dec,
+                          be->h_tiles, tiles, &be->plan) != TDM_CUK_OK) {
+        fail(be, TDM_EINVAL, "begin_forward: %s", tdm_cuk_errmsg());
+        return take_err(be);
+    }
+    if (fixed_splits > 0 && fixed_splits >= be->plan.max_splits)
+        be->plan.max_splits = fixed_splits;
+    // One packed copy: slots, block tables, seqs, decode list, tiles.
+    const void *src[5] = {be->h_slots, be->h_bt, be->h_seqs, be->h_dec, be->h_tiles};
+    size_t len[5] = {(size_t)rows * sizeof(int32_t), (size_t)n_seqs * bt_stride * sizeof(int32_t),
+                     (size_t)n_seqs * sizeof(struct tdm_cuk_seq),
+                     (size_t)be->plan.n_decode * sizeof(int32_t),
+                     (size_t)be->plan.n_tiles * 2 * sizeof(int32_t)};
+    size_t off[5], total = 0;
+    for (int i = 0; i < 5; i++) {
+        off[i] = total;
+        total += (len[i] + 15) / 16 * 16;
+    }
+    if (total > (size_t)INT32_MAX || !grow((void **)&be->h_meta, &be->cap_meta, (int)total, 1)) {
+        fail(be, TDM_ENOMEM, "begin_forward: %s", "out of host memory");
+        return take_err(be);
+    }
+    for (int i = 0; i < 5; i++)
+        if (len[i])
+            memcpy(be->h_meta + off[i], src[i], len[i]);
+    if (buf_reserve(be, &be->d_meta, total) != TDM_OK) {
+        fail(be, TDM_ENOMEM, "begin_forward: %s", "out of device memory for attention metadata");
+        return take_err(be);
+    }
+    if (tdm_cuda_dev_h2d(be->dev, be->d_meta.p, be->h_meta, total) != TDM_OK) {
+        fail(be, TDM_EBACKEND, "begin_forward: %s", tdm_cuda_dev_errmsg(be->dev));
+        return take_err(be);
+    }
+    const uint8_t *base = be->d_meta.p;
+    be->m_slots = (const int32_t *)(base + off[0]);
+    be->m_bt = (const int32_t *)(base + off[1]);
+    be->m_seqs = (const struct tdm_cuk_seq *)(base + off[2]);
+    be->m_dec = (const int32_t *)(base + off[3]);
+    be->m_tiles = (const int32_t *)(base + off[4]);
+    be->n_rows = rows;
+    be->n_seqs = n_seqs;
+    be->bt_stride = bt_stride;
+    return be->err;
+}
+
+static int cuda_begin_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                              const struct tdm_attn_seq *seqs, int n_seqs)
+{
+    return stage_forward(be, kv, seqs, n_seqs, 0, 0);
+}
+
+// ---- CUDA graphs -------------------------------------------------------------------------------
+static int pow2_at_least(int x)
+{
+    int p = 1;
+    while (p < x)
+        p *= 2;
+    return p;
+}
+
+static void graph_drop(struct tdm_backend *be, struct graph_slot *g)
+{
+    tdm_cuda_dev_graph_free(be->dev, g->graph);
+    memset(g, 0, sizeof *g);
+}
+
+// A decode step's graph: its key is the padded row count, the block-table
+// width and split count rounded up to powers of two (so a sequence growing
+// past one needs a new graph only log-many times), and the KV pool.
+static int cuda_graph_begin(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                            const struct tdm_attn_seq *seqs, int n_seqs, bool *replay)
+{
+    *replay = false;
+    be->graph_cur = -1;
+    const struct tdm_kv_config *c = tdm_kv_config(kv);
+    int max_len = 1;
+    for (int s = 0; s < n_seqs; s++) {
+        if (seqs[s].n_tokens != 1) {
+            fail(be, TDM_EINVAL, "graph_begin: %s", "a graph step decodes one token per sequence");
+            return take_err(be);
+        }
+        max_len = seqs[s].start_pos + 1 > max_len ? seqs[s].start_pos + 1 : max_len;
+    }
+    int bt_stride = pow2_at_least((max_len + c->block_size - 1) / c->block_size);
+    int splits = pow2_at_least(tdm_cuk_decode_splits(max_len));
+    int rc = stage_forward(be, kv, seqs, n_seqs, bt_stride, splits);
+    if (rc != TDM_OK)
+        return rc;
+    const struct tdm_kv_storage *kvs = tdm_kv_storage(kv);
+    int slot = -1, lru = 0;
+    for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++) {
+        struct graph_slot *g = &be->graphs[i];
+        if (g->rows == n_seqs && g->bt_stride == bt_stride && g->splits == splits &&
+            g->kvs == kvs) {
+            slot = i;
+            break;
+        }
+        if (g->last_use < be->graphs[lru].last_use)
+            lru = i;
+    }
+    if (slot < 0) {
+        // First sight of this bucket: run eagerly, which sizes every buffer
+        // the graph will use, and capture next time.
+        slot = lru;
+        graph_drop(be, &be->graphs[slot]);
+        struct graph_slot *g = &be->graphs[slot];
+        g->rows = n_seqs;
+        g->bt_stride = bt_stride;
+        g->splits = splits;
+        g->kvs = kvs;
+        be->graph_mode = 0;
+    } else if (be->graphs[slot].graph != NULL && be->graphs[slot].gen == be->gen) {
+        be->graph_mode = 2;
+        *replay = true;
+    } else {
+        tdm_cuda_dev_graph_free(be->dev, be->graphs[slot].graph);
+        be->graphs[slot].graph = NULL;
+        if (tdm_cuda_dev_capture_begin(be->dev) != TDM_OK) {
+            fail(be, TDM_EBACKEND, "graph capture: %s", tdm_cuda_dev_errmsg(be->dev));
+            return take_err(be);
+        }
+        be->graph_mode = 1;
+        be->graph_gen = be->gen;
+    }
+    be->graphs[slot].last_use = ++be->tick;
+    be->graph_cur = slot;
+    return TDM_OK;
+}
+
+static int cuda_graph_end(struct tdm_backend *be)
+{
+    if (be->graph_cur < 0) {
+        fail(be, TDM_EINVAL, "graph_end: %s", "no graph_begin");
+        return take_err(be);
+    }
+    struct graph_slot *g = &be->graphs[be->graph_cur];
+    be->graph_cur = -1;
+    if (be->graph_mode == 0)
+        return be->err;
+    if (be->graph_mode == 1) {
+        void *graph = NULL;
+        if (tdm_cuda_dev_capture_end(be->dev, &graph) != TDM_OK) {
+            fail(be, TDM_EBACKEND, "graph capture: %s", tdm_cuda_dev_errmsg(be->dev));
+            return take_err(be);
+        }
+        if (be->gen != be->graph_gen || be->err != TDM_OK) {
+            // A buffer moved (or an op failed) while recording: the graph
+            // must not run; the step failed and the next one recaptures.
+            tdm_cuda_dev_graph_free(be->dev, graph);
+            fail(be, TDM_EBACKEND, "graph capture: %s", "a buffer moved while recording");
+            return take_err(be);
+        }
+        g->graph = graph;
+        g->gen = be->gen;
+    }
+    if (tdm_cuda_dev_graph_launch(be->dev, g->graph) != TDM_OK)
+        fail(be, TDM_EBACKEND, "graph launch: %s", tdm_cuda_dev_errmsg(be->dev));
+    return be->err;
+}
+
+static void cuda_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                          const struct tdm_attn_seq *seqs, int n_seqs, const float *k,
+                          const float *v, int stride)
+{
+    (void)seqs;
+    struct tdm_kv_storage *st = tdm_kv_storage(kv);
+    if (st->ops != &kvs_ops || n_seqs != be->n_seqs) {
+        fail(be, TDM_EINVAL, "kv_store: %s", "no begin_forward for this batch and cache");
+        return;
+    }
+    const struct tdm_kv_config *c = tdm_kv_config(kv);
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    launch_check(be, tdm_cuk_kv_store(be->stream, s->type, k, v, stride, be->m_slots, be->n_rows,
+                                      s->k[layer], s->v[layer], c->num_kv_heads, c->head_dim,
+                                      c->block_size));
+}
+
+static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                           const struct tdm_attn_seq *seqs, int n_seqs, const float *q,
+                           int q_stride, float *out, int n_heads, int n_kv_heads, int head_dim,
+                           float scale)
+{
+    (void)seqs;
+    struct tdm_kv_storage *st = tdm_kv_storage(kv);
+    if (st->ops != &kvs_ops || n_seqs != be->n_seqs) {
+        fail(be, TDM_EINVAL, "attention: %s", "no begin_forward for this batch and cache");
+        return;
+    }
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    const struct tdm_cuk_plan *p = &be->plan;
+    size_t part = (size_t)p->n_decode * (size_t)n_heads * (size_t)p->max_splits;
+    if (buf_reserve(be, &be->d_part_o, part * (size_t)head_dim * sizeof(float) + 4) ||
+        buf_reserve(be, &be->d_part_ml, part * 2 * sizeof(float) + 4)) {
+        fail(be, TDM_ENOMEM, "attention: %s", "out of device memory for decode splits");
+        return;
+    }
+    struct tdm_cuk_attn_args a = {
+        .kv_type = s->type,
+        .q = q,
+        .q_stride = q_stride,
+        .out = out,
+        .k_cache = s->k[layer],
+        .v_cache = s->v[layer],
+        .seqs = be->m_seqs,
+        .block_tables = be->m_bt,
+        .bt_stride = be->bt_stride,
+        .decode_seqs = be->m_dec,
+        .n_decode = p->n_decode,
+        .max_splits = p->max_splits,
+        .part_o = be->d_part_o.p,
+        .part_ml = be->d_part_ml.p,
+        .prefill_tiles = be->m_tiles,
+        .n_tiles = p->n_tiles,
+        .n_heads = n_heads,
+        .n_kv_heads = n_kv_heads,
+        .head_dim = head_dim,
+        .block_size = tdm_kv_config(kv)->block_size,
+        .scale = scale,
+    };
+    launch_check(be, tdm_cuk_attention(be->stream, &a));
+}
+
+const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
+    .name = "cuda",
+    .host_memory = false,
+    .device_count = tdm_cuda_dev_count,
+    .create = cuda_create,
+    .destroy = cuda_destroy,
+    .prepare_weight = cuda_prepare_weight,
+    .release_weight = cuda_release_weight,
+    .alloc = cuda_alloc,
+    .release = cuda_release,
+    .upload = cuda_upload,
+    .download = cuda_download,
+    .copy = cuda_copy,
+    .sync = cuda_sync,
+    .kv_capacity = cuda_kv_capacity,
+    .kv_storage_new = cuda_kv_storage_new,
+    .begin_forward = cuda_begin_forward,
+    .graph_begin = cuda_graph_begin,
+    .graph_end = cuda_graph_end,
+    .matmul = cuda_matmul,
+    .embed = cuda_embed,
+    .rmsnorm = cuda_rmsnorm,
+    .rope = cuda_rope,
+    .kv_store = cuda_kv_store,
+    .attention = cuda_attention,
+    .silu_mul = cuda_silu_mul,
+    .add = cuda_add,
+};

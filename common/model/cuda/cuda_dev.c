@@ -1,0 +1,361 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_dev: cuda_dev.h over the CUDA runtime and cuBLASLt (TANDEM_CUDA=ON).
+//
+// One stream per device; copies are cudaMemcpyAsync on it (h2d then waits for
+// the stream so the caller may reuse its buffer at once; the backend's hot
+// path uploads small per-step metadata only). The bf16 GEMM is one cuBLASLt
+// matmul, D = op(A) B (+ bias epilogue), with the weight [rows][cols]
+// row-major read as a column-major cols x rows matrix transposed:
+//   A = W (k x m, ld k, transposed), B = x^T (k x n, ld k), D = y^T (m x n, ld m).
+// The algorithm is picked once per weight shape and bias use (the heuristic is asked at a
+// fixed n = TDM_GEMM_PLAN_N) with split-K forced to 1 and no reduction scheme,
+// and reused for every n: the k reduction of an output element then runs in
+// the order of that one kernel configuration whatever n is.
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include "core.h"
+#include "cuda_dev.h"
+
+#define TDM_GEMM_MAX_SHAPES 64
+#define TDM_GEMM_PLAN_N 64
+#define TDM_GEMM_WORKSPACE ((size_t)32 << 20)
+
+struct gemm_plan {
+    int rows, cols;
+    bool bias;
+    cublasLtMatmulAlgo_t algo;
+};
+
+struct tdm_cuda_dev {
+    int ordinal;
+    cudaStream_t stream;
+    cublasLtHandle_t lt;
+    void *workspace; // [TDM_GEMM_WORKSPACE] bytes, device
+    struct gemm_plan plans[TDM_GEMM_MAX_SHAPES];
+    int nplans;
+    bool warned_fallback; // the fixed-algorithm fallback was logged once
+    char name[256];
+    char errmsg[256];
+};
+
+static int cuda_fail(struct tdm_cuda_dev *d, const char *what, cudaError_t e)
+{
+    snprintf(d->errmsg, sizeof d->errmsg, "%s: %s", what, cudaGetErrorString(e));
+    return TDM_EBACKEND;
+}
+
+int tdm_cuda_dev_count(void)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError(); // no driver / no device: not sticky
+        return 0;
+    }
+    return n;
+}
+
+int tdm_cuda_dev_open(struct tdm_cuda_dev **out, int ordinal, char *err, size_t errlen)
+{
+    *out = NULL;
+    int n = tdm_cuda_dev_count();
+    if (ordinal < 0 || ordinal >= n)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "cuda: device %d requested, %d visible", ordinal,
+                          n);
+    struct tdm_cuda_dev *d = calloc(1, sizeof *d);
+    if (d == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda: out of memory");
+    d->ordinal = ordinal;
+    cudaError_t e = cudaSetDevice(ordinal);
+    if (e != cudaSuccess)
+        goto fail_cuda;
+    struct cudaDeviceProp prop;
+    if ((e = cudaGetDeviceProperties(&prop, ordinal)) != cudaSuccess)
+        goto fail_cuda;
+    snprintf(d->name, sizeof d->name, "%s", prop.name);
+    if ((e = cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking)) != cudaSuccess)
+        goto fail_cuda;
+    if ((e = cudaMalloc(&d->workspace, TDM_GEMM_WORKSPACE)) != cudaSuccess)
+        goto fail_cuda;
+    if (cublasLtCreate(&d->lt) != CUBLAS_STATUS_SUCCESS) {
+        tdm_cuda_dev_close(d);
+        return tdm_seterr(err, errlen, TDM_EBACKEND, "cuda: cublasLtCreate failed");
+    }
+    *out = d;
+    return TDM_OK;
+
+fail_cuda:
+    tdm_seterr(err, errlen, TDM_EBACKEND, "cuda: device %d: %s", ordinal, cudaGetErrorString(e));
+    tdm_cuda_dev_close(d);
+    return TDM_EBACKEND;
+}
+
+void tdm_cuda_dev_close(struct tdm_cuda_dev *d)
+{
+    if (d == NULL)
+        return;
+    if (d->lt)
+        cublasLtDestroy(d->lt);
+    if (d->workspace)
+        cudaFree(d->workspace);
+    if (d->stream)
+        cudaStreamDestroy(d->stream);
+    free(d);
+}
+
+const char *tdm_cuda_dev_name(const struct tdm_cuda_dev *d)
+{
+    return d->name;
+}
+
+void *tdm_cuda_dev_stream(struct tdm_cuda_dev *d)
+{
+    return (void *)d->stream;
+}
+
+int tdm_cuda_dev_mem_info(struct tdm_cuda_dev *d, size_t *free_bytes, size_t *total_bytes)
+{
+    cudaError_t e = cudaMemGetInfo(free_bytes, total_bytes);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaMemGetInfo", e);
+}
+
+void *tdm_cuda_dev_alloc(struct tdm_cuda_dev *d, size_t bytes)
+{
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        cuda_fail(d, "cudaMalloc", e);
+        return NULL;
+    }
+    return p;
+}
+
+void tdm_cuda_dev_free(struct tdm_cuda_dev *d, void *p)
+{
+    (void)d;
+    if (p)
+        cudaFree(p);
+}
+
+static int copy(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes,
+                enum cudaMemcpyKind kind, int wait)
+{
+    if (bytes == 0)
+        return TDM_OK;
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, d->stream);
+    if (e == cudaSuccess && wait)
+        e = cudaStreamSynchronize(d->stream);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaMemcpyAsync", e);
+}
+
+int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
+{
+    return copy(d, dst, src, bytes, cudaMemcpyHostToDevice, 1);
+}
+
+int tdm_cuda_dev_d2h(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
+{
+    return copy(d, dst, src, bytes, cudaMemcpyDeviceToHost, 1);
+}
+
+int tdm_cuda_dev_d2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
+{
+    return copy(d, dst, src, bytes, cudaMemcpyDeviceToDevice, 0);
+}
+
+int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t bytes)
+{
+    cudaError_t e = cudaMemsetAsync(dst, byte, bytes, d->stream);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaMemsetAsync", e);
+}
+
+int tdm_cuda_dev_sync(struct tdm_cuda_dev *d)
+{
+    cudaError_t e = cudaStreamSynchronize(d->stream);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaStreamSynchronize", e);
+}
+
+// ---- GEMM ------------------------------------------------------------------------------------
+struct gemm_descs {
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t a, b, c;
+};
+
+static void gemm_descs_free(struct gemm_descs *g)
+{
+    if (g->op)
+        cublasLtMatmulDescDestroy(g->op);
+    if (g->a)
+        cublasLtMatrixLayoutDestroy(g->a);
+    if (g->b)
+        cublasLtMatrixLayoutDestroy(g->b);
+    if (g->c)
+        cublasLtMatrixLayoutDestroy(g->c);
+}
+
+static int gemm_descs_make(struct gemm_descs *g, int rows, int cols, int n, const float *bias)
+{
+    memset(g, 0, sizeof *g);
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    if (cublasLtMatmulDescCreate(&g->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) ||
+        cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) ||
+        cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb))
+        return TDM_EBACKEND;
+    if (bias) {
+        cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+        cudaDataType_t bt = CUDA_R_32F;
+        if (cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+                                           sizeof epi) ||
+            cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt,
+                                           sizeof bt) ||
+            cublasLtMatmulDescSetAttribute(g->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                           sizeof bias))
+            return TDM_EBACKEND;
+    }
+    if (cublasLtMatrixLayoutCreate(&g->a, CUDA_R_16BF, (uint64_t)cols, (uint64_t)rows, cols) ||
+        cublasLtMatrixLayoutCreate(&g->b, CUDA_R_16BF, (uint64_t)cols, (uint64_t)n, cols) ||
+        cublasLtMatrixLayoutCreate(&g->c, CUDA_R_32F, (uint64_t)rows, (uint64_t)n, rows))
+        return TDM_EBACKEND;
+    return TDM_OK;
+}
+
+// The algorithm of a weight shape (with or without the bias epilogue): chosen
+// at n = TDM_GEMM_PLAN_N, split-K 1.
+static const cublasLtMatmulAlgo_t *gemm_plan(struct tdm_cuda_dev *d, int rows, int cols,
+                                             const float *bias)
+{
+    for (int i = 0; i < d->nplans; i++)
+        if (d->plans[i].rows == rows && d->plans[i].cols == cols &&
+            d->plans[i].bias == (bias != NULL))
+            return &d->plans[i].algo;
+    if (d->nplans == TDM_GEMM_MAX_SHAPES) {
+        snprintf(d->errmsg, sizeof d->errmsg, "gemm: more than %d weight shapes",
+                 TDM_GEMM_MAX_SHAPES);
+        return NULL;
+    }
+    struct gemm_descs g;
+    const cublasLtMatmulAlgo_t *res = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    if (gemm_descs_make(&g, rows, cols, TDM_GEMM_PLAN_N, bias) != TDM_OK)
+        goto out;
+    size_t ws = TDM_GEMM_WORKSPACE;
+    if (cublasLtMatmulPreferenceCreate(&pref) ||
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                             sizeof ws))
+        goto out;
+    cublasLtMatmulHeuristicResult_t heur[8];
+    int found = 0;
+    if (cublasLtMatmulAlgoGetHeuristic(d->lt, g.op, g.a, g.b, g.c, g.c, pref, 8, heur, &found) ||
+        found == 0)
+        goto out;
+    struct gemm_plan *p = &d->plans[d->nplans];
+    p->rows = rows;
+    p->cols = cols;
+    p->bias = bias != NULL;
+    p->algo = heur[0].algo;
+    int splitk = 1;
+    cublasLtReductionScheme_t red = CUBLASLT_REDUCTION_SCHEME_NONE;
+    (void)cublasLtMatmulAlgoConfigSetAttribute(&p->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splitk,
+                                               sizeof splitk);
+    (void)cublasLtMatmulAlgoConfigSetAttribute(&p->algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                               &red, sizeof red);
+    d->nplans++;
+    res = &p->algo;
+out:
+    if (res == NULL)
+        snprintf(d->errmsg, sizeof d->errmsg,
+                 "gemm: no cuBLASLt algorithm for a %d x %d bf16 weight", rows, cols);
+    if (pref)
+        cublasLtMatmulPreferenceDestroy(pref);
+    gemm_descs_free(&g);
+    return res;
+}
+
+int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, int cols,
+                           const uint16_t *x, int n, const float *bias, float *y)
+{
+    if (rows <= 0 || cols <= 0 || n <= 0) {
+        snprintf(d->errmsg, sizeof d->errmsg, "gemm: %d x %d weight, n %d", rows, cols, n);
+        return TDM_EINVAL;
+    }
+    const cublasLtMatmulAlgo_t *algo = gemm_plan(d, rows, cols, bias);
+    if (algo == NULL)
+        return TDM_EBACKEND;
+    struct gemm_descs g;
+    int rc = gemm_descs_make(&g, rows, cols, n, bias);
+    if (rc == TDM_OK) {
+        const float one = 1.0f, zero = 0.0f;
+        cublasStatus_t st = cublasLtMatmul(d->lt, g.op, &one, w, g.a, x, g.b, &zero, y, g.c, y, g.c,
+                                           algo, d->workspace, TDM_GEMM_WORKSPACE, d->stream);
+        if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+            // The shape's algorithm refuses this n: let cuBLASLt choose for
+            // this call (correct, but this shape's rows may then depend on n).
+            if (!d->warned_fallback) {
+                d->warned_fallback = true;
+                TDM_LOG_WARN("cuda",
+                             "gemm %d x %d: the fixed algorithm refused n=%d; cuBLASLt chooses "
+                             "for such calls (batch invariance not guaranteed for them)",
+                             rows, cols, n);
+            }
+            st = cublasLtMatmul(d->lt, g.op, &one, w, g.a, x, g.b, &zero, y, g.c, y, g.c, NULL,
+                                d->workspace, TDM_GEMM_WORKSPACE, d->stream);
+        }
+        if (st != CUBLAS_STATUS_SUCCESS) {
+            snprintf(d->errmsg, sizeof d->errmsg, "gemm: cublasLtMatmul %d x %d, n %d: status %d",
+                     rows, cols, n, (int)st);
+            rc = TDM_EBACKEND;
+        }
+    } else {
+        snprintf(d->errmsg, sizeof d->errmsg, "gemm: cuBLASLt descriptors for %d x %d, n %d", rows,
+                 cols, n);
+    }
+    gemm_descs_free(&g);
+    return rc;
+}
+
+// ---- graphs ----------------------------------------------------------------------------------
+int tdm_cuda_dev_capture_begin(struct tdm_cuda_dev *d)
+{
+    // Relaxed: cuBLASLt may query its own state while the stream records.
+    cudaError_t e = cudaStreamBeginCapture(d->stream, cudaStreamCaptureModeRelaxed);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaStreamBeginCapture", e);
+}
+
+int tdm_cuda_dev_capture_end(struct tdm_cuda_dev *d, void **graph)
+{
+    *graph = NULL;
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(d->stream, &g);
+    if (e != cudaSuccess)
+        return cuda_fail(d, "cudaStreamEndCapture", e);
+    cudaGraphExec_t exec = NULL;
+    e = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess)
+        return cuda_fail(d, "cudaGraphInstantiate", e);
+    *graph = (void *)exec;
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_graph_launch(struct tdm_cuda_dev *d, void *graph)
+{
+    cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)graph, d->stream);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaGraphLaunch", e);
+}
+
+void tdm_cuda_dev_graph_free(struct tdm_cuda_dev *d, void *graph)
+{
+    (void)d;
+    if (graph)
+        cudaGraphExecDestroy((cudaGraphExec_t)graph);
+}
+
+const char *tdm_cuda_dev_errmsg(const struct tdm_cuda_dev *d)
+{
+    return d->errmsg;
+}

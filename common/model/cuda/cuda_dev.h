@@ -1,0 +1,71 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_dev (internal to the CUDA backend): the thin device API the backend's
+// host code is written against: device discovery, memory, copies, one stream
+// and the bf16 GEMM. Two implementations:
+//   cuda_dev.c           cudart + cuBLASLt, for the GPU (TANDEM_CUDA=ON);
+//   emu/cuda_dev_emu.c   host memory and a plain f32-accumulating loop for the
+//                        GEMM, for the emulator tests (never in a product).
+// So the backend's host code and the op tests run unchanged on both.
+//
+// Ownership: a tdm_cuda_dev owns its stream and GEMM handle; memory from
+// tdm_cuda_dev_alloc belongs to the caller until tdm_cuda_dev_free. Copies and
+// kernels run in stream order; d2h and sync wait for the stream. Not
+// thread-safe: one engine thread drives a device.
+#ifndef TDM_CUDA_DEV_H
+#define TDM_CUDA_DEV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct tdm_cuda_dev;
+
+// Devices visible to this process (0 without a GPU or a working driver; the
+// emulator reports 1).
+int tdm_cuda_dev_count(void);
+// Opens device `ordinal`: TDM_EINVAL (err says how many exist) for an ordinal
+// that is not visible, TDM_EBACKEND when the runtime fails.
+int tdm_cuda_dev_open(struct tdm_cuda_dev **out, int ordinal, char *err, size_t errlen);
+void tdm_cuda_dev_close(struct tdm_cuda_dev *d); // NULL is fine
+// "NVIDIA H200" or "emulator"; valid while d is open.
+const char *tdm_cuda_dev_name(const struct tdm_cuda_dev *d);
+// The stream every copy and kernel of this device runs on (a cudaStream_t).
+void *tdm_cuda_dev_stream(struct tdm_cuda_dev *d);
+// Free and total bytes of device memory.
+int tdm_cuda_dev_mem_info(struct tdm_cuda_dev *d, size_t *free_bytes, size_t *total_bytes);
+
+// Device memory, 256-byte aligned; NULL when out of memory.
+void *tdm_cuda_dev_alloc(struct tdm_cuda_dev *d, size_t bytes);
+void tdm_cuda_dev_free(struct tdm_cuda_dev *d, void *p); // NULL is fine
+
+// Copies: TDM_OK or TDM_EBACKEND. h2d returns once src may be reused; d2h
+// returns once dst holds the data.
+int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes);
+int tdm_cuda_dev_d2h(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes);
+int tdm_cuda_dev_d2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes);
+int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t bytes);
+// Waits for the stream; TDM_EBACKEND (detail in tdm_cuda_dev_errmsg) when a
+// kernel failed.
+int tdm_cuda_dev_sync(struct tdm_cuda_dev *d);
+
+// y[n][rows] = x[n][cols] . w[rows][cols]^T (+ bias[rows] when not NULL):
+// bf16 inputs, f32 accumulation and output. The algorithm is chosen once per
+// weight shape (rows, cols) and cached, never per n, so a row of y does not
+// depend on n (the backend's batch invariance; see docs/gpu-backend.md for
+// what cuBLASLt guarantees). x and y are activation buffers of the backend.
+int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, int cols,
+                           const uint16_t *x, int n, const float *bias, float *y);
+
+// CUDA graphs: between capture_begin and capture_end the stream's work
+// (kernels, d2d copies, memsets, GEMMs) is recorded into a graph instead of
+// run; graph_launch runs it as one unit. h2d, d2h and sync are errors while
+// capturing. Pointers and sizes are fixed at capture: the caller replays a
+// graph only while every buffer it used is unchanged. TDM_OK or TDM_EBACKEND.
+int tdm_cuda_dev_capture_begin(struct tdm_cuda_dev *d);
+int tdm_cuda_dev_capture_end(struct tdm_cuda_dev *d, void **graph);
+int tdm_cuda_dev_graph_launch(struct tdm_cuda_dev *d, void *graph);
+void tdm_cuda_dev_graph_free(struct tdm_cuda_dev *d, void *graph); // NULL is fine
+
+// The detail of the last failed call on d.
+const char *tdm_cuda_dev_errmsg(const struct tdm_cuda_dev *d);
+
+#endif

@@ -1,0 +1,462 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_kernels.cuh: the CUDA backend's own kernels, written once and compiled
+// both by nvcc (cuda_kernels.cu) and, against the execution-model emulator, by
+// g++ (emu/cuda_kernels_emu.cpp). Include cuda_compat.h first.
+//
+// Only the CUDA subset the emulator models is used: threadIdx/blockIdx/
+// blockDim/gridDim, static __shared__ arrays, __syncthreads, full-warp
+// __shfl_xor_sync. Blocks are one-dimensional and a multiple of 32 threads.
+//
+// Reductions run in a fixed order set by the block shape (never by the batch):
+// a strided per-thread partial, a butterfly inside each warp, then warps in
+// index order. The CPU backend sums in another fixed order, so the two agree
+// within rounding (cuda_ops_test states the tolerances), not bitwise.
+#ifndef TDM_CUDA_KERNELS_CUH
+#define TDM_CUDA_KERNELS_CUH
+
+#include "cuda_kernels.h"
+
+namespace tdm_cuk
+{
+
+// ---- scalar helpers ------------------------------------------------------------------------
+__device__ __forceinline__ float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// Round to nearest even; NaN stays a quiet NaN (the CPU backend's rounding).
+__device__ __forceinline__ uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float kv_load(const float *p)
+{
+    return *p;
+}
+__device__ __forceinline__ float kv_load(const uint16_t *p)
+{
+    return bf16_to_f32(*p);
+}
+__device__ __forceinline__ void kv_put(float *p, float v)
+{
+    *p = v;
+}
+__device__ __forceinline__ void kv_put(uint16_t *p, float v)
+{
+    *p = f32_to_bf16(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum / max returned to every thread; red is __shared__ [32].
+__device__ __forceinline__ float block_sum(float v, float *red)
+{
+    v = warp_sum(v);
+    if (threadIdx.x % 32 == 0)
+        red[threadIdx.x / 32] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (unsigned w = 0; w < blockDim.x / 32; w++)
+        t += red[w];
+    __syncthreads();
+    return t;
+}
+
+__device__ __forceinline__ float block_max(float v, float *red)
+{
+    v = warp_max(v);
+    if (threadIdx.x % 32 == 0)
+        red[threadIdx.x / 32] = v;
+    __syncthreads();
+    float t = -INFINITY;
+    for (unsigned w = 0; w < blockDim.x / 32; w++)
+        t = fmaxf(t, red[w]);
+    __syncthreads();
+    return t;
+}
+
+// ---- row-wise ops ------------------------------------------------------------------------
+// grid (n), any block: one row of the table per block.
+__global__ void embed_kernel(const uint16_t *table, int rows, int cols, const int32_t *ids,
+                             float *out)
+{
+    int r = ids[blockIdx.x];
+    float *o = out + (size_t)blockIdx.x * cols;
+    for (int k = threadIdx.x; k < cols; k += blockDim.x)
+        o[k] = (r >= 0 && r < rows) ? bf16_to_f32(table[(size_t)r * cols + k]) : 0.0f;
+}
+
+// grid (n), block 256: sum of squares in the block's fixed order.
+__global__ void rmsnorm_kernel(const float *x, const float *weight, float eps, float *out, int dim)
+{
+    __shared__ float red[32];
+    const float *xr = x + (size_t)blockIdx.x * dim;
+    float *o = out + (size_t)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        ss += xr[i] * xr[i];
+    ss = block_sum(ss, red);
+    float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        o[i] = xr[i] * inv * weight[i];
+}
+
+// grid (n), any block: each thread rotates (head, i) pairs. The angle is the
+// f32 product pos * inv_freq (as HF computes it), its cos/sin evaluated in
+// double and rounded once, as the CPU backend does.
+__global__ void rope_kernel(float *x, int row_stride, int n_heads, int head_dim, const int32_t *pos,
+                            const float *inv_freq)
+{
+    int half = head_dim / 2;
+    float *xr = x + (size_t)blockIdx.x * row_stride;
+    float p = (float)pos[blockIdx.x];
+    for (int idx = threadIdx.x; idx < n_heads * half; idx += blockDim.x) {
+        int h = idx / half, i = idx % half;
+        float ang = p * inv_freq[i];
+        float c = (float)cos((double)ang);
+        float s = (float)sin((double)ang);
+        float *v = xr + (size_t)h * head_dim;
+        float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c - x2 * s;
+        v[i + half] = x2 * c + x1 * s;
+    }
+}
+
+// grid (n, ceil(inter / blockDim)).
+__global__ void silu_mul_kernel(const float *gate_up, float *out, int inter)
+{
+    int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= inter)
+        return;
+    const float *gu = gate_up + (size_t)blockIdx.x * 2 * inter;
+    float g = gu[i];
+    out[(size_t)blockIdx.x * inter + i] = g / (1.0f + expf(-g)) * gu[inter + i];
+}
+
+// Element-wise over count, grid-stride.
+__global__ void add_kernel(float *x, const float *y, size_t count)
+{
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (size_t)gridDim.x * blockDim.x)
+        x[i] += y[i];
+}
+
+__global__ void to_bf16_kernel(const float *x, uint16_t *y, size_t count)
+{
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (size_t)gridDim.x * blockDim.x)
+        y[i] = f32_to_bf16(x[i]);
+}
+
+// ---- KV cache ----------------------------------------------------------------------------
+// grid (n), any block: row blockIdx.x goes to its flat slot.
+template <class KV>
+__global__ void kv_store_kernel(const float *k, const float *v, int stride, const int32_t *slots,
+                                KV *k_cache, KV *v_cache, int n_kv_heads, int head_dim,
+                                int block_size)
+{
+    int slot = slots[blockIdx.x];
+    if (slot < 0)
+        return;
+    int blk = slot / block_size, off = slot % block_size;
+    const float *kr = k + (size_t)blockIdx.x * stride;
+    const float *vr = v + (size_t)blockIdx.x * stride;
+    for (int idx = threadIdx.x; idx < n_kv_heads * head_dim; idx += blockDim.x) {
+        int h = idx / head_dim, d = idx % head_dim;
+        size_t dst = (((size_t)blk * n_kv_heads + h) * block_size + off) * head_dim + d;
+        kv_put(&k_cache[dst], kr[idx]);
+        kv_put(&v_cache[dst], vr[idx]);
+    }
+}
+
+// grid (nblocks), any block: whole blocks of one layer's pool to or from f32
+// rows in block-list order (the KV transfer layout: export and import).
+template <class KV>
+__global__ void kv_gather_kernel(const KV *pool, const int32_t *blocks, size_t block_elems,
+                                 float *out)
+{
+    const KV *src = pool + (size_t)blocks[blockIdx.x] * block_elems;
+    float *dst = out + (size_t)blockIdx.x * block_elems;
+    for (size_t i = threadIdx.x; i < block_elems; i += blockDim.x)
+        dst[i] = kv_load(&src[i]);
+}
+
+template <class KV>
+__global__ void kv_scatter_kernel(KV *pool, const int32_t *blocks, size_t block_elems,
+                                  const float *in)
+{
+    KV *dst = pool + (size_t)blocks[blockIdx.x] * block_elems;
+    const float *src = in + (size_t)blockIdx.x * block_elems;
+    for (size_t i = threadIdx.x; i < block_elems; i += blockDim.x)
+        kv_put(&dst[i], src[i]);
+}
+
+// Address of position pos of KV head kvh in a paged layer.
+template <class KV>
+__device__ __forceinline__ const KV *kv_row(const KV *cache, const int32_t *bt, int pos,
+                                            int n_kv_heads, int kvh, int block_size, int head_dim)
+{
+    int blk = bt[pos / block_size];
+    return cache + (((size_t)blk * n_kv_heads + kvh) * block_size + pos % block_size) * head_dim;
+}
+
+// ---- decode attention (flash-decoding) ---------------------------------------------------
+// grid (n_decode, n_kv_heads * ceil(group / TDM_CUK_DECODE_GROUP), max_splits),
+// block 128. Block (s, u, z) serves up to TDM_CUK_DECODE_GROUP query heads of
+// one KV head (a GQA group, or a slice of a larger one), so each K and V
+// element of the split is read once for all of them. It scores the positions
+// [z * PART, min(L, (z + 1) * PART)) of decode sequence s (L = start_pos + 1)
+// and writes, per query head, the unnormalised sum of p * v with its max and
+// sum of exponentials; combine_kernel merges the splits in order. Splits
+// beyond the sequence's own count exit at once (the whole block). Each head's
+// arithmetic (dot order, softmax, accumulation order) does not depend on how
+// many heads share the block.
+template <class KV, int HD>
+__global__ void __launch_bounds__(128)
+    attn_decode_kernel(const float *q, int q_stride, const KV *k_cache, const KV *v_cache,
+                       const tdm_cuk_seq *seqs, const int32_t *block_tables, int bt_stride,
+                       const int32_t *decode_seqs, int max_splits, float *part_o, float *part_ml,
+                       int n_heads, int n_kv_heads, int block_size, float scale)
+{
+    constexpr int PART = TDM_CUK_DECODE_PART, GMAX = TDM_CUK_DECODE_GROUP;
+    constexpr int KR = (HD + 31) / 32; // head_dim elements per lane
+    __shared__ float qs[GMAX][HD];
+    __shared__ float sc[GMAX][PART];
+    __shared__ float red[32];
+    __shared__ float m_s[GMAX], l_s[GMAX];
+    int si = decode_seqs[blockIdx.x];
+    tdm_cuk_seq sq = seqs[si];
+    int split = blockIdx.z;
+    int kv_len = sq.start_pos + 1;
+    int p0 = split * PART;
+    if (p0 >= kv_len)
+        return;
+    int nk = kv_len - p0 < PART ? kv_len - p0 : PART;
+    int group = n_heads / n_kv_heads;
+    int subs = (group + GMAX - 1) / GMAX;
+    int kvh = blockIdx.y / subs;
+    int h0 = kvh * group + (blockIdx.y % subs) * GMAX;
+    int ng = kvh * group + group - h0 < GMAX ? kvh * group + group - h0 : GMAX;
+    const int32_t *bt = block_tables + (size_t)si * bt_stride;
+    const float *qr = q + (size_t)sq.row * q_stride + (size_t)h0 * HD;
+    for (int idx = threadIdx.x; idx < ng * HD; idx += blockDim.x)
+        qs[idx / HD][idx % HD] = qr[idx];
+    __syncthreads();
+
+    // Scores: a warp per position, lanes over head_dim; the key row is read
+    // once into registers and dotted with every head of the group.
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    for (int j = warp; j < nk; j += nwarps) {
+        const KV *kr = kv_row(k_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD);
+        float kreg[KR];
+        for (int r = 0; r < KR; r++) {
+            int d = lane + 32 * r;
+            kreg[r] = d < HD ? kv_load(&kr[d]) : 0.0f;
+        }
+        for (int g = 0; g < ng; g++) {
+            float part = 0.0f;
+            for (int r = 0; r < KR; r++) {
+                int d = lane + 32 * r;
+                if (d < HD)
+                    part += qs[g][d] * kreg[r];
+            }
+            part = warp_sum(part);
+            if (lane == 0)
+                sc[g][j] = part * scale;
+        }
+    }
+    __syncthreads();
+    for (int g = 0; g < ng; g++) {
+        float mx = -INFINITY;
+        for (int j = threadIdx.x; j < nk; j += blockDim.x)
+            mx = fmaxf(mx, sc[g][j]);
+        mx = block_max(mx, red);
+        float sum = 0.0f;
+        for (int j = threadIdx.x; j < nk; j += blockDim.x) {
+            float e = expf(sc[g][j] - mx);
+            sc[g][j] = e;
+            sum += e;
+        }
+        sum = block_sum(sum, red); // its barriers also publish sc[g]
+        if (threadIdx.x == 0) {
+            m_s[g] = mx;
+            l_s[g] = sum;
+        }
+    }
+    // Each V element once, into every head's accumulator.
+    size_t slot0 = ((size_t)blockIdx.x * n_heads + h0) * max_splits + split;
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float acc[GMAX];
+        for (int g = 0; g < GMAX; g++)
+            acc[g] = 0.0f;
+        for (int j = 0; j < nk; j++) {
+            float v = kv_load(&kv_row(v_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD)[d]);
+            for (int g = 0; g < ng; g++)
+                acc[g] += sc[g][j] * v;
+        }
+        for (int g = 0; g < ng; g++)
+            part_o[(slot0 + (size_t)g * max_splits) * HD + d] = acc[g];
+    }
+    if (threadIdx.x == 0)
+        for (int g = 0; g < ng; g++) {
+            part_ml[(slot0 + (size_t)g * max_splits) * 2] = m_s[g];
+            part_ml[(slot0 + (size_t)g * max_splits) * 2 + 1] = l_s[g];
+        }
+}
+
+// grid (n_decode, n_heads), block 128: out = sum_z o_z e^(m_z - M) / sum_z l_z e^(m_z - M).
+template <int HD>
+__global__ void attn_combine_kernel(const tdm_cuk_seq *seqs, const int32_t *decode_seqs,
+                                    int max_splits, const float *part_o, const float *part_ml,
+                                    float *out, int n_heads)
+{
+    tdm_cuk_seq sq = seqs[decode_seqs[blockIdx.x]];
+    int h = blockIdx.y;
+    int kv_len = sq.start_pos + 1;
+    int ns = (kv_len + TDM_CUK_DECODE_PART - 1) / TDM_CUK_DECODE_PART;
+    size_t base = ((size_t)blockIdx.x * n_heads + h) * max_splits;
+    float M = -INFINITY;
+    for (int z = 0; z < ns; z++)
+        M = fmaxf(M, part_ml[(base + z) * 2]);
+    float L = 0.0f;
+    for (int z = 0; z < ns; z++)
+        L += part_ml[(base + z) * 2 + 1] * expf(part_ml[(base + z) * 2] - M);
+    float *o = out + (size_t)sq.row * n_heads * HD + (size_t)h * HD;
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int z = 0; z < ns; z++)
+            acc += part_o[(base + z) * HD + d] * expf(part_ml[(base + z) * 2] - M);
+        o[d] = acc / L;
+    }
+}
+
+// ---- prefill attention (FlashAttention-2 style) -------------------------------------------
+// grid (n_tiles, n_heads), block 128. A tile is BQ query rows of one sequence
+// for one head; it walks the key positions 0..(its last query's position) in
+// tiles of BK staged in shared memory, with an online softmax per query row
+// (running max m, sum l, output accumulator O rescaled by e^(m_old - m_new)).
+// Rows past the sequence's end and keys past a row's own position are masked.
+template <class KV, int HD>
+__global__ void __launch_bounds__(128)
+    attn_prefill_kernel(const float *q, int q_stride, const KV *k_cache, const KV *v_cache,
+                        const tdm_cuk_seq *seqs, const int32_t *block_tables, int bt_stride,
+                        const int32_t *tiles, float *out, int n_heads, int n_kv_heads,
+                        int block_size, float scale)
+{
+    constexpr int BQ = TDM_CUK_PREFILL_BQ, BK = TDM_CUK_PREFILL_BK;
+    // Rows of q and k padded by one float: the score loop's threads read one
+    // column of several rows at once, which would otherwise hit one bank.
+    __shared__ float qs[BQ][HD + 1];
+    __shared__ float ks[BK][HD + 1];
+    __shared__ float vs[BK][HD];
+    __shared__ float os[BQ][HD];
+    __shared__ float sc[BQ][BK];
+    __shared__ float m_s[BQ], l_s[BQ], corr_s[BQ];
+
+    int si = tiles[2 * blockIdx.x], i0 = tiles[2 * blockIdx.x + 1];
+    tdm_cuk_seq sq = seqs[si];
+    int h = blockIdx.y;
+    int kvh = h / (n_heads / n_kv_heads);
+    int nq = sq.n_tokens - i0 < BQ ? sq.n_tokens - i0 : BQ;
+    int q_pos0 = sq.start_pos + i0; // position of the tile's first query
+    int kv_end = q_pos0 + nq;       // keys [0, kv_end) are visible to some row
+    const int32_t *bt = block_tables + (size_t)si * bt_stride;
+
+    for (int idx = threadIdx.x; idx < BQ * HD; idx += blockDim.x) {
+        int r = idx / HD, d = idx % HD;
+        qs[r][d] = r < nq ? q[(size_t)(sq.row + i0 + r) * q_stride + (size_t)h * HD + d] : 0.0f;
+        os[r][d] = 0.0f;
+    }
+    if (threadIdx.x < BQ) {
+        m_s[threadIdx.x] = -INFINITY;
+        l_s[threadIdx.x] = 0.0f;
+    }
+    __syncthreads();
+
+    for (int k0 = 0; k0 < kv_end; k0 += BK) {
+        int nk = kv_end - k0 < BK ? kv_end - k0 : BK;
+        for (int idx = threadIdx.x; idx < BK * HD; idx += blockDim.x) {
+            int j = idx / HD, d = idx % HD;
+            float kv_k = 0.0f, kv_v = 0.0f;
+            if (j < nk) {
+                kv_k = kv_load(&kv_row(k_cache, bt, k0 + j, n_kv_heads, kvh, block_size, HD)[d]);
+                kv_v = kv_load(&kv_row(v_cache, bt, k0 + j, n_kv_heads, kvh, block_size, HD)[d]);
+            }
+            ks[j][d] = kv_k;
+            vs[j][d] = kv_v;
+        }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < BQ * BK; idx += blockDim.x) {
+            int r = idx / BK, j = idx % BK;
+            float s = -INFINITY;
+            if (r < nq && j < nk && k0 + j <= q_pos0 + r) {
+                float dot = 0.0f;
+                for (int d = 0; d < HD; d++)
+                    dot += qs[r][d] * ks[j][d];
+                s = dot * scale;
+            }
+            sc[r][j] = s;
+        }
+        __syncthreads();
+        if (threadIdx.x < BQ) {
+            int r = threadIdx.x;
+            float mx = m_s[r];
+            for (int j = 0; j < BK; j++)
+                mx = fmaxf(mx, sc[r][j]);
+            float corr = 1.0f, sum = 0.0f;
+            if (mx == -INFINITY) { // nothing visible yet (a padding row)
+                for (int j = 0; j < BK; j++)
+                    sc[r][j] = 0.0f;
+            } else {
+                corr = m_s[r] == -INFINITY ? 0.0f : expf(m_s[r] - mx);
+                for (int j = 0; j < BK; j++) {
+                    float p = sc[r][j] == -INFINITY ? 0.0f : expf(sc[r][j] - mx);
+                    sc[r][j] = p;
+                    sum += p;
+                }
+            }
+            l_s[r] = l_s[r] * corr + sum;
+            m_s[r] = mx;
+            corr_s[r] = corr;
+        }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < BQ * HD; idx += blockDim.x) {
+            int r = idx / HD, d = idx % HD;
+            float a = os[r][d] * corr_s[r];
+            for (int j = 0; j < nk; j++)
+                a += sc[r][j] * vs[j][d];
+            os[r][d] = a;
+        }
+        __syncthreads();
+    }
+    for (int idx = threadIdx.x; idx < nq * HD; idx += blockDim.x) {
+        int r = idx / HD, d = idx % HD;
+        out[(size_t)(sq.row + i0 + r) * n_heads * HD + (size_t)h * HD + d] = os[r][d] / l_s[r];
+    }
+}
+
+} // namespace tdm_cuk
+
+#endif

@@ -1,0 +1,276 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_launch.cuh: the tdm_cuk_* entry points of cuda_kernels.h: argument
+// checks, launch shapes and the dispatch on KV type and head_dim, plus the host
+// planning of an attention call. Included once by cuda_kernels.cu (nvcc) and
+// once by emu/cuda_kernels_emu.cpp (g++ + emulator), so both builds launch the
+// same kernels with the same shapes. Include cuda_compat.h first.
+#ifndef TDM_CUDA_LAUNCH_CUH
+#define TDM_CUDA_LAUNCH_CUH
+
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "cuda_kernels.cuh"
+
+namespace tdm_cuk
+{
+static thread_local char errbuf[256];
+
+static int fail(int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(errbuf, sizeof errbuf, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+// After a launch: the launch's own error (bad configuration, no device).
+static int launched(const char *what)
+{
+#ifdef __CUDACC__
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return fail(TDM_CUK_ELAUNCH, "%s: %s", what, cudaGetErrorString(e));
+#else
+    (void)what;
+#endif
+    return TDM_CUK_OK;
+}
+
+static unsigned grid_for(size_t count, unsigned block)
+{
+    size_t g = (count + block - 1) / block;
+    return g > 65535 ? 65535u : (unsigned)(g ? g : 1);
+}
+
+template <class KV, int HD> static int attention_typed(void *stream, const tdm_cuk_attn_args *a)
+{
+    if (a->n_tiles > 0) {
+        dim3 grid((unsigned)a->n_tiles, (unsigned)a->n_heads);
+        TDM_CUDA_LAUNCH((attn_prefill_kernel<KV, HD>), grid, dim3(128), 0, stream, a->q,
+                        a->q_stride, (const KV *)a->k_cache, (const KV *)a->v_cache, a->seqs,
+                        a->block_tables, a->bt_stride, a->prefill_tiles, a->out, a->n_heads,
+                        a->n_kv_heads, a->block_size, a->scale);
+        int rc = launched("attention prefill");
+        if (rc != TDM_CUK_OK)
+            return rc;
+    }
+    if (a->n_decode > 0) {
+        int group = a->n_heads / a->n_kv_heads;
+        int units = a->n_kv_heads * ((group + TDM_CUK_DECODE_GROUP - 1) / TDM_CUK_DECODE_GROUP);
+        dim3 grid((unsigned)a->n_decode, (unsigned)units, (unsigned)a->max_splits);
+        TDM_CUDA_LAUNCH((attn_decode_kernel<KV, HD>), grid, dim3(128), 0, stream, a->q, a->q_stride,
+                        (const KV *)a->k_cache, (const KV *)a->v_cache, a->seqs, a->block_tables,
+                        a->bt_stride, a->decode_seqs, a->max_splits, a->part_o, a->part_ml,
+                        a->n_heads, a->n_kv_heads, a->block_size, a->scale);
+        int rc = launched("attention decode");
+        if (rc != TDM_CUK_OK)
+            return rc;
+        dim3 cgrid((unsigned)a->n_decode, (unsigned)a->n_heads);
+        TDM_CUDA_LAUNCH((attn_combine_kernel<HD>), cgrid, dim3(128), 0, stream, a->seqs,
+                        a->decode_seqs, a->max_splits, a->part_o, a->part_ml, a->out, a->n_heads);
+        return launched("attention combine");
+    }
+    return TDM_CUK_OK;
+}
+
+template <class KV> static int attention_kv(void *stream, const tdm_cuk_attn_args *a)
+{
+    switch (a->head_dim) {
+    case 16: // the tiny test models
+        return attention_typed<KV, 16>(stream, a);
+    case 32:
+        return attention_typed<KV, 32>(stream, a);
+    case 64:
+        return attention_typed<KV, 64>(stream, a);
+    case 128:
+        return attention_typed<KV, 128>(stream, a);
+    default:
+        return fail(TDM_CUK_EINVAL, "attention: head_dim %d (supported: 16, 32, 64, 128)",
+                    a->head_dim);
+    }
+}
+} // namespace tdm_cuk
+
+extern "C" {
+
+const char *tdm_cuk_errmsg(void)
+{
+    return tdm_cuk::errbuf;
+}
+
+int tdm_cuk_decode_splits(int kv_len)
+{
+    return kv_len <= 0 ? 0 : (kv_len + TDM_CUK_DECODE_PART - 1) / TDM_CUK_DECODE_PART;
+}
+
+int tdm_cuk_attn_plan(const int32_t *row, const int32_t *n_tokens, const int32_t *start_pos,
+                      int n_seqs, int n_heads, int head_dim, struct tdm_cuk_seq *seqs,
+                      int32_t *decode_seqs, int32_t *prefill_tiles, int tiles_cap,
+                      struct tdm_cuk_plan *plan)
+{
+    plan->n_decode = plan->n_tiles = plan->max_splits = 0;
+    plan->part_floats = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        if (n_tokens[s] < 1 || start_pos[s] < 0 || row[s] < 0)
+            return tdm_cuk::fail(TDM_CUK_EINVAL,
+                                 "attention plan: sequence %d has n_tokens %d, "
+                                 "start_pos %d, row %d",
+                                 s, n_tokens[s], start_pos[s], row[s]);
+        seqs[s].row = row[s];
+        seqs[s].n_tokens = n_tokens[s];
+        seqs[s].start_pos = start_pos[s];
+        seqs[s].reserved = 0;
+        if (n_tokens[s] == 1) {
+            decode_seqs[plan->n_decode++] = s;
+            int ns = tdm_cuk_decode_splits(start_pos[s] + 1);
+            if (ns > plan->max_splits)
+                plan->max_splits = ns;
+            continue;
+        }
+        for (int i0 = 0; i0 < n_tokens[s]; i0 += TDM_CUK_PREFILL_BQ) {
+            if (plan->n_tiles >= tiles_cap)
+                return tdm_cuk::fail(TDM_CUK_EINVAL, "attention plan: more than %d tiles",
+                                     tiles_cap);
+            prefill_tiles[2 * plan->n_tiles] = s;
+            prefill_tiles[2 * plan->n_tiles + 1] = i0;
+            plan->n_tiles++;
+        }
+    }
+    plan->part_floats =
+        (size_t)plan->n_decode * (size_t)n_heads * (size_t)plan->max_splits * (size_t)head_dim;
+    return TDM_CUK_OK;
+}
+
+int tdm_cuk_embed(void *stream, const uint16_t *table, int rows, int cols, const int32_t *ids,
+                  int n, float *out)
+{
+    if (n <= 0 || rows <= 0 || cols <= 0)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "embed: n %d, table %dx%d", n, rows, cols);
+    TDM_CUDA_LAUNCH(tdm_cuk::embed_kernel, dim3((unsigned)n), dim3(128), 0, stream, table, rows,
+                    cols, ids, out);
+    return tdm_cuk::launched("embed");
+}
+
+int tdm_cuk_rmsnorm(void *stream, const float *x, const float *weight, float eps, float *out, int n,
+                    int dim)
+{
+    if (n <= 0 || dim <= 0)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "rmsnorm: n %d, dim %d", n, dim);
+    TDM_CUDA_LAUNCH(tdm_cuk::rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream, x, weight,
+                    eps, out, dim);
+    return tdm_cuk::launched("rmsnorm");
+}
+
+int tdm_cuk_rope(void *stream, float *x, int n, int row_stride, int n_heads, int head_dim,
+                 const int32_t *pos, const float *inv_freq)
+{
+    if (n <= 0 || n_heads <= 0 || head_dim < 2 || head_dim % 2 || row_stride < n_heads * head_dim)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "rope: n %d, %d heads of %d in rows of %d", n, n_heads,
+                             head_dim, row_stride);
+    TDM_CUDA_LAUNCH(tdm_cuk::rope_kernel, dim3((unsigned)n), dim3(128), 0, stream, x, row_stride,
+                    n_heads, head_dim, pos, inv_freq);
+    return tdm_cuk::launched("rope");
+}
+
+int tdm_cuk_silu_mul(void *stream, const float *gate_up, float *out, int n, int inter)
+{
+    if (n <= 0 || inter <= 0)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "silu_mul: n %d, inter %d", n, inter);
+    dim3 grid((unsigned)n, (unsigned)((inter + 255) / 256));
+    TDM_CUDA_LAUNCH(tdm_cuk::silu_mul_kernel, grid, dim3(256), 0, stream, gate_up, out, inter);
+    return tdm_cuk::launched("silu_mul");
+}
+
+int tdm_cuk_add(void *stream, float *x, const float *y, size_t count)
+{
+    if (count == 0)
+        return TDM_CUK_OK;
+    TDM_CUDA_LAUNCH(tdm_cuk::add_kernel, dim3(tdm_cuk::grid_for(count, 256)), dim3(256), 0, stream,
+                    x, y, count);
+    return tdm_cuk::launched("add");
+}
+
+int tdm_cuk_to_bf16(void *stream, const float *x, uint16_t *y, size_t count)
+{
+    if (count == 0)
+        return TDM_CUK_OK;
+    TDM_CUDA_LAUNCH(tdm_cuk::to_bf16_kernel, dim3(tdm_cuk::grid_for(count, 256)), dim3(256), 0,
+                    stream, x, y, count);
+    return tdm_cuk::launched("to_bf16");
+}
+
+int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int stride,
+                     const int32_t *slots, int n, void *k_cache, void *v_cache, int n_kv_heads,
+                     int head_dim, int block_size)
+{
+    if (n <= 0 || n_kv_heads <= 0 || head_dim <= 0 || block_size <= 0 ||
+        stride < n_kv_heads * head_dim)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_store: n %d, %d heads of %d, block %d, stride %d",
+                             n, n_kv_heads, head_dim, block_size, stride);
+    if (type == TDM_CUK_KV_F32) {
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_store_kernel<float>, dim3((unsigned)n), dim3(128), 0, stream, k,
+                        v, stride, slots, (float *)k_cache, (float *)v_cache, n_kv_heads, head_dim,
+                        block_size);
+    } else if (type == TDM_CUK_KV_BF16) {
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_store_kernel<uint16_t>, dim3((unsigned)n), dim3(128), 0, stream,
+                        k, v, stride, slots, (uint16_t *)k_cache, (uint16_t *)v_cache, n_kv_heads,
+                        head_dim, block_size);
+    } else {
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_store: unknown KV type %d", (int)type);
+    }
+    return tdm_cuk::launched("kv_store");
+}
+
+int tdm_cuk_kv_gather(void *stream, int type, const void *pool, const int32_t *blocks, int n,
+                      size_t block_elems, float *out)
+{
+    if (n <= 0 || block_elems == 0)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_gather: %d blocks of %zu", n, block_elems);
+    if (type == TDM_CUK_KV_F32)
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_gather_kernel<float>, dim3((unsigned)n), dim3(256), 0, stream,
+                        (const float *)pool, blocks, block_elems, out);
+    else if (type == TDM_CUK_KV_BF16)
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_gather_kernel<uint16_t>, dim3((unsigned)n), dim3(256), 0,
+                        stream, (const uint16_t *)pool, blocks, block_elems, out);
+    else
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_gather: unknown KV type %d", type);
+    return tdm_cuk::launched("kv_gather");
+}
+
+int tdm_cuk_kv_scatter(void *stream, int type, void *pool, const int32_t *blocks, int n,
+                       size_t block_elems, const float *in)
+{
+    if (n <= 0 || block_elems == 0)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_scatter: %d blocks of %zu", n, block_elems);
+    if (type == TDM_CUK_KV_F32)
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_scatter_kernel<float>, dim3((unsigned)n), dim3(256), 0, stream,
+                        (float *)pool, blocks, block_elems, in);
+    else if (type == TDM_CUK_KV_BF16)
+        TDM_CUDA_LAUNCH(tdm_cuk::kv_scatter_kernel<uint16_t>, dim3((unsigned)n), dim3(256), 0,
+                        stream, (uint16_t *)pool, blocks, block_elems, in);
+    else
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "kv_scatter: unknown KV type %d", type);
+    return tdm_cuk::launched("kv_scatter");
+}
+
+int tdm_cuk_attention(void *stream, const struct tdm_cuk_attn_args *a)
+{
+    if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->block_size <= 0 ||
+        a->n_decode < 0 || a->n_tiles < 0 || (a->n_decode > 0 && a->max_splits <= 0))
+        return tdm_cuk::fail(TDM_CUK_EINVAL,
+                             "attention: heads %d/%d, block %d, %d decode, "
+                             "%d splits, %d tiles",
+                             a->n_heads, a->n_kv_heads, a->block_size, a->n_decode, a->max_splits,
+                             a->n_tiles);
+    if (a->kv_type == TDM_CUK_KV_F32)
+        return tdm_cuk::attention_kv<float>(stream, a);
+    if (a->kv_type == TDM_CUK_KV_BF16)
+        return tdm_cuk::attention_kv<uint16_t>(stream, a);
+    return tdm_cuk::fail(TDM_CUK_EINVAL, "attention: unknown KV type %d", (int)a->kv_type);
+}
+
+} // extern "C"
+
+#endif

@@ -1,0 +1,741 @@
+// SPDX-License-Identifier: Apache-2.0
+// The whole CUDA backend (cuda_backend.c's host code, the kernels, the KV
+// storage in "device" memory) on the execution-model emulator, driven by the
+// real model code (model.c) on tiny random models from mkmodel, against the
+// CPU backend:
+//   - greedy tokens equal the CPU backend's, and so does the argmax of every
+//     logits row of a second prefill chunk (at offset 150 or 21) and of 12
+//     decode steps: a 270-token prompt on the tiny preset (head_dim 16) with
+//     f32 KV (decode past position 256: two flash-decoding splits), and 45-token
+//     prompts with bf16 KV (the product default) and on a Qwen2-style model
+//     with head_dim 64 and GQA 7 (7 query heads, 1 KV head);
+//   - batch invariance: two sequences in one forward get bitwise the logits
+//     they get alone;
+//   - KV export/import through the storage interface: export from the device
+//     pool equals the CPU pool's export of the same prefill (within f32
+//     rounding), and a sequence imported into a fresh device cache continues
+//     with the same greedy tokens;
+//   - clean errors: int8 weights on cuda, a host KV cache handed to a cuda model.
+// The GEMM is the emulated device API's loop (cuBLASLt itself runs only on a
+// GPU: cuda_ops_gpu_test).
+//
+// Built twice: cuda_model_emu_test (the emulator, label unit) and, with
+// TANDEM_CUDA, cuda_model_gpu_test (TDM_CUDA_TEST_GPU: the real backend
+// registered as "cuda" in backend.c, label gpu, exit 77 without a GPU), where
+// the same comparisons also check cuBLASLt's GEMM and its batch invariance.
+// The device-flag and memory-arithmetic tests assume the emulator's one
+// pretend 1 GiB device and run on it only; the GPU build adds the 0.5B shape
+// vs the CPU backend and batch-of-32 invariance (too slow to emulate).
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "backend.h"
+#include "core.h"
+#include "cuda_backend.h"
+#include "kv_cache.h"
+#include "mkmodel.h"
+#include "model.h"
+
+static char tiny_dir[64], gqa7_dir[64];
+
+#define MAX_PROMPT 270
+#define STEPS 12
+
+static int setup(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_mkmodel_spec s;
+    strcpy(tiny_dir, "/tmp/tdm_cuda_tinyXXXXXX");
+    strcpy(gqa7_dir, "/tmp/tdm_cuda_gqa7XXXXXX");
+    if (mkdtemp(tiny_dir) == NULL || mkdtemp(gqa7_dir) == NULL)
+        return -1;
+    tdm_mkmodel_preset(&s, "tiny");
+    s.seed = 11;
+    if (tdm_mkmodel_write(&s, tiny_dir, err, sizeof err) != TDM_OK)
+        goto fail;
+    tdm_mkmodel_preset(&s, "tiny");
+    s.hidden_size = 7 * 64;
+    s.num_heads = 7;
+    s.num_kv_heads = 1;
+    s.head_dim = 64;
+    s.intermediate_size = 256;
+    s.seed = 12;
+    if (tdm_mkmodel_write(&s, gqa7_dir, err, sizeof err) != TDM_OK)
+        goto fail;
+#ifdef TDM_CUDA_TEST_GPU
+    return 0;
+#else
+    return tdm_backend_register(&tdm_cuda_emu_backend_ops) == TDM_OK ? 0 : -1;
+#endif
+fail:
+    fprintf(stderr, "mkmodel: %s\n", err);
+    return -1;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    tdm_mkmodel_remove(tiny_dir);
+    tdm_mkmodel_remove(gqa7_dir);
+    return 0;
+}
+
+static struct tdm_model *load_opts(const char *dir, const char *backend, const char *kv_dtype,
+                                   bool eager)
+{
+    struct tdm_model_opts o;
+    struct tdm_model *m = NULL;
+    char err[256];
+    tdm_model_opts_default(&o);
+    o.backend = backend;
+    o.enforce_eager = eager;
+    o.num_threads = 1;
+    o.max_batch_tokens = 256;
+    o.max_batch_seqs = 4;
+    setenv("TANDEM_CUDA_KV_DTYPE", kv_dtype, 1);
+    int rc = tdm_model_load(&m, dir, &o, err, sizeof err);
+    if (rc != TDM_OK)
+        fail_msg("load %s on %s: %s", dir, backend, err);
+    return m;
+}
+
+static struct tdm_model *load(const char *dir, const char *backend, const char *kv_dtype)
+{
+    return load_opts(dir, backend, kv_dtype, false);
+}
+
+static struct tdm_kv_cache *new_kv(struct tdm_model *m)
+{
+    struct tdm_kv_config kc;
+    struct tdm_kv_cache *kv = NULL;
+    char err[256];
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 64;
+    if (tdm_model_kv_new(m, &kc, &kv, err, sizeof err) != TDM_OK)
+        fail_msg("kv: %s", err);
+    return kv;
+}
+
+static void make_prompt(int32_t *ids, int n, int vocab, uint32_t seed)
+{
+    for (int i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        ids[i] = (int32_t)((seed >> 8) % (uint32_t)(vocab - 3));
+    }
+}
+
+static int argmax(const float *x, int n)
+{
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b])
+            b = i;
+    return b;
+}
+
+// One forward of n tokens of one sequence at pos; the last row's logits (all
+// n rows' with `all`) into out.
+static void step_mode(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                      int32_t *hist, int pos, int n, float *out, bool all)
+{
+    assert_int_equal(tdm_kv_reserve(kv, seq, pos + n), TDM_OK);
+    struct tdm_batch_seq b = {.tokens = hist + pos,
+                              .n_tokens = n,
+                              .start_pos = pos,
+                              .block_table = seq->block_table,
+                              .logits = all ? TDM_LOGITS_ALL : TDM_LOGITS_LAST};
+    assert_int_equal(tdm_model_forward(m, kv, &b, 1, out), TDM_OK);
+    tdm_kv_commit(kv, seq, hist, pos + n);
+}
+
+static void step(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                 int32_t *hist, int pos, int n, float *out)
+{
+    step_mode(m, kv, seq, hist, pos, n, out, false);
+}
+
+// Prefill in two chunks (logits of every row of the second) then greedy
+// decode; hist gets the STEPS + 1 new tokens after the prompt, logits
+// [prompt - chunk1 + STEPS][vocab]: the second chunk's rows, then each step's.
+static void greedy(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                   int32_t *hist, int prompt, int chunk1, float *logits)
+{
+    int vocab = tdm_model_config(m)->vocab_size, n2 = prompt - chunk1;
+    step(m, kv, seq, hist, 0, chunk1, logits);
+    step_mode(m, kv, seq, hist, chunk1, n2, logits, true);
+    hist[prompt] = argmax(logits + (size_t)(n2 - 1) * vocab, vocab);
+    for (int s = 0; s < STEPS; s++) {
+        float *row = logits + (size_t)(n2 + s) * vocab;
+        step(m, kv, seq, hist, prompt + s, 1, row);
+        hist[prompt + s + 1] = argmax(row, vocab);
+    }
+}
+
+// The CPU's and the emulated CUDA backend's greedy tokens, and the argmax of
+// every logits row (the next token at each position of the second chunk and
+// each step) must agree, except near-ties: rows where the CPU's logits of the
+// two picks are within tie_tol (0 with f32 KV: no exception; bf16 KV rounds
+// the cache the CPU keeps in f32, which moves logits by up to ~0.1 here).
+static void compare_greedy(const char *dir, const char *kv_dtype, int prompt, int chunk1,
+                           float tie_tol)
+{
+    struct tdm_model *mc = load(dir, "cpu", kv_dtype), *mg = load(dir, "cuda", kv_dtype);
+    int vocab = tdm_model_config(mc)->vocab_size;
+    struct tdm_kv_cache *kc = new_kv(mc), *kg = new_kv(mg);
+    int32_t hc[MAX_PROMPT + STEPS + 1], hg[MAX_PROMPT + STEPS + 1];
+    make_prompt(hc, prompt, vocab, 5);
+    memcpy(hg, hc, sizeof hc);
+    int rows = prompt - chunk1 + STEPS;
+    size_t nl = (size_t)rows * vocab;
+    float *lc = malloc(nl * sizeof *lc), *lg = malloc(nl * sizeof *lg);
+    struct tdm_kv_seq sc, sg;
+    tdm_kv_seq_init(&sc);
+    tdm_kv_seq_init(&sg);
+    greedy(mc, kc, &sc, hc, prompt, chunk1, lc);
+    greedy(mg, kg, &sg, hg, prompt, chunk1, lg);
+    float worst = 0.0f, scale = 0.0f;
+    for (size_t i = 0; i < nl; i++) {
+        float e = fabsf(lc[i] - lg[i]);
+        worst = e > worst ? e : worst;
+        scale = fabsf(lc[i]) > scale ? fabsf(lc[i]) : scale;
+    }
+    int distinct = 0, ties = 0, prev = -1;
+    for (int r = 0; r < rows; r++) {
+        const float *rc = lc + (size_t)r * vocab;
+        int a = argmax(rc, vocab), b = argmax(lg + (size_t)r * vocab, vocab);
+        if (a != b) {
+            if (!(rc[a] - rc[b] <= tie_tol))
+                fail_msg("row %d: cpu picks %d, cuda %d (cpu logits %g vs %g)", r, a, b, rc[a],
+                         rc[b]);
+            ties++;
+        }
+        distinct += a != prev;
+        prev = a;
+    }
+    printf("%s kv %s, prompt %d: max |logit diff| %g (max |logit| %g); %d rows, %d argmax "
+           "changes, %d near-tie flips; generated:",
+           dir, kv_dtype, prompt, worst, scale, rows, distinct, ties);
+    for (int i = prompt; i <= prompt + STEPS; i++)
+        printf(" %d", hg[i]);
+    printf("\n");
+    assert_memory_equal(hc + prompt, hg + prompt, (STEPS + 1) * sizeof(int32_t));
+    tdm_kv_seq_release(kc, &sc);
+    tdm_kv_seq_release(kg, &sg);
+    free(lc), free(lg);
+    tdm_kv_free(kc), tdm_kv_free(kg);
+    tdm_model_free(mc), tdm_model_free(mg);
+}
+
+static void test_greedy_tiny_f32(void **state)
+{
+    (void)state;
+    // Decode past position 256: two flash-decoding splits.
+    compare_greedy(tiny_dir, "f32", MAX_PROMPT, 150, 0.0f);
+}
+
+static void test_greedy_tiny_bf16(void **state)
+{
+    (void)state;
+    compare_greedy(tiny_dir, "bf16", 45, 21, 0.25f);
+}
+
+static void test_greedy_gqa7_f32(void **state)
+{
+    (void)state;
+    compare_greedy(gqa7_dir, "f32", 45, 21, 0.0f);
+}
+
+static void test_greedy_gqa7_bf16(void **state)
+{
+    (void)state;
+    compare_greedy(gqa7_dir, "bf16", 45, 21, 0.25f);
+}
+
+// Two sequences (a 40-token prefill and a decode at position 20) in one
+// forward get bitwise the logits they get alone.
+static void test_batch_invariance(void **state)
+{
+    (void)state;
+    struct tdm_model *m = load(gqa7_dir, "cuda", "bf16");
+    int vocab = tdm_model_config(m)->vocab_size;
+    int32_t a[64], b[64];
+    make_prompt(a, 40, vocab, 1);
+    make_prompt(b, 21, vocab, 2);
+    float *alone = malloc(2 * (size_t)vocab * sizeof(float));
+    float *both = malloc(2 * (size_t)vocab * sizeof(float));
+    for (int round = 0; round < 2; round++) {
+        struct tdm_kv_cache *kv = new_kv(m);
+        struct tdm_kv_seq sa, sb;
+        tdm_kv_seq_init(&sa);
+        tdm_kv_seq_init(&sb);
+        // b's first 20 tokens are in the cache before the measured step.
+        float scratch[4096];
+        assert_true(vocab <= 4096);
+        step(m, kv, &sb, b, 0, 20, scratch);
+        assert_int_equal(tdm_kv_reserve(kv, &sa, 40), TDM_OK);
+        assert_int_equal(tdm_kv_reserve(kv, &sb, 21), TDM_OK);
+        struct tdm_batch_seq bs[2] = {
+            {.tokens = a,
+             .n_tokens = 40,
+             .start_pos = 0,
+             .block_table = sa.block_table,
+             .logits = TDM_LOGITS_LAST},
+            {.tokens = b + 20,
+             .n_tokens = 1,
+             .start_pos = 20,
+             .block_table = sb.block_table,
+             .logits = TDM_LOGITS_LAST},
+        };
+        if (round == 0) {
+            assert_int_equal(tdm_model_forward(m, kv, &bs[0], 1, alone), TDM_OK);
+            assert_int_equal(tdm_model_forward(m, kv, &bs[1], 1, alone + vocab), TDM_OK);
+        } else {
+            assert_int_equal(tdm_model_forward(m, kv, bs, 2, both), TDM_OK);
+        }
+        tdm_kv_seq_release(kv, &sa);
+        tdm_kv_seq_release(kv, &sb);
+        tdm_kv_free(kv);
+    }
+    assert_memory_equal(alone, both, 2 * (size_t)vocab * sizeof(float));
+    free(alone), free(both);
+    tdm_model_free(m);
+}
+
+// Export from the device pool vs the CPU pool after the same prefill; import
+// into a fresh device cache continues with the same greedy tokens.
+static void test_export_import(void **state)
+{
+    (void)state;
+    struct tdm_model *mc = load(tiny_dir, "cpu", "f32"), *mg = load(tiny_dir, "cuda", "f32");
+    int vocab = tdm_model_config(mc)->vocab_size, layers = tdm_model_config(mc)->num_hidden_layers;
+    int n = 37;
+    struct tdm_kv_cache *kc = new_kv(mc), *kg = new_kv(mg), *kg2 = new_kv(mg);
+    int32_t h[64], h2[64];
+    make_prompt(h, n, vocab, 3);
+    float *l = malloc(8 * (size_t)vocab * sizeof(float));
+    struct tdm_kv_seq sc, sg, sg2;
+    tdm_kv_seq_init(&sc), tdm_kv_seq_init(&sg), tdm_kv_seq_init(&sg2);
+    step(mc, kc, &sc, h, 0, n, l);
+    step(mg, kg, &sg, h, 0, n, l);
+    int nb = sg.num_blocks;
+    size_t bytes = tdm_kv_layer_bytes(kg, nb);
+    float *ec = malloc(bytes), *eg = malloc(bytes);
+    assert_int_equal(tdm_kv_reserve(kg2, &sg2, n), TDM_OK);
+    float worst = 0.0f;
+    for (int layer = 0; layer < layers; layer++) {
+        assert_int_equal(tdm_kv_export_layer(kc, &sc, layer, 0, nb, ec, bytes), TDM_OK);
+        assert_int_equal(tdm_kv_export_layer(kg, &sg, layer, 0, nb, eg, bytes), TDM_OK);
+        // Positions past the prompt are never written: compare the prompt's rows only.
+        size_t per_block = bytes / sizeof(float) / 2 / (size_t)nb; // heads * 16 * head_dim
+        size_t row = per_block / 16 / (size_t)tdm_model_config(mc)->num_key_value_heads;
+        for (size_t i = 0; i < bytes / sizeof(float); i++) {
+            size_t in_block = i % per_block, blk = (i / per_block) % (size_t)nb;
+            size_t slot = (in_block / row) % 16;
+            if (blk * 16 + slot >= (size_t)n)
+                continue;
+            float e = fabsf(ec[i] - eg[i]);
+            worst = e > worst ? e : worst;
+        }
+        assert_int_equal(tdm_kv_import_layer(kg2, &sg2, layer, 0, nb, eg, bytes), TDM_OK);
+    }
+    printf("export cpu vs cuda(emu): max |kv diff| %g\n", worst);
+    assert_true(worst < 1e-4f);
+    tdm_kv_commit(kg2, &sg2, h, n);
+    h[n] = argmax(l, vocab);
+    memcpy(h2, h, sizeof h);
+    for (int s = 0; s < 6; s++) {
+        step(mg, kg, &sg, h, n + s, 1, l);
+        h[n + s + 1] = argmax(l, vocab);
+        step(mg, kg2, &sg2, h2, n + s, 1, l + vocab);
+        h2[n + s + 1] = argmax(l + vocab, vocab);
+        assert_memory_equal(l, l + vocab, (size_t)vocab * sizeof(float));
+    }
+    assert_memory_equal(h, h2, sizeof h);
+    tdm_kv_seq_release(kc, &sc), tdm_kv_seq_release(kg, &sg), tdm_kv_seq_release(kg2, &sg2);
+    tdm_kv_free(kc), tdm_kv_free(kg), tdm_kv_free(kg2);
+    free(ec), free(eg), free(l);
+    tdm_model_free(mc), tdm_model_free(mg);
+}
+
+// --device with the (emulated) CUDA backend registered: one GPU visible.
+static void test_device_flag(void **state)
+{
+    (void)state;
+#ifdef TDM_CUDA_TEST_GPU
+    skip();
+#endif
+    struct tdm_model_opts o;
+    char err[256];
+    tdm_model_opts_default(&o);
+    assert_int_equal(tdm_model_opts_set_device(&o, NULL, err, sizeof err), TDM_OK);
+    assert_string_equal(o.backend, "cuda"); // auto: a GPU is visible
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda:0", err, sizeof err), TDM_OK);
+    assert_string_equal(o.backend, "cuda");
+    assert_int_equal(o.device, 0);
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda:1", err, sizeof err), TDM_EINVAL);
+    assert_string_equal(err, "--device cuda:1: 1 CUDA GPU visible");
+    assert_int_equal(tdm_model_opts_set_device(&o, "cpu", err, sizeof err), TDM_OK);
+    assert_string_equal(o.backend, "cpu");
+}
+
+// --gpu-memory-utilization on the emulated device (a pretend 1 GiB, all
+// free): (F * 1 GiB - 256 MiB headroom) / bf16 block bytes; the CPU backend
+// has no device memory to size from.
+static void test_kv_capacity(void **state)
+{
+    (void)state;
+#ifdef TDM_CUDA_TEST_GPU
+    skip();
+#endif
+    struct tdm_model *m = load(tiny_dir, "cuda", "bf16"), *mc = load(tiny_dir, "cpu", "f32");
+    struct tdm_kv_config kc;
+    char err[256];
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    size_t block = 2 * 2 * (size_t)kc.num_layers * kc.num_kv_heads * 16 * kc.head_dim;
+    int nb = 0;
+    assert_int_equal(tdm_model_kv_capacity(m, &kc, 0.5, &nb, err, sizeof err), TDM_OK);
+    assert_int_equal(nb, (int)(((size_t)512 << 20) - ((size_t)256 << 20)) / (int)block);
+    assert_int_equal(tdm_model_kv_capacity(m, &kc, 0.2, &nb, err, sizeof err), TDM_ECAPACITY);
+    assert_non_null(strstr(err, "leaves no room"));
+    assert_int_equal(tdm_model_kv_capacity(m, &kc, 0.0, &nb, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_model_kv_capacity(mc, &kc, 0.5, &nb, err, sizeof err), TDM_ENOTFOUND);
+    tdm_model_free(m);
+    tdm_model_free(mc);
+}
+
+#ifndef TDM_CUDA_TEST_GPU
+unsigned long long tdm_emu_graph_launches(void); // emu/cuda_emu.cpp
+#endif
+
+// CUDA graphs vs --enforce-eager: three sequences (a bucket of 4 with one
+// padding row) decode 12 steps, crossing a block boundary and a split
+// boundary (position 256: a new graph key); logits bitwise equal every step,
+// and graphs were replayed. Then a batch of 1 (bucket 1) on the same model.
+static void test_graphs_vs_eager(void **state)
+{
+    (void)state;
+    struct tdm_model *mg = load_opts(tiny_dir, "cuda", "bf16", false);
+    struct tdm_model *me = load_opts(tiny_dir, "cuda", "bf16", true);
+    int vocab = tdm_model_config(mg)->vocab_size;
+    struct tdm_kv_cache *kg = new_kv(mg), *ke = new_kv(me);
+    enum { NS = 3, STEPS_G = 12 };
+    const int start[NS] = {250, 30, 7};
+    int32_t h[NS][300];
+    struct tdm_kv_seq sg[NS], se[NS];
+    float *lg = malloc((size_t)NS * vocab * sizeof(float));
+    float *le = malloc((size_t)NS * vocab * sizeof(float));
+    for (int s = 0; s < NS; s++) {
+        make_prompt(h[s], start[s], vocab, 20 + (uint32_t)s);
+        tdm_kv_seq_init(&sg[s]);
+        tdm_kv_seq_init(&se[s]);
+        step(mg, kg, &sg[s], h[s], 0, start[s], lg);
+        step(me, ke, &se[s], h[s], 0, start[s], le);
+        h[s][start[s]] = argmax(le, vocab);
+    }
+#ifndef TDM_CUDA_TEST_GPU
+    unsigned long long launches0 = tdm_emu_graph_launches();
+#endif
+    for (int t = 0; t < STEPS_G; t++) {
+        struct tdm_batch_seq bg[NS], be[NS];
+        for (int s = 0; s < NS; s++) {
+            int pos = start[s] + t;
+            assert_int_equal(tdm_kv_reserve(kg, &sg[s], pos + 1), TDM_OK);
+            assert_int_equal(tdm_kv_reserve(ke, &se[s], pos + 1), TDM_OK);
+            bg[s] = (struct tdm_batch_seq){.tokens = h[s] + pos,
+                                           .n_tokens = 1,
+                                           .start_pos = pos,
+                                           .block_table = sg[s].block_table,
+                                           .logits = TDM_LOGITS_LAST};
+            be[s] = bg[s];
+            be[s].block_table = se[s].block_table;
+        }
+        assert_int_equal(tdm_model_forward(mg, kg, bg, NS, lg), TDM_OK);
+        assert_int_equal(tdm_model_forward(me, ke, be, NS, le), TDM_OK);
+        assert_memory_equal(lg, le, (size_t)NS * vocab * sizeof(float));
+        for (int s = 0; s < NS; s++) {
+            int pos = start[s] + t;
+            tdm_kv_commit(kg, &sg[s], h[s], pos + 1);
+            tdm_kv_commit(ke, &se[s], h[s], pos + 1);
+            h[s][pos + 1] = argmax(lg + (size_t)s * vocab, vocab);
+        }
+    }
+    // Batch of one (bucket 1), three steps: warm-up, capture, replay.
+    for (int t = 0; t < 3; t++) {
+        int pos = start[2] + STEPS_G + t;
+        assert_int_equal(tdm_kv_reserve(kg, &sg[2], pos + 1), TDM_OK);
+        assert_int_equal(tdm_kv_reserve(ke, &se[2], pos + 1), TDM_OK);
+        struct tdm_batch_seq b = {.tokens = h[2] + pos,
+                                  .n_tokens = 1,
+                                  .start_pos = pos,
+                                  .block_table = sg[2].block_table,
+                                  .logits = TDM_LOGITS_LAST};
+        assert_int_equal(tdm_model_forward(mg, kg, &b, 1, lg), TDM_OK);
+        b.block_table = se[2].block_table;
+        assert_int_equal(tdm_model_forward(me, ke, &b, 1, le), TDM_OK);
+        assert_memory_equal(lg, le, (size_t)vocab * sizeof(float));
+        tdm_kv_commit(kg, &sg[2], h[2], pos + 1);
+        tdm_kv_commit(ke, &se[2], h[2], pos + 1);
+        h[2][pos + 1] = argmax(lg, vocab);
+    }
+#ifndef TDM_CUDA_TEST_GPU
+    unsigned long long launches = tdm_emu_graph_launches() - launches0;
+    printf("graph launches: %llu of %d steps\n", launches, STEPS_G + 3);
+    // 12 steps of bucket 4: the first warms up, and the split boundary at 256
+    // changes the key once (warm-up again); bucket 1: one warm-up.
+    assert_true(launches >= STEPS_G + 3 - 4);
+#endif
+    for (int s = 0; s < NS; s++) {
+        tdm_kv_seq_release(kg, &sg[s]);
+        tdm_kv_seq_release(ke, &se[s]);
+    }
+    tdm_kv_free(kg), tdm_kv_free(ke);
+    free(lg), free(le);
+    tdm_model_free(mg), tdm_model_free(me);
+}
+
+// bf16 device pools: export -> import into a fresh cache -> export gives the
+// same bytes (the transfer format is f32; bf16 values widen exactly).
+static void test_export_import_bf16(void **state)
+{
+    (void)state;
+    struct tdm_model *m = load(gqa7_dir, "cuda", "bf16");
+    int vocab = tdm_model_config(m)->vocab_size, layers = tdm_model_config(m)->num_hidden_layers;
+    struct tdm_kv_cache *a = new_kv(m), *b = new_kv(m);
+    int32_t h[64];
+    make_prompt(h, 40, vocab, 4);
+    float *l = malloc((size_t)vocab * sizeof(float));
+    struct tdm_kv_seq sa, sb;
+    tdm_kv_seq_init(&sa), tdm_kv_seq_init(&sb);
+    step(m, a, &sa, h, 0, 40, l);
+    assert_int_equal(tdm_kv_reserve(b, &sb, 40), TDM_OK);
+    size_t bytes = tdm_kv_layer_bytes(a, sa.num_blocks);
+    unsigned char *x = malloc(bytes), *y = malloc(bytes);
+    for (int layer = 0; layer < layers; layer++) {
+        assert_int_equal(tdm_kv_export_layer(a, &sa, layer, 0, sa.num_blocks, x, bytes), TDM_OK);
+        assert_int_equal(tdm_kv_import_layer(b, &sb, layer, 0, sb.num_blocks, x, bytes), TDM_OK);
+        assert_int_equal(tdm_kv_export_layer(b, &sb, layer, 0, sb.num_blocks, y, bytes), TDM_OK);
+        assert_memory_equal(x, y, bytes);
+    }
+    tdm_kv_seq_release(a, &sa), tdm_kv_seq_release(b, &sb);
+    tdm_kv_free(a), tdm_kv_free(b);
+    free(x), free(y), free(l);
+    tdm_model_free(m);
+}
+
+static void test_errors(void **state)
+{
+    (void)state;
+    struct tdm_model_opts o;
+    struct tdm_model *m = NULL;
+    char err[256];
+    tdm_model_opts_default(&o);
+    o.backend = "cuda";
+    o.weights = TDM_WEIGHTS_INT8;
+    assert_int_equal(tdm_model_load(&m, tiny_dir, &o, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "only bf16 weights"));
+    o.weights = TDM_WEIGHTS_BF16;
+    o.device = 1;
+    assert_int_equal(tdm_model_load(&m, tiny_dir, &o, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "device 1 requested"));
+
+    // A host KV cache handed to a cuda model: a clean TDM_EINVAL, no write.
+    m = load(tiny_dir, "cuda", "bf16");
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 8;
+    struct tdm_kv_cache *host_kv;
+    assert_int_equal(tdm_kv_new(&host_kv, &kc, err, sizeof err), TDM_OK);
+    struct tdm_kv_seq s;
+    tdm_kv_seq_init(&s);
+    assert_int_equal(tdm_kv_reserve(host_kv, &s, 4), TDM_OK);
+    int32_t ids[4] = {1, 2, 3, 4};
+    float logits[4096];
+    struct tdm_batch_seq b = {.tokens = ids,
+                              .n_tokens = 4,
+                              .start_pos = 0,
+                              .block_table = s.block_table,
+                              .logits = TDM_LOGITS_LAST};
+    assert_int_equal(tdm_model_forward(m, host_kv, &b, 1, logits), TDM_EINVAL);
+    // The model still works on its own cache afterwards.
+    struct tdm_kv_cache *kv = new_kv(m);
+    struct tdm_kv_seq s2;
+    tdm_kv_seq_init(&s2);
+    assert_int_equal(tdm_kv_reserve(kv, &s2, 4), TDM_OK);
+    b.block_table = s2.block_table;
+    assert_int_equal(tdm_model_forward(m, kv, &b, 1, logits), TDM_OK);
+    tdm_kv_seq_release(host_kv, &s);
+    tdm_kv_seq_release(kv, &s2);
+    tdm_kv_free(host_kv);
+    tdm_kv_free(kv);
+    tdm_model_free(m);
+}
+
+#ifdef TDM_CUDA_TEST_GPU
+// ---- GPU only: the Qwen2.5-0.5B shape ------------------------------------------------------
+// Too slow for the emulator. The random model is written once into the build
+// folder (about 1 GB).
+static char big_dir[1024];
+
+static void ensure_big_model(void)
+{
+    char path[1100], err[256];
+    snprintf(big_dir, sizeof big_dir, "%s/qwen2.5-0.5b-random-gpu-test", TANDEM_BINARY_DIR);
+    snprintf(path, sizeof path, "%s/model.safetensors", big_dir);
+    struct stat sb;
+    if (stat(path, &sb) == 0)
+        return;
+    struct tdm_mkmodel_spec s;
+    tdm_mkmodel_preset(&s, "qwen2.5-0.5b");
+    if (tdm_mkmodel_write(&s, big_dir, err, sizeof err) != TDM_OK)
+        fail_msg("mkmodel: %s", err);
+}
+
+// The 0.5B shape (14 heads / 2 KV heads, head_dim 64) on the GPU vs the CPU
+// backend: the argmax of every row of a 64-token prefill's second chunk
+// agrees (near-ties within 0.25 excepted).
+static void test_big_prefill_vs_cpu(void **state)
+{
+    (void)state;
+    ensure_big_model();
+    struct tdm_model *mc = load(big_dir, "cpu", "bf16"), *mg = load(big_dir, "cuda", "bf16");
+    int vocab = tdm_model_config(mc)->vocab_size, n = 64, c1 = 40;
+    struct tdm_kv_cache *kc = new_kv(mc), *kg = new_kv(mg);
+    int32_t h[64];
+    make_prompt(h, n, vocab, 77);
+    float *lc = malloc((size_t)(n - c1) * vocab * sizeof(float));
+    float *lg = malloc((size_t)(n - c1) * vocab * sizeof(float));
+    struct tdm_kv_seq sc, sg;
+    tdm_kv_seq_init(&sc), tdm_kv_seq_init(&sg);
+    step(mc, kc, &sc, h, 0, c1, lc);
+    step(mg, kg, &sg, h, 0, c1, lg);
+    step_mode(mc, kc, &sc, h, c1, n - c1, lc, true);
+    step_mode(mg, kg, &sg, h, c1, n - c1, lg, true);
+    int ties = 0;
+    float worst = 0.0f;
+    for (int r = 0; r < n - c1; r++) {
+        const float *rc = lc + (size_t)r * vocab, *rg = lg + (size_t)r * vocab;
+        int a = argmax(rc, vocab), b = argmax(rg, vocab);
+        for (int i = 0; i < vocab; i++)
+            worst = fabsf(rc[i] - rg[i]) > worst ? fabsf(rc[i] - rg[i]) : worst;
+        if (a != b) {
+            if (!(rc[a] - rc[b] <= 0.25f))
+                fail_msg("row %d: cpu picks %d, cuda %d (cpu logits %g vs %g)", r, a, b, rc[a],
+                         rc[b]);
+            ties++;
+        }
+    }
+    printf("0.5B shape: max |logit diff| %g over %d rows, %d near-tie flips\n", worst, n - c1,
+           ties);
+    tdm_kv_seq_release(kc, &sc), tdm_kv_seq_release(kg, &sg);
+    tdm_kv_free(kc), tdm_kv_free(kg);
+    free(lc), free(lg);
+    tdm_model_free(mc), tdm_model_free(mg);
+}
+
+// Batch invariance on the GPU: sequence 0's decode logits alone (graph
+// bucket 1) and inside a batch of 32 (bucket 32), bitwise.
+static void test_big_batch32_invariance(void **state)
+{
+    (void)state;
+    ensure_big_model();
+    struct tdm_model_opts o;
+    struct tdm_model *m = NULL;
+    char err[256];
+    tdm_model_opts_default(&o);
+    o.backend = "cuda";
+    o.max_batch_tokens = 512;
+    o.max_batch_seqs = 32;
+    setenv("TANDEM_CUDA_KV_DTYPE", "bf16", 1);
+    if (tdm_model_load(&m, big_dir, &o, err, sizeof err) != TDM_OK)
+        fail_msg("load: %s", err);
+    int vocab = tdm_model_config(m)->vocab_size;
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 32 * 4 + 8;
+    struct tdm_kv_cache *kv;
+    assert_int_equal(tdm_model_kv_new(m, &kc, &kv, err, sizeof err), TDM_OK);
+    enum { B = 32 };
+    static int32_t h[B][64];
+    struct tdm_kv_seq sq[B];
+    float *l = malloc((size_t)B * vocab * sizeof(float));
+    float *alone = malloc((size_t)vocab * sizeof(float));
+    for (int s = 0; s < B; s++) {
+        int len = 10 + s;
+        make_prompt(h[s], len + 1, vocab, 100 + (uint32_t)s);
+        tdm_kv_seq_init(&sq[s]);
+        step(m, kv, &sq[s], h[s], 0, len, l);
+    }
+    struct tdm_batch_seq b[B];
+    for (int s = 0; s < B; s++) {
+        int pos = 10 + s;
+        assert_int_equal(tdm_kv_reserve(kv, &sq[s], pos + 1), TDM_OK);
+        b[s] = (struct tdm_batch_seq){.tokens = h[s] + pos,
+                                      .n_tokens = 1,
+                                      .start_pos = pos,
+                                      .block_table = sq[s].block_table,
+                                      .logits = TDM_LOGITS_LAST};
+    }
+    // Alone three times (warm-up, capture, replay), then the batch three times;
+    // rewriting a position's KV with the same values each time.
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(tdm_model_forward(m, kv, &b[0], 1, alone), TDM_OK);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(tdm_model_forward(m, kv, b, B, l), TDM_OK);
+        assert_memory_equal(l, alone, (size_t)vocab * sizeof(float));
+    }
+    for (int s = 0; s < B; s++)
+        tdm_kv_seq_release(kv, &sq[s]);
+    tdm_kv_free(kv);
+    free(l), free(alone);
+    tdm_model_free(m);
+}
+#endif
+
+int main(void)
+{
+#ifdef TDM_CUDA_TEST_GPU
+    struct tdm_model_opts probe;
+    char err[256];
+    tdm_model_opts_default(&probe);
+    if (tdm_model_opts_set_device(&probe, "cuda", err, sizeof err) != TDM_OK) {
+        printf("cuda_model_gpu_test: %s; skipped\n", err);
+        return 77;
+    }
+#endif
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_greedy_tiny_f32),
+        cmocka_unit_test(test_greedy_tiny_bf16),
+        cmocka_unit_test(test_greedy_gqa7_f32),
+        cmocka_unit_test(test_greedy_gqa7_bf16),
+        cmocka_unit_test(test_batch_invariance),
+        cmocka_unit_test(test_export_import),
+        cmocka_unit_test(test_export_import_bf16),
+        cmocka_unit_test(test_graphs_vs_eager),
+        cmocka_unit_test(test_device_flag),
+        cmocka_unit_test(test_kv_capacity),
+        cmocka_unit_test(test_errors),
+#ifdef TDM_CUDA_TEST_GPU
+        cmocka_unit_test(test_big_prefill_vs_cpu),
+        cmocka_unit_test(test_big_batch32_invariance),
+#endif
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}

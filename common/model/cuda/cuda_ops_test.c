@@ -1,0 +1,665 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA backend's kernels, op by op, against the CPU backend on the same
+// inputs. Built twice from this file: cuda_ops_emu_test runs the kernels on
+// the execution-model emulator (every CI run, label unit), cuda_ops_gpu_test
+// on a GPU (label gpu; exit 77 = skipped where none is visible).
+//
+// Tolerances (absolute, on values of order 1; the emulator measures far less,
+// see the printed maxima):
+//   embed, kv_store, to_bf16: bitwise;
+//   rope: 1e-6 (both evaluate cos/sin of the same f32 angle in double);
+//   rmsnorm, silu_mul, add: 1e-5 relative to the row's largest value (another
+//     summation order; the GPU's expf is within 2 ulp);
+//   attention: 2e-5 (another summation and exp order; with bf16 KV the CPU
+//     side is given the same bf16-rounded K/V, so the tolerance is the same);
+//   GEMM (bf16 in, f32 accumulate): 1e-4 relative to sum |w x|, against a
+//     double-precision reference.
+// Attention covers GQA groups 1, 2, 7, 8 and 12 (two decode blocks per KV
+// head), head_dim 64 and 128, f32 and bf16
+// KV, scattered (non-contiguous, permuted) block tables, a 37-token prefill
+// (not a multiple of the 16-row tile or the 16-token block), chunked prefill
+// at offsets 16 and 21, decodes at positions 5 and 300 (two decode splits of
+// 256) and a 1-token chunk, all in one launch; then batch invariance: a
+// sequence attended alone gives bitwise the rows it got in the batch.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "core.h"
+#include "cuda_dev.h"
+#include "cuda_kernels.h"
+#include "kv_cache.h"
+
+static const struct tdm_backend_ops *cpu = &tdm_cpu_backend_ops;
+static struct tdm_cuda_dev *dev;
+static void *stream;
+
+// ---- helpers -------------------------------------------------------------------------------
+static uint64_t rng_state = 0x2545f4914f6cdd1dull;
+
+static float frand(void) // uniform in [-1, 1)
+{
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(rng_state >> 40) / (double)(1ull << 23) - 1.0);
+}
+
+static void fill(float *x, size_t n, float amp)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = frand() * amp;
+}
+
+static uint16_t bf16_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static float bf16_value(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float bf16_round(float f)
+{
+    return bf16_value(bf16_bits(f));
+}
+
+static void *to_dev(const void *host, size_t bytes)
+{
+    void *d = tdm_cuda_dev_alloc(dev, bytes);
+    assert_non_null(d);
+    assert_int_equal(tdm_cuda_dev_h2d(dev, d, host, bytes), TDM_OK);
+    return d;
+}
+
+static void *dev_zeros(size_t bytes)
+{
+    void *d = tdm_cuda_dev_alloc(dev, bytes);
+    assert_non_null(d);
+    assert_int_equal(tdm_cuda_dev_memset(dev, d, 0, bytes), TDM_OK);
+    return d;
+}
+
+static void from_dev(void *host, const void *d, size_t bytes)
+{
+    assert_int_equal(tdm_cuda_dev_sync(dev), TDM_OK);
+    assert_int_equal(tdm_cuda_dev_d2h(dev, host, d, bytes), TDM_OK);
+}
+
+static void ok(int rc)
+{
+    if (rc != TDM_CUK_OK)
+        fail_msg("launch failed: %s", tdm_cuk_errmsg());
+}
+
+static float max_abs(const float *x, size_t n)
+{
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++)
+        m = fabsf(x[i]) > m ? fabsf(x[i]) : m;
+    return m;
+}
+
+// max |a - b|; fails (naming the first bad index) above tol.
+static float check_close(const char *what, const float *a, const float *b, size_t n, float tol)
+{
+    float worst = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        float e = fabsf(a[i] - b[i]);
+        if (!(e <= tol))
+            fail_msg("%s: element %zu: %.9g vs %.9g (tolerance %g)", what, i, a[i], b[i], tol);
+        worst = e > worst ? e : worst;
+    }
+    return worst;
+}
+
+static struct tdm_backend *cpu_be(void)
+{
+    static struct tdm_backend *be;
+    char err[256];
+    if (be == NULL && cpu->create(&be, 1, 0, err, sizeof err) != TDM_OK)
+        fail_msg("cpu backend: %s", err);
+    return be;
+}
+
+// ---- element-wise and row-wise ops ----------------------------------------------------------
+static void test_embed(void **state)
+{
+    (void)state;
+    enum { ROWS = 37, COLS = 72, N = 6 };
+    uint16_t table[ROWS * COLS];
+    for (int i = 0; i < ROWS * COLS; i++)
+        table[i] = bf16_bits(frand() * 2.0f);
+    struct tdm_weight w;
+    struct tdm_weight_src src = {.data = table, .dtype = TDM_DTYPE_BF16, .rows = ROWS};
+    char err[256];
+    assert_int_equal(cpu->prepare_weight(cpu_be(), &w, &src, 1, COLS, TDM_W_BF16, err, sizeof err),
+                     TDM_OK);
+    int32_t ids[N] = {0, 36, 5, 5, 17, 2};
+    float want[N * COLS], got[N * COLS];
+    cpu->embed(cpu_be(), &w, ids, N, want);
+
+    uint16_t *d_table = to_dev(table, sizeof table);
+    int32_t *d_ids = to_dev(ids, sizeof ids);
+    float *d_out = dev_zeros(sizeof got);
+    ok(tdm_cuk_embed(stream, d_table, ROWS, COLS, d_ids, N, d_out));
+    from_dev(got, d_out, sizeof got);
+    assert_memory_equal(got, want, sizeof got);
+
+    // An id outside the table gives a zero row, never a read out of bounds.
+    int32_t bad[2] = {ROWS, -1};
+    assert_int_equal(tdm_cuda_dev_h2d(dev, d_ids, bad, sizeof bad), TDM_OK);
+    ok(tdm_cuk_embed(stream, d_table, ROWS, COLS, d_ids, 2, d_out));
+    from_dev(got, d_out, 2 * COLS * sizeof(float));
+    for (int i = 0; i < 2 * COLS; i++)
+        assert_true(got[i] == 0.0f);
+    assert_int_equal(tdm_cuk_embed(stream, d_table, ROWS, COLS, d_ids, 0, d_out), TDM_CUK_EINVAL);
+
+    cpu->release_weight(cpu_be(), &w);
+    tdm_cuda_dev_free(dev, d_table);
+    tdm_cuda_dev_free(dev, d_ids);
+    tdm_cuda_dev_free(dev, d_out);
+}
+
+static void test_rmsnorm(void **state)
+{
+    (void)state;
+    const int dims[] = {72, 896, 1000};
+    enum { N = 5 };
+    for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+        int dim = dims[di];
+        size_t count = (size_t)N * dim;
+        float *x = malloc(count * sizeof *x), *wt = malloc((size_t)dim * sizeof *wt);
+        float *want = malloc(count * sizeof *x), *got = malloc(count * sizeof *x);
+        float *alone = malloc((size_t)dim * sizeof *x);
+        fill(x, count, 3.0f);
+        fill(wt, (size_t)dim, 1.5f);
+        cpu->rmsnorm(cpu_be(), x, wt, 1e-6f, want, N, dim);
+        float *d_x = to_dev(x, count * sizeof *x), *d_w = to_dev(wt, (size_t)dim * sizeof *wt);
+        float *d_o = dev_zeros(count * sizeof *x);
+        ok(tdm_cuk_rmsnorm(stream, d_x, d_w, 1e-6f, d_o, N, dim));
+        from_dev(got, d_o, count * sizeof *x);
+        float e = check_close("rmsnorm", got, want, count, 1e-5f * max_abs(want, count));
+        printf("rmsnorm dim %d: max error %g\n", dim, e);
+        // Batch invariance: row 3 alone is bitwise row 3 of the batch.
+        ok(tdm_cuk_rmsnorm(stream, d_x + 3 * dim, d_w, 1e-6f, d_o, 1, dim));
+        from_dev(alone, d_o, (size_t)dim * sizeof *x);
+        assert_memory_equal(alone, got + 3 * dim, (size_t)dim * sizeof *x);
+        // In place (out == x), as the model's final norm runs.
+        ok(tdm_cuk_rmsnorm(stream, d_x, d_w, 1e-6f, d_x, N, dim));
+        from_dev(alone, d_x, (size_t)dim * sizeof *x);
+        assert_memory_equal(alone, got, (size_t)dim * sizeof *x);
+        tdm_cuda_dev_free(dev, d_x);
+        tdm_cuda_dev_free(dev, d_w);
+        tdm_cuda_dev_free(dev, d_o);
+        free(x), free(wt), free(want), free(got), free(alone);
+    }
+}
+
+static void test_rope(void **state)
+{
+    (void)state;
+    const int hds[] = {64, 128};
+    enum { N = 6, HEADS = 3 + 1 };
+    for (int hi = 0; hi < 2; hi++) {
+        int hd = hds[hi];
+        int stride = (3 + 2 * 1) * hd; // a qkv row: 3 q heads, k, v; rope rotates q and k
+        size_t count = (size_t)N * stride;
+        float *x = malloc(count * sizeof *x), *want = malloc(count * sizeof *x);
+        float *got = malloc(count * sizeof *x), inv_freq[64];
+        fill(x, count, 2.0f);
+        memcpy(want, x, count * sizeof *x);
+        for (int i = 0; i < hd / 2; i++)
+            inv_freq[i] = (float)(1.0 / pow(1000000.0, (double)(2 * i) / hd));
+        int32_t pos[N] = {0, 1, 17, 300, 4095, 32000};
+        cpu->rope(cpu_be(), want, N, stride, HEADS, hd, pos, inv_freq);
+        float *d_x = to_dev(x, count * sizeof *x), *d_f = to_dev(inv_freq, sizeof inv_freq);
+        int32_t *d_pos = to_dev(pos, sizeof pos);
+        ok(tdm_cuk_rope(stream, d_x, N, stride, HEADS, hd, d_pos, d_f));
+        from_dev(got, d_x, count * sizeof *x);
+        float e = check_close("rope", got, want, count, 1e-6f);
+        printf("rope head_dim %d: max error %g\n", hd, e);
+        // The v head (past HEADS) is untouched.
+        for (int t = 0; t < N; t++)
+            assert_memory_equal(got + (size_t)t * stride + HEADS * hd,
+                                x + (size_t)t * stride + HEADS * hd, (size_t)hd * sizeof *x);
+        assert_int_equal(tdm_cuk_rope(stream, d_x, N, stride, HEADS, 63, d_pos, d_f),
+                         TDM_CUK_EINVAL);
+        tdm_cuda_dev_free(dev, d_x);
+        tdm_cuda_dev_free(dev, d_f);
+        tdm_cuda_dev_free(dev, d_pos);
+        free(x), free(want), free(got);
+    }
+}
+
+static void test_silu_add_bf16(void **state)
+{
+    (void)state;
+    enum { N = 4, INTER = 300, COUNT = 1001 };
+    float gu[N * 2 * INTER], want[N * INTER], got[N * INTER];
+    fill(gu, N * 2 * INTER, 6.0f);
+    cpu->silu_mul(cpu_be(), gu, want, N, INTER);
+    float *d_gu = to_dev(gu, sizeof gu), *d_o = dev_zeros(sizeof got);
+    ok(tdm_cuk_silu_mul(stream, d_gu, d_o, N, INTER));
+    from_dev(got, d_o, sizeof got);
+    printf("silu_mul: max error %g\n",
+           check_close("silu_mul", got, want, N * INTER, 1e-5f * max_abs(want, N * INTER)));
+
+    float x[COUNT], y[COUNT], sum[COUNT];
+    fill(x, COUNT, 4.0f);
+    fill(y, COUNT, 4.0f);
+    memcpy(want, x, sizeof x);
+    cpu->add(cpu_be(), want, y, COUNT);
+    float *d_x = to_dev(x, sizeof x), *d_y = to_dev(y, sizeof y);
+    ok(tdm_cuk_add(stream, d_x, d_y, COUNT));
+    from_dev(sum, d_x, sizeof sum);
+    assert_memory_equal(sum, want, sizeof sum); // one rounded f32 add: exact everywhere
+
+    // f32 -> bf16: round to nearest even, ties, specials.
+    float specials[8] = {1.0f,
+                         -2.5f,
+                         1.00390625f /* tie: 1 + 2^-8, to even */,
+                         1.01171875f /* tie: to odd+1 */,
+                         INFINITY,
+                         -INFINITY,
+                         NAN,
+                         3.4e38f};
+    float src[COUNT];
+    memcpy(src, x, sizeof src);
+    memcpy(src, specials, sizeof specials);
+    uint16_t bits[COUNT];
+    float *d_src = to_dev(src, sizeof src);
+    uint16_t *d_bits = dev_zeros(sizeof bits);
+    ok(tdm_cuk_to_bf16(stream, d_src, d_bits, COUNT));
+    from_dev(bits, d_bits, sizeof bits);
+    for (int i = 0; i < COUNT; i++)
+        assert_int_equal(bits[i], bf16_bits(src[i]));
+    assert_int_equal(bits[2], 0x3f80); // 1 + 2^-8 rounds down to even 1.0
+    assert_int_equal(bits[3], 0x3f82); // 1 + 2^-7 + 2^-8 rounds up to even
+    tdm_cuda_dev_free(dev, d_gu), tdm_cuda_dev_free(dev, d_o);
+    tdm_cuda_dev_free(dev, d_x), tdm_cuda_dev_free(dev, d_y);
+    tdm_cuda_dev_free(dev, d_src), tdm_cuda_dev_free(dev, d_bits);
+}
+
+// ---- GEMM ------------------------------------------------------------------------------------
+static void test_gemm(void **state)
+{
+    (void)state;
+    enum { ROWS = 70, COLS = 67, N = 5 };
+    uint16_t w[ROWS * COLS];
+    float x[N * COLS], bias[ROWS], y[N * ROWS], y1[ROWS];
+    for (int i = 0; i < ROWS * COLS; i++)
+        w[i] = bf16_bits(frand());
+    fill(x, N * COLS, 2.0f);
+    fill(bias, ROWS, 1.0f);
+    uint16_t *d_w = to_dev(w, sizeof w);
+    float *d_x = to_dev(x, sizeof x), *d_b = to_dev(bias, sizeof bias);
+    uint16_t *d_xb = dev_zeros(N * COLS * sizeof(uint16_t));
+    float *d_y = dev_zeros(sizeof y);
+    ok(tdm_cuk_to_bf16(stream, d_x, d_xb, N * COLS));
+    assert_int_equal(tdm_cuda_dev_gemm_bf16(dev, d_w, ROWS, COLS, d_xb, N, d_b, d_y), TDM_OK);
+    from_dev(y, d_y, sizeof y);
+    float worst = 0.0f;
+    for (int t = 0; t < N; t++)
+        for (int r = 0; r < ROWS; r++) {
+            double ref = bias[r], mag = fabs(bias[r]);
+            for (int k = 0; k < COLS; k++) {
+                double p = (double)bf16_value(w[r * COLS + k]) * bf16_round(x[t * COLS + k]);
+                ref += p;
+                mag += fabs(p);
+            }
+            float e = (float)fabs(y[t * ROWS + r] - ref);
+            if (e > 1e-4 * mag)
+                fail_msg("gemm: y[%d][%d] = %.9g, reference %.9g", t, r, y[t * ROWS + r], ref);
+            worst = e > worst ? e : worst;
+        }
+    printf("gemm: max error %g\n", worst);
+    // Batch invariance: token 4 alone gives its row bitwise.
+    assert_int_equal(tdm_cuda_dev_gemm_bf16(dev, d_w, ROWS, COLS, d_xb + 4 * COLS, 1, d_b, d_y),
+                     TDM_OK);
+    from_dev(y1, d_y, sizeof y1);
+    assert_memory_equal(y1, y + 4 * ROWS, sizeof y1);
+    tdm_cuda_dev_free(dev, d_w), tdm_cuda_dev_free(dev, d_x), tdm_cuda_dev_free(dev, d_b);
+    tdm_cuda_dev_free(dev, d_xb), tdm_cuda_dev_free(dev, d_y);
+}
+
+// ---- KV store and attention -------------------------------------------------------------------
+#define BS 16
+#define NUM_BLOCKS 48
+#define BT_STRIDE 19
+#define NSEQ 6
+
+// n_tokens and start_pos of the batch's sequences (see the file comment).
+static const int seq_start[NSEQ] = {0, 21, 300, 5, 16, 40};
+static const int seq_ntok[NSEQ] = {37, 19, 1, 1, 33, 1};
+
+struct attn_case {
+    int n_heads, n_kv_heads, hd;
+    enum tdm_cuk_kv_type kv_type;
+};
+
+// Runs attention for sequences sel[0..ns) of the batch on the device; rows of
+// the selected sequences are packed from row 0; out_host gets [rows][q_dim].
+static void dev_attention(const struct attn_case *c, const float *qkv_host, int qkv_dim,
+                          const int *bt, const int *sel, int ns, void *d_kc, void *d_vc,
+                          float *out_host, int *rows_out)
+{
+    int32_t row[NSEQ], ntok[NSEQ], start[NSEQ], dec[NSEQ], tiles[2 * 32];
+    int32_t bts[NSEQ * BT_STRIDE];
+    struct tdm_cuk_seq seqs[NSEQ];
+    int total = 0;
+    for (int i = 0; i < ns; i++) {
+        int s = sel[i];
+        row[i] = total;
+        ntok[i] = seq_ntok[s];
+        start[i] = seq_start[s];
+        memcpy(bts + i * BT_STRIDE, bt + s * BT_STRIDE, BT_STRIDE * sizeof(int32_t));
+        total += seq_ntok[s];
+    }
+    // q rows of the selected sequences, packed.
+    int q_dim = c->n_heads * c->hd;
+    float *q = malloc((size_t)total * qkv_dim * sizeof *q);
+    int r = 0, src_row = 0;
+    for (int s = 0, i = 0; s < NSEQ; s++) {
+        if (i < ns && sel[i] == s) {
+            memcpy(q + (size_t)r * qkv_dim, qkv_host + (size_t)src_row * qkv_dim,
+                   (size_t)seq_ntok[s] * qkv_dim * sizeof *q);
+            r += seq_ntok[s];
+            i++;
+        }
+        src_row += seq_ntok[s];
+    }
+    struct tdm_cuk_plan plan;
+    ok(tdm_cuk_attn_plan(row, ntok, start, ns, c->n_heads, c->hd, seqs, dec, tiles, 32, &plan));
+    struct tdm_cuk_attn_args a = {
+        .kv_type = c->kv_type,
+        .q = to_dev(q, (size_t)total * qkv_dim * sizeof *q),
+        .q_stride = qkv_dim,
+        .out = dev_zeros((size_t)total * q_dim * sizeof(float)),
+        .k_cache = d_kc,
+        .v_cache = d_vc,
+        .seqs = to_dev(seqs, (size_t)ns * sizeof seqs[0]),
+        .block_tables = to_dev(bts, (size_t)ns * BT_STRIDE * sizeof(int32_t)),
+        .bt_stride = BT_STRIDE,
+        .decode_seqs = plan.n_decode ? to_dev(dec, (size_t)plan.n_decode * sizeof(int32_t)) : NULL,
+        .n_decode = plan.n_decode,
+        .max_splits = plan.max_splits,
+        .part_o = plan.part_floats ? dev_zeros(plan.part_floats * sizeof(float)) : NULL,
+        .part_ml =
+            plan.part_floats ? dev_zeros(plan.part_floats / c->hd * 2 * sizeof(float)) : NULL,
+        .prefill_tiles =
+            plan.n_tiles ? to_dev(tiles, (size_t)plan.n_tiles * 2 * sizeof(int32_t)) : NULL,
+        .n_tiles = plan.n_tiles,
+        .n_heads = c->n_heads,
+        .n_kv_heads = c->n_kv_heads,
+        .head_dim = c->hd,
+        .block_size = BS,
+        .scale = 1.0f / sqrtf((float)c->hd),
+    };
+    ok(tdm_cuk_attention(stream, &a));
+    from_dev(out_host, a.out, (size_t)total * q_dim * sizeof(float));
+    *rows_out = total;
+    tdm_cuda_dev_free(dev, (void *)a.q), tdm_cuda_dev_free(dev, a.out);
+    tdm_cuda_dev_free(dev, (void *)a.seqs), tdm_cuda_dev_free(dev, (void *)a.block_tables);
+    tdm_cuda_dev_free(dev, (void *)a.decode_seqs), tdm_cuda_dev_free(dev, a.part_o);
+    tdm_cuda_dev_free(dev, a.part_ml), tdm_cuda_dev_free(dev, (void *)a.prefill_tiles);
+    free(q);
+}
+
+static void run_attention_case(const struct attn_case *c)
+{
+    const int layer = 1;
+    int q_dim = c->n_heads * c->hd, kv_dim = c->n_kv_heads * c->hd;
+    int qkv_dim = q_dim + 2 * kv_dim;
+    bool bf16 = c->kv_type == TDM_CUK_KV_BF16;
+    struct tdm_kv_config cfg = {.num_layers = 2,
+                                .num_kv_heads = c->n_kv_heads,
+                                .head_dim = c->hd,
+                                .block_size = BS,
+                                .num_blocks = NUM_BLOCKS};
+    struct tdm_kv_cache *kv;
+    char err[256];
+    assert_int_equal(tdm_kv_new(&kv, &cfg, err, sizeof err), TDM_OK);
+    size_t layer_floats = (size_t)NUM_BLOCKS * kv_dim * BS;
+    // Old KV everywhere (what earlier steps stored), rounded to bf16 for the
+    // bf16 case so both sides attend over identical numbers.
+    for (int l = 0; l < 2; l++) {
+        fill(tdm_kv_k(kv, l, 0), layer_floats, 1.0f);
+        fill(tdm_kv_v(kv, l, 0), layer_floats, 1.0f);
+        for (size_t i = 0; bf16 && i < layer_floats; i++) {
+            tdm_kv_k(kv, l, 0)[i] = bf16_round(tdm_kv_k(kv, l, 0)[i]);
+            tdm_kv_v(kv, l, 0)[i] = bf16_round(tdm_kv_v(kv, l, 0)[i]);
+        }
+    }
+    // Scattered block tables: a permutation of the pool.
+    int perm[NUM_BLOCKS], bt[NSEQ * BT_STRIDE];
+    for (int i = 0; i < NUM_BLOCKS; i++)
+        perm[i] = i;
+    for (int i = NUM_BLOCKS - 1; i > 0; i--) {
+        int j = (int)((frand() + 1.0f) * 0.5f * (float)(i + 1)) % (i + 1);
+        int t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    int next = 0, rows = 0;
+    struct tdm_attn_seq aseqs[NSEQ];
+    for (int s = 0; s < NSEQ; s++) {
+        int nb = (seq_start[s] + seq_ntok[s] + BS - 1) / BS;
+        assert_true(nb <= BT_STRIDE && next + nb <= NUM_BLOCKS);
+        for (int b = 0; b < BT_STRIDE; b++)
+            bt[s * BT_STRIDE + b] = b < nb ? perm[next + b] : 0;
+        next += nb;
+        aseqs[s] = (struct tdm_attn_seq){.row = rows,
+                                         .n_tokens = seq_ntok[s],
+                                         .start_pos = seq_start[s],
+                                         .block_table = bt + s * BT_STRIDE};
+        rows += seq_ntok[s];
+    }
+    float *qkv = malloc((size_t)rows * qkv_dim * sizeof *qkv);
+    fill(qkv, (size_t)rows * qkv_dim, 1.0f);
+    for (int r = 0; bf16 && r < rows; r++)
+        for (int i = q_dim; i < qkv_dim; i++)
+            qkv[(size_t)r * qkv_dim + i] = bf16_round(qkv[(size_t)r * qkv_dim + i]);
+
+    // Device pool of the layer before the CPU writes the new tokens.
+    size_t elem = bf16 ? 2 : 4;
+    void *hk = malloc(layer_floats * elem), *hv = malloc(layer_floats * elem);
+    for (size_t i = 0; i < layer_floats; i++) {
+        float k = tdm_kv_k(kv, layer, 0)[i], v = tdm_kv_v(kv, layer, 0)[i];
+        if (bf16) {
+            ((uint16_t *)hk)[i] = bf16_bits(k);
+            ((uint16_t *)hv)[i] = bf16_bits(v);
+        } else {
+            ((float *)hk)[i] = k;
+            ((float *)hv)[i] = v;
+        }
+    }
+    void *d_kc = to_dev(hk, layer_floats * elem), *d_vc = to_dev(hv, layer_floats * elem);
+
+    // CPU: store, attend.
+    float *want = malloc((size_t)rows * q_dim * sizeof *want);
+    float *got = malloc((size_t)rows * q_dim * sizeof *got);
+    cpu->kv_store(cpu_be(), kv, layer, aseqs, NSEQ, qkv + q_dim, qkv + q_dim + kv_dim, qkv_dim);
+    cpu->attention(cpu_be(), kv, layer, aseqs, NSEQ, qkv, qkv_dim, want, c->n_heads, c->n_kv_heads,
+                   c->hd, 1.0f / sqrtf((float)c->hd));
+
+    // Device: store through flat slots, then the same pool must hold the same KV.
+    int32_t *slots = malloc((size_t)rows * sizeof *slots);
+    for (int s = 0; s < NSEQ; s++)
+        for (int i = 0; i < seq_ntok[s]; i++) {
+            int pos = seq_start[s] + i;
+            slots[aseqs[s].row + i] = bt[s * BT_STRIDE + pos / BS] * BS + pos % BS;
+        }
+    float *d_qkv = to_dev(qkv, (size_t)rows * qkv_dim * sizeof *qkv);
+    int32_t *d_slots = to_dev(slots, (size_t)rows * sizeof *slots);
+    ok(tdm_cuk_kv_store(stream, c->kv_type, d_qkv + q_dim, d_qkv + q_dim + kv_dim, qkv_dim, d_slots,
+                        rows, d_kc, d_vc, c->n_kv_heads, c->hd, BS));
+    from_dev(hk, d_kc, layer_floats * elem);
+    from_dev(hv, d_vc, layer_floats * elem);
+    for (size_t i = 0; i < layer_floats; i++) {
+        float k = bf16 ? bf16_value(((uint16_t *)hk)[i]) : ((float *)hk)[i];
+        float v = bf16 ? bf16_value(((uint16_t *)hv)[i]) : ((float *)hv)[i];
+        if (k != tdm_kv_k(kv, layer, 0)[i] || v != tdm_kv_v(kv, layer, 0)[i])
+            fail_msg("kv_store: pool element %zu differs", i);
+    }
+
+    int all[NSEQ] = {0, 1, 2, 3, 4, 5}, n_rows;
+    dev_attention(c, qkv, qkv_dim, bt, all, NSEQ, d_kc, d_vc, got, &n_rows);
+    assert_int_equal(n_rows, rows);
+    float e = check_close("attention", got, want, (size_t)rows * q_dim, 2e-5f);
+    printf("attention heads %d/%d head_dim %d kv %s: max error %g\n", c->n_heads, c->n_kv_heads,
+           c->hd, bf16 ? "bf16" : "f32", e);
+
+    // Batch invariance: each of a prefill, a two-split decode and a short
+    // decode, alone, gives bitwise its rows of the batch.
+    const int alone[3] = {0, 2, 3};
+    for (int i = 0; i < 3; i++) {
+        int s = alone[i], n1;
+        float *one = malloc((size_t)seq_ntok[s] * q_dim * sizeof *one);
+        dev_attention(c, qkv, qkv_dim, bt, &s, 1, d_kc, d_vc, one, &n1);
+        assert_int_equal(n1, seq_ntok[s]);
+        assert_memory_equal(one, got + (size_t)aseqs[s].row * q_dim,
+                            (size_t)seq_ntok[s] * q_dim * sizeof *one);
+        free(one);
+    }
+
+    tdm_cuda_dev_free(dev, d_kc), tdm_cuda_dev_free(dev, d_vc);
+    tdm_cuda_dev_free(dev, d_qkv), tdm_cuda_dev_free(dev, d_slots);
+    free(slots), free(want), free(got), free(qkv), free(hk), free(hv);
+    tdm_kv_free(kv);
+}
+
+static void test_attention(void **state)
+{
+    (void)state;
+    const struct attn_case cases[] = {
+        {2, 2, 64, TDM_CUK_KV_F32},  {4, 2, 128, TDM_CUK_KV_F32}, {7, 1, 64, TDM_CUK_KV_F32},
+        {8, 1, 128, TDM_CUK_KV_F32}, {4, 2, 64, TDM_CUK_KV_BF16}, {14, 2, 128, TDM_CUK_KV_BF16},
+        {12, 1, 64, TDM_CUK_KV_F32}, // a group of 12: two decode blocks (8 + 4) per KV head
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        run_attention_case(&cases[i]);
+}
+
+// Export/import kernels: blocks in list order, widened exactly from bf16 and
+// rounded to nearest even into it; other blocks untouched.
+static void test_kv_gather_scatter(void **state)
+{
+    (void)state;
+    enum { NB = 6, BE = 40 };
+    uint16_t pool[NB * BE], back[NB * BE];
+    for (int i = 0; i < NB * BE; i++)
+        pool[i] = bf16_bits(frand());
+    int32_t list[3] = {4, 1, 3};
+    float out[3 * BE], in[2 * BE];
+    uint16_t *d_pool = to_dev(pool, sizeof pool);
+    int32_t *d_list = to_dev(list, sizeof list);
+    float *d_buf = dev_zeros(sizeof out);
+    ok(tdm_cuk_kv_gather(stream, TDM_CUK_KV_BF16, d_pool, d_list, 3, BE, d_buf));
+    from_dev(out, d_buf, sizeof out);
+    for (int b = 0; b < 3; b++)
+        for (int i = 0; i < BE; i++)
+            assert_true(out[b * BE + i] == bf16_value(pool[list[b] * BE + i]));
+    fill(in, 2 * BE, 3.0f);
+    int32_t list2[2] = {5, 0};
+    assert_int_equal(tdm_cuda_dev_h2d(dev, d_list, list2, sizeof list2), TDM_OK);
+    assert_int_equal(tdm_cuda_dev_h2d(dev, d_buf, in, sizeof in), TDM_OK);
+    ok(tdm_cuk_kv_scatter(stream, TDM_CUK_KV_BF16, d_pool, d_list, 2, BE, d_buf));
+    from_dev(back, d_pool, sizeof back);
+    for (int i = 0; i < NB * BE; i++) {
+        int blk = i / BE;
+        uint16_t want = blk == 5   ? bf16_bits(in[i % BE])
+                        : blk == 0 ? bf16_bits(in[BE + i % BE])
+                                   : pool[i];
+        assert_int_equal(back[i], want);
+    }
+    assert_int_equal(tdm_cuk_kv_gather(stream, TDM_CUK_KV_BF16, d_pool, d_list, 0, BE, d_buf),
+                     TDM_CUK_EINVAL);
+    tdm_cuda_dev_free(dev, d_pool), tdm_cuda_dev_free(dev, d_list), tdm_cuda_dev_free(dev, d_buf);
+}
+
+static void test_attention_errors(void **state)
+{
+    (void)state;
+    struct tdm_cuk_attn_args a = {.kv_type = TDM_CUK_KV_F32,
+                                  .n_heads = 4,
+                                  .n_kv_heads = 2,
+                                  .head_dim = 96,
+                                  .block_size = 16,
+                                  .n_tiles = 1};
+    assert_int_equal(tdm_cuk_attention(stream, &a), TDM_CUK_EINVAL);
+    assert_non_null(strstr(tdm_cuk_errmsg(), "head_dim 96"));
+    a.head_dim = 64;
+    a.n_kv_heads = 3;
+    assert_int_equal(tdm_cuk_attention(stream, &a), TDM_CUK_EINVAL);
+    a.n_kv_heads = 2;
+    a.kv_type = 7;
+    assert_int_equal(tdm_cuk_attention(stream, &a), TDM_CUK_EINVAL);
+
+    int32_t row[1] = {0}, ntok[1] = {0}, start[1] = {0}, dec[1], tiles[2];
+    struct tdm_cuk_seq seqs[1];
+    struct tdm_cuk_plan plan;
+    assert_int_equal(tdm_cuk_attn_plan(row, ntok, start, 1, 4, 64, seqs, dec, tiles, 1, &plan),
+                     TDM_CUK_EINVAL);
+    ntok[0] = 17; // two tiles into room for one
+    assert_int_equal(tdm_cuk_attn_plan(row, ntok, start, 1, 4, 64, seqs, dec, tiles, 1, &plan),
+                     TDM_CUK_EINVAL);
+    assert_int_equal(tdm_cuk_decode_splits(256), 1);
+    assert_int_equal(tdm_cuk_decode_splits(257), 2);
+}
+
+static int group_setup(void **state)
+{
+    (void)state;
+    char err[256];
+    if (tdm_cuda_dev_open(&dev, 0, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "cuda_ops_test: %s\n", err);
+        return -1;
+    }
+    stream = tdm_cuda_dev_stream(dev);
+    printf("device: %s\n", tdm_cuda_dev_name(dev));
+    return 0;
+}
+
+static int group_teardown(void **state)
+{
+    (void)state;
+    tdm_cuda_dev_close(dev);
+    return 0;
+}
+
+int main(void)
+{
+#ifdef TDM_CUDA_TEST_GPU
+    if (tdm_cuda_dev_count() <= 0) {
+        printf("cuda_ops_gpu_test: no GPU visible; skipped\n");
+        return 77;
+    }
+#endif
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_embed),
+        cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_silu_add_bf16),
+        cmocka_unit_test(test_gemm),
+        cmocka_unit_test(test_attention),
+        cmocka_unit_test(test_attention_errors),
+        cmocka_unit_test(test_kv_gather_scatter),
+    };
+    return cmocka_run_group_tests(tests, group_setup, group_teardown);
+}

@@ -1,0 +1,232 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_dev_emu: cuda_dev.h for the emulator tests. Device memory is host
+// memory, copies are memcpy, the stream is the calling thread (kernels of the
+// emulator finish before their launch returns), and the GEMM is a plain loop:
+// each output element accumulates bf16(w) * bf16(x) in f32 over k in order,
+// the arithmetic cuBLASLt's bf16 GEMM does in another order. Test tool only.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "cuda_dev.h"
+
+struct tdm_cuda_dev {
+    int ordinal;
+    char errmsg[128];
+};
+
+// The emulator's stream capture (emu/cuda_emu.cpp, C linkage).
+void tdm_emu_capture_begin(void);
+void *tdm_emu_capture_end(void);
+int tdm_emu_capturing(void);
+void tdm_emu_stream_work(void (*fn)(void *arg), const void *arg, size_t arg_bytes);
+void tdm_emu_graph_launch(void *graph);
+void tdm_emu_graph_free(void *graph);
+
+// Host <-> device copies and sync are not stream work CUDA can capture.
+static int not_while_capturing(struct tdm_cuda_dev *d, const char *what)
+{
+    if (!tdm_emu_capturing())
+        return TDM_OK;
+    snprintf(d->errmsg, sizeof d->errmsg, "%s while capturing a graph", what);
+    return TDM_EBACKEND;
+}
+
+struct copy_work {
+    void *dst;
+    const void *src;
+    size_t bytes;
+    int byte; // memset value; -1 for a copy
+};
+
+static void run_copy(void *arg)
+{
+    struct copy_work *w = arg;
+    if (w->byte >= 0)
+        memset(w->dst, w->byte, w->bytes);
+    else if (w->bytes)
+        memmove(w->dst, w->src, w->bytes);
+}
+
+int tdm_cuda_dev_count(void)
+{
+    return 1;
+}
+
+int tdm_cuda_dev_open(struct tdm_cuda_dev **out, int ordinal, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (ordinal != 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "cuda: device %d requested, 1 visible (emulator)", ordinal);
+    struct tdm_cuda_dev *d = calloc(1, sizeof *d);
+    if (d == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda: out of memory");
+    *out = d;
+    return TDM_OK;
+}
+
+void tdm_cuda_dev_close(struct tdm_cuda_dev *d)
+{
+    free(d);
+}
+
+const char *tdm_cuda_dev_name(const struct tdm_cuda_dev *d)
+{
+    (void)d;
+    return "emulator";
+}
+
+void *tdm_cuda_dev_stream(struct tdm_cuda_dev *d)
+{
+    (void)d;
+    return NULL;
+}
+
+int tdm_cuda_dev_mem_info(struct tdm_cuda_dev *d, size_t *free_bytes, size_t *total_bytes)
+{
+    (void)d;
+    // A fixed pretend device of 1 GiB, so --gpu-memory-utilization has
+    // something to take a fraction of in tests.
+    *free_bytes = *total_bytes = (size_t)1 << 30;
+    return TDM_OK;
+}
+
+void *tdm_cuda_dev_alloc(struct tdm_cuda_dev *d, size_t bytes)
+{
+    (void)d;
+    void *p = NULL;
+    if (posix_memalign(&p, 256, bytes ? bytes : 1) != 0)
+        return NULL;
+    return p;
+}
+
+void tdm_cuda_dev_free(struct tdm_cuda_dev *d, void *p)
+{
+    (void)d;
+    free(p);
+}
+
+int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
+{
+    if (not_while_capturing(d, "h2d copy") != TDM_OK)
+        return TDM_EBACKEND;
+    if (bytes)
+        memcpy(dst, src, bytes);
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_d2h(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
+{
+    if (not_while_capturing(d, "d2h copy") != TDM_OK)
+        return TDM_EBACKEND;
+    if (bytes)
+        memcpy(dst, src, bytes);
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_d2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
+{
+    (void)d;
+    struct copy_work w = {.dst = dst, .src = src, .bytes = bytes, .byte = -1};
+    tdm_emu_stream_work(run_copy, &w, sizeof w);
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t bytes)
+{
+    (void)d;
+    struct copy_work w = {.dst = dst, .src = NULL, .bytes = bytes, .byte = byte & 0xff};
+    tdm_emu_stream_work(run_copy, &w, sizeof w);
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_sync(struct tdm_cuda_dev *d)
+{
+    return not_while_capturing(d, "sync");
+}
+
+int tdm_cuda_dev_capture_begin(struct tdm_cuda_dev *d)
+{
+    if (not_while_capturing(d, "capture_begin") != TDM_OK)
+        return TDM_EBACKEND;
+    tdm_emu_capture_begin();
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_capture_end(struct tdm_cuda_dev *d, void **graph)
+{
+    *graph = tdm_emu_capture_end();
+    if (*graph == NULL) {
+        snprintf(d->errmsg, sizeof d->errmsg, "capture_end without capture_begin");
+        return TDM_EBACKEND;
+    }
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_graph_launch(struct tdm_cuda_dev *d, void *graph)
+{
+    if (not_while_capturing(d, "graph launch") != TDM_OK)
+        return TDM_EBACKEND;
+    tdm_emu_graph_launch(graph);
+    return TDM_OK;
+}
+
+void tdm_cuda_dev_graph_free(struct tdm_cuda_dev *d, void *graph)
+{
+    (void)d;
+    if (graph)
+        tdm_emu_graph_free(graph);
+}
+
+static float bf16_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+struct gemm_work {
+    const uint16_t *w, *x;
+    const float *bias;
+    float *y;
+    int rows, cols, n;
+};
+
+static void run_gemm(void *arg)
+{
+    const struct gemm_work *g = arg;
+    const uint16_t *w = g->w, *x = g->x;
+    const float *bias = g->bias;
+    float *y = g->y;
+    int rows = g->rows, cols = g->cols, n = g->n;
+    for (int t = 0; t < n; t++) {
+        const uint16_t *xr = x + (size_t)t * cols;
+        for (int r = 0; r < rows; r++) {
+            const uint16_t *wr = w + (size_t)r * cols;
+            float acc = 0.0f;
+            for (int k = 0; k < cols; k++)
+                acc += bf16_f32(wr[k]) * bf16_f32(xr[k]);
+            y[(size_t)t * rows + r] = bias ? acc + bias[r] : acc;
+        }
+    }
+}
+
+int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, int cols,
+                           const uint16_t *x, int n, const float *bias, float *y)
+{
+    if (rows <= 0 || cols <= 0 || n <= 0) {
+        snprintf(d->errmsg, sizeof d->errmsg, "gemm: %d x %d weight, n %d", rows, cols, n);
+        return TDM_EINVAL;
+    }
+    struct gemm_work g = {.w = w, .x = x, .bias = bias, .y = y, .rows = rows, .cols = cols, .n = n};
+    tdm_emu_stream_work(run_gemm, &g, sizeof g);
+    return TDM_OK;
+}
+
+const char *tdm_cuda_dev_errmsg(const struct tdm_cuda_dev *d)
+{
+    return d->errmsg;
+}

@@ -1,0 +1,403 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_emu: the fiber scheduler behind cuda_emu.h. Each launch runs the grid's
+// blocks one after another; inside a block every thread is a ucontext fiber
+// with its own stack, and the scheduler runs each runnable fiber until it
+// finishes or waits (block barrier or warp barrier), then releases barriers
+// whose participants have all arrived. A state where some fibers wait and no
+// barrier can be released is a kernel bug (deadlock, divergent barrier) and
+// aborts with a message naming it.
+//
+// Under AddressSanitizer the stack switches are announced with
+// __sanitizer_{start,finish}_switch_fiber so its stack bookkeeping follows.
+//
+// The switch itself: on x86-64 a few instructions saving the callee-saved
+// registers and the FP control words (swapcontext also saves the signal mask,
+// one system call per switch, which made the emulated model tests several
+// times slower); elsewhere, and under AddressSanitizer, ucontext.
+#include "cuda_emu.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define TDM_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TDM_EMU_ASAN 1
+#endif
+#endif
+#ifdef TDM_EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+// Not under ASan: a fiber that ends by switching away leaves its frames'
+// redzones poisoned on a stack the next block reuses; ucontext's return
+// through uc_link unwinds them.
+#if defined(__x86_64__) && !defined(TDM_EMU_UCONTEXT) && !defined(TDM_EMU_ASAN)
+#define TDM_EMU_ASM_SWITCH 1
+// Saves rbp, rbx, r12-r15, MXCSR and the x87 control word on the current
+// stack, stores the stack pointer in *save_sp, and resumes the context whose
+// stack pointer is load_sp (saved the same way, or built by init_stack).
+extern "C" void tdm_emu_switch(void **save_sp, void *load_sp);
+__asm__(".text\n"
+        ".globl tdm_emu_switch\n"
+        ".type tdm_emu_switch,@function\n"
+        "tdm_emu_switch:\n"
+        "    pushq %rbp\n"
+        "    pushq %rbx\n"
+        "    pushq %r12\n"
+        "    pushq %r13\n"
+        "    pushq %r14\n"
+        "    pushq %r15\n"
+        "    subq $8, %rsp\n"
+        "    stmxcsr (%rsp)\n"
+        "    fnstcw 4(%rsp)\n"
+        "    movq %rsp, (%rdi)\n"
+        "    movq %rsi, %rsp\n"
+        "    ldmxcsr (%rsp)\n"
+        "    fldcw 4(%rsp)\n"
+        "    addq $8, %rsp\n"
+        "    popq %r15\n"
+        "    popq %r14\n"
+        "    popq %r13\n"
+        "    popq %r12\n"
+        "    popq %rbx\n"
+        "    popq %rbp\n"
+        "    ret\n"
+        ".size tdm_emu_switch, .-tdm_emu_switch\n");
+#endif
+
+#include <vector>
+
+namespace tdm_emu
+{
+dim3 cur_thread_idx, cur_block_idx, cur_block_dim, cur_grid_dim;
+
+namespace
+{
+enum fiber_state { RUNNABLE, AT_BLOCK_BARRIER, AT_WARP_BARRIER, DONE };
+
+constexpr size_t STACK_BYTES = 256 * 1024;
+constexpr unsigned MAX_THREADS = 1024;
+
+struct fiber {
+#ifdef TDM_EMU_ASM_SWITCH
+    void *sp; // saved stack pointer while not running
+#else
+    ucontext_t ctx;
+#endif
+    fiber_state state;
+    dim3 tid;
+};
+
+struct scheduler {
+#ifdef TDM_EMU_ASM_SWITCH
+    void *main_sp;
+#else
+    ucontext_t main_ctx;
+#endif
+    std::vector<fiber> fibers;
+    std::vector<uint64_t> slots; // [threads] one shuffle slot per lane
+    char *stacks = nullptr;      // [MAX_THREADS][STACK_BYTES], mmap'd once, untouched until used
+    int cur = -1;
+    const std::function<void()> *body = nullptr;
+    unsigned long long blocks = 0;
+#ifdef TDM_EMU_ASAN
+    const void *main_stack_bottom = nullptr;
+    size_t main_stack_size = 0;
+#endif
+};
+
+scheduler S;
+
+[[noreturn]] void die(const char *what)
+{
+    fprintf(stderr, "cuda_emu: kernel bug: %s (block %u,%u,%u)\n", what, cur_block_idx.x,
+            cur_block_idx.y, cur_block_idx.z);
+    abort();
+}
+
+char *stack_of(int i)
+{
+    return S.stacks + (size_t)i * STACK_BYTES;
+}
+
+// Fiber side: hands control back to the scheduler and returns when resumed.
+void yield_to_scheduler()
+{
+    fiber &f = S.fibers[(size_t)S.cur];
+#ifdef TDM_EMU_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, S.main_stack_bottom, S.main_stack_size);
+#endif
+#ifdef TDM_EMU_ASM_SWITCH
+    tdm_emu_switch(&f.sp, S.main_sp);
+#else
+    swapcontext(&f.ctx, &S.main_ctx);
+#endif
+#ifdef TDM_EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+}
+
+void fiber_entry()
+{
+#ifdef TDM_EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &S.main_stack_bottom, &S.main_stack_size);
+#endif
+    (*S.body)();
+    S.fibers[(size_t)S.cur].state = DONE;
+#ifdef TDM_EMU_ASAN
+    // The fiber ends: no fake stack to keep.
+    __sanitizer_start_switch_fiber(nullptr, S.main_stack_bottom, S.main_stack_size);
+#endif
+#ifdef TDM_EMU_ASM_SWITCH
+    void *dead_sp;
+    tdm_emu_switch(&dead_sp, S.main_sp); // never resumed
+    die("a finished fiber was resumed");
+#endif
+    // ucontext: uc_link resumes the scheduler.
+}
+
+// Scheduler side: runs fiber i until it waits or finishes.
+void resume(int i)
+{
+    fiber &f = S.fibers[(size_t)i];
+    S.cur = i;
+    cur_thread_idx = f.tid;
+#ifdef TDM_EMU_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, stack_of(i), STACK_BYTES);
+#endif
+#ifdef TDM_EMU_ASM_SWITCH
+    tdm_emu_switch(&S.main_sp, f.sp);
+#else
+    swapcontext(&S.main_ctx, &f.ctx);
+#endif
+#ifdef TDM_EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+    S.cur = -1;
+}
+
+// Apart from run_block: getcontext returns twice, which would make the
+// compiler assume run_block's locals can be clobbered.
+__attribute__((noinline)) void init_fiber(unsigned i)
+{
+    fiber &f = S.fibers[i];
+    f.state = RUNNABLE;
+    f.tid = dim3(i % cur_block_dim.x, (i / cur_block_dim.x) % cur_block_dim.y,
+                 i / (cur_block_dim.x * cur_block_dim.y));
+#ifdef TDM_EMU_ASM_SWITCH
+    // A stack tdm_emu_switch can resume: from the top (16-byte aligned) a
+    // zero return address for fiber_entry (so it starts as if called: rsp =
+    // 8 mod 16), fiber_entry as the address `ret` takes, six zero registers,
+    // then the current MXCSR and x87 control word.
+    uintptr_t top = ((uintptr_t)stack_of((int)i) + STACK_BYTES) & ~(uintptr_t)15;
+    uint64_t *sp = (uint64_t *)top;
+    *--sp = 0;
+    *--sp = (uint64_t)(uintptr_t)&fiber_entry;
+    for (int r = 0; r < 6; r++)
+        *--sp = 0;
+    uint32_t csr[2];
+    __asm__ volatile("stmxcsr %0" : "=m"(csr[0]));
+    uint16_t cw;
+    __asm__ volatile("fnstcw %0" : "=m"(cw));
+    csr[1] = cw;
+    --sp;
+    memcpy(sp, csr, 8);
+    f.sp = sp;
+#else
+    if (getcontext(&f.ctx) != 0)
+        die("getcontext failed");
+    f.ctx.uc_stack.ss_sp = stack_of((int)i);
+    f.ctx.uc_stack.ss_size = STACK_BYTES;
+    f.ctx.uc_link = &S.main_ctx;
+    makecontext(&f.ctx, fiber_entry, 0);
+#endif
+}
+
+void run_block(unsigned nthreads)
+{
+    for (unsigned i = 0; i < nthreads; i++)
+        init_fiber(i);
+    unsigned nwarps = nthreads / 32;
+    for (;;) {
+        for (unsigned i = 0; i < nthreads; i++)
+            if (S.fibers[i].state == RUNNABLE)
+                resume((int)i);
+        // Every fiber now waits or is done: release what can be released.
+        unsigned done = 0, at_block = 0;
+        bool released = false;
+        for (unsigned w = 0; w < nwarps; w++) {
+            unsigned wd = 0, ww = 0;
+            for (unsigned l = 0; l < 32; l++) {
+                fiber_state st = S.fibers[w * 32 + l].state;
+                wd += st == DONE;
+                ww += st == AT_WARP_BARRIER;
+                at_block += st == AT_BLOCK_BARRIER;
+            }
+            done += wd;
+            if (ww == 32) {
+                for (unsigned l = 0; l < 32; l++)
+                    S.fibers[w * 32 + l].state = RUNNABLE;
+                released = true;
+            } else if (ww > 0 && wd > 0) {
+                die("warp shuffle with lanes that already exited");
+            }
+        }
+        if (done == nthreads)
+            return;
+        if (released)
+            continue;
+        if (at_block + done == nthreads) {
+            if (done > 0)
+                die("__syncthreads reached after some threads of the block exited");
+            for (unsigned i = 0; i < nthreads; i++)
+                S.fibers[i].state = RUNNABLE;
+            continue;
+        }
+        die("deadlock: threads wait at barriers that can never complete");
+    }
+}
+} // namespace
+
+// Work recorded by a capture, in stream order.
+struct emu_graph {
+    std::vector<std::function<void()>> work;
+};
+static emu_graph *capture_graph; // non-NULL while capturing
+
+static void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body);
+
+void launch(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body)
+{
+    if (capture_graph != nullptr) {
+        capture_graph->work.push_back([=]() { run_grid(grid, block, shmem, body); });
+        return;
+    }
+    run_grid(grid, block, shmem, body);
+}
+
+static void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body)
+{
+    unsigned nthreads = block.x * block.y * block.z;
+    if (shmem != 0)
+        die("dynamic shared memory is not supported by the emulator");
+    if (nthreads == 0 || nthreads > MAX_THREADS || nthreads % 32 != 0)
+        die("block size must be a positive multiple of 32, at most 1024");
+    if (S.stacks == nullptr) {
+        void *p = mmap(nullptr, (size_t)MAX_THREADS * STACK_BYTES, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED)
+            die("cannot map fiber stacks");
+        S.stacks = (char *)p;
+        S.fibers.resize(MAX_THREADS);
+        S.slots.resize(MAX_THREADS);
+    }
+    if (S.body != nullptr)
+        die("kernel launched from inside a kernel");
+    S.body = &body;
+    cur_grid_dim = grid;
+    cur_block_dim = block;
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                cur_block_idx = dim3(x, y, z);
+                run_block(nthreads);
+                S.blocks++;
+            }
+    S.body = nullptr;
+}
+
+static int linear_tid()
+{
+    return (int)(threadIdx.x + threadIdx.y * blockDim.x + threadIdx.z * blockDim.x * blockDim.y);
+}
+
+void syncthreads()
+{
+    S.fibers[(size_t)S.cur].state = AT_BLOCK_BARRIER;
+    yield_to_scheduler();
+}
+
+int lane_id()
+{
+    return linear_tid() % 32;
+}
+
+uint64_t warp_exchange(uint64_t mine, int src)
+{
+    int t = linear_tid();
+    int base = t - t % 32;
+    S.slots[(size_t)t] = mine;
+    S.fibers[(size_t)S.cur].state = AT_WARP_BARRIER;
+    yield_to_scheduler();
+    uint64_t got = (src >= 0 && src < 32) ? S.slots[(size_t)(base + src)] : mine;
+    // Nobody may overwrite a slot before every lane has read.
+    S.fibers[(size_t)S.cur].state = AT_WARP_BARRIER;
+    yield_to_scheduler();
+    return got;
+}
+
+unsigned long long blocks_run()
+{
+    return S.blocks;
+}
+} // namespace tdm_emu
+
+using tdm_emu::capture_graph;
+using tdm_emu::emu_graph;
+
+extern "C" void tdm_emu_capture_begin(void)
+{
+    if (capture_graph != nullptr)
+        tdm_emu::die("capture begun twice");
+    capture_graph = new emu_graph;
+}
+
+extern "C" void *tdm_emu_capture_end(void)
+{
+    emu_graph *g = capture_graph;
+    capture_graph = nullptr;
+    return g;
+}
+
+extern "C" int tdm_emu_capturing(void)
+{
+    return capture_graph != nullptr;
+}
+
+extern "C" void tdm_emu_stream_work(void (*fn)(void *arg), const void *arg, size_t arg_bytes)
+{
+    if (capture_graph == nullptr) {
+        fn(const_cast<void *>(arg));
+        return;
+    }
+    std::vector<unsigned char> copy((const unsigned char *)arg,
+                                    (const unsigned char *)arg + arg_bytes);
+    capture_graph->work.push_back([fn, copy]() mutable { fn(copy.data()); });
+}
+
+static unsigned long long graph_launches;
+
+extern "C" unsigned long long tdm_emu_graph_launches(void)
+{
+    return graph_launches;
+}
+
+extern "C" void tdm_emu_graph_launch(void *graph)
+{
+    graph_launches++;
+    if (capture_graph != nullptr)
+        tdm_emu::die("graph launched while capturing");
+    for (auto &w : ((emu_graph *)graph)->work)
+        w();
+}
+
+extern "C" void tdm_emu_graph_free(void *graph)
+{
+    delete (emu_graph *)graph;
+}
