@@ -69,8 +69,6 @@ const CUSTOM = {
 // while the binary answers "unknown option"; once it knows the flag, the
 // normal check applies and the entry can go.
 const PENDING_FLAGS = {
-    '--device': 'issue 9 (the CUDA backend)',
-    '--gpu-memory-utilization': 'issue 9 (the device KV pool)',
     '--kv-transfer': 'issue 10 (GPU KV transfer)',
 };
 
