@@ -867,9 +867,23 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
         tdm_metrics_histogram_observe(s->rm->e2e, tdm_now() - k.arrival);
     struct tdm_oai_usage u;
     tdm_oai_call_usage(&k.oai, &u);
-    TDM_LOG_INFO(MOD, "req=%s done decode=%s decision=%s prompt_tokens=%d completion_tokens=%d %s",
-                 k.oai.resp.id, k.route.decode.name, tdm_router_decision_name(k.route.decision),
-                 u.prompt_tokens, u.completion_tokens, k.phases);
+    if (k.phases[0]) {
+        // The phases already name the decision and the decode worker: one k=v
+        // each, log style (the header's "; " separators become spaces).
+        char kv[sizeof k.phases];
+        size_t j = 0;
+        for (size_t i = 0; k.phases[i] && j + 1 < sizeof kv; i++)
+            if (!(k.phases[i] == ';' && k.phases[i + 1] == ' '))
+                kv[j++] = k.phases[i];
+        kv[j] = '\0';
+        TDM_LOG_INFO(MOD, "req=%s done prompt_tokens=%d completion_tokens=%d %s", k.oai.resp.id,
+                     u.prompt_tokens, u.completion_tokens, kv);
+    } else {
+        TDM_LOG_INFO(MOD, "req=%s done decode=%s decision=%s prompt_tokens=%d completion_tokens=%d",
+                     k.oai.resp.id, k.route.decode.name,
+                     tdm_router_decision_name(k.route.decision), u.prompt_tokens,
+                     u.completion_tokens);
+    }
 out:;
     const char *status = k.client_gone                 ? "cancelled"
                          : tdm_oai_call_failed(&k.oai) ? "error"
