@@ -9,9 +9,11 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "bench_serve_impl.h"
 #include "core.h"
+#include "hub.h"
 #include "tokenizer.h"
 
 void tdm_bench_config_init(struct tdm_bench_config *cfg)
@@ -39,6 +41,8 @@ bool tdm_bench_config_has_slo(const struct tdm_bench_config *cfg)
 struct bench_args {
     struct tdm_bench_config cfg;
     const char *host, *port, *tokenizer_dir, *json_path, *dataset_path, *backend;
+    const char *served_name; // --served-model-name: the "model" sent; --model names the model then
+    char tokenizer_buf[4096]; // the folder --model resolved to (no --tokenizer)
     bool random_dataset;
     int input_len, output_len;
     double range_ratio;
@@ -217,9 +221,13 @@ static const struct tdm_flag bench_flags[] = {
     FN("endpoint", set_endpoint, "PATH", "/v1/completions (default) or /v1/chat/completions",
        false),
     PTR("backend", backend, "NAME", "openai | vllm (completions) or openai-chat (chat)"),
-    PTR("model", cfg.model, "NAME", "the \"model\" field sent (required)"),
+    PTR("model", cfg.model, "NAME",
+        "the model: the \"model\" field sent (required), and where the\ntokenizer comes from "
+        "without --tokenizer (a folder, or a Hub id\nin the HF cache), as vllm bench does"),
+    PTR("served-model-name", served_name, "NAME",
+        "the \"model\" field sent when it differs from --model"),
     PTR("tokenizer", tokenizer_dir, "DIR",
-        "folder with tokenizer.json (required for --dataset random)"),
+        "folder with tokenizer.json (default: --model's)"),
     FN("dataset", set_dataset, "random|file:PATH",
        "random prompts of exact token lengths (default), or a file with\n"
        "one prompt per line / JSON lines {\"prompt\":..,\"output_len\":..}",
@@ -328,9 +336,30 @@ static int parse_args(struct bench_args *a, int argc, char **argv, char *err, si
                           cfg->base_url);
     if (!cfg->model)
         return tdm_seterr(err, errlen, TDM_EINVAL, "--model is required");
+    if (!a->tokenizer_dir) {
+        // As vllm bench serve: the tokenizer is --model's, a folder or a Hub id
+        // already in the HF cache (never downloaded from here).
+        struct stat st;
+        char tj[4200];
+        snprintf(tj, sizeof tj, "%s/tokenizer.json", cfg->model);
+        struct tdm_hub_opts hub = {.offline = true, .progress = TDM_HUB_PROGRESS_QUIET};
+        char herr[256];
+        if (stat(tj, &st) == 0) {
+            snprintf(a->tokenizer_buf, sizeof a->tokenizer_buf, "%s", cfg->model);
+            a->tokenizer_dir = a->tokenizer_buf;
+        } else if (strchr(cfg->model, '/') &&
+                   tdm_hub_resolve_model(cfg->model, NULL, &hub, a->tokenizer_buf,
+                                         sizeof a->tokenizer_buf, herr, sizeof herr) == TDM_OK) {
+            a->tokenizer_dir = a->tokenizer_buf;
+        }
+    }
     if (a->random_dataset && !a->tokenizer_dir)
         return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "--dataset random needs --tokenizer DIR (to build exact-length prompts)");
+                          "--dataset random needs a tokenizer to build exact-length prompts: "
+                          "--tokenizer DIR, or --model naming a model folder or a Hub id in the "
+                          "HF cache (with --served-model-name for the name the server serves)");
+    if (a->served_name)
+        cfg->model = a->served_name;
     cfg->ignore_eos = a->ignore_eos < 0 ? a->random_dataset : a->ignore_eos;
     if (!cfg->api_key) {
         const char *env = getenv("OPENAI_API_KEY");

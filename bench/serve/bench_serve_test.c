@@ -589,7 +589,7 @@ static void test_args(void **state)
         {{"--model", "m", "--goodput", "ttft"}, "--goodput"},
         {{"--model", "m", "--goodput"}, "--goodput needs"},
         {{"--model", "m", "--percentiles", "0,50"}, "--percentiles"},
-        {{"--model", "m"}, "needs --tokenizer"},
+        {{"--model", "m"}, "needs a tokenizer"},
         {{"--model", "m", "--dataset", "sharegpt"}, "neither random"},
         {{"--model", "m", "--range-ratio", "1"}, "--range-ratio"},
         {{"--model", "m", "--base-url", "ftp://x"}, "http://"},
@@ -1042,6 +1042,45 @@ static void test_count_with_tokenizer(void **state)
     tmp_remove(&t, names, 2);
 }
 
+// Without --tokenizer the random dataset takes --model's tokenizer (a model
+// folder here), and --served-model-name is the "model" sent, as vllm bench
+// serve does (issue 14).
+static void test_tokenizer_from_model(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/tandem-bench-model-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char e[256];
+    assert_int_equal(tdm_mkmodel_write_tokenizer(2048, dir, e, sizeof(e)), TDM_OK);
+    struct fake_server *srv = fake_start();
+    struct tmp_dir t;
+    tmp_make(&t);
+    char json[128], url[64];
+    tmp_file(&t, "r.json", NULL, json, sizeof(json));
+    snprintf(url, sizeof(url), "http://127.0.0.1:%d", srv->port);
+    char *err = NULL;
+    int rc = run_main(NULL, &err, "--base-url", url, "--model", dir, "--served-model-name",
+                      "served", "--input-len", "32", "--output-len", "4", "--num-prompts", "3",
+                      "--json", json, NULL);
+    if (rc != 0)
+        fail_msg("exit %d, stderr: %s", rc, err);
+    cJSON *o = read_json(json);
+    assert_int_equal((int)jnum(o, "completed"), 3);
+    assert_int_equal((int)jnum(o, "total_input_tokens"), 3 * 32);
+    assert_string_equal(cJSON_GetObjectItem(o, "model_id")->valuestring, "served");
+    cJSON_Delete(o);
+    free(err);
+    fake_stop(srv);
+    const char *names[] = {"r.json"};
+    tmp_remove(&t, names, 1);
+    char path[512];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    unlink(path);
+    rmdir(dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1052,6 +1091,7 @@ int main(void)
         cmocka_unit_test(test_stream_completions), cmocka_unit_test(test_stream_chat),
         cmocka_unit_test(test_failures),           cmocka_unit_test(test_max_concurrency),
         cmocka_unit_test(test_all_fail),           cmocka_unit_test(test_count_with_tokenizer),
+        cmocka_unit_test(test_tokenizer_from_model),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
