@@ -29,6 +29,13 @@ from stack_harness import (Stack, Stream, check, make_model, metric_sum, metrics
 
 def main():
     args = parse_args()
+    # tandem --help lists its commands and up's options, exit 0; no command is exit 2.
+    r = subprocess.run([args.tandem, "--help"], capture_output=True, text=True)
+    check(r.returncode == 0 and "  up " in r.stdout and "--prefill" in r.stdout and
+          "--restart" in r.stdout, "tandem --help: %d %r" % (r.returncode, r.stdout[:300]))
+    r = subprocess.run([args.tandem], capture_output=True, text=True)
+    check(r.returncode == 2 and "tandem --help" in r.stderr, "bare tandem: %d %r" %
+          (r.returncode, r.stderr))
     model = make_model(args)
     t0 = time.time()
     st = Stack(args, "--model", model, "--prefill", "1", "--decode", "1", "--pd-mode", "always",

@@ -1498,13 +1498,29 @@ int main(int argc, char **argv)
         return cmd_up(argc - 1, argv + 1);
     if (argc >= 2 &&
         (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help"))) {
-        fputs("usage: tandem up [options]   (tandem up --help lists them)\n", stdout);
+        fputs("usage: tandem COMMAND [options]\n"
+              "\n"
+              "Commands:\n"
+              "  up         run a whole stack on this machine: the router, N prefill and M\n"
+              "             decode workers (a demo model unless --model says otherwise)\n"
+              "  --version  print the version\n"
+              "\n"
+              "Options of `tandem up`:\n",
+              stdout);
+        tdm_flags_help(&up_table, stdout);
+        fputs("\nThe services and tools are programs of their own, each with --help:\n"
+              "tandem-router, tandem-prefill, tandem-decode, tandem-mkmodel, tandem-generate,\n"
+              "tandem-tokenize, tandem-download, tandem-bench, tandem-bench-engine.\n",
+              stdout);
         return 0;
     }
     if (argc >= 2 && !strcmp(argv[1], "--version")) {
         printf("tandem %s\n", TANDEM_VERSION);
         return 0;
     }
-    fprintf(stderr, "usage: tandem up [options]   (tandem up --help lists them)\n");
+    if (argc >= 2)
+        fprintf(stderr, "tandem: unknown command \"%s\" (see tandem --help)\n", argv[1]);
+    else
+        fprintf(stderr, "usage: tandem COMMAND [options] (see tandem --help)\n");
     return 2;
 }

@@ -100,7 +100,7 @@ static const struct tdm_flag mkmodel_flags[] = {
      .offset = OFF(out),
      .metavar = "DIR",
      .help = "the folder to write (required)"},
-    FN("preset", set_preset_done, "tiny|qwen2.5-0.5b", "the starting shape (default tiny)"),
+    FN("preset", set_preset_done, "tiny|demo|qwen2.5-0.5b", "the starting shape (default tiny; demo is tandem up's)"),
     FN("arch", set_arch, "qwen2|llama", "architecture"),
     SIZE("hidden", hidden_size, "hidden size"),
     SIZE("intermediate", intermediate_size, "MLP size"),
@@ -140,7 +140,7 @@ static const struct tdm_flag mkmodel_flags[] = {
 };
 
 static const struct tdm_flags mkmodel_table = {
-    .usage = "usage: tandem-mkmodel --out DIR [--preset tiny|qwen2.5-0.5b] [options]\n",
+    .usage = "usage: tandem-mkmodel --out DIR [--preset tiny|demo|qwen2.5-0.5b] [options]\n",
     .flags = mkmodel_flags,
     .n = sizeof mkmodel_flags / sizeof mkmodel_flags[0],
 };
@@ -156,7 +156,7 @@ int main(int argc, char **argv)
                         : strncmp(argv[i], "--preset=", 9) == 0          ? argv[i] + 9
                                                                          : NULL;
         if (p && tdm_mkmodel_preset(&a.s, p) != TDM_OK) {
-            fprintf(stderr, "tandem-mkmodel: unknown preset \"%s\" (tiny, qwen2.5-0.5b)\n", p);
+            fprintf(stderr, "tandem-mkmodel: unknown preset \"%s\" (tiny, demo, qwen2.5-0.5b)\n", p);
             return 2;
         }
     }
@@ -171,5 +171,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "tandem-mkmodel: %s\n", err);
         return 1;
     }
+    // Where it went, for the next command (tandem-decode --model DIR, ...).
+    char real[4096];
+    printf("tandem-mkmodel: wrote %s (%d layers, hidden %d, vocab %d)\n",
+           realpath(a.out, real) ? real : a.out, a.s.num_layers, a.s.hidden_size,
+           a.s.vocab_size);
     return 0;
 }
