@@ -170,6 +170,7 @@ class Stack:
         self.lines = []
         self.endpoints = {}  # name -> {"port", "nng_port", "pid"}
         self.curl = None
+        self.curls = []
         self.ready = threading.Event()
         self.lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -192,7 +193,9 @@ class Stack:
                     "nng_port": int(m.group(4)) if m.group(4) else None, "pid": pid}
                 _CHILD_PIDS.append(pid)
             elif line.startswith("curl "):
-                self.curl = line
+                self.curls.append(line)  # the first is the short one; P/D stacks add a long one
+                if self.curl is None:
+                    self.curl = line
                 self.ready.set()
         self.ready.set()
 

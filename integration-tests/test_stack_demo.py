@@ -12,8 +12,9 @@ clear line.
 import os
 import shutil
 import subprocess
+import time
 
-from stack_harness import Stack, check, make_model, parse_args, post, request
+from stack_harness import Stack, check, make_model, metric_sum, metrics, parse_args, post, request
 
 
 def main():
@@ -43,12 +44,26 @@ def main():
     st.check_children_gone()
     mtime = os.path.getmtime(os.path.join(folder, "model.safetensors"))
 
-    st = Stack(args, env=env)
+    st = Stack(args, "--prefill", "1", env=env)
     check(not any("generating the demo model" in l for l in st.lines),
           "the second run generated the model again:\n%s" % st.log())
     s, _, body = post(st.port(), "/v1/completions",
                       {"model": "tandem-demo", "prompt": "Hello", "max_tokens": 4})
     check(s == 200, "second run completion: %d %s" % (s, body))
+    # With a prefill worker the launcher also prints a command that is
+    # disaggregated as printed (a prompt over the P/D threshold): run it.
+    st.wait_line(r"^tandem\s+\| disaggregated: a prompt over --pd-threshold 256 tokens")
+    t_end = time.time() + 10
+    while len(st.curls) < 2 and time.time() < t_end:
+        time.sleep(0.05)
+    check(len(st.curls) == 2, "no second curl line:\n%s" % st.log())
+    before = metric_sum(metrics(st.port("prefill-0")), "tandem:pd_prefill_requests_total")
+    r = subprocess.run(["sh", "-c", st.curls[1]], capture_output=True, text=True, timeout=60)
+    check(r.returncode == 0 and '"text_completion"' in r.stdout,
+          "the disaggregated curl as printed: %d %r %r" % (r.returncode, r.stdout[:200], r.stderr))
+    after = metric_sum(metrics(st.port("prefill-0")), "tandem:pd_prefill_requests_total")
+    check(after == before + 1, "the printed disaggregated curl was not prefilled remotely (%s -> %s)"
+          % (before, after))
     rc = st.stop()
     check(rc == 0, "second run exited %d" % rc)
     check(os.path.getmtime(os.path.join(folder, "model.safetensors")) == mtime,

@@ -1349,11 +1349,27 @@ static void print_ready(const struct up_opts *o, const char *model, const char *
     }
     if (router_cfg[0])
         say("router config: %s", router_cfg);
-    say("try it (Ctrl-C stops the stack):");
+    bool pd = !o->no_router && o->n_prefill > 0 && strcmp(o->pd_mode, "never") != 0;
+    bool short_pd = pd && !strcmp(o->pd_mode, "always");
+    say("try it (Ctrl-C stops the stack); %s:",
+        short_pd ? "disaggregated: prefill-0 computes the prompt, a decode worker streams"
+                 : "a short prompt, served by a decode worker alone");
     printf("curl -s http://%s:%d/v1/completions -H 'Content-Type: application/json' -d "
            "'{\"model\": \"%s\", \"prompt\": \"Serving a language model is\", \"max_tokens\": "
            "32}'\n",
            uh, api->http_port, name[0] ? name : "MODEL");
+    if (pd && !short_pd) {
+        // A prompt over the P/D threshold (about 420 tokens of this text), so
+        // the prefill worker computes its KV and the decode worker streams.
+        say("disaggregated: a prompt over --pd-threshold %d tokens, prefilled by a prefill "
+            "worker, streamed by a decode worker:",
+            o->pd_threshold);
+        printf("curl -s http://%s:%d/v1/completions -H 'Content-Type: application/json' -d "
+               "\"{\\\"model\\\": \\\"%s\\\", \\\"max_tokens\\\": 32, \\\"prompt\\\": \\\"$(yes "
+               "'Serving a language model is hard.' | head -%d | tr '\\n' ' ')\\\"}\"\n",
+               uh, api->http_port, name[0] ? name : "MODEL",
+               o->pd_threshold / 7 * 2 + 20);
+    }
     fflush(stdout);
 }
 
