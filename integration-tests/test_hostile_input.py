@@ -75,6 +75,37 @@ def unauthenticated_frames(cl):
           (before, after))
 
 
+def raw_http(port, data):
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(data)
+    out = b""
+    try:
+        while True:
+            b = s.recv(4096)
+            if not b:
+                break
+            out += b
+    except socket.timeout:
+        pass
+    s.close()
+    return out
+
+
+def ambiguous_framing(port, name):
+    """Two differing Content-Length headers, or Content-Length with
+    Transfer-Encoding (request smuggling shapes): 400 naming it, not a guess."""
+    cases = [
+        (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 14\r\n"
+         b"Content-Length: 2\r\nConnection: close\r\n\r\n{\"prompt\":\"a\"}", b"Conflicting Content-Length"),
+        (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 14\r\n"
+         b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n0\r\n\r\n", b"Transfer-Encoding together"),
+    ]
+    for data, needle in cases:
+        out = raw_http(port, data)
+        check(out.startswith(b"HTTP/1.1 400") and needle in out,
+              "%s: ambiguous framing answered %r" % (name, out[:200]))
+
+
 def alive(cl):
     for p in [cl.router_proc] + [w.proc for w in cl.workers()]:
         check(p.poll() is None, "a service died (exit %s); see its log in the workdir" % p.returncode)
@@ -112,6 +143,8 @@ def main():
             check(b"deeper than" not in data,
                   "%s %s: brackets inside strings counted as nesting" % (name, path))
         alive(cl)
+    for name, port in ports.items():
+        ambiguous_framing(port, name)
     unauthenticated_frames(cl)
     for port in (cl.router_port, cl.decode[0].http_port):
         st, _, body = post(port, "/v1/completions", {"prompt": "hello", "max_tokens": 4})

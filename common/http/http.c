@@ -607,6 +607,31 @@ static int read_body(struct tdm_http_conn *c)
     return 0;
 }
 
+// A request whose body length is ambiguous is refused before its body is
+// read: two Content-Length headers that differ, or Content-Length beside
+// Transfer-Encoding (RFC 9112 6.3: the classic request-smuggling shapes, where
+// a proxy in front and this server could split the stream differently).
+static const char *framing_error(const struct mg_request_info *ri)
+{
+    const char *cl = NULL;
+    bool te = false;
+    for (int i = 0; i < ri->num_headers; i++) {
+        const char *name = ri->http_headers[i].name, *value = ri->http_headers[i].value;
+        if (!name || !value)
+            continue;
+        if (strcasecmp(name, "Content-Length") == 0) {
+            if (cl && strcmp(cl, value) != 0)
+                return "Conflicting Content-Length headers";
+            cl = value;
+        } else if (strcasecmp(name, "Transfer-Encoding") == 0) {
+            te = true;
+        }
+    }
+    if (cl && te)
+        return "Content-Length and Transfer-Encoding together are not accepted";
+    return NULL;
+}
+
 static void conn_fini(struct tdm_http_conn *c)
 {
     free(c->body);
@@ -647,6 +672,12 @@ static int on_begin_request(struct mg_connection *mg)
             snprintf(msg, sizeof msg, "The path %.200s was not found", path);
             tdm_http_respond_error(&c, 404, msg);
         }
+        goto done;
+    }
+    const char *framing = framing_error(ri);
+    if (framing) {
+        tdm_http_add_header(&c, "Connection", "close");
+        tdm_http_respond_error(&c, 400, framing);
         goto done;
     }
     int body_status = read_body(&c);
