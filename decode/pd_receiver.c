@@ -32,7 +32,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "pd_codec.h"
-#include "pd_service.h"
+#include "pd.h"
 #include "transport.h"
 
 #define MOD "pd"
