@@ -25,8 +25,8 @@
 #include <time.h>
 
 #include "core.h"
-#include "decode.h"
-#include "decode_parts.h"
+#include "worker.h"
+#include "worker_parts.h"
 #include "engine.h"
 #include "kv_cache.h"
 #include "metrics.h"
@@ -125,8 +125,8 @@ struct djob {
 
 struct tdm_pd_receiver {
     struct tdm_pd_receiver_config cfg;
-    struct tdm_decode_server *server;
-    struct tdm_decode_parts parts;
+    struct tdm_worker *server;
+    struct tdm_worker_parts parts;
     struct tdm_kv_config kvc;
     struct tdm_pd_service net; // inbox, outbox, instance id, receive thread, stopping
 
@@ -774,7 +774,7 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     double left = g->deadline_unix > 0 ? g->deadline_unix - (double)time(NULL) : 600;
     j->deadline = j->arrival + (left > 0 ? left : 0);
     char err[256];
-    if (!tdm_decode_server_ready(rx->server)) {
+    if (!tdm_worker_ready(rx->server)) {
         send_finish(j, TDM_FINISH_ERROR, TDM_ECLOSED,
                     "decode worker is not ready (loading or draining)");
         job_free(j);
@@ -995,7 +995,7 @@ static const struct tdm_pd_metric_names metric_names = {
                 "Seconds from the first KvData frame received to the last layer installed."},
 };
 
-int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *server,
+int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
                         const struct tdm_pd_receiver_config *cfg, char *err, size_t errlen)
 {
     *out = NULL;
@@ -1006,7 +1006,7 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *
     rx->server = server;
     pthread_mutex_init(&rx->mu, NULL);
     tdm_cond_init(&rx->cv);
-    int rc = tdm_decode_server_parts(server, &rx->parts);
+    int rc = tdm_worker_parts(server, &rx->parts);
     if (rc != TDM_OK) {
         tdm_seterr(err, errlen, rc, "pd: the server is not loaded");
         goto fail;

@@ -21,7 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-struct tdm_decode_server;
+struct tdm_worker;
 struct tdm_pd_receiver;
 
 struct tdm_pd_receiver_config {
@@ -50,7 +50,7 @@ const struct tdm_flags *tdm_pd_receiver_flags(void);
 
 // Starts the receiver on a loaded server. TDM_EBUSY before load,
 // TDM_ETRANSPORT when it cannot listen.
-int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *server,
+int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
                         const struct tdm_pd_receiver_config *cfg, char *err, size_t errlen);
 const char *tdm_pd_receiver_url(const struct tdm_pd_receiver *r);
 uint64_t tdm_pd_receiver_instance(const struct tdm_pd_receiver *r);

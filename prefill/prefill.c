@@ -23,8 +23,8 @@
 #include <time.h>
 
 #include "core.h"
-#include "decode.h"
-#include "decode_parts.h"
+#include "worker.h"
+#include "worker_parts.h"
 #include "engine.h"
 #include "kv_cache.h"
 #include "metrics.h"
@@ -107,8 +107,8 @@ struct pjob {
 
 struct tdm_prefill_service {
     struct tdm_prefill_config cfg;
-    struct tdm_decode_server *server;
-    struct tdm_decode_parts parts;
+    struct tdm_worker *server;
+    struct tdm_worker_parts parts;
     struct tdm_kv_config kvc;
     struct tdm_pd_service net; // inbox, outbox, instance id, receive thread, stopping
 
@@ -469,7 +469,7 @@ static void on_prefill(void *arg, const struct tdm_net_frame *f)
         strlen(m->reply_to->url) >= sizeof(((struct pjob *)0)->decode_url))
         goto out;
     tdm_metrics_counter_inc(p->m.requests);
-    if (!tdm_decode_server_ready(p->server)) {
+    if (!tdm_worker_ready(p->server)) {
         reply_error(p, m, TDM_ECLOSED, "prefill worker is not ready (loading or draining)");
         goto out;
     }
@@ -617,7 +617,7 @@ static const struct tdm_pd_metric_names metric_names = {
                 "final chunk's layers finish, so this overlaps the prefill)."},
 };
 
-int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_decode_server *server,
+int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker *server,
                             const struct tdm_prefill_config *cfg, char *err, size_t errlen)
 {
     *out = NULL;
@@ -628,7 +628,7 @@ int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_decode_
     p->server = server;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
-    int rc = tdm_decode_server_parts(server, &p->parts);
+    int rc = tdm_worker_parts(server, &p->parts);
     if (rc != TDM_OK) {
         tdm_seterr(err, errlen, rc, "prefill: the server is not loaded");
         goto fail;

@@ -3,19 +3,19 @@
 // (the decode worker's KV receiver, decode/pd_receiver.c, and the prefill
 // worker, prefill/prefill.c), which run on the same engine, model and metrics
 // registry as the HTTP path instead of loading their own.
-#ifndef TDM_DECODE_PARTS_H
-#define TDM_DECODE_PARTS_H
+#ifndef TDM_WORKER_PARTS_H
+#define TDM_WORKER_PARTS_H
 
 #include <stdbool.h>
 #include <stdint.h>
 
-struct tdm_decode_server;
+struct tdm_worker;
 struct tdm_engine;
 struct tdm_model;
 struct tdm_metrics_registry;
 
-// Borrowed pointers, valid until tdm_decode_server_free.
-struct tdm_decode_parts {
+// Borrowed pointers, valid until tdm_worker_free.
+struct tdm_worker_parts {
     struct tdm_engine *engine;
     struct tdm_model *model;
     struct tdm_metrics_registry *reg; // for the role's own tandem:* metrics
@@ -27,9 +27,9 @@ struct tdm_decode_parts {
     int vocab_size;
 };
 
-// Fills *out after tdm_decode_server_load succeeded; TDM_EBUSY before.
-int tdm_decode_server_parts(struct tdm_decode_server *s, struct tdm_decode_parts *out);
+// Fills *out after tdm_worker_load succeeded; TDM_EBUSY before.
+int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out);
 // True while the server accepts new requests (loaded, not draining).
-bool tdm_decode_server_ready(const struct tdm_decode_server *s);
+bool tdm_worker_ready(const struct tdm_worker *s);
 
 #endif

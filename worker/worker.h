@@ -9,30 +9,30 @@
 // and writes SSE chunks or one JSON body; a failed write (client gone) aborts
 // its engine requests so their KV blocks free at once.
 //
-// Lifecycle: tdm_decode_server_new starts listening at once (/health answers
-// 503 "loading"), tdm_decode_server_load loads the model and makes the server
-// ready, tdm_decode_server_drain stops accepting (health 503, new requests
+// Lifecycle: tdm_worker_new starts listening at once (/health answers
+// 503 "loading"), tdm_worker_load loads the model and makes the server
+// ready, tdm_worker_drain stops accepting (health 503, new requests
 // 503), lets running requests finish up to a timeout, and
-// tdm_decode_server_free stops everything. docs/decode-worker.md describes the
+// tdm_worker_free stops everything. docs/decode-worker.md describes the
 // behaviour, docs/configuration.md every flag.
-#ifndef TDM_DECODE_H
-#define TDM_DECODE_H
+#ifndef TDM_WORKER_H
+#define TDM_WORKER_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 // ---- configuration -------------------------------------------------------------------
-#define TDM_DECODE_STR 1024 // room for one path or name in the config
+#define TDM_WORKER_STR 1024 // room for one path or name in the config
 
 // Every flag of tandem-decode; names follow vLLM's where vLLM has one. Strings
 // are stored inline so a config outlives argv and the config file.
-struct tdm_decode_config {
-    char model[TDM_DECODE_STR];             // --model DIR or Hugging Face id (required)
+struct tdm_worker_config {
+    char model[TDM_WORKER_STR];             // --model DIR or Hugging Face id (required)
     char revision[256];                     // --revision for a Hub id; "" = main
     char host[256];                         // --host; default "0.0.0.0"
     int port;                               // --port; default 8001; 0 = any free port
-    char served_model_name[TDM_DECODE_STR]; // --served-model-name; "" = config.json's
+    char served_model_name[TDM_WORKER_STR]; // --served-model-name; "" = config.json's
                                             // _name_or_path, else the folder's name
     int max_model_len;                      // --max-model-len; 0 = the model's context
     int max_num_seqs;                       // --max-num-seqs; default 64
@@ -47,7 +47,7 @@ struct tdm_decode_config {
     double gpu_memory_utilization;          // --gpu-memory-utilization; default 0.9 (device only)
     bool enforce_eager;                     // --enforce-eager: no CUDA graphs
     bool int8;                              // --dtype int8 (default bf16)
-    char chat_template[TDM_DECODE_STR];     // --chat-template FILE; "" = tokenizer's
+    char chat_template[TDM_WORKER_STR];     // --chat-template FILE; "" = tokenizer's
     int max_waiting;                        // --max-waiting; default 1024
     double drain_timeout;                   // --drain-timeout SECONDS; default 30
     char log_level[16];                     // --log-level err|warn|info|debug; default info
@@ -57,63 +57,63 @@ struct tdm_decode_config {
 };
 
 // Fills the defaults above.
-void tdm_decode_config_default(struct tdm_decode_config *cfg);
+void tdm_worker_config_default(struct tdm_worker_config *cfg);
 
 // Sets one option by its flag name without the leading "--" ("max-num-seqs";
 // '_' and '-' are interchangeable). value is the text after the flag, or for
 // the boolean enable-prefix-caching "true"/"false" (NULL = true). TDM_EINVAL
 // with err "--port: expected an integer in [0, 65535], got \"x\"" or "unknown
 // option \"--foo\"".
-int tdm_decode_config_set(struct tdm_decode_config *cfg, const char *name, const char *value,
+int tdm_worker_config_set(struct tdm_worker_config *cfg, const char *name, const char *value,
                           char *err, size_t errlen);
 
 // Reads a flat YAML file of "key: value" lines (keys as flags without "--";
 // '#' comments, blank lines, single or double quotes around a value) into cfg.
 // TDM_EINVAL with "FILE:LINE: ..." for a bad line, TDM_ENOTFOUND/TDM_EIO.
-int tdm_decode_config_load_file(struct tdm_decode_config *cfg, const char *path, char *err,
+int tdm_worker_config_load_file(struct tdm_worker_config *cfg, const char *path, char *err,
                                 size_t errlen);
 
 // Parses argv (argv[0] skipped): --config FILE is applied first, then the other
 // flags override it. Returns TDM_OK, 1 when --help was given (nothing else is
 // checked), or TDM_EINVAL with a one-line message in err (unknown flag, missing
 // or bad value, --model missing).
-int tdm_decode_config_parse_args(struct tdm_decode_config *cfg, int argc, char **argv, char *err,
+int tdm_worker_config_parse_args(struct tdm_worker_config *cfg, int argc, char **argv, char *err,
                                  size_t errlen);
 
 // The flag table (core's struct tdm_flags): --help is tdm_flags_help of it.
 // Byte sizes ("2GiB", "512MiB") parse with core's tdm_parse_bytes.
 struct tdm_flags;
-const struct tdm_flags *tdm_decode_flags(void);
+const struct tdm_flags *tdm_worker_flags(void);
 
 // ---- the server --------------------------------------------------------------------------
-struct tdm_decode_server;
+struct tdm_worker;
 
 // Validates cfg and starts the HTTP server on cfg->host:cfg->port; until
-// tdm_decode_server_load succeeds, /health answers 503 and every API route 503.
+// tdm_worker_load succeeds, /health answers 503 and every API route 503.
 // TDM_EINVAL (bad config, err says which) or TDM_ETRANSPORT (cannot listen).
-int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decode_config *cfg,
+int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
                           char *err, size_t errlen);
 // Loads tokenizer, chat template, generation config and model, creates the
 // metrics registry and the engine, then marks the server ready. Errors: the
 // failing module's code and message.
-int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen);
+int tdm_worker_load(struct tdm_worker *s, char *err, size_t errlen);
 // The same load without the last step: /health stays 503 until
-// tdm_decode_server_set_ready. For a main that must open more listeners first
+// tdm_worker_set_ready. For a main that must open more listeners first
 // (the P/D nng inbox), so that a worker is never reported healthy before every
 // port it advertises accepts connections.
-int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_t errlen);
-void tdm_decode_server_set_ready(struct tdm_decode_server *s);
+int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen);
+void tdm_worker_set_ready(struct tdm_worker *s);
 // The bound port (the real one when cfg->port was 0).
-int tdm_decode_server_port(const struct tdm_decode_server *s);
+int tdm_worker_port(const struct tdm_worker *s);
 // The served model name and the KV capacity in tokens (after load).
-const char *tdm_decode_server_model_name(const struct tdm_decode_server *s);
-int64_t tdm_decode_server_kv_capacity_tokens(const struct tdm_decode_server *s);
+const char *tdm_worker_model_name(const struct tdm_worker *s);
+int64_t tdm_worker_kv_capacity_tokens(const struct tdm_worker *s);
 // Stops accepting (health 503, new API requests 503) and lets running requests
 // finish for up to timeout_s seconds (< 0: no limit); the rest are aborted and
 // their streams end. Returns once every in-flight HTTP request has returned
 // (or after a further 5 s grace). TDM_OK or TDM_ETIMEDOUT (some were aborted).
-int tdm_decode_server_drain(struct tdm_decode_server *s, double timeout_s);
+int tdm_worker_drain(struct tdm_worker *s, double timeout_s);
 // Stops the HTTP server, the engine and frees everything. Accepts NULL.
-void tdm_decode_server_free(struct tdm_decode_server *s);
+void tdm_worker_free(struct tdm_worker *s);
 
 #endif

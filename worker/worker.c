@@ -24,8 +24,8 @@
 
 #include "chat.h"
 #include "core.h"
-#include "decode.h"
-#include "decode_parts.h"
+#include "worker.h"
+#include "worker_parts.h"
 #include "engine.h"
 #include "hf.h"
 #include "http.h"
@@ -44,8 +44,8 @@
 
 enum server_state { STATE_LOADING = 0, STATE_READY, STATE_DRAINING };
 
-struct tdm_decode_server {
-    struct tdm_decode_config cfg;
+struct tdm_worker {
+    struct tdm_worker_config cfg;
     struct tdm_http_server *http;
     int port;
     _Atomic int state;
@@ -65,8 +65,8 @@ struct tdm_decode_server {
     struct tdm_metrics_registry *reg;
     struct tdm_metrics_vllm metrics;
     struct tdm_engine *engine;
-    char served_name[TDM_DECODE_STR];
-    char model_path[TDM_DECODE_STR]; // the folder --model names (a Hub id resolved to the cache)
+    char served_name[TDM_WORKER_STR];
+    char model_path[TDM_WORKER_STR]; // the folder --model names (a Hub id resolved to the cache)
     int max_model_len;
     int num_blocks;
     int64_t created;
@@ -79,7 +79,7 @@ struct tdm_decode_server {
 // tdm_oai_error_from_err / tdm_oai_http_fail, as the router answers it (a full
 // waiting queue and a draining server are 503 with Retry-After).
 struct call {
-    struct tdm_decode_server *s;
+    struct tdm_worker *s;
     struct tdm_http_conn *conn;
     struct tdm_oai_call oai;
     struct tdm_engine_request **reqs; // [oai.n_choices]; NULL once released
@@ -135,7 +135,7 @@ static void call_fini(struct call *k)
 // Submits one engine request per choice. On failure answers nothing; e is set.
 static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
 {
-    struct tdm_decode_server *s = k->s;
+    struct tdm_worker *s = k->s;
     const struct tdm_oai_request *rq = &k->oai.req;
     size_t n = (size_t)rq->n;
     k->reqs = calloc(k->oai.n_choices ? k->oai.n_choices : 1, sizeof *k->reqs);
@@ -227,7 +227,7 @@ static void run_collect(struct call *k)
     k->client_gone = tdm_http_client_gone(k->conn);
 }
 
-static void handle_generate(struct tdm_decode_server *s, struct tdm_http_conn *c,
+static void handle_generate(struct tdm_worker *s, struct tdm_http_conn *c,
                             enum tdm_oai_kind kind)
 {
     double arrival = tdm_now();
@@ -260,7 +260,7 @@ out:
 }
 
 // ---- models ---------------------------------------------------------------------------------
-static void handle_models(struct tdm_decode_server *s, struct tdm_http_conn *c)
+static void handle_models(struct tdm_worker *s, struct tdm_http_conn *c)
 {
     struct tdm_oai_model_card card = {
         .id = s->served_name,
@@ -278,7 +278,7 @@ static void handle_models(struct tdm_decode_server *s, struct tdm_http_conn *c)
 // the body under --max-body-bytes (404/405/401/413 never get here).
 static void on_health(struct tdm_http_conn *c, void *arg)
 {
-    struct tdm_decode_server *s = arg;
+    struct tdm_worker *s = arg;
     int state = atomic_load(&s->state);
     if (state == STATE_READY)
         tdm_http_respond(c, 200, "application/json", "", 0);
@@ -290,7 +290,7 @@ static void on_health(struct tdm_http_conn *c, void *arg)
 
 static void on_metrics(struct tdm_http_conn *c, void *arg)
 {
-    struct tdm_decode_server *s = arg;
+    struct tdm_worker *s = arg;
     if (atomic_load(&s->state) == STATE_LOADING || s->reg == NULL) {
         tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, "", 0);
         return;
@@ -315,7 +315,7 @@ enum api_route { ROUTE_MODELS, ROUTE_COMPLETIONS, ROUTE_CHAT, ROUTE_TOKENIZE, RO
 
 // The API routes: 503 while loading or draining, counted in inflight so that
 // drain waits for their last writes.
-static void on_api(struct tdm_decode_server *s, struct tdm_http_conn *c, enum api_route r)
+static void on_api(struct tdm_worker *s, struct tdm_http_conn *c, enum api_route r)
 {
     atomic_fetch_add(&s->inflight, 1);
     int state = atomic_load(&s->state);
@@ -362,13 +362,13 @@ static void on_detokenize(struct tdm_http_conn *c, void *arg)
 }
 
 // ---- lifecycle ---------------------------------------------------------------------------------
-int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decode_config *cfg,
+int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
                           char *err, size_t errlen)
 {
     *out = NULL;
     if (cfg->model[0] == '\0')
         return tdm_seterr(err, errlen, TDM_EINVAL, "--model DIR is required");
-    struct tdm_decode_server *s = calloc(1, sizeof *s);
+    struct tdm_worker *s = calloc(1, sizeof *s);
     if (s == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
     s->cfg = *cfg;
@@ -424,7 +424,7 @@ int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decod
 
 // Served name: the flag, else the Hub id as given (as vLLM names a model by its
 // --model), else config.json's _name_or_path, else the folder name.
-static void resolve_served_name(struct tdm_decode_server *s)
+static void resolve_served_name(struct tdm_worker *s)
 {
     if (s->cfg.served_model_name[0]) {
         snprintf(s->served_name, sizeof s->served_name, "%s", s->cfg.served_model_name);
@@ -452,7 +452,7 @@ static void resolve_served_name(struct tdm_decode_server *s)
     free(path);
     if (s->served_name[0])
         return;
-    char dir[TDM_DECODE_STR];
+    char dir[TDM_WORKER_STR];
     snprintf(dir, sizeof dir, "%s", s->model_path);
     size_t n = strlen(dir);
     while (n > 1 && dir[n - 1] == '/')
@@ -464,7 +464,7 @@ static void resolve_served_name(struct tdm_decode_server *s)
 // The text side of loading (tokenizer, generation_config.json, chat template);
 // runs on its own thread beside the model load to shorten the cold start.
 struct text_load {
-    struct tdm_decode_server *s;
+    struct tdm_worker *s;
     int rc;
     char err[512];
 };
@@ -472,8 +472,8 @@ struct text_load {
 static void *load_text_side(void *arg)
 {
     struct text_load *t = arg;
-    struct tdm_decode_server *s = t->s;
-    const struct tdm_decode_config *cfg = &s->cfg;
+    struct tdm_worker *s = t->s;
+    const struct tdm_worker_config *cfg = &s->cfg;
     t->rc = tdm_tok_load(&s->tok, s->model_path, t->err, sizeof t->err);
     if (t->rc != TDM_OK)
         return NULL;
@@ -502,9 +502,9 @@ static void *load_text_side(void *arg)
     return NULL;
 }
 
-int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_t errlen)
+int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
 {
-    const struct tdm_decode_config *cfg = &s->cfg;
+    const struct tdm_worker_config *cfg = &s->cfg;
     // A local folder is used as it is; an ORG/NAME id comes from the HF cache,
     // downloaded first when missing (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply).
     int hrc = tdm_hub_resolve_model(cfg->model, cfg->revision[0] ? cfg->revision : NULL, NULL,
@@ -621,35 +621,35 @@ int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_
     return TDM_OK;
 }
 
-void tdm_decode_server_set_ready(struct tdm_decode_server *s)
+void tdm_worker_set_ready(struct tdm_worker *s)
 {
     atomic_store(&s->state, STATE_READY);
 }
 
-int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen)
+int tdm_worker_load(struct tdm_worker *s, char *err, size_t errlen)
 {
-    int rc = tdm_decode_server_load_unready(s, err, errlen);
+    int rc = tdm_worker_load_unready(s, err, errlen);
     if (rc == TDM_OK)
-        tdm_decode_server_set_ready(s);
+        tdm_worker_set_ready(s);
     return rc;
 }
 
-int tdm_decode_server_port(const struct tdm_decode_server *s)
+int tdm_worker_port(const struct tdm_worker *s)
 {
     return s->port;
 }
 
-const char *tdm_decode_server_model_name(const struct tdm_decode_server *s)
+const char *tdm_worker_model_name(const struct tdm_worker *s)
 {
     return s->served_name;
 }
 
-int64_t tdm_decode_server_kv_capacity_tokens(const struct tdm_decode_server *s)
+int64_t tdm_worker_kv_capacity_tokens(const struct tdm_worker *s)
 {
     return (int64_t)s->num_blocks * s->cfg.block_size;
 }
 
-int tdm_decode_server_drain(struct tdm_decode_server *s, double timeout_s)
+int tdm_worker_drain(struct tdm_worker *s, double timeout_s)
 {
     atomic_store(&s->state, STATE_DRAINING);
     int rc = TDM_OK;
@@ -665,7 +665,7 @@ int tdm_decode_server_drain(struct tdm_decode_server *s, double timeout_s)
     return rc;
 }
 
-void tdm_decode_server_free(struct tdm_decode_server *s)
+void tdm_worker_free(struct tdm_worker *s)
 {
     if (s == NULL)
         return;
@@ -687,7 +687,7 @@ void tdm_decode_server_free(struct tdm_decode_server *s)
 }
 
 // ---- P/D hook (decode_parts.h) -------------------------------------------------------------
-int tdm_decode_server_parts(struct tdm_decode_server *s, struct tdm_decode_parts *out)
+int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out)
 {
     if (s->engine == NULL)
         return TDM_EBUSY;
@@ -703,7 +703,7 @@ int tdm_decode_server_parts(struct tdm_decode_server *s, struct tdm_decode_parts
     return TDM_OK;
 }
 
-bool tdm_decode_server_ready(const struct tdm_decode_server *s)
+bool tdm_worker_ready(const struct tdm_worker *s)
 {
     return atomic_load(&s->state) == STATE_READY;
 }
