@@ -26,7 +26,6 @@
 
 #include "core.h"
 #include "worker.h"
-#include "worker_parts.h"
 #include "engine.h"
 #include "kv_cache.h"
 #include "metrics.h"

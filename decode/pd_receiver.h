@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // pd_receiver: the decode worker's P/D side. It listens on an nng inbox for the
-// router's GenerateRequests and runs each one on the decode server's engine:
+// router's GenerateRequests and runs each one on the worker's engine (the
+// decode role on the worker base, worker/worker.h):
 // with a list of prefill workers it first reserves the prompt's blocks (an
 // IMPORT_KV engine request; its own prefix-cache match comes first), then asks
 // the first prefill worker for a prefill that pushes exactly the missing block

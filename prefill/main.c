@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // tandem-prefill: the prefill worker's command line. Takes the prefill flags
 // (--nng-url, --kv-hold-seconds, --layers-per-frame) and passes every other flag
-// to the decode server's parser (same model, engine and HTTP flags as
+// to the worker base's parser (same model, engine and HTTP flags as
 // tandem-decode), loads the model, starts the P/D prefill service, logs one
 // line and waits for SIGTERM/SIGINT: then it stops the service (held KV is
 // released) and drains the HTTP side.

@@ -24,7 +24,6 @@
 
 #include "core.h"
 #include "worker.h"
-#include "worker_parts.h"
 #include "engine.h"
 #include "kv_cache.h"
 #include "metrics.h"

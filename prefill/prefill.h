@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// prefill: the prefill worker's P/D service (`tandem-prefill`). It runs on a
-// loaded decode server (decode_parts.h: same engine, model and metrics registry,
-// and the same HTTP surface: /health, /metrics and the OpenAI API) and listens
+// prefill: the prefill worker's P/D service (`tandem-prefill`). It is a role on
+// the worker base (worker/worker.h's tdm_worker_parts: same engine, model and
+// metrics registry, and the worker's HTTP surface: /health, /metrics and the
+// OpenAI API) and listens
 // on an nng inbox for PrefillRequests from decode workers. Each one names the
 // block range the decode worker lacks (it reserved its blocks first) and
 // becomes a PREFILL_ONLY engine request (batched and chunked with the others,
@@ -41,7 +42,7 @@ const struct tdm_flags *tdm_prefill_flags(void);
 int tdm_prefill_config_take_args(struct tdm_prefill_config *cfg, int *argc, char **argv, char *err,
                                  size_t errlen);
 
-// Starts the service on a loaded server (tdm_worker_load done): opens
+// Starts the service on a loaded worker (tdm_worker_load done): opens
 // the inbox, registers the tandem:* transfer metrics, starts the receive thread.
 // TDM_EBUSY when the server is not loaded, TDM_ETRANSPORT when it cannot listen.
 int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker *server,

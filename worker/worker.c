@@ -1,269 +1,37 @@
 // SPDX-License-Identifier: Apache-2.0
-// decode: the decode worker's server core (see decode.h). Two layers over
-// common/http:
-//   - routes (health, metrics, models, version, tokenize, detokenize);
-//   - the generation path: parse, chat template, tokenize and context checks
-//     (common/openai's tdm_oai_call) -> one engine request per choice -> read
-//     the engine's output streams into the choices' assemblers (incremental
-//     detokenizer, stop-string matcher) -> SSE chunks (common/openai's
-//     tdm_oai_http_stream, with this file's engine pump) or one body.
+// worker: the worker base's lifecycle and routes (see worker.h): listen at
+// once, load (model beside the text side on a second thread), ready, drain,
+// free; the routes health, metrics, models, version, tokenize, detokenize and
+// the two generation routes (worker_generate.c), all answering 503 until the
+// worker is ready and again once it drains.
 // Invariants: an HTTP thread never touches the model or the KV cache, only the
-// engine's queues; every engine request a handler submitted is aborted (if
-// still running) and released before the handler returns, so a client that
-// goes away never leaves KV blocks behind; a bad request is answered on its own
-// thread and never reaches the engine.
-#include <cjson/cJSON.h>
+// engine's queues; drain waits for every API handler (inflight) to return.
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 
-#include "chat.h"
 #include "core.h"
-#include "worker.h"
-#include "worker_parts.h"
 #include "engine.h"
-#include "hf.h"
 #include "http.h"
-#include "hub.h"
 #include "metrics.h"
 #include "model.h"
 #include "openai.h"
 #include "openai_http.h"
-#include "tokenizer.h"
+#include "text.h"
+#include "worker_impl.h"
 
 #ifndef TANDEM_VERSION
 #define TANDEM_VERSION "0.0.0"
 #endif
 
-#define MOD "decode"
-
-enum server_state { STATE_LOADING = 0, STATE_READY, STATE_DRAINING };
-
-struct tdm_worker {
-    struct tdm_worker_config cfg;
-    struct tdm_http_server *http;
-    int port;
-    _Atomic int state;
-    _Atomic int inflight; // API handlers running (drain waits for 0)
-    pthread_mutex_t mu;   // guards nothing but the drain wait's condvar
-    pthread_cond_t idle_cv;
-
-    // after load
-    struct tdm_model *model;
-    struct tdm_tokenizer *tok;
-    struct tdm_chat_template *chat; // NULL when the model has no usable template
-    char chat_err[256];             // why chat is unavailable
-    struct tdm_generation_config gen;
-    struct tdm_oai_model_info info;
-    int32_t eos_ids[2 * TDM_MAX_EOS]; // config.json's and generation_config.json's
-    int num_eos;
-    struct tdm_metrics_registry *reg;
-    struct tdm_metrics_vllm metrics;
-    struct tdm_engine *engine;
-    char served_name[TDM_WORKER_STR];
-    char model_path[TDM_WORKER_STR]; // the folder --model names (a Hub id resolved to the cache)
-    int max_model_len;
-    int num_blocks;
-    int64_t created;
-};
-
-// ---- generation -------------------------------------------------------------------------
-// One call = the request's choices (common/openai: tokens -> text, stop
-// strings, logprobs, finish) and one engine request per choice behind them;
-// common/openai's openai_http writes the stream. A failure is answered by
-// tdm_oai_error_from_err / tdm_oai_http_fail, as the router answers it (a full
-// waiting queue and a draining server are 503 with Retry-After).
-struct call {
-    struct tdm_worker *s;
-    struct tdm_http_conn *conn;
-    struct tdm_oai_call oai;
-    struct tdm_engine_request **reqs; // [oai.n_choices]; NULL once released
-    bool client_gone;
-};
-
-// Consumes one engine chunk into choice i (common/openai's shared step). A
-// stop string that completes aborts the engine request (counted as
-// finished_reason "stop").
-static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c)
-{
-    const struct tdm_oai_gen_chunk g = {
-        .tokens = c->tokens,
-        .n = c->n > 0 ? (size_t)c->n : 0,
-        .logprobs = c->logprobs,
-        .top = c->top,
-        .num_top = c->num_top,
-        .finished = c->finished,
-        .reason = c->reason,
-        .stop_token = c->stop_token,
-        .error = c->error,
-        .message = c->message,
-    };
-    bool stopped = false;
-    if (tdm_oai_call_take(&k->oai, i, &g, tdm_tok_eos_id(k->s->tok), &k->s->gen, &stopped) !=
-        TDM_OK)
-        return TDM_ENOMEM;
-    if (stopped)
-        tdm_engine_abort(k->s->engine, k->reqs[i], TDM_FINISH_STOP);
-    return TDM_OK;
-}
-
-// Aborts what still runs and drops every handle (KV frees at the engine's next step).
-static void release_all(struct call *k, enum tdm_finish why)
-{
-    for (size_t i = 0; k->reqs && i < k->oai.n_choices; i++) {
-        if (k->reqs[i]) {
-            if (!k->oai.choices[i].done)
-                tdm_engine_abort(k->s->engine, k->reqs[i], why);
-            tdm_engine_request_release(k->reqs[i]);
-            k->reqs[i] = NULL;
-        }
-    }
-}
-
-static void call_fini(struct call *k)
-{
-    release_all(k, TDM_FINISH_ABORT);
-    free(k->reqs);
-    tdm_oai_call_fini(&k->oai);
-}
-
-// Submits one engine request per choice. On failure answers nothing; e is set.
-static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
-{
-    struct tdm_worker *s = k->s;
-    const struct tdm_oai_request *rq = &k->oai.req;
-    size_t n = (size_t)rq->n;
-    k->reqs = calloc(k->oai.n_choices ? k->oai.n_choices : 1, sizeof *k->reqs);
-    if (k->reqs == NULL)
-        return tdm_oai_seterr(e, 500, NULL, "out of memory");
-    for (size_t i = 0; i < k->oai.n_choices; i++) {
-        const struct tdm_oai_tokenized_prompt *p = &k->oai.prompts[k->oai.choices[i].prompt_idx];
-        struct tdm_engine_request_params ep;
-        tdm_engine_request_params_default(&ep);
-        char id[128];
-        snprintf(id, sizeof id, "%s-%zu", k->oai.resp.id, i);
-        ep.id = id;
-        ep.prompt = p->ids;
-        ep.n_prompt = (int)p->n;
-        ep.sampling = rq->sampling;
-        // vLLM gives the i-th of n sequences the seed + i, so choices differ but
-        // each is reproducible.
-        if (ep.sampling.has_seed)
-            ep.sampling.seed += (uint64_t)(i % n);
-        ep.max_tokens = p->max_tokens;
-        ep.eos_ids = s->eos_ids;
-        ep.num_eos = s->num_eos;
-        ep.arrival_time = arrival;
-        ep.params_n = rq->n;
-        char err[512];
-        int rc = tdm_engine_submit(s->engine, &ep, &k->reqs[i], err, sizeof err);
-        if (rc != TDM_OK) {
-            k->reqs[i] = NULL;
-            release_all(k, TDM_FINISH_ABORT);
-            // The engine's message for a full queue names --max-waiting; the
-            // router answers the same failure with the same body.
-            return tdm_oai_error_from_err(e, rc,
-                                          rc == TDM_ECLOSED ? "The server is shutting down." : err);
-        }
-    }
-    return TDM_OK;
-}
-
-// Reads engine output for every unfinished choice; blocks briefly when none
-// had anything. Returns the number of choices that progressed, -2 on ENOMEM.
-// (The call's token source for tdm_oai_http_stream.)
-static int pump(void *arg)
-{
-    struct call *k = arg;
-    int progressed = 0, active = 0;
-    for (size_t i = 0; i < k->oai.n_choices; i++)
-        active += !k->oai.choices[i].done;
-    bool waited = false;
-    for (size_t i = 0; i < k->oai.n_choices; i++) {
-        struct tdm_oai_asm *a = &k->oai.choices[i];
-        if (a->done)
-            continue;
-        // With one choice block on its stream; with several poll them and block
-        // a little on the first so the loop does not spin.
-        double wait = 0;
-        if (!waited) {
-            wait = active == 1 ? 1.0 : 0.002;
-            waited = true;
-        }
-        struct tdm_engine_chunk c;
-        int rc = tdm_engine_stream_next(k->reqs[i], wait, &c);
-        if (rc == TDM_ETIMEDOUT)
-            continue;
-        if (rc == TDM_ECLOSED) { // finish already taken (should not happen)
-            a->done = true;
-            continue;
-        }
-        if (take_chunk(k, i, &c) != TDM_OK)
-            return -2;
-        progressed++;
-    }
-    return progressed;
-}
-
-static void run_collect(struct call *k)
-{
-    while (!tdm_oai_call_done(&k->oai)) {
-        if (pump(k) < 0) {
-            tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
-            return;
-        }
-    }
-    const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
-    if (bad) {
-        tdm_oai_http_fail(k->conn, bad->error, bad->message);
-        return;
-    }
-    tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));
-    k->client_gone = tdm_http_client_gone(k->conn);
-}
-
-static void handle_generate(struct tdm_worker *s, struct tdm_http_conn *c,
-                            enum tdm_oai_kind kind)
-{
-    double arrival = tdm_now();
-    struct call k;
-    memset(&k, 0, sizeof k);
-    k.s = s;
-    k.conn = c;
-    if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
-        goto out; // answered: an error, or echo only
-    struct tdm_oai_error e;
-    if (submit_all(&k, arrival, &e) != TDM_OK) {
-        tdm_oai_http_error(c, &e);
-        goto out;
-    }
-    // Streams probe the client after a second without tokens (queued, long prefill).
-    if (k.oai.req.stream)
-        k.client_gone = tdm_oai_http_stream(c, &k.oai, pump, &k, 1.0) == TDM_ECLOSED;
-    else
-        run_collect(&k);
-    // One line per request; finish=abort when the client went away.
-    struct tdm_oai_usage u;
-    tdm_oai_call_usage(&k.oai, &u);
-    const char *finish = k.client_gone ? "abort" : "-";
-    if (!k.client_gone && k.oai.n_choices && k.oai.choices[0].finish != TDM_FINISH_NONE)
-        finish = tdm_finish_name(k.oai.choices[0].finish);
-    TDM_LOG_INFO(MOD, "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
-                 k.oai.resp.id, k.oai.n_choices, u.prompt_tokens, u.completion_tokens, finish);
-out:
-    call_fini(&k);
-}
-
 // ---- models ---------------------------------------------------------------------------------
 static void handle_models(struct tdm_worker *s, struct tdm_http_conn *c)
 {
     struct tdm_oai_model_card card = {
-        .id = s->served_name,
+        .id = s->text.served_name,
         .root = s->cfg.model,
         .parent = NULL,
         .max_model_len = s->max_model_len,
@@ -284,8 +52,8 @@ static void on_health(struct tdm_http_conn *c, void *arg)
         tdm_http_respond(c, 200, "application/json", "", 0);
     else
         tdm_oai_http_errorf(c, 503, NULL, "%s",
-                            state == STATE_LOADING ? "The model is loading."
-                                                   : "The server is draining.");
+                                state == STATE_LOADING ? "The model is loading."
+                                                       : "The server is draining.");
 }
 
 static void on_metrics(struct tdm_http_conn *c, void *arg)
@@ -321,18 +89,19 @@ static void on_api(struct tdm_worker *s, struct tdm_http_conn *c, enum api_route
     int state = atomic_load(&s->state);
     if (state != STATE_READY)
         tdm_oai_http_errorf(c, 503, NULL, "%s",
-                            state == STATE_LOADING ? "The model is loading."
-                                                   : "The server is shutting down.");
+                                state == STATE_LOADING ? "The model is loading."
+                                                       : "The server is shutting down.");
     else if (r == ROUTE_MODELS)
         handle_models(s, c);
     else if (r == ROUTE_COMPLETIONS)
-        handle_generate(s, c, TDM_OAI_COMPLETION);
+        worker_handle_generate(s, c, TDM_OAI_COMPLETION);
     else if (r == ROUTE_CHAT)
-        handle_generate(s, c, TDM_OAI_CHAT);
+        worker_handle_generate(s, c, TDM_OAI_CHAT);
     else if (r == ROUTE_TOKENIZE)
-        tdm_oai_http_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
+        tdm_oai_http_tokenize(c, &s->info, s->text.tok, s->text.chat, s->text.chat_err,
+                              s->max_model_len);
     else
-        tdm_oai_http_detokenize(c, &s->info, s->tok);
+        tdm_oai_http_detokenize(c, &s->info, s->text.tok);
     if (atomic_fetch_sub(&s->inflight, 1) == 1) {
         pthread_mutex_lock(&s->mu);
         pthread_cond_broadcast(&s->idle_cv);
@@ -362,8 +131,8 @@ static void on_detokenize(struct tdm_http_conn *c, void *arg)
 }
 
 // ---- lifecycle ---------------------------------------------------------------------------------
-int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
-                          char *err, size_t errlen)
+int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg, char *err,
+                   size_t errlen)
 {
     *out = NULL;
     if (cfg->model[0] == '\0')
@@ -422,47 +191,8 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
     return TDM_OK;
 }
 
-// Served name: the flag, else the Hub id as given (as vLLM names a model by its
-// --model), else config.json's _name_or_path, else the folder name.
-static void resolve_served_name(struct tdm_worker *s)
-{
-    if (s->cfg.served_model_name[0]) {
-        snprintf(s->served_name, sizeof s->served_name, "%s", s->cfg.served_model_name);
-        return;
-    }
-    struct stat st;
-    if (stat(s->cfg.model, &st) != 0 || !S_ISDIR(st.st_mode)) { // a Hub id
-        snprintf(s->served_name, sizeof s->served_name, "%s", s->cfg.model);
-        return;
-    }
-    char *path = tdm_path_join(s->model_path, "config.json");
-    char *text = NULL;
-    size_t len = 0;
-    char err[64];
-    if (path && tdm_read_file(path, &text, &len, err, sizeof err) == TDM_OK) {
-        cJSON *j = tdm_json_check_depth(text, len, TDM_JSON_MAX_DEPTH, NULL, 0)
-                       ? NULL
-                       : cJSON_ParseWithLength(text, len);
-        const cJSON *n = cJSON_GetObjectItemCaseSensitive(j, "_name_or_path");
-        if (cJSON_IsString(n) && n->valuestring[0])
-            snprintf(s->served_name, sizeof s->served_name, "%s", n->valuestring);
-        cJSON_Delete(j);
-    }
-    free(text);
-    free(path);
-    if (s->served_name[0])
-        return;
-    char dir[TDM_WORKER_STR];
-    snprintf(dir, sizeof dir, "%s", s->model_path);
-    size_t n = strlen(dir);
-    while (n > 1 && dir[n - 1] == '/')
-        dir[--n] = '\0';
-    const char *base = strrchr(dir, '/');
-    snprintf(s->served_name, sizeof s->served_name, "%s", base && base[1] ? base + 1 : dir);
-}
-
-// The text side of loading (tokenizer, generation_config.json, chat template);
-// runs on its own thread beside the model load to shorten the cold start.
+// The text side of loading (common/text); runs on its own thread beside the
+// model load to shorten the cold start.
 struct text_load {
     struct tdm_worker *s;
     int rc;
@@ -472,33 +202,15 @@ struct text_load {
 static void *load_text_side(void *arg)
 {
     struct text_load *t = arg;
-    struct tdm_worker *s = t->s;
-    const struct tdm_worker_config *cfg = &s->cfg;
-    t->rc = tdm_tok_load(&s->tok, s->model_path, t->err, sizeof t->err);
-    if (t->rc != TDM_OK)
-        return NULL;
-    t->rc = tdm_hf_generation_config_load(&s->gen, s->model_path, t->err, sizeof t->err);
-    if (t->rc != TDM_OK)
-        return NULL;
-    const char *tmpl = tdm_tok_chat_template(s->tok);
-    if (cfg->chat_template[0]) {
-        // An explicit template must work.
-        t->rc = tdm_chat_template_new(&s->chat, tmpl, cfg->chat_template, t->err, sizeof t->err);
-    } else if (tmpl == NULL) {
-        snprintf(s->chat_err, sizeof s->chat_err,
-                 "tokenizer_config.json has no chat_template (use --chat-template)");
-    } else if (tdm_chat_template_new(&s->chat, tmpl, NULL, s->chat_err, sizeof s->chat_err) !=
-               TDM_OK) {
-        s->chat = NULL;
-        TDM_LOG_WARN(MOD, "chat endpoint disabled: %s", s->chat_err);
-    }
-    // HF hands the template the tokenizer's special tokens (bos_token, eos_token).
-    if (s->chat && t->rc == TDM_OK &&
-        (t->rc = tdm_chat_template_set_tokens(
-             s->chat, tdm_tok_id_to_piece(s->tok, tdm_tok_bos_id(s->tok)),
-             tdm_tok_id_to_piece(s->tok, tdm_tok_eos_id(s->tok)),
-             tdm_tok_id_to_piece(s->tok, tdm_tok_pad_id(s->tok)))) != TDM_OK)
-        snprintf(t->err, sizeof t->err, "chat template: setting special tokens failed");
+    const struct tdm_worker_config *cfg = &t->s->cfg;
+    struct tdm_text_config tc = {
+        .model = cfg->model,
+        .model_path = t->s->model_path,
+        .served_model_name = cfg->served_model_name,
+        .chat_template = cfg->chat_template,
+        .log_module = WORKER_MOD,
+    };
+    t->rc = tdm_text_load(&t->s->text, &tc, t->err, sizeof t->err);
     return NULL;
 }
 
@@ -507,8 +219,8 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     const struct tdm_worker_config *cfg = &s->cfg;
     // A local folder is used as it is; an ORG/NAME id comes from the HF cache,
     // downloaded first when missing (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply).
-    int hrc = tdm_hub_resolve_model(cfg->model, cfg->revision[0] ? cfg->revision : NULL, NULL,
-                                    s->model_path, sizeof s->model_path, err, errlen);
+    int hrc = tdm_text_resolve(cfg->model, cfg->revision, s->model_path, sizeof s->model_path, err,
+                               errlen);
     if (hrc != TDM_OK)
         return hrc;
     struct text_load tl = {.s = s, .rc = TDM_OK};
@@ -534,21 +246,20 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     if (tl.rc != TDM_OK)
         return tdm_seterr(err, errlen, tl.rc, "%s", tl.err);
     const struct tdm_model_config *mc = tdm_model_config(s->model);
-    if (cfg->max_model_len > mc->max_position_embeddings)
-        return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "--max-model-len %d exceeds the model's max_position_embeddings %d",
-                          cfg->max_model_len, mc->max_position_embeddings);
-    s->max_model_len = cfg->max_model_len ? cfg->max_model_len : mc->max_position_embeddings;
+    rc = tdm_text_context_len(cfg->max_model_len, mc->max_position_embeddings, &s->max_model_len,
+                              err, errlen);
+    if (rc != TDM_OK)
+        return rc;
     for (int i = 0; i < mc->num_eos_token_ids; i++)
         s->eos_ids[s->num_eos++] = mc->eos_token_ids[i];
-    for (int i = 0; i < s->gen.num_eos_token_ids; i++) {
+    for (int i = 0; i < s->text.gen.num_eos_token_ids; i++) {
         bool dup = false;
         for (int j = 0; j < s->num_eos; j++)
-            dup |= s->eos_ids[j] == s->gen.eos_token_ids[i];
-        if (!dup && s->gen.eos_token_ids[i] >= 0 && s->gen.eos_token_ids[i] < mc->vocab_size)
-            s->eos_ids[s->num_eos++] = s->gen.eos_token_ids[i];
+            dup |= s->eos_ids[j] == s->text.gen.eos_token_ids[i];
+        if (!dup && s->text.gen.eos_token_ids[i] >= 0 &&
+            s->text.gen.eos_token_ids[i] < mc->vocab_size)
+            s->eos_ids[s->num_eos++] = s->text.gen.eos_token_ids[i];
     }
-    resolve_served_name(s);
 
     // The pool size is computed here (as the engine would) because
     // vllm:cache_config_info must carry num_gpu_blocks when it is registered.
@@ -584,7 +295,7 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
         return rc;
     struct tdm_metrics_vllm_config mcfg;
     memset(&mcfg, 0, sizeof mcfg);
-    mcfg.model_name = s->served_name;
+    mcfg.model_name = s->text.served_name;
     mcfg.engine = "0";
     mcfg.max_model_len = s->max_model_len;
     mcfg.cache.block_size = cfg->block_size;
@@ -614,10 +325,10 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
         return rc;
     s->max_model_len = tdm_engine_get_config(s->engine)->max_model_len;
 
-    s->info.served_name = s->served_name;
+    s->info.served_name = s->text.served_name;
     s->info.vocab_size = mc->vocab_size;
     s->info.max_model_len = s->max_model_len;
-    s->info.gen = &s->gen;
+    s->info.gen = &s->text.gen;
     return TDM_OK;
 }
 
@@ -641,7 +352,7 @@ int tdm_worker_port(const struct tdm_worker *s)
 
 const char *tdm_worker_model_name(const struct tdm_worker *s)
 {
-    return s->served_name;
+    return s->text.served_name;
 }
 
 int64_t tdm_worker_kv_capacity_tokens(const struct tdm_worker *s)
@@ -677,8 +388,7 @@ void tdm_worker_free(struct tdm_worker *s)
     tdm_http_server_stop(s->http);
     tdm_engine_free(s->engine);
     tdm_model_free(s->model);
-    tdm_chat_template_free(s->chat);
-    tdm_tok_free(s->tok);
+    tdm_text_fini(&s->text);
     tdm_metrics_registry_free(s->reg);
     tdm_http_server_free(s->http);
     pthread_cond_destroy(&s->idle_cv);
@@ -686,7 +396,7 @@ void tdm_worker_free(struct tdm_worker *s)
     free(s);
 }
 
-// ---- P/D hook (decode_parts.h) -------------------------------------------------------------
+// ---- for the roles (worker.h) ----------------------------------------------------------------
 int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out)
 {
     if (s->engine == NULL)
@@ -694,7 +404,7 @@ int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out)
     out->engine = s->engine;
     out->model = s->model;
     out->reg = s->reg;
-    out->served_name = s->served_name;
+    out->served_name = s->text.served_name;
     out->eos_ids = s->eos_ids;
     out->num_eos = s->num_eos;
     out->max_model_len = s->max_model_len;

@@ -1,20 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
-// decode: the decode worker (`tandem-decode`) as a library. It loads a model
-// folder, owns one engine (paged KV cache + continuous-batching scheduler on
-// one engine thread) and serves vLLM's OpenAI-compatible HTTP API on it:
-// /v1/completions, /v1/chat/completions (stream and non-stream), /v1/models,
-// /health, /metrics, /tokenize, /detokenize, /version. Each HTTP worker thread
-// parses a request, tokenizes it, submits one engine request per choice, reads
-// the engine's output stream, detokenizes incrementally, applies stop strings
-// and writes SSE chunks or one JSON body; a failed write (client gone) aborts
-// its engine requests so their KV blocks free at once.
+// worker: the base both worker roles run on, the decode worker
+// (`tandem-decode`, decode/) and the prefill worker (`tandem-prefill`,
+// prefill/). It loads a model folder (or a Hugging Face id, through the HF
+// cache), the text side (common/text: tokenizer, chat template, generation
+// config, served name), owns one engine (paged KV cache + continuous-batching
+// scheduler on one engine thread) and serves vLLM's OpenAI-compatible HTTP API
+// on it: /v1/completions, /v1/chat/completions (stream and non-stream),
+// /v1/models, /health, /metrics, /tokenize, /detokenize, /version. Each HTTP
+// worker thread parses a request, tokenizes it, submits one engine request per
+// choice, reads the engine's output stream, detokenizes incrementally, applies
+// stop strings and writes SSE chunks or one JSON body; a failed write (client
+// gone) aborts its engine requests so their KV blocks free at once
+// (worker_generate.c). A role adds its nng side on the same engine, model and
+// metrics registry through tdm_worker_parts.
 //
-// Lifecycle: tdm_worker_new starts listening at once (/health answers
-// 503 "loading"), tdm_worker_load loads the model and makes the server
-// ready, tdm_worker_drain stops accepting (health 503, new requests
-// 503), lets running requests finish up to a timeout, and
-// tdm_worker_free stops everything. docs/decode-worker.md describes the
-// behaviour, docs/configuration.md every flag.
+// Lifecycle: tdm_worker_new starts listening at once (/health answers 503
+// "loading"), tdm_worker_load loads the model and makes the server ready,
+// tdm_worker_drain stops accepting (health 503, new requests 503), lets
+// running requests finish up to a timeout, and tdm_worker_free stops
+// everything. docs/decode-worker.md describes the behaviour,
+// docs/configuration.md every flag, docs/architecture.md where this sits.
 #ifndef TDM_WORKER_H
 #define TDM_WORKER_H
 
@@ -25,8 +30,9 @@
 // ---- configuration -------------------------------------------------------------------
 #define TDM_WORKER_STR 1024 // room for one path or name in the config
 
-// Every flag of tandem-decode; names follow vLLM's where vLLM has one. Strings
-// are stored inline so a config outlives argv and the config file.
+// Every flag of the worker base (tandem-decode and tandem-prefill take them all); names follow
+// vLLM's where vLLM has one. Strings are stored inline so a config outlives argv and the config
+// file.
 struct tdm_worker_config {
     char model[TDM_WORKER_STR];             // --model DIR or Hugging Face id (required)
     char revision[256];                     // --revision for a Hub id; "" = main
@@ -91,8 +97,8 @@ struct tdm_worker;
 // Validates cfg and starts the HTTP server on cfg->host:cfg->port; until
 // tdm_worker_load succeeds, /health answers 503 and every API route 503.
 // TDM_EINVAL (bad config, err says which) or TDM_ETRANSPORT (cannot listen).
-int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
-                          char *err, size_t errlen);
+int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg, char *err,
+                   size_t errlen);
 // Loads tokenizer, chat template, generation config and model, creates the
 // metrics registry and the engine, then marks the server ready. Errors: the
 // failing module's code and message.
@@ -115,5 +121,31 @@ int64_t tdm_worker_kv_capacity_tokens(const struct tdm_worker *s);
 int tdm_worker_drain(struct tdm_worker *s, double timeout_s);
 // Stops the HTTP server, the engine and frees everything. Accepts NULL.
 void tdm_worker_free(struct tdm_worker *s);
+
+// ---- for the roles -------------------------------------------------------------------------
+// A narrow window into a loaded worker for its role's nng side (the decode
+// worker's P/D receiver, the prefill worker's service), which run on the same
+// engine, model and metrics registry as the HTTP path instead of loading their own.
+struct tdm_engine;
+struct tdm_model;
+struct tdm_metrics_registry;
+
+// Borrowed pointers, valid until tdm_worker_free.
+struct tdm_worker_parts {
+    struct tdm_engine *engine;
+    struct tdm_model *model;
+    struct tdm_metrics_registry *reg; // for the role's own tandem:* metrics
+    const char *served_name;
+    const int32_t *eos_ids; // [num_eos] config.json's and generation_config.json's
+    int num_eos;
+    int max_model_len;
+    int block_size;
+    int vocab_size;
+};
+
+// Fills *out after tdm_worker_load succeeded; TDM_EBUSY before.
+int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out);
+// True while the server accepts new requests (loaded, not draining).
+bool tdm_worker_ready(const struct tdm_worker *s);
 
 #endif

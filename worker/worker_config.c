@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// decode_config: tandem-decode's flags and config file. One table (core's
+// worker_config: the worker base's flags and config file (tandem-decode and
+// tandem-prefill take them all). One table (core's
 // struct tdm_flag) maps each option name to its field and check, so the
 // command line and the flat YAML file (vLLM's --config style: the same keys as
 // the flags, "key: value") accept exactly the same things with the same checks

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// decode_config_test: the flag and config-file parser of tandem-decode
+// worker_config_test: the flag and config-file parser of the worker base
 // (defaults, every value kind, suffixes, file/flag precedence, error
 // messages with file:line). The server itself is covered by the Python
 // integration tests in integration-tests/.
