@@ -373,9 +373,9 @@ struct remote {
     const Tandem__PrefillTarget *t;
     struct tdm_engine_request *req;
     int first_block, num_blocks;
-    uint64_t tid;                // this attempt's transfer id
-    uint64_t seen;               // j->version at the last view
-    Tandem__PrefillResult *res;  // taken from the job by check_result or retire; owned
+    uint64_t tid;               // this attempt's transfer id
+    uint64_t seen;              // j->version at the last view
+    Tandem__PrefillResult *res; // taken from the job by check_result or retire; owned
 };
 
 static double remote_now(void *ctx)
@@ -532,8 +532,8 @@ static void remote_commit(void *ctx, const struct tdm_pd_attempt *a)
     double prefill_s = a->t_result - a->t_sent;
     // The exposed transfer: result -> last layer installed (0 when every frame
     // came before the result).
-    double exposed = x->num_blocks > 0 && v->t_kv_done > a->t_result ? v->t_kv_done - a->t_result
-                                                                      : 0;
+    double exposed =
+        x->num_blocks > 0 && v->t_kv_done > a->t_result ? v->t_kv_done - a->t_result : 0;
     if (x->num_blocks > 0) {
         tdm_metrics_counter_add(rx->m.bytes, (double)v->bytes_done);
         tdm_metrics_counter_add(rx->m.blocks, (double)x->num_blocks);
@@ -592,8 +592,12 @@ static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     int L = rx->kvc.num_layers;
     if (t == NULL || t->url == NULL || t->url[0] == '\0' || strlen(t->url) >= sizeof j->prefill_url)
         return false;
-    struct remote x = {.j = j, .t = t, .req = req, .first_block = first_block,
-                       .num_blocks = num_blocks, .tid = tdm_net_new_instance_id()};
+    struct remote x = {.j = j,
+                       .t = t,
+                       .req = req,
+                       .first_block = first_block,
+                       .num_blocks = num_blocks,
+                       .tid = tdm_net_new_instance_id()};
     pthread_mutex_lock(&rx->mu);
     j->transfer_id = x.tid;
     snprintf(j->prefill_url, sizeof j->prefill_url, "%s", t->url);
