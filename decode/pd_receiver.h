@@ -10,9 +10,10 @@
 // once it has every layer and the PrefillResult (the first token the prefill
 // worker sampled) finishes the import and decodes on; tokens go back to the
 // router as TokenChunks. A prefill worker that fails, disconnects or is slow is
-// replaced by the next listed one (same reserved blocks), then by a local
-// prefill (the router asks for that fallback), before any token reached the
-// router, so the client never sees a retry. Every wait is bounded (request
+// replaced by the next listed one (same reserved blocks; at most the request's
+// max_prefill_attempts of them; one attempt is decode/pd_attempt.h's state
+// machine), then by a local prefill (the router asks for that fallback),
+// before any token reached the router, so the client never sees a retry. Every wait is bounded (request
 // deadline, prefill and transfer timeouts); a Cancel from the router aborts the
 // engine request and cancels the prefill worker's job, so KV is freed on both
 // sides. docs/pd-protocol.md describes the protocol.
