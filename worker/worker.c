@@ -214,6 +214,58 @@ static void *load_text_side(void *arg)
     return NULL;
 }
 
+// The EOS ids requests stop at: config.json's, then generation_config.json's
+// not already listed (and inside the vocabulary).
+static void merge_eos_ids(struct tdm_worker *s, const struct tdm_model_config *mc)
+{
+    for (int i = 0; i < mc->num_eos_token_ids; i++)
+        s->eos_ids[s->num_eos++] = mc->eos_token_ids[i];
+    for (int i = 0; i < s->text.gen.num_eos_token_ids; i++) {
+        bool dup = false;
+        for (int j = 0; j < s->num_eos; j++)
+            dup |= s->eos_ids[j] == s->text.gen.eos_token_ids[i];
+        if (!dup && s->text.gen.eos_token_ids[i] >= 0 &&
+            s->text.gen.eos_token_ids[i] < mc->vocab_size)
+            s->eos_ids[s->num_eos++] = s->text.gen.eos_token_ids[i];
+    }
+}
+
+// The KV pool size into s->num_blocks: --num-kv-blocks, else what a device
+// backend's --gpu-memory-utilization allows, else what --kv-cache-memory
+// holds. Computed here (as the engine would) because
+// vllm:cache_config_info must carry num_gpu_blocks when it is registered.
+static int kv_pool_blocks(struct tdm_worker *s, char *err, size_t errlen)
+{
+    const struct tdm_worker_config *cfg = &s->cfg;
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(s->model, &kc);
+    kc.block_size = cfg->block_size;
+    kc.num_blocks = 1;
+    size_t bb = tdm_kv_block_bytes(&kc);
+    int nb = cfg->num_kv_blocks;
+    if (nb == 0) {
+        // A device backend sizes its pool from --gpu-memory-utilization.
+        int dev_blocks = 0;
+        int rc = tdm_model_kv_capacity(s->model, &kc, cfg->gpu_memory_utilization, &dev_blocks, err,
+                                       errlen);
+        if (rc == TDM_OK)
+            nb = dev_blocks;
+        else if (rc != TDM_ENOTFOUND)
+            return rc;
+    }
+    if (nb == 0) {
+        size_t x = bb ? cfg->kv_cache_memory / bb : 0;
+        if (x < 1)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--kv-cache-memory %zu bytes holds no KV block of %zu bytes",
+                              cfg->kv_cache_memory, bb);
+        nb = x > (size_t)(INT32_MAX / cfg->block_size) ? INT32_MAX / cfg->block_size : (int)x;
+    }
+    s->num_blocks = nb;
+    return TDM_OK;
+}
+
 int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
 {
     const struct tdm_worker_config *cfg = &s->cfg;
@@ -250,45 +302,11 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
                               err, errlen);
     if (rc != TDM_OK)
         return rc;
-    for (int i = 0; i < mc->num_eos_token_ids; i++)
-        s->eos_ids[s->num_eos++] = mc->eos_token_ids[i];
-    for (int i = 0; i < s->text.gen.num_eos_token_ids; i++) {
-        bool dup = false;
-        for (int j = 0; j < s->num_eos; j++)
-            dup |= s->eos_ids[j] == s->text.gen.eos_token_ids[i];
-        if (!dup && s->text.gen.eos_token_ids[i] >= 0 &&
-            s->text.gen.eos_token_ids[i] < mc->vocab_size)
-            s->eos_ids[s->num_eos++] = s->text.gen.eos_token_ids[i];
-    }
-
-    // The pool size is computed here (as the engine would) because
-    // vllm:cache_config_info must carry num_gpu_blocks when it is registered.
-    struct tdm_kv_config kc;
-    memset(&kc, 0, sizeof kc);
-    tdm_model_kv_config(s->model, &kc);
-    kc.block_size = cfg->block_size;
-    kc.num_blocks = 1;
-    size_t bb = tdm_kv_block_bytes(&kc);
-    int nb = cfg->num_kv_blocks;
-    if (nb == 0) {
-        // A device backend sizes its pool from --gpu-memory-utilization.
-        int dev_blocks = 0;
-        rc = tdm_model_kv_capacity(s->model, &kc, cfg->gpu_memory_utilization, &dev_blocks, err,
-                                   errlen);
-        if (rc == TDM_OK)
-            nb = dev_blocks;
-        else if (rc != TDM_ENOTFOUND)
-            return rc;
-    }
-    if (nb == 0) {
-        size_t x = bb ? cfg->kv_cache_memory / bb : 0;
-        if (x < 1)
-            return tdm_seterr(err, errlen, TDM_EINVAL,
-                              "--kv-cache-memory %zu bytes holds no KV block of %zu bytes",
-                              cfg->kv_cache_memory, bb);
-        nb = x > (size_t)(INT32_MAX / cfg->block_size) ? INT32_MAX / cfg->block_size : (int)x;
-    }
-    s->num_blocks = nb;
+    merge_eos_ids(s, mc);
+    rc = kv_pool_blocks(s, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    int nb = s->num_blocks;
 
     rc = tdm_metrics_registry_new(&s->reg, NULL, 0, err, errlen);
     if (rc != TDM_OK)
