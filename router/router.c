@@ -601,6 +601,8 @@ static int send_generates(struct call *k, char *err, size_t errlen)
         g.n_prefill = nt;
         g.prefill = target_ptr;
         g.local_fallback = true;
+        // The list is already capped; the budget says so to the decode worker too.
+        g.max_prefill_attempts = nt ? r->max_prefill_attempts : 0;
         int rc = tdm_pd_send(s->outbox, k->decode_url, TDM_NET_GENERATE, &g.base, NULL, 0, 1.0, err,
                              errlen);
         if (rc != TDM_OK) {
