@@ -10,14 +10,14 @@
 #include <string.h>
 
 #include "core.h"
-#include "decode.h"
+#include "worker.h"
 #include "pd_receiver.h"
 
 int main(int argc, char **argv)
 {
-    struct tdm_decode_config cfg;
+    struct tdm_worker_config cfg;
     char err[1024];
-    tdm_decode_config_default(&cfg);
+    tdm_worker_config_default(&cfg);
     // P/D flags (--nng-url, --pd-*) are taken out first (decode/pd_receiver.h).
     struct tdm_pd_receiver_config pdcfg;
     tdm_pd_receiver_config_default(&pdcfg);
@@ -25,9 +25,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "tandem-decode: %s\n", err);
         return 2;
     }
-    int prc = tdm_decode_config_parse_args(&cfg, argc, argv, err, sizeof err);
+    int prc = tdm_worker_config_parse_args(&cfg, argc, argv, err, sizeof err);
     if (prc == 1) {
-        tdm_flags_help(tdm_decode_flags(), stdout);
+        tdm_flags_help(tdm_worker_flags(), stdout);
         tdm_flags_help(tdm_pd_receiver_flags(), stdout);
         return 0;
     }
@@ -52,26 +52,26 @@ int main(int argc, char **argv)
     // (common/core) and restored below without a race.
     if (atomic_load(&tdm_log_level) == TDM_LOG_LEVEL_INFO)
         atomic_store(&tdm_log_level, TDM_LOG_LEVEL_WARN);
-    struct tdm_decode_server *s = NULL;
-    if (tdm_decode_server_new(&s, &cfg, err, sizeof err) != TDM_OK) {
+    struct tdm_worker *s = NULL;
+    if (tdm_worker_new(&s, &cfg, err, sizeof err) != TDM_OK) {
         TDM_LOG_ERR("decode", "%s", err);
         return 1;
     }
-    int rc = tdm_decode_server_load_unready(s, err, sizeof err);
+    int rc = tdm_worker_load_unready(s, err, sizeof err);
     tdm_log_set_level_name(cfg.log_level);
     if (rc != TDM_OK) {
         TDM_LOG_ERR("decode", "loading %s: %s", cfg.model, err);
-        tdm_decode_server_free(s);
+        tdm_worker_free(s);
         return 1;
     }
     struct tdm_pd_receiver *pd = NULL;
     if (pdcfg.nng_url[0] && tdm_pd_receiver_new(&pd, s, &pdcfg, err, sizeof err) != TDM_OK) {
         TDM_LOG_ERR("decode", "P/D receiver: %s", err);
-        tdm_decode_server_free(s);
+        tdm_worker_free(s);
         return 1;
     }
     // Healthy only now that the nng inbox (when configured) accepts connections.
-    tdm_decode_server_set_ready(s);
+    tdm_worker_set_ready(s);
     if (pd)
         TDM_LOG_INFO("decode", "pd nng=%s instance=%016llx", tdm_pd_receiver_url(pd),
                      (unsigned long long)tdm_pd_receiver_instance(pd));
@@ -79,8 +79,8 @@ int main(int argc, char **argv)
         "decode",
         "ready model=%s served_model_name=%s kv_capacity_tokens=%lld listening=http://%s:%d "
         "startup_s=%.3f",
-        cfg.model, tdm_decode_server_model_name(s),
-        (long long)tdm_decode_server_kv_capacity_tokens(s), cfg.host, tdm_decode_server_port(s),
+        cfg.model, tdm_worker_model_name(s),
+        (long long)tdm_worker_kv_capacity_tokens(s), cfg.host, tdm_worker_port(s),
         tdm_now() - t0);
 
     int sig = 0;
@@ -90,9 +90,9 @@ int main(int argc, char **argv)
     pthread_sigmask(SIG_UNBLOCK, &sigs, NULL);
     signal(SIGTERM, SIG_DFL);
     signal(SIGINT, SIG_DFL);
-    int drc = tdm_decode_server_drain(s, cfg.drain_timeout);
+    int drc = tdm_worker_drain(s, cfg.drain_timeout);
     tdm_pd_receiver_free(pd);
-    tdm_decode_server_free(s);
+    tdm_worker_free(s);
     TDM_LOG_INFO("decode", "stopped drained=%s", drc == TDM_OK ? "all" : "timeout");
     return 0;
 }

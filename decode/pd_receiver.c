@@ -25,14 +25,14 @@
 #include <time.h>
 
 #include "core.h"
-#include "decode.h"
-#include "decode_parts.h"
+#include "worker.h"
 #include "engine.h"
 #include "kv_cache.h"
 #include "metrics.h"
 #include "model.h"
 #include "pd_codec.h"
-#include "pd_service.h"
+#include "pd.h"
+#include "pd_attempt.h"
 #include "transport.h"
 
 #define MOD "pd"
@@ -121,12 +121,13 @@ struct djob {
     bool kv_failed;
     char kv_err[256];
     double prefill_heard; // tdm_now() of the prefill worker's last LoadReport for this attempt
+    uint64_t version;     // bumped with every change above made by the receive thread
 };
 
 struct tdm_pd_receiver {
     struct tdm_pd_receiver_config cfg;
-    struct tdm_decode_server *server;
-    struct tdm_decode_parts parts;
+    struct tdm_worker *server;
+    struct tdm_worker_parts parts;
     struct tdm_kv_config kvc;
     struct tdm_pd_service net; // inbox, outbox, instance id, receive thread, stopping
 
@@ -362,116 +363,243 @@ static void run_local(struct djob *j)
     stream_local(j, req);
 }
 
-static void cancel_prefill(struct djob *j, uint64_t transfer_id, const char *url, uint64_t instance)
+// ---- one remote attempt (the state machine is pd_attempt.c) ------------------------------
+// The machine's ops over this receiver: its outbox, its lock and condition
+// variable, its engine. The receive thread fills the job's attempt fields;
+// view copies them under rx->mu, and wait returns early when they changed
+// since (j->version), so a wake-up between the two is not lost.
+struct remote {
+    struct djob *j;
+    const Tandem__PrefillTarget *t;
+    struct tdm_engine_request *req;
+    int first_block, num_blocks;
+    uint64_t tid;               // this attempt's transfer id
+    uint64_t seen;              // j->version at the last view
+    Tandem__PrefillResult *res; // taken from the job by check_result or retire; owned
+};
+
+static double remote_now(void *ctx)
 {
+    (void)ctx;
+    return tdm_now();
+}
+
+static int remote_send_prefill(void *ctx, double timeout_s, char *err, size_t errlen)
+{
+    struct remote *x = ctx;
+    struct djob *j = x->j;
+    struct tdm_pd_receiver *rx = j->rx;
+    Tandem__PrefillRequest pr = TANDEM__PREFILL_REQUEST__INIT;
+    Tandem__Peer me = TANDEM__PEER__INIT;
+    me.url = (char *)tdm_pd_service_url(&rx->net);
+    me.instance = rx->net.instance;
+    struct tdm_pd_sampling_msg sm;
+    tdm_pd_sampling_to_proto(&j->sampling, &sm);
+    pr.request_id = j->request_id;
+    pr.transfer_id = x->tid;
+    pr.reply_to = &me;
+    pr.to_instance = x->t->instance;
+    pr.n_prompt = j->gen->n_prompt;
+    pr.prompt = j->gen->prompt;
+    pr.sampling = &sm.msg;
+    pr.n_eos_ids = j->gen->n_eos_ids;
+    pr.eos_ids = j->gen->eos_ids;
+    pr.deadline_unix = j->gen->deadline_unix;
+    pr.model = (char *)rx->parts.served_name;
+    pr.hold_seconds = rx->cfg.transfer_timeout;
+    struct tdm_pd_push push = {x->first_block, x->num_blocks, rx->cfg.layers_per_frame};
+    struct tdm_kv_header kvh;
+    tdm_pd_push_to_proto(&pr, &push, &rx->kvc, rx->parts.served_name, &kvh);
+    return tdm_pd_send(rx->net.outbox, x->t->url, TDM_NET_PREFILL, &pr.base, NULL, 0, timeout_s,
+                       err, errlen);
+}
+
+static bool remote_connected(void *ctx)
+{
+    struct remote *x = ctx;
+    return tdm_net_connected(x->j->rx->net.outbox, x->t->url);
+}
+
+static void remote_send_probe(void *ctx)
+{
+    struct remote *x = ctx;
+    struct tdm_pd_receiver *rx = x->j->rx;
+    Tandem__LoadQuery q = TANDEM__LOAD_QUERY__INIT;
+    Tandem__Peer me = TANDEM__PEER__INIT;
+    me.url = (char *)tdm_pd_service_url(&rx->net);
+    me.instance = rx->net.instance;
+    q.reply_to = &me;
+    q.seq = x->tid; // echoed back: finds this attempt
+    char err[256];
+    tdm_pd_send(rx->net.outbox, x->t->url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err,
+                sizeof err);
+}
+
+static void remote_send_cancel(void *ctx, uint64_t instance)
+{
+    struct remote *x = ctx;
     Tandem__Cancel m = TANDEM__CANCEL__INIT;
-    m.request_id = j->request_id;
-    m.transfer_id = transfer_id;
+    m.request_id = x->j->request_id;
+    m.transfer_id = x->tid;
     m.to_instance = instance;
     char err[256];
-    tdm_pd_send(j->rx->net.outbox, url, TDM_NET_CANCEL, &m.base, NULL, 0, 0.2, err, sizeof err);
+    tdm_pd_send(x->j->rx->net.outbox, x->t->url, TDM_NET_CANCEL, &m.base, NULL, 0, 0.2, err,
+                sizeof err);
 }
 
-enum attempt { ATTEMPT_DONE = 0, ATTEMPT_RETRY };
-
-// Waits (under rx->mu) until pred holds, the job is cancelled, the service
-// stops, the deadline or `until` passes, or the prefill worker stayed
-// disconnected for connect_grace. Returns true when pred held.
-static bool wait_for(struct djob *j, bool (*pred)(const struct djob *), double until,
-                     bool *disconnected)
+static void remote_view(void *ctx, struct tdm_pd_attempt_view *v)
 {
+    struct remote *x = ctx;
+    struct djob *j = x->j;
     struct tdm_pd_receiver *rx = j->rx;
-    double down_since = 0, last_probe = 0, since = tdm_now();
-    *disconnected = false;
-    while (!pred(j)) {
-        double now = tdm_now();
-        if (j->cancelled || atomic_load(&rx->net.stopping) || now > j->deadline || now > until)
-            return false;
-        // A connected but hung worker (stopped, wedged) answers no load query.
-        double heard = j->prefill_heard > since ? j->prefill_heard : since;
-        if (now - heard > rx->cfg.prefill_liveness) {
-            *disconnected = true;
-            return pred(j);
-        }
-        bool probe = now - last_probe >= 0.25;
-        uint64_t tid = j->transfer_id;
-        // Sent and checked without rx->mu held: the outbox has its own lock.
-        pthread_mutex_unlock(&rx->mu);
-        if (probe) {
-            Tandem__LoadQuery q = TANDEM__LOAD_QUERY__INIT;
-            Tandem__Peer me = TANDEM__PEER__INIT;
-            me.url = (char *)tdm_pd_service_url(&rx->net);
-            me.instance = rx->net.instance;
-            q.reply_to = &me;
-            q.seq = tid; // echoed back: finds this attempt
-            char err[256];
-            tdm_pd_send(rx->net.outbox, j->prefill_url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0,
-                        err, sizeof err);
-            last_probe = now;
-        }
-        bool up = tdm_net_connected(rx->net.outbox, j->prefill_url);
-        pthread_mutex_lock(&rx->mu);
-        if (up)
-            down_since = 0;
-        else if (down_since == 0)
-            down_since = now;
-        else if (now - down_since > rx->cfg.connect_grace) {
-            *disconnected = true;
-            return pred(j);
-        }
-        timed_wait(rx, 0.05);
+    memset(v, 0, sizeof *v);
+    pthread_mutex_lock(&rx->mu);
+    x->seen = j->version;
+    v->cancelled = j->cancelled;
+    v->stop = j->cancelled || atomic_load(&rx->net.stopping) || tdm_now() > j->deadline;
+    const Tandem__PrefillResult *r = x->res ? x->res : j->result;
+    v->has_result = r != NULL;
+    v->result_error = r ? r->error : 0;
+    snprintf(v->result_message, sizeof v->result_message, "%s", r && r->message ? r->message : "");
+    v->peer_instance = r ? r->from_instance : j->prefill_instance;
+    v->kv_failed = j->kv_failed;
+    snprintf(v->kv_err, sizeof v->kv_err, "%s", j->kv_err);
+    v->layers_done = j->layers_done;
+    v->bytes_done = j->bytes_done;
+    v->t_first_frame = j->t_first_frame;
+    v->t_kv_done = j->t_kv_done;
+    v->prefill_heard = j->prefill_heard;
+    pthread_mutex_unlock(&rx->mu);
+}
+
+static void remote_wait(void *ctx, double seconds)
+{
+    struct remote *x = ctx;
+    struct tdm_pd_receiver *rx = x->j->rx;
+    pthread_mutex_lock(&rx->mu);
+    if (x->j->version == x->seen)
+        timed_wait(rx, seconds);
+    pthread_mutex_unlock(&rx->mu);
+}
+
+// Takes the job's result into x->res (caller holds rx->mu).
+static void take_result_locked(struct remote *x)
+{
+    if (x->res == NULL) {
+        x->res = x->j->result;
+        x->j->result = NULL;
     }
-    return true;
 }
 
-static bool result_or_kv_failed(const struct djob *j)
+static int remote_check_result(void *ctx, char *err, size_t errlen)
 {
-    return j->result != NULL || j->kv_failed;
+    struct remote *x = ctx;
+    struct djob *j = x->j;
+    struct tdm_pd_receiver *rx = j->rx;
+    pthread_mutex_lock(&rx->mu);
+    take_result_locked(x);
+    pthread_mutex_unlock(&rx->mu);
+    const Tandem__PrefillResult *res = x->res;
+    int vocab = tdm_model_config(rx->parts.model)->vocab_size;
+    int rc = tdm_pd_kv_header_check(res->kv_header.data, res->kv_header.len, &rx->kvc,
+                                    rx->parts.served_name, (int)j->gen->n_prompt, err, errlen);
+    if (rc == TDM_OK && (res->first_token < 0 || res->first_token >= vocab))
+        rc = tdm_seterr(err, errlen, TDM_EPROTO, "first token %d outside the vocabulary",
+                        (int)res->first_token);
+    return rc;
 }
 
-static bool kv_complete(const struct djob *j)
+// Ends the attempt: from here on no KvData touches the reserved blocks (the
+// receive thread imports under rx->mu) and no message of this transfer id is
+// accepted.
+static void remote_retire(void *ctx)
 {
-    return j->kv_failed || j->layers_done >= j->rx->kvc.num_layers;
-}
-
-// Ends the current attempt (caller holds rx->mu): from here on no KvData touches
-// the reserved blocks and no message of this transfer id is accepted.
-static void attempt_end_locked(struct djob *j)
-{
+    struct remote *x = ctx;
+    struct djob *j = x->j;
+    pthread_mutex_lock(&j->rx->mu);
+    take_result_locked(x);
     j->importing = false;
     j->transfer_id = 0;
-    if (j->result) {
-        tandem__prefill_result__free_unpacked(j->result, NULL);
-        j->result = NULL;
-    }
+    pthread_mutex_unlock(&j->rx->mu);
 }
 
-// The same, taking rx->mu.
-static void attempt_end(struct djob *j)
+static void remote_commit(void *ctx, const struct tdm_pd_attempt *a)
 {
-    pthread_mutex_lock(&j->rx->mu);
-    attempt_end_locked(j);
-    pthread_mutex_unlock(&j->rx->mu);
+    struct remote *x = ctx;
+    struct djob *j = x->j;
+    struct tdm_pd_receiver *rx = j->rx;
+    const struct tdm_pd_attempt_view *v = &a->last;
+    double prefill_s = a->t_result - a->t_sent;
+    // The exposed transfer: result -> last layer installed (0 when every frame
+    // came before the result).
+    double exposed =
+        x->num_blocks > 0 && v->t_kv_done > a->t_result ? v->t_kv_done - a->t_result : 0;
+    if (x->num_blocks > 0) {
+        tdm_metrics_counter_add(rx->m.bytes, (double)v->bytes_done);
+        tdm_metrics_counter_add(rx->m.blocks, (double)x->num_blocks);
+        tdm_metrics_histogram_observe(rx->m.seconds, v->t_kv_done - v->t_first_frame);
+    }
+    tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m.requests, "remote"));
+    TDM_LOG_DEBUG(MOD, "req=%s KV from %s: blocks=%d bytes=%zu prefill=%.4f exposed=%.4f",
+                  j->request_id, x->t->url, x->num_blocks, v->bytes_done, prefill_s, exposed);
+    tdm_engine_import_done(rx->parts.engine, x->req, x->res->first_token, true);
+    struct phases ph = {x->res->queue_seconds, prefill_s, exposed, x->t->url};
+    stream_to_router(j, x->req, &ph, x->res);
+}
+
+static const struct tdm_pd_attempt_ops remote_ops = {
+    .now = remote_now,
+    .send_prefill = remote_send_prefill,
+    .connected = remote_connected,
+    .send_probe = remote_send_probe,
+    .send_cancel = remote_send_cancel,
+    .view = remote_view,
+    .wait = remote_wait,
+    .check_result = remote_check_result,
+    .retire = remote_retire,
+    .commit = remote_commit,
+};
+
+// Logs and counts a failed attempt the way each state fails.
+static void remote_failed(const struct remote *x, const struct tdm_pd_attempt *a)
+{
+    struct tdm_pd_receiver *rx = x->j->rx;
+    const char *id = x->j->request_id, *url = x->t->url;
+    if (!a->counted)
+        return; // cancelled: nothing failed
+    if (a->why == TDM_PD_WHY_UNREACHABLE)
+        TDM_LOG_WARN(MOD, "req=%s prefill %s unreachable: %s", id, url, a->detail);
+    else if (a->why == TDM_PD_WHY_HEADER)
+        TDM_LOG_WARN(MOD, "req=%s prefill %s refused: %s", id, url, a->detail);
+    else if (a->failed_in == TDM_PD_ATTEMPT_AWAIT_KV)
+        TDM_LOG_WARN(MOD, "req=%s KV from %s not installed: %s", id, url, a->detail);
+    else
+        TDM_LOG_WARN(MOD, "req=%s prefill %s failed (%s): %s", id, url,
+                     tdm_pd_attempt_why_name(a->why), a->detail);
+    tdm_pd_metrics_fail(&rx->m, tdm_pd_attempt_why_name(a->why));
 }
 
 // One listed prefill worker: asks it to prefill and push the reserved block
 // range [first_block, first_block + num_blocks) of req, imports the frames as
 // they come (the receive thread does), and on success finishes the import
-// with the first token and streams the request to the router. On failure the
-// blocks stay reserved for the next candidate: the attempt's transfer id is
-// retired, so its late frames are dropped.
-static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
-                               struct tdm_engine_request *req, int first_block, int num_blocks)
+// with the first token and streams the request to the router (true). On
+// failure the blocks stay reserved for the next candidate: the attempt's
+// transfer id is retired, so its late frames are dropped.
+static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
+                       struct tdm_engine_request *req, int first_block, int num_blocks)
 {
     struct tdm_pd_receiver *rx = j->rx;
-    struct tdm_engine *e = rx->parts.engine;
     int L = rx->kvc.num_layers;
-    char err[512];
     if (t == NULL || t->url == NULL || t->url[0] == '\0' || strlen(t->url) >= sizeof j->prefill_url)
-        return ATTEMPT_RETRY;
-    uint64_t tid = tdm_net_new_instance_id();
+        return false;
+    struct remote x = {.j = j,
+                       .t = t,
+                       .req = req,
+                       .first_block = first_block,
+                       .num_blocks = num_blocks,
+                       .tid = tdm_net_new_instance_id()};
     pthread_mutex_lock(&rx->mu);
-    j->transfer_id = tid;
+    j->transfer_id = x.tid;
     snprintf(j->prefill_url, sizeof j->prefill_url, "%s", t->url);
     j->result = NULL;
     j->layers_done = num_blocks > 0 ? 0 : L; // nothing to import: complete
@@ -486,131 +614,21 @@ static enum attempt try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     j->prefill_heard = 0;
     pthread_mutex_unlock(&rx->mu);
 
-    Tandem__PrefillRequest pr = TANDEM__PREFILL_REQUEST__INIT;
-    Tandem__Peer me = TANDEM__PEER__INIT;
-    me.url = (char *)tdm_pd_service_url(&rx->net);
-    me.instance = rx->net.instance;
-    struct tdm_pd_sampling_msg sm;
-    tdm_pd_sampling_to_proto(&j->sampling, &sm);
-    pr.request_id = j->request_id;
-    pr.transfer_id = tid;
-    pr.reply_to = &me;
-    pr.to_instance = t->instance;
-    pr.n_prompt = j->gen->n_prompt;
-    pr.prompt = j->gen->prompt;
-    pr.sampling = &sm.msg;
-    pr.n_eos_ids = j->gen->n_eos_ids;
-    pr.eos_ids = j->gen->eos_ids;
-    pr.deadline_unix = j->gen->deadline_unix;
-    pr.model = (char *)rx->parts.served_name;
-    pr.hold_seconds = rx->cfg.transfer_timeout;
-    struct tdm_pd_push push = {first_block, num_blocks, rx->cfg.layers_per_frame};
-    struct tdm_kv_header kvh;
-    tdm_pd_push_to_proto(&pr, &push, &rx->kvc, rx->parts.served_name, &kvh);
-    double t0 = tdm_now();
-    // A worker we are not connected to gets a short dial window: a dead one must
-    // not cost the request the full send timeout before the next candidate.
-    double send_to = rx->cfg.send_timeout;
-    if (!tdm_net_connected(rx->net.outbox, t->url) && send_to > 0.5)
-        send_to = 0.5;
-    int rc = tdm_pd_send(rx->net.outbox, t->url, TDM_NET_PREFILL, &pr.base, NULL, 0, send_to, err,
-                         sizeof err);
-    if (rc != TDM_OK) {
-        TDM_LOG_WARN(MOD, "req=%s prefill %s unreachable: %s", j->request_id, t->url, err);
-        tdm_pd_metrics_fail(&rx->m, "unreachable");
-        attempt_end(j);
-        return ATTEMPT_RETRY;
-    }
-
-    // 1. The prefill result. KvData frames may come before it; the receive
-    //    thread imports them as they arrive.
-    bool disconnected = false;
-    pthread_mutex_lock(&rx->mu);
-    wait_for(j, result_or_kv_failed, t0 + rx->cfg.prefill_timeout, &disconnected);
-    Tandem__PrefillResult *res = j->result;
-    j->result = NULL;
-    bool kv_failed = j->kv_failed, was_cancelled = j->cancelled;
-    uint64_t instance = j->prefill_instance;
-    char kv_err[256];
-    snprintf(kv_err, sizeof kv_err, "%s", j->kv_err);
-    if (res == NULL || res->error != 0 || kv_failed)
-        attempt_end_locked(j);
-    pthread_mutex_unlock(&rx->mu);
-    if (res == NULL || res->error != 0 || kv_failed) {
-        const char *why = res && res->error ? "prefill_error"
-                          : kv_failed       ? "transfer"
-                          : disconnected    ? "disconnected"
-                                            : "timeout";
-        if (!was_cancelled)
-            TDM_LOG_WARN(MOD, "req=%s prefill %s failed (%s): %s", j->request_id, t->url, why,
-                         res && res->error ? res->message
-                         : kv_failed       ? kv_err
-                                           : why);
-        if (!was_cancelled)
-            tdm_pd_metrics_fail(&rx->m, why);
-        cancel_prefill(j, tid, t->url, res ? res->from_instance : instance);
-        if (res)
-            tandem__prefill_result__free_unpacked(res, NULL);
-        return ATTEMPT_RETRY;
-    }
-    double t_result = tdm_now();
-    double prefill_s = t_result - t0;
-    int vocab = tdm_model_config(rx->parts.model)->vocab_size;
-    rc = tdm_pd_kv_header_check(res->kv_header.data, res->kv_header.len, &rx->kvc,
-                                rx->parts.served_name, (int)j->gen->n_prompt, err, sizeof err);
-    if (rc == TDM_OK && (res->first_token < 0 || res->first_token >= vocab))
-        rc = tdm_seterr(err, sizeof err, TDM_EPROTO, "first token %d outside the vocabulary",
-                        (int)res->first_token);
-    if (rc != TDM_OK) {
-        TDM_LOG_WARN(MOD, "req=%s prefill %s refused: %s", j->request_id, t->url, err);
-        tdm_pd_metrics_fail(&rx->m, "header");
-        attempt_end(j);
-        cancel_prefill(j, tid, t->url, res->from_instance);
-        tandem__prefill_result__free_unpacked(res, NULL);
-        return ATTEMPT_RETRY;
-    }
-
-    // 2. The KV not yet here (the part of the transfer the prefill did not hide).
-    pthread_mutex_lock(&rx->mu);
-    bool ok = wait_for(j, kv_complete, t_result + rx->cfg.transfer_timeout, &disconnected) &&
-              !j->kv_failed;
-    if (!ok && !j->kv_failed)
-        snprintf(j->kv_err, sizeof j->kv_err, "%s after %d of %d layers",
-                 j->cancelled   ? "cancelled"
-                 : disconnected ? "prefill worker disconnected"
-                                : "transfer timed out",
-                 j->layers_done, L);
-    was_cancelled = j->cancelled;
-    size_t bytes = j->bytes_done;
-    double t_first = j->t_first_frame, t_done = j->t_kv_done;
-    snprintf(kv_err, sizeof kv_err, "%s", j->kv_err);
-    attempt_end_locked(j); // from here no frame touches req's blocks
-    pthread_mutex_unlock(&rx->mu);
-    if (!ok) {
-        if (!was_cancelled) {
-            TDM_LOG_WARN(MOD, "req=%s KV from %s not installed: %s", j->request_id, t->url, kv_err);
-            tdm_pd_metrics_fail(&rx->m, "transfer");
-        }
-        cancel_prefill(j, tid, t->url, res->from_instance);
-        tandem__prefill_result__free_unpacked(res, NULL);
-        return ATTEMPT_RETRY;
-    }
-    // The exposed transfer: result -> last layer installed (0 when every frame
-    // came before the result).
-    double exposed = num_blocks > 0 && t_done > t_result ? t_done - t_result : 0;
-    if (num_blocks > 0) {
-        tdm_metrics_counter_add(rx->m.bytes, (double)bytes);
-        tdm_metrics_counter_add(rx->m.blocks, (double)num_blocks);
-        tdm_metrics_histogram_observe(rx->m.seconds, t_done - t_first);
-    }
-    tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m.requests, "remote"));
-    TDM_LOG_DEBUG(MOD, "req=%s KV from %s: blocks=%d bytes=%zu prefill=%.4f exposed=%.4f",
-                  j->request_id, t->url, num_blocks, bytes, prefill_s, exposed);
-    tdm_engine_import_done(e, req, res->first_token, true);
-    struct phases ph = {res->queue_seconds, prefill_s, exposed, t->url};
-    stream_to_router(j, req, &ph, res);
-    tandem__prefill_result__free_unpacked(res, NULL);
-    return ATTEMPT_DONE;
+    struct tdm_pd_attempt_config ac;
+    tdm_pd_attempt_config_default(&ac);
+    ac.prefill_timeout = rx->cfg.prefill_timeout;
+    ac.transfer_timeout = rx->cfg.transfer_timeout;
+    ac.connect_grace = rx->cfg.connect_grace;
+    ac.prefill_liveness = rx->cfg.prefill_liveness;
+    ac.send_timeout = rx->cfg.send_timeout;
+    ac.num_layers = L;
+    struct tdm_pd_attempt a;
+    bool ok = tdm_pd_attempt_run(&a, &ac, &remote_ops, &x) == TDM_PD_ATTEMPT_COMMITTED;
+    if (!ok)
+        remote_failed(&x, &a);
+    if (x.res)
+        tandem__prefill_result__free_unpacked(x.res, NULL);
+    return ok;
 }
 
 enum reserve { RESERVE_OK = 0, RESERVE_DONE, RESERVE_STOPPED };
@@ -704,10 +722,11 @@ static void *job_main(void *arg)
         int first_block = 0, num_blocks = 0;
         enum reserve rv = reserve_blocks(j, &req, &first_block, &num_blocks);
         done = rv == RESERVE_DONE;
-        for (size_t i = 0; rv == RESERVE_OK && i < j->gen->n_prefill && !done; i++) {
+        size_t budget = tdm_pd_attempt_budget(j->gen->n_prefill, j->gen->max_prefill_attempts);
+        for (size_t i = 0; rv == RESERVE_OK && i < budget && !done; i++) {
             if (job_stopped(j))
                 break;
-            done = try_remote(j, j->gen->prefill[i], req, first_block, num_blocks) == ATTEMPT_DONE;
+            done = try_remote(j, j->gen->prefill[i], req, first_block, num_blocks);
         }
         if (rv == RESERVE_OK && done) {
             job_release(j, req);
@@ -774,7 +793,7 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     double left = g->deadline_unix > 0 ? g->deadline_unix - (double)time(NULL) : 600;
     j->deadline = j->arrival + (left > 0 ? left : 0);
     char err[256];
-    if (!tdm_decode_server_ready(rx->server)) {
+    if (!tdm_worker_ready(rx->server)) {
         send_finish(j, TDM_FINISH_ERROR, TDM_ECLOSED,
                     "decode worker is not ready (loading or draining)");
         job_free(j);
@@ -839,6 +858,7 @@ static void on_result(void *arg, const struct tdm_net_frame *f)
         if (r->error == 0 && j->prefill_instance == 0)
             j->prefill_instance = r->from_instance;
         j->result = r;
+        j->version++;
         r = NULL;
         pthread_cond_broadcast(&rx->cv);
     }
@@ -897,6 +917,7 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
     if (j->layers_done >= rx->kvc.num_layers)
         j->t_kv_done = tdm_now();
 signal:
+    j->version++;
     pthread_cond_broadcast(&rx->cv);
 out:
     pthread_mutex_unlock(&rx->mu);
@@ -914,6 +935,7 @@ static void on_cancel(void *arg, const struct tdm_net_frame *f)
         for (struct djob *j = rx->jobs; j; j = j->next) {
             if (strcmp(j->request_id, m->request_id) == 0) {
                 j->cancelled = true;
+                j->version++;
                 if (j->req)
                     tdm_engine_abort(rx->parts.engine, j->req, TDM_FINISH_ABORT);
             }
@@ -933,8 +955,10 @@ static void on_load_report(void *arg, const struct tdm_net_frame *f)
         return;
     pthread_mutex_lock(&rx->mu);
     struct djob *j = find_attempt(rx, r->to_instance, r->seq);
-    if (j)
+    if (j) {
         j->prefill_heard = tdm_now();
+        j->version++;
+    }
     pthread_mutex_unlock(&rx->mu);
     tandem__load_report__free_unpacked(r, NULL);
 }
@@ -995,7 +1019,7 @@ static const struct tdm_pd_metric_names metric_names = {
                 "Seconds from the first KvData frame received to the last layer installed."},
 };
 
-int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *server,
+int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
                         const struct tdm_pd_receiver_config *cfg, char *err, size_t errlen)
 {
     *out = NULL;
@@ -1006,7 +1030,7 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *
     rx->server = server;
     pthread_mutex_init(&rx->mu, NULL);
     tdm_cond_init(&rx->cv);
-    int rc = tdm_decode_server_parts(server, &rx->parts);
+    int rc = tdm_worker_parts(server, &rx->parts);
     if (rc != TDM_OK) {
         tdm_seterr(err, errlen, rc, "pd: the server is not loaded");
         goto fail;
@@ -1050,6 +1074,7 @@ void tdm_pd_receiver_free(struct tdm_pd_receiver *rx)
     pthread_mutex_lock(&rx->mu);
     for (struct djob *j = rx->jobs; j; j = j->next) {
         j->cancelled = true;
+        j->version++;
         if (j->req)
             tdm_engine_abort(rx->parts.engine, j->req, TDM_FINISH_ABORT);
     }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // pd_receiver: the decode worker's P/D side. It listens on an nng inbox for the
-// router's GenerateRequests and runs each one on the decode server's engine:
+// router's GenerateRequests and runs each one on the worker's engine (the
+// decode role on the worker base, worker/worker.h):
 // with a list of prefill workers it first reserves the prompt's blocks (an
 // IMPORT_KV engine request; its own prefix-cache match comes first), then asks
 // the first prefill worker for a prefill that pushes exactly the missing block
@@ -9,9 +10,10 @@
 // once it has every layer and the PrefillResult (the first token the prefill
 // worker sampled) finishes the import and decodes on; tokens go back to the
 // router as TokenChunks. A prefill worker that fails, disconnects or is slow is
-// replaced by the next listed one (same reserved blocks), then by a local
-// prefill (the router asks for that fallback), before any token reached the
-// router, so the client never sees a retry. Every wait is bounded (request
+// replaced by the next listed one (same reserved blocks; at most the request's
+// max_prefill_attempts of them; one attempt is decode/pd_attempt.h's state
+// machine), then by a local prefill (the router asks for that fallback),
+// before any token reached the router, so the client never sees a retry. Every wait is bounded (request
 // deadline, prefill and transfer timeouts); a Cancel from the router aborts the
 // engine request and cancels the prefill worker's job, so KV is freed on both
 // sides. docs/pd-protocol.md describes the protocol.
@@ -21,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-struct tdm_decode_server;
+struct tdm_worker;
 struct tdm_pd_receiver;
 
 struct tdm_pd_receiver_config {
@@ -50,7 +52,7 @@ const struct tdm_flags *tdm_pd_receiver_flags(void);
 
 // Starts the receiver on a loaded server. TDM_EBUSY before load,
 // TDM_ETRANSPORT when it cannot listen.
-int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_decode_server *server,
+int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
                         const struct tdm_pd_receiver_config *cfg, char *err, size_t errlen);
 const char *tdm_pd_receiver_url(const struct tdm_pd_receiver *r);
 uint64_t tdm_pd_receiver_instance(const struct tdm_pd_receiver *r);

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // tandem-prefill: the prefill worker's command line. Takes the prefill flags
 // (--nng-url, --kv-hold-seconds, --layers-per-frame) and passes every other flag
-// to the decode server's parser (same model, engine and HTTP flags as
+// to the worker base's parser (same model, engine and HTTP flags as
 // tandem-decode), loads the model, starts the P/D prefill service, logs one
 // line and waits for SIGTERM/SIGINT: then it stops the service (held KV is
 // released) and drains the HTTP side.
@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "core.h"
-#include "decode.h"
+#include "worker.h"
 #include "prefill.h"
 
 int main(int argc, char **argv)
@@ -23,12 +23,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "tandem-prefill: %s\n", err);
         return 2;
     }
-    struct tdm_decode_config cfg;
-    tdm_decode_config_default(&cfg);
-    int prc = tdm_decode_config_parse_args(&cfg, argc, argv, err, sizeof err);
+    struct tdm_worker_config cfg;
+    tdm_worker_config_default(&cfg);
+    int prc = tdm_worker_config_parse_args(&cfg, argc, argv, err, sizeof err);
     if (prc == 1) {
         tdm_flags_help(tdm_prefill_flags(), stdout);
-        tdm_flags_help(tdm_decode_flags(), stdout);
+        tdm_flags_help(tdm_worker_flags(), stdout);
         return 0;
     }
     if (prc != 0) {
@@ -47,32 +47,32 @@ int main(int argc, char **argv)
 
     double t0 = tdm_now();
     // The level is set once, before any thread starts: the HTTP threads read it.
-    struct tdm_decode_server *s = NULL;
-    if (tdm_decode_server_new(&s, &cfg, err, sizeof err) != TDM_OK) {
+    struct tdm_worker *s = NULL;
+    if (tdm_worker_new(&s, &cfg, err, sizeof err) != TDM_OK) {
         TDM_LOG_ERR("prefill", "%s", err);
         return 1;
     }
-    int rc = tdm_decode_server_load_unready(s, err, sizeof err);
+    int rc = tdm_worker_load_unready(s, err, sizeof err);
     if (rc != TDM_OK) {
         TDM_LOG_ERR("prefill", "loading %s: %s", cfg.model, err);
-        tdm_decode_server_free(s);
+        tdm_worker_free(s);
         return 1;
     }
     struct tdm_prefill_service *p = NULL;
     rc = tdm_prefill_service_new(&p, s, &pcfg, err, sizeof err);
     if (rc != TDM_OK) {
         TDM_LOG_ERR("prefill", "%s", err);
-        tdm_decode_server_free(s);
+        tdm_worker_free(s);
         return 1;
     }
     // Healthy only now that the nng inbox accepts connections.
-    tdm_decode_server_set_ready(s);
+    tdm_worker_set_ready(s);
     TDM_LOG_INFO("prefill",
                  "ready model=%s served_model_name=%s nng=%s instance=%016llx http=http://%s:%d "
                  "startup_s=%.3f",
-                 cfg.model, tdm_decode_server_model_name(s), tdm_prefill_service_url(p),
+                 cfg.model, tdm_worker_model_name(s), tdm_prefill_service_url(p),
                  (unsigned long long)tdm_prefill_service_instance(p), cfg.host,
-                 tdm_decode_server_port(s), tdm_now() - t0);
+                 tdm_worker_port(s), tdm_now() - t0);
 
     int sig = 0;
     sigwait(&sigs, &sig);
@@ -81,7 +81,7 @@ int main(int argc, char **argv)
     signal(SIGTERM, SIG_DFL);
     signal(SIGINT, SIG_DFL);
     tdm_prefill_service_free(p);
-    tdm_decode_server_drain(s, cfg.drain_timeout);
-    tdm_decode_server_free(s);
+    tdm_worker_drain(s, cfg.drain_timeout);
+    tdm_worker_free(s);
     return 0;
 }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // P/D flag tests: tandem-prefill's and tandem-decode's P/D flags are taken out
 // of argv (both "--flag value" and "--flag=value"), the rest is left in order
-// for the decode server's parser, bad values are refused with a message, and
+// for the worker base's parser, bad values are refused with a message, and
 // tandem-decode --help lists every P/D flag the decode worker takes.
 #include <setjmp.h>
 #include <stdarg.h>

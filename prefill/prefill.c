@@ -23,14 +23,13 @@
 #include <time.h>
 
 #include "core.h"
-#include "decode.h"
-#include "decode_parts.h"
+#include "worker.h"
 #include "engine.h"
 #include "kv_cache.h"
 #include "metrics.h"
 #include "model.h"
 #include "pd_codec.h"
-#include "pd_service.h"
+#include "pd.h"
 #include "transport.h"
 
 #define MOD "prefill"
@@ -107,8 +106,8 @@ struct pjob {
 
 struct tdm_prefill_service {
     struct tdm_prefill_config cfg;
-    struct tdm_decode_server *server;
-    struct tdm_decode_parts parts;
+    struct tdm_worker *server;
+    struct tdm_worker_parts parts;
     struct tdm_kv_config kvc;
     struct tdm_pd_service net; // inbox, outbox, instance id, receive thread, stopping
 
@@ -318,6 +317,8 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
 // result goes out as soon as the first token is sampled, between two frames at
 // the latest; the blocks stay pinned until the last frame was sent or the push
 // was given up, and are released on every path.
+static void job_end(struct pjob *job, bool pushed, double t_first_frame, size_t bytes);
+
 static void *job_main(void *arg)
 {
     struct pjob *job = arg;
@@ -409,7 +410,17 @@ static void *job_main(void *arg)
         if (result_sent && (!pushing || push_failed || sent == L))
             break;
     }
-    if (pushing && sent == L) {
+    job_end(job, pushing && sent == L, t_first_frame, bytes);
+    return NULL;
+}
+
+// The end of every job: a complete push counted (blocks, seconds from the
+// first frame), then always the blocks handed back and the job forgotten.
+static void job_end(struct pjob *job, bool pushed, double t_first_frame, size_t bytes)
+{
+    struct tdm_prefill_service *p = job->svc;
+    struct tdm_engine *e = p->parts.engine;
+    if (pushed) {
         double dt = tdm_now() - t_first_frame;
         tdm_metrics_counter_add(p->m.blocks, (double)job->push.num_blocks);
         tdm_metrics_histogram_observe(p->m.seconds, dt);
@@ -417,8 +428,6 @@ static void *job_main(void *arg)
                       job->request_id, (unsigned long long)job->transfer_id, job->push.num_blocks,
                       bytes, dt);
     }
-
-    // Always: hand the blocks back and forget the job.
     tdm_engine_release_kv(e, job->req); // EINVAL when nothing is held: fine
     tdm_engine_abort(e, job->req, TDM_FINISH_ABORT);
     tdm_engine_request_release(job->req);
@@ -429,7 +438,6 @@ static void *job_main(void *arg)
     pthread_cond_destroy(&job->cv);
     pthread_mutex_destroy(&job->mu);
     free(job);
-    return NULL;
 }
 
 static void reply_error(struct tdm_prefill_service *p, const Tandem__PrefillRequest *m, int code,
@@ -448,14 +456,12 @@ static void reply_error(struct tdm_prefill_service *p, const Tandem__PrefillRequ
                 sizeof err);
 }
 
-static void on_prefill(void *arg, const struct tdm_net_frame *f)
+// Checks a PrefillRequest before anything is computed: ours (instance, model),
+// ready, a reply address, sane sampling, prompt and push target. False when
+// it was refused (answered with an error result where a reply address exists).
+static bool prefill_accept(struct tdm_prefill_service *p, const Tandem__PrefillRequest *m,
+                           struct tdm_engine_request_params *ep, struct tdm_pd_push *push)
 {
-    struct tdm_prefill_service *p = arg;
-    Tandem__PrefillRequest *m = tandem__prefill_request__unpack(NULL, f->msg_len, f->msg);
-    if (m == NULL) {
-        TDM_LOG_WARN(MOD, "undecodable PrefillRequest dropped");
-        return;
-    }
     char err[512];
     if (m->to_instance != 0 && m->to_instance != p->net.instance) {
         // Meant for an earlier incarnation of this address: refuse it at once so
@@ -463,51 +469,59 @@ static void on_prefill(void *arg, const struct tdm_net_frame *f)
         TDM_LOG_INFO(MOD, "req=%s for instance %016llx (not us) refused", m->request_id,
                      (unsigned long long)m->to_instance);
         reply_error(p, m, TDM_ENOTFOUND, "prefill worker restarted (stale instance id)");
-        goto out;
+        return false;
     }
     if (m->reply_to == NULL || m->reply_to->url == NULL || m->reply_to->url[0] == '\0' ||
         strlen(m->reply_to->url) >= sizeof(((struct pjob *)0)->decode_url))
-        goto out;
+        return false;
     tdm_metrics_counter_inc(p->m.requests);
-    if (!tdm_decode_server_ready(p->server)) {
+    if (!tdm_worker_ready(p->server)) {
         reply_error(p, m, TDM_ECLOSED, "prefill worker is not ready (loading or draining)");
-        goto out;
+        return false;
     }
     if (m->model[0] && strcmp(m->model, p->parts.served_name) != 0) {
         snprintf(err, sizeof err, "model \"%s\" is not served here (\"%s\")", m->model,
                  p->parts.served_name);
         reply_error(p, m, TDM_EINVAL, err);
-        goto out;
+        return false;
     }
-    struct tdm_engine_request_params ep;
-    tdm_engine_request_params_default(&ep);
-    if (tdm_pd_sampling_from_proto(m->sampling, &ep.sampling, err, sizeof err) != TDM_OK) {
+    tdm_engine_request_params_default(ep);
+    if (tdm_pd_sampling_from_proto(m->sampling, &ep->sampling, err, sizeof err) != TDM_OK) {
         reply_error(p, m, TDM_EPROTO, err);
-        goto out;
+        return false;
     }
     if (m->n_prompt == 0 || m->n_prompt > (size_t)INT32_MAX / 2 || m->n_eos_ids > 64) {
         reply_error(p, m, TDM_EINVAL, "empty or oversized prompt / eos list");
-        goto out;
+        return false;
     }
     // The push target: the decode worker's geometry must be ours, its range
     // inside the prompt; refused before anything is computed.
-    struct tdm_pd_push push;
-    if (tdm_pd_push_from_proto(m, &p->kvc, p->parts.served_name, p->cfg.layers_per_frame, &push,
-                               err, sizeof err) != TDM_OK) {
+    if (tdm_pd_push_from_proto(m, &p->kvc, p->parts.served_name, p->cfg.layers_per_frame, push, err,
+                               sizeof err) != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s refused: %s", m->request_id, err);
         reply_error(p, m, TDM_EPROTO, err);
-        goto out;
+        return false;
     }
+    return true;
+}
+
+// Submits an accepted PrefillRequest as a PREFILL_ONLY engine request with the
+// push hook and starts its job thread (the job is listed before the submit, so
+// a Cancel that follows at once finds it).
+static void prefill_start(struct tdm_prefill_service *p, const Tandem__PrefillRequest *m,
+                          struct tdm_engine_request_params *ep, const struct tdm_pd_push *push)
+{
+    char err[512];
     struct pjob *job = calloc(1, sizeof *job);
     if (job == NULL) {
         reply_error(p, m, TDM_ENOMEM, "out of memory");
-        goto out;
+        return;
     }
     pthread_mutex_init(&job->mu, NULL);
     tdm_cond_init(&job->cv);
     job->svc = p;
     job->transfer_id = m->transfer_id;
-    job->push = push;
+    job->push = *push;
     snprintf(job->request_id, sizeof job->request_id, "%s", m->request_id);
     snprintf(job->decode_url, sizeof job->decode_url, "%s", m->reply_to->url);
     job->decode_instance = m->reply_to->instance;
@@ -518,23 +532,23 @@ static void on_prefill(void *arg, const struct tdm_net_frame *f)
     if (m->hold_seconds > 0 && m->hold_seconds < job->hold_seconds)
         job->hold_seconds = m->hold_seconds;
     job->t_submit = now;
-    ep.id = m->request_id;
-    ep.prompt = m->prompt;
-    ep.n_prompt = (int)m->n_prompt;
-    ep.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
-    ep.max_tokens = 1;
-    ep.on_output = job_on_output;
-    ep.ctx = job;
-    if (push.num_blocks > 0) {
-        ep.on_layer = job_on_layer;
-        ep.layer_ctx = job;
+    ep->id = m->request_id;
+    ep->prompt = m->prompt;
+    ep->n_prompt = (int)m->n_prompt;
+    ep->kind = TDM_ENGINE_REQ_PREFILL_ONLY;
+    ep->max_tokens = 1;
+    ep->on_output = job_on_output;
+    ep->ctx = job;
+    if (push->num_blocks > 0) {
+        ep->on_layer = job_on_layer;
+        ep->layer_ctx = job;
     }
     if (m->n_eos_ids) {
-        ep.eos_ids = m->eos_ids;
-        ep.num_eos = (int)m->n_eos_ids;
+        ep->eos_ids = m->eos_ids;
+        ep->num_eos = (int)m->n_eos_ids;
     } else {
-        ep.eos_ids = p->parts.eos_ids;
-        ep.num_eos = p->parts.num_eos;
+        ep->eos_ids = p->parts.eos_ids;
+        ep->num_eos = p->parts.num_eos;
     }
     // Listed before submit: a Cancel that follows the request at once finds it.
     pthread_mutex_lock(&p->mu);
@@ -544,7 +558,7 @@ static void on_prefill(void *arg, const struct tdm_net_frame *f)
         snprintf(err, sizeof err, "transfer %016llx already in progress",
                  (unsigned long long)m->transfer_id);
     } else {
-        rc = tdm_engine_submit(p->parts.engine, &ep, &job->req, err, sizeof err);
+        rc = tdm_engine_submit(p->parts.engine, ep, &job->req, err, sizeof err);
         if (rc == TDM_OK) {
             job->next = p->jobs;
             p->jobs = job;
@@ -558,7 +572,7 @@ static void on_prefill(void *arg, const struct tdm_net_frame *f)
         free(job);
         reply_error(p, m, rc, err);
         tdm_pd_metrics_fail(&p->m, "submit");
-        goto out;
+        return;
     }
     pthread_t th;
     pthread_attr_t attr;
@@ -568,10 +582,23 @@ static void on_prefill(void *arg, const struct tdm_net_frame *f)
         // Run it inline rather than leak the request: slow, but correct.
         pthread_attr_destroy(&attr);
         job_main(job);
-        goto out;
+        return;
     }
     pthread_attr_destroy(&attr);
-out:
+}
+
+static void on_prefill(void *arg, const struct tdm_net_frame *f)
+{
+    struct tdm_prefill_service *p = arg;
+    Tandem__PrefillRequest *m = tandem__prefill_request__unpack(NULL, f->msg_len, f->msg);
+    if (m == NULL) {
+        TDM_LOG_WARN(MOD, "undecodable PrefillRequest dropped");
+        return;
+    }
+    struct tdm_engine_request_params ep;
+    struct tdm_pd_push push;
+    if (prefill_accept(p, m, &ep, &push))
+        prefill_start(p, m, &ep, &push);
     tandem__prefill_request__free_unpacked(m, NULL);
 }
 
@@ -617,7 +644,7 @@ static const struct tdm_pd_metric_names metric_names = {
                 "final chunk's layers finish, so this overlaps the prefill)."},
 };
 
-int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_decode_server *server,
+int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker *server,
                             const struct tdm_prefill_config *cfg, char *err, size_t errlen)
 {
     *out = NULL;
@@ -628,7 +655,7 @@ int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_decode_
     p->server = server;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
-    int rc = tdm_decode_server_parts(server, &p->parts);
+    int rc = tdm_worker_parts(server, &p->parts);
     if (rc != TDM_OK) {
         tdm_seterr(err, errlen, rc, "prefill: the server is not loaded");
         goto fail;

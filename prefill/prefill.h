@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// prefill: the prefill worker's P/D service (`tandem-prefill`). It runs on a
-// loaded decode server (decode_parts.h: same engine, model and metrics registry,
-// and the same HTTP surface: /health, /metrics and the OpenAI API) and listens
+// prefill: the prefill worker's P/D service (`tandem-prefill`). It is a role on
+// the worker base (worker/worker.h's tdm_worker_parts: same engine, model and
+// metrics registry, and the worker's HTTP surface: /health, /metrics and the
+// OpenAI API) and listens
 // on an nng inbox for PrefillRequests from decode workers. Each one names the
 // block range the decode worker lacks (it reserved its blocks first) and
 // becomes a PREFILL_ONLY engine request (batched and chunked with the others,
@@ -20,7 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-struct tdm_decode_server;
+struct tdm_worker;
 struct tdm_prefill_service;
 
 struct tdm_prefill_config {
@@ -33,7 +34,7 @@ struct tdm_prefill_config {
 void tdm_prefill_config_default(struct tdm_prefill_config *cfg);
 // Takes the prefill-only flags (--nng-url, --kv-hold-seconds, --layers-per-frame)
 // out of argv (compacting it; *argc shrinks) so the rest can go to
-// tdm_decode_config_parse_args. TDM_EINVAL with err for a bad value.
+// tdm_worker_config_parse_args. TDM_EINVAL with err for a bad value.
 // The prefill flags' table (core's struct tdm_flags), the first part of
 // `tandem-prefill --help`.
 struct tdm_flags;
@@ -41,17 +42,17 @@ const struct tdm_flags *tdm_prefill_flags(void);
 int tdm_prefill_config_take_args(struct tdm_prefill_config *cfg, int *argc, char **argv, char *err,
                                  size_t errlen);
 
-// Starts the service on a loaded server (tdm_decode_server_load done): opens
+// Starts the service on a loaded worker (tdm_worker_load done): opens
 // the inbox, registers the tandem:* transfer metrics, starts the receive thread.
 // TDM_EBUSY when the server is not loaded, TDM_ETRANSPORT when it cannot listen.
-int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_decode_server *server,
+int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker *server,
                             const struct tdm_prefill_config *cfg, char *err, size_t errlen);
 // The URL decode workers dial (bound port filled in).
 const char *tdm_prefill_service_url(const struct tdm_prefill_service *p);
 // This process's instance id (in every message it sends).
 uint64_t tdm_prefill_service_instance(const struct tdm_prefill_service *p);
 // Stops receiving, aborts every job (their KV is released) and waits for the job
-// threads; call before tdm_decode_server_free. Accepts NULL.
+// threads; call before tdm_worker_free. Accepts NULL.
 void tdm_prefill_service_free(struct tdm_prefill_service *p);
 
 #endif

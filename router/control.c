@@ -245,6 +245,7 @@ int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int3
             size_t cap = route->prefill_idx + 1 + (size_t)route->cfg->prefill_retries;
             if (route->n_prefill > cap)
                 route->n_prefill = cap;
+            route->max_prefill_attempts = 1 + route->cfg->prefill_retries;
             tdm_router_endpoints_record_prefix(ctl->eps, p->id, route->block_hashes_,
                                                route->n_blocks_);
             tdm_router_metrics_pick(mx(ctl), p->name, TDM_ROUTER_ROLE_PREFILL);

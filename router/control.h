@@ -54,6 +54,8 @@ struct tdm_router_route {
     size_t n_prefill;     // end of the candidates the decode worker is given: at most
                           // prefill_idx + 1 + request.prefill_retries (0 when decode-only)
     size_t prefill_idx;   // the first candidate still registered (held by the route)
+    int max_prefill_attempts; // GenerateRequest.max_prefill_attempts: 1 + request.prefill_retries
+                              // when prefill-decode, 0 when decode-only
     size_t cached_tokens; // believed cached on the decode endpoint
     size_t uncached_tokens;
     double deadline;  // tdm_now() + request_deadline_seconds

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // Tests of the control plane as the request path uses it: routes (decision,
 // held endpoints, prefix recording), the request.prefill_retries cap on the
-// prefill targets and the local-prefill fallback count, passive reports, the
-// router metrics they move (rendered through the registry), no-endpoint
-// errors, a reload under a held route, and the GET /v1/router/config body.
+// prefill targets and the attempt budget sent with them, the local-prefill
+// fallback count, passive reports, the router metrics they move (rendered
+// through the registry), no-endpoint errors, a reload under a held route, and
+// the GET /v1/router/config body.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -99,6 +100,7 @@ static void test_route_decode_only_and_prefix(void **state)
     assert_int_equal(tdm_router_control_route(e.ctl, tokens, 20, NULL, &r, err, sizeof err), 0);
     assert_int_equal(r.decision, TDM_ROUTER_DECISION_DECODE_ONLY);
     assert_int_equal(r.n_prefill, 0);
+    assert_int_equal(r.max_prefill_attempts, 0);
     assert_int_equal(r.decode.role, TDM_ROUTER_ROLE_DECODE);
     assert_int_equal(r.decode.nng_port, 9001);
     assert_int_equal(inflight_of(&e, r.decode.id), 1);
@@ -116,6 +118,7 @@ static void test_route_decode_only_and_prefix(void **state)
     // 3 prefill endpoints ranked, prefill_retries 1: the decode worker gets 2.
     assert_int_equal(r.n_prefill, 2);
     assert_int_equal(r.prefill_idx, 0);
+    assert_int_equal(r.max_prefill_attempts, 2); // sent as GenerateRequest.max_prefill_attempts
     assert_int_equal(r.prefill[r.prefill_idx].role, TDM_ROUTER_ROLE_PREFILL);
     assert_int_equal(inflight_of(&e, r.prefill[0].id), 1);
     assert_int_equal(inflight_of(&e, r.prefill[1].id), 0); // only the one in use is held
@@ -152,7 +155,8 @@ static void test_route_decode_only_and_prefix(void **state)
 }
 
 // request.prefill_retries caps the prefill endpoints a route hands the decode
-// worker (it tries them in order, then prefills locally); a local prefill of a
+// worker and sets its attempt budget, 1 + prefill_retries (it tries them in
+// order, then prefills locally); a local prefill of a
 // P/D route counts as a fallback.
 static void test_prefill_retries_cap_and_fallback(void **state)
 {
@@ -177,6 +181,8 @@ static void test_prefill_retries_cap_and_fallback(void **state)
         assert_int_equal(r.decision, TDM_ROUTER_DECISION_PREFILL_DECODE);
         size_t want = retries + 1 < 3 ? (size_t)retries + 1 : 3; // 3 prefill endpoints exist
         assert_int_equal(r.n_prefill - r.prefill_idx, want);
+        // The decode worker's attempt budget (GenerateRequest.max_prefill_attempts).
+        assert_int_equal(r.max_prefill_attempts, retries + 1);
         for (size_t i = r.prefill_idx; i < r.n_prefill; i++)
             for (size_t j = r.prefill_idx; j < i; j++)
                 assert_true(r.prefill[i].id != r.prefill[j].id);

@@ -35,6 +35,7 @@
 #include "pd_codec.h"
 #include "retry.h"
 #include "router_stream.h"
+#include "text.h"
 #include "tokenizer.h"
 #include "transport.h"
 
@@ -148,13 +149,10 @@ struct tdm_router_server {
     atomic_bool draining;      // drain began: no new API requests, /health 503
     _Atomic int inflight;      // API handlers running (the drain waits for 0)
 
-    // text side
-    struct tdm_tokenizer *tok;
-    struct tdm_chat_template *chat;
-    char chat_err[256];
-    struct tdm_generation_config gen;
+    // text side (common/text)
+    struct tdm_text text;
+    char model_path[1024]; // the folder --model names (a Hub id resolved to the HF cache)
     struct tdm_oai_model_info info;
-    char served_name[256];
     int max_model_len;
     int32_t eos_ids[2 * TDM_MAX_EOS];
     int num_eos;
@@ -393,7 +391,7 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
     ch->got_chunk = true;
     struct tdm_router_take r;
     if (tdm_router_take_chunk(&k->oai, (size_t)(ch->a - k->oai.choices), m,
-                              tdm_tok_eos_id(k->s->tok), &k->s->gen, &r) != TDM_OK)
+                              tdm_tok_eos_id(k->s->text.tok), &k->s->text.gen, &r) != TDM_OK)
         return TDM_ENOMEM;
     if (r.stopped)
         send_cancel(k, ch); // the decode worker stops generating (and frees the KV)
@@ -603,6 +601,8 @@ static int send_generates(struct call *k, char *err, size_t errlen)
         g.n_prefill = nt;
         g.prefill = target_ptr;
         g.local_fallback = true;
+        // The list is already capped; the budget says so to the decode worker too.
+        g.max_prefill_attempts = nt ? r->max_prefill_attempts : 0;
         int rc = tdm_pd_send(s->outbox, k->decode_url, TDM_NET_GENERATE, &g.base, NULL, 0, 1.0, err,
                              errlen);
         if (rc != TDM_OK) {
@@ -836,7 +836,8 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     k.conn = c;
     k.arrival = tdm_now();
     tdm_cond_init(&k.cv);
-    if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->tok, s->chat, s->chat_err))
+    if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->text.tok, s->text.chat,
+                                 s->text.chat_err))
         goto out; // answered: an error, or echo only
     k.choices = calloc(k.oai.n_choices, sizeof *k.choices);
     if (k.choices == NULL) {
@@ -931,7 +932,7 @@ static void on_models(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_router_server *s = arg;
     struct tdm_oai_model_card card = {
-        .id = s->served_name,
+        .id = s->text.served_name,
         .root = s->o.model,
         .parent = NULL,
         .max_model_len = s->max_model_len,
@@ -988,89 +989,45 @@ int tdm_router_server_drain(struct tdm_router_server *s, double timeout_s)
 static void on_tokenize(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_router_server *s = arg;
-    tdm_oai_http_tokenize(c, &s->info, s->tok, s->chat, s->chat_err, s->max_model_len);
+    tdm_oai_http_tokenize(c, &s->info, s->text.tok, s->text.chat, s->text.chat_err,
+                          s->max_model_len);
 }
 
 static void on_detokenize(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_router_server *s = arg;
-    tdm_oai_http_detokenize(c, &s->info, s->tok);
+    tdm_oai_http_detokenize(c, &s->info, s->text.tok);
 }
 
 // ---- lifecycle ---------------------------------------------------------------------------------
-static void resolve_served_name(struct tdm_router_server *s)
-{
-    if (s->o.served_model_name[0]) {
-        snprintf(s->served_name, sizeof s->served_name, "%s", s->o.served_model_name);
-        return;
-    }
-    char *path = tdm_path_join(s->o.model, "config.json");
-    char *text = NULL;
-    size_t len = 0;
-    char err[64];
-    if (path && tdm_read_file(path, &text, &len, err, sizeof err) == TDM_OK) {
-        cJSON *j = tdm_json_check_depth(text, len, TDM_JSON_MAX_DEPTH, NULL, 0)
-                       ? NULL
-                       : cJSON_ParseWithLength(text, len);
-        const cJSON *n = cJSON_GetObjectItemCaseSensitive(j, "_name_or_path");
-        if (cJSON_IsString(n) && n->valuestring[0])
-            snprintf(s->served_name, sizeof s->served_name, "%s", n->valuestring);
-        cJSON_Delete(j);
-    }
-    free(text);
-    free(path);
-    if (s->served_name[0])
-        return;
-    char dir[1024];
-    snprintf(dir, sizeof dir, "%s", s->o.model);
-    size_t n = strlen(dir);
-    while (n > 1 && dir[n - 1] == '/')
-        dir[--n] = '\0';
-    const char *b = strrchr(dir, '/');
-    snprintf(s->served_name, sizeof s->served_name, "%.255s", b && b[1] ? b + 1 : dir);
-}
-
+// The text side as the workers load it (common/text): a folder or an ORG/NAME
+// Hub id (resolved through the HF cache), the same served name and template.
 static int load_text_side(struct tdm_router_server *s, char *err, size_t errlen)
 {
-    int rc = tdm_tok_load(&s->tok, s->o.model, err, errlen);
+    int rc = tdm_text_resolve(s->o.model, NULL, s->model_path, sizeof s->model_path, err, errlen);
     if (rc != TDM_OK)
         return rc;
-    rc = tdm_hf_generation_config_load(&s->gen, s->o.model, err, errlen);
+    struct tdm_text_config tc = {
+        .model = s->o.model,
+        .model_path = s->model_path,
+        .served_model_name = s->o.served_model_name,
+        .chat_template = s->o.chat_template,
+        .log_module = MOD,
+    };
+    rc = tdm_text_load(&s->text, &tc, err, errlen);
     if (rc != TDM_OK)
         return rc;
     struct tdm_model_config mc;
-    rc = tdm_hf_config_load(&mc, s->o.model, err, errlen);
+    rc = tdm_hf_config_load(&mc, s->model_path, err, errlen);
+    if (rc == TDM_OK)
+        rc = tdm_text_context_len(s->o.max_model_len, mc.max_position_embeddings, &s->max_model_len,
+                                  err, errlen);
     if (rc != TDM_OK)
         return rc;
-    const char *tmpl = tdm_tok_chat_template(s->tok);
-    if (s->o.chat_template[0]) {
-        rc = tdm_chat_template_new(&s->chat, tmpl, s->o.chat_template, err, errlen);
-        if (rc != TDM_OK)
-            return rc;
-    } else if (tmpl == NULL) {
-        snprintf(s->chat_err, sizeof s->chat_err,
-                 "tokenizer_config.json has no chat_template (use --chat-template)");
-    } else if (tdm_chat_template_new(&s->chat, tmpl, NULL, s->chat_err, sizeof s->chat_err) !=
-               TDM_OK) {
-        s->chat = NULL;
-        TDM_LOG_WARN(MOD, "chat endpoint disabled: %s", s->chat_err);
-    }
-    // HF hands the template the tokenizer's special tokens (bos_token, eos_token).
-    if (s->chat && (rc = tdm_chat_template_set_tokens(
-                        s->chat, tdm_tok_id_to_piece(s->tok, tdm_tok_bos_id(s->tok)),
-                        tdm_tok_id_to_piece(s->tok, tdm_tok_eos_id(s->tok)),
-                        tdm_tok_id_to_piece(s->tok, tdm_tok_pad_id(s->tok)))) != TDM_OK)
-        return tdm_seterr(err, errlen, rc, "chat template: setting special tokens failed");
-    if (s->o.max_model_len > mc.max_position_embeddings)
-        return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "--max-model-len %d exceeds the model's max_position_embeddings %d",
-                          s->o.max_model_len, mc.max_position_embeddings);
-    s->max_model_len = s->o.max_model_len ? s->o.max_model_len : mc.max_position_embeddings;
-    resolve_served_name(s);
-    s->info.served_name = s->served_name;
+    s->info.served_name = s->text.served_name;
     s->info.vocab_size = mc.vocab_size;
     s->info.max_model_len = s->max_model_len;
-    s->info.gen = &s->gen;
+    s->info.gen = &s->text.gen;
     return TDM_OK;
 }
 
@@ -1189,8 +1146,7 @@ void tdm_router_server_free(struct tdm_router_server *s)
     tdm_net_inbox_free(s->inbox);
     tdm_net_outbox_free(s->outbox);
     tdm_metrics_registry_free(s->reg);
-    tdm_chat_template_free(s->chat);
-    tdm_tok_free(s->tok);
+    tdm_text_fini(&s->text);
     while (s->streams)
         stream_unregister(s, s->streams);
     pthread_mutex_destroy(&s->mu);

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// decode_config: tandem-decode's flags and config file. One table (core's
+// worker_config: the worker base's flags and config file (tandem-decode and
+// tandem-prefill take them all). One table (core's
 // struct tdm_flag) maps each option name to its field and check, so the
 // command line and the flat YAML file (vLLM's --config style: the same keys as
 // the flags, "key: value") accept exactly the same things with the same checks
@@ -11,10 +12,10 @@
 #include <string.h>
 
 #include "core.h"
-#include "decode.h"
 #include "model.h"
+#include "worker.h"
 
-void tdm_decode_config_default(struct tdm_decode_config *cfg)
+void tdm_worker_config_default(struct tdm_worker_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
     snprintf(cfg->host, sizeof cfg->host, "0.0.0.0");
@@ -35,7 +36,7 @@ void tdm_decode_config_default(struct tdm_decode_config *cfg)
 // Flags whose check is more than a type and a range.
 static int set_block_size(void *o, const char *v, char *err, size_t errlen)
 {
-    struct tdm_decode_config *cfg = o;
+    struct tdm_worker_config *cfg = o;
     char *end;
     long x = strtol(v, &end, 10);
     if (*v == '\0' || *end != '\0' || x < 1 || x > 1024 || (x & (x - 1)) != 0)
@@ -47,7 +48,7 @@ static int set_block_size(void *o, const char *v, char *err, size_t errlen)
 
 static int set_dtype(void *o, const char *v, char *err, size_t errlen)
 {
-    struct tdm_decode_config *cfg = o;
+    struct tdm_worker_config *cfg = o;
     if (strcmp(v, "bf16") == 0 || strcmp(v, "bfloat16") == 0 || strcmp(v, "auto") == 0)
         cfg->int8 = false;
     else if (strcmp(v, "int8") == 0)
@@ -60,7 +61,7 @@ static int set_dtype(void *o, const char *v, char *err, size_t errlen)
 
 static int set_log_level(void *o, const char *v, char *err, size_t errlen)
 {
-    struct tdm_decode_config *cfg = o;
+    struct tdm_worker_config *cfg = o;
     if (strcmp(v, "err") != 0 && strcmp(v, "warn") != 0 && strcmp(v, "info") != 0 &&
         strcmp(v, "debug") != 0)
         return tdm_seterr(err, errlen, TDM_EINVAL,
@@ -69,7 +70,7 @@ static int set_log_level(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
-// --config is applied before the other flags (tdm_decode_config_parse_args).
+// --config is applied before the other flags (tdm_worker_config_parse_args).
 static int set_config_done(void *o, const char *v, char *err, size_t errlen)
 {
     (void)o;
@@ -83,7 +84,7 @@ static int set_config_done(void *o, const char *v, char *err, size_t errlen)
 // build without CUDA) is a startup error naming the flag.
 static int set_device(void *o, const char *v, char *err, size_t errlen)
 {
-    struct tdm_decode_config *cfg = o;
+    struct tdm_worker_config *cfg = o;
     struct tdm_model_opts probe;
     tdm_model_opts_default(&probe);
     int rc = tdm_model_opts_set_device(&probe, v, err, errlen);
@@ -97,7 +98,7 @@ static int set_device(void *o, const char *v, char *err, size_t errlen)
 
 static int set_gpu_memory_utilization(void *o, const char *v, char *err, size_t errlen)
 {
-    struct tdm_decode_config *cfg = o;
+    struct tdm_worker_config *cfg = o;
     char *end;
     double x = strtod(v, &end);
     if (*v == '\0' || *end != '\0' || !(x > 0.0 && x <= 1.0))
@@ -108,11 +109,11 @@ static int set_gpu_memory_utilization(void *o, const char *v, char *err, size_t 
 }
 
 #define STR(n, field, mv, h)                                                                       \
-    TDM_FLAG_FIELD(struct tdm_decode_config, n, TDM_FLAG_STR, field, .metavar = mv, .help = h)
+    TDM_FLAG_FIELD(struct tdm_worker_config, n, TDM_FLAG_STR, field, .metavar = mv, .help = h)
 #define INT(n, field, lo, hi, mv, h)                                                               \
-    TDM_FLAG_FIELD(struct tdm_decode_config, n, TDM_FLAG_INT, field, .min = lo, .max = hi,      \
+    TDM_FLAG_FIELD(struct tdm_worker_config, n, TDM_FLAG_INT, field, .min = lo, .max = hi,      \
                    .metavar = mv, .help = h)
-#define OFF(field) offsetof(struct tdm_decode_config, field)
+#define OFF(field) offsetof(struct tdm_worker_config, field)
 
 static const struct tdm_flag decode_flags[] = {
     STR("model", model, "DIR|ORG/NAME",
@@ -216,12 +217,12 @@ static const struct tdm_flags decode_table = {
     .footer = "  --help                        this text\n",
 };
 
-const struct tdm_flags *tdm_decode_flags(void)
+const struct tdm_flags *tdm_worker_flags(void)
 {
     return &decode_table;
 }
 
-int tdm_decode_config_set(struct tdm_decode_config *cfg, const char *name, const char *value,
+int tdm_worker_config_set(struct tdm_worker_config *cfg, const char *name, const char *value,
                           char *err, size_t errlen)
 {
     return tdm_flags_set(&decode_table, cfg, name, value, err, errlen);
@@ -247,7 +248,7 @@ static char *trim(char *s)
     return s;
 }
 
-int tdm_decode_config_load_file(struct tdm_decode_config *cfg, const char *path, char *err,
+int tdm_worker_config_load_file(struct tdm_worker_config *cfg, const char *path, char *err,
                                 size_t errlen)
 {
     char *text = NULL;
@@ -311,7 +312,7 @@ int tdm_decode_config_load_file(struct tdm_decode_config *cfg, const char *path,
             break;
         }
         char detail[384];
-        if (tdm_decode_config_set(cfg, key, val, detail, sizeof detail) != TDM_OK)
+        if (tdm_worker_config_set(cfg, key, val, detail, sizeof detail) != TDM_OK)
             rc = tdm_seterr(err, errlen, TDM_EINVAL, "%s:%d: %s", path, lineno, detail);
     }
     free(text);
@@ -319,7 +320,7 @@ int tdm_decode_config_load_file(struct tdm_decode_config *cfg, const char *path,
 }
 
 // ---- argv ------------------------------------------------------------------------------------
-int tdm_decode_config_parse_args(struct tdm_decode_config *cfg, int argc, char **argv, char *err,
+int tdm_worker_config_parse_args(struct tdm_worker_config *cfg, int argc, char **argv, char *err,
                                  size_t errlen)
 {
     for (int i = 1; i < argc; i++)
@@ -332,7 +333,7 @@ int tdm_decode_config_parse_args(struct tdm_decode_config *cfg, int argc, char *
             const char *path = a[8] == '=' ? a + 9 : (i + 1 < argc ? argv[i + 1] : NULL);
             if (path == NULL || *path == '\0')
                 return tdm_seterr(err, errlen, TDM_EINVAL, "--config: expected a file");
-            int rc = tdm_decode_config_load_file(cfg, path, err, errlen);
+            int rc = tdm_worker_config_load_file(cfg, path, err, errlen);
             if (rc != TDM_OK)
                 return TDM_EINVAL;
         }

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// decode_config_test: the flag and config-file parser of tandem-decode
+// worker_config_test: the flag and config-file parser of the worker base
 // (defaults, every value kind, suffixes, file/flag precedence, error
 // messages with file:line). The server itself is covered by the Python
 // integration tests in integration-tests/.
@@ -15,9 +15,9 @@
 #include <cmocka.h>
 
 #include "core.h"
-#include "decode.h"
+#include "worker.h"
 
-static int parse(struct tdm_decode_config *c, char *err, size_t errlen, int argc, ...)
+static int parse(struct tdm_worker_config *c, char *err, size_t errlen, int argc, ...)
 {
     char *argv[32];
     va_list ap;
@@ -26,14 +26,14 @@ static int parse(struct tdm_decode_config *c, char *err, size_t errlen, int argc
     for (int i = 1; i < argc; i++)
         argv[i] = va_arg(ap, char *);
     va_end(ap);
-    tdm_decode_config_default(c);
-    return tdm_decode_config_parse_args(c, argc, argv, err, errlen);
+    tdm_worker_config_default(c);
+    return tdm_worker_config_parse_args(c, argc, argv, err, errlen);
 }
 
 static void test_defaults(void **state)
 {
     (void)state;
-    struct tdm_decode_config c;
+    struct tdm_worker_config c;
     char err[256];
     assert_int_equal(parse(&c, err, sizeof err, 3, "--model", "/m"), TDM_OK);
     assert_string_equal(c.model, "/m");
@@ -52,7 +52,7 @@ static void test_defaults(void **state)
 static void test_flags(void **state)
 {
     (void)state;
-    struct tdm_decode_config c;
+    struct tdm_worker_config c;
     char err[256];
     assert_int_equal(parse(&c, err, sizeof err, 23, "--model", "/m", "--port=0", "--host",
                            "127.0.0.1", "--kv-cache-memory", "2GiB", "--no-enable-prefix-caching",
@@ -76,7 +76,7 @@ static void test_flags(void **state)
 static void test_bad_flags(void **state)
 {
     (void)state;
-    struct tdm_decode_config c;
+    struct tdm_worker_config c;
     char err[256];
     assert_int_equal(parse(&c, err, sizeof err, 3, "--port", "x"), TDM_EINVAL);
     assert_string_equal(err, "--port: expected an integer in [0, 65535], got \"x\"");
@@ -99,7 +99,7 @@ static void test_bad_flags(void **state)
 static void test_device(void **state)
 {
     (void)state;
-    struct tdm_decode_config c;
+    struct tdm_worker_config c;
     char err[256];
     assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--device", "cpu"), TDM_OK);
     assert_string_equal(c.device, "cpu");
@@ -174,7 +174,7 @@ static void test_config_file(void **state)
                      "enable-prefix-caching: false\n"
                      "kv-cache-memory: '1GiB'\n"
                      "api-key: 'a#b'\n");
-    struct tdm_decode_config c;
+    struct tdm_worker_config c;
     char err[512];
     // A flag overrides the file even when it comes first.
     assert_int_equal(parse(&c, err, sizeof err, 5, "--port", "7000", "--config", path), TDM_OK);

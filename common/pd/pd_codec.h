@@ -2,9 +2,12 @@
 // pd_codec: glue between Tandem's C types and the protobuf-c messages of
 // tandem.proto, shared by the router, the prefill worker and the decode
 // worker's P/D receiver: sampling params in both directions (with range checks
-// on the way in, since a peer's bytes are untrusted input), and sending a
-// packed message as one transport frame. Lives beside the .proto (not in
-// common/) because its API uses protobuf-c types.
+// on the way in, since a peer's bytes are untrusted input), the KV header and
+// push target of a PrefillRequest, and sending a packed message as one
+// transport frame (pd_send.c). This is the wire edge: the one header in
+// common/ whose API uses protobuf-c types, included only by the .c files that
+// build or read messages (router/router.c, decode/, prefill/, common/pd/);
+// pd.h, the module's API for everything else, has none.
 #ifndef TDM_PD_CODEC_H
 #define TDM_PD_CODEC_H
 
@@ -71,33 +74,6 @@ void tdm_pd_push_to_proto(Tandem__PrefillRequest *m, const struct tdm_pd_push *p
 int tdm_pd_push_from_proto(const Tandem__PrefillRequest *m, const struct tdm_kv_config *kv,
                            const char *model, int max_layers_per_frame, struct tdm_pd_push *out,
                            char *err, size_t errlen);
-
-// A worker's load, as it answers a LoadQuery (LoadReport fields; strings borrowed).
-struct tdm_pd_load {
-    uint64_t instance; // this process's instance id
-    const char *role;  // "prefill" or "decode"
-    const char *model; // served model name
-    int running, waiting;
-    float kv_usage; // referenced KV blocks / all
-    int free_blocks, total_blocks, block_size;
-    int held;        // prefill: KV held for export; decode: imports in progress
-    const char *url; // this worker's inbox URL
-    // KV events (decode workers): has_kv_events false = none sent, the router
-    // keeps only its approximate index. Arrays borrowed, a hash in at most one.
-    bool has_kv_events;
-    bool kv_cleared;   // events were lost since the previous report
-    uint64_t kv_batch; // 1, 2, ... per report filled
-    const uint64_t *kv_stored, *kv_evicted;
-    size_t n_kv_stored, n_kv_evicted;
-};
-// Fills *load (called only for a query that can be answered).
-typedef void (*tdm_pd_load_fn)(void *arg, struct tdm_pd_load *load);
-// Answers a LOAD_QUERY frame f: unpacks it and, when it names a reply_to inbox,
-// sends a LoadReport (fill's load, to_instance and seq from the query) there
-// without blocking, so a router that went away cannot stall the caller's
-// thread. A malformed query or a failed send is dropped (the asker retries).
-void tdm_pd_answer_load_query(struct tdm_net_outbox *ob, const struct tdm_net_frame *f,
-                              tdm_pd_load_fn fill, void *arg);
 
 // Packs m and sends it as a frame of the given type (payload may be NULL).
 // Errors as tdm_net_send, TDM_ENOMEM.

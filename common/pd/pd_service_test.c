@@ -22,7 +22,8 @@
 #include "core.h"
 #include "engine.h"
 #include "metrics.h"
-#include "pd_service.h"
+#include "pd.h"
+#include "pd_codec.h"
 
 // ---- the service -------------------------------------------------------------------------
 struct role {

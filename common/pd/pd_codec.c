@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// pd_codec: C <-> protobuf-c conversions and framed sends (see pd_codec.h).
+// pd_codec: C <-> protobuf-c conversions of the P/D messages (see pd_codec.h):
+// sampling params, the KV header check, the push target.
 #include "pd_codec.h"
 
 #include <stdio.h>
@@ -187,81 +188,4 @@ int tdm_pd_push_from_proto(const Tandem__PrefillRequest *m, const struct tdm_kv_
     if (max_layers_per_frame >= 1 && out->layers_per_frame > max_layers_per_frame)
         out->layers_per_frame = max_layers_per_frame;
     return TDM_OK;
-}
-
-int tdm_pd_send_fill(struct tdm_net_outbox *ob, const char *url, int type,
-                     const ProtobufCMessage *m, size_t payload_len, tdm_net_fill_fn fill, void *arg,
-                     double timeout_s, char *err, size_t errlen)
-{
-    size_t n = protobuf_c_message_get_packed_size(m);
-    uint8_t small[1024];
-    uint8_t *buf = n <= sizeof small ? small : malloc(n);
-    if (buf == NULL)
-        return tdm_seterr(err, errlen, TDM_ENOMEM, "pack: out of memory");
-    protobuf_c_message_pack(m, buf);
-    int rc =
-        tdm_net_send_fill(ob, url, type, buf, n, payload_len, fill, arg, timeout_s, err, errlen);
-    if (buf != small)
-        free(buf);
-    return rc;
-}
-
-struct copy_arg {
-    const void *src;
-};
-
-static int copy_payload(void *arg, uint8_t *payload, size_t payload_len)
-{
-    memcpy(payload, ((struct copy_arg *)arg)->src, payload_len);
-    return 0;
-}
-
-int tdm_pd_send(struct tdm_net_outbox *ob, const char *url, int type, const ProtobufCMessage *m,
-                const void *payload, size_t payload_len, double timeout_s, char *err, size_t errlen)
-{
-    struct copy_arg a = {payload};
-    return tdm_pd_send_fill(ob, url, type, m, payload ? payload_len : 0,
-                            payload ? copy_payload : NULL, &a, timeout_s, err, errlen);
-}
-
-void tdm_pd_answer_load_query(struct tdm_net_outbox *ob, const struct tdm_net_frame *f,
-                              tdm_pd_load_fn fill, void *arg)
-{
-    Tandem__LoadQuery *q = tandem__load_query__unpack(NULL, f->msg_len, f->msg);
-    if (q == NULL)
-        return;
-    if (q->reply_to && q->reply_to->url && q->reply_to->url[0]) {
-        struct tdm_pd_load load;
-        memset(&load, 0, sizeof load);
-        fill(arg, &load);
-        Tandem__LoadReport r = TANDEM__LOAD_REPORT__INIT;
-        r.instance = load.instance;
-        r.to_instance = q->reply_to->instance;
-        r.role = (char *)(load.role ? load.role : "");
-        r.model = (char *)(load.model ? load.model : "");
-        r.running = load.running;
-        r.waiting = load.waiting;
-        r.kv_usage = load.kv_usage;
-        r.free_blocks = load.free_blocks;
-        r.total_blocks = load.total_blocks;
-        r.block_size = load.block_size;
-        r.held = load.held;
-        r.seq = q->seq;
-        r.url = (char *)(load.url ? load.url : "");
-        Tandem__KvEvents kev = TANDEM__KV_EVENTS__INIT;
-        if (load.has_kv_events) {
-            kev.instance = load.instance;
-            kev.stored = (uint64_t *)load.kv_stored;
-            kev.n_stored = load.kv_stored ? load.n_kv_stored : 0;
-            kev.evicted = (uint64_t *)load.kv_evicted;
-            kev.n_evicted = load.kv_evicted ? load.n_kv_evicted : 0;
-            kev.cleared = load.kv_cleared;
-            kev.batch = load.kv_batch;
-            r.kv_events = &kev;
-        }
-        char err[256];
-        tdm_pd_send(ob, q->reply_to->url, TDM_NET_LOAD_REPORT, &r.base, NULL, 0, 0, err,
-                    sizeof err);
-    }
-    tandem__load_query__free_unpacked(q, NULL);
 }

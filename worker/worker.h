@@ -1,38 +1,44 @@
 // SPDX-License-Identifier: Apache-2.0
-// decode: the decode worker (`tandem-decode`) as a library. It loads a model
-// folder, owns one engine (paged KV cache + continuous-batching scheduler on
-// one engine thread) and serves vLLM's OpenAI-compatible HTTP API on it:
-// /v1/completions, /v1/chat/completions (stream and non-stream), /v1/models,
-// /health, /metrics, /tokenize, /detokenize, /version. Each HTTP worker thread
-// parses a request, tokenizes it, submits one engine request per choice, reads
-// the engine's output stream, detokenizes incrementally, applies stop strings
-// and writes SSE chunks or one JSON body; a failed write (client gone) aborts
-// its engine requests so their KV blocks free at once.
+// worker: the base both worker roles run on, the decode worker
+// (`tandem-decode`, decode/) and the prefill worker (`tandem-prefill`,
+// prefill/). It loads a model folder (or a Hugging Face id, through the HF
+// cache), the text side (common/text: tokenizer, chat template, generation
+// config, served name), owns one engine (paged KV cache + continuous-batching
+// scheduler on one engine thread) and serves vLLM's OpenAI-compatible HTTP API
+// on it: /v1/completions, /v1/chat/completions (stream and non-stream),
+// /v1/models, /health, /metrics, /tokenize, /detokenize, /version. Each HTTP
+// worker thread parses a request, tokenizes it, submits one engine request per
+// choice, reads the engine's output stream, detokenizes incrementally, applies
+// stop strings and writes SSE chunks or one JSON body; a failed write (client
+// gone) aborts its engine requests so their KV blocks free at once
+// (worker_generate.c). A role adds its nng side on the same engine, model and
+// metrics registry through tdm_worker_parts.
 //
-// Lifecycle: tdm_decode_server_new starts listening at once (/health answers
-// 503 "loading"), tdm_decode_server_load loads the model and makes the server
-// ready, tdm_decode_server_drain stops accepting (health 503, new requests
-// 503), lets running requests finish up to a timeout, and
-// tdm_decode_server_free stops everything. docs/decode-worker.md describes the
-// behaviour, docs/configuration.md every flag.
-#ifndef TDM_DECODE_H
-#define TDM_DECODE_H
+// Lifecycle: tdm_worker_new starts listening at once (/health answers 503
+// "loading"), tdm_worker_load loads the model and makes the server ready,
+// tdm_worker_drain stops accepting (health 503, new requests 503), lets
+// running requests finish up to a timeout, and tdm_worker_free stops
+// everything. docs/decode-worker.md describes the behaviour,
+// docs/configuration.md every flag, docs/architecture.md where this sits.
+#ifndef TDM_WORKER_H
+#define TDM_WORKER_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 // ---- configuration -------------------------------------------------------------------
-#define TDM_DECODE_STR 1024 // room for one path or name in the config
+#define TDM_WORKER_STR 1024 // room for one path or name in the config
 
-// Every flag of tandem-decode; names follow vLLM's where vLLM has one. Strings
-// are stored inline so a config outlives argv and the config file.
-struct tdm_decode_config {
-    char model[TDM_DECODE_STR];             // --model DIR or Hugging Face id (required)
+// Every flag of the worker base (tandem-decode and tandem-prefill take them all); names follow
+// vLLM's where vLLM has one. Strings are stored inline so a config outlives argv and the config
+// file.
+struct tdm_worker_config {
+    char model[TDM_WORKER_STR];             // --model DIR or Hugging Face id (required)
     char revision[256];                     // --revision for a Hub id; "" = main
     char host[256];                         // --host; default "0.0.0.0"
     int port;                               // --port; default 8001; 0 = any free port
-    char served_model_name[TDM_DECODE_STR]; // --served-model-name; "" = config.json's
+    char served_model_name[TDM_WORKER_STR]; // --served-model-name; "" = config.json's
                                             // _name_or_path, else the folder's name
     int max_model_len;                      // --max-model-len; 0 = the model's context
     int max_num_seqs;                       // --max-num-seqs; default 64
@@ -47,7 +53,7 @@ struct tdm_decode_config {
     double gpu_memory_utilization;          // --gpu-memory-utilization; default 0.9 (device only)
     bool enforce_eager;                     // --enforce-eager: no CUDA graphs
     bool int8;                              // --dtype int8 (default bf16)
-    char chat_template[TDM_DECODE_STR];     // --chat-template FILE; "" = tokenizer's
+    char chat_template[TDM_WORKER_STR];     // --chat-template FILE; "" = tokenizer's
     int max_waiting;                        // --max-waiting; default 1024
     double drain_timeout;                   // --drain-timeout SECONDS; default 30
     char log_level[16];                     // --log-level err|warn|info|debug; default info
@@ -57,63 +63,89 @@ struct tdm_decode_config {
 };
 
 // Fills the defaults above.
-void tdm_decode_config_default(struct tdm_decode_config *cfg);
+void tdm_worker_config_default(struct tdm_worker_config *cfg);
 
 // Sets one option by its flag name without the leading "--" ("max-num-seqs";
 // '_' and '-' are interchangeable). value is the text after the flag, or for
 // the boolean enable-prefix-caching "true"/"false" (NULL = true). TDM_EINVAL
 // with err "--port: expected an integer in [0, 65535], got \"x\"" or "unknown
 // option \"--foo\"".
-int tdm_decode_config_set(struct tdm_decode_config *cfg, const char *name, const char *value,
+int tdm_worker_config_set(struct tdm_worker_config *cfg, const char *name, const char *value,
                           char *err, size_t errlen);
 
 // Reads a flat YAML file of "key: value" lines (keys as flags without "--";
 // '#' comments, blank lines, single or double quotes around a value) into cfg.
 // TDM_EINVAL with "FILE:LINE: ..." for a bad line, TDM_ENOTFOUND/TDM_EIO.
-int tdm_decode_config_load_file(struct tdm_decode_config *cfg, const char *path, char *err,
+int tdm_worker_config_load_file(struct tdm_worker_config *cfg, const char *path, char *err,
                                 size_t errlen);
 
 // Parses argv (argv[0] skipped): --config FILE is applied first, then the other
 // flags override it. Returns TDM_OK, 1 when --help was given (nothing else is
 // checked), or TDM_EINVAL with a one-line message in err (unknown flag, missing
 // or bad value, --model missing).
-int tdm_decode_config_parse_args(struct tdm_decode_config *cfg, int argc, char **argv, char *err,
+int tdm_worker_config_parse_args(struct tdm_worker_config *cfg, int argc, char **argv, char *err,
                                  size_t errlen);
 
 // The flag table (core's struct tdm_flags): --help is tdm_flags_help of it.
 // Byte sizes ("2GiB", "512MiB") parse with core's tdm_parse_bytes.
 struct tdm_flags;
-const struct tdm_flags *tdm_decode_flags(void);
+const struct tdm_flags *tdm_worker_flags(void);
 
 // ---- the server --------------------------------------------------------------------------
-struct tdm_decode_server;
+struct tdm_worker;
 
 // Validates cfg and starts the HTTP server on cfg->host:cfg->port; until
-// tdm_decode_server_load succeeds, /health answers 503 and every API route 503.
+// tdm_worker_load succeeds, /health answers 503 and every API route 503.
 // TDM_EINVAL (bad config, err says which) or TDM_ETRANSPORT (cannot listen).
-int tdm_decode_server_new(struct tdm_decode_server **out, const struct tdm_decode_config *cfg,
-                          char *err, size_t errlen);
+int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg, char *err,
+                   size_t errlen);
 // Loads tokenizer, chat template, generation config and model, creates the
 // metrics registry and the engine, then marks the server ready. Errors: the
 // failing module's code and message.
-int tdm_decode_server_load(struct tdm_decode_server *s, char *err, size_t errlen);
+int tdm_worker_load(struct tdm_worker *s, char *err, size_t errlen);
 // The same load without the last step: /health stays 503 until
-// tdm_decode_server_set_ready. For a main that must open more listeners first
+// tdm_worker_set_ready. For a main that must open more listeners first
 // (the P/D nng inbox), so that a worker is never reported healthy before every
 // port it advertises accepts connections.
-int tdm_decode_server_load_unready(struct tdm_decode_server *s, char *err, size_t errlen);
-void tdm_decode_server_set_ready(struct tdm_decode_server *s);
+int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen);
+void tdm_worker_set_ready(struct tdm_worker *s);
 // The bound port (the real one when cfg->port was 0).
-int tdm_decode_server_port(const struct tdm_decode_server *s);
+int tdm_worker_port(const struct tdm_worker *s);
 // The served model name and the KV capacity in tokens (after load).
-const char *tdm_decode_server_model_name(const struct tdm_decode_server *s);
-int64_t tdm_decode_server_kv_capacity_tokens(const struct tdm_decode_server *s);
+const char *tdm_worker_model_name(const struct tdm_worker *s);
+int64_t tdm_worker_kv_capacity_tokens(const struct tdm_worker *s);
 // Stops accepting (health 503, new API requests 503) and lets running requests
 // finish for up to timeout_s seconds (< 0: no limit); the rest are aborted and
 // their streams end. Returns once every in-flight HTTP request has returned
 // (or after a further 5 s grace). TDM_OK or TDM_ETIMEDOUT (some were aborted).
-int tdm_decode_server_drain(struct tdm_decode_server *s, double timeout_s);
+int tdm_worker_drain(struct tdm_worker *s, double timeout_s);
 // Stops the HTTP server, the engine and frees everything. Accepts NULL.
-void tdm_decode_server_free(struct tdm_decode_server *s);
+void tdm_worker_free(struct tdm_worker *s);
+
+// ---- for the roles -------------------------------------------------------------------------
+// A narrow window into a loaded worker for its role's nng side (the decode
+// worker's P/D receiver, the prefill worker's service), which run on the same
+// engine, model and metrics registry as the HTTP path instead of loading their own.
+struct tdm_engine;
+struct tdm_model;
+struct tdm_metrics_registry;
+
+// Borrowed pointers, valid until tdm_worker_free.
+struct tdm_worker_parts {
+    struct tdm_engine *engine;
+    struct tdm_model *model;
+    struct tdm_metrics_registry *reg; // for the role's own tandem:* metrics
+    const char *served_name;
+    const int32_t *eos_ids; // [num_eos] config.json's and generation_config.json's
+    int num_eos;
+    int max_model_len;
+    int block_size;
+    int vocab_size;
+};
+
+// Fills *out after tdm_worker_load succeeded; TDM_EBUSY before.
+int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out);
+// True while the server accepts new requests (loaded, not draining).
+bool tdm_worker_ready(const struct tdm_worker *s);
 
 #endif

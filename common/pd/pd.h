@@ -1,20 +1,22 @@
 // SPDX-License-Identifier: Apache-2.0
-// pd_service: the nng side that both P/D worker roles run, the decode worker's
-// P/D receiver (decode/pd_receiver.c) and the prefill worker
-// (prefill/prefill.c): an inbox and an outbox (common/transport), this
-// process's instance id, one receive thread that dispatches each frame to the
-// role's handler for its type and answers LoadQuery itself, and the stop
-// (flag, inbox closed, thread joined) the roles do before they wait for their
-// job threads. Also the shape of the transfer metrics both roles keep (bytes,
-// blocks, requests, failures by reason, seconds per transfer; each role its own
-// names) and the check of an --nng-url value (the flags themselves are core
-// flag tables, tdm_flags_take).
+// pd: the P/D runtime that both P/D worker roles run, the decode worker's P/D
+// receiver (decode/pd_receiver.c) and the prefill worker (prefill/prefill.c).
+// One concern per file: pd_service.c, an inbox and an outbox
+// (common/transport), this process's instance id, one receive thread that
+// dispatches each frame to the role's handler for its type and answers
+// LoadQuery itself, and the stop (flag, inbox closed, thread joined) the roles
+// do before they wait for their job threads; pd_load.c, the load report a
+// LoadQuery is answered with; pd_metrics.c, the shape of the transfer metrics
+// both roles keep (bytes, blocks, requests, failures by reason, seconds per
+// transfer; each role its own names); pd_flags.c, the check of an --nng-url
+// value (the flags themselves are core flag tables, tdm_flags_take). The wire
+// conversions (protobuf-c types) are pd_codec.h's, not this header's.
 //
 // Invariants: the handlers and fill_load run on the receive thread only, never
 // after tdm_pd_service_stop returned; the outbox stays usable from any thread
 // until tdm_pd_service_fini (job threads still send after stop).
-#ifndef TDM_PD_SERVICE_H
-#define TDM_PD_SERVICE_H
+#ifndef TDM_PD_H
+#define TDM_PD_H
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -22,13 +24,40 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "pd_codec.h"
 #include "transport.h"
 
 struct tdm_engine_stats;
 struct tdm_metrics_counter;
 struct tdm_metrics_histogram;
 struct tdm_metrics_registry;
+
+// ---- load reports ------------------------------------------------------------------------
+// A worker's load, as it answers a LoadQuery (LoadReport fields; strings borrowed).
+struct tdm_pd_load {
+    uint64_t instance; // this process's instance id
+    const char *role;  // "prefill" or "decode"
+    const char *model; // served model name
+    int running, waiting;
+    float kv_usage; // referenced KV blocks / all
+    int free_blocks, total_blocks, block_size;
+    int held;        // prefill: KV held for export; decode: imports in progress
+    const char *url; // this worker's inbox URL
+    // KV events (decode workers): has_kv_events false = none sent, the router
+    // keeps only its approximate index. Arrays borrowed, a hash in at most one.
+    bool has_kv_events;
+    bool kv_cleared;   // events were lost since the previous report
+    uint64_t kv_batch; // 1, 2, ... per report filled
+    const uint64_t *kv_stored, *kv_evicted;
+    size_t n_kv_stored, n_kv_evicted;
+};
+// Fills *load (called only for a query that can be answered).
+typedef void (*tdm_pd_load_fn)(void *arg, struct tdm_pd_load *load);
+// Answers a LOAD_QUERY frame f: unpacks it and, when it names a reply_to inbox,
+// sends a LoadReport (fill's load, to_instance and seq from the query) there
+// without blocking, so a router that went away cannot stall the caller's
+// thread. A malformed query or a failed send is dropped (the asker retries).
+void tdm_pd_answer_load_query(struct tdm_net_outbox *ob, const struct tdm_net_frame *f,
+                              tdm_pd_load_fn fill, void *arg);
 
 // ---- the service -------------------------------------------------------------------------
 struct tdm_pd_service_config {

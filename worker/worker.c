@@ -1,0 +1,437 @@
+// SPDX-License-Identifier: Apache-2.0
+// worker: the worker base's lifecycle and routes (see worker.h): listen at
+// once, load (model beside the text side on a second thread), ready, drain,
+// free; the routes health, metrics, models, version, tokenize, detokenize and
+// the two generation routes (worker_generate.c), all answering 503 until the
+// worker is ready and again once it drains.
+// Invariants: an HTTP thread never touches the model or the KV cache, only the
+// engine's queues; drain waits for every API handler (inflight) to return.
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core.h"
+#include "engine.h"
+#include "http.h"
+#include "metrics.h"
+#include "model.h"
+#include "openai.h"
+#include "openai_http.h"
+#include "text.h"
+#include "worker_impl.h"
+
+#ifndef TANDEM_VERSION
+#define TANDEM_VERSION "0.0.0"
+#endif
+
+// ---- models ---------------------------------------------------------------------------------
+static void handle_models(struct tdm_worker *s, struct tdm_http_conn *c)
+{
+    struct tdm_oai_model_card card = {
+        .id = s->text.served_name,
+        .root = s->cfg.model,
+        .parent = NULL,
+        .max_model_len = s->max_model_len,
+        .created = s->created,
+        .owned_by = NULL,
+    };
+    tdm_http_respond_json_owned(c, 200, tdm_oai_models_body(&card, 1));
+}
+
+// ---- routing --------------------------------------------------------------------------------
+// common/http has already matched (method, path), checked the API key and read
+// the body under --max-body-bytes (404/405/401/413 never get here).
+static void on_health(struct tdm_http_conn *c, void *arg)
+{
+    struct tdm_worker *s = arg;
+    int state = atomic_load(&s->state);
+    if (state == STATE_READY)
+        tdm_http_respond(c, 200, "application/json", "", 0);
+    else
+        tdm_oai_http_errorf(c, 503, NULL, "%s",
+                                state == STATE_LOADING ? "The model is loading."
+                                                       : "The server is draining.");
+}
+
+static void on_metrics(struct tdm_http_conn *c, void *arg)
+{
+    struct tdm_worker *s = arg;
+    if (atomic_load(&s->state) == STATE_LOADING || s->reg == NULL) {
+        tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, "", 0);
+        return;
+    }
+    char *text = NULL;
+    size_t len = 0;
+    if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
+        tdm_oai_http_errorf(c, 500, NULL, "metrics rendering failed");
+        return;
+    }
+    tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
+    free(text);
+}
+
+static void on_version(struct tdm_http_conn *c, void *arg)
+{
+    (void)arg;
+    tdm_http_respond_json_owned(c, 200, tdm_oai_version_body(TANDEM_VERSION));
+}
+
+enum api_route { ROUTE_MODELS, ROUTE_COMPLETIONS, ROUTE_CHAT, ROUTE_TOKENIZE, ROUTE_DETOKENIZE };
+
+// The API routes: 503 while loading or draining, counted in inflight so that
+// drain waits for their last writes.
+static void on_api(struct tdm_worker *s, struct tdm_http_conn *c, enum api_route r)
+{
+    atomic_fetch_add(&s->inflight, 1);
+    int state = atomic_load(&s->state);
+    if (state != STATE_READY)
+        tdm_oai_http_errorf(c, 503, NULL, "%s",
+                                state == STATE_LOADING ? "The model is loading."
+                                                       : "The server is shutting down.");
+    else if (r == ROUTE_MODELS)
+        handle_models(s, c);
+    else if (r == ROUTE_COMPLETIONS)
+        worker_handle_generate(s, c, TDM_OAI_COMPLETION);
+    else if (r == ROUTE_CHAT)
+        worker_handle_generate(s, c, TDM_OAI_CHAT);
+    else if (r == ROUTE_TOKENIZE)
+        tdm_oai_http_tokenize(c, &s->info, s->text.tok, s->text.chat, s->text.chat_err,
+                              s->max_model_len);
+    else
+        tdm_oai_http_detokenize(c, &s->info, s->text.tok);
+    if (atomic_fetch_sub(&s->inflight, 1) == 1) {
+        pthread_mutex_lock(&s->mu);
+        pthread_cond_broadcast(&s->idle_cv);
+        pthread_mutex_unlock(&s->mu);
+    }
+}
+
+static void on_models(struct tdm_http_conn *c, void *arg)
+{
+    on_api(arg, c, ROUTE_MODELS);
+}
+static void on_completions(struct tdm_http_conn *c, void *arg)
+{
+    on_api(arg, c, ROUTE_COMPLETIONS);
+}
+static void on_chat(struct tdm_http_conn *c, void *arg)
+{
+    on_api(arg, c, ROUTE_CHAT);
+}
+static void on_tokenize(struct tdm_http_conn *c, void *arg)
+{
+    on_api(arg, c, ROUTE_TOKENIZE);
+}
+static void on_detokenize(struct tdm_http_conn *c, void *arg)
+{
+    on_api(arg, c, ROUTE_DETOKENIZE);
+}
+
+// ---- lifecycle ---------------------------------------------------------------------------------
+int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg, char *err,
+                   size_t errlen)
+{
+    *out = NULL;
+    if (cfg->model[0] == '\0')
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--model DIR is required");
+    struct tdm_worker *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    s->cfg = *cfg;
+    atomic_init(&s->state, STATE_LOADING);
+    atomic_init(&s->inflight, 0);
+    pthread_mutex_init(&s->mu, NULL);
+    tdm_cond_init(&s->idle_cv);
+    s->created = (int64_t)time(NULL);
+
+    int threads = cfg->http_threads;
+    if (threads <= 0) {
+        long t = (long)cfg->max_num_seqs + cfg->max_waiting;
+        threads = t < 16 ? 16 : t > 512 ? 512 : (int)t;
+    }
+    struct tdm_http_config hc;
+    memset(&hc, 0, sizeof hc);
+    hc.host = cfg->host;
+    hc.port = cfg->port;
+    hc.num_threads = threads;
+    hc.max_body_bytes = cfg->max_body_bytes;
+    hc.api_key = cfg->api_key[0] ? cfg->api_key : NULL;
+    hc.error_body = tdm_oai_http_error_body;
+    static const struct {
+        const char *method, *path;
+        tdm_http_handler_fn fn;
+    } routes[] = {
+        {"GET", "/health", on_health},
+        {"GET", "/ping", on_health},
+        {"GET", "/metrics", on_metrics},
+        {"GET", "/version", on_version},
+        {"GET", "/v1/models", on_models},
+        {"POST", "/v1/completions", on_completions},
+        {"POST", "/v1/chat/completions", on_chat},
+        {"POST", "/tokenize", on_tokenize},
+        {"POST", "/detokenize", on_detokenize},
+    };
+    int rc = tdm_http_server_new(&s->http, &hc, err, errlen);
+    for (size_t i = 0; rc == TDM_OK && i < sizeof routes / sizeof routes[0]; i++)
+        rc = tdm_http_route(s->http, routes[i].method, routes[i].path, routes[i].fn, s);
+    if (rc == TDM_OK)
+        rc = tdm_http_server_start(s->http, err, errlen);
+    if (rc != TDM_OK) {
+        tdm_http_server_free(s->http);
+        pthread_cond_destroy(&s->idle_cv);
+        pthread_mutex_destroy(&s->mu);
+        free(s);
+        return rc;
+    }
+    s->port = tdm_http_server_port(s->http);
+    *out = s;
+    return TDM_OK;
+}
+
+// The text side of loading (common/text); runs on its own thread beside the
+// model load to shorten the cold start.
+struct text_load {
+    struct tdm_worker *s;
+    int rc;
+    char err[512];
+};
+
+static void *load_text_side(void *arg)
+{
+    struct text_load *t = arg;
+    const struct tdm_worker_config *cfg = &t->s->cfg;
+    struct tdm_text_config tc = {
+        .model = cfg->model,
+        .model_path = t->s->model_path,
+        .served_model_name = cfg->served_model_name,
+        .chat_template = cfg->chat_template,
+        .log_module = WORKER_MOD,
+    };
+    t->rc = tdm_text_load(&t->s->text, &tc, t->err, sizeof t->err);
+    return NULL;
+}
+
+// The EOS ids requests stop at: config.json's, then generation_config.json's
+// not already listed (and inside the vocabulary).
+static void merge_eos_ids(struct tdm_worker *s, const struct tdm_model_config *mc)
+{
+    for (int i = 0; i < mc->num_eos_token_ids; i++)
+        s->eos_ids[s->num_eos++] = mc->eos_token_ids[i];
+    for (int i = 0; i < s->text.gen.num_eos_token_ids; i++) {
+        bool dup = false;
+        for (int j = 0; j < s->num_eos; j++)
+            dup |= s->eos_ids[j] == s->text.gen.eos_token_ids[i];
+        if (!dup && s->text.gen.eos_token_ids[i] >= 0 &&
+            s->text.gen.eos_token_ids[i] < mc->vocab_size)
+            s->eos_ids[s->num_eos++] = s->text.gen.eos_token_ids[i];
+    }
+}
+
+// The KV pool size into s->num_blocks: --num-kv-blocks, else what a device
+// backend's --gpu-memory-utilization allows, else what --kv-cache-memory
+// holds. Computed here (as the engine would) because
+// vllm:cache_config_info must carry num_gpu_blocks when it is registered.
+static int kv_pool_blocks(struct tdm_worker *s, char *err, size_t errlen)
+{
+    const struct tdm_worker_config *cfg = &s->cfg;
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(s->model, &kc);
+    kc.block_size = cfg->block_size;
+    kc.num_blocks = 1;
+    size_t bb = tdm_kv_block_bytes(&kc);
+    int nb = cfg->num_kv_blocks;
+    if (nb == 0) {
+        // A device backend sizes its pool from --gpu-memory-utilization.
+        int dev_blocks = 0;
+        int rc = tdm_model_kv_capacity(s->model, &kc, cfg->gpu_memory_utilization, &dev_blocks, err,
+                                       errlen);
+        if (rc == TDM_OK)
+            nb = dev_blocks;
+        else if (rc != TDM_ENOTFOUND)
+            return rc;
+    }
+    if (nb == 0) {
+        size_t x = bb ? cfg->kv_cache_memory / bb : 0;
+        if (x < 1)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--kv-cache-memory %zu bytes holds no KV block of %zu bytes",
+                              cfg->kv_cache_memory, bb);
+        nb = x > (size_t)(INT32_MAX / cfg->block_size) ? INT32_MAX / cfg->block_size : (int)x;
+    }
+    s->num_blocks = nb;
+    return TDM_OK;
+}
+
+int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
+{
+    const struct tdm_worker_config *cfg = &s->cfg;
+    // A local folder is used as it is; an ORG/NAME id comes from the HF cache,
+    // downloaded first when missing (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply).
+    int hrc = tdm_text_resolve(cfg->model, cfg->revision, s->model_path, sizeof s->model_path, err,
+                               errlen);
+    if (hrc != TDM_OK)
+        return hrc;
+    struct text_load tl = {.s = s, .rc = TDM_OK};
+    pthread_t th;
+    bool threaded = pthread_create(&th, NULL, load_text_side, &tl) == 0;
+    if (!threaded)
+        load_text_side(&tl);
+
+    struct tdm_model_opts mo;
+    tdm_model_opts_default(&mo);
+    mo.weights = cfg->int8 ? TDM_WEIGHTS_INT8 : TDM_WEIGHTS_BF16;
+    mo.num_threads = cfg->threads;
+    mo.max_batch_tokens = cfg->max_num_batched_tokens;
+    mo.max_batch_seqs = cfg->max_num_seqs;
+    mo.enforce_eager = cfg->enforce_eager;
+    int rc = tdm_model_opts_set_device(&mo, cfg->device, err, errlen);
+    if (rc == TDM_OK)
+        rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);
+    if (threaded)
+        pthread_join(th, NULL);
+    if (rc != TDM_OK)
+        return rc;
+    if (tl.rc != TDM_OK)
+        return tdm_seterr(err, errlen, tl.rc, "%s", tl.err);
+    const struct tdm_model_config *mc = tdm_model_config(s->model);
+    rc = tdm_text_context_len(cfg->max_model_len, mc->max_position_embeddings, &s->max_model_len,
+                              err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    merge_eos_ids(s, mc);
+    rc = kv_pool_blocks(s, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    int nb = s->num_blocks;
+
+    rc = tdm_metrics_registry_new(&s->reg, NULL, 0, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    struct tdm_metrics_vllm_config mcfg;
+    memset(&mcfg, 0, sizeof mcfg);
+    mcfg.model_name = s->text.served_name;
+    mcfg.engine = "0";
+    mcfg.max_model_len = s->max_model_len;
+    mcfg.cache.block_size = cfg->block_size;
+    mcfg.cache.num_gpu_blocks = nb;
+    mcfg.cache.num_cpu_blocks = -1;
+    mcfg.cache.gpu_memory_utilization = cfg->gpu_memory_utilization;
+    mcfg.cache.enable_prefix_caching = cfg->enable_prefix_caching;
+    rc = tdm_metrics_vllm_register(&s->metrics, s->reg, &mcfg, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+
+    struct tdm_engine_config ec;
+    tdm_engine_config_default(&ec);
+    ec.block_size = cfg->block_size;
+    ec.num_blocks = nb;
+    ec.enable_prefix_caching = cfg->enable_prefix_caching;
+    ec.max_num_batched_tokens = cfg->max_num_batched_tokens;
+    ec.max_num_seqs = cfg->max_num_seqs;
+    ec.max_model_len = s->max_model_len;
+    ec.max_waiting = cfg->max_waiting;
+    ec.metrics = &s->metrics;
+    // KV events for the router's exact prefix index (read by the P/D receiver's
+    // load reports); with prefix caching off there are no cached blocks to report.
+    ec.kv_event_capacity = cfg->enable_prefix_caching ? 8192 : 0;
+    rc = tdm_engine_new(&s->engine, s->model, &ec, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    s->max_model_len = tdm_engine_get_config(s->engine)->max_model_len;
+
+    s->info.served_name = s->text.served_name;
+    s->info.vocab_size = mc->vocab_size;
+    s->info.max_model_len = s->max_model_len;
+    s->info.gen = &s->text.gen;
+    return TDM_OK;
+}
+
+void tdm_worker_set_ready(struct tdm_worker *s)
+{
+    atomic_store(&s->state, STATE_READY);
+}
+
+int tdm_worker_load(struct tdm_worker *s, char *err, size_t errlen)
+{
+    int rc = tdm_worker_load_unready(s, err, errlen);
+    if (rc == TDM_OK)
+        tdm_worker_set_ready(s);
+    return rc;
+}
+
+int tdm_worker_port(const struct tdm_worker *s)
+{
+    return s->port;
+}
+
+const char *tdm_worker_model_name(const struct tdm_worker *s)
+{
+    return s->text.served_name;
+}
+
+int64_t tdm_worker_kv_capacity_tokens(const struct tdm_worker *s)
+{
+    return (int64_t)s->num_blocks * s->cfg.block_size;
+}
+
+int tdm_worker_drain(struct tdm_worker *s, double timeout_s)
+{
+    atomic_store(&s->state, STATE_DRAINING);
+    int rc = TDM_OK;
+    if (s->engine)
+        rc = tdm_engine_drain(s->engine, timeout_s);
+    // Handlers write their last chunks after the engine finished them.
+    double deadline = tdm_now() + 5.0;
+    pthread_mutex_lock(&s->mu);
+    while (atomic_load(&s->inflight) > 0 && tdm_now() < deadline) {
+        tdm_cond_wait_for(&s->idle_cv, &s->mu, 0.05);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+void tdm_worker_free(struct tdm_worker *s)
+{
+    if (s == NULL)
+        return;
+    atomic_store(&s->state, STATE_DRAINING);
+    // Engine first: it aborts whatever still runs so that handlers waiting on
+    // their streams return, then civetweb joins its threads.
+    if (s->engine)
+        tdm_engine_drain(s->engine, 0);
+    tdm_http_server_stop(s->http);
+    tdm_engine_free(s->engine);
+    tdm_model_free(s->model);
+    tdm_text_fini(&s->text);
+    tdm_metrics_registry_free(s->reg);
+    tdm_http_server_free(s->http);
+    pthread_cond_destroy(&s->idle_cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+// ---- for the roles (worker.h) ----------------------------------------------------------------
+int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out)
+{
+    if (s->engine == NULL)
+        return TDM_EBUSY;
+    out->engine = s->engine;
+    out->model = s->model;
+    out->reg = s->reg;
+    out->served_name = s->text.served_name;
+    out->eos_ids = s->eos_ids;
+    out->num_eos = s->num_eos;
+    out->max_model_len = s->max_model_len;
+    out->block_size = s->cfg.block_size;
+    out->vocab_size = s->info.vocab_size;
+    return TDM_OK;
+}
+
+bool tdm_worker_ready(const struct tdm_worker *s)
+{
+    return atomic_load(&s->state) == STATE_READY;
+}

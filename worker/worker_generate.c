@@ -1,0 +1,211 @@
+// SPDX-License-Identifier: Apache-2.0
+// worker_generate: the worker's OpenAI generation path (see worker.h): parse,
+// chat template, tokenize and context checks (common/openai's tdm_oai_call)
+// -> one engine request per choice -> read the engine's output streams into
+// the choices' assemblers (incremental detokenizer, stop-string matcher) ->
+// SSE chunks (common/openai's tdm_oai_http_stream, with this file's engine pump)
+// or one body.
+// Invariants: an HTTP thread never touches the model or the KV cache, only the
+// engine's queues; every engine request a handler submitted is aborted (if
+// still running) and released before the handler returns, so a client that
+// goes away never leaves KV blocks behind; a bad request is answered on its own
+// thread and never reaches the engine.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "engine.h"
+#include "http.h"
+#include "openai.h"
+#include "openai_http.h"
+#include "tokenizer.h"
+#include "worker_impl.h"
+
+// ---- generation -------------------------------------------------------------------------
+// One call = the request's choices (common/openai: tokens -> text, stop
+// strings, logprobs, finish) and one engine request per choice behind them;
+// common/openai's openai_http writes the stream. A failure is answered by
+// tdm_oai_error_from_err / tdm_oai_http_fail, as the router answers it (a full
+// waiting queue and a draining server are 503 with Retry-After).
+struct call {
+    struct tdm_worker *s;
+    struct tdm_http_conn *conn;
+    struct tdm_oai_call oai;
+    struct tdm_engine_request **reqs; // [oai.n_choices]; NULL once released
+    bool client_gone;
+};
+
+// Consumes one engine chunk into choice i (common/openai's shared step). A
+// stop string that completes aborts the engine request (counted as
+// finished_reason "stop").
+static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c)
+{
+    const struct tdm_oai_gen_chunk g = {
+        .tokens = c->tokens,
+        .n = c->n > 0 ? (size_t)c->n : 0,
+        .logprobs = c->logprobs,
+        .top = c->top,
+        .num_top = c->num_top,
+        .finished = c->finished,
+        .reason = c->reason,
+        .stop_token = c->stop_token,
+        .error = c->error,
+        .message = c->message,
+    };
+    bool stopped = false;
+    if (tdm_oai_call_take(&k->oai, i, &g, tdm_tok_eos_id(k->s->text.tok), &k->s->text.gen,
+                          &stopped) != TDM_OK)
+        return TDM_ENOMEM;
+    if (stopped)
+        tdm_engine_abort(k->s->engine, k->reqs[i], TDM_FINISH_STOP);
+    return TDM_OK;
+}
+
+// Aborts what still runs and drops every handle (KV frees at the engine's next step).
+static void release_all(struct call *k, enum tdm_finish why)
+{
+    for (size_t i = 0; k->reqs && i < k->oai.n_choices; i++) {
+        if (k->reqs[i]) {
+            if (!k->oai.choices[i].done)
+                tdm_engine_abort(k->s->engine, k->reqs[i], why);
+            tdm_engine_request_release(k->reqs[i]);
+            k->reqs[i] = NULL;
+        }
+    }
+}
+
+static void call_fini(struct call *k)
+{
+    release_all(k, TDM_FINISH_ABORT);
+    free(k->reqs);
+    tdm_oai_call_fini(&k->oai);
+}
+
+// Submits one engine request per choice. On failure answers nothing; e is set.
+static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
+{
+    struct tdm_worker *s = k->s;
+    const struct tdm_oai_request *rq = &k->oai.req;
+    size_t n = (size_t)rq->n;
+    k->reqs = calloc(k->oai.n_choices ? k->oai.n_choices : 1, sizeof *k->reqs);
+    if (k->reqs == NULL)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
+        const struct tdm_oai_tokenized_prompt *p = &k->oai.prompts[k->oai.choices[i].prompt_idx];
+        struct tdm_engine_request_params ep;
+        tdm_engine_request_params_default(&ep);
+        char id[128];
+        snprintf(id, sizeof id, "%s-%zu", k->oai.resp.id, i);
+        ep.id = id;
+        ep.prompt = p->ids;
+        ep.n_prompt = (int)p->n;
+        ep.sampling = rq->sampling;
+        // vLLM gives the i-th of n sequences the seed + i, so choices differ but
+        // each is reproducible.
+        if (ep.sampling.has_seed)
+            ep.sampling.seed += (uint64_t)(i % n);
+        ep.max_tokens = p->max_tokens;
+        ep.eos_ids = s->eos_ids;
+        ep.num_eos = s->num_eos;
+        ep.arrival_time = arrival;
+        ep.params_n = rq->n;
+        char err[512];
+        int rc = tdm_engine_submit(s->engine, &ep, &k->reqs[i], err, sizeof err);
+        if (rc != TDM_OK) {
+            k->reqs[i] = NULL;
+            release_all(k, TDM_FINISH_ABORT);
+            // The engine's message for a full queue names --max-waiting; the
+            // router answers the same failure with the same body.
+            return tdm_oai_error_from_err(e, rc,
+                                          rc == TDM_ECLOSED ? "The server is shutting down." : err);
+        }
+    }
+    return TDM_OK;
+}
+
+// Reads engine output for every unfinished choice; blocks briefly when none
+// had anything. Returns the number of choices that progressed, -2 on ENOMEM.
+// (The call's token source for tdm_oai_http_stream.)
+static int pump(void *arg)
+{
+    struct call *k = arg;
+    int progressed = 0, active = 0;
+    for (size_t i = 0; i < k->oai.n_choices; i++)
+        active += !k->oai.choices[i].done;
+    bool waited = false;
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
+        struct tdm_oai_asm *a = &k->oai.choices[i];
+        if (a->done)
+            continue;
+        // With one choice block on its stream; with several poll them and block
+        // a little on the first so the loop does not spin.
+        double wait = 0;
+        if (!waited) {
+            wait = active == 1 ? 1.0 : 0.002;
+            waited = true;
+        }
+        struct tdm_engine_chunk c;
+        int rc = tdm_engine_stream_next(k->reqs[i], wait, &c);
+        if (rc == TDM_ETIMEDOUT)
+            continue;
+        if (rc == TDM_ECLOSED) { // finish already taken (should not happen)
+            a->done = true;
+            continue;
+        }
+        if (take_chunk(k, i, &c) != TDM_OK)
+            return -2;
+        progressed++;
+    }
+    return progressed;
+}
+
+static void run_collect(struct call *k)
+{
+    while (!tdm_oai_call_done(&k->oai)) {
+        if (pump(k) < 0) {
+            tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
+            return;
+        }
+    }
+    const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
+    if (bad) {
+        tdm_oai_http_fail(k->conn, bad->error, bad->message);
+        return;
+    }
+    tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));
+    k->client_gone = tdm_http_client_gone(k->conn);
+}
+
+void worker_handle_generate(struct tdm_worker *s, struct tdm_http_conn *c, enum tdm_oai_kind kind)
+{
+    double arrival = tdm_now();
+    struct call k;
+    memset(&k, 0, sizeof k);
+    k.s = s;
+    k.conn = c;
+    if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->text.tok, s->text.chat,
+                                 s->text.chat_err))
+        goto out; // answered: an error, or echo only
+    struct tdm_oai_error e;
+    if (submit_all(&k, arrival, &e) != TDM_OK) {
+        tdm_oai_http_error(c, &e);
+        goto out;
+    }
+    // Streams probe the client after a second without tokens (queued, long prefill).
+    if (k.oai.req.stream)
+        k.client_gone = tdm_oai_http_stream(c, &k.oai, pump, &k, 1.0) == TDM_ECLOSED;
+    else
+        run_collect(&k);
+    // One line per request; finish=abort when the client went away.
+    struct tdm_oai_usage u;
+    tdm_oai_call_usage(&k.oai, &u);
+    const char *finish = k.client_gone ? "abort" : "-";
+    if (!k.client_gone && k.oai.n_choices && k.oai.choices[0].finish != TDM_FINISH_NONE)
+        finish = tdm_finish_name(k.oai.choices[0].finish);
+    TDM_LOG_INFO(WORKER_MOD,
+                 "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
+                 k.oai.resp.id, k.oai.n_choices, u.prompt_tokens, u.completion_tokens, finish);
+out:
+    call_fini(&k);
+}
