@@ -30,15 +30,7 @@
 // ---- models ---------------------------------------------------------------------------------
 static void handle_models(struct tdm_worker *s, struct tdm_http_conn *c)
 {
-    struct tdm_oai_model_card card = {
-        .id = s->text.served_name,
-        .root = s->cfg.model,
-        .parent = NULL,
-        .max_model_len = s->max_model_len,
-        .created = s->created,
-        .owned_by = NULL,
-    };
-    tdm_http_respond_json_owned(c, 200, tdm_oai_models_body(&card, 1));
+    tdm_oai_http_models(c, s->text.served_name, s->max_model_len, s->created);
 }
 
 // ---- routing --------------------------------------------------------------------------------
@@ -59,24 +51,13 @@ static void on_health(struct tdm_http_conn *c, void *arg)
 static void on_metrics(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_worker *s = arg;
-    if (atomic_load(&s->state) == STATE_LOADING || s->reg == NULL) {
-        tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, "", 0);
-        return;
-    }
-    char *text = NULL;
-    size_t len = 0;
-    if (tdm_metrics_render(s->reg, &text, &len) != TDM_OK) {
-        tdm_oai_http_errorf(c, 500, NULL, "metrics rendering failed");
-        return;
-    }
-    tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
-    free(text);
+    tdm_oai_http_metrics(c, atomic_load(&s->state) == STATE_LOADING ? NULL : s->reg);
 }
 
 static void on_version(struct tdm_http_conn *c, void *arg)
 {
     (void)arg;
-    tdm_http_respond_json_owned(c, 200, tdm_oai_version_body(TANDEM_VERSION));
+    tdm_oai_http_version(c, TANDEM_VERSION);
 }
 
 enum api_route { ROUTE_MODELS, ROUTE_COMPLETIONS, ROUTE_CHAT, ROUTE_TOKENIZE, ROUTE_DETOKENIZE };

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "metrics.h"
 
 // ---- errors ----------------------------------------------------------------------------------
 char *tdm_oai_http_error_body(int status, const char *message)
@@ -250,4 +251,39 @@ void tdm_oai_http_detokenize(struct tdm_http_conn *c, const struct tdm_oai_model
         tdm_oai_http_error(c, &e);
     else
         tdm_http_respond_json_owned(c, 200, out);
+}
+
+void tdm_oai_http_models(struct tdm_http_conn *c, const char *served_name, int max_model_len,
+                         int64_t created)
+{
+    struct tdm_oai_model_card card = {
+        .id = served_name,
+        .root = served_name,
+        .parent = NULL,
+        .max_model_len = max_model_len,
+        .created = created,
+        .owned_by = NULL,
+    };
+    tdm_http_respond_json_owned(c, 200, tdm_oai_models_body(&card, 1));
+}
+
+void tdm_oai_http_metrics(struct tdm_http_conn *c, struct tdm_metrics_registry *reg)
+{
+    if (reg == NULL) {
+        tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, "", 0);
+        return;
+    }
+    char *text = NULL;
+    size_t len = 0;
+    if (tdm_metrics_render(reg, &text, &len) != TDM_OK) {
+        tdm_oai_http_errorf(c, 500, NULL, "metrics rendering failed");
+        return;
+    }
+    tdm_http_respond(c, 200, TDM_METRICS_CONTENT_TYPE, text, len);
+    free(text);
+}
+
+void tdm_oai_http_version(struct tdm_http_conn *c, const char *version)
+{
+    tdm_http_respond_json_owned(c, 200, tdm_oai_version_body(version));
 }

@@ -38,6 +38,17 @@ void tdm_oai_http_tokenize(struct tdm_http_conn *c, const struct tdm_oai_model_i
                            const char *chat_err, int max_model_len);
 void tdm_oai_http_detokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
                              const struct tdm_tokenizer *tok);
+// GET /v1/models: the one model the server serves. Its root is the served
+// name (what vLLM shows for a Hub id), never the local folder it was loaded
+// from: a path on the server is not the client's business (issue 11).
+void tdm_oai_http_models(struct tdm_http_conn *c, const char *served_name, int max_model_len,
+                         int64_t created);
+// GET /metrics: reg's Prometheus text; an empty 200 while reg is NULL (a
+// worker still loading). 500 when rendering fails.
+struct tdm_metrics_registry;
+void tdm_oai_http_metrics(struct tdm_http_conn *c, struct tdm_metrics_registry *reg);
+// GET /version: {"version": version}.
+void tdm_oai_http_version(struct tdm_http_conn *c, const char *version);
 
 // ---- one completions or chat call -------------------------------------------------------------
 // Starts a completions (kind TDM_OAI_COMPLETION) or chat call from the request
