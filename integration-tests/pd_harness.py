@@ -216,6 +216,7 @@ class Cluster:
             self.wait_health(w.http_port, w.proc)
         cmd = [self.args.router, "--config", self.config, "--model", self.model, "--host",
                "127.0.0.1", "--port", str(self.router_port), "--liveness-timeout", "1.0",
+               "--debug-headers",
                "--nng-url", "tcp://127.0.0.1:%d" % self.router_nng]
         self.router_proc = subprocess.Popen(cmd, stdout=self._log("router"),
                                             stderr=subprocess.STDOUT)

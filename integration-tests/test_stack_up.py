@@ -81,6 +81,11 @@ def main():
     check(body["usage"]["completion_tokens"] >= 1, "curl usage: %s" % body)
 
     # Through the router, non-stream and stream; the prefill worker did the prefills.
+    # Internals are not told to clients by default (issue 11): no worker
+    # address or phase times in the router's answer without --debug-headers.
+    s, hdr, _ = post(st.port(), "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    check(s == 200 and "x-tandem-decode" not in hdr and "x-tandem-phases" not in hdr,
+          "router answer headers leak internals: %s" % hdr)
     s, _, body = post(st.port(), "/v1/completions",
                       {"model": "tandem-test", "prompt": "The launcher starts", "max_tokens": 12,
                        "temperature": 0, "ignore_eos": True})

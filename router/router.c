@@ -91,6 +91,9 @@ static const struct tdm_flag router_flags[] = {
      .help = "reload the config when its file changes (default)"},
     {.name = "no-watch-config", .kind = TDM_FLAG_NOT, .offset = OFF(watch),
      .help = "reload only on SIGHUP"},
+    {.name = "debug-headers", .kind = TDM_FLAG_BOOL, .offset = OFF(debug_headers),
+     .help = "answer with x-tandem-decode (the worker's address) and\nx-tandem-phases (phase "
+             "times); off by default: internals\nare not told to clients"},
     NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
         "on SIGTERM, open requests may finish this long (default 30)"),
     STR("log-level", log_level, "LEVEL", "err|warn|info|debug (default info)"),
@@ -675,11 +678,13 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
 
 static void add_phase_header(struct call *k)
 {
-    if (k->phases[0])
+    bool debug = k->s->o.debug_headers; // the worker's address and timings are opt-in
+    if (debug && k->phases[0])
         tdm_http_add_header(k->conn, "x-tandem-phases", k->phases);
     if (!k->routed)
         return;
-    tdm_http_add_header(k->conn, "x-tandem-decode", k->route.decode.name);
+    if (debug)
+        tdm_http_add_header(k->conn, "x-tandem-decode", k->route.decode.name);
     // Session affinity: the token that brings the client's next request back here.
     const char *sh = session_header_of(k->route.cfg);
     char token[2 * TDM_ROUTER_NAME_MAX];
