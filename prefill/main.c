@@ -24,7 +24,7 @@ int main(int argc, char **argv)
         return 2;
     }
     struct tdm_worker_config cfg;
-    tdm_worker_config_default(&cfg);
+    tdm_prefill_worker_config_default(&cfg);
     int prc = tdm_worker_config_parse_args(&cfg, argc, argv, err, sizeof err);
     if (prc == 1) {
         tdm_flags_help(tdm_prefill_flags(), stdout);

@@ -14,6 +14,7 @@
 #include "core.h"
 #include "pd_receiver.h"
 #include "prefill.h"
+#include "worker.h"
 
 static void test_prefill_args(void **state)
 {
@@ -33,6 +34,13 @@ static void test_prefill_args(void **state)
     assert_string_equal(argv[4], "1");
     assert_null(argv[5]);
     assert_string_equal(cfg.nng_url, "tcp://127.0.0.1:9");
+    // Defaults: loopback inbox (issue 11), its own HTTP port (issue 14).
+    struct tdm_prefill_config d;
+    tdm_prefill_config_default(&d);
+    assert_string_equal(d.nng_url, "tcp://127.0.0.1:9200");
+    struct tdm_worker_config wc;
+    tdm_prefill_worker_config_default(&wc);
+    assert_int_equal(wc.port, 8002);
     assert_true(cfg.hold_seconds == 2.5);
     assert_int_equal(cfg.layers_per_frame, 8);
 

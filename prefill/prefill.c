@@ -37,10 +37,18 @@
 void tdm_prefill_config_default(struct tdm_prefill_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
-    snprintf(cfg->nng_url, sizeof cfg->nng_url, "tcp://0.0.0.0:9200");
+    snprintf(cfg->nng_url, sizeof cfg->nng_url, "tcp://127.0.0.1:9200");
     cfg->hold_seconds = 30;
     cfg->layers_per_frame = 4;
     cfg->send_timeout = 5;
+}
+
+void tdm_prefill_worker_config_default(struct tdm_worker_config *cfg)
+{
+    tdm_worker_config_default(cfg);
+    // Its own port: a prefill and a decode worker on one host must not both
+    // want 8001 (the decode worker keeps 8001, the seed's port-forward).
+    cfg->port = TDM_PREFILL_DEFAULT_PORT;
 }
 
 static int set_nng_url(void *o, const char *v, char *err, size_t errlen)
@@ -51,7 +59,8 @@ static int set_nng_url(void *o, const char *v, char *err, size_t errlen)
 
 static const struct tdm_flag prefill_flags[] = {
     {.name = "nng-url", .kind = TDM_FLAG_FN, .fn = set_nng_url, .metavar = "URL",
-     .help = "inbox for PrefillRequest/Cancel (default tcp://0.0.0.0:9200)"},
+     .help = "inbox for PrefillRequest/Cancel (default tcp://127.0.0.1:9200:\nloopback; give the pod "
+             "address to serve other hosts)"},
     {.name = "kv-hold-seconds", .kind = TDM_FLAG_DOUBLE,
      .offset = offsetof(struct tdm_prefill_config, hold_seconds), .min = 0.1, .max = 1e9,
      .metavar = "S",
@@ -67,6 +76,7 @@ static const struct tdm_flags prefill_table = {
     .flags = prefill_flags,
     .n = sizeof prefill_flags / sizeof prefill_flags[0],
     .footer = "Every other flag is tandem-decode's (--port for /health and /metrics, default "
+              "8002\nfor the prefill worker, so it does not collide with a decode worker's "
               "8001).\n",
 };
 

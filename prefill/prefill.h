@@ -24,14 +24,22 @@
 struct tdm_worker;
 struct tdm_prefill_service;
 
+// The prefill worker's default HTTP port (/health, /metrics): its own, so a
+// prefill and a decode worker (8001) on one host do not collide.
+#define TDM_PREFILL_DEFAULT_PORT 8002
+
 struct tdm_prefill_config {
-    char nng_url[256];    // --nng-url: the inbox to listen on; default tcp://0.0.0.0:9200
+    char nng_url[256];    // --nng-url: the inbox to listen on; default tcp://127.0.0.1:9200
     double hold_seconds;  // --kv-hold-seconds: release KV whose frames are not all sent this
                           // long after the prefill finished; default 30
     int layers_per_frame; // --layers-per-frame: upper bound on layers per KvData frame; default 4
     double send_timeout;  // seconds one frame may wait for the decode worker; default 5
 };
 void tdm_prefill_config_default(struct tdm_prefill_config *cfg);
+// The worker-base defaults of a prefill worker: tdm_worker_config_default with
+// port TDM_PREFILL_DEFAULT_PORT.
+struct tdm_worker_config;
+void tdm_prefill_worker_config_default(struct tdm_worker_config *cfg);
 // Takes the prefill-only flags (--nng-url, --kv-hold-seconds, --layers-per-frame)
 // out of argv (compacting it; *argc shrinks) so the rest can go to
 // tdm_worker_config_parse_args. TDM_EINVAL with err for a bad value.
