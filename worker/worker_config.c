@@ -46,16 +46,36 @@ static int set_block_size(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
+// --dtype is the compute type as vLLM names it (Tandem computes bf16 weights
+// against f32 activations: auto, bfloat16 and bf16 all mean that); the weight
+// quantization is --quantization. "--dtype int8" is the old spelling of
+// --quantization int8: still accepted, with a warning.
 static int set_dtype(void *o, const char *v, char *err, size_t errlen)
 {
     struct tdm_worker_config *cfg = o;
     if (strcmp(v, "bf16") == 0 || strcmp(v, "bfloat16") == 0 || strcmp(v, "auto") == 0)
-        cfg->int8 = false;
-    else if (strcmp(v, "int8") == 0)
+        return TDM_OK;
+    if (strcmp(v, "int8") == 0) {
+        TDM_LOG_WARN("worker", "--dtype int8 is deprecated: it means --quantization int8");
         cfg->int8 = true;
+        return TDM_OK;
+    }
+    return tdm_seterr(err, errlen, TDM_EINVAL,
+                      "--dtype: expected auto, bfloat16 or bf16, got \"%s\" (weight "
+                      "quantization is --quantization int8)",
+                      v);
+}
+
+static int set_quantization(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_worker_config *cfg = o;
+    if (strcmp(v, "int8") == 0)
+        cfg->int8 = true;
+    else if (strcmp(v, "none") == 0)
+        cfg->int8 = false;
     else
-        return tdm_seterr(err, errlen, TDM_EINVAL, "--dtype: expected bf16 or int8, got \"%s\"",
-                          v);
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--quantization: expected int8 or none, got \"%s\"", v);
     return TDM_OK;
 }
 
@@ -176,8 +196,14 @@ static const struct tdm_flag decode_flags[] = {
     {.name = "dtype",
      .kind = TDM_FLAG_FN,
      .fn = set_dtype,
-     .metavar = "bf16|int8",
-     .help = "weight format (default bf16)"},
+     .metavar = "auto|bfloat16",
+     .help = "compute type (default auto: bf16 weights, f32 activations);\n"
+             "'int8' is the old spelling of --quantization int8"},
+    {.name = "quantization",
+     .kind = TDM_FLAG_FN,
+     .fn = set_quantization,
+     .metavar = "int8|none",
+     .help = "weight quantization: int8 = per-row int8 at load (default none)"},
     STR("chat-template", chat_template, "FILE", "chat template overriding the tokenizer's"),
     INT("max-waiting", max_waiting, 0, 1 << 20, "N",
         "waiting-queue bound; beyond it 503 (default 1024)"),

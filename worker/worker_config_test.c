@@ -86,6 +86,15 @@ static void test_bad_flags(void **state)
     assert_int_equal(parse(&c, err, sizeof err, 2, "--port=1"), TDM_EINVAL);
     assert_string_equal(err, "--model DIR is required");
     assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--dtype", "fp8"), TDM_EINVAL);
+    assert_non_null(strstr(err, "--quantization int8"));
+    // vLLM's split (issue 14): --quantization int8 quantizes, --dtype bfloat16 does not.
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--quantization", "int8"),
+                     TDM_OK);
+    assert_true(c.int8);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--dtype", "bfloat16"), TDM_OK);
+    assert_false(c.int8);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--quantization", "awq"),
+                     TDM_EINVAL);
     assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--block-size", "12"),
                      TDM_EINVAL);
     assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-cache-memory", "2QB"),
