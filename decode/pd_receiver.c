@@ -69,9 +69,14 @@ static const struct tdm_flag receiver_flags[] = {
             "wait for a prefill worker's result (default 60)"),
     SECONDS("pd-transfer-timeout", transfer_timeout,
             "wait for the KV still missing after the prefill\nresult (default 30)"),
-    {.name = "pd-layers-per-frame", .kind = TDM_FLAG_INT,
+    // The prefill worker's spelling (one name per concept, issue 14); the
+    // old --pd-layers-per-frame is kept as a hidden alias.
+    {.name = "layers-per-frame", .kind = TDM_FLAG_INT,
      .offset = offsetof(struct tdm_pd_receiver_config, layers_per_frame), .min = 1, .max = 1e6,
      .metavar = "N", .help = "KV layers per frame asked of the prefill worker\n(default 4)"},
+    {.name = "pd-layers-per-frame", .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct tdm_pd_receiver_config, layers_per_frame), .min = 1, .max = 1e6,
+     .hidden = true},
     SECONDS("pd-prefill-liveness", prefill_liveness,
             "a prefill worker silent to load queries this\nlong counts as failed (default 2)"),
 };

@@ -80,6 +80,12 @@ static void test_decode_pd_args(void **state)
     assert_string_equal(cfg.nng_url, "tcp://0.0.0.0:9301");
     assert_true(cfg.prefill_timeout == 5);
     assert_true(cfg.prefill_liveness == 0.5);
+    // --layers-per-frame is the prefill worker's spelling too (issue 14); the
+    // old --pd-layers-per-frame still parses (hidden from --help).
+    char *alias[] = {"d", "--pd-layers-per-frame", "6", NULL};
+    argc = 3;
+    assert_int_equal(tdm_pd_receiver_take_args(&cfg, &argc, alias, err, sizeof err), TDM_OK);
+    assert_int_equal(cfg.layers_per_frame, 6);
     char *bad[] = {"d", "--pd-transfer-timeout", "-1", NULL};
     argc = 3;
     assert_int_equal(tdm_pd_receiver_take_args(&cfg, &argc, bad, err, sizeof err), TDM_EINVAL);
@@ -95,7 +101,7 @@ static void test_decode_pd_usage(void **state)
     tdm_flags_help(tdm_pd_receiver_flags(), f);
     fclose(f);
     static const char *const flags[] = {"--nng-url", "--pd-prefill-timeout",
-                                        "--pd-transfer-timeout", "--pd-layers-per-frame",
+                                        "--pd-transfer-timeout", "--layers-per-frame",
                                         "--pd-prefill-liveness"};
     for (size_t i = 0; i < sizeof flags / sizeof *flags; i++) {
         assert_non_null(strstr(u, flags[i]));
