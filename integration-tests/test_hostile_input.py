@@ -106,6 +106,23 @@ def ambiguous_framing(port, name):
               "%s: ambiguous framing answered %r" % (name, out[:200]))
 
 
+def heavy_request(cl):
+    """n x prompts is admitted whole against the waiting-queue bound before any
+    of it starts (issue 11, part 3): 128 x 20 = 2560 sequences against
+    --max-waiting 1024 is refused at once, alone, and the worker keeps serving."""
+    port = cl.decode[0].http_port
+    t0 = time.time()
+    st, _, body = post(port, "/v1/completions", {"prompt": ["a"] * 20, "n": 128,
+                                                 "max_tokens": 3})
+    check(st == 400 and "exceed the waiting-queue bound" in body["error"]["message"],
+          "heavy request: %d %r" % (st, body))
+    check(time.time() - t0 < 5, "the heavy request took %.1f s to refuse" % (time.time() - t0))
+    st, _, body = post(port, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+    check(st == 200, "a normal request after the heavy one: %d %r" % (st, body))
+    m = metrics(port)
+    check(metric_sum(m, "vllm:num_requests_waiting") == 0, "the heavy request left work queued")
+
+
 def alive(cl):
     for p in [cl.router_proc] + [w.proc for w in cl.workers()]:
         check(p.poll() is None, "a service died (exit %s); see its log in the workdir" % p.returncode)
@@ -145,6 +162,7 @@ def main():
         alive(cl)
     for name, port in ports.items():
         ambiguous_framing(port, name)
+    heavy_request(cl)
     unauthenticated_frames(cl)
     for port in (cl.router_port, cl.decode[0].http_port):
         st, _, body = post(port, "/v1/completions", {"prompt": "hello", "max_tokens": 4})

@@ -91,6 +91,13 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
     k->reqs = calloc(k->oai.n_choices ? k->oai.n_choices : 1, sizeof *k->reqs);
     if (k->reqs == NULL)
         return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    // The whole request is admitted against the waiting-queue bound before any
+    // of it starts (n x prompts sequences), so a heavy request fails alone and
+    // at once instead of filling the queue for everyone (issue 11, part 3).
+    char aerr[256];
+    int arc = tdm_engine_admit(s->engine, (int)k->oai.n_choices, aerr, sizeof aerr);
+    if (arc != TDM_OK)
+        return tdm_oai_error_from_err(e, arc, aerr);
     for (size_t i = 0; i < k->oai.n_choices; i++) {
         const struct tdm_oai_tokenized_prompt *p = &k->oai.prompts[k->oai.choices[i].prompt_idx];
         struct tdm_engine_request_params ep;

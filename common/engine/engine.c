@@ -1173,6 +1173,26 @@ void tdm_engine_free(struct tdm_engine *e)
 }
 
 // ---- submit, abort, stream ------------------------------------------------------------------
+int tdm_engine_admit(struct tdm_engine *e, int count, char *err, size_t errlen)
+{
+    if (count > e->cfg.max_waiting)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "%d sequences (n x prompts) exceed the waiting-queue bound "
+                          "(--max-waiting %d)",
+                          count, e->cfg.max_waiting);
+    pthread_mutex_lock(&e->mu);
+    bool room = !e->closed && e->num_queued + count <= e->cfg.max_waiting;
+    bool closed = e->closed;
+    pthread_mutex_unlock(&e->mu);
+    if (closed)
+        return tdm_seterr(err, errlen, TDM_ECLOSED, "engine: shutting down");
+    if (!room)
+        return tdm_seterr(err, errlen, TDM_EBUSY,
+                          "the waiting queue is full (--max-waiting %d) for %d more sequences",
+                          e->cfg.max_waiting, count);
+    return TDM_OK;
+}
+
 int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_params *p,
                       struct tdm_engine_request **out, char *err, size_t errlen)
 {

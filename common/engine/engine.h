@@ -162,6 +162,14 @@ struct tdm_engine_output {
     bool kv_held;        // PREFILL_ONLY: the KV stays pinned for export
 };
 
+// Admission of a group before any of it is submitted (n choices x prompts of
+// one API request, issue 11): TDM_EINVAL when count exceeds the waiting-queue
+// bound itself (it could never be admitted: err names the bound), TDM_EBUSY
+// when the queue has not room for all count now, else TDM_OK. It reserves
+// nothing: a racing submit can still fill the queue between this and the
+// submits, which then fail as usual.
+int tdm_engine_admit(struct tdm_engine *e, int count, char *err, size_t errlen);
+
 // Validates and enqueues a request. On success *out is the caller's handle (see
 // "Request lifetime" above). TDM_EINVAL (err says why) for an empty or too long
 // prompt (> max_model_len - 1), a token outside the vocabulary, bad sampling

@@ -600,8 +600,15 @@ static void test_queue_bound_and_bad_input(void **state)
     struct tdm_engine_request *a = submit(e, prompt, 8, &sp, 0); // runs to the context
     struct collected ca = {0};
     collect(a, got, 64, &ca, 1); // a is running now
+    // Group admission (n x prompts) against the bound, before any submit.
+    assert_int_equal(tdm_engine_admit(e, 3, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "exceed the waiting-queue bound (--max-waiting 2)"));
+    assert_int_equal(tdm_engine_admit(e, 2, err, sizeof err), TDM_OK);
     struct tdm_engine_request *b = submit(e, prompt, 8, &sp, 4);
+    assert_int_equal(tdm_engine_admit(e, 2, err, sizeof err), TDM_EBUSY);
+    assert_int_equal(tdm_engine_admit(e, 1, err, sizeof err), TDM_OK);
     struct tdm_engine_request *q = submit(e, prompt, 8, &sp, 4);
+    assert_int_equal(tdm_engine_admit(e, 1, err, sizeof err), TDM_EBUSY);
     struct tdm_engine_request_params p;
     struct tdm_engine_request *r = NULL;
     tdm_engine_request_params_default(&p);
