@@ -17,6 +17,7 @@ import http.client
 import json
 import socket
 import struct
+import threading
 import time
 
 from pd_harness import Cluster, check, metric_sum, metrics, parse_args, post
@@ -121,6 +122,25 @@ def heavy_request(cl):
     check(st == 200, "a normal request after the heavy one: %d %r" % (st, body))
     m = metrics(port)
     check(metric_sum(m, "vllm:num_requests_waiting") == 0, "the heavy request left work queued")
+    # Through the router, beside normal traffic: the router admits it against
+    # the worker's reported bound before sending anything, so it fails alone
+    # (it used to fill the worker's queue: others got 503 meanwhile).
+    results = []
+
+    def normal(i):
+        for _ in range(3):
+            results.append(post(cl.router_port, "/v1/completions",
+                                {"prompt": "user %d" % i, "max_tokens": 4})[0])
+    threads = [threading.Thread(target=normal, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    st, _, body = post(cl.router_port, "/v1/completions", {"prompt": ["a"] * 20, "n": 128,
+                                                           "max_tokens": 3})
+    for t in threads:
+        t.join()
+    check(st == 400 and "exceed the waiting-queue bound" in body["error"]["message"],
+          "heavy request through the router: %d %r" % (st, body))
+    check(results.count(200) == 24, "normal requests beside the heavy one: %s" % results)
 
 
 def alive(cl):

@@ -22,7 +22,8 @@ bool tdm_router_retry_next(struct tdm_router_retry *b, enum tdm_router_attempt_e
         known |= b->failed[i] == endpoint_id;
     if (endpoint_id != 0 && !known && b->n_failed < TDM_ROUTER_RETRY_MAX_ROUTES)
         b->failed[b->n_failed++] = endpoint_id;
-    if (end != TDM_ROUTER_ATTEMPT_UNREACHABLE && end != TDM_ROUTER_ATTEMPT_LOST)
+    if (end != TDM_ROUTER_ATTEMPT_UNREACHABLE && end != TDM_ROUTER_ATTEMPT_LOST &&
+        end != TDM_ROUTER_ATTEMPT_BUSY)
         return false;
     return !client_saw_tokens && b->routes < b->max_routes;
 }

@@ -27,6 +27,8 @@ enum tdm_router_attempt_end {
     TDM_ROUTER_ATTEMPT_NO_ROUTE,    // routing failed (no healthy decode endpoint)
     TDM_ROUTER_ATTEMPT_UNREACHABLE, // the GenerateRequest could not be delivered
     TDM_ROUTER_ATTEMPT_LOST,        // the worker died or refused before the first token
+    TDM_ROUTER_ATTEMPT_BUSY,        // the worker's queue has no room for the request now:
+                                    // overload, not death (no health penalty), try another
 };
 
 struct tdm_router_retry {

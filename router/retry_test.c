@@ -27,6 +27,14 @@ static void test_one_budget_across_failure_kinds(void **state)
     while (tdm_router_retry_next(&b, TDM_ROUTER_ATTEMPT_LOST, 7, false))
         routes++;
     assert_int_equal(routes, 3);
+    // A busy worker (no room in its queue now) is retried elsewhere within the
+    // same budget and avoided on the next route (issue 11: busy is not dead).
+    tdm_router_retry_init(&b, 3);
+    assert_true(tdm_router_retry_next(&b, TDM_ROUTER_ATTEMPT_BUSY, 4, false));
+    assert_int_equal(b.n_failed, 1);
+    assert_true(b.failed[0] == 4);
+    assert_true(tdm_router_retry_next(&b, TDM_ROUTER_ATTEMPT_BUSY, 5, false));
+    assert_false(tdm_router_retry_next(&b, TDM_ROUTER_ATTEMPT_BUSY, 6, false));
 }
 
 static void test_no_retry_cases(void **state)

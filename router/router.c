@@ -252,7 +252,7 @@ static void on_load_report(struct tdm_router_server *s, const struct tdm_net_fra
         const Tandem__KvEvents *kev = r->kv_events;
         struct tdm_router_report rep = {
             .instance = r->instance,
-            .load = {r->running, r->waiting, r->kv_usage},
+            .load = {r->running, r->waiting, r->kv_usage, r->max_waiting},
             .has_kv_events = kev != NULL,
             .kv_batch = kev ? kev->batch : 0,
             .kv_cleared = kev && kev->cleared,
@@ -343,6 +343,7 @@ struct call {
     char decode_url[300];
     char phases[512];  // the x-tandem-phases header value
     bool lost;         // the decode worker was lost mid-request
+    bool never_fits;   // more sequences than the worker's waiting-queue bound (400)
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
 };
 
@@ -669,6 +670,31 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
         snprintf(err, errlen, "decode worker %s is not answering", k->route.decode.name);
         return TDM_ROUTER_ATTEMPT_UNREACHABLE;
     }
+    // Admission of the whole request (n x prompts sequences) against the
+    // worker's waiting-queue bound from its last report, before anything is
+    // sent (issue 11): more than the bound can never fit (400, no retry);
+    // more than the room left is overload, not death: another worker, else 503.
+    struct tdm_router_endpoint_view v;
+    if (tdm_router_endpoints_get(tdm_router_control_endpoints(s->ctl), k->route.decode.id, &v) ==
+            TDM_OK &&
+        v.load.max_waiting > 0) {
+        int want = (int)k->oai.n_choices;
+        if (want > v.load.max_waiting) {
+            k->never_fits = true;
+            snprintf(err, errlen,
+                     "%d sequences (n x prompts) exceed the waiting-queue bound (--max-waiting "
+                     "%d)",
+                     want, v.load.max_waiting);
+            return TDM_ROUTER_ATTEMPT_BUSY;
+        }
+        if (want > 1 && v.load.waiting + want > v.load.max_waiting) {
+            snprintf(err, errlen,
+                     "The server is overloaded: the waiting queue is full (--max-waiting %d). "
+                     "Retry later.",
+                     v.load.max_waiting);
+            return TDM_ROUTER_ATTEMPT_BUSY;
+        }
+    }
     if (send_generates(k, err, errlen) != TDM_OK)
         return TDM_ROUTER_ATTEMPT_UNREACHABLE;
     tdm_metrics_counter_inc(tdm_metrics_counter_labels(
@@ -802,6 +828,17 @@ static bool start_with_retries(struct call *k)
     for (;;) {
         char err[512];
         enum tdm_router_attempt_end end = start_attempt(k, &budget, session, err, sizeof err);
+        uint64_t busy_ep = end == TDM_ROUTER_ATTEMPT_BUSY ? k->route.decode.id : 0;
+        if (end == TDM_ROUTER_ATTEMPT_BUSY) {
+            // Nothing was sent and the worker is fine: release the route
+            // without a health penalty (busy is not dead).
+            tdm_router_control_route_done(k->s->ctl, &k->route, "error");
+            k->routed = false;
+            if (k->never_fits) { // no worker could ever take it: the client's error
+                tdm_oai_http_errorf(k->conn, 400, "n", "%s", err);
+                return false;
+            }
+        }
         if (end == TDM_ROUTER_ATTEMPT_OK) {
             if (await_first_chunk(k) < 0) {
                 tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
@@ -814,11 +851,11 @@ static bool start_with_retries(struct call *k)
             end = TDM_ROUTER_ATTEMPT_LOST;
             snprintf(err, sizeof err, "lost before the first token");
         }
-        uint64_t ep = k->routed ? k->route.decode.id : 0;
+        uint64_t ep = k->routed ? k->route.decode.id : busy_ep; // avoided on the next route
         bool again = tdm_router_retry_next(&budget, end, ep, !tdm_router_call_retryable(&k->oai));
         if (end == TDM_ROUTER_ATTEMPT_LOST && !again)
             return true;
-        if (end != TDM_ROUTER_ATTEMPT_NO_ROUTE) {
+        if (end != TDM_ROUTER_ATTEMPT_NO_ROUTE && end != TDM_ROUTER_ATTEMPT_BUSY) {
             TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s)%s", k->oai.resp.id,
                          k->route.decode.name, err, again ? ", rerouting" : "");
             abandon_route(k, end == TDM_ROUTER_ATTEMPT_LOST, again);

@@ -493,6 +493,7 @@ void tdm_engine_get_stats(struct tdm_engine *e, struct tdm_engine_stats *out)
     pthread_mutex_lock(&e->mu);
     *out = e->stats;
     pthread_mutex_unlock(&e->mu);
+    out->max_waiting = e->cfg.max_waiting;
 }
 
 // ---- scheduling (engine thread) ------------------------------------------------------------
@@ -1187,9 +1188,8 @@ int tdm_engine_admit(struct tdm_engine *e, int count, char *err, size_t errlen)
     if (closed)
         return tdm_seterr(err, errlen, TDM_ECLOSED, "engine: shutting down");
     if (!room)
-        return tdm_seterr(err, errlen, TDM_EBUSY,
-                          "the waiting queue is full (--max-waiting %d) for %d more sequences",
-                          e->cfg.max_waiting, count);
+        return tdm_seterr(err, errlen, TDM_EBUSY, "the waiting queue is full (--max-waiting %d)",
+                          e->cfg.max_waiting); // as tdm_engine_submit: one body on every path
     return TDM_OK;
 }
 

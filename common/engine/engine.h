@@ -272,6 +272,7 @@ struct tdm_engine_stats {
     int num_free_blocks; // free + evictable (prefix-cached, unreferenced)
     int num_total_blocks;
     int block_size;
+    int max_waiting;         // the waiting-queue bound (config)
     uint64_t prefix_queries; // prompt tokens looked up in the prefix cache at admission
     uint64_t prefix_hits;    // of those, tokens found
     uint64_t num_preemptions;

@@ -41,6 +41,7 @@ struct tdm_pd_load {
     float kv_usage; // referenced KV blocks / all
     int free_blocks, total_blocks, block_size;
     int held;        // prefill: KV held for export; decode: imports in progress
+    int max_waiting; // the waiting-queue bound (the router admits n x prompts against it)
     const char *url; // this worker's inbox URL
     // KV events (decode workers): has_kv_events false = none sent, the router
     // keeps only its approximate index. Arrays borrowed, a hash in at most one.
