@@ -185,7 +185,8 @@ static void job_release(struct djob *j, struct tdm_engine_request *req)
 
 // ---- messages to the router --------------------------------------------------------------
 struct phases {
-    double queue, prefill, transfer;
+    double queue, prefill, transfer; // transfer: the exposed part (what the request waited for)
+    double transfer_total;           // first KV frame received -> last layer installed
     const char *prefilled_by; // "" = local
 };
 
@@ -255,6 +256,7 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
         pt.queue = ph->queue;
         pt.prefill = ph->prefill;
         pt.transfer = ph->transfer;
+        pt.transfer_total = ph->transfer_total;
         pt.first_token = tdm_now() - j->arrival;
         m.phases = &pt;
         m.prefilled_by = (char *)ph->prefilled_by;
@@ -322,7 +324,7 @@ static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
 // the router, then releases it.
 static void stream_local(struct djob *j, struct tdm_engine_request *req)
 {
-    struct phases ph = {tdm_now() - j->arrival, 0, 0, ""};
+    struct phases ph = {tdm_now() - j->arrival, 0, 0, 0, ""};
     stream_to_router(j, req, &ph, NULL);
     job_release(j, req);
 }
@@ -548,7 +550,8 @@ static void remote_commit(void *ctx, const struct tdm_pd_attempt *a)
     TDM_LOG_DEBUG(MOD, "req=%s KV from %s: blocks=%d bytes=%zu prefill=%.4f exposed=%.4f",
                   j->request_id, x->t->url, x->num_blocks, v->bytes_done, prefill_s, exposed);
     tdm_engine_import_done(rx->parts.engine, x->req, x->res->first_token, true);
-    struct phases ph = {x->res->queue_seconds, prefill_s, exposed, x->t->url};
+    double total = x->num_blocks > 0 && v->t_first_frame > 0 ? v->t_kv_done - v->t_first_frame : 0;
+    struct phases ph = {x->res->queue_seconds, prefill_s, exposed, total, x->t->url};
     stream_to_router(j, x->req, &ph, x->res);
 }
 

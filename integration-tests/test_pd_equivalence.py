@@ -81,6 +81,14 @@ def main():
     rm = metrics(cl.router_port)
     check(metric_sum(rm, "tandem:router_requests_by_decision_total") >= n_checked,
           "router decision metric did not count")
+    # The whole KV transfer is timed, not only the wait left after the prefill
+    # result (issue 14: that one read 0 for every request); both are exported.
+    check(metric_sum(rm, "tandem:router_kv_transfer_seconds_count") > 0 and
+          metric_sum(rm, "tandem:router_kv_transfer_seconds_sum") > 0,
+          "tandem:router_kv_transfer_seconds stays 0 under P/D")
+    check(metric_sum(rm, "tandem:router_kv_transfer_exposed_seconds_count") ==
+          metric_sum(rm, "tandem:router_kv_transfer_seconds_count"),
+          "the exposed transfer is not counted beside the whole one")
     cl.wait_kv_free()
     print("PASS: %d prompt/sampling cases equal direct; %d KV bytes moved" % (n_checked, sent))
 

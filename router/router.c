@@ -367,14 +367,20 @@ static void note_phases(struct call *k, const Tandem__TokenChunk *m)
     const Tandem__PhaseTimes *p = m->phases;
     snprintf(k->phases, sizeof k->phases,
              "decision=%s; decode=%s; prefill=%s; route=%.6f; queue=%.6f; prefill_s=%.6f; "
-             "transfer=%.6f; first_token=%.6f",
+             "transfer=%.6f; transfer_exposed=%.6f; first_token=%.6f",
              tdm_router_decision_name(k->route.decision), k->route.decode.name,
              m->prefilled_by && m->prefilled_by[0] ? m->prefilled_by : "local",
-             k->route.routed_at - k->arrival, p->queue, p->prefill, p->transfer, p->first_token);
+             k->route.routed_at - k->arrival, p->queue, p->prefill, p->transfer_total, p->transfer,
+             p->first_token);
     struct tdm_router_metrics *rm = k->s->rm;
     bool remote = m->prefilled_by && m->prefilled_by[0];
-    if (rm && remote)
-        tdm_metrics_histogram_observe(rm->kv_transfer, p->transfer);
+    if (rm && remote) {
+        // The whole transfer (it overlaps the prefill) and the part the request
+        // waited for, each under its own name (issue 14: the old metric timed
+        // only the wait and read 0 for every request).
+        tdm_metrics_histogram_observe(rm->kv_transfer, p->transfer_total);
+        tdm_metrics_histogram_observe(rm->kv_transfer_exposed, p->transfer);
+    }
     tdm_router_control_prefill_outcome(k->s->ctl, &k->route, remote);
 }
 

@@ -102,9 +102,17 @@ int tdm_router_metrics_register(struct tdm_router_metrics *m, struct tdm_metrics
         return rc;
     b = tdm_metrics_buckets_ttft(&nb);
     ho = (struct tdm_metrics_opts){.name = "tandem:router_kv_transfer_seconds",
-                                   .help = "KV transfer time as the request saw it (prefill "
-                                           "done to KV installed on the decode worker)."};
+                                   .help = "Whole KV transfer of a disaggregated request: first "
+                                           "KV frame received to last layer installed on the "
+                                           "decode worker (overlaps the prefill)."};
     if ((rc = tdm_metrics_histogram_register(&m->kv_transfer, reg, &ho, b, nb, err, errlen)))
+        return rc;
+    ho = (struct tdm_metrics_opts){.name = "tandem:router_kv_transfer_exposed_seconds",
+                                   .help = "The part of the KV transfer the request waited for: "
+                                           "prefill result received to last layer installed "
+                                           "(0 when every frame came first)."};
+    if ((rc = tdm_metrics_histogram_register(&m->kv_transfer_exposed, reg, &ho, b, nb, err,
+                                             errlen)))
         return rc;
     static const double sched_bounds[] = {0.00001, 0.00005, 0.0001, 0.0005, 0.001,
                                           0.005,   0.01,    0.05,   0.1};

@@ -44,7 +44,8 @@ struct tdm_router_metrics {
     struct tdm_metrics_histogram *ttft;        // tandem:router_time_to_first_token_seconds
     struct tdm_metrics_histogram *itl;         // tandem:router_inter_token_latency_seconds
     struct tdm_metrics_histogram *e2e;         // tandem:router_e2e_request_latency_seconds
-    struct tdm_metrics_histogram *kv_transfer; // tandem:router_kv_transfer_seconds
+    struct tdm_metrics_histogram *kv_transfer; // tandem:router_kv_transfer_seconds (whole)
+    struct tdm_metrics_histogram *kv_transfer_exposed; // tandem:router_kv_transfer_exposed_seconds
     struct tdm_metrics_histogram *routing;     // tandem:router_scheduling_seconds (pick time)
     // tandem:router_config_reload_total{result="success|failure"}
     struct tdm_metrics_counter *config_reload;

@@ -98,7 +98,7 @@ def main():
             win.append(h.metric_sum(h.metrics(cl.decode[0].http_port), window_name) - w0)
             h.check(st == 200, "router status %d" % st)
             ph = phases(hdr)
-            p, t = float(ph["prefill_s"]), float(ph["transfer"])
+            p, t = float(ph["prefill_s"]), float(ph["transfer_exposed"])
             pre.append(p)
             tra.append(t)
             ratios.append(t / p)
