@@ -60,7 +60,7 @@ int main(int argc, char **argv)
                 TDM_LOG_INFO("router", "SIGHUP: config reloaded");
             continue;
         }
-        TDM_LOG_INFO("router", "signal=%d draining (up to %.0f s)", sig, o.drain_timeout);
+        TDM_LOG_INFO("router", "signal=%d draining (up to %g s)", sig, o.drain_timeout);
         break;
     }
     // As the workers do: no new requests, open streams finish within

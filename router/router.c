@@ -1012,9 +1012,19 @@ int tdm_router_server_drain(struct tdm_router_server *s, double timeout_s)
         struct timespec ts = {0, 20 * 1000 * 1000};
         nanosleep(&ts, NULL);
     }
-    if (left > 0)
-        TDM_LOG_WARN(MOD, "drain: %d request(s) still open after %.0f s; ending them", left,
+    if (left > 0) {
+        TDM_LOG_WARN(MOD, "drain: %d request(s) still open after %g s; ending them", left,
                      timeout_s);
+        // The pumps see stopping and end their streams with an error event and
+        // [DONE] (and cancel upstream) while the connections are still open;
+        // the server stops only after that (or 2 s), never mid-event.
+        atomic_store(&s->stopping, true);
+        double end = tdm_now() + 2.0;
+        while (atomic_load(&s->inflight) > 0 && tdm_now() < end) {
+            struct timespec ts = {0, 10 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+    }
     return left > 0 ? TDM_ETIMEDOUT : TDM_OK;
 }
 
