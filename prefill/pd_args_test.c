@@ -37,7 +37,7 @@ static void test_prefill_args(void **state)
     // Defaults: loopback inbox (issue 11), its own HTTP port (issue 14).
     struct tdm_prefill_config d;
     tdm_prefill_config_default(&d);
-    assert_string_equal(d.nng_url, "tcp://127.0.0.1:9200");
+    assert_string_equal(d.nng_url, "tcp://127.0.0.1:9002");
     struct tdm_worker_config wc;
     tdm_prefill_worker_config_default(&wc);
     assert_int_equal(wc.port, 8002);

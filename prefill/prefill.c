@@ -34,10 +34,12 @@
 
 #define MOD "prefill"
 
+// The inbox default follows the router config's convention (nng port = HTTP
+// port + 1000: 8002 -> 9002), so the defaults of both sides agree.
 void tdm_prefill_config_default(struct tdm_prefill_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
-    snprintf(cfg->nng_url, sizeof cfg->nng_url, "tcp://127.0.0.1:9200");
+    snprintf(cfg->nng_url, sizeof cfg->nng_url, "tcp://127.0.0.1:9002");
     cfg->hold_seconds = 30;
     cfg->layers_per_frame = 4;
     cfg->send_timeout = 5;
@@ -59,7 +61,7 @@ static int set_nng_url(void *o, const char *v, char *err, size_t errlen)
 
 static const struct tdm_flag prefill_flags[] = {
     {.name = "nng-url", .kind = TDM_FLAG_FN, .fn = set_nng_url, .metavar = "URL",
-     .help = "inbox for PrefillRequest/Cancel (default tcp://127.0.0.1:9200:\nloopback; give the pod "
+     .help = "inbox for PrefillRequest/Cancel (default tcp://127.0.0.1:9002:\nloopback; give the pod "
              "address to serve other hosts)"},
     {.name = "kv-hold-seconds", .kind = TDM_FLAG_DOUBLE,
      .offset = offsetof(struct tdm_prefill_config, hold_seconds), .min = 0.1, .max = 1e9,

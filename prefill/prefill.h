@@ -29,7 +29,7 @@ struct tdm_prefill_service;
 #define TDM_PREFILL_DEFAULT_PORT 8002
 
 struct tdm_prefill_config {
-    char nng_url[256];    // --nng-url: the inbox to listen on; default tcp://127.0.0.1:9200
+    char nng_url[256];    // --nng-url: the inbox to listen on; default tcp://127.0.0.1:9002
     double hold_seconds;  // --kv-hold-seconds: release KV whose frames are not all sent this
                           // long after the prefill finished; default 30
     int layers_per_frame; // --layers-per-frame: upper bound on layers per KvData frame; default 4

@@ -62,7 +62,7 @@ void tdm_pd_answer_load_query(struct tdm_net_outbox *ob, const struct tdm_net_fr
 
 // ---- the service -------------------------------------------------------------------------
 struct tdm_pd_service_config {
-    const char *url;    // the inbox to listen on ("tcp://127.0.0.1:9200"; port 0 picks one)
+    const char *url;    // the inbox to listen on ("tcp://127.0.0.1:9002"; port 0 picks one)
     const char *module; // log module and error prefix ("pd", "prefill"); borrowed, static
     // The role's handler by frame type, called with arg; NULL: the frame is
     // ignored (logged at DEBUG). LOAD_QUERY is answered with fill_load instead.
