@@ -1614,3 +1614,45 @@ char *tdm_router_config_to_json(const struct tdm_router_config *cfg, double load
     cJSON_Delete(o);
     return s;
 }
+
+// ---- the short form ------------------------------------------------------------------------------
+int tdm_router_config_short_text(const char *comment, const char *policy, const char *pd_mode,
+                                 int pd_threshold, const struct tdm_router_short_endpoint *prefill,
+                                 size_t n_prefill, const struct tdm_router_short_endpoint *decode,
+                                 size_t n_decode, char *buf, size_t cap)
+{
+    size_t len = 0;
+#define PUT(...)                                                                                   \
+    do {                                                                                           \
+        int w_ = snprintf(buf + len, cap - len, __VA_ARGS__);                                      \
+        if (w_ < 0 || (size_t)w_ >= cap - len)                                                     \
+            return TDM_ECAPACITY;                                                                  \
+        len += (size_t)w_;                                                                         \
+    } while (0)
+    if (cap == 0)
+        return TDM_ECAPACITY;
+    buf[0] = '\0';
+    if (comment)
+        PUT("# %s\n", comment);
+    PUT("policy: %s\n", policy);
+    if (n_prefill == 0)
+        PUT("pd_mode: never\n");
+    else
+        PUT("pd_threshold_tokens: %d\npd_mode: %s\n", pd_threshold, pd_mode);
+    PUT("endpoints:\n");
+    for (int pass = 0; pass < 2; pass++) {
+        const struct tdm_router_short_endpoint *eps = pass ? decode : prefill;
+        size_t n = pass ? n_decode : n_prefill;
+        if (n)
+            PUT("  %s:\n", pass ? "decode" : "prefill");
+        for (size_t i = 0; i < n; i++) {
+            const char *h = eps[i].host;
+            bool v6 = strchr(h, ':') && h[0] != '[';
+            PUT("    - {host: \"%s%s%s\", http_port: %d, nng_port: %d}\n", v6 ? "[" : "", h,
+                v6 ? "]" : "", eps[i].http_port, eps[i].nng_port);
+        }
+    }
+    PUT("health:\n  interval_seconds: 1\n  timeout_seconds: 1\n  failure_threshold: 2\n");
+#undef PUT
+    return TDM_OK;
+}

@@ -247,6 +247,23 @@ void tdm_router_config_unref(struct tdm_router_config *cfg);
 // "loaded_at" (RFC 3339) and "loaded_at_unix".
 char *tdm_router_config_to_json(const struct tdm_router_config *cfg, double loaded_at);
 
+// ---- the short form, written for a config-free start ------------------------------------------
+// One worker of a short-form config.
+struct tdm_router_short_endpoint {
+    const char *host; // address, IPv6 literals bare or bracketed
+    int http_port, nng_port;
+};
+// The short-form config text (docs/router-config.md) for policy and these
+// workers, as `tandem up` writes it and `tandem-router --policy` builds it:
+// pd_mode never without prefill workers, else pd_mode and the threshold;
+// health checks every second (local workers answer at once). comment, when
+// not NULL, is the first line's text after "# ". TDM_OK, or TDM_ECAPACITY when
+// buf is too small.
+int tdm_router_config_short_text(const char *comment, const char *policy, const char *pd_mode,
+                                 int pd_threshold, const struct tdm_router_short_endpoint *prefill,
+                                 size_t n_prefill, const struct tdm_router_short_endpoint *decode,
+                                 size_t n_decode, char *buf, size_t cap);
+
 // Index of the plugin named name, or SIZE_MAX.
 size_t tdm_router_config_find_plugin(const struct tdm_router_config *cfg, const char *name);
 

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core.h"
 #include "router.h"
@@ -45,6 +46,10 @@ int main(int argc, char **argv)
     struct tdm_router_server *s = NULL;
     if (tdm_router_server_new(&s, &o, err, sizeof err) != TDM_OK) {
         TDM_LOG_ERR("router", "%s", err);
+        if (o.generated_dir[0]) {
+            unlink(o.config);
+            rmdir(o.generated_dir);
+        }
         return 1;
     }
     TDM_LOG_INFO("router", "ready config=%s model=%s listening=http://%s:%d nng=%s startup_s=%.3f",
@@ -68,5 +73,9 @@ int main(int argc, char **argv)
     tdm_router_server_drain(s, o.drain_timeout);
     TDM_LOG_INFO("router", "stopping");
     tdm_router_server_free(s);
+    if (o.generated_dir[0]) { // --policy's config, written for this run
+        unlink(o.config);
+        rmdir(o.generated_dir);
+    }
     return 0;
 }

@@ -16,6 +16,7 @@
 #include "router.h"
 
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -70,6 +71,15 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
 
 static const struct tdm_flag router_flags[] = {
     STR("config", config, "FILE", "routing config (docs/router-config.md); hot reloaded"),
+    STR("policy", policy, "NAME",
+        "instead of --config: round_robin, random, least_loaded,\nprefix_cache or session_affinity "
+        "over the workers below\n(the short form tandem up writes)"),
+    STR("decode", decode_eps, "H:P[:N],...",
+        "with --policy: decode workers (HTTP port P, nng port N,\ndefault P+1000)"),
+    STR("prefill", prefill_eps, "H:P[:N],...", "with --policy: prefill workers (P/D on)"),
+    NUM("pd-threshold", TDM_FLAG_INT, pd_threshold, 0, 100000000, "N",
+        "with --policy and --prefill: uncached prompt tokens above\nwhich to prefill remotely "
+        "(default 256)"),
     STR("model", model, "DIR", "model folder for the tokenizer, chat template, config.json"),
     STR("served-model-name", served_model_name, "NAME", "name in requests and responses"),
     STR("chat-template", chat_template, "FILE", "override the tokenizer's chat template"),
@@ -110,14 +120,99 @@ const struct tdm_flags *tdm_router_flags(void)
     return &router_table;
 }
 
+// Parses "HOST:PORT[:NNG],..." into eps (hosts point into buf, which is
+// modified). IPv6 hosts in brackets: "[::1]:8001".
+static int parse_eps(const char *flag, char *buf, struct tdm_router_short_endpoint *eps,
+                     size_t cap, size_t *n, char *err, size_t errlen)
+{
+    *n = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        if (*n == cap)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: more than %zu workers", flag, cap);
+        char *host = tok, *rest;
+        if (*tok == '[') {
+            char *close = strchr(tok, ']');
+            if (!close || close[1] != ':')
+                return tdm_seterr(err, errlen, TDM_EINVAL, "%s: bad address \"%s\"", flag, tok);
+            host = tok + 1;
+            *close = '\0';
+            rest = close + 2;
+        } else {
+            char *colon = strchr(tok, ':');
+            if (!colon)
+                return tdm_seterr(err, errlen, TDM_EINVAL,
+                                  "%s: \"%s\" is not HOST:PORT[:NNG_PORT]", flag, tok);
+            *colon = '\0';
+            rest = colon + 1;
+        }
+        char *end = NULL;
+        long http = strtol(rest, &end, 10), nng = http + 1000;
+        if (end && *end == ':')
+            nng = strtol(end + 1, &end, 10);
+        if (!*host || !end || *end || http < 1 || http > 65535 || nng < 1 || nng > 65535)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: bad ports in \"%s\"", flag, rest);
+        eps[(*n)++] = (struct tdm_router_short_endpoint){host, (int)http, (int)nng};
+    }
+    return TDM_OK;
+}
+
+// --policy: builds the short-form config tandem up writes, checks it with the
+// parser, and writes it into a private folder that --config then names (the
+// file is the router's as any config file: /v1/router/config shows it).
+static int write_short_config(struct tdm_router_opts *o, char *err, size_t errlen)
+{
+    char dbuf[sizeof o->decode_eps], pbuf[sizeof o->prefill_eps];
+    snprintf(dbuf, sizeof dbuf, "%s", o->decode_eps);
+    snprintf(pbuf, sizeof pbuf, "%s", o->prefill_eps);
+    struct tdm_router_short_endpoint dec[64], pre[64];
+    size_t nd = 0, np = 0;
+    int rc;
+    if ((rc = parse_eps("--decode", dbuf, dec, 64, &nd, err, errlen)) ||
+        (rc = parse_eps("--prefill", pbuf, pre, 64, &np, err, errlen)))
+        return rc;
+    if (nd == 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--policy needs --decode HOST:PORT[,...]");
+    char text[16384];
+    if (tdm_router_config_short_text("Built from tandem-router --policy.", o->policy, "prefix",
+                                     o->pd_threshold > 0 ? o->pd_threshold : 256, pre, np, dec, nd,
+                                     text, sizeof text) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--policy: too many workers");
+    struct tdm_router_config *cfg = NULL;
+    char perr[512];
+    if (tdm_router_config_parse(&cfg, text, strlen(text), NULL, perr, sizeof perr) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--policy: %s", perr);
+    tdm_router_config_unref(cfg);
+    const char *tmp = getenv("TMPDIR");
+    snprintf(o->generated_dir, sizeof o->generated_dir, "%s/tandem-router-XXXXXX",
+             tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(o->generated_dir)) {
+        o->generated_dir[0] = '\0';
+        return tdm_seterr(err, errlen, TDM_EIO, "--policy: cannot create a folder: %s",
+                          strerror(errno));
+    }
+    snprintf(o->config, sizeof o->config, "%s/router.yaml", o->generated_dir);
+    FILE *f = fopen(o->config, "w");
+    if (!f || fputs(text, f) == EOF || fclose(f) != 0) {
+        if (f)
+            fclose(f);
+        return tdm_seterr(err, errlen, TDM_EIO, "--policy: cannot write %s", o->config);
+    }
+    return TDM_OK;
+}
+
 int tdm_router_opts_parse_args(struct tdm_router_opts *o, int argc, char **argv, char *err,
                                size_t errlen)
 {
     int rc = tdm_flags_parse(&router_table, o, argc, argv, NULL, 0, NULL, err, errlen);
     if (rc != TDM_OK)
         return rc;
-    if (o->config[0] == '\0')
-        return tdm_seterr(err, errlen, TDM_EINVAL, "--config FILE is required");
+    if (o->config[0] && o->policy[0])
+        return tdm_seterr(err, errlen, TDM_EINVAL, "give --config FILE or --policy NAME, not both");
+    if (o->config[0] == '\0' && o->policy[0] == '\0')
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--config FILE (or --policy NAME --decode ...) is required");
+    if (o->policy[0] && (rc = write_short_config(o, err, errlen)) != TDM_OK)
+        return rc;
     if (o->model[0] == '\0')
         return tdm_seterr(err, errlen, TDM_EINVAL, "--model DIR is required");
     return TDM_OK;

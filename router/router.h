@@ -25,7 +25,12 @@
 #include <stdint.h>
 
 struct tdm_router_opts {
-    char config[1024];           // --config FILE (required): routing config (docs/router-config.md)
+    char config[1024];           // --config FILE: routing config (docs/router-config.md); or:
+    char policy[64];             // --policy NAME: the short form without a file, with
+    char decode_eps[2048];       // --decode HOST:PORT[:NNG],... and
+    char prefill_eps[2048];      // --prefill HOST:PORT[:NNG],... (nng port default PORT+1000)
+    int pd_threshold;            // --pd-threshold N (default 256), with --prefill
+    char generated_dir[512];     // the private folder holding the generated config ("" = none)
     char model[1024];            // --model DIR (required): tokenizer, chat template, config.json
     char served_model_name[256]; // --served-model-name; "" = config.json's _name_or_path or DIR
     char chat_template[1024];    // --chat-template FILE; "" = the tokenizer's

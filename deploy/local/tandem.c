@@ -925,44 +925,26 @@ static void url_host(const char *host, char *out, size_t cap)
         snprintf(out, cap, "%s", host);
 }
 
-// The short-form router config for this stack (docs/router-config.md).
+// The short-form router config for this stack (router/config.c writes it, as
+// tandem-router --policy does).
 static int router_config_text(const struct up_opts *o, char *buf, size_t cap)
 {
-    char h[300];
-    url_host(connect_host(o->host), h, sizeof h);
-    size_t len = 0;
-#define PUT(...)                                                                                   \
-    do {                                                                                           \
-        int w_ = snprintf(buf + len, cap - len, __VA_ARGS__);                                      \
-        if (w_ < 0 || (size_t)w_ >= cap - len)                                                     \
-            return -1;                                                                             \
-        len += (size_t)w_;                                                                         \
-    } while (0)
-    PUT("# Written by `tandem up` for this run (deploy/local/tandem.c).\n");
-    PUT("policy: %s\n", o->policy);
-    if (o->n_prefill == 0)
-        PUT("pd_mode: never\n");
-    else
-        PUT("pd_threshold_tokens: %d\npd_mode: %s\n", o->pd_threshold, o->pd_mode);
-    PUT("endpoints:\n");
-    for (int pass = 0; pass < 2; pass++) {
-        enum child_role want = pass ? CHILD_DECODE : CHILD_PREFILL;
-        bool any = false;
-        for (int i = 0; i < n_children; i++) {
-            const struct child *c = &children[i];
-            if (c->role != want)
-                continue;
-            if (!any)
-                PUT("  %s:\n", pass ? "decode" : "prefill");
-            any = true;
-            PUT("    - {host: \"%s\", http_port: %d, nng_port: %d}\n", h, c->http_port,
-                c->nng_port);
-        }
+    struct tdm_router_short_endpoint pre[MAX_WORKERS], dec[MAX_WORKERS];
+    size_t np = 0, nd = 0;
+    const char *h = connect_host(o->host);
+    for (int i = 0; i < n_children; i++) {
+        const struct child *c = &children[i];
+        struct tdm_router_short_endpoint e = {h, c->http_port, c->nng_port};
+        if (c->role == CHILD_PREFILL)
+            pre[np++] = e;
+        else if (c->role == CHILD_DECODE)
+            dec[nd++] = e;
     }
-    // Local workers answer at once: notice a dead one within about a second.
-    PUT("health:\n  interval_seconds: 1\n  timeout_seconds: 1\n  failure_threshold: 2\n");
-#undef PUT
-    return 0;
+    return tdm_router_config_short_text("Written by `tandem up` for this run (deploy/local/tandem.c).",
+                                        o->policy, o->pd_mode, o->pd_threshold, pre, np, dec, nd,
+                                        buf, cap) == TDM_OK
+               ? 0
+               : -1;
 }
 
 // Creates a private folder and writes router.yaml into it, after checking the

@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: Apache-2.0
+// tandem-router's command line: --policy with --decode/--prefill builds the
+// short-form config tandem up writes (issue 14: a router without a config
+// file), checked by the config parser; the conflicts and bad endpoint lists
+// are one-line errors.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "core.h"
+#include "router.h"
+
+static int parse(struct tdm_router_opts *o, char *err, size_t errlen, int argc, char **argv)
+{
+    tdm_router_opts_default(o);
+    return tdm_router_opts_parse_args(o, argc, argv, err, errlen);
+}
+
+static void test_policy_short_form(void **state)
+{
+    (void)state;
+    struct tdm_router_opts o;
+    char err[512];
+    char *argv[] = {"tandem-router", "--model", "m", "--policy", "round_robin", "--decode",
+                    "127.0.0.1:8001,[::1]:8101:9301", "--prefill", "127.0.0.1:8002",
+                    "--pd-threshold", "64", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 11, argv), TDM_OK);
+    assert_true(o.generated_dir[0] != '\0');
+    struct tdm_router_config *cfg = NULL;
+    assert_int_equal(tdm_router_config_load(&cfg, o.config, err, sizeof err), TDM_OK);
+    char *json = tdm_router_config_to_json(cfg, 0);
+    assert_non_null(strstr(json, "round_robin"));
+    assert_non_null(strstr(json, "9301"));     // the given nng port
+    assert_non_null(strstr(json, "9001"));     // the default, HTTP port + 1000
+    assert_non_null(strstr(json, "9002"));     // the prefill worker's
+    free(json);
+    tdm_router_config_unref(cfg);
+    unlink(o.config);
+    rmdir(o.generated_dir);
+}
+
+static void test_policy_errors(void **state)
+{
+    (void)state;
+    struct tdm_router_opts o;
+    char err[512];
+    char *both[] = {"r", "--model", "m", "--config", "x.yaml", "--policy", "random", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 7, both), TDM_EINVAL);
+    assert_non_null(strstr(err, "not both"));
+    char *none[] = {"r", "--model", "m", "--policy", "random", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 5, none), TDM_EINVAL);
+    assert_non_null(strstr(err, "--policy needs --decode"));
+    char *bad[] = {"r", "--model", "m", "--policy", "random", "--decode", "host-without-port",
+                   NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 7, bad), TDM_EINVAL);
+    assert_non_null(strstr(err, "is not HOST:PORT"));
+    char *unknown[] = {"r", "--model", "m", "--policy", "fastest", "--decode", "h:1", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 7, unknown), TDM_EINVAL);
+    assert_non_null(strstr(err, "--policy"));
+    char *missing[] = {"r", "--model", "m", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 3, missing), TDM_EINVAL);
+    assert_non_null(strstr(err, "--config FILE"));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_policy_short_form),
+        cmocka_unit_test(test_policy_errors),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
