@@ -72,6 +72,7 @@ int tdm_grammar_vocab_from_tokenizer(struct tdm_grammar_vocab **out,
                                      size_t errlen);
 void tdm_grammar_vocab_free(struct tdm_grammar_vocab *v);
 int32_t tdm_grammar_vocab_size(const struct tdm_grammar_vocab *v);
+int32_t tdm_grammar_vocab_eos_id(const struct tdm_grammar_vocab *v); // -1: none
 // 32-bit words of a mask over v: (size + 31) / 32.
 size_t tdm_grammar_mask_words(const struct tdm_grammar_vocab *v);
 

@@ -193,6 +193,11 @@ int32_t tdm_grammar_vocab_size(const struct tdm_grammar_vocab *v)
     return v->n_tokens;
 }
 
+int32_t tdm_grammar_vocab_eos_id(const struct tdm_grammar_vocab *v)
+{
+    return v->eos_id >= 0 && v->eos_id < v->n_tokens ? v->eos_id : -1;
+}
+
 size_t tdm_grammar_mask_words(const struct tdm_grammar_vocab *v)
 {
     return ((size_t)v->n_tokens + 31) / 32;
