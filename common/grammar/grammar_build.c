@@ -330,7 +330,8 @@ int gb_finish(struct gb *b, int root, struct tdm_grammar **out, char *err, size_
             if (!alt_productive(b, s, prod))
                 continue;
             g->alt_start[ai++] = (int32_t)ei;
-            memcpy(&g->els[ei], s->v, s->n * sizeof *s->v);
+            if (s->n)
+                memcpy(&g->els[ei], s->v, s->n * sizeof *s->v);
             ei += s->n;
             g->els[ei].kind = EL_END;
             g->els[ei].arg = 0;
