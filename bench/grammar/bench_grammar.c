@@ -33,15 +33,19 @@ static const char nested_schema[] =
     "\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\",\"maxLength\":12},\"maxItems\":5},"
     "\"orders\":{\"type\":\"array\",\"maxItems\":3,\"items\":{\"type\":\"object\",\"properties\":{"
     "\"sku\":{\"type\":\"string\"},\"qty\":{\"type\":\"integer\"},"
-    "\"status\":{\"enum\":[\"new\",\"paid\",\"shipped\"]}},\"required\":[\"sku\",\"qty\",\"status\"]}},"
+    "\"status\":{\"enum\":[\"new\",\"paid\",\"shipped\"]}},\"required\":[\"sku\",\"qty\","
+    "\"status\"]}},"
     "\"active\":{\"type\":\"boolean\"}},"
     "\"required\":[\"id\",\"name\",\"email\",\"address\",\"tags\",\"orders\",\"active\"]}";
 
 static char *fifty_property_schema(void)
 {
     static const char *const types[] = {
-        "{\"type\":\"string\"}", "{\"type\":\"integer\"}", "{\"type\":\"number\"}",
-        "{\"type\":\"boolean\"}", "{\"type\":\"array\",\"items\":{\"type\":\"string\"}}",
+        "{\"type\":\"string\"}",
+        "{\"type\":\"integer\"}",
+        "{\"type\":\"number\"}",
+        "{\"type\":\"boolean\"}",
+        "{\"type\":\"array\",\"items\":{\"type\":\"string\"}}",
         "{\"type\":\"string\",\"format\":\"date-time\"}",
         "{\"enum\":[\"red\",\"green\",\"blue\"]}",
         "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"},\"b\":{\"type\":"
@@ -52,8 +56,8 @@ static char *fifty_property_schema(void)
     char *s = malloc(cap);
     n += (size_t)snprintf(s + n, cap - n, "{\"type\":\"object\",\"properties\":{");
     for (int i = 0; i < 50; i++)
-        n += (size_t)snprintf(s + n, cap - n, "%s\"field_%02d\":%s", i ? "," : "", i,
-                              types[i % 10]);
+        n +=
+            (size_t)snprintf(s + n, cap - n, "%s\"field_%02d\":%s", i ? "," : "", i, types[i % 10]);
     n += (size_t)snprintf(s + n, cap - n, "},\"required\":[");
     for (int i = 0; i < 50; i += 2)
         n += (size_t)snprintf(s + n, cap - n, "%s\"field_%02d\"", i ? "," : "", i);

@@ -49,8 +49,8 @@ int tdm_grammar_compile_json_schema(struct tdm_grammar **out, const char *schema
 // Any JSON object (response_format {"type":"json_object"}).
 int tdm_grammar_compile_json_object(struct tdm_grammar **out, char *err, size_t errlen);
 // A regex matched against the whole output (implicit ^...$).
-int tdm_grammar_compile_regex(struct tdm_grammar **out, const char *pattern, size_t len,
-                              char *err, size_t errlen);
+int tdm_grammar_compile_regex(struct tdm_grammar **out, const char *pattern, size_t len, char *err,
+                              size_t errlen);
 // Exactly one of n byte strings choices[i] (lens[i] bytes each).
 int tdm_grammar_compile_choice(struct tdm_grammar **out, const char *const *choices,
                                const size_t *lens, size_t n, char *err, size_t errlen);

@@ -55,7 +55,7 @@ struct gb {
 void gb_init(struct gb *b);
 void gb_fini(struct gb *b);
 int gb_fail(struct gb *b, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-int gb_rule_new(struct gb *b);                              // -1 on error
+int gb_rule_new(struct gb *b);                                      // -1 on error
 void gb_rule_add(struct gb *b, int rule, const struct gb_seq *alt); // copies alt
 void gb_seq_free(struct gb_seq *s);
 void gb_seq_class(struct gb *b, struct gb_seq *s, const struct gr_class *c);
@@ -87,10 +87,10 @@ int gr_regex_compile(struct gb *b, struct gb_seq *seq, const char *pat, size_t l
 // ---- compiled grammar ------------------------------------------------------------
 struct tdm_grammar {
     atomic_int refs;
-    struct gr_el *els;      // [n_els] all alternatives, each ended by EL_END
+    struct gr_el *els; // [n_els] all alternatives, each ended by EL_END
     size_t n_els;
-    int32_t *alt_start;     // [n_alts] element index of each alternative's first element
-    int32_t *rule_first;    // [n_rules + 1] alternatives of rule r: rule_first[r]..[r+1]
+    int32_t *alt_start;  // [n_alts] element index of each alternative's first element
+    int32_t *rule_first; // [n_rules + 1] alternatives of rule r: rule_first[r]..[r+1]
     int32_t n_rules, root;
     struct gr_class *classes; // [n_classes]
     size_t n_classes;
@@ -109,7 +109,7 @@ struct tdm_grammar_vocab {
     int32_t n_tokens, eos_id;
     struct gr_trie_node *nodes; // [n_nodes] preorder, nodes[0] the root (empty prefix)
     int32_t n_nodes;
-    int32_t *tok_ids; // [n_tok_ids]
+    int32_t *tok_ids;    // [n_tok_ids]
     uint8_t *is_special; // [n_tokens]
     char **bytes;        // [n_tokens] each token's bytes (NULL: none)
     size_t *lens;        // [n_tokens]
@@ -145,17 +145,36 @@ int gr_set_start(const struct tdm_grammar *g, struct gr_arena *a, struct gr_set 
 int gr_set_advance(const struct tdm_grammar *g, struct gr_arena *a, const struct gr_set *in,
                    uint8_t byte, struct gr_set *out);
 void gr_set_fini(struct gr_set *s);
+// Appends the chains of s from src to dst, rewriting s's tops. 0 or TDM_ENOMEM.
+int gr_copy_chains(struct gr_arena *dst, const struct gr_arena *src, struct gr_set *s);
+struct gr_dfa;
+void gr_dfa_fini(struct gr_dfa *d);
 int gr_set_copy(struct gr_set *dst, const struct gr_set *src);
 
 struct gr_mask_cache;
+
+// Lazily built DFA over stack sets for the mask walk (subset construction on
+// demand): each distinct set met is interned once with a 256-entry transition
+// row, so walking the trie inside a string costs a table lookup per node.
+struct gr_dfa {
+    struct gr_arena arena; // nodes of every interned set
+    struct gr_set *sets;   // [n] interned sets (tops in arena)
+    uint32_t **keys;       // [n] serialised sets (gr_set_key)
+    size_t *key_lens;      // [n]
+    int32_t *trans;        // [n][256] next set id; -1 not computed, -2 dead
+    size_t n, cap;
+    int32_t *table; // [table_cap] open addressing over keys: set id or -1
+    size_t table_cap;
+    struct gr_set tmp;
+};
 
 struct tdm_grammar_matcher {
     struct tdm_grammar *g;
     const struct tdm_grammar_vocab *vocab;
     struct gr_arena arena; // live nodes of cur
     struct gr_set cur;
-    bool done;             // EOS accepted
-    struct gr_set next;    // scratch for accept_bytes
+    bool done;          // EOS accepted
+    struct gr_set next; // scratch for accept_bytes
     // mask walk scratch (nodes go into arena above cur's, then are dropped)
     struct gr_set *levels; // [vocab->max_depth + 2] the state after each trie depth
     size_t *level_mark;    // [vocab->max_depth + 2] arena.n before computing each level
@@ -163,6 +182,9 @@ struct tdm_grammar_matcher {
     size_t key_cap;
     struct gr_mask_cache *cache;
     uint64_t hits, misses;
+    struct gr_dfa dfa;
+    int32_t *level_id; // [vocab->max_depth + 2] DFA set after each trie depth
+    bool no_dfa;       // tests: walk with the plain set advance only
 };
 
 int gr_mask_cache_new(struct gr_mask_cache **out, size_t words);

@@ -80,8 +80,8 @@ static int build_trie(struct tdm_grammar_vocab *v)
     int32_t nn = 0;
     v->nodes[nn++] = (struct gr_trie_node){.byte = 0, .depth = 0, .tok_first = 0, .tok_count = 0};
     path[0] = 0;
-    int depth = 0;             // nodes on path below the root
-    const char *prev = NULL;   // bytes of the path
+    int depth = 0;           // nodes on path below the root
+    const char *prev = NULL; // bytes of the path
     for (int32_t k = 0; k < n; k++) {
         int32_t id = v->tok_ids[k];
         const char *b = v->bytes[id];
@@ -263,8 +263,7 @@ bool gr_mask_cache_get(struct gr_mask_cache *c, const uint32_t *key, size_t n, u
     return false;
 }
 
-void gr_mask_cache_put(struct gr_mask_cache *c, const uint32_t *key, size_t n,
-                       const uint32_t *mask)
+void gr_mask_cache_put(struct gr_mask_cache *c, const uint32_t *key, size_t n, const uint32_t *mask)
 {
     struct gr_mask_entry *e = &c->e[c->next];
     c->next = (c->next + 1) % MASK_CACHE_ENTRIES;
@@ -282,24 +281,169 @@ void gr_mask_cache_put(struct gr_mask_cache *c, const uint32_t *key, size_t n,
     e->hash = key_hash(key, n);
 }
 
-// ---- mask --------------------------------------------------------------------------------
-int tdm_grammar_matcher_fill_mask(struct tdm_grammar_matcher *m, uint32_t *mask, size_t words)
+// ---- DFA over stack sets ----------------------------------------------------------------
+#define DFA_KEEP_SETS 1024 // reset before a walk once more sets than this are held
+#define DFA_MAX_SETS 16384 // a walk that needs more falls back to plain advances
+#define DFA_KEEP_NODES (1u << 20)
+
+void gr_dfa_fini(struct gr_dfa *d)
+{
+    for (size_t i = 0; i < d->n; i++) {
+        gr_set_fini(&d->sets[i]);
+        free(d->keys[i]);
+    }
+    free(d->sets);
+    free(d->keys);
+    free(d->key_lens);
+    free(d->trans);
+    free(d->table);
+    free(d->arena.nodes);
+    free(d->arena.visited);
+    gr_set_fini(&d->tmp);
+    memset(d, 0, sizeof *d);
+}
+
+static void dfa_reset(struct gr_dfa *d)
+{
+    for (size_t i = 0; i < d->n; i++) {
+        gr_set_fini(&d->sets[i]);
+        free(d->keys[i]);
+    }
+    d->n = 0;
+    d->arena.n = 0;
+    if (d->table)
+        memset(d->table, 0xff, d->table_cap * sizeof *d->table);
+}
+
+static int dfa_table_grow(struct gr_dfa *d)
+{
+    size_t cap = d->table_cap ? d->table_cap * 2 : 1024;
+    int32_t *t = malloc(cap * sizeof *t);
+    if (!t)
+        return TDM_ENOMEM;
+    memset(t, 0xff, cap * sizeof *t);
+    for (size_t i = 0; i < d->n; i++) {
+        size_t h = key_hash(d->keys[i], d->key_lens[i]) & (cap - 1);
+        while (t[h] >= 0)
+            h = (h + 1) & (cap - 1);
+        t[h] = (int32_t)i;
+    }
+    free(d->table);
+    d->table = t;
+    d->table_cap = cap;
+    return TDM_OK;
+}
+
+// The id of the set d->tmp (its new nodes start at arena index mark), interning
+// it when new. -3: too large to key, or out of memory (the caller falls back).
+static int32_t dfa_intern(struct gr_dfa *d, size_t mark, uint32_t **key, size_t *key_cap)
+{
+    size_t n = gr_set_key(&d->arena, &d->tmp, key, key_cap);
+    if (!n || d->n >= DFA_MAX_SETS)
+        return -3;
+    uint32_t h32 = key_hash(*key, n);
+    if (d->table_cap) {
+        size_t h = h32 & (d->table_cap - 1);
+        for (; d->table[h] >= 0; h = (h + 1) & (d->table_cap - 1)) {
+            int32_t id = d->table[h];
+            if (d->key_lens[id] == n && !memcmp(d->keys[id], *key, n * sizeof **key)) {
+                d->arena.n = mark; // an existing set: drop the nodes just made
+                return id;
+            }
+        }
+    }
+    if ((d->n + 1) * 2 > d->table_cap && dfa_table_grow(d))
+        return -3;
+    if (d->n == d->cap) {
+        size_t nc = d->cap ? d->cap * 2 : 64;
+        struct gr_set *sets = realloc(d->sets, nc * sizeof *sets);
+        if (sets)
+            d->sets = sets;
+        uint32_t **keys = realloc(d->keys, nc * sizeof *keys);
+        if (keys)
+            d->keys = keys;
+        size_t *lens = realloc(d->key_lens, nc * sizeof *lens);
+        if (lens)
+            d->key_lens = lens;
+        int32_t *trans = realloc(d->trans, nc * 256 * sizeof *trans);
+        if (trans)
+            d->trans = trans;
+        if (!sets || !keys || !lens || !trans)
+            return -3;
+        d->cap = nc;
+    }
+    size_t id = d->n;
+    memset(&d->sets[id], 0, sizeof d->sets[id]);
+    d->keys[id] = malloc(n * sizeof **key);
+    if (!d->keys[id] || gr_set_copy(&d->sets[id], &d->tmp)) {
+        free(d->keys[id]);
+        gr_set_fini(&d->sets[id]);
+        return -3;
+    }
+    memcpy(d->keys[id], *key, n * sizeof **key);
+    d->key_lens[id] = n;
+    memset(&d->trans[id * 256], 0xff, 256 * sizeof *d->trans);
+    d->n++;
+    size_t h = h32 & (d->table_cap - 1);
+    while (d->table[h] >= 0)
+        h = (h + 1) & (d->table_cap - 1);
+    d->table[h] = (int32_t)id;
+    return (int32_t)id;
+}
+
+// The mask walk through the DFA. TDM_OK, or -3 when the DFA cannot hold the
+// walk (the caller redoes it with plain advances).
+static int walk_dfa(struct tdm_grammar_matcher *m, uint32_t *mask)
 {
     const struct tdm_grammar_vocab *v = m->vocab;
-    if (!v || words < tdm_grammar_mask_words(v))
-        return TDM_EINVAL;
-    words = tdm_grammar_mask_words(v);
-    memset(mask, 0, words * sizeof *mask);
-    if (m->done)
-        return TDM_OK;
-    size_t n_key = gr_set_key(&m->arena, &m->cur, &m->key, &m->key_cap);
-    if (n_key && gr_mask_cache_get(m->cache, m->key, n_key, mask)) {
-        m->hits++;
-        return TDM_OK;
+    struct gr_dfa *d = &m->dfa;
+    if (d->n > DFA_KEEP_SETS || d->arena.n > DFA_KEEP_NODES)
+        dfa_reset(d);
+    // The current state, copied into the DFA's arena and interned.
+    size_t mark = d->arena.n;
+    if (gr_set_copy(&d->tmp, &m->cur) || gr_copy_chains(&d->arena, &m->arena, &d->tmp))
+        return -3;
+    int32_t root = dfa_intern(d, mark, &m->key, &m->key_cap);
+    if (root < 0)
+        return -3;
+    m->level_id[0] = root;
+    const struct gr_trie_node *nodes = v->nodes;
+    for (int32_t i = 1; i < v->n_nodes;) {
+        const struct gr_trie_node *t = &nodes[i];
+        int32_t from = m->level_id[t->depth - 1];
+        int32_t to = d->trans[(size_t)from * 256 + t->byte];
+        if (to == -1) {
+            mark = d->arena.n;
+            if (gr_set_advance(m->g, &d->arena, &d->sets[from], t->byte, &d->tmp))
+                return -3;
+            if (d->tmp.n == 0 && !d->tmp.accepted) {
+                d->arena.n = mark;
+                to = -2;
+            } else {
+                to = dfa_intern(d, mark, &m->key, &m->key_cap);
+                if (to < 0)
+                    return -3;
+            }
+            d->trans[(size_t)from * 256 + t->byte] = to;
+        }
+        if (to == -2) {
+            i = t->skip;
+            continue;
+        }
+        for (int32_t k = 0; k < t->tok_count; k++) {
+            int32_t id = v->tok_ids[t->tok_first + k];
+            mask[id >> 5] |= 1u << (id & 31);
+        }
+        m->level_id[t->depth] = to;
+        i = d->sets[to].n ? i + 1 : t->skip;
     }
-    m->misses++;
-    if (m->cur.accepted && v->eos_id >= 0 && v->eos_id < v->n_tokens)
-        mask[v->eos_id >> 5] |= 1u << (v->eos_id & 31);
+    return TDM_OK;
+}
+
+// The mask walk with plain set advances (nodes above cur's, dropped after).
+static int walk_plain(struct tdm_grammar_matcher *m, uint32_t *mask)
+{
+    const struct tdm_grammar_vocab *v = m->vocab;
     int rc = TDM_OK;
     size_t base = m->arena.n;
     m->level_mark[1] = base;
@@ -325,8 +469,39 @@ int tdm_grammar_matcher_fill_mask(struct tdm_grammar_matcher *m, uint32_t *mask,
         i = here->n ? i + 1 : t->skip;
     }
     m->arena.n = base;
+    return rc;
+}
+
+// ---- mask --------------------------------------------------------------------------------
+int tdm_grammar_matcher_fill_mask(struct tdm_grammar_matcher *m, uint32_t *mask, size_t words)
+{
+    const struct tdm_grammar_vocab *v = m->vocab;
+    if (!v || words < tdm_grammar_mask_words(v))
+        return TDM_EINVAL;
+    words = tdm_grammar_mask_words(v);
+    memset(mask, 0, words * sizeof *mask);
+    if (m->done)
+        return TDM_OK;
+    size_t n_key = gr_set_key(&m->arena, &m->cur, &m->key, &m->key_cap);
+    if (n_key && gr_mask_cache_get(m->cache, m->key, n_key, mask)) {
+        m->hits++;
+        return TDM_OK;
+    }
+    m->misses++;
+    int rc = -3;
+    if (m->cur.n && !m->no_dfa)
+        rc = walk_dfa(m, mask);
+    if (rc == -3) {
+        memset(mask, 0, words * sizeof *mask);
+        dfa_reset(&m->dfa);
+        rc = walk_plain(m, mask);
+    }
     if (rc)
         return rc;
+    if (m->cur.accepted && v->eos_id >= 0 && v->eos_id < v->n_tokens)
+        mask[v->eos_id >> 5] |= 1u << (v->eos_id & 31);
+    // walk_dfa used m->key as scratch: key the cache entry again.
+    n_key = gr_set_key(&m->arena, &m->cur, &m->key, &m->key_cap);
     if (n_key)
         gr_mask_cache_put(m->cache, m->key, n_key, mask);
     return TDM_OK;

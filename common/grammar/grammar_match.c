@@ -250,10 +250,9 @@ size_t gr_set_key(const struct gr_arena *a, const struct gr_set *s, uint32_t **k
 }
 
 // ---- matcher -------------------------------------------------------------------------
-// Copies the chains of s from src into dst (dst emptied), rewriting s's tops.
-static int compact(struct gr_arena *dst, const struct gr_arena *src, struct gr_set *s)
+// Appends the chains of s from src to dst, rewriting s's tops.
+int gr_copy_chains(struct gr_arena *dst, const struct gr_arena *src, struct gr_set *s)
 {
-    dst->n = 0;
     int32_t *map = malloc((src->n ? src->n : 1) * sizeof *map);
     int32_t path[TDM_GRAMMAR_MAX_STACK + 1];
     if (!map)
@@ -279,6 +278,13 @@ static int compact(struct gr_arena *dst, const struct gr_arena *src, struct gr_s
     return TDM_OK;
 }
 
+// Copies the chains of s from src into dst (dst emptied), rewriting s's tops.
+static int compact(struct gr_arena *dst, const struct gr_arena *src, struct gr_set *s)
+{
+    dst->n = 0;
+    return gr_copy_chains(dst, src, s);
+}
+
 int tdm_grammar_matcher_new(struct tdm_grammar_matcher **out, struct tdm_grammar *g,
                             const struct tdm_grammar_vocab *vocab)
 {
@@ -292,7 +298,8 @@ int tdm_grammar_matcher_new(struct tdm_grammar_matcher **out, struct tdm_grammar
         size_t levels = (size_t)vocab->max_depth + 2;
         m->levels = calloc(levels, sizeof *m->levels);
         m->level_mark = calloc(levels, sizeof *m->level_mark);
-        if (!m->levels || !m->level_mark ||
+        m->level_id = calloc(levels, sizeof *m->level_id);
+        if (!m->levels || !m->level_mark || !m->level_id ||
             gr_mask_cache_new(&m->cache, tdm_grammar_mask_words(vocab)))
             goto fail;
     }
@@ -335,6 +342,8 @@ void tdm_grammar_matcher_free(struct tdm_grammar_matcher *m)
             gr_set_fini(&m->levels[i]);
     free(m->levels);
     free(m->level_mark);
+    free(m->level_id);
+    gr_dfa_fini(&m->dfa);
     free(m->key);
     gr_mask_cache_free(m->cache);
     gr_set_fini(&m->cur);

@@ -146,7 +146,9 @@ static void class_shorthand(struct rx_class *c, char e, bool *handled)
 
 static int hexval(char h)
 {
-    return h >= '0' && h <= '9' ? h - '0' : (h | 0x20) >= 'a' && (h | 0x20) <= 'f' ? (h | 0x20) - 'a' + 10 : -1;
+    return h >= '0' && h <= '9'                     ? h - '0'
+           : (h | 0x20) >= 'a' && (h | 0x20) <= 'f' ? (h | 0x20) - 'a' + 10
+                                                    : -1;
 }
 
 // After a backslash (r->p at the escaped char): a single code point, or -1 with
@@ -166,12 +168,18 @@ static int64_t escape_cp(struct rx *r, struct rx_class *c)
             return -2;
     }
     switch (e) {
-    case 'n': return '\n';
-    case 't': return '\t';
-    case 'r': return '\r';
-    case 'f': return '\f';
-    case 'v': return '\v';
-    case '0': return 0;
+    case 'n':
+        return '\n';
+    case 't':
+        return '\t';
+    case 'r':
+        return '\r';
+    case 'f':
+        return '\f';
+    case 'v':
+        return '\v';
+    case '0':
+        return 0;
     case 'x':
     case 'u': {
         int n = e == 'x' ? 2 : 4;
@@ -360,9 +368,8 @@ static void parse_atom(struct rx *r, struct gb_seq *s)
         if (r->p < r->end && *r->p == '?') {
             if (r->p + 1 < r->end && r->p[1] == ':') {
                 r->p += 2;
-            } else if (r->p + 2 < r->end &&
-                       ((r->p[1] == '<' && r->p[2] != '=' && r->p[2] != '!') ||
-                        (r->p[1] == 'P' && r->p[2] == '<'))) {
+            } else if (r->p + 2 < r->end && ((r->p[1] == '<' && r->p[2] != '=' && r->p[2] != '!') ||
+                                             (r->p[1] == 'P' && r->p[2] == '<'))) {
                 const char *gt = memchr(r->p, '>', (size_t)(r->end - r->p));
                 if (!gt) {
                     rx_fail(r, "unterminated group name");
@@ -535,8 +542,8 @@ int gr_regex_compile(struct gb *b, struct gb_seq *seq, const char *pat, size_t l
     if (len > TDM_GRAMMAR_MAX_REGEX_BYTES)
         return gb_fail(b, TDM_EINVAL, "regex: %zu bytes (at most %u)", len,
                        TDM_GRAMMAR_MAX_REGEX_BYTES);
-    struct rx r = {.b = b, .start = pat, .p = pat, .end = pat + len, .js = json_string,
-                   .utf8_rule = -1};
+    struct rx r = {
+        .b = b, .start = pat, .p = pat, .end = pat + len, .js = json_string, .utf8_rule = -1};
     if (r.p < r.end && *r.p == '^')
         r.p++;
     parse_alt(&r, seq);
@@ -545,8 +552,8 @@ int gr_regex_compile(struct gb *b, struct gb_seq *seq, const char *pat, size_t l
     return b->err;
 }
 
-int tdm_grammar_compile_regex(struct tdm_grammar **out, const char *pattern, size_t len,
-                              char *err, size_t errlen)
+int tdm_grammar_compile_regex(struct tdm_grammar **out, const char *pattern, size_t len, char *err,
+                              size_t errlen)
 {
     struct gb b;
     gb_init(&b);

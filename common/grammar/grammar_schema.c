@@ -175,8 +175,8 @@ static int array_rule(struct sc *c, int item, long min, long max)
     struct gb *b = &c->b;
     if (min < 0 || min > TDM_GRAMMAR_MAX_REPEAT || max > TDM_GRAMMAR_MAX_REPEAT ||
         (max >= 0 && max < min)) {
-        gb_fail(b, TDM_EINVAL, "array: minItems %ld / maxItems %ld out of range (0..%d)", min,
-                max, TDM_GRAMMAR_MAX_REPEAT);
+        gb_fail(b, TDM_EINVAL, "array: minItems %ld / maxItems %ld out of range (0..%d)", min, max,
+                TDM_GRAMMAR_MAX_REPEAT);
         return -1;
     }
     struct gb_seq more = {0}, body = {0}, arr = {0};
@@ -233,8 +233,8 @@ static void make_shared(struct sc *c)
 
 // ---- schema keywords --------------------------------------------------------------------
 static const char *const annotations[] = {
-    "title", "description", "default", "examples", "$schema", "$id", "$comment",
-    "deprecated", "readOnly", "writeOnly", "$defs", "definitions", NULL};
+    "title",      "description", "default",   "examples", "$schema",     "$id", "$comment",
+    "deprecated", "readOnly",    "writeOnly", "$defs",    "definitions", NULL};
 
 static bool in_list(const char *k, const char *const *list)
 {
@@ -283,7 +283,9 @@ static void add_literal_alt(struct sc *c, int r, const cJSON *v, const char *pat
 static int format_rule(struct sc *c, const char *format, const char *path)
 {
 #define DATE "[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
-#define TIME "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+#define TIME                                                                                       \
+    "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9]" \
+    ")"
     static const struct {
         const char *name, *regex;
     } formats[] = {
@@ -291,7 +293,8 @@ static int format_rule(struct sc *c, const char *format, const char *path)
         {"time", TIME},
         {"date-time", DATE "T" TIME},
         {"uuid", "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"},
-        {"email", "[a-zA-Z0-9._%+-]{1,64}@[a-zA-Z0-9-]{1,63}(\\.[a-zA-Z0-9-]{1,63})*\\.[a-zA-Z]{2,24}"},
+        {"email",
+         "[a-zA-Z0-9._%+-]{1,64}@[a-zA-Z0-9-]{1,63}(\\.[a-zA-Z0-9-]{1,63})*\\.[a-zA-Z]{2,24}"},
     };
 #undef DATE
 #undef TIME
@@ -316,7 +319,8 @@ static int string_schema(struct sc *c, const cJSON *s, const char *path)
         return fail(c, path, "maxLength is below minLength%s", ""), -1;
     if ((pattern || format) && (min != 0 || max != -1))
         return fail(c, path, "%s with minLength/maxLength is not supported",
-                    pattern ? "pattern" : "format"), -1;
+                    pattern ? "pattern" : "format"),
+               -1;
     if (pattern && format)
         return fail(c, path, "pattern with format is not supported%s", ""), -1;
     if (pattern) {
@@ -379,8 +383,8 @@ static int object_schema(struct sc *c, const cJSON *s, const char *path)
         if (!cJSON_IsString(rq))
             return fail(c, path, "required holds a non-string%s", ""), -1;
         if (!cJSON_GetObjectItemCaseSensitive(props, rq->valuestring))
-            return fail(c, path, "required property \"%s\" is not in properties",
-                        rq->valuestring), -1;
+            return fail(c, path, "required property \"%s\" is not in properties", rq->valuestring),
+                   -1;
     }
     int *member = malloc(((size_t)n + 1) * sizeof *member);
     bool *req = calloc((size_t)n + 1, sizeof *req);
@@ -549,9 +553,11 @@ static int ref_rule(struct sc *c, const cJSON *target, const char *path)
     return c->b.err ? -1 : r;
 }
 
-static const char *const known[] = {
-    "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-    "minLength", "maxLength", "pattern", "format", "enum", "const", "anyOf", "oneOf", "$ref", NULL};
+static const char *const known[] = {"type",      "properties", "required", "additionalProperties",
+                                    "items",     "minItems",   "maxItems", "minLength",
+                                    "maxLength", "pattern",    "format",   "enum",
+                                    "const",     "anyOf",      "oneOf",    "$ref",
+                                    NULL};
 
 static int schema_rule(struct sc *c, const cJSON *s, const char *path)
 {

@@ -21,6 +21,7 @@
 
 #include "core.h"
 #include "grammar.h"
+#include "grammar_impl.h" // no_dfa: the plain walk is tested too
 #include "mkmodel.h"
 #include "tokenizer.h"
 
@@ -174,8 +175,8 @@ static void test_regex_catastrophic(void **state)
     memset(text, 'a', 1500);
     text[1500] = 'c';
     text[1501] = 0;
-    const char *patterns[] = {"(a+)+b", "(a|a)*b", "(a|aa)*b", "(a*)*b", "(.*a){20}b",
-                              "(a?){30}a{30}b"};
+    const char *patterns[] = {"(a+)+b", "(a|a)*b",    "(a|aa)*b",
+                              "(a*)*b", "(.*a){20}b", "(a?){30}a{30}b"};
     for (size_t i = 0; i < sizeof patterns / sizeof patterns[0]; i++) {
         struct tdm_grammar *g = regex(patterns[i]);
         double t0 = tdm_now();
@@ -214,8 +215,7 @@ static void test_choice(void **state)
     assert_true(tdm_grammar_matcher_is_done(m));
     tdm_grammar_matcher_free(m);
     tdm_grammar_unref(g);
-    assert_int_equal(tdm_grammar_compile_choice(&g, choices, lens, 0, err, sizeof err),
-                     TDM_EINVAL);
+    assert_int_equal(tdm_grammar_compile_choice(&g, choices, lens, 0, err, sizeof err), TDM_EINVAL);
     assert_non_null(strstr(err, "empty"));
 }
 
@@ -260,22 +260,21 @@ static void test_schema_corpus(void **state)
         "{\"name\":\"\\u00e9\\n\",\"age\":1,\"nick\":\"\xc3\xa9\"}",
         "{\"name\":\"Bob\",\"age\":1,\"ok\":false}",
         NULL};
-    const char *bad1[] = {
-        "{\"age\":1,\"name\":\"Bob\"}",            // order
-        "{\"name\":\"\",\"age\":1}",               // minLength
-        "{\"name\":\"Bobbyy\",\"age\":1}",         // maxLength
-        "{\"name\":\"Bob\"}",                      // required
-        "{\"name\":\"Bob\",\"age\":1.5}",          // integer
-        "{\"name\":\"Bob\",\"age\":01}",           // JSON number grammar
-        "{\"name\":\"Bob\",\"age\":1,\"tags\":[]}", // minItems
-        "{\"name\":\"Bob\",\"age\":1,\"tags\":[\"a\",\"b\",\"c\"]}",
-        "{\"name\":\"Bob\",\"age\":1,\"extra\":1}", // additionalProperties
-        "{\"name\":\"Bob\",\"age\":1,}",
-        "{\"name\":\"Bob\",      \"age\":1}", // more than TDM_GRAMMAR_MAX_WS
-        "{\"name\":\"B\x01\",\"age\":1}",     // control character
-        "{\"name\":\"\xc3\",\"age\":1}",      // broken UTF-8
-        " {\"name\":\"Bob\",\"age\":1}",
-        NULL};
+    const char *bad1[] = {"{\"age\":1,\"name\":\"Bob\"}",             // order
+                          "{\"name\":\"\",\"age\":1}",                // minLength
+                          "{\"name\":\"Bobbyy\",\"age\":1}",          // maxLength
+                          "{\"name\":\"Bob\"}",                       // required
+                          "{\"name\":\"Bob\",\"age\":1.5}",           // integer
+                          "{\"name\":\"Bob\",\"age\":01}",            // JSON number grammar
+                          "{\"name\":\"Bob\",\"age\":1,\"tags\":[]}", // minItems
+                          "{\"name\":\"Bob\",\"age\":1,\"tags\":[\"a\",\"b\",\"c\"]}",
+                          "{\"name\":\"Bob\",\"age\":1,\"extra\":1}", // additionalProperties
+                          "{\"name\":\"Bob\",\"age\":1,}",
+                          "{\"name\":\"Bob\",      \"age\":1}", // more than TDM_GRAMMAR_MAX_WS
+                          "{\"name\":\"B\x01\",\"age\":1}",     // control character
+                          "{\"name\":\"\xc3\",\"age\":1}",      // broken UTF-8
+                          " {\"name\":\"Bob\",\"age\":1}",
+                          NULL};
     check_corpus(g, good1, bad1);
     tdm_grammar_unref(g);
 
@@ -286,18 +285,17 @@ static void test_schema_corpus(void **state)
         "{\"kind\":\"a\",\"v\":{\"k\":[1,2]},\"p\":{\"x\":0,\"y\":1E+2},\"u\":-7,"
         "\"d\":\"1999-12-31\",\"id\":\"123E4567-E89B-12D3-A456-426614174000\"}",
         NULL};
-    const char *bad2[] = {
-        "{\"kind\":\"c\",\"v\":{\"k\":[1,2]},\"p\":{\"x\":1,\"y\":1},\"u\":1,"
-        "\"d\":\"2024-02-29\",\"id\":\"123e4567-e89b-12d3-a456-426614174000\"}",
-        "{\"kind\":3,\"v\":{\"k\":[1]},\"p\":{\"x\":1,\"y\":1},\"u\":1,"
-        "\"d\":\"2024-02-29\",\"id\":\"123e4567-e89b-12d3-a456-426614174000\"}",
-        "{\"kind\":3,\"v\":{\"k\":[1,2]},\"p\":{\"x\":1,\"y\":1},\"u\":\"ABC\","
-        "\"d\":\"2024-02-29\",\"id\":\"123e4567-e89b-12d3-a456-426614174000\"}",
-        "{\"kind\":3,\"v\":{\"k\":[1,2]},\"p\":{\"x\":1,\"y\":1},\"u\":1,"
-        "\"d\":\"2024-13-01\",\"id\":\"123e4567-e89b-12d3-a456-426614174000\"}",
-        "{\"kind\":3,\"v\":{\"k\":[1,2]},\"p\":{\"x\":1},\"u\":1,"
-        "\"d\":\"2024-02-29\",\"id\":\"123e4567-e89b-12d3-a456-426614174000\"}",
-        NULL};
+    const char *bad2[] = {"{\"kind\":\"c\",\"v\":{\"k\":[1,2]},\"p\":{\"x\":1,\"y\":1},\"u\":1,"
+                          "\"d\":\"2024-02-29\",\"id\":\"123e4567-e89b-12d3-a456-426614174000\"}",
+                          "{\"kind\":3,\"v\":{\"k\":[1]},\"p\":{\"x\":1,\"y\":1},\"u\":1,"
+                          "\"d\":\"2024-02-29\",\"id\":\"123e4567-e89b-12d3-a456-426614174000\"}",
+                          "{\"kind\":3,\"v\":{\"k\":[1,2]},\"p\":{\"x\":1,\"y\":1},\"u\":\"ABC\","
+                          "\"d\":\"2024-02-29\",\"id\":\"123e4567-e89b-12d3-a456-426614174000\"}",
+                          "{\"kind\":3,\"v\":{\"k\":[1,2]},\"p\":{\"x\":1,\"y\":1},\"u\":1,"
+                          "\"d\":\"2024-13-01\",\"id\":\"123e4567-e89b-12d3-a456-426614174000\"}",
+                          "{\"kind\":3,\"v\":{\"k\":[1,2]},\"p\":{\"x\":1},\"u\":1,"
+                          "\"d\":\"2024-02-29\",\"id\":\"123e4567-e89b-12d3-a456-426614174000\"}",
+                          NULL};
     check_corpus(g, good2, bad2);
     tdm_grammar_unref(g);
 
@@ -425,8 +423,7 @@ static void check_mask(struct tdm_grammar_matcher *m, const struct tdm_grammar_v
     }
     tdm_grammar_matcher_free(c);
     if (eos >= 0)
-        assert_int_equal((mask[eos >> 5] >> (eos & 31)) & 1u,
-                         tdm_grammar_matcher_accepts_eos(m));
+        assert_int_equal((mask[eos >> 5] >> (eos & 31)) & 1u, tdm_grammar_matcher_accepts_eos(m));
 }
 
 static int32_t pick_token(const uint32_t *mask, int32_t n, int32_t eos, unsigned *seed)
@@ -445,13 +442,14 @@ static int32_t pick_token(const uint32_t *mask, int32_t n, int32_t eos, unsigned
     return -1;
 }
 
-static void masks_vs_brute(const struct tdm_grammar_vocab *v, struct tdm_grammar *g, int steps,
-                           unsigned seed)
+static void masks_vs_brute_mode(const struct tdm_grammar_vocab *v, struct tdm_grammar *g, int steps,
+                                unsigned seed, bool no_dfa)
 {
     int32_t n = tdm_grammar_vocab_size(v);
     uint32_t *mask = calloc(tdm_grammar_mask_words(v), sizeof *mask);
     struct tdm_grammar_matcher *m;
     assert_int_equal(tdm_grammar_matcher_new(&m, g, v), TDM_OK);
+    m->no_dfa = no_dfa;
     for (int s = 0; s < steps && !tdm_grammar_matcher_is_done(m); s++) {
         check_mask(m, v, mask, tdm_grammar_vocab_eos_id(v));
         // A second fill is served from the cache and must be identical.
@@ -474,6 +472,15 @@ static void masks_vs_brute(const struct tdm_grammar_vocab *v, struct tdm_grammar
     assert_true(hits >= 1);
     tdm_grammar_matcher_free(m);
     free(mask);
+}
+
+// Both mask walks (through the lazily built DFA, and with plain set advances)
+// against brute force, along the same random path.
+static void masks_vs_brute(const struct tdm_grammar_vocab *v, struct tdm_grammar *g, int steps,
+                           unsigned seed)
+{
+    masks_vs_brute_mode(v, g, steps, seed, false);
+    masks_vs_brute_mode(v, g, steps, seed, true);
 }
 
 static void test_masks_small_vocab(void **state)
@@ -643,8 +650,9 @@ static bool validate(const cJSON *v, const cJSON *s, const cJSON *root, char *wh
                 return false;
         }
         const cJSON *req = cJSON_GetObjectItemCaseSensitive(s, "required");
-        cJSON_ArrayForEach(e, req) if (!cJSON_GetObjectItemCaseSensitive(v, e->valuestring))
-            return NOPE("required %s", e->valuestring);
+        cJSON_ArrayForEach(e, req) if (!cJSON_GetObjectItemCaseSensitive(
+                                           v, e->valuestring)) return NOPE("required %s",
+                                                                           e->valuestring);
     }
     return true;
 }
@@ -778,11 +786,11 @@ static int teardown(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_regex_corpus),      cmocka_unit_test(test_regex_errors),
+        cmocka_unit_test(test_regex_corpus),       cmocka_unit_test(test_regex_errors),
         cmocka_unit_test(test_regex_catastrophic), cmocka_unit_test(test_choice),
-        cmocka_unit_test(test_schema_corpus),     cmocka_unit_test(test_json_object),
-        cmocka_unit_test(test_schema_errors),     cmocka_unit_test(test_masks_small_vocab),
-        cmocka_unit_test(test_mask_api_errors),   cmocka_unit_test(test_random_walks),
+        cmocka_unit_test(test_schema_corpus),      cmocka_unit_test(test_json_object),
+        cmocka_unit_test(test_schema_errors),      cmocka_unit_test(test_masks_small_vocab),
+        cmocka_unit_test(test_mask_api_errors),    cmocka_unit_test(test_random_walks),
         cmocka_unit_test(test_masks_qwen2),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
