@@ -36,6 +36,7 @@ struct tdm_grammar_matcher;
 #define TDM_GRAMMAR_MAX_ELEMENTS (1u << 21)     // elements of a compiled grammar
 #define TDM_GRAMMAR_MAX_STACK 1024              // nesting depth a sequence may reach
 #define TDM_GRAMMAR_MAX_STACKS 4096             // live stacks (ambiguity) in one state
+#define TDM_GRAMMAR_MAX_GBNF_BYTES (1u << 20)   // GBNF text
 #define TDM_GRAMMAR_MAX_WS 4 // whitespace bytes allowed at each JSON structural place
 
 // ---- compile -------------------------------------------------------------------
@@ -51,6 +52,11 @@ int tdm_grammar_compile_json_object(struct tdm_grammar **out, char *err, size_t 
 // A regex matched against the whole output (implicit ^...$).
 int tdm_grammar_compile_regex(struct tdm_grammar **out, const char *pattern, size_t len, char *err,
                               size_t errlen);
+// A GBNF grammar (llama.cpp's syntax: `name ::= ...` rules, "strings", [classes],
+// '.', ( groups ), |, ? * + {m,n}, # comments; start rule `root`). Left
+// recursion and undefined rules are refused.
+int tdm_grammar_compile_gbnf(struct tdm_grammar **out, const char *text, size_t len, char *err,
+                             size_t errlen);
 // Exactly one of n byte strings choices[i] (lens[i] bytes each).
 int tdm_grammar_compile_choice(struct tdm_grammar **out, const char *const *choices,
                                const size_t *lens, size_t n, char *err, size_t errlen);

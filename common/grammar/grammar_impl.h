@@ -84,6 +84,11 @@ int gb_finish(struct gb *b, int root, struct tdm_grammar **out, char *err, size_
 int gr_regex_compile(struct gb *b, struct gb_seq *seq, const char *pat, size_t len,
                      bool json_string);
 
+// A regex character class ("[...]") or "." at *p (within start..end) appended to
+// seq; *p moves past it. For GBNF, whose classes follow the same syntax.
+int gr_regex_piece(struct gb *b, struct gb_seq *seq, const char *start, const char **p,
+                   const char *end);
+
 // ---- compiled grammar ------------------------------------------------------------
 struct tdm_grammar {
     atomic_int refs;

@@ -536,6 +536,22 @@ static void parse_alt(struct rx *r, struct gb_seq *out)
     gb_seq_ref(r->b, out, rule);
 }
 
+int gr_regex_piece(struct gb *b, struct gb_seq *seq, const char *start, const char **p,
+                   const char *end)
+{
+    struct rx r = {.b = b, .start = start, .p = *p, .end = end, .utf8_rule = -1};
+    if (r.p < r.end && *r.p == '[') {
+        r.p++;
+        parse_class(&r, seq);
+    } else if (r.p < r.end && *r.p == '.') {
+        parse_atom(&r, seq);
+    } else {
+        return gb_fail(b, TDM_EINVAL, "internal: not a class");
+    }
+    *p = r.p;
+    return b->err;
+}
+
 int gr_regex_compile(struct gb *b, struct gb_seq *seq, const char *pat, size_t len,
                      bool json_string)
 {

@@ -403,6 +403,69 @@ static void test_schema_errors(void **state)
     free(deep);
 }
 
+// ---- GBNF --------------------------------------------------------------------------------------
+static struct tdm_grammar *gbnf(const char *text)
+{
+    char err[256];
+    struct tdm_grammar *g = NULL;
+    if (tdm_grammar_compile_gbnf(&g, text, strlen(text), err, sizeof err) != TDM_OK)
+        fail_msg("gbnf: %s", err);
+    return g;
+}
+
+static const char *const gbnf_arith = "# arithmetic, llama.cpp style\n"
+                                      "root  ::= expr\n"
+                                      "expr  ::= term ([-+*/] term)*\n"
+                                      "term  ::= num | \"(\" ws expr ws \")\"\n"
+                                      "num   ::= [0-9]+ (\".\" [0-9]{1,3})?\n"
+                                      "ws    ::= [ \\t]?\n";
+
+static void test_gbnf(void **state)
+{
+    (void)state;
+    struct tdm_grammar *g = gbnf(gbnf_arith);
+    const char *good[] = {"1", "1+2*3", "( 1+2)/4.25", "((7))", NULL};
+    const char *bad[] = {"", "1+", "(1", "1.2345", "a", NULL};
+    check_corpus(g, good, bad);
+    tdm_grammar_unref(g);
+    // Continuation lines, escapes, classes with UTF-8, '.', comments.
+    g = gbnf("root ::= greet name\n"
+             "  | \"\\u00e9\" .  # a comment\n"
+             "\n"
+             "greet ::= (\"hi\" |\n \"yo\") \" \"\n"
+             "name ::= [a-z\xc3\xa9]{1,4} \"\\n\"\n");
+    const char *good2[] = {"hi bob\n", "yo \xc3\xa9\n", "\xc3\xa9x", "\xc3\xa9\xe2\x82\xac", NULL};
+    const char *bad2[] = {"hi bobby\n", "hey x\n", "\xc3\xa9", NULL};
+    check_corpus(g, good2, bad2);
+    tdm_grammar_unref(g);
+
+    static const struct {
+        const char *text, *needle;
+    } errs[] = {
+        {"root ::= expr\nexpr ::= expr \"+\" \"1\" | \"1\"\n", "left-recursive"},
+        {"root ::= a\na ::= b? a \"x\" | \"y\"\nb ::= \"z\"\n", "left-recursive"},
+        {"root ::= missing\n", "not defined"},
+        {"start ::= \"a\"\n", "no root"},
+        {"root ::= \"a\"\nroot ::= \"b\"\n", "defined twice"},
+        {"root ::= \"a\n", "unterminated string"},
+        {"root ::= (\"a\"\n", "missing )"},
+        {"root = \"a\"\n", "expected"},
+        {"root ::= \"a\" )\n", "unmatched )"},
+        {"root ::= [^\\d\\D]\n", "accepts no string"},
+        {"root ::= a\na ::= \"x\" a\n", "accepts no string"},
+        {"root ::= \"\\q\"\n", "unknown escape"},
+    };
+    for (size_t i = 0; i < sizeof errs / sizeof errs[0]; i++) {
+        char err[256] = "";
+        struct tdm_grammar *bad_g = NULL;
+        if (tdm_grammar_compile_gbnf(&bad_g, errs[i].text, strlen(errs[i].text), err, sizeof err) ==
+            TDM_OK)
+            fail_msg("gbnf compiled: %s", errs[i].text);
+        if (!strstr(err, errs[i].needle))
+            fail_msg("gbnf %s: error \"%s\" lacks \"%s\"", errs[i].text, err, errs[i].needle);
+    }
+}
+
 // ---- masks against brute force ---------------------------------------------------------------
 static void check_mask(struct tdm_grammar_matcher *m, const struct tdm_grammar_vocab *v,
                        uint32_t *mask, int32_t eos)
@@ -505,6 +568,9 @@ static void test_masks_small_vocab(void **state)
     size_t lens[] = {8, 8, 7};
     assert_int_equal(tdm_grammar_compile_choice(&g, choices, lens, 3, err, sizeof err), TDM_OK);
     masks_vs_brute(v, g, 10, 5);
+    tdm_grammar_unref(g);
+    g = gbnf(gbnf_arith);
+    masks_vs_brute(v, g, 30, 6);
     tdm_grammar_unref(g);
 }
 
@@ -791,7 +857,7 @@ int main(void)
         cmocka_unit_test(test_schema_corpus),      cmocka_unit_test(test_json_object),
         cmocka_unit_test(test_schema_errors),      cmocka_unit_test(test_masks_small_vocab),
         cmocka_unit_test(test_mask_api_errors),    cmocka_unit_test(test_random_walks),
-        cmocka_unit_test(test_masks_qwen2),
+        cmocka_unit_test(test_masks_qwen2),        cmocka_unit_test(test_gbnf),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
