@@ -596,6 +596,33 @@ static void test_mask_api_errors(void **state)
     tdm_grammar_unref(g);
 }
 
+// tdm_tok_token_bytes (the tokenizer addition the vocab is built on): the bytes
+// of an encoding's tokens concatenate to the text; unknown ids have none.
+static void test_token_bytes(void **state)
+{
+    (void)state;
+    const char *text = "Hello world, caf\xc3\xa9 {\"a\": [1, 2]}\n\tend";
+    int32_t *ids;
+    size_t n;
+    assert_int_equal(tdm_tok_encode(small_tok, text, strlen(text), false, &ids, &n), TDM_OK);
+    char out[256];
+    size_t len = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t bl;
+        const char *b = tdm_tok_token_bytes(small_tok, ids[i], &bl);
+        assert_non_null(b);
+        assert_true(len + bl < sizeof out);
+        memcpy(out + len, b, bl);
+        len += bl;
+    }
+    free(ids);
+    assert_int_equal(len, strlen(text));
+    assert_memory_equal(out, text, len);
+    size_t bl = 0;
+    assert_null(tdm_tok_token_bytes(small_tok, -1, &bl));
+    assert_null(tdm_tok_token_bytes(small_tok, tdm_tok_vocab_size(small_tok), &bl));
+}
+
 // ---- random walks validated ----------------------------------------------------------------
 static size_t utf8_chars(const char *s)
 {
@@ -858,6 +885,7 @@ int main(void)
         cmocka_unit_test(test_schema_errors),      cmocka_unit_test(test_masks_small_vocab),
         cmocka_unit_test(test_mask_api_errors),    cmocka_unit_test(test_random_walks),
         cmocka_unit_test(test_masks_qwen2),        cmocka_unit_test(test_gbnf),
+        cmocka_unit_test(test_token_bytes),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
