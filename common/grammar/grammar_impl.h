@@ -136,12 +136,19 @@ struct gr_arena {
     size_t n, cap;
     int32_t *visited; // expansion scratch: (ref pos, parent) pairs seen in one step
     size_t visited_cap;
+    int32_t base_depth; // depth below a GR_BASE bottom (set per advance from the input set)
 };
+
+// A chain bottom standing for a stack base B cut off (relative sets, see
+// grammar_mask.c): popping into it sets "escaped" instead of "accepted".
+#define GR_BASE (-2)
 
 struct gr_set {
     int32_t *tops;
     size_t n, cap;
     bool accepted;
+    bool escaped;       // relative sets: some stack popped into the cut-off base
+    int32_t base_depth; // relative sets: the depth of the cut-off base; 0 otherwise
 };
 
 // Expands the start of g's root into (arena, set). 0 or TDM_ENOMEM.
@@ -149,6 +156,9 @@ int gr_set_start(const struct tdm_grammar *g, struct gr_arena *a, struct gr_set 
 // out = the stacks of in after one byte (out is cleared first). 0 or TDM_ENOMEM.
 int gr_set_advance(const struct tdm_grammar *g, struct gr_arena *a, const struct gr_set *in,
                    uint8_t byte, struct gr_set *out);
+// out = the stacks that continue after the return point base (a node of a).
+int gr_set_continue(const struct tdm_grammar *g, struct gr_arena *a, int32_t base,
+                    struct gr_set *out);
 void gr_set_fini(struct gr_set *s);
 // Appends the chains of s from src to dst, rewriting s's tops. 0 or TDM_ENOMEM.
 int gr_copy_chains(struct gr_arena *dst, const struct gr_arena *src, struct gr_set *s);
@@ -167,6 +177,9 @@ struct gr_dfa {
     uint32_t **keys;       // [n] serialised sets (gr_set_key)
     size_t *key_lens;      // [n]
     int32_t *trans;        // [n][256] next set id; -1 not computed, -2 dead
+    uint32_t **rel_mask;   // [n] relative sets: the mask of tokens that stay above the base
+    int32_t **rel_escapes; // [n] trie nodes where a stack pops into the base
+    size_t *n_rel_escapes; // [n]
     size_t n, cap;
     int32_t *table; // [table_cap] open addressing over keys: set id or -1
     size_t table_cap;

@@ -286,12 +286,21 @@ void gr_mask_cache_put(struct gr_mask_cache *c, const uint32_t *key, size_t n, c
 #define DFA_MAX_SETS 16384 // a walk that needs more falls back to plain advances
 #define DFA_KEEP_NODES (1u << 20)
 
+static void dfa_free_set(struct gr_dfa *d, size_t i)
+{
+    gr_set_fini(&d->sets[i]);
+    free(d->keys[i]);
+    free(d->rel_mask[i]);
+    free(d->rel_escapes[i]);
+}
+
 void gr_dfa_fini(struct gr_dfa *d)
 {
-    for (size_t i = 0; i < d->n; i++) {
-        gr_set_fini(&d->sets[i]);
-        free(d->keys[i]);
-    }
+    for (size_t i = 0; i < d->n; i++)
+        dfa_free_set(d, i);
+    free(d->rel_mask);
+    free(d->rel_escapes);
+    free(d->n_rel_escapes);
     free(d->sets);
     free(d->keys);
     free(d->key_lens);
@@ -305,10 +314,8 @@ void gr_dfa_fini(struct gr_dfa *d)
 
 static void dfa_reset(struct gr_dfa *d)
 {
-    for (size_t i = 0; i < d->n; i++) {
-        gr_set_fini(&d->sets[i]);
-        free(d->keys[i]);
-    }
+    for (size_t i = 0; i < d->n; i++)
+        dfa_free_set(d, i);
     d->n = 0;
     d->arena.n = 0;
     if (d->table)
@@ -368,12 +375,24 @@ static int32_t dfa_intern(struct gr_dfa *d, size_t mark, uint32_t **key, size_t 
         int32_t *trans = realloc(d->trans, nc * 256 * sizeof *trans);
         if (trans)
             d->trans = trans;
-        if (!sets || !keys || !lens || !trans)
+        uint32_t **rm = realloc(d->rel_mask, nc * sizeof *rm);
+        if (rm)
+            d->rel_mask = rm;
+        int32_t **re = realloc(d->rel_escapes, nc * sizeof *re);
+        if (re)
+            d->rel_escapes = re;
+        size_t *rn = realloc(d->n_rel_escapes, nc * sizeof *rn);
+        if (rn)
+            d->n_rel_escapes = rn;
+        if (!sets || !keys || !lens || !trans || !rm || !re || !rn)
             return -3;
         d->cap = nc;
     }
     size_t id = d->n;
     memset(&d->sets[id], 0, sizeof d->sets[id]);
+    d->rel_mask[id] = NULL;
+    d->rel_escapes[id] = NULL;
+    d->n_rel_escapes[id] = 0;
     d->keys[id] = malloc(n * sizeof **key);
     if (!d->keys[id] || gr_set_copy(&d->sets[id], &d->tmp)) {
         free(d->keys[id]);
@@ -391,32 +410,29 @@ static int32_t dfa_intern(struct gr_dfa *d, size_t mark, uint32_t **key, size_t 
     return (int32_t)id;
 }
 
-// The mask walk through the DFA. TDM_OK, or -3 when the DFA cannot hold the
-// walk (the caller redoes it with plain advances).
-static int walk_dfa(struct tdm_grammar_matcher *m, uint32_t *mask)
+// Walks trie nodes [first, end) through the DFA from set start (the state
+// before node first's byte), setting mask bits. With esc, the nodes where a
+// stack pops into the cut-off base are appended to *esc. TDM_OK, or -3 when
+// the DFA cannot hold the walk.
+static int dfa_walk(struct tdm_grammar_matcher *m, uint32_t *mask, int32_t start, int32_t first,
+                    int32_t end, int32_t **esc, size_t *n_esc)
 {
     const struct tdm_grammar_vocab *v = m->vocab;
     struct gr_dfa *d = &m->dfa;
-    if (d->n > DFA_KEEP_SETS || d->arena.n > DFA_KEEP_NODES)
-        dfa_reset(d);
-    // The current state, copied into the DFA's arena and interned.
-    size_t mark = d->arena.n;
-    if (gr_set_copy(&d->tmp, &m->cur) || gr_copy_chains(&d->arena, &m->arena, &d->tmp))
-        return -3;
-    int32_t root = dfa_intern(d, mark, &m->key, &m->key_cap);
-    if (root < 0)
-        return -3;
-    m->level_id[0] = root;
     const struct gr_trie_node *nodes = v->nodes;
-    for (int32_t i = 1; i < v->n_nodes;) {
+    size_t cap_esc = esc ? *n_esc : 0;
+    if (first >= end)
+        return TDM_OK;
+    m->level_id[nodes[first].depth - 1] = start;
+    for (int32_t i = first; i < end;) {
         const struct gr_trie_node *t = &nodes[i];
         int32_t from = m->level_id[t->depth - 1];
         int32_t to = d->trans[(size_t)from * 256 + t->byte];
         if (to == -1) {
-            mark = d->arena.n;
+            size_t mark = d->arena.n;
             if (gr_set_advance(m->g, &d->arena, &d->sets[from], t->byte, &d->tmp))
                 return -3;
-            if (d->tmp.n == 0 && !d->tmp.accepted) {
+            if (d->tmp.n == 0 && !d->tmp.accepted && !d->tmp.escaped) {
                 d->arena.n = mark;
                 to = -2;
             } else {
@@ -434,8 +450,144 @@ static int walk_dfa(struct tdm_grammar_matcher *m, uint32_t *mask)
             int32_t id = v->tok_ids[t->tok_first + k];
             mask[id >> 5] |= 1u << (id & 31);
         }
+        if (esc && d->sets[to].escaped) {
+            if (*n_esc == cap_esc) {
+                cap_esc = cap_esc ? cap_esc * 2 : 64;
+                int32_t *e = realloc(*esc, cap_esc * sizeof *e);
+                if (!e)
+                    return -3;
+                *esc = e;
+            }
+            (*esc)[(*n_esc)++] = i;
+        }
         m->level_id[t->depth] = to;
         i = d->sets[to].n ? i + 1 : t->skip;
+    }
+    return TDM_OK;
+}
+
+// The deepest node below every top of s (a return point all stacks share), or -1.
+static int32_t common_base(const struct gr_arena *a, const struct gr_set *s)
+{
+    if (s->n == 0 || s->n > 64 || s->accepted)
+        return -1;
+    for (int32_t c = a->nodes[s->tops[0]].parent; c >= 0; c = a->nodes[c].parent) {
+        int32_t dc = a->nodes[c].depth;
+        bool all = true;
+        for (size_t i = 1; i < s->n && all; i++) {
+            int32_t t = s->tops[i];
+            while (t >= 0 && a->nodes[t].depth > dc)
+                t = a->nodes[t].parent;
+            all = t == c;
+        }
+        if (all)
+            return c;
+    }
+    return -1;
+}
+
+// The mask walk through the DFA. When every stack shares a base B, the walk runs
+// on the stacks cut at B (relative: its result, the tokens that stay above B,
+// is kept per relative set, so every string field of a schema shares it), and
+// only the subtrees after a pop into B are walked from B's continuation.
+// TDM_OK, or -3 when the DFA cannot hold the walk (the caller falls back).
+static int walk_dfa(struct tdm_grammar_matcher *m, uint32_t *mask)
+{
+    const struct tdm_grammar_vocab *v = m->vocab;
+    struct gr_dfa *d = &m->dfa;
+    if (d->n > DFA_KEEP_SETS || d->arena.n > DFA_KEEP_NODES)
+        dfa_reset(d);
+    size_t mark = d->arena.n;
+    int32_t base = common_base(&m->arena, &m->cur);
+    if (base < 0) {
+        if (gr_set_copy(&d->tmp, &m->cur) || gr_copy_chains(&d->arena, &m->arena, &d->tmp))
+            return -3;
+        int32_t root = dfa_intern(d, mark, &m->key, &m->key_cap);
+        if (root < 0)
+            return -3;
+        return dfa_walk(m, mask, root, 1, v->n_nodes, NULL, NULL);
+    }
+    // The relative set: each chain copied up to (not including) base.
+    const struct gr_arena *a = &m->arena;
+    d->tmp.n = 0;
+    d->tmp.accepted = d->tmp.escaped = false;
+    d->tmp.base_depth = a->nodes[base].depth;
+    d->arena.base_depth = d->tmp.base_depth;
+    for (size_t i = 0; i < m->cur.n; i++) {
+        int32_t path[TDM_GRAMMAR_MAX_STACK + 1];
+        int np = 0;
+        for (int32_t t = m->cur.tops[i]; t != base; t = a->nodes[t].parent)
+            path[np++] = t;
+        int32_t parent = GR_BASE;
+        while (np-- > 0) {
+            if (d->arena.n == d->arena.cap) {
+                size_t nc = d->arena.cap ? d->arena.cap * 2 : 256;
+                struct gr_node *nn = realloc(d->arena.nodes, nc * sizeof *nn);
+                if (!nn)
+                    return -3;
+                d->arena.nodes = nn;
+                d->arena.cap = nc;
+            }
+            const struct gr_node *src = &a->nodes[path[np]];
+            struct gr_node *dst = &d->arena.nodes[d->arena.n];
+            uint32_t ph = parent >= 0 ? d->arena.nodes[parent].hash : 0x9e3779b9u;
+            dst->pos = src->pos;
+            dst->parent = parent;
+            dst->hash = (ph ^ ((uint32_t)src->pos * 0x85ebca6bu)) * 0xc2b2ae35u + 0x27d4eb2fu;
+            dst->depth = src->depth;
+            parent = (int32_t)d->arena.n++;
+        }
+        int32_t top = parent;
+        if (d->tmp.n == d->tmp.cap) {
+            size_t nc = d->tmp.cap ? d->tmp.cap * 2 : 16;
+            int32_t *t = realloc(d->tmp.tops, nc * sizeof *t);
+            if (!t)
+                return -3;
+            d->tmp.tops = t;
+            d->tmp.cap = nc;
+        }
+        d->tmp.tops[d->tmp.n++] = top;
+    }
+    int32_t rel = dfa_intern(d, mark, &m->key, &m->key_cap);
+    if (rel < 0)
+        return -3;
+    size_t words = tdm_grammar_mask_words(v);
+    if (!d->rel_mask[rel]) {
+        uint32_t *rm = calloc(words, sizeof *rm);
+        int32_t *esc = NULL;
+        size_t n_esc = 0;
+        if (!rm)
+            return -3;
+        if (dfa_walk(m, rm, rel, 1, v->n_nodes, &esc, &n_esc)) {
+            free(rm);
+            free(esc);
+            return -3;
+        }
+        d->rel_mask[rel] = rm;
+        d->rel_escapes[rel] = esc;
+        d->n_rel_escapes[rel] = n_esc;
+    }
+    memcpy(mask, d->rel_mask[rel], words * sizeof *mask);
+    if (!d->n_rel_escapes[rel])
+        return TDM_OK;
+    // B's continuation, interned, then each subtree after a pop into B.
+    mark = d->arena.n;
+    int32_t b_copy = base; // becomes B's index in the DFA's arena
+    struct gr_set b_only = {.tops = &b_copy, .n = 1, .cap = 1};
+    if (gr_copy_chains(&d->arena, &m->arena, &b_only))
+        return -3;
+    if (gr_set_continue(m->g, &d->arena, b_copy, &d->tmp))
+        return -3;
+    if (d->tmp.n == 0 && !d->tmp.accepted)
+        return TDM_OK;
+    int32_t cont = dfa_intern(d, mark, &m->key, &m->key_cap);
+    if (cont < 0)
+        return -3;
+    const int32_t *esc = d->rel_escapes[rel];
+    for (size_t k = 0; k < d->n_rel_escapes[rel]; k++) {
+        int32_t i = esc[k];
+        if (dfa_walk(m, mask, cont, i + 1, v->nodes[i].skip, NULL, NULL))
+            return -3;
     }
     return TDM_OK;
 }

@@ -44,6 +44,8 @@ int gr_set_copy(struct gr_set *dst, const struct gr_set *src)
         if (set_push(dst, src->tops[i]))
             return TDM_ENOMEM;
     dst->accepted = src->accepted;
+    dst->escaped = src->escaped;
+    dst->base_depth = src->base_depth;
     return TDM_OK;
 }
 
@@ -62,7 +64,7 @@ static int32_t arena_push(struct gr_arena *a, int32_t pos, int32_t parent)
     n->pos = pos;
     n->parent = parent;
     n->hash = (ph ^ ((uint32_t)pos * 0x85ebca6bu)) * 0xc2b2ae35u + 0x27d4eb2fu;
-    n->depth = parent >= 0 ? a->nodes[parent].depth + 1 : 1;
+    n->depth = parent >= 0 ? a->nodes[parent].depth + 1 : parent == GR_BASE ? a->base_depth + 1 : 1;
     return (int32_t)a->n++;
 }
 
@@ -145,7 +147,10 @@ static void expand(struct expand_ctx *c, int32_t pos, int32_t parent, int recurs
         const struct gr_el *el = &g->els[pos];
         if (el->kind == EL_END) {
             if (parent < 0) {
-                c->out->accepted = true;
+                if (parent == GR_BASE)
+                    c->out->escaped = true;
+                else
+                    c->out->accepted = true;
                 return;
             }
             const struct gr_node *p = &c->a->nodes[parent];
@@ -188,6 +193,7 @@ static void ctx_init(struct expand_ctx *c, const struct tdm_grammar *g, struct g
     c->cap_visited = a->visited_cap;
     out->n = 0;
     out->accepted = false;
+    out->escaped = false;
 }
 
 static int ctx_done(struct expand_ctx *c)
@@ -197,10 +203,23 @@ static int ctx_done(struct expand_ctx *c)
     return c->err;
 }
 
+int gr_set_continue(const struct tdm_grammar *g, struct gr_arena *a, int32_t base,
+                    struct gr_set *out)
+{
+    struct expand_ctx c;
+    ctx_init(&c, g, a, out);
+    a->base_depth = 0;
+    out->base_depth = 0;
+    expand(&c, a->nodes[base].pos + 1, a->nodes[base].parent, 0);
+    return ctx_done(&c);
+}
+
 int gr_set_start(const struct tdm_grammar *g, struct gr_arena *a, struct gr_set *out)
 {
     struct expand_ctx c;
     ctx_init(&c, g, a, out);
+    a->base_depth = 0;
+    out->base_depth = 0;
     for (int32_t alt = g->rule_first[g->root]; alt < g->rule_first[g->root + 1]; alt++)
         expand(&c, g->alt_start[alt], -1, 0);
     return ctx_done(&c);
@@ -211,6 +230,8 @@ int gr_set_advance(const struct tdm_grammar *g, struct gr_arena *a, const struct
 {
     struct expand_ctx c;
     ctx_init(&c, g, a, out);
+    a->base_depth = in->base_depth;
+    out->base_depth = in->base_depth;
     for (size_t i = 0; i < in->n && !c.err; i++) {
         const struct gr_node *n = &a->nodes[in->tops[i]];
         if (!gr_class_has(&g->classes[g->els[n->pos].arg], byte))
@@ -238,7 +259,7 @@ size_t gr_set_key(const struct gr_arena *a, const struct gr_set *s, uint32_t **k
     }
     uint32_t *k = *key;
     size_t n = 0;
-    k[n++] = s->accepted;
+    k[n++] = (uint32_t)s->accepted | (uint32_t)s->escaped << 1 | (uint32_t)s->base_depth << 2;
     k[n++] = (uint32_t)s->n;
     for (size_t i = 0; i < s->n; i++) {
         int32_t t = s->tops[i];

@@ -546,6 +546,45 @@ static void masks_vs_brute(const struct tdm_grammar_vocab *v, struct tdm_grammar
     masks_vs_brute_mode(v, g, steps, seed, true);
 }
 
+// Teacher-forced: the tokens of a document (as a model would write it) through a
+// schema whose string fields share one relative mask; every step's mask is
+// checked against brute force, for both walks.
+static const char *const schema_strings =
+    "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"},"
+    "\"b\":{\"type\":\"string\"},\"c\":{\"type\":\"array\",\"items\":{\"type\":\"string\"}},"
+    "\"d\":{\"type\":\"object\",\"properties\":{\"e\":{\"type\":\"string\"}}}},"
+    "\"required\":[\"a\",\"b\",\"c\",\"d\"]}";
+static const char *const doc_strings =
+    "{\"a\": \"Ada\", \"b\": \"London, UK\", \"c\": [\"x\", \"\\\"y\\\"\"], "
+    "\"d\": {\"e\": \"\"}}";
+
+static void masks_document(const struct tdm_tokenizer *tok, const struct tdm_grammar_vocab *v,
+                           int modes)
+{
+    struct tdm_grammar *g = schema(schema_strings);
+    int32_t *ids;
+    size_t n;
+    assert_int_equal(tdm_tok_encode(tok, doc_strings, strlen(doc_strings), false, &ids, &n),
+                     TDM_OK);
+    uint32_t *mask = calloc(tdm_grammar_mask_words(v), sizeof *mask);
+    for (int mode = 0; mode < modes; mode++) {
+        struct tdm_grammar_matcher *m;
+        assert_int_equal(tdm_grammar_matcher_new(&m, g, v), TDM_OK);
+        m->no_dfa = mode == 1;
+        for (size_t i = 0; i <= n; i++) {
+            check_mask(m, v, mask, tdm_grammar_vocab_eos_id(v));
+            int32_t id = i < n ? ids[i] : tdm_grammar_vocab_eos_id(v);
+            assert_true((mask[id >> 5] >> (id & 31)) & 1u);
+            assert_int_equal(tdm_grammar_matcher_accept_token(m, id), TDM_OK);
+        }
+        assert_true(tdm_grammar_matcher_is_done(m));
+        tdm_grammar_matcher_free(m);
+    }
+    free(mask);
+    free(ids);
+    tdm_grammar_unref(g);
+}
+
 static void test_masks_small_vocab(void **state)
 {
     (void)state;
@@ -572,6 +611,7 @@ static void test_masks_small_vocab(void **state)
     g = gbnf(gbnf_arith);
     masks_vs_brute(v, g, 30, 6);
     tdm_grammar_unref(g);
+    masks_document(small_tok, v, 2);
 }
 
 // Without a vocab no mask; a too-small mask buffer is refused; unknown ids too.
@@ -848,6 +888,7 @@ static void test_masks_qwen2(void **state)
     g = regex("[A-Z][a-z]+ \\d+");
     masks_vs_brute(v, g, 3, 22);
     tdm_grammar_unref(g);
+    masks_document(tok, v, 1); // the DFA walk only: brute force over 151k ids is slow
     tdm_grammar_vocab_free(v);
     tdm_tok_free(tok);
 }
