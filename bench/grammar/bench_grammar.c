@@ -74,10 +74,61 @@ static const char nested_doc[] =
     "\"orders\": [{\"sku\": \"AE-1843\", \"qty\": 2, \"status\": \"shipped\"}, "
     "{\"sku\": \"NOTE-G\", \"qty\": 1, \"status\": \"paid\"}], \"active\": true}";
 
+// Five plain string fields (a string array among them): their masks share one
+// relative result.
+static const char strings_schema[] =
+    "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"},\"b\":{\"type\":"
+    "\"string\"},\"c\":{\"type\":\"string\"},\"d\":{\"type\":\"string\"},\"e\":{\"type\":"
+    "\"array\",\"items\":{\"type\":\"string\"}}},\"required\":[\"a\",\"b\",\"c\",\"d\",\"e\"]}";
+static const char strings_doc[] =
+    "{\"a\": \"Ada Lovelace\", \"b\": \"London\", \"c\": \"United Kingdom\", \"d\": "
+    "\"mathematician\", \"e\": [\"x\", \"poetry\", \"analytical engine\"]}";
+
 static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
+}
+
+// Teacher-forced: the tokens of a real document, a fresh matcher per pass;
+// each token must be in its step's mask. Prints passes 1 and 3.
+static int teacher_forced(struct tdm_tokenizer *tok, const struct tdm_grammar_vocab *v,
+                          struct tdm_grammar *g, const char *doc, const char *label)
+{
+    size_t words = tdm_grammar_mask_words(v);
+    uint32_t *mask = malloc(words * sizeof *mask);
+    int32_t *ids;
+    size_t n_ids;
+    tdm_tok_encode(tok, doc, strlen(doc), false, &ids, &n_ids);
+    double *t = malloc((n_ids + 1) * sizeof *t);
+    for (int pass = 0; pass < 3; pass++) {
+        struct tdm_grammar_matcher *m;
+        tdm_grammar_matcher_new(&m, g, v);
+        double sum = 0;
+        for (size_t i = 0; i <= n_ids; i++) {
+            double a = tdm_now();
+            tdm_grammar_matcher_fill_mask(m, mask, words);
+            t[i] = (tdm_now() - a) * 1e6;
+            sum += t[i];
+            int32_t id = i < n_ids ? ids[i] : tdm_grammar_vocab_eos_id(v);
+            if (!(mask[id >> 5] >> (id & 31) & 1u) || tdm_grammar_matcher_accept_token(m, id)) {
+                fprintf(stderr, "tandem-bench-grammar: %s: token %zu not allowed\n", label, i);
+                return 1;
+            }
+        }
+        qsort(t, n_ids + 1, sizeof *t, cmp_double);
+        if (pass == 0 || pass == 2)
+            printf("mask, %s, batch 1, a %zu-token document + EOS (fresh matcher, pass %d):\n"
+                   "  mean %8.1f us  p50 %8.1f us  p99 %8.1f us  max %8.1f us  "
+                   "(batch 8 on one thread: %.2f ms/step)\n",
+                   label, n_ids, pass + 1, sum / (double)(n_ids + 1), t[(n_ids + 1) / 2],
+                   t[((n_ids + 1) * 99) / 100], t[n_ids], 8 * sum / (double)(n_ids + 1) / 1e3);
+        tdm_grammar_matcher_free(m);
+    }
+    free(t);
+    free(ids);
+    free(mask);
+    return 0;
 }
 
 int main(int argc, char **argv)
@@ -121,42 +172,18 @@ int main(int argc, char **argv)
         fprintf(stderr, "tandem-bench-grammar: nested schema: %s\n", err);
         return 1;
     }
+    struct tdm_grammar *strings = NULL;
+    if (tdm_grammar_compile_json_schema(&strings, strings_schema, strlen(strings_schema), err,
+                                        sizeof err)) {
+        fprintf(stderr, "tandem-bench-grammar: strings schema: %s\n", err);
+        return 1;
+    }
     size_t words = tdm_grammar_mask_words(v);
     uint32_t *mask = malloc(words * sizeof *mask);
 
-    // Teacher-forced: the tokens of a real document, a fresh matcher per pass.
-    {
-        int32_t *ids;
-        size_t n_ids;
-        tdm_tok_encode(tok, nested_doc, strlen(nested_doc), false, &ids, &n_ids);
-        double *t = malloc((n_ids + 1) * sizeof *t);
-        for (int pass = 0; pass < 3; pass++) {
-            struct tdm_grammar_matcher *m;
-            tdm_grammar_matcher_new(&m, g, v);
-            double sum = 0;
-            for (size_t i = 0; i <= n_ids; i++) {
-                double a = tdm_now();
-                tdm_grammar_matcher_fill_mask(m, mask, words);
-                t[i] = (tdm_now() - a) * 1e6;
-                sum += t[i];
-                int32_t id = i < n_ids ? ids[i] : tdm_grammar_vocab_eos_id(v);
-                if (!(mask[id >> 5] >> (id & 31) & 1u) || tdm_grammar_matcher_accept_token(m, id)) {
-                    fprintf(stderr, "tandem-bench-grammar: token %zu not allowed\n", i);
-                    return 1;
-                }
-            }
-            qsort(t, n_ids + 1, sizeof *t, cmp_double);
-            if (pass == 0 || pass == 2)
-                printf("mask, nested schema, batch 1, a %zu-token document + EOS (fresh matcher, "
-                       "pass %d):\n  mean %8.1f us  p50 %8.1f us  p99 %8.1f us  max %8.1f us  "
-                       "(batch 8 on one thread: %.2f ms/step)\n",
-                       n_ids, pass + 1, sum / (double)(n_ids + 1), t[(n_ids + 1) / 2],
-                       t[((n_ids + 1) * 99) / 100], t[n_ids], 8 * sum / (double)(n_ids + 1) / 1e3);
-            tdm_grammar_matcher_free(m);
-        }
-        free(t);
-        free(ids);
-    }
+    if (teacher_forced(tok, v, g, nested_doc, "nested schema") ||
+        teacher_forced(tok, v, strings, strings_doc, "plain-string schema"))
+        return 1;
     int32_t n = tdm_grammar_vocab_size(v), eos = tdm_grammar_vocab_eos_id(v);
     enum { MAX_STEPS = 1 << 16 };
     double *all = malloc(MAX_STEPS * sizeof *all);
@@ -222,6 +249,7 @@ int main(int argc, char **argv)
            100.0 * (double)n_miss / (double)steps, n_miss ? sum_miss / (double)n_miss : 0);
     free(all);
     free(mask);
+    tdm_grammar_unref(strings);
     tdm_grammar_unref(g);
     tdm_grammar_vocab_free(v);
     tdm_tok_free(tok);
