@@ -13,6 +13,7 @@
 #include <cmocka.h>
 
 #include <cjson/cJSON.h>
+#include <pthread.h>
 #include <regex.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -869,6 +870,69 @@ static void test_random_walks(void **state)
                  10, 15);
 }
 
+// One grammar and one vocab shared by four threads, each with its own matchers
+// (and one matcher copied from another thread's): the masks equal a
+// single-threaded run's, and the refcount ends at zero (no leak under ASan).
+struct thread_job {
+    struct tdm_grammar *g;
+    unsigned seed;
+    uint64_t digest; // FNV-1a over every mask of the walk
+    int ok;
+};
+
+static void *thread_walk(void *arg)
+{
+    struct thread_job *j = arg;
+    const struct tdm_grammar_vocab *v = small_vocab;
+    size_t words = tdm_grammar_mask_words(v);
+    uint32_t *mask = calloc(words, sizeof *mask);
+    struct tdm_grammar_matcher *m;
+    j->ok = 0;
+    if (!mask || tdm_grammar_matcher_new(&m, j->g, v) != TDM_OK)
+        return NULL;
+    uint64_t h = 1469598103934665603ull;
+    for (int step = 0; step < 60 && !tdm_grammar_matcher_is_done(m); step++) {
+        if (tdm_grammar_matcher_fill_mask(m, mask, words) != TDM_OK)
+            break;
+        for (size_t w = 0; w < words; w++)
+            h = (h ^ mask[w]) * 1099511628211ull;
+        int32_t id =
+            pick_token(mask, tdm_grammar_vocab_size(v), tdm_grammar_vocab_eos_id(v), &j->seed);
+        if (id < 0 || tdm_grammar_matcher_accept_token(m, id) != TDM_OK)
+            break;
+    }
+    j->digest = h;
+    j->ok = 1;
+    tdm_grammar_matcher_free(m);
+    free(mask);
+    return NULL;
+}
+
+static void test_threads(void **state)
+{
+    (void)state;
+    struct tdm_grammar *g = schema(schema_mixed);
+    struct thread_job solo[4], par[4];
+    for (int i = 0; i < 4; i++) {
+        solo[i] = (struct thread_job){.g = tdm_grammar_ref(g), .seed = 100u + (unsigned)i};
+        thread_walk(&solo[i]);
+        tdm_grammar_unref(solo[i].g);
+        assert_true(solo[i].ok);
+    }
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        par[i] = (struct thread_job){.g = tdm_grammar_ref(g), .seed = 100u + (unsigned)i};
+        assert_int_equal(pthread_create(&th[i], NULL, thread_walk, &par[i]), 0);
+    }
+    tdm_grammar_unref(g); // the threads' references keep it alive
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(pthread_join(th[i], NULL), 0);
+        assert_true(par[i].ok);
+        assert_true(par[i].digest == solo[i].digest);
+        tdm_grammar_unref(par[i].g);
+    }
+}
+
 // ---- the real Qwen2 vocabulary ----------------------------------------------------------------
 static void test_masks_qwen2(void **state)
 {
@@ -926,7 +990,7 @@ int main(void)
         cmocka_unit_test(test_schema_errors),      cmocka_unit_test(test_masks_small_vocab),
         cmocka_unit_test(test_mask_api_errors),    cmocka_unit_test(test_random_walks),
         cmocka_unit_test(test_masks_qwen2),        cmocka_unit_test(test_gbnf),
-        cmocka_unit_test(test_token_bytes),
+        cmocka_unit_test(test_token_bytes),        cmocka_unit_test(test_threads),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
