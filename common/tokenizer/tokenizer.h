@@ -48,6 +48,10 @@ int tdm_tok_vocab_size(const struct tdm_tokenizer *tok);          // max id + 1
 const char *tdm_tok_id_to_piece(const struct tdm_tokenizer *tok, int32_t id); // raw token string or NULL
 int32_t tdm_tok_piece_to_id(const struct tdm_tokenizer *tok, const char *piece); // -1 when absent
 bool tdm_tok_is_special(const struct tdm_tokenizer *tok, int32_t id);
+// The raw bytes id stands for in decoded text (the ByteLevel table applied; the
+// piece itself without a decoder). *len gets their count; NULL for an unknown id.
+// The bytes are owned by tok and are not NUL-terminated.
+const char *tdm_tok_token_bytes(const struct tdm_tokenizer *tok, int32_t id, size_t *len);
 
 // From tokenizer_config.json (or -1 / NULL when absent).
 int32_t tdm_tok_bos_id(const struct tdm_tokenizer *tok);

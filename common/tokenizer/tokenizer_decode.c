@@ -57,6 +57,15 @@ static void token_bytes(const struct tdm_tokenizer *tok, int32_t id, const char 
     }
 }
 
+const char *tdm_tok_token_bytes(const struct tdm_tokenizer *tok, int32_t id, size_t *len)
+{
+    if (!id_known(tok, id))
+        return NULL;
+    const char *p;
+    token_bytes(tok, id, &p, len);
+    return p;
+}
+
 int tdm_tok_decode(const struct tdm_tokenizer *tok, const int32_t *ids, size_t n,
                    bool skip_special_tokens, char **text, size_t *len)
 {
