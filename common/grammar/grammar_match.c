@@ -15,6 +15,13 @@
 #include "grammar_impl.h"
 
 #define EXPAND_MAX_RECURSION 20000
+// Expansion steps per matcher step: a grammar whose empty paths multiply
+// (nested optional loops) ends with TDM_ECAPACITY instead of running for
+// ever; real schemas and regexes take a few hundred.
+#define EXPAND_MAX_WORK 20000
+// Distinct (reference, return chain) pairs one step may visit: the visited
+// list is scanned linearly, so it is bounded too.
+#define EXPAND_MAX_VISITED 1024
 
 // ---- sets and arena ----------------------------------------------------------------
 void gr_set_fini(struct gr_set *s)
@@ -89,6 +96,7 @@ struct expand_ctx {
     struct gr_set *out;
     int32_t *visited; // pairs (ref pos, parent) expanded in this step
     size_t n_visited, cap_visited;
+    size_t work; // expand calls in this step (EXPAND_MAX_WORK)
     int err;
 };
 
@@ -97,6 +105,10 @@ static bool visited_add(struct expand_ctx *c, int32_t pos, int32_t parent)
     for (size_t i = 0; i < c->n_visited; i += 2)
         if (c->visited[i] == pos && c->visited[i + 1] == parent)
             return false;
+    if (c->n_visited / 2 >= EXPAND_MAX_VISITED) {
+        c->err = TDM_ECAPACITY; // a grammar this ambiguous is refused, not run for ever
+        return false;
+    }
     if (c->n_visited + 2 > c->cap_visited) {
         size_t nc = c->cap_visited ? c->cap_visited * 2 : 32;
         int32_t *t = realloc(c->visited, nc * sizeof *t);
@@ -141,6 +153,10 @@ static void expand(struct expand_ctx *c, int32_t pos, int32_t parent, int recurs
     const struct tdm_grammar *g = c->g;
     if (recursion > EXPAND_MAX_RECURSION)
         return;
+    if (++c->work > EXPAND_MAX_WORK) {
+        c->err = TDM_ECAPACITY;
+        return;
+    }
     for (;;) {
         if (c->err)
             return;

@@ -498,6 +498,19 @@ static void parse_repeat(struct rx *r, struct gb_seq *out)
         gb_seq_repeat(r->b, &y, &x, min, max);
         gb_seq_free(&x);
         x = y;
+        // As Python's re: a quantifier on a quantifier ("a**", "a{2}+") is an
+        // error; stacked stars would also nest empty loops (fuzz_grammar found
+        // 90 of them taking the matcher's expansion past 10 s).
+        if (r->p < r->end && (*r->p == '*' || *r->p == '+' || *r->p == '?' || *r->p == '{')) {
+            const char *save = r->p;
+            long m2, n2;
+            bool brace = *r->p == '{' && parse_braces(r, &m2, &n2);
+            r->p = save;
+            if (*r->p != '{' || brace) {
+                rx_fail(r, "multiple repeat (a quantifier on a quantifier)");
+                break;
+            }
+        }
     }
     gb_seq_cat(r->b, out, &x);
     gb_seq_free(&x);
