@@ -1821,12 +1821,65 @@ static int call_global(struct render *r, int fn, const struct val *args, const c
 
 // ---- methods -------------------------------------------------------------------------
 
-static int prefix_test(struct render *r, struct val self, struct val a, bool end, bool *res)
+// The [start:end] window of str.startswith/endswith/find/rfind/index/rindex/count,
+// arguments 2 and 3 (ints or None) adjusted as CPython does (negative counts from
+// the end, then clamped to [0, len]), as byte offsets [*b0, *b1) of self; *cp0 is
+// the code point index of *b0 and *cps the window's length in code points, negative
+// when start lies past end (Python then answers False / -1 / 0, even for "").
+static int str_window(struct render *r, struct val self, const struct val *args,
+                      const char *const *names, size_t nargs, const char *m, size_t *b0,
+                      size_t *b1, int64_t *cp0, int64_t *cps)
+{
+    if (npositional(names, nargs) != nargs)
+        return chat_rerr(r, TDM_EINVAL, "%s() takes no keyword arguments", m);
+    if (nargs > 3)
+        return chat_rerr(r, TDM_EINVAL, "%s() takes at most 3 arguments (%zu given)", m, nargs);
+    int64_t len = (int64_t)chat_utf8_len(self.u.str.s, self.u.str.n);
+    int64_t lim[2] = {0, len};
+    for (size_t k = 0; k < 2 && k + 1 < nargs; k++) {
+        struct val v = args[k + 1];
+        if (v.kind == V_NONE)
+            continue;
+        if (v.kind != V_INT && v.kind != V_BOOL)
+            return chat_rerr(r, TDM_EINVAL,
+                             "slice indices must be integers or None, not %s (%s() argument %zu)",
+                             chat_v_type_name(v), m, k + 2);
+        int64_t x = v.kind == V_INT ? v.u.i : v.u.b;
+        if (x < 0)
+            x = x + len < 0 ? 0 : x + len;
+        lim[k] = x > len ? len : x;
+        if (k == 0 && x > len)
+            lim[0] = len + 1; // past the end: an empty window that matches nothing
+    }
+    *cp0 = lim[0];
+    *cps = lim[1] - lim[0];
+    // Code point -> byte offsets, one walk.
+    size_t i = 0;
+    int64_t k = 0;
+    uint32_t cp;
+    *b0 = *b1 = self.u.str.n;
+    while (i < self.u.str.n) {
+        if (k == lim[0])
+            *b0 = i;
+        if (k == lim[1]) {
+            *b1 = i;
+            break;
+        }
+        i += chat_utf8_next(self.u.str.s, self.u.str.n, i, &cp);
+        k++;
+    }
+    if (*cps < 0)
+        *b1 = *b0;
+    return TDM_OK;
+}
+
+static int prefix_test(struct render *r, struct val self, size_t b0, size_t b1, int64_t cps,
+                       struct val a, bool end, bool *res)
 {
     *res = false;
     if (a.kind == V_LIST && a.u.list->tuple) {
         for (size_t i = 0; i < a.u.list->n && !*res; i++)
-            if (prefix_test(r, self, a.u.list->items[i], end, res) != TDM_OK)
+            if (prefix_test(r, self, b0, b1, cps, a.u.list->items[i], end, res) != TDM_OK)
                 return r->rc;
         return TDM_OK;
     }
@@ -1834,8 +1887,8 @@ static int prefix_test(struct render *r, struct val self, struct val a, bool end
         return chat_rerr(r, TDM_EINVAL, "%s first arg must be str or a tuple of str, not %s",
                          end ? "endswith" : "startswith", chat_v_type_name(a));
     size_t n = a.u.str.n;
-    *res =
-        n <= self.u.str.n && memcmp(self.u.str.s + (end ? self.u.str.n - n : 0), a.u.str.s, n) == 0;
+    *res = cps >= 0 && n <= b1 - b0 &&
+           memcmp(self.u.str.s + (end ? b1 - n : b0), a.u.str.s, n) == 0;
     return TDM_OK;
 }
 
@@ -1848,9 +1901,10 @@ static int str_method(struct render *r, struct val self, const char *m, const st
     if (M("startswith") || M("endswith")) {
         if (!arg(args, names, nargs, 0, NULL, &a))
             return chat_rerr(r, TDM_EINVAL, "%s() takes at least 1 argument", m);
-        if (nargs > 1)
-            return chat_rerr(r, TDM_EINVAL, "%s() with start/end is not supported", m);
-        if (prefix_test(r, self, a, M("endswith"), &res) != TDM_OK)
+        size_t b0, b1;
+        int64_t cp0, cps;
+        if (str_window(r, self, args, names, nargs, m, &b0, &b1, &cp0, &cps) != TDM_OK ||
+            prefix_test(r, self, b0, b1, cps, a, M("endswith"), &res) != TDM_OK)
             return r->rc;
         *out = chat_v_bool(res);
         return TDM_OK;
@@ -1910,14 +1964,19 @@ static int str_method(struct render *r, struct val self, const char *m, const st
     if (M("find") || M("rfind") || M("count") || M("index") || M("rindex")) {
         if (!arg(args, names, nargs, 0, NULL, &a) || need_str(r, a, m) != TDM_OK)
             return chat_rerr(r, TDM_EINVAL, "%s() needs a string", m);
-        if (nargs > 1)
-            return chat_rerr(r, TDM_EINVAL, "%s() with start/end is not supported", m);
-        const char *h = self.u.str.s;
-        size_t hn = self.u.str.n;
+        size_t b0, b1;
+        int64_t cp0, cps;
+        if (str_window(r, self, args, names, nargs, m, &b0, &b1, &cp0, &cps) != TDM_OK)
+            return r->rc;
+        const char *h = self.u.str.s + b0;
+        size_t hn = b1 - b0;
+        bool fits = cps >= 0 && a.u.str.n <= hn; // else no match at all (CPython's early out)
         if (M("count")) {
             int64_t c = 0;
-            if (a.u.str.n == 0) {
-                c = (int64_t)chat_utf8_len(h, hn) + 1;
+            if (!fits) {
+                c = 0;
+            } else if (a.u.str.n == 0) {
+                c = cps + 1;
             } else {
                 for (const char *p = h;
                      (p = find_bytes(p, hn - (size_t)(p - h), a.u.str.s, a.u.str.n)) != NULL;
@@ -1928,7 +1987,9 @@ static int str_method(struct render *r, struct val self, const char *m, const st
             return TDM_OK;
         }
         const char *hit = NULL;
-        if (M("find") || M("index")) {
+        if (!fits) {
+            hit = NULL;
+        } else if (M("find") || M("index")) {
             hit = find_bytes(h, hn, a.u.str.s, a.u.str.n);
         } else {
             for (const char *p = h;
@@ -1940,7 +2001,7 @@ static int str_method(struct render *r, struct val self, const char *m, const st
         }
         if (!hit && (M("index") || M("rindex")))
             return chat_rerr(r, TDM_EINVAL, "substring not found");
-        *out = chat_v_int(hit ? (int64_t)chat_utf8_len(h, (size_t)(hit - h)) : -1);
+        *out = chat_v_int(hit ? cp0 + (int64_t)chat_utf8_len(h, (size_t)(hit - h)) : -1);
         return TDM_OK;
     }
     if (M("splitlines")) {
@@ -1952,7 +2013,7 @@ static int str_method(struct render *r, struct val self, const char *m, const st
         if (!arg(args, names, nargs, 0, NULL, &a) || need_str(r, a, m) != TDM_OK)
             return chat_rerr(r, TDM_EINVAL, "%s() needs a string", m);
         bool end = M("removesuffix");
-        if (prefix_test(r, self, a, end, &res) != TDM_OK)
+        if (prefix_test(r, self, 0, self.u.str.n, 0, a, end, &res) != TDM_OK)
             return r->rc;
         *out = self;
         if (res) {

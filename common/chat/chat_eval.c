@@ -320,23 +320,32 @@ static int compare_op(struct render *r, const char *op, struct val a, struct val
     return TDM_OK;
 }
 
-// Python slicing of a list or a string (by code point).
+// Python slicing of a list or a string (by code point). Where Python raises a
+// TypeError (an index that is not an integer or None, an object that cannot be
+// sliced) the result is undefined, as Jinja's getitem makes it; slicing an
+// undefined value and a zero step (ValueError) are errors, as there.
 static int do_slice(struct render *r, struct val obj, struct val vs, struct val ve, struct val vt,
                     struct val *out)
 {
+    if (obj.kind == V_UNDEF)
+        return undefined_err(r, obj);
     for (int k = 0; k < 3; k++) {
         struct val v = k == 0 ? vs : k == 1 ? ve : vt;
-        if (v.kind != V_NONE && v.kind != V_UNDEF && v.kind != V_INT && v.kind != V_BOOL)
-            return chat_rerr(r, TDM_EINVAL, "slice indices must be integers or None, not %s",
-                             chat_v_type_name(v));
+        if (v.kind != V_NONE && v.kind != V_UNDEF && v.kind != V_INT && v.kind != V_BOOL) {
+            *out = chat_v_undef(NULL);
+            return TDM_OK;
+        }
     }
     int64_t step = vt.kind == V_INT || vt.kind == V_BOOL ? as_i(vt) : 1;
-    if (step == 0)
+    bool sliceable = obj.kind == V_STR ||
+                     (obj.kind == V_LIST && !obj.u.list->gen && !obj.u.list->view);
+    if (step == 0 && sliceable)
         return chat_rerr(r, TDM_EINVAL, "slice step cannot be zero");
     size_t *offs = NULL; // str: byte offset of each code point, plus the end
     int64_t len;
     if (obj.kind == V_LIST && (obj.u.list->gen || obj.u.list->view)) {
-        return chat_rerr(r, TDM_EINVAL, "'%s' object is not subscriptable", chat_v_type_name(obj));
+        *out = chat_v_undef(NULL);
+        return TDM_OK;
     } else if (obj.kind == V_LIST) {
         len = (int64_t)obj.u.list->n;
     } else if (obj.kind == V_STR) {
@@ -351,10 +360,9 @@ static int do_slice(struct render *r, struct val obj, struct val vs, struct val 
             i += chat_utf8_next(obj.u.str.s, obj.u.str.n, i, &cp);
         }
         offs[k] = obj.u.str.n;
-    } else if (obj.kind == V_UNDEF) {
-        return undefined_err(r, obj);
     } else {
-        return chat_rerr(r, TDM_EINVAL, "'%s' object is not subscriptable", chat_v_type_name(obj));
+        *out = chat_v_undef(NULL);
+        return TDM_OK;
     }
     int64_t start, stop;
     bool has_s = vs.kind == V_INT || vs.kind == V_BOOL,
