@@ -690,12 +690,7 @@ static void test_random_dataset_exact_lengths(void **state)
     assert_int_equal(tdm_mkmodel_write_tokenizer(2048, dir, err, sizeof(err)), TDM_OK);
     check_exact_lengths(dir, 120, 256);
     check_exact_lengths(dir, 20, 7);
-    char path[512];
-    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
-    unlink(path);
-    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    unlink(path);
-    rmdir(dir);
+    tdm_mkmodel_remove(dir);
     struct stat st;
     if (stat(QWEN_DIR "/tokenizer.json", &st) == 0)
         check_exact_lengths(QWEN_DIR, 40, 256);
@@ -1073,12 +1068,7 @@ static void test_tokenizer_from_model(void **state)
     fake_stop(srv);
     const char *names[] = {"r.json"};
     tmp_remove(&t, names, 1);
-    char path[512];
-    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
-    unlink(path);
-    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    unlink(path);
-    rmdir(dir);
+    tdm_mkmodel_remove(dir);
 }
 
 int main(void)
