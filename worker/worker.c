@@ -118,10 +118,16 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
     *out = NULL;
     if (cfg->model[0] == '\0')
         return tdm_seterr(err, errlen, TDM_EINVAL, "--model DIR is required");
+    enum tdm_oai_tool_parser tool_parser;
+    int prc = tdm_oai_tool_parser_config(cfg->enable_auto_tool_choice, cfg->tool_call_parser,
+                                         &tool_parser, err, errlen);
+    if (prc != TDM_OK)
+        return prc;
     struct tdm_worker *s = calloc(1, sizeof *s);
     if (s == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
     s->cfg = *cfg;
+    s->info.tool_parser = tool_parser;
     atomic_init(&s->state, STATE_LOADING);
     atomic_init(&s->inflight, 0);
     pthread_mutex_init(&s->mu, NULL);

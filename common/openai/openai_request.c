@@ -132,9 +132,8 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         const char *why;
     } fields[] = {
         {"suffix", NULL},
-        {"tools", "no tool calling"},
-        {"functions", "no tool calling"},
-        {"function_call", "no tool calling"},
+        {"functions", "use tools"},
+        {"function_call", "use tool_choice"},
         {"use_beam_search", NULL},
         {"prompt_logprobs", "no prompt logprobs"},
         {"allowed_token_ids", NULL},
@@ -168,10 +167,8 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         if (!(cJSON_IsString(type) && strcmp(type->valuestring, "text") == 0))
             return not_supported(e, "response_format", "only {\"type\": \"text\"}");
     }
-    const cJSON *tc = field(root, "tool_choice");
-    if (tc && !(cJSON_IsString(tc) &&
-                (strcmp(tc->valuestring, "none") == 0 || strcmp(tc->valuestring, "auto") == 0)))
-        return not_supported(e, "tool_choice", "no tool calling");
+    if (kind == TDM_OAI_COMPLETION && !is_empty_value(field(root, "tools")))
+        return not_supported(e, "tools", "tools are a chat feature");
     const cJSON *ctk = field(root, "chat_template_kwargs");
     if (ctk && !(cJSON_IsObject(ctk) && !ctk->child))
         return not_supported(e, "chat_template_kwargs", NULL);
@@ -277,8 +274,10 @@ static int parse_prompts(const cJSON *root, struct tdm_oai_request *r,
 }
 
 // ---- messages --------------------------------------------------------------------------------
+// *json_out (may be NULL): the array as compact JSON; *conv_out: the conversation
+// the template sees (tdm_oai_conversation_json).
 static int parse_messages(const cJSON *root, struct tdm_chat_msg **msgs, size_t *n, char **json_out,
-                          struct tdm_oai_error *e)
+                          char **conv_out, struct tdm_oai_error *e)
 {
     const cJSON *m = field(root, "messages");
     if (!m)
@@ -291,12 +290,17 @@ static int parse_messages(const cJSON *root, struct tdm_chat_msg **msgs, size_t 
     if (!text)
         return tdm_oai_seterr(e, 500, NULL, "out of memory");
     char err[256] = "";
-    int rc = tdm_chat_msgs_parse(text, strlen(text), msgs, n, err, sizeof err);
+    int rc = tdm_chat_msgs_parse_calls(text, strlen(text), msgs, n, err, sizeof err);
     if (rc != TDM_OK) {
         free(text);
         if (rc == TDM_ENOMEM)
             return tdm_oai_seterr(e, 500, NULL, "out of memory");
         return tdm_oai_seterr(e, 400, "messages", "%s", err);
+    }
+    rc = tdm_oai_conversation_json(m, *msgs, *n, conv_out, e);
+    if (rc != TDM_OK) {
+        free(text);
+        return rc;
     }
     if (json_out)
         *json_out = text;
@@ -614,7 +618,9 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
     if ((rc = parse_model(root, &r->model, m, e)) != TDM_OK)
         return rc;
     if (chat) {
-        if (parse_messages(root, &r->messages, &r->n_messages, &r->messages_json, e) != TDM_OK)
+        if (parse_messages(root, &r->messages, &r->n_messages, &r->messages_json,
+                           &r->conversation_json, e) != TDM_OK ||
+            tdm_oai_tools_parse(root, m, false, &r->tools, e) != TDM_OK)
             return fail_code(e);
     } else if (parse_prompts(root, r, m, e) != TDM_OK) {
         return fail_code(e);
@@ -777,6 +783,8 @@ void tdm_oai_request_fini(struct tdm_oai_request *req)
     free(req->prompts);
     tdm_chat_msgs_free(req->messages, req->n_messages);
     free(req->messages_json);
+    free(req->conversation_json);
+    tdm_oai_tool_request_fini(&req->tools);
     for (size_t i = 0; i < req->n_stop; i++)
         free(req->stop[i]);
     free(req->user);
@@ -839,7 +847,9 @@ static int parse_tokenize(struct tdm_oai_tokenize_request *r, const cJSON *root,
     if (chat && prompt)
         return tdm_oai_seterr(e, 400, NULL, "Either prompt or messages must be given, not both");
     if (chat) {
-        if (parse_messages(root, &r->messages, &r->n_messages, NULL, e) != TDM_OK)
+        if (parse_messages(root, &r->messages, &r->n_messages, NULL, &r->conversation_json, e) !=
+                TDM_OK ||
+            tdm_oai_tools_parse(root, m, true, &r->tools, e) != TDM_OK)
             return fail_code(e);
     } else {
         if (!prompt)
@@ -884,6 +894,8 @@ void tdm_oai_tokenize_fini(struct tdm_oai_tokenize_request *req)
     free(req->model);
     free(req->prompt);
     tdm_chat_msgs_free(req->messages, req->n_messages);
+    free(req->conversation_json);
+    tdm_oai_tool_request_fini(&req->tools);
     memset(req, 0, sizeof *req);
 }
 

@@ -432,7 +432,7 @@ static void test_chat_request(void **state)
         "{\"model\":\"qwen\",\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"
         "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"Hi\"}]}],"
         "\"max_tokens\":9,\"max_completion_tokens\":12,\"logprobs\":true,\"top_logprobs\":2,"
-        "\"tool_choice\":\"auto\",\"parallel_tool_calls\":false}";
+        "\"tool_choice\":\"none\",\"parallel_tool_calls\":false}";
     assert_int_equal(parse(&r, TDM_OAI_CHAT, json, &e), TDM_OK);
     assert_int_equal(r.n_messages, 2);
     assert_string_equal(r.messages[0].role, "system");
@@ -479,10 +479,12 @@ static void test_chat_request(void **state)
     expect_error(K,
                  "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"tools\":[{\"type\":"
                  "\"function\",\"function\":{\"name\":\"f\"}}]}",
-                 400, "tools", "tools is not supported by this server: no tool calling");
+                 400, "tool_choice",
+                 "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser "
+                 "to be set");
     expect_error(
         K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"tool_choice\":\"required\"}",
-        400, "tool_choice", "not supported");
+        400, "tool_choice", "When using `tool_choice`, `tools` must be set.");
     expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"echo\":true}", 400,
                  "echo", "not supported");
     expect_error(
