@@ -216,6 +216,21 @@ static void test_conversation(void **state)
     tdm_oai_request_fini(&r);
 }
 
+// /tokenize's chat form renders the same conversation and takes tools.
+static void test_tokenize_form(void **state)
+{
+    (void)state;
+    struct tdm_oai_tokenize_request t;
+    struct tdm_oai_error e;
+    const char *body = "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"id\":\"c\","
+                       "\"type\":\"function\",\"function\":{\"name\":\"get_time\",\"arguments\":"
+                       "\"{\\\"tz\\\": \\\"UTC\\\"}\"}}]}],\"tools\":[" TIME "]}";
+    assert_int_equal(tdm_oai_tokenize_parse(&t, body, strlen(body), &plain, &e), TDM_OK);
+    assert_non_null(strstr(t.conversation_json, "\"arguments\":{\"tz\":\"UTC\"}"));
+    assert_non_null(strstr(t.tools.tools_json, "\"get_time\""));
+    tdm_oai_tokenize_fini(&t);
+}
+
 static void test_parser_config(void **state)
 {
     (void)state;
@@ -349,7 +364,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tool_choice),  cmocka_unit_test(test_tool_errors),
         cmocka_unit_test(test_conversation), cmocka_unit_test(test_parser_config),
-        cmocka_unit_test(test_constraint),
+        cmocka_unit_test(test_constraint),   cmocka_unit_test(test_tokenize_form),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
