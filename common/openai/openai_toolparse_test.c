@@ -311,13 +311,92 @@ static void test_forced(void **state)
     check(N, "get_weather", true, "{\"city\": \"Paris\", \"u\": \"°C\"}", NULL, named, 1);
 }
 
+// Random outputs built from the pieces tool calls are made of, fed in random
+// cuts (fixed seed): whenever the whole text parses into calls, the stream
+// gives the same calls and content; otherwise it must still end cleanly.
+static void test_random_splits(void **state)
+{
+    (void)state;
+    static const char *const pieces[] = {
+        "<tool_call>",
+        "</tool_call>",
+        "\n",
+        " ",
+        "{",
+        "}",
+        "[",
+        "]",
+        ",",
+        ":",
+        ";",
+        "\"",
+        "\"name\"",
+        "\"arguments\"",
+        "\"parameters\"",
+        "\"f\"",
+        "\"x\\\"y\"",
+        "1",
+        "-2.5e3",
+        "true",
+        "null",
+        "é",
+        "日本",
+        "<tool",
+        "_call>",
+        "<|python_tag|>",
+        "hi",
+        "\\u00e9",
+        "{\"name\": \"f\", \"arguments\": {\"a\": [1, {\"b\": \"c\"}]}}",
+        "{\"name\": \"g\", \"parameters\": {}}",
+    };
+    const size_t np = sizeof pieces / sizeof pieces[0];
+    const enum tdm_oai_tool_format fmts[] = {H, L, R};
+    srand(12345);
+    int parsed = 0;
+    for (int iter = 0; iter < 3000; iter++) {
+        char text[512] = "";
+        size_t len = 0;
+        int n = 1 + rand() % 12;
+        for (int k = 0; k < n; k++) {
+            const char *p = pieces[rand() % np];
+            if (len + strlen(p) + 1 >= sizeof text)
+                break;
+            strcat(text, p);
+            len += strlen(p);
+        }
+        enum tdm_oai_tool_format f = fmts[iter % 3];
+        size_t cuts[8] = {0}, nc = 0;
+        for (size_t k = 1; k < len && nc < 8; k += 1 + (size_t)rand() % 9)
+            cuts[nc++] = k;
+        struct tdm_oai_tool_call *got = NULL;
+        size_t n_got = 0;
+        char *content = NULL;
+        assert_int_equal(tdm_oai_tools_extract(f, NULL, true, text, len, &got, &n_got, &content),
+                         TDM_OK);
+        struct streamed s;
+        stream(f, NULL, true, text, cuts, nc, &s);
+        if (n_got > 0) {
+            parsed++;
+            struct expect_call want[MAXC];
+            assert_true(n_got <= MAXC);
+            for (size_t k = 0; k < n_got; k++)
+                want[k] = (struct expect_call){got[k].name, got[k].arguments};
+            check_streamed(&s, content ? content : "", want, (int)n_got, text, cuts[0]);
+        } else {
+            assert_string_equal(content, text);
+        }
+        tdm_oai_tool_calls_free(got, n_got);
+        free(content);
+    }
+    assert_true(parsed > 50); // the generator does produce calls
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_hermes),
-        cmocka_unit_test(test_hermes_malformed),
-        cmocka_unit_test(test_llama3_json),
-        cmocka_unit_test(test_forced),
+        cmocka_unit_test(test_hermes),        cmocka_unit_test(test_hermes_malformed),
+        cmocka_unit_test(test_llama3_json),   cmocka_unit_test(test_forced),
+        cmocka_unit_test(test_random_splits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
