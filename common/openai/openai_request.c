@@ -708,6 +708,10 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
         get_bool(root, "add_special_tokens", &r->add_special_tokens, e) < 0 ||
         get_bool(root, "return_token_ids", &r->return_token_ids, e) < 0)
         return TDM_EINVAL;
+    // vLLM's hermes parser (adjust_request): some models mark <tool_call> as a
+    // special token, which skipping would remove before the parser sees it.
+    if (chat && tdm_oai_tool_format_of(&r->tools) == TDM_OAI_TOOL_FORMAT_HERMES)
+        r->skip_special_tokens = false;
     if (chat) {
         if (get_bool(root, "add_generation_prompt", &r->add_generation_prompt, e) < 0 ||
             get_bool(root, "continue_final_message", &r->continue_final_message, e) < 0)

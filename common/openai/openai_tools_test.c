@@ -69,6 +69,7 @@ static void test_tool_choice(void **state)
     assert_int_equal(r.tools.choice, TDM_OAI_TOOL_CHOICE_AUTO);
     assert_int_equal(r.tools.parser, TDM_OAI_TOOL_PARSER_HERMES);
     assert_int_equal(tdm_oai_tool_format_of(&r.tools), TDM_OAI_TOOL_FORMAT_HERMES);
+    assert_false(r.skip_special_tokens); // vLLM's hermes adjust_request
     assert_int_equal(r.tools.n_tools, 2);
     assert_string_equal(r.tools.tools[0].name, "get_weather");
     assert_non_null(strstr(r.tools.tools[0].parameters_json, "\"city\""));
