@@ -342,8 +342,6 @@ void tdm_oai_asm_fail(struct tdm_oai_asm *a, int error, const char *fmt, ...)
     a->done = true;
     a->finish = TDM_FINISH_ERROR;
     a->error = error;
-    if (a->tools)
-        tdm_oai_toolparse_clear(a->tools); // an error event ends the stream
 }
 
 int tdm_oai_asm_add_text(struct tdm_oai_asm *a, const char *text, size_t len)
