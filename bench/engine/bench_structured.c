@@ -239,6 +239,8 @@ int main(int argc, char **argv)
            sizeof schema - 1, np, max_tokens, repeat);
     printf("%-5s %12s %12s %6s %5s  %-22s %10s %10s\n", "batch", "plain tok/s", "schema tok/s",
            "ratio", "goal", "schema requests", "mask/tok", "exposed");
+    struct run warm; // page the weights in, start the engine's threads
+    run_closed_loop(e, prompt, (int)np, 1, 16, 16, true, 1, &warm);
     for (int b = 0; b < n_batches; b++) {
         int batch = batches[b];
         long n = tokens > 0 ? tokens : (long)batch * max_tokens * 2;

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "core.h"
 #include "engine.h"
@@ -157,13 +158,19 @@ struct tdm_engine {
     struct tdm_sample_result sres;
     uint64_t prefix_queries, prefix_hits, preemptions, steps, finished;
 
-    // Structured output: a helper thread fills the step's masks while the
-    // engine thread runs the forward (started at the first constrained step).
+    // Structured output: mask threads fill the step's masks while the engine
+    // thread runs the forward (started at the first constrained step). A post
+    // bumps mask_gen; each thread takes jobs by mask_next until none is left,
+    // and the last one done (mask_busy 0) wakes the engine thread.
     size_t mask_words;
     struct tdm_engine_request **mask_jobs; // [max_num_seqs]
     int n_mask_jobs;
-    bool mask_started, mask_posted, mask_done, mask_quit;
-    pthread_t mask_thread;
+    pthread_t *mask_threads; // [cfg.mask_threads]
+    int n_mask_threads;      // started
+    bool mask_tried, mask_quit;
+    uint64_t mask_gen;
+    atomic_int mask_next;
+    int mask_busy;
     pthread_mutex_t mask_mu;
     pthread_cond_t mask_cv;
     uint64_t num_masks;
@@ -843,43 +850,54 @@ static void *mask_main(void *arg)
     struct tdm_engine *e = arg;
     pthread_setname_np(pthread_self(), "tdm-mask");
     pthread_mutex_lock(&e->mask_mu);
+    uint64_t seen = 0; // every thread starts before the first post (mask_gen 0 then)
     for (;;) {
-        while (!e->mask_posted && !e->mask_quit)
+        while (e->mask_gen == seen && !e->mask_quit)
             pthread_cond_wait(&e->mask_cv, &e->mask_mu);
         if (e->mask_quit)
             break;
-        e->mask_posted = false;
+        seen = e->mask_gen;
         int n = e->n_mask_jobs;
         pthread_mutex_unlock(&e->mask_mu);
-        for (int i = 0; i < n; i++)
+        for (;;) {
+            int i = atomic_fetch_add_explicit(&e->mask_next, 1, memory_order_relaxed);
+            if (i >= n)
+                break;
             mask_compute(e, e->mask_jobs[i]);
+        }
         pthread_mutex_lock(&e->mask_mu);
-        e->mask_done = true;
-        pthread_cond_broadcast(&e->mask_cv);
+        if (--e->mask_busy == 0)
+            pthread_cond_broadcast(&e->mask_cv);
     }
     pthread_mutex_unlock(&e->mask_mu);
     return NULL;
 }
 
-// Hands this step's masks to the mask thread (started on first use; without
-// it they are computed here, before the forward). True when posted.
+// Hands this step's masks to the mask threads (started on first use; without
+// any they are computed here, before the forward). True when posted.
 static bool masks_post(struct tdm_engine *e)
 {
-    if (!e->mask_started) {
-        if (pthread_create(&e->mask_thread, NULL, mask_main, e) == 0) {
-            e->mask_started = true;
-        } else {
-            TDM_LOG_WARN(MOD, "cannot start the mask thread: masks computed inline");
+    if (!e->mask_tried) {
+        e->mask_tried = true;
+        e->mask_threads = calloc((size_t)e->cfg.mask_threads, sizeof *e->mask_threads);
+        for (int i = 0; e->mask_threads && i < e->cfg.mask_threads; i++) {
+            if (pthread_create(&e->mask_threads[i], NULL, mask_main, e) != 0)
+                break;
+            e->n_mask_threads++;
         }
+        if (e->n_mask_threads < e->cfg.mask_threads)
+            TDM_LOG_WARN(MOD, "started %d of %d mask threads", e->n_mask_threads,
+                         e->cfg.mask_threads);
     }
-    if (!e->mask_started) {
+    if (e->n_mask_threads == 0) {
         for (int i = 0; i < e->n_mask_jobs; i++)
             mask_compute(e, e->mask_jobs[i]);
         return false;
     }
     pthread_mutex_lock(&e->mask_mu);
-    e->mask_done = false;
-    e->mask_posted = true;
+    atomic_store_explicit(&e->mask_next, 0, memory_order_relaxed);
+    e->mask_busy = e->n_mask_threads;
+    e->mask_gen++;
     pthread_cond_broadcast(&e->mask_cv);
     pthread_mutex_unlock(&e->mask_mu);
     return true;
@@ -890,7 +908,7 @@ static void masks_wait(struct tdm_engine *e, bool posted)
     if (posted) {
         double t0 = tdm_now();
         pthread_mutex_lock(&e->mask_mu);
-        while (!e->mask_done)
+        while (e->mask_busy > 0)
             pthread_cond_wait(&e->mask_cv, &e->mask_mu);
         pthread_mutex_unlock(&e->mask_mu);
         e->mask_wait_seconds += tdm_now() - t0;
@@ -1183,6 +1201,13 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     if (cfg.kv_event_capacity < 0)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "engine: kv_event_capacity must be >= 0, got %d", cfg.kv_event_capacity);
+    if (cfg.mask_threads < 0 || cfg.mask_threads > 64)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: mask_threads must be in [0, 64], got %d",
+                          cfg.mask_threads);
+    if (cfg.mask_threads == 0) { // a quarter of the cores, 1 to 4: the forward keeps the rest
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        cfg.mask_threads = cores >= 16 ? 4 : cores >= 8 ? (int)(cores / 4) : 1;
+    }
     if (cfg.max_model_len == 0)
         cfg.max_model_len = mc->max_position_embeddings;
     if (cfg.max_model_len > mc->max_position_embeddings || cfg.max_model_len < 2)
@@ -1340,13 +1365,13 @@ void tdm_engine_free(struct tdm_engine *e)
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->mu);
     pthread_join(e->thread, NULL);
-    if (e->mask_started) {
-        pthread_mutex_lock(&e->mask_mu);
-        e->mask_quit = true;
-        pthread_cond_broadcast(&e->mask_cv);
-        pthread_mutex_unlock(&e->mask_mu);
-        pthread_join(e->mask_thread, NULL);
-    }
+    pthread_mutex_lock(&e->mask_mu);
+    e->mask_quit = true;
+    pthread_cond_broadcast(&e->mask_cv);
+    pthread_mutex_unlock(&e->mask_mu);
+    for (int i = 0; i < e->n_mask_threads; i++)
+        pthread_join(e->mask_threads[i], NULL);
+    free(e->mask_threads);
     pthread_cond_destroy(&e->mask_cv);
     pthread_mutex_destroy(&e->mask_mu);
     TDM_LOG_INFO(MOD, "stopped steps=%llu finished=%llu preemptions=%llu",

@@ -56,6 +56,8 @@ struct tdm_engine_config {
     // Structured outputs: the tokenizer's token trie (tdm_grammar_vocab_from_tokenizer),
     // borrowed, must outlive the engine. NULL: constrained requests are refused.
     const struct tdm_grammar_vocab *grammar_vocab;
+    int mask_threads; // threads filling a step's masks beside the forward (started at the first
+                      // constrained step); 0 = a quarter of the online cores, 1 to 4
 };
 // Fills the defaults above.
 void tdm_engine_config_default(struct tdm_engine_config *cfg);
