@@ -1001,8 +1001,11 @@ static void run_step(struct tdm_engine *e, int n_items)
         if (!it->logits)
             continue;
         float *lrow = e->logits + (size_t)row++ * (size_t)e->vocab;
-        if (r->gm)
+        if (r->gm) {
+            double t0 = tdm_now();
             mask_apply(e, r, lrow);
+            e->mask_wait_seconds += tdm_now() - t0;
+        }
         int32_t tok = tdm_sampler_sample(r->sampler, lrow, r->want_logprobs ? &e->sres : NULL);
         append_token(e, r, tok, r->want_logprobs ? &e->sres : NULL, now);
     }

@@ -299,7 +299,8 @@ struct tdm_engine_stats {
     uint64_t num_finished; // requests finished (any reason)
     uint64_t num_masks;       // structured output: token masks computed
     double mask_seconds;      // time computing them (on the mask thread, overlapping the forward)
-    double mask_wait_seconds; // time the engine thread waited for masks after the forward
+    double mask_wait_seconds; // engine-thread time on masks: waiting for them after the
+                              // forward, then applying them to the logits (the exposed cost)
 };
 // A consistent snapshot as of the end of the engine's last step (or idle point).
 void tdm_engine_get_stats(struct tdm_engine *e, struct tdm_engine_stats *out);
