@@ -140,6 +140,13 @@ struct tdm_oai_request {
     // against vocab_size. max_tokens is resolved separately, once the prompt
     // length is known (tdm_oai_request_max_tokens).
     struct tdm_sampling_params sampling;
+
+    // Structured output (response_format, structured_outputs, guided_*): the
+    // constraint's text (heap, owned; sampling.constraint_text points here) and
+    // the field it came from; kind is sampling.constraint.
+    char *constraint_text;
+    size_t constraint_len;
+    char constraint_param[48];
 };
 
 // Parses a completions (kind COMPLETION) or chat (kind CHAT) JSON body of len
@@ -148,12 +155,27 @@ struct tdm_oai_request {
 // must be in [0, 2], got 3.0." param "temperature", or 404 for an unknown model)
 // or TDM_ENOMEM (e: 500), leaving *req empty. Unknown fields are ignored; a null
 // value counts as absent. Fields vLLM supports but Tandem does not (tools,
-// response_format, suffix, use_beam_search, prompt_logprobs, ...) are 400 "...
-// is not supported" unless set to their no-op value.
+// suffix, use_beam_search, prompt_logprobs, ...) are 400 "... is not
+// supported" unless set to their no-op value. A structured-output constraint
+// (response_format, structured_outputs, guided_*: at most one) is compiled
+// here to validate it (tdm_oai_request_set_constraint).
 int tdm_oai_request_parse(struct tdm_oai_request *req, enum tdm_oai_kind kind, const char *json,
                           size_t len, const struct tdm_oai_model_info *model,
                           struct tdm_oai_error *e);
 void tdm_oai_request_fini(struct tdm_oai_request *req);
+
+// Attaches a structured-output constraint to a parsed request (what parsing
+// does for response_format / structured_outputs / guided_*; also the entry
+// point for features that force a shape, such as tool_choice): compiles (kind,
+// text) through the grammar cache to validate it, keeps a copy of text and
+// points req->sampling.constraint* at it, so that the constraint travels with
+// the sampling params (engine, P/D wire). param names the field in errors.
+// TDM_OK; TDM_EINVAL with e 400 when the request already has a constraint
+// ("You can only use one kind of structured outputs constraint ...") or the
+// grammar engine refuses the text (its message); TDM_ENOMEM with e 500.
+int tdm_oai_request_set_constraint(struct tdm_oai_request *req, enum tdm_constraint_kind kind,
+                                   const char *text, size_t len, const char *param,
+                                   struct tdm_oai_error *e);
 
 // Once the server has tokenized the prompt (prompt_len tokens): checks it fits
 // the context and resolves max_tokens as vLLM does (the request's value, else
