@@ -168,11 +168,17 @@ async function refusals() {
     return 'refusals ok';
 }
 
+// A forced call (random weights: the grammar writes it), streamed and not, then
+// its result sent back. 256 tokens leave room for the whitespace the grammar
+// allows (up to 4 bytes per place); without parallel_tool_calls "required"
+// makes one call, so the array ends.
 async function roundTrip(choice, what) {
-    const req = { ...base, max_tokens: 64, messages: ASK, tools: [WEATHER, TIME], tool_choice: choice };
+    const req = { ...base, max_tokens: 256, messages: ASK, tools: [WEATHER, TIME], tool_choice: choice,
+                  parallel_tool_calls: false };
     const c = await client.chat.completions.create(req);
     const msg = c.choices[0].message;
-    checkCalls(msg.tool_calls, ['get_weather', 'get_time'], what);
+    checkCalls(msg.tool_calls, ['get_weather', 'get_time'],
+               `${what} (finish ${c.choices[0].finish_reason}, content ${JSON.stringify(msg.content)})`);
     assert.equal(msg.content, null, `${what}: content null with only calls`);
     const s = await streamed(req);
     assert.deepEqual(s.calls.map((t) => [t.function.name, t.function.arguments]),
@@ -201,7 +207,7 @@ async function forcedCalls() {
     // "auto" with the hermes parser: a regex constraint makes the random model
     // write Qwen's syntax, which the parser turns into a call.
     const regex = '<tool_call>\\n\\{"name": "get_time", "arguments": \\{"tz": "(UTC|CET)"\\}\\}\\n</tool_call>';
-    const req = { ...base, max_tokens: 64, messages: ASK, tools: [WEATHER, TIME], tool_choice: 'auto',
+    const req = { ...base, max_tokens: 128, messages: ASK, tools: [WEATHER, TIME], tool_choice: 'auto',
                   structured_outputs: { regex } };
     const c = await client.chat.completions.create(req);
     checkCalls(c.choices[0].message.tool_calls, ['get_time'], 'auto via regex');

@@ -22,15 +22,6 @@ int tdm_oai_call_init(struct tdm_oai_call *k, enum tdm_oai_kind kind, const char
     int rc = tdm_oai_request_parse(&k->req, kind, json, len, info, e);
     if (rc != TDM_OK)
         return rc;
-    // A forced call (tool_choice "required" or a named function) must come out
-    // parseable: that takes the grammar engine on the sampler's side
-    // (tdm_oai_tool_constraint_schema), which generation does not run yet.
-    if (k->req.tools.choice == TDM_OAI_TOOL_CHOICE_REQUIRED ||
-        k->req.tools.choice == TDM_OAI_TOOL_CHOICE_NAMED)
-        return tdm_oai_seterr(e, 400, "tool_choice",
-                              "tool_choice \"required\" and named functions need constrained "
-                              "decoding, which this server does not run yet; use \"auto\" "
-                              "(--enable-auto-tool-choice --tool-call-parser)");
     tdm_oai_response_init(&k->resp, kind, info->served_name,
                           k->req.request_id ? k->req.request_id : base_id);
     rc = tdm_oai_prompts_build(&k->req, info, tok, chat, chat_err, &k->prompts, &k->n_prompts,

@@ -404,9 +404,25 @@ static void test_tool_calls_body(void **state)
     free(body);
     tdm_oai_call_fini(&k);
 
-    // Forced calls are refused until the sampler enforces them.
-    assert_int_equal(start_chat(&k, TOOL_BODY(",\"tool_choice\":\"required\""), &e), TDM_EINVAL);
-    assert_string_equal(e.param, "tool_choice");
+    // "required": the sampler gets the forcing schema; the output (what it
+    // allows) becomes the calls, content null, finish as generated.
+    assert_int_equal(start_chat(&k, TOOL_BODY(",\"tool_choice\":\"required\""), &e), TDM_OK);
+    assert_int_equal(k.req.sampling.constraint, TDM_CONSTRAINT_JSON_SCHEMA);
+    assert_non_null(strstr(k.req.sampling.constraint_text, "\"minItems\":1"));
+    feed(&k, 0, "[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Rome\"}}]");
+    assert_int_equal(tdm_oai_asm_finish(&k.choices[0], TDM_FINISH_STOP, -1, 0, NULL, &stopped),
+                     TDM_OK);
+    body = tdm_oai_call_body(&k);
+    j = cJSON_Parse(body);
+    c = choice0(j);
+    msg = cJSON_GetObjectItem(c, "message");
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(msg, "content")));
+    fn = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(msg, "tool_calls"), 0),
+                             "function");
+    assert_string_equal(cJSON_GetObjectItem(fn, "arguments")->valuestring, "{\"city\": \"Rome\"}");
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "stop");
+    cJSON_Delete(j);
+    free(body);
     tdm_oai_call_fini(&k);
     info.tool_parser = TDM_OAI_TOOL_PARSER_NONE;
     info.max_model_len = 256;

@@ -33,6 +33,13 @@ size_t tdm_oai_utf8_seq_len(const unsigned char *s, size_t len);
 // TDM_ENOMEM with e (400 naming the field / 500).
 int tdm_oai_tools_parse(const struct cJSON *root, const struct tdm_oai_model_info *m,
                         bool tools_only, struct tdm_oai_tool_request *t, struct tdm_oai_error *e);
+// tool_choice "required" or a named function: the JSON Schema of the forced
+// call (tdm_oai_tool_constraint_schema) becomes the request's constraint
+// (tdm_oai_request_set_constraint, param "tool_choice"), so the sampler makes
+// the output parse. Nothing for none/auto. TDM_OK, or an error code with e
+// (400: the grammar engine refuses a tool's parameters, or the request has
+// another constraint).
+int tdm_oai_tools_force(struct tdm_oai_request *r, struct tdm_oai_error *e);
 // The messages as the chat template sees them (vLLM's conversation): for each
 // message {"role", "content": msgs[i].content (one string)}, an assistant's
 // "tool_calls" with each function.arguments parsed from its JSON string, a tool

@@ -945,6 +945,8 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
         return fail_code(e);
     if (parse_constraints(root, r, e) != TDM_OK)
         return fail_code(e);
+    if (chat && tdm_oai_tools_force(r, e) != TDM_OK)
+        return fail_code(e);
     if (r->max_tokens > 0 && r->sampling.min_tokens > r->max_tokens)
         return tdm_oai_seterr(e, 400, "min_tokens",
                               "min_tokens must be less than or equal to max_tokens=%d, got %d.",

@@ -414,8 +414,20 @@ out:
     return rc;
 }
 
-// ---- the constraint of a forced call
-// -------------------------------------------------------------
+// ---- the constraint of a forced call ----------------------------------------------------
+int tdm_oai_tools_force(struct tdm_oai_request *r, struct tdm_oai_error *e)
+{
+    char err[256] = "", *schema = NULL;
+    int rc = tdm_oai_tool_constraint_schema(&r->tools, &schema, err, sizeof err);
+    if (rc != TDM_OK)
+        return rc == TDM_ENOMEM ? oom(e) : tdm_oai_seterr(e, 400, "tools", "%s", err);
+    if (schema == NULL)
+        return TDM_OK;
+    rc = tdm_oai_request_set_constraint(r, TDM_CONSTRAINT_JSON_SCHEMA, schema, strlen(schema),
+                                        "tool_choice", e);
+    free(schema);
+    return rc;
+}
 
 // tool's parameters, or {"type":"object","properties":{}} when it has none
 // (vLLM: a call without parameters is generated as {}).

@@ -348,10 +348,30 @@ static void test_constraint(void **state)
     free(schema);
     tdm_oai_request_fini(&r);
     snprintf(body, sizeof body, defs, "string");
-    assert_int_equal(parse(&r, &plain, body, &e), TDM_OK);
-    assert_int_equal(tdm_oai_tool_constraint_schema(&r.tools, &schema, err, sizeof err),
-                     TDM_EINVAL);
-    assert_non_null(strstr(err, "'P'"));
+    expect_error(&plain, body, "tools", "the definition 'P' in $defs has different schemas");
+    // A forced call rides as the request's constraint; it cannot be combined
+    // with another one.
+    assert_int_equal(parse(&r, &plain,
+                           "{" USER ",\"tools\":[" WEATHER "],\"tool_choice\":{\"type\":"
+                           "\"function\",\"function\":{\"name\":\"get_weather\"}}}",
+                           &e),
+                     TDM_OK);
+    assert_int_equal(r.sampling.constraint, TDM_CONSTRAINT_JSON_SCHEMA);
+    assert_non_null(strstr(r.sampling.constraint_text, "\"city\""));
+    tdm_oai_request_fini(&r);
+    expect_error(&plain,
+                 "{" USER ",\"tools\":[" WEATHER "],\"tool_choice\":\"required\","
+                 "\"response_format\":{\"type\":\"json_object\"}}",
+                 "tool_choice", "You can only use one kind of structured outputs constraint");
+    // A keyword the grammar engine lacks: 400 naming it when the call is
+    // forced; auto forces nothing, so the same tools serve.
+    const char *minimum =
+        "{" USER ",\"tools\":[{\"function\":{\"name\":\"n\",\"parameters\":{\"type\":"
+        "\"object\",\"properties\":{\"k\":{\"type\":\"integer\",\"minimum\":1}}}}}]%s}";
+    snprintf(body, sizeof body, minimum, ",\"tool_choice\":\"required\"");
+    expect_error(&plain, body, "tool_choice", "\"minimum\" is not supported");
+    snprintf(body, sizeof body, minimum, "");
+    assert_int_equal(parse(&r, &hermes, body, &e), TDM_OK);
     tdm_oai_request_fini(&r);
     // auto and none force nothing.
     assert_int_equal(parse(&r, &hermes, "{" USER ",\"tools\":[" WEATHER "]}", &e), TDM_OK);
