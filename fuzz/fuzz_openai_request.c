@@ -3,8 +3,11 @@
 // and the workers: the first byte picks the route (completions, chat,
 // tokenize, detokenize), the rest is the body. A body the parser accepts goes
 // on to tokenization and chat rendering with the real tokenizer, as a server
-// does before any engine work. Any crash, leak or UB is a finding; an error
-// status is the expected answer to junk.
+// does before any engine work. The body bytes are also fed, as generated text,
+// to a tool-call parser (bits 2-3 of the first byte pick hermes, llama3_json,
+// required or named), whole and in cuts, as the servers run them on model
+// output. Any crash, leak or UB is a finding; an error status is the expected
+// answer to junk.
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,14 +33,47 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     return 0;
 }
 
+// The body as model output through one parser: extracted whole, then streamed
+// in pieces whose sizes come from the bytes themselves.
+static void parse_output(enum tdm_oai_tool_format f, const char *text, size_t len)
+{
+    struct tdm_oai_tool_call *calls = NULL;
+    size_t n = 0;
+    char *content = NULL;
+    if (tdm_oai_tools_extract(f, "f", true, text, len, &calls, &n, &content) == 0) {
+        tdm_oai_tool_calls_free(calls, n);
+        free(content);
+    }
+    struct tdm_oai_toolparse *p = NULL;
+    if (tdm_oai_toolparse_new(&p, f, "f", (len & 1) != 0) != 0)
+        return;
+    for (size_t at = 0; at < len;) {
+        size_t step = 1 + (unsigned char)text[at] % 7;
+        if (step > len - at)
+            step = len - at;
+        if (tdm_oai_toolparse_feed(p, text + at, step) != 0)
+            break;
+        tdm_oai_toolparse_clear(p);
+        at += step;
+    }
+    (void)tdm_oai_toolparse_finish(p);
+    tdm_oai_toolparse_free(p);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
     const char *body = (const char *)data + 1;
     size_t len = size - 1;
-    struct tdm_oai_model_info info = {.served_name = "m", .vocab_size = tdm_tok_vocab_size(tok),
-                                      .max_model_len = 4096};
+    struct tdm_oai_model_info info = {.served_name = "m",
+                                      .vocab_size = tdm_tok_vocab_size(tok),
+                                      .max_model_len = 4096,
+                                      .tool_parser = TDM_OAI_TOOL_PARSER_HERMES};
+    static const enum tdm_oai_tool_format formats[4] = {
+        TDM_OAI_TOOL_FORMAT_HERMES, TDM_OAI_TOOL_FORMAT_LLAMA3_JSON, TDM_OAI_TOOL_FORMAT_REQUIRED,
+        TDM_OAI_TOOL_FORMAT_NAMED};
+    parse_output(formats[(data[0] >> 2) % 4], body, len);
     struct tdm_oai_error e;
     char *out = NULL;
     switch (data[0] % 4) {

@@ -11,7 +11,9 @@ router at ~600 levels). Every JSON route now refuses text nested deeper than
 400 for a prompt that is not token ids). Brackets inside strings do not
 count. The internal nng ports refuse peers without the cluster's secret
 before reading a frame. After the hostile requests a normal completion
-succeeds through the router and on the decode worker directly.
+succeeds through the router and on the decode worker directly. Hostile
+structured-output constraints (10 MB schema, 10 000-deep schema, a grammar
+accepting nothing, catastrophic regexes) are a fast 400 or harmless.
 """
 import http.client
 import json
@@ -143,6 +145,43 @@ def heavy_request(cl):
     check(results.count(200) == 24, "normal requests beside the heavy one: %s" % results)
 
 
+def hostile_constraints(cl):
+    """Structured-output constraints built to hurt (issue 12, part 2): a 10 MB
+    schema, a schema nested 10 000 deep (as a JSON string, so the body's own
+    depth check does not stop it first), patterns that backtrack catastrophically
+    elsewhere, a grammar that accepts nothing, two constraints at once. Each is
+    a 400 carrying the grammar engine's message, fast, on the router and on the
+    decode worker; catastrophic patterns are no harm (no backtracking: they
+    compile and generate in linear time)."""
+    deep = '{"items":' * 10000 + "{}" + "}" * 10000
+    big = '{"enum":[' + ",".join(["1"] * (5 << 20)) + "]}"
+    bad = [
+        ({"guided_json": deep}, "nests deeper than 128"),
+        ({"guided_json": big}, "at most"),
+        ({"guided_grammar": 'root ::= "a" root'}, "accepts no string"),
+        ({"guided_json": {"type": "integer", "minimum": 0}}, '"minimum" is not supported'),
+        ({"guided_regex": "(a)\\1"}, "backreference"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}},
+         "only use one kind of structured outputs"),
+    ]
+    for port in (cl.router_port, cl.decode[0].http_port):
+        for extra, want in bad:
+            t0 = time.time()
+            st, _, body = post(port, "/v1/completions", dict(prompt="x", max_tokens=4, **extra))
+            dt = time.time() - t0
+            msg = body["error"]["message"] if isinstance(body, dict) and "error" in body else body
+            check(st == 400 and want in str(msg), "constraint %s: %d %r" % (
+                list(extra), st, str(msg)[:300]))
+            check(dt < 10, "constraint %s took %.1f s" % (list(extra), dt))
+        for pattern in ("(a+)+b", "(a|a)*b", "(a*)*b", "(.*a){20}b", "(x+x+)+y"):
+            t0 = time.time()
+            st, _, body = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 24,
+                                                        "guided_regex": pattern})
+            check(st == 200, "regex %s: %d %r" % (pattern, st, body))
+            check(time.time() - t0 < 30, "regex %s took %.1f s" % (pattern, time.time() - t0))
+    alive(cl)
+
+
 def alive(cl):
     for p in [cl.router_proc] + [w.proc for w in cl.workers()]:
         check(p.poll() is None, "a service died (exit %s); see its log in the workdir" % p.returncode)
@@ -183,6 +222,7 @@ def main():
     for name, port in ports.items():
         ambiguous_framing(port, name)
     heavy_request(cl)
+    hostile_constraints(cl)
     unauthenticated_frames(cl)
     for port in (cl.router_port, cl.decode[0].http_port):
         st, _, body = post(port, "/v1/completions", {"prompt": "hello", "max_tokens": 4})

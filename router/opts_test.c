@@ -69,10 +69,31 @@ static void test_policy_errors(void **state)
     assert_non_null(strstr(err, "--config FILE"));
 }
 
+// vLLM's tool flags: auto tool choice needs a parser, and a known one.
+static void test_tool_flags(void **state)
+{
+    (void)state;
+    struct tdm_router_opts o;
+    char err[512];
+    char *ok[] = {"r", "--model", "m", "--config", "x.yaml", "--enable-auto-tool-choice",
+                  "--tool-call-parser", "llama3_json", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 8, ok), TDM_OK);
+    assert_true(o.enable_auto_tool_choice);
+    assert_string_equal(o.tool_call_parser, "llama3_json");
+    char *alone[] = {"r", "--model", "m", "--config", "x.yaml", "--enable-auto-tool-choice", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 6, alone), TDM_EINVAL);
+    assert_non_null(strstr(err, "--enable-auto-tool-choice requires --tool-call-parser"));
+    char *unknown[] = {"r", "--model", "m", "--config", "x.yaml", "--enable-auto-tool-choice",
+                       "--tool-call-parser", "pythonic", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 8, unknown), TDM_EINVAL);
+    assert_non_null(strstr(err, "unknown parser \"pythonic\""));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_policy_short_form),
+        cmocka_unit_test(test_tool_flags),
         cmocka_unit_test(test_policy_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

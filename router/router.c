@@ -83,6 +83,11 @@ static const struct tdm_flag router_flags[] = {
     STR("model", model, "DIR", "model folder for the tokenizer, chat template, config.json"),
     STR("served-model-name", served_model_name, "NAME", "name in requests and responses"),
     STR("chat-template", chat_template, "FILE", "override the tokenizer's chat template"),
+    {.name = "enable-auto-tool-choice", .kind = TDM_FLAG_BOOL,
+     .offset = OFF(enable_auto_tool_choice),
+     .help = "tool_choice \"auto\": parse tool calls out of the\noutput (needs --tool-call-parser)"},
+    STR("tool-call-parser", tool_call_parser, "NAME",
+        "hermes (Qwen2.5, Hermes) or llama3_json (Llama 3.x)"),
     STR("host", host, "ADDR", "HTTP listen address (default 0.0.0.0)"),
     NUM("port", TDM_FLAG_INT, port, 0, 65535, "N", "HTTP listen port (default 8000)"),
     STR("nng-url", nng_url, "URL", "the router's nng inbox (default tcp://127.0.0.1:0)"),
@@ -215,7 +220,9 @@ int tdm_router_opts_parse_args(struct tdm_router_opts *o, int argc, char **argv,
         return rc;
     if (o->model[0] == '\0')
         return tdm_seterr(err, errlen, TDM_EINVAL, "--model DIR is required");
-    return TDM_OK;
+    enum tdm_oai_tool_parser tp;
+    return tdm_oai_tool_parser_config(o->enable_auto_tool_choice, o->tool_call_parser, &tp, err,
+                                      errlen);
 }
 
 // ---- server state ------------------------------------------------------------------------------
@@ -1159,6 +1166,10 @@ static int load_text_side(struct tdm_router_server *s, char *err, size_t errlen)
     if (rc == TDM_OK)
         rc = tdm_text_context_len(s->o.max_model_len, mc.max_position_embeddings, &s->max_model_len,
                                   err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    rc = tdm_oai_tool_parser_config(s->o.enable_auto_tool_choice, s->o.tool_call_parser,
+                                    &s->info.tool_parser, err, errlen);
     if (rc != TDM_OK)
         return rc;
     s->info.served_name = s->text.served_name;

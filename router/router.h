@@ -34,6 +34,8 @@ struct tdm_router_opts {
     char model[1024];            // --model DIR (required): tokenizer, chat template, config.json
     char served_model_name[256]; // --served-model-name; "" = config.json's _name_or_path or DIR
     char chat_template[1024];    // --chat-template FILE; "" = the tokenizer's
+    bool enable_auto_tool_choice; // --enable-auto-tool-choice (vLLM's)
+    char tool_call_parser[64];    // --tool-call-parser hermes|llama3_json; "" = none
     char host[256];              // --host; default 0.0.0.0
     int port;                    // --port; default 8000; 0 = any free port
     char nng_url[256];           // --nng-url: the router's inbox; default tcp://127.0.0.1:0

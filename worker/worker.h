@@ -54,6 +54,8 @@ struct tdm_worker_config {
     bool enforce_eager;                     // --enforce-eager: no CUDA graphs
     bool int8;                              // --dtype int8 (default bf16)
     char chat_template[TDM_WORKER_STR];     // --chat-template FILE; "" = tokenizer's
+    bool enable_auto_tool_choice;           // --enable-auto-tool-choice (vLLM's)
+    char tool_call_parser[64];              // --tool-call-parser hermes|llama3_json; "" = none
     int max_waiting;                        // --max-waiting; default 1024
     double drain_timeout;                   // --drain-timeout SECONDS; default 30
     char log_level[16];                     // --log-level err|warn|info|debug; default info

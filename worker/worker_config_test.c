@@ -73,6 +73,28 @@ static void test_flags(void **state)
     assert_int_equal(c.max_waiting, 0);
 }
 
+// vLLM's tool flags land in the config; tdm_worker_new refuses a bad pair
+// before loading anything.
+static void test_tool_flags(void **state)
+{
+    (void)state;
+    struct tdm_worker_config c;
+    char err[256];
+    assert_int_equal(parse(&c, err, sizeof err, 6, "--model", "/nonexistent-model",
+                           "--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+                     TDM_OK);
+    assert_true(c.enable_auto_tool_choice);
+    assert_string_equal(c.tool_call_parser, "hermes");
+    struct tdm_worker *w = NULL;
+    snprintf(c.tool_call_parser, sizeof c.tool_call_parser, "%s", "granite");
+    assert_int_equal(tdm_worker_new(&w, &c, err, sizeof err), TDM_EINVAL);
+    assert_null(w);
+    assert_non_null(strstr(err, "unknown parser \"granite\""));
+    c.tool_call_parser[0] = '\0';
+    assert_int_equal(tdm_worker_new(&w, &c, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "requires --tool-call-parser"));
+}
+
 static void test_bad_flags(void **state)
 {
     (void)state;
@@ -213,6 +235,7 @@ int main(void)
         cmocka_unit_test(test_defaults),  cmocka_unit_test(test_flags),
         cmocka_unit_test(test_bad_flags), cmocka_unit_test(test_device),
         cmocka_unit_test(test_bytes),     cmocka_unit_test(test_config_file),
+        cmocka_unit_test(test_tool_flags),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -283,8 +283,8 @@ static int join_text_parts(const cJSON *parts, size_t idx, char **out, char *err
     return sb_finish(&b, out, err, errlen);
 }
 
-int tdm_chat_msgs_parse(const char *json, size_t len, struct tdm_chat_msg **msgs, size_t *n,
-                        char *err, size_t errlen)
+static int msgs_parse(const char *json, size_t len, bool tool_calls, struct tdm_chat_msg **msgs,
+                      size_t *n, char *err, size_t errlen)
 {
     *msgs = NULL;
     *n = 0;
@@ -335,7 +335,7 @@ int tdm_chat_msgs_parse(const char *json, size_t len, struct tdm_chat_msg **msgs
         }
         bool assistant = strcmp(role->valuestring, "assistant") == 0;
         const cJSON *calls = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
-        if (assistant && calls && !cJSON_IsNull(calls) &&
+        if (!tool_calls && assistant && calls && !cJSON_IsNull(calls) &&
             !(cJSON_IsArray(calls) && cJSON_GetArraySize(calls) == 0)) {
             rc = tdm_seterr(err, errlen, TDM_EINVAL,
                             "messages[%zu].tool_calls is not supported (no tool calling)", i);
@@ -384,6 +384,18 @@ fail_msgs:
 fail_root:
     cJSON_Delete(root);
     return rc;
+}
+
+int tdm_chat_msgs_parse(const char *json, size_t len, struct tdm_chat_msg **msgs, size_t *n,
+                        char *err, size_t errlen)
+{
+    return msgs_parse(json, len, false, msgs, n, err, errlen);
+}
+
+int tdm_chat_msgs_parse_calls(const char *json, size_t len, struct tdm_chat_msg **msgs, size_t *n,
+                              char *err, size_t errlen)
+{
+    return msgs_parse(json, len, true, msgs, n, err, errlen);
 }
 
 void tdm_chat_msgs_free(struct tdm_chat_msg *msgs, size_t n)

@@ -65,6 +65,11 @@ int tdm_chat_render_json(const struct tdm_chat_template *t, const char *messages
 // {"type":"text","text":...} parts). *msgs is heap; free with tdm_chat_msgs_free.
 int tdm_chat_msgs_parse(const char *json, size_t len, struct tdm_chat_msg **msgs, size_t *n,
                         char *err, size_t errlen);
+// The same, accepting assistant "tool_calls" (left out of the {role, content}
+// form: the caller renders them with tdm_chat_render_json, as common/openai
+// does); tdm_chat_msgs_parse refuses them so that tdm_chat_render never drops them.
+int tdm_chat_msgs_parse_calls(const char *json, size_t len, struct tdm_chat_msg **msgs, size_t *n,
+                              char *err, size_t errlen);
 void tdm_chat_msgs_free(struct tdm_chat_msg *msgs, size_t n);
 
 #endif

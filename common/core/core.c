@@ -152,6 +152,13 @@ const char *tdm_finish_name(enum tdm_finish reason)
     return (unsigned)reason < TDM_FINISH_COUNT ? names[reason] : NULL;
 }
 
+const char *tdm_constraint_kind_name(enum tdm_constraint_kind kind)
+{
+    static const char *const names[TDM_CONSTRAINT_COUNT] = {NULL,    "json_schema", "json_object",
+                                                            "regex", "choice",      "grammar"};
+    return (unsigned)kind < TDM_CONSTRAINT_COUNT ? names[kind] : NULL;
+}
+
 int tdm_cond_init(pthread_cond_t *cv)
 {
     pthread_condattr_t a;

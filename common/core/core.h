@@ -53,6 +53,23 @@ enum tdm_finish {
 // "stop", "length", "abort", "error"; NULL for NONE and values out of range.
 const char *tdm_finish_name(enum tdm_finish reason);
 
+// ---- structured-output constraint kind ------------------------------------------
+// What a request's constraint text is (issue 12; docs/structured-outputs.md):
+// the same numbers travel in SamplingParams.constraint_kind. common/grammar
+// compiles (kind, text) into a grammar (tdm_grammar_compile_constraint).
+enum tdm_constraint_kind {
+    TDM_CONSTRAINT_NONE = 0,    // unconstrained
+    TDM_CONSTRAINT_JSON_SCHEMA, // text: a JSON Schema
+    TDM_CONSTRAINT_JSON_OBJECT, // any JSON object (text unused)
+    TDM_CONSTRAINT_REGEX,       // text: a regex matched against the whole output
+    TDM_CONSTRAINT_CHOICE,      // text: a JSON array of strings, exactly one of them
+    TDM_CONSTRAINT_GRAMMAR,     // text: a GBNF grammar
+    TDM_CONSTRAINT_COUNT,       // the number of values (not a kind)
+};
+// "json_schema", "json_object", "regex", "choice", "grammar"; NULL for NONE and
+// values out of range.
+const char *tdm_constraint_kind_name(enum tdm_constraint_kind kind);
+
 // ---- logging ------------------------------------------------------------------
 enum tdm_log_level { TDM_LOG_LEVEL_ERR = 0, TDM_LOG_LEVEL_WARN, TDM_LOG_LEVEL_INFO, TDM_LOG_LEVEL_DEBUG };
 

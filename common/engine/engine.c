@@ -22,9 +22,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "core.h"
 #include "engine.h"
+#include "grammar.h"
 
 #define MOD "engine"
 
@@ -54,6 +56,18 @@ struct tdm_engine_request {
     int params_index;
     int num_top;        // top-N logprobs per token (0 when none)
     bool want_logprobs; // logprobs >= 0
+
+    // Structured output (NULL gm: unconstrained). gm and gmask are written by
+    // the mask thread during a step's forward and by the engine thread
+    // otherwise (the step's post/wait orders them); gend: the ids that end the
+    // request (EOS, stop ids), allowed only where the grammar accepts.
+    struct tdm_grammar_matcher *gm;
+    uint32_t *gmask; // [engine mask_words]
+    int gmask_rc;    // fill_mask's result this step
+    bool gmask_eos;  // accepts_eos this step
+    double gmask_s;  // time of this step's mask
+    int32_t gend[TDM_MAX_EOS + TDM_MAX_STOP_IDS];
+    int n_gend;
 
     // Engine-thread state.
     enum req_state state;
@@ -144,6 +158,24 @@ struct tdm_engine {
     struct tdm_sample_result sres;
     uint64_t prefix_queries, prefix_hits, preemptions, steps, finished;
 
+    // Structured output: mask threads fill the step's masks while the engine
+    // thread runs the forward (started at the first constrained step). A post
+    // bumps mask_gen; each thread takes jobs by mask_next until none is left,
+    // and the last one done (mask_busy 0) wakes the engine thread.
+    size_t mask_words;
+    struct tdm_engine_request **mask_jobs; // [max_num_seqs]
+    int n_mask_jobs;
+    pthread_t *mask_threads; // [cfg.mask_threads]
+    int n_mask_threads;      // started
+    bool mask_tried, mask_quit;
+    uint64_t mask_gen;
+    atomic_int mask_next;
+    int mask_busy;
+    pthread_mutex_t mask_mu;
+    pthread_cond_t mask_cv;
+    uint64_t num_masks;
+    double mask_seconds, mask_wait_seconds;
+
     // Shared, guarded by mu.
     pthread_mutex_t mu;
     pthread_cond_t wake;    // engine thread waits here when idle
@@ -191,6 +223,8 @@ static int blocks_for(const struct tdm_engine *e, int tokens)
 
 static void req_free(struct tdm_engine_request *r)
 {
+    tdm_grammar_matcher_free(r->gm);
+    free(r->gmask);
     tdm_sampler_free(r->sampler);
     free(r->hist);
     free(r->lp);
@@ -478,6 +512,9 @@ static void publish_stats(struct tdm_engine *e)
     s->num_preemptions = e->preemptions;
     s->num_steps = e->steps;
     s->num_finished = e->finished;
+    s->num_masks = e->num_masks;
+    s->mask_seconds = e->mask_seconds;
+    s->mask_wait_seconds = e->mask_wait_seconds;
     e->num_active = e->num_queued + e->num_running + e->num_importing;
     if (e->m) {
         tdm_metrics_gauge_set(e->m->num_requests_running, s->num_running);
@@ -720,7 +757,30 @@ static void append_token(struct tdm_engine *e, struct tdm_engine_request *r, int
     if (i == 0)
         r->t_first_token = now;
     r->t_last_token = now;
-    if (tdm_sampler_is_stop(r->sampler, tok))
+    bool stop = tdm_sampler_is_stop(r->sampler, tok);
+    if (r->gm && !stop) {
+        // The grammar follows every token that does not end the request. A
+        // token it refuses can only be an ending id sampled where the output is
+        // complete (ignore_eos), or the fallback draw when the mask left nothing
+        // (min_tokens hiding the only allowed EOS): the output is complete
+        // then, or the grammar and the token disagree (a P/D peer's token).
+        if (tdm_grammar_matcher_accept_token(r->gm, tok) != TDM_OK) {
+            if (tdm_grammar_matcher_accepts_eos(r->gm)) {
+                finish_request(e, r, TDM_FINISH_STOP, -1, TDM_OK, NULL, true);
+            } else {
+                char msg[96];
+                snprintf(msg, sizeof msg, "structured output: token %d is not allowed here",
+                         (int)tok);
+                finish_request(e, r, TDM_FINISH_ERROR, -1, TDM_EINVAL, msg, true);
+            }
+            return;
+        }
+        if (tdm_grammar_matcher_is_done(r->gm)) { // nothing but EOS can follow
+            finish_request(e, r, TDM_FINISH_STOP, -1, TDM_OK, NULL, true);
+            return;
+        }
+    }
+    if (stop)
         finish_request(e, r, TDM_FINISH_STOP, tok, TDM_OK, NULL, true);
     else if (r->n_gen >= r->max_gen)
         finish_request(e, r, TDM_FINISH_LENGTH, -1, TDM_OK, NULL, true);
@@ -776,6 +836,119 @@ static void layer_done(void *arg, int layer)
     r->on_layer(r->layer_ctx, r, layer);
 }
 
+// ---- structured output: masks -------------------------------------------------------------
+static void mask_compute(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    double t0 = tdm_now();
+    r->gmask_rc = tdm_grammar_matcher_fill_mask(r->gm, r->gmask, e->mask_words);
+    r->gmask_eos = tdm_grammar_matcher_accepts_eos(r->gm);
+    r->gmask_s = tdm_now() - t0;
+}
+
+static void *mask_main(void *arg)
+{
+    struct tdm_engine *e = arg;
+    pthread_setname_np(pthread_self(), "tdm-mask");
+    pthread_mutex_lock(&e->mask_mu);
+    uint64_t seen = 0; // every thread starts before the first post (mask_gen 0 then)
+    for (;;) {
+        while (e->mask_gen == seen && !e->mask_quit)
+            pthread_cond_wait(&e->mask_cv, &e->mask_mu);
+        if (e->mask_quit)
+            break;
+        seen = e->mask_gen;
+        int n = e->n_mask_jobs;
+        pthread_mutex_unlock(&e->mask_mu);
+        for (;;) {
+            int i = atomic_fetch_add_explicit(&e->mask_next, 1, memory_order_relaxed);
+            if (i >= n)
+                break;
+            mask_compute(e, e->mask_jobs[i]);
+        }
+        pthread_mutex_lock(&e->mask_mu);
+        if (--e->mask_busy == 0)
+            pthread_cond_broadcast(&e->mask_cv);
+    }
+    pthread_mutex_unlock(&e->mask_mu);
+    return NULL;
+}
+
+// Hands this step's masks to the mask threads (started on first use; without
+// any they are computed here, before the forward). True when posted.
+static bool masks_post(struct tdm_engine *e)
+{
+    if (!e->mask_tried) {
+        e->mask_tried = true;
+        e->mask_threads = calloc((size_t)e->cfg.mask_threads, sizeof *e->mask_threads);
+        for (int i = 0; e->mask_threads && i < e->cfg.mask_threads; i++) {
+            if (pthread_create(&e->mask_threads[i], NULL, mask_main, e) != 0)
+                break;
+            e->n_mask_threads++;
+        }
+        if (e->n_mask_threads < e->cfg.mask_threads)
+            TDM_LOG_WARN(MOD, "started %d of %d mask threads", e->n_mask_threads,
+                         e->cfg.mask_threads);
+    }
+    if (e->n_mask_threads == 0) {
+        for (int i = 0; i < e->n_mask_jobs; i++)
+            mask_compute(e, e->mask_jobs[i]);
+        return false;
+    }
+    pthread_mutex_lock(&e->mask_mu);
+    atomic_store_explicit(&e->mask_next, 0, memory_order_relaxed);
+    e->mask_busy = e->n_mask_threads;
+    e->mask_gen++;
+    pthread_cond_broadcast(&e->mask_cv);
+    pthread_mutex_unlock(&e->mask_mu);
+    return true;
+}
+
+static void masks_wait(struct tdm_engine *e, bool posted)
+{
+    if (posted) {
+        double t0 = tdm_now();
+        pthread_mutex_lock(&e->mask_mu);
+        while (e->mask_busy > 0)
+            pthread_cond_wait(&e->mask_cv, &e->mask_mu);
+        pthread_mutex_unlock(&e->mask_mu);
+        e->mask_wait_seconds += tdm_now() - t0;
+    }
+    for (int i = 0; i < e->n_mask_jobs; i++)
+        e->mask_seconds += e->mask_jobs[i]->gmask_s;
+    e->num_masks += (uint64_t)e->n_mask_jobs;
+}
+
+// Logits of tokens the grammar does not allow become -inf; the ending ids keep
+// their logit only where the output is complete.
+static void mask_apply(struct tdm_engine *e, struct tdm_engine_request *r, float *row)
+{
+    float keep[TDM_MAX_EOS + TDM_MAX_STOP_IDS];
+    for (int i = 0; i < r->n_gend; i++)
+        keep[i] = row[r->gend[i]];
+    int nv = e->vocab;
+    int gv = tdm_grammar_vocab_size(e->cfg.grammar_vocab);
+    if (r->gmask_rc == TDM_OK) {
+        int lim = gv < nv ? gv : nv;
+        for (int w = 0; w * 32 < lim; w++) {
+            uint32_t m = r->gmask[w];
+            if (m == 0xffffffffu)
+                continue;
+            int base = w * 32;
+            int end = base + 32 < lim ? base + 32 : lim;
+            for (int v = base; v < end; v++)
+                if (!(m >> (v - base) & 1u))
+                    row[v] = -INFINITY;
+        }
+        for (int v = lim; v < nv; v++) // ids the tokenizer lacks
+            row[v] = -INFINITY;
+    } else { // cannot happen with a vocab; allow nothing but the ending ids
+        for (int v = 0; v < nv; v++)
+            row[v] = -INFINITY;
+    }
+    for (int i = 0; i < r->n_gend; i++)
+        row[r->gend[i]] = r->gmask_eos ? keep[i] : -INFINITY;
+}
+
 static void run_step(struct tdm_engine *e, int n_items)
 {
     struct tdm_metrics_vllm *m = e->m;
@@ -796,7 +969,16 @@ static void run_step(struct tdm_engine *e, int n_items)
                                    .layer_arg = push ? r : NULL};
         total += it->take;
     }
+    // Masks of the constrained sequences that sample this step: computed on
+    // the mask thread while the forward runs. Nothing at all when none is.
+    e->n_mask_jobs = 0;
+    for (int b = 0; b < n_items; b++)
+        if (e->items[b].logits && e->items[b].r->gm)
+            e->mask_jobs[e->n_mask_jobs++] = e->items[b].r;
+    bool posted = e->n_mask_jobs > 0 && masks_post(e);
     int rc = tdm_model_forward(e->model, e->kv, e->batch, n_items, e->logits);
+    if (e->n_mask_jobs > 0)
+        masks_wait(e, posted);
     e->steps++;
     if (m)
         tdm_metrics_histogram_observe(m->iteration_tokens_total, total);
@@ -819,6 +1001,11 @@ static void run_step(struct tdm_engine *e, int n_items)
         if (!it->logits)
             continue;
         float *lrow = e->logits + (size_t)row++ * (size_t)e->vocab;
+        if (r->gm) {
+            double t0 = tdm_now();
+            mask_apply(e, r, lrow);
+            e->mask_wait_seconds += tdm_now() - t0;
+        }
         int32_t tok = tdm_sampler_sample(r->sampler, lrow, r->want_logprobs ? &e->sres : NULL);
         append_token(e, r, tok, r->want_logprobs ? &e->sres : NULL, now);
     }
@@ -1017,6 +1204,13 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     if (cfg.kv_event_capacity < 0)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "engine: kv_event_capacity must be >= 0, got %d", cfg.kv_event_capacity);
+    if (cfg.mask_threads < 0 || cfg.mask_threads > 64)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: mask_threads must be in [0, 64], got %d",
+                          cfg.mask_threads);
+    if (cfg.mask_threads == 0) { // a quarter of the cores, 1 to 4: the forward keeps the rest
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        cfg.mask_threads = cores >= 16 ? 4 : cores >= 8 ? (int)(cores / 4) : 1;
+    }
     if (cfg.max_model_len == 0)
         cfg.max_model_len = mc->max_position_embeddings;
     if (cfg.max_model_len > mc->max_position_embeddings || cfg.max_model_len < 2)
@@ -1076,7 +1270,10 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     e->items = calloc(ns, sizeof *e->items);
     e->batch = calloc(ns, sizeof *e->batch);
     e->logits = malloc(ns * (size_t)e->vocab * sizeof(float));
-    if (!e->running || !e->items || !e->batch || !e->logits) {
+    e->mask_jobs = calloc(ns, sizeof *e->mask_jobs);
+    if (cfg.grammar_vocab)
+        e->mask_words = tdm_grammar_mask_words(cfg.grammar_vocab);
+    if (!e->running || !e->items || !e->batch || !e->logits || !e->mask_jobs) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
         goto fail_arrays;
     }
@@ -1092,12 +1289,20 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
         goto fail_wake;
     }
+    if (pthread_mutex_init(&e->mask_mu, NULL) != 0) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
+        goto fail_idle;
+    }
+    if (tdm_cond_init(&e->mask_cv) != TDM_OK) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
+        goto fail_mask_mu;
+    }
     pthread_mutex_lock(&e->mu);
     publish_stats(e);
     pthread_mutex_unlock(&e->mu);
     if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: cannot start the engine thread");
-        goto fail_idle;
+        goto fail_mask_cv;
     }
     TDM_LOG_INFO(MOD,
                  "started blocks=%d block_size=%d prefix_caching=%d max_num_batched_tokens=%d "
@@ -1107,6 +1312,10 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     *out = e;
     return TDM_OK;
 
+fail_mask_cv:
+    pthread_cond_destroy(&e->mask_cv);
+fail_mask_mu:
+    pthread_mutex_destroy(&e->mask_mu);
 fail_idle:
     pthread_cond_destroy(&e->idle_cv);
 fail_wake:
@@ -1118,6 +1327,7 @@ fail_arrays:
     free(e->items);
     free(e->batch);
     free(e->logits);
+    free(e->mask_jobs);
     free(e->kv_ev);
     tdm_kv_free(e->kv);
 fail_engine:
@@ -1158,6 +1368,15 @@ void tdm_engine_free(struct tdm_engine *e)
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->mu);
     pthread_join(e->thread, NULL);
+    pthread_mutex_lock(&e->mask_mu);
+    e->mask_quit = true;
+    pthread_cond_broadcast(&e->mask_cv);
+    pthread_mutex_unlock(&e->mask_mu);
+    for (int i = 0; i < e->n_mask_threads; i++)
+        pthread_join(e->mask_threads[i], NULL);
+    free(e->mask_threads);
+    pthread_cond_destroy(&e->mask_cv);
+    pthread_mutex_destroy(&e->mask_mu);
     TDM_LOG_INFO(MOD, "stopped steps=%llu finished=%llu preemptions=%llu",
                  (unsigned long long)e->steps, (unsigned long long)e->finished,
                  (unsigned long long)e->preemptions);
@@ -1168,6 +1387,7 @@ void tdm_engine_free(struct tdm_engine *e)
     free(e->items);
     free(e->batch);
     free(e->logits);
+    free(e->mask_jobs);
     free(e->kv_ev);
     tdm_kv_free(e->kv);
     free(e);
@@ -1190,6 +1410,41 @@ int tdm_engine_admit(struct tdm_engine *e, int count, char *err, size_t errlen)
     if (!room)
         return tdm_seterr(err, errlen, TDM_EBUSY, "the waiting queue is full (--max-waiting %d)",
                           e->cfg.max_waiting); // as tdm_engine_submit: one body on every path
+    return TDM_OK;
+}
+
+// A constrained request's matcher (on the compiled grammar: the caller's, or
+// the constraint text's from the process-wide cache), mask buffer and ending ids.
+static int grammar_setup(struct tdm_engine *e, struct tdm_engine_request *r,
+                         const struct tdm_engine_request_params *p, const int32_t *eos,
+                         int num_eos, char *err, size_t errlen)
+{
+    const struct tdm_grammar_vocab *v = e->cfg.grammar_vocab;
+    if (!v)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "req=%s: structured outputs need the tokenizer, which this engine "
+                          "was not given",
+                          r->id);
+    struct tdm_grammar *g = NULL;
+    int rc;
+    if (p->grammar) {
+        g = tdm_grammar_ref(p->grammar);
+    } else {
+        char gerr[256] = "";
+        rc = tdm_grammar_compile_cached(&g, p->sampling.constraint, p->sampling.constraint_text,
+                                        p->sampling.constraint_len, gerr, sizeof gerr);
+        if (rc != TDM_OK)
+            return tdm_seterr(err, errlen, rc, "%s", gerr);
+    }
+    rc = tdm_grammar_matcher_new(&r->gm, g, v);
+    tdm_grammar_unref(g); // the matcher holds its own
+    r->gmask = malloc(e->mask_words * sizeof *r->gmask);
+    if (rc != TDM_OK || !r->gmask)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
+    for (int i = 0; i < num_eos; i++)
+        r->gend[r->n_gend++] = eos[i];
+    for (int i = 0; i < p->sampling.num_stop_token_ids; i++)
+        r->gend[r->n_gend++] = p->sampling.stop_token_ids[i];
     return TDM_OK;
 }
 
@@ -1278,6 +1533,10 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         goto fail_bufs;
     }
     memcpy(r->hist, p->prompt, (size_t)p->n_prompt * sizeof *r->hist);
+    if (p->grammar || p->sampling.constraint != TDM_CONSTRAINT_NONE) {
+        if ((rc = grammar_setup(e, r, p, eos, num_eos, err, errlen)) != TDM_OK)
+            goto fail_bufs;
+    }
     rc = tdm_sampler_new(&r->sampler, &p->sampling, e->vocab, p->prompt, (size_t)p->n_prompt, eos,
                          num_eos);
     if (rc != TDM_OK) {
@@ -1327,6 +1586,8 @@ fail_sampler:
     tdm_sampler_free(r->sampler);
     r->sampler = NULL;
 fail_bufs:
+    tdm_grammar_matcher_free(r->gm);
+    free(r->gmask);
     free(r->hist);
     free(r->lp);
     free(r->top);

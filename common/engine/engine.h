@@ -34,6 +34,8 @@
 
 struct tdm_engine;
 struct tdm_engine_request;
+struct tdm_grammar;
+struct tdm_grammar_vocab;
 
 // ---- configuration -------------------------------------------------------------------
 struct tdm_engine_config {
@@ -51,6 +53,11 @@ struct tdm_engine_config {
     struct tdm_metrics_vllm *metrics; // vLLM metric handles to update; NULL = none
     int kv_event_capacity;            // > 0: record KV events (tdm_engine_take_kv_events) in
                                       // buffers of this many events; default 0 = off
+    // Structured outputs: the tokenizer's token trie (tdm_grammar_vocab_from_tokenizer),
+    // borrowed, must outlive the engine. NULL: constrained requests are refused.
+    const struct tdm_grammar_vocab *grammar_vocab;
+    int mask_threads; // threads filling a step's masks beside the forward (started at the first
+                      // constrained step); 0 = a quarter of the online cores, 1 to 4
 };
 // Fills the defaults above.
 void tdm_engine_config_default(struct tdm_engine_config *cfg);
@@ -135,6 +142,18 @@ struct tdm_engine_request_params {
     tdm_engine_layer_fn on_layer;   // PREFILL_ONLY only (TDM_EINVAL otherwise), optional: the
                                     // push hook above; NULL = export after the finish only
     void *layer_ctx;                // for on_layer; must stay valid until the final output
+    // Structured output: sampling.constraint (kind, text) is compiled at submit
+    // (tdm_grammar_compile_cached; a bad one is TDM_EINVAL with the grammar
+    // engine's message), or `grammar`, when set, is used as is (the engine takes
+    // its own reference; sampling.constraint is then ignored). Either needs
+    // cfg.grammar_vocab. Each step's logits are masked to the tokens the
+    // grammar allows (masks computed on a helper thread while the forward
+    // runs); EOS and stop ids only where the output so far is complete; the
+    // request finishes STOP as soon as nothing but EOS could follow (no EOS
+    // token is generated then: stop_token -1), LENGTH at max_tokens mid-way.
+    // An IMPORT_KV request's first token advances the grammar like a sampled
+    // one, so a decode worker continues where its prefill worker began.
+    struct tdm_grammar *grammar;
 };
 // Zeroes p and fills vLLM's default sampling params (tdm_sampling_params_default).
 void tdm_engine_request_params_default(struct tdm_engine_request_params *p);
@@ -278,6 +297,10 @@ struct tdm_engine_stats {
     uint64_t num_preemptions;
     uint64_t num_steps;    // forward passes run
     uint64_t num_finished; // requests finished (any reason)
+    uint64_t num_masks;       // structured output: token masks computed
+    double mask_seconds;      // time computing them (on the mask thread, overlapping the forward)
+    double mask_wait_seconds; // engine-thread time on masks: waiting for them after the
+                              // forward, then applying them to the logits (the exposed cost)
 };
 // A consistent snapshot as of the end of the engine's last step (or idle point).
 void tdm_engine_get_stats(struct tdm_engine *e, struct tdm_engine_stats *out);

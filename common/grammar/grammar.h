@@ -25,6 +25,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core.h" // enum tdm_constraint_kind
+
 struct tdm_tokenizer;
 struct tdm_grammar;
 struct tdm_grammar_vocab;
@@ -60,6 +62,21 @@ int tdm_grammar_compile_gbnf(struct tdm_grammar **out, const char *text, size_t 
 // Exactly one of n byte strings choices[i] (lens[i] bytes each).
 int tdm_grammar_compile_choice(struct tdm_grammar **out, const char *const *choices,
                                const size_t *lens, size_t n, char *err, size_t errlen);
+
+// A request's constraint (enum tdm_constraint_kind in core.h) by its kind:
+// JSON_SCHEMA, REGEX, GRAMMAR (GBNF) compile text as above, JSON_OBJECT ignores
+// text, CHOICE takes text as a JSON array of strings. TDM_EINVAL for NONE or an
+// unknown kind.
+int tdm_grammar_compile_constraint(struct tdm_grammar **out, enum tdm_constraint_kind kind,
+                                   const char *text, size_t len, char *err, size_t errlen);
+// The same through a process-wide cache keyed by (kind, text) (64 grammars, 16
+// MiB of text, least recently used evicted; texts over 1 MiB and failed
+// compiles are not kept): *out is a new reference either way. Thread safe.
+int tdm_grammar_compile_cached(struct tdm_grammar **out, enum tdm_constraint_kind kind,
+                               const char *text, size_t len, char *err, size_t errlen);
+// Cache counters (any may be NULL) and a way to empty it (tests).
+void tdm_grammar_cache_stats(uint64_t *hits, uint64_t *misses, int *entries);
+void tdm_grammar_cache_clear(void);
 
 struct tdm_grammar *tdm_grammar_ref(struct tdm_grammar *g); // returns g
 void tdm_grammar_unref(struct tdm_grammar *g);              // frees at zero; NULL is fine

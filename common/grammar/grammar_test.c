@@ -14,7 +14,6 @@
 
 #include <cjson/cJSON.h>
 #include <pthread.h>
-#include <regex.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +22,7 @@
 #include "core.h"
 #include "grammar.h"
 #include "grammar_impl.h" // no_dfa: the plain walk is tested too
+#include "grammar_validate.h"
 #include "mkmodel.h"
 #include "tokenizer.h"
 
@@ -675,147 +675,6 @@ static void test_token_bytes(void **state)
 }
 
 // ---- random walks validated ----------------------------------------------------------------
-static size_t utf8_chars(const char *s)
-{
-    size_t n = 0;
-    for (; *s; s++)
-        n += ((unsigned char)*s & 0xC0) != 0x80;
-    return n;
-}
-
-static bool validate(const cJSON *v, const cJSON *s, const cJSON *root, char *why, size_t wl);
-
-static bool validate_type(const cJSON *v, const char *t)
-{
-    if (!strcmp(t, "string"))
-        return cJSON_IsString(v);
-    if (!strcmp(t, "number"))
-        return cJSON_IsNumber(v);
-    if (!strcmp(t, "integer"))
-        return cJSON_IsNumber(v) && v->valuedouble == (double)(long long)v->valuedouble;
-    if (!strcmp(t, "boolean"))
-        return cJSON_IsBool(v);
-    if (!strcmp(t, "null"))
-        return cJSON_IsNull(v);
-    if (!strcmp(t, "object"))
-        return cJSON_IsObject(v);
-    if (!strcmp(t, "array"))
-        return cJSON_IsArray(v);
-    return false;
-}
-
-#define NOPE(...) (snprintf(why, wl, __VA_ARGS__), false)
-
-static bool validate(const cJSON *v, const cJSON *s, const cJSON *root, char *why, size_t wl)
-{
-    if (cJSON_IsTrue(s))
-        return true;
-    const cJSON *k;
-    if ((k = cJSON_GetObjectItemCaseSensitive(s, "$ref"))) {
-        const char *r = k->valuestring;
-        const cJSON *t = !strcmp(r, "#") ? root
-                         : !strncmp(r, "#/$defs/", 8)
-                             ? cJSON_GetObjectItemCaseSensitive(
-                                   cJSON_GetObjectItemCaseSensitive(root, "$defs"), r + 8)
-                             : cJSON_GetObjectItemCaseSensitive(
-                                   cJSON_GetObjectItemCaseSensitive(root, "definitions"), r + 14);
-        return validate(v, t, root, why, wl);
-    }
-    if ((k = cJSON_GetObjectItemCaseSensitive(s, "const")) && !cJSON_Compare(v, k, true))
-        return NOPE("const");
-    if ((k = cJSON_GetObjectItemCaseSensitive(s, "enum"))) {
-        const cJSON *e;
-        bool any = false;
-        cJSON_ArrayForEach(e, k) any |= cJSON_Compare(v, e, true);
-        if (!any)
-            return NOPE("enum");
-    }
-    if ((k = cJSON_GetObjectItemCaseSensitive(s, "anyOf"))) {
-        const cJSON *e;
-        bool any = false;
-        cJSON_ArrayForEach(e, k) any |= validate(v, e, root, why, wl);
-        if (!any)
-            return NOPE("anyOf");
-    }
-    if ((k = cJSON_GetObjectItemCaseSensitive(s, "type"))) {
-        bool ok = false;
-        if (cJSON_IsString(k))
-            ok = validate_type(v, k->valuestring);
-        const cJSON *e;
-        if (cJSON_IsArray(k))
-            cJSON_ArrayForEach(e, k) ok |= validate_type(v, e->valuestring);
-        if (!ok)
-            return NOPE("type");
-    }
-    if (cJSON_IsString(v)) {
-        size_t n = utf8_chars(v->valuestring);
-        if ((k = cJSON_GetObjectItemCaseSensitive(s, "minLength")) && n < (size_t)k->valueint)
-            return NOPE("minLength");
-        if ((k = cJSON_GetObjectItemCaseSensitive(s, "maxLength")) && n > (size_t)k->valueint)
-            return NOPE("maxLength");
-        if ((k = cJSON_GetObjectItemCaseSensitive(s, "pattern"))) {
-            regex_t re;
-            assert_int_equal(regcomp(&re, k->valuestring, REG_EXTENDED | REG_NOSUB), 0);
-            int rc = regexec(&re, v->valuestring, 0, NULL, 0);
-            regfree(&re);
-            if (rc)
-                return NOPE("pattern");
-        }
-        if ((k = cJSON_GetObjectItemCaseSensitive(s, "format")) &&
-            !strcmp(k->valuestring, "date")) {
-            int y, mo, d;
-            char tail;
-            if (sscanf(v->valuestring, "%4d-%2d-%2d%c", &y, &mo, &d, &tail) != 3 || mo < 1 ||
-                mo > 12 || d < 1 || d > 31 || strlen(v->valuestring) != 10)
-                return NOPE("date");
-        }
-    }
-    if (cJSON_IsArray(v)) {
-        int n = cJSON_GetArraySize(v);
-        if ((k = cJSON_GetObjectItemCaseSensitive(s, "minItems")) && n < k->valueint)
-            return NOPE("minItems");
-        if ((k = cJSON_GetObjectItemCaseSensitive(s, "maxItems")) && n > k->valueint)
-            return NOPE("maxItems");
-        const cJSON *items = cJSON_GetObjectItemCaseSensitive(s, "items"), *e;
-        if (items)
-            cJSON_ArrayForEach(e, v) if (!validate(e, items, root, why, wl)) return false;
-    }
-    const cJSON *props = cJSON_GetObjectItemCaseSensitive(s, "properties");
-    if (cJSON_IsObject(v) && props) {
-        const cJSON *e, *schema_prop = props->child;
-        cJSON_ArrayForEach(e, v)
-        {
-            // Keys must be schema properties, in schema order.
-            while (schema_prop && strcmp(schema_prop->string, e->string))
-                schema_prop = schema_prop->next;
-            if (!schema_prop)
-                return NOPE("key %s not allowed here", e->string);
-            if (!validate(e, schema_prop, root, why, wl))
-                return false;
-        }
-        const cJSON *req = cJSON_GetObjectItemCaseSensitive(s, "required");
-        cJSON_ArrayForEach(e, req) if (!cJSON_GetObjectItemCaseSensitive(
-                                           v, e->valuestring)) return NOPE("required %s",
-                                                                           e->valuestring);
-    }
-    return true;
-}
-
-static bool valid_utf8(const char *s, size_t n)
-{
-    for (size_t i = 0; i < n;) {
-        unsigned char c = (unsigned char)s[i];
-        size_t len = c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 ? 2 : 0;
-        if (!len || i + len > n)
-            return false;
-        for (size_t k = 1; k < len; k++)
-            if (((unsigned char)s[i + k] & 0xC0) != 0x80)
-                return false;
-        i += len;
-    }
-    return true;
-}
-
 // Random allowed tokens until EOS; the text must parse and validate.
 static void random_walks(const struct tdm_grammar_vocab *v, const char *schema_text, int walks,
                          unsigned seed)
@@ -851,12 +710,12 @@ static void random_walks(const struct tdm_grammar_vocab *v, const char *schema_t
             len += tl;
         }
         out[len] = 0;
-        assert_true(valid_utf8(out, len));
+        assert_true(tdm_grammar_valid_utf8(out, len));
         cJSON *j = cJSON_ParseWithLength(out, len);
         if (!j)
             fail_msg("walk %d: not JSON: %s", w, out);
         char why[256] = "";
-        if (!validate(j, s, s, why, sizeof why))
+        if (!tdm_grammar_validate_json(j, s, why, sizeof why))
             fail_msg("walk %d: %s does not validate: %s", w, out, why);
         cJSON_Delete(j);
         tdm_grammar_matcher_free(m);

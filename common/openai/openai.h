@@ -20,6 +20,8 @@
 #include "hf.h"
 #include "sampling.h"
 
+#include "openai_tools.h" // tools, tool_choice and the tool-call parsers
+
 #define TDM_OAI_MAX_STOP 16 // stop strings per request
 #define TDM_OAI_MAX_N                                                                              \
     128                   // vLLM's VLLM_MAX_N_SEQUENCES default is larger; ours is a
@@ -77,6 +79,8 @@ struct tdm_oai_model_info {
     int vocab_size;          // bounds token ids (prompt, logit_bias, stop_token_ids)
     int max_model_len;       // context length (tokens)
     const struct tdm_generation_config *gen; // generation_config.json defaults; may be NULL
+    enum tdm_oai_tool_parser tool_parser; // --enable-auto-tool-choice --tool-call-parser:
+                                          // the parser of tool_choice "auto" (NONE: refused)
 };
 
 // ---- completions and chat requests -------------------------------------------------------
@@ -102,6 +106,9 @@ struct tdm_oai_request {
     struct tdm_chat_msg *messages;
     size_t n_messages;
     char *messages_json;
+    char *conversation_json; // the messages as the template sees them (vLLM's conversation:
+                             // tool_calls arguments parsed, tool_call_id; openai_tools.h)
+    struct tdm_oai_tool_request tools; // tools, tool_choice, parallel_tool_calls
     bool add_generation_prompt;  // default true
     bool continue_final_message; // default false; exclusive with add_generation_prompt
 
@@ -133,6 +140,13 @@ struct tdm_oai_request {
     // against vocab_size. max_tokens is resolved separately, once the prompt
     // length is known (tdm_oai_request_max_tokens).
     struct tdm_sampling_params sampling;
+
+    // Structured output (response_format, structured_outputs, guided_*): the
+    // constraint's text (heap, owned; sampling.constraint_text points here) and
+    // the field it came from; kind is sampling.constraint.
+    char *constraint_text;
+    size_t constraint_len;
+    char constraint_param[48];
 };
 
 // Parses a completions (kind COMPLETION) or chat (kind CHAT) JSON body of len
@@ -141,12 +155,27 @@ struct tdm_oai_request {
 // must be in [0, 2], got 3.0." param "temperature", or 404 for an unknown model)
 // or TDM_ENOMEM (e: 500), leaving *req empty. Unknown fields are ignored; a null
 // value counts as absent. Fields vLLM supports but Tandem does not (tools,
-// response_format, suffix, use_beam_search, prompt_logprobs, ...) are 400 "...
-// is not supported" unless set to their no-op value.
+// suffix, use_beam_search, prompt_logprobs, ...) are 400 "... is not
+// supported" unless set to their no-op value. A structured-output constraint
+// (response_format, structured_outputs, guided_*: at most one) is compiled
+// here to validate it (tdm_oai_request_set_constraint).
 int tdm_oai_request_parse(struct tdm_oai_request *req, enum tdm_oai_kind kind, const char *json,
                           size_t len, const struct tdm_oai_model_info *model,
                           struct tdm_oai_error *e);
 void tdm_oai_request_fini(struct tdm_oai_request *req);
+
+// Attaches a structured-output constraint to a parsed request (what parsing
+// does for response_format / structured_outputs / guided_*; also the entry
+// point for features that force a shape, such as tool_choice): compiles (kind,
+// text) through the grammar cache to validate it, keeps a copy of text and
+// points req->sampling.constraint* at it, so that the constraint travels with
+// the sampling params (engine, P/D wire). param names the field in errors.
+// TDM_OK; TDM_EINVAL with e 400 when the request already has a constraint
+// ("You can only use one kind of structured outputs constraint ...") or the
+// grammar engine refuses the text (its message); TDM_ENOMEM with e 500.
+int tdm_oai_request_set_constraint(struct tdm_oai_request *req, enum tdm_constraint_kind kind,
+                                   const char *text, size_t len, const char *param,
+                                   struct tdm_oai_error *e);
 
 // Once the server has tokenized the prompt (prompt_len tokens): checks it fits
 // the context and resolves max_tokens as vLLM does (the request's value, else
@@ -183,6 +212,12 @@ int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oa
                           const char *chat_err, struct tdm_oai_tokenized_prompt **out,
                           size_t *n_out, int *prompt_tokens, struct tdm_oai_error *e);
 void tdm_oai_prompts_free(struct tdm_oai_tokenized_prompt *p, size_t n); // NULL is fine
+// A chat request's prompt text: its conversation (tool calls and results
+// included) and its tools rendered with chat (NULL: the model has none, chat_err
+// says why). *out heap. TDM_OK, or an error code with e (400 on "messages" when
+// the template raises, 500 out of memory).
+int tdm_oai_chat_prompt(const struct tdm_oai_request *req, const struct tdm_chat_template *chat,
+                        const char *chat_err, char **out, struct tdm_oai_error *e);
 
 // ---- /tokenize and /detokenize --------------------------------------------------------
 struct tdm_oai_tokenize_request {
@@ -195,6 +230,8 @@ struct tdm_oai_tokenize_request {
     bool add_generation_prompt;  // default true
     bool continue_final_message; // default false
     bool return_token_strs;      // default false
+    char *conversation_json;     // chat form: the messages as the template sees them
+    struct tdm_oai_tool_request tools; // chat form: the tools rendered (tool_choice unused)
 };
 int tdm_oai_tokenize_parse(struct tdm_oai_tokenize_request *req, const char *json, size_t len,
                            const struct tdm_oai_model_info *model, struct tdm_oai_error *e);
@@ -277,6 +314,13 @@ struct tdm_oai_choice {
     size_t n_token_ids;
     const int32_t *prompt_token_ids; // return_token_ids: non-stream choices, first stream chunk
     size_t n_prompt_token_ids;
+    // chat with tool calls: message.tool_calls (non-stream) or delta.tool_calls (stream)
+    const struct tdm_oai_tool_call *tool_calls;   // [n_tool_calls] non-stream
+    size_t n_tool_calls;
+    const struct tdm_oai_tool_delta *tool_deltas; // [n_tool_deltas] stream
+    size_t n_tool_deltas;
+    bool content_null;      // message.content null (only tool calls); stream: no "content"
+    bool finish_tool_calls; // finish_reason "tool_calls" instead of finish's
 };
 struct tdm_oai_usage {
     int prompt_tokens;
@@ -381,6 +425,8 @@ struct tdm_oai_asm {
     size_t chars_sent; // stream: code points already sent (text_offset)
     bool first_sent;   // stream: prompt_token_ids went out
     struct tdm_oai_asm_buf clean; // scratch for the UTF-8 cleaning
+    struct tdm_oai_toolparse *tools; // stream with tool parsing: text goes through it (text
+                                     // then holds its content), its deltas wait for the chunk
 };
 
 // a is caller storage (zeroed or not). TDM_ENOMEM leaves a safe to _fini.

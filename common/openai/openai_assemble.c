@@ -175,6 +175,14 @@ static const char *utf8_clean(const char *delta, size_t len, struct tdm_oai_asm_
 
 // ---- the pipeline --------------------------------------------------------------------------
 
+// Streamed chat whose output is parsed for tool calls (the non-stream body
+// parses the whole text when it is built).
+static enum tdm_oai_tool_format stream_tool_format(const struct tdm_oai_request *req)
+{
+    return req->kind == TDM_OAI_CHAT && req->stream ? tdm_oai_tool_format_of(&req->tools)
+                                                    : TDM_OAI_TOOL_FORMAT_NONE;
+}
+
 int tdm_oai_asm_init(struct tdm_oai_asm *a, const struct tdm_oai_request *req,
                      const struct tdm_tokenizer *tok, int index, int prompt_idx)
 {
@@ -189,6 +197,11 @@ int tdm_oai_asm_init(struct tdm_oai_asm *a, const struct tdm_oai_request *req,
     if (tdm_oai_stop_new(&a->stop, (const char *const *)req->stop, req->n_stop,
                          req->include_stop_str_in_output) != TDM_OK)
         return TDM_ENOMEM;
+    enum tdm_oai_tool_format tf = stream_tool_format(req);
+    if (tf != TDM_OAI_TOOL_FORMAT_NONE &&
+        tdm_oai_toolparse_new(&a->tools, tf, req->tools.choice_name,
+                              req->tools.parallel_tool_calls) != TDM_OK)
+        return TDM_ENOMEM;
     return TDM_OK;
 }
 
@@ -196,6 +209,7 @@ void tdm_oai_asm_fini(struct tdm_oai_asm *a)
 {
     tdm_detok_free(a->detok);
     tdm_oai_stop_free(a->stop);
+    tdm_oai_toolparse_free(a->tools);
     buf_fini(&a->text);
     buf_fini(&a->clean);
     lps_clear(a);
@@ -212,6 +226,23 @@ void tdm_oai_asm_reset_finish(struct tdm_oai_asm *a)
     a->message[0] = '\0';
 }
 
+// Generated text (past the stop matcher) into the pending text; with a tool
+// parser, through it: the pending text is its content, its deltas wait in it.
+static int add_generated(struct tdm_oai_asm *a, const char *s, size_t n, bool end)
+{
+    if (a->tools == NULL)
+        return n > 0 ? buf_add(&a->text, s, n) : TDM_OK;
+    if (tdm_oai_toolparse_feed(a->tools, s, n) != TDM_OK ||
+        (end && tdm_oai_toolparse_finish(a->tools) != TDM_OK))
+        return TDM_ENOMEM;
+    size_t cl = 0;
+    const char *c = tdm_oai_toolparse_content(a->tools, &cl);
+    if (cl > 0 && buf_add(&a->text, c, cl) != TDM_OK)
+        return TDM_ENOMEM;
+    tdm_oai_toolparse_clear_content(a->tools);
+    return TDM_OK;
+}
+
 // Runs detokenized text through the stop matcher into the pending text.
 static int feed_text(struct tdm_oai_asm *a, const char *delta, size_t len, bool *stopped)
 {
@@ -225,7 +256,7 @@ static int feed_text(struct tdm_oai_asm *a, const char *delta, size_t len, bool 
     int idx = tdm_oai_stop_feed_ex(a->stop, delta, len, may_match, &emit, &emit_len);
     if (idx == -2)
         return TDM_ENOMEM;
-    if (emit_len > 0 && buf_add(&a->text, emit, emit_len) != TDM_OK)
+    if (add_generated(a, emit, emit_len, idx >= 0) != TDM_OK)
         return TDM_ENOMEM;
     if (idx >= 0) {
         // A stop string completed: the choice ends here; the caller stops the
@@ -289,7 +320,7 @@ int tdm_oai_asm_finish(struct tdm_oai_asm *a, enum tdm_finish finish, int32_t st
     const char *emit = NULL;
     size_t elen = 0;
     tdm_oai_stop_flush(a->stop, &emit, &elen);
-    if (elen > 0 && buf_add(&a->text, emit, elen) != TDM_OK)
+    if (add_generated(a, emit, elen, true) != TDM_OK)
         return TDM_ENOMEM;
     a->done = true;
     a->finish = finish;
@@ -330,6 +361,12 @@ void tdm_oai_asm_choice(const struct tdm_oai_asm *a, bool with_finish, const int
     oc->finish = with_finish ? a->finish : TDM_FINISH_NONE;
     oc->stop_str = with_finish ? a->stop_str : NULL;
     oc->stop_token = with_finish ? a->stop_token : -1;
+    if (a->tools) {
+        oc->tool_deltas = tdm_oai_toolparse_deltas(a->tools, &oc->n_tool_deltas);
+        oc->content_null = a->text.len == 0 && oc->n_tool_deltas > 0;
+        oc->finish_tool_calls = with_finish && a->req->tools.choice == TDM_OAI_TOOL_CHOICE_AUTO &&
+                                tdm_oai_toolparse_calls(a->tools) > 0;
+    }
     oc->has_logprobs = a->req->logprobs;
     oc->logprobs = a->lps;
     oc->n_logprobs = a->n_lps;
@@ -376,8 +413,13 @@ char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
 {
     struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
     struct tdm_oai_asm_buf *joined = calloc(n ? n : 1, sizeof *joined);
+    // Chat with tool parsing: each choice's calls and content (vLLM's
+    // extract_tool_calls over the whole text).
+    struct tdm_oai_tool_call **calls = calloc(n ? n : 1, sizeof *calls);
+    size_t *n_calls = calloc(n ? n : 1, sizeof *n_calls);
+    char **content = calloc(n ? n : 1, sizeof *content);
     char *body = NULL;
-    if (oc == NULL || joined == NULL)
+    if (oc == NULL || joined == NULL || calls == NULL || n_calls == NULL || content == NULL)
         goto out;
     bool oom = false;
     for (size_t i = 0; i < n; i++) {
@@ -385,12 +427,37 @@ char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
         if (tdm_oai_asm_body_choice(choices[i], echo, p->text, p->text_len, p->ids, p->n,
                                     &joined[i], &oc[i]) != TDM_OK)
             oom = true;
+        const struct tdm_oai_request *rq = choices[i]->req;
+        enum tdm_oai_tool_format tf = rq->kind == TDM_OAI_CHAT
+                                          ? tdm_oai_tool_format_of(&rq->tools)
+                                          : TDM_OAI_TOOL_FORMAT_NONE;
+        if (tf == TDM_OAI_TOOL_FORMAT_NONE || choices[i]->finish == TDM_FINISH_ERROR)
+            continue;
+        if (tdm_oai_tools_extract(tf, rq->tools.choice_name, rq->tools.parallel_tool_calls,
+                                  oc[i].text, oc[i].text_len, &calls[i], &n_calls[i],
+                                  &content[i]) != TDM_OK) {
+            oom = true;
+            continue;
+        }
+        oc[i].tool_calls = calls[i];
+        oc[i].n_tool_calls = n_calls[i];
+        oc[i].text = content[i] ? content[i] : "";
+        oc[i].text_len = content[i] ? strlen(content[i]) : 0;
+        oc[i].content_null = content[i] == NULL;
+        oc[i].finish_tool_calls = rq->tools.choice == TDM_OAI_TOOL_CHOICE_AUTO && n_calls[i] > 0;
     }
     if (!oom)
         body = tdm_oai_body(r, oc, n, usage);
 out:
     for (size_t i = 0; joined && i < n; i++)
         buf_fini(&joined[i]);
+    for (size_t i = 0; calls && n_calls && i < n; i++)
+        tdm_oai_tool_calls_free(calls[i], n_calls[i]);
+    for (size_t i = 0; content && i < n; i++)
+        free(content[i]);
+    free(content);
+    free(n_calls);
+    free(calls);
     free(joined);
     free(oc);
     return body;
@@ -402,7 +469,10 @@ int tdm_oai_asm_stream_chunk(const struct tdm_oai_asm *a, const struct tdm_oai_r
 {
     *json = NULL;
     *finish_now = a->done && !a->reported;
-    if (a->text.len == 0 && !*finish_now)
+    size_t n_deltas = 0;
+    if (a->tools)
+        tdm_oai_toolparse_deltas(a->tools, &n_deltas);
+    if (a->text.len == 0 && n_deltas == 0 && !*finish_now)
         return TDM_OK;
     if (*finish_now && a->finish == TDM_FINISH_ERROR)
         return TDM_OK; // reported as an error event by the caller
@@ -418,6 +488,8 @@ void tdm_oai_asm_sent(struct tdm_oai_asm *a, bool finish_now)
     a->text.len = 0;
     lps_clear(a);
     a->n_ids = 0;
+    if (a->tools)
+        tdm_oai_toolparse_clear(a->tools);
     a->first_sent = true;
     if (finish_now)
         a->reported = true;

@@ -19,6 +19,7 @@
 #include <cjson/cJSON.h>
 #include <cmocka.h>
 
+#include "chat.h"
 #include "core.h"
 #include "mkmodel.h"
 #include "openai.h"
@@ -78,8 +79,8 @@ static int feed(struct tdm_oai_call *k, size_t i, const char *text)
 static void finish(struct tdm_oai_call *k, size_t i)
 {
     bool stopped = false;
-    assert_int_equal(
-        tdm_oai_asm_finish(&k->choices[i], TDM_FINISH_LENGTH, -1, 0, NULL, &stopped), TDM_OK);
+    assert_int_equal(tdm_oai_asm_finish(&k->choices[i], TDM_FINISH_LENGTH, -1, 0, NULL, &stopped),
+                     TDM_OK);
 }
 
 static const cJSON *choice0(const cJSON *j)
@@ -336,6 +337,171 @@ static void test_echo_chunk(void **state)
     tdm_oai_call_fini(&k);
 }
 
+// ---- tool calls ---------------------------------------------------------------------------------
+#define TOOL_BODY(extra)                                                                           \
+    "{\"messages\":[{\"role\":\"user\",\"content\":\"Weather in Paris?\"}],\"tools\":[{\"type\":"  \
+    "\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\","     \
+    "\"properties\":{\"city\":{\"type\":\"string\"}}}}}],\"max_tokens\":64" extra "}"
+#define TOOL_OUT                                                                                   \
+    "Sure.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"      \
+    "</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "            \
+    "\"Oslo\"}}\n"                                                                                 \
+    "</tool_call>"
+
+static int start_chat(struct tdm_oai_call *k, const char *body, struct tdm_oai_error *e)
+{
+    struct tdm_chat_template *t = NULL;
+    char err[256];
+    assert_int_equal(tdm_chat_template_new(&t, NULL, "qwen2", err, sizeof err), TDM_OK);
+    int rc = tdm_oai_call_init(k, TDM_OAI_CHAT, body, strlen(body), &info, tok, t, NULL, NULL, e);
+    // The prompt is rendered with the tools (Qwen2.5's system block).
+    if (rc == TDM_OK)
+        assert_non_null(strstr(k->prompts[0].text, "get_weather"));
+    tdm_chat_template_free(t);
+    return rc;
+}
+
+static void test_tool_calls_body(void **state)
+{
+    (void)state;
+    struct tdm_oai_call k;
+    struct tdm_oai_error e;
+    info.tool_parser = TDM_OAI_TOOL_PARSER_HERMES;
+    info.max_model_len = 4096; // the tools block makes a long prompt
+    assert_int_equal(start_chat(&k, TOOL_BODY(""), &e), TDM_OK);
+    feed(&k, 0, TOOL_OUT);
+    bool stopped = false;
+    assert_int_equal(tdm_oai_asm_finish(&k.choices[0], TDM_FINISH_STOP, -1, 0, NULL, &stopped),
+                     TDM_OK);
+    char *body = tdm_oai_call_body(&k);
+    cJSON *j = cJSON_Parse(body);
+    const cJSON *c = choice0(j), *msg = cJSON_GetObjectItem(c, "message");
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "tool_calls");
+    assert_string_equal(cJSON_GetObjectItem(msg, "content")->valuestring, "Sure.\n");
+    const cJSON *calls = cJSON_GetObjectItem(msg, "tool_calls");
+    assert_int_equal(cJSON_GetArraySize(calls), 2);
+    const cJSON *c1 = cJSON_GetArrayItem(calls, 1), *fn = cJSON_GetObjectItem(c1, "function");
+    assert_string_equal(cJSON_GetObjectItem(c1, "type")->valuestring, "function");
+    assert_memory_equal(cJSON_GetObjectItem(c1, "id")->valuestring, "chatcmpl-tool-", 14);
+    assert_string_equal(cJSON_GetObjectItem(fn, "name")->valuestring, "get_weather");
+    assert_string_equal(cJSON_GetObjectItem(fn, "arguments")->valuestring, "{\"city\": \"Oslo\"}");
+    cJSON_Delete(j);
+    free(body);
+    tdm_oai_call_fini(&k);
+
+    // tool_choice "none": the same text is content, finish as generated.
+    assert_int_equal(start_chat(&k, TOOL_BODY(",\"tool_choice\":\"none\""), &e), TDM_OK);
+    feed(&k, 0, TOOL_OUT);
+    finish(&k, 0);
+    body = tdm_oai_call_body(&k);
+    j = cJSON_Parse(body);
+    c = choice0(j);
+    msg = cJSON_GetObjectItem(c, "message");
+    assert_string_equal(cJSON_GetObjectItem(msg, "content")->valuestring, TOOL_OUT);
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(msg, "tool_calls")), 0);
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "length");
+    cJSON_Delete(j);
+    free(body);
+    tdm_oai_call_fini(&k);
+
+    // "required": the sampler gets the forcing schema; the output (what it
+    // allows) becomes the calls, content null, finish as generated.
+    assert_int_equal(start_chat(&k, TOOL_BODY(",\"tool_choice\":\"required\""), &e), TDM_OK);
+    assert_int_equal(k.req.sampling.constraint, TDM_CONSTRAINT_JSON_SCHEMA);
+    assert_non_null(strstr(k.req.sampling.constraint_text, "\"minItems\":1"));
+    feed(&k, 0, "[{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Rome\"}}]");
+    assert_int_equal(tdm_oai_asm_finish(&k.choices[0], TDM_FINISH_STOP, -1, 0, NULL, &stopped),
+                     TDM_OK);
+    body = tdm_oai_call_body(&k);
+    j = cJSON_Parse(body);
+    c = choice0(j);
+    msg = cJSON_GetObjectItem(c, "message");
+    assert_true(cJSON_IsNull(cJSON_GetObjectItem(msg, "content")));
+    fn = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(msg, "tool_calls"), 0),
+                             "function");
+    assert_string_equal(cJSON_GetObjectItem(fn, "arguments")->valuestring, "{\"city\": \"Rome\"}");
+    assert_string_equal(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "stop");
+    cJSON_Delete(j);
+    free(body);
+    tdm_oai_call_fini(&k);
+    info.tool_parser = TDM_OAI_TOOL_PARSER_NONE;
+    info.max_model_len = 256;
+}
+
+static void test_tool_calls_stream(void **state)
+{
+    (void)state;
+    struct tdm_oai_call k;
+    struct tdm_oai_error e;
+    info.tool_parser = TDM_OAI_TOOL_PARSER_HERMES;
+    info.max_model_len = 4096; // the tools block makes a long prompt
+    assert_int_equal(start_chat(&k, TOOL_BODY(",\"stream\":true"), &e), TDM_OK);
+    int32_t *ids = NULL;
+    size_t n = 0;
+    assert_int_equal(tdm_tok_encode(tok, TOOL_OUT, strlen(TOOL_OUT), false, &ids, &n), TDM_OK);
+    char content[512] = "", args[2][128] = {"", ""}, names[2][32] = {"", ""};
+    char ids_seen[2][64] = {"", ""};
+    const char *finish_reason = NULL;
+    cJSON *last = NULL;
+    for (size_t t = 0; t <= n; t++) {
+        bool stopped = false;
+        if (t < n)
+            assert_int_equal(
+                tdm_oai_asm_token(&k.choices[0], ids[t], -0.5f, NULL, 0, false, &stopped), TDM_OK);
+        else
+            assert_int_equal(
+                tdm_oai_asm_finish(&k.choices[0], TDM_FINISH_STOP, -1, 0, NULL, &stopped), TDM_OK);
+        char *json = NULL;
+        bool finish_now = false;
+        assert_int_equal(tdm_oai_call_chunk(&k, 0, &json, &finish_now), TDM_OK);
+        if (json == NULL)
+            continue;
+        tdm_oai_asm_sent(&k.choices[0], finish_now);
+        cJSON *j = cJSON_Parse(json);
+        free(json);
+        const cJSON *delta = cJSON_GetObjectItem(choice0(j), "delta");
+        const cJSON *ct = cJSON_GetObjectItem(delta, "content");
+        if (ct) {
+            assert_null(strstr(ct->valuestring, "<")); // no half marker as content
+            strcat(content, ct->valuestring);
+        }
+        const cJSON *tc;
+        cJSON_ArrayForEach(tc, cJSON_GetObjectItem(delta, "tool_calls"))
+        {
+            int idx = cJSON_GetObjectItem(tc, "index")->valueint;
+            assert_true(idx == 0 || idx == 1);
+            const cJSON *fn = cJSON_GetObjectItem(tc, "function");
+            const cJSON *id = cJSON_GetObjectItem(tc, "id");
+            if (id) {
+                assert_string_equal(ids_seen[idx], ""); // once per call
+                snprintf(ids_seen[idx], sizeof ids_seen[idx], "%s", id->valuestring);
+                assert_string_equal(cJSON_GetObjectItem(tc, "type")->valuestring, "function");
+                snprintf(names[idx], sizeof names[idx], "%s",
+                         cJSON_GetObjectItem(fn, "name")->valuestring);
+            } else {
+                assert_string_not_equal(ids_seen[idx], ""); // arguments after the header
+                assert_null(cJSON_GetObjectItem(fn, "name"));
+            }
+            strcat(args[idx], cJSON_GetObjectItem(fn, "arguments")->valuestring);
+        }
+        cJSON_Delete(last);
+        last = j;
+    }
+    free(ids);
+    finish_reason = cJSON_GetObjectItem(choice0(last), "finish_reason")->valuestring;
+    assert_string_equal(finish_reason, "tool_calls");
+    assert_string_equal(content, "Sure.\n");
+    assert_string_equal(names[0], "get_weather");
+    assert_string_equal(names[1], "get_weather");
+    assert_string_equal(args[0], "{\"city\": \"Paris\"}");
+    assert_string_equal(args[1], "{\"city\": \"Oslo\"}");
+    assert_string_not_equal(ids_seen[0], ids_seen[1]);
+    cJSON_Delete(last);
+    tdm_oai_call_fini(&k);
+    info.tool_parser = TDM_OAI_TOOL_PARSER_NONE;
+    info.max_model_len = 256;
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -344,6 +510,8 @@ int main(void)
         cmocka_unit_test(test_done_failed_usage_body),
         cmocka_unit_test(test_stream_chunks_usage_per_prompt),
         cmocka_unit_test(test_echo_chunk),
+        cmocka_unit_test(test_tool_calls_body),
+        cmocka_unit_test(test_tool_calls_stream),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

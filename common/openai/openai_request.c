@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "grammar.h"
 
 // ---- typed field access ------------------------------------------------------------------
 // Each getter returns 1 when the field is present (non-null) and valid, 0 when
@@ -132,9 +133,8 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         const char *why;
     } fields[] = {
         {"suffix", NULL},
-        {"tools", "no tool calling"},
-        {"functions", "no tool calling"},
-        {"function_call", "no tool calling"},
+        {"functions", "use tools"},
+        {"function_call", "use tool_choice"},
         {"use_beam_search", NULL},
         {"prompt_logprobs", "no prompt logprobs"},
         {"allowed_token_ids", NULL},
@@ -142,12 +142,6 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         {"truncate_prompt_tokens", NULL},
         {"logits_processors", NULL},
         {"prompt_embeds", NULL},
-        {"structured_outputs", "no structured outputs"},
-        {"guided_json", "no structured outputs"},
-        {"guided_regex", "no structured outputs"},
-        {"guided_choice", "no structured outputs"},
-        {"guided_grammar", "no structured outputs"},
-        {"guided_decoding_backend", "no structured outputs"},
         {"return_tokens_as_token_ids", NULL},
         {"logprob_token_ids", NULL},
         {"cache_salt", NULL},
@@ -162,16 +156,12 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         if (!is_empty_value(it))
             return not_supported(e, fields[i].name, fields[i].why);
     }
-    const cJSON *rf = field(root, "response_format");
-    if (rf) {
-        const cJSON *type = cJSON_IsObject(rf) ? field(rf, "type") : NULL;
-        if (!(cJSON_IsString(type) && strcmp(type->valuestring, "text") == 0))
-            return not_supported(e, "response_format", "only {\"type\": \"text\"}");
-    }
-    const cJSON *tc = field(root, "tool_choice");
-    if (tc && !(cJSON_IsString(tc) &&
-                (strcmp(tc->valuestring, "none") == 0 || strcmp(tc->valuestring, "auto") == 0)))
-        return not_supported(e, "tool_choice", "no tool calling");
+    const cJSON *gwp = cJSON_GetObjectItemCaseSensitive(root, "guided_whitespace_pattern");
+    if (!is_empty_value(gwp))
+        return not_supported(e, "guided_whitespace_pattern",
+                             "JSON whitespace is fixed (at most 4 bytes per place)");
+    if (kind == TDM_OAI_COMPLETION && !is_empty_value(field(root, "tools")))
+        return not_supported(e, "tools", "tools are a chat feature");
     const cJSON *ctk = field(root, "chat_template_kwargs");
     if (ctk && !(cJSON_IsObject(ctk) && !ctk->child))
         return not_supported(e, "chat_template_kwargs", NULL);
@@ -180,6 +170,215 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         if (echo && !cJSON_IsFalse(echo))
             return not_supported(e, "echo", "chat echo");
     }
+    return TDM_OK;
+}
+
+// ---- structured outputs -----------------------------------------------------------------------
+// One constraint per request, from one of: response_format (json_object,
+// json_schema), structured_outputs {json, regex, choice, grammar, json_object},
+// guided_json, guided_regex, guided_choice, guided_grammar. Each becomes
+// (kind, text): a schema object as compact JSON text (a schema given as a
+// string is taken as is), choices as a JSON array of strings.
+
+int tdm_oai_request_set_constraint(struct tdm_oai_request *r, enum tdm_constraint_kind kind,
+                                   const char *text, size_t len, const char *param,
+                                   struct tdm_oai_error *e)
+{
+    if (kind == TDM_CONSTRAINT_NONE || (unsigned)kind >= TDM_CONSTRAINT_COUNT)
+        return tdm_oai_seterr(e, 400, param, "%s: unknown constraint kind %d",
+                              param ? param : "constraint", (int)kind);
+    if (r->sampling.constraint != TDM_CONSTRAINT_NONE)
+        return tdm_oai_seterr(e, 400, param,
+                              "You can only use one kind of structured outputs constraint but "
+                              "multiple are specified: %s and %s",
+                              r->constraint_param[0] ? r->constraint_param : "one",
+                              param ? param : "another");
+    if (!text)
+        text = "", len = 0;
+    // Validate now (a 400 with the grammar engine's message before any work);
+    // the cache hands the same grammar to the engine at submit.
+    struct tdm_grammar *g = NULL;
+    char err[256] = "";
+    int rc = tdm_grammar_compile_cached(&g, kind, text, len, err, sizeof err);
+    tdm_grammar_unref(g);
+    if (rc == TDM_ENOMEM)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    if (rc != TDM_OK)
+        return tdm_oai_seterr(e, 400, param, "%s: %s", param ? param : "constraint", err);
+    char *copy = malloc(len + 1);
+    if (!copy)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    memcpy(copy, text, len);
+    copy[len] = '\0';
+    free(r->constraint_text);
+    r->constraint_text = copy;
+    r->constraint_len = len;
+    snprintf(r->constraint_param, sizeof r->constraint_param, "%s", param ? param : "");
+    r->sampling.constraint = kind;
+    r->sampling.constraint_text = copy;
+    r->sampling.constraint_len = len;
+    return TDM_OK;
+}
+
+// val's text for kind, into *text (heap; caller frees) and sets the constraint.
+static int constraint_from_json(struct tdm_oai_request *r, enum tdm_constraint_kind kind,
+                                const cJSON *val, const char *param, struct tdm_oai_error *e)
+{
+    char *text = NULL;
+    switch (kind) {
+    case TDM_CONSTRAINT_JSON_SCHEMA:
+        if (cJSON_IsString(val))
+            text = strdup(val->valuestring);
+        else if (cJSON_IsObject(val) || cJSON_IsBool(val))
+            text = cJSON_PrintUnformatted(val);
+        else
+            return tdm_oai_seterr(e, 400, param,
+                                  "%s: Input should be a valid dictionary or a JSON string",
+                                  param);
+        break;
+    case TDM_CONSTRAINT_REGEX:
+    case TDM_CONSTRAINT_GRAMMAR:
+        if (!cJSON_IsString(val))
+            return tdm_oai_seterr(e, 400, param, "%s: Input should be a valid string", param);
+        text = strdup(val->valuestring);
+        break;
+    case TDM_CONSTRAINT_CHOICE: {
+        if (!cJSON_IsArray(val))
+            return tdm_oai_seterr(e, 400, param, "%s: Input should be a valid list", param);
+        if (!val->child)
+            return tdm_oai_seterr(e, 400, param, "%s: the list of choices is empty", param);
+        const cJSON *it;
+        cJSON_ArrayForEach(it, val)
+        {
+            if (!cJSON_IsString(it))
+                return tdm_oai_seterr(e, 400, param, "%s: Input should be a list of strings",
+                                      param);
+        }
+        text = cJSON_PrintUnformatted(val);
+        break;
+    }
+    case TDM_CONSTRAINT_JSON_OBJECT:
+        return tdm_oai_request_set_constraint(r, kind, "", 0, param, e);
+    default:
+        return tdm_oai_seterr(e, 500, NULL, "unknown constraint kind");
+    }
+    if (!text)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    int rc = tdm_oai_request_set_constraint(r, kind, text, strlen(text), param, e);
+    free(text);
+    return rc;
+}
+
+static int parse_response_format(const cJSON *root, struct tdm_oai_request *r,
+                                 struct tdm_oai_error *e)
+{
+    const cJSON *rf = field(root, "response_format");
+    if (!rf)
+        return TDM_OK;
+    if (!cJSON_IsObject(rf))
+        return tdm_oai_seterr(e, 400, "response_format",
+                              "response_format: Input should be a valid dictionary");
+    const cJSON *type = field(rf, "type");
+    if (!cJSON_IsString(type))
+        return tdm_oai_seterr(e, 400, "response_format", "response_format.type: Field required");
+    const char *t = type->valuestring;
+    if (strcmp(t, "text") == 0)
+        return TDM_OK;
+    if (strcmp(t, "json_object") == 0)
+        return tdm_oai_request_set_constraint(r, TDM_CONSTRAINT_JSON_OBJECT, "", 0,
+                                              "response_format", e);
+    if (strcmp(t, "json_schema") == 0) {
+        const cJSON *js = field(rf, "json_schema");
+        if (!js)
+            return tdm_oai_seterr(e, 400, "response_format",
+                                  "response_format.json_schema: Field required when type is "
+                                  "\"json_schema\"");
+        if (!cJSON_IsObject(js))
+            return tdm_oai_seterr(e, 400, "response_format",
+                                  "response_format.json_schema: Input should be a valid "
+                                  "dictionary");
+        const cJSON *name = field(js, "name");
+        if (name && !cJSON_IsString(name))
+            return tdm_oai_seterr(e, 400, "response_format",
+                                  "response_format.json_schema.name: Input should be a valid "
+                                  "string");
+        const cJSON *strict = field(js, "strict");
+        if (strict && !cJSON_IsBool(strict))
+            return tdm_oai_seterr(e, 400, "response_format",
+                                  "response_format.json_schema.strict: Input should be a valid "
+                                  "boolean");
+        const cJSON *schema = field(js, "schema");
+        if (!schema)
+            return tdm_oai_seterr(e, 400, "response_format",
+                                  "response_format.json_schema.schema: Field required");
+        if (!cJSON_IsObject(schema) && !cJSON_IsBool(schema))
+            return tdm_oai_seterr(e, 400, "response_format",
+                                  "response_format.json_schema.schema: Input should be a valid "
+                                  "dictionary");
+        return constraint_from_json(r, TDM_CONSTRAINT_JSON_SCHEMA, schema, "response_format", e);
+    }
+    if (strcmp(t, "structural_tag") == 0)
+        return not_supported(e, "response_format", "structural tags");
+    return tdm_oai_seterr(e, 400, "response_format",
+                          "response_format.type: Input should be 'text', 'json_object' or "
+                          "'json_schema', got '%.64s'",
+                          t);
+}
+
+static int parse_constraints(const cJSON *root, struct tdm_oai_request *r,
+                             struct tdm_oai_error *e)
+{
+    if (parse_response_format(root, r, e) != TDM_OK)
+        return TDM_EINVAL;
+    const cJSON *so = field(root, "structured_outputs");
+    if (so) {
+        if (!cJSON_IsObject(so))
+            return tdm_oai_seterr(e, 400, "structured_outputs",
+                                  "structured_outputs: Input should be a valid dictionary");
+        if (!is_empty_value(cJSON_GetObjectItemCaseSensitive(so, "structural_tag")))
+            return not_supported(e, "structured_outputs.structural_tag", NULL);
+        if (!is_empty_value(cJSON_GetObjectItemCaseSensitive(so, "whitespace_pattern")))
+            return not_supported(e, "structured_outputs.whitespace_pattern",
+                                 "JSON whitespace is fixed (at most 4 bytes per place)");
+        static const struct {
+            const char *key, *param;
+            enum tdm_constraint_kind kind;
+        } keys[] = {
+            {"json", "structured_outputs.json", TDM_CONSTRAINT_JSON_SCHEMA},
+            {"regex", "structured_outputs.regex", TDM_CONSTRAINT_REGEX},
+            {"choice", "structured_outputs.choice", TDM_CONSTRAINT_CHOICE},
+            {"grammar", "structured_outputs.grammar", TDM_CONSTRAINT_GRAMMAR},
+        };
+        for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+            const cJSON *v = field(so, keys[i].key);
+            if (v && constraint_from_json(r, keys[i].kind, v, keys[i].param, e) != TDM_OK)
+                return TDM_EINVAL;
+        }
+        bool jo = false;
+        if (get_bool(so, "json_object", &jo, e) < 0)
+            return TDM_EINVAL;
+        if (jo && tdm_oai_request_set_constraint(r, TDM_CONSTRAINT_JSON_OBJECT, "", 0,
+                                                 "structured_outputs.json_object", e) != TDM_OK)
+            return TDM_EINVAL;
+    }
+    static const struct {
+        const char *key;
+        enum tdm_constraint_kind kind;
+    } guided[] = {
+        {"guided_json", TDM_CONSTRAINT_JSON_SCHEMA},
+        {"guided_regex", TDM_CONSTRAINT_REGEX},
+        {"guided_choice", TDM_CONSTRAINT_CHOICE},
+        {"guided_grammar", TDM_CONSTRAINT_GRAMMAR},
+    };
+    for (size_t i = 0; i < sizeof guided / sizeof guided[0]; i++) {
+        const cJSON *v = field(root, guided[i].key);
+        if (v && constraint_from_json(r, guided[i].kind, v, guided[i].key, e) != TDM_OK)
+            return TDM_EINVAL;
+    }
+    const cJSON *backend = field(root, "guided_decoding_backend");
+    if (backend && !cJSON_IsString(backend))
+        return tdm_oai_seterr(e, 400, "guided_decoding_backend",
+                              "guided_decoding_backend: Input should be a valid string");
     return TDM_OK;
 }
 
@@ -277,8 +476,10 @@ static int parse_prompts(const cJSON *root, struct tdm_oai_request *r,
 }
 
 // ---- messages --------------------------------------------------------------------------------
+// *json_out (may be NULL): the array as compact JSON; *conv_out: the conversation
+// the template sees (tdm_oai_conversation_json).
 static int parse_messages(const cJSON *root, struct tdm_chat_msg **msgs, size_t *n, char **json_out,
-                          struct tdm_oai_error *e)
+                          char **conv_out, struct tdm_oai_error *e)
 {
     const cJSON *m = field(root, "messages");
     if (!m)
@@ -291,12 +492,17 @@ static int parse_messages(const cJSON *root, struct tdm_chat_msg **msgs, size_t 
     if (!text)
         return tdm_oai_seterr(e, 500, NULL, "out of memory");
     char err[256] = "";
-    int rc = tdm_chat_msgs_parse(text, strlen(text), msgs, n, err, sizeof err);
+    int rc = tdm_chat_msgs_parse_calls(text, strlen(text), msgs, n, err, sizeof err);
     if (rc != TDM_OK) {
         free(text);
         if (rc == TDM_ENOMEM)
             return tdm_oai_seterr(e, 500, NULL, "out of memory");
         return tdm_oai_seterr(e, 400, "messages", "%s", err);
+    }
+    rc = tdm_oai_conversation_json(m, *msgs, *n, conv_out, e);
+    if (rc != TDM_OK) {
+        free(text);
+        return rc;
     }
     if (json_out)
         *json_out = text;
@@ -614,7 +820,9 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
     if ((rc = parse_model(root, &r->model, m, e)) != TDM_OK)
         return rc;
     if (chat) {
-        if (parse_messages(root, &r->messages, &r->n_messages, &r->messages_json, e) != TDM_OK)
+        if (parse_messages(root, &r->messages, &r->n_messages, &r->messages_json,
+                           &r->conversation_json, e) != TDM_OK ||
+            tdm_oai_tools_parse(root, m, false, &r->tools, e) != TDM_OK)
             return fail_code(e);
     } else if (parse_prompts(root, r, m, e) != TDM_OK) {
         return fail_code(e);
@@ -702,6 +910,10 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
         get_bool(root, "add_special_tokens", &r->add_special_tokens, e) < 0 ||
         get_bool(root, "return_token_ids", &r->return_token_ids, e) < 0)
         return TDM_EINVAL;
+    // vLLM's hermes parser (adjust_request): some models mark <tool_call> as a
+    // special token, which skipping would remove before the parser sees it.
+    if (chat && tdm_oai_tool_format_of(&r->tools) == TDM_OAI_TOOL_FORMAT_HERMES)
+        r->skip_special_tokens = false;
     if (chat) {
         if (get_bool(root, "add_generation_prompt", &r->add_generation_prompt, e) < 0 ||
             get_bool(root, "continue_final_message", &r->continue_final_message, e) < 0)
@@ -730,6 +942,10 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
         return TDM_EINVAL;
 
     if (parse_sampling(root, r, m, e) != TDM_OK)
+        return fail_code(e);
+    if (parse_constraints(root, r, e) != TDM_OK)
+        return fail_code(e);
+    if (chat && tdm_oai_tools_force(r, e) != TDM_OK)
         return fail_code(e);
     if (r->max_tokens > 0 && r->sampling.min_tokens > r->max_tokens)
         return tdm_oai_seterr(e, 400, "min_tokens",
@@ -777,10 +993,13 @@ void tdm_oai_request_fini(struct tdm_oai_request *req)
     free(req->prompts);
     tdm_chat_msgs_free(req->messages, req->n_messages);
     free(req->messages_json);
+    free(req->conversation_json);
+    tdm_oai_tool_request_fini(&req->tools);
     for (size_t i = 0; i < req->n_stop; i++)
         free(req->stop[i]);
     free(req->user);
     free(req->request_id);
+    free(req->constraint_text);
     memset(req, 0, sizeof *req);
 }
 
@@ -839,7 +1058,9 @@ static int parse_tokenize(struct tdm_oai_tokenize_request *r, const cJSON *root,
     if (chat && prompt)
         return tdm_oai_seterr(e, 400, NULL, "Either prompt or messages must be given, not both");
     if (chat) {
-        if (parse_messages(root, &r->messages, &r->n_messages, NULL, e) != TDM_OK)
+        if (parse_messages(root, &r->messages, &r->n_messages, NULL, &r->conversation_json, e) !=
+                TDM_OK ||
+            tdm_oai_tools_parse(root, m, true, &r->tools, e) != TDM_OK)
             return fail_code(e);
     } else {
         if (!prompt)
@@ -884,6 +1105,8 @@ void tdm_oai_tokenize_fini(struct tdm_oai_tokenize_request *req)
     free(req->model);
     free(req->prompt);
     tdm_chat_msgs_free(req->messages, req->n_messages);
+    free(req->conversation_json);
+    tdm_oai_tool_request_fini(&req->tools);
     memset(req, 0, sizeof *req);
 }
 

@@ -229,6 +229,60 @@ static bool add_logprobs(cJSON *obj, enum tdm_oai_kind kind, const struct tdm_oa
     return kind == TDM_OAI_CHAT ? add_chat_logprobs(obj, c) : add_completion_logprobs(obj, c);
 }
 
+// ---- tool calls --------------------------------------------------------------------------------
+// message.tool_calls: [{"id","type":"function","function":{"name","arguments"}}].
+static bool add_tool_calls(cJSON *msg, const struct tdm_oai_choice *c)
+{
+    cJSON *arr = cJSON_AddArrayToObject(msg, "tool_calls");
+    if (!arr)
+        return false;
+    for (size_t i = 0; i < c->n_tool_calls; i++) {
+        const struct tdm_oai_tool_call *t = &c->tool_calls[i];
+        cJSON *o = cJSON_CreateObject(), *fn = NULL;
+        if (!o || !cJSON_AddItemToArray(arr, o)) {
+            cJSON_Delete(o);
+            return false;
+        }
+        if (!cJSON_AddStringToObject(o, "id", t->id) ||
+            !cJSON_AddStringToObject(o, "type", "function") ||
+            !(fn = cJSON_AddObjectToObject(o, "function")) ||
+            !add_text(fn, "name", t->name, strlen(t->name)) ||
+            !add_text(fn, "arguments", t->arguments, strlen(t->arguments)))
+            return false;
+    }
+    return true;
+}
+
+// delta.tool_calls: [{"index","id","type","function":{"name","arguments"}}] for a
+// call's first entry, [{"index","function":{"arguments"}}] after it.
+static bool add_tool_deltas(cJSON *delta, const struct tdm_oai_choice *c)
+{
+    cJSON *arr = cJSON_AddArrayToObject(delta, "tool_calls");
+    if (!arr)
+        return false;
+    for (size_t i = 0; i < c->n_tool_deltas; i++) {
+        const struct tdm_oai_tool_delta *t = &c->tool_deltas[i];
+        cJSON *o = cJSON_CreateObject(), *fn = NULL;
+        if (!o || !cJSON_AddItemToArray(arr, o)) {
+            cJSON_Delete(o);
+            return false;
+        }
+        if (!cJSON_AddNumberToObject(o, "index", t->index))
+            return false;
+        if (t->header &&
+            (!cJSON_AddStringToObject(o, "id", t->id) ||
+             !cJSON_AddStringToObject(o, "type", "function")))
+            return false;
+        if (!(fn = cJSON_AddObjectToObject(o, "function")))
+            return false;
+        if (t->header && !add_text(fn, "name", t->name, strlen(t->name)))
+            return false;
+        if (!add_text(fn, "arguments", t->args, t->args_len))
+            return false;
+    }
+    return true;
+}
+
 // ---- bodies and chunks
 // ---------------------------------------------------------------------------
 static bool add_choice(cJSON *choices, enum tdm_oai_kind kind, bool stream,
@@ -250,12 +304,24 @@ static bool add_choice(cJSON *choices, enum tdm_oai_kind kind, bool stream,
             return false;
         if (!stream && !cJSON_AddStringToObject(msg, "role", "assistant"))
             return false;
-        if (!add_text(msg, "content", c->text, c->text_len))
+        if (c->content_null) {
+            // Only tool calls: null in a message, no "content" in a delta.
+            if (!stream && !cJSON_AddNullToObject(msg, "content"))
+                return false;
+        } else if (!add_text(msg, "content", c->text, c->text_len)) {
             return false;
-        if (!stream && !cJSON_AddArrayToObject(msg, "tool_calls"))
+        }
+        if (!stream && !add_tool_calls(msg, c))
+            return false;
+        if (stream && c->n_tool_deltas > 0 && !add_tool_deltas(msg, c))
             return false;
     }
-    if (!add_logprobs(o, kind, c) || !add_finish(o, c->finish) || !add_stop_reason(o, c))
+    if (!add_logprobs(o, kind, c))
+        return false;
+    bool finish_ok = c->finish_tool_calls && c->finish != TDM_FINISH_NONE
+                         ? cJSON_AddStringToObject(o, "finish_reason", "tool_calls") != NULL
+                         : add_finish(o, c->finish);
+    if (!finish_ok || !add_stop_reason(o, c))
         return false;
     if (c->token_ids && !add_ids(o, "token_ids", c->token_ids, c->n_token_ids))
         return false;

@@ -311,12 +311,6 @@ static void test_validation_errors(void **state)
                  "not supported");
     expect_error(C, "{\"prompt\":\"x\",\"prompt_logprobs\":1}", 400, "prompt_logprobs",
                  "not supported");
-    expect_error(C, "{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}", 400,
-                 "response_format", "not supported");
-    expect_error(C, "{\"prompt\":\"x\",\"guided_json\":{\"type\":\"object\"}}", 400, "guided_json",
-                 "guided_json is not supported by this server: no structured outputs");
-    expect_error(C, "{\"prompt\":\"x\",\"guided_regex\":\"a+\"}", 400, "guided_regex",
-                 "not supported");
     expect_error(C, "{\"prompt\":\"x\",\"allowed_token_ids\":[1]}", 400, "allowed_token_ids",
                  "not supported");
 }
@@ -339,6 +333,243 @@ static void test_unsupported_noop_values_accepted(void **state)
         }
         tdm_oai_request_fini(&r);
     }
+}
+
+// ---- structured outputs ------------------------------------------------------------------
+// Parses json (must succeed) and checks the constraint it carries.
+static void expect_constraint(enum tdm_oai_kind kind, const char *json,
+                              enum tdm_constraint_kind want_kind, const char *want_text,
+                              const char *want_param)
+{
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    if (parse(&r, kind, json, &e) != TDM_OK) {
+        print_error("body %s: %s\n", json, e.message);
+        fail();
+    }
+    assert_int_equal(r.sampling.constraint, want_kind);
+    if (want_kind == TDM_CONSTRAINT_NONE) {
+        assert_null(r.constraint_text);
+        assert_null(r.sampling.constraint_text);
+    } else {
+        assert_non_null(r.constraint_text);
+        assert_ptr_equal(r.sampling.constraint_text, r.constraint_text);
+        assert_int_equal(r.sampling.constraint_len, strlen(want_text));
+        assert_string_equal(r.constraint_text, want_text);
+        assert_string_equal(r.constraint_param, want_param);
+    }
+    tdm_oai_request_fini(&r);
+}
+
+static void test_structured_output_shapes(void **state)
+{
+    (void)state;
+    const enum tdm_oai_kind C = TDM_OAI_COMPLETION, H = TDM_OAI_CHAT;
+#define MSGS "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]"
+    const char *schema = "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"}},"
+                         "\"required\":[\"a\"]}";
+    char body[1024];
+    // OpenAI response_format, on chat and completions.
+    expect_constraint(H, "{" MSGS ",\"response_format\":{\"type\":\"text\"}}", TDM_CONSTRAINT_NONE,
+                      NULL, NULL);
+    expect_constraint(H, "{" MSGS ",\"response_format\":{\"type\":\"json_object\"}}",
+                      TDM_CONSTRAINT_JSON_OBJECT, "", "response_format");
+    expect_constraint(C, "{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_object\"}}",
+                      TDM_CONSTRAINT_JSON_OBJECT, "", "response_format");
+    snprintf(body, sizeof body,
+             "{" MSGS ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":"
+             "{\"name\":\"n\",\"strict\":true,\"schema\":%s}}}",
+             schema);
+    expect_constraint(H, body, TDM_CONSTRAINT_JSON_SCHEMA, schema, "response_format");
+    snprintf(body, sizeof body,
+             "{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":"
+             "{\"name\":\"n\",\"schema\":%s}}}",
+             schema);
+    expect_constraint(C, body, TDM_CONSTRAINT_JSON_SCHEMA, schema, "response_format");
+    // vLLM's structured_outputs object.
+    snprintf(body, sizeof body, "{" MSGS ",\"structured_outputs\":{\"json\":%s}}", schema);
+    expect_constraint(H, body, TDM_CONSTRAINT_JSON_SCHEMA, schema, "structured_outputs.json");
+    expect_constraint(H, "{" MSGS ",\"structured_outputs\":{\"json\":\"{\\\"type\\\":\\\"string\\\"}\"}}",
+                      TDM_CONSTRAINT_JSON_SCHEMA, "{\"type\":\"string\"}",
+                      "structured_outputs.json");
+    expect_constraint(C, "{\"prompt\":\"x\",\"structured_outputs\":{\"regex\":\"[a-c]{2}\"}}",
+                      TDM_CONSTRAINT_REGEX, "[a-c]{2}", "structured_outputs.regex");
+    expect_constraint(C, "{\"prompt\":\"x\",\"structured_outputs\":{\"choice\":[\"yes\", \"no\"]}}",
+                      TDM_CONSTRAINT_CHOICE, "[\"yes\",\"no\"]", "structured_outputs.choice");
+    expect_constraint(H, "{" MSGS ",\"structured_outputs\":{\"grammar\":\"root ::= \\\"a\\\"+\"}}",
+                      TDM_CONSTRAINT_GRAMMAR, "root ::= \"a\"+", "structured_outputs.grammar");
+    expect_constraint(H, "{" MSGS ",\"structured_outputs\":{\"json_object\":true}}",
+                      TDM_CONSTRAINT_JSON_OBJECT, "", "structured_outputs.json_object");
+    expect_constraint(H, "{" MSGS ",\"structured_outputs\":{\"json_object\":false,"
+                         "\"disable_fallback\":true}}",
+                      TDM_CONSTRAINT_NONE, NULL, NULL);
+    // The older guided_* fields.
+    snprintf(body, sizeof body, "{\"prompt\":\"x\",\"guided_json\":%s}", schema);
+    expect_constraint(C, body, TDM_CONSTRAINT_JSON_SCHEMA, schema, "guided_json");
+    expect_constraint(H, "{" MSGS ",\"guided_regex\":\"\\\\d+\",\"guided_decoding_backend\":"
+                         "\"xgrammar\"}",
+                      TDM_CONSTRAINT_REGEX, "\\d+", "guided_regex");
+    expect_constraint(H, "{" MSGS ",\"guided_choice\":[\"a\",\"b\",\"\\u00e9\"]}",
+                      TDM_CONSTRAINT_CHOICE, "[\"a\",\"b\",\"\xc3\xa9\"]", "guided_choice");
+    expect_constraint(C, "{\"prompt\":\"x\",\"guided_grammar\":\"root ::= [0-9]+\"}",
+                      TDM_CONSTRAINT_GRAMMAR, "root ::= [0-9]+", "guided_grammar");
+    expect_constraint(C, "{\"prompt\":\"x\",\"guided_json\":null,\"structured_outputs\":null}",
+                      TDM_CONSTRAINT_NONE, NULL, NULL);
+#undef MSGS
+}
+
+static void test_structured_output_errors(void **state)
+{
+    (void)state;
+    const enum tdm_oai_kind C = TDM_OAI_COMPLETION, H = TDM_OAI_CHAT;
+#define MSGS "\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]"
+    // More than one constraint, in any combination.
+    expect_error(C, "{\"prompt\":\"x\",\"guided_regex\":\"a\",\"guided_choice\":[\"a\"]}", 400,
+                 "guided_choice",
+                 "You can only use one kind of structured outputs constraint but multiple are "
+                 "specified: guided_regex and guided_choice");
+    expect_error(H, "{" MSGS ",\"response_format\":{\"type\":\"json_object\"},"
+                    "\"guided_json\":{\"type\":\"object\"}}",
+                 400, "guided_json", "response_format and guided_json");
+    expect_error(H, "{" MSGS ",\"structured_outputs\":{\"regex\":\"a\",\"choice\":[\"a\"]}}", 400,
+                 "structured_outputs.choice", "only use one kind");
+    expect_error(H, "{" MSGS ",\"structured_outputs\":{\"json_object\":true,\"grammar\":"
+                    "\"root ::= \\\"a\\\"\"}}",
+                 400, "structured_outputs.json_object", "only use one kind");
+    // Shapes.
+    expect_error(H, "{" MSGS ",\"response_format\":\"json\"}", 400, "response_format",
+                 "valid dictionary");
+    expect_error(H, "{" MSGS ",\"response_format\":{}}", 400, "response_format",
+                 "response_format.type: Field required");
+    expect_error(H, "{" MSGS ",\"response_format\":{\"type\":\"yaml\"}}", 400, "response_format",
+                 "got 'yaml'");
+    expect_error(H, "{" MSGS ",\"response_format\":{\"type\":\"json_schema\"}}", 400,
+                 "response_format", "json_schema: Field required");
+    expect_error(H, "{" MSGS ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":"
+                    "{\"name\":\"x\"}}}",
+                 400, "response_format", "json_schema.schema: Field required");
+    expect_error(H, "{" MSGS ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":"
+                    "{\"name\":1,\"schema\":{}}}}",
+                 400, "response_format", "name: Input should be a valid string");
+    expect_error(H, "{" MSGS ",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":"
+                    "{\"schema\":[1]}}}",
+                 400, "response_format", "schema: Input should be a valid dictionary");
+    expect_error(H, "{" MSGS ",\"response_format\":{\"type\":\"structural_tag\"}}", 400,
+                 "response_format", "not supported");
+    expect_error(H, "{" MSGS ",\"structured_outputs\":[1]}", 400, "structured_outputs",
+                 "valid dictionary");
+    expect_error(H, "{" MSGS ",\"structured_outputs\":{\"structural_tag\":\"x\"}}", 400,
+                 "structured_outputs.structural_tag", "not supported");
+    expect_error(H, "{" MSGS ",\"guided_whitespace_pattern\":\" *\"}", 400,
+                 "guided_whitespace_pattern", "not supported");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_regex\":5}", 400, "guided_regex",
+                 "Input should be a valid string");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_choice\":\"a\"}", 400, "guided_choice",
+                 "valid list");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_choice\":[]}", 400, "guided_choice", "empty");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_choice\":[\"a\",1]}", 400, "guided_choice",
+                 "list of strings");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_json\":5}", 400, "guided_json",
+                 "valid dictionary");
+    expect_error(C, "{\"prompt\":\"x\",\"structured_outputs\":{\"json_object\":1}}", 400,
+                 "json_object", "valid boolean");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_decoding_backend\":7}", 400,
+                 "guided_decoding_backend", "valid string");
+    // The grammar engine's own messages, as 400s naming the field.
+    expect_error(C, "{\"prompt\":\"x\",\"guided_json\":{\"type\":\"integer\",\"minimum\":3}}", 400,
+                 "guided_json", "keyword \"minimum\" is not supported");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_json\":\"{not json\"}", 400, "guided_json",
+                 "not valid JSON");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_regex\":\"(a\"}", 400, "guided_regex", "regex");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_regex\":\"(a)\\\\1\"}", 400, "guided_regex",
+                 "backreference");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_regex\":\"a**\"}", 400, "guided_regex",
+                 "multiple repeat");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_grammar\":\"root ::= foo\"}", 400,
+                 "guided_grammar", "foo");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_grammar\":\"root ::= root \\\"a\\\"\"}", 400,
+                 "guided_grammar", "left-recursive");
+    expect_error(C, "{\"prompt\":\"x\",\"guided_regex\":\"[^\\\\x00-\\\\xff]\"}", 400, "guided_regex",
+                 "");
+#undef MSGS
+}
+
+// Hostile constraints fail fast with a 400 and leave nothing behind.
+static void test_structured_output_hostile(void **state)
+{
+    (void)state;
+    // A schema 10 000 deep, as a JSON string (the body's own depth check would
+    // stop it as an object) and as an object.
+    size_t depth = 10000;
+    size_t cap = depth * 40 + 256;
+    char *body = malloc(cap), *p = body;
+    assert_non_null(body);
+    p += sprintf(p, "{\"prompt\":\"x\",\"guided_json\":\"");
+    for (size_t i = 0; i < depth; i++)
+        p += sprintf(p, "{\\\"items\\\":");
+    p += sprintf(p, "{}");
+    for (size_t i = 0; i < depth; i++)
+        *p++ = '}';
+    p += sprintf(p, "\"}");
+    double t0 = tdm_now();
+    expect_error(TDM_OAI_COMPLETION, body, 400, "guided_json", "nests deeper than 128");
+    p = body;
+    p += sprintf(p, "{\"prompt\":\"x\",\"guided_json\":");
+    for (size_t i = 0; i < depth; i++)
+        p += sprintf(p, "{\"items\":");
+    p += sprintf(p, "{}");
+    for (size_t i = 0; i < depth; i++)
+        *p++ = '}';
+    p += sprintf(p, "}");
+    expect_error(TDM_OAI_COMPLETION, body, 400, "", "nests deeper than 128");
+    free(body);
+    // A 10 MB schema (a huge enum) as a string.
+    size_t big = 10u << 20;
+    body = malloc(big + 256);
+    assert_non_null(body);
+    p = body;
+    p += sprintf(p, "{\"prompt\":\"x\",\"guided_json\":\"{\\\"enum\\\":[");
+    while ((size_t)(p - body) < big)
+        p += sprintf(p, "%s1", p[-1] == '[' ? "" : ",");
+    p += sprintf(p, "]}\"}");
+    expect_error(TDM_OAI_COMPLETION, body, 400, "guided_json", "at most");
+    free(body);
+    // Catastrophic-backtracking patterns compile (no backtracking engine) or
+    // fail, quickly; a grammar accepting nothing is refused.
+    expect_constraint(TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"guided_regex\":\"(a|a)*b\"}",
+                      TDM_CONSTRAINT_REGEX, "(a|a)*b", "guided_regex");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"guided_grammar\":\"root ::= [^\\\\x00-\\\\U0010FFFF]\"}",
+                 400, "guided_grammar", "");
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"guided_grammar\":\"root ::= \\\"a\\\" root\"}",
+                 400, "guided_grammar", "accepts no string");
+    assert_true(tdm_now() - t0 < 10.0);
+}
+
+// The entry point other features use to force a shape.
+static void test_set_constraint(void **state)
+{
+    (void)state;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION, "{\"prompt\":\"x\"}", &e), TDM_OK);
+    assert_int_equal(r.sampling.constraint, TDM_CONSTRAINT_NONE);
+    assert_int_equal(tdm_oai_request_set_constraint(&r, TDM_CONSTRAINT_REGEX, "(", 1, "tools", &e),
+                     TDM_EINVAL);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.param, "tools");
+    assert_int_equal(r.sampling.constraint, TDM_CONSTRAINT_NONE);
+    assert_int_equal(tdm_oai_request_set_constraint(&r, TDM_CONSTRAINT_CHOICE, "[\"a\"]", 5,
+                                                    "tool_choice", &e),
+                     TDM_OK);
+    assert_int_equal(r.sampling.constraint, TDM_CONSTRAINT_CHOICE);
+    assert_string_equal(r.sampling.constraint_text, "[\"a\"]");
+    assert_int_equal(tdm_oai_request_set_constraint(&r, TDM_CONSTRAINT_JSON_OBJECT, NULL, 0,
+                                                    "response_format", &e),
+                     TDM_EINVAL);
+    assert_true(strstr(e.message, "tool_choice and response_format") != NULL);
+    assert_int_equal(tdm_oai_request_set_constraint(&r, TDM_CONSTRAINT_NONE, NULL, 0, "x", &e),
+                     TDM_EINVAL);
+    tdm_oai_request_fini(&r);
 }
 
 static void test_echo_without_generation(void **state)
@@ -432,7 +663,7 @@ static void test_chat_request(void **state)
         "{\"model\":\"qwen\",\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"
         "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"Hi\"}]}],"
         "\"max_tokens\":9,\"max_completion_tokens\":12,\"logprobs\":true,\"top_logprobs\":2,"
-        "\"tool_choice\":\"auto\",\"parallel_tool_calls\":false}";
+        "\"tool_choice\":\"none\",\"parallel_tool_calls\":false}";
     assert_int_equal(parse(&r, TDM_OAI_CHAT, json, &e), TDM_OK);
     assert_int_equal(r.n_messages, 2);
     assert_string_equal(r.messages[0].role, "system");
@@ -479,10 +710,12 @@ static void test_chat_request(void **state)
     expect_error(K,
                  "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"tools\":[{\"type\":"
                  "\"function\",\"function\":{\"name\":\"f\"}}]}",
-                 400, "tools", "tools is not supported by this server: no tool calling");
+                 400, "tool_choice",
+                 "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser "
+                 "to be set");
     expect_error(
         K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"tool_choice\":\"required\"}",
-        400, "tool_choice", "not supported");
+        400, "tool_choice", "When using `tool_choice`, `tools` must be set.");
     expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"echo\":true}", 400,
                  "echo", "not supported");
     expect_error(
@@ -920,6 +1153,10 @@ int main(void)
         cmocka_unit_test(test_models_tokenize_version),
         cmocka_unit_test(test_utf8_chars),
         cmocka_unit_test(test_mutated_bodies_never_crash),
+        cmocka_unit_test(test_structured_output_shapes),
+        cmocka_unit_test(test_structured_output_errors),
+        cmocka_unit_test(test_structured_output_hostile),
+        cmocka_unit_test(test_set_constraint),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -34,8 +34,8 @@ int tdm_oai_tokenize_run(const char *json, size_t len, const struct tdm_oai_mode
                                 chat_err ? chat_err : "");
             goto out;
         }
-        if (tdm_chat_render(chat, rq.messages, rq.n_messages, rq.add_generation_prompt, &rendered,
-                            err, sizeof err) != TDM_OK) {
+        if (tdm_chat_render_json(chat, rq.conversation_json, rq.tools.tools_json,
+                                 rq.add_generation_prompt, &rendered, err, sizeof err) != TDM_OK) {
             rc = tdm_oai_seterr(e, 400, "messages", "%s", err);
             goto out;
         }
@@ -89,6 +89,23 @@ int tdm_oai_detokenize_run(const char *json, size_t len, const struct tdm_oai_mo
     return rc;
 }
 
+int tdm_oai_chat_prompt(const struct tdm_oai_request *req, const struct tdm_chat_template *chat,
+                        const char *chat_err, char **out, struct tdm_oai_error *e)
+{
+    *out = NULL;
+    if (chat == NULL)
+        return tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
+                              chat_err ? chat_err : "");
+    // The conversation as vLLM hands it to the template: tool calls and tool
+    // results included, and the tools when the request has them.
+    char err[256];
+    int rc = tdm_chat_render_json(chat, req->conversation_json, req->tools.tools_json,
+                                  req->add_generation_prompt, out, err, sizeof err);
+    if (rc != TDM_OK)
+        return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
+    return TDM_OK;
+}
+
 int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oai_model_info *info,
                           const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
                           const char *chat_err, struct tdm_oai_tokenized_prompt **out,
@@ -114,11 +131,9 @@ int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oa
             if (rq->continue_final_message)
                 return tdm_oai_seterr(e, 400, "continue_final_message",
                                       "continue_final_message is not supported.");
-            char err[256];
-            int rc = tdm_chat_render(chat, rq->messages, rq->n_messages, rq->add_generation_prompt,
-                                     &rendered, err, sizeof err);
+            int rc = tdm_oai_chat_prompt(rq, chat, chat_err, &rendered, e);
             if (rc != TDM_OK)
-                return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
+                return rc;
             text = rendered;
             text_len = strlen(rendered);
         } else if (rq->prompts[i].text != NULL) {

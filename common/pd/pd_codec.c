@@ -64,6 +64,11 @@ void tdm_pd_sampling_to_proto(const struct tdm_sampling_params *p, struct tdm_pd
     m->n_logit_bias = (size_t)nb;
     m->logit_bias = out->bias_ptr;
     m->logprobs = p->logprobs;
+    m->constraint_kind = (int32_t)p->constraint;
+    if (p->constraint != TDM_CONSTRAINT_NONE && p->constraint_text) {
+        m->constraint.data = (uint8_t *)(uintptr_t)p->constraint_text; // borrowed, packed only
+        m->constraint.len = p->constraint_len;
+    }
 }
 
 int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampling_params *out,
@@ -100,6 +105,15 @@ int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampl
     }
     out->num_logit_bias = (int)m->n_logit_bias;
     out->logprobs = m->logprobs;
+    if (m->constraint_kind < 0 || m->constraint_kind >= TDM_CONSTRAINT_COUNT)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "constraint_kind %d unknown",
+                          (int)m->constraint_kind);
+    out->constraint = (enum tdm_constraint_kind)m->constraint_kind;
+    if (out->constraint != TDM_CONSTRAINT_NONE) {
+        // Borrowed from m; an empty text is "" (json_object), never NULL.
+        out->constraint_text = m->constraint.data ? (const char *)m->constraint.data : "";
+        out->constraint_len = m->constraint.data ? m->constraint.len : 0;
+    }
     return TDM_OK;
 }
 

@@ -42,6 +42,10 @@ static void test_sampling_round_trip(void **state)
     p.logit_bias[0].token = 5;
     p.logit_bias[0].bias = -100;
     p.logprobs = 4;
+    static const char schema[] = "{\"type\":\"object\"}";
+    p.constraint = TDM_CONSTRAINT_JSON_SCHEMA;
+    p.constraint_text = schema;
+    p.constraint_len = sizeof schema - 1;
     struct tdm_pd_sampling_msg *sm = malloc(sizeof *sm);
     tdm_pd_sampling_to_proto(&p, sm);
     size_t n = protobuf_c_message_get_packed_size(&sm->msg.base);
@@ -63,6 +67,26 @@ static void test_sampling_round_trip(void **state)
     assert_int_equal(q.logit_bias[0].token, 5);
     assert_true(q.logit_bias[0].bias == -100);
     assert_int_equal(q.logprobs, 4);
+    assert_int_equal(q.constraint, TDM_CONSTRAINT_JSON_SCHEMA);
+    assert_int_equal(q.constraint_len, sizeof schema - 1);
+    assert_memory_equal(q.constraint_text, schema, sizeof schema - 1);
+
+    // json_object travels with no text; an unknown kind is refused.
+    m->constraint_kind = TDM_CONSTRAINT_JSON_OBJECT;
+    ProtobufCBinaryData saved_text = m->constraint;
+    m->constraint = (ProtobufCBinaryData){0};
+    assert_int_equal(tdm_pd_sampling_from_proto(m, &q, err, sizeof err), TDM_OK);
+    assert_int_equal(q.constraint, TDM_CONSTRAINT_JSON_OBJECT);
+    assert_non_null(q.constraint_text);
+    assert_int_equal(q.constraint_len, 0);
+    m->constraint_kind = 99;
+    assert_int_equal(tdm_pd_sampling_from_proto(m, &q, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "constraint_kind"));
+    m->constraint_kind = 0;
+    assert_int_equal(tdm_pd_sampling_from_proto(m, &q, err, sizeof err), TDM_OK);
+    assert_int_equal(q.constraint, TDM_CONSTRAINT_NONE);
+    assert_null(q.constraint_text);
+    m->constraint = saved_text;
 
     // A peer sending more stop ids than the engine holds is refused.
     int32_t many[TDM_MAX_STOP_IDS + 1] = {0};

@@ -127,6 +127,13 @@ int tdm_sampling_params_validate(const struct tdm_sampling_params *p, int vocab_
             return tdm_seterr(err, errlen, TDM_EINVAL,
                               "logit_bias for token %d must be a finite number", (int)b->token);
     }
+    if ((unsigned)p->constraint >= TDM_CONSTRAINT_COUNT)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "unknown constraint kind %d",
+                          (int)p->constraint);
+    if (p->constraint != TDM_CONSTRAINT_NONE && p->constraint != TDM_CONSTRAINT_JSON_OBJECT &&
+        !p->constraint_text)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "%s constraint without its text",
+                          tdm_constraint_kind_name(p->constraint));
     return TDM_OK;
 }
 

@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "core.h" // enum tdm_constraint_kind
+
 #define TDM_MAX_STOP_IDS 32
 #define TDM_MAX_LOGIT_BIAS 300
 #define TDM_MAX_LOGPROBS 20
@@ -38,6 +40,14 @@ struct tdm_sampling_params {
     struct tdm_logit_bias logit_bias[TDM_MAX_LOGIT_BIAS];
     int num_logit_bias;
     int logprobs;               // -1: none; 0..TDM_MAX_LOGPROBS: the chosen token's logprob + top-N
+    // Structured output (docs/structured-outputs.md): the constraint's kind
+    // (TDM_CONSTRAINT_NONE = unconstrained) and text, BORROWED: whoever fills
+    // these keeps the text alive while the params (and copies of them) are in
+    // use. The sampler ignores them; the engine compiles them at submit
+    // (tdm_grammar_compile_cached) and masks every step's logits.
+    enum tdm_constraint_kind constraint;
+    const char *constraint_text;
+    size_t constraint_len;
 };
 
 // vLLM's fallbacks (temperature 1, top_p 1, top_k off, min_p 0, penalties off, logprobs -1).

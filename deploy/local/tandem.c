@@ -89,6 +89,8 @@ struct up_opts {
     const char *bin_dir;     // --bin-dir: where the service binaries are
     bool no_router;          // --no-router: workers only (decode workers serve the API)
     bool restart;            // --restart on-failure (default) | never
+    bool auto_tool_choice;   // --enable-auto-tool-choice, passed to the router and workers
+    const char *tool_parser; // --tool-call-parser NAME, likewise; NULL = none
 };
 
 static int set_restart(void *opts, const char *v, char *err, size_t errlen)
@@ -161,6 +163,12 @@ static const struct tdm_flag up_flags[] = {
         "seconds for every /health to turn 200 (default 600)"),
     NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
         "drain on stop, router and workers (default 30); SIGKILL 15 s\nafter"),
+    {.name = "enable-auto-tool-choice",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(auto_tool_choice),
+     .help = "tool_choice \"auto\" on every process (with --tool-call-parser)"},
+    PTR("tool-call-parser", tool_parser, "NAME",
+        "hermes or llama3_json (docs/tool-calling.md), for every process"),
     PTR("bin-dir", bin_dir, "DIR",
         "where tandem-router/-prefill/-decode are (default: next to\ntandem, the build tree, "
         "then PATH)"),
@@ -1120,6 +1128,10 @@ static int launch_all(const struct up_opts *o, const char *model, const char *se
             arg(&a, "--served-model-name"), arg(&a, "%s", served);
         arg(&a, "--log-level"), arg(&a, "%s", o->log_level);
         arg(&a, "--drain-timeout"), arg(&a, "%g", o->drain_timeout);
+        if (o->auto_tool_choice)
+            arg(&a, "--enable-auto-tool-choice");
+        if (o->tool_parser && *o->tool_parser)
+            arg(&a, "--tool-call-parser"), arg(&a, "%s", o->tool_parser);
         if (c->role != CHILD_ROUTER) {
             arg(&a, "--threads"), arg(&a, "%d", threads);
             if (!o->no_router)

@@ -1,0 +1,541 @@
+// SPDX-License-Identifier: Apache-2.0
+// Structured outputs through the engine, on a tiny random model written by
+// mkmodel with its own byte-level tokenizer: constrained requests (a nested
+// JSON Schema with arrays, an enum and a nested object; a regex; a choice; any
+// JSON object) sampled at temperature 1 from random weights always produce
+// output that parses and validates (grammar_validate, independent of the
+// grammar engine), batched (one matcher per sequence), finish "stop" when the
+// grammar is complete and "length" at max_tokens mid-object; a P/D request
+// (PREFILL_ONLY samples the first token under the mask, IMPORT_KV continues)
+// gives exactly the tokens of a local one; bad constraints are refused at
+// submit; unconstrained requests compute no mask at all.
+#include <math.h>
+#include <regex.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+#include <cmocka.h>
+
+#include "core.h"
+#include "engine.h"
+#include "grammar.h"
+#include "grammar_validate.h"
+#include "mkmodel.h"
+#include "model.h"
+#include "tokenizer.h"
+
+#define WAIT_S 120.0
+#define MAXT 160 // max_tokens of the validating runs
+
+static char model_dir[64];
+static struct tdm_model *model;
+static struct tdm_tokenizer *tok;
+static struct tdm_grammar_vocab *gvocab;
+
+// Bounded everywhere (a random model repeats a token forever where it may:
+// unbounded digits or strings would end at max_tokens, not at the grammar's end).
+static const char nested_schema[] =
+    "{\"type\":\"object\",\"properties\":{"
+    "\"name\":{\"type\":\"string\",\"maxLength\":6},"
+    "\"tags\":{\"type\":\"array\",\"items\":{\"enum\":[\"red\",\"green\",\"blue\"]},"
+    "\"minItems\":1,\"maxItems\":3},"
+    "\"pos\":{\"type\":\"object\",\"properties\":{\"x\":{\"enum\":[1,20,300]},"
+    "\"ok\":{\"type\":\"boolean\"},\"day\":{\"type\":\"string\",\"format\":\"date\"}},"
+    "\"required\":[\"x\",\"ok\"]},"
+    "\"kind\":{\"enum\":[\"a\",\"b\",null,3]}},"
+    "\"required\":[\"name\",\"tags\",\"pos\",\"kind\"]}";
+
+static int setup(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_mkmodel_spec s;
+    strcpy(model_dir, "/tmp/tdm_engine_grammarXXXXXX");
+    if (mkdtemp(model_dir) == NULL)
+        return -1;
+    tdm_mkmodel_preset(&s, "tiny");
+    s.seed = 23;
+    if (tdm_mkmodel_write(&s, model_dir, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "mkmodel: %s\n", err);
+        return -1;
+    }
+    struct tdm_model_opts o;
+    tdm_model_opts_default(&o);
+    o.num_threads = 1;
+    o.max_batch_tokens = 256;
+    o.max_batch_seqs = 16;
+    if (tdm_model_load(&model, model_dir, &o, err, sizeof err) != TDM_OK ||
+        tdm_tok_load(&tok, model_dir, err, sizeof err) != TDM_OK ||
+        tdm_grammar_vocab_from_tokenizer(&gvocab, tok, -1, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "load: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    tdm_grammar_vocab_free(gvocab);
+    tdm_tok_free(tok);
+    tdm_model_free(model);
+    tdm_mkmodel_remove(model_dir);
+    return 0;
+}
+
+static int mask_threads; // 0: the engine's default
+
+static struct tdm_engine *engine_make(bool with_vocab)
+{
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    char err[256];
+    tdm_engine_config_default(&c);
+    c.num_blocks = 256;
+    c.max_num_batched_tokens = 256;
+    c.max_num_seqs = 16;
+    c.grammar_vocab = with_vocab ? gvocab : NULL;
+    c.mask_threads = mask_threads;
+    int rc = tdm_engine_new(&e, model, &c, err, sizeof err);
+    if (rc != TDM_OK)
+        fprintf(stderr, "engine: %s\n", err);
+    assert_int_equal(rc, TDM_OK);
+    return e;
+}
+
+static void prompt_of(const char *text, int32_t *ids, int *n)
+{
+    size_t got = 0;
+    int32_t *p = NULL;
+    assert_int_equal(tdm_tok_encode(tok, text, strlen(text), false, &p, &got), TDM_OK);
+    assert_true(got > 0 && got < 64);
+    memcpy(ids, p, got * sizeof *ids);
+    free(p);
+    *n = (int)got;
+}
+
+static void constrained(struct tdm_sampling_params *sp, enum tdm_constraint_kind kind,
+                        const char *text, uint64_t seed)
+{
+    tdm_sampling_params_default(sp);
+    sp->temperature = 1.0f;
+    sp->has_seed = true;
+    sp->seed = seed;
+    sp->constraint = kind;
+    sp->constraint_text = text;
+    sp->constraint_len = text ? strlen(text) : 0;
+}
+
+struct out {
+    int32_t ids[MAXT + 1];
+    int n;
+    enum tdm_finish reason;
+    int32_t stop_token;
+    int error;
+    char message[160];
+};
+
+static struct tdm_engine_request *submit_kind(struct tdm_engine *e, const int32_t *prompt, int n,
+                                              const struct tdm_sampling_params *sp,
+                                              int max_tokens, enum tdm_engine_kind kind)
+{
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    char err[256];
+    tdm_engine_request_params_default(&p);
+    p.id = "g";
+    p.prompt = prompt;
+    p.n_prompt = n;
+    p.sampling = *sp;
+    p.max_tokens = max_tokens;
+    p.kind = kind;
+    int rc = tdm_engine_submit(e, &p, &r, err, sizeof err);
+    if (rc != TDM_OK)
+        fprintf(stderr, "submit: %s\n", err);
+    assert_int_equal(rc, TDM_OK);
+    return r;
+}
+
+static void collect(struct tdm_engine_request *r, struct out *o)
+{
+    struct tdm_engine_chunk ch;
+    memset(o, 0, sizeof *o);
+    for (;;) {
+        assert_int_equal(tdm_engine_stream_next(r, WAIT_S, &ch), TDM_OK);
+        for (int i = 0; i < ch.n; i++) {
+            assert_true(o->n <= MAXT);
+            o->ids[o->n++] = ch.tokens[i];
+        }
+        if (ch.finished) {
+            o->reason = ch.reason;
+            o->stop_token = ch.stop_token;
+            o->error = ch.error;
+            snprintf(o->message, sizeof o->message, "%s", ch.message ? ch.message : "");
+            return;
+        }
+    }
+}
+
+// The generated text (special tokens, i.e. a final EOS, skipped). Heap.
+static char *text_of(const struct out *o, size_t *len)
+{
+    char *t = NULL;
+    assert_int_equal(tdm_tok_decode(tok, o->ids, (size_t)o->n, true, &t, len), TDM_OK);
+    return t;
+}
+
+// Runs `count` seeded requests with one constraint as one batch; returns how
+// many finished "stop"; calls check on each such output.
+static int run_batch(struct tdm_engine *e, enum tdm_constraint_kind kind, const char *text,
+                     int count, uint64_t seed0, bool (*check)(const char *, size_t, char *, size_t))
+{
+    int32_t prompt[64];
+    int np;
+    prompt_of("Answer in JSON: the colour of", prompt, &np);
+    struct tdm_engine_request *r[16];
+    assert_true(count <= 16);
+    for (int i = 0; i < count; i++) {
+        struct tdm_sampling_params sp;
+        constrained(&sp, kind, text, seed0 + (uint64_t)i);
+        r[i] = submit_kind(e, prompt, np, &sp, MAXT, TDM_ENGINE_REQ_GENERATE);
+    }
+    int stops = 0;
+    for (int i = 0; i < count; i++) {
+        struct out o;
+        collect(r[i], &o);
+        tdm_engine_request_release(r[i]);
+        size_t len;
+        char *t = text_of(&o, &len);
+        if (o.reason == TDM_FINISH_STOP) {
+            stops++;
+            char why[256] = "";
+            if (!check(t, len, why, sizeof why))
+                fail_msg("%s %d: output %s (%d tokens) is invalid: %s",
+                         tdm_constraint_kind_name(kind), i, t, o.n, why);
+        } else {
+            // Only the length limit may cut a constrained output short.
+            if (o.reason != TDM_FINISH_LENGTH || o.n != MAXT)
+                fail_msg("%s %d: finished %s after %d tokens: %s", tdm_constraint_kind_name(kind),
+                         i, tdm_finish_name(o.reason), o.n, o.message);
+        }
+        free(t);
+    }
+    return stops;
+}
+
+static bool check_nested(const char *t, size_t len, char *why, size_t wl)
+{
+    return tdm_grammar_validate_text(t, len, nested_schema, why, wl);
+}
+
+static bool check_object(const char *t, size_t len, char *why, size_t wl)
+{
+    cJSON *v = cJSON_ParseWithLength(t, len);
+    bool ok = cJSON_IsObject(v);
+    if (!ok)
+        snprintf(why, wl, "not a JSON object");
+    cJSON_Delete(v);
+    return ok;
+}
+
+static const char regex_text[] = "(cat|dog)-[0-9]{2,4}( [a-z]{1,5})?";
+static bool check_regex(const char *t, size_t len, char *why, size_t wl)
+{
+    regex_t re;
+    assert_int_equal(regcomp(&re, "^(cat|dog)-[0-9]{2,4}( [a-z]{1,5})?$", REG_EXTENDED | REG_NOSUB),
+                     0);
+    char *z = strndup(t, len);
+    bool ok = regexec(&re, z, 0, NULL, 0) == 0;
+    free(z);
+    regfree(&re);
+    if (!ok)
+        snprintf(why, wl, "does not match %s", regex_text);
+    return ok;
+}
+
+static bool check_choice(const char *t, size_t len, char *why, size_t wl)
+{
+    static const char *const c[] = {"alpha", "beta", "gamma delta", "\xc3\xa9t\xc3\xa9"};
+    for (size_t i = 0; i < sizeof c / sizeof c[0]; i++)
+        if (len == strlen(c[i]) && memcmp(t, c[i], len) == 0)
+            return true;
+    snprintf(why, wl, "not one of the choices");
+    return false;
+}
+
+// ---- tests -----------------------------------------------------------------------------------
+static void test_schema_outputs_validate(void **state)
+{
+    (void)state;
+    // Three mask threads share each step's 8 masks (the default on this host may be 1).
+    mask_threads = 3;
+    struct tdm_engine *e = engine_make(true);
+    mask_threads = 0;
+    int stops = run_batch(e, TDM_CONSTRAINT_JSON_SCHEMA, nested_schema, 8, 100, check_nested);
+    print_message("nested schema: %d of 8 finished stop (all validate)\n", stops);
+    assert_true(stops >= 6);
+    struct tdm_engine_stats s;
+    tdm_engine_get_stats(e, &s);
+    assert_true(s.num_masks > 0);
+    print_message("masks %llu, %.1f us each\n", (unsigned long long)s.num_masks,
+                  1e6 * s.mask_seconds / (double)s.num_masks);
+    tdm_engine_free(e);
+}
+
+static void test_regex_choice_object(void **state)
+{
+    (void)state;
+    struct tdm_engine *e = engine_make(true);
+    assert_int_equal(run_batch(e, TDM_CONSTRAINT_REGEX, regex_text, 8, 200, check_regex), 8);
+    assert_int_equal(run_batch(e, TDM_CONSTRAINT_CHOICE,
+                               "[\"alpha\",\"beta\",\"gamma delta\",\"\\u00e9t\\u00e9\"]", 8, 300,
+                               check_choice),
+                     8);
+    int stops = run_batch(e, TDM_CONSTRAINT_JSON_OBJECT, NULL, 6, 400, check_object);
+    print_message("json_object: %d of 6 finished stop (all objects)\n", stops);
+    assert_true(stops >= 1);
+    tdm_engine_free(e);
+}
+
+static bool check_gbnf_list(const char *t, size_t len, char *why, size_t wl)
+{
+    regex_t re;
+    assert_int_equal(
+        regcomp(&re, "^\\[[1-9][0-9]?(,[1-9][0-9]?)*\\]$", REG_EXTENDED | REG_NOSUB), 0);
+    char *z = strndup(t, len);
+    bool ok = regexec(&re, z, 0, NULL, 0) == 0;
+    free(z);
+    regfree(&re);
+    if (!ok)
+        snprintf(why, wl, "not a list of 1-2 digit numbers");
+    return ok;
+}
+
+static void test_gbnf(void **state)
+{
+    (void)state;
+    struct tdm_engine *e = engine_make(true);
+    const char *gbnf = "root ::= \"[\" num (\",\" num)* \"]\"\nnum ::= [1-9] [0-9]?";
+    int stops = run_batch(e, TDM_CONSTRAINT_GRAMMAR, gbnf, 6, 600, check_gbnf_list);
+    print_message("gbnf: %d of 6 finished stop\n", stops);
+    assert_true(stops >= 3);
+    tdm_engine_free(e);
+}
+
+// The grammar is complete: the request stops there without an EOS token (the
+// choice "beta" ends the output even though EOS was never sampled), and
+// greedy runs are reproducible.
+static void test_stop_when_done_and_length(void **state)
+{
+    (void)state;
+    struct tdm_engine *e = engine_make(true);
+    int32_t prompt[64];
+    int np;
+    prompt_of("pick one", prompt, &np);
+    struct tdm_sampling_params sp;
+    constrained(&sp, TDM_CONSTRAINT_CHOICE, "[\"beta\"]", 1);
+    sp.temperature = 0.0f;
+    struct out o;
+    struct tdm_engine_request *r = submit_kind(e, prompt, np, &sp, 50, TDM_ENGINE_REQ_GENERATE);
+    collect(r, &o);
+    tdm_engine_request_release(r);
+    assert_int_equal(o.reason, TDM_FINISH_STOP);
+    assert_int_equal(o.stop_token, -1);
+    size_t len;
+    char *t = text_of(&o, &len);
+    assert_string_equal(t, "beta");
+    free(t);
+    for (int i = 0; i < o.n; i++)
+        assert_false(tdm_tok_is_special(tok, o.ids[i]));
+
+    // max_tokens reached mid-object: "length", the text a prefix of a valid one.
+    constrained(&sp, TDM_CONSTRAINT_JSON_SCHEMA, nested_schema, 5);
+    r = submit_kind(e, prompt, np, &sp, 4, TDM_ENGINE_REQ_GENERATE);
+    collect(r, &o);
+    tdm_engine_request_release(r);
+    assert_int_equal(o.reason, TDM_FINISH_LENGTH);
+    assert_int_equal(o.n, 4);
+    t = text_of(&o, &len);
+    assert_true(len > 0 && t[0] == '{');
+    cJSON *v = cJSON_Parse(t);
+    assert_null(v); // incomplete
+    free(t);
+
+    // ignore_eos and min_tokens do not break the grammar: still a stop at the end.
+    constrained(&sp, TDM_CONSTRAINT_REGEX, "x{3}", 9);
+    sp.ignore_eos = true;
+    sp.min_tokens = 10;
+    r = submit_kind(e, prompt, np, &sp, 20, TDM_ENGINE_REQ_GENERATE);
+    collect(r, &o);
+    tdm_engine_request_release(r);
+    assert_int_equal(o.reason, TDM_FINISH_STOP);
+    t = text_of(&o, &len);
+    assert_string_equal(t, "xxx");
+    free(t);
+    tdm_engine_free(e);
+}
+
+// P/D: the prefill side samples the first token under the mask, the decode
+// side continues the grammar from it; the tokens equal a local run's.
+static void test_pd_equivalence(void **state)
+{
+    (void)state;
+    int32_t prompt[64];
+    int np;
+    prompt_of("Answer in JSON: the colour of the sky", prompt, &np);
+    int stops = 0;
+    for (uint64_t seed = 7; seed < 10; seed++) {
+        struct tdm_sampling_params sp;
+        constrained(&sp, TDM_CONSTRAINT_JSON_SCHEMA, nested_schema, seed);
+        struct tdm_engine *le = engine_make(true);
+        struct tdm_engine_request *r = submit_kind(le, prompt, np, &sp, MAXT,
+                                                   TDM_ENGINE_REQ_GENERATE);
+        struct out local;
+        collect(r, &local);
+        tdm_engine_request_release(r);
+        tdm_engine_free(le);
+
+        struct tdm_engine *pe = engine_make(true);
+        r = submit_kind(pe, prompt, np, &sp, 0, TDM_ENGINE_REQ_PREFILL_ONLY);
+        struct out first;
+        collect(r, &first);
+        assert_int_equal(first.n, 1);
+        assert_int_equal(first.ids[0], local.ids[0]);
+        struct tdm_kv_header h;
+        assert_int_equal(tdm_engine_kv_header(pe, r, "tiny", &h), TDM_OK);
+        int layers = tdm_model_config(model)->num_hidden_layers;
+        struct tdm_kv_config kc;
+        memset(&kc, 0, sizeof kc);
+        tdm_model_kv_config(model, &kc);
+        kc.block_size = 16;
+        size_t layer_len = tdm_kv_block_bytes(&kc) / (size_t)layers * (size_t)h.num_blocks;
+        void **payload = calloc((size_t)layers, sizeof *payload);
+        for (int l = 0; l < layers; l++) {
+            payload[l] = malloc(layer_len);
+            assert_int_equal(
+                tdm_engine_export_layer(pe, r, l, 0, h.num_blocks, payload[l], layer_len), TDM_OK);
+        }
+        assert_int_equal(tdm_engine_release_kv(pe, r), TDM_OK);
+        tdm_engine_request_release(r);
+        tdm_engine_free(pe);
+
+        struct tdm_engine *de = engine_make(true);
+        r = submit_kind(de, prompt, np, &sp, MAXT, TDM_ENGINE_REQ_IMPORT_KV);
+        int fb, nb;
+        assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &nb), TDM_OK);
+        for (int l = 0; l < layers; l++)
+            assert_int_equal(tdm_engine_import_layer(de, r, l, 0, nb, payload[l], layer_len),
+                             TDM_OK);
+        assert_int_equal(tdm_engine_import_done(de, r, first.ids[0], true), TDM_OK);
+        struct out pd;
+        collect(r, &pd);
+        tdm_engine_request_release(r);
+        tdm_engine_free(de);
+        for (int l = 0; l < layers; l++)
+            free(payload[l]);
+        free(payload);
+        assert_int_equal(pd.reason, local.reason);
+        assert_int_equal(pd.n, local.n);
+        assert_memory_equal(pd.ids, local.ids, (size_t)local.n * sizeof(int32_t));
+        if (local.reason == TDM_FINISH_STOP) {
+            stops++;
+            size_t len;
+            char *t = text_of(&pd, &len);
+            char why[256];
+            if (!check_nested(t, len, why, sizeof why))
+                fail_msg("P/D output %s invalid: %s", t, why);
+            free(t);
+        }
+    }
+    assert_true(stops >= 2);
+}
+
+static void test_refusals_and_no_cost(void **state)
+{
+    (void)state;
+    int32_t prompt[64];
+    int np;
+    prompt_of("hello", prompt, &np);
+    char err[256];
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+
+    // Without the tokenizer's vocabulary the engine refuses constraints.
+    struct tdm_engine *e = engine_make(false);
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = np;
+    constrained(&p.sampling, TDM_CONSTRAINT_REGEX, "a+", 1);
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "structured outputs need the tokenizer"));
+    tdm_engine_free(e);
+
+    e = engine_make(true);
+    // A bad constraint: the grammar engine's message.
+    constrained(&p.sampling, TDM_CONSTRAINT_REGEX, "(a", 1);
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "regex"));
+    constrained(&p.sampling, TDM_CONSTRAINT_JSON_SCHEMA, "{\"type\":\"integer\",\"minimum\":1}", 1);
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "minimum"));
+    p.sampling.constraint = (enum tdm_constraint_kind)77;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+
+    // Unconstrained requests compute no mask.
+    struct tdm_sampling_params sp;
+    tdm_sampling_params_default(&sp);
+    sp.has_seed = true;
+    sp.ignore_eos = true;
+    r = submit_kind(e, prompt, np, &sp, 12, TDM_ENGINE_REQ_GENERATE);
+    struct out o;
+    collect(r, &o);
+    tdm_engine_request_release(r);
+    assert_int_equal(o.n, 12);
+    struct tdm_engine_stats s;
+    tdm_engine_get_stats(e, &s);
+    assert_int_equal(s.num_masks, 0);
+
+    // A precompiled grammar attached to the params wins over the text.
+    struct tdm_grammar *g = NULL;
+    assert_int_equal(tdm_grammar_compile_regex(&g, "zz", 2, err, sizeof err), TDM_OK);
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = np;
+    p.grammar = g;
+    p.max_tokens = 10;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
+    tdm_grammar_unref(g); // the engine holds its own
+    collect(r, &o);
+    tdm_engine_request_release(r);
+    size_t len;
+    char *t = text_of(&o, &len);
+    assert_string_equal(t, "zz");
+    free(t);
+    assert_int_equal(o.reason, TDM_FINISH_STOP);
+    double end = tdm_now() + WAIT_S;
+    do // stats settle at the engine's next loop
+        tdm_engine_get_stats(e, &s);
+    while (s.num_masks != (uint64_t)o.n && tdm_now() < end && usleep(1000) == 0);
+    assert_int_equal(s.num_masks, (uint64_t)o.n);
+    tdm_engine_free(e);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_schema_outputs_validate),
+        cmocka_unit_test(test_regex_choice_object),
+        cmocka_unit_test(test_gbnf),
+        cmocka_unit_test(test_stop_when_done_and_length),
+        cmocka_unit_test(test_pd_equivalence),
+        cmocka_unit_test(test_refusals_and_no_cost),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
