@@ -53,6 +53,9 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
     snprintf(o->nng_url, sizeof o->nng_url, "tcp://127.0.0.1:0");
     o->http_threads = 256;
     o->max_body_bytes = 16u << 20;
+    o->http_header_timeout = 10.0;
+    o->http_body_timeout = 30.0;
+    o->max_large_requests = 4;
     snprintf(o->log_level, sizeof o->log_level, "info");
     o->watch = true;
     o->liveness_timeout = 1.0;
@@ -91,6 +94,14 @@ static const struct tdm_flag router_flags[] = {
         "concurrent HTTP requests (default 256)"),
     NUM("max-body-bytes", TDM_FLAG_BYTES, max_body_bytes, 1024, 1e12, "N",
         "request body limit (default 16777216)"),
+    NUM("http-header-timeout", TDM_FLAG_DOUBLE, http_header_timeout, 0.1, 3600, "S",
+        "time to send a request's headers; also the longest read/write stall (default 10)"),
+    NUM("http-body-timeout", TDM_FLAG_DOUBLE, http_body_timeout, 0.1, 86400, "S",
+        "time to send a request's body; beyond it 408 (default 30)"),
+    NUM("http-max-conns-per-ip", TDM_FLAG_INT, http_max_conns_per_ip, 0, 1 << 20, "N",
+        "open connections per client address; beyond it 429 (default 0 = no cap)"),
+    NUM("max-large-requests", TDM_FLAG_INT, max_large_requests, 1, 1 << 20, "N",
+        "requests with bodies over 1 MiB at once; beyond it 503 + Retry-After (default 4)"),
     NUM("max-model-len", TDM_FLAG_INT, max_model_len, 0, 1e9, "N",
         "context length (default config.json's)"),
     NUM("liveness-timeout", TDM_FLAG_DOUBLE, liveness_timeout, 0.05, 3600, "S",
@@ -1233,6 +1244,10 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     hc.port = o->port;
     hc.num_threads = o->http_threads;
     hc.max_body_bytes = o->max_body_bytes;
+    hc.header_timeout_ms = (int)(o->http_header_timeout * 1000.0);
+    hc.body_timeout_ms = (int)(o->http_body_timeout * 1000.0);
+    hc.max_conns_per_ip = o->http_max_conns_per_ip;
+    hc.max_large_requests = o->max_large_requests;
     hc.api_key = o->api_key[0] ? o->api_key : NULL;
     hc.error_body = tdm_oai_http_error_body;
     static const struct {

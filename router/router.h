@@ -40,6 +40,10 @@ struct tdm_router_opts {
     char api_key[256];           // --api-key; "" = none
     int http_threads;            // --http-threads; default 256 (one per open stream)
     size_t max_body_bytes;       // --max-body-bytes; default 16 MiB
+    double http_header_timeout;  // --http-header-timeout S; default 10
+    double http_body_timeout;    // --http-body-timeout S; default 30
+    int http_max_conns_per_ip;   // --http-max-conns-per-ip N; 0 = no cap (default)
+    int max_large_requests;      // --max-large-requests N: bodies over 1 MiB at once; default 4
     int max_model_len;           // --max-model-len; 0 = config.json's max_position_embeddings
     char log_level[16];          // --log-level; default info
     bool watch;                  // --[no-]watch-config: reload on file change; default on
