@@ -15,20 +15,10 @@ users x 3 normal requests beside it all succeed.
 """
 import os
 import socket
-import subprocess
 import threading
 import time
 
-from pd_harness import Cluster, check, parse_args, post, request
-
-
-def slow_model(args):
-    out = os.path.join(args.workdir, "pd-slow")
-    if not os.path.exists(os.path.join(out, "model.safetensors")):
-        subprocess.run([args.mkmodel, "--preset", "tiny", "--hidden", "512", "--intermediate",
-                        "2048", "--layers", "4", "--heads", "8", "--kv-heads", "2", "--max-pos",
-                        "2048", "--out", out], check=True, stdout=subprocess.DEVNULL)
-    return out
+from pd_harness import Cluster, check, make_slow_model, parse_args, post, request
 
 
 def router_log(args):
@@ -38,7 +28,7 @@ def router_log(args):
 
 def main():
     args = parse_args()
-    cl = Cluster(args, n_prefill=0, n_decode=2, pd_mode="never", model=slow_model(args),
+    cl = Cluster(args, n_prefill=0, n_decode=2, pd_mode="never", model=make_slow_model(args),
                  worker_args=["--http-threads", "4"]).start()
     busy_port = cl.decode[0].http_port
     # Take every HTTP thread of decode-0: a request line and nothing more.

@@ -43,6 +43,7 @@
 #define MOD "router"
 #define MAX_EPS 512
 #define DECODE_ATTEMPTS 3 // routes per request in all (retry.h)
+#define MAX_MIGRATIONS 2  // times one request's streams may move to another decode worker
 
 // ---- options --------------------------------------------------------------------------------
 void tdm_router_opts_default(struct tdm_router_opts *o)
@@ -58,6 +59,7 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
     o->max_large_requests = 4;
     snprintf(o->log_level, sizeof o->log_level, "info");
     o->watch = true;
+    o->stream_migration = true;
     o->liveness_timeout = 1.0;
     o->load_interval = 0.2;
     o->drain_timeout = 30;
@@ -112,6 +114,11 @@ static const struct tdm_flag router_flags[] = {
      .help = "reload the config when its file changes (default)"},
     {.name = "no-watch-config", .kind = TDM_FLAG_NOT, .offset = OFF(watch),
      .help = "reload only on SIGHUP"},
+    {.name = "stream-migration", .kind = TDM_FLAG_BOOL, .offset = OFF(stream_migration),
+     .help = "a stream whose decode worker is lost continues on another,\nwith the tokens "
+             "already sent (default)"},
+    {.name = "no-stream-migration", .kind = TDM_FLAG_NOT, .offset = OFF(stream_migration),
+     .help = "a lost decode worker ends its streams with an error event"},
     {.name = "debug-headers", .kind = TDM_FLAG_BOOL, .offset = OFF(debug_headers),
      .help = "answer with x-tandem-decode (the worker's address) and\nx-tandem-phases (phase "
              "times); off by default: internals\nare not told to clients"},
@@ -272,6 +279,7 @@ struct tdm_router_server {
 
     struct tdm_metrics_counter *m_requests_by; // {decision, endpoint}
     struct tdm_metrics_counter *m_lost;        // decode lost mid-stream
+    struct tdm_metrics_counter *m_migrations;  // streams continued on another decode worker
 };
 
 int tdm_router_server_port(const struct tdm_router_server *s)
@@ -435,6 +443,9 @@ struct choice {
     bool upstream_done;    // the decode worker sent its finish (or was cancelled/lost)
     bool got_chunk;        // any chunk arrived (phase times, first token)
     double last_token_at;  // for the inter-token histogram
+    int32_t *got;          // [n_got] every token received from upstream, in order: what a
+    size_t n_got, cap_got; // migrated stream resumes after (resume_tokens)
+    bool migrate;          // its decode worker was lost: continue it elsewhere (pump)
 };
 
 struct call {
@@ -450,6 +461,10 @@ struct call {
     char phases[512];  // the x-tandem-phases header value
     bool lost;         // the decode worker was lost mid-request
     bool never_fits;   // more sequences than the worker's waiting-queue bound (400)
+    bool started;      // past start_with_retries: tokens may have reached the client
+    int migrations;    // times its streams moved to another decode worker
+    char migrating_why[256]; // why the streams being migrated were lost (logged once)
+    const char *session;
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
 };
 
@@ -505,6 +520,20 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
         ch->last_token_at = now;
     }
     ch->got_chunk = true;
+    if (m->n_tokens > 0) {
+        if (ch->n_got + m->n_tokens > ch->cap_got) {
+            size_t cap = ch->cap_got ? ch->cap_got : 64;
+            while (cap < ch->n_got + m->n_tokens)
+                cap *= 2;
+            int32_t *g = realloc(ch->got, cap * sizeof *g);
+            if (g == NULL)
+                return TDM_ENOMEM;
+            ch->got = g;
+            ch->cap_got = cap;
+        }
+        memcpy(ch->got + ch->n_got, m->tokens, m->n_tokens * sizeof *ch->got);
+        ch->n_got += m->n_tokens;
+    }
     struct tdm_router_take r;
     if (tdm_router_take_chunk(&k->oai, (size_t)(ch->a - k->oai.choices), m,
                               tdm_tok_eos_id(k->s->text.tok), &k->s->text.gen, &r) != TDM_OK)
@@ -542,6 +571,9 @@ static bool upstream_alive(struct call *k, const struct choice *ch, char *why, s
         return true;
     }
 }
+
+static int migrate_lost(struct call *k);
+static void stream_unregister(struct tdm_router_server *s, struct rstream *st);
 
 // Reads upstream chunks for every unfinished choice, waiting up to `wait`
 // seconds when none had any. Checks liveness and the deadline. Returns the
@@ -604,11 +636,19 @@ static int pump(struct call *k, double wait)
             tdm_oai_asm_fail(ch->a, TDM_ECLOSED, "the router is shutting down");
             send_cancel(k, ch);
         } else if (!upstream_alive(k, ch, why, sizeof why)) {
-            tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT, "%s", why);
             ch->upstream_done = true; // nobody to cancel
-            k->lost = true;
+            if (k->started && s->o.stream_migration && k->migrations < MAX_MIGRATIONS) {
+                if (!k->migrating_why[0])
+                    snprintf(k->migrating_why, sizeof k->migrating_why, "%s", why);
+                ch->migrate = true;
+            } else {
+                tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT, "%s", why);
+                k->lost = true;
+            }
         }
     }
+    if (migrate_lost(k) < 0)
+        return -2;
     return progressed;
 }
 
@@ -642,20 +682,88 @@ static void release_upstream(struct call *k)
 }
 
 // Sends one GenerateRequest per choice to the routed decode worker.
-static int send_generates(struct call *k, char *err, size_t errlen)
+// The decode worker's instance id to address, from its last report: only
+// when that report is fresh (after a silence it may have restarted, and a
+// message for the old instance would be dropped by the new one); else 0.
+static uint64_t decode_instance(struct call *k)
+{
+    uint64_t inst = 0;
+    double last = 0;
+    live_get(k->s, k->route.decode.id, &inst, &last);
+    return tdm_now() - last > k->s->o.liveness_timeout ? 0 : inst;
+}
+
+// Registers a new upstream stream for choice i and sends its GenerateRequest
+// to k->decode_url: the prompt, the sampling (the i-th of n gets seed + i, as
+// vLLM), the prefill targets, and for a migrated stream (ch->n_got > 0 and
+// resume) the tokens the client already has, prefilled locally.
+static int send_choice(struct call *k, size_t i, uint64_t dec_inst, Tandem__PrefillTarget **targets,
+                       size_t nt, bool resume, char *err, size_t errlen)
 {
     struct tdm_router_server *s = k->s;
     struct tdm_oai_request *rq = &k->oai.req;
     size_t n = (size_t)rq->n;
     const struct tdm_router_route *r = &k->route;
-    uint64_t dec_inst = 0;
-    double last = 0;
-    live_get(s, r->decode.id, &dec_inst, &last);
-    // Address the worker's current instance only when its report is fresh: after
-    // a silence it may have restarted, and a message for the old instance would
-    // be dropped by the new one.
-    if (tdm_now() - last > s->o.liveness_timeout)
-        dec_inst = 0;
+    double left = r->deadline - tdm_now();
+    struct choice *ch = &k->choices[i];
+    const struct tdm_oai_tokenized_prompt *p = &k->oai.prompts[ch->a->prompt_idx];
+    struct rstream *st = calloc(1, sizeof *st);
+    if (st == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    snprintf(st->request_id, sizeof st->request_id, "%.48s-%zu-%016llx", k->oai.resp.id, i,
+             (unsigned long long)tdm_net_new_instance_id());
+    st->ep_id = r->decode.id;
+    st->cv = &k->cv;
+    st->instance = dec_inst;
+    st->started = tdm_now();
+    pthread_mutex_lock(&s->mu);
+    st->next = s->streams;
+    s->streams = st;
+    pthread_mutex_unlock(&s->mu);
+    ch->st = st;
+    ch->upstream_done = false;
+
+    struct tdm_sampling_params sp = rq->sampling;
+    if (sp.has_seed)
+        sp.seed += (uint64_t)(i % n); // vLLM: the i-th of n gets seed + i
+    struct tdm_pd_sampling_msg sm;
+    tdm_pd_sampling_to_proto(&sp, &sm);
+    Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+    Tandem__Peer me = TANDEM__PEER__INIT;
+    me.url = (char *)tdm_net_inbox_url(s->inbox);
+    me.instance = s->instance;
+    g.request_id = st->request_id;
+    g.reply_to = &me;
+    g.to_instance = dec_inst;
+    g.n_prompt = p->n;
+    g.prompt = p->ids;
+    g.sampling = &sm.msg;
+    g.max_tokens = p->max_tokens;
+    g.deadline_unix = (double)time(NULL) + (left > 0 ? left : 0);
+    g.arrival_unix = (double)time(NULL);
+    if (resume && ch->n_got > 0) {
+        g.n_resume_tokens = ch->n_got;
+        g.resume_tokens = ch->got;
+    } else {
+        g.n_prefill = nt;
+        g.prefill = targets;
+        g.local_fallback = true;
+        // The list is already capped; the budget says so to the decode worker too.
+        g.max_prefill_attempts = nt ? r->max_prefill_attempts : 0;
+    }
+    int rc = tdm_pd_send(s->outbox, k->decode_url, TDM_NET_GENERATE, &g.base, NULL, 0, 1.0, err,
+                         errlen);
+    if (rc != TDM_OK)
+        ch->upstream_done = true; // never arrived: nothing to cancel
+    return rc;
+}
+
+// Sends one GenerateRequest per choice to the routed decode worker.
+static int send_generates(struct call *k, char *err, size_t errlen)
+{
+    struct tdm_router_server *s = k->s;
+    const struct tdm_router_route *r = &k->route;
+    uint64_t dec_inst = decode_instance(k);
     Tandem__PrefillTarget targets[TDM_ROUTER_MAX_PREFILL_CANDIDATES];
     Tandem__PrefillTarget *target_ptr[TDM_ROUTER_MAX_PREFILL_CANDIDATES];
     char target_urls[TDM_ROUTER_MAX_PREFILL_CANDIDATES][300];
@@ -676,57 +784,92 @@ static int send_generates(struct call *k, char *err, size_t errlen)
             nt++;
         }
     }
-    double left = r->deadline - tdm_now();
     for (size_t i = 0; i < k->oai.n_choices; i++) {
-        struct choice *ch = &k->choices[i];
-        const struct tdm_oai_tokenized_prompt *p = &k->oai.prompts[ch->a->prompt_idx];
-        struct rstream *st = calloc(1, sizeof *st);
-        if (st == NULL)
-            return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
-        snprintf(st->request_id, sizeof st->request_id, "%.48s-%zu-%016llx", k->oai.resp.id, i,
-                 (unsigned long long)tdm_net_new_instance_id());
-        st->ep_id = r->decode.id;
-        st->cv = &k->cv;
-        st->instance = dec_inst;
-        st->started = tdm_now();
-        pthread_mutex_lock(&s->mu);
-        st->next = s->streams;
-        s->streams = st;
-        pthread_mutex_unlock(&s->mu);
-        ch->st = st;
-        ch->upstream_done = false;
-
-        struct tdm_sampling_params sp = rq->sampling;
-        if (sp.has_seed)
-            sp.seed += (uint64_t)(i % n); // vLLM: the i-th of n gets seed + i
-        struct tdm_pd_sampling_msg sm;
-        tdm_pd_sampling_to_proto(&sp, &sm);
-        Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
-        Tandem__Peer me = TANDEM__PEER__INIT;
-        me.url = (char *)tdm_net_inbox_url(s->inbox);
-        me.instance = s->instance;
-        g.request_id = st->request_id;
-        g.reply_to = &me;
-        g.to_instance = dec_inst;
-        g.n_prompt = p->n;
-        g.prompt = p->ids;
-        g.sampling = &sm.msg;
-        g.max_tokens = p->max_tokens;
-        g.deadline_unix = (double)time(NULL) + (left > 0 ? left : 0);
-        g.arrival_unix = (double)time(NULL);
-        g.n_prefill = nt;
-        g.prefill = target_ptr;
-        g.local_fallback = true;
-        // The list is already capped; the budget says so to the decode worker too.
-        g.max_prefill_attempts = nt ? r->max_prefill_attempts : 0;
-        int rc = tdm_pd_send(s->outbox, k->decode_url, TDM_NET_GENERATE, &g.base, NULL, 0, 1.0, err,
-                             errlen);
-        if (rc != TDM_OK) {
-            ch->upstream_done = true; // never arrived: nothing to cancel
+        int rc = send_choice(k, i, dec_inst, target_ptr, nt, false, err, errlen);
+        if (rc != TDM_OK)
             return rc;
-        }
     }
     return TDM_OK;
+}
+
+// Stream migration (issue 11, part 6; --stream-migration): the choices whose
+// decode worker was lost (ch->migrate, set by pump) continue on another one,
+// routed avoiding the lost worker. Each is sent with the tokens it already
+// received as resume_tokens: the new worker computes prompt + those and its
+// sampler replays them (history and RNG draws), so with batch-invariant
+// output the client's stream goes on with exactly the tokens the lost worker
+// would have sent; the assembler (stop strings, logprobs, usage) just keeps
+// going. With nowhere to go, the choices fail as without migration. -2 on ENOMEM.
+static int migrate_lost(struct call *k)
+{
+    struct tdm_router_server *s = k->s;
+    size_t n_lost = 0;
+    for (size_t i = 0; i < k->oai.n_choices; i++)
+        n_lost += k->choices[i].migrate;
+    if (n_lost == 0)
+        return 0;
+    // The call's choices share one decode worker: the ones whose liveness
+    // check has not failed yet (checked a moment earlier) move with the rest.
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        if (!ch->migrate && !ch->a->done && !ch->upstream_done) {
+            ch->migrate = true;
+            ch->upstream_done = true;
+        }
+    }
+    k->migrations++;
+    char old_name[TDM_ROUTER_NAME_MAX], err[256];
+    snprintf(old_name, sizeof old_name, "%s", k->route.decode.name);
+    const struct tdm_oai_tokenized_prompt *p0 = &k->oai.prompts[0];
+    uint64_t avoid = k->route.decode.id;
+    struct tdm_router_route nr;
+    memset(&nr, 0, sizeof nr);
+    tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
+    int rc = tdm_router_control_route_avoiding(s->ctl, p0->ids, p0->n, k->session, &avoid, 1, &nr,
+                                               err, sizeof err);
+    if (rc != TDM_OK) {
+        for (size_t i = 0; i < k->oai.n_choices; i++) {
+            struct choice *ch = &k->choices[i];
+            if (!ch->migrate)
+                continue;
+            ch->migrate = false;
+            tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT,
+                             "decode worker %s was lost and no other can continue the stream: %s",
+                             old_name, err);
+        }
+        k->lost = true;
+        return 0;
+    }
+    nr.deadline = k->route.deadline; // the request's deadline does not restart
+    tdm_router_control_route_done(s->ctl, &k->route, "error");
+    k->route = nr;
+    nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url,
+               sizeof k->decode_url);
+    uint64_t dec_inst = decode_instance(k);
+    size_t moved = 0;
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        if (!ch->migrate)
+            continue;
+        ch->migrate = false;
+        stream_unregister(s, ch->st);
+        ch->st = NULL;
+        rc = send_choice(k, i, dec_inst, NULL, 0, true, err, sizeof err);
+        if (rc == TDM_ENOMEM)
+            return -2;
+        if (rc != TDM_OK) {
+            tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT, "stream migration to %s failed: %s",
+                             k->route.decode.name, err);
+            k->lost = true;
+            continue;
+        }
+        moved++;
+    }
+    tdm_metrics_counter_inc(s->m_migrations);
+    TDM_LOG_WARN(MOD, "req=%s %s: %zu stream(s) migrated to %s", k->oai.resp.id,
+                 k->migrating_why, moved, k->route.decode.name);
+    k->migrating_why[0] = '\0';
+    return 0;
 }
 
 // The session header the active config routes by: the decode profile's
@@ -886,6 +1029,8 @@ static void run_collect(struct call *k)
 static void call_fini(struct call *k)
 {
     release_upstream(k);
+    for (size_t i = 0; k->choices && i < k->oai.n_choices; i++)
+        free(k->choices[i].got);
     free(k->choices);
     tdm_oai_call_fini(&k->oai);
 }
@@ -915,6 +1060,7 @@ static void abandon_route(struct call *k, bool lost, bool retrying)
         struct choice *ch = &k->choices[i];
         tdm_oai_asm_reset_finish(ch->a);
         ch->got_chunk = false;
+        ch->n_got = 0;
         ch->upstream_done = true;
     }
     k->lost = false;
@@ -937,6 +1083,7 @@ static bool start_with_retries(struct call *k)
     struct tdm_router_retry budget;
     tdm_router_retry_init(&budget, DECODE_ATTEMPTS);
     const char *session = request_session(k);
+    k->session = session;
     for (;;) {
         char err[512];
         enum tdm_router_attempt_end end = start_attempt(k, &budget, session, err, sizeof err);
@@ -1004,6 +1151,7 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     }
     if (!start_with_retries(&k))
         goto out;
+    k.started = true;
     if (k.oai.req.stream)
         run_stream(&k);
     else
@@ -1195,6 +1343,11 @@ static int register_metrics(struct tdm_router_server *s, char *err, size_t errle
     o.help = "Requests whose decode worker was lost mid-request (error sent to the client).";
     if (rc == TDM_OK)
         rc = tdm_metrics_counter_register(&s->m_lost, s->reg, &o, err, errlen);
+    o.name = "tandem:router_stream_migrations_total";
+    o.help = "Requests whose streams continued on another decode worker after theirs was lost "
+             "(--stream-migration).";
+    if (rc == TDM_OK)
+        rc = tdm_metrics_counter_register(&s->m_migrations, s->reg, &o, err, errlen);
     return rc;
 }
 

@@ -50,6 +50,9 @@ struct tdm_router_opts {
     double liveness_timeout;     // --liveness-timeout S: a worker silent this long mid-stream
                                  // is lost; default 1.0
     double load_interval;        // --load-interval S: LoadQuery period; default 0.2
+    bool stream_migration;       // --[no-]stream-migration: a stream whose decode worker is
+                                 // lost continues on another with the tokens sent so far;
+                                 // default on
     bool debug_headers;          // --debug-headers: x-tandem-decode and x-tandem-phases on
                                  // responses (which worker, the phase times); default off
     double drain_timeout;        // --drain-timeout S: on SIGTERM, how long open requests may

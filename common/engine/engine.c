@@ -1213,6 +1213,9 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     if (p->max_tokens < 0)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: max_tokens must be >= 0, got %d", id,
                           p->max_tokens);
+    if (p->n_resume < 0 || p->n_resume >= p->n_prompt)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: n_resume %d outside [0, %d)", id,
+                          p->n_resume, p->n_prompt);
     if (p->kind != TDM_ENGINE_REQ_GENERATE && p->kind != TDM_ENGINE_REQ_PREFILL_ONLY &&
         p->kind != TDM_ENGINE_REQ_IMPORT_KV)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: unknown request kind %d", id,
@@ -1278,12 +1281,13 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         goto fail_bufs;
     }
     memcpy(r->hist, p->prompt, (size_t)p->n_prompt * sizeof *r->hist);
-    rc = tdm_sampler_new(&r->sampler, &p->sampling, e->vocab, p->prompt, (size_t)p->n_prompt, eos,
-                         num_eos);
+    size_t n_own = (size_t)(p->n_prompt - p->n_resume); // the prompt proper
+    rc = tdm_sampler_new(&r->sampler, &p->sampling, e->vocab, p->prompt, n_own, eos, num_eos);
     if (rc != TDM_OK) {
         rc = tdm_seterr(err, errlen, rc, "req=%s: sampler: %s", id, tdm_strerror(rc));
         goto fail_bufs;
     }
+    tdm_sampler_replay(r->sampler, p->prompt + n_own, (size_t)p->n_resume);
     if (pthread_mutex_init(&r->mu, NULL) != 0) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
         goto fail_sampler;
