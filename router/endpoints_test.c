@@ -628,11 +628,10 @@ static void test_active_health_checks(void **state)
     tdm_router_config_unref(cfg);
 }
 
-// A listener that accepts and never answers: the check must give up at the timeout.
-static void test_health_timeout(void **state)
+// A bound, listening socket on loopback whose backlog accepts the connect;
+// nobody reads. Returns the fd, its port in *port.
+static int silent_listener(int *port)
 {
-    (void)state;
-    // A bound, listening socket whose backlog accepts the connect; nobody reads.
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     assert_true(fd >= 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -640,12 +639,22 @@ static void test_health_timeout(void **state)
     assert_int_equal(listen(fd, 8), 0);
     socklen_t sl = sizeof sa;
     assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
+    *port = ntohs(sa.sin_port);
+    return fd;
+}
+
+// A listener that accepts and never answers: the check must give up at the timeout.
+static void test_health_timeout(void **state)
+{
+    (void)state;
+    int port;
+    int fd = silent_listener(&port);
     char text[512];
     snprintf(text, sizeof text,
              "policy: round_robin\n"
              "health: {interval_seconds: 1, timeout_seconds: 0.2, failure_threshold: 1}\n"
              "endpoints: {decode: ['127.0.0.1:%d']}\n",
-             ntohs(sa.sin_port));
+             port);
     struct tdm_router_config *cfg = cfg_of(text);
     struct tdm_router_endpoints *reg = reg_of(cfg);
     double t0 = tdm_now();
@@ -667,20 +676,15 @@ static void test_health_timeout(void **state)
 static void test_health_timeout_busy(void **state)
 {
     (void)state;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    assert_true(fd >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    assert_int_equal(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    assert_int_equal(listen(fd, 8), 0);
-    socklen_t sl = sizeof sa;
-    assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
+    int port;
+    int fd = silent_listener(&port);
     char text[512];
     snprintf(text, sizeof text,
              "policy: round_robin\n"
              "health: {interval_seconds: 1, timeout_seconds: 0.1, failure_threshold: 1}\n"
              "load_stale_seconds: 0.5\n"
              "endpoints: {decode: ['127.0.0.1:%d']}\n",
-             ntohs(sa.sin_port));
+             port);
     struct tdm_router_config *cfg = cfg_of(text);
     struct tdm_router_endpoints *reg = reg_of(cfg);
     struct tdm_router_snapshot snap;
