@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """A stream survives its decode worker (issue 11, part 6, B3).
 
-Router + 3 decode workers (pd_harness's slow model, --threads 1). Six streams, greedy and
+Router + 1 prefill + 3 decode workers, every prompt prefilled remotely
+(pd_harness's slow model, --threads 1). Six streams, greedy and
 seeded (temperature 1, seed 7), ignore_eos, 160 tokens each, are run once
 undisturbed for the reference; then again, and once the first of them has 25
 tokens its decode worker is killed with SIGKILL. The router moves every
 stream of that worker to another one with the tokens already sent (the new
-worker computes prompt + those and its sampler replays them), so each stream
+worker computes prompt + those locally and its sampler replays them), so each stream
 completes with finish_reason "length" and equals its reference token for
 token (token_ids and logprobs). tandem:router_stream_migrations_total counts
 the moves. With --no-stream-migration the same kill ends the streams with an
@@ -72,7 +73,7 @@ def run(cl, bodies, kill=None):
 
 def main():
     args = parse_args()
-    cl = Cluster(args, n_prefill=0, n_decode=3, pd_mode="never",
+    cl = Cluster(args, n_prefill=1, n_decode=3, pd_mode="always",
                  model=make_slow_model(args)).start()
     by_name = {w.name: w for w in cl.decode}
     for seeded in (False, True):

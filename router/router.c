@@ -244,6 +244,7 @@ struct rstream {
     uint64_t ep_id;
     uint64_t instance; // the decode worker's instance (0 until known)
     double started;
+    double heard;           // tdm_now() of its last chunk from the decode worker (under s->mu)
     pthread_cond_t *cv;     // the reading call's: signalled on each chunk (under s->mu)
     Tandem__TokenChunk **q; // [qn] received, not yet read (under s->mu)
     size_t qn, qcap;
@@ -259,6 +260,7 @@ struct tdm_router_server {
     struct tdm_router_metrics *rm; // the control plane's (may be NULL)
     struct tdm_net_inbox *inbox;
     struct tdm_net_outbox *outbox;
+    struct tdm_net_outbox *poll_outbox; // LoadQuery only: never behind the calls' sends
     pthread_t rx_thread, poll_thread;
     bool rx_started, poll_started;
     atomic_bool stopping;
@@ -334,6 +336,7 @@ static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f
     if (st && st->instance == 0)
         st->instance = m->from_instance;
     if (st && st->instance == m->from_instance) {
+        st->heard = tdm_now();
         if (st->qn == st->qcap) {
             size_t cap = st->qcap ? st->qcap * 2 : 16;
             Tandem__TokenChunk **q = cap < 1u << 20 ? realloc(st->q, cap * sizeof *q) : NULL;
@@ -424,7 +427,8 @@ static void *poll_main(void *arg)
             q.seq = views[i].id; // echoed back as LoadReport.seq: the report's endpoint
             char url[300], err[256];
             nng_url_of(views[i].host, views[i].nng_port, url, sizeof url);
-            tdm_pd_send(s->outbox, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err, sizeof err);
+            tdm_pd_send(s->poll_outbox, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err,
+                        sizeof err);
         }
         struct timespec ts = {
             (time_t)s->o.load_interval,
@@ -558,9 +562,16 @@ static bool upstream_alive(struct call *k, const struct choice *ch, char *why, s
     live_get(k->s, k->route.decode.id, &inst, &last);
     pthread_mutex_lock(&k->s->mu);
     uint64_t st_inst = ch->st->instance;
+    double heard = ch->st->heard;
     pthread_mutex_unlock(&k->s->mu);
-    switch (tdm_router_upstream_check(tdm_now(), ch->st->started, last, k->s->o.liveness_timeout,
-                                      inst, st_inst)) {
+    double now = tdm_now();
+    enum tdm_router_upstream v = tdm_router_upstream_check(now, ch->st->started, last,
+                                                           k->s->o.liveness_timeout, inst, st_inst);
+    // A stream whose tokens keep arriving is alive, whatever its worker's
+    // load reports (late on a loaded host): busy is not dead.
+    if (v == TDM_ROUTER_UPSTREAM_SILENT && now - heard <= k->s->o.liveness_timeout)
+        v = TDM_ROUTER_UPSTREAM_ALIVE;
+    switch (v) {
     case TDM_ROUTER_UPSTREAM_SILENT:
         snprintf(why, cap, "decode worker %s stopped answering", k->route.decode.name);
         return false;
@@ -1374,6 +1385,8 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     s->rm = tdm_router_control_metrics(s->ctl);
     rc = tdm_net_outbox_new(&s->outbox, 100, err, errlen);
     if (rc == TDM_OK)
+        rc = tdm_net_outbox_new(&s->poll_outbox, 100, err, errlen);
+    if (rc == TDM_OK)
         rc = tdm_net_inbox_new(&s->inbox, o->nng_url, err, errlen);
     if (rc != TDM_OK)
         goto fail;
@@ -1450,6 +1463,7 @@ void tdm_router_server_free(struct tdm_router_server *s)
     tdm_router_control_free(s->ctl);
     tdm_net_inbox_free(s->inbox);
     tdm_net_outbox_free(s->outbox);
+    tdm_net_outbox_free(s->poll_outbox);
     tdm_metrics_registry_free(s->reg);
     tdm_text_fini(&s->text);
     while (s->streams)
