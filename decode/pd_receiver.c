@@ -107,6 +107,7 @@ struct djob {
     char router_url[256];
     uint64_t router_instance;
     struct tdm_sampling_params sampling;
+    int n_resume;    // gen->prompt ends with this many resume_tokens (a migrated stream)
     double arrival;  // tdm_now() at receipt
     double deadline; // tdm_now() clock
 
@@ -336,8 +337,9 @@ static void fill_params(struct djob *j, struct tdm_engine_request_params *ep)
     ep->id = j->request_id;
     ep->prompt = j->gen->prompt;
     ep->n_prompt = (int)j->gen->n_prompt;
+    ep->n_resume = j->n_resume;
     ep->sampling = j->sampling;
-    ep->max_tokens = j->gen->max_tokens;
+    ep->max_tokens = j->gen->max_tokens > 0 ? j->gen->max_tokens - j->n_resume : 0;
     if (j->gen->n_eos_ids) {
         ep->eos_ids = j->gen->eos_ids;
         ep->num_eos = (int)j->gen->n_eos_ids;
@@ -813,6 +815,28 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
                     g->n_prompt == 0 ? "empty prompt" : err);
         job_free(j);
         return;
+    }
+    if (g->n_resume_tokens > 0) {
+        // A migrated stream: computed here from prompt + the tokens the client
+        // has, as one prompt whose tail the sampler replays (fill_params).
+        const char *why = NULL;
+        if (g->n_prefill > 0)
+            why = "resume_tokens with prefill targets (a resumed stream is prefilled locally)";
+        else if (g->max_tokens > 0 && (size_t)g->max_tokens <= g->n_resume_tokens)
+            why = "resume_tokens leave nothing to generate within max_tokens";
+        int32_t *joined = why ? NULL : malloc((g->n_prompt + g->n_resume_tokens) * sizeof *joined);
+        if (joined == NULL) {
+            send_finish(j, TDM_FINISH_ERROR, why ? TDM_EINVAL : TDM_ENOMEM,
+                        why ? why : "out of memory");
+            job_free(j);
+            return;
+        }
+        memcpy(joined, g->prompt, g->n_prompt * sizeof *joined);
+        memcpy(joined + g->n_prompt, g->resume_tokens, g->n_resume_tokens * sizeof *joined);
+        free(g->prompt); // protobuf-c's default allocator is malloc: free_unpacked frees joined
+        g->prompt = joined;
+        g->n_prompt += g->n_resume_tokens;
+        j->n_resume = (int)g->n_resume_tokens;
     }
     pthread_mutex_lock(&rx->mu);
     for (struct djob *o = rx->jobs; o; o = o->next) {

@@ -43,6 +43,18 @@ def make_model(args, name="pd-tiny"):
     return out
 
 
+def make_slow_model(args):
+    """A model ~30x slower per token than the tiny one (hidden 512, 4 layers): a
+    heavy request keeps its engine busy for seconds, a stream lasts long enough
+    to kill its worker mid-way."""
+    out = os.path.join(args.workdir, "pd-slow")
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        subprocess.run([args.mkmodel, "--preset", "tiny", "--hidden", "512", "--intermediate",
+                        "2048", "--layers", "4", "--heads", "8", "--kv-heads", "2", "--max-pos",
+                        "2048", "--out", out], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
 # ---- HTTP ---------------------------------------------------------------------------------
 def request(port, method, path, body=None, timeout=60, headers=None):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -151,8 +163,9 @@ class Worker:
 
 class Cluster:
     def __init__(self, args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always",
-                 extra_yaml="", model=None, worker_args=()):
+                 extra_yaml="", model=None, worker_args=(), router_args=()):
         self.args = args
+        self.router_args = list(router_args)  # appended to the router's flags
         # The control plane runs authenticated, as tandem up and the k8s
         # manifests run it: every process of the cluster inherits one secret.
         os.environ.setdefault("TANDEM_INTERNAL_SECRET", os.urandom(24).hex())
@@ -214,16 +227,19 @@ class Cluster:
             self.start_worker(w)
         for w in self.prefill + self.decode:
             self.wait_health(w.http_port, w.proc)
+        self.start_router()
+        return self
+
+    def start_router(self):
         cmd = [self.args.router, "--config", self.config, "--model", self.model, "--host",
                "127.0.0.1", "--port", str(self.router_port), "--liveness-timeout", "1.0",
                "--debug-headers",
-               "--nng-url", "tcp://127.0.0.1:%d" % self.router_nng]
+               "--nng-url", "tcp://127.0.0.1:%d" % self.router_nng] + self.router_args
         self.router_proc = subprocess.Popen(cmd, stdout=self._log("router"),
                                             stderr=subprocess.STDOUT)
         register(self.router_proc)
         self.wait_health(self.router_port, self.router_proc)
         time.sleep(0.6)  # first load reports
-        return self
 
     def kill(self, w, sig=signal.SIGKILL):
         w.proc.send_signal(sig)

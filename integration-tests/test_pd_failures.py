@@ -44,7 +44,10 @@ def routed_ok(cl, body, n, what, want=None):
 
 def main():
     args = parse_args()
-    cl = Cluster(args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always").start()
+    # The router without stream migration: this test is the error-event path
+    # (a lost stream continuing elsewhere is test_stream_migration's).
+    cl = Cluster(args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always",
+                 router_args=["--no-stream-migration"]).start()
     rnd = random.Random(11)
     body = {"prompt": [rnd.randrange(3, 500) for _ in range(300)], "max_tokens": 8,
             "temperature": 0.7, "seed": 3}

@@ -363,6 +363,7 @@ char *tdm_router_control_config_json(struct tdm_router_control *ctl)
         cJSON_AddNumberToObject(e, "nng_port", v[i].nng_port);
         cJSON_AddBoolToObject(e, "healthy", v[i].healthy);
         cJSON_AddBoolToObject(e, "draining", v[i].draining);
+        cJSON_AddBoolToObject(e, "busy", v[i].busy);
         cJSON_AddNumberToObject(e, "inflight", v[i].inflight);
         cJSON_AddNumberToObject(e, "health_epoch", (double)v[i].health_epoch);
         if (v[i].has_load) {

@@ -226,6 +226,7 @@ struct endpoint {
     double added_at;  // tdm_now() when it was added (startup grace)
     bool answered;    // an active check succeeded at least once
     bool grace_noted; // the "not answered within the grace" warning was logged
+    bool busy;        // its last active check timed out while its load reports stayed fresh
     int fails, succs; // consecutive failed / successful checks
     uint64_t health_epoch;
     int inflight;
@@ -845,10 +846,27 @@ void tdm_router_endpoints_check_health(struct tdm_router_endpoints *reg)
         if (cs[i].state != 3)
             check_finish(&cs[i], false, "timeout");
     pthread_mutex_lock(&reg->mu);
+    double now = tdm_now();
     for (size_t i = 0; i < n; i++) {
         struct endpoint *e = find_by_id(reg, cs[i].id);
-        if (e)
-            health_result(reg, e, cs[i].ok, true, cs[i].why);
+        if (e == NULL)
+            continue;
+        // Busy is not dead: a worker whose HTTP threads are all taken (or whose
+        // CPU is saturated) lets the check time out, but its nng load reports,
+        // answered off the engine and HTTP threads, still arrive. A timeout with
+        // a report younger than load_stale_seconds counts as neither success nor
+        // failure; a refused connection or an error status still fails.
+        bool timed_out = !cs[i].ok && strcmp(cs[i].why, "timeout") == 0;
+        if (timed_out && e->has_load && now - e->load_at <= cfg->load_stale_seconds) {
+            if (!e->busy)
+                TDM_LOG_INFO(MOD,
+                             "endpoint %s busy: health check timed out, load report %.2f s old",
+                             e->name, now - e->load_at);
+            e->busy = true;
+            continue;
+        }
+        e->busy = false;
+        health_result(reg, e, cs[i].ok, true, cs[i].why);
     }
     pthread_mutex_unlock(&reg->mu);
     free(pfd);
@@ -941,6 +959,7 @@ static void fill_view(const struct tdm_router_endpoints *reg, const struct endpo
     v->healthy = e->healthy;
     v->starting = !e->answered && now - e->added_at < TDM_ROUTER_STARTUP_GRACE_S;
     v->draining = e->draining;
+    v->busy = e->busy;
     v->health_epoch = e->health_epoch;
     v->instance = e->instance;
     v->inflight = e->inflight;

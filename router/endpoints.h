@@ -71,6 +71,9 @@ struct tdm_router_endpoint_view {
                                  // TDM_ROUTER_STARTUP_GRACE_S ago: its state is unknown,
                                  // and failing checks are not logged as a failure
     bool draining;               // removed from config/DNS: takes no new requests
+    bool busy;                   // its last active health check timed out while its load
+                                 // reports stayed fresh: overloaded, not dead (not counted as
+                                 // a failed check)
     uint64_t health_epoch;       // increments on every unhealthy -> healthy turn
     uint64_t instance;           // the worker's instance id from its last report (0: none)
     int inflight;                // router-tracked requests in flight
@@ -135,6 +138,9 @@ int tdm_router_endpoints_refresh_dns(struct tdm_router_endpoints *reg);
 
 // Runs one round of active health checks on every endpoint now (blocking; at
 // most timeout per endpoint, checks run in parallel). For tests and startup.
+// A check that times out on an endpoint whose load report is younger than
+// load_stale_seconds marks it busy and is not counted as a failure (overload
+// is not death); refusals and error statuses count as before.
 void tdm_router_endpoints_check_health(struct tdm_router_endpoints *reg);
 
 // Starts the background thread: DNS every dns_refresh_seconds, health checks

@@ -5,7 +5,8 @@
 // staleness, reports (liveness, restarts, KV event batches), the prefix index
 // (routing records, KV events, LRU capacity),
 // passive health, and active health checks against a local HTTP server whose
-// /health flips between 200 and 503.
+// /health flips between 200 and 503 (and a silent listener: dead, or busy while
+// load reports arrive).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -627,11 +628,10 @@ static void test_active_health_checks(void **state)
     tdm_router_config_unref(cfg);
 }
 
-// A listener that accepts and never answers: the check must give up at the timeout.
-static void test_health_timeout(void **state)
+// A bound, listening socket on loopback whose backlog accepts the connect;
+// nobody reads. Returns the fd, its port in *port.
+static int silent_listener(int *port)
 {
-    (void)state;
-    // A bound, listening socket whose backlog accepts the connect; nobody reads.
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     assert_true(fd >= 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -639,12 +639,22 @@ static void test_health_timeout(void **state)
     assert_int_equal(listen(fd, 8), 0);
     socklen_t sl = sizeof sa;
     assert_int_equal(getsockname(fd, (struct sockaddr *)&sa, &sl), 0);
+    *port = ntohs(sa.sin_port);
+    return fd;
+}
+
+// A listener that accepts and never answers: the check must give up at the timeout.
+static void test_health_timeout(void **state)
+{
+    (void)state;
+    int port;
+    int fd = silent_listener(&port);
     char text[512];
     snprintf(text, sizeof text,
              "policy: round_robin\n"
              "health: {interval_seconds: 1, timeout_seconds: 0.2, failure_threshold: 1}\n"
              "endpoints: {decode: ['127.0.0.1:%d']}\n",
-             ntohs(sa.sin_port));
+             port);
     struct tdm_router_config *cfg = cfg_of(text);
     struct tdm_router_endpoints *reg = reg_of(cfg);
     double t0 = tdm_now();
@@ -654,6 +664,47 @@ static void test_health_timeout(void **state)
     struct tdm_router_snapshot snap;
     assert_int_equal(tdm_router_endpoints_snapshot(reg, NULL, 0, &snap), TDM_OK);
     assert_false(snap.eps[0].healthy);
+    tdm_router_snapshot_free(&snap);
+    tdm_router_endpoints_free(reg);
+    tdm_router_config_unref(cfg);
+    close(fd);
+}
+
+// Busy is not dead (issue 11, part 3): the same silent listener, but the
+// endpoint's nng load reports keep arriving; its timed-out checks mark it busy
+// and never unhealthy. Once the reports go stale, a timeout counts again.
+static void test_health_timeout_busy(void **state)
+{
+    (void)state;
+    int port;
+    int fd = silent_listener(&port);
+    char text[512];
+    snprintf(text, sizeof text,
+             "policy: round_robin\n"
+             "health: {interval_seconds: 1, timeout_seconds: 0.1, failure_threshold: 1}\n"
+             "load_stale_seconds: 0.5\n"
+             "endpoints: {decode: ['127.0.0.1:%d']}\n",
+             port);
+    struct tdm_router_config *cfg = cfg_of(text);
+    struct tdm_router_endpoints *reg = reg_of(cfg);
+    struct tdm_router_snapshot snap;
+    assert_int_equal(tdm_router_endpoints_snapshot(reg, NULL, 0, &snap), TDM_OK);
+    uint64_t id = snap.eps[0].id;
+    tdm_router_snapshot_free(&snap);
+    struct tdm_router_report r = {.instance = 0xB, .load = {.running = 64, .waiting = 900}};
+    for (int round = 0; round < 3; round++) {
+        assert_int_equal(tdm_router_endpoints_on_report(reg, id, &r, NULL, NULL), TDM_OK);
+        tdm_router_endpoints_check_health(reg);
+        assert_int_equal(tdm_router_endpoints_snapshot(reg, NULL, 0, &snap), TDM_OK);
+        assert_true(snap.eps[0].healthy);
+        assert_true(snap.eps[0].busy);
+        tdm_router_snapshot_free(&snap);
+    }
+    sleep_ms(600); // the reports stop: silence is death again
+    tdm_router_endpoints_check_health(reg);
+    assert_int_equal(tdm_router_endpoints_snapshot(reg, NULL, 0, &snap), TDM_OK);
+    assert_false(snap.eps[0].healthy);
+    assert_false(snap.eps[0].busy);
     tdm_router_snapshot_free(&snap);
     tdm_router_endpoints_free(reg);
     tdm_router_config_unref(cfg);
@@ -681,6 +732,7 @@ int main(void)
         cmocka_unit_test(test_load_staleness),
         cmocka_unit_test(test_prefix_index),
         cmocka_unit_test(test_on_report),
+        cmocka_unit_test(test_health_timeout_busy),
         cmocka_unit_test(test_passive_health),
         cmocka_unit_test(test_active_health_checks),
         cmocka_unit_test(test_health_timeout),

@@ -43,6 +43,7 @@
 #define MOD "router"
 #define MAX_EPS 512
 #define DECODE_ATTEMPTS 3 // routes per request in all (retry.h)
+#define MAX_MIGRATIONS 2  // times one request's streams may move to another decode worker
 
 // ---- options --------------------------------------------------------------------------------
 void tdm_router_opts_default(struct tdm_router_opts *o)
@@ -53,8 +54,12 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
     snprintf(o->nng_url, sizeof o->nng_url, "tcp://127.0.0.1:0");
     o->http_threads = 256;
     o->max_body_bytes = 16u << 20;
+    o->http_header_timeout = 10.0;
+    o->http_body_timeout = 30.0;
+    o->max_large_requests = 4;
     snprintf(o->log_level, sizeof o->log_level, "info");
     o->watch = true;
+    o->stream_migration = true;
     o->liveness_timeout = 1.0;
     o->load_interval = 0.2;
     o->drain_timeout = 30;
@@ -96,6 +101,14 @@ static const struct tdm_flag router_flags[] = {
         "concurrent HTTP requests (default 256)"),
     NUM("max-body-bytes", TDM_FLAG_BYTES, max_body_bytes, 1024, 1e12, "N",
         "request body limit (default 16777216)"),
+    NUM("http-header-timeout", TDM_FLAG_DOUBLE, http_header_timeout, 0.1, 3600, "S",
+        "time to send a request's headers; also the longest\nread/write stall (default 10)"),
+    NUM("http-body-timeout", TDM_FLAG_DOUBLE, http_body_timeout, 0.1, 86400, "S",
+        "time to send a request's body; beyond it 408 (default 30)"),
+    NUM("http-max-conns-per-ip", TDM_FLAG_INT, http_max_conns_per_ip, 0, 1 << 20, "N",
+        "open connections per client address; beyond it 429\n(default 0 = no cap)"),
+    NUM("max-large-requests", TDM_FLAG_INT, max_large_requests, 1, 1 << 20, "N",
+        "requests with bodies over 1 MiB at once; beyond it 503\n+ Retry-After (default 4)"),
     NUM("max-model-len", TDM_FLAG_INT, max_model_len, 0, 1e9, "N",
         "context length (default config.json's)"),
     NUM("liveness-timeout", TDM_FLAG_DOUBLE, liveness_timeout, 0.05, 3600, "S",
@@ -106,6 +119,11 @@ static const struct tdm_flag router_flags[] = {
      .help = "reload the config when its file changes (default)"},
     {.name = "no-watch-config", .kind = TDM_FLAG_NOT, .offset = OFF(watch),
      .help = "reload only on SIGHUP"},
+    {.name = "stream-migration", .kind = TDM_FLAG_BOOL, .offset = OFF(stream_migration),
+     .help = "a stream whose decode worker is lost continues on another,\nwith the tokens "
+             "already sent (default)"},
+    {.name = "no-stream-migration", .kind = TDM_FLAG_NOT, .offset = OFF(stream_migration),
+     .help = "a lost decode worker ends its streams with an error event"},
     {.name = "debug-headers", .kind = TDM_FLAG_BOOL, .offset = OFF(debug_headers),
      .help = "answer with x-tandem-decode (the worker's address) and\nx-tandem-phases (phase "
              "times); off by default: internals\nare not told to clients"},
@@ -233,6 +251,7 @@ struct rstream {
     uint64_t ep_id;
     uint64_t instance; // the decode worker's instance (0 until known)
     double started;
+    double heard;           // tdm_now() of its last chunk from the decode worker (under s->mu)
     pthread_cond_t *cv;     // the reading call's: signalled on each chunk (under s->mu)
     Tandem__TokenChunk **q; // [qn] received, not yet read (under s->mu)
     size_t qn, qcap;
@@ -248,6 +267,7 @@ struct tdm_router_server {
     struct tdm_router_metrics *rm; // the control plane's (may be NULL)
     struct tdm_net_inbox *inbox;
     struct tdm_net_outbox *outbox;
+    struct tdm_net_outbox *poll_outbox; // LoadQuery only: never behind the calls' sends
     pthread_t rx_thread, poll_thread;
     bool rx_started, poll_started;
     atomic_bool stopping;
@@ -268,6 +288,7 @@ struct tdm_router_server {
 
     struct tdm_metrics_counter *m_requests_by; // {decision, endpoint}
     struct tdm_metrics_counter *m_lost;        // decode lost mid-stream
+    struct tdm_metrics_counter *m_migrations;  // streams continued on another decode worker
 };
 
 int tdm_router_server_port(const struct tdm_router_server *s)
@@ -322,6 +343,7 @@ static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f
     if (st && st->instance == 0)
         st->instance = m->from_instance;
     if (st && st->instance == m->from_instance) {
+        st->heard = tdm_now();
         if (st->qn == st->qcap) {
             size_t cap = st->qcap ? st->qcap * 2 : 16;
             Tandem__TokenChunk **q = cap < 1u << 20 ? realloc(st->q, cap * sizeof *q) : NULL;
@@ -412,7 +434,8 @@ static void *poll_main(void *arg)
             q.seq = views[i].id; // echoed back as LoadReport.seq: the report's endpoint
             char url[300], err[256];
             nng_url_of(views[i].host, views[i].nng_port, url, sizeof url);
-            tdm_pd_send(s->outbox, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err, sizeof err);
+            tdm_pd_send(s->poll_outbox, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err,
+                        sizeof err);
         }
         struct timespec ts = {
             (time_t)s->o.load_interval,
@@ -431,6 +454,9 @@ struct choice {
     bool upstream_done;    // the decode worker sent its finish (or was cancelled/lost)
     bool got_chunk;        // any chunk arrived (phase times, first token)
     double last_token_at;  // for the inter-token histogram
+    int32_t *got;          // [n_got] every token received from upstream, in order: what a
+    size_t n_got, cap_got; // migrated stream resumes after (resume_tokens)
+    bool migrate;          // its decode worker was lost: continue it elsewhere (pump)
 };
 
 struct call {
@@ -446,6 +472,10 @@ struct call {
     char phases[512];  // the x-tandem-phases header value
     bool lost;         // the decode worker was lost mid-request
     bool never_fits;   // more sequences than the worker's waiting-queue bound (400)
+    bool started;      // past start_with_retries: tokens may have reached the client
+    int migrations;    // times its streams moved to another decode worker
+    char migrating_why[256]; // why the streams being migrated were lost (logged once)
+    const char *session;
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
 };
 
@@ -501,6 +531,20 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
         ch->last_token_at = now;
     }
     ch->got_chunk = true;
+    if (m->n_tokens > 0) {
+        if (ch->n_got + m->n_tokens > ch->cap_got) {
+            size_t cap = ch->cap_got ? ch->cap_got : 64;
+            while (cap < ch->n_got + m->n_tokens)
+                cap *= 2;
+            int32_t *g = realloc(ch->got, cap * sizeof *g);
+            if (g == NULL)
+                return TDM_ENOMEM;
+            ch->got = g;
+            ch->cap_got = cap;
+        }
+        memcpy(ch->got + ch->n_got, m->tokens, m->n_tokens * sizeof *ch->got);
+        ch->n_got += m->n_tokens;
+    }
     struct tdm_router_take r;
     if (tdm_router_take_chunk(&k->oai, (size_t)(ch->a - k->oai.choices), m,
                               tdm_tok_eos_id(k->s->text.tok), &k->s->text.gen, &r) != TDM_OK)
@@ -525,9 +569,16 @@ static bool upstream_alive(struct call *k, const struct choice *ch, char *why, s
     live_get(k->s, k->route.decode.id, &inst, &last);
     pthread_mutex_lock(&k->s->mu);
     uint64_t st_inst = ch->st->instance;
+    double heard = ch->st->heard;
     pthread_mutex_unlock(&k->s->mu);
-    switch (tdm_router_upstream_check(tdm_now(), ch->st->started, last, k->s->o.liveness_timeout,
-                                      inst, st_inst)) {
+    double now = tdm_now();
+    enum tdm_router_upstream v = tdm_router_upstream_check(now, ch->st->started, last,
+                                                           k->s->o.liveness_timeout, inst, st_inst);
+    // A stream whose tokens keep arriving is alive, whatever its worker's
+    // load reports (late on a loaded host): busy is not dead.
+    if (v == TDM_ROUTER_UPSTREAM_SILENT && now - heard <= k->s->o.liveness_timeout)
+        v = TDM_ROUTER_UPSTREAM_ALIVE;
+    switch (v) {
     case TDM_ROUTER_UPSTREAM_SILENT:
         snprintf(why, cap, "decode worker %s stopped answering", k->route.decode.name);
         return false;
@@ -538,6 +589,9 @@ static bool upstream_alive(struct call *k, const struct choice *ch, char *why, s
         return true;
     }
 }
+
+static int migrate_lost(struct call *k);
+static void stream_unregister(struct tdm_router_server *s, struct rstream *st);
 
 // Reads upstream chunks for every unfinished choice, waiting up to `wait`
 // seconds when none had any. Checks liveness and the deadline. Returns the
@@ -600,11 +654,19 @@ static int pump(struct call *k, double wait)
             tdm_oai_asm_fail(ch->a, TDM_ECLOSED, "the router is shutting down");
             send_cancel(k, ch);
         } else if (!upstream_alive(k, ch, why, sizeof why)) {
-            tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT, "%s", why);
             ch->upstream_done = true; // nobody to cancel
-            k->lost = true;
+            if (k->started && s->o.stream_migration && k->migrations < MAX_MIGRATIONS) {
+                if (!k->migrating_why[0])
+                    snprintf(k->migrating_why, sizeof k->migrating_why, "%s", why);
+                ch->migrate = true;
+            } else {
+                tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT, "%s", why);
+                k->lost = true;
+            }
         }
     }
+    if (migrate_lost(k) < 0)
+        return -2;
     return progressed;
 }
 
@@ -638,20 +700,88 @@ static void release_upstream(struct call *k)
 }
 
 // Sends one GenerateRequest per choice to the routed decode worker.
-static int send_generates(struct call *k, char *err, size_t errlen)
+// The decode worker's instance id to address, from its last report: only
+// when that report is fresh (after a silence it may have restarted, and a
+// message for the old instance would be dropped by the new one); else 0.
+static uint64_t decode_instance(struct call *k)
+{
+    uint64_t inst = 0;
+    double last = 0;
+    live_get(k->s, k->route.decode.id, &inst, &last);
+    return tdm_now() - last > k->s->o.liveness_timeout ? 0 : inst;
+}
+
+// Registers a new upstream stream for choice i and sends its GenerateRequest
+// to k->decode_url: the prompt, the sampling (the i-th of n gets seed + i, as
+// vLLM), the prefill targets, and for a migrated stream (ch->n_got > 0 and
+// resume) the tokens the client already has, prefilled locally.
+static int send_choice(struct call *k, size_t i, uint64_t dec_inst, Tandem__PrefillTarget **targets,
+                       size_t nt, bool resume, char *err, size_t errlen)
 {
     struct tdm_router_server *s = k->s;
     struct tdm_oai_request *rq = &k->oai.req;
     size_t n = (size_t)rq->n;
     const struct tdm_router_route *r = &k->route;
-    uint64_t dec_inst = 0;
-    double last = 0;
-    live_get(s, r->decode.id, &dec_inst, &last);
-    // Address the worker's current instance only when its report is fresh: after
-    // a silence it may have restarted, and a message for the old instance would
-    // be dropped by the new one.
-    if (tdm_now() - last > s->o.liveness_timeout)
-        dec_inst = 0;
+    double left = r->deadline - tdm_now();
+    struct choice *ch = &k->choices[i];
+    const struct tdm_oai_tokenized_prompt *p = &k->oai.prompts[ch->a->prompt_idx];
+    struct rstream *st = calloc(1, sizeof *st);
+    if (st == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    snprintf(st->request_id, sizeof st->request_id, "%.48s-%zu-%016llx", k->oai.resp.id, i,
+             (unsigned long long)tdm_net_new_instance_id());
+    st->ep_id = r->decode.id;
+    st->cv = &k->cv;
+    st->instance = dec_inst;
+    st->started = tdm_now();
+    pthread_mutex_lock(&s->mu);
+    st->next = s->streams;
+    s->streams = st;
+    pthread_mutex_unlock(&s->mu);
+    ch->st = st;
+    ch->upstream_done = false;
+
+    struct tdm_sampling_params sp = rq->sampling;
+    if (sp.has_seed)
+        sp.seed += (uint64_t)(i % n); // vLLM: the i-th of n gets seed + i
+    struct tdm_pd_sampling_msg sm;
+    tdm_pd_sampling_to_proto(&sp, &sm);
+    Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
+    Tandem__Peer me = TANDEM__PEER__INIT;
+    me.url = (char *)tdm_net_inbox_url(s->inbox);
+    me.instance = s->instance;
+    g.request_id = st->request_id;
+    g.reply_to = &me;
+    g.to_instance = dec_inst;
+    g.n_prompt = p->n;
+    g.prompt = p->ids;
+    g.sampling = &sm.msg;
+    g.max_tokens = p->max_tokens;
+    g.deadline_unix = (double)time(NULL) + (left > 0 ? left : 0);
+    g.arrival_unix = (double)time(NULL);
+    if (resume && ch->n_got > 0) {
+        g.n_resume_tokens = ch->n_got;
+        g.resume_tokens = ch->got;
+    } else {
+        g.n_prefill = nt;
+        g.prefill = targets;
+        g.local_fallback = true;
+        // The list is already capped; the budget says so to the decode worker too.
+        g.max_prefill_attempts = nt ? r->max_prefill_attempts : 0;
+    }
+    int rc = tdm_pd_send(s->outbox, k->decode_url, TDM_NET_GENERATE, &g.base, NULL, 0, 1.0, err,
+                         errlen);
+    if (rc != TDM_OK)
+        ch->upstream_done = true; // never arrived: nothing to cancel
+    return rc;
+}
+
+// Sends one GenerateRequest per choice to the routed decode worker.
+static int send_generates(struct call *k, char *err, size_t errlen)
+{
+    struct tdm_router_server *s = k->s;
+    const struct tdm_router_route *r = &k->route;
+    uint64_t dec_inst = decode_instance(k);
     Tandem__PrefillTarget targets[TDM_ROUTER_MAX_PREFILL_CANDIDATES];
     Tandem__PrefillTarget *target_ptr[TDM_ROUTER_MAX_PREFILL_CANDIDATES];
     char target_urls[TDM_ROUTER_MAX_PREFILL_CANDIDATES][300];
@@ -672,57 +802,92 @@ static int send_generates(struct call *k, char *err, size_t errlen)
             nt++;
         }
     }
-    double left = r->deadline - tdm_now();
     for (size_t i = 0; i < k->oai.n_choices; i++) {
-        struct choice *ch = &k->choices[i];
-        const struct tdm_oai_tokenized_prompt *p = &k->oai.prompts[ch->a->prompt_idx];
-        struct rstream *st = calloc(1, sizeof *st);
-        if (st == NULL)
-            return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
-        snprintf(st->request_id, sizeof st->request_id, "%.48s-%zu-%016llx", k->oai.resp.id, i,
-                 (unsigned long long)tdm_net_new_instance_id());
-        st->ep_id = r->decode.id;
-        st->cv = &k->cv;
-        st->instance = dec_inst;
-        st->started = tdm_now();
-        pthread_mutex_lock(&s->mu);
-        st->next = s->streams;
-        s->streams = st;
-        pthread_mutex_unlock(&s->mu);
-        ch->st = st;
-        ch->upstream_done = false;
-
-        struct tdm_sampling_params sp = rq->sampling;
-        if (sp.has_seed)
-            sp.seed += (uint64_t)(i % n); // vLLM: the i-th of n gets seed + i
-        struct tdm_pd_sampling_msg sm;
-        tdm_pd_sampling_to_proto(&sp, &sm);
-        Tandem__GenerateRequest g = TANDEM__GENERATE_REQUEST__INIT;
-        Tandem__Peer me = TANDEM__PEER__INIT;
-        me.url = (char *)tdm_net_inbox_url(s->inbox);
-        me.instance = s->instance;
-        g.request_id = st->request_id;
-        g.reply_to = &me;
-        g.to_instance = dec_inst;
-        g.n_prompt = p->n;
-        g.prompt = p->ids;
-        g.sampling = &sm.msg;
-        g.max_tokens = p->max_tokens;
-        g.deadline_unix = (double)time(NULL) + (left > 0 ? left : 0);
-        g.arrival_unix = (double)time(NULL);
-        g.n_prefill = nt;
-        g.prefill = target_ptr;
-        g.local_fallback = true;
-        // The list is already capped; the budget says so to the decode worker too.
-        g.max_prefill_attempts = nt ? r->max_prefill_attempts : 0;
-        int rc = tdm_pd_send(s->outbox, k->decode_url, TDM_NET_GENERATE, &g.base, NULL, 0, 1.0, err,
-                             errlen);
-        if (rc != TDM_OK) {
-            ch->upstream_done = true; // never arrived: nothing to cancel
+        int rc = send_choice(k, i, dec_inst, target_ptr, nt, false, err, errlen);
+        if (rc != TDM_OK)
             return rc;
-        }
     }
     return TDM_OK;
+}
+
+// Stream migration (issue 11, part 6; --stream-migration): the choices whose
+// decode worker was lost (ch->migrate, set by pump) continue on another one,
+// routed avoiding the lost worker. Each is sent with the tokens it already
+// received as resume_tokens: the new worker computes prompt + those and its
+// sampler replays them (history and RNG draws), so with batch-invariant
+// output the client's stream goes on with exactly the tokens the lost worker
+// would have sent; the assembler (stop strings, logprobs, usage) just keeps
+// going. With nowhere to go, the choices fail as without migration. -2 on ENOMEM.
+static int migrate_lost(struct call *k)
+{
+    struct tdm_router_server *s = k->s;
+    size_t n_lost = 0;
+    for (size_t i = 0; i < k->oai.n_choices; i++)
+        n_lost += k->choices[i].migrate;
+    if (n_lost == 0)
+        return 0;
+    // The call's choices share one decode worker: the ones whose liveness
+    // check has not failed yet (checked a moment earlier) move with the rest.
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        if (!ch->migrate && !ch->a->done && !ch->upstream_done) {
+            ch->migrate = true;
+            ch->upstream_done = true;
+        }
+    }
+    k->migrations++;
+    char old_name[TDM_ROUTER_NAME_MAX], err[256];
+    snprintf(old_name, sizeof old_name, "%s", k->route.decode.name);
+    const struct tdm_oai_tokenized_prompt *p0 = &k->oai.prompts[0];
+    uint64_t avoid = k->route.decode.id;
+    struct tdm_router_route nr;
+    memset(&nr, 0, sizeof nr);
+    tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
+    int rc = tdm_router_control_route_avoiding(s->ctl, p0->ids, p0->n, k->session, &avoid, 1, &nr,
+                                               err, sizeof err);
+    if (rc != TDM_OK) {
+        for (size_t i = 0; i < k->oai.n_choices; i++) {
+            struct choice *ch = &k->choices[i];
+            if (!ch->migrate)
+                continue;
+            ch->migrate = false;
+            tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT,
+                             "decode worker %s was lost and no other can continue the stream: %s",
+                             old_name, err);
+        }
+        k->lost = true;
+        return 0;
+    }
+    nr.deadline = k->route.deadline; // the request's deadline does not restart
+    tdm_router_control_route_done(s->ctl, &k->route, "error");
+    k->route = nr;
+    nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url,
+               sizeof k->decode_url);
+    uint64_t dec_inst = decode_instance(k);
+    size_t moved = 0;
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        if (!ch->migrate)
+            continue;
+        ch->migrate = false;
+        stream_unregister(s, ch->st);
+        ch->st = NULL;
+        rc = send_choice(k, i, dec_inst, NULL, 0, true, err, sizeof err);
+        if (rc == TDM_ENOMEM)
+            return -2;
+        if (rc != TDM_OK) {
+            tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT, "stream migration to %s failed: %s",
+                             k->route.decode.name, err);
+            k->lost = true;
+            continue;
+        }
+        moved++;
+    }
+    tdm_metrics_counter_inc(s->m_migrations);
+    TDM_LOG_WARN(MOD, "req=%s %s: %zu stream(s) migrated to %s", k->oai.resp.id,
+                 k->migrating_why, moved, k->route.decode.name);
+    k->migrating_why[0] = '\0';
+    return 0;
 }
 
 // The session header the active config routes by: the decode profile's
@@ -882,6 +1047,8 @@ static void run_collect(struct call *k)
 static void call_fini(struct call *k)
 {
     release_upstream(k);
+    for (size_t i = 0; k->choices && i < k->oai.n_choices; i++)
+        free(k->choices[i].got);
     free(k->choices);
     tdm_oai_call_fini(&k->oai);
 }
@@ -911,6 +1078,7 @@ static void abandon_route(struct call *k, bool lost, bool retrying)
         struct choice *ch = &k->choices[i];
         tdm_oai_asm_reset_finish(ch->a);
         ch->got_chunk = false;
+        ch->n_got = 0;
         ch->upstream_done = true;
     }
     k->lost = false;
@@ -933,6 +1101,7 @@ static bool start_with_retries(struct call *k)
     struct tdm_router_retry budget;
     tdm_router_retry_init(&budget, DECODE_ATTEMPTS);
     const char *session = request_session(k);
+    k->session = session;
     for (;;) {
         char err[512];
         enum tdm_router_attempt_end end = start_attempt(k, &budget, session, err, sizeof err);
@@ -1000,6 +1169,7 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     }
     if (!start_with_retries(&k))
         goto out;
+    k.started = true;
     if (k.oai.req.stream)
         run_stream(&k);
     else
@@ -1195,6 +1365,11 @@ static int register_metrics(struct tdm_router_server *s, char *err, size_t errle
     o.help = "Requests whose decode worker was lost mid-request (error sent to the client).";
     if (rc == TDM_OK)
         rc = tdm_metrics_counter_register(&s->m_lost, s->reg, &o, err, errlen);
+    o.name = "tandem:router_stream_migrations_total";
+    o.help = "Requests whose streams continued on another decode worker after theirs was lost "
+             "(--stream-migration).";
+    if (rc == TDM_OK)
+        rc = tdm_metrics_counter_register(&s->m_migrations, s->reg, &o, err, errlen);
     return rc;
 }
 
@@ -1221,6 +1396,8 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     s->rm = tdm_router_control_metrics(s->ctl);
     rc = tdm_net_outbox_new(&s->outbox, 100, err, errlen);
     if (rc == TDM_OK)
+        rc = tdm_net_outbox_new(&s->poll_outbox, 100, err, errlen);
+    if (rc == TDM_OK)
         rc = tdm_net_inbox_new(&s->inbox, o->nng_url, err, errlen);
     if (rc != TDM_OK)
         goto fail;
@@ -1244,6 +1421,10 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     hc.port = o->port;
     hc.num_threads = o->http_threads;
     hc.max_body_bytes = o->max_body_bytes;
+    hc.header_timeout_ms = (int)(o->http_header_timeout * 1000.0);
+    hc.body_timeout_ms = (int)(o->http_body_timeout * 1000.0);
+    hc.max_conns_per_ip = o->http_max_conns_per_ip;
+    hc.max_large_requests = o->max_large_requests;
     hc.api_key = o->api_key[0] ? o->api_key : NULL;
     hc.error_body = tdm_oai_http_error_body;
     static const struct {
@@ -1293,6 +1474,7 @@ void tdm_router_server_free(struct tdm_router_server *s)
     tdm_router_control_free(s->ctl);
     tdm_net_inbox_free(s->inbox);
     tdm_net_outbox_free(s->outbox);
+    tdm_net_outbox_free(s->poll_outbox);
     tdm_metrics_registry_free(s->reg);
     tdm_text_fini(&s->text);
     while (s->streams)

@@ -42,12 +42,19 @@ struct tdm_router_opts {
     char api_key[256];           // --api-key; "" = none
     int http_threads;            // --http-threads; default 256 (one per open stream)
     size_t max_body_bytes;       // --max-body-bytes; default 16 MiB
+    double http_header_timeout;  // --http-header-timeout S; default 10
+    double http_body_timeout;    // --http-body-timeout S; default 30
+    int http_max_conns_per_ip;   // --http-max-conns-per-ip N; 0 = no cap (default)
+    int max_large_requests;      // --max-large-requests N: bodies over 1 MiB at once; default 4
     int max_model_len;           // --max-model-len; 0 = config.json's max_position_embeddings
     char log_level[16];          // --log-level; default info
     bool watch;                  // --[no-]watch-config: reload on file change; default on
     double liveness_timeout;     // --liveness-timeout S: a worker silent this long mid-stream
                                  // is lost; default 1.0
     double load_interval;        // --load-interval S: LoadQuery period; default 0.2
+    bool stream_migration;       // --[no-]stream-migration: a stream whose decode worker is
+                                 // lost continues on another with the tokens sent so far;
+                                 // default on
     bool debug_headers;          // --debug-headers: x-tandem-decode and x-tandem-phases on
                                  // responses (which worker, the phase times); default off
     double drain_timeout;        // --drain-timeout S: on SIGTERM, how long open requests may

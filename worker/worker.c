@@ -146,6 +146,10 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
     hc.port = cfg->port;
     hc.num_threads = threads;
     hc.max_body_bytes = cfg->max_body_bytes;
+    hc.header_timeout_ms = (int)(cfg->http_header_timeout * 1000.0);
+    hc.body_timeout_ms = (int)(cfg->http_body_timeout * 1000.0);
+    hc.max_conns_per_ip = cfg->http_max_conns_per_ip;
+    hc.max_large_requests = cfg->max_large_requests;
     hc.api_key = cfg->api_key[0] ? cfg->api_key : NULL;
     hc.error_body = tdm_oai_http_error_body;
     static const struct {

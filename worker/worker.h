@@ -62,6 +62,11 @@ struct tdm_worker_config {
     size_t max_body_bytes;                  // --max-body-bytes; default 16 MiB
     int http_threads;                       // --http-threads; 0 = max_num_seqs + max_waiting,
                                             // clamped to [16, 512]
+    double http_header_timeout;             // --http-header-timeout S; default 10
+    double http_body_timeout;               // --http-body-timeout S; default 30
+    int http_max_conns_per_ip;              // --http-max-conns-per-ip N; 0 = no cap (default)
+    int max_large_requests;                 // --max-large-requests N: bodies over 1 MiB at
+                                            // once; default 4
 };
 
 // Fills the defaults above.

@@ -30,6 +30,9 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->drain_timeout = 30.0;
     snprintf(cfg->log_level, sizeof cfg->log_level, "info");
     cfg->max_body_bytes = (size_t)16 << 20;
+    cfg->http_header_timeout = 10.0;
+    cfg->http_body_timeout = 30.0;
+    cfg->max_large_requests = 4;
 }
 
 // ---- the flag table ---------------------------------------------------------------------------
@@ -234,6 +237,24 @@ static const struct tdm_flag decode_flags[] = {
      .help = "request body limit; beyond it 413 (default 16MiB)"},
     INT("http-threads", http_threads, 0, 4096, "N",
         "HTTP worker threads (default max-num-seqs +\nmax-waiting, clamped to [16, 512])"),
+    {.name = "http-header-timeout",
+     .kind = TDM_FLAG_DOUBLE,
+     .offset = OFF(http_header_timeout),
+     .min = 0.1,
+     .max = 3600,
+     .metavar = "SECONDS",
+     .help = "time to send a request's headers; also the\nlongest read/write stall (default 10)"},
+    {.name = "http-body-timeout",
+     .kind = TDM_FLAG_DOUBLE,
+     .offset = OFF(http_body_timeout),
+     .min = 0.1,
+     .max = 86400,
+     .metavar = "SECONDS",
+     .help = "time to send a request's body; beyond it 408\n(default 30)"},
+    INT("http-max-conns-per-ip", http_max_conns_per_ip, 0, 1 << 20, "N",
+        "open connections per client address; beyond\nit 429 (default 0 = no cap)"),
+    INT("max-large-requests", max_large_requests, 1, 1 << 20, "N",
+        "requests with bodies over 1 MiB at once;\nbeyond it 503 + Retry-After (default 4)"),
     {.name = "config",
      .kind = TDM_FLAG_FN,
      .fn = set_config_done,

@@ -1468,6 +1468,9 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     if (p->max_tokens < 0)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: max_tokens must be >= 0, got %d", id,
                           p->max_tokens);
+    if (p->n_resume < 0 || p->n_resume >= p->n_prompt)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: n_resume %d outside [0, %d)", id,
+                          p->n_resume, p->n_prompt);
     if (p->kind != TDM_ENGINE_REQ_GENERATE && p->kind != TDM_ENGINE_REQ_PREFILL_ONLY &&
         p->kind != TDM_ENGINE_REQ_IMPORT_KV)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: unknown request kind %d", id,
@@ -1533,16 +1536,28 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         goto fail_bufs;
     }
     memcpy(r->hist, p->prompt, (size_t)p->n_prompt * sizeof *r->hist);
+    size_t n_own = (size_t)(p->n_prompt - p->n_resume); // the prompt proper
     if (p->grammar || p->sampling.constraint != TDM_CONSTRAINT_NONE) {
         if ((rc = grammar_setup(e, r, p, eos, num_eos, err, errlen)) != TDM_OK)
             goto fail_bufs;
+        // A resumed stream's tokens were sampled under this constraint: the
+        // matcher follows them as it followed them on the first worker.
+        for (int i = 0; i < p->n_resume; i++) {
+            if (tdm_grammar_matcher_accept_token(r->gm, p->prompt[n_own + (size_t)i]) != TDM_OK) {
+                rc = tdm_seterr(err, errlen, TDM_EINVAL,
+                                "req=%s: resumed token %d (at %d) is not allowed by the "
+                                "request's structured-output constraint",
+                                id, (int)p->prompt[n_own + (size_t)i], i);
+                goto fail_bufs;
+            }
+        }
     }
-    rc = tdm_sampler_new(&r->sampler, &p->sampling, e->vocab, p->prompt, (size_t)p->n_prompt, eos,
-                         num_eos);
+    rc = tdm_sampler_new(&r->sampler, &p->sampling, e->vocab, p->prompt, n_own, eos, num_eos);
     if (rc != TDM_OK) {
         rc = tdm_seterr(err, errlen, rc, "req=%s: sampler: %s", id, tdm_strerror(rc));
         goto fail_bufs;
     }
+    tdm_sampler_replay(r->sampler, p->prompt + n_own, (size_t)p->n_resume);
     if (pthread_mutex_init(&r->mu, NULL) != 0) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
         goto fail_sampler;

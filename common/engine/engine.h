@@ -127,6 +127,10 @@ struct tdm_engine_request_params {
     int n_prompt;                        // 1 .. max_model_len - 1
     struct tdm_sampling_params sampling; // temperature, seed, min_tokens, ignore_eos,
                                          // stop_token_ids, logprobs, ...
+    int n_resume;           // the last n_resume ids of prompt are output a client already
+                            // has (a stream resumed here after its worker was lost): the
+                            // sampler counts them as generated (tdm_sampler_replay), so
+                            // the continuation is the uninterrupted run's. 0 .. n_prompt-1
     int max_tokens;         // tokens to generate at most; 0 = up to the context. Generation
                             // also ends (length) when prompt + output reach max_model_len.
     const int32_t *eos_ids; // [num_eos] EOS ids; NULL = the model's config.json ones

@@ -9,18 +9,22 @@
 #include "http.h"
 
 #include <civetweb.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 
 #include "core.h"
 
 #define MAX_EXTRA_HEADERS 16
 #define DEFAULT_THREADS 64
 #define DEFAULT_BODY_LIMIT (16u << 20)
-#define DEFAULT_TIMEOUT_MS 600000
+#define DEFAULT_HEADER_TIMEOUT_MS 10000
+#define DEFAULT_BODY_TIMEOUT_MS 30000
+#define DEFAULT_LARGE_REQUESTS 4
 
 struct route {
     char *method;
@@ -38,11 +42,23 @@ struct tdm_http_server {
     size_t max_body;
     char *api_key; // NULL = none
     char **exempt; // NULL-terminated
-    int timeout_ms;
+    int header_timeout_ms;
+    int body_timeout_ms;
+    int max_conns_per_ip;   // <= 0: no cap
+    int max_large_requests; // > 0
     tdm_http_error_body_fn error_body; // NULL = text/plain errors
+    pthread_mutex_t mu;     // guards ips and n_large
+    struct ip_count *ips;   // [n_ips] open connections per client address (with a cap only)
+    size_t n_ips, cap_ips;
+    int n_large; // large requests being handled
     struct route *routes;
     size_t n_routes;
     bool started;
+};
+
+struct ip_count {
+    char addr[48]; // mg_request_info.remote_addr
+    int n;
 };
 
 struct tdm_http_conn {
@@ -61,6 +77,9 @@ struct tdm_http_conn {
     int n_hdr;
     char *frame; // SSE framing buffer, grown as needed
     size_t frame_cap;
+    bool large;      // holds one of max_large_requests
+    bool must_close; // answered before its body was read: the connection closes
+    bool drainable;  // ... unless the rest of the body can be read and dropped (drain_body)
 };
 
 // ---- status helpers ---------------------------------------------------------------------------
@@ -134,7 +153,13 @@ int tdm_http_server_new(struct tdm_http_server **out, const struct tdm_http_conf
     s->port = cfg->port;
     s->num_threads = cfg->num_threads > 0 ? cfg->num_threads : DEFAULT_THREADS;
     s->max_body = cfg->max_body_bytes ? cfg->max_body_bytes : DEFAULT_BODY_LIMIT;
-    s->timeout_ms = cfg->request_timeout_ms > 0 ? cfg->request_timeout_ms : DEFAULT_TIMEOUT_MS;
+    s->header_timeout_ms =
+        cfg->header_timeout_ms > 0 ? cfg->header_timeout_ms : DEFAULT_HEADER_TIMEOUT_MS;
+    s->body_timeout_ms = cfg->body_timeout_ms > 0 ? cfg->body_timeout_ms : DEFAULT_BODY_TIMEOUT_MS;
+    s->max_conns_per_ip = cfg->max_conns_per_ip > 0 ? cfg->max_conns_per_ip : 0;
+    s->max_large_requests =
+        cfg->max_large_requests > 0 ? cfg->max_large_requests : DEFAULT_LARGE_REQUESTS;
+    pthread_mutex_init(&s->mu, NULL);
     s->error_body = cfg->error_body;
     if (cfg->api_key && *cfg->api_key && !(s->api_key = strdup(cfg->api_key)))
         goto fail;
@@ -197,6 +222,8 @@ static int on_log_message(const struct mg_connection *conn, const char *message)
 }
 
 static int on_begin_request(struct mg_connection *mg);
+static int on_init_connection(const struct mg_connection *mg, void **conn_data);
+static void on_connection_close(const struct mg_connection *mg);
 
 static pthread_once_t library_once = PTHREAD_ONCE_INIT;
 static void init_library(void)
@@ -215,7 +242,7 @@ int tdm_http_server_start(struct tdm_http_server *s, char *err, size_t errlen)
     else
         snprintf(ports, sizeof ports, "%s:%d", s->host, s->port);
     snprintf(threads, sizeof threads, "%d", s->num_threads);
-    snprintf(timeout, sizeof timeout, "%d", s->timeout_ms);
+    snprintf(timeout, sizeof timeout, "%d", s->header_timeout_ms);
     const char *options[] = {
         "listening_ports",
         ports,
@@ -225,8 +252,10 @@ int tdm_http_server_start(struct tdm_http_server *s, char *err, size_t errlen)
         "yes",
         "keep_alive_timeout_ms",
         "5000",
-        "request_timeout_ms",
+        "request_timeout_ms", // civetweb: the whole header read, and each read/write stall
         timeout,
+        "enable_auth_domain_check", // an absolute-form target on this port is served as its path
+        "no",
         "tcp_nodelay",
         "1", // SSE events must not wait for Nagle
         NULL,
@@ -234,6 +263,8 @@ int tdm_http_server_start(struct tdm_http_server *s, char *err, size_t errlen)
     struct mg_callbacks cb;
     memset(&cb, 0, sizeof cb);
     cb.begin_request = on_begin_request;
+    cb.init_connection = on_init_connection;
+    cb.connection_close = on_connection_close;
     cb.log_message = on_log_message;
     char text[256] = "";
     unsigned code = 0;
@@ -280,6 +311,8 @@ void tdm_http_server_free(struct tdm_http_server *s)
     free(s->host);
     free(s->api_key);
     free_strv(s->exempt);
+    free(s->ips);
+    pthread_mutex_destroy(&s->mu);
     free(s);
 }
 
@@ -340,6 +373,21 @@ int tdm_http_add_header(struct tdm_http_conn *c, const char *name, const char *v
     return TDM_OK;
 }
 
+// Removes an extra header added before the response started.
+static void drop_header(struct tdm_http_conn *c, const char *name)
+{
+    for (int i = 0; i < c->n_hdr; i++) {
+        if (strcasecmp(c->hdr_name[i], name) == 0) {
+            free(c->hdr_name[i]);
+            free(c->hdr_value[i]);
+            c->n_hdr--;
+            c->hdr_name[i] = c->hdr_name[c->n_hdr];
+            c->hdr_value[i] = c->hdr_value[c->n_hdr];
+            i--;
+        }
+    }
+}
+
 // Writes all of buf; a short or failed write marks the client gone.
 static int write_all(struct tdm_http_conn *c, const void *buf, size_t len)
 {
@@ -361,6 +409,14 @@ static int send_headers(struct tdm_http_conn *c, int status, const char *content
 {
     if (mg_response_header_start(c->mg, status) != 0)
         return TDM_ECLOSED;
+    // Our own Date (gmtime_r): libcivetweb 1.15 fills a missing one with
+    // gmtime(), which is not thread-safe across its worker threads.
+    char date[64];
+    time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(date, sizeof date, "%a, %d %b %Y %H:%M:%S GMT", &tm);
+    mg_response_header_add(c->mg, "Date", date, -1);
     mg_response_header_add(c->mg, "Content-Type", content_type, -1);
     if (content_length >= 0) {
         char len[32];
@@ -562,8 +618,41 @@ static bool method_has_body(const char *m)
     return strcmp(m, "POST") == 0 || strcmp(m, "PUT") == 0 || strcmp(m, "PATCH") == 0;
 }
 
-// Reads the request body into c->body. Returns 0, 413 (over the limit) or 400
-// (the read failed: the client went away or sent a broken chunked body).
+// One of max_large_requests, taken before a large body is read; false when
+// all are taken.
+static bool large_acquire(struct tdm_http_conn *c)
+{
+    struct tdm_http_server *s = c->srv;
+    pthread_mutex_lock(&s->mu);
+    bool ok = s->n_large < s->max_large_requests;
+    if (ok)
+        s->n_large++;
+    pthread_mutex_unlock(&s->mu);
+    c->large = ok;
+    return ok;
+}
+
+static void large_release(struct tdm_http_conn *c)
+{
+    if (!c->large)
+        return;
+    pthread_mutex_lock(&c->srv->mu);
+    c->srv->n_large--;
+    pthread_mutex_unlock(&c->srv->mu);
+    c->large = false;
+}
+
+// Reads the request body into c->body. Returns 0, 413 (over the limit), 503
+// (max_large_requests are being handled), 408 (not received within
+// body_timeout_ms) or 400 (the client went away or sent a broken chunked
+// body). civetweb's read waits up to header_timeout_ms for data and returns 0
+// (or -1 for a chunked body) when it stalls that long: a read that long is a
+// stall, a shorter one the end of the stream. It also returns only once it
+// has all it was asked for, so a client trickling bytes would hold one large
+// read for as long as it likes: reads start at one byte and double while they
+// complete within 0.25 s (halve when slower), so the body's deadline is
+// checked at least every ~0.5 s whatever the client's pace, and a fast client
+// reaches 1 MiB reads after ~20 calls.
 static int read_body(struct tdm_http_conn *c)
 {
     long long declared = c->ri->content_length;
@@ -572,11 +661,16 @@ static int read_body(struct tdm_http_conn *c)
         return 413;
     if (declared == 0 || (declared < 0 && !method_has_body(c->ri->request_method)))
         return 0;
+    if (declared >= (long long)TDM_HTTP_LARGE_BODY && !large_acquire(c))
+        return 503;
+    double t0 = tdm_now();
+    double body_s = c->srv->body_timeout_ms / 1000.0;
+    double stall_s = 0.9 * c->srv->header_timeout_ms / 1000.0;
     size_t cap = declared > 0 ? (size_t)declared + 1 : 4096;
     c->body = malloc(cap);
     if (!c->body)
         return 500;
-    size_t len = 0;
+    size_t len = 0, want = 1;
     for (;;) {
         if (len + 1 == cap) {
             if (declared > 0)
@@ -591,20 +685,70 @@ static int read_body(struct tdm_http_conn *c)
             c->body = b;
             cap = ncap;
         }
-        int n = mg_read(c->mg, c->body + len, cap - 1 - len);
+        size_t room = cap - 1 - len;
+        double r0 = tdm_now();
+        int n = mg_read(c->mg, c->body + len, room < want ? room : want);
+        double now = tdm_now();
+        bool stalled = now - r0 >= stall_s;
+        if (now - r0 > 0.25)
+            want = want > 1 ? want / 2 : 1;
+        else if (n > 0 && (size_t)n == want && want < ((size_t)1 << 20))
+            want *= 2;
         if (n < 0)
-            return 400;
-        if (n == 0)
+            return stalled ? 408 : 400;
+        if (n == 0) {
+            if (declared > 0 && len < (size_t)declared && stalled && now - t0 < body_s)
+                continue; // a pause within the body's time: wait on
+            if (declared > 0 && len < (size_t)declared)
+                return stalled ? 408 : 400;
             break;
+        }
         len += (size_t)n;
         if (len > limit)
             return 413;
+        if (!c->large && len >= TDM_HTTP_LARGE_BODY && !large_acquire(c))
+            return 503; // a chunked body that turned out large
+        if (now - t0 > body_s && (declared < 0 || len < (size_t)declared))
+            return 408;
     }
     if (declared > 0 && len != (size_t)declared)
         return 400;
     c->body[len] = '\0';
     c->body_len = len;
     return 0;
+}
+
+// A body answered without being used (401/404/405/413/429/503) is read and
+// dropped when it is at most this large, so a well-behaved client gets its
+// answer rather than a reset while it is still sending; beyond it, or past
+// body_timeout_ms, the connection is closed instead.
+#define DRAIN_LIMIT ((size_t)64 << 20)
+
+// Reads and drops the rest of the body (same adaptive reads and deadline as
+// read_body). true when all of it was consumed.
+static bool drain_body(struct tdm_http_conn *c)
+{
+    long long declared = c->ri->content_length;
+    if (declared > 0 && (unsigned long long)declared > DRAIN_LIMIT)
+        return false;
+    double t0 = tdm_now();
+    double body_s = c->srv->body_timeout_ms / 1000.0;
+    char buf[16384];
+    size_t want = 1, total = 0;
+    while (total <= DRAIN_LIMIT && tdm_now() - t0 < body_s) {
+        double r0 = tdm_now();
+        int n = mg_read(c->mg, buf, want < sizeof buf ? want : sizeof buf);
+        if (n < 0)
+            return false;
+        if (n == 0) // the end, or a stall of header_timeout_ms: either way done reading
+            return tdm_now() - r0 < 0.9 * c->srv->header_timeout_ms / 1000.0;
+        total += (size_t)n;
+        if (tdm_now() - r0 > 0.25)
+            want = want > 1 ? want / 2 : 1;
+        else if ((size_t)n == want && want < sizeof buf)
+            want *= 2;
+    }
+    return false;
 }
 
 // A request whose body length is ambiguous is refused before its body is
@@ -642,6 +786,151 @@ static void conn_fini(struct tdm_http_conn *c)
     }
 }
 
+// Markers in civetweb's per-connection data for max_conns_per_ip: not yet
+// counted (set at accept: civetweb gives no client address before the first
+// request), counted, counted and over the cap.
+static char conn_uncounted, conn_counted, conn_over_cap;
+
+static int on_init_connection(const struct mg_connection *mg, void **conn_data)
+{
+    struct tdm_http_server *s = mg_get_user_data(mg_get_context(mg));
+    if (s != NULL && s->max_conns_per_ip > 0)
+        *conn_data = &conn_uncounted;
+    return 0;
+}
+
+// Counts the connection of a request against its client address, once per
+// connection (at its first request). true when the connection is over the cap.
+static bool count_connection(struct mg_connection *mg, const struct mg_request_info *ri)
+{
+    struct tdm_http_server *s = mg_get_user_data(mg_get_context(mg));
+    void *d = mg_get_user_connection_data(mg);
+    if (d != &conn_uncounted)
+        return d == &conn_over_cap;
+    pthread_mutex_lock(&s->mu);
+    struct ip_count *e = NULL;
+    for (size_t i = 0; i < s->n_ips && !e; i++)
+        if (strcmp(s->ips[i].addr, ri->remote_addr) == 0)
+            e = &s->ips[i];
+    if (e == NULL && s->n_ips == s->cap_ips) {
+        size_t ncap = s->cap_ips ? s->cap_ips * 2 : 16;
+        struct ip_count *g = realloc(s->ips, ncap * sizeof *g);
+        if (g) {
+            s->ips = g;
+            s->cap_ips = ncap;
+        }
+    }
+    if (e == NULL && s->n_ips < s->cap_ips) {
+        e = &s->ips[s->n_ips++];
+        snprintf(e->addr, sizeof e->addr, "%s", ri->remote_addr);
+        e->n = 0;
+    }
+    bool over = false;
+    if (e) {
+        e->n++;
+        over = e->n > s->max_conns_per_ip;
+        mg_set_user_connection_data(mg, over ? &conn_over_cap : &conn_counted);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return over;
+}
+
+static void uncount_connection(struct tdm_http_server *s, const char *addr)
+{
+    pthread_mutex_lock(&s->mu);
+    for (size_t i = 0; i < s->n_ips; i++) {
+        if (strcmp(s->ips[i].addr, addr) == 0) {
+            if (--s->ips[i].n <= 0)
+                s->ips[i] = s->ips[--s->n_ips];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+// The request targets civetweb 1.15 reads and then closes the connection on
+// without calling begin_request (its process_new_connection): "*" and an
+// absolute-form URI for another host:port. 1 = "*", 2 = absolute.
+static int unserved_target(const struct mg_request_info *ri)
+{
+    const char *u = ri->request_uri, *v = ri->http_version;
+    if (u == NULL || ri->local_uri != NULL || ri->request_method == NULL || v == NULL ||
+        (strcmp(v, "1.0") != 0 && strcmp(v, "1.1") != 0))
+        return 0;
+    if (strcmp(u, "*") == 0)
+        return 1;
+    for (const unsigned char *p = (const unsigned char *)u; *p; p++)
+        if (*p < 33)
+            return 0; // civetweb answered 400 "Invalid URI" itself
+    static const char *const schemes[] = {"http://", "https://", "ws://", "wss://"};
+    for (size_t i = 0; i < sizeof schemes / sizeof *schemes; i++) {
+        size_t n = strlen(schemes[i]);
+        if (strncasecmp(u, schemes[i], n) != 0)
+            continue;
+        const char *host_end = strchr(u + n, '/');
+        if (host_end == NULL)
+            return 0;
+        const char *colon = strchr(u + n, ':');
+        if (colon == NULL)
+            return 2;
+        char *port_end = NULL;
+        unsigned long port = strtoul(colon + 1, &port_end, 10);
+        return port_end == host_end && port > 0 && port <= 65535 ? 2 : 0;
+    }
+    return 0;
+}
+
+// Writes a whole response on a connection civetweb is closing (status line,
+// Date from gmtime_r, the given headers, body).
+static void write_raw(struct mg_connection *mg, int status, const char *headers,
+                      const char *content_type, const char *body)
+{
+    char date[64];
+    time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(date, sizeof date, "%a, %d %b %Y %H:%M:%S GMT", &tm);
+    size_t blen = body ? strlen(body) : 0;
+    mg_printf(mg,
+              "HTTP/1.1 %d %s\r\nDate: %s\r\n%s%s%s%sContent-Length: %zu\r\n"
+              "Connection: close\r\n\r\n",
+              status, tdm_http_reason(status), date, headers, content_type ? "Content-Type: " : "",
+              content_type ? content_type : "", content_type ? "\r\n" : "", blen);
+    if (blen)
+        mg_write(mg, body, blen);
+}
+
+// connection_close: releases the connection's count, and answers the
+// requests civetweb would close on in silence (unserved_target).
+static void on_connection_close(const struct mg_connection *cmg)
+{
+    struct tdm_http_server *s = mg_get_user_data(mg_get_context(cmg));
+    const struct mg_request_info *ri = mg_get_request_info(cmg);
+    if (s == NULL || ri == NULL)
+        return;
+    void *d = mg_get_user_connection_data(cmg);
+    if (d == &conn_counted || d == &conn_over_cap)
+        uncount_connection(s, ri->remote_addr);
+    // civetweb passes the connection const, but its socket is still open and
+    // this thread owns it: the answer is written before civetweb closes it.
+    struct mg_connection *mg = (struct mg_connection *)cmg;
+    int kind = unserved_target(ri);
+    if (kind == 1 && strcmp(ri->request_method, "OPTIONS") == 0) {
+        write_raw(mg, 204, "Allow: GET, POST\r\n", NULL, NULL);
+    } else if (kind != 0) {
+        char msg[300];
+        snprintf(msg, sizeof msg,
+                 kind == 1 ? "The request target * is only valid for OPTIONS"
+                           : "The absolute-form target %.200s names another server; send the "
+                             "path (origin-form)",
+                 ri->request_uri);
+        char *body = s->error_body ? s->error_body(400, msg) : NULL;
+        write_raw(mg, 400, "", body ? "application/json" : "text/plain; charset=utf-8",
+                  body ? body : msg);
+        free(body);
+    }
+}
+
 static int on_begin_request(struct mg_connection *mg)
 {
     const struct mg_request_info *ri = mg_get_request_info(mg);
@@ -650,9 +939,29 @@ static int on_begin_request(struct mg_connection *mg)
     double t0 = tdm_now();
     const char *method = ri->request_method ? ri->request_method : "";
     const char *path = tdm_http_path(&c);
+    // A request with a body that is answered before the body is read closes
+    // its connection: civetweb would otherwise read and discard the rest (a
+    // thread held for as long as the client keeps sending).
+    bool has_body = ri->content_length > 0 ||
+                    (ri->content_length < 0 && method_has_body(method));
+    if (has_body)
+        c.must_close = true;
+    if (s->max_conns_per_ip > 0 && count_connection(mg, ri)) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "Too many connections from %.60s (the limit is %d)",
+                 ri->remote_addr, s->max_conns_per_ip);
+        c.must_close = true;
+        c.drainable = true;
+        tdm_http_add_header(&c, "Connection", "close");
+        tdm_http_respond_error(&c, 429, msg);
+        goto done;
+    }
+    if (has_body)
+        tdm_http_add_header(&c, "Connection", "close"); // dropped once the body is read
 
     if (s->api_key && !path_exempt(s, path) && !authorized(&c)) {
         tdm_http_add_header(&c, "WWW-Authenticate", "Bearer");
+        c.drainable = true;
         tdm_http_respond_error(&c, 401,
                                "Unauthorized: a valid API key is required (Authorization: Bearer "
                                "<key>)");
@@ -663,6 +972,7 @@ static int on_begin_request(struct mg_connection *mg)
     const struct route *r = find_route(s, method, path, &known, allow, sizeof allow);
     if (!r) {
         char msg[400];
+        c.drainable = true;
         if (known) {
             tdm_http_add_header(&c, "Allow", allow);
             snprintf(msg, sizeof msg, "Method %.16s is not allowed for %.200s (allowed: %.120s)",
@@ -676,16 +986,41 @@ static int on_begin_request(struct mg_connection *mg)
     }
     const char *framing = framing_error(ri);
     if (framing) {
-        tdm_http_add_header(&c, "Connection", "close");
+        if (!has_body)
+            tdm_http_add_header(&c, "Connection", "close");
+        c.must_close = true;
         tdm_http_respond_error(&c, 400, framing);
         goto done;
     }
     int body_status = read_body(&c);
+    if (body_status == 0 && has_body) {
+        // The body is in: the connection may be kept alive again.
+        c.must_close = false;
+        drop_header(&c, "Connection");
+    }
     if (body_status == 413) {
+        c.drainable = true;
         char msg[160];
         snprintf(msg, sizeof msg, "The request body is larger than the limit of %zu bytes",
                  s->max_body);
         tdm_http_respond_error(&c, 413, msg);
+        goto done;
+    }
+    if (body_status == 408) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "The request body was not received within %.0f s",
+                 s->body_timeout_ms / 1000.0);
+        tdm_http_respond_error(&c, 408, msg);
+        goto done;
+    }
+    if (body_status == 503) {
+        c.drainable = true;
+        char msg[200];
+        snprintf(msg, sizeof msg,
+                 "The server is handling %d requests with bodies over %zu bytes; retry later",
+                 s->max_large_requests, TDM_HTTP_LARGE_BODY);
+        tdm_http_add_header(&c, "Retry-After", "1");
+        tdm_http_respond_error(&c, 503, msg);
         goto done;
     }
     if (body_status) {
@@ -700,9 +1035,23 @@ static int on_begin_request(struct mg_connection *mg)
     else if (c.sse)
         tdm_http_sse_end(&c, false); // a handler that forgot to end still gets valid framing
 done:
+    // The answer already said "Connection: close"; once the body is dropped
+    // civetweb may keep the connection (the client closes it), except one
+    // over the per-address cap, which closes either way.
+    if (c.must_close && c.drainable && has_body && drain_body(&c) && c.status != 429)
+        c.must_close = false;
     TDM_LOG_DEBUG("http", "%s %s status=%d in=%zu out=%zu ms=%.2f%s", method, path, c.status,
                   c.body_len, c.bytes_out, (tdm_now() - t0) * 1e3, c.gone ? " client_gone" : "");
+    bool large = c.large || c.body_len >= TDM_HTTP_LARGE_BODY || c.bytes_out >= TDM_HTTP_LARGE_BODY;
+    large_release(&c);
     int status = c.status ? c.status : 500;
+    bool must_close = c.must_close;
     conn_fini(&c);
-    return status;
+    // A large request's memory (body, parse trees, response) goes back to the
+    // system rather than staying in this thread's malloc arena.
+    if (large)
+        malloc_trim(0);
+    // > 0 would make civetweb read and discard an unread body first; < 0
+    // returns at once and the connection closes (its body is not consumed).
+    return must_close ? -1 : status;
 }

@@ -12,6 +12,13 @@
 // server answers by itself (401/404/405/413/500) comes from the error_body
 // hook the role installs (common/openai's tdm_oai_http_error_body), and the
 // OpenAI routes and stream loop live in common/openai (openai_http.h).
+// Slow and greedy clients are bounded (issue 11): headers within
+// header_timeout_ms, the body within body_timeout_ms, at most max_conns_per_ip
+// connections per client address, at most max_large_requests large bodies at
+// once; a request refused before its body was read closes its connection, so
+// no thread waits on the rest of it. "OPTIONS *" is answered 204 with Allow and
+// an absolute-form target (GET http://host/path) for this server's port is
+// served as its path, for any other host:port answered 400.
 // Each request runs on one of num_threads civetweb worker threads, from the
 // handler call to its return; a connection handle is used by that thread only.
 // civetweb types never appear here.
@@ -37,10 +44,26 @@ struct tdm_http_config {
     const char *api_key;               // NULL or "" = no key required
     const char *const *auth_exempt;    // NULL-terminated exact paths served without the key;
                                        // NULL = {"/health", "/metrics", "/ping", "/version"}
-    int request_timeout_ms;            // socket read/write timeout; <= 0 = 600000
+    int header_timeout_ms;   // time a client has to send a request's headers, from its first
+                             // byte; past it civetweb answers 400 and closes. Also the longest
+                             // one read or write of the connection may stall. <= 0 = 10000
+    int body_timeout_ms;     // time to receive the whole body once the headers are in;
+                             // past it 408 and the connection closed. <= 0 = 30000
+    int max_conns_per_ip;    // open connections one client address may hold (a connection
+                             // counts from its first request: civetweb names the client no
+                             // sooner); a request on one beyond it gets 429 and the
+                             // connection is closed. <= 0 = no cap
+    int max_large_requests;  // requests with a body over TDM_HTTP_LARGE_BODY handled at once;
+                             // beyond it 503 + Retry-After before the body is read. <= 0 = 4
     tdm_http_error_body_fn error_body; // JSON body of the server's own errors; NULL = the
                                        // message as text/plain
 };
+
+// A body at least this large is a large request: counted against
+// max_large_requests, and the allocator's free memory is returned to the
+// system (malloc_trim) after its response, so a burst of large requests does
+// not leave the process at its peak size.
+#define TDM_HTTP_LARGE_BODY ((size_t)1 << 20)
 
 struct tdm_http_server;
 struct tdm_http_conn; // one request being handled (opaque)

@@ -5,7 +5,8 @@
 // 413, 401, 500) through the error_body hook (the OpenAI one the roles install,
 // and text/plain without a hook), SSE framing over chunked encoding and
 // keep-alive after a stream, HTTP/1.0 streams, chunked request bodies, the API
-// key, and client-disconnect detection. The OpenAI routes over this server are
+// key, client-disconnect detection, and slow clients and odd request targets
+// (header and body timeouts, OPTIONS *, absolute-form targets, a drained 413). The OpenAI routes over this server are
 // tested in common/openai/openai_http_test.c.
 
 #include <pthread.h>
@@ -415,6 +416,93 @@ static void test_lifecycle_and_errors(void **state)
 }
 
 // Without an error_body hook the server's own errors are the message as text/plain.
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+// Slow clients and odd request targets (issue 11, parts 4 and 5), on a server
+// of its own with short timeouts: headers not finished in 0.5 s -> civetweb's
+// 400 and the connection closed; a body stalled past 1 s -> 408; "OPTIONS *"
+// -> 204 with Allow; an absolute-form target -> served as its path on this
+// port, 400 for another server (civetweb closed both in silence); an
+// oversized body that the client sends anyway gets its 413 (read and dropped,
+// not a reset).
+static void test_slow_clients_and_targets(void **state)
+{
+    (void)state;
+    struct tdm_http_config cfg = {.host = "127.0.0.1",
+                                  .num_threads = 4,
+                                  .max_body_bytes = 1024,
+                                  .header_timeout_ms = 500,
+                                  .body_timeout_ms = 1000,
+                                  .error_body = tdm_oai_http_error_body};
+    struct tdm_http_server *srv = NULL;
+    char err[256];
+    assert_int_equal(tdm_http_server_new(&srv, &cfg, err, sizeof err), TDM_OK);
+    tdm_http_route(srv, "GET", "/health", h_health, NULL);
+    tdm_http_route(srv, "POST", "/echo", h_echo, NULL);
+    assert_int_equal(tdm_http_server_start(srv, err, sizeof err), TDM_OK);
+    int port = tdm_http_server_port(srv);
+    size_t len;
+
+    int fd = connect_to(port);
+    double t0 = now_s();
+    send_all(fd, "POST /echo HTTP/1.1\r\n", 21);
+    char *r = read_to_eof(fd, &len);
+    double dt = now_s() - t0;
+    assert_int_equal(status_of(r), 400);
+    assert_true(dt > 0.3 && dt < 3.0);
+    free(r);
+    close(fd);
+
+    fd = connect_to(port);
+    t0 = now_s();
+    const char *stall = "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc";
+    send_all(fd, stall, strlen(stall));
+    r = read_to_eof(fd, &len);
+    dt = now_s() - t0;
+    assert_oai_error(r, 408, "BadRequestError");
+    assert_non_null(strstr(r, "not received within 1 s"));
+    assert_true(dt > 0.8 && dt < 4.0);
+    free(r);
+    close(fd);
+
+    r = roundtrip(port, "OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n");
+    char v[64];
+    assert_int_equal(status_of(r), 204);
+    assert_string_equal(header_of(r, "Allow", v, sizeof v), "GET, POST");
+    free(r);
+    r = roundtrip(port, "GET http://elsewhere.example/health HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_oai_error(r, 400, "BadRequestError");
+    assert_non_null(strstr(r, "names another server"));
+    free(r);
+    char req[256];
+    snprintf(req, sizeof req,
+             "GET http://127.0.0.1:%d/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+             port);
+    r = roundtrip(port, req);
+    assert_int_equal(status_of(r), 200);
+    assert_string_equal(body_of(r), "ok");
+    free(r);
+
+    // 4 KiB against a 1 KiB limit, sent whole: the 413 arrives, and the
+    // connection stays usable for the next request (the body was dropped).
+    char big[4096 + 256];
+    int hl = snprintf(big, sizeof big,
+                      "POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4096\r\n\r\n");
+    memset(big + hl, 'x', 4096);
+    fd = connect_to(port);
+    send_all(fd, big, (size_t)hl + 4096);
+    r = read_response(fd, &len);
+    assert_oai_error(r, 413, "RequestTooLargeError");
+    free(r);
+    close(fd);
+    tdm_http_server_free(srv);
+}
+
 static void test_error_body_fallback(void **state)
 {
     (void)state;
@@ -451,6 +539,7 @@ int main(void)
     };
     const struct CMUnitTest alone[] = {
         cmocka_unit_test(test_error_body_fallback),
+        cmocka_unit_test(test_slow_clients_and_targets),
     };
     return cmocka_run_group_tests(tests, setup, teardown) |
            cmocka_run_group_tests(alone, NULL, NULL);

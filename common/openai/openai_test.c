@@ -17,6 +17,7 @@
 
 #include "core.h"
 #include "openai.h"
+#include "openai_impl.h"
 
 static const struct tdm_oai_model_info model = {
     .served_name = "qwen", .vocab_size = 1000, .max_model_len = 100, .gen = NULL};
@@ -1061,6 +1062,42 @@ static void test_models_tokenize_version(void **state)
     assert_num(j, "count", 0);
     assert_null_at(j, "token_strs");
     cJSON_Delete(j);
+    // Written without a cJSON tree (issue 11, part 4), byte for byte what
+    // cJSON_PrintUnformatted gives for the same values: every control byte,
+    // quote, backslash, multi-byte UTF-8 and a broken sequence (U+FFFD).
+    char pieces[40][8];
+    const char *tricky[40];
+    int32_t many[40];
+    for (int i = 0; i < 32; i++) {
+        snprintf(pieces[i], sizeof pieces[i], "a%cz", i == 0 ? 'x' : (char)i);
+        tricky[i] = pieces[i];
+        many[i] = i * 1000003 % 151643;
+    }
+    const char *extra[8] = {"\"q\"", "back\\slash", "\xC4\xA0sp", "\xE2\x82\xAC",
+                            "bad\xFF", "/", "", "\x7F"};
+    for (int i = 32; i < 40; i++) {
+        tricky[i] = extra[i - 32];
+        many[i] = -i; // never an id, but the writer must not care
+    }
+    char *mine = tdm_oai_tokenize_body(many, 40, 131072, tricky);
+    assert_non_null(mine);
+    cJSON *ref = cJSON_CreateObject();
+    cJSON_AddNumberToObject(ref, "count", 40);
+    cJSON_AddNumberToObject(ref, "max_model_len", 131072);
+    cJSON *arr = cJSON_AddArrayToObject(ref, "tokens");
+    cJSON *sarr = cJSON_CreateArray();
+    for (int i = 0; i < 40; i++) {
+        cJSON_AddItemToArray(arr, cJSON_CreateNumber(many[i]));
+        char *fixed = tdm_oai_utf8_dup(tricky[i], strlen(tricky[i]));
+        cJSON_AddItemToArray(sarr, cJSON_CreateString(fixed));
+        free(fixed);
+    }
+    cJSON_AddItemToObject(ref, "token_strs", sarr);
+    char *want = cJSON_PrintUnformatted(ref);
+    assert_string_equal(mine, want);
+    free(want);
+    free(mine);
+    cJSON_Delete(ref);
 
     j = parse_json(tdm_oai_detokenize_body("Hello\xFF", 6));
     assert_str(j, "prompt", "Hello\xEF\xBF\xBD");

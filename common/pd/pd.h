@@ -76,6 +76,9 @@ struct tdm_pd_service {
     uint64_t instance;             // this process's id, in every message it sends
     struct tdm_net_inbox *inbox;   // owned
     struct tdm_net_outbox *outbox; // owned; any thread may send until fini
+    struct tdm_net_outbox *liveness; // owned: load reports only, on connections of their
+                                     // own, so they never wait behind the token writes of
+                                     // busy job threads (busy is not dead)
     atomic_bool stopping;          // set by tdm_pd_service_stop; job threads watch it too
     struct tdm_pd_service_config cfg;
     pthread_t rx_thread;

@@ -18,7 +18,7 @@ static void service_frame(void *arg, const struct tdm_net_frame *f)
     const struct tdm_pd_service_config *c = &s->cfg;
     tdm_net_frame_handler h = f->type > 0 && f->type <= TDM_NET_TYPE_MAX ? c->on[f->type] : NULL;
     if (f->type == TDM_NET_LOAD_QUERY && c->fill_load)
-        tdm_pd_answer_load_query(s->outbox, f, c->fill_load, c->arg);
+        tdm_pd_answer_load_query(s->liveness, f, c->fill_load, c->arg);
     else if (h)
         h(c->arg, f);
     else
@@ -42,6 +42,9 @@ int tdm_pd_service_init(struct tdm_pd_service *s, const struct tdm_pd_service_co
     int rc = tdm_net_outbox_new(&s->outbox, 100, err, errlen);
     if (rc != TDM_OK)
         return rc;
+    rc = tdm_net_outbox_new(&s->liveness, 100, err, errlen);
+    if (rc != TDM_OK)
+        goto fail_outbox;
     rc = tdm_net_inbox_new(&s->inbox, cfg->url, err, errlen);
     if (rc != TDM_OK)
         goto fail_outbox;
@@ -55,7 +58,9 @@ fail_inbox:
     tdm_net_inbox_free(s->inbox);
     s->inbox = NULL;
 fail_outbox:
+    tdm_net_outbox_free(s->liveness);
     tdm_net_outbox_free(s->outbox);
+    s->liveness = NULL;
     s->outbox = NULL;
     return rc;
 }
@@ -76,6 +81,8 @@ void tdm_pd_service_fini(struct tdm_pd_service *s)
 {
     tdm_net_inbox_free(s->inbox);
     tdm_net_outbox_free(s->outbox);
+    tdm_net_outbox_free(s->liveness);
     s->inbox = NULL;
     s->outbox = NULL;
+    s->liveness = NULL;
 }

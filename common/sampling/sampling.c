@@ -605,3 +605,15 @@ int tdm_sampler_num_generated(const struct tdm_sampler *s)
 {
     return s->num_generated;
 }
+
+void tdm_sampler_replay(struct tdm_sampler *s, const int32_t *tokens, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (!s->greedy)
+            (void)tdm_rng_uniform(&s->rng); // the draw sample_random took for it
+        if (tokens[i] >= 0 && tokens[i] < s->vocab_size)
+            record(s, tokens[i]);
+        else
+            s->num_generated++;
+    }
+}

@@ -86,4 +86,12 @@ int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, struct tdm_samp
 bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token);
 int tdm_sampler_num_generated(const struct tdm_sampler *s);
 
+// Records tokens as if this sampler had sampled them (a stream resumed on
+// another worker, issue 11 part 6): each joins the history (penalties,
+// min_tokens) and, when sampling, takes the one RNG draw its sampling took, so
+// the next draw is the one an uninterrupted run would make. (A step whose
+// logits were all non-finite took no draw; such a step is not replayed
+// exactly.)
+void tdm_sampler_replay(struct tdm_sampler *s, const int32_t *tokens, size_t n);
+
 #endif

@@ -562,6 +562,41 @@ static void test_seeds(void **state)
     tdm_sampler_free(u2);
 }
 
+// A sampler that replays the first k tokens of another's stream (a migrated
+// stream, issue 11 part 6) continues it exactly: the RNG draws and the output
+// history (presence/frequency penalties) are where the original's were.
+static void test_replay(void **state)
+{
+    (void)state;
+    enum { N = 120, K = 37 };
+    static float master[1000], work[1000];
+    random_logits(master, 1000, 2.0f);
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.has_seed = true;
+    p.seed = 99;
+    p.frequency_penalty = 0.7f;
+    p.presence_penalty = 0.3f;
+    struct tdm_sampler *orig = make(&p, 1000);
+    int32_t a[N];
+    for (int i = 0; i < N; i++)
+        a[i] = draw(orig, master, work, 1000);
+    struct tdm_sampler *resumed = make(&p, 1000);
+    tdm_sampler_replay(resumed, a, K);
+    assert_int_equal(tdm_sampler_num_generated(resumed), K);
+    for (int i = K; i < N; i++)
+        assert_int_equal(draw(resumed, master, work, 1000), a[i]);
+    // Without the replay the continuation is another stream.
+    struct tdm_sampler *fresh = make(&p, 1000);
+    int differ = 0;
+    for (int i = K; i < N; i++)
+        differ += draw(fresh, master, work, 1000) != a[i];
+    assert_true(differ > (N - K) / 2);
+    tdm_sampler_free(orig);
+    tdm_sampler_free(resumed);
+    tdm_sampler_free(fresh);
+}
+
 // ---- penalties and bias -------------------------------------------------------------------
 
 static void force(struct tdm_sampler *s, int32_t token, int vocab)
@@ -750,6 +785,7 @@ int main(void)
         cmocka_unit_test(test_temperature_limit),
         cmocka_unit_test(test_unfiltered_chi_square),
         cmocka_unit_test(test_seeds),
+        cmocka_unit_test(test_replay),
         cmocka_unit_test(test_penalties_exact),
         cmocka_unit_test(test_min_tokens),
         cmocka_unit_test(test_logprobs),

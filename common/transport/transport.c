@@ -444,11 +444,13 @@ static int auth_listener(nng_stream *s, const unsigned char *key, size_t klen,
 // slow consumer pushes back on senders through TCP instead of growing memory).
 #define INBOX_QUEUE_FRAMES 4096
 #define INBOX_QUEUE_BYTES ((size_t)512 << 20)
+#define INBOX_PRIORITY_FRAMES 64 // liveness frames queued ahead of the rest at most
 
 struct tdm_net_msg {
     struct tdm_net_msg *next;
     uint8_t *buf; // the whole frame, header included
     size_t len;
+    bool prio; // queued ahead of the data frames (a liveness frame)
     struct tdm_net_frame frame;
 };
 
@@ -466,6 +468,8 @@ struct tdm_net_inbox {
     pthread_cond_t cv; // queue or reader count changed
     bool closed;       // under mu: readers and recv stop
     struct tdm_net_msg *head, *tail;
+    struct tdm_net_msg *ptail; // the last queued liveness frame (they sit at the front), or NULL
+    size_t pqueued;            // liveness frames queued
     size_t queued, queued_bytes;
     struct in_conn *conns;
     int readers;
@@ -548,8 +552,18 @@ static void *inbox_reader(void *arg)
                     warn_limited("inbox %s: dropped a connection: %s", in->url, why);
                 break;
             }
+            // Liveness frames (LoadQuery, LoadReport) go ahead of the data
+            // frames, in their own order, and do not wait for room: a worker
+            // busy with a backlog of requests or a router with one of tokens
+            // still answers and hears liveness within its deadline (busy is
+            // not dead, issue 11). A few only: beyond INBOX_PRIORITY_FRAMES
+            // they queue like the rest.
+            bool prio = (m->frame.type == TDM_NET_LOAD_QUERY ||
+                         m->frame.type == TDM_NET_LOAD_REPORT);
             pthread_mutex_lock(&in->mu);
-            while (!in->closed && in->queued > 0 &&
+            if (prio && in->pqueued >= INBOX_PRIORITY_FRAMES)
+                prio = false;
+            while (!prio && !in->closed && in->queued > 0 &&
                    (in->queued >= INBOX_QUEUE_FRAMES ||
                     in->queued_bytes + m->len > INBOX_QUEUE_BYTES))
                 pthread_cond_wait(&in->cv, &in->mu);
@@ -558,11 +572,22 @@ static void *inbox_reader(void *arg)
                 msg_free(m);
                 break;
             }
-            if (in->tail)
+            if (prio) {
+                struct tdm_net_msg **at = in->ptail ? &in->ptail->next : &in->head;
+                m->next = *at;
+                *at = m;
+                if (in->tail == NULL || in->tail == in->ptail)
+                    in->tail = m;
+                in->ptail = m;
+                in->pqueued++;
+                m->prio = true;
+            } else if (in->tail) {
                 in->tail->next = m;
-            else
+                in->tail = m;
+            } else {
                 in->head = m;
-            in->tail = m;
+                in->tail = m;
+            }
             in->queued++;
             in->queued_bytes += m->len;
             pthread_cond_broadcast(&in->cv);
@@ -749,6 +774,10 @@ int tdm_net_inbox_recv(struct tdm_net_inbox *in, double timeout_s, struct tdm_ne
     in->head = m->next;
     if (in->head == NULL)
         in->tail = NULL;
+    if (m == in->ptail)
+        in->ptail = NULL;
+    if (m->prio)
+        in->pqueued--;
     in->queued--;
     in->queued_bytes -= m->len;
     m->next = NULL;
