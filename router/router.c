@@ -442,7 +442,9 @@ struct call {
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
 };
 
-static void send_cancel(struct call *k, struct choice *ch)
+// Sends the choice's Cancel, waiting up to timeout_s for a connection (0: only
+// into a connection that is up now).
+static void send_cancel_within(struct call *k, struct choice *ch, double timeout_s)
 {
     if (ch->st == NULL || ch->upstream_done)
         return;
@@ -450,9 +452,14 @@ static void send_cancel(struct call *k, struct choice *ch)
     m.request_id = ch->st->request_id;
     m.to_instance = ch->st->instance;
     char err[256];
-    tdm_pd_send(k->s->outbox, k->decode_url, TDM_NET_CANCEL, &m.base, NULL, 0, 0.2, err,
+    tdm_pd_send(k->s->outbox, k->decode_url, TDM_NET_CANCEL, &m.base, NULL, 0, timeout_s, err,
                 sizeof err);
     ch->upstream_done = true;
+}
+
+static void send_cancel(struct call *k, struct choice *ch)
+{
+    send_cancel_within(k, ch, 0.2);
 }
 
 static void note_phases(struct call *k, const Tandem__TokenChunk *m)
@@ -594,7 +601,14 @@ static int pump(struct call *k, double wait)
             send_cancel(k, ch);
         } else if (!upstream_alive(k, ch, why, sizeof why)) {
             tdm_oai_asm_fail(ch->a, TDM_ETRANSPORT, "%s", why);
-            ch->upstream_done = true; // nobody to cancel
+            // Silent is not always dead: a worker that was stopped (SIGSTOP, a
+            // long GC-like stall) or cut off by a partition still holds the
+            // request and resumes generating it for nobody until max_tokens,
+            // KV and all (the fault suite found it). The Cancel is written into
+            // the connection when one is up (timeout 0: a dead worker has none,
+            // so the client's error event is not delayed) and is read as soon
+            // as the worker hears again.
+            send_cancel_within(k, ch, 0.0);
             k->lost = true;
         }
     }
