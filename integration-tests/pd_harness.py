@@ -155,8 +155,9 @@ class Worker:
 
 class Cluster:
     def __init__(self, args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always",
-                 extra_yaml="", model=None, worker_args=(), deadline_s=120):
+                 extra_yaml="", model=None, worker_args=(), deadline_s=120, router_args=()):
         self.args = args
+        self.router_args = list(router_args)  # appended to the router's flags
         self.deadline_s = deadline_s  # the router's request.deadline_seconds
         # The control plane runs authenticated, as tandem up and the k8s
         # manifests run it: every process of the cluster inherits one secret.
@@ -228,7 +229,7 @@ class Cluster:
         cmd = [self.args.router, "--config", self.config, "--model", self.model, "--host",
                "127.0.0.1", "--port", str(self.router_port), "--liveness-timeout", "1.0",
                "--debug-headers",
-               "--nng-url", "tcp://127.0.0.1:%d" % self.router_nng]
+               "--nng-url", "tcp://127.0.0.1:%d" % self.router_nng] + self.router_args
         self.router_proc = subprocess.Popen(cmd, stdout=self._log("router"),
                                             stderr=subprocess.STDOUT)
         register(self.router_proc)
