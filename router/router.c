@@ -246,6 +246,10 @@ struct tdm_router_server {
     atomic_bool stopping;
     atomic_bool draining;      // drain began: no new API requests, /health 503
     _Atomic int inflight;      // API handlers running (the drain waits for 0)
+    // The poller's last round (tdm_now()), and when it last found the router
+    // itself had stalled (a gap longer than a round plus the liveness timeout:
+    // SIGSTOP, a starved machine); worker liveness counts from no earlier.
+    _Atomic double poll_tick, resumed_at;
 
     // text side (common/text)
     struct tdm_text text;
@@ -393,6 +397,14 @@ static void *poll_main(void *arg)
     if (views == NULL)
         return NULL;
     while (!atomic_load(&s->stopping)) {
+        double now = tdm_now(), prev = atomic_load(&s->poll_tick);
+        if (prev > 0 && now - prev > s->o.load_interval + s->o.liveness_timeout) {
+            atomic_store(&s->resumed_at, now); // before the tick: see upstream_alive
+            TDM_LOG_WARN(MOD,
+                         "the router itself stalled for %.1f s: worker liveness counted from now",
+                         now - prev);
+        }
+        atomic_store(&s->poll_tick, now);
         size_t n = tdm_router_endpoints_list(tdm_router_control_endpoints(s->ctl), views, MAX_EPS);
         if (n > MAX_EPS)
             n = MAX_EPS;
@@ -526,8 +538,15 @@ static bool upstream_alive(struct call *k, const struct choice *ch, char *why, s
     pthread_mutex_lock(&k->s->mu);
     uint64_t st_inst = ch->st->instance;
     pthread_mutex_unlock(&k->s->mu);
-    switch (tdm_router_upstream_check(tdm_now(), ch->st->started, last, k->s->o.liveness_timeout,
-                                      inst, st_inst)) {
+    // The router itself was stopped (SIGSTOP, starved) and its poller has not
+    // run since: the reports it did not read say nothing of the worker (the
+    // fault suite's router SIGSTOP failed every stream here). No verdict until
+    // the poller notes the stall; then silence counts from its return.
+    double now = tdm_now(), tick = atomic_load(&k->s->poll_tick);
+    if (tick > 0 && now - tick > k->s->o.load_interval + k->s->o.liveness_timeout)
+        return true;
+    switch (tdm_router_upstream_check(now, ch->st->started, last, k->s->o.liveness_timeout, inst,
+                                      st_inst, atomic_load(&k->s->resumed_at))) {
     case TDM_ROUTER_UPSTREAM_SILENT:
         snprintf(why, cap, "decode worker %s stopped answering", k->route.decode.name);
         return false;
