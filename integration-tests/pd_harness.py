@@ -155,8 +155,13 @@ class Worker:
 
 class Cluster:
     def __init__(self, args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always",
-                 extra_yaml="", model=None, worker_args=(), deadline_s=120, router_args=()):
+                 extra_yaml="", model=None, worker_args=(), deadline_s=120, router_args=(),
+                 health=(0.5, 0.5, 2)):
         self.args = args
+        # Active health checks: interval, timeout (s), failures -> unhealthy. The
+        # tests' default is fast to notice a kill; the soak uses the router's own
+        # defaults (2, 1, 3).
+        self.health = health
         self.router_args = list(router_args)  # appended to the router's flags
         self.deadline_s = deadline_s  # the router's request.deadline_seconds
         # The control plane runs authenticated, as tandem up and the k8s
@@ -181,8 +186,9 @@ class Cluster:
         for w in self.decode:
             lines.append("  - {host: 127.0.0.1, http_port: %d, nng_port: %d}"
                          % (w.route_http_port, w.route_nng_port))
-        lines += ["health:", "  interval_seconds: 0.5", "  timeout_seconds: 0.5",
-                  "  failure_threshold: 2", "load_stale_seconds: 2", "request:",
+        lines += ["health:", "  interval_seconds: %g" % self.health[0],
+                  "  timeout_seconds: %g" % self.health[1],
+                  "  failure_threshold: %d" % self.health[2], "load_stale_seconds: 2", "request:",
                   "  deadline_seconds: %g" % self.deadline_s, "  prefill_retries: 1"]
         text = "\n".join(lines) + "\n" + extra_yaml
         tmp = self.config + ".tmp"
