@@ -4,7 +4,9 @@
 through the router, and one fault per case:
 
   - kill -9 of a decode worker, of a prefill worker and of the router, each
-    restarted on the same ports afterwards (the restart of each role);
+    restarted on the same ports afterwards;
+  - a graceful restart of each role: SIGTERM (the process drains: every
+    stream completes), exit, start again on the same ports;
   - SIGSTOP for 10 s then SIGCONT of a decode worker, a prefill worker and the
     router (alive, connected, silent; the router's streams must all complete:
     its own stall is not the workers' silence);
@@ -36,6 +38,7 @@ import http.client
 import random
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -432,6 +435,45 @@ def case_router_stop(cl, rnd, mt):
     return "every stream completed after SIGCONT; first request %.2f s" % rec
 
 
+def graceful_restart(cl, rnd, mt, proc, restart, what):
+    """SIGTERM under 8 streams: the process drains (its streams and every other
+    complete, new requests go elsewhere while a worker drains), exits, and comes
+    back on its ports; a new request succeeds within RECOVER s of its return."""
+    load = Load(cl, N_STREAMS, mt, rnd)
+    load.wait_started()
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    try:
+        proc.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        fail("%s: still running %.0f s after SIGTERM" % (what, DEADLINE))
+    drained = time.time() - t0
+    all_done(load.join(what), what)
+    restart()
+    rec = recovered(cl, time.time(), rnd, what)
+    return "drained and exited in %.2f s, every stream complete; back, first request %.2f s" % (
+        drained, rec)
+
+
+def case_decode_term(cl, rnd, mt):
+    w = cl.decode[0]
+    what = graceful_restart(cl, rnd, mt, w.proc, lambda: cl.restart(w), "decode SIGTERM")
+    decode_serves_again(cl, w, rnd, "decode SIGTERM")
+    return what
+
+
+def case_prefill_term(cl, rnd, mt):
+    w = cl.prefill[0]
+    what = graceful_restart(cl, rnd, mt, w.proc, lambda: cl.restart(w), "prefill SIGTERM")
+    prefill_serves_again(cl, w, rnd, "prefill SIGTERM")
+    return what
+
+
+def case_router_term(cl, rnd, mt):
+    return graceful_restart(cl, rnd, mt, cl.router_proc, lambda: cl.start_router(settle=0),
+                            "router SIGTERM")
+
+
 def case_partition(cl, rnd, mt, proxies):
     victim = cl.decode[1]
     load = Load(cl, N_STREAMS, mt, rnd)
@@ -487,7 +529,10 @@ def main():
              ("partition of decode + prefill 10 s", lambda c, r, m: case_partition(c, r, m,
                                                                                    proxies)),
              ("router SIGSTOP 10 s", case_router_stop),
-             ("router kill -9 + restart", case_router_kill)]
+             ("router kill -9 + restart", case_router_kill),
+             ("decode SIGTERM + restart", case_decode_term),
+             ("prefill SIGTERM + restart", case_prefill_term),
+             ("router SIGTERM + restart", case_router_term)]
     for name, fn in cases:
         t0 = time.time()
         what = fn(cl, rnd, mt)
