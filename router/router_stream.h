@@ -53,8 +53,7 @@ enum tdm_router_upstream {
 enum tdm_router_upstream tdm_router_upstream_check(double now, double stream_started,
                                                    double last_report, double liveness_timeout,
                                                    uint64_t reported_instance,
-                                                   uint64_t stream_instance,
-                                                   double router_resumed);
+                                                   uint64_t stream_instance, double router_resumed);
 
 // True when no choice of k has produced a token yet, so a retry on another
 // decode worker is invisible to the client.

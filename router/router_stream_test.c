@@ -261,7 +261,8 @@ static void test_upstream_check(void **state)
     assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 8.5, 1.0, 7, 7, 0),
                      TDM_ROUTER_UPSTREAM_SILENT);
     // Never heard of, but the stream started only now: counted from its start.
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.5, 0, 1.0, 0, 0, 0), TDM_ROUTER_UPSTREAM_ALIVE);
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.5, 0, 1.0, 0, 0, 0),
+                     TDM_ROUTER_UPSTREAM_ALIVE);
     assert_int_equal(tdm_router_upstream_check(10.0, 8.0, 0, 1.0, 0, 0, 0),
                      TDM_ROUTER_UPSTREAM_SILENT);
     // Another instance in a report newer than the stream: restarted.
