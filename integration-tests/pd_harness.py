@@ -154,18 +154,28 @@ class Worker:
     def __init__(self, kind, idx, http_port, nng_port):
         self.kind, self.idx = kind, idx
         self.http_port, self.nng_port = http_port, nng_port
+        # The ports the router's config names for this worker: its own, or a
+        # proxy's in front of them (test_faults.py partitions a worker that way).
+        self.route_http_port, self.route_nng_port = http_port, nng_port
         self.proc = None
 
     @property
     def name(self):
-        return "127.0.0.1:%d" % self.http_port
+        """The worker as the router names it (x-tandem-decode, metric labels)."""
+        return "127.0.0.1:%d" % self.route_http_port
 
 
 class Cluster:
     def __init__(self, args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always",
-                 extra_yaml="", model=None, worker_args=(), router_args=()):
+                 extra_yaml="", model=None, worker_args=(), deadline_s=120, router_args=(),
+                 health=(0.5, 0.5, 2)):
         self.args = args
+        # Active health checks: interval, timeout (s), failures -> unhealthy. The
+        # tests' default is fast to notice a kill; the soak uses the router's own
+        # defaults (2, 1, 3).
+        self.health = health
         self.router_args = list(router_args)  # appended to the router's flags
+        self.deadline_s = deadline_s  # the router's request.deadline_seconds
         # The control plane runs authenticated, as tandem up and the k8s
         # manifests run it: every process of the cluster inherits one secret.
         os.environ.setdefault("TANDEM_INTERNAL_SECRET", os.urandom(24).hex())
@@ -183,14 +193,15 @@ class Cluster:
         lines = ["policy: %s" % policy, "pd_mode: %s" % pd_mode, "endpoints:", "  prefill:"]
         for w in self.prefill:
             lines.append("  - {host: 127.0.0.1, http_port: %d, nng_port: %d}"
-                         % (w.http_port, w.nng_port))
+                         % (w.route_http_port, w.route_nng_port))
         lines.append("  decode:")
         for w in self.decode:
             lines.append("  - {host: 127.0.0.1, http_port: %d, nng_port: %d}"
-                         % (w.http_port, w.nng_port))
-        lines += ["health:", "  interval_seconds: 0.5", "  timeout_seconds: 0.5",
-                  "  failure_threshold: 2", "load_stale_seconds: 2", "request:",
-                  "  deadline_seconds: 120", "  prefill_retries: 1"]
+                         % (w.route_http_port, w.route_nng_port))
+        lines += ["health:", "  interval_seconds: %g" % self.health[0],
+                  "  timeout_seconds: %g" % self.health[1],
+                  "  failure_threshold: %d" % self.health[2], "load_stale_seconds: 2", "request:",
+                  "  deadline_seconds: %g" % self.deadline_s, "  prefill_retries: 1"]
         text = "\n".join(lines) + "\n" + extra_yaml
         tmp = self.config + ".tmp"
         with open(tmp, "w") as f:
@@ -230,7 +241,9 @@ class Cluster:
         self.start_router()
         return self
 
-    def start_router(self):
+    def start_router(self, settle=0.6):
+        """Starts (or, after a kill, restarts) the router on its ports and waits
+        for it to be healthy, then `settle` s for the workers' first load reports."""
         cmd = [self.args.router, "--config", self.config, "--model", self.model, "--host",
                "127.0.0.1", "--port", str(self.router_port), "--liveness-timeout", "1.0",
                "--debug-headers",
@@ -239,7 +252,7 @@ class Cluster:
                                             stderr=subprocess.STDOUT)
         register(self.router_proc)
         self.wait_health(self.router_port, self.router_proc)
-        time.sleep(0.6)  # first load reports
+        time.sleep(settle)
 
     def kill(self, w, sig=signal.SIGKILL):
         w.proc.send_signal(sig)

@@ -273,6 +273,10 @@ struct tdm_router_server {
     atomic_bool stopping;
     atomic_bool draining;      // drain began: no new API requests, /health 503
     _Atomic int inflight;      // API handlers running (the drain waits for 0)
+    // The poller's last round (tdm_now()), and when it last found the router
+    // itself had stalled (a gap longer than a round plus the liveness timeout:
+    // SIGSTOP, a starved machine); worker liveness counts from no earlier.
+    _Atomic double poll_tick, resumed_at;
 
     // text side (common/text)
     struct tdm_text text;
@@ -422,6 +426,14 @@ static void *poll_main(void *arg)
     if (views == NULL)
         return NULL;
     while (!atomic_load(&s->stopping)) {
+        double now = tdm_now(), prev = atomic_load(&s->poll_tick);
+        if (prev > 0 && now - prev > s->o.load_interval + s->o.liveness_timeout) {
+            atomic_store(&s->resumed_at, now); // before the tick: see upstream_alive
+            TDM_LOG_WARN(MOD,
+                         "the router itself stalled for %.1f s: worker liveness counted from now",
+                         now - prev);
+        }
+        atomic_store(&s->poll_tick, now);
         size_t n = tdm_router_endpoints_list(tdm_router_control_endpoints(s->ctl), views, MAX_EPS);
         if (n > MAX_EPS)
             n = MAX_EPS;
@@ -479,7 +491,9 @@ struct call {
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
 };
 
-static void send_cancel(struct call *k, struct choice *ch)
+// Sends the choice's Cancel, waiting up to timeout_s for a connection (0: only
+// into a connection that is up now).
+static void send_cancel_within(struct call *k, struct choice *ch, double timeout_s)
 {
     if (ch->st == NULL || ch->upstream_done)
         return;
@@ -487,9 +501,14 @@ static void send_cancel(struct call *k, struct choice *ch)
     m.request_id = ch->st->request_id;
     m.to_instance = ch->st->instance;
     char err[256];
-    tdm_pd_send(k->s->outbox, k->decode_url, TDM_NET_CANCEL, &m.base, NULL, 0, 0.2, err,
+    tdm_pd_send(k->s->outbox, k->decode_url, TDM_NET_CANCEL, &m.base, NULL, 0, timeout_s, err,
                 sizeof err);
     ch->upstream_done = true;
+}
+
+static void send_cancel(struct call *k, struct choice *ch)
+{
+    send_cancel_within(k, ch, 0.2);
 }
 
 static void note_phases(struct call *k, const Tandem__TokenChunk *m)
@@ -571,9 +590,16 @@ static bool upstream_alive(struct call *k, const struct choice *ch, char *why, s
     uint64_t st_inst = ch->st->instance;
     double heard = ch->st->heard;
     pthread_mutex_unlock(&k->s->mu);
-    double now = tdm_now();
-    enum tdm_router_upstream v = tdm_router_upstream_check(now, ch->st->started, last,
-                                                           k->s->o.liveness_timeout, inst, st_inst);
+    // The router itself was stopped (SIGSTOP, starved) and its poller has not
+    // run since: the reports it did not read say nothing of the worker (the
+    // fault suite's router SIGSTOP failed every stream here). No verdict until
+    // the poller notes the stall; then silence counts from its return.
+    double now = tdm_now(), tick = atomic_load(&k->s->poll_tick);
+    if (tick > 0 && now - tick > k->s->o.load_interval + k->s->o.liveness_timeout)
+        return true;
+    enum tdm_router_upstream v =
+        tdm_router_upstream_check(now, ch->st->started, last, k->s->o.liveness_timeout, inst,
+                                  st_inst, atomic_load(&k->s->resumed_at));
     // A stream whose tokens keep arriving is alive, whatever its worker's
     // load reports (late on a loaded host): busy is not dead.
     if (v == TDM_ROUTER_UPSTREAM_SILENT && now - heard <= k->s->o.liveness_timeout)
@@ -654,7 +680,14 @@ static int pump(struct call *k, double wait)
             tdm_oai_asm_fail(ch->a, TDM_ECLOSED, "the router is shutting down");
             send_cancel(k, ch);
         } else if (!upstream_alive(k, ch, why, sizeof why)) {
-            ch->upstream_done = true; // nobody to cancel
+            // Silent is not always dead: a worker that was stopped (SIGSTOP, a
+            // long GC-like stall) or cut off by a partition still holds the
+            // request and resumes generating it for nobody until max_tokens,
+            // KV and all (the fault suite found it). The Cancel is written into
+            // the connection when one is up (timeout 0: a dead worker has none,
+            // so the client's error event is not delayed) and is read as soon
+            // as the worker hears again. A migrating stream cancels too.
+            send_cancel_within(k, ch, 0.0);
             if (k->started && s->o.stream_migration && k->migrations < MAX_MIGRATIONS) {
                 if (!k->migrating_why[0])
                     snprintf(k->migrating_why, sizeof k->migrating_why, "%s", why);
@@ -832,6 +865,7 @@ static int migrate_lost(struct call *k)
         struct choice *ch = &k->choices[i];
         if (!ch->migrate && !ch->a->done && !ch->upstream_done) {
             ch->migrate = true;
+            send_cancel_within(k, ch, 0.0); // as its lost sibling's
             ch->upstream_done = true;
         }
     }

@@ -46,11 +46,14 @@ enum tdm_router_upstream {
 // instances are known, reports the instance the stream talks to. A report
 // older than the stream may predate a restart the stream already talks to
 // (its first chunk can beat the new instance's first report), so only a
-// report newer than the stream's start can say "restarted".
+// report newer than the stream's start can say "restarted". router_resumed is
+// when the router itself last came back from a stall (0 = never): reports it
+// did not read while it was stopped say nothing of the worker, so silence is
+// counted from no earlier than that either.
 enum tdm_router_upstream tdm_router_upstream_check(double now, double stream_started,
                                                    double last_report, double liveness_timeout,
                                                    uint64_t reported_instance,
-                                                   uint64_t stream_instance);
+                                                   uint64_t stream_instance, double router_resumed);
 
 // True when no choice of k has produced a token yet, so a retry on another
 // decode worker is invisible to the client.

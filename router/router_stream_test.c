@@ -255,26 +255,34 @@ static void test_upstream_check(void **state)
 {
     (void)state;
     // Heard from 0.5 s ago, timeout 1 s: alive.
-    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 9.5, 1.0, 7, 7),
+    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 9.5, 1.0, 7, 7, 0),
                      TDM_ROUTER_UPSTREAM_ALIVE);
     // Silent for longer than the timeout.
-    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 8.5, 1.0, 7, 7),
+    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 8.5, 1.0, 7, 7, 0),
                      TDM_ROUTER_UPSTREAM_SILENT);
     // Never heard of, but the stream started only now: counted from its start.
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.5, 0, 1.0, 0, 0), TDM_ROUTER_UPSTREAM_ALIVE);
-    assert_int_equal(tdm_router_upstream_check(10.0, 8.0, 0, 1.0, 0, 0),
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.5, 0, 1.0, 0, 0, 0),
+                     TDM_ROUTER_UPSTREAM_ALIVE);
+    assert_int_equal(tdm_router_upstream_check(10.0, 8.0, 0, 1.0, 0, 0, 0),
                      TDM_ROUTER_UPSTREAM_SILENT);
     // Another instance in a report newer than the stream: restarted.
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 8, 7),
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 8, 7, 0),
                      TDM_ROUTER_UPSTREAM_RESTARTED);
     // A report older than the stream may predate the restart the stream talks to.
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.9, 9.8, 1.0, 8, 7),
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.9, 9.8, 1.0, 8, 7, 0),
                      TDM_ROUTER_UPSTREAM_ALIVE);
     // Unknown instances say nothing.
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 0, 7),
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 0, 7, 0),
                      TDM_ROUTER_UPSTREAM_ALIVE);
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 8, 0),
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 8, 0, 0),
                      TDM_ROUTER_UPSTREAM_ALIVE);
+    // The router itself was stopped until 9.6 (its last read report is from
+    // before the stop): the worker's silence counts from 9.6, not from 0.5.
+    assert_int_equal(tdm_router_upstream_check(10.0, 0.2, 0.5, 1.0, 7, 7, 9.6),
+                     TDM_ROUTER_UPSTREAM_ALIVE);
+    // ... and a worker still silent a timeout after the router came back is silent.
+    assert_int_equal(tdm_router_upstream_check(10.0, 0.2, 0.5, 1.0, 7, 7, 8.9),
+                     TDM_ROUTER_UPSTREAM_SILENT);
 }
 
 int main(void)

@@ -38,6 +38,9 @@ struct tdm_bench_config {
     bool ignore_eos;      // send "ignore_eos": true
     double temperature;   // sampling temperature sent (vLLM's bench sends 0)
     double timeout_s;     // per request, from send to the end of the stream
+    double duration_s;    // > 0: send for this long, cycling through the dataset's prompts
+                          // (num_prompts is then the dataset's size, not a count), and
+                          // wait for what is in flight; needs max_concurrency > 0
     double slo_ttft_ms;   // goodput SLOs; <= 0 when not given
     double slo_tpot_ms;
     double slo_e2el_ms;
@@ -107,6 +110,8 @@ struct tdm_bench_run;
 
 // Sends cfg->num_prompts requests (prompt i = ds->prompts[i]) and waits for all
 // of them; every request ends (per-request timeout), so this always returns.
+// With cfg->duration_s > 0 it sends request i with prompt i % ds->n until that
+// much time has passed (the run's count is then what was sent), as a soak does.
 // tok (may be NULL) counts output tokens when the server reports no usage.
 // Failed requests are results, not errors: TDM_EINVAL only for a bad config
 // (dataset too small, bad URL), TDM_ENOMEM, TDM_ETRANSPORT if libcurl cannot start.

@@ -21,6 +21,16 @@ double bench_rng_gamma(struct tdm_rng *r, double shape, double scale);
 // i.e. a Poisson process, when burstiness is 1); all 0 when rate is infinite.
 void bench_arrival_times(double *out, size_t n, double rate, double burstiness, uint64_t seed);
 
+// The same schedule one arrival at a time, without a bound on the count (a
+// --duration run): bench_arrivals_next returns the offsets bench_arrival_times
+// would, in order.
+struct bench_arrivals {
+    struct tdm_rng rng;
+    double t, rate, burstiness;
+};
+void bench_arrivals_init(struct bench_arrivals *a, double rate, double burstiness, uint64_t seed);
+double bench_arrivals_next(struct bench_arrivals *a);
+
 // numpy.percentile with linear interpolation over sorted[n]; p in [0, 100].
 double bench_percentile(const double *sorted, size_t n, double p);
 

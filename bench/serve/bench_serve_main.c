@@ -134,6 +134,15 @@ static int set_timeout(void *o, const char *v, char *err, size_t errlen)
     return rc;
 }
 
+static int set_duration(void *o, const char *v, char *err, size_t errlen)
+{
+    struct bench_args *a = o;
+    int rc = parse_double("--duration", v, &a->cfg.duration_s, err, errlen);
+    if (rc == TDM_OK && (!(a->cfg.duration_s > 0) || a->cfg.duration_s > 1e7))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--duration must be in (0, 1e7] seconds");
+    return rc;
+}
+
 static int set_seed(void *o, const char *v, char *err, size_t errlen)
 {
     struct bench_args *a = o;
@@ -267,6 +276,10 @@ static const struct tdm_flag bench_flags[] = {
     PTR("json", json_path, "FILE", "also write the results as JSON (vLLM's key names)"),
     PTR("api-key", cfg.api_key, "KEY", "Authorization: Bearer KEY (default $OPENAI_API_KEY)"),
     FN("timeout", set_timeout, "S", "per-request timeout in seconds (default 600)", false),
+    FN("duration", set_duration, "S",
+       "send for S seconds, cycling through the --num-prompts prompts, then\n"
+       "wait for the requests in flight (a soak; needs --max-concurrency)",
+       false),
 };
 
 static const struct tdm_flags bench_table = {
@@ -336,6 +349,9 @@ static int parse_args(struct bench_args *a, int argc, char **argv, char *err, si
                           cfg->base_url);
     if (!cfg->model)
         return tdm_seterr(err, errlen, TDM_EINVAL, "--model is required");
+    if (cfg->duration_s > 0 && cfg->max_concurrency <= 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--duration needs --max-concurrency (the streams kept in flight)");
     if (!a->tokenizer_dir) {
         // As vllm bench serve: the tokenizer is --model's, a folder or a Hub id
         // already in the HF cache (never downloaded from here).
@@ -390,6 +406,8 @@ static void print_setup(FILE *out, const struct bench_args *a)
         fprintf(out, "Maximum request concurrency: %d\n", cfg->max_concurrency);
     else
         fprintf(out, "Maximum request concurrency: None\n");
+    if (cfg->duration_s > 0)
+        fprintf(out, "Duration: %g s (prompts reused in turn)\n", cfg->duration_s);
     fflush(out);
 }
 

@@ -308,6 +308,10 @@ static cJSON *build_json(const struct tdm_bench_config *cfg, const struct tdm_be
         cJSON_AddNumberToObject(o, "max_concurrency", cfg->max_concurrency);
     else
         cJSON_AddNullToObject(o, "max_concurrency");
+    if (cfg->duration_s > 0)
+        cJSON_AddNumberToObject(o, "duration_limit", cfg->duration_s);
+    else
+        cJSON_AddNullToObject(o, "duration_limit");
     cJSON_AddNumberToObject(o, "seed", (double)cfg->seed);
     cJSON_AddBoolToObject(o, "ignore_eos", cfg->ignore_eos);
     cJSON_AddNumberToObject(o, "temperature", cfg->temperature);

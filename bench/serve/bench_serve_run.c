@@ -264,6 +264,21 @@ static int start_request(CURLM *multi, struct bench_req *q, const char *url, con
     return TDM_OK;
 }
 
+// Room for request `i` in run->reqs (a --duration run grows it as it sends).
+static int reqs_reserve(struct tdm_bench_run *run, size_t *cap, size_t i)
+{
+    if (i < *cap)
+        return TDM_OK;
+    size_t ncap = *cap * 2;
+    struct tdm_bench_request *r = realloc(run->reqs, ncap * sizeof(*r));
+    if (!r)
+        return TDM_ENOMEM;
+    memset(r + *cap, 0, (ncap - *cap) * sizeof(*r));
+    run->reqs = r;
+    *cap = ncap;
+    return TDM_OK;
+}
+
 int tdm_bench_run(struct tdm_bench_run **out, const struct tdm_bench_config *cfg,
                   const struct tdm_bench_dataset *ds, const struct tdm_tokenizer *tok, char *err,
                   size_t errlen)
@@ -276,35 +291,47 @@ int tdm_bench_run(struct tdm_bench_run **out, const struct tdm_bench_config *cfg
         return tdm_seterr(err, errlen, TDM_EINVAL, "base_url, endpoint and model are required");
     if (!(cfg->timeout_s > 0.0))
         return tdm_seterr(err, errlen, TDM_EINVAL, "the timeout must be > 0");
-    size_t n = (size_t)cfg->num_prompts;
+    bool timed = cfg->duration_s > 0.0;
+    if (timed && cfg->max_concurrency <= 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "a run with a duration needs a concurrency bound (--max-concurrency)");
+    size_t nb = (size_t)cfg->num_prompts; // bodies, one per prompt
+    // Requests to send: nb, or unbounded (until the duration) when timed.
+    // Slots hold the in-flight requests' state (libcurl keeps pointers to them).
+    size_t nslots = cfg->max_concurrency > 0 && (timed || (size_t)cfg->max_concurrency < nb)
+                        ? (size_t)cfg->max_concurrency
+                        : nb;
+    size_t reqs_cap = timed ? (nb > nslots * 4 ? nb : nslots * 4) : nb;
     int rc = TDM_OK;
 
     struct tdm_bench_run *run = calloc(1, sizeof(*run));
-    struct bench_req *qs = calloc(n, sizeof(*qs));
-    char **bodies = calloc(n, sizeof(*bodies));
-    double *arrivals = calloc(n, sizeof(*arrivals));
+    struct bench_req *qs = calloc(nslots, sizeof(*qs));
+    size_t *free_slots = calloc(nslots, sizeof(*free_slots));
+    char **bodies = calloc(nb, sizeof(*bodies));
     size_t url_len = strlen(cfg->base_url) + strlen(cfg->endpoint) + 1;
     char *url = malloc(url_len);
     if (run)
-        run->reqs = calloc(n, sizeof(*run->reqs));
-    if (!run || !qs || !bodies || !arrivals || !url || !run->reqs) {
+        run->reqs = calloc(reqs_cap, sizeof(*run->reqs));
+    if (!run || !qs || !free_slots || !bodies || !url || !run->reqs) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
         goto fail_alloc;
     }
-    run->n = n;
+    size_t nfree = nslots;
+    for (size_t i = 0; i < nslots; i++)
+        free_slots[i] = nslots - 1 - i;
     size_t base_len = strlen(cfg->base_url);
     while (base_len && cfg->base_url[base_len - 1] == '/')
         base_len--;
     snprintf(url, url_len, "%.*s%s", (int)base_len, cfg->base_url, cfg->endpoint);
-    for (size_t i = 0; i < n; i++) {
-        qs[i].index = i;
+    for (size_t i = 0; i < nb; i++) {
         bodies[i] = build_body(cfg, &ds->prompts[i]);
         if (!bodies[i]) {
             rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
             goto fail_alloc;
         }
     }
-    bench_arrival_times(arrivals, n, cfg->request_rate, cfg->burstiness, cfg->seed);
+    struct bench_arrivals arr;
+    bench_arrivals_init(&arr, cfg->request_rate, cfg->burstiness, cfg->seed);
 
     if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
         rc = tdm_seterr(err, errlen, TDM_ETRANSPORT, "curl_global_init failed");
@@ -330,23 +357,37 @@ int tdm_bench_run(struct tdm_bench_run **out, const struct tdm_bench_config *cfg
         goto fail_curl;
     }
 
-    size_t next = 0, done = 0;
+    size_t next = 0, done = 0; // requests sent, requests finished
     int inflight = 0;
+    bool sending = true; // false once every request is sent (or the duration is over)
     double t0 = tdm_now(), t_end = t0;
-    while (done < n) {
+    double next_arrival = bench_arrivals_next(&arr);
+    for (;;) {
         double now = tdm_now();
-        while (next < n && t0 + arrivals[next] <= now &&
-               (cfg->max_concurrency <= 0 || inflight < cfg->max_concurrency)) {
-            struct bench_req *q = &qs[next];
-            int src = start_request(multi, q, url, bodies[next], headers, cfg,
-                                    (size_t)ds->prompts[next].output_len);
+        if (timed ? now - t0 >= cfg->duration_s : next == nb)
+            sending = false;
+        while (sending && t0 + next_arrival <= now && nfree > 0) {
+            if (timed && reqs_reserve(run, &reqs_cap, next) != TDM_OK) {
+                sending = false; // out of memory for results: end the run early
+                break;
+            }
+            size_t slot = free_slots[--nfree];
+            struct bench_req *q = &qs[slot];
+            memset(q, 0, sizeof(*q));
+            q->index = next;
+            int src = start_request(multi, q, url, bodies[next % nb], headers, cfg,
+                                    (size_t)ds->prompts[next % nb].output_len);
             next++;
+            next_arrival = bench_arrivals_next(&arr);
+            if (!timed && next == nb)
+                sending = false;
             if (src) {
                 struct tdm_bench_request *r = &run->reqs[q->index];
                 r->start_s = tdm_now() - t0;
                 r->generated_text = strdup("");
                 set_fail(r, "client", "could not start the request: %s", tdm_strerror(src));
                 q->finished = true;
+                free_slots[nfree++] = slot;
                 done++;
                 continue;
             }
@@ -366,19 +407,22 @@ int tdm_bench_run(struct tdm_bench_run **out, const struct tdm_bench_config *cfg
             struct bench_req *q = NULL;
             curl_easy_getinfo(e, CURLINFO_PRIVATE, (char **)&q);
             double tdone = tdm_now();
-            finish_request(run, q, code, tdone, t0, &ds->prompts[q->index], tok);
+            finish_request(run, q, code, tdone, t0, &ds->prompts[q->index % nb], tok);
             curl_multi_remove_handle(multi, e);
             curl_easy_cleanup(e);
             q->easy = NULL;
+            free_slots[nfree++] = (size_t)(q - qs);
             inflight--;
             done++;
             t_end = tdone;
         }
-        if (done == n)
+        if (!sending && done == next)
             break;
         long wait_ms = POLL_MAX_MS;
-        if (next < n && (cfg->max_concurrency <= 0 || inflight < cfg->max_concurrency)) {
-            double dt = t0 + arrivals[next] - tdm_now();
+        if (sending && nfree > 0) {
+            double dt = t0 + next_arrival - tdm_now();
+            if (timed && t0 + cfg->duration_s - tdm_now() < dt)
+                dt = t0 + cfg->duration_s - tdm_now();
             wait_ms = dt <= 0 ? 0 : (long)ceil(dt * 1000.0);
             if (wait_ms > POLL_MAX_MS)
                 wait_ms = POLL_MAX_MS;
@@ -386,14 +430,15 @@ int tdm_bench_run(struct tdm_bench_run **out, const struct tdm_bench_config *cfg
         if (wait_ms > 0 || running > 0)
             curl_multi_poll(multi, NULL, 0, (int)wait_ms, NULL);
     }
+    run->n = next;
     run->duration_s = t_end - t0;
     curl_multi_cleanup(multi);
     curl_slist_free_all(headers);
     curl_global_cleanup();
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < nb; i++)
         free(bodies[i]);
     free(bodies);
-    free(arrivals);
+    free(free_slots);
     free(url);
     free(qs);
     *out = run;
@@ -404,10 +449,10 @@ fail_curl:
     curl_global_cleanup();
 fail_alloc:
     if (bodies)
-        for (size_t i = 0; i < n; i++)
+        for (size_t i = 0; i < nb; i++)
             free(bodies[i]);
     free(bodies);
-    free(arrivals);
+    free(free_slots);
     free(url);
     free(qs);
     tdm_bench_run_free(run);

@@ -599,6 +599,8 @@ static void test_args(void **state)
         {{"--model", "m", "--dataset", "file:/nonexistent/prompts.txt"}, "dataset"},
         {{"--model", "m", "--tokenizer", "/nonexistent", "--dataset", "file:/x"}, "--tokenizer"},
         {{"stray", "--model", "m"}, "unexpected argument"},
+        {{"--model", "m", "--duration", "0"}, "--duration must be"},
+        {{"--model", "m", "--duration", "5", "--dataset", "file:/x"}, "needs --max-concurrency"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         const char **a = bad[i].a;
@@ -961,6 +963,56 @@ static void test_max_concurrency(void **state)
     tmp_remove(&t, names, 2);
 }
 
+// --duration (a soak): requests keep going out, prompts reused in turn, at the
+// concurrency bound until the time is up; then the run waits for those in flight.
+static void test_duration(void **state)
+{
+    (void)state;
+    struct fake_server *srv = fake_start();
+    struct tmp_dir t;
+    tmp_make(&t);
+    char prompts[128], json[128], url[64], dataset[160];
+    tmp_file(&t, "p.txt", "ok a\nok b\n", prompts, sizeof(prompts));
+    tmp_file(&t, "r.json", NULL, json, sizeof(json));
+    snprintf(url, sizeof(url), "http://127.0.0.1:%d", srv->port);
+    snprintf(dataset, sizeof(dataset), "file:%s", prompts);
+    char *out = NULL, *err = NULL;
+    double t0 = tdm_now();
+    int rc = run_main(&out, &err, "--base-url", url, "--model", "m", "--dataset", dataset,
+                      "--output-len", "3", "--num-prompts", "2", "--json", json,
+                      "--max-concurrency", "3", "--duration", "0.8", NULL);
+    double took = tdm_now() - t0;
+    if (rc != 0)
+        fail_msg("exit %d, stderr: %s", rc, err);
+    assert_non_null(strstr(out, "Duration: 0.8 s"));
+    cJSON *o = read_json(json);
+    int completed = (int)jnum(o, "completed");
+    // Each request takes TTFT + 2 gaps (70 ms): about 3 x 0.8 / 0.07 = 34 of them;
+    // far fewer on a slow machine, but more than the 2 prompts.
+    if (completed < 6)
+        fail_msg("only %d requests in 0.8 s at concurrency 3", completed);
+    assert_int_equal((int)jnum(o, "failed"), 0);
+    assert_int_equal(atomic_load(&srv->requests), completed);
+    assert_true(atomic_load(&srv->max_active) <= 3);
+    assert_int_equal((int)jnum(o, "max_concurrent_requests"), 3);
+    assert_float_equal(jnum(o, "duration_limit"), 0.8, 1e-12);
+    // Nothing is sent after the duration; what was in flight then finished.
+    const cJSON *starts = cJSON_GetObjectItemCaseSensitive(o, "start_times");
+    assert_int_equal(cJSON_GetArraySize(starts), completed);
+    for (int i = 0; i < completed; i++)
+        assert_true(cJSON_GetArrayItem(starts, i)->valuedouble < 0.8);
+    check_range("duration", jnum(o, "duration"), 0.8, 5.0);
+    check_range("wall time", took, 0.8, 6.0);
+    const cJSON *texts = cJSON_GetObjectItemCaseSensitive(o, "generated_texts");
+    assert_int_equal(cJSON_GetArraySize(texts), completed);
+    cJSON_Delete(o);
+    free(out);
+    free(err);
+    fake_stop(srv);
+    const char *names[] = {"p.txt", "r.json"};
+    tmp_remove(&t, names, 2);
+}
+
 static void test_all_fail(void **state)
 {
     (void)state;
@@ -1080,6 +1132,7 @@ int main(void)
         cmocka_unit_test(test_random_dataset_exact_lengths),
         cmocka_unit_test(test_stream_completions), cmocka_unit_test(test_stream_chat),
         cmocka_unit_test(test_failures),           cmocka_unit_test(test_max_concurrency),
+        cmocka_unit_test(test_duration),
         cmocka_unit_test(test_all_fail),           cmocka_unit_test(test_count_with_tokenizer),
         cmocka_unit_test(test_tokenizer_from_model),
     };

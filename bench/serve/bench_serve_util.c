@@ -41,18 +41,30 @@ double bench_rng_gamma(struct tdm_rng *r, double shape, double scale)
     }
 }
 
-void bench_arrival_times(double *out, size_t n, double rate, double burstiness, uint64_t seed)
+void bench_arrivals_init(struct bench_arrivals *a, double rate, double burstiness, uint64_t seed)
 {
-    struct tdm_rng r;
     // A different stream from the dataset's, so changing --input-len does not
     // change the arrival schedule.
-    tdm_rng_seed(&r, seed ^ 0x5eed0a11a1ULL);
-    double t = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        out[i] = t;
-        if (!isinf(rate))
-            t += bench_rng_gamma(&r, burstiness, 1.0 / (rate * burstiness));
-    }
+    tdm_rng_seed(&a->rng, seed ^ 0x5eed0a11a1ULL);
+    a->t = 0.0;
+    a->rate = rate;
+    a->burstiness = burstiness;
+}
+
+double bench_arrivals_next(struct bench_arrivals *a)
+{
+    double t = a->t;
+    if (!isinf(a->rate))
+        a->t += bench_rng_gamma(&a->rng, a->burstiness, 1.0 / (a->rate * a->burstiness));
+    return t;
+}
+
+void bench_arrival_times(double *out, size_t n, double rate, double burstiness, uint64_t seed)
+{
+    struct bench_arrivals a;
+    bench_arrivals_init(&a, rate, burstiness, seed);
+    for (size_t i = 0; i < n; i++)
+        out[i] = bench_arrivals_next(&a);
 }
 
 // ---- statistics ------------------------------------------------------------------------------
