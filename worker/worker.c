@@ -21,6 +21,7 @@
 #include "openai.h"
 #include "openai_http.h"
 #include "text.h"
+#include "trace.h"
 #include "worker_impl.h"
 
 #ifndef TANDEM_VERSION
@@ -305,6 +306,16 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     rc = tdm_metrics_vllm_register(&s->metrics, s->reg, &mcfg, err, errlen);
     if (rc != TDM_OK)
         return rc;
+    const char *otlp = tdm_tracer_endpoint_from_env(cfg->otlp_traces_endpoint);
+    if (otlp) {
+        struct tdm_tracer_config tc = {
+            .endpoint = otlp,
+            .service_name = tdm_tracer_service_name(
+                cfg->trace_service_name[0] ? cfg->trace_service_name : "tandem-worker")};
+        rc = tdm_tracer_new(&s->tracer, &tc, s->reg, err, errlen);
+        if (rc != TDM_OK)
+            return rc;
+    }
 
     struct tdm_engine_config ec;
     tdm_engine_config_default(&ec);
@@ -386,6 +397,7 @@ void tdm_worker_free(struct tdm_worker *s)
         tdm_engine_drain(s->engine, 0);
     tdm_http_server_stop(s->http);
     tdm_engine_free(s->engine);
+    tdm_tracer_free(s->tracer); // after the engine: the last spans are queued, then flushed
     tdm_model_free(s->model);
     tdm_text_fini(&s->text);
     tdm_metrics_registry_free(s->reg);
@@ -403,6 +415,7 @@ int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out)
     out->engine = s->engine;
     out->model = s->model;
     out->reg = s->reg;
+    out->tracer = s->tracer;
     out->served_name = s->text.served_name;
     out->eos_ids = s->eos_ids;
     out->num_eos = s->num_eos;

@@ -60,6 +60,11 @@ struct tdm_worker_config {
     size_t max_body_bytes;                  // --max-body-bytes; default 16 MiB
     int http_threads;                       // --http-threads; 0 = max_num_seqs + max_waiting,
                                             // clamped to [16, 512]
+    char otlp_traces_endpoint[TDM_WORKER_STR]; // --otlp-traces-endpoint URL (vLLM's flag): export
+                                               // spans as OTLP/HTTP JSON to URL/v1/traces; "" =
+                                               // $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off
+    char trace_service_name[64]; // not a flag: service.name of the spans ("tandem-decode",
+                                 // set by the role; $OTEL_SERVICE_NAME overrides)
 };
 
 // Fills the defaults above.
@@ -129,12 +134,14 @@ void tdm_worker_free(struct tdm_worker *s);
 struct tdm_engine;
 struct tdm_model;
 struct tdm_metrics_registry;
+struct tdm_tracer;
 
 // Borrowed pointers, valid until tdm_worker_free.
 struct tdm_worker_parts {
     struct tdm_engine *engine;
     struct tdm_model *model;
     struct tdm_metrics_registry *reg; // for the role's own tandem:* metrics
+    struct tdm_tracer *tracer;        // span exporter (common/trace); NULL = tracing off
     const char *served_name;
     const int32_t *eos_ids; // [num_eos] config.json's and generation_config.json's
     int num_eos;

@@ -30,6 +30,7 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->drain_timeout = 30.0;
     snprintf(cfg->log_level, sizeof cfg->log_level, "info");
     cfg->max_body_bytes = (size_t)16 << 20;
+    snprintf(cfg->trace_service_name, sizeof cfg->trace_service_name, "tandem-decode");
 }
 
 // ---- the flag table ---------------------------------------------------------------------------
@@ -228,6 +229,9 @@ static const struct tdm_flag decode_flags[] = {
      .help = "request body limit; beyond it 413 (default 16MiB)"},
     INT("http-threads", http_threads, 0, 4096, "N",
         "HTTP worker threads (default max-num-seqs +\nmax-waiting, clamped to [16, 512])"),
+    STR("otlp-traces-endpoint", otlp_traces_endpoint, "URL",
+        "export per-request trace spans as OTLP/HTTP JSON\nto URL/v1/traces (default "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,\nelse off; docs/observability.md)"),
     {.name = "config",
      .kind = TDM_FLAG_FN,
      .fn = set_config_done,

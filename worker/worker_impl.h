@@ -37,6 +37,7 @@ struct tdm_worker {
     struct tdm_metrics_registry *reg;
     struct tdm_metrics_vllm metrics;
     struct tdm_engine *engine;
+    struct tdm_tracer *tracer; // NULL = tracing off (--otlp-traces-endpoint)
     char model_path[TDM_WORKER_STR]; // the folder --model names (a Hub id resolved to the cache)
     int max_model_len;
     int num_blocks;

@@ -146,6 +146,20 @@ void tdm_span_event(struct tdm_span *sp, const char *name, double t);
 // Marks the span failed with a message (truncated), status ERROR.
 void tdm_span_error(struct tdm_span *sp, const char *message);
 
+// The phases of one engine request (vLLM's: queue = arrival -> first
+// scheduled, prefill = first scheduled -> first token, decode = first -> last
+// token) as children of parent, each emitted to t; a phase with an end at 0 is
+// skipped, and so is prefill when prefill_name is NULL (its KV came from
+// elsewhere). Sets vLLM's latency attributes on parent
+// (gen_ai.latency.time_in_queue, gen_ai.latency.time_in_model_prefill,
+// gen_ai.latency.time_in_model_decode) and a first_token event.
+struct tdm_trace_phases {
+    double arrival, scheduled, first_token, last_token; // tdm_now() clock, 0 = did not happen
+    const char *prefill_name;                           // "prefill", or NULL: skip
+};
+void tdm_tracer_emit_phases(struct tdm_tracer *t, struct tdm_span *parent,
+                            const struct tdm_trace_phases *p);
+
 // ---- OTLP JSON -----------------------------------------------------------------------------
 // Encodes spans [n] as one OTLP ExportTraceServiceRequest in JSON: one
 // resourceSpans with service.name = service_name, one scopeSpans (scope

@@ -481,3 +481,37 @@ const char *tdm_tracer_service_name(const char *fallback)
     const char *e = getenv("OTEL_SERVICE_NAME");
     return e && e[0] ? e : fallback;
 }
+
+// ---- engine phases -------------------------------------------------------------------------
+static void emit_phase(struct tdm_tracer *t, const struct tdm_span *parent, const char *name,
+                       double a, double b)
+{
+    if (a <= 0 || b <= 0 || b < a)
+        return;
+    struct tdm_span sp;
+    tdm_span_begin_child(&sp, parent, name, TDM_SPAN_INTERNAL, a);
+    sp.end = b;
+    tdm_tracer_emit(t, &sp);
+}
+
+void tdm_tracer_emit_phases(struct tdm_tracer *t, struct tdm_span *parent,
+                            const struct tdm_trace_phases *p)
+{
+    if (t == NULL || !parent->recording)
+        return;
+    emit_phase(t, parent, "queue", p->arrival, p->scheduled);
+    if (p->arrival > 0 && p->scheduled >= p->arrival)
+        tdm_span_attr_double(parent, "gen_ai.latency.time_in_queue", p->scheduled - p->arrival);
+    if (p->prefill_name) {
+        emit_phase(t, parent, p->prefill_name, p->scheduled, p->first_token);
+        if (p->scheduled > 0 && p->first_token >= p->scheduled)
+            tdm_span_attr_double(parent, "gen_ai.latency.time_in_model_prefill",
+                                 p->first_token - p->scheduled);
+    }
+    emit_phase(t, parent, "decode", p->first_token, p->last_token);
+    if (p->first_token > 0 && p->last_token >= p->first_token)
+        tdm_span_attr_double(parent, "gen_ai.latency.time_in_model_decode",
+                             p->last_token - p->first_token);
+    if (p->first_token > 0)
+        tdm_span_event(parent, "first_token", p->first_token);
+}
