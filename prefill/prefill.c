@@ -357,7 +357,7 @@ static void *job_main(void *arg)
     bool push_failed = false; // no more frames (failed, cancelled, prefill failed)
     bool result_sent = false; // the PrefillResult went out (ok or not)
     bool aborted = false;
-    double t_finish = 0, t_first_frame = 0;
+    double t_finish = 0, t_first_frame = 0, t_last_frame = 0;
     size_t bytes = 0;
     char err[256] = "";
 
@@ -415,6 +415,7 @@ static void *job_main(void *arg)
                 tdm_metrics_counter_add(p->m.bytes, (double)fb);
                 sent += n;
                 bytes += fb;
+                t_last_frame = tdm_now();
                 continue;
             }
             pthread_mutex_lock(&p->mu);
@@ -449,7 +450,7 @@ static void *job_main(void *arg)
         if (t_first_frame > 0) {
             struct tdm_span kv;
             tdm_span_begin_child(&kv, &job->span, "kv_push", TDM_SPAN_PRODUCER, t_first_frame);
-            kv.end = now;
+            kv.end = t_last_frame > 0 ? t_last_frame : now;
             tdm_span_attr_int(&kv, "tandem.kv.layers", sent);
             tdm_span_attr_int(&kv, "tandem.kv.bytes", (int64_t)bytes);
             if (pushing && sent < L)
