@@ -863,6 +863,16 @@ static void *job_main(void *arg)
 }
 
 // ---- receive thread ----------------------------------------------------------------------
+// A GenerateRequest refused before any job thread: the router is told, the
+// span ends failed, the job is freed.
+static void refuse(struct djob *j, int code, const char *message)
+{
+    send_finish(j, TDM_FINISH_ERROR, code, message);
+    tdm_span_error(&j->span, message);
+    trace_job(j);
+    job_free(j);
+}
+
 static void on_generate(void *arg, const struct tdm_net_frame *f)
 {
     struct tdm_pd_receiver *rx = arg;
@@ -901,24 +911,19 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     j->deadline = j->arrival + (left > 0 ? left : 0);
     char err[256];
     if (!tdm_worker_ready(rx->server)) {
-        send_finish(j, TDM_FINISH_ERROR, TDM_ECLOSED,
-                    "decode worker is not ready (loading or draining)");
-        job_free(j);
+        refuse(j, TDM_ECLOSED, "decode worker is not ready (loading or draining)");
         return;
     }
     if (tdm_pd_sampling_from_proto(g->sampling, &j->sampling, err, sizeof err) != TDM_OK ||
         g->n_prompt == 0 || g->n_eos_ids > 64) {
-        send_finish(j, TDM_FINISH_ERROR, TDM_EINVAL,
-                    g->n_prompt == 0 ? "empty prompt" : err);
-        job_free(j);
+        refuse(j, TDM_EINVAL, g->n_prompt == 0 ? "empty prompt" : err);
         return;
     }
     pthread_mutex_lock(&rx->mu);
     for (struct djob *o = rx->jobs; o; o = o->next) {
         if (strcmp(o->request_id, j->request_id) == 0 && o->router_instance == j->router_instance) {
             pthread_mutex_unlock(&rx->mu);
-            send_finish(j, TDM_FINISH_ERROR, TDM_EINVAL, "duplicate request id");
-            job_free(j);
+            refuse(j, TDM_EINVAL, "duplicate request id");
             return;
         }
     }

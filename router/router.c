@@ -70,6 +70,16 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
 #define OFF(field) offsetof(struct tdm_router_opts, field)
 // Strings may be empty, as before the table (an empty --api-key means none).
 
+// --otlp-traces-endpoint: checked at parse time (a startup error naming the flag).
+static int set_otlp_traces_endpoint(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_router_opts *opts = o;
+    int rc = tdm_trace_check_endpoint(v, err, errlen);
+    if (rc == TDM_OK)
+        snprintf(opts->otlp_traces_endpoint, sizeof opts->otlp_traces_endpoint, "%s", v);
+    return rc;
+}
+
 static const struct tdm_flag router_flags[] = {
     STR("config", config, "FILE", "routing config (docs/router-config.md); hot reloaded"),
     STR("policy", policy, "NAME",
@@ -108,9 +118,10 @@ static const struct tdm_flag router_flags[] = {
     NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
         "on SIGTERM, open requests may finish this long (default 30)"),
     STR("log-level", log_level, "LEVEL", "err|warn|info|debug (default info)"),
-    STR("otlp-traces-endpoint", otlp_traces_endpoint, "URL",
-        "export per-request trace spans as OTLP/HTTP JSON\nto URL/v1/traces (default "
-        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,\nelse off; docs/observability.md)"),
+    {.name = "otlp-traces-endpoint", .kind = TDM_FLAG_FN, .fn = set_otlp_traces_endpoint,
+     .metavar = "URL",
+     .help = "export per-request trace spans as OTLP/HTTP JSON\nto URL/v1/traces (default "
+             "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,\nelse off; docs/observability.md)"},
 };
 
 static const struct tdm_flags router_table = {

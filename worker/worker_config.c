@@ -13,6 +13,7 @@
 
 #include "core.h"
 #include "model.h"
+#include "trace.h"
 #include "worker.h"
 
 void tdm_worker_config_default(struct tdm_worker_config *cfg)
@@ -129,6 +130,16 @@ static int set_gpu_memory_utilization(void *o, const char *v, char *err, size_t 
     return TDM_OK;
 }
 
+// --otlp-traces-endpoint: checked here, so a bad URL is a startup error before the model loads.
+static int set_otlp_traces_endpoint(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_worker_config *cfg = o;
+    int rc = tdm_trace_check_endpoint(v, err, errlen);
+    if (rc == TDM_OK)
+        snprintf(cfg->otlp_traces_endpoint, sizeof cfg->otlp_traces_endpoint, "%s", v);
+    return rc;
+}
+
 #define STR(n, field, mv, h)                                                                       \
     TDM_FLAG_FIELD(struct tdm_worker_config, n, TDM_FLAG_STR, field, .metavar = mv, .help = h)
 #define INT(n, field, lo, hi, mv, h)                                                               \
@@ -229,9 +240,12 @@ static const struct tdm_flag decode_flags[] = {
      .help = "request body limit; beyond it 413 (default 16MiB)"},
     INT("http-threads", http_threads, 0, 4096, "N",
         "HTTP worker threads (default max-num-seqs +\nmax-waiting, clamped to [16, 512])"),
-    STR("otlp-traces-endpoint", otlp_traces_endpoint, "URL",
-        "export per-request trace spans as OTLP/HTTP JSON\nto URL/v1/traces (default "
-        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,\nelse off; docs/observability.md)"),
+    {.name = "otlp-traces-endpoint",
+     .kind = TDM_FLAG_FN,
+     .fn = set_otlp_traces_endpoint,
+     .metavar = "URL",
+     .help = "export per-request trace spans as OTLP/HTTP JSON\nto URL/v1/traces (default "
+             "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,\nelse off; docs/observability.md)"},
     {.name = "config",
      .kind = TDM_FLAG_FN,
      .fn = set_config_done,

@@ -201,6 +201,10 @@ void tdm_tracer_free(struct tdm_tracer *t);
 uint64_t tdm_tracer_dropped(const struct tdm_tracer *t);
 uint64_t tdm_tracer_exported(const struct tdm_tracer *t);
 
+// Checks an --otlp-traces-endpoint value (http:// or https://, a host, at
+// most 1000 bytes). TDM_EINVAL with err "--otlp-traces-endpoint: expected an
+// http:// or https:// URL, got \"x\"".
+int tdm_trace_check_endpoint(const char *url, char *err, size_t errlen);
 // The endpoint a service uses: flag (non-empty) else the environment's
 // OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else NULL (tracing off).
 const char *tdm_tracer_endpoint_from_env(const char *flag);

@@ -349,16 +349,28 @@ static void *exporter_main(void *arg)
     return NULL;
 }
 
+int tdm_trace_check_endpoint(const char *url, char *err, size_t errlen)
+{
+    const char *ep = url ? url : "";
+    size_t skip = strncmp(ep, "http://", 7) == 0 ? 7 : strncmp(ep, "https://", 8) == 0 ? 8 : 0;
+    if (skip == 0 || ep[skip] == '\0' || ep[skip] == '/')
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--otlp-traces-endpoint: expected an http:// or https:// URL, got "
+                          "\"%.200s\"",
+                          ep);
+    if (strlen(ep) > 1000)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--otlp-traces-endpoint: URL too long");
+    return TDM_OK;
+}
+
 int tdm_tracer_new(struct tdm_tracer **out, const struct tdm_tracer_config *cfg,
                    struct tdm_metrics_registry *reg, char *err, size_t errlen)
 {
     *out = NULL;
     const char *ep = cfg->endpoint ? cfg->endpoint : "";
-    if (strncmp(ep, "http://", 7) != 0 && strncmp(ep, "https://", 8) != 0)
-        return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "--otlp-traces-endpoint: expected an http:// or https:// URL, got "
-                          "\"%s\"",
-                          ep);
+    int crc = tdm_trace_check_endpoint(ep, err, errlen);
+    if (crc != TDM_OK)
+        return crc;
     size_t el = strlen(ep);
     while (el > 0 && ep[el - 1] == '/')
         el--;
