@@ -13,6 +13,7 @@ services export. The router finds it through OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
     usage attributes equal the response's usage;
   - the decode worker's own OpenAI route continues a client's trace too;
   - a malformed traceparent is ignored: a new trace, rooted at the router;
+  - a router without tracing passes the client's traceparent on unchanged;
   - a traceparent with the sampled flag off exports nothing;
   - with the collector dead, requests still succeed, no slower, and the
     dropped spans are counted in tandem:otlp_spans_dropped_total.
@@ -20,11 +21,13 @@ services export. The router finds it through OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
 import json
 import os
 import statistics
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from pd_harness import (Cluster, check, fail, free_port, metric_sum, metrics, parse_args, request)
+from pd_harness import (Cluster, check, fail, free_port, metric_sum, metrics, parse_args, register,
+                        request)
 
 
 class Receiver:
@@ -235,6 +238,31 @@ def main():
           "traceState" not in root, "malformed traceparent was not ignored: %s" % root)
     wait_spans(rx, root["traceId"], [("tandem-decode", "llm_request"),
                                      ("tandem-prefill", "prefill_request")])
+
+    # 2b. A router that does not trace passes the client's context on: a second
+    # router on the same config without an endpoint; the decode worker's span
+    # is a child of the client's span.
+    env = {k: v for k, v in os.environ.items() if k != "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"}
+    port2 = free_port()
+    r2 = subprocess.Popen([args.router, "--config", cl.config, "--model", cl.model, "--host",
+                           "127.0.0.1", "--port", str(port2), "--nng-url",
+                           "tcp://127.0.0.1:%d" % free_port()], env=env,
+                          stdout=cl._log("router2"), stderr=subprocess.STDOUT)
+    register(r2)
+    cl.wait_health(port2, r2)
+    time.sleep(0.6)  # first load reports
+    passed = os.urandom(16).hex()
+    parent = os.urandom(8).hex()
+    st, _, _, _ = complete(port2, "00-%s-%s-01" % (passed, parent), "k=v")
+    check(st == 200, "request through the untraced router: %d" % st)
+    spans = wait_spans(rx, passed, [("tandem-decode", "llm_request"),
+                                    ("tandem-prefill", "prefill_request")])
+    d_req = one(spans, "tandem-decode", "llm_request")
+    check(d_req.get("parentSpanId") == parent and d_req.get("traceState") == "k=v",
+          "untraced router did not pass the client's context on: %s" % d_req)
+    check(not [s for s in spans if s["service"] == "tandem-router"], "untraced router traced")
+    r2.terminate()
+    r2.wait(timeout=20)
 
     # 3. Not sampled: propagated, nothing recorded.
     unsampled = os.urandom(16).hex()
