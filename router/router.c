@@ -1077,8 +1077,13 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     k.arrival = tdm_now();
     tdm_cond_init(&k.cv);
     // The client's trace continues here (a malformed traceparent starts a new one).
-    k.client_valid = tdm_oai_http_trace_ctx(c, &k.client);
-    tdm_span_begin(&k.span, s->tracer, &k.client, "llm_request", TDM_SPAN_SERVER, k.arrival);
+    if (s->tracer) {
+        k.client_valid = tdm_oai_http_trace_ctx(c, &k.client);
+        tdm_span_begin(&k.span, s->tracer, &k.client, "llm_request", TDM_SPAN_SERVER, k.arrival);
+    } else { // only passed on
+        k.client_valid = tdm_trace_parse(tdm_http_header(c, "traceparent"),
+                                         tdm_http_header(c, "tracestate"), &k.client) == TDM_OK;
+    }
     bool started = tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->text.tok, s->text.chat,
                                            s->text.chat_err);
     struct tdm_span pre;
