@@ -13,6 +13,7 @@ services export. The router finds it through OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
     usage attributes equal the response's usage;
   - the decode worker's own OpenAI route continues a client's trace too;
   - a malformed traceparent is ignored: a new trace, rooted at the router;
+  - a refused request (400) has its router span, with its status code;
   - a router without tracing passes the client's traceparent on unchanged;
   - a traceparent with the sampled flag off exports nothing;
   - with the collector dead, requests still succeed, no slower, and the
@@ -200,8 +201,8 @@ def main():
           "router usage attributes %s vs %s" % (ra, usage))
     check(da["gen_ai.usage.completion_tokens"] == usage["completion_tokens"] and
           da["tandem.prefill"] == "remote", "decode attributes %s" % da)
-    check(ra["gen_ai.request.max_tokens"] == 4 and "gen_ai.latency.time_to_first_token" in ra,
-          "router request attributes %s" % ra)
+    check(ra["gen_ai.request.max_tokens"] == 4 and "gen_ai.latency.time_to_first_token" in ra and
+          ra["http.response.status_code"] == 200, "router request attributes %s" % ra)
     print("trace ok: %d spans, router e2e %.1f ms, decode ttft %.1f ms" % (
         len(spans), 1e3 * ra["gen_ai.latency.e2e"], 1e3 * da["gen_ai.latency.time_to_first_token"]))
 
@@ -238,6 +239,20 @@ def main():
           "traceState" not in root, "malformed traceparent was not ignored: %s" % root)
     wait_spans(rx, root["traceId"], [("tandem-decode", "llm_request"),
                                      ("tandem-prefill", "prefill_request")])
+
+    # 2a. A request the router refuses (400) is traced with its status, and
+    # is not an error span (OpenTelemetry: 4xx is the client's).
+    refused = os.urandom(16).hex()
+    st, _, _ = request(cl.router_port, "POST", "/v1/completions",
+                       {"prompt": "hello", "max_tokens": -1},
+                       headers={"traceparent": "00-%s-%s-01" % (refused, os.urandom(8).hex())})
+    check(st == 400, "refused request: %d" % st)
+    spans = wait_spans(rx, refused, [("tandem-router", "llm_request"),
+                                     ("tandem-router", "preprocess")])
+    rr = one(spans, "tandem-router", "llm_request")
+    check(attrs(rr).get("http.response.status_code") == 400 and rr["status"]["code"] != 2 and
+          not [s for s in spans if s["service"] != "tandem-router"],
+          "refused request span: %s" % rr)
 
     # 2b. A router that does not trace passes the client's context on: a second
     # router on the same config without an endpoint; the decode worker's span

@@ -1064,6 +1064,7 @@ static void trace_call(struct call *k, const char *status)
         tdm_span_error(&k->span, bad->message);
     else if (k->client_gone)
         tdm_span_error(&k->span, "client disconnected");
+    tdm_oai_http_trace_status(&k->span, k->conn);
     tdm_tracer_emit(s->tracer, &k->span);
 }
 

@@ -213,6 +213,7 @@ static void trace_call(struct call *k, struct tdm_span *span)
         tdm_span_error(span, bad->message);
     else if (k->client_gone)
         tdm_span_error(span, "client disconnected");
+    tdm_oai_http_trace_status(span, k->conn);
     tdm_tracer_emit(k->s->tracer, span);
 }
 

@@ -296,6 +296,19 @@ bool tdm_oai_http_trace_ctx(const struct tdm_http_conn *c, struct tdm_trace_ctx 
                                       tdm_http_header(c, "tracestate"), out);
 }
 
+void tdm_oai_http_trace_status(struct tdm_span *sp, const struct tdm_http_conn *c)
+{
+    int status = tdm_http_status(c);
+    if (!sp->recording || status == 0)
+        return;
+    tdm_span_attr_int(sp, "http.response.status_code", status);
+    if (status >= 500 && sp->status != 2) {
+        char msg[32];
+        snprintf(msg, sizeof msg, "HTTP %d", status);
+        tdm_span_error(sp, msg);
+    }
+}
+
 void tdm_oai_trace_attrs(struct tdm_span *sp, const struct tdm_oai_call *k)
 {
     if (!sp->recording)

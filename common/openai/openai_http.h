@@ -100,5 +100,8 @@ bool tdm_oai_http_trace_ctx(const struct tdm_http_conn *c, struct tdm_trace_ctx 
 // gen_ai.request.n, gen_ai.request.temperature, gen_ai.request.top_p, and the
 // usage so far (gen_ai.usage.prompt_tokens, gen_ai.usage.completion_tokens).
 void tdm_oai_trace_attrs(struct tdm_span *sp, const struct tdm_oai_call *k);
+// The answer's status as http.response.status_code (OpenTelemetry's HTTP
+// convention: a server span is an error for 5xx only; 4xx is the client's).
+void tdm_oai_http_trace_status(struct tdm_span *sp, const struct tdm_http_conn *c);
 
 #endif
