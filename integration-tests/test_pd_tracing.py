@@ -16,11 +16,14 @@ services export. The router finds it through OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
   - a refused request (400) has its router span, with its status code;
   - a router without tracing passes the client's traceparent on unchanged;
   - a traceparent with the sampled flag off exports nothing;
+  - a hung prefill worker: the decode worker's remote_prefill span to it ends
+    failed and the next attempt serves the request;
   - with the collector dead, requests still succeed, no slower, and the
     dropped spans are counted in tandem:otlp_spans_dropped_total.
 """
 import json
 import os
+import signal
 import statistics
 import subprocess
 import threading
@@ -144,7 +147,7 @@ def main():
     ep = "http://127.0.0.1:%d" % rx.port
     os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = ep  # the router (and a fallback)
     os.environ.pop("OTEL_SERVICE_NAME", None)
-    cl = Cluster(args, n_prefill=1, n_decode=1, pd_mode="always",
+    cl = Cluster(args, n_prefill=2, n_decode=1, pd_mode="always",
                  worker_args=["--otlp-traces-endpoint", ep + "/v1/traces"]).start()
 
     # 1. A disaggregated request in the client's trace.
@@ -296,6 +299,35 @@ def main():
     time.sleep(1.5)  # a flush interval
     check(rx.trace(unsampled) == [], "spans exported for an unsampled trace")
 
+    # 3b. A prefill worker that hangs (SIGSTOP): the decode worker's
+    # remote_prefill span to it ends failed, the next listed worker serves the
+    # request, and both attempts are children of the one llm_request.
+    hung = cl.prefill[0]
+    hung_url = "tcp://127.0.0.1:%d" % hung.nng_port
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    failed = None
+    try:
+        for _ in range(3):  # round robin: within two requests it is listed first
+            tid = os.urandom(16).hex()
+            st, r, _, _ = complete(cl.router_port, "00-%s-%s-01" % (tid, os.urandom(8).hex()))
+            check(st == 200, "request with a hung prefill worker: %d %s" % (st, r))
+            spans = wait_spans(rx, tid, [("tandem-decode", "llm_request")])
+            if any(s["name"] == "remote_prefill" and s["status"]["code"] == 2 for s in spans):
+                failed = spans
+                break
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+    check(failed is not None, "no failed remote_prefill span with a hung prefill worker")
+    d_req = one(failed, "tandem-decode", "llm_request")
+    rps = [s for s in failed if s["name"] == "remote_prefill"]
+    check(all(s.get("parentSpanId") == d_req["spanId"] for s in rps), "remote_prefill parents")
+    bad = [s for s in rps if s["status"]["code"] == 2]
+    check(attrs(bad[0]).get("tandem.prefill.endpoint") == hung_url and
+          bad[0]["status"].get("message"), "failed remote_prefill: %s" % bad[0])
+    check(len(rps) == 2 or attrs(d_req).get("tandem.prefill") == "local",
+          "after the failure another prefill worker or local prefill served: %s" % rps)
+    print("hung prefill worker: remote_prefill failed with \"%s\"" % bad[0]["status"]["message"])
+
     # 4. The collector dies: requests succeed, no slower; drops are counted.
     rx.stop()
     lat_dead = []
@@ -310,10 +342,11 @@ def main():
     t0 = time.time()
     dropped = {}
     while time.time() - t0 < 8:
-        dropped = {name: metric_sum(metrics(port), "tandem:otlp_spans_dropped_total")
-                   for name, port in (("router", cl.router_port),
-                                      ("decode", cl.decode[0].http_port),
-                                      ("prefill", cl.prefill[0].http_port))}
+        dropped = {name: sum(metric_sum(metrics(port), "tandem:otlp_spans_dropped_total")
+                             for port in ports)
+                   for name, ports in (("router", [cl.router_port]),
+                                       ("decode", [w.http_port for w in cl.decode]),
+                                       ("prefill", [w.http_port for w in cl.prefill]))}
         if all(v > 0 for v in dropped.values()):
             break
         time.sleep(0.2)
