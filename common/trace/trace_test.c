@@ -381,6 +381,46 @@ static void test_export_collector_down(void **state)
     assert_true(tdm_now() - t0 < 1.0); // shutdown does not hang on a dead collector
 }
 
+// A collector that accepts connections and never answers: each POST gives up
+// at the timeout, emit never waits, and shutdown is bounded by one timeout
+// (the rest is dropped once a POST failed while stopping).
+static void test_export_collector_hangs(void **state)
+{
+    (void)state;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t al = sizeof a;
+    getsockname(fd, (struct sockaddr *)&a, &al);
+    assert_int_equal(listen(fd, 16), 0); // the kernel completes handshakes; nobody reads
+    char ep[64], err[256];
+    snprintf(ep, sizeof ep, "http://127.0.0.1:%d", ntohs(a.sin_port));
+    struct tdm_tracer_config cfg = {.endpoint = ep, .queue_spans = 64, .batch_spans = 8,
+                                    .flush_interval = 0.05, .timeout = 0.3};
+    struct tdm_tracer *t = NULL;
+    assert_int_equal(tdm_tracer_new(&t, &cfg, NULL, err, sizeof err), TDM_OK);
+    struct tdm_span sp[2];
+    fill_spans(sp);
+    double worst = 0;
+    for (int i = 0; i < 2000; i++) {
+        double t0 = tdm_now();
+        tdm_tracer_emit(t, &sp[i % 2]);
+        double dt = tdm_now() - t0;
+        worst = dt > worst ? dt : worst;
+        if (i % 100 == 0)
+            usleep(10000); // 0.2 s in all: the exporter is inside a POST meanwhile
+    }
+    print_message("emit: worst %.1f us with the collector hanging\n", worst * 1e6);
+    assert_true(worst < 0.05);
+    assert_true(tdm_tracer_dropped(t) > 0);
+    double t0 = tdm_now();
+    tdm_tracer_free(t);
+    double free_s = tdm_now() - t0;
+    print_message("shutdown with the collector hanging: %.2f s\n", free_s);
+    assert_true(free_s < 1.0); // at most the POST in flight and one more
+    close(fd);
+}
+
 static void test_export_counts(void **state)
 {
     (void)state;
@@ -419,7 +459,8 @@ int main(void)
         cmocka_unit_test(test_parse_valid),           cmocka_unit_test(test_parse_malformed),
         cmocka_unit_test(test_tracestate_limits),     cmocka_unit_test(test_span_parentage),
         cmocka_unit_test(test_encode_otlp),           cmocka_unit_test(test_export_to_receiver),
-        cmocka_unit_test(test_export_collector_down), cmocka_unit_test(test_export_counts),
+        cmocka_unit_test(test_export_collector_down),
+        cmocka_unit_test(test_export_collector_hangs), cmocka_unit_test(test_export_counts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
