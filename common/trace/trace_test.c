@@ -395,8 +395,11 @@ static void test_export_collector_hangs(void **state)
     assert_int_equal(listen(fd, 16), 0); // the kernel completes handshakes; nobody reads
     char ep[64], err[256];
     snprintf(ep, sizeof ep, "http://127.0.0.1:%d", ntohs(a.sin_port));
-    struct tdm_tracer_config cfg = {.endpoint = ep, .queue_spans = 64, .batch_spans = 8,
-                                    .flush_interval = 0.05, .timeout = 0.3};
+    struct tdm_tracer_config cfg = {.endpoint = ep,
+                                    .queue_spans = 64,
+                                    .batch_spans = 8,
+                                    .flush_interval = 0.05,
+                                    .timeout = 0.3};
     struct tdm_tracer *t = NULL;
     assert_int_equal(tdm_tracer_new(&t, &cfg, NULL, err, sizeof err), TDM_OK);
     struct tdm_span sp[2];
@@ -459,8 +462,8 @@ int main(void)
         cmocka_unit_test(test_parse_valid),           cmocka_unit_test(test_parse_malformed),
         cmocka_unit_test(test_tracestate_limits),     cmocka_unit_test(test_span_parentage),
         cmocka_unit_test(test_encode_otlp),           cmocka_unit_test(test_export_to_receiver),
-        cmocka_unit_test(test_export_collector_down),
-        cmocka_unit_test(test_export_collector_hangs), cmocka_unit_test(test_export_counts),
+        cmocka_unit_test(test_export_collector_down), cmocka_unit_test(test_export_collector_hangs),
+        cmocka_unit_test(test_export_counts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
