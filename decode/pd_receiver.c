@@ -329,7 +329,10 @@ static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
             j->prompt_tokens = c.num_prompt_tokens;
             j->cached_tokens = c.num_cached_tokens;
             j->completion_tokens = c.first_index + c.n;
-            if (c.reason == TDM_FINISH_ERROR || c.reason == TDM_FINISH_ABORT)
+            // An abort is the router's cancel (a stop string, the client gone):
+            // not this worker's failure.
+            tdm_span_attr_str(&j->span, "tandem.finish_reason", tdm_finish_name(c.reason));
+            if (c.reason == TDM_FINISH_ERROR)
                 tdm_span_error(&j->span,
                                c.message && c.message[0] ? c.message : tdm_finish_name(c.reason));
             return;

@@ -325,4 +325,6 @@ void tdm_oai_trace_attrs(struct tdm_span *sp, const struct tdm_oai_call *k)
     tdm_oai_call_usage(k, &u);
     tdm_span_attr_int(sp, "gen_ai.usage.prompt_tokens", u.prompt_tokens);
     tdm_span_attr_int(sp, "gen_ai.usage.completion_tokens", u.completion_tokens);
+    if (k->n_choices > 0 && k->choices[0].finish != TDM_FINISH_NONE)
+        tdm_span_attr_str(sp, "tandem.finish_reason", tdm_finish_name(k->choices[0].finish));
 }
