@@ -204,7 +204,8 @@ def main():
           "router usage attributes %s vs %s" % (ra, usage))
     check(da["gen_ai.usage.completion_tokens"] == usage["completion_tokens"] and
           da["tandem.prefill"] == "remote" and
-          da["tandem.finish_reason"] == ra["tandem.finish_reason"] == r["choices"][0]["finish_reason"],
+          da["tandem.finish_reason"] == ra["tandem.finish_reason"] ==
+          r["choices"][0]["finish_reason"],
           "decode attributes %s" % da)
     check(ra["gen_ai.request.max_tokens"] == 4 and "gen_ai.latency.time_to_first_token" in ra and
           ra["http.response.status_code"] == 200, "router request attributes %s" % ra)
