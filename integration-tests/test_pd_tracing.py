@@ -187,13 +187,13 @@ def main():
     check(p_req["kind"] == 2, "prefill_request is a SERVER span")
     for name in ("queue", "prefill", "kv_push"):
         inside(one(spans, "tandem-prefill", name, p_req), p_req, 0.002)
-    # Sane times: everything inside the client's window (ms of clock slack),
-    # but prefill_request, which ends when the prefill worker releases the KV
-    # it pushed (its job notices the end within 0.1 s, after the response).
+    # The prefill worker releases the KV as soon as its last frame is out.
+    held = times(p_req)[1] - times(one(spans, "tandem-prefill", "kv_push", p_req))[1]
+    check(held < 0.05, "prefill worker held the KV %.3f s after its last frame" % held)
+    # Sane times: everything inside the client's window (ms of clock slack).
     for s in spans:
         a, b = times(s)
-        late = 0.3 if s["name"] == "prefill_request" else 0.05
-        check(t_sent - 0.05 <= a <= b <= t_done + late,
+        check(t_sent - 0.05 <= a <= b <= t_done + 0.05,
               "%s/%s [%.3f, %.3f] outside the request [%.3f, %.3f]" % (
                   s["service"], s["name"], a, b, t_sent, t_done))
     usage = r["usage"]
