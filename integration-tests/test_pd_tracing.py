@@ -18,6 +18,8 @@ services export. The router finds it through OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
   - a traceparent with the sampled flag off exports nothing;
   - a hung prefill worker: the decode worker's remote_prefill span to it ends
     failed and the next attempt serves the request;
+  - a hung decode worker: the router's attempt span to it ends failed and a
+    second attempt serves the request;
   - with the collector dead, requests still succeed, no slower, and the
     dropped spans are counted in tandem:otlp_spans_dropped_total.
 """
@@ -147,7 +149,7 @@ def main():
     ep = "http://127.0.0.1:%d" % rx.port
     os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = ep  # the router (and a fallback)
     os.environ.pop("OTEL_SERVICE_NAME", None)
-    cl = Cluster(args, n_prefill=2, n_decode=1, pd_mode="always",
+    cl = Cluster(args, n_prefill=2, n_decode=2, pd_mode="always",
                  worker_args=["--otlp-traces-endpoint", ep + "/v1/traces"]).start()
 
     # 1. A disaggregated request in the client's trace.
@@ -330,6 +332,34 @@ def main():
     check(len(rps) == 2 or attrs(d_req).get("tandem.prefill") == "local",
           "after the failure another prefill worker or local prefill served: %s" % rps)
     print("hung prefill worker: remote_prefill failed with \"%s\"" % bad[0]["status"]["message"])
+
+    # 3c. A decode worker that hangs before the first token: the router's
+    # attempt span to it ends failed ("lost"), a second attempt serves the
+    # request, both children of the one llm_request.
+    hung = cl.decode[0]
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    retried = None
+    try:
+        for _ in range(3):  # round robin: within two requests it is picked
+            tid = os.urandom(16).hex()
+            st, r, _, _ = complete(cl.router_port, "00-%s-%s-01" % (tid, os.urandom(8).hex()))
+            check(st == 200, "request with a hung decode worker: %d %s" % (st, r))
+            spans = wait_spans(rx, tid, [("tandem-router", "llm_request")])
+            if len([s for s in spans if s["name"] == "attempt"]) >= 2:
+                retried = spans
+                break
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+    check(retried is not None, "no retried attempt with a hung decode worker")
+    r_req = one(retried, "tandem-router", "llm_request")
+    atts = sorted((s for s in retried if s["name"] == "attempt"), key=lambda s: times(s)[0])
+    check(all(s.get("parentSpanId") == r_req["spanId"] for s in atts), "attempt parents")
+    check(atts[0]["status"]["code"] == 2 and atts[-1]["status"]["code"] != 2 and
+          [attrs(s)["tandem.attempt"] for s in atts] == list(range(1, len(atts) + 1)) and
+          attrs(r_req)["tandem.attempts"] == len(atts),
+          "attempt spans: %s" % [(attrs(s), s["status"]) for s in atts])
+    wait_spans(rx, r_req["traceId"], [("tandem-decode", "llm_request")])
+    print("hung decode worker: attempt 1 failed with \"%s\"" % atts[0]["status"]["message"])
 
     # 4. The collector dies: requests succeed, no slower; drops are counted.
     rx.stop()
