@@ -423,6 +423,8 @@ int tdm_tracer_new(struct tdm_tracer **out, const struct tdm_tracer_config *cfg,
         goto fail_thread;
     }
     t->started = true;
+    TDM_LOG_INFO(MOD, "exporting spans to %s service.name=%s queue=%d batch=%d", t->url,
+                 t->service_name, t->cap, t->batch);
     *out = t;
     return TDM_OK;
 fail_thread:
