@@ -15,6 +15,7 @@ services export. The router finds it through OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
   - a malformed traceparent is ignored: a new trace, rooted at the router;
   - a refused request (400) has its router span, with its status code;
   - a router without tracing passes the client's traceparent on unchanged;
+  - a router stopped right after a request loses none of its spans;
   - a traceparent with the sampled flag off exports nothing;
   - hung prefill workers: the decode worker's remote_prefill spans end failed
     and its local prefill (the fallback) has its span;
@@ -286,6 +287,30 @@ def main():
     check(not [s for s in spans if s["service"] == "tandem-router"], "untraced router traced")
     r2.terminate()
     r2.wait(timeout=20)
+
+    # 2c. Nothing is lost at shutdown: a traced router gets SIGTERM right
+    # after a request; once it exited, its spans are at the collector. (The
+    # router takes ~2 s to stop, longer than the export interval, so this does
+    # not tell the final flush from the timer; trace_test's
+    # test_export_to_receiver, with a 30 s interval, does.)
+    port3 = free_port()
+    r3 = subprocess.Popen([args.router, "--config", cl.config, "--model", cl.model, "--host",
+                           "127.0.0.1", "--port", str(port3), "--nng-url",
+                           "tcp://127.0.0.1:%d" % free_port(), "--otlp-traces-endpoint", ep],
+                          stdout=cl._log("router3"), stderr=subprocess.STDOUT)
+    register(r3)
+    cl.wait_health(port3, r3)
+    time.sleep(0.6)
+    flushed = os.urandom(16).hex()
+    st, _, _, _ = complete(port3, "00-%s-%s-01" % (flushed, os.urandom(8).hex()))
+    check(st == 200, "request before SIGTERM: %d" % st)
+    t_term = time.time()
+    r3.terminate()
+    r3.wait(timeout=20)
+    exited = time.time() - t_term
+    got = {s["name"] for s in rx.trace(flushed) if s["service"] == "tandem-router"}
+    check({"llm_request", "attempt", "route", "preprocess"} <= got,
+          "router spans not flushed at shutdown (exit after %.2f s): %s" % (exited, got))
 
     # 3. Not sampled: propagated, nothing recorded.
     unsampled = os.urandom(16).hex()
