@@ -33,6 +33,7 @@
 #include "pd_codec.h"
 #include "pd.h"
 #include "pd_attempt.h"
+#include "trace.h"
 #include "transport.h"
 
 #define MOD "pd"
@@ -128,6 +129,15 @@ struct djob {
     char kv_err[256];
     double prefill_heard; // tdm_now() of the prefill worker's last LoadReport for this attempt
     uint64_t version;     // bumped with every change above made by the receive thread
+
+    // The trace (job thread only): the llm_request span, parent = the router's
+    // attempt span from GenerateRequest.traceparent; not recording when off.
+    struct tdm_span span;
+    bool remote_prefilled;         // a prefill worker's KV was used
+    bool finished;                 // the engine finish of the streamed request was read
+    struct tdm_engine_times times; // of that request
+    double t_first_sent;           // first token sent to the router
+    int prompt_tokens, cached_tokens, completion_tokens;
 };
 
 struct tdm_pd_receiver {
@@ -312,8 +322,22 @@ static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
             c.message = "the request's deadline passed";
         rc = send_chunk(j, &c, sent_first ? NULL : ph, first);
         sent_first = true;
-        if (c.finished)
+        if (c.n > 0 && j->t_first_sent == 0)
+            j->t_first_sent = tdm_now();
+        if (c.finished) {
+            j->finished = true;
+            tdm_engine_request_times(req, &j->times);
+            j->prompt_tokens = c.num_prompt_tokens;
+            j->cached_tokens = c.num_cached_tokens;
+            j->completion_tokens = c.first_index + c.n;
+            // An abort is the router's cancel (a stop string, the client gone):
+            // not this worker's failure.
+            tdm_span_attr_str(&j->span, "tandem.finish_reason", tdm_finish_name(c.reason));
+            if (c.reason == TDM_FINISH_ERROR)
+                tdm_span_error(&j->span,
+                               c.message && c.message[0] ? c.message : tdm_finish_name(c.reason));
             return;
+        }
         if (rc != TDM_OK && !aborted) {
             tdm_engine_abort(rx->parts.engine, req, TDM_FINISH_ABORT);
             aborted = true;
@@ -385,6 +409,7 @@ struct remote {
     uint64_t tid;               // this attempt's transfer id
     uint64_t seen;              // j->version at the last view
     Tandem__PrefillResult *res; // taken from the job by check_result or retire; owned
+    struct tdm_span span;       // remote_prefill: the parent of the prefill worker's spans
 };
 
 static double remote_now(void *ctx)
@@ -416,6 +441,14 @@ static int remote_send_prefill(void *ctx, double timeout_s, char *err, size_t er
     pr.deadline_unix = j->gen->deadline_unix;
     pr.model = (char *)rx->parts.served_name;
     pr.hold_seconds = rx->cfg.transfer_timeout;
+    char tp[TDM_TRACEPARENT_LEN + 1];
+    struct tdm_trace_ctx tc;
+    if (x->span.recording) {
+        tdm_span_ctx(&x->span, &tc);
+        tdm_trace_format(&tc, tp);
+        pr.traceparent = tp;
+        pr.tracestate = tc.tracestate;
+    }
     struct tdm_pd_push push = {x->first_block, x->num_blocks, rx->cfg.layers_per_frame};
     struct tdm_kv_header kvh;
     tdm_pd_push_to_proto(&pr, &push, &rx->kvc, rx->parts.served_name, &kvh);
@@ -552,6 +585,27 @@ static void remote_commit(void *ctx, const struct tdm_pd_attempt *a)
     TDM_LOG_DEBUG(MOD, "req=%s KV from %s: blocks=%d bytes=%zu prefill=%.4f exposed=%.4f",
                   j->request_id, x->t->url, x->num_blocks, v->bytes_done, prefill_s, exposed);
     tdm_engine_import_done(rx->parts.engine, x->req, x->res->first_token, true);
+    j->remote_prefilled = true;
+    if (x->span.recording) {
+        // The remote prefill ends with its result; the KV stream overlaps it,
+        // and what the request waited for after the result is the wait.
+        struct tdm_tracer *t = rx->parts.tracer;
+        x->span.end = a->t_result;
+        tdm_span_attr_int(&x->span, "tandem.kv.blocks", x->num_blocks);
+        tdm_span_attr_int(&x->span, "tandem.kv.bytes", (int64_t)v->bytes_done);
+        tdm_tracer_emit(t, &x->span);
+        x->span.recording = false; // emitted
+        struct tdm_span kv;
+        if (x->num_blocks > 0 && v->t_first_frame > 0) {
+            tdm_span_begin_child(&kv, &j->span, "kv_transfer", TDM_SPAN_INTERNAL, v->t_first_frame);
+            kv.end = v->t_kv_done;
+            tdm_span_attr_int(&kv, "tandem.kv.bytes", (int64_t)v->bytes_done);
+            tdm_tracer_emit(t, &kv);
+        }
+        tdm_span_begin_child(&kv, &j->span, "kv_transfer_wait", TDM_SPAN_INTERNAL, a->t_result);
+        kv.end = a->t_result + exposed;
+        tdm_tracer_emit(t, &kv);
+    }
     double total = x->num_blocks > 0 && v->t_first_frame > 0 ? v->t_kv_done - v->t_first_frame : 0;
     struct phases ph = {x->res->queue_seconds, prefill_s, exposed, total, x->t->url};
     stream_to_router(j, x->req, &ph, x->res);
@@ -632,10 +686,17 @@ static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     ac.prefill_liveness = rx->cfg.prefill_liveness;
     ac.send_timeout = rx->cfg.send_timeout;
     ac.num_layers = L;
+    tdm_span_begin_child(&x.span, &j->span, "remote_prefill", TDM_SPAN_CLIENT, tdm_now());
+    tdm_span_attr_str(&x.span, "tandem.prefill.endpoint", t->url);
     struct tdm_pd_attempt a;
     bool ok = tdm_pd_attempt_run(&a, &ac, &remote_ops, &x) == TDM_PD_ATTEMPT_COMMITTED;
     if (!ok)
         remote_failed(&x, &a);
+    if (x.span.recording) { // not committed: emitted here, failed or cancelled
+        x.span.end = tdm_now();
+        tdm_span_error(&x.span, a.counted ? a.detail : "cancelled");
+        tdm_tracer_emit(rx->parts.tracer, &x.span);
+    }
     if (x.res)
         tandem__prefill_result__free_unpacked(x.res, NULL);
     return ok;
@@ -722,6 +783,37 @@ static void job_free(struct djob *j)
     free(j);
 }
 
+// Ends and emits the job's llm_request span: vLLM's attributes, the engine
+// phases of the request that streamed (prefill among them when it was local)
+// and the first token sent.
+static void trace_job(struct djob *j)
+{
+    struct tdm_span *sp = &j->span;
+    if (!sp->recording)
+        return;
+    struct tdm_tracer *t = j->rx->parts.tracer;
+    tdm_span_attr_str(sp, "gen_ai.request.id", j->request_id);
+    tdm_span_attr_str(sp, "gen_ai.response.model", j->rx->parts.served_name);
+    tdm_span_attr_int(sp, "gen_ai.request.max_tokens", j->gen->max_tokens);
+    tdm_span_attr_int(sp, "gen_ai.usage.prompt_tokens",
+                      j->prompt_tokens ? j->prompt_tokens : (int64_t)j->gen->n_prompt);
+    tdm_span_attr_int(sp, "gen_ai.usage.completion_tokens", j->completion_tokens);
+    tdm_span_attr_int(sp, "tandem.cached_tokens", j->cached_tokens);
+    tdm_span_attr_str(sp, "tandem.prefill", j->remote_prefilled ? "remote" : "local");
+    if (j->finished) {
+        struct tdm_trace_phases ph = {j->times.arrival, j->times.first_scheduled,
+                                      j->times.first_token, j->times.last_token,
+                                      j->remote_prefilled ? NULL : "prefill"};
+        tdm_tracer_emit_phases(t, sp, &ph);
+    }
+    if (j->t_first_sent > 0)
+        tdm_span_attr_double(sp, "gen_ai.latency.time_to_first_token",
+                             j->t_first_sent - j->arrival);
+    sp->end = tdm_now();
+    tdm_span_attr_double(sp, "gen_ai.latency.e2e", sp->end - j->arrival);
+    tdm_tracer_emit(t, sp);
+}
+
 static void *job_main(void *arg)
 {
     struct djob *j = arg;
@@ -770,11 +862,22 @@ static void *job_main(void *arg)
     }
     pthread_cond_broadcast(&rx->cv);
     pthread_mutex_unlock(&rx->mu);
+    trace_job(j);
     job_free(j);
     return NULL;
 }
 
 // ---- receive thread ----------------------------------------------------------------------
+// A GenerateRequest refused before any job thread: the router is told, the
+// span ends failed, the job is freed.
+static void refuse(struct djob *j, int code, const char *message)
+{
+    send_finish(j, TDM_FINISH_ERROR, code, message);
+    tdm_span_error(&j->span, message);
+    trace_job(j);
+    job_free(j);
+}
+
 static void on_generate(void *arg, const struct tdm_net_frame *f)
 {
     struct tdm_pd_receiver *rx = arg;
@@ -800,20 +903,25 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     snprintf(j->router_url, sizeof j->router_url, "%s", g->reply_to->url);
     j->router_instance = g->reply_to->instance;
     j->arrival = tdm_now();
+    if (rx->parts.tracer) {
+        // The router's attempt span is the parent; a missing or malformed one
+        // starts a new trace, as on the HTTP side.
+        struct tdm_trace_ctx parent;
+        tdm_trace_ctx_from_headers(g->traceparent && g->traceparent[0] ? g->traceparent : NULL,
+                                   g->tracestate, &parent);
+        tdm_span_begin(&j->span, rx->parts.tracer, &parent, "llm_request", TDM_SPAN_SERVER,
+                       j->arrival);
+    }
     double left = g->deadline_unix > 0 ? g->deadline_unix - (double)time(NULL) : 600;
     j->deadline = j->arrival + (left > 0 ? left : 0);
     char err[256];
     if (!tdm_worker_ready(rx->server)) {
-        send_finish(j, TDM_FINISH_ERROR, TDM_ECLOSED,
-                    "decode worker is not ready (loading or draining)");
-        job_free(j);
+        refuse(j, TDM_ECLOSED, "decode worker is not ready (loading or draining)");
         return;
     }
     if (tdm_pd_sampling_from_proto(g->sampling, &j->sampling, err, sizeof err) != TDM_OK ||
         g->n_prompt == 0 || g->n_eos_ids > 64) {
-        send_finish(j, TDM_FINISH_ERROR, TDM_EINVAL,
-                    g->n_prompt == 0 ? "empty prompt" : err);
-        job_free(j);
+        refuse(j, TDM_EINVAL, g->n_prompt == 0 ? "empty prompt" : err);
         return;
     }
     if (g->n_resume_tokens > 0) {
@@ -842,8 +950,7 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     for (struct djob *o = rx->jobs; o; o = o->next) {
         if (strcmp(o->request_id, j->request_id) == 0 && o->router_instance == j->router_instance) {
             pthread_mutex_unlock(&rx->mu);
-            send_finish(j, TDM_FINISH_ERROR, TDM_EINVAL, "duplicate request id");
-            job_free(j);
+            refuse(j, TDM_EINVAL, "duplicate request id");
             return;
         }
     }

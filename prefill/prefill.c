@@ -30,6 +30,7 @@
 #include "model.h"
 #include "pd_codec.h"
 #include "pd.h"
+#include "trace.h"
 #include "transport.h"
 
 #define MOD "prefill"
@@ -51,6 +52,7 @@ void tdm_prefill_worker_config_default(struct tdm_worker_config *cfg)
     // Its own port: a prefill and a decode worker on one host must not both
     // want 8001 (the decode worker keeps 8001, the seed's port-forward).
     cfg->port = TDM_PREFILL_DEFAULT_PORT;
+    snprintf(cfg->trace_service_name, sizeof cfg->trace_service_name, "tandem-prefill");
 }
 
 static int set_nng_url(void *o, const char *v, char *err, size_t errlen)
@@ -114,6 +116,12 @@ struct pjob {
     pthread_cond_t cv;
     int layers_ready; // layers whose KV of the whole prompt is final
     bool finished;    // the engine delivered the request's finish
+
+    // The trace (job thread only): prefill_request, parent = the decode
+    // worker's remote_prefill span (PrefillRequest.traceparent).
+    struct tdm_span span;
+    bool have_times; // the engine finish was read: times is valid
+    struct tdm_engine_times times;
 };
 
 struct tdm_prefill_service {
@@ -278,8 +286,13 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
                 top_ptr[i] = &top[i];
             }
         }
-        if (c.finished)
+        if (c.finished) {
+            job->have_times = true;
+            tdm_engine_request_times(job->req, &job->times);
+            tdm_span_attr_int(&job->span, "gen_ai.usage.prompt_tokens", c.num_prompt_tokens);
+            tdm_span_attr_int(&job->span, "tandem.cached_tokens", c.num_cached_tokens);
             break;
+        }
     }
     Tandem__PrefillResult r = TANDEM__PREFILL_RESULT__INIT;
     struct tdm_kv_header h;
@@ -312,6 +325,7 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
         r.message = err;
         if (!push_failed)
             tdm_pd_metrics_fail(&p->m, "prefill");
+        tdm_span_error(&job->span, err);
     }
     char serr[256];
     int src = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_PREFILL_RESULT, &r.base, NULL, 0,
@@ -343,11 +357,16 @@ static void *job_main(void *arg)
     bool push_failed = false; // no more frames (failed, cancelled, prefill failed)
     bool result_sent = false; // the PrefillResult went out (ok or not)
     bool aborted = false;
-    double t_finish = 0, t_first_frame = 0;
+    double t_finish = 0, t_first_frame = 0, t_last_frame = 0;
     size_t bytes = 0;
     char err[256] = "";
 
     for (;;) {
+        // Done (result out, every frame sent or the push given up): release the
+        // KV now, not after another wait for a wake-up nobody sends (the
+        // traces showed every prefill holding its blocks 0.1 s too long).
+        if (result_sent && (!pushing || push_failed || sent == L))
+            break;
         pthread_mutex_lock(&job->mu);
         int want = sent + per < L ? sent + per : L;
         bool frame_ready = pushing && !push_failed && sent < L && job->layers_ready >= want;
@@ -401,6 +420,7 @@ static void *job_main(void *arg)
                 tdm_metrics_counter_add(p->m.bytes, (double)fb);
                 sent += n;
                 bytes += fb;
+                t_last_frame = tdm_now();
                 continue;
             }
             pthread_mutex_lock(&p->mu);
@@ -421,6 +441,29 @@ static void *job_main(void *arg)
         }
         if (result_sent && (!pushing || push_failed || sent == L))
             break;
+    }
+    // The trace: queue and prefill compute from the engine, the KV push from
+    // the first frame to the last one sent.
+    if (job->span.recording) {
+        struct tdm_tracer *t = p->parts.tracer;
+        double now = tdm_now();
+        if (job->have_times) {
+            struct tdm_trace_phases ph = {job->times.arrival, job->times.first_scheduled,
+                                          job->times.first_token, 0, "prefill"};
+            tdm_tracer_emit_phases(t, &job->span, &ph);
+        }
+        if (t_first_frame > 0) {
+            struct tdm_span kv;
+            tdm_span_begin_child(&kv, &job->span, "kv_push", TDM_SPAN_PRODUCER, t_first_frame);
+            kv.end = t_last_frame > 0 ? t_last_frame : now;
+            tdm_span_attr_int(&kv, "tandem.kv.layers", sent);
+            tdm_span_attr_int(&kv, "tandem.kv.bytes", (int64_t)bytes);
+            if (pushing && sent < L)
+                tdm_span_error(&kv, err[0] ? err : "push stopped");
+            tdm_tracer_emit(t, &kv);
+        }
+        job->span.end = now;
+        tdm_tracer_emit(t, &job->span);
     }
     job_end(job, pushing && sent == L, t_first_frame, bytes);
     return NULL;
@@ -544,6 +587,16 @@ static void prefill_start(struct tdm_prefill_service *p, const Tandem__PrefillRe
     if (m->hold_seconds > 0 && m->hold_seconds < job->hold_seconds)
         job->hold_seconds = m->hold_seconds;
     job->t_submit = now;
+    if (p->parts.tracer) {
+        struct tdm_trace_ctx parent;
+        tdm_trace_ctx_from_headers(m->traceparent && m->traceparent[0] ? m->traceparent : NULL,
+                                   m->tracestate, &parent);
+        tdm_span_begin(&job->span, p->parts.tracer, &parent, "prefill_request", TDM_SPAN_SERVER,
+                       now);
+        tdm_span_attr_str(&job->span, "gen_ai.request.id", m->request_id);
+        tdm_span_attr_str(&job->span, "gen_ai.response.model", p->parts.served_name);
+        tdm_span_attr_int(&job->span, "tandem.kv.blocks", push->num_blocks);
+    }
     ep->id = m->request_id;
     ep->prompt = m->prompt;
     ep->n_prompt = (int)m->n_prompt;

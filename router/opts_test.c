@@ -89,12 +89,30 @@ static void test_tool_flags(void **state)
     assert_non_null(strstr(err, "unknown parser \"pythonic\""));
 }
 
+// --otlp-traces-endpoint (vLLM's flag): kept when it is an http(s) URL, a
+// one-line error naming the flag otherwise.
+static void test_otlp_endpoint(void **state)
+{
+    (void)state;
+    struct tdm_router_opts o;
+    char err[512];
+    char *ok[] = {"r", "--config", "c.yaml", "--model", "m", "--otlp-traces-endpoint",
+                  "http://collector:4318", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 7, ok), TDM_OK);
+    assert_string_equal(o.otlp_traces_endpoint, "http://collector:4318");
+    char *bad[] = {"r", "--config", "c.yaml", "--model", "m", "--otlp-traces-endpoint",
+                   "collector:4318", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 7, bad), TDM_EINVAL);
+    assert_non_null(strstr(err, "--otlp-traces-endpoint: expected an http:// or https:// URL"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_policy_short_form),
         cmocka_unit_test(test_tool_flags),
         cmocka_unit_test(test_policy_errors),
+        cmocka_unit_test(test_otlp_endpoint),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

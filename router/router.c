@@ -38,6 +38,7 @@
 #include "router_stream.h"
 #include "text.h"
 #include "tokenizer.h"
+#include "trace.h"
 #include "transport.h"
 
 #define MOD "router"
@@ -73,6 +74,16 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
                    .help = h)
 #define OFF(field) offsetof(struct tdm_router_opts, field)
 // Strings may be empty, as before the table (an empty --api-key means none).
+
+// --otlp-traces-endpoint: checked at parse time (a startup error naming the flag).
+static int set_otlp_traces_endpoint(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_router_opts *opts = o;
+    int rc = tdm_trace_check_endpoint(v, err, errlen);
+    if (rc == TDM_OK)
+        snprintf(opts->otlp_traces_endpoint, sizeof opts->otlp_traces_endpoint, "%s", v);
+    return rc;
+}
 
 static const struct tdm_flag router_flags[] = {
     STR("config", config, "FILE", "routing config (docs/router-config.md); hot reloaded"),
@@ -130,6 +141,10 @@ static const struct tdm_flag router_flags[] = {
     NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
         "on SIGTERM, open requests may finish this long (default 30)"),
     STR("log-level", log_level, "LEVEL", "err|warn|info|debug (default info)"),
+    {.name = "otlp-traces-endpoint", .kind = TDM_FLAG_FN, .fn = set_otlp_traces_endpoint,
+     .metavar = "URL",
+     .help = "export per-request trace spans as OTLP/HTTP JSON\nto URL/v1/traces (default "
+             "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,\nelse off; docs/observability.md)"},
 };
 
 static const struct tdm_flags router_table = {
@@ -293,6 +308,7 @@ struct tdm_router_server {
     struct tdm_metrics_counter *m_requests_by; // {decision, endpoint}
     struct tdm_metrics_counter *m_lost;        // decode lost mid-stream
     struct tdm_metrics_counter *m_migrations;  // streams continued on another decode worker
+    struct tdm_tracer *tracer;                 // NULL = tracing off
 };
 
 int tdm_router_server_port(const struct tdm_router_server *s)
@@ -489,6 +505,15 @@ struct call {
     char migrating_why[256]; // why the streams being migrated were lost (logged once)
     const char *session;
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
+
+    // The trace: llm_request (parent: the client's traceparent), and the
+    // current attempt's span, the parent of the decode worker's spans. When
+    // tracing is off a valid client traceparent is passed on unchanged.
+    struct tdm_span span, attempt;
+    int n_attempts;
+    double first_token_at;       // first token of choice 0 arrived
+    struct tdm_trace_ctx client; // valid when client_valid
+    bool client_valid;
 };
 
 // Sends the choice's Cancel, waiting up to timeout_s for a connection (0: only
@@ -543,6 +568,8 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
     note_phases(k, m);
     double now = tdm_now();
     if (m->n_tokens > 0) {
+        if (k->first_token_at == 0)
+            k->first_token_at = now;
         if (!ch->got_chunk && rm)
             tdm_metrics_histogram_observe(rm->ttft, now - k->arrival);
         else if (rm && ch->last_token_at > 0)
@@ -802,6 +829,19 @@ static int send_choice(struct call *k, size_t i, uint64_t dec_inst, Tandem__Pref
         // The list is already capped; the budget says so to the decode worker too.
         g.max_prefill_attempts = nt ? r->max_prefill_attempts : 0;
     }
+    // The attempt span is the decode worker's parent; without tracing here the
+    // client's own context goes on unchanged.
+    char tp[TDM_TRACEPARENT_LEN + 1] = "";
+    struct tdm_trace_ctx tc;
+    if (k->attempt.recording)
+        tdm_span_ctx(&k->attempt, &tc);
+    else if (k->client_valid)
+        tc = k->client;
+    if (k->attempt.recording || k->client_valid) {
+        tdm_trace_format(&tc, tp);
+        g.traceparent = tp;
+        g.tracestate = tc.tracestate;
+    }
     int rc = tdm_pd_send(s->outbox, k->decode_url, TDM_NET_GENERATE, &g.base, NULL, 0, 1.0, err,
                          errlen);
     if (rc != TDM_OK)
@@ -963,9 +1003,21 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
     struct tdm_router_server *s = k->s;
     const struct tdm_oai_tokenized_prompt *p0 = &k->oai.prompts[0];
     memset(&k->route, 0, sizeof k->route);
-    if (tdm_router_control_route_avoiding(s->ctl, p0->ids, p0->n, session, b->failed, b->n_failed,
-                                          &k->route, err, errlen) != TDM_OK)
+    k->n_attempts++;
+    struct tdm_span route;
+    tdm_span_begin_child(&route, &k->span, "route", TDM_SPAN_INTERNAL, tdm_now());
+    tdm_span_attr_int(&route, "tandem.attempt", k->n_attempts);
+    int rrc = tdm_router_control_route_avoiding(s->ctl, p0->ids, p0->n, session, b->failed,
+                                                b->n_failed, &k->route, err, errlen);
+    route.end = tdm_now();
+    if (rrc != TDM_OK) {
+        tdm_span_error(&route, err);
+        tdm_tracer_emit(s->tracer, &route);
         return TDM_ROUTER_ATTEMPT_NO_ROUTE;
+    }
+    tdm_span_attr_str(&route, "tandem.route.decision", tdm_router_decision_name(k->route.decision));
+    tdm_span_attr_str(&route, "tandem.decode.endpoint", k->route.decode.name);
+    tdm_tracer_emit(s->tracer, &route);
     k->routed = true;
     nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url, sizeof k->decode_url);
     // Known dead (stale reports and no connection): do not wait for a send timeout.
@@ -1002,6 +1054,11 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
             return TDM_ROUTER_ATTEMPT_BUSY;
         }
     }
+    tdm_span_begin_child(&k->attempt, &k->span, "attempt", TDM_SPAN_CLIENT, tdm_now());
+    tdm_span_attr_int(&k->attempt, "tandem.attempt", k->n_attempts);
+    tdm_span_attr_str(&k->attempt, "tandem.decode.endpoint", k->route.decode.name);
+    tdm_span_attr_str(&k->attempt, "tandem.route.decision",
+                      tdm_router_decision_name(k->route.decision));
     if (send_generates(k, err, errlen) != TDM_OK)
         return TDM_ROUTER_ATTEMPT_UNREACHABLE;
     tdm_metrics_counter_inc(tdm_metrics_counter_labels(
@@ -1104,9 +1161,15 @@ static int await_first_chunk(struct call *k)
 // and forgotten, the choices' finish state reset, the decode endpoint reported
 // (passive health; tandem:router_upstream_errors_total), the loss and the
 // retry counted, the route released.
-static void abandon_route(struct call *k, bool lost, bool retrying)
+static void abandon_route(struct call *k, bool lost, bool retrying, const char *why)
 {
     struct tdm_router_server *s = k->s;
+    if (k->attempt.recording) {
+        k->attempt.end = tdm_now();
+        tdm_span_error(&k->attempt, why);
+        tdm_tracer_emit(s->tracer, &k->attempt);
+        k->attempt.recording = false;
+    }
     release_upstream(k);
     for (size_t i = 0; i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
@@ -1169,7 +1232,7 @@ static bool start_with_retries(struct call *k)
         if (end != TDM_ROUTER_ATTEMPT_NO_ROUTE && end != TDM_ROUTER_ATTEMPT_BUSY) {
             TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s)%s", k->oai.resp.id,
                          k->route.decode.name, err, again ? ", rerouting" : "");
-            abandon_route(k, end == TDM_ROUTER_ATTEMPT_LOST, again);
+            abandon_route(k, end == TDM_ROUTER_ATTEMPT_LOST, again, err);
         }
         if (!again) {
             struct tdm_oai_error e;
@@ -1178,6 +1241,40 @@ static bool start_with_retries(struct call *k)
             return false;
         }
     }
+}
+
+// Ends and emits the call's spans: the open attempt (it served the request,
+// or failed it past the retry budget) and llm_request with vLLM's attributes.
+static void trace_call(struct call *k, const char *status)
+{
+    if (!k->span.recording)
+        return;
+    struct tdm_router_server *s = k->s;
+    double now = tdm_now();
+    const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
+    if (k->attempt.recording) {
+        k->attempt.end = now;
+        if (bad)
+            tdm_span_error(&k->attempt, bad->message);
+        tdm_tracer_emit(s->tracer, &k->attempt);
+        k->attempt.recording = false;
+    }
+    tdm_oai_trace_attrs(&k->span, &k->oai);
+    tdm_span_attr_int(&k->span, "tandem.attempts", k->n_attempts);
+    tdm_span_attr_str(&k->span, "tandem.status", status);
+    if (k->first_token_at > 0) {
+        tdm_span_event(&k->span, "first_token", k->first_token_at);
+        tdm_span_attr_double(&k->span, "gen_ai.latency.time_to_first_token",
+                             k->first_token_at - k->arrival);
+    }
+    k->span.end = now;
+    tdm_span_attr_double(&k->span, "gen_ai.latency.e2e", now - k->arrival);
+    if (bad)
+        tdm_span_error(&k->span, bad->message);
+    else if (k->client_gone)
+        tdm_span_error(&k->span, "client disconnected");
+    tdm_oai_http_trace_status(&k->span, k->conn);
+    tdm_tracer_emit(s->tracer, &k->span);
 }
 
 static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c,
@@ -1189,8 +1286,21 @@ static void handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     k.conn = c;
     k.arrival = tdm_now();
     tdm_cond_init(&k.cv);
-    if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->text.tok, s->text.chat,
-                                 s->text.chat_err))
+    // The client's trace continues here (a malformed traceparent starts a new one).
+    if (s->tracer) {
+        k.client_valid = tdm_oai_http_trace_ctx(c, &k.client);
+        tdm_span_begin(&k.span, s->tracer, &k.client, "llm_request", TDM_SPAN_SERVER, k.arrival);
+    } else { // only passed on
+        k.client_valid = tdm_trace_parse(tdm_http_header(c, "traceparent"),
+                                         tdm_http_header(c, "tracestate"), &k.client) == TDM_OK;
+    }
+    bool started = tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->text.tok, s->text.chat,
+                                           s->text.chat_err);
+    struct tdm_span pre;
+    tdm_span_begin_child(&pre, &k.span, "preprocess", TDM_SPAN_INTERNAL, k.arrival);
+    pre.end = tdm_now(); // parse, chat template, tokenize
+    tdm_tracer_emit(s->tracer, &pre);
+    if (!started)
         goto out; // answered: an error, or echo only
     k.choices = calloc(k.oai.n_choices, sizeof *k.choices);
     if (k.choices == NULL) {
@@ -1243,6 +1353,7 @@ out:;
     const char *status = k.client_gone                 ? "cancelled"
                          : tdm_oai_call_failed(&k.oai) ? "error"
                                                        : "success";
+    trace_call(&k, status);
     call_fini(&k);
     pthread_cond_destroy(&k.cv);
     if (k.routed)
@@ -1428,6 +1539,14 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     if (rc != TDM_OK)
         goto fail;
     s->rm = tdm_router_control_metrics(s->ctl);
+    const char *otlp = tdm_tracer_endpoint_from_env(o->otlp_traces_endpoint);
+    if (otlp) {
+        struct tdm_tracer_config tc = {.endpoint = otlp,
+                                       .service_name = tdm_tracer_service_name("tandem-router")};
+        rc = tdm_tracer_new(&s->tracer, &tc, s->reg, err, errlen);
+        if (rc != TDM_OK)
+            goto fail;
+    }
     rc = tdm_net_outbox_new(&s->outbox, 100, err, errlen);
     if (rc == TDM_OK)
         rc = tdm_net_outbox_new(&s->poll_outbox, 100, err, errlen);
@@ -1506,6 +1625,7 @@ void tdm_router_server_free(struct tdm_router_server *s)
     if (s->rx_started)
         pthread_join(s->rx_thread, NULL);
     tdm_router_control_free(s->ctl);
+    tdm_tracer_free(s->tracer); // after the HTTP threads: their last spans are flushed
     tdm_net_inbox_free(s->inbox);
     tdm_net_outbox_free(s->outbox);
     tdm_net_outbox_free(s->poll_outbox);

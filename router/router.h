@@ -59,6 +59,9 @@ struct tdm_router_opts {
                                  // responses (which worker, the phase times); default off
     double drain_timeout;        // --drain-timeout S: on SIGTERM, how long open requests may
                                  // finish before the rest end with an error event; default 30
+    char otlp_traces_endpoint[1024]; // --otlp-traces-endpoint URL (vLLM's flag): per-request
+                                     // spans as OTLP/HTTP JSON to URL/v1/traces; "" =
+                                     // $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off
 };
 void tdm_router_opts_default(struct tdm_router_opts *o);
 // Parses argv (argv[0] skipped) through the flag table. TDM_OK, 1 for --help,

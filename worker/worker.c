@@ -22,6 +22,7 @@
 #include "openai.h"
 #include "openai_http.h"
 #include "text.h"
+#include "trace.h"
 #include "worker_impl.h"
 
 #ifndef TANDEM_VERSION
@@ -316,6 +317,16 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     rc = tdm_metrics_vllm_register(&s->metrics, s->reg, &mcfg, err, errlen);
     if (rc != TDM_OK)
         return rc;
+    const char *otlp = tdm_tracer_endpoint_from_env(cfg->otlp_traces_endpoint);
+    if (otlp) {
+        struct tdm_tracer_config tc = {
+            .endpoint = otlp,
+            .service_name = tdm_tracer_service_name(
+                cfg->trace_service_name[0] ? cfg->trace_service_name : "tandem-worker")};
+        rc = tdm_tracer_new(&s->tracer, &tc, s->reg, err, errlen);
+        if (rc != TDM_OK)
+            return rc;
+    }
 
     // Structured outputs: the vocabulary's token trie, once per tokenizer
     // (~70 ms for Qwen2's 151 665 tokens). Without it the server still serves,
@@ -408,6 +419,7 @@ void tdm_worker_free(struct tdm_worker *s)
     tdm_http_server_stop(s->http);
     tdm_engine_free(s->engine);
     tdm_grammar_vocab_free(s->gvocab); // after the engine: it borrows it
+    tdm_tracer_free(s->tracer); // after the engine: the last spans are queued, then flushed
     tdm_model_free(s->model);
     tdm_text_fini(&s->text);
     tdm_metrics_registry_free(s->reg);
@@ -425,6 +437,7 @@ int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out)
     out->engine = s->engine;
     out->model = s->model;
     out->reg = s->reg;
+    out->tracer = s->tracer;
     out->served_name = s->text.served_name;
     out->eos_ids = s->eos_ids;
     out->num_eos = s->num_eos;

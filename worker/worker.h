@@ -67,6 +67,11 @@ struct tdm_worker_config {
     int http_max_conns_per_ip;              // --http-max-conns-per-ip N; 0 = no cap (default)
     int max_large_requests;                 // --max-large-requests N: bodies over 1 MiB at
                                             // once; default 4
+    char otlp_traces_endpoint[TDM_WORKER_STR]; // --otlp-traces-endpoint URL (vLLM's flag): export
+                                               // spans as OTLP/HTTP JSON to URL/v1/traces; "" =
+                                               // $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off
+    char trace_service_name[64]; // not a flag: service.name of the spans ("tandem-decode",
+                                 // set by the role; $OTEL_SERVICE_NAME overrides)
 };
 
 // Fills the defaults above.
@@ -136,12 +141,14 @@ void tdm_worker_free(struct tdm_worker *s);
 struct tdm_engine;
 struct tdm_model;
 struct tdm_metrics_registry;
+struct tdm_tracer;
 
 // Borrowed pointers, valid until tdm_worker_free.
 struct tdm_worker_parts {
     struct tdm_engine *engine;
     struct tdm_model *model;
     struct tdm_metrics_registry *reg; // for the role's own tandem:* metrics
+    struct tdm_tracer *tracer;        // span exporter (common/trace); NULL = tracing off
     const char *served_name;
     const int32_t *eos_ids; // [num_eos] config.json's and generation_config.json's
     int num_eos;

@@ -13,6 +13,7 @@
 
 #include "core.h"
 #include "model.h"
+#include "trace.h"
 #include "worker.h"
 
 void tdm_worker_config_default(struct tdm_worker_config *cfg)
@@ -33,6 +34,7 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->http_header_timeout = 10.0;
     cfg->http_body_timeout = 30.0;
     cfg->max_large_requests = 4;
+    snprintf(cfg->trace_service_name, sizeof cfg->trace_service_name, "tandem-decode");
 }
 
 // ---- the flag table ---------------------------------------------------------------------------
@@ -129,6 +131,16 @@ static int set_gpu_memory_utilization(void *o, const char *v, char *err, size_t 
                           "--gpu-memory-utilization: expected a fraction in (0, 1], got \"%s\"", v);
     cfg->gpu_memory_utilization = x;
     return TDM_OK;
+}
+
+// --otlp-traces-endpoint: checked here, so a bad URL is a startup error before the model loads.
+static int set_otlp_traces_endpoint(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_worker_config *cfg = o;
+    int rc = tdm_trace_check_endpoint(v, err, errlen);
+    if (rc == TDM_OK)
+        snprintf(cfg->otlp_traces_endpoint, sizeof cfg->otlp_traces_endpoint, "%s", v);
+    return rc;
 }
 
 #define STR(n, field, mv, h)                                                                       \
@@ -255,6 +267,12 @@ static const struct tdm_flag decode_flags[] = {
         "open connections per client address; beyond\nit 429 (default 0 = no cap)"),
     INT("max-large-requests", max_large_requests, 1, 1 << 20, "N",
         "requests with bodies over 1 MiB at once;\nbeyond it 503 + Retry-After (default 4)"),
+    {.name = "otlp-traces-endpoint",
+     .kind = TDM_FLAG_FN,
+     .fn = set_otlp_traces_endpoint,
+     .metavar = "URL",
+     .help = "export per-request trace spans as OTLP/HTTP JSON\nto URL/v1/traces (default "
+             "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,\nelse off; docs/observability.md)"},
     {.name = "config",
      .kind = TDM_FLAG_FN,
      .fn = set_config_done,

@@ -229,10 +229,38 @@ static void test_config_file(void **state)
     assert_int_equal(parse(&c, err, sizeof err, 3, "--config", path), TDM_EINVAL);
 }
 
+// --otlp-traces-endpoint (vLLM's flag), on the command line and as a config
+// key; a URL that is not http(s) is an error naming the flag.
+static void test_otlp_endpoint(void **state)
+{
+    (void)state;
+    struct tdm_worker_config c;
+    char err[512];
+    assert_int_equal(parse(&c, err, sizeof err, 3, "--model", "/m"), TDM_OK);
+    assert_string_equal(c.otlp_traces_endpoint, "");
+    assert_string_equal(c.trace_service_name, "tandem-decode");
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--otlp-traces-endpoint",
+                           "https://otel.example:4318/v1/traces"),
+                     TDM_OK);
+    assert_string_equal(c.otlp_traces_endpoint, "https://otel.example:4318/v1/traces");
+    assert_int_equal(tdm_worker_config_set(&c, "otlp_traces_endpoint", "http://c:4318", err,
+                                           sizeof err),
+                     TDM_OK);
+    assert_string_equal(c.otlp_traces_endpoint, "http://c:4318");
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--otlp-traces-endpoint",
+                           "grpc://c:4317"),
+                     TDM_EINVAL);
+    assert_non_null(strstr(err, "--otlp-traces-endpoint: expected an http:// or https:// URL"));
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--otlp-traces-endpoint",
+                           "http://"),
+                     TDM_EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),  cmocka_unit_test(test_flags),
+        cmocka_unit_test(test_otlp_endpoint),
         cmocka_unit_test(test_bad_flags), cmocka_unit_test(test_device),
         cmocka_unit_test(test_bytes),     cmocka_unit_test(test_config_file),
         cmocka_unit_test(test_tool_flags),

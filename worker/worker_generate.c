@@ -20,6 +20,7 @@
 #include "openai.h"
 #include "openai_http.h"
 #include "tokenizer.h"
+#include "trace.h"
 #include "worker_impl.h"
 
 // ---- generation -------------------------------------------------------------------------
@@ -34,6 +35,8 @@ struct call {
     struct tdm_oai_call oai;
     struct tdm_engine_request **reqs; // [oai.n_choices]; NULL once released
     bool client_gone;
+    bool finished0;                 // choice 0's engine finish was read: times0 is valid
+    struct tdm_engine_times times0; // choice 0's phases, for the trace
 };
 
 // Consumes one engine chunk into choice i (common/openai's shared step). A
@@ -54,6 +57,10 @@ static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c
         .message = c->message,
     };
     bool stopped = false;
+    if (i == 0 && c->finished && !k->finished0) {
+        k->finished0 = true;
+        tdm_engine_request_times(k->reqs[0], &k->times0);
+    }
     if (tdm_oai_call_take(&k->oai, i, &g, tdm_tok_eos_id(k->s->text.tok), &k->s->text.gen,
                           &stopped) != TDM_OK)
         return TDM_ENOMEM;
@@ -184,6 +191,32 @@ static void run_collect(struct call *k)
     k->client_gone = tdm_http_client_gone(k->conn);
 }
 
+// The request's llm_request span (vLLM's name and attributes) with the engine
+// phases of choice 0 as children; emitted once the call ended.
+static void trace_call(struct call *k, struct tdm_span *span)
+{
+    if (!span->recording)
+        return;
+    tdm_oai_trace_attrs(span, &k->oai);
+    if (k->finished0) {
+        struct tdm_trace_phases ph = {k->times0.arrival, k->times0.first_scheduled,
+                                      k->times0.first_token, k->times0.last_token, "prefill"};
+        tdm_tracer_emit_phases(k->s->tracer, span, &ph);
+        if (k->times0.first_token > 0)
+            tdm_span_attr_double(span, "gen_ai.latency.time_to_first_token",
+                                 k->times0.first_token - span->start);
+    }
+    span->end = tdm_now();
+    tdm_span_attr_double(span, "gen_ai.latency.e2e", span->end - span->start);
+    const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
+    if (bad)
+        tdm_span_error(span, bad->message);
+    else if (k->client_gone)
+        tdm_span_error(span, "client disconnected");
+    tdm_oai_http_trace_status(span, k->conn);
+    tdm_tracer_emit(k->s->tracer, span);
+}
+
 void worker_handle_generate(struct tdm_worker *s, struct tdm_http_conn *c, enum tdm_oai_kind kind)
 {
     double arrival = tdm_now();
@@ -191,12 +224,20 @@ void worker_handle_generate(struct tdm_worker *s, struct tdm_http_conn *c, enum 
     memset(&k, 0, sizeof k);
     k.s = s;
     k.conn = c;
+    // The client's traceparent continues here (a malformed one starts a new trace).
+    struct tdm_span span = {.recording = false};
+    if (s->tracer) {
+        struct tdm_trace_ctx parent;
+        tdm_oai_http_trace_ctx(c, &parent);
+        tdm_span_begin(&span, s->tracer, &parent, "llm_request", TDM_SPAN_SERVER, arrival);
+    }
     if (!tdm_oai_http_call_start(c, &k.oai, kind, &s->info, s->text.tok, s->text.chat,
                                  s->text.chat_err))
         goto out; // answered: an error, or echo only
     struct tdm_oai_error e;
     if (submit_all(&k, arrival, &e) != TDM_OK) {
         tdm_oai_http_error(c, &e);
+        tdm_span_error(&span, e.message);
         goto out;
     }
     // Streams probe the client after a second without tokens (queued, long prefill).
@@ -214,5 +255,6 @@ void worker_handle_generate(struct tdm_worker *s, struct tdm_http_conn *c, enum 
                  "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
                  k.oai.resp.id, k.oai.n_choices, u.prompt_tokens, u.completion_tokens, finish);
 out:
+    trace_call(&k, &span);
     call_fini(&k);
 }

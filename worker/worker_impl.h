@@ -39,6 +39,7 @@ struct tdm_worker {
     struct tdm_engine *engine;
     struct tdm_grammar_vocab *gvocab; // structured outputs: the tokenizer's token trie
                                       // (owned; NULL: constrained requests refused)
+    struct tdm_tracer *tracer; // NULL = tracing off (--otlp-traces-endpoint)
     char model_path[TDM_WORKER_STR]; // the folder --model names (a Hub id resolved to the cache)
     int max_model_len;
     int num_blocks;

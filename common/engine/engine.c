@@ -250,6 +250,16 @@ const char *tdm_engine_request_id(const struct tdm_engine_request *r)
     return r ? r->id : "";
 }
 
+// The engine thread wrote these before it published the finish under r->mu;
+// the reader took r->mu to see the finish, so the writes are visible.
+void tdm_engine_request_times(const struct tdm_engine_request *r, struct tdm_engine_times *out)
+{
+    out->arrival = r->arrival;
+    out->first_scheduled = r->admitted_once ? r->t_first_sched : 0;
+    out->first_token = r->n_gen > 0 ? r->t_first_token : 0;
+    out->last_token = r->n_gen > 0 ? r->t_last_token : 0;
+}
+
 const struct tdm_engine_config *tdm_engine_get_config(const struct tdm_engine *e)
 {
     return &e->cfg;

@@ -204,6 +204,19 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
 void tdm_engine_request_release(struct tdm_engine_request *r);
 const char *tdm_engine_request_id(const struct tdm_engine_request *r);
 
+// A request's phase times on the tdm_now() clock (0 where the phase did not
+// happen), the ones vLLM's metrics and traces use: queue = arrival ->
+// first_scheduled (admitted, blocks reserved), prefill = first_scheduled ->
+// first_token, decode = first_token -> last_token. Read only after the finish
+// was returned by tdm_engine_stream_next (the engine thread writes them).
+struct tdm_engine_times {
+    double arrival;
+    double first_scheduled;
+    double first_token;
+    double last_token;
+};
+void tdm_engine_request_times(const struct tdm_engine_request *r, struct tdm_engine_times *out);
+
 // Finishes the request with reason (ABORT, or STOP when the API layer matched a
 // stop string, or LENGTH) at the engine's next step, which comes promptly even
 // when idle; its KV is released then. A finished request is left alone (TDM_OK).

@@ -277,6 +277,12 @@ static void test_single_matches_runner(void **state)
         float d = max_lp_diff(lp, ref_lp[k], 12);
         print_message("request %d: max |logprob - runner's| %.2e\n", k, (double)d);
         assert_true(d <= LP_TOL);
+        // The phase times the traces use: ordered, and inside the call.
+        struct tdm_engine_times tm;
+        tdm_engine_request_times(r, &tm);
+        assert_true(tm.arrival > 0 && tm.arrival <= tm.first_scheduled);
+        assert_true(tm.first_scheduled <= tm.first_token && tm.first_token < tm.last_token);
+        assert_true(tm.last_token <= tdm_now());
         tdm_engine_request_release(r);
     }
     struct tdm_engine_stats s;

@@ -337,6 +337,11 @@ const char *tdm_http_header(const struct tdm_http_conn *c, const char *name)
     return mg_get_header(c->mg, name);
 }
 
+int tdm_http_status(const struct tdm_http_conn *c)
+{
+    return c->status;
+}
+
 const char *tdm_http_body(const struct tdm_http_conn *c, size_t *len)
 {
     if (len)

@@ -101,6 +101,8 @@ const char *tdm_http_header(const struct tdm_http_conn *c, const char *name);
 // The body (NUL-terminated, owned by the connection; "" when none) and its length.
 const char *tdm_http_body(const struct tdm_http_conn *c, size_t *len);
 const char *tdm_http_remote_addr(const struct tdm_http_conn *c);
+// The status answered so far (200 once a stream started), 0 before any answer.
+int tdm_http_status(const struct tdm_http_conn *c);
 
 // ---- answering ----------------------------------------------------------------------------
 // Adds a response header to the next respond/SSE start (copied; up to 16).

@@ -16,6 +16,7 @@
 
 #include "core.h"
 #include "metrics.h"
+#include "trace.h"
 
 // ---- errors ----------------------------------------------------------------------------------
 char *tdm_oai_http_error_body(int status, const char *message)
@@ -286,4 +287,44 @@ void tdm_oai_http_metrics(struct tdm_http_conn *c, struct tdm_metrics_registry *
 void tdm_oai_http_version(struct tdm_http_conn *c, const char *version)
 {
     tdm_http_respond_json_owned(c, 200, tdm_oai_version_body(version));
+}
+
+// ---- tracing -------------------------------------------------------------------------------
+bool tdm_oai_http_trace_ctx(const struct tdm_http_conn *c, struct tdm_trace_ctx *out)
+{
+    return tdm_trace_ctx_from_headers(tdm_http_header(c, "traceparent"),
+                                      tdm_http_header(c, "tracestate"), out);
+}
+
+void tdm_oai_http_trace_status(struct tdm_span *sp, const struct tdm_http_conn *c)
+{
+    int status = tdm_http_status(c);
+    if (!sp->recording || status == 0)
+        return;
+    tdm_span_attr_int(sp, "http.response.status_code", status);
+    if (status >= 500 && sp->status != 2) {
+        char msg[32];
+        snprintf(msg, sizeof msg, "HTTP %d", status);
+        tdm_span_error(sp, msg);
+    }
+}
+
+void tdm_oai_trace_attrs(struct tdm_span *sp, const struct tdm_oai_call *k)
+{
+    if (!sp->recording)
+        return;
+    tdm_span_attr_str(sp, "gen_ai.request.id", k->resp.id);
+    if (k->resp.model)
+        tdm_span_attr_str(sp, "gen_ai.response.model", k->resp.model);
+    if (k->n_prompts > 0)
+        tdm_span_attr_int(sp, "gen_ai.request.max_tokens", k->prompts[0].max_tokens);
+    tdm_span_attr_int(sp, "gen_ai.request.n", k->req.n);
+    tdm_span_attr_double(sp, "gen_ai.request.temperature", k->req.sampling.temperature);
+    tdm_span_attr_double(sp, "gen_ai.request.top_p", k->req.sampling.top_p);
+    struct tdm_oai_usage u;
+    tdm_oai_call_usage(k, &u);
+    tdm_span_attr_int(sp, "gen_ai.usage.prompt_tokens", u.prompt_tokens);
+    tdm_span_attr_int(sp, "gen_ai.usage.completion_tokens", u.completion_tokens);
+    if (k->n_choices > 0 && k->choices[0].finish != TDM_FINISH_NONE)
+        tdm_span_attr_str(sp, "tandem.finish_reason", tdm_finish_name(k->choices[0].finish));
 }

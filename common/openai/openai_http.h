@@ -88,4 +88,21 @@ int tdm_oai_http_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai
 int tdm_oai_http_sse_finish(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
                             const struct tdm_oai_error *error, const struct tdm_oai_usage *usage);
 
+// ---- tracing (common/trace, docs/observability.md) --------------------------------------------
+struct tdm_span;
+struct tdm_trace_ctx;
+// The request's W3C trace context from its traceparent and tracestate headers;
+// a missing or malformed traceparent starts a new trace (tracestate dropped).
+// True when the client sent a valid one.
+bool tdm_oai_http_trace_ctx(const struct tdm_http_conn *c, struct tdm_trace_ctx *out);
+// The attributes vLLM puts on its llm_request span, from a call: gen_ai.request.id,
+// gen_ai.response.model, gen_ai.request.max_tokens (prompt 0's resolved value),
+// gen_ai.request.n, gen_ai.request.temperature, gen_ai.request.top_p, and the
+// usage so far (gen_ai.usage.prompt_tokens, gen_ai.usage.completion_tokens),
+// and choice 0's finish (tandem.finish_reason: stop, length, abort, error).
+void tdm_oai_trace_attrs(struct tdm_span *sp, const struct tdm_oai_call *k);
+// The answer's status as http.response.status_code (OpenTelemetry's HTTP
+// convention: a server span is an error for 5xx only; 4xx is the client's).
+void tdm_oai_http_trace_status(struct tdm_span *sp, const struct tdm_http_conn *c);
+
 #endif
