@@ -44,13 +44,24 @@
 struct plan {
     int batches[MAX_POINTS], n_batches;
     int prefill[MAX_POINTS], n_prefill;
+    int long_ctx;                      // --long-context: tokens of context (0 = skip)
+    int long_batches[MAX_POINTS], n_long; // --long-batches
+    size_t kv_memory;                  // --kv-cache-memory: the capacity line's budget
 };
+
+// KV cache element types compared at long context (the first is the reference).
+#define N_KV_DTYPES 1
+static const char *const kv_dtype_names[N_KV_DTYPES] = {"f32"};
 
 struct result {
     double decode_s[MAX_POINTS];  // seconds per decode step at plan.batches[i]
     double prefill_s[MAX_POINTS]; // seconds for one prefill of plan.prefill[i] tokens
     double prefill_flops[MAX_POINTS];
     size_t weight_bytes;
+    // Decode at long context (bf16 weights only): seconds per step at
+    // long_batches[i] sequences of a.long_ctx tokens each, per KV cache dtype.
+    double long_s[2][MAX_POINTS];
+    struct tdm_kv_config kc; // the model's KV geometry (block_size 16)
     char device[32]; // the backend the model ran on (tdm_model_opts.backend)
 };
 
@@ -116,6 +127,63 @@ static double time_decode(struct tdm_model *m, struct tdm_kv_cache *kv, int batc
             best = dt;
         for (int s = 0; s < batch; s++)
             hist[s][pos + 1] = argmax(logits + (size_t)s * c->vocab_size, c->vocab_size);
+    }
+    for (int s = 0; s < batch; s++)
+        tdm_kv_seq_release(kv, &seqs[s]);
+    return best;
+}
+
+// Decode steps of `batch` sequences that already hold ctx tokens of KV: the
+// context's KV is written straight into the cache (deterministic values in
+// [-1, 1], through tdm_kv_import_layer) instead of prefilling it, which would
+// take minutes at 4096 tokens on a small machine; a decode step costs the
+// same either way (it reads every position's K and V). Returns the best
+// seconds per step.
+static double time_long(struct tdm_model *m, struct tdm_kv_cache *kv, int batch, int ctx,
+                        int steps, float *logits)
+{
+    const struct tdm_model_config *c = tdm_model_config(m);
+    const struct tdm_kv_config *kc = tdm_kv_config(kv);
+    struct tdm_kv_seq seqs[MAX_BATCH];
+    struct tdm_batch_seq b[MAX_BATCH];
+    int32_t tok[MAX_BATCH];
+    int nb = (ctx + kc->block_size - 1) / kc->block_size;
+    size_t lb = tdm_kv_layer_bytes(kv, nb);
+    size_t nf = lb / sizeof(float);
+    float *buf = malloc(lb);
+    if (buf == NULL)
+        die("kv", "out of memory for the context fill");
+    uint32_t x = 12345;
+    for (size_t i = 0; i < nf; i++) {
+        x = x * 1664525u + 1013904223u;
+        buf[i] = (float)(x >> 8) / 8388608.0f - 1.0f;
+    }
+    for (int s = 0; s < batch; s++) {
+        tdm_kv_seq_init(&seqs[s]);
+        if (tdm_kv_reserve(kv, &seqs[s], ctx + steps + 2) != TDM_OK)
+            die("kv", "cache too small for the long context");
+        for (int l = 0; l < kc->num_layers; l++)
+            if (tdm_kv_import_layer(kv, &seqs[s], l, 0, nb, buf, lb) != TDM_OK)
+                die("kv import", tdm_kv_errmsg(kv));
+        tok[s] = (int32_t)((s * 7919 + 17) % (c->vocab_size - 3));
+    }
+    free(buf);
+    double best = 1e30;
+    for (int step = 0; step <= steps; step++) { // step 0 warms up
+        for (int s = 0; s < batch; s++)
+            b[s] = (struct tdm_batch_seq){.tokens = &tok[s],
+                                          .n_tokens = 1,
+                                          .start_pos = ctx + step,
+                                          .block_table = seqs[s].block_table,
+                                          .logits = TDM_LOGITS_LAST};
+        double t0 = tdm_now();
+        if (tdm_model_forward(m, kv, b, batch, logits) != TDM_OK)
+            die("forward", "long-context decode failed");
+        double dt = tdm_now() - t0;
+        if (step > 0 && dt < best)
+            best = dt;
+        for (int s = 0; s < batch; s++)
+            tok[s] = argmax(logits + (size_t)s * c->vocab_size, c->vocab_size);
     }
     for (int s = 0; s < batch; s++)
         tdm_kv_seq_release(kv, &seqs[s]);
@@ -201,16 +269,53 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
         die("logits", "out of memory");
 
     r->weight_bytes = tdm_model_weight_bytes(m);
+    r->kc = kc;
     for (int i = 0; i < pl->n_batches; i++)
         r->decode_s[i] = time_decode(m, kv, pl->batches[i], steps, logits);
     for (int i = 0; i < pl->n_prefill; i++) {
         r->prefill_s[i] = time_prefill(m, kv, pl->prefill[i], 2, logits);
         r->prefill_flops[i] = prefill_flops(c, pl->prefill[i]);
     }
+    tdm_kv_free(kv);
+    kv = NULL;
+    // Long context: a cache of each dtype just big enough for the largest batch.
+    for (int d = 0; mode == TDM_WEIGHTS_BF16 && pl->long_ctx > 0 && d < N_KV_DTYPES; d++) {
+        int lmax = 1;
+        for (int i = 0; i < pl->n_long; i++)
+            lmax = pl->long_batches[i] > lmax ? pl->long_batches[i] : lmax;
+        struct tdm_kv_config lc = kc;
+        lc.num_blocks = lmax * ((pl->long_ctx + steps + 2 + 15) / 16);
+        if (tdm_model_kv_new(m, &lc, &kv, err, sizeof err) != TDM_OK)
+            die("kv (long context)", err);
+        for (int i = 0; i < pl->n_long; i++)
+            r->long_s[d][i] = time_long(m, kv, pl->long_batches[i], pl->long_ctx, steps, logits);
+        tdm_kv_free(kv);
+        kv = NULL;
+    }
 
     free(logits);
-    tdm_kv_free(kv);
     tdm_model_free(m);
+}
+
+// KV capacity of --kv-cache-memory per KV cache dtype, in blocks and tokens
+// (what a worker's pool holds: tdm_kv_block_bytes of the model's geometry).
+static void print_capacity(const struct tdm_kv_config *geo, const struct plan *pl)
+{
+    struct tdm_kv_config kc = *geo;
+    kc.num_blocks = 1;
+    printf("\nKV capacity of --kv-cache-memory %zu MiB:", pl->kv_memory >> 20);
+    size_t tokens0 = 0;
+    for (int d = 0; d < N_KV_DTYPES; d++) {
+        size_t bb = tdm_kv_block_bytes(&kc);
+        size_t blocks = bb ? pl->kv_memory / bb : 0;
+        if (d == 0)
+            tokens0 = blocks * 16;
+        printf("  %s %zu blocks = %zu tokens (%zu bytes/token)", kv_dtype_names[d], blocks,
+               blocks * 16, bb / 16);
+        if (d > 0 && tokens0 > 0)
+            printf(" = %.2fx %s", (double)(blocks * 16) / (double)tokens0, kv_dtype_names[0]);
+    }
+    printf("\n");
 }
 
 // Parses "1,8,32" into out[] (each in [lo, hi], at most MAX_POINTS); false when bad.
@@ -290,6 +395,16 @@ static int set_prefill(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
+static int set_long_batches(void *o, const char *v, char *err, size_t errlen)
+{
+    struct plan *pl = &((struct bench_args *)o)->pl;
+    if (!parse_list(v, 1, MAX_BATCH, pl->long_batches, &pl->n_long))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--long-batches wants up to %d sizes in [1, %d], comma-separated",
+                          MAX_POINTS, MAX_BATCH);
+    return TDM_OK;
+}
+
 static const struct tdm_flag bench_flags[] = {
     {.name = "model",
      .kind = TDM_FLAG_PTR,
@@ -324,6 +439,23 @@ static const struct tdm_flag bench_flags[] = {
      .fn = set_prefill,
      .metavar = "LIST",
      .help = "prefill lengths in tokens, comma-separated (default 512)"},
+    {.name = "long-context",
+     .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct bench_args, pl.long_ctx),
+     .min = 0,
+     .max = 32768,
+     .metavar = "N",
+     .help = "decode at N tokens of context, per KV cache dtype (default 4096; 0 skips)"},
+    {.name = "long-batches",
+     .kind = TDM_FLAG_FN,
+     .fn = set_long_batches,
+     .metavar = "LIST",
+     .help = "batch sizes decoded at --long-context (default 1,8)"},
+    {.name = "kv-cache-memory",
+     .kind = TDM_FLAG_BYTES,
+     .offset = offsetof(struct bench_args, pl.kv_memory),
+     .metavar = "BYTES",
+     .help = "budget of the KV capacity line (default 256MiB, the workers' default)"},
     {.name = "json",
      .kind = TDM_FLAG_PTR,
      .offset = offsetof(struct bench_args, json),
@@ -353,7 +485,14 @@ int main(int argc, char **argv)
     struct bench_args a = {
         .threads = 2,
         .steps = 8,
-        .pl = {.batches = {1, 8, 32}, .n_batches = 3, .prefill = {PREFILL}, .n_prefill = 1},
+        .pl = {.batches = {1, 8, 32},
+               .n_batches = 3,
+               .prefill = {PREFILL},
+               .n_prefill = 1,
+               .long_ctx = 4096,
+               .long_batches = {1, 8},
+               .n_long = 2,
+               .kv_memory = (size_t)256 << 20},
     };
     int exit_code = 0;
     if (tdm_flags_main(&bench_table, &a, argc, argv, NULL, 0, NULL, "tandem-bench-engine",
@@ -442,6 +581,21 @@ int main(int argc, char **argv)
                        r->prefill_flops[i] / r->prefill_s[i] / fma);
         }
     }
+    if (pl.long_ctx > 0) {
+        printf("\ndecode at %d tokens of context (bf16 weights), by KV cache dtype:\n",
+               pl.long_ctx);
+        for (int i = 0; i < pl.n_long; i++) {
+            printf("  batch %-3d", pl.long_batches[i]);
+            for (int d = 0; d < N_KV_DTYPES; d++)
+                printf("  %s %8.1f tok/s (%6.1f ms/step)", kv_dtype_names[d],
+                       pl.long_batches[i] / res[0].long_s[d][i], res[0].long_s[d][i] * 1e3);
+            for (int d = 1; d < N_KV_DTYPES; d++)
+                printf("  %s/%s %.2f", kv_dtype_names[d], kv_dtype_names[0],
+                       res[0].long_s[0][i] / res[0].long_s[d][i]);
+            printf("\n");
+        }
+    }
+    print_capacity(&res[0].kc, &pl);
     if (json != NULL && write_json(json, names[0], (size_t)threads, &pl, &res[0]) != 0) {
         fprintf(stderr, "tandem-bench-engine: --json %s: cannot write\n", json);
         return 1;
