@@ -151,13 +151,14 @@ class Worker:
 
 class Cluster:
     def __init__(self, args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always",
-                 extra_yaml="", model=None, worker_args=()):
+                 extra_yaml="", model=None, worker_args=(), prefill_args=(), decode_args=()):
         self.args = args
         # The control plane runs authenticated, as tandem up and the k8s
         # manifests run it: every process of the cluster inherits one secret.
         os.environ.setdefault("TANDEM_INTERNAL_SECRET", os.urandom(24).hex())
         self.model = model or make_model(args)
         self.worker_args = list(worker_args)  # appended to every worker's flags (override)
+        self.kind_args = {"prefill": list(prefill_args), "decode": list(decode_args)}  # then these
         self.prefill = [Worker("prefill", i, free_port(), free_port()) for i in range(n_prefill)]
         self.decode = [Worker("decode", i, free_port(), free_port()) for i in range(n_decode)]
         self.router_port = free_port()
@@ -191,7 +192,7 @@ class Cluster:
         binary = self.args.prefill if w.kind == "prefill" else self.args.decode
         cmd = [binary, "--model", self.model, "--host", "127.0.0.1", "--port", str(w.http_port),
                "--nng-url", "tcp://127.0.0.1:%d" % w.nng_port, "--threads", "1",
-               "--kv-cache-memory", "64MiB"] + self.worker_args
+               "--kv-cache-memory", "64MiB"] + self.worker_args + self.kind_args[w.kind]
         w.proc = subprocess.Popen(cmd, stdout=self._log("%s%d" % (w.kind, w.idx)),
                                   stderr=subprocess.STDOUT)
         register(w.proc)
@@ -224,6 +225,13 @@ class Cluster:
         self.wait_health(self.router_port, self.router_proc)
         time.sleep(0.6)  # first load reports
         return self
+
+    def stop(self):
+        """Ends the router and every worker (a test may then start another cluster)."""
+        for p in [self.router_proc] + [w.proc for w in self.workers()]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=20)
 
     def kill(self, w, sig=signal.SIGKILL):
         w.proc.send_signal(sig)
