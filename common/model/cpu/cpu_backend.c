@@ -725,6 +725,9 @@ struct attn_job {
 // Query heads of one GQA group handled together: the group shares each K/V
 // chunk, read once from L2 into L1 for all of them.
 #define ATTN_MAX_GROUP 8
+// Largest head_dim whose bf16 chunk is widened into a stack buffer once per
+// group; a larger one uses the kernels that widen as they read.
+#define ATTN_WIDEN_MAX_HD 256
 
 // One query row, heads h0..h0+nh-1 (all on KV head kvh): online softmax over
 // positions 0..p in chunks of at most CPU_ATTN_CHUNK that never cross a block,
@@ -739,6 +742,9 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
     float *acc = j->out + (size_t)(sq->row + i) * j->n_heads * hd + (size_t)h0 * hd;
     float s[ATTN_MAX_GROUP][CPU_ATTN_CHUNK];
     float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
+    // One bf16 chunk widened (K and V): 32 KiB of stack at most.
+    float kw[CPU_ATTN_CHUNK * ATTN_WIDEN_MAX_HD] __attribute__((aligned(64)));
+    float vw[CPU_ATTN_CHUNK * ATTN_WIDEN_MAX_HD] __attribute__((aligned(64)));
     for (int g = 0; g < nh; g++)
         m[g] = -INFINITY, l[g] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)hd * nh);
@@ -761,14 +767,43 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
             memset(acc, 0, sizeof(float) * (size_t)hd * nh);
             return;
         }
+        // Prefetch the next chunk's keys and values (another block, usually
+        // another page, which the hardware prefetcher does not cross to):
+        // decode attention at long context waits on these reads.
+        if (pos + nk <= p) {
+            int nblk = sq->block_table[(pos + nk) / bs], nslot = (pos + nk) % bs;
+            int nn = bs - nslot < CPU_ATTN_CHUNK ? bs - nslot : CPU_ATTN_CHUNK;
+            size_t es = j->bf16 ? 2 : 4, noff = ((size_t)kvh * bs + nslot) * hd * es;
+            const uint8_t *nk_p = j->bf16 ? (const uint8_t *)tdm_kv_k_bf16(j->kv, j->layer, nblk)
+                                          : (const uint8_t *)tdm_kv_k(j->kv, j->layer, nblk);
+            const uint8_t *nv_p = j->bf16 ? (const uint8_t *)tdm_kv_v_bf16(j->kv, j->layer, nblk)
+                                          : (const uint8_t *)tdm_kv_v(j->kv, j->layer, nblk);
+            if (nk_p && nv_p)
+                for (size_t b = 0; b < (size_t)nn * hd * es; b += 64) {
+                    __builtin_prefetch(nk_p + noff + b);
+                    __builtin_prefetch(nv_p + noff + b);
+                }
+        }
+        // A bf16 chunk is widened once for the whole group (exactly: the f32
+        // kernels then compute what the bf16 kernels would, bit for bit), so
+        // the group's heads do not each widen it again.
+        const float *kc, *vc;
+        bool widened = j->bf16 && hd <= ATTN_WIDEN_MAX_HD;
+        if (widened) {
+            j->k->widen_bf16((const uint16_t *)kb + off, kw, (size_t)nk * hd);
+            j->k->widen_bf16((const uint16_t *)vb + off, vw, (size_t)nk * hd);
+            kc = kw, vc = vw;
+        } else {
+            kc = (const float *)kb + off, vc = (const float *)vb + off;
+        }
         // Stage by stage over the group's heads: the heads are independent,
         // so the CPU overlaps one head's dependency chain with the next's.
         float mc[ATTN_MAX_GROUP], corr[ATTN_MAX_GROUP];
         for (int g = 0; g < nh; g++)
-            mc[g] = j->bf16 ? j->k->attn_scores_bf16(q + (size_t)g * hd, (const uint16_t *)kb + off,
-                                                     nk, hd, j->scale, s[g])
-                            : j->k->attn_scores(q + (size_t)g * hd, (const float *)kb + off, nk,
-                                                hd, j->scale, s[g]);
+            mc[g] = j->bf16 && !widened
+                        ? j->k->attn_scores_bf16(q + (size_t)g * hd, (const uint16_t *)kb + off,
+                                                 nk, hd, j->scale, s[g])
+                        : j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale, s[g]);
         for (int g = 0; g < nh; g++) {
             float m_new = mc[g] > m[g] ? mc[g] : m[g];
             corr[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
@@ -776,12 +811,11 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
             m[g] = m_new;
         }
         for (int g = 0; g < nh; g++) {
-            if (j->bf16)
+            if (j->bf16 && !widened)
                 j->k->attn_accum_bf16(acc + (size_t)g * hd, corr[g], s[g],
                                       (const uint16_t *)vb + off, nk, hd);
             else
-                j->k->attn_accum(acc + (size_t)g * hd, corr[g], s[g], (const float *)vb + off, nk,
-                                 hd);
+                j->k->attn_accum(acc + (size_t)g * hd, corr[g], s[g], vc, nk, hd);
         }
         pos += nk;
     }

@@ -129,6 +129,8 @@ struct cpu_kernels {
                               float *s);
     void (*attn_accum_bf16)(float *acc, float corr, const float *p, const uint16_t *v, int nk,
                             int head_dim);
+    // dst[i] = src[i] widened exactly to f32, i < n.
+    void (*widen_bf16)(const uint16_t *src, float *dst, size_t n);
 };
 
 extern const struct cpu_kernels cpu_kernels_portable;

@@ -376,6 +376,15 @@ AI void accum_impl(float *acc, float corr, const float *p, const void *v, bool b
     }
 }
 
+static void widen_bf16(const uint16_t *src, float *dst, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, kv_load8(src, true, i, 8));
+    for (; i < n; i++)
+        dst[i] = cpu_bf16_to_f32(src[i]);
+}
+
 static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
 {
     accum_impl(acc, corr, p, v, false, nk, hd);
@@ -399,6 +408,7 @@ const struct cpu_kernels cpu_kernels_avx2 = {
     .attn_accum = attn_accum,
     .attn_scores_bf16 = attn_scores_bf16,
     .attn_accum_bf16 = attn_accum_bf16,
+    .widen_bf16 = widen_bf16,
 };
 
 #endif

@@ -522,6 +522,14 @@ AI void accum_impl(float *acc, float corr, const float *p, const void *v, bool b
     }
 }
 
+static void widen_bf16(const uint16_t *src, float *dst, size_t n)
+{
+    for (size_t i = 0; i < n; i += 16) {
+        __mmask16 m = lanes_mask(n - i < 16 ? (int)(n - i) : 16);
+        _mm512_mask_storeu_ps(dst + i, m, kv_load(src, true, i, m));
+    }
+}
+
 static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
 {
     if (hd == 64)
@@ -551,6 +559,7 @@ const struct cpu_kernels cpu_kernels_avx512 = {
     .attn_accum = attn_accum,
     .attn_scores_bf16 = attn_scores_bf16,
     .attn_accum_bf16 = attn_accum_bf16,
+    .widen_bf16 = widen_bf16,
 };
 
 #endif

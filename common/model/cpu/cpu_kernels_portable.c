@@ -144,6 +144,12 @@ static void attn_accum_bf16(float *acc, float corr, const float *p, const uint16
     }
 }
 
+static void widen_bf16(const uint16_t *src, float *dst, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        dst[i] = cpu_bf16_to_f32(src[i]);
+}
+
 const struct cpu_kernels cpu_kernels_portable = {
     .name = "portable",
     .mm_prep_x = NULL,
@@ -154,4 +160,5 @@ const struct cpu_kernels cpu_kernels_portable = {
     .attn_accum = attn_accum,
     .attn_scores_bf16 = attn_scores_bf16,
     .attn_accum_bf16 = attn_accum_bf16,
+    .widen_bf16 = widen_bf16,
 };
