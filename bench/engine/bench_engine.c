@@ -70,6 +70,7 @@ struct result {
     // Decode at long context (bf16 weights only): seconds per step at
     // long_batches[i] sequences of a.long_ctx tokens each, per KV cache dtype.
     double long_s[2][MAX_POINTS];
+    double short_s[2]; // batch 1 at PROMPT tokens of context, per KV cache dtype (alternating)
     struct tdm_kv_config kc; // the model's KV geometry (block_size 16)
     const char *long_skip;   // why the long-context figures were not measured (NULL: measured)
     char device[32]; // the backend the model ran on (tdm_model_opts.backend)
@@ -320,6 +321,9 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
             for (int d = 0; d < N_KV_DTYPES; d++)
                 r->long_s[d][i] = best[d];
         }
+        // The short-context b1 step with either cache, alternating too: bf16
+        // must not cost the bandwidth-bound step anything.
+        time_long(m, kvs, N_KV_DTYPES, 1, PROMPT, steps, logits, r->short_s);
         for (int d = 0; d < N_KV_DTYPES; d++)
             tdm_kv_free(kvs[d]);
     }
@@ -644,6 +648,11 @@ int main(int argc, char **argv)
                        res[0].long_s[0][i] / res[0].long_s[d][i]);
             printf("\n");
         }
+        printf("  b1 at %d tokens: f32 %6.1f ms/step, bf16 %6.1f ms/step, bf16/f32 %.2f (b1 "
+               "step / weight read with bf16: %.2f)\n",
+               PROMPT, res[0].short_s[0] * 1e3, res[0].short_s[1] * 1e3,
+               res[0].short_s[0] / res[0].short_s[1],
+               res[0].short_s[1] / ((double)res[0].weight_bytes / bw));
     }
     print_capacity(&res[0].kc, &pl);
     if (json != NULL && write_json(json, names[0], (size_t)threads, &pl, &res[0]) != 0) {
