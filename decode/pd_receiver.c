@@ -449,7 +449,8 @@ static int remote_send_prefill(void *ctx, double timeout_s, char *err, size_t er
         pr.traceparent = tp;
         pr.tracestate = tc.tracestate;
     }
-    struct tdm_pd_push push = {x->first_block, x->num_blocks, rx->cfg.layers_per_frame};
+    struct tdm_pd_push push = {x->first_block, x->num_blocks, rx->cfg.layers_per_frame,
+                               rx->kvc.dtype};
     struct tdm_kv_header kvh;
     tdm_pd_push_to_proto(&pr, &push, &rx->kvc, rx->parts.served_name, &kvh);
     return tdm_pd_send(rx->net.outbox, x->t->url, TDM_NET_PREFILL, &pr.base, NULL, 0, timeout_s,
@@ -1176,6 +1177,9 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
     }
     tdm_model_kv_config(rx->parts.model, &rx->kvc);
     rx->kvc.block_size = rx->parts.block_size;
+    // Our pool's dtype: what the PrefillRequest's kv header asks the prefill
+    // worker to send (it converts when its pool differs).
+    rx->kvc.dtype = tdm_engine_kv_dtype(rx->parts.engine);
     rc = tdm_pd_metrics_register(&rx->m, rx->parts.reg, &metric_names, err, errlen);
     if (rc != TDM_OK)
         goto fail;

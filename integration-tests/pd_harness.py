@@ -168,7 +168,7 @@ class Worker:
 class Cluster:
     def __init__(self, args, n_prefill=2, n_decode=2, policy="round_robin", pd_mode="always",
                  extra_yaml="", model=None, worker_args=(), deadline_s=120, router_args=(),
-                 health=(0.5, 0.5, 2)):
+                 health=(0.5, 0.5, 2), prefill_args=(), decode_args=()):
         self.args = args
         # Active health checks: interval, timeout (s), failures -> unhealthy. The
         # tests' default is fast to notice a kill; the soak uses the router's own
@@ -181,6 +181,7 @@ class Cluster:
         os.environ.setdefault("TANDEM_INTERNAL_SECRET", os.urandom(24).hex())
         self.model = model or make_model(args)
         self.worker_args = list(worker_args)  # appended to every worker's flags (override)
+        self.kind_args = {"prefill": list(prefill_args), "decode": list(decode_args)}  # then these
         self.prefill = [Worker("prefill", i, free_port(), free_port()) for i in range(n_prefill)]
         self.decode = [Worker("decode", i, free_port(), free_port()) for i in range(n_decode)]
         self.router_port = free_port()
@@ -215,7 +216,7 @@ class Cluster:
         binary = self.args.prefill if w.kind == "prefill" else self.args.decode
         cmd = [binary, "--model", self.model, "--host", "127.0.0.1", "--port", str(w.http_port),
                "--nng-url", "tcp://127.0.0.1:%d" % w.nng_port, "--threads", "1",
-               "--kv-cache-memory", "64MiB"] + self.worker_args
+               "--kv-cache-memory", "64MiB"] + self.worker_args + self.kind_args[w.kind]
         w.proc = subprocess.Popen(cmd, stdout=self._log("%s%d" % (w.kind, w.idx)),
                                   stderr=subprocess.STDOUT)
         register(w.proc)
@@ -253,6 +254,13 @@ class Cluster:
         register(self.router_proc)
         self.wait_health(self.router_port, self.router_proc)
         time.sleep(settle)
+
+    def stop(self):
+        """Ends the router and every worker (a test may then start another cluster)."""
+        for p in [self.router_proc] + [w.proc for w in self.workers()]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=20)
 
     def kill(self, w, sig=signal.SIGKILL):
         w.proc.send_signal(sig)

@@ -201,18 +201,27 @@ struct export_arg {
     int first_layer, num_layers;
 };
 
+// Bytes of one layer of job's push: its blocks in the dtype the decode worker
+// asked for (its pool's; ours is converted on export when they differ).
+static size_t push_layer_bytes(const struct tdm_prefill_service *p, const struct pjob *job)
+{
+    struct tdm_kv_config k = p->kvc;
+    k.dtype = job->push.dtype;
+    return tdm_pd_layer_bytes(&k, job->push.num_blocks);
+}
+
 // Fills a KvData payload: layer after layer, straight from the engine's blocks
 // (final layers only: the engine refuses the others).
 static int export_fill(void *arg, uint8_t *payload, size_t payload_len)
 {
     struct export_arg *a = arg;
-    size_t lb = tdm_pd_layer_bytes(&a->svc->kvc, a->job->push.num_blocks);
+    size_t lb = push_layer_bytes(a->svc, a->job);
     if (lb * (size_t)a->num_layers != payload_len)
         return TDM_EINVAL;
     for (int l = 0; l < a->num_layers; l++) {
-        int rc = tdm_engine_export_layer(a->svc->parts.engine, a->job->req, a->first_layer + l,
-                                         a->job->push.first_block, a->job->push.num_blocks,
-                                         payload + (size_t)l * lb, lb);
+        int rc = tdm_engine_export_layer_as(a->svc->parts.engine, a->job->req, a->first_layer + l,
+                                            a->job->push.first_block, a->job->push.num_blocks,
+                                            a->job->push.dtype, payload + (size_t)l * lb, lb);
         if (rc != TDM_OK)
             return rc;
     }
@@ -232,7 +241,7 @@ static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first
     d.num_layers = n;
     d.first_block = job->push.first_block;
     d.num_blocks = job->push.num_blocks;
-    size_t bytes = tdm_pd_layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
+    size_t bytes = push_layer_bytes(p, job) * (size_t)n;
     return tdm_pd_send_fill(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
                             export_fill, &a, p->cfg.send_timeout, err, errlen);
 }
@@ -303,6 +312,7 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
     bool ok = c.finished && c.kv_held && have_token && !push_failed;
     if (ok && tdm_engine_kv_header(e, job->req, p->parts.served_name, &h) != TDM_OK)
         ok = false;
+    h.dtype = (int32_t)job->push.dtype; // the payload sent: the dtype asked for
     if (ok) {
         r.first_token = first_token;
         r.logprob = first_lp;
@@ -416,7 +426,7 @@ static void *job_main(void *arg)
             if (rc == TDM_OK) {
                 // Counted per frame at once: the decode worker may be done
                 // with the request before this job gets to its end.
-                size_t fb = tdm_pd_layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
+                size_t fb = push_layer_bytes(p, job) * (size_t)n;
                 tdm_metrics_counter_add(p->m.bytes, (double)fb);
                 sent += n;
                 bytes += fb;
@@ -727,6 +737,7 @@ int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker 
     }
     tdm_model_kv_config(p->parts.model, &p->kvc);
     p->kvc.block_size = p->parts.block_size;
+    p->kvc.dtype = tdm_engine_kv_dtype(p->parts.engine);
     rc = tdm_pd_metrics_register(&p->m, p->parts.reg, &metric_names, err, errlen);
     if (rc != TDM_OK)
         goto fail;

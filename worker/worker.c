@@ -235,6 +235,7 @@ static int kv_pool_blocks(struct tdm_worker *s, char *err, size_t errlen)
     tdm_model_kv_config(s->model, &kc);
     kc.block_size = cfg->block_size;
     kc.num_blocks = 1;
+    kc.dtype = cfg->kv_cache_dtype;
     size_t bb = tdm_kv_block_bytes(&kc);
     int nb = cfg->num_kv_blocks;
     if (nb == 0) {
@@ -314,6 +315,7 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     mcfg.cache.num_cpu_blocks = -1;
     mcfg.cache.gpu_memory_utilization = cfg->gpu_memory_utilization;
     mcfg.cache.enable_prefix_caching = cfg->enable_prefix_caching;
+    mcfg.cache.cache_dtype = tdm_kv_dtype_name(cfg->kv_cache_dtype);
     rc = tdm_metrics_vllm_register(&s->metrics, s->reg, &mcfg, err, errlen);
     if (rc != TDM_OK)
         return rc;
@@ -343,6 +345,7 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     ec.block_size = cfg->block_size;
     ec.num_blocks = nb;
     ec.enable_prefix_caching = cfg->enable_prefix_caching;
+    ec.kv_dtype = cfg->kv_cache_dtype;
     ec.max_num_batched_tokens = cfg->max_num_batched_tokens;
     ec.max_num_seqs = cfg->max_num_seqs;
     ec.max_model_len = s->max_model_len;

@@ -27,6 +27,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kv_cache.h" // enum tdm_kv_dtype
+
 // ---- configuration -------------------------------------------------------------------
 #define TDM_WORKER_STR 1024 // room for one path or name in the config
 
@@ -47,6 +49,7 @@ struct tdm_worker_config {
     size_t kv_cache_memory;                 // --kv-cache-memory BYTES; default 256 MiB
     int num_kv_blocks;                      // --num-kv-blocks; 0 = from kv_cache_memory
     bool enable_prefix_caching;             // --[no-]enable-prefix-caching; default on
+    enum tdm_kv_dtype kv_cache_dtype;       // --kv-cache-dtype auto|bf16|f32; default auto = bf16
     char api_key[256];                      // --api-key; "" = none
     int threads;                            // --threads (compute); 0 = one per core
     char device[32];                        // --device cpu|cuda|cuda:N; "" = auto

@@ -27,6 +27,7 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->kv_cache_memory = (size_t)256 << 20;
     cfg->gpu_memory_utilization = 0.9;
     cfg->enable_prefix_caching = true;
+    cfg->kv_cache_dtype = TDM_KV_BF16; // auto
     cfg->max_waiting = 1024;
     cfg->drain_timeout = 30.0;
     snprintf(cfg->log_level, sizeof cfg->log_level, "info");
@@ -48,6 +49,15 @@ static int set_block_size(void *o, const char *v, char *err, size_t errlen)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "--block-size: expected a power of two in [1, 1024], got \"%s\"", v);
     cfg->block_size = (int)x;
+    return TDM_OK;
+}
+
+static int set_kv_cache_dtype(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_worker_config *cfg = o;
+    char e[200];
+    if (tdm_kv_dtype_parse(v, &cfg->kv_cache_dtype, e, sizeof e) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--kv-cache-dtype: %s", e);
     return TDM_OK;
 }
 
@@ -181,6 +191,13 @@ static const struct tdm_flag decode_flags[] = {
         "KV pool size in blocks (overrides the above)"),
     INT("num-gpu-blocks-override", num_kv_blocks, 1, INT_MAX / 1024, "N",
         "vLLM's name for --num-kv-blocks"),
+    {.name = "kv-cache-dtype",
+     .kind = TDM_FLAG_FN,
+     .fn = set_kv_cache_dtype,
+     .metavar = "auto|bf16|f32",
+     .help = "KV cache element type (default auto = bf16: half the\nmemory and P/D transfer "
+             "bytes of f32; f32 for exact-\nreference runs; the CUDA backend keeps\n"
+             "TANDEM_CUDA_KV_DTYPE)"},
     {.name = "enable-prefix-caching",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(enable_prefix_caching),

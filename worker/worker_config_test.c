@@ -44,6 +44,7 @@ static void test_defaults(void **state)
     assert_int_equal(c.max_num_seqs, 64);
     assert_int_equal(c.max_num_batched_tokens, 512);
     assert_int_equal(c.kv_cache_memory, (size_t)256 << 20);
+    assert_int_equal(c.kv_cache_dtype, TDM_KV_BF16); // auto
     assert_int_equal(c.max_waiting, 1024);
     assert_false(c.int8);
     assert_string_equal(c.api_key, "");
@@ -121,6 +122,19 @@ static void test_bad_flags(void **state)
                      TDM_EINVAL);
     assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-cache-memory", "2QB"),
                      TDM_EINVAL);
+    // --kv-cache-dtype: vLLM's flag; auto is bf16, f32 the exact reference.
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-cache-dtype", "f32"),
+                     TDM_OK);
+    assert_int_equal(c.kv_cache_dtype, TDM_KV_F32);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-cache-dtype", "auto"),
+                     TDM_OK);
+    assert_int_equal(c.kv_cache_dtype, TDM_KV_BF16);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-cache-dtype", "bf16"),
+                     TDM_OK);
+    assert_int_equal(c.kv_cache_dtype, TDM_KV_BF16);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-cache-dtype", "fp8"),
+                     TDM_EINVAL);
+    assert_non_null(strstr(err, "--kv-cache-dtype: kv cache dtype 'fp8': expected auto (bf16)"));
     assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "stray"), TDM_EINVAL);
     assert_int_equal(parse(&c, err, sizeof err, 2, "--help"), 1);
 }

@@ -10,6 +10,11 @@
 //                             + one lm_head row) / the probed f32 FMA peak (goal >= 0.5);
 //                             also / the bf16 dot-product peak, the real limit of
 //                             the AVX-512 BF16 path (vdpbf16ps)
+//   decode at long context    tokens/s at --long-context tokens (4096) per KV cache
+//                             dtype and the ratio bf16/f32 (goal >= 1.3 where the
+//                             KV read dominates), steps of both caches alternating
+//   KV capacity               blocks and tokens --kv-cache-memory holds per dtype
+//                             (goal: bf16 2x f32)
 // plus tokens/s for decode and prefill and the peak RSS. Without --model it writes
 // the Qwen2.5-0.5B-shaped random model into the build folder once and reuses it.
 // --batches and --prefill choose other decode batch sizes (up to 64) and prefill
@@ -18,6 +23,8 @@
 // mode's figures for bench/gpu/check.sh (tandem-gpu-report reads them).
 // Usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only]
 //                            [--batches LIST] [--prefill LIST] [--json FILE]
+//                            [--kv-cache-dtype auto|bf16|f32] [--long-context N]
+//                            [--long-batches LIST] [--kv-cache-memory BYTES]
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,13 +51,28 @@
 struct plan {
     int batches[MAX_POINTS], n_batches;
     int prefill[MAX_POINTS], n_prefill;
+    int long_ctx;                      // --long-context: tokens of context (0 = skip)
+    int long_batches[MAX_POINTS], n_long; // --long-batches
+    size_t kv_memory;                  // --kv-cache-memory: the capacity line's budget
+    enum tdm_kv_dtype kv_dtype;        // --kv-cache-dtype of the main table (default bf16)
 };
+
+// KV cache element types compared at long context (the first is the reference).
+#define N_KV_DTYPES 2
+static const enum tdm_kv_dtype kv_dtypes[N_KV_DTYPES] = {TDM_KV_F32, TDM_KV_BF16};
+static const char *const kv_dtype_names[N_KV_DTYPES] = {"f32", "bf16"};
 
 struct result {
     double decode_s[MAX_POINTS];  // seconds per decode step at plan.batches[i]
     double prefill_s[MAX_POINTS]; // seconds for one prefill of plan.prefill[i] tokens
     double prefill_flops[MAX_POINTS];
     size_t weight_bytes;
+    // Decode at long context (bf16 weights only): seconds per step at
+    // long_batches[i] sequences of a.long_ctx tokens each, per KV cache dtype.
+    double long_s[2][MAX_POINTS];
+    double short_s[2]; // batch 1 at PROMPT tokens of context, per KV cache dtype (alternating)
+    struct tdm_kv_config kc; // the model's KV geometry (block_size 16)
+    const char *long_skip;   // why the long-context figures were not measured (NULL: measured)
     char device[32]; // the backend the model ran on (tdm_model_opts.backend)
 };
 
@@ -120,6 +142,70 @@ static double time_decode(struct tdm_model *m, struct tdm_kv_cache *kv, int batc
     for (int s = 0; s < batch; s++)
         tdm_kv_seq_release(kv, &seqs[s]);
     return best;
+}
+
+// Decode steps of `batch` sequences that already hold ctx tokens of KV, in each
+// of the n caches kvs (one per KV dtype): the context's KV is written straight
+// into the caches (the same deterministic values in [-1, 1], through
+// tdm_kv_import_layer_as from f32) instead of prefilling it, which would take
+// minutes at 4096 tokens on a small machine; a decode step costs the same
+// either way (it reads every position's K and V). The caches take turns step
+// by step, so a disturbance of the shared machine hits them alike. best[d]:
+// the best seconds per step of kvs[d].
+static void time_long(struct tdm_model *m, struct tdm_kv_cache **kvs, int n, int batch, int ctx,
+                      int steps, float *logits, double *best)
+{
+    const struct tdm_model_config *c = tdm_model_config(m);
+    const struct tdm_kv_config *kc = tdm_kv_config(kvs[0]);
+    static struct tdm_kv_seq seqs[N_KV_DTYPES][MAX_BATCH];
+    struct tdm_batch_seq b[MAX_BATCH];
+    static int32_t tok[N_KV_DTYPES][MAX_BATCH];
+    int nb = (ctx + kc->block_size - 1) / kc->block_size;
+    size_t lb = tdm_kv_layer_bytes_as(kvs[0], nb, TDM_KV_F32);
+    size_t nf = lb / sizeof(float);
+    float *buf = malloc(lb);
+    if (buf == NULL)
+        die("kv", "out of memory for the context fill");
+    uint32_t x = 12345;
+    for (size_t i = 0; i < nf; i++) {
+        x = x * 1664525u + 1013904223u;
+        buf[i] = (float)(x >> 8) / 8388608.0f - 1.0f;
+    }
+    for (int d = 0; d < n; d++) {
+        best[d] = 1e30;
+        for (int s = 0; s < batch; s++) {
+            tdm_kv_seq_init(&seqs[d][s]);
+            if (tdm_kv_reserve(kvs[d], &seqs[d][s], ctx + steps + 2) != TDM_OK)
+                die("kv", "cache too small for the long context");
+            for (int l = 0; l < kc->num_layers; l++)
+                if (tdm_kv_import_layer_as(kvs[d], &seqs[d][s], l, 0, nb, TDM_KV_F32, buf, lb) !=
+                    TDM_OK)
+                    die("kv import", tdm_kv_errmsg(kvs[d]));
+            tok[d][s] = (int32_t)((s * 7919 + 17) % (c->vocab_size - 3));
+        }
+    }
+    free(buf);
+    for (int step = 0; step <= steps; step++) { // step 0 warms up
+        for (int d = 0; d < n; d++) {
+            for (int s = 0; s < batch; s++)
+                b[s] = (struct tdm_batch_seq){.tokens = &tok[d][s],
+                                              .n_tokens = 1,
+                                              .start_pos = ctx + step,
+                                              .block_table = seqs[d][s].block_table,
+                                              .logits = TDM_LOGITS_LAST};
+            double t0 = tdm_now();
+            if (tdm_model_forward(m, kvs[d], b, batch, logits) != TDM_OK)
+                die("forward", "long-context decode failed");
+            double dt = tdm_now() - t0;
+            if (step > 0 && dt < best[d])
+                best[d] = dt;
+            for (int s = 0; s < batch; s++)
+                tok[d][s] = argmax(logits + (size_t)s * c->vocab_size, c->vocab_size);
+        }
+    }
+    for (int d = 0; d < n; d++)
+        for (int s = 0; s < batch; s++)
+            tdm_kv_seq_release(kvs[d], &seqs[d][s]);
 }
 
 static double time_prefill(struct tdm_model *m, struct tdm_kv_cache *kv, int n, int reps,
@@ -192,6 +278,7 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
     memset(&kc, 0, sizeof kc);
     tdm_model_kv_config(m, &kc);
     kc.block_size = 16;
+    kc.dtype = pl->kv_dtype;
     kc.num_blocks = max_batch * ((PROMPT + steps + 2 + 15) / 16) + max_prefill / 16 + 8;
     struct tdm_kv_cache *kv;
     if (tdm_model_kv_new(m, &kc, &kv, err, sizeof err) != TDM_OK)
@@ -201,16 +288,69 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
         die("logits", "out of memory");
 
     r->weight_bytes = tdm_model_weight_bytes(m);
+    r->kc = kc;
     for (int i = 0; i < pl->n_batches; i++)
         r->decode_s[i] = time_decode(m, kv, pl->batches[i], steps, logits);
     for (int i = 0; i < pl->n_prefill; i++) {
         r->prefill_s[i] = time_prefill(m, kv, pl->prefill[i], 2, logits);
         r->prefill_flops[i] = prefill_flops(c, pl->prefill[i]);
     }
-
-    free(logits);
     tdm_kv_free(kv);
+    kv = NULL;
+    // Long context: a cache of each dtype just big enough for the largest batch.
+    r->long_skip = NULL;
+    if (strcmp(r->device, "cpu") != 0)
+        r->long_skip = "the device backend chooses its own KV dtype (TANDEM_CUDA_KV_DTYPE)";
+    else if (pl->long_ctx + steps + 2 > c->max_position_embeddings)
+        r->long_skip = "the context exceeds the model's max_position_embeddings";
+    if (mode == TDM_WEIGHTS_BF16 && pl->long_ctx > 0 && r->long_skip == NULL) {
+        int lmax = 1;
+        for (int i = 0; i < pl->n_long; i++)
+            lmax = pl->long_batches[i] > lmax ? pl->long_batches[i] : lmax;
+        struct tdm_kv_cache *kvs[N_KV_DTYPES];
+        for (int d = 0; d < N_KV_DTYPES; d++) {
+            struct tdm_kv_config lc = kc;
+            lc.dtype = kv_dtypes[d];
+            lc.num_blocks = lmax * ((pl->long_ctx + steps + 2 + 15) / 16);
+            if (tdm_model_kv_new(m, &lc, &kvs[d], err, sizeof err) != TDM_OK)
+                die("kv (long context)", err);
+        }
+        for (int i = 0; i < pl->n_long; i++) {
+            double best[N_KV_DTYPES];
+            time_long(m, kvs, N_KV_DTYPES, pl->long_batches[i], pl->long_ctx, steps, logits, best);
+            for (int d = 0; d < N_KV_DTYPES; d++)
+                r->long_s[d][i] = best[d];
+        }
+        // The short-context b1 step with either cache, alternating too: bf16
+        // must not cost the bandwidth-bound step anything.
+        time_long(m, kvs, N_KV_DTYPES, 1, PROMPT, steps, logits, r->short_s);
+        for (int d = 0; d < N_KV_DTYPES; d++)
+            tdm_kv_free(kvs[d]);
+    }
+    free(logits);
     tdm_model_free(m);
+}
+
+// KV capacity of --kv-cache-memory per KV cache dtype, in blocks and tokens
+// (what a worker's pool holds: tdm_kv_block_bytes of the model's geometry).
+static void print_capacity(const struct tdm_kv_config *geo, const struct plan *pl)
+{
+    struct tdm_kv_config kc = *geo;
+    kc.num_blocks = 1;
+    printf("\nKV capacity of --kv-cache-memory %zu MiB:", pl->kv_memory >> 20);
+    size_t tokens0 = 0;
+    for (int d = 0; d < N_KV_DTYPES; d++) {
+        kc.dtype = kv_dtypes[d];
+        size_t bb = tdm_kv_block_bytes(&kc);
+        size_t blocks = bb ? pl->kv_memory / bb : 0;
+        if (d == 0)
+            tokens0 = blocks * 16;
+        printf("  %s %zu blocks = %zu tokens (%zu bytes/token)", kv_dtype_names[d], blocks,
+               blocks * 16, bb / 16);
+        if (d > 0 && tokens0 > 0)
+            printf(" = %.2fx %s", (double)(blocks * 16) / (double)tokens0, kv_dtype_names[0]);
+    }
+    printf("\n");
 }
 
 // Parses "1,8,32" into out[] (each in [lo, hi], at most MAX_POINTS); false when bad.
@@ -290,6 +430,25 @@ static int set_prefill(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
+static int set_long_batches(void *o, const char *v, char *err, size_t errlen)
+{
+    struct plan *pl = &((struct bench_args *)o)->pl;
+    if (!parse_list(v, 1, MAX_BATCH, pl->long_batches, &pl->n_long))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--long-batches wants up to %d sizes in [1, %d], comma-separated",
+                          MAX_POINTS, MAX_BATCH);
+    return TDM_OK;
+}
+
+static int set_kv_dtype(void *o, const char *v, char *err, size_t errlen)
+{
+    struct plan *pl = &((struct bench_args *)o)->pl;
+    char e[200];
+    if (tdm_kv_dtype_parse(v, &pl->kv_dtype, e, sizeof e) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--kv-cache-dtype: %s", e);
+    return TDM_OK;
+}
+
 static const struct tdm_flag bench_flags[] = {
     {.name = "model",
      .kind = TDM_FLAG_PTR,
@@ -324,6 +483,28 @@ static const struct tdm_flag bench_flags[] = {
      .fn = set_prefill,
      .metavar = "LIST",
      .help = "prefill lengths in tokens, comma-separated (default 512)"},
+    {.name = "long-context",
+     .kind = TDM_FLAG_INT,
+     .offset = offsetof(struct bench_args, pl.long_ctx),
+     .min = 0,
+     .max = 32768,
+     .metavar = "N",
+     .help = "decode at N tokens of context, per KV cache dtype (default 4096; 0 skips)"},
+    {.name = "long-batches",
+     .kind = TDM_FLAG_FN,
+     .fn = set_long_batches,
+     .metavar = "LIST",
+     .help = "batch sizes decoded at --long-context (default 1,8)"},
+    {.name = "kv-cache-memory",
+     .kind = TDM_FLAG_BYTES,
+     .offset = offsetof(struct bench_args, pl.kv_memory),
+     .metavar = "BYTES",
+     .help = "budget of the KV capacity line (default 256MiB, the workers' default)"},
+    {.name = "kv-cache-dtype",
+     .kind = TDM_FLAG_FN,
+     .fn = set_kv_dtype,
+     .metavar = "auto|bf16|f32",
+     .help = "KV cache of the main table (default auto = bf16, the workers' default)"},
     {.name = "json",
      .kind = TDM_FLAG_PTR,
      .offset = offsetof(struct bench_args, json),
@@ -343,7 +524,8 @@ static const struct tdm_flag bench_flags[] = {
 static const struct tdm_flags bench_table = {
     .usage = "usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only] "
              "[--batches LIST] [--prefill LIST] [--json FILE] [--device cpu|cuda|cuda:N]\n"
-             "       [--enforce-eager]\n",
+             "       [--enforce-eager] [--kv-cache-dtype auto|bf16|f32] [--long-context N] "
+             "[--long-batches LIST] [--kv-cache-memory BYTES]\n",
     .flags = bench_flags,
     .n = sizeof bench_flags / sizeof bench_flags[0],
 };
@@ -353,7 +535,15 @@ int main(int argc, char **argv)
     struct bench_args a = {
         .threads = 2,
         .steps = 8,
-        .pl = {.batches = {1, 8, 32}, .n_batches = 3, .prefill = {PREFILL}, .n_prefill = 1},
+        .pl = {.batches = {1, 8, 32},
+               .n_batches = 3,
+               .prefill = {PREFILL},
+               .n_prefill = 1,
+               .long_ctx = 4096,
+               .long_batches = {1, 8},
+               .n_long = 2,
+               .kv_memory = (size_t)256 << 20,
+               .kv_dtype = TDM_KV_BF16},
     };
     int exit_code = 0;
     if (tdm_flags_main(&bench_table, &a, argc, argv, NULL, 0, NULL, "tandem-bench-engine",
@@ -408,7 +598,7 @@ int main(int argc, char **argv)
     fma = fma2 > fma ? fma2 : fma;
     bf16_peak = bf16_peak2 > bf16_peak ? bf16_peak2 : bf16_peak;
 
-    printf("model %s, %d threads\n", dir, threads);
+    printf("model %s, %d threads, KV cache %s\n", dir, threads, tdm_kv_dtype_name(pl.kv_dtype));
     printf("machine (best of 2 probes): read %.2f GB/s, f32 FMA peak %.1f GFLOP/s, bf16 dot "
            "peak %.1f GFLOP/s\n\n",
            bw / 1e9, fma / 1e9, bf16_peak / 1e9);
@@ -442,13 +632,37 @@ int main(int argc, char **argv)
                        r->prefill_flops[i] / r->prefill_s[i] / fma);
         }
     }
+    if (pl.long_ctx > 0 && res[0].long_skip != NULL) {
+        printf("\ndecode at %d tokens of context: not measured (%s)\n", pl.long_ctx,
+               res[0].long_skip);
+    } else if (pl.long_ctx > 0) {
+        printf("\ndecode at %d tokens of context (bf16 weights), by KV cache dtype:\n",
+               pl.long_ctx);
+        for (int i = 0; i < pl.n_long; i++) {
+            printf("  batch %-3d", pl.long_batches[i]);
+            for (int d = 0; d < N_KV_DTYPES; d++)
+                printf("  %s %8.1f tok/s (%6.1f ms/step)", kv_dtype_names[d],
+                       pl.long_batches[i] / res[0].long_s[d][i], res[0].long_s[d][i] * 1e3);
+            for (int d = 1; d < N_KV_DTYPES; d++)
+                printf("  %s/%s %.2f", kv_dtype_names[d], kv_dtype_names[0],
+                       res[0].long_s[0][i] / res[0].long_s[d][i]);
+            printf("\n");
+        }
+        printf("  b1 at %d tokens: f32 %6.1f ms/step, bf16 %6.1f ms/step, bf16/f32 %.2f (b1 "
+               "step / weight read with bf16: %.2f)\n",
+               PROMPT, res[0].short_s[0] * 1e3, res[0].short_s[1] * 1e3,
+               res[0].short_s[0] / res[0].short_s[1],
+               res[0].short_s[1] / ((double)res[0].weight_bytes / bw));
+    }
+    print_capacity(&res[0].kc, &pl);
     if (json != NULL && write_json(json, names[0], (size_t)threads, &pl, &res[0]) != 0) {
         fprintf(stderr, "tandem-bench-engine: --json %s: cannot write\n", json);
         return 1;
     }
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    printf("\ngoals: b1/read <= 1.3, b32/b1 >= 10, pf/FMA >= 0.5 (prefill of %d tokens)\n",
+    printf("\ngoals: b1/read <= 1.3, b32/b1 >= 10, pf/FMA >= 0.5 (prefill of %d tokens); "
+           "long context bf16/f32 >= 1.3 (KV-bound batches), KV capacity bf16 = 2x f32\n",
            PREFILL);
     printf("reference (llama.cpp on this machine): bf16 33 tok/s decode, 340 tok/s prefill-512; "
            "Q8_0 40 / 227\n");

@@ -1241,6 +1241,7 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     tdm_model_kv_config(model, &kc);
     kc.block_size = cfg.block_size;
     kc.enable_prefix_caching = cfg.enable_prefix_caching;
+    kc.dtype = cfg.kv_dtype;
     if (cfg.num_blocks == 0) {
         kc.num_blocks = 1;
         size_t bb = tdm_kv_block_bytes(&kc);
@@ -1699,8 +1700,9 @@ int tdm_engine_kv_header(struct tdm_engine *e, struct tdm_engine_request *r, con
     return TDM_OK;
 }
 
-int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
-                            int first_block, int nblocks, void *dst, size_t dst_len)
+int tdm_engine_export_layer_as(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
+                               int first_block, int nblocks, int dtype, void *dst,
+                               size_t dst_len)
 {
     if (e == NULL || r == NULL || dst == NULL || r->engine != e)
         return TDM_EINVAL;
@@ -1715,35 +1717,38 @@ int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, 
     pthread_mutex_unlock(&r->mu);
     if (!ok)
         return TDM_EINVAL;
-    // Validated and copied here, in tdm_kv_export_layer's layout (K then V, each
-    // [nblocks][heads][block_size][head_dim]), rather than through it: its
-    // checks read block refcounts and write the cache's error text, both the
-    // engine thread's, which keeps running meanwhile. The lease keeps these
-    // blocks referenced, and nothing writes a final layer of them.
+    // Validated here and copied by tdm_kv_read_blocks, in tdm_kv_export_layer's
+    // layout (K then V, each [nblocks][heads][block_size][head_dim]), rather
+    // than through tdm_kv_export_layer: its checks read block refcounts and
+    // write the cache's error text, both the engine thread's, which keeps
+    // running meanwhile. The lease keeps these blocks referenced, and nothing
+    // writes a final layer of them.
     const struct tdm_kv_config *kc = tdm_kv_config(e->kv);
     int rc = TDM_EINVAL;
     if (layer >= 0 && layer < kc->num_layers && first_block >= 0 && nblocks >= 0 &&
         first_block <= r->seq.num_blocks && nblocks <= r->seq.num_blocks - first_block &&
-        dst_len == tdm_kv_layer_bytes(e->kv, nblocks)) {
-        size_t bb = dst_len / 2 / (nblocks > 0 ? (size_t)nblocks : 1); // one block of K
-        uint8_t *k_out = dst, *v_out = k_out + (size_t)nblocks * bb;
-        rc = TDM_OK;
-        for (int i = 0; i < nblocks && rc == TDM_OK; i++) {
-            int b = r->seq.block_table[first_block + i];
-            const float *k = tdm_kv_k(e->kv, layer, b), *v = tdm_kv_v(e->kv, layer, b);
-            if (k == NULL || v == NULL) {
-                rc = TDM_EINVAL;
-                break;
-            }
-            memcpy(k_out + (size_t)i * bb, k, bb);
-            memcpy(v_out + (size_t)i * bb, v, bb);
-        }
-    }
+        tdm_kv_dtype_size(dtype) > 0 && dst_len == tdm_kv_layer_bytes_as(e->kv, nblocks, dtype))
+        rc = tdm_kv_read_blocks(e->kv, layer, r->seq.block_table + first_block, nblocks, dtype,
+                                dst);
     pthread_mutex_lock(&r->mu);
     if (--r->exporting == 0)
         pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
     return rc;
+}
+
+int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
+                            int first_block, int nblocks, void *dst, size_t dst_len)
+{
+    if (e == NULL)
+        return TDM_EINVAL;
+    return tdm_engine_export_layer_as(e, r, layer, first_block, nblocks, tdm_kv_dtype(e->kv), dst,
+                                      dst_len);
+}
+
+enum tdm_kv_dtype tdm_engine_kv_dtype(const struct tdm_engine *e)
+{
+    return e ? tdm_kv_dtype(e->kv) : TDM_KV_F32;
 }
 
 int tdm_engine_import_wait(struct tdm_engine_request *r, double timeout_s, int *first_block,

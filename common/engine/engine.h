@@ -43,6 +43,8 @@ struct tdm_engine_config {
     int num_blocks;                   // KV pool size in blocks; 0 = from kv_memory_bytes
     size_t kv_memory_bytes;           // pool budget when num_blocks == 0; default 256 MiB
     bool enable_prefix_caching;       // default true
+    enum tdm_kv_dtype kv_dtype;       // KV pool element type; default f32 (the exact
+                                      // reference; the workers' --kv-cache-dtype auto is bf16)
     int max_num_batched_tokens;       // token budget of one step; default 2048, capped by the
                                       // model's max_batch_tokens (its activation workspace)
     int max_num_seqs;                 // running requests at most; default 64, capped by the
@@ -267,6 +269,13 @@ int tdm_engine_kv_header(struct tdm_engine *e, struct tdm_engine_request *r, con
                          struct tdm_kv_header *h);
 int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
                             int first_block, int nblocks, void *dst, size_t dst_len);
+// The same with the payload in dtype (tdm_kv_export_layer_as: converted when it
+// is not the pool's, e.g. for a P/D peer whose pool is of the other dtype).
+int tdm_engine_export_layer_as(struct tdm_engine *e, struct tdm_engine_request *r, int layer,
+                               int first_block, int nblocks, int dtype, void *dst,
+                               size_t dst_len);
+// The element type of the engine's KV pool (what export/import payloads hold).
+enum tdm_kv_dtype tdm_engine_kv_dtype(const struct tdm_engine *e);
 int tdm_engine_release_kv(struct tdm_engine *e, struct tdm_engine_request *r);
 
 // ---- P/D hooks: a request whose prompt KV is imported (IMPORT_KV) ----------------------

@@ -879,6 +879,16 @@ static void test_prefill_only_export(void **state)
     }
     assert_int_equal(tdm_engine_export_layer(e, r, layers, 0, 3, payload[0], len), TDM_EINVAL);
     assert_int_equal(tdm_engine_export_layer(e, r, 0, 1, 3, payload[0], len), TDM_EINVAL);
+    // For a bf16 peer: the same KV rounded to bf16, half the bytes.
+    assert_int_equal(tdm_engine_kv_dtype(e), TDM_KV_F32);
+    uint16_t *half = malloc(len / 2), *want = malloc(len / 2);
+    assert_int_equal(tdm_engine_export_layer_as(e, r, 1, 0, 3, TDM_KV_BF16, half, len / 2), TDM_OK);
+    tdm_kv_convert(want, TDM_KV_BF16, payload[1], TDM_KV_F32, len / 4);
+    assert_memory_equal(half, want, len / 2);
+    assert_int_equal(tdm_engine_export_layer_as(e, r, 1, 0, 3, TDM_KV_BF16, half, len), TDM_EINVAL);
+    assert_int_equal(tdm_engine_export_layer_as(e, r, 1, 0, 3, 5, half, len / 2), TDM_EINVAL);
+    free(half);
+    free(want);
     assert_int_equal(tdm_engine_release_kv(e, r), TDM_OK);
     assert_int_equal(tdm_engine_release_kv(e, r), TDM_EINVAL);
     wait_idle_stats(e, &s);

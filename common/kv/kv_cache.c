@@ -27,6 +27,7 @@
 #include "kv_cache_impl.h"
 
 #include "core.h"
+#include "hf.h"
 
 #include <limits.h>
 #include <stdarg.h>
@@ -256,14 +257,58 @@ static void map_remove(struct tdm_kv_cache *kv, int b)
     kv->num_hashed--;
 }
 
+// ---- element types --------------------------------------------------------------------
+
+size_t tdm_kv_dtype_size(int dtype)
+{
+    return dtype == TDM_KV_F32 ? 4 : dtype == TDM_KV_BF16 ? 2 : 0;
+}
+
+const char *tdm_kv_dtype_name(int dtype)
+{
+    return dtype == TDM_KV_F32 ? "f32" : dtype == TDM_KV_BF16 ? "bf16" : "unknown";
+}
+
+int tdm_kv_dtype_parse(const char *s, enum tdm_kv_dtype *out, char *err, size_t errlen)
+{
+    if (s && (strcmp(s, "auto") == 0 || strcmp(s, "bf16") == 0 || strcmp(s, "bfloat16") == 0)) {
+        *out = TDM_KV_BF16;
+        return TDM_OK;
+    }
+    if (s && (strcmp(s, "f32") == 0 || strcmp(s, "float32") == 0)) {
+        *out = TDM_KV_F32;
+        return TDM_OK;
+    }
+    return tdm_seterr(err, errlen, TDM_EINVAL,
+                      "kv cache dtype '%s': expected auto (bf16), bf16 or f32", s ? s : "");
+}
+
+void tdm_kv_convert(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n)
+{
+    if (dst_dtype == src_dtype) {
+        if (n)
+            memcpy(dst, src, n * tdm_kv_dtype_size(src_dtype));
+    } else if (dst_dtype == TDM_KV_F32 && src_dtype == TDM_KV_BF16) {
+        float *d = dst;
+        const uint16_t *x = src;
+        for (size_t i = 0; i < n; i++)
+            d[i] = tdm_bf16_to_f32(x[i]);
+    } else if (dst_dtype == TDM_KV_BF16 && src_dtype == TDM_KV_F32) {
+        uint16_t *d = dst;
+        const float *x = src;
+        for (size_t i = 0; i < n; i++)
+            d[i] = tdm_f32_to_bf16(x[i]);
+    }
+}
+
 // ---- lifecycle ----------------------------------------------------------------------
 
 size_t tdm_kv_block_bytes(const struct tdm_kv_config *cfg)
 {
     if (!cfg || cfg->num_layers <= 0 || cfg->num_kv_heads <= 0 || cfg->block_size <= 0 ||
-        cfg->head_dim <= 0)
+        cfg->head_dim <= 0 || tdm_kv_dtype_size(cfg->dtype) == 0)
         return 0;
-    size_t r = 2 * sizeof(float);
+    size_t r = 2 * tdm_kv_dtype_size(cfg->dtype);
     int dims[4] = {cfg->num_layers, cfg->num_kv_heads, cfg->block_size, cfg->head_dim};
     for (int i = 0; i < 4; i++) {
         if (r > SIZE_MAX / (size_t)dims[i])
@@ -292,6 +337,9 @@ static int check_config(const struct tdm_kv_config *cfg, char *err, size_t errle
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "kv config: num_blocks=%d * block_size=%d tokens exceeds %d",
                           cfg->num_blocks, cfg->block_size, INT_MAX);
+    if (tdm_kv_dtype_size(cfg->dtype) == 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "kv config: dtype=%d is not f32 (0) or bf16 (1)",
+                          (int)cfg->dtype);
     if (cfg->num_blocks > INT_MAX / 4)
         return tdm_seterr(err, errlen, TDM_EINVAL, "kv config: num_blocks=%d is too large",
                           cfg->num_blocks);
@@ -299,9 +347,9 @@ static int check_config(const struct tdm_kv_config *cfg, char *err, size_t errle
     if (block_bytes == 0 || block_bytes > SIZE_MAX / (size_t)cfg->num_blocks)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "kv config: pool size (%d blocks x %d layers x %d heads x %d tokens x "
-                          "%d dims x 2 x 4 bytes) overflows size_t",
+                          "%d dims x 2 x %zu bytes) overflows size_t",
                           cfg->num_blocks, cfg->num_layers, cfg->num_kv_heads, cfg->block_size,
-                          cfg->head_dim);
+                          cfg->head_dim, tdm_kv_dtype_size(cfg->dtype));
     return TDM_OK;
 }
 
@@ -309,10 +357,9 @@ static int check_config(const struct tdm_kv_config *cfg, char *err, size_t errle
 struct host_storage {
     struct tdm_kv_storage base;
     int num_layers;
-    size_t block_floats; // one block, one layer, K or V
-    size_t layer_bytes;  // bytes of one k[layer] or v[layer] mapping
-    float **k;           // [num_layers] -> [num_blocks][num_kv_heads][block_size][head_dim] f32
-    float **v;           // same shape as k
+    size_t layer_bytes; // bytes of one k[layer] or v[layer] mapping
+    void **k;           // [num_layers] -> [num_blocks][num_kv_heads][block_size][head_dim]
+    void **v;           // same shape as k; elements of base.dtype
 };
 
 static void host_free(struct tdm_kv_storage *st)
@@ -341,36 +388,11 @@ static void *host_layer_v(struct tdm_kv_storage *st, int layer)
     return ((struct host_storage *)st)->v[layer];
 }
 
-static int host_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
-                       float *k_out, float *v_out)
-{
-    struct host_storage *h = (struct host_storage *)st;
-    size_t bf = h->block_floats;
-    for (int i = 0; i < nblocks; i++) {
-        memcpy(k_out + (size_t)i * bf, h->k[layer] + (size_t)blocks[i] * bf, bf * sizeof(float));
-        memcpy(v_out + (size_t)i * bf, h->v[layer] + (size_t)blocks[i] * bf, bf * sizeof(float));
-    }
-    return TDM_OK;
-}
-
-static int host_import(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
-                       const float *k_in, const float *v_in)
-{
-    struct host_storage *h = (struct host_storage *)st;
-    size_t bf = h->block_floats;
-    for (int i = 0; i < nblocks; i++) {
-        memcpy(h->k[layer] + (size_t)blocks[i] * bf, k_in + (size_t)i * bf, bf * sizeof(float));
-        memcpy(h->v[layer] + (size_t)blocks[i] * bf, v_in + (size_t)i * bf, bf * sizeof(float));
-    }
-    return TDM_OK;
-}
-
+// export_blocks / import_blocks stay NULL: the cache addresses a host pool itself.
 static const struct tdm_kv_storage_ops host_ops = {
     .free = host_free,
     .layer_k = host_layer_k,
     .layer_v = host_layer_v,
-    .export_blocks = host_export,
-    .import_blocks = host_import,
 };
 
 static int host_storage_new(struct host_storage **out, const struct tdm_kv_config *cfg)
@@ -379,9 +401,10 @@ static int host_storage_new(struct host_storage **out, const struct tdm_kv_confi
     if (!h)
         return TDM_ENOMEM;
     h->base.ops = &host_ops;
-    h->base.host_f32 = true;
-    h->block_floats = (size_t)cfg->num_kv_heads * (size_t)cfg->block_size * (size_t)cfg->head_dim;
-    h->layer_bytes = h->block_floats * sizeof(float) * (size_t)cfg->num_blocks;
+    h->base.host = true;
+    h->base.dtype = cfg->dtype;
+    h->layer_bytes = (size_t)cfg->num_kv_heads * (size_t)cfg->block_size * (size_t)cfg->head_dim *
+                     tdm_kv_dtype_size(cfg->dtype) * (size_t)cfg->num_blocks;
     h->k = calloc((size_t)cfg->num_layers, sizeof *h->k);
     h->v = calloc((size_t)cfg->num_layers, sizeof *h->v);
     if (!h->k || !h->v)
@@ -436,6 +459,11 @@ int tdm_kv_new_with_storage(struct tdm_kv_cache **out, const struct tdm_kv_confi
     if (!out || !cfg || !st || !st->ops)
         return tdm_seterr(err, errlen, TDM_EINVAL, "kv: NULL argument");
     *out = NULL;
+    if (!st->host && (!st->ops->export_blocks || !st->ops->import_blocks))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "kv: a device storage needs export/import");
+    struct tdm_kv_config own = *cfg;
+    own.dtype = st->dtype; // the pool holds what the storage holds
+    cfg = &own;
     int rc = check_config(cfg, err, errlen);
     if (rc != TDM_OK)
         return rc;
@@ -505,20 +533,40 @@ const char *tdm_kv_errmsg(const struct tdm_kv_cache *kv)
     return kv ? kv->errmsg : "kv: NULL cache";
 }
 
+enum tdm_kv_dtype tdm_kv_dtype(const struct tdm_kv_cache *kv)
+{
+    return kv ? kv->cfg.dtype : TDM_KV_F32;
+}
+
+// Start of block `block` of layer's K (v false) or V pool when the pool is host
+// memory of dtype and the indices are in range; NULL otherwise.
+static void *host_block(struct tdm_kv_cache *kv, int layer, int block, bool v, int dtype)
+{
+    if (!kv || !kv->st->host || (int)kv->cfg.dtype != dtype || layer < 0 ||
+        layer >= kv->cfg.num_layers || block < 0 || block >= kv->cfg.num_blocks)
+        return NULL;
+    void *base = v ? kv->st->ops->layer_v(kv->st, layer) : kv->st->ops->layer_k(kv->st, layer);
+    return (uint8_t *)base + (size_t)block * kv->block_floats * tdm_kv_dtype_size(dtype);
+}
+
 float *tdm_kv_k(struct tdm_kv_cache *kv, int layer, int block)
 {
-    if (!kv || !kv->st->host_f32 || layer < 0 || layer >= kv->cfg.num_layers || block < 0 ||
-        block >= kv->cfg.num_blocks)
-        return NULL;
-    return (float *)kv->st->ops->layer_k(kv->st, layer) + (size_t)block * kv->block_floats;
+    return host_block(kv, layer, block, false, TDM_KV_F32);
 }
 
 float *tdm_kv_v(struct tdm_kv_cache *kv, int layer, int block)
 {
-    if (!kv || !kv->st->host_f32 || layer < 0 || layer >= kv->cfg.num_layers || block < 0 ||
-        block >= kv->cfg.num_blocks)
-        return NULL;
-    return (float *)kv->st->ops->layer_v(kv->st, layer) + (size_t)block * kv->block_floats;
+    return host_block(kv, layer, block, true, TDM_KV_F32);
+}
+
+uint16_t *tdm_kv_k_bf16(struct tdm_kv_cache *kv, int layer, int block)
+{
+    return host_block(kv, layer, block, false, TDM_KV_BF16);
+}
+
+uint16_t *tdm_kv_v_bf16(struct tdm_kv_cache *kv, int layer, int block)
+{
+    return host_block(kv, layer, block, true, TDM_KV_BF16);
 }
 
 // ---- sequences ------------------------------------------------------------------------
@@ -992,8 +1040,8 @@ void tdm_kv_header_fill(const struct tdm_kv_cache *kv, const char *model, struct
         h->num_kv_heads = kv->cfg.num_kv_heads;
         h->head_dim = kv->cfg.head_dim;
         h->block_size = kv->cfg.block_size;
+        h->dtype = kv->cfg.dtype;
     }
-    h->dtype = 0;
 }
 
 int tdm_kv_header_check(const struct tdm_kv_cache *kv, const char *model,
@@ -1020,12 +1068,14 @@ int tdm_kv_header_check(const struct tdm_kv_cache *kv, const char *model,
     } geo[] = {{"num_layers", h->num_layers, kv->cfg.num_layers},
                {"num_kv_heads", h->num_kv_heads, kv->cfg.num_kv_heads},
                {"head_dim", h->head_dim, kv->cfg.head_dim},
-               {"block_size", h->block_size, kv->cfg.block_size},
-               {"dtype", h->dtype, 0}};
+               {"block_size", h->block_size, kv->cfg.block_size}};
     for (size_t i = 0; i < sizeof geo / sizeof geo[0]; i++)
         if (geo[i].got != geo[i].want)
             return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: %s %d != %d", geo[i].name,
                               geo[i].got, geo[i].want);
+    if (tdm_kv_dtype_size(h->dtype) == 0)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: dtype %d is not f32 (0) or bf16 (1)",
+                          h->dtype);
     if (h->first_block < 0 || h->num_blocks < 0 || h->num_tokens < 0)
         return tdm_seterr(
             err, errlen, TDM_EPROTO,
@@ -1045,19 +1095,28 @@ int tdm_kv_header_check(const struct tdm_kv_cache *kv, const char *model,
     return TDM_OK;
 }
 
-size_t tdm_kv_layer_bytes(const struct tdm_kv_cache *kv, int nblocks)
+size_t tdm_kv_layer_bytes_as(const struct tdm_kv_cache *kv, int nblocks, int dtype)
 {
     if (!kv || nblocks < 0 || nblocks > kv->cfg.num_blocks)
         return 0;
-    return 2 * (size_t)nblocks * kv->block_floats * sizeof(float);
+    return 2 * (size_t)nblocks * kv->block_floats * tdm_kv_dtype_size(dtype);
+}
+
+size_t tdm_kv_layer_bytes(const struct tdm_kv_cache *kv, int nblocks)
+{
+    return kv ? tdm_kv_layer_bytes_as(kv, nblocks, kv->cfg.dtype) : 0;
 }
 
 // Validates a layer transfer against seq's table; returns TDM_OK or TDM_EINVAL
 // with the detail in kv->errmsg.
 static int check_transfer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, int layer,
-                          int first_block, int nblocks, const void *buf, size_t len,
+                          int first_block, int nblocks, int dtype, const void *buf, size_t len,
                           const char *what)
 {
+    if (tdm_kv_dtype_size(dtype) == 0) {
+        kv_err(kv, "kv %s: dtype %d is not f32 (0) or bf16 (1)", what, dtype);
+        return TDM_EINVAL;
+    }
     if (!seq) {
         kv_err(kv, "kv %s: NULL sequence", what);
         return TDM_EINVAL;
@@ -1071,7 +1130,7 @@ static int check_transfer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq,
                (long long)first_block + nblocks, seq->num_blocks);
         return TDM_EINVAL;
     }
-    size_t want = tdm_kv_layer_bytes(kv, nblocks);
+    size_t want = tdm_kv_layer_bytes_as(kv, nblocks, dtype);
     if (len != want) {
         kv_err(kv, "kv %s: buffer is %zu bytes, %d blocks of layer %d take %zu", what, len, nblocks,
                layer, want);
@@ -1091,30 +1150,97 @@ static int check_transfer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq,
     return TDM_OK;
 }
 
+// Copies blocks of a layer between the pool and a payload buffer (K of every
+// block, then V) of dtype: out = true reads the pool. A host pool is addressed
+// here; another storage goes through its f32 ops, with an f32 staging buffer
+// when the payload is bf16. TDM_OK, TDM_ENOMEM or TDM_EBACKEND.
+static int copy_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, int nblocks,
+                       int dtype, void *buf, bool out)
+{
+    size_t bf = kv->block_floats, pe = tdm_kv_dtype_size(dtype);
+    uint8_t *kbuf = buf, *vbuf = kbuf + (size_t)nblocks * bf * pe;
+    if (kv->st->host) {
+        int pd = kv->cfg.dtype;
+        size_t se = tdm_kv_dtype_size(pd);
+        uint8_t *kp = kv->st->ops->layer_k(kv->st, layer), *vp = kv->st->ops->layer_v(kv->st, layer);
+        for (int i = 0; i < nblocks; i++) {
+            size_t po = (size_t)blocks[i] * bf * se, bo = (size_t)i * bf * pe;
+            if (out) {
+                tdm_kv_convert(kbuf + bo, dtype, kp + po, pd, bf);
+                tdm_kv_convert(vbuf + bo, dtype, vp + po, pd, bf);
+            } else {
+                tdm_kv_convert(kp + po, pd, kbuf + bo, dtype, bf);
+                tdm_kv_convert(vp + po, pd, vbuf + bo, dtype, bf);
+            }
+        }
+        return TDM_OK;
+    }
+    float *stage = NULL, *kf = (float *)kbuf, *vf = (float *)vbuf;
+    size_t n = (size_t)nblocks * bf;
+    if (dtype != TDM_KV_F32) {
+        stage = malloc(2 * n * sizeof(float));
+        if (!stage)
+            return TDM_ENOMEM;
+        kf = stage;
+        vf = stage + n;
+        if (!out) {
+            tdm_kv_convert(kf, TDM_KV_F32, kbuf, dtype, n);
+            tdm_kv_convert(vf, TDM_KV_F32, vbuf, dtype, n);
+        }
+    }
+    int rc = out ? kv->st->ops->export_blocks(kv->st, layer, blocks, nblocks, kf, vf)
+                 : kv->st->ops->import_blocks(kv->st, layer, blocks, nblocks, kf, vf);
+    rc = rc == TDM_OK ? TDM_OK : TDM_EBACKEND;
+    if (stage && out) {
+        tdm_kv_convert(kbuf, dtype, kf, TDM_KV_F32, n);
+        tdm_kv_convert(vbuf, dtype, vf, TDM_KV_F32, n);
+    }
+    free(stage);
+    return rc;
+}
+
+int tdm_kv_read_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, int nblocks,
+                       int dtype, void *dst)
+{
+    if (!kv || !kv->st->host || tdm_kv_dtype_size(dtype) == 0 || layer < 0 ||
+        layer >= kv->cfg.num_layers || nblocks < 0 || (nblocks > 0 && (!blocks || !dst)))
+        return TDM_EINVAL;
+    for (int i = 0; i < nblocks; i++)
+        if (blocks[i] < 0 || blocks[i] >= kv->cfg.num_blocks)
+            return TDM_EINVAL;
+    return copy_blocks(kv, layer, blocks, nblocks, dtype, dst, true);
+}
+
+int tdm_kv_export_layer_as(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, int layer,
+                           int first_block, int nblocks, int dtype, void *dst, size_t dst_len)
+{
+    if (!kv)
+        return TDM_EINVAL;
+    int rc = check_transfer(kv, seq, layer, first_block, nblocks, dtype, dst, dst_len, "export");
+    if (rc != TDM_OK)
+        return rc;
+    if (nblocks == 0)
+        return TDM_OK;
+    rc = copy_blocks(kv, layer, seq->block_table + first_block, nblocks, dtype, dst, true);
+    if (rc != TDM_OK)
+        kv_err(kv, "kv export: the storage failed to copy %d blocks of layer %d", nblocks, layer);
+    return rc;
+}
+
 int tdm_kv_export_layer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, int layer,
                         int first_block, int nblocks, void *dst, size_t dst_len)
 {
-    if (!kv)
-        return TDM_EINVAL;
-    int rc = check_transfer(kv, seq, layer, first_block, nblocks, dst, dst_len, "export");
-    if (rc != TDM_OK)
-        return rc;
-    float *k_out = dst;
-    float *v_out = k_out + (size_t)nblocks * kv->block_floats;
-    if (nblocks > 0 && kv->st->ops->export_blocks(kv->st, layer, seq->block_table + first_block,
-                                                  nblocks, k_out, v_out) != TDM_OK) {
-        kv_err(kv, "kv export: the storage failed to copy %d blocks of layer %d", nblocks, layer);
-        return TDM_EBACKEND;
-    }
-    return TDM_OK;
+    return tdm_kv_export_layer_as(kv, seq, layer, first_block, nblocks, tdm_kv_dtype(kv), dst,
+                                  dst_len);
 }
 
-int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int layer, int first_block,
-                        int nblocks, const void *src, size_t src_len)
+int tdm_kv_import_layer_as(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int layer,
+                           int first_block, int nblocks, int dtype, const void *src,
+                           size_t src_len)
 {
     if (!kv)
         return TDM_EINVAL;
-    int rc = check_transfer(kv, seq, layer, first_block, nblocks, src, src_len, "import");
+    int rc = check_transfer(kv, seq, layer, first_block, nblocks, dtype, src, src_len, "import");
     if (rc != TDM_OK)
         return rc;
     // Writing into a block another sequence or the prefix cache relies on would
@@ -1129,14 +1255,19 @@ int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int lay
             return TDM_EINVAL;
         }
     }
-    const float *k_in = src;
-    const float *v_in = k_in + (size_t)nblocks * kv->block_floats;
-    if (nblocks > 0 && kv->st->ops->import_blocks(kv->st, layer, seq->block_table + first_block,
-                                                  nblocks, k_in, v_in) != TDM_OK) {
+    if (nblocks == 0)
+        return TDM_OK;
+    rc = copy_blocks(kv, layer, seq->block_table + first_block, nblocks, dtype, (void *)src, false);
+    if (rc != TDM_OK)
         kv_err(kv, "kv import: the storage failed to copy %d blocks of layer %d", nblocks, layer);
-        return TDM_EBACKEND;
-    }
-    return TDM_OK;
+    return rc;
+}
+
+int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int layer, int first_block,
+                        int nblocks, const void *src, size_t src_len)
+{
+    return tdm_kv_import_layer_as(kv, seq, layer, first_block, nblocks, tdm_kv_dtype(kv), src,
+                                  src_len);
 }
 
 // ---- KV events --------------------------------------------------------------------------

@@ -27,6 +27,22 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Element type of a pool and of its transfer payload (the kv header's dtype
+// field on the wire: keep the numbers).
+enum tdm_kv_dtype { TDM_KV_F32 = 0, TDM_KV_BF16 = 1 };
+// Bytes of one element (4, 2); 0 for a value that is no enum tdm_kv_dtype.
+size_t tdm_kv_dtype_size(int dtype);
+// "f32", "bf16"; "unknown" otherwise.
+const char *tdm_kv_dtype_name(int dtype);
+// vLLM's --kv-cache-dtype: "auto" (bf16: half the memory and transfer bytes of
+// f32), "bf16"/"bfloat16", "f32"/"float32" (exact-reference runs). TDM_EINVAL
+// with err listing the choices otherwise (fp8 is not implemented).
+int tdm_kv_dtype_parse(const char *s, enum tdm_kv_dtype *out, char *err, size_t errlen);
+// Converts n elements from src_dtype to dst_dtype (known dtypes; no overlap):
+// bf16 -> f32 is exact, f32 -> bf16 rounds to nearest even (tdm_f32_to_bf16,
+// as the CUDA backend's KV), equal dtypes copy.
+void tdm_kv_convert(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n);
+
 struct tdm_kv_config {
     int num_layers;
     int num_kv_heads;
@@ -34,6 +50,8 @@ struct tdm_kv_config {
     int block_size;            // tokens per block (16)
     int num_blocks;            // pool size
     bool enable_prefix_caching;
+    enum tdm_kv_dtype dtype;   // element type (a zeroed config is f32); a cache on a
+                               // backend's storage takes the storage's
 };
 
 // The chained block hash: the key of a full block given its parent block's hash
@@ -45,7 +63,8 @@ struct tdm_kv_config {
 // is harmless because cache hits are verified against the stored tokens.
 uint64_t tdm_kv_block_hash(uint64_t parent, const int32_t *tokens, int n);
 
-// Bytes one block takes across all layers (K and V).
+// Bytes one block takes across all layers (K and V), in cfg's dtype (0 for a
+// bad geometry or dtype).
 size_t tdm_kv_block_bytes(const struct tdm_kv_config *cfg);
 
 struct tdm_kv_cache;
@@ -66,6 +85,8 @@ struct tdm_kv_storage_ops {
     // Copies blocks[0..nblocks) of `layer` into host k_out/v_out, each
     // [nblocks][num_kv_heads][block_size][head_dim] f32 (the transfer layout),
     // or writes such host data into those blocks. TDM_OK or TDM_EBACKEND.
+    // Used for a storage that is not host memory (the cache converts to and
+    // from the payload's dtype); NULL in a host storage.
     int (*export_blocks)(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
                          float *k_out, float *v_out);
     int (*import_blocks)(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
@@ -73,15 +94,17 @@ struct tdm_kv_storage_ops {
 };
 struct tdm_kv_storage {
     const struct tdm_kv_storage_ops *ops;
-    bool host_f32; // the pool is host memory of f32 (tdm_kv_k/tdm_kv_v work)
+    bool host;               // the pool is host memory the cache may address
+    enum tdm_kv_dtype dtype; // element type of the pool
 };
 
-// TDM_EINVAL (err names the field) for a size <= 0 or a pool whose byte or token
-// count overflows; TDM_ENOMEM when the pool cannot be allocated. The pool is
-// host memory (the default storage).
+// TDM_EINVAL (err names the field) for a size <= 0, an unknown dtype or a pool
+// whose byte or token count overflows; TDM_ENOMEM when the pool cannot be
+// allocated. The pool is host memory of cfg->dtype (the default storage).
 int tdm_kv_new(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg, char *err, size_t errlen);
 // The same on a storage the caller made for cfg; the cache takes st on
-// success only (and frees it in tdm_kv_free).
+// success only (and frees it in tdm_kv_free). The cache's dtype is st->dtype
+// (what the storage holds), whatever cfg->dtype says.
 int tdm_kv_new_with_storage(struct tdm_kv_cache **out, const struct tdm_kv_config *cfg,
                             struct tdm_kv_storage *st, char *err, size_t errlen);
 void tdm_kv_free(struct tdm_kv_cache *kv);
@@ -93,6 +116,11 @@ struct tdm_kv_storage *tdm_kv_storage(struct tdm_kv_cache *kv);
 // NULL for a layer or block out of range, or when the pool is not host f32.
 float *tdm_kv_k(struct tdm_kv_cache *kv, int layer, int block);
 float *tdm_kv_v(struct tdm_kv_cache *kv, int layer, int block);
+// The same for a host bf16 pool (NULL unless the pool is host bf16).
+uint16_t *tdm_kv_k_bf16(struct tdm_kv_cache *kv, int layer, int block);
+uint16_t *tdm_kv_v_bf16(struct tdm_kv_cache *kv, int layer, int block);
+// The cache's element type (the pool's; the payload of export/import below).
+enum tdm_kv_dtype tdm_kv_dtype(const struct tdm_kv_cache *kv);
 
 // A sequence's view of the cache. Caller storage: init before use, release after.
 struct tdm_kv_seq {
@@ -200,7 +228,7 @@ struct tdm_kv_header {
     int32_t num_kv_heads;
     int32_t head_dim;
     int32_t block_size;
-    int32_t dtype;             // 0 = f32
+    int32_t dtype;             // enum tdm_kv_dtype of the payload: 0 = f32, 1 = bf16
     int32_t num_tokens;        // tokens of KV the payload covers
     int32_t first_block;       // index into the sequence's block table
     int32_t num_blocks;
@@ -210,27 +238,42 @@ void tdm_kv_header_fill(const struct tdm_kv_cache *kv, const char *model, struct
 // Sets num_tokens, first_block and num_blocks to 0 (the caller fills them); the
 // model name is truncated to 47 bytes.
 // TDM_EPROTO with "kv header: head_dim 64 != 128" (received != ours) when h does
-// not fit this cache/model: magic, version, model, geometry, dtype, a negative or
+// not fit this cache/model: magic, version, model, geometry, an unknown dtype
+// (a known one other than ours is fine: import converts), a negative or
 // out-of-pool block range, num_tokens beyond the range's end, reserved != 0.
 int tdm_kv_header_check(const struct tdm_kv_cache *kv, const char *model,
                         const struct tdm_kv_header *h, char *err, size_t errlen);
 
 // Bytes of one layer's payload for nblocks blocks: K then V, each
-// [nblocks][num_kv_heads][block_size][head_dim] f32.
+// [nblocks][num_kv_heads][block_size][head_dim] of the cache's dtype (_as: of
+// dtype). 0 for nblocks < 0 or > num_blocks, or an unknown dtype.
 size_t tdm_kv_layer_bytes(const struct tdm_kv_cache *kv, int nblocks);
-// 0 for nblocks < 0 or > num_blocks.
+size_t tdm_kv_layer_bytes_as(const struct tdm_kv_cache *kv, int nblocks, int dtype);
 // Copies layer `layer` of seq's blocks [first_block, first_block+nblocks) into dst.
 // dst_len must equal tdm_kv_layer_bytes(kv, nblocks); TDM_EINVAL (detail in
 // tdm_kv_errmsg) for a bad layer, range or length, TDM_EBACKEND when the
-// storage's copy failed. The payload is f32 whatever the storage holds (a bf16
-// device pool is widened on export and rounded to nearest even on import).
+// storage's copy failed. The payload is of the cache's dtype; _as writes dtype
+// (TDM_EINVAL for an unknown one), converting (tdm_kv_convert) when it differs.
 int tdm_kv_export_layer(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, int layer,
                         int first_block, int nblocks, void *dst, size_t dst_len);
+int tdm_kv_export_layer_as(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq, int layer,
+                           int first_block, int nblocks, int dtype, void *dst, size_t dst_len);
+// The copy of export without its checks, for a thread other than the cache's
+// owner: reads only the pool (no refcounts, no error text), so the caller must
+// hold the blocks (referenced, nothing writing them). Host pools only:
+// TDM_EINVAL for another storage or an unknown dtype. dst holds
+// tdm_kv_layer_bytes_as(kv, nblocks, dtype) bytes.
+int tdm_kv_read_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, int nblocks,
+                       int dtype, void *dst);
 // Writes such a payload into seq's blocks (which tdm_kv_reserve must have made).
 // Same checks as export, and TDM_EINVAL for a block that is shared or in the
 // prefix cache (import only past the cached prefix), so a transfer can never
-// change KV another sequence relies on. Commit afterwards as usual.
+// change KV another sequence relies on. Commit afterwards as usual. _as reads a
+// payload of dtype (a peer's, from its kv header) and converts it on import.
 int tdm_kv_import_layer(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int layer,
                         int first_block, int nblocks, const void *src, size_t src_len);
+int tdm_kv_import_layer_as(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int layer,
+                           int first_block, int nblocks, int dtype, const void *src,
+                           size_t src_len);
 
 #endif

@@ -21,6 +21,26 @@
 
 // ---- helpers ---------------------------------------------------------------------------
 
+// Reference bf16 conversions written out here (not the module's helper): round
+// to nearest even on the bits, widen by a shift.
+static uint16_t f32_to_bf16_ref(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t lower = u & 0xffffu, upper = u >> 16;
+    if (lower > 0x8000u || (lower == 0x8000u && (upper & 1u)))
+        upper++;
+    return (uint16_t)upper;
+}
+
+static float bf16_to_f32_ref(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 static struct tdm_kv_cache *make_cache(int layers, int heads, int head_dim, int bs, int nblocks,
                                        bool prefix)
 {
@@ -73,7 +93,7 @@ static void seq_tokens(int32_t *out, int n, int32_t base)
 static void test_config_validation(void **state)
 {
     (void)state;
-    struct tdm_kv_config good = {2, 2, 8, 16, 10, true};
+    struct tdm_kv_config good = {2, 2, 8, 16, 10, true, TDM_KV_F32};
     const char *names[] = {"num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"};
     for (int f = 0; f < 5; f++) {
         for (int bad = -1; bad <= 0; bad++) {
@@ -88,12 +108,12 @@ static void test_config_validation(void **state)
             assert_non_null(strstr(err, names[f]));
         }
     }
-    struct tdm_kv_config huge = {INT_MAX, INT_MAX, INT_MAX, 1, 1, false};
+    struct tdm_kv_config huge = {INT_MAX, INT_MAX, INT_MAX, 1, 1, false, TDM_KV_F32};
     struct tdm_kv_cache *kv = NULL;
     char err[256] = "";
     assert_int_equal(tdm_kv_new(&kv, &huge, err, sizeof err), TDM_EINVAL);
     assert_non_null(strstr(err, "overflows"));
-    struct tdm_kv_config tokens = {1, 1, 1, 1 << 16, 1 << 16, false};
+    struct tdm_kv_config tokens = {1, 1, 1, 1 << 16, 1 << 16, false, TDM_KV_F32};
     assert_int_equal(tdm_kv_new(&kv, &tokens, err, sizeof err), TDM_EINVAL);
     assert_non_null(strstr(err, "exceeds"));
     assert_int_equal(tdm_kv_new(&kv, NULL, err, sizeof err), TDM_EINVAL);
@@ -842,7 +862,7 @@ static void test_header(void **state)
         {offsetof(struct tdm_kv_header, num_kv_heads), 1, "num_kv_heads 1 != 2"},
         {offsetof(struct tdm_kv_header, head_dim), 128, "head_dim 128 != 64"},
         {offsetof(struct tdm_kv_header, block_size), 32, "block_size 32 != 16"},
-        {offsetof(struct tdm_kv_header, dtype), 1, "dtype 1 != 0"},
+        {offsetof(struct tdm_kv_header, dtype), 7, "dtype 7 is not"},
         {offsetof(struct tdm_kv_header, num_tokens), -1, "negative"},
         {offsetof(struct tdm_kv_header, first_block), -2, "negative"},
         {offsetof(struct tdm_kv_header, num_blocks), -3, "negative"},
@@ -873,7 +893,196 @@ static void test_header(void **state)
     tdm_kv_header_fill(kv, longname, &x);
     assert_int_equal(tdm_kv_header_check(kv, longname, &x, err, sizeof err), TDM_OK);
     assert_int_equal(tdm_kv_header_check(NULL, "m", &x, err, sizeof err), TDM_EINVAL);
+    // A peer of the other known dtype is fine (import converts).
+    x = h;
+    x.dtype = TDM_KV_BF16;
+    assert_int_equal(tdm_kv_header_check(kv, "Qwen/Qwen2.5-0.5B-Instruct", &x, err, sizeof err),
+                     TDM_OK);
     tdm_kv_free(kv);
+}
+
+// ---- bf16 pools -------------------------------------------------------------------------
+
+static struct tdm_kv_cache *make_cache_dt(int layers, int heads, int head_dim, int bs,
+                                          int nblocks, enum tdm_kv_dtype dt)
+{
+    struct tdm_kv_config cfg = {.num_layers = layers,
+                                .num_kv_heads = heads,
+                                .head_dim = head_dim,
+                                .block_size = bs,
+                                .num_blocks = nblocks,
+                                .enable_prefix_caching = true,
+                                .dtype = dt};
+    struct tdm_kv_cache *kv = NULL;
+    char err[256];
+    if (tdm_kv_new(&kv, &cfg, err, sizeof err) != TDM_OK)
+        fail_msg("tdm_kv_new: %s", err);
+    return kv;
+}
+
+static float bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static void test_dtype_parse_convert(void **state)
+{
+    (void)state;
+    enum tdm_kv_dtype d = TDM_KV_F32;
+    char err[256];
+    assert_int_equal(tdm_kv_dtype_parse("auto", &d, err, sizeof err), TDM_OK);
+    assert_int_equal(d, TDM_KV_BF16);
+    assert_int_equal(tdm_kv_dtype_parse("f32", &d, err, sizeof err), TDM_OK);
+    assert_int_equal(d, TDM_KV_F32);
+    assert_int_equal(tdm_kv_dtype_parse("bfloat16", &d, err, sizeof err), TDM_OK);
+    assert_int_equal(d, TDM_KV_BF16);
+    assert_int_equal(tdm_kv_dtype_parse("float32", &d, err, sizeof err), TDM_OK);
+    assert_int_equal(d, TDM_KV_F32);
+    assert_int_equal(tdm_kv_dtype_parse("fp8", &d, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "expected auto (bf16), bf16 or f32"));
+    assert_int_equal(tdm_kv_dtype_parse(NULL, &d, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_kv_dtype_size(TDM_KV_F32), 4);
+    assert_int_equal(tdm_kv_dtype_size(TDM_KV_BF16), 2);
+    assert_int_equal(tdm_kv_dtype_size(2), 0);
+    assert_string_equal(tdm_kv_dtype_name(TDM_KV_BF16), "bf16");
+
+    // Round to nearest even: 1 + 2^-8 is the tie between 1 and 1 + 2^-7 (-> 1,
+    // even); 1 + 3 * 2^-8 the tie between 1 + 2^-7 and 1 + 2^-6 (-> 1 + 2^-6);
+    // just above a tie rounds up; inf stays inf; a NaN stays a NaN.
+    float in[7] = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 1.0f + 0x1p-8f + 0x1p-20f, -2.5f,
+                   bits_f32(0x7f800000u), bits_f32(0x7fc00001u), 0.0f};
+    uint16_t out[7];
+    tdm_kv_convert(out, TDM_KV_BF16, in, TDM_KV_F32, 7);
+    assert_int_equal(out[0], 0x3f80);
+    assert_int_equal(out[1], 0x3f82);
+    assert_int_equal(out[2], 0x3f81);
+    assert_int_equal(out[3], 0xc020);
+    assert_int_equal(out[4], 0x7f80);
+    assert_true((out[5] & 0x7f80) == 0x7f80 && (out[5] & 0x007f) != 0);
+    assert_int_equal(out[6], 0);
+    float back[7];
+    tdm_kv_convert(back, TDM_KV_F32, out, TDM_KV_BF16, 7);
+    assert_true(back[0] == 1.0f && back[1] == 1.0f + 0x1p-6f && back[3] == -2.5f);
+    uint16_t same[7];
+    tdm_kv_convert(same, TDM_KV_BF16, out, TDM_KV_BF16, 7);
+    assert_memory_equal(same, out, sizeof out);
+
+    // Config: an unknown dtype is refused; bf16 halves the block.
+    struct tdm_kv_config cfg = {.num_layers = 2,
+                                .num_kv_heads = 2,
+                                .head_dim = 8,
+                                .block_size = 16,
+                                .num_blocks = 4};
+    size_t f32_bytes = tdm_kv_block_bytes(&cfg);
+    cfg.dtype = TDM_KV_BF16;
+    assert_int_equal(tdm_kv_block_bytes(&cfg) * 2, f32_bytes);
+    cfg.dtype = (enum tdm_kv_dtype)5;
+    assert_int_equal(tdm_kv_block_bytes(&cfg), 0);
+    struct tdm_kv_cache *kv;
+    assert_int_equal(tdm_kv_new(&kv, &cfg, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "dtype=5"));
+}
+
+static void test_bf16_pool(void **state)
+{
+    (void)state;
+    int L = 2, H = 2, D = 8, bs = 4;
+    struct tdm_kv_cache *b = make_cache_dt(L, H, D, bs, 8, TDM_KV_BF16);
+    struct tdm_kv_cache *f = make_cache_dt(L, H, D, bs, 8, TDM_KV_F32);
+    assert_int_equal(tdm_kv_dtype(b), TDM_KV_BF16);
+    assert_null(tdm_kv_k(b, 0, 0)); // not f32
+    assert_null(tdm_kv_k_bf16(f, 0, 0));
+    assert_null(tdm_kv_v_bf16(b, 0, 8));
+    uint16_t *k0 = tdm_kv_k_bf16(b, 1, 2);
+    assert_non_null(k0);
+    assert_ptr_equal(tdm_kv_k_bf16(b, 1, 3), k0 + H * bs * D);
+    assert_int_equal((uintptr_t)tdm_kv_v_bf16(b, 0, 0) % 64, 0);
+    size_t bf = (size_t)H * bs * D;
+    assert_int_equal(tdm_kv_layer_bytes(b, 2), 2 * 2 * bf * 2);
+    assert_int_equal(tdm_kv_layer_bytes(f, 2), 2 * tdm_kv_layer_bytes(b, 2));
+    assert_int_equal(tdm_kv_layer_bytes_as(f, 2, TDM_KV_BF16), tdm_kv_layer_bytes(b, 2));
+    assert_int_equal(tdm_kv_layer_bytes_as(f, 2, 9), 0);
+
+    struct tdm_kv_seq sf, sb;
+    tdm_kv_seq_init(&sf);
+    tdm_kv_seq_init(&sb);
+    assert_int_equal(tdm_kv_reserve(f, &sf, 2 * bs), TDM_OK);
+    assert_int_equal(tdm_kv_reserve(b, &sb, 2 * bs), TDM_OK);
+    rng_state = 5;
+    for (int l = 0; l < L; l++)
+        for (int i = 0; i < 2; i++)
+            for (size_t e = 0; e < bf; e++) {
+                tdm_kv_k(f, l, sf.block_table[i])[e] = (float)rnd(100000) / 7.0f - 5000.0f;
+                tdm_kv_v(f, l, sf.block_table[i])[e] = -(float)rnd(100000) / 3.0f;
+            }
+    // f32 -> bf16 peer: a bf16 payload (exported with conversion, half the
+    // bytes), imported as it is; equals rounding every element.
+    size_t lbb = tdm_kv_layer_bytes(b, 2), lbf = tdm_kv_layer_bytes(f, 2);
+    uint8_t *pb = malloc(lbb), *pf = malloc(lbf), *pf2 = malloc(lbf);
+    assert_non_null(pb);
+    assert_non_null(pf);
+    assert_non_null(pf2);
+    for (int l = 0; l < L; l++) {
+        assert_int_equal(tdm_kv_export_layer_as(f, &sf, l, 0, 2, TDM_KV_BF16, pb, lbb), TDM_OK);
+        assert_int_equal(tdm_kv_import_layer(b, &sb, l, 0, 2, pb, lbb), TDM_OK);
+        for (int i = 0; i < 2; i++)
+            for (size_t e = 0; e < bf; e++) {
+                assert_int_equal(tdm_kv_k_bf16(b, l, sb.block_table[i])[e],
+                                 f32_to_bf16_ref(tdm_kv_k(f, l, sf.block_table[i])[e]));
+                assert_int_equal(tdm_kv_v_bf16(b, l, sb.block_table[i])[e],
+                                 f32_to_bf16_ref(tdm_kv_v(f, l, sf.block_table[i])[e]));
+            }
+        // The same through an f32 payload converted on import.
+        assert_int_equal(tdm_kv_export_layer(f, &sf, l, 0, 2, pf, lbf), TDM_OK);
+        uint8_t *pb2 = malloc(lbb);
+        assert_non_null(pb2);
+        assert_int_equal(tdm_kv_export_layer(b, &sb, l, 0, 2, pb2, lbb), TDM_OK);
+        assert_memory_equal(pb2, pb, lbb);
+        assert_int_equal(tdm_kv_import_layer_as(b, &sb, l, 0, 2, TDM_KV_F32, pf, lbf), TDM_OK);
+        assert_int_equal(tdm_kv_export_layer(b, &sb, l, 0, 2, pb2, lbb), TDM_OK);
+        assert_memory_equal(pb2, pb, lbb);
+        free(pb2);
+        // bf16 -> f32 peer: widened exactly, either way.
+        assert_int_equal(tdm_kv_export_layer_as(b, &sb, l, 0, 2, TDM_KV_F32, pf2, lbf), TDM_OK);
+        assert_int_equal(tdm_kv_import_layer_as(f, &sf, l, 0, 2, TDM_KV_BF16, pb, lbb), TDM_OK);
+        assert_int_equal(tdm_kv_export_layer(f, &sf, l, 0, 2, pf, lbf), TDM_OK);
+        assert_memory_equal(pf, pf2, lbf);
+        for (size_t e = 0; e < 4 * bf; e++)
+            assert_true(((const float *)pf)[e] == bf16_to_f32_ref(((const uint16_t *)pb)[e]));
+        // The off-thread copy reads the same bytes.
+        assert_int_equal(tdm_kv_read_blocks(b, l, sb.block_table, 2, TDM_KV_F32, pf), TDM_OK);
+        assert_memory_equal(pf, pf2, lbf);
+    }
+    // Payload length and dtype are checked against each other.
+    assert_int_equal(tdm_kv_import_layer_as(b, &sb, 0, 0, 2, TDM_KV_F32, pb, lbb), TDM_EINVAL);
+    assert_non_null(strstr(tdm_kv_errmsg(b), "bytes"));
+    assert_int_equal(tdm_kv_export_layer_as(b, &sb, 0, 0, 2, 3, pb, lbb), TDM_EINVAL);
+    assert_non_null(strstr(tdm_kv_errmsg(b), "dtype 3"));
+    assert_int_equal(tdm_kv_read_blocks(b, 0, sb.block_table, 2, 3, pf), TDM_EINVAL);
+    int badblk = 8;
+    assert_int_equal(tdm_kv_read_blocks(b, 0, &badblk, 1, TDM_KV_BF16, pb), TDM_EINVAL);
+
+    // The block hash does not depend on the dtype: same tokens, same hashes.
+    int32_t toks[8];
+    seq_tokens(toks, 8, 3);
+    tdm_kv_commit(f, &sf, toks, 8);
+    tdm_kv_commit(b, &sb, toks, 8);
+    assert_int_equal(sf.block_hashes[0], sb.block_hashes[0]);
+    assert_int_equal(sf.block_hashes[1], sb.block_hashes[1]);
+    assert_int_equal(sb.block_hashes[1], tdm_kv_block_hash(sb.block_hashes[0], toks + bs, bs));
+    struct tdm_kv_header h;
+    tdm_kv_header_fill(b, "m", &h);
+    assert_int_equal(h.dtype, TDM_KV_BF16);
+    free(pb);
+    free(pf);
+    free(pf2);
+    tdm_kv_seq_release(f, &sf);
+    tdm_kv_seq_release(b, &sb);
+    assert_consistent(b);
+    tdm_kv_free(f);
+    tdm_kv_free(b);
 }
 
 // ---- the block hash's known values ------------------------------------------------------
@@ -1054,7 +1263,8 @@ static void test_storage_interface(void **state)
     struct fake_storage *f = calloc(1, sizeof *f);
     assert_non_null(f);
     f->base.ops = &fake_ops;
-    f->base.host_f32 = false;
+    f->base.host = false;
+    f->base.dtype = TDM_KV_F32;
     f->block_floats = 2 * 4 * 4;
     f->num_blocks = 8;
     f->frees = &frees;
@@ -1104,6 +1314,43 @@ static void test_storage_interface(void **state)
     tdm_kv_seq_release(kv, &pad);
     tdm_kv_free(kv);
     assert_int_equal(frees, 1);
+
+    // A device storage of bf16 (its ops move f32, as the CUDA one's): the cache
+    // takes the storage's dtype whatever cfg says, and its payload is bf16,
+    // staged through f32 (exact for values a bf16 pool holds).
+    f = calloc(1, sizeof *f);
+    assert_non_null(f);
+    f->base.ops = &fake_ops;
+    f->base.host = false;
+    f->base.dtype = TDM_KV_BF16;
+    f->block_floats = 2 * 4 * 4;
+    f->num_blocks = 8;
+    f->frees = &frees;
+    f->pool = calloc(3 * 8 * f->block_floats, sizeof(float));
+    for (size_t i = 0; i < 3 * 8 * f->block_floats; i++)
+        f->pool[i] = (float)(i % 97) * 0.5f; // exact in bf16 (at most 8 significant bits)
+    assert_int_equal(tdm_kv_new_with_storage(&kv, &cfg, &f->base, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_kv_dtype(kv), TDM_KV_BF16);
+    assert_null(tdm_kv_k_bf16(kv, 0, 0)); // not host memory
+    tdm_kv_seq_init(&s);
+    assert_int_equal(tdm_kv_reserve(kv, &s, 8), TDM_OK);
+    lb = tdm_kv_layer_bytes(kv, 2);
+    assert_int_equal(lb, 2 * 2 * f->block_floats * 2);
+    uint16_t *hb = malloc(lb);
+    assert_non_null(hb);
+    assert_int_equal(tdm_kv_export_layer(kv, &s, 1, 0, 2, hb, lb), TDM_OK);
+    for (size_t j = 0; j < 2 * f->block_floats; j++)
+        assert_true(bf16_to_f32_ref(hb[j]) ==
+                    f->pool[(8 + (size_t)s.block_table[j / f->block_floats]) * f->block_floats +
+                            j % f->block_floats]);
+    assert_int_equal(tdm_kv_import_layer(kv, &s, 0, 0, 2, hb, lb), TDM_OK);
+    assert_true(f->pool[(size_t)s.block_table[1] * f->block_floats + 3] ==
+                f->pool[(8 + (size_t)s.block_table[1]) * f->block_floats + 3]);
+    assert_int_equal(tdm_kv_read_blocks(kv, 0, s.block_table, 2, TDM_KV_BF16, hb), TDM_EINVAL);
+    free(hb);
+    tdm_kv_seq_release(kv, &s);
+    tdm_kv_free(kv);
+    assert_int_equal(frees, 2);
 }
 
 int main(void)
@@ -1146,6 +1393,8 @@ int main(void)
         cmocka_unit_test(test_header),
         cmocka_unit_test(test_kv_events),
         cmocka_unit_test(test_storage_interface),
+        cmocka_unit_test(test_dtype_parse_convert),
+        cmocka_unit_test(test_bf16_pool),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

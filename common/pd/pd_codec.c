@@ -129,12 +129,13 @@ int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_co
         return tdm_seterr(err, errlen, TDM_EPROTO, "kv header: bad magic 0x%08x / version %u",
                           h.magic, h.version);
     if (h.num_layers != k->num_layers || h.num_kv_heads != k->num_kv_heads ||
-        h.head_dim != k->head_dim || h.block_size != k->block_size || h.dtype != 0)
+        h.head_dim != k->head_dim || h.block_size != k->block_size || h.dtype != (int)k->dtype)
         return tdm_seterr(err, errlen, TDM_EPROTO,
                           "kv header: layers/heads/head_dim/block_size/dtype %d/%d/%d/%d/%d != "
-                          "ours %d/%d/%d/%d/0",
+                          "ours %d/%d/%d/%d/%d",
                           h.num_layers, h.num_kv_heads, h.head_dim, h.block_size, h.dtype,
-                          k->num_layers, k->num_kv_heads, k->head_dim, k->block_size);
+                          k->num_layers, k->num_kv_heads, k->head_dim, k->block_size,
+                          (int)k->dtype);
     char name[sizeof h.model + 1];
     memcpy(name, h.model, sizeof h.model);
     name[sizeof h.model] = '\0';
@@ -150,7 +151,7 @@ int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_co
 size_t tdm_pd_layer_bytes(const struct tdm_kv_config *kv, int num_blocks)
 {
     return 2u * (size_t)num_blocks * (size_t)kv->num_kv_heads * (size_t)kv->block_size *
-           (size_t)kv->head_dim * sizeof(float);
+           (size_t)kv->head_dim * tdm_kv_dtype_size(kv->dtype);
 }
 
 void tdm_pd_push_to_proto(Tandem__PrefillRequest *m, const struct tdm_pd_push *push,
@@ -165,7 +166,7 @@ void tdm_pd_push_to_proto(Tandem__PrefillRequest *m, const struct tdm_pd_push *p
     h->num_kv_heads = kv->num_kv_heads;
     h->head_dim = kv->head_dim;
     h->block_size = kv->block_size;
-    h->dtype = 0;
+    h->dtype = (int32_t)kv->dtype;
     h->num_tokens = (int32_t)m->n_prompt;
     h->first_block = push->first_block;
     h->num_blocks = push->num_blocks;
@@ -183,7 +184,18 @@ int tdm_pd_push_from_proto(const Tandem__PrefillRequest *m, const struct tdm_kv_
     memset(out, 0, sizeof *out);
     if (m->n_prompt == 0 || m->n_prompt > (size_t)INT32_MAX / 2 || kv->block_size <= 0)
         return tdm_seterr(err, errlen, TDM_EPROTO, "push: prompt of %zu tokens", m->n_prompt);
-    int rc = tdm_pd_kv_header_check(m->kv_header.data, m->kv_header.len, kv, model,
+    // The decode worker's dtype is the payload it wants: any known one (the
+    // prefill worker converts on export).
+    struct tdm_kv_config want = *kv;
+    struct tdm_kv_header peer;
+    if (m->kv_header.data != NULL && m->kv_header.len == sizeof peer) {
+        memcpy(&peer, m->kv_header.data, sizeof peer);
+        if (tdm_kv_dtype_size(peer.dtype) == 0)
+            return tdm_seterr(err, errlen, TDM_EPROTO,
+                              "kv header: dtype %d is not f32 (0) or bf16 (1)", peer.dtype);
+        want.dtype = (enum tdm_kv_dtype)peer.dtype;
+    }
+    int rc = tdm_pd_kv_header_check(m->kv_header.data, m->kv_header.len, &want, model,
                                     (int)m->n_prompt, err, errlen);
     if (rc != TDM_OK)
         return rc;
@@ -198,6 +210,7 @@ int tdm_pd_push_from_proto(const Tandem__PrefillRequest *m, const struct tdm_kv_
                           m->layers_per_frame);
     out->first_block = m->first_block;
     out->num_blocks = m->num_blocks;
+    out->dtype = want.dtype;
     out->layers_per_frame = m->layers_per_frame < 1 ? 1 : m->layers_per_frame;
     if (max_layers_per_frame >= 1 && out->layers_per_frame > max_layers_per_frame)
         out->layers_per_frame = max_layers_per_frame;

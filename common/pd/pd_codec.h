@@ -43,16 +43,17 @@ Tandem__FinishReason tdm_pd_finish_to_proto(enum tdm_finish reason);
 enum tdm_finish tdm_pd_finish_from_proto(Tandem__FinishReason reason);
 
 // Checks a PrefillResult's kv_header bytes (struct tdm_kv_header) against the
-// receiver's cache geometry (kv: layers, KV heads, head_dim, block size), its
-// served model name and the prompt length. TDM_EPROTO with err naming the
-// mismatch ("kv header: layers/heads/head_dim/block_size/dtype 2/2/64/16/0 !=
-// ours 24/2/64/16/0").
+// receiver's cache geometry (kv: layers, KV heads, head_dim, block size, and
+// the payload dtype the receiver asked for, kv->dtype), its served model name
+// and the prompt length. TDM_EPROTO with err naming the mismatch ("kv header:
+// layers/heads/head_dim/block_size/dtype 2/2/64/16/0 != ours 24/2/64/16/1").
 int tdm_pd_kv_header_check(const void *bytes, size_t len, const struct tdm_kv_config *kv,
                            const char *model, int num_tokens, char *err, size_t errlen);
 
 // Bytes of one layer of a KvData payload for num_blocks blocks of a cache with
 // geometry kv: K then V, each [num_blocks][num_kv_heads][block_size][head_dim]
-// f32 (tdm_kv_export_layer's layout). A frame of n layers carries n times this.
+// of kv->dtype (tdm_kv_export_layer's layout). A frame of n layers carries n
+// times this.
 size_t tdm_pd_layer_bytes(const struct tdm_kv_config *kv, int num_blocks);
 
 // The push target of a PrefillRequest: which of the prompt's blocks the decode
@@ -61,18 +62,21 @@ struct tdm_pd_push {
     int first_block;      // first block of the prompt to send
     int num_blocks;       // blocks to send; 0 = no KV, the result only
     int layers_per_frame; // layers in one KvData frame, >= 1
+    enum tdm_kv_dtype dtype; // payload element type: the decode worker's pool's (its
+                             // kv header's), which the prefill worker converts to
 };
 // Fills m's push fields and kv_header from the sender's (decode worker's) cache
-// geometry kv, served model and prompt length. h is caller storage m points
+// geometry kv (its dtype: the payload it wants), served model and prompt length. h is caller storage m points
 // into: keep it alive while m is packed.
 void tdm_pd_push_to_proto(Tandem__PrefillRequest *m, const struct tdm_pd_push *push,
                           const struct tdm_kv_config *kv, const char *model,
                           struct tdm_kv_header *h);
 // The receiver's (prefill worker's) side: checks m's kv_header against its own
 // cache geometry kv and served model and m's prompt length
-// (tdm_pd_kv_header_check), and the block range against the prompt's
-// ceil(n_prompt / block_size) blocks; caps layers_per_frame at
-// max_layers_per_frame. TDM_EPROTO with err naming the field.
+// (tdm_pd_kv_header_check; any known dtype is accepted and becomes out->dtype,
+// whatever kv->dtype is: the KV is converted on export), and the block range
+// against the prompt's ceil(n_prompt / block_size) blocks; caps
+// layers_per_frame at max_layers_per_frame. TDM_EPROTO with err naming the field.
 int tdm_pd_push_from_proto(const Tandem__PrefillRequest *m, const struct tdm_kv_config *kv,
                            const char *model, int max_layers_per_frame, struct tdm_pd_push *out,
                            char *err, size_t errlen);

@@ -158,9 +158,14 @@ static void test_kv_header_check(void **state)
     assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "tiny", 40, err, sizeof err),
                      TDM_EPROTO);
     fill_header(&h);
-    h.dtype = 1;
+    h.dtype = 1; // bf16 payload, the receiver asked for f32
     assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "tiny", 40, err, sizeof err),
                      TDM_EPROTO);
+    assert_non_null(strstr(err, "2/2/16/16/1 != ours 2/2/16/16/0"));
+    kv.dtype = TDM_KV_BF16; // ... or asked for bf16
+    assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "tiny", 40, err, sizeof err),
+                     TDM_OK);
+    kv.dtype = TDM_KV_F32;
     fill_header(&h);
     assert_int_equal(tdm_pd_kv_header_check(&h, sizeof h, &kv, "other", 40, err, sizeof err),
                      TDM_EPROTO);
@@ -239,6 +244,25 @@ static void test_push_target(void **state)
     assert_int_equal(tdm_pd_push_from_proto(m, &kv, "tiny", 4, &got, err, sizeof err), TDM_EPROTO);
     tandem__prefill_request__free_unpacked(m, NULL);
     free(buf);
+
+    // Mixed pair: a bf16 decode worker asks an f32 prefill worker (and the
+    // other way round): accepted, and the push carries the asker's dtype, the
+    // payload the prefill worker converts to. An unknown dtype is refused.
+    for (int dd = 0; dd < 2; dd++) {
+        struct tdm_kv_config dkv = kv, pkv = kv;
+        dkv.dtype = dd ? TDM_KV_BF16 : TDM_KV_F32;
+        pkv.dtype = dd ? TDM_KV_F32 : TDM_KV_BF16;
+        push.num_blocks = 2;
+        tdm_pd_push_to_proto(&pr, &push, &dkv, "tiny", &h);
+        assert_int_equal(h.dtype, (int)dkv.dtype);
+        assert_int_equal(tdm_pd_push_from_proto(&pr, &pkv, "tiny", 4, &got, err, sizeof err),
+                         TDM_OK);
+        assert_int_equal(got.dtype, dkv.dtype);
+    }
+    h.dtype = 7;
+    assert_int_equal(tdm_pd_push_from_proto(&pr, &kv, "tiny", 4, &got, err, sizeof err),
+                     TDM_EPROTO);
+    assert_non_null(strstr(err, "dtype 7"));
 }
 
 // A KvData layer's size is what the cache's export writes for that range.
@@ -253,6 +277,13 @@ static void test_layer_bytes(void **state)
     for (int nb = 0; nb <= kv.num_blocks; nb++)
         assert_int_equal(tdm_pd_layer_bytes(&kv, nb), tdm_kv_layer_bytes(cache, nb));
     assert_int_equal(tdm_pd_layer_bytes(&kv, 3), 2u * 3 * 2 * 8 * 16 * sizeof(float));
+    tdm_kv_free(cache);
+    // bf16: half the bytes, again what the cache writes.
+    kv.dtype = TDM_KV_BF16;
+    assert_int_equal(tdm_kv_new(&cache, &kv, err, sizeof err), TDM_OK);
+    for (int nb = 0; nb <= kv.num_blocks; nb++)
+        assert_int_equal(tdm_pd_layer_bytes(&kv, nb), tdm_kv_layer_bytes(cache, nb));
+    assert_int_equal(tdm_pd_layer_bytes(&kv, 3), 2u * 3 * 2 * 8 * 16 * 2);
     tdm_kv_free(cache);
 }
 

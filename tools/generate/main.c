@@ -5,7 +5,9 @@
 // the deterministic choice is the default; generation_config.json is not
 // applied). --json prints one object with ids, text and per-phase timings;
 // --dump-logits writes the raw logits every token was sampled from as f32
-// little-endian [steps][vocab] for the reference test.
+// little-endian [steps][vocab] for the reference test. --kv-cache-dtype is the
+// workers' flag (default auto = bf16, so a worker and this tool agree token for
+// token; f32 for the exact reference).
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <stdio.h>
@@ -33,6 +35,7 @@ struct args {
     bool json;
     bool ignore_eos;
     const char *dump_logits;
+    enum tdm_kv_dtype kv_dtype; // --kv-cache-dtype
 };
 
 static int set_seed(void *o, const char *v, char *err, size_t errlen)
@@ -57,6 +60,15 @@ static int set_dtype(void *o, const char *v, char *err, size_t errlen)
         a->weights = TDM_WEIGHTS_INT8;
     else
         return tdm_seterr(err, errlen, TDM_EINVAL, "--dtype: expected bf16 or int8, got \"%s\"", v);
+    return TDM_OK;
+}
+
+static int set_kv_dtype(void *o, const char *v, char *err, size_t errlen)
+{
+    struct args *a = o;
+    char e[200];
+    if (tdm_kv_dtype_parse(v, &a->kv_dtype, e, sizeof e) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--kv-cache-dtype: %s", e);
     return TDM_OK;
 }
 
@@ -85,6 +97,11 @@ static const struct tdm_flag generate_flags[] = {
      .fn = set_dtype,
      .metavar = "bf16|int8",
      .help = "weight format (default bf16)"},
+    {.name = "kv-cache-dtype",
+     .kind = TDM_FLAG_FN,
+     .fn = set_kv_dtype,
+     .metavar = "auto|bf16|f32",
+     .help = "KV cache element type (default auto = bf16, as the workers)"},
     NUM("threads", TDM_FLAG_INT, threads, 0, 1024, "N", "compute threads (0: one per core)"),
     NUM("chunk", TDM_FLAG_INT, chunk, 1, 65536, "N", "prefill chunk in tokens (default 256)"),
     PTR("device", device, "cpu|cuda|cuda:N",
@@ -124,6 +141,7 @@ static int parse_args(struct args *a, int argc, char **argv, bool *stop)
     a->sp.temperature = 0.0f;
     a->max_tokens = 16;
     a->chunk = 256;
+    a->kv_dtype = TDM_KV_BF16; // auto
     int exit_code = 0;
     *stop = tdm_flags_main(&generate_table, a, argc, argv, NULL, 0, NULL, "tandem-generate",
                            &exit_code);
@@ -284,6 +302,7 @@ int main(int argc, char **argv)
     kc.block_size = 16;
     kc.num_blocks = (n_prompt + a.max_tokens + kc.block_size - 1) / kc.block_size + 1;
     kc.enable_prefix_caching = false;
+    kc.dtype = a.kv_dtype;
     if (tdm_model_kv_new(m, &kc, &kv, err, sizeof err) != TDM_OK) {
         fail("%s", err);
         goto out;

@@ -661,6 +661,8 @@ static void cpu_add(struct tdm_backend *be, float *x, const float *y, size_t cou
 
 // ---- KV cache and attention
 // ------------------------------------------------------------------------
+// The KV pool is f32 or bf16 (tdm_kv_dtype); bf16 rows are rounded to nearest
+// even on the way in (tdm_f32_to_bf16, as the CUDA backend's KV store).
 static void cpu_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
                          const struct tdm_attn_seq *seqs, int n_seqs, const float *k,
                          const float *v, int stride)
@@ -668,6 +670,7 @@ static void cpu_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int la
     (void)be;
     const struct tdm_kv_config *c = tdm_kv_config(kv);
     int bs = c->block_size, hd = c->head_dim;
+    bool bf16 = tdm_kv_dtype(kv) == TDM_KV_BF16;
     for (int s = 0; s < n_seqs; s++) {
         for (int i = 0; i < seqs[s].n_tokens; i++) {
             int pos = seqs[s].start_pos + i;
@@ -675,8 +678,8 @@ static void cpu_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int la
             int slot = pos % bs;
             const float *kr = k + (size_t)(seqs[s].row + i) * stride;
             const float *vr = v + (size_t)(seqs[s].row + i) * stride;
-            float *kb = tdm_kv_k(kv, layer, blk);
-            float *vb = tdm_kv_v(kv, layer, blk);
+            void *kb = bf16 ? (void *)tdm_kv_k_bf16(kv, layer, blk) : (void *)tdm_kv_k(kv, layer, blk);
+            void *vb = bf16 ? (void *)tdm_kv_v_bf16(kv, layer, blk) : (void *)tdm_kv_v(kv, layer, blk);
             if (!kb || !vb) {
                 // The model builds block tables from the kv module; never write
                 // through a bad one.
@@ -685,8 +688,15 @@ static void cpu_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int la
             }
             for (int h = 0; h < c->num_kv_heads; h++) {
                 size_t off = ((size_t)h * bs + slot) * hd;
-                memcpy(kb + off, kr + (size_t)h * hd, sizeof(float) * (size_t)hd);
-                memcpy(vb + off, vr + (size_t)h * hd, sizeof(float) * (size_t)hd);
+                if (bf16) {
+                    tdm_kv_convert((uint16_t *)kb + off, TDM_KV_BF16, kr + (size_t)h * hd,
+                                   TDM_KV_F32, (size_t)hd);
+                    tdm_kv_convert((uint16_t *)vb + off, TDM_KV_BF16, vr + (size_t)h * hd,
+                                   TDM_KV_F32, (size_t)hd);
+                } else {
+                    memcpy((float *)kb + off, kr + (size_t)h * hd, sizeof(float) * (size_t)hd);
+                    memcpy((float *)vb + off, vr + (size_t)h * hd, sizeof(float) * (size_t)hd);
+                }
             }
         }
     }
@@ -707,6 +717,7 @@ struct attn_job {
     int n_heads, n_kv_heads, head_dim;
     float scale;
     int block_size;
+    bool bf16;             // the pool holds bf16 (else f32)
     const int *task_start; // [n_seqs + 1] prefix sums of tasks per sequence
     _Atomic int next;
 };
@@ -714,6 +725,9 @@ struct attn_job {
 // Query heads of one GQA group handled together: the group shares each K/V
 // chunk, read once from L2 into L1 for all of them.
 #define ATTN_MAX_GROUP 8
+// Largest head_dim whose bf16 chunk is widened into a stack buffer once per
+// group; a larger one uses the kernels that widen as they read.
+#define ATTN_WIDEN_MAX_HD 256
 
 // One query row, heads h0..h0+nh-1 (all on KV head kvh): online softmax over
 // positions 0..p in chunks of at most CPU_ATTN_CHUNK that never cross a block,
@@ -728,6 +742,9 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
     float *acc = j->out + (size_t)(sq->row + i) * j->n_heads * hd + (size_t)h0 * hd;
     float s[ATTN_MAX_GROUP][CPU_ATTN_CHUNK];
     float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
+    // One bf16 chunk widened (K and V): 32 KiB of stack at most.
+    float kw[CPU_ATTN_CHUNK * ATTN_WIDEN_MAX_HD] __attribute__((aligned(64)));
+    float vw[CPU_ATTN_CHUNK * ATTN_WIDEN_MAX_HD] __attribute__((aligned(64)));
     for (int g = 0; g < nh; g++)
         m[g] = -INFINITY, l[g] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)hd * nh);
@@ -740,28 +757,66 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
         if (nk > p + 1 - pos)
             nk = p + 1 - pos;
         size_t off = ((size_t)kvh * bs + slot) * hd;
-        const float *kb = tdm_kv_k(j->kv, j->layer, blk);
-        const float *vb = tdm_kv_v(j->kv, j->layer, blk);
+        const void *kb, *vb;
+        if (j->bf16)
+            kb = tdm_kv_k_bf16(j->kv, j->layer, blk), vb = tdm_kv_v_bf16(j->kv, j->layer, blk);
+        else
+            kb = tdm_kv_k(j->kv, j->layer, blk), vb = tdm_kv_v(j->kv, j->layer, blk);
         if (!kb || !vb) {
             TDM_LOG_ERR("cpu", "attention: layer %d block %d out of range", j->layer, blk);
             memset(acc, 0, sizeof(float) * (size_t)hd * nh);
             return;
         }
-        const float *kc = kb + off;
-        const float *vc = vb + off;
+        // Prefetch the next chunk's keys and values (another block, usually
+        // another page, which the hardware prefetcher does not cross to):
+        // decode attention at long context waits on these reads.
+        if (pos + nk <= p) {
+            int nblk = sq->block_table[(pos + nk) / bs], nslot = (pos + nk) % bs;
+            int nn = bs - nslot < CPU_ATTN_CHUNK ? bs - nslot : CPU_ATTN_CHUNK;
+            size_t es = j->bf16 ? 2 : 4, noff = ((size_t)kvh * bs + nslot) * hd * es;
+            const uint8_t *nk_p = j->bf16 ? (const uint8_t *)tdm_kv_k_bf16(j->kv, j->layer, nblk)
+                                          : (const uint8_t *)tdm_kv_k(j->kv, j->layer, nblk);
+            const uint8_t *nv_p = j->bf16 ? (const uint8_t *)tdm_kv_v_bf16(j->kv, j->layer, nblk)
+                                          : (const uint8_t *)tdm_kv_v(j->kv, j->layer, nblk);
+            if (nk_p && nv_p)
+                for (size_t b = 0; b < (size_t)nn * hd * es; b += 64) {
+                    __builtin_prefetch(nk_p + noff + b);
+                    __builtin_prefetch(nv_p + noff + b);
+                }
+        }
+        // A bf16 chunk is widened once for the whole group (exactly: the f32
+        // kernels then compute what the bf16 kernels would, bit for bit), so
+        // the group's heads do not each widen it again.
+        const float *kc, *vc;
+        bool widened = j->bf16 && hd <= ATTN_WIDEN_MAX_HD;
+        if (widened) {
+            j->k->widen_bf16((const uint16_t *)kb + off, kw, (size_t)nk * hd);
+            j->k->widen_bf16((const uint16_t *)vb + off, vw, (size_t)nk * hd);
+            kc = kw, vc = vw;
+        } else {
+            kc = (const float *)kb + off, vc = (const float *)vb + off;
+        }
         // Stage by stage over the group's heads: the heads are independent,
         // so the CPU overlaps one head's dependency chain with the next's.
         float mc[ATTN_MAX_GROUP], corr[ATTN_MAX_GROUP];
         for (int g = 0; g < nh; g++)
-            mc[g] = j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale, s[g]);
+            mc[g] = j->bf16 && !widened
+                        ? j->k->attn_scores_bf16(q + (size_t)g * hd, (const uint16_t *)kb + off,
+                                                 nk, hd, j->scale, s[g])
+                        : j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale, s[g]);
         for (int g = 0; g < nh; g++) {
             float m_new = mc[g] > m[g] ? mc[g] : m[g];
             corr[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
             l[g] = l[g] * corr[g] + j->k->attn_exp(s[g], nk, m_new);
             m[g] = m_new;
         }
-        for (int g = 0; g < nh; g++)
-            j->k->attn_accum(acc + (size_t)g * hd, corr[g], s[g], vc, nk, hd);
+        for (int g = 0; g < nh; g++) {
+            if (j->bf16 && !widened)
+                j->k->attn_accum_bf16(acc + (size_t)g * hd, corr[g], s[g],
+                                      (const uint16_t *)vb + off, nk, hd);
+            else
+                j->k->attn_accum(acc + (size_t)g * hd, corr[g], s[g], vc, nk, hd);
+        }
         pos += nk;
     }
     for (int g = 0; g < nh; g++) {
@@ -839,6 +894,7 @@ static void cpu_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int l
                              .head_dim = head_dim,
                              .scale = scale,
                              .block_size = tdm_kv_config(kv)->block_size,
+                             .bf16 = tdm_kv_dtype(kv) == TDM_KV_BF16,
                              .task_start = task_start};
         atomic_init(&j.next, 0);
         int units = attn_units(&j);

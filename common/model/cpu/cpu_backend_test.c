@@ -400,8 +400,12 @@ struct attn_case {
     int n_heads, n_kv_heads, head_dim, block_size;
 };
 
+// dtype: the pool's. For bf16 the reference reads K/V rounded to bf16 (what
+// the pool holds), and the result must equal, bit for bit, an f32 pool fed
+// those rounded rows: kv_store rounds to nearest even and the kernels widen
+// exactly, then compute as in f32.
 static void run_attention_case(struct tdm_backend *be, struct tdm_backend *be1,
-                               const struct attn_case *c, int isa)
+                               const struct attn_case *c, int isa, enum tdm_kv_dtype dtype)
 {
     const int n_seqs = 3, lens[3] = {1, 37, 70}, layers = 2, layer = 1;
     int nblocks_total = 0;
@@ -411,7 +415,8 @@ static void run_attention_case(struct tdm_backend *be, struct tdm_backend *be1,
                                 .num_kv_heads = c->n_kv_heads,
                                 .head_dim = c->head_dim,
                                 .block_size = c->block_size,
-                                .num_blocks = nblocks_total + 3};
+                                .num_blocks = nblocks_total + 3,
+                                .dtype = dtype};
     struct tdm_kv_cache *kv = NULL;
     char err[256] = "";
     if (tdm_kv_new(&kv, &cfg, err, sizeof err) != TDM_OK)
@@ -430,6 +435,14 @@ static void run_attention_case(struct tdm_backend *be, struct tdm_backend *be1,
     float *qkv = malloc(sizeof(float) * total * qkv_stride);
     float *out1 = malloc(sizeof(float) * total * qd), *out2 = malloc(sizeof(float) * total * qd);
     fill(qkv, (size_t)total * qkv_stride, 1.5f);
+    // ref: qkv with K and V as the pool holds them.
+    float *ref_qkv = malloc(sizeof(float) * total * qkv_stride);
+    memcpy(ref_qkv, qkv, sizeof(float) * total * qkv_stride);
+    if (dtype == TDM_KV_BF16)
+        for (int t = 0; t < total; t++)
+            for (int e = qd; e < qkv_stride; e++)
+                ref_qkv[(size_t)t * qkv_stride + e] =
+                    tdm_bf16_to_f32(tdm_f32_to_bf16(ref_qkv[(size_t)t * qkv_stride + e]));
 
     // One piece: every sequence's whole prompt in one step.
     struct tdm_attn_seq seqs[3];
@@ -443,6 +456,17 @@ static void run_attention_case(struct tdm_backend *be, struct tdm_backend *be1,
     ops->kv_store(be, kv, layer, seqs, n_seqs, qkv + qd, qkv + qd + kvd, qkv_stride);
     ops->attention(be, kv, layer, seqs, n_seqs, qkv, qkv_stride, out1, c->n_heads, c->n_kv_heads,
                    c->head_dim, scale);
+    if (dtype == TDM_KV_BF16) {
+        struct tdm_kv_config fc = cfg;
+        fc.dtype = TDM_KV_F32;
+        struct tdm_kv_cache *fkv = NULL;
+        assert_int_equal(tdm_kv_new(&fkv, &fc, err, sizeof err), TDM_OK);
+        ops->kv_store(be, fkv, layer, seqs, n_seqs, ref_qkv + qd, ref_qkv + qd + kvd, qkv_stride);
+        ops->attention(be, fkv, layer, seqs, n_seqs, qkv, qkv_stride, out2, c->n_heads,
+                       c->n_kv_heads, c->head_dim, scale);
+        assert_memory_equal(out1, out2, sizeof(float) * total * qd);
+        tdm_kv_free(fkv);
+    }
 
     // Reference in double from the source rows (not the cache).
     int group = c->n_heads / c->n_kv_heads;
@@ -454,7 +478,7 @@ static void run_attention_case(struct tdm_backend *be, struct tdm_backend *be1,
                 int kh = h / group;
                 double mx = -1e300, sum = 0;
                 for (int p = 0; p <= i; p++) {
-                    const float *k = qkv + (size_t)(seqs[s].row + p) * qkv_stride + qd;
+                    const float *k = ref_qkv + (size_t)(seqs[s].row + p) * qkv_stride + qd;
                     double d = 0;
                     for (int e = 0; e < c->head_dim; e++)
                         d += (double)q[h * c->head_dim + e] * k[kh * c->head_dim + e];
@@ -466,14 +490,15 @@ static void run_attention_case(struct tdm_backend *be, struct tdm_backend *be1,
                 for (int e = 0; e < c->head_dim; e++) {
                     double ref = 0;
                     for (int p = 0; p <= i; p++)
-                        ref += sc[p] * qkv[(size_t)(seqs[s].row + p) * qkv_stride + qd + kvd +
-                                           kh * c->head_dim + e];
+                        ref += sc[p] * ref_qkv[(size_t)(seqs[s].row + p) * qkv_stride + qd +
+                                               kvd + kh * c->head_dim + e];
                     ref /= sum;
                     double got = out1[(size_t)(seqs[s].row + i) * qd + h * c->head_dim + e];
                     if (fabs(got - ref) > 2e-5 * (1 + fabs(ref)))
-                        fail_msg("isa %s heads %d/%d hd %d bs %d seq %d tok %d head %d dim %d: "
-                                 "%g vs %g",
-                                 tdm_cpu_isa_name((enum tdm_cpu_isa)isa), c->n_heads, c->n_kv_heads,
+                        fail_msg("isa %s kv %s heads %d/%d hd %d bs %d seq %d tok %d head %d dim "
+                                 "%d: %g vs %g",
+                                 tdm_cpu_isa_name((enum tdm_cpu_isa)isa), tdm_kv_dtype_name(dtype),
+                                 c->n_heads, c->n_kv_heads,
                                  c->head_dim, c->block_size, s, i, h, e, got, ref);
                 }
             }
@@ -522,7 +547,7 @@ static void run_attention_case(struct tdm_backend *be, struct tdm_backend *be1,
     ops->attention(be1, kv, layer, seqs, n_seqs, qkv, qkv_stride, out2, c->n_heads, c->n_kv_heads,
                    c->head_dim, scale);
     assert_memory_equal(out1, out2, sizeof(float) * total * qd);
-    free(step_qkv), free(step_out), free(sc), free(qkv), free(out1), free(out2);
+    free(step_qkv), free(step_out), free(sc), free(qkv), free(out1), free(out2), free(ref_qkv);
     tdm_kv_free(kv);
 }
 
@@ -540,8 +565,10 @@ static void test_attention(void **state)
     FOR_EACH_ISA(be, isa)
     {
         assert_int_equal(tdm_cpu_backend_set_isa(be1, (enum tdm_cpu_isa)isa), TDM_OK);
-        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-            run_attention_case(be, be1, &cases[i], isa);
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            run_attention_case(be, be1, &cases[i], isa, TDM_KV_F32);
+            run_attention_case(be, be1, &cases[i], isa, TDM_KV_BF16);
+        }
     }
     ops->destroy(be);
     ops->destroy(be1);

@@ -122,6 +122,15 @@ struct cpu_kernels {
     // acc = acc * corr + sum_j p[j] * v[j] (j ascending).
     void (*attn_accum)(float *acc, float corr, const float *p, const float *v, int nk,
                        int head_dim);
+    // The same two reading a bf16 pool: each element widened exactly to f32
+    // (a 16-bit shift), then the f32 arithmetic of the f32 kernels, so the
+    // result equals the f32 kernel on the widened keys and values.
+    float (*attn_scores_bf16)(const float *q, const uint16_t *k, int nk, int head_dim, float scale,
+                              float *s);
+    void (*attn_accum_bf16)(float *acc, float corr, const float *p, const uint16_t *v, int nk,
+                            int head_dim);
+    // dst[i] = src[i] widened exactly to f32, i < n.
+    void (*widen_bf16)(const uint16_t *src, float *dst, size_t n);
 };
 
 extern const struct cpu_kernels cpu_kernels_portable;

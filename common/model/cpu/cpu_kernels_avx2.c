@@ -6,6 +6,7 @@
 // element accumulating its k in order with FMA; a tile is 4 panels x 1 token
 // (decode) or 1 panel x up to 4 tokens, both giving the same per-lane chain.
 #include <immintrin.h>
+#include <stdbool.h>
 #include <math.h>
 #include <string.h>
 
@@ -290,23 +291,55 @@ AI float hsum(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-static float attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
+// 8 keys or values at off: f32, or bf16 widened exactly by a 16-bit shift
+// (bf16 is the top half of an f32); n < 8 lanes for a tail (the rest 0).
+AI __m256 kv_load8(const void *base, bool bf16, size_t off, int n)
+{
+    if (bf16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+        __m128i h;
+        if (n >= 8) {
+            h = _mm_loadu_si128((const __m128i *)p);
+        } else {
+            uint16_t t[8] = {0};
+            memcpy(t, p, sizeof(uint16_t) * (size_t)n);
+            h = _mm_loadu_si128((const __m128i *)t);
+        }
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    const float *p = (const float *)base + off;
+    return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask(n));
+}
+
+AI float scores_impl(const float *q, const void *k, bool bf16, int nk, int hd, float scale,
+                     float *s)
 {
     float mx = -INFINITY;
     int full = hd & ~7;
     __m256i m = tail_mask(hd - full);
     for (int j = 0; j < nk; j++) {
-        const float *kr = k + (size_t)j * hd;
+        size_t row = (size_t)j * hd;
         __m256 acc = _mm256_setzero_ps();
         for (int d = 0; d < full; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kr + d), acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv_load8(k, bf16, row + d, 8), acc);
         if (full < hd)
-            acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + full, m), _mm256_maskload_ps(kr + full, m),
-                                  acc);
+            acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + full, m),
+                                  kv_load8(k, bf16, row + full, hd - full), acc);
         s[j] = hsum(acc) * scale;
         mx = s[j] > mx ? s[j] : mx;
     }
     return mx;
+}
+
+static float attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
+{
+    return scores_impl(q, k, false, nk, hd, scale, s);
+}
+
+static float attn_scores_bf16(const float *q, const uint16_t *k, int nk, int hd, float scale,
+                              float *s)
+{
+    return scores_impl(q, k, true, nk, hd, scale, s);
 }
 
 static float attn_exp(float *s, int nk, float m)
@@ -329,19 +362,38 @@ static float attn_exp(float *s, int nk, float m)
     return hsum(sum);
 }
 
-static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
+AI void accum_impl(float *acc, float corr, const float *p, const void *v, bool bf16, int nk,
+                   int hd)
 {
     __m256 c = _mm256_set1_ps(corr);
     for (int d = 0; d < hd; d += 8) {
-        __m256i m = tail_mask(hd - d < 8 ? hd - d : 8);
-        if (hd - d >= 8)
-            m = _mm256_set1_epi32(-1);
+        int n = hd - d < 8 ? hd - d : 8;
+        __m256i m = n == 8 ? _mm256_set1_epi32(-1) : tail_mask(n);
         __m256 a = _mm256_mul_ps(_mm256_maskload_ps(acc + d, m), c);
         for (int j = 0; j < nk; j++)
-            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_maskload_ps(v + (size_t)j * hd + d, m),
-                                a);
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), kv_load8(v, bf16, (size_t)j * hd + d, n), a);
         _mm256_maskstore_ps(acc + d, m, a);
     }
+}
+
+static void widen_bf16(const uint16_t *src, float *dst, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, kv_load8(src, true, i, 8));
+    for (; i < n; i++)
+        dst[i] = cpu_bf16_to_f32(src[i]);
+}
+
+static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
+{
+    accum_impl(acc, corr, p, v, false, nk, hd);
+}
+
+static void attn_accum_bf16(float *acc, float corr, const float *p, const uint16_t *v, int nk,
+                            int hd)
+{
+    accum_impl(acc, corr, p, v, true, nk, hd);
 }
 
 #pragma GCC pop_options
@@ -354,6 +406,9 @@ const struct cpu_kernels cpu_kernels_avx2 = {
     .attn_scores = attn_scores,
     .attn_exp = attn_exp,
     .attn_accum = attn_accum,
+    .attn_scores_bf16 = attn_scores_bf16,
+    .attn_accum_bf16 = attn_accum_bf16,
+    .widen_bf16 = widen_bf16,
 };
 
 #endif

@@ -13,6 +13,7 @@
 // VNNI against activations quantized per token and 32-k block (tile_q8v); F32
 // weights use FMA against f32 activations.
 #include <immintrin.h>
+#include <stdbool.h>
 #include <math.h>
 #include <string.h>
 
@@ -437,7 +438,18 @@ AI __m512 transpose_sum16(__m512 v[16])
     return _mm512_permutexvar_ps(idx, y);
 }
 
-AI float scores_impl(const float *q, const float *k, int nk, const int hd, float scale, float *s)
+// 16 keys or values of row r at dim d: f32, or bf16 widened exactly by a
+// 16-bit shift (bf16 is the top half of an f32).
+AI __m512 kv_load(const void *base, bool bf16, size_t off, __mmask16 m)
+{
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + off)), 16));
+    return _mm512_maskz_loadu_ps(m, (const float *)base + off);
+}
+
+AI float scores_impl(const float *q, const void *k, bool bf16, int nk, const int hd, float scale,
+                     float *s)
 {
     __m512 acc[16];
 #pragma GCC unroll 16
@@ -450,8 +462,7 @@ AI float scores_impl(const float *q, const float *k, int nk, const int hd, float
 #pragma GCC unroll 16
         for (int j = 0; j < 16; j++)
             if (j < nk)
-                acc[j] =
-                    _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + (size_t)j * hd + d), acc[j]);
+                acc[j] = _mm512_fmadd_ps(qv, kv_load(k, bf16, (size_t)j * hd + d, m), acc[j]);
     }
     __mmask16 mk = lanes_mask(nk);
     __m512 sv = _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
@@ -463,8 +474,16 @@ AI float scores_impl(const float *q, const float *k, int nk, const int hd, float
 static float attn_scores(const float *q, const float *k, int nk, int hd, float scale, float *s)
 {
     if (hd == 64)
-        return scores_impl(q, k, nk, 64, scale, s);
-    return scores_impl(q, k, nk, hd, scale, s);
+        return scores_impl(q, k, false, nk, 64, scale, s);
+    return scores_impl(q, k, false, nk, hd, scale, s);
+}
+
+static float attn_scores_bf16(const float *q, const uint16_t *k, int nk, int hd, float scale,
+                              float *s)
+{
+    if (hd == 64)
+        return scores_impl(q, k, true, nk, 64, scale, s);
+    return scores_impl(q, k, true, nk, hd, scale, s);
 }
 
 static float attn_exp(float *s, int nk, float m)
@@ -477,7 +496,8 @@ static float attn_exp(float *s, int nk, float m)
 }
 
 // Up to 64 dims (4 vectors) stay in registers while the keys stream by.
-AI void accum_impl(float *acc, float corr, const float *p, const float *v, int nk, const int hd)
+AI void accum_impl(float *acc, float corr, const float *p, const void *v, bool bf16, int nk,
+                   const int hd)
 {
     __m512 c = _mm512_set1_ps(corr);
     for (int d0 = 0; d0 < hd; d0 += 64) {
@@ -491,10 +511,10 @@ AI void accum_impl(float *acc, float corr, const float *p, const float *v, int n
         }
         for (int j = 0; j < nk; j++) {
             __m512 pj = _mm512_set1_ps(p[j]);
-            const float *vr = v + (size_t)j * hd + d0;
+            size_t off = (size_t)j * hd + d0;
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++)
-                a[i] = _mm512_fmadd_ps(pj, _mm512_maskz_loadu_ps(m[i], vr + 16 * i), a[i]);
+                a[i] = _mm512_fmadd_ps(pj, kv_load(v, bf16, off + 16 * i, m[i]), a[i]);
         }
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++)
@@ -502,12 +522,29 @@ AI void accum_impl(float *acc, float corr, const float *p, const float *v, int n
     }
 }
 
+static void widen_bf16(const uint16_t *src, float *dst, size_t n)
+{
+    for (size_t i = 0; i < n; i += 16) {
+        __mmask16 m = lanes_mask(n - i < 16 ? (int)(n - i) : 16);
+        _mm512_mask_storeu_ps(dst + i, m, kv_load(src, true, i, m));
+    }
+}
+
 static void attn_accum(float *acc, float corr, const float *p, const float *v, int nk, int hd)
 {
     if (hd == 64)
-        accum_impl(acc, corr, p, v, nk, 64);
+        accum_impl(acc, corr, p, v, false, nk, 64);
     else
-        accum_impl(acc, corr, p, v, nk, hd);
+        accum_impl(acc, corr, p, v, false, nk, hd);
+}
+
+static void attn_accum_bf16(float *acc, float corr, const float *p, const uint16_t *v, int nk,
+                            int hd)
+{
+    if (hd == 64)
+        accum_impl(acc, corr, p, v, true, nk, 64);
+    else
+        accum_impl(acc, corr, p, v, true, nk, hd);
 }
 
 #pragma GCC pop_options
@@ -520,6 +557,9 @@ const struct cpu_kernels cpu_kernels_avx512 = {
     .attn_scores = attn_scores,
     .attn_exp = attn_exp,
     .attn_accum = attn_accum,
+    .attn_scores_bf16 = attn_scores_bf16,
+    .attn_accum_bf16 = attn_accum_bf16,
+    .widen_bf16 = widen_bf16,
 };
 
 #endif

@@ -118,6 +118,38 @@ static void attn_accum(float *acc, float corr, const float *p, const float *v, i
     }
 }
 
+static float attn_scores_bf16(const float *q, const uint16_t *k, int nk, int hd, float scale,
+                              float *s)
+{
+    float mx = -INFINITY;
+    for (int j = 0; j < nk; j++) {
+        const uint16_t *kr = k + (size_t)j * hd;
+        float d = 0.0f;
+        for (int i = 0; i < hd; i++)
+            d += q[i] * cpu_bf16_to_f32(kr[i]);
+        s[j] = d * scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    return mx;
+}
+
+static void attn_accum_bf16(float *acc, float corr, const float *p, const uint16_t *v, int nk,
+                            int hd)
+{
+    for (int i = 0; i < hd; i++) {
+        float a = acc[i] * corr;
+        for (int j = 0; j < nk; j++)
+            a += p[j] * cpu_bf16_to_f32(v[(size_t)j * hd + i]);
+        acc[i] = a;
+    }
+}
+
+static void widen_bf16(const uint16_t *src, float *dst, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        dst[i] = cpu_bf16_to_f32(src[i]);
+}
+
 const struct cpu_kernels cpu_kernels_portable = {
     .name = "portable",
     .mm_prep_x = NULL,
@@ -126,4 +158,7 @@ const struct cpu_kernels cpu_kernels_portable = {
     .attn_scores = attn_scores,
     .attn_exp = attn_exp,
     .attn_accum = attn_accum,
+    .attn_scores_bf16 = attn_scores_bf16,
+    .attn_accum_bf16 = attn_accum_bf16,
+    .widen_bf16 = widen_bf16,
 };

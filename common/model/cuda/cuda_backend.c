@@ -492,7 +492,8 @@ static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_confi
     if (s == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda kv: out of memory");
     s->base.ops = &kvs_ops;
-    s->base.host_f32 = false;
+    s->base.host = false;
+    s->base.dtype = be->kv_type == TDM_CUK_KV_F32 ? TDM_KV_F32 : TDM_KV_BF16;
     s->be = be;
     s->type = be->kv_type;
     s->elem_bytes = s->type == TDM_CUK_KV_F32 ? 4 : 2;

@@ -508,7 +508,8 @@ static void test_graphs_vs_eager(void **state)
 }
 
 // bf16 device pools: export -> import into a fresh cache -> export gives the
-// same bytes (the transfer format is f32; bf16 values widen exactly).
+// same bytes. The cache takes the storage's dtype, so the payload is bf16 (half
+// the bytes of f32), staged through the storage's f32 copies exactly.
 static void test_export_import_bf16(void **state)
 {
     (void)state;
@@ -523,6 +524,8 @@ static void test_export_import_bf16(void **state)
     step(m, a, &sa, h, 0, 40, l);
     assert_int_equal(tdm_kv_reserve(b, &sb, 40), TDM_OK);
     size_t bytes = tdm_kv_layer_bytes(a, sa.num_blocks);
+    assert_int_equal(tdm_kv_dtype(a), TDM_KV_BF16);
+    assert_int_equal(bytes * 2, tdm_kv_layer_bytes_as(a, sa.num_blocks, TDM_KV_F32));
     unsigned char *x = malloc(bytes), *y = malloc(bytes);
     for (int layer = 0; layer < layers; layer++) {
         assert_int_equal(tdm_kv_export_layer(a, &sa, layer, 0, sa.num_blocks, x, bytes), TDM_OK);

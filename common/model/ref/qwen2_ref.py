@@ -26,7 +26,9 @@ F32 by shifting the 16 bits into the top half of a uint32.
 Precision: everything is computed in float32 from the checkpoint's exact
 values. With --bf16-acts the inputs of every matmul (activations) are rounded
 to bf16 first (round to nearest even), to mirror an engine whose dot products
-take bf16 inputs; the default (off) is plain float32, which is what Tandem's
+take bf16 inputs; with --bf16-kv the keys (after RoPE) and values are rounded
+to bf16 (nearest even) before attention, as a bf16 KV cache stores them; the
+default (both off) is plain float32, which is what Tandem's
 CPU engine does (bf16 weights widened to f32, f32 activations and f32
 accumulation), see docs/engine.md.
 
@@ -141,7 +143,7 @@ def rope(x, pos, freqs):
 # ---- model -------------------------------------------------------------------------------
 
 class Model:
-    def __init__(self, model_dir, bf16_acts=False):
+    def __init__(self, model_dir, bf16_acts=False, bf16_kv=False):
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = cfg = json.load(f)
         arch = cfg["architectures"][0]
@@ -157,6 +159,7 @@ class Model:
         self.bias = arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
         self.freqs = inv_freq(cfg, self.head_dim)
         self.bf16_acts = bf16_acts
+        self.bf16_kv = bf16_kv  # K (after RoPE) and V rounded to bf16, as a bf16 KV cache holds
         if cfg.get("tie_word_embeddings", False):
             self.head = self.w["model.embed_tokens.weight"]
         else:
@@ -191,6 +194,8 @@ class Model:
             v = self._mm(a, p + "self_attn.v_proj.weight", bv).reshape(T, self.n_kv, d)
             q = rope(q, pos, self.freqs)
             k = rope(k, pos, self.freqs)
+            if self.bf16_kv:
+                k, v = round_bf16(k), round_bf16(v)
             o = np.empty((T, self.n_heads, d), dtype=np.float32)
             for hh in range(self.n_heads):
                 kv = hh // group
@@ -224,9 +229,10 @@ def main():
     ap.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--bf16-acts", action="store_true")
+    ap.add_argument("--bf16-kv", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    m = Model(args.model, bf16_acts=args.bf16_acts)
+    m = Model(args.model, bf16_acts=args.bf16_acts, bf16_kv=args.bf16_kv)
     prompt = [int(x) for x in args.prompt_ids.split(",") if x]
     ids, _ = m.greedy(prompt, args.max_tokens)
     if args.json:
