@@ -31,6 +31,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include "backend.h"
 #include "core.h"
 #include "cuda_backend.h"
@@ -345,6 +349,44 @@ static bool metric_has(struct tdm_worker *w, const char *line)
     return found;
 }
 
+static double metric_value(struct tdm_worker *w, const char *name)
+{
+    struct tdm_worker_parts parts;
+    assert_int_equal(tdm_worker_parts(w, &parts), TDM_OK);
+    char *text = NULL;
+    size_t len = 0;
+    assert_int_equal(tdm_metrics_render(parts.reg, &text, &len), TDM_OK);
+    char key[128];
+    snprintf(key, sizeof key, "\n%s ", name);
+    const char *at = strstr(text, key);
+    double v = at ? strtod(at + strlen(key), NULL) : -1;
+    free(text);
+    return v;
+}
+
+// GET /health of a worker: the body (empty string when none).
+static void get_health(struct tdm_worker *w, char *body, size_t len)
+{
+    body[0] = '\0';
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)tdm_worker_port(w))};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    const char *req = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    assert_true(write(fd, req, strlen(req)) == (ssize_t)strlen(req));
+    char buf[8192];
+    size_t got = 0;
+    ssize_t n;
+    while (got + 1 < sizeof buf && (n = read(fd, buf + got, sizeof buf - 1 - got)) > 0)
+        got += (size_t)n;
+    buf[got] = '\0';
+    close(fd);
+    assert_non_null(strstr(buf, " 200 "));
+    const char *b = strstr(buf, "\r\n\r\n");
+    snprintf(body, len, "%s", b ? b + 4 : "");
+}
+
 // ---- tests ---------------------------------------------------------------------------------------
 static void test_equivalence(void **state)
 {
@@ -354,12 +396,12 @@ static void test_equivalence(void **state)
         prompt_of(prompt, 40, seeded);
         struct outcome local, remote;
         send_generate(seeded ? "local-s" : "local-g", prompt, 40, 12, seeded, false);
-        collect(seeded ? "local-s" : "local-g", &local, 60);
+        collect(seeded ? "local-s" : "local-g", &local, 280);
         pthread_mutex_lock(&X.mu);
         int copies0 = X.copies;
         pthread_mutex_unlock(&X.mu);
         send_generate(seeded ? "remote-s" : "remote-g", prompt, 40, 12, seeded, true);
-        collect(seeded ? "remote-s" : "remote-g", &remote, 60);
+        collect(seeded ? "remote-s" : "remote-g", &remote, 280);
         assert_int_equal(local.error, 0);
         assert_int_equal(remote.error, 0);
         assert_string_equal(local.prefilled_by, "");
@@ -380,6 +422,25 @@ static void test_equivalence(void **state)
     assert_true(metric_has(pw, "tandem:kv_transfers_total{transport=\"cuda-ipc\"} 2"));
     assert_true(metric_has(dw, "tandem:kv_transfers_total{transport=\"cuda-ipc\"} 2"));
     assert_false(metric_has(dw, "transport=\"nng\""));
+    // The prefill worker counts the device bytes it copied (bf16 pool), and their copy time.
+    pthread_mutex_lock(&X.mu);
+    double copied = (double)X.bytes;
+    pthread_mutex_unlock(&X.mu);
+    assert_true(metric_value(pw, "tandem:kv_transfer_bytes_total") == copied);
+    assert_true(metric_value(pw, "tandem:kv_copy_seconds_total") > 0);
+    // Both workers report the pair in /health.
+    char body[4096];
+    get_health(dw, body, sizeof body);
+    assert_non_null(strstr(body, "\"status\":\"ok\",\"kv_transfer\":{\"setting\":\"auto\""));
+    char pair[512];
+    snprintf(pair, sizeof pair, "{\"peer\":\"%s\",\"transport\":\"cuda-ipc\",\"transfers\":2,",
+             tdm_prefill_service_url(ps));
+    assert_non_null(strstr(body, pair));
+    get_health(pw, body, sizeof body);
+    snprintf(pair, sizeof pair, "{\"peer\":\"%s\",\"transport\":\"cuda-ipc\",\"transfers\":2,"
+             "\"why\":\"same host, pool handle open\"}",
+             tdm_pd_receiver_url(rx));
+    assert_non_null(strstr(body, pair));
 }
 
 struct gen_arg {
@@ -433,7 +494,7 @@ static void test_cancel_waits_for_late_copy(void **state)
     atomic_store(&X.pending_seen, false);
     atomic_store(&X.hold, true); // the copies will land late
     send_generate("held", prompt, 40, 64, false, true);
-    double end = tdm_now() + 60;
+    double end = tdm_now() + 280;
     while (!atomic_load(&X.pending_seen))
         assert_true(tdm_now() < end), usleep(1000);
     send_cancel("held");
@@ -463,7 +524,7 @@ static void test_cancel_waits_for_late_copy(void **state)
     double t_release = tdm_now();
     atomic_store(&X.hold, false);
     struct outcome o;
-    collect("held", &o, 60); // its finish: after the blocks went back
+    collect("held", &o, 280); // its finish: after the blocks went back
     assert_true(o.error == 0 || strstr(o.message, "cancel") != NULL);
     assert_int_equal(pthread_join(th, NULL), 0);
     assert_false(started_early);

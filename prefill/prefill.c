@@ -155,6 +155,7 @@ struct tdm_prefill_service {
     struct tdm_kvx_ipc_cache *ipc;        // decode pools opened, per peer instance
     struct tdm_kvx_pairs *pairs;          // /health details
     struct tdm_metrics_counter *transfers; // tandem:kv_transfers_total{transport}
+    struct tdm_metrics_counter *copy_seconds; // tandem:kv_copy_seconds_total (CUDA IPC)
 };
 
 const char *tdm_prefill_service_url(const struct tdm_prefill_service *p)
@@ -345,11 +346,13 @@ static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
 // event awaited (polled: a copy of a few MiB takes well under a millisecond),
 // then a KvData frame without payload saying they are in place.
 static int send_inplace(struct tdm_prefill_service *p, struct pjob *job, int first_layer, int n,
-                        char *err, size_t errlen)
+                        size_t *copied, char *err, size_t errlen)
 {
     struct tdm_engine *e = p->parts.engine;
     int nb = job->push.num_blocks;
     double t0 = tdm_now();
+    uint64_t bytes0 = tdm_kvx_push_bytes(job->dev);
+    *copied = 0;
     if (tdm_engine_export_lease(e, job->req, first_layer + n, job->push.first_block, nb,
                                 job->src_blocks) != TDM_OK)
         return tdm_seterr(err, errlen, TDM_EINVAL, "layers %d..%d not exportable", first_layer,
@@ -370,6 +373,10 @@ static int send_inplace(struct tdm_prefill_service *p, struct pjob *job, int fir
                         first_layer, first_layer + n - 1);
     if (rc != TDM_OK)
         return rc;
+    // Issue to observed completion (polled every 0.1 ms: slightly long).
+    double copy_s = tdm_now() - t0;
+    tdm_metrics_counter_add(p->copy_seconds, copy_s);
+    *copied = (size_t)(tdm_kvx_push_bytes(job->dev) - bytes0);
     Tandem__KvData d = TANDEM__KV_DATA__INIT;
     d.transfer_id = job->transfer_id;
     d.to_instance = job->decode_instance;
@@ -381,7 +388,7 @@ static int send_inplace(struct tdm_prefill_service *p, struct pjob *job, int fir
     d.transport = (char *)tdm_kvx_mode_name(TDM_KVX_CUDA_IPC);
     d.transport_why = first_layer == 0 ? job->why : (char *)"";
     d.closed = first_layer + n == p->kvc.num_layers;
-    d.copy_seconds = tdm_now() - t0;
+    d.copy_seconds = copy_s;
     rc = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
                      p->cfg.send_timeout, err, errlen);
     if (rc == TDM_OK && d.closed)
@@ -590,13 +597,15 @@ static void *job_main(void *arg)
                     TDM_LOG_DEBUG(MOD, "req=%s transfer to %s over %s (%s)", job->request_id,
                                   job->decode_url, tdm_kvx_mode_name(job->mode), job->why);
             }
+            size_t fb = tdm_pd_layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
             if (rc == TDM_OK)
-                rc = job->dev ? send_inplace(p, job, sent, n, err, sizeof err)
+                rc = job->dev ? send_inplace(p, job, sent, n, &fb, err, sizeof err)
                               : send_frame(p, job, sent, n, err, sizeof err);
             if (rc == TDM_OK) {
                 // Counted per frame at once: the decode worker may be done
-                // with the request before this job gets to its end.
-                size_t fb = tdm_pd_layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
+                // with the request before this job gets to its end. In place:
+                // the device bytes copied (the pool's dtype), not the f32
+                // payload size.
                 tdm_metrics_counter_add(p->m.bytes, (double)fb);
                 sent += n;
                 bytes += fb;
@@ -932,6 +941,14 @@ static int prefill_kvx_init(struct tdm_prefill_service *p, struct tdm_worker *se
     o.label_names = transport;
     o.n_label_names = 1;
     rc = tdm_metrics_counter_register(&p->transfers, p->parts.reg, &o, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    o.name = "tandem:kv_copy_seconds_total";
+    o.help = "Seconds of device-to-device KV copies (CUDA IPC), issue to observed completion, "
+             "summed over layer groups (KV bytes / this = the copy bandwidth).";
+    o.label_names = NULL;
+    o.n_label_names = 0;
+    rc = tdm_metrics_counter_register(&p->copy_seconds, p->parts.reg, &o, err, errlen);
     if (rc != TDM_OK)
         return rc;
     tdm_worker_set_health_details(server, health_details, p);
