@@ -9,6 +9,8 @@
 // observed complete, and the test can hold events pending (a copy that
 // completes late). A fake router sends GenerateRequests to the decode inbox
 // and reads the TokenChunks.
+//   - a pool handle that does not open: the pair falls back to nng (the why
+//     in /health), output unchanged;
 //   - equivalence: greedy and seeded requests prefilled remotely over the
 //     in-place path give exactly the tokens of the decode worker alone, the
 //     KV went as device copies (no payload), the pair reports cuda-ipc in the
@@ -62,6 +64,7 @@ static struct {
     int nq, done;
     atomic_bool hold;         // events stay pending while set
     atomic_bool pending_seen; // an event was queried while held
+    atomic_bool fail_open;    // ipc_open fails (a handle from another node, a driver error)
     int exports, opens, closes, copies;
     uint64_t bytes;
     double t_landed; // tdm_now() when the last held copies landed
@@ -82,7 +85,11 @@ static int x_ipc_export(void *ctx, void *dev_ptr, uint8_t handle[TDM_KVX_IPC_HAN
 static int x_ipc_open(void *ctx, const uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES], void **dev_ptr,
                       char *err, size_t errlen)
 {
-    (void)ctx, (void)err, (void)errlen;
+    (void)ctx;
+    if (atomic_load(&X.fail_open)) {
+        snprintf(err, errlen, "invalid device context");
+        return -1;
+    }
     memcpy(dev_ptr, handle, sizeof *dev_ptr);
     pthread_mutex_lock(&X.mu);
     X.opens++;
@@ -215,6 +222,11 @@ static int setup(void **state)
     snprintf(rc.nng_url, sizeof rc.nng_url, "tcp://127.0.0.1:0");
     rc.layers_per_frame = 1;
     rc.kvx_ops = &FAKE;
+    // Not a liveness test: under ASan on a loaded machine the emulated kernels
+    // of both engines (one grid at a time) can keep a worker's threads from
+    // answering a load query for seconds.
+    rc.prefill_liveness = 60;
+    rc.connect_grace = 30;
     struct tdm_prefill_config pc;
     tdm_prefill_config_default(&pc);
     snprintf(pc.nng_url, sizeof pc.nng_url, "tcp://127.0.0.1:0");
@@ -388,6 +400,41 @@ static void get_health(struct tdm_worker *w, char *body, size_t len)
 }
 
 // ---- tests ---------------------------------------------------------------------------------------
+static double nng_bytes; // the prefill worker's bytes counter after the nng transfer
+// The pool handle does not open in the prefill worker: the pair chooses again
+// without CUDA IPC and the KV comes over nng, output unchanged.
+static void test_ipc_open_fails(void **state)
+{
+    (void)state;
+    int32_t prompt[40];
+    prompt_of(prompt, 40, 3);
+    struct outcome local, remote;
+    send_generate("nf-local", prompt, 40, 8, false, false);
+    collect("nf-local", &local, 280);
+    atomic_store(&X.fail_open, true);
+    send_generate("nf-remote", prompt, 40, 8, false, true);
+    collect("nf-remote", &remote, 280);
+    atomic_store(&X.fail_open, false);
+    nng_bytes = metric_value(pw, "tandem:kv_transfer_bytes_total");
+    assert_true(nng_bytes > 0);
+    assert_int_equal(remote.error, 0);
+    assert_string_equal(remote.prefilled_by, tdm_prefill_service_url(ps));
+    assert_int_equal(remote.n, 8);
+    assert_memory_equal(local.tokens, remote.tokens, sizeof(int32_t) * 8);
+    pthread_mutex_lock(&X.mu);
+    assert_int_equal(X.copies, 0);
+    assert_int_equal(X.opens, 0);
+    pthread_mutex_unlock(&X.mu);
+    assert_true(metric_has(pw, "tandem:kv_transfers_total{transport=\"nng\"} 1"));
+    assert_true(metric_has(dw, "tandem:kv_transfers_total{transport=\"nng\"} 1"));
+    char body[4096];
+    get_health(pw, body, sizeof body);
+    assert_non_null(strstr(body, "\"transport\":\"nng\",\"transfers\":1,\"why\":\"cuda-ipc failed: "));
+    assert_non_null(strstr(body, "invalid device context"));
+    get_health(dw, body, sizeof body);
+    assert_non_null(strstr(body, "\"transport\":\"nng\",\"transfers\":1,\"why\":\"cuda-ipc failed: "));
+}
+
 static void test_equivalence(void **state)
 {
     (void)state;
@@ -421,23 +468,23 @@ static void test_equivalence(void **state)
     pthread_mutex_unlock(&X.mu);
     assert_true(metric_has(pw, "tandem:kv_transfers_total{transport=\"cuda-ipc\"} 2"));
     assert_true(metric_has(dw, "tandem:kv_transfers_total{transport=\"cuda-ipc\"} 2"));
-    assert_false(metric_has(dw, "transport=\"nng\""));
+    assert_true(metric_has(dw, "tandem:kv_transfers_total{transport=\"nng\"} 1")); // the test before
     // The prefill worker counts the device bytes it copied (bf16 pool), and their copy time.
     pthread_mutex_lock(&X.mu);
     double copied = (double)X.bytes;
     pthread_mutex_unlock(&X.mu);
-    assert_true(metric_value(pw, "tandem:kv_transfer_bytes_total") == copied);
+    assert_true(metric_value(pw, "tandem:kv_transfer_bytes_total") == nng_bytes + copied);
     assert_true(metric_value(pw, "tandem:kv_copy_seconds_total") > 0);
     // Both workers report the pair in /health.
     char body[4096];
     get_health(dw, body, sizeof body);
     assert_non_null(strstr(body, "\"status\":\"ok\",\"kv_transfer\":{\"setting\":\"auto\""));
     char pair[512];
-    snprintf(pair, sizeof pair, "{\"peer\":\"%s\",\"transport\":\"cuda-ipc\",\"transfers\":2,",
+    snprintf(pair, sizeof pair, "{\"peer\":\"%s\",\"transport\":\"cuda-ipc\",\"transfers\":3,",
              tdm_prefill_service_url(ps));
     assert_non_null(strstr(body, pair));
     get_health(pw, body, sizeof body);
-    snprintf(pair, sizeof pair, "{\"peer\":\"%s\",\"transport\":\"cuda-ipc\",\"transfers\":2,"
+    snprintf(pair, sizeof pair, "{\"peer\":\"%s\",\"transport\":\"cuda-ipc\",\"transfers\":3,"
              "\"why\":\"same host, pool handle open\"}",
              tdm_pd_receiver_url(rx));
     assert_non_null(strstr(body, pair));
@@ -544,6 +591,7 @@ static void test_cancel_waits_for_late_copy(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_ipc_open_fails),
         cmocka_unit_test(test_equivalence),
         cmocka_unit_test(test_cancel_waits_for_late_copy),
     };

@@ -1040,8 +1040,12 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
             goto signal;
         }
     }
-    if (j->layers_done == 0)
+    if (j->layers_done == 0) {
         j->t_first_frame = tdm_now();
+        j->transport = TDM_KVX_NNG;
+        snprintf(j->transport_why, sizeof j->transport_why, "%s",
+                 d->transport_why ? d->transport_why : "");
+    }
     j->layers_done += d->num_layers;
     j->bytes_done += f->payload_len;
     if (j->layers_done >= rx->kvc.num_layers)

@@ -251,6 +251,8 @@ static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first
     d.num_layers = n;
     d.first_block = job->push.first_block;
     d.num_blocks = job->push.num_blocks;
+    d.transport = (char *)tdm_kvx_mode_name(TDM_KVX_NNG);
+    d.transport_why = first_layer == 0 ? job->why : (char *)"";
     size_t bytes = tdm_pd_layer_bytes(&p->kvc, job->push.num_blocks) * (size_t)n;
     return tdm_pd_send_fill(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
                             export_fill, &a, p->cfg.send_timeout, err, errlen);
@@ -289,11 +291,20 @@ static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
         if (tdm_kvx_choose(&pre, &dec, ipc, &job->mode, job->why, sizeof job->why) != 0)
             return TDM_EINVAL;
         if (job->mode != TDM_KVX_CUDA_IPC) {
-            if (ipc == TDM_KVX_IPC_UNTRIED)
-                snprintf(job->why, sizeof job->why, "%s",
-                         !p->gpu       ? "this worker's KV is in host memory"
-                         : !job->offered ? "the decode worker offered no device pool"
-                                         : "not on one host (or not both allowed cuda-ipc)");
+            // Why not CUDA IPC (the first candidate): the settings, else what
+            // the choice restricted to it says.
+            struct tdm_kvx_side pi = pre, di = dec;
+            pi.setting = di.setting = TDM_KVX_CUDA_IPC;
+            enum tdm_kvx_mode m;
+            if (pre.setting != TDM_KVX_AUTO && pre.setting != TDM_KVX_CUDA_IPC)
+                snprintf(job->why, sizeof job->why, "prefill --kv-transfer %s",
+                         tdm_kvx_mode_name(pre.setting));
+            else if (dec.setting != TDM_KVX_AUTO && dec.setting != TDM_KVX_CUDA_IPC)
+                snprintf(job->why, sizeof job->why, "decode --kv-transfer %s",
+                         tdm_kvx_mode_name(dec.setting));
+            else if (ipc == TDM_KVX_IPC_UNTRIED &&
+                     tdm_kvx_choose(&pi, &di, ipc, &m, job->why, sizeof job->why) == 0)
+                snprintf(job->why, sizeof job->why, "cuda-ipc not chosen");
             return TDM_OK;
         }
         char err[256] = "";
@@ -336,6 +347,9 @@ static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
         }
         TDM_LOG_WARN(MOD, "req=%s cuda-ipc to %s not possible: %s", job->request_id,
                      job->decode_url, err);
+        snprintf(job->why, sizeof job->why, "cuda-ipc failed: %s", err);
+        tdm_kvx_push_free(job->dev);
+        job->dev = NULL;
         ipc = TDM_KVX_IPC_FAILED; // choose again without it
     }
     return TDM_EINVAL;

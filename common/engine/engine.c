@@ -1442,6 +1442,16 @@ int tdm_engine_export_layer(struct tdm_engine *e, struct tdm_engine_request *r, 
         size_t bb = dst_len / 2 / (nblocks > 0 ? (size_t)nblocks : 1); // one block of K
         uint8_t *k_out = dst, *v_out = k_out + (size_t)nblocks * bb;
         rc = TDM_OK;
+        struct tdm_kv_storage *st = tdm_kv_storage(e->kv);
+        if (!st->host_f32 && nblocks > 0) {
+            // A device pool (a GPU prefill worker sending over nng): the
+            // storage gathers the blocks into the f32 transfer layout.
+            rc = st->ops->export_blocks(st, layer, r->seq.block_table + first_block, nblocks,
+                                        (float *)k_out, (float *)v_out) == TDM_OK
+                     ? TDM_OK
+                     : TDM_EBACKEND;
+            nblocks = 0; // done
+        }
         for (int i = 0; i < nblocks && rc == TDM_OK; i++) {
             int b = r->seq.block_table[first_block + i];
             const float *k = tdm_kv_k(e->kv, layer, b), *v = tdm_kv_v(e->kv, layer, b);

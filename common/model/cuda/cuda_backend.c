@@ -28,6 +28,7 @@
 // what is and is not verified.
 #include <stdbool.h>
 #include <stdint.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -366,6 +367,8 @@ struct cuda_kv_storage {
     void **k, **v;            // [num_layers] -> into slab: [num_blocks][heads][block_size][head_dim]
     struct dev_buf d_blocks;  // [nblocks] int32 block ids of one export/import, device
     struct dev_buf d_staging; // [nblocks][block_elems] f32, device
+    pthread_mutex_t stage_mu; // export/import share the two buffers above, and P/D calls
+                              // them from job and receive threads while the engine runs
 };
 
 static void kvs_free(struct tdm_kv_storage *st)
@@ -380,6 +383,7 @@ static void kvs_free(struct tdm_kv_storage *st)
     s->be->gen++; // graphs that addressed this pool are stale
     buf_free(s->be, &s->d_blocks);
     buf_free(s->be, &s->d_staging);
+    pthread_mutex_destroy(&s->stage_mu);
     free(s);
 }
 
@@ -405,10 +409,9 @@ static int kvs_stage(struct cuda_kv_storage *s, const int *blocks, int nblocks)
     return tdm_cuda_dev_h2d(be->dev, s->d_blocks.p, blocks, (size_t)nblocks * sizeof(int32_t));
 }
 
-static int kvs_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
-                      float *k_out, float *v_out)
+static int kvs_export_locked(struct cuda_kv_storage *s, int layer, const int *blocks,
+                             int nblocks, float *k_out, float *v_out)
 {
-    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
     void *stream = s->be->stream;
     size_t bytes = (size_t)nblocks * s->block_elems * sizeof(float);
     if (kvs_stage(s, blocks, nblocks) != TDM_OK ||
@@ -422,10 +425,9 @@ static int kvs_export(struct tdm_kv_storage *st, int layer, const int *blocks, i
     return TDM_OK;
 }
 
-static int kvs_import(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
-                      const float *k_in, const float *v_in)
+static int kvs_import_locked(struct cuda_kv_storage *s, int layer, const int *blocks,
+                             int nblocks, const float *k_in, const float *v_in)
 {
-    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
     void *stream = s->be->stream;
     size_t bytes = (size_t)nblocks * s->block_elems * sizeof(float);
     // h2d returns once the host data is consumed, and the scatter is stream
@@ -440,6 +442,26 @@ static int kvs_import(struct tdm_kv_storage *st, int layer, const int *blocks, i
         tdm_cuda_dev_sync(s->be->dev) != TDM_OK)
         return TDM_EBACKEND;
     return TDM_OK;
+}
+
+static int kvs_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                      float *k_out, float *v_out)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    pthread_mutex_lock(&s->stage_mu);
+    int rc = kvs_export_locked(s, layer, blocks, nblocks, k_out, v_out);
+    pthread_mutex_unlock(&s->stage_mu);
+    return rc;
+}
+
+static int kvs_import(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                      const float *k_in, const float *v_in)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    pthread_mutex_lock(&s->stage_mu);
+    int rc = kvs_import_locked(s, layer, blocks, nblocks, k_in, v_in);
+    pthread_mutex_unlock(&s->stage_mu);
+    return rc;
 }
 
 // The pool as one allocation (K and V of every layer in the slab), so one
@@ -508,6 +530,7 @@ static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_confi
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda kv: out of memory");
     s->base.ops = &kvs_ops;
     s->base.host_f32 = false;
+    pthread_mutex_init(&s->stage_mu, NULL);
     s->be = be;
     s->type = be->kv_type;
     s->elem_bytes = s->type == TDM_CUK_KV_F32 ? 4 : 2;

@@ -170,12 +170,12 @@ int tdm_kvx_push_new(struct tdm_kvx_push **out, const struct tdm_kvx_ops *ops,
 // Groups must come in layer order, one at a time (the previous one complete).
 // TDM_OK or TDM_EBACKEND with err (nothing more may be issued).
 int tdm_kvx_push_layers(struct tdm_kvx_push *p, int first, int count, char *err, size_t errlen);
-// The issued group's state: TDM_OK complete (or nothing issued), TDM_EBUSY
-// pending, TDM_EBACKEND failed.
+// The issued group's state: TDM_OK complete (or nothing issued, p NULL
+// included), TDM_EBUSY pending, TDM_EBACKEND failed.
 int tdm_kvx_push_poll(struct tdm_kvx_push *p);
 // True when no copy this push issued can still write (every event observed
-// complete). A failed event query leaves this false for good: only the
-// process's death ends such a copy.
+// complete; true for NULL). A failed event query leaves this false for good:
+// only the process's death ends such a copy.
 bool tdm_kvx_push_quiet(const struct tdm_kvx_push *p);
 // Copies issued (for tests) and bytes copied so far.
 int tdm_kvx_push_copies(const struct tdm_kvx_push *p);

@@ -224,6 +224,8 @@ int tdm_kvx_push_layers(struct tdm_kvx_push *p, int first, int count, char *err,
 
 int tdm_kvx_push_poll(struct tdm_kvx_push *p)
 {
+    if (p == NULL)
+        return TDM_OK; // nothing issued
     if (p->event == NULL)
         return p->failed ? TDM_EBACKEND : TDM_OK;
     int q = p->ops->event_query(p->ops->ctx, p->event);
