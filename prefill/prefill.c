@@ -347,7 +347,7 @@ static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
         }
         TDM_LOG_WARN(MOD, "req=%s cuda-ipc to %s not possible: %s", job->request_id,
                      job->decode_url, err);
-        snprintf(job->why, sizeof job->why, "cuda-ipc failed: %s", err);
+        snprintf(job->why, sizeof job->why, "cuda-ipc failed: %.140s", err);
         tdm_kvx_push_free(job->dev);
         job->dev = NULL;
         ipc = TDM_KVX_IPC_FAILED; // choose again without it
