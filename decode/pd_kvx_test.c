@@ -227,6 +227,8 @@ static int setup(void **state)
     // answering a load query for seconds.
     rc.prefill_liveness = 60;
     rc.connect_grace = 30;
+    rc.prefill_timeout = 280; // the emulated kernels under ASan are slow
+    rc.transfer_timeout = 280;
     struct tdm_prefill_config pc;
     tdm_prefill_config_default(&pc);
     snprintf(pc.nng_url, sizeof pc.nng_url, "tcp://127.0.0.1:0");
