@@ -35,6 +35,7 @@ void tdm_pd_attempt_config_default(struct tdm_pd_attempt_config *cfg)
     cfg->probe_interval = 0.25;
     cfg->poll = 0.05;
     cfg->dial_timeout = 0.5;
+    cfg->write_quarantine = 2.0;
 }
 
 size_t tdm_pd_attempt_budget(size_t n_listed, int max_attempts)
@@ -92,6 +93,44 @@ static enum wait_end wait_for(struct tdm_pd_attempt *a, const struct tdm_pd_atte
             down_since = now;
         else if (now - down_since > cfg->connect_grace)
             return WAIT_DISCONNECTED;
+        ops->wait(ctx, cfg->poll);
+    }
+}
+
+// Memory safety (see pd_attempt.h): returns once no in-place copy of this
+// attempt can land in the reserved blocks: the worker said closed, a restart
+// of it was seen, or its connection stayed down for write_quarantine. Neither
+// the job's stop nor any timeout ends this wait: freeing the blocks earlier
+// could let a late copy overwrite another request's KV.
+static void drain_writes(struct tdm_pd_attempt *a, const struct tdm_pd_attempt_config *cfg,
+                         const struct tdm_pd_attempt_ops *ops, void *ctx)
+{
+    double down_since = -1, last_probe = -1e300;
+    for (;;) {
+        ops->view(ctx, &a->last);
+        double now = ops->now(ctx);
+        if (!a->last.writes_open) {
+            a->t_drained = now;
+            return;
+        }
+        if (a->last.peer_restarted) {
+            a->writes_abandoned = true;
+            a->t_drained = now;
+            return;
+        }
+        if (ops->connected(ctx))
+            down_since = -1;
+        else if (down_since < 0)
+            down_since = now;
+        else if (now - down_since >= cfg->write_quarantine) {
+            a->writes_abandoned = true;
+            a->t_drained = now;
+            return;
+        }
+        if (now - last_probe >= cfg->probe_interval) {
+            ops->send_probe(ctx); // a restarted worker answers with its new instance
+            last_probe = now;
+        }
         ops->wait(ctx, cfg->poll);
     }
 }
@@ -199,6 +238,8 @@ enum tdm_pd_attempt_state tdm_pd_attempt_run(struct tdm_pd_attempt *a,
         default:
             return a->state;
         }
+        if (next == TDM_PD_ATTEMPT_FAILED)
+            drain_writes(a, cfg, ops, ctx); // retired and cancelled: wait out in-place copies
         a->state = next;
         if (next == TDM_PD_ATTEMPT_COMMITTED)
             ops->commit(ctx, a);

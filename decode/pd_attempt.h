@@ -61,6 +61,8 @@ struct tdm_pd_attempt_config {
     double dial_timeout;     // the same for a worker not connected yet (0.5; a dead one must
                              // not cost the full send timeout)
     int num_layers;          // layers of the model (the KV is complete at this count)
+    double write_quarantine; // in-place writes: a prefill worker disconnected this long is gone
+                             // with its device context (2)
 };
 
 // What the receive thread recorded for the attempt, copied under its lock by ops->view.
@@ -78,6 +80,9 @@ struct tdm_pd_attempt_view {
     double t_first_frame; // ops->now of the first frame, 0 = none yet
     double t_kv_done;     // ops->now of the last layer imported, 0 = not yet
     double prefill_heard; // ops->now of the worker's last LoadReport, 0 = none
+    bool writes_open;     // the worker may still write the reserved blocks in place (offered a
+                          // device pool, no closed frame yet)
+    bool peer_restarted;  // a LoadReport of this attempt came from another instance
 };
 
 // The attempt's record: the state, and for a failure why and the detail to log.
@@ -88,6 +93,8 @@ struct tdm_pd_attempt {
     bool counted;                        // a failure to log and count (not a cancel)
     char detail[256];                    // the failure's message
     double t_sent, t_result;             // ops->now before the send / at the result
+    double t_drained;                    // ops->now when in-place writes were known over
+    bool writes_abandoned;               // known over by the worker's death, not its word
     struct tdm_pd_attempt_view last;     // the view the attempt ended on
 };
 

@@ -9,7 +9,10 @@
 // silent to load queries; a connection down past the grace; a refused header;
 // KV that stalls after the result; a cancel while waiting for KV (not
 // counted); the retry edge (a second attempt on the same fakes starts clean);
-// and the budget of listed workers (max_prefill_attempts).
+// and the budget of listed workers (max_prefill_attempts). In-place writes
+// (issue 10): a failed attempt whose worker may still write the reserved
+// blocks returns only once that is known to be over (its closed frame, its
+// restart, or its connection down for write_quarantine), whatever the cancel.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -22,7 +25,7 @@
 #include "pd_attempt.h"
 
 // ---- fakes -------------------------------------------------------------------------------
-enum ev_kind { EV_RESULT, EV_LAYERS, EV_KV_FAIL, EV_CANCEL, EV_DOWN, EV_UP };
+enum ev_kind { EV_RESULT, EV_LAYERS, EV_KV_FAIL, EV_CANCEL, EV_DOWN, EV_UP, EV_CLOSED, EV_RESTART };
 
 struct event {
     double at;
@@ -42,6 +45,7 @@ struct fake {
     int check_rc;
     int retires, commits;
     int layers_at_retire; // layers imported when the transfer was retired
+    double retired_at;
     double commit_at;
     // the receive thread's record
     struct tdm_pd_attempt_view v;
@@ -53,8 +57,9 @@ static void apply_due(struct fake *f)
 {
     while (f->next < f->n_script && f->script[f->next].at <= f->now) {
         const struct event *e = &f->script[f->next++];
-        if (f->retires > 0 && e->kind != EV_CANCEL)
-            continue; // a retired transfer takes no message
+        if (f->retires > 0 && e->kind != EV_CANCEL && e->kind != EV_CLOSED &&
+            e->kind != EV_RESTART && e->kind != EV_DOWN && e->kind != EV_UP)
+            continue; // a retired transfer takes no message but its closed frame
         switch (e->kind) {
         case EV_RESULT:
             f->v.has_result = true;
@@ -82,6 +87,12 @@ static void apply_due(struct fake *f)
             break;
         case EV_UP:
             f->connected = true;
+            break;
+        case EV_CLOSED: // the prefill worker: no copy in flight any more
+            f->v.writes_open = false;
+            break;
+        case EV_RESTART: // a LoadReport from a new instance of the worker
+            f->v.peer_restarted = true;
             break;
         }
     }
@@ -148,6 +159,7 @@ static void f_retire(void *ctx)
     struct fake *f = ctx;
     f->retires++;
     f->layers_at_retire = f->v.layers_done;
+    f->retired_at = f->now;
 }
 
 static void f_commit(void *ctx, const struct tdm_pd_attempt *a)
@@ -380,6 +392,100 @@ static void test_cancel_during_kv(void **state)
     assert_int_equal(f.commits, 0);
 }
 
+// ---- in-place writes (CUDA IPC) ------------------------------------------------------------
+#define RUN_OFFERED(f, a, script)                                                                  \
+    do {                                                                                           \
+        struct tdm_pd_attempt_config c_ = config();                                               \
+        fake_init(&(f), script, sizeof(script) / sizeof(script)[0]);                               \
+        (f).v.writes_open = true; /* our pool went with the request */                             \
+        tdm_pd_attempt_run(&(a), &c_, &ops, &(f));                                                 \
+    } while (0)
+
+// Cancelled with a copy still in flight: retired and the worker cancelled at
+// once, but the attempt (and so the free or reuse of its blocks) ends only
+// when the worker's closed frame came, 4 s later.
+static void test_cancel_waits_for_closed(void **state)
+{
+    (void)state;
+    static const struct event s[] = {{100.1, EV_RESULT, 0},
+                                     {100.2, EV_LAYERS, 1},
+                                     {100.5, EV_CANCEL, 0},
+                                     {104.5, EV_CLOSED, 0}};
+    struct fake f;
+    struct tdm_pd_attempt a;
+    RUN_OFFERED(f, a, s);
+    assert_int_equal(a.state, TDM_PD_ATTEMPT_FAILED);
+    assert_false(a.counted);
+    assert_true(f.retired_at >= 100.5 && f.retired_at < 100.6); // frames refused at once
+    assert_int_equal(f.cancels, 1);
+    assert_true(f.now >= 104.5);     // returned only after the closed frame
+    assert_true(a.t_drained >= 104.5);
+    assert_false(a.writes_abandoned);
+    assert_true(f.probes > 4); // still asking, so a restart would be seen
+}
+
+// Every failure edge drains, not only cancel: a result timeout and an error
+// result while writes may be in flight.
+static void test_failures_wait_for_closed(void **state)
+{
+    (void)state;
+    static const struct event err[] = {{100.1, EV_RESULT, 5}, {100.9, EV_CLOSED, 0}};
+    struct fake f;
+    struct tdm_pd_attempt a;
+    RUN_OFFERED(f, a, err);
+    assert_int_equal(a.why, TDM_PD_WHY_PREFILL_ERROR);
+    assert_true(f.retired_at < 100.2);
+    assert_true(a.t_drained >= 100.9);
+    static const struct event stall[] = {
+        {100.1, EV_RESULT, 0}, {100.2, EV_LAYERS, 2}, {103.0, EV_CLOSED, 0}};
+    RUN_OFFERED(f, a, stall);
+    assert_int_equal(a.why, TDM_PD_WHY_TRANSFER); // transfer_timeout 2 s after the result
+    assert_true(f.retired_at >= 102.1 && f.retired_at < 102.3);
+    assert_true(a.t_drained >= 103.0);
+}
+
+// A worker that never says closed: its restart (a new instance answering the
+// probe) or its connection down for write_quarantine ends the wait; a worker
+// that stays connected and silent keeps the blocks.
+static void test_dead_worker_ends_wait(void **state)
+{
+    (void)state;
+    static const struct event restart[] = {{100.1, EV_CANCEL, 0}, {101.0, EV_RESTART, 0}};
+    struct fake f;
+    struct tdm_pd_attempt a;
+    RUN_OFFERED(f, a, restart);
+    assert_true(a.writes_abandoned);
+    assert_true(f.now >= 101.0 && f.now < 101.2);
+    static const struct event down[] = {{100.1, EV_CANCEL, 0}, {100.5, EV_DOWN, 0}};
+    RUN_OFFERED(f, a, down);
+    assert_true(a.writes_abandoned);
+    assert_true(f.now >= 102.5 && f.now < 102.7); // down at 100.5 + quarantine 2
+    // Down, then back (a reconnect of the same process): the wait goes on.
+    static const struct event flap[] = {{100.1, EV_CANCEL, 0},
+                                        {100.5, EV_DOWN, 0},
+                                        {101.0, EV_UP, 0},
+                                        {110.0, EV_CLOSED, 0}};
+    RUN_OFFERED(f, a, flap);
+    assert_false(a.writes_abandoned);
+    assert_true(f.now >= 110.0);
+}
+
+// Without an offer (KV over nng) or after a commit nothing is awaited.
+static void test_no_wait_without_writes(void **state)
+{
+    (void)state;
+    static const struct event s[] = {{100.1, EV_RESULT, 0}, {100.5, EV_CANCEL, 0}};
+    struct fake f;
+    struct tdm_pd_attempt a;
+    RUN(f, a, s);
+    assert_int_equal(a.state, TDM_PD_ATTEMPT_FAILED);
+    assert_true(f.now < 100.6);
+    static const struct event ok[] = {{100.1, EV_RESULT, 0}, {100.2, EV_LAYERS, 4}};
+    RUN_OFFERED(f, a, ok); // every layer in place: the last frame said closed too
+    assert_int_equal(a.state, TDM_PD_ATTEMPT_COMMITTED);
+    assert_true(f.now < 100.3);
+}
+
 static void test_retry_starts_clean(void **state)
 {
     (void)state;
@@ -423,6 +529,10 @@ int main(void)
         cmocka_unit_test(test_cancel_during_kv),
         cmocka_unit_test(test_retry_starts_clean),
         cmocka_unit_test(test_budget),
+        cmocka_unit_test(test_cancel_waits_for_closed),
+        cmocka_unit_test(test_failures_wait_for_closed),
+        cmocka_unit_test(test_dead_worker_ends_wait),
+        cmocka_unit_test(test_no_wait_without_writes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

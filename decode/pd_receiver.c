@@ -28,6 +28,7 @@
 #include "worker.h"
 #include "engine.h"
 #include "kv_cache.h"
+#include "kvx.h"
 #include "metrics.h"
 #include "model.h"
 #include "pd_codec.h"
@@ -51,6 +52,7 @@ void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg)
     cfg->prefill_liveness = 2.0;
     cfg->layers_per_frame = 4;
     cfg->send_timeout = 2;
+    cfg->write_quarantine = 2;
 }
 
 static int set_nng_url(void *o, const char *v, char *err, size_t errlen)
@@ -128,6 +130,14 @@ struct djob {
     bool kv_failed;
     char kv_err[256];
     double prefill_heard; // tdm_now() of the prefill worker's last LoadReport for this attempt
+    // In-place transfers (issue 10): the attempt offered our device pool, so the
+    // prefill worker may write the reserved blocks itself until it says closed.
+    bool offered;
+    bool writes_closed;
+    bool peer_restarted;    // a LoadReport of the attempt came from another instance
+    uint64_t closing_tid;   // a retired attempt whose closed frame is still awaited
+    enum tdm_kvx_mode transport; // how the attempt's KV came (its first frame)
+    char transport_why[160];
     uint64_t version;     // bumped with every change above made by the receive thread
 
     // The trace (job thread only): the llm_request span, parent = the router's
@@ -153,6 +163,16 @@ struct tdm_pd_receiver {
     int num_jobs;
 
     struct tdm_pd_metrics m;
+
+    // GPU-to-GPU transfer (issue 10): --kv-transfer, this node's id, our device
+    // pool exported once (kv_pool empty when there is none: host KV, a CPU
+    // build, or --kv-transfer nng/nccl), the pairs behind /health, the counter.
+    enum tdm_kvx_mode kv_setting;
+    char host_id[96];
+    uint8_t kv_pool[TDM_KVX_POOL_WIRE_BYTES];
+    size_t kv_pool_len;
+    struct tdm_kvx_pairs *pairs;
+    struct tdm_metrics_counter *transfers;
 
     // KV events of the load report being built (receive thread only).
     struct tdm_kv_event kev[KV_EVENTS_PER_REPORT];
@@ -410,6 +430,8 @@ struct remote {
     uint64_t seen;              // j->version at the last view
     Tandem__PrefillResult *res; // taken from the job by check_result or retire; owned
     struct tdm_span span;       // remote_prefill: the parent of the prefill worker's spans
+    bool offered;               // our device pool and block ids go with the request
+    int32_t *block_ids;         // [num_blocks] the reserved range's physical ids (offered)
 };
 
 static double remote_now(void *ctx)
@@ -453,8 +475,24 @@ static int remote_send_prefill(void *ctx, double timeout_s, char *err, size_t er
                                rx->kvc.dtype};
     struct tdm_kv_header kvh;
     tdm_pd_push_to_proto(&pr, &push, &rx->kvc, rx->parts.served_name, &kvh);
-    return tdm_pd_send(rx->net.outbox, x->t->url, TDM_NET_PREFILL, &pr.base, NULL, 0, timeout_s,
-                       err, errlen);
+    pr.kv_transfer = (char *)tdm_kvx_mode_name(rx->kv_setting);
+    pr.host_id = rx->host_id;
+    if (x->offered) {
+        pr.kv_pool.data = rx->kv_pool;
+        pr.kv_pool.len = rx->kv_pool_len;
+        pr.n_block_ids = (size_t)x->num_blocks;
+        pr.block_ids = x->block_ids;
+    }
+    int rc = tdm_pd_send(rx->net.outbox, x->t->url, TDM_NET_PREFILL, &pr.base, NULL, 0, timeout_s,
+                         err, errlen);
+    if (rc != TDM_OK && x->offered) {
+        // Never delivered (a failed write drops the partial frame with the
+        // connection): nobody can write the blocks.
+        pthread_mutex_lock(&rx->mu);
+        j->writes_closed = true;
+        pthread_mutex_unlock(&rx->mu);
+    }
+    return rc;
 }
 
 static bool remote_connected(void *ctx)
@@ -512,6 +550,8 @@ static void remote_view(void *ctx, struct tdm_pd_attempt_view *v)
     v->t_first_frame = j->t_first_frame;
     v->t_kv_done = j->t_kv_done;
     v->prefill_heard = j->prefill_heard;
+    v->writes_open = j->offered && !j->writes_closed;
+    v->peer_restarted = j->peer_restarted;
     pthread_mutex_unlock(&rx->mu);
 }
 
@@ -562,6 +602,8 @@ static void remote_retire(void *ctx)
     pthread_mutex_lock(&j->rx->mu);
     take_result_locked(x);
     j->importing = false;
+    if (j->offered && !j->writes_closed)
+        j->closing_tid = j->transfer_id; // its closed frame is still taken
     j->transfer_id = 0;
     pthread_mutex_unlock(&j->rx->mu);
 }
@@ -583,6 +625,15 @@ static void remote_commit(void *ctx, const struct tdm_pd_attempt *a)
         tdm_metrics_histogram_observe(rx->m.seconds, v->t_kv_done - v->t_first_frame);
     }
     tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m.requests, "remote"));
+    if (x->num_blocks > 0) {
+        pthread_mutex_lock(&rx->mu);
+        enum tdm_kvx_mode mode = j->transport;
+        char why[160];
+        snprintf(why, sizeof why, "%s", j->transport_why);
+        pthread_mutex_unlock(&rx->mu);
+        tdm_kvx_pairs_note(rx->pairs, x->t->url, mode, why);
+        tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->transfers, tdm_kvx_mode_name(mode)));
+    }
     TDM_LOG_DEBUG(MOD, "req=%s KV from %s: blocks=%d bytes=%zu prefill=%.4f exposed=%.4f",
                   j->request_id, x->t->url, x->num_blocks, v->bytes_done, prefill_s, exposed);
     tdm_engine_import_done(rx->parts.engine, x->req, x->res->first_token, true);
@@ -663,7 +714,22 @@ static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
                        .first_block = first_block,
                        .num_blocks = num_blocks,
                        .tid = tdm_net_new_instance_id()};
+    // Our device pool goes with the request when in-place writes are allowed
+    // here; the ids are read once per attempt (the reserved range is fixed).
+    if (rx->kv_pool_len > 0 && num_blocks > 0) {
+        x.block_ids = malloc(sizeof(int32_t) * (size_t)num_blocks);
+        int *ids = (int *)x.block_ids; // int32_t is int here (static assert below)
+        x.offered = x.block_ids != NULL &&
+                    tdm_engine_import_block_ids(rx->parts.engine, req, first_block, num_blocks,
+                                                ids) == TDM_OK;
+    }
     pthread_mutex_lock(&rx->mu);
+    j->offered = x.offered;
+    j->writes_closed = false;
+    j->peer_restarted = false;
+    j->closing_tid = 0;
+    j->transport = TDM_KVX_NNG;
+    j->transport_why[0] = '\0';
     j->transfer_id = x.tid;
     snprintf(j->prefill_url, sizeof j->prefill_url, "%s", t->url);
     j->result = NULL;
@@ -689,6 +755,7 @@ static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     ac.num_layers = L;
     tdm_span_begin_child(&x.span, &j->span, "remote_prefill", TDM_SPAN_CLIENT, tdm_now());
     tdm_span_attr_str(&x.span, "tandem.prefill.endpoint", t->url);
+    ac.write_quarantine = rx->cfg.write_quarantine;
     struct tdm_pd_attempt a;
     bool ok = tdm_pd_attempt_run(&a, &ac, &remote_ops, &x) == TDM_PD_ATTEMPT_COMMITTED;
     if (!ok)
@@ -700,8 +767,14 @@ static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     }
     if (x.res)
         tandem__prefill_result__free_unpacked(x.res, NULL);
+    free(x.block_ids);
+    pthread_mutex_lock(&rx->mu);
+    j->offered = false; // drained (tdm_pd_attempt_run) or complete
+    j->closing_tid = 0;
+    pthread_mutex_unlock(&rx->mu);
     return ok;
 }
+_Static_assert(sizeof(int32_t) == sizeof(int), "block ids are passed as int");
 
 enum reserve { RESERVE_OK = 0, RESERVE_DONE, RESERVE_STOPPED };
 
@@ -1015,12 +1088,61 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
         return;
     pthread_mutex_lock(&rx->mu);
     struct djob *j = find_attempt(rx, d->to_instance, d->transfer_id);
-    if (j == NULL || !j->importing || j->kv_failed)
+    bool in_place = d->transport && strcmp(d->transport, "cuda-ipc") == 0;
+    if (j == NULL && d->closed && d->to_instance == rx->net.instance && d->transfer_id != 0) {
+        // The closed frame of a retired attempt whose copies were awaited.
+        for (struct djob *o = rx->jobs; o && j == NULL; o = o->next)
+            if (o->closing_tid == d->transfer_id &&
+                (o->prefill_instance == 0 || o->prefill_instance == d->from_instance))
+                j = o;
+        if (j != NULL) {
+            j->writes_closed = true;
+            j->closing_tid = 0;
+            goto signal;
+        }
         goto out;
+    }
+    if (j == NULL)
+        goto out;
+    if (d->closed && (j->prefill_instance == 0 || d->from_instance == j->prefill_instance))
+        j->writes_closed = true; // also for a frame refused below
+    if (!j->importing || j->kv_failed)
+        goto signal;
     if (j->prefill_instance == 0)
         j->prefill_instance = d->from_instance; // the attempt's sender from now on
     if (d->from_instance != j->prefill_instance)
         goto out;
+    if (d->error == 0 && d->num_layers == 0 && d->closed)
+        goto signal; // a bare closed frame: nothing to import
+    if (d->error == 0 && !in_place)
+        j->writes_closed = true; // KV in the payload: this transfer writes nothing in place
+    if (d->error == 0 && in_place && !j->offered) {
+        j->kv_failed = true;
+        snprintf(j->kv_err, sizeof j->kv_err, "in-place KvData for a transfer offered no pool");
+        goto signal;
+    }
+    if (d->error == 0 && in_place) {
+        if (d->first_block != j->imp_first_block || d->num_blocks != j->imp_num_blocks ||
+            d->first_layer != j->layers_done || d->num_layers < 1 ||
+            d->first_layer + d->num_layers > rx->kvc.num_layers || f->payload_len != 0) {
+            j->kv_failed = true;
+            snprintf(j->kv_err, sizeof j->kv_err,
+                     "bad in-place KvData: layers %d+%d blocks %d+%d (expected layer %d)",
+                     d->first_layer, d->num_layers, d->first_block, d->num_blocks,
+                     j->layers_done);
+            goto signal;
+        }
+        if (j->layers_done == 0) {
+            j->t_first_frame = tdm_now();
+            j->transport = TDM_KVX_CUDA_IPC;
+            snprintf(j->transport_why, sizeof j->transport_why, "%s",
+                     d->transport_why ? d->transport_why : "");
+        }
+        j->layers_done += d->num_layers;
+        if (j->layers_done >= rx->kvc.num_layers)
+            j->t_kv_done = tdm_now();
+        goto signal;
+    }
     if (d->error != 0) {
         j->kv_failed = true;
         snprintf(j->kv_err, sizeof j->kv_err, "prefill worker: %s", d->message);
@@ -1050,8 +1172,12 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
             goto signal;
         }
     }
-    if (j->layers_done == 0)
+    if (j->layers_done == 0) {
         j->t_first_frame = tdm_now();
+        j->transport = TDM_KVX_NNG;
+        snprintf(j->transport_why, sizeof j->transport_why, "%s",
+                 d->transport_why ? d->transport_why : "");
+    }
     j->layers_done += d->num_layers;
     j->bytes_done += f->payload_len;
     if (j->layers_done >= rx->kvc.num_layers)
@@ -1095,8 +1221,13 @@ static void on_load_report(void *arg, const struct tdm_net_frame *f)
         return;
     pthread_mutex_lock(&rx->mu);
     struct djob *j = find_attempt(rx, r->to_instance, r->seq);
+    for (struct djob *o = rx->jobs; o && j == NULL && r->to_instance == rx->net.instance; o = o->next)
+        if (o->closing_tid != 0 && o->closing_tid == r->seq)
+            j = o; // a retired attempt awaiting its closed frame
     if (j) {
         j->prefill_heard = tdm_now();
+        if (j->prefill_instance != 0 && r->instance != 0 && r->instance != j->prefill_instance)
+            j->peer_restarted = true; // the old process, and its copies, are gone
         j->version++;
     }
     pthread_mutex_unlock(&rx->mu);
@@ -1159,6 +1290,62 @@ static const struct tdm_pd_metric_names metric_names = {
                 "Seconds from the first KvData frame received to the last layer installed."},
 };
 
+static void health_details(void *arg, char *buf, size_t len)
+{
+    struct tdm_pd_receiver *rx = arg;
+    tdm_kvx_pairs_json(rx->pairs, rx->kv_setting, buf, len);
+}
+
+// --kv-transfer on the decode side: when CUDA IPC is allowed and our KV pool
+// is one device allocation, its IPC handle is made once here and offered with
+// every PrefillRequest (with the reserved block ids); otherwise KV comes over nng.
+static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *server, char *err,
+                             size_t errlen)
+{
+    rx->kv_setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer;
+    tdm_kvx_host_id(rx->host_id, sizeof rx->host_id);
+    const struct tdm_kvx_ops *ops = rx->cfg.kvx_ops ? rx->cfg.kvx_ops : tdm_kvx_cuda_ops();
+    struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(rx->parts.engine));
+    struct tdm_kv_device_pool dp;
+    if ((rx->kv_setting == TDM_KVX_AUTO || rx->kv_setting == TDM_KVX_CUDA_IPC) && ops != NULL &&
+        ops->ipc_export != NULL && st->ops->device_pool != NULL &&
+        st->ops->device_pool(st, &dp) == TDM_OK) {
+        struct tdm_kvx_pool pool = {
+            .bytes = dp.bytes,
+            .layer_stride = dp.layer_stride,
+            .v_offset = dp.v_offset,
+            .block_bytes = dp.block_bytes,
+            .num_layers = (uint32_t)rx->kvc.num_layers,
+            .num_blocks = (uint32_t)tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks,
+            .elem_bytes = (uint32_t)dp.elem_bytes,
+            .gpu = true,
+            .nccl = false, // the roles do not move KV over NCCL yet
+        };
+        char why[192] = "";
+        if (ops->ipc_export(ops->ctx, dp.base, pool.handle, why, sizeof why) == 0) {
+            tdm_kvx_pool_encode(&pool, rx->kv_pool);
+            rx->kv_pool_len = sizeof rx->kv_pool;
+        } else {
+            TDM_LOG_WARN(MOD, "KV pool not exported for CUDA IPC (KV comes over nng): %s", why);
+        }
+    }
+    int rc = tdm_kvx_pairs_new(&rx->pairs, 64);
+    if (rc != TDM_OK)
+        return tdm_seterr(err, errlen, rc, "pd: out of memory");
+    static const char *const transport[] = {"transport"};
+    struct tdm_metrics_opts o;
+    memset(&o, 0, sizeof o);
+    o.name = "tandem:kv_transfers_total";
+    o.help = "KV transfers received and installed, by transport (nng, cuda-ipc, nccl).";
+    o.label_names = transport;
+    o.n_label_names = 1;
+    rc = tdm_metrics_counter_register(&rx->transfers, rx->parts.reg, &o, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    tdm_worker_set_health_details(server, health_details, rx);
+    return TDM_OK;
+}
+
 int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
                         const struct tdm_pd_receiver_config *cfg, char *err, size_t errlen)
 {
@@ -1183,6 +1370,9 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
     rc = tdm_pd_metrics_register(&rx->m, rx->parts.reg, &metric_names, err, errlen);
     if (rc != TDM_OK)
         goto fail;
+    rc = receiver_kvx_init(rx, server, err, errlen);
+    if (rc != TDM_OK)
+        goto fail;
     struct tdm_pd_service_config net = {
         .url = cfg->nng_url,
         .module = MOD,
@@ -1203,6 +1393,8 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
     *out = rx;
     return TDM_OK;
 fail:
+    tdm_worker_set_health_details(server, NULL, NULL);
+    tdm_kvx_pairs_free(rx->pairs);
     pthread_cond_destroy(&rx->cv);
     pthread_mutex_destroy(&rx->mu);
     free(rx);
@@ -1226,6 +1418,8 @@ void tdm_pd_receiver_free(struct tdm_pd_receiver *rx)
         pthread_cond_wait(&rx->cv, &rx->mu);
     pthread_mutex_unlock(&rx->mu);
     tdm_pd_service_fini(&rx->net);
+    tdm_worker_set_health_details(rx->server, NULL, NULL);
+    tdm_kvx_pairs_free(rx->pairs);
     pthread_cond_destroy(&rx->cv);
     pthread_mutex_destroy(&rx->mu);
     free(rx);

@@ -25,6 +25,7 @@
 
 struct tdm_worker;
 struct tdm_pd_receiver;
+struct tdm_kvx_ops;
 
 struct tdm_pd_receiver_config {
     char nng_url[256];       // --nng-url: inbox; "" = P/D off. e.g. tcp://0.0.0.0:9300
@@ -37,6 +38,10 @@ struct tdm_pd_receiver_config {
                              // counts as failed (hung, stopped); default 2
     int layers_per_frame;    // asked of the prefill worker; default 4
     double send_timeout;     // seconds a frame may wait for its peer; default 2
+    double write_quarantine; // in-place KV writes: a prefill worker disconnected this long is
+                             // gone with its device context, its blocks are safe (default 2)
+    const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = tdm_kvx_cuda_ops() (NULL in a
+                                       // CPU build: KV over nng). Tests pass a fake table.
 };
 void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg);
 // Takes --nng-url, --pd-prefill-timeout, --pd-transfer-timeout,

@@ -26,6 +26,7 @@
 #include "worker.h"
 #include "engine.h"
 #include "kv_cache.h"
+#include "kvx.h"
 #include "metrics.h"
 #include "model.h"
 #include "pd_codec.h"
@@ -122,6 +123,20 @@ struct pjob {
     struct tdm_span span;
     bool have_times; // the engine finish was read: times is valid
     struct tdm_engine_times times;
+
+    // GPU-to-GPU transfer (issue 10), job thread only. offered: the decode
+    // worker named its device pool, so this transfer ends with a closed frame
+    // on every path (its memory-safety rule, docs/pd-protocol.md).
+    bool offered;
+    struct tdm_kvx_pool pool;
+    char decode_setting[16]; // its --kv-transfer ("" = nng)
+    char decode_host[96];
+    int *dst_blocks;              // [push.num_blocks] the decode worker's physical ids
+    enum tdm_kvx_mode mode;       // this transfer's transport (chosen before the first frame)
+    char why[160];                // why
+    struct tdm_kvx_push *dev;     // the CUDA IPC copies; NULL over nng
+    int *src_blocks;              // [push.num_blocks] our physical ids (leased per group)
+    bool closed_sent;
 };
 
 struct tdm_prefill_service {
@@ -137,6 +152,18 @@ struct tdm_prefill_service {
     int num_jobs;
 
     struct tdm_pd_metrics m;
+
+    // GPU-to-GPU transfer (issue 10).
+    enum tdm_kvx_mode kv_setting;         // --kv-transfer
+    const struct tdm_kvx_ops *kvx_ops;    // the device table; NULL in a CPU build
+    struct tdm_kv_device_pool own_pool;   // this engine's device pool (gpu only)
+    bool gpu;                             // the engine's KV pool is one device allocation
+    char host_id[96];
+    pthread_mutex_t ipc_mu;               // guards ipc (job threads share it)
+    struct tdm_kvx_ipc_cache *ipc;        // decode pools opened, per peer instance
+    struct tdm_kvx_pairs *pairs;          // /health details
+    struct tdm_metrics_counter *transfers; // tandem:kv_transfers_total{transport}
+    struct tdm_metrics_counter *copy_seconds; // tandem:kv_copy_seconds_total (CUDA IPC)
 };
 
 const char *tdm_prefill_service_url(const struct tdm_prefill_service *p)
@@ -241,9 +268,187 @@ static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first
     d.num_layers = n;
     d.first_block = job->push.first_block;
     d.num_blocks = job->push.num_blocks;
+    d.transport = (char *)tdm_kvx_mode_name(TDM_KVX_NNG);
+    d.transport_why = first_layer == 0 ? job->why : (char *)"";
     size_t bytes = push_layer_bytes(p, job) * (size_t)n;
     return tdm_pd_send_fill(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
                             export_fill, &a, p->cfg.send_timeout, err, errlen);
+}
+
+// ---- GPU-to-GPU transfer (issue 10) --------------------------------------------------------
+static void pause_briefly(void)
+{
+    struct timespec ts = {0, 100000}; // 0.1 ms
+    nanosleep(&ts, NULL);
+}
+
+static void *src_layer(void *arg, int layer, bool v)
+{
+    struct tdm_kv_storage *st = arg;
+    return v ? st->ops->layer_v(st, layer) : st->ops->layer_k(st, layer);
+}
+
+// Picks this transfer's transport (tdm_kvx_choose over both sides; a CUDA IPC
+// handle that does not open, or a pool whose layout differs from ours, makes
+// it choose again without IPC) and prepares the copies. TDM_OK, or an error
+// with job->why set (nothing both sides allow works: the push fails and the
+// decode worker moves on).
+static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
+{
+    enum tdm_kvx_mode dset = TDM_KVX_NNG;
+    if (job->decode_setting[0] && tdm_kvx_mode_parse(job->decode_setting, &dset) != 0)
+        dset = TDM_KVX_NNG;
+    // NCCL: the communicator lifecycle exists (kvx_link) but the roles do not
+    // move KV over it yet, so this side does not offer it.
+    struct tdm_kvx_side pre = {p->kv_setting, p->gpu, false, p->host_id};
+    struct tdm_kvx_side dec = {dset, job->offered && job->pool.gpu, job->offered && job->pool.nccl,
+                               job->decode_host};
+    enum tdm_kvx_ipc_open ipc = TDM_KVX_IPC_UNTRIED;
+    for (int round = 0; round < 2; round++) {
+        if (tdm_kvx_choose(&pre, &dec, ipc, &job->mode, job->why, sizeof job->why) != 0)
+            return TDM_EINVAL;
+        if (job->mode != TDM_KVX_CUDA_IPC) {
+            // Why not CUDA IPC (the first candidate): the settings, else what
+            // the choice restricted to it says.
+            struct tdm_kvx_side pi = pre, di = dec;
+            pi.setting = di.setting = TDM_KVX_CUDA_IPC;
+            enum tdm_kvx_mode m;
+            if (pre.setting != TDM_KVX_AUTO && pre.setting != TDM_KVX_CUDA_IPC)
+                snprintf(job->why, sizeof job->why, "prefill --kv-transfer %s",
+                         tdm_kvx_mode_name(pre.setting));
+            else if (dec.setting != TDM_KVX_AUTO && dec.setting != TDM_KVX_CUDA_IPC)
+                snprintf(job->why, sizeof job->why, "decode --kv-transfer %s",
+                         tdm_kvx_mode_name(dec.setting));
+            else if (ipc == TDM_KVX_IPC_UNTRIED &&
+                     tdm_kvx_choose(&pi, &di, ipc, &m, job->why, sizeof job->why) == 0)
+                snprintf(job->why, sizeof job->why, "cuda-ipc not chosen");
+            return TDM_OK;
+        }
+        char err[256] = "";
+        int rc = TDM_OK;
+        if (job->pool.elem_bytes != (uint32_t)p->own_pool.elem_bytes ||
+            job->pool.block_bytes != p->own_pool.block_bytes ||
+            job->pool.num_layers != (uint32_t)p->kvc.num_layers)
+            rc = tdm_seterr(err, sizeof err, TDM_EINVAL,
+                            "KV layouts differ (decode %u-byte elements, %llu-byte blocks; "
+                            "prefill %d, %zu)",
+                            job->pool.elem_bytes, (unsigned long long)job->pool.block_bytes,
+                            p->own_pool.elem_bytes, p->own_pool.block_bytes);
+        void *base = NULL;
+        if (rc == TDM_OK) {
+            pthread_mutex_lock(&p->ipc_mu);
+            rc = tdm_kvx_ipc_cache_get(p->ipc, job->decode_url, job->decode_instance,
+                                       job->pool.handle, &base, err, sizeof err);
+            pthread_mutex_unlock(&p->ipc_mu);
+        }
+        int n = job->push.num_blocks;
+        if (rc == TDM_OK) {
+            job->src_blocks = malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
+            rc = job->src_blocks ? TDM_OK : TDM_ENOMEM;
+        }
+        // Our block ids: the prompt's table is fixed from the final step on;
+        // leased (and dropped) here only to read it, each group leases again.
+        if (rc == TDM_OK && n > 0 &&
+            tdm_engine_export_lease(p->parts.engine, job->req, 1, job->push.first_block, n,
+                                    job->src_blocks) == TDM_OK)
+            tdm_engine_export_unlease(p->parts.engine, job->req);
+        else if (rc == TDM_OK && n > 0)
+            rc = tdm_seterr(err, sizeof err, TDM_EINVAL, "the prompt's KV is not exportable");
+        if (rc == TDM_OK)
+            rc = tdm_kvx_push_new(&job->dev, p->kvx_ops, &job->pool, base, job->dst_blocks,
+                                  src_layer, tdm_kv_storage(tdm_engine_kv(p->parts.engine)),
+                                  job->src_blocks, n, err, sizeof err);
+        if (rc == TDM_OK) {
+            snprintf(job->why, sizeof job->why, "same host, pool handle open");
+            return TDM_OK;
+        }
+        TDM_LOG_WARN(MOD, "req=%s cuda-ipc to %s not possible: %s", job->request_id,
+                     job->decode_url, err);
+        snprintf(job->why, sizeof job->why, "cuda-ipc failed: %.140s", err);
+        tdm_kvx_push_free(job->dev);
+        job->dev = NULL;
+        ipc = TDM_KVX_IPC_FAILED; // choose again without it
+    }
+    return TDM_EINVAL;
+}
+
+// Layers [first_layer, first_layer + n) straight into the decode worker's
+// blocks: leased source blocks, copies on the device table's stream, the
+// event awaited (polled: a copy of a few MiB takes well under a millisecond),
+// then a KvData frame without payload saying they are in place.
+static int send_inplace(struct tdm_prefill_service *p, struct pjob *job, int first_layer, int n,
+                        size_t *copied, char *err, size_t errlen)
+{
+    struct tdm_engine *e = p->parts.engine;
+    int nb = job->push.num_blocks;
+    double t0 = tdm_now();
+    uint64_t bytes0 = tdm_kvx_push_bytes(job->dev);
+    *copied = 0;
+    if (tdm_engine_export_lease(e, job->req, first_layer + n, job->push.first_block, nb,
+                                job->src_blocks) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "layers %d..%d not exportable", first_layer,
+                          first_layer + n - 1);
+    int rc = tdm_kvx_push_layers(job->dev, first_layer, n, err, errlen);
+    // Wait for what was issued even after a failure: the lease must outlive
+    // every copy reading our blocks.
+    int q;
+    while ((q = tdm_kvx_push_poll(job->dev)) == TDM_EBUSY)
+        pause_briefly();
+    if (tdm_kvx_push_quiet(job->dev))
+        tdm_engine_export_unlease(e, job->req);
+    else
+        TDM_LOG_ERR(MOD, "req=%s a device copy's completion is unknown: blocks stay leased",
+                    job->request_id); // only this process's exit ends such a copy
+    if (rc == TDM_OK && q != TDM_OK)
+        rc = tdm_seterr(err, errlen, TDM_EBACKEND, "device copy of layers %d..%d failed",
+                        first_layer, first_layer + n - 1);
+    if (rc != TDM_OK)
+        return rc;
+    // Issue to observed completion (polled every 0.1 ms: slightly long).
+    double copy_s = tdm_now() - t0;
+    tdm_metrics_counter_add(p->copy_seconds, copy_s);
+    *copied = (size_t)(tdm_kvx_push_bytes(job->dev) - bytes0);
+    Tandem__KvData d = TANDEM__KV_DATA__INIT;
+    d.transfer_id = job->transfer_id;
+    d.to_instance = job->decode_instance;
+    d.from_instance = p->net.instance;
+    d.first_layer = first_layer;
+    d.num_layers = n;
+    d.first_block = job->push.first_block;
+    d.num_blocks = nb;
+    d.transport = (char *)tdm_kvx_mode_name(TDM_KVX_CUDA_IPC);
+    d.transport_why = first_layer == 0 ? job->why : (char *)"";
+    d.closed = first_layer + n == p->kvc.num_layers;
+    d.copy_seconds = copy_s;
+    rc = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
+                     p->cfg.send_timeout, err, errlen);
+    if (rc == TDM_OK && d.closed)
+        job->closed_sent = true;
+    return rc;
+}
+
+// The last word of a transfer that was offered a device pool: no copy of it
+// is in flight or will be issued (every event observed). A copy whose
+// completion could not be observed gets no closed frame: the decode worker
+// then keeps the blocks until this process is gone.
+static void send_closed(struct tdm_prefill_service *p, struct pjob *job)
+{
+    if (!job->offered || job->closed_sent)
+        return;
+    while (tdm_kvx_push_poll(job->dev) == TDM_EBUSY)
+        pause_briefly();
+    if (!tdm_kvx_push_quiet(job->dev))
+        return;
+    Tandem__KvData d = TANDEM__KV_DATA__INIT;
+    d.transfer_id = job->transfer_id;
+    d.to_instance = job->decode_instance;
+    d.from_instance = p->net.instance;
+    d.transport = (char *)tdm_kvx_mode_name(job->dev ? TDM_KVX_CUDA_IPC : job->mode);
+    d.closed = true;
+    char err[256];
+    if (tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
+                    p->cfg.send_timeout, err, sizeof err) == TDM_OK)
+        job->closed_sent = true;
 }
 
 // Tells the decode worker the push failed, so it moves on at once (best effort).
@@ -420,13 +625,30 @@ static void *job_main(void *arg)
         }
         if (frame_ready && !push_failed) {
             int n = want - sent;
-            if (t_first_frame == 0)
+            int rc = TDM_OK;
+            if (t_first_frame == 0) {
                 t_first_frame = tdm_now();
-            int rc = send_frame(p, job, sent, n, err, sizeof err);
+                rc = choose_transport(p, job);
+                if (rc != TDM_OK)
+                    snprintf(err, sizeof err, "no KV transport: %s", job->why);
+                else
+                    tdm_kvx_pairs_note(p->pairs, job->decode_url, job->mode, job->why);
+                if (rc == TDM_OK)
+                    tdm_metrics_counter_inc(tdm_metrics_counter_labels(
+                        p->transfers, tdm_kvx_mode_name(job->mode)));
+                if (rc == TDM_OK)
+                    TDM_LOG_DEBUG(MOD, "req=%s transfer to %s over %s (%s)", job->request_id,
+                                  job->decode_url, tdm_kvx_mode_name(job->mode), job->why);
+            }
+            size_t fb = push_layer_bytes(p, job) * (size_t)n;
+            if (rc == TDM_OK)
+                rc = job->dev ? send_inplace(p, job, sent, n, &fb, err, sizeof err)
+                              : send_frame(p, job, sent, n, err, sizeof err);
             if (rc == TDM_OK) {
                 // Counted per frame at once: the decode worker may be done
-                // with the request before this job gets to its end.
-                size_t fb = push_layer_bytes(p, job) * (size_t)n;
+                // with the request before this job gets to its end. In place:
+                // the device bytes copied (the pool's dtype), not the f32
+                // payload size.
                 tdm_metrics_counter_add(p->m.bytes, (double)fb);
                 sent += n;
                 bytes += fb;
@@ -493,6 +715,10 @@ static void job_end(struct pjob *job, bool pushed, double t_first_frame, size_t 
                       job->request_id, (unsigned long long)job->transfer_id, job->push.num_blocks,
                       bytes, dt);
     }
+    send_closed(p, job); // before the KV goes back: no copy reads it any more
+    tdm_kvx_push_free(job->dev);
+    free(job->dst_blocks);
+    free(job->src_blocks);
     tdm_engine_release_kv(e, job->req); // EINVAL when nothing is held: fine
     tdm_engine_abort(e, job->req, TDM_FINISH_ABORT);
     tdm_engine_request_release(job->req);
@@ -519,6 +745,16 @@ static void reply_error(struct tdm_prefill_service *p, const Tandem__PrefillRequ
     char err[256];
     tdm_pd_send(p->net.outbox, m->reply_to->url, TDM_NET_PREFILL_RESULT, &r.base, NULL, 0, 1.0, err,
                 sizeof err);
+    if (m->kv_pool.len > 0) {
+        // Refused before any copy: the decode worker may reuse the blocks at once.
+        Tandem__KvData d = TANDEM__KV_DATA__INIT;
+        d.transfer_id = m->transfer_id;
+        d.to_instance = m->reply_to->instance;
+        d.from_instance = p->net.instance;
+        d.closed = true;
+        tdm_pd_send(p->net.outbox, m->reply_to->url, TDM_NET_KV_DATA, &d.base, NULL, 0, 1.0, err,
+                    sizeof err);
+    }
 }
 
 // Checks a PrefillRequest before anything is computed: ours (instance, model),
@@ -567,6 +803,18 @@ static bool prefill_accept(struct tdm_prefill_service *p, const Tandem__PrefillR
         reply_error(p, m, TDM_EPROTO, err);
         return false;
     }
+    // A device pool offer: its descriptor and one block id per pushed block.
+    struct tdm_kvx_pool pool;
+    if (m->kv_pool.len > 0 &&
+        (tdm_kvx_pool_decode(&pool, m->kv_pool.data, m->kv_pool.len, err, sizeof err) != TDM_OK ||
+         m->n_block_ids != (size_t)push->num_blocks)) {
+        if (m->n_block_ids != (size_t)push->num_blocks)
+            snprintf(err, sizeof err, "kv_pool with %zu block ids for %d blocks", m->n_block_ids,
+                     push->num_blocks);
+        TDM_LOG_WARN(MOD, "req=%s refused: %s", m->request_id, err);
+        reply_error(p, m, TDM_EPROTO, err);
+        return false;
+    }
     return true;
 }
 
@@ -587,6 +835,24 @@ static void prefill_start(struct tdm_prefill_service *p, const Tandem__PrefillRe
     job->svc = p;
     job->transfer_id = m->transfer_id;
     job->push = *push;
+    job->mode = TDM_KVX_NNG;
+    if (m->kv_pool.len > 0 && push->num_blocks > 0) { // checked by prefill_accept
+        tdm_kvx_pool_decode(&job->pool, m->kv_pool.data, m->kv_pool.len, err, sizeof err);
+        job->dst_blocks = malloc(sizeof(int) * (size_t)push->num_blocks);
+        if (job->dst_blocks == NULL) {
+            pthread_cond_destroy(&job->cv);
+            pthread_mutex_destroy(&job->mu);
+            free(job);
+            reply_error(p, m, TDM_ENOMEM, "out of memory");
+            return;
+        }
+        for (int i = 0; i < push->num_blocks; i++)
+            job->dst_blocks[i] = m->block_ids[i];
+        job->offered = true;
+    }
+    snprintf(job->decode_setting, sizeof job->decode_setting, "%s",
+             m->kv_transfer ? m->kv_transfer : "");
+    snprintf(job->decode_host, sizeof job->decode_host, "%s", m->host_id ? m->host_id : "");
     snprintf(job->request_id, sizeof job->request_id, "%s", m->request_id);
     snprintf(job->decode_url, sizeof job->decode_url, "%s", m->reply_to->url);
     job->decode_instance = m->reply_to->instance;
@@ -644,6 +910,7 @@ static void prefill_start(struct tdm_prefill_service *p, const Tandem__PrefillRe
     if (rc != TDM_OK) {
         pthread_cond_destroy(&job->cv);
         pthread_mutex_destroy(&job->mu);
+        free(job->dst_blocks);
         free(job);
         reply_error(p, m, rc, err);
         tdm_pd_metrics_fail(&p->m, "submit");
@@ -719,6 +986,52 @@ static const struct tdm_pd_metric_names metric_names = {
                 "final chunk's layers finish, so this overlaps the prefill)."},
 };
 
+static void health_details(void *arg, char *buf, size_t len)
+{
+    struct tdm_prefill_service *p = arg;
+    tdm_kvx_pairs_json(p->pairs, p->kv_setting, buf, len);
+}
+
+// The GPU-to-GPU side of the service: --kv-transfer, this node's id, whether
+// our KV pool is one device allocation (then CUDA IPC can read it), the IPC
+// handle cache, the pair table behind /health and the per-transport counter.
+static int prefill_kvx_init(struct tdm_prefill_service *p, struct tdm_worker *server, char *err,
+                            size_t errlen)
+{
+    pthread_mutex_init(&p->ipc_mu, NULL);
+    p->kv_setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer;
+    p->kvx_ops = p->cfg.kvx_ops ? p->cfg.kvx_ops : tdm_kvx_cuda_ops();
+    tdm_kvx_host_id(p->host_id, sizeof p->host_id);
+    struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(p->parts.engine));
+    p->gpu = p->kvx_ops != NULL && st->ops->device_pool != NULL &&
+             st->ops->device_pool(st, &p->own_pool) == TDM_OK;
+    int rc = tdm_kvx_pairs_new(&p->pairs, 64);
+    if (rc == TDM_OK && p->kvx_ops != NULL)
+        rc = tdm_kvx_ipc_cache_new(&p->ipc, p->kvx_ops, 16);
+    if (rc != TDM_OK)
+        return tdm_seterr(err, errlen, rc, "prefill: out of memory");
+    static const char *const transport[] = {"transport"};
+    struct tdm_metrics_opts o;
+    memset(&o, 0, sizeof o);
+    o.name = "tandem:kv_transfers_total";
+    o.help = "KV transfers started, by transport (nng, cuda-ipc, nccl).";
+    o.label_names = transport;
+    o.n_label_names = 1;
+    rc = tdm_metrics_counter_register(&p->transfers, p->parts.reg, &o, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    o.name = "tandem:kv_copy_seconds_total";
+    o.help = "Seconds of device-to-device KV copies (CUDA IPC), issue to observed completion, "
+             "summed over layer groups (KV bytes / this = the copy bandwidth).";
+    o.label_names = NULL;
+    o.n_label_names = 0;
+    rc = tdm_metrics_counter_register(&p->copy_seconds, p->parts.reg, &o, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    tdm_worker_set_health_details(server, health_details, p);
+    return TDM_OK;
+}
+
 int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker *server,
                             const struct tdm_prefill_config *cfg, char *err, size_t errlen)
 {
@@ -741,6 +1054,9 @@ int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker 
     rc = tdm_pd_metrics_register(&p->m, p->parts.reg, &metric_names, err, errlen);
     if (rc != TDM_OK)
         goto fail;
+    rc = prefill_kvx_init(p, server, err, errlen);
+    if (rc != TDM_OK)
+        goto fail;
     struct tdm_pd_service_config net = {
         .url = cfg->nng_url,
         .module = MOD,
@@ -754,6 +1070,10 @@ int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker 
     *out = p;
     return TDM_OK;
 fail:
+    tdm_worker_set_health_details(server, NULL, NULL);
+    tdm_kvx_ipc_cache_free(p->ipc);
+    tdm_kvx_pairs_free(p->pairs);
+    pthread_mutex_destroy(&p->ipc_mu);
     pthread_cond_destroy(&p->cv);
     pthread_mutex_destroy(&p->mu);
     free(p);
@@ -774,6 +1094,10 @@ void tdm_prefill_service_free(struct tdm_prefill_service *p)
         pthread_cond_wait(&p->cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
     tdm_pd_service_fini(&p->net);
+    tdm_worker_set_health_details(p->server, NULL, NULL);
+    tdm_kvx_ipc_cache_free(p->ipc);
+    tdm_kvx_pairs_free(p->pairs);
+    pthread_mutex_destroy(&p->ipc_mu);
     pthread_cond_destroy(&p->cv);
     pthread_mutex_destroy(&p->mu);
     free(p);

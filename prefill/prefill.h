@@ -23,6 +23,7 @@
 
 struct tdm_worker;
 struct tdm_prefill_service;
+struct tdm_kvx_ops;
 
 // The prefill worker's default HTTP port (/health, /metrics): its own, so a
 // prefill and a decode worker (8001) on one host do not collide.
@@ -34,6 +35,8 @@ struct tdm_prefill_config {
                           // long after the prefill finished; default 30
     int layers_per_frame; // --layers-per-frame: upper bound on layers per KvData frame; default 4
     double send_timeout;  // seconds one frame may wait for the decode worker; default 5
+    const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = tdm_kvx_cuda_ops() (NULL in a
+                                       // CPU build: KV over nng). Tests pass a fake table.
 };
 void tdm_prefill_config_default(struct tdm_prefill_config *cfg);
 // The worker-base defaults of a prefill worker: tdm_worker_config_default with

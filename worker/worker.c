@@ -42,7 +42,19 @@ static void on_health(struct tdm_http_conn *c, void *arg)
 {
     struct tdm_worker *s = arg;
     int state = atomic_load(&s->state);
-    if (state == STATE_READY)
+    tdm_worker_health_fn fn = atomic_load(&s->health_fn);
+    if (state == STATE_READY && fn != NULL) {
+        char details[4096] = "";
+        fn(atomic_load(&s->health_arg), details, sizeof details);
+        char *body = malloc(sizeof details + 32);
+        if (body == NULL) {
+            tdm_http_respond(c, 200, "application/json", "", 0);
+            return;
+        }
+        snprintf(body, sizeof details + 32, "{\"status\":\"ok\"%s%s}", details[0] ? "," : "",
+                 details);
+        tdm_http_respond_json_owned(c, 200, body);
+    } else if (state == STATE_READY)
         tdm_http_respond(c, 200, "application/json", "", 0);
     else
         tdm_oai_http_errorf(c, 503, NULL, "%s",
@@ -448,6 +460,17 @@ int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out)
     out->block_size = s->cfg.block_size;
     out->vocab_size = s->info.vocab_size;
     return TDM_OK;
+}
+
+const struct tdm_worker_config *tdm_worker_get_config(const struct tdm_worker *s)
+{
+    return &s->cfg;
+}
+
+void tdm_worker_set_health_details(struct tdm_worker *s, tdm_worker_health_fn fn, void *arg)
+{
+    atomic_store(&s->health_arg, arg);
+    atomic_store(&s->health_fn, fn);
 }
 
 bool tdm_worker_ready(const struct tdm_worker *s)

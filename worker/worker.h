@@ -75,6 +75,9 @@ struct tdm_worker_config {
                                                // $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off
     char trace_service_name[64]; // not a flag: service.name of the spans ("tandem-decode",
                                  // set by the role; $OTEL_SERVICE_NAME overrides)
+    int kv_transfer;                        // --kv-transfer nng|cuda-ipc|nccl|auto: enum
+                                            // tdm_kvx_mode (common/transport/cuda/kvx.h);
+                                            // default auto (P/D roles only)
 };
 
 // Fills the defaults above.
@@ -162,6 +165,15 @@ struct tdm_worker_parts {
 
 // Fills *out after tdm_worker_load succeeded; TDM_EBUSY before.
 int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out);
+// The config the worker runs with (borrowed, valid until tdm_worker_free).
+const struct tdm_worker_config *tdm_worker_get_config(const struct tdm_worker *s);
+// A role's details for /health: fn writes one JSON object's members (without
+// braces, e.g. "\"kv_transfer\":{...}") into buf; /health then answers 200 with
+// {"status":"ok",<members>} instead of an empty body. fn runs on an HTTP
+// thread and must lock what it reads. Set once, before the role starts; arg
+// must outlive the server (or call with fn NULL before freeing it).
+typedef void (*tdm_worker_health_fn)(void *arg, char *buf, size_t len);
+void tdm_worker_set_health_details(struct tdm_worker *s, tdm_worker_health_fn fn, void *arg);
 // True while the server accepts new requests (loaded, not draining).
 bool tdm_worker_ready(const struct tdm_worker *s);
 

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "kvx.h"
 #include "model.h"
 #include "trace.h"
 #include "worker.h"
@@ -36,6 +37,7 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->http_body_timeout = 30.0;
     cfg->max_large_requests = 4;
     snprintf(cfg->trace_service_name, sizeof cfg->trace_service_name, "tandem-decode");
+    cfg->kv_transfer = TDM_KVX_AUTO;
 }
 
 // ---- the flag table ---------------------------------------------------------------------------
@@ -131,6 +133,22 @@ static int set_device(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
+// --kv-transfer: how KV moves between a prefill and a decode worker (issue
+// 10). A CPU build has only nng: asking for a device transport there is a
+// startup error rather than a silent nng.
+static int set_kv_transfer(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_worker_config *cfg = o;
+    enum tdm_kvx_mode m;
+    if (tdm_kvx_mode_parse(v, &m) != 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--kv-transfer: expected nng, cuda-ipc, nccl or auto, got \"%s\"", v);
+    if (tdm_kvx_check_setting(m, err, errlen) != 0)
+        return TDM_EINVAL;
+    cfg->kv_transfer = (int)m;
+    return TDM_OK;
+}
+
 static int set_gpu_memory_utilization(void *o, const char *v, char *err, size_t errlen)
 {
     struct tdm_worker_config *cfg = o;
@@ -219,6 +237,12 @@ static const struct tdm_flag decode_flags[] = {
      .offset = OFF(enforce_eager),
      .help = "no CUDA graphs for decode steps (default: graphs\nper padded batch size 1, 2, 4, "
              "... on cuda)"},
+    {.name = "kv-transfer",
+     .kind = TDM_FLAG_FN,
+     .fn = set_kv_transfer,
+     .metavar = "nng|cuda-ipc|nccl|auto",
+     .help = "P/D: how KV moves between prefill and decode workers\n(default auto: CUDA IPC on one "
+             "host, else NCCL\nbetween GPUs, else nng; chosen per pair; a CPU build\nhas nng only)"},
     {.name = "gpu-memory-utilization",
      .kind = TDM_FLAG_FN,
      .fn = set_gpu_memory_utilization,

@@ -15,6 +15,7 @@
 #include <cmocka.h>
 
 #include "core.h"
+#include "kvx.h"
 #include "worker.h"
 
 static int parse(struct tdm_worker_config *c, char *err, size_t errlen, int argc, ...)
@@ -48,6 +49,39 @@ static void test_defaults(void **state)
     assert_int_equal(c.max_waiting, 1024);
     assert_false(c.int8);
     assert_string_equal(c.api_key, "");
+}
+
+// --kv-transfer: auto by default; every name parses in a CUDA build; a CPU
+// build takes nng and auto only and says why for the device transports.
+static void test_kv_transfer(void **state)
+{
+    (void)state;
+    struct tdm_worker_config c;
+    char err[256];
+    assert_int_equal(parse(&c, err, sizeof err, 3, "--model", "/m"), TDM_OK);
+    assert_int_equal(c.kv_transfer, TDM_KVX_AUTO);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-transfer", "nng"),
+                     TDM_OK);
+    assert_int_equal(c.kv_transfer, TDM_KVX_NNG);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--kv-transfer=auto"), TDM_OK);
+    assert_int_equal(c.kv_transfer, TDM_KVX_AUTO);
+    bool cuda = tdm_kvx_cuda_ops() != NULL;
+    const char *dev[] = {"cuda-ipc", "nccl"};
+    enum tdm_kvx_mode want[] = {TDM_KVX_CUDA_IPC, TDM_KVX_NCCL};
+    for (int i = 0; i < 2; i++) {
+        int rc = parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-transfer", dev[i]);
+        if (cuda) {
+            assert_int_equal(rc, TDM_OK);
+            assert_int_equal(c.kv_transfer, want[i]);
+        } else {
+            assert_int_equal(rc, TDM_EINVAL);
+            assert_non_null(strstr(err, "needs a CUDA build"));
+            assert_non_null(strstr(err, dev[i]));
+        }
+    }
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-transfer", "rdma"),
+                     TDM_EINVAL);
+    assert_string_equal(err, "--kv-transfer: expected nng, cuda-ipc, nccl or auto, got \"rdma\"");
 }
 
 static void test_flags(void **state)
@@ -275,6 +309,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults),  cmocka_unit_test(test_flags),
         cmocka_unit_test(test_otlp_endpoint),
+        cmocka_unit_test(test_kv_transfer),
         cmocka_unit_test(test_bad_flags), cmocka_unit_test(test_device),
         cmocka_unit_test(test_bytes),     cmocka_unit_test(test_config_file),
         cmocka_unit_test(test_tool_flags),

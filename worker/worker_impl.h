@@ -27,6 +27,8 @@ struct tdm_worker {
     _Atomic int inflight; // API handlers running (drain waits for 0)
     pthread_mutex_t mu;   // guards nothing but the drain wait's condvar
     pthread_cond_t idle_cv;
+    _Atomic(tdm_worker_health_fn) health_fn; // a role's /health details (NULL = none)
+    void *_Atomic health_arg;
 
     // after load
     struct tdm_model *model;

@@ -7,13 +7,18 @@
 #   1 configure  -DTANDEM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native, Release
 #   2 build      every target (-j cores)
 #   3 ctest      ctest -L gpu (op by op vs the CPU backend, greedy tokens, graphs
-#                vs eager, batch invariance, the seed walkthrough on --device cuda)
+#                vs eager, batch invariance, the seed walkthrough on --device cuda,
+#                P/D on one GPU over CUDA IPC == the decode worker alone, kill -9
+#                of the prefill worker mid-transfer: pd_gpu)
 #   4 probe      tandem-gpu-probe: HBM read/copy/d2d bandwidth, bf16 GEMM peak
 #   5 engine     tandem-bench-engine --device cuda: decode tok/s at batch
 #                1/8/32/64, prefill tok/s for 512- and 2048-token chunks on the
 #                Qwen2.5-0.5B-shaped model tandem-mkmodel writes
 #   6 pd         bench/pd/bench_pd.py with --kv-transfer cuda-ipc: TTFT with and
 #                without disaggregation, exposed transfer, KV copy bandwidth
+#                (device bytes copied / the prefill worker's summed copy time,
+#                tandem:kv_copy_seconds_total; the summary divides it by the
+#                probe's d2d bandwidth)
 #                (skipped, with a line saying so, when the workers have no
 #                --kv-transfer flag)
 #   7 summary    tandem-gpu-report: each figure as a ratio to the probe's
@@ -61,7 +66,7 @@ echo "check.sh: $(echo "$gpus" | head -n 1)$([ "$(echo "$gpus" | wc -l)" -gt 1 ]
 
 # ---- plan: step, time limit (seconds). The limits add up to at most 480. -------------------
 TOTAL=480
-STEPS="configure:45 build:180 ctest:60 probe:30 engine:90 pd:60 summary:5"
+STEPS="configure:45 build:180 ctest:75 probe:30 engine:75 pd:60 summary:5"
 jobs=$(nproc 2>/dev/null || echo 4)
 logs=${OUT:-$build/check-logs}
 if [ "$dry" = 1 ]; then

@@ -62,7 +62,9 @@ struct tdm_gpu_pd_point {
     double ttft_pd_s;     // through the router, prefill worker -> decode worker
     double transfer_s;    // exposed KV transfer (not hidden by compute)
     double kv_bytes;      // KV bytes one request moved
-    double kv_window_s;   // first KV layer group in -> last in place (decode side)
+    double kv_window_s;   // seconds the KV took to move: over cuda-ipc the prefill worker's
+                          // summed device copy time (tandem:kv_copy_seconds_total), else the
+                          // decode side's first layer group in -> last installed
 };
 
 struct tdm_gpu_pd {

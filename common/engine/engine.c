@@ -1751,6 +1751,57 @@ enum tdm_kv_dtype tdm_engine_kv_dtype(const struct tdm_engine *e)
     return e ? tdm_kv_dtype(e->kv) : TDM_KV_F32;
 }
 
+struct tdm_kv_cache *tdm_engine_kv(struct tdm_engine *e)
+{
+    return e->kv;
+}
+
+int tdm_engine_export_lease(struct tdm_engine *e, struct tdm_engine_request *r, int layer_end,
+                            int first_block, int nblocks, int *ids)
+{
+    if (e == NULL || r == NULL || ids == NULL || r->engine != e || layer_end < 1 ||
+        layer_end > tdm_kv_config(e->kv)->num_layers)
+        return TDM_EINVAL;
+    pthread_mutex_lock(&r->mu);
+    bool ok = !r->kv_gone && !r->kv_release_asked &&
+              ((r->pub_finished && r->kv_held) || layer_end <= r->layers_final) &&
+              first_block >= 0 && nblocks >= 0 && first_block <= r->seq.num_blocks &&
+              nblocks <= r->seq.num_blocks - first_block;
+    if (ok) {
+        r->exporting++; // drop_kv waits for the unlease
+        // The block table does not change from the final step on.
+        for (int i = 0; i < nblocks; i++)
+            ids[i] = r->seq.block_table[first_block + i];
+    }
+    pthread_mutex_unlock(&r->mu);
+    return ok ? TDM_OK : TDM_EINVAL;
+}
+
+void tdm_engine_export_unlease(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    (void)e;
+    pthread_mutex_lock(&r->mu);
+    if (r->exporting > 0 && --r->exporting == 0)
+        pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+int tdm_engine_import_block_ids(struct tdm_engine *e, struct tdm_engine_request *r,
+                                int first_block, int nblocks, int *ids)
+{
+    if (e == NULL || r == NULL || ids == NULL || r->engine != e)
+        return TDM_EINVAL;
+    pthread_mutex_lock(&r->mu);
+    bool open = r->import_ready && !r->import_done_called;
+    int lo = r->import_first_block, hi = r->import_first_block + r->import_num_blocks;
+    bool ok = open && first_block >= lo && nblocks >= 0 && nblocks <= hi - first_block;
+    if (ok)
+        for (int i = 0; i < nblocks; i++)
+            ids[i] = r->seq.block_table[first_block + i];
+    pthread_mutex_unlock(&r->mu);
+    return ok ? TDM_OK : TDM_EINVAL;
+}
+
 int tdm_engine_import_wait(struct tdm_engine_request *r, double timeout_s, int *first_block,
                            int *num_blocks)
 {

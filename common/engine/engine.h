@@ -94,6 +94,9 @@ int tdm_engine_take_kv_events(struct tdm_engine *e, struct tdm_kv_event *out, in
 
 // The effective limits after defaults and caps.
 const struct tdm_engine_config *tdm_engine_get_config(const struct tdm_engine *e);
+// The engine's KV cache (borrowed; the engine thread owns its bookkeeping):
+// for reading its storage's device pool description (P/D device transfers).
+struct tdm_kv_cache *tdm_engine_kv(struct tdm_engine *e);
 
 // ---- requests ------------------------------------------------------------------------
 
@@ -277,6 +280,16 @@ int tdm_engine_export_layer_as(struct tdm_engine *e, struct tdm_engine_request *
 // The element type of the engine's KV pool (what export/import payloads hold).
 enum tdm_kv_dtype tdm_engine_kv_dtype(const struct tdm_engine *e);
 int tdm_engine_release_kv(struct tdm_engine *e, struct tdm_engine_request *r);
+// For a device-to-device transfer whose copies the caller issues itself (CUDA
+// IPC, issue 10): when layers [0, layer_end) of r are exportable (as for
+// export_layer), takes an export lease (the blocks stay referenced, exactly
+// as during an export_layer call, until tdm_engine_export_unlease: keep it
+// until the copies are known complete) and fills ids[nblocks] with the
+// physical block ids of prompt blocks [first_block, first_block + nblocks).
+// TDM_OK or TDM_EINVAL (nothing leased).
+int tdm_engine_export_lease(struct tdm_engine *e, struct tdm_engine_request *r, int layer_end,
+                            int first_block, int nblocks, int *ids);
+void tdm_engine_export_unlease(struct tdm_engine *e, struct tdm_engine_request *r);
 
 // ---- P/D hooks: a request whose prompt KV is imported (IMPORT_KV) ----------------------
 // The engine admits an IMPORT_KV request like any other (FCFS, blocks for the
@@ -306,6 +319,13 @@ int tdm_engine_import_layer(struct tdm_engine *e, struct tdm_engine_request *r, 
                             int first_block, int nblocks, const void *src, size_t src_len);
 int tdm_engine_import_done(struct tdm_engine *e, struct tdm_engine_request *r, int32_t first_token,
                            bool ok);
+// The physical ids of blocks [first_block, first_block + nblocks) (inside the
+// import range) of an IMPORT_KV request in its import window, for a peer that
+// writes them in place (CUDA IPC). They stay this request's until
+// import_done: the caller must not call it while a peer's copy may still land
+// (docs/pd-protocol.md, memory safety). TDM_OK or TDM_EINVAL.
+int tdm_engine_import_block_ids(struct tdm_engine *e, struct tdm_engine_request *r,
+                                int first_block, int nblocks, int *ids);
 
 // ---- stats -----------------------------------------------------------------------------
 struct tdm_engine_stats {

@@ -75,6 +75,16 @@ struct tdm_kv_cache;
 // the cache calls ops only with layer in [0, num_layers) and block ids in
 // [0, num_blocks) it has checked.
 struct tdm_kv_storage;
+// A device pool's one allocation: layer l's K pool at base + l * layer_stride,
+// its V pool v_offset bytes further; each [num_blocks][heads][block_size][head_dim].
+struct tdm_kv_device_pool {
+    void *base;          // device address of the allocation
+    size_t bytes;        // its size
+    size_t layer_stride; // bytes from layer l's K pool to layer l+1's
+    size_t v_offset;     // bytes from a layer's K pool to its V pool
+    size_t block_bytes;  // one block of one layer's K (or V)
+    int elem_bytes;      // 2 (bf16) or 4 (f32)
+};
 struct tdm_kv_storage_ops {
     // Frees the pool and the storage object.
     void (*free)(struct tdm_kv_storage *st);
@@ -91,6 +101,10 @@ struct tdm_kv_storage_ops {
                          float *k_out, float *v_out);
     int (*import_blocks)(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
                          const float *k_in, const float *v_in);
+    // Optional (NULL: not addressable from another process, e.g. the host
+    // pool): the whole pool as one device allocation, for a GPU-to-GPU KV
+    // transfer (CUDA IPC export of base; issue 10). TDM_OK or TDM_EINVAL.
+    int (*device_pool)(struct tdm_kv_storage *st, struct tdm_kv_device_pool *out);
 };
 struct tdm_kv_storage {
     const struct tdm_kv_storage_ops *ops;

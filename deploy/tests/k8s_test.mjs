@@ -69,7 +69,7 @@ const CUSTOM = {
 // while the binary answers "unknown option"; once it knows the flag, the
 // normal check applies and the entry can go.
 const PENDING_FLAGS = {
-    '--kv-transfer': 'issue 10 (GPU KV transfer)',
+    // (none pending: --kv-transfer landed with issue 10)
 };
 
 // ---- rendering -----------------------------------------------------------------------

@@ -28,6 +28,7 @@
 // what is and is not verified.
 #include <stdbool.h>
 #include <stdint.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -361,9 +362,13 @@ struct cuda_kv_storage {
     int num_layers;
     size_t block_elems;       // num_kv_heads * block_size * head_dim
     size_t elem_bytes;        // 2 (bf16) or 4 (f32)
-    void **k, **v;            // [num_layers] -> device [num_blocks][heads][block_size][head_dim]
+    void *slab;               // the one allocation: [num_layers][2 (K, V)][layer_bytes], device
+    size_t layer_bytes;       // num_blocks * block_elems * elem_bytes
+    void **k, **v;            // [num_layers] -> into slab: [num_blocks][heads][block_size][head_dim]
     struct dev_buf d_blocks;  // [nblocks] int32 block ids of one export/import, device
     struct dev_buf d_staging; // [nblocks][block_elems] f32, device
+    pthread_mutex_t stage_mu; // export/import share the two buffers above, and P/D calls
+                              // them from job and receive threads while the engine runs
 };
 
 static void kvs_free(struct tdm_kv_storage *st)
@@ -371,17 +376,14 @@ static void kvs_free(struct tdm_kv_storage *st)
     struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
     if (s == NULL)
         return;
-    for (int l = 0; l < s->num_layers; l++) {
-        if (s->k)
-            tdm_cuda_dev_free(s->be->dev, s->k[l]);
-        if (s->v)
-            tdm_cuda_dev_free(s->be->dev, s->v[l]);
-    }
+    if (s->slab)
+        tdm_cuda_dev_free(s->be->dev, s->slab);
     free(s->k);
     free(s->v);
     s->be->gen++; // graphs that addressed this pool are stale
     buf_free(s->be, &s->d_blocks);
     buf_free(s->be, &s->d_staging);
+    pthread_mutex_destroy(&s->stage_mu);
     free(s);
 }
 
@@ -407,10 +409,9 @@ static int kvs_stage(struct cuda_kv_storage *s, const int *blocks, int nblocks)
     return tdm_cuda_dev_h2d(be->dev, s->d_blocks.p, blocks, (size_t)nblocks * sizeof(int32_t));
 }
 
-static int kvs_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
-                      float *k_out, float *v_out)
+static int kvs_export_locked(struct cuda_kv_storage *s, int layer, const int *blocks,
+                             int nblocks, float *k_out, float *v_out)
 {
-    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
     void *stream = s->be->stream;
     size_t bytes = (size_t)nblocks * s->block_elems * sizeof(float);
     if (kvs_stage(s, blocks, nblocks) != TDM_OK ||
@@ -424,10 +425,9 @@ static int kvs_export(struct tdm_kv_storage *st, int layer, const int *blocks, i
     return TDM_OK;
 }
 
-static int kvs_import(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
-                      const float *k_in, const float *v_in)
+static int kvs_import_locked(struct cuda_kv_storage *s, int layer, const int *blocks,
+                             int nblocks, const float *k_in, const float *v_in)
 {
-    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
     void *stream = s->be->stream;
     size_t bytes = (size_t)nblocks * s->block_elems * sizeof(float);
     // h2d returns once the host data is consumed, and the scatter is stream
@@ -444,12 +444,49 @@ static int kvs_import(struct tdm_kv_storage *st, int layer, const int *blocks, i
     return TDM_OK;
 }
 
+static int kvs_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                      float *k_out, float *v_out)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    pthread_mutex_lock(&s->stage_mu);
+    int rc = kvs_export_locked(s, layer, blocks, nblocks, k_out, v_out);
+    pthread_mutex_unlock(&s->stage_mu);
+    return rc;
+}
+
+static int kvs_import(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
+                      const float *k_in, const float *v_in)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    pthread_mutex_lock(&s->stage_mu);
+    int rc = kvs_import_locked(s, layer, blocks, nblocks, k_in, v_in);
+    pthread_mutex_unlock(&s->stage_mu);
+    return rc;
+}
+
+// The pool as one allocation (K and V of every layer in the slab), so one
+// CUDA IPC handle exposes it whole to a prefill worker (issue 10).
+static int kvs_device_pool(struct tdm_kv_storage *st, struct tdm_kv_device_pool *out)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    if (s->slab == NULL)
+        return TDM_EINVAL;
+    out->base = s->slab;
+    out->bytes = 2 * s->layer_bytes * (size_t)s->num_layers;
+    out->layer_stride = 2 * s->layer_bytes;
+    out->v_offset = s->layer_bytes;
+    out->block_bytes = s->block_elems * s->elem_bytes;
+    out->elem_bytes = (int)s->elem_bytes;
+    return TDM_OK;
+}
+
 static const struct tdm_kv_storage_ops kvs_ops = {
     .free = kvs_free,
     .layer_k = kvs_layer_k,
     .layer_v = kvs_layer_v,
     .export_blocks = kvs_export,
     .import_blocks = kvs_import,
+    .device_pool = kvs_device_pool,
 };
 
 // Device memory kept free beyond the pool for what grows after it is made
@@ -494,6 +531,7 @@ static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_confi
     s->base.ops = &kvs_ops;
     s->base.host = false;
     s->base.dtype = be->kv_type == TDM_CUK_KV_F32 ? TDM_KV_F32 : TDM_KV_BF16;
+    pthread_mutex_init(&s->stage_mu, NULL);
     s->be = be;
     s->type = be->kv_type;
     s->elem_bytes = s->type == TDM_CUK_KV_F32 ? 4 : 2;
@@ -506,16 +544,19 @@ static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_confi
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda kv: out of memory");
     }
     s->num_layers = cfg->num_layers;
+    s->layer_bytes = layer_bytes;
+    // One zeroed allocation (a kernel reading past a sequence's last token
+    // sees finite numbers), sliced per layer: one IPC handle covers the pool.
+    s->slab = cuda_alloc(be, 2 * layer_bytes * (size_t)cfg->num_layers);
+    if (s->slab == NULL) {
+        kvs_free(&s->base);
+        return tdm_seterr(err, errlen, TDM_ENOMEM,
+                          "cuda kv: out of device memory for %d blocks (%zu bytes a layer)",
+                          cfg->num_blocks, 2 * layer_bytes);
+    }
     for (int l = 0; l < cfg->num_layers; l++) {
-        // Zeroed so a kernel reading past a sequence's last token sees finite numbers.
-        s->k[l] = cuda_alloc(be, layer_bytes);
-        s->v[l] = cuda_alloc(be, layer_bytes);
-        if (!s->k[l] || !s->v[l]) {
-            kvs_free(&s->base);
-            return tdm_seterr(err, errlen, TDM_ENOMEM,
-                              "cuda kv: out of device memory for %d blocks (%zu bytes a layer)",
-                              cfg->num_blocks, 2 * layer_bytes);
-        }
+        s->k[l] = (char *)s->slab + 2 * layer_bytes * (size_t)l;
+        s->v[l] = (char *)s->k[l] + layer_bytes;
     }
     *out = &s->base;
     return TDM_OK;

@@ -94,10 +94,95 @@ struct tdm_kvx_ops {
                       size_t errlen);
     int (*nccl_abort)(void *ctx, void *comm);   // ncclCommAbort: never blocks on the peer
     int (*nccl_destroy)(void *ctx, void *comm); // ncclCommDestroy of a healthy communicator
+
+    // The data path (optional for a control-plane-only table: NULL members
+    // make tdm_kvx_push_new refuse). ipc_export: cudaIpcGetMemHandle of an
+    // allocation's base (the decode worker's pool, once).
+    int (*ipc_export)(void *ctx, void *dev_ptr, uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES],
+                      char *err, size_t errlen);
+    // cudaMemcpyAsync device to device on the table's own stream (never the
+    // engine's: the copy overlaps the forward that computes later layers).
+    int (*copy_async)(void *ctx, void *dst, const void *src, size_t bytes, char *err,
+                      size_t errlen);
+    // Records an event after the copies issued so far on that stream.
+    int (*event_record)(void *ctx, void **event, char *err, size_t errlen);
+    // cudaEventQuery: 1 complete, 0 pending, -1 failed (the copy's fate is then
+    // unknown until the context is torn down: the caller treats it as pending
+    // for the memory-safety rule and fails the transfer).
+    int (*event_query)(void *ctx, void *event);
+    void (*event_free)(void *ctx, void *event);
+    // Grouped ncclSend / ncclRecv of one contiguous device buffer to/from the
+    // other rank, enqueued on the table's stream (completion: event_record).
+    int (*nccl_send)(void *ctx, void *comm, const void *buf, size_t bytes, int peer, char *err,
+                     size_t errlen);
+    int (*nccl_recv)(void *ctx, void *comm, void *buf, size_t bytes, int peer, char *err,
+                     size_t errlen);
 };
 
-// The real table (cudart + NCCL), present only in a TANDEM_CUDA build.
+// The real table (cudart + NCCL) in a TANDEM_CUDA build; NULL in a CPU build,
+// where only nng moves KV (tdm_kvx_check_setting says so at startup).
 const struct tdm_kvx_ops *tdm_kvx_cuda_ops(void);
+
+// Whether `m` can be asked for in this build: every mode with CUDA; nng and
+// auto without. -1 with err ("--kv-transfer cuda-ipc needs a CUDA build ...").
+int tdm_kvx_check_setting(enum tdm_kvx_mode m, char *err, size_t errlen);
+
+// ---- the decode worker's KV pool, as the prefill worker needs to address it ---------------
+// One device allocation holds every layer's K and V pool; a block of layer l
+// is at base + l * layer_stride (+ v_offset for V) + block * block_bytes.
+struct tdm_kvx_pool {
+    uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES]; // cudaIpcGetMemHandle of base
+    uint64_t bytes;                           // size of the allocation
+    uint64_t layer_stride;                    // bytes from layer l's K pool to layer l+1's
+    uint64_t v_offset;                        // bytes from a layer's K pool to its V pool
+    uint64_t block_bytes;                     // one block of one layer's K (or V)
+    uint32_t num_layers, num_blocks;
+    uint32_t elem_bytes;                      // 2 (bf16) or 4 (f32): both sides must agree
+    bool gpu, nccl;                           // the decode worker's side (tdm_kvx_side)
+};
+#define TDM_KVX_POOL_WIRE_BYTES (TDM_KVX_IPC_HANDLE_BYTES + 4 * 8 + 3 * 4 + 4)
+// Fixed little-endian encoding for PrefillRequest.kv_pool. decode returns
+// TDM_OK or TDM_EPROTO with err (wrong length, zero sizes, a layer or block
+// outside the allocation).
+void tdm_kvx_pool_encode(const struct tdm_kvx_pool *p, uint8_t out[TDM_KVX_POOL_WIRE_BYTES]);
+int tdm_kvx_pool_decode(struct tdm_kvx_pool *p, const uint8_t *in, size_t len, char *err,
+                        size_t errlen);
+
+// ---- the prefill side's device copies of one transfer ---------------------------------------
+// Copies layer groups of the prompt's blocks from this worker's pool into the
+// decode worker's opened pool, on the table's stream, one event per group.
+// Runs of blocks consecutive on both sides go as one copy. The source layout is
+// the same as the destination's (one block is block_bytes in both; checked by
+// the caller against the pool's elem_bytes and geometry).
+struct tdm_kvx_push;
+
+// Where this worker's layer l K / V pool starts (device), for the source side.
+typedef void *(*tdm_kvx_layer_fn)(void *arg, int layer, bool v);
+
+// `dst_base` is the opened mapping of `dst`; dst_blocks / src_blocks [n]
+// physical block ids (copied). TDM_OK, TDM_EINVAL (a table without the data
+// path, an id outside a pool), TDM_ENOMEM.
+int tdm_kvx_push_new(struct tdm_kvx_push **out, const struct tdm_kvx_ops *ops,
+                     const struct tdm_kvx_pool *dst, void *dst_base, const int *dst_blocks,
+                     tdm_kvx_layer_fn src_layer, void *src_arg, const int *src_blocks, int n,
+                     char *err, size_t errlen);
+// Issues the copies of layers [first, first + count) and records their event.
+// Groups must come in layer order, one at a time (the previous one complete).
+// TDM_OK or TDM_EBACKEND with err (nothing more may be issued).
+int tdm_kvx_push_layers(struct tdm_kvx_push *p, int first, int count, char *err, size_t errlen);
+// The issued group's state: TDM_OK complete (or nothing issued, p NULL
+// included), TDM_EBUSY pending, TDM_EBACKEND failed.
+int tdm_kvx_push_poll(struct tdm_kvx_push *p);
+// True when no copy this push issued can still write (every event observed
+// complete; true for NULL). A failed event query leaves this false for good:
+// only the process's death ends such a copy.
+bool tdm_kvx_push_quiet(const struct tdm_kvx_push *p);
+// Copies issued (for tests) and bytes copied so far.
+int tdm_kvx_push_copies(const struct tdm_kvx_push *p);
+uint64_t tdm_kvx_push_bytes(const struct tdm_kvx_push *p);
+// Frees (events included). The caller waited for tdm_kvx_push_quiet or
+// accepts that a pending copy outlives it. Accepts NULL.
+void tdm_kvx_push_free(struct tdm_kvx_push *p);
 
 // ---- CUDA IPC handle cache (prefill side) --------------------------------------------------
 struct tdm_kvx_ipc_cache;
@@ -171,5 +256,26 @@ void tdm_kvx_link_abort(struct tdm_kvx_link *l);
 enum tdm_kvx_link_state tdm_kvx_link_state(const struct tdm_kvx_link *l);
 // Communicators this link has aborted (tandem:kv_transfer_aborts_total).
 uint64_t tdm_kvx_link_aborts(const struct tdm_kvx_link *l);
+
+// ---- the pairs a worker transferred with (for /health and metrics) ---------------------
+// The transport each (this worker, peer) pair got last, why, and how many
+// transfers went each way. Locked inside (the job threads write, /health reads).
+struct tdm_kvx_pairs;
+int tdm_kvx_pairs_new(struct tdm_kvx_pairs **out, int capacity);
+void tdm_kvx_pairs_free(struct tdm_kvx_pairs *ps); // accepts NULL
+// Records one transfer with `peer` over m (why: the choice's reason, may be NULL).
+void tdm_kvx_pairs_note(struct tdm_kvx_pairs *ps, const char *peer, enum tdm_kvx_mode m,
+                        const char *why);
+// The pair's last transport; -1 when the peer is unknown.
+int tdm_kvx_pairs_get(struct tdm_kvx_pairs *ps, const char *peer, enum tdm_kvx_mode *m);
+// JSON members for /health: "kv_transfer":{"setting":"auto","pairs":[{"peer":...,
+// "transport":...,"transfers":N,"why":...}]} (truncated to len, always valid JSON
+// when len >= 64).
+void tdm_kvx_pairs_json(struct tdm_kvx_pairs *ps, enum tdm_kvx_mode setting, char *buf,
+                        size_t len);
+
+// This node's identity for the same-host test: $TANDEM_HOST_ID, else
+// /proc/sys/kernel/random/boot_id (shared by every container of a node), else "".
+void tdm_kvx_host_id(char *buf, size_t len);
 
 #endif

@@ -4,8 +4,13 @@
 // module that includes CUDA or NCCL headers. The caller has made the worker's
 // device current (cudaSetDevice) on the calling thread. NCCL communicators are
 // created non-blocking (ncclConfig_t.blocking = 0), so init and abort return
-// at once and progress is read with ncclCommGetAsyncError.
+// at once and progress is read with ncclCommGetAsyncError. Copies, NCCL
+// send/recv and events go on one stream of the table's own, created on first
+// use as cudaStreamNonBlocking so that it never waits for the engine's stream
+// (the copy of layer group i overlaps the forward of group i+1).
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cuda_runtime_api.h>
@@ -104,6 +109,124 @@ static int nccl_destroy(void *ctx, void *comm)
     return ncclCommDestroy((ncclComm_t)comm) == ncclSuccess ? 0 : -1;
 }
 
+// ---- data path -------------------------------------------------------------------------------
+static pthread_once_t stream_once = PTHREAD_ONCE_INIT;
+static cudaStream_t kvx_stream;
+static cudaError_t stream_err = cudaSuccess;
+
+static void stream_make(void)
+{
+    stream_err = cudaStreamCreateWithFlags(&kvx_stream, cudaStreamNonBlocking);
+}
+
+static cudaStream_t stream_get(char *err, size_t errlen)
+{
+    pthread_once(&stream_once, stream_make);
+    if (stream_err != cudaSuccess) {
+        snprintf(err, errlen, "cudaStreamCreateWithFlags: %s", cudaGetErrorString(stream_err));
+        return NULL;
+    }
+    return kvx_stream;
+}
+
+static int ipc_export(void *ctx, void *dev_ptr, uint8_t handle[TDM_KVX_IPC_HANDLE_BYTES],
+                      char *err, size_t errlen)
+{
+    (void)ctx;
+    cudaIpcMemHandle_t h;
+    cudaError_t e = cudaIpcGetMemHandle(&h, dev_ptr);
+    if (e != cudaSuccess) {
+        snprintf(err, errlen, "cudaIpcGetMemHandle: %s", cudaGetErrorString(e));
+        return -1;
+    }
+    memcpy(handle, &h, sizeof h);
+    return 0;
+}
+
+static int copy_async(void *ctx, void *dst, const void *src, size_t bytes, char *err,
+                      size_t errlen)
+{
+    (void)ctx;
+    cudaStream_t s = stream_get(err, errlen);
+    if (s == NULL)
+        return -1;
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s);
+    if (e != cudaSuccess) {
+        snprintf(err, errlen, "cudaMemcpyAsync: %s", cudaGetErrorString(e));
+        return -1;
+    }
+    return 0;
+}
+
+static int event_record(void *ctx, void **event, char *err, size_t errlen)
+{
+    (void)ctx;
+    *event = NULL;
+    cudaStream_t s = stream_get(err, errlen);
+    if (s == NULL)
+        return -1;
+    cudaEvent_t ev;
+    cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (e == cudaSuccess) {
+        e = cudaEventRecord(ev, s);
+        if (e != cudaSuccess)
+            cudaEventDestroy(ev);
+    }
+    if (e != cudaSuccess) {
+        snprintf(err, errlen, "cudaEventRecord: %s", cudaGetErrorString(e));
+        return -1;
+    }
+    *event = ev;
+    return 0;
+}
+
+static int event_query(void *ctx, void *event)
+{
+    (void)ctx;
+    cudaError_t e = cudaEventQuery((cudaEvent_t)event);
+    return e == cudaSuccess ? 1 : e == cudaErrorNotReady ? 0 : -1;
+}
+
+static void event_free(void *ctx, void *event)
+{
+    (void)ctx;
+    cudaEventDestroy((cudaEvent_t)event);
+}
+
+static int nccl_xfer(void *comm, void *buf, size_t bytes, int peer, bool send, char *err,
+                     size_t errlen)
+{
+    cudaStream_t s = stream_get(err, errlen);
+    if (s == NULL)
+        return -1;
+    ncclResult_t r = ncclGroupStart();
+    if (r == ncclSuccess)
+        r = send ? ncclSend(buf, bytes, ncclUint8, peer, (ncclComm_t)comm, s)
+                 : ncclRecv(buf, bytes, ncclUint8, peer, (ncclComm_t)comm, s);
+    ncclResult_t g = ncclGroupEnd();
+    if (r == ncclSuccess)
+        r = g;
+    if (r != ncclSuccess && r != ncclInProgress) {
+        snprintf(err, errlen, "%s: %s", send ? "ncclSend" : "ncclRecv", ncclGetErrorString(r));
+        return -1;
+    }
+    return 0;
+}
+
+static int nccl_send(void *ctx, void *comm, const void *buf, size_t bytes, int peer, char *err,
+                     size_t errlen)
+{
+    (void)ctx;
+    return nccl_xfer(comm, (void *)buf, bytes, peer, true, err, errlen);
+}
+
+static int nccl_recv(void *ctx, void *comm, void *buf, size_t bytes, int peer, char *err,
+                     size_t errlen)
+{
+    (void)ctx;
+    return nccl_xfer(comm, buf, bytes, peer, false, err, errlen);
+}
+
 static const struct tdm_kvx_ops CUDA_OPS = {
     .ctx = NULL,
     .ipc_open = ipc_open,
@@ -113,6 +236,13 @@ static const struct tdm_kvx_ops CUDA_OPS = {
     .nccl_state = nccl_state,
     .nccl_abort = nccl_abort,
     .nccl_destroy = nccl_destroy,
+    .ipc_export = ipc_export,
+    .copy_async = copy_async,
+    .event_record = event_record,
+    .event_query = event_query,
+    .event_free = event_free,
+    .nccl_send = nccl_send,
+    .nccl_recv = nccl_recv,
 };
 
 const struct tdm_kvx_ops *tdm_kvx_cuda_ops(void)

@@ -14,6 +14,7 @@
 #include <cmocka.h>
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
@@ -105,8 +106,77 @@ static int f_destroy(void *ctx, void *comm)
     return 0;
 }
 
+// ---- the fake data path: host memory, copies that land late ---------------------------------
+// copy_async queues a copy; it executes (memcpy) only when an event recorded
+// after it is queried complete, which takes `event_delay` queries: a copy
+// that completes late, as on a busy device.
+struct fake_copy {
+    void *dst;
+    const void *src;
+    size_t bytes;
+};
+static struct {
+    struct fake_copy q[256];
+    int nq, done;      // queued, executed
+    int event_delay;   // queries before an event completes
+    int queries;       // queries of the current event
+    int fail_copy_at;  // copy_async call (1-based) that fails; 0 = none
+    int fail_record;   // event_record fails
+    int fail_query;    // event_query reports an error
+    int calls, events_live;
+} D;
+
+static int f_copy_async(void *ctx, void *dst, const void *src, size_t bytes, char *err,
+                        size_t errlen)
+{
+    (void)ctx;
+    if (++D.calls == D.fail_copy_at) {
+        snprintf(err, errlen, "invalid argument");
+        return -1;
+    }
+    D.q[D.nq++] = (struct fake_copy){dst, src, bytes};
+    return 0;
+}
+
+static int f_event_record(void *ctx, void **event, char *err, size_t errlen)
+{
+    (void)ctx;
+    if (D.fail_record) {
+        snprintf(err, errlen, "launch failure");
+        return -1;
+    }
+    *event = (void *)(uintptr_t)(D.nq + 1); // completes the copies queued so far
+    D.queries = 0;
+    D.events_live++;
+    return 0;
+}
+
+static int f_event_query(void *ctx, void *event)
+{
+    (void)ctx;
+    if (D.fail_query)
+        return -1;
+    if (++D.queries <= D.event_delay)
+        return 0;
+    int upto = (int)(uintptr_t)event - 1;
+    for (; D.done < upto; D.done++)
+        memcpy(D.q[D.done].dst, D.q[D.done].src, D.q[D.done].bytes);
+    return 1;
+}
+
+static void f_event_free(void *ctx, void *event)
+{
+    (void)ctx;
+    (void)event;
+    D.events_live--;
+}
+
 static struct fake F;
 static const struct tdm_kvx_ops OPS = {
+    .copy_async = f_copy_async,
+    .event_record = f_event_record,
+    .event_query = f_event_query,
+    .event_free = f_event_free,
     .ctx = &F,
     .ipc_open = f_ipc_open,
     .ipc_close = f_ipc_close,
@@ -121,6 +191,7 @@ static int reset(void **state)
 {
     (void)state;
     memset(&F, 0, sizeof F);
+    memset(&D, 0, sizeof D);
     F.next_ptr = 0x7f0000000000u;
     return 0;
 }
@@ -445,6 +516,229 @@ static void test_link_failures(void **state)
     assert_int_equal(F.destroys, 0); // never freed while ready in this test
 }
 
+// ---- data path ------------------------------------------------------------------------------
+static void test_pool_wire(void **state)
+{
+    (void)state;
+    struct tdm_kvx_pool p = {.bytes = 2 * 3 * 8 * 64, .layer_stride = 2 * 8 * 64,
+                             .v_offset = 8 * 64, .block_bytes = 64, .num_layers = 3,
+                             .num_blocks = 8, .elem_bytes = 2, .gpu = true, .nccl = false};
+    for (int i = 0; i < TDM_KVX_IPC_HANDLE_BYTES; i++)
+        p.handle[i] = (uint8_t)(i * 7);
+    uint8_t w[TDM_KVX_POOL_WIRE_BYTES];
+    tdm_kvx_pool_encode(&p, w);
+    struct tdm_kvx_pool q;
+    char err[256];
+    assert_int_equal(tdm_kvx_pool_decode(&q, w, sizeof w, err, sizeof err), TDM_OK);
+    assert_memory_equal(q.handle, p.handle, TDM_KVX_IPC_HANDLE_BYTES);
+    assert_int_equal(q.bytes, p.bytes);
+    assert_int_equal(q.layer_stride, p.layer_stride);
+    assert_int_equal(q.v_offset, p.v_offset);
+    assert_int_equal(q.block_bytes, 64);
+    assert_int_equal(q.num_layers, 3);
+    assert_int_equal(q.num_blocks, 8);
+    assert_int_equal(q.elem_bytes, 2);
+    assert_true(q.gpu);
+    assert_false(q.nccl);
+    assert_int_equal(tdm_kvx_pool_decode(&q, w, sizeof w - 1, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "expected"));
+    // A pool that claims more than its allocation is refused (a peer could
+    // otherwise make us write past the mapping).
+    p.num_blocks = 9;
+    tdm_kvx_pool_encode(&p, w);
+    assert_int_equal(tdm_kvx_pool_decode(&q, w, sizeof w, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "inconsistent geometry"));
+    p.num_blocks = 8;
+    p.elem_bytes = 3;
+    tdm_kvx_pool_encode(&p, w);
+    assert_int_equal(tdm_kvx_pool_decode(&q, w, sizeof w, err, sizeof err), TDM_EPROTO);
+    p.elem_bytes = 2;
+    p.bytes = UINT64_MAX;
+    p.layer_stride = UINT64_MAX / 2;
+    tdm_kvx_pool_encode(&p, w);
+    assert_int_equal(tdm_kvx_pool_decode(&q, w, sizeof w, err, sizeof err), TDM_EPROTO);
+}
+
+// Source and destination pools in host memory, 2 layers x 8 blocks of 16
+// bytes, K then V per layer.
+enum { PL = 2, PB = 8, BB = 16 };
+static uint8_t SRC[PL][2][PB][BB], DST[PL][2][PB][BB];
+
+static void *src_layer(void *arg, int layer, bool v)
+{
+    (void)arg;
+    return SRC[layer][v];
+}
+
+static struct tdm_kvx_pool host_pool(void)
+{
+    struct tdm_kvx_pool p = {.bytes = sizeof DST, .layer_stride = 2 * PB * BB,
+                             .v_offset = PB * BB, .block_bytes = BB, .num_layers = PL,
+                             .num_blocks = PB, .elem_bytes = 2, .gpu = true};
+    return p;
+}
+
+static void fill_src(void)
+{
+    for (int l = 0; l < PL; l++)
+        for (int v = 0; v < 2; v++)
+            for (int b = 0; b < PB; b++)
+                memset(SRC[l][v][b], 1 + l * 64 + v * 32 + b, BB);
+    memset(DST, 0, sizeof DST);
+}
+
+// Layer groups land in the decode worker's blocks (other ids than ours),
+// runs consecutive on both sides coalesce, and the push is quiet only once
+// the late event was observed complete.
+static void test_push_copies(void **state)
+{
+    (void)state;
+    fill_src();
+    struct tdm_kvx_pool pool = host_pool();
+    int src_ids[5] = {0, 1, 2, 6, 3}, dst_ids[5] = {4, 5, 6, 1, 7};
+    struct tdm_kvx_push *p = NULL;
+    char err[256];
+    assert_int_equal(tdm_kvx_push_new(&p, &OPS, &pool, DST, dst_ids, src_layer, NULL, src_ids, 5,
+                                      err, sizeof err),
+                     TDM_OK);
+    assert_true(tdm_kvx_push_quiet(p));
+    D.event_delay = 3;
+    assert_int_equal(tdm_kvx_push_layers(p, 0, 1, err, sizeof err), TDM_OK);
+    // runs: {0,1,2}->{4,5,6}, {6}->{1}, {3}->{7}: 3 copies each for K and V
+    assert_int_equal(tdm_kvx_push_copies(p), 6);
+    assert_int_equal(tdm_kvx_push_bytes(p), 2 * 5 * BB);
+    assert_false(tdm_kvx_push_quiet(p));
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(tdm_kvx_push_poll(p), TDM_EBUSY);
+    assert_int_equal(DST[0][0][4][0], 0); // not landed yet
+    // the next group may not be issued before this one completed
+    assert_int_equal(tdm_kvx_push_layers(p, 1, 1, err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_kvx_push_poll(p), TDM_OK);
+    assert_true(tdm_kvx_push_quiet(p));
+    for (int i = 0; i < 5; i++) {
+        assert_memory_equal(DST[0][0][dst_ids[i]], SRC[0][0][src_ids[i]], BB);
+        assert_memory_equal(DST[0][1][dst_ids[i]], SRC[0][1][src_ids[i]], BB);
+        assert_int_equal(DST[1][0][dst_ids[i]][0], 0); // layer 1 not yet
+    }
+    assert_int_equal(DST[0][0][0][0], 0); // untouched blocks stay untouched
+    assert_int_equal(tdm_kvx_push_layers(p, 1, 1, err, sizeof err), TDM_OK);
+    while (tdm_kvx_push_poll(p) == TDM_EBUSY)
+        ;
+    for (int i = 0; i < 5; i++)
+        assert_memory_equal(DST[1][1][dst_ids[i]], SRC[1][1][src_ids[i]], BB);
+    assert_int_equal(tdm_kvx_push_layers(p, 2, 1, err, sizeof err), TDM_EINVAL); // past the last
+    tdm_kvx_push_free(p);
+    assert_int_equal(D.events_live, 0);
+
+    // A block id outside the decode worker's pool is refused before any copy.
+    int bad[1] = {PB};
+    assert_int_equal(tdm_kvx_push_new(&p, &OPS, &pool, DST, bad, src_layer, NULL, src_ids, 1, err,
+                                      sizeof err),
+                     TDM_EINVAL);
+    assert_non_null(strstr(err, "outside the decode worker's pool"));
+    // A table without the data path (control plane only) cannot push.
+    struct tdm_kvx_ops ctl = OPS;
+    ctl.copy_async = NULL;
+    assert_int_equal(tdm_kvx_push_new(&p, &ctl, &pool, DST, dst_ids, src_layer, NULL, src_ids, 5,
+                                      err, sizeof err),
+                     TDM_EINVAL);
+}
+
+// Failures: copies issued before a failed one are awaited (an event after
+// them) before the push is quiet; a push whose event could not be recorded or
+// queried never turns quiet (its copies' fate is unknown).
+static void test_push_failures(void **state)
+{
+    (void)state;
+    fill_src();
+    struct tdm_kvx_pool pool = host_pool();
+    int ids[2] = {0, 2};
+    struct tdm_kvx_push *p = NULL;
+    char err[256];
+    D.fail_copy_at = 3; // K's two runs go, V's first fails
+    D.event_delay = 2;
+    assert_int_equal(tdm_kvx_push_new(&p, &OPS, &pool, DST, ids, src_layer, NULL, ids, 2, err,
+                                      sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_kvx_push_layers(p, 0, 1, err, sizeof err), TDM_EBACKEND);
+    assert_non_null(strstr(err, "invalid argument"));
+    assert_false(tdm_kvx_push_quiet(p));
+    assert_int_equal(tdm_kvx_push_poll(p), TDM_EBUSY);
+    assert_int_equal(tdm_kvx_push_poll(p), TDM_EBUSY);
+    assert_int_equal(tdm_kvx_push_poll(p), TDM_EBACKEND); // complete, but the push failed
+    assert_true(tdm_kvx_push_quiet(p));
+    assert_memory_equal(DST[0][0][2], SRC[0][0][2], BB); // the issued copy did land
+    assert_int_equal(tdm_kvx_push_layers(p, 0, 1, err, sizeof err), TDM_EBACKEND);
+    tdm_kvx_push_free(p);
+
+    memset(&D, 0, sizeof D);
+    D.fail_record = 1;
+    assert_int_equal(tdm_kvx_push_new(&p, &OPS, &pool, DST, ids, src_layer, NULL, ids, 2, err,
+                                      sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_kvx_push_layers(p, 0, 1, err, sizeof err), TDM_EBACKEND);
+    assert_int_equal(tdm_kvx_push_poll(p), TDM_EBACKEND);
+    assert_false(tdm_kvx_push_quiet(p));
+    tdm_kvx_push_free(p);
+
+    memset(&D, 0, sizeof D);
+    D.fail_query = 1;
+    assert_int_equal(tdm_kvx_push_new(&p, &OPS, &pool, DST, ids, src_layer, NULL, ids, 2, err,
+                                      sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_kvx_push_layers(p, 0, 1, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_kvx_push_poll(p), TDM_EBACKEND);
+    assert_false(tdm_kvx_push_quiet(p));
+    tdm_kvx_push_free(p);
+}
+
+static void test_pairs_and_setting(void **state)
+{
+    (void)state;
+    struct tdm_kvx_pairs *ps = NULL;
+    assert_int_equal(tdm_kvx_pairs_new(&ps, 2), TDM_OK);
+    char buf[1024];
+    tdm_kvx_pairs_json(ps, TDM_KVX_AUTO, buf, sizeof buf);
+    assert_string_equal(buf, "\"kv_transfer\":{\"setting\":\"auto\",\"pairs\":[]}");
+    tdm_kvx_pairs_note(ps, "tcp://a:1", TDM_KVX_NNG, "this worker's KV is in host memory");
+    tdm_kvx_pairs_note(ps, "tcp://b:2", TDM_KVX_CUDA_IPC, "same \"host\"");
+    tdm_kvx_pairs_note(ps, "tcp://b:2", TDM_KVX_CUDA_IPC, "same host");
+    enum tdm_kvx_mode m;
+    assert_int_equal(tdm_kvx_pairs_get(ps, "tcp://b:2", &m), 0);
+    assert_int_equal(m, TDM_KVX_CUDA_IPC);
+    assert_int_equal(tdm_kvx_pairs_get(ps, "tcp://c:3", &m), -1);
+    tdm_kvx_pairs_json(ps, TDM_KVX_AUTO, buf, sizeof buf);
+    assert_non_null(strstr(buf, "{\"peer\":\"tcp://a:1\",\"transport\":\"nng\",\"transfers\":1,"));
+    assert_non_null(strstr(buf, "\"peer\":\"tcp://b:2\",\"transport\":\"cuda-ipc\",\"transfers\":2,"
+                                "\"why\":\"same host\"}"));
+    // a third peer evicts the least recently used (a)
+    tdm_kvx_pairs_note(ps, "tcp://c:3", TDM_KVX_NNG, "x \"quoted\"");
+    assert_int_equal(tdm_kvx_pairs_get(ps, "tcp://a:1", &m), -1);
+    tdm_kvx_pairs_json(ps, TDM_KVX_NNG, buf, sizeof buf);
+    assert_non_null(strstr(buf, "x \\\"quoted\\\""));
+    // truncated output stays valid: whole pairs or none
+    char small[100];
+    tdm_kvx_pairs_json(ps, TDM_KVX_NNG, small, sizeof small);
+    assert_string_equal(small, "\"kv_transfer\":{\"setting\":\"nng\",\"pairs\":[]}");
+    tdm_kvx_pairs_free(ps);
+
+    char err[256];
+    assert_int_equal(tdm_kvx_check_setting(TDM_KVX_AUTO, err, sizeof err), 0);
+    assert_int_equal(tdm_kvx_check_setting(TDM_KVX_NNG, err, sizeof err), 0);
+    int rc = tdm_kvx_check_setting(TDM_KVX_CUDA_IPC, err, sizeof err);
+    assert_int_equal(rc, tdm_kvx_cuda_ops() != NULL ? 0 : -1);
+    if (rc != 0)
+        assert_non_null(strstr(err, "--kv-transfer cuda-ipc needs a CUDA build"));
+
+    char host[96];
+    setenv("TANDEM_HOST_ID", "node-7", 1);
+    tdm_kvx_host_id(host, sizeof host);
+    assert_string_equal(host, "node-7");
+    unsetenv("TANDEM_HOST_ID");
+    tdm_kvx_host_id(host, sizeof host); // the boot id where /proc has one
+    assert_null(strchr(host, '\n'));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -454,6 +748,10 @@ int main(void)
         cmocka_unit_test_setup(test_ipc_cache, reset),
         cmocka_unit_test_setup(test_link_handshake, reset),
         cmocka_unit_test_setup(test_link_failures, reset),
+        cmocka_unit_test_setup(test_pool_wire, reset),
+        cmocka_unit_test_setup(test_push_copies, reset),
+        cmocka_unit_test_setup(test_push_failures, reset),
+        cmocka_unit_test_setup(test_pairs_and_setting, reset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -69,10 +69,17 @@ __asm__(".text\n"
         ".size tdm_emu_switch, .-tdm_emu_switch\n");
 #endif
 
+#include <mutex>
 #include <vector>
 
 namespace tdm_emu
 {
+// One grid runs at a time in the process: the block coordinates and every
+// kernel's shared memory (function-local statics) are process-wide, and two
+// engines in one test process (a prefill and a decode worker, pd_kvx_test)
+// launch from their own threads. Graph capture stays one at a time (those
+// tests run eagerly).
+static std::mutex grid_mu;
 dim3 cur_thread_idx, cur_block_idx, cur_block_dim, cur_grid_dim;
 
 namespace
@@ -283,6 +290,7 @@ void launch(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &bo
 
 static void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body)
 {
+    std::lock_guard<std::mutex> hold(grid_mu);
     unsigned nthreads = block.x * block.y * block.z;
     if (shmem != 0)
         die("dynamic shared memory is not supported by the emulator");
