@@ -269,6 +269,8 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     mo.max_batch_tokens = cfg->max_num_batched_tokens;
     mo.max_batch_seqs = cfg->max_num_seqs;
     mo.enforce_eager = cfg->enforce_eager;
+    mo.weight_cache_dir =
+        !cfg->weight_cache ? NULL : cfg->weight_cache_dir[0] ? cfg->weight_cache_dir : "auto";
     int rc = tdm_model_opts_set_device(&mo, cfg->device, err, errlen);
     if (rc == TDM_OK)
         rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);
@@ -276,6 +278,9 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
         pthread_join(th, NULL);
     if (rc != TDM_OK)
         return rc;
+    const struct tdm_model_load_info *li = tdm_model_load_info(s->model);
+    TDM_LOG_INFO("worker", "model loaded load_s=%.3f checkpoint_bytes=%zu weight_cache=%s",
+                 li->seconds, li->checkpoint_bytes, tdm_weight_cache_use_name(li->weight_cache));
     if (tl.rc != TDM_OK)
         return tdm_seterr(err, errlen, tl.rc, "%s", tl.err);
     const struct tdm_model_config *mc = tdm_model_config(s->model);

@@ -52,6 +52,7 @@ struct result {
     double prefill_flops[MAX_POINTS];
     size_t weight_bytes;
     char device[32]; // the backend the model ran on (tdm_model_opts.backend)
+    struct tdm_model_load_info load; // load time, checkpoint bytes, weight cache use
 };
 
 static void die(const char *what, const char *err)
@@ -166,7 +167,7 @@ static double prefill_flops(const struct tdm_model_config *c, int n)
 
 static void run_mode(const char *dir, const struct tdm_model_opts *device,
                      enum tdm_weight_mode mode, int threads, int steps, const struct plan *pl,
-                     struct result *r)
+                     bool weight_cache, struct result *r)
 {
     int max_batch = 1, max_prefill = PREFILL;
     for (int i = 0; i < pl->n_batches; i++)
@@ -184,8 +185,10 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
     o.num_threads = threads;
     o.max_batch_tokens = max_prefill;
     o.max_batch_seqs = max_batch < 32 ? 32 : max_batch;
+    o.weight_cache_dir = weight_cache ? "auto" : NULL;
     if (tdm_model_load(&m, dir, &o, err, sizeof err) != TDM_OK)
         die("load", err);
+    r->load = *tdm_model_load_info(m);
     snprintf(r->device, sizeof r->device, "%s", o.backend != NULL ? o.backend : "cpu");
     const struct tdm_model_config *c = tdm_model_config(m);
     struct tdm_kv_config kc;
@@ -265,6 +268,7 @@ struct bench_args {
     const char *json; // --json FILE
     const char *device; // --device cpu|cuda|cuda:N; NULL = auto
     bool enforce_eager; // --enforce-eager
+    bool weight_cache;  // --[no-]weight-cache (default on)
     int threads, steps;
     bool bf16_only;
     struct plan pl; // --batches, --prefill
@@ -339,11 +343,16 @@ static const struct tdm_flag bench_flags[] = {
      .kind = TDM_FLAG_BOOL,
      .offset = offsetof(struct bench_args, enforce_eager),
      .help = "no CUDA graphs for decode steps"},
+    {.name = "no-weight-cache",
+     .kind = TDM_FLAG_NOT,
+     .offset = offsetof(struct bench_args, weight_cache),
+     .help = "pack the checkpoint at every load (default: the packed-weight cache,\n"
+             "$TANDEM_CACHE/packed or ~/.cache/tandem/packed)"},
 };
 static const struct tdm_flags bench_table = {
     .usage = "usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only] "
              "[--batches LIST] [--prefill LIST] [--json FILE] [--device cpu|cuda|cuda:N]\n"
-             "       [--enforce-eager]\n",
+             "       [--enforce-eager] [--no-weight-cache]\n",
     .flags = bench_flags,
     .n = sizeof bench_flags / sizeof bench_flags[0],
 };
@@ -353,6 +362,7 @@ int main(int argc, char **argv)
     struct bench_args a = {
         .threads = 2,
         .steps = 8,
+        .weight_cache = true,
         .pl = {.batches = {1, 8, 32}, .n_batches = 3, .prefill = {PREFILL}, .n_prefill = 1},
     };
     int exit_code = 0;
@@ -400,7 +410,7 @@ int main(int argc, char **argv)
     int nmodes = bf16_only ? 1 : 2;
     for (int mode = 0; mode < nmodes; mode++)
         run_mode(dir, &dev_opts, mode == 0 ? TDM_WEIGHTS_BF16 : TDM_WEIGHTS_INT8, threads, steps,
-                 &pl, &res[mode]);
+                 &pl, a.weight_cache, &res[mode]);
     double bw2 = tdm_cpu_probe_read_bw((size_t)1 << 30, threads, 3);
     double fma2 = tdm_cpu_probe_fma_peak(threads);
     double bf16_peak2 = tdm_cpu_probe_bf16_peak(threads);
@@ -441,6 +451,17 @@ int main(int argc, char **argv)
                        pl.prefill[i] / r->prefill_s[i],
                        r->prefill_flops[i] / r->prefill_s[i] / fma);
         }
+    }
+    // Load time against one read of the checkpoint at the probed bandwidth:
+    // packing costs several reads, a weight-cache hit about one (verification).
+    for (int mode = 0; mode < nmodes; mode++) {
+        const struct tdm_model_load_info *li = &res[mode].load;
+        double read_s = (double)li->checkpoint_bytes / bw;
+        printf("%-5s load %.3f s (weight cache %s%s), checkpoint %.0f MB read once %.3f s: "
+               "load/read %.1f\n",
+               names[mode], li->seconds, tdm_weight_cache_use_name(li->weight_cache),
+               li->cache_write_seconds > 0 ? ", entry written" : "", li->checkpoint_bytes / 1e6,
+               read_s, li->seconds / read_s);
     }
     if (json != NULL && write_json(json, names[0], (size_t)threads, &pl, &res[0]) != 0) {
         fprintf(stderr, "tandem-bench-engine: --json %s: cannot write\n", json);
