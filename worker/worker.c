@@ -271,6 +271,7 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     mo.enforce_eager = cfg->enforce_eager;
     mo.weight_cache_dir =
         !cfg->weight_cache ? NULL : cfg->weight_cache_dir[0] ? cfg->weight_cache_dir : "auto";
+    mo.weight_cache_background = true; // /health 200 does not wait for the entry
     int rc = tdm_model_opts_set_device(&mo, cfg->device, err, errlen);
     if (rc == TDM_OK)
         rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);

@@ -23,10 +23,13 @@
 // backend's batch-invariance contract), so a sequence gets bitwise the same
 // logits whatever else shares the step.
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "backend.h"
@@ -91,6 +94,8 @@ struct tdm_model {
     struct tdm_weight **prepared; // [n_prepared], not owned
     int n_prepared, cap_prepared;
     bool wcache_bad;
+    pthread_t writer;    // writes the entry after a background-writing load
+    bool writer_running; // writer started, not yet joined
     struct tdm_model_load_info info;
 };
 
@@ -403,6 +408,8 @@ void tdm_model_free(struct tdm_model *m)
 {
     if (m == NULL)
         return;
+    if (m->writer_running) // it reads the weights released below
+        pthread_join(m->writer, NULL);
     if (m->be != NULL) {
         if (m->layers != NULL) {
             for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
@@ -560,36 +567,80 @@ static void wcache_begin(struct tdm_model *m, const char *dir, bool use_entry,
     }
 }
 
-// Writes the weights prepared by this load as the entry id names.
-static void wcache_finish(struct tdm_model *m, const struct tdm_wcache_id *id)
+// Writing an entry: on the loading thread, or on a background thread that
+// tdm_model_free joins (the weights it reads are never written after load).
+struct wcache_job {
+    struct tdm_wcache_id *id;          // owned
+    struct tdm_wcache_entry *entries;  // [n] owned, pointing into the model's weights
+    int n;
+    int rc;
+    double seconds;
+};
+
+static void wcache_job_run(struct wcache_job *j)
 {
-    if (id == NULL || m->wcache != NULL)
-        return;
     char e[512];
     double t0 = tdm_now();
-    struct tdm_wcache_entry *entries = calloc((size_t)m->n_prepared + 1, sizeof *entries);
-    int rc = TDM_ENOMEM;
-    if (entries != NULL) {
-        for (int i = 0; i < m->n_prepared; i++) {
-            const struct tdm_weight *w = m->prepared[i];
-            entries[i].type = w->type;
-            entries[i].rows = w->rows;
-            entries[i].cols = w->cols;
-            entries[i].nspans = m->ops->weight_spans(w, entries[i].ptr, entries[i].bytes);
-        }
-        rc = tdm_wcache_write(id, entries, m->n_prepared, e, sizeof e);
-        free(entries);
-    } else {
-        snprintf(e, sizeof e, "out of memory");
-    }
-    m->info.cache_write_seconds = tdm_now() - t0;
-    if (rc == TDM_OK) {
-        TDM_LOG_INFO("model", "weight cache written: %s in %.2f s", id->path,
-                     m->info.cache_write_seconds);
-    } else {
-        m->info.weight_cache = TDM_WCACHE_FAILED;
+    j->rc = tdm_wcache_write(j->id, j->entries, j->n, e, sizeof e);
+    j->seconds = tdm_now() - t0;
+    if (j->rc == TDM_OK)
+        TDM_LOG_INFO("model", "weight cache written: %s in %.2f s", j->id->path, j->seconds);
+    else
         TDM_LOG_WARN("model", "weight cache not written (the model still serves): %s", e);
+}
+
+static void *wcache_writer_main(void *arg)
+{
+#ifdef __linux__
+    // Below the engine's threads: serving comes first on a busy machine.
+    (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);
+#endif
+    struct wcache_job *j = arg;
+    wcache_job_run(j);
+    free(j->entries);
+    free(j->id);
+    free(j);
+    return NULL;
+}
+
+// Writes the weights prepared by this load as the entry *id names (taking
+// *id): now, or on m->writer when opts.weight_cache_background.
+static void wcache_finish(struct tdm_model *m, struct tdm_wcache_id **id)
+{
+    if (*id == NULL || m->wcache != NULL)
+        return;
+    struct wcache_job *j = calloc(1, sizeof *j);
+    struct tdm_wcache_entry *entries = calloc((size_t)m->n_prepared + 1, sizeof *entries);
+    if (j == NULL || entries == NULL) {
+        free(j);
+        free(entries);
+        m->info.weight_cache = TDM_WCACHE_FAILED;
+        TDM_LOG_WARN("model", "weight cache not written: out of memory");
+        return;
     }
+    for (int i = 0; i < m->n_prepared; i++) {
+        const struct tdm_weight *w = m->prepared[i];
+        entries[i].type = w->type;
+        entries[i].rows = w->rows;
+        entries[i].cols = w->cols;
+        entries[i].nspans = m->ops->weight_spans(w, entries[i].ptr, entries[i].bytes);
+    }
+    j->id = *id;
+    j->entries = entries;
+    j->n = m->n_prepared;
+    *id = NULL;
+    if (m->opts.weight_cache_background &&
+        pthread_create(&m->writer, NULL, wcache_writer_main, j) == 0) {
+        m->writer_running = true;
+        return;
+    }
+    wcache_job_run(j);
+    m->info.cache_write_seconds = j->seconds;
+    if (j->rc != TDM_OK)
+        m->info.weight_cache = TDM_WCACHE_FAILED;
+    free(j->entries);
+    free(j->id);
+    free(j);
 }
 
 static int model_load(struct tdm_model **out, const char *dir, const struct tdm_model_opts *opts,
@@ -695,9 +746,7 @@ static int model_load(struct tdm_model **out, const char *dir, const struct tdm_
     }
     tdm_st_free(st);
     st = NULL;
-    wcache_finish(m, wid);
-    free(wid);
-    wid = NULL;
+    wcache_finish(m, &wid);
     free(m->prepared);
     m->prepared = NULL;
     m->n_prepared = m->cap_prepared = 0;

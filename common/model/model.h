@@ -36,6 +36,11 @@ struct tdm_model_opts {
     // checkpoints of at least weight_cache_min_bytes (default 64 MiB).
     const char *weight_cache_dir;
     size_t weight_cache_min_bytes;
+    // On a miss, write the entry on a background thread (at nice 10) after
+    // tdm_model_load returns, so the first start is not delayed by it; the
+    // model can serve meanwhile and tdm_model_free waits for it. Default
+    // false: written before tdm_model_load returns.
+    bool weight_cache_background;
 };
 void tdm_model_opts_default(struct tdm_model_opts *o);
 // Sets o->backend and o->device from a --device value (vLLM's flag): "cpu",
@@ -64,7 +69,8 @@ struct tdm_model_load_info {
     double seconds;            // tdm_model_load's wall time
     size_t checkpoint_bytes;   // tensor bytes of the checkpoint
     enum tdm_weight_cache_use weight_cache;
-    double cache_write_seconds; // part of seconds spent writing the entry (MISS, REBUILT)
+    double cache_write_seconds; // part of seconds spent writing the entry (MISS, REBUILT;
+                                // 0 when written in the background: its result is logged)
 };
 const struct tdm_model_load_info *tdm_model_load_info(const struct tdm_model *m);
 // "off", "hit", "miss", "rebuilt", "failed".

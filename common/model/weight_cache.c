@@ -23,6 +23,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -485,8 +486,9 @@ static uint64_t align_up(uint64_t x, uint64_t a)
     return (x + a - 1) / a * a;
 }
 
-// Removes the entries with id->prefix other than id->path (and leaves
-// everything else in the folder alone).
+// Removes the entries with id->prefix other than id->path, and their temp
+// files whose writer process is gone (killed while writing); leaves
+// everything else in the folder alone.
 static void prune(const struct tdm_wcache_id *id)
 {
     DIR *d = opendir(id->folder);
@@ -496,9 +498,16 @@ static void prune(const struct tdm_wcache_id *id)
     size_t plen = strlen(id->prefix);
     struct dirent *de;
     while ((de = readdir(d)) != NULL) {
-        if (strncmp(de->d_name, id->prefix, plen) != 0 || !ends_with(de->d_name, WC_SUFFIX) ||
-            strcmp(de->d_name, mine) == 0)
+        if (strncmp(de->d_name, id->prefix, plen) != 0 || strcmp(de->d_name, mine) == 0)
             continue;
+        const char *tmp = strstr(de->d_name, WC_SUFFIX ".tmp.");
+        if (tmp != NULL) {
+            long pid = strtol(tmp + strlen(WC_SUFFIX ".tmp."), NULL, 10);
+            if (pid <= 0 || pid == (long)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH)
+                continue;
+        } else if (!ends_with(de->d_name, WC_SUFFIX)) {
+            continue;
+        }
         char path[sizeof id->folder + 256];
         snprintf(path, sizeof path, "%s/%s", id->folder, de->d_name);
         if (unlink(path) == 0)

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "core.h"
@@ -187,6 +188,67 @@ static void test_miss_then_hit(void **state)
     count_files(&entries, &others, NULL, 0);
     assert_int_equal(entries, 2);
     assert_int_equal(others, 0);
+}
+
+// Written on a background thread after the load returned: the model serves
+// meanwhile (bitwise the same logits) and tdm_model_free waits for the entry.
+static void test_background_write(void **state)
+{
+    (void)state;
+    clear_cache();
+    struct tdm_model_opts o;
+    struct tdm_model *m = NULL;
+    char err[256];
+    tdm_model_opts_default(&o);
+    o.num_threads = 2;
+    o.max_batch_tokens = 64;
+    o.max_batch_seqs = 2;
+    o.weight_cache_dir = cache_dir;
+    o.weight_cache_min_bytes = 0;
+    o.weight_cache_background = true;
+    assert_int_equal(tdm_model_load(&m, model_dir, &o, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_model_load_info(m)->weight_cache, TDM_WCACHE_MISS);
+    struct tdm_model *ref = load(TDM_WEIGHTS_BF16, false, TDM_WCACHE_OFF);
+    float *a = run(ref), *b = run(m);
+    assert_memory_equal(a, b, (size_t)N_TOKENS * tdm_model_config(m)->vocab_size * sizeof(float));
+    free(a);
+    free(b);
+    tdm_model_free(ref);
+    tdm_model_free(m);
+    int entries, others;
+    count_files(&entries, &others, NULL, 0);
+    assert_int_equal(entries, 1);
+    assert_int_equal(others, 0);
+    check_load(TDM_WEIGHTS_BF16, TDM_WCACHE_HIT);
+}
+
+// A temp file left by a writer that was killed is removed by the next write;
+// one of a live writer is left alone.
+static void test_dead_writer_temp(void **state)
+{
+    (void)state;
+    clear_cache();
+    check_load(TDM_WEIGHTS_BF16, TDM_WCACHE_MISS);
+    char path[512], dead[600], live[600];
+    int entries, others;
+    count_files(&entries, &others, path, sizeof path);
+    pid_t child = fork();
+    assert_true(child >= 0);
+    if (child == 0)
+        _exit(0);
+    waitpid(child, NULL, 0); // a pid that is surely gone
+    snprintf(dead, sizeof dead, "%s.tmp.%ld.0", path, (long)child);
+    snprintf(live, sizeof live, "%s.tmp.%ld.0", path, (long)getppid());
+    FILE *f = fopen(dead, "w");
+    assert_non_null(f);
+    fclose(f);
+    assert_non_null(f = fopen(live, "w"));
+    fclose(f);
+    assert_int_equal(truncate(path, 0), 0); // forces a rewrite
+    check_load(TDM_WEIGHTS_BF16, TDM_WCACHE_REBUILT);
+    assert_int_not_equal(access(dead, F_OK), 0);
+    assert_int_equal(access(live, F_OK), 0);
+    unlink(live);
 }
 
 static void test_stale_checkpoint(void **state)
@@ -420,6 +482,7 @@ int main(void)
         cmocka_unit_test(test_miss_then_hit),    cmocka_unit_test(test_stale_checkpoint),
         cmocka_unit_test(test_corrupt_entries),  cmocka_unit_test(test_misfit_entry),
         cmocka_unit_test(test_concurrent_starts), cmocka_unit_test(test_folder_resolution),
+        cmocka_unit_test(test_background_write),  cmocka_unit_test(test_dead_writer_temp),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
