@@ -311,6 +311,19 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     rc = tdm_metrics_vllm_register(&s->metrics, s->reg, &mcfg, err, errlen);
     if (rc != TDM_OK)
         return rc;
+    // The prefill backlog in tokens (the prefill role's autoscaling signal,
+    // docs/kubernetes.md), with the vLLM set's constant labels.
+    const struct tdm_metrics_label pl[2] = {{"model_name", s->text.served_name},
+                                            {"engine", "0"}};
+    const struct tdm_metrics_opts po = {
+        .name = "tandem:num_prompt_tokens_waiting",
+        .help = "Prompt tokens not yet prefilled, of the waiting and running requests.",
+        .const_labels = pl,
+        .n_const_labels = 2,
+    };
+    rc = tdm_metrics_gauge_register(&s->prompt_tokens_waiting, s->reg, &po, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
 
     struct tdm_engine_config ec;
     tdm_engine_config_default(&ec);
@@ -322,6 +335,7 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     ec.max_model_len = s->max_model_len;
     ec.max_waiting = cfg->max_waiting;
     ec.metrics = &s->metrics;
+    ec.prompt_tokens_waiting = s->prompt_tokens_waiting;
     // KV events for the router's exact prefix index (read by the P/D receiver's
     // load reports); with prefix caching off there are no cached blocks to report.
     ec.kv_event_capacity = cfg->enable_prefix_caching ? 8192 : 0;

@@ -36,6 +36,7 @@ struct tdm_worker {
     int num_eos;
     struct tdm_metrics_registry *reg;
     struct tdm_metrics_vllm metrics;
+    struct tdm_metrics_gauge *prompt_tokens_waiting; // tandem:num_prompt_tokens_waiting
     struct tdm_engine *engine;
     char model_path[TDM_WORKER_STR]; // the folder --model names (a Hub id resolved to the cache)
     int max_model_len;
