@@ -8,7 +8,7 @@
 //   ident [ident_len] bytes                 the source description
 //   struct file_entry [n_entries]           type, shape, span offsets/sizes
 //   uint64 chunk_sum [n_chunks]             checksum of each 1 MiB data chunk
-//   zero padding up to data_off (4 KiB aligned)
+//   zero padding up to data_off (2 MiB aligned)
 //   data: spans, each at a 4 KiB-aligned offset, zero gaps, to file_size
 //
 // header.meta_sum covers bytes [sizeof header, data_off) and header.header_sum
@@ -39,6 +39,7 @@
 #define WC_BYTE_ORDER 0x01020304u
 #define WC_ALIGN 4096u
 #define WC_CHUNK ((size_t)1 << 20)
+#define WC_STAGE ((size_t)2 << 20) // write unit and data_off alignment: one PMD
 #define WC_SUFFIX ".tdmpack"
 
 struct file_header {
@@ -369,10 +370,11 @@ int tdm_wcache_open(struct tdm_wcache **out, const struct tdm_wcache_id *id, int
     }
     close(fd);
     fd = -1;
-    // Read ahead the whole file (a start with the file on disk only), and ask
-    // for huge mappings where the page cache holds large folios.
-    (void)madvise(c->map, c->file_size, MADV_WILLNEED);
 #ifdef MADV_HUGEPAGE
+    // Huge mappings of the page cache's 2 MiB folios, and (for a file read
+    // back from disk) PMD-sized readahead on the verification's faults.
+    // MADV_WILLNEED is not used: its readahead ignores the mapping's huge
+    // hint and fills the page cache with small folios.
     (void)madvise(c->map, c->file_size, MADV_HUGEPAGE);
 #endif
     const uint8_t *base = c->map;
@@ -522,8 +524,7 @@ int tdm_wcache_write(const struct tdm_wcache_id *id, const struct tdm_wcache_ent
     static atomic_uint seq;
     struct file_entry *fe = NULL;
     uint64_t *sums = NULL;
-    uint8_t *meta = NULL;
-    void *map = NULL;
+    uint8_t *meta = NULL, *stage = NULL;
     char tmp[sizeof id->path + 64];
     struct file_header h;
     int fd = -1, rc;
@@ -563,7 +564,7 @@ int tdm_wcache_write(const struct tdm_wcache_id *id, const struct tdm_wcache_ent
     h.ident_len = (uint32_t)strlen(id->ident);
     h.n_chunks = (data_bytes + WC_CHUNK - 1) / WC_CHUNK;
     size_t meta_len = (size_t)h.ident_len + (size_t)n * sizeof *fe + (size_t)h.n_chunks * 8;
-    h.data_off = align_up(sizeof h + meta_len, WC_ALIGN);
+    h.data_off = align_up(sizeof h + meta_len, WC_STAGE);
     h.file_size = h.data_off + data_bytes;
     for (int i = 0; i < n; i++)
         for (int s = 0; s < fe[i].nspans; s++)
@@ -577,32 +578,49 @@ int tdm_wcache_write(const struct tdm_wcache_id *id, const struct tdm_wcache_ent
         tmp[0] = '\0'; // not ours to remove
         goto fail;
     }
-    // Gaps between spans stay holes (read as zeros); ftruncate sets the size.
-    if (ftruncate(fd, (off_t)h.file_size) != 0)
-        goto fail_io;
-    for (int i = 0; i < n; i++)
-        for (int s = 0; s < fe[i].nspans; s++)
-            if (pwrite_all(fd, entries[i].ptr[s], entries[i].bytes[s], fe[i].off[s]) != 0)
-                goto fail_io;
-    // Chunk sums over what the file now holds (gaps included), read back
-    // through a map of the page cache.
+    // The data region is written in WC_STAGE pieces at WC_STAGE-aligned file
+    // offsets (spans copied into a zeroed staging buffer, gaps included), so
+    // the page cache builds 2 MiB folios that a read-only map of the file gets
+    // as PMD mappings: decode then streams the weights at the speed of
+    // anonymous huge pages. Written 4 KiB-aligned span by span instead, a
+    // third of the file was mapped with 4 KiB pages and streamed at ~0.6x.
+    // The chunk checksums are taken from the staging buffer.
     sums = calloc(h.n_chunks ? h.n_chunks : 1, sizeof *sums);
-    if (sums == NULL)
+    stage = malloc(WC_STAGE);
+    if (sums == NULL || stage == NULL)
         goto fail_oom;
-    if (data_bytes > 0) {
-        map = mmap(NULL, (size_t)h.file_size, PROT_READ, MAP_SHARED, fd, 0);
-        if (map == MAP_FAILED) {
-            map = NULL;
-            goto fail_io;
+    {
+        int si = 0, ss = 0; // first span that may still overlap the piece
+        for (uint64_t p0 = 0; p0 < data_bytes; p0 += WC_STAGE) {
+            uint64_t p1 = data_bytes - p0 < WC_STAGE ? data_bytes : p0 + WC_STAGE;
+            memset(stage, 0, (size_t)(p1 - p0));
+            for (int i = si, s0 = ss; i < n; i++, s0 = 0) {
+                bool past = false;
+                for (int sp = s0; sp < fe[i].nspans; sp++) {
+                    uint64_t a = fe[i].off[sp] - h.data_off, b = a + fe[i].bytes[sp];
+                    if (a >= p1) {
+                        past = true;
+                        break;
+                    }
+                    if (b <= p0) { // wholly before this piece: never needed again
+                        si = i;
+                        ss = sp + 1;
+                        continue;
+                    }
+                    uint64_t lo = a > p0 ? a : p0, hi = b < p1 ? b : p1;
+                    memcpy(stage + (lo - p0), (const uint8_t *)entries[i].ptr[sp] + (lo - a),
+                           (size_t)(hi - lo));
+                }
+                if (past)
+                    break;
+            }
+            for (uint64_t c0 = p0; c0 < p1; c0 += WC_CHUNK) {
+                size_t len = p1 - c0 < WC_CHUNK ? (size_t)(p1 - c0) : WC_CHUNK;
+                sums[c0 / WC_CHUNK] = wc_sum(stage + (c0 - p0), len);
+            }
+            if (pwrite_all(fd, stage, (size_t)(p1 - p0), h.data_off + p0) != 0)
+                goto fail_io;
         }
-        const uint8_t *data = (const uint8_t *)map + h.data_off;
-        for (uint64_t c = 0; c < h.n_chunks; c++) {
-            size_t off = (size_t)c * WC_CHUNK;
-            size_t len = data_bytes - off < WC_CHUNK ? (size_t)(data_bytes - off) : WC_CHUNK;
-            sums[c] = wc_sum(data + off, len);
-        }
-        munmap(map, (size_t)h.file_size);
-        map = NULL;
     }
     meta = calloc(1, (size_t)(h.data_off - sizeof h));
     if (meta == NULL)
@@ -625,6 +643,7 @@ int tdm_wcache_write(const struct tdm_wcache_id *id, const struct tdm_wcache_ent
     free(fe);
     free(sums);
     free(meta);
+    free(stage);
     prune(id);
     return TDM_OK;
 
@@ -634,8 +653,7 @@ fail_io:
 fail_oom:
     rc = tdm_seterr(err, errlen, TDM_ENOMEM, "weight cache: out of memory");
 fail:
-    if (map != NULL)
-        munmap(map, (size_t)h.file_size);
+    free(stage);
     if (fd >= 0)
         close(fd);
     if (tmp[0] != '\0')
