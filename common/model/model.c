@@ -607,8 +607,13 @@ static void *wcache_writer_main(void *arg)
 // *id): now, or on m->writer when opts.weight_cache_background.
 static void wcache_finish(struct tdm_model *m, struct tdm_wcache_id **id)
 {
-    if (*id == NULL || m->wcache != NULL)
+    if (*id == NULL)
         return;
+    if (m->wcache != NULL) { // a hit: nothing to write
+        free(*id);
+        *id = NULL;
+        return;
+    }
     struct wcache_job *j = calloc(1, sizeof *j);
     struct tdm_wcache_entry *entries = calloc((size_t)m->n_prepared + 1, sizeof *entries);
     if (j == NULL || entries == NULL) {
