@@ -294,6 +294,9 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     mo.max_batch_tokens = cfg->max_num_batched_tokens;
     mo.max_batch_seqs = cfg->max_num_seqs;
     mo.enforce_eager = cfg->enforce_eager;
+    mo.weight_cache_dir =
+        !cfg->weight_cache ? NULL : cfg->weight_cache_dir[0] ? cfg->weight_cache_dir : "auto";
+    mo.weight_cache_background = true; // /health 200 does not wait for the entry
     int rc = tdm_model_opts_set_device(&mo, cfg->device, err, errlen);
     if (rc == TDM_OK)
         rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);
@@ -301,6 +304,9 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
         pthread_join(th, NULL);
     if (rc != TDM_OK)
         return rc;
+    const struct tdm_model_load_info *li = tdm_model_load_info(s->model);
+    TDM_LOG_INFO("worker", "model loaded load_s=%.3f checkpoint_bytes=%zu weight_cache=%s",
+                 li->seconds, li->checkpoint_bytes, tdm_weight_cache_use_name(li->weight_cache));
     if (tl.rc != TDM_OK)
         return tdm_seterr(err, errlen, tl.rc, "%s", tl.err);
     const struct tdm_model_config *mc = tdm_model_config(s->model);
@@ -341,6 +347,19 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
         if (rc != TDM_OK)
             return rc;
     }
+    // The prefill backlog in tokens (the prefill role's autoscaling signal,
+    // docs/kubernetes.md), with the vLLM set's constant labels.
+    const struct tdm_metrics_label pl[2] = {{"model_name", s->text.served_name},
+                                            {"engine", "0"}};
+    const struct tdm_metrics_opts po = {
+        .name = "tandem:num_prompt_tokens_waiting",
+        .help = "Prompt tokens not yet prefilled, of the waiting and running requests.",
+        .const_labels = pl,
+        .n_const_labels = 2,
+    };
+    rc = tdm_metrics_gauge_register(&s->prompt_tokens_waiting, s->reg, &po, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
 
     // Structured outputs: the vocabulary's token trie, once per tokenizer
     // (~70 ms for Qwen2's 151 665 tokens). Without it the server still serves,
@@ -363,6 +382,7 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     ec.max_model_len = s->max_model_len;
     ec.max_waiting = cfg->max_waiting;
     ec.metrics = &s->metrics;
+    ec.prompt_tokens_waiting = s->prompt_tokens_waiting;
     // KV events for the router's exact prefix index (read by the P/D receiver's
     // load reports); with prefix caching off there are no cached blocks to report.
     ec.kv_event_capacity = cfg->enable_prefix_caching ? 8192 : 0;

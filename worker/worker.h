@@ -56,6 +56,9 @@ struct tdm_worker_config {
     double gpu_memory_utilization;          // --gpu-memory-utilization; default 0.9 (device only)
     bool enforce_eager;                     // --enforce-eager: no CUDA graphs
     bool int8;                              // --dtype int8 (default bf16)
+    bool weight_cache;                      // --[no-]weight-cache; default on
+    char weight_cache_dir[TDM_WORKER_STR];  // --weight-cache-dir; "" = $TANDEM_CACHE/packed,
+                                            // else ~/.cache/tandem/packed
     char chat_template[TDM_WORKER_STR];     // --chat-template FILE; "" = tokenizer's
     bool enable_auto_tool_choice;           // --enable-auto-tool-choice (vLLM's)
     char tool_call_parser[64];              // --tool-call-parser hermes|llama3_json; "" = none

@@ -29,6 +29,7 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->gpu_memory_utilization = 0.9;
     cfg->enable_prefix_caching = true;
     cfg->kv_cache_dtype = TDM_KV_BF16; // auto
+    cfg->weight_cache = true;
     cfg->max_waiting = 1024;
     cfg->drain_timeout = 30.0;
     snprintf(cfg->log_level, sizeof cfg->log_level, "info");
@@ -232,6 +233,17 @@ static const struct tdm_flag decode_flags[] = {
      .metavar = "cpu|cuda|cuda:N",
      .help = "where the model computes (default cuda when built\nwith CUDA and a GPU is visible, "
              "else cpu; the CUDA\nbackend is verified on an emulator only so far)"},
+    {.name = "weight-cache",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(weight_cache),
+     .help = "map the packed weights from the cache folder when an\nentry for this checkpoint "
+             "exists, else write one\n(CPU, checkpoints >= 64 MiB; default on)"},
+    {.name = "no-weight-cache",
+     .kind = TDM_FLAG_NOT,
+     .offset = OFF(weight_cache),
+     .help = "pack the checkpoint at every start, write no cache"},
+    STR("weight-cache-dir", weight_cache_dir, "DIR",
+        "packed-weight cache folder (default $TANDEM_CACHE/packed,\nelse ~/.cache/tandem/packed)"),
     {.name = "enforce-eager",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(enforce_eager),

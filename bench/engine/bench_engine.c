@@ -74,6 +74,7 @@ struct result {
     struct tdm_kv_config kc; // the model's KV geometry (block_size 16)
     const char *long_skip;   // why the long-context figures were not measured (NULL: measured)
     char device[32]; // the backend the model ran on (tdm_model_opts.backend)
+    struct tdm_model_load_info load; // load time, checkpoint bytes, weight cache use
 };
 
 static void die(const char *what, const char *err)
@@ -252,7 +253,7 @@ static double prefill_flops(const struct tdm_model_config *c, int n)
 
 static void run_mode(const char *dir, const struct tdm_model_opts *device,
                      enum tdm_weight_mode mode, int threads, int steps, const struct plan *pl,
-                     struct result *r)
+                     bool weight_cache, struct result *r)
 {
     int max_batch = 1, max_prefill = PREFILL;
     for (int i = 0; i < pl->n_batches; i++)
@@ -270,8 +271,10 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
     o.num_threads = threads;
     o.max_batch_tokens = max_prefill;
     o.max_batch_seqs = max_batch < 32 ? 32 : max_batch;
+    o.weight_cache_dir = weight_cache ? "auto" : NULL;
     if (tdm_model_load(&m, dir, &o, err, sizeof err) != TDM_OK)
         die("load", err);
+    r->load = *tdm_model_load_info(m);
     snprintf(r->device, sizeof r->device, "%s", o.backend != NULL ? o.backend : "cpu");
     const struct tdm_model_config *c = tdm_model_config(m);
     struct tdm_kv_config kc;
@@ -405,6 +408,7 @@ struct bench_args {
     const char *json; // --json FILE
     const char *device; // --device cpu|cuda|cuda:N; NULL = auto
     bool enforce_eager; // --enforce-eager
+    bool weight_cache;  // --[no-]weight-cache (default on)
     int threads, steps;
     bool bf16_only;
     struct plan pl; // --batches, --prefill
@@ -520,12 +524,17 @@ static const struct tdm_flag bench_flags[] = {
      .kind = TDM_FLAG_BOOL,
      .offset = offsetof(struct bench_args, enforce_eager),
      .help = "no CUDA graphs for decode steps"},
+    {.name = "no-weight-cache",
+     .kind = TDM_FLAG_NOT,
+     .offset = offsetof(struct bench_args, weight_cache),
+     .help = "pack the checkpoint at every load (default: the packed-weight cache,\n"
+             "$TANDEM_CACHE/packed or ~/.cache/tandem/packed)"},
 };
 static const struct tdm_flags bench_table = {
     .usage = "usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only] "
              "[--batches LIST] [--prefill LIST] [--json FILE] [--device cpu|cuda|cuda:N]\n"
              "       [--enforce-eager] [--kv-cache-dtype auto|bf16|f32] [--long-context N] "
-             "[--long-batches LIST] [--kv-cache-memory BYTES]\n",
+             "[--long-batches LIST] [--kv-cache-memory BYTES] [--no-weight-cache]\n",
     .flags = bench_flags,
     .n = sizeof bench_flags / sizeof bench_flags[0],
 };
@@ -535,6 +544,7 @@ int main(int argc, char **argv)
     struct bench_args a = {
         .threads = 2,
         .steps = 8,
+        .weight_cache = true,
         .pl = {.batches = {1, 8, 32},
                .n_batches = 3,
                .prefill = {PREFILL},
@@ -590,7 +600,7 @@ int main(int argc, char **argv)
     int nmodes = bf16_only ? 1 : 2;
     for (int mode = 0; mode < nmodes; mode++)
         run_mode(dir, &dev_opts, mode == 0 ? TDM_WEIGHTS_BF16 : TDM_WEIGHTS_INT8, threads, steps,
-                 &pl, &res[mode]);
+                 &pl, a.weight_cache, &res[mode]);
     double bw2 = tdm_cpu_probe_read_bw((size_t)1 << 30, threads, 3);
     double fma2 = tdm_cpu_probe_fma_peak(threads);
     double bf16_peak2 = tdm_cpu_probe_bf16_peak(threads);
@@ -631,6 +641,17 @@ int main(int argc, char **argv)
                        pl.prefill[i] / r->prefill_s[i],
                        r->prefill_flops[i] / r->prefill_s[i] / fma);
         }
+    }
+    // Load time against one read of the checkpoint at the probed bandwidth:
+    // packing costs several reads, a weight-cache hit about one (verification).
+    for (int mode = 0; mode < nmodes; mode++) {
+        const struct tdm_model_load_info *li = &res[mode].load;
+        double read_s = (double)li->checkpoint_bytes / bw;
+        printf("%-5s load %.3f s (weight cache %s%s), checkpoint %.0f MB read once %.3f s: "
+               "load/read %.1f\n",
+               names[mode], li->seconds, tdm_weight_cache_use_name(li->weight_cache),
+               li->cache_write_seconds > 0 ? ", entry written" : "", li->checkpoint_bytes / 1e6,
+               read_s, li->seconds / read_s);
     }
     if (pl.long_ctx > 0 && res[0].long_skip != NULL) {
         printf("\ndecode at %d tokens of context: not measured (%s)\n", pl.long_ctx,

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
 #include <time.h>
 
 _Atomic int tdm_log_level = TDM_LOG_LEVEL_INFO;
@@ -245,6 +246,38 @@ int tdm_read_file(const char *path, char **out, size_t *len, char *err, size_t e
     *out = buf;
     if (len)
         *len = n;
+    return TDM_OK;
+}
+
+int tdm_mkdir_p(const char *path, bool parent_only, char *err, size_t errlen)
+{
+    char *p = strdup(path);
+    if (!p)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    if (parent_only) {
+        char *slash = strrchr(p, '/');
+        if (!slash) {
+            free(p);
+            return TDM_OK;
+        }
+        *slash = '\0';
+    }
+    for (char *q = p + 1;; q++) {
+        if (*q == '/' || *q == '\0') {
+            char c = *q;
+            *q = '\0';
+            if (mkdir(p, 0755) != 0 && errno != EEXIST) {
+                int e = errno;
+                int rc = tdm_seterr(err, errlen, TDM_EIO, "mkdir %s: %s", p, strerror(e));
+                free(p);
+                return rc;
+            }
+            *q = c;
+            if (c == '\0')
+                break;
+        }
+    }
+    free(p);
     return TDM_OK;
 }
 

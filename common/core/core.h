@@ -227,6 +227,9 @@ int tdm_parse_bytes(const char *text, size_t *out);
 
 // Joins dir and name with one '/' into a heap string (caller frees); NULL on ENOMEM.
 char *tdm_path_join(const char *dir, const char *name);
+// mkdir -p (mode 0755) of the folder part of path (everything before the last
+// '/') when parent_only, else of path itself. TDM_OK, TDM_EIO or TDM_ENOMEM.
+int tdm_mkdir_p(const char *path, bool parent_only, char *err, size_t errlen);
 
 // ---- JSON nesting -------------------------------------------------------------------
 // The deepest array/object nesting accepted in any JSON text (request bodies,

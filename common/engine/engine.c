@@ -505,6 +505,31 @@ static void release_held(struct tdm_engine *e, struct tdm_engine_request *r)
 }
 
 // ---- stats and gauges -------------------------------------------------------------------
+// Tokens r still has to prefill: the prompt (or, after a preemption, the
+// prompt and generated tokens) beyond its committed KV; a decoding request's
+// one new token per step is not prefill work.
+static int64_t prefill_left(const struct tdm_engine_request *r)
+{
+    if (r->kind == TDM_ENGINE_REQ_IMPORT_KV && !r->imported)
+        return 0; // its prompt's KV comes from a prefill worker
+    int left = r->n_tokens - r->computed - (r->n_gen > 0 ? 1 : 0);
+    return left > 0 ? left : 0;
+}
+
+// Walks the inbox (guarded by mu), the waiting queue and the running set
+// (engine thread): called with mu held, on the engine thread or before it starts.
+static int64_t prompt_tokens_waiting(const struct tdm_engine *e)
+{
+    int64_t n = 0;
+    for (const struct tdm_engine_request *r = e->inbox_head; r; r = r->inbox_next)
+        n += prefill_left(r);
+    for (const struct tdm_engine_request *r = e->wait_head; r; r = r->next)
+        n += prefill_left(r);
+    for (int i = 0; i < e->num_running; i++)
+        n += prefill_left(e->running[i]);
+    return n;
+}
+
 static void publish_stats(struct tdm_engine *e)
 {
     // Called with e->mu held.
@@ -513,6 +538,7 @@ static void publish_stats(struct tdm_engine *e)
     s->num_waiting = e->num_queued;
     s->num_held = e->num_held;
     s->num_importing = e->num_importing;
+    s->num_prompt_tokens_waiting = prompt_tokens_waiting(e);
     s->kv_usage = tdm_kv_usage(e->kv);
     s->num_free_blocks = tdm_kv_num_free_blocks(e->kv);
     s->num_total_blocks = e->cfg.num_blocks;
@@ -531,6 +557,8 @@ static void publish_stats(struct tdm_engine *e)
         tdm_metrics_gauge_set(e->m->num_requests_waiting, s->num_waiting);
         tdm_metrics_gauge_set(e->m->kv_cache_usage_perc, s->kv_usage);
     }
+    if (e->cfg.prompt_tokens_waiting)
+        tdm_metrics_gauge_set(e->cfg.prompt_tokens_waiting, (double)s->num_prompt_tokens_waiting);
     if (e->num_active == 0)
         pthread_cond_broadcast(&e->idle_cv);
 }

@@ -53,6 +53,9 @@ struct tdm_engine_config {
     int max_waiting;                  // bounded waiting queue: submit returns TDM_EBUSY when this
                                       // many requests wait; default 1024
     struct tdm_metrics_vllm *metrics; // vLLM metric handles to update; NULL = none
+    // tandem:num_prompt_tokens_waiting (stats.num_prompt_tokens_waiting) to
+    // update; NULL = none
+    struct tdm_metrics_gauge *prompt_tokens_waiting;
     int kv_event_capacity;            // > 0: record KV events (tdm_engine_take_kv_events) in
                                       // buffers of this many events; default 0 = off
     // Structured outputs: the tokenizer's token trie (tdm_grammar_vocab_from_tokenizer),
@@ -333,6 +336,10 @@ struct tdm_engine_stats {
     int num_waiting;     // submitted or preempted, not running
     int num_held;        // PREFILL_ONLY requests holding KV for export
     int num_importing;   // IMPORT_KV requests with reserved blocks, waiting for import_done
+    // Prefill backlog: prompt tokens (and tokens a preempted request must
+    // recompute) not yet computed, of the submitted, waiting and running
+    // requests; IMPORT_KV requests (their KV comes from a prefill worker) excluded.
+    int64_t num_prompt_tokens_waiting;
     float kv_usage;      // referenced blocks / total blocks, [0, 1]
     int num_free_blocks; // free + evictable (prefix-cached, unreferenced)
     int num_total_blocks;

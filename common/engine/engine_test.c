@@ -714,6 +714,58 @@ static void test_drain(void **state)
     tdm_engine_request_release(busy);
 }
 
+// tandem:num_prompt_tokens_waiting: with one running slot busy decoding, the
+// prompts of the requests queued behind it are the prefill backlog; it drops
+// to 0 once they are done.
+static void test_prompt_tokens_waiting(void **state)
+{
+    (void)state;
+    struct tdm_metrics_registry *reg = NULL;
+    struct tdm_metrics_gauge *g = NULL;
+    char err[256];
+    assert_int_equal(tdm_metrics_registry_new(&reg, NULL, 0, err, sizeof err), TDM_OK);
+    const struct tdm_metrics_opts o = {.name = "tandem:num_prompt_tokens_waiting", .help = "x"};
+    assert_int_equal(tdm_metrics_gauge_register(&g, reg, &o, err, sizeof err), TDM_OK);
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    tdm_engine_config_default(&c);
+    c.num_blocks = 300;
+    c.max_num_seqs = 1;
+    c.prompt_tokens_waiting = g;
+    assert_int_equal(tdm_engine_new(&e, model, &c, err, sizeof err), TDM_OK);
+    int32_t prompt[37], got[4100];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, 37, 5);
+    // r1 decodes up to the context (seconds): long enough to observe the queue
+    // behind it even on a loaded machine; it is aborted below.
+    struct tdm_engine_request *r1 = submit(e, prompt, 37, &sp, 4000);
+    struct collected c1 = {0};
+    collect(r1, got, 4100, &c1, 2); // r1 is decoding: its prompt is done
+    struct tdm_engine_request *r2 = submit(e, prompt, 37, &sp, 2);
+    struct tdm_engine_request *r3 = submit(e, prompt, 20, &sp, 2);
+    struct tdm_engine_stats s;
+    double end = tdm_now() + WAIT_S;
+    do {
+        tdm_engine_get_stats(e, &s);
+    } while (s.num_prompt_tokens_waiting != 57 && tdm_now() < end && !usleep(1000));
+    assert_int_equal((int)s.num_prompt_tokens_waiting, 57);
+    assert_true(tdm_metrics_gauge_value(g) == 57);
+    assert_int_equal(tdm_engine_abort(e, r1, TDM_FINISH_STOP), TDM_OK);
+    collect(r1, got, 4100, &c1, 0);
+    struct collected c2 = {0}, c3 = {0};
+    collect(r2, got, 400, &c2, 0);
+    collect(r3, got, 400, &c3, 0);
+    wait_idle_stats(e, &s);
+    assert_int_equal((int)s.num_prompt_tokens_waiting, 0);
+    assert_true(tdm_metrics_gauge_value(g) == 0);
+    tdm_engine_request_release(r1);
+    tdm_engine_request_release(r2);
+    tdm_engine_request_release(r3);
+    tdm_engine_free(e);
+    tdm_metrics_registry_free(reg);
+}
+
 static void test_metrics(void **state)
 {
     (void)state;
@@ -1387,6 +1439,7 @@ int main(void)
         cmocka_unit_test(test_queue_bound_and_bad_input),
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_metrics),
+        cmocka_unit_test(test_prompt_tokens_waiting),
         cmocka_unit_test(test_unfit),
         cmocka_unit_test(test_prefill_only_export),
         cmocka_unit_test(test_prefill_only_push_hook),

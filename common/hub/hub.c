@@ -91,40 +91,6 @@ static char *tmp_name(const char *path)
     return str_printf("%s.tmp.%ld.%u", path, (long)getpid(), atomic_fetch_add(&seq, 1));
 }
 
-// mkdir -p of the folder part of path (everything before the last '/') when
-// parent_only, else of path itself.
-static int mkdir_p(const char *path, bool parent_only, char *err, size_t errlen)
-{
-    char *p = strdup(path);
-    if (!p)
-        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
-    if (parent_only) {
-        char *slash = strrchr(p, '/');
-        if (!slash) {
-            free(p);
-            return TDM_OK;
-        }
-        *slash = '\0';
-    }
-    for (char *q = p + 1;; q++) {
-        if (*q == '/' || *q == '\0') {
-            char c = *q;
-            *q = '\0';
-            if (mkdir(p, 0755) != 0 && errno != EEXIST) {
-                int e = errno;
-                int rc = tdm_seterr(err, errlen, TDM_EIO, "mkdir %s: %s", p, strerror(e));
-                free(p);
-                return rc;
-            }
-            *q = c;
-            if (c == '\0')
-                break;
-        }
-    }
-    free(p);
-    return TDM_OK;
-}
-
 // A file name the server gave us (index shards) must stay inside the snapshot.
 static bool safe_relpath(const char *f)
 {
@@ -391,7 +357,7 @@ static bool read_ref(struct repo *r)
 
 static int write_file_atomic(const char *path, const char *content, char *err, size_t errlen)
 {
-    int rc = mkdir_p(path, true, err, errlen);
+    int rc = tdm_mkdir_p(path, true, err, errlen);
     if (rc != TDM_OK)
         return rc;
     char *tmp = tmp_name(path);
@@ -528,7 +494,7 @@ static int link_pointer(const struct repo *r, const char *file, const char *etag
         strcat(target, "../");
     strcat(target, "blobs/");
     strcat(target, etag);
-    rc = mkdir_p(ptr, true, err, errlen);
+    rc = tdm_mkdir_p(ptr, true, err, errlen);
     if (rc != TDM_OK)
         goto out;
     tmp = tmp_name(ptr);
@@ -565,8 +531,8 @@ static int fetch_blob(struct repo *r, const char *file, const char *url,
     }
     if (file_exists(blob))
         goto out;
-    if ((rc = mkdir_p(blob, true, err, errlen)) != TDM_OK ||
-        (rc = mkdir_p(lock, true, err, errlen)) != TDM_OK)
+    if ((rc = tdm_mkdir_p(blob, true, err, errlen)) != TDM_OK ||
+        (rc = tdm_mkdir_p(lock, true, err, errlen)) != TDM_OK)
         goto out;
     lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (lock_fd < 0 || flock(lock_fd, LOCK_EX) != 0) {

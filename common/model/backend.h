@@ -32,6 +32,9 @@ struct tdm_weight {
     void *data;      // backend-owned
     float *scales;   // Q8 only: [rows]
     size_t nbytes;   // bytes a full read of this weight touches
+    // data and scales point into memory the backend does not own (a mapped
+    // packed-weight cache file, adopt_weight): release_weight frees nothing.
+    bool borrowed;
 };
 
 // One source piece of a weight as stored in the checkpoint: `rows` rows of `cols`.
@@ -71,6 +74,22 @@ struct tdm_backend_ops {
                           const struct tdm_weight_src *parts, int nparts, int cols,
                           enum tdm_wtype want, char *err, size_t errlen);
     void (*release_weight)(struct tdm_backend *be, struct tdm_weight *w);
+    // Optional (0 / NULL: prepared weights are not cached): the packed-weight
+    // cache (weight_cache.h) stores prepared weights as raw bytes and maps them
+    // back on the next start. layout_version names the prepared layout: any
+    // change to what prepare_weight writes must bump it (old files then miss).
+    uint32_t layout_version;
+    // The memory a prepared w consists of, in order (CPU: the packed data,
+    // then the Q8 row scales): writes up to 2 spans, returns how many.
+    int (*weight_spans)(const struct tdm_weight *w, const void *ptr[2], size_t bytes[2]);
+    // Makes w a weight of (type, rows, cols) over spans laid out as
+    // weight_spans gives them, without copying: the memory stays the
+    // caller's and must outlive w (w->borrowed). TDM_EINVAL when the span
+    // count or a size is not what (type, rows, cols) needs, or a span is not
+    // 64-byte aligned.
+    int (*adopt_weight)(struct tdm_backend *be, struct tdm_weight *w, enum tdm_wtype type,
+                        int rows, int cols, const void *const ptr[2], const size_t bytes[2],
+                        int nspans, char *err, size_t errlen);
     // Activation memory (aligned to 64 bytes); free with release.
     void *(*alloc)(struct tdm_backend *be, size_t bytes);
     void (*release)(struct tdm_backend *be, void *p);

@@ -23,15 +23,19 @@
 // backend's batch-invariance contract), so a sequence gets bitwise the same
 // logits whatever else shares the step.
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "backend.h"
 #include "core.h"
 #include "model.h"
+#include "weight_cache.h"
 
 // ---- structs --------------------------------------------------------------------------
 
@@ -78,6 +82,21 @@ struct tdm_model {
                                 // which writes the caller's logits directly
     struct tdm_attn_seq *aseqs; // [max_batch_seqs]
     int pad_table[1];           // block table of a graph bucket's padding rows (block 0, read only)
+
+    // Packed-weight cache (weight_cache.h). wcache: the mapped entry the
+    // weights were adopted from (kept until they are released), NULL when
+    // they were prepared here. During a load: wcache_next is the next entry to
+    // adopt; prepared lists the weights prepared, in load order, when an
+    // entry is to be written (freed at the end of the load); wcache_bad is set
+    // when an entry does not fit this model (the load is redone without it).
+    struct tdm_wcache *wcache;
+    int wcache_next;
+    struct tdm_weight **prepared; // [n_prepared], not owned
+    int n_prepared, cap_prepared;
+    bool wcache_bad;
+    pthread_t writer;    // writes the entry after a background-writing load
+    bool writer_running; // writer started, not yet joined
+    struct tdm_model_load_info info;
 };
 
 // ---- options ---------------------------------------------------------------------------
@@ -91,6 +110,28 @@ void tdm_model_opts_default(struct tdm_model_opts *o)
     o->max_batch_seqs = 64;
     o->backend = "cpu";
     o->device = 0;
+    o->weight_cache_min_bytes = (size_t)64 << 20;
+}
+
+const struct tdm_model_load_info *tdm_model_load_info(const struct tdm_model *m)
+{
+    return &m->info;
+}
+
+const char *tdm_weight_cache_use_name(enum tdm_weight_cache_use u)
+{
+    switch (u) {
+    case TDM_WCACHE_HIT:
+        return "hit";
+    case TDM_WCACHE_MISS:
+        return "miss";
+    case TDM_WCACHE_REBUILT:
+        return "rebuilt";
+    case TDM_WCACHE_FAILED:
+        return "failed";
+    default:
+        return "off";
+    }
 }
 
 int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err, size_t errlen)
@@ -274,12 +315,33 @@ static void drop_source_pages(const void *data, size_t nbytes)
         (void)madvise((void *)start, end - start, MADV_DONTNEED);
 }
 
-// Prepares one weight from nparts tensors named names[i], each [rows[i]][cols].
+// Adopts the next entry of m->wcache as w, which must be a weight of (want,
+// rows, cols); sets m->wcache_bad and returns TDM_EPROTO when it is not.
+static int adopt_weight(struct tdm_model *m, struct tdm_weight *w, enum tdm_wtype want, int rows,
+                        int cols, char *err, size_t errlen)
+{
+    const struct tdm_wcache_entry *e = tdm_wcache_get(m->wcache, m->wcache_next++);
+    if (e == NULL || e->type != want || e->rows != rows || e->cols != cols) {
+        m->wcache_bad = true;
+        return tdm_seterr(err, errlen, TDM_EPROTO,
+                          "weight cache: entry %d is not a %d x %d weight of type %d",
+                          m->wcache_next - 1, rows, cols, (int)want);
+    }
+    int rc = m->ops->adopt_weight(m->be, w, e->type, e->rows, e->cols, e->ptr, e->bytes, e->nspans,
+                                  err, errlen);
+    if (rc != TDM_OK)
+        m->wcache_bad = true;
+    return rc == TDM_OK ? TDM_OK : TDM_EPROTO;
+}
+
+// Prepares one weight from nparts tensors named names[i], each [rows[i]][cols]
+// (or adopts it from the packed-weight cache entry being loaded).
 static int load_weight(struct tdm_model *m, const struct tdm_safetensors *st, struct tdm_weight *w,
                        const char *const *names, const int *rows, int nparts, int cols,
                        enum tdm_wtype want, char *err, size_t errlen)
 {
     struct tdm_weight_src parts[3];
+    int total_rows = 0;
     for (int i = 0; i < nparts; i++) {
         const struct tdm_tensor *t;
         int rc = get_tensor(st, names[i], rows[i], cols, &t, err, errlen);
@@ -288,13 +350,18 @@ static int load_weight(struct tdm_model *m, const struct tdm_safetensors *st, st
         parts[i].data = t->data;
         parts[i].dtype = t->dtype;
         parts[i].rows = rows[i];
+        total_rows += rows[i];
     }
+    if (m->wcache != NULL)
+        return adopt_weight(m, w, want, total_rows, cols, err, errlen);
     int rc = m->ops->prepare_weight(m->be, w, parts, nparts, cols, want, err, errlen);
     if (rc != TDM_OK)
         return rc;
     for (int i = 0; i < nparts; i++)
         drop_source_pages(parts[i].data,
                           (size_t)parts[i].rows * (size_t)cols * tdm_dtype_size(parts[i].dtype));
+    if (m->cap_prepared > m->n_prepared)
+        m->prepared[m->n_prepared++] = w;
     return TDM_OK;
 }
 
@@ -341,6 +408,8 @@ void tdm_model_free(struct tdm_model *m)
 {
     if (m == NULL)
         return;
+    if (m->writer_running) // it reads the weights released below
+        pthread_join(m->writer, NULL);
     if (m->be != NULL) {
         if (m->layers != NULL) {
             for (int l = 0; l < m->cfg.num_hidden_layers; l++) {
@@ -371,6 +440,8 @@ void tdm_model_free(struct tdm_model *m)
         release_buf(m, m->logits_be);
         m->ops->destroy(m->be);
     }
+    tdm_wcache_free(m->wcache); // after the weights adopted from it
+    free(m->prepared);
     free(m->layers);
     free(m->pos);
     free(m->ids);
@@ -441,9 +512,146 @@ static int load_layer(struct tdm_model *m, const struct tdm_safetensors *st, int
     return TDM_OK;
 }
 
-int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_model_opts *opts,
-                   char *err, size_t errlen)
+// Sets up the packed-weight cache for this load: *id filled (heap, caller
+// frees) when an entry is to be used or written; then, when use_entry, maps
+// and verifies it (m->wcache on a hit). Problems with the cache only turn it
+// off or mark the entry for rebuilding: they never fail the load.
+static void wcache_begin(struct tdm_model *m, const char *dir, bool use_entry,
+                         struct tdm_wcache_id **id)
 {
+    char folder[2048], e[512];
+    *id = NULL;
+    m->info.weight_cache = TDM_WCACHE_OFF;
+    if (m->opts.weight_cache_dir == NULL || m->ops->layout_version == 0 ||
+        m->ops->adopt_weight == NULL || m->ops->weight_spans == NULL ||
+        m->info.checkpoint_bytes < m->opts.weight_cache_min_bytes)
+        return;
+    const char *want = strcmp(m->opts.weight_cache_dir, "auto") == 0 ? NULL
+                                                                     : m->opts.weight_cache_dir;
+    if (tdm_wcache_folder(want, folder, sizeof folder) != TDM_OK)
+        return;
+    struct tdm_wcache_id *wid = malloc(sizeof *wid);
+    if (wid == NULL)
+        return;
+    const char *mode = m->opts.weights == TDM_WEIGHTS_INT8 ? "int8" : "bf16";
+    if (tdm_wcache_id_init(wid, folder, dir, m->ops->name, m->ops->layout_version, mode, e,
+                           sizeof e) != TDM_OK) {
+        TDM_LOG_WARN("model", "weight cache off for this load: %s", e);
+        free(wid);
+        return;
+    }
+    // Room to record every weight prepared: 4 per layer, the embedding, the head.
+    m->cap_prepared = 4 * m->cfg.num_hidden_layers + 2;
+    m->prepared = calloc((size_t)m->cap_prepared, sizeof *m->prepared);
+    if (m->prepared == NULL) {
+        m->cap_prepared = 0;
+        free(wid);
+        return;
+    }
+    *id = wid;
+    m->info.weight_cache = TDM_WCACHE_MISS;
+    if (!use_entry) {
+        m->info.weight_cache = TDM_WCACHE_REBUILT;
+        return;
+    }
+    int rc = tdm_wcache_open(&m->wcache, wid, m->opts.num_threads, e, sizeof e);
+    if (rc == TDM_OK) {
+        m->info.weight_cache = TDM_WCACHE_HIT;
+        TDM_LOG_INFO("model", "weight cache hit: %s (%zu bytes)", wid->path,
+                     tdm_wcache_file_bytes(m->wcache));
+    } else if (rc == TDM_ENOTFOUND) {
+        TDM_LOG_INFO("model", "weight cache miss: %s will be written", wid->path);
+    } else {
+        m->info.weight_cache = TDM_WCACHE_REBUILT;
+        TDM_LOG_WARN("model", "weight cache entry ignored, rebuilding it: %s", e);
+    }
+}
+
+// Writing an entry: on the loading thread, or on a background thread that
+// tdm_model_free joins (the weights it reads are never written after load).
+struct wcache_job {
+    struct tdm_wcache_id *id;          // owned
+    struct tdm_wcache_entry *entries;  // [n] owned, pointing into the model's weights
+    int n;
+    int rc;
+    double seconds;
+};
+
+static void wcache_job_run(struct wcache_job *j)
+{
+    char e[512];
+    double t0 = tdm_now();
+    j->rc = tdm_wcache_write(j->id, j->entries, j->n, e, sizeof e);
+    j->seconds = tdm_now() - t0;
+    if (j->rc == TDM_OK)
+        TDM_LOG_INFO("model", "weight cache written: %s in %.2f s", j->id->path, j->seconds);
+    else
+        TDM_LOG_WARN("model", "weight cache not written (the model still serves): %s", e);
+}
+
+static void *wcache_writer_main(void *arg)
+{
+#ifdef __linux__
+    // Below the engine's threads: serving comes first on a busy machine.
+    (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 10);
+#endif
+    struct wcache_job *j = arg;
+    wcache_job_run(j);
+    free(j->entries);
+    free(j->id);
+    free(j);
+    return NULL;
+}
+
+// Writes the weights prepared by this load as the entry *id names (taking
+// *id): now, or on m->writer when opts.weight_cache_background.
+static void wcache_finish(struct tdm_model *m, struct tdm_wcache_id **id)
+{
+    if (*id == NULL)
+        return;
+    if (m->wcache != NULL) { // a hit: nothing to write
+        free(*id);
+        *id = NULL;
+        return;
+    }
+    struct wcache_job *j = calloc(1, sizeof *j);
+    struct tdm_wcache_entry *entries = calloc((size_t)m->n_prepared + 1, sizeof *entries);
+    if (j == NULL || entries == NULL) {
+        free(j);
+        free(entries);
+        m->info.weight_cache = TDM_WCACHE_FAILED;
+        TDM_LOG_WARN("model", "weight cache not written: out of memory");
+        return;
+    }
+    for (int i = 0; i < m->n_prepared; i++) {
+        const struct tdm_weight *w = m->prepared[i];
+        entries[i].type = w->type;
+        entries[i].rows = w->rows;
+        entries[i].cols = w->cols;
+        entries[i].nspans = m->ops->weight_spans(w, entries[i].ptr, entries[i].bytes);
+    }
+    j->id = *id;
+    j->entries = entries;
+    j->n = m->n_prepared;
+    *id = NULL;
+    if (m->opts.weight_cache_background &&
+        pthread_create(&m->writer, NULL, wcache_writer_main, j) == 0) {
+        m->writer_running = true;
+        return;
+    }
+    wcache_job_run(j);
+    m->info.cache_write_seconds = j->seconds;
+    if (j->rc != TDM_OK)
+        m->info.weight_cache = TDM_WCACHE_FAILED;
+    free(j->entries);
+    free(j->id);
+    free(j);
+}
+
+static int model_load(struct tdm_model **out, const char *dir, const struct tdm_model_opts *opts,
+                      bool use_entry, bool *entry_bad, char *err, size_t errlen)
+{
+    struct tdm_wcache_id *wid = NULL;
     struct tdm_model_opts defaults;
     struct tdm_safetensors *st = NULL;
     int rc;
@@ -504,6 +712,9 @@ int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_mod
     }
     if ((rc = tdm_st_open(&st, dir, err, errlen)) != TDM_OK)
         goto fail;
+    for (size_t i = 0; i < tdm_st_count(st); i++)
+        m->info.checkpoint_bytes += tdm_st_at(st, i)->nbytes;
+    wcache_begin(m, dir, use_entry, &wid);
 
     enum tdm_wtype want = m->opts.weights == TDM_WEIGHTS_INT8 ? TDM_W_Q8 : TDM_W_BF16;
     int hidden = c->hidden_size;
@@ -532,8 +743,18 @@ int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_mod
     }
     if ((rc = load_vec(m, st, "model.norm.weight", hidden, &m->final_norm, err, errlen)))
         goto fail;
+    if (m->wcache != NULL && m->wcache_next != tdm_wcache_count(m->wcache)) {
+        m->wcache_bad = true;
+        rc = tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %d entries, this model has %d",
+                        tdm_wcache_count(m->wcache), m->wcache_next);
+        goto fail;
+    }
     tdm_st_free(st);
     st = NULL;
+    wcache_finish(m, &wid);
+    free(m->prepared);
+    m->prepared = NULL;
+    m->n_prepared = m->cap_prepared = 0;
 
     {
         float *inv_freq = malloc((size_t)c->head_dim / 2 * sizeof *inv_freq);
@@ -577,8 +798,27 @@ int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_mod
     return TDM_OK;
 
 fail:
+    *entry_bad = m->wcache_bad;
+    free(wid);
     tdm_st_free(st);
     tdm_model_free(m);
+    return rc;
+}
+
+int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_model_opts *opts,
+                   char *err, size_t errlen)
+{
+    double t0 = tdm_now();
+    bool entry_bad = false;
+    int rc = model_load(out, dir, opts, true, &entry_bad, err, errlen);
+    if (rc != TDM_OK && entry_bad) {
+        // A verified entry that still does not fit (written by another build
+        // of the same layout version): prepare the weights and rewrite it.
+        TDM_LOG_WARN("model", "weight cache entry does not fit, rebuilding it: %s", err);
+        rc = model_load(out, dir, opts, false, &entry_bad, err, errlen);
+    }
+    if (rc == TDM_OK)
+        (*out)->info.seconds = tdm_now() - t0;
     return rc;
 }
 

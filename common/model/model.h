@@ -29,6 +29,18 @@ struct tdm_model_opts {
     const char *backend;   // "cpu" (default) or "cuda" when built with TANDEM_CUDA
     int device;            // accelerator ordinal for "cuda" (--device cuda:N); default 0
     bool enforce_eager;    // --enforce-eager: no CUDA graphs (vLLM's flag); default false
+    // Packed-weight cache (docs/cpu-backend.md "Cold start"): NULL = none (the
+    // default), "auto" = $TANDEM_CACHE/packed, else $XDG_CACHE_HOME/tandem/packed,
+    // else ~/.cache/tandem/packed ($TANDEM_CACHE=off: none), else the folder.
+    // Used only by a backend with a cacheable layout (the CPU) and for
+    // checkpoints of at least weight_cache_min_bytes (default 64 MiB).
+    const char *weight_cache_dir;
+    size_t weight_cache_min_bytes;
+    // On a miss, write the entry on a background thread (at nice 10) after
+    // tdm_model_load returns, so the first start is not delayed by it; the
+    // model can serve meanwhile and tdm_model_free waits for it. Default
+    // false: written before tdm_model_load returns.
+    bool weight_cache_background;
 };
 void tdm_model_opts_default(struct tdm_model_opts *o);
 // Sets o->backend and o->device from a --device value (vLLM's flag): "cpu",
@@ -44,6 +56,25 @@ struct tdm_model;
 int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_model_opts *opts,
                    char *err, size_t errlen);
 void tdm_model_free(struct tdm_model *m);
+
+// How a load went (the packed-weight cache, tandem-bench-engine's ratio).
+enum tdm_weight_cache_use {
+    TDM_WCACHE_OFF = 0, // not asked for, not supported by the backend, or too small
+    TDM_WCACHE_HIT,     // weights mapped from a verified entry
+    TDM_WCACHE_MISS,    // no entry: weights prepared and an entry written
+    TDM_WCACHE_REBUILT, // an entry was stale, truncated or corrupt: ignored and rewritten
+    TDM_WCACHE_FAILED,  // weights prepared; writing the entry failed (logged)
+};
+struct tdm_model_load_info {
+    double seconds;            // tdm_model_load's wall time
+    size_t checkpoint_bytes;   // tensor bytes of the checkpoint
+    enum tdm_weight_cache_use weight_cache;
+    double cache_write_seconds; // part of seconds spent writing the entry (MISS, REBUILT;
+                                // 0 when written in the background: its result is logged)
+};
+const struct tdm_model_load_info *tdm_model_load_info(const struct tdm_model *m);
+// "off", "hit", "miss", "rebuilt", "failed".
+const char *tdm_weight_cache_use_name(enum tdm_weight_cache_use u);
 const struct tdm_model_config *tdm_model_config(const struct tdm_model *m);
 const struct tdm_model_opts *tdm_model_opts(const struct tdm_model *m);
 // Bytes of weights one decode step reads (all matrices + the lm_head once).

@@ -4,7 +4,13 @@
 // the pinned kubernetes-models packages (plus a strict unknown-field check, see
 // lib.mjs), and checks what the schemas cannot see: probes on /health, llm-d
 // role labels, headless Services that select exactly their role's pods on the
-// pods' real ports, HPAs aimed at existing Deployments, the router's ConfigMap
+// pods' real ports, one autoscaler per worker role (an HPA or a KEDA
+// ScaledObject, never both) aimed at an existing Deployment, queue-metric
+// autoscaling wired end to end (every custom metric an HPA asks for is served
+// by the prometheus-adapter rules in the output, every series the rules and
+// the ScaledObjects query is one the workers export per docs/metrics.md, each
+// query selects its own role, and every PromQL expression parses under
+// promtool), the router's ConfigMap
 // mounted as a directory (no subPath, no hash suffix), graceful-termination
 // timings consistent with the drain timeout, the model volume and init step,
 // Prometheus annotations and the PodMonitor, GPU resources in the gpu overlays
@@ -16,10 +22,14 @@
 // (reported as PENDING, never allowed in the cpu overlay). Finally it mutates
 // a rendered overlay in known-bad ways and requires each check to notice.
 //
-//   node k8s_test.mjs --source-dir REPO [--kubectl kubectl]
+//   node k8s_test.mjs --source-dir REPO [--kubectl kubectl] [--promtool promtool]
 //        [--bin tandem-decode=PATH ...]
+// KEDA's ScaledObject has no kubernetes-models package: it is validated
+// against the minimal schema in schemas/ (written from KEDA's documentation)
+// with ajv, the validator kubernetes-models itself uses.
 // Exit 0 pass, 1 fail, 77 skipped (kubectl absent).
-import { existsSync, readdirSync } from 'node:fs';
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import os from 'node:os';
 import path from 'node:path';
 import { createRequire } from 'node:module';
 import YAML from 'yaml';
@@ -32,6 +42,8 @@ if (!src) throw new Error('--source-dir is required');
 const kubectl = which(args.kubectl || 'kubectl');
 if (!kubectl) skip('kubectl not found (Debian: apt-get install kubernetes-client)');
 const bins = Object.fromEntries((args.bin || []).map((b) => b.split(/=(.*)/s).slice(0, 2)));
+const promtool = which(args.promtool || 'promtool');
+const here = path.dirname(new URL(import.meta.url).pathname);
 
 // apiVersion/kind -> model module; anything else in the output is an error,
 // so no object escapes validation.
@@ -49,8 +61,21 @@ const ROLE = 'llm-d.ai/role';
 const WORKERS = ['prefill', 'decode'];
 // Role label of a pod that runs both workers (the gpu-one-pod variant), llm-d's "both".
 const BOTH = 'both';
+// KEDA ScaledObject: the vendored schema (ajv comes with kubernetes-models'
+// validator; strict: unknown fields are errors).
+const AjvMod = require('ajv');
+const Ajv = AjvMod.default || AjvMod;
+const scaledObjectSchema = JSON.parse(readFileSync(path.join(here, 'schemas', 'keda.sh-v1alpha1-ScaledObject.json'), 'utf8'));
+const validateScaledObject = new Ajv({ allErrors: true, strict: false }).compile(scaledObjectSchema);
 // Kinds no kubernetes-models package covers: checked by hand here.
 const CUSTOM = {
+    'keda.sh/v1alpha1/ScaledObject': (o, w, c) => {
+        if (validateScaledObject(o)) {
+            c.passed++;
+            return;
+        }
+        for (const e of validateScaledObject.errors) c.fail(w, `schema: ${e.instancePath || '/'} ${e.message}${e.params?.additionalProperty ? ` (${e.params.additionalProperty})` : ''}`);
+    },
     // Dynamic Resource Allocation (resource.k8s.io/v1, Kubernetes 1.34).
     'resource.k8s.io/v1/ResourceClaimTemplate': (o, w, c) => {
         const reqs = o.spec?.spec?.devices?.requests;
@@ -151,7 +176,7 @@ function preStopSleep(ct) {
 }
 
 // ---- the checks ---------------------------------------------------------------------------
-function checkRender(objs, overlay, c) {
+function checkRender(objs, overlay, c, promql = []) {
     const W = (what) => `${overlay}: ${what}`;
     const deps = all(objs, 'Deployment');
     const router = find(objs, 'Deployment', 'tandem-router');
@@ -318,8 +343,11 @@ function checkRender(objs, overlay, c) {
         }
     }
 
-    // Autoscalers: one per worker role, aimed at an existing Deployment.
+    // Autoscalers: one per worker role (an HPA, or a KEDA ScaledObject, which
+    // makes its own HPA: both on one Deployment would fight), aimed at an
+    // existing Deployment.
     const hpas = all(objs, 'HorizontalPodAutoscaler');
+    const scaledObjects = all(objs, 'ScaledObject');
     for (const h of hpas) {
         const w = W(`HorizontalPodAutoscaler/${h.metadata.name}`);
         const t = h.spec?.scaleTargetRef || {};
@@ -331,10 +359,21 @@ function checkRender(objs, overlay, c) {
             c.check(containers(target).every((ct) => ct.resources?.requests?.cpu), w, 'CPU utilisation needs cpu requests on every container');
         }
     }
+    for (const so of scaledObjects) {
+        const w = W(`ScaledObject/${so.metadata.name}`);
+        const t = so.spec?.scaleTargetRef || {};
+        c.check((t.kind ?? 'Deployment') === 'Deployment' && (t.apiVersion ?? 'apps/v1') === 'apps/v1' && find(objs, 'Deployment', t.name), w,
+            `scaleTargetRef ${t.apiVersion}/${t.kind}/${t.name} is not a Deployment in the output`);
+        c.check((so.spec?.minReplicaCount ?? 0) <= (so.spec?.maxReplicaCount ?? 100), w, 'minReplicaCount > maxReplicaCount');
+    }
     for (const role of WORKERS) {
         const target = workerOf(objs, role)?.d.metadata.name;
-        c.check(hpas.some((h) => h.spec?.scaleTargetRef?.name === target), W(`HPA for ${role}`), `missing (none scales ${target})`);
+        const byHpa = hpas.filter((h) => h.spec?.scaleTargetRef?.name === target).length;
+        const bySo = scaledObjects.filter((so) => so.spec?.scaleTargetRef?.name === target).length;
+        c.check(byHpa + bySo > 0, W(`HPA for ${role}`), `missing (no HPA or ScaledObject scales ${target})`);
+        c.check(byHpa + bySo <= 1, W(`autoscaler for ${role}`), `${byHpa} HPA(s) and ${bySo} ScaledObject(s) scale ${target}: they would fight`);
     }
+    checkQueueAutoscaling(objs, overlay, c, promql);
 
     // Router config: a ConfigMap mounted as a directory, never by subPath, with a fixed name.
     if (router) {
@@ -425,6 +464,122 @@ function checkRender(objs, overlay, c) {
 // The router's config (docs/router-config.md: endpoints.<role>.dns names,
 // http_port, nng_port) names the headless Services of the right role, in the
 // manifests' namespace, on the Services' ports.
+// ---- queue-metric autoscaling ---------------------------------------------------------------
+// The metric names the workers export (docs/metrics.md is their reference).
+const EXPORTED = new Set([...readFileSync(path.join(src, 'docs', 'metrics.md'), 'utf8')
+    .matchAll(/`((?:vllm|tandem):[a-z_]+)`/g)].map((m) => m[1].replace(/_(total|bucket|sum|count)$/, '')));
+// Which role's queue each worker metric should steer.
+const METRIC_ROLE = {
+    'vllm:num_requests_waiting': 'decode',
+    'vllm:kv_cache_usage_perc': 'decode',
+    'tandem:num_prompt_tokens_waiting': 'prefill',
+};
+const ADAPTER_RULES = 'tandem-prometheus-adapter-rules';
+// PromQL expressions of the real renders, checked with promtool at the end: [where, expr].
+const promqlToCheck = [];
+
+// Metric names a PromQL expression selects (identifiers followed by '{').
+const seriesIn = (expr) => [...expr.matchAll(/([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{/g)].map((m) => m[1]);
+
+function checkQueueAutoscaling(objs, overlay, c, promql) {
+    const W = (what) => `${overlay}: ${what}`;
+    // prometheus-adapter rules: the custom metric names they serve.
+    const served = new Map(); // custom metric name -> series
+    const cm = find(objs, 'ConfigMap', ADAPTER_RULES);
+    if (cm) {
+        const w = W(`ConfigMap/${ADAPTER_RULES}`);
+        let cfg = null;
+        try {
+            cfg = YAML.parse(cm.data?.['config.yaml'] ?? '');
+        } catch (e) {
+            c.fail(w, `config.yaml: ${e.message}`);
+        }
+        const rules = cfg?.rules;
+        if (c.check(Array.isArray(rules) && rules.length > 0, w, 'config.yaml has no rules')) {
+            for (const [i, r] of rules.entries()) {
+                const wr = `${w} rule ${i}`;
+                const known = new Set(['seriesQuery', 'seriesFilters', 'resources', 'name', 'metricsQuery']);
+                for (const k of Object.keys(r)) c.check(known.has(k), wr, `unknown field ${k}`);
+                const series = seriesIn(r.seriesQuery || '');
+                if (!c.check(series.length === 1, wr, `seriesQuery selects ${series.length} metrics, expected one`)) continue;
+                c.check(EXPORTED.has(series[0]), wr, `${series[0]} is not a metric the workers export (docs/metrics.md)`);
+                const ov = r.resources?.overrides || {};
+                c.check(ov.namespace?.resource === 'namespace' && ov.pod?.resource === 'pod', wr,
+                    'resources.overrides must map the namespace and pod labels (per-pod metrics for Pods-type HPA metrics)');
+                let re = null;
+                try {
+                    re = new RegExp(r.name?.matches ?? '');
+                } catch (e) {
+                    c.fail(wr, `name.matches: ${e.message}`);
+                }
+                c.check(re && re.test(series[0]), wr, `name.matches ${r.name?.matches} does not match ${series[0]}`);
+                const as = r.name?.as;
+                if (c.check(typeof as === 'string' && /^[a-z0-9_]+$/.test(as), wr, `name.as ${as} is not a valid custom metric name`)) served.set(as, series[0]);
+                const mq = r.metricsQuery || '';
+                c.check(['<<.Series>>', '<<.LabelMatchers>>', '<<.GroupBy>>'].every((t) => mq.includes(t)), wr,
+                    'metricsQuery must use <<.Series>>, <<.LabelMatchers>> and <<.GroupBy>>');
+                promql.push([wr, mq.replaceAll('<<.Series>>', series[0])
+                    .replaceAll('<<.LabelMatchers>>', 'namespace="tandem",pod=~"tandem-.*"').replaceAll('<<.GroupBy>>', 'pod')]);
+                promql.push([`${wr} seriesQuery`, r.seriesQuery]);
+            }
+        }
+    }
+    // HPAs on custom metrics: each metric must be served, for the right role.
+    for (const h of all(objs, 'HorizontalPodAutoscaler')) {
+        const w = W(`HorizontalPodAutoscaler/${h.metadata.name}`);
+        const role = WORKERS.find((r) => workerOf(objs, r)?.d.metadata.name === h.spec?.scaleTargetRef?.name);
+        for (const m of h.spec?.metrics || []) {
+            if (m.type === 'Resource') continue;
+            const name = m.pods?.metric?.name ?? m.object?.metric?.name ?? m.external?.metric?.name;
+            c.check(m.type === 'Pods', w, `metric ${name}: type ${m.type}, expected Pods (per-pod worker gauges)`);
+            const series = served.get(name);
+            if (!c.check(series, w, `metric ${name} is served by no prometheus-adapter rule in the output (ConfigMap ${ADAPTER_RULES})`)) continue;
+            c.check(METRIC_ROLE[series] === role, w, `metric ${name} (${series}) steers ${METRIC_ROLE[series]}, not ${role}`);
+            c.check(m.pods?.target?.type === 'AverageValue' && m.pods.target.averageValue, w, `metric ${name}: target must be an AverageValue`);
+        }
+    }
+    // KEDA Prometheus triggers: worker series of this role, in this namespace.
+    for (const so of all(objs, 'ScaledObject')) {
+        const w = W(`ScaledObject/${so.metadata.name}`);
+        const role = WORKERS.find((r) => workerOf(objs, r)?.d.metadata.name === so.spec?.scaleTargetRef?.name);
+        for (const t of so.spec?.triggers || []) {
+            if (t.type !== 'prometheus') continue;
+            const q = t.metadata?.query || '';
+            const wt = `${w} trigger ${t.name ?? t.type}`;
+            for (const sname of seriesIn(q)) {
+                c.check(EXPORTED.has(sname), wt, `${sname} is not a metric the workers export (docs/metrics.md)`);
+                c.check(METRIC_ROLE[sname] === undefined || METRIC_ROLE[sname] === role, wt, `${sname} steers ${METRIC_ROLE[sname]}, not ${role}`);
+            }
+            c.check(seriesIn(q).length > 0, wt, 'the query selects no metric with a label matcher');
+            c.check(q.includes(`role="${role}"`) && q.includes('namespace="tandem"'), wt,
+                `the query must select role="${role}" and namespace="tandem" (another role's or namespace's pods would steer this one)`);
+            c.check((t.metricType ?? 'AverageValue') === 'AverageValue' && /^\s*sum\s*\(/.test(q), wt,
+                'use sum(...) with metricType AverageValue: KEDA divides by the replicas, so the threshold is a per-pod average');
+            promql.push([wt, q]);
+        }
+    }
+}
+
+// PromQL expressions through `promtool check rules` (one recording rule each).
+function checkPromql(exprs, c) {
+    if (!exprs.length) return;
+    if (!promtool) {
+        notes.add(`PromQL of ${exprs.length} autoscaling queries not parsed: promtool not found`);
+        return;
+    }
+    const dir = mkdtempSync(path.join(os.tmpdir(), 'deploy-k8s-promql-'));
+    try {
+        for (const [where, expr] of exprs) {
+            const file = path.join(dir, 'rules.yml');
+            writeFileSync(file, YAML.stringify({ groups: [{ name: 'q', rules: [{ record: 'q', expr }] }] }));
+            const r = run(promtool, ['check', 'rules', file]);
+            c.check(r.status === 0, where, `PromQL does not parse: ${expr}\n${r.stdout}${r.stderr}`);
+        }
+    } finally {
+        rmSync(dir, { recursive: true, force: true });
+    }
+}
+
 function checkRouterConfig(text, objs, w, c) {
     let cfg;
     try {
@@ -531,9 +686,12 @@ for (const [name, dir] of targets) {
     }
     console.log(`rendered ${name}: ${rendered[name].length} objects`);
     validateSchemas(rendered[name], name, c);
-    checkRender(rendered[name], name, c);
+    checkRender(rendered[name], name, c, promqlToCheck);
     checkFlags(rendered[name], name, c);
 }
+checkPromql(promqlToCheck, c);
+c.check(['cpu-autoscale-adapter', 'cpu-autoscale-keda'].every((o) => rendered[`overlays/${o}`]), 'overlays',
+    'the queue-autoscaling overlays cpu-autoscale-adapter and cpu-autoscale-keda are expected');
 for (const b of Object.keys(bins)) console.log(`flags checked against ${b} --help`);
 
 // gpu-one-pod's router config is the base's with the prefill ports moved to
@@ -612,6 +770,25 @@ const MUTATIONS = [
         ct.env.find((e) => e.name === 'TANDEM_INTERNAL_SECRET').valueFrom.secretKeyRef.optional = true;
     }],
     ['worker NetworkPolicy open to all', 'overlays/cpu', (o) => (find(o, 'NetworkPolicy', 'tandem-workers').spec.ingress[0].from = [])],
+    ['HPA and ScaledObject on one Deployment', 'overlays/cpu-autoscale-keda', (o) => o.push(structuredClone(find(rendered['overlays/cpu'], 'HorizontalPodAutoscaler', 'tandem-decode')))],
+    ['ScaledObject aimed at a missing Deployment', 'overlays/cpu-autoscale-keda', (o) => (find(o, 'ScaledObject', 'tandem-prefill').spec.scaleTargetRef.name = 'tandem-prefil')],
+    ['ScaledObject query on another role', 'overlays/cpu-autoscale-keda', (o) => {
+        const t = find(o, 'ScaledObject', 'tandem-decode').spec.triggers[0];
+        t.metadata.query = t.metadata.query.replace('role="decode"', 'role="prefill"');
+    }],
+    ['ScaledObject query on a metric nobody exports', 'overlays/cpu-autoscale-keda', (o) => {
+        const t = find(o, 'ScaledObject', 'tandem-prefill').spec.triggers[0];
+        t.metadata.query = t.metadata.query.replace('tandem:num_prompt_tokens_waiting', 'tandem:prompt_tokens_waiting');
+    }],
+    ['ScaledObject threshold per deployment (Value)', 'overlays/cpu-autoscale-keda', (o) => (find(o, 'ScaledObject', 'tandem-decode').spec.triggers[0].metricType = 'Value')],
+    ['no autoscaler for decode', 'overlays/cpu-autoscale-keda', (o) => o.splice(o.findIndex((x) => x.kind === 'ScaledObject' && x.metadata.name === 'tandem-decode'), 1)],
+    ['HPA metric the adapter does not serve', 'overlays/cpu-autoscale-adapter', (o) => (find(o, 'HorizontalPodAutoscaler', 'tandem-decode').spec.metrics[0].pods.metric.name = 'vllm_num_requests_queued')],
+    ['adapter rules dropped', 'overlays/cpu-autoscale-adapter', (o) => o.splice(o.findIndex((x) => x.kind === 'ConfigMap' && x.metadata.name === 'tandem-prometheus-adapter-rules'), 1)],
+    ['prefill HPA on the decode queue', 'overlays/cpu-autoscale-adapter', (o) => (find(o, 'HorizontalPodAutoscaler', 'tandem-prefill').spec.metrics[0].pods.metric.name = 'vllm_num_requests_waiting')],
+    ['adapter rule without the pod mapping', 'overlays/cpu-autoscale-adapter', (o) => {
+        const cm = find(o, 'ConfigMap', 'tandem-prometheus-adapter-rules');
+        cm.data['config.yaml'] = cm.data['config.yaml'].replace('pod: {resource: pod}', 'instance: {resource: pod}');
+    }],
     ['HF token Secret not optional', 'overlays/cpu', (o) => (find(o, 'Deployment', 'tandem-decode').spec.template.spec.initContainers[0].env.find((e) => e.name === 'HF_TOKEN').valueFrom.secretKeyRef.optional = false)],
 ];
 for (const [what, overlay, mutate] of MUTATIONS) {
@@ -646,6 +823,25 @@ if (bins['tandem-decode'] && rendered['overlays/cpu']) {
         checkFlags(copy, 'overlays/cpu', probe);
         c.check(probe.errors.length === 1, `self-test "pending flag ${f} in the cpu overlay"`, `flag check reported ${probe.errors.length} errors`);
     }
+}
+// The ScaledObject schema must catch a misspelt field and a bad threshold.
+for (const [what, mutate] of [
+    ['misspelt ScaledObject field', (so) => (so.spec.maxReplicas = 8)],
+    ['non-numeric KEDA threshold', (so) => (so.spec.triggers[0].metadata.threshold = 'two')],
+    ['Prometheus trigger without a query', (so) => delete so.spec.triggers[0].metadata.query],
+]) {
+    const so = structuredClone(find(rendered['overlays/cpu-autoscale-keda'] || [], 'ScaledObject', 'tandem-decode') || null);
+    if (!so) continue;
+    mutate(so);
+    const probe = new Checker('probe');
+    CUSTOM['keda.sh/v1alpha1/ScaledObject'](so, 'probe', probe);
+    c.check(probe.errors.length > 0, `self-test "${what}"`, 'the ScaledObject schema did not notice');
+}
+// promtool must reject a broken query.
+if (promtool) {
+    const probe = new Checker('probe');
+    checkPromql([['probe', 'sum(vllm:num_requests_waiting{namespace="tandem",role="decode"}']], probe);
+    c.check(probe.errors.length === 1, 'self-test "PromQL syntax error"', `promtool check reported ${probe.errors.length} errors`);
 }
 // The strict field check must catch a misspelt field.
 {

@@ -11,6 +11,7 @@
 // scratch is sized in prepare_weight for CPU_MM_CHUNK_TOKENS tokens of the
 // widest weight, and larger batches run in chunks of that many tokens.
 #include <math.h>
+#include <stdint.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -334,6 +335,49 @@ static void prep_task(void *arg, int tid, int nthreads)
     }
 }
 
+// Bytes of w's packed data (every block allocated full: the last block is
+// laid out with its own G, but a full allocation keeps the offset arithmetic
+// trivially in bounds) and of its Q8 scales (0 for other types).
+static size_t weight_data_bytes(const struct tdm_weight *w)
+{
+    return (size_t)cpu_w_blocks(w) * cpu_w_steps(w) * CPU_BLOCK_PANELS * cpu_w_step_bytes(w->type);
+}
+
+static size_t weight_scale_bytes(const struct tdm_weight *w)
+{
+    return w->type == TDM_W_Q8 ? (size_t)cpu_w_blocks(w) * CPU_BLOCK_ROWS * sizeof(float) : 0;
+}
+
+static int check_geometry(enum tdm_wtype want, long long rows, int cols, char *err, size_t errlen)
+{
+    if (want != TDM_W_F32 && want != TDM_W_BF16 && want != TDM_W_Q8)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "prepare_weight: unknown type %d", (int)want);
+    if (rows < 1 || cols < 1 || rows > (1 << 30) || (long long)cols * rows > (1ll << 40))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "prepare_weight: %lld x %d out of range",
+                          rows, cols);
+    return TDM_OK;
+}
+
+// The activation scratch of the AVX-512 path must hold the widest weight:
+// bf16 pairs, or int8 + a scale and a sum per 32 k.
+static int grow_scratch(struct tdm_backend *be, int cols)
+{
+    size_t xs_bf16 = ((size_t)(cols + 1) / 2 + 15) / 16 * 16;
+    size_t xs_q8 =
+        ((size_t)cpu_q8_kpad(cols) / 4 + 2 * (size_t)cpu_q8_kpad(cols) / CPU_Q8_BLOCK + 15) / 16 *
+        16;
+    size_t xs = xs_bf16 > xs_q8 ? xs_bf16 : xs_q8;
+    if (xs > be->xq_stride) {
+        uint32_t *xq = alloc_aligned(CPU_MM_CHUNK_TOKENS * xs * sizeof(uint32_t));
+        if (!xq)
+            return TDM_ENOMEM;
+        free(be->xq);
+        be->xq = xq;
+        be->xq_stride = xs;
+    }
+    return TDM_OK;
+}
+
 static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
                               const struct tdm_weight_src *parts, int nparts, int cols,
                               enum tdm_wtype want, char *err, size_t errlen)
@@ -342,8 +386,6 @@ static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
     if (nparts < 1 || !parts || cols < 1)
         return tdm_seterr(err, errlen, TDM_EINVAL, "prepare_weight: nparts=%d cols=%d", nparts,
                           cols);
-    if (want != TDM_W_F32 && want != TDM_W_BF16 && want != TDM_W_Q8)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "prepare_weight: unknown type %d", (int)want);
     long long rows = 0;
     for (int i = 0; i < nparts; i++) {
         if (parts[i].rows < 1 || !parts[i].data)
@@ -355,41 +397,24 @@ static int cpu_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
                               (int)parts[i].dtype);
         rows += parts[i].rows;
     }
-    if (rows > (1 << 30) || (long long)cols * rows > (1ll << 40))
-        return tdm_seterr(err, errlen, TDM_EINVAL, "prepare_weight: %lld x %d too large", rows,
-                          cols);
+    int rc = check_geometry(want, rows, cols, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
     w->type = want;
     w->rows = (int)rows;
     w->cols = cols;
-    int nblocks = cpu_w_blocks(w);
-    // The last block is laid out with its own G but allocating it full keeps
-    // the offset arithmetic trivially in bounds.
-    size_t data_bytes =
-        (size_t)nblocks * cpu_w_steps(w) * CPU_BLOCK_PANELS * cpu_w_step_bytes(want);
+    size_t data_bytes = weight_data_bytes(w);
     w->data = alloc_aligned(data_bytes); // zeroed block by block in prep_task
     if (!w->data)
         goto fail_oom;
     if (want == TDM_W_Q8) {
-        w->scales = alloc_aligned((size_t)nblocks * CPU_BLOCK_ROWS * sizeof(float));
+        w->scales = alloc_aligned(weight_scale_bytes(w));
         if (!w->scales)
             goto fail_oom;
-        memset(w->scales, 0, (size_t)nblocks * CPU_BLOCK_ROWS * sizeof(float));
+        memset(w->scales, 0, weight_scale_bytes(w));
     }
-    // The activation scratch of the AVX-512 path must hold the widest weight:
-    // bf16 pairs, or int8 + a scale and a sum per 32 k.
-    size_t xs_bf16 = ((size_t)(cols + 1) / 2 + 15) / 16 * 16;
-    size_t xs_q8 =
-        ((size_t)cpu_q8_kpad(cols) / 4 + 2 * (size_t)cpu_q8_kpad(cols) / CPU_Q8_BLOCK + 15) / 16 *
-        16;
-    size_t xs = xs_bf16 > xs_q8 ? xs_bf16 : xs_q8;
-    if (xs > be->xq_stride) {
-        uint32_t *xq = alloc_aligned(CPU_MM_CHUNK_TOKENS * xs * sizeof(uint32_t));
-        if (!xq)
-            goto fail_oom;
-        free(be->xq);
-        be->xq = xq;
-        be->xq_stride = xs;
-    }
+    if (grow_scratch(be, cols) != TDM_OK)
+        goto fail_oom;
     struct prep_job job = {.w = w, .parts = parts, .nparts = nparts, .cols = cols, .want = want};
     cpu_pool_run(be->pool, prep_task, &job);
     w->nbytes = data_bytes + (w->scales ? (size_t)w->rows * sizeof(float) : 0);
@@ -403,13 +428,59 @@ fail_oom:
                       cols);
 }
 
+static int cpu_weight_spans(const struct tdm_weight *w, const void *ptr[2], size_t bytes[2])
+{
+    ptr[0] = w->data;
+    bytes[0] = weight_data_bytes(w);
+    if (w->type != TDM_W_Q8)
+        return 1;
+    ptr[1] = w->scales;
+    bytes[1] = weight_scale_bytes(w);
+    return 2;
+}
+
+static int cpu_adopt_weight(struct tdm_backend *be, struct tdm_weight *w, enum tdm_wtype type,
+                            int rows, int cols, const void *const ptr[2], const size_t bytes[2],
+                            int nspans, char *err, size_t errlen)
+{
+    memset(w, 0, sizeof(*w));
+    int rc = check_geometry(type, rows, cols, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    struct tdm_weight g = {.type = type, .rows = rows, .cols = cols};
+    int want_spans = type == TDM_W_Q8 ? 2 : 1;
+    size_t want_bytes[2] = {weight_data_bytes(&g), weight_scale_bytes(&g)};
+    if (nspans != want_spans)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "adopt_weight: %d spans, %d x %d wants %d",
+                          nspans, rows, cols, want_spans);
+    for (int i = 0; i < nspans; i++) {
+        if (bytes[i] != want_bytes[i])
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "adopt_weight: span %d has %zu bytes, %d x %d wants %zu", i,
+                              bytes[i], rows, cols, want_bytes[i]);
+        if (ptr[i] == NULL || (uintptr_t)ptr[i] % 64 != 0)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "adopt_weight: span %d not 64-byte aligned",
+                              i);
+    }
+    if (grow_scratch(be, cols) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "adopt_weight: out of memory for scratch");
+    *w = g;
+    w->data = (void *)ptr[0];
+    w->scales = type == TDM_W_Q8 ? (float *)ptr[1] : NULL;
+    w->nbytes = want_bytes[0] + (w->scales ? (size_t)rows * sizeof(float) : 0);
+    w->borrowed = true;
+    return TDM_OK;
+}
+
 static void cpu_release_weight(struct tdm_backend *be, struct tdm_weight *w)
 {
     (void)be;
     if (!w)
         return;
-    free(w->data);
-    free(w->scales);
+    if (!w->borrowed) {
+        free(w->data);
+        free(w->scales);
+    }
     memset(w, 0, sizeof(*w));
 }
 
@@ -937,6 +1008,9 @@ const struct tdm_backend_ops tdm_cpu_backend_ops = {
     .destroy = cpu_destroy,
     .prepare_weight = cpu_prepare_weight,
     .release_weight = cpu_release_weight,
+    .layout_version = CPU_LAYOUT_VERSION,
+    .weight_spans = cpu_weight_spans,
+    .adopt_weight = cpu_adopt_weight,
     .alloc = cpu_alloc,
     .release = cpu_release,
     .matmul = cpu_matmul,

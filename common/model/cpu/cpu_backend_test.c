@@ -280,6 +280,71 @@ static void test_prepare_errors(void **state)
     unsetenv("TANDEM_CPU_ISA");
 }
 
+// Prepared weights copied out through weight_spans and adopted back (the
+// packed-weight cache's path) give bitwise the same matmul; adopt refuses
+// spans that do not fit the shape.
+static void test_adopt_weight(void **state)
+{
+    (void)state;
+    struct tdm_backend *be = make_backend(2);
+    const int rows = 130, cols = 67, n = 3;
+    enum tdm_wtype types[3] = {TDM_W_BF16, TDM_W_Q8, TDM_W_F32};
+    float *m = malloc((size_t)rows * cols * sizeof(float));
+    uint16_t *scratch = malloc((size_t)rows * cols * sizeof(uint16_t));
+    float x[3 * 67], y0[3 * 130], y1[3 * 130];
+    assert_non_null(m);
+    assert_non_null(scratch);
+    fill(m, (size_t)rows * cols, 0.5f);
+    fill(x, (size_t)n * cols, 1.0f);
+    char err[256] = "";
+    for (int t = 0; t < 3; t++) {
+        struct tdm_weight w, a;
+        prepare(be, &w, m, rows, cols, types[t], TDM_DTYPE_BF16, scratch);
+        const void *ptr[2];
+        size_t bytes[2];
+        int nspans = ops->weight_spans(&w, ptr, bytes);
+        assert_int_equal(nspans, types[t] == TDM_W_Q8 ? 2 : 1);
+        void *copy[2] = {NULL, NULL};
+        for (int i = 0; i < nspans; i++) {
+            assert_int_equal(posix_memalign(&copy[i], 64, bytes[i]), 0);
+            memcpy(copy[i], ptr[i], bytes[i]);
+        }
+        const void *cptr[2] = {copy[0], copy[1]};
+        assert_int_equal(ops->adopt_weight(be, &a, types[t], rows, cols, cptr, bytes, nspans, err,
+                                           sizeof err),
+                         TDM_OK);
+        assert_true(a.borrowed);
+        assert_int_equal(a.nbytes, w.nbytes);
+        ops->matmul(be, &w, NULL, x, y0, n);
+        ops->matmul(be, &a, NULL, x, y1, n);
+        assert_memory_equal(y0, y1, sizeof(float) * (size_t)n * rows);
+        // Wrong sizes, counts, shapes and alignment are refused.
+        size_t bad[2] = {bytes[0] - 64, bytes[1]};
+        struct tdm_weight r;
+        assert_int_equal(ops->adopt_weight(be, &r, types[t], rows, cols, cptr, bad, nspans, err,
+                                           sizeof err),
+                         TDM_EINVAL);
+        assert_int_equal(ops->adopt_weight(be, &r, types[t], rows + 64, cols, cptr, bytes, nspans,
+                                           err, sizeof err),
+                         TDM_EINVAL);
+        assert_int_equal(ops->adopt_weight(be, &r, types[t], rows, cols, cptr, bytes, 3 - nspans,
+                                           err, sizeof err),
+                         TDM_EINVAL);
+        const void *odd[2] = {(const uint8_t *)copy[0] + 4, copy[1]};
+        assert_int_equal(ops->adopt_weight(be, &r, types[t], rows, cols, odd, bytes, nspans, err,
+                                           sizeof err),
+                         TDM_EINVAL);
+        ops->release_weight(be, &a); // frees nothing: the copies are ours
+        for (int i = 0; i < nspans; i++)
+            free(copy[i]);
+        ops->release_weight(be, &w);
+    }
+    assert_true(ops->layout_version > 0);
+    free(m);
+    free(scratch);
+    ops->destroy(be);
+}
+
 // ---- embed and element-wise ops ------------------------------------------------------------
 static void test_embed(void **state)
 {
@@ -622,7 +687,7 @@ int main(void)
         cmocka_unit_test(test_prepare_errors),   cmocka_unit_test(test_embed),
         cmocka_unit_test(test_rmsnorm_silu_add), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention),        cmocka_unit_test(test_attention_bad_block),
-        cmocka_unit_test(test_probes),
+        cmocka_unit_test(test_probes),           cmocka_unit_test(test_adopt_weight),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

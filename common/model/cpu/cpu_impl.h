@@ -26,6 +26,10 @@
 #include "backend.h"
 #include "cpu_backend.h"
 
+// Version of the packed layout above and of the Q8 quantization: bump it on
+// any change to what prepare_weight writes, so packed-weight cache files of
+// the old layout (common/model/weight_cache.h) are never used.
+#define CPU_LAYOUT_VERSION 1
 #define CPU_PANEL_ROWS 16
 #define CPU_BLOCK_PANELS 4
 #define CPU_BLOCK_ROWS (CPU_PANEL_ROWS * CPU_BLOCK_PANELS)
