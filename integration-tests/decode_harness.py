@@ -18,7 +18,8 @@ import subprocess
 import threading
 import time
 
-from proc_harness import arm_deadline, check, fail, kill_all, register  # noqa: F401 (re-exported)
+from proc_harness import (arm_deadline, check, fail, kill_all, register,  # noqa: F401 (re-exported)
+                          watch_sanitizers)
 
 
 def parse_args():
@@ -34,6 +35,7 @@ def parse_args():
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     arm_deadline(args.deadline)
+    watch_sanitizers(args.workdir)
     if "cuda" in args.server_flags:
         skip_without_gpu(args)
     return args

@@ -17,7 +17,7 @@ import subprocess
 import time
 
 from proc_harness import (arm_deadline, check, fail, free_port, kill_all,  # noqa: F401
-                          register)
+                          register, watch_sanitizers)
 
 
 def parse_args():
@@ -31,6 +31,7 @@ def parse_args():
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     arm_deadline(args.deadline)
+    watch_sanitizers(args.workdir)
     return args
 
 

@@ -3,14 +3,28 @@
 stdlib only): every process a test starts is registered here and killed when
 the test ends (atexit, fail, or the hard deadline), so a failing or hanging
 test never leaves servers behind. Exit status convention: 0 pass, 1 fail.
+
+Slower builds and machines: measure_slowness(port) times a fixed load on a
+running service and says how many times slower than a release build on the
+development machine it ran; tests multiply their time bounds by that factor
+(an ASan + UBSan build is 3-20 times slower, a loaded machine more).
+
+Sanitizer builds: watch_sanitizers(workdir) (each harness's parse_args calls
+it) sends the AddressSanitizer / UndefinedBehaviorSanitizer / LeakSanitizer
+reports of every process the test starts to files in a folder of its own, and
+a test that leaves any report there fails, printing it, whatever it asserted.
 """
 import atexit
+import glob
+import http.client
+import json
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 PROCS = []  # Popen objects the test started
@@ -47,10 +61,120 @@ def arm_deadline(seconds):
     def on_alarm(signum, frame):
         kill_all()
         print("FAIL: test deadline of %.0f s passed" % seconds, flush=True)
+        _print_sanitizer_reports()
         os._exit(1)
 
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(int(seconds))
+
+
+# ---- slowness factor ---------------------------------------------------------------------
+# The reference load: SLOW_STREAMS concurrent greedy completions of SLOW_TOKENS
+# tokens each (ignore_eos, a 40-token prompt) on the tiny model. A release
+# build on the 2-core development machine took 0.4-1.5 s per completion at
+# load average 10-100: SLOW_REFERENCE_S is the slow end, so a release build
+# there gets factor 1 and only a slower build or machine stretches bounds.
+SLOW_STREAMS = 8
+SLOW_TOKENS = 1000
+SLOW_REFERENCE_S = 1.5
+
+
+def measure_slowness(port, timeout=300):
+    """Runs the reference load against the OpenAI server on 127.0.0.1:port
+    (a worker or the router); returns (mean seconds per completion, factor),
+    factor = max(1, that / SLOW_REFERENCE_S). Fails the test if a completion
+    does not succeed."""
+    rnd = random.Random(11)
+    took, errors = [], []
+
+    def one(prompt):
+        t0 = time.time()
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+            c.request("POST", "/v1/completions",
+                      body=json.dumps({"prompt": prompt, "max_tokens": SLOW_TOKENS,
+                                       "ignore_eos": True, "temperature": 0}),
+                      headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            raw = r.read()
+            c.close()
+            if r.status != 200:
+                errors.append("HTTP %d %s" % (r.status, raw[:200]))
+                return
+        except (OSError, http.client.HTTPException) as e:
+            errors.append(repr(e))
+            return
+        took.append(time.time() - t0)
+
+    threads = [threading.Thread(target=one, args=([rnd.randrange(3, 500) for _ in range(40)],),
+                                daemon=True) for _ in range(SLOW_STREAMS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    check(not errors, "slowness calibration on port %d failed: %s" % (port, errors))
+    mean = sum(took) / len(took)
+    return mean, max(1.0, mean / SLOW_REFERENCE_S)
+
+
+# ---- sanitizer reports ------------------------------------------------------------------
+_SAN_DIR = None  # this test's report folder, once watch_sanitizers ran
+
+
+def _with_options(var, extra):
+    """The environment's `var` options (e.g. .ci/run's detect_leaks=1) with
+    `extra` appended: a later option wins in the sanitizers' parser."""
+    old = os.environ.get(var, "")
+    return (old + ":" if old else "") + extra
+
+
+def watch_sanitizers(workdir):
+    """Every process this test starts from now on (services, launchers, tools)
+    writes its ASan / UBSan / LSan report, if it has one, to
+    WORKDIR/sanitizer/<test>-<pid>/<tool>.<its pid> instead of stderr, and stops
+    at the first error (halt_on_error; the build also sets
+    -fno-sanitize-recover). At exit, after every process is killed, a report
+    there fails the test and is printed. Without a sanitizer build the
+    variables are ignored and nothing is written."""
+    global _SAN_DIR
+    test = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    _SAN_DIR = os.path.join(workdir, "sanitizer", "%s-%d" % (test, os.getpid()))
+    os.makedirs(_SAN_DIR, exist_ok=True)
+    common = "halt_on_error=1:print_stacktrace=1:log_path=" + os.path.join(_SAN_DIR, "%s")
+    os.environ["ASAN_OPTIONS"] = _with_options("ASAN_OPTIONS", common % "asan")
+    os.environ["UBSAN_OPTIONS"] = _with_options("UBSAN_OPTIONS", common % "ubsan")
+    os.environ["LSAN_OPTIONS"] = _with_options("LSAN_OPTIONS", common % "lsan")
+    atexit.register(_check_sanitizer_reports)  # runs before kill_all's (LIFO): kills itself
+
+
+def sanitizer_reports():
+    """(path, text) of each report written so far by this test's processes."""
+    if _SAN_DIR is None:
+        return []
+    out = []
+    for path in sorted(glob.glob(os.path.join(_SAN_DIR, "*"))):
+        with open(path, errors="replace") as f:
+            out.append((path, f.read()))
+    return out
+
+
+def _print_sanitizer_reports():
+    reports = sanitizer_reports()
+    for path, text in reports:
+        print("---- sanitizer report %s ----\n%s" % (path, text), flush=True)
+    return len(reports)
+
+
+def _check_sanitizer_reports():
+    kill_all()  # the processes' reports are complete once they are gone
+    n = _print_sanitizer_reports()
+    if n:
+        print("FAIL: %d sanitizer report(s) from this test's processes (above)" % n, flush=True)
+        os._exit(1)
+    try:
+        os.rmdir(_SAN_DIR)  # empty: nothing to keep
+    except OSError:
+        pass
 
 
 def fail(msg):
