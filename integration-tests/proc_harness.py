@@ -117,6 +117,15 @@ def measure_slowness(port, timeout=300):
     return mean, max(1.0, mean / SLOW_REFERENCE_S)
 
 
+def tokens_for(seconds, took, lo=200, hi=8000):
+    """max_tokens for a stream of about `seconds` at the reference load's
+    concurrency, given measure_slowness's seconds per SLOW_TOKENS (`took`). The
+    tiny model's cost per token grows with the context, so a stream's time grows
+    about as the square of its length: scale by the square root, within
+    [lo, hi] (hi: within the tests' 8 192-token context)."""
+    return max(lo, min(hi, int(SLOW_TOKENS * (seconds / max(took, 1e-3)) ** 0.5)))
+
+
 # ---- sanitizer reports ------------------------------------------------------------------
 _SAN_DIR = None  # this test's report folder, once watch_sanitizers ran
 
@@ -131,7 +140,7 @@ def _with_options(var, extra):
 def watch_sanitizers(workdir):
     """Every process this test starts from now on (services, launchers, tools)
     writes its ASan / UBSan / LSan report, if it has one, to
-    WORKDIR/sanitizer/<test>-<pid>/<tool>.<its pid> instead of stderr, and stops
+    WORKDIR/sanitizer/<test>-<pid>/report.<its pid> instead of stderr, and stops
     at the first error (halt_on_error; the build also sets
     -fno-sanitize-recover). At exit, after every process is killed, a report
     there fails the test and is printed. Without a sanitizer build the
@@ -140,10 +149,11 @@ def watch_sanitizers(workdir):
     test = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     _SAN_DIR = os.path.join(workdir, "sanitizer", "%s-%d" % (test, os.getpid()))
     os.makedirs(_SAN_DIR, exist_ok=True)
-    common = "halt_on_error=1:print_stacktrace=1:log_path=" + os.path.join(_SAN_DIR, "%s")
-    os.environ["ASAN_OPTIONS"] = _with_options("ASAN_OPTIONS", common % "asan")
-    os.environ["UBSAN_OPTIONS"] = _with_options("UBSAN_OPTIONS", common % "ubsan")
-    os.environ["LSAN_OPTIONS"] = _with_options("LSAN_OPTIONS", common % "lsan")
+    # One log_path for the three: a process parses all of its sanitizers'
+    # variables, the last log_path read wins.
+    common = "halt_on_error=1:print_stacktrace=1:log_path=" + os.path.join(_SAN_DIR, "report")
+    for var in ("ASAN_OPTIONS", "UBSAN_OPTIONS", "LSAN_OPTIONS"):
+        os.environ[var] = _with_options(var, common)
     atexit.register(_check_sanitizer_reports)  # runs before kill_all's (LIFO): kills itself
 
 

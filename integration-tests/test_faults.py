@@ -44,7 +44,7 @@ import time
 
 from pd_harness import (Cluster, Stream, check, fail, free_port, metric_sum, metrics,
                         parse_args, post)
-from proc_harness import SLOW_STREAMS, SLOW_TOKENS, measure_slowness
+from proc_harness import SLOW_STREAMS, SLOW_TOKENS, measure_slowness, tokens_for
 
 N_STREAMS = SLOW_STREAMS  # as in the calibration, whose timing sizes the streams
 DEADLINE = 40.0  # the router's request.deadline_seconds in this suite
@@ -300,14 +300,9 @@ def settle(cl, what, timeout=30, router=True):
 def calibrate(cl):
     """max_tokens for streams of about 8 s at N_STREAMS on this machine, and how
     much slower than a release build on the development machine it is
-    (proc_harness.measure_slowness: N_STREAMS completions of 1 000 tokens). The
-    tiny model makes thousands of tokens a second at short contexts, and a
-    token's cost grows with the context, so a stream's time grows about as the
-    square of its length: scale the timed 1 000 tokens, within the model's
-    context."""
+    (proc_harness.measure_slowness: N_STREAMS completions of 1 000 tokens)."""
     took, slow = measure_slowness(cl.router_port)
-    mt = max(200, min(8000, int(SLOW_TOKENS * (8.0 / max(took, 1e-3)) ** 0.5)))
-    return mt, took, slow
+    return tokens_for(8.0, took), took, slow
 
 
 def case_decode_kill(cl, rnd, mt):
