@@ -19,7 +19,7 @@ import threading
 import time
 
 from proc_harness import (arm_deadline, check, fail, kill_all, register,  # noqa: F401 (re-exported)
-                          watch_sanitizers)
+                          watch_log, watch_sanitizers)
 
 
 def parse_args():
@@ -87,6 +87,9 @@ class Server:
 
         self.reader = threading.Thread(target=reader, daemon=True)
         self.reader.start()
+        # A sanitizer report in its stderr fails the test (read once it is killed).
+        watch_log("tandem-decode pid %d" % self.proc.pid,
+                  lambda: (self.reader.join(2), "\n".join(self.log))[1])
         if not got.wait(ready_timeout) or self.port is None:
             fail("tandem-decode did not start: %s" % "\n".join(self.log))
 

@@ -13,6 +13,9 @@ Sanitizer builds: watch_sanitizers(workdir) (each harness's parse_args calls
 it) sends the AddressSanitizer / UndefinedBehaviorSanitizer / LeakSanitizer
 reports of every process the test starts to files in a folder of its own, and
 a test that leaves any report there fails, printing it, whatever it asserted.
+The services' own output is searched too (watch_log: the harnesses register
+each log file or collected stderr), since gcc's UBSan in an ASan build prints
+its reports to stderr whatever log_path says.
 """
 import atexit
 import glob
@@ -144,7 +147,8 @@ def watch_sanitizers(workdir):
     at the first error (halt_on_error; the build also sets
     -fno-sanitize-recover). At exit, after every process is killed, a report
     there fails the test and is printed. Without a sanitizer build the
-    variables are ignored and nothing is written."""
+    variables are ignored and nothing is written. The logs given to watch_log
+    are searched for report lines (SANITIZER_MARKERS) at the same time."""
     global _SAN_DIR
     test = os.path.splitext(os.path.basename(sys.argv[0]))[0]
     _SAN_DIR = os.path.join(workdir, "sanitizer", "%s-%d" % (test, os.getpid()))
@@ -157,14 +161,46 @@ def watch_sanitizers(workdir):
     atexit.register(_check_sanitizer_reports)  # runs before kill_all's (LIFO): kills itself
 
 
+# Lines that start a sanitizer report in a process's own output. gcc's UBSan,
+# built together with ASan, prints to stderr whatever log_path says, so the
+# services' logs are read too.
+SANITIZER_MARKERS = ("runtime error:", "ERROR: AddressSanitizer", "ERROR: LeakSanitizer",
+                     "WARNING: ThreadSanitizer", "SUMMARY: UndefinedBehaviorSanitizer")
+_LOGS = {}  # name -> callable returning a service's output so far
+
+
+def watch_log(name, read):
+    """Adds a service's output (read() returns its text; called after every
+    process is killed) to what the exit check searches for reports."""
+    _LOGS[name] = read
+
+
+def read_file(path):
+    """watch_log's reader for a log file."""
+    def read():
+        try:
+            with open(path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+    return read
+
+
 def sanitizer_reports():
-    """(path, text) of each report written so far by this test's processes."""
+    """(where, text) of each report written so far by this test's processes:
+    the files under the report folder, and each watched log's lines from the
+    first report marker on (at most 40)."""
     if _SAN_DIR is None:
         return []
     out = []
     for path in sorted(glob.glob(os.path.join(_SAN_DIR, "*"))):
         with open(path, errors="replace") as f:
             out.append((path, f.read()))
+    for name, read in sorted(_LOGS.items()):
+        lines = read().splitlines()
+        at = [i for i, line in enumerate(lines) if any(m in line for m in SANITIZER_MARKERS)]
+        if at:
+            out.append((name, "\n".join(lines[at[0]:at[0] + 40])))
     return out
 
 

@@ -289,15 +289,26 @@ void tdm_kv_convert(void *dst, int dst_dtype, const void *src, int src_dtype, si
         if (n)
             memcpy(dst, src, n * tdm_kv_dtype_size(src_dtype));
     } else if (dst_dtype == TDM_KV_F32 && src_dtype == TDM_KV_BF16) {
-        float *d = dst;
-        const uint16_t *x = src;
-        for (size_t i = 0; i < n; i++)
-            d[i] = tdm_bf16_to_f32(x[i]);
+        // Element by element through memcpy: either side may be a frame
+        // payload at any byte offset (UBSan caught a misaligned bf16 store
+        // into a KvData frame); the compiler makes these plain moves.
+        unsigned char *d = dst;
+        const unsigned char *x = src;
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, x + 2 * i, 2);
+            float f = tdm_bf16_to_f32(h);
+            memcpy(d + 4 * i, &f, 4);
+        }
     } else if (dst_dtype == TDM_KV_BF16 && src_dtype == TDM_KV_F32) {
-        uint16_t *d = dst;
-        const float *x = src;
-        for (size_t i = 0; i < n; i++)
-            d[i] = tdm_f32_to_bf16(x[i]);
+        unsigned char *d = dst;
+        const unsigned char *x = src;
+        for (size_t i = 0; i < n; i++) {
+            float f;
+            memcpy(&f, x + 4 * i, 4);
+            uint16_t h = tdm_f32_to_bf16(f);
+            memcpy(d + 2 * i, &h, 2);
+        }
     }
 }
 
