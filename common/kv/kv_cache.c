@@ -1202,7 +1202,7 @@ static int copy_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, in
 int tdm_kv_read_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, int nblocks,
                        int dtype, void *dst)
 {
-    if (!kv || !kv->st->host || tdm_kv_dtype_size(dtype) == 0 || layer < 0 ||
+    if (!kv || tdm_kv_dtype_size(dtype) == 0 || layer < 0 ||
         layer >= kv->cfg.num_layers || nblocks < 0 || (nblocks > 0 && (!blocks || !dst)))
         return TDM_EINVAL;
     for (int i = 0; i < nblocks; i++)
