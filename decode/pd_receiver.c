@@ -814,6 +814,13 @@ static void *recv_main(void *arg)
     int rc = TDM_OK;
     bool quiet = true;
     enum recv_wait w = recv_wait_go(x);
+    if (w == RECV_OVER) {
+        // The transfer failed or ended before any send: whatever state the
+        // peer's end is in (an init that timed out, an abort), this end is
+        // rebuilt by the next transfer rather than trusted.
+        tdm_kvx_link_abort(x->link);
+        rc = tdm_seterr(err, sizeof err, TDM_ECLOSED, "ended before the NCCL sends");
+    }
     if (w == RECV_GO) {
         tdm_kvx_link_extend(x->link, tdm_now());
         while ((rc = tdm_kvx_link_poll(x->link, tdm_now(), err, sizeof err)) == TDM_EBUSY) {

@@ -360,13 +360,18 @@ static int nccl_prepare(struct tdm_prefill_service *p, struct pjob *job, const c
          tdm_kvx_link_instance(job->link) != job->decode_instance))
         rc = tdm_kvx_link_join(job->link, job->decode_instance, tdm_now(), job->nccl_id, err,
                                sizeof err);
+    // The link's own deadline bounds an init; a ready communicator that
+    // reports an operation in progress gets nccl_timeout too.
+    double give_up = tdm_now() + p->cfg.nccl_timeout;
     while (rc == TDM_OK) {
         rc = tdm_kvx_link_poll(job->link, tdm_now(), err, sizeof err);
         if (rc != TDM_EBUSY)
             break;
-        if (job_gone(p, job)) {
+        if (job_gone(p, job) || tdm_now() > give_up) {
             tdm_kvx_link_abort(job->link);
-            rc = tdm_seterr(err, sizeof err, TDM_ECLOSED, "cancelled during NCCL init");
+            rc = tdm_seterr(err, sizeof err, TDM_ETIMEDOUT, "%s",
+                            job_gone(p, job) ? "cancelled during NCCL init"
+                                             : "NCCL communicator not ready in time");
             break;
         }
         rc = TDM_OK;
