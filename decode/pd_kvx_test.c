@@ -179,6 +179,10 @@ static struct {
     atomic_bool off;         // nccl_unique_id fails: the decode worker offers no NCCL
     atomic_bool init_stall;  // communicators made while set never become ready
     atomic_bool hold;        // sends stay unmatched
+    atomic_bool slow_end;    // events of NCCL operations stay pending (an aborted kernel
+                             // that takes its time to end)
+    atomic_bool slow_seen;   // such an event was queried
+    double t_ended;          // tdm_now() when a held event was first seen complete
 } N;
 
 struct fevent {
@@ -387,9 +391,18 @@ static int n_event_query(void *ctx, void *event)
     struct fevent *e = event;
     pthread_mutex_lock(&X.mu);
     n_match_locked();
-    bool done = true;
-    for (int i = 0; i < e->upto && i < N.nops && done; i++)
-        done = N.ops[i].done || !pthread_equal(N.ops[i].thread, e->thread);
+    bool done = true, mine = false;
+    for (int i = 0; i < e->upto && i < N.nops && done; i++) {
+        bool ours = pthread_equal(N.ops[i].thread, e->thread);
+        mine = mine || ours;
+        done = N.ops[i].done || !ours;
+    }
+    if (mine && atomic_load(&N.slow_end)) {
+        atomic_store(&N.slow_seen, true);
+        done = false;
+    } else if (mine && done && N.t_ended == 0) {
+        N.t_ended = tdm_now();
+    }
     pthread_mutex_unlock(&X.mu);
     if (!done)
         return 0;
@@ -1042,6 +1055,68 @@ static void test_nccl_peer_restart(void **state)
     assert_true(metric_has(pw, "tandem:kv_transfers_total{transport=\"nccl\"} 1")); // new worker
 }
 
+// Memory safety over NCCL: a request cancelled while its receive is pending
+// keeps its reserved blocks until the receive is known to have ended (the
+// communicator is aborted, but the receive's event completes only later); a
+// request needing those blocks runs only after that.
+static void test_nccl_cancel_waits_for_receive(void **state)
+{
+    (void)state;
+    struct tdm_worker_parts dparts;
+    assert_int_equal(tdm_worker_parts(dw, &dparts), TDM_OK);
+    struct tdm_engine_stats st;
+    int32_t prompt[40];
+    prompt_of(prompt, 40, 60);
+    int aborts0 = nccl_aborts();
+    pthread_mutex_lock(&X.mu);
+    N.t_ended = 0;
+    pthread_mutex_unlock(&X.mu);
+    atomic_store(&N.slow_seen, false);
+    atomic_store(&N.hold, true);     // the sends do not arrive
+    atomic_store(&N.slow_end, true); // and the receive's end is observed late
+    send_generate("nheld", prompt, 40, 64, false, true);
+    double end = tdm_now() + 280;
+    while (!atomic_load(&N.slow_seen))
+        assert_true(tdm_now() < end), usleep(1000);
+    send_cancel("nheld");
+    end = tdm_now() + 280;
+    while (nccl_aborts() < aborts0 + 2) // both ends abort at the cancel
+        assert_true(tdm_now() < end), usleep(1000);
+    usleep(300 * 1000);
+    tdm_engine_get_stats(dparts.engine, &st);
+    assert_int_equal(st.num_importing, 1); // aborted, but its receive may still write
+    int reserved = NUM_BLOCKS - st.num_free_blocks;
+    assert_true(reserved >= 3);
+    struct gen_arg *g = calloc(1, sizeof *g);
+    assert_non_null(g);
+    g->e = dparts.engine;
+    g->n = (NUM_BLOCKS - 1) * BLOCK;
+    prompt_of(g->prompt, g->n, 61);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, run_big, g), 0);
+    usleep(500 * 1000);
+    bool started_early = atomic_load(&g->started);
+    tdm_engine_get_stats(dparts.engine, &st);
+    int importing_while_held = st.num_importing;
+    double t_release = tdm_now();
+    atomic_store(&N.slow_end, false); // the aborted receive's event completes
+    atomic_store(&N.hold, false);
+    struct outcome o;
+    collect("nheld", &o, 280);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_false(started_early);
+    assert_int_equal(importing_while_held, 1);
+    assert_true(atomic_load(&g->started));
+    pthread_mutex_lock(&X.mu);
+    double ended = N.t_ended;
+    pthread_mutex_unlock(&X.mu);
+    assert_true(ended >= t_release);
+    assert_true(g->t_first > ended); // the blocks were reused only after the receive ended
+    free(g);
+    tdm_engine_get_stats(dparts.engine, &st);
+    assert_int_equal(st.num_importing, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1050,6 +1125,7 @@ int main(void)
         cmocka_unit_test(test_cancel_waits_for_late_copy),
         cmocka_unit_test(test_nccl_equivalence),
         cmocka_unit_test(test_nccl_init_timeout_and_rebuild),
+        cmocka_unit_test(test_nccl_cancel_waits_for_receive),
         cmocka_unit_test(test_nccl_peer_restart),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
