@@ -189,6 +189,7 @@ struct tdm_pd_receiver {
     struct tdm_kv_storage *storage;
     bool nccl;
     struct tdm_kvx_links *links;
+    void *kvx_pool_base;      // our device KV pool (the device the NCCL calls run on)
     uint64_t kvx_block_bytes; // one block of one layer's K (or V) in our pool, bytes
     uint32_t kvx_num_blocks;
 
@@ -749,6 +750,17 @@ static void nccl_progress_locked(struct djob *j, int num_layers)
         j->t_kv_done = tdm_now();
 }
 
+// Makes our KV pool's device current on the calling thread (the CUDA
+// runtime's current device is per thread).
+static int use_our_device(struct tdm_pd_receiver *rx, char *err, size_t errlen)
+{
+    const struct tdm_kvx_ops *o = rx->kvx_ops;
+    char why[192] = "";
+    if (o->use_device_of != NULL && o->use_device_of(o->ctx, rx->kvx_pool_base, why, sizeof why) != 0)
+        return tdm_seterr(err, errlen, TDM_EBACKEND, "%s", why);
+    return TDM_OK;
+}
+
 enum recv_wait { RECV_GO, RECV_NOT_NCCL, RECV_OVER };
 
 // Waits until the prefill worker said it sends over NCCL, chose another
@@ -814,6 +826,8 @@ static void *recv_main(void *arg)
     int rc = TDM_OK;
     bool quiet = true;
     enum recv_wait w = recv_wait_go(x);
+    if (w == RECV_GO && use_our_device(rx, err, sizeof err) != TDM_OK)
+        w = RECV_OVER; // aborted below; the transfer fails over
     if (w == RECV_OVER) {
         // The transfer failed or ended before any send: whatever state the
         // peer's end is in (an init that timed out, an abort), this end is
@@ -917,9 +931,9 @@ static bool nccl_offer(struct remote *x)
     if (x->link == NULL)
         return false;
     char err[256] = "";
-    int rc = TDM_OK;
-    if (!tdm_kvx_link_ready_for(x->link, x->t->instance) ||
-        !tdm_kvx_link_id(x->link, x->nccl_id))
+    int rc = use_our_device(rx, err, sizeof err); // the init starts on this thread
+    if (rc == TDM_OK && (!tdm_kvx_link_ready_for(x->link, x->t->instance) ||
+                         !tdm_kvx_link_id(x->link, x->nccl_id)))
         rc = tdm_kvx_link_create(x->link, x->t->instance, tdm_now(), x->nccl_id, err, sizeof err);
     if (rc == TDM_OK)
         rc = tdm_kvx_nccl_new(&x->nx, rx->kvx_ops, TDM_KVX_DECODE,
@@ -1627,6 +1641,7 @@ static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *serv
                                          64) == TDM_OK)
             rx->nccl = true;
         rx->kvx_block_bytes = dp.block_bytes;
+        rx->kvx_pool_base = dp.base;
         rx->kvx_num_blocks =
             (uint32_t)tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks;
         struct tdm_kvx_pool pool = {

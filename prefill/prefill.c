@@ -508,6 +508,13 @@ static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
                                job->offered && job->pool.nccl && job->has_nccl_id,
                                job->decode_host};
     enum tdm_kvx_ipc_open ipc = TDM_KVX_IPC_UNTRIED;
+    // The device copies and NCCL calls run on this job thread: our device first.
+    char derr[192] = "";
+    if (p->gpu && p->kvx_ops->use_device_of != NULL &&
+        p->kvx_ops->use_device_of(p->kvx_ops->ctx, p->own_pool.base, derr, sizeof derr) != 0) {
+        TDM_LOG_WARN(MOD, "req=%s %s: KV over nng", job->request_id, derr);
+        pre.gpu = pre.nccl = false;
+    }
     for (int round = 0; round < 2; round++) {
         if (tdm_kvx_choose(&pre, &dec, ipc, &job->mode, job->why, sizeof job->why) != 0)
             return TDM_EINVAL;

@@ -125,6 +125,10 @@ struct tdm_kvx_ops {
     // blocks that are not consecutive).
     int (*dev_alloc)(void *ctx, size_t bytes, void **dev_ptr, char *err, size_t errlen);
     void (*dev_free)(void *ctx, void *dev_ptr);
+    // Makes the device that holds dev_ptr (the worker's KV pool) current on
+    // the calling thread (cudaSetDevice is per thread: a job or receive
+    // thread of a worker on cuda:1 would otherwise run on device 0). Optional.
+    int (*use_device_of)(void *ctx, const void *dev_ptr, char *err, size_t errlen);
 };
 
 // The real table (cudart + NCCL) in a TANDEM_CUDA build; NULL in a CPU build,
@@ -310,7 +314,7 @@ bool tdm_kvx_link_ready_for(struct tdm_kvx_link *l, uint64_t instance);
 void tdm_kvx_link_abort(struct tdm_kvx_link *l);
 
 enum tdm_kvx_link_state tdm_kvx_link_state(const struct tdm_kvx_link *l);
-// Communicators this link has aborted (tandem:kv_transfer_aborts_total).
+// Communicators this link has aborted.
 uint64_t tdm_kvx_link_aborts(const struct tdm_kvx_link *l);
 // The ready communicator (for tdm_kvx_nccl_layers); NULL unless ready.
 void *tdm_kvx_link_comm(const struct tdm_kvx_link *l);

@@ -257,6 +257,22 @@ static void dev_free(void *ctx, void *dev_ptr)
     cudaFree(dev_ptr);
 }
 
+static int use_device_of(void *ctx, const void *dev_ptr, char *err, size_t errlen)
+{
+    (void)ctx;
+    struct cudaPointerAttributes a;
+    cudaError_t e = cudaPointerGetAttributes(&a, dev_ptr);
+    if (e == cudaSuccess && a.type == cudaMemoryTypeDevice)
+        e = cudaSetDevice(a.device);
+    else if (e == cudaSuccess)
+        e = cudaErrorInvalidDevicePointer;
+    if (e != cudaSuccess) {
+        snprintf(err, errlen, "the KV pool's device: %s", cudaGetErrorString(e));
+        return -1;
+    }
+    return 0;
+}
+
 static const struct tdm_kvx_ops CUDA_OPS = {
     .ctx = NULL,
     .ipc_open = ipc_open,
@@ -276,6 +292,7 @@ static const struct tdm_kvx_ops CUDA_OPS = {
     .nccl_group = nccl_group,
     .dev_alloc = dev_alloc,
     .dev_free = dev_free,
+    .use_device_of = use_device_of,
 };
 
 const struct tdm_kvx_ops *tdm_kvx_cuda_ops(void)

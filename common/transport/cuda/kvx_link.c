@@ -10,6 +10,7 @@
 // #28108); the transfer fails into the caller's retry-then-local-prefill path
 // and the next transfer builds a new communicator.
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -25,7 +26,7 @@ struct tdm_kvx_link {
     void *comm;        // the communicator; NULL when idle
     uint64_t instance; // the peer instance the communicator was made with
     double deadline;   // init must be ready by then (monotonic seconds)
-    uint64_t aborts;
+    _Atomic uint64_t aborts; // read by tdm_kvx_links_aborts from other threads
     uint8_t id[TDM_KVX_NCCL_ID_BYTES]; // the current communicator's id
 };
 
@@ -251,6 +252,8 @@ struct tdm_kvx_link *tdm_kvx_links_take(struct tdm_kvx_links *t, const char *pee
     }
     if (hit == NULL && spare != NULL) {
         if (spare->link != NULL) {
+            if (tdm_kvx_link_state(spare->link) == TDM_KVX_LINK_INIT)
+                tdm_kvx_link_abort(spare->link); // counted; a ready one is destroyed
             t->aborts_freed += tdm_kvx_link_aborts(spare->link);
             tdm_kvx_link_free(spare->link); // an idle peer's communicator goes
             spare->link = NULL;
