@@ -1117,6 +1117,51 @@ static void test_nccl_cancel_waits_for_receive(void **state)
     assert_int_equal(st.num_importing, 0);
 }
 
+// One transfer per pair over NCCL: while one is stalled on the pair's
+// communicator, a second request to the same pair is not offered NCCL and
+// goes over nng; the first completes over NCCL once the sends flow.
+static void test_nccl_one_transfer_per_pair(void **state)
+{
+    (void)state;
+    int32_t p1[40], p2[40];
+    prompt_of(p1, 40, 70);
+    prompt_of(p2, 40, 71);
+    struct outcome l1, l2, r1, r2;
+    send_generate("op-l1", p1, 40, 6, false, false);
+    collect("op-l1", &l1, 280);
+    send_generate("op-l2", p2, 40, 6, false, false);
+    collect("op-l2", &l2, 280);
+    double nng0 = metric_value(pw, "tandem:kv_transfers_total{transport=\"nng\"}");
+    double nccl0 = metric_value(pw, "tandem:kv_transfers_total{transport=\"nccl\"}");
+    atomic_store(&N.hold, true);
+    send_generate("op-r1", p1, 40, 6, false, true);
+    double end = tdm_now() + 280;
+    for (;;) { // the first transfer's send is pending
+        assert_true(tdm_now() < end);
+        pthread_mutex_lock(&X.mu);
+        int pend = 0;
+        for (int i = 0; i < N.nops; i++)
+            pend += !N.ops[i].done && N.ops[i].send;
+        pthread_mutex_unlock(&X.mu);
+        if (pend > 0)
+            break;
+        usleep(2000);
+    }
+    send_generate("op-r2", p2, 40, 6, false, true);
+    collect("op-r2", &r2, 280); // done while the first is stalled
+    atomic_store(&N.hold, false);
+    collect("op-r1", &r1, 280);
+    assert_int_equal(r1.error, 0);
+    assert_int_equal(r2.error, 0);
+    assert_string_equal(r1.prefilled_by, tdm_prefill_service_url(ps));
+    assert_string_equal(r2.prefilled_by, tdm_prefill_service_url(ps));
+    assert_memory_equal(l1.tokens, r1.tokens, sizeof(int32_t) * 6);
+    assert_memory_equal(l2.tokens, r2.tokens, sizeof(int32_t) * 6);
+    assert_true(metric_value(pw, "tandem:kv_transfers_total{transport=\"nng\"}") ==
+                (nng0 < 0 ? 0 : nng0) + 1);
+    assert_true(metric_value(pw, "tandem:kv_transfers_total{transport=\"nccl\"}") == nccl0 + 1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1127,6 +1172,7 @@ int main(void)
         cmocka_unit_test(test_nccl_init_timeout_and_rebuild),
         cmocka_unit_test(test_nccl_cancel_waits_for_receive),
         cmocka_unit_test(test_nccl_peer_restart),
+        cmocka_unit_test(test_nccl_one_transfer_per_pair),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -351,9 +351,16 @@ static int nccl_prepare(struct tdm_prefill_service *p, struct pjob *job, const c
 {
     char err[256] = "";
     int rc = same_layout(p, job, err, sizeof err);
-    if (rc == TDM_OK && (job->link = tdm_kvx_links_take(p->links, job->decode_url)) == NULL)
-        rc = tdm_seterr(err, sizeof err, TDM_EBUSY,
-                        "the pair's communicator is busy with another transfer");
+    // The decode worker offers a pair's communicator to one transfer at a
+    // time; our previous transfer of the pair may still be handing it back.
+    double until = tdm_now() + p->cfg.nccl_timeout;
+    while (rc == TDM_OK && (job->link = tdm_kvx_links_take(p->links, job->decode_url)) == NULL) {
+        if (job_gone(p, job) || tdm_now() > until)
+            rc = tdm_seterr(err, sizeof err, TDM_EBUSY,
+                            "the pair's communicator stayed busy with another transfer");
+        else
+            pause_briefly();
+    }
     uint8_t held[TDM_KVX_NCCL_ID_BYTES];
     if (rc == TDM_OK &&
         (!tdm_kvx_link_id(job->link, held) || memcmp(held, job->nccl_id, sizeof held) != 0 ||
@@ -488,6 +495,10 @@ static int send_nccl(struct tdm_prefill_service *p, struct pjob *job, int first_
                      p->cfg.send_timeout, err, errlen);
     if (rc == TDM_OK && d.closed)
         job->closed_sent = true;
+    if (d.closed) { // the last send completed: the pair's next transfer may have the link
+        tdm_kvx_links_give(p->links, job->link);
+        job->link = NULL;
+    }
     return rc;
 }
 
