@@ -144,7 +144,6 @@ static int x_event_query(void *ctx, void *event)
     return 1;
 }
 
-
 // ---- the fake NCCL: two in-process ranks meet at a rendezvous named by the id;
 // a send and a receive of the same rank pair match in order and move their
 // bytes by memcpy at the match. X.nccl_hold keeps sends unmatched (a transfer
@@ -176,13 +175,13 @@ static struct {
     int nops;
     int ids, inits, aborts, destroys, groups;
     uint64_t bytes;
-    atomic_bool off;         // nccl_unique_id fails: the decode worker offers no NCCL
-    atomic_bool init_stall;  // communicators made while set never become ready
-    atomic_bool hold;        // sends stay unmatched
-    atomic_bool slow_end;    // events of NCCL operations stay pending (an aborted kernel
-                             // that takes its time to end)
-    atomic_bool slow_seen;   // such an event was queried
-    double t_ended;          // tdm_now() when a held event was first seen complete
+    atomic_bool off;        // nccl_unique_id fails: the decode worker offers no NCCL
+    atomic_bool init_stall; // communicators made while set never become ready
+    atomic_bool hold;       // sends stay unmatched
+    atomic_bool slow_end;   // events of NCCL operations stay pending (an aborted kernel
+                            // that takes its time to end)
+    atomic_bool slow_seen;  // such an event was queried
+    double t_ended;         // tdm_now() when a held event was first seen complete
 } N;
 
 struct fevent {
@@ -907,8 +906,8 @@ static int nccl_aborts(void)
     return n;
 }
 
-static void expect_equal(const char *id_local, const char *id_remote, const int32_t *prompt,
-                         int n, int max_tokens, bool seeded, const char *prefilled_by)
+static void expect_equal(const char *id_local, const char *id_remote, const int32_t *prompt, int n,
+                         int max_tokens, bool seeded, const char *prefilled_by)
 {
     struct outcome local, remote;
     send_generate(id_local, prompt, n, max_tokens, seeded, false);

@@ -730,16 +730,9 @@ static void remote_failed(const struct remote *x, const struct tdm_pd_attempt *a
 }
 
 // ---- NCCL receives of one attempt ----------------------------------------------------------
-static void *storage_layer(void *arg, int layer, bool v)
-{
-    struct tdm_kv_storage *st = arg;
-    return v ? st->ops->layer_v(st, layer) : st->ops->layer_k(st, layer);
-}
-
 static void pause_briefly(void)
 {
-    struct timespec ts = {0, 100000}; // 0.1 ms
-    nanosleep(&ts, NULL);
+    tdm_sleep(1e-4); // 0.1 ms: a layer group's receive takes well under a millisecond
 }
 
 // Over NCCL the last layer is in place when both counts reach it (caller holds rx->mu).
@@ -756,7 +749,8 @@ static int use_our_device(struct tdm_pd_receiver *rx, char *err, size_t errlen)
 {
     const struct tdm_kvx_ops *o = rx->kvx_ops;
     char why[192] = "";
-    if (o->use_device_of != NULL && o->use_device_of(o->ctx, rx->kvx_pool_base, why, sizeof why) != 0)
+    if (o->use_device_of != NULL &&
+        o->use_device_of(o->ctx, rx->kvx_pool_base, why, sizeof why) != 0)
         return tdm_seterr(err, errlen, TDM_EBACKEND, "%s", why);
     return TDM_OK;
 }
@@ -862,12 +856,12 @@ static void *recv_main(void *arg)
                 char why[256] = "";
                 int lrc = tdm_kvx_link_poll(x->link, now, why, sizeof why);
                 const char *stop = lrc != TDM_OK && lrc != TDM_EBUSY ? why
-                                   : now - t0 > rx->cfg.nccl_timeout  ? "receive timed out"
-                                                                      : recv_stop(x);
+                                   : now - t0 > rx->cfg.nccl_timeout ? "receive timed out"
+                                                                     : recv_stop(x);
                 if (stop != NULL) {
-                    rc = tdm_seterr(err, sizeof err, TDM_ETRANSPORT,
-                                    "NCCL receive of layers %d..%d: %s", first, first + n - 1,
-                                    stop);
+                    rc =
+                        tdm_seterr(err, sizeof err, TDM_ETRANSPORT,
+                                   "NCCL receive of layers %d..%d: %s", first, first + n - 1, stop);
                     tdm_kvx_link_abort(x->link); // its kernels end; the event then completes
                     aborted = true;
                     give_up = now + rx->cfg.nccl_timeout;
@@ -896,8 +890,10 @@ static void *recv_main(void *arg)
     }
     quiet = tdm_kvx_nccl_quiet(x->nx);
     if (!quiet)
-        TDM_LOG_ERR(MOD, "req=%s an NCCL receive's completion is unknown: its blocks stay "
-                    "reserved", j->request_id);
+        TDM_LOG_ERR(MOD,
+                    "req=%s an NCCL receive's completion is unknown: its blocks stay "
+                    "reserved",
+                    j->request_id);
     tdm_kvx_links_give(rx->links, x->link); // the pair's next transfer may use it now
     pthread_mutex_lock(&rx->mu);
     if (rc != TDM_OK && j->transfer_id == x->tid && !j->kv_failed) {
@@ -932,15 +928,15 @@ static bool nccl_offer(struct remote *x)
         return false;
     char err[256] = "";
     int rc = use_our_device(rx, err, sizeof err); // the init starts on this thread
-    if (rc == TDM_OK && (!tdm_kvx_link_ready_for(x->link, x->t->instance) ||
-                         !tdm_kvx_link_id(x->link, x->nccl_id)))
+    if (rc == TDM_OK &&
+        (!tdm_kvx_link_ready_for(x->link, x->t->instance) || !tdm_kvx_link_id(x->link, x->nccl_id)))
         rc = tdm_kvx_link_create(x->link, x->t->instance, tdm_now(), x->nccl_id, err, sizeof err);
     if (rc == TDM_OK)
         rc = tdm_kvx_nccl_new(&x->nx, rx->kvx_ops, TDM_KVX_DECODE,
                               &(struct tdm_kvx_pool){.block_bytes = rx->kvx_block_bytes,
                                                      .num_layers = (uint32_t)rx->kvc.num_layers,
                                                      .num_blocks = rx->kvx_num_blocks},
-                              (const int *)x->block_ids, NULL, x->num_blocks, storage_layer,
+                              (const int *)x->block_ids, NULL, x->num_blocks, tdm_kv_storage_layer,
                               rx->storage, rx->cfg.layers_per_frame, err, sizeof err);
     if (rc == TDM_OK) {
         pthread_mutex_lock(&rx->mu);
@@ -1637,13 +1633,12 @@ static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *serv
     if ((ipc_ok || nccl_ok) && st->ops->device_pool != NULL &&
         st->ops->device_pool(st, &dp) == TDM_OK) {
         // The pool descriptor: its geometry serves NCCL too (the handle only IPC).
-        if (nccl_ok && tdm_kvx_links_new(&rx->links, ops, TDM_KVX_DECODE, rx->cfg.nccl_timeout,
-                                         64) == TDM_OK)
+        if (nccl_ok &&
+            tdm_kvx_links_new(&rx->links, ops, TDM_KVX_DECODE, rx->cfg.nccl_timeout, 64) == TDM_OK)
             rx->nccl = true;
         rx->kvx_block_bytes = dp.block_bytes;
         rx->kvx_pool_base = dp.base;
-        rx->kvx_num_blocks =
-            (uint32_t)tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks;
+        rx->kvx_num_blocks = (uint32_t)tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks;
         struct tdm_kvx_pool pool = {
             .bytes = dp.bytes,
             .layer_stride = dp.layer_stride,
@@ -1656,8 +1651,8 @@ static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *serv
             .nccl = rx->nccl,
         };
         char why[192] = "";
-        bool exported = ipc_ok && ops->ipc_export(ops->ctx, dp.base, pool.handle, why,
-                                                  sizeof why) == 0;
+        bool exported =
+            ipc_ok && ops->ipc_export(ops->ctx, dp.base, pool.handle, why, sizeof why) == 0;
         if (ipc_ok && !exported)
             TDM_LOG_WARN(MOD, "KV pool not exported for CUDA IPC (KV comes over %s): %s",
                          rx->nccl ? "NCCL or nng" : "nng", why);

@@ -288,14 +288,7 @@ static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first
 // ---- GPU-to-GPU transfer (issue 10) --------------------------------------------------------
 static void pause_briefly(void)
 {
-    struct timespec ts = {0, 100000}; // 0.1 ms
-    nanosleep(&ts, NULL);
-}
-
-static void *src_layer(void *arg, int layer, bool v)
-{
-    struct tdm_kv_storage *st = arg;
-    return v ? st->ops->layer_v(st, layer) : st->ops->layer_k(st, layer);
+    tdm_sleep(1e-4);
 }
 
 // Device-to-device needs the decode worker's pool to be laid out like ours.
@@ -388,7 +381,7 @@ static int nccl_prepare(struct tdm_prefill_service *p, struct pjob *job, const c
         rc = read_src_blocks(p, job, err, sizeof err);
     if (rc == TDM_OK)
         rc = tdm_kvx_nccl_new(&job->nx, p->kvx_ops, TDM_KVX_PREFILL, &job->pool, job->dst_blocks,
-                              job->src_blocks, job->push.num_blocks, src_layer,
+                              job->src_blocks, job->push.num_blocks, tdm_kv_storage_layer,
                               tdm_kv_storage(tdm_engine_kv(p->parts.engine)),
                               job->push.layers_per_frame, err, sizeof err);
     if (rc == TDM_OK) {
@@ -450,8 +443,8 @@ static int send_nccl(struct tdm_prefill_service *p, struct pjob *job, int first_
             int lrc = tdm_kvx_link_poll(job->link, now, why, sizeof why);
             const char *stop = lrc != TDM_OK && lrc != TDM_EBUSY ? why
                                : now - t0 > p->cfg.nccl_timeout  ? "send timed out"
-                               : job_gone(p, job)                 ? "cancelled"
-                                                                  : NULL;
+                               : job_gone(p, job)                ? "cancelled"
+                                                                 : NULL;
             if (stop != NULL) {
                 rc = tdm_seterr(err, errlen, TDM_ETRANSPORT, "NCCL send of layers %d..%d: %s",
                                 first_layer, first_layer + n - 1, stop);
@@ -563,8 +556,9 @@ static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
             rc = read_src_blocks(p, job, err, sizeof err);
         if (rc == TDM_OK)
             rc = tdm_kvx_push_new(&job->dev, p->kvx_ops, &job->pool, base, job->dst_blocks,
-                                  src_layer, tdm_kv_storage(tdm_engine_kv(p->parts.engine)),
-                                  job->src_blocks, n, err, sizeof err);
+                                  tdm_kv_storage_layer,
+                                  tdm_kv_storage(tdm_engine_kv(p->parts.engine)), job->src_blocks,
+                                  n, err, sizeof err);
         if (rc == TDM_OK) {
             snprintf(job->why, sizeof job->why, "same host, pool handle open");
             return TDM_OK;
@@ -1244,9 +1238,10 @@ static int prefill_kvx_init(struct tdm_prefill_service *p, struct tdm_worker *se
     if (rc != TDM_OK)
         return rc;
     o.name = "tandem:kv_copy_seconds_total";
-    o.help = "Seconds of device-to-device KV moves (CUDA IPC copies, NCCL sends), issue to observed "
-             "completion, "
-             "summed over layer groups (KV bytes / this = the copy bandwidth).";
+    o.help =
+        "Seconds of device-to-device KV moves (CUDA IPC copies, NCCL sends), issue to observed "
+        "completion, "
+        "summed over layer groups (KV bytes / this = the copy bandwidth).";
     o.label_names = NULL;
     o.n_label_names = 0;
     rc = tdm_metrics_counter_register(&p->copy_seconds, p->parts.reg, &o, err, errlen);

@@ -228,10 +228,9 @@ struct tdm_kvx_nccl;
 // group will carry (sizes the staging buffer). TDM_OK, TDM_EINVAL (a table
 // without send/recv, an id outside a pool), TDM_ENOMEM.
 int tdm_kvx_nccl_new(struct tdm_kvx_nccl **out, const struct tdm_kvx_ops *ops,
-                     enum tdm_kvx_role role, const struct tdm_kvx_pool *geom,
-                     const int *dst_blocks, const int *src_blocks, int n,
-                     tdm_kvx_layer_fn own_layer, void *own_arg, int max_group_layers, char *err,
-                     size_t errlen);
+                     enum tdm_kvx_role role, const struct tdm_kvx_pool *geom, const int *dst_blocks,
+                     const int *src_blocks, int n, tdm_kvx_layer_fn own_layer, void *own_arg,
+                     int max_group_layers, char *err, size_t errlen);
 // Issues layers [first, first + count) as one grouped operation on comm and
 // records their event. Groups in layer order, the previous one complete.
 // TDM_OK or TDM_EBACKEND with err (nothing more may be issued).

@@ -26,7 +26,7 @@ struct tdm_kvx_link {
     void *comm;        // the communicator; NULL when idle
     uint64_t instance; // the peer instance the communicator was made with
     double deadline;   // init must be ready by then (monotonic seconds)
-    _Atomic uint64_t aborts; // read by tdm_kvx_links_aborts from other threads
+    _Atomic uint64_t aborts;           // read by tdm_kvx_links_aborts from other threads
     uint8_t id[TDM_KVX_NCCL_ID_BYTES]; // the current communicator's id
 };
 

@@ -8,7 +8,6 @@
 // still write the decode worker's blocks.
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "core.h"
 #include "kvx.h"
@@ -32,17 +31,15 @@ struct tdm_kvx_nccl {
 };
 
 int tdm_kvx_nccl_new(struct tdm_kvx_nccl **out, const struct tdm_kvx_ops *ops,
-                     enum tdm_kvx_role role, const struct tdm_kvx_pool *geom,
-                     const int *dst_blocks, const int *src_blocks, int n,
-                     tdm_kvx_layer_fn own_layer, void *own_arg, int max_group_layers, char *err,
-                     size_t errlen)
+                     enum tdm_kvx_role role, const struct tdm_kvx_pool *geom, const int *dst_blocks,
+                     const int *src_blocks, int n, tdm_kvx_layer_fn own_layer, void *own_arg,
+                     int max_group_layers, char *err, size_t errlen)
 {
     *out = NULL;
     if (ops == NULL || ops->nccl_send == NULL || ops->nccl_recv == NULL ||
         ops->nccl_group == NULL || ops->copy_async == NULL || ops->event_record == NULL ||
         ops->event_query == NULL || ops->event_free == NULL || ops->nccl_state == NULL ||
-        ops->dev_alloc == NULL ||
-        ops->dev_free == NULL)
+        ops->dev_alloc == NULL || ops->dev_free == NULL)
         return tdm_seterr(err, errlen, TDM_EINVAL, "kvx: this build has no NCCL data path");
     bool sender = role == TDM_KVX_PREFILL;
     if (geom == NULL || own_layer == NULL || n < 1 || dst_blocks == NULL ||
@@ -142,8 +139,7 @@ static int xfer(struct tdm_kvx_nccl *x, void *comm, void *buf, size_t bytes, cha
 }
 
 // One group's operations, between ncclGroupStart and ncclGroupEnd.
-static int issue(struct tdm_kvx_nccl *x, void *comm, int first, int count, char *err,
-                 size_t errlen)
+static int issue(struct tdm_kvx_nccl *x, void *comm, int first, int count, char *err, size_t errlen)
 {
     bool sender = x->role == TDM_KVX_PREFILL;
     const int *own = sender ? x->src_blocks : x->dst_blocks;
@@ -200,8 +196,8 @@ int tdm_kvx_nccl_layers(struct tdm_kvx_nccl *x, void *comm, int first, int count
         (uint32_t)(first + count) > x->geom.num_layers ||
         (x->staging != NULL &&
          (size_t)count * 2 * (size_t)x->n * x->geom.block_bytes > x->staging_bytes))
-        return tdm_seterr(err, errlen, TDM_EINVAL, "kvx: layers %d+%d out of order or range",
-                          first, count);
+        return tdm_seterr(err, errlen, TDM_EINVAL, "kvx: layers %d+%d out of order or range", first,
+                          count);
     char why[192] = "";
     int rc = TDM_OK;
     if (x->ops->nccl_group(x->ops->ctx, true, why, sizeof why) != 0)
@@ -227,10 +223,10 @@ int tdm_kvx_nccl_layers(struct tdm_kvx_nccl *x, void *comm, int first, int count
                             why[0] ? why : "?");
         else if (st == TDM_KVX_COMM_PENDING && tdm_now() > give_up) {
             x->unknown = true;
-            rc = tdm_seterr(err, errlen, TDM_EBACKEND, "kvx: NCCL group still enqueuing after 10 s");
+            rc =
+                tdm_seterr(err, errlen, TDM_EBACKEND, "kvx: NCCL group still enqueuing after 10 s");
         } else if (st == TDM_KVX_COMM_PENDING) {
-            struct timespec ts = {0, 100000};
-            nanosleep(&ts, NULL);
+            tdm_sleep(1e-4);
         }
     }
     // The scatter follows the receive on the same stream.
@@ -239,8 +235,7 @@ int tdm_kvx_nccl_layers(struct tdm_kvx_nccl *x, void *comm, int first, int count
         for (int l = 0; l < count && rc == TDM_OK; l++)
             for (int v = 0; v < 2 && rc == TDM_OK; v++)
                 rc = stage_copy(x, x->own_layer(x->own_arg, first + l, v), x->dst_blocks, 0, x->n,
-                                x->staging + ((size_t)l * 2 + (size_t)v) * pool_bytes, err,
-                                errlen);
+                                x->staging + ((size_t)l * 2 + (size_t)v) * pool_bytes, err, errlen);
     }
     if (rc != TDM_OK)
         x->failed = true;

@@ -906,8 +906,7 @@ static void test_nccl_transfer(void **state)
     assert_int_equal(tdm_kvx_nccl_new(&rx, &OPS, TDM_KVX_DECODE, &geom, dst_c, NULL, 3, ndst_layer,
                                       NULL, 1, err, sizeof err),
                      TDM_OK);
-    assert_int_equal(tdm_kvx_nccl_layers(rx, (void *)0x100, 0, 1, err, sizeof err),
-                     TDM_EBACKEND);
+    assert_int_equal(tdm_kvx_nccl_layers(rx, (void *)0x100, 0, 1, err, sizeof err), TDM_EBACKEND);
     assert_non_null(strstr(err, "no matching send"));
     assert_int_equal(W.groups_open, 0); // the group is closed on the failure path too
     D.fail_query = 1;
@@ -921,8 +920,7 @@ static void test_nccl_transfer(void **state)
     assert_int_equal(tdm_kvx_nccl_new(&tx, &OPS, TDM_KVX_PREFILL, &geom, dst_c, src_c, 3,
                                       nsrc_layer, NULL, 1, err, sizeof err),
                      TDM_OK);
-    assert_int_equal(tdm_kvx_nccl_layers(tx, (void *)0x100, 0, 1, err, sizeof err),
-                     TDM_EBACKEND);
+    assert_int_equal(tdm_kvx_nccl_layers(tx, (void *)0x100, 0, 1, err, sizeof err), TDM_EBACKEND);
     assert_non_null(strstr(err, "remote process exited"));
     while (tdm_kvx_nccl_poll(tx) == TDM_EBUSY)
         ;
