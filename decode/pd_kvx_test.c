@@ -1161,6 +1161,29 @@ static void test_nccl_one_transfer_per_pair(void **state)
     assert_true(metric_value(pw, "tandem:kv_transfers_total{transport=\"nccl\"}") == nccl0 + 1);
 }
 
+// A prefill worker whose KV pool holds f32 (the decode worker's bf16): NCCL
+// cannot move the blocks as they are, so before anything is joined the pair
+// chooses again and the KV goes over nng (converted), output unchanged.
+static void test_nccl_layouts_differ(void **state)
+{
+    (void)state;
+    setenv("TANDEM_HOST_ID", "node-c", 1);
+    setenv("TANDEM_CUDA_KV_DTYPE", "f32", 1); // the CUDA backend's device pool dtype
+    restart_prefill(NULL);
+    unsetenv("TANDEM_CUDA_KV_DTYPE");
+    unsetenv("TANDEM_HOST_ID");
+    int aborts0 = nccl_aborts();
+    int32_t prompt[40];
+    prompt_of(prompt, 40, 80);
+    expect_equal("ld-l", "ld-r", prompt, 40, 6, false, tdm_prefill_service_url(ps));
+    assert_true(metric_has(pw, "tandem:kv_transfers_total{transport=\"nng\"} 1"));
+    assert_int_equal(nccl_aborts(), aborts0); // nothing joined, nothing aborted
+    char body[4096];
+    get_health(pw, body, sizeof body);
+    assert_non_null(strstr(body, "\"transport\":\"nng\",\"transfers\":1,\"why\":\"nccl failed: "));
+    assert_non_null(strstr(body, "KV layouts differ"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1172,6 +1195,7 @@ int main(void)
         cmocka_unit_test(test_nccl_cancel_waits_for_receive),
         cmocka_unit_test(test_nccl_peer_restart),
         cmocka_unit_test(test_nccl_one_transfer_per_pair),
+        cmocka_unit_test(test_nccl_layouts_differ),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -354,6 +354,7 @@ static int nccl_prepare(struct tdm_prefill_service *p, struct pjob *job, const c
         else
             pause_briefly();
     }
+    bool touched = rc == TDM_OK; // from here a failure leaves the communicator in doubt
     uint8_t held[TDM_KVX_NCCL_ID_BYTES];
     if (rc == TDM_OK &&
         (!tdm_kvx_link_id(job->link, held) || memcmp(held, job->nccl_id, sizeof held) != 0 ||
@@ -401,11 +402,21 @@ static int nccl_prepare(struct tdm_prefill_service *p, struct pjob *job, const c
         return TDM_OK;
     }
     TDM_LOG_WARN(MOD, "req=%s nccl to %s failed: %s", job->request_id, job->decode_url, err);
-    if (job->link != NULL && rc != TDM_EBUSY)
-        tdm_kvx_link_abort(job->link);
     snprintf(job->why, sizeof job->why, "nccl failed: %.140s", err);
     tdm_kvx_nccl_free(job->nx);
     job->nx = NULL;
+    if (!touched) {
+        // Nothing joined or awaited (layouts differ, the link stayed busy):
+        // the decode worker's receive thread waits for our "nccl" frame, and
+        // a first frame of another transport ends it, so choose again.
+        tdm_kvx_links_give(p->links, job->link);
+        job->link = NULL;
+        return TDM_EBUSY;
+    }
+    // Joined or waited: the communicator's state is in doubt on both sides.
+    // Aborted here, and the transfer fails so the decode worker aborts its
+    // end too (a KvData error) and moves on; the next transfer rebuilds.
+    tdm_kvx_link_abort(job->link);
     return TDM_ETRANSPORT;
 }
 
@@ -519,11 +530,20 @@ static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
         TDM_LOG_WARN(MOD, "req=%s %s: KV over nng", job->request_id, derr);
         pre.gpu = pre.nccl = false;
     }
-    for (int round = 0; round < 2; round++) {
+    bool nccl_tried = false;
+    for (int round = 0; round < 3; round++) {
         if (tdm_kvx_choose(&pre, &dec, ipc, &job->mode, job->why, sizeof job->why) != 0)
             return TDM_EINVAL;
-        if (job->mode == TDM_KVX_NCCL)
-            return nccl_prepare(p, job, ipc == TDM_KVX_IPC_FAILED ? job->why : NULL);
+        if (job->mode == TDM_KVX_NCCL) {
+            int rc = nccl_prepare(p, job, ipc == TDM_KVX_IPC_FAILED ? job->why : NULL);
+            if (rc != TDM_EBUSY)
+                return rc;
+            dec.nccl = false; // choose again without NCCL (job->why says why)
+            nccl_tried = true;
+            continue;
+        }
+        if (job->mode != TDM_KVX_CUDA_IPC && nccl_tried)
+            return TDM_OK; // why: NCCL's failure
         if (job->mode != TDM_KVX_CUDA_IPC) {
             // Why not CUDA IPC (the first candidate): the settings, else what
             // the choice restricted to it says.
