@@ -289,15 +289,25 @@ void tdm_kv_convert(void *dst, int dst_dtype, const void *src, int src_dtype, si
         if (n)
             memcpy(dst, src, n * tdm_kv_dtype_size(src_dtype));
     } else if (dst_dtype == TDM_KV_F32 && src_dtype == TDM_KV_BF16) {
-        float *d = dst;
-        const uint16_t *x = src;
-        for (size_t i = 0; i < n; i++)
-            d[i] = tdm_bf16_to_f32(x[i]);
+        // Element by element through memcpy: a transfer payload sits at any
+        // byte offset in its frame (plain moves on x86, no misaligned access).
+        uint8_t *d = dst;
+        const uint8_t *x = src;
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, x + 2 * i, sizeof h);
+            float f = tdm_bf16_to_f32(h);
+            memcpy(d + 4 * i, &f, sizeof f);
+        }
     } else if (dst_dtype == TDM_KV_BF16 && src_dtype == TDM_KV_F32) {
-        uint16_t *d = dst;
-        const float *x = src;
-        for (size_t i = 0; i < n; i++)
-            d[i] = tdm_f32_to_bf16(x[i]);
+        uint8_t *d = dst;
+        const uint8_t *x = src;
+        for (size_t i = 0; i < n; i++) {
+            float f;
+            memcpy(&f, x + 4 * i, sizeof f);
+            uint16_t h = tdm_f32_to_bf16(f);
+            memcpy(d + 2 * i, &h, sizeof h);
+        }
     }
 }
 
