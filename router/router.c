@@ -19,6 +19,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -270,10 +271,16 @@ struct rstream {
     uint64_t instance; // the decode worker's instance (0 until known)
     double started;
     double heard;           // tdm_now() of its last chunk from the decode worker (under s->mu)
-    pthread_cond_t *cv;     // the reading call's: signalled on each chunk (under s->mu)
+    pthread_cond_t *cv;     // the reading call's: signalled when the queue stops being empty
     Tandem__TokenChunk **q; // [qn] received, not yet read (under s->mu)
     size_t qn, qcap;
     bool overflow;
+    // on_tokens calls past their unlock that have yet to signal cv: the
+    // signal goes after the unlock (a thread woken while the waker still
+    // holds s->mu would only block on it again: a futex round trip and a
+    // context switch per chunk), so stream_unregister waits for them before
+    // the call may destroy cv.
+    atomic_int signalling;
 };
 
 struct tdm_router_server {
@@ -373,12 +380,16 @@ static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f
         tandem__token_chunk__free_unpacked(m, NULL);
         return;
     }
+    pthread_cond_t *wake = NULL;
     pthread_mutex_lock(&s->mu);
     struct rstream *st = stream_find(s, m->request_id);
     if (st && st->instance == 0)
         st->instance = m->from_instance;
     if (st && st->instance == m->from_instance) {
         st->heard = tdm_now();
+        // Chunks already waiting mean the reader was woken for them and
+        // takes this one with them (pump takes a queue whole).
+        bool was_empty = st->qn == 0 && !st->overflow;
         if (st->qn == st->qcap) {
             size_t cap = st->qcap ? st->qcap * 2 : 16;
             Tandem__TokenChunk **q = cap < 1u << 20 ? realloc(st->q, cap * sizeof *q) : NULL;
@@ -393,9 +404,16 @@ static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f
         } else {
             st->overflow = true;
         }
-        pthread_cond_signal(st->cv); // one reader per call: wake only it
+        if (was_empty) {
+            wake = st->cv;
+            atomic_fetch_add(&st->signalling, 1);
+        }
     }
     pthread_mutex_unlock(&s->mu);
+    if (wake) {
+        pthread_cond_signal(wake); // one reader per call: wake only it
+        atomic_fetch_sub(&st->signalling, 1); // the last touch of st (stream_unregister)
+    }
     if (m)
         tandem__token_chunk__free_unpacked(m, NULL);
 }
@@ -493,8 +511,10 @@ struct choice {
     int32_t *got;          // [n_got] every token received from upstream, in order: what a
     size_t n_got, cap_got; // migrated stream resumes after (resume_tokens)
     bool migrate;          // its decode worker was lost: continue it elsewhere (pump)
-    Tandem__TokenChunk **spare; // [spare_cap] empty: swapped with its stream's queue by pump
-    size_t spare_cap;
+    Tandem__TokenChunk **spare; // [spare_cap] swapped with its stream's queue by pump, which
+    size_t spare_cap;           // then reads the n_batch chunks in it (else empty)
+    size_t n_batch;
+    bool overflow; // the stream's queue had overflowed when pump took it
 };
 
 struct call {
@@ -681,23 +701,34 @@ static int pump(struct call *k, double wait)
             break;
         tdm_cond_wait_for(&k->cv, &s->mu, left);
     }
+    // In the same turn of the lock, each stream's queue and its choice's
+    // empty spare change places: ch->spare then holds the batch to read.
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        ch->n_batch = 0;
+        ch->overflow = false;
+        if (ch->a->done || ch->st == NULL || (ch->st->qn == 0 && !ch->st->overflow))
+            continue;
+        struct rstream *st = ch->st;
+        Tandem__TokenChunk **batch = st->q;
+        size_t batch_cap = st->qcap;
+        ch->n_batch = st->qn;
+        ch->overflow = st->overflow;
+        st->q = ch->spare;
+        st->qcap = ch->spare_cap;
+        st->qn = 0;
+        ch->spare = batch;
+        ch->spare_cap = batch_cap;
+    }
     pthread_mutex_unlock(&s->mu);
     for (size_t i = 0; i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
         if (ch->a->done || ch->st == NULL)
             continue;
-        // The stream's queue and the choice's empty spare change places.
-        pthread_mutex_lock(&s->mu);
-        struct rstream *st = ch->st;
-        Tandem__TokenChunk **batch = st->q;
-        size_t n_batch = st->qn, batch_cap = st->qcap;
-        bool overflow = st->overflow;
-        st->q = ch->spare;
-        st->qcap = ch->spare_cap;
-        st->qn = 0;
-        pthread_mutex_unlock(&s->mu);
-        ch->spare = batch;
-        ch->spare_cap = batch_cap;
+        Tandem__TokenChunk **batch = ch->spare;
+        size_t n_batch = ch->n_batch;
+        bool overflow = ch->overflow;
+        ch->n_batch = 0;
         int rc = TDM_OK;
         for (size_t j = 0; j < n_batch; j++) {
             if (rc == TDM_OK && !ch->a->done) { // after the finish: dropped, as Cancel would
@@ -758,6 +789,8 @@ static void stream_unregister(struct tdm_router_server *s, struct rstream *st)
         }
     }
     pthread_mutex_unlock(&s->mu);
+    while (atomic_load(&st->signalling) > 0) // an on_tokens between unlock and signal
+        sched_yield();
     for (size_t i = 0; i < st->qn; i++)
         tandem__token_chunk__free_unpacked(st->q[i], NULL);
     free(st->q);
