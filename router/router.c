@@ -45,8 +45,8 @@
 
 #define MOD "router"
 #define MAX_EPS 512
-#define DECODE_ATTEMPTS 3 // routes per request in all (retry.h)
-#define MAX_MIGRATIONS 2  // times one request's streams may move to another decode worker
+#define DECODE_ATTEMPTS 3   // routes per request in all (retry.h)
+#define MAX_MIGRATIONS 2    // times one request's streams may move to another decode worker
 #define STREAM_BUCKETS 1024 // buckets of the open-stream table (a power of two)
 
 // ---- options --------------------------------------------------------------------------------

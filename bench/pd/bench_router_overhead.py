@@ -130,6 +130,9 @@ def main():
     ap.add_argument("--base-router", help="a second tandem-router (an older build) run beside the "
                     "first on the same decode worker, as a third path: before/after in one run")
     ap.add_argument("--decode", help="tandem-decode binary (default BUILD/decode/tandem-decode)")
+    ap.add_argument("--slow-model", action="store_true",
+                    help="the harness's ~30x slower model (a decode step of milliseconds, so each "
+                    "token is its own event and ITL times the path, not a burst of tokens)")
     args = ap.parse_args()
     b = args.build
     ns = argparse.Namespace(router=args.router or b + "/router/tandem-router",
@@ -139,6 +142,7 @@ def main():
                             workdir="/tmp/tandem-bench-pd", deadline=1800)
     os.makedirs(ns.workdir, exist_ok=True)
     cl = h.Cluster(ns, n_prefill=0, n_decode=1, policy="round_robin", pd_mode="never",
+                   model=h.make_slow_model(ns) if args.slow_model else None,
                    worker_args=["--max-num-seqs", "128", "--http-threads", "256"]).start()
     ports = {"direct": cl.decode[0].http_port, "router": cl.router_port}
     pids = {"router": cl.router_proc.pid}

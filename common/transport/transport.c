@@ -200,8 +200,8 @@ static int aio_finish_wait(nng_aio *aio)
 // reader and writer keep one: nng_aio_alloc costs a getrandom syscall and a
 // malloc, twice per frame otherwise), or NULL for a fresh one.
 // 0 or an nng error.
-static int stream_io(nng_aio *reuse, nng_stream *s, bool send, void *buf, size_t n,
-                     double deadline, const atomic_bool *stop)
+static int stream_io(nng_aio *reuse, nng_stream *s, bool send, void *buf, size_t n, double deadline,
+                     const atomic_bool *stop)
 {
     nng_aio *aio = reuse;
     int rv = aio ? 0 : nng_aio_alloc(&aio, NULL, NULL);
