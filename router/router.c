@@ -705,10 +705,10 @@ static int pump(struct call *k, double wait)
     // empty spare change places: ch->spare then holds the batch to read.
     for (size_t i = 0; i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        ch->n_batch = 0;
         ch->overflow = false;
-        if (ch->a->done || ch->st == NULL || (ch->st->qn == 0 && !ch->st->overflow))
-            continue;
+        if (ch->n_batch > 0 || ch->a->done || ch->st == NULL ||
+            (ch->st->qn == 0 && !ch->st->overflow))
+            continue; // (n_batch > 0: left by a pump that ran out of memory)
         struct rstream *st = ch->st;
         Tandem__TokenChunk **batch = st->q;
         size_t batch_cap = st->qcap;
@@ -723,8 +723,6 @@ static int pump(struct call *k, double wait)
     pthread_mutex_unlock(&s->mu);
     for (size_t i = 0; i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
-        if (ch->a->done || ch->st == NULL)
-            continue;
         Tandem__TokenChunk **batch = ch->spare;
         size_t n_batch = ch->n_batch;
         bool overflow = ch->overflow;
@@ -738,7 +736,9 @@ static int pump(struct call *k, double wait)
             tandem__token_chunk__free_unpacked(batch[j], NULL);
         }
         if (rc != TDM_OK)
-            return -2;
+            return -2; // the later choices' batches are freed by call_fini
+        if (ch->a->done || ch->st == NULL)
+            continue;
         if (overflow && !ch->a->done) {
             tdm_oai_asm_fail(ch->a, TDM_ENOMEM, "router: stream queue overflow");
             send_cancel(k, ch);
@@ -1189,8 +1189,11 @@ static void call_fini(struct call *k)
 {
     release_upstream(k);
     for (size_t i = 0; k->choices && i < k->oai.n_choices; i++) {
-        free(k->choices[i].got);
-        free(k->choices[i].spare);
+        struct choice *ch = &k->choices[i];
+        for (size_t j = 0; j < ch->n_batch; j++) // taken by a pump that ran out of memory
+            tandem__token_chunk__free_unpacked(ch->spare[j], NULL);
+        free(ch->got);
+        free(ch->spare);
     }
     free(k->choices);
     tdm_oai_call_fini(&k->oai);
