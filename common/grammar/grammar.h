@@ -39,7 +39,7 @@ struct tdm_grammar_matcher;
 #define TDM_GRAMMAR_MAX_STACK 1024              // nesting depth a sequence may reach
 #define TDM_GRAMMAR_MAX_STACKS 4096             // live stacks (ambiguity) in one state
 #define TDM_GRAMMAR_MAX_GBNF_BYTES (1u << 20)   // GBNF text
-#define TDM_GRAMMAR_MAX_WS 4 // whitespace bytes allowed at each JSON structural place
+#define TDM_GRAMMAR_MAX_WS 4       // whitespace bytes allowed at each JSON structural place
 #define TDM_GRAMMAR_MAX_END_IDS 64 // ending ids (EOS + stop ids) tdm_grammar_mask_apply keeps
 
 // ---- compile -------------------------------------------------------------------
