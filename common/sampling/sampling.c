@@ -587,6 +587,11 @@ int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, struct tdm_samp
     return token;
 }
 
+bool tdm_sampler_eos_ends(const struct tdm_sampler *s)
+{
+    return !s->p.ignore_eos && s->num_eos > 0 && s->num_generated >= s->p.min_tokens;
+}
+
 bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token)
 {
     if (s->num_generated < s->p.min_tokens)

@@ -85,6 +85,9 @@ int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, struct tdm_samp
 // once min_tokens were generated.
 bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token);
 int tdm_sampler_num_generated(const struct tdm_sampler *s);
+// True when an EOS id drawn next would end the request: not ignore_eos, and
+// min_tokens reached by then (the draw is not masked).
+bool tdm_sampler_eos_ends(const struct tdm_sampler *s);
 
 // Records tokens as if this sampler had sampled them (a stream resumed on
 // another worker, issue 11 part 6): each joins the history (penalties,
