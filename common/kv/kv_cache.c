@@ -532,6 +532,12 @@ const struct tdm_kv_config *tdm_kv_config(const struct tdm_kv_cache *kv)
     return kv ? &kv->cfg : NULL;
 }
 
+void *tdm_kv_storage_layer(void *storage, int layer, bool v)
+{
+    struct tdm_kv_storage *st = storage;
+    return v ? st->ops->layer_v(st, layer) : st->ops->layer_k(st, layer);
+}
+
 struct tdm_kv_storage *tdm_kv_storage(struct tdm_kv_cache *kv)
 {
     return kv ? kv->st : NULL;

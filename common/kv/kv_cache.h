@@ -125,6 +125,10 @@ void tdm_kv_free(struct tdm_kv_cache *kv);
 const struct tdm_kv_config *tdm_kv_config(const struct tdm_kv_cache *kv);
 // The cache's storage (never NULL for a live cache).
 struct tdm_kv_storage *tdm_kv_storage(struct tdm_kv_cache *kv);
+// Where layer `layer`'s K (v false) or V pool of `storage` (a struct
+// tdm_kv_storage *) starts: the source/destination callback of GPU KV
+// transfer (tdm_kvx_layer_fn).
+void *tdm_kv_storage_layer(void *storage, int layer, bool v);
 
 // Pointers to one block of one layer: [num_kv_heads][block_size][head_dim] f32;
 // NULL for a layer or block out of range, or when the pool is not host f32.
