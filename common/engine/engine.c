@@ -85,13 +85,10 @@ struct tdm_engine_request {
     int sched_take;                         // tokens scheduled this step (0 = not scheduled)
     // Speculative decoding: n_draft draft tokens proposed this step, written
     // at hist[n_tokens .. n_tokens + n_draft) (past the published tokens, so
-    // stream readers never see them) and scheduled after the last token; the
-    // adaptive pause (spec_adapt): decode steps left without proposing, the
-    // next pause's length, and the acceptance window.
+    // stream readers never see them) and scheduled after the last token.
     bool spec_ok; // speculation on, request unconstrained and not PREFILL_ONLY
     int n_draft;
-    int spec_pause, spec_backoff;
-    int spec_win_drafts, spec_win_accepted;
+    struct tdm_spec_adapt spec_adapt; // adaptive off (spec.h)
     double t_first_sched, t_first_token, t_last_token;
 
     // Guarded by engine->mu.
@@ -767,30 +764,14 @@ static bool admit_one(struct tdm_engine *e, int *n_items, int *budget)
 }
 
 // ---- speculative decoding (engine thread) ----------------------------------------------------
-// Adaptive off (per request): after every SPEC_WINDOW drafts, a request whose
-// drafts averaged fewer than SPEC_MIN_ACCEPT accepted tokens stops proposing
-// for spec_backoff decode steps (16, doubling up to 1024 while it stays low;
-// back to 16 after a good window). A verification step of 1 + K tokens costs
-// more than a decode step (measured in docs/speculative-decoding.md), so
-// drafts that are mostly rejected would make the request slower than without
-// speculation; a paused request pays only the proposer's scan.
-#define SPEC_WINDOW 8
-#define SPEC_MIN_ACCEPT 0.5
-#define SPEC_BACKOFF_MIN 16
-#define SPEC_BACKOFF_MAX 1024
-
 // Writes r's drafts for this step after its known tokens (r->n_draft), within
 // the step's token budget (the token itself needs one), the draft rows left,
 // and the request's room (the last draft's successor must still fit max_gen).
 static void propose(struct tdm_engine *e, struct tdm_engine_request *r, int budget)
 {
     r->n_draft = 0;
-    if (!r->spec_ok)
+    if (!r->spec_ok || !tdm_spec_adapt_step(&r->spec_adapt))
         return;
-    if (r->spec_pause > 0) {
-        r->spec_pause--;
-        return;
-    }
     int maxd = e->cfg.spec.num_speculative_tokens;
     if (maxd > r->max_gen - r->n_gen - 1)
         maxd = r->max_gen - r->n_gen - 1;
@@ -805,7 +786,7 @@ static void propose(struct tdm_engine *e, struct tdm_engine_request *r, int budg
     e->draft_rows_left -= r->n_draft;
 }
 
-// Counts one verification (metrics, stats) and runs the adaptive pause.
+// Counts one verification (metrics, stats) and feeds the adaptive pause.
 static void spec_count(struct tdm_engine *e, struct tdm_engine_request *r, int accepted)
 {
     e->spec_drafts++;
@@ -821,21 +802,9 @@ static void spec_count(struct tdm_engine *e, struct tdm_engine_request *r, int a
         for (int i = 0; i < accepted && i < m->num_positions; i++)
             tdm_metrics_counter_inc(m->accepted_per_pos[i]);
     }
-    r->spec_win_drafts++;
-    r->spec_win_accepted += accepted;
-    if (r->spec_win_drafts < SPEC_WINDOW)
-        return;
-    if (r->spec_win_accepted < SPEC_MIN_ACCEPT * r->spec_win_drafts) {
-        r->spec_pause = r->spec_backoff;
-        r->spec_backoff = r->spec_backoff * 2 > SPEC_BACKOFF_MAX ? SPEC_BACKOFF_MAX
-                                                                 : r->spec_backoff * 2;
-        TDM_LOG_DEBUG(MOD, "req=%s speculation paused steps=%d accepted=%d drafts=%d", r->id,
-                      r->spec_pause, r->spec_win_accepted, r->spec_win_drafts);
-    } else {
-        r->spec_backoff = SPEC_BACKOFF_MIN;
-    }
-    r->spec_win_drafts = 0;
-    r->spec_win_accepted = 0;
+    if (tdm_spec_adapt_update(&r->spec_adapt, accepted))
+        TDM_LOG_DEBUG(MOD, "req=%s speculation paused for %d steps (low acceptance)", r->id,
+                      r->spec_adapt.pause);
 }
 
 // Builds this step's schedule into e->items; returns the number of items.
@@ -1756,7 +1725,7 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     // Constrained requests do not speculate: their masks follow one token per step.
     r->spec_ok = e->cfg.spec.num_speculative_tokens > 0 && r->gm == NULL &&
                  r->kind != TDM_ENGINE_REQ_PREFILL_ONLY;
-    r->spec_backoff = SPEC_BACKOFF_MIN;
+    tdm_spec_adapt_init(&r->spec_adapt);
     if (pthread_mutex_init(&r->mu, NULL) != 0) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
         goto fail_sampler;

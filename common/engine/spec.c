@@ -58,3 +58,35 @@ int tdm_spec_propose(const struct tdm_spec_config *c, const int32_t *tokens, int
     }
     return 0;
 }
+
+void tdm_spec_adapt_init(struct tdm_spec_adapt *a)
+{
+    *a = (struct tdm_spec_adapt){.backoff = TDM_SPEC_BACKOFF_MIN};
+}
+
+bool tdm_spec_adapt_step(struct tdm_spec_adapt *a)
+{
+    if (a->pause > 0) {
+        a->pause--;
+        return false;
+    }
+    return true;
+}
+
+bool tdm_spec_adapt_update(struct tdm_spec_adapt *a, int accepted)
+{
+    a->win_drafts++;
+    a->win_accepted += accepted;
+    if (a->win_drafts < TDM_SPEC_WINDOW)
+        return false;
+    bool low = a->win_accepted < TDM_SPEC_MIN_ACCEPT * a->win_drafts;
+    if (low) {
+        a->pause = a->backoff;
+        a->backoff = a->backoff * 2 > TDM_SPEC_BACKOFF_MAX ? TDM_SPEC_BACKOFF_MAX : a->backoff * 2;
+    } else {
+        a->backoff = TDM_SPEC_BACKOFF_MIN;
+    }
+    a->win_drafts = 0;
+    a->win_accepted = 0;
+    return low;
+}

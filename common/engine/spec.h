@@ -9,6 +9,7 @@
 #ifndef TDM_SPEC_H
 #define TDM_SPEC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -36,5 +37,31 @@ int tdm_spec_config_resolve(struct tdm_spec_config *c, char *err, size_t errlen)
 // tokens + n (the engine writes drafts after the known tokens).
 int tdm_spec_propose(const struct tdm_spec_config *c, const int32_t *tokens, int n,
                      int max_draft, int32_t *draft);
+
+// Adaptive off, per request: after every TDM_SPEC_WINDOW verifications, a
+// request whose drafts averaged fewer than TDM_SPEC_MIN_ACCEPT accepted
+// tokens stops proposing for `backoff` decode steps (TDM_SPEC_BACKOFF_MIN,
+// doubling up to TDM_SPEC_BACKOFF_MAX while acceptance stays low; back to the
+// minimum after a good window). A verification of 1 + K tokens costs more
+// than a decode step once steps are compute-bound, so mostly rejected drafts
+// would make the request slower than without speculation; a paused request
+// pays only the proposer's scan.
+#define TDM_SPEC_WINDOW 8
+#define TDM_SPEC_MIN_ACCEPT 0.5
+#define TDM_SPEC_BACKOFF_MIN 16
+#define TDM_SPEC_BACKOFF_MAX 1024
+struct tdm_spec_adapt {
+    int pause;        // decode steps left without proposing
+    int backoff;      // the next pause's length
+    int win_drafts;   // verifications in the current window
+    int win_accepted; // drafts accepted in it
+};
+void tdm_spec_adapt_init(struct tdm_spec_adapt *a);
+// At a decode step: true when the request may propose now (a paused step is
+// counted down instead).
+bool tdm_spec_adapt_step(struct tdm_spec_adapt *a);
+// After a verification in which `accepted` drafts were accepted. Returns true
+// when this verification closed a bad window and started a pause.
+bool tdm_spec_adapt_update(struct tdm_spec_adapt *a, int accepted);
 
 #endif
