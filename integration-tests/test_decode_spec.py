@@ -7,7 +7,7 @@ requests (penalties, top-p, logprobs, a stop string and a stop id met inside
 the output, n > 1), alone and several at once, the token ids, text, finish
 reason, usage and logprobs are identical. The speculating server exports
 vLLM's spec_decode counters and they moved (drafts were proposed and
-accepted); the plain server has none. A bad --speculative-config is a
+accepted; promtool accepts the exposition); the plain server has none. A bad --speculative-config is a
 one-line startup error.
 """
 import random
@@ -100,6 +100,8 @@ def main():
     h.check(sum(pos) == accepted and all(pos[k] >= pos[k + 1] for k in range(3)),
             "per-position counters %s vs accepted %s" % (pos, accepted))
     h.check("vllm:spec_decode" not in plain.metrics(), "plain server exports spec counters")
+    pc = h.promtool_check(args.promtool, text)
+    h.check(pc is None or pc[0], "promtool: %s" % (pc[1] if pc else ""))
     print("spec: %d drafts, %d draft tokens, %d accepted (%.0f%%), per position %s"
           % (drafts, drafted, accepted, 100 * accepted / drafted, pos))
     plain.stop()
