@@ -294,3 +294,48 @@ char *tdm_path_join(const char *dir, const char *name)
     memcpy(p + k, name, b + 1);
     return p;
 }
+
+// ---- growable text buffer ----------------------------------------------------------------------
+
+int tdm_strbuf_reserve(struct tdm_strbuf *b, size_t more)
+{
+    if (b->failed)
+        return TDM_ENOMEM;
+    if (more > SIZE_MAX / 2 - b->len - 1) {
+        b->failed = true;
+        return TDM_ENOMEM;
+    }
+    if (b->p != NULL && b->len + more + 1 <= b->cap)
+        return TDM_OK;
+    size_t cap = b->cap ? b->cap : 64;
+    while (cap < b->len + more + 1)
+        cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (p == NULL) {
+        b->failed = true;
+        return TDM_ENOMEM;
+    }
+    p[b->len] = '\0';
+    b->p = p;
+    b->cap = cap;
+    return TDM_OK;
+}
+
+int tdm_strbuf_add(struct tdm_strbuf *b, const void *s, size_t n)
+{
+    if (tdm_strbuf_reserve(b, n) != TDM_OK)
+        return TDM_ENOMEM;
+    if (n)
+        memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+    return TDM_OK;
+}
+
+void tdm_strbuf_fini(struct tdm_strbuf *b)
+{
+    if (b == NULL)
+        return;
+    free(b->p);
+    *b = (struct tdm_strbuf){0};
+}

@@ -231,6 +231,25 @@ char *tdm_path_join(const char *dir, const char *name);
 // '/') when parent_only, else of path itself. TDM_OK, TDM_EIO or TDM_ENOMEM.
 int tdm_mkdir_p(const char *path, bool parent_only, char *err, size_t errlen);
 
+// ---- growable text buffer (core.c) -----------------------------------------------------
+// Bytes that grow by doubling, NUL-terminated once anything was reserved or
+// added. Zeroed
+// storage is an empty buffer. A failed allocation makes the buffer failed for
+// good: later adds do nothing and return TDM_ENOMEM, so a writer of many
+// pieces may check once at the end (b->failed).
+struct tdm_strbuf {
+    char *p;     // [cap] heap bytes, p[len] == '\0'; NULL until the first reserve/add
+    size_t len;  // bytes written, the NUL not counted
+    size_t cap;  // bytes allocated
+    bool failed; // an allocation failed
+};
+// Room for `more` bytes after len (and the NUL). TDM_OK or TDM_ENOMEM.
+int tdm_strbuf_reserve(struct tdm_strbuf *b, size_t more);
+// Appends n bytes of s (n may be 0: the buffer then exists, ""). TDM_OK or TDM_ENOMEM.
+int tdm_strbuf_add(struct tdm_strbuf *b, const void *s, size_t n);
+// Frees the bytes and zeroes the buffer (reusable; a NULL b is harmless).
+void tdm_strbuf_fini(struct tdm_strbuf *b);
+
 // ---- JSON nesting -------------------------------------------------------------------
 // The deepest array/object nesting accepted in any JSON text (request bodies,
 // config and model files, Hub answers). cJSON recurses about three frames per

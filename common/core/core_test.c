@@ -435,6 +435,36 @@ static void test_hmac_sha256(void **state)
     assert_false(tdm_ct_equal("abc", "abd", 3));
 }
 
+// The growable text buffer: empty when zeroed, NUL-terminated, doubling, and
+// failed for good once a size cannot be allocated.
+static void test_strbuf(void **state)
+{
+    (void)state;
+    struct tdm_strbuf b = {0};
+    assert_null(b.p);
+    assert_int_equal(tdm_strbuf_add(&b, "", 0), TDM_OK);
+    assert_non_null(b.p);
+    assert_string_equal(b.p, "");
+    for (int i = 0; i < 1000; i++)
+        assert_int_equal(tdm_strbuf_add(&b, "abc", 3), TDM_OK);
+    assert_int_equal(b.len, 3000);
+    assert_true(b.cap >= 3001 && b.cap < 2 * 3001 + 64);
+    assert_int_equal(strlen(b.p), 3000);
+    assert_memory_equal(b.p + 2997, "abc", 4);
+    tdm_strbuf_fini(&b);
+    assert_null(b.p);
+    assert_int_equal(b.len, 0);
+    assert_int_equal(tdm_strbuf_reserve(&b, 10), TDM_OK);
+    assert_string_equal(b.p, ""); // reserved: already a string
+    assert_int_equal(tdm_strbuf_reserve(&b, SIZE_MAX - 8), TDM_ENOMEM);
+    assert_true(b.failed);
+    assert_int_equal(tdm_strbuf_add(&b, "x", 1), TDM_ENOMEM); // sticky
+    assert_int_equal(b.len, 0);
+    tdm_strbuf_fini(&b);
+    assert_false(b.failed);
+    tdm_strbuf_fini(NULL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -450,6 +480,7 @@ int main(void)
         cmocka_unit_test(test_finish_name),
         cmocka_unit_test(test_flags_parse),
         cmocka_unit_test(test_flags_take_and_help),
+        cmocka_unit_test(test_strbuf),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

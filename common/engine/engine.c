@@ -888,7 +888,12 @@ static void append_token(struct tdm_engine *e, struct tdm_engine_request *r, int
             }
             return;
         }
-        if (tdm_grammar_matcher_is_done(r->gm)) { // nothing but EOS can follow
+        // Nothing but an ending id can follow: as in vLLM (xgrammar's matcher
+        // terminates only on the stop token), the next step samples it under
+        // the mask, so it is generated and counted in completion_tokens. Only
+        // where that draw could not end the request (ignore_eos, or min_tokens
+        // hiding the ending ids) does the request stop here, without it.
+        if (tdm_grammar_matcher_is_done(r->gm) && !tdm_sampler_eos_ends(r->sampler)) {
             finish_request(e, r, TDM_FINISH_STOP, -1, TDM_OK, NULL, true);
             return;
         }
@@ -1035,31 +1040,9 @@ static void masks_wait(struct tdm_engine *e, bool posted)
 // their logit only where the output is complete.
 static void mask_apply(struct tdm_engine *e, struct tdm_engine_request *r, float *row)
 {
-    float keep[TDM_MAX_EOS + TDM_MAX_STOP_IDS];
-    for (int i = 0; i < r->n_gend; i++)
-        keep[i] = row[r->gend[i]];
-    int nv = e->vocab;
-    int gv = tdm_grammar_vocab_size(e->cfg.grammar_vocab);
-    if (r->gmask_rc == TDM_OK) {
-        int lim = gv < nv ? gv : nv;
-        for (int w = 0; w * 32 < lim; w++) {
-            uint32_t m = r->gmask[w];
-            if (m == 0xffffffffu)
-                continue;
-            int base = w * 32;
-            int end = base + 32 < lim ? base + 32 : lim;
-            for (int v = base; v < end; v++)
-                if (!(m >> (v - base) & 1u))
-                    row[v] = -INFINITY;
-        }
-        for (int v = lim; v < nv; v++) // ids the tokenizer lacks
-            row[v] = -INFINITY;
-    } else { // cannot happen with a vocab; allow nothing but the ending ids
-        for (int v = 0; v < nv; v++)
-            row[v] = -INFINITY;
-    }
-    for (int i = 0; i < r->n_gend; i++)
-        row[r->gend[i]] = r->gmask_eos ? keep[i] : -INFINITY;
+    tdm_grammar_mask_apply(r->gmask_rc == TDM_OK ? r->gmask : NULL,
+                           tdm_grammar_vocab_size(e->cfg.grammar_vocab), row, e->vocab, r->gend,
+                           r->n_gend, r->gmask_eos);
 }
 
 // Verifies r's drafts against its 1 + n_draft logits rows (tdm_sampler_verify:

@@ -169,9 +169,13 @@ struct tdm_engine_request_params {
     // its own reference; sampling.constraint is then ignored). Either needs
     // cfg.grammar_vocab. Each step's logits are masked to the tokens the
     // grammar allows (masks computed on a helper thread while the forward
-    // runs); EOS and stop ids only where the output so far is complete; the
-    // request finishes STOP as soon as nothing but EOS could follow (no EOS
-    // token is generated then: stop_token -1), LENGTH at max_tokens mid-way.
+    // runs); EOS and stop ids only where the output so far is complete. Where
+    // nothing but them can follow, the next step samples one (the only tokens
+    // left), so, as in vLLM, the ending token is generated and counted and the
+    // request finishes STOP on it (LENGTH if max_tokens came first); only
+    // where that draw could not end the request (ignore_eos, min_tokens not
+    // reached) does it finish STOP at once, with no ending token (stop_token
+    // -1). LENGTH at max_tokens mid-way.
     // An IMPORT_KV request's first token advances the grammar like a sampled
     // one, so a decode worker continues where its prefill worker began.
     struct tdm_grammar *grammar;

@@ -285,19 +285,28 @@ int tdm_kv_dtype_parse(const char *s, enum tdm_kv_dtype *out, char *err, size_t 
 
 void tdm_kv_convert(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n)
 {
+    // dst or src may be unaligned (a KvData payload starts where its frame's
+    // message ends): elements move through memcpy, which the compiler turns
+    // into plain (unaligned) loads and stores.
+    unsigned char *d = dst;
+    const unsigned char *x = src;
     if (dst_dtype == src_dtype) {
         if (n)
             memcpy(dst, src, n * tdm_kv_dtype_size(src_dtype));
     } else if (dst_dtype == TDM_KV_F32 && src_dtype == TDM_KV_BF16) {
-        float *d = dst;
-        const uint16_t *x = src;
-        for (size_t i = 0; i < n; i++)
-            d[i] = tdm_bf16_to_f32(x[i]);
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, x + 2 * i, 2);
+            float f = tdm_bf16_to_f32(h);
+            memcpy(d + 4 * i, &f, 4);
+        }
     } else if (dst_dtype == TDM_KV_BF16 && src_dtype == TDM_KV_F32) {
-        uint16_t *d = dst;
-        const float *x = src;
-        for (size_t i = 0; i < n; i++)
-            d[i] = tdm_f32_to_bf16(x[i]);
+        for (size_t i = 0; i < n; i++) {
+            float f;
+            memcpy(&f, x + 4 * i, 4);
+            uint16_t h = tdm_f32_to_bf16(f);
+            memcpy(d + 2 * i, &h, 2);
+        }
     }
 }
 
@@ -1196,7 +1205,10 @@ static int copy_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, in
     }
     float *stage = NULL, *kf = (float *)kbuf, *vf = (float *)vbuf;
     size_t n = (size_t)nblocks * bf;
-    if (dtype != TDM_KV_F32) {
+    // The storage takes f32 arrays: staged when the payload is another dtype
+    // or not float-aligned (a frame's payload may start anywhere).
+    bool aligned = (uintptr_t)kbuf % _Alignof(float) == 0 && (uintptr_t)vbuf % _Alignof(float) == 0;
+    if (dtype != TDM_KV_F32 || !aligned) {
         stage = malloc(2 * n * sizeof(float));
         if (!stage)
             return TDM_ENOMEM;
@@ -1221,7 +1233,7 @@ static int copy_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, in
 int tdm_kv_read_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, int nblocks,
                        int dtype, void *dst)
 {
-    if (!kv || !kv->st->host || tdm_kv_dtype_size(dtype) == 0 || layer < 0 ||
+    if (!kv || tdm_kv_dtype_size(dtype) == 0 || layer < 0 ||
         layer >= kv->cfg.num_layers || nblocks < 0 || (nblocks > 0 && (!blocks || !dst)))
         return TDM_EINVAL;
     for (int i = 0; i < nblocks; i++)

@@ -281,8 +281,10 @@ int tdm_kv_export_layer_as(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq
                            int first_block, int nblocks, int dtype, void *dst, size_t dst_len);
 // The copy of export without its checks, for a thread other than the cache's
 // owner: reads only the pool (no refcounts, no error text), so the caller must
-// hold the blocks (referenced, nothing writing them). Host pools only:
-// TDM_EINVAL for another storage or an unknown dtype. dst holds
+// hold the blocks (referenced, nothing writing them). A device pool goes
+// through its storage's export_blocks, which is safe from any thread (the
+// CUDA storage stages under its own lock: a GPU prefill worker sending over
+// nng). TDM_EINVAL for an unknown dtype. dst holds
 // tdm_kv_layer_bytes_as(kv, nblocks, dtype) bytes.
 int tdm_kv_read_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, int nblocks,
                        int dtype, void *dst);

@@ -1346,7 +1346,15 @@ static void test_storage_interface(void **state)
     assert_int_equal(tdm_kv_import_layer(kv, &s, 0, 0, 2, hb, lb), TDM_OK);
     assert_true(f->pool[(size_t)s.block_table[1] * f->block_floats + 3] ==
                 f->pool[(8 + (size_t)s.block_table[1]) * f->block_floats + 3]);
-    assert_int_equal(tdm_kv_read_blocks(kv, 0, s.block_table, 2, TDM_KV_BF16, hb), TDM_EINVAL);
+    // read_blocks (the prefill job thread's unchecked copy) goes through the
+    // storage too: the same bytes as the checked export.
+    uint16_t *rb = malloc(lb);
+    assert_non_null(rb);
+    assert_int_equal(tdm_kv_export_layer(kv, &s, 1, 0, 2, hb, lb), TDM_OK);
+    assert_int_equal(tdm_kv_read_blocks(kv, 1, s.block_table, 2, TDM_KV_BF16, rb), TDM_OK);
+    assert_memory_equal(rb, hb, lb);
+    assert_int_equal(tdm_kv_read_blocks(kv, 1, s.block_table, 2, 99, rb), TDM_EINVAL);
+    free(rb);
     free(hb);
     tdm_kv_seq_release(kv, &s);
     tdm_kv_free(kv);

@@ -167,56 +167,31 @@ static void free_pairs(struct label_pair *pairs, size_t n)
 
 // ---- growable text buffer ---------------------------------------------------------------
 
-struct text {
-    char *p;
-    size_t len;
-    size_t cap;
-    bool oom; // sticky: once an append fails the text is unusable
-};
-
-static bool text_reserve(struct text *t, size_t more)
+static bool text_reserve(struct tdm_strbuf *t, size_t more)
 {
-    if (t->oom)
-        return false;
-    if (t->len + more + 1 <= t->cap)
-        return true;
-    size_t cap = t->cap ? t->cap : 64;
-    while (cap < t->len + more + 1)
-        cap *= 2;
-    char *p = realloc(t->p, cap);
-    if (!p) {
-        t->oom = true;
-        return false;
-    }
-    if (t->len == 0)
-        p[0] = '\0';
-    t->p = p;
-    t->cap = cap;
-    return true;
+    return tdm_strbuf_reserve(t, more) == TDM_OK;
 }
 
-static void text_putn(struct text *t, const char *s, size_t n)
+// Appended unchecked: the text fails for good on an allocation failure
+// (t->failed), checked once at the end.
+static void text_putn(struct tdm_strbuf *t, const char *s, size_t n)
 {
-    if (!text_reserve(t, n))
-        return;
-    memcpy(t->p + t->len, s, n);
-    t->len += n;
-    t->p[t->len] = '\0';
+    (void)tdm_strbuf_add(t, s, n);
 }
 
-static void text_put(struct text *t, const char *s)
+static void text_put(struct tdm_strbuf *t, const char *s)
 {
     text_putn(t, s, strlen(s));
 }
 
-static void text_putc(struct text *t, char c)
+static void text_putc(struct tdm_strbuf *t, char c)
 {
     text_putn(t, &c, 1);
 }
 
 // Label values escape backslash, double quote and newline; HELP text escapes
 // only backslash and newline (text format 0.0.4).
-static void text_put_escaped(struct text *t, const char *s, bool quote)
+static void text_put_escaped(struct tdm_strbuf *t, const char *s, bool quote)
 {
     for (; *s; s++) {
         if (*s == '\\')
@@ -230,7 +205,7 @@ static void text_put_escaped(struct text *t, const char *s, bool quote)
     }
 }
 
-static void text_put_double(struct text *t, double v)
+static void text_put_double(struct tdm_strbuf *t, double v)
 {
     char num[32];
     size_t n = tdm_metrics_format_double(num, v);
@@ -394,7 +369,7 @@ static char *shrink(char *p, size_t len)
     return q ? q : p;
 }
 
-static void put_pair(struct text *t, const struct label_pair *p)
+static void put_pair(struct tdm_strbuf *t, const struct label_pair *p)
 {
     text_put(t, p->name);
     text_putn(t, "=\"", 2);
@@ -408,7 +383,7 @@ static int series_render_labels(struct series *s, const struct family *f, char *
 {
     size_t n = f->n_const_labels + (values ? f->n_label_names : 0);
     struct label_pair *all = calloc(n ? n : 1, sizeof *all);
-    struct text full = {0}, pre = {0}, post = {0};
+    struct tdm_strbuf full = {0}, pre = {0}, post = {0};
     if (!all)
         return TDM_ENOMEM;
     for (size_t i = 0; i < f->n_const_labels; i++)
@@ -435,7 +410,7 @@ static int series_render_labels(struct series *s, const struct family *f, char *
         }
     }
     free(all);
-    if (full.oom || pre.oom || post.oom) {
+    if (full.failed || pre.failed || post.failed) {
         free(full.p);
         free(pre.p);
         free(post.p);
@@ -664,10 +639,10 @@ static int check_collision(const struct tdm_metrics_registry *reg, enum family_k
 
 static char *escape_help(const char *help)
 {
-    struct text t = {0};
+    struct tdm_strbuf t = {0};
     text_reserve(&t, 0);
     text_put_escaped(&t, help ? help : "", false);
-    if (t.oom) {
+    if (t.failed) {
         free(t.p);
         return NULL;
     }
@@ -999,7 +974,7 @@ double tdm_metrics_histogram_sum(const struct tdm_metrics_histogram *h)
 // ---- exposition ---------------------------------------------------------------------------
 
 // `name{labels} value\n`, braces only when there are labels.
-static void put_sample(struct text *t, const char *name, const char *suffix, const char *labels,
+static void put_sample(struct tdm_strbuf *t, const char *name, const char *suffix, const char *labels,
                        double value)
 {
     text_put(t, name);
@@ -1014,7 +989,7 @@ static void put_sample(struct text *t, const char *name, const char *suffix, con
     text_putc(t, '\n');
 }
 
-static void render_histogram_series(struct text *t, const struct family *f, const struct series *s)
+static void render_histogram_series(struct tdm_strbuf *t, const struct family *f, const struct series *s)
 {
     uint64_t cum = 0;
     char le[32];
@@ -1041,7 +1016,7 @@ static void render_histogram_series(struct text *t, const struct family *f, cons
                bits_double(atomic_load_explicit(&s->sum_bits, memory_order_relaxed)));
 }
 
-static void render_series(struct text *t, const struct family *f, const struct series *s)
+static void render_series(struct tdm_strbuf *t, const struct family *f, const struct series *s)
 {
     double v = bits_double(atomic_load_explicit(&s->value_bits, memory_order_relaxed));
     switch (f->kind) {
@@ -1057,7 +1032,7 @@ static void render_series(struct text *t, const struct family *f, const struct s
     }
 }
 
-static void render_family(struct text *t, const struct family *f)
+static void render_family(struct tdm_strbuf *t, const struct family *f)
 {
     static const char *const type_names[] = {"counter", "gauge", "histogram"};
     const char *suffix = f->kind == KIND_COUNTER ? "_total" : "";
@@ -1086,7 +1061,7 @@ int tdm_metrics_render_buf(const struct tdm_metrics_registry *reg, char **buf, s
 {
     if (!reg || !buf || !cap || !len)
         return TDM_EINVAL;
-    struct text t = {.p = *buf, .len = 0, .cap = *buf ? *cap : 0};
+    struct tdm_strbuf t = {.p = *buf, .len = 0, .cap = *buf ? *cap : 0};
     if (!text_reserve(&t, 32768)) { // the vLLM set renders to about 33 KB
         *buf = t.p;
         *cap = t.cap;
@@ -1099,7 +1074,7 @@ int tdm_metrics_render_buf(const struct tdm_metrics_registry *reg, char **buf, s
         render_family(&t, f);
     *buf = t.p;
     *cap = t.cap;
-    if (t.oom)
+    if (t.failed)
         return TDM_ENOMEM;
     *len = t.len;
     return TDM_OK;

@@ -397,11 +397,6 @@ bool tdm_oai_stop_done(const struct tdm_oai_stop *s);
 struct tdm_tokenizer;
 struct tdm_detok;
 
-struct tdm_oai_asm_buf {
-    char *p; // heap, NUL-terminated when non-NULL
-    size_t len, cap;
-};
-
 struct tdm_oai_asm {
     int index;      // choice index in the response (prompt_idx * n + i)
     int prompt_idx; // which prompt the choice continues
@@ -417,14 +412,14 @@ struct tdm_oai_asm {
     int completion_tokens;
     int error;         // finish ERROR: the error code
     char message[256]; // finish ERROR: the message
-    struct tdm_oai_asm_buf text; // non-stream: all text; stream: not yet sent
+    struct tdm_strbuf text; // non-stream: all text; stream: not yet sent
     struct tdm_oai_token_logprob *lps; // [n_lps] likewise; token strings owned here
     size_t n_lps, cap_lps;
     int32_t *ids; // [n_ids] likewise (return_token_ids)
     size_t n_ids, cap_ids;
     size_t chars_sent; // stream: code points already sent (text_offset)
     bool first_sent;   // stream: prompt_token_ids went out
-    struct tdm_oai_asm_buf clean; // scratch for the UTF-8 cleaning
+    struct tdm_strbuf clean; // scratch for the UTF-8 cleaning
     struct tdm_oai_toolparse *tools; // stream with tool parsing: text goes through it (text
                                      // then holds its content), its deltas wait for the chunk
 };
@@ -460,13 +455,12 @@ void tdm_oai_asm_choice(const struct tdm_oai_asm *a, bool with_finish, const int
                         size_t n_prompt_ids, struct tdm_oai_choice *oc);
 // Non-stream: the choice of the final body (with finish). With echo the
 // prompt text comes first, joined with the generated text into *joined
-// (caller's storage, zeroed before; free with tdm_oai_asm_buf_fini after the
+// (caller's storage, zeroed before; free with tdm_strbuf_fini after the
 // body is built) and text_offset counts the prompt. TDM_ENOMEM.
 int tdm_oai_asm_body_choice(const struct tdm_oai_asm *a, bool echo, const char *prompt_text,
                             size_t prompt_text_len, const int32_t *prompt_ids,
-                            size_t n_prompt_ids, struct tdm_oai_asm_buf *joined,
+                            size_t n_prompt_ids, struct tdm_strbuf *joined,
                             struct tdm_oai_choice *oc);
-void tdm_oai_asm_buf_fini(struct tdm_oai_asm_buf *b);
 // The non-stream body of n finished choices: choices[i] continues
 // prompts[choices[i]->prompt_idx]; with echo each text starts with its prompt.
 // Heap string; NULL on ENOMEM.

@@ -18,30 +18,6 @@
 
 // ---- buffers ----------------------------------------------------------------------------
 
-static int buf_add(struct tdm_oai_asm_buf *b, const char *s, size_t n)
-{
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 256;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (p == NULL)
-            return TDM_ENOMEM;
-        b->p = p;
-        b->cap = cap;
-    }
-    if (n)
-        memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-    return TDM_OK;
-}
-
-static void buf_fini(struct tdm_oai_asm_buf *b)
-{
-    free(b->p);
-    memset(b, 0, sizeof *b);
-}
 
 static void lps_clear(struct tdm_oai_asm *a)
 {
@@ -146,7 +122,7 @@ static size_t utf8_char_len(const unsigned char *s, size_t n, size_t *skip)
 // delta is invalid for good: it becomes U+FFFD here, before the stop matcher,
 // so stop strings see the text the client will see (as vLLM's Python str).
 // Returns delta itself when it is clean, else the cleaned copy in scratch.
-static const char *utf8_clean(const char *delta, size_t len, struct tdm_oai_asm_buf *scratch,
+static const char *utf8_clean(const char *delta, size_t len, struct tdm_strbuf *scratch,
                               size_t *out_len)
 {
     const unsigned char *u = (const unsigned char *)delta;
@@ -161,11 +137,11 @@ static const char *utf8_clean(const char *delta, size_t len, struct tdm_oai_asm_
     if (i == len)
         return delta;
     scratch->len = 0;
-    if (buf_add(scratch, delta, i) != TDM_OK)
+    if (tdm_strbuf_add(scratch, delta, i) != TDM_OK)
         return NULL;
     while (i < len) {
         size_t l = utf8_char_len(u + i, len - i, &skip);
-        if (buf_add(scratch, l ? delta + i : "\xEF\xBF\xBD", l ? l : 3) != TDM_OK)
+        if (tdm_strbuf_add(scratch, l ? delta + i : "\xEF\xBF\xBD", l ? l : 3) != TDM_OK)
             return NULL;
         i += l ? l : skip;
     }
@@ -210,8 +186,8 @@ void tdm_oai_asm_fini(struct tdm_oai_asm *a)
     tdm_detok_free(a->detok);
     tdm_oai_stop_free(a->stop);
     tdm_oai_toolparse_free(a->tools);
-    buf_fini(&a->text);
-    buf_fini(&a->clean);
+    tdm_strbuf_fini(&a->text);
+    tdm_strbuf_fini(&a->clean);
     lps_clear(a);
     free(a->lps);
     free(a->ids);
@@ -231,13 +207,13 @@ void tdm_oai_asm_reset_finish(struct tdm_oai_asm *a)
 static int add_generated(struct tdm_oai_asm *a, const char *s, size_t n, bool end)
 {
     if (a->tools == NULL)
-        return n > 0 ? buf_add(&a->text, s, n) : TDM_OK;
+        return n > 0 ? tdm_strbuf_add(&a->text, s, n) : TDM_OK;
     if (tdm_oai_toolparse_feed(a->tools, s, n) != TDM_OK ||
         (end && tdm_oai_toolparse_finish(a->tools) != TDM_OK))
         return TDM_ENOMEM;
     size_t cl = 0;
     const char *c = tdm_oai_toolparse_content(a->tools, &cl);
-    if (cl > 0 && buf_add(&a->text, c, cl) != TDM_OK)
+    if (cl > 0 && tdm_strbuf_add(&a->text, c, cl) != TDM_OK)
         return TDM_ENOMEM;
     tdm_oai_toolparse_clear_content(a->tools);
     return TDM_OK;
@@ -346,7 +322,7 @@ void tdm_oai_asm_fail(struct tdm_oai_asm *a, int error, const char *fmt, ...)
 
 int tdm_oai_asm_add_text(struct tdm_oai_asm *a, const char *text, size_t len)
 {
-    return buf_add(&a->text, text ? text : "", text ? len : 0);
+    return tdm_strbuf_add(&a->text, text ? text : "", text ? len : 0);
 }
 
 // ---- output ---------------------------------------------------------------------------------
@@ -384,26 +360,21 @@ void tdm_oai_asm_choice(const struct tdm_oai_asm *a, bool with_finish, const int
 
 int tdm_oai_asm_body_choice(const struct tdm_oai_asm *a, bool echo, const char *prompt_text,
                             size_t prompt_text_len, const int32_t *prompt_ids,
-                            size_t n_prompt_ids, struct tdm_oai_asm_buf *joined,
+                            size_t n_prompt_ids, struct tdm_strbuf *joined,
                             struct tdm_oai_choice *oc)
 {
     tdm_oai_asm_choice(a, true, prompt_ids, n_prompt_ids, oc);
     if (!echo)
         return TDM_OK;
     // Echo: the prompt text, then the completion; offsets start after it.
-    int rc = buf_add(joined, prompt_text ? prompt_text : "", prompt_text ? prompt_text_len : 0);
+    int rc = tdm_strbuf_add(joined, prompt_text ? prompt_text : "", prompt_text ? prompt_text_len : 0);
     if (rc == TDM_OK)
-        rc = buf_add(joined, a->text.p ? a->text.p : "", a->text.len);
+        rc = tdm_strbuf_add(joined, a->text.p ? a->text.p : "", a->text.len);
     oc->text = joined->p ? joined->p : "";
     oc->text_len = joined->len;
     oc->text_offset = tdm_oai_utf8_chars(prompt_text ? prompt_text : "",
                                          prompt_text ? prompt_text_len : 0);
     return rc;
-}
-
-void tdm_oai_asm_buf_fini(struct tdm_oai_asm_buf *b)
-{
-    buf_fini(b);
 }
 
 char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
@@ -412,7 +383,7 @@ char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
                        const struct tdm_oai_usage *usage)
 {
     struct tdm_oai_choice *oc = calloc(n ? n : 1, sizeof *oc);
-    struct tdm_oai_asm_buf *joined = calloc(n ? n : 1, sizeof *joined);
+    struct tdm_strbuf *joined = calloc(n ? n : 1, sizeof *joined);
     // Chat with tool parsing: each choice's calls and content (vLLM's
     // extract_tool_calls over the whole text).
     struct tdm_oai_tool_call **calls = calloc(n ? n : 1, sizeof *calls);
@@ -450,7 +421,7 @@ char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
         body = tdm_oai_body(r, oc, n, usage);
 out:
     for (size_t i = 0; joined && i < n; i++)
-        buf_fini(&joined[i]);
+        tdm_strbuf_fini(&joined[i]);
     for (size_t i = 0; calls && n_calls && i < n; i++)
         tdm_oai_tool_calls_free(calls[i], n_calls[i]);
     for (size_t i = 0; content && i < n; i++)

@@ -115,7 +115,7 @@ static void test_stop_string(void **state)
     assert_int_equal(a.finish, TDM_FINISH_LENGTH);
     assert_string_equal(a.text.p, "Hello world and more");
     // The body's choice: with echo the prompt comes first and offsets follow it.
-    struct tdm_oai_asm_buf joined = {0};
+    struct tdm_strbuf joined = {0};
     struct tdm_oai_choice oc2;
     assert_int_equal(tdm_oai_asm_body_choice(&a, true, "Say: \xC3\xA9", 7, NULL, 0, &joined, &oc2),
                      TDM_OK);
@@ -123,7 +123,7 @@ static void test_stop_string(void **state)
     assert_memory_equal(oc2.text, "Say: \xC3\xA9Hello world and more", oc2.text_len);
     assert_int_equal(oc2.text_offset, 6); // code points of the prompt
     assert_int_equal(oc2.finish, TDM_FINISH_LENGTH);
-    tdm_oai_asm_buf_fini(&joined);
+    tdm_strbuf_fini(&joined);
     assert_int_equal(tdm_oai_asm_body_choice(&a, false, "x", 1, NULL, 0, &joined, &oc2), TDM_OK);
     assert_string_equal(oc2.text, "Hello world and more");
     assert_int_equal(oc2.text_offset, 0);

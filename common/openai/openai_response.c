@@ -472,48 +472,18 @@ char *tdm_oai_version_body(const char *version)
 // overhead) made a single call allocate ~360 MB. Written here it costs the
 // output itself (~6 bytes a token) plus the id array. The bytes are cJSON's:
 // integers as %d, strings escaped as cJSON_PrintUnformatted escapes them.
-struct out_buf {
-    char *p;
-    size_t len, cap;
-    bool failed;
-};
-
-static void out_reserve(struct out_buf *b, size_t more)
-{
-    if (b->failed || b->len + more + 1 <= b->cap)
-        return;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->len + more + 1)
-        cap *= 2;
-    char *g = realloc(b->p, cap);
-    if (g == NULL) {
-        b->failed = true;
-        return;
-    }
-    b->p = g;
-    b->cap = cap;
-}
-
-static void out_put(struct out_buf *b, const char *s, size_t n)
-{
-    out_reserve(b, n);
-    if (b->failed)
-        return;
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void out_int(struct out_buf *b, long long v)
+// Pieces are appended unchecked: the buffer fails for good on an allocation
+// failure, checked once at the end.
+static void out_int(struct tdm_strbuf *b, long long v)
 {
     char num[24];
     int n = snprintf(num, sizeof num, "%lld", v);
-    out_put(b, num, (size_t)n);
+    tdm_strbuf_add(b, num, (size_t)n);
 }
 
-static void out_json_string(struct out_buf *b, const char *s)
+static void out_json_string(struct tdm_strbuf *b, const char *s)
 {
-    out_put(b, "\"", 1);
+    tdm_strbuf_add(b, "\"", 1);
     for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
         char esc[8];
         const char *e = NULL;
@@ -546,31 +516,31 @@ static void out_json_string(struct out_buf *b, const char *s)
             }
         }
         if (e)
-            out_put(b, e, strlen(e));
+            tdm_strbuf_add(b, e, strlen(e));
         else
-            out_put(b, (const char *)p, 1);
+            tdm_strbuf_add(b, (const char *)p, 1);
     }
-    out_put(b, "\"", 1);
+    tdm_strbuf_add(b, "\"", 1);
 }
 
 char *tdm_oai_tokenize_body(const int32_t *ids, size_t n, int max_model_len,
                             const char *const *token_strs)
 {
-    struct out_buf b = {0};
-    out_reserve(&b, 64 + n * 7); // ids of up to 6 digits and a comma: one allocation
-    out_put(&b, "{\"count\":", 9);
+    struct tdm_strbuf b = {0};
+    tdm_strbuf_reserve(&b, 64 + n * 7); // ids of up to 6 digits and a comma: one allocation
+    tdm_strbuf_add(&b, "{\"count\":", 9);
     out_int(&b, (long long)n);
-    out_put(&b, ",\"max_model_len\":", 17);
+    tdm_strbuf_add(&b, ",\"max_model_len\":", 17);
     out_int(&b, max_model_len);
-    out_put(&b, ",\"tokens\":[", 11);
+    tdm_strbuf_add(&b, ",\"tokens\":[", 11);
     for (size_t i = 0; i < n; i++) {
         if (i)
-            out_put(&b, ",", 1);
+            tdm_strbuf_add(&b, ",", 1);
         out_int(&b, ids[i]);
     }
-    out_put(&b, "],\"token_strs\":", 15);
+    tdm_strbuf_add(&b, "],\"token_strs\":", 15);
     if (token_strs) {
-        out_put(&b, "[", 1);
+        tdm_strbuf_add(&b, "[", 1);
         for (size_t i = 0; i < n && !b.failed; i++) {
             const char *s = token_strs[i] ? token_strs[i] : "";
             char *fixed = tdm_oai_utf8_dup(s, strlen(s));
@@ -578,16 +548,16 @@ char *tdm_oai_tokenize_body(const int32_t *ids, size_t n, int max_model_len,
                 b.failed = true;
             else {
                 if (i)
-                    out_put(&b, ",", 1);
+                    tdm_strbuf_add(&b, ",", 1);
                 out_json_string(&b, fixed);
             }
             free(fixed);
         }
-        out_put(&b, "]", 1);
+        tdm_strbuf_add(&b, "]", 1);
     } else {
-        out_put(&b, "null", 4);
+        tdm_strbuf_add(&b, "null", 4);
     }
-    out_put(&b, "}", 1);
+    tdm_strbuf_add(&b, "}", 1);
     if (b.failed) {
         free(b.p);
         return NULL;

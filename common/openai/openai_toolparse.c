@@ -32,30 +32,6 @@
 #define LLAMA_TAG "<|python_tag|>"
 #define JSON_MAX_DEPTH 128 // nesting a tool call's JSON may reach
 
-struct tbuf {
-    char *p; // heap, NUL-terminated when non-NULL
-    size_t len, cap;
-};
-
-static int tbuf_add(struct tbuf *b, const char *s, size_t n)
-{
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 64;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *q = realloc(b->p, cap);
-        if (q == NULL)
-            return TDM_ENOMEM;
-        b->p = q;
-        b->cap = cap;
-    }
-    if (n)
-        memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-    return TDM_OK;
-}
-
 enum pstate {
     P_TEXT,       // hermes: content, looking for <tool_call>
     P_CALL,       // hermes: inside <tool_call> ... </tool_call>
@@ -73,7 +49,7 @@ struct tdm_oai_toolparse {
     enum tdm_oai_tool_format fmt;
     char *fn_name;   // NAMED: the function
     bool parallel;   // false: calls after the first are dropped
-    struct tbuf all; // every byte fed
+    struct tdm_strbuf all; // every byte fed
     size_t pos;      // bytes of all decided
     enum pstate st;
     bool final; // finish was called
@@ -91,7 +67,7 @@ struct tdm_oai_toolparse {
 
     // hermes: whitespace after a call is held; it is content only if content follows
     bool after_call;
-    struct tbuf ws_hold;
+    struct tdm_strbuf ws_hold;
 
     int n_headers; // calls whose header went out
     bool had_bad;  // a call failed to parse (non-stream: all text is content)
@@ -101,7 +77,7 @@ struct tdm_oai_toolparse {
     size_t n_calls, cap_calls;
 
     // output since the last clear
-    struct tbuf content;
+    struct tdm_strbuf content;
     struct tdm_oai_tool_delta *deltas;
     size_t n_deltas, cap_deltas;
 };
@@ -458,7 +434,7 @@ static const char *find_bytes(const char *s, size_t n, const char *what)
 
 static int add_content(struct tdm_oai_toolparse *p, const char *s, size_t n)
 {
-    return tbuf_add(&p->content, s, n);
+    return tdm_strbuf_add(&p->content, s, n);
 }
 
 // Content of the hermes text mode: after a call, whitespace waits for content.
@@ -468,7 +444,7 @@ static int text_content(struct tdm_oai_toolparse *p, const char *s, size_t n)
     if (p->after_call) {
         while (i < n && is_ws(s[i]))
             i++;
-        if (tbuf_add(&p->ws_hold, s, i) != TDM_OK)
+        if (tdm_strbuf_add(&p->ws_hold, s, i) != TDM_OK)
             return TDM_ENOMEM;
         if (i == n)
             return TDM_OK;
@@ -942,7 +918,7 @@ int tdm_oai_toolparse_feed(struct tdm_oai_toolparse *p, const char *text, size_t
 {
     if (p->final || len == 0)
         return TDM_OK;
-    if (tbuf_add(&p->all, text, len) != TDM_OK)
+    if (tdm_strbuf_add(&p->all, text, len) != TDM_OK)
         return TDM_ENOMEM;
     return step(p);
 }
@@ -952,7 +928,7 @@ int tdm_oai_toolparse_finish(struct tdm_oai_toolparse *p)
     if (p->final)
         return TDM_OK;
     p->final = true;
-    if (p->all.p == NULL && tbuf_add(&p->all, "", 0) != TDM_OK)
+    if (p->all.p == NULL && tdm_strbuf_add(&p->all, "", 0) != TDM_OK)
         return TDM_ENOMEM;
     return step(p);
 }

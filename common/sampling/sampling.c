@@ -601,6 +601,11 @@ int tdm_sampler_verify(struct tdm_sampler *s, float *rows, const int32_t *draft,
     return n;
 }
 
+bool tdm_sampler_eos_ends(const struct tdm_sampler *s)
+{
+    return !s->p.ignore_eos && s->num_eos > 0 && s->num_generated >= s->p.min_tokens;
+}
+
 bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token)
 {
     if (s->num_generated < s->p.min_tokens)

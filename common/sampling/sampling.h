@@ -103,6 +103,9 @@ int tdm_sampler_verify(struct tdm_sampler *s, float *rows, const int32_t *draft,
 // once min_tokens were generated.
 bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token);
 int tdm_sampler_num_generated(const struct tdm_sampler *s);
+// True when an EOS id drawn next would end the request: not ignore_eos, and
+// min_tokens reached by then (the draw is not masked).
+bool tdm_sampler_eos_ends(const struct tdm_sampler *s);
 
 // Records tokens as if this sampler had sampled them (a stream resumed on
 // another worker, issue 11 part 6): each joins the history (penalties,

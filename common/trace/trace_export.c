@@ -28,45 +28,20 @@
 #define MOD "trace"
 
 // ---- a growable text buffer ----------------------------------------------------------------
-struct sbuf {
-    char *p;
-    size_t len, cap;
-    bool oom;
-};
-
-static void sb_grow(struct sbuf *b, size_t extra)
+// Appended unchecked: the buffer fails for good on an allocation failure
+// (b->failed), checked once per batch.
+static void sb_put(struct tdm_strbuf *b, const char *s, size_t n)
 {
-    if (b->oom || b->len + extra + 1 <= b->cap)
-        return;
-    size_t cap = b->cap ? b->cap : 4096;
-    while (cap < b->len + extra + 1)
-        cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (p == NULL) {
-        b->oom = true;
-        return;
-    }
-    b->p = p;
-    b->cap = cap;
+    (void)tdm_strbuf_add(b, s, n);
 }
 
-static void sb_put(struct sbuf *b, const char *s, size_t n)
-{
-    sb_grow(b, n);
-    if (b->oom)
-        return;
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void sb_puts(struct sbuf *b, const char *s)
+static void sb_puts(struct tdm_strbuf *b, const char *s)
 {
     sb_put(b, s, strlen(s));
 }
 
-static void sb_printf(struct sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_printf(struct sbuf *b, const char *fmt, ...)
+static void sb_printf(struct tdm_strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(struct tdm_strbuf *b, const char *fmt, ...)
 {
     char tmp[128];
     va_list ap;
@@ -78,7 +53,7 @@ static void sb_printf(struct sbuf *b, const char *fmt, ...)
 }
 
 // A JSON string literal.
-static void sb_str(struct sbuf *b, const char *s)
+static void sb_str(struct tdm_strbuf *b, const char *s)
 {
     sb_put(b, "\"", 1);
     for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
@@ -96,7 +71,7 @@ static void sb_str(struct sbuf *b, const char *s)
     sb_put(b, "\"", 1);
 }
 
-static void sb_hex(struct sbuf *b, const uint8_t *bytes, size_t n)
+static void sb_hex(struct tdm_strbuf *b, const uint8_t *bytes, size_t n)
 {
     char h[33];
     tdm_trace_hex(bytes, n, h);
@@ -106,7 +81,7 @@ static void sb_hex(struct sbuf *b, const uint8_t *bytes, size_t n)
 }
 
 // tdm_now() seconds to Unix nanoseconds as a JSON string.
-static void sb_nanos(struct sbuf *b, double t, double wall_offset)
+static void sb_nanos(struct tdm_strbuf *b, double t, double wall_offset)
 {
     // Whole seconds of the offset apart, so the sum keeps nanosecond digits.
     double whole = floor(wall_offset);
@@ -116,7 +91,7 @@ static void sb_nanos(struct sbuf *b, double t, double wall_offset)
 }
 
 // ---- OTLP JSON -----------------------------------------------------------------------------
-static void encode_attr(struct sbuf *b, const struct tdm_span_attr *a)
+static void encode_attr(struct tdm_strbuf *b, const struct tdm_span_attr *a)
 {
     sb_puts(b, "{\"key\":");
     sb_str(b, a->key ? a->key : "");
@@ -137,7 +112,7 @@ static void encode_attr(struct sbuf *b, const struct tdm_span_attr *a)
     sb_puts(b, "}}");
 }
 
-static void encode_span(struct sbuf *b, const struct tdm_span *sp, double wall_offset)
+static void encode_span(struct tdm_strbuf *b, const struct tdm_span *sp, double wall_offset)
 {
     static const uint8_t zero[8];
     sb_puts(b, "{\"traceId\":");
@@ -185,7 +160,7 @@ static void encode_span(struct sbuf *b, const struct tdm_span *sp, double wall_o
 int tdm_trace_encode_otlp(const struct tdm_span *spans, size_t n, const char *service_name,
                           double wall_offset, char **out, size_t *len)
 {
-    struct sbuf b = {0};
+    struct tdm_strbuf b = {0};
     sb_puts(&b, "{\"resourceSpans\":[{\"resource\":{\"attributes\":[{\"key\":\"service.name\","
                 "\"value\":{\"stringValue\":");
     sb_str(&b, service_name ? service_name : "tandem");
@@ -196,7 +171,7 @@ int tdm_trace_encode_otlp(const struct tdm_span *spans, size_t n, const char *se
         encode_span(&b, &spans[i], wall_offset);
     }
     sb_puts(&b, "]}]}]}");
-    if (b.oom) {
+    if (b.failed) {
         free(b.p);
         *out = NULL;
         *len = 0;
