@@ -16,9 +16,11 @@
 //   sampled     random prompts, seeded sampling at temperature 1: almost
 //               nothing repeats, so drafts are rare and mostly rejected
 //               (the adaptive pause's case).
-// Runs with and without speculation alternate (the machine is shared) and
-// each figure is the best of --repeat runs; decode tokens/s is (tokens - 1) /
-// (last token - first token) per request, summed over the requests. Prints
+// Every request runs without and with speculation back to back, each on a
+// fresh engine, the order alternating (the machine is shared: load from other
+// processes then hits both sides alike), --repeat rounds; decode tokens/s is
+// the sum of (tokens - 1) over the sum of (last token - first token) of the
+// requests, steps are the engines' forward passes (prefills included). Prints
 // the ratio (goal >= 2 on repetitive, >= 0.95 on the others) and the
 // acceptance: accepted drafts / draft tokens and tokens per verification step.
 // Usage: tandem-bench-spec [--model DIR] [--threads N] [--tokens N] [--k K]
@@ -45,7 +47,7 @@ static const char *const wl_name[W_COUNT] = {"repetitive", "random", "sampled"};
 
 struct run {
     double tok_s; // decode tokens/s
-    uint64_t drafts, draft_tokens, accepted;
+    uint64_t drafts, draft_tokens, accepted, steps;
 };
 
 static void die(const char *what, const char *err)
@@ -189,45 +191,51 @@ int main(int argc, char **argv)
     }
     tdm_engine_free(e0);
 
+    // Each request runs once without and once with speculation, back to back
+    // (the order alternating), each on a fresh engine, so that load from
+    // other processes hits both sides alike; figures sum over all runs.
     struct run best[W_COUNT][2];
+    double sum_s[W_COUNT][2] = {{0}};
+    long sum_tok[W_COUNT][2] = {{0}};
     memset(best, 0, sizeof best);
     for (int rep = 0; rep < repeat; rep++) {
-        for (int with = 0; with < 2; with++) {
-            struct tdm_engine *e = engine_for(m, with ? k : 0);
-            for (int w = 0; w < W_COUNT; w++) {
-                struct tdm_engine_stats s0, s1;
-                tdm_engine_get_stats(e, &s0);
-                double ds = 0;
-                long dt = 0;
-                for (int i = 0; i < nreq; i++)
+        for (int w = 0; w < W_COUNT; w++) {
+            for (int i = 0; i < nreq; i++) {
+                for (int side = 0; side < 2; side++) {
+                    int with = (rep + i + side) % 2;
+                    struct tdm_engine *e = engine_for(m, with ? k : 0);
                     generate(e, prompts[w][i], plen[w][i], tokens, w == W_SAMPLED,
-                             77 + (uint64_t)i, NULL, &ds, &dt);
-                tdm_engine_get_stats(e, &s1);
-                double tps = ds > 0 ? (double)dt / ds : 0;
-                struct run *b = &best[w][with];
-                if (tps > b->tok_s) {
-                    b->tok_s = tps;
-                    b->drafts = s1.spec_drafts - s0.spec_drafts;
-                    b->draft_tokens = s1.spec_draft_tokens - s0.spec_draft_tokens;
-                    b->accepted = s1.spec_accepted_tokens - s0.spec_accepted_tokens;
+                             77 + (uint64_t)i, NULL, &sum_s[w][with], &sum_tok[w][with]);
+                    struct tdm_engine_stats st;
+                    tdm_engine_get_stats(e, &st);
+                    struct run *b = &best[w][with];
+                    b->drafts += st.spec_drafts;
+                    b->draft_tokens += st.spec_draft_tokens;
+                    b->accepted += st.spec_accepted_tokens;
+                    b->steps += st.num_steps;
+                    tdm_engine_free(e);
                 }
             }
-            tdm_engine_free(e);
         }
     }
+    for (int w = 0; w < W_COUNT; w++)
+        for (int with = 0; with < 2; with++)
+            best[w][with].tok_s =
+                sum_s[w][with] > 0 ? (double)sum_tok[w][with] / sum_s[w][with] : 0;
     printf("speculative decoding, n-gram lookup 4..2, K=%d, batch 1, %d threads, %d requests x "
-           "%d tokens, best of %d\n",
+           "%d tokens, %d rounds\n",
            k, threads, nreq, tokens, repeat);
-    printf("%-11s %10s %10s %7s %6s %9s %9s %10s\n", "workload", "off tok/s", "on tok/s",
-           "ratio", "goal", "drafts", "accepted", "tok/verify");
+    printf("%-11s %10s %10s %7s %6s %9s %9s %10s %11s\n", "workload", "off tok/s", "on tok/s",
+           "ratio", "goal", "drafts", "accepted", "tok/verify", "steps off/on");
     for (int w = 0; w < W_COUNT; w++) {
         const struct run *a = &best[w][0], *b = &best[w][1];
         double ratio = a->tok_s > 0 ? b->tok_s / a->tok_s : 0;
         double goal = w == W_REPETITIVE ? 2.0 : 0.95;
         double acc = b->draft_tokens ? (double)b->accepted / (double)b->draft_tokens : 0;
         double per = b->drafts ? 1.0 + (double)b->accepted / (double)b->drafts : 0;
-        printf("%-11s %10.1f %10.1f %6.2fx %5.2fx %9llu %8.0f%% %10.2f  %s\n", wl_name[w],
-               a->tok_s, b->tok_s, ratio, goal, (unsigned long long)b->drafts, 100 * acc, per,
+        printf("%-11s %10.1f %10.1f %6.2fx %5.2fx %9llu %8.0f%% %10.2f %5llu/%-5llu %s\n",
+               wl_name[w], a->tok_s, b->tok_s, ratio, goal, (unsigned long long)b->drafts,
+               100 * acc, per, (unsigned long long)a->steps, (unsigned long long)b->steps,
                ratio >= goal ? "met" : "MISSED");
     }
     tdm_model_free(m);

@@ -802,7 +802,7 @@ static void spec_count(struct tdm_engine *e, struct tdm_engine_request *r, int a
         for (int i = 0; i < accepted && i < m->num_positions; i++)
             tdm_metrics_counter_inc(m->accepted_per_pos[i]);
     }
-    if (tdm_spec_adapt_update(&r->spec_adapt, accepted))
+    if (tdm_spec_adapt_update(&r->spec_adapt, r->n_draft, accepted))
         TDM_LOG_DEBUG(MOD, "req=%s speculation paused for %d steps (low acceptance)", r->id,
                       r->spec_adapt.pause);
 }

@@ -1498,8 +1498,9 @@ static void test_spec_propose(void **state)
     assert_int_equal(bad.prompt_lookup_max, 3);
 }
 
-// The adaptive pause: a bad window (mean accepted < 0.5 per draft over 8)
-// pauses for 16 steps, then 32, 64 ... up to 1024; a good window resets it.
+// The adaptive pause: a bad window (under 25% of the draft tokens of 8
+// verifications accepted) pauses for 16 steps, then 32, 64 ... up to 1024; a
+// good window resets it.
 static void test_spec_adapt_policy(void **state)
 {
     (void)state;
@@ -1507,19 +1508,21 @@ static void test_spec_adapt_policy(void **state)
     tdm_spec_adapt_init(&a);
     int expect = TDM_SPEC_BACKOFF_MIN;
     for (int round = 0; round < 9; round++) {
+        // 7 of 32 draft tokens accepted: 22% < 25%.
         for (int i = 0; i < TDM_SPEC_WINDOW; i++) {
             assert_true(tdm_spec_adapt_step(&a));
-            assert_int_equal(tdm_spec_adapt_update(&a, i == 0 ? 3 : 0), i == TDM_SPEC_WINDOW - 1);
+            assert_int_equal(tdm_spec_adapt_update(&a, 4, i == 0 ? 4 : i == 1 ? 3 : 0),
+                             i == TDM_SPEC_WINDOW - 1);
         }
         for (int i = 0; i < expect; i++)
             assert_false(tdm_spec_adapt_step(&a));
         expect = expect * 2 > TDM_SPEC_BACKOFF_MAX ? TDM_SPEC_BACKOFF_MAX : expect * 2;
     }
     assert_int_equal(a.backoff, TDM_SPEC_BACKOFF_MAX);
-    // A good window (4 accepted over 8: exactly the threshold) resets the backoff.
+    // A good window (8 of 32 accepted: exactly the threshold) resets the backoff.
     for (int i = 0; i < TDM_SPEC_WINDOW; i++) {
         assert_true(tdm_spec_adapt_step(&a));
-        assert_false(tdm_spec_adapt_update(&a, i % 2));
+        assert_false(tdm_spec_adapt_update(&a, 4, 1));
     }
     assert_int_equal(a.backoff, TDM_SPEC_BACKOFF_MIN);
     assert_true(tdm_spec_adapt_step(&a));
@@ -1737,7 +1740,7 @@ static void test_spec_adaptive(void **state)
                   (unsigned long long)st.spec_accepted_tokens, TOK);
     // Windows of 8 drafts, then pauses of 16, 32, 64 ... decode steps. The
     // counts are deterministic (seeded, alone): 23 drafts with the pause, 41
-    // without it (measured with TDM_SPEC_MIN_ACCEPT 0).
+    // without it (measured with TDM_SPEC_MIN_ACCEPT_RATE 0).
     assert_true(st.spec_drafts >= TDM_SPEC_WINDOW);
     assert_true(st.spec_accepted_tokens < st.spec_drafts / 2);
     assert_true(st.spec_drafts <= 32);

@@ -73,13 +73,14 @@ bool tdm_spec_adapt_step(struct tdm_spec_adapt *a)
     return true;
 }
 
-bool tdm_spec_adapt_update(struct tdm_spec_adapt *a, int accepted)
+bool tdm_spec_adapt_update(struct tdm_spec_adapt *a, int proposed, int accepted)
 {
     a->win_drafts++;
+    a->win_proposed += proposed;
     a->win_accepted += accepted;
     if (a->win_drafts < TDM_SPEC_WINDOW)
         return false;
-    bool low = a->win_accepted < TDM_SPEC_MIN_ACCEPT * a->win_drafts;
+    bool low = a->win_accepted < TDM_SPEC_MIN_ACCEPT_RATE * a->win_proposed;
     if (low) {
         a->pause = a->backoff;
         a->backoff = a->backoff * 2 > TDM_SPEC_BACKOFF_MAX ? TDM_SPEC_BACKOFF_MAX : a->backoff * 2;
@@ -87,6 +88,7 @@ bool tdm_spec_adapt_update(struct tdm_spec_adapt *a, int accepted)
         a->backoff = TDM_SPEC_BACKOFF_MIN;
     }
     a->win_drafts = 0;
+    a->win_proposed = 0;
     a->win_accepted = 0;
     return low;
 }

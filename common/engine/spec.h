@@ -39,29 +39,32 @@ int tdm_spec_propose(const struct tdm_spec_config *c, const int32_t *tokens, int
                      int max_draft, int32_t *draft);
 
 // Adaptive off, per request: after every TDM_SPEC_WINDOW verifications, a
-// request whose drafts averaged fewer than TDM_SPEC_MIN_ACCEPT accepted
-// tokens stops proposing for `backoff` decode steps (TDM_SPEC_BACKOFF_MIN,
-// doubling up to TDM_SPEC_BACKOFF_MAX while acceptance stays low; back to the
-// minimum after a good window). A verification of 1 + K tokens costs more
-// than a decode step once steps are compute-bound, so mostly rejected drafts
-// would make the request slower than without speculation; a paused request
-// pays only the proposer's scan.
+// request that accepted fewer than TDM_SPEC_MIN_ACCEPT_RATE of the draft
+// tokens it proposed stops proposing for `backoff` decode steps
+// (TDM_SPEC_BACKOFF_MIN, doubling up to TDM_SPEC_BACKOFF_MAX while acceptance
+// stays low; back to the minimum after a good window). Each draft token makes
+// the verification step dearer (on the CPU at batch 1 with the 0.5B shape,
+// ~0.14 of a decode step per draft token: a 5-token step costs 1.56 decode
+// steps, docs/speculative-decoding.md) and each accepted one saves a step, so
+// below ~14% acceptance speculation loses; the threshold leaves a margin. A
+// paused request pays only the proposer's scan.
 #define TDM_SPEC_WINDOW 8
-#define TDM_SPEC_MIN_ACCEPT 0.5
+#define TDM_SPEC_MIN_ACCEPT_RATE 0.25
 #define TDM_SPEC_BACKOFF_MIN 16
 #define TDM_SPEC_BACKOFF_MAX 1024
 struct tdm_spec_adapt {
     int pause;        // decode steps left without proposing
     int backoff;      // the next pause's length
     int win_drafts;   // verifications in the current window
-    int win_accepted; // drafts accepted in it
+    int win_proposed; // draft tokens proposed in it
+    int win_accepted; // draft tokens accepted in it
 };
 void tdm_spec_adapt_init(struct tdm_spec_adapt *a);
 // At a decode step: true when the request may propose now (a paused step is
 // counted down instead).
 bool tdm_spec_adapt_step(struct tdm_spec_adapt *a);
-// After a verification in which `accepted` drafts were accepted. Returns true
-// when this verification closed a bad window and started a pause.
-bool tdm_spec_adapt_update(struct tdm_spec_adapt *a, int accepted);
+// After a verification of `proposed` draft tokens of which `accepted` were
+// accepted. Returns true when it closed a bad window and started a pause.
+bool tdm_spec_adapt_update(struct tdm_spec_adapt *a, int proposed, int accepted);
 
 #endif
