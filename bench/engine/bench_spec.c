@@ -38,7 +38,7 @@
 #ifndef TANDEM_BENCH_MODEL_DIR
 #define TANDEM_BENCH_MODEL_DIR "qwen2.5-0.5b-random"
 #endif
-#define TEXT 48       // tokens of the random text T
+#define TEXT 48 // tokens of the random text T
 #define MAX_TOKENS 1024
 #define MAX_REQ 16
 
@@ -204,8 +204,8 @@ int main(int argc, char **argv)
                 for (int side = 0; side < 2; side++) {
                     int with = (rep + i + side) % 2;
                     struct tdm_engine *e = engine_for(m, with ? k : 0);
-                    generate(e, prompts[w][i], plen[w][i], tokens, w == W_SAMPLED,
-                             77 + (uint64_t)i, NULL, &sum_s[w][with], &sum_tok[w][with]);
+                    generate(e, prompts[w][i], plen[w][i], tokens, w == W_SAMPLED, 77 + (uint64_t)i,
+                             NULL, &sum_s[w][with], &sum_tok[w][with]);
                     struct tdm_engine_stats st;
                     tdm_engine_get_stats(e, &st);
                     struct run *b = &best[w][with];

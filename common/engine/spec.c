@@ -14,8 +14,8 @@ int tdm_spec_config_resolve(struct tdm_spec_config *c, char *err, size_t errlen)
         return TDM_OK;
     if (c->num_speculative_tokens < 1 || c->num_speculative_tokens > TDM_SPEC_MAX_TOKENS)
         return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "num_speculative_tokens must be in [1, %d], got %d",
-                          TDM_SPEC_MAX_TOKENS, c->num_speculative_tokens);
+                          "num_speculative_tokens must be in [1, %d], got %d", TDM_SPEC_MAX_TOKENS,
+                          c->num_speculative_tokens);
     // vLLM: both unset -> 5; one unset -> the other's value.
     if (c->prompt_lookup_max == 0 && c->prompt_lookup_min == 0)
         c->prompt_lookup_max = c->prompt_lookup_min = 5;
@@ -33,8 +33,8 @@ int tdm_spec_config_resolve(struct tdm_spec_config *c, char *err, size_t errlen)
     return TDM_OK;
 }
 
-int tdm_spec_propose(const struct tdm_spec_config *c, const int32_t *tokens, int n,
-                     int max_draft, int32_t *draft)
+int tdm_spec_propose(const struct tdm_spec_config *c, const int32_t *tokens, int n, int max_draft,
+                     int32_t *draft)
 {
     if (c->num_speculative_tokens <= 0 || max_draft <= 0)
         return 0;

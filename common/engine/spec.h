@@ -35,8 +35,8 @@ int tdm_spec_config_resolve(struct tdm_spec_config *c, char *err, size_t errlen)
 // (a loop of period p < max_draft is proposed in full). Returns how many
 // (max_draft, or 0 when nothing matched or max_draft <= 0). draft may be
 // tokens + n (the engine writes drafts after the known tokens).
-int tdm_spec_propose(const struct tdm_spec_config *c, const int32_t *tokens, int n,
-                     int max_draft, int32_t *draft);
+int tdm_spec_propose(const struct tdm_spec_config *c, const int32_t *tokens, int n, int max_draft,
+                     int32_t *draft);
 
 // Adaptive off, per request: after every TDM_SPEC_WINDOW verifications, a
 // request that accepted fewer than TDM_SPEC_MIN_ACCEPT_RATE of the draft
