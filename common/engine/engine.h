@@ -31,6 +31,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "sampling.h"
+#include "spec.h"
 
 struct tdm_engine;
 struct tdm_engine_request;
@@ -63,6 +64,14 @@ struct tdm_engine_config {
     const struct tdm_grammar_vocab *grammar_vocab;
     int mask_threads; // threads filling a step's masks beside the forward (started at the first
                       // constrained step); 0 = a quarter of the online cores, 1 to 4
+    // Speculative decoding by n-gram prompt lookup (vLLM's --speculative-config
+    // method "ngram"; docs/speculative-decoding.md): num_speculative_tokens 0 =
+    // off (default). Resolved with tdm_spec_config_resolve at creation (a bad
+    // one is TDM_EINVAL). Output is unchanged by it: greedy and seeded requests
+    // produce the same tokens with and without it. Constrained requests do not
+    // speculate.
+    struct tdm_spec_config spec;
+    struct tdm_metrics_spec *spec_metrics; // vLLM's spec_decode counters to update; NULL = none
 };
 // Fills the defaults above.
 void tdm_engine_config_default(struct tdm_engine_config *cfg);
@@ -358,6 +367,11 @@ struct tdm_engine_stats {
     double mask_seconds;      // time computing them (on the mask thread, overlapping the forward)
     double mask_wait_seconds; // engine-thread time on masks: waiting for them after the
                               // forward, then applying them to the logits (the exposed cost)
+    // Speculative decoding (as the vllm:spec_decode_* counters): verification
+    // steps that carried drafts, draft tokens proposed, drafts accepted, and
+    // accepted drafts by position (0 .. num_speculative_tokens-1).
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted_tokens;
+    uint64_t spec_accepted_per_pos[TDM_SPEC_MAX_TOKENS];
 };
 // A consistent snapshot as of the end of the engine's last step (or idle point).
 void tdm_engine_get_stats(struct tdm_engine *e, struct tdm_engine_stats *out);

@@ -747,6 +747,25 @@ int tdm_kv_reserve(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_to
     return TDM_OK;
 }
 
+int tdm_kv_trim(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_tokens)
+{
+    if (!kv || !seq || total_tokens < seq->num_tokens) {
+        if (kv)
+            kv_err(kv, "kv trim: total_tokens=%d below the %d committed", total_tokens,
+                   seq ? seq->num_tokens : 0);
+        return TDM_EINVAL;
+    }
+    int bs = kv->cfg.block_size;
+    int keep = (int)(((int64_t)total_tokens + bs - 1) / bs);
+    for (int i = seq->num_blocks - 1; i >= keep; i--) {
+        block_decref(kv, seq->block_table[i]);
+        seq->block_hashes[i] = 0;
+    }
+    if (keep < seq->num_blocks)
+        seq->num_blocks = keep;
+    return TDM_OK;
+}
+
 // The cached block whose content equals seq's first (i + 1) blocks, with its
 // generation: the block itself when hashed, else its pinned twin. False only
 // for a block that is not full or was committed with prefix caching off.

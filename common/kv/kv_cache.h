@@ -170,6 +170,13 @@ int tdm_kv_match_prefix(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const i
 // TDM_EINVAL for total_tokens < 0, TDM_ENOMEM if the table cannot grow.
 int tdm_kv_reserve(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_tokens);
 
+// Gives back the blocks past the first ceil(total_tokens / block_size): the
+// tail a speculative step reserved for draft tokens that were rejected
+// (docs/speculative-decoding.md). total_tokens must be >= seq->num_tokens (the
+// committed tokens stay), so the blocks dropped were never hashed and go back
+// to the free list. TDM_EINVAL (nothing changes) otherwise.
+int tdm_kv_trim(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_tokens);
+
 // Declares that KV for tokens[0..total_tokens) is now written; blocks that became
 // full get their chained hash and enter the prefix cache. tokens is the whole
 // sequence (prompt + generated) so far. total_tokens must lie in
