@@ -112,6 +112,9 @@ static int x_copy_async(void *ctx, void *dst, const void *src, size_t bytes, cha
     (void)ctx;
     pthread_mutex_lock(&X.mu);
     int rc = 0;
+    if (X.nq == (int)(sizeof X.q / sizeof X.q[0]) && X.done == X.nq && !atomic_load(&X.hold)) {
+        X.nq = X.done = 0; // everything landed: the log starts over
+    }
     if (X.nq == (int)(sizeof X.q / sizeof X.q[0])) {
         snprintf(err, errlen, "fake copy queue full");
         rc = -1;
@@ -122,15 +125,6 @@ static int x_copy_async(void *ctx, void *dst, const void *src, size_t bytes, cha
     }
     pthread_mutex_unlock(&X.mu);
     return rc;
-}
-
-static int x_event_record(void *ctx, void **event, char *err, size_t errlen)
-{
-    (void)ctx, (void)err, (void)errlen;
-    pthread_mutex_lock(&X.mu);
-    *event = (void *)(uintptr_t)(X.nq + 1);
-    pthread_mutex_unlock(&X.mu);
-    return 0;
 }
 
 static int x_event_query(void *ctx, void *event)
@@ -150,9 +144,274 @@ static int x_event_query(void *ctx, void *event)
     return 1;
 }
 
-static void x_event_free(void *ctx, void *event)
+// ---- the fake NCCL: two in-process ranks meet at a rendezvous named by the id;
+// a send and a receive of the same rank pair match in order and move their
+// bytes by memcpy at the match. X.nccl_hold keeps sends unmatched (a transfer
+// stalled mid-way); an abort completes its communicator's pending operations
+// without data (NCCL's aborted kernels end). An event is complete when every
+// operation the recording thread issued before it is done.
+enum { MAX_OPS = 8192 };
+struct fop {
+    struct fcomm *c;
+    void *buf;
+    size_t bytes;
+    bool send, done;
+    pthread_t thread;
+};
+struct rdv {
+    uint8_t id[TDM_KVX_NCCL_ID_BYTES];
+    int joined; // bit per rank
+};
+struct fcomm {
+    struct rdv *r;
+    int rank;
+    bool aborted;
+    bool stalled; // made while N.init_stall was set: never ready
+};
+static struct {
+    struct rdv rdv[64];
+    int nrdv;
+    struct fop ops[MAX_OPS];
+    int nops;
+    int ids, inits, aborts, destroys, groups;
+    uint64_t bytes;
+    atomic_bool off;        // nccl_unique_id fails: the decode worker offers no NCCL
+    atomic_bool init_stall; // communicators made while set never become ready
+    atomic_bool hold;       // sends stay unmatched
+    atomic_bool slow_end;   // events of NCCL operations stay pending (an aborted kernel
+                            // that takes its time to end)
+    atomic_bool slow_seen;  // such an event was queried
+    double t_ended;         // tdm_now() when a held event was first seen complete
+} N;
+
+struct fevent {
+    int upto; // ops issued before it
+    int upto_copy;
+    pthread_t thread;
+};
+
+static void n_match_locked(void)
 {
-    (void)ctx, (void)event;
+    if (atomic_load(&N.hold))
+        return;
+    for (int i = 0; i < N.nops; i++) {
+        struct fop *s = &N.ops[i];
+        if (!s->send || s->done)
+            continue;
+        // The first pending receive of the same rendezvous, from the other rank.
+        for (int k = 0; k < N.nops; k++) {
+            struct fop *r = &N.ops[k];
+            if (r->send || r->done || r->c->r != s->c->r || r->c->rank == s->c->rank)
+                continue;
+            memcpy(r->buf, s->buf, r->bytes < s->bytes ? r->bytes : s->bytes);
+            N.bytes += s->bytes;
+            r->done = s->done = true;
+            break;
+        }
+        if (!s->done)
+            break; // in order: a later send must not overtake it
+    }
+}
+
+static int n_unique_id(void *ctx, uint8_t id[TDM_KVX_NCCL_ID_BYTES], char *err, size_t errlen)
+{
+    (void)ctx;
+    if (atomic_load(&N.off)) {
+        snprintf(err, errlen, "NCCL off in this test");
+        return -1;
+    }
+    pthread_mutex_lock(&X.mu);
+    memset(id, 0, TDM_KVX_NCCL_ID_BYTES);
+    int n = ++N.ids;
+    memcpy(id, &n, sizeof n);
+    pthread_mutex_unlock(&X.mu);
+    return 0;
+}
+
+static int n_init_start(void *ctx, const uint8_t id[TDM_KVX_NCCL_ID_BYTES], int rank, void **comm,
+                        char *err, size_t errlen)
+{
+    (void)ctx;
+    pthread_mutex_lock(&X.mu);
+    struct rdv *r = NULL;
+    for (int i = 0; i < N.nrdv && r == NULL; i++)
+        if (memcmp(N.rdv[i].id, id, TDM_KVX_NCCL_ID_BYTES) == 0)
+            r = &N.rdv[i];
+    if (r == NULL && N.nrdv < 64) {
+        r = &N.rdv[N.nrdv++];
+        memcpy(r->id, id, TDM_KVX_NCCL_ID_BYTES);
+    }
+    struct fcomm *c = r ? calloc(1, sizeof *c) : NULL;
+    if (c != NULL) {
+        c->r = r;
+        c->rank = rank;
+        c->stalled = atomic_load(&N.init_stall);
+        r->joined |= 1 << rank;
+        N.inits++;
+    }
+    pthread_mutex_unlock(&X.mu);
+    *comm = c;
+    if (c == NULL) {
+        snprintf(err, errlen, "fake: no rendezvous");
+        return -1;
+    }
+    return 0;
+}
+
+static int n_state(void *ctx, void *comm, enum tdm_kvx_comm_state *state, char *err, size_t errlen)
+{
+    (void)ctx;
+    struct fcomm *c = comm;
+    pthread_mutex_lock(&X.mu);
+    if (c->aborted) {
+        snprintf(err, errlen, "fake: aborted");
+        *state = TDM_KVX_COMM_ERROR;
+    } else if (c->stalled || c->r->joined != 3) {
+        *state = TDM_KVX_COMM_PENDING;
+    } else {
+        *state = TDM_KVX_COMM_READY;
+    }
+    pthread_mutex_unlock(&X.mu);
+    return 0;
+}
+
+static int n_abort(void *ctx, void *comm)
+{
+    (void)ctx;
+    struct fcomm *c = comm;
+    pthread_mutex_lock(&X.mu);
+    N.aborts++;
+    c->aborted = true;
+    for (int i = 0; i < N.nops; i++)
+        if (N.ops[i].c == c)
+            N.ops[i].done = true, N.ops[i].c = NULL; // ended without data; forgets c
+    pthread_mutex_unlock(&X.mu);
+    free(c);
+    return 0;
+}
+
+static int n_destroy(void *ctx, void *comm)
+{
+    (void)ctx;
+    struct fcomm *c = comm;
+    pthread_mutex_lock(&X.mu);
+    N.destroys++;
+    for (int i = 0; i < N.nops; i++)
+        if (N.ops[i].c == c)
+            N.ops[i].done = true, N.ops[i].c = NULL;
+    pthread_mutex_unlock(&X.mu);
+    free(c);
+    return 0;
+}
+
+static int n_op(void *comm, void *buf, size_t bytes, bool send, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&X.mu);
+    int rc = 0;
+    if (N.nops == MAX_OPS) { // every op done: the log starts over
+        bool all = true;
+        for (int i = 0; i < N.nops && all; i++)
+            all = N.ops[i].done;
+        if (all)
+            N.nops = 0;
+    }
+    if (N.nops == MAX_OPS) {
+        snprintf(err, errlen, "fake: op log full");
+        rc = -1;
+    } else {
+        N.ops[N.nops++] = (struct fop){comm, buf, bytes, send, false, pthread_self()};
+        n_match_locked();
+    }
+    pthread_mutex_unlock(&X.mu);
+    return rc;
+}
+
+static int n_send(void *ctx, void *comm, const void *buf, size_t bytes, int peer, char *err,
+                  size_t errlen)
+{
+    (void)ctx, (void)peer;
+    return n_op(comm, (void *)buf, bytes, true, err, errlen);
+}
+
+static int n_recv(void *ctx, void *comm, void *buf, size_t bytes, int peer, char *err,
+                  size_t errlen)
+{
+    (void)ctx, (void)peer;
+    return n_op(comm, buf, bytes, false, err, errlen);
+}
+
+static int n_group(void *ctx, bool begin, char *err, size_t errlen)
+{
+    (void)ctx, (void)err, (void)errlen;
+    if (begin) {
+        pthread_mutex_lock(&X.mu);
+        N.groups++;
+        pthread_mutex_unlock(&X.mu);
+    }
+    return 0;
+}
+
+static int n_alloc(void *ctx, size_t bytes, void **dev_ptr, char *err, size_t errlen)
+{
+    (void)ctx;
+    *dev_ptr = malloc(bytes);
+    if (*dev_ptr == NULL)
+        snprintf(err, errlen, "fake: out of memory");
+    return *dev_ptr ? 0 : -1;
+}
+
+static void n_free(void *ctx, void *dev_ptr)
+{
+    (void)ctx;
+    free(dev_ptr);
+}
+
+// Events: the copies before it land in order (x_event_query); NCCL operations
+// of the recording thread must all be done.
+static int n_event_record(void *ctx, void **event, char *err, size_t errlen)
+{
+    (void)ctx;
+    struct fevent *e = malloc(sizeof *e);
+    if (e == NULL) {
+        snprintf(err, errlen, "fake: out of memory");
+        return -1;
+    }
+    pthread_mutex_lock(&X.mu);
+    e->upto = N.nops;
+    e->upto_copy = X.nq;
+    e->thread = pthread_self();
+    pthread_mutex_unlock(&X.mu);
+    *event = e;
+    return 0;
+}
+
+static int n_event_query(void *ctx, void *event)
+{
+    struct fevent *e = event;
+    pthread_mutex_lock(&X.mu);
+    n_match_locked();
+    bool done = true, mine = false;
+    for (int i = 0; i < e->upto && i < N.nops && done; i++) {
+        bool ours = pthread_equal(N.ops[i].thread, e->thread);
+        mine = mine || ours;
+        done = N.ops[i].done || !ours;
+    }
+    if (mine && atomic_load(&N.slow_end)) {
+        atomic_store(&N.slow_seen, true);
+        done = false;
+    } else if (mine && done && N.t_ended == 0) {
+        N.t_ended = tdm_now();
+    }
+    pthread_mutex_unlock(&X.mu);
+    if (!done)
+        return 0;
+    return x_event_query(ctx, (void *)(uintptr_t)(e->upto_copy + 1));
+}
+
+static void n_event_free(void *ctx, void *event)
+{
+    (void)ctx;
+    free(event);
 }
 
 static const struct tdm_kvx_ops FAKE = {
@@ -160,9 +419,19 @@ static const struct tdm_kvx_ops FAKE = {
     .ipc_close = x_ipc_close,
     .ipc_export = x_ipc_export,
     .copy_async = x_copy_async,
-    .event_record = x_event_record,
-    .event_query = x_event_query,
-    .event_free = x_event_free,
+    .event_record = n_event_record,
+    .event_query = n_event_query,
+    .event_free = n_event_free,
+    .nccl_unique_id = n_unique_id,
+    .nccl_init_start = n_init_start,
+    .nccl_state = n_state,
+    .nccl_abort = n_abort,
+    .nccl_destroy = n_destroy,
+    .nccl_send = n_send,
+    .nccl_recv = n_recv,
+    .nccl_group = n_group,
+    .dev_alloc = n_alloc,
+    .dev_free = n_free,
 };
 
 // ---- the two workers and a router --------------------------------------------------------------
@@ -229,10 +498,12 @@ static int setup(void **state)
     rc.connect_grace = 30;
     rc.prefill_timeout = 280; // the emulated kernels under ASan are slow
     rc.transfer_timeout = 280;
+    rc.nccl_timeout = 120; // a receive waits for the emulated compute of its layers
     struct tdm_prefill_config pc;
     tdm_prefill_config_default(&pc);
     snprintf(pc.nng_url, sizeof pc.nng_url, "tcp://127.0.0.1:0");
     pc.kvx_ops = &FAKE;
+    pc.nccl_timeout = 3; // the init-timeout test waits this long
     if (tdm_pd_receiver_new(&rx, dw, &rc, err, sizeof err) != TDM_OK ||
         tdm_prefill_service_new(&ps, pw, &pc, err, sizeof err) != TDM_OK ||
         tdm_net_inbox_new(&router_in, "tcp://127.0.0.1:0", err, sizeof err) != TDM_OK ||
@@ -257,6 +528,7 @@ static int teardown(void **state)
     return 0;
 }
 
+static bool target_unknown; // the PrefillTarget names no instance
 static void send_generate(const char *id, const int32_t *prompt, int n, int max_tokens, bool seeded,
                           bool remote)
 {
@@ -284,6 +556,9 @@ static void send_generate(const char *id, const int32_t *prompt, int n, int max_
     g.max_tokens = max_tokens;
     g.deadline_unix = (double)time(NULL) + 120;
     g.n_prefill = remote ? 1 : 0;
+    if (target_unknown)
+        t.instance = 0; // a router that has not learnt the instance yet
+    g.local_fallback = true;
     g.prefill = remote ? &tp : NULL;
     char err[256];
     assert_int_equal(tdm_pd_send(router_out, tdm_pd_receiver_url(rx), TDM_NET_GENERATE, &g.base,
@@ -414,9 +689,11 @@ static void test_ipc_open_fails(void **state)
     send_generate("nf-local", prompt, 40, 8, false, false);
     collect("nf-local", &local, 280);
     atomic_store(&X.fail_open, true);
+    atomic_store(&N.off, true); // no NCCL offer either: the pair falls to nng
     send_generate("nf-remote", prompt, 40, 8, false, true);
     collect("nf-remote", &remote, 280);
     atomic_store(&X.fail_open, false);
+    atomic_store(&N.off, false);
     nng_bytes = metric_value(pw, "tandem:kv_transfer_bytes_total");
     assert_true(nng_bytes > 0);
     assert_int_equal(remote.error, 0);
@@ -590,12 +867,341 @@ static void test_cancel_waits_for_late_copy(void **state)
     assert_int_equal(st.num_importing, 0);
 }
 
+// ---- NCCL ------------------------------------------------------------------------------------
+// The prefill worker "on another node": a new worker and service (metrics are
+// per worker) whose host id differs, so CUDA IPC is not possible and the pair
+// goes over NCCL. url: the address to listen on (NULL: a new port);
+// nccl_timeout: its NCCL init and send limit.
+static void restart_prefill(const char *url, double nccl_timeout)
+{
+    tdm_prefill_service_free(ps);
+    ps = NULL;
+    tdm_worker_free(pw);
+    pw = start_worker();
+    assert_non_null(pw);
+    struct tdm_prefill_config pc;
+    tdm_prefill_config_default(&pc);
+    snprintf(pc.nng_url, sizeof pc.nng_url, "%s", url ? url : "tcp://127.0.0.1:0");
+    pc.kvx_ops = &FAKE;
+    pc.nccl_timeout = nccl_timeout;
+    char err[512];
+    int rc = tdm_prefill_service_new(&ps, pw, &pc, err, sizeof err);
+    if (rc != TDM_OK)
+        fprintf(stderr, "prefill restart: %s\n", err);
+    assert_int_equal(rc, TDM_OK);
+}
+
+static int nccl_ids(void)
+{
+    pthread_mutex_lock(&X.mu);
+    int n = N.ids;
+    pthread_mutex_unlock(&X.mu);
+    return n;
+}
+
+static int nccl_aborts(void)
+{
+    pthread_mutex_lock(&X.mu);
+    int n = N.aborts;
+    pthread_mutex_unlock(&X.mu);
+    return n;
+}
+
+static void expect_equal(const char *id_local, const char *id_remote, const int32_t *prompt, int n,
+                         int max_tokens, bool seeded, const char *prefilled_by)
+{
+    struct outcome local, remote;
+    send_generate(id_local, prompt, n, max_tokens, seeded, false);
+    collect(id_local, &local, 280);
+    send_generate(id_remote, prompt, n, max_tokens, seeded, true);
+    collect(id_remote, &remote, 280);
+    assert_int_equal(local.error, 0);
+    assert_int_equal(remote.error, 0);
+    assert_string_equal(remote.prefilled_by, prefilled_by);
+    assert_int_equal(local.n, max_tokens);
+    assert_int_equal(remote.n, max_tokens);
+    assert_memory_equal(local.tokens, remote.tokens, sizeof(int32_t) * (size_t)max_tokens);
+}
+
+// Id exchange in the PrefillRequest, one communicator per pair reused, KV
+// moved by the fake NCCL's memcpy between the two ranks, output equal to the
+// decode worker alone (greedy and seeded).
+static void test_nccl_equivalence(void **state)
+{
+    (void)state;
+    int32_t prompt[40];
+    setenv("TANDEM_HOST_ID", "node-b", 1); // the decode worker is on this machine's boot id
+    restart_prefill(NULL, 3); // the init-timeout test waits this long
+    unsetenv("TANDEM_HOST_ID");
+    int ids0 = nccl_ids();
+    pthread_mutex_lock(&X.mu);
+    uint64_t bytes0 = N.bytes;
+    int inits0 = N.inits;
+    pthread_mutex_unlock(&X.mu);
+    for (int seeded = 0; seeded < 2; seeded++) {
+        prompt_of(prompt, 40, 30 + seeded);
+        expect_equal(seeded ? "nl-s" : "nl-g", seeded ? "nr-s" : "nr-g", prompt, 40, 12, seeded,
+                     tdm_prefill_service_url(ps));
+    }
+    assert_true(metric_has(pw, "tandem:kv_transfers_total{transport=\"nccl\"} 2"));
+    assert_true(metric_has(dw, "tandem:kv_transfers_total{transport=\"nccl\"} 2"));
+    pthread_mutex_lock(&X.mu);
+    // One id made by the decode side, one communicator per side, reused by
+    // the second transfer; 3 blocks x 4 layers x K,V x 2 transfers moved.
+    assert_int_equal(N.ids, ids0 + 1);
+    assert_int_equal(N.inits, inits0 + 2);
+    assert_true(N.bytes > bytes0);
+    uint64_t moved = N.bytes - bytes0;
+    pthread_mutex_unlock(&X.mu);
+    struct tdm_worker_parts parts;
+    assert_int_equal(tdm_worker_parts(dw, &parts), TDM_OK);
+    assert_int_equal(moved % (2 * 4 * 2), 0);
+    char body[4096];
+    get_health(pw, body, sizeof body);
+    char pair[512];
+    snprintf(pair, sizeof pair, "{\"peer\":\"%s\",\"transport\":\"nccl\",",
+             tdm_pd_receiver_url(rx));
+    assert_non_null(strstr(body, pair));
+    get_health(dw, body, sizeof body);
+    snprintf(pair, sizeof pair, "{\"peer\":\"%s\",\"transport\":\"nccl\",",
+             tdm_prefill_service_url(ps));
+    assert_non_null(strstr(body, pair));
+}
+
+// Init never completes: a target without an instance makes the decode side
+// build a new communicator (a new unique id) for this transfer; it never
+// becomes ready, so the prefill side's init passes its deadline (3 s here),
+// aborts and fails the transfer; the decode side aborts its end too and falls
+// back to local prefill (same output). The next transfer builds a new
+// communicator and goes over NCCL again.
+static void test_nccl_init_timeout_and_rebuild(void **state)
+{
+    (void)state;
+    int32_t prompt[40];
+    int ids0 = nccl_ids(), aborts0 = nccl_aborts();
+    atomic_store(&N.init_stall, true);
+    target_unknown = true;
+    prompt_of(prompt, 40, 40);
+    expect_equal("it-l", "it-r", prompt, 40, 6, false, ""); // fallback: prefilled locally
+    target_unknown = false;
+    atomic_store(&N.init_stall, false);
+    assert_int_equal(nccl_ids(), ids0 + 1);
+    assert_true(nccl_aborts() >= aborts0 + 2); // the prefill's init and the decode's end
+    assert_true(metric_has(dw, "tandem:pd_requests_total{prefill=\"fallback\"} 1"));
+    // Rebuilt: a new unique id, and the transfer goes over NCCL.
+    prompt_of(prompt, 40, 41);
+    expect_equal("rb-l", "rb-r", prompt, 40, 6, false, tdm_prefill_service_url(ps));
+    assert_int_equal(nccl_ids(), ids0 + 2);
+    assert_true(metric_has(dw, "tandem:kv_transfers_total{transport=\"nccl\"} 3"));
+}
+
+// The prefill worker restarts (a new instance on the same address) while a
+// transfer is stalled mid-way: the decode worker aborts its communicator,
+// keeps the reserved blocks until its receive is known to have ended, falls
+// back to local prefill; the next request builds a new communicator with the
+// new instance and goes over NCCL.
+static void test_nccl_peer_restart(void **state)
+{
+    (void)state;
+    struct tdm_worker_parts dparts;
+    assert_int_equal(tdm_worker_parts(dw, &dparts), TDM_OK);
+    int32_t prompt[40];
+    int ids0 = nccl_ids(), aborts0 = nccl_aborts();
+    atomic_store(&N.hold, true); // sends stay unmatched
+    prompt_of(prompt, 40, 50);
+    struct outcome local, stalled, after;
+    send_generate("pr-l", prompt, 40, 6, false, false);
+    collect("pr-l", &local, 280);
+    send_generate("pr-r", prompt, 40, 6, false, true);
+    // Wait until a receive and a send are pending.
+    double end = tdm_now() + 280;
+    for (;;) {
+        assert_true(tdm_now() < end);
+        pthread_mutex_lock(&X.mu);
+        int pend_s = 0, pend_r = 0;
+        for (int i = 0; i < N.nops; i++)
+            if (!N.ops[i].done)
+                N.ops[i].send ? pend_s++ : pend_r++;
+        pthread_mutex_unlock(&X.mu);
+        if (pend_s > 0 && pend_r > 0)
+            break;
+        usleep(2000);
+    }
+    char url[256];
+    snprintf(url, sizeof url, "%s", tdm_prefill_service_url(ps));
+    uint64_t old_instance = tdm_prefill_service_instance(ps);
+    setenv("TANDEM_HOST_ID", "node-b", 1);
+    restart_prefill(url, 3); // its job aborts its communicator and ends; same address
+    unsetenv("TANDEM_HOST_ID");
+    assert_true(tdm_prefill_service_instance(ps) != old_instance);
+    collect("pr-r", &stalled, 280);
+    atomic_store(&N.hold, false);
+    assert_int_equal(stalled.error, 0);
+    assert_string_equal(stalled.prefilled_by, ""); // fell back to local prefill
+    assert_memory_equal(local.tokens, stalled.tokens, sizeof(int32_t) * 6);
+    assert_true(nccl_aborts() >= aborts0 + 2); // both ends aborted
+    struct tdm_engine_stats st;
+    tdm_engine_get_stats(dparts.engine, &st);
+    assert_int_equal(st.num_importing, 0);
+    // The restarted peer: a new communicator (new id), over NCCL.
+    double t0 = tdm_now();
+    send_generate("pr-2", prompt, 40, 6, false, true);
+    collect("pr-2", &after, 280);
+    printf("after restart: request done in %.2f s (emulated kernels)\n", tdm_now() - t0);
+    assert_int_equal(after.error, 0);
+    assert_string_equal(after.prefilled_by, tdm_prefill_service_url(ps));
+    assert_memory_equal(local.tokens, after.tokens, sizeof(int32_t) * 6);
+    assert_true(nccl_ids() > ids0);
+    assert_true(metric_has(pw, "tandem:kv_transfers_total{transport=\"nccl\"} 1")); // new worker
+}
+
+// Memory safety over NCCL: a request cancelled while its receive is pending
+// keeps its reserved blocks until the receive is known to have ended (the
+// communicator is aborted, but the receive's event completes only later); a
+// request needing those blocks runs only after that.
+static void test_nccl_cancel_waits_for_receive(void **state)
+{
+    (void)state;
+    struct tdm_worker_parts dparts;
+    assert_int_equal(tdm_worker_parts(dw, &dparts), TDM_OK);
+    struct tdm_engine_stats st;
+    int32_t prompt[40];
+    prompt_of(prompt, 40, 60);
+    int aborts0 = nccl_aborts();
+    pthread_mutex_lock(&X.mu);
+    N.t_ended = 0;
+    pthread_mutex_unlock(&X.mu);
+    atomic_store(&N.slow_seen, false);
+    atomic_store(&N.hold, true);     // the sends do not arrive
+    atomic_store(&N.slow_end, true); // and the receive's end is observed late
+    send_generate("nheld", prompt, 40, 64, false, true);
+    double end = tdm_now() + 280;
+    while (!atomic_load(&N.slow_seen))
+        assert_true(tdm_now() < end), usleep(1000);
+    send_cancel("nheld");
+    end = tdm_now() + 280;
+    while (nccl_aborts() < aborts0 + 2) // both ends abort at the cancel
+        assert_true(tdm_now() < end), usleep(1000);
+    usleep(300 * 1000);
+    tdm_engine_get_stats(dparts.engine, &st);
+    assert_int_equal(st.num_importing, 1); // aborted, but its receive may still write
+    int reserved = NUM_BLOCKS - st.num_free_blocks;
+    assert_true(reserved >= 3);
+    struct gen_arg *g = calloc(1, sizeof *g);
+    assert_non_null(g);
+    g->e = dparts.engine;
+    g->n = (NUM_BLOCKS - 1) * BLOCK;
+    prompt_of(g->prompt, g->n, 61);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, run_big, g), 0);
+    usleep(500 * 1000);
+    bool started_early = atomic_load(&g->started);
+    tdm_engine_get_stats(dparts.engine, &st);
+    int importing_while_held = st.num_importing;
+    double t_release = tdm_now();
+    atomic_store(&N.slow_end, false); // the aborted receive's event completes
+    atomic_store(&N.hold, false);
+    struct outcome o;
+    collect("nheld", &o, 280);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_false(started_early);
+    assert_int_equal(importing_while_held, 1);
+    assert_true(atomic_load(&g->started));
+    pthread_mutex_lock(&X.mu);
+    double ended = N.t_ended;
+    pthread_mutex_unlock(&X.mu);
+    assert_true(ended >= t_release);
+    assert_true(g->t_first > ended); // the blocks were reused only after the receive ended
+    free(g);
+    tdm_engine_get_stats(dparts.engine, &st);
+    assert_int_equal(st.num_importing, 0);
+}
+
+// One transfer per pair over NCCL: while one is stalled on the pair's
+// communicator, a second request to the same pair is not offered NCCL and
+// goes over nng; the first completes over NCCL once the sends flow.
+static void test_nccl_one_transfer_per_pair(void **state)
+{
+    (void)state;
+    // The stalled transfer must outlast the second one, even under ASan.
+    setenv("TANDEM_HOST_ID", "node-b", 1);
+    restart_prefill(NULL, 120);
+    unsetenv("TANDEM_HOST_ID");
+    int32_t p1[40], p2[40];
+    prompt_of(p1, 40, 70);
+    prompt_of(p2, 40, 71);
+    struct outcome l1, l2, r1, r2;
+    send_generate("op-l1", p1, 40, 6, false, false);
+    collect("op-l1", &l1, 280);
+    send_generate("op-l2", p2, 40, 6, false, false);
+    collect("op-l2", &l2, 280);
+    double nng0 = metric_value(pw, "tandem:kv_transfers_total{transport=\"nng\"}");
+    double nccl0 = metric_value(pw, "tandem:kv_transfers_total{transport=\"nccl\"}");
+    atomic_store(&N.hold, true);
+    send_generate("op-r1", p1, 40, 6, false, true);
+    double end = tdm_now() + 280;
+    for (;;) { // the first transfer's send is pending
+        assert_true(tdm_now() < end);
+        pthread_mutex_lock(&X.mu);
+        int pend = 0;
+        for (int i = 0; i < N.nops; i++)
+            pend += !N.ops[i].done && N.ops[i].send;
+        pthread_mutex_unlock(&X.mu);
+        if (pend > 0)
+            break;
+        usleep(2000);
+    }
+    send_generate("op-r2", p2, 40, 6, false, true);
+    collect("op-r2", &r2, 280); // done while the first is stalled
+    atomic_store(&N.hold, false);
+    collect("op-r1", &r1, 280);
+    assert_int_equal(r1.error, 0);
+    assert_int_equal(r2.error, 0);
+    assert_string_equal(r1.prefilled_by, tdm_prefill_service_url(ps));
+    assert_string_equal(r2.prefilled_by, tdm_prefill_service_url(ps));
+    assert_memory_equal(l1.tokens, r1.tokens, sizeof(int32_t) * 6);
+    assert_memory_equal(l2.tokens, r2.tokens, sizeof(int32_t) * 6);
+    assert_true(metric_value(pw, "tandem:kv_transfers_total{transport=\"nng\"}") ==
+                (nng0 < 0 ? 0 : nng0) + 1);
+    assert_true(metric_value(pw, "tandem:kv_transfers_total{transport=\"nccl\"}") ==
+                (nccl0 < 0 ? 0 : nccl0) + 1);
+}
+
+// A prefill worker whose KV pool holds f32 (the decode worker's bf16): NCCL
+// cannot move the blocks as they are, so before anything is joined the pair
+// chooses again and the KV goes over nng (converted), output unchanged.
+static void test_nccl_layouts_differ(void **state)
+{
+    (void)state;
+    setenv("TANDEM_HOST_ID", "node-c", 1);
+    setenv("TANDEM_CUDA_KV_DTYPE", "f32", 1); // the CUDA backend's device pool dtype
+    restart_prefill(NULL, 3);
+    unsetenv("TANDEM_CUDA_KV_DTYPE");
+    unsetenv("TANDEM_HOST_ID");
+    int aborts0 = nccl_aborts();
+    int32_t prompt[40];
+    prompt_of(prompt, 40, 80);
+    expect_equal("ld-l", "ld-r", prompt, 40, 6, false, tdm_prefill_service_url(ps));
+    assert_true(metric_has(pw, "tandem:kv_transfers_total{transport=\"nng\"} 1"));
+    assert_int_equal(nccl_aborts(), aborts0); // nothing joined, nothing aborted
+    char body[4096];
+    get_health(pw, body, sizeof body);
+    assert_non_null(strstr(body, "\"transport\":\"nng\",\"transfers\":1,\"why\":\"nccl failed: "));
+    assert_non_null(strstr(body, "KV layouts differ"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ipc_open_fails),
         cmocka_unit_test(test_equivalence),
         cmocka_unit_test(test_cancel_waits_for_late_copy),
+        cmocka_unit_test(test_nccl_equivalence),
+        cmocka_unit_test(test_nccl_init_timeout_and_rebuild),
+        cmocka_unit_test(test_nccl_cancel_waits_for_receive),
+        cmocka_unit_test(test_nccl_peer_restart),
+        cmocka_unit_test(test_nccl_one_transfer_per_pair),
+        cmocka_unit_test(test_nccl_layouts_differ),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

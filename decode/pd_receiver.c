@@ -53,6 +53,7 @@ void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg)
     cfg->layers_per_frame = 4;
     cfg->send_timeout = 2;
     cfg->write_quarantine = 2;
+    cfg->nccl_timeout = 10;
 }
 
 static int set_nng_url(void *o, const char *v, char *err, size_t errlen)
@@ -136,6 +137,15 @@ struct djob {
     bool writes_closed;
     bool peer_restarted;    // a LoadReport of the attempt came from another instance
     uint64_t closing_tid;   // a retired attempt whose closed frame is still awaited
+    // NCCL (issue 10): the attempt offered the pair's communicator; the
+    // prefill worker said it sends over it (its first frame); layers our own
+    // receives completed; whether they may still write the reserved blocks
+    // (set before the attempt starts, cleared when the receive thread is quiet).
+    bool nccl, nccl_go;
+    int nccl_layers;
+    bool nccl_busy;
+    bool blocks_unsafe; // a receive's completion stayed unknown: the reserved blocks are never
+                        // handed on (the import request is kept, not ended)
     enum tdm_kvx_mode transport; // how the attempt's KV came (its first frame)
     char transport_why[160];
     uint64_t version;     // bumped with every change above made by the receive thread
@@ -173,6 +183,15 @@ struct tdm_pd_receiver {
     size_t kv_pool_len;
     struct tdm_kvx_pairs *pairs;
     struct tdm_metrics_counter *transfers;
+    // NCCL: the device table, our KV storage (the receives' destination), one
+    // communicator per prefill worker; nccl false when NCCL cannot be offered.
+    const struct tdm_kvx_ops *kvx_ops;
+    struct tdm_kv_storage *storage;
+    bool nccl;
+    struct tdm_kvx_links *links;
+    void *kvx_pool_base;      // our device KV pool (the device the NCCL calls run on)
+    uint64_t kvx_block_bytes; // one block of one layer's K (or V) in our pool, bytes
+    uint32_t kvx_num_blocks;
 
     // KV events of the load report being built (receive thread only).
     struct tdm_kv_event kev[KV_EVENTS_PER_REPORT];
@@ -432,6 +451,13 @@ struct remote {
     struct tdm_span span;       // remote_prefill: the parent of the prefill worker's spans
     bool offered;               // our device pool and block ids go with the request
     int32_t *block_ids;         // [num_blocks] the reserved range's physical ids (offered)
+    // NCCL: the pair's link (held for this attempt), its communicator id, the
+    // receive thread and its receives.
+    struct tdm_kvx_link *link;
+    uint8_t nccl_id[TDM_KVX_NCCL_ID_BYTES];
+    struct tdm_kvx_nccl *nx;
+    pthread_t recv_thread;
+    bool recv_started;
 };
 
 static double remote_now(void *ctx)
@@ -482,6 +508,10 @@ static int remote_send_prefill(void *ctx, double timeout_s, char *err, size_t er
         pr.kv_pool.len = rx->kv_pool_len;
         pr.n_block_ids = (size_t)x->num_blocks;
         pr.block_ids = x->block_ids;
+        if (x->link != NULL) {
+            pr.nccl_id.data = x->nccl_id;
+            pr.nccl_id.len = sizeof x->nccl_id;
+        }
     }
     int rc = tdm_pd_send(rx->net.outbox, x->t->url, TDM_NET_PREFILL, &pr.base, NULL, 0, timeout_s,
                          err, errlen);
@@ -545,12 +575,16 @@ static void remote_view(void *ctx, struct tdm_pd_attempt_view *v)
     v->peer_instance = r ? r->from_instance : j->prefill_instance;
     v->kv_failed = j->kv_failed;
     snprintf(v->kv_err, sizeof v->kv_err, "%s", j->kv_err);
-    v->layers_done = j->layers_done;
+    // Over NCCL a layer is in place when our receive completed and the
+    // prefill worker's frame for it came (its send completed).
+    v->layers_done = j->transport == TDM_KVX_NCCL && j->nccl_layers < j->layers_done
+                         ? j->nccl_layers
+                         : j->layers_done;
     v->bytes_done = j->bytes_done;
     v->t_first_frame = j->t_first_frame;
     v->t_kv_done = j->t_kv_done;
     v->prefill_heard = j->prefill_heard;
-    v->writes_open = j->offered && !j->writes_closed;
+    v->writes_open = j->offered && (!j->writes_closed || j->nccl_busy);
     v->peer_restarted = j->peer_restarted;
     pthread_mutex_unlock(&rx->mu);
 }
@@ -695,6 +729,258 @@ static void remote_failed(const struct remote *x, const struct tdm_pd_attempt *a
     tdm_pd_metrics_fail(&rx->m, tdm_pd_attempt_why_name(a->why));
 }
 
+// ---- NCCL receives of one attempt ----------------------------------------------------------
+static void pause_briefly(void)
+{
+    tdm_sleep(1e-4); // 0.1 ms: a layer group's receive takes well under a millisecond
+}
+
+// Over NCCL the last layer is in place when both counts reach it (caller holds rx->mu).
+static void nccl_progress_locked(struct djob *j, int num_layers)
+{
+    if (j->transport == TDM_KVX_NCCL && j->t_kv_done == 0 && j->layers_done >= num_layers &&
+        j->nccl_layers >= num_layers)
+        j->t_kv_done = tdm_now();
+}
+
+// Makes our KV pool's device current on the calling thread (the CUDA
+// runtime's current device is per thread).
+static int use_our_device(struct tdm_pd_receiver *rx, char *err, size_t errlen)
+{
+    const struct tdm_kvx_ops *o = rx->kvx_ops;
+    char why[192] = "";
+    if (o->use_device_of != NULL &&
+        o->use_device_of(o->ctx, rx->kvx_pool_base, why, sizeof why) != 0)
+        return tdm_seterr(err, errlen, TDM_EBACKEND, "%s", why);
+    return TDM_OK;
+}
+
+enum recv_wait { RECV_GO, RECV_NOT_NCCL, RECV_OVER };
+
+// Waits until the prefill worker said it sends over NCCL, chose another
+// transport, or the attempt is over (retired, cancelled, stopping).
+static enum recv_wait recv_wait_go(struct remote *x)
+{
+    struct djob *j = x->j;
+    struct tdm_pd_receiver *rx = j->rx;
+    pthread_mutex_lock(&rx->mu);
+    enum recv_wait w;
+    for (;;) {
+        if (j->transfer_id != x->tid || j->cancelled || atomic_load(&rx->net.stopping) ||
+            j->kv_failed) {
+            w = RECV_OVER;
+            break;
+        }
+        if (j->nccl_go) {
+            w = RECV_GO;
+            break;
+        }
+        if (j->layers_done > 0 || j->writes_closed) {
+            w = RECV_NOT_NCCL; // KV came another way, or the transfer ended first
+            break;
+        }
+        timed_wait(rx, 0.05);
+    }
+    pthread_mutex_unlock(&rx->mu);
+    return w;
+}
+
+// Why the receives must stop now (NULL: go on): the attempt retired or its
+// job stopped, or the prefill worker restarted (its end of the communicator is gone).
+static const char *recv_stop(struct remote *x)
+{
+    struct djob *j = x->j;
+    struct tdm_pd_receiver *rx = j->rx;
+    pthread_mutex_lock(&rx->mu);
+    const char *why = j->transfer_id != x->tid                         ? "attempt ended"
+                      : j->cancelled || atomic_load(&rx->net.stopping) ? "cancelled"
+                      : j->peer_restarted                              ? "prefill worker restarted"
+                      : j->kv_failed                                   ? "transfer failed"
+                                                                       : NULL;
+    pthread_mutex_unlock(&rx->mu);
+    return why;
+}
+
+// The receive thread of an attempt that offered NCCL: once the prefill worker
+// says it sends over the communicator, waits for init (nccl_timeout from
+// then), then posts each layer group's grouped receives into the reserved
+// blocks (kvx_nccl) and waits for their event while polling the communicator.
+// Any error, a timeout, the attempt's end or a prefill restart aborts the
+// communicator (the next transfer builds a new one) and fails the transfer
+// into the retry/local path. Memory safety: nccl_busy is cleared only when
+// every receive's event was observed complete (after an abort too); a
+// receive whose completion cannot be observed leaves it set for good.
+static void *recv_main(void *arg)
+{
+    struct remote *x = arg;
+    struct djob *j = x->j;
+    struct tdm_pd_receiver *rx = j->rx;
+    int L = rx->kvc.num_layers, per = rx->cfg.layers_per_frame;
+    char err[256] = "";
+    int rc = TDM_OK;
+    bool quiet = true;
+    enum recv_wait w = recv_wait_go(x);
+    if (w == RECV_GO && use_our_device(rx, err, sizeof err) != TDM_OK)
+        w = RECV_OVER; // aborted below; the transfer fails over
+    if (w == RECV_OVER) {
+        // The transfer failed or ended before any send: whatever state the
+        // peer's end is in (an init that timed out, an abort), this end is
+        // rebuilt by the next transfer rather than trusted.
+        tdm_kvx_link_abort(x->link);
+        rc = tdm_seterr(err, sizeof err, TDM_ECLOSED, "ended before the NCCL sends");
+    }
+    if (w == RECV_GO) {
+        tdm_kvx_link_extend(x->link, tdm_now());
+        while ((rc = tdm_kvx_link_poll(x->link, tdm_now(), err, sizeof err)) == TDM_EBUSY) {
+            const char *stop = recv_stop(x);
+            if (stop != NULL) {
+                tdm_kvx_link_abort(x->link);
+                rc = tdm_seterr(err, sizeof err, TDM_ECLOSED, "NCCL init: %s", stop);
+                break;
+            }
+            pause_briefly();
+        }
+    }
+    for (int first = 0; w == RECV_GO && rc == TDM_OK && first < L; first += per) {
+        int n = first + per <= L ? per : L - first;
+        double t0 = tdm_now();
+        rc = tdm_kvx_nccl_layers(x->nx, tdm_kvx_link_comm(x->link), first, n, err, sizeof err);
+        bool aborted = rc != TDM_OK;
+        if (aborted)
+            tdm_kvx_link_abort(x->link);
+        double give_up = aborted ? t0 + rx->cfg.nccl_timeout : 0;
+        int q;
+        while ((q = tdm_kvx_nccl_poll(x->nx)) == TDM_EBUSY) {
+            double now = tdm_now();
+            if (!aborted) {
+                char why[256] = "";
+                int lrc = tdm_kvx_link_poll(x->link, now, why, sizeof why);
+                const char *stop = lrc != TDM_OK && lrc != TDM_EBUSY ? why
+                                   : now - t0 > rx->cfg.nccl_timeout ? "receive timed out"
+                                                                     : recv_stop(x);
+                if (stop != NULL) {
+                    rc =
+                        tdm_seterr(err, sizeof err, TDM_ETRANSPORT,
+                                   "NCCL receive of layers %d..%d: %s", first, first + n - 1, stop);
+                    tdm_kvx_link_abort(x->link); // its kernels end; the event then completes
+                    aborted = true;
+                    give_up = now + rx->cfg.nccl_timeout;
+                }
+            } else if (now > give_up) {
+                break; // not observed: nccl_busy stays set (below)
+            }
+            pause_briefly();
+        }
+        if (rc == TDM_OK && q != TDM_OK) {
+            tdm_kvx_link_abort(x->link);
+            rc = tdm_seterr(err, sizeof err, TDM_ETRANSPORT, "NCCL receive of layers %d..%d failed",
+                            first, first + n - 1);
+        }
+        if (rc != TDM_OK)
+            break;
+        pthread_mutex_lock(&rx->mu);
+        if (j->transfer_id == x->tid) {
+            j->nccl_layers += n;
+            j->bytes_done = (size_t)tdm_kvx_nccl_bytes(x->nx);
+            nccl_progress_locked(j, L);
+            j->version++;
+            pthread_cond_broadcast(&rx->cv);
+        }
+        pthread_mutex_unlock(&rx->mu);
+    }
+    quiet = tdm_kvx_nccl_quiet(x->nx);
+    if (!quiet)
+        TDM_LOG_ERR(MOD,
+                    "req=%s an NCCL receive's completion is unknown: its blocks stay "
+                    "reserved",
+                    j->request_id);
+    tdm_kvx_links_give(rx->links, x->link); // the pair's next transfer may use it now
+    pthread_mutex_lock(&rx->mu);
+    if (rc != TDM_OK && j->transfer_id == x->tid && !j->kv_failed) {
+        j->kv_failed = true;
+        snprintf(j->kv_err, sizeof j->kv_err, "%s", err);
+    }
+    j->nccl_busy = !quiet;
+    j->version++;
+    pthread_cond_broadcast(&rx->cv);
+    pthread_mutex_unlock(&rx->mu);
+    return NULL;
+}
+
+// Offers NCCL for this attempt when this worker can: takes the pair's link
+// (busy with another transfer of the pair: no NCCL this time), keeps its
+// communicator when it is ready for this prefill instance, else makes a new
+// one (a new unique id; the old communicator aborted), prepares the receives
+// and starts the receive thread. False when NCCL is not offered.
+static bool nccl_offer(struct remote *x)
+{
+    struct djob *j = x->j;
+    struct tdm_pd_receiver *rx = j->rx;
+    if (!rx->nccl || !x->offered || x->num_blocks < 1)
+        return false;
+    // A pair that moved its last transfer over CUDA IPC (same node) is not
+    // offered a communicator: each offer starts an init of our rank.
+    enum tdm_kvx_mode last;
+    if (tdm_kvx_pairs_get(rx->pairs, x->t->url, &last) == 0 && last == TDM_KVX_CUDA_IPC)
+        return false;
+    x->link = tdm_kvx_links_take(rx->links, x->t->url);
+    if (x->link == NULL)
+        return false;
+    char err[256] = "";
+    int rc = use_our_device(rx, err, sizeof err); // the init starts on this thread
+    if (rc == TDM_OK &&
+        (!tdm_kvx_link_ready_for(x->link, x->t->instance) || !tdm_kvx_link_id(x->link, x->nccl_id)))
+        rc = tdm_kvx_link_create(x->link, x->t->instance, tdm_now(), x->nccl_id, err, sizeof err);
+    if (rc == TDM_OK)
+        rc = tdm_kvx_nccl_new(&x->nx, rx->kvx_ops, TDM_KVX_DECODE,
+                              &(struct tdm_kvx_pool){.block_bytes = rx->kvx_block_bytes,
+                                                     .num_layers = (uint32_t)rx->kvc.num_layers,
+                                                     .num_blocks = rx->kvx_num_blocks},
+                              (const int *)x->block_ids, NULL, x->num_blocks, tdm_kv_storage_layer,
+                              rx->storage, rx->cfg.layers_per_frame, err, sizeof err);
+    if (rc == TDM_OK) {
+        pthread_mutex_lock(&rx->mu);
+        j->nccl = j->nccl_busy = true;
+        pthread_mutex_unlock(&rx->mu);
+        x->recv_started = pthread_create(&x->recv_thread, NULL, recv_main, x) == 0;
+        if (!x->recv_started) {
+            rc = tdm_seterr(err, sizeof err, TDM_ENOMEM, "no receive thread");
+            pthread_mutex_lock(&rx->mu);
+            j->nccl = j->nccl_busy = false;
+            pthread_mutex_unlock(&rx->mu);
+        }
+    }
+    if (rc == TDM_OK)
+        return true;
+    TDM_LOG_WARN(MOD, "req=%s NCCL not offered to %s: %s", j->request_id, x->t->url, err);
+    tdm_kvx_nccl_free(x->nx);
+    x->nx = NULL;
+    tdm_kvx_links_give(rx->links, x->link);
+    x->link = NULL;
+    return false;
+}
+
+// After the attempt: the receive thread is over (so no receive of it can
+// land in the blocks the next candidate or local prefill gets), the link
+// goes back. False when a receive's completion stayed unknown.
+static bool nccl_end(struct remote *x)
+{
+    struct tdm_pd_receiver *rx = x->j->rx;
+    bool quiet = true;
+    if (x->recv_started) {
+        pthread_join(x->recv_thread, NULL);
+        quiet = tdm_kvx_nccl_quiet(x->nx);
+    }
+    if (quiet)
+        tdm_kvx_nccl_free(x->nx); // else its staging buffer must not be freed under it
+    x->nx = NULL;
+    x->link = NULL; // given back by the receive thread
+    pthread_mutex_lock(&rx->mu);
+    x->j->nccl = x->j->nccl_go = false;
+    pthread_mutex_unlock(&rx->mu);
+    return quiet;
+}
+
 // One listed prefill worker: asks it to prefill and push the reserved block
 // range [first_block, first_block + num_blocks) of req, imports the frames as
 // they come (the receive thread does), and on success finishes the import
@@ -725,6 +1011,8 @@ static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     }
     pthread_mutex_lock(&rx->mu);
     j->offered = x.offered;
+    j->nccl = j->nccl_go = j->nccl_busy = false;
+    j->nccl_layers = 0;
     j->writes_closed = false;
     j->peer_restarted = false;
     j->closing_tid = 0;
@@ -756,8 +1044,16 @@ static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     tdm_span_begin_child(&x.span, &j->span, "remote_prefill", TDM_SPAN_CLIENT, tdm_now());
     tdm_span_attr_str(&x.span, "tandem.prefill.endpoint", t->url);
     ac.write_quarantine = rx->cfg.write_quarantine;
+    nccl_offer(&x); // after the attempt's fields: the receive thread reads them
     struct tdm_pd_attempt a;
     bool ok = tdm_pd_attempt_run(&a, &ac, &remote_ops, &x) == TDM_PD_ATTEMPT_COMMITTED;
+    if (!nccl_end(&x)) {
+        // A receive into the reserved blocks may still land: they are never
+        // handed on (the job keeps its engine request; see job_main).
+        pthread_mutex_lock(&rx->mu);
+        j->blocks_unsafe = true;
+        pthread_mutex_unlock(&rx->mu);
+    }
     if (!ok)
         remote_failed(&x, &a);
     if (x.span.recording) { // not committed: emitted here, failed or cancelled
@@ -900,12 +1196,21 @@ static void *job_main(void *arg)
         done = rv == RESERVE_DONE;
         size_t budget = tdm_pd_attempt_budget(j->gen->n_prefill, j->gen->max_prefill_attempts);
         for (size_t i = 0; rv == RESERVE_OK && i < budget && !done; i++) {
-            if (job_stopped(j))
+            if (job_stopped(j) || j->blocks_unsafe)
                 break;
             done = try_remote(j, j->gen->prefill[i], req, first_block, num_blocks);
         }
+        pthread_mutex_lock(&rx->mu);
+        bool unsafe = j->blocks_unsafe;
+        pthread_mutex_unlock(&rx->mu);
         if (rv == RESERVE_OK && done) {
             job_release(j, req);
+        } else if (rv == RESERVE_OK && unsafe) {
+            // Never ended, so its blocks are never reused (leaked on purpose:
+            // only a broken device context gets here).
+            pthread_mutex_lock(&rx->mu);
+            j->req = NULL;
+            pthread_mutex_unlock(&rx->mu);
         } else if (rv == RESERVE_OK) {
             end_import(j, req); // every listed worker failed: the blocks go back
         }
@@ -1088,7 +1393,8 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
         return;
     pthread_mutex_lock(&rx->mu);
     struct djob *j = find_attempt(rx, d->to_instance, d->transfer_id);
-    bool in_place = d->transport && strcmp(d->transport, "cuda-ipc") == 0;
+    bool nccl = d->transport && strcmp(d->transport, "nccl") == 0;
+    bool in_place = nccl || (d->transport && strcmp(d->transport, "cuda-ipc") == 0);
     if (j == NULL && d->closed && d->to_instance == rx->net.instance && d->transfer_id != 0) {
         // The closed frame of a retired attempt whose copies were awaited.
         for (struct djob *o = rx->jobs; o && j == NULL; o = o->next)
@@ -1116,9 +1422,17 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
         goto signal; // a bare closed frame: nothing to import
     if (d->error == 0 && !in_place)
         j->writes_closed = true; // KV in the payload: this transfer writes nothing in place
-    if (d->error == 0 && in_place && !j->offered) {
+    if (d->error == 0 && in_place && (!j->offered || (nccl && !j->nccl))) {
         j->kv_failed = true;
-        snprintf(j->kv_err, sizeof j->kv_err, "in-place KvData for a transfer offered no pool");
+        snprintf(j->kv_err, sizeof j->kv_err, "in-place KvData for a transfer offered no %s",
+                 nccl ? "NCCL communicator" : "pool");
+        goto signal;
+    }
+    if (d->error == 0 && nccl && d->num_layers == 0 && j->layers_done == 0) {
+        // "Post your receives": the sends follow over the communicator.
+        j->nccl_go = true;
+        j->transport = TDM_KVX_NCCL;
+        j->t_first_frame = tdm_now();
         goto signal;
     }
     if (d->error == 0 && in_place) {
@@ -1133,13 +1447,16 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
             goto signal;
         }
         if (j->layers_done == 0) {
-            j->t_first_frame = tdm_now();
-            j->transport = TDM_KVX_CUDA_IPC;
+            if (!nccl)
+                j->t_first_frame = tdm_now();
+            j->transport = nccl ? TDM_KVX_NCCL : TDM_KVX_CUDA_IPC;
             snprintf(j->transport_why, sizeof j->transport_why, "%s",
                      d->transport_why ? d->transport_why : "");
         }
         j->layers_done += d->num_layers;
-        if (j->layers_done >= rx->kvc.num_layers)
+        if (nccl)
+            nccl_progress_locked(j, rx->kvc.num_layers);
+        else if (j->layers_done >= rx->kvc.num_layers)
             j->t_kv_done = tdm_now();
         goto signal;
     }
@@ -1307,9 +1624,21 @@ static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *serv
     const struct tdm_kvx_ops *ops = rx->cfg.kvx_ops ? rx->cfg.kvx_ops : tdm_kvx_cuda_ops();
     struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(rx->parts.engine));
     struct tdm_kv_device_pool dp;
-    if ((rx->kv_setting == TDM_KVX_AUTO || rx->kv_setting == TDM_KVX_CUDA_IPC) && ops != NULL &&
-        ops->ipc_export != NULL && st->ops->device_pool != NULL &&
+    rx->kvx_ops = ops;
+    rx->storage = st;
+    bool ipc_ok = (rx->kv_setting == TDM_KVX_AUTO || rx->kv_setting == TDM_KVX_CUDA_IPC) &&
+                  ops != NULL && ops->ipc_export != NULL;
+    bool nccl_ok = (rx->kv_setting == TDM_KVX_AUTO || rx->kv_setting == TDM_KVX_NCCL) &&
+                   ops != NULL && ops->nccl_recv != NULL;
+    if ((ipc_ok || nccl_ok) && st->ops->device_pool != NULL &&
         st->ops->device_pool(st, &dp) == TDM_OK) {
+        // The pool descriptor: its geometry serves NCCL too (the handle only IPC).
+        if (nccl_ok &&
+            tdm_kvx_links_new(&rx->links, ops, TDM_KVX_DECODE, rx->cfg.nccl_timeout, 64) == TDM_OK)
+            rx->nccl = true;
+        rx->kvx_block_bytes = dp.block_bytes;
+        rx->kvx_pool_base = dp.base;
+        rx->kvx_num_blocks = (uint32_t)tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks;
         struct tdm_kvx_pool pool = {
             .bytes = dp.bytes,
             .layer_stride = dp.layer_stride,
@@ -1319,14 +1648,17 @@ static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *serv
             .num_blocks = (uint32_t)tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks,
             .elem_bytes = (uint32_t)dp.elem_bytes,
             .gpu = true,
-            .nccl = false, // the roles do not move KV over NCCL yet
+            .nccl = rx->nccl,
         };
         char why[192] = "";
-        if (ops->ipc_export(ops->ctx, dp.base, pool.handle, why, sizeof why) == 0) {
+        bool exported =
+            ipc_ok && ops->ipc_export(ops->ctx, dp.base, pool.handle, why, sizeof why) == 0;
+        if (ipc_ok && !exported)
+            TDM_LOG_WARN(MOD, "KV pool not exported for CUDA IPC (KV comes over %s): %s",
+                         rx->nccl ? "NCCL or nng" : "nng", why);
+        if (exported || rx->nccl) {
             tdm_kvx_pool_encode(&pool, rx->kv_pool);
             rx->kv_pool_len = sizeof rx->kv_pool;
-        } else {
-            TDM_LOG_WARN(MOD, "KV pool not exported for CUDA IPC (KV comes over nng): %s", why);
         }
     }
     int rc = tdm_kvx_pairs_new(&rx->pairs, 64);
@@ -1394,6 +1726,7 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
     return TDM_OK;
 fail:
     tdm_worker_set_health_details(server, NULL, NULL);
+    tdm_kvx_links_free(rx->links);
     tdm_kvx_pairs_free(rx->pairs);
     pthread_cond_destroy(&rx->cv);
     pthread_mutex_destroy(&rx->mu);
@@ -1419,6 +1752,7 @@ void tdm_pd_receiver_free(struct tdm_pd_receiver *rx)
     pthread_mutex_unlock(&rx->mu);
     tdm_pd_service_fini(&rx->net);
     tdm_worker_set_health_details(rx->server, NULL, NULL);
+    tdm_kvx_links_free(rx->links);
     tdm_kvx_pairs_free(rx->pairs);
     pthread_cond_destroy(&rx->cv);
     pthread_mutex_destroy(&rx->mu);

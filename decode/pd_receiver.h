@@ -42,6 +42,8 @@ struct tdm_pd_receiver_config {
                              // gone with its device context, its blocks are safe (default 2)
     const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = tdm_kvx_cuda_ops() (NULL in a
                                        // CPU build: KV over nng). Tests pass a fake table.
+    double nccl_timeout; // NCCL: communicator init (from the prefill worker's go), and each
+                         // layer group's receive; default 10
 };
 void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg);
 // Takes --nng-url, --pd-prefill-timeout, --pd-transfer-timeout,

@@ -28,6 +28,9 @@ def parse_args():
     ap.add_argument("--mkmodel", required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--deadline", type=float, default=240.0)
+    ap.add_argument("--decode-flags", default="",
+                    help="extra flags for every decode worker (whitespace-separated), e.g. "
+                         "a --speculative-config")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     arm_deadline(args.deadline)
@@ -182,7 +185,8 @@ class Cluster:
         os.environ.setdefault("TANDEM_INTERNAL_SECRET", os.urandom(24).hex())
         self.model = model or make_model(args)
         self.worker_args = list(worker_args)  # appended to every worker's flags (override)
-        self.kind_args = {"prefill": list(prefill_args), "decode": list(decode_args)}  # then these
+        self.kind_args = {"prefill": list(prefill_args),  # then these
+                          "decode": list(decode_args) + getattr(args, "decode_flags", "").split()}
         self.prefill = [Worker("prefill", i, free_port(), free_port()) for i in range(n_prefill)]
         self.decode = [Worker("decode", i, free_port(), free_port()) for i in range(n_decode)]
         self.router_port = free_port()

@@ -4,9 +4,13 @@
 For several prompts given as token ids, temperature 0 and ignore_eos, the
 server's token ids (return_token_ids) and text - non-stream, stream, and with
 other requests running in the same batches - equal what tandem-generate (the
-shared runner, no server) produces for the same ids.
+shared runner, no server) produces for the same ids. Structured outputs too:
+seeded temperature-1 requests under a JSON Schema, a regex and a choice list
+give the server's ids (ending on the EOS sampled once the grammar is complete)
+equal to tandem-generate's --json-schema / --regex / --choice for the same seed.
 """
 import json
+import os
 import subprocess
 import threading
 
@@ -23,6 +27,47 @@ def generate(args, model, ids):
     h.check(r.returncode == 0, "tandem-generate: %s" % r.stderr)
     j = json.loads(r.stdout)
     return j["ids"], j["text"]
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "minItems": 1, "maxItems": 2},
+    "ok": {"type": "boolean"}}, "required": ["name", "tags", "ok"]}
+
+
+def constrained(args, model, srv):
+    """Seeded constrained requests: server ids == tandem-generate ids."""
+    schema_file = os.path.join(args.workdir, "greedy-schema.json")
+    with open(schema_file, "w") as f:
+        json.dump(SCHEMA, f)
+    cases = [(["--json-schema", schema_file], {"guided_json": SCHEMA}),
+             (["--regex", "(cat|dog)-[0-9]{2,3}"], {"guided_regex": "(cat|dog)-[0-9]{2,3}"}),
+             (["--choice", "alpha,beta,gamma delta"],
+              {"guided_choice": ["alpha", "beta", "gamma delta"]})]
+    prompt = PROMPTS[2]
+    stops = 0
+    for flags, fields in cases:
+        for seed in (1, 2):
+            r = subprocess.run([args.generate, "--model", model, "--prompt-ids",
+                                ",".join(map(str, prompt)), "--max-tokens", "120",
+                                "--temperature", "1", "--seed", str(seed), "--json"] + flags,
+                               capture_output=True, text=True, timeout=120)
+            h.check(r.returncode == 0, "tandem-generate %s: %s" % (flags, r.stderr))
+            want = json.loads(r.stdout)
+            st, _, got = srv.post_json("/v1/completions", dict(
+                fields, prompt=prompt, max_tokens=120, temperature=1, seed=seed,
+                return_token_ids=True))
+            h.check(st == 200, "%s: status %d %r" % (flags[0], st, got))
+            c = got["choices"][0]
+            h.check(c["token_ids"] == want["ids"], "%s seed %d: ids %r != tandem-generate %r" % (
+                flags[0], seed, c["token_ids"], want["ids"]))
+            h.check(c["text"] == want["text"] and c["finish_reason"] == want["finish_reason"],
+                    "%s seed %d: %r %s != %r %s" % (flags[0], seed, c["text"], c["finish_reason"],
+                                                    want["text"], want["finish_reason"]))
+            h.check(got["usage"]["completion_tokens"] == len(want["ids"]), "completion_tokens")
+            stops += c["finish_reason"] == "stop"
+    h.check(stops >= 4, "only %d of 6 constrained requests finished stop" % stops)
+    return stops
 
 
 def main():
@@ -65,9 +110,11 @@ def main():
         h.check(g is not None, "stream %d did not finish" % i)
         h.check(list(g[0]) == w[0], "stream %d ids %r != %r" % (i, g[0], w[0]))
         h.check(g[1] == w[1], "stream %d text %r != %r" % (i, g[1], w[1]))
+    stops = constrained(args, model, srv)
     h.check(srv.stop() == 0, "exit status")
     print("PASS: %d prompts x %d greedy tokens equal tandem-generate (non-stream and batched "
-          "stream)" % (len(PROMPTS), MAX_TOKENS))
+          "stream); 6 seeded constrained requests too (%d finished stop)" % (
+              len(PROMPTS), MAX_TOKENS, stops))
 
 
 if __name__ == "__main__":

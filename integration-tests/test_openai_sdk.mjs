@@ -2,13 +2,17 @@
 // The official OpenAI SDK for Node.js (npm `openai`, pinned in package.json)
 // against one Tandem endpoint: completions and chat completions, streaming and
 // not, structured outputs (chat.completions.parse with a json_schema
-// response_format, the stream helper, guided_choice), a model list and errors. Every check is on what the SDK parsed: ids,
+// response_format, the stream helper, guided_choice; zodResponseFormat with the
+// npm `zod` package, also pinned, through parse and the stream helper), a model
+// list and errors. Every check is on what the SDK parsed: ids,
 // object types, choices, finish_reason, usage, and that the streamed deltas
 // concatenated equal the non-stream text for the same greedy request.
 //   node test_openai_sdk.mjs --base-url http://127.0.0.1:8000/v1 --model NAME --label router
 // Exit 0 when every check passed; 1 with the failed check on stderr.
 import assert from 'node:assert/strict';
 import OpenAI from 'openai';
+import { zodResponseFormat } from 'openai/helpers/zod';
+import { z } from 'zod';
 
 function arg(name) {
     const i = process.argv.indexOf(name);
@@ -201,6 +205,73 @@ async function structured() {
     return `structured outputs ok (${JSON.stringify(msg.parsed)}, ${cc.choices[0].text})`;
 }
 
+// The SDK's zod helpers (issue 12's test): zodResponseFormat turns a zod schema
+// into the json_schema response_format (strict, additionalProperties false, a
+// nullable field as anyOf with null, literals as const), and parse / the
+// stream helper run the model's content through the zod schema into
+// message.parsed (the SDK throws if it does not validate). The checks below
+// repeat the validation by hand, so a lenient helper cannot hide a bad output.
+const ZodRecord = z.object({
+    name: z.string().max(6),
+    tags: z.array(z.enum(['red', 'green', 'blue'])).min(1).max(3),
+    pos: z.object({ x: z.union([z.literal(1), z.literal(20), z.literal(300)]), ok: z.boolean() }),
+    mood: z.enum(['calm', 'busy']).nullable(),
+});
+
+function checkZodRecord(v, what) {
+    assert.ok(v && typeof v === 'object', `${what}: parsed is ${v}`);
+    assert.deepEqual(Object.keys(v), ['name', 'tags', 'pos', 'mood'], `${what}: keys`);
+    assert.ok(typeof v.name === 'string' && [...v.name].length <= 6, `${what}: name ${v.name}`);
+    assert.ok(Array.isArray(v.tags) && v.tags.length >= 1 && v.tags.length <= 3 &&
+              v.tags.every((t) => ['red', 'green', 'blue'].includes(t)), `${what}: tags`);
+    assert.deepEqual(Object.keys(v.pos), ['x', 'ok'], `${what}: pos keys`);
+    assert.ok([1, 20, 300].includes(v.pos.x) && typeof v.pos.ok === 'boolean', `${what}: pos`);
+    assert.ok(v.mood === null || ['calm', 'busy'].includes(v.mood), `${what}: mood ${v.mood}`);
+    assert.ok(ZodRecord.safeParse(v).success, `${what}: zod rejects ${JSON.stringify(v)}`);
+}
+
+async function zodStructured() {
+    const responseFormat = zodResponseFormat(ZodRecord, 'sky_record');
+    assert.equal(responseFormat.type, 'json_schema');
+    assert.equal(responseFormat.json_schema.strict, true);
+    const parsedSeen = [];
+    for (const seed of [5, 11]) {
+        const req = {
+            model,
+            messages: [{ role: 'user', content: 'Describe the sky as a JSON record.' }],
+            max_tokens: 300,
+            temperature: 1,
+            seed,
+            response_format: responseFormat,
+        };
+        const c = await client.chat.completions.parse(req);
+        const ch = c.choices[0];
+        assert.equal(ch.finish_reason, 'stop', `zod parse finish (seed ${seed})`);
+        assert.ok(ch.message.refusal == null, 'no refusal'); // absent or null
+        checkZodRecord(ch.message.parsed, `zod parse (seed ${seed})`);
+        assert.deepEqual(ch.message.parsed, JSON.parse(ch.message.content), 'parsed == content');
+        checkUsage(c.usage, 'zod parse');
+
+        // The stream helper: it parses the final message with the zod schema and
+        // reports the partial JSON as it grows.
+        let deltas = 0, lastSnapshot = null;
+        const runner = client.chat.completions.stream(req);
+        runner.on('content.delta', (e) => {
+            deltas++;
+            lastSnapshot = e.snapshot;
+        });
+        const final = await runner.finalChatCompletion();
+        const fm = final.choices[0].message;
+        assert.equal(final.choices[0].finish_reason, 'stop', 'zod stream finish');
+        assert.equal(fm.content, ch.message.content, 'streamed == non-stream (seeded)');
+        assert.equal(lastSnapshot, fm.content, 'content.delta snapshots end at the content');
+        assert.ok(deltas >= 2, `content.delta events: ${deltas}`);
+        checkZodRecord(fm.parsed, `zod stream helper (seed ${seed})`);
+        parsedSeen.push(JSON.stringify(ch.message.parsed));
+    }
+    return `zod structured outputs ok (${parsedSeen.join(', ')})`;
+}
+
 async function models() {
     const page = await client.models.list();
     const ids = page.data.map((m) => m.id);
@@ -221,7 +292,7 @@ async function models() {
 }
 
 try {
-    for (const step of [completions, chat, structured, models])
+    for (const step of [completions, chat, structured, zodStructured, models])
         console.log(`${label}: ${await step()}`);
 } catch (e) {
     console.error(`FAIL ${label}: ${e.stack || e}`);

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """openai_sdk: the official OpenAI SDK for Node.js against the router and a decode worker.
 
-Installs the pinned npm `openai` (package-lock.json) with `npm ci` into
+Installs the pinned npm `openai` and `zod` (package-lock.json; zod for the
+SDK's zodResponseFormat helper) with `npm ci` into
 integration-tests/node_modules when it is missing or older than the lock file
 (under a lock, so parallel tests install once), starts `tandem up --prefill 1
 --decode 1`, and runs test_openai_sdk.mjs against the router's /v1 and then
@@ -42,7 +43,7 @@ def ensure_packages(args):
             ping = subprocess.run([npm, "ping"], cwd=HERE, capture_output=True, text=True,
                                   timeout=60)
             if ping.returncode != 0:
-                skip("npm registry unreachable, cannot install the pinned openai package: %s"
+                skip("npm registry unreachable, cannot install the pinned openai and zod packages: %s"
                      % (ping.stderr.strip().splitlines() or ["?"])[-1])
             check(False, "npm ci failed: %s" % r.stderr)
 

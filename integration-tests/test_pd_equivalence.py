@@ -5,7 +5,9 @@ KV sent over nng to the decode worker) are identical to those of the decode
 worker alone, for prompts from 1 token to a few thousand, streamed and not.
 Also checks the phase-times header names the remote prefill worker, that the
 prefill workers' and decode workers' transfer metrics moved, and that KV is
-back to 0 everywhere afterwards."""
+back to 0 everywhere afterwards. Run with --decode-flags "--speculative-config
+..." (ctest pd_equivalence_spec) it also checks that the decode workers
+speculated."""
 import random
 
 from pd_harness import Cluster, check, metric_sum, metrics, parse_args, post, stream_text
@@ -89,6 +91,14 @@ def main():
     check(metric_sum(rm, "tandem:router_kv_transfer_exposed_seconds_count") ==
           metric_sum(rm, "tandem:router_kv_transfer_seconds_count"),
           "the exposed transfer is not counted beside the whole one")
+    if "--speculative-config" in args.decode_flags:
+        # The decode workers speculated (imported requests included): the
+        # equalities above held with drafts verified and accepted.
+        dm = [metrics(w.http_port) for w in cl.decode]
+        drafts = sum(metric_sum(m, "vllm:spec_decode_num_drafts_total") for m in dm)
+        acc = sum(metric_sum(m, "vllm:spec_decode_num_accepted_tokens_total") for m in dm)
+        check(drafts > 0 and acc > 0, "decode workers did not speculate: %s drafts" % drafts)
+        print("speculation: %d drafts, %d tokens accepted" % (drafts, acc))
     cl.wait_kv_free()
     print("PASS: %d prompt/sampling cases equal direct; %d KV bytes moved" % (n_checked, sent))
 

@@ -10,6 +10,7 @@ of the grammar engine); the same seeded request gives the same token ids
 routed and direct, streamed and not; n > 1 gives one valid output per choice;
 the services stay healthy."""
 import json
+import os
 import re
 
 from pd_harness import Cluster, Stream, check, parse_args, post, stream_text
@@ -81,6 +82,9 @@ def main():
     cl = Cluster(args, n_prefill=1, n_decode=1, pd_mode="always").start()
     direct = cl.decode[0].http_port
     prompt = "Describe the sky as JSON:"
+    with open(os.path.join(cl.model, "generation_config.json")) as f:
+        end_ids = json.load(f)["eos_token_id"]
+    end_ids = end_ids if isinstance(end_ids, list) else [end_ids]
     stops = 0
     # Completions, every request shape of a constraint, seeded sampling.
     cases = [
@@ -122,6 +126,19 @@ def main():
             if a["finish_reason"] == "stop":
                 stops += 1
                 validator(a["text"], "%s seed %d" % (name, seed))
+                # As vLLM (xgrammar terminates on the stop token): once the grammar is
+                # complete the ending token is sampled, the only one the mask leaves,
+                # so it is the last id and completion_tokens counts it.
+                check(a["token_ids"] and a["token_ids"][-1] in end_ids,
+                      "%s seed %d: stop without an ending token: %s" % (name, seed,
+                                                                        a["token_ids"]))
+                check(routed["usage"]["completion_tokens"] == len(a["token_ids"]) and
+                      dir_["usage"]["completion_tokens"] == len(a["token_ids"]),
+                      "%s seed %d: completion_tokens %s/%s for %d ids" % (
+                          name, seed, routed["usage"]["completion_tokens"],
+                          dir_["usage"]["completion_tokens"], len(a["token_ids"])))
+                check(a["stop_reason"] in (None, a["token_ids"][-1]),
+                      "%s: stop_reason %r" % (name, a["stop_reason"]))
             else:
                 check(name == "json_object", "%s seed %d ran to max_tokens: %r" % (
                     name, seed, a["text"]))

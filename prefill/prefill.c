@@ -45,6 +45,7 @@ void tdm_prefill_config_default(struct tdm_prefill_config *cfg)
     cfg->hold_seconds = 30;
     cfg->layers_per_frame = 4;
     cfg->send_timeout = 5;
+    cfg->nccl_timeout = 10;
 }
 
 void tdm_prefill_worker_config_default(struct tdm_worker_config *cfg)
@@ -137,6 +138,12 @@ struct pjob {
     struct tdm_kvx_push *dev;     // the CUDA IPC copies; NULL over nng
     int *src_blocks;              // [push.num_blocks] our physical ids (leased per group)
     bool closed_sent;
+    // NCCL: the decode worker's communicator id (PrefillRequest.nccl_id), the
+    // pair's link while this transfer holds it, and the sends.
+    bool has_nccl_id;
+    uint8_t nccl_id[TDM_KVX_NCCL_ID_BYTES];
+    struct tdm_kvx_link *link;
+    struct tdm_kvx_nccl *nx;
 };
 
 struct tdm_prefill_service {
@@ -162,6 +169,9 @@ struct tdm_prefill_service {
     pthread_mutex_t ipc_mu;               // guards ipc (job threads share it)
     struct tdm_kvx_ipc_cache *ipc;        // decode pools opened, per peer instance
     struct tdm_kvx_pairs *pairs;          // /health details
+    bool nccl;                            // NCCL can move our KV: gpu, the table's NCCL calls,
+                                          // --kv-transfer auto or nccl
+    struct tdm_kvx_links *links;          // one NCCL communicator per decode worker
     struct tdm_metrics_counter *transfers; // tandem:kv_transfers_total{transport}
     struct tdm_metrics_counter *copy_seconds; // tandem:kv_copy_seconds_total (CUDA IPC)
 };
@@ -278,14 +288,222 @@ static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first
 // ---- GPU-to-GPU transfer (issue 10) --------------------------------------------------------
 static void pause_briefly(void)
 {
-    struct timespec ts = {0, 100000}; // 0.1 ms
-    nanosleep(&ts, NULL);
+    tdm_sleep(1e-4);
 }
 
-static void *src_layer(void *arg, int layer, bool v)
+// Device-to-device needs the decode worker's pool to be laid out like ours.
+static int same_layout(struct tdm_prefill_service *p, struct pjob *job, char *err, size_t errlen)
 {
-    struct tdm_kv_storage *st = arg;
-    return v ? st->ops->layer_v(st, layer) : st->ops->layer_k(st, layer);
+    if (job->pool.elem_bytes != (uint32_t)p->own_pool.elem_bytes ||
+        job->pool.block_bytes != p->own_pool.block_bytes ||
+        job->pool.num_layers != (uint32_t)p->kvc.num_layers)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "KV layouts differ (decode %u-byte elements, %llu-byte blocks; "
+                          "prefill %d, %zu)",
+                          job->pool.elem_bytes, (unsigned long long)job->pool.block_bytes,
+                          p->own_pool.elem_bytes, p->own_pool.block_bytes);
+    return TDM_OK;
+}
+
+// Our block ids of the push range into job->src_blocks: the prompt's table is
+// fixed from the final step on; leased (and dropped) here only to read it,
+// each group leases again.
+static int read_src_blocks(struct tdm_prefill_service *p, struct pjob *job, char *err,
+                           size_t errlen)
+{
+    int n = job->push.num_blocks;
+    job->src_blocks = malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
+    if (job->src_blocks == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    if (n > 0 && tdm_engine_export_lease(p->parts.engine, job->req, 1, job->push.first_block, n,
+                                         job->src_blocks) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "the prompt's KV is not exportable");
+    if (n > 0)
+        tdm_engine_export_unlease(p->parts.engine, job->req);
+    return TDM_OK;
+}
+
+// True when the job must stop waiting on a peer: cancel, shutdown, deadline.
+static bool job_gone(struct tdm_prefill_service *p, struct pjob *job)
+{
+    pthread_mutex_lock(&p->mu);
+    bool cancelled = job->cancelled;
+    pthread_mutex_unlock(&p->mu);
+    return cancelled || atomic_load(&p->net.stopping) || tdm_now() > job->deadline;
+}
+
+// The NCCL side of a transfer: takes the pair's link, joins the decode
+// worker's communicator when its id (or the decode instance) is not the one
+// the link holds, waits for init (the link's deadline, the job's stop), tells
+// the decode worker to post its receives (a KvData "nccl" frame without
+// layers) and prepares the sends. Any failure aborts the communicator and
+// fails the transfer (the decode worker moves on to the next prefill worker
+// or local prefill; the next transfer builds a new communicator). `why0`:
+// the reason CUDA IPC was not used, kept in job->why.
+static int nccl_prepare(struct tdm_prefill_service *p, struct pjob *job, const char *why0)
+{
+    char err[256] = "";
+    int rc = same_layout(p, job, err, sizeof err);
+    // The decode worker offers a pair's communicator to one transfer at a
+    // time; our previous transfer of the pair may still be handing it back.
+    double until = tdm_now() + p->cfg.nccl_timeout;
+    while (rc == TDM_OK && (job->link = tdm_kvx_links_take(p->links, job->decode_url)) == NULL) {
+        if (job_gone(p, job) || tdm_now() > until)
+            rc = tdm_seterr(err, sizeof err, TDM_EBUSY,
+                            "the pair's communicator stayed busy with another transfer");
+        else
+            pause_briefly();
+    }
+    bool touched = rc == TDM_OK; // from here a failure leaves the communicator in doubt
+    uint8_t held[TDM_KVX_NCCL_ID_BYTES];
+    if (rc == TDM_OK &&
+        (!tdm_kvx_link_id(job->link, held) || memcmp(held, job->nccl_id, sizeof held) != 0 ||
+         tdm_kvx_link_instance(job->link) != job->decode_instance))
+        rc = tdm_kvx_link_join(job->link, job->decode_instance, tdm_now(), job->nccl_id, err,
+                               sizeof err);
+    // The link's own deadline bounds an init; a ready communicator that
+    // reports an operation in progress gets nccl_timeout too.
+    double give_up = tdm_now() + p->cfg.nccl_timeout;
+    while (rc == TDM_OK) {
+        rc = tdm_kvx_link_poll(job->link, tdm_now(), err, sizeof err);
+        if (rc != TDM_EBUSY)
+            break;
+        if (job_gone(p, job) || tdm_now() > give_up) {
+            tdm_kvx_link_abort(job->link);
+            rc = tdm_seterr(err, sizeof err, TDM_ETIMEDOUT, "%s",
+                            job_gone(p, job) ? "cancelled during NCCL init"
+                                             : "NCCL communicator not ready in time");
+            break;
+        }
+        rc = TDM_OK;
+        pause_briefly();
+    }
+    if (rc == TDM_OK)
+        rc = read_src_blocks(p, job, err, sizeof err);
+    if (rc == TDM_OK)
+        rc = tdm_kvx_nccl_new(&job->nx, p->kvx_ops, TDM_KVX_PREFILL, &job->pool, job->dst_blocks,
+                              job->src_blocks, job->push.num_blocks, tdm_kv_storage_layer,
+                              tdm_kv_storage(tdm_engine_kv(p->parts.engine)),
+                              job->push.layers_per_frame, err, sizeof err);
+    if (rc == TDM_OK) {
+        Tandem__KvData d = TANDEM__KV_DATA__INIT; // "post your receives"
+        d.transfer_id = job->transfer_id;
+        d.to_instance = job->decode_instance;
+        d.from_instance = p->net.instance;
+        d.first_block = job->push.first_block;
+        d.num_blocks = job->push.num_blocks;
+        d.transport = (char *)tdm_kvx_mode_name(TDM_KVX_NCCL);
+        rc = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
+                         p->cfg.send_timeout, err, sizeof err);
+    }
+    if (rc == TDM_OK) {
+        snprintf(job->why, sizeof job->why, "%s%s", why0 ? "cuda-ipc failed, " : "",
+                 why0 ? "nccl" : "gpus on both, nccl");
+        return TDM_OK;
+    }
+    TDM_LOG_WARN(MOD, "req=%s nccl to %s failed: %s", job->request_id, job->decode_url, err);
+    snprintf(job->why, sizeof job->why, "nccl failed: %.140s", err);
+    tdm_kvx_nccl_free(job->nx);
+    job->nx = NULL;
+    if (!touched) {
+        // Nothing joined or awaited (layouts differ, the link stayed busy):
+        // the decode worker's receive thread waits for our "nccl" frame, and
+        // a first frame of another transport ends it, so choose again.
+        tdm_kvx_links_give(p->links, job->link);
+        job->link = NULL;
+        return TDM_EBUSY;
+    }
+    // Joined or waited: the communicator's state is in doubt on both sides.
+    // Aborted here, and the transfer fails so the decode worker aborts its
+    // end too (a KvData error) and moves on; the next transfer rebuilds.
+    tdm_kvx_link_abort(job->link);
+    return TDM_ETRANSPORT;
+}
+
+// Layers [first_layer, first_layer + n) as grouped ncclSends (kvx_nccl) of
+// leased blocks; the group's event awaited while the communicator is polled
+// for errors against nccl_timeout and the job's stop; then a KvData without
+// payload ("nccl", layers in place: the decode worker's receive completed
+// too, it counts its own). On any failure the communicator is aborted (its
+// kernels end), the event still awaited before the lease goes.
+static int send_nccl(struct tdm_prefill_service *p, struct pjob *job, int first_layer, int n,
+                     size_t *moved, char *err, size_t errlen)
+{
+    struct tdm_engine *e = p->parts.engine;
+    int nb = job->push.num_blocks;
+    double t0 = tdm_now();
+    uint64_t bytes0 = tdm_kvx_nccl_bytes(job->nx);
+    *moved = 0;
+    if (tdm_engine_export_lease(e, job->req, first_layer + n, job->push.first_block, nb,
+                                job->src_blocks) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "layers %d..%d not exportable", first_layer,
+                          first_layer + n - 1);
+    int rc = tdm_kvx_link_ready_for(job->link, job->decode_instance)
+                 ? tdm_kvx_nccl_layers(job->nx, tdm_kvx_link_comm(job->link), first_layer, n, err,
+                                       errlen)
+                 : tdm_seterr(err, errlen, TDM_ETRANSPORT, "the NCCL communicator is gone");
+    bool aborted = rc != TDM_OK;
+    if (aborted)
+        tdm_kvx_link_abort(job->link);
+    double give_up = 0; // after an abort: the aborted kernels end within moments
+    int q;
+    while ((q = tdm_kvx_nccl_poll(job->nx)) == TDM_EBUSY) {
+        double now = tdm_now();
+        if (!aborted) {
+            char why[256] = "";
+            int lrc = tdm_kvx_link_poll(job->link, now, why, sizeof why);
+            const char *stop = lrc != TDM_OK && lrc != TDM_EBUSY ? why
+                               : now - t0 > p->cfg.nccl_timeout  ? "send timed out"
+                               : job_gone(p, job)                ? "cancelled"
+                                                                 : NULL;
+            if (stop != NULL) {
+                rc = tdm_seterr(err, errlen, TDM_ETRANSPORT, "NCCL send of layers %d..%d: %s",
+                                first_layer, first_layer + n - 1, stop);
+                tdm_kvx_link_abort(job->link);
+                aborted = true;
+                give_up = now + p->cfg.nccl_timeout;
+            }
+        } else if (give_up > 0 && now > give_up) {
+            break; // its fate unknown: the lease stays (below)
+        }
+        pause_briefly();
+    }
+    if (tdm_kvx_nccl_quiet(job->nx))
+        tdm_engine_export_unlease(e, job->req);
+    else
+        TDM_LOG_ERR(MOD, "req=%s an NCCL send's completion is unknown: blocks stay leased",
+                    job->request_id);
+    if (rc == TDM_OK && q != TDM_OK) {
+        tdm_kvx_link_abort(job->link);
+        rc = tdm_seterr(err, errlen, TDM_ETRANSPORT, "NCCL send of layers %d..%d failed",
+                        first_layer, first_layer + n - 1);
+    }
+    if (rc != TDM_OK)
+        return rc;
+    double copy_s = tdm_now() - t0;
+    tdm_metrics_counter_add(p->copy_seconds, copy_s);
+    *moved = (size_t)(tdm_kvx_nccl_bytes(job->nx) - bytes0);
+    Tandem__KvData d = TANDEM__KV_DATA__INIT;
+    d.transfer_id = job->transfer_id;
+    d.to_instance = job->decode_instance;
+    d.from_instance = p->net.instance;
+    d.first_layer = first_layer;
+    d.num_layers = n;
+    d.first_block = job->push.first_block;
+    d.num_blocks = nb;
+    d.transport = (char *)tdm_kvx_mode_name(TDM_KVX_NCCL);
+    d.transport_why = first_layer == 0 ? job->why : (char *)"";
+    d.closed = first_layer + n == p->kvc.num_layers;
+    d.copy_seconds = copy_s;
+    rc = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
+                     p->cfg.send_timeout, err, errlen);
+    if (rc == TDM_OK && d.closed)
+        job->closed_sent = true;
+    if (d.closed) { // the last send completed: the pair's next transfer may have the link
+        tdm_kvx_links_give(p->links, job->link);
+        job->link = NULL;
+    }
+    return rc;
 }
 
 // Picks this transfer's transport (tdm_kvx_choose over both sides; a CUDA IPC
@@ -298,15 +516,34 @@ static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
     enum tdm_kvx_mode dset = TDM_KVX_NNG;
     if (job->decode_setting[0] && tdm_kvx_mode_parse(job->decode_setting, &dset) != 0)
         dset = TDM_KVX_NNG;
-    // NCCL: the communicator lifecycle exists (kvx_link) but the roles do not
-    // move KV over it yet, so this side does not offer it.
-    struct tdm_kvx_side pre = {p->kv_setting, p->gpu, false, p->host_id};
-    struct tdm_kvx_side dec = {dset, job->offered && job->pool.gpu, job->offered && job->pool.nccl,
+    // NCCL is possible when the decode worker sent a communicator id with
+    // its pool (it holds the pair's link for this transfer).
+    struct tdm_kvx_side pre = {p->kv_setting, p->gpu, p->nccl, p->host_id};
+    struct tdm_kvx_side dec = {dset, job->offered && job->pool.gpu,
+                               job->offered && job->pool.nccl && job->has_nccl_id,
                                job->decode_host};
     enum tdm_kvx_ipc_open ipc = TDM_KVX_IPC_UNTRIED;
-    for (int round = 0; round < 2; round++) {
+    // The device copies and NCCL calls run on this job thread: our device first.
+    char derr[192] = "";
+    if (p->gpu && p->kvx_ops->use_device_of != NULL &&
+        p->kvx_ops->use_device_of(p->kvx_ops->ctx, p->own_pool.base, derr, sizeof derr) != 0) {
+        TDM_LOG_WARN(MOD, "req=%s %s: KV over nng", job->request_id, derr);
+        pre.gpu = pre.nccl = false;
+    }
+    bool nccl_tried = false;
+    for (int round = 0; round < 3; round++) {
         if (tdm_kvx_choose(&pre, &dec, ipc, &job->mode, job->why, sizeof job->why) != 0)
             return TDM_EINVAL;
+        if (job->mode == TDM_KVX_NCCL) {
+            int rc = nccl_prepare(p, job, ipc == TDM_KVX_IPC_FAILED ? job->why : NULL);
+            if (rc != TDM_EBUSY)
+                return rc;
+            dec.nccl = false; // choose again without NCCL (job->why says why)
+            nccl_tried = true;
+            continue;
+        }
+        if (job->mode != TDM_KVX_CUDA_IPC && nccl_tried)
+            return TDM_OK; // why: NCCL's failure
         if (job->mode != TDM_KVX_CUDA_IPC) {
             // Why not CUDA IPC (the first candidate): the settings, else what
             // the choice restricted to it says.
@@ -326,14 +563,7 @@ static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
         }
         char err[256] = "";
         int rc = TDM_OK;
-        if (job->pool.elem_bytes != (uint32_t)p->own_pool.elem_bytes ||
-            job->pool.block_bytes != p->own_pool.block_bytes ||
-            job->pool.num_layers != (uint32_t)p->kvc.num_layers)
-            rc = tdm_seterr(err, sizeof err, TDM_EINVAL,
-                            "KV layouts differ (decode %u-byte elements, %llu-byte blocks; "
-                            "prefill %d, %zu)",
-                            job->pool.elem_bytes, (unsigned long long)job->pool.block_bytes,
-                            p->own_pool.elem_bytes, p->own_pool.block_bytes);
+        rc = same_layout(p, job, err, sizeof err);
         void *base = NULL;
         if (rc == TDM_OK) {
             pthread_mutex_lock(&p->ipc_mu);
@@ -342,22 +572,13 @@ static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
             pthread_mutex_unlock(&p->ipc_mu);
         }
         int n = job->push.num_blocks;
-        if (rc == TDM_OK) {
-            job->src_blocks = malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
-            rc = job->src_blocks ? TDM_OK : TDM_ENOMEM;
-        }
-        // Our block ids: the prompt's table is fixed from the final step on;
-        // leased (and dropped) here only to read it, each group leases again.
-        if (rc == TDM_OK && n > 0 &&
-            tdm_engine_export_lease(p->parts.engine, job->req, 1, job->push.first_block, n,
-                                    job->src_blocks) == TDM_OK)
-            tdm_engine_export_unlease(p->parts.engine, job->req);
-        else if (rc == TDM_OK && n > 0)
-            rc = tdm_seterr(err, sizeof err, TDM_EINVAL, "the prompt's KV is not exportable");
+        if (rc == TDM_OK)
+            rc = read_src_blocks(p, job, err, sizeof err);
         if (rc == TDM_OK)
             rc = tdm_kvx_push_new(&job->dev, p->kvx_ops, &job->pool, base, job->dst_blocks,
-                                  src_layer, tdm_kv_storage(tdm_engine_kv(p->parts.engine)),
-                                  job->src_blocks, n, err, sizeof err);
+                                  tdm_kv_storage_layer,
+                                  tdm_kv_storage(tdm_engine_kv(p->parts.engine)), job->src_blocks,
+                                  n, err, sizeof err);
         if (rc == TDM_OK) {
             snprintf(job->why, sizeof job->why, "same host, pool handle open");
             return TDM_OK;
@@ -642,8 +863,9 @@ static void *job_main(void *arg)
             }
             size_t fb = push_layer_bytes(p, job) * (size_t)n;
             if (rc == TDM_OK)
-                rc = job->dev ? send_inplace(p, job, sent, n, &fb, err, sizeof err)
-                              : send_frame(p, job, sent, n, err, sizeof err);
+                rc = job->dev  ? send_inplace(p, job, sent, n, &fb, err, sizeof err)
+                     : job->nx ? send_nccl(p, job, sent, n, &fb, err, sizeof err)
+                               : send_frame(p, job, sent, n, err, sizeof err);
             if (rc == TDM_OK) {
                 // Counted per frame at once: the decode worker may be done
                 // with the request before this job gets to its end. In place:
@@ -663,7 +885,9 @@ static void *job_main(void *arg)
             tdm_pd_metrics_fail(&p->m, cancelled          ? "cancelled"
                                        : rc == TDM_EINVAL ? "export"
                                                           : "send");
-            if (rc == TDM_EINVAL && !cancelled)
+            // Over NCCL the decode worker's receives wait on this transfer: it
+            // is told at once, as for a refused export.
+            if ((rc == TDM_EINVAL || job->mode == TDM_KVX_NCCL) && !cancelled)
                 send_kv_error(p, job, rc, err);
             push_failed = true;
             // Nobody can use this prefill any more: stop computing it.
@@ -717,6 +941,8 @@ static void job_end(struct pjob *job, bool pushed, double t_first_frame, size_t 
     }
     send_closed(p, job); // before the KV goes back: no copy reads it any more
     tdm_kvx_push_free(job->dev);
+    tdm_kvx_nccl_free(job->nx);
+    tdm_kvx_links_give(p->links, job->link);
     free(job->dst_blocks);
     free(job->src_blocks);
     tdm_engine_release_kv(e, job->req); // EINVAL when nothing is held: fine
@@ -849,6 +1075,10 @@ static void prefill_start(struct tdm_prefill_service *p, const Tandem__PrefillRe
         for (int i = 0; i < push->num_blocks; i++)
             job->dst_blocks[i] = m->block_ids[i];
         job->offered = true;
+        if (m->nccl_id.len == TDM_KVX_NCCL_ID_BYTES) {
+            job->has_nccl_id = true;
+            memcpy(job->nccl_id, m->nccl_id.data, TDM_KVX_NCCL_ID_BYTES);
+        }
     }
     snprintf(job->decode_setting, sizeof job->decode_setting, "%s",
              m->kv_transfer ? m->kv_transfer : "");
@@ -1008,6 +1238,13 @@ static int prefill_kvx_init(struct tdm_prefill_service *p, struct tdm_worker *se
     int rc = tdm_kvx_pairs_new(&p->pairs, 64);
     if (rc == TDM_OK && p->kvx_ops != NULL)
         rc = tdm_kvx_ipc_cache_new(&p->ipc, p->kvx_ops, 16);
+    // NCCL where the table has its calls (a fake table in tests may not).
+    if (rc == TDM_OK && p->gpu &&
+        (p->kv_setting == TDM_KVX_AUTO || p->kv_setting == TDM_KVX_NCCL) &&
+        p->kvx_ops->nccl_send != NULL &&
+        tdm_kvx_links_new(&p->links, p->kvx_ops, TDM_KVX_PREFILL, p->cfg.nccl_timeout, 64) ==
+            TDM_OK)
+        p->nccl = true;
     if (rc != TDM_OK)
         return tdm_seterr(err, errlen, rc, "prefill: out of memory");
     static const char *const transport[] = {"transport"};
@@ -1021,8 +1258,10 @@ static int prefill_kvx_init(struct tdm_prefill_service *p, struct tdm_worker *se
     if (rc != TDM_OK)
         return rc;
     o.name = "tandem:kv_copy_seconds_total";
-    o.help = "Seconds of device-to-device KV copies (CUDA IPC), issue to observed completion, "
-             "summed over layer groups (KV bytes / this = the copy bandwidth).";
+    o.help =
+        "Seconds of device-to-device KV moves (CUDA IPC copies, NCCL sends), issue to observed "
+        "completion, "
+        "summed over layer groups (KV bytes / this = the copy bandwidth).";
     o.label_names = NULL;
     o.n_label_names = 0;
     rc = tdm_metrics_counter_register(&p->copy_seconds, p->parts.reg, &o, err, errlen);
@@ -1071,6 +1310,7 @@ int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker 
     return TDM_OK;
 fail:
     tdm_worker_set_health_details(server, NULL, NULL);
+    tdm_kvx_links_free(p->links);
     tdm_kvx_ipc_cache_free(p->ipc);
     tdm_kvx_pairs_free(p->pairs);
     pthread_mutex_destroy(&p->ipc_mu);
@@ -1095,6 +1335,7 @@ void tdm_prefill_service_free(struct tdm_prefill_service *p)
     pthread_mutex_unlock(&p->mu);
     tdm_pd_service_fini(&p->net);
     tdm_worker_set_health_details(p->server, NULL, NULL);
+    tdm_kvx_links_free(p->links);
     tdm_kvx_ipc_cache_free(p->ipc);
     tdm_kvx_pairs_free(p->pairs);
     pthread_mutex_destroy(&p->ipc_mu);

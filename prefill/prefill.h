@@ -37,6 +37,7 @@ struct tdm_prefill_config {
     double send_timeout;  // seconds one frame may wait for the decode worker; default 5
     const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = tdm_kvx_cuda_ops() (NULL in a
                                        // CPU build: KV over nng). Tests pass a fake table.
+    double nccl_timeout; // NCCL: communicator init, and each layer group's send; default 10
 };
 void tdm_prefill_config_default(struct tdm_prefill_config *cfg);
 // The worker-base defaults of a prefill worker: tdm_worker_config_default with

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // router: the request path of tandem-router (see router.h). HTTP worker threads
 // parse, tokenize, route and then read their choices' upstream streams; the
-// inbox thread files incoming TokenChunks into those streams (by request id,
-// checking the sender's instance id) and LoadReports into the endpoint
+// inbox's connection reader threads file incoming TokenChunks into those
+// streams as they are read (by request id, hashed, checking the sender's
+// instance id; no inbox thread between) and LoadReports into the endpoint
 // registry (tdm_router_endpoints_on_report: load, liveness, instance id, KV
 // events, all kept there); the poller thread sends LoadQuery to every
 // endpoint with the endpoint's id as seq. A new instance id means the worker
@@ -18,6 +19,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -43,8 +45,9 @@
 
 #define MOD "router"
 #define MAX_EPS 512
-#define DECODE_ATTEMPTS 3 // routes per request in all (retry.h)
-#define MAX_MIGRATIONS 2  // times one request's streams may move to another decode worker
+#define DECODE_ATTEMPTS 3   // routes per request in all (retry.h)
+#define MAX_MIGRATIONS 2    // times one request's streams may move to another decode worker
+#define STREAM_BUCKETS 1024 // buckets of the open-stream table (a power of two)
 
 // ---- options --------------------------------------------------------------------------------
 void tdm_router_opts_default(struct tdm_router_opts *o)
@@ -259,18 +262,25 @@ int tdm_router_opts_parse_args(struct tdm_router_opts *o, int argc, char **argv,
 }
 
 // ---- server state ------------------------------------------------------------------------------
-// One choice's upstream stream: chunks the inbox thread received for it.
+// One choice's upstream stream: chunks the inbox's connection readers
+// received for it (on_tokens), read by its call's thread (pump) a batch at a time.
 struct rstream {
-    struct rstream *next;
+    struct rstream *next; // in its bucket of s->streams
     char request_id[128];
     uint64_t ep_id;
     uint64_t instance; // the decode worker's instance (0 until known)
     double started;
     double heard;           // tdm_now() of its last chunk from the decode worker (under s->mu)
-    pthread_cond_t *cv;     // the reading call's: signalled on each chunk (under s->mu)
+    pthread_cond_t *cv;     // the reading call's: signalled when the queue stops being empty
     Tandem__TokenChunk **q; // [qn] received, not yet read (under s->mu)
     size_t qn, qcap;
     bool overflow;
+    // on_tokens calls past their unlock that have yet to signal cv: the
+    // signal goes after the unlock (a thread woken while the waker still
+    // holds s->mu would only block on it again: a futex round trip and a
+    // context switch per chunk), so stream_unregister waits for them before
+    // the call may destroy cv.
+    atomic_int signalling;
 };
 
 struct tdm_router_server {
@@ -283,8 +293,8 @@ struct tdm_router_server {
     struct tdm_net_inbox *inbox;
     struct tdm_net_outbox *outbox;
     struct tdm_net_outbox *poll_outbox; // LoadQuery only: never behind the calls' sends
-    pthread_t rx_thread, poll_thread;
-    bool rx_started, poll_started;
+    pthread_t poll_thread;
+    bool poll_started;
     atomic_bool stopping;
     atomic_bool draining;      // drain began: no new API requests, /health 503
     _Atomic int inflight;      // API handlers running (the drain waits for 0)
@@ -303,7 +313,9 @@ struct tdm_router_server {
     int64_t created;
 
     pthread_mutex_t mu; // streams and their queues
-    struct rstream *streams;
+    // Open streams by request id, hashed (a chunk finds its stream without
+    // walking every open one under mu: 100 strcmp per chunk at 100 streams).
+    struct rstream *streams[STREAM_BUCKETS];
 
     struct tdm_metrics_counter *m_requests_by; // {decision, endpoint}
     struct tdm_metrics_counter *m_lost;        // decode lost mid-stream
@@ -341,9 +353,19 @@ static void live_get(struct tdm_router_server *s, uint64_t id, uint64_t *instanc
 }
 
 // ---- inbox and poller threads ------------------------------------------------------------------
+// The bucket of request id `id` (FNV-1a).
+static struct rstream **stream_bucket(struct tdm_router_server *s, const char *id)
+{
+    uint32_t h = 2166136261u;
+    for (const unsigned char *c = (const unsigned char *)id; *c; c++)
+        h = (h ^ *c) * 16777619u;
+    return &s->streams[h & (STREAM_BUCKETS - 1)];
+}
+
+// The open stream of request id `id`, or NULL (under s->mu).
 static struct rstream *stream_find(struct tdm_router_server *s, const char *id)
 {
-    for (struct rstream *st = s->streams; st; st = st->next)
+    for (struct rstream *st = *stream_bucket(s, id); st; st = st->next)
         if (strcmp(st->request_id, id) == 0)
             return st;
     return NULL;
@@ -358,12 +380,16 @@ static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f
         tandem__token_chunk__free_unpacked(m, NULL);
         return;
     }
+    pthread_cond_t *wake = NULL;
     pthread_mutex_lock(&s->mu);
     struct rstream *st = stream_find(s, m->request_id);
     if (st && st->instance == 0)
         st->instance = m->from_instance;
     if (st && st->instance == m->from_instance) {
         st->heard = tdm_now();
+        // Chunks already waiting mean the reader was woken for them and
+        // takes this one with them (pump takes a queue whole).
+        bool was_empty = st->qn == 0 && !st->overflow;
         if (st->qn == st->qcap) {
             size_t cap = st->qcap ? st->qcap * 2 : 16;
             Tandem__TokenChunk **q = cap < 1u << 20 ? realloc(st->q, cap * sizeof *q) : NULL;
@@ -378,9 +404,16 @@ static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f
         } else {
             st->overflow = true;
         }
-        pthread_cond_signal(st->cv); // one reader per call: wake only it
+        if (was_empty) {
+            wake = st->cv;
+            atomic_fetch_add(&st->signalling, 1);
+        }
     }
     pthread_mutex_unlock(&s->mu);
+    if (wake) {
+        pthread_cond_signal(wake); // one reader per call: wake only it
+        atomic_fetch_sub(&st->signalling, 1); // the last touch of st (stream_unregister)
+    }
     if (m)
         tandem__token_chunk__free_unpacked(m, NULL);
 }
@@ -426,13 +459,6 @@ static void on_frame(void *arg, const struct tdm_net_frame *f)
         on_tokens(s, f);
     else if (f->type == TDM_NET_LOAD_REPORT)
         on_load_report(s, f);
-}
-
-static void *rx_main(void *arg)
-{
-    struct tdm_router_server *s = arg;
-    tdm_net_inbox_serve(s->inbox, &s->stopping, on_frame, s, MOD);
-    return NULL;
 }
 
 static void *poll_main(void *arg)
@@ -485,6 +511,10 @@ struct choice {
     int32_t *got;          // [n_got] every token received from upstream, in order: what a
     size_t n_got, cap_got; // migrated stream resumes after (resume_tokens)
     bool migrate;          // its decode worker was lost: continue it elsewhere (pump)
+    Tandem__TokenChunk **spare; // [spare_cap] swapped with its stream's queue by pump, which
+    size_t spare_cap;           // then reads the n_batch chunks in it (else empty)
+    size_t n_batch;
+    bool overflow; // the stream's queue had overflowed when pump took it
 };
 
 struct call {
@@ -647,8 +677,12 @@ static int migrate_lost(struct call *k);
 static void stream_unregister(struct tdm_router_server *s, struct rstream *st);
 
 // Reads upstream chunks for every unfinished choice, waiting up to `wait`
-// seconds when none had any. Checks liveness and the deadline. Returns the
-// number of choices that progressed, -2 on ENOMEM.
+// seconds when none had any: the connection reader that queues a chunk wakes
+// this thread at once (on_tokens). Each choice's queue is taken whole in one
+// turn of the lock and all of it is fed to the assembler, so the caller writes
+// every ready token in one event. Checks liveness (of choices that got
+// nothing this round: a stream whose tokens arrive is alive) and the deadline.
+// Returns the number of chunks taken, -2 on ENOMEM.
 static int pump(struct call *k, double wait)
 {
     struct tdm_router_server *s = k->s;
@@ -662,39 +696,52 @@ static int pump(struct call *k, double wait)
             if (!ch->a->done && ch->st && (ch->st->qn > 0 || ch->st->overflow))
                 any = true;
         }
-        if (any || tdm_now() >= until)
+        double left = until - tdm_now();
+        if (any || left <= 0)
             break;
-        tdm_cond_wait_for(&k->cv, &s->mu, 0.02);
+        tdm_cond_wait_for(&k->cv, &s->mu, left);
+    }
+    // In the same turn of the lock, each stream's queue and its choice's
+    // empty spare change places: ch->spare then holds the batch to read.
+    for (size_t i = 0; i < k->oai.n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        ch->overflow = false;
+        if (ch->n_batch > 0 || ch->a->done || ch->st == NULL ||
+            (ch->st->qn == 0 && !ch->st->overflow))
+            continue; // (n_batch > 0: left by a pump that ran out of memory)
+        struct rstream *st = ch->st;
+        Tandem__TokenChunk **batch = st->q;
+        size_t batch_cap = st->qcap;
+        ch->n_batch = st->qn;
+        ch->overflow = st->overflow;
+        st->q = ch->spare;
+        st->qcap = ch->spare_cap;
+        st->qn = 0;
+        ch->spare = batch;
+        ch->spare_cap = batch_cap;
     }
     pthread_mutex_unlock(&s->mu);
     for (size_t i = 0; i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
+        Tandem__TokenChunk **batch = ch->spare;
+        size_t n_batch = ch->n_batch;
+        bool overflow = ch->overflow;
+        ch->n_batch = 0;
+        int rc = TDM_OK;
+        for (size_t j = 0; j < n_batch; j++) {
+            if (rc == TDM_OK && !ch->a->done) { // after the finish: dropped, as Cancel would
+                rc = take_chunk(k, ch, batch[j]);
+                progressed++;
+            }
+            tandem__token_chunk__free_unpacked(batch[j], NULL);
+        }
+        if (rc != TDM_OK)
+            return -2; // the later choices' batches are freed by call_fini
         if (ch->a->done || ch->st == NULL)
             continue;
-        for (;;) {
-            pthread_mutex_lock(&s->mu);
-            Tandem__TokenChunk *m = NULL;
-            bool overflow = ch->st->overflow;
-            if (ch->st->qn > 0) {
-                m = ch->st->q[0];
-                memmove(ch->st->q, ch->st->q + 1, (ch->st->qn - 1) * sizeof *ch->st->q);
-                ch->st->qn--;
-            }
-            pthread_mutex_unlock(&s->mu);
-            if (m == NULL) {
-                if (overflow && !ch->a->done) {
-                    tdm_oai_asm_fail(ch->a, TDM_ENOMEM, "router: stream queue overflow");
-                    send_cancel(k, ch);
-                }
-                break;
-            }
-            int rc = take_chunk(k, ch, m);
-            tandem__token_chunk__free_unpacked(m, NULL);
-            if (rc != TDM_OK)
-                return -2;
-            progressed++;
-            if (ch->a->done)
-                break;
+        if (overflow && !ch->a->done) {
+            tdm_oai_asm_fail(ch->a, TDM_ENOMEM, "router: stream queue overflow");
+            send_cancel(k, ch);
         }
         if (ch->a->done)
             continue;
@@ -706,7 +753,7 @@ static int pump(struct call *k, double wait)
             // Past the drain: the stream ends with an error event, not a cut.
             tdm_oai_asm_fail(ch->a, TDM_ECLOSED, "the router is shutting down");
             send_cancel(k, ch);
-        } else if (!upstream_alive(k, ch, why, sizeof why)) {
+        } else if (n_batch == 0 && !upstream_alive(k, ch, why, sizeof why)) {
             // Silent is not always dead: a worker that was stopped (SIGSTOP, a
             // long GC-like stall) or cut off by a partition still holds the
             // request and resumes generating it for nobody until max_tokens,
@@ -735,13 +782,15 @@ static void stream_unregister(struct tdm_router_server *s, struct rstream *st)
     if (st == NULL)
         return;
     pthread_mutex_lock(&s->mu);
-    for (struct rstream **pp = &s->streams; *pp; pp = &(*pp)->next) {
+    for (struct rstream **pp = stream_bucket(s, st->request_id); *pp; pp = &(*pp)->next) {
         if (*pp == st) {
             *pp = st->next;
             break;
         }
     }
     pthread_mutex_unlock(&s->mu);
+    while (atomic_load(&st->signalling) > 0) // an on_tokens between unlock and signal
+        sched_yield();
     for (size_t i = 0; i < st->qn; i++)
         tandem__token_chunk__free_unpacked(st->q[i], NULL);
     free(st->q);
@@ -795,8 +844,9 @@ static int send_choice(struct call *k, size_t i, uint64_t dec_inst, Tandem__Pref
     st->instance = dec_inst;
     st->started = tdm_now();
     pthread_mutex_lock(&s->mu);
-    st->next = s->streams;
-    s->streams = st;
+    struct rstream **bucket = stream_bucket(s, st->request_id);
+    st->next = *bucket;
+    *bucket = st;
     pthread_mutex_unlock(&s->mu);
     ch->st = st;
     ch->upstream_done = false;
@@ -1138,8 +1188,13 @@ static void run_collect(struct call *k)
 static void call_fini(struct call *k)
 {
     release_upstream(k);
-    for (size_t i = 0; k->choices && i < k->oai.n_choices; i++)
-        free(k->choices[i].got);
+    for (size_t i = 0; k->choices && i < k->oai.n_choices; i++) {
+        struct choice *ch = &k->choices[i];
+        for (size_t j = 0; j < ch->n_batch; j++) // taken by a pump that ran out of memory
+            tandem__token_chunk__free_unpacked(ch->spare[j], NULL);
+        free(ch->got);
+        free(ch->spare);
+    }
     free(k->choices);
     tdm_oai_call_fini(&k->oai);
 }
@@ -1554,11 +1609,10 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
         rc = tdm_net_inbox_new(&s->inbox, o->nng_url, err, errlen);
     if (rc != TDM_OK)
         goto fail;
-    if (pthread_create(&s->rx_thread, NULL, rx_main, s) != 0) {
-        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "cannot start the inbox thread");
-        goto fail;
-    }
-    s->rx_started = true;
+    // Frames are handled on the inbox's connection readers: a TokenChunk goes
+    // from the socket into its stream's queue and wakes the request's thread,
+    // with no inbox thread between (docs/pd-protocol.md, router overhead).
+    tdm_net_inbox_handle_on_readers(s->inbox, on_frame, s);
     rc = tdm_router_control_start(s->ctl, o->watch, err, errlen);
     if (rc != TDM_OK)
         goto fail;
@@ -1622,8 +1676,6 @@ void tdm_router_server_free(struct tdm_router_server *s)
         pthread_join(s->poll_thread, NULL);
     if (s->inbox)
         tdm_net_inbox_close(s->inbox);
-    if (s->rx_started)
-        pthread_join(s->rx_thread, NULL);
     tdm_router_control_free(s->ctl);
     tdm_tracer_free(s->tracer); // after the HTTP threads: their last spans are flushed
     tdm_net_inbox_free(s->inbox);
@@ -1631,8 +1683,9 @@ void tdm_router_server_free(struct tdm_router_server *s)
     tdm_net_outbox_free(s->poll_outbox);
     tdm_metrics_registry_free(s->reg);
     tdm_text_fini(&s->text);
-    while (s->streams)
-        stream_unregister(s, s->streams);
+    for (size_t b = 0; b < STREAM_BUCKETS; b++)
+        while (s->streams[b])
+            stream_unregister(s, s->streams[b]);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }

@@ -360,6 +360,13 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     rc = tdm_metrics_gauge_register(&s->prompt_tokens_waiting, s->reg, &po, err, errlen);
     if (rc != TDM_OK)
         return rc;
+    // vLLM registers its speculative decoding counters only when speculating.
+    if (cfg->spec.num_speculative_tokens > 0) {
+        rc = tdm_metrics_spec_register(&s->spec_metrics, s->reg, s->text.served_name, "0",
+                                       cfg->spec.num_speculative_tokens, err, errlen);
+        if (rc != TDM_OK)
+            return rc;
+    }
 
     // Structured outputs: the vocabulary's token trie, once per tokenizer
     // (~70 ms for Qwen2's 151 665 tokens). Without it the server still serves,
@@ -383,6 +390,8 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     ec.max_waiting = cfg->max_waiting;
     ec.metrics = &s->metrics;
     ec.prompt_tokens_waiting = s->prompt_tokens_waiting;
+    ec.spec = cfg->spec;
+    ec.spec_metrics = cfg->spec.num_speculative_tokens > 0 ? &s->spec_metrics : NULL;
     // KV events for the router's exact prefix index (read by the P/D receiver's
     // load reports); with prefix caching off there are no cached blocks to report.
     ec.kv_event_capacity = cfg->enable_prefix_caching ? 8192 : 0;

@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "kv_cache.h" // enum tdm_kv_dtype
+#include "spec.h"     // struct tdm_spec_config
 
 // ---- configuration -------------------------------------------------------------------
 #define TDM_WORKER_STR 1024 // room for one path or name in the config
@@ -81,6 +82,8 @@ struct tdm_worker_config {
     int kv_transfer;                        // --kv-transfer nng|cuda-ipc|nccl|auto: enum
                                             // tdm_kvx_mode (common/transport/cuda/kvx.h);
                                             // default auto (P/D roles only)
+    struct tdm_spec_config spec; // --speculative-config JSON (vLLM's; method "ngram" only);
+                                 // num_speculative_tokens 0 = off (default)
 };
 
 // Fills the defaults above.

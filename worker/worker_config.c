@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "core.h"
 #include "kvx.h"
 #include "model.h"
@@ -106,6 +108,72 @@ static int set_log_level(void *o, const char *v, char *err, size_t errlen)
                           "--log-level: expected err, warn, info or debug, got \"%s\"", v);
     snprintf(cfg->log_level, sizeof cfg->log_level, "%s", v);
     return TDM_OK;
+}
+
+// --speculative-config: vLLM's JSON, method "ngram" (prompt lookup) only:
+// {"method":"ngram","num_speculative_tokens":K,"prompt_lookup_max":N,
+//  "prompt_lookup_min":M}. Unknown keys and methods are refused (vLLM's
+// other methods need a draft model Tandem does not run).
+static int set_speculative_config(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_worker_config *cfg = o;
+    struct tdm_spec_config sc = {0};
+    cJSON *j = cJSON_Parse(v);
+    int rc = TDM_OK;
+    if (!cJSON_IsObject(j)) {
+        rc = tdm_seterr(err, errlen, TDM_EINVAL, "--speculative-config: expected a JSON object, "
+                        "got \"%.80s\"", v);
+        goto out;
+    }
+    const cJSON *method = cJSON_GetObjectItemCaseSensitive(j, "method");
+    if (!cJSON_IsString(method) || strcmp(method->valuestring, "ngram") != 0) {
+        rc = tdm_seterr(err, errlen, TDM_EINVAL,
+                        "--speculative-config: method must be \"ngram\" (n-gram prompt lookup; "
+                        "draft-model methods are not supported), got %s",
+                        cJSON_IsString(method) ? method->valuestring : "none");
+        goto out;
+    }
+    const cJSON *it;
+    cJSON_ArrayForEach(it, j)
+    {
+        int *field = NULL;
+        if (strcmp(it->string, "method") == 0)
+            continue;
+        if (strcmp(it->string, "num_speculative_tokens") == 0)
+            field = &sc.num_speculative_tokens;
+        else if (strcmp(it->string, "prompt_lookup_max") == 0)
+            field = &sc.prompt_lookup_max;
+        else if (strcmp(it->string, "prompt_lookup_min") == 0)
+            field = &sc.prompt_lookup_min;
+        if (!field) {
+            rc = tdm_seterr(err, errlen, TDM_EINVAL,
+                            "--speculative-config: unknown key \"%s\" (known: method, "
+                            "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)",
+                            it->string);
+            goto out;
+        }
+        if (!cJSON_IsNumber(it) || it->valuedouble != (double)(int)it->valuedouble ||
+            it->valuedouble < 1) {
+            rc = tdm_seterr(err, errlen, TDM_EINVAL,
+                            "--speculative-config: %s must be a positive integer", it->string);
+            goto out;
+        }
+        *field = (int)it->valuedouble;
+    }
+    if (sc.num_speculative_tokens == 0) {
+        rc = tdm_seterr(err, errlen, TDM_EINVAL,
+                        "--speculative-config: num_speculative_tokens is required");
+        goto out;
+    }
+    char e[160];
+    if (tdm_spec_config_resolve(&sc, e, sizeof e) != TDM_OK) {
+        rc = tdm_seterr(err, errlen, TDM_EINVAL, "--speculative-config: %s", e);
+        goto out;
+    }
+    cfg->spec = sc;
+out:
+    cJSON_Delete(j);
+    return rc;
 }
 
 // --config is applied before the other flags (tdm_worker_config_parse_args).
@@ -217,6 +285,13 @@ static const struct tdm_flag decode_flags[] = {
      .help = "KV cache element type (default auto = bf16: half the\nmemory and P/D transfer "
              "bytes of f32; f32 for exact-\nreference runs; the CUDA backend keeps\n"
              "TANDEM_CUDA_KV_DTYPE)"},
+    {.name = "speculative-config",
+     .kind = TDM_FLAG_FN,
+     .fn = set_speculative_config,
+     .metavar = "JSON",
+     .help = "speculative decoding (vLLM's): '{\"method\":\"ngram\",\n"
+             "\"num_speculative_tokens\":K,\"prompt_lookup_max\":N,\n\"prompt_lookup_min\":M}' "
+             "(n-gram prompt lookup;\ndefault off)"},
     {.name = "enable-prefix-caching",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(enable_prefix_caching),

@@ -169,6 +169,39 @@ static void test_bad_flags(void **state)
     assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-cache-dtype", "fp8"),
                      TDM_EINVAL);
     assert_non_null(strstr(err, "--kv-cache-dtype: kv cache dtype 'fp8': expected auto (bf16)"));
+    // --speculative-config: vLLM's JSON, method ngram only, every key checked.
+    assert_int_equal(c.spec.num_speculative_tokens, 0); // off by default
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--speculative-config",
+                           "{\"method\":\"ngram\",\"num_speculative_tokens\":4,"
+                           "\"prompt_lookup_max\":3,\"prompt_lookup_min\":2}"),
+                     TDM_OK);
+    assert_int_equal(c.spec.num_speculative_tokens, 4);
+    assert_int_equal(c.spec.prompt_lookup_max, 3);
+    assert_int_equal(c.spec.prompt_lookup_min, 2);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--speculative-config",
+                           "{\"method\":\"ngram\",\"num_speculative_tokens\":3}"),
+                     TDM_OK);
+    assert_int_equal(c.spec.prompt_lookup_max, 5); // vLLM's default window
+    assert_int_equal(c.spec.prompt_lookup_min, 5);
+    static const char *const bad[][2] = {
+        {"{\"method\":\"eagle\",\"num_speculative_tokens\":3}", "method must be \"ngram\""},
+        {"{\"method\":\"ngram\",\"num_speculative_tokens\":3,\"model\":\"x\"}",
+         "unknown key \"model\""},
+        {"{\"method\":\"ngram\"}", "num_speculative_tokens is required"},
+        {"{\"method\":\"ngram\",\"num_speculative_tokens\":2.5}", "positive integer"},
+        {"{\"method\":\"ngram\",\"num_speculative_tokens\":99}", "[1, 16]"},
+        {"{\"method\":\"ngram\",\"num_speculative_tokens\":2,\"prompt_lookup_max\":1,"
+         "\"prompt_lookup_min\":3}",
+         "prompt_lookup_max"},
+        {"ngram", "expected a JSON object"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(
+            parse(&c, err, sizeof err, 5, "--model", "/m", "--speculative-config", bad[i][0]),
+            TDM_EINVAL);
+        if (!strstr(err, "--speculative-config: ") || !strstr(err, bad[i][1]))
+            fail_msg("%s: got \"%s\"", bad[i][0], err);
+    }
     assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "stray"), TDM_EINVAL);
     assert_int_equal(parse(&c, err, sizeof err, 2, "--help"), 1);
 }

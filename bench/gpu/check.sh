@@ -6,10 +6,14 @@
 #
 #   1 configure  -DTANDEM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native, Release
 #   2 build      every target (-j cores)
-#   3 ctest      ctest -L gpu (op by op vs the CPU backend, greedy tokens, graphs
-#                vs eager, batch invariance, the seed walkthrough on --device cuda,
-#                P/D on one GPU over CUDA IPC == the decode worker alone, kill -9
-#                of the prefill worker mid-transfer: pd_gpu)
+#   3 ctest      ctest -L '^gpu$' (op by op vs the CPU backend, greedy tokens,
+#                graphs vs eager, batch invariance, the seed walkthrough on
+#                --device cuda, P/D on one GPU over CUDA IPC == the decode worker
+#                alone, kill -9 of the prefill worker mid-transfer: pd_gpu)
+#   3b gpu2      ctest -L '^gpu2$' when two or more GPUs are visible (P/D over
+#                NCCL between cuda:1 and cuda:0 == the decode worker alone,
+#                kill -9 of the prefill worker mid-transfer: pd_gpu2); skipped,
+#                with a line saying so, on one GPU
 #   4 probe      tandem-gpu-probe: HBM read/copy/d2d bandwidth, bf16 GEMM peak
 #   5 engine     tandem-bench-engine --device cuda: decode tok/s at batch
 #                1/8/32/64, prefill tok/s for 512- and 2048-token chunks on the
@@ -66,7 +70,7 @@ echo "check.sh: $(echo "$gpus" | head -n 1)$([ "$(echo "$gpus" | wc -l)" -gt 1 ]
 
 # ---- plan: step, time limit (seconds). The limits add up to at most 480. -------------------
 TOTAL=480
-STEPS="configure:45 build:180 ctest:75 probe:30 engine:75 pd:60 summary:5"
+STEPS="configure:45 build:165 ctest:75 gpu2:40 probe:30 engine:70 pd:50 summary:5"
 jobs=$(nproc 2>/dev/null || echo 4)
 logs=${OUT:-$build/check-logs}
 if [ "$dry" = 1 ]; then
@@ -144,7 +148,14 @@ fi
 bin() { find "$build" -type f -name "$1" -perm -u+x -print -quit 2>/dev/null; }
 
 # ---- 3: the gpu-label tests ----------------------------------------------------------------
-run_step ctest ctest --test-dir "$build" -L gpu --no-tests=error --output-on-failure -j1
+run_step ctest ctest --test-dir "$build" -L '^gpu$' --no-tests=error --output-on-failure -j1
+
+# ---- 3b: the gpu2-label tests (NCCL between two GPUs) ---------------------------------------
+if [ "$(echo "$gpus" | wc -l)" -lt 2 ]; then
+    record gpu2 skip "one GPU visible: P/D over NCCL between two GPUs not run"
+else
+    run_step gpu2 ctest --test-dir "$build" -L '^gpu2$' --no-tests=error --output-on-failure -j1
+fi
 
 # ---- 4: the probe ------------------------------------------------------------------------
 probe=$(bin tandem-gpu-probe)

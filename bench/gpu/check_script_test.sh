@@ -45,7 +45,7 @@ rc=$?
 echo "$out"
 expect "dry run: exit 0" [ "$rc" -eq 0 ]
 expect "dry run: names the GPU" grep -q "GPU 0: NVIDIA H200" <<<"$out"
-for step in configure build ctest probe engine pd summary; do
+for step in configure build ctest gpu2 probe engine pd summary; do
     expect "dry run: step $step has a limit" grep -Eq "step $step limit [0-9]+s" <<<"$out"
 done
 sum=$(grep -E '^  step ' <<<"$out" | grep -Eo 'limit [0-9]+s' | grep -Eo '[0-9]+' | paste -sd+ | bc)
@@ -76,12 +76,15 @@ chmod +x "$b"/bench/gpu/* "$b/bench/engine/tandem-bench-engine" "$b/decode/tande
 cat >"$b/CTestTestfile.cmake" <<'EOF'
 add_test(fake_gpu_test "/bin/true")
 set_tests_properties(fake_gpu_test PROPERTIES LABELS "gpu")
+add_test(fake_gpu2_test "/bin/false")
+set_tests_properties(fake_gpu2_test PROPERTIES LABELS "gpu2")
 EOF
 out=$(OUT="$work/out" NVIDIA_SMI="$work/bin/smi-one" "$check" --build "$b" --reuse-build 2>&1)
 rc=$?
 echo "$out"
 expect "fake run: exit 1 (the engine step failed)" [ "$rc" -eq 1 ]
-expect "fake run: ctest -L gpu passed" grep -Eq "^  ctest +ok" <<<"$out"
+expect "fake run: ctest -L gpu passed (the gpu2 test not in it)" grep -Eq "^  ctest +ok" <<<"$out"
+expect "fake run: gpu2 skipped on one GPU" grep -Eq "^  gpu2 +skip .*one GPU visible" <<<"$out"
 expect "fake run: probe passed" grep -Eq "^  probe +ok" <<<"$out"
 expect "fake run: engine FAILS naming --device" grep -Eq "^  engine +FAIL .*no --device flag" <<<"$out"
 expect "fake run: the engine bench was not run on the CPU" [ ! -e "$work/engine-ran" ]
@@ -89,6 +92,16 @@ expect "fake run: pd skipped naming --kv-transfer" grep -Eq "^  pd +skip .*--kv-
 expect "fake run: summary has the probe figures" grep -q "read 4000 GB/s" <<<"$out"
 expect "fake run: summary has the goals, not measured" grep -q "decode batch 1, ms per token *not measured" <<<"$out"
 expect "fake run: logs in \$OUT" [ -s "$work/out/probe.json" ] && [ -s "$work/out/summary.txt" ]
+
+# 4: two GPUs: the gpu2 step runs the gpu2-labelled tests (the fake one fails).
+printf '#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-a)"\necho "GPU 1: NVIDIA H200 (UUID: GPU-b)"\n' \
+    >"$work/bin/smi-two"
+chmod +x "$work/bin/smi-two"
+out=$(OUT="$work/out2" NVIDIA_SMI="$work/bin/smi-two" "$check" --build "$b" --reuse-build 2>&1)
+echo "$out"
+expect "two GPUs: ctest -L gpu still passes" grep -Eq "^  ctest +ok" <<<"$out"
+expect "two GPUs: gpu2 ran the gpu2 tests" grep -Eq "^  gpu2 +FAIL" <<<"$out"
+expect "two GPUs: the gpu2 log names the test" grep -q fake_gpu2_test "$work/out2/gpu2.log"
 
 echo "$fails failure(s)"
 [ "$fails" -eq 0 ]

@@ -140,6 +140,15 @@ double tdm_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+void tdm_sleep(double seconds)
+{
+    if (!(seconds > 0))
+        return;
+    struct timespec ts = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0)
+        ;
+}
+
 double tdm_wall_now(void)
 {
     struct timespec ts;

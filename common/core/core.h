@@ -125,6 +125,8 @@ uint64_t tdm_splitmix64(uint64_t *x);
 double tdm_now(void);
 // Wall-clock seconds since the epoch.
 double tdm_wall_now(void);
+// Sleeps about `seconds` (a short poll interval; interrupted sleeps resume).
+void tdm_sleep(double seconds);
 
 // Reads a whole file into a NUL-terminated heap buffer (*out, caller frees; *len
 // excludes the NUL). Returns TDM_ENOTFOUND if it does not exist, TDM_EIO otherwise.

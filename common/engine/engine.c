@@ -83,6 +83,12 @@ struct tdm_engine_request {
     bool admitted_once;
     struct tdm_engine_request *prev, *next; // waiting queue links
     int sched_take;                         // tokens scheduled this step (0 = not scheduled)
+    // Speculative decoding: n_draft draft tokens proposed this step, written
+    // at hist[n_tokens .. n_tokens + n_draft) (past the published tokens, so
+    // stream readers never see them) and scheduled after the last token.
+    bool spec_ok; // speculation on, request unconstrained and not PREFILL_ONLY
+    int n_draft;
+    struct tdm_spec_adapt spec_adapt; // adaptive off (spec.h)
     double t_first_sched, t_first_token, t_last_token;
 
     // Guarded by engine->mu.
@@ -156,6 +162,14 @@ struct tdm_engine {
     struct tdm_batch_seq *batch; // [max_num_seqs]
     float *logits;               // [max_num_seqs][vocab]
     struct tdm_sample_result sres;
+    // Speculative decoding: draft_rows logits rows past the first max_num_seqs
+    // bound the draft tokens of one step (draft_rows_left: this step's);
+    // spec_out/spec_res: one verification's tokens and logprobs.
+    int draft_rows, draft_rows_left;
+    int32_t spec_out[TDM_SPEC_MAX_TOKENS + 1];
+    struct tdm_sample_result *spec_res; // [num_speculative_tokens + 1]; NULL when off
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
+    uint64_t spec_per_pos[TDM_SPEC_MAX_TOKENS];
     uint64_t prefix_queries, prefix_hits, preemptions, steps, finished;
 
     // Structured output: mask threads fill the step's masks while the engine
@@ -551,6 +565,10 @@ static void publish_stats(struct tdm_engine *e)
     s->num_masks = e->num_masks;
     s->mask_seconds = e->mask_seconds;
     s->mask_wait_seconds = e->mask_wait_seconds;
+    s->spec_drafts = e->spec_drafts;
+    s->spec_draft_tokens = e->spec_draft_tokens;
+    s->spec_accepted_tokens = e->spec_accepted;
+    memcpy(s->spec_accepted_per_pos, e->spec_per_pos, sizeof s->spec_accepted_per_pos);
     e->num_active = e->num_queued + e->num_running + e->num_importing;
     if (e->m) {
         tdm_metrics_gauge_set(e->m->num_requests_running, s->num_running);
@@ -580,6 +598,7 @@ static void preempt(struct tdm_engine *e, struct tdm_engine_request *r)
     tdm_kv_seq_release(e->kv, &r->seq);
     r->computed = 0;
     r->sched_take = 0;
+    r->n_draft = 0;
     wait_push_front(e, r);
     pthread_mutex_lock(&e->mu);
     e->num_queued++;
@@ -593,10 +612,11 @@ static void preempt(struct tdm_engine *e, struct tdm_engine_request *r)
 static void unschedule(struct tdm_engine *e, int *n_items, int *budget,
                        struct tdm_engine_request *r)
 {
-    (void)e;
     for (int i = 0; i < *n_items; i++) {
         if (e->items[i].r == r) {
             *budget += e->items[i].take;
+            e->draft_rows_left += r->n_draft;
+            r->n_draft = 0;
             memmove(&e->items[i], &e->items[i + 1],
                     (size_t)(*n_items - i - 1) * sizeof e->items[0]);
             (*n_items)--;
@@ -615,23 +635,29 @@ static void fail_unfit(struct tdm_engine *e, struct tdm_engine_request *r, int t
 
 // Schedules one running request's next tokens (take <= budget), preempting the
 // most recently admitted running requests while its blocks do not fit. Returns
-// true when r was scheduled, false when r itself was preempted or failed.
+// true when r was scheduled, false when r itself was preempted or failed. A
+// decode's draft tokens (r->n_draft) ride along after its token.
 static bool schedule_running(struct tdm_engine *e, struct tdm_engine_request *r, int *n_items,
                              int *budget, bool *preempted)
 {
-    int take = r->n_tokens - r->computed;
+    int take = r->n_tokens + r->n_draft - r->computed;
     if (take > *budget)
         take = *budget;
     for (;;) {
-        // A prompt chunk shrinks to what the free blocks hold before anyone is
-        // preempted for it; a decode token needs its block.
+        // A prompt chunk, and a decode's drafts, shrink to what the free blocks
+        // hold before anyone is preempted for them; a decode token needs its block.
         int room =
             (r->seq.num_blocks + tdm_kv_num_free_blocks(e->kv)) * e->cfg.block_size - r->computed;
         int t = take < room ? take : room;
         if (t >= 1 && tdm_kv_reserve(e->kv, &r->seq, r->computed + t) == TDM_OK) {
+            if (r->n_draft > 0 && r->computed + t < r->n_tokens + r->n_draft) {
+                int keep = r->computed + t - r->n_tokens; // >= 0: t >= 1 covers the token
+                e->draft_rows_left += r->n_draft - keep;
+                r->n_draft = keep;
+            }
             r->sched_take = t;
-            e->items[*n_items] =
-                (struct sched_item){.r = r, .take = t, .logits = r->computed + t == r->n_tokens};
+            e->items[*n_items] = (struct sched_item){
+                .r = r, .take = t, .logits = r->computed + t == r->n_tokens + r->n_draft};
             (*n_items)++;
             *budget -= t;
             return true;
@@ -737,14 +763,61 @@ static bool admit_one(struct tdm_engine *e, int *n_items, int *budget)
     return true;
 }
 
+// ---- speculative decoding (engine thread) ----------------------------------------------------
+// Writes r's drafts for this step after its known tokens (r->n_draft), within
+// the step's token budget (the token itself needs one), the draft rows left,
+// and the request's room (the last draft's successor must still fit max_gen).
+static void propose(struct tdm_engine *e, struct tdm_engine_request *r, int budget)
+{
+    r->n_draft = 0;
+    if (!r->spec_ok || !tdm_spec_adapt_step(&r->spec_adapt))
+        return;
+    int maxd = e->cfg.spec.num_speculative_tokens;
+    if (maxd > r->max_gen - r->n_gen - 1)
+        maxd = r->max_gen - r->n_gen - 1;
+    if (maxd > budget - 1)
+        maxd = budget - 1;
+    if (maxd > e->draft_rows_left)
+        maxd = e->draft_rows_left;
+    if (maxd <= 0)
+        return;
+    // hist holds n_prompt + max_gen ids and n_tokens + maxd < n_prompt + max_gen.
+    r->n_draft = tdm_spec_propose(&e->cfg.spec, r->hist, r->n_tokens, maxd, r->hist + r->n_tokens);
+    e->draft_rows_left -= r->n_draft;
+}
+
+// Counts one verification (metrics, stats) and feeds the adaptive pause.
+static void spec_count(struct tdm_engine *e, struct tdm_engine_request *r, int accepted)
+{
+    e->spec_drafts++;
+    e->spec_draft_tokens += (uint64_t)r->n_draft;
+    e->spec_accepted += (uint64_t)accepted;
+    for (int i = 0; i < accepted; i++)
+        e->spec_per_pos[i]++;
+    struct tdm_metrics_spec *m = e->cfg.spec_metrics;
+    if (m) {
+        tdm_metrics_counter_inc(m->num_drafts);
+        tdm_metrics_counter_add(m->num_draft_tokens, r->n_draft);
+        tdm_metrics_counter_add(m->num_accepted_tokens, accepted);
+        for (int i = 0; i < accepted && i < m->num_positions; i++)
+            tdm_metrics_counter_inc(m->accepted_per_pos[i]);
+    }
+    if (tdm_spec_adapt_update(&r->spec_adapt, r->n_draft, accepted))
+        TDM_LOG_DEBUG(MOD, "req=%s speculation paused for %d steps (low acceptance)", r->id,
+                      r->spec_adapt.pause);
+}
+
 // Builds this step's schedule into e->items; returns the number of items.
 static int schedule(struct tdm_engine *e)
 {
     int n_items = 0;
     int budget = e->cfg.max_num_batched_tokens;
     bool preempted = false;
-    for (int i = 0; i < e->num_running; i++)
+    for (int i = 0; i < e->num_running; i++) {
         e->running[i]->sched_take = 0;
+        e->running[i]->n_draft = 0;
+    }
+    e->draft_rows_left = e->draft_rows;
     // Decodes first (one token each), then prompt chunks of running requests. A
     // preemption removes the tail of `running`, so indices before i stay valid.
     for (int pass = 0; pass < 2; pass++) {
@@ -753,6 +826,8 @@ static int schedule(struct tdm_engine *e)
             bool is_decode = r->n_tokens - r->computed == 1;
             if (r->sched_take > 0 || is_decode != (pass == 0))
                 continue;
+            if (is_decode)
+                propose(e, r, budget);
             if (!schedule_running(e, r, &n_items, &budget, &preempted))
                 i--; // r left the running set (preempted itself or failed)
         }
@@ -813,7 +888,12 @@ static void append_token(struct tdm_engine *e, struct tdm_engine_request *r, int
             }
             return;
         }
-        if (tdm_grammar_matcher_is_done(r->gm)) { // nothing but EOS can follow
+        // Nothing but an ending id can follow: as in vLLM (xgrammar's matcher
+        // terminates only on the stop token), the next step samples it under
+        // the mask, so it is generated and counted in completion_tokens. Only
+        // where that draw could not end the request (ignore_eos, or min_tokens
+        // hiding the ending ids) does the request stop here, without it.
+        if (tdm_grammar_matcher_is_done(r->gm) && !tdm_sampler_eos_ends(r->sampler)) {
             finish_request(e, r, TDM_FINISH_STOP, -1, TDM_OK, NULL, true);
             return;
         }
@@ -960,31 +1040,34 @@ static void masks_wait(struct tdm_engine *e, bool posted)
 // their logit only where the output is complete.
 static void mask_apply(struct tdm_engine *e, struct tdm_engine_request *r, float *row)
 {
-    float keep[TDM_MAX_EOS + TDM_MAX_STOP_IDS];
-    for (int i = 0; i < r->n_gend; i++)
-        keep[i] = row[r->gend[i]];
-    int nv = e->vocab;
-    int gv = tdm_grammar_vocab_size(e->cfg.grammar_vocab);
-    if (r->gmask_rc == TDM_OK) {
-        int lim = gv < nv ? gv : nv;
-        for (int w = 0; w * 32 < lim; w++) {
-            uint32_t m = r->gmask[w];
-            if (m == 0xffffffffu)
-                continue;
-            int base = w * 32;
-            int end = base + 32 < lim ? base + 32 : lim;
-            for (int v = base; v < end; v++)
-                if (!(m >> (v - base) & 1u))
-                    row[v] = -INFINITY;
-        }
-        for (int v = lim; v < nv; v++) // ids the tokenizer lacks
-            row[v] = -INFINITY;
-    } else { // cannot happen with a vocab; allow nothing but the ending ids
-        for (int v = 0; v < nv; v++)
-            row[v] = -INFINITY;
-    }
-    for (int i = 0; i < r->n_gend; i++)
-        row[r->gend[i]] = r->gmask_eos ? keep[i] : -INFINITY;
+    tdm_grammar_mask_apply(r->gmask_rc == TDM_OK ? r->gmask : NULL,
+                           tdm_grammar_vocab_size(e->cfg.grammar_vocab), row, e->vocab, r->gend,
+                           r->n_gend, r->gmask_eos);
+}
+
+// Verifies r's drafts against its 1 + n_draft logits rows (tdm_sampler_verify:
+// exact for greedy and sampling), rolls the KV back to the accepted tokens
+// (the rejected drafts' positions are simply overwritten later; blocks wholly
+// past them go back to the pool) and appends the tokens. r->computed already
+// counts the last known token only.
+static void spec_verify(struct tdm_engine *e, struct tdm_engine_request *r, float *rows,
+                        double now)
+{
+    const int32_t *draft = r->hist + r->n_tokens;
+    struct tdm_sample_result *res = r->want_logprobs ? e->spec_res : NULL;
+    int n = tdm_sampler_verify(r->sampler, rows, draft, r->n_draft, e->spec_out, res);
+    int accepted = 0;
+    while (accepted < n && accepted < r->n_draft && e->spec_out[accepted] == draft[accepted])
+        accepted++;
+    spec_count(e, r, accepted);
+    // KV is valid for the last known token and the drafts before the last
+    // sampled token: those equal the tokens now appended.
+    r->computed += n - 1;
+    tdm_kv_commit(e->kv, &r->seq, r->hist, r->computed);
+    tdm_kv_trim(e->kv, &r->seq, r->computed + 1);
+    r->n_draft = 0;
+    for (int j = 0; j < n && r->state == REQ_RUNNING; j++)
+        append_token(e, r, e->spec_out[j], res ? &res[j] : NULL, now);
 }
 
 static void run_step(struct tdm_engine *e, int n_items)
@@ -997,12 +1080,16 @@ static void run_step(struct tdm_engine *e, int n_items)
         // A PREFILL_ONLY request's logits row comes with its final chunk: only
         // then is each layer's KV of the whole prompt complete.
         bool push = r->on_layer != NULL && it->logits;
+        // A decode with drafts wants a row for its token and for each draft.
+        enum tdm_logits_mode lm = !it->logits       ? TDM_LOGITS_NONE
+                                  : r->n_draft > 0 ? TDM_LOGITS_ALL
+                                                   : TDM_LOGITS_LAST;
         e->batch[b] =
             (struct tdm_batch_seq){.tokens = r->hist + r->computed,
                                    .n_tokens = it->take,
                                    .start_pos = r->computed,
                                    .block_table = r->seq.block_table,
-                                   .logits = it->logits ? TDM_LOGITS_LAST : TDM_LOGITS_NONE,
+                                   .logits = lm,
                                    .on_layer = push ? layer_done : NULL,
                                    .layer_arg = push ? r : NULL};
         total += it->take;
@@ -1034,6 +1121,13 @@ static void run_step(struct tdm_engine *e, int n_items)
     for (int b = 0; b < n_items; b++) {
         struct sched_item *it = &e->items[b];
         struct tdm_engine_request *r = it->r;
+        if (it->logits && r->n_draft > 0) {
+            float *rows = e->logits + (size_t)row * (size_t)e->vocab;
+            row += 1 + r->n_draft;
+            r->computed += 1; // the last known token; spec_verify adds the accepted drafts
+            spec_verify(e, r, rows, now);
+            continue;
+        }
         r->computed += it->take;
         tdm_kv_commit(e->kv, &r->seq, r->hist, r->computed);
         if (!it->logits)
@@ -1249,6 +1343,9 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         cfg.mask_threads = cores >= 16 ? 4 : cores >= 8 ? (int)(cores / 4) : 1;
     }
+    char serr[160];
+    if (tdm_spec_config_resolve(&cfg.spec, serr, sizeof serr) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: speculative config: %s", serr);
     if (cfg.max_model_len == 0)
         cfg.max_model_len = mc->max_position_embeddings;
     if (cfg.max_model_len > mc->max_position_embeddings || cfg.max_model_len < 2)
@@ -1305,14 +1402,23 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
         }
     }
     size_t ns = (size_t)cfg.max_num_seqs;
+    // Speculation: draft rows past the max_num_seqs decode rows, K per
+    // sequence up to 64 in all (a step rarely verifies more; beyond, drafts
+    // shrink, which changes speed, never output), and one verification's results.
+    int k = cfg.spec.num_speculative_tokens;
+    e->draft_rows = k * cfg.max_num_seqs < (k > 64 ? k : 64) ? k * cfg.max_num_seqs
+                                                             : (k > 64 ? k : 64);
+    if (k > 0)
+        e->spec_res = calloc((size_t)k + 1, sizeof *e->spec_res);
     e->running = calloc(ns, sizeof *e->running);
     e->items = calloc(ns, sizeof *e->items);
     e->batch = calloc(ns, sizeof *e->batch);
-    e->logits = malloc(ns * (size_t)e->vocab * sizeof(float));
+    e->logits = malloc((ns + (size_t)e->draft_rows) * (size_t)e->vocab * sizeof(float));
     e->mask_jobs = calloc(ns, sizeof *e->mask_jobs);
     if (cfg.grammar_vocab)
         e->mask_words = tdm_grammar_mask_words(cfg.grammar_vocab);
-    if (!e->running || !e->items || !e->batch || !e->logits || !e->mask_jobs) {
+    if (!e->running || !e->items || !e->batch || !e->logits || !e->mask_jobs ||
+        (k > 0 && !e->spec_res)) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
         goto fail_arrays;
     }
@@ -1366,6 +1472,7 @@ fail_arrays:
     free(e->items);
     free(e->batch);
     free(e->logits);
+    free(e->spec_res);
     free(e->mask_jobs);
     free(e->kv_ev);
     tdm_kv_free(e->kv);
@@ -1426,6 +1533,7 @@ void tdm_engine_free(struct tdm_engine *e)
     free(e->items);
     free(e->batch);
     free(e->logits);
+    free(e->spec_res);
     free(e->mask_jobs);
     free(e->kv_ev);
     tdm_kv_free(e->kv);
@@ -1597,6 +1705,10 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         goto fail_bufs;
     }
     tdm_sampler_replay(r->sampler, p->prompt + n_own, (size_t)p->n_resume);
+    // Constrained requests do not speculate: their masks follow one token per step.
+    r->spec_ok = e->cfg.spec.num_speculative_tokens > 0 && r->gm == NULL &&
+                 r->kind != TDM_ENGINE_REQ_PREFILL_ONLY;
+    tdm_spec_adapt_init(&r->spec_adapt);
     if (pthread_mutex_init(&r->mu, NULL) != 0) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
         goto fail_sampler;

@@ -31,6 +31,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "sampling.h"
+#include "spec.h"
 
 struct tdm_engine;
 struct tdm_engine_request;
@@ -63,6 +64,14 @@ struct tdm_engine_config {
     const struct tdm_grammar_vocab *grammar_vocab;
     int mask_threads; // threads filling a step's masks beside the forward (started at the first
                       // constrained step); 0 = a quarter of the online cores, 1 to 4
+    // Speculative decoding by n-gram prompt lookup (vLLM's --speculative-config
+    // method "ngram"; docs/speculative-decoding.md): num_speculative_tokens 0 =
+    // off (default). Resolved with tdm_spec_config_resolve at creation (a bad
+    // one is TDM_EINVAL). Output is unchanged by it: greedy and seeded requests
+    // produce the same tokens with and without it. Constrained requests do not
+    // speculate.
+    struct tdm_spec_config spec;
+    struct tdm_metrics_spec *spec_metrics; // vLLM's spec_decode counters to update; NULL = none
 };
 // Fills the defaults above.
 void tdm_engine_config_default(struct tdm_engine_config *cfg);
@@ -160,9 +169,13 @@ struct tdm_engine_request_params {
     // its own reference; sampling.constraint is then ignored). Either needs
     // cfg.grammar_vocab. Each step's logits are masked to the tokens the
     // grammar allows (masks computed on a helper thread while the forward
-    // runs); EOS and stop ids only where the output so far is complete; the
-    // request finishes STOP as soon as nothing but EOS could follow (no EOS
-    // token is generated then: stop_token -1), LENGTH at max_tokens mid-way.
+    // runs); EOS and stop ids only where the output so far is complete. Where
+    // nothing but them can follow, the next step samples one (the only tokens
+    // left), so, as in vLLM, the ending token is generated and counted and the
+    // request finishes STOP on it (LENGTH if max_tokens came first); only
+    // where that draw could not end the request (ignore_eos, min_tokens not
+    // reached) does it finish STOP at once, with no ending token (stop_token
+    // -1). LENGTH at max_tokens mid-way.
     // An IMPORT_KV request's first token advances the grammar like a sampled
     // one, so a decode worker continues where its prefill worker began.
     struct tdm_grammar *grammar;
@@ -354,6 +367,11 @@ struct tdm_engine_stats {
     double mask_seconds;      // time computing them (on the mask thread, overlapping the forward)
     double mask_wait_seconds; // engine-thread time on masks: waiting for them after the
                               // forward, then applying them to the logits (the exposed cost)
+    // Speculative decoding (as the vllm:spec_decode_* counters): verification
+    // steps that carried drafts, draft tokens proposed, drafts accepted, and
+    // accepted drafts by position (0 .. num_speculative_tokens-1).
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted_tokens;
+    uint64_t spec_accepted_per_pos[TDM_SPEC_MAX_TOKENS];
 };
 // A consistent snapshot as of the end of the engine's last step (or idle point).
 void tdm_engine_get_stats(struct tdm_engine *e, struct tdm_engine_stats *out);

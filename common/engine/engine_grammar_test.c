@@ -329,9 +329,10 @@ static void test_gbnf(void **state)
     tdm_engine_free(e);
 }
 
-// The grammar is complete: the request stops there without an EOS token (the
-// choice "beta" ends the output even though EOS was never sampled), and
-// greedy runs are reproducible.
+// The grammar is complete: as in vLLM, the next step can only sample an ending
+// id, so the request ends on a generated EOS that counts as a token (the choice
+// "beta" then EOS); at max_tokens == the grammar's own tokens it is "length"
+// (vLLM checks the length first); greedy runs are reproducible.
 static void test_stop_when_done_and_length(void **state)
 {
     (void)state;
@@ -347,13 +348,43 @@ static void test_stop_when_done_and_length(void **state)
     collect(r, &o);
     tdm_engine_request_release(r);
     assert_int_equal(o.reason, TDM_FINISH_STOP);
-    assert_int_equal(o.stop_token, -1);
+    assert_true(o.n >= 2);
+    assert_int_equal(o.ids[o.n - 1], tdm_tok_eos_id(tok)); // generated, counted
+    assert_int_equal(o.stop_token, tdm_tok_eos_id(tok));
     size_t len;
     char *t = text_of(&o, &len);
     assert_string_equal(t, "beta");
     free(t);
-    for (int i = 0; i < o.n; i++)
+    for (int i = 0; i < o.n - 1; i++)
         assert_false(tdm_tok_is_special(tok, o.ids[i]));
+    int grammar_tokens = o.n - 1;
+
+    // Reproducible: the same ids again.
+    struct out o2;
+    r = submit_kind(e, prompt, np, &sp, 50, TDM_ENGINE_REQ_GENERATE);
+    collect(r, &o2);
+    tdm_engine_request_release(r);
+    assert_int_equal(o2.n, o.n);
+    assert_memory_equal(o2.ids, o.ids, (size_t)o.n * sizeof o.ids[0]);
+
+    // max_tokens ends exactly where the grammar does: "length", no EOS.
+    r = submit_kind(e, prompt, np, &sp, grammar_tokens, TDM_ENGINE_REQ_GENERATE);
+    collect(r, &o2);
+    tdm_engine_request_release(r);
+    assert_int_equal(o2.reason, TDM_FINISH_LENGTH);
+    assert_int_equal(o2.n, grammar_tokens);
+    assert_memory_equal(o2.ids, o.ids, (size_t)grammar_tokens * sizeof o.ids[0]);
+
+    // min_tokens hiding the ending ids: the output is complete, so the request
+    // stops at once without one (an EOS could not be drawn).
+    sp.min_tokens = grammar_tokens + 5;
+    r = submit_kind(e, prompt, np, &sp, 50, TDM_ENGINE_REQ_GENERATE);
+    collect(r, &o2);
+    tdm_engine_request_release(r);
+    assert_int_equal(o2.reason, TDM_FINISH_STOP);
+    assert_int_equal(o2.stop_token, -1);
+    assert_int_equal(o2.n, grammar_tokens);
+    sp.min_tokens = 0;
 
     // max_tokens reached mid-object: "length", the text a prefix of a valid one.
     constrained(&sp, TDM_CONSTRAINT_JSON_SCHEMA, nested_schema, 5);

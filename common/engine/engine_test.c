@@ -1427,6 +1427,326 @@ static void test_kv_events(void **state)
     tdm_engine_free(off);
 }
 
+// ---- speculative decoding ------------------------------------------------------------------
+static struct tdm_engine *engine_make_spec(int num_blocks, int budget, int max_seqs, int k,
+                                           struct tdm_metrics_spec *sm)
+{
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    char err[256];
+    tdm_engine_config_default(&c);
+    c.num_blocks = num_blocks;
+    c.max_num_batched_tokens = budget;
+    c.max_num_seqs = max_seqs;
+    c.spec.num_speculative_tokens = k;
+    c.spec.prompt_lookup_max = 3;
+    c.spec.prompt_lookup_min = 1;
+    c.spec_metrics = sm;
+    int rc = tdm_engine_new(&e, model, &c, err, sizeof err);
+    if (rc != TDM_OK)
+        fprintf(stderr, "engine: %s\n", err);
+    assert_int_equal(rc, TDM_OK);
+    return e;
+}
+
+// The n-gram proposer: longest n first, the most recent match, the copy
+// continuing into the draft for short loops, nothing without a match.
+static void test_spec_propose(void **state)
+{
+    (void)state;
+    struct tdm_spec_config c = {.num_speculative_tokens = 4};
+    char err[160];
+    assert_int_equal(tdm_spec_config_resolve(&c, err, sizeof err), TDM_OK);
+    assert_int_equal(c.prompt_lookup_max, 5); // vLLM's defaults
+    assert_int_equal(c.prompt_lookup_min, 5);
+    c.prompt_lookup_max = 3;
+    c.prompt_lookup_min = 1;
+    int32_t d[8];
+    // ... 7 8 9 1 2 | 5 6 | 1 2 3 4 | 1 2: "1 2" last seen before 3 4 (most recent).
+    const int32_t t1[] = {7, 8, 9, 1, 2, 5, 6, 1, 2, 3, 4, 1, 2};
+    assert_int_equal(tdm_spec_propose(&c, t1, 13, 2, d), 2);
+    assert_int_equal(d[0], 3);
+    assert_int_equal(d[1], 4);
+    // Longest n wins over a more recent shorter match: "9 1 2" -> 5 6.
+    const int32_t t2[] = {9, 1, 2, 5, 6, 1, 2, 3, 4, 9, 1, 2};
+    assert_int_equal(tdm_spec_propose(&c, t2, 12, 2, d), 2);
+    assert_int_equal(d[0], 5);
+    assert_int_equal(d[1], 6);
+    // A loop of period 2 is proposed in full: 4 5 4 5 4 -> 5 4 5 4 5.
+    const int32_t t3[] = {1, 4, 5, 4, 5, 4};
+    assert_int_equal(tdm_spec_propose(&c, t3, 6, 5, d), 5);
+    const int32_t want3[] = {5, 4, 5, 4, 5};
+    assert_memory_equal(d, want3, sizeof want3);
+    // No earlier occurrence of the last token: nothing.
+    const int32_t t4[] = {1, 2, 3, 4};
+    assert_int_equal(tdm_spec_propose(&c, t4, 4, 3, d), 0);
+    assert_int_equal(tdm_spec_propose(&c, t3, 6, 0, d), 0);
+    // min > 1 ignores single-token matches.
+    c.prompt_lookup_min = 2;
+    const int32_t t5[] = {3, 9, 8, 7, 3};
+    assert_int_equal(tdm_spec_propose(&c, t5, 5, 3, d), 0);
+    // Range checks with the field named.
+    struct tdm_spec_config bad = {.num_speculative_tokens = 17};
+    assert_int_equal(tdm_spec_config_resolve(&bad, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "num_speculative_tokens"));
+    bad = (struct tdm_spec_config){.num_speculative_tokens = 2, .prompt_lookup_max = 2,
+                                   .prompt_lookup_min = 3};
+    assert_int_equal(tdm_spec_config_resolve(&bad, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "prompt_lookup_max"));
+    bad = (struct tdm_spec_config){.num_speculative_tokens = 2, .prompt_lookup_min = 3};
+    assert_int_equal(tdm_spec_config_resolve(&bad, err, sizeof err), TDM_OK);
+    assert_int_equal(bad.prompt_lookup_max, 3);
+}
+
+// The adaptive pause: a bad window (under 25% of the draft tokens of 8
+// verifications accepted) pauses for 16 steps, then 32, 64 ... up to 1024; a
+// good window resets it.
+static void test_spec_adapt_policy(void **state)
+{
+    (void)state;
+    struct tdm_spec_adapt a;
+    tdm_spec_adapt_init(&a);
+    int expect = TDM_SPEC_BACKOFF_MIN;
+    for (int round = 0; round < 9; round++) {
+        // 7 of 32 draft tokens accepted: 22% < 25%.
+        for (int i = 0; i < TDM_SPEC_WINDOW; i++) {
+            assert_true(tdm_spec_adapt_step(&a));
+            assert_int_equal(tdm_spec_adapt_update(&a, 4, i == 0 ? 4 : i == 1 ? 3 : 0),
+                             i == TDM_SPEC_WINDOW - 1);
+        }
+        for (int i = 0; i < expect; i++)
+            assert_false(tdm_spec_adapt_step(&a));
+        expect = expect * 2 > TDM_SPEC_BACKOFF_MAX ? TDM_SPEC_BACKOFF_MAX : expect * 2;
+    }
+    assert_int_equal(a.backoff, TDM_SPEC_BACKOFF_MAX);
+    // A good window (8 of 32 accepted: exactly the threshold) resets the backoff.
+    for (int i = 0; i < TDM_SPEC_WINDOW; i++) {
+        assert_true(tdm_spec_adapt_step(&a));
+        assert_false(tdm_spec_adapt_update(&a, 4, 1));
+    }
+    assert_int_equal(a.backoff, TDM_SPEC_BACKOFF_MIN);
+    assert_true(tdm_spec_adapt_step(&a));
+}
+
+enum { SPEC_N = 16, SPEC_MAXTOK = 40 };
+
+// Sampling params of case i: greedy (loops on the tiny model: drafts get
+// accepted), greedy with penalties, seeded sampling, seeded sampling with
+// top-k/top-p/min-p and penalties, greedy with a stop id taken from the
+// output (set by the caller), and logprobs with top-2.
+static void spec_params(int i, struct tdm_sampling_params *sp)
+{
+    tdm_sampling_params_default(sp);
+    sp->ignore_eos = true;
+    sp->logprobs = 0;
+    switch (i % 5) {
+    case 0:
+        sp->temperature = 0;
+        break;
+    case 1:
+        greedy(sp);
+        break;
+    case 2:
+        sp->temperature = 0.8f;
+        sp->has_seed = true;
+        sp->seed = 500 + (uint64_t)i;
+        break;
+    case 3:
+        sp->temperature = 0.6f;
+        sp->top_k = 5;
+        sp->top_p = 0.9f;
+        sp->min_p = 0.05f;
+        sp->repetition_penalty = 1.1f;
+        sp->has_seed = true;
+        sp->seed = 900 + (uint64_t)i;
+        break;
+    case 4:
+        sp->temperature = 0;
+        sp->logprobs = 2;
+        break;
+    }
+}
+
+// A prompt that repeats itself (a text and a copy of part of it), so drafts
+// come from the prompt too; odd cases are plain random prompts.
+static int spec_prompt(int i, int32_t *ids)
+{
+    int n = 12 + (i * 7) % 30;
+    make_prompt(ids, n, 700 + (uint32_t)i);
+    if (i % 2 == 0) {
+        int half = n / 2;
+        memcpy(ids + half, ids, (size_t)(n - half) * sizeof *ids);
+    }
+    return n;
+}
+
+// Greedy and seeded sampled output with speculation equals the runner's (the
+// plain one-token-per-step reference), token for token with matching
+// logprobs, for 16 prompts alone (batch 1) and all at once (mixed batches of
+// prefill chunks and verifications, a small budget shrinking drafts), with
+// stop ids and max_tokens inside accepted runs; drafts are proposed and
+// accepted (else the test would prove nothing), and the KV stays consistent.
+static void test_spec_matches_runner(void **state)
+{
+    (void)state;
+    int32_t prompts[SPEC_N][48], refs[SPEC_N][SPEC_MAXTOK];
+    float ref_lp[SPEC_N][SPEC_MAXTOK];
+    int lens[SPEC_N], maxt[SPEC_N], nref[SPEC_N];
+    struct tdm_sampling_params sps[SPEC_N];
+    for (int i = 0; i < SPEC_N; i++) {
+        lens[i] = spec_prompt(i, prompts[i]);
+        spec_params(i, &sps[i]);
+        maxt[i] = 9 + (i * 5) % (SPEC_MAXTOK - 9);
+        nref[i] = reference(prompts[i], lens[i], &sps[i], maxt[i], refs[i], ref_lp[i]);
+        if (i % 5 == 0 && i > 0) {
+            // A stop id that first appears mid-output: the request must end on it.
+            sps[i].stop_token_ids[0] = refs[i][nref[i] / 2];
+            sps[i].num_stop_token_ids = 1;
+            sps[i].ignore_eos = false;
+            nref[i] = reference(prompts[i], lens[i], &sps[i], maxt[i], refs[i], ref_lp[i]);
+        }
+    }
+    for (int mode = 0; mode < 2; mode++) {
+        // mode 0: one request at a time; mode 1: all together, budget 24.
+        struct tdm_engine *e = engine_make_spec(256, mode ? 24 : 256, 16, 4, NULL);
+        struct tdm_engine_request *rs[SPEC_N];
+        for (int i = 0; i < SPEC_N; i++) {
+            int32_t got[SPEC_MAXTOK];
+            float lp[SPEC_MAXTOK];
+            if (mode == 0 || i == 0)
+                for (int j = (mode ? 0 : i); j < (mode ? SPEC_N : i + 1); j++)
+                    rs[j] = submit(e, prompts[j], lens[j], &sps[j], maxt[j]);
+            struct collected c = {.lp = lp};
+            collect(rs[i], got, SPEC_MAXTOK, &c, 0);
+            if (c.n != nref[i] || memcmp(got, refs[i], (size_t)c.n * sizeof *got) != 0)
+                fail_msg("mode %d request %d: %d tokens, runner %d; first differing at %d", mode,
+                         i, c.n, nref[i], c.n);
+            float d = max_lp_diff(lp, ref_lp[i], c.n);
+            if (d > LP_TOL)
+                fail_msg("mode %d request %d: logprob differs by %.2e", mode, i, (double)d);
+            tdm_engine_request_release(rs[i]);
+        }
+        struct tdm_engine_stats st;
+        wait_idle_stats(e, &st);
+        print_message("mode %d: %llu drafts, %llu draft tokens, %llu accepted, %llu steps\n", mode,
+                      (unsigned long long)st.spec_drafts,
+                      (unsigned long long)st.spec_draft_tokens,
+                      (unsigned long long)st.spec_accepted_tokens,
+                      (unsigned long long)st.num_steps);
+        assert_true(st.spec_drafts > 0);
+        assert_true(st.spec_accepted_tokens > 0);
+        assert_true(st.spec_accepted_tokens < st.spec_draft_tokens);
+        assert_true(st.kv_usage == 0.0f);
+        assert_kv_ok(e);
+        tdm_engine_free(e);
+    }
+}
+
+// vLLM's spec_decode counters follow the engine's stats: drafts, draft
+// tokens, accepted tokens, and per position a count that never grows with
+// the position and sums to the accepted tokens.
+static void test_spec_metrics(void **state)
+{
+    (void)state;
+    struct tdm_metrics_registry *reg = NULL;
+    struct tdm_metrics_spec sm;
+    char err[256];
+    assert_int_equal(tdm_metrics_registry_new(&reg, NULL, 0, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_metrics_spec_register(&sm, reg, "tiny", "0", 4, err, sizeof err), TDM_OK);
+    struct tdm_engine *e = engine_make_spec(128, 64, 4, 4, &sm);
+    struct tdm_sampling_params sp;
+    spec_params(0, &sp); // greedy: loops, so drafts are accepted
+    int32_t prompt[48], got[64];
+    int n = spec_prompt(0, prompt);
+    struct tdm_engine_request *r = submit(e, prompt, n, &sp, 60);
+    struct collected c = {0};
+    collect(r, got, 64, &c, 0);
+    tdm_engine_request_release(r);
+    struct tdm_engine_stats st;
+    wait_idle_stats(e, &st);
+    assert_true(st.spec_drafts > 0 && st.spec_accepted_tokens > 0);
+    assert_true(tdm_metrics_counter_value(sm.num_drafts) == (double)st.spec_drafts);
+    assert_true(tdm_metrics_counter_value(sm.num_draft_tokens) == (double)st.spec_draft_tokens);
+    assert_true(tdm_metrics_counter_value(sm.num_accepted_tokens) ==
+                (double)st.spec_accepted_tokens);
+    double sum = 0, prev = (double)st.spec_drafts;
+    for (int i = 0; i < 4; i++) {
+        double v = tdm_metrics_counter_value(sm.accepted_per_pos[i]);
+        assert_true(v == (double)st.spec_accepted_per_pos[i]);
+        assert_true(v <= prev);
+        prev = v;
+        sum += v;
+    }
+    assert_true(sum == (double)st.spec_accepted_tokens);
+    char *text = NULL;
+    size_t len = 0;
+    assert_int_equal(tdm_metrics_render(reg, &text, &len), TDM_OK);
+    assert_non_null(strstr(text, "vllm:spec_decode_num_drafts_total{"));
+    assert_non_null(strstr(text, "vllm:spec_decode_num_draft_tokens_total{"));
+    assert_non_null(strstr(text, "vllm:spec_decode_num_accepted_tokens_total{"));
+    assert_non_null(strstr(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total{engine=\"0\","
+                                 "model_name=\"tiny\",position=\"3\"}"));
+    free(text);
+    tdm_engine_free(e);
+    tdm_metrics_registry_free(reg);
+    // A bad config is refused at creation with the field named.
+    struct tdm_engine_config cfg;
+    tdm_engine_config_default(&cfg);
+    cfg.num_blocks = 16;
+    cfg.spec.num_speculative_tokens = 40;
+    struct tdm_engine *bad = NULL;
+    assert_int_equal(tdm_engine_new(&bad, model, &cfg, err, sizeof err), TDM_EINVAL);
+    assert_non_null(strstr(err, "num_speculative_tokens"));
+}
+
+// Adaptive off: a request whose drafts are mostly rejected (sampling with a
+// strong repetition penalty over the tiny model's 512 tokens: single-token
+// lookups match often, and the target rarely repeats a seen token) stops proposing after a bad window,
+// for pauses that double, so it verifies far fewer drafts than it decodes
+// steps; its output still equals the runner's.
+static void test_spec_adaptive(void **state)
+{
+    (void)state;
+    enum { TOK = 240 };
+    struct tdm_sampling_params sp;
+    tdm_sampling_params_default(&sp);
+    sp.temperature = 1.0f;
+    sp.repetition_penalty = 3.0f; // seen tokens (all a lookup can propose) become unlikely
+    sp.ignore_eos = true;
+    sp.has_seed = true;
+    sp.seed = 4242;
+    int32_t prompt[16], ref[TOK], got[TOK];
+    make_prompt(prompt, 16, 31);
+    assert_int_equal(reference(prompt, 16, &sp, TOK, ref, NULL), TOK);
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    char err[256];
+    tdm_engine_config_default(&c);
+    c.num_blocks = 64;
+    c.spec.num_speculative_tokens = 4;
+    c.spec.prompt_lookup_max = 1;
+    c.spec.prompt_lookup_min = 1;
+    assert_int_equal(tdm_engine_new(&e, model, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine_request *r = submit(e, prompt, 16, &sp, TOK);
+    struct collected col = {0};
+    collect(r, got, TOK, &col, 0);
+    assert_int_equal(col.n, TOK);
+    assert_memory_equal(got, ref, sizeof ref);
+    tdm_engine_request_release(r);
+    struct tdm_engine_stats st;
+    wait_idle_stats(e, &st);
+    print_message("adaptive: %llu drafts, %llu accepted over %d tokens\n",
+                  (unsigned long long)st.spec_drafts,
+                  (unsigned long long)st.spec_accepted_tokens, TOK);
+    // Windows of 8 drafts, then pauses of 16, 32, 64 ... decode steps. The
+    // counts are deterministic (seeded, alone): 23 drafts with the pause, 41
+    // without it (measured with TDM_SPEC_MIN_ACCEPT_RATE 0).
+    assert_true(st.spec_drafts >= TDM_SPEC_WINDOW);
+    assert_true(st.spec_accepted_tokens < st.spec_drafts / 2);
+    assert_true(st.spec_drafts <= 32);
+    tdm_engine_free(e);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1446,6 +1766,11 @@ int main(void)
         cmocka_unit_test(test_export_races_release),
         cmocka_unit_test(test_pd_import_roundtrip),
         cmocka_unit_test(test_kv_events),
+        cmocka_unit_test(test_spec_propose),
+        cmocka_unit_test(test_spec_adapt_policy),
+        cmocka_unit_test(test_spec_matches_runner),
+        cmocka_unit_test(test_spec_metrics),
+        cmocka_unit_test(test_spec_adaptive),
     };
     // ENGINE_TEST_FILTER=test_preemption runs one test (cmocka glob).
     const char *filter = getenv("ENGINE_TEST_FILTER");

@@ -39,7 +39,8 @@ struct tdm_grammar_matcher;
 #define TDM_GRAMMAR_MAX_STACK 1024              // nesting depth a sequence may reach
 #define TDM_GRAMMAR_MAX_STACKS 4096             // live stacks (ambiguity) in one state
 #define TDM_GRAMMAR_MAX_GBNF_BYTES (1u << 20)   // GBNF text
-#define TDM_GRAMMAR_MAX_WS 4 // whitespace bytes allowed at each JSON structural place
+#define TDM_GRAMMAR_MAX_WS 4       // whitespace bytes allowed at each JSON structural place
+#define TDM_GRAMMAR_MAX_END_IDS 64 // ending ids (EOS + stop ids) tdm_grammar_mask_apply keeps
 
 // ---- compile -------------------------------------------------------------------
 // Each returns TDM_OK and a grammar with one reference in *out, or an error code
@@ -122,6 +123,17 @@ bool tdm_grammar_matcher_is_done(const struct tdm_grammar_matcher *m);
 // when token id may come next. No allocation once the matcher's scratch has grown
 // to the grammar's needs. TDM_EINVAL without a vocab.
 int tdm_grammar_matcher_fill_mask(struct tdm_grammar_matcher *m, uint32_t *mask, size_t words);
+
+// Applies a step's mask to one row of logits[n_logits] (the model's vocabulary,
+// which may be larger than the tokenizer's mask_tokens): tokens the mask leaves
+// out, and ids >= mask_tokens, become -inf; the ending ids end_ids[0..n_end)
+// (EOS, the request's stop ids; at most TDM_GRAMMAR_MAX_END_IDS, later ones are
+// masked like any token) keep their logit only when allow_end (the matcher
+// accepts_eos), whatever the mask says of them. mask NULL (the mask
+// could not be filled) leaves nothing but the ending ids. The engine and the
+// runner both apply masks through this, so their sampling agrees.
+void tdm_grammar_mask_apply(const uint32_t *mask, int32_t mask_tokens, float *logits,
+                            int32_t n_logits, const int32_t *end_ids, int n_end, bool allow_end);
 
 // Counters for benches and tests: masks served from the cache / computed.
 void tdm_grammar_matcher_cache_stats(const struct tdm_grammar_matcher *m, uint64_t *hits,

@@ -7,6 +7,7 @@
 // state (the exact stack set, serialised), which serves every step spent inside
 // a string or a repeated structure without a walk. Special tokens are never in
 // the trie; EOS is allowed exactly where the state is accepting.
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -657,4 +658,31 @@ int tdm_grammar_matcher_fill_mask(struct tdm_grammar_matcher *m, uint32_t *mask,
     if (n_key)
         gr_mask_cache_put(m->cache, m->key, n_key, mask);
     return TDM_OK;
+}
+
+// ---- applying a mask ----------------------------------------------------------------
+void tdm_grammar_mask_apply(const uint32_t *mask, int32_t mask_tokens, float *logits,
+                            int32_t n_logits, const int32_t *end_ids, int n_end, bool allow_end)
+{
+    float keep[TDM_GRAMMAR_MAX_END_IDS];
+    if (n_end > TDM_GRAMMAR_MAX_END_IDS)
+        n_end = TDM_GRAMMAR_MAX_END_IDS;
+    for (int i = 0; i < n_end; i++)
+        keep[i] = end_ids[i] >= 0 && end_ids[i] < n_logits ? logits[end_ids[i]] : -INFINITY;
+    int32_t lim = mask != NULL ? (mask_tokens < n_logits ? mask_tokens : n_logits) : 0;
+    for (int32_t w = 0; w * 32 < lim; w++) {
+        uint32_t m = mask[w];
+        if (m == 0xffffffffu)
+            continue;
+        int32_t base = w * 32;
+        int32_t end = base + 32 < lim ? base + 32 : lim;
+        for (int32_t v = base; v < end; v++)
+            if (!(m >> (v - base) & 1u))
+                logits[v] = -INFINITY;
+    }
+    for (int32_t v = lim; v < n_logits; v++) // ids the tokenizer lacks, or no mask
+        logits[v] = -INFINITY;
+    for (int i = 0; i < n_end; i++)
+        if (end_ids[i] >= 0 && end_ids[i] < n_logits)
+            logits[end_ids[i]] = allow_end ? keep[i] : -INFINITY;
 }

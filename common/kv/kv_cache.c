@@ -285,15 +285,15 @@ int tdm_kv_dtype_parse(const char *s, enum tdm_kv_dtype *out, char *err, size_t 
 
 void tdm_kv_convert(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n)
 {
+    // dst or src may be unaligned (a KvData payload starts where its frame's
+    // message ends): elements move through memcpy, which the compiler turns
+    // into plain (unaligned) loads and stores.
+    unsigned char *d = dst;
+    const unsigned char *x = src;
     if (dst_dtype == src_dtype) {
         if (n)
             memcpy(dst, src, n * tdm_kv_dtype_size(src_dtype));
     } else if (dst_dtype == TDM_KV_F32 && src_dtype == TDM_KV_BF16) {
-        // Element by element through memcpy: either side may be a frame
-        // payload at any byte offset (UBSan caught a misaligned bf16 store
-        // into a KvData frame); the compiler makes these plain moves.
-        unsigned char *d = dst;
-        const unsigned char *x = src;
         for (size_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, x + 2 * i, 2);
@@ -301,8 +301,6 @@ void tdm_kv_convert(void *dst, int dst_dtype, const void *src, int src_dtype, si
             memcpy(d + 4 * i, &f, 4);
         }
     } else if (dst_dtype == TDM_KV_BF16 && src_dtype == TDM_KV_F32) {
-        unsigned char *d = dst;
-        const unsigned char *x = src;
         for (size_t i = 0; i < n; i++) {
             float f;
             memcpy(&f, x + 4 * i, 4);
@@ -534,6 +532,12 @@ const struct tdm_kv_config *tdm_kv_config(const struct tdm_kv_cache *kv)
     return kv ? &kv->cfg : NULL;
 }
 
+void *tdm_kv_storage_layer(void *storage, int layer, bool v)
+{
+    struct tdm_kv_storage *st = storage;
+    return v ? st->ops->layer_v(st, layer) : st->ops->layer_k(st, layer);
+}
+
 struct tdm_kv_storage *tdm_kv_storage(struct tdm_kv_cache *kv)
 {
     return kv ? kv->st : NULL;
@@ -740,6 +744,25 @@ int tdm_kv_reserve(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_to
         seq->block_hashes[i] = 0;
     }
     seq->num_blocks = need_blocks;
+    return TDM_OK;
+}
+
+int tdm_kv_trim(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_tokens)
+{
+    if (!kv || !seq || total_tokens < seq->num_tokens) {
+        if (kv)
+            kv_err(kv, "kv trim: total_tokens=%d below the %d committed", total_tokens,
+                   seq ? seq->num_tokens : 0);
+        return TDM_EINVAL;
+    }
+    int bs = kv->cfg.block_size;
+    int keep = (int)(((int64_t)total_tokens + bs - 1) / bs);
+    for (int i = seq->num_blocks - 1; i >= keep; i--) {
+        block_decref(kv, seq->block_table[i]);
+        seq->block_hashes[i] = 0;
+    }
+    if (keep < seq->num_blocks)
+        seq->num_blocks = keep;
     return TDM_OK;
 }
 
@@ -1188,7 +1211,10 @@ static int copy_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, in
     }
     float *stage = NULL, *kf = (float *)kbuf, *vf = (float *)vbuf;
     size_t n = (size_t)nblocks * bf;
-    if (dtype != TDM_KV_F32) {
+    // The storage takes f32 arrays: staged when the payload is another dtype
+    // or not float-aligned (a frame's payload may start anywhere).
+    bool aligned = (uintptr_t)kbuf % _Alignof(float) == 0 && (uintptr_t)vbuf % _Alignof(float) == 0;
+    if (dtype != TDM_KV_F32 || !aligned) {
         stage = malloc(2 * n * sizeof(float));
         if (!stage)
             return TDM_ENOMEM;

@@ -126,6 +126,10 @@ void tdm_kv_free(struct tdm_kv_cache *kv);
 const struct tdm_kv_config *tdm_kv_config(const struct tdm_kv_cache *kv);
 // The cache's storage (never NULL for a live cache).
 struct tdm_kv_storage *tdm_kv_storage(struct tdm_kv_cache *kv);
+// Where layer `layer`'s K (v false) or V pool of `storage` (a struct
+// tdm_kv_storage *) starts: the source/destination callback of GPU KV
+// transfer (tdm_kvx_layer_fn).
+void *tdm_kv_storage_layer(void *storage, int layer, bool v);
 
 // Pointers to one block of one layer: [num_kv_heads][block_size][head_dim] f32;
 // NULL for a layer or block out of range, or when the pool is not host f32.
@@ -166,6 +170,13 @@ int tdm_kv_match_prefix(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const i
 // (tdm_kv_errmsg says how many blocks were missing). Never shrinks the table.
 // TDM_EINVAL for total_tokens < 0, TDM_ENOMEM if the table cannot grow.
 int tdm_kv_reserve(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_tokens);
+
+// Gives back the blocks past the first ceil(total_tokens / block_size): the
+// tail a speculative step reserved for draft tokens that were rejected
+// (docs/speculative-decoding.md). total_tokens must be >= seq->num_tokens (the
+// committed tokens stay), so the blocks dropped were never hashed and go back
+// to the free list. TDM_EINVAL (nothing changes) otherwise.
+int tdm_kv_trim(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, int total_tokens);
 
 // Declares that KV for tokens[0..total_tokens) is now written; blocks that became
 // full get their chained hash and enter the prefix cache. tokens is the whole

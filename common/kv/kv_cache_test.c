@@ -1369,6 +1369,40 @@ static void test_storage_interface(void **state)
     assert_int_equal(frees, 2);
 }
 
+// tdm_kv_trim: a speculative step reserved blocks for draft tokens that were
+// rejected; trimming to the accepted length frees exactly the blocks past it
+// and keeps the committed ones (and their hashes) intact.
+static void test_trim(void **state)
+{
+    (void)state;
+    struct tdm_kv_cache *kv = make_cache(1, 1, 4, 4, 8, true);
+    struct tdm_kv_seq seq;
+    tdm_kv_seq_init(&seq);
+    int32_t toks[16];
+    for (int i = 0; i < 16; i++)
+        toks[i] = i + 1;
+    assert_int_equal(tdm_kv_reserve(kv, &seq, 5), TDM_OK);
+    tdm_kv_commit(kv, &seq, toks, 5); // block 0 full (hashed), block 1 holds one token
+    assert_int_equal(tdm_kv_reserve(kv, &seq, 14), TDM_OK); // 5 + 9 tokens of drafts: 4 blocks
+    assert_int_equal(seq.num_blocks, 4);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 4);
+    assert_int_equal(tdm_kv_trim(kv, &seq, 4), TDM_EINVAL); // below the committed 5
+    assert_int_equal(seq.num_blocks, 4);
+    assert_int_equal(tdm_kv_trim(kv, &seq, 7), TDM_OK); // two drafts accepted: 2 blocks
+    assert_int_equal(seq.num_blocks, 2);
+    assert_int_equal(tdm_kv_num_free_blocks(kv), 6);
+    assert_true(seq.block_hashes[0] != 0);
+    assert_consistent(kv);
+    assert_int_equal(tdm_kv_trim(kv, &seq, 8), TDM_OK); // nothing past it: unchanged
+    assert_int_equal(seq.num_blocks, 2);
+    tdm_kv_commit(kv, &seq, toks, 8);
+    assert_int_equal(tdm_kv_reserve(kv, &seq, 9), TDM_OK);
+    assert_int_equal(seq.num_blocks, 3);
+    tdm_kv_seq_release(kv, &seq);
+    assert_consistent(kv);
+    tdm_kv_free(kv);
+}
+
 int main(void)
 {
     static const struct wl_param wl[] = {
@@ -1411,6 +1445,7 @@ int main(void)
         cmocka_unit_test(test_storage_interface),
         cmocka_unit_test(test_dtype_parse_convert),
         cmocka_unit_test(test_bf16_pool),
+        cmocka_unit_test(test_trim),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

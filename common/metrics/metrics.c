@@ -1336,3 +1336,48 @@ int tdm_metrics_vllm_register(struct tdm_metrics_vllm *out, struct tdm_metrics_r
         c.rc = vllm_cache_info(&c, &out->cache_config_info, &cfg->cache);
     return c.rc;
 }
+
+int tdm_metrics_spec_register(struct tdm_metrics_spec *out, struct tdm_metrics_registry *reg,
+                              const char *model_name, const char *engine, int num_spec_tokens,
+                              char *err, size_t errlen)
+{
+    memset(out, 0, sizeof *out);
+    if (!reg || !model_name)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: spec decode set needs a model_name");
+    if (num_spec_tokens < 1 || num_spec_tokens > TDM_METRICS_SPEC_MAX_POS)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "metrics: num_spec_tokens must be in [1, %d], got %d",
+                          TDM_METRICS_SPEC_MAX_POS, num_spec_tokens);
+    struct vllm_ctx c = {
+        .reg = reg,
+        .labels = {{"model_name", model_name}, {"engine", engine ? engine : "0"}},
+        .err = err,
+        .errlen = errlen,
+        .rc = TDM_OK,
+    };
+    // Names and HELP texts as vLLM's SpecDecodingProm.
+    vllm_counter(&c, &out->num_drafts, "vllm:spec_decode_num_drafts",
+                 "Number of spec decoding drafts.");
+    vllm_counter(&c, &out->num_draft_tokens, "vllm:spec_decode_num_draft_tokens",
+                 "Number of draft tokens.");
+    vllm_counter(&c, &out->num_accepted_tokens, "vllm:spec_decode_num_accepted_tokens",
+                 "Number of accepted tokens.");
+    if (c.rc == TDM_OK) {
+        static const char *const pos_label[] = {"position"};
+        struct tdm_metrics_opts o = vllm_opts(&c, "vllm:spec_decode_num_accepted_tokens_per_pos",
+                                              "Accepted tokens per draft position.");
+        o.label_names = pos_label;
+        o.n_label_names = 1;
+        c.rc = tdm_metrics_counter_register(&out->per_pos, reg, &o, err, errlen);
+        for (int i = 0; c.rc == TDM_OK && i < num_spec_tokens; i++) {
+            char pos[8];
+            snprintf(pos, sizeof pos, "%d", i);
+            out->accepted_per_pos[i] = tdm_metrics_counter_labels(out->per_pos, pos);
+            if (!out->accepted_per_pos[i])
+                c.rc = tdm_seterr(err, errlen, TDM_ENOMEM, "metrics: out of memory");
+        }
+    }
+    if (c.rc == TDM_OK)
+        out->num_positions = num_spec_tokens;
+    return c.rc;
+}

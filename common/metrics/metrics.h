@@ -243,4 +243,27 @@ struct tdm_metrics_vllm {
 int tdm_metrics_vllm_register(struct tdm_metrics_vllm *out, struct tdm_metrics_registry *reg,
                               const struct tdm_metrics_vllm_config *cfg, char *err, size_t errlen);
 
+// vLLM's speculative decoding counters, registered (as vLLM does) only when
+// speculation is on, with the same constant labels model_name and engine.
+// Counted per verification step of a request that carried drafts
+// (docs/speculative-decoding.md): drafts +1, draft_tokens += drafts proposed,
+// accepted_tokens += the leading drafts the target sampled too, and
+// accepted_per_pos[i] += 1 when the draft at position i was accepted.
+#define TDM_METRICS_SPEC_MAX_POS 16
+struct tdm_metrics_spec {
+    struct tdm_metrics_counter *num_drafts;          // vllm:spec_decode_num_drafts
+    struct tdm_metrics_counter *num_draft_tokens;    // vllm:spec_decode_num_draft_tokens
+    struct tdm_metrics_counter *num_accepted_tokens; // vllm:spec_decode_num_accepted_tokens
+    struct tdm_metrics_counter *per_pos; // vllm:spec_decode_num_accepted_tokens_per_pos,
+                                         // family with label position
+    struct tdm_metrics_counter *accepted_per_pos[TDM_METRICS_SPEC_MAX_POS]; // its children
+    int num_positions; // num_spec_tokens: children "0" .. num_positions-1 exist
+};
+// Registers the four families on reg with children position="0" .. K-1
+// (K = num_spec_tokens in [1, TDM_METRICS_SPEC_MAX_POS]). TDM_EINVAL (no
+// model_name, K out of range), TDM_ENOMEM, or the registry's error.
+int tdm_metrics_spec_register(struct tdm_metrics_spec *out, struct tdm_metrics_registry *reg,
+                              const char *model_name, const char *engine, int num_spec_tokens,
+                              char *err, size_t errlen);
+
 #endif

@@ -3,10 +3,14 @@
 // hist holds prompt + generated ids; `computed` tokens of hist have their KV
 // written and committed; a prefilling request has computed < n_prompt, a
 // decoding one has computed == n_prompt + n_out - 1 and feeds hist[computed].
+// A constrained request's matcher follows every token it generates except the
+// one that ends it; its mask is filled and applied on the sampling step (this
+// loop is plain: no mask thread as in the engine).
 #include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
+#include "grammar.h"
 #include "runner.h"
 
 enum req_state { REQ_WAITING = 0, REQ_RUNNING, REQ_DONE };
@@ -17,12 +21,47 @@ struct req_run {
     struct tdm_sampler *sampler;
     int32_t *hist; // [n_prompt + max_tokens]
     int computed;
+    // Structured output (NULL gm: unconstrained).
+    struct tdm_grammar_matcher *gm;
+    uint32_t *gmask;                              // [mask words of the vocab]
+    int32_t gend[TDM_MAX_EOS + TDM_MAX_STOP_IDS]; // ids that end it: EOS, stop ids
+    int n_gend;
 };
 
 void tdm_gen_opts_default(struct tdm_gen_opts *o)
 {
     memset(o, 0, sizeof *o);
     o->chunk = 256;
+}
+
+// A constrained request's matcher (its grammar from the process-wide cache, as
+// a worker compiles a request's constraint), mask buffer and ending ids.
+static int grammar_setup(struct req_run *r, const struct tdm_gen_request *q, int i,
+                         const struct tdm_grammar_vocab *v, const int32_t *eos_ids, int num_eos,
+                         char *err, size_t errlen)
+{
+    const struct tdm_sampling_params *p = &q->params;
+    if (v == NULL)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "runner: request %d has a %s constraint but no grammar vocabulary "
+                          "(the tokenizer's) was given",
+                          i, tdm_constraint_kind_name(p->constraint));
+    struct tdm_grammar *g = NULL;
+    char gerr[256] = "";
+    int rc = tdm_grammar_compile_cached(&g, p->constraint, p->constraint_text, p->constraint_len,
+                                        gerr, sizeof gerr);
+    if (rc != TDM_OK)
+        return tdm_seterr(err, errlen, rc, "%s", gerr);
+    rc = tdm_grammar_matcher_new(&r->gm, g, v);
+    tdm_grammar_unref(g); // the matcher holds its own
+    r->gmask = malloc(tdm_grammar_mask_words(v) * sizeof *r->gmask);
+    if (rc != TDM_OK || r->gmask == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "runner: out of memory");
+    for (int k = 0; k < num_eos && k < TDM_MAX_EOS; k++)
+        r->gend[r->n_gend++] = eos_ids[k];
+    for (int k = 0; k < p->num_stop_token_ids; k++)
+        r->gend[r->n_gend++] = p->stop_token_ids[k];
+    return TDM_OK;
 }
 
 static void finish(struct tdm_kv_cache *kv, struct req_run *r)
@@ -110,6 +149,10 @@ int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_req
             goto out;
         }
         memcpy(r->hist, q->prompt, (size_t)q->n_prompt * sizeof(int32_t));
+        if (q->params.constraint != TDM_CONSTRAINT_NONE &&
+            (rc = grammar_setup(r, q, i, opts->grammar_vocab, eos_ids, num_eos, err, errlen)) !=
+                TDM_OK)
+            goto out;
     }
 
     double t0 = tdm_now();
@@ -186,6 +229,17 @@ int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_req
             if (q->logits_out != NULL)
                 memcpy(q->logits_out + (size_t)q->n_out * (size_t)vocab, lrow,
                        (size_t)vocab * sizeof(float));
+            if (r->gm != NULL) {
+                double tm = tdm_now();
+                const struct tdm_grammar_vocab *gv = opts->grammar_vocab;
+                bool ok = tdm_grammar_matcher_fill_mask(r->gm, r->gmask,
+                                                        tdm_grammar_mask_words(gv)) == TDM_OK;
+                tdm_grammar_mask_apply(ok ? r->gmask : NULL, tdm_grammar_vocab_size(gv), lrow,
+                                       vocab, r->gend, r->n_gend,
+                                       tdm_grammar_matcher_accepts_eos(r->gm));
+                stats->num_masks++;
+                stats->mask_s += tdm_now() - tm;
+            }
             int32_t tok = tdm_sampler_sample(r->sampler, lrow, NULL);
             r->hist[q->n_prompt + q->n_out] = tok;
             q->out_ids[q->n_out++] = tok;
@@ -195,8 +249,30 @@ int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_req
             q->finish_s = now;
             stats->generated_tokens++;
             bool stop = tdm_sampler_is_stop(r->sampler, tok);
-            if (stop || q->n_out == q->max_tokens) {
-                q->stopped = stop;
+            bool complete = false; // the grammar ended it without an ending id
+            if (r->gm != NULL && !stop) {
+                // As the engine: the grammar follows every token that does not
+                // end the request; a refused one is an ending id drawn where the
+                // output is complete (ignore_eos) or the fallback draw when the
+                // mask left nothing (min_tokens). Where only an ending id can
+                // follow, the next step samples it, unless that draw could not
+                // end the request.
+                if (tdm_grammar_matcher_accept_token(r->gm, tok) != TDM_OK) {
+                    if (!tdm_grammar_matcher_accepts_eos(r->gm)) {
+                        rc = tdm_seterr(err, errlen, TDM_EINVAL,
+                                        "runner: request %d: structured output: token %d is not "
+                                        "allowed here",
+                                        i, (int)tok);
+                        goto out;
+                    }
+                    complete = true;
+                } else if (tdm_grammar_matcher_is_done(r->gm) &&
+                           !tdm_sampler_eos_ends(r->sampler)) {
+                    complete = true;
+                }
+            }
+            if (stop || complete || q->n_out == q->max_tokens) {
+                q->stopped = stop || complete;
                 finish(kv, r);
                 done++;
             }
@@ -217,6 +293,8 @@ out:
         for (int i = 0; i < n_reqs; i++) {
             finish(kv, &runs[i]);
             tdm_sampler_free(runs[i].sampler);
+            tdm_grammar_matcher_free(runs[i].gm);
+            free(runs[i].gmask);
             free(runs[i].hist);
         }
     }

@@ -7,6 +7,11 @@
 // decoding request its last sampled token, runs one tdm_model_forward and
 // samples a token for every request whose prompt is complete. Requests may join
 // at a later step (join_step) so that prefill and decode mix in one batch.
+// A request whose params carry a structured-output constraint (params.constraint,
+// docs/structured-outputs.md) samples under the grammar's token mask, compiled
+// through the process-wide grammar cache as on a worker and applied as the
+// engine applies it (tdm_grammar_mask_apply): the same tokens as the engine for
+// a seeded request, ending on a sampled EOS once the grammar is complete.
 // Ownership: the runner reads requests' prompts and writes their outputs into
 // caller storage; it allocates its scratch (logits rows, batch arrays, token
 // histories) once per tdm_gen_run call, never per step.
@@ -20,6 +25,8 @@
 #include "kv_cache.h"
 #include "model.h"
 #include "sampling.h"
+
+struct tdm_grammar_vocab;
 
 struct tdm_gen_request {
     // In.
@@ -45,6 +52,9 @@ struct tdm_gen_opts {
     int max_step_tokens;    // token budget of one step (default: model's max_batch_tokens)
     const int32_t *eos_ids; // the model's EOS ids (NULL: config.json's)
     int num_eos;
+    // The tokenizer's trie (tdm_grammar_vocab_from_tokenizer), borrowed; needed
+    // by constrained requests (params.constraint), NULL when there are none.
+    const struct tdm_grammar_vocab *grammar_vocab;
 };
 void tdm_gen_opts_default(struct tdm_gen_opts *o);
 
@@ -56,13 +66,16 @@ struct tdm_gen_stats {
     long decode_tokens;  // tokens fed in decode rows
     long generated_tokens;
     double prefill_s, decode_s; // wall time of forward + sampling per phase
+    long num_masks;             // structured-output masks computed
+    double mask_s;              // time filling and applying them (inside the phases)
 };
 
 // Runs the requests to completion. Each request keeps its KV sequence until it
 // finishes, then releases it (full blocks stay in the prefix cache when the
 // cache was created with enable_prefix_caching). TDM_ECAPACITY when the cache
 // cannot hold a request (all requests are released first); TDM_EINVAL for a bad
-// request (err says which). stats may be NULL.
+// request (err says which; a constraint the grammar engine refuses carries its
+// message, as the HTTP 400 does). stats may be NULL.
 int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_request *reqs,
                 int n_reqs, const struct tdm_gen_opts *opts, struct tdm_gen_stats *stats, char *err,
                 size_t errlen);

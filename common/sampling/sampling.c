@@ -587,6 +587,25 @@ int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, struct tdm_samp
     return token;
 }
 
+int tdm_sampler_verify(struct tdm_sampler *s, float *rows, const int32_t *draft, int n_draft,
+                       int32_t *out, struct tdm_sample_result *res)
+{
+    int n = 0;
+    for (int j = 0; j <= n_draft; j++) {
+        float *row = rows + (size_t)j * (size_t)s->vocab_size;
+        int32_t tok = tdm_sampler_sample(s, row, res ? &res[n] : NULL);
+        out[n++] = tok;
+        if (j == n_draft || tok != draft[j] || tdm_sampler_is_stop(s, tok))
+            break;
+    }
+    return n;
+}
+
+bool tdm_sampler_eos_ends(const struct tdm_sampler *s)
+{
+    return !s->p.ignore_eos && s->num_eos > 0 && s->num_generated >= s->p.min_tokens;
+}
+
 bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token)
 {
     if (s->num_generated < s->p.min_tokens)

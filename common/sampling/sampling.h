@@ -81,10 +81,31 @@ void tdm_sampler_free(struct tdm_sampler *s);
 // sampler's history and returns it; fills *res when res != NULL.
 int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, struct tdm_sample_result *res);
 
+// Speculative decoding's verification of a deterministic draft
+// (docs/speculative-decoding.md). rows holds n_draft + 1 logits rows of
+// vocab_size floats (modified in place): row j is the target model's
+// distribution for the position of draft[j] (row n_draft: the one after the
+// last draft). Samples row 0, 1, ... in order exactly as tdm_sampler_sample
+// does (every filter and penalty, one RNG draw each, the history advancing),
+// and stops after the first token that differs from its draft, is a stop
+// token (tdm_sampler_is_stop), or comes from the last row. For a point-mass
+// draft q = 1{draft} this is the rejection rule of speculative sampling:
+// draft accepted with probability min(1, p/q) = p(draft), and a rejection's
+// token is distributed as p without the draft, renormalized, i.e.
+// norm(max(0, p - q)); and the tokens and RNG draws are exactly those of
+// sampling the rows one step at a time, so a seeded request's output does
+// not depend on speculation. Writes the tokens to out[] (and res[] when not
+// NULL) and returns how many: 1 .. n_draft + 1.
+int tdm_sampler_verify(struct tdm_sampler *s, float *rows, const int32_t *draft, int n_draft,
+                       int32_t *out, struct tdm_sample_result *res);
+
 // True when token ends the request: an EOS id (unless ignore_eos) or a stop id,
 // once min_tokens were generated.
 bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token);
 int tdm_sampler_num_generated(const struct tdm_sampler *s);
+// True when an EOS id drawn next would end the request: not ignore_eos, and
+// min_tokens reached by then (the draw is not masked).
+bool tdm_sampler_eos_ends(const struct tdm_sampler *s);
 
 // Records tokens as if this sampler had sampled them (a stream resumed on
 // another worker, issue 11 part 6): each joins the history (penalties,

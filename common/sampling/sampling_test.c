@@ -505,6 +505,158 @@ static void test_unfiltered_chi_square(void **state)
     tdm_sampler_free(s);
 }
 
+// ---- speculative verification --------------------------------------------------------------
+
+// chi-square of hits[] against probabilities prob[] (summing to 1) over the
+// categories with prob > 0.
+static double chi_square(const int *hits, const double *prob, int n, int total)
+{
+    double chi2 = 0;
+    for (int i = 0; i < n; i++) {
+        if (prob[i] <= 0) {
+            assert_int_equal(hits[i], 0); // filtered out: never drawn
+            continue;
+        }
+        double e = total * prob[i];
+        chi2 += (hits[i] - e) * (hits[i] - e) / e;
+    }
+    return chi2;
+}
+
+// tdm_sampler_verify with a point-mass draft is speculative sampling's
+// rejection rule: the draft is accepted with probability p(draft), a
+// rejection's token follows norm(max(0, p - q)) = p without the draft,
+// renormalized, and after an acceptance the next row is sampled as usual.
+// Checked by chi-square over 60000 verifications on a 6-token vocabulary with
+// top-k and temperature applied to p, and token-for-token against sampling the
+// rows one at a time with the same seed.
+static void test_verify_rejection(void **state)
+{
+    (void)state;
+    enum { V = 6, DRAWS = 60000 };
+    const float l0[V] = {1.0f, 0.2f, 2.0f, -1.0f, 0.5f, 1.5f};
+    const float l1[V] = {0.1f, 1.7f, -0.5f, 0.9f, 2.2f, 0.0f};
+    const int32_t draft[2] = {2, 4};
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.8f;
+    p.top_k = 4;
+    p.has_seed = true;
+    p.seed = 99;
+    // p0, p1 after temperature and top-k (the 4 largest logits kept).
+    double p0[V] = {0}, p1[V] = {0}, s0 = 0, s1 = 0;
+    const int keep0[4] = {0, 2, 4, 5}, keep1[4] = {0, 1, 3, 4};
+    for (int i = 0; i < 4; i++) {
+        s0 += p0[keep0[i]] = exp(l0[keep0[i]] / 0.8);
+        s1 += p1[keep1[i]] = exp(l1[keep1[i]] / 0.8);
+    }
+    for (int i = 0; i < V; i++) {
+        p0[i] /= s0;
+        p1[i] /= s1;
+    }
+    struct tdm_sampler *s = make(&p, V);
+    int first[V] = {0}, rejected[V] = {0}, second[V] = {0}, third[V] = {0};
+    int n_acc = 0, n_rej = 0, n_acc2 = 0;
+    float rows[3 * V];
+    for (int d = 0; d < DRAWS; d++) {
+        memcpy(rows, l0, sizeof l0);
+        memcpy(rows + V, l1, sizeof l1);
+        memcpy(rows + 2 * V, l0, sizeof l0); // the bonus row after both drafts
+        int32_t out[3];
+        int n = tdm_sampler_verify(s, rows, draft, 2, out, NULL);
+        assert_true(n >= 1 && n <= 3);
+        first[out[0]]++;
+        if (out[0] != draft[0]) {
+            assert_int_equal(n, 1);
+            rejected[out[0]]++;
+            n_rej++;
+            continue;
+        }
+        assert_true(n >= 2);
+        n_acc++;
+        second[out[1]]++;
+        if (out[1] == draft[1]) {
+            assert_int_equal(n, 3);
+            third[out[2]]++;
+            n_acc2++;
+        } else {
+            assert_int_equal(n, 2);
+        }
+    }
+    tdm_sampler_free(s);
+    // Acceptance of draft 0 within 5 standard deviations of p0(draft).
+    double sd = sqrt(DRAWS * p0[draft[0]] * (1 - p0[draft[0]]));
+    assert_true(fabs(n_acc - DRAWS * p0[draft[0]]) < 5 * sd);
+    double resid[V];
+    for (int i = 0; i < V; i++)
+        resid[i] = i == draft[0] ? 0.0 : p0[i] / (1 - p0[draft[0]]);
+    // 3 degrees of freedom (4 tokens kept): P(chi2 > 25) ~ 1.6e-5; the residual
+    // and the conditional rows have 2 and 3.
+    double c1 = chi_square(first, p0, V, DRAWS);
+    double c2 = chi_square(rejected, resid, V, n_rej);
+    double c3 = chi_square(second, p1, V, n_acc);
+    double c4 = chi_square(third, p0, V, n_acc2);
+    if (c1 > 25 || c2 > 25 || c3 > 25 || c4 > 25)
+        fail_msg("chi-square first %.1f residual %.1f second %.1f bonus %.1f", c1, c2, c3, c4);
+
+    // Token for token what sampling the rows one step at a time draws.
+    struct tdm_sampler *a = make(&p, V), *b = make(&p, V);
+    for (int d = 0; d < 2000; d++) {
+        memcpy(rows, l0, sizeof l0);
+        memcpy(rows + V, l1, sizeof l1);
+        memcpy(rows + 2 * V, l0, sizeof l0);
+        int32_t out[3];
+        int n = tdm_sampler_verify(a, rows, draft, 2, out, NULL);
+        float work[V];
+        for (int j = 0; j < n; j++)
+            assert_int_equal(draw(b, j == 1 ? l1 : l0, work, V), out[j]);
+    }
+    tdm_sampler_free(a);
+    tdm_sampler_free(b);
+}
+
+// A stop token ends the verification even when it equals the draft; greedy
+// verification accepts exactly the argmax run.
+static void test_verify_stop_and_greedy(void **state)
+{
+    (void)state;
+    enum { V = 5 };
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.0f;
+    p.stop_token_ids[0] = 3;
+    p.num_stop_token_ids = 1;
+    struct tdm_sampler *s = make(&p, V);
+    float rows[4 * V] = {0};
+    rows[0 * V + 1] = 5; // argmax 1
+    rows[1 * V + 3] = 5; // argmax 3: the stop id
+    rows[2 * V + 2] = 5;
+    rows[3 * V + 0] = 5;
+    int32_t out[4];
+    const int32_t d1[3] = {1, 3, 2};
+    assert_int_equal(tdm_sampler_verify(s, rows, d1, 3, out, NULL), 2);
+    assert_int_equal(out[0], 1);
+    assert_int_equal(out[1], 3);
+    memset(rows, 0, sizeof rows);
+    rows[0 * V + 1] = 5;
+    rows[1 * V + 2] = 5;
+    rows[2 * V + 4] = 5;
+    rows[3 * V + 0] = 5;
+    const int32_t d2[3] = {1, 2, 0}; // third draft wrong: the target's 4 replaces it
+    assert_int_equal(tdm_sampler_verify(s, rows, d2, 3, out, NULL), 3);
+    assert_int_equal(out[2], 4);
+    memset(rows, 0, sizeof rows);
+    rows[0 * V + 1] = 5;
+    rows[1 * V + 2] = 5;
+    rows[2 * V + 4] = 5;
+    rows[3 * V + 0] = 5;
+    const int32_t d3[3] = {1, 2, 4}; // all accepted: the bonus row's token follows
+    assert_int_equal(tdm_sampler_verify(s, rows, d3, 3, out, NULL), 4);
+    assert_int_equal(out[3], 0);
+    assert_int_equal(tdm_sampler_num_generated(s), 2 + 3 + 4);
+    tdm_sampler_free(s);
+}
+
 // ---- seeds -----------------------------------------------------------------------------------
 
 static void sequence(uint64_t seed, int32_t *out, int n, const float *master, float *work)
@@ -790,6 +942,8 @@ int main(void)
         cmocka_unit_test(test_min_tokens),
         cmocka_unit_test(test_logprobs),
         cmocka_unit_test(test_degenerate_logits),
+        cmocka_unit_test(test_verify_rejection),
+        cmocka_unit_test(test_verify_stop_and_greedy),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

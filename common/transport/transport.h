@@ -16,7 +16,8 @@
 // version differ, or whose type is unknown is rejected with TDM_EPROTO.
 //
 // Threads: an inbox is read by one thread (one reader thread per connection
-// fills its bounded queue); an outbox may be used from any thread (frames to one
+// fills its bounded queue), or handled on those reader threads
+// (tdm_net_inbox_handle_on_readers); an outbox may be used from any thread (frames to one
 // URL are written whole, one at a time, in the order the senders got the turn).
 #ifndef TDM_TRANSPORT_H
 #define TDM_TRANSPORT_H
@@ -120,6 +121,19 @@ int tdm_net_inbox_recv(struct tdm_net_inbox *in, double timeout_s, struct tdm_ne
 typedef void (*tdm_net_frame_handler)(void *arg, const struct tdm_net_frame *f);
 void tdm_net_inbox_serve(struct tdm_net_inbox *in, const atomic_bool *stopping,
                          tdm_net_frame_handler handle, void *arg, const char *module);
+
+// Event-driven receiving: from now on each frame is handed to handle(arg,
+// frame) on the reader thread of the connection it came on, as soon as it is
+// read, instead of being queued for tdm_net_inbox_recv (frames already queued
+// are handled by this call, in order). Saves the hand-off to the thread that
+// serves the inbox and the inbox queue's lock: the router's token path. handle
+// runs on several threads at once (one per connection), must not block for
+// long (a connection's next frame waits for it: back-pressure through TCP),
+// and is never called once tdm_net_inbox_close has returned. The frame is
+// valid only during the call. Liveness frames need no priority here: no queue
+// holds them back.
+void tdm_net_inbox_handle_on_readers(struct tdm_net_inbox *in, tdm_net_frame_handler handle,
+                                     void *arg);
 
 // The parsed frame of a received message; valid until tdm_net_msg_free.
 const struct tdm_net_frame *tdm_net_msg_frame(const struct tdm_net_msg *m);

@@ -235,6 +235,87 @@ static int raw_connect(int port)
 // Garbage, an oversized header and a half-sent frame each cost only their own
 // connection: frames from a well-behaved peer keep arriving, and closing the
 // inbox while a connection is mid-frame returns promptly.
+// Frames handled on the connections' reader threads (the router's token
+// path): frames queued before the switch are handled by it, in order; later
+// frames reach the handler on a thread other than the caller's, one per
+// connection, in order per connection, without recv; none after close.
+struct direct_log {
+    pthread_mutex_t mu;
+    int seen[64]; // [n] first message byte of each frame handled
+    int n;
+    bool on_caller; // a frame after the switch ran on the switching thread
+    pthread_t caller;
+};
+
+static void direct_handle(void *arg, const struct tdm_net_frame *f)
+{
+    struct direct_log *d = arg;
+    pthread_mutex_lock(&d->mu);
+    if (d->n < 64)
+        d->seen[d->n++] = f->msg_len ? f->msg[0] : -1;
+    if (d->n > 2 && pthread_equal(pthread_self(), d->caller))
+        d->on_caller = true;
+    pthread_mutex_unlock(&d->mu);
+}
+
+static int direct_count(struct direct_log *d)
+{
+    pthread_mutex_lock(&d->mu);
+    int n = d->n;
+    pthread_mutex_unlock(&d->mu);
+    return n;
+}
+
+static void test_inbox_handle_on_readers(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    const char *url = tdm_net_inbox_url(in);
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+    // Two frames queued before the switch (the second a liveness frame, which
+    // the queue puts first).
+    uint8_t b = 1;
+    assert_int_equal(tdm_net_send(ob, url, TDM_NET_TOKENS, &b, 1, NULL, 0, 5.0, err, sizeof err),
+                     TDM_OK);
+    b = 2;
+    assert_int_equal(
+        tdm_net_send(ob, url, TDM_NET_LOAD_REPORT, &b, 1, NULL, 0, 5.0, err, sizeof err), TDM_OK);
+    sleep_s(0.3); // both read into the queue by the connection's reader
+    struct direct_log d = {.caller = pthread_self()};
+    pthread_mutex_init(&d.mu, NULL);
+    tdm_net_inbox_handle_on_readers(in, direct_handle, &d);
+    assert_int_equal(direct_count(&d), 2);
+    assert_int_equal(d.seen[0], 2); // the queue's order: liveness first
+    assert_int_equal(d.seen[1], 1);
+    // Later frames: handled as they are read, in order, with no recv.
+    for (int i = 3; i < 23; i++) {
+        b = (uint8_t)i;
+        assert_int_equal(
+            tdm_net_send(ob, url, TDM_NET_TOKENS, &b, 1, NULL, 0, 5.0, err, sizeof err), TDM_OK);
+    }
+    for (double t0 = tdm_now(); direct_count(&d) < 22 && tdm_now() - t0 < 5.0;)
+        sleep_s(0.01);
+    assert_int_equal(direct_count(&d), 22);
+    for (int i = 2; i < 22; i++)
+        assert_int_equal(d.seen[i], i + 1);
+    assert_false(d.on_caller);
+    struct tdm_net_msg *m = NULL;
+    assert_int_equal(tdm_net_inbox_recv(in, 0.05, &m, err, sizeof err), TDM_ETIMEDOUT);
+    // After close, no handler call: a send may still go out, nothing is handled.
+    tdm_net_inbox_close(in);
+    int after_close = direct_count(&d);
+    b = 99;
+    tdm_net_send(ob, url, TDM_NET_TOKENS, &b, 1, NULL, 0, 0.2, err, sizeof err);
+    sleep_s(0.2);
+    assert_int_equal(direct_count(&d), after_close);
+    tdm_net_outbox_free(ob);
+    tdm_net_inbox_free(in);
+    pthread_mutex_destroy(&d.mu);
+}
+
 static void test_inbox_drops_bad_connections(void **state)
 {
     (void)state;
@@ -572,6 +653,7 @@ int main(void)
         cmocka_unit_test(test_frame_round_trip),
         cmocka_unit_test(test_frame_rejects_garbage),
         cmocka_unit_test(test_inbox_outbox),
+        cmocka_unit_test(test_inbox_handle_on_readers),
         cmocka_unit_test(test_inbox_drops_bad_connections),
         cmocka_unit_test(test_concurrent_senders),
         cmocka_unit_test(test_peer_restart_storm),

@@ -7,7 +7,12 @@
 // --dump-logits writes the raw logits every token was sampled from as f32
 // little-endian [steps][vocab] for the reference test. --kv-cache-dtype is the
 // workers' flag (default auto = bf16, so a worker and this tool agree token for
-// token; f32 for the exact reference).
+// token; f32 for the exact reference). --json-schema FILE, --json-object,
+// --regex RE, --choice A,B,C and --grammar FILE constrain the output as a
+// request's structured outputs do (vLLM's guided_json, json_object,
+// guided_regex, guided_choice, guided_grammar; docs/structured-outputs.md): the
+// constraint compiles through the same grammar cache entry point as a worker's
+// request parser (tdm_grammar_compile_cached), so a bad one is the same message.
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <stdio.h>
@@ -15,6 +20,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "grammar.h"
 #include "kv_cache.h"
 #include "model.h"
 #include "runner.h"
@@ -36,6 +42,12 @@ struct args {
     bool ignore_eos;
     const char *dump_logits;
     enum tdm_kv_dtype kv_dtype; // --kv-cache-dtype
+    // Structured output: at most one of these.
+    const char *json_schema_file; // --json-schema FILE
+    bool json_object;             // --json-object
+    const char *regex;            // --regex RE
+    const char *choice;           // --choice A,B,C or a JSON array of strings
+    const char *grammar_file;     // --grammar FILE (GBNF)
 };
 
 static int set_seed(void *o, const char *v, char *err, size_t errlen)
@@ -116,11 +128,23 @@ static const struct tdm_flag generate_flags[] = {
      .offset = OFF(json),
      .help = "print one JSON object: ids, text, per-phase timings"},
     PTR("dump-logits", dump_logits, "FILE", "write every step's logits as f32 [steps][vocab]"),
+    PTR("json-schema", json_schema_file, "FILE",
+        "constrain the output to the JSON Schema in FILE\n(as guided_json)"),
+    {.name = "json-object",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(json_object),
+     .help = "constrain the output to any JSON object"},
+    PTR("regex", regex, "RE", "constrain the output to match RE (as guided_regex)"),
+    PTR("choice", choice, "A,B,C",
+        "the output is exactly one of these (comma-separated,\nor a JSON array of strings)"),
+    PTR("grammar", grammar_file, "FILE", "constrain the output to the GBNF grammar in FILE"),
 };
 
 static const struct tdm_flags generate_table = {
     .usage = "usage: tandem-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens "
-             "N\n",
+             "N\n"
+             "       [--json-schema FILE | --json-object | --regex RE | --choice A,B,C | --grammar "
+             "FILE]\n",
     .flags = generate_flags,
     .n = sizeof generate_flags / sizeof generate_flags[0],
 };
@@ -153,8 +177,89 @@ static int parse_args(struct args *a, int argc, char **argv, bool *stop)
     if ((a->prompt == NULL) == (a->prompt_ids == NULL))
         return fail("%s", "give exactly one of --prompt TEXT and --prompt-ids 1,2,3") + 1;
     a->sp.ignore_eos = a->ignore_eos;
+    int constraints = (a->json_schema_file != NULL) + a->json_object + (a->regex != NULL) +
+                      (a->choice != NULL) + (a->grammar_file != NULL);
+    if (constraints > 1)
+        return fail("%s", "give at most one of --json-schema, --json-object, --regex, --choice "
+                          "and --grammar") +
+               1;
     *stop = false;
     return 0;
+}
+
+// "a,b,c" (or a JSON array as is) -> a JSON array of strings in *out (heap).
+static int choice_json(const char *v, char **out)
+{
+    if (v[0] == '[') {
+        *out = strdup(v);
+        return *out ? TDM_OK : TDM_ENOMEM;
+    }
+    cJSON *arr = cJSON_CreateArray();
+    for (const char *p = v; arr != NULL;) {
+        const char *comma = strchr(p, ',');
+        size_t n = comma ? (size_t)(comma - p) : strlen(p);
+        char *item = strndup(p, n);
+        cJSON *str = item ? cJSON_CreateString(item) : NULL;
+        free(item);
+        if (str == NULL || !cJSON_AddItemToArray(arr, str)) {
+            cJSON_Delete(str);
+            cJSON_Delete(arr);
+            arr = NULL;
+            break;
+        }
+        if (comma == NULL)
+            break;
+        p = comma + 1;
+    }
+    *out = arr ? cJSON_PrintUnformatted(arr) : NULL;
+    cJSON_Delete(arr);
+    return *out ? TDM_OK : TDM_ENOMEM;
+}
+
+// The requested constraint as (kind, text) in a->sp (text: heap, in *text),
+// compiled once through the grammar cache so a bad one fails here, naming the
+// flag. TDM_OK with kind NONE when no flag was given.
+static int constraint_setup(struct args *a, char **text, char *err, size_t errlen)
+{
+    enum tdm_constraint_kind kind = TDM_CONSTRAINT_NONE;
+    const char *flag = NULL;
+    size_t len = 0;
+    int rc = TDM_OK;
+    char e[300];
+    *text = NULL;
+    if (a->json_schema_file || a->grammar_file) {
+        kind = a->json_schema_file ? TDM_CONSTRAINT_JSON_SCHEMA : TDM_CONSTRAINT_GRAMMAR;
+        flag = a->json_schema_file ? "--json-schema" : "--grammar";
+        const char *path = a->json_schema_file ? a->json_schema_file : a->grammar_file;
+        if (tdm_read_file(path, text, &len, e, sizeof e) != TDM_OK)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "%s: %s", flag, e);
+    } else if (a->regex) {
+        kind = TDM_CONSTRAINT_REGEX;
+        flag = "--regex";
+        *text = strdup(a->regex);
+    } else if (a->choice) {
+        kind = TDM_CONSTRAINT_CHOICE;
+        flag = "--choice";
+        rc = choice_json(a->choice, text);
+    } else if (a->json_object) {
+        kind = TDM_CONSTRAINT_JSON_OBJECT;
+        flag = "--json-object";
+        *text = strdup("");
+    } else {
+        return TDM_OK;
+    }
+    if (rc != TDM_OK || *text == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+    if (kind != TDM_CONSTRAINT_JSON_SCHEMA && kind != TDM_CONSTRAINT_GRAMMAR)
+        len = strlen(*text);
+    struct tdm_grammar *g = NULL;
+    if (tdm_grammar_compile_cached(&g, kind, *text, len, e, sizeof e) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "%s: %s", flag, e);
+    tdm_grammar_unref(g); // the cache keeps it for the runner
+    a->sp.constraint = kind;
+    a->sp.constraint_text = *text;
+    a->sp.constraint_len = len;
+    return TDM_OK;
 }
 
 // Parses "1,2,3" into a heap array.
@@ -208,6 +313,11 @@ static void print_json(const struct args *a, const int32_t *prompt, int n_prompt
     else
         cJSON_AddNullToObject(o, "text");
     cJSON_AddStringToObject(o, "finish_reason", r->stopped ? "stop" : "length");
+    const char *ck = tdm_constraint_kind_name(a->sp.constraint);
+    if (ck)
+        cJSON_AddStringToObject(o, "constraint", ck);
+    else
+        cJSON_AddNullToObject(o, "constraint");
     cJSON_AddStringToObject(o, "dtype", a->weights == TDM_WEIGHTS_INT8 ? "int8" : "bf16");
     cJSON *t = cJSON_AddObjectToObject(o, "timings");
     cJSON_AddNumberToObject(t, "load_s", load_s);
@@ -220,6 +330,8 @@ static void print_json(const struct args *a, const int32_t *prompt, int n_prompt
     cJSON_AddNumberToObject(t, "decode_tokens_per_s",
                             st->decode_s > 0 ? (double)st->decode_tokens / st->decode_s : 0);
     cJSON_AddNumberToObject(t, "time_to_first_token_s", r->first_token_s);
+    cJSON_AddNumberToObject(t, "num_masks", (double)st->num_masks);
+    cJSON_AddNumberToObject(t, "mask_s", st->mask_s);
     char *s = cJSON_PrintUnformatted(o);
     if (s)
         puts(s);
@@ -238,6 +350,8 @@ int main(int argc, char **argv)
     int32_t *prompt = NULL, *out_ids = NULL;
     float *logits = NULL;
     char *text = NULL;
+    char *constraint_text = NULL;
+    struct tdm_grammar_vocab *gvocab = NULL;
     int n_prompt = 0;
 
     bool stop = false;
@@ -246,6 +360,10 @@ int main(int argc, char **argv)
         return exit_code;
     tdm_log_set_role("generate");
     tdm_log_set_level_name("warn"); // stderr carries errors only
+    if (constraint_setup(&a, &constraint_text, err, sizeof err) != TDM_OK) {
+        fail("%s", err);
+        goto out;
+    }
 
     double t0 = tdm_now();
     struct tdm_model_opts mo;
@@ -296,6 +414,17 @@ int main(int argc, char **argv)
         }
     }
 
+    if (a.sp.constraint != TDM_CONSTRAINT_NONE) {
+        if (tok == NULL) {
+            fail("structured outputs need the model's tokenizer: %s", err);
+            goto out;
+        }
+        if (tdm_grammar_vocab_from_tokenizer(&gvocab, tok, -1, err, sizeof err) != TDM_OK) {
+            fail("%s", err);
+            goto out;
+        }
+    }
+
     struct tdm_kv_config kc;
     memset(&kc, 0, sizeof kc);
     tdm_model_kv_config(m, &kc);
@@ -326,6 +455,7 @@ int main(int argc, char **argv)
     struct tdm_gen_opts go;
     tdm_gen_opts_default(&go);
     go.chunk = a.chunk;
+    go.grammar_vocab = gvocab;
     struct tdm_gen_stats st;
     if (tdm_gen_run(m, kv, &req, 1, &go, &st, err, sizeof err) != TDM_OK) {
         fail("%s", err);
@@ -353,6 +483,8 @@ int main(int argc, char **argv)
     rc = 0;
 out:
     free(text);
+    tdm_grammar_vocab_free(gvocab);
+    free(constraint_text);
     free(logits);
     free(out_ids);
     free(prompt);

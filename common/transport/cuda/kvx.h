@@ -117,6 +117,18 @@ struct tdm_kvx_ops {
                      size_t errlen);
     int (*nccl_recv)(void *ctx, void *comm, void *buf, size_t bytes, int peer, char *err,
                      size_t errlen);
+    // ncclGroupStart (begin) / ncclGroupEnd: the sends or receives of one
+    // layer group between them go as one grouped operation (groups nest, so
+    // nccl_send's own group inside is fine).
+    int (*nccl_group)(void *ctx, bool begin, char *err, size_t errlen);
+    // cudaMalloc / cudaFree of a device staging buffer (gather/scatter of
+    // blocks that are not consecutive).
+    int (*dev_alloc)(void *ctx, size_t bytes, void **dev_ptr, char *err, size_t errlen);
+    void (*dev_free)(void *ctx, void *dev_ptr);
+    // Makes the device that holds dev_ptr (the worker's KV pool) current on
+    // the calling thread (cudaSetDevice is per thread: a job or receive
+    // thread of a worker on cuda:1 would otherwise run on device 0). Optional.
+    int (*use_device_of)(void *ctx, const void *dev_ptr, char *err, size_t errlen);
 };
 
 // The real table (cudart + NCCL) in a TANDEM_CUDA build; NULL in a CPU build,
@@ -184,6 +196,58 @@ uint64_t tdm_kvx_push_bytes(const struct tdm_kvx_push *p);
 // accepts that a pending copy outlives it. Accepts NULL.
 void tdm_kvx_push_free(struct tdm_kvx_push *p);
 
+// The two ends of a (prefill, decode) pair's NCCL communicator.
+enum tdm_kvx_role {
+    TDM_KVX_DECODE = 0,  // makes the unique id, rank 0 (receives)
+    TDM_KVX_PREFILL = 1, // joins with the id it was sent, rank 1 (sends)
+};
+
+// ---- the NCCL send or receive of one transfer ------------------------------------------------
+// One transfer's layer groups over a ready communicator (kvx_link), on the
+// table's stream: the prefill side (TDM_KVX_PREFILL, rank 1) sends, the decode
+// side (TDM_KVX_DECODE, rank 0) receives into its reserved blocks. Both sides
+// cut a layer's K (then V) blocks the same way, from the decode worker's block
+// ids alone (the sender has them from the PrefillRequest): one buffer per run
+// of consecutive decode blocks, as grouped ncclSend/ncclRecv, when there are
+// at most TDM_KVX_NCCL_MAX_RUNS runs; the receiver writes them straight into
+// its blocks and the sender sends straight from its own when its blocks of
+// that run are consecutive too, else gathers them into a device staging
+// buffer first. More runs than that: the whole group is one buffer, gathered
+// on the sender and scattered on the receiver through staging buffers.
+// Invariant (the decode worker's memory safety): tdm_kvx_nccl_quiet is true
+// only when every group's event was observed complete; after ncclCommAbort
+// the caller still polls until quiet (the aborted kernels end, their event
+// completes), and a failed event query leaves it false for good.
+#define TDM_KVX_NCCL_MAX_RUNS 8
+struct tdm_kvx_nccl;
+
+// role: which side this is. geom: the decode worker's pool (block_bytes,
+// num_layers, num_blocks). dst_blocks [n]: the decode worker's physical ids;
+// src_blocks [n]: ours (sender only, NULL on the receiver). own_layer: where
+// this worker's layer l K/V pool starts. max_group_layers: the most layers a
+// group will carry (sizes the staging buffer). TDM_OK, TDM_EINVAL (a table
+// without send/recv, an id outside a pool), TDM_ENOMEM.
+int tdm_kvx_nccl_new(struct tdm_kvx_nccl **out, const struct tdm_kvx_ops *ops,
+                     enum tdm_kvx_role role, const struct tdm_kvx_pool *geom, const int *dst_blocks,
+                     const int *src_blocks, int n, tdm_kvx_layer_fn own_layer, void *own_arg,
+                     int max_group_layers, char *err, size_t errlen);
+// Issues layers [first, first + count) as one grouped operation on comm and
+// records their event. Groups in layer order, the previous one complete.
+// TDM_OK or TDM_EBACKEND with err (nothing more may be issued).
+int tdm_kvx_nccl_layers(struct tdm_kvx_nccl *x, void *comm, int first, int count, char *err,
+                        size_t errlen);
+// TDM_OK complete (or nothing issued; NULL included), TDM_EBUSY, TDM_EBACKEND.
+int tdm_kvx_nccl_poll(struct tdm_kvx_nccl *x);
+bool tdm_kvx_nccl_quiet(const struct tdm_kvx_nccl *x); // true for NULL
+// Buffers per layer group sent or received so far (for tests), device bytes moved.
+int tdm_kvx_nccl_buffers(const struct tdm_kvx_nccl *x);
+uint64_t tdm_kvx_nccl_bytes(const struct tdm_kvx_nccl *x);
+// Whether this transfer goes through staging buffers (more runs than the limit).
+bool tdm_kvx_nccl_staged(const struct tdm_kvx_nccl *x);
+// Frees; a staging buffer that an unobserved operation may still use is left
+// allocated (leaked) rather than freed under it. Accepts NULL.
+void tdm_kvx_nccl_free(struct tdm_kvx_nccl *x);
+
 // ---- CUDA IPC handle cache (prefill side) --------------------------------------------------
 struct tdm_kvx_ipc_cache;
 
@@ -210,11 +274,6 @@ int tdm_kvx_ipc_cache_size(const struct tdm_kvx_ipc_cache *c);
 
 // ---- NCCL communicator of one (prefill, decode) pair -------------------------------------
 struct tdm_kvx_link;
-
-enum tdm_kvx_role {
-    TDM_KVX_DECODE = 0,  // makes the unique id, rank 0 (receives)
-    TDM_KVX_PREFILL = 1, // joins with the id it was sent, rank 1 (sends)
-};
 
 enum tdm_kvx_link_state {
     TDM_KVX_LINK_IDLE = 0, // no communicator: the next transfer builds one
@@ -254,8 +313,37 @@ bool tdm_kvx_link_ready_for(struct tdm_kvx_link *l, uint64_t instance);
 void tdm_kvx_link_abort(struct tdm_kvx_link *l);
 
 enum tdm_kvx_link_state tdm_kvx_link_state(const struct tdm_kvx_link *l);
-// Communicators this link has aborted (tandem:kv_transfer_aborts_total).
+// Communicators this link has aborted.
 uint64_t tdm_kvx_link_aborts(const struct tdm_kvx_link *l);
+// The ready communicator (for tdm_kvx_nccl_layers); NULL unless ready.
+void *tdm_kvx_link_comm(const struct tdm_kvx_link *l);
+// The peer instance the communicator was made for (0 when idle).
+uint64_t tdm_kvx_link_instance(const struct tdm_kvx_link *l);
+
+// The id the current communicator was made or joined with: true and id
+// copied, or false when idle. The decode side sends it again for a transfer
+// that reuses the communicator; the prefill side joins anew when it differs.
+bool tdm_kvx_link_id(const struct tdm_kvx_link *l, uint8_t id[TDM_KVX_NCCL_ID_BYTES]);
+// Decode side: the init deadline counts from `now` (the prefill worker said it
+// joins only now: it joins when its first layer group is ready, not when the
+// request was sent).
+void tdm_kvx_link_extend(struct tdm_kvx_link *l, double now);
+
+// A worker's links, one per peer (keyed by its nng URL), each used by one
+// transfer at a time: NCCL matches a pair's sends and receives in order, so two
+// transfers of one pair at once would interleave. Locked inside.
+struct tdm_kvx_links;
+int tdm_kvx_links_new(struct tdm_kvx_links **out, const struct tdm_kvx_ops *ops,
+                      enum tdm_kvx_role role, double init_timeout_s, int capacity);
+void tdm_kvx_links_free(struct tdm_kvx_links *t); // accepts NULL; no link may be taken
+// Takes peer's link for one transfer (made on first use; when the table is
+// full the least recently used link nobody holds is freed). NULL when another
+// transfer holds it or every entry is held: that transfer does not use NCCL.
+struct tdm_kvx_link *tdm_kvx_links_take(struct tdm_kvx_links *t, const char *peer);
+// Hands a taken link back (its communicator stays for the next transfer).
+void tdm_kvx_links_give(struct tdm_kvx_links *t, struct tdm_kvx_link *l);
+// Communicators aborted by every link so far (freed links included).
+uint64_t tdm_kvx_links_aborts(struct tdm_kvx_links *t);
 
 // ---- the pairs a worker transferred with (for /health and metrics) ---------------------
 // The transport each (this worker, peer) pair got last, why, and how many

@@ -227,6 +227,52 @@ static int nccl_recv(void *ctx, void *comm, void *buf, size_t bytes, int peer, c
     return nccl_xfer(comm, buf, bytes, peer, false, err, errlen);
 }
 
+static int nccl_group(void *ctx, bool begin, char *err, size_t errlen)
+{
+    (void)ctx;
+    ncclResult_t r = begin ? ncclGroupStart() : ncclGroupEnd();
+    if (r != ncclSuccess && r != ncclInProgress) { // non-blocking communicators: in progress
+        snprintf(err, errlen, "%s: %s", begin ? "ncclGroupStart" : "ncclGroupEnd",
+                 ncclGetErrorString(r));
+        return -1;
+    }
+    return 0;
+}
+
+static int dev_alloc(void *ctx, size_t bytes, void **dev_ptr, char *err, size_t errlen)
+{
+    (void)ctx;
+    cudaError_t e = cudaMalloc(dev_ptr, bytes);
+    if (e != cudaSuccess) {
+        snprintf(err, errlen, "cudaMalloc(%zu): %s", bytes, cudaGetErrorString(e));
+        *dev_ptr = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static void dev_free(void *ctx, void *dev_ptr)
+{
+    (void)ctx;
+    cudaFree(dev_ptr);
+}
+
+static int use_device_of(void *ctx, const void *dev_ptr, char *err, size_t errlen)
+{
+    (void)ctx;
+    struct cudaPointerAttributes a;
+    cudaError_t e = cudaPointerGetAttributes(&a, dev_ptr);
+    if (e == cudaSuccess && a.type == cudaMemoryTypeDevice)
+        e = cudaSetDevice(a.device);
+    else if (e == cudaSuccess)
+        e = cudaErrorInvalidDevicePointer;
+    if (e != cudaSuccess) {
+        snprintf(err, errlen, "the KV pool's device: %s", cudaGetErrorString(e));
+        return -1;
+    }
+    return 0;
+}
+
 static const struct tdm_kvx_ops CUDA_OPS = {
     .ctx = NULL,
     .ipc_open = ipc_open,
@@ -243,6 +289,10 @@ static const struct tdm_kvx_ops CUDA_OPS = {
     .event_free = event_free,
     .nccl_send = nccl_send,
     .nccl_recv = nccl_recv,
+    .nccl_group = nccl_group,
+    .dev_alloc = dev_alloc,
+    .dev_free = dev_free,
+    .use_device_of = use_device_of,
 };
 
 const struct tdm_kvx_ops *tdm_kvx_cuda_ops(void)

@@ -171,8 +171,68 @@ static void f_event_free(void *ctx, void *event)
     D.events_live--;
 }
 
+// The fake NCCL wire: a send queues its buffer, a receive takes the oldest
+// one and copies it (both sides run in this one thread, the sender's group
+// completed first, so its gathered bytes are in place).
+static struct {
+    const void *buf[64];
+    size_t bytes[64];
+    int head, tail;
+    int groups_open, allocs, frees;
+} W;
+
+static int f_nccl_send(void *ctx, void *comm, const void *buf, size_t bytes, int peer, char *err,
+                       size_t errlen)
+{
+    (void)ctx, (void)comm, (void)err, (void)errlen;
+    assert_int_equal(peer, 0);
+    W.buf[W.tail % 64] = buf;
+    W.bytes[W.tail++ % 64] = bytes;
+    return 0;
+}
+
+static int f_nccl_recv(void *ctx, void *comm, void *buf, size_t bytes, int peer, char *err,
+                       size_t errlen)
+{
+    (void)ctx, (void)comm;
+    assert_int_equal(peer, 1);
+    if (W.head == W.tail || W.bytes[W.head % 64] != bytes) {
+        snprintf(err, errlen, "fake: no matching send of %zu bytes", bytes);
+        return -1;
+    }
+    memcpy(buf, W.buf[W.head++ % 64], bytes);
+    return 0;
+}
+
+static int f_nccl_group(void *ctx, bool begin, char *err, size_t errlen)
+{
+    (void)ctx, (void)err, (void)errlen;
+    W.groups_open += begin ? 1 : -1;
+    return 0;
+}
+
+static int f_dev_alloc(void *ctx, size_t bytes, void **dev_ptr, char *err, size_t errlen)
+{
+    (void)ctx, (void)err, (void)errlen;
+    *dev_ptr = calloc(1, bytes);
+    W.allocs++;
+    return 0;
+}
+
+static void f_dev_free(void *ctx, void *dev_ptr)
+{
+    (void)ctx;
+    free(dev_ptr);
+    W.frees++;
+}
+
 static struct fake F;
 static const struct tdm_kvx_ops OPS = {
+    .nccl_send = f_nccl_send,
+    .nccl_recv = f_nccl_recv,
+    .nccl_group = f_nccl_group,
+    .dev_alloc = f_dev_alloc,
+    .dev_free = f_dev_free,
     .copy_async = f_copy_async,
     .event_record = f_event_record,
     .event_query = f_event_query,
@@ -192,6 +252,7 @@ static int reset(void **state)
     (void)state;
     memset(&F, 0, sizeof F);
     memset(&D, 0, sizeof D);
+    memset(&W, 0, sizeof W);
     F.next_ptr = 0x7f0000000000u;
     return 0;
 }
@@ -739,6 +800,183 @@ static void test_pairs_and_setting(void **state)
     assert_null(strchr(host, '\n'));
 }
 
+// ---- NCCL transfer (kvx_nccl) ------------------------------------------------------------
+enum { NB = 20 };
+static uint8_t NSRC[PL][2][NB][BB], NDST[PL][2][NB][BB];
+
+static void *nsrc_layer(void *arg, int layer, bool v)
+{
+    (void)arg;
+    return NSRC[layer][v];
+}
+
+static void *ndst_layer(void *arg, int layer, bool v)
+{
+    (void)arg;
+    return NDST[layer][v];
+}
+
+// One transfer, sender then receiver per layer group, checked block by block.
+static void nccl_roundtrip(const int *src_ids, const int *dst_ids, int n, bool staged,
+                           int buffers_per_layer)
+{
+    for (int l = 0; l < PL; l++)
+        for (int v = 0; v < 2; v++)
+            for (int b = 0; b < NB; b++)
+                memset(NSRC[l][v][b], 1 + l * 64 + v * 32 + b, BB);
+    memset(NDST, 0, sizeof NDST);
+    struct tdm_kvx_pool geom = {.block_bytes = BB, .num_layers = PL, .num_blocks = NB};
+    struct tdm_kvx_nccl *tx = NULL, *rx = NULL;
+    char err[256];
+    assert_int_equal(tdm_kvx_nccl_new(&tx, &OPS, TDM_KVX_PREFILL, &geom, dst_ids, src_ids, n,
+                                      nsrc_layer, NULL, 1, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_kvx_nccl_new(&rx, &OPS, TDM_KVX_DECODE, &geom, dst_ids, NULL, n,
+                                      ndst_layer, NULL, 1, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_kvx_nccl_staged(tx), staged);
+    assert_int_equal(tdm_kvx_nccl_staged(rx), staged);
+    void *comm = (void *)0x100;
+    F.state = TDM_KVX_COMM_READY;
+    for (int l = 0; l < PL; l++) {
+        D.event_delay = 2;
+        assert_int_equal(tdm_kvx_nccl_layers(tx, comm, l, 1, err, sizeof err), TDM_OK);
+        assert_int_equal(W.groups_open, 0);
+        assert_false(tdm_kvx_nccl_quiet(tx));
+        assert_int_equal(tdm_kvx_nccl_poll(tx), TDM_EBUSY);
+        while (tdm_kvx_nccl_poll(tx) == TDM_EBUSY)
+            ;
+        assert_int_equal(tdm_kvx_nccl_layers(rx, comm, l, 1, err, sizeof err), TDM_OK);
+        assert_false(tdm_kvx_nccl_quiet(rx)); // a receive is not in place before its event
+        while (tdm_kvx_nccl_poll(rx) == TDM_EBUSY)
+            ;
+        assert_true(tdm_kvx_nccl_quiet(rx));
+        assert_int_equal(W.head, W.tail); // every send received
+    }
+    assert_int_equal(tdm_kvx_nccl_buffers(tx), PL * buffers_per_layer);
+    assert_int_equal(tdm_kvx_nccl_buffers(rx), PL * buffers_per_layer);
+    assert_int_equal(tdm_kvx_nccl_bytes(rx), (uint64_t)PL * 2 * (uint64_t)n * BB);
+    for (int l = 0; l < PL; l++)
+        for (int v = 0; v < 2; v++) {
+            for (int i = 0; i < n; i++)
+                assert_memory_equal(NDST[l][v][dst_ids[i]], NSRC[l][v][src_ids[i]], BB);
+            for (int b = 0; b < NB; b++) { // blocks not in the transfer stay untouched
+                bool in = false;
+                for (int i = 0; i < n; i++)
+                    in = in || dst_ids[i] == b;
+                if (!in)
+                    assert_int_equal(NDST[l][v][b][0], 0);
+            }
+        }
+    assert_int_equal(tdm_kvx_nccl_layers(tx, comm, PL, 1, err, sizeof err), TDM_EINVAL);
+    tdm_kvx_nccl_free(tx);
+    tdm_kvx_nccl_free(rx);
+    assert_int_equal(W.allocs, W.frees);
+    assert_int_equal(D.events_live, 0);
+}
+
+// Direct: one buffer per run of consecutive decode blocks (received in place;
+// sent in place where the prefill's blocks of the run are consecutive too,
+// else gathered); staged: more runs than TDM_KVX_NCCL_MAX_RUNS, one buffer a
+// group through staging on both sides. A failed receive aborts nothing by
+// itself but is never quiet before its event; a failed event query never is.
+static void test_nccl_transfer(void **state)
+{
+    (void)state;
+    int src_a[5] = {0, 1, 2, 7, 5}, dst_a[5] = {3, 4, 5, 10, 11};
+    nccl_roundtrip(src_a, dst_a, 5, false, 2 * 2); // K and V: 2 runs each
+    assert_int_equal(W.allocs, 1);                 // the gather of {7,5}
+    reset(NULL);
+    int src_b[9], dst_b[9];
+    for (int i = 0; i < 9; i++)
+        src_b[i] = 19 - i, dst_b[i] = 2 * i; // 9 runs of one block
+    nccl_roundtrip(src_b, dst_b, 9, true, 1);
+    assert_int_equal(W.allocs, 2); // a staging buffer on each side
+    reset(NULL);
+    int src_c[3] = {0, 1, 2}, dst_c[3] = {4, 5, 6};
+    nccl_roundtrip(src_c, dst_c, 3, false, 2); // contiguous both sides: no staging at all
+    assert_int_equal(W.allocs, 0);
+
+    // Failures: a receive with no matching send; an event query error.
+    reset(NULL);
+    struct tdm_kvx_pool geom = {.block_bytes = BB, .num_layers = PL, .num_blocks = NB};
+    struct tdm_kvx_nccl *rx = NULL;
+    char err[256];
+    F.state = TDM_KVX_COMM_READY;
+    assert_int_equal(tdm_kvx_nccl_new(&rx, &OPS, TDM_KVX_DECODE, &geom, dst_c, NULL, 3, ndst_layer,
+                                      NULL, 1, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_kvx_nccl_layers(rx, (void *)0x100, 0, 1, err, sizeof err), TDM_EBACKEND);
+    assert_non_null(strstr(err, "no matching send"));
+    assert_int_equal(W.groups_open, 0); // the group is closed on the failure path too
+    D.fail_query = 1;
+    assert_int_equal(tdm_kvx_nccl_poll(rx), TDM_EBACKEND);
+    assert_false(tdm_kvx_nccl_quiet(rx)); // fate unknown for good
+    tdm_kvx_nccl_free(rx);
+    // A communicator error reported after the group fails it.
+    reset(NULL);
+    F.state = TDM_KVX_COMM_ERROR;
+    struct tdm_kvx_nccl *tx = NULL;
+    assert_int_equal(tdm_kvx_nccl_new(&tx, &OPS, TDM_KVX_PREFILL, &geom, dst_c, src_c, 3,
+                                      nsrc_layer, NULL, 1, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_kvx_nccl_layers(tx, (void *)0x100, 0, 1, err, sizeof err), TDM_EBACKEND);
+    assert_non_null(strstr(err, "remote process exited"));
+    while (tdm_kvx_nccl_poll(tx) == TDM_EBUSY)
+        ;
+    assert_true(tdm_kvx_nccl_quiet(tx)); // its event still observed
+    tdm_kvx_nccl_free(tx);
+    // A table without send/recv cannot make one; ids outside the pool are refused.
+    struct tdm_kvx_ops ctl = OPS;
+    ctl.nccl_recv = NULL;
+    assert_int_equal(tdm_kvx_nccl_new(&tx, &ctl, TDM_KVX_PREFILL, &geom, dst_c, src_c, 3,
+                                      nsrc_layer, NULL, 1, err, sizeof err),
+                     TDM_EINVAL);
+    int bad[1] = {NB};
+    assert_int_equal(tdm_kvx_nccl_new(&tx, &OPS, TDM_KVX_PREFILL, &geom, bad, src_c, 1, nsrc_layer,
+                                      NULL, 1, err, sizeof err),
+                     TDM_EINVAL);
+}
+
+// One link per peer, one transfer at a time; the least recently used free
+// link is freed for a new peer when the table is full.
+static void test_links(void **state)
+{
+    (void)state;
+    struct tdm_kvx_links *t = NULL;
+    assert_int_equal(tdm_kvx_links_new(&t, &OPS, TDM_KVX_DECODE, 5, 2), TDM_OK);
+    struct tdm_kvx_link *a = tdm_kvx_links_take(t, "tcp://a:1");
+    assert_non_null(a);
+    assert_null(tdm_kvx_links_take(t, "tcp://a:1")); // busy with a transfer
+    uint8_t id[TDM_KVX_NCCL_ID_BYTES], again[TDM_KVX_NCCL_ID_BYTES];
+    char err[256];
+    assert_false(tdm_kvx_link_id(a, id));
+    assert_int_equal(tdm_kvx_link_create(a, 7, 0, id, err, sizeof err), TDM_OK);
+    assert_true(tdm_kvx_link_id(a, again));
+    assert_memory_equal(id, again, sizeof id);
+    assert_int_equal(tdm_kvx_link_instance(a), 7);
+    tdm_kvx_links_give(t, a);
+    assert_ptr_equal(tdm_kvx_links_take(t, "tcp://a:1"), a); // the same communicator
+    struct tdm_kvx_link *b = tdm_kvx_links_take(t, "tcp://b:1");
+    assert_non_null(b);
+    assert_null(tdm_kvx_links_take(t, "tcp://c:1")); // full, every link held
+    tdm_kvx_links_give(t, a);
+    struct tdm_kvx_link *c = tdm_kvx_links_take(t, "tcp://c:1"); // a's entry freed for c
+    assert_non_null(c);
+    assert_int_equal(F.aborts, 1); // a's initialising communicator aborted when freed
+    assert_int_equal(tdm_kvx_links_aborts(t), 1);
+    // Init deadline from the go: extend moves it.
+    assert_int_equal(tdm_kvx_link_create(c, 9, 0, id, err, sizeof err), TDM_OK);
+    F.state = TDM_KVX_COMM_PENDING;
+    tdm_kvx_link_extend(c, 100);
+    assert_int_equal(tdm_kvx_link_poll(c, 104, err, sizeof err), TDM_EBUSY);
+    assert_int_equal(tdm_kvx_link_poll(c, 105.5, err, sizeof err), TDM_ETIMEDOUT);
+    tdm_kvx_links_give(t, b);
+    tdm_kvx_links_give(t, c);
+    tdm_kvx_links_free(t);
+    assert_int_equal(tdm_kvx_links_new(&t, &OPS, TDM_KVX_DECODE, 5, 0), TDM_EINVAL);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -752,6 +990,8 @@ int main(void)
         cmocka_unit_test_setup(test_push_copies, reset),
         cmocka_unit_test_setup(test_push_failures, reset),
         cmocka_unit_test_setup(test_pairs_and_setting, reset),
+        cmocka_unit_test_setup(test_nccl_transfer, reset),
+        cmocka_unit_test_setup(test_links, reset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
