@@ -18,7 +18,8 @@ import subprocess
 import threading
 import time
 
-from proc_harness import arm_deadline, check, fail, kill_all, register  # noqa: F401 (re-exported)
+from proc_harness import (arm_deadline, check, fail, kill_all, register,  # noqa: F401 (re-exported)
+                          watch_log, watch_sanitizers)
 
 
 def parse_args():
@@ -34,6 +35,7 @@ def parse_args():
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     arm_deadline(args.deadline)
+    watch_sanitizers(args.workdir)
     if "cuda" in args.server_flags:
         skip_without_gpu(args)
     return args
@@ -85,6 +87,9 @@ class Server:
 
         self.reader = threading.Thread(target=reader, daemon=True)
         self.reader.start()
+        # A sanitizer report in its stderr fails the test (read once it is killed).
+        watch_log("tandem-decode pid %d" % self.proc.pid,
+                  lambda: (self.reader.join(2), "\n".join(self.log))[1])
         if not got.wait(ready_timeout) or self.port is None:
             fail("tandem-decode did not start: %s" % "\n".join(self.log))
 

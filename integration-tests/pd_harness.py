@@ -17,7 +17,7 @@ import subprocess
 import time
 
 from proc_harness import (arm_deadline, check, fail, free_port, kill_all,  # noqa: F401
-                          register)
+                          read_file, register, watch_log, watch_sanitizers)
 
 
 def parse_args():
@@ -34,6 +34,7 @@ def parse_args():
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     arm_deadline(args.deadline)
+    watch_sanitizers(args.workdir)
     return args
 
 
@@ -214,7 +215,9 @@ class Cluster:
         os.replace(tmp, self.config)
 
     def _log(self, name):
-        return open(os.path.join(self.args.workdir, "%s-%d.log" % (name, os.getpid())), "ab")
+        path = os.path.join(self.args.workdir, "%s-%d.log" % (name, os.getpid()))
+        watch_log(path, read_file(path))  # a sanitizer report there fails the test
+        return open(path, "ab")
 
     def start_worker(self, w):
         binary = self.args.prefill if w.kind == "prefill" else self.args.decode

@@ -24,7 +24,8 @@ import time
 # and free_port come from proc_harness; _PROCS/_CHILD_PIDS are its lists.
 from proc_harness import CHILD_PIDS as _CHILD_PIDS  # noqa: E402
 from proc_harness import PROCS as _PROCS  # noqa: E402,F401 (re-exported)
-from proc_harness import arm_deadline, check, fail, free_port, kill_all  # noqa: E402,F401
+from proc_harness import (arm_deadline, check, fail, free_port, kill_all,  # noqa: E402,F401
+                          watch_log, watch_sanitizers)
 
 
 def parse_args(extra=None):
@@ -43,6 +44,7 @@ def parse_args(extra=None):
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     arm_deadline(args.deadline)
+    watch_sanitizers(args.workdir)
     return args
 
 
@@ -175,6 +177,10 @@ class Stack:
         self.lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+        # Its children's output comes through it: a sanitizer report there
+        # fails the test (read once every process is killed).
+        watch_log("tandem up pid %d" % self.proc.pid,
+                  lambda: (self.reader.join(2), self.log())[1])
         if wait_ready:
             if not self.ready.wait(ready_timeout) or not self.endpoints:
                 fail("tandem up did not become ready within %.0f s:\n%s"

@@ -31,6 +31,16 @@ def main():
     cl = Cluster(args, n_prefill=0, n_decode=2, pd_mode="never", model=make_slow_model(args),
                  worker_args=["--http-threads", "4"]).start()
     busy_port = cl.decode[0].http_port
+    # The heavy request is 20 prompts x n: n = 50 keeps a worker busy ~10 s in
+    # a release build here. On a slower build or machine (the -O0 ASan build
+    # is ~25x slower on this model: n = 50 ran past the router's 120 s
+    # deadline, and past 240 s) n shrinks to keep about those 10 s, as timed on
+    # 20 sequences (n = 1) sent straight to decode-1.
+    t0 = time.time()
+    st, _, body = post(cl.decode[1].http_port, "/v1/completions",
+                       {"prompt": ["a " * 30] * 20, "max_tokens": 4}, timeout=240)
+    check(st == 200, "timing request: %d %r" % (st, body))
+    n_heavy = max(2, min(50, int(10.0 / max(time.time() - t0, 1e-3))))
     # Take every HTTP thread of decode-0: a request line and nothing more.
     holders = []
     for _ in range(4):
@@ -42,7 +52,7 @@ def main():
     def heavy_call():
         t0 = time.time()
         st, _, body = post(cl.router_port, "/v1/completions",
-                           {"prompt": ["a " * 30] * 20, "n": 50, "max_tokens": 4}, timeout=240)
+                           {"prompt": ["a " * 30] * 20, "n": n_heavy, "max_tokens": 4}, timeout=240)
         heavy.append((st, time.time() - t0, body if st != 200 else None))
 
     def user(i):
@@ -91,8 +101,8 @@ def main():
         time.sleep(0.2)
     st, _, body = post(busy_port, "/v1/completions", {"prompt": "direct", "max_tokens": 2})
     check(st == 200, "decode-0 direct after the hold: %d %r" % (st, body))
-    print("hostile_overload: heavy %.1f s, %d normal requests ok, decode-0 busy, never unhealthy"
-          % (heavy[0][1], len(normal)))
+    print("hostile_overload: heavy (n=%d) %.1f s, %d normal requests ok, decode-0 busy, never "
+          "unhealthy" % (n_heavy, heavy[0][1], len(normal)))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from proc_harness import measure_slowness, tokens_for
 from stack_harness import (Stack, Stream, check, make_model, metric_sum, metrics, parse_args,
                            pid_alive, post, request)
 
@@ -114,9 +115,14 @@ def main():
 
     # Ctrl-C during two long streams through the router (issue 14: the router
     # used to cut them): it drains like the workers, /health turns 503, and
-    # both streams finish with every token, finish_reason and [DONE].
+    # both streams finish with every token, finish_reason and [DONE]. The
+    # streams are sized to last about 8 s on this build and machine, well
+    # inside the 30 s drain (a fixed 8 000 tokens outlasted it under ASan).
+    took, slow = measure_slowness(st.port())
+    n_tokens = tokens_for(8.0, took)
+    print("slowness x%.1f: streams of %d tokens" % (slow, n_tokens))
     streams = [Stream(st.port(), "/v1/completions",
-                      {"prompt": "stream %d" % i, "max_tokens": 8000, "ignore_eos": True,
+                      {"prompt": "stream %d" % i, "max_tokens": n_tokens, "ignore_eos": True,
                        "stream": True}) for i in range(2)]
     results = [None, None]
     started = [threading.Event(), threading.Event()]
@@ -156,7 +162,8 @@ def main():
     while True:  # the router logs a request after its last chunk went out
         lines = list(st.lines)
         i_drain = next(i for i, l in enumerate(lines) if re.search(r"^router .*draining", l))
-        late = [l for l in lines[i_drain:] if re.search(r"^router .*completion_tokens=8000 ", l)]
+        late = [l for l in lines[i_drain:]
+                if re.search(r"^router .*completion_tokens=%d " % n_tokens, l)]
         if len(late) == 2 or time.time() > t_end:
             break
         time.sleep(0.1)

@@ -40,7 +40,8 @@ const char *tdm_kv_dtype_name(int dtype);
 int tdm_kv_dtype_parse(const char *s, enum tdm_kv_dtype *out, char *err, size_t errlen);
 // Converts n elements from src_dtype to dst_dtype (known dtypes; no overlap):
 // bf16 -> f32 is exact, f32 -> bf16 rounds to nearest even (tdm_f32_to_bf16,
-// as the CUDA backend's KV), equal dtypes copy.
+// as the CUDA backend's KV), equal dtypes copy. dst and src need no alignment
+// (frame payloads sit at any byte offset).
 void tdm_kv_convert(void *dst, int dst_dtype, const void *src, int src_dtype, size_t n);
 
 struct tdm_kv_config {

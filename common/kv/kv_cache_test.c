@@ -968,6 +968,14 @@ static void test_dtype_parse_convert(void **state)
     uint16_t same[7];
     tdm_kv_convert(same, TDM_KV_BF16, out, TDM_KV_BF16, 7);
     assert_memory_equal(same, out, sizeof out);
+    // At odd byte offsets both ways (a KvData frame's payload): the same bits.
+    // Under UBSan (the sanitizer build) a misaligned access aborts here.
+    unsigned char odd_out[1 + sizeof out], odd_in[1 + sizeof in], odd_back[1 + sizeof back];
+    memcpy(odd_in + 1, in, sizeof in);
+    tdm_kv_convert(odd_out + 1, TDM_KV_BF16, odd_in + 1, TDM_KV_F32, 7);
+    assert_memory_equal(odd_out + 1, out, sizeof out);
+    tdm_kv_convert(odd_back + 1, TDM_KV_F32, odd_out + 1, TDM_KV_BF16, 7);
+    assert_memory_equal(odd_back + 1, back, sizeof back);
 
     // Config: an unknown dtype is refused; bf16 halves the block.
     struct tdm_kv_config cfg = {.num_layers = 2,
