@@ -196,15 +196,17 @@ static int aio_finish_wait(nng_aio *aio)
 // (NNG_ECLOSED) soon after *stop is set: it waits in 0.2 s slices, because an
 // operation started just after nng_stream_close may never complete in nng 1.5.
 // A timed-out receive consumes nothing, so the slices lose no bytes.
-// reuse: an idle aio of the caller's to run the transfer on (a connection's
-// reader and writer keep one: nng_aio_alloc costs a getrandom syscall and a
-// malloc, twice per frame otherwise), or NULL for a fresh one.
-// 0 or an nng error.
-static int stream_io(nng_aio *reuse, nng_stream *s, bool send, void *buf, size_t n, double deadline,
+// Every transfer runs on its own aio, freed before the call returns (so before
+// the stream can be freed): in nng 1.5 a timeout that fires as an operation
+// completes calls the provider's cancel after the caller resumed, and an aio
+// kept across transfers (tried for the router's per-token cost) let that late
+// cancel lock a freed stream's mutex: "panic: pthread_mutex_lock: Invalid
+// argument" in transport_test under ASan. 0 or an nng error.
+static int stream_io(nng_stream *s, bool send, void *buf, size_t n, double deadline,
                      const atomic_bool *stop)
 {
-    nng_aio *aio = reuse;
-    int rv = aio ? 0 : nng_aio_alloc(&aio, NULL, NULL);
+    nng_aio *aio = NULL;
+    int rv = nng_aio_alloc(&aio, NULL, NULL);
     if (rv != 0)
         return rv;
     uint8_t *p = buf;
@@ -237,8 +239,7 @@ static int stream_io(nng_aio *reuse, nng_stream *s, bool send, void *buf, size_t
         p += done;
         n -= done;
     }
-    if (aio != reuse)
-        nng_aio_free(aio);
+    nng_aio_free(aio);
     return rv;
 }
 
@@ -381,8 +382,8 @@ static int auth_dialer(nng_stream *s, const unsigned char *key, size_t klen, cha
     put_u16(hello + 6, 0);
     auth_nonce(nonce_d);
     memcpy(hello + 8, nonce_d, 16);
-    if (stream_io(NULL, s, true, hello, sizeof hello, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
-        stream_io(NULL, s, false, reply, sizeof reply, tdm_now() + AUTH_STEP_S, NULL) != 0) {
+    if (stream_io(s, true, hello, sizeof hello, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
+        stream_io(s, false, reply, sizeof reply, tdm_now() + AUTH_STEP_S, NULL) != 0) {
         snprintf(why, wl, "no handshake answer (does the peer have the same "
                           "TANDEM_INTERNAL_SECRET?)");
         return -1;
@@ -397,7 +398,7 @@ static int auth_dialer(nng_stream *s, const unsigned char *key, size_t klen, cha
         return -1;
     }
     auth_mac(key, klen, 'D', reply + 8, nonce_d, mac);
-    if (stream_io(NULL, s, true, mac, sizeof mac, tdm_now() + AUTH_STEP_S, NULL) != 0) {
+    if (stream_io(s, true, mac, sizeof mac, tdm_now() + AUTH_STEP_S, NULL) != 0) {
         snprintf(why, wl, "the connection closed during the handshake");
         return -1;
     }
@@ -409,7 +410,7 @@ static int auth_listener(nng_stream *s, const unsigned char *key, size_t klen,
                          const atomic_bool *stop, char *why, size_t wl)
 {
     unsigned char hello[24], reply[56], mac[32], proof[32];
-    int rv = stream_io(NULL, s, false, hello, sizeof hello, tdm_now() + AUTH_STEP_S, stop);
+    int rv = stream_io(s, false, hello, sizeof hello, tdm_now() + AUTH_STEP_S, stop);
     if (rv == NNG_ECLOSED || rv == NNG_ECONNRESET || rv == NNG_ECONNSHUT) {
         snprintf(why, wl, "closed before the handshake");
         return -2; // a port probe (a readiness check's connect and close): not worth a warning
@@ -429,8 +430,8 @@ static int auth_listener(nng_stream *s, const unsigned char *key, size_t klen,
     put_u16(reply + 6, 0);
     auth_nonce(reply + 8);
     auth_mac(key, klen, 'L', hello + 8, reply + 8, reply + 24);
-    if (stream_io(NULL, s, true, reply, sizeof reply, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
-        stream_io(NULL, s, false, proof, sizeof proof, tdm_now() + AUTH_STEP_S, stop) != 0) {
+    if (stream_io(s, true, reply, sizeof reply, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
+        stream_io(s, false, proof, sizeof proof, tdm_now() + AUTH_STEP_S, stop) != 0) {
         snprintf(why, wl, "the peer gave no proof (a different secret, or not a Tandem peer)");
         return -1;
     }
@@ -494,11 +495,11 @@ static void msg_free(struct tdm_net_msg *m)
 
 // Reads one frame. NULL at end of stream or on error; *why set for a frame
 // that is malformed (then the connection must be dropped: it is out of step).
-static struct tdm_net_msg *read_frame(nng_aio *aio, nng_stream *s, const atomic_bool *stop,
+static struct tdm_net_msg *read_frame(nng_stream *s, const atomic_bool *stop,
                                       char *why, size_t whylen)
 {
     uint8_t hdr[TDM_NET_HEADER_BYTES];
-    if (stream_io(aio, s, false, hdr, sizeof hdr, -1, stop) != 0)
+    if (stream_io(s, false, hdr, sizeof hdr, -1, stop) != 0)
         return NULL;
     uint64_t msg_len = get_u32(hdr + 8), payload_len = get_u32(hdr + 12);
     uint64_t total = TDM_NET_HEADER_BYTES + msg_len + payload_len;
@@ -524,7 +525,7 @@ static struct tdm_net_msg *read_frame(nng_aio *aio, nng_stream *s, const atomic_
     }
     m->len = (size_t)total;
     memcpy(m->buf, hdr, sizeof hdr);
-    if (stream_io(aio, s, false, m->buf + sizeof hdr, m->len - sizeof hdr, -1, stop) != 0) {
+    if (stream_io(s, false, m->buf + sizeof hdr, m->len - sizeof hdr, -1, stop) != 0) {
         msg_free(m);
         return NULL;
     }
@@ -541,7 +542,6 @@ static void *inbox_reader(void *arg)
 {
     struct in_conn *c = arg;
     struct tdm_net_inbox *in = c->in;
-    nng_aio *aio = NULL; // this connection's receives (stream_io's reuse)
     char awhy[200];
     int arv = in->key_len ? auth_listener(c->s, in->key, in->key_len, &in->closing, awhy,
                                           sizeof awhy)
@@ -550,12 +550,10 @@ static void *inbox_reader(void *arg)
         warn_limited("inbox %s: refused a connection: %s", in->url, awhy);
     } else if (arv != 0) {
         TDM_LOG_DEBUG(MOD, "inbox %s: %s", in->url, awhy);
-    } else if (nng_aio_alloc(&aio, NULL, NULL) != 0) {
-        TDM_LOG_WARN(MOD, "inbox %s: out of memory for a connection", in->url);
     } else {
         for (;;) {
             char why[256] = "";
-            struct tdm_net_msg *m = read_frame(aio, c->s, &in->closing, why, sizeof why);
+            struct tdm_net_msg *m = read_frame(c->s, &in->closing, why, sizeof why);
             if (m == NULL) {
                 if (why[0])
                     warn_limited("inbox %s: dropped a connection: %s", in->url, why);
@@ -626,8 +624,6 @@ static void *inbox_reader(void *arg)
     pthread_mutex_unlock(&in->mu);
     nng_stream_close(c->s);
     nng_stream_free(c->s);
-    if (aio)
-        nng_aio_free(aio);
     free(c);
     return NULL;
 }
@@ -881,7 +877,6 @@ struct peer {
     atomic_bool drop; // the current connection is finished (a writer failed on it, or
                       // stopping): ends the watcher's receive (stream_io's stop)
     pthread_mutex_t send_mu;
-    nng_aio *send_aio; // under send_mu: the writers' aio (stream_io's reuse), made on first use
     const unsigned char *key; // the outbox's secret (key_len 0: no handshake)
     size_t key_len;
     int users;        // under the outbox's mu: sends using this peer now
@@ -985,7 +980,7 @@ static void *peer_watcher(void *arg)
         // Ends only when the connection does (or the peer talks, which an inbox
         // never does: either way the connection is finished).
         uint8_t byte;
-        stream_io(NULL, s, false, &byte, 1, -1, &p->drop);
+        stream_io(s, false, &byte, 1, -1, &p->drop);
 
         pthread_mutex_lock(&p->mu);
         p->s = NULL;
@@ -1011,8 +1006,6 @@ static void peer_free(struct peer *p)
     nng_stream_dialer_close(p->dialer); // a pending dial fails now
     pthread_join(p->watcher, NULL);
     nng_stream_dialer_free(p->dialer);
-    if (p->send_aio)
-        nng_aio_free(p->send_aio);
     pthread_mutex_destroy(&p->send_mu);
     pthread_cond_destroy(&p->cv);
     pthread_mutex_destroy(&p->mu);
@@ -1211,9 +1204,7 @@ static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double de
                 return NNG_ETIMEDOUT;
             continue;
         }
-        if (p->send_aio == NULL && nng_aio_alloc(&p->send_aio, NULL, NULL) != 0)
-            p->send_aio = NULL; // stream_io makes one per call
-        int rv = stream_io(p->send_aio, s, true, (void *)buf, size, deadline, NULL);
+        int rv = stream_io(s, true, (void *)buf, size, deadline, NULL);
         if (rv != 0) { // half a frame may be out: the connection is done
             atomic_store(&p->drop, true);
             nng_stream_close(s);
