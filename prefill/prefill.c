@@ -420,6 +420,32 @@ static int nccl_prepare(struct tdm_prefill_service *p, struct pjob *job, const c
     return TDM_ETRANSPORT;
 }
 
+// The KvData frame of a device-to-device group (NCCL or CUDA IPC): layers
+// first_layer..+n of nb blocks are in place on the decode side, copy_s the
+// copy's issue-to-completion time; the last group closes the transfer. TDM_OK
+// or tdm_pd_send's error.
+static int send_in_place(struct tdm_prefill_service *p, struct pjob *job, enum tdm_kvx_mode mode,
+                         int first_layer, int n, int nb, double copy_s, char *err, size_t errlen)
+{
+    Tandem__KvData d = TANDEM__KV_DATA__INIT;
+    d.transfer_id = job->transfer_id;
+    d.to_instance = job->decode_instance;
+    d.from_instance = p->net.instance;
+    d.first_layer = first_layer;
+    d.num_layers = n;
+    d.first_block = job->push.first_block;
+    d.num_blocks = nb;
+    d.transport = (char *)tdm_kvx_mode_name(mode);
+    d.transport_why = first_layer == 0 ? job->why : (char *)"";
+    d.closed = first_layer + n == p->kvc.num_layers;
+    d.copy_seconds = copy_s;
+    int rc = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
+                         p->cfg.send_timeout, err, errlen);
+    if (rc == TDM_OK && d.closed)
+        job->closed_sent = true;
+    return rc;
+}
+
 // Layers [first_layer, first_layer + n) as grouped ncclSends (kvx_nccl) of
 // leased blocks; the group's event awaited while the communicator is polled
 // for errors against nccl_timeout and the job's stop; then a KvData without
@@ -483,23 +509,9 @@ static int send_nccl(struct tdm_prefill_service *p, struct pjob *job, int first_
     double copy_s = tdm_now() - t0;
     tdm_metrics_counter_add(p->copy_seconds, copy_s);
     *moved = (size_t)(tdm_kvx_nccl_bytes(job->nx) - bytes0);
-    Tandem__KvData d = TANDEM__KV_DATA__INIT;
-    d.transfer_id = job->transfer_id;
-    d.to_instance = job->decode_instance;
-    d.from_instance = p->net.instance;
-    d.first_layer = first_layer;
-    d.num_layers = n;
-    d.first_block = job->push.first_block;
-    d.num_blocks = nb;
-    d.transport = (char *)tdm_kvx_mode_name(TDM_KVX_NCCL);
-    d.transport_why = first_layer == 0 ? job->why : (char *)"";
-    d.closed = first_layer + n == p->kvc.num_layers;
-    d.copy_seconds = copy_s;
-    rc = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
-                     p->cfg.send_timeout, err, errlen);
-    if (rc == TDM_OK && d.closed)
-        job->closed_sent = true;
-    if (d.closed) { // the last send completed: the pair's next transfer may have the link
+    bool closed = first_layer + n == p->kvc.num_layers;
+    rc = send_in_place(p, job, TDM_KVX_NCCL, first_layer, n, nb, copy_s, err, errlen);
+    if (closed) { // the last send completed: the pair's next transfer may have the link
         tdm_kvx_links_give(p->links, job->link);
         job->link = NULL;
     }
@@ -629,22 +641,7 @@ static int send_inplace(struct tdm_prefill_service *p, struct pjob *job, int fir
     double copy_s = tdm_now() - t0;
     tdm_metrics_counter_add(p->copy_seconds, copy_s);
     *copied = (size_t)(tdm_kvx_push_bytes(job->dev) - bytes0);
-    Tandem__KvData d = TANDEM__KV_DATA__INIT;
-    d.transfer_id = job->transfer_id;
-    d.to_instance = job->decode_instance;
-    d.from_instance = p->net.instance;
-    d.first_layer = first_layer;
-    d.num_layers = n;
-    d.first_block = job->push.first_block;
-    d.num_blocks = nb;
-    d.transport = (char *)tdm_kvx_mode_name(TDM_KVX_CUDA_IPC);
-    d.transport_why = first_layer == 0 ? job->why : (char *)"";
-    d.closed = first_layer + n == p->kvc.num_layers;
-    d.copy_seconds = copy_s;
-    rc = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
-                     p->cfg.send_timeout, err, errlen);
-    if (rc == TDM_OK && d.closed)
-        job->closed_sent = true;
+    rc = send_in_place(p, job, TDM_KVX_CUDA_IPC, first_layer, n, nb, copy_s, err, errlen);
     return rc;
 }
 
