@@ -838,9 +838,13 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
             memset(acc, 0, sizeof(float) * (size_t)hd * nh);
             return;
         }
-        // Prefetch the next chunk's keys and values (another block, usually
-        // another page, which the hardware prefetcher does not cross to):
-        // decode attention at long context waits on these reads.
+        // The next chunk's keys and values (another block, usually another
+        // page, which the hardware prefetcher does not cross to) are
+        // prefetched while this chunk is scored, a share after each head:
+        // all 64 lines at once filled the core's miss buffers and stalled it
+        // on the prefetches themselves, with nothing computing meanwhile.
+        const uint8_t *pf_k = NULL, *pf_v = NULL;
+        size_t pf_len = 0, pf_share = 0;
         if (pos + nk <= p) {
             int nblk = sq->block_table[(pos + nk) / bs], nslot = (pos + nk) % bs;
             int nn = bs - nslot < CPU_ATTN_CHUNK ? bs - nslot : CPU_ATTN_CHUNK;
@@ -849,11 +853,11 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
                                           : (const uint8_t *)tdm_kv_k(j->kv, j->layer, nblk);
             const uint8_t *nv_p = j->bf16 ? (const uint8_t *)tdm_kv_v_bf16(j->kv, j->layer, nblk)
                                           : (const uint8_t *)tdm_kv_v(j->kv, j->layer, nblk);
-            if (nk_p && nv_p)
-                for (size_t b = 0; b < (size_t)nn * hd * es; b += 64) {
-                    __builtin_prefetch(nk_p + noff + b);
-                    __builtin_prefetch(nv_p + noff + b);
-                }
+            if (nk_p && nv_p) {
+                pf_k = nk_p + noff, pf_v = nv_p + noff;
+                pf_len = (size_t)nn * hd * es;
+                pf_share = (pf_len / 64 + (size_t)nh - 1) / (size_t)nh * 64;
+            }
         }
         // A bf16 chunk is widened once for the whole group (exactly: the f32
         // kernels then compute what the bf16 kernels would, bit for bit), so
@@ -870,24 +874,33 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
         // Stage by stage over the group's heads: the heads are independent,
         // so the CPU overlaps one head's dependency chain with the next's.
         float mc[ATTN_MAX_GROUP], corr[ATTN_MAX_GROUP];
-        for (int g = 0; g < nh; g++)
+        for (int g = 0; g < nh; g++) {
             mc[g] = j->bf16 && !widened
                         ? j->k->attn_scores_bf16(q + (size_t)g * hd, (const uint16_t *)kb + off,
                                                  nk, hd, j->scale, s[g])
                         : j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale, s[g]);
+            size_t b1 = (size_t)(g + 1) * pf_share < pf_len ? (size_t)(g + 1) * pf_share : pf_len;
+            for (size_t b = (size_t)g * pf_share; b < b1; b += 64) {
+                __builtin_prefetch(pf_k + b);
+                __builtin_prefetch(pf_v + b);
+            }
+        }
         for (int g = 0; g < nh; g++) {
             float m_new = mc[g] > m[g] ? mc[g] : m[g];
             corr[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
             l[g] = l[g] * corr[g] + j->k->attn_exp(s[g], nk, m_new);
             m[g] = m_new;
         }
-        for (int g = 0; g < nh; g++) {
-            if (j->bf16 && !widened)
-                j->k->attn_accum_bf16(acc + (size_t)g * hd, corr[g], s[g],
-                                      (const uint16_t *)vb + off, nk, hd);
-            else
-                j->k->attn_accum(acc + (size_t)g * hd, corr[g], s[g], vc, nk, hd);
-        }
+        if (j->k->attn_accum_group && !(j->bf16 && !widened))
+            j->k->attn_accum_group(acc, corr, &s[0][0], CPU_ATTN_CHUNK, vc, nh, nk, hd);
+        else
+            for (int g = 0; g < nh; g++) {
+                if (j->bf16 && !widened)
+                    j->k->attn_accum_bf16(acc + (size_t)g * hd, corr[g], s[g],
+                                          (const uint16_t *)vb + off, nk, hd);
+                else
+                    j->k->attn_accum(acc + (size_t)g * hd, corr[g], s[g], vc, nk, hd);
+            }
         pos += nk;
     }
     for (int g = 0; g < nh; g++) {

@@ -21,6 +21,7 @@
 #include "backend.h"
 #include "core.h"
 #include "cpu_backend.h"
+#include "cpu_impl.h"
 #include "cpu_probe.h"
 #include "kv_cache.h"
 
@@ -625,6 +626,8 @@ static void test_attention(void **state)
         {14, 2, 64, 16}, // Qwen2.5-0.5B: group 7
         {7, 1, 128, 32}, // group 7, head_dim 128
         {2, 1, 2, 3},    // smallest head_dim
+        {10, 2, 40, 16}, // group 5: heads in a four and a one
+        {12, 1, 80, 16}, // group 12: a unit of 8 heads (4 + 4) and one of 4
     };
     struct tdm_backend *be = make_backend(2), *be1 = make_backend(1);
     FOR_EACH_ISA(be, isa)
@@ -637,6 +640,49 @@ static void test_attention(void **state)
     }
     ops->destroy(be);
     ops->destroy(be1);
+}
+
+// attn_accum_group (where an ISA has it) gives each head exactly what
+// attn_accum gives it alone, for every group size, chunk length and
+// head_dim (masked tails included): attention's results must not depend on
+// how many heads share a pass.
+static void test_attn_accum_group(void **state)
+{
+    (void)state;
+    static const int hds[] = {2, 18, 40, 64, 80, 128, 200};
+    enum { MAXH = 8, MAXD = 200 };
+    float acc0[MAXH * MAXD], acc1[MAXH * MAXD], acc2[MAXH * MAXD], v[CPU_ATTN_CHUNK * MAXD];
+    float p[MAXH][CPU_ATTN_CHUNK], corr[MAXH];
+    struct tdm_backend *be = make_backend(1);
+    int checked = 0;
+    FOR_EACH_ISA(be, isa)
+    {
+        const struct cpu_kernels *k = be->k;
+        if (!k->attn_accum_group)
+            continue;
+        for (size_t h = 0; h < sizeof hds / sizeof hds[0]; h++)
+            for (int nh = 1; nh <= MAXH; nh++)
+                for (int nk = 1; nk <= CPU_ATTN_CHUNK; nk += 5) {
+                    int hd = hds[h];
+                    fill(acc0, (size_t)nh * hd, 3.0f);
+                    fill(v, (size_t)nk * hd, 2.0f);
+                    fill(&p[0][0], sizeof p / sizeof p[0][0], 1.0f);
+                    fill(corr, MAXH, 1.0f);
+                    memcpy(acc1, acc0, sizeof(float) * nh * hd);
+                    memcpy(acc2, acc0, sizeof(float) * nh * hd);
+                    k->attn_accum_group(acc1, corr, &p[0][0], CPU_ATTN_CHUNK, v, nh, nk, hd);
+                    for (int g = 0; g < nh; g++)
+                        k->attn_accum(acc2 + (size_t)g * hd, corr[g], p[g], v, nk, hd);
+                    if (memcmp(acc1, acc2, sizeof(float) * nh * hd) != 0)
+                        fail_msg("isa %s: group of %d heads, %d keys, head_dim %d differs",
+                                 tdm_cpu_isa_name((enum tdm_cpu_isa)isa), nh, nk, hd);
+                    checked++;
+                }
+    }
+    ops->destroy(be);
+    // Where no ISA here has the kernel there is nothing to compare.
+    if (checked == 0)
+        skip();
 }
 
 // A block id outside the pool is logged and skipped, never dereferenced.
@@ -687,6 +733,7 @@ int main(void)
         cmocka_unit_test(test_prepare_errors),   cmocka_unit_test(test_embed),
         cmocka_unit_test(test_rmsnorm_silu_add), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention),        cmocka_unit_test(test_attention_bad_block),
+        cmocka_unit_test(test_attn_accum_group),
         cmocka_unit_test(test_probes),           cmocka_unit_test(test_adopt_weight),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

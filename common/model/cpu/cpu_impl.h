@@ -133,6 +133,11 @@ struct cpu_kernels {
                               float *s);
     void (*attn_accum_bf16)(float *acc, float corr, const float *p, const uint16_t *v, int nk,
                             int head_dim);
+    // attn_accum for heads g < nh of one GQA group sharing v: acc rows and
+    // p rows (p_stride apart) per head, corr[g] per head; each head's result
+    // bit for bit attn_accum's. NULL: the backend calls attn_accum per head.
+    void (*attn_accum_group)(float *acc, const float *corr, const float *p, int p_stride,
+                             const float *v, int nh, int nk, int head_dim);
     // dst[i] = src[i] widened exactly to f32, i < n.
     void (*widen_bf16)(const uint16_t *src, float *dst, size_t n);
 };
