@@ -574,25 +574,25 @@ static void attn_accum_group(float *acc, const float *corr, const float *p, int 
     for (int g0 = 0; g0 < nh; g0 += 4) {
         float *a = acc + (size_t)g0 * hd;
         const float *c = corr + g0, *pg = p + (size_t)g0 * p_stride;
+        // NG and (for the common head_dim 64) hd as constants, so that the
+        // accumulators are registers and the lane masks fold away.
+#define ACCUM_GROUP(NG)                                                                            \
+    (hd == 64 ? accum_group_impl(a, c, pg, p_stride, v, NG, nk, 64)                                \
+              : accum_group_impl(a, c, pg, p_stride, v, NG, nk, hd))
         switch (nh - g0 < 4 ? nh - g0 : 4) {
         case 4:
-            if (hd == 64)
-                accum_group_impl(a, c, pg, p_stride, v, 4, nk, 64);
-            else
-                accum_group_impl(a, c, pg, p_stride, v, 4, nk, hd);
+            ACCUM_GROUP(4);
             break;
         case 3:
-            if (hd == 64)
-                accum_group_impl(a, c, pg, p_stride, v, 3, nk, 64);
-            else
-                accum_group_impl(a, c, pg, p_stride, v, 3, nk, hd);
+            ACCUM_GROUP(3);
             break;
         case 2:
-            accum_group_impl(a, c, pg, p_stride, v, 2, nk, hd);
+            ACCUM_GROUP(2);
             break;
         default:
-            accum_group_impl(a, c, pg, p_stride, v, 1, nk, hd);
+            ACCUM_GROUP(1);
         }
+#undef ACCUM_GROUP
     }
 }
 
