@@ -208,7 +208,10 @@ static int lex_number(struct lexer *L, struct token *t)
     size_t j = L->i;
     char buf[80];
     size_t o = 0;
-    bool is_float = false;
+    bool is_float = false, too_long = false;
+    // Appends to buf; a literal that does not fit is refused below rather
+    // than read as a different (truncated) number.
+#define PUT(c) (o < sizeof buf - 1 ? (void)(buf[o++] = (c)) : (void)(too_long = true))
     // Jinja's integer rule is [1-9](_?\d)* | 0(_?0)*: "01" is two tokens, 0 and 1,
     // unless a '.' or exponent makes it a float (floats may start with zeros).
     size_t digits_end = j;
@@ -228,18 +231,18 @@ static int lex_number(struct lexer *L, struct token *t)
         return TDM_OK;
     }
     while (j < L->n && (is_digit(L->s[j]) || L->s[j] == '_')) {
-        if (L->s[j] != '_' && o < sizeof buf - 1)
-            buf[o++] = L->s[j];
+        if (L->s[j] != '_')
+            PUT(L->s[j]);
         j++;
     }
     if (j + 1 < L->n && L->s[j] == '.' && is_digit(L->s[j + 1]) &&
         !(L->i > 0 && L->s[L->i - 1] == '.')) {
         is_float = true;
-        buf[o++] = '.';
+        PUT('.');
         j++;
         while (j < L->n && (is_digit(L->s[j]) || L->s[j] == '_')) {
-            if (L->s[j] != '_' && o < sizeof buf - 1)
-                buf[o++] = L->s[j];
+            if (L->s[j] != '_')
+                PUT(L->s[j]);
             j++;
         }
     }
@@ -249,17 +252,20 @@ static int lex_number(struct lexer *L, struct token *t)
             k++;
         if (k < L->n && is_digit(L->s[k])) {
             is_float = true;
-            for (size_t m = j; m < k && o < sizeof buf - 1; m++)
-                buf[o++] = L->s[m];
+            for (size_t m = j; m < k; m++)
+                PUT(L->s[m]);
             j = k;
             while (j < L->n && is_digit(L->s[j])) {
-                if (o < sizeof buf - 1)
-                    buf[o++] = L->s[j];
+                PUT(L->s[j]);
                 j++;
             }
         }
     }
+#undef PUT
     buf[o] = '\0';
+    if (too_long)
+        return lex_err(L, "numeric literal longer than %s characters", "79");
+    _Static_assert(sizeof buf == 80, "the message above names the limit");
     if (is_float) {
         t->kind = T_FLOAT;
         t->f = strtod(buf, NULL);

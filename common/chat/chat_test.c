@@ -288,6 +288,10 @@ static void test_expressions(void **state)
 }
 
 // A template the renderer cannot run is refused at load, naming the construct and line.
+// 79 digits: the longest numeric literal the lexer takes.
+#define D10 "1234567890"
+#define D79 D10 D10 D10 D10 D10 D10 D10 "123456789"
+
 static void test_load_errors(void **state)
 {
     (void)state;
@@ -310,6 +314,12 @@ static void test_load_errors(void **state)
         {"{{ 1 + }}", "expected an expression"},
         {"{{ 01 }}", "expected '}}', got a number"}, // Jinja lexes 01 as 0, 1
         {"{% if a if b else c %}{% endif %}", "expected '%}', got 'if'"},
+        // fuzz_chat_template: 79 digits and a '.' wrote one byte past the
+        // lexer's buffer; longer literals were read as truncated numbers.
+        {"{{ " D79 ".5 }}", "numeric literal longer than 79 characters"},
+        {"{{ " D79 "9 }}", "numeric literal longer than 79 characters"},
+        {"{{ 1." D79 " }}", "numeric literal longer than 79 characters"},
+        {"{{ 1e" D79 " }}", "numeric literal longer than 79 characters"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         struct tdm_chat_template *t = NULL;
