@@ -21,6 +21,11 @@ void tdm_oai_fmt_float(char out[32], double v);
 // U+FFFD, the way Python's decode(errors="replace") does. NULL on ENOMEM.
 char *tdm_oai_utf8_dup(const char *s, size_t len);
 
+// tdm_oai_chunk through the cJSON tree whatever the choices hold (the
+// reference its direct writer is tested against).
+char *tdm_oai_chunk_tree(const struct tdm_oai_response *r, const struct tdm_oai_choice *choices,
+                         size_t n, const struct tdm_oai_usage *usage);
+
 // Length of the valid UTF-8 sequence starting at s (1..4), or 0 when s[0..len)
 // does not start with one (invalid or truncated).
 size_t tdm_oai_utf8_seq_len(const unsigned char *s, size_t len);

@@ -366,10 +366,172 @@ char *tdm_oai_body(const struct tdm_oai_response *r, const struct tdm_oai_choice
     return build(r, choices, n, usage ? usage : &zero, false);
 }
 
+char *tdm_oai_chunk_tree(const struct tdm_oai_response *r, const struct tdm_oai_choice *choices,
+                         size_t n, const struct tdm_oai_usage *usage)
+{
+    return build(r, choices, n, usage, true);
+}
+
+// ---- stream chunks written directly --------------------------------------------------------
+// Every streamed token goes through a chunk, and a cJSON tree per chunk was
+// ~15 allocations plus the print (7% of the router's CPU at 10 streams). The
+// common chunk (choices with text or content only: no logprobs, token ids or
+// tool deltas) is written straight into one buffer, byte for byte what build()
+// prints (openai_test compares the two over random chunks); any other goes
+// through build().
+
+// Direct writers (stream chunks, /tokenize): the bytes cJSON_PrintUnformatted
+// would print. Pieces are appended unchecked: the buffer fails for good on an
+// allocation failure, checked once at the end (b->failed).
+static void out_int(struct tdm_strbuf *b, long long v)
+{
+    char num[24];
+    int n = snprintf(num, sizeof num, "%lld", v);
+    tdm_strbuf_add(b, num, (size_t)n);
+}
+
+// A JSON string as cJSON prints it: '"' and '\\' escaped, \b \f \n \r \t, other
+// bytes below 0x20 as \u00xx (lowercase hex), everything else as it is; runs
+// without escapes are copied whole.
+static void out_json_string(struct tdm_strbuf *b, const char *s)
+{
+    static const char hex[] = "0123456789abcdef";
+    tdm_strbuf_add(b, "\"", 1);
+    const char *run = s;
+    for (const char *p = s;; p++) {
+        unsigned char ch = (unsigned char)*p;
+        if (ch >= 0x20 && ch != '"' && ch != '\\')
+            continue;
+        tdm_strbuf_add(b, run, (size_t)(p - run));
+        if (ch == 0)
+            break;
+        char esc[6] = {'\\', 0, '0', '0', 0, 0};
+        size_t n = 2;
+        switch (ch) {
+        case '"':
+            esc[1] = '"';
+            break;
+        case '\\':
+            esc[1] = '\\';
+            break;
+        case '\b':
+            esc[1] = 'b';
+            break;
+        case '\f':
+            esc[1] = 'f';
+            break;
+        case '\n':
+            esc[1] = 'n';
+            break;
+        case '\r':
+            esc[1] = 'r';
+            break;
+        case '\t':
+            esc[1] = 't';
+            break;
+        default:
+            esc[1] = 'u', esc[4] = hex[ch >> 4], esc[5] = hex[ch & 15];
+            n = 6;
+        }
+        tdm_strbuf_add(b, esc, n);
+        run = p + 1;
+    }
+    tdm_strbuf_add(b, "\"", 1);
+}
+
+// Text that may hold invalid UTF-8, repaired as add_text repairs it.
+static void out_text(struct tdm_strbuf *b, const char *s, size_t len)
+{
+    char *fixed = tdm_oai_utf8_dup(s ? s : "", s ? len : 0);
+    if (fixed == NULL) {
+        b->failed = true;
+        return;
+    }
+    out_json_string(b, fixed);
+    free(fixed);
+}
+
+#define OUT_LIT(b, lit) tdm_strbuf_add(b, lit, sizeof lit - 1)
+
+static bool chunk_is_plain(const struct tdm_oai_choice *c)
+{
+    return !c->has_logprobs && !c->token_ids && !c->prompt_token_ids && c->n_tool_deltas == 0 &&
+           !c->content_null;
+}
+
+// cJSON prints a number whose value fits an int with %d and others with
+// %1.15g, which for the integers here (timestamps, token counts) gives the
+// digits %lld gives.
+static char *chunk_direct(const struct tdm_oai_response *r, const struct tdm_oai_choice *choices,
+                          size_t n, const struct tdm_oai_usage *usage)
+{
+    bool chat = r->kind == TDM_OAI_CHAT;
+    struct tdm_strbuf b = {0};
+    OUT_LIT(&b, "{\"id\":");
+    out_json_string(&b, r->id);
+    if (chat)
+        OUT_LIT(&b, ",\"object\":\"chat.completion.chunk\",\"created\":");
+    else
+        OUT_LIT(&b, ",\"object\":\"text_completion\",\"created\":");
+    out_int(&b, (long long)r->created);
+    OUT_LIT(&b, ",\"model\":");
+    out_json_string(&b, r->model);
+    OUT_LIT(&b, ",\"choices\":[");
+    for (size_t i = 0; i < n; i++) {
+        const struct tdm_oai_choice *c = &choices[i];
+        if (i)
+            OUT_LIT(&b, ",");
+        OUT_LIT(&b, "{\"index\":");
+        out_int(&b, c->index);
+        if (chat)
+            OUT_LIT(&b, ",\"delta\":{\"content\":");
+        else
+            OUT_LIT(&b, ",\"text\":");
+        out_text(&b, c->text, c->text_len);
+        if (chat)
+            OUT_LIT(&b, "}");
+        OUT_LIT(&b, ",\"logprobs\":null,\"finish_reason\":");
+        const char *fin = c->finish_tool_calls && c->finish != TDM_FINISH_NONE
+                              ? "tool_calls"
+                              : tdm_finish_name(c->finish);
+        if (fin)
+            out_json_string(&b, fin);
+        else
+            OUT_LIT(&b, "null");
+        OUT_LIT(&b, ",\"stop_reason\":");
+        if (c->stop_str)
+            out_text(&b, c->stop_str, strlen(c->stop_str));
+        else if (c->stop_token >= 0)
+            out_int(&b, c->stop_token);
+        else
+            OUT_LIT(&b, "null");
+        OUT_LIT(&b, "}");
+    }
+    OUT_LIT(&b, "]");
+    if (usage) {
+        OUT_LIT(&b, ",\"usage\":{\"prompt_tokens\":");
+        out_int(&b, usage->prompt_tokens);
+        OUT_LIT(&b, ",\"total_tokens\":");
+        out_int(&b, (long long)usage->prompt_tokens + usage->completion_tokens);
+        OUT_LIT(&b, ",\"completion_tokens\":");
+        out_int(&b, usage->completion_tokens);
+        OUT_LIT(&b, "}");
+    }
+    OUT_LIT(&b, "}");
+    if (b.failed) {
+        tdm_strbuf_fini(&b);
+        return NULL;
+    }
+    return b.p;
+}
+
 char *tdm_oai_chunk(const struct tdm_oai_response *r, const struct tdm_oai_choice *choices,
                     size_t n, const struct tdm_oai_usage *usage)
 {
-    return build(r, choices, n, usage, true);
+    for (size_t i = 0; i < n; i++)
+        if (!chunk_is_plain(&choices[i]))
+            return build(r, choices, n, usage, true);
+    return chunk_direct(r, choices, n, usage);
 }
 
 char *tdm_oai_chat_role_chunk(const struct tdm_oai_response *r, int index)
@@ -474,55 +636,6 @@ char *tdm_oai_version_body(const char *version)
 // integers as %d, strings escaped as cJSON_PrintUnformatted escapes them.
 // Pieces are appended unchecked: the buffer fails for good on an allocation
 // failure, checked once at the end.
-static void out_int(struct tdm_strbuf *b, long long v)
-{
-    char num[24];
-    int n = snprintf(num, sizeof num, "%lld", v);
-    tdm_strbuf_add(b, num, (size_t)n);
-}
-
-static void out_json_string(struct tdm_strbuf *b, const char *s)
-{
-    tdm_strbuf_add(b, "\"", 1);
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        char esc[8];
-        const char *e = NULL;
-        switch (*p) {
-        case '"':
-            e = "\\\"";
-            break;
-        case '\\':
-            e = "\\\\";
-            break;
-        case '\b':
-            e = "\\b";
-            break;
-        case '\f':
-            e = "\\f";
-            break;
-        case '\n':
-            e = "\\n";
-            break;
-        case '\r':
-            e = "\\r";
-            break;
-        case '\t':
-            e = "\\t";
-            break;
-        default:
-            if (*p < 32) {
-                snprintf(esc, sizeof esc, "\\u%04x", *p);
-                e = esc;
-            }
-        }
-        if (e)
-            tdm_strbuf_add(b, e, strlen(e));
-        else
-            tdm_strbuf_add(b, (const char *)p, 1);
-    }
-    tdm_strbuf_add(b, "\"", 1);
-}
-
 char *tdm_oai_tokenize_body(const int32_t *ids, size_t n, int max_model_len,
                             const char *const *token_strs)
 {
@@ -543,15 +656,9 @@ char *tdm_oai_tokenize_body(const int32_t *ids, size_t n, int max_model_len,
         tdm_strbuf_add(&b, "[", 1);
         for (size_t i = 0; i < n && !b.failed; i++) {
             const char *s = token_strs[i] ? token_strs[i] : "";
-            char *fixed = tdm_oai_utf8_dup(s, strlen(s));
-            if (fixed == NULL)
-                b.failed = true;
-            else {
-                if (i)
-                    tdm_strbuf_add(&b, ",", 1);
-                out_json_string(&b, fixed);
-            }
-            free(fixed);
+            if (i)
+                tdm_strbuf_add(&b, ",", 1);
+            out_text(&b, s, strlen(s));
         }
         tdm_strbuf_add(&b, "]", 1);
     } else {

@@ -947,6 +947,64 @@ static void test_chat_body_and_chunks(void **state)
     cJSON_Delete(j);
 }
 
+// Plain stream chunks (text or content only) are written directly; they must
+// be, byte for byte, what the cJSON tree prints, for every byte a text can
+// hold (controls, quotes, backslashes, invalid UTF-8, NULs), both kinds,
+// several choices, every finish and stop_reason form, with and without usage.
+static void test_chunk_direct_equals_tree(void **state)
+{
+    (void)state;
+    srand(7);
+    static const enum tdm_finish fins[] = {TDM_FINISH_NONE, TDM_FINISH_STOP, TDM_FINISH_LENGTH,
+                                           TDM_FINISH_ABORT};
+    char text[3][64], stop[3][16];
+    int checked = 0;
+    for (int iter = 0; iter < 4000; iter++) {
+        struct tdm_oai_response r;
+        tdm_oai_response_init(&r, iter % 2 ? TDM_OAI_CHAT : TDM_OAI_COMPLETION,
+                              iter % 3 ? "Qwen/Qwen2.5-0.5B-Instruct" : "m\"o\\d\x01el",
+                              iter % 5 ? NULL : "req-\"x\"\n");
+        if (iter % 7 == 0)
+            r.created = 4102444800LL; // past INT_MAX: cJSON's %1.15g branch
+        struct tdm_oai_choice c[3];
+        size_t n = 1 + (size_t)(iter % 3);
+        for (size_t i = 0; i < n; i++) {
+            memset(&c[i], 0, sizeof c[i]);
+            c[i].index = (int)i + (iter % 11 == 0 ? 1000000 : 0);
+            size_t len = (size_t)(rand() % 64);
+            for (size_t k = 0; k < len; k++)
+                text[i][k] = (char)(rand() % 4 ? 0x20 + rand() % 95 : rand() % 256);
+            c[i].text = text[i];
+            c[i].text_len = len;
+            c[i].finish = fins[rand() % 4];
+            c[i].stop_token = -1;
+            int sr = rand() % 3;
+            if (sr == 1) {
+                size_t sl = (size_t)(rand() % 15);
+                for (size_t k = 0; k < sl; k++)
+                    stop[i][k] = (char)(1 + rand() % 255);
+                stop[i][sl] = '\0';
+                c[i].stop_str = stop[i];
+            } else if (sr == 2) {
+                c[i].stop_token = rand() % 151643;
+            }
+            c[i].finish_tool_calls = r.kind == TDM_OAI_CHAT && rand() % 4 == 0;
+        }
+        struct tdm_oai_usage u = {rand() % 100000, rand() % 100000};
+        const struct tdm_oai_usage *up = iter % 4 == 0 ? &u : NULL;
+        char *direct = tdm_oai_chunk(&r, c, n, up);
+        char *tree = tdm_oai_chunk_tree(&r, c, n, up);
+        assert_non_null(direct);
+        assert_non_null(tree);
+        if (strcmp(direct, tree) != 0)
+            fail_msg("iteration %d:\n direct %s\n tree   %s", iter, direct, tree);
+        free(direct);
+        free(tree);
+        checked++;
+    }
+    assert_int_equal(checked, 4000);
+}
+
 static void test_logprobs_formats(void **state)
 {
     (void)state;
@@ -1185,6 +1243,7 @@ int main(void)
         cmocka_unit_test(test_response_ids),
         cmocka_unit_test(test_completion_body),
         cmocka_unit_test(test_chat_body_and_chunks),
+        cmocka_unit_test(test_chunk_direct_equals_tree),
         cmocka_unit_test(test_logprobs_formats),
         cmocka_unit_test(test_error_bodies),
         cmocka_unit_test(test_models_tokenize_version),
