@@ -467,6 +467,11 @@ static char *chunk_direct(const struct tdm_oai_response *r, const struct tdm_oai
 {
     bool chat = r->kind == TDM_OAI_CHAT;
     struct tdm_strbuf b = {0};
+    // One allocation for the usual chunk (escapes may need one more).
+    size_t guess = 256 + strlen(r->id) + strlen(r->model);
+    for (size_t i = 0; i < n; i++)
+        guess += 128 + choices[i].text_len + (choices[i].stop_str ? strlen(choices[i].stop_str) : 0);
+    tdm_strbuf_reserve(&b, guess);
     OUT_LIT(&b, "{\"id\":");
     out_json_string(&b, r->id);
     if (chat)
