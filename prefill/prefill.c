@@ -265,11 +265,12 @@ static int export_fill(void *arg, uint8_t *payload, size_t payload_len)
     return TDM_OK;
 }
 
-// Sends layers [first_layer, first_layer + n) of the push range as one KvData frame.
-static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first_layer, int n,
-                      char *err, size_t errlen)
+// The header every KvData frame of a job carries: layers first_layer..+n of
+// nb blocks of the push range, sent over mode (the transport's reason on the
+// first group only).
+static Tandem__KvData kv_data_head(const struct tdm_prefill_service *p, struct pjob *job,
+                                   enum tdm_kvx_mode mode, int first_layer, int n, int nb)
 {
-    struct export_arg a = {p, job, first_layer, n};
     Tandem__KvData d = TANDEM__KV_DATA__INIT;
     d.transfer_id = job->transfer_id;
     d.to_instance = job->decode_instance;
@@ -277,9 +278,18 @@ static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first
     d.first_layer = first_layer;
     d.num_layers = n;
     d.first_block = job->push.first_block;
-    d.num_blocks = job->push.num_blocks;
-    d.transport = (char *)tdm_kvx_mode_name(TDM_KVX_NNG);
+    d.num_blocks = nb;
+    d.transport = (char *)tdm_kvx_mode_name(mode);
     d.transport_why = first_layer == 0 ? job->why : (char *)"";
+    return d;
+}
+
+// Sends layers [first_layer, first_layer + n) of the push range as one KvData frame.
+static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first_layer, int n,
+                      char *err, size_t errlen)
+{
+    struct export_arg a = {p, job, first_layer, n};
+    Tandem__KvData d = kv_data_head(p, job, TDM_KVX_NNG, first_layer, n, job->push.num_blocks);
     size_t bytes = push_layer_bytes(p, job) * (size_t)n;
     return tdm_pd_send_fill(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
                             export_fill, &a, p->cfg.send_timeout, err, errlen);
@@ -427,16 +437,7 @@ static int nccl_prepare(struct tdm_prefill_service *p, struct pjob *job, const c
 static int send_in_place(struct tdm_prefill_service *p, struct pjob *job, enum tdm_kvx_mode mode,
                          int first_layer, int n, int nb, double copy_s, char *err, size_t errlen)
 {
-    Tandem__KvData d = TANDEM__KV_DATA__INIT;
-    d.transfer_id = job->transfer_id;
-    d.to_instance = job->decode_instance;
-    d.from_instance = p->net.instance;
-    d.first_layer = first_layer;
-    d.num_layers = n;
-    d.first_block = job->push.first_block;
-    d.num_blocks = nb;
-    d.transport = (char *)tdm_kvx_mode_name(mode);
-    d.transport_why = first_layer == 0 ? job->why : (char *)"";
+    Tandem__KvData d = kv_data_head(p, job, mode, first_layer, n, nb);
     d.closed = first_layer + n == p->kvc.num_layers;
     d.copy_seconds = copy_s;
     int rc = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,

@@ -637,10 +637,8 @@ char *tdm_oai_version_body(const char *version)
 // The /tokenize body is written directly, not through a cJSON tree: a 10 MB
 // prompt is ~2.7 M tokens, and one cJSON node per id (80 bytes with malloc's
 // overhead) made a single call allocate ~360 MB. Written here it costs the
-// output itself (~6 bytes a token) plus the id array. The bytes are cJSON's:
-// integers as %d, strings escaped as cJSON_PrintUnformatted escapes them.
-// Pieces are appended unchecked: the buffer fails for good on an allocation
-// failure, checked once at the end.
+// output itself (~6 bytes a token) plus the id array, with the direct writers
+// above (out_int, out_text).
 char *tdm_oai_tokenize_body(const int32_t *ids, size_t n, int max_model_len,
                             const char *const *token_strs)
 {
