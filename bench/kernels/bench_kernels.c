@@ -8,8 +8,10 @@
 //   gemm512_<shape>     n = 512 FLOP/s / bf16 dot-product peak (goal >= 0.5)
 //   batch32_speedup     tokens/s at n = 32 / tokens/s at n = 1 over the whole
 //                       weight set (goal >= 10)
+//   attn4096_b32_*      decode attention at 4096 tokens of context, batch 32, per
+//                       KV cache dtype, against its FLOP and byte bounds
 // Usage: tandem-bench-kernels [--threads N] [--isa portable|avx2|avx512] [--quick]
-// (--quick: a 4-layer model, for smoke runs). Absolute numbers change with
+// [--attention-only] (--quick: a 4-layer model, for smoke runs). Absolute numbers change with
 // the host; the ratios within one run are what this bench is for.
 #include <stdint.h>
 #include <stdio.h>
@@ -20,6 +22,7 @@
 #include "core.h"
 #include "cpu_backend.h"
 #include "cpu_probe.h"
+#include "kv_cache.h"
 
 // Qwen2.5-0.5B: hidden 896, intermediate 4864, 14 + 2 + 2 heads of 64.
 #define HIDDEN 896
@@ -92,10 +95,102 @@ static double time_set(struct tdm_backend *be, const struct model_set *m, const 
     return best;
 }
 
+// (f) Decode attention at long context: ATTN_BATCH sequences of ATTN_CTX
+// tokens each, Qwen2.5-0.5B's heads (14 query heads on 2 KV heads of 64), one
+// query token per sequence, over ATTN_LAYERS layers of a paged pool whose
+// blocks interleave the sequences (as concurrent decodes allocate them). Its
+// bounds: the FLOPs (q.k and p.v, 4 per head, dim and key) at the f32 FMA
+// peak, and the pool's bytes at the read bandwidth. Returns seconds per layer.
+#define ATTN_HEADS 14
+#define ATTN_KV_HEADS 2
+#define ATTN_HD 64
+#define ATTN_LAYERS 4
+static double time_attention(struct tdm_backend *be, enum tdm_kv_dtype dtype, int batch, int ctx,
+                             int reps)
+{
+    int bs = 16, per_seq = (ctx + bs - 1) / bs;
+    struct tdm_kv_config c = {.num_layers = ATTN_LAYERS,
+                              .num_kv_heads = ATTN_KV_HEADS,
+                              .head_dim = ATTN_HD,
+                              .block_size = bs,
+                              .num_blocks = batch * per_seq,
+                              .dtype = dtype};
+    struct tdm_kv_cache *kv = NULL;
+    char err[256];
+    if (tdm_kv_new(&kv, &c, err, sizeof err) != TDM_OK)
+        die("kv", err);
+    int *tables = malloc(sizeof(int) * (size_t)batch * per_seq);
+    struct tdm_attn_seq *seqs = calloc((size_t)batch, sizeof *seqs);
+    size_t qn = (size_t)batch * ATTN_HEADS * ATTN_HD;
+    float *q = malloc(sizeof(float) * qn), *out = malloc(sizeof(float) * qn);
+    float *row = malloc(sizeof(float) * (size_t)bs * ATTN_HD);
+    if (!tables || !seqs || !q || !out || !row)
+        die("malloc", "out of memory");
+    uint64_t r = 0x9e3779b97f4a7c15ull;
+#define NEXT_RAND() (r ^= r << 13, r ^= r >> 7, r ^= r << 17, (float)(r >> 40) / 16777216.0f - 0.5f)
+    for (size_t i = 0; i < qn; i++)
+        q[i] = NEXT_RAND();
+    for (int b = 0; b < c.num_blocks; b++)
+        for (int l = 0; l < ATTN_LAYERS; l++)
+            for (int kvv = 0; kvv < 2; kvv++)
+                for (int h = 0; h < ATTN_KV_HEADS; h++) {
+                    for (int i = 0; i < bs * ATTN_HD; i++)
+                        row[i] = NEXT_RAND();
+                    size_t off = (size_t)h * bs * ATTN_HD;
+                    void *dst = dtype == TDM_KV_BF16
+                                    ? (void *)((kvv ? tdm_kv_v_bf16(kv, l, b) : tdm_kv_k_bf16(kv, l, b)) + off)
+                                    : (void *)((kvv ? tdm_kv_v(kv, l, b) : tdm_kv_k(kv, l, b)) + off);
+                    tdm_kv_convert(dst, dtype, row, TDM_KV_F32, (size_t)bs * ATTN_HD);
+                }
+#undef NEXT_RAND
+    for (int s = 0; s < batch; s++) {
+        for (int i = 0; i < per_seq; i++)
+            tables[s * per_seq + i] = i * batch + s;
+        seqs[s] = (struct tdm_attn_seq){
+            .row = s, .n_tokens = 1, .start_pos = ctx - 1, .block_table = tables + s * per_seq};
+    }
+    double best = 1e30;
+    for (int rep = 0; rep < reps; rep++) {
+        double t0 = tdm_now();
+        for (int l = 0; l < ATTN_LAYERS; l++)
+            ops->attention(be, kv, l, seqs, batch, q, ATTN_HEADS * ATTN_HD, out, ATTN_HEADS,
+                           ATTN_KV_HEADS, ATTN_HD, 0.125f);
+        double t = (tdm_now() - t0) / ATTN_LAYERS;
+        best = t < best ? t : best;
+    }
+    free(tables), free(seqs), free(q), free(out), free(row);
+    tdm_kv_free(kv);
+    return best;
+}
+
+// (f) Long-context decode attention against its bounds, per KV dtype (fma in
+// FLOP/s, bw in bytes/s, from the probes).
+static void report_attention(struct tdm_backend *be, bool quick, double fma, double bw)
+{
+    int batch = quick ? 8 : 32, ctx = 4096;
+    double ta[2] = {1e30, 1e30};
+    for (int rr = 0; rr < (quick ? 1 : 3); rr++)
+        for (int d = 0; d < 2; d++) {
+            double t = time_attention(be, d ? TDM_KV_BF16 : TDM_KV_F32, batch, ctx, 3);
+            ta[d] = t < ta[d] ? t : ta[d];
+        }
+    double flops = 4.0 * ATTN_HEADS * ATTN_HD * (double)ctx * batch;
+    for (int d = 0; d < 2; d++) {
+        double bytes = 2.0 * ATTN_KV_HEADS * ATTN_HD * (double)ctx * batch * (d ? 2 : 4);
+        double bound = flops / fma > bytes / bw ? flops / fma : bytes / bw;
+        printf("attn%d_b%d_%s_ms_per_layer %.3f GFLOPs %.1f vs_fma_peak %.3f vs_read %.3f "
+               "vs_bound %.2f\n",
+               ctx, batch, d ? "bf16" : "f32", ta[d] * 1e3, flops / ta[d] / 1e9,
+               flops / ta[d] / fma, bytes / bw / ta[d], ta[d] / bound);
+    }
+    printf("attn%d_b%d_bf16_vs_f32_speedup %.2f\n", ctx, batch, ta[0] / ta[1]);
+}
+
 struct bench_args {
     int threads;
     const char *isa_name;
     bool quick;
+    bool attention_only;
 };
 
 #define OFF(field) offsetof(struct bench_args, field)
@@ -113,9 +208,14 @@ static const struct tdm_flag bench_flags[] = {
      .metavar = "portable|avx2|avx512",
      .help = "kernel set (default: the best this CPU has)"},
     {.name = "quick", .kind = TDM_FLAG_BOOL, .offset = OFF(quick), .help = "fewer repetitions"},
+    {.name = "attention-only",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(attention_only),
+     .help = "only the long-context attention lines (and the probes they need)"},
 };
 static const struct tdm_flags bench_table = {
-    .usage = "usage: tandem-bench-kernels [--threads N] [--isa portable|avx2|avx512] [--quick]\n",
+    .usage = "usage: tandem-bench-kernels [--threads N] [--isa portable|avx2|avx512] [--quick] "
+             "[--attention-only]\n",
     .flags = bench_flags,
     .n = sizeof bench_flags / sizeof bench_flags[0],
 };
@@ -142,6 +242,18 @@ int main(int argc, char **argv)
     }
     int nt = tdm_cpu_backend_num_threads(be);
     printf("isa %s threads %d\n", tdm_cpu_isa_name(tdm_cpu_backend_isa(be)), nt);
+    if (a.attention_only) {
+        double bw = 0, fma = 0;
+        for (int r = 0; r < 2; r++) {
+            double b = tdm_cpu_probe_read_bw((size_t)1 << 30, nt, 1), f = tdm_cpu_probe_fma_peak(nt);
+            bw = b > bw ? b : bw;
+            fma = f > fma ? f : fma;
+        }
+        printf("read_bw_GBps %.2f fma_peak_GFLOPs %.1f\n", bw / 1e9, fma / 1e9);
+        report_attention(be, a.quick, fma, bw);
+        ops->destroy(be);
+        return 0;
+    }
 
     // Random bf16 weights in [-0.5, 0.5) for the largest matrix, shared by all.
     size_t src_n = (size_t)VOCAB * HIDDEN;
@@ -238,6 +350,7 @@ int main(int argc, char **argv)
                fma > 0 ? flops / fma : 0.0);
         ops->release_weight(be, &w[i]);
     }
+    report_attention(be, quick, fma, bw);
     free(src), free(x), free(y);
     ops->destroy(be);
     return 0;

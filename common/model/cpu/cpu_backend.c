@@ -796,14 +796,20 @@ struct attn_job {
 // Query heads of one GQA group handled together: the group shares each K/V
 // chunk, read once from L2 into L1 for all of them.
 #define ATTN_MAX_GROUP 8
-// Largest head_dim whose bf16 chunk is widened into a stack buffer once per
-// group; a larger one uses the kernels that widen as they read.
+// Largest head_dim whose bf16 key chunk is widened into a stack buffer once
+// per group; a larger one uses the scores kernel that widens as it reads.
 #define ATTN_WIDEN_MAX_HD 256
+// Keys per online-softmax step: positions [k * ATTN_SPAN, (k + 1) * ATTN_SPAN)
+// are scored chunk by chunk, then rescaled, exponentiated and accumulated
+// together, the accumulators staying in registers for the whole span (one
+// rescale and one exp of the running max per span, not per chunk).
+#define ATTN_SPAN 128
 
 // One query row, heads h0..h0+nh-1 (all on KV head kvh): online softmax over
-// positions 0..p in chunks of at most CPU_ATTN_CHUNK that never cross a block,
-// so the chunking (and each head's result) depends on p only, never on how
-// the prompt was split into steps or which heads share the pass.
+// positions 0..p in spans of ATTN_SPAN aligned positions, each scored in
+// chunks of at most CPU_ATTN_CHUNK that never cross a block or a span, so the
+// chunking (and each head's result) depends on p only, never on how the
+// prompt was split into steps or which heads share the pass.
 static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, int i, int kvh,
                        int h0, int nh)
 {
@@ -811,97 +817,124 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
     int p = sq->start_pos + i;
     const float *q = j->q + (size_t)(sq->row + i) * j->q_stride + (size_t)h0 * hd;
     float *acc = j->out + (size_t)(sq->row + i) * j->n_heads * hd + (size_t)h0 * hd;
-    float s[ATTN_MAX_GROUP][CPU_ATTN_CHUNK];
+    float s[ATTN_MAX_GROUP][ATTN_SPAN];
     float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
-    // One bf16 chunk widened (K and V): 32 KiB of stack at most.
+    // The span's value rows, run by run (a run never crosses a block).
+    const void *vrun[ATTN_SPAN];
+    int nrun_keys[ATTN_SPAN];
+    // One bf16 key chunk widened: 16 KiB of stack at most.
     float kw[CPU_ATTN_CHUNK * ATTN_WIDEN_MAX_HD] __attribute__((aligned(64)));
-    float vw[CPU_ATTN_CHUNK * ATTN_WIDEN_MAX_HD] __attribute__((aligned(64)));
+    bool widened = j->bf16 && hd <= ATTN_WIDEN_MAX_HD;
     for (int g = 0; g < nh; g++)
         m[g] = -INFINITY, l[g] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)hd * nh);
     for (int pos = 0; pos <= p;) {
-        int blk = sq->block_table[pos / bs];
-        int slot = pos % bs;
-        int nk = bs - slot;
-        if (nk > CPU_ATTN_CHUNK)
-            nk = CPU_ATTN_CHUNK;
-        if (nk > p + 1 - pos)
-            nk = p + 1 - pos;
-        size_t off = ((size_t)kvh * bs + slot) * hd;
-        const void *kb, *vb;
-        if (j->bf16)
-            kb = tdm_kv_k_bf16(j->kv, j->layer, blk), vb = tdm_kv_v_bf16(j->kv, j->layer, blk);
-        else
-            kb = tdm_kv_k(j->kv, j->layer, blk), vb = tdm_kv_v(j->kv, j->layer, blk);
-        if (!kb || !vb) {
-            TDM_LOG_ERR("cpu", "attention: layer %d block %d out of range", j->layer, blk);
-            memset(acc, 0, sizeof(float) * (size_t)hd * nh);
-            return;
-        }
-        // The next chunk's keys and values (another block, usually another
-        // page, which the hardware prefetcher does not cross to) are
-        // prefetched while this chunk is scored, a share after each head:
-        // all 64 lines at once filled the core's miss buffers and stalled it
-        // on the prefetches themselves, with nothing computing meanwhile.
-        const uint8_t *pf_k = NULL, *pf_v = NULL;
-        size_t pf_len = 0, pf_share = 0;
-        if (pos + nk <= p) {
-            int nblk = sq->block_table[(pos + nk) / bs], nslot = (pos + nk) % bs;
-            int nn = bs - nslot < CPU_ATTN_CHUNK ? bs - nslot : CPU_ATTN_CHUNK;
-            size_t es = j->bf16 ? 2 : 4, noff = ((size_t)kvh * bs + nslot) * hd * es;
-            const uint8_t *nk_p = j->bf16 ? (const uint8_t *)tdm_kv_k_bf16(j->kv, j->layer, nblk)
-                                          : (const uint8_t *)tdm_kv_k(j->kv, j->layer, nblk);
-            const uint8_t *nv_p = j->bf16 ? (const uint8_t *)tdm_kv_v_bf16(j->kv, j->layer, nblk)
-                                          : (const uint8_t *)tdm_kv_v(j->kv, j->layer, nblk);
-            if (nk_p && nv_p) {
-                pf_k = nk_p + noff, pf_v = nv_p + noff;
-                pf_len = (size_t)nn * hd * es;
-                pf_share = (pf_len / 64 + (size_t)nh - 1) / (size_t)nh * 64;
-            }
-        }
-        // A bf16 chunk is widened once for the whole group (exactly: the f32
-        // kernels then compute what the bf16 kernels would, bit for bit), so
-        // the group's heads do not each widen it again.
-        const float *kc, *vc;
-        bool widened = j->bf16 && hd <= ATTN_WIDEN_MAX_HD;
-        if (widened) {
-            j->k->widen_bf16((const uint16_t *)kb + off, kw, (size_t)nk * hd);
-            j->k->widen_bf16((const uint16_t *)vb + off, vw, (size_t)nk * hd);
-            kc = kw, vc = vw;
-        } else {
-            kc = (const float *)kb + off, vc = (const float *)vb + off;
-        }
-        // Stage by stage over the group's heads: the heads are independent,
-        // so the CPU overlaps one head's dependency chain with the next's.
+        int span_end = (pos / ATTN_SPAN + 1) * ATTN_SPAN;
+        if (span_end > p + 1)
+            span_end = p + 1;
         float mc[ATTN_MAX_GROUP], corr[ATTN_MAX_GROUP];
-        for (int g = 0; g < nh; g++) {
-            mc[g] = j->bf16 && !widened
-                        ? j->k->attn_scores_bf16(q + (size_t)g * hd, (const uint16_t *)kb + off,
-                                                 nk, hd, j->scale, s[g])
-                        : j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale, s[g]);
-            size_t b1 = (size_t)(g + 1) * pf_share < pf_len ? (size_t)(g + 1) * pf_share : pf_len;
-            for (size_t b = (size_t)g * pf_share; b < b1; b += 64) {
-                __builtin_prefetch(pf_k + b);
-                __builtin_prefetch(pf_v + b);
+        for (int g = 0; g < nh; g++)
+            mc[g] = -INFINITY;
+        int n = 0, nrun = 0;
+        while (pos < span_end) {
+            int blk = sq->block_table[pos / bs];
+            int slot = pos % bs;
+            int nk = bs - slot;
+            if (nk > CPU_ATTN_CHUNK)
+                nk = CPU_ATTN_CHUNK;
+            if (nk > span_end - pos)
+                nk = span_end - pos;
+            size_t off = ((size_t)kvh * bs + slot) * hd;
+            const void *kb, *vb;
+            if (j->bf16)
+                kb = tdm_kv_k_bf16(j->kv, j->layer, blk), vb = tdm_kv_v_bf16(j->kv, j->layer, blk);
+            else
+                kb = tdm_kv_k(j->kv, j->layer, blk), vb = tdm_kv_v(j->kv, j->layer, blk);
+            if (!kb || !vb) {
+                TDM_LOG_ERR("cpu", "attention: layer %d block %d out of range", j->layer, blk);
+                memset(acc, 0, sizeof(float) * (size_t)hd * nh);
+                return;
             }
+            // The next chunk's keys and values (another block, usually another
+            // page, which the hardware prefetcher does not cross to) are
+            // prefetched while this chunk is scored, a share after each head:
+            // all 64 lines at once filled the core's miss buffers and stalled
+            // it on the prefetches themselves, with nothing computing meanwhile.
+            const uint8_t *pf_k = NULL, *pf_v = NULL;
+            size_t pf_len = 0, pf_share = 0;
+            if (pos + nk <= p) {
+                int nblk = sq->block_table[(pos + nk) / bs], nslot = (pos + nk) % bs;
+                int nn = bs - nslot < CPU_ATTN_CHUNK ? bs - nslot : CPU_ATTN_CHUNK;
+                size_t es = j->bf16 ? 2 : 4, noff = ((size_t)kvh * bs + nslot) * hd * es;
+                const uint8_t *nk_p = j->bf16
+                                          ? (const uint8_t *)tdm_kv_k_bf16(j->kv, j->layer, nblk)
+                                          : (const uint8_t *)tdm_kv_k(j->kv, j->layer, nblk);
+                const uint8_t *nv_p = j->bf16
+                                          ? (const uint8_t *)tdm_kv_v_bf16(j->kv, j->layer, nblk)
+                                          : (const uint8_t *)tdm_kv_v(j->kv, j->layer, nblk);
+                if (nk_p && nv_p) {
+                    pf_k = nk_p + noff, pf_v = nv_p + noff;
+                    pf_len = (size_t)nn * hd * es;
+                    pf_share = (pf_len / 64 + (size_t)nh - 1) / (size_t)nh * 64;
+                }
+            }
+            // A bf16 key chunk is widened once for the whole group (exactly:
+            // the f32 kernel then computes what the bf16 kernel would, bit
+            // for bit), so the group's heads do not each widen it again.
+            const float *kc = (const float *)kb + off;
+            if (widened) {
+                j->k->widen_bf16((const uint16_t *)kb + off, kw, (size_t)nk * hd);
+                kc = kw;
+            }
+            // Head by head: the heads are independent, so the CPU overlaps
+            // one head's dependency chain with the next's.
+            for (int g = 0; g < nh; g++) {
+                float mx = j->bf16 && !widened
+                               ? j->k->attn_scores_bf16(q + (size_t)g * hd,
+                                                        (const uint16_t *)kb + off, nk, hd,
+                                                        j->scale, s[g] + n)
+                               : j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale,
+                                                   s[g] + n);
+                mc[g] = mx > mc[g] ? mx : mc[g];
+                size_t b1 =
+                    (size_t)(g + 1) * pf_share < pf_len ? (size_t)(g + 1) * pf_share : pf_len;
+                for (size_t b = (size_t)g * pf_share; b < b1; b += 64) {
+                    __builtin_prefetch(pf_k + b);
+                    __builtin_prefetch(pf_v + b);
+                }
+            }
+            vrun[nrun] = j->bf16 ? (const void *)((const uint16_t *)vb + off)
+                                 : (const void *)((const float *)vb + off);
+            nrun_keys[nrun++] = nk;
+            n += nk;
+            pos += nk;
         }
         for (int g = 0; g < nh; g++) {
             float m_new = mc[g] > m[g] ? mc[g] : m[g];
             corr[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
-            l[g] = l[g] * corr[g] + j->k->attn_exp(s[g], nk, m_new);
+            // The span's sum in a fixed order: chunk sums of 16, in turn.
+            float sum = 0.0f;
+            for (int o = 0; o < n; o += CPU_ATTN_CHUNK)
+                sum += j->k->attn_exp(s[g] + o, n - o < CPU_ATTN_CHUNK ? n - o : CPU_ATTN_CHUNK,
+                                      m_new);
+            l[g] = l[g] * corr[g] + sum;
             m[g] = m_new;
         }
-        if (j->k->attn_accum_group && !(j->bf16 && !widened))
-            j->k->attn_accum_group(acc, corr, &s[0][0], CPU_ATTN_CHUNK, vc, nh, nk, hd);
-        else
-            for (int g = 0; g < nh; g++) {
-                if (j->bf16 && !widened)
-                    j->k->attn_accum_bf16(acc + (size_t)g * hd, corr[g], s[g],
-                                          (const uint16_t *)vb + off, nk, hd);
-                else
-                    j->k->attn_accum(acc + (size_t)g * hd, corr[g], s[g], vc, nk, hd);
-            }
-        pos += nk;
+        if (j->k->attn_accum_span) {
+            j->k->attn_accum_span(acc, corr, &s[0][0], ATTN_SPAN, vrun, nrun_keys, nrun, j->bf16,
+                                  nh, hd);
+        } else {
+            for (int g = 0; g < nh; g++)
+                for (int r = 0, o = 0; r < nrun; o += nrun_keys[r], r++) {
+                    float c = r == 0 ? corr[g] : 1.0f;
+                    if (j->bf16)
+                        j->k->attn_accum_bf16(acc + (size_t)g * hd, c, s[g] + o,
+                                              (const uint16_t *)vrun[r], nrun_keys[r], hd);
+                    else
+                        j->k->attn_accum(acc + (size_t)g * hd, c, s[g] + o,
+                                         (const float *)vrun[r], nrun_keys[r], hd);
+                }
+        }
     }
     for (int g = 0; g < nh; g++) {
         float inv = 1.0f / l[g];

@@ -473,7 +473,7 @@ struct attn_case {
 static void run_attention_case(struct tdm_backend *be, struct tdm_backend *be1,
                                const struct attn_case *c, int isa, enum tdm_kv_dtype dtype)
 {
-    const int n_seqs = 3, lens[3] = {1, 37, 70}, layers = 2, layer = 1;
+    const int n_seqs = 3, lens[3] = {1, 37, 150}, layers = 2, layer = 1;
     int nblocks_total = 0;
     for (int s = 0; s < n_seqs; s++)
         nblocks_total += (lens[s] + c->block_size - 1) / c->block_size;
@@ -536,7 +536,7 @@ static void run_attention_case(struct tdm_backend *be, struct tdm_backend *be1,
 
     // Reference in double from the source rows (not the cache).
     int group = c->n_heads / c->n_kv_heads;
-    double *sc = malloc(sizeof(double) * 80);
+    double *sc = malloc(sizeof(double) * 160); // > every len: the longest crosses a span (128)
     for (int s = 0; s < n_seqs; s++) {
         for (int i = 0; i < lens[s]; i++) {
             const float *q = qkv + (size_t)(seqs[s].row + i) * qkv_stride;
@@ -642,42 +642,71 @@ static void test_attention(void **state)
     ops->destroy(be1);
 }
 
-// attn_accum_group (where an ISA has it) gives each head exactly what
-// attn_accum gives it alone, for every group size, chunk length and
-// head_dim (masked tails included): attention's results must not depend on
-// how many heads share a pass.
-static void test_attn_accum_group(void **state)
+// attn_accum_span (where an ISA has it) gives each head exactly what
+// attn_accum (attn_accum_bf16 for a bf16 span) gives it alone over the same
+// runs, corr on the first and 1 on the others, for every group size, run
+// layout and head_dim (masked tails included): attention's results must not
+// depend on how many heads share a pass.
+static void test_attn_accum_span(void **state)
 {
     (void)state;
     static const int hds[] = {2, 18, 40, 64, 80, 128, 200};
-    enum { MAXH = 8, MAXD = 200 };
-    float acc0[MAXH * MAXD], acc1[MAXH * MAXD], acc2[MAXH * MAXD], v[CPU_ATTN_CHUNK * MAXD];
-    float p[MAXH][CPU_ATTN_CHUNK], corr[MAXH];
+    // Runs of value rows: one whole chunk, several chunks, short runs.
+    static const int layouts[][5] = {{16}, {1}, {16, 16, 16}, {5, 16, 3}, {7, 1, 16, 16, 2}};
+    static const int nruns[] = {1, 1, 3, 3, 5};
+    enum { MAXH = 8, MAXD = 200, MAXK = 64 };
+    float acc0[MAXH * MAXD], acc1[MAXH * MAXD], acc2[MAXH * MAXD], v[MAXK * MAXD];
+    uint16_t vb[MAXK * MAXD];
+    float p[MAXH][MAXK], corr[MAXH];
     struct tdm_backend *be = make_backend(1);
     int checked = 0;
     FOR_EACH_ISA(be, isa)
     {
         const struct cpu_kernels *k = be->k;
-        if (!k->attn_accum_group)
+        if (!k->attn_accum_span)
             continue;
         for (size_t h = 0; h < sizeof hds / sizeof hds[0]; h++)
-            for (int nh = 1; nh <= MAXH; nh++)
-                for (int nk = 1; nk <= CPU_ATTN_CHUNK; nk += 5) {
-                    int hd = hds[h];
-                    fill(acc0, (size_t)nh * hd, 3.0f);
-                    fill(v, (size_t)nk * hd, 2.0f);
-                    fill(&p[0][0], sizeof p / sizeof p[0][0], 1.0f);
-                    fill(corr, MAXH, 1.0f);
-                    memcpy(acc1, acc0, sizeof(float) * nh * hd);
-                    memcpy(acc2, acc0, sizeof(float) * nh * hd);
-                    k->attn_accum_group(acc1, corr, &p[0][0], CPU_ATTN_CHUNK, v, nh, nk, hd);
-                    for (int g = 0; g < nh; g++)
-                        k->attn_accum(acc2 + (size_t)g * hd, corr[g], p[g], v, nk, hd);
-                    if (memcmp(acc1, acc2, sizeof(float) * nh * hd) != 0)
-                        fail_msg("isa %s: group of %d heads, %d keys, head_dim %d differs",
-                                 tdm_cpu_isa_name((enum tdm_cpu_isa)isa), nh, nk, hd);
-                    checked++;
-                }
+            for (size_t L = 0; L < sizeof nruns / sizeof nruns[0]; L++)
+                for (int bf = 0; bf < 2; bf++)
+                    for (int nh = 1; nh <= MAXH; nh++) {
+                        int hd = hds[h], nrun = nruns[L], total = 0;
+                        for (int r = 0; r < nrun; r++)
+                            total += layouts[L][r];
+                        fill(acc0, (size_t)nh * hd, 3.0f);
+                        fill(v, (size_t)total * hd, 2.0f);
+                        for (int e = 0; e < total * hd; e++)
+                            vb[e] = tdm_f32_to_bf16(v[e]);
+                        fill(&p[0][0], sizeof p / sizeof p[0][0], 1.0f);
+                        fill(corr, MAXH, 1.0f);
+                        // Runs in reverse memory order: each run is its own
+                        // pointer, not a slice of one array read straight on.
+                        const void *runs[5];
+                        for (int r = 0, o = total; r < nrun; r++) {
+                            o -= layouts[L][r];
+                            runs[r] = bf ? (const void *)(vb + (size_t)o * hd)
+                                         : (const void *)(v + (size_t)o * hd);
+                        }
+                        memcpy(acc1, acc0, sizeof(float) * nh * hd);
+                        memcpy(acc2, acc0, sizeof(float) * nh * hd);
+                        k->attn_accum_span(acc1, corr, &p[0][0], MAXK, runs, layouts[L], nrun,
+                                           bf, nh, hd);
+                        for (int g = 0; g < nh; g++)
+                            for (int r = 0, o = 0; r < nrun; o += layouts[L][r], r++) {
+                                float c = r == 0 ? corr[g] : 1.0f;
+                                if (bf)
+                                    k->attn_accum_bf16(acc2 + (size_t)g * hd, c, p[g] + o,
+                                                       runs[r], layouts[L][r], hd);
+                                else
+                                    k->attn_accum(acc2 + (size_t)g * hd, c, p[g] + o, runs[r],
+                                                  layouts[L][r], hd);
+                            }
+                        if (memcmp(acc1, acc2, sizeof(float) * nh * hd) != 0)
+                            fail_msg("isa %s: %s span of %d heads, layout %zu, head_dim %d "
+                                     "differs",
+                                     tdm_cpu_isa_name((enum tdm_cpu_isa)isa), bf ? "bf16" : "f32",
+                                     nh, L, hd);
+                        checked++;
+                    }
     }
     ops->destroy(be);
     // Where no ISA here has the kernel there is nothing to compare.
@@ -733,7 +762,7 @@ int main(void)
         cmocka_unit_test(test_prepare_errors),   cmocka_unit_test(test_embed),
         cmocka_unit_test(test_rmsnorm_silu_add), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention),        cmocka_unit_test(test_attention_bad_block),
-        cmocka_unit_test(test_attn_accum_group),
+        cmocka_unit_test(test_attn_accum_span),
         cmocka_unit_test(test_probes),           cmocka_unit_test(test_adopt_weight),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

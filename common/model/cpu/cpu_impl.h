@@ -20,6 +20,7 @@
 #ifndef TDM_CPU_IMPL_H
 #define TDM_CPU_IMPL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -133,11 +134,15 @@ struct cpu_kernels {
                               float *s);
     void (*attn_accum_bf16)(float *acc, float corr, const float *p, const uint16_t *v, int nk,
                             int head_dim);
-    // attn_accum for heads g < nh of one GQA group sharing v: acc rows and
-    // p rows (p_stride apart) per head, corr[g] per head; each head's result
-    // bit for bit attn_accum's. NULL: the backend calls attn_accum per head.
-    void (*attn_accum_group)(float *acc, const float *corr, const float *p, int p_stride,
-                             const float *v, int nh, int nk, int head_dim);
+    // attn_accum for heads g < nh of one GQA group sharing a span of value
+    // rows given as nrun runs (nv[r] rows at v[r], f32 or, with bf16, bf16
+    // widened exactly); acc rows and p rows (p_stride apart, j counting on
+    // across runs) per head, corr[g] per head. Each head's result is bit for
+    // bit attn_accum's (attn_accum_bf16's) called per run with corr[g] on the
+    // first and 1 on the others. NULL: the backend does exactly that.
+    void (*attn_accum_span)(float *acc, const float *corr, const float *p, int p_stride,
+                            const void *const *v, const int *nv, int nrun, bool bf16, int nh,
+                            int head_dim);
     // dst[i] = src[i] widened exactly to f32, i < n.
     void (*widen_bf16)(const uint16_t *src, float *dst, size_t n);
 };

@@ -522,13 +522,17 @@ AI void accum_impl(float *acc, float corr, const float *p, const void *v, bool b
     }
 }
 
-// attn_accum for NG heads of a GQA group at once: acc[g] = acc[g] * corr[g]
-// + sum_j p[g][j] * v[j], each lane's FMAs in attn_accum's order (so each
-// head's result is bit for bit attn_accum's), but the heads share every V
-// load and give 4 * NG independent FMA chains instead of 4 (one head's 16
-// dependent FMAs per lane were a latency chain).
-AI void accum_group_impl(float *acc, const float *corr, const float *p, int p_stride,
-                         const float *v, const int NG, int nk, const int hd)
+// attn_accum for NG heads of a GQA group over a span of keys at once: acc[g]
+// = acc[g] * corr[g] + sum_j p[g][j] * v[j], the span's value rows coming in
+// nrun runs (run r: nv[r] rows at v[r], head_dim apart; f32, or bf16 widened
+// exactly in registers), j counting on across runs. Each lane's FMAs go in
+// attn_accum's order, so each head's result is bit for bit attn_accum's (or
+// attn_accum_bf16's) over the runs with corr on the first and 1 after; the
+// heads share every V load and give 4 * NG independent FMA chains, and the
+// accumulators stay in registers across the whole span.
+AI void accum_span_impl(float *acc, const float *corr, const float *p, int p_stride,
+                        const void *const *v, const int *nv, int nrun, bool bf16, const int NG,
+                        const int hd)
 {
     for (int d0 = 0; d0 < hd; d0 += 64) {
         __mmask16 m[4];
@@ -546,19 +550,24 @@ AI void accum_group_impl(float *acc, const float *corr, const float *p, int p_st
                 a[g][i] = _mm512_mul_ps(
                     _mm512_maskz_loadu_ps(m[i], acc + (size_t)g * hd + d0 + 16 * i), c);
         }
-        for (int j = 0; j < nk; j++) {
-            __m512 vv[4];
-            size_t off = (size_t)j * hd + d0;
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++)
-                vv[i] = _mm512_maskz_loadu_ps(m[i], v + off + 16 * i);
-#pragma GCC unroll 4
-            for (int g = 0; g < NG; g++) {
-                __m512 pj = _mm512_set1_ps(p[(size_t)g * p_stride + j]);
+        const float *pr = p;
+        for (int r = 0; r < nrun; r++) {
+            const void *vr = v[r];
+            for (int j = 0; j < nv[r]; j++) {
+                __m512 vv[4];
+                size_t off = (size_t)j * hd + d0;
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++)
-                    a[g][i] = _mm512_fmadd_ps(pj, vv[i], a[g][i]);
+                    vv[i] = kv_load(vr, bf16, off + 16 * i, m[i]);
+#pragma GCC unroll 4
+                for (int g = 0; g < NG; g++) {
+                    __m512 pj = _mm512_set1_ps(pr[(size_t)g * p_stride + j]);
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++)
+                        a[g][i] = _mm512_fmadd_ps(pj, vv[i], a[g][i]);
+                }
             }
+            pr += nv[r];
         }
 #pragma GCC unroll 4
         for (int g = 0; g < NG; g++)
@@ -568,31 +577,39 @@ AI void accum_group_impl(float *acc, const float *corr, const float *p, int p_st
     }
 }
 
-static void attn_accum_group(float *acc, const float *corr, const float *p, int p_stride,
-                             const float *v, int nh, int nk, int hd)
+static void attn_accum_span(float *acc, const float *corr, const float *p, int p_stride,
+                            const void *const *v, const int *nv, int nrun, bool bf16, int nh,
+                            int hd)
 {
     for (int g0 = 0; g0 < nh; g0 += 4) {
         float *a = acc + (size_t)g0 * hd;
         const float *c = corr + g0, *pg = p + (size_t)g0 * p_stride;
-        // NG and (for the common head_dim 64) hd as constants, so that the
-        // accumulators are registers and the lane masks fold away.
-#define ACCUM_GROUP(NG)                                                                            \
-    (hd == 64 ? accum_group_impl(a, c, pg, p_stride, v, NG, nk, 64)                                \
-              : accum_group_impl(a, c, pg, p_stride, v, NG, nk, hd))
-        switch (nh - g0 < 4 ? nh - g0 : 4) {
-        case 4:
-            ACCUM_GROUP(4);
-            break;
-        case 3:
-            ACCUM_GROUP(3);
-            break;
-        case 2:
-            ACCUM_GROUP(2);
-            break;
-        default:
-            ACCUM_GROUP(1);
+        // bf16, NG and (for the common head_dim 64) hd as constants, so that
+        // the accumulators are registers and the lane masks fold away.
+#define ACCUM_SPAN(BF, NG)                                                                         \
+    (hd == 64 ? accum_span_impl(a, c, pg, p_stride, v, nv, nrun, BF, NG, 64)                       \
+              : accum_span_impl(a, c, pg, p_stride, v, nv, nrun, BF, NG, hd))
+#define ACCUM_SPAN_NG(BF)                                                                          \
+    switch (nh - g0 < 4 ? nh - g0 : 4) {                                                           \
+    case 4:                                                                                        \
+        ACCUM_SPAN(BF, 4);                                                                         \
+        break;                                                                                     \
+    case 3:                                                                                        \
+        ACCUM_SPAN(BF, 3);                                                                         \
+        break;                                                                                     \
+    case 2:                                                                                        \
+        ACCUM_SPAN(BF, 2);                                                                         \
+        break;                                                                                     \
+    default:                                                                                       \
+        ACCUM_SPAN(BF, 1);                                                                         \
+    }
+        if (bf16) {
+            ACCUM_SPAN_NG(true)
+        } else {
+            ACCUM_SPAN_NG(false)
         }
-#undef ACCUM_GROUP
+#undef ACCUM_SPAN_NG
+#undef ACCUM_SPAN
     }
 }
 
@@ -633,7 +650,7 @@ const struct cpu_kernels cpu_kernels_avx512 = {
     .attn_accum = attn_accum,
     .attn_scores_bf16 = attn_scores_bf16,
     .attn_accum_bf16 = attn_accum_bf16,
-    .attn_accum_group = attn_accum_group,
+    .attn_accum_span = attn_accum_span,
     .widen_bf16 = widen_bf16,
 };
 
