@@ -1133,6 +1133,23 @@ static void run_step(struct tdm_engine *e, int n_items)
         if (!it->logits)
             continue;
         float *lrow = e->logits + (size_t)row++ * (size_t)e->vocab;
+        if (r->gm && r->gmask_rc != TDM_OK) {
+            // No mask for this token (a grammar too ambiguous here: its fill
+            // spent GR_FILL_MAX_WORK, or memory ran out): the request ends
+            // with an error naming why instead of sampling unconstrained. Too
+            // ambiguous is the request's fault (400, never retried elsewhere:
+            // every worker would spend the same budget on it).
+            char msg[160];
+            snprintf(msg, sizeof msg,
+                     r->gmask_rc == TDM_ECAPACITY
+                         ? "structured output: the grammar is too ambiguous at this point "
+                           "(its token mask needs more work than one step may take)"
+                         : "structured output: computing the token mask failed: %s",
+                     tdm_strerror(r->gmask_rc));
+            finish_request(e, r, TDM_FINISH_ERROR, -1,
+                           r->gmask_rc == TDM_ECAPACITY ? TDM_EINVAL : r->gmask_rc, msg, false);
+            continue;
+        }
         if (r->gm) {
             double t0 = tdm_now();
             mask_apply(e, r, lrow);

@@ -329,6 +329,43 @@ static void test_gbnf(void **state)
     tdm_engine_free(e);
 }
 
+// A grammar too ambiguous for one token's mask (fuzz_grammar's regex of
+// nested empty alternatives, as in grammar_test: the fill spends
+// GR_FILL_MAX_WORK and is refused) ends its own request at its first token
+// with an error naming why; an unconstrained request in the same batch runs
+// to its length. Before the budget that one mask held the whole batch for
+// minutes and the request then sampled unconstrained.
+static void test_mask_budget_error(void **state)
+{
+    (void)state;
+    static const char hostile[] =
+        "(((y||||||.y....||t.||||.|.|||||.|y||||..|y|||||.||||60.9x9||y||xx!x)*)*||||........|||||"
+        ".|||..xxxxxxxxxTTTxx|||..xx...|||TTxT|Td)+||...............{||||.x.";
+    struct tdm_engine *e = engine_make(true);
+    int32_t prompt[64];
+    int np;
+    prompt_of("Say something:", prompt, &np);
+    struct tdm_sampling_params sp, plain;
+    constrained(&sp, TDM_CONSTRAINT_REGEX, hostile, 7);
+    sp.constraint_len = sizeof hostile - 1;
+    constrained(&plain, TDM_CONSTRAINT_NONE, NULL, 8);
+    struct tdm_engine_request *a = submit_kind(e, prompt, np, &sp, 8, TDM_ENGINE_REQ_GENERATE);
+    struct tdm_engine_request *b = submit_kind(e, prompt, np, &plain, 8, TDM_ENGINE_REQ_GENERATE);
+    struct out oa, ob;
+    collect(a, &oa);
+    collect(b, &ob);
+    assert_int_equal(oa.reason, TDM_FINISH_ERROR);
+    assert_int_equal(oa.error, TDM_EINVAL); // the request's fault: a 400, not retried
+    assert_int_equal(oa.n, 0);
+    if (!strstr(oa.message, "too ambiguous"))
+        fail_msg("message: %s", oa.message);
+    assert_int_equal(ob.reason, TDM_FINISH_LENGTH);
+    assert_int_equal(ob.n, 8);
+    tdm_engine_request_release(a);
+    tdm_engine_request_release(b);
+    tdm_engine_free(e);
+}
+
 // The grammar is complete: as in vLLM, the next step can only sample an ending
 // id, so the request ends on a generated EOS that counts as a token (the choice
 // "beta" then EOS); at max_tokens == the grammar's own tokens it is "length"
@@ -564,6 +601,7 @@ int main(void)
         cmocka_unit_test(test_schema_outputs_validate),
         cmocka_unit_test(test_regex_choice_object),
         cmocka_unit_test(test_gbnf),
+        cmocka_unit_test(test_mask_budget_error),
         cmocka_unit_test(test_stop_when_done_and_length),
         cmocka_unit_test(test_pd_equivalence),
         cmocka_unit_test(test_refusals_and_no_cost),

@@ -137,6 +137,8 @@ struct gr_arena {
     int32_t *visited; // expansion scratch: (ref pos, parent) pairs seen in one step
     size_t visited_cap;
     int32_t base_depth; // depth below a GR_BASE bottom (set per advance from the input set)
+    uint64_t *budget;   // work units left for the mask fill in progress (NULL: no fill;
+                        // each advance still has its own EXPAND_MAX_WORK)
 };
 
 // A chain bottom standing for a stack base B cut off (relative sets, see
@@ -203,7 +205,18 @@ struct tdm_grammar_matcher {
     struct gr_dfa dfa;
     int32_t *level_id; // [vocab->max_depth + 2] DFA set after each trie depth
     bool no_dfa;       // tests: walk with the plain set advance only
+    uint64_t fill_budget;    // work units a fill may spend (GR_FILL_MAX_WORK; tests lower it)
+    uint64_t last_fill_work; // work units the last fill_mask spent
 };
+
+// Work units one fill_mask may spend over all its set advances (an expansion
+// step is one unit; scans of the visited list and of the state's stacks
+// count one unit per 64 entries). A grammar that needs more for one token's
+// mask is refused at that step (TDM_ECAPACITY) instead of holding every
+// request of the batch: a ~300-byte regex of nested empty alternatives spent
+// over two minutes on one mask of the Qwen2 vocabulary before this bound.
+// Real schemas and regexes spend well under a hundredth of it (grammar_test).
+#define GR_FILL_MAX_WORK 4000000u
 
 int gr_mask_cache_new(struct gr_mask_cache **out, size_t words);
 void gr_mask_cache_free(struct gr_mask_cache *c);

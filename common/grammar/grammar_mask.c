@@ -641,16 +641,26 @@ int tdm_grammar_matcher_fill_mask(struct tdm_grammar_matcher *m, uint32_t *mask,
         return TDM_OK;
     }
     m->misses++;
+    // One budget for the whole fill (both walks and the DFA's interning).
+    uint64_t budget = m->fill_budget;
+    m->arena.budget = m->dfa.arena.budget = &budget;
     int rc = -3;
     if (m->cur.n && !m->no_dfa)
         rc = walk_dfa(m, mask);
+    if (rc == -3 && budget == 0)
+        rc = TDM_ECAPACITY; // the DFA walk spent it: no plain walk after it
     if (rc == -3) {
         memset(mask, 0, words * sizeof *mask);
         dfa_reset(&m->dfa);
         rc = walk_plain(m, mask);
     }
-    if (rc)
+    m->arena.budget = m->dfa.arena.budget = NULL;
+    m->last_fill_work = m->fill_budget - budget;
+    if (rc) {
+        // A spent budget leaves the DFA with sets of a walk that never ended.
+        dfa_reset(&m->dfa);
         return rc;
+    }
     if (m->cur.accepted && v->eos_id >= 0 && v->eos_id < v->n_tokens)
         mask[v->eos_id >> 5] |= 1u << (v->eos_id & 31);
     // walk_dfa used m->key as scratch: key the cache entry again.

@@ -100,8 +100,26 @@ struct expand_ctx {
     int err;
 };
 
+// Charges units of work to the mask fill in progress, if any: false (and
+// TDM_ECAPACITY) once its budget is spent.
+static bool charge(struct expand_ctx *c, uint64_t units)
+{
+    uint64_t *b = c->a->budget;
+    if (b == NULL)
+        return true;
+    if (*b < units) {
+        *b = 0;
+        c->err = TDM_ECAPACITY;
+        return false;
+    }
+    *b -= units;
+    return true;
+}
+
 static bool visited_add(struct expand_ctx *c, int32_t pos, int32_t parent)
 {
+    if (!charge(c, c->n_visited / 128))
+        return false;
     for (size_t i = 0; i < c->n_visited; i += 2)
         if (c->visited[i] == pos && c->visited[i + 1] == parent)
             return false;
@@ -130,6 +148,8 @@ static void add_top(struct expand_ctx *c, int32_t pos, int32_t parent)
         return;
     if (parent >= 0 && c->a->nodes[parent].depth >= TDM_GRAMMAR_MAX_STACK)
         return;
+    if (!charge(c, c->out->n / 64))
+        return;
     int32_t id = arena_push(c->a, pos, parent);
     if (id < 0) {
         c->err = TDM_ENOMEM;
@@ -157,6 +177,8 @@ static void expand(struct expand_ctx *c, int32_t pos, int32_t parent, int recurs
         c->err = TDM_ECAPACITY;
         return;
     }
+    if (!charge(c, 1))
+        return;
     for (;;) {
         if (c->err)
             return;
@@ -331,6 +353,7 @@ int tdm_grammar_matcher_new(struct tdm_grammar_matcher **out, struct tdm_grammar
         return TDM_ENOMEM;
     m->g = tdm_grammar_ref(g);
     m->vocab = vocab;
+    m->fill_budget = GR_FILL_MAX_WORK;
     if (vocab) {
         size_t levels = (size_t)vocab->max_depth + 2;
         m->levels = calloc(levels, sizeof *m->levels);

@@ -625,6 +625,69 @@ static void test_masks_small_vocab(void **state)
     masks_document(small_tok, v, 2);
 }
 
+// A mask fill has one work budget (GR_FILL_MAX_WORK). This regex of nested
+// empty alternatives (found by fuzz_grammar, its NULs and control bytes
+// then made 'x') took over two minutes for one mask of the Qwen2
+// vocabulary before the budget, holding every request of the engine's batch;
+// now the fill is refused with TDM_ECAPACITY once the budget is spent, with
+// the small vocabulary as with the real one. Real grammars spend under 1% of
+// it, and a refused fill leaves the matcher usable: with the budget back, its
+// mask is a fresh matcher's.
+static void test_mask_budget(void **state)
+{
+    (void)state;
+    static const char hostile[] =
+        "(((y||||||.y....||t.||||.|.|||||.|y||||..|y|||||.||||60.9x9||y||xx!x)*)*||||........|||||"
+        ".|||..xxxxxxxxxTTTxx|||..xx...|||TTxT|Td)+||...............{||||.x.";
+    const struct tdm_grammar_vocab *v = small_vocab;
+    size_t words = tdm_grammar_mask_words(v);
+    uint32_t *mask = calloc(words, sizeof *mask), *mask2 = calloc(words, sizeof *mask2);
+    assert_non_null(mask);
+    assert_non_null(mask2);
+    char err[256];
+    struct tdm_grammar *g = NULL;
+    assert_int_equal(
+        tdm_grammar_compile_regex(&g, hostile, sizeof hostile - 1, err, sizeof err), TDM_OK);
+    struct tdm_grammar_matcher *m;
+    assert_int_equal(tdm_grammar_matcher_new(&m, g, v), TDM_OK);
+    double t0 = tdm_now();
+    assert_int_equal(tdm_grammar_matcher_fill_mask(m, mask, words), TDM_ECAPACITY);
+    assert_int_equal(m->last_fill_work, GR_FILL_MAX_WORK); // spent to the unit, then refused
+    // Release: ~0.1 s; a generous bound for sanitizer builds on a loaded machine.
+    if (tdm_now() - t0 > 30.0)
+        fail_msg("the refused fill took %.1f s", tdm_now() - t0);
+    tdm_grammar_matcher_free(m);
+    tdm_grammar_unref(g);
+
+    // Real grammars: far inside the budget, even for the first (uncached) mask.
+    struct tdm_grammar *gs[4];
+    gs[0] = schema(schema_person);
+    gs[1] = schema(schema_mixed);
+    assert_int_equal(tdm_grammar_compile_json_object(&gs[2], err, sizeof err), TDM_OK);
+    gs[3] = regex(".*");
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(tdm_grammar_matcher_new(&m, gs[i], v), TDM_OK);
+        assert_int_equal(tdm_grammar_matcher_fill_mask(m, mask, words), TDM_OK);
+        if (m->last_fill_work == 0 || m->last_fill_work > GR_FILL_MAX_WORK / 100)
+            fail_msg("grammar %d: the first mask spent %llu work units", i,
+                     (unsigned long long)m->last_fill_work);
+        uint64_t need = m->last_fill_work;
+        tdm_grammar_matcher_free(m);
+        // The same fill with one unit too few is refused; the matcher then
+        // computes the right mask with its budget back (its DFA was reset).
+        assert_int_equal(tdm_grammar_matcher_new(&m, gs[i], v), TDM_OK);
+        m->fill_budget = need - 1;
+        assert_int_equal(tdm_grammar_matcher_fill_mask(m, mask2, words), TDM_ECAPACITY);
+        m->fill_budget = GR_FILL_MAX_WORK;
+        assert_int_equal(tdm_grammar_matcher_fill_mask(m, mask2, words), TDM_OK);
+        assert_memory_equal(mask, mask2, words * sizeof *mask);
+        tdm_grammar_matcher_free(m);
+        tdm_grammar_unref(gs[i]);
+    }
+    free(mask);
+    free(mask2);
+}
+
 // Without a vocab no mask; a too-small mask buffer is refused; unknown ids too.
 static void test_mask_api_errors(void **state)
 {
@@ -860,6 +923,7 @@ int main(void)
         cmocka_unit_test(test_mask_api_errors),    cmocka_unit_test(test_random_walks),
         cmocka_unit_test(test_masks_qwen2),        cmocka_unit_test(test_gbnf),
         cmocka_unit_test(test_token_bytes),        cmocka_unit_test(test_threads),
+        cmocka_unit_test(test_mask_budget),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -232,11 +232,20 @@ int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_req
             if (r->gm != NULL) {
                 double tm = tdm_now();
                 const struct tdm_grammar_vocab *gv = opts->grammar_vocab;
-                bool ok = tdm_grammar_matcher_fill_mask(r->gm, r->gmask,
-                                                        tdm_grammar_mask_words(gv)) == TDM_OK;
-                tdm_grammar_mask_apply(ok ? r->gmask : NULL, tdm_grammar_vocab_size(gv), lrow,
-                                       vocab, r->gend, r->n_gend,
-                                       tdm_grammar_matcher_accepts_eos(r->gm));
+                int mrc =
+                    tdm_grammar_matcher_fill_mask(r->gm, r->gmask, tdm_grammar_mask_words(gv));
+                if (mrc != TDM_OK) {
+                    // As the engine: no mask, no unconstrained draw.
+                    rc = tdm_seterr(err, errlen, mrc == TDM_ECAPACITY ? TDM_EINVAL : mrc,
+                                    "runner: request %d: structured output: %s", i,
+                                    mrc == TDM_ECAPACITY
+                                        ? "the grammar is too ambiguous at this point (its "
+                                          "token mask needs more work than one step may take)"
+                                        : "computing the token mask failed");
+                    goto out;
+                }
+                tdm_grammar_mask_apply(r->gmask, tdm_grammar_vocab_size(gv), lrow, vocab, r->gend,
+                                       r->n_gend, tdm_grammar_matcher_accepts_eos(r->gm));
                 stats->num_masks++;
                 stats->mask_s += tdm_now() - tm;
             }
