@@ -1040,9 +1040,8 @@ static void masks_wait(struct tdm_engine *e, bool posted)
 // their logit only where the output is complete.
 static void mask_apply(struct tdm_engine *e, struct tdm_engine_request *r, float *row)
 {
-    tdm_grammar_mask_apply(r->gmask_rc == TDM_OK ? r->gmask : NULL,
-                           tdm_grammar_vocab_size(e->cfg.grammar_vocab), row, e->vocab, r->gend,
-                           r->n_gend, r->gmask_eos);
+    tdm_grammar_mask_apply(r->gmask, tdm_grammar_vocab_size(e->cfg.grammar_vocab), row, e->vocab,
+                           r->gend, r->n_gend, r->gmask_eos);
 }
 
 // Verifies r's drafts against its 1 + n_draft logits rows (tdm_sampler_verify:
@@ -1134,20 +1133,12 @@ static void run_step(struct tdm_engine *e, int n_items)
             continue;
         float *lrow = e->logits + (size_t)row++ * (size_t)e->vocab;
         if (r->gm && r->gmask_rc != TDM_OK) {
-            // No mask for this token (a grammar too ambiguous here: its fill
-            // spent GR_FILL_MAX_WORK, or memory ran out): the request ends
-            // with an error naming why instead of sampling unconstrained. Too
-            // ambiguous is the request's fault (400, never retried elsewhere:
-            // every worker would spend the same budget on it).
+            // No mask for this token (a grammar too ambiguous here, or memory
+            // ran out): the request ends with an error naming why instead of
+            // sampling unconstrained.
             char msg[160];
-            snprintf(msg, sizeof msg,
-                     r->gmask_rc == TDM_ECAPACITY
-                         ? "structured output: the grammar is too ambiguous at this point "
-                           "(its token mask needs more work than one step may take)"
-                         : "structured output: computing the token mask failed: %s",
-                     tdm_strerror(r->gmask_rc));
-            finish_request(e, r, TDM_FINISH_ERROR, -1,
-                           r->gmask_rc == TDM_ECAPACITY ? TDM_EINVAL : r->gmask_rc, msg, false);
+            int code = tdm_grammar_mask_error(r->gmask_rc, msg, sizeof msg);
+            finish_request(e, r, TDM_FINISH_ERROR, -1, code, msg, false);
             continue;
         }
         if (r->gm) {

@@ -123,6 +123,12 @@ bool tdm_grammar_matcher_is_done(const struct tdm_grammar_matcher *m);
 // when token id may come next. No allocation once the matcher's scratch has grown
 // to the grammar's needs. TDM_EINVAL without a vocab.
 int tdm_grammar_matcher_fill_mask(struct tdm_grammar_matcher *m, uint32_t *mask, size_t words);
+// For a request whose mask could not be filled (fill_mask's rc): the error
+// to end it with, written into msg, and the code to report. A grammar too
+// ambiguous at this point (TDM_ECAPACITY: the fill spent its work budget) is
+// the request's fault, TDM_EINVAL (a 400, never retried on another worker,
+// which would spend the same budget); anything else keeps its code.
+int tdm_grammar_mask_error(int rc, char *msg, size_t msglen);
 
 // Applies a step's mask to one row of logits[n_logits] (the model's vocabulary,
 // which may be larger than the tokenizer's mask_tokens): tokens the mask leaves

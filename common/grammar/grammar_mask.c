@@ -8,6 +8,7 @@
 // a string or a repeated structure without a walk. Special tokens are never in
 // the trie; EOS is allowed exactly where the state is accepting.
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -668,6 +669,18 @@ int tdm_grammar_matcher_fill_mask(struct tdm_grammar_matcher *m, uint32_t *mask,
     if (n_key)
         gr_mask_cache_put(m->cache, m->key, n_key, mask);
     return TDM_OK;
+}
+
+int tdm_grammar_mask_error(int rc, char *msg, size_t msglen)
+{
+    if (rc == TDM_ECAPACITY) {
+        snprintf(msg, msglen, "structured output: the grammar is too ambiguous at this point "
+                              "(its token mask needs more work than one step may take)");
+        return TDM_EINVAL;
+    }
+    snprintf(msg, msglen, "structured output: computing the token mask failed: %s",
+             tdm_strerror(rc));
+    return rc;
 }
 
 // ---- applying a mask ----------------------------------------------------------------

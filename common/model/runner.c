@@ -236,12 +236,9 @@ int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_req
                     tdm_grammar_matcher_fill_mask(r->gm, r->gmask, tdm_grammar_mask_words(gv));
                 if (mrc != TDM_OK) {
                     // As the engine: no mask, no unconstrained draw.
-                    rc = tdm_seterr(err, errlen, mrc == TDM_ECAPACITY ? TDM_EINVAL : mrc,
-                                    "runner: request %d: structured output: %s", i,
-                                    mrc == TDM_ECAPACITY
-                                        ? "the grammar is too ambiguous at this point (its "
-                                          "token mask needs more work than one step may take)"
-                                        : "computing the token mask failed");
+                    char msg[160];
+                    int code = tdm_grammar_mask_error(mrc, msg, sizeof msg);
+                    rc = tdm_seterr(err, errlen, code, "runner: request %d: %s", i, msg);
                     goto out;
                 }
                 tdm_grammar_mask_apply(r->gmask, tdm_grammar_vocab_size(gv), lrow, vocab, r->gend,
