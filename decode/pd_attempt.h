@@ -65,7 +65,7 @@ struct tdm_pd_attempt_config {
                              // with its device context (2)
 };
 
-// What the receive thread recorded for the attempt, copied under its lock by ops->view.
+// What the frame handlers recorded for the attempt, copied under its lock by ops->view.
 struct tdm_pd_attempt_view {
     bool stop;        // the job must end: cancelled, the service stopping, deadline passed
     bool cancelled;   // the router cancelled (a failure is then not counted)

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// pd_receiver: the decode worker's P/D side (see pd_receiver.h). One receive
-// thread reads the inbox: it starts a job thread per GenerateRequest, hands
-// PrefillResults to their job, imports KvData frames straight from the
-// received message into the reserved blocks (under the receiver lock, so a job
-// that gives up cannot call import_done while a layer is being written; frames
-// may come before the PrefillResult), and flips the cancel flag for Cancels. A
+// pd_receiver: the decode worker's P/D side (see pd_receiver.h). The frame
+// handlers (run by the P/D service on the inbox's reader threads, one per peer
+// connection) start a job thread per GenerateRequest, hand PrefillResults to
+// their job, import KvData frames straight from the received message into the
+// reserved blocks (under the receiver lock, so a job that gives up cannot call
+// import_done while a layer is being written; frames may come before the
+// PrefillResult), and flip the cancel flag for Cancels. A
 // job thread owns its engine request(s) from submit to release: it reserves
 // the prompt's blocks once (IMPORT_KV), then walks the attempts, listed
 // prefill workers in order with the same reserved blocks, then local prefill.
@@ -115,7 +116,7 @@ struct djob {
     double arrival;  // tdm_now() at receipt
     double deadline; // tdm_now() clock
 
-    // Under rx->mu (shared with the receive thread):
+    // Under rx->mu (shared with the frame handlers):
     bool cancelled;
     uint64_t transfer_id; // current remote attempt, 0 = none
     char prefill_url[256];
@@ -148,7 +149,7 @@ struct djob {
                         // handed on (the import request is kept, not ended)
     enum tdm_kvx_mode transport; // how the attempt's KV came (its first frame)
     char transport_why[160];
-    uint64_t version;     // bumped with every change above made by the receive thread
+    uint64_t version;     // bumped with every change above made by a frame handler
 
     // The trace (job thread only): the llm_request span, parent = the router's
     // attempt span from GenerateRequest.traceparent; not recording when off.
@@ -165,7 +166,7 @@ struct tdm_pd_receiver {
     struct tdm_worker *server;
     struct tdm_worker_parts parts;
     struct tdm_kv_config kvc;
-    struct tdm_pd_service net; // inbox, outbox, instance id, receive thread, stopping
+    struct tdm_pd_service net; // inbox, outbox, instance id, frame dispatch, stopping
 
     pthread_mutex_t mu;
     pthread_cond_t cv; // broadcast on any job change
@@ -193,7 +194,7 @@ struct tdm_pd_receiver {
     uint64_t kvx_block_bytes; // one block of one layer's K (or V) in our pool, bytes
     uint32_t kvx_num_blocks;
 
-    // KV events of the load report being built (receive thread only).
+    // KV events of the load report being built (fill_load: one call at a time).
     struct tdm_kv_event kev[KV_EVENTS_PER_REPORT];
     uint64_t kev_stored[KV_EVENTS_PER_REPORT], kev_evicted[KV_EVENTS_PER_REPORT];
     uint64_t kev_batch;
@@ -437,7 +438,7 @@ static void run_local(struct djob *j)
 
 // ---- one remote attempt (the state machine is pd_attempt.c) ------------------------------
 // The machine's ops over this receiver: its outbox, its lock and condition
-// variable, its engine. The receive thread fills the job's attempt fields;
+// variable, its engine. The frame handlers fill the job's attempt fields;
 // view copies them under rx->mu, and wait returns early when they changed
 // since (j->version), so a wake-up between the two is not lost.
 struct remote {
@@ -627,7 +628,7 @@ static int remote_check_result(void *ctx, char *err, size_t errlen)
 }
 
 // Ends the attempt: from here on no KvData touches the reserved blocks (the
-// receive thread imports under rx->mu) and no message of this transfer id is
+// KvData handler imports under rx->mu) and no message of this transfer id is
 // accepted.
 static void remote_retire(void *ctx)
 {

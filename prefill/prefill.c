@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// prefill: the prefill worker's P/D service (see prefill.h). One receive thread
-// reads the inbox and dispatches; each PrefillRequest gets a job thread that
-// owns its engine request from submit to release, so every exit path of that
+// prefill: the prefill worker's P/D service (see prefill.h). The frame
+// handlers run on the inbox's reader threads; each PrefillRequest gets a job
+// thread that owns its engine request from submit to release, so every exit path of that
 // one function releases the KV, and that is also the request's sender: the
 // engine's push hook (on the engine thread) only records which layers are final
 // and wakes it; the job thread exports each layer group straight into its
 // KvData frame while the engine computes the later layers, so the engine never
-// waits on the network. The receive thread only flips the cancel flag and
+// waits on the network. The Cancel handler only flips the cancel flag and
 // aborts; it never blocks on a peer.
 //
 // Invariants: a job is in the list from submit until its thread is about to
@@ -110,7 +110,7 @@ struct pjob {
     double hold_seconds; // KV whose frames are not all sent this long after the finish: released
     struct tdm_pd_push push; // the decode worker's block range and framing (checked)
     double t_submit;
-    // Set by the receive thread under svc->mu:
+    // Set by the Cancel handler under svc->mu:
     bool cancelled;
     // Set by the engine thread (push hook, finish callback) under mu; cv wakes
     // the job thread on a complete layer group and on the finish.
@@ -151,7 +151,7 @@ struct tdm_prefill_service {
     struct tdm_worker *server;
     struct tdm_worker_parts parts;
     struct tdm_kv_config kvc;
-    struct tdm_pd_service net; // inbox, outbox, instance id, receive thread, stopping
+    struct tdm_pd_service net; // inbox, outbox, instance id, frame dispatch, stopping
 
     pthread_mutex_t mu;
     pthread_cond_t cv; // broadcast on job exit

@@ -55,7 +55,7 @@ int tdm_prefill_config_take_args(struct tdm_prefill_config *cfg, int *argc, char
                                  size_t errlen);
 
 // Starts the service on a loaded worker (tdm_worker_load done): opens
-// the inbox, registers the tandem:* transfer metrics, starts the receive thread.
+// the inbox, registers the tandem:* transfer metrics, starts handling frames.
 // TDM_EBUSY when the server is not loaded, TDM_ETRANSPORT when it cannot listen.
 int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker *server,
                             const struct tdm_prefill_config *cfg, char *err, size_t errlen);

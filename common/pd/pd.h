@@ -2,19 +2,24 @@
 // pd: the P/D runtime that both P/D worker roles run, the decode worker's P/D
 // receiver (decode/pd_receiver.c) and the prefill worker (prefill/prefill.c).
 // One concern per file: pd_service.c, an inbox and an outbox
-// (common/transport), this process's instance id, one receive thread that
-// dispatches each frame to the role's handler for its type and answers
-// LoadQuery itself, and the stop (flag, inbox closed, thread joined) the roles
-// do before they wait for their job threads; pd_load.c, the load report a
+// (common/transport), this process's instance id, the dispatch of each frame
+// to the role's handler for its type (on the inbox's reader thread of the
+// connection it came on) and the answer to LoadQuery, and the stop (flag,
+// inbox closed, readers gone) the roles do before they wait for their job
+// threads; pd_load.c, the load report a
 // LoadQuery is answered with; pd_metrics.c, the shape of the transfer metrics
 // both roles keep (bytes, blocks, requests, failures by reason, seconds per
 // transfer; each role its own names); pd_flags.c, the check of an --nng-url
 // value (the flags themselves are core flag tables, tdm_flags_take). The wire
 // conversions (protobuf-c types) are pd_codec.h's, not this header's.
 //
-// Invariants: the handlers and fill_load run on the receive thread only, never
-// after tdm_pd_service_stop returned; the outbox stays usable from any thread
-// until tdm_pd_service_fini (job threads still send after stop).
+// Invariants: the handlers run on the inbox's reader threads, one per peer
+// connection: frames of one connection in their order, frames of different
+// connections at the same time (handlers lock what they share); a handler that
+// waits holds back only its own connection's frames. fill_load runs one call
+// at a time (and the report it fills is sent before the next). None runs after
+// tdm_pd_service_stop returned; the outbox stays usable from any thread until
+// tdm_pd_service_fini (job threads still send after stop).
 #ifndef TDM_PD_H
 #define TDM_PD_H
 
@@ -81,19 +86,19 @@ struct tdm_pd_service {
                                      // busy job threads (busy is not dead)
     atomic_bool stopping;          // set by tdm_pd_service_stop; job threads watch it too
     struct tdm_pd_service_config cfg;
-    pthread_t rx_thread;
+    pthread_mutex_t load_mu; // one LoadQuery answer at a time (fill_load's buffers)
 };
 
 // Draws the instance id, opens the outbox (100 ms reconnect) and the inbox on
-// cfg->url and starts the receive thread. Errors as tdm_net_outbox_new and
-// tdm_net_inbox_new (TDM_ETRANSPORT when it cannot listen), TDM_ENOMEM with
-// "<module>: cannot start the receive thread"; on error nothing is left open.
+// cfg->url, whose readers hand frames to the handlers from now on. Errors as
+// tdm_net_outbox_new and tdm_net_inbox_new (TDM_ETRANSPORT when it cannot
+// listen); on error nothing is left open.
 int tdm_pd_service_init(struct tdm_pd_service *s, const struct tdm_pd_service_config *cfg,
                         char *err, size_t errlen);
 // The URL peers dial (the bound port filled in).
 const char *tdm_pd_service_url(const struct tdm_pd_service *s);
-// Sets stopping, closes the inbox and joins the receive thread: no handler runs
-// after it returns. The outbox is still open.
+// Sets stopping and closes the inbox, which waits for its readers: no handler
+// runs after it returns. The outbox is still open.
 void tdm_pd_service_stop(struct tdm_pd_service *s);
 // Frees the inbox and the outbox; after stop and after every thread that sends
 // has left.

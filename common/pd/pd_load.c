@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // pd_load: the load report a P/D worker answers a LoadQuery with (see pd.h):
 // the common fields from the engine's stats, and the LoadReport sent back
-// without blocking, so a router that went away cannot stall the receive thread.
+// without blocking, so a router that went away cannot stall the reader thread
+// that answers.
 #include <string.h>
 
 #include "engine.h"

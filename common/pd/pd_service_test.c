@@ -2,7 +2,8 @@
 // pd_service tests: the service dispatches frames by type to the role's
 // handlers (with its arg), answers a LoadQuery with the role's load (the common
 // fields from tdm_pd_service_load, held and KV events) and drops a malformed
-// one, ignores frames without a handler and runs no handler after stop; a URL
+// one, ignores frames without a handler and runs no handler after stop; a
+// handler that waits holds back only its own connection's frames; a URL
 // it cannot listen on fails cleanly; the transfer metrics render with the
 // role's names and help texts, the requests label or none, the reason label
 // and the fixed buckets, and a second registration of the same names is
@@ -17,6 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "core.h"
@@ -179,6 +183,96 @@ static void test_service_dispatch(void **state)
     free(r);
 }
 
+// A handler that waits (a send to a slow peer, a big import) holds back only
+// the frames of its own connection: another peer's frames are handled
+// meanwhile, and the waiting connection's next frame right after it.
+struct slow_role {
+    struct tdm_pd_service svc;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool release;     // under mu: the waiting handler may return
+    int waiting;      // under mu: handlers inside the wait
+    atomic_int quick; // "quick" frames handled
+    atomic_int after; // "after" frames handled (they follow "wait" on its connection)
+};
+
+static void on_slow_cancel(void *arg, const struct tdm_net_frame *f)
+{
+    struct slow_role *r = arg;
+    if (f->msg_len == 4 && memcmp(f->msg, "wait", 4) == 0) {
+        pthread_mutex_lock(&r->mu);
+        r->waiting++;
+        pthread_cond_broadcast(&r->cv);
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 10; // bounded, so a broken service fails the test instead of hanging it
+        while (!r->release && pthread_cond_timedwait(&r->cv, &r->mu, &until) == 0)
+            ;
+        r->waiting--;
+        pthread_mutex_unlock(&r->mu);
+    } else if (f->msg_len == 5 && memcmp(f->msg, "quick", 5) == 0) {
+        atomic_fetch_add(&r->quick, 1);
+    } else if (f->msg_len == 5 && memcmp(f->msg, "after", 5) == 0) {
+        atomic_fetch_add(&r->after, 1);
+    }
+}
+
+static void test_service_waiting_handler(void **state)
+{
+    (void)state;
+    char err[256];
+    struct slow_role *r = calloc(1, sizeof *r);
+    assert_non_null(r);
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cv, NULL);
+    struct tdm_pd_service_config cfg = {
+        .url = "tcp://127.0.0.1:0",
+        .module = "pd-service-test",
+        .on = {[TDM_NET_CANCEL] = on_slow_cancel},
+        .arg = r,
+    };
+    assert_int_equal(tdm_pd_service_init(&r->svc, &cfg, err, sizeof err), TDM_OK);
+    const char *url = tdm_pd_service_url(&r->svc);
+    // Two peers: two outboxes, so two connections.
+    struct tdm_net_outbox *slow = NULL, *other = NULL;
+    assert_int_equal(tdm_net_outbox_new(&slow, 50, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_net_outbox_new(&other, 50, err, sizeof err), TDM_OK);
+    assert_int_equal(
+        tdm_net_send(slow, url, TDM_NET_CANCEL, "wait", 4, NULL, 0, 2.0, err, sizeof err), TDM_OK);
+    assert_int_equal(
+        tdm_net_send(slow, url, TDM_NET_CANCEL, "after", 5, NULL, 0, 2.0, err, sizeof err), TDM_OK);
+    pthread_mutex_lock(&r->mu);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 5;
+    while (r->waiting == 0 && pthread_cond_timedwait(&r->cv, &r->mu, &until) == 0)
+        ;
+    assert_int_equal(r->waiting, 1);
+    pthread_mutex_unlock(&r->mu);
+    // The other peer is heard while the first connection's handler waits.
+    assert_int_equal(
+        tdm_net_send(other, url, TDM_NET_CANCEL, "quick", 5, NULL, 0, 2.0, err, sizeof err),
+        TDM_OK);
+    for (int i = 0; i < 250 && atomic_load(&r->quick) == 0; i++)
+        usleep(20000);
+    assert_int_equal(atomic_load(&r->quick), 1);
+    assert_int_equal(atomic_load(&r->after), 0); // its own connection's next frame waits
+    pthread_mutex_lock(&r->mu);
+    r->release = true;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    for (int i = 0; i < 250 && atomic_load(&r->after) == 0; i++)
+        usleep(20000);
+    assert_int_equal(atomic_load(&r->after), 1);
+    tdm_pd_service_stop(&r->svc);
+    tdm_pd_service_fini(&r->svc);
+    tdm_net_outbox_free(slow);
+    tdm_net_outbox_free(other);
+    pthread_cond_destroy(&r->cv);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+}
+
 static void test_service_init_fails(void **state)
 {
     (void)state;
@@ -311,6 +405,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_service_dispatch),
+        cmocka_unit_test(test_service_waiting_handler),
         cmocka_unit_test(test_service_init_fails),
         cmocka_unit_test(test_metrics),
         cmocka_unit_test(test_flag_url),

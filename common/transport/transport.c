@@ -805,26 +805,6 @@ int tdm_net_inbox_recv(struct tdm_net_inbox *in, double timeout_s, struct tdm_ne
     return TDM_OK;
 }
 
-void tdm_net_inbox_serve(struct tdm_net_inbox *in, const atomic_bool *stopping,
-                         tdm_net_frame_handler handle, void *arg, const char *module)
-{
-    char err[256];
-    while (!atomic_load(stopping)) {
-        struct tdm_net_msg *msg = NULL;
-        int rc = tdm_net_inbox_recv(in, 0.2, &msg, err, sizeof err);
-        if (rc == TDM_ETIMEDOUT)
-            continue;
-        if (rc == TDM_ECLOSED)
-            break;
-        if (rc != TDM_OK) {
-            TDM_LOG_WARN(module, "dropped a frame: %s", err);
-            continue;
-        }
-        handle(arg, tdm_net_msg_frame(msg));
-        tdm_net_msg_free(msg);
-    }
-}
-
 void tdm_net_inbox_handle_on_readers(struct tdm_net_inbox *in, tdm_net_frame_handler handle,
                                      void *arg)
 {

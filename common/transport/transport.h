@@ -114,19 +114,15 @@ const char *tdm_net_inbox_url(const struct tdm_net_inbox *in);
 int tdm_net_inbox_recv(struct tdm_net_inbox *in, double timeout_s, struct tdm_net_msg **out,
                        char *err, size_t errlen);
 
-// A role's inbox thread: receives frames (0.2 s waits, so *stopping is seen
-// promptly) and hands each to handle(arg, frame) until *stopping is set or the
-// inbox is closed. The frame is valid only during the call. Malformed frames
-// are dropped with a warning logged under module. Returns when done.
+// A frame handler: called with the frame, valid only during the call.
 typedef void (*tdm_net_frame_handler)(void *arg, const struct tdm_net_frame *f);
-void tdm_net_inbox_serve(struct tdm_net_inbox *in, const atomic_bool *stopping,
-                         tdm_net_frame_handler handle, void *arg, const char *module);
 
 // Event-driven receiving: from now on each frame is handed to handle(arg,
 // frame) on the reader thread of the connection it came on, as soon as it is
 // read, instead of being queued for tdm_net_inbox_recv (frames already queued
 // are handled by this call, in order). Saves the hand-off to the thread that
-// serves the inbox and the inbox queue's lock: the router's token path. handle
+// serves the inbox and the inbox queue's lock (the router's token path, the
+// P/D workers' frames: common/pd's service). handle
 // runs on several threads at once (one per connection), must not block for
 // long (a connection's next frame waits for it: back-pressure through TCP),
 // and is never called once tdm_net_inbox_close has returned. The frame is
