@@ -333,14 +333,8 @@ static struct endpoint *add_endpoint(struct tdm_router_endpoints *reg, const cha
                                      int http_port, int nng_port, enum tdm_router_role role,
                                      bool healthy)
 {
-    if (reg->n == reg->cap) {
-        size_t nc = reg->cap ? reg->cap * 2 : 8;
-        struct endpoint **ne = realloc(reg->eps, nc * sizeof *ne);
-        if (!ne)
-            return NULL;
-        reg->eps = ne;
-        reg->cap = nc;
-    }
+    if (tdm_grow(&reg->eps, &reg->cap, reg->n + 1, sizeof *reg->eps, 8) != TDM_OK)
+        return NULL;
     struct endpoint *e = calloc(1, sizeof *e);
     if (!e)
         return NULL;

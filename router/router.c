@@ -390,14 +390,8 @@ static void on_tokens(struct tdm_router_server *s, const struct tdm_net_frame *f
         // Chunks already waiting mean the reader was woken for them and
         // takes this one with them (pump takes a queue whole).
         bool was_empty = st->qn == 0 && !st->overflow;
-        if (st->qn == st->qcap) {
-            size_t cap = st->qcap ? st->qcap * 2 : 16;
-            Tandem__TokenChunk **q = cap < 1u << 20 ? realloc(st->q, cap * sizeof *q) : NULL;
-            if (q) {
-                st->q = q;
-                st->qcap = cap;
-            }
-        }
+        if (st->qn == st->qcap && st->qcap < 1u << 19) // at most 2^19 chunks queued
+            tdm_grow(&st->q, &st->qcap, st->qn + 1, sizeof *st->q, 16); // checked below
         if (st->qn < st->qcap) {
             st->q[st->qn++] = m;
             m = NULL;
@@ -608,16 +602,9 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
     }
     ch->got_chunk = true;
     if (m->n_tokens > 0) {
-        if (ch->n_got + m->n_tokens > ch->cap_got) {
-            size_t cap = ch->cap_got ? ch->cap_got : 64;
-            while (cap < ch->n_got + m->n_tokens)
-                cap *= 2;
-            int32_t *g = realloc(ch->got, cap * sizeof *g);
-            if (g == NULL)
-                return TDM_ENOMEM;
-            ch->got = g;
-            ch->cap_got = cap;
-        }
+        if (tdm_grow(&ch->got, &ch->cap_got, ch->n_got + m->n_tokens, sizeof *ch->got, 64) !=
+            TDM_OK)
+            return TDM_ENOMEM;
         memcpy(ch->got + ch->n_got, m->tokens, m->n_tokens * sizeof *ch->got);
         ch->n_got += m->n_tokens;
     }

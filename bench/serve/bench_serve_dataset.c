@@ -316,15 +316,9 @@ int tdm_bench_dataset_file(struct tdm_bench_dataset *out, const char *path,
             line[--l] = '\0';
         if (strspn(line, " \t") == l)
             continue;
-        if (n_lines == cap) {
-            size_t ncap = cap ? cap * 2 : 64;
-            struct tdm_bench_prompt *nl2 = realloc(lines, ncap * sizeof(*lines));
-            if (!nl2) {
-                rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
-                goto fail_lines;
-            }
-            lines = nl2;
-            cap = ncap;
+        if (tdm_grow(&lines, &cap, n_lines + 1, sizeof *lines, 64) != TDM_OK) {
+            rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+            goto fail_lines;
         }
         memset(&lines[n_lines], 0, sizeof(lines[n_lines]));
         rc = file_line(&lines[n_lines], line, path, lineno, tok, output_len, err, errlen);

@@ -267,15 +267,10 @@ static int start_request(CURLM *multi, struct bench_req *q, const char *url, con
 // Room for request `i` in run->reqs (a --duration run grows it as it sends).
 static int reqs_reserve(struct tdm_bench_run *run, size_t *cap, size_t i)
 {
-    if (i < *cap)
-        return TDM_OK;
-    size_t ncap = *cap * 2;
-    struct tdm_bench_request *r = realloc(run->reqs, ncap * sizeof(*r));
-    if (!r)
+    size_t old = *cap;
+    if (tdm_grow(&run->reqs, cap, i + 1, sizeof *run->reqs, 64) != TDM_OK)
         return TDM_ENOMEM;
-    memset(r + *cap, 0, (ncap - *cap) * sizeof(*r));
-    run->reqs = r;
-    *cap = ncap;
+    memset(run->reqs + old, 0, (*cap - old) * sizeof *run->reqs); // new slots zeroed
     return TDM_OK;
 }
 

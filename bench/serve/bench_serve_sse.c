@@ -16,21 +16,6 @@
 #include "bench_serve_impl.h"
 #include "core.h"
 
-static int grow(char **buf, size_t *cap, size_t need)
-{
-    if (need <= *cap)
-        return TDM_OK;
-    size_t ncap = *cap ? *cap : 256;
-    while (ncap < need)
-        ncap *= 2;
-    char *nb = realloc(*buf, ncap);
-    if (!nb)
-        return TDM_ENOMEM;
-    *buf = nb;
-    *cap = ncap;
-    return TDM_OK;
-}
-
 int bench_stream_init(struct bench_stream *s, bool chat, size_t expect_tokens, double t_start)
 {
     memset(s, 0, sizeof(*s));
@@ -78,21 +63,15 @@ static void on_content(struct bench_stream *s, const char *piece, size_t len, do
     if (s->n_content == 0) {
         s->ttft = now - s->t_start;
     } else {
-        if (s->n_itl == s->itl_cap) {
-            size_t ncap = s->itl_cap * 2;
-            double *n = realloc(s->itl, ncap * sizeof(double));
-            if (!n) {
-                s->oom = true;
-                return;
-            }
-            s->itl = n;
-            s->itl_cap = ncap;
+        if (tdm_grow(&s->itl, &s->itl_cap, s->n_itl + 1, sizeof *s->itl, 64) != TDM_OK) {
+            s->oom = true;
+            return;
         }
         s->itl[s->n_itl++] = now - s->t_last;
     }
     s->t_last = now;
     s->n_content++;
-    if (grow(&s->text, &s->text_cap, s->text_len + len + 1)) {
+    if (tdm_grow(&s->text, &s->text_cap, s->text_len + len + 1, 1, 256)) {
         s->oom = true;
         return;
     }
@@ -195,7 +174,7 @@ static void on_line(struct bench_stream *s, char *line, size_t len, double now)
         vlen--;
     }
     size_t need = s->event_len + (s->event_has_data ? 1 : 0) + vlen + 1;
-    if (grow(&s->event, &s->event_cap, need)) {
+    if (tdm_grow(&s->event, &s->event_cap, need, 1, 256)) {
         s->oom = true;
         return;
     }
@@ -212,7 +191,7 @@ int bench_stream_feed(struct bench_stream *s, const char *data, size_t len, doub
     while (len) {
         const char *nl = memchr(data, '\n', len);
         size_t take = nl ? (size_t)(nl - data) : len;
-        if (grow(&s->line, &s->line_cap, s->line_len + take + 1)) {
+        if (tdm_grow(&s->line, &s->line_cap, s->line_len + take + 1, 1, 256)) {
             s->oom = true;
             return TDM_ENOMEM;
         }

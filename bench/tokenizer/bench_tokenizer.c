@@ -49,16 +49,8 @@ struct corpus {
 
 static int append(struct corpus *c, size_t *cap, const char *s, size_t n)
 {
-    if (c->len + n + 1 > *cap) {
-        size_t ncap = *cap ? *cap : 4096;
-        while (ncap < c->len + n + 1)
-            ncap *= 2;
-        char *g = realloc(c->text, ncap);
-        if (!g)
-            return TDM_ENOMEM;
-        c->text = g;
-        *cap = ncap;
-    }
+    if (tdm_grow(&c->text, cap, c->len + n + 1, 1, 4096) != TDM_OK)
+        return TDM_ENOMEM;
     memcpy(c->text + c->len, s, n);
     c->len += n;
     c->text[c->len] = 0;

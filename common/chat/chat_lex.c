@@ -36,14 +36,8 @@ static int lex_err(struct lexer *L, const char *fmt, const char *arg)
 
 static int push(struct lexer *L, struct token t)
 {
-    if (L->ntoks == L->cap) {
-        size_t cap = L->cap ? L->cap * 2 : 256;
-        struct token *p = realloc(L->toks, cap * sizeof *p);
-        if (!p)
-            return tdm_seterr(L->err, L->errlen, TDM_ENOMEM, "out of memory");
-        L->toks = p;
-        L->cap = cap;
-    }
+    if (tdm_grow(&L->toks, &L->cap, L->ntoks + 1, sizeof *L->toks, 256) != TDM_OK)
+        return tdm_seterr(L->err, L->errlen, TDM_ENOMEM, "out of memory");
     t.line = t.line ? t.line : L->line;
     L->toks[L->ntoks++] = t;
     return TDM_OK;

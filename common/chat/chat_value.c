@@ -75,18 +75,8 @@ static void sb_reserve(struct strbuf *b, size_t extra)
         b->over = true;
         return;
     }
-    if (b->len + extra + 1 <= b->cap)
-        return;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->len + extra + 1)
-        cap *= 2;
-    char *p = realloc(b->data, cap);
-    if (!p) {
+    if (tdm_grow(&b->data, &b->cap, b->len + extra + 1, 1, 256) != TDM_OK)
         b->oom = true;
-        return;
-    }
-    b->data = p;
-    b->cap = cap;
 }
 
 void chat_sb_addn(struct strbuf *b, const char *s, size_t n)

@@ -306,6 +306,27 @@ char *tdm_path_join(const char *dir, const char *name)
 
 // ---- growable text buffer ----------------------------------------------------------------------
 
+int tdm_grow(void *pp, size_t *cap, size_t need, size_t elem, size_t first)
+{
+    if (need <= *cap)
+        return TDM_OK;
+    size_t nc = *cap ? *cap : (first ? first : 1);
+    while (nc < need && nc <= SIZE_MAX / 2)
+        nc *= 2; // at least once when *cap > 0: need > *cap
+    if (nc < need || elem == 0 || nc > SIZE_MAX / elem)
+        return TDM_ENOMEM;
+    // The array pointer is read and written through memcpy: pp may point to
+    // any object pointer type (all have void *'s representation here).
+    void *old;
+    memcpy(&old, pp, sizeof old);
+    void *p = realloc(old, nc * elem);
+    if (p == NULL)
+        return TDM_ENOMEM;
+    memcpy(pp, &p, sizeof p);
+    *cap = nc;
+    return TDM_OK;
+}
+
 int tdm_strbuf_reserve(struct tdm_strbuf *b, size_t more)
 {
     if (b->failed)

@@ -252,6 +252,15 @@ int tdm_strbuf_add(struct tdm_strbuf *b, const void *s, size_t n);
 // Frees the bytes and zeroes the buffer (reusable; a NULL b is harmless).
 void tdm_strbuf_fini(struct tdm_strbuf *b);
 
+// ---- growable arrays (core.c) ------------------------------------------------------------
+// Room for need elements of elem bytes in a heap array: pp is the address of
+// the array's pointer (&s->items, any element type; NULL while empty), *cap its
+// capacity in elements. When need > *cap the array is reallocated to *cap
+// (first while empty) doubled until need fits. TDM_OK, or
+// TDM_ENOMEM when the byte size would overflow or realloc fails (the array and
+// *cap are then unchanged and still valid).
+int tdm_grow(void *pp, size_t *cap, size_t need, size_t elem, size_t first);
+
 // ---- JSON nesting -------------------------------------------------------------------
 // The deepest array/object nesting accepted in any JSON text (request bodies,
 // config and model files, Hub answers). cJSON recurses about three frames per

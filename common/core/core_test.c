@@ -465,6 +465,47 @@ static void test_strbuf(void **state)
     tdm_strbuf_fini(NULL);
 }
 
+// tdm_grow: first capacity, doubling until need fits, nothing done when there
+// is room, contents kept, and an overflowing size refused with the array left
+// as it was.
+static void test_grow(void **state)
+{
+    (void)state;
+    struct {
+        uint64_t *v;
+        size_t n, cap;
+    } a = {0};
+    assert_int_equal(tdm_grow(&a.v, &a.cap, 0, sizeof *a.v, 8), TDM_OK);
+    assert_null(a.v); // no room asked, none made
+    assert_int_equal(tdm_grow(&a.v, &a.cap, 1, sizeof *a.v, 8), TDM_OK);
+    assert_non_null(a.v);
+    assert_int_equal(a.cap, 8);
+    for (a.n = 0; a.n < 8; a.n++)
+        a.v[a.n] = a.n * 3;
+    uint64_t *before = a.v;
+    assert_int_equal(tdm_grow(&a.v, &a.cap, 8, sizeof *a.v, 8), TDM_OK);
+    assert_ptr_equal(a.v, before); // room already there
+    assert_int_equal(tdm_grow(&a.v, &a.cap, 9, sizeof *a.v, 8), TDM_OK);
+    assert_int_equal(a.cap, 16);
+    assert_int_equal(tdm_grow(&a.v, &a.cap, 100, sizeof *a.v, 8), TDM_OK);
+    assert_int_equal(a.cap, 128); // 16 doubled until 100 fits
+    for (size_t i = 0; i < 8; i++)
+        assert_true(a.v[i] == i * 3);
+    before = a.v;
+    assert_int_equal(tdm_grow(&a.v, &a.cap, SIZE_MAX / 4, sizeof *a.v, 8), TDM_ENOMEM);
+    assert_int_equal(tdm_grow(&a.v, &a.cap, SIZE_MAX, 1, 8), TDM_ENOMEM);
+    assert_ptr_equal(a.v, before);
+    assert_int_equal(a.cap, 128);
+    assert_true(a.v[7] == 21);
+    free(a.v);
+    // first 0 starts at one element.
+    char *c = NULL;
+    size_t cc = 0;
+    assert_int_equal(tdm_grow(&c, &cc, 1, 1, 0), TDM_OK);
+    assert_int_equal(cc, 1);
+    free(c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -481,6 +522,7 @@ int main(void)
         cmocka_unit_test(test_flags_parse),
         cmocka_unit_test(test_flags_take_and_help),
         cmocka_unit_test(test_strbuf),
+        cmocka_unit_test(test_grow),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -50,18 +50,10 @@ int gb_fail(struct gb *b, int code, const char *fmt, ...)
 
 static bool grow(struct gb *b, void **p, size_t *cap, size_t need, size_t size)
 {
-    if (need <= *cap)
-        return true;
-    size_t nc = *cap ? *cap * 2 : 8;
-    while (nc < need)
-        nc *= 2;
-    void *q = realloc(*p, nc * size);
-    if (!q) {
+    if (tdm_grow(p, cap, need, size, 8) != TDM_OK) {
         gb_fail(b, TDM_ENOMEM, "out of memory");
         return false;
     }
-    *p = q;
-    *cap = nc;
     return true;
 }
 

@@ -58,15 +58,9 @@ static int name_rule(struct gbnf *c, const char *name, size_t len, bool define)
             }
             return c->names[i].rule;
         }
-    if (c->n_names == c->cap_names) {
-        size_t nc = c->cap_names ? c->cap_names * 2 : 16;
-        struct gbnf_name *t = realloc(c->names, nc * sizeof *t);
-        if (!t) {
-            gb_fail(&c->b, TDM_ENOMEM, "out of memory");
-            return -1;
-        }
-        c->names = t;
-        c->cap_names = nc;
+    if (tdm_grow(&c->names, &c->cap_names, c->n_names + 1, sizeof *c->names, 16) != TDM_OK) {
+        gb_fail(&c->b, TDM_ENOMEM, "out of memory");
+        return -1;
     }
     int r = gb_rule_new(&c->b);
     c->names[c->n_names++] = (struct gbnf_name){name, len, r, define};

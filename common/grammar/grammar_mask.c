@@ -453,13 +453,8 @@ static int dfa_walk(struct tdm_grammar_matcher *m, uint32_t *mask, int32_t start
             mask[id >> 5] |= 1u << (id & 31);
         }
         if (esc && d->sets[to].escaped) {
-            if (*n_esc == cap_esc) {
-                cap_esc = cap_esc ? cap_esc * 2 : 64;
-                int32_t *e = realloc(*esc, cap_esc * sizeof *e);
-                if (!e)
-                    return -3;
-                *esc = e;
-            }
+            if (tdm_grow(esc, &cap_esc, *n_esc + 1, sizeof **esc, 64) != TDM_OK)
+                return -3;
             (*esc)[(*n_esc)++] = i;
         }
         m->level_id[t->depth] = to;
@@ -522,14 +517,9 @@ static int walk_dfa(struct tdm_grammar_matcher *m, uint32_t *mask)
             path[np++] = t;
         int32_t parent = GR_BASE;
         while (np-- > 0) {
-            if (d->arena.n == d->arena.cap) {
-                size_t nc = d->arena.cap ? d->arena.cap * 2 : 256;
-                struct gr_node *nn = realloc(d->arena.nodes, nc * sizeof *nn);
-                if (!nn)
-                    return -3;
-                d->arena.nodes = nn;
-                d->arena.cap = nc;
-            }
+            if (tdm_grow(&d->arena.nodes, &d->arena.cap, d->arena.n + 1, sizeof *d->arena.nodes,
+                         256) != TDM_OK)
+                return -3;
             const struct gr_node *src = &a->nodes[path[np]];
             struct gr_node *dst = &d->arena.nodes[d->arena.n];
             uint32_t ph = parent >= 0 ? d->arena.nodes[parent].hash : 0x9e3779b9u;
@@ -540,14 +530,8 @@ static int walk_dfa(struct tdm_grammar_matcher *m, uint32_t *mask)
             parent = (int32_t)d->arena.n++;
         }
         int32_t top = parent;
-        if (d->tmp.n == d->tmp.cap) {
-            size_t nc = d->tmp.cap ? d->tmp.cap * 2 : 16;
-            int32_t *t = realloc(d->tmp.tops, nc * sizeof *t);
-            if (!t)
-                return -3;
-            d->tmp.tops = t;
-            d->tmp.cap = nc;
-        }
+        if (tdm_grow(&d->tmp.tops, &d->tmp.cap, d->tmp.n + 1, sizeof *d->tmp.tops, 16) != TDM_OK)
+            return -3;
         d->tmp.tops[d->tmp.n++] = top;
     }
     int32_t rel = dfa_intern(d, mark, &m->key, &m->key_cap);

@@ -32,14 +32,8 @@ void gr_set_fini(struct gr_set *s)
 
 static int set_push(struct gr_set *s, int32_t top)
 {
-    if (s->n == s->cap) {
-        size_t nc = s->cap ? s->cap * 2 : 16;
-        int32_t *t = realloc(s->tops, nc * sizeof *t);
-        if (!t)
-            return TDM_ENOMEM;
-        s->tops = t;
-        s->cap = nc;
-    }
+    if (s->n == s->cap && tdm_grow(&s->tops, &s->cap, s->n + 1, sizeof *s->tops, 16) != TDM_OK)
+        return TDM_ENOMEM;
     s->tops[s->n++] = top;
     return TDM_OK;
 }
@@ -58,14 +52,8 @@ int gr_set_copy(struct gr_set *dst, const struct gr_set *src)
 
 static int32_t arena_push(struct gr_arena *a, int32_t pos, int32_t parent)
 {
-    if (a->n == a->cap) {
-        size_t nc = a->cap ? a->cap * 2 : 256;
-        struct gr_node *t = realloc(a->nodes, nc * sizeof *t);
-        if (!t)
-            return -1;
-        a->nodes = t;
-        a->cap = nc;
-    }
+    if (a->n == a->cap && tdm_grow(&a->nodes, &a->cap, a->n + 1, sizeof *a->nodes, 256) != TDM_OK)
+        return -1;
     uint32_t ph = parent >= 0 ? a->nodes[parent].hash : 0x9e3779b9u;
     struct gr_node *n = &a->nodes[a->n];
     n->pos = pos;
@@ -127,15 +115,10 @@ static bool visited_add(struct expand_ctx *c, int32_t pos, int32_t parent)
         c->err = TDM_ECAPACITY; // a grammar this ambiguous is refused, not run for ever
         return false;
     }
-    if (c->n_visited + 2 > c->cap_visited) {
-        size_t nc = c->cap_visited ? c->cap_visited * 2 : 32;
-        int32_t *t = realloc(c->visited, nc * sizeof *t);
-        if (!t) {
-            c->err = TDM_ENOMEM;
-            return false;
-        }
-        c->visited = t;
-        c->cap_visited = nc;
+    if (tdm_grow(&c->visited, &c->cap_visited, c->n_visited + 2, sizeof *c->visited, 32) !=
+        TDM_OK) {
+        c->err = TDM_ENOMEM;
+        return false;
     }
     c->visited[c->n_visited++] = pos;
     c->visited[c->n_visited++] = parent;

@@ -529,15 +529,9 @@ static int ref_rule(struct sc *c, const cJSON *target, const char *path)
     for (size_t i = 0; i < c->n_refs; i++)
         if (c->refs[i].schema == target)
             return c->refs[i].rule;
-    if (c->n_refs == c->cap_refs) {
-        size_t nc = c->cap_refs ? c->cap_refs * 2 : 8;
-        struct sc_ref *t = realloc(c->refs, nc * sizeof *t);
-        if (!t) {
-            gb_fail(&c->b, TDM_ENOMEM, "out of memory");
-            return -1;
-        }
-        c->refs = t;
-        c->cap_refs = nc;
+    if (tdm_grow(&c->refs, &c->cap_refs, c->n_refs + 1, sizeof *c->refs, 8) != TDM_OK) {
+        gb_fail(&c->b, TDM_ENOMEM, "out of memory");
+        return -1;
     }
     // The rule exists before its body so that recursive references find it.
     int r = gb_rule_new(&c->b);

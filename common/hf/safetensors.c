@@ -136,19 +136,10 @@ static int cmp_entry_offset(const void *a, const void *b)
 
 static int grow_entries(struct tdm_safetensors *st, size_t extra)
 {
-    if (st->n + extra <= st->cap)
-        return 0;
-    size_t cap = st->cap ? st->cap : 64;
-    while (cap < st->n + extra)
-        cap *= 2;
-    if (cap > UINT32_MAX - 1)
+    if (st->n + extra > UINT32_MAX / 2) // entries are counted in 32 bits
         return -1;
-    struct st_entry *e = realloc(st->entries, cap * sizeof(*e));
-    if (!e)
-        return -1;
-    st->entries = e;
-    st->cap = cap;
-    return 0;
+    int rc = tdm_grow(&st->entries, &st->cap, st->n + extra, sizeof *st->entries, 64);
+    return rc == TDM_OK ? 0 : -1;
 }
 
 // Checks one header entry and appends it. Errors name the file and the tensor.
@@ -639,17 +630,9 @@ static void sb_put(struct strbuf *b, const char *s, size_t n)
 {
     if (b->oom)
         return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *p = realloc(b->s, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->s = p;
-        b->cap = cap;
+    if (tdm_grow(&b->s, &b->cap, b->len + n + 1, 1, 1024) != TDM_OK) {
+        b->oom = true;
+        return;
     }
     memcpy(b->s + b->len, s, n);
     b->len += n;

@@ -503,16 +503,8 @@ static int write_frame(struct tdm_http_conn *c, const char *prefix, const char *
     size_t plen = strlen(prefix), slen = strlen(suffix);
     size_t body = plen + len + slen;
     size_t need = body + 32;
-    if (need > c->frame_cap) {
-        size_t cap = c->frame_cap ? c->frame_cap : 256;
-        while (cap < need)
-            cap *= 2;
-        char *f = realloc(c->frame, cap);
-        if (!f)
-            return TDM_ENOMEM;
-        c->frame = f;
-        c->frame_cap = cap;
-    }
+    if (tdm_grow(&c->frame, &c->frame_cap, need, 1, 256) != TDM_OK)
+        return TDM_ENOMEM;
     size_t o = 0;
     if (c->chunked)
         o += (size_t)snprintf(c->frame, 32, "%zx\r\n", body);
@@ -817,14 +809,8 @@ static bool count_connection(struct mg_connection *mg, const struct mg_request_i
     for (size_t i = 0; i < s->n_ips && !e; i++)
         if (strcmp(s->ips[i].addr, ri->remote_addr) == 0)
             e = &s->ips[i];
-    if (e == NULL && s->n_ips == s->cap_ips) {
-        size_t ncap = s->cap_ips ? s->cap_ips * 2 : 16;
-        struct ip_count *g = realloc(s->ips, ncap * sizeof *g);
-        if (g) {
-            s->ips = g;
-            s->cap_ips = ncap;
-        }
-    }
+    if (e == NULL)
+        tdm_grow(&s->ips, &s->cap_ips, s->n_ips + 1, sizeof *s->ips, 16); // checked below
     if (e == NULL && s->n_ips < s->cap_ips) {
         e = &s->ips[s->n_ips++];
         snprintf(e->addr, sizeof e->addr, "%s", ri->remote_addr);

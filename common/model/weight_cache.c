@@ -214,14 +214,8 @@ int tdm_wcache_id_init(struct tdm_wcache_id *id, const char *folder, const char 
         if (!ends_with(de->d_name, ".safetensors") &&
             !ends_with(de->d_name, ".safetensors.index.json"))
             continue;
-        if (n_names == cap) {
-            size_t nc = cap ? 2 * cap : 16;
-            char **nn = realloc(names, nc * sizeof *nn);
-            if (nn == NULL)
-                goto fail_oom;
-            names = nn;
-            cap = nc;
-        }
+        if (tdm_grow(&names, &cap, n_names + 1, sizeof *names, 16) != TDM_OK)
+            goto fail_oom;
         if ((names[n_names] = strdup(de->d_name)) == NULL)
             goto fail_oom;
         n_names++;

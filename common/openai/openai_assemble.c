@@ -46,14 +46,8 @@ static char *token_text(const struct tdm_tokenizer *tok, int32_t id, size_t *len
 static int lps_add(struct tdm_oai_asm *a, int32_t id, float logprob,
                    const struct tdm_token_logprob *top, int num_top)
 {
-    if (a->n_lps == a->cap_lps) {
-        size_t cap = a->cap_lps ? a->cap_lps * 2 : 16;
-        struct tdm_oai_token_logprob *p = realloc(a->lps, cap * sizeof *p);
-        if (p == NULL)
-            return TDM_ENOMEM;
-        a->lps = p;
-        a->cap_lps = cap;
-    }
+    if (tdm_grow(&a->lps, &a->cap_lps, a->n_lps + 1, sizeof *a->lps, 16) != TDM_OK)
+        return TDM_ENOMEM;
     struct tdm_oai_token_logprob *it = &a->lps[a->n_lps];
     memset(it, 0, sizeof *it);
     it->id = id;
@@ -257,14 +251,8 @@ int tdm_oai_asm_token(struct tdm_oai_asm *a, int32_t id, float logprob,
     if (rq->logprobs && lps_add(a, id, logprob, top, num_top) != TDM_OK)
         return TDM_ENOMEM;
     if (rq->return_token_ids) {
-        if (a->n_ids == a->cap_ids) {
-            size_t cap = a->cap_ids ? a->cap_ids * 2 : 64;
-            int32_t *p = realloc(a->ids, cap * sizeof *p);
-            if (p == NULL)
-                return TDM_ENOMEM;
-            a->ids = p;
-            a->cap_ids = cap;
-        }
+        if (tdm_grow(&a->ids, &a->cap_ids, a->n_ids + 1, sizeof *a->ids, 64) != TDM_OK)
+            return TDM_ENOMEM;
         a->ids[a->n_ids++] = id;
     }
     // The EOS/stop token that ended the request adds no text (vLLM), unless

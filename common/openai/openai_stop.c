@@ -78,21 +78,6 @@ bool tdm_oai_stop_done(const struct tdm_oai_stop *s)
     return s->done;
 }
 
-static bool reserve(char **buf, size_t *cap, size_t need)
-{
-    if (need <= *cap)
-        return true;
-    size_t c = *cap ? *cap : 64;
-    while (c < need)
-        c *= 2;
-    char *p = realloc(*buf, c);
-    if (!p)
-        return false;
-    *buf = p;
-    *cap = c;
-    return true;
-}
-
 // Length of the longest suffix of text[0..len) that is a proper prefix of some
 // stop string: the text that must wait for more input.
 static size_t holdback(const struct tdm_oai_stop *s, const char *text, size_t len)
@@ -147,8 +132,8 @@ int tdm_oai_stop_feed_ex(struct tdm_oai_stop *s, const char *delta, size_t len, 
     *emit_len = 0;
     if (s->done)
         return -1;
-    if (!reserve(&s->pending, &s->pending_cap, s->pending_len + len + 1) ||
-        !reserve(&s->out, &s->out_cap, s->pending_len + len + 1))
+    if (tdm_grow(&s->pending, &s->pending_cap, s->pending_len + len + 1, 1, 64) != TDM_OK ||
+        tdm_grow(&s->out, &s->out_cap, s->pending_len + len + 1, 1, 64) != TDM_OK)
         return -2;
     size_t old = s->pending_len;
     memcpy(s->pending + old, delta, len);

@@ -461,14 +461,8 @@ static struct tdm_oai_tool_delta *delta_for(struct tdm_oai_toolparse *p, int ind
 {
     if (p->n_deltas > 0 && p->deltas[p->n_deltas - 1].index == index)
         return &p->deltas[p->n_deltas - 1];
-    if (p->n_deltas == p->cap_deltas) {
-        size_t cap = p->cap_deltas ? p->cap_deltas * 2 : 4;
-        struct tdm_oai_tool_delta *d = realloc(p->deltas, cap * sizeof *d);
-        if (d == NULL)
-            return NULL;
-        p->deltas = d;
-        p->cap_deltas = cap;
-    }
+    if (tdm_grow(&p->deltas, &p->cap_deltas, p->n_deltas + 1, sizeof *p->deltas, 4) != TDM_OK)
+        return NULL;
     struct tdm_oai_tool_delta *d = &p->deltas[p->n_deltas];
     memset(d, 0, sizeof *d);
     d->index = index;
@@ -517,14 +511,8 @@ static int send_args(struct tdm_oai_toolparse *p, const char *s, size_t n)
 static int record_call(struct tdm_oai_toolparse *p, const char *name, const char *args,
                        size_t args_len)
 {
-    if (p->n_calls == p->cap_calls) {
-        size_t cap = p->cap_calls ? p->cap_calls * 2 : 4;
-        struct tdm_oai_tool_call *c = realloc(p->calls, cap * sizeof *c);
-        if (c == NULL)
-            return TDM_ENOMEM;
-        p->calls = c;
-        p->cap_calls = cap;
-    }
+    if (tdm_grow(&p->calls, &p->cap_calls, p->n_calls + 1, sizeof *p->calls, 4) != TDM_OK)
+        return TDM_ENOMEM;
     struct tdm_oai_tool_call *c = &p->calls[p->n_calls];
     memset(c, 0, sizeof *c);
     if (p->header_sent) {

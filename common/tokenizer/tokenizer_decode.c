@@ -143,21 +143,6 @@ void tdm_detok_free(struct tdm_detok *d)
     free(d);
 }
 
-static int ensure(char **p, size_t *cap, size_t need)
-{
-    if (need <= *cap)
-        return TDM_OK;
-    size_t ncap = *cap ? *cap : 64;
-    while (ncap < need)
-        ncap *= 2;
-    char *g = realloc(*p, ncap);
-    if (!g)
-        return TDM_ENOMEM;
-    *p = g;
-    *cap = ncap;
-    return TDM_OK;
-}
-
 int tdm_detok_push(struct tdm_detok *d, int32_t id, const char **delta, size_t *delta_len)
 {
     const struct tdm_tokenizer *tok = d->tok;
@@ -174,8 +159,8 @@ int tdm_detok_push(struct tdm_detok *d, int32_t id, const char **delta, size_t *
     d->first = false;
     size_t n = d->n_held + sep + l;
     int rc;
-    if ((rc = ensure(&d->work, &d->work_cap, n + 1)) ||
-        (rc = ensure(&d->out, &d->out_cap, n * 3 + 1)))
+    if ((rc = tdm_grow(&d->work, &d->work_cap, n + 1, 1, 64)) ||
+        (rc = tdm_grow(&d->out, &d->out_cap, n * 3 + 1, 1, 64)))
         return rc;
     memcpy(d->work, d->held, d->n_held);
     if (sep)
@@ -197,7 +182,7 @@ int tdm_detok_flush(struct tdm_detok *d, const char **delta, size_t *delta_len)
     *delta_len = 0;
     if (d->n_held == 0)
         return TDM_OK;
-    int rc = ensure(&d->out, &d->out_cap, d->n_held * 3 + 1);
+    int rc = tdm_grow(&d->out, &d->out_cap, d->n_held * 3 + 1, 1, 64);
     if (rc)
         return rc;
     size_t held;

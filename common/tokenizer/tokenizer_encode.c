@@ -136,26 +136,11 @@ struct enc {
     size_t mapped_cap;
 };
 
-static int grow(void **p, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return TDM_OK;
-    size_t ncap = *cap ? *cap : 64;
-    while (ncap < need)
-        ncap *= 2;
-    void *g = realloc(*p, ncap * elem);
-    if (!g)
-        return TDM_ENOMEM;
-    *p = g;
-    *cap = ncap;
-    return TDM_OK;
-}
-
 static int push_ids(struct enc *e, const int32_t *ids, size_t n)
 {
     if (n == 0)
         return TDM_OK;
-    int rc = grow((void **)&e->ids, &e->cap, e->n + n, sizeof *e->ids);
+    int rc = tdm_grow(&e->ids, &e->cap, e->n + n, sizeof *e->ids, 64);
     if (rc)
         return rc;
     memcpy(e->ids + e->n, ids, n * sizeof *ids);
@@ -258,7 +243,7 @@ static int bpe_word(struct enc *e, const char *w, size_t n)
     int rc;
     if (tok->ignore_merges) {
         // Llama 3: a piece that is itself a vocabulary entry is emitted whole.
-        if ((rc = grow((void **)&e->mapped, &e->mapped_cap, n * 2, 1)))
+        if ((rc = tdm_grow(&e->mapped, &e->mapped_cap, n * 2, 1, 64)))
             return rc;
         size_t m = 0;
         for (size_t i = 0; i < n; i++)
@@ -276,8 +261,8 @@ static int bpe_word(struct enc *e, const char *w, size_t n)
         if (cache_get(tok, h, w, n, e, &rc))
             return rc;
     }
-    if ((rc = grow((void **)&e->syms, &e->syms_cap, n, sizeof *e->syms)) ||
-        (rc = grow((void **)&e->heap, &e->heap_cap, 3 * n + 1, sizeof *e->heap)))
+    if ((rc = tdm_grow(&e->syms, &e->syms_cap, n, sizeof *e->syms, 64)) ||
+        (rc = tdm_grow(&e->heap, &e->heap_cap, 3 * n + 1, sizeof *e->heap, 64)))
         return rc;
     // Bytes whose character is not in the vocabulary are dropped (HF without unk_token).
     int32_t ns = 0;
@@ -361,7 +346,7 @@ static int run_stage(struct enc *e, size_t k, const char *s, size_t n)
     const struct tok_stage *st = &tok->stages[k];
     int rc;
     if (st->kind == TOK_STAGE_BYTELEVEL && st->add_prefix_space && s[0] != ' ') {
-        if ((rc = grow((void **)&e->prefixed[k], &e->prefixed_cap[k], n + 1, 1)))
+        if ((rc = tdm_grow(&e->prefixed[k], &e->prefixed_cap[k], n + 1, 1, 64)))
             return rc;
         e->prefixed[k][0] = ' ';
         memcpy(e->prefixed[k] + 1, s, n);
@@ -545,7 +530,7 @@ int tdm_tok_encode_ex(const struct tdm_tokenizer *tok, const char *text, size_t 
         goto fail;
     }
     // Typical English is ~4 bytes per token; start there to avoid regrowth.
-    if ((rc = grow((void **)&e.ids, &e.cap, clean_len / 3 + 8, sizeof *e.ids)))
+    if ((rc = tdm_grow(&e.ids, &e.cap, clean_len / 3 + 8, sizeof *e.ids, 64)))
         goto fail;
     if ((flags & TDM_TOK_ADD_SPECIAL) && (rc = push_ids(&e, tok->prefix_ids, tok->n_prefix)))
         goto fail;

@@ -497,14 +497,8 @@ static int add_token(struct tdm_tokenizer *tok, size_t *cap, const char *content
     for (size_t i = 0; i < tok->n_added; i++)
         if (tok->added[i].id == id)
             return TDM_OK; // tokenizer.json wins over tokenizer_config.json
-    if (tok->n_added == *cap) {
-        size_t ncap = *cap ? *cap * 2 : 32;
-        struct tok_added *grown = realloc(tok->added, ncap * sizeof *grown);
-        if (!grown)
-            return TDM_ENOMEM;
-        tok->added = grown;
-        *cap = ncap;
-    }
+    if (tdm_grow(&tok->added, cap, tok->n_added + 1, sizeof *tok->added, 32) != TDM_OK)
+        return TDM_ENOMEM;
     struct tok_added *a = &tok->added[tok->n_added];
     memset(a, 0, sizeof *a);
     a->len = strlen(content);

@@ -77,14 +77,9 @@ static int read_stdin(char **out, size_t *len)
     if (!buf)
         return TDM_ENOMEM;
     for (;;) {
-        if (n + 4096 > cap) {
-            char *g = realloc(buf, cap * 2);
-            if (!g) {
-                free(buf);
-                return TDM_ENOMEM;
-            }
-            buf = g;
-            cap *= 2;
+        if (tdm_grow(&buf, &cap, n + 4096, 1, 0) != TDM_OK) {
+            free(buf);
+            return TDM_ENOMEM;
         }
         size_t r = fread(buf + n, 1, cap - n - 1, stdin);
         n += r;
@@ -128,14 +123,9 @@ static int parse_ids(const char *s, int32_t **ids, size_t *n, char *err, size_t 
             return tdm_seterr(err, errlen, TDM_EINVAL, "not a token id: \"%.*s\"",
                               shown > 20 ? 20 : shown, s);
         }
-        if (cnt == cap) {
-            int32_t *g = realloc(v, cap * 2 * sizeof *v);
-            if (!g) {
-                free(v);
-                return TDM_ENOMEM;
-            }
-            v = g;
-            cap *= 2;
+        if (tdm_grow(&v, &cap, cnt + 1, sizeof *v, 0) != TDM_OK) {
+            free(v);
+            return TDM_ENOMEM;
         }
         v[cnt++] = (int32_t)x;
         s = end;
