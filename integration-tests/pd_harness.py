@@ -20,7 +20,8 @@ from proc_harness import (arm_deadline, check, fail, free_port, kill_all,  # noq
                           read_file, register, watch_log, watch_sanitizers)
 
 
-def parse_args():
+def parse_args(extra=None):
+    """The common flags; extra(parser), when given, adds a test's own."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--router", required=True)
     ap.add_argument("--prefill", required=True)
@@ -31,6 +32,8 @@ def parse_args():
     ap.add_argument("--decode-flags", default="",
                     help="extra flags for every decode worker (whitespace-separated), e.g. "
                          "a --speculative-config")
+    if extra:
+        extra(ap)
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     arm_deadline(args.deadline)
