@@ -573,27 +573,7 @@ size_t chat_utf8_len(const char *s, size_t n)
 void chat_utf8_put(struct strbuf *b, uint32_t cp)
 {
     char buf[4];
-    size_t n;
-    if (cp < 0x80) {
-        buf[0] = (char)cp;
-        n = 1;
-    } else if (cp < 0x800) {
-        buf[0] = (char)(0xC0 | (cp >> 6));
-        buf[1] = (char)(0x80 | (cp & 0x3F));
-        n = 2;
-    } else if (cp < 0x10000) {
-        buf[0] = (char)(0xE0 | (cp >> 12));
-        buf[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        buf[2] = (char)(0x80 | (cp & 0x3F));
-        n = 3;
-    } else {
-        buf[0] = (char)(0xF0 | (cp >> 18));
-        buf[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-        buf[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        buf[3] = (char)(0x80 | (cp & 0x3F));
-        n = 4;
-    }
-    chat_sb_addn(b, buf, n);
+    chat_sb_addn(b, buf, (size_t)tdm_utf8_encode(cp, buf));
 }
 
 // Python's str.isspace() for one code point.

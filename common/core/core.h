@@ -261,6 +261,12 @@ void tdm_strbuf_fini(struct tdm_strbuf *b);
 // *cap are then unchanged and still valid).
 int tdm_grow(void *pp, size_t *cap, size_t need, size_t elem, size_t first);
 
+// ---- UTF-8 (core.c) ------------------------------------------------------------------------
+// Writes code point cp (< 0x200000) as 1-4 UTF-8 bytes to out; returns how many.
+// Callers that take text from outside check the range (<= 0x10FFFF, no
+// surrogates) first; this only encodes.
+int tdm_utf8_encode(uint32_t cp, char out[4]);
+
 // ---- JSON nesting -------------------------------------------------------------------
 // The deepest array/object nesting accepted in any JSON text (request bodies,
 // config and model files, Hub answers). cJSON recurses about three frames per

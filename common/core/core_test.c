@@ -506,6 +506,34 @@ static void test_grow(void **state)
     free(c);
 }
 
+// tdm_utf8_encode at each length's first and last code point.
+static void test_utf8_encode(void **state)
+{
+    (void)state;
+    static const struct {
+        uint32_t cp;
+        const char *utf8;
+    } cases[] = {
+        {0x00, "\x00"},
+        {0x41, "A"},
+        {0x7F, "\x7f"},
+        {0x80, "\xc2\x80"},
+        {0x7FF, "\xdf\xbf"},
+        {0x800, "\xe0\xa0\x80"},
+        {0x20AC, "\xe2\x82\xac"},
+        {0xFFFF, "\xef\xbf\xbf"},
+        {0x10000, "\xf0\x90\x80\x80"},
+        {0x1F600, "\xf0\x9f\x98\x80"},
+        {0x10FFFF, "\xf4\x8f\xbf\xbf"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char out[4];
+        size_t want = cases[i].cp ? strlen(cases[i].utf8) : 1;
+        assert_int_equal(tdm_utf8_encode(cases[i].cp, out), (int)want);
+        assert_memory_equal(out, cases[i].utf8, want);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -523,6 +551,7 @@ int main(void)
         cmocka_unit_test(test_flags_take_and_help),
         cmocka_unit_test(test_strbuf),
         cmocka_unit_test(test_grow),
+        cmocka_unit_test(test_utf8_encode),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -133,27 +133,7 @@ static int64_t hex_escape(struct gbnf *c, int digits)
 static void emit_utf8(struct gbnf *c, struct gb_seq *s, uint32_t cp)
 {
     char buf[4];
-    int n;
-    if (cp < 0x80) {
-        buf[0] = (char)cp;
-        n = 1;
-    } else if (cp < 0x800) {
-        buf[0] = (char)(0xC0 | (cp >> 6));
-        buf[1] = (char)(0x80 | (cp & 0x3F));
-        n = 2;
-    } else if (cp < 0x10000) {
-        buf[0] = (char)(0xE0 | (cp >> 12));
-        buf[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        buf[2] = (char)(0x80 | (cp & 0x3F));
-        n = 3;
-    } else {
-        buf[0] = (char)(0xF0 | (cp >> 18));
-        buf[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-        buf[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        buf[3] = (char)(0x80 | (cp & 0x3F));
-        n = 4;
-    }
-    gb_seq_lit(&c->b, s, buf, (size_t)n);
+    gb_seq_lit(&c->b, s, buf, (size_t)tdm_utf8_encode(cp, buf));
 }
 
 static void parse_string(struct gbnf *c, struct gb_seq *s)

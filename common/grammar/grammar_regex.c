@@ -46,30 +46,6 @@ static int utf8_rule(struct rx *r)
     return r->utf8_rule;
 }
 
-static int utf8_encode(uint32_t cp, char *out)
-{
-    if (cp < 0x80) {
-        out[0] = (char)cp;
-        return 1;
-    }
-    if (cp < 0x800) {
-        out[0] = (char)(0xC0 | (cp >> 6));
-        out[1] = (char)(0x80 | (cp & 0x3F));
-        return 2;
-    }
-    if (cp < 0x10000) {
-        out[0] = (char)(0xE0 | (cp >> 12));
-        out[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        out[2] = (char)(0x80 | (cp & 0x3F));
-        return 3;
-    }
-    out[0] = (char)(0xF0 | (cp >> 18));
-    out[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-    out[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
-    out[3] = (char)(0x80 | (cp & 0x3F));
-    return 4;
-}
-
 // Decodes one UTF-8 character at r->p; -1 on malformed input.
 static int64_t next_cp(struct rx *r)
 {
@@ -109,7 +85,7 @@ static void emit_cp(struct rx *r, struct gb_seq *s, uint32_t cp)
         }
         return;
     }
-    gb_seq_lit(r->b, s, buf, (size_t)utf8_encode(cp, buf));
+    gb_seq_lit(r->b, s, buf, (size_t)tdm_utf8_encode(cp, buf));
 }
 
 static void class_shorthand(struct rx_class *c, char e, bool *handled)
