@@ -8,16 +8,15 @@ would), writes the router's config file, and kills every process it started
 when the test ends (atexit and a hard deadline). Exit status: 0 pass, 1 fail.
 """
 import argparse
-import http.client
-import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
 from proc_harness import (arm_deadline, check, fail, free_port, kill_all,  # noqa: F401
                           read_file, register, watch_log, watch_sanitizers)
+# The HTTP helpers are shared with the other harnesses (re-exported).
+from proc_harness import Stream, metric_sum, metrics, post, request  # noqa: F401
 
 
 def parse_args(extra=None):
@@ -63,61 +62,6 @@ def make_slow_model(args):
 
 
 # ---- HTTP ---------------------------------------------------------------------------------
-def request(port, method, path, body=None, timeout=60, headers=None):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    data = json.dumps(body) if body is not None else None
-    h = {"Content-Type": "application/json"}
-    h.update(headers or {})
-    c.request(method, path, body=data, headers=h)
-    r = c.getresponse()
-    raw = r.read()
-    c.close()
-    try:
-        parsed = json.loads(raw) if raw else None
-    except ValueError:
-        parsed = raw.decode("utf-8", "replace")
-    return r.status, {k.lower(): v for k, v in r.getheaders()}, parsed
-
-
-def post(port, path, body, timeout=60):
-    return request(port, "POST", path, body, timeout)
-
-
-class Stream:
-    """An SSE stream read event by event (so a test can stop reading or disconnect)."""
-
-    def __init__(self, port, path, body, timeout=30):
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        self.conn.request("POST", path, body=json.dumps(body),
-                          headers={"Content-Type": "application/json"})
-        self.resp = self.conn.getresponse()
-        self.status = self.resp.status
-        self.headers = {k.lower(): v for k, v in self.resp.getheaders()}
-
-    def events(self):
-        """Yields parsed data events; "[DONE]" as the string."""
-        buf = b""
-        while True:
-            line = self.resp.readline()
-            if not line:
-                return
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                yield "[DONE]"
-                return
-            yield json.loads(data)
-
-    def close(self):
-        try:
-            self.conn.sock.shutdown(socket.SHUT_RDWR)
-        except (OSError, AttributeError):
-            pass
-        self.conn.close()
-
-
 def stream_text(port, body):
     """Full streamed text, token ids and finish reason of choice 0."""
     s = Stream(port, "/v1/completions", dict(body, stream=True))
@@ -133,27 +77,6 @@ def stream_text(port, body):
             finish = ch.get("finish_reason") or finish
     s.close()
     return text, ids, finish, s.headers
-
-
-def metrics(port):
-    """Prometheus text -> {name{labels}: value}."""
-    st, _, body = request(port, "GET", "/metrics")
-    check(st == 200, "metrics status %d" % st)
-    out = {}
-    for line in body.splitlines() if isinstance(body, str) else []:
-        if not line or line.startswith("#"):
-            continue
-        k, _, v = line.rpartition(" ")
-        try:
-            out[k] = float(v)
-        except ValueError:
-            pass
-    return out
-
-
-def metric_sum(m, name):
-    """Sum of every series of a family (name with or without labels)."""
-    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
 
 
 # ---- the cluster --------------------------------------------------------------------------

@@ -269,3 +269,84 @@ def free_port():
         _GIVEN_PORTS.add(port)
         return port
     fail("no free TCP port found in %d-%d" % (first, last))
+
+
+# ---- HTTP (pd_harness and stack_harness re-export these) ---------------------------------
+def request(port, method, path, body=None, timeout=60, headers=None):
+    """Returns (status, headers lower-case, parsed JSON or text); a str body
+    is sent as it is, anything else as JSON."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = json.dumps(body) if body is not None and not isinstance(body, str) else body
+        h = {"Content-Type": "application/json"}
+        h.update(headers or {})
+        c.request(method, path, body=data, headers=h)
+        r = c.getresponse()
+        raw = r.read()
+    finally:
+        c.close()
+    try:
+        parsed = json.loads(raw) if raw else None
+    except ValueError:
+        parsed = raw.decode("utf-8", "replace")
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, parsed
+
+
+def post(port, path, body, timeout=60):
+    return request(port, "POST", path, body, timeout)
+
+
+class Stream:
+    """An SSE stream read event by event (so a test can stop reading or disconnect)."""
+
+    def __init__(self, port, path, body, timeout=60):
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        self.conn.request("POST", path, body=json.dumps(body),
+                          headers={"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        self.status = self.resp.status
+        self.headers = {k.lower(): v for k, v in self.resp.getheaders()}
+
+    def events(self):
+        """Yields parsed data events; "[DONE]" as the string."""
+        while True:
+            line = self.resp.readline()
+            if not line:
+                return
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                yield "[DONE]"
+                return
+            yield json.loads(data)
+
+    def close(self):
+        # Shutting the socket down is what a client that goes away does.
+        try:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, AttributeError):
+            pass
+        self.conn.close()
+
+
+def metrics(port):
+    """Prometheus text -> {name{labels}: value}."""
+    st, _, body = request(port, "GET", "/metrics")
+    check(st == 200, "/metrics on port %d: status %d" % (port, st))
+    out = {}
+    for line in body.splitlines() if isinstance(body, str) else []:
+        if not line or line.startswith("#"):
+            continue
+        k, _, v = line.rpartition(" ")
+        try:
+            out[k] = float(v)
+        except ValueError:
+            pass
+    return out
+
+
+def metric_sum(m, name):
+    """Sum of every series of a family (name with or without labels)."""
+    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))

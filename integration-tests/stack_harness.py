@@ -10,8 +10,6 @@ any child pid it printed). Exit status: 0 pass, 1 fail, 77 skipped (ctest
 SKIP_RETURN_CODE).
 """
 import argparse
-import http.client
-import json
 import os
 import re
 import signal
@@ -26,6 +24,8 @@ from proc_harness import CHILD_PIDS as _CHILD_PIDS  # noqa: E402
 from proc_harness import PROCS as _PROCS  # noqa: E402,F401 (re-exported)
 from proc_harness import (arm_deadline, check, fail, free_port, kill_all,  # noqa: E402,F401
                           watch_log, watch_sanitizers)
+# The HTTP helpers are shared with the other harnesses (re-exported).
+from proc_harness import Stream, metric_sum, metrics, post, request  # noqa: E402,F401
 
 
 def parse_args(extra=None):
@@ -77,80 +77,6 @@ def pid_alive(pid):
             return f.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return False
-
-
-# ---- HTTP ---------------------------------------------------------------------------------
-def request(port, method, path, body=None, timeout=60, headers=None):
-    """Returns (status, headers lower-case, parsed JSON or text)."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        data = json.dumps(body) if body is not None and not isinstance(body, str) else body
-        h = {"Content-Type": "application/json"}
-        h.update(headers or {})
-        c.request(method, path, body=data, headers=h)
-        r = c.getresponse()
-        raw = r.read()
-    finally:
-        c.close()
-    try:
-        parsed = json.loads(raw) if raw else None
-    except ValueError:
-        parsed = raw.decode("utf-8", "replace")
-    return r.status, {k.lower(): v for k, v in r.getheaders()}, parsed
-
-
-def post(port, path, body, timeout=60):
-    return request(port, "POST", path, body, timeout)
-
-
-class Stream:
-    """An SSE stream read event by event."""
-
-    def __init__(self, port, path, body, timeout=60):
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        self.conn.request("POST", path, body=json.dumps(body),
-                          headers={"Content-Type": "application/json"})
-        self.resp = self.conn.getresponse()
-        self.status = self.resp.status
-
-    def events(self):
-        """Yields parsed data events; "[DONE]" as the string."""
-        while True:
-            line = self.resp.readline()
-            if not line:
-                return
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                yield "[DONE]"
-                return
-            yield json.loads(data)
-
-    def close(self):
-        self.conn.close()
-
-
-def metrics(port):
-    """Prometheus text -> {name{labels}: value}."""
-    st, _, body = request(port, "GET", "/metrics")
-    check(st == 200, "/metrics on port %d: status %d" % (port, st))
-    out = {}
-    for line in body.splitlines() if isinstance(body, str) else []:
-        if not line or line.startswith("#"):
-            continue
-        k, _, v = line.rpartition(" ")
-        try:
-            out[k] = float(v)
-        except ValueError:
-            pass
-    return out
-
-
-def metric_sum(m, name):
-    """Sum of every series of a family (name with or without labels)."""
-    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
 
 
 # ---- the stack ----------------------------------------------------------------------------
