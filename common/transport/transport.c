@@ -478,6 +478,7 @@ struct tdm_net_inbox {
     size_t queued, queued_bytes;
     struct in_conn *conns;
     int readers;
+    int max_conns; // under mu: connections (readers) open at once at most
     tdm_net_frame_handler direct; // under mu: frames go to it on their reader (not queued)
     void *direct_arg;
     char url[256]; // the URL peers dial (bound port filled in)
@@ -667,6 +668,19 @@ static void *inbox_acceptor(void *arg)
             free(c);
             break;
         }
+        if (in->readers >= in->max_conns) {
+            // A flood of connections (a scanner, a peer in a reconnect loop, a
+            // hostile host) would otherwise cost a thread each, without bound.
+            int open = in->readers;
+            pthread_mutex_unlock(&in->mu);
+            nng_stream_close(s);
+            nng_stream_free(s);
+            free(c);
+            char why[64];
+            snprintf(why, sizeof why, "%d connections are open (the limit)", open);
+            warn_limited("inbox %s: refused a connection: %s", in->url, why);
+            continue;
+        }
         c->next = in->conns;
         in->conns = c;
         in->readers++;
@@ -702,6 +716,7 @@ int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, si
     if (in == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "inbox: out of memory");
     in->key_len = auth_key(in->key);
+    in->max_conns = TDM_NET_INBOX_MAX_CONNS;
     int rv = nng_stream_listener_alloc(&in->listener, url);
     if (rv == 0)
         rv = nng_stream_listener_listen(in->listener);
@@ -761,6 +776,13 @@ void tdm_net_inbox_free(struct tdm_net_inbox *in)
     pthread_cond_destroy(&in->cv);
     pthread_mutex_destroy(&in->mu);
     free(in);
+}
+
+void tdm_net_inbox_set_max_conns(struct tdm_net_inbox *in, int n)
+{
+    pthread_mutex_lock(&in->mu);
+    in->max_conns = n > 0 ? n : 1;
+    pthread_mutex_unlock(&in->mu);
 }
 
 const char *tdm_net_inbox_url(const struct tdm_net_inbox *in)

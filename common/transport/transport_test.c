@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include <arpa/inet.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -361,6 +362,49 @@ static void test_inbox_drops_bad_connections(void **state)
     tdm_net_outbox_free(ob);
 }
 
+// Beyond its connection limit an inbox closes new connections at once (no
+// reader thread each); a connection that goes away makes room again.
+static void test_inbox_connection_limit(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    tdm_net_inbox_set_max_conns(in, 3);
+    const char *url = tdm_net_inbox_url(in);
+    int port = url_port(url);
+    int held[3];
+    for (int i = 0; i < 3; i++)
+        held[i] = raw_connect(port); // silent peers: each holds a reader
+    usleep(300 * 1000);              // accepted (the acceptor polls every 200 ms at most)
+    int extra = raw_connect(port);
+    struct pollfd pfd = {.fd = extra, .events = POLLIN};
+    assert_int_equal(poll(&pfd, 1, 3000), 1); // closed by the inbox, not left waiting
+    char b;
+    assert_true(read(extra, &b, 1) <= 0);
+    close(extra);
+    // The held ones are still open: no EOF (nothing to read, or an
+    // authentication hello where a secret is configured).
+    pfd.fd = held[0];
+    if (poll(&pfd, 1, 100) == 1)
+        assert_true(recv(held[0], &b, 1, MSG_PEEK | MSG_DONTWAIT) == 1);
+    // One goes away: a real peer gets in and is heard.
+    close(held[0]);
+    usleep(300 * 1000);
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_net_send(ob, url, TDM_NET_CANCEL, "in", 2, NULL, 0, 3.0, err, sizeof err),
+                     TDM_OK);
+    struct tdm_net_msg *m = recv_one(in, 3.0);
+    assert_non_null(m);
+    assert_memory_equal(tdm_net_msg_frame(m)->msg, "in", 2);
+    tdm_net_msg_free(m);
+    tdm_net_outbox_free(ob);
+    close(held[1]);
+    close(held[2]);
+    tdm_net_inbox_free(in);
+}
+
 struct sender {
     struct tdm_net_outbox *ob;
     const char *url;
@@ -655,6 +699,7 @@ int main(void)
         cmocka_unit_test(test_inbox_outbox),
         cmocka_unit_test(test_inbox_handle_on_readers),
         cmocka_unit_test(test_inbox_drops_bad_connections),
+        cmocka_unit_test(test_inbox_connection_limit),
         cmocka_unit_test(test_concurrent_senders),
         cmocka_unit_test(test_peer_restart_storm),
         cmocka_unit_test(test_outbox_free_while_dialing),
