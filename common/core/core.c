@@ -304,7 +304,7 @@ char *tdm_path_join(const char *dir, const char *name)
     return p;
 }
 
-// ---- growable text buffer ----------------------------------------------------------------------
+// ---- UTF-8 -------------------------------------------------------------------------------------
 
 int tdm_utf8_encode(uint32_t cp, char out[4])
 {
@@ -330,6 +330,8 @@ int tdm_utf8_encode(uint32_t cp, char out[4])
     return 4;
 }
 
+// ---- growable arrays ---------------------------------------------------------------------------
+
 int tdm_grow(void *pp, size_t *cap, size_t need, size_t elem, size_t first)
 {
     if (need <= *cap)
@@ -350,6 +352,8 @@ int tdm_grow(void *pp, size_t *cap, size_t need, size_t elem, size_t first)
     *cap = nc;
     return TDM_OK;
 }
+
+// ---- growable text buffer ----------------------------------------------------------------------
 
 int tdm_strbuf_reserve(struct tdm_strbuf *b, size_t more)
 {
