@@ -332,7 +332,7 @@ int tdm_utf8_encode(uint32_t cp, char out[4])
 
 // ---- growable arrays ---------------------------------------------------------------------------
 
-int tdm_grow(void *pp, size_t *cap, size_t need, size_t elem, size_t first)
+int tdm_grow_realloc(void *pp, size_t *cap, size_t need, size_t elem, size_t first)
 {
     if (need <= *cap)
         return TDM_OK;

@@ -258,8 +258,13 @@ void tdm_strbuf_fini(struct tdm_strbuf *b);
 // capacity in elements. When need > *cap the array is reallocated to *cap
 // (first while empty) doubled until need fits. TDM_OK, or
 // TDM_ENOMEM when the byte size would overflow or realloc fails (the array and
-// *cap are then unchanged and still valid).
-int tdm_grow(void *pp, size_t *cap, size_t need, size_t elem, size_t first);
+// *cap are then unchanged and still valid). Inline when there is room (hot
+// loops push through it); tdm_grow_realloc does the growing.
+int tdm_grow_realloc(void *pp, size_t *cap, size_t need, size_t elem, size_t first);
+static inline int tdm_grow(void *pp, size_t *cap, size_t need, size_t elem, size_t first)
+{
+    return need <= *cap ? TDM_OK : tdm_grow_realloc(pp, cap, need, elem, first);
+}
 
 // ---- UTF-8 (core.c) ------------------------------------------------------------------------
 // Writes code point cp (< 0x200000) as 1-4 UTF-8 bytes to out; returns how many.
