@@ -111,6 +111,9 @@ class Cluster:
         os.environ.setdefault("TANDEM_INTERNAL_SECRET", os.urandom(24).hex())
         self.model = model or make_model(args)
         self.worker_args = list(worker_args)  # appended to every worker's flags (override)
+        # Run in each worker process before it starts (e.g. a lower resource
+        # limit for one restart); None: nothing.
+        self.worker_preexec = None
         self.kind_args = {"prefill": list(prefill_args),  # then these
                           "decode": list(decode_args) + getattr(args, "decode_flags", "").split()}
         self.prefill = [Worker("prefill", i, free_port(), free_port()) for i in range(n_prefill)]
@@ -151,7 +154,7 @@ class Cluster:
                "--nng-url", "tcp://127.0.0.1:%d" % w.nng_port, "--threads", "1",
                "--kv-cache-memory", "64MiB"] + self.worker_args + self.kind_args[w.kind]
         w.proc = subprocess.Popen(cmd, stdout=self._log("%s%d" % (w.kind, w.idx)),
-                                  stderr=subprocess.STDOUT)
+                                  stderr=subprocess.STDOUT, preexec_fn=self.worker_preexec)
         register(w.proc)
 
     def wait_health(self, port, proc, timeout=30):

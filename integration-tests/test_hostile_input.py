@@ -10,19 +10,22 @@ router at ~600 levels). Every JSON route now refuses text nested deeper than
 128 deep is parsed and answered as the request's content deserves (here a
 400 for a prompt that is not token ids). Brackets inside strings do not
 count. The internal nng ports refuse peers without the cluster's secret
-before reading a frame. After the hostile requests a normal completion
+before reading a frame, and a flood of connections beyond an inbox's limit is
+closed as it is accepted. After the hostile requests a normal completion
 succeeds through the router and on the decode worker directly. Hostile
 structured-output constraints (10 MB schema, 10 000-deep schema, a grammar
 accepting nothing, catastrophic regexes) are a fast 400 or harmless.
 """
 import http.client
 import json
+import resource
+import selectors
 import socket
 import struct
 import threading
 import time
 
-from pd_harness import Cluster, check, metric_sum, metrics, parse_args, post
+from pd_harness import Cluster, check, metric_sum, metrics, parse_args, post, request
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
@@ -81,6 +84,78 @@ def unauthenticated_frames(cl):
     after = metric_sum(metrics(cl.decode[0].http_port), "vllm:request_success_total")
     check(after == before, "an unauthenticated GenerateRequest was served (%s -> %s)" %
           (before, after))
+
+
+def connection_flood(cl):
+    """A flood of silent TCP connections to a decode worker's nng port: the
+    inbox keeps at most its limit open (1024, or a quarter of the process's
+    open-file limit) and closes the rest as it accepts them, long before the
+    handshake's 2 s would; /health answers during the flood and a request
+    through the router succeeds after it. The worker is restarted with an
+    open-file limit of 256 (its inbox limit then 64), so that the flood
+    outruns the handshake timeouts on a slow machine too."""
+    dec = cl.decode[0]
+    cl.kill(dec)
+    cl.worker_preexec = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    cl.restart(dec)
+    cl.worker_preexec = None
+    n, limit = 400, 256 // 4
+    port = cl.decode[0].nng_port
+    sel = selectors.DefaultSelector()
+    opened, refused, lags = {}, [0], []
+
+    def drain(timeout):
+        """Counts the connections closed by the inbox within 1 s of their
+        connect: refused for the limit (the rest close after their 2 s
+        handshake step)."""
+        for key, _ in sel.select(timeout=timeout):
+            s = key.fileobj
+            try:
+                got = s.recv(64)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                got = b""
+            if got == b"":
+                lag = time.time() - opened[s]
+                lags.append(lag)
+                if lag < 1.0:
+                    refused[0] += 1
+                sel.unregister(s)
+
+    t0 = time.time()
+    socks = []
+    for i in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.setblocking(False)
+        opened[s] = time.time()
+        sel.register(s, selectors.EVENT_READ)
+        socks.append(s)
+        if i % 32 == 0:
+            drain(0)
+    t_open = time.time() - t0
+    st, _, _ = request(cl.decode[0].http_port, "GET", "/health", timeout=5)
+    check(st == 200, "decode /health during the flood: %d" % st)
+    end = time.time() + 1.0
+    while time.time() < end:
+        drain(0.05)
+    for s in socks:
+        s.close()
+    sel.close()
+    check(refused[0] >= n - 2 * limit,
+          "%d silent connections in %.2f s: only %d closed within 1 s of their connect (the "
+          "inbox keeps at most %d; closes seen %d, lags %s)" %
+          (n, t_open, refused[0], limit, len(lags), sorted(lags)[:3] + sorted(lags)[-3:]))
+    time.sleep(2.5)  # the held ones end with their handshake step
+    st, _, body = post(cl.router_port, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
+    for _ in range(50):  # the router may still be marking the restarted worker healthy
+        if st == 200:
+            break
+        time.sleep(0.2)
+        st, _, body = post(cl.router_port, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
+    check(st == 200, "a request after the connection flood: %d %r" % (st, body))
+    print("connection flood: %d connections opened in %.2f s, %d refused at once" %
+          (n, t_open, refused[0]), flush=True)
 
 
 def raw_http(port, data):
@@ -239,6 +314,7 @@ def main():
     heavy_request(cl)
     hostile_constraints(cl)
     unauthenticated_frames(cl)
+    connection_flood(cl)
     for port in (cl.router_port, cl.decode[0].http_port):
         st, _, body = post(port, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
         check(st == 200 and body["choices"][0]["finish_reason"] == "length",

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
@@ -717,6 +718,12 @@ int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, si
         return tdm_seterr(err, errlen, TDM_ENOMEM, "inbox: out of memory");
     in->key_len = auth_key(in->key);
     in->max_conns = TDM_NET_INBOX_MAX_CONNS;
+    // Each connection is a descriptor: a flood must not take the ones the
+    // HTTP server, the model files and the outbox need (a shell's 1024 limit).
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+        rl.rlim_cur / 4 < (rlim_t)in->max_conns)
+        in->max_conns = rl.rlim_cur / 4 < 16 ? 16 : (int)(rl.rlim_cur / 4);
     int rv = nng_stream_listener_alloc(&in->listener, url);
     if (rv == 0)
         rv = nng_stream_listener_listen(in->listener);

@@ -106,10 +106,12 @@ void tdm_net_inbox_free(struct tdm_net_inbox *in);
 // blocked in recv returns TDM_ECLOSED within 0.2 s); for shutting down a
 // receiving thread before freeing.
 void tdm_net_inbox_close(struct tdm_net_inbox *in);
-// Connections an inbox keeps open at once (each has a reader thread): a
-// cluster's peers need a few each (an outbox and a liveness connection per
-// process that talks to this one); beyond the limit a new connection is
-// closed as soon as it is accepted (logged at most once a second).
+// Connections an inbox keeps open at once (each has a reader thread and a
+// descriptor): at most this many, and at most a quarter of the process's
+// open-file limit (RLIMIT_NOFILE; 16 at the least). A cluster's peers need a
+// few each (an outbox and a liveness connection per process that talks to
+// this one); beyond the limit a new connection is closed as soon as it is
+// accepted (logged at most once a second).
 #define TDM_NET_INBOX_MAX_CONNS 1024
 // Changes that limit (n >= 1; tests use a small one).
 void tdm_net_inbox_set_max_conns(struct tdm_net_inbox *in, int n);
