@@ -32,7 +32,7 @@ void gr_set_fini(struct gr_set *s)
 
 static int set_push(struct gr_set *s, int32_t top)
 {
-    if (s->n == s->cap && tdm_grow(&s->tops, &s->cap, s->n + 1, sizeof *s->tops, 16) != TDM_OK)
+    if (tdm_grow(&s->tops, &s->cap, s->n + 1, sizeof *s->tops, 16) != TDM_OK)
         return TDM_ENOMEM;
     s->tops[s->n++] = top;
     return TDM_OK;
@@ -52,7 +52,7 @@ int gr_set_copy(struct gr_set *dst, const struct gr_set *src)
 
 static int32_t arena_push(struct gr_arena *a, int32_t pos, int32_t parent)
 {
-    if (a->n == a->cap && tdm_grow(&a->nodes, &a->cap, a->n + 1, sizeof *a->nodes, 256) != TDM_OK)
+    if (tdm_grow(&a->nodes, &a->cap, a->n + 1, sizeof *a->nodes, 256) != TDM_OK)
         return -1;
     uint32_t ph = parent >= 0 ? a->nodes[parent].hash : 0x9e3779b9u;
     struct gr_node *n = &a->nodes[a->n];
