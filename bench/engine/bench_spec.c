@@ -122,32 +122,43 @@ static int generate(struct tdm_engine *e, const int32_t *prompt, int n, int max_
     return got;
 }
 
+struct bench_args {
+    const char *model;
+    int threads, tokens, k, requests, repeat;
+};
+
+#define FLAG(n, k, field, ...) TDM_FLAG_FIELD(struct bench_args, n, k, field, __VA_ARGS__)
+static const struct tdm_flag bench_flags[] = {
+    FLAG("model", TDM_FLAG_PTR, model, .metavar = "DIR",
+         .help = "the model (default: a qwen2.5-0.5b-shaped random one, written once)"),
+    FLAG("threads", TDM_FLAG_INT, threads, .min = 0, .max = 1024, .metavar = "N",
+         .help = "compute threads (default 2; 0: one per core)"),
+    FLAG("tokens", TDM_FLAG_INT, tokens, .min = 8, .max = MAX_TOKENS, .metavar = "N",
+         .help = "tokens generated per request (default 256)"),
+    FLAG("k", TDM_FLAG_INT, k, .min = 1, .max = TDM_SPEC_MAX_TOKENS, .metavar = "K",
+         .help = "speculative tokens per step (default 4)"),
+    FLAG("requests", TDM_FLAG_INT, requests, .min = 1, .max = MAX_REQ, .metavar = "N",
+         .help = "requests per workload (default 3)"),
+    FLAG("repeat", TDM_FLAG_INT, repeat, .min = 1, .max = 100, .metavar = "N",
+         .help = "rounds, the best kept (default 3)"),
+};
+static const struct tdm_flags bench_table = {
+    .usage = "usage: tandem-bench-spec [--model DIR] [--threads N] [--tokens N] [--k K] "
+             "[--requests N] [--repeat N]\n",
+    .flags = bench_flags,
+    .n = sizeof bench_flags / sizeof bench_flags[0],
+};
+
 int main(int argc, char **argv)
 {
-    const char *dir = NULL;
-    int threads = 2, tokens = 256, k = 4, nreq = 3, repeat = 3;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--model") && i + 1 < argc)
-            dir = argv[++i];
-        else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
-            threads = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
-            tokens = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--k") && i + 1 < argc)
-            k = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--requests") && i + 1 < argc)
-            nreq = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--repeat") && i + 1 < argc)
-            repeat = atoi(argv[++i]);
-        else {
-            fprintf(stderr, "usage: tandem-bench-spec [--model DIR] [--threads N] [--tokens N] "
-                            "[--k K] [--requests N] [--repeat N]\n");
-            return 2;
-        }
-    }
-    if (tokens < 8 || tokens > MAX_TOKENS || k < 1 || k > TDM_SPEC_MAX_TOKENS || nreq < 1 ||
-        nreq > MAX_REQ || repeat < 1 || threads < 0)
-        die("arguments", "--tokens 8..1024, --k 1..16, --requests 1..16, --repeat >= 1");
+    struct bench_args args = {.threads = 2, .tokens = 256, .k = 4, .requests = 3, .repeat = 3};
+    int exit_code = 0;
+    if (tdm_flags_main(&bench_table, &args, argc, argv, NULL, 0, NULL, "tandem-bench-spec",
+                       &exit_code))
+        return exit_code;
+    const char *dir = args.model;
+    int threads = args.threads, tokens = args.tokens, k = args.k, nreq = args.requests,
+        repeat = args.repeat;
     tdm_log_set_level_name("warn");
     char err[512];
     struct stat sb;

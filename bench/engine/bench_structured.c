@@ -69,19 +69,61 @@ static void die(const char *what, const char *err)
     exit(1);
 }
 
-static int parse_list(const char *s, int *out, int max)
+struct bench_args {
+    const char *model, *device;
+    int threads, max_tokens, repeat;
+    int tokens; // 0: 2 x batch x max_tokens per point
+    int batches[MAX_POINTS], n_batches;
+};
+
+// --batches: comma-separated batch sizes 1..MAX_BATCH, at most MAX_POINTS.
+static int set_batches(void *opts, const char *s, char *err, size_t errlen)
 {
+    struct bench_args *a = opts;
     int n = 0;
-    while (*s && n < max) {
+    const char *p = s;
+    while (*p) {
         char *end;
-        long v = strtol(s, &end, 10);
-        if (end == s || v < 1 || v > MAX_BATCH)
-            return -1;
-        out[n++] = (int)v;
-        s = *end == ',' ? end + 1 : end;
+        long v = strtol(p, &end, 10);
+        if (end == p || v < 1 || v > MAX_BATCH || n == MAX_POINTS || (*end && *end != ','))
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--batches: expected up to %d sizes 1..%d separated by commas, got "
+                              "\"%s\"",
+                              MAX_POINTS, MAX_BATCH, s);
+        a->batches[n++] = (int)v;
+        p = *end == ',' ? end + 1 : end;
     }
-    return n;
+    if (n == 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--batches: expected at least one size");
+    a->n_batches = n;
+    return TDM_OK;
 }
+
+#define FLAG(n, k, field, ...) TDM_FLAG_FIELD(struct bench_args, n, k, field, __VA_ARGS__)
+static const struct tdm_flag bench_flags[] = {
+    FLAG("model", TDM_FLAG_PTR, model, .metavar = "DIR",
+         .help = "the model (default: a qwen2.5-0.5b-shaped random one, written once)"),
+    FLAG("threads", TDM_FLAG_INT, threads, .min = 0, .max = 1024, .metavar = "N",
+         .help = "compute threads (default 0: one per core)"),
+    FLAG("tokens", TDM_FLAG_INT, tokens, .min = 0, .max = 100000000, .metavar = "N",
+         .help = "tokens per point (default 0: 2 x batch x max-tokens)"),
+    {.name = "batches",
+     .kind = TDM_FLAG_FN,
+     .fn = set_batches,
+     .metavar = "LIST",
+     .help = "batch sizes, comma-separated, 1..32 (default 1,8)"},
+    FLAG("max-tokens", TDM_FLAG_INT, max_tokens, .min = 8, .max = 100000, .metavar = "N",
+         .help = "max_tokens of each request (default 64)"),
+    FLAG("repeat", TDM_FLAG_INT, repeat, .min = 1, .max = 100, .metavar = "N",
+         .help = "rounds, the best kept (default 2)"),
+    FLAG("device", TDM_FLAG_PTR, device, .metavar = "cpu|cuda", .help = "the backend"),
+};
+static const struct tdm_flags bench_table = {
+    .usage = "usage: tandem-bench-structured [--model DIR] [--threads N] [--tokens N] "
+             "[--batches LIST] [--max-tokens N] [--repeat N] [--device cpu|cuda]\n",
+    .flags = bench_flags,
+    .n = sizeof bench_flags / sizeof bench_flags[0],
+};
 
 // Keeps `batch` requests running until `tokens` were generated; returns the rate.
 static void run_closed_loop(struct tdm_engine *e, const int32_t *prompt, int np, int batch,
@@ -155,35 +197,16 @@ static void run_closed_loop(struct tdm_engine *e, const int32_t *prompt, int np,
 
 int main(int argc, char **argv)
 {
-    const char *dir = NULL, *device = NULL;
-    int threads = 0, max_tokens = 64, repeat = 2;
-    long tokens = 0;
-    int batches[MAX_POINTS] = {1, 8}, n_batches = 2;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--model") && i + 1 < argc)
-            dir = argv[++i];
-        else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
-            threads = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
-            tokens = atol(argv[++i]);
-        else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
-            max_tokens = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--repeat") && i + 1 < argc)
-            repeat = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--device") && i + 1 < argc)
-            device = argv[++i];
-        else if (!strcmp(argv[i], "--batches") && i + 1 < argc) {
-            if ((n_batches = parse_list(argv[++i], batches, MAX_POINTS)) < 1)
-                die("--batches", "a list of sizes 1..32");
-        } else {
-            fprintf(stderr,
-                    "usage: tandem-bench-structured [--model DIR] [--threads N] [--tokens N] "
-                    "[--batches LIST] [--max-tokens N] [--repeat N] [--device cpu|cuda]\n");
-            return 2;
-        }
-    }
-    if (max_tokens < 8 || repeat < 1)
-        die("arguments", "--max-tokens >= 8, --repeat >= 1");
+    struct bench_args a = {.max_tokens = 64, .repeat = 2, .batches = {1, 8}, .n_batches = 2};
+    int exit_code = 0;
+    if (tdm_flags_main(&bench_table, &a, argc, argv, NULL, 0, NULL, "tandem-bench-structured",
+                       &exit_code))
+        return exit_code;
+    const char *dir = a.model, *device = a.device;
+    int threads = a.threads, max_tokens = a.max_tokens, repeat = a.repeat;
+    long tokens = a.tokens;
+    const int *batches = a.batches;
+    int n_batches = a.n_batches;
     tdm_log_set_level_name("warn");
     char err[512];
     struct stat sb;
