@@ -877,9 +877,14 @@ static void append_token(struct tdm_engine *e, struct tdm_engine_request *r, int
         // complete (ignore_eos), or the fallback draw when the mask left nothing
         // (min_tokens hiding the only allowed EOS): the output is complete
         // then, or the grammar and the token disagree (a P/D peer's token).
-        if (tdm_grammar_matcher_accept_token(r->gm, tok) != TDM_OK) {
+        int arc = tdm_grammar_matcher_accept_token(r->gm, tok);
+        if (arc != TDM_OK) {
             if (tdm_grammar_matcher_accepts_eos(r->gm)) {
                 finish_request(e, r, TDM_FINISH_STOP, -1, TDM_OK, NULL, true);
+            } else if (arc == TDM_ECAPACITY) {
+                char msg[160];
+                int code = tdm_grammar_mask_error(arc, msg, sizeof msg);
+                finish_request(e, r, TDM_FINISH_ERROR, -1, code, msg, true);
             } else {
                 char msg[96];
                 snprintf(msg, sizeof msg, "structured output: token %d is not allowed here",
@@ -1698,7 +1703,15 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         // A resumed stream's tokens were sampled under this constraint: the
         // matcher follows them as it followed them on the first worker.
         for (int i = 0; i < p->n_resume; i++) {
-            if (tdm_grammar_matcher_accept_token(r->gm, p->prompt[n_own + (size_t)i]) != TDM_OK) {
+            int arc = tdm_grammar_matcher_accept_token(r->gm, p->prompt[n_own + (size_t)i]);
+            if (arc == TDM_ECAPACITY) {
+                char msg[160];
+                rc = tdm_grammar_mask_error(arc, msg, sizeof msg);
+                rc = tdm_seterr(err, errlen, rc, "req=%s: resumed token %d (at %d): %s", id,
+                                (int)p->prompt[n_own + (size_t)i], i, msg);
+                goto fail_bufs;
+            }
+            if (arc != TDM_OK) {
                 rc = tdm_seterr(err, errlen, TDM_EINVAL,
                                 "req=%s: resumed token %d (at %d) is not allowed by the "
                                 "request's structured-output constraint",

@@ -366,6 +366,53 @@ static void test_mask_budget_error(void **state)
     tdm_engine_free(e);
 }
 
+// A resumed stream whose tokens the grammar can follow only with more work
+// than one step may take (grammar_test's test_accept_capacity regex, found by
+// fuzz_grammar: its fifth NUL byte) is refused at submit as too ambiguous, a
+// 400, not as output the constraint does not allow; the same holds for a token
+// sampled in a step (one code path, tdm_grammar_mask_error).
+static void test_resume_capacity(void **state)
+{
+    (void)state;
+    static const char rx[] =
+        "((((((((\0\0\0\0\0(((((((((((((iiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiii(((((((((a)*)*)."
+        ")*)*)ppertie*)*)*)*)*)*ties\":\"mn)*)*)\024*)*)*)*)*)*)*)*)*)*)*)*)*)*)*)*)*";
+    struct tdm_engine *e = engine_make(true);
+    int32_t prompt[64 + 5];
+    int np;
+    prompt_of("Say something:", prompt, &np);
+    int32_t *nul = NULL;
+    size_t got = 0;
+    assert_int_equal(tdm_tok_encode(tok, "\0", 1, false, &nul, &got), TDM_OK);
+    assert_int_equal(got, 1);
+    for (int i = 0; i < 5; i++)
+        prompt[np + i] = nul[0]; // the five NULs a client already has
+    free(nul);
+    struct tdm_engine_request_params p;
+    tdm_engine_request_params_default(&p);
+    p.id = "resume";
+    p.prompt = prompt;
+    p.n_prompt = np + 5;
+    p.n_resume = 5;
+    constrained(&p.sampling, TDM_CONSTRAINT_REGEX, rx, 7);
+    p.sampling.constraint_len = sizeof rx - 1;
+    p.max_tokens = 16;
+    struct tdm_engine_request *r = NULL;
+    char err[256] = "";
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    assert_null(r);
+    if (!strstr(err, "too ambiguous"))
+        fail_msg("submit: %s", err);
+    p.n_prompt = np + 4; // four NULs are followed
+    p.n_resume = 4;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
+    tdm_engine_abort(e, r, TDM_FINISH_ABORT);
+    struct out o;
+    collect(r, &o);
+    tdm_engine_request_release(r);
+    tdm_engine_free(e);
+}
+
 // The grammar is complete: as in vLLM, the next step can only sample an ending
 // id, so the request ends on a generated EOS that counts as a token (the choice
 // "beta" then EOS); at max_tokens == the grammar's own tokens it is "length"
@@ -602,6 +649,7 @@ int main(void)
         cmocka_unit_test(test_regex_choice_object),
         cmocka_unit_test(test_gbnf),
         cmocka_unit_test(test_mask_budget_error),
+        cmocka_unit_test(test_resume_capacity),
         cmocka_unit_test(test_stop_when_done_and_length),
         cmocka_unit_test(test_pd_equivalence),
         cmocka_unit_test(test_refusals_and_no_cost),

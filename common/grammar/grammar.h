@@ -110,7 +110,11 @@ void tdm_grammar_matcher_free(struct tdm_grammar_matcher *m);
 
 // Advances by one token. TDM_OK; TDM_EINVAL when the grammar does not allow the
 // token here (m unchanged); EOS is accepted only where tdm_grammar_matcher_accepts_eos,
-// and after it is_done is true.
+// and after it is_done is true. TDM_ECAPACITY (m unchanged) when one byte's
+// advance needs more expansion steps than a step may take: a grammar too
+// ambiguous here. The mask may still have allowed the token (its walk reaches
+// the same stacks in another order, from cached states), so a caller ends the
+// request with tdm_grammar_mask_error(TDM_ECAPACITY), as for a mask.
 int tdm_grammar_matcher_accept_token(struct tdm_grammar_matcher *m, int32_t id);
 // Advances by raw bytes; all or nothing (TDM_EINVAL leaves m unchanged).
 int tdm_grammar_matcher_accept_bytes(struct tdm_grammar_matcher *m, const char *bytes, size_t n);
@@ -123,8 +127,9 @@ bool tdm_grammar_matcher_is_done(const struct tdm_grammar_matcher *m);
 // when token id may come next. No allocation once the matcher's scratch has grown
 // to the grammar's needs. TDM_EINVAL without a vocab.
 int tdm_grammar_matcher_fill_mask(struct tdm_grammar_matcher *m, uint32_t *mask, size_t words);
-// For a request whose mask could not be filled (fill_mask's rc): the error
-// to end it with, written into msg, and the code to report. A grammar too
+// For a request whose mask could not be filled (fill_mask's rc), or whose
+// token could not be followed for its ambiguity (accept_token's TDM_ECAPACITY):
+// the error to end it with, written into msg, and the code to report. A grammar too
 // ambiguous at this point (TDM_ECAPACITY: the fill spent its work budget) is
 // the request's fault, TDM_EINVAL (a 400, never retried on another worker,
 // which would spend the same budget); anything else keeps its code.

@@ -659,7 +659,7 @@ int tdm_grammar_mask_error(int rc, char *msg, size_t msglen)
 {
     if (rc == TDM_ECAPACITY) {
         snprintf(msg, msglen, "structured output: the grammar is too ambiguous at this point "
-                              "(its token mask needs more work than one step may take)");
+                              "(following it needs more work than one step may take)");
         return TDM_EINVAL;
     }
     snprintf(msg, msglen, "structured output: computing the token mask failed: %s",

@@ -633,6 +633,36 @@ static void test_masks_small_vocab(void **state)
 // the small vocabulary as with the real one. Real grammars spend under 1% of
 // it, and a refused fill leaves the matcher usable: with the budget back, its
 // mask is a fresh matcher's.
+// A regex whose fifth NUL byte needs more expansion steps than one advance
+// may take (found by fuzz_grammar on 2026-12-03: its mask, walked from cached
+// states, had allowed the two-NUL token that the matcher then refused, and the
+// engine ended the request with "token N is not allowed here"). The matcher
+// refuses such bytes with TDM_ECAPACITY, not TDM_EINVAL, leaves its state as it
+// was, and the error for it is the mask budget's: too ambiguous, a 400.
+static void test_accept_capacity(void **state)
+{
+    (void)state;
+    static const char rx[] =
+        "((((((((\0\0\0\0\0(((((((((((((iiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiiii(((((((((a)*)*)."
+        ")*)*)ppertie*)*)*)*)*)*ties\":\"mn)*)*)\024*)*)*)*)*)*)*)*)*)*)*)*)*)*)*)*)*";
+    char err[256];
+    struct tdm_grammar *g = NULL;
+    if (tdm_grammar_compile_regex(&g, rx, sizeof rx - 1, err, sizeof err) != TDM_OK)
+        fail_msg("compile: %s", err);
+    struct tdm_grammar_matcher *m;
+    assert_int_equal(tdm_grammar_matcher_new(&m, g, NULL), TDM_OK);
+    assert_int_equal(tdm_grammar_matcher_accept_bytes(m, "\0\0\0", 3), TDM_OK);
+    assert_int_equal(tdm_grammar_matcher_accept_bytes(m, "\0\0", 2), TDM_ECAPACITY);
+    assert_int_equal(tdm_grammar_matcher_accept_bytes(m, "\0", 1), TDM_OK); // unchanged: the 4th
+    assert_int_equal(tdm_grammar_matcher_accept_bytes(m, "\0", 1), TDM_ECAPACITY);
+    assert_int_equal(tdm_grammar_matcher_accept_bytes(m, "x", 1), TDM_EINVAL); // not allowed
+    char msg[160];
+    assert_int_equal(tdm_grammar_mask_error(TDM_ECAPACITY, msg, sizeof msg), TDM_EINVAL);
+    assert_non_null(strstr(msg, "too ambiguous"));
+    tdm_grammar_matcher_free(m);
+    tdm_grammar_unref(g);
+}
+
 static void test_mask_budget(void **state)
 {
     (void)state;
@@ -923,7 +953,7 @@ int main(void)
         cmocka_unit_test(test_mask_api_errors),    cmocka_unit_test(test_random_walks),
         cmocka_unit_test(test_masks_qwen2),        cmocka_unit_test(test_gbnf),
         cmocka_unit_test(test_token_bytes),        cmocka_unit_test(test_threads),
-        cmocka_unit_test(test_mask_budget),
+        cmocka_unit_test(test_mask_budget), cmocka_unit_test(test_accept_capacity),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

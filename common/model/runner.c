@@ -263,7 +263,14 @@ int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_req
                 // mask left nothing (min_tokens). Where only an ending id can
                 // follow, the next step samples it, unless that draw could not
                 // end the request.
-                if (tdm_grammar_matcher_accept_token(r->gm, tok) != TDM_OK) {
+                int arc = tdm_grammar_matcher_accept_token(r->gm, tok);
+                if (arc != TDM_OK) {
+                    if (!tdm_grammar_matcher_accepts_eos(r->gm) && arc == TDM_ECAPACITY) {
+                        char msg[160];
+                        rc = tdm_grammar_mask_error(arc, msg, sizeof msg);
+                        rc = tdm_seterr(err, errlen, rc, "runner: request %d: %s", i, msg);
+                        goto out;
+                    }
                     if (!tdm_grammar_matcher_accepts_eos(r->gm)) {
                         rc = tdm_seterr(err, errlen, TDM_EINVAL,
                                         "runner: request %d: structured output: token %d is not "
