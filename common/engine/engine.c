@@ -881,15 +881,10 @@ static void append_token(struct tdm_engine *e, struct tdm_engine_request *r, int
         if (arc != TDM_OK) {
             if (tdm_grammar_matcher_accepts_eos(r->gm)) {
                 finish_request(e, r, TDM_FINISH_STOP, -1, TDM_OK, NULL, true);
-            } else if (arc == TDM_ECAPACITY) {
-                char msg[160];
-                int code = tdm_grammar_mask_error(arc, msg, sizeof msg);
-                finish_request(e, r, TDM_FINISH_ERROR, -1, code, msg, true);
             } else {
-                char msg[96];
-                snprintf(msg, sizeof msg, "structured output: token %d is not allowed here",
-                         (int)tok);
-                finish_request(e, r, TDM_FINISH_ERROR, -1, TDM_EINVAL, msg, true);
+                char msg[160];
+                int code = tdm_grammar_accept_error(arc, tok, msg, sizeof msg);
+                finish_request(e, r, TDM_FINISH_ERROR, -1, code, msg, true);
             }
             return;
         }
@@ -1703,19 +1698,12 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         // A resumed stream's tokens were sampled under this constraint: the
         // matcher follows them as it followed them on the first worker.
         for (int i = 0; i < p->n_resume; i++) {
-            int arc = tdm_grammar_matcher_accept_token(r->gm, p->prompt[n_own + (size_t)i]);
-            if (arc == TDM_ECAPACITY) {
-                char msg[160];
-                rc = tdm_grammar_mask_error(arc, msg, sizeof msg);
-                rc = tdm_seterr(err, errlen, rc, "req=%s: resumed token %d (at %d): %s", id,
-                                (int)p->prompt[n_own + (size_t)i], i, msg);
-                goto fail_bufs;
-            }
+            int32_t tok = p->prompt[n_own + (size_t)i];
+            int arc = tdm_grammar_matcher_accept_token(r->gm, tok);
             if (arc != TDM_OK) {
-                rc = tdm_seterr(err, errlen, TDM_EINVAL,
-                                "req=%s: resumed token %d (at %d) is not allowed by the "
-                                "request's structured-output constraint",
-                                id, (int)p->prompt[n_own + (size_t)i], i);
+                char msg[160];
+                rc = tdm_grammar_accept_error(arc, tok, msg, sizeof msg);
+                rc = tdm_seterr(err, errlen, rc, "req=%s: resumed token at %d: %s", id, i, msg);
                 goto fail_bufs;
             }
         }

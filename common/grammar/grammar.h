@@ -114,7 +114,7 @@ void tdm_grammar_matcher_free(struct tdm_grammar_matcher *m);
 // advance needs more expansion steps than a step may take: a grammar too
 // ambiguous here. The mask may still have allowed the token (its walk reaches
 // the same stacks in another order, from cached states), so a caller ends the
-// request with tdm_grammar_mask_error(TDM_ECAPACITY), as for a mask.
+// request with tdm_grammar_accept_error's error, as for a mask.
 int tdm_grammar_matcher_accept_token(struct tdm_grammar_matcher *m, int32_t id);
 // Advances by raw bytes; all or nothing (TDM_EINVAL leaves m unchanged).
 int tdm_grammar_matcher_accept_bytes(struct tdm_grammar_matcher *m, const char *bytes, size_t n);
@@ -134,6 +134,11 @@ int tdm_grammar_matcher_fill_mask(struct tdm_grammar_matcher *m, uint32_t *mask,
 // the request's fault, TDM_EINVAL (a 400, never retried on another worker,
 // which would spend the same budget); anything else keeps its code.
 int tdm_grammar_mask_error(int rc, char *msg, size_t msglen);
+// For a request whose token tok the matcher refused (accept_token's rc): too
+// ambiguous to follow (TDM_ECAPACITY) is tdm_grammar_mask_error's error; any
+// other refusal "structured output: token <tok> is not allowed here". Both
+// TDM_EINVAL, the message written into msg.
+int tdm_grammar_accept_error(int rc, int32_t tok, char *msg, size_t msglen);
 
 // Applies a step's mask to one row of logits[n_logits] (the model's vocabulary,
 // which may be larger than the tokenizer's mask_tokens): tokens the mask leaves

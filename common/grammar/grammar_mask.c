@@ -667,6 +667,14 @@ int tdm_grammar_mask_error(int rc, char *msg, size_t msglen)
     return rc;
 }
 
+int tdm_grammar_accept_error(int rc, int32_t tok, char *msg, size_t msglen)
+{
+    if (rc == TDM_ECAPACITY)
+        return tdm_grammar_mask_error(rc, msg, msglen);
+    snprintf(msg, msglen, "structured output: token %d is not allowed here", (int)tok);
+    return TDM_EINVAL;
+}
+
 // ---- applying a mask ----------------------------------------------------------------
 void tdm_grammar_mask_apply(const uint32_t *mask, int32_t mask_tokens, float *logits,
                             int32_t n_logits, const int32_t *end_ids, int n_end, bool allow_end)

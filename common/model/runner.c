@@ -265,17 +265,10 @@ int tdm_gen_run(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_gen_req
                 // end the request.
                 int arc = tdm_grammar_matcher_accept_token(r->gm, tok);
                 if (arc != TDM_OK) {
-                    if (!tdm_grammar_matcher_accepts_eos(r->gm) && arc == TDM_ECAPACITY) {
-                        char msg[160];
-                        rc = tdm_grammar_mask_error(arc, msg, sizeof msg);
-                        rc = tdm_seterr(err, errlen, rc, "runner: request %d: %s", i, msg);
-                        goto out;
-                    }
                     if (!tdm_grammar_matcher_accepts_eos(r->gm)) {
-                        rc = tdm_seterr(err, errlen, TDM_EINVAL,
-                                        "runner: request %d: structured output: token %d is not "
-                                        "allowed here",
-                                        i, (int)tok);
+                        char msg[160];
+                        rc = tdm_grammar_accept_error(arc, tok, msg, sizeof msg);
+                        rc = tdm_seterr(err, errlen, rc, "runner: request %d: %s", i, msg);
                         goto out;
                     }
                     complete = true;
