@@ -2,10 +2,13 @@
 // http: civetweb glue. One begin_request callback sees every request: it checks
 // the API key, finds the route (404/405 otherwise), reads the body under the
 // limit (413 otherwise), calls the handler and logs the outcome at DEBUG.
-// Responses go out through civetweb's mg_response_header_* calls so civetweb
-// keeps its keep-alive bookkeeping; SSE frames its own chunks so that one event
-// is one write (civetweb's mg_send_chunk would make three). civetweb drains an
-// unread request body itself before the next keep-alive request.
+// A response's head is formatted here and goes out in the same write as its
+// body (civetweb's mg_response_header_send writes each header line with its
+// own send: ~10 segments a response); the Connection header says what
+// civetweb will do after the handler (keep_alive). SSE frames its own chunks
+// so that one event is one write (civetweb's mg_send_chunk would make three).
+// civetweb drains an unread request body itself before the next keep-alive
+// request.
 #include "http.h"
 
 #include <civetweb.h>
@@ -25,6 +28,8 @@
 #define DEFAULT_HEADER_TIMEOUT_MS 10000
 #define DEFAULT_BODY_TIMEOUT_MS 30000
 #define DEFAULT_LARGE_REQUESTS 4
+// Largest response body copied next to its head to go out in one write.
+#define RESPOND_COPY_MAX (64u << 10)
 
 struct route {
     char *method;
@@ -393,8 +398,9 @@ static void drop_header(struct tdm_http_conn *c, const char *name)
     }
 }
 
-// Writes all of buf; a short or failed write marks the client gone.
-static int write_all(struct tdm_http_conn *c, const void *buf, size_t len)
+// Writes all of buf (body bytes of it count in bytes_out); a short or
+// failed write marks the client gone.
+static int write_all(struct tdm_http_conn *c, const void *buf, size_t len, size_t body)
 {
     if (c->gone)
         return TDM_ECLOSED;
@@ -405,38 +411,69 @@ static int write_all(struct tdm_http_conn *c, const void *buf, size_t len)
         c->gone = true;
         return TDM_ECLOSED;
     }
-    c->bytes_out += len;
+    c->bytes_out += body;
     return TDM_OK;
 }
 
-static int send_headers(struct tdm_http_conn *c, int status, const char *content_type,
-                        long long content_length, bool chunked)
+// Whether civetweb 1.15 keeps the connection open after this request, as its
+// should_keep_alive decides with keep-alive enabled (this server's setting):
+// a Connection header from the client decides (one of its comma-separated
+// options, trimmed, cut at '=', a case-insensitive prefix of "keep-alive":
+// civetweb compares only the option's length); without one, HTTP/1.1 keeps
+// the connection and 1.0 closes it.
+static bool keep_alive(const struct tdm_http_conn *c)
 {
-    if (mg_response_header_start(c->mg, status) != 0)
-        return TDM_ECLOSED;
-    // Our own Date (gmtime_r): libcivetweb 1.15 fills a missing one with
-    // gmtime(), which is not thread-safe across its worker threads.
+    const char *h = mg_get_header(c->mg, "Connection");
+    if (h == NULL)
+        return c->ri->http_version && strcmp(c->ri->http_version, "1.1") == 0;
+    static const char want[] = "keep-alive";
+    while (*h) {
+        while (*h == ' ' || *h == '\t')
+            h++;
+        const char *end = strchr(h, ',');
+        size_t len = end ? (size_t)(end - h) : strlen(h);
+        const char *eq = memchr(h, '=', len);
+        size_t opt = eq ? (size_t)(eq - h) : len;
+        while (opt > 0 && (h[opt - 1] == ' ' || h[opt - 1] == '\t'))
+            opt--;
+        if (opt > 0 && opt <= sizeof want - 1 && strncasecmp(want, h, opt) == 0)
+            return true;
+        h += end ? len + 1 : len;
+    }
+    return false;
+}
+
+// Formats the response head into c->frame with room for body_room more
+// bytes after it; *head_len gets its length. Our own Date (gmtime_r):
+// libcivetweb 1.15's is from gmtime(), not thread-safe across its threads.
+static int format_head(struct tdm_http_conn *c, int status, const char *content_type,
+                       long long content_length, bool chunked, size_t body_room, size_t *head_len)
+{
     char date[64];
     time_t now = time(NULL);
     struct tm tm;
     gmtime_r(&now, &tm);
     strftime(date, sizeof date, "%a, %d %b %Y %H:%M:%S GMT", &tm);
-    mg_response_header_add(c->mg, "Date", date, -1);
-    mg_response_header_add(c->mg, "Content-Type", content_type, -1);
-    if (content_length >= 0) {
-        char len[32];
-        snprintf(len, sizeof len, "%lld", content_length);
-        mg_response_header_add(c->mg, "Content-Length", len, -1);
-    }
-    if (chunked)
-        mg_response_header_add(c->mg, "Transfer-Encoding", "chunked", -1);
+    char length[48] = "";
+    if (content_length >= 0)
+        snprintf(length, sizeof length, "Content-Length: %lld\r\n", content_length);
+    const char *v = c->ri->http_version;
+    size_t need = 256 + strlen(content_type) + body_room;
     for (int i = 0; i < c->n_hdr; i++)
-        mg_response_header_add(c->mg, c->hdr_name[i], c->hdr_value[i], -1);
-    c->status = status;
-    if (mg_response_header_send(c->mg) != 0) {
-        c->gone = true;
-        return TDM_ECLOSED;
-    }
+        need += strlen(c->hdr_name[i]) + strlen(c->hdr_value[i]) + 4;
+    if (tdm_grow(&c->frame, &c->frame_cap, need, 1, 256) != TDM_OK)
+        return TDM_ENOMEM;
+    size_t o = (size_t)snprintf(c->frame, need,
+                                "HTTP/%s %d %s\r\nDate: %s\r\nContent-Type: %s\r\n%s%s",
+                                v && strcmp(v, "1.1") == 0 ? "1.1" : "1.0", status,
+                                tdm_http_reason(status), date, content_type, length,
+                                chunked ? "Transfer-Encoding: chunked\r\n" : "");
+    for (int i = 0; i < c->n_hdr; i++)
+        o += (size_t)snprintf(c->frame + o, need - o, "%s: %s\r\n", c->hdr_name[i],
+                              c->hdr_value[i]);
+    o += (size_t)snprintf(c->frame + o, need - o, "Connection: %s\r\n\r\n",
+                          keep_alive(c) ? "keep-alive" : "close");
+    *head_len = o;
     return TDM_OK;
 }
 
@@ -445,11 +482,22 @@ int tdm_http_respond(struct tdm_http_conn *c, int status, const char *content_ty
 {
     if (c->status)
         return TDM_EINVAL;
-    int rc = send_headers(c, status, content_type ? content_type : "text/plain; charset=utf-8",
-                          (long long)len, false);
+    // A small body goes out with the head in one write; a large one after it
+    // (not copied: /tokenize answers can be megabytes).
+    bool together = len <= RESPOND_COPY_MAX;
+    size_t head = 0;
+    int rc = format_head(c, status, content_type ? content_type : "text/plain; charset=utf-8",
+                         (long long)len, false, together ? len : 0, &head);
     if (rc != TDM_OK)
         return rc;
-    return write_all(c, body, len);
+    c->status = status;
+    if (!together) {
+        rc = write_all(c, c->frame, head, 0);
+        return rc == TDM_OK ? write_all(c, body, len, len) : rc;
+    }
+    if (len)
+        memcpy(c->frame + head, body, len);
+    return write_all(c, c->frame, head + len, len);
 }
 
 int tdm_http_respond_json(struct tdm_http_conn *c, int status, const char *json)
@@ -486,7 +534,12 @@ int tdm_http_sse_start(struct tdm_http_conn *c)
         return TDM_EINVAL;
     c->chunked = strcmp(c->ri->http_version ? c->ri->http_version : "1.0", "1.0") != 0;
     tdm_http_add_header(c, "Cache-Control", "no-cache");
-    int rc = send_headers(c, 200, "text/event-stream; charset=utf-8", -1, c->chunked);
+    size_t head = 0;
+    int rc = format_head(c, 200, "text/event-stream; charset=utf-8", -1, c->chunked, 0, &head);
+    if (rc != TDM_OK)
+        return rc;
+    c->status = 200;
+    rc = write_all(c, c->frame, head, 0);
     c->sse = rc == TDM_OK;
     return rc;
 }
@@ -518,7 +571,7 @@ static int write_frame(struct tdm_http_conn *c, const char *prefix, const char *
         memcpy(c->frame + o, "\r\n", 2);
         o += 2;
     }
-    return write_all(c, c->frame, o);
+    return write_all(c, c->frame, o, o);
 }
 
 int tdm_http_sse_event(struct tdm_http_conn *c, const char *json, size_t len)
@@ -539,7 +592,7 @@ int tdm_http_sse_end(struct tdm_http_conn *c, bool done)
     if (done)
         rc = write_frame(c, "data: [DONE]", "", 0, "\n\n");
     if (rc == TDM_OK && c->chunked)
-        rc = write_all(c, "0\r\n\r\n", 5);
+        rc = write_all(c, "0\r\n\r\n", 5, 5);
     c->sse = false;
     return rc;
 }

@@ -9,8 +9,11 @@
 // (header and body timeouts, OPTIONS *, absolute-form targets, a drained 413). The OpenAI routes over this server are
 // tested in common/openai/openai_http_test.c.
 
+#include <dlfcn.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <setjmp.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -27,6 +30,29 @@
 #include "http.h"
 #include "http_test_client.h"
 #include "openai_http.h"
+
+// ---- send() seen from the server's side ------------------------------------------------------
+// civetweb writes with send(); this definition comes first in the lookup
+// order, so its calls land here, are counted when they leave a socket bound to
+// count_port (the server's accepted connections, never the test's clients),
+// and go on to the next definition (libc, or a sanitizer's interceptor).
+static _Atomic int count_port;
+static _Atomic int server_sends;
+
+ssize_t send(int fd, const void *buf, size_t len, int flags);
+ssize_t send(int fd, const void *buf, size_t len, int flags)
+{
+    static ssize_t (*real)(int, const void *, size_t, int);
+    if (real == NULL)
+        *(void **)&real = dlsym(RTLD_NEXT, "send");
+    struct sockaddr_in a;
+    socklen_t al = sizeof a;
+    int port = atomic_load(&count_port);
+    if (port && getsockname(fd, (struct sockaddr *)&a, &al) == 0 && a.sin_family == AF_INET &&
+        ntohs(a.sin_port) == port)
+        atomic_fetch_add(&server_sends, 1);
+    return real(fd, buf, len, flags);
+}
 
 // ---- handlers ---------------------------------------------------------------------------------
 struct gone_probe {
@@ -308,6 +334,78 @@ static void test_sse_framing_and_keep_alive(void **state)
     free(r);
 }
 
+// A response is one send (head and body together), an event stream's head
+// one, each event one, the end one: civetweb's header calls wrote each header
+// line with its own send (7 for /health: 7 TCP segments).
+static void test_one_write_per_response(void **state)
+{
+    struct fixture *f = *state;
+    atomic_store(&server_sends, 0);
+    atomic_store(&count_port, f->port);
+    char *r = roundtrip(f->port, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    int plain = atomic_exchange(&server_sends, 0);
+    assert_int_equal(status_of(r), 200);
+    assert_string_equal(body_of(r), "ok");
+    char v[64];
+    assert_string_equal(header_of(r, "Connection", v, sizeof v), "close");
+    free(r);
+    r = roundtrip(f->port, "GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    int error = atomic_exchange(&server_sends, 0);
+    assert_int_equal(status_of(r), 404);
+    free(r);
+    r = roundtrip(f->port, "GET /sse HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    int sse = atomic_exchange(&server_sends, 0);
+    atomic_store(&count_port, 0);
+    assert_int_equal(status_of(r), 200);
+    free(r);
+    assert_int_equal(plain, 1);
+    assert_int_equal(error, 1);
+    // Head, three events, a comment, [DONE], the last chunk.
+    assert_int_equal(sse, 7);
+}
+
+// The Connection header tells what civetweb does after the response: HTTP/1.1
+// keeps the connection unless the client said otherwise, 1.0 closes it unless
+// the client asked for keep-alive (in any case, among other options).
+static void test_connection_header(void **state)
+{
+    struct fixture *f = *state;
+    static const struct {
+        const char *req;
+        const char *want;
+    } cases[] = {
+        {"GET /health HTTP/1.0\r\n\r\n", "close"},
+        {"GET /health HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n", "keep-alive"},
+        {"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", "close"},
+        {"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade,  keep-alive \r\n\r\n",
+         "keep-alive"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        int fd = connect_to(f->port);
+        send_all(fd, cases[i].req, strlen(cases[i].req));
+        shutdown(fd, SHUT_WR);
+        char *r = read_to_eof(fd, NULL);
+        close(fd);
+        char v[64];
+        assert_int_equal(status_of(r), 200);
+        assert_string_equal(header_of(r, "Connection", v, sizeof v), cases[i].want);
+        free(r);
+    }
+    // Kept open: a second request on the same connection is answered.
+    int fd = connect_to(f->port);
+    const char *two = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                      "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    send_all(fd, two, strlen(two));
+    char *r = read_to_eof(fd, NULL);
+    close(fd);
+    char v[64];
+    assert_string_equal(header_of(r, "Connection", v, sizeof v), "keep-alive");
+    const char *second = strstr(r + 1, "HTTP/1.1 200");
+    assert_non_null(second);
+    assert_string_equal(body_of(second), "ok");
+    free(r);
+}
+
 static void test_client_disconnect_detected(void **state)
 {
     struct fixture *f = *state;
@@ -533,6 +631,8 @@ int main(void)
         cmocka_unit_test(test_not_found_and_method),
         cmocka_unit_test(test_body_and_limit),
         cmocka_unit_test(test_sse_framing_and_keep_alive),
+        cmocka_unit_test(test_one_write_per_response),
+        cmocka_unit_test(test_connection_header),
         cmocka_unit_test(test_client_disconnect_detected),
         cmocka_unit_test(test_api_key),
         cmocka_unit_test(test_lifecycle_and_errors),
