@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// core: errors, logging, clocks, monotonic timed waits and file helpers shared
-// by every module.
+// core: errors, logging, clocks, monotonic timed waits, detached threads and
+// file helpers shared by every module.
 // Logging writes each event as one line with a single fprintf so lines from
 // different threads never interleave.
 #include "core.h"
@@ -207,6 +207,19 @@ bool tdm_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadlin
 bool tdm_cond_wait_for(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds)
 {
     return tdm_cond_wait_until(cv, mu, tdm_now() + (seconds > 0 ? seconds : 0));
+}
+
+int tdm_thread_start_detached(void *(*fn)(void *), void *arg)
+{
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0)
+        return TDM_EBUSY;
+    pthread_t th;
+    int rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (rc == 0)
+        rc = pthread_create(&th, &attr, fn, arg);
+    pthread_attr_destroy(&attr);
+    return rc == 0 ? TDM_OK : TDM_EBUSY;
 }
 
 int tdm_read_file(const char *path, char **out, size_t *len, char *err, size_t errlen)

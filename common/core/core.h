@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // core: what every module shares. The error enum and its strerror, the log
 // macros (which check the level before formatting anything), a monotonic clock,
-// timed waits on condition variables over that clock, whole-file reading and
-// the "fill err/errlen" helper used by slow-path APIs.
+// timed waits on condition variables over that clock, starting a detached
+// thread, whole-file reading and the "fill err/errlen" helper used by
+// slow-path APIs.
 #ifndef TDM_CORE_H
 #define TDM_CORE_H
 
@@ -145,6 +146,15 @@ int tdm_cond_init(pthread_cond_t *cv);
 bool tdm_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadline);
 // Same for at most seconds from now (a deadline of tdm_now() + seconds).
 bool tdm_cond_wait_for(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds);
+
+// ---- threads -----------------------------------------------------------------------------
+// Starts fn(arg) on a new detached thread (nobody joins it: fn frees what it
+// owns). TDM_OK, or TDM_EBUSY when no thread could be started (pthread_create's
+// EAGAIN: the process or user is out of threads, or of memory for a stack);
+// arg then stays the caller's, which fails or retries that one piece of work
+// (a frame handler must never run it inline instead: it would stop reading
+// its connection for that long).
+int tdm_thread_start_detached(void *(*fn)(void *), void *arg);
 
 // ---- command-line flags (core_flags.c) ------------------------------------------
 // One table per program (or per part of one) maps each flag to a field of an

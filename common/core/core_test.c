@@ -198,6 +198,20 @@ static void test_cond_wait(void **state)
     pthread_mutex_destroy(&w.mu);
 }
 
+// A detached thread runs its function; nobody joins it. The waker is static:
+// the thread may still be leaving pthread_mutex_unlock when the test goes on.
+static void test_thread_start_detached(void **state)
+{
+    (void)state;
+    static struct waker w = {.mu = PTHREAD_MUTEX_INITIALIZER, .flag = 0};
+    assert_int_equal(tdm_cond_init(&w.cv), TDM_OK);
+    pthread_mutex_lock(&w.mu);
+    assert_int_equal(tdm_thread_start_detached(wake_later, &w), TDM_OK);
+    while (!w.flag)
+        assert_true(tdm_cond_wait_for(&w.cv, &w.mu, 10.0));
+    pthread_mutex_unlock(&w.mu);
+}
+
 // ---- flags ----
 struct opts {
     char name[8];
@@ -546,6 +560,7 @@ int main(void)
         cmocka_unit_test(test_json_depth),
         cmocka_unit_test(test_hmac_sha256),
         cmocka_unit_test(test_cond_wait),
+        cmocka_unit_test(test_thread_start_detached),
         cmocka_unit_test(test_finish_name),
         cmocka_unit_test(test_flags_parse),
         cmocka_unit_test(test_flags_take_and_help),

@@ -685,13 +685,7 @@ static void *inbox_acceptor(void *arg)
         c->next = in->conns;
         in->conns = c;
         in->readers++;
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int prc = pthread_create(&t, &attr, inbox_reader, c);
-        pthread_attr_destroy(&attr);
-        if (prc != 0) {
+        if (tdm_thread_start_detached(inbox_reader, c) != TDM_OK) {
             in->conns = c->next;
             in->readers--;
             pthread_mutex_unlock(&in->mu);
