@@ -5,10 +5,13 @@
 // their job, import KvData frames straight from the received message into the
 // reserved blocks (under the receiver lock, so a job that gives up cannot call
 // import_done while a layer is being written; frames may come before the
-// PrefillResult), and flip the cancel flag for Cancels. A
-// job thread owns its engine request(s) from submit to release: it reserves
-// the prompt's blocks once (IMPORT_KV), then walks the attempts, listed
-// prefill workers in order with the same reserved blocks, then local prefill.
+// PrefillResult), and flip the cancel flag for Cancels. A handler never runs
+// a request itself (it would stall every later frame of that peer, the
+// request's Cancel included): when no job thread can be started the request
+// is refused with TDM_EBUSY. A job thread owns its engine request(s) from
+// submit to release: it reserves the prompt's blocks once (IMPORT_KV), then
+// walks the attempts, listed prefill workers in order with the same reserved
+// blocks, then local prefill.
 //
 // Invariants: nothing is sent to the router before an attempt succeeded (or the
 // request ended), so retries are invisible; every engine request a job submits
@@ -208,6 +211,14 @@ const char *tdm_pd_receiver_url(const struct tdm_pd_receiver *r)
 uint64_t tdm_pd_receiver_instance(const struct tdm_pd_receiver *r)
 {
     return r->net.instance;
+}
+
+int tdm_pd_receiver_num_jobs(struct tdm_pd_receiver *r)
+{
+    pthread_mutex_lock(&r->mu);
+    int n = r->num_jobs;
+    pthread_mutex_unlock(&r->mu);
+    return n;
 }
 
 static void timed_wait(struct tdm_pd_receiver *rx, double seconds)
@@ -1185,6 +1196,23 @@ static void trace_job(struct djob *j)
     tdm_tracer_emit(t, sp);
 }
 
+// Takes j out of rx->jobs and wakes tdm_pd_receiver_free, which waits for the
+// list to empty. After this nothing else can reach j.
+static void job_unlist(struct djob *j)
+{
+    struct tdm_pd_receiver *rx = j->rx;
+    pthread_mutex_lock(&rx->mu);
+    for (struct djob **pp = &rx->jobs; *pp; pp = &(*pp)->next) {
+        if (*pp == j) {
+            *pp = j->next;
+            rx->num_jobs--;
+            break;
+        }
+    }
+    pthread_cond_broadcast(&rx->cv);
+    pthread_mutex_unlock(&rx->mu);
+}
+
 static void *job_main(void *arg)
 {
     struct djob *j = arg;
@@ -1232,16 +1260,7 @@ static void *job_main(void *arg)
             send_finish(j, TDM_FINISH_ERROR, TDM_ETRANSPORT,
                         "every listed prefill worker failed");
     }
-    pthread_mutex_lock(&rx->mu);
-    for (struct djob **pp = &rx->jobs; *pp; pp = &(*pp)->next) {
-        if (*pp == j) {
-            *pp = j->next;
-            rx->num_jobs--;
-            break;
-        }
-    }
-    pthread_cond_broadcast(&rx->cv);
-    pthread_mutex_unlock(&rx->mu);
+    job_unlist(j);
     trace_job(j);
     job_free(j);
     return NULL;
@@ -1338,13 +1357,14 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     rx->jobs = j;
     rx->num_jobs++;
     pthread_mutex_unlock(&rx->mu);
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    pthread_t th;
-    if (pthread_create(&th, &attr, job_main, j) != 0)
-        job_main(j); // slow but correct: the receive thread serves it
-    pthread_attr_destroy(&attr);
+    if (tdm_thread_start_detached(job_main, j) != TDM_OK) {
+        // Never run inline: this is the connection's only reader, so every
+        // later frame of the router (this request's Cancel too) would wait
+        // for the whole request. Refused instead; the client may retry (503).
+        job_unlist(j);
+        TDM_LOG_WARN(MOD, "req=%s refused: cannot start a job thread", j->request_id);
+        refuse(j, TDM_EBUSY, "cannot start a thread for the request (out of threads); try again");
+    }
 }
 
 // The job whose current attempt is transfer tid, for a message addressed to this

@@ -63,6 +63,9 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
                         const struct tdm_pd_receiver_config *cfg, char *err, size_t errlen);
 const char *tdm_pd_receiver_url(const struct tdm_pd_receiver *r);
 uint64_t tdm_pd_receiver_instance(const struct tdm_pd_receiver *r);
+// GenerateRequests in progress: jobs listed, from accepted until their thread
+// is about to free them (tests check that a refused request left none).
+int tdm_pd_receiver_num_jobs(struct tdm_pd_receiver *r);
 // Stops receiving, aborts every request (each still sends its final chunk when
 // the router is reachable) and waits for their threads. Accepts NULL.
 void tdm_pd_receiver_free(struct tdm_pd_receiver *r);
