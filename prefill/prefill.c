@@ -7,7 +7,9 @@
 // and wakes it; the job thread exports each layer group straight into its
 // KvData frame while the engine computes the later layers, so the engine never
 // waits on the network. The Cancel handler only flips the cancel flag and
-// aborts; it never blocks on a peer.
+// aborts; it never blocks on a peer. A handler never runs a job itself (its
+// connection would go unread meanwhile): a job whose thread cannot be started
+// is refused with TDM_EBUSY.
 //
 // Invariants: a job is in the list from submit until its thread is about to
 // free it; messages whose to_instance is not ours were meant for an earlier
@@ -184,6 +186,14 @@ const char *tdm_prefill_service_url(const struct tdm_prefill_service *p)
 uint64_t tdm_prefill_service_instance(const struct tdm_prefill_service *p)
 {
     return p->net.instance;
+}
+
+int tdm_prefill_service_num_jobs(struct tdm_prefill_service *p)
+{
+    pthread_mutex_lock(&p->mu);
+    int n = p->num_jobs;
+    pthread_mutex_unlock(&p->mu);
+    return n;
 }
 
 static struct pjob *job_find(struct tdm_prefill_service *p, uint64_t transfer_id)
@@ -981,6 +991,36 @@ static void reply_error(struct tdm_prefill_service *p, const Tandem__PrefillRequ
     }
 }
 
+// A submitted job whose thread could not be started. Never run inline: this
+// reader thread is the only one reading the decode worker's connection, so
+// its later frames (this transfer's Cancel too) would wait for the whole
+// prefill and push. The engine request is aborted (any KV it got goes back)
+// and its finish awaited, at most one engine step, so no engine callback can
+// reach the job once it is freed; the decode worker gets an error result
+// (TDM_EBUSY: it moves on to its next prefill worker or prefills locally) and
+// the job ends as any other.
+static void job_refuse_unstarted(struct tdm_prefill_service *p, const Tandem__PrefillRequest *m,
+                                 struct pjob *job)
+{
+    const char *why = "cannot start a thread for the request (out of threads); try again";
+    TDM_LOG_WARN(MOD, "req=%s transfer=%016llx refused: cannot start a job thread", job->request_id,
+                 (unsigned long long)job->transfer_id);
+    tdm_engine_abort(p->parts.engine, job->req, TDM_FINISH_ABORT);
+    pthread_mutex_lock(&job->mu);
+    while (!job->finished)
+        tdm_cond_wait_for(&job->cv, &job->mu, 0.1);
+    pthread_mutex_unlock(&job->mu);
+    reply_error(p, m, TDM_EBUSY, why); // with the closed frame of an offered pool
+    job->closed_sent = true;
+    tdm_pd_metrics_fail(&p->m, "thread");
+    if (job->span.recording) {
+        tdm_span_error(&job->span, why);
+        job->span.end = tdm_now();
+        tdm_tracer_emit(p->parts.tracer, &job->span);
+    }
+    job_end(job, false, 0, 0);
+}
+
 // Checks a PrefillRequest before anything is computed: ours (instance, model),
 // ready, a reply address, sane sampling, prompt and push target. False when
 // it was refused (answered with an error result where a reply address exists).
@@ -1144,17 +1184,8 @@ static void prefill_start(struct tdm_prefill_service *p, const Tandem__PrefillRe
         tdm_pd_metrics_fail(&p->m, "submit");
         return;
     }
-    pthread_t th;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&th, &attr, job_main, job) != 0) {
-        // Run it inline rather than leak the request: slow, but correct.
-        pthread_attr_destroy(&attr);
-        job_main(job);
-        return;
-    }
-    pthread_attr_destroy(&attr);
+    if (tdm_thread_start_detached(job_main, job) != TDM_OK)
+        job_refuse_unstarted(p, m, job);
 }
 
 static void on_prefill(void *arg, const struct tdm_net_frame *f)
@@ -1207,7 +1238,7 @@ static const struct tdm_pd_metric_names metric_names = {
     .requests = {"tandem:pd_prefill_requests_total",
                  "PrefillRequests received from decode workers."},
     .failures = {"tandem:kv_transfer_failures_total",
-                 "Prefill/transfer failures by reason (prefill, send, export, submit, "
+                 "Prefill/transfer failures by reason (prefill, send, export, submit, thread, "
                  "cancelled, hold_timeout)."},
     .seconds = {"tandem:kv_transfer_seconds",
                 "Seconds from a request's first KvData frame to its last (frames go out as the "

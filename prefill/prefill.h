@@ -63,6 +63,9 @@ int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker 
 const char *tdm_prefill_service_url(const struct tdm_prefill_service *p);
 // This process's instance id (in every message it sends).
 uint64_t tdm_prefill_service_instance(const struct tdm_prefill_service *p);
+// PrefillRequests in progress: jobs listed, from submit until their thread is
+// about to free them (tests check that a refused request left none).
+int tdm_prefill_service_num_jobs(struct tdm_prefill_service *p);
 // Stops receiving, aborts every job (their KV is released) and waits for the job
 // threads; call before tdm_worker_free. Accepts NULL.
 void tdm_prefill_service_free(struct tdm_prefill_service *p);
