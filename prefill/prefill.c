@@ -953,10 +953,14 @@ static void job_end(struct pjob *job, bool pushed, double t_first_frame, size_t 
     tdm_kvx_links_give(p->links, job->link);
     free(job->dst_blocks);
     free(job->src_blocks);
+    // The handle is dropped and the job unlisted in one hold of p->mu: the
+    // Cancel handler and tdm_prefill_service_free abort listed jobs' requests
+    // under it, and must never see a handle already released (the engine may
+    // have dropped its reference at the finish: that would free it).
+    pthread_mutex_lock(&p->mu);
     tdm_engine_release_kv(e, job->req); // EINVAL when nothing is held: fine
     tdm_engine_abort(e, job->req, TDM_FINISH_ABORT);
     tdm_engine_request_release(job->req);
-    pthread_mutex_lock(&p->mu);
     job_unlink(p, job);
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
