@@ -9,12 +9,13 @@
 // (PrefillRequests to the prefill inbox) and reads the replies from its own
 // inbox.
 //
-// pthread_create fails on demand: the test links with
-// -Wl,--wrap=pthread_create, so every call from the statically linked
-// Tandem objects comes here first and fails with EAGAIN while fail_creates
-// is above zero (libnng is a shared library: its threads are not affected).
-// The connections are made by a first request that succeeds, so the next
-// thread started is the job thread of the refused request.
+// Starting a job thread fails on demand: the test links with
+// -Wl,--wrap=tdm_thread_start_detached, so every call from the statically
+// linked roles (and the transport) comes here first and fails with TDM_EBUSY
+// while fail_creates is above zero (pthread_create itself cannot be made to
+// fail here: the core reuses waiting threads). The connections are made by a
+// first request that succeeds, so the next thread asked for is the job thread
+// of the refused request.
 //   - decode: the GenerateRequest gets a final chunk with TDM_EBUSY, the
 //     receiver lists no job afterwards, and the same request id then succeeds
 //     on the same connection;
@@ -28,7 +29,6 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -48,20 +48,18 @@
 #include "transport.h"
 #include "worker.h"
 
-// ---- pthread_create that fails on demand ------------------------------------------------------
-static atomic_int fail_creates; // calls still to fail with EAGAIN
+// ---- job threads that fail to start on demand ------------------------------------------------
+static atomic_int fail_creates; // calls still to fail with TDM_EBUSY
 
-int __real_pthread_create(pthread_t *th, const pthread_attr_t *attr, void *(*fn)(void *),
-                          void *arg);
-int __wrap_pthread_create(pthread_t *th, const pthread_attr_t *attr, void *(*fn)(void *),
-                          void *arg);
-int __wrap_pthread_create(pthread_t *th, const pthread_attr_t *attr, void *(*fn)(void *), void *arg)
+int __real_tdm_thread_start_detached(void *(*fn)(void *), void *arg);
+int __wrap_tdm_thread_start_detached(void *(*fn)(void *), void *arg);
+int __wrap_tdm_thread_start_detached(void *(*fn)(void *), void *arg)
 {
     int left = atomic_load(&fail_creates);
     while (left > 0)
         if (atomic_compare_exchange_weak(&fail_creates, &left, left - 1))
-            return EAGAIN;
-    return __real_pthread_create(th, attr, fn, arg);
+            return TDM_EBUSY;
+    return __real_tdm_thread_start_detached(fn, arg);
 }
 
 // ---- the two workers and a router --------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include "core.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -209,17 +210,108 @@ bool tdm_cond_wait_for(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds)
     return tdm_cond_wait_until(cv, mu, tdm_now() + (seconds > 0 ? seconds : 0));
 }
 
+// ---- detached threads, reused -----------------------------------------------------------
+// A thread whose function returned waits up to THREAD_IDLE_SECONDS for the
+// next one (at most THREAD_IDLE_MAX threads wait), so a request's job thread
+// is usually a waiting one woken, not a clone() and a new stack on the
+// request's path. A piece of work is only queued when a waiting thread is
+// there to take it (idle > queued), never left behind a busy one.
+#define THREAD_IDLE_SECONDS 30.0
+#define THREAD_IDLE_MAX 64
+
+struct thread_work {
+    void *(*fn)(void *);
+    void *arg;
+    struct thread_work *next;
+};
+
+static struct {
+    pthread_once_t once;
+    pthread_mutex_t mu;
+    pthread_cond_t cv; // work queued (monotonic)
+    struct thread_work *head, *tail;
+    int queued, idle;
+} threads = {.once = PTHREAD_ONCE_INIT, .mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void threads_init(void)
+{
+    if (tdm_cond_init(&threads.cv) != TDM_OK)
+        pthread_cond_init(&threads.cv, NULL); // waits then run on the wall clock
+}
+
+static void *thread_main(void *arg)
+{
+    struct thread_work *w = arg;
+    for (;;) {
+        void *(*fn)(void *) = w->fn;
+        void *fa = w->arg;
+        free(w);
+        fn(fa);
+        pthread_mutex_lock(&threads.mu);
+        if (threads.idle >= THREAD_IDLE_MAX) {
+            pthread_mutex_unlock(&threads.mu);
+            return NULL;
+        }
+        threads.idle++;
+        double deadline = tdm_now() + THREAD_IDLE_SECONDS;
+        while (threads.head == NULL && tdm_cond_wait_until(&threads.cv, &threads.mu, deadline))
+            ;
+        threads.idle--;
+        w = threads.head;
+        if (w == NULL) {
+            pthread_mutex_unlock(&threads.mu);
+            return NULL;
+        }
+        threads.head = w->next;
+        if (threads.head == NULL)
+            threads.tail = NULL;
+        threads.queued--;
+        pthread_mutex_unlock(&threads.mu);
+    }
+}
+
 int tdm_thread_start_detached(void *(*fn)(void *), void *arg)
 {
-    pthread_attr_t attr;
-    if (pthread_attr_init(&attr) != 0)
+    pthread_once(&threads.once, threads_init);
+    struct thread_work *w = malloc(sizeof *w);
+    if (w == NULL)
         return TDM_EBUSY;
-    pthread_t th;
-    int rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (rc == 0)
-        rc = pthread_create(&th, &attr, fn, arg);
-    pthread_attr_destroy(&attr);
-    return rc == 0 ? TDM_OK : TDM_EBUSY;
+    *w = (struct thread_work){.fn = fn, .arg = arg};
+    pthread_mutex_lock(&threads.mu);
+    if (threads.idle > threads.queued) {
+        if (threads.tail)
+            threads.tail->next = w;
+        else
+            threads.head = w;
+        threads.tail = w;
+        threads.queued++;
+        pthread_mutex_unlock(&threads.mu);
+        pthread_cond_signal(&threads.cv);
+        return TDM_OK;
+    }
+    pthread_mutex_unlock(&threads.mu);
+    pthread_attr_t attr;
+    int rc = pthread_attr_init(&attr);
+    if (rc == 0) {
+        pthread_t th;
+        rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (rc == 0)
+            rc = pthread_create(&th, &attr, thread_main, w);
+        pthread_attr_destroy(&attr);
+    }
+    if (rc != 0) {
+        free(w);
+        return TDM_EBUSY;
+    }
+    return TDM_OK;
+}
+
+int tdm_thread_idle(void)
+{
+    pthread_mutex_lock(&threads.mu);
+    int n = threads.idle;
+    pthread_mutex_unlock(&threads.mu);
+    return n;
 }
 
 int tdm_read_file(const char *path, char **out, size_t *len, char *err, size_t errlen)

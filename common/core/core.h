@@ -148,13 +148,16 @@ bool tdm_cond_wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, double deadlin
 bool tdm_cond_wait_for(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds);
 
 // ---- threads -----------------------------------------------------------------------------
-// Starts fn(arg) on a new detached thread (nobody joins it: fn frees what it
-// owns). TDM_OK, or TDM_EBUSY when no thread could be started (pthread_create's
-// EAGAIN: the process or user is out of threads, or of memory for a stack);
-// arg then stays the caller's, which fails or retries that one piece of work
-// (a frame handler must never run it inline instead: it would stop reading
-// its connection for that long).
+// Starts fn(arg) on a detached thread (nobody joins it: fn frees what it
+// owns): one that finished earlier work and waits for more (up to 64 wait,
+// each at most 30 s), else a new one. TDM_OK, or TDM_EBUSY when no thread
+// could be started (pthread_create's EAGAIN: the process or user is out of
+// threads, or of memory for a stack); arg then stays the caller's, which
+// fails or retries that one piece of work (a frame handler must never run it
+// inline instead: it would stop reading its connection for that long).
 int tdm_thread_start_detached(void *(*fn)(void *), void *arg);
+// Threads of tdm_thread_start_detached waiting for work now (for tests).
+int tdm_thread_idle(void);
 
 // ---- command-line flags (core_flags.c) ------------------------------------------
 // One table per program (or per part of one) maps each flag to a field of an

@@ -212,6 +212,71 @@ static void test_thread_start_detached(void **state)
     pthread_mutex_unlock(&w.mu);
 }
 
+// A thread whose work ended takes the next piece (no new thread), and
+// pieces started together all run at once: none waits behind a busy thread
+// (each here waits until all have started).
+struct meet {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int arrived, want;
+};
+
+static void *note_self(void *arg)
+{
+    struct meet *m = arg;
+    pthread_mutex_lock(&m->mu);
+    m->arrived++;
+    pthread_cond_broadcast(&m->cv);
+    while (m->arrived < m->want)
+        if (!tdm_cond_wait_for(&m->cv, &m->mu, 10.0))
+            break;
+    pthread_mutex_unlock(&m->mu);
+    return NULL;
+}
+
+static void wait_arrived(struct meet *m, int n)
+{
+    pthread_mutex_lock(&m->mu);
+    while (m->arrived < n)
+        assert_true(tdm_cond_wait_for(&m->cv, &m->mu, 10.0));
+    pthread_mutex_unlock(&m->mu);
+}
+
+static void wait_idle(int n)
+{
+    double end = tdm_now() + 10;
+    while (tdm_thread_idle() < n && tdm_now() < end) {
+        struct timespec d = {0, 1000 * 1000};
+        nanosleep(&d, NULL);
+    }
+    assert_true(tdm_thread_idle() >= n);
+}
+
+static void test_thread_reuse(void **state)
+{
+    (void)state;
+    static struct meet a = {.mu = PTHREAD_MUTEX_INITIALIZER, .want = 1};
+    static struct meet b = {.mu = PTHREAD_MUTEX_INITIALIZER, .want = 1};
+    assert_int_equal(tdm_cond_init(&a.cv), TDM_OK);
+    assert_int_equal(tdm_cond_init(&b.cv), TDM_OK);
+    assert_int_equal(tdm_thread_start_detached(note_self, &a), TDM_OK);
+    wait_arrived(&a, 1);
+    wait_idle(1); // a's thread waits for more work
+    int idle = tdm_thread_idle();
+    assert_int_equal(tdm_thread_start_detached(note_self, &b), TDM_OK);
+    wait_arrived(&b, 1);
+    wait_idle(idle);
+    struct timespec settle = {0, 20 * 1000 * 1000};
+    nanosleep(&settle, NULL);
+    assert_int_equal(tdm_thread_idle(), idle); // a new thread would have made one more
+    static struct meet all = {.mu = PTHREAD_MUTEX_INITIALIZER, .want = 8};
+    assert_int_equal(tdm_cond_init(&all.cv), TDM_OK);
+    for (int i = 0; i < 8; i++)
+        assert_int_equal(tdm_thread_start_detached(note_self, &all), TDM_OK);
+    wait_arrived(&all, 8);
+    wait_idle(8);
+}
+
 // ---- flags ----
 struct opts {
     char name[8];
@@ -561,6 +626,7 @@ int main(void)
         cmocka_unit_test(test_hmac_sha256),
         cmocka_unit_test(test_cond_wait),
         cmocka_unit_test(test_thread_start_detached),
+        cmocka_unit_test(test_thread_reuse),
         cmocka_unit_test(test_finish_name),
         cmocka_unit_test(test_flags_parse),
         cmocka_unit_test(test_flags_take_and_help),
