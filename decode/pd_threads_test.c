@@ -212,21 +212,31 @@ struct outcome {
     char message[256];
 };
 
-// Reads TokenChunks until id's final one (other frames are dropped).
-static void collect_tokens(const char *id, struct outcome *o, double timeout_s)
+// The next frame of this type on the test's inbox (others are dropped), or
+// a failed test after end. Caller frees the message.
+static struct tdm_net_msg *next_frame(int type, double end)
 {
-    memset(o, 0, sizeof *o);
-    double end = tdm_now() + timeout_s;
     for (;;) {
         assert_true(tdm_now() < end);
         struct tdm_net_msg *msg = NULL;
         char err[256];
         if (tdm_net_inbox_recv(router_in, 0.1, &msg, err, sizeof err) != TDM_OK)
             continue;
+        if (tdm_net_msg_frame(msg)->type == type)
+            return msg;
+        tdm_net_msg_free(msg);
+    }
+}
+
+// Reads TokenChunks until id's final one.
+static void collect_tokens(const char *id, struct outcome *o, double timeout_s)
+{
+    memset(o, 0, sizeof *o);
+    double end = tdm_now() + timeout_s;
+    for (;;) {
+        struct tdm_net_msg *msg = next_frame(TDM_NET_TOKENS, end);
         const struct tdm_net_frame *f = tdm_net_msg_frame(msg);
-        Tandem__TokenChunk *c = f->type == TDM_NET_TOKENS
-                                    ? tandem__token_chunk__unpack(NULL, f->msg_len, f->msg)
-                                    : NULL;
+        Tandem__TokenChunk *c = tandem__token_chunk__unpack(NULL, f->msg_len, f->msg);
         tdm_net_msg_free(msg);
         if (c == NULL)
             continue;
@@ -316,15 +326,9 @@ static int collect_result(uint64_t transfer_id, char *message, size_t len, doubl
 {
     double end = tdm_now() + timeout_s;
     for (;;) {
-        assert_true(tdm_now() < end);
-        struct tdm_net_msg *msg = NULL;
-        char err[256];
-        if (tdm_net_inbox_recv(router_in, 0.1, &msg, err, sizeof err) != TDM_OK)
-            continue;
+        struct tdm_net_msg *msg = next_frame(TDM_NET_PREFILL_RESULT, end);
         const struct tdm_net_frame *f = tdm_net_msg_frame(msg);
-        Tandem__PrefillResult *r = f->type == TDM_NET_PREFILL_RESULT
-                                       ? tandem__prefill_result__unpack(NULL, f->msg_len, f->msg)
-                                       : NULL;
+        Tandem__PrefillResult *r = tandem__prefill_result__unpack(NULL, f->msg_len, f->msg);
         tdm_net_msg_free(msg);
         if (r == NULL)
             continue;
