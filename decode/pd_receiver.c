@@ -1260,8 +1260,10 @@ static void *job_main(void *arg)
             send_finish(j, TDM_FINISH_ERROR, TDM_ETRANSPORT,
                         "every listed prefill worker failed");
     }
-    job_unlist(j);
+    // Traced while still listed: trace_job reads rx, which
+    // tdm_pd_receiver_free frees once the list is empty.
     trace_job(j);
+    job_unlist(j);
     job_free(j);
     return NULL;
 }
