@@ -4,7 +4,7 @@
 // limit (413 otherwise), calls the handler and logs the outcome at DEBUG.
 // A response's head is formatted here and goes out in the same write as its
 // body (civetweb's mg_response_header_send writes each header line with its
-// own send: ~10 segments a response); the Connection header says what
+// own send: 7 for a /health answer); the Connection header says what
 // civetweb will do after the handler (keep_alive). SSE frames its own chunks
 // so that one event is one write (civetweb's mg_send_chunk would make three).
 // civetweb drains an unread request body itself before the next keep-alive
@@ -443,17 +443,24 @@ static bool keep_alive(const struct tdm_http_conn *c)
     return false;
 }
 
+// The Date header's value for now (RFC 7231's IMF-fixdate), from gmtime_r:
+// libcivetweb 1.15 fills a missing Date with gmtime(), not thread-safe across
+// its worker threads.
+static void http_date(char *out, size_t len)
+{
+    time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(out, len, "%a, %d %b %Y %H:%M:%S GMT", &tm);
+}
+
 // Formats the response head into c->frame with room for body_room more
-// bytes after it; *head_len gets its length. Our own Date (gmtime_r):
-// libcivetweb 1.15's is from gmtime(), not thread-safe across its threads.
+// bytes after it; *head_len gets its length.
 static int format_head(struct tdm_http_conn *c, int status, const char *content_type,
                        long long content_length, bool chunked, size_t body_room, size_t *head_len)
 {
     char date[64];
-    time_t now = time(NULL);
-    struct tm tm;
-    gmtime_r(&now, &tm);
-    strftime(date, sizeof date, "%a, %d %b %Y %H:%M:%S GMT", &tm);
+    http_date(date, sizeof date);
     char length[48] = "";
     if (content_length >= 0)
         snprintf(length, sizeof length, "Content-Length: %lld\r\n", content_length);
@@ -930,10 +937,7 @@ static void write_raw(struct mg_connection *mg, int status, const char *headers,
                       const char *content_type, const char *body)
 {
     char date[64];
-    time_t now = time(NULL);
-    struct tm tm;
-    gmtime_r(&now, &tm);
-    strftime(date, sizeof date, "%a, %d %b %Y %H:%M:%S GMT", &tm);
+    http_date(date, sizeof date);
     size_t blen = body ? strlen(body) : 0;
     mg_printf(mg,
               "HTTP/1.1 %d %s\r\nDate: %s\r\n%s%s%s%sContent-Length: %zu\r\n"
