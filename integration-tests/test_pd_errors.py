@@ -4,13 +4,20 @@ same status (503, vLLM's answer), Retry-After and OpenAI error body on every pat
 the decode worker directly or through the router, streamed or not (before the
 error table was shared the router said 429 streamed and 502 not). Router + 1
 prefill + 1 decode worker with --max-num-seqs 1 --max-waiting 1, pd_mode never.
+
+Busy is not the end when another worker has room: with two such decode
+workers behind a round-robin router and the first one's queue full, every
+request routed to it is refused there before any token (the router's
+admission check lets single requests through, the worker decides) and
+retried on the second: all succeed, the first stays healthy (busy is not
+dead), and the router counts the retries.
 """
 import json
 import os
 import subprocess
 import time
 
-from pd_harness import Cluster, Stream, check, metrics, parse_args, post
+from pd_harness import Cluster, Stream, check, metrics, parse_args, post, request
 
 
 def wait_metric(port, name, pred, what, timeout=30):
@@ -35,6 +42,52 @@ def refused(port, stream):
     return st, hdr.get("retry-after"), b
 
 
+def fill_queue(d):
+    """One running and one waiting on decode worker port d, sent directly
+    (its stream starts at once); the caller closes both."""
+    long = {"prompt": "A long one.", "max_tokens": 30000, "ignore_eos": True, "stream": True}
+    a = Stream(d, "/v1/completions", long)
+    wait_metric(d, "vllm:num_requests_running", lambda v: v == 1, "first request not running")
+    b = Stream(d, "/v1/completions", long)
+    wait_metric(d, "vllm:num_requests_waiting", lambda v: v == 1, "second request not waiting")
+    return a, b
+
+
+def busy_elsewhere(args, model):
+    cl = Cluster(args, n_prefill=0, n_decode=2, pd_mode="never", model=model,
+                 worker_args=["--max-num-seqs", "1", "--max-waiting", "1"]).start()
+    full, free = cl.decode
+    a, b = fill_queue(full.http_port)
+    served = []
+    for i in range(6):
+        body = {"prompt": "request %d" % i, "max_tokens": 4, "stream": i % 2 == 1}
+        if body["stream"]:
+            s = Stream(cl.router_port, "/v1/completions", body)
+            events = list(s.events())
+            s.close()
+            check(s.status == 200 and events and all("error" not in e for e in events),
+                  "streamed request %d: %d %r" % (i, s.status, events))
+            served.append(s.headers.get("x-tandem-decode"))
+        else:
+            st, hdr, got = post(cl.router_port, "/v1/completions", body)
+            check(st == 200, "request %d answered %d %r" % (i, st, got))
+            served.append(hdr.get("x-tandem-decode"))
+    check(all(x == free.name for x in served), "served by %r, want all %s" % (served, free.name))
+    m = metrics(cl.router_port)
+    retries = sum(v for k, v in m.items() if k.startswith("tandem:router_retries_total{") and
+                  full.name in k)
+    check(retries >= 1, "no retry away from the busy worker counted: %r" %
+          {k: v for k, v in m.items() if "retries" in k})
+    st, _, view = request(cl.router_port, "GET", "/v1/router/config", timeout=10)
+    e = [e for e in view["endpoints_state"] if e["name"] == full.name][0]
+    check(e["healthy"], "the busy worker was marked unhealthy: %r" % e)
+    a.close()
+    b.close()
+    cl.stop()
+    print("PASS: a worker's full queue sends its requests to the other worker "
+          "(%d retries, the busy one stays healthy)" % retries)
+
+
 def main():
     args = parse_args()
     # A context long enough that the queue stays full while the test runs.
@@ -42,15 +95,11 @@ def main():
     if not os.path.exists(os.path.join(model, "model.safetensors")):
         subprocess.run([args.mkmodel, "--preset", "tiny", "--max-pos", "32768", "--out", model], check=True,
                        stdout=subprocess.DEVNULL)
+    busy_elsewhere(args, model)
     cl = Cluster(args, n_prefill=1, n_decode=1, pd_mode="never", model=model,
                  worker_args=["--max-num-seqs", "1", "--max-waiting", "1"]).start()
     d = cl.decode[0].http_port
-    # One running and one waiting, sent directly (its stream starts at once).
-    long = {"prompt": "A long one.", "max_tokens": 30000, "ignore_eos": True, "stream": True}
-    a = Stream(d, "/v1/completions", long)
-    wait_metric(d, "vllm:num_requests_running", lambda v: v == 1, "first request not running")
-    b = Stream(d, "/v1/completions", long)
-    wait_metric(d, "vllm:num_requests_waiting", lambda v: v == 1, "second request not waiting")
+    a, b = fill_queue(d)
 
     answers = {}
     for where, port in (("direct", d), ("routed", cl.router_port)):

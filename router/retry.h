@@ -2,7 +2,8 @@
 // router retry: a request's one retry budget. A request is routed at most
 // max_routes times in all, whichever way its attempts failed: the decode
 // worker could not be reached (send failed, or known dead), or it was lost or
-// refused the request (loading, draining) before anything reached the client.
+// refused the request (loading, draining; or busy: its waiting queue full, no
+// thread for it) before anything reached the client.
 // No retry once the client saw a token (a retry would repeat or change text),
 // and none when routing itself failed (no healthy endpoint: routing again
 // fails the same way). The decode endpoints that failed the request are kept
@@ -42,7 +43,7 @@ struct tdm_router_retry {
 void tdm_router_retry_init(struct tdm_router_retry *b, int max_routes);
 
 // Records a failed attempt on decode endpoint endpoint_id (0: none was routed)
-// and says whether to route again: true only for UNREACHABLE or LOST, when
+// and says whether to route again: true only for UNREACHABLE, LOST or BUSY, when
 // the client saw no token, and while the budget has routes left.
 bool tdm_router_retry_next(struct tdm_router_retry *b, enum tdm_router_attempt_end end,
                            uint64_t endpoint_id, bool client_saw_tokens);

@@ -523,6 +523,8 @@ struct call {
     char decode_url[300];
     char phases[512];  // the x-tandem-phases header value
     bool lost;         // the decode worker was lost mid-request
+    bool busy;         // the decode worker refused it as busy (EBUSY) before any token
+    char busy_why[256]; // its message
     bool never_fits;   // more sequences than the worker's waiting-queue bound (400)
     bool started;      // past start_with_retries: tokens may have reached the client
     int migrations;    // times its streams moved to another decode worker
@@ -620,6 +622,12 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
     // another decode worker can take it (handle_generate).
     if (r.refused)
         k->lost = true;
+    // One whose queue was full (its report was stale when the call was
+    // routed) or that had no thread for it: busy, not lost (start_with_retries).
+    if (r.busy && !k->busy) {
+        k->busy = true;
+        snprintf(k->busy_why, sizeof k->busy_why, "%s", ch->a->message);
+    }
     return TDM_OK;
 }
 
@@ -1203,7 +1211,8 @@ static int await_first_chunk(struct call *k)
 // and forgotten, the choices' finish state reset, the decode endpoint reported
 // (passive health; tandem:router_upstream_errors_total), the loss and the
 // retry counted, the route released.
-static void abandon_route(struct call *k, bool lost, bool retrying, const char *why)
+static void abandon_route(struct call *k, enum tdm_router_attempt_end end, bool retrying,
+                          const char *why)
 {
     struct tdm_router_server *s = k->s;
     if (k->attempt.recording) {
@@ -1220,11 +1229,12 @@ static void abandon_route(struct call *k, bool lost, bool retrying, const char *
         ch->n_got = 0;
         ch->upstream_done = true;
     }
-    k->lost = false;
+    k->lost = k->busy = false;
     k->phases[0] = '\0';
-    if (lost)
+    if (end == TDM_ROUTER_ATTEMPT_LOST)
         tdm_metrics_counter_inc(s->m_lost);
-    tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
+    if (end != TDM_ROUTER_ATTEMPT_BUSY) // busy is not dead: no health penalty
+        tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
     if (s->rm && retrying)
         tdm_router_metrics_retry(s->rm, k->route.decode.name, k->route.decode.role);
     tdm_router_control_route_done(s->ctl, &k->route, "error");
@@ -1233,8 +1243,8 @@ static void abandon_route(struct call *k, bool lost, bool retrying, const char *
 
 // Routes and starts the call, retrying within one budget of DECODE_ATTEMPTS
 // routes. Returns true when the call streams (or its decode worker was lost
-// past the budget: the normal path then reports the error), false when the
-// call was answered here or the client left.
+// or refused it as busy past the budget: the normal path then reports the
+// worker's error), false when the call was answered here or the client left.
 static bool start_with_retries(struct call *k)
 {
     struct tdm_router_retry budget;
@@ -1262,19 +1272,32 @@ static bool start_with_retries(struct call *k)
             }
             if (k->client_gone)
                 return false;
-            if (!k->lost)
+            if (k->busy) {
+                end = TDM_ROUTER_ATTEMPT_BUSY;
+                snprintf(err, sizeof err, "%s", k->busy_why);
+            } else if (!k->lost) {
                 return true;
-            end = TDM_ROUTER_ATTEMPT_LOST;
-            snprintf(err, sizeof err, "lost before the first token");
+            } else {
+                end = TDM_ROUTER_ATTEMPT_LOST;
+                snprintf(err, sizeof err, "lost before the first token");
+            }
         }
         uint64_t ep = k->routed ? k->route.decode.id : busy_ep; // avoided on the next route
         bool again = tdm_router_retry_next(&budget, end, ep, !tdm_router_call_retryable(&k->oai));
         if (end == TDM_ROUTER_ATTEMPT_LOST && !again)
             return true;
-        if (end != TDM_ROUTER_ATTEMPT_NO_ROUTE && end != TDM_ROUTER_ATTEMPT_BUSY) {
+        if (end == TDM_ROUTER_ATTEMPT_BUSY && k->routed) {
+            // Refused by the worker after the send, nothing reached the client:
+            // another worker, else the worker's own answer (503) is the client's.
+            if (!again)
+                return true;
+            TDM_LOG_INFO(MOD, "req=%s decode %s busy (%s), rerouting", k->oai.resp.id,
+                         k->route.decode.name, err);
+            abandon_route(k, end, again, err);
+        } else if (end != TDM_ROUTER_ATTEMPT_NO_ROUTE && end != TDM_ROUTER_ATTEMPT_BUSY) {
             TDM_LOG_WARN(MOD, "req=%s decode %s unusable (%s)%s", k->oai.resp.id,
                          k->route.decode.name, err, again ? ", rerouting" : "");
-            abandon_route(k, end == TDM_ROUTER_ATTEMPT_LOST, again, err);
+            abandon_route(k, end, again, err);
         }
         if (!again) {
             struct tdm_oai_error e;

@@ -15,7 +15,7 @@ int tdm_router_take_chunk(struct tdm_oai_call *k, size_t i, const Tandem__TokenC
                           int32_t tok_eos, const struct tdm_generation_config *gen,
                           struct tdm_router_take *out)
 {
-    out->stopped = out->upstream_done = out->refused = false;
+    out->stopped = out->upstream_done = out->refused = out->busy = false;
     struct tdm_oai_asm *a = &k->choices[i];
     bool was_done = a->done;
     bool with_lp = m->n_logprobs == m->n_tokens;
@@ -57,8 +57,10 @@ int tdm_router_take_chunk(struct tdm_oai_call *k, size_t i, const Tandem__TokenC
             break;
     }
     out->upstream_done = m->finished;
-    out->refused = m->finished && !was_done && a->finish == TDM_FINISH_ERROR &&
-                   a->error == TDM_ECLOSED && a->completion_tokens == 0;
+    bool refusal = m->finished && !was_done && a->finish == TDM_FINISH_ERROR &&
+                   a->completion_tokens == 0;
+    out->refused = refusal && a->error == TDM_ECLOSED;
+    out->busy = refusal && a->error == TDM_EBUSY;
     return TDM_OK;
 }
 

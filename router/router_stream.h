@@ -23,6 +23,9 @@ struct tdm_router_take {
     bool upstream_done; // the decode worker sent its finish (nothing to cancel any more)
     bool refused;       // it refused the request before any token (loading or draining,
                         // ECLOSED): another decode worker can take the call
+    bool busy;          // it refused the request before any token because its waiting
+                        // queue was full or it had no thread for it (EBUSY): overload,
+                        // not death; another decode worker can take the call
 };
 
 // Feeds TokenChunk m into choice i of k. Untrusted fields are made safe

@@ -236,6 +236,19 @@ static void test_finish_errors_and_refusal(void **state)
     // The same refusal once the choice is done is not news.
     assert_int_equal(tdm_router_take_chunk(&k, 1, &c->m, tdm_tok_eos_id(tok), &gen, &r), TDM_OK);
     assert_false(r.refused);
+    tdm_oai_call_fini(&k);
+    // A full waiting queue (or no thread) before any token: busy, not refused.
+    start(&k, "{\"prompt\":\"Hi\",\"max_tokens\":100}");
+    c->m.error = TDM_EBUSY;
+    c->m.message = "the waiting queue is full (--max-waiting 1)";
+    assert_int_equal(tdm_router_take_chunk(&k, 0, &c->m, tdm_tok_eos_id(tok), &gen, &r), TDM_OK);
+    assert_true(r.busy);
+    assert_false(r.refused);
+    assert_true(tdm_router_call_retryable(&k));
+    assert_int_equal(tdm_router_take_chunk(&k, 0, &c->m, tdm_tok_eos_id(tok), &gen, &r), TDM_OK);
+    assert_false(r.busy); // once the choice is done it is not news
+    tdm_oai_call_fini(&k);
+    start(&k, "{\"prompt\":\"Hi\",\"max_tokens\":100,\"n\":2}");
     // After a token the call is no longer retryable, and a refusal is just an error.
     make_chunk(c, &id, 1, 0, 0);
     assert_int_equal(tdm_router_take_chunk(&k, 0, &c->m, tdm_tok_eos_id(tok), &gen, &r), TDM_OK);
@@ -247,6 +260,13 @@ static void test_finish_errors_and_refusal(void **state)
     assert_int_equal(tdm_router_take_chunk(&k, 0, &c->m, tdm_tok_eos_id(tok), &gen, &r), TDM_OK);
     assert_false(r.refused);
     assert_int_equal(k.choices[0].finish, TDM_FINISH_ERROR);
+    make_chunk(c, NULL, 0, 0, 0);
+    c->m.finished = true;
+    c->m.finish = TANDEM__FINISH_REASON__FINISH_ERROR;
+    c->m.error = TDM_EBUSY;
+    assert_int_equal(tdm_router_take_chunk(&k, 1, &c->m, tdm_tok_eos_id(tok), &gen, &r), TDM_OK);
+    assert_true(r.busy);                         // this choice made no token, but
+    assert_false(tdm_router_call_retryable(&k)); // its sibling did: no retry
     tdm_oai_call_fini(&k);
     free(c);
 }
