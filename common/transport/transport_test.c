@@ -4,7 +4,8 @@
 // payload; a peer that restarts on the same address is reached again (also in
 // a storm of restarts while frames are sent); a send with no peer fails within
 // its timeout instead of hanging; bad peers lose only their own connection;
-// concurrent senders never interleave frames.
+// concurrent senders never interleave frames; a connection whose reader
+// thread cannot start is dropped without a leaked slot.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -405,6 +406,54 @@ static void test_inbox_connection_limit(void **state)
     tdm_net_inbox_free(in);
 }
 
+// Reader threads that fail to start on demand (linked with
+// --wrap=tdm_thread_start_detached; every other call goes through).
+static atomic_int fail_thread_starts;
+
+int __real_tdm_thread_start_detached(void *(*fn)(void *), void *arg);
+int __wrap_tdm_thread_start_detached(void *(*fn)(void *), void *arg);
+int __wrap_tdm_thread_start_detached(void *(*fn)(void *), void *arg)
+{
+    int left = atomic_load(&fail_thread_starts);
+    while (left > 0)
+        if (atomic_compare_exchange_weak(&fail_thread_starts, &left, left - 1))
+            return TDM_EBUSY;
+    return __real_tdm_thread_start_detached(fn, arg);
+}
+
+// A connection whose reader thread cannot start is closed at once (not held
+// without a reader), it does not count against the connection limit, and the
+// inbox goes on accepting: the next peer is heard.
+static void test_inbox_reader_start_failure(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    tdm_net_inbox_set_max_conns(in, 1); // a leaked reader slot would refuse the real peer
+    const char *url = tdm_net_inbox_url(in);
+    atomic_store(&fail_thread_starts, 2);
+    for (int i = 0; i < 2; i++) {
+        int fd = raw_connect(url_port(url));
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        assert_int_equal(poll(&pfd, 1, 3000), 1); // closed, not left waiting
+        char b;
+        assert_true(read(fd, &b, 1) <= 0);
+        close(fd);
+    }
+    assert_int_equal(atomic_load(&fail_thread_starts), 0);
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_net_send(ob, url, TDM_NET_CANCEL, "ok", 2, NULL, 0, 3.0, err, sizeof err),
+                     TDM_OK);
+    struct tdm_net_msg *m = recv_one(in, 3.0);
+    assert_non_null(m);
+    assert_memory_equal(tdm_net_msg_frame(m)->msg, "ok", 2);
+    tdm_net_msg_free(m);
+    tdm_net_outbox_free(ob);
+    tdm_net_inbox_free(in);
+}
+
 struct sender {
     struct tdm_net_outbox *ob;
     const char *url;
@@ -700,6 +749,7 @@ int main(void)
         cmocka_unit_test(test_inbox_handle_on_readers),
         cmocka_unit_test(test_inbox_drops_bad_connections),
         cmocka_unit_test(test_inbox_connection_limit),
+        cmocka_unit_test(test_inbox_reader_start_failure),
         cmocka_unit_test(test_concurrent_senders),
         cmocka_unit_test(test_peer_restart_storm),
         cmocka_unit_test(test_outbox_free_while_dialing),
