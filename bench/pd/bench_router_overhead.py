@@ -133,6 +133,11 @@ def main():
     ap.add_argument("--slow-model", action="store_true",
                     help="the harness's ~30x slower model (a decode step of milliseconds, so each "
                     "token is its own event and ITL times the path, not a burst of tokens)")
+    ap.add_argument("--pin-decode", help="CPU list for the decode worker (taskset), e.g. 1")
+    ap.add_argument("--pin-router", help="CPU list for the router(s), e.g. 0: apart from the "
+                    "decode worker's, as on separate pods, so the router does not wait for cores "
+                    "the engine holds")
+    ap.add_argument("--pin-clients", help="CPU list for this script's client threads")
     args = ap.parse_args()
     b = args.build
     ns = argparse.Namespace(router=args.router or b + "/router/tandem-router",
@@ -159,6 +164,19 @@ def main():
         ports["base"] = port
         pids["base"] = base.pid
     routers = sorted(pids, reverse=True)  # router, base
+
+    def pin(cpus, pid):
+        subprocess.run(["taskset", "-a", "-c", "-p", cpus, str(pid)], check=True,
+                       stdout=subprocess.DEVNULL)
+    if args.pin_decode:
+        pin(args.pin_decode, cl.decode[0].proc.pid)
+    for r in routers if args.pin_router else []:
+        pin(args.pin_router, pids[r])
+    if args.pin_clients:
+        os.sched_setaffinity(0, [int(c) for c in args.pin_clients.split(",")])
+    if args.pin_decode or args.pin_router or args.pin_clients:
+        print("pinned: decode %s, router %s, clients %s" % (
+            args.pin_decode or "-", args.pin_router or "-", args.pin_clients or "-"))
     run(ports, 10, 1, args.max_tokens)  # warm up
     print("streams path   requests  ttft p50/p99 ms   itl p50/p99 ms", flush=True)
     for streams in [int(x) for x in args.streams.split(",")]:
