@@ -192,31 +192,35 @@ static int aio_finish_wait(nng_aio *aio)
     return nng_aio_result(aio);
 }
 
-// Moves exactly n bytes through s (send or receive), looping over partial
-// transfers, until deadline (tdm_now() time; < 0: none). A receive also ends
-// (NNG_ECLOSED) soon after *stop is set: it waits in 0.2 s slices, because an
-// operation started just after nng_stream_close may never complete in nng 1.5.
-// A timed-out receive consumes nothing, so the slices lose no bytes.
+// Moves at least min and at most max bytes through s (send or receive), looping
+// over partial transfers, until deadline (tdm_now() time; < 0: none); *moved
+// (may be NULL) says how many. A receive also ends (NNG_ECLOSED) soon after
+// *stop is set: it waits in 0.2 s slices, because an operation started just
+// after nng_stream_close may never complete in nng 1.5. A timed-out receive
+// consumes nothing, so the slices lose no bytes.
 // Every transfer runs on its own aio, freed before the call returns (so before
 // the stream can be freed): in nng 1.5 a timeout that fires as an operation
 // completes calls the provider's cancel after the caller resumed, and an aio
 // kept across transfers (tried for the router's per-token cost) let that late
 // cancel lock a freed stream's mutex: "panic: pthread_mutex_lock: Invalid
 // argument" in transport_test under ASan. 0 or an nng error.
-static int stream_io(nng_stream *s, bool send, void *buf, size_t n, double deadline,
-                     const atomic_bool *stop)
+static int stream_xfer(nng_stream *s, bool send, void *buf, size_t min, size_t max,
+                       double deadline, const atomic_bool *stop, size_t *moved)
 {
+    if (moved)
+        *moved = 0;
     nng_aio *aio = NULL;
     int rv = nng_aio_alloc(&aio, NULL, NULL);
     if (rv != 0)
         return rv;
     uint8_t *p = buf;
-    while (n > 0) {
+    size_t done_all = 0;
+    while (done_all < min) {
         if (stop && atomic_load(stop)) {
             rv = NNG_ECLOSED;
             break;
         }
-        nng_iov iov = {.iov_buf = p, .iov_len = n};
+        nng_iov iov = {.iov_buf = p, .iov_len = max - done_all};
         rv = nng_aio_set_iov(aio, 1, &iov);
         if (rv != 0)
             break;
@@ -233,15 +237,24 @@ static int stream_io(nng_stream *s, bool send, void *buf, size_t n, double deadl
         if (rv != 0)
             break;
         size_t done = nng_aio_count(aio);
-        if (done == 0 || done > n) {
+        if (done == 0 || done > max - done_all) {
             rv = NNG_ECLOSED;
             break;
         }
         p += done;
-        n -= done;
+        done_all += done;
     }
     nng_aio_free(aio);
+    if (moved)
+        *moved = done_all;
     return rv;
+}
+
+// Moves exactly n bytes (stream_xfer).
+static int stream_io(nng_stream *s, bool send, void *buf, size_t n, double deadline,
+                     const atomic_bool *stop)
+{
+    return stream_xfer(s, send, buf, n, n, deadline, stop, NULL);
 }
 
 // ---- authentication ------------------------------------------------------------------------
@@ -460,10 +473,24 @@ struct tdm_net_msg {
     struct tdm_net_frame frame;
 };
 
+// A connection's frames are cut out of bytes received in pieces as large as
+// the socket has ready (up to READ_BUF_BYTES): a burst of small frames (a
+// router's TokenChunks at 100 streams, a worker's requests) costs one receive
+// (one aio, one readv) instead of two per frame, header and body. A frame
+// larger than the buffer (KV payloads) takes what the buffer holds and reads
+// the rest straight into its own memory.
+#define READ_BUF_BYTES 65536
+
+struct rbuf {
+    uint8_t *b; // [READ_BUF_BYTES]
+    size_t start, end; // unread bytes are b[start, end)
+};
+
 struct in_conn {
     struct in_conn *next;
     struct tdm_net_inbox *in;
     nng_stream *s;
+    struct rbuf rb;
 };
 
 struct tdm_net_inbox {
@@ -497,21 +524,41 @@ static void msg_free(struct tdm_net_msg *m)
 
 // Reads one frame. NULL at end of stream or on error; *why set for a frame
 // that is malformed (then the connection must be dropped: it is out of step).
-static struct tdm_net_msg *read_frame(nng_stream *s, const atomic_bool *stop,
+// Makes at least need (<= READ_BUF_BYTES) unread bytes available in r,
+// receiving as many more as are ready. 0 or an nng error.
+static int rbuf_fill(nng_stream *s, struct rbuf *r, size_t need, const atomic_bool *stop)
+{
+    size_t have = r->end - r->start;
+    if (have >= need)
+        return 0;
+    if (r->start > 0) {
+        memmove(r->b, r->b + r->start, have);
+        r->start = 0;
+        r->end = have;
+    }
+    size_t got = 0;
+    int rv = stream_xfer(s, false, r->b + r->end, need - have, READ_BUF_BYTES - r->end, -1, stop,
+                         &got);
+    r->end += got;
+    return rv;
+}
+
+static struct tdm_net_msg *read_frame(nng_stream *s, struct rbuf *rb, const atomic_bool *stop,
                                       char *why, size_t whylen)
 {
-    uint8_t hdr[TDM_NET_HEADER_BYTES];
-    if (stream_io(s, false, hdr, sizeof hdr, -1, stop) != 0)
+    if (rbuf_fill(s, rb, TDM_NET_HEADER_BYTES, stop) != 0)
         return NULL;
+    const uint8_t *hdr = rb->b + rb->start;
+    uint32_t magic = get_u32(hdr);
     uint64_t msg_len = get_u32(hdr + 8), payload_len = get_u32(hdr + 12);
     uint64_t total = TDM_NET_HEADER_BYTES + msg_len + payload_len;
-    if (get_u32(hdr) == AUTH_MAGIC) {
+    if (magic == AUTH_MAGIC) {
         snprintf(why, whylen, "the peer sent an authentication handshake, but this process has "
                               "no TANDEM_INTERNAL_SECRET");
         return NULL;
     }
-    if (get_u32(hdr) != TDM_NET_MAGIC) {
-        snprintf(why, whylen, "bad magic 0x%08x (not a Tandem peer)", get_u32(hdr));
+    if (magic != TDM_NET_MAGIC) {
+        snprintf(why, whylen, "bad magic 0x%08x (not a Tandem peer)", magic);
         return NULL;
     }
     if (total > TDM_NET_MAX_FRAME) {
@@ -526,8 +573,18 @@ static struct tdm_net_msg *read_frame(nng_stream *s, const atomic_bool *stop,
         return NULL;
     }
     m->len = (size_t)total;
-    memcpy(m->buf, hdr, sizeof hdr);
-    if (stream_io(s, false, m->buf + sizeof hdr, m->len - sizeof hdr, -1, stop) != 0) {
+    // A frame that fits the buffer is completed there (reading ahead into
+    // the next ones); a larger one takes what is buffered, then the rest
+    // straight into its memory.
+    int rv = m->len <= READ_BUF_BYTES ? rbuf_fill(s, rb, m->len, stop) : 0;
+    size_t take = rb->end - rb->start < m->len ? rb->end - rb->start : m->len;
+    if (rv == 0) {
+        memcpy(m->buf, rb->b + rb->start, take);
+        rb->start += take;
+        if (take < m->len)
+            rv = stream_io(s, false, m->buf + take, m->len - take, -1, stop);
+    }
+    if (rv != 0) {
         msg_free(m);
         return NULL;
     }
@@ -552,10 +609,13 @@ static void *inbox_reader(void *arg)
         warn_limited("inbox %s: refused a connection: %s", in->url, awhy);
     } else if (arv != 0) {
         TDM_LOG_DEBUG(MOD, "inbox %s: %s", in->url, awhy);
+    } else if ((c->rb.b = malloc(READ_BUF_BYTES)) == NULL) {
+        warn_limited("inbox %s: dropped a connection: %s", in->url,
+                     "out of memory for its read buffer");
     } else {
         for (;;) {
             char why[256] = "";
-            struct tdm_net_msg *m = read_frame(c->s, &in->closing, why, sizeof why);
+            struct tdm_net_msg *m = read_frame(c->s, &c->rb, &in->closing, why, sizeof why);
             if (m == NULL) {
                 if (why[0])
                     warn_limited("inbox %s: dropped a connection: %s", in->url, why);
@@ -626,6 +686,7 @@ static void *inbox_reader(void *arg)
     pthread_mutex_unlock(&in->mu);
     nng_stream_close(c->s);
     nng_stream_free(c->s);
+    free(c->rb.b);
     free(c);
     return NULL;
 }

@@ -5,7 +5,9 @@
 // a storm of restarts while frames are sent); a send with no peer fails within
 // its timeout instead of hanging; bad peers lose only their own connection;
 // concurrent senders never interleave frames; a connection whose reader
-// thread cannot start is dropped without a leaked slot.
+// thread cannot start is dropped without a leaked slot; frames arrive whole
+// however the byte stream cuts them (bursts, dribbles, larger than the
+// reader's buffer).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -406,6 +408,105 @@ static void test_inbox_connection_limit(void **state)
     tdm_net_inbox_free(in);
 }
 
+// Frames as the byte stream brings them: thousands in one burst (headers
+// across the reader's buffer boundary), one larger than its buffer, and
+// frames dribbled a few bytes at a time: each arrives whole, in order.
+#define BURST_FRAMES 6000
+#define BIG_PAYLOAD (300 * 1000)
+
+struct burst {
+    int fd;
+    bool ok;
+};
+
+static bool write_all(int fd, const uint8_t *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w <= 0)
+            return false;
+        p += w;
+        n -= (size_t)w;
+    }
+    return true;
+}
+
+// Frame i: type CANCEL, message "f<i>", payload i % 23 bytes of value i & 0xff
+// (the big one instead: BIG_PAYLOAD bytes of (j * 13) & 0xff).
+static size_t burst_frame(uint8_t *dst, int i, bool big)
+{
+    char msg[16];
+    int n = snprintf(msg, sizeof msg, "f%d", i);
+    size_t plen = big ? BIG_PAYLOAD : (size_t)(i % 23);
+    tdm_net_frame_header(dst, TDM_NET_CANCEL, (size_t)n, plen);
+    memcpy(dst + TDM_NET_HEADER_BYTES, msg, (size_t)n);
+    uint8_t *pl = dst + TDM_NET_HEADER_BYTES + n;
+    for (size_t j = 0; j < plen; j++)
+        pl[j] = big ? (uint8_t)((j * 13) & 0xff) : (uint8_t)(i & 0xff);
+    return TDM_NET_HEADER_BYTES + (size_t)n + plen;
+}
+
+static void *burst_writer(void *arg)
+{
+    struct burst *b = arg;
+    uint8_t *buf = malloc((size_t)BURST_FRAMES * 64 + BIG_PAYLOAD + 64);
+    size_t len = 0;
+    for (int i = 0; i < BURST_FRAMES; i++)
+        len += burst_frame(buf + len, i, false);
+    b->ok = write_all(b->fd, buf, len); // frames 0 .. BURST_FRAMES-1 in one go
+    len = burst_frame(buf, BURST_FRAMES, true); // the big one: header and a little first
+    b->ok = b->ok && write_all(b->fd, buf, TDM_NET_HEADER_BYTES + 3);
+    sleep_s(0.05);
+    b->ok = b->ok && write_all(b->fd, buf + TDM_NET_HEADER_BYTES + 3,
+                               len - TDM_NET_HEADER_BYTES - 3);
+    for (int i = BURST_FRAMES + 1; i < BURST_FRAMES + 4; i++) { // dribbled
+        len = burst_frame(buf, i, false);
+        for (size_t o = 0; o < len && b->ok; o += 5) {
+            b->ok = write_all(b->fd, buf + o, len - o < 5 ? len - o : 5);
+            sleep_s(0.002);
+        }
+    }
+    free(buf);
+    return NULL;
+}
+
+static void test_inbox_frame_bursts(void **state)
+{
+    (void)state;
+    if (tdm_net_authenticated())
+        skip(); // a raw peer cannot pass the handshake
+    char err[256];
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    struct burst b = {.fd = raw_connect(url_port(tdm_net_inbox_url(in))), .ok = false};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, burst_writer, &b), 0);
+    uint8_t *want = malloc(BIG_PAYLOAD + 64);
+    for (int i = 0; i < BURST_FRAMES + 4; i++) {
+        struct tdm_net_msg *m = recv_one(in, 10.0);
+        if (m == NULL)
+            fail_msg("frame %d did not arrive", i);
+        const struct tdm_net_frame *f = tdm_net_msg_frame(m);
+        burst_frame(want, i, i == BURST_FRAMES);
+        assert_int_equal(f->type, TDM_NET_CANCEL);
+        char name[16];
+        snprintf(name, sizeof name, "f%d", i);
+        assert_int_equal(f->msg_len, strlen(name));
+        assert_memory_equal(f->msg, name, strlen(name));
+        size_t plen = i == BURST_FRAMES ? BIG_PAYLOAD : (size_t)(i % 23);
+        assert_int_equal(f->payload_len, plen);
+        if (plen)
+            assert_memory_equal(f->payload, want + TDM_NET_HEADER_BYTES + strlen(name), plen);
+        tdm_net_msg_free(m);
+    }
+    assert_int_equal(pthread_join(t, NULL), 0);
+    assert_true(b.ok);
+    assert_null(recv_one(in, 0.1)); // nothing more, nothing twice
+    free(want);
+    close(b.fd);
+    tdm_net_inbox_free(in);
+}
+
 // Reader threads that fail to start on demand (linked with
 // --wrap=tdm_thread_start_detached; every other call goes through).
 static atomic_int fail_thread_starts;
@@ -750,6 +851,7 @@ int main(void)
         cmocka_unit_test(test_inbox_drops_bad_connections),
         cmocka_unit_test(test_inbox_connection_limit),
         cmocka_unit_test(test_inbox_reader_start_failure),
+        cmocka_unit_test(test_inbox_frame_bursts),
         cmocka_unit_test(test_concurrent_senders),
         cmocka_unit_test(test_peer_restart_storm),
         cmocka_unit_test(test_outbox_free_while_dialing),
