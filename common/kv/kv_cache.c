@@ -422,7 +422,11 @@ static int host_storage_new(struct host_storage **out, const struct tdm_kv_confi
     // Anonymous mappings: page-aligned (so 64-byte aligned) and zero-filled by the
     // kernel on first touch, so a kernel reading past a sequence's last token sees
     // finite numbers, and creating a multi-GB pool does not touch every page up
-    // front (a memset of 3 GB took ~10 s on a loaded host).
+    // front (a memset of 3 GB took ~10 s on a loaded host). Huge pages where
+    // the kernel has them (THP in madvise mode, Debian's default): attention
+    // reads one block of one KV head at a time (4 KiB in f32: a page each),
+    // spread over the pool, so with 4 KiB pages nearly every chunk was a TLB
+    // miss at long context.
     for (int l = 0; l < cfg->num_layers; l++) {
         void *pk =
             mmap(NULL, h->layer_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -434,6 +438,10 @@ static int host_storage_new(struct host_storage **out, const struct tdm_kv_confi
         if (pv == MAP_FAILED)
             goto fail;
         h->v[l] = pv;
+#ifdef MADV_HUGEPAGE
+        (void)madvise(pk, h->layer_bytes, MADV_HUGEPAGE);
+        (void)madvise(pv, h->layer_bytes, MADV_HUGEPAGE);
+#endif
     }
     *out = h;
     return TDM_OK;
