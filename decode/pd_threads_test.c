@@ -11,9 +11,9 @@
 //
 // Starting a job thread fails on demand: the test links with
 // -Wl,--wrap=tdm_thread_start_detached, so every call from the statically
-// linked roles (and the transport) comes here first and fails with TDM_EBUSY
-// while fail_creates is above zero (pthread_create itself cannot be made to
-// fail here: the core reuses waiting threads). The connections are made by a
+// linked roles (and the transport) goes through thread_fail_test.h and fails
+// with TDM_EBUSY while tdm_test_thread_fails is above zero (pthread_create
+// itself cannot be made to fail here: the core reuses waiting threads). The connections are made by a
 // first request that succeeds, so the next thread asked for is the job thread
 // of the refused request.
 //   - decode: the GenerateRequest gets a final chunk with TDM_EBUSY, the
@@ -37,6 +37,7 @@
 #include <time.h>
 
 #include "core.h"
+#include "thread_fail_test.h"
 #include "engine.h"
 #include "kv_cache.h"
 #include "metrics.h"
@@ -47,20 +48,6 @@
 #include "tandem.pb-c.h"
 #include "transport.h"
 #include "worker.h"
-
-// ---- job threads that fail to start on demand ------------------------------------------------
-static atomic_int fail_creates; // calls still to fail with TDM_EBUSY
-
-int __real_tdm_thread_start_detached(void *(*fn)(void *), void *arg);
-int __wrap_tdm_thread_start_detached(void *(*fn)(void *), void *arg);
-int __wrap_tdm_thread_start_detached(void *(*fn)(void *), void *arg)
-{
-    int left = atomic_load(&fail_creates);
-    while (left > 0)
-        if (atomic_compare_exchange_weak(&fail_creates, &left, left - 1))
-            return TDM_EBUSY;
-    return __real_tdm_thread_start_detached(fn, arg);
-}
 
 // ---- the two workers and a router --------------------------------------------------------------
 static char model_dir[] = "/tmp/pd_threads_test_XXXXXX";
@@ -131,7 +118,7 @@ static int setup(void **state)
 static int teardown(void **state)
 {
     (void)state;
-    atomic_store(&fail_creates, 0);
+    atomic_store(&tdm_test_thread_fails, 0);
     tdm_net_outbox_free(router_out);
     tdm_net_inbox_free(router_in);
     tdm_prefill_service_free(ps);
@@ -268,11 +255,11 @@ static void test_generate_refused(void **state)
 
     // No job thread: refused at once as busy (a 503 for the client), not run
     // on the reader thread (which would stream the tokens as if nothing happened).
-    atomic_store(&fail_creates, 1);
+    atomic_store(&tdm_test_thread_fails, 1);
     double t0 = tdm_now();
     send_generate("gen-busy", 4);
     collect_tokens("gen-busy", &o, 10);
-    assert_int_equal(atomic_load(&fail_creates), 0); // the job thread's start failed
+    assert_int_equal(atomic_load(&tdm_test_thread_fails), 0); // the job thread's start failed
     assert_int_equal(o.error, TDM_EBUSY);
     assert_int_equal(o.n_tokens, 0);
     assert_non_null(strstr(o.message, "cannot start a thread"));
@@ -381,11 +368,11 @@ static void test_prefill_refused(void **state)
     assert_true(drains(ps_jobs, 10));
     assert_true(engine_idle(10));
 
-    atomic_store(&fail_creates, 1);
+    atomic_store(&tdm_test_thread_fails, 1);
     double t0 = tdm_now();
     send_prefill(2);
     assert_int_equal(collect_result(2, message, sizeof message, 10), TDM_EBUSY);
-    assert_int_equal(atomic_load(&fail_creates), 0);
+    assert_int_equal(atomic_load(&tdm_test_thread_fails), 0);
     assert_non_null(strstr(message, "cannot start a thread"));
     assert_true(tdm_now() - t0 < 5);
     // The submitted engine request was aborted and the job forgotten.

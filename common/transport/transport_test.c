@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "core.h"
+#include "thread_fail_test.h" // reader threads that fail to start on demand
 #include "transport.h"
 
 static void sleep_s(double s)
@@ -236,6 +237,32 @@ static int raw_connect(int port)
     return fd;
 }
 
+// fd is closed by the inbox within 3 s (EOF), not left waiting.
+static void assert_closed_soon(int fd)
+{
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    assert_int_equal(poll(&pfd, 1, 3000), 1);
+    char b;
+    assert_true(read(fd, &b, 1) <= 0);
+}
+
+// A real peer (a fresh outbox) reaches the inbox at url: its frame "msg" arrives.
+static void assert_heard(struct tdm_net_inbox *in, const char *url, const char *msg)
+{
+    char err[256];
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_net_send(ob, url, TDM_NET_CANCEL, msg, strlen(msg), NULL, 0, 3.0, err,
+                                  sizeof err),
+                     TDM_OK);
+    struct tdm_net_msg *m = recv_one(in, 3.0);
+    assert_non_null(m);
+    assert_int_equal(tdm_net_msg_frame(m)->msg_len, strlen(msg));
+    assert_memory_equal(tdm_net_msg_frame(m)->msg, msg, strlen(msg));
+    tdm_net_msg_free(m);
+    tdm_net_outbox_free(ob);
+}
+
 // Garbage, an oversized header and a half-sent frame each cost only their own
 // connection: frames from a well-behaved peer keep arriving, and closing the
 // inbox while a connection is mid-frame returns promptly.
@@ -381,28 +408,18 @@ static void test_inbox_connection_limit(void **state)
         held[i] = raw_connect(port); // silent peers: each holds a reader
     usleep(300 * 1000);              // accepted (the acceptor polls every 200 ms at most)
     int extra = raw_connect(port);
-    struct pollfd pfd = {.fd = extra, .events = POLLIN};
-    assert_int_equal(poll(&pfd, 1, 3000), 1); // closed by the inbox, not left waiting
-    char b;
-    assert_true(read(extra, &b, 1) <= 0);
+    assert_closed_soon(extra);
     close(extra);
     // The held ones are still open: no EOF (nothing to read, or an
     // authentication hello where a secret is configured).
-    pfd.fd = held[0];
+    char b;
+    struct pollfd pfd = {.fd = held[0], .events = POLLIN};
     if (poll(&pfd, 1, 100) == 1)
         assert_true(recv(held[0], &b, 1, MSG_PEEK | MSG_DONTWAIT) == 1);
     // One goes away: a real peer gets in and is heard.
     close(held[0]);
     usleep(300 * 1000);
-    struct tdm_net_outbox *ob = NULL;
-    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
-    assert_int_equal(tdm_net_send(ob, url, TDM_NET_CANCEL, "in", 2, NULL, 0, 3.0, err, sizeof err),
-                     TDM_OK);
-    struct tdm_net_msg *m = recv_one(in, 3.0);
-    assert_non_null(m);
-    assert_memory_equal(tdm_net_msg_frame(m)->msg, "in", 2);
-    tdm_net_msg_free(m);
-    tdm_net_outbox_free(ob);
+    assert_heard(in, url, "in");
     close(held[1]);
     close(held[2]);
     tdm_net_inbox_free(in);
@@ -507,21 +524,6 @@ static void test_inbox_frame_bursts(void **state)
     tdm_net_inbox_free(in);
 }
 
-// Reader threads that fail to start on demand (linked with
-// --wrap=tdm_thread_start_detached; every other call goes through).
-static atomic_int fail_thread_starts;
-
-int __real_tdm_thread_start_detached(void *(*fn)(void *), void *arg);
-int __wrap_tdm_thread_start_detached(void *(*fn)(void *), void *arg);
-int __wrap_tdm_thread_start_detached(void *(*fn)(void *), void *arg)
-{
-    int left = atomic_load(&fail_thread_starts);
-    while (left > 0)
-        if (atomic_compare_exchange_weak(&fail_thread_starts, &left, left - 1))
-            return TDM_EBUSY;
-    return __real_tdm_thread_start_detached(fn, arg);
-}
-
 // A connection whose reader thread cannot start is closed at once (not held
 // without a reader), it does not count against the connection limit, and the
 // inbox goes on accepting: the next peer is heard.
@@ -533,25 +535,14 @@ static void test_inbox_reader_start_failure(void **state)
     assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
     tdm_net_inbox_set_max_conns(in, 1); // a leaked reader slot would refuse the real peer
     const char *url = tdm_net_inbox_url(in);
-    atomic_store(&fail_thread_starts, 2);
+    atomic_store(&tdm_test_thread_fails, 2);
     for (int i = 0; i < 2; i++) {
         int fd = raw_connect(url_port(url));
-        struct pollfd pfd = {.fd = fd, .events = POLLIN};
-        assert_int_equal(poll(&pfd, 1, 3000), 1); // closed, not left waiting
-        char b;
-        assert_true(read(fd, &b, 1) <= 0);
+        assert_closed_soon(fd);
         close(fd);
     }
-    assert_int_equal(atomic_load(&fail_thread_starts), 0);
-    struct tdm_net_outbox *ob = NULL;
-    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
-    assert_int_equal(tdm_net_send(ob, url, TDM_NET_CANCEL, "ok", 2, NULL, 0, 3.0, err, sizeof err),
-                     TDM_OK);
-    struct tdm_net_msg *m = recv_one(in, 3.0);
-    assert_non_null(m);
-    assert_memory_equal(tdm_net_msg_frame(m)->msg, "ok", 2);
-    tdm_net_msg_free(m);
-    tdm_net_outbox_free(ob);
+    assert_int_equal(atomic_load(&tdm_test_thread_fails), 0);
+    assert_heard(in, url, "ok");
     tdm_net_inbox_free(in);
 }
 
