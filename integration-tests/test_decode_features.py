@@ -10,6 +10,7 @@
 - several prompts in one request: one choice group each, prompt_tokens summed;
 - echo; logprobs (completions and chat); max_tokens default 16;
 - chat stream: role chunk first, content deltas, finish, [DONE];
+- --stream-interval 4: tokens go out at least 4 per event after the first;
 - generation_config.json defaults apply when the request is silent (top_k 1
   makes sampling greedy) and the request's own values win.
 """
@@ -130,6 +131,24 @@ def main():
             "chat chunk ids/objects")
     h.check(evs[-1]["choices"][0]["finish_reason"] == "length", "chat finish %r" % evs[-1])
     h.check(srv.stop() == 0, "exit status")
+
+    # ---- --stream-interval 4 (vLLM's flag): after the first token at least 4
+    # per event (more when the writer lags), the rest with the finish. On a
+    # model slow enough (~1 ms a token) that the writer keeps up, a worker
+    # without the flag would send the tokens one per event.
+    slow = h.make_model(args, "slow", ["--hidden", "512", "--intermediate", "2048", "--layers",
+                                       "4", "--heads", "8", "--kv-heads", "2"])
+    for flags, interval in (([], 1), (["--stream-interval", "4"], 4)):
+        srv = h.Server(args, slow, *flags)
+        want = comp(srv, **greedy)["choices"][0]["token_ids"]
+        evs = stream_text(srv, "/v1/completions", greedy)
+        per = [len(e["choices"][0]["token_ids"]) for e in evs if e["choices"]]
+        ids = [t for e in evs if e["choices"] for t in e["choices"][0]["token_ids"]]
+        h.check(ids == want, "stream-interval %d: tokens %r != %r" % (interval, ids, want))
+        h.check(all(n >= interval for n in per[1:-1]) and len(per) <= 2 + 40 // interval,
+                "stream-interval %d: tokens per event %r" % (interval, per))
+        print("stream-interval %d: tokens per event %r" % (interval, per))
+        h.check(srv.stop() == 0, "exit status")
 
     # ---- generation_config.json defaults
     gdir = os.path.join(args.workdir, "tiny-topk1")

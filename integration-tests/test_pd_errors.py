@@ -10,7 +10,9 @@ workers behind a round-robin router and the first one's queue full, every
 request routed to it is refused there before any token (the router's
 admission check lets single requests through, the worker decides) and
 retried on the second: all succeed, the first stays healthy (busy is not
-dead), and the router counts the retries.
+dead), and the router counts the retries. That router runs with
+--stream-interval 3: after the first token its streams send at least 3 tokens
+per event.
 """
 import json
 import os
@@ -54,19 +56,27 @@ def fill_queue(d):
 
 
 def busy_elsewhere(args, model):
+    # The router also runs with --stream-interval 3: its streams send tokens
+    # at least 3 per event after the first (checked on the streamed requests).
     cl = Cluster(args, n_prefill=0, n_decode=2, pd_mode="never", model=model,
-                 worker_args=["--max-num-seqs", "1", "--max-waiting", "1"]).start()
+                 worker_args=["--max-num-seqs", "1", "--max-waiting", "1"],
+                 router_args=["--stream-interval", "3"]).start()
     full, free = cl.decode
     a, b = fill_queue(full.http_port)
     served = []
     for i in range(6):
         body = {"prompt": "request %d" % i, "max_tokens": 4, "stream": i % 2 == 1}
         if body["stream"]:
+            body.update(max_tokens=10, ignore_eos=True, return_token_ids=True)
             s = Stream(cl.router_port, "/v1/completions", body)
             events = list(s.events())
             s.close()
             check(s.status == 200 and events and all("error" not in e for e in events),
                   "streamed request %d: %d %r" % (i, s.status, events))
+            per = [len(e["choices"][0]["token_ids"]) for e in events
+                   if isinstance(e, dict) and e.get("choices")]
+            check(sum(per) == 10 and all(n >= 3 for n in per[1:-1]) and len(per) <= 5,
+                  "router --stream-interval 3: tokens per event %r" % per)
             served.append(s.headers.get("x-tandem-decode"))
         else:
             st, hdr, got = post(cl.router_port, "/v1/completions", body)

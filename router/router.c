@@ -57,6 +57,7 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
     o->port = 8000;
     snprintf(o->nng_url, sizeof o->nng_url, "tcp://127.0.0.1:0");
     o->http_threads = 256;
+    o->stream_interval = 1;
     o->max_body_bytes = 16u << 20;
     o->http_header_timeout = 10.0;
     o->http_body_timeout = 30.0;
@@ -138,6 +139,9 @@ static const struct tdm_flag router_flags[] = {
              "already sent (default)"},
     {.name = "no-stream-migration", .kind = TDM_FLAG_NOT, .offset = OFF(stream_migration),
      .help = "a lost decode worker ends its streams with an error event"},
+    NUM("stream-interval", TDM_FLAG_INT, stream_interval, 1, 1 << 20, "N",
+        "streams: after the first token, send tokens N per event\n(fewer, larger events; "
+        "default 1 = each as it comes)"),
     {.name = "debug-headers", .kind = TDM_FLAG_BOOL, .offset = OFF(debug_headers),
      .help = "answer with x-tandem-decode (the worker's address) and\nx-tandem-phases (phase "
              "times); off by default: internals\nare not told to clients"},
@@ -1154,6 +1158,7 @@ static void run_stream(struct call *k)
         return;
     }
     add_phase_header(k);
+    k->oai.stream_interval = k->s->o.stream_interval;
     k->client_gone = tdm_oai_http_stream(k->conn, &k->oai, stream_pump, k, 0) == TDM_ECLOSED;
 }
 

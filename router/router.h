@@ -55,6 +55,8 @@ struct tdm_router_opts {
     bool stream_migration;       // --[no-]stream-migration: a stream whose decode worker is
                                  // lost continues on another with the tokens sent so far;
                                  // default on
+    int stream_interval;         // --stream-interval N (vLLM's): after a stream's first
+                                 // token, tokens go out N per event; default 1
     bool debug_headers;          // --debug-headers: x-tandem-decode and x-tandem-phases on
                                  // responses (which worker, the phase times); default off
     double drain_timeout;        // --drain-timeout S: on SIGTERM, how long open requests may

@@ -64,6 +64,8 @@ struct tdm_worker_config {
     bool enable_auto_tool_choice;           // --enable-auto-tool-choice (vLLM's)
     char tool_call_parser[64];              // --tool-call-parser hermes|llama3_json; "" = none
     int max_waiting;                        // --max-waiting; default 1024
+    int stream_interval;                    // --stream-interval N (vLLM's): after a stream's
+                                            // first token, tokens go out N per event; default 1
     double drain_timeout;                   // --drain-timeout SECONDS; default 30
     char log_level[16];                     // --log-level err|warn|info|debug; default info
     size_t max_body_bytes;                  // --max-body-bytes; default 16 MiB

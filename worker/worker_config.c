@@ -33,6 +33,7 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->kv_cache_dtype = TDM_KV_BF16; // auto
     cfg->weight_cache = true;
     cfg->max_waiting = 1024;
+    cfg->stream_interval = 1;
     cfg->drain_timeout = 30.0;
     snprintf(cfg->log_level, sizeof cfg->log_level, "info");
     cfg->max_body_bytes = (size_t)16 << 20;
@@ -356,6 +357,9 @@ static const struct tdm_flag decode_flags[] = {
         "hermes (Qwen2.5, Hermes) or llama3_json (Llama 3.x)"),
     INT("max-waiting", max_waiting, 0, 1 << 20, "N",
         "waiting-queue bound; beyond it 503 (default 1024)"),
+    INT("stream-interval", stream_interval, 1, 1 << 20, "N",
+        "streams: after the first token, send tokens N per event\n(fewer, larger events; "
+        "default 1 = each as it comes)"),
     {.name = "drain-timeout",
      .kind = TDM_FLAG_DOUBLE,
      .offset = OFF(drain_timeout),

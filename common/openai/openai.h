@@ -418,6 +418,7 @@ struct tdm_oai_asm {
     int32_t *ids; // [n_ids] likewise (return_token_ids)
     size_t n_ids, cap_ids;
     size_t chars_sent; // stream: code points already sent (text_offset)
+    int tokens_sent;   // stream: completion_tokens when the last chunk went out
     bool first_sent;   // stream: prompt_token_ids went out
     struct tdm_strbuf clean; // scratch for the UTF-8 cleaning
     struct tdm_oai_toolparse *tools; // stream with tool parsing: text goes through it (text
@@ -500,6 +501,10 @@ struct tdm_oai_call {
     int prompt_tokens;           // usage: each prompt counted once
     struct tdm_oai_asm *choices; // [n_choices] heap: choice i continues prompt i / req.n;
     size_t n_choices;            // none for req.echo_only
+    int stream_interval;         // stream: after a choice's first token, its tokens go out
+                                 // this many at a time (and the rest at its finish), as
+                                 // vLLM's --stream-interval; 0 or 1 = each as it comes.
+                                 // Set by the server before tdm_oai_http_stream.
 };
 // Parses a completions or chat body, names the response (id from the body's
 // request_id, else base_id (an X-Request-Id header; NULL = random), model

@@ -444,6 +444,7 @@ int tdm_oai_asm_stream_chunk(const struct tdm_oai_asm *a, const struct tdm_oai_r
 void tdm_oai_asm_sent(struct tdm_oai_asm *a, bool finish_now)
 {
     a->chars_sent += tdm_oai_utf8_chars(a->text.p ? a->text.p : "", a->text.len);
+    a->tokens_sent = a->completion_tokens;
     a->text.len = 0;
     lps_clear(a);
     a->n_ids = 0;

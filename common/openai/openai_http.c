@@ -76,6 +76,12 @@ static int sse_send(struct tdm_http_conn *c, char *json)
 // Writes choice i's pending text (and its finish once known), if any.
 static int flush_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t i)
 {
+    // --stream-interval N: the first token goes out at once (time to first
+    // token), later ones N at a time, the rest with the finish.
+    const struct tdm_oai_asm *a = &k->choices[i];
+    if (k->stream_interval > 1 && !a->done && a->tokens_sent > 0 &&
+        a->completion_tokens - a->tokens_sent < k->stream_interval)
+        return TDM_OK;
     char *json = NULL;
     bool finish_now = false;
     if (tdm_oai_call_chunk(k, i, &json, &finish_now) != TDM_OK)

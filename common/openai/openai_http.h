@@ -70,7 +70,8 @@ typedef int (*tdm_oai_pump_fn)(void *arg);
 // Streams a call whose generators run: starts the SSE response (headers added
 // before go out with it), writes each choice's opening chunk (chat: the
 // assistant role; completions with echo: the prompt text), then pumps and
-// writes each choice's news (tdm_oai_call_chunk) until every choice finished or
+// writes each choice's news (tdm_oai_call_chunk; k->stream_interval tokens at a
+// time after the first when it is above 1) until every choice finished or
 // one failed, and ends with tdm_oai_http_sse_finish (the failed choice's
 // error, tdm_oai_error_from_err of its code and message, as an error event, or
 // the usage chunk when include_usage; [DONE]).

@@ -169,6 +169,8 @@ static void h_oai_generate(struct tdm_http_conn *c, struct oai_probe *p, enum td
         sc.fail = strstr(q, "fail") != NULL;
         sc.idle = strstr(q, "idle") != NULL;
         sc.forever = strstr(q, "forever") != NULL;
+        const char *iv = strstr(q, "interval=");
+        k.stream_interval = iv ? atoi(iv + 9) : 0; // a server's --stream-interval
         if (tdm_tok_encode(oai_tok, oai_text, strlen(oai_text), false, &sc.ids, &sc.n_ids) !=
             TDM_OK) {
             tdm_oai_http_errorf(c, 500, NULL, "tokenizer");
@@ -518,6 +520,57 @@ static void test_oai_stream_echo_and_stop(void **state)
     assert_string_equal(text, "Say:The quick brown");
 }
 
+// --stream-interval 4: the first token in an event of its own (time to first
+// token), then 4 per event, the rest with the finish; the text and the token
+// ids are all there, in order. Without it every pump's token is an event.
+static void test_oai_stream_interval(void **state)
+{
+    struct fixture *f = *state;
+    int32_t *want = NULL;
+    size_t n_want = 0;
+    assert_int_equal(tdm_tok_encode(oai_tok, oai_text, strlen(oai_text), false, &want, &n_want),
+                     TDM_OK);
+    assert_true(n_want > 9); // room for 1 + 4 + 4 + a rest
+    for (int interval = 1; interval <= 4; interval += 3) {
+        char path[64];
+        snprintf(path, sizeof path, "/oai/completions?interval=%d", interval);
+        struct oai_probe p;
+        int n = oai_events(f, path,
+                           "{\"prompt\":\"x\",\"return_token_ids\":true,\"max_tokens\":100,"
+                           "\"stream\":true}",
+                           &p);
+        assert_int_equal(p.rc, TDM_OK);
+        char text[256] = "";
+        size_t got = 0;
+        for (int i = 0; i < n - 1; i++) {
+            cJSON *c = cJSON_Parse(oai_ev[i]);
+            assert_non_null(c);
+            const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItem(c, "choices"), 0);
+            strcat(text, cJSON_GetObjectItem(ch, "text")->valuestring);
+            const cJSON *ids = cJSON_GetObjectItem(ch, "token_ids");
+            int m = cJSON_GetArraySize(ids);
+            for (int t = 0; t < m; t++)
+                assert_int_equal(cJSON_GetArrayItem(ids, t)->valueint, want[got + (size_t)t]);
+            bool last = cJSON_IsString(cJSON_GetObjectItem(ch, "finish_reason"));
+            if (i == 0)
+                assert_int_equal(m, 1); // the first token at once
+            else if (!last)
+                assert_int_equal(m, interval);
+            else
+                assert_true(m <= interval);
+            got += (size_t)m;
+            cJSON_Delete(c);
+        }
+        assert_int_equal(got, n_want);
+        assert_string_equal(text, oai_text);
+        if (interval == 1)
+            assert_int_equal(n - 1, (int)n_want + 1); // one event per token, then the finish
+        else
+            assert_true(n - 1 <= 2 + ((int)n_want - 1 + interval - 1) / interval);
+    }
+    free(want);
+}
+
 static void test_oai_stream_error_and_probe(void **state)
 {
     struct fixture *f = *state;
@@ -746,6 +799,7 @@ int main(void)
         cmocka_unit_test(test_openai_over_http),
         cmocka_unit_test(test_oai_stream_chat),
         cmocka_unit_test(test_oai_stream_echo_and_stop),
+        cmocka_unit_test(test_oai_stream_interval),
         cmocka_unit_test(test_oai_stream_error_and_probe),
         cmocka_unit_test(test_oai_stream_client_gone),
         cmocka_unit_test(test_oai_start_answers),

@@ -86,6 +86,7 @@ struct up_opts {
     const char *log_level;   // --log-level, passed to every child
     double startup_timeout;  // --startup-timeout: seconds until every /health is 200
     double drain_timeout;    // --drain-timeout: passed to the workers; SIGKILL 15 s later
+    int stream_interval;     // --stream-interval, passed to the router and workers
     const char *bin_dir;     // --bin-dir: where the service binaries are
     bool no_router;          // --no-router: workers only (decode workers serve the API)
     bool restart;            // --restart on-failure (default) | never
@@ -163,6 +164,8 @@ static const struct tdm_flag up_flags[] = {
         "seconds for every /health to turn 200 (default 600)"),
     NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
         "drain on stop, router and workers (default 30); SIGKILL 15 s\nafter"),
+    NUM("stream-interval", TDM_FLAG_INT, stream_interval, 1, 1 << 20, "N",
+        "streams send tokens N per event after the first (default 1),\nrouter and workers"),
     {.name = "enable-auto-tool-choice",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(auto_tool_choice),
@@ -206,6 +209,7 @@ static void opts_default(struct up_opts *o)
     o->log_level = "info";
     o->startup_timeout = 600;
     o->drain_timeout = 30;
+    o->stream_interval = 1;
     o->restart = true;
 }
 
@@ -1128,6 +1132,8 @@ static int launch_all(const struct up_opts *o, const char *model, const char *se
             arg(&a, "--served-model-name"), arg(&a, "%s", served);
         arg(&a, "--log-level"), arg(&a, "%s", o->log_level);
         arg(&a, "--drain-timeout"), arg(&a, "%g", o->drain_timeout);
+        if (o->stream_interval > 1)
+            arg(&a, "--stream-interval"), arg(&a, "%d", o->stream_interval);
         if (o->auto_tool_choice)
             arg(&a, "--enable-auto-tool-choice");
         if (o->tool_parser && *o->tool_parser)
