@@ -133,6 +133,9 @@ def main():
     ap.add_argument("--slow-model", action="store_true",
                     help="the harness's ~30x slower model (a decode step of milliseconds, so each "
                     "token is its own event and ITL times the path, not a burst of tokens)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="--stream-interval of the router and the decode worker (tokens per "
+                    "event after the first; default 1)")
     ap.add_argument("--pin-decode", help="CPU list for the decode worker (taskset), e.g. 1")
     ap.add_argument("--pin-router", help="CPU list for the router(s), e.g. 0: apart from the "
                     "decode worker's, as on separate pods, so the router does not wait for cores "
@@ -148,7 +151,9 @@ def main():
     os.makedirs(ns.workdir, exist_ok=True)
     cl = h.Cluster(ns, n_prefill=0, n_decode=1, policy="round_robin", pd_mode="never",
                    model=h.make_slow_model(ns) if args.slow_model else None,
-                   worker_args=["--max-num-seqs", "128", "--http-threads", "256"]).start()
+                   worker_args=["--max-num-seqs", "128", "--http-threads", "256",
+                                "--stream-interval", str(args.stream_interval)],
+                   router_args=["--stream-interval", str(args.stream_interval)]).start()
     ports = {"direct": cl.decode[0].http_port, "router": cl.router_port}
     pids = {"router": cl.router_proc.pid}
     base = None
