@@ -240,8 +240,8 @@ void worker_handle_generate(struct tdm_worker *s, struct tdm_http_conn *c, enum 
         tdm_span_error(&span, e.message);
         goto out;
     }
-    // Streams probe the client after a second without tokens (queued, long prefill).
     k.oai.stream_interval = s->cfg.stream_interval;
+    // Streams probe the client after a second without tokens (queued, long prefill).
     if (k.oai.req.stream)
         k.client_gone = tdm_oai_http_stream(c, &k.oai, pump, &k, 1.0) == TDM_ECLOSED;
     else

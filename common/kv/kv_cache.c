@@ -404,6 +404,25 @@ static const struct tdm_kv_storage_ops host_ops = {
     .layer_v = host_layer_v,
 };
 
+// One layer's K or V pool: an anonymous mapping, page-aligned (so 64-byte
+// aligned) and zero-filled by the kernel on first touch, so a kernel reading
+// past a sequence's last token sees finite numbers, and creating a multi-GB
+// pool does not touch every page up front (a memset of 3 GB took ~10 s on a
+// loaded host). Huge pages where the kernel has them (THP in madvise mode,
+// Debian's default): attention reads one block of one KV head at a time
+// (4 KiB in f32: a page each), spread over the pool, so with 4 KiB pages
+// nearly every chunk was a TLB miss at long context. NULL when it fails.
+static void *pool_map(size_t bytes)
+{
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return NULL;
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
 static int host_storage_new(struct host_storage **out, const struct tdm_kv_config *cfg)
 {
     struct host_storage *h = calloc(1, sizeof *h);
@@ -419,29 +438,10 @@ static int host_storage_new(struct host_storage **out, const struct tdm_kv_confi
     if (!h->k || !h->v)
         goto fail;
     h->num_layers = cfg->num_layers;
-    // Anonymous mappings: page-aligned (so 64-byte aligned) and zero-filled by the
-    // kernel on first touch, so a kernel reading past a sequence's last token sees
-    // finite numbers, and creating a multi-GB pool does not touch every page up
-    // front (a memset of 3 GB took ~10 s on a loaded host). Huge pages where
-    // the kernel has them (THP in madvise mode, Debian's default): attention
-    // reads one block of one KV head at a time (4 KiB in f32: a page each),
-    // spread over the pool, so with 4 KiB pages nearly every chunk was a TLB
-    // miss at long context.
     for (int l = 0; l < cfg->num_layers; l++) {
-        void *pk =
-            mmap(NULL, h->layer_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (pk == MAP_FAILED)
+        if ((h->k[l] = pool_map(h->layer_bytes)) == NULL ||
+            (h->v[l] = pool_map(h->layer_bytes)) == NULL)
             goto fail;
-        h->k[l] = pk;
-        void *pv =
-            mmap(NULL, h->layer_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (pv == MAP_FAILED)
-            goto fail;
-        h->v[l] = pv;
-#ifdef MADV_HUGEPAGE
-        (void)madvise(pk, h->layer_bytes, MADV_HUGEPAGE);
-        (void)madvise(pv, h->layer_bytes, MADV_HUGEPAGE);
-#endif
     }
     *out = h;
     return TDM_OK;
