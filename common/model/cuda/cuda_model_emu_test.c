@@ -40,6 +40,7 @@
 
 #include "backend.h"
 #include "core.h"
+#include "cpu_backend.h"
 #include "cuda_backend.h"
 #include "kv_cache.h"
 #include "mkmodel.h"
@@ -183,14 +184,35 @@ static void greedy(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_s
     }
 }
 
+// Whether the CPU backend's bf16 matmuls round activations to bf16 as the
+// CUDA kernels do (cuBLASLt takes bf16 operands): the AVX-512 path does
+// (vdpbf16ps); the AVX2 and portable paths keep activations in f32, so on a
+// host without AVX-512 BF16 (Zen 3, say) the two backends differ by that
+// rounding: KV values by ~1e-2, logits by ~1e-2, enough to flip a near tie.
+static bool cpu_rounds_like_gpu(void)
+{
+    enum tdm_cpu_isa isa = tdm_cpu_isa_best();
+    const char *force = getenv("TANDEM_CPU_ISA");
+    if (force && tdm_cpu_isa_parse(force, &isa) != TDM_OK)
+        isa = tdm_cpu_isa_best();
+    return isa == TDM_CPU_ISA_AVX512;
+}
+
 // The CPU's and the emulated CUDA backend's greedy tokens, and the argmax of
 // every logits row (the next token at each position of the second chunk and
 // each step) must agree, except near-ties: rows where the CPU's logits of the
 // two picks are within tie_tol (0 with f32 KV: no exception; bf16 KV rounds
 // the cache the CPU keeps in f32, which moves logits by up to ~0.1 here).
+// On a host whose CPU path keeps activations in f32 (cpu_rounds_like_gpu false)
+// the tolerance is bf16 KV's (0.25) whatever the KV dtype, and a near-tie flip
+// in a row that picks a generated token ends the comparison there: from the
+// next step on, the two backends decode different histories.
 static void compare_greedy(const char *dir, const char *kv_dtype, int prompt, int chunk1,
                            float tie_tol)
 {
+    bool strict = cpu_rounds_like_gpu();
+    if (!strict && tie_tol < 0.25f)
+        tie_tol = 0.25f;
     struct tdm_model *mc = load(dir, "cpu", kv_dtype), *mg = load(dir, "cuda", kv_dtype);
     int vocab = tdm_model_config(mc)->vocab_size;
     struct tdm_kv_cache *kc = new_kv(mc), *kg = new_kv(mg);
@@ -211,7 +233,7 @@ static void compare_greedy(const char *dir, const char *kv_dtype, int prompt, in
         worst = e > worst ? e : worst;
         scale = fabsf(lc[i]) > scale ? fabsf(lc[i]) : scale;
     }
-    int distinct = 0, ties = 0, prev = -1;
+    int distinct = 0, ties = 0, prev = -1, same_tokens = STEPS + 1;
     for (int r = 0; r < rows; r++) {
         const float *rc = lc + (size_t)r * vocab;
         int a = argmax(rc, vocab), b = argmax(lg + (size_t)r * vocab, vocab);
@@ -220,17 +242,23 @@ static void compare_greedy(const char *dir, const char *kv_dtype, int prompt, in
                 fail_msg("row %d: cpu picks %d, cuda %d (cpu logits %g vs %g)", r, a, b, rc[a],
                          rc[b]);
             ties++;
+            if (!strict && r >= prompt - chunk1 - 1) { // row r picks token r - (n2 - 1)
+                same_tokens = r - (prompt - chunk1 - 1);
+                break;
+            }
         }
         distinct += a != prev;
         prev = a;
     }
     printf("%s kv %s, prompt %d: max |logit diff| %g (max |logit| %g); %d rows, %d argmax "
-           "changes, %d near-tie flips; generated:",
-           dir, kv_dtype, prompt, worst, scale, rows, distinct, ties);
+           "changes, %d near-tie flips%s; generated:",
+           dir, kv_dtype, prompt, worst, scale, rows, distinct, ties,
+           strict ? "" : " (CPU path without bf16 activations: compared up to the first flip)");
     for (int i = prompt; i <= prompt + STEPS; i++)
         printf(" %d", hg[i]);
     printf("\n");
-    assert_memory_equal(hc + prompt, hg + prompt, (STEPS + 1) * sizeof(int32_t));
+    if (same_tokens > 0)
+        assert_memory_equal(hc + prompt, hg + prompt, (size_t)same_tokens * sizeof(int32_t));
     tdm_kv_seq_release(kc, &sc);
     tdm_kv_seq_release(kg, &sg);
     free(lc), free(lg);
@@ -350,8 +378,11 @@ static void test_export_import(void **state)
         }
         assert_int_equal(tdm_kv_import_layer(kg2, &sg2, layer, 0, nb, eg, bytes), TDM_OK);
     }
-    printf("export cpu vs cuda(emu): max |kv diff| %g\n", worst);
-    assert_true(worst < 1e-4f);
+    // f32 KV: equal but for summation order where the CPU rounds activations as
+    // the GPU does; within bf16 rounding of the activations elsewhere.
+    bool strict = cpu_rounds_like_gpu();
+    printf("export cpu vs cuda(emu): max |kv diff| %g (bound %g)\n", worst, strict ? 1e-4 : 5e-2);
+    assert_true(worst < (strict ? 1e-4f : 5e-2f));
     tdm_kv_commit(kg2, &sg2, h, n);
     h[n] = argmax(l, vocab);
     memcpy(h2, h, sizeof h);
