@@ -15,9 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz_stack.h"
 #include "chat.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static const char *const fixed_json =
     "[{\"role\":\"system\",\"content\":\"You are terse.\"},"
@@ -50,7 +49,7 @@ static char *next_part(const uint8_t **p, const uint8_t *end, bool *present)
     return s;
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+static int fuzz_one(const uint8_t *data, size_t size)
 {
     const uint8_t *p = data, *end = data + size;
     bool has_tpl, has_msgs, has_tools;
@@ -94,3 +93,5 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     free(tools);
     return 0;
 }
+
+TDM_FUZZ_ON_HTTP_STACK(fuzz_one)

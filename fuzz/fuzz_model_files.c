@@ -9,13 +9,12 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "fuzz_stack.h"
 #include "hf.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static char path[64];
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+static int fuzz_one(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
@@ -61,3 +60,5 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     return 0;
 }
+
+TDM_FUZZ_ON_HTTP_STACK(fuzz_one)

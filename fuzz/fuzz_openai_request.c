@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "fuzz_stack.h"
 #include "chat.h"
 #include "fuzz_common.h"
 #include "openai.h"
@@ -21,7 +22,6 @@ static struct tdm_chat_template *chat;
 static char chat_err[256];
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
@@ -60,7 +60,7 @@ static void parse_output(enum tdm_oai_tool_format f, const char *text, size_t le
     tdm_oai_toolparse_free(p);
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+static int fuzz_one(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
@@ -101,3 +101,5 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     free(out);
     return 0;
 }
+
+TDM_FUZZ_ON_HTTP_STACK(fuzz_one)

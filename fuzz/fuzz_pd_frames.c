@@ -8,14 +8,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fuzz_stack.h"
 #include "pd_codec.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static const struct tdm_kv_config kv = {
     .num_layers = 2, .num_kv_heads = 2, .head_dim = 64, .block_size = 16, .num_blocks = 64};
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+static int fuzz_one(const uint8_t *data, size_t size)
 {
     if (size < 1)
         return 0;
@@ -70,3 +69,5 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     return 0;
 }
+
+TDM_FUZZ_ON_HTTP_STACK(fuzz_one)

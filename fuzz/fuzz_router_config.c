@@ -6,11 +6,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "fuzz_stack.h"
 #include "config.h"
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+static int fuzz_one(const uint8_t *data, size_t size)
 {
     struct tdm_router_config *cfg = NULL;
     char err[512];
@@ -23,3 +22,5 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     return 0;
 }
+
+TDM_FUZZ_ON_HTTP_STACK(fuzz_one)

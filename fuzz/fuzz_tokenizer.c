@@ -9,12 +9,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz_stack.h"
 #include "fuzz_common.h"
 
 static struct tdm_tokenizer *tok;
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
@@ -62,7 +62,7 @@ static void check_stream(const int32_t *ids, size_t n, bool skip)
     free(text);
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+static int fuzz_one(const uint8_t *data, size_t size)
 {
     for (unsigned flags = 0; flags < 4; flags++) {
         int32_t *ids = NULL;
@@ -86,3 +86,5 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     return 0;
 }
+
+TDM_FUZZ_ON_HTTP_STACK(fuzz_one)

@@ -14,7 +14,9 @@ before reading a frame, and a flood of connections beyond an inbox's limit is
 closed as it is accepted. After the hostile requests a normal completion
 succeeds through the router and on the decode worker directly. Hostile
 structured-output constraints (10 MB schema, 10 000-deep schema, a grammar
-accepting nothing, catastrophic regexes) are a fast 400 or harmless.
+accepting nothing, catastrophic regexes) are a fast 400 or harmless, and
+every structured-output kind nested 10 to 10 000 deep is served or a 400 on the
+router and on the decode worker, both staying up (issue 29).
 """
 import http.client
 import json
@@ -269,6 +271,70 @@ def hostile_constraints(cl):
     alive(cl)
 
 
+def nested_constraints(cl):
+    """Every structured-output kind nested 10 to 10 000 deep (issue 29, part 1):
+    a regex of 90 nested groups (307 bytes) killed the router and 110 a decode
+    worker, a json_schema of 60 nested arrays (1.9 KB) both: the compilers
+    recursed on a civetweb worker's ~100 KiB stack. Each is now served or a 400,
+    on the router and on the decode worker, and both stay up."""
+    def regex(d):
+        return "(" * d + "a" + ")" * d
+
+    def arrays(d):
+        return '{"type":"array","items":' * d + '{"type":"integer"}' + "}" * d
+
+    def objects(d):
+        return '{"type":"object","properties":{"a":' * d + '{"type":"integer"}' + "}}" * d
+
+    def gbnf(d):
+        return "root ::= " + "(" * d + '"a"' + ")" * d
+
+    def tools(d):
+        params = json.loads(objects(min(d, 60)))  # the body's own limit is 128 levels
+        return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "tools": [{"type": "function", "function": {
+                    "name": "f", "parameters": params}}], "tool_choice": "required"}
+
+    kinds = [
+        ("guided_regex", lambda d: {"guided_regex": regex(d)}),
+        ("structured_outputs.regex", lambda d: {"structured_outputs": {"regex": regex(d)}}),
+        ("(?: groups", lambda d: {"guided_regex": "(?:" * d + "b|c" + ")" * d}),
+        ("json_schema pattern", lambda d: {"guided_json": json.dumps(
+            {"type": "string", "pattern": regex(d)})}),
+        ("guided_json arrays", lambda d: {"guided_json": arrays(d)}),
+        ("guided_json objects", lambda d: {"guided_json": objects(d)}),
+        ("response_format arrays", lambda d: {"response_format": {
+            "type": "json_schema", "json_schema": {"name": "n", "schema": json.loads(arrays(
+                min(d, 120)))}}}),
+        ("guided_grammar groups", lambda d: {"guided_grammar": gbnf(d)}),
+        ("guided_choice", lambda d: {"guided_choice": ["(" * d + ")" * d, "b"]}),
+    ]
+    depths = (10, 60, 90, 110, 256, 257, 1000, 10000)
+    for port in (cl.router_port, cl.decode[0].http_port):
+        for name, make in kinds:
+            for d in depths:
+                st, _, body = post(port, "/v1/completions",
+                                   dict(prompt="x", max_tokens=2, **make(d)))
+                check(st in (200, 400), "%s depth %d on :%d: %d %r" % (name, d, port, st,
+                                                                      str(body)[:200]))
+                if st == 400:
+                    check(isinstance(body, dict) and "error" in body,
+                          "%s depth %d: a 400 without an error body: %r" % (name, d, body))
+        for d in depths:
+            st, _, body = post(port, "/v1/chat/completions", tools(d))
+            check(st in (200, 400), "tools depth %d on :%d: %d %r" % (d, port, st,
+                                                                     str(body)[:200]))
+        # The limits themselves: 256 groups compile, 257 are refused by name.
+        st, _, _ = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                                  "guided_regex": regex(256)})
+        check(st == 200, "256 nested groups: %d" % st)
+        st, _, body = post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                                     "guided_regex": regex(257)})
+        check(st == 400 and "nested deeper than 256" in str(body), "257 groups: %d %r" % (
+            st, str(body)[:200]))
+        alive(cl)
+
+
 def alive(cl):
     for p in [cl.router_proc] + [w.proc for w in cl.workers()]:
         check(p.poll() is None, "a service died (exit %s); see its log in the workdir" % p.returncode)
@@ -309,6 +375,7 @@ def main():
     for name, port in ports.items():
         ambiguous_framing(port, name)
     heavy_request(cl)
+    nested_constraints(cl)
     hostile_constraints(cl)
     unauthenticated_frames(cl)
     connection_flood(cl)

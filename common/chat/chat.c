@@ -51,8 +51,8 @@ static bool role_known(const char *role)
 
 // ---- load -------------------------------------------------------------------------------
 
-static int compile(struct tdm_chat_template *t, const char *text, const char *what, char *err,
-                   size_t errlen)
+static int compile_now(struct tdm_chat_template *t, const char *text, const char *what, char *err,
+                       size_t errlen)
 {
     char detail[400] = "";
     struct token *toks = NULL;
@@ -64,6 +64,31 @@ static int compile(struct tdm_chat_template *t, const char *text, const char *wh
     if (rc != TDM_OK)
         return tdm_seterr(err, errlen, rc, "%s: %s", what, detail);
     return TDM_OK;
+}
+
+struct deep_compile {
+    struct tdm_chat_template *t;
+    const char *text, *what;
+    char *err;
+    size_t errlen;
+    int rc;
+};
+
+static void compile_deep(void *arg)
+{
+    struct deep_compile *d = arg;
+    d->rc = compile_now(d->t, d->text, d->what, d->err, d->errlen);
+}
+
+// The parser recurses per nesting level (CHAT_MAX_NEST): on a deep stack, as a
+// render (templates may come from a router config reload on any thread).
+static int compile(struct tdm_chat_template *t, const char *text, const char *what, char *err,
+                   size_t errlen)
+{
+    struct deep_compile d = {t, text, what, err, errlen, TDM_ENOMEM};
+    if (tdm_call_deep(compile_deep, &d) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EBUSY, "%s: no thread to parse the template on", what);
+    return d.rc;
 }
 
 int tdm_chat_template_new(struct tdm_chat_template **out, const char *template_text,
@@ -171,9 +196,9 @@ int tdm_chat_template_set_tokens(struct tdm_chat_template *t, const char *bos_to
 
 // ---- render -----------------------------------------------------------------------------
 
-int tdm_chat_render_json(const struct tdm_chat_template *t, const char *messages_json,
-                         const char *tools_json, bool add_generation_prompt, char **out, char *err,
-                         size_t errlen)
+static int render_json_now(const struct tdm_chat_template *t, const char *messages_json,
+                           const char *tools_json, bool add_generation_prompt, char **out,
+                           char *err, size_t errlen)
 {
     *out = NULL;
     struct strbuf prompt = {.limit = CHAT_MAX_OUTPUT};
@@ -207,6 +232,39 @@ int tdm_chat_render_json(const struct tdm_chat_template *t, const char *messages
         return rc;
     }
     return sb_finish(&prompt, out, err, errlen);
+}
+
+struct deep_render {
+    const struct tdm_chat_template *t;
+    const char *messages_json, *tools_json;
+    bool add_generation_prompt;
+    char **out;
+    char *err;
+    size_t errlen;
+    int rc;
+};
+
+static void render_deep(void *arg)
+{
+    struct deep_render *d = arg;
+    d->rc = render_json_now(d->t, d->messages_json, d->tools_json, d->add_generation_prompt, d->out,
+                            d->err, d->errlen);
+}
+
+// A render runs on a deep stack (core.h's tdm_call_deep): the evaluator, the
+// JSON conversion and tojson recurse per level of the template and of the
+// request's messages and tools, within CHAT_MAX_STACK, which an HTTP worker's
+// ~100 KiB stack (part of it spent before the handler) could not hold.
+int tdm_chat_render_json(const struct tdm_chat_template *t, const char *messages_json,
+                         const char *tools_json, bool add_generation_prompt, char **out, char *err,
+                         size_t errlen)
+{
+    *out = NULL;
+    struct deep_render d = {t,   messages_json, tools_json, add_generation_prompt,
+                            out, err,           errlen,     TDM_ENOMEM};
+    if (tdm_call_deep(render_deep, &d) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EBUSY, "chat template: no thread to render on");
+    return d.rc;
 }
 
 int tdm_chat_render(const struct tdm_chat_template *t, const struct tdm_chat_msg *msgs, size_t n,

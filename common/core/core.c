@@ -215,7 +215,9 @@ bool tdm_cond_wait_for(pthread_cond_t *cv, pthread_mutex_t *mu, double seconds)
 // next one (at most THREAD_IDLE_MAX threads wait), so a request's job thread
 // is usually a waiting one woken, not a clone() and a new stack on the
 // request's path. A piece of work is only queued when a waiting thread is
-// there to take it (idle > queued), never left behind a busy one.
+// there to take it (idle > queued), never left behind a busy one. Two pools
+// work this way: the job threads (the default stack) and the deep threads
+// of tdm_call_deep (TDM_DEEP_STACK_BYTES each).
 #define THREAD_IDLE_SECONDS 30.0
 #define THREAD_IDLE_MAX 64
 
@@ -225,85 +227,123 @@ struct thread_work {
     struct thread_work *next;
 };
 
-static struct {
+struct pool {
     pthread_once_t once;
     pthread_mutex_t mu;
     pthread_cond_t cv; // work queued (monotonic)
     struct thread_work *head, *tail;
     int queued, idle;
-} threads = {.once = PTHREAD_ONCE_INIT, .mu = PTHREAD_MUTEX_INITIALIZER};
+    size_t stack; // bytes; 0: the default
+};
 
+static struct pool threads = {.once = PTHREAD_ONCE_INIT, .mu = PTHREAD_MUTEX_INITIALIZER};
+static struct pool deep = {
+    .once = PTHREAD_ONCE_INIT, .mu = PTHREAD_MUTEX_INITIALIZER, .stack = TDM_DEEP_STACK_BYTES};
+
+static void pool_init(struct pool *p)
+{
+    if (tdm_cond_init(&p->cv) != TDM_OK)
+        pthread_cond_init(&p->cv, NULL); // waits then run on the wall clock
+}
 static void threads_init(void)
 {
-    if (tdm_cond_init(&threads.cv) != TDM_OK)
-        pthread_cond_init(&threads.cv, NULL); // waits then run on the wall clock
+    pool_init(&threads);
+}
+static void deep_init(void)
+{
+    pool_init(&deep);
 }
 
-static void *thread_main(void *arg)
+static _Thread_local bool on_deep_thread;
+
+struct pool_start {
+    struct pool *pool;
+    struct thread_work *w;
+};
+
+static void *pool_main(void *arg)
 {
-    struct thread_work *w = arg;
+    struct pool_start *st = arg;
+    struct pool *p = st->pool;
+    struct thread_work *w = st->w;
+    free(st);
+    on_deep_thread = p == &deep;
     for (;;) {
         void *(*fn)(void *) = w->fn;
         void *fa = w->arg;
         free(w);
         fn(fa);
-        pthread_mutex_lock(&threads.mu);
-        if (threads.idle >= THREAD_IDLE_MAX) {
-            pthread_mutex_unlock(&threads.mu);
+        pthread_mutex_lock(&p->mu);
+        if (p->idle >= THREAD_IDLE_MAX) {
+            pthread_mutex_unlock(&p->mu);
             return NULL;
         }
-        threads.idle++;
+        p->idle++;
         double deadline = tdm_now() + THREAD_IDLE_SECONDS;
-        while (threads.head == NULL && tdm_cond_wait_until(&threads.cv, &threads.mu, deadline))
+        while (p->head == NULL && tdm_cond_wait_until(&p->cv, &p->mu, deadline))
             ;
-        threads.idle--;
-        w = threads.head;
+        p->idle--;
+        w = p->head;
         if (w == NULL) {
-            pthread_mutex_unlock(&threads.mu);
+            pthread_mutex_unlock(&p->mu);
             return NULL;
         }
-        threads.head = w->next;
-        if (threads.head == NULL)
-            threads.tail = NULL;
-        threads.queued--;
-        pthread_mutex_unlock(&threads.mu);
+        p->head = w->next;
+        if (p->head == NULL)
+            p->tail = NULL;
+        p->queued--;
+        pthread_mutex_unlock(&p->mu);
     }
 }
 
-int tdm_thread_start_detached(void *(*fn)(void *), void *arg)
+static int pool_start(struct pool *p, void *(*fn)(void *), void *arg)
 {
-    pthread_once(&threads.once, threads_init);
     struct thread_work *w = malloc(sizeof *w);
     if (w == NULL)
         return TDM_EBUSY;
     *w = (struct thread_work){.fn = fn, .arg = arg};
-    pthread_mutex_lock(&threads.mu);
-    if (threads.idle > threads.queued) {
-        if (threads.tail)
-            threads.tail->next = w;
+    pthread_mutex_lock(&p->mu);
+    if (p->idle > p->queued) {
+        if (p->tail)
+            p->tail->next = w;
         else
-            threads.head = w;
-        threads.tail = w;
-        threads.queued++;
-        pthread_mutex_unlock(&threads.mu);
-        pthread_cond_signal(&threads.cv);
+            p->head = w;
+        p->tail = w;
+        p->queued++;
+        pthread_mutex_unlock(&p->mu);
+        pthread_cond_signal(&p->cv);
         return TDM_OK;
     }
-    pthread_mutex_unlock(&threads.mu);
+    pthread_mutex_unlock(&p->mu);
+    struct pool_start *st = malloc(sizeof *st);
+    if (st == NULL) {
+        free(w);
+        return TDM_EBUSY;
+    }
+    *st = (struct pool_start){.pool = p, .w = w};
     pthread_attr_t attr;
     int rc = pthread_attr_init(&attr);
     if (rc == 0) {
         pthread_t th;
         rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (rc == 0 && p->stack)
+            rc = pthread_attr_setstacksize(&attr, p->stack);
         if (rc == 0)
-            rc = pthread_create(&th, &attr, thread_main, w);
+            rc = pthread_create(&th, &attr, pool_main, st);
         pthread_attr_destroy(&attr);
     }
     if (rc != 0) {
+        free(st);
         free(w);
         return TDM_EBUSY;
     }
     return TDM_OK;
+}
+
+int tdm_thread_start_detached(void *(*fn)(void *), void *arg)
+{
+    pthread_once(&threads.once, threads_init);
+    return pool_start(&threads, fn, arg);
 }
 
 int tdm_thread_idle(void)
@@ -312,6 +352,93 @@ int tdm_thread_idle(void)
     int n = threads.idle;
     pthread_mutex_unlock(&threads.mu);
     return n;
+}
+
+// ---- deep calls ------------------------------------------------------------------------
+// The caller's thread (a civetweb worker, ~100 KiB of stack) waits while a
+// deep thread runs the call; the call's state lives on the caller's stack.
+struct deep_call {
+    void (*fn)(void *);
+    void *arg;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+};
+
+static void *deep_main(void *arg)
+{
+    struct deep_call *c = arg;
+    c->fn(c->arg);
+    pthread_mutex_lock(&c->mu);
+    c->done = true;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+bool tdm_on_deep_stack(void)
+{
+    return on_deep_thread;
+}
+
+struct deep_start {
+    void *(*fn)(void *);
+    void *arg;
+};
+
+static void *deep_thread_main(void *arg)
+{
+    struct deep_start st = *(struct deep_start *)arg;
+    free(arg);
+    on_deep_thread = true;
+    return st.fn(st.arg);
+}
+
+int tdm_thread_create_deep(pthread_t *th, void *(*fn)(void *), void *arg)
+{
+    struct deep_start *st = malloc(sizeof *st);
+    if (st == NULL)
+        return TDM_EBUSY;
+    *st = (struct deep_start){.fn = fn, .arg = arg};
+    pthread_attr_t attr;
+    int rc = pthread_attr_init(&attr);
+    if (rc == 0) {
+        rc = pthread_attr_setstacksize(&attr, TDM_DEEP_STACK_BYTES);
+        if (rc == 0)
+            rc = pthread_create(th, &attr, deep_thread_main, st);
+        pthread_attr_destroy(&attr);
+    }
+    if (rc != 0) {
+        free(st);
+        return TDM_EBUSY;
+    }
+    return TDM_OK;
+}
+
+int tdm_call_deep(void (*fn)(void *), void *arg)
+{
+    if (on_deep_thread) {
+        fn(arg);
+        return TDM_OK;
+    }
+    pthread_once(&deep.once, deep_init);
+    struct deep_call c = {.fn = fn, .arg = arg, .done = false};
+    if (pthread_mutex_init(&c.mu, NULL) != 0)
+        return TDM_EBUSY;
+    if (pthread_cond_init(&c.cv, NULL) != 0) {
+        pthread_mutex_destroy(&c.mu);
+        return TDM_EBUSY;
+    }
+    int rc = pool_start(&deep, deep_main, &c);
+    if (rc == TDM_OK) {
+        pthread_mutex_lock(&c.mu);
+        while (!c.done)
+            pthread_cond_wait(&c.cv, &c.mu);
+        pthread_mutex_unlock(&c.mu);
+    }
+    pthread_cond_destroy(&c.cv);
+    pthread_mutex_destroy(&c.mu);
+    return rc;
 }
 
 int tdm_read_file(const char *path, char **out, size_t *len, char *err, size_t errlen)

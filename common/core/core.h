@@ -159,6 +159,28 @@ int tdm_thread_start_detached(void *(*fn)(void *), void *arg);
 // Threads of tdm_thread_start_detached waiting for work now (for tests).
 int tdm_thread_idle(void);
 
+// A deep call: fn(arg) on a thread of TDM_DEEP_STACK_BYTES of stack, the
+// caller waiting until it returns. Every recursive parser or compiler that a
+// request's bytes reach (regex, JSON Schema, GBNF, the chat template renderer)
+// is entered through it, because the thread a request arrives on may have far
+// less: libcivetweb's workers have 100 KiB, shared with the static TLS of
+// every loaded library, and leave a handler TDM_HTTP_HANDLER_STACK_BYTES
+// (http.h). Each such parser's depth bound holds on this stack, not the
+// caller's; openai_deep_test runs each past its bound from a thread with
+// only the handler's stack.
+// The deep threads are reused as tdm_thread_start_detached's are. TDM_OK once
+// fn has returned; TDM_EBUSY (fn not run) when no thread could be started. On a
+// deep thread already, fn runs at once.
+#define TDM_DEEP_STACK_BYTES (8u << 20)
+int tdm_call_deep(void (*fn)(void *), void *arg);
+// True on a thread of tdm_call_deep or tdm_thread_create_deep.
+bool tdm_on_deep_stack(void);
+// pthread_create of a joinable thread with a TDM_DEEP_STACK_BYTES stack, for
+// threads that run such parsers or the grammar matcher (whose expansion
+// recurses per rule reference, up to its bound) themselves: the engine's step
+// and mask threads. TDM_OK, or TDM_EBUSY when pthread refuses.
+int tdm_thread_create_deep(pthread_t *th, void *(*fn)(void *), void *arg);
+
 // ---- command-line flags (core_flags.c) ------------------------------------------
 // One table per program (or per part of one) maps each flag to a field of an
 // options struct, so parsing, range checks, error messages and --help come

@@ -999,7 +999,7 @@ static bool masks_post(struct tdm_engine *e)
         e->mask_tried = true;
         e->mask_threads = calloc((size_t)e->cfg.mask_threads, sizeof *e->mask_threads);
         for (int i = 0; e->mask_threads && i < e->cfg.mask_threads; i++) {
-            if (pthread_create(&e->mask_threads[i], NULL, mask_main, e) != 0)
+            if (tdm_thread_create_deep(&e->mask_threads[i], mask_main, e) != TDM_OK)
                 break;
             e->n_mask_threads++;
         }
@@ -1453,7 +1453,7 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     pthread_mutex_lock(&e->mu);
     publish_stats(e);
     pthread_mutex_unlock(&e->mu);
-    if (pthread_create(&e->thread, NULL, engine_main, e) != 0) {
+    if (tdm_thread_create_deep(&e->thread, engine_main, e) != TDM_OK) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: cannot start the engine thread");
         goto fail_mask_cv;
     }

@@ -272,6 +272,78 @@ static bool alt_productive(const struct gb *b, const struct gb_seq *a, const uin
     return true;
 }
 
+int gb_mark_rules(const struct gb *b, bool classes_pass, uint8_t *mark)
+{
+    size_t n_rules = b->n_rules, n_alts = 0, n_refs = 0;
+    for (size_t r = 0; r < n_rules; r++) {
+        n_alts += b->rules[r].n_alts;
+        for (size_t a = 0; a < b->rules[r].n_alts; a++)
+            for (size_t i = 0; i < b->rules[r].alts[a].n; i++)
+                n_refs += b->rules[r].alts[a].v[i].kind == EL_REF;
+    }
+    // waiting[k]: references of alternative k to rules not yet marked (SIZE_MAX:
+    // never passes); alt_rule[k] its rule; users[ref_first[r] ..] the
+    // alternatives referring to rule r, once per reference.
+    size_t *waiting = malloc((n_alts ? n_alts : 1) * sizeof *waiting);
+    size_t *alt_rule = malloc((n_alts ? n_alts : 1) * sizeof *alt_rule);
+    size_t *ref_first = calloc(n_rules + 1, sizeof *ref_first);
+    size_t *users = malloc((n_refs ? n_refs : 1) * sizeof *users);
+    size_t *queue = malloc((n_rules ? n_rules : 1) * sizeof *queue);
+    int rc = TDM_ENOMEM;
+    if (!waiting || !alt_rule || !ref_first || !users || !queue)
+        goto out;
+    size_t k = 0, head = 0, tail = 0;
+    for (size_t r = 0; r < n_rules; r++)
+        for (size_t a = 0; a < b->rules[r].n_alts; a++, k++) {
+            const struct gb_seq *sq = &b->rules[r].alts[a];
+            alt_rule[k] = r;
+            waiting[k] = 0;
+            for (size_t i = 0; i < sq->n; i++) {
+                const struct gr_el *e = &sq->v[i];
+                if (e->kind == EL_REF) {
+                    ref_first[e->arg + 1]++;
+                    if (waiting[k] != SIZE_MAX)
+                        waiting[k]++;
+                } else if (!classes_pass ||
+                           (e->kind == EL_CLASS && class_empty(&b->classes[e->arg]))) {
+                    waiting[k] = SIZE_MAX;
+                }
+            }
+            if (waiting[k] == 0 && !mark[r])
+                mark[r] = 1, queue[tail++] = r;
+        }
+    for (size_t r = 0; r < n_rules; r++)
+        ref_first[r + 1] += ref_first[r];
+    size_t *fill = calloc(n_rules + 1, sizeof *fill);
+    if (!fill)
+        goto out;
+    k = 0;
+    for (size_t r = 0; r < n_rules; r++)
+        for (size_t a = 0; a < b->rules[r].n_alts; a++, k++)
+            for (size_t i = 0; i < b->rules[r].alts[a].n; i++) {
+                const struct gr_el *e = &b->rules[r].alts[a].v[i];
+                if (e->kind == EL_REF)
+                    users[ref_first[e->arg] + fill[e->arg]++] = k;
+            }
+    free(fill);
+    while (head < tail) {
+        size_t r = queue[head++];
+        for (size_t u = ref_first[r]; u < ref_first[r + 1]; u++) {
+            size_t alt = users[u];
+            if (waiting[alt] == SIZE_MAX || waiting[alt] == 0)
+                continue;
+            if (--waiting[alt] == 0 && !mark[alt_rule[alt]]) {
+                mark[alt_rule[alt]] = 1;
+                queue[tail++] = alt_rule[alt];
+            }
+        }
+    }
+    rc = TDM_OK;
+out:
+    free(waiting), free(alt_rule), free(ref_first), free(users), free(queue);
+    return rc;
+}
+
 int gb_finish(struct gb *b, int root, struct tdm_grammar **out, char *err, size_t errlen)
 {
     *out = NULL;
@@ -282,19 +354,8 @@ int gb_finish(struct gb *b, int root, struct tdm_grammar **out, char *err, size_
     if (!prod || !g)
         goto fail_nomem;
     // Productive rules: some alternative whose every element can match.
-    for (bool changed = true; changed;) {
-        changed = false;
-        for (size_t r = 0; r < b->n_rules; r++) {
-            if (prod[r])
-                continue;
-            for (size_t a = 0; a < b->rules[r].n_alts; a++)
-                if (alt_productive(b, &b->rules[r].alts[a], prod)) {
-                    prod[r] = 1;
-                    changed = true;
-                    break;
-                }
-        }
-    }
+    if (gb_mark_rules(b, true, prod) != TDM_OK)
+        goto fail_nomem;
     if (root < 0 || !prod[root]) {
         free(prod);
         free(g);

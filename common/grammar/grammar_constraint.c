@@ -15,6 +15,7 @@
 
 #include "core.h"
 #include "grammar.h"
+#include "grammar_impl.h"
 
 #define CACHE_ENTRIES 64
 #define CACHE_TEXT_BYTES (16u << 20) // all cached texts together
@@ -62,26 +63,85 @@ out:
     return rc;
 }
 
+static int compile_now(struct tdm_grammar **out, enum tdm_constraint_kind kind, const char *text,
+                       size_t len, char *err, size_t errlen)
+{
+    switch (kind) {
+    case TDM_CONSTRAINT_JSON_SCHEMA:
+        return gr_compile_json_schema(out, text, len, err, errlen);
+    case TDM_CONSTRAINT_JSON_OBJECT:
+        return gr_compile_json_object(out, err, errlen);
+    case TDM_CONSTRAINT_REGEX:
+        return gr_compile_regex(out, text, len, err, errlen);
+    case TDM_CONSTRAINT_CHOICE:
+        return compile_choice_json(out, text, len, err, errlen);
+    case TDM_CONSTRAINT_GRAMMAR:
+        return gr_compile_gbnf(out, text, len, err, errlen);
+    default:
+        return tdm_seterr(err, errlen, TDM_EINVAL, "unknown constraint kind %d", (int)kind);
+    }
+}
+
+struct deep_compile {
+    struct tdm_grammar **out;
+    enum tdm_constraint_kind kind;
+    const char *text;
+    size_t len;
+    char *err;
+    size_t errlen;
+    int rc;
+};
+
+static void compile_deep(void *arg)
+{
+    struct deep_compile *c = arg;
+    c->rc = compile_now(c->out, c->kind, c->text, c->len, c->err, c->errlen);
+}
+
+// Every compile runs on a deep stack (core.h): the thread asking may be an
+// HTTP worker with ~100 KiB of stack, and the compilers recurse per group or
+// nesting level of the request's text.
 int tdm_grammar_compile_constraint(struct tdm_grammar **out, enum tdm_constraint_kind kind,
                                    const char *text, size_t len, char *err, size_t errlen)
 {
     *out = NULL;
     if (!text && kind != TDM_CONSTRAINT_JSON_OBJECT)
         return tdm_seterr(err, errlen, TDM_EINVAL, "constraint text missing");
-    switch (kind) {
-    case TDM_CONSTRAINT_JSON_SCHEMA:
-        return tdm_grammar_compile_json_schema(out, text, len, err, errlen);
-    case TDM_CONSTRAINT_JSON_OBJECT:
-        return tdm_grammar_compile_json_object(out, err, errlen);
-    case TDM_CONSTRAINT_REGEX:
-        return tdm_grammar_compile_regex(out, text, len, err, errlen);
-    case TDM_CONSTRAINT_CHOICE:
-        return compile_choice_json(out, text, len, err, errlen);
-    case TDM_CONSTRAINT_GRAMMAR:
-        return tdm_grammar_compile_gbnf(out, text, len, err, errlen);
-    default:
-        return tdm_seterr(err, errlen, TDM_EINVAL, "unknown constraint kind %d", (int)kind);
-    }
+    struct deep_compile c = {.out = out,
+                             .kind = kind,
+                             .text = text,
+                             .len = len,
+                             .err = err,
+                             .errlen = errlen,
+                             .rc = TDM_ENOMEM};
+    if (tdm_call_deep(compile_deep, &c) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EBUSY,
+                          "structured output: no thread to compile the grammar on");
+    return c.rc;
+}
+
+int tdm_grammar_compile_json_schema(struct tdm_grammar **out, const char *schema, size_t len,
+                                    char *err, size_t errlen)
+{
+    return tdm_grammar_compile_constraint(out, TDM_CONSTRAINT_JSON_SCHEMA, schema, len, err,
+                                          errlen);
+}
+
+int tdm_grammar_compile_json_object(struct tdm_grammar **out, char *err, size_t errlen)
+{
+    return tdm_grammar_compile_constraint(out, TDM_CONSTRAINT_JSON_OBJECT, NULL, 0, err, errlen);
+}
+
+int tdm_grammar_compile_regex(struct tdm_grammar **out, const char *pattern, size_t len, char *err,
+                              size_t errlen)
+{
+    return tdm_grammar_compile_constraint(out, TDM_CONSTRAINT_REGEX, pattern, len, err, errlen);
+}
+
+int tdm_grammar_compile_gbnf(struct tdm_grammar **out, const char *text, size_t len, char *err,
+                             size_t errlen)
+{
+    return tdm_grammar_compile_constraint(out, TDM_CONSTRAINT_GRAMMAR, text, len, err, errlen);
 }
 
 // ---- the cache ------------------------------------------------------------------------

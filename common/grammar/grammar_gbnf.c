@@ -28,6 +28,8 @@ struct gbnf {
     const char *start, *p, *end;
     struct gbnf_name *names;
     size_t n_names, cap_names;
+    uint32_t *slots; // [cap_slots] 1 + index into names by name hash (0: empty)
+    size_t cap_slots;
     int depth;
 };
 
@@ -45,24 +47,62 @@ static bool name_char(char ch)
            ch == '-' || ch == '_';
 }
 
+static uint64_t name_hash(const char *name, size_t len)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ (unsigned char)name[i]) * 1099511628211ull;
+    return h;
+}
+
+// Keeps slots at most half full: a grammar of 60 000 rules names each in O(1)
+// (a linear search made a 1 MB grammar take seconds per compile).
+static bool slots_grow(struct gbnf *c)
+{
+    if (2 * (c->n_names + 1) <= c->cap_slots)
+        return true;
+    size_t cap = c->cap_slots ? 2 * c->cap_slots : 64;
+    uint32_t *slots = calloc(cap, sizeof *slots);
+    if (!slots)
+        return false;
+    for (size_t i = 0; i < c->n_names; i++) {
+        size_t k = name_hash(c->names[i].name, c->names[i].len) & (cap - 1);
+        while (slots[k])
+            k = (k + 1) & (cap - 1);
+        slots[k] = (uint32_t)i + 1;
+    }
+    free(c->slots);
+    c->slots = slots;
+    c->cap_slots = cap;
+    return true;
+}
+
 static int name_rule(struct gbnf *c, const char *name, size_t len, bool define)
 {
-    for (size_t i = 0; i < c->n_names; i++)
-        if (c->names[i].len == len && !memcmp(c->names[i].name, name, len)) {
+    if (!slots_grow(c)) {
+        gb_fail(&c->b, TDM_ENOMEM, "out of memory");
+        return -1;
+    }
+    size_t k = name_hash(name, len) & (c->cap_slots - 1);
+    for (; c->slots[k]; k = (k + 1) & (c->cap_slots - 1)) {
+        struct gbnf_name *nm = &c->names[c->slots[k] - 1];
+        if (nm->len == len && !memcmp(nm->name, name, len)) {
             if (define) {
-                if (c->names[i].defined) {
+                if (nm->defined) {
                     gf_fail(c, "rule defined twice");
                     return -1;
                 }
-                c->names[i].defined = true;
+                nm->defined = true;
             }
-            return c->names[i].rule;
+            return nm->rule;
         }
+    }
     if (tdm_grow(&c->names, &c->cap_names, c->n_names + 1, sizeof *c->names, 16) != TDM_OK) {
         gb_fail(&c->b, TDM_ENOMEM, "out of memory");
         return -1;
     }
     int r = gb_rule_new(&c->b);
+    c->slots[k] = (uint32_t)c->n_names + 1;
     c->names[c->n_names++] = (struct gbnf_name){name, len, r, define};
     return r;
 }
@@ -304,52 +344,114 @@ static void parse_alternates(struct gbnf *c, int rule, bool nested)
 // ---- left recursion -----------------------------------------------------------------------
 // Edges A -> B where B can come first in A (after nullable elements only); an
 // edge is "pushing" when B is not the last element of its alternative. A cycle
-// through a pushing edge would grow the stack without consuming input.
-static bool reaches(const struct gb *b, const uint8_t *nullable, int from, int to, uint8_t *seen)
+// through a pushing edge would grow the stack without consuming input: the
+// pushing edge r -> x closes such a cycle exactly when x reaches r, that is
+// when both are in one strongly connected component of the first-position
+// graph. The components come from Tarjan's algorithm run with an explicit
+// stack: a chain of rules as long as the text allows is no recursion here,
+// and the check is linear in rules and edges.
+struct first_graph {
+    size_t *start; // [n + 1] edges of rule r: to[start[r] .. start[r + 1])
+    int *to;
+};
+
+// The number of first-position edges of rule r; their targets go to to[] unless NULL.
+static size_t first_edges(const struct gb *b, const uint8_t *nullable, size_t r, int *to)
 {
-    if (from == to)
-        return true;
-    if (seen[from])
-        return false;
-    seen[from] = 1;
-    const struct gb_rule *r = &b->rules[from];
-    for (size_t a = 0; a < r->n_alts; a++)
-        for (size_t i = 0; i < r->alts[a].n; i++) {
-            const struct gr_el *e = &r->alts[a].v[i];
+    size_t k = 0;
+    const struct gb_rule *rule = &b->rules[r];
+    for (size_t a = 0; a < rule->n_alts; a++)
+        for (size_t i = 0; i < rule->alts[a].n; i++) {
+            const struct gr_el *e = &rule->alts[a].v[i];
             if (e->kind != EL_REF)
                 break;
-            if (reaches(b, nullable, e->arg, to, seen))
-                return true;
+            if (to)
+                to[k] = e->arg;
+            k++;
             if (!nullable[e->arg])
                 break;
         }
-    return false;
+    return k;
+}
+
+// comp[r]: rule r's component (rules of one component share a number).
+static int components(const struct gb *b, const uint8_t *nullable, int *comp)
+{
+    size_t n = b->n_rules;
+    struct first_graph g = {calloc(n + 1, sizeof *g.start), NULL};
+    int *index = malloc((n ? n : 1) * sizeof *index), *low = malloc((n ? n : 1) * sizeof *low);
+    int *stack = malloc((n ? n : 1) * sizeof *stack), *call = malloc((n ? n : 1) * sizeof *call);
+    size_t *edge = malloc((n ? n : 1) * sizeof *edge);
+    uint8_t *on = calloc(n ? n : 1, 1);
+    int rc = TDM_ENOMEM;
+    if (!g.start || !index || !low || !stack || !call || !edge || !on)
+        goto out;
+    for (size_t r = 0; r < n; r++)
+        g.start[r + 1] = g.start[r] + first_edges(b, nullable, r, NULL);
+    g.to = malloc((g.start[n] ? g.start[n] : 1) * sizeof *g.to);
+    if (!g.to)
+        goto out;
+    for (size_t r = 0; r < n; r++)
+        first_edges(b, nullable, r, g.to + g.start[r]);
+    for (size_t r = 0; r < n; r++)
+        index[r] = -1;
+    int next = 0, n_comp = 0;
+    size_t sp = 0, cp = 0; // Tarjan's stack; the explicit call stack
+    for (size_t root = 0; root < n; root++) {
+        if (index[root] >= 0)
+            continue;
+        call[cp++] = (int)root;
+        index[root] = low[root] = next++;
+        edge[root] = g.start[root];
+        stack[sp++] = (int)root, on[root] = 1;
+        while (cp) {
+            int v = call[cp - 1];
+            if (edge[v] < g.start[v + 1]) {
+                int w = g.to[edge[v]++];
+                if (index[w] < 0) {
+                    index[w] = low[w] = next++;
+                    edge[w] = g.start[w];
+                    stack[sp++] = w, on[w] = 1;
+                    call[cp++] = w;
+                } else if (on[w] && index[w] < low[v]) {
+                    low[v] = index[w];
+                }
+                continue;
+            }
+            cp--;
+            if (cp && low[v] < low[call[cp - 1]])
+                low[call[cp - 1]] = low[v];
+            if (low[v] == index[v]) {
+                int w;
+                do {
+                    w = stack[--sp];
+                    on[w] = 0;
+                    comp[w] = n_comp;
+                } while (w != v);
+                n_comp++;
+            }
+        }
+    }
+    rc = TDM_OK;
+out:
+    free(g.start), free(g.to), free(index), free(low), free(stack), free(call), free(edge);
+    free(on);
+    return rc;
 }
 
 static int check_left_recursion(struct gbnf *c)
 {
     struct gb *b = &c->b;
     size_t n = b->n_rules;
-    uint8_t *nullable = calloc(n ? n : 1, 1), *seen = calloc(n ? n : 1, 1);
-    if (!nullable || !seen) {
-        free(nullable), free(seen);
+    uint8_t *nullable = calloc(n ? n : 1, 1);
+    int *comp = malloc((n ? n : 1) * sizeof *comp);
+    if (!nullable || !comp) {
+        free(nullable), free(comp);
         return gb_fail(b, TDM_ENOMEM, "out of memory");
     }
-    for (bool changed = true; changed;) {
-        changed = false;
-        for (size_t r = 0; r < n; r++) {
-            if (nullable[r])
-                continue;
-            for (size_t a = 0; a < b->rules[r].n_alts && !nullable[r]; a++) {
-                bool all = true;
-                for (size_t i = 0; i < b->rules[r].alts[a].n && all; i++) {
-                    const struct gr_el *e = &b->rules[r].alts[a].v[i];
-                    all = e->kind == EL_REF && nullable[e->arg];
-                }
-                if (all)
-                    nullable[r] = 1, changed = true;
-            }
-        }
+    if (gb_mark_rules(b, false, nullable) != TDM_OK || components(b, nullable, comp) != TDM_OK) {
+        free(nullable), free(comp);
+        return gb_fail(b, TDM_ENOMEM, "out of memory");
     }
     for (size_t r = 0; r < n && !b->err; r++)
         for (size_t a = 0; a < b->rules[r].n_alts && !b->err; a++) {
@@ -358,31 +460,29 @@ static int check_left_recursion(struct gbnf *c)
                 const struct gr_el *e = &s->v[i];
                 if (e->kind != EL_REF)
                     break;
-                if (i + 1 < s->n) { // pushing edge r -> e->arg
-                    memset(seen, 0, n);
-                    if (reaches(b, nullable, e->arg, (int)r, seen)) {
-                        const char *name = "(a group)";
-                        size_t len = strlen(name);
-                        for (size_t k = 0; k < c->n_names; k++)
-                            if (c->names[k].rule == (int)r)
-                                name = c->names[k].name, len = c->names[k].len;
-                        gb_fail(b, TDM_EINVAL,
-                                "gbnf: rule %.*s is left-recursive (rewrite it with * or +)",
-                                (int)(len > 64 ? 64 : len), name);
-                        break;
-                    }
+                // A pushing edge r -> e->arg that closes a cycle (e->arg reaches r).
+                if (i + 1 < s->n && comp[e->arg] == comp[r]) {
+                    const char *name = "(a group)";
+                    size_t len = strlen(name);
+                    for (size_t k = 0; k < c->n_names; k++)
+                        if (c->names[k].rule == (int)r)
+                            name = c->names[k].name, len = c->names[k].len;
+                    gb_fail(b, TDM_EINVAL,
+                            "gbnf: rule %.*s is left-recursive (rewrite it with * or +)",
+                            (int)(len > 64 ? 64 : len), name);
+                    break;
                 }
                 if (!nullable[e->arg])
                     break;
             }
         }
     free(nullable);
-    free(seen);
+    free(comp);
     return b->err;
 }
 
-int tdm_grammar_compile_gbnf(struct tdm_grammar **out, const char *text, size_t len, char *err,
-                             size_t errlen)
+int gr_compile_gbnf(struct tdm_grammar **out, const char *text, size_t len, char *err,
+                    size_t errlen)
 {
     *out = NULL;
     if (len > TDM_GRAMMAR_MAX_GBNF_BYTES)
@@ -428,6 +528,7 @@ int tdm_grammar_compile_gbnf(struct tdm_grammar **out, const char *text, size_t 
         check_left_recursion(&c);
     int rc = gb_finish(&c.b, root, out, err, errlen);
     free(c.names);
+    free(c.slots);
     gb_fini(&c.b);
     return rc;
 }

@@ -78,6 +78,13 @@ static inline bool gr_class_has(const struct gr_class *c, unsigned byte)
 // Finishes b into *out with root as the start rule: drops alternatives that can
 // never complete; TDM_EINVAL when the root accepts no string at all.
 int gb_finish(struct gb *b, int root, struct tdm_grammar **out, char *err, size_t errlen);
+// The least fixpoint of "some alternative of rule r has every element passing"
+// over b's rules, in time linear in the grammar's size (a pass-until-stable loop
+// is quadratic on a chain of rules): a reference passes when its rule is
+// marked; a class passes when classes_pass and it is not empty. Marks rules in
+// mark[n_rules], which starts zeroed. TDM_OK or TDM_ENOMEM.
+// Productive rules: classes_pass true; nullable rules: false.
+int gb_mark_rules(const struct gb *b, bool classes_pass, uint8_t *mark);
 
 // Regex into b: appends to seq. json_string: the regex describes the decoded
 // contents of a JSON string (quote, backslash and control bytes are escaped).
@@ -88,6 +95,18 @@ int gr_regex_compile(struct gb *b, struct gb_seq *seq, const char *pat, size_t l
 // seq; *p moves past it. For GBNF, whose classes follow the same syntax.
 int gr_regex_piece(struct gb *b, struct gb_seq *seq, const char *start, const char **p,
                    const char *end);
+
+// The compilers behind tdm_grammar_compile_*, run on the caller's stack; the
+// public entries reach them through tdm_grammar_compile_constraint, which runs
+// them on a deep stack (tdm_call_deep): their recursion (regex groups,
+// schema nesting, GBNF groups) is bounded for that stack, not a small one.
+int gr_compile_json_schema(struct tdm_grammar **out, const char *schema, size_t len, char *err,
+                           size_t errlen);
+int gr_compile_json_object(struct tdm_grammar **out, char *err, size_t errlen);
+int gr_compile_regex(struct tdm_grammar **out, const char *pattern, size_t len, char *err,
+                     size_t errlen);
+int gr_compile_gbnf(struct tdm_grammar **out, const char *text, size_t len, char *err,
+                    size_t errlen);
 
 // ---- compiled grammar ------------------------------------------------------------
 struct tdm_grammar {

@@ -557,8 +557,8 @@ int gr_regex_compile(struct gb *b, struct gb_seq *seq, const char *pat, size_t l
     return b->err;
 }
 
-int tdm_grammar_compile_regex(struct tdm_grammar **out, const char *pattern, size_t len, char *err,
-                              size_t errlen)
+int gr_compile_regex(struct tdm_grammar **out, const char *pattern, size_t len, char *err,
+                     size_t errlen)
 {
     struct gb b;
     gb_init(&b);

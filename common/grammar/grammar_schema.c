@@ -694,8 +694,8 @@ static int compile_root(const cJSON *schema, struct tdm_grammar **out, char *err
     return rc;
 }
 
-int tdm_grammar_compile_json_schema(struct tdm_grammar **out, const char *schema, size_t len,
-                                    char *err, size_t errlen)
+int gr_compile_json_schema(struct tdm_grammar **out, const char *schema, size_t len, char *err,
+                           size_t errlen)
 {
     *out = NULL;
     if (len > TDM_GRAMMAR_MAX_SCHEMA_BYTES)
@@ -723,7 +723,7 @@ int tdm_grammar_compile_json_schema(struct tdm_grammar **out, const char *schema
     return rc;
 }
 
-int tdm_grammar_compile_json_object(struct tdm_grammar **out, char *err, size_t errlen)
+int gr_compile_json_object(struct tdm_grammar **out, char *err, size_t errlen)
 {
     *out = NULL;
     return compile_root(NULL, out, err, errlen);

@@ -25,6 +25,16 @@
 #ifndef TDM_HTTP_H
 #define TDM_HTTP_H
 
+// Stack a handler may count on: libcivetweb (Debian's 1.15) starts its workers
+// with 100 KiB stacks, and glibc places each thread's static TLS (every loaded
+// library's) and civetweb its own frames there before a handler runs (76-78
+// KiB were left, release and ASan builds, Debian bookworm). A handler keeps to this
+// much; whatever recurses per level of a request's bytes runs on a deep stack
+// instead (core.h's tdm_call_deep). http_test checks a real handler has at
+// least this; the deep-stack tests and the fuzzers run their inputs with no
+// more (common/core/small_stack.h).
+#define TDM_HTTP_HANDLER_STACK_BYTES (48u << 10)
+
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>

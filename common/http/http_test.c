@@ -28,6 +28,7 @@
 
 #include "core.h"
 #include "http.h"
+#include "small_stack.h"
 #include "http_test_client.h"
 #include "openai_http.h"
 
@@ -135,6 +136,15 @@ static void h_slow_sse(struct tdm_http_conn *c, void *arg)
     tdm_http_sse_end(c, true);
 }
 
+// The stack left to a handler on this civetweb (TDM_HTTP_HANDLER_STACK_BYTES).
+static void h_stack(struct tdm_http_conn *c, void *arg)
+{
+    (void)arg;
+    char out[64];
+    int n = snprintf(out, sizeof out, "%zu", tdm_stack_room());
+    tdm_http_respond(c, 200, NULL, out, (size_t)n);
+}
+
 static void h_noresp(struct tdm_http_conn *c, void *arg)
 {
     (void)c;
@@ -179,6 +189,7 @@ static int setup(void **state)
     tdm_http_route(f->srv, "GET", "/sse", h_sse, NULL);
     tdm_http_route(f->srv, "GET", "/slow-sse", h_slow_sse, &f->probe);
     tdm_http_route(f->srv, "GET", "/noresp", h_noresp, NULL);
+    tdm_http_route(f->srv, "GET", "/stack", h_stack, NULL);
     tdm_http_route(f->srv, "GET", "/owned", h_owned, NULL);
     tdm_http_route(f->srv, "GET", "/files/*", h_prefix, NULL);
     if (tdm_http_server_port(f->srv) != 0)
@@ -217,6 +228,22 @@ static void test_plain_and_metrics(void **state)
     assert_string_equal(header_of(r, "Content-Type", v, sizeof v),
                         "text/plain; version=0.0.4; charset=utf-8");
     assert_string_equal(body_of(r), "# TYPE x counter\nx_total 1\n");
+    free(r);
+}
+
+// A handler has at least TDM_HTTP_HANDLER_STACK_BYTES of stack below it: the
+// room the deep-stack tests and the fuzzers give each input (small_stack.h). A
+// civetweb built with smaller worker stacks, or a library with a larger static
+// TLS, fails here rather than in production.
+static void test_handler_stack_room(void **state)
+{
+    struct fixture *f = *state;
+    char *r = roundtrip(f->port, "GET /stack HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert_int_equal(status_of(r), 200);
+    size_t room = strtoull(body_of(r), NULL, 10);
+    fprintf(stderr, "http_test: a handler has %zu bytes of stack (at least %u promised)\n", room,
+            TDM_HTTP_HANDLER_STACK_BYTES);
+    assert_true(room >= TDM_HTTP_HANDLER_STACK_BYTES);
     free(r);
 }
 
@@ -628,6 +655,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_plain_and_metrics),
+        cmocka_unit_test(test_handler_stack_room),
         cmocka_unit_test(test_not_found_and_method),
         cmocka_unit_test(test_body_and_limit),
         cmocka_unit_test(test_sse_framing_and_keep_alive),
