@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # tdm_module(name SOURCES ... [DEPS ...])  - one static library per module, its folder public.
-# tdm_test(name SOURCES ... [DEPS ...] [LABELS ...] [ARGS ...]) - a cmocka test run by ctest.
+# tdm_test(name SOURCES ... [DEPS ...] [LABELS ...] [ARGS ...] [SPLIT fn ...]) - a cmocka test run by ctest.
 function(tdm_module name)
   cmake_parse_arguments(M "" "" "SOURCES;DEPS" ${ARGN})
   add_library(tdm_${name} STATIC ${M_SOURCES})
@@ -10,18 +10,31 @@ function(tdm_module name)
   endif()
 endfunction()
 
+# tdm_test(name SOURCES ... DEPS ... [LABELS ...] [ARGS ...] [SPLIT test_fn ...]):
+# a cmocka test binary as a ctest. A test that skips (TDM_SKIP, test_skip.h)
+# makes the binary exit 77, which ctest reports as skipped (SKIP_RETURN_CODE),
+# never as passed. SPLIT names test functions that depend on the host (an
+# ISA's kernels): each becomes a ctest of its own, name.fn (--only fn), and the
+# binary's main ctest runs the rest (--skip fn), so a host without that ISA
+# skips those alone.
 function(tdm_test name)
-  cmake_parse_arguments(T "" "" "SOURCES;DEPS;LABELS;ARGS" ${ARGN})
+  cmake_parse_arguments(T "" "" "SOURCES;DEPS;LABELS;ARGS;SPLIT" ${ARGN})
   add_executable(${name} ${T_SOURCES})
   target_link_libraries(${name} PRIVATE ${T_DEPS} tdm::cmocka)
   target_compile_definitions(${name} PRIVATE
     TANDEM_SHARED_DIR="${TANDEM_SHARED_DIR}"
     TANDEM_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
     TANDEM_BINARY_DIR="${PROJECT_BINARY_DIR}")
-  add_test(NAME ${name} COMMAND ${name} ${T_ARGS})
   if(NOT T_LABELS)
     set(T_LABELS unit)
   endif()
-  # cmocka's skip() makes the test print SKIPPED and exit 0; ctest reports it as passed.
-  set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}" TIMEOUT 600)
+  set(skips "")
+  foreach(fn ${T_SPLIT})
+    add_test(NAME ${name}.${fn} COMMAND ${name} ${T_ARGS} --only ${fn})
+    set_tests_properties(${name}.${fn} PROPERTIES LABELS "${T_LABELS}" TIMEOUT 600
+                         SKIP_RETURN_CODE 77)
+    list(APPEND skips --skip ${fn})
+  endforeach()
+  add_test(NAME ${name} COMMAND ${name} ${T_ARGS} ${skips})
+  set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}" TIMEOUT 600 SKIP_RETURN_CODE 77)
 endfunction()

@@ -44,6 +44,8 @@
 
 #include <cmocka.h>
 
+#include "test_skip.h"
+
 #define QWEN_DIR TANDEM_SHARED_DIR "/models/qwen2-tokenizer"
 #define TTFT_MS 50
 #define ITL_MS 10
@@ -703,7 +705,7 @@ static void test_random_dataset(void **state)
     (void)state;
     struct stat st;
     if (stat(QWEN_DIR "/tokenizer.json", &st) != 0)
-        skip();
+        TDM_SKIP("%s/tokenizer.json is absent (../shared)", QWEN_DIR);
     struct tdm_tokenizer *tok = NULL;
     char err[256];
     assert_int_equal(tdm_tok_load(&tok, QWEN_DIR, err, sizeof(err)), TDM_OK);
@@ -1050,7 +1052,7 @@ static void test_count_with_tokenizer(void **state)
     (void)state;
     struct stat st;
     if (stat(QWEN_DIR "/tokenizer.json", &st) != 0)
-        skip();
+        TDM_SKIP("%s/tokenizer.json is absent (../shared)", QWEN_DIR);
     struct tdm_tokenizer *tok = NULL;
     char e[256];
     assert_int_equal(tdm_tok_load(&tok, QWEN_DIR, e, sizeof(e)), TDM_OK);
@@ -1136,5 +1138,5 @@ int main(void)
         cmocka_unit_test(test_all_fail),           cmocka_unit_test(test_count_with_tokenizer),
         cmocka_unit_test(test_tokenizer_from_model),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tdm_test_exit(cmocka_run_group_tests(tests, NULL, NULL));
 }

@@ -12,6 +12,8 @@
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include "test_skip.h"
+
 #include <cjson/cJSON.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -901,7 +903,7 @@ static void test_masks_qwen2(void **state)
     (void)state;
     const char *dir = TANDEM_SHARED_DIR "/models/qwen2-tokenizer";
     if (access(dir, R_OK) != 0)
-        skip();
+        TDM_SKIP("%s is absent (../shared)", dir);
     char err[256];
     struct tdm_tokenizer *tok;
     assert_int_equal(tdm_tok_load(&tok, dir, err, sizeof err), TDM_OK);
@@ -955,5 +957,5 @@ int main(void)
         cmocka_unit_test(test_token_bytes),        cmocka_unit_test(test_threads),
         cmocka_unit_test(test_mask_budget), cmocka_unit_test(test_accept_capacity),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
 }

@@ -19,6 +19,8 @@
 
 #include <cmocka.h>
 
+#include "test_skip.h"
+
 #define QWEN_DIR TANDEM_SHARED_DIR "/models/qwen2-tokenizer"
 
 static bool have_dir(const char *dir)
@@ -38,7 +40,7 @@ static void test_qwen_real(void **state)
 {
     (void)state;
     if (!have_dir(QWEN_DIR))
-        skip();
+        TDM_SKIP("%s is absent (../shared)", QWEN_DIR);
     struct tdm_model_config cfg;
     char err[256] = "";
     assert_int_equal(tdm_hf_config_load(&cfg, QWEN_DIR, err, sizeof(err)), TDM_OK);
@@ -70,7 +72,7 @@ static void test_qwen_generation_real(void **state)
 {
     (void)state;
     if (!have_dir(QWEN_DIR))
-        skip();
+        TDM_SKIP("%s is absent (../shared)", QWEN_DIR);
     struct tdm_generation_config gc;
     char err[256] = "";
     assert_int_equal(tdm_hf_generation_config_load(&gc, QWEN_DIR, err, sizeof(err)), TDM_OK);
@@ -579,5 +581,5 @@ int main(void)
         cmocka_unit_test(test_generation_parse), cmocka_unit_test(test_generation_missing_file),
         cmocka_unit_test(test_sampling_resolve),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tdm_test_exit(cmocka_run_group_tests(tests, NULL, NULL));
 }

@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include "test_skip.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -407,9 +409,8 @@ static void test_device_flag(void **state)
     struct tdm_model_opts o;
     char err[256];
     tdm_model_opts_default(&o);
-    if (tdm_backend_find("cuda") != NULL) {
-        skip(); // a TANDEM_CUDA build: cuda_model_emu_test / the gpu tests cover it
-    }
+    if (tdm_backend_find("cuda") != NULL) // a TANDEM_CUDA build: the gpu tests cover it
+        TDM_SKIP("a CUDA backend is linked in: cuda_model_emu_test and the gpu tests cover --device");
     assert_int_equal(tdm_model_opts_set_device(&o, "", err, sizeof err), TDM_OK);
     assert_string_equal(o.backend, "cpu");
     assert_int_equal(tdm_model_opts_set_device(&o, "cuda", err, sizeof err), TDM_EINVAL);
@@ -658,5 +659,5 @@ int main(void)
         cmocka_unit_test(test_load_errors),     cmocka_unit_test(test_layer_hook),
         cmocka_unit_test(test_runner_errors),   cmocka_unit_test(test_device_flag),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
 }

@@ -16,6 +16,8 @@
 #include <string.h>
 
 #include <cmocka.h>
+
+#include "test_skip.h"
 #include <sys/stat.h>
 
 #include "core.h"
@@ -80,7 +82,7 @@ static void test_stop_string(void **state)
 {
     (void)state;
     if (tok == NULL)
-        skip();
+        TDM_SKIP("the Qwen2 tokenizer in ../shared/models is absent");
     struct tdm_oai_request rq;
     request_init(&rq);
     char stop[] = " world";
@@ -146,7 +148,7 @@ static void test_stream_chunks(void **state)
 {
     (void)state;
     if (tok == NULL)
-        skip();
+        TDM_SKIP("the Qwen2 tokenizer in ../shared/models is absent");
     struct tdm_oai_request rq;
     request_init(&rq);
     rq.logprobs = true;
@@ -208,7 +210,7 @@ static void test_errors_and_stop_ids(void **state)
 {
     (void)state;
     if (tok == NULL)
-        skip();
+        TDM_SKIP("the Qwen2 tokenizer in ../shared/models is absent");
     struct tdm_oai_request rq;
     request_init(&rq);
     struct tdm_oai_asm a;
@@ -253,10 +255,10 @@ static void test_invalid_utf8_cleaned(void **state)
 {
     (void)state;
     if (tok == NULL)
-        skip();
+        TDM_SKIP("the Qwen2 tokenizer in ../shared/models is absent");
     int32_t id = tdm_tok_piece_to_id(tok, "\xC3\xBF"); // byte-level piece for 0xFF
     if (id < 0)
-        skip();
+        TDM_SKIP("the tokenizer has no byte-level piece for 0xFF");
     struct tdm_oai_request rq;
     request_init(&rq);
     char stop[] = "\xEF\xBF\xBD";
@@ -281,7 +283,7 @@ static void test_tokenize_run(void **state)
 {
     (void)state;
     if (tok == NULL)
-        skip();
+        TDM_SKIP("the Qwen2 tokenizer in ../shared/models is absent");
     struct tdm_oai_model_info info = {.served_name = NULL,
                                       .vocab_size = tdm_tok_vocab_size(tok),
                                       .max_model_len = 4096,
@@ -322,7 +324,7 @@ static void test_prompts_build(void **state)
 {
     (void)state;
     if (tok == NULL)
-        skip();
+        TDM_SKIP("the Qwen2 tokenizer in ../shared/models is absent");
     struct tdm_oai_model_info info = {.served_name = NULL,
                                       .vocab_size = tdm_tok_vocab_size(tok),
                                       .max_model_len = 64,
@@ -378,5 +380,5 @@ int main(void)
         cmocka_unit_test(test_tokenize_run),
         cmocka_unit_test(test_prompts_build),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
 }

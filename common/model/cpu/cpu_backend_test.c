@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include "test_skip.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -711,7 +713,7 @@ static void test_attn_accum_span(void **state)
     ops->destroy(be);
     // Where no ISA here has the kernel there is nothing to compare.
     if (checked == 0)
-        skip();
+        TDM_SKIP("no ISA of this CPU has attn_accum_span (AVX-512)");
 }
 
 // A block id outside the pool is logged and skipped, never dereferenced.
@@ -755,8 +757,9 @@ static void test_probes(void **state)
         assert_true(tdm_cpu_probe_bf16_peak(1) == 0);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    tdm_test_filters(argc, argv);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matmul_accuracy),  cmocka_unit_test(test_matmul_batch_invariance),
         cmocka_unit_test(test_prepare_errors),   cmocka_unit_test(test_embed),
@@ -765,5 +768,5 @@ int main(void)
         cmocka_unit_test(test_attn_accum_span),
         cmocka_unit_test(test_probes),           cmocka_unit_test(test_adopt_weight),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return tdm_test_exit(cmocka_run_group_tests(tests, NULL, NULL));
 }

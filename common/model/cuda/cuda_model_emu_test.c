@@ -32,6 +32,8 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include "test_skip.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -400,13 +402,13 @@ static void test_export_import(void **state)
     tdm_model_free(mc), tdm_model_free(mg);
 }
 
-// --device with the (emulated) CUDA backend registered: one GPU visible.
+// The emulator's own tests (not registered in the GPU variant, whose device
+// and memory are real). --device with the emulated CUDA backend registered:
+// one GPU visible.
+#ifndef TDM_CUDA_TEST_GPU
 static void test_device_flag(void **state)
 {
     (void)state;
-#ifdef TDM_CUDA_TEST_GPU
-    skip();
-#endif
     struct tdm_model_opts o;
     char err[256];
     tdm_model_opts_default(&o);
@@ -427,9 +429,6 @@ static void test_device_flag(void **state)
 static void test_kv_capacity(void **state)
 {
     (void)state;
-#ifdef TDM_CUDA_TEST_GPU
-    skip();
-#endif
     struct tdm_model *m = load(tiny_dir, "cuda", "bf16"), *mc = load(tiny_dir, "cpu", "f32");
     struct tdm_kv_config kc;
     char err[256];
@@ -447,6 +446,7 @@ static void test_kv_capacity(void **state)
     tdm_model_free(m);
     tdm_model_free(mc);
 }
+#endif
 
 #ifndef TDM_CUDA_TEST_GPU
 unsigned long long tdm_emu_graph_launches(void); // emu/cuda_emu.cpp
@@ -763,13 +763,15 @@ int main(void)
         cmocka_unit_test(test_export_import),
         cmocka_unit_test(test_export_import_bf16),
         cmocka_unit_test(test_graphs_vs_eager),
+#ifndef TDM_CUDA_TEST_GPU
         cmocka_unit_test(test_device_flag),
         cmocka_unit_test(test_kv_capacity),
+#endif
         cmocka_unit_test(test_errors),
 #ifdef TDM_CUDA_TEST_GPU
         cmocka_unit_test(test_big_prefill_vs_cpu),
         cmocka_unit_test(test_big_batch32_invariance),
 #endif
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
 }
