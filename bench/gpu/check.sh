@@ -130,7 +130,13 @@ record() {
     echo "-- $1: $2 $3"
 }
 help_has() { # help_has BINARY FLAG: does BINARY's --help (or usage) name FLAG?
-    [ -x "$1" ] && "$1" --help 2>&1 | grep -q -- "$2"
+    # The help is read whole before grep looks at it: piped into grep -q, which
+    # exits at its first match, the binary died of SIGPIPE (141) and, under
+    # pipefail, a flag it has read as missing (the P/D step was skipped so).
+    local help
+    [ -x "$1" ] || return 1
+    help=$("$1" --help 2>&1)
+    grep -q -- "$2" <<<"$help"
 }
 
 # ---- 1, 2: configure and build -------------------------------------------------------------

@@ -12,6 +12,10 @@
 #    tandem-gpu-report: the engine step FAILS with a clear line (never runs the
 #    CPU path), the P/D step is skipped with a clear line, the summary carries
 #    the probe's figures, logs land in $OUT, exit 1
+#  4 two GPUs: the gpu2 step runs the gpu2-labelled tests
+#  5 binaries whose --help names the flags first and then runs past a pipe's
+#    buffer: the engine and P/D steps run (a help piped into grep -q died of
+#    SIGPIPE under pipefail and read as a missing flag)
 set -u
 check=$1 work=$2 report=$3
 rm -rf "$work"
@@ -102,6 +106,33 @@ echo "$out"
 expect "two GPUs: ctest -L gpu still passes" grep -Eq "^  ctest +ok" <<<"$out"
 expect "two GPUs: gpu2 ran the gpu2 tests" grep -Eq "^  gpu2 +FAIL" <<<"$out"
 expect "two GPUs: the gpu2 log names the test" grep -q fake_gpu2_test "$work/out2/gpu2.log"
+
+# 5: flags named early in a long --help (tandem-decode's is ~10 KB): grep -q
+# stops reading at its match, and a help piped into it died of SIGPIPE, which
+# pipefail made read as "no such flag" (the P/D step was skipped on the H200).
+b5=$work/b5
+mkdir -p "$b5/bench/gpu" "$b5/bench/engine" "$b5/decode"
+cp "$b/bench/gpu/tandem-gpu-probe" "$b/bench/gpu/tandem-gpu-report" "$b5/bench/gpu/"
+cp "$b/CTestTestfile.cmake" "$b5/"
+for bin in bench/engine/tandem-bench-engine decode/tandem-decode; do
+    cat >"$b5/$bin" <<'EOF'
+#!/bin/sh
+if [ "$1" = --help ]; then
+    echo "usage: $0 --device cuda --json FILE --kv-transfer nng|cuda-ipc|nccl"
+    i=0
+    while [ $i -lt 4000 ]; do echo "  --flag-$i N    a flag that pads the help past a pipe's buffer"; i=$((i + 1)); done
+    exit 0
+fi
+exit 3
+EOF
+    chmod +x "$b5/$bin"
+done
+out=$(OUT="$work/out5" NVIDIA_SMI="$work/bin/smi-one" "$check" --build "$b5" --reuse-build 2>&1)
+echo "$out"
+expect "long help: the engine step ran (its --device was seen)" \
+    bash -c '! grep -Eq "^  engine +FAIL .*no --(device|json) flag" <<<"$0"' "$out"
+expect "long help: the P/D step ran (its --kv-transfer was seen)" \
+    bash -c '! grep -Eq "^  pd +skip" <<<"$0"' "$out"
 
 echo "$fails failure(s)"
 [ "$fails" -eq 0 ]

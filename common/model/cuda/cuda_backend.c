@@ -489,9 +489,33 @@ static const struct tdm_kv_storage_ops kvs_ops = {
     .device_pool = kvs_device_pool,
 };
 
-// Device memory kept free beyond the pool for what grows after it is made
-// (the GEMM input and attention scratch buffers, cuBLASLt's kernels).
-#define KV_HEADROOM ((size_t)256 << 20)
+#define GIB(x) ((double)(x) / 1073741824.0)
+
+int tdm_cuda_kv_budget(size_t total_b, size_t free_b, size_t held_b, double utilization,
+                       size_t block_bytes, int block_size, int *num_blocks, char *err,
+                       size_t errlen)
+{
+    double budget = utilization * (double)total_b - (double)held_b - (double)TDM_CUDA_KV_HEADROOM;
+    if (budget < (double)block_bytes)
+        return tdm_seterr(err, errlen, TDM_ECAPACITY,
+                          "--gpu-memory-utilization %.2f of %.1f GiB leaves no room for one KV "
+                          "block of %zu bytes (this instance already holds %.2f GiB, %.2f GiB "
+                          "kept free)",
+                          utilization, GIB(total_b), block_bytes, GIB(held_b),
+                          GIB(TDM_CUDA_KV_HEADROOM));
+    if (budget + (double)TDM_CUDA_KV_HEADROOM > (double)free_b)
+        return tdm_seterr(err, errlen, TDM_ECAPACITY,
+                          "--gpu-memory-utilization %.2f of %.1f GiB gives this instance a KV "
+                          "pool of %.2f GiB (+%.2f GiB kept free), but the device has %.2f GiB "
+                          "free: other processes hold %.2f GiB; lower --gpu-memory-utilization "
+                          "here or there",
+                          utilization, GIB(total_b), GIB(budget),
+                          GIB(TDM_CUDA_KV_HEADROOM), GIB(free_b),
+                          GIB(total_b > free_b + held_b ? total_b - free_b - held_b : 0));
+    double nb = budget / (double)block_bytes;
+    *num_blocks = nb > (double)(INT32_MAX / block_size) ? INT32_MAX / block_size : (int)nb;
+    return TDM_OK;
+}
 
 static int cuda_kv_capacity(struct tdm_backend *be, const struct tdm_kv_config *cfg,
                             double utilization, int *num_blocks, char *err, size_t errlen)
@@ -502,20 +526,8 @@ static int cuda_kv_capacity(struct tdm_backend *be, const struct tdm_kv_config *
     size_t elem = be->kv_type == TDM_CUK_KV_F32 ? 4 : 2;
     size_t block = 2 * elem * (size_t)cfg->num_layers * (size_t)cfg->num_kv_heads *
                    (size_t)cfg->block_size * (size_t)cfg->head_dim;
-    // vLLM's budget: utilization * total, minus what is in use (ours and any
-    // other process's on this device).
-    double budget =
-        utilization * (double)total_b - (double)(total_b - free_b) - (double)KV_HEADROOM;
-    if (budget < (double)block)
-        return tdm_seterr(err, errlen, TDM_ECAPACITY,
-                          "--gpu-memory-utilization %.2f of %.1f GiB leaves no room for one KV "
-                          "block of %zu bytes (%.1f GiB already in use, %.2f GiB kept free)",
-                          utilization, total_b / 1073741824.0, block,
-                          (total_b - free_b) / 1073741824.0, KV_HEADROOM / 1073741824.0);
-    double nb = budget / (double)block;
-    *num_blocks =
-        nb > (double)(INT32_MAX / cfg->block_size) ? INT32_MAX / cfg->block_size : (int)nb;
-    return TDM_OK;
+    return tdm_cuda_kv_budget(total_b, free_b, tdm_cuda_dev_held(be->dev), utilization, block,
+                              cfg->block_size, num_blocks, err, errlen);
 }
 
 static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_config *cfg,

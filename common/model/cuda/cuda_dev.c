@@ -21,6 +21,7 @@
 
 #include "core.h"
 #include "cuda_dev.h"
+#include "cuda_dev_held.h"
 
 #define TDM_GEMM_MAX_SHAPES 64
 #define TDM_GEMM_PLAN_N 64
@@ -40,6 +41,7 @@ struct tdm_cuda_dev {
     struct gemm_plan plans[TDM_GEMM_MAX_SHAPES];
     int nplans;
     bool warned_fallback; // the fixed-algorithm fallback was logged once
+    struct held_list held; // what tdm_cuda_dev_alloc handed out, and the workspace
     char name[256];
     char errmsg[256];
 };
@@ -71,6 +73,7 @@ int tdm_cuda_dev_open(struct tdm_cuda_dev **out, int ordinal, char *err, size_t 
     if (d == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda: out of memory");
     d->ordinal = ordinal;
+    held_init(&d->held);
     cudaError_t e = cudaSetDevice(ordinal);
     if (e != cudaSuccess)
         goto fail_cuda;
@@ -82,6 +85,10 @@ int tdm_cuda_dev_open(struct tdm_cuda_dev **out, int ordinal, char *err, size_t 
         goto fail_cuda;
     if ((e = cudaMalloc(&d->workspace, TDM_GEMM_WORKSPACE)) != cudaSuccess)
         goto fail_cuda;
+    if (!held_add(&d->held, d->workspace, TDM_GEMM_WORKSPACE)) {
+        tdm_cuda_dev_close(d);
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda: out of memory");
+    }
     if (cublasLtCreate(&d->lt) != CUBLAS_STATUS_SUCCESS) {
         tdm_cuda_dev_close(d);
         return tdm_seterr(err, errlen, TDM_EBACKEND, "cuda: cublasLtCreate failed");
@@ -105,6 +112,7 @@ void tdm_cuda_dev_close(struct tdm_cuda_dev *d)
         cudaFree(d->workspace);
     if (d->stream)
         cudaStreamDestroy(d->stream);
+    held_fini(&d->held);
     free(d);
 }
 
@@ -132,14 +140,24 @@ void *tdm_cuda_dev_alloc(struct tdm_cuda_dev *d, size_t bytes)
         cuda_fail(d, "cudaMalloc", e);
         return NULL;
     }
+    if (!held_add(&d->held, p, bytes)) {
+        cudaFree(p);
+        return NULL;
+    }
     return p;
 }
 
 void tdm_cuda_dev_free(struct tdm_cuda_dev *d, void *p)
 {
-    (void)d;
-    if (p)
+    if (p) {
+        held_remove(&d->held, p);
         cudaFree(p);
+    }
+}
+
+size_t tdm_cuda_dev_held(struct tdm_cuda_dev *d)
+{
+    return held_total(&d->held);
 }
 
 static int copy(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes,

@@ -36,6 +36,10 @@ int tdm_cuda_dev_mem_info(struct tdm_cuda_dev *d, size_t *free_bytes, size_t *to
 // Device memory, 256-byte aligned; NULL when out of memory.
 void *tdm_cuda_dev_alloc(struct tdm_cuda_dev *d, size_t bytes);
 void tdm_cuda_dev_free(struct tdm_cuda_dev *d, void *p); // NULL is fine
+// Bytes of device memory this process holds through tdm_cuda_dev_alloc (and the
+// GEMM workspace): weights, buffers, the KV pool. cudaMemGetInfo counts every
+// process on the device; this is this instance's own share.
+size_t tdm_cuda_dev_held(struct tdm_cuda_dev *d);
 
 // Copies: TDM_OK or TDM_EBACKEND. h2d returns once src may be reused; d2h
 // returns once dst holds the data.

@@ -10,9 +10,11 @@
 
 #include "core.h"
 #include "cuda_dev.h"
+#include "cuda_dev_held.h"
 
 struct tdm_cuda_dev {
     int ordinal;
+    struct held_list held; // what tdm_cuda_dev_alloc handed out
     char errmsg[128];
 };
 
@@ -63,12 +65,16 @@ int tdm_cuda_dev_open(struct tdm_cuda_dev **out, int ordinal, char *err, size_t 
     struct tdm_cuda_dev *d = calloc(1, sizeof *d);
     if (d == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda: out of memory");
+    held_init(&d->held);
     *out = d;
     return TDM_OK;
 }
 
 void tdm_cuda_dev_close(struct tdm_cuda_dev *d)
 {
+    if (d == NULL)
+        return;
+    held_fini(&d->held);
     free(d);
 }
 
@@ -86,26 +92,36 @@ void *tdm_cuda_dev_stream(struct tdm_cuda_dev *d)
 
 int tdm_cuda_dev_mem_info(struct tdm_cuda_dev *d, size_t *free_bytes, size_t *total_bytes)
 {
-    (void)d;
-    // A fixed pretend device of 1 GiB, so --gpu-memory-utilization has
-    // something to take a fraction of in tests.
-    *free_bytes = *total_bytes = (size_t)1 << 30;
+    // A pretend device of 1 GiB that this process alone uses, so
+    // --gpu-memory-utilization has something to take a fraction of in tests.
+    size_t total = (size_t)1 << 30, held = held_total(&d->held);
+    *total_bytes = total;
+    *free_bytes = held < total ? total - held : 0;
     return TDM_OK;
 }
 
 void *tdm_cuda_dev_alloc(struct tdm_cuda_dev *d, size_t bytes)
 {
-    (void)d;
     void *p = NULL;
     if (posix_memalign(&p, 256, bytes ? bytes : 1) != 0)
         return NULL;
+    if (!held_add(&d->held, p, bytes)) {
+        free(p);
+        return NULL;
+    }
     return p;
 }
 
 void tdm_cuda_dev_free(struct tdm_cuda_dev *d, void *p)
 {
-    (void)d;
+    if (p)
+        held_remove(&d->held, p);
     free(p);
+}
+
+size_t tdm_cuda_dev_held(struct tdm_cuda_dev *d)
+{
+    return held_total(&d->held);
 }
 
 int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
