@@ -242,6 +242,14 @@ def hostile_constraints(cl):
         ({"guided_regex": "(a)\\1"}, "backreference"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}},
          "only use one kind of structured outputs"),
+        # Too many ways to begin (issue 29, part 4): a 500 "out of memory" at
+        # submit before, and the first one killed a decode worker (the
+        # matcher's expansion recursed on its HTTP thread's stack).
+        ({"guided_regex": "(a{0,10000}){0,10000}"}, "too ambiguous at its start"),
+        ({"guided_regex": "((((((((((.*)*)*)*)*)*)*)*)*)*)*x"}, "too ambiguous at its start"),
+        ({"guided_json": {"enum": ["s%d" % i for i in range(50000)]}},
+         "too ambiguous at its start"),
+        ({"guided_choice": ["c%d" % i for i in range(100000)]}, "too ambiguous at its start"),
     ]
     for port in (cl.router_port, cl.decode[0].http_port):
         for extra, want in bad:

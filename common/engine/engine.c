@@ -1593,6 +1593,11 @@ static int grammar_setup(struct tdm_engine *e, struct tdm_engine_request *r,
     }
     rc = tdm_grammar_matcher_new(&r->gm, g, v);
     tdm_grammar_unref(g); // the matcher holds its own
+    if (rc != TDM_OK && rc != TDM_ENOMEM) { // too ambiguous a start: the request's fault
+        char msg[256];
+        rc = tdm_grammar_mask_error(rc, msg, sizeof msg);
+        return tdm_seterr(err, errlen, rc, "req=%s: %s", r->id, msg);
+    }
     r->gmask = malloc(e->mask_words * sizeof *r->gmask);
     if (rc != TDM_OK || !r->gmask)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");

@@ -96,6 +96,10 @@ static void compile_deep(void *arg)
 {
     struct deep_compile *c = arg;
     c->rc = compile_now(c->out, c->kind, c->text, c->len, c->err, c->errlen);
+    if (c->rc == TDM_OK && (c->rc = gr_start_check(*c->out, c->err, c->errlen)) != TDM_OK) {
+        tdm_grammar_unref(*c->out);
+        *c->out = NULL;
+    }
 }
 
 // Every compile runs on a deep stack (core.h): the thread asking may be an

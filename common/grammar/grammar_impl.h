@@ -107,6 +107,11 @@ int gr_compile_regex(struct tdm_grammar **out, const char *pattern, size_t len, 
                      size_t errlen);
 int gr_compile_gbnf(struct tdm_grammar **out, const char *text, size_t len, char *err,
                     size_t errlen);
+// A compiled grammar's start expanded once: TDM_EINVAL with a message naming
+// the limit when it takes more than a matcher step may (an enum of 50 000
+// strings, nested optional groups), so that the request is refused as it is
+// parsed (a 400), never when a worker makes its matcher.
+int gr_start_check(const struct tdm_grammar *g, char *err, size_t errlen);
 
 // ---- compiled grammar ------------------------------------------------------------
 struct tdm_grammar {

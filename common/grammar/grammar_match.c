@@ -327,8 +327,61 @@ static int compact(struct gr_arena *dst, const struct gr_arena *src, struct gr_s
     return gr_copy_chains(dst, src, s);
 }
 
+int gr_start_check(const struct tdm_grammar *g, char *err, size_t errlen)
+{
+    struct gr_arena a = {0};
+    struct gr_set s = {0};
+    int rc = gr_set_start(g, &a, &s);
+    gr_set_fini(&s);
+    free(a.nodes);
+    free(a.visited);
+    if (rc == TDM_ECAPACITY)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "the grammar is too ambiguous at its start: its first position takes "
+                          "more than %d expansion steps (at most %d distinct paths), as an enum "
+                          "or a list of choices of about that many entries, or nested optional "
+                          "groups, would",
+                          EXPAND_MAX_WORK, EXPAND_MAX_VISITED);
+    if (rc != TDM_OK)
+        return tdm_seterr(err, errlen, rc, "the grammar's start: %s", tdm_strerror(rc));
+    return TDM_OK;
+}
+
+// The matcher's expansion recurses per rule reference (up to
+// EXPAND_MAX_RECURSION), so its entry points run on a deep stack: the engine's
+// threads are deep already (tdm_thread_create_deep); a request's HTTP thread,
+// which makes the matcher at submit and replays a resumed stream's tokens,
+// hands the call over (tdm_call_deep).
+struct deep_new {
+    struct tdm_grammar_matcher **out;
+    struct tdm_grammar *g;
+    const struct tdm_grammar_vocab *vocab;
+    int rc;
+};
+
+static int matcher_new_now(struct tdm_grammar_matcher **out, struct tdm_grammar *g,
+                           const struct tdm_grammar_vocab *vocab);
+
+static void new_deep(void *arg)
+{
+    struct deep_new *d = arg;
+    d->rc = matcher_new_now(d->out, d->g, d->vocab);
+}
+
 int tdm_grammar_matcher_new(struct tdm_grammar_matcher **out, struct tdm_grammar *g,
                             const struct tdm_grammar_vocab *vocab)
+{
+    *out = NULL;
+    if (tdm_on_deep_stack())
+        return matcher_new_now(out, g, vocab);
+    struct deep_new d = {out, g, vocab, TDM_ENOMEM};
+    if (tdm_call_deep(new_deep, &d) != TDM_OK)
+        return TDM_EBUSY;
+    return d.rc;
+}
+
+static int matcher_new_now(struct tdm_grammar_matcher **out, struct tdm_grammar *g,
+                           const struct tdm_grammar_vocab *vocab)
 {
     *out = NULL;
     struct tdm_grammar_matcher *m = calloc(1, sizeof *m);
@@ -346,8 +399,11 @@ int tdm_grammar_matcher_new(struct tdm_grammar_matcher **out, struct tdm_grammar
             gr_mask_cache_new(&m->cache, tdm_grammar_mask_words(vocab)))
             goto fail;
     }
-    if (gr_set_start(g, &m->arena, &m->cur))
-        goto fail;
+    int rc = gr_set_start(g, &m->arena, &m->cur);
+    if (rc != TDM_OK) {
+        tdm_grammar_matcher_free(m);
+        return rc; // TDM_ECAPACITY: too ambiguous a start (gr_start_check refuses at compile)
+    }
     *out = m;
     return TDM_OK;
 fail:
@@ -397,7 +453,32 @@ void tdm_grammar_matcher_free(struct tdm_grammar_matcher *m)
     free(m);
 }
 
+struct deep_accept {
+    struct tdm_grammar_matcher *m;
+    const char *bytes;
+    size_t n;
+    int rc;
+};
+
+static int accept_bytes_now(struct tdm_grammar_matcher *m, const char *bytes, size_t n);
+
+static void accept_deep(void *arg)
+{
+    struct deep_accept *d = arg;
+    d->rc = accept_bytes_now(d->m, d->bytes, d->n);
+}
+
 int tdm_grammar_matcher_accept_bytes(struct tdm_grammar_matcher *m, const char *bytes, size_t n)
+{
+    if (tdm_on_deep_stack())
+        return accept_bytes_now(m, bytes, n);
+    struct deep_accept d = {m, bytes, n, TDM_ENOMEM};
+    if (tdm_call_deep(accept_deep, &d) != TDM_OK)
+        return TDM_EBUSY;
+    return d.rc;
+}
+
+static int accept_bytes_now(struct tdm_grammar_matcher *m, const char *bytes, size_t n)
 {
     if (m->done)
         return n ? TDM_EINVAL : TDM_OK;

@@ -276,7 +276,9 @@ struct match_job {
     int rc;
 };
 
-static void match_deep(void *arg)
+// Straight from the small stack: the matcher's entry points hand the work to
+// a deep stack themselves (a request's thread makes the matcher at submit).
+static void match_on_small(void *arg)
 {
     struct match_job *j = arg;
     struct tdm_grammar_matcher *m;
@@ -285,15 +287,6 @@ static void match_deep(void *arg)
         return;
     j->rc = tdm_grammar_matcher_accept_bytes(m, j->bytes, strlen(j->bytes));
     tdm_grammar_matcher_free(m);
-}
-
-static void match_on_small(void *arg)
-{
-    // The engine runs matchers on its deep threads (tdm_thread_create_deep);
-    // a request's thread hands it over the same way.
-    struct match_job *j = arg;
-    if (tdm_call_deep(match_deep, j) != TDM_OK)
-        j->rc = -1;
 }
 
 struct compile_job {
@@ -312,8 +305,19 @@ static void compile_on_small(void *arg)
 static void test_gbnf_rule_chains(void **state)
 {
     (void)state;
+    // 25 000 tail references: more than a matcher step may expand, refused
+    // as the request is parsed (a decode worker died of it at submit before).
+    char *long_tail = rule_chain(25000, false);
+    struct compile_job lt = {.text = long_tail};
+    tdm_small_stack_run(&small, compile_on_small, &lt);
+    assert_int_equal(lt.rc, TDM_EINVAL);
+    assert_non_null(strstr(lt.err, "too ambiguous at its start"));
+    free(long_tail);
     for (int pushing = 0; pushing < 2; pushing++) {
-        int n = pushing ? 40000 : 25000; // 40 000 pushing rules: ~0.9 MB, near the GBNF limit
+        // 1 000 tail references: near the most one step expands (1 024 distinct
+        // references; each level is a C frame of the expansion); 40 000
+        // pushing rules: ~0.9 MB, near the GBNF limit.
+        int n = pushing ? 40000 : 1000;
         char *text = rule_chain(n, pushing);
         assert_true(strlen(text) <= TDM_GRAMMAR_MAX_GBNF_BYTES);
         struct compile_job c = {.text = text};
@@ -327,10 +331,10 @@ static void test_gbnf_rule_chains(void **state)
                       tdm_now() - t0);
         struct match_job m = {.g = c.g, .bytes = "a"};
         tdm_small_stack_run(&small, match_on_small, &m);
-        // The tail chain is deeper than the matcher's bound: it finds no "a"
-        // (refused), without crashing. The pushing chain needs 1024 frames
-        // pushed before its "a": over the stack bound, refused as well.
-        assert_int_not_equal(m.rc, -1);
+        // The tail chain reaches its "a" 1 000 references down; the pushing
+        // chain needs 40 000 frames pushed before its "a": over the matcher's
+        // stack bound (TDM_GRAMMAR_MAX_STACK), refused without harm.
+        assert_int_equal(m.rc, pushing ? TDM_EINVAL : TDM_OK);
         tdm_grammar_unref(c.g);
         free(text);
     }
