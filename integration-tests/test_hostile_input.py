@@ -181,11 +181,30 @@ def ambiguous_framing(port, name):
          b"Content-Length: 2\r\nConnection: close\r\n\r\n{\"prompt\":\"a\"}", b"Conflicting Content-Length"),
         (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 14\r\n"
          b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n0\r\n\r\n", b"Transfer-Encoding together"),
+        # Issue 29, part 5: "identity" then "chunked" was read as the first,
+        # answered 400 with keep-alive, and the chunked body parsed as a
+        # second request (a smuggling opening behind a proxy that reads TE
+        # differently); "12abc" was read as 12; two Authorization headers;
+        # HTTP/1.1 without Host.
+        (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: identity\r\n"
+         b"Transfer-Encoding: chunked\r\n\r\n"
+         b"2d\r\nGET /health HTTP/1.1\r\nHost: x\r\nX-Smuggled: 1\r\n\r\n\r\n0\r\n\r\n",
+         b"Transfer-Encoding may be sent once"),
+        (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+         b"400"),  # civetweb's own refusal, or ours ("other than chunked")
+        (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 12abc\r\n\r\n"
+         b"{\"prompt\":\"a\"}", b"decimal number"),
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\n"
+         b"Authorization: Bearer b\r\n\r\n", b"Authorization may be sent once"),
+        (b"GET /v1/models HTTP/1.1\r\n\r\n", b"must carry a Host header"),
     ]
     for data, needle in cases:
         out = raw_http(port, data)
         check(out.startswith(b"HTTP/1.1 400") and needle in out,
               "%s: ambiguous framing answered %r" % (name, out[:200]))
+        # One answer, then the connection closed: nothing after it is read as a request.
+        check(b"\nHTTP/1." not in out and b"Connection: close" in out,
+              "%s: after an ambiguous request the connection stayed open: %r" % (name, out[:400]))
 
 
 def heavy_request(cl):

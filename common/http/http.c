@@ -475,11 +475,20 @@ static int format_head(struct tdm_http_conn *c, int status, const char *content_
                                 v && strcmp(v, "1.1") == 0 ? "1.1" : "1.0", status,
                                 tdm_http_reason(status), date, content_type, length,
                                 chunked ? "Transfer-Encoding: chunked\r\n" : "");
-    for (int i = 0; i < c->n_hdr; i++)
+    // One Connection header: close when a handler or the server asked for it
+    // (an added "Connection: close", a request answered before its body was
+    // read), else what civetweb will do with the connection.
+    bool close = c->must_close || !keep_alive(c);
+    for (int i = 0; i < c->n_hdr; i++) {
+        if (strcasecmp(c->hdr_name[i], "Connection") == 0) {
+            close |= strcasecmp(c->hdr_value[i], "close") == 0;
+            continue;
+        }
         o += (size_t)snprintf(c->frame + o, need - o, "%s: %s\r\n", c->hdr_name[i],
                               c->hdr_value[i]);
+    }
     o += (size_t)snprintf(c->frame + o, need - o, "Connection: %s\r\n\r\n",
-                          keep_alive(c) ? "keep-alive" : "close");
+                          close ? "close" : "keep-alive");
     *head_len = o;
     return TDM_OK;
 }
@@ -808,14 +817,32 @@ static bool drain_body(struct tdm_http_conn *c)
     return false;
 }
 
-// A request whose body length is ambiguous is refused before its body is
-// read: two Content-Length headers that differ, or Content-Length beside
-// Transfer-Encoding (RFC 9112 6.3: the classic request-smuggling shapes, where
-// a proxy in front and this server could split the stream differently).
+// True when v is "chunked" (any case), with optional spaces or tabs around.
+static bool te_is_chunked(const char *v)
+{
+    while (*v == ' ' || *v == '\t')
+        v++;
+    if (strncasecmp(v, "chunked", 7) != 0)
+        return false;
+    for (v += 7; *v == ' ' || *v == '\t'; v++)
+        ;
+    return *v == '\0';
+}
+
+// A request whose framing or identity is ambiguous is refused before its
+// body is read, and its connection closed (RFC 9112 6.3, 3.2; the classic
+// request-smuggling shapes, where a proxy in front and this server could split
+// the stream differently): two Content-Length headers that differ, one that
+// is not a decimal number ("12abc" was read as 12), Content-Length beside
+// Transfer-Encoding, a Transfer-Encoding repeated or other than "chunked"
+// ("identity" then "chunked": civetweb read the first and parsed the chunked
+// body as a second request), two Authorization headers, and an HTTP/1.1
+// request without Host.
 static const char *framing_error(const struct mg_request_info *ri)
 {
     const char *cl = NULL;
-    bool te = false;
+    int te = 0, auth = 0;
+    bool te_other = false, host = false;
     for (int i = 0; i < ri->num_headers; i++) {
         const char *name = ri->http_headers[i].name, *value = ri->http_headers[i].value;
         if (!name || !value)
@@ -823,13 +850,37 @@ static const char *framing_error(const struct mg_request_info *ri)
         if (strcasecmp(name, "Content-Length") == 0) {
             if (cl && strcmp(cl, value) != 0)
                 return "Conflicting Content-Length headers";
+            const char *d = value;
+            while (*d == ' ' || *d == '\t')
+                d++;
+            if (*d < '0' || *d > '9')
+                return "Content-Length must be a decimal number";
+            while (*d >= '0' && *d <= '9')
+                d++;
+            while (*d == ' ' || *d == '\t')
+                d++;
+            if (*d != '\0')
+                return "Content-Length must be a decimal number";
             cl = value;
         } else if (strcasecmp(name, "Transfer-Encoding") == 0) {
-            te = true;
+            te++;
+            te_other |= !te_is_chunked(value);
+        } else if (strcasecmp(name, "Authorization") == 0) {
+            auth++;
+        } else if (strcasecmp(name, "Host") == 0) {
+            host = true;
         }
     }
+    if (te > 1)
+        return "Transfer-Encoding may be sent once";
+    if (te_other)
+        return "Transfer-Encoding other than chunked is not accepted";
     if (cl && te)
         return "Content-Length and Transfer-Encoding together are not accepted";
+    if (auth > 1)
+        return "Authorization may be sent once";
+    if (!host && ri->http_version && strcmp(ri->http_version, "1.1") == 0)
+        return "An HTTP/1.1 request must carry a Host header";
     return NULL;
 }
 
@@ -979,6 +1030,32 @@ static void on_connection_close(const struct mg_connection *cmg)
     }
 }
 
+// libcivetweb 1.15 gives a begin_request callback no way to close its
+// connection: after a negative return it keeps the connection whenever the
+// request's body is consumed or all in its buffer (a request without a body,
+// or a small one that came with its head) and the client's Connection header
+// allows it, which it reads from the request info mg_get_request_info
+// returns. So a request that must close (answered before its body was read,
+// or refused for ambiguous framing: "12abc" read as 12, a chunked body
+// behind "Transfer-Encoding: identity", whose unread bytes civetweb would
+// parse as the next request) gets its Connection header set to "close" there,
+// a slot added when the client sent none (the table has MG_MAX_HEADERS).
+static void force_close(const struct mg_request_info *cri)
+{
+    struct mg_request_info *ri = (struct mg_request_info *)cri;
+    bool found = false;
+    for (int i = 0; i < ri->num_headers; i++)
+        if (ri->http_headers[i].name && strcasecmp(ri->http_headers[i].name, "Connection") == 0) {
+            ri->http_headers[i].value = "close";
+            found = true;
+        }
+    if (!found && ri->num_headers < MG_MAX_HEADERS) {
+        ri->http_headers[ri->num_headers].name = "Connection";
+        ri->http_headers[ri->num_headers].value = "close";
+        ri->num_headers++;
+    }
+}
+
 static int on_begin_request(struct mg_connection *mg)
 {
     const struct mg_request_info *ri = mg_get_request_info(mg);
@@ -1007,6 +1084,14 @@ static int on_begin_request(struct mg_connection *mg)
     if (has_body)
         tdm_http_add_header(&c, "Connection", "close"); // dropped once the body is read
 
+    const char *framing = framing_error(ri);
+    if (framing) {
+        if (!has_body)
+            tdm_http_add_header(&c, "Connection", "close");
+        c.must_close = true;
+        tdm_http_respond_error(&c, 400, framing);
+        goto done;
+    }
     if (s->api_key && !path_exempt(s, path) && !authorized(&c)) {
         tdm_http_add_header(&c, "WWW-Authenticate", "Bearer");
         c.drainable = true;
@@ -1030,14 +1115,6 @@ static int on_begin_request(struct mg_connection *mg)
             snprintf(msg, sizeof msg, "The path %.200s was not found", path);
             tdm_http_respond_error(&c, 404, msg);
         }
-        goto done;
-    }
-    const char *framing = framing_error(ri);
-    if (framing) {
-        if (!has_body)
-            tdm_http_add_header(&c, "Connection", "close");
-        c.must_close = true;
-        tdm_http_respond_error(&c, 400, framing);
         goto done;
     }
     int body_status = read_body(&c);
@@ -1099,7 +1176,7 @@ done:
     // system rather than staying in this thread's malloc arena.
     if (large)
         malloc_trim(0);
-    // > 0 would make civetweb read and discard an unread body first; < 0
-    // returns at once and the connection closes (its body is not consumed).
+    if (must_close)
+        force_close(ri);
     return must_close ? -1 : status;
 }

@@ -18,7 +18,11 @@
 // once; a request refused before its body was read closes its connection, so
 // no thread waits on the rest of it. "OPTIONS *" is answered 204 with Allow and
 // an absolute-form target (GET http://host/path) for this server's port is
-// served as its path, for any other host:port answered 400.
+// served as its path, for any other host:port answered 400. Ambiguous framing
+// or identity is a 400 before the body is read, and the connection closes:
+// differing or non-numeric Content-Length, Content-Length with
+// Transfer-Encoding, a repeated or non-chunked Transfer-Encoding, two
+// Authorization headers, HTTP/1.1 without Host.
 // Each request runs on one of num_threads civetweb worker threads, from the
 // handler call to its return; a connection handle is used by that thread only.
 // civetweb types never appear here.
