@@ -594,6 +594,13 @@ static int stage_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
                          const struct tdm_attn_seq *seqs, int n_seqs, int fixed_bt_stride,
                          int fixed_splits)
 {
+    // Every forward (eager or a graph's) starts here, on whatever thread runs
+    // it: the engine's, a prefill job's, a test's. Its kernels go to the
+    // calling thread's current device, so that is made this backend's first.
+    if (tdm_cuda_dev_bind(be->dev) != TDM_OK) {
+        fail(be, TDM_EBACKEND, "begin_forward: %s", tdm_cuda_dev_errmsg(be->dev));
+        return take_err(be);
+    }
     const struct tdm_kv_config *c = tdm_kv_config(kv);
     if (tdm_kv_storage(kv)->ops != &kvs_ops) {
         fail(be, TDM_EINVAL, "begin_forward: %s",

@@ -126,8 +126,19 @@ void *tdm_cuda_dev_stream(struct tdm_cuda_dev *d)
     return (void *)d->stream;
 }
 
+int tdm_cuda_dev_bind(struct tdm_cuda_dev *d)
+{
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur == d->ordinal)
+        return TDM_OK;
+    cudaError_t e = cudaSetDevice(d->ordinal);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaSetDevice", e);
+}
+
 int tdm_cuda_dev_mem_info(struct tdm_cuda_dev *d, size_t *free_bytes, size_t *total_bytes)
 {
+    if (tdm_cuda_dev_bind(d) != TDM_OK)
+        return TDM_EBACKEND;
     cudaError_t e = cudaMemGetInfo(free_bytes, total_bytes);
     return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaMemGetInfo", e);
 }
@@ -135,6 +146,8 @@ int tdm_cuda_dev_mem_info(struct tdm_cuda_dev *d, size_t *free_bytes, size_t *to
 void *tdm_cuda_dev_alloc(struct tdm_cuda_dev *d, size_t bytes)
 {
     void *p = NULL;
+    if (tdm_cuda_dev_bind(d) != TDM_OK)
+        return NULL;
     cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
     if (e != cudaSuccess) {
         cuda_fail(d, "cudaMalloc", e);
@@ -151,6 +164,7 @@ void tdm_cuda_dev_free(struct tdm_cuda_dev *d, void *p)
 {
     if (p) {
         held_remove(&d->held, p);
+        tdm_cuda_dev_bind(d);
         cudaFree(p);
     }
 }
@@ -165,6 +179,8 @@ static int copy(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes
 {
     if (bytes == 0)
         return TDM_OK;
+    if (tdm_cuda_dev_bind(d) != TDM_OK)
+        return TDM_EBACKEND;
     cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, d->stream);
     if (e == cudaSuccess && wait)
         e = cudaStreamSynchronize(d->stream);
@@ -188,12 +204,16 @@ int tdm_cuda_dev_d2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t 
 
 int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t bytes)
 {
+    if (tdm_cuda_dev_bind(d) != TDM_OK)
+        return TDM_EBACKEND;
     cudaError_t e = cudaMemsetAsync(dst, byte, bytes, d->stream);
     return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaMemsetAsync", e);
 }
 
 int tdm_cuda_dev_sync(struct tdm_cuda_dev *d)
 {
+    if (tdm_cuda_dev_bind(d) != TDM_OK)
+        return TDM_EBACKEND;
     cudaError_t e = cudaStreamSynchronize(d->stream);
     return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaStreamSynchronize", e);
 }
@@ -339,6 +359,8 @@ int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, 
 // ---- graphs ----------------------------------------------------------------------------------
 int tdm_cuda_dev_capture_begin(struct tdm_cuda_dev *d)
 {
+    if (tdm_cuda_dev_bind(d) != TDM_OK)
+        return TDM_EBACKEND;
     // Relaxed: cuBLASLt may query its own state while the stream records.
     cudaError_t e = cudaStreamBeginCapture(d->stream, cudaStreamCaptureModeRelaxed);
     return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaStreamBeginCapture", e);
@@ -362,6 +384,8 @@ int tdm_cuda_dev_capture_end(struct tdm_cuda_dev *d, void **graph)
 
 int tdm_cuda_dev_graph_launch(struct tdm_cuda_dev *d, void *graph)
 {
+    if (tdm_cuda_dev_bind(d) != TDM_OK)
+        return TDM_EBACKEND;
     cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)graph, d->stream);
     return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaGraphLaunch", e);
 }

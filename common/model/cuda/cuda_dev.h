@@ -30,6 +30,14 @@ void tdm_cuda_dev_close(struct tdm_cuda_dev *d); // NULL is fine
 const char *tdm_cuda_dev_name(const struct tdm_cuda_dev *d);
 // The stream every copy and kernel of this device runs on (a cudaStream_t).
 void *tdm_cuda_dev_stream(struct tdm_cuda_dev *d);
+// Makes d the calling thread's current device (cudaSetDevice) unless it is
+// already. The device API binds itself on every call that is not per layer
+// (memory, copies, sync, graphs), and the backend at each forward's start
+// (begin_forward, graph_begin), so the engine's thread, a KV receive thread or
+// a prefill job thread each run on d, whichever thread opened it: only the
+// loading thread did before, so --device cuda:1 could launch the engine's
+// kernels on GPU 0. TDM_OK or TDM_EBACKEND.
+int tdm_cuda_dev_bind(struct tdm_cuda_dev *d);
 // Free and total bytes of device memory.
 int tdm_cuda_dev_mem_info(struct tdm_cuda_dev *d, size_t *free_bytes, size_t *total_bytes);
 

@@ -35,6 +35,7 @@
 #include "test_skip.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -612,6 +613,67 @@ static void test_kv_budget_shared_device(void **state)
     assert_non_null(strstr(err, "this instance already holds 50.00 GiB"));
 }
 
+// Two (emulated) GPUs, a model on cuda:1, and forwards from threads other than
+// the loading one (the engine's thread never bound its device: its launches
+// went to GPU 0). Each forward binds the calling thread to the model's device;
+// the emulator fails any launch from a thread whose current device is another
+// (issue 25, item 1). The emulator's own (TANDEM_EMU_DEVICES).
+#ifndef TDM_CUDA_TEST_GPU
+struct forward_job {
+    struct tdm_model *m;
+    int rc;
+};
+
+static void *forward_thread(void *arg)
+{
+    struct forward_job *j = arg;
+    struct tdm_kv_cache *kv = new_kv(j->m);
+    struct tdm_kv_seq seq;
+    tdm_kv_seq_init(&seq);
+    int vocab = tdm_model_config(j->m)->vocab_size;
+    int32_t hist[24];
+    make_prompt(hist, 20, vocab, 7);
+    float *out = malloc((size_t)vocab * sizeof *out);
+    j->rc = tdm_kv_reserve(kv, &seq, 20);
+    struct tdm_batch_seq b = {.tokens = hist,
+                              .n_tokens = 20,
+                              .start_pos = 0,
+                              .block_table = seq.block_table,
+                              .logits = TDM_LOGITS_LAST};
+    if (j->rc == TDM_OK)
+        j->rc = tdm_model_forward(j->m, kv, &b, 1, out);
+    free(out);
+    tdm_kv_seq_release(kv, &seq);
+    tdm_kv_free(kv);
+    return NULL;
+}
+
+static void test_device_bound_per_thread(void **state)
+{
+    (void)state;
+    setenv("TANDEM_EMU_DEVICES", "2", 1);
+    struct tdm_model_opts o;
+    struct tdm_model *m = NULL;
+    char err[256];
+    tdm_model_opts_default(&o);
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda:1", err, sizeof err), TDM_OK);
+    assert_int_equal(o.device, 1);
+    o.num_threads = 1;
+    o.enforce_eager = true;
+    setenv("TANDEM_CUDA_KV_DTYPE", "bf16", 1);
+    assert_int_equal(tdm_model_load(&m, tiny_dir, &o, err, sizeof err), TDM_OK);
+    for (int t = 0; t < 2; t++) { // two fresh threads, current device 0 each
+        struct forward_job j = {.m = m, .rc = -1};
+        pthread_t th;
+        assert_int_equal(pthread_create(&th, NULL, forward_thread, &j), 0);
+        pthread_join(th, NULL);
+        assert_int_equal(j.rc, TDM_OK);
+    }
+    tdm_model_free(m);
+    unsetenv("TANDEM_EMU_DEVICES");
+}
+#endif
+
 static void test_errors(void **state)
 {
     (void)state;
@@ -811,6 +873,9 @@ int main(void)
 #endif
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_kv_budget_shared_device),
+#ifndef TDM_CUDA_TEST_GPU
+        cmocka_unit_test(test_device_bound_per_thread),
+#endif
 #ifdef TDM_CUDA_TEST_GPU
         cmocka_unit_test(test_big_prefill_vs_cpu),
         cmocka_unit_test(test_big_batch32_invariance),

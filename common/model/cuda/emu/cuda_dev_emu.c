@@ -51,20 +51,47 @@ static void run_copy(void *arg)
         memmove(w->dst, w->src, w->bytes);
 }
 
+// Devices the emulator presents: 1, or TANDEM_EMU_DEVICES (1 to 8) so that
+// tests can put a model on cuda:1. Each thread's current device starts at 0,
+// as CUDA's does; tdm_cuda_dev_bind moves it, and every launch-like call
+// checks it, failing as a kernel launched on the wrong GPU would be wrong.
+static _Thread_local int emu_current;
+
 int tdm_cuda_dev_count(void)
 {
-    return 1;
+    const char *s = getenv("TANDEM_EMU_DEVICES");
+    int n = s ? atoi(s) : 1;
+    return n >= 1 && n <= 8 ? n : 1;
+}
+
+int tdm_cuda_dev_bind(struct tdm_cuda_dev *d)
+{
+    emu_current = d->ordinal;
+    return TDM_OK;
+}
+
+static int on_device(struct tdm_cuda_dev *d, const char *what)
+{
+    if (emu_current == d->ordinal)
+        return TDM_OK;
+    snprintf(d->errmsg, sizeof d->errmsg,
+             "%s for device %d from a thread whose current device is %d (not bound)", what,
+             d->ordinal, emu_current);
+    return TDM_EBACKEND;
 }
 
 int tdm_cuda_dev_open(struct tdm_cuda_dev **out, int ordinal, char *err, size_t errlen)
 {
     *out = NULL;
-    if (ordinal != 0)
+    int n = tdm_cuda_dev_count();
+    if (ordinal < 0 || ordinal >= n)
         return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "cuda: device %d requested, 1 visible (emulator)", ordinal);
+                          "cuda: device %d requested, %d visible (emulator)", ordinal, n);
     struct tdm_cuda_dev *d = calloc(1, sizeof *d);
     if (d == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda: out of memory");
+    d->ordinal = ordinal;
+    emu_current = ordinal; // cudaSetDevice in the real open
     held_init(&d->held);
     *out = d;
     return TDM_OK;
@@ -102,6 +129,7 @@ int tdm_cuda_dev_mem_info(struct tdm_cuda_dev *d, size_t *free_bytes, size_t *to
 
 void *tdm_cuda_dev_alloc(struct tdm_cuda_dev *d, size_t bytes)
 {
+    tdm_cuda_dev_bind(d); // as the real one does
     void *p = NULL;
     if (posix_memalign(&p, 256, bytes ? bytes : 1) != 0)
         return NULL;
@@ -126,6 +154,7 @@ size_t tdm_cuda_dev_held(struct tdm_cuda_dev *d)
 
 int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
 {
+    tdm_cuda_dev_bind(d);
     if (not_while_capturing(d, "h2d copy") != TDM_OK)
         return TDM_EBACKEND;
     if (bytes)
@@ -135,6 +164,7 @@ int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t 
 
 int tdm_cuda_dev_d2h(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
 {
+    tdm_cuda_dev_bind(d);
     if (not_while_capturing(d, "d2h copy") != TDM_OK)
         return TDM_EBACKEND;
     if (bytes)
@@ -144,7 +174,7 @@ int tdm_cuda_dev_d2h(struct tdm_cuda_dev *d, void *dst, const void *src, size_t 
 
 int tdm_cuda_dev_d2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
 {
-    (void)d;
+    tdm_cuda_dev_bind(d);
     struct copy_work w = {.dst = dst, .src = src, .bytes = bytes, .byte = -1};
     tdm_emu_stream_work(run_copy, &w, sizeof w);
     return TDM_OK;
@@ -152,7 +182,7 @@ int tdm_cuda_dev_d2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t 
 
 int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t bytes)
 {
-    (void)d;
+    tdm_cuda_dev_bind(d);
     struct copy_work w = {.dst = dst, .src = NULL, .bytes = bytes, .byte = byte & 0xff};
     tdm_emu_stream_work(run_copy, &w, sizeof w);
     return TDM_OK;
@@ -160,11 +190,13 @@ int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t byte
 
 int tdm_cuda_dev_sync(struct tdm_cuda_dev *d)
 {
+    tdm_cuda_dev_bind(d);
     return not_while_capturing(d, "sync");
 }
 
 int tdm_cuda_dev_capture_begin(struct tdm_cuda_dev *d)
 {
+    tdm_cuda_dev_bind(d);
     if (not_while_capturing(d, "capture_begin") != TDM_OK)
         return TDM_EBACKEND;
     tdm_emu_capture_begin();
@@ -183,6 +215,7 @@ int tdm_cuda_dev_capture_end(struct tdm_cuda_dev *d, void **graph)
 
 int tdm_cuda_dev_graph_launch(struct tdm_cuda_dev *d, void *graph)
 {
+    tdm_cuda_dev_bind(d);
     if (not_while_capturing(d, "graph launch") != TDM_OK)
         return TDM_EBACKEND;
     tdm_emu_graph_launch(graph);
@@ -237,6 +270,8 @@ int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, 
         snprintf(d->errmsg, sizeof d->errmsg, "gemm: %d x %d weight, n %d", rows, cols, n);
         return TDM_EINVAL;
     }
+    if (on_device(d, "gemm") != TDM_OK) // a per-layer launch: bound by begin_forward
+        return TDM_EBACKEND;
     struct gemm_work g = {.w = w, .x = x, .bias = bias, .y = y, .rows = rows, .cols = cols, .n = n};
     tdm_emu_stream_work(run_gemm, &g, sizeof g);
     return TDM_OK;
