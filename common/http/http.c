@@ -83,6 +83,7 @@ struct tdm_http_conn {
     char *frame; // SSE framing buffer, grown as needed
     size_t frame_cap;
     bool large;      // holds one of max_large_requests
+    bool body_stall; // read_body's 408 was a stall (no data for a while), not its deadline
     bool must_close; // answered before its body was read: the connection closes
     bool drainable;  // ... unless the rest of the body can be read and dropped (drain_body)
 };
@@ -760,13 +761,15 @@ static int read_body(struct tdm_http_conn *c)
             want = want > 1 ? want / 2 : 1;
         else if (n > 0 && (size_t)n == want && want < ((size_t)1 << 20))
             want *= 2;
-        if (n < 0)
+        if (n < 0) { // a chunked body: civetweb gives up on a stall itself
+            c->body_stall = stalled && now - t0 < body_s;
             return stalled ? 408 : 400;
+        }
         if (n == 0) {
             if (declared > 0 && len < (size_t)declared && stalled && now - t0 < body_s)
                 continue; // a pause within the body's time: wait on
             if (declared > 0 && len < (size_t)declared)
-                return stalled ? 408 : 400;
+                return stalled ? 408 : 400; // past the body's deadline
             break;
         }
         len += (size_t)n;
@@ -1132,9 +1135,19 @@ static int on_begin_request(struct mg_connection *mg)
         goto done;
     }
     if (body_status == 408) {
-        char msg[160];
-        snprintf(msg, sizeof msg, "The request body was not received within %.0f s",
-                 s->body_timeout_ms / 1000.0);
+        // Which limit ended it: a chunked body's read gives up after a stall
+        // of about the header timeout, before the body's own deadline (a 4
+        // GiB chunk header was answered after 20 s with "within 30 s").
+        char msg[200];
+        if (c.body_stall)
+            snprintf(msg, sizeof msg,
+                     "No part of the request body arrived for %.0f s (the limit on a "
+                     "stalled read, --http-header-timeout)",
+                     s->header_timeout_ms / 1000.0);
+        else
+            snprintf(msg, sizeof msg,
+                     "The request body was not received within %.0f s (--http-body-timeout)",
+                     s->body_timeout_ms / 1000.0);
         tdm_http_respond_error(&c, 408, msg);
         goto done;
     }
