@@ -296,6 +296,27 @@ static void *pool_main(void *arg)
     }
 }
 
+// pthread_create with a stack of `stack` bytes (0: the default), detached or
+// joinable (th set): 0 or pthread's error. The pools' threads and the
+// engine's deep threads are made here.
+static int thread_create(pthread_t *th, bool detached, size_t stack, void *(*fn)(void *),
+                         void *arg)
+{
+    pthread_attr_t attr;
+    int rc = pthread_attr_init(&attr);
+    if (rc != 0)
+        return rc;
+    pthread_t own;
+    if (detached)
+        rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (rc == 0 && stack)
+        rc = pthread_attr_setstacksize(&attr, stack);
+    if (rc == 0)
+        rc = pthread_create(th ? th : &own, &attr, fn, arg);
+    pthread_attr_destroy(&attr);
+    return rc;
+}
+
 static int pool_start(struct pool *p, void *(*fn)(void *), void *arg)
 {
     struct thread_work *w = malloc(sizeof *w);
@@ -321,18 +342,7 @@ static int pool_start(struct pool *p, void *(*fn)(void *), void *arg)
         return TDM_EBUSY;
     }
     *st = (struct pool_start){.pool = p, .w = w};
-    pthread_attr_t attr;
-    int rc = pthread_attr_init(&attr);
-    if (rc == 0) {
-        pthread_t th;
-        rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        if (rc == 0 && p->stack)
-            rc = pthread_attr_setstacksize(&attr, p->stack);
-        if (rc == 0)
-            rc = pthread_create(&th, &attr, pool_main, st);
-        pthread_attr_destroy(&attr);
-    }
-    if (rc != 0) {
+    if (thread_create(NULL, true, p->stack, pool_main, st) != 0) {
         free(st);
         free(w);
         return TDM_EBUSY;
@@ -376,11 +386,6 @@ static void *deep_main(void *arg)
     return NULL;
 }
 
-bool tdm_on_deep_stack(void)
-{
-    return on_deep_thread;
-}
-
 struct deep_start {
     void *(*fn)(void *);
     void *arg;
@@ -400,15 +405,7 @@ int tdm_thread_create_deep(pthread_t *th, void *(*fn)(void *), void *arg)
     if (st == NULL)
         return TDM_EBUSY;
     *st = (struct deep_start){.fn = fn, .arg = arg};
-    pthread_attr_t attr;
-    int rc = pthread_attr_init(&attr);
-    if (rc == 0) {
-        rc = pthread_attr_setstacksize(&attr, TDM_DEEP_STACK_BYTES);
-        if (rc == 0)
-            rc = pthread_create(th, &attr, deep_thread_main, st);
-        pthread_attr_destroy(&attr);
-    }
-    if (rc != 0) {
+    if (thread_create(th, false, TDM_DEEP_STACK_BYTES, deep_thread_main, st) != 0) {
         free(st);
         return TDM_EBUSY;
     }

@@ -173,8 +173,6 @@ int tdm_thread_idle(void);
 // deep thread already, fn runs at once.
 #define TDM_DEEP_STACK_BYTES (8u << 20)
 int tdm_call_deep(void (*fn)(void *), void *arg);
-// True on a thread of tdm_call_deep or tdm_thread_create_deep.
-bool tdm_on_deep_stack(void);
 // pthread_create of a joinable thread with a TDM_DEEP_STACK_BYTES stack, for
 // threads that run such parsers or the grammar matcher (whose expansion
 // recurses per rule reference, up to its bound) themselves: the engine's step

@@ -349,9 +349,9 @@ int gr_start_check(const struct tdm_grammar *g, char *err, size_t errlen)
 
 // The matcher's expansion recurses per rule reference (up to
 // EXPAND_MAX_RECURSION), so its entry points run on a deep stack: the engine's
-// threads are deep already (tdm_thread_create_deep); a request's HTTP thread,
-// which makes the matcher at submit and replays a resumed stream's tokens,
-// hands the call over (tdm_call_deep).
+// threads are deep already (tdm_thread_create_deep: tdm_call_deep runs the
+// call in place there); a request's HTTP thread, which makes the matcher at
+// submit and replays a resumed stream's tokens, hands it over.
 struct deep_new {
     struct tdm_grammar_matcher **out;
     struct tdm_grammar *g;
@@ -372,8 +372,6 @@ int tdm_grammar_matcher_new(struct tdm_grammar_matcher **out, struct tdm_grammar
                             const struct tdm_grammar_vocab *vocab)
 {
     *out = NULL;
-    if (tdm_on_deep_stack())
-        return matcher_new_now(out, g, vocab);
     struct deep_new d = {out, g, vocab, TDM_ENOMEM};
     if (tdm_call_deep(new_deep, &d) != TDM_OK)
         return TDM_EBUSY;
@@ -470,8 +468,6 @@ static void accept_deep(void *arg)
 
 int tdm_grammar_matcher_accept_bytes(struct tdm_grammar_matcher *m, const char *bytes, size_t n)
 {
-    if (tdm_on_deep_stack())
-        return accept_bytes_now(m, bytes, n);
     struct deep_accept d = {m, bytes, n, TDM_ENOMEM};
     if (tdm_call_deep(accept_deep, &d) != TDM_OK)
         return TDM_EBUSY;
