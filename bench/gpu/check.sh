@@ -327,6 +327,16 @@ if [ "$pack" = 1 ]; then
         echo "$(basename "$f"): ${miss:+not found: $miss}" >>"$logs/libs.log"
     done
 fi
+# The pack's libraries came from the machine that packed it: its glibc must
+# not be newer than this one's.
+if [ "$pack" = 1 ]; then
+    need=$(sed -n 's/^glibc_needed //p' "$build/PACK")
+    have=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')
+    if [ -n "$need" ] && [ -n "$have" ] &&
+        [ "$(printf '%s\n%s\n' "$need" "$have" | sort -t. -k1,1n -k2,2n | tail -n 1)" != "$have" ]; then
+        unresolved="$unresolved (the pack needs glibc $need, this machine has $have)"
+    fi
+fi
 if [ -n "$unresolved" ]; then
     record libs FAIL "unresolved libraries:$unresolved$notes"
 else

@@ -59,15 +59,16 @@ def engine_ticks(pid):
 
 
 class Worker:
-    """A tandem-decode on 127.0.0.1 --port 0; the port is read from its
-    'listening=http://HOST:PORT' line, its stderr kept in self.log."""
+    """A tandem-decode on 127.0.0.1 --port 0; the port (and the model name it
+    answers to) is read from its 'ready ... served_model_name=NAME ...
+    listening=http://HOST:PORT' line, its stderr kept in self.log."""
 
     def __init__(self, decode, model, flags, ready_s):
         cmd = [decode, "--model", model, "--host", "127.0.0.1", "--port", "0"] + flags
         print("worker: %s" % " ".join(shlex.quote(c) for c in cmd), flush=True)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
-        self.log, self.port = [], None
+        self.log, self.port, self.served_name = [], None, None
         got = threading.Event()
 
         def reader():
@@ -76,6 +77,8 @@ class Worker:
                 m = re.search(r"listening=http://[^ ]*:(\d+)", line)
                 if m and self.port is None:
                     self.port = int(m.group(1))
+                    n = re.search(r"served_model_name=(\S+)", line)
+                    self.served_name = n.group(1) if n else None
                     got.set()
             got.set()
 
@@ -112,6 +115,8 @@ def serve(args):
                    "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                    "--num-prompts", str(max(16, 2 * c)), "--max-concurrency", str(c),
                    "--percentiles", "50,99", "--seed", str(c), "--json", out]
+            if w.served_name:
+                cmd += ["--served-model-name", w.served_name]
             t0, e0 = time.monotonic(), engine_ticks(w.proc.pid)
             r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             wall, e1 = time.monotonic() - t0, engine_ticks(w.proc.pid)

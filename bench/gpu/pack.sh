@@ -37,7 +37,7 @@
 #     --src DIR        the source tree the scripts are copied from (default
 #                      this repository)
 #     --max-mib N      size limit (default 64)
-# Needs cmake/ctest, python3, ldd and readelf; strip when present.
+# Needs cmake/ctest, python3, ldd, readelf and objdump; strip when present.
 # Exit 0 packed; 1 failed (the reason on one line); 2 bad usage.
 set -uo pipefail
 
@@ -155,8 +155,12 @@ EOF
 rm -f "$out/ctest.json" "$out/ctest.err"
 
 # ---- binaries ------------------------------------------------------------------------------
+# A build puts its executables at most three folders down (decode/,
+# tools/mkmodel/); deeper ones are the tests' scratch (fakes among them).
 {
-    find "$build" -type f -perm -u+x -name 'tandem-*' ! -name '*.so*' ! -path '*/CMakeFiles/*' \
+    find "$build" -maxdepth 3 -type f -perm -u+x -name 'tandem-*' ! -name '*.so*' \
+        ! -path "$build/*/CMakeFiles/*" ! -path "$build/*/check_script_test/*" \
+        ! -path "$build/*check-work/*" \
         ! -path "$out/*"
     sed -n 's/^BIN //p' "$out/files.txt"
 } | sort -u >"$out/bins.txt"
@@ -249,6 +253,11 @@ rm -f "$out/files.txt" "$out/bins.txt"
     echo "commit $(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "cuda_architectures $(sed -n 's/^CMAKE_CUDA_ARCHITECTURES:[A-Z]*=//p' "$build/CMakeCache.txt" 2>/dev/null)"
     echo "packed $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    # The newest glibc symbol version anything in it needs: the libraries came
+    # from this machine, so the GPU machine's glibc must be at least this.
+    for f in "$out"/bin/* "$out"/lib/*; do
+        is_elf "$f" && objdump -T "$f" 2>/dev/null | grep -o 'GLIBC_[0-9][0-9.]*'
+    done | sed 's/GLIBC_//' | sort -t. -k1,1n -k2,2n -u | tail -n 1 | sed 's/^/glibc_needed /'
 } >"$out/PACK"
 
 # ---- relocatable? ----------------------------------------------------------------------------
@@ -259,8 +268,8 @@ for f in "$out"/bin/* "$out"/lib/*; do
     rp=$(readelf -dW "$f" 2>/dev/null | grep -E '\((RUN)?PATH\)')
     case "$rp" in *"$build"* | *"$built_src"*) die "$(basename "$f") still has $rp" ;; esac
     if grep -q -a -F "$build" "$f"; then
-        echo "pack.sh: warning: $(basename "$f") has the build folder compiled in (a path it" \
-            "uses at run time, e.g. TANDEM_BINARY_DIR, does not exist on the GPU machine)" >&2
+        echo "pack.sh: warning: $(basename "$f") has the build folder compiled in (harmless as a" \
+            "fallback search path; a folder it writes to, e.g. TANDEM_BINARY_DIR, is not there)" >&2
     fi
 done
 
