@@ -21,7 +21,7 @@
 #    fake backend module, ctest files naming the build and source folders):
 #    bin/ lib/ src/ tests.tsv made; the pack moved and the build deleted: no
 #    file names the old folders, the ELF runs from its new place; a size
-#    limit it exceeds fails with a message
+#    limit it exceeds, or a gpu test not built, fails with a message
 #  7 check.sh --pack on that moved pack with a fake GPU: every step runs and
 #    passes (gpu2 skipped on one GPU): the libraries resolved through
 #    LD_LIBRARY_PATH (NCCL found in Python's nvidia/nccl/lib), the tests of
@@ -341,6 +341,17 @@ rc=$?
 echo "$out"
 expect "pack over its size limit: exit 1" [ "$rc" -eq 1 ]
 expect "pack over its size limit: says so" grep -q "over the 0 MiB that can travel" <<<"$out"
+rm -rf "$work/pack-small"
+cat >>"$fb/CTestTestfile.cmake" <<EOF
+add_test(kvx_cuda_test "$fb/common/transport/cuda/kvx_cuda_test")
+set_tests_properties(kvx_cuda_test PROPERTIES LABELS "gpu")
+EOF
+out=$(CTEST=$ctest PYTHON=$python "$pack_sh" --build-dir "$fb" --no-build --src "$fs" \
+    --out "$work/pack-small" 2>&1)
+rc=$?
+echo "$out"
+expect "pack with a gpu test not built: exit 1" [ "$rc" -eq 1 ]
+expect "pack with a gpu test not built: names it" grep -q "kvx_cuda_test: .*not built" <<<"$out"
 rm -rf "$work/pack-small"
 mv "$fb" "$work/fake-build-gone"
 
