@@ -222,7 +222,7 @@ echo '{"device": "cuda", "weight_bytes": 1000000000,
  "prefill": [{"tokens": 2048, "seconds": 0.01, "flops": 2.8e12}]}' >"\$out"
 EOF
 # The fake decode worker: listens, answers /health, and runs a thread named
-# tdm-engine that spends CPU while a request is in flight.
+# tdm-engine that spends 0.3 s of CPU on each request before it is answered.
 cat >"$fb/decode/tandem-decode" <<EOF
 #!$python
 import ctypes, http.server, sys, threading, time
@@ -235,17 +235,17 @@ busy = threading.Event()
 def engine():
     ctypes.CDLL(None).prctl(15, b"tdm-engine", 0, 0, 0)  # PR_SET_NAME
     while True:
-        if busy.is_set():
-            t = time.monotonic()
-            while time.monotonic() - t < 0.02:
-                pass
-        else:
-            time.sleep(0.005)
+        busy.wait()
+        t = time.monotonic()
+        while time.monotonic() - t < 0.3:  # a request's compute: 30 clock ticks
+            pass
+        busy.clear()
 threading.Thread(target=engine, daemon=True).start()
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         busy.set()
-        time.sleep(0.05)
+        while busy.is_set():
+            time.sleep(0.01)
         self.send_response(200)
         self.end_headers()
         self.wfile.write(b'{"status": "ok"}')
