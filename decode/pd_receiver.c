@@ -1477,6 +1477,11 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
                      d->transport_why ? d->transport_why : "");
         }
         j->layers_done += d->num_layers;
+        // Over CUDA IPC the bytes are those the prefill worker copied into our
+        // pool (K and V of each block, of each layer); NCCL counts its receives.
+        if (!nccl)
+            j->bytes_done +=
+                (size_t)d->num_layers * 2 * (size_t)d->num_blocks * (size_t)rx->kvx_block_bytes;
         if (nccl)
             nccl_progress_locked(j, rx->kvc.num_layers);
         else if (j->layers_done >= rx->kvc.num_layers)

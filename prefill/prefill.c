@@ -468,13 +468,15 @@ static int send_nccl(struct tdm_prefill_service *p, struct pjob *job, int first_
 {
     struct tdm_engine *e = p->parts.engine;
     int nb = job->push.num_blocks;
-    double t0 = tdm_now();
     uint64_t bytes0 = tdm_kvx_nccl_bytes(job->nx);
     *moved = 0;
     if (tdm_engine_export_lease(e, job->req, first_layer + n, job->push.first_block, nb,
                                 job->src_blocks) != TDM_OK)
         return tdm_seterr(err, errlen, TDM_EINVAL, "layers %d..%d not exportable", first_layer,
                           first_layer + n - 1);
+    // From the lease on (it waited for the engine's kernels writing these
+    // layers): the copy's own time, issue to observed completion.
+    double t0 = tdm_now();
     int rc = tdm_kvx_link_ready_for(job->link, job->decode_instance)
                  ? tdm_kvx_nccl_layers(job->nx, tdm_kvx_link_comm(job->link), first_layer, n, err,
                                        errlen)
@@ -625,13 +627,15 @@ static int send_inplace(struct tdm_prefill_service *p, struct pjob *job, int fir
 {
     struct tdm_engine *e = p->parts.engine;
     int nb = job->push.num_blocks;
-    double t0 = tdm_now();
     uint64_t bytes0 = tdm_kvx_push_bytes(job->dev);
     *copied = 0;
     if (tdm_engine_export_lease(e, job->req, first_layer + n, job->push.first_block, nb,
                                 job->src_blocks) != TDM_OK)
         return tdm_seterr(err, errlen, TDM_EINVAL, "layers %d..%d not exportable", first_layer,
                           first_layer + n - 1);
+    // From the lease on (it waited for the engine's kernels writing these
+    // layers): the copy's own time, issue to observed completion.
+    double t0 = tdm_now();
     int rc = tdm_kvx_push_layers(job->dev, first_layer, n, err, errlen);
     // Wait for what was issued even after a failure: the lease must outlive
     // every copy reading our blocks.

@@ -1910,6 +1910,27 @@ struct tdm_kv_cache *tdm_engine_kv(struct tdm_engine *e)
     return e->kv;
 }
 
+// The leased layers' KV in device memory before the caller's own copies read
+// it. The push hook reports a layer once its kv_store is issued; on a GPU the
+// engine thread runs layers ahead of the device, and a lessee copies on a
+// stream of its own (CUDA IPC, NCCL) that does not wait for the engine's, so
+// without this a copy could read a block before the kernel writing it ran
+// (issue 25 item 3: a decode worker's prefix cache kept such KV). A one-block
+// read through the storage is ordered after every kernel issued so far on the
+// engine's stream and returns once it ran. Host storage: its writes are done.
+// TDM_OK, or the read's error.
+static int kv_fence(struct tdm_engine *e, int layer, int block)
+{
+    if (tdm_kv_storage(e->kv)->host)
+        return TDM_OK;
+    float *one = malloc(tdm_kv_layer_bytes_as(e->kv, 1, TDM_KV_F32)); // K and V of one block
+    if (one == NULL)
+        return TDM_ENOMEM;
+    int rc = tdm_kv_read_blocks(e->kv, layer, &block, 1, TDM_KV_F32, one);
+    free(one);
+    return rc;
+}
+
 int tdm_engine_export_lease(struct tdm_engine *e, struct tdm_engine_request *r, int layer_end,
                             int first_block, int nblocks, int *ids)
 {
@@ -1928,7 +1949,12 @@ int tdm_engine_export_lease(struct tdm_engine *e, struct tdm_engine_request *r, 
             ids[i] = r->seq.block_table[first_block + i];
     }
     pthread_mutex_unlock(&r->mu);
-    return ok ? TDM_OK : TDM_EINVAL;
+    if (!ok)
+        return TDM_EINVAL;
+    int rc = nblocks > 0 ? kv_fence(e, layer_end - 1, ids[0]) : TDM_OK;
+    if (rc != TDM_OK)
+        tdm_engine_export_unlease(e, r);
+    return rc;
 }
 
 void tdm_engine_export_unlease(struct tdm_engine *e, struct tdm_engine_request *r)

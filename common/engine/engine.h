@@ -302,7 +302,11 @@ int tdm_engine_release_kv(struct tdm_engine *e, struct tdm_engine_request *r);
 // as during an export_layer call, until tdm_engine_export_unlease: keep it
 // until the copies are known complete) and fills ids[nblocks] with the
 // physical block ids of prompt blocks [first_block, first_block + nblocks).
-// TDM_OK or TDM_EINVAL (nothing leased).
+// On TDM_OK the leased layers' KV has been written in the pool's memory, so
+// copies on any stream of the device read it final (the engine's queued
+// kernels up to the call have run: a device pool waits for them here). TDM_OK,
+// TDM_EINVAL, or TDM_EBACKEND / TDM_ENOMEM when that wait failed (nothing
+// leased in each case).
 int tdm_engine_export_lease(struct tdm_engine *e, struct tdm_engine_request *r, int layer_end,
                             int first_block, int nblocks, int *ids);
 void tdm_engine_export_unlease(struct tdm_engine *e, struct tdm_engine_request *r);
