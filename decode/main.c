@@ -78,10 +78,9 @@ int main(int argc, char **argv)
     TDM_LOG_INFO(
         "decode",
         "ready model=%s served_model_name=%s kv_capacity_tokens=%lld listening=http://%s:%d "
-        "startup_s=%.3f",
-        cfg.model, tdm_worker_model_name(s),
-        (long long)tdm_worker_kv_capacity_tokens(s), cfg.host, tdm_worker_port(s),
-        tdm_now() - t0);
+        "startup_s=%.3f device=%s",
+        cfg.model, tdm_worker_model_name(s), (long long)tdm_worker_kv_capacity_tokens(s), cfg.host,
+        tdm_worker_port(s), tdm_now() - t0, tdm_worker_device(s));
 
     int sig = 0;
     sigwait(&sigs, &sig);

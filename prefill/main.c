@@ -69,10 +69,10 @@ int main(int argc, char **argv)
     tdm_worker_set_ready(s);
     TDM_LOG_INFO("prefill",
                  "ready model=%s served_model_name=%s nng=%s instance=%016llx http=http://%s:%d "
-                 "startup_s=%.3f",
+                 "startup_s=%.3f device=%s",
                  cfg.model, tdm_worker_model_name(s), tdm_prefill_service_url(p),
-                 (unsigned long long)tdm_prefill_service_instance(p), cfg.host,
-                 tdm_worker_port(s), tdm_now() - t0);
+                 (unsigned long long)tdm_prefill_service_instance(p), cfg.host, tdm_worker_port(s),
+                 tdm_now() - t0, tdm_worker_device(s));
 
     int sig = 0;
     sigwait(&sigs, &sig);

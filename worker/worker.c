@@ -298,6 +298,16 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
         !cfg->weight_cache ? NULL : cfg->weight_cache_dir[0] ? cfg->weight_cache_dir : "auto";
     mo.weight_cache_background = true; // /health 200 does not wait for the entry
     int rc = tdm_model_opts_set_device(&mo, cfg->device, err, errlen);
+    if (rc == TDM_OK) {
+        bool chosen = cfg->device[0] == '\0' || strcmp(cfg->device, "auto") == 0;
+        const char *note = chosen ? tdm_model_device_auto_note() : "";
+        if (strcmp(mo.backend, "cpu") != 0)
+            snprintf(s->device_desc, sizeof s->device_desc, "%s:%d", mo.backend, mo.device);
+        else if (note[0])
+            snprintf(s->device_desc, sizeof s->device_desc, "cpu (--device auto: %s)", note);
+        else
+            snprintf(s->device_desc, sizeof s->device_desc, "cpu");
+    }
     if (rc == TDM_OK)
         rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);
     if (threaded)
@@ -428,6 +438,11 @@ int tdm_worker_port(const struct tdm_worker *s)
 const char *tdm_worker_model_name(const struct tdm_worker *s)
 {
     return s->text.served_name;
+}
+
+const char *tdm_worker_device(const struct tdm_worker *s)
+{
+    return s->device_desc[0] ? s->device_desc : "cpu";
 }
 
 int64_t tdm_worker_kv_capacity_tokens(const struct tdm_worker *s)

@@ -139,6 +139,9 @@ void tdm_worker_set_ready(struct tdm_worker *s);
 int tdm_worker_port(const struct tdm_worker *s);
 // The served model name and the KV capacity in tokens (after load).
 const char *tdm_worker_model_name(const struct tdm_worker *s);
+// Where the model computes, for the startup line: "cpu", "cuda:0", or "cpu
+// (--device auto: no CUDA backend: libtandem-cuda.so not found ...)".
+const char *tdm_worker_device(const struct tdm_worker *s);
 int64_t tdm_worker_kv_capacity_tokens(const struct tdm_worker *s);
 // Stops accepting (health 503, new API requests 503) and lets running requests
 // finish for up to timeout_s seconds (< 0: no limit); the rest are aborted and

@@ -307,8 +307,9 @@ static const struct tdm_flag decode_flags[] = {
      .kind = TDM_FLAG_FN,
      .fn = set_device,
      .metavar = "cpu|cuda|cuda:N",
-     .help = "where the model computes (default cuda when built\nwith CUDA and a GPU is visible, "
-             "else cpu; the CUDA\nbackend is verified on an emulator only so far)"},
+     .help = "where the model computes (default: cuda when the CUDA\nbackend module "
+             "libtandem-cuda.so loads and a GPU is\nvisible, else cpu; cuda-emu[:N] runs the "
+             "CUDA backend\non its CPU emulator, for checks)"},
     {.name = "weight-cache",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(weight_cache),
@@ -329,8 +330,9 @@ static const struct tdm_flag decode_flags[] = {
      .kind = TDM_FLAG_FN,
      .fn = set_kv_transfer,
      .metavar = "nng|cuda-ipc|nccl|auto",
-     .help = "P/D: how KV moves between prefill and decode workers\n(default auto: CUDA IPC on one "
-             "host, else NCCL\nbetween GPUs, else nng; chosen per pair; a CPU build\nhas nng only)"},
+     .help =
+         "P/D: how KV moves between prefill and decode workers\n(default auto: CUDA IPC on one "
+         "host, else NCCL\nbetween GPUs, else nng; chosen per pair; a CPU build\nhas nng only)"},
     {.name = "gpu-memory-utilization",
      .kind = TDM_FLAG_FN,
      .fn = set_gpu_memory_utilization,
@@ -352,7 +354,8 @@ static const struct tdm_flag decode_flags[] = {
     {.name = "enable-auto-tool-choice",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(enable_auto_tool_choice),
-     .help = "tool_choice \"auto\": parse tool calls out of the\noutput (needs --tool-call-parser)"},
+     .help =
+         "tool_choice \"auto\": parse tool calls out of the\noutput (needs --tool-call-parser)"},
     STR("tool-call-parser", tool_call_parser, "NAME",
         "hermes (Qwen2.5, Hermes) or llama3_json (Llama 3.x)"),
     INT("max-waiting", max_waiting, 0, 1 << 20, "N",

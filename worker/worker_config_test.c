@@ -51,13 +51,14 @@ static void test_defaults(void **state)
     assert_string_equal(c.api_key, "");
 }
 
-// --kv-transfer: auto by default; every name parses in a CUDA build; a CPU
-// build takes nng and auto only and says why for the device transports.
+// --kv-transfer: auto by default; every name parses where the CUDA backend
+// module loads; without it nng and auto only, and it says why for the device
+// transports.
 static void test_kv_transfer(void **state)
 {
     (void)state;
     struct tdm_worker_config c;
-    char err[256];
+    char err[1024];
     assert_int_equal(parse(&c, err, sizeof err, 3, "--model", "/m"), TDM_OK);
     assert_int_equal(c.kv_transfer, TDM_KVX_AUTO);
     assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-transfer", "nng"),
@@ -75,7 +76,7 @@ static void test_kv_transfer(void **state)
             assert_int_equal(c.kv_transfer, want[i]);
         } else {
             assert_int_equal(rc, TDM_EINVAL);
-            assert_non_null(strstr(err, "needs a CUDA build"));
+            assert_non_null(strstr(err, "needs the CUDA backend module (libtandem-cuda.so"));
             assert_non_null(strstr(err, dev[i]));
         }
     }

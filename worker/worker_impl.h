@@ -45,6 +45,9 @@ struct tdm_worker {
                                       // (owned; NULL: constrained requests refused)
     struct tdm_tracer *tracer; // NULL = tracing off (--otlp-traces-endpoint)
     char model_path[TDM_WORKER_STR]; // the folder --model names (a Hub id resolved to the cache)
+    // Where the model computes, for the ready line: "cpu", "cuda:0", or "cpu
+    // (--device auto: why not a GPU)".
+    char device_desc[1280];
     int max_model_len;
     int num_blocks;
     int64_t created;

@@ -16,6 +16,7 @@
 
 _Atomic int tdm_log_level = TDM_LOG_LEVEL_INFO;
 static const char *log_role = "tandem";
+static void (*_Atomic log_sink)(int level, const char *module, const char *msg);
 
 const char *tdm_strerror(int err)
 {
@@ -68,14 +69,14 @@ int tdm_log_set_level_name(const char *name)
     return TDM_EINVAL;
 }
 
-void tdm_log_write(int level, const char *module, const char *fmt, ...)
+void tdm_log_set_sink(void (*sink)(int level, const char *module, const char *msg))
+{
+    atomic_store(&log_sink, sink);
+}
+
+static void log_line(int level, const char *module, const char *msg)
 {
     static const char *lv[] = {"ERROR", "WARN", "INFO", "DEBUG"};
-    char msg[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     struct tm tm;
@@ -88,6 +89,31 @@ void tdm_log_write(int level, const char *module, const char *fmt, ...)
         level = 3;
     fprintf(stderr, "%s.%03ldZ %s %s %s %s\n", tbuf, ts.tv_nsec / 1000000, lv[level], log_role,
             module ? module : "-", msg);
+}
+
+void tdm_log_write(int level, const char *module, const char *fmt, ...)
+{
+    char msg[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    void (*sink)(int, const char *, const char *) = atomic_load(&log_sink);
+    if (sink != NULL)
+        sink(level, module, msg);
+    else
+        log_line(level, module, msg);
+}
+
+void tdm_log_emit(int level, const char *module, const char *msg)
+{
+    if (level > atomic_load_explicit(&tdm_log_level, memory_order_relaxed))
+        return;
+    void (*sink)(int, const char *, const char *) = atomic_load(&log_sink);
+    if (sink != NULL)
+        sink(level, module, msg ? msg : "");
+    else
+        log_line(level, module, msg ? msg : "");
 }
 
 void tdm_panic(const char *file, int line, const char *what)

@@ -86,9 +86,18 @@ extern _Atomic int tdm_log_level;
 void tdm_log_set_role(const char *role);
 int tdm_log_set_level_name(const char *name);
 
-// One line to stderr: `ts level role module msg`.
+// One line to stderr: `ts level role module msg`, or the message to the
+// sink when one is set.
 void tdm_log_write(int level, const char *module, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+// Where tdm_log_write's messages go instead of stderr (NULL: stderr). A
+// device module (backend_module.h) has its own copy of core: its init points
+// that copy's sink at the binary's tdm_log_emit, so the module's lines carry
+// the binary's role and obey its level.
+void tdm_log_set_sink(void (*sink)(int level, const char *module, const char *msg));
+// One formatted message as tdm_log_write writes it, when `level` passes the
+// current threshold.
+void tdm_log_emit(int level, const char *module, const char *msg);
 
 #define TDM_LOG_(lvl, module, ...)                                                                 \
     do {                                                                                           \

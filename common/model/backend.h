@@ -162,7 +162,12 @@ struct tdm_backend_ops {
     void (*add)(struct tdm_backend *be, float *x, const float *y, size_t count);
 };
 
-// Registered backends (backend.c): NULL when name is unknown or not built.
+// The backend called `name`: "cpu" (built in), one a test registered, else
+// the device module libtandem-NAME.so (backend_module.h), loaded on first
+// use. TDM_OK, or the module loader's code with err saying what is missing.
+int tdm_backend_lookup(const char *name, const struct tdm_backend_ops **out, char *err,
+                       size_t errlen);
+// tdm_backend_lookup without the reason: NULL when there is no such backend.
 const struct tdm_backend_ops *tdm_backend_find(const char *name);
 // Adds a backend under ops->name for this process (tests: the CUDA backend on
 // the execution-model emulator). TDM_ECAPACITY when the table is full.

@@ -134,13 +134,34 @@ const char *tdm_weight_cache_use_name(enum tdm_weight_cache_use u)
     }
 }
 
+static char auto_note[1100];
+static pthread_mutex_t auto_note_mu = PTHREAD_MUTEX_INITIALIZER;
+
+const char *tdm_model_device_auto_note(void)
+{
+    return auto_note;
+}
+
 int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err, size_t errlen)
 {
-    const struct tdm_backend_ops *cuda = tdm_backend_find("cuda");
-    int visible = cuda && cuda->device_count ? cuda->device_count() : 0;
+    char why[1024];
+    const struct tdm_backend_ops *cuda;
     if (spec == NULL || spec[0] == '\0' || strcmp(spec, "auto") == 0) {
+        int found = tdm_backend_lookup("cuda", &cuda, why, sizeof why);
+        int visible = found == TDM_OK && cuda->device_count ? cuda->device_count() : 0;
         o->backend = visible > 0 ? "cuda" : "cpu";
         o->device = 0;
+        pthread_mutex_lock(&auto_note_mu);
+        if (visible > 0)
+            auto_note[0] = '\0';
+        else if (found == TDM_OK)
+            snprintf(auto_note, sizeof auto_note, "no CUDA GPU visible");
+        else
+            snprintf(auto_note, sizeof auto_note, "no CUDA backend: %s", why);
+        pthread_mutex_unlock(&auto_note_mu);
+        static atomic_flag said = ATOMIC_FLAG_INIT;
+        if (visible == 0 && !atomic_flag_test_and_set(&said))
+            TDM_LOG_INFO("model", "--device auto: running on the CPU (%s)", auto_note);
         return TDM_OK;
     }
     if (strcmp(spec, "cpu") == 0) {
@@ -149,24 +170,28 @@ int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *
         return TDM_OK;
     }
     int ordinal = 0;
-    if (strncmp(spec, "cuda", 4) == 0 && (spec[4] == '\0' || spec[4] == ':')) {
-        if (spec[4] == ':') {
+    static const char *const devices[] = {"cuda-emu", "cuda"};
+    for (size_t d = 0; d < sizeof devices / sizeof devices[0]; d++) {
+        const char *name = devices[d];
+        size_t nl = strlen(name);
+        if (strncmp(spec, name, nl) != 0 || (spec[nl] != '\0' && spec[nl] != ':'))
+            continue;
+        if (spec[nl] == ':') {
             char *end;
-            long v = strtol(spec + 5, &end, 10);
-            if (spec[5] == '\0' || *end != '\0' || v < 0 || v > 1023)
+            long v = strtol(spec + nl + 1, &end, 10);
+            if (spec[nl + 1] == '\0' || *end != '\0' || v < 0 || v > 1023)
                 return tdm_seterr(err, errlen, TDM_EINVAL,
-                                  "--device %s: expected cuda:N with N a GPU index", spec);
+                                  "--device %s: expected %s:N with N a GPU index", spec, name);
             ordinal = (int)v;
         }
-        if (cuda == NULL)
-            return tdm_seterr(err, errlen, TDM_EINVAL,
-                              "--device %s: this build has no CUDA backend (configure with "
-                              "-DTANDEM_CUDA=ON)",
-                              spec);
+        if (tdm_backend_lookup(name, &cuda, why, sizeof why) != TDM_OK)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "--device %s: no CUDA backend: %s", spec,
+                              why);
+        int visible = cuda->device_count ? cuda->device_count() : 0;
         if (ordinal >= visible)
             return tdm_seterr(err, errlen, TDM_EINVAL, "--device %s: %d CUDA GPU%s visible", spec,
                               visible, visible == 1 ? "" : "s");
-        o->backend = "cuda";
+        o->backend = name;
         o->device = ordinal;
         return TDM_OK;
     }

@@ -44,12 +44,18 @@ struct tdm_model_opts {
 };
 void tdm_model_opts_default(struct tdm_model_opts *o);
 // Sets o->backend and o->device from a --device value (vLLM's flag): "cpu",
-// "cuda", "cuda:N", or NULL / "" / "auto" for the default: "cuda" when this
-// build has the CUDA backend and a GPU is visible, else "cpu". TDM_EINVAL with
-// err saying why for anything else, for cuda in a build without it, and for
-// cuda when no GPU (or not GPU N) is visible: asking for a GPU that is not
-// there is a startup error, never a silent fallback to the CPU.
+// "cuda", "cuda:N" (the CUDA backend module, libtandem-cuda.so), "cuda-emu",
+// "cuda-emu:N" (the same backend on the CUDA emulator: checks without a GPU),
+// or NULL / "" / "auto" for the default: "cuda" when its module loads and a
+// GPU is visible, else "cpu" (one INFO line per process says why). TDM_EINVAL
+// with err saying why for anything else, for cuda when its module cannot load
+// (the missing file or library named), and for cuda when no GPU (or not GPU
+// N) is visible: asking for a GPU that is not there is a startup error, never
+// a silent fallback to the CPU.
 int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err, size_t errlen);
+// Why the last "--device auto" chose the CPU ("no CUDA GPU visible", "no
+// CUDA backend: ..."); "" when it chose a GPU or auto was never asked.
+const char *tdm_model_device_auto_note(void);
 
 struct tdm_model;
 

@@ -401,21 +401,26 @@ static void test_batch_invariance(void **state)
     kv_dtype = TDM_KV_F32;
 }
 
-// --device in a build without the CUDA backend: cpu and auto give cpu, any
-// cuda is a clear error, never a silent CPU fallback.
+// --device where the CUDA backend module is not to be found (main points
+// TANDEM_BACKEND_PATH at an empty folder, in either build): cpu and auto give
+// cpu, any cuda is a clear error naming the missing module, never a silent
+// CPU fallback.
+static char empty_dir[] = "/tmp/tdm_model_test_nomod_XXXXXX";
 static void test_device_flag(void **state)
 {
     (void)state;
     struct tdm_model_opts o;
-    char err[256];
+    char err[512];
     tdm_model_opts_default(&o);
-    if (tdm_backend_find("cuda") != NULL) // a TANDEM_CUDA build: the gpu tests cover it
-        TDM_SKIP("a CUDA backend is linked in: cuda_model_emu_test and the gpu tests cover --device");
     assert_int_equal(tdm_model_opts_set_device(&o, "", err, sizeof err), TDM_OK);
     assert_string_equal(o.backend, "cpu");
     assert_int_equal(tdm_model_opts_set_device(&o, "cuda", err, sizeof err), TDM_EINVAL);
-    assert_string_equal(err, "--device cuda: this build has no CUDA backend (configure with "
-                             "-DTANDEM_CUDA=ON)");
+    char want[256];
+    snprintf(want, sizeof want,
+             "--device cuda: no CUDA backend: libtandem-cuda.so not found (looked in %s; "
+             "TANDEM_BACKEND_PATH names its folder)",
+             empty_dir);
+    assert_string_equal(err, want);
     assert_int_equal(tdm_model_opts_set_device(&o, "cuda:2", err, sizeof err), TDM_EINVAL);
     assert_int_equal(tdm_model_opts_set_device(&o, "cuda:", err, sizeof err), TDM_EINVAL);
     assert_int_equal(tdm_model_opts_set_device(&o, "CPU", err, sizeof err), TDM_EINVAL);
@@ -652,6 +657,9 @@ static void test_load_errors(void **state)
 
 int main(void)
 {
+    // No device module is found, whatever was built (test_device_flag).
+    if (mkdtemp(empty_dir) == NULL || setenv("TANDEM_BACKEND_PATH", empty_dir, 1) != 0)
+        return 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chunked_prefill), cmocka_unit_test(test_prefix_cache),
         cmocka_unit_test(test_export_import),   cmocka_unit_test(test_batch_invariance),
@@ -659,5 +667,7 @@ int main(void)
         cmocka_unit_test(test_load_errors),     cmocka_unit_test(test_layer_hook),
         cmocka_unit_test(test_runner_errors),   cmocka_unit_test(test_device_flag),
     };
-    return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
+    int rc = tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
+    rmdir(empty_dir);
+    return rc;
 }

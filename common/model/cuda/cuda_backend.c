@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuda_backend: struct tdm_backend_ops for NVIDIA GPUs, written against the
 // thin device API of cuda_dev.h and the kernel launchers of cuda_kernels.h.
-// This one file is compiled twice: with cuda_dev.c + cuda_kernels.cu into the
-// product (TANDEM_CUDA=ON, registered as "cuda" in backend.c), and with the
-// emulated device API and kernels into tdm_model_cuda_emu (tests only,
-// registered by the test as "cuda"), so CI runs this host code end to end.
+// This one file is compiled for two device APIs: with cuda_dev.c +
+// cuda_kernels.cu into the CUDA backend module (TANDEM_CUDA=ON,
+// libtandem-cuda.so, loaded as "cuda": backend_module.h), and with the
+// emulated device API and kernels into libtandem-cuda-emu.so and
+// tdm_model_cuda_emu (tests, which register it as "cuda"), so CI runs this
+// host code end to end.
 //
 // Memory: weights bf16 row-major [rows][cols] in device memory (uploaded once;
 // int8 weight-only is not implemented here and is refused at load); activations

@@ -21,8 +21,9 @@
 //
 // Built twice: cuda_model_emu_test (the emulator, label unit) and, with
 // TANDEM_CUDA, cuda_model_gpu_test (TDM_CUDA_TEST_GPU: the real backend
-// registered as "cuda" in backend.c, label gpu, exit 77 without a GPU), where
-// the same comparisons also check cuBLASLt's GEMM and its batch invariance.
+// loaded as "cuda" from its module, libtandem-cuda.so; label gpu, exit 77
+// without a GPU), where the same comparisons also check cuBLASLt's GEMM and
+// its batch invariance.
 // The device-flag and memory-arithmetic tests assume the emulator's one
 // pretend 1 GiB device and run on it only; the GPU build adds the 0.5B shape
 // vs the CPU backend and batch-of-32 invariance (too slow to emulate).
@@ -726,16 +727,20 @@ static void test_errors(void **state)
 
 #ifdef TDM_CUDA_TEST_GPU
 // ---- GPU only: the Qwen2.5-0.5B shape ------------------------------------------------------
-// Too slow for the emulator. The random model is written once into the build
-// folder (about 1 GB).
+// Too slow for the emulator. The random model is written once (about 1 GB)
+// into TANDEM_TEST_WORKDIR, else the build folder when it exists, else the
+// working folder (a relocated pack, bench/gpu/pack.sh, has no build folder).
 static char big_dir[1024];
 
 static void ensure_big_model(void)
 {
     char path[1100], err[256];
-    snprintf(big_dir, sizeof big_dir, "%s/qwen2.5-0.5b-random-gpu-test", TANDEM_BINARY_DIR);
-    snprintf(path, sizeof path, "%s/model.safetensors", big_dir);
     struct stat sb;
+    const char *base = getenv("TANDEM_TEST_WORKDIR");
+    if (base == NULL || base[0] == '\0')
+        base = stat(TANDEM_BINARY_DIR, &sb) == 0 ? TANDEM_BINARY_DIR : ".";
+    snprintf(big_dir, sizeof big_dir, "%s/qwen2.5-0.5b-random-gpu-test", base);
+    snprintf(path, sizeof path, "%s/model.safetensors", big_dir);
     if (stat(path, &sb) == 0)
         return;
     struct tdm_mkmodel_spec s;

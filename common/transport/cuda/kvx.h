@@ -14,7 +14,7 @@
 //     failure is returned as TDM_ETRANSPORT / TDM_ETIMEDOUT so the caller can
 //     retry the next prefill worker with the same blocks, then prefill locally.
 // The CUDA and NCCL calls go through struct tdm_kvx_ops: the real table
-// (tdm_kvx_cuda_ops, built with TANDEM_CUDA) calls cudart and NCCL; unit tests
+// (tdm_kvx_cuda_ops, in the CUDA backend module) calls cudart and NCCL; unit tests
 // pass a fake. No CUDA or NCCL type appears here: handles and ids are bytes.
 //
 // Threads: none of these objects locks. A worker's engine thread owns its
@@ -43,7 +43,7 @@ const char *tdm_kvx_mode_name(enum tdm_kvx_mode m);
 struct tdm_kvx_side {
     enum tdm_kvx_mode setting; // its --kv-transfer
     bool gpu;                  // its backend runs on a CUDA device (--device cuda)
-    bool nccl;                 // built with NCCL (TANDEM_CUDA)
+    bool nccl;                 // has NCCL (the CUDA backend module loaded)
     const char *host_id;       // the node's identity (e.g. /proc/sys/kernel/random/boot_id);
                                // NULL or "" = unknown, never the same host as another
 };
@@ -131,12 +131,17 @@ struct tdm_kvx_ops {
     int (*use_device_of)(void *ctx, const void *dev_ptr, char *err, size_t errlen);
 };
 
-// The real table (cudart + NCCL) in a TANDEM_CUDA build; NULL in a CPU build,
-// where only nng moves KV (tdm_kvx_check_setting says so at startup).
+// The real table (cudart + NCCL) of the CUDA backend module, loaded on first
+// use (kvx_device.c); NULL where the module cannot load, and then only nng
+// moves KV (tdm_kvx_check_setting says so at startup).
 const struct tdm_kvx_ops *tdm_kvx_cuda_ops(void);
+// The table itself, inside the module (kvx_cuda_ops.c; cuda_module.c
+// registers it): binaries reach it only through tdm_kvx_cuda_ops.
+const struct tdm_kvx_ops *tdm_kvx_cuda_table(void);
 
-// Whether `m` can be asked for in this build: every mode with CUDA; nng and
-// auto without. -1 with err ("--kv-transfer cuda-ipc needs a CUDA build ...").
+// Whether `m` can be asked for here: every mode when the CUDA backend module
+// loads; nng and auto without. -1 with err ("--kv-transfer cuda-ipc needs the
+// CUDA backend module (libtandem-cuda.so not found ...)").
 int tdm_kvx_check_setting(enum tdm_kvx_mode m, char *err, size_t errlen);
 
 // ---- the decode worker's KV pool, as the prefill worker needs to address it ---------------

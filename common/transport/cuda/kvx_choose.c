@@ -97,14 +97,3 @@ int tdm_kvx_choose(const struct tdm_kvx_side *prefill, const struct tdm_kvx_side
     }
     return -1;
 }
-
-int tdm_kvx_check_setting(enum tdm_kvx_mode m, char *err, size_t errlen)
-{
-    if (m == TDM_KVX_AUTO || m == TDM_KVX_NNG || tdm_kvx_cuda_ops() != NULL)
-        return 0;
-    snprintf(err, errlen,
-             "--kv-transfer %s needs a CUDA build (cmake -DTANDEM_CUDA=ON); this build moves KV "
-             "over nng only: use nng or auto",
-             tdm_kvx_mode_name(m));
-    return -1;
-}

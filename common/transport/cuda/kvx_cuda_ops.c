@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvx_cuda_ops: the real struct tdm_kvx_ops, over cudart (IPC handles) and
-// NCCL (communicators). Built only with TANDEM_CUDA; the only file of the kvx
-// module that includes CUDA or NCCL headers. The caller has made the worker's
+// NCCL (communicators). Compiled into the CUDA backend module
+// (libtandem-cuda.so, cuda_module.c registers it), the only file of kvx that
+// includes CUDA or NCCL headers. The caller has made the worker's
 // device current (cudaSetDevice) on the calling thread. NCCL communicators are
 // created non-blocking (ncclConfig_t.blocking = 0), so init and abort return
 // at once and progress is read with ncclCommGetAsyncError. Copies, NCCL
@@ -295,7 +296,7 @@ static const struct tdm_kvx_ops CUDA_OPS = {
     .use_device_of = use_device_of,
 };
 
-const struct tdm_kvx_ops *tdm_kvx_cuda_ops(void)
+const struct tdm_kvx_ops *tdm_kvx_cuda_table(void)
 {
     return &CUDA_OPS;
 }

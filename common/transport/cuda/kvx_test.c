@@ -16,9 +16,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core.h"
 #include "kvx.h"
+
+static char no_module_dir[] = "/tmp/tdm_kvx_test_nomod_XXXXXX";
 
 // ---- the fake table ------------------------------------------------------------------------
 struct fake {
@@ -783,13 +786,19 @@ static void test_pairs_and_setting(void **state)
     assert_string_equal(small, "\"kv_transfer\":{\"setting\":\"nng\",\"pairs\":[]}");
     tdm_kvx_pairs_free(ps);
 
-    char err[256];
+    // No CUDA backend module where main points TANDEM_BACKEND_PATH (an empty
+    // folder), in either build: the device transports say what is missing.
+    char err[1024], want[1024];
     assert_int_equal(tdm_kvx_check_setting(TDM_KVX_AUTO, err, sizeof err), 0);
     assert_int_equal(tdm_kvx_check_setting(TDM_KVX_NNG, err, sizeof err), 0);
-    int rc = tdm_kvx_check_setting(TDM_KVX_CUDA_IPC, err, sizeof err);
-    assert_int_equal(rc, tdm_kvx_cuda_ops() != NULL ? 0 : -1);
-    if (rc != 0)
-        assert_non_null(strstr(err, "--kv-transfer cuda-ipc needs a CUDA build"));
+    assert_null(tdm_kvx_cuda_ops());
+    assert_int_equal(tdm_kvx_check_setting(TDM_KVX_CUDA_IPC, err, sizeof err), -1);
+    snprintf(want, sizeof want,
+             "--kv-transfer cuda-ipc needs the CUDA backend module (libtandem-cuda.so not found "
+             "(looked in %s; TANDEM_BACKEND_PATH names its folder)); without it KV moves over nng "
+             "only: use nng or auto",
+             no_module_dir);
+    assert_string_equal(err, want);
 
     char host[96];
     setenv("TANDEM_HOST_ID", "node-7", 1);
@@ -979,6 +988,8 @@ static void test_links(void **state)
 
 int main(void)
 {
+    if (mkdtemp(no_module_dir) == NULL || setenv("TANDEM_BACKEND_PATH", no_module_dir, 1) != 0)
+        return 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup(test_mode_names, reset),
         cmocka_unit_test_setup(test_choose_every_combination, reset),
@@ -993,5 +1004,7 @@ int main(void)
         cmocka_unit_test_setup(test_nccl_transfer, reset),
         cmocka_unit_test_setup(test_links, reset),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    rmdir(no_module_dir);
+    return rc;
 }
