@@ -18,7 +18,11 @@
 //   - memory safety: a request cancelled while its copy is still pending
 //     keeps its reserved blocks until the copy's completion is known; a new
 //     request that needs those blocks does not get them before the copy
-//     landed, and runs after.
+//     landed, and runs after;
+//   - the decode worker's prefix cache after in-place transfers (issue 25,
+//     item 3), over CUDA IPC and NCCL, on fragmented pools: P/D, the same
+//     prompt direct, a longer prompt sharing it, 1 to 4 096 tokens, each equal
+//     to the decode worker alone, and the KV bytes and copy time counted.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -57,10 +61,11 @@ struct pending_copy {
     void *dst;
     const void *src;
     size_t bytes;
+    pthread_t thread; // the issuing thread: its stream (see n_match_locked)
 };
 static struct {
     pthread_mutex_t mu;
-    struct pending_copy q[4096];
+    struct pending_copy q[65536]; // every copy of the run, in issue order
     int nq, done;
     atomic_bool hold;         // events stay pending while set
     atomic_bool pending_seen; // an event was queried while held
@@ -119,7 +124,7 @@ static int x_copy_async(void *ctx, void *dst, const void *src, size_t bytes, cha
         snprintf(err, errlen, "fake copy queue full");
         rc = -1;
     } else {
-        X.q[X.nq++] = (struct pending_copy){dst, src, bytes};
+        X.q[X.nq++] = (struct pending_copy){dst, src, bytes, pthread_self()};
         X.copies++;
         X.bytes += bytes;
     }
@@ -146,7 +151,9 @@ static int x_event_query(void *ctx, void *event)
 
 // ---- the fake NCCL: two in-process ranks meet at a rendezvous named by the id;
 // a send and a receive of the same rank pair match in order and move their
-// bytes by memcpy at the match. X.nccl_hold keeps sends unmatched (a transfer
+// bytes by memcpy at the match, after the copies the sending thread issued
+// before the send (one stream per thread: a staged send's gather copies land
+// first, as on the device). X.nccl_hold keeps sends unmatched (a transfer
 // stalled mid-way); an abort completes its communicator's pending operations
 // without data (NCCL's aborted kernels end). An event is complete when every
 // operation the recording thread issued before it is done.
@@ -157,6 +164,7 @@ struct fop {
     size_t bytes;
     bool send, done;
     pthread_t thread;
+    int copies_before; // X.nq when it was issued
 };
 struct rdv {
     uint8_t id[TDM_KVX_NCCL_ID_BYTES];
@@ -198,6 +206,11 @@ static void n_match_locked(void)
         struct fop *s = &N.ops[i];
         if (!s->send || s->done)
             continue;
+        // Stream order: the sender's earlier copies (a staging gather) land
+        // first; landing one again later copies the same bytes.
+        for (int k = X.done; k < s->copies_before && k < X.nq; k++)
+            if (pthread_equal(X.q[k].thread, s->thread))
+                memcpy(X.q[k].dst, X.q[k].src, X.q[k].bytes);
         // The first pending receive of the same rendezvous, from the other rank.
         for (int k = 0; k < N.nops; k++) {
             struct fop *r = &N.ops[k];
@@ -319,7 +332,7 @@ static int n_op(void *comm, void *buf, size_t bytes, bool send, char *err, size_
         snprintf(err, errlen, "fake: op log full");
         rc = -1;
     } else {
-        N.ops[N.nops++] = (struct fop){comm, buf, bytes, send, false, pthread_self()};
+        N.ops[N.nops++] = (struct fop){comm, buf, bytes, send, false, pthread_self(), X.nq};
         n_match_locked();
     }
     pthread_mutex_unlock(&X.mu);
@@ -444,18 +457,35 @@ static struct tdm_net_inbox *router_in;
 static struct tdm_net_outbox *router_out;
 static uint64_t router_instance = 0x5eed;
 
+// A worker's shape: the model folder, its pool, and whether it caches prefixes.
+struct worker_shape {
+    const char *model;
+    int num_blocks, block_size;
+    bool prefix_caching;
+    int chunk; // --max-num-batched-tokens (0: the default)
+};
+// The first tests': every request transfers its whole prompt.
+static const struct worker_shape plain_shape = {model_dir, NUM_BLOCKS, BLOCK, false, 0};
+static const struct worker_shape *shape = &plain_shape; // of the workers started now
+
+static char pc_model_dir[] = "/tmp/pd_kvx_pc_XXXXXX"; // the prefix-cache tests' model
+static bool pc_model_made;
+static struct tdm_worker *ref; // the decode worker alone: the same shape, no prefix cache
+
 static struct tdm_worker *start_worker(void)
 {
     struct tdm_worker_config c;
     tdm_worker_config_default(&c);
-    snprintf(c.model, sizeof c.model, "%s", model_dir);
+    snprintf(c.model, sizeof c.model, "%s", shape->model);
     snprintf(c.host, sizeof c.host, "127.0.0.1");
     c.port = 0;
     snprintf(c.device, sizeof c.device, "cuda");
     c.enforce_eager = true; // the emulator captures one graph at a time process-wide
-    c.num_kv_blocks = NUM_BLOCKS;
-    c.block_size = BLOCK;
-    c.enable_prefix_caching = false; // every request transfers its whole prompt
+    c.num_kv_blocks = shape->num_blocks;
+    c.block_size = shape->block_size;
+    c.enable_prefix_caching = shape->prefix_caching;
+    if (shape->chunk > 0)
+        c.max_num_batched_tokens = shape->chunk;
     c.max_num_seqs = 4;
     c.threads = 1;
     char err[512];
@@ -469,6 +499,7 @@ static struct tdm_worker *start_worker(void)
     return w;
 }
 
+static int start_pair(void);
 static int setup(void **state)
 {
     (void)state;
@@ -482,6 +513,19 @@ static int setup(void **state)
         fprintf(stderr, "mkmodel: %s\n", err);
         return -1;
     }
+    if (tdm_net_inbox_new(&router_in, "tcp://127.0.0.1:0", err, sizeof err) != TDM_OK ||
+        tdm_net_outbox_new(&router_out, 50, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "setup: %s\n", err);
+        return -1;
+    }
+    return start_pair();
+}
+
+// The decode worker with its P/D receiver and the prefill worker with its
+// service, in the current shape. 0 or -1.
+static int start_pair(void)
+{
+    char err[512];
     dw = start_worker();
     pw = start_worker();
     if (dw == NULL || pw == NULL)
@@ -505,26 +549,34 @@ static int setup(void **state)
     pc.kvx_ops = &FAKE;
     pc.nccl_timeout = 3; // the init-timeout test waits this long
     if (tdm_pd_receiver_new(&rx, dw, &rc, err, sizeof err) != TDM_OK ||
-        tdm_prefill_service_new(&ps, pw, &pc, err, sizeof err) != TDM_OK ||
-        tdm_net_inbox_new(&router_in, "tcp://127.0.0.1:0", err, sizeof err) != TDM_OK ||
-        tdm_net_outbox_new(&router_out, 50, err, sizeof err) != TDM_OK) {
+        tdm_prefill_service_new(&ps, pw, &pc, err, sizeof err) != TDM_OK) {
         fprintf(stderr, "setup: %s\n", err);
         return -1;
     }
     return 0;
 }
 
-static int teardown(void **state)
+// Stops both workers (the router's inbox stays).
+static void stop_pair(void)
 {
-    (void)state;
-    atomic_store(&X.hold, false); // a failed test must not leave a prefill job polling
-    tdm_net_outbox_free(router_out);
-    tdm_net_inbox_free(router_in);
     tdm_prefill_service_free(ps);
     tdm_pd_receiver_free(rx);
     tdm_worker_free(pw);
     tdm_worker_free(dw);
+    ps = NULL, rx = NULL, pw = dw = NULL;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    atomic_store(&X.hold, false); // a failed test must not leave a prefill job polling
+    tdm_worker_free(ref);
+    tdm_net_outbox_free(router_out);
+    tdm_net_inbox_free(router_in);
+    stop_pair();
     tdm_mkmodel_remove(model_dir);
+    if (pc_model_made)
+        tdm_mkmodel_remove(pc_model_dir);
     return 0;
 }
 
@@ -1190,6 +1242,283 @@ static void test_nccl_layouts_differ(void **state)
     assert_non_null(strstr(body, "KV layouts differ"));
 }
 
+// ---- the prefix cache after in-place transfers (issue 25, item 3) -------------------------
+// On an H200 the decode worker's prefix cache gave wrong tokens after CUDA IPC
+// transfers: a prompt sent through P/D, then the same prompt straight to the
+// decode worker (which reuses the blocks the transfer wrote) differed from the
+// decode worker alone. Here both workers cache prefixes, the pools are first
+// fragmented (the evictable queue hands out blocks in descending order, so
+// block tables are not contiguous and a transfer is many runs of blocks), and
+// prompts go from 1 to 4 096 tokens in 512-token chunks: per length, P/D, the
+// same prompt direct, a longer prompt sharing it over P/D and direct, each
+// equal to a third worker of the same shape without a prefix cache.
+// Under ASan or TSan the emulated kernels are several times slower and the
+// test is near its ctest limit: prompts up to 1 500 tokens there (the lengths
+// past it run in every plain build).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define PC_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define PC_SANITIZED 1
+#endif
+#endif
+#ifdef PC_SANITIZED
+#define PC_LONGEST 1500
+#else
+#define PC_LONGEST 4096
+#endif
+enum {
+    PC_BLOCK = 8, // tokens a block: many blocks per prompt
+    // The longest prompt (+ PC_EXTRA tokens + one) and some room.
+    PC_BLOCKS = (PC_LONGEST + 9 + 1 + PC_BLOCK - 1) / PC_BLOCK + 26,
+    PC_CHUNK = 512, // --max-num-batched-tokens: 4 096 tokens are 8 chunks
+    PC_EXTRA = 9,   // the longer prompt's own tokens (not a block multiple)
+    PC_TOKENS = 4,  // ids compared a request
+    PC_LAYERS = 2,  // the model's
+    PC_MAX = PC_LONGEST + PC_EXTRA,
+    PC_FILL_LEN = 256, // a filler request's tokens: all but 28 blocks of the pool in all
+    PC_FILL = (PC_BLOCKS - 28) * PC_BLOCK / PC_FILL_LEN,
+};
+_Static_assert(PC_EXTRA == 9, "PC_BLOCKS counts the longer prompt's 9 tokens");
+static const struct worker_shape pc_shape = {pc_model_dir, PC_BLOCKS, PC_BLOCK, true, PC_CHUNK};
+static const struct worker_shape ref_shape = {pc_model_dir, PC_BLOCKS, PC_BLOCK, false, PC_CHUNK};
+
+static void pc_prompt(int32_t *p, int n, uint32_t seed)
+{
+    uint32_t x = seed * 2654435761u + 12345u;
+    for (int i = 0; i < n; i++) {
+        x = x * 1664525u + 1013904223u;
+        p[i] = 3 + (int32_t)((x >> 8) % 400u);
+    }
+}
+
+// Greedy ids of a request on w's engine, no router and no P/D; returns how many.
+static int engine_greedy(struct tdm_worker *w, const int32_t *prompt, int n, int max_tokens,
+                         int32_t *out)
+{
+    struct tdm_worker_parts parts;
+    assert_int_equal(tdm_worker_parts(w, &parts), TDM_OK);
+    struct tdm_engine_request_params ep;
+    tdm_engine_request_params_default(&ep);
+    ep.id = "pc-local";
+    ep.prompt = prompt;
+    ep.n_prompt = n;
+    ep.max_tokens = max_tokens;
+    ep.sampling.temperature = 0; // greedy, as the router's requests here
+    ep.sampling.ignore_eos = true;
+    struct tdm_engine_request *r = NULL;
+    char err[256];
+    assert_int_equal(tdm_engine_submit(parts.engine, &ep, &r, err, sizeof err), TDM_OK);
+    int got = 0;
+    struct tdm_engine_chunk c;
+    for (;;) {
+        int rc = tdm_engine_stream_next(r, 0.05, &c);
+        if (rc == TDM_ETIMEDOUT)
+            continue;
+        assert_int_equal(rc, TDM_OK);
+        for (int i = 0; i < c.n && got < max_tokens; i++)
+            out[got++] = c.tokens[i];
+        if (c.finished)
+            break;
+    }
+    assert_int_equal(c.error, 0);
+    tdm_engine_request_release(r);
+    return got;
+}
+
+// Fills most of w's pool with requests that release their blocks into the
+// evictable queue last block first: later allocations get descending ids.
+static void fragment(struct tdm_worker *w, uint32_t seed)
+{
+    int32_t p[PC_FILL_LEN], tok;
+    for (int i = 0; i < PC_FILL; i++) {
+        pc_prompt(p, PC_FILL_LEN, seed + (uint32_t)i);
+        engine_greedy(w, p, PC_FILL_LEN, 1, &tok);
+    }
+}
+
+// Sum of every series of a metric family in w's registry (-1 when absent).
+static double metric_sum(struct tdm_worker *w, const char *name)
+{
+    struct tdm_worker_parts parts;
+    assert_int_equal(tdm_worker_parts(w, &parts), TDM_OK);
+    char *text = NULL;
+    size_t len = 0;
+    assert_int_equal(tdm_metrics_render(parts.reg, &text, &len), TDM_OK);
+    double sum = -1;
+    size_t nl = strlen(name);
+    for (const char *at = text; (at = strstr(at, name)) != NULL; at += nl) {
+        if (at != text && at[-1] != '\n')
+            continue;
+        const char *v = at + nl;
+        if (*v == '{')
+            v = strchr(v, '}') ? strchr(v, '}') + 1 : v;
+        if (*v != ' ')
+            continue;
+        sum = (sum < 0 ? 0 : sum) + strtod(v + 1, NULL);
+    }
+    free(text);
+    return sum;
+}
+
+static double counter(struct tdm_worker *w, const char *name)
+{
+    double v = metric_sum(w, name);
+    return v < 0 ? 0 : v;
+}
+
+// One request through the router, P/D (remote) or straight to the decode
+// worker, checked against the reference ids.
+static void pc_request(const char *what, int n, const int32_t *prompt, bool remote,
+                       const int32_t *want)
+{
+    char id[64];
+    static int seq;
+    snprintf(id, sizeof id, "pc-%s-%d-%d", what, n, ++seq);
+    struct outcome o;
+    send_generate(id, prompt, n, PC_TOKENS, false, remote);
+    collect(id, &o, 280);
+    if (o.error != 0 || o.n != PC_TOKENS ||
+        memcmp(o.tokens, want, sizeof(int32_t) * PC_TOKENS) != 0)
+        fprintf(stderr, "%s n=%d: error %d (%s), ids %d %d %d %d, alone %d %d %d %d\n", what, n,
+                o.error, o.message, o.tokens[0], o.tokens[1], o.tokens[2], o.tokens[3], want[0],
+                want[1], want[2], want[3]);
+    assert_int_equal(o.error, 0);
+    assert_string_equal(o.prefilled_by, remote ? tdm_prefill_service_url(ps) : "");
+    assert_int_equal(o.n, PC_TOKENS);
+    assert_memory_equal(o.tokens, want, sizeof(int32_t) * PC_TOKENS);
+}
+
+// The prompt lengths of a run: dflt (ending in 0), or PD_KVX_PC_LENGTHS
+// ("1,2047") to narrow a failure.
+static int pc_lengths(const int *dflt, int *out)
+{
+    const char *env = getenv("PD_KVX_PC_LENGTHS");
+    int n = 0;
+    if (env != NULL && env[0]) {
+        for (char *end; *env && n < 32; env = *end ? end + 1 : end)
+            out[n++] = (int)strtol(env, &end, 10);
+        return n;
+    }
+    for (; dflt[n] > 0; n++)
+        out[n] = dflt[n];
+    return n;
+}
+
+// The sequence at every length over the pair's current transport (mode:
+// "cuda-ipc" or "nccl"); seed keeps the prompts of two runs apart.
+static void pc_run(const char *mode, uint32_t seed, const int *dflt)
+{
+    static int32_t x[PC_MAX], y[PC_MAX];
+    int32_t want_x[PC_TOKENS], want_y[PC_TOKENS];
+    int lengths[32], nl = pc_lengths(dflt, lengths);
+    char transfers[128];
+    snprintf(transfers, sizeof transfers, "tandem:kv_transfers_total{transport=\"%s\"}", mode);
+    bool ipc = strcmp(mode, "cuda-ipc") == 0;
+    for (int li = 0; li < nl; li++) {
+        int n = lengths[li], m = n + PC_EXTRA;
+        assert_true(n >= 1 && m <= PC_MAX);
+        pc_prompt(x, n, seed + (uint32_t)n);
+        memcpy(y, x, sizeof(int32_t) * (size_t)n);
+        pc_prompt(y + n, PC_EXTRA, seed + 7919u * (uint32_t)n);
+        assert_int_equal(engine_greedy(ref, x, n, PC_TOKENS, want_x), PC_TOKENS);
+        assert_int_equal(engine_greedy(ref, y, m, PC_TOKENS, want_y), PC_TOKENS);
+
+        double t0 = counter(dw, transfers), recv0 = counter(dw, "tandem:kv_received_bytes_total");
+        double sent0 = counter(pw, "tandem:kv_transfer_bytes_total");
+        double copy0 = counter(pw, "tandem:kv_copy_seconds_total");
+        pthread_mutex_lock(&X.mu);
+        uint64_t bytes0 = X.bytes, nbytes0 = N.bytes;
+        int copies0 = X.copies;
+        pthread_mutex_unlock(&X.mu);
+        pc_request("pd", n, x, true, want_x);
+        pthread_mutex_lock(&X.mu);
+        uint64_t moved = ipc ? X.bytes - bytes0 : N.bytes - nbytes0;
+        int copies = X.copies - copies0;
+        pthread_mutex_unlock(&X.mu);
+        // The whole prompt went in place, counted on both sides with the bytes moved.
+        assert_true(counter(dw, transfers) == t0 + 1);
+        assert_true(moved > 0);
+        assert_true(counter(dw, "tandem:kv_received_bytes_total") == recv0 + (double)moved);
+        assert_true(counter(pw, "tandem:kv_transfer_bytes_total") == sent0 + (double)moved);
+        assert_true(counter(pw, "tandem:kv_copy_seconds_total") > copy0);
+        if (ipc && n >= 255) // fragmented tables: more than 8 runs of blocks a layer
+            assert_true(copies > 2 * PC_LAYERS * 8);
+
+        double hits0 = counter(dw, "vllm:prefix_cache_hits_total");
+        pc_request("direct", n, x, false, want_x);
+        // The direct request reused the blocks the transfer wrote.
+        assert_true(counter(dw, "vllm:prefix_cache_hits_total") ==
+                    hits0 + (double)((n - 1) / PC_BLOCK * PC_BLOCK));
+        hits0 = counter(dw, "vllm:prefix_cache_hits_total");
+        pc_request("pd-longer", m, y, true, want_y);
+        if (n >= PC_BLOCK) // the transfer wrote only what the cache lacked
+            assert_true(counter(dw, "vllm:prefix_cache_hits_total") > hits0);
+        pc_request("direct-longer", m, y, false, want_y);
+    }
+}
+
+// The workers in the prefix-cache shape, both pools fragmented, and the
+// reference worker.
+static void pc_start(void)
+{
+    char err[512];
+    if (!pc_model_made) {
+        assert_non_null(mkdtemp(pc_model_dir));
+        pc_model_made = true;
+        struct tdm_mkmodel_spec s;
+        tdm_mkmodel_preset(&s, "tiny");
+        s.hidden_size = 16; // the emulated kernels' time grows with every dimension
+        s.intermediate_size = 32;
+        s.num_layers = PC_LAYERS;
+        s.num_heads = 1;
+        s.num_kv_heads = 1;
+        s.max_position_embeddings = 8192;
+        assert_int_equal(tdm_mkmodel_write(&s, pc_model_dir, err, sizeof err), TDM_OK);
+    }
+    stop_pair();
+    shape = &ref_shape;
+    ref = start_worker();
+    shape = &pc_shape;
+    assert_non_null(ref);
+    assert_int_equal(start_pair(), 0);
+    fragment(dw, 1000); // the prefill worker's tables fragment as the runs go on
+}
+
+static void test_prefix_cache_after_ipc(void **state)
+{
+    (void)state;
+    double t0 = tdm_now();
+#ifdef PC_SANITIZED
+    static const int lengths[] = {1, 15, 16, 17, 255, 1500, 0};
+#else
+    static const int lengths[] = {1, 15, 16, 17, 255, 1500, 2047, 4096, 0};
+#endif
+    pc_start();
+    pc_run("cuda-ipc", 1, lengths);
+    printf("prefix cache after cuda-ipc: %.1f s\n", tdm_now() - t0);
+}
+
+static void test_prefix_cache_after_nccl(void **state)
+{
+    (void)state;
+    double t0 = tdm_now();
+    setenv("TANDEM_HOST_ID", "node-b", 1); // another node: NCCL
+    restart_prefill(NULL, 120);
+    unsetenv("TANDEM_HOST_ID");
+    // Fewer lengths (each costs the emulated prefills): one block, two, and
+    // tables past TDM_KVX_NCCL_MAX_RUNS (staged) in more than two chunks.
+#ifdef PC_SANITIZED
+    static const int lengths[] = {1, 17, 255, 0};
+#else
+    static const int lengths[] = {1, 17, 255, 2047, 0};
+#endif
+    pc_run("nccl", 2, lengths);
+    printf("prefix cache after nccl: %.1f s\n", tdm_now() - t0);
+    tdm_worker_free(ref);
+    ref = NULL;
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1202,6 +1531,8 @@ int main(void)
         cmocka_unit_test(test_nccl_peer_restart),
         cmocka_unit_test(test_nccl_one_transfer_per_pair),
         cmocka_unit_test(test_nccl_layouts_differ),
+        cmocka_unit_test(test_prefix_cache_after_ipc),
+        cmocka_unit_test(test_prefix_cache_after_nccl),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
