@@ -334,6 +334,13 @@ function checkCuda(cudaText, debianPk, where, chk) {
     const buildText = stages.slice(0, -1).flatMap((s) => s.instrs.filter((x) => x.op === 'RUN').map((x) => x.text)).join('\n');
     chk.check(/-DTANDEM_CUDA=ON\b/.test(buildText), where, 'the build does not configure -DTANDEM_CUDA=ON');
     chk.check(/-DCMAKE_CUDA_ARCHITECTURES=/.test(buildText), where, 'the build does not set CMAKE_CUDA_ARCHITECTURES (the GPUs the image runs on)');
+    // The same binaries as the Debian image, plus the CUDA backend module
+    // (common/model/backend_module.h) where they look for it: ../lib.
+    chk.check(/cmake\s+--build\s+[^&]*--target\s+tandem-cuda\b/.test(buildText), where,
+        'the build does not build the CUDA backend module (--target tandem-cuda)');
+    const runtimeCopies = stages[stages.length - 1].instrs.filter((x) => x.op === 'COPY').map((x) => x.text).join('\n');
+    chk.check(/libtandem-cuda\.so/.test(buildText) && /\/usr\/local\/lib\/?\s*$/m.test(runtimeCopies), where,
+        'the runtime stage does not put libtandem-cuda.so in /usr/local/lib (beside the binaries\' ../lib)');
     const same = (a, b) => a.size === b.size && [...a].every((x) => b.has(x));
     const want = new Set(debianPk.runtime.map((p) => NOBLE_NAMES[p] || p));
     const have = new Set(pk.runtime);
@@ -363,6 +370,8 @@ const CUDA_MUTATIONS = [
     ['runtime on the devel image', (t) => t.replace('-runtime-${UBUNTU} AS runtime', '-devel-${UBUNTU} AS runtime')],
     ['CUDA versions differ', (t) => t.replace('FROM nvidia/cuda:${CUDA_VERSION}-runtime', 'FROM nvidia/cuda:12.4.1-runtime')],
     ['CUDA not enabled', (t) => t.replaceAll('-DTANDEM_CUDA=ON', '-DTANDEM_CUDA=OFF')],
+    ['module not built', (t) => t.replace('--target tandem-cuda', '--target tandem-decode')],
+    ['module not installed', (t) => t.replace('COPY --from=build /out/lib/ /usr/local/lib/', '')],
     ['runtime library dropped', (t) => t.replace('libcurl4t64 libyaml-0-2', 'libcurl4t64')],
     ['Debian package name kept', (t) => t.replace('libutf8proc3', 'libutf8proc2')],
     ['root user', (t) => t.replace(/^USER .*$/m, 'USER root')],
