@@ -10,7 +10,8 @@ restarted while the other serves (--restart on-failure, the default), or with
 --restart never stops the stack with a non-zero exit and a line naming it; a model the workers cannot
 load fails the startup naming the worker, and so does one that never gets
 healthy (killed after the grace period, as it ignores SIGTERM); a port in use and a bad flag fail
-before anything starts.
+before anything starts. `--device cuda-emu` puts every worker on the CUDA backend's emulator
+with its share of the one GPU (--gpu-memory-utilization 0.9 / workers) and serves.
 """
 import json
 import os
@@ -256,6 +257,35 @@ def main():
     st.wait_line(r"decode-0 ended with signal 9")
     check(14 < time.time() - t0 < 40, "the kill came after %.1f s" % (time.time() - t0))
     print("startup timeout and SIGKILL escalation ok")
+
+    # --device: every worker on one (emulated) GPU, each with its share of it;
+    # the CUDA backend's module over its CPU emulator stands in for a GPU here.
+    st = Stack(args, "--model", model, "--prefill", "1", "--decode", "1", "--pd-mode", "always",
+               "--device", "cuda-emu")
+    st.wait_line(r"^tandem\s+\| workers on --device cuda-emu; on a GPU each gets "
+                 r"--gpu-memory-utilization 0\.45 of it")
+    for w in ("decode-0", "prefill-0"):
+        st.wait_line(r"^%s\s+\| .* ready model=.* device=cuda-emu:0$" % w)
+        with open("/proc/%d/cmdline" % st.endpoints[w]["pid"], "rb") as f:
+            argv = f.read().split(b"\0")
+        i = argv.index(b"--gpu-memory-utilization")
+        check(argv[argv.index(b"--device") + 1] == b"cuda-emu" and argv[i + 1] == b"0.45",
+              "%s started with %r" % (w, argv))
+    s, _, body = post(st.port(), "/v1/completions",
+                      {"prompt": "one GPU for all", "max_tokens": 3, "temperature": 0})
+    check(s == 200 and body["usage"]["completion_tokens"] == 3,
+          "completion on cuda-emu workers: %d %r" % (s, body))
+    check(st.stop() == 0, "tandem up --device cuda-emu did not exit 0:\n" + st.log())
+    st.check_children_gone()
+    for bad, why in ((["--device", "tpu"], "--device: expected cpu, auto, cuda, cuda:N"),
+                     (["--device", "cpu", "--gpu-memory-utilization", "0.5"],
+                      "does not apply to --device cpu"),
+                     (["--prefill", "1", "--gpu-memory-utilization", "0.6"],
+                      "0.60 x 2 workers is more than the one GPU they share (at most 0.50 each)")):
+        r = subprocess.run([args.tandem, "up", "--model", model] + bad, capture_output=True,
+                           text=True, timeout=30)
+        check(r.returncode == 2 and why in r.stderr, "%s: %d %r" % (bad, r.returncode, r.stderr))
+    print("--device cuda-emu stack ok")
 
     # A port in use and a bad flag fail before anything starts.
     busy = socket.socket()

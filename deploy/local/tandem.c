@@ -92,6 +92,8 @@ struct up_opts {
     bool restart;            // --restart on-failure (default) | never
     bool auto_tool_choice;   // --enable-auto-tool-choice, passed to the router and workers
     const char *tool_parser; // --tool-call-parser NAME, likewise; NULL = none
+    const char *device;      // --device, passed to the workers; NULL = theirs (auto)
+    double gpu_util;         // --gpu-memory-utilization per worker; 0 = 0.9 / workers
 };
 
 static int set_restart(void *opts, const char *v, char *err, size_t errlen)
@@ -110,6 +112,48 @@ static int set_pd_mode(void *opts, const char *v, char *err, size_t errlen)
                           "--pd-mode: expected prefix, always or never, got \"%s\"", v);
     ((struct up_opts *)opts)->pd_mode = v;
     return TDM_OK;
+}
+
+// --device: what the workers take (their flag checks the module and the GPU
+// at startup); here only its form, so a typo fails before anything starts.
+static int set_device(void *opts, const char *v, char *err, size_t errlen)
+{
+    static const char *const names[] = {"cpu", "auto", "cuda", "cuda-emu"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        size_t n = strlen(names[i]);
+        if (strncmp(v, names[i], n) != 0)
+            continue;
+        if (v[n] == '\0') {
+            ((struct up_opts *)opts)->device = v;
+            return TDM_OK;
+        }
+        if (v[n] == ':' && i >= 2 && v[n + 1] >= '0' && v[n + 1] <= '9' &&
+            strspn(v + n + 1, "0123456789") == strlen(v + n + 1) && strlen(v + n + 1) <= 4) {
+            ((struct up_opts *)opts)->device = v;
+            return TDM_OK;
+        }
+    }
+    return tdm_seterr(err, errlen, TDM_EINVAL,
+                      "--device: expected cpu, auto, cuda, cuda:N or cuda-emu[:N], got \"%s\"", v);
+}
+
+// Whether the workers may run on a GPU (cuda, cuda:N, cuda-emu, auto: all
+// but cpu), and then share it.
+static bool device_may_be_gpu(const struct up_opts *o)
+{
+    return o->device == NULL || strcmp(o->device, "cpu") != 0;
+}
+
+// Each worker's --gpu-memory-utilization: --gpu-memory-utilization, else
+// vLLM's default 0.9 split between the workers, which share one GPU (each
+// fraction is of the device's total, vLLM's per-instance meaning), rounded
+// down to a hundredth.
+static double gpu_share(const struct up_opts *o)
+{
+    if (o->gpu_util > 0)
+        return o->gpu_util;
+    int workers = o->n_prefill + o->n_decode;
+    return (double)(int)(90.0 / (workers > 0 ? workers : 1)) / 100.0;
 }
 
 static int set_log_level(void *opts, const char *v, char *err, size_t errlen)
@@ -185,6 +229,15 @@ static const struct tdm_flag up_flags[] = {
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(no_router),
      .help = "decode workers only, each serving the API on its own port"},
+    {.name = "device",
+     .kind = TDM_FLAG_FN,
+     .fn = set_device,
+     .metavar = "D",
+     .help = "every worker's --device: cpu, auto, cuda, cuda:N, cuda-emu\n(default: the workers' "
+             "own, auto); on a GPU all workers share it"},
+    NUM("gpu-memory-utilization", TDM_FLAG_DOUBLE, gpu_util, 0.01, 1.0, "F",
+        "each worker's share of the GPU's memory (default 0.9 / workers,\nso they fit on one "
+        "GPU together)"),
 };
 
 static const struct tdm_flags up_table = {
@@ -232,6 +285,18 @@ static int opts_parse(struct up_opts *o, int argc, char **argv)
     if (o->no_router && o->n_prefill) {
         fprintf(stderr, "tandem up: --no-router runs decode workers only; prefill workers need "
                         "the router (drop --prefill or --no-router)\n");
+        return -1;
+    }
+    if (o->gpu_util > 0 && !device_may_be_gpu(o)) {
+        fprintf(stderr, "tandem up: --gpu-memory-utilization does not apply to --device cpu\n");
+        return -1;
+    }
+    if (device_may_be_gpu(o) && gpu_share(o) * (o->n_prefill + o->n_decode) > 1.0 + 1e-9) {
+        fprintf(stderr,
+                "tandem up: --gpu-memory-utilization %.2f x %d workers is more than the one GPU "
+                "they share (at most %.2f each)\n",
+                gpu_share(o), o->n_prefill + o->n_decode,
+                (double)(int)(100.0 / (o->n_prefill + o->n_decode)) / 100.0);
         return -1;
     }
     if (!*o->host || strlen(o->host) > 200) {
@@ -1140,6 +1205,10 @@ static int launch_all(const struct up_opts *o, const char *model, const char *se
             arg(&a, "--tool-call-parser"), arg(&a, "%s", o->tool_parser);
         if (c->role != CHILD_ROUTER) {
             arg(&a, "--threads"), arg(&a, "%d", threads);
+            if (o->device)
+                arg(&a, "--device"), arg(&a, "%s", o->device);
+            if (device_may_be_gpu(o))
+                arg(&a, "--gpu-memory-utilization"), arg(&a, "%.2f", gpu_share(o));
             if (!o->no_router)
                 arg(&a, "--nng-url"), arg(&a, "tcp://%s:%d", nh, c->nng_port);
         }
@@ -1459,6 +1528,9 @@ static int cmd_up(int argc, char **argv)
     }
     say("starting %s%d decode + %d prefill workers (%d threads each), model %s",
         o.no_router ? "" : "the router, ", o.n_decode, o.n_prefill, threads, model);
+    if (device_may_be_gpu(&o))
+        say("workers on --device %s; on a GPU each gets --gpu-memory-utilization %.2f of it",
+            o.device ? o.device : "auto", gpu_share(&o));
     if (launch_all(&o, model, served, cfg_path, threads) != 0) {
         stop_stack(&o);
         goto out;
