@@ -4,6 +4,7 @@ same status (503, vLLM's answer), Retry-After and OpenAI error body on every pat
 the decode worker directly or through the router, streamed or not (before the
 error table was shared the router said 429 streamed and 502 not). Router + 1
 prefill + 1 decode worker with --max-num-seqs 1 --max-waiting 1, pd_mode never.
+The prefill worker answers a completion sent to its own port and counts it.
 
 Busy is not the end when another worker has room: with two such decode
 workers behind a round-robin router and the first one's queue full, every
@@ -125,8 +126,18 @@ def main():
         check(got == want, "%s answered %r, direct %r" % (what, got, want))
     a.close()
     b.close()
-    print("PASS: a full queue is 503, Retry-After 1 and the same body on all 4 paths: %s"
-          % e["message"])
+
+    # The prefill worker's HTTP port serves the OpenAI API too (documented in
+    # docs/configuration.md): a request sent to it directly runs there and is
+    # counted in its own vllm:* metrics, like any worker's.
+    pf = cl.prefill[0].http_port
+    before = sum(v for k, v in metrics(pf).items() if k.startswith("vllm:request_success_total{"))
+    s, _, body = post(pf, "/v1/completions", {"prompt": "straight to prefill", "max_tokens": 3})
+    check(s == 200 and body["usage"]["completion_tokens"] == 3, "prefill direct: %d %r" % (s, body))
+    wait_metric(pf, "vllm:request_success_total", lambda v: v == before + 1,
+                "the prefill worker did not count its direct request")
+    print("PASS: a full queue is 503, Retry-After 1 and the same body on all 4 paths: %s; the "
+          "prefill worker serves and counts a direct request" % e["message"])
 
 
 if __name__ == "__main__":
