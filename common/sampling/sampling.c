@@ -22,9 +22,15 @@
 // nothing. Top-k uses a k-sized insertion buffer in one pass (or quickselect for a
 // large k) instead of sorting the vocabulary; top-p without top-k is a quickselect
 // on probability mass. A sampler's draws depend only on its seed and its own
-// history: one 64-bit draw per sampled token, none for greedy.
+// history: one 64-bit draw per sampled token, none for greedy. The passes over
+// the whole row (argmax, maximum, candidate and top-k scans) are
+// sampling_simd.c's, exact in AVX2 and in C alike; the exponentials and their
+// sums stay scalar and serial here, so no result depends on the path. A
+// sampler is used by one thread at a time; different samplers may run on
+// different threads at once (the engine samples a step's rows in parallel).
 #include "sampling.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -392,10 +398,9 @@ float tdm_sampling_kth_largest(const float *logits, size_t n, size_t k, float *s
         for (size_t i = 0; i < k; i++)
             buf[i] = -INFINITY;
         float floor_v = -INFINITY; // buf[k - 1], kept in a register
-        for (size_t i = 0; i < n; i++) {
-            float l = logits[i];
-            if (!(l > floor_v))
-                continue; // also skips NaN
+        for (size_t i = tdm_sampling_next_above(logits, 0, n, floor_v); i < n;
+             i = tdm_sampling_next_above(logits, i + 1, n, floor_v)) {
+            float l = logits[i]; // > floor_v: NaN is skipped
             size_t j = k - 1;
             while (j > 0 && buf[j - 1] < l) {
                 buf[j] = buf[j - 1];
@@ -416,19 +421,6 @@ float tdm_sampling_kth_largest(const float *logits, size_t n, size_t k, float *s
 }
 
 // ---- the per-token path -------------------------------------------------------------------
-
-static int32_t argmax(const float *logits, int n)
-{
-    int32_t best = 0;
-    float bv = -INFINITY;
-    for (int i = 0; i < n; i++) {
-        if (logits[i] > bv) { // strict: ties keep the lowest id; NaN never wins
-            bv = logits[i];
-            best = i;
-        }
-    }
-    return best;
-}
 
 static void apply_penalties(struct tdm_sampler *s, float *logits)
 {
@@ -469,21 +461,18 @@ static int32_t sample_random(struct tdm_sampler *s, const float *logits)
     if (p->top_k > 0) {
         // top_k: logits >= the k-th largest; the maximum is then among those few.
         float thr = tdm_sampling_kth_largest(logits, v, (size_t)p->top_k, s->weight);
-        for (size_t i = 0; i < v; i++)
-            if (logits[i] >= thr && logits[i] > -INFINITY)
-                s->cand[n++] = (int32_t)i;
+        // l >= thr and l > -inf; for a finite l, l > -inf is l >= -FLT_MAX.
+        n = tdm_sampling_collect_ge(logits, v, thr > -INFINITY ? thr : -FLT_MAX, s->cand);
         for (size_t j = 0; j < n; j++)
             lmax = fmaxf(lmax, logits[s->cand[j]]);
     } else {
-        for (size_t i = 0; i < v; i++)
-            if (logits[i] > lmax)
-                lmax = logits[i];
+        (void)tdm_sampling_argmax(logits, v, &lmax); // the first largest, as `>` finds it
+        if (!isfinite(lmax))
+            return -1;
         // Tokens with weight below e^-30 of the best one are dropped before the exp:
         // even 150k of them weigh < 2e-8, under float32 resolution of the mass.
         float cutoff = lmax - 30.0f * p->temperature;
-        for (size_t i = 0; i < v; i++)
-            if (logits[i] >= cutoff) // also drops NaN
-                s->cand[n++] = (int32_t)i;
+        n = tdm_sampling_collect_ge(logits, v, cutoff, s->cand); // drops NaN
     }
     if (!isfinite(lmax))
         return -1;
@@ -526,28 +515,42 @@ static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm
 {
     const float *raw = s->raw;
     int v = s->vocab_size, k = s->p.logprobs;
-    // Pass 1: the maximum and the top k by value (ties to the lower id), kept in a
-    // descending insertion buffer. Pass 2: the sum of exponentials.
+    // Pass 1: the maximum. Pass 2: the top k by value (ties to the lower id),
+    // kept in a descending insertion buffer: the first k non-NaN values (-inf
+    // included) fill it, then only values above its last entry enter. Pass 3:
+    // the sum of exponentials.
     struct tdm_token_logprob *top = res->top;
     int filled = 0;
-    float lmax = -INFINITY;
-    for (int i = 0; i < v; i++) {
+    float lmax;
+    (void)tdm_sampling_argmax(raw, (size_t)v, &lmax);
+    size_t i = 0;
+    for (; i < (size_t)v && filled < k; i++) {
         float l = raw[i];
-        if (l > lmax)
-            lmax = l;
-        if (k == 0 || (filled == k && !(l > top[k - 1].logprob)) || l != l)
+        if (l != l)
             continue;
-        int j = filled < k ? filled++ : k - 1;
+        int j = filled++;
         while (j > 0 && top[j - 1].logprob < l) {
             top[j] = top[j - 1];
             j--;
         }
-        top[j].token = i;
+        top[j].token = (int32_t)i;
         top[j].logprob = l;
     }
+    if (k > 0 && filled == k)
+        for (i = tdm_sampling_next_above(raw, i, (size_t)v, top[k - 1].logprob); i < (size_t)v;
+             i = tdm_sampling_next_above(raw, i + 1, (size_t)v, top[k - 1].logprob)) {
+            float l = raw[i];
+            int j = k - 1;
+            while (j > 0 && top[j - 1].logprob < l) {
+                top[j] = top[j - 1];
+                j--;
+            }
+            top[j].token = (int32_t)i;
+            top[j].logprob = l;
+        }
     double sum = 0.0;
-    for (int i = 0; i < v; i++)
-        sum += expf(raw[i] - lmax);
+    for (int t = 0; t < v; t++)
+        sum += expf(raw[t] - lmax);
     double lse = (double)lmax + log(sum);
     res->logprob = (float)((double)raw[token] - lse);
     res->num_top = filled;
@@ -575,7 +578,7 @@ int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, struct tdm_samp
     if (!s->greedy)
         token = sample_random(s, logits);
     if (token < 0) // greedy, or nothing left to draw from (all -inf or NaN)
-        token = argmax(logits, s->vocab_size);
+        token = tdm_sampling_argmax(logits, (size_t)s->vocab_size, NULL);
     if (res) {
         res->token = token;
         res->logprob = 0.0f;

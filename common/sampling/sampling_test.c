@@ -8,6 +8,7 @@
 // bounds are about 4-5 standard deviations wide.
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
@@ -922,6 +923,180 @@ static void test_degenerate_logits(void **state)
     tdm_sampler_free(s);
 }
 
+// ---- the full-row passes: AVX2 and portable C against brute force ------------------
+
+// Brute-force references, written apart from sampling_simd.c.
+static int32_t ref_argmax(const float *x, size_t n, float *max_out)
+{
+    size_t best = 0;
+    bool found = false;
+    for (size_t i = 0; i < n; i++)
+        if (!isnan(x[i]) && x[i] != -INFINITY && (!found || x[i] > x[best])) {
+            best = i;
+            found = true;
+        }
+    *max_out = found ? x[best] : -INFINITY;
+    return (int32_t)best;
+}
+
+static size_t ref_next_above(const float *x, size_t i, size_t n, float f)
+{
+    for (; i < n; i++)
+        if (x[i] > f)
+            return i;
+    return n;
+}
+
+// Fills a row that stresses the passes: few distinct values (ties everywhere),
+// NaN, +-inf, +-0, a maximum repeated in several lanes, or all -inf / NaN.
+static void tricky_row(float *x, size_t n, int kind)
+{
+    for (size_t i = 0; i < n; i++) {
+        double u = test_uniform();
+        switch (kind) {
+        case 0: x[i] = (float)(int)(u * 5); break;                 // 5 values: ties
+        case 1: x[i] = u < 0.1 ? NAN : (float)(u * 3 - 1); break;  // NaN sprinkled
+        case 2: x[i] = u < 0.5 ? -INFINITY : (float)(int)(u * 3); break;
+        case 3: x[i] = u < 0.5 ? 0.0f : -0.0f; break;               // signed zeros
+        case 4: x[i] = u < 0.5 ? -INFINITY : NAN; break;            // nothing valid
+        case 5: x[i] = u < 0.01 ? INFINITY : (float)u; break;
+        default: x[i] = (float)(u * 20 - 10); break;                // random
+        }
+    }
+}
+
+static void check_passes(const float *x, size_t n, int32_t *ids, int32_t *ids2)
+{
+    float rmax;
+    int32_t rarg = ref_argmax(x, n, &rmax);
+    float m = 0.0f;
+    int32_t a = tdm_sampling_argmax(x, n, &m);
+    assert_int_equal(a, rarg);
+    assert_memory_equal(&m, &rmax, sizeof m); // bitwise: the sign of a zero included
+    // Thresholds: the maximum, a middle value, -FLT_MAX (everything finite), -inf, NaN.
+    float thr[5] = {rmax, 1.0f, -3.4e38f, -INFINITY, NAN};
+    for (int t = 0; t < 5; t++) {
+        size_t want = 0;
+        for (size_t i = 0; i < n; i++)
+            if (x[i] >= thr[t])
+                ids2[want++] = (int32_t)i;
+        size_t got = tdm_sampling_collect_ge(x, n, thr[t], ids);
+        assert_int_equal(got, want);
+        if (want > 0)
+            assert_memory_equal(ids, ids2, want * sizeof *ids);
+        for (size_t i = 0; i <= n; i += 1 + n / 37)
+            assert_int_equal(tdm_sampling_next_above(x, i, n, thr[t]),
+                             ref_next_above(x, i, n, thr[t]));
+    }
+}
+
+static void test_simd_passes(void **state)
+{
+    (void)state;
+    enum tdm_sampling_simd saved = tdm_sampling_simd_get();
+    enum tdm_sampling_simd paths[2] = {TDM_SAMPLING_SIMD_PORTABLE, TDM_SAMPLING_SIMD_AVX2};
+    size_t sizes[] = {0, 1, 7, 8, 9, 31, 32, 33, 63, 64, 65, 100, 1000, 1031, 151936};
+    float *x = malloc(151936 * sizeof *x);
+    int32_t *ids = malloc(151936 * sizeof *ids), *ids2 = malloc(151936 * sizeof *ids2);
+    assert_non_null(x);
+    assert_non_null(ids);
+    assert_non_null(ids2);
+    for (int p = 0; p < 2; p++) {
+        if (tdm_sampling_simd_set(paths[p]) != 0) {
+            printf("(AVX2 not supported here: portable path only)\n");
+            continue;
+        }
+        for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+            for (int kind = 0; kind < 7; kind++) {
+                test_rng = 777 + (uint64_t)(si * 7 + (size_t)kind);
+                tricky_row(x, sizes[si], kind);
+                check_passes(x, sizes[si], ids, ids2);
+            }
+            // The maximum at every position of a 32-lane block and the tail,
+            // then tied at two positions (the lower wins).
+            size_t n = sizes[si];
+            for (size_t at = 0; at < n && at < 70; at++) {
+                for (size_t i = 0; i < n; i++)
+                    x[i] = -1.0f;
+                x[at] = 2.0f;
+                check_passes(x, n, ids, ids2);
+                if (at + 33 < n) {
+                    x[at + 33] = 2.0f;
+                    check_passes(x, n, ids, ids2);
+                }
+            }
+            if (n > 0) { // the maximum last, a tie of it first
+                for (size_t i = 0; i < n; i++)
+                    x[i] = (float)(i % 3);
+                x[n - 1] = 5.0f;
+                check_passes(x, n, ids, ids2);
+                x[0] = 5.0f;
+                check_passes(x, n, ids, ids2);
+            }
+        }
+    }
+    tdm_sampling_simd_set(saved);
+    free(x);
+    free(ids);
+    free(ids2);
+}
+
+// Whole sampler runs (greedy, top-k, top-p, unfiltered, logprobs, penalties)
+// give the same tokens, logprobs and RNG stream on either path.
+static void test_simd_sampler_equal(void **state)
+{
+    (void)state;
+    enum tdm_sampling_simd saved = tdm_sampling_simd_get();
+    if (tdm_sampling_simd_set(TDM_SAMPLING_SIMD_AVX2) != 0) {
+        printf("(AVX2 not supported here: nothing to compare)\n");
+        return;
+    }
+    enum { V = 1031, STEPS = 40 };
+    float *row = malloc(V * sizeof *row), *copy = malloc(V * sizeof *copy);
+    assert_non_null(row);
+    assert_non_null(copy);
+    for (int cfg = 0; cfg < 6; cfg++) {
+        struct tdm_sampling_params p;
+        tdm_sampling_params_default(&p);
+        p.has_seed = true;
+        p.seed = 42 + (uint64_t)cfg;
+        p.temperature = cfg == 0 ? 0.0f : 0.8f;
+        p.top_k = cfg == 1 ? 20 : cfg == 4 ? 300 : 0;
+        p.top_p = cfg == 2 ? 0.7f : 1.0f;
+        p.logprobs = cfg >= 3 ? 5 : -1;
+        p.repetition_penalty = cfg == 5 ? 1.3f : 1.0f;
+        p.frequency_penalty = cfg == 5 ? 0.5f : 0.0f;
+        int32_t prompt[3] = {1, 2, 3};
+        struct tdm_sampler *s[2];
+        for (int k = 0; k < 2; k++)
+            assert_int_equal(tdm_sampler_new(&s[k], &p, V, prompt, 3, NULL, 0), TDM_OK);
+        for (int step = 0; step < STEPS; step++) {
+            test_rng = 1000 + (uint64_t)(cfg * STEPS + step);
+            tricky_row(row, V, step % 7 == 4 ? 6 : step % 7); // all-invalid rows too
+            struct tdm_sample_result r[2];
+            memset(r, 0, sizeof r);
+            for (int k = 0; k < 2; k++) {
+                tdm_sampling_simd_set(k == 0 ? TDM_SAMPLING_SIMD_PORTABLE
+                                             : TDM_SAMPLING_SIMD_AVX2);
+                memcpy(copy, row, V * sizeof *row);
+                tdm_sampler_sample(s[k], copy, &r[k]);
+            }
+            assert_int_equal(r[0].token, r[1].token);
+            assert_memory_equal(&r[0].logprob, &r[1].logprob, sizeof(float));
+            assert_int_equal(r[0].num_top, r[1].num_top);
+            for (int j = 0; j < r[0].num_top; j++) {
+                assert_int_equal(r[0].top[j].token, r[1].top[j].token);
+                assert_memory_equal(&r[0].top[j].logprob, &r[1].top[j].logprob, sizeof(float));
+            }
+        }
+        for (int k = 0; k < 2; k++)
+            tdm_sampler_free(s[k]);
+    }
+    tdm_sampling_simd_set(saved);
+    free(row);
+    free(copy);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -944,6 +1119,8 @@ int main(void)
         cmocka_unit_test(test_degenerate_logits),
         cmocka_unit_test(test_verify_rejection),
         cmocka_unit_test(test_verify_stop_and_greedy),
+        cmocka_unit_test(test_simd_passes),
+        cmocka_unit_test(test_simd_sampler_equal),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
