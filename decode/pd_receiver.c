@@ -1649,8 +1649,12 @@ static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *serv
 {
     rx->kv_setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer;
     tdm_kvx_host_id(rx->host_id, sizeof rx->host_id);
-    const struct tdm_kvx_ops *ops = rx->cfg.kvx_ops ? rx->cfg.kvx_ops : tdm_kvx_cuda_ops();
     struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(rx->parts.engine));
+    // The CUDA module's table only for a pool on a device (a CPU worker never
+    // loads libtandem-cuda.so for it).
+    const struct tdm_kvx_ops *ops = rx->cfg.kvx_ops                ? rx->cfg.kvx_ops
+                                    : st->ops->device_pool != NULL ? tdm_kvx_cuda_ops()
+                                                                   : NULL;
     struct tdm_kv_device_pool dp;
     rx->kvx_ops = ops;
     rx->storage = st;

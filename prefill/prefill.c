@@ -1267,9 +1267,13 @@ static int prefill_kvx_init(struct tdm_prefill_service *p, struct tdm_worker *se
 {
     pthread_mutex_init(&p->ipc_mu, NULL);
     p->kv_setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer;
-    p->kvx_ops = p->cfg.kvx_ops ? p->cfg.kvx_ops : tdm_kvx_cuda_ops();
     tdm_kvx_host_id(p->host_id, sizeof p->host_id);
     struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(p->parts.engine));
+    // The CUDA module's table only for a pool on a device: a CPU worker never
+    // loads libtandem-cuda.so (and its CUDA libraries) for it.
+    p->kvx_ops = p->cfg.kvx_ops                 ? p->cfg.kvx_ops
+                 : st->ops->device_pool != NULL ? tdm_kvx_cuda_ops()
+                                                : NULL;
     p->gpu = p->kvx_ops != NULL && st->ops->device_pool != NULL &&
              st->ops->device_pool(st, &p->own_pool) == TDM_OK;
     int rc = tdm_kvx_pairs_new(&p->pairs, 64);
