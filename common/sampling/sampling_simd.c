@@ -52,15 +52,16 @@ static size_t next_above_portable(const float *x, size_t i, size_t n, float floo
 #define HAVE_AVX2_PATH 1
 #include <immintrin.h>
 
-#pragma GCC push_options
-#pragma GCC target("avx2")
+// The target attribute per function (gcc and clang both take it; clang has
+// no '#pragma GCC target').
+#define AVX2_FN __attribute__((target("avx2")))
 
 // Four vectors per iteration, 32 lanes: lane j keeps the first largest of the
 // indices = j (mod 32) (compare > only, so a tie never replaces), and the
 // lanes are merged by (value larger, or equal with a lower index). Lanes that
 // saw nothing above -inf keep index 0 and -inf, which merge like the scalar
 // loop's start.
-static int32_t argmax_avx2(const float *x, size_t n, float *max_out)
+AVX2_FN static int32_t argmax_avx2(const float *x, size_t n, float *max_out)
 {
     int32_t best = 0;
     float bv = -INFINITY;
@@ -123,7 +124,7 @@ static int32_t argmax_avx2(const float *x, size_t n, float *max_out)
     return best;
 }
 
-static size_t collect_ge_avx2(const float *x, size_t n, float thr, int32_t *out)
+AVX2_FN static size_t collect_ge_avx2(const float *x, size_t n, float thr, int32_t *out)
 {
     size_t m = 0, i = 0;
     const __m256 t = _mm256_set1_ps(thr);
@@ -139,7 +140,7 @@ static size_t collect_ge_avx2(const float *x, size_t n, float thr, int32_t *out)
     return m;
 }
 
-static size_t next_above_avx2(const float *x, size_t i, size_t n, float floor_v)
+AVX2_FN static size_t next_above_avx2(const float *x, size_t i, size_t n, float floor_v)
 {
     const __m256 f = _mm256_set1_ps(floor_v);
     for (; i + 8 <= n; i += 8) {
@@ -151,7 +152,6 @@ static size_t next_above_avx2(const float *x, size_t i, size_t n, float floor_v)
     return next_above_portable(x, i, n, floor_v);
 }
 
-#pragma GCC pop_options
 #endif
 
 // ---- dispatch ----------------------------------------------------------------------------
