@@ -1393,8 +1393,8 @@ static void test_nccl_layouts_differ(void **state)
 // same prompt direct, a longer prompt sharing it over P/D and direct, each
 // equal to a third worker of the same shape without a prefix cache.
 // Under ASan or TSan the emulated kernels are several times slower and the
-// test is near its ctest limit: prompts up to 1 500 tokens there (the lengths
-// past it run in every plain build).
+// test is near its ctest limit: prompts up to 1 100 tokens there (three
+// prefill chunks; the lengths past it run in every plain build).
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define PC_SANITIZED 1
 #elif defined(__has_feature)
@@ -1403,14 +1403,17 @@ static void test_nccl_layouts_differ(void **state)
 #endif
 #endif
 #ifdef PC_SANITIZED
-#define PC_LONGEST 1500
+#define PC_LONGEST 1100
 #else
 #define PC_LONGEST 4096
 #endif
 enum {
     PC_BLOCK = 8, // tokens a block: many blocks per prompt
-    // The longest prompt (+ PC_EXTRA tokens + one) and some room.
-    PC_BLOCKS = (PC_LONGEST + 9 + 1 + PC_BLOCK - 1) / PC_BLOCK + 26,
+    // The longest prompt (+ PC_EXTRA tokens + one) and some room, rounded so
+    // that the fillers (32 blocks each) leave exactly 28 blocks never used:
+    // with more, a 255-token prompt would get a fresh run of consecutive ones
+    // (it did under ASan, where the longest prompt is shorter).
+    PC_BLOCKS = ((PC_LONGEST + 9 + 1 + PC_BLOCK - 1) / PC_BLOCK + 31) / 32 * 32 + 28,
     PC_CHUNK = 512, // --max-num-batched-tokens: 4 096 tokens are 8 chunks
     PC_EXTRA = 9,   // the longer prompt's own tokens (not a block multiple)
     PC_TOKENS = 4,  // ids compared a request
@@ -1420,6 +1423,7 @@ enum {
     PC_FILL = (PC_BLOCKS - 28) * PC_BLOCK / PC_FILL_LEN,
 };
 _Static_assert(PC_EXTRA == 9, "PC_BLOCKS counts the longer prompt's 9 tokens");
+_Static_assert(PC_FILL * PC_FILL_LEN / PC_BLOCK == PC_BLOCKS - 28, "fillers leave 28 blocks");
 static const struct worker_shape pc_shape = {pc_model_dir, PC_BLOCKS, PC_BLOCK, true, PC_CHUNK};
 static const struct worker_shape ref_shape = {pc_model_dir, PC_BLOCKS, PC_BLOCK, false, PC_CHUNK};
 
@@ -1630,7 +1634,7 @@ static void test_prefix_cache_after_ipc(void **state)
     (void)state;
     double t0 = tdm_now();
 #ifdef PC_SANITIZED
-    static const int lengths[] = {1, 15, 16, 17, 255, 1500, 0};
+    static const int lengths[] = {1, 15, 16, 17, 255, 1100, 0};
 #else
     static const int lengths[] = {1, 15, 16, 17, 255, 1500, 2047, 4096, 0};
 #endif
