@@ -91,13 +91,9 @@ static void log_line(int level, const char *module, const char *msg)
             module ? module : "-", msg);
 }
 
-void tdm_log_write(int level, const char *module, const char *fmt, ...)
+// One formatted message to the sink, or to stderr when none is set.
+static void log_deliver(int level, const char *module, const char *msg)
 {
-    char msg[2048];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
     void (*sink)(int, const char *, const char *) = atomic_load(&log_sink);
     if (sink != NULL)
         sink(level, module, msg);
@@ -105,15 +101,20 @@ void tdm_log_write(int level, const char *module, const char *fmt, ...)
         log_line(level, module, msg);
 }
 
+void tdm_log_write(int level, const char *module, const char *fmt, ...)
+{
+    char msg[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    log_deliver(level, module, msg);
+}
+
 void tdm_log_emit(int level, const char *module, const char *msg)
 {
-    if (level > atomic_load_explicit(&tdm_log_level, memory_order_relaxed))
-        return;
-    void (*sink)(int, const char *, const char *) = atomic_load(&log_sink);
-    if (sink != NULL)
-        sink(level, module, msg ? msg : "");
-    else
-        log_line(level, module, msg ? msg : "");
+    if (level <= atomic_load_explicit(&tdm_log_level, memory_order_relaxed))
+        log_deliver(level, module, msg ? msg : "");
 }
 
 void tdm_panic(const char *file, int line, const char *what)

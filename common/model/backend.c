@@ -103,11 +103,6 @@ static int module_dirs(char dirs[][PATH_MAX], int max)
     return kept;
 }
 
-static void module_log(int level, const char *module, const char *msg)
-{
-    tdm_log_emit(level, module, msg);
-}
-
 static int module_open(struct loaded_module *lm)
 {
     const char *name = lm->name;
@@ -163,7 +158,7 @@ static int module_open(struct loaded_module *lm)
     struct tdm_backend_host host = {
         .api = TDM_BACKEND_MODULE_API,
         .backend_ops_bytes = (uint32_t)sizeof(struct tdm_backend_ops),
-        .log = module_log,
+        .log = tdm_log_emit,
     };
     char why[512] = "";
     const struct tdm_backend_module *m = init(&host, why, sizeof why);
