@@ -12,9 +12,15 @@ earlier pull protocol it was the whole transfer). kv_window_s is the decode
 worker's tandem:kv_receive_seconds for the request (first KvData frame
 imported -> last layer installed; under the pull protocol, KvPull sent -> last
 layer installed). Prints one line per size with medians over --reps prompts
-(goal for transfer/prefill <= 0.02), and TTFT through the router vs the decode
-worker alone (local prefill) for the same prompt length (max_tokens 2: TTFT
-plus one decode step).
+(goal for transfer/prefill <= 0.02 on the CPU), and TTFT through the router vs
+the decode worker alone (local prefill) for the same prompt length (max_tokens
+2: TTFT plus one decode step). With workers on a GPU the goal line is issue
+25's for the transport: over cuda-ipc exposed transfer <= 0.02 x TTFT at 2048
+tokens; over nng exposed transfer <= 0.1 x prefill at 2048 tokens (the GPU
+copies each layer group to pinned host memory on a side stream while the
+later layers compute). Every run also measures the TCP loopback bandwidth
+(one connection, as nng's) and reports KV bytes / exposed transfer time
+against it: once prefill is fast, the loopback copy itself is the bound.
 
   /usr/bin/python3 bench/pd/bench_pd.py --build build [--sizes 256,1024,4096]
       [--worker-args "--device cuda --kv-transfer cuda-ipc"] [--json FILE]
@@ -28,9 +34,11 @@ import json
 import os
 import random
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "integration-tests"))
@@ -43,6 +51,37 @@ def phases(hdr):
         k, _, v = part.strip().partition("=")
         out[k] = v
     return out
+
+
+def loopback_gbs(total=256 << 20, chunk=4 << 20):
+    """GB/s of one TCP connection over 127.0.0.1 (what nng's tcp transport rides on)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    got = [0]
+
+    def sink():
+        c, _ = srv.accept()
+        buf = bytearray(chunk)
+        while got[0] < total:
+            n = c.recv_into(buf)
+            if n == 0:
+                break
+            got[0] += n
+        c.close()
+
+    t = threading.Thread(target=sink)
+    t.start()
+    s = socket.create_connection(srv.getsockname())
+    data = bytes(chunk)
+    t0 = time.perf_counter()
+    for _ in range(total // chunk):
+        s.sendall(data)
+    s.close()
+    t.join()
+    dt = time.perf_counter() - t0
+    srv.close()
+    return got[0] / dt / 1e9
 
 
 def main():
@@ -62,6 +101,15 @@ def main():
             transport = extra[i + 1]
         elif a.startswith("--kv-transfer="):
             transport = a.split("=", 1)[1]
+    device = "cpu"
+    for i, a in enumerate(extra):
+        if a == "--device" and i + 1 < len(extra):
+            device = extra[i + 1]
+        elif a.startswith("--device="):
+            device = a.split("=", 1)[1]
+    on_gpu = device.startswith("cuda")
+    lo_gbs = max(loopback_gbs() for _ in range(3))
+    print("loopback tcp: %.2f GB/s (best of 3, 256 MiB each)" % lo_gbs, flush=True)
     b = args.build
     ns = argparse.Namespace(router=b + "/router/tandem-router", prefill=b + "/prefill/tandem-prefill",
                             decode=b + "/decode/tandem-decode",
@@ -81,7 +129,7 @@ def main():
     with open(os.path.join(args.model, "config.json")) as f:  # ids stay inside a small vocab
         top_id = min(150000, json.load(f)["vocab_size"] - 3)
     print("tokens  prefill_s  transfer_s  transfer/prefill  kv_window_s  ttft_direct_s  ttft_pd_s"
-          "  kv_bytes", flush=True)
+          "  kv_bytes  kv/exposed_GB/s  /loopback", flush=True)
     window_name = "tandem:kv_receive_seconds_sum"
     bytes_name = "tandem:kv_transfer_bytes_total"
     # Over CUDA IPC the receive window is paced by the prefill's compute (each
@@ -115,19 +163,40 @@ def main():
             st, _, _ = h.post(cl.decode[0].http_port, "/v1/completions", body, timeout=3600)
             td.append(time.time() - t0)
         m = h.metrics(cl.prefill[0].http_port)
-        print("%6d  %9.3f  %10.4f  %16.4f  %11.4f  %13.3f  %9.3f  %d" % (
-            n, statistics.median(pre), statistics.median(tra), statistics.median(ratios),
+        kv_req = (h.metric_sum(m, bytes_name) - b0) / args.reps
+        exposed = statistics.median(tra)
+        # KV bytes over the time the transfer showed: "hidden" when none did.
+        kv_gbs = kv_req / exposed / 1e9 if exposed > 0 else float("inf")
+        print("%6d  %9.3f  %10.4f  %16.4f  %11.4f  %13.3f  %9.3f  %d  %15s  %9s" % (
+            n, statistics.median(pre), exposed, statistics.median(ratios),
             statistics.median(win), statistics.median(td), statistics.median(tp),
-            h.metric_sum(m, bytes_name)), flush=True)
+            h.metric_sum(m, bytes_name),
+            "hidden" if exposed <= 0 else "%.2f" % kv_gbs,
+            "-" if exposed <= 0 else "%.3f" % (kv_gbs / lo_gbs)), flush=True)
         points.append({"tokens": n, "ttft_direct_s": statistics.median(td),
-                       "ttft_pd_s": statistics.median(tp), "transfer_s": statistics.median(tra),
+                       "ttft_pd_s": statistics.median(tp), "transfer_s": exposed,
                        "prefill_s": statistics.median(pre),
                        "kv_window_s": statistics.median(win),
-                       "kv_bytes": (h.metric_sum(m, bytes_name) - b0) / args.reps})
-    print("goal: transfer/prefill <= 0.02")
+                       "kv_bytes": kv_req})
+    # The goal of this setup, judged at 2048 tokens (or the largest size below it).
+    if on_gpu and transport == "cuda-ipc":
+        key, bound, what = "ttft_pd_s", 0.02, "exposed transfer / TTFT"
+    elif on_gpu:
+        key, bound, what = "prefill_s", 0.1, "exposed transfer / prefill"
+    else:
+        key, bound, what = "prefill_s", 0.02, "exposed transfer / prefill"
+    judged = [p for p in points if p["tokens"] <= 2048] or points[:1]
+    if judged:
+        p = max(judged, key=lambda q: q["tokens"])
+        r = p["transfer_s"] / p[key] if p[key] > 0 else float("inf")
+        print("at %d tokens over %s%s: %s %.4f (goal <= %g: %s)" % (
+            p["tokens"], transport, " (GPU workers)" if on_gpu else "", what, r, bound,
+            "met" if r <= bound else "MISSED"))
+    print("goal: %s <= %g at 2048 tokens" % (what, bound))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"transport": transport, "reps": args.reps, "sizes": points}, f, indent=1)
+            json.dump({"transport": transport, "reps": args.reps, "loopback_gbs": lo_gbs,
+                       "sizes": points}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1915,20 +1915,14 @@ struct tdm_kv_cache *tdm_engine_kv(struct tdm_engine *e)
 // engine thread runs layers ahead of the device, and a lessee copies on a
 // stream of its own (CUDA IPC, NCCL) that does not wait for the engine's, so
 // without this a copy could read a block before the kernel writing it ran
-// (issue 25 item 3: a decode worker's prefix cache kept such KV). A one-block
-// read through the storage is ordered after every kernel issued so far on the
-// engine's stream and returns once it ran. Host storage: its writes are done.
-// TDM_OK, or the read's error.
-static int kv_fence(struct tdm_engine *e, int layer, int block)
+// (issue 25 item 3: a decode worker's prefix cache kept such KV). The forward
+// marked each layer as its stores were issued (tdm_kv_mark_layer): the host
+// waits for the last leased layer's mark only, not for the layers the engine
+// issued since (item 4). After the finish the forward has synced: done at once.
+// Host storage: its writes are done.
+static int kv_fence(struct tdm_engine *e, int layer)
 {
-    if (tdm_kv_storage(e->kv)->host)
-        return TDM_OK;
-    float *one = malloc(tdm_kv_layer_bytes_as(e->kv, 1, TDM_KV_F32)); // K and V of one block
-    if (one == NULL)
-        return TDM_ENOMEM;
-    int rc = tdm_kv_read_blocks(e->kv, layer, &block, 1, TDM_KV_F32, one);
-    free(one);
-    return rc;
+    return tdm_kv_wait_layer(e->kv, layer);
 }
 
 int tdm_engine_export_lease(struct tdm_engine *e, struct tdm_engine_request *r, int layer_end,
@@ -1951,7 +1945,7 @@ int tdm_engine_export_lease(struct tdm_engine *e, struct tdm_engine_request *r, 
     pthread_mutex_unlock(&r->mu);
     if (!ok)
         return TDM_EINVAL;
-    int rc = nblocks > 0 ? kv_fence(e, layer_end - 1, ids[0]) : TDM_OK;
+    int rc = nblocks > 0 ? kv_fence(e, layer_end - 1) : TDM_OK;
     if (rc != TDM_OK)
         tdm_engine_export_unlease(e, r);
     return rc;

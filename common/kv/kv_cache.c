@@ -546,6 +546,20 @@ void *tdm_kv_storage_layer(void *storage, int layer, bool v)
     return v ? st->ops->layer_v(st, layer) : st->ops->layer_k(st, layer);
 }
 
+int tdm_kv_mark_layer(struct tdm_kv_cache *kv, int layer)
+{
+    if (kv == NULL || layer < 0 || layer >= kv->cfg.num_layers)
+        return TDM_EINVAL;
+    return kv->st->ops->mark_layer ? kv->st->ops->mark_layer(kv->st, layer) : TDM_OK;
+}
+
+int tdm_kv_wait_layer(struct tdm_kv_cache *kv, int layer)
+{
+    if (kv == NULL || layer < 0 || layer >= kv->cfg.num_layers)
+        return TDM_EINVAL;
+    return kv->st->ops->wait_layer ? kv->st->ops->wait_layer(kv->st, layer) : TDM_OK;
+}
+
 struct tdm_kv_storage *tdm_kv_storage(struct tdm_kv_cache *kv)
 {
     return kv ? kv->st : NULL;

@@ -97,7 +97,11 @@ struct tdm_kv_storage_ops {
     // [nblocks][num_kv_heads][block_size][head_dim] f32 (the transfer layout),
     // or writes such host data into those blocks. TDM_OK or TDM_EBACKEND.
     // Used for a storage that is not host memory (the cache converts to and
-    // from the payload's dtype); NULL in a host storage.
+    // from the payload's dtype); NULL in a host storage. Both may run on any
+    // thread while the owner computes: they are ordered after every write
+    // issued before the layer's last mark_layer, and after every write of an
+    // op that returned with its work done (a forward, an import) — not after
+    // writes the owner issued since, which they do not wait for.
     int (*export_blocks)(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
                          float *k_out, float *v_out);
     int (*import_blocks)(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
@@ -106,6 +110,16 @@ struct tdm_kv_storage_ops {
     // pool): the whole pool as one device allocation, for a GPU-to-GPU KV
     // transfer (CUDA IPC export of base; issue 10). TDM_OK or TDM_EINVAL.
     int (*device_pool)(struct tdm_kv_storage *st, struct tdm_kv_device_pool *out);
+    // Optional (NULL: writes are done when the op that makes them returns, as
+    // in host memory). mark_layer: the owner's thread (the forward's) has issued
+    // the writes of layer's KV that another thread is about to read; an
+    // export_blocks of the layer, or wait_layer, from then on is ordered after
+    // them, without waiting for what the owner issues later (the layers above).
+    // wait_layer: returns once the writes before layer's last mark are done (a
+    // peer's copy out of the pool, on a stream of its own, may start).
+    // TDM_OK or TDM_EBACKEND.
+    int (*mark_layer)(struct tdm_kv_storage *st, int layer);
+    int (*wait_layer)(struct tdm_kv_storage *st, int layer);
 };
 struct tdm_kv_storage {
     const struct tdm_kv_storage_ops *ops;
@@ -126,6 +140,10 @@ void tdm_kv_free(struct tdm_kv_cache *kv);
 const struct tdm_kv_config *tdm_kv_config(const struct tdm_kv_cache *kv);
 // The cache's storage (never NULL for a live cache).
 struct tdm_kv_storage *tdm_kv_storage(struct tdm_kv_cache *kv);
+// The storage's mark_layer / wait_layer (above) for `layer`; TDM_OK at once
+// for a storage without them, TDM_EINVAL for a layer out of range.
+int tdm_kv_mark_layer(struct tdm_kv_cache *kv, int layer);
+int tdm_kv_wait_layer(struct tdm_kv_cache *kv, int layer);
 // Where layer `layer`'s K (v false) or V pool of `storage` (a struct
 // tdm_kv_storage *) starts: the source/destination callback of GPU KV
 // transfer (tdm_kvx_layer_fn).
@@ -288,8 +306,10 @@ int tdm_kv_export_layer_as(struct tdm_kv_cache *kv, const struct tdm_kv_seq *seq
 // owner: reads only the pool (no refcounts, no error text), so the caller must
 // hold the blocks (referenced, nothing writing them). A device pool goes
 // through its storage's export_blocks, which is safe from any thread (the
-// CUDA storage stages under its own lock: a GPU prefill worker sending over
-// nng). TDM_EINVAL for an unknown dtype. dst holds
+// CUDA storage copies on a stream of its own under its own lock: a GPU
+// prefill worker sending over nng while its engine computes the layers
+// above; see mark_layer for what it is ordered after). TDM_EINVAL for an
+// unknown dtype. dst holds
 // tdm_kv_layer_bytes_as(kv, nblocks, dtype) bytes.
 int tdm_kv_read_blocks(struct tdm_kv_cache *kv, int layer, const int *blocks, int nblocks,
                        int dtype, void *dst);

@@ -128,6 +128,10 @@ static void test_pointers(void **state)
     (void)state;
     struct tdm_kv_cache *kv = make_cache(3, 2, 8, 4, 5, false);
     size_t block_floats = 2 * 4 * 8;
+    // Host memory: marks and waits have nothing to order (done at once).
+    assert_int_equal(tdm_kv_mark_layer(kv, 2), TDM_OK);
+    assert_int_equal(tdm_kv_wait_layer(kv, 0), TDM_OK);
+    assert_int_equal(tdm_kv_wait_layer(kv, 3), TDM_EINVAL);
     for (int l = 0; l < 3; l++) {
         for (int b = 0; b < 5; b++) {
             float *k = tdm_kv_k(kv, l, b), *v = tdm_kv_v(kv, l, b);
@@ -1206,6 +1210,7 @@ struct fake_storage {
     size_t block_floats;
     int num_blocks;
     int exports, imports, last_layer, last_blocks[4];
+    int marks, waits, last_mark, last_wait;
     int *frees;
 };
 
@@ -1254,12 +1259,30 @@ static int fake_import(struct tdm_kv_storage *st, int layer, const int *blocks, 
     return TDM_OK;
 }
 
+static int fake_mark(struct tdm_kv_storage *st, int layer)
+{
+    struct fake_storage *f = (struct fake_storage *)st;
+    f->marks++;
+    f->last_mark = layer;
+    return TDM_OK;
+}
+
+static int fake_wait(struct tdm_kv_storage *st, int layer)
+{
+    struct fake_storage *f = (struct fake_storage *)st;
+    f->waits++;
+    f->last_wait = layer;
+    return layer == 2 ? TDM_EBACKEND : TDM_OK;
+}
+
 static const struct tdm_kv_storage_ops fake_ops = {
     .free = fake_free,
     .layer_k = fake_layer,
     .layer_v = fake_layer,
     .export_blocks = fake_export,
     .import_blocks = fake_import,
+    .mark_layer = fake_mark,
+    .wait_layer = fake_wait,
 };
 
 static void test_storage_interface(void **state)
@@ -1291,6 +1314,16 @@ static void test_storage_interface(void **state)
     assert_int_equal(tdm_kv_new_with_storage(&kv, &cfg, &f->base, err, sizeof err), TDM_OK);
     assert_ptr_equal(tdm_kv_storage(kv), &f->base);
     assert_null(tdm_kv_k(kv, 0, 0)); // not host f32
+    // Marks and waits reach the storage for layers in range, with its result.
+    assert_int_equal(tdm_kv_mark_layer(kv, 1), TDM_OK);
+    assert_int_equal(tdm_kv_wait_layer(kv, 1), TDM_OK);
+    assert_int_equal(tdm_kv_wait_layer(kv, 2), TDM_EBACKEND);
+    assert_int_equal(tdm_kv_mark_layer(kv, 3), TDM_EINVAL);
+    assert_int_equal(tdm_kv_wait_layer(kv, -1), TDM_EINVAL);
+    assert_int_equal(f->marks, 1);
+    assert_int_equal(f->last_mark, 1);
+    assert_int_equal(f->waits, 2);
+    assert_int_equal(f->last_wait, 2);
     struct tdm_kv_seq pad, s;
     tdm_kv_seq_init(&pad);
     tdm_kv_seq_init(&s);

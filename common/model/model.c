@@ -986,9 +986,12 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
                   m->pos_be, m->inv_freq);
         ops->kv_store(be, kv, l, m->aseqs, n_seqs_run, m->qkv + m->q_dim,
                       m->qkv + m->q_dim + m->kv_dim, m->qkv_dim);
-        // Layer l's KV is in the cache (ops are synchronous, or stream-ordered
-        // with the storage's copies out of the cache): a hook may hand it to a
-        // sender while the layers above still compute.
+        // Layer l's KV is in the cache (ops are synchronous, or issued on a
+        // device stream: the mark orders the storage's exports and waits
+        // after these stores, not after the layers above): a hook may hand it
+        // to a sender while the layers above still compute.
+        if (any_hook && (rc = tdm_kv_mark_layer(kv, l)) != TDM_OK)
+            return rc;
         for (int s = 0; any_hook && s < n_seqs; s++)
             if (seqs[s].on_layer)
                 seqs[s].on_layer(seqs[s].layer_arg, l);

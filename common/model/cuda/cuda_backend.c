@@ -367,10 +367,16 @@ struct cuda_kv_storage {
     void *slab;               // the one allocation: [num_layers][2 (K, V)][layer_bytes], device
     size_t layer_bytes;       // num_blocks * block_elems * elem_bytes
     void **k, **v;            // [num_layers] -> into slab: [num_blocks][heads][block_size][head_dim]
-    struct dev_buf d_blocks;  // [nblocks] int32 block ids of one export/import, device
-    struct dev_buf d_staging; // [nblocks][block_elems] f32, device
-    pthread_mutex_t stage_mu; // export/import share the two buffers above, and P/D calls
-                              // them from job and receive threads while the engine runs
+    // Exports and imports: P/D calls them from job and receive threads while
+    // the engine computes on the device stream (and may be capturing a decode
+    // graph there), so they run on a side stream of their own, ordered after
+    // the engine's writes by the per-layer events, never queued behind the
+    // engine's later layers. stage_mu serialises them (the side, the buffers).
+    pthread_mutex_t stage_mu;
+    struct tdm_cuda_side *side; // made on the first export or import
+    void **layer_ev;            // [num_layers] recorded by mark_layer on the device stream
+    struct dev_buf d_blocks;    // [nblocks] int32 block ids of one export/import, device
+    struct dev_buf d_staging;   // [2][nblocks][block_elems] f32 (K then V), device
 };
 
 static void kvs_free(struct tdm_kv_storage *st)
@@ -383,8 +389,12 @@ static void kvs_free(struct tdm_kv_storage *st)
     free(s->k);
     free(s->v);
     s->be->gen++; // graphs that addressed this pool are stale
-    buf_free(s->be, &s->d_blocks);
-    buf_free(s->be, &s->d_staging);
+    tdm_cuda_side_free(s->side); // waits for its copies
+    for (int l = 0; s->layer_ev && l < s->num_layers; l++)
+        tdm_cuda_dev_event_free(s->be->dev, s->layer_ev[l]);
+    free(s->layer_ev);
+    tdm_cuda_dev_free(s->be->dev, s->d_blocks.p);
+    tdm_cuda_dev_free(s->be->dev, s->d_staging.p);
     pthread_mutex_destroy(&s->stage_mu);
     free(s);
 }
@@ -399,51 +409,117 @@ static void *kvs_layer_v(struct tdm_kv_storage *st, int layer)
     return ((struct cuda_kv_storage *)st)->v[layer];
 }
 
-// Export/import: the block ids go to the device, a kernel gathers the blocks
-// into (or scatters them from) an f32 staging buffer in the transfer layout,
-// and one copy per pool moves it to or from the host.
-static int kvs_stage(struct cuda_kv_storage *s, const int *blocks, int nblocks)
+// Export/import, on the storage's side stream: the block ids go to the device,
+// a kernel gathers the blocks of K and of V into (or scatters them from) an
+// f32 staging buffer in the transfer layout, and one copy moves it through
+// the side's pinned host buffer. An export first waits (on the device) for the
+// layer's last mark, so a prefill job sends layer l while the engine's stream
+// still computes the layers above it (issue 25, item 4): the old export ran on
+// the engine's stream and so waited for every kernel the engine had issued by
+// then, which on a GPU running behind the host was the whole prefill.
+// A storage buffer (not the backend's): growing it must not mark graphs stale.
+static int stage_reserve(struct cuda_kv_storage *s, struct dev_buf *b, size_t bytes)
 {
-    struct tdm_backend *be = s->be;
-    if (buf_reserve(be, &s->d_blocks, (size_t)nblocks * sizeof(int32_t)) ||
-        buf_reserve(be, &s->d_staging, (size_t)nblocks * s->block_elems * sizeof(float)))
+    if (b->bytes >= bytes)
+        return TDM_OK;
+    size_t want = b->bytes ? b->bytes : 4096;
+    while (want < bytes)
+        want *= 2;
+    void *p = tdm_cuda_dev_alloc(s->be->dev, want);
+    if (p == NULL)
         return TDM_ENOMEM;
-    return tdm_cuda_dev_h2d(be->dev, s->d_blocks.p, blocks, (size_t)nblocks * sizeof(int32_t));
+    tdm_cuda_dev_free(s->be->dev, b->p); // idle: the last user synced the side
+    b->p = p;
+    b->bytes = want;
+    return TDM_OK;
+}
+
+static int side_fail(struct cuda_kv_storage *s, const char *what)
+{
+    TDM_LOG_ERR("cuda", "kv %s: %s", what,
+                s->side ? tdm_cuda_side_errmsg(s->side) : "no side stream");
+    return TDM_EBACKEND;
+}
+
+// The side, the block ids on the device and room for `bytes` of staging on
+// both sides; returns the pinned host buffer (ids after the staging bytes).
+static int kvs_stage(struct cuda_kv_storage *s, const int *blocks, int nblocks, size_t bytes,
+                     void **host)
+{
+    if (s->side == NULL) {
+        char err[160];
+        if (tdm_cuda_side_new(s->be->dev, &s->side, err, sizeof err) != TDM_OK) {
+            TDM_LOG_ERR("cuda", "kv export/import: %s", err);
+            return TDM_EBACKEND;
+        }
+    }
+    size_t ids = (size_t)nblocks * sizeof(int32_t);
+    if (stage_reserve(s, &s->d_blocks, ids) != TDM_OK ||
+        stage_reserve(s, &s->d_staging, bytes) != TDM_OK)
+        return TDM_ENOMEM;
+    uint8_t *h = tdm_cuda_side_host(s->side, bytes + ids);
+    if (h == NULL)
+        return side_fail(s, "pinned host buffer");
+    memcpy(h + bytes, blocks, ids); // int is int32_t here
+    if (tdm_cuda_side_h2d(s->side, s->d_blocks.p, h + bytes, ids) != TDM_OK)
+        return side_fail(s, "block ids");
+    *host = h;
+    return TDM_OK;
 }
 
 static int kvs_export_locked(struct cuda_kv_storage *s, int layer, const int *blocks,
                              int nblocks, float *k_out, float *v_out)
 {
-    void *stream = s->be->stream;
     size_t bytes = (size_t)nblocks * s->block_elems * sizeof(float);
-    if (kvs_stage(s, blocks, nblocks) != TDM_OK ||
-        tdm_cuk_kv_gather(stream, s->type, s->k[layer], s->d_blocks.p, nblocks, s->block_elems,
-                          s->d_staging.p) != TDM_CUK_OK ||
-        tdm_cuda_dev_d2h(s->be->dev, k_out, s->d_staging.p, bytes) != TDM_OK ||
+    void *host = NULL;
+    int rc = kvs_stage(s, blocks, nblocks, 2 * bytes, &host);
+    if (rc != TDM_OK)
+        return rc;
+    void *stream = tdm_cuda_side_stream(s->side);
+    float *kst = s->d_staging.p, *vst = kst + (size_t)nblocks * s->block_elems;
+    if (s->layer_ev && s->layer_ev[layer] &&
+        tdm_cuda_side_wait_event(s->side, s->layer_ev[layer]) != TDM_OK)
+        return side_fail(s, "export wait");
+    if (tdm_cuk_kv_gather(stream, s->type, s->k[layer], s->d_blocks.p, nblocks, s->block_elems,
+                          kst) != TDM_CUK_OK ||
         tdm_cuk_kv_gather(stream, s->type, s->v[layer], s->d_blocks.p, nblocks, s->block_elems,
-                          s->d_staging.p) != TDM_CUK_OK ||
-        tdm_cuda_dev_d2h(s->be->dev, v_out, s->d_staging.p, bytes) != TDM_OK)
+                          vst) != TDM_CUK_OK) {
+        TDM_LOG_ERR("cuda", "kv export: %s", tdm_cuk_errmsg());
         return TDM_EBACKEND;
+    }
+    if (tdm_cuda_side_d2h(s->side, host, kst, 2 * bytes) != TDM_OK ||
+        tdm_cuda_side_sync(s->side) != TDM_OK)
+        return side_fail(s, "export copy");
+    memcpy(k_out, host, bytes);
+    memcpy(v_out, (uint8_t *)host + bytes, bytes);
     return TDM_OK;
 }
 
 static int kvs_import_locked(struct cuda_kv_storage *s, int layer, const int *blocks,
                              int nblocks, const float *k_in, const float *v_in)
 {
-    void *stream = s->be->stream;
+    // The blocks are the importing sequence's alone, and no forward reads them
+    // before the import returns: nothing on the engine's stream to wait for.
     size_t bytes = (size_t)nblocks * s->block_elems * sizeof(float);
-    // h2d returns once the host data is consumed, and the scatter is stream
-    // ordered before the next copy reuses the staging buffer.
-    if (kvs_stage(s, blocks, nblocks) != TDM_OK ||
-        tdm_cuda_dev_h2d(s->be->dev, s->d_staging.p, k_in, bytes) != TDM_OK ||
-        tdm_cuk_kv_scatter(stream, s->type, s->k[layer], s->d_blocks.p, nblocks, s->block_elems,
-                           s->d_staging.p) != TDM_CUK_OK ||
-        tdm_cuda_dev_h2d(s->be->dev, s->d_staging.p, v_in, bytes) != TDM_OK ||
+    void *host = NULL;
+    int rc = kvs_stage(s, blocks, nblocks, 2 * bytes, &host);
+    if (rc != TDM_OK)
+        return rc;
+    void *stream = tdm_cuda_side_stream(s->side);
+    float *kst = s->d_staging.p, *vst = kst + (size_t)nblocks * s->block_elems;
+    memcpy(host, k_in, bytes);
+    memcpy((uint8_t *)host + bytes, v_in, bytes);
+    if (tdm_cuda_side_h2d(s->side, kst, host, 2 * bytes) != TDM_OK)
+        return side_fail(s, "import copy");
+    if (tdm_cuk_kv_scatter(stream, s->type, s->k[layer], s->d_blocks.p, nblocks, s->block_elems,
+                           kst) != TDM_CUK_OK ||
         tdm_cuk_kv_scatter(stream, s->type, s->v[layer], s->d_blocks.p, nblocks, s->block_elems,
-                           s->d_staging.p) != TDM_CUK_OK ||
-        tdm_cuda_dev_sync(s->be->dev) != TDM_OK)
+                           vst) != TDM_CUK_OK) {
+        TDM_LOG_ERR("cuda", "kv import: %s", tdm_cuk_errmsg());
+        tdm_cuda_side_sync(s->side); // the copy into staging is done before anyone reuses it
         return TDM_EBACKEND;
-    return TDM_OK;
+    }
+    return tdm_cuda_side_sync(s->side) == TDM_OK ? TDM_OK : side_fail(s, "import");
 }
 
 static int kvs_export(struct tdm_kv_storage *st, int layer, const int *blocks, int nblocks,
@@ -462,6 +538,43 @@ static int kvs_import(struct tdm_kv_storage *st, int layer, const int *blocks, i
     struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
     pthread_mutex_lock(&s->stage_mu);
     int rc = kvs_import_locked(s, layer, blocks, nblocks, k_in, v_in);
+    pthread_mutex_unlock(&s->stage_mu);
+    return rc;
+}
+
+// The engine's thread, in a forward with a push hook, after layer's KV
+// stores were issued: the layer's event marks them. The events are made with
+// the storage (layer_ev), so this only records (no allocation per layer).
+static int kvs_mark_layer(struct tdm_kv_storage *st, int layer)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    if (s->layer_ev == NULL || s->layer_ev[layer] == NULL)
+        return tdm_cuda_dev_sync(s->be->dev); // no event: everything issued is done
+    if (tdm_cuda_dev_event_record(s->be->dev, s->layer_ev[layer]) != TDM_OK) {
+        TDM_LOG_ERR("cuda", "kv mark layer %d: %s", layer, tdm_cuda_dev_errmsg(s->be->dev));
+        return TDM_EBACKEND;
+    }
+    return TDM_OK;
+}
+
+// Any thread (a prefill job before its CUDA IPC or NCCL copies): the host
+// waits for the writes before the layer's last mark, not for the layers the
+// engine issued since.
+static int kvs_wait_layer(struct tdm_kv_storage *st, int layer)
+{
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    if (s->layer_ev == NULL || s->layer_ev[layer] == NULL)
+        return TDM_OK; // marks synced the stream
+    pthread_mutex_lock(&s->stage_mu);
+    int rc = TDM_OK;
+    if (s->side == NULL) {
+        char err[160];
+        rc = tdm_cuda_side_new(s->be->dev, &s->side, err, sizeof err);
+        if (rc != TDM_OK)
+            TDM_LOG_ERR("cuda", "kv wait: %s", err);
+    }
+    if (rc == TDM_OK && tdm_cuda_side_event_sync(s->side, s->layer_ev[layer]) != TDM_OK)
+        rc = side_fail(s, "wait layer");
     pthread_mutex_unlock(&s->stage_mu);
     return rc;
 }
@@ -489,6 +602,8 @@ static const struct tdm_kv_storage_ops kvs_ops = {
     .export_blocks = kvs_export,
     .import_blocks = kvs_import,
     .device_pool = kvs_device_pool,
+    .mark_layer = kvs_mark_layer,
+    .wait_layer = kvs_wait_layer,
 };
 
 #define GIB(x) ((double)(x) / 1073741824.0)
@@ -572,6 +687,19 @@ static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_confi
         s->k[l] = (char *)s->slab + 2 * layer_bytes * (size_t)l;
         s->v[l] = (char *)s->k[l] + layer_bytes;
     }
+    // One event per layer for mark_layer. Without them (the driver refused)
+    // a mark syncs the device stream: slower, never wrong.
+    s->layer_ev = calloc((size_t)cfg->num_layers, sizeof *s->layer_ev);
+    for (int l = 0; s->layer_ev && l < cfg->num_layers; l++)
+        if (tdm_cuda_dev_event_new(be->dev, &s->layer_ev[l]) != TDM_OK) {
+            TDM_LOG_WARN("cuda", "cuda kv: no per-layer events (%s); KV marks sync the stream",
+                         tdm_cuda_dev_errmsg(be->dev));
+            for (int j = 0; j < l; j++)
+                tdm_cuda_dev_event_free(be->dev, s->layer_ev[j]);
+            free(s->layer_ev);
+            s->layer_ev = NULL;
+            break;
+        }
     *out = &s->base;
     return TDM_OK;
 }

@@ -401,3 +401,162 @@ const char *tdm_cuda_dev_errmsg(const struct tdm_cuda_dev *d)
 {
     return d->errmsg;
 }
+
+// ---- events and side streams ----------------------------------------------------------------
+int tdm_cuda_dev_event_new(struct tdm_cuda_dev *d, void **event)
+{
+    *event = NULL;
+    if (tdm_cuda_dev_bind(d) != TDM_OK)
+        return TDM_EBACKEND;
+    cudaEvent_t ev = NULL;
+    cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (e != cudaSuccess)
+        return cuda_fail(d, "cudaEventCreateWithFlags", e);
+    *event = (void *)ev;
+    return TDM_OK;
+}
+
+void tdm_cuda_dev_event_free(struct tdm_cuda_dev *d, void *event)
+{
+    (void)d;
+    if (event)
+        cudaEventDestroy((cudaEvent_t)event);
+}
+
+int tdm_cuda_dev_event_record(struct tdm_cuda_dev *d, void *event)
+{
+    // Per layer on the engine's thread, which the forward bound already.
+    cudaError_t e = cudaEventRecord((cudaEvent_t)event, d->stream);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaEventRecord", e);
+}
+
+struct tdm_cuda_side {
+    struct tdm_cuda_dev *d;
+    cudaStream_t stream;
+    void *host; // pinned (cudaHostAlloc)
+    size_t host_bytes;
+    char errmsg[256];
+};
+
+static int side_fail(struct tdm_cuda_side *s, const char *what, cudaError_t e)
+{
+    snprintf(s->errmsg, sizeof s->errmsg, "%s: %s", what, cudaGetErrorString(e));
+    return TDM_EBACKEND;
+}
+
+static int side_bind(struct tdm_cuda_side *s)
+{
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur == s->d->ordinal)
+        return TDM_OK;
+    cudaError_t e = cudaSetDevice(s->d->ordinal);
+    return e == cudaSuccess ? TDM_OK : side_fail(s, "cudaSetDevice", e);
+}
+
+int tdm_cuda_side_new(struct tdm_cuda_dev *d, struct tdm_cuda_side **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    struct tdm_cuda_side *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda: out of memory");
+    s->d = d;
+    cudaError_t e = cudaSuccess;
+    if (side_bind(s) != TDM_OK ||
+        (e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        if (e != cudaSuccess)
+            side_fail(s, "cudaStreamCreateWithFlags", e);
+        int rc = tdm_seterr(err, errlen, TDM_EBACKEND, "cuda: side stream: %s", s->errmsg);
+        free(s);
+        return rc;
+    }
+    *out = s;
+    return TDM_OK;
+}
+
+void tdm_cuda_side_free(struct tdm_cuda_side *s)
+{
+    if (s == NULL)
+        return;
+    side_bind(s);
+    cudaStreamSynchronize(s->stream);
+    cudaStreamDestroy(s->stream);
+    if (s->host)
+        cudaFreeHost(s->host);
+    free(s);
+}
+
+void *tdm_cuda_side_stream(struct tdm_cuda_side *s)
+{
+    return (void *)s->stream;
+}
+
+void *tdm_cuda_side_host(struct tdm_cuda_side *s, size_t bytes)
+{
+    if (bytes <= s->host_bytes)
+        return s->host;
+    if (side_bind(s) != TDM_OK)
+        return NULL;
+    if (s->host)
+        cudaFreeHost(s->host);
+    s->host = NULL;
+    s->host_bytes = 0;
+    // Grown by half again, so a prompt a little longer than the last does not
+    // pin anew (cudaHostAlloc costs about a millisecond per few MiB).
+    size_t want = bytes + bytes / 2;
+    cudaError_t e = cudaHostAlloc(&s->host, want, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+        side_fail(s, "cudaHostAlloc", e);
+        s->host = NULL;
+        return NULL;
+    }
+    s->host_bytes = want;
+    return s->host;
+}
+
+static int side_copy(struct tdm_cuda_side *s, void *dst, const void *src, size_t bytes,
+                     enum cudaMemcpyKind kind)
+{
+    if (side_bind(s) != TDM_OK)
+        return TDM_EBACKEND;
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, s->stream);
+    return e == cudaSuccess ? TDM_OK : side_fail(s, "cudaMemcpyAsync", e);
+}
+
+int tdm_cuda_side_h2d(struct tdm_cuda_side *s, void *dst, const void *src, size_t bytes)
+{
+    return side_copy(s, dst, src, bytes, cudaMemcpyHostToDevice);
+}
+
+int tdm_cuda_side_d2h(struct tdm_cuda_side *s, void *dst, const void *src, size_t bytes)
+{
+    return side_copy(s, dst, src, bytes, cudaMemcpyDeviceToHost);
+}
+
+int tdm_cuda_side_wait_event(struct tdm_cuda_side *s, void *event)
+{
+    if (side_bind(s) != TDM_OK)
+        return TDM_EBACKEND;
+    cudaError_t e = cudaStreamWaitEvent(s->stream, (cudaEvent_t)event, 0);
+    return e == cudaSuccess ? TDM_OK : side_fail(s, "cudaStreamWaitEvent", e);
+}
+
+int tdm_cuda_side_event_sync(struct tdm_cuda_side *s, void *event)
+{
+    if (side_bind(s) != TDM_OK)
+        return TDM_EBACKEND;
+    cudaError_t e = cudaEventSynchronize((cudaEvent_t)event);
+    return e == cudaSuccess ? TDM_OK : side_fail(s, "cudaEventSynchronize", e);
+}
+
+int tdm_cuda_side_sync(struct tdm_cuda_side *s)
+{
+    if (side_bind(s) != TDM_OK)
+        return TDM_EBACKEND;
+    cudaError_t e = cudaStreamSynchronize(s->stream);
+    return e == cudaSuccess ? TDM_OK : side_fail(s, "cudaStreamSynchronize", e);
+}
+
+const char *tdm_cuda_side_errmsg(const struct tdm_cuda_side *s)
+{
+    return s->errmsg;
+}

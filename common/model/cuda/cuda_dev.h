@@ -80,4 +80,44 @@ void tdm_cuda_dev_graph_free(struct tdm_cuda_dev *d, void *graph); // NULL is fi
 // The detail of the last failed call on d.
 const char *tdm_cuda_dev_errmsg(const struct tdm_cuda_dev *d);
 
+// ---- events on the device stream -------------------------------------------------------------
+// An event marks the work issued on d's stream so far (cudaEventRecord; timing
+// off); a side waits for it on the device or on the host. A never-recorded event
+// is complete. Recording is the device stream's owner's call (never while
+// capturing); waiting may come from any thread. TDM_OK or TDM_EBACKEND.
+int tdm_cuda_dev_event_new(struct tdm_cuda_dev *d, void **event);
+void tdm_cuda_dev_event_free(struct tdm_cuda_dev *d, void *event); // NULL is fine
+int tdm_cuda_dev_event_record(struct tdm_cuda_dev *d, void *event);
+
+// ---- a side stream ---------------------------------------------------------------------------
+// A second stream of d with a pinned host buffer, for copies that must not queue
+// behind the device stream's work nor land in a graph it is capturing: the KV
+// storage's exports and imports, which a prefill job thread or a KV receive
+// thread issues while the engine's thread computes on the device stream. Its
+// calls bind d to the calling thread. One thread uses a side at a time (the
+// caller locks); each call returns TDM_OK or TDM_EBACKEND with the detail in
+// tdm_cuda_side_errmsg.
+struct tdm_cuda_side;
+int tdm_cuda_side_new(struct tdm_cuda_dev *d, struct tdm_cuda_side **out, char *err, size_t errlen);
+void tdm_cuda_side_free(struct tdm_cuda_side *s); // waits for its work; NULL is fine
+// The side's stream, for kernel launches on it (a cudaStream_t).
+void *tdm_cuda_side_stream(struct tdm_cuda_side *s);
+// The side's pinned host buffer, at least `bytes` long (grown when shorter: its
+// contents are then lost); NULL when pinned memory cannot be had. Valid until
+// the next call that grows it or tdm_cuda_side_free; the caller must not grow
+// it while a copy issued from it may still run.
+void *tdm_cuda_side_host(struct tdm_cuda_side *s, size_t bytes);
+// Asynchronous copies on the side stream between device memory and the side's
+// host buffer (cudaMemcpyAsync from pinned memory: truly asynchronous).
+int tdm_cuda_side_h2d(struct tdm_cuda_side *s, void *dst, const void *src, size_t bytes);
+int tdm_cuda_side_d2h(struct tdm_cuda_side *s, void *dst, const void *src, size_t bytes);
+// The side stream's later work waits on the device for `event` (of d) as it
+// is recorded now (cudaStreamWaitEvent): the host does not wait.
+int tdm_cuda_side_wait_event(struct tdm_cuda_side *s, void *event);
+// The host waits for `event` as it is recorded now (cudaEventSynchronize).
+int tdm_cuda_side_event_sync(struct tdm_cuda_side *s, void *event);
+// The host waits for everything issued on the side stream.
+int tdm_cuda_side_sync(struct tdm_cuda_side *s);
+const char *tdm_cuda_side_errmsg(const struct tdm_cuda_side *s);
+
 #endif

@@ -408,6 +408,115 @@ static void test_export_import(void **state)
 // and memory are real). --device with the emulated CUDA backend registered:
 // one GPU visible.
 #ifndef TDM_CUDA_TEST_GPU
+// The emulator's deferred mode (emu/cuda_emu.h, C linkage): the device runs
+// behind the host, and work runs only when something waits for it.
+void tdm_emu_defer(int on);
+unsigned long long tdm_emu_pending(void *stream);
+
+// What a push hook sees during a prefill forward on a device that runs behind
+// the host (issue 25, item 4): at layer l's hook, the storage exports layer l-1
+// as a prefill job sending over nng does, waits for it as a CUDA IPC or NCCL
+// lessee does, and imports another sequence's blocks as a KV receive thread
+// does; none of these may wait for the layers the engine issued after l-1's
+// stores (the old export ran on the engine's stream and synced it: on a GPU
+// the whole prefill came first), and the export must still see l-1's writes
+// (it waits for the layer's mark on the device).
+struct defer_probe {
+    struct tdm_kv_cache *kv;
+    const int *blocks, *blocks2;
+    int nb;
+    size_t floats; // of one layer's export
+    float *got;    // [layers][floats]
+    const float *ref;
+    unsigned long long pending_export[16], pending_wait[16], pending_import[16];
+    int rc;
+};
+
+static void defer_hook(void *arg, int layer)
+{
+    struct defer_probe *p = arg;
+    if (layer == 0)
+        return;
+    int l = layer - 1;
+    // The export first: nothing else has run the engine's queue up to l-1 yet.
+    p->rc |= tdm_kv_read_blocks(p->kv, l, p->blocks, p->nb, TDM_KV_F32, p->got + l * p->floats);
+    p->pending_export[l] = tdm_emu_pending(NULL);
+    p->rc |= tdm_kv_wait_layer(p->kv, l);
+    p->pending_wait[l] = tdm_emu_pending(NULL);
+    // The reference KV of layer l into the second sequence's blocks.
+    struct tdm_kv_storage *st = tdm_kv_storage(p->kv);
+    const float *k = p->ref + l * p->floats, *v = k + p->floats / 2;
+    p->rc |= st->ops->import_blocks(st, l, p->blocks2, p->nb, k, v);
+    p->pending_import[l] = tdm_emu_pending(NULL);
+}
+
+static void test_deferred_export_overlaps(void **state)
+{
+    (void)state;
+    struct tdm_model *m = load(tiny_dir, "cuda", "f32");
+    int vocab = tdm_model_config(m)->vocab_size, layers = tdm_model_config(m)->num_hidden_layers;
+    assert_true(layers >= 2 && layers <= 16);
+    int n = 37;
+    int32_t h[64];
+    make_prompt(h, n, vocab, 9);
+    float *logits = malloc((size_t)vocab * sizeof(float));
+    // The reference: the same prefill, run as issued, exported afterwards.
+    struct tdm_kv_cache *kref = new_kv(m), *kv = new_kv(m);
+    struct tdm_kv_seq sref, s, s2;
+    tdm_kv_seq_init(&sref), tdm_kv_seq_init(&s), tdm_kv_seq_init(&s2);
+    step(m, kref, &sref, h, 0, n, logits);
+    int nb = sref.num_blocks;
+    size_t bytes = tdm_kv_layer_bytes_as(kref, nb, TDM_KV_F32), floats = bytes / sizeof(float);
+    float *ref = malloc(bytes * (size_t)layers), *got = calloc((size_t)layers, bytes);
+    for (int l = 0; l < layers; l++)
+        assert_int_equal(
+            tdm_kv_read_blocks(kref, l, sref.block_table, nb, TDM_KV_F32, ref + l * floats),
+            TDM_OK);
+
+    assert_int_equal(tdm_kv_reserve(kv, &s, n), TDM_OK);
+    assert_int_equal(tdm_kv_reserve(kv, &s2, n), TDM_OK);
+    struct defer_probe p = {.kv = kv,
+                            .blocks = s.block_table,
+                            .blocks2 = s2.block_table,
+                            .nb = nb,
+                            .floats = floats,
+                            .got = got,
+                            .ref = ref};
+    struct tdm_batch_seq b = {.tokens = h,
+                              .n_tokens = n,
+                              .start_pos = 0,
+                              .block_table = s.block_table,
+                              .logits = TDM_LOGITS_LAST,
+                              .on_layer = defer_hook,
+                              .layer_arg = &p};
+    tdm_emu_defer(1);
+    int rc = tdm_model_forward(m, kv, &b, 1, logits);
+    tdm_emu_defer(0);
+    assert_int_equal(rc, TDM_OK);
+    assert_int_equal(p.rc, TDM_OK);
+    assert_int_equal(tdm_emu_pending(NULL), 0); // the forward's logits copy ran it all
+    for (int l = 0; l < layers - 1; l++) {
+        printf("layer %d: engine work still queued after wait %llu, export %llu, import %llu\n", l,
+               p.pending_wait[l], p.pending_export[l], p.pending_import[l]);
+        // Layer l's attention and MLP and layer l+1's first kernels were
+        // issued before the hook and had not run: nothing waited for them.
+        assert_true(p.pending_wait[l] > 0);
+        assert_true(p.pending_export[l] > 0);
+        assert_true(p.pending_import[l] > 0);
+        assert_memory_equal(got + l * floats, ref + l * floats, bytes);
+    }
+    // The imports landed: the second sequence's blocks hold the reference KV.
+    for (int l = 0; l < layers - 1; l++) {
+        assert_int_equal(
+            tdm_kv_read_blocks(kv, l, s2.block_table, nb, TDM_KV_F32, got + l * floats), TDM_OK);
+        assert_memory_equal(got + l * floats, ref + l * floats, bytes);
+    }
+    tdm_kv_seq_release(kref, &sref), tdm_kv_seq_release(kv, &s), tdm_kv_seq_release(kv, &s2);
+    tdm_kv_free(kref), tdm_kv_free(kv);
+    free(ref), free(got), free(logits);
+    tdm_model_free(m);
+}
+
 static void test_device_flag(void **state)
 {
     (void)state;
@@ -879,6 +988,7 @@ int main(void)
 #ifndef TDM_CUDA_TEST_GPU
         cmocka_unit_test(test_device_flag),
         cmocka_unit_test(test_kv_capacity),
+        cmocka_unit_test(test_deferred_export_overlaps),
 #endif
         cmocka_unit_test(test_errors),
 #ifndef TDM_CUDA_TEST_GPU

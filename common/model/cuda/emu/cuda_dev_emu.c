@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuda_dev_emu: cuda_dev.h for the emulator tests. Device memory is host
-// memory, copies are memcpy, the stream is the calling thread (kernels of the
-// emulator finish before their launch returns), and the GEMM is a plain loop:
+// memory, copies are memcpy, streams and events are the emulator's (kernels
+// finish before their launch returns, unless a test turned on the emulator's
+// deferred mode: tdm_emu_defer), and the GEMM is a plain loop:
 // each output element accumulates bf16(w) * bf16(x) in f32 over k in order,
 // the arithmetic cuBLASLt's bf16 GEMM does in another order. Test tool only.
 #include <stdio.h>
@@ -22,9 +23,17 @@ struct tdm_cuda_dev {
 void tdm_emu_capture_begin(void);
 void *tdm_emu_capture_end(void);
 int tdm_emu_capturing(void);
-void tdm_emu_stream_work(void (*fn)(void *arg), const void *arg, size_t arg_bytes);
+void tdm_emu_stream_work(void *stream, void (*fn)(void *arg), const void *arg, size_t arg_bytes);
 void tdm_emu_graph_launch(void *graph);
 void tdm_emu_graph_free(void *graph);
+void *tdm_emu_stream_new(void);
+void tdm_emu_stream_free(void *stream);
+void tdm_emu_stream_sync(void *stream);
+void *tdm_emu_event_new(void);
+void tdm_emu_event_free(void *event);
+void tdm_emu_event_record(void *event, void *stream);
+void tdm_emu_event_sync(void *event);
+void tdm_emu_stream_wait_event(void *stream, void *event);
 
 // Host <-> device copies and sync are not stream work CUDA can capture.
 static int not_while_capturing(struct tdm_cuda_dev *d, const char *what)
@@ -157,6 +166,7 @@ int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t 
     tdm_cuda_dev_bind(d);
     if (not_while_capturing(d, "h2d copy") != TDM_OK)
         return TDM_EBACKEND;
+    tdm_emu_stream_sync(NULL); // stream order: after the work issued so far
     if (bytes)
         memcpy(dst, src, bytes);
     return TDM_OK;
@@ -167,6 +177,7 @@ int tdm_cuda_dev_d2h(struct tdm_cuda_dev *d, void *dst, const void *src, size_t 
     tdm_cuda_dev_bind(d);
     if (not_while_capturing(d, "d2h copy") != TDM_OK)
         return TDM_EBACKEND;
+    tdm_emu_stream_sync(NULL);
     if (bytes)
         memcpy(dst, src, bytes);
     return TDM_OK;
@@ -176,7 +187,7 @@ int tdm_cuda_dev_d2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t 
 {
     tdm_cuda_dev_bind(d);
     struct copy_work w = {.dst = dst, .src = src, .bytes = bytes, .byte = -1};
-    tdm_emu_stream_work(run_copy, &w, sizeof w);
+    tdm_emu_stream_work(NULL, run_copy, &w, sizeof w);
     return TDM_OK;
 }
 
@@ -184,14 +195,17 @@ int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t byte
 {
     tdm_cuda_dev_bind(d);
     struct copy_work w = {.dst = dst, .src = NULL, .bytes = bytes, .byte = byte & 0xff};
-    tdm_emu_stream_work(run_copy, &w, sizeof w);
+    tdm_emu_stream_work(NULL, run_copy, &w, sizeof w);
     return TDM_OK;
 }
 
 int tdm_cuda_dev_sync(struct tdm_cuda_dev *d)
 {
     tdm_cuda_dev_bind(d);
-    return not_while_capturing(d, "sync");
+    if (not_while_capturing(d, "sync") != TDM_OK)
+        return TDM_EBACKEND;
+    tdm_emu_stream_sync(NULL);
+    return TDM_OK;
 }
 
 int tdm_cuda_dev_capture_begin(struct tdm_cuda_dev *d)
@@ -273,11 +287,135 @@ int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, 
     if (on_device(d, "gemm") != TDM_OK) // a per-layer launch: bound by begin_forward
         return TDM_EBACKEND;
     struct gemm_work g = {.w = w, .x = x, .bias = bias, .y = y, .rows = rows, .cols = cols, .n = n};
-    tdm_emu_stream_work(run_gemm, &g, sizeof g);
+    tdm_emu_stream_work(NULL, run_gemm, &g, sizeof g);
     return TDM_OK;
 }
 
 const char *tdm_cuda_dev_errmsg(const struct tdm_cuda_dev *d)
 {
     return d->errmsg;
+}
+
+// ---- events and side streams ----------------------------------------------------------------
+int tdm_cuda_dev_event_new(struct tdm_cuda_dev *d, void **event)
+{
+    (void)d;
+    *event = tdm_emu_event_new();
+    return TDM_OK;
+}
+
+void tdm_cuda_dev_event_free(struct tdm_cuda_dev *d, void *event)
+{
+    (void)d;
+    if (event)
+        tdm_emu_event_free(event);
+}
+
+int tdm_cuda_dev_event_record(struct tdm_cuda_dev *d, void *event)
+{
+    if (on_device(d, "event record") != TDM_OK || not_while_capturing(d, "event record") != TDM_OK)
+        return TDM_EBACKEND;
+    tdm_emu_event_record(event, NULL);
+    return TDM_OK;
+}
+
+struct tdm_cuda_side {
+    struct tdm_cuda_dev *d;
+    void *stream;
+    void *host;
+    size_t host_bytes;
+    char errmsg[128];
+};
+
+int tdm_cuda_side_new(struct tdm_cuda_dev *d, struct tdm_cuda_side **out, char *err, size_t errlen)
+{
+    struct tdm_cuda_side *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "cuda: out of memory");
+    s->d = d;
+    s->stream = tdm_emu_stream_new();
+    *out = s;
+    return TDM_OK;
+}
+
+void tdm_cuda_side_free(struct tdm_cuda_side *s)
+{
+    if (s == NULL)
+        return;
+    tdm_emu_stream_free(s->stream);
+    free(s->host);
+    free(s);
+}
+
+void *tdm_cuda_side_stream(struct tdm_cuda_side *s)
+{
+    return s->stream;
+}
+
+void *tdm_cuda_side_host(struct tdm_cuda_side *s, size_t bytes)
+{
+    if (bytes <= s->host_bytes)
+        return s->host;
+    free(s->host);
+    s->host = malloc(bytes);
+    s->host_bytes = s->host ? bytes : 0;
+    return s->host;
+}
+
+// The side's calls check the calling thread's device as the device's do.
+static int side_bound(struct tdm_cuda_side *s, const char *what)
+{
+    tdm_cuda_dev_bind(s->d);
+    if (on_device(s->d, what) == TDM_OK)
+        return TDM_OK;
+    snprintf(s->errmsg, sizeof s->errmsg, "%s", s->d->errmsg);
+    return TDM_EBACKEND;
+}
+
+static int side_copy(struct tdm_cuda_side *s, void *dst, const void *src, size_t bytes)
+{
+    if (side_bound(s, "side copy") != TDM_OK)
+        return TDM_EBACKEND;
+    struct copy_work w = {.dst = dst, .src = src, .bytes = bytes, .byte = -1};
+    tdm_emu_stream_work(s->stream, run_copy, &w, sizeof w);
+    return TDM_OK;
+}
+
+int tdm_cuda_side_h2d(struct tdm_cuda_side *s, void *dst, const void *src, size_t bytes)
+{
+    return side_copy(s, dst, src, bytes);
+}
+
+int tdm_cuda_side_d2h(struct tdm_cuda_side *s, void *dst, const void *src, size_t bytes)
+{
+    return side_copy(s, dst, src, bytes);
+}
+
+int tdm_cuda_side_wait_event(struct tdm_cuda_side *s, void *event)
+{
+    if (side_bound(s, "side wait") != TDM_OK)
+        return TDM_EBACKEND;
+    tdm_emu_stream_wait_event(s->stream, event);
+    return TDM_OK;
+}
+
+int tdm_cuda_side_event_sync(struct tdm_cuda_side *s, void *event)
+{
+    if (side_bound(s, "event sync") != TDM_OK)
+        return TDM_EBACKEND;
+    tdm_emu_event_sync(event);
+    return TDM_OK;
+}
+
+int tdm_cuda_side_sync(struct tdm_cuda_side *s)
+{
+    if (side_bound(s, "side sync") != TDM_OK)
+        return TDM_EBACKEND;
+    tdm_emu_stream_sync(s->stream);
+    return TDM_OK;
+}
+
+const char *tdm_cuda_side_errmsg(const struct tdm_cuda_side *s)
+{
+    return s->errmsg;
 }

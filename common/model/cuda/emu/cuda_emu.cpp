@@ -69,6 +69,8 @@ __asm__(".text\n"
         ".size tdm_emu_switch, .-tdm_emu_switch\n");
 #endif
 
+#include <atomic>
+#include <deque>
 #include <mutex>
 #include <vector>
 
@@ -277,15 +279,75 @@ struct emu_graph {
 };
 static emu_graph *capture_graph; // non-NULL while capturing
 
-static void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body);
+// A stream: its queued work (deferred mode) and how much of what was issued
+// has run. One thread runs a stream's work at a time (run_mu), in order;
+// q_mu guards the queue and the counts.
+struct emu_stream {
+    std::mutex run_mu, q_mu;
+    std::deque<std::function<void()>> q;
+    unsigned long long issued = 0, done = 0;
+};
+static emu_stream device_stream; // NULL: the device's own stream
+static std::atomic<bool> deferred{false};
 
-void launch(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body)
+static emu_stream *stream_of(void *s)
 {
-    if (capture_graph != nullptr) {
-        capture_graph->work.push_back([=]() { run_grid(grid, block, shmem, body); });
+    return s != nullptr ? (emu_stream *)s : &device_stream;
+}
+
+// Runs s's queued work until `upto` items have run (or the queue is empty).
+static void drain(emu_stream *s, unsigned long long upto)
+{
+    std::lock_guard<std::mutex> running(s->run_mu);
+    for (;;) {
+        std::function<void()> w;
+        {
+            std::lock_guard<std::mutex> q(s->q_mu);
+            if (s->done >= upto || s->q.empty())
+                return;
+            w = std::move(s->q.front());
+            s->q.pop_front();
+        }
+        w();
+        std::lock_guard<std::mutex> q(s->q_mu);
+        s->done++;
+    }
+}
+
+static void drain_all(emu_stream *s)
+{
+    unsigned long long upto;
+    {
+        std::lock_guard<std::mutex> q(s->q_mu);
+        upto = s->issued;
+    }
+    drain(s, upto);
+}
+
+// Issues w on stream s: recorded by a capture of the device stream, queued in
+// deferred mode, else run now (after anything still queued from deferred mode).
+static void issue(void *stream, std::function<void()> w)
+{
+    emu_stream *s = stream_of(stream);
+    if (stream == nullptr && capture_graph != nullptr) {
+        capture_graph->work.push_back(std::move(w));
         return;
     }
-    run_grid(grid, block, shmem, body);
+    if (deferred.load()) {
+        std::lock_guard<std::mutex> q(s->q_mu);
+        s->q.push_back(std::move(w));
+        s->issued++;
+        return;
+    }
+    drain_all(s);
+    w();
+}
+
+static void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body);
+
+void launch(void *stream, dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body)
+{
+    issue(stream, [=]() { run_grid(grid, block, shmem, body); });
 }
 
 static void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body)
@@ -378,15 +440,105 @@ extern "C" int tdm_emu_capturing(void)
     return capture_graph != nullptr;
 }
 
-extern "C" void tdm_emu_stream_work(void (*fn)(void *arg), const void *arg, size_t arg_bytes)
+extern "C" void tdm_emu_stream_work(void *stream, void (*fn)(void *arg), const void *arg,
+                                    size_t arg_bytes)
 {
-    if (capture_graph == nullptr) {
-        fn(const_cast<void *>(arg));
-        return;
-    }
     std::vector<unsigned char> copy((const unsigned char *)arg,
                                     (const unsigned char *)arg + arg_bytes);
-    capture_graph->work.push_back([fn, copy]() mutable { fn(copy.data()); });
+    tdm_emu::issue(stream, [fn, copy]() mutable { fn(copy.data()); });
+}
+
+using tdm_emu::emu_stream;
+
+extern "C" void tdm_emu_defer(int on)
+{
+    tdm_emu::deferred.store(on != 0);
+}
+
+extern "C" unsigned long long tdm_emu_pending(void *stream)
+{
+    emu_stream *s = tdm_emu::stream_of(stream);
+    std::lock_guard<std::mutex> q(s->q_mu);
+    return s->issued - s->done;
+}
+
+extern "C" void *tdm_emu_stream_new(void)
+{
+    return new emu_stream;
+}
+
+extern "C" void tdm_emu_stream_free(void *stream)
+{
+    if (stream == nullptr)
+        return;
+    tdm_emu::drain_all((emu_stream *)stream);
+    delete (emu_stream *)stream;
+}
+
+extern "C" void tdm_emu_stream_sync(void *stream)
+{
+    tdm_emu::drain_all(tdm_emu::stream_of(stream));
+}
+
+// An event: the stream it was last recorded on and how many items had been
+// issued there then (stream NULL: never recorded, complete).
+struct emu_event {
+    std::mutex mu;
+    emu_stream *s = nullptr;
+    unsigned long long mark = 0;
+};
+
+extern "C" void *tdm_emu_event_new(void)
+{
+    return new emu_event;
+}
+
+extern "C" void tdm_emu_event_free(void *event)
+{
+    delete (emu_event *)event;
+}
+
+extern "C" void tdm_emu_event_record(void *event, void *stream)
+{
+    if (stream == nullptr && capture_graph != nullptr)
+        tdm_emu::die("event recorded on the device stream while capturing");
+    emu_stream *s = tdm_emu::stream_of(stream);
+    unsigned long long mark;
+    {
+        std::lock_guard<std::mutex> q(s->q_mu);
+        mark = s->issued;
+    }
+    emu_event *e = (emu_event *)event;
+    std::lock_guard<std::mutex> hold(e->mu);
+    e->s = s;
+    e->mark = mark;
+}
+
+static void event_mark(void *event, emu_stream **s, unsigned long long *mark)
+{
+    emu_event *e = (emu_event *)event;
+    std::lock_guard<std::mutex> hold(e->mu);
+    *s = e->s;
+    *mark = e->mark;
+}
+
+extern "C" void tdm_emu_event_sync(void *event)
+{
+    emu_stream *s;
+    unsigned long long mark;
+    event_mark(event, &s, &mark);
+    if (s != nullptr)
+        tdm_emu::drain(s, mark);
+}
+
+extern "C" void tdm_emu_stream_wait_event(void *stream, void *event)
+{
+    emu_stream *s;
+    unsigned long long mark;
+    event_mark(event, &s, &mark); // the record as of now, as cudaStreamWaitEvent takes it
+    if (s == nullptr || s == tdm_emu::stream_of(stream))
+        return; // complete, or earlier on the same stream
+    tdm_emu::issue(stream, [s, mark]() { tdm_emu::drain(s, mark); });
 }
 
 static unsigned long long graph_launches;
@@ -401,8 +553,11 @@ extern "C" void tdm_emu_graph_launch(void *graph)
     graph_launches++;
     if (capture_graph != nullptr)
         tdm_emu::die("graph launched while capturing");
-    for (auto &w : ((emu_graph *)graph)->work)
-        w();
+    emu_graph *g = (emu_graph *)graph;
+    tdm_emu::issue(nullptr, [g]() {
+        for (auto &w : g->work)
+            w();
+    });
 }
 
 extern "C" void tdm_emu_graph_free(void *graph)

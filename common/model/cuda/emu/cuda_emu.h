@@ -50,7 +50,8 @@ extern dim3 cur_thread_idx, cur_block_idx, cur_block_dim, cur_grid_dim;
 // Runs body once per thread of every block of grid (blocks in x, y, z order).
 // shmem (dynamic shared memory) must be 0: kernels size their __shared__
 // arrays statically (template parameters), which both compilers accept.
-void launch(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body);
+// `stream` as tdm_emu_stream_work's.
+void launch(void *stream, dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body);
 // Block barrier and warp barrier of the running fiber.
 void syncthreads();
 // Exchanges a 64-bit value among the running fiber's warp: every lane stores
@@ -77,12 +78,41 @@ void tdm_emu_capture_begin(void);
 // The recorded work as a graph (NULL if nothing was being captured).
 void *tdm_emu_capture_end(void);
 int tdm_emu_capturing(void);
-// Records fn(arg copy) while capturing (arg_bytes copied now); runs it at once otherwise.
-void tdm_emu_stream_work(void (*fn)(void *arg), const void *arg, size_t arg_bytes);
+// Stream work fn(arg copy) (arg_bytes copied now) on `stream`: NULL is the
+// device stream (the one a capture records), else a tdm_emu_stream_new one.
+// Recorded while capturing the device stream, queued in deferred mode, run at
+// once otherwise.
+void tdm_emu_stream_work(void *stream, void (*fn)(void *arg), const void *arg, size_t arg_bytes);
 void tdm_emu_graph_launch(void *graph);
 void tdm_emu_graph_free(void *graph);
 // Graphs launched since the process started (tests check replays happened).
 unsigned long long tdm_emu_graph_launches(void);
+
+// Streams and events. By default the emulator runs stream work when it is
+// issued, so every stream is always idle and every event complete. Deferred
+// mode (tdm_emu_defer(1), for tests) models a device that runs behind the
+// host, as far behind as the host allows: work issued on a stream is queued,
+// and runs, in issue order, only when something waits for it: a sync of the
+// stream or a host copy on it, an event sync, or queued work of another stream
+// that waits for an event (tdm_emu_stream_wait_event) and is itself run. So a
+// test sees exactly what a wait waited for: tdm_emu_pending tells how much of
+// a stream's work is still queued.
+void tdm_emu_defer(int on);
+// Work items issued on `stream` (NULL: the device stream) and not yet run.
+unsigned long long tdm_emu_pending(void *stream);
+void *tdm_emu_stream_new(void);
+void tdm_emu_stream_free(void *stream); // runs what is queued first
+// Runs everything issued on `stream` so far (cudaStreamSynchronize).
+void tdm_emu_stream_sync(void *stream);
+// Events: record marks the work issued on `stream` so far; sync runs that
+// stream up to the mark; wait_event makes `stream` run it up to the mark
+// before its later work (cudaStreamWaitEvent). A never-recorded event is
+// complete, as in CUDA.
+void *tdm_emu_event_new(void);
+void tdm_emu_event_free(void *event);
+void tdm_emu_event_record(void *event, void *stream);
+void tdm_emu_event_sync(void *event);
+void tdm_emu_stream_wait_event(void *stream, void *event);
 }
 
 #define threadIdx (::tdm_emu::cur_thread_idx)
@@ -169,7 +199,7 @@ static inline float rsqrtf(float x)
 }
 
 #define TDM_CUDA_LAUNCH(kernel, grid, block, shmem, stream, ...)                                   \
-    ((void)(stream),                                                                               \
-     ::tdm_emu::launch((grid), (block), (shmem), ::tdm_emu::bind_args(kernel, __VA_ARGS__)))
+    ::tdm_emu::launch((void *)(stream), (grid), (block), (shmem),                                  \
+                      ::tdm_emu::bind_args(kernel, __VA_ARGS__))
 
 #endif
