@@ -161,7 +161,13 @@ struct tdm_engine {
     struct sched_item *items;    // [max_num_seqs] this step's schedule
     struct tdm_batch_seq *batch; // [max_num_seqs]
     float *logits;               // [max_num_seqs][vocab]
-    struct tdm_sample_result sres;
+    // One step's plain samples (sample_rows): taken by the backend's host
+    // threads by sample_next, then appended in batch order.
+    struct sample_job *sjobs;           // [max_num_seqs]
+    struct tdm_sample_result *sjob_res; // [max_num_seqs] logprobs of the jobs that want them
+    int n_sjobs;
+    atomic_int sample_next;
+    uint64_t parallel_sample_steps; // steps whose rows were sampled on several threads
     // Speculative decoding: draft_rows logits rows past the first max_num_seqs
     // bound the draft tokens of one step (draft_rows_left: this step's);
     // spec_out/spec_res: one verification's tokens and logprobs.
@@ -561,6 +567,7 @@ static void publish_stats(struct tdm_engine *e)
     s->prefix_hits = e->prefix_hits;
     s->num_preemptions = e->preemptions;
     s->num_steps = e->steps;
+    s->num_parallel_sample_steps = e->parallel_sample_steps;
     s->num_finished = e->finished;
     s->num_masks = e->num_masks;
     s->mask_seconds = e->mask_seconds;
@@ -1069,6 +1076,54 @@ static void spec_verify(struct tdm_engine *e, struct tdm_engine_request *r, floa
         append_token(e, r, e->spec_out[j], res ? &res[j] : NULL, now);
 }
 
+// Sampling a step's rows: the engine thread alone took ~36 % of a decode
+// worker at 64 streams of a 151 936-token vocabulary (issue 26), while the
+// backend's compute threads waited for the next forward. Each row has its own
+// sampler (state and scratch), so rows are independent: the threads take them
+// one at a time, and the engine thread appends the tokens in batch order
+// afterwards, so the output is the same whatever thread sampled a row.
+// Below this many logits in all, waking the threads costs more than it saves.
+#define TDM_PARALLEL_SAMPLE_MIN_LOGITS ((size_t)1 << 19)
+
+struct sample_job {
+    struct tdm_engine_request *r;
+    float *row;
+    int32_t tok;
+};
+
+static void sample_task(void *arg, int tid, int nthreads)
+{
+    struct tdm_engine *e = arg;
+    (void)tid, (void)nthreads;
+    for (;;) {
+        int i = atomic_fetch_add(&e->sample_next, 1);
+        if (i >= e->n_sjobs)
+            return;
+        struct sample_job *j = &e->sjobs[i];
+        j->tok =
+            tdm_sampler_sample(j->r->sampler, j->row, j->r->want_logprobs ? &e->sjob_res[i] : NULL);
+    }
+}
+
+static void sample_rows(struct tdm_engine *e, double now)
+{
+    if (e->n_sjobs == 0)
+        return;
+    atomic_store(&e->sample_next, 0);
+    if (e->n_sjobs >= 2 &&
+        (size_t)e->n_sjobs * (size_t)e->vocab >= TDM_PARALLEL_SAMPLE_MIN_LOGITS) {
+        tdm_model_host_parallel(e->model, sample_task, e);
+        e->parallel_sample_steps++;
+    } else {
+        sample_task(e, 0, 1);
+    }
+    for (int i = 0; i < e->n_sjobs; i++) {
+        struct sample_job *j = &e->sjobs[i];
+        append_token(e, j->r, j->tok, j->r->want_logprobs ? &e->sjob_res[i] : NULL, now);
+    }
+    e->n_sjobs = 0;
+}
+
 static void run_step(struct tdm_engine *e, int n_items)
 {
     struct tdm_metrics_vllm *m = e->m;
@@ -1146,9 +1201,9 @@ static void run_step(struct tdm_engine *e, int n_items)
             mask_apply(e, r, lrow);
             e->mask_wait_seconds += tdm_now() - t0;
         }
-        int32_t tok = tdm_sampler_sample(r->sampler, lrow, r->want_logprobs ? &e->sres : NULL);
-        append_token(e, r, tok, r->want_logprobs ? &e->sres : NULL, now);
+        e->sjobs[e->n_sjobs++] = (struct sample_job){.r = r, .row = lrow};
     }
+    sample_rows(e, now);
 }
 
 // Takes the inbox and the control list; applies aborts and releases.
@@ -1423,10 +1478,12 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     e->batch = calloc(ns, sizeof *e->batch);
     e->logits = malloc((ns + (size_t)e->draft_rows) * (size_t)e->vocab * sizeof(float));
     e->mask_jobs = calloc(ns, sizeof *e->mask_jobs);
+    e->sjobs = calloc(ns, sizeof *e->sjobs);
+    e->sjob_res = calloc(ns, sizeof *e->sjob_res);
     if (cfg.grammar_vocab)
         e->mask_words = tdm_grammar_mask_words(cfg.grammar_vocab);
-    if (!e->running || !e->items || !e->batch || !e->logits || !e->mask_jobs ||
-        (k > 0 && !e->spec_res)) {
+    if (!e->running || !e->items || !e->batch || !e->logits || !e->mask_jobs || !e->sjobs ||
+        !e->sjob_res || (k > 0 && !e->spec_res)) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
         goto fail_arrays;
     }
@@ -1481,6 +1538,8 @@ fail_arrays:
     free(e->batch);
     free(e->logits);
     free(e->spec_res);
+    free(e->sjobs);
+    free(e->sjob_res);
     free(e->mask_jobs);
     free(e->kv_ev);
     tdm_kv_free(e->kv);
@@ -1542,6 +1601,8 @@ void tdm_engine_free(struct tdm_engine *e)
     free(e->batch);
     free(e->logits);
     free(e->spec_res);
+    free(e->sjobs);
+    free(e->sjob_res);
     free(e->mask_jobs);
     free(e->kv_ev);
     tdm_kv_free(e->kv);

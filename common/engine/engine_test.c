@@ -392,6 +392,121 @@ static void test_concurrent_20(void **state)
     tdm_engine_free(e);
 }
 
+// A step's rows are sampled on the backend's host threads when there are
+// enough logits (issue 26: the engine thread sampled 64 rows x 151 936 logits
+// alone): on a 2-thread model with a 32 768-token vocabulary, 24 seeded
+// requests (temperature, top-k/p, penalties, logprobs on every other one) get
+// exactly the tokens and logprobs the runner gives each alone, and the engine
+// counts steps sampled in parallel.
+static void test_parallel_sampling_matches_runner(void **state)
+{
+    (void)state;
+    enum { N = 24, MT = 10 };
+    char dir[64], err[256];
+    strcpy(dir, "/tmp/tdm_engine_parXXXXXX");
+    assert_non_null(mkdtemp(dir));
+    struct tdm_mkmodel_spec s;
+    tdm_mkmodel_preset(&s, "tiny");
+    s.vocab_size = 32768;
+    s.seed = 21;
+    assert_int_equal(tdm_mkmodel_write(&s, dir, err, sizeof err), TDM_OK);
+    struct tdm_model_opts o;
+    tdm_model_opts_default(&o);
+    o.num_threads = 2;
+    o.max_batch_tokens = 512;
+    o.max_batch_seqs = N;
+    struct tdm_model *m = NULL;
+    assert_int_equal(tdm_model_load(&m, dir, &o, err, sizeof err), TDM_OK);
+    int V = tdm_model_config(m)->vocab_size;
+    assert_true((size_t)N * (size_t)V >= ((size_t)1 << 19)); // above the engine's threshold
+
+    int32_t prompts[N][24], refs[N][MT], got[N][MT];
+    float ref_lp[N][MT], got_lp[N][MT];
+    struct tdm_sampling_params sp[N];
+    for (int i = 0; i < N; i++) {
+        make_prompt(prompts[i], 20, 900 + (uint32_t)i);
+        for (int k = 0; k < 20; k++)
+            prompts[i][k] %= V;
+        tdm_sampling_params_default(&sp[i]);
+        sp[i].temperature = 0.9f;
+        sp[i].top_k = i % 3 == 0 ? 40 : 0;
+        sp[i].top_p = i % 2 == 0 ? 0.9f : 1.0f;
+        sp[i].presence_penalty = 0.5f;
+        sp[i].has_seed = true;
+        sp[i].seed = 1000 + (uint64_t)i;
+        sp[i].ignore_eos = true;
+        sp[i].logprobs = i % 2 == 0 ? 0 : -1;
+        // The runner alone on a fresh cache: the reference.
+        struct tdm_kv_config kc;
+        struct tdm_kv_cache *kv = NULL;
+        memset(&kc, 0, sizeof kc);
+        tdm_model_kv_config(m, &kc);
+        kc.block_size = 16;
+        kc.num_blocks = 16;
+        assert_int_equal(tdm_kv_new(&kv, &kc, err, sizeof err), TDM_OK);
+        struct tdm_gen_request q;
+        memset(&q, 0, sizeof q);
+        q.prompt = prompts[i];
+        q.n_prompt = 20;
+        q.max_tokens = MT;
+        q.params = sp[i];
+        q.out_ids = refs[i];
+        float *logits = malloc((size_t)MT * (size_t)V * sizeof(float));
+        assert_non_null(logits);
+        q.logits_out = logits;
+        assert_int_equal(tdm_gen_run(m, kv, &q, 1, NULL, NULL, err, sizeof err), TDM_OK);
+        assert_int_equal(q.n_out, MT);
+        for (int t = 0; t < MT; t++) {
+            const float *row = logits + (size_t)t * (size_t)V;
+            double mx = row[0], sum = 0;
+            for (int v = 1; v < V; v++)
+                mx = row[v] > mx ? row[v] : mx;
+            for (int v = 0; v < V; v++)
+                sum += exp(row[v] - mx);
+            ref_lp[i][t] = (float)(row[refs[i][t]] - mx - log(sum));
+        }
+        free(logits);
+        tdm_kv_free(kv);
+    }
+
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    tdm_engine_config_default(&c);
+    c.num_blocks = 4 * N;
+    c.max_num_batched_tokens = 512;
+    c.max_num_seqs = N;
+    assert_int_equal(tdm_engine_new(&e, m, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine_request *rs[N];
+    for (int i = 0; i < N; i++) {
+        struct tdm_engine_request_params p;
+        tdm_engine_request_params_default(&p);
+        p.id = "par";
+        p.prompt = prompts[i];
+        p.n_prompt = 20;
+        p.sampling = sp[i];
+        p.max_tokens = MT;
+        assert_int_equal(tdm_engine_submit(e, &p, &rs[i], err, sizeof err), TDM_OK);
+    }
+    for (int i = 0; i < N; i++) {
+        struct collected cl = {.lp = got_lp[i]};
+        collect(rs[i], got[i], MT, &cl, 0);
+        assert_int_equal(cl.n, MT);
+        assert_memory_equal(got[i], refs[i], sizeof refs[i]);
+        if (sp[i].logprobs >= 0)
+            assert_true(max_lp_diff(got_lp[i], ref_lp[i], MT) < 1e-3f);
+        tdm_engine_request_release(rs[i]);
+    }
+    struct tdm_engine_stats st;
+    wait_idle_stats(e, &st);
+    print_message("steps %llu, sampled on the host threads %llu\n",
+                  (unsigned long long)st.num_steps,
+                  (unsigned long long)st.num_parallel_sample_steps);
+    assert_true(st.num_parallel_sample_steps > 0);
+    tdm_engine_free(e);
+    tdm_model_free(m);
+    tdm_mkmodel_remove(dir);
+}
+
 struct gate {
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -1753,6 +1868,7 @@ int main(void)
         cmocka_unit_test(test_single_matches_runner),
         cmocka_unit_test(test_stop_and_logprobs),
         cmocka_unit_test(test_concurrent_20),
+        cmocka_unit_test(test_parallel_sampling_matches_runner),
         cmocka_unit_test(test_continuous_batching),
         cmocka_unit_test(test_preemption),
         cmocka_unit_test(test_abort),

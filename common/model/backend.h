@@ -160,6 +160,12 @@ struct tdm_backend_ops {
     void (*silu_mul)(struct tdm_backend *be, const float *gate_up, float *out, int n, int inter);
     // x[i] += y[i] for i < count.
     void (*add)(struct tdm_backend *be, float *x, const float *y, size_t count);
+    // Optional: runs fn(arg, tid, nthreads) once on each of the backend's host
+    // compute threads (tid 0 is the caller) and returns when every one has;
+    // only between forwards, from the thread that runs them. NULL: no host
+    // threads (tdm_model_host_parallel then runs fn(arg, 0, 1)).
+    void (*host_parallel)(struct tdm_backend *be, void (*fn)(void *arg, int tid, int nthreads),
+                          void *arg);
 };
 
 // The backend called `name`: "cpu" (built in), one a test registered, else

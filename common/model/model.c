@@ -207,6 +207,15 @@ const struct tdm_model_opts *tdm_model_opts(const struct tdm_model *m)
     return &m->opts;
 }
 
+void tdm_model_host_parallel(struct tdm_model *m, void (*fn)(void *arg, int tid, int nthreads),
+                             void *arg)
+{
+    if (m->ops->host_parallel)
+        m->ops->host_parallel(m->be, fn, arg);
+    else
+        fn(arg, 0, 1);
+}
+
 size_t tdm_model_weight_bytes(const struct tdm_model *m)
 {
     size_t b = 0;

@@ -127,6 +127,13 @@ struct tdm_batch_seq {
 // logits rows into logits in batch order (n_tokens rows for ALL, 1 for LAST, 0
 // for NONE), each vocab_size floats. TDM_EINVAL when the batch exceeds
 // max_batch_tokens/max_batch_seqs or a position exceeds the context.
+// Runs fn(arg, tid, nthreads) once on each host compute thread of m's backend
+// (tid 0 on the caller) and returns when all have: the CPU backend's compute
+// threads, idle between forwards; a backend without host threads runs
+// fn(arg, 0, 1). Only from the thread that runs m's forwards, between them.
+void tdm_model_host_parallel(struct tdm_model *m, void (*fn)(void *arg, int tid, int nthreads),
+                             void *arg);
+
 int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
                       const struct tdm_batch_seq *seqs, int n_seqs, float *logits);
 

@@ -1044,6 +1044,13 @@ static int cpu_copy(struct tdm_backend *be, void *dst, const void *src, size_t b
     return TDM_OK;
 }
 
+// The compute threads between forwards (the engine samples its rows on them).
+static void cpu_host_parallel(struct tdm_backend *be, void (*fn)(void *arg, int tid, int nthreads),
+                              void *arg)
+{
+    cpu_pool_run(be->pool, fn, arg);
+}
+
 const struct tdm_backend_ops tdm_cpu_backend_ops = {
     .name = "cpu",
     .host_memory = true,
@@ -1067,4 +1074,5 @@ const struct tdm_backend_ops tdm_cpu_backend_ops = {
     .attention = cpu_attention,
     .silu_mul = cpu_silu_mul,
     .add = cpu_add,
+    .host_parallel = cpu_host_parallel,
 };
