@@ -368,6 +368,8 @@ struct tdm_engine_stats {
     uint64_t num_steps;    // forward passes run
     uint64_t num_parallel_sample_steps; // steps whose rows were sampled on the backend's
                                         // host threads (enough rows and logits to pay)
+    uint64_t num_fused_argmax_tokens;   // plain greedy tokens taken from the model's fused
+                                        // argmax LM head (no logits row written)
     uint64_t num_finished; // requests finished (any reason)
     uint64_t num_masks;       // structured output: token masks computed
     double mask_seconds;      // time computing them (on the mask thread, overlapping the forward)

@@ -507,6 +507,44 @@ static void test_parallel_sampling_matches_runner(void **state)
     tdm_mkmodel_remove(dir);
 }
 
+// Plain greedy rows take their token from the model's fused argmax LM head
+// (no logits row written): 6 plain greedy requests and one with a presence
+// penalty (sampled from its row) give the runner's tokens alone, and exactly
+// the plain ones' tokens are counted as fused.
+static void test_fused_greedy_matches_runner(void **state)
+{
+    (void)state;
+    enum { N = 7, MT = 12 };
+    struct tdm_engine *e = engine_make(128, 64, 8, 0, NULL);
+    int32_t prompts[N][40], refs[N][MT], got[N][MT];
+    struct tdm_sampling_params sp[N];
+    struct tdm_engine_request *rs[N];
+    assert_true(tdm_model_fused_argmax(model));
+    for (int i = 0; i < N; i++) {
+        int n = 5 + 4 * i;
+        make_prompt(prompts[i], n, 700 + (uint32_t)i);
+        tdm_sampling_params_default(&sp[i]);
+        sp[i].temperature = 0;
+        sp[i].ignore_eos = true;
+        if (i == N - 1)
+            sp[i].presence_penalty = 1.0f; // not plain: sampled from its row
+        assert_int_equal(reference(prompts[i], n, &sp[i], MT, refs[i], NULL), MT);
+    }
+    for (int i = 0; i < N; i++)
+        rs[i] = submit(e, prompts[i], 5 + 4 * i, &sp[i], MT);
+    for (int i = 0; i < N; i++) {
+        struct collected c = {0};
+        collect(rs[i], got[i], MT, &c, 0);
+        assert_int_equal(c.n, MT);
+        assert_memory_equal(got[i], refs[i], sizeof refs[i]);
+        tdm_engine_request_release(rs[i]);
+    }
+    struct tdm_engine_stats s;
+    wait_idle_stats(e, &s);
+    assert_int_equal(s.num_fused_argmax_tokens, (N - 1) * MT);
+    tdm_engine_free(e);
+}
+
 struct gate {
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -1869,6 +1907,7 @@ int main(void)
         cmocka_unit_test(test_stop_and_logprobs),
         cmocka_unit_test(test_concurrent_20),
         cmocka_unit_test(test_parallel_sampling_matches_runner),
+        cmocka_unit_test(test_fused_greedy_matches_runner),
         cmocka_unit_test(test_continuous_batching),
         cmocka_unit_test(test_preemption),
         cmocka_unit_test(test_abort),

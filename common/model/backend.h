@@ -166,6 +166,13 @@ struct tdm_backend_ops {
     // threads (tdm_model_host_parallel then runs fn(arg, 0, 1)).
     void (*host_parallel)(struct tdm_backend *be, void (*fn)(void *arg, int tid, int nthreads),
                           void *arg);
+    // Optional: ids[t] = the index of the first largest element of row t of
+    // x[n][cols] . w^T (+ bias), by `>` (ties: the lowest index; NaN never
+    // wins; 0 when nothing is above -inf), as matmul's output would give it,
+    // without writing that output (the LM head of greedy rows). ids is host
+    // memory. TDM_OK or TDM_ENOMEM.
+    int (*matmul_argmax)(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                         const float *x, int n, int32_t *ids);
 };
 
 // The backend called `name`: "cpu" (built in), one a test registered, else

@@ -81,6 +81,7 @@ struct tdm_model {
     float *logits_be;           // [T][vocab] backend memory; NULL on a host-memory backend,
                                 // which writes the caller's logits directly
     struct tdm_attn_seq *aseqs; // [max_batch_seqs]
+    int32_t *argmax_ids;        // [max_batch_seqs] the fused argmax's result, host
     int pad_table[1];           // block table of a graph bucket's padding rows (block 0, read only)
 
     // Packed-weight cache (weight_cache.h). wcache: the mapped entry the
@@ -205,6 +206,11 @@ const struct tdm_model_config *tdm_model_config(const struct tdm_model *m)
 const struct tdm_model_opts *tdm_model_opts(const struct tdm_model *m)
 {
     return &m->opts;
+}
+
+bool tdm_model_fused_argmax(const struct tdm_model *m)
+{
+    return m->ops->matmul_argmax != NULL;
 }
 
 void tdm_model_host_parallel(struct tdm_model *m, void (*fn)(void *arg, int tid, int nthreads),
@@ -480,6 +486,7 @@ void tdm_model_free(struct tdm_model *m)
     free(m->pos);
     free(m->ids);
     free(m->aseqs);
+    free(m->argmax_ids);
     free(m);
 }
 
@@ -814,6 +821,7 @@ static int model_load(struct tdm_model **out, const char *dir, const struct tdm_
     m->pos = calloc(T, sizeof *m->pos);
     m->ids = calloc(T, sizeof *m->ids);
     m->aseqs = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->aseqs);
+    m->argmax_ids = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->argmax_ids);
     if (m->ops->host_memory) {
         m->ids_be = m->ids;
         m->pos_be = m->pos;
@@ -823,7 +831,8 @@ static int model_load(struct tdm_model **out, const char *dir, const struct tdm_
         m->logits_be = alloc_f32(m, T * (size_t)c->vocab_size);
     }
     if (!m->x || !m->h || !m->qkv || !m->attn || !m->gate_up || !m->act || !m->pos || !m->ids ||
-        !m->aseqs || !m->ids_be || !m->pos_be || (!m->ops->host_memory && !m->logits_be)) {
+        !m->aseqs || !m->argmax_ids || !m->ids_be || !m->pos_be ||
+        (!m->ops->host_memory && !m->logits_be)) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM,
                         "model: out of memory for activations of %zu tokens", T);
         goto fail;
@@ -861,7 +870,7 @@ int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_mod
 // Checks everything the kernels would otherwise trust; returns total rows.
 static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *kv,
                           const struct tdm_batch_seq *seqs, int n_seqs, int *n_rows,
-                          int *n_logit_rows)
+                          int *n_logit_rows, int *n_argmax)
 {
     const struct tdm_model_config *c = &m->cfg;
     const struct tdm_kv_config *kc = tdm_kv_config(kv);
@@ -870,7 +879,7 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
     if (kc->num_layers != c->num_hidden_layers || kc->num_kv_heads != c->num_key_value_heads ||
         kc->head_dim != c->head_dim || kc->block_size <= 0)
         return TDM_EINVAL;
-    int total = 0, logit_rows = 0;
+    int total = 0, logit_rows = 0, argmax_rows = 0;
     for (int s = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         if (q->tokens == NULL || q->block_table == NULL || q->n_tokens <= 0 || q->start_pos < 0)
@@ -895,6 +904,11 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
         case TDM_LOGITS_ALL:
             logit_rows += q->n_tokens;
             break;
+        case TDM_LOGITS_ARGMAX:
+            if (m->ops->matmul_argmax == NULL || q->argmax_out == NULL)
+                return TDM_EINVAL;
+            argmax_rows += 1;
+            break;
         default:
             return TDM_EINVAL;
         }
@@ -902,6 +916,7 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
     }
     *n_rows = total;
     *n_logit_rows = logit_rows;
+    *n_argmax = argmax_rows;
     return TDM_OK;
 }
 
@@ -910,8 +925,8 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
 {
     if (m == NULL || kv == NULL)
         return TDM_EINVAL;
-    int n, n_logit_rows;
-    int rc = validate_batch(m, kv, seqs, n_seqs, &n, &n_logit_rows);
+    int n, n_logit_rows, n_argmax;
+    int rc = validate_batch(m, kv, seqs, n_seqs, &n, &n_logit_rows, &n_argmax);
     if (rc != TDM_OK)
         return rc;
     if (n_logit_rows > 0 && logits == NULL)
@@ -938,7 +953,7 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             m->pos[row] = q->start_pos + i;
             row++;
         }
-        all_decode &= q->n_tokens == 1 && q->logits == TDM_LOGITS_LAST;
+        all_decode &= q->n_tokens == 1 && q->logits == TDM_LOGITS_LAST; // never ARGMAX
     }
 
     bool any_hook = false;
@@ -1015,20 +1030,23 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         ops->matmul(be, &L->down, NULL, m->act, m->h, n);
         ops->add(be, m->x, m->h, (size_t)n * (size_t)hidden);
     }
-    if (n_logit_rows == 0)
+    if (n_logit_rows == 0 && n_argmax == 0)
         return ops->sync ? ops->sync(be) : TDM_OK;
 
     // Gather the rows that want logits (in batch order) into h, then norm and
     // head. A graph step's rows all want logits, in order: one copy.
     if (graph && (rc = ops->copy(be, m->h, m->x, (size_t)n * hidden * sizeof(float))) != TDM_OK)
         return rc;
-    int out_row = 0;
+    // ARGMAX rows follow the logits rows in h (batch order within each group).
+    int out_row = 0, arg_row = n_logit_rows;
     for (int s = 0; !graph && s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
-        int first = m->aseqs[s].row, count = 0;
-        if (q->logits == TDM_LOGITS_LAST) {
+        int first = m->aseqs[s].row, count = 0, *at = &out_row;
+        if (q->logits == TDM_LOGITS_LAST || q->logits == TDM_LOGITS_ARGMAX) {
             first += q->n_tokens - 1;
             count = 1;
+            if (q->logits == TDM_LOGITS_ARGMAX)
+                at = &arg_row;
         } else if (q->logits == TDM_LOGITS_ALL) {
             count = q->n_tokens;
         }
@@ -1036,16 +1054,27 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             // h and x are distinct buffers, so copy's no-overlap rule holds.
             size_t bytes = (size_t)count * hidden * sizeof(float);
             if (ops->host_memory)
-                memcpy(m->h + (size_t)out_row * hidden, m->x + (size_t)first * hidden, bytes);
-            else if ((rc = ops->copy(be, m->h + (size_t)out_row * hidden,
-                                     m->x + (size_t)first * hidden, bytes)) != TDM_OK)
+                memcpy(m->h + (size_t)*at * hidden, m->x + (size_t)first * hidden, bytes);
+            else if ((rc = ops->copy(be, m->h + (size_t)*at * hidden, m->x + (size_t)first * hidden,
+                                     bytes)) != TDM_OK)
                 return rc;
-            out_row += count;
+            *at += count;
         }
     }
-    ops->rmsnorm(be, m->h, m->final_norm, eps, m->h, n_logit_rows, hidden);
+    ops->rmsnorm(be, m->h, m->final_norm, eps, m->h, n_logit_rows + n_argmax, hidden);
     // One lm_head read for all logit rows (n_logit_rows <= n fits the workspace).
     const struct tdm_weight *head = m->head_is_embed ? &m->embed : &m->lm_head;
+    if (n_argmax > 0) {
+        // Greedy rows: the head's argmax without writing their logits.
+        if ((rc = ops->matmul_argmax(be, head, NULL, m->h + (size_t)n_logit_rows * hidden, n_argmax,
+                                     m->argmax_ids)) != TDM_OK)
+            return rc;
+        for (int s = 0, k = 0; s < n_seqs; s++)
+            if (seqs[s].logits == TDM_LOGITS_ARGMAX)
+                *seqs[s].argmax_out = m->argmax_ids[k++];
+        if (n_logit_rows == 0)
+            return ops->sync ? ops->sync(be) : TDM_OK;
+    }
     if (ops->host_memory) {
         ops->matmul(be, head, NULL, m->h, logits, n_logit_rows);
         return TDM_OK;

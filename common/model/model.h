@@ -103,7 +103,11 @@ int tdm_model_kv_capacity(struct tdm_model *m, const struct tdm_kv_config *cfg, 
 int tdm_model_kv_new(struct tdm_model *m, const struct tdm_kv_config *cfg,
                      struct tdm_kv_cache **out, char *err, size_t errlen);
 
-enum tdm_logits_mode { TDM_LOGITS_NONE = 0, TDM_LOGITS_LAST, TDM_LOGITS_ALL };
+// LAST: the last token's logits row; ALL: every new token's row; ARGMAX: no
+// row, but the index of the last token's largest logit (the first largest by
+// `>`: what greedy sampling picks) in *argmax_out, computed without writing the
+// logits (the backend's fused LM head; only where tdm_model_fused_argmax).
+enum tdm_logits_mode { TDM_LOGITS_NONE = 0, TDM_LOGITS_LAST, TDM_LOGITS_ALL, TDM_LOGITS_ARGMAX };
 
 // Called inside tdm_model_forward, on the calling thread, right after layer
 // `layer` of this sequence's new tokens was written into the KV cache (layers
@@ -121,16 +125,20 @@ struct tdm_batch_seq {
     enum tdm_logits_mode logits;
     tdm_layer_done_fn on_layer; // optional per-layer hook (NULL: none, no cost)
     void *layer_arg;            // for on_layer
+    int32_t *argmax_out;        // TDM_LOGITS_ARGMAX: where the token goes (host)
 };
+
+// Whether m's backend has the fused argmax LM head (TDM_LOGITS_ARGMAX).
+bool tdm_model_fused_argmax(const struct tdm_model *m);
 
 // Runs one step: writes the new tokens' K/V into the cache and, per sequence,
 // logits rows into logits in batch order (n_tokens rows for ALL, 1 for LAST, 0
-// for NONE), each vocab_size floats. TDM_EINVAL when the batch exceeds
-// max_batch_tokens/max_batch_seqs or a position exceeds the context.
-// Runs fn(arg, tid, nthreads) once on each host compute thread of m's backend
-// (tid 0 on the caller) and returns when all have: the CPU backend's compute
-// threads, idle between forwards; a backend without host threads runs
-// fn(arg, 0, 1). Only from the thread that runs m's forwards, between them.
+// for NONE and ARGMAX), each vocab_size floats; ARGMAX sequences get their
+// token in *argmax_out (TDM_EINVAL where the backend has no fused argmax). TDM_EINVAL when the
+// batch exceeds max_batch_tokens/max_batch_seqs or a position exceeds the context. Runs fn(arg,
+// tid, nthreads) once on each host compute thread of m's backend (tid 0 on the caller) and returns
+// when all have: the CPU backend's compute threads, idle between forwards; a backend without host
+// threads runs fn(arg, 0, 1). Only from the thread that runs m's forwards, between them.
 void tdm_model_host_parallel(struct tdm_model *m, void (*fn)(void *arg, int tid, int nthreads),
                              void *arg);
 

@@ -401,6 +401,84 @@ static void test_batch_invariance(void **state)
     kv_dtype = TDM_KV_F32;
 }
 
+// The fused argmax LM head (TDM_LOGITS_ARGMAX): the same token as the argmax
+// of the logits row the same forward gives in LAST mode, rows of both modes
+// mixed in one batch (LAST rows' logits unchanged bitwise), on every ISA path
+// and on bf16 and int8 weights; and a batch of equal logits picks row 0.
+static void fused_argmax_on(const char *isa, enum tdm_weight_mode mode)
+{
+    enum { NS = 10, LEN = 7 };
+    if (isa != NULL)
+        setenv("TANDEM_CPU_ISA", isa, 1);
+    struct tdm_model *m = load(model_dir, mode, NS);
+    assert_true(tdm_model_fused_argmax(m));
+    int vocab = tdm_model_config(m)->vocab_size;
+    int32_t prompts[NS][LEN], got[NS];
+    float *ref = malloc((size_t)NS * vocab * sizeof(float));
+    float *mixed = malloc((size_t)NS * vocab * sizeof(float));
+    assert_non_null(ref);
+    assert_non_null(mixed);
+    for (int pass = 0; pass < 2; pass++) {
+        struct tdm_kv_cache *kv = new_kv(m, 64, false);
+        struct tdm_kv_seq seqs[NS];
+        struct tdm_batch_seq b[NS];
+        for (int i = 0; i < NS; i++) {
+            make_prompt(prompts[i], LEN, vocab, 300u + (uint32_t)i);
+            tdm_kv_seq_init(&seqs[i]);
+            assert_int_equal(tdm_kv_reserve(kv, &seqs[i], LEN), TDM_OK);
+            bool arg = pass == 1 && i % 3 != 1; // pass 1: ARGMAX except every third row
+            got[i] = -7;
+            b[i] = (struct tdm_batch_seq){.tokens = prompts[i],
+                                          .n_tokens = LEN,
+                                          .start_pos = 0,
+                                          .block_table = seqs[i].block_table,
+                                          .logits = arg ? TDM_LOGITS_ARGMAX : TDM_LOGITS_LAST,
+                                          .argmax_out = arg ? &got[i] : NULL};
+        }
+        assert_int_equal(tdm_model_forward(m, kv, b, NS, pass == 0 ? ref : mixed), TDM_OK);
+        for (int i = 0; i < NS; i++)
+            tdm_kv_seq_release(kv, &seqs[i]);
+        tdm_kv_free(kv);
+    }
+    for (int i = 0, row = 0; i < NS; i++) {
+        const float *r = ref + (size_t)i * vocab;
+        if (i % 3 == 1) {
+            assert_memory_equal(mixed + (size_t)row++ * vocab, r, (size_t)vocab * sizeof(float));
+            assert_int_equal(got[i], -7); // untouched
+        } else {
+            assert_int_equal(got[i], argmax(r, vocab));
+        }
+    }
+    free(ref);
+    free(mixed);
+    tdm_model_free(m);
+    unsetenv("TANDEM_CPU_ISA");
+}
+
+static void test_fused_argmax(void **state)
+{
+    (void)state;
+    fused_argmax_on(NULL, TDM_WEIGHTS_BF16);
+    fused_argmax_on(NULL, TDM_WEIGHTS_INT8);
+    fused_argmax_on("portable", TDM_WEIGHTS_BF16);
+    // A mode the backend lacks, or no output pointer: refused.
+    struct tdm_model *m = load(model_dir, TDM_WEIGHTS_BF16, 2);
+    struct tdm_kv_cache *kv = new_kv(m, 8, false);
+    struct tdm_kv_seq s;
+    tdm_kv_seq_init(&s);
+    int32_t ids[3] = {1, 2, 3};
+    assert_int_equal(tdm_kv_reserve(kv, &s, 3), TDM_OK);
+    struct tdm_batch_seq b = {.tokens = ids,
+                              .n_tokens = 3,
+                              .start_pos = 0,
+                              .block_table = s.block_table,
+                              .logits = TDM_LOGITS_ARGMAX};
+    assert_int_equal(tdm_model_forward(m, kv, &b, 1, NULL), TDM_EINVAL);
+    tdm_kv_seq_release(kv, &s);
+    tdm_kv_free(kv);
+    tdm_model_free(m);
+}
+
 // --device where the CUDA backend module is not to be found (main points
 // TANDEM_BACKEND_PATH at an empty folder, in either build): cpu and auto give
 // cpu, any cuda is a clear error naming the missing module, never a silent
@@ -666,6 +744,7 @@ int main(void)
         cmocka_unit_test(test_int8_agrees),     cmocka_unit_test(test_bad_batches),
         cmocka_unit_test(test_load_errors),     cmocka_unit_test(test_layer_hook),
         cmocka_unit_test(test_runner_errors),   cmocka_unit_test(test_device_flag),
+        cmocka_unit_test(test_fused_argmax),
     };
     int rc = tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
     rmdir(empty_dir);

@@ -604,6 +604,12 @@ int tdm_sampler_verify(struct tdm_sampler *s, float *rows, const int32_t *draft,
     return n;
 }
 
+bool tdm_sampler_plain_greedy(const struct tdm_sampler *s)
+{
+    return s->greedy && s->p.num_logit_bias == 0 && s->seen == NULL && s->out_seen == NULL &&
+           s->raw == NULL && (s->num_generated >= s->p.min_tokens || s->num_masked == 0);
+}
+
 bool tdm_sampler_eos_ends(const struct tdm_sampler *s)
 {
     return !s->p.ignore_eos && s->num_eos > 0 && s->num_generated >= s->p.min_tokens;

@@ -107,6 +107,14 @@ int tdm_sampler_num_generated(const struct tdm_sampler *s);
 // min_tokens reached by then (the draw is not masked).
 bool tdm_sampler_eos_ends(const struct tdm_sampler *s);
 
+// True when the next token is the plain argmax of the raw logits: greedy, with
+// no logit bias, no repetition/presence/frequency penalty, no EOS or stop id
+// masked for min_tokens any more, and no logprobs asked. The caller may then
+// take the argmax elsewhere (the model's fused LM head: the logits row is never
+// written) and record it with tdm_sampler_replay, which leaves the sampler
+// exactly as tdm_sampler_sample would have.
+bool tdm_sampler_plain_greedy(const struct tdm_sampler *s);
+
 // Records tokens as if this sampler had sampled them (a stream resumed on
 // another worker, issue 11 part 6): each joins the history (penalties,
 // min_tokens) and, when sampling, takes the one RNG draw its sampling took, so

@@ -1097,6 +1097,76 @@ static void test_simd_sampler_equal(void **state)
     free(copy);
 }
 
+// tdm_sampler_plain_greedy: true exactly when the next token is the raw
+// argmax (the engine then takes it from the model's fused LM head and records
+// it with tdm_sampler_replay); min_tokens keeps it false while EOS is masked.
+static void test_plain_greedy(void **state)
+{
+    (void)state;
+    struct tdm_sampling_params p;
+    struct tdm_sampler *s;
+    int32_t eos = 7;
+    const struct {
+        const char *what;
+        float temperature, rep, presence, freq;
+        int logprobs, bias, min_tokens;
+        bool plain;
+    } cases[] = {
+        {"greedy", 0, 1, 0, 0, -1, 0, 0, true},
+        {"temperature", 0.7f, 1, 0, 0, -1, 0, 0, false},
+        {"repetition", 0, 1.1f, 0, 0, -1, 0, 0, false},
+        {"presence", 0, 1, 0.5f, 0, -1, 0, 0, false},
+        {"frequency", 0, 1, 0, 0.5f, -1, 0, 0, false},
+        {"logprobs", 0, 1, 0, 0, 0, 0, 0, false},
+        {"logit_bias", 0, 1, 0, 0, -1, 1, 0, false},
+        {"min_tokens", 0, 1, 0, 0, -1, 0, 2, false},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        tdm_sampling_params_default(&p);
+        p.temperature = cases[c].temperature;
+        p.repetition_penalty = cases[c].rep;
+        p.presence_penalty = cases[c].presence;
+        p.frequency_penalty = cases[c].freq;
+        p.logprobs = cases[c].logprobs;
+        p.num_logit_bias = cases[c].bias;
+        p.logit_bias[0].token = 3;
+        p.logit_bias[0].bias = 1.0f;
+        p.min_tokens = cases[c].min_tokens;
+        assert_int_equal(tdm_sampler_new(&s, &p, 100, NULL, 0, &eos, 1), TDM_OK);
+        if (tdm_sampler_plain_greedy(s) != cases[c].plain)
+            fail_msg("%s: plain_greedy %d", cases[c].what, !cases[c].plain);
+        if (cases[c].min_tokens > 0) {
+            // Plain once min_tokens are out: the EOS mask is off from then on.
+            int32_t t = 5;
+            tdm_sampler_replay(s, &t, 1);
+            assert_false(tdm_sampler_plain_greedy(s));
+            tdm_sampler_replay(s, &t, 1);
+            assert_true(tdm_sampler_plain_greedy(s));
+        }
+        tdm_sampler_free(s);
+    }
+    // A replayed argmax leaves a plain greedy sampler as sampling would.
+    tdm_sampling_params_default(&p);
+    p.temperature = 0;
+    struct tdm_sampler *a, *b;
+    assert_int_equal(tdm_sampler_new(&a, &p, 100, NULL, 0, &eos, 1), TDM_OK);
+    assert_int_equal(tdm_sampler_new(&b, &p, 100, NULL, 0, &eos, 1), TDM_OK);
+    float l[100];
+    for (int step = 0; step < 5; step++) {
+        for (int v = 0; v < 100; v++)
+            l[v] = (float)((v * 37 + step * 11) % 100);
+        int32_t best = 0;
+        for (int v = 1; v < 100; v++)
+            best = l[v] > l[best] ? v : best;
+        assert_int_equal(tdm_sampler_sample(a, l, NULL), best);
+        tdm_sampler_replay(b, &best, 1);
+        assert_int_equal(tdm_sampler_num_generated(a), tdm_sampler_num_generated(b));
+        assert_int_equal(tdm_sampler_is_stop(a, eos), tdm_sampler_is_stop(b, eos));
+    }
+    tdm_sampler_free(a);
+    tdm_sampler_free(b);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1121,6 +1191,7 @@ int main(void)
         cmocka_unit_test(test_verify_stop_and_greedy),
         cmocka_unit_test(test_simd_passes),
         cmocka_unit_test(test_simd_sampler_equal),
+        cmocka_unit_test(test_plain_greedy),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -164,6 +164,9 @@ static void cpu_destroy(struct tdm_backend *be)
         return;
     cpu_pool_free(be->pool);
     free(be->xq);
+    free(be->am_tiles);
+    free(be->am_best);
+    free(be->am_idx);
     free(be);
 }
 
@@ -520,6 +523,128 @@ static void mm_task(void *arg, int tid, int nthreads)
     }
 }
 
+// The activations of a chunk of tokens in the weight's input format (bf16
+// pairs, Q8 blocks), before its row blocks are multiplied.
+static void mm_prep(struct tdm_backend *be, struct mm_job *j)
+{
+    const struct tdm_weight *w = j->a.w;
+    if (be->k->mm_prep_x && w->type != TDM_W_F32) {
+        // A decode step's vector is converted faster than a fork/join.
+        if ((size_t)j->a.n * w->cols < 65536)
+            be->k->mm_prep_x(&j->a, 0, j->a.n);
+        else
+            cpu_pool_run(be->pool, mm_prep_task, j);
+    }
+}
+
+// ---- fused argmax (the LM head of greedy rows) ----------------------------------------------
+// Each task multiplies CPU_ARGMAX_CHUNK_BLOCKS row blocks for the chunk's
+// tokens into its thread's tile, then folds the tile into that thread's best
+// value and index per token: the full [n][rows] output is never written. A
+// thread takes chunks in increasing row order, so `>` keeps its lowest index
+// among equal values; threads merge by value, then lowest index: the result is
+// the first largest by `>` over the whole row, as the sampler's argmax finds it
+// (NaN never wins; row 0 when nothing is above -inf), from the same bits as
+// cpu_matmul's (which thread computes a block never changes them).
+static float row_max(const struct tdm_backend *be, const float *x, int n)
+{
+    if (be->k->row_max)
+        return be->k->row_max(x, n);
+    float m = -INFINITY;
+    for (int i = 0; i < n; i++)
+        m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static void mm_argmax_task(void *arg, int tid, int nthreads)
+{
+    (void)nthreads;
+    struct mm_job *j = arg;
+    struct tdm_backend *be = j->be;
+    const struct tdm_weight *w = j->a.w;
+    int nb = cpu_w_blocks(w), n = j->a.n;
+    float *tile = be->am_tiles + (size_t)tid * CPU_ARGMAX_CHUNK_ROWS * CPU_MM_CHUNK_TOKENS;
+    float *best = be->am_best + (size_t)tid * CPU_MM_CHUNK_TOKENS;
+    int32_t *idx = be->am_idx + (size_t)tid * CPU_MM_CHUNK_TOKENS;
+    for (int t = 0; t < n; t++) {
+        best[t] = -INFINITY;
+        idx[t] = -1;
+    }
+    struct cpu_mm_args a = j->a;
+    a.y = tile;
+    a.y_stride = CPU_ARGMAX_CHUNK_ROWS;
+    for (;;) {
+        int b0 = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed) * j->chunk;
+        if (b0 >= nb)
+            return;
+        int b1 = b0 + j->chunk < nb ? b0 + j->chunk : nb;
+        a.y_row0 = b0 * CPU_BLOCK_ROWS;
+        be->k->mm_blocks(&a, b0, b1);
+        int r1 = b1 * CPU_BLOCK_ROWS < w->rows ? b1 * CPU_BLOCK_ROWS : w->rows;
+        for (int t = 0; t < n; t++) {
+            const float *row = tile + (size_t)t * CPU_ARGMAX_CHUNK_ROWS - a.y_row0;
+            // The chunk's largest first (vectorised); its first index only
+            // when it beats the best so far, which is rare after a few chunks.
+            float cm = row_max(be, row + a.y_row0, r1 - a.y_row0);
+            if (cm > best[t]) {
+                int r = a.y_row0;
+                while (!(row[r] == cm))
+                    r++;
+                best[t] = cm;
+                idx[t] = r;
+            }
+        }
+    }
+}
+
+static int cpu_matmul_argmax(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                             const float *x, int n, int32_t *ids)
+{
+    if (be->am_tiles == NULL) {
+        size_t nt = (size_t)be->nthreads;
+        be->am_tiles =
+            alloc_aligned(nt * CPU_ARGMAX_CHUNK_ROWS * CPU_MM_CHUNK_TOKENS * sizeof(float));
+        be->am_best = malloc(nt * CPU_MM_CHUNK_TOKENS * sizeof(float));
+        be->am_idx = malloc(nt * CPU_MM_CHUNK_TOKENS * sizeof(int32_t));
+        if (!be->am_tiles || !be->am_best || !be->am_idx) {
+            free(be->am_tiles), free(be->am_best), free(be->am_idx);
+            be->am_tiles = be->am_best = NULL;
+            be->am_idx = NULL;
+            return TDM_ENOMEM;
+        }
+    }
+    for (int t0 = 0; t0 < n; t0 += CPU_MM_CHUNK_TOKENS) {
+        int nc = n - t0 < CPU_MM_CHUNK_TOKENS ? n - t0 : CPU_MM_CHUNK_TOKENS;
+        struct mm_job j = {
+            .be = be,
+            .a = {.w = w,
+                  .bias = bias,
+                  .x = x + (size_t)t0 * w->cols,
+                  .xq = be->xq,
+                  .xq_stride = be->xq_stride,
+                  .n = nc},
+            .chunk = CPU_ARGMAX_CHUNK_BLOCKS,
+        };
+        atomic_init(&j.next, 0);
+        mm_prep(be, &j);
+        cpu_pool_run(be->pool, mm_argmax_task, &j);
+        for (int t = 0; t < nc; t++) {
+            float bv = -INFINITY;
+            int32_t bi = -1;
+            for (int th = 0; th < be->nthreads; th++) {
+                float v = be->am_best[(size_t)th * CPU_MM_CHUNK_TOKENS + t];
+                int32_t i = be->am_idx[(size_t)th * CPU_MM_CHUNK_TOKENS + t];
+                if (i >= 0 && (v > bv || (v == bv && i < bi) || bi < 0)) {
+                    bv = v;
+                    bi = i;
+                }
+            }
+            ids[t0 + t] = bi < 0 ? 0 : bi;
+        }
+    }
+    return TDM_OK;
+}
+
 static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
                        const float *x, float *y, int n)
 {
@@ -546,13 +671,7 @@ static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const
         if (j.chunk < 1)
             j.chunk = 1;
         atomic_init(&j.next, 0);
-        if (be->k->mm_prep_x && w->type != TDM_W_F32) {
-            // A decode step's vector is converted faster than a fork/join.
-            if ((size_t)nc * w->cols < 65536)
-                be->k->mm_prep_x(&j.a, 0, nc);
-            else
-                cpu_pool_run(be->pool, mm_prep_task, &j);
-        }
+        mm_prep(be, &j);
         cpu_pool_run(be->pool, mm_task, &j);
     }
 }
@@ -1075,4 +1194,5 @@ const struct tdm_backend_ops tdm_cpu_backend_ops = {
     .silu_mul = cpu_silu_mul,
     .add = cpu_add,
     .host_parallel = cpu_host_parallel,
+    .matmul_argmax = cpu_matmul_argmax,
 };

@@ -59,9 +59,20 @@ struct cpu_mm_args {
     // int32 sum of each 32-k block. NULL when the path reads f32 x.
     const uint32_t *xq;
     size_t xq_stride;
-    float *y; // [n][rows]
+    float *y; // [n][rows], or a tile of the rows (y_stride, y_row0)
     int n;
+    // Where row r of token t goes: y + t * y_stride + (r - y_row0). 0 and 0 for
+    // the whole output; the fused argmax has mm_blocks write each chunk of rows
+    // into a small per-thread tile instead (y_row0 its first row).
+    size_t y_stride;
+    int y_row0;
 };
+
+static inline float *cpu_mm_y(const struct cpu_mm_args *a, int t, int r0)
+{
+    size_t stride = a->y_stride ? a->y_stride : (size_t)a->w->rows;
+    return a->y + (size_t)t * stride + (r0 - a->y_row0);
+}
 
 static inline int cpu_w_blocks(const struct tdm_weight *w)
 {
@@ -145,6 +156,9 @@ struct cpu_kernels {
                             int head_dim);
     // dst[i] = src[i] widened exactly to f32, i < n.
     void (*widen_bf16)(const uint16_t *src, float *dst, size_t n);
+    // The largest of x[0..n) by `>` (NaN never wins; -inf when nothing is
+    // above it): the fused argmax's scan of a tile row. NULL: a scalar loop.
+    float (*row_max)(const float *x, int n);
 };
 
 extern const struct cpu_kernels cpu_kernels_portable;
@@ -160,7 +174,18 @@ struct tdm_backend {
     uint32_t *xq;     // [CPU_MM_CHUNK_TOKENS][xq_stride] converted activations (see
                       // cpu_mm_args), host; grows in prepare_weight
     size_t xq_stride; // uint32 per token: enough for the widest weight prepared
+    // The fused argmax's per-thread scratch (cpu_matmul_argmax), grown on use:
+    // [nthreads][CPU_ARGMAX_CHUNK_ROWS * CPU_MM_CHUNK_TOKENS] tiles and
+    // [nthreads][CPU_MM_CHUNK_TOKENS] best value and index so far.
+    float *am_tiles;
+    float *am_best;
+    int32_t *am_idx;
 };
+// Rows of the weight one fused-argmax task multiplies into its tile (4 blocks:
+// a tile of 64 tokens is 64 KiB, in L2; the full logits of 64 rows of a
+// 151 936-token vocabulary are 39 MB).
+#define CPU_ARGMAX_CHUNK_BLOCKS 4
+#define CPU_ARGMAX_CHUNK_ROWS (CPU_ARGMAX_CHUNK_BLOCKS * CPU_BLOCK_ROWS)
 
 static inline float cpu_bf16_to_f32(uint16_t h)
 {

@@ -191,7 +191,7 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, int G, int g0, cons
                 __m256 v = acc[g][h][t];
                 if (WT == TDM_W_Q8)
                     v = _mm256_mul_ps(v, sc);
-                float *y = a->y + (size_t)(t0 + t) * w->rows + r0;
+                float *y = cpu_mm_y(a, t0 + t, r0);
                 if (nr >= 8) {
                     if (a->bias)
                         v = _mm256_add_ps(v, _mm256_loadu_ps(a->bias + r0));
@@ -396,6 +396,26 @@ static void attn_accum_bf16(float *acc, float corr, const float *p, const uint16
     accum_impl(acc, corr, p, v, true, nk, hd);
 }
 
+// _mm256_max_ps(x, m) is m when x is NaN: `>` semantics.
+static float row_max(const float *x, int n)
+{
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+        m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+    }
+    m0 = _mm256_max_ps(m1, m0);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m0);
+    float m = -INFINITY;
+    for (int l = 0; l < 8; l++)
+        m = lanes[l] > m ? lanes[l] : m;
+    for (; i < n; i++)
+        m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 #pragma GCC pop_options
 
 const struct cpu_kernels cpu_kernels_avx2 = {
@@ -409,6 +429,7 @@ const struct cpu_kernels cpu_kernels_avx2 = {
     .attn_scores_bf16 = attn_scores_bf16,
     .attn_accum_bf16 = attn_accum_bf16,
     .widen_bf16 = widen_bf16,
+    .row_max = row_max,
 };
 
 #endif

@@ -184,7 +184,7 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const 
                 __m512 v = acc[g][t];
                 if (a->bias)
                     v = _mm512_add_ps(v, bv);
-                _mm512_mask_storeu_ps(a->y + (size_t)(t0 + t) * w->rows + r0, m, v);
+                _mm512_mask_storeu_ps(cpu_mm_y(a, t0 + t, r0), m, v);
             }
         }
     }
@@ -281,7 +281,7 @@ AI void tile_q8v(const struct cpu_mm_args *a, const uint8_t *wb, const int G, co
                 __m512 v = _mm512_mul_ps(acc[g][t], sc);
                 if (a->bias)
                     v = _mm512_add_ps(v, bv);
-                _mm512_mask_storeu_ps(a->y + (size_t)(t0 + t) * w->rows + r0, m, v);
+                _mm512_mask_storeu_ps(cpu_mm_y(a, t0 + t, r0), m, v);
             }
         }
     }
@@ -638,6 +638,23 @@ static void attn_accum_bf16(float *acc, float corr, const float *p, const uint16
         accum_impl(acc, corr, p, v, true, nk, hd);
 }
 
+// _mm512_max_ps(x, m) is m when x is NaN: `>` semantics.
+static float row_max(const float *x, int n)
+{
+    __m512 m0 = _mm512_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        m0 = _mm512_max_ps(_mm512_loadu_ps(x + i), m0);
+    float lanes[16];
+    _mm512_storeu_ps(lanes, m0);
+    float m = -INFINITY;
+    for (int l = 0; l < 16; l++)
+        m = lanes[l] > m ? lanes[l] : m;
+    for (; i < n; i++)
+        m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 #pragma GCC pop_options
 
 const struct cpu_kernels cpu_kernels_avx512 = {
@@ -652,6 +669,7 @@ const struct cpu_kernels cpu_kernels_avx512 = {
     .attn_accum_bf16 = attn_accum_bf16,
     .attn_accum_span = attn_accum_span,
     .widen_bf16 = widen_bf16,
+    .row_max = row_max,
 };
 
 #endif

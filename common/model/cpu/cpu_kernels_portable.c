@@ -62,7 +62,7 @@ static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
             for (int t = 0; t < a->n; t++) {
                 float acc[PANEL];
                 panel_dot(a, wb, G, g, a->x + (size_t)t * w->cols, acc);
-                float *y = a->y + (size_t)t * w->rows + r0;
+                float *y = cpu_mm_y(a, t, r0);
                 for (int l = 0; l < nr; l++) {
                     float v = acc[l];
                     if (w->type == TDM_W_Q8)
