@@ -173,6 +173,12 @@ struct tdm_backend_ops {
     // memory. TDM_OK or TDM_ENOMEM.
     int (*matmul_argmax)(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
                          const float *x, int n, int32_t *ids);
+    // Optional, for a backend whose memory is a device's: ids[i] (host) = the
+    // index of the first largest of x[i][0..cols) (device rows, as matmul wrote
+    // them), by the same rule, i < n: the greedy rows' logits stay on the
+    // device and only their ids come back. Waits for the stream; TDM_OK or the
+    // backend's error.
+    int (*argmax_rows)(struct tdm_backend *be, const float *x, int n, int cols, int32_t *ids);
 };
 
 // The backend called `name`: "cpu" (built in), one a test registered, else

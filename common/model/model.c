@@ -210,7 +210,9 @@ const struct tdm_model_opts *tdm_model_opts(const struct tdm_model *m)
 
 bool tdm_model_fused_argmax(const struct tdm_model *m)
 {
-    return m->ops->matmul_argmax != NULL;
+    // Host memory: the fused LM head; a device: the argmax of the head's rows
+    // there, ids alone to the host.
+    return m->ops->host_memory ? m->ops->matmul_argmax != NULL : m->ops->argmax_rows != NULL;
 }
 
 void tdm_model_host_parallel(struct tdm_model *m, void (*fn)(void *arg, int tid, int nthreads),
@@ -905,7 +907,7 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
             logit_rows += q->n_tokens;
             break;
         case TDM_LOGITS_ARGMAX:
-            if (m->ops->matmul_argmax == NULL || q->argmax_out == NULL)
+            if (!tdm_model_fused_argmax(m) || q->argmax_out == NULL)
                 return TDM_EINVAL;
             argmax_rows += 1;
             break;
@@ -918,6 +920,14 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
     *n_logit_rows = logit_rows;
     *n_argmax = argmax_rows;
     return TDM_OK;
+}
+
+// The fused argmax's ids (batch order of the ARGMAX rows) to their sequences.
+static void scatter_argmax(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs)
+{
+    for (int s = 0, k = 0; s < n_seqs; s++)
+        if (seqs[s].logits == TDM_LOGITS_ARGMAX)
+            *seqs[s].argmax_out = m->argmax_ids[k++];
 }
 
 int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
@@ -953,7 +963,8 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             m->pos[row] = q->start_pos + i;
             row++;
         }
-        all_decode &= q->n_tokens == 1 && q->logits == TDM_LOGITS_LAST; // never ARGMAX
+        all_decode &=
+            q->n_tokens == 1 && (q->logits == TDM_LOGITS_LAST || q->logits == TDM_LOGITS_ARGMAX);
     }
 
     bool any_hook = false;
@@ -963,7 +974,10 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
     // A decode-only step runs as a CUDA graph of its padded bucket (vLLM's
     // cudagraph capture sizes): rows n_seqs .. bucket-1 are padding (token 0
     // at position 0, no KV write) whose outputs are never read.
-    bool graph = ops->graph_begin != NULL && !m->opts.enforce_eager && all_decode && !any_hook;
+    // ... all LAST or all ARGMAX (the graph ends with the head's logits either
+    // way; the ARGMAX rows' ids are taken after it).
+    bool graph = ops->graph_begin != NULL && !m->opts.enforce_eager && all_decode && !any_hook &&
+                 (n_argmax == 0 || n_argmax == n_seqs);
     int n_seqs_run = n_seqs;
     if (graph) {
         int bucket = 1;
@@ -981,7 +995,7 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         n = bucket;
         n_logit_rows = bucket; // the padding rows' logits are computed, never copied out
     }
-    int n_logit_real = graph ? n_seqs : n_logit_rows;
+    int n_logit_real = graph ? (n_argmax > 0 ? 0 : n_seqs) : n_logit_rows;
     if (!ops->host_memory) {
         if ((rc = ops->upload(be, m->ids_be, m->ids, (size_t)n * sizeof(int32_t))) != TDM_OK ||
             (rc = ops->upload(be, m->pos_be, m->pos, (size_t)n * sizeof(int32_t))) != TDM_OK)
@@ -1061,29 +1075,39 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             *at += count;
         }
     }
-    ops->rmsnorm(be, m->h, m->final_norm, eps, m->h, n_logit_rows + n_argmax, hidden);
+    // A graph step's rows are its bucket's (padding included), all LAST or all
+    // ARGMAX; else the LAST/ALL rows, then the ARGMAX rows.
+    int head_rows = graph ? n_logit_rows : n_logit_rows + n_argmax;
+    ops->rmsnorm(be, m->h, m->final_norm, eps, m->h, head_rows, hidden);
     // One lm_head read for all logit rows (n_logit_rows <= n fits the workspace).
     const struct tdm_weight *head = m->head_is_embed ? &m->embed : &m->lm_head;
-    if (n_argmax > 0) {
-        // Greedy rows: the head's argmax without writing their logits.
-        if ((rc = ops->matmul_argmax(be, head, NULL, m->h + (size_t)n_logit_rows * hidden, n_argmax,
-                                     m->argmax_ids)) != TDM_OK)
-            return rc;
-        for (int s = 0, k = 0; s < n_seqs; s++)
-            if (seqs[s].logits == TDM_LOGITS_ARGMAX)
-                *seqs[s].argmax_out = m->argmax_ids[k++];
-        if (n_logit_rows == 0)
-            return ops->sync ? ops->sync(be) : TDM_OK;
-    }
     if (ops->host_memory) {
-        ops->matmul(be, head, NULL, m->h, logits, n_logit_rows);
+        if (n_argmax > 0) {
+            // Greedy rows: the head's argmax without writing their logits.
+            if ((rc = ops->matmul_argmax(be, head, NULL, m->h + (size_t)n_logit_rows * hidden,
+                                         n_argmax, m->argmax_ids)) != TDM_OK)
+                return rc;
+            scatter_argmax(m, seqs, n_seqs);
+        }
+        if (n_logit_rows > 0)
+            ops->matmul(be, head, NULL, m->h, logits, n_logit_rows);
         return TDM_OK;
     }
-    ops->matmul(be, head, NULL, m->h, m->logits_be, n_logit_rows);
+    ops->matmul(be, head, NULL, m->h, m->logits_be, head_rows);
 graph_done:
     if (graph && (rc = ops->graph_end(be)) != TDM_OK)
         return rc;
-    // Logits reach the host once per step; sampling stays on the host.
-    return ops->download(be, logits, m->logits_be,
-                         (size_t)n_logit_real * (size_t)c->vocab_size * sizeof(float));
+    // Logits rows reach the host once per step, sampled there; greedy rows'
+    // ids come from the device's argmax over the rows after them.
+    if (n_logit_real > 0 && (rc = ops->download(be, logits, m->logits_be,
+                                                (size_t)n_logit_real * (size_t)c->vocab_size *
+                                                    sizeof(float))) != TDM_OK)
+        return rc;
+    if (n_argmax > 0) {
+        if ((rc = ops->argmax_rows(be, m->logits_be + (size_t)n_logit_real * c->vocab_size,
+                                   n_argmax, c->vocab_size, m->argmax_ids)) != TDM_OK)
+            return rc;
+        scatter_argmax(m, seqs, n_seqs);
+    }
+    return TDM_OK;
 }

@@ -203,6 +203,44 @@ __global__ void kv_gather_kernel(const KV *pool, const int32_t *blocks, size_t b
         dst[i] = kv_load(&src[i]);
 }
 
+// grid (n), block 256: ids[row] = the index of the first largest of x[row][0..cols)
+// by `>` (NaN never wins; 0 when nothing is above -inf), the sampler's greedy
+// argmax. Each thread keeps the first largest of its strided elements (its
+// indices ascend); the tree then keeps the larger value, the lower index on a
+// tie: the same index whatever the batch (one CTA per row).
+#define TDM_CUK_ARGMAX_THREADS 256
+__global__ void argmax_rows_kernel(const float *x, int cols, int32_t *ids)
+{
+    __shared__ float sv[TDM_CUK_ARGMAX_THREADS];
+    __shared__ int si[TDM_CUK_ARGMAX_THREADS];
+    const float *r = x + (size_t)blockIdx.x * cols;
+    float bv = -INFINITY;
+    int bi = -1;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = r[c];
+        if (v > bv) {
+            bv = v;
+            bi = c;
+        }
+    }
+    sv[threadIdx.x] = bv;
+    si[threadIdx.x] = bi;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float ov = sv[threadIdx.x + s], mv = sv[threadIdx.x];
+            int oi = si[threadIdx.x + s], mi = si[threadIdx.x];
+            if (oi >= 0 && (mi < 0 || ov > mv || (ov == mv && oi < mi))) {
+                sv[threadIdx.x] = ov;
+                si[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        ids[blockIdx.x] = si[0] < 0 ? 0 : si[0];
+}
+
 template <class KV>
 __global__ void kv_scatter_kernel(KV *pool, const int32_t *blocks, size_t block_elems,
                                   const float *in)

@@ -119,6 +119,10 @@ int tdm_cuk_to_bf16(void *stream, const float *x, uint16_t *y, size_t count);
 int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int stride,
                      const int32_t *slots, int n, void *k_cache, void *v_cache, int n_kv_heads,
                      int head_dim, int block_size);
+// ids[i] = the index of the first largest of x[i][0..cols) by `>` (ties: the
+// lowest index; NaN never wins; 0 when nothing is above -inf), i < n: greedy
+// sampling on the device (one CTA per row). ids is device memory.
+int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *ids);
 // out[i][block_elems] = f32 of pool block blocks[i], i < n (export), and the
 // reverse: pool block blocks[i] = in[i] rounded to the pool's type (import).
 // block_elems = n_kv_heads * block_size * head_dim.

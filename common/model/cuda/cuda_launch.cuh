@@ -239,6 +239,15 @@ int tdm_cuk_kv_gather(void *stream, int type, const void *pool, const int32_t *b
     return tdm_cuk::launched("kv_gather");
 }
 
+int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *ids)
+{
+    if (n <= 0 || cols <= 0)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "argmax_rows: n %d, cols %d", n, cols);
+    TDM_CUDA_LAUNCH(tdm_cuk::argmax_rows_kernel, dim3((unsigned)n), dim3(TDM_CUK_ARGMAX_THREADS), 0,
+                    stream, x, cols, ids);
+    return tdm_cuk::launched("argmax_rows");
+}
+
 int tdm_cuk_kv_scatter(void *stream, int type, void *pool, const int32_t *blocks, int n,
                        size_t block_elems, const float *in)
 {

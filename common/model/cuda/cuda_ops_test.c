@@ -558,6 +558,69 @@ static void test_attention(void **state)
 
 // Export/import kernels: blocks in list order, widened exactly from bf16 and
 // rounded to nearest even into it; other blocks untouched.
+// The device argmax of greedy rows: the first largest by `>` (the sampler's
+// rule): ties keep the lowest index, NaN never wins, a row with nothing above
+// -inf gives 0; widths below, at and above one CTA's 256 threads and the real
+// vocabulary; each row alone equals its row in the batch.
+static void test_argmax_rows(void **state)
+{
+    (void)state;
+    const int widths[] = {1, 255, 256, 1000, 151936};
+    enum { N = 8 };
+    for (size_t wi = 0; wi < sizeof widths / sizeof widths[0]; wi++) {
+        int cols = widths[wi];
+        size_t count = (size_t)N * cols;
+        float *x = malloc(count * sizeof *x);
+        assert_non_null(x);
+        fill(x, count, 3.0f);
+        int32_t want[N], got[N], alone;
+        if (cols > 300) {
+            // Row 1: a tie between a late and an earlier maximum (the earlier wins).
+            x[1 * (size_t)cols + 700 % cols] = 50.0f;
+            x[1 * (size_t)cols + 299] = 50.0f;
+            // Row 2: NaN everywhere but one finite value near the end.
+            for (int c = 0; c < cols; c++)
+                x[2 * (size_t)cols + c] = NAN;
+            x[2 * (size_t)cols + cols - 2] = -5.0f;
+            // Row 3: nothing above -inf, a NaN among them.
+            for (int c = 0; c < cols; c++)
+                x[3 * (size_t)cols + c] = -INFINITY;
+            x[3 * (size_t)cols + 17] = NAN;
+            // Row 4: +inf once, late.
+            x[4 * (size_t)cols + cols - 1] = INFINITY;
+        }
+        for (int r = 0; r < N; r++) {
+            const float *row = x + (size_t)r * cols;
+            int32_t b = 0;
+            float bv = -INFINITY;
+            for (int c = 0; c < cols; c++)
+                if (row[c] > bv) {
+                    bv = row[c];
+                    b = c;
+                }
+            want[r] = b;
+        }
+        if (cols > 300) {
+            assert_int_equal(want[1], 299);
+            assert_int_equal(want[2], cols - 2);
+            assert_int_equal(want[3], 0);
+            assert_int_equal(want[4], cols - 1);
+        }
+        float *d_x = to_dev(x, count * sizeof *x);
+        int32_t *d_ids = dev_zeros(sizeof got);
+        ok(tdm_cuk_argmax_rows(stream, d_x, N, cols, d_ids));
+        from_dev(got, d_ids, sizeof got);
+        assert_memory_equal(got, want, sizeof want);
+        ok(tdm_cuk_argmax_rows(stream, d_x + 5 * (size_t)cols, 1, cols, d_ids));
+        from_dev(&alone, d_ids, sizeof alone);
+        assert_int_equal(alone, want[5]);
+        tdm_cuda_dev_free(dev, d_x);
+        tdm_cuda_dev_free(dev, d_ids);
+        free(x);
+    }
+    assert_int_equal(tdm_cuk_argmax_rows(stream, NULL, 0, 10, NULL), TDM_CUK_EINVAL);
+}
+
 static void test_kv_gather_scatter(void **state)
 {
     (void)state;
@@ -660,6 +723,7 @@ int main(void)
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_errors),
         cmocka_unit_test(test_kv_gather_scatter),
+        cmocka_unit_test(test_argmax_rows),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
