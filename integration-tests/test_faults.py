@@ -9,7 +9,8 @@ through the router, and one fault per case:
     stream completes), exit, start again on the same ports;
   - SIGSTOP for 10 s then SIGCONT of a decode worker, a prefill worker and the
     router (alive, connected, silent; the router's streams must all complete:
-    its own stall is not the workers' silence);
+    its own stall is not the workers' silence), and three 1.1 s stops of the
+    router, under its stall detector: no stream may move;
   - a network partition of a decode worker and a prefill worker for 10 s. The
     test cannot rely on iptables/nft (not installed by .ci/run) or on network
     namespaces (a container may refuse them), so the partition is a TCP proxy
@@ -443,6 +444,29 @@ def case_router_stop(cl, rnd, mt):
     return "every stream completed after SIGCONT; first request %.2f s" % rec
 
 
+def case_router_short_stops(cl, rnd, mt):
+    """Stops of the router shorter than its own stall detector (load interval
+    0.2 s + liveness timeout 1.0 s): 1.1 s, three times, under load. The last
+    report it read is older than the timeout when it comes back, but it did
+    not ask the workers anything meanwhile: no worker is condemned, no stream
+    moves, every one completes (issue 29 part 6: a live worker's stream was
+    migrated after the router stalled)."""
+    load = Load(cl, N_STREAMS, mt, rnd)
+    load.wait_started()
+    m0 = migrations(cl)
+    for _ in range(3):
+        cl.router_proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(1.1)
+        finally:
+            cl.router_proc.send_signal(signal.SIGCONT)
+        time.sleep(0.6)
+    all_done(load.join("router short stops"), "router short stops")
+    moved = migrations(cl) - m0
+    check(moved == 0, "router short stops: %d streams migrated off live workers" % moved)
+    return "every stream completed where it was (0 migrations)"
+
+
 def graceful_restart(cl, rnd, mt, proc, restart, what):
     """SIGTERM under 8 streams: the process drains (its streams and every other
     complete, new requests go elsewhere while a worker drains), exits, and comes
@@ -540,6 +564,7 @@ def main():
              ("partition of decode + prefill 10 s", lambda c, r, m: case_partition(c, r, m,
                                                                                    proxies)),
              ("router SIGSTOP 10 s", case_router_stop),
+             ("router SIGSTOP 1.1 s x 3", case_router_short_stops),
              ("router kill -9 + restart", case_router_kill),
              ("decode SIGTERM + restart", case_decode_term),
              ("prefill SIGTERM + restart", case_prefill_term),

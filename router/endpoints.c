@@ -233,6 +233,7 @@ struct endpoint {
     struct tdm_router_load load;
     double load_at; // tdm_now() of the last report: load age and liveness
     bool has_load;
+    double q_first, q_second; // send times of the first two queries since the last report
     uint64_t instance; // the worker's instance id from its last report (0: none)
     uint64_t kv_batch; // KvEvents.batch of the last report with events (0: none yet)
     struct prefix_lru lru;
@@ -1111,6 +1112,7 @@ int tdm_router_endpoints_set_load(struct tdm_router_endpoints *reg, uint64_t id,
         e->load = *load;
         e->load_at = tdm_now();
         e->has_load = true;
+        e->q_first = e->q_second = 0;
     }
     pthread_mutex_unlock(&reg->mu);
     return e ? TDM_OK : TDM_ENOTFOUND;
@@ -1130,6 +1132,7 @@ int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id
         e->load = r->load;
         e->load_at = tdm_now();
         e->has_load = true;
+        e->q_first = e->q_second = 0;
         if (re)
             lru_fini(&e->lru); // a new process: its prefix cache is empty
         if (r->has_kv_events) {
@@ -1150,6 +1153,26 @@ int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id
     if (resynced)
         *resynced = resync;
     return e ? TDM_OK : TDM_ENOTFOUND;
+}
+
+void tdm_router_endpoints_note_query(struct tdm_router_endpoints *reg, uint64_t id, double now)
+{
+    pthread_mutex_lock(&reg->mu);
+    struct endpoint *e = find_by_id(reg, id);
+    if (e && e->q_first == 0)
+        e->q_first = now;
+    else if (e && e->q_second == 0)
+        e->q_second = now;
+    pthread_mutex_unlock(&reg->mu);
+}
+
+double tdm_router_endpoints_unanswered_since(struct tdm_router_endpoints *reg, uint64_t id)
+{
+    pthread_mutex_lock(&reg->mu);
+    struct endpoint *e = find_by_id(reg, id);
+    double t = e ? e->q_second : 0;
+    pthread_mutex_unlock(&reg->mu);
+    return t;
 }
 
 int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id, uint64_t *instance,

@@ -218,6 +218,18 @@ int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id
 int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id, uint64_t *instance,
                                   double *heard_at);
 
+// The load poller sent endpoint id a LoadQuery at `now` (tdm_now()). The
+// registry keeps when the first two queries since the endpoint's last report
+// (or set_load) were sent; a report clears them.
+void tdm_router_endpoints_note_query(struct tdm_router_endpoints *reg, uint64_t id, double now);
+// When the second query the endpoint has not answered was sent (0: it left
+// fewer than two unanswered, or the id is unknown). A worker counts as silent
+// only once such a query is older than the liveness timeout: the router must
+// have asked twice, the second time after any stall of its own that kept the
+// first unanswered or unread, so a router that was late never condemns a
+// worker by its own silence (issue 29, part 6).
+double tdm_router_endpoints_unanswered_since(struct tdm_router_endpoints *reg, uint64_t id);
+
 // Load alone (timestamped now), as on_report without instance or KV events.
 // TDM_ENOTFOUND for an unknown id.
 int tdm_router_endpoints_set_load(struct tdm_router_endpoints *reg, uint64_t id,

@@ -381,6 +381,23 @@ static void test_on_report(void **state)
     assert_int_equal(tdm_router_endpoints_prefix_size(reg, v.id), 0);
     assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &inst, &heard), TDM_OK);
     assert_true(inst == 0xB);
+    // Queries left unanswered: the second one's send time, until a report.
+    assert_true(tdm_router_endpoints_unanswered_since(reg, v.id) == 0);
+    tdm_router_endpoints_note_query(reg, v.id, 50.0);
+    assert_true(tdm_router_endpoints_unanswered_since(reg, v.id) == 0); // asked once
+    tdm_router_endpoints_note_query(reg, v.id, 50.2);
+    tdm_router_endpoints_note_query(reg, v.id, 50.4);
+    assert_true(tdm_router_endpoints_unanswered_since(reg, v.id) == 50.2);
+    assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &r2, NULL, NULL), TDM_OK);
+    assert_true(tdm_router_endpoints_unanswered_since(reg, v.id) == 0);
+    tdm_router_endpoints_note_query(reg, v.id, 51.0);
+    tdm_router_endpoints_note_query(reg, v.id, 51.2);
+    assert_true(tdm_router_endpoints_unanswered_since(reg, v.id) == 51.2);
+    struct tdm_router_load ld = {.running = 1};
+    assert_int_equal(tdm_router_endpoints_set_load(reg, v.id, &ld), TDM_OK);
+    assert_true(tdm_router_endpoints_unanswered_since(reg, v.id) == 0);
+    tdm_router_endpoints_note_query(reg, 999, 52.0); // unknown: nothing
+    assert_true(tdm_router_endpoints_unanswered_since(reg, 999) == 0);
     // Unknown ids.
     assert_int_equal(tdm_router_endpoints_on_report(reg, 999, &r2, NULL, NULL), TDM_ENOTFOUND);
     assert_int_equal(tdm_router_endpoints_liveness(reg, 999, &inst, &heard), TDM_ENOTFOUND);

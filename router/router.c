@@ -488,6 +488,10 @@ static void *poll_main(void *arg)
             nng_url_of(views[i].host, views[i].nng_port, url, sizeof url);
             tdm_pd_send(s->poll_outbox, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err,
                         sizeof err);
+            // Asked, delivered or not (a dead worker's connection is refused):
+            // what liveness counts is that the router was running to ask.
+            tdm_router_endpoints_note_query(tdm_router_control_endpoints(s->ctl), views[i].id,
+                                            tdm_now());
         }
         struct timespec ts = {
             (time_t)s->o.load_interval,
@@ -653,9 +657,11 @@ static bool upstream_alive(struct call *k, const struct choice *ch, char *why, s
     double now = tdm_now(), tick = atomic_load(&k->s->poll_tick);
     if (tick > 0 && now - tick > k->s->o.load_interval + k->s->o.liveness_timeout)
         return true;
+    double unanswered = tdm_router_endpoints_unanswered_since(
+        tdm_router_control_endpoints(k->s->ctl), k->route.decode.id);
     enum tdm_router_upstream v =
         tdm_router_upstream_check(now, ch->st->started, last, k->s->o.liveness_timeout, inst,
-                                  st_inst, atomic_load(&k->s->resumed_at));
+                                  st_inst, atomic_load(&k->s->resumed_at), unanswered);
     // A stream whose tokens keep arriving is alive, whatever its worker's
     // load reports (late on a loaded host): busy is not dead.
     if (v == TDM_ROUTER_UPSTREAM_SILENT && now - heard <= k->s->o.liveness_timeout)

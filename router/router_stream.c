@@ -67,12 +67,14 @@ int tdm_router_take_chunk(struct tdm_oai_call *k, size_t i, const Tandem__TokenC
 enum tdm_router_upstream tdm_router_upstream_check(double now, double stream_started,
                                                    double last_report, double liveness_timeout,
                                                    uint64_t reported_instance,
-                                                   uint64_t stream_instance, double router_resumed)
+                                                   uint64_t stream_instance, double router_resumed,
+                                                   double unanswered_since)
 {
     double since = last_report > stream_started ? last_report : stream_started;
     if (router_resumed > since)
         since = router_resumed;
-    if (now - since > liveness_timeout)
+    if (now - since > liveness_timeout && unanswered_since > 0 &&
+        now - unanswered_since > liveness_timeout)
         return TDM_ROUTER_UPSTREAM_SILENT;
     if (reported_instance != 0 && stream_instance != 0 && reported_instance != stream_instance &&
         last_report > stream_started)

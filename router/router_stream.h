@@ -52,11 +52,17 @@ enum tdm_router_upstream {
 // report newer than the stream's start can say "restarted". router_resumed is
 // when the router itself last came back from a stall (0 = never): reports it
 // did not read while it was stopped say nothing of the worker, so silence is
-// counted from no earlier than that either.
+// counted from no earlier than that either. unanswered_since: when the router
+// sent the second load query the worker has not answered
+// (tdm_router_endpoints_unanswered_since; 0 = fewer than two): silent also
+// needs that query older than the timeout, so a stall of the router shorter
+// than its stall detector (its queries not sent, its reports not read) never
+// makes a live worker silent.
 enum tdm_router_upstream tdm_router_upstream_check(double now, double stream_started,
                                                    double last_report, double liveness_timeout,
                                                    uint64_t reported_instance,
-                                                   uint64_t stream_instance, double router_resumed);
+                                                   uint64_t stream_instance, double router_resumed,
+                                                   double unanswered_since);
 
 // True when no choice of k has produced a token yet, so a retry on another
 // decode worker is invisible to the client.

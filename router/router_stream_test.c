@@ -275,33 +275,44 @@ static void test_upstream_check(void **state)
 {
     (void)state;
     // Heard from 0.5 s ago, timeout 1 s: alive.
-    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 9.5, 1.0, 7, 7, 0),
+    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 9.5, 1.0, 7, 7, 0, 0),
                      TDM_ROUTER_UPSTREAM_ALIVE);
     // Silent for longer than the timeout.
-    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 8.5, 1.0, 7, 7, 0),
+    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 8.5, 1.0, 7, 7, 0, 8.7),
                      TDM_ROUTER_UPSTREAM_SILENT);
     // Never heard of, but the stream started only now: counted from its start.
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.5, 0, 1.0, 0, 0, 0),
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.5, 0, 1.0, 0, 0, 0, 0),
                      TDM_ROUTER_UPSTREAM_ALIVE);
-    assert_int_equal(tdm_router_upstream_check(10.0, 8.0, 0, 1.0, 0, 0, 0),
+    assert_int_equal(tdm_router_upstream_check(10.0, 8.0, 0, 1.0, 0, 0, 0, 8.2),
                      TDM_ROUTER_UPSTREAM_SILENT);
     // Another instance in a report newer than the stream: restarted.
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 8, 7, 0),
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 8, 7, 0, 0),
                      TDM_ROUTER_UPSTREAM_RESTARTED);
     // A report older than the stream may predate the restart the stream talks to.
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.9, 9.8, 1.0, 8, 7, 0),
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.9, 9.8, 1.0, 8, 7, 0, 0),
                      TDM_ROUTER_UPSTREAM_ALIVE);
     // Unknown instances say nothing.
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 0, 7, 0),
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 0, 7, 0, 0),
                      TDM_ROUTER_UPSTREAM_ALIVE);
-    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 8, 0, 0),
+    assert_int_equal(tdm_router_upstream_check(10.0, 9.0, 9.8, 1.0, 8, 0, 0, 0),
                      TDM_ROUTER_UPSTREAM_ALIVE);
     // The router itself was stopped until 9.6 (its last read report is from
     // before the stop): the worker's silence counts from 9.6, not from 0.5.
-    assert_int_equal(tdm_router_upstream_check(10.0, 0.2, 0.5, 1.0, 7, 7, 9.6),
+    assert_int_equal(tdm_router_upstream_check(10.0, 0.2, 0.5, 1.0, 7, 7, 9.6, 0.7),
                      TDM_ROUTER_UPSTREAM_ALIVE);
     // ... and a worker still silent a timeout after the router came back is silent.
-    assert_int_equal(tdm_router_upstream_check(10.0, 0.2, 0.5, 1.0, 7, 7, 8.9),
+    assert_int_equal(tdm_router_upstream_check(10.0, 0.2, 0.5, 1.0, 7, 7, 8.9, 8.95),
+                     TDM_ROUTER_UPSTREAM_SILENT);
+    // A stall shorter than the stall detector (no resume noted): the last
+    // report read is 1.1 s old, but the router's second unanswered query went
+    // out only after it came back (9.7): not silent yet (issue 29 part 6).
+    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 8.9, 1.0, 7, 7, 0, 9.7),
+                     TDM_ROUTER_UPSTREAM_ALIVE);
+    // Fewer than two queries unanswered: no verdict, however old the report.
+    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 3.0, 1.0, 7, 7, 0, 0),
+                     TDM_ROUTER_UPSTREAM_ALIVE);
+    // Both old: silent.
+    assert_int_equal(tdm_router_upstream_check(10.0, 5.0, 8.9, 1.0, 7, 7, 0, 8.95),
                      TDM_ROUTER_UPSTREAM_SILENT);
 }
 
