@@ -241,6 +241,15 @@ def heavy_request(cl):
     check(st == 400 and "exceed the waiting-queue bound" in body["error"]["message"],
           "heavy request through the router: %d %r" % (st, body))
     check(results.count(200) == 24, "normal requests beside the heavy one: %s" % results)
+    # A million one-letter prompts (a 5 MB body): refused while parsing, before
+    # any prompt is copied or tokenized (issue 29 part 3: the router peaked at
+    # 1.2 GB tokenizing them before the bound above refused the request).
+    for p in (cl.router_port, port):
+        t0 = time.time()
+        st, _, body = post(p, "/v1/completions", {"prompt": ["a"] * 1000000, "max_tokens": 1})
+        check(st == 400 and "at most 4096 prompts per request" in body["error"]["message"],
+              "a million prompts on port %d: %d %r" % (p, st, body))
+        check(time.time() - t0 < 10, "a million prompts took %.1f s to refuse" % (time.time() - t0))
 
 
 def hostile_constraints(cl):

@@ -26,6 +26,12 @@
 #define TDM_OAI_MAX_N                                                                              \
     128                   // vLLM's VLLM_MAX_N_SEQUENCES default is larger; ours is a
                           // per-request cap on parallel sequences
+// Sequences one request may ask for (n x prompts): checked while parsing,
+// before any prompt is copied or tokenized, so a body of a million tiny prompts
+// costs its JSON tree and no more (issue 29 part 3: `"prompt": ["a"] * 1e6`
+// made the router peak at 1.2 GB before the worker's bound refused it). A
+// worker's --max-waiting (1024 by default) bounds it further at routing.
+#define TDM_OAI_MAX_SEQUENCES 4096
 #define TDM_OAI_ID_HEX 32 // random 128-bit ids are 32 lowercase hex digits
 
 // ---- errors ---------------------------------------------------------------------------

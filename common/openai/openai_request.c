@@ -452,6 +452,11 @@ static int parse_prompts(const cJSON *root, struct tdm_oai_request *r,
         return token_ids(p, "prompt", m, &r->prompts[0].ids, &r->prompts[0].n_ids, e);
     }
     size_t count = (size_t)cJSON_GetArraySize(p);
+    if (count > TDM_OAI_MAX_SEQUENCES)
+        return tdm_oai_seterr(e, 400, "prompt",
+                              "prompt: at most %d prompts per request (n x prompts sequences), "
+                              "got %zu.",
+                              TDM_OAI_MAX_SEQUENCES, count);
     r->prompts = calloc(count, sizeof *r->prompts);
     if (!r->prompts)
         return tdm_oai_seterr(e, 500, NULL, "out of memory");
@@ -883,6 +888,11 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
         return tdm_oai_seterr(e, 400, "n", "n must be at least 1, got %d.", r->n);
     if (r->n > TDM_OAI_MAX_N)
         return tdm_oai_seterr(e, 400, "n", "n must be at most %d, got %d.", TDM_OAI_MAX_N, r->n);
+    if (!chat && r->n_prompts * (size_t)r->n > TDM_OAI_MAX_SEQUENCES)
+        return tdm_oai_seterr(e, 400, "n",
+                              "n x prompts must be at most %d sequences per request, got %d x "
+                              "%zu.",
+                              TDM_OAI_MAX_SEQUENCES, r->n, r->n_prompts);
     int best_of = 0;
     if ((rc = get_int(root, "best_of", &best_of, e)) < 0)
         return TDM_EINVAL;

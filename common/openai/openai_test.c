@@ -233,6 +233,28 @@ static void test_validation_errors(void **state)
     expect_error(C, "{\"prompt\":\"x\",\"frequency_penalty\":-3}", 400, "frequency_penalty",
                  "frequency_penalty must be in [-2, 2], got -3.0.");
     expect_error(C, "{\"prompt\":\"x\",\"n\":0}", 400, "n", "n must be at least 1, got 0.");
+    // n x prompts bounded while parsing, before anything is copied or tokenized.
+    {
+        size_t cap = 16 + 5 * (TDM_OAI_MAX_SEQUENCES + 1) + 32;
+        char *many = malloc(cap), *w = many;
+        assert_non_null(many);
+        w += sprintf(w, "{\"prompt\":[");
+        for (int i = 0; i <= TDM_OAI_MAX_SEQUENCES; i++)
+            w += sprintf(w, "%s\"a\"", i ? "," : "");
+        sprintf(w, "]}");
+        expect_error(C, many, 400, "prompt", "at most 4096 prompts per request");
+        // Exactly the bound parses; with n = 2 it is twice too many.
+        char *last = strrchr(many, ',');
+        sprintf(last, "]}");
+        struct tdm_oai_request r;
+        struct tdm_oai_error e;
+        assert_int_equal(parse(&r, C, many, &e), TDM_OK);
+        assert_int_equal(r.n_prompts, TDM_OAI_MAX_SEQUENCES);
+        tdm_oai_request_fini(&r);
+        sprintf(last, "],\"n\":2}");
+        expect_error(C, many, 400, "n", "n x prompts must be at most 4096 sequences");
+        free(many);
+    }
     expect_error(C, "{\"prompt\":\"x\",\"n\":100000}", 400, "n", "n must be at most 128");
     expect_error(C, "{\"prompt\":\"x\",\"n\":2,\"temperature\":0}", 400, "n",
                  "n must be 1 when using greedy sampling, got 2.");
