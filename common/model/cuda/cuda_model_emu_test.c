@@ -412,6 +412,81 @@ static void test_export_import(void **state)
 // behind the host, and work runs only when something waits for it.
 void tdm_emu_defer(int on);
 unsigned long long tdm_emu_pending(void *stream);
+// Its launch log (the same header).
+struct tdm_emu_launch {
+    const char *name;
+    unsigned long long ctas;
+};
+void tdm_emu_launch_log(int on);
+size_t tdm_emu_launches(struct tdm_emu_launch *out, size_t cap);
+
+// Launches of one eager batch-1 decode step of a model with `layers` layers
+// (tiny preset otherwise); the log's entries into out.
+static size_t decode_step_launches(int layers, struct tdm_emu_launch *out, size_t cap)
+{
+    char dir[64], err[256];
+    strcpy(dir, "/tmp/tdm_cuda_launchXXXXXX");
+    assert_non_null(mkdtemp(dir));
+    struct tdm_mkmodel_spec s;
+    tdm_mkmodel_preset(&s, "tiny");
+    s.num_layers = layers;
+    s.seed = 31;
+    assert_int_equal(tdm_mkmodel_write(&s, dir, err, sizeof err), TDM_OK);
+    struct tdm_model *m = load_opts(dir, "cuda", "bf16", true);
+    struct tdm_kv_cache *kv = new_kv(m);
+    int vocab = tdm_model_config(m)->vocab_size;
+    int32_t h[16];
+    make_prompt(h, 9, vocab, 4);
+    float *l = malloc((size_t)vocab * sizeof(float));
+    struct tdm_kv_seq q;
+    tdm_kv_seq_init(&q);
+    step(m, kv, &q, h, 0, 8, l);
+    tdm_emu_launch_log(1);
+    step(m, kv, &q, h, 8, 1, l);
+    size_t n = tdm_emu_launches(out, cap);
+    tdm_emu_launch_log(0);
+    tdm_kv_seq_release(kv, &q);
+    tdm_kv_free(kv);
+    free(l);
+    tdm_model_free(m);
+    tdm_mkmodel_remove(dir);
+    return n;
+}
+
+// Issue 26 item 6, the launch budget of a batch-1 decode step on the emulated
+// backend: launches per layer (from a 1- and a 3-layer model, so the step's
+// embed and head cancel out), GEMMs included, and each kernel's CTA count
+// against an H100/H200's 132 SMs. The goal is at most 8 launches a layer;
+// today's count is held as a ceiling (a change that adds launches fails here)
+// and the goal is printed met or MISSED until the fused kernels of item 4 land.
+#define TDM_LAUNCHES_PER_LAYER_CEILING 17
+#define TDM_LAUNCHES_PER_LAYER_GOAL 8
+static void test_launch_budget(void **state)
+{
+    (void)state;
+    enum { CAP = 256 };
+    struct tdm_emu_launch one[CAP], three[CAP];
+    size_t n1 = decode_step_launches(1, one, CAP), n3 = decode_step_launches(3, three, CAP);
+    assert_true(n1 <= CAP && n3 <= CAP && n3 > n1 && (n3 - n1) % 2 == 0);
+    size_t per_layer = (n3 - n1) / 2, outside = n1 - per_layer;
+    printf("batch-1 decode step: %zu launches per layer, %zu outside the layers "
+           "(goal <= %d a layer: %s)\n",
+           per_layer, outside, TDM_LAUNCHES_PER_LAYER_GOAL,
+           per_layer <= TDM_LAUNCHES_PER_LAYER_GOAL ? "met" : "MISSED");
+    size_t small = 0;
+    for (size_t i = 0; i < n1; i++) {
+        bool gemm = strcmp(one[i].name, "gemm") == 0;
+        if (gemm)
+            printf("  %-40.40s cuBLASLt: the grid of its heuristic\n", one[i].name);
+        else
+            printf("  %-40.40s %6llu CTAs%s\n", one[i].name, one[i].ctas,
+                   one[i].ctas < 132 ? " (< 132 SMs)" : "");
+        small += !gemm && one[i].ctas < 132;
+    }
+    printf("kernels on fewer CTAs than an H200 has SMs: %zu of %zu launches (batch 1)\n", small,
+           n1);
+    assert_true(per_layer <= TDM_LAUNCHES_PER_LAYER_CEILING);
+}
 
 // What a push hook sees during a prefill forward on a device that runs behind
 // the host (issue 25, item 4): at layer l's hook, the storage exports layer l-1
@@ -1006,6 +1081,7 @@ int main(void)
         cmocka_unit_test(test_device_flag),
         cmocka_unit_test(test_kv_capacity),
         cmocka_unit_test(test_deferred_export_overlaps),
+        cmocka_unit_test(test_launch_budget),
 #endif
         cmocka_unit_test(test_errors),
 #ifndef TDM_CUDA_TEST_GPU

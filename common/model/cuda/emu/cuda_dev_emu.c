@@ -34,6 +34,7 @@ void tdm_emu_event_free(void *event);
 void tdm_emu_event_record(void *event, void *stream);
 void tdm_emu_event_sync(void *event);
 void tdm_emu_stream_wait_event(void *stream, void *event);
+void tdm_emu_log_launch(const char *name, unsigned long long ctas);
 
 // Host <-> device copies and sync are not stream work CUDA can capture.
 static int not_while_capturing(struct tdm_cuda_dev *d, const char *what)
@@ -287,6 +288,7 @@ int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, 
     if (on_device(d, "gemm") != TDM_OK) // a per-layer launch: bound by begin_forward
         return TDM_EBACKEND;
     struct gemm_work g = {.w = w, .x = x, .bias = bias, .y = y, .rows = rows, .cols = cols, .n = n};
+    tdm_emu_log_launch("gemm", 0);
     tdm_emu_stream_work(NULL, run_gemm, &g, sizeof g);
     return TDM_OK;
 }

@@ -345,8 +345,14 @@ static void issue(void *stream, std::function<void()> w)
 
 static void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body);
 
-void launch(void *stream, dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body)
+static std::mutex log_mu;
+static bool log_on;
+static std::vector<tdm_emu_launch> launch_log;
+
+void launch(void *stream, const char *name, dim3 grid, dim3 block, size_t shmem,
+            const std::function<void()> &body)
 {
+    tdm_emu_log_launch(name, (unsigned long long)grid.x * grid.y * grid.z);
     issue(stream, [=]() { run_grid(grid, block, shmem, body); });
 }
 
@@ -449,6 +455,29 @@ extern "C" void tdm_emu_stream_work(void *stream, void (*fn)(void *arg), const v
 }
 
 using tdm_emu::emu_stream;
+
+extern "C" void tdm_emu_launch_log(int on)
+{
+    std::lock_guard<std::mutex> hold(tdm_emu::log_mu);
+    tdm_emu::log_on = on != 0;
+    if (on)
+        tdm_emu::launch_log.clear();
+}
+
+extern "C" size_t tdm_emu_launches(struct tdm_emu_launch *out, size_t cap)
+{
+    std::lock_guard<std::mutex> hold(tdm_emu::log_mu);
+    for (size_t i = 0; i < cap && i < tdm_emu::launch_log.size(); i++)
+        out[i] = tdm_emu::launch_log[i];
+    return tdm_emu::launch_log.size();
+}
+
+extern "C" void tdm_emu_log_launch(const char *name, unsigned long long ctas)
+{
+    std::lock_guard<std::mutex> hold(tdm_emu::log_mu);
+    if (tdm_emu::log_on)
+        tdm_emu::launch_log.push_back({name, ctas});
+}
 
 extern "C" void tdm_emu_defer(int on)
 {

@@ -50,8 +50,9 @@ extern dim3 cur_thread_idx, cur_block_idx, cur_block_dim, cur_grid_dim;
 // Runs body once per thread of every block of grid (blocks in x, y, z order).
 // shmem (dynamic shared memory) must be 0: kernels size their __shared__
 // arrays statically (template parameters), which both compilers accept.
-// `stream` as tdm_emu_stream_work's.
-void launch(void *stream, dim3 grid, dim3 block, size_t shmem, const std::function<void()> &body);
+// `stream` as tdm_emu_stream_work's; `name` the kernel's (the launch log).
+void launch(void *stream, const char *name, dim3 grid, dim3 block, size_t shmem,
+            const std::function<void()> &body);
 // Block barrier and warp barrier of the running fiber.
 void syncthreads();
 // Exchanges a 64-bit value among the running fiber's warp: every lane stores
@@ -113,6 +114,18 @@ void tdm_emu_event_free(void *event);
 void tdm_emu_event_record(void *event, void *stream);
 void tdm_emu_event_sync(void *event);
 void tdm_emu_stream_wait_event(void *stream, void *event);
+
+// The launch log (tests: issue 26's launch budget): while on, every kernel
+// launch and every emulated GEMM (tdm_emu_log_launch from the device API) is
+// recorded with its grid's CTA count (0 for a GEMM: cuBLASLt picks its own).
+struct tdm_emu_launch {
+    const char *name; // the kernel as written at the launch ("gemm" for a GEMM)
+    unsigned long long ctas;
+};
+void tdm_emu_launch_log(int on); // on clears the log
+// Copies up to cap entries in launch order; returns how many were logged.
+size_t tdm_emu_launches(struct tdm_emu_launch *out, size_t cap);
+void tdm_emu_log_launch(const char *name, unsigned long long ctas);
 }
 
 #define threadIdx (::tdm_emu::cur_thread_idx)
@@ -199,7 +212,7 @@ static inline float rsqrtf(float x)
 }
 
 #define TDM_CUDA_LAUNCH(kernel, grid, block, shmem, stream, ...)                                   \
-    ::tdm_emu::launch((void *)(stream), (grid), (block), (shmem),                                  \
+    ::tdm_emu::launch((void *)(stream), #kernel, (grid), (block), (shmem),                         \
                       ::tdm_emu::bind_args(kernel, __VA_ARGS__))
 
 #endif
