@@ -53,6 +53,17 @@ def phases(hdr):
     return out
 
 
+def flag_value(argv, name, default):
+    """The last value of `name` in argv ("--name V" or "--name=V"), else default."""
+    value = default
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def loopback_gbs(total=256 << 20, chunk=4 << 20):
     """GB/s of one TCP connection over 127.0.0.1 (what nng's tcp transport rides on)."""
     srv = socket.socket()
@@ -95,19 +106,8 @@ def main():
     ap.add_argument("--json", help="write the medians per size to this file")
     args = ap.parse_args()
     extra = shlex.split(args.worker_args)
-    transport = "nng"
-    for i, a in enumerate(extra):
-        if a == "--kv-transfer" and i + 1 < len(extra):
-            transport = extra[i + 1]
-        elif a.startswith("--kv-transfer="):
-            transport = a.split("=", 1)[1]
-    device = "cpu"
-    for i, a in enumerate(extra):
-        if a == "--device" and i + 1 < len(extra):
-            device = extra[i + 1]
-        elif a.startswith("--device="):
-            device = a.split("=", 1)[1]
-    on_gpu = device.startswith("cuda")
+    transport = flag_value(extra, "--kv-transfer", "nng")
+    on_gpu = flag_value(extra, "--device", "cpu").startswith("cuda")
     lo_gbs = max(loopback_gbs() for _ in range(3))
     print("loopback tcp: %.2f GB/s (best of 3, 256 MiB each)" % lo_gbs, flush=True)
     b = args.build

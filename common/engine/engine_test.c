@@ -100,14 +100,16 @@ static float max_lp_diff(const float *a, const float *b, int n)
 
 // The runner's output for one request alone on a fresh cache (the reference).
 // lp (optional, [max_tokens]): each token's logprob, log-softmax of the raw logits.
-static int reference(const int32_t *prompt, int n_prompt, const struct tdm_sampling_params *sp,
-                     int max_tokens, int32_t *out, float *lp)
+static int reference_on(struct tdm_model *m, const int32_t *prompt, int n_prompt,
+                        const struct tdm_sampling_params *sp, int max_tokens, int32_t *out,
+                        float *lp)
 {
     struct tdm_kv_config kc;
     struct tdm_kv_cache *kv = NULL;
     char err[256];
+    int nv = tdm_model_config(m)->vocab_size;
     memset(&kc, 0, sizeof kc);
-    tdm_model_kv_config(model, &kc);
+    tdm_model_kv_config(m, &kc);
     kc.block_size = 16;
     kc.num_blocks = 64;
     assert_int_equal(tdm_kv_new(&kv, &kc, err, sizeof err), TDM_OK);
@@ -120,26 +122,33 @@ static int reference(const int32_t *prompt, int n_prompt, const struct tdm_sampl
     q.out_ids = out;
     float *logits = NULL;
     if (lp) {
-        logits = malloc((size_t)max_tokens * (size_t)vocab * sizeof(float));
+        logits = malloc((size_t)max_tokens * (size_t)nv * sizeof(float));
         assert_non_null(logits);
         q.logits_out = logits;
     }
-    int rc = tdm_gen_run(model, kv, &q, 1, NULL, NULL, err, sizeof err);
+    int rc = tdm_gen_run(m, kv, &q, 1, NULL, NULL, err, sizeof err);
     if (rc != TDM_OK)
         fprintf(stderr, "runner: %s\n", err);
     assert_int_equal(rc, TDM_OK);
     for (int t = 0; lp && t < q.n_out; t++) {
-        const float *row = logits + (size_t)t * (size_t)vocab;
+        const float *row = logits + (size_t)t * (size_t)nv;
         double mx = row[0], sum = 0;
-        for (int v = 1; v < vocab; v++)
+        for (int v = 1; v < nv; v++)
             mx = row[v] > mx ? row[v] : mx;
-        for (int v = 0; v < vocab; v++)
+        for (int v = 0; v < nv; v++)
             sum += exp(row[v] - mx);
         lp[t] = (float)(row[out[t]] - mx - log(sum));
     }
     free(logits);
     tdm_kv_free(kv);
     return q.n_out;
+}
+
+// The same on the tests' shared model.
+static int reference(const int32_t *prompt, int n_prompt, const struct tdm_sampling_params *sp,
+                     int max_tokens, int32_t *out, float *lp)
+{
+    return reference_on(model, prompt, n_prompt, sp, max_tokens, out, lp);
 }
 
 static struct tdm_engine *engine_make(int num_blocks, int budget, int max_seqs, int max_waiting,
@@ -437,36 +446,7 @@ static void test_parallel_sampling_matches_runner(void **state)
         sp[i].ignore_eos = true;
         sp[i].logprobs = i % 2 == 0 ? 0 : -1;
         // The runner alone on a fresh cache: the reference.
-        struct tdm_kv_config kc;
-        struct tdm_kv_cache *kv = NULL;
-        memset(&kc, 0, sizeof kc);
-        tdm_model_kv_config(m, &kc);
-        kc.block_size = 16;
-        kc.num_blocks = 16;
-        assert_int_equal(tdm_kv_new(&kv, &kc, err, sizeof err), TDM_OK);
-        struct tdm_gen_request q;
-        memset(&q, 0, sizeof q);
-        q.prompt = prompts[i];
-        q.n_prompt = 20;
-        q.max_tokens = MT;
-        q.params = sp[i];
-        q.out_ids = refs[i];
-        float *logits = malloc((size_t)MT * (size_t)V * sizeof(float));
-        assert_non_null(logits);
-        q.logits_out = logits;
-        assert_int_equal(tdm_gen_run(m, kv, &q, 1, NULL, NULL, err, sizeof err), TDM_OK);
-        assert_int_equal(q.n_out, MT);
-        for (int t = 0; t < MT; t++) {
-            const float *row = logits + (size_t)t * (size_t)V;
-            double mx = row[0], sum = 0;
-            for (int v = 1; v < V; v++)
-                mx = row[v] > mx ? row[v] : mx;
-            for (int v = 0; v < V; v++)
-                sum += exp(row[v] - mx);
-            ref_lp[i][t] = (float)(row[refs[i][t]] - mx - log(sum));
-        }
-        free(logits);
-        tdm_kv_free(kv);
+        assert_int_equal(reference_on(m, prompts[i], 20, &sp[i], MT, refs[i], ref_lp[i]), MT);
     }
 
     struct tdm_engine_config c;

@@ -523,6 +523,21 @@ static void mm_task(void *arg, int tid, int nthreads)
     }
 }
 
+// A job over tokens [t0, t0 + nc) of x (its output and chunk size are the
+// caller's).
+static void mm_job_init(struct mm_job *j, struct tdm_backend *be, const struct tdm_weight *w,
+                        const float *bias, const float *x, int t0, int nc)
+{
+    *j = (struct mm_job){.be = be,
+                         .a = {.w = w,
+                               .bias = bias,
+                               .x = x + (size_t)t0 * w->cols,
+                               .xq = be->xq,
+                               .xq_stride = be->xq_stride,
+                               .n = nc}};
+    atomic_init(&j->next, 0);
+}
+
 // The activations of a chunk of tokens in the weight's input format (bf16
 // pairs, Q8 blocks), before its row blocks are multiplied.
 static void mm_prep(struct tdm_backend *be, struct mm_job *j)
@@ -615,17 +630,9 @@ static int cpu_matmul_argmax(struct tdm_backend *be, const struct tdm_weight *w,
     }
     for (int t0 = 0; t0 < n; t0 += CPU_MM_CHUNK_TOKENS) {
         int nc = n - t0 < CPU_MM_CHUNK_TOKENS ? n - t0 : CPU_MM_CHUNK_TOKENS;
-        struct mm_job j = {
-            .be = be,
-            .a = {.w = w,
-                  .bias = bias,
-                  .x = x + (size_t)t0 * w->cols,
-                  .xq = be->xq,
-                  .xq_stride = be->xq_stride,
-                  .n = nc},
-            .chunk = CPU_ARGMAX_CHUNK_BLOCKS,
-        };
-        atomic_init(&j.next, 0);
+        struct mm_job j;
+        mm_job_init(&j, be, w, bias, x, t0, nc);
+        j.chunk = CPU_ARGMAX_CHUNK_BLOCKS;
         mm_prep(be, &j);
         cpu_pool_run(be->pool, mm_argmax_task, &j);
         for (int t = 0; t < nc; t++) {
@@ -650,16 +657,9 @@ static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const
 {
     for (int t0 = 0; t0 < n; t0 += CPU_MM_CHUNK_TOKENS) {
         int nc = n - t0 < CPU_MM_CHUNK_TOKENS ? n - t0 : CPU_MM_CHUNK_TOKENS;
-        struct mm_job j = {
-            .be = be,
-            .a = {.w = w,
-                  .bias = bias,
-                  .x = x + (size_t)t0 * w->cols,
-                  .xq = be->xq,
-                  .xq_stride = be->xq_stride,
-                  .y = y + (size_t)t0 * w->rows,
-                  .n = nc},
-        };
+        struct mm_job j;
+        mm_job_init(&j, be, w, bias, x, t0, nc);
+        j.a.y = y + (size_t)t0 * w->rows;
         // Decode of a large weight: chunks of ~1/4 of a thread's share keep
         // the weight streams long yet balance a loaded machine. Small weights
         // and batches: one contiguous chunk per thread (a small weight's
@@ -670,7 +670,6 @@ static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const
             nc == 1 && nb >= 64 ? nb / (be->nthreads * 4) : (nb + be->nthreads - 1) / be->nthreads;
         if (j.chunk < 1)
             j.chunk = 1;
-        atomic_init(&j.next, 0);
         mm_prep(be, &j);
         cpu_pool_run(be->pool, mm_task, &j);
     }

@@ -110,22 +110,33 @@ static void launch_check(struct tdm_backend *be, int cuk_rc)
              tdm_cuk_errmsg());
 }
 
-// Grows b to at least bytes (contents are not kept). TDM_OK or TDM_ENOMEM.
-static int buf_reserve(struct tdm_backend *be, struct dev_buf *b, size_t bytes)
+// Grows b to at least bytes, by doubling (contents are not kept; the old
+// buffer must be idle). 1 when it grew, 0 when it was large enough, -1 when
+// out of device memory.
+static int dev_buf_grow(struct tdm_cuda_dev *dev, struct dev_buf *b, size_t bytes)
 {
     if (b->bytes >= bytes)
-        return TDM_OK;
+        return 0;
     size_t want = b->bytes ? b->bytes : 4096;
     while (want < bytes)
         want *= 2;
-    void *p = tdm_cuda_dev_alloc(be->dev, want);
+    void *p = tdm_cuda_dev_alloc(dev, want);
     if (p == NULL)
-        return TDM_ENOMEM;
-    tdm_cuda_dev_free(be->dev, b->p);
+        return -1;
+    tdm_cuda_dev_free(dev, b->p);
     b->p = p;
     b->bytes = want;
-    be->gen++; // a captured graph that used the old buffer is stale
-    return TDM_OK;
+    return 1;
+}
+
+// A backend buffer: growing it marks graphs that used the old one stale.
+// TDM_OK or TDM_ENOMEM.
+static int buf_reserve(struct tdm_backend *be, struct dev_buf *b, size_t bytes)
+{
+    int g = dev_buf_grow(be->dev, b, bytes);
+    if (g > 0)
+        be->gen++;
+    return g < 0 ? TDM_ENOMEM : TDM_OK;
 }
 
 static void buf_free(struct tdm_backend *be, struct dev_buf *b)
@@ -434,21 +445,12 @@ static void *kvs_layer_v(struct tdm_kv_storage *st, int layer)
 // still computes the layers above it (issue 25, item 4): the old export ran on
 // the engine's stream and so waited for every kernel the engine had issued by
 // then, which on a GPU running behind the host was the whole prefill.
-// A storage buffer (not the backend's): growing it must not mark graphs stale.
+// A storage buffer (not the backend's): growing it must not mark graphs stale
+// (nor touch be->gen from a job thread). Idle when grown: its last user synced
+// the side.
 static int stage_reserve(struct cuda_kv_storage *s, struct dev_buf *b, size_t bytes)
 {
-    if (b->bytes >= bytes)
-        return TDM_OK;
-    size_t want = b->bytes ? b->bytes : 4096;
-    while (want < bytes)
-        want *= 2;
-    void *p = tdm_cuda_dev_alloc(s->be->dev, want);
-    if (p == NULL)
-        return TDM_ENOMEM;
-    tdm_cuda_dev_free(s->be->dev, b->p); // idle: the last user synced the side
-    b->p = p;
-    b->bytes = want;
-    return TDM_OK;
+    return dev_buf_grow(s->be->dev, b, bytes) < 0 ? TDM_ENOMEM : TDM_OK;
 }
 
 static int side_fail(struct cuda_kv_storage *s, const char *what)

@@ -408,17 +408,9 @@ static void test_export_import(void **state)
 // and memory are real). --device with the emulated CUDA backend registered:
 // one GPU visible.
 #ifndef TDM_CUDA_TEST_GPU
-// The emulator's deferred mode (emu/cuda_emu.h, C linkage): the device runs
-// behind the host, and work runs only when something waits for it.
-void tdm_emu_defer(int on);
-unsigned long long tdm_emu_pending(void *stream);
-// Its launch log (the same header).
-struct tdm_emu_launch {
-    const char *name;
-    unsigned long long ctas;
-};
-void tdm_emu_launch_log(int on);
-size_t tdm_emu_launches(struct tdm_emu_launch *out, size_t cap);
+// The emulator's deferred mode (the device runs behind the host: work runs
+// only when something waits for it) and its launch log: emu/cuda_emu_api.h.
+#include "emu/cuda_emu_api.h"
 
 // Launches of one eager batch-1 decode step of a model with `layers` layers
 // (tiny preset otherwise); the log's entries into out.
@@ -634,10 +626,6 @@ static void test_kv_capacity(void **state)
     tdm_model_free(m);
     tdm_model_free(mc);
 }
-#endif
-
-#ifndef TDM_CUDA_TEST_GPU
-unsigned long long tdm_emu_graph_launches(void); // emu/cuda_emu.cpp
 #endif
 
 // CUDA graphs vs --enforce-eager: three sequences (a bucket of 4 with one

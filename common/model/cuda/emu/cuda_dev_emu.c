@@ -12,29 +12,13 @@
 #include "core.h"
 #include "cuda_dev.h"
 #include "cuda_dev_held.h"
+#include "cuda_emu_api.h"
 
 struct tdm_cuda_dev {
     int ordinal;
     struct held_list held; // what tdm_cuda_dev_alloc handed out
     char errmsg[128];
 };
-
-// The emulator's stream capture (emu/cuda_emu.cpp, C linkage).
-void tdm_emu_capture_begin(void);
-void *tdm_emu_capture_end(void);
-int tdm_emu_capturing(void);
-void tdm_emu_stream_work(void *stream, void (*fn)(void *arg), const void *arg, size_t arg_bytes);
-void tdm_emu_graph_launch(void *graph);
-void tdm_emu_graph_free(void *graph);
-void *tdm_emu_stream_new(void);
-void tdm_emu_stream_free(void *stream);
-void tdm_emu_stream_sync(void *stream);
-void *tdm_emu_event_new(void);
-void tdm_emu_event_free(void *event);
-void tdm_emu_event_record(void *event, void *stream);
-void tdm_emu_event_sync(void *event);
-void tdm_emu_stream_wait_event(void *stream, void *event);
-void tdm_emu_log_launch(const char *name, unsigned long long ctas);
 
 // Host <-> device copies and sync are not stream work CUDA can capture.
 static int not_while_capturing(struct tdm_cuda_dev *d, const char *what)
