@@ -5,6 +5,12 @@
 // backend can implement the same table. Activation buffers come from the
 // backend's alloc (host memory for the CPU backend, device memory for CUDA).
 //
+// Activations are f32 except those that feed a matmul (its x: the outputs of
+// rmsnorm, add_rmsnorm, silu_mul and attention), which are in the backend's
+// matmul-input format: f32 on the CPU, bf16 (round to nearest even) on CUDA,
+// where the op that produces them writes its GEMM's input type instead of a
+// conversion pass. The model only passes them from op to op.
+//
 // Batch invariance contract: for every op, each output row depends only on the
 // matching input rows and never on n (no split-K that depends on batch size, a
 // fixed reduction order per output element).
@@ -133,15 +139,22 @@ struct tdm_backend_ops {
                        const struct tdm_attn_seq *seqs, int n_seqs, bool *replay);
     int (*graph_end)(struct tdm_backend *be);
 
-    // y[n][w->rows] = x[n][w->cols] . w^T (+ bias[w->rows] when bias != NULL).
+    // y[n][w->rows] = x[n][w->cols] . w^T (+ bias[w->rows] when bias != NULL);
+    // x in the matmul-input format.
     void (*matmul)(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
-                   const float *x, float *y, int n);
+                   const void *x, float *y, int n);
     // out[n][w->cols] = rows ids[i] of the embedding matrix w.
     void (*embed)(struct tdm_backend *be, const struct tdm_weight *w, const int32_t *ids, int n,
                   float *out);
-    // out[n][dim] = x / rms(x) * weight (out may equal x).
+    // out[n][dim] = x / rms(x) * weight, in the matmul-input format (out may
+    // equal x when that is f32).
     void (*rmsnorm)(struct tdm_backend *be, const float *x, const float *weight, float eps,
-                    float *out, int n, int dim);
+                    void *out, int n, int dim);
+    // Optional (NULL: add, then rmsnorm): x += y, then rmsnorm of x into out
+    // (which overlaps neither), in one pass: a sublayer's residual add and the
+    // next sublayer's norm.
+    void (*add_rmsnorm)(struct tdm_backend *be, float *x, const float *y, const float *weight,
+                        float eps, void *out, int n, int dim);
     // Rotate-half RoPE in place on x[n][row_stride], heads at x + h*head_dim for
     // h < n_heads; pos[n] positions; inv_freq[head_dim/2].
     void (*rope)(struct tdm_backend *be, float *x, int n, int row_stride, int n_heads,
@@ -152,12 +165,22 @@ struct tdm_backend_ops {
                      const struct tdm_attn_seq *seqs, int n_seqs, const float *k, const float *v,
                      int stride);
     // Causal GQA attention over the paged cache (new tokens already stored):
-    // out[row][n_heads*head_dim] from q[row][...] with row stride q_stride.
+    // out[row][n_heads*head_dim] (matmul-input format) from q[row][...] with
+    // row stride q_stride.
     void (*attention)(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
                       const struct tdm_attn_seq *seqs, int n_seqs, const float *q, int q_stride,
-                      float *out, int n_heads, int n_kv_heads, int head_dim, float scale);
-    // out[n][inter] = silu(gate_up[n][0:inter]) * gate_up[n][inter:2*inter].
-    void (*silu_mul)(struct tdm_backend *be, const float *gate_up, float *out, int n, int inter);
+                      void *out, int n_heads, int n_kv_heads, int head_dim, float scale);
+    // Optional (NULL: rope, kv_store, attention): the three for a batch's qkv
+    // rows ([rows][qkv_stride]: n_heads query heads, n_kv_heads key heads, then
+    // as many value heads; qkv may be rotated in place), with the same result;
+    // a backend fuses what it can (CUDA: one launch for a decode-only batch).
+    void (*rope_store_attention)(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                                 const struct tdm_attn_seq *seqs, int n_seqs, float *qkv,
+                                 int qkv_stride, const int32_t *pos, const float *inv_freq,
+                                 void *out, int n_heads, int n_kv_heads, int head_dim, float scale);
+    // out[n][inter] = silu(gate_up[n][0:inter]) * gate_up[n][inter:2*inter]
+    // (matmul-input format).
+    void (*silu_mul)(struct tdm_backend *be, const float *gate_up, void *out, int n, int inter);
     // x[i] += y[i] for i < count.
     void (*add)(struct tdm_backend *be, float *x, const float *y, size_t count);
     // Optional: runs fn(arg, tid, nthreads) once on each of the backend's host

@@ -69,7 +69,10 @@ struct tdm_model {
 
     // Activations, backend memory, T = max_batch_tokens rows.
     float *x;                   // [T][hidden] residual stream
+    // h, attn and act feed matmuls: the backend's matmul-input format (f32
+    // on the CPU, bf16 on CUDA; backend.h), sized for f32.
     float *h;                   // [T][hidden] normed input of a sublayer
+    float *d;                   // [T][hidden] a sublayer's output, added to x by the next norm
     float *qkv;                 // [T][qkv_dim]
     float *attn;                // [T][q_dim]
     float *gate_up;             // [T][2*inter]
@@ -471,6 +474,7 @@ void tdm_model_free(struct tdm_model *m)
         release_buf(m, m->inv_freq);
         release_buf(m, m->x);
         release_buf(m, m->h);
+        release_buf(m, m->d);
         release_buf(m, m->qkv);
         release_buf(m, m->attn);
         release_buf(m, m->gate_up);
@@ -816,6 +820,7 @@ static int model_load(struct tdm_model **out, const char *dir, const struct tdm_
     size_t T = (size_t)m->opts.max_batch_tokens;
     m->x = alloc_f32(m, T * (size_t)hidden);
     m->h = alloc_f32(m, T * (size_t)hidden);
+    m->d = alloc_f32(m, T * (size_t)hidden);
     m->qkv = alloc_f32(m, T * (size_t)m->qkv_dim);
     m->attn = alloc_f32(m, T * (size_t)m->q_dim);
     m->gate_up = alloc_f32(m, T * 2 * (size_t)c->intermediate_size);
@@ -832,8 +837,8 @@ static int model_load(struct tdm_model **out, const char *dir, const struct tdm_
         m->pos_be = m->ops->alloc(m->be, T * sizeof(int32_t));
         m->logits_be = alloc_f32(m, T * (size_t)c->vocab_size);
     }
-    if (!m->x || !m->h || !m->qkv || !m->attn || !m->gate_up || !m->act || !m->pos || !m->ids ||
-        !m->aseqs || !m->argmax_ids || !m->ids_be || !m->pos_be ||
+    if (!m->x || !m->h || !m->d || !m->qkv || !m->attn || !m->gate_up || !m->act || !m->pos ||
+        !m->ids || !m->aseqs || !m->argmax_ids || !m->ids_be || !m->pos_be ||
         (!m->ops->host_memory && !m->logits_be)) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM,
                         "model: out of memory for activations of %zu tokens", T);
@@ -920,6 +925,21 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
     *n_logit_rows = logit_rows;
     *n_argmax = argmax_rows;
     return TDM_OK;
+}
+
+// A sublayer's norm: x += d first when d holds the previous sublayer's output
+// (one op where the backend fuses them), then out = rmsnorm(x).
+static void add_norm(struct tdm_model *m, const float *d, const float *weight, void *out, int n)
+{
+    int dim = m->cfg.hidden_size;
+    float eps = m->cfg.rms_norm_eps;
+    if (d && m->ops->add_rmsnorm) {
+        m->ops->add_rmsnorm(m->be, m->x, d, weight, eps, out, n, dim);
+        return;
+    }
+    if (d)
+        m->ops->add(m->be, m->x, d, (size_t)n * (size_t)dim);
+    m->ops->rmsnorm(m->be, m->x, weight, eps, out, n, dim);
 }
 
 // The fused argmax's ids (batch order of the ARGMAX rows) to their sequences.
@@ -1013,47 +1033,61 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
     }
 
     ops->embed(be, &m->embed, m->ids_be, n, m->x);
+    // Each sublayer's output waits in d for the next norm, which adds it to x
+    // (the residual) as it normalises: one op where the backend fuses them.
+    const float *pending = NULL;
+    int n_q = c->num_attention_heads, n_kv = c->num_key_value_heads;
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const struct tdm_layer *L = &m->layers[l];
         // Attention block. q, k, v live side by side in each qkv row.
-        ops->rmsnorm(be, m->x, L->input_norm, eps, m->h, n, hidden);
+        add_norm(m, pending, L->input_norm, m->h, n);
         ops->matmul(be, &L->qkv, L->qkv_bias, m->h, m->qkv, n);
-        // k follows q in each row with the same head_dim, so one call rotates
-        // the n_heads query heads and the n_kv_heads key heads.
-        ops->rope(be, m->qkv, n, m->qkv_dim, c->num_attention_heads + c->num_key_value_heads, hd,
-                  m->pos_be, m->inv_freq);
-        ops->kv_store(be, kv, l, m->aseqs, n_seqs_run, m->qkv + m->q_dim,
-                      m->qkv + m->q_dim + m->kv_dim, m->qkv_dim);
-        // Layer l's KV is in the cache (ops are synchronous, or issued on a
-        // device stream: the mark orders the storage's exports and waits
-        // after these stores, not after the layers above): a hook may hand it
-        // to a sender while the layers above still compute.
-        if (any_hook && (rc = tdm_kv_mark_layer(kv, l)) != TDM_OK)
-            return rc;
-        for (int s = 0; any_hook && s < n_seqs; s++)
-            if (seqs[s].on_layer)
-                seqs[s].on_layer(seqs[s].layer_arg, l);
-        ops->attention(be, kv, l, m->aseqs, n_seqs_run, m->qkv, m->qkv_dim, m->attn,
-                       c->num_attention_heads, c->num_key_value_heads, hd, scale);
-        ops->matmul(be, &L->o, NULL, m->attn, m->h, n);
-        ops->add(be, m->x, m->h, (size_t)n * (size_t)hidden);
+        if (ops->rope_store_attention && !any_hook) {
+            ops->rope_store_attention(be, kv, l, m->aseqs, n_seqs_run, m->qkv, m->qkv_dim,
+                                      m->pos_be, m->inv_freq, m->attn, n_q, n_kv, hd, scale);
+        } else {
+            // k follows q in each row with the same head_dim, so one call
+            // rotates the n_heads query heads and the n_kv_heads key heads.
+            ops->rope(be, m->qkv, n, m->qkv_dim, n_q + n_kv, hd, m->pos_be, m->inv_freq);
+            ops->kv_store(be, kv, l, m->aseqs, n_seqs_run, m->qkv + m->q_dim,
+                          m->qkv + m->q_dim + m->kv_dim, m->qkv_dim);
+            // Layer l's KV is in the cache (ops are synchronous, or issued on
+            // a device stream: the mark orders the storage's exports and
+            // waits after these stores, not after the layers above): a hook
+            // may hand it to a sender while the layers above still compute.
+            if (any_hook && (rc = tdm_kv_mark_layer(kv, l)) != TDM_OK)
+                return rc;
+            for (int s = 0; any_hook && s < n_seqs; s++)
+                if (seqs[s].on_layer)
+                    seqs[s].on_layer(seqs[s].layer_arg, l);
+            ops->attention(be, kv, l, m->aseqs, n_seqs_run, m->qkv, m->qkv_dim, m->attn, n_q, n_kv,
+                           hd, scale);
+        }
+        ops->matmul(be, &L->o, NULL, m->attn, m->d, n);
         // MLP block (SwiGLU).
-        ops->rmsnorm(be, m->x, L->post_norm, eps, m->h, n, hidden);
+        add_norm(m, m->d, L->post_norm, m->h, n);
         ops->matmul(be, &L->gate_up, NULL, m->h, m->gate_up, n);
         ops->silu_mul(be, m->gate_up, m->act, n, inter);
-        ops->matmul(be, &L->down, NULL, m->act, m->h, n);
-        ops->add(be, m->x, m->h, (size_t)n * (size_t)hidden);
+        ops->matmul(be, &L->down, NULL, m->act, m->d, n);
+        pending = m->d;
     }
     if (n_logit_rows == 0 && n_argmax == 0)
-        return ops->sync ? ops->sync(be) : TDM_OK;
+        return ops->sync ? ops->sync(be) : TDM_OK; // x's last residual add is never read
 
-    // Gather the rows that want logits (in batch order) into h, then norm and
-    // head. A graph step's rows all want logits, in order: one copy.
-    if (graph && (rc = ops->copy(be, m->h, m->x, (size_t)n * hidden * sizeof(float))) != TDM_OK)
-        return rc;
-    // ARGMAX rows follow the logits rows in h (batch order within each group).
+    // A decode step whose rows all want logits (or all their argmax), in
+    // batch order (every graph step): the last residual add and the final
+    // norm of every row in one op. Else the rows that want logits are
+    // gathered (in batch order) into d after the add, then normed into h.
+    const float *head_in = m->d;
+    if (graph || (all_decode && (n_argmax == 0 || n_argmax == n_seqs))) {
+        add_norm(m, pending, m->final_norm, m->h, n);
+        head_in = NULL;
+    } else if (pending) {
+        ops->add(be, m->x, pending, (size_t)n * (size_t)hidden);
+    }
+    // ARGMAX rows follow the logits rows in d (batch order within each group).
     int out_row = 0, arg_row = n_logit_rows;
-    for (int s = 0; !graph && s < n_seqs; s++) {
+    for (int s = 0; head_in && s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         int first = m->aseqs[s].row, count = 0, *at = &out_row;
         if (q->logits == TDM_LOGITS_LAST || q->logits == TDM_LOGITS_ARGMAX) {
@@ -1065,11 +1099,11 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             count = q->n_tokens;
         }
         if (count > 0) {
-            // h and x are distinct buffers, so copy's no-overlap rule holds.
+            // d and x are distinct buffers, so copy's no-overlap rule holds.
             size_t bytes = (size_t)count * hidden * sizeof(float);
             if (ops->host_memory)
-                memcpy(m->h + (size_t)*at * hidden, m->x + (size_t)first * hidden, bytes);
-            else if ((rc = ops->copy(be, m->h + (size_t)*at * hidden, m->x + (size_t)first * hidden,
+                memcpy(m->d + (size_t)*at * hidden, m->x + (size_t)first * hidden, bytes);
+            else if ((rc = ops->copy(be, m->d + (size_t)*at * hidden, m->x + (size_t)first * hidden,
                                      bytes)) != TDM_OK)
                 return rc;
             *at += count;
@@ -1078,7 +1112,8 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
     // A graph step's rows are its bucket's (padding included), all LAST or all
     // ARGMAX; else the LAST/ALL rows, then the ARGMAX rows.
     int head_rows = graph ? n_logit_rows : n_logit_rows + n_argmax;
-    ops->rmsnorm(be, m->h, m->final_norm, eps, m->h, head_rows, hidden);
+    if (head_in)
+        ops->rmsnorm(be, head_in, m->final_norm, eps, m->h, head_rows, hidden);
     // One lm_head read for all logit rows (n_logit_rows <= n fits the workspace).
     const struct tdm_weight *head = m->head_is_embed ? &m->embed : &m->lm_head;
     if (ops->host_memory) {

@@ -653,8 +653,9 @@ static int cpu_matmul_argmax(struct tdm_backend *be, const struct tdm_weight *w,
 }
 
 static void cpu_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
-                       const float *x, float *y, int n)
+                       const void *xv, float *y, int n)
 {
+    const float *x = xv; // the CPU's matmul-input format is f32
     for (int t0 = 0; t0 < n; t0 += CPU_MM_CHUNK_TOKENS) {
         int nc = n - t0 < CPU_MM_CHUNK_TOKENS ? n - t0 : CPU_MM_CHUNK_TOKENS;
         struct mm_job j;
@@ -749,8 +750,9 @@ static void rmsnorm_task(void *arg, int tid, int nthreads)
 }
 
 static void cpu_rmsnorm(struct tdm_backend *be, const float *x, const float *weight, float eps,
-                        float *out, int n, int dim)
+                        void *outv, int n, int dim)
 {
+    float *out = outv;
     struct rows_job j = {.x = x, .weight = weight, .out = out, .eps = eps, .n = n, .dim = dim};
     if ((size_t)n * dim < 32768)
         rmsnorm_task(&j, 0, 1);
@@ -813,8 +815,9 @@ static void silu_task(void *arg, int tid, int nthreads)
     }
 }
 
-static void cpu_silu_mul(struct tdm_backend *be, const float *gate_up, float *out, int n, int inter)
+static void cpu_silu_mul(struct tdm_backend *be, const float *gate_up, void *outv, int n, int inter)
 {
+    float *out = outv;
     struct rows_job j = {.x = gate_up, .out = out, .n = n, .dim = inter, .k = be->k};
     if (n == 1) {
         // One decode row costs less than a fork/join.
@@ -1106,8 +1109,9 @@ static void attn_task(void *arg, int tid, int nthreads)
 
 static void cpu_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
                           const struct tdm_attn_seq *seqs, int n_seqs, const float *q, int q_stride,
-                          float *out, int n_heads, int n_kv_heads, int head_dim, float scale)
+                          void *outv, int n_heads, int n_kv_heads, int head_dim, float scale)
 {
+    float *out = outv;
     if (n_kv_heads < 1 || n_heads % n_kv_heads != 0 || head_dim < 2) {
         TDM_LOG_ERR("cpu", "attention: bad heads %d/%d or head_dim %d", n_heads, n_kv_heads,
                     head_dim);

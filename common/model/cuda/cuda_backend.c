@@ -58,7 +58,6 @@ struct tdm_backend {
     int err;                      // first failure since the last sync/download (TDM_OK if none)
     char errmsg[256];
 
-    struct dev_buf xb; // bf16 GEMM input [n][cols]
     struct dev_buf am_ids; // [n] int32 token ids of argmax_rows, device
     // begin_forward's staging: host copies, and their device twins.
     int n_rows, n_seqs;                                  // of the staged forward
@@ -184,7 +183,6 @@ static void cuda_destroy(struct tdm_backend *be)
 {
     if (be == NULL)
         return;
-    buf_free(be, &be->xb);
     buf_free(be, &be->am_ids);
     for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++)
         tdm_cuda_dev_graph_free(be->dev, be->graphs[i].graph);
@@ -327,16 +325,12 @@ static void cuda_release_weight(struct tdm_backend *be, struct tdm_weight *w)
 }
 
 // ---- compute ops ------------------------------------------------------------------------------
+// x is bf16 already (this backend's matmul-input format): the op that made it
+// wrote bf16, so a GEMM is one launch.
 static void cuda_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
-                        const float *x, float *y, int n)
+                        const void *x, float *y, int n)
 {
-    size_t count = (size_t)n * (size_t)w->cols;
-    if (buf_reserve(be, &be->xb, count * sizeof(uint16_t)) != TDM_OK) {
-        fail(be, TDM_ENOMEM, "matmul: %s", "out of device memory for the bf16 input");
-        return;
-    }
-    launch_check(be, tdm_cuk_to_bf16(be->stream, x, be->xb.p, count));
-    if (tdm_cuda_dev_gemm_bf16(be->dev, w->data, w->rows, w->cols, be->xb.p, n, bias, y) != TDM_OK)
+    if (tdm_cuda_dev_gemm_bf16(be->dev, w->data, w->rows, w->cols, x, n, bias, y) != TDM_OK)
         fail(be, TDM_EBACKEND, "matmul: %s", tdm_cuda_dev_errmsg(be->dev));
 }
 
@@ -362,9 +356,17 @@ static void cuda_embed(struct tdm_backend *be, const struct tdm_weight *w, const
 }
 
 static void cuda_rmsnorm(struct tdm_backend *be, const float *x, const float *weight, float eps,
-                         float *out, int n, int dim)
+                         void *out, int n, int dim)
 {
-    launch_check(be, tdm_cuk_rmsnorm(be->stream, x, weight, eps, out, n, dim));
+    // No y: the kernel only reads x.
+    launch_check(be,
+                 tdm_cuk_add_rmsnorm(be->stream, (float *)x, NULL, weight, eps, out, 1, n, dim));
+}
+
+static void cuda_add_rmsnorm(struct tdm_backend *be, float *x, const float *y, const float *weight,
+                             float eps, void *out, int n, int dim)
+{
+    launch_check(be, tdm_cuk_add_rmsnorm(be->stream, x, y, weight, eps, out, 1, n, dim));
 }
 
 static void cuda_rope(struct tdm_backend *be, float *x, int n, int row_stride, int n_heads,
@@ -373,10 +375,9 @@ static void cuda_rope(struct tdm_backend *be, float *x, int n, int row_stride, i
     launch_check(be, tdm_cuk_rope(be->stream, x, n, row_stride, n_heads, head_dim, pos, inv_freq));
 }
 
-static void cuda_silu_mul(struct tdm_backend *be, const float *gate_up, float *out, int n,
-                          int inter)
+static void cuda_silu_mul(struct tdm_backend *be, const float *gate_up, void *out, int n, int inter)
 {
-    launch_check(be, tdm_cuk_silu_mul(be->stream, gate_up, out, n, inter));
+    launch_check(be, tdm_cuk_silu_mul(be->stream, gate_up, out, 1, n, inter));
 }
 
 static void cuda_add(struct tdm_backend *be, float *x, const float *y, size_t count)
@@ -973,12 +974,12 @@ static void cuda_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int l
                                       c->block_size));
 }
 
-static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
-                           const struct tdm_attn_seq *seqs, int n_seqs, const float *q,
-                           int q_stride, float *out, int n_heads, int n_kv_heads, int head_dim,
-                           float scale)
+// Attention of the staged batch (bf16 out); with inv_freq, a decode-only
+// batch's RoPE and KV store run inside the decode kernel.
+static void attend(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer, int n_seqs,
+                   const float *q, int q_stride, void *out, int n_heads, int n_kv_heads,
+                   int head_dim, float scale, const float *inv_freq)
 {
-    (void)seqs;
     struct tdm_kv_storage *st = tdm_kv_storage(kv);
     if (st->ops != &kvs_ops || n_seqs != be->n_seqs) {
         fail(be, TDM_EINVAL, "attention: %s", "no begin_forward for this batch and cache");
@@ -997,6 +998,9 @@ static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int 
         .q = q,
         .q_stride = q_stride,
         .out = out,
+        .out_bf16 = 1,
+        .inv_freq = inv_freq,
+        .slots = be->m_slots,
         .k_cache = s->k[layer],
         .v_cache = s->v[layer],
         .seqs = be->m_seqs,
@@ -1016,6 +1020,43 @@ static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int 
         .scale = scale,
     };
     launch_check(be, tdm_cuk_attention(be->stream, &a));
+}
+
+static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                           const struct tdm_attn_seq *seqs, int n_seqs, const float *q,
+                           int q_stride, void *out, int n_heads, int n_kv_heads, int head_dim,
+                           float scale)
+{
+    (void)seqs;
+    attend(be, kv, layer, n_seqs, q, q_stride, out, n_heads, n_kv_heads, head_dim, scale, NULL);
+}
+
+// A decode-only batch: one launch (RoPE and the KV store inside the decode
+// kernel; two with the combine when a sequence spans several splits). Else
+// RoPE and the store in one launch, then attention.
+static void cuda_rope_store_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
+                                      const struct tdm_attn_seq *seqs, int n_seqs, float *qkv,
+                                      int qkv_stride, const int32_t *pos, const float *inv_freq,
+                                      void *out, int n_heads, int n_kv_heads, int head_dim,
+                                      float scale)
+{
+    (void)seqs;
+    struct tdm_kv_storage *st = tdm_kv_storage(kv);
+    if (st->ops != &kvs_ops || n_seqs != be->n_seqs) {
+        fail(be, TDM_EINVAL, "attention: %s", "no begin_forward for this batch and cache");
+        return;
+    }
+    if (be->plan.n_tiles == 0) {
+        attend(be, kv, layer, n_seqs, qkv, qkv_stride, out, n_heads, n_kv_heads, head_dim, scale,
+               inv_freq);
+        return;
+    }
+    const struct tdm_kv_config *c = tdm_kv_config(kv);
+    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
+    launch_check(be, tdm_cuk_rope_kv_store(be->stream, s->type, qkv, qkv_stride, n_heads,
+                                           n_kv_heads, head_dim, pos, inv_freq, be->m_slots,
+                                           be->n_rows, s->k[layer], s->v[layer], c->block_size));
+    attend(be, kv, layer, n_seqs, qkv, qkv_stride, out, n_heads, n_kv_heads, head_dim, scale, NULL);
 }
 
 const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
@@ -1040,6 +1081,8 @@ const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
     .matmul = cuda_matmul,
     .embed = cuda_embed,
     .rmsnorm = cuda_rmsnorm,
+    .add_rmsnorm = cuda_add_rmsnorm,
+    .rope_store_attention = cuda_rope_store_attention,
     .rope = cuda_rope,
     .kv_store = cuda_kv_store,
     .attention = cuda_attention,

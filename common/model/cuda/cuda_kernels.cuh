@@ -56,6 +56,32 @@ __device__ __forceinline__ void kv_put(uint16_t *p, float v)
     *p = f32_to_bf16(v);
 }
 
+// An activation that feeds a GEMM: f32, or bf16 (the CUDA backend's GEMM
+// input) written by the kernel that produces it instead of a conversion pass.
+__device__ __forceinline__ void act_put(void *out, size_t i, float v, int bf16)
+{
+    if (bf16)
+        ((uint16_t *)out)[i] = f32_to_bf16(v);
+    else
+        ((float *)out)[i] = v;
+}
+
+// Rotate-half RoPE of the pair (x1, x2) = (v[i], v[i + half]) at position p.
+// The angle is the f32 product p * inv_freq (as HF computes it), its cos/sin
+// evaluated in double and rounded once, as the CPU backend does; the products
+// are rounded apart (__fmul_rn: never contracted into an FMA), so every kernel
+// that rotates (rope, rope_kv_store, the decode attention that ropes its own
+// query) gives the same bits.
+__device__ __forceinline__ void rope_rot(float x1, float x2, float p, float inv_freq, float *o1,
+                                         float *o2)
+{
+    float ang = p * inv_freq;
+    float c = (float)cos((double)ang);
+    float s = (float)sin((double)ang);
+    *o1 = __fmul_rn(x1, c) - __fmul_rn(x2, s);
+    *o2 = __fmul_rn(x2, c) + __fmul_rn(x1, s);
+}
+
 __device__ __forceinline__ float warp_sum(float v)
 {
     for (int o = 16; o > 0; o >>= 1)
@@ -108,24 +134,33 @@ __global__ void embed_kernel(const uint16_t *table, int rows, int cols, const in
         o[k] = (r >= 0 && r < rows) ? bf16_to_f32(table[(size_t)r * cols + k]) : 0.0f;
 }
 
-// grid (n), block 256: sum of squares in the block's fixed order.
-__global__ void rmsnorm_kernel(const float *x, const float *weight, float eps, float *out, int dim)
+// grid (n), block 256: the residual add (when y is not NULL: x += y, each
+// element rounded once, written back) and the RMSNorm of the sum in one pass;
+// sum of squares in the block's fixed order. out may equal x when it is f32
+// (each thread reads back only what it wrote).
+__global__ void add_rmsnorm_kernel(float *x, const float *y, const float *weight, float eps,
+                                   void *out, int out_bf16, int dim)
 {
     __shared__ float red[32];
-    const float *xr = x + (size_t)blockIdx.x * dim;
-    float *o = out + (size_t)blockIdx.x * dim;
+    float *xr = x + (size_t)blockIdx.x * dim;
+    const float *yr = y ? y + (size_t)blockIdx.x * dim : NULL;
+    size_t o0 = (size_t)blockIdx.x * dim;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        ss += xr[i] * xr[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = xr[i];
+        if (yr) {
+            v += yr[i];
+            xr[i] = v;
+        }
+        ss = fmaf(v, v, ss);
+    }
     ss = block_sum(ss, red);
     float inv = 1.0f / sqrtf(ss / (float)dim + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        o[i] = xr[i] * inv * weight[i];
+        act_put(out, o0 + i, xr[i] * inv * weight[i], out_bf16);
 }
 
-// grid (n), any block: each thread rotates (head, i) pairs. The angle is the
-// f32 product pos * inv_freq (as HF computes it), its cos/sin evaluated in
-// double and rounded once, as the CPU backend does.
+// grid (n), any block: each thread rotates (head, i) pairs (rope_rot).
 __global__ void rope_kernel(float *x, int row_stride, int n_heads, int head_dim, const int32_t *pos,
                             const float *inv_freq)
 {
@@ -134,25 +169,20 @@ __global__ void rope_kernel(float *x, int row_stride, int n_heads, int head_dim,
     float p = (float)pos[blockIdx.x];
     for (int idx = threadIdx.x; idx < n_heads * half; idx += blockDim.x) {
         int h = idx / half, i = idx % half;
-        float ang = p * inv_freq[i];
-        float c = (float)cos((double)ang);
-        float s = (float)sin((double)ang);
         float *v = xr + (size_t)h * head_dim;
-        float x1 = v[i], x2 = v[i + half];
-        v[i] = x1 * c - x2 * s;
-        v[i + half] = x2 * c + x1 * s;
+        rope_rot(v[i], v[i + half], p, inv_freq[i], &v[i], &v[i + half]);
     }
 }
 
 // grid (n, ceil(inter / blockDim)).
-__global__ void silu_mul_kernel(const float *gate_up, float *out, int inter)
+__global__ void silu_mul_kernel(const float *gate_up, void *out, int out_bf16, int inter)
 {
     int i = blockIdx.y * blockDim.x + threadIdx.x;
     if (i >= inter)
         return;
     const float *gu = gate_up + (size_t)blockIdx.x * 2 * inter;
     float g = gu[i];
-    out[(size_t)blockIdx.x * inter + i] = g / (1.0f + expf(-g)) * gu[inter + i];
+    act_put(out, (size_t)blockIdx.x * inter + i, g / (1.0f + expf(-g)) * gu[inter + i], out_bf16);
 }
 
 // Element-wise over count, grid-stride.
@@ -161,13 +191,6 @@ __global__ void add_kernel(float *x, const float *y, size_t count)
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count;
          i += (size_t)gridDim.x * blockDim.x)
         x[i] += y[i];
-}
-
-__global__ void to_bf16_kernel(const float *x, uint16_t *y, size_t count)
-{
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count;
-         i += (size_t)gridDim.x * blockDim.x)
-        y[i] = f32_to_bf16(x[i]);
 }
 
 // ---- KV cache ----------------------------------------------------------------------------
@@ -186,6 +209,37 @@ __global__ void kv_store_kernel(const float *k, const float *v, int stride, cons
     for (int idx = threadIdx.x; idx < n_kv_heads * head_dim; idx += blockDim.x) {
         int h = idx / head_dim, d = idx % head_dim;
         size_t dst = (((size_t)blk * n_kv_heads + h) * block_size + off) * head_dim + d;
+        kv_put(&k_cache[dst], kr[idx]);
+        kv_put(&v_cache[dst], vr[idx]);
+    }
+}
+
+// grid (n), any block: RoPE of row blockIdx.x's n_q query heads and n_kv key
+// heads in place (heads side by side from qkv's row start: q, then k, then v),
+// then its k and v into its flat slot (a negative slot: rotated, not stored):
+// rope_kernel then kv_store_kernel in one launch, bitwise the same.
+template <class KV>
+__global__ void rope_kv_store_kernel(float *qkv, int stride, int n_q, int n_kv, int head_dim,
+                                     const int32_t *pos, const float *inv_freq,
+                                     const int32_t *slots, KV *k_cache, KV *v_cache, int block_size)
+{
+    int half = head_dim / 2;
+    float *xr = qkv + (size_t)blockIdx.x * stride;
+    float p = (float)pos[blockIdx.x];
+    for (int idx = threadIdx.x; idx < (n_q + n_kv) * half; idx += blockDim.x) {
+        int h = idx / half, i = idx % half;
+        float *v = xr + (size_t)h * head_dim;
+        rope_rot(v[i], v[i + half], p, inv_freq[i], &v[i], &v[i + half]);
+    }
+    __syncthreads(); // the rotated k, read below by other threads
+    int slot = slots[blockIdx.x];
+    if (slot < 0)
+        return;
+    int blk = slot / block_size, off = slot % block_size;
+    const float *kr = xr + (size_t)n_q * head_dim, *vr = kr + (size_t)n_kv * head_dim;
+    for (int idx = threadIdx.x; idx < n_kv * head_dim; idx += blockDim.x) {
+        int h = idx / head_dim, d = idx % head_dim;
+        size_t dst = (((size_t)blk * n_kv + h) * block_size + off) * head_dim + d;
         kv_put(&k_cache[dst], kr[idx]);
         kv_put(&v_cache[dst], vr[idx]);
     }
@@ -267,16 +321,28 @@ __device__ __forceinline__ const KV *kv_row(const KV *cache, const int32_t *bt, 
 // element of the split is read once for all of them. It scores the positions
 // [z * PART, min(L, (z + 1) * PART)) of decode sequence s (L = start_pos + 1)
 // and writes, per query head, the unnormalised sum of p * v with its max and
-// sum of exponentials; combine_kernel merges the splits in order. Splits
-// beyond the sequence's own count exit at once (the whole block). Each head's
-// arithmetic (dot order, softmax, accumulation order) does not depend on how
-// many heads share the block.
+// sum of exponentials; combine_kernel merges the splits in order. A sequence
+// of one split (L <= PART) is finished here: its output is that sum over the
+// sum of exponentials, whatever the other sequences' split counts, and the
+// combine skips it. Splits beyond the sequence's own count exit at once (the
+// whole block). Each head's arithmetic (dot order, softmax, accumulation
+// order) does not depend on how many heads share the block.
+//
+// With inv_freq (a decode-only batch: rope, KV store and attention in one
+// launch), q is the un-rotated qkv row: the block ropes its query heads in
+// shared memory, and the block of the last split ropes the new token's key
+// (at q + n_heads * HD in the row; v after it) and stores it and its value at
+// slots[row] (a negative slot: padding, nothing stored) before reading the
+// split, all with the arithmetic of rope_kv_store_kernel. Blocks of one KV head
+// that split a large group (> GMAX heads) each store the same values.
 template <class KV, int HD>
 __global__ void __launch_bounds__(128)
     attn_decode_kernel(const float *q, int q_stride, const KV *k_cache, const KV *v_cache,
                        const tdm_cuk_seq *seqs, const int32_t *block_tables, int bt_stride,
                        const int32_t *decode_seqs, int max_splits, float *part_o, float *part_ml,
-                       int n_heads, int n_kv_heads, int block_size, float scale)
+                       void *out, int out_bf16, const float *inv_freq, const int32_t *slots,
+                       KV *k_store, KV *v_store, int n_heads, int n_kv_heads, int block_size,
+                       float scale)
 {
     constexpr int PART = TDM_CUK_DECODE_PART, GMAX = TDM_CUK_DECODE_GROUP;
     constexpr int KR = (HD + 31) / 32; // head_dim elements per lane
@@ -298,10 +364,35 @@ __global__ void __launch_bounds__(128)
     int h0 = kvh * group + (blockIdx.y % subs) * GMAX;
     int ng = kvh * group + group - h0 < GMAX ? kvh * group + group - h0 : GMAX;
     const int32_t *bt = block_tables + (size_t)si * bt_stride;
-    const float *qr = q + (size_t)sq.row * q_stride + (size_t)h0 * HD;
+    const float *qrow = q + (size_t)sq.row * q_stride;
+    const float *qr = qrow + (size_t)h0 * HD;
     for (int idx = threadIdx.x; idx < ng * HD; idx += blockDim.x)
         qs[idx / HD][idx % HD] = qr[idx];
     __syncthreads();
+    if (inv_freq) {
+        constexpr int HALF = HD / 2;
+        float p = (float)sq.start_pos;
+        for (int idx = threadIdx.x; idx < ng * HALF; idx += blockDim.x) {
+            int g = idx / HALF, i = idx % HALF;
+            rope_rot(qs[g][i], qs[g][i + HALF], p, inv_freq[i], &qs[g][i], &qs[g][i + HALF]);
+        }
+        int slot = slots[sq.row];
+        if (p0 + nk == kv_len && slot >= 0) { // the split holding the new token
+            const float *kn = qrow + (size_t)(n_heads + kvh) * HD;
+            const float *vn = qrow + (size_t)(n_heads + n_kv_heads + kvh) * HD;
+            int blk = slot / block_size, off = slot % block_size;
+            size_t dst = (((size_t)blk * n_kv_heads + kvh) * block_size + off) * HD;
+            for (int i = threadIdx.x; i < HALF; i += blockDim.x) {
+                float k1, k2;
+                rope_rot(kn[i], kn[i + HALF], p, inv_freq[i], &k1, &k2);
+                kv_put(&k_store[dst + i], k1);
+                kv_put(&k_store[dst + i + HALF], k2);
+            }
+            for (int d = threadIdx.x; d < HD; d += blockDim.x)
+                kv_put(&v_store[dst + d], vn[d]);
+        }
+        __syncthreads(); // the rotated queries and the stored row, to every thread
+    }
 
     // Scores: a warp per position, lanes over head_dim; the key row is read
     // once into registers and dotted with every head of the group.
@@ -343,8 +434,11 @@ __global__ void __launch_bounds__(128)
             l_s[g] = sum;
         }
     }
+    __syncthreads(); // l_s, read below by every thread of a single-split sequence
     // Each V element once, into every head's accumulator.
+    bool single = kv_len <= PART;
     size_t slot0 = ((size_t)blockIdx.x * n_heads + h0) * max_splits + split;
+    size_t out0 = ((size_t)sq.row * n_heads + h0) * HD;
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float acc[GMAX];
         for (int g = 0; g < GMAX; g++)
@@ -354,26 +448,33 @@ __global__ void __launch_bounds__(128)
             for (int g = 0; g < ng; g++)
                 acc[g] += sc[g][j] * v;
         }
-        for (int g = 0; g < ng; g++)
-            part_o[(slot0 + (size_t)g * max_splits) * HD + d] = acc[g];
+        for (int g = 0; g < ng; g++) {
+            if (single)
+                act_put(out, out0 + (size_t)g * HD + d, acc[g] / l_s[g], out_bf16);
+            else
+                part_o[(slot0 + (size_t)g * max_splits) * HD + d] = acc[g];
+        }
     }
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0 && !single)
         for (int g = 0; g < ng; g++) {
             part_ml[(slot0 + (size_t)g * max_splits) * 2] = m_s[g];
             part_ml[(slot0 + (size_t)g * max_splits) * 2 + 1] = l_s[g];
         }
 }
 
-// grid (n_decode, n_heads), block 128: out = sum_z o_z e^(m_z - M) / sum_z l_z e^(m_z - M).
+// grid (n_decode, n_heads), block 128: out = sum_z o_z e^(m_z - M) / sum_z l_z e^(m_z - M)
+// for the sequences of more than one split (the decode kernel finished the others).
 template <int HD>
 __global__ void attn_combine_kernel(const tdm_cuk_seq *seqs, const int32_t *decode_seqs,
                                     int max_splits, const float *part_o, const float *part_ml,
-                                    float *out, int n_heads)
+                                    void *out, int out_bf16, int n_heads)
 {
     tdm_cuk_seq sq = seqs[decode_seqs[blockIdx.x]];
     int h = blockIdx.y;
     int kv_len = sq.start_pos + 1;
     int ns = (kv_len + TDM_CUK_DECODE_PART - 1) / TDM_CUK_DECODE_PART;
+    if (ns <= 1)
+        return;
     size_t base = ((size_t)blockIdx.x * n_heads + h) * max_splits;
     float M = -INFINITY;
     for (int z = 0; z < ns; z++)
@@ -381,12 +482,12 @@ __global__ void attn_combine_kernel(const tdm_cuk_seq *seqs, const int32_t *deco
     float L = 0.0f;
     for (int z = 0; z < ns; z++)
         L += part_ml[(base + z) * 2 + 1] * expf(part_ml[(base + z) * 2] - M);
-    float *o = out + (size_t)sq.row * n_heads * HD + (size_t)h * HD;
+    size_t o0 = (size_t)sq.row * n_heads * HD + (size_t)h * HD;
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float acc = 0.0f;
         for (int z = 0; z < ns; z++)
             acc += part_o[(base + z) * HD + d] * expf(part_ml[(base + z) * 2] - M);
-        o[d] = acc / L;
+        act_put(out, o0 + d, acc / L, out_bf16);
     }
 }
 
@@ -400,7 +501,7 @@ template <class KV, int HD>
 __global__ void __launch_bounds__(128)
     attn_prefill_kernel(const float *q, int q_stride, const KV *k_cache, const KV *v_cache,
                         const tdm_cuk_seq *seqs, const int32_t *block_tables, int bt_stride,
-                        const int32_t *tiles, float *out, int n_heads, int n_kv_heads,
+                        const int32_t *tiles, void *out, int out_bf16, int n_heads, int n_kv_heads,
                         int block_size, float scale)
 {
     constexpr int BQ = TDM_CUK_PREFILL_BQ, BK = TDM_CUK_PREFILL_BK;
@@ -491,7 +592,8 @@ __global__ void __launch_bounds__(128)
     }
     for (int idx = threadIdx.x; idx < nq * HD; idx += blockDim.x) {
         int r = idx / HD, d = idx % HD;
-        out[(size_t)(sq.row + i0 + r) * n_heads * HD + (size_t)h * HD + d] = os[r][d] / l_s[r];
+        act_put(out, (size_t)(sq.row + i0 + r) * n_heads * HD + (size_t)h * HD + d,
+                os[r][d] / l_s[r], out_bf16);
     }
 }
 

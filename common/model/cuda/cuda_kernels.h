@@ -14,6 +14,9 @@
 // with the detail in tdm_cuk_errmsg. They are asynchronous on the GPU.
 //
 // Layouts (row-major, f32 unless noted):
+//   an activation that feeds a GEMM (the `out` of rmsnorm, silu_mul and
+//   attention) is f32 or bf16 by the launcher's out_bf16 flag: the CUDA
+//   backend's GEMMs take bf16, written by the kernel that produces it;
 //   activations x[n][row_stride]; bf16 is uint16 raw bits (round to nearest even);
 //   KV cache of one layer, K and V apart: [num_blocks][n_kv_heads][block_size][head_dim]
 //   in f32 or bf16 (enum tdm_cuk_kv_type), the same layout as the host pool of
@@ -61,7 +64,17 @@ struct tdm_cuk_attn_args {
     int kv_type;    // enum tdm_cuk_kv_type (an int: C++ may not hold other values in the enum)
     const float *q; // [rows][q_stride], heads at h * head_dim
     int q_stride;
-    float *out;                     // [rows][n_heads * head_dim]
+    void *out; // [rows][n_heads * head_dim], f32 or (out_bf16) bf16
+    int out_bf16;
+    // Decode-only batches (n_tiles 0) may fuse RoPE and the KV store: with
+    // inv_freq [head_dim / 2] set, q is the un-rotated qkv row (k of the new
+    // token at q + n_heads * head_dim, v after it, same stride), position
+    // start_pos; the decode blocks rope the query and store the new k and v at
+    // slots[row] (flat block * block_size + offset; negative: padding, not
+    // stored) before reading the cache: tdm_cuk_rope_kv_store then attention,
+    // bitwise, in one launch. NULL: q is rotated and the new KV stored.
+    const float *inv_freq;
+    const int32_t *slots;
     const void *k_cache, *v_cache;  // this layer's pool
     const struct tdm_cuk_seq *seqs; // [n_seqs]
     const int32_t *block_tables;    // [n_seqs][bt_stride]
@@ -101,18 +114,27 @@ int tdm_cuk_decode_splits(int kv_len);
 // [0, rows) give zero rows.
 int tdm_cuk_embed(void *stream, const uint16_t *table, int rows, int cols, const int32_t *ids,
                   int n, float *out);
-// out[n][dim] = x / rms(x) * weight (out may equal x).
-int tdm_cuk_rmsnorm(void *stream, const float *x, const float *weight, float eps, float *out, int n,
-                    int dim);
+// The residual add and the norm of the next sublayer in one launch (one CTA
+// per row): with y, x += y first (written back); then out[n][dim] = x /
+// rms(x) * weight, f32 or (out_bf16) bf16. out may equal x when f32.
+int tdm_cuk_add_rmsnorm(void *stream, float *x, const float *y, const float *weight, float eps,
+                        void *out, int out_bf16, int n, int dim);
 // Rotate-half RoPE in place on x[n][row_stride], heads at h * head_dim for h < n_heads.
 int tdm_cuk_rope(void *stream, float *x, int n, int row_stride, int n_heads, int head_dim,
                  const int32_t *pos, const float *inv_freq);
-// out[n][inter] = silu(gate_up[n][0:inter]) * gate_up[n][inter:2*inter].
-int tdm_cuk_silu_mul(void *stream, const float *gate_up, float *out, int n, int inter);
+// out[n][inter] = silu(gate_up[n][0:inter]) * gate_up[n][inter:2*inter], f32
+// or (out_bf16) bf16.
+int tdm_cuk_silu_mul(void *stream, const float *gate_up, void *out, int out_bf16, int n, int inter);
 // x[i] += y[i] for i < count.
 int tdm_cuk_add(void *stream, float *x, const float *y, size_t count);
-// y[i] = bf16(x[i]) (round to nearest even), the GEMM input conversion.
-int tdm_cuk_to_bf16(void *stream, const float *x, uint16_t *y, size_t count);
+// RoPE of each row's n_q query and n_kv key heads in place (qkv rows of
+// `stride` floats: q heads, k heads, v heads side by side), then the row's k
+// and v into flat slot slots[i] as tdm_cuk_kv_store does (negative: not
+// stored): tdm_cuk_rope then tdm_cuk_kv_store, bitwise, in one launch.
+int tdm_cuk_rope_kv_store(void *stream, int type, float *qkv, int stride, int n_q, int n_kv,
+                          int head_dim, const int32_t *pos, const float *inv_freq,
+                          const int32_t *slots, int n, void *k_cache, void *v_cache,
+                          int block_size);
 // Writes rows i < n of k and v (row stride `stride` floats, n_kv_heads *
 // head_dim each) into flat slot slots[i] = block * block_size + offset of this
 // layer's caches; a negative slot skips the row (padding).

@@ -50,8 +50,8 @@ template <class KV, int HD> static int attention_typed(void *stream, const tdm_c
         dim3 grid((unsigned)a->n_tiles, (unsigned)a->n_heads);
         TDM_CUDA_LAUNCH((attn_prefill_kernel<KV, HD>), grid, dim3(128), 0, stream, a->q,
                         a->q_stride, (const KV *)a->k_cache, (const KV *)a->v_cache, a->seqs,
-                        a->block_tables, a->bt_stride, a->prefill_tiles, a->out, a->n_heads,
-                        a->n_kv_heads, a->block_size, a->scale);
+                        a->block_tables, a->bt_stride, a->prefill_tiles, a->out, a->out_bf16,
+                        a->n_heads, a->n_kv_heads, a->block_size, a->scale);
         int rc = launched("attention prefill");
         if (rc != TDM_CUK_OK)
             return rc;
@@ -62,14 +62,16 @@ template <class KV, int HD> static int attention_typed(void *stream, const tdm_c
         dim3 grid((unsigned)a->n_decode, (unsigned)units, (unsigned)a->max_splits);
         TDM_CUDA_LAUNCH((attn_decode_kernel<KV, HD>), grid, dim3(128), 0, stream, a->q, a->q_stride,
                         (const KV *)a->k_cache, (const KV *)a->v_cache, a->seqs, a->block_tables,
-                        a->bt_stride, a->decode_seqs, a->max_splits, a->part_o, a->part_ml,
+                        a->bt_stride, a->decode_seqs, a->max_splits, a->part_o, a->part_ml, a->out,
+                        a->out_bf16, a->inv_freq, a->slots, (KV *)a->k_cache, (KV *)a->v_cache,
                         a->n_heads, a->n_kv_heads, a->block_size, a->scale);
         int rc = launched("attention decode");
-        if (rc != TDM_CUK_OK)
-            return rc;
+        if (rc != TDM_CUK_OK || a->max_splits == 1)
+            return rc; // one split each: the decode kernel wrote every output
         dim3 cgrid((unsigned)a->n_decode, (unsigned)a->n_heads);
         TDM_CUDA_LAUNCH((attn_combine_kernel<HD>), cgrid, dim3(128), 0, stream, a->seqs,
-                        a->decode_seqs, a->max_splits, a->part_o, a->part_ml, a->out, a->n_heads);
+                        a->decode_seqs, a->max_splits, a->part_o, a->part_ml, a->out, a->out_bf16,
+                        a->n_heads);
         return launched("attention combine");
     }
     return TDM_CUK_OK;
@@ -153,14 +155,14 @@ int tdm_cuk_embed(void *stream, const uint16_t *table, int rows, int cols, const
     return tdm_cuk::launched("embed");
 }
 
-int tdm_cuk_rmsnorm(void *stream, const float *x, const float *weight, float eps, float *out, int n,
-                    int dim)
+int tdm_cuk_add_rmsnorm(void *stream, float *x, const float *y, const float *weight, float eps,
+                        void *out, int out_bf16, int n, int dim)
 {
     if (n <= 0 || dim <= 0)
         return tdm_cuk::fail(TDM_CUK_EINVAL, "rmsnorm: n %d, dim %d", n, dim);
-    TDM_CUDA_LAUNCH(tdm_cuk::rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream, x, weight,
-                    eps, out, dim);
-    return tdm_cuk::launched("rmsnorm");
+    TDM_CUDA_LAUNCH(tdm_cuk::add_rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, stream, x, y,
+                    weight, eps, out, out_bf16, dim);
+    return tdm_cuk::launched(y ? "add_rmsnorm" : "rmsnorm");
 }
 
 int tdm_cuk_rope(void *stream, float *x, int n, int row_stride, int n_heads, int head_dim,
@@ -174,12 +176,13 @@ int tdm_cuk_rope(void *stream, float *x, int n, int row_stride, int n_heads, int
     return tdm_cuk::launched("rope");
 }
 
-int tdm_cuk_silu_mul(void *stream, const float *gate_up, float *out, int n, int inter)
+int tdm_cuk_silu_mul(void *stream, const float *gate_up, void *out, int out_bf16, int n, int inter)
 {
     if (n <= 0 || inter <= 0)
         return tdm_cuk::fail(TDM_CUK_EINVAL, "silu_mul: n %d, inter %d", n, inter);
     dim3 grid((unsigned)n, (unsigned)((inter + 255) / 256));
-    TDM_CUDA_LAUNCH(tdm_cuk::silu_mul_kernel, grid, dim3(256), 0, stream, gate_up, out, inter);
+    TDM_CUDA_LAUNCH(tdm_cuk::silu_mul_kernel, grid, dim3(256), 0, stream, gate_up, out, out_bf16,
+                    inter);
     return tdm_cuk::launched("silu_mul");
 }
 
@@ -192,13 +195,26 @@ int tdm_cuk_add(void *stream, float *x, const float *y, size_t count)
     return tdm_cuk::launched("add");
 }
 
-int tdm_cuk_to_bf16(void *stream, const float *x, uint16_t *y, size_t count)
+int tdm_cuk_rope_kv_store(void *stream, int type, float *qkv, int stride, int n_q, int n_kv,
+                          int head_dim, const int32_t *pos, const float *inv_freq,
+                          const int32_t *slots, int n, void *k_cache, void *v_cache, int block_size)
 {
-    if (count == 0)
-        return TDM_CUK_OK;
-    TDM_CUDA_LAUNCH(tdm_cuk::to_bf16_kernel, dim3(tdm_cuk::grid_for(count, 256)), dim3(256), 0,
-                    stream, x, y, count);
-    return tdm_cuk::launched("to_bf16");
+    if (n <= 0 || n_q <= 0 || n_kv <= 0 || head_dim < 2 || head_dim % 2 || block_size <= 0 ||
+        stride < (n_q + 2 * n_kv) * head_dim)
+        return tdm_cuk::fail(TDM_CUK_EINVAL,
+                             "rope_kv_store: n %d, %d+%d heads of %d, block %d, stride %d", n, n_q,
+                             n_kv, head_dim, block_size, stride);
+    if (type == TDM_CUK_KV_F32)
+        TDM_CUDA_LAUNCH(tdm_cuk::rope_kv_store_kernel<float>, dim3((unsigned)n), dim3(128), 0,
+                        stream, qkv, stride, n_q, n_kv, head_dim, pos, inv_freq, slots,
+                        (float *)k_cache, (float *)v_cache, block_size);
+    else if (type == TDM_CUK_KV_BF16)
+        TDM_CUDA_LAUNCH(tdm_cuk::rope_kv_store_kernel<uint16_t>, dim3((unsigned)n), dim3(128), 0,
+                        stream, qkv, stride, n_q, n_kv, head_dim, pos, inv_freq, slots,
+                        (uint16_t *)k_cache, (uint16_t *)v_cache, block_size);
+    else
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "rope_kv_store: unknown KV type %d", type);
+    return tdm_cuk::launched("rope_kv_store");
 }
 
 int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int stride,
@@ -272,6 +288,11 @@ int tdm_cuk_attention(void *stream, const struct tdm_cuk_attn_args *a)
                              "attention: heads %d/%d, block %d, %d decode, "
                              "%d splits, %d tiles",
                              a->n_heads, a->n_kv_heads, a->block_size, a->n_decode, a->max_splits,
+                             a->n_tiles);
+    if (a->inv_freq && (a->n_tiles > 0 || a->slots == NULL))
+        return tdm_cuk::fail(TDM_CUK_EINVAL,
+                             "attention: RoPE in attention serves decode-only "
+                             "batches with slots (%d prefill tiles)",
                              a->n_tiles);
     if (a->kv_type == TDM_CUK_KV_F32)
         return tdm_cuk::attention_kv<float>(stream, a);

@@ -6,7 +6,10 @@
 //
 // Tolerances (absolute, on values of order 1; the emulator measures far less,
 // see the printed maxima):
-//   embed, kv_store, to_bf16: bitwise;
+//   embed, kv_store, bf16 rounding: bitwise; a bf16 output (what feeds a
+//     GEMM) is bitwise the kernel's f32 output rounded to nearest even; the
+//     fused kernels (add + rmsnorm, rope + kv_store, rope + kv_store inside
+//     the decode attention) are bitwise the separate ones;
 //   rope: 1e-6 (both evaluate cos/sin of the same f32 angle in double);
 //   rmsnorm, silu_mul, add: 1e-5 relative to the row's largest value (another
 //     summation order; the GPU's expf is within 2 ulp);
@@ -37,6 +40,9 @@
 #include "cuda_dev.h"
 #include "cuda_kernels.h"
 #include "kv_cache.h"
+#ifndef TDM_CUDA_TEST_GPU
+#include "emu/cuda_emu_api.h" // the launch log
+#endif
 
 static const struct tdm_backend_ops *cpu = &tdm_cpu_backend_ops;
 static struct tdm_cuda_dev *dev;
@@ -193,22 +199,45 @@ static void test_rmsnorm(void **state)
         cpu->rmsnorm(cpu_be(), x, wt, 1e-6f, want, N, dim);
         float *d_x = to_dev(x, count * sizeof *x), *d_w = to_dev(wt, (size_t)dim * sizeof *wt);
         float *d_o = dev_zeros(count * sizeof *x);
-        ok(tdm_cuk_rmsnorm(stream, d_x, d_w, 1e-6f, d_o, N, dim));
+        ok(tdm_cuk_add_rmsnorm(stream, d_x, NULL, d_w, 1e-6f, d_o, 0, N, dim));
         from_dev(got, d_o, count * sizeof *x);
         float e = check_close("rmsnorm", got, want, count, 1e-5f * max_abs(want, count));
         printf("rmsnorm dim %d: max error %g\n", dim, e);
         // Batch invariance: row 3 alone is bitwise row 3 of the batch.
-        ok(tdm_cuk_rmsnorm(stream, d_x + 3 * dim, d_w, 1e-6f, d_o, 1, dim));
+        ok(tdm_cuk_add_rmsnorm(stream, d_x + 3 * dim, NULL, d_w, 1e-6f, d_o, 0, 1, dim));
         from_dev(alone, d_o, (size_t)dim * sizeof *x);
         assert_memory_equal(alone, got + 3 * dim, (size_t)dim * sizeof *x);
-        // In place (out == x), as the model's final norm runs.
-        ok(tdm_cuk_rmsnorm(stream, d_x, d_w, 1e-6f, d_x, N, dim));
+        // The GEMM input: bf16 out is the f32 out rounded to nearest even.
+        uint16_t *bits = malloc(count * sizeof *bits);
+        uint16_t *d_ob = dev_zeros(count * sizeof *bits);
+        ok(tdm_cuk_add_rmsnorm(stream, d_x, NULL, d_w, 1e-6f, d_ob, 1, N, dim));
+        from_dev(bits, d_ob, count * sizeof *bits);
+        for (size_t i = 0; i < count; i++)
+            assert_int_equal(bits[i], bf16_bits(got[i]));
+        // The residual add fused: x + y, then the norm, is bitwise add then
+        // rmsnorm, and x holds the sum after both.
+        float *y = malloc(count * sizeof *y), *sum1 = malloc(count * sizeof *y);
+        float *sum2 = malloc(count * sizeof *y), *fused = malloc(count * sizeof *y);
+        fill(y, count, 2.0f);
+        float *d_y = to_dev(y, count * sizeof *y), *d_x2 = to_dev(x, count * sizeof *x);
+        ok(tdm_cuk_add(stream, d_x, d_y, count));
+        ok(tdm_cuk_add_rmsnorm(stream, d_x, NULL, d_w, 1e-6f, d_o, 0, N, dim));
+        from_dev(got, d_o, count * sizeof *x);
+        from_dev(sum1, d_x, count * sizeof *x);
+        ok(tdm_cuk_add_rmsnorm(stream, d_x2, d_y, d_w, 1e-6f, d_o, 0, N, dim));
+        from_dev(fused, d_o, count * sizeof *x);
+        from_dev(sum2, d_x2, count * sizeof *x);
+        assert_memory_equal(fused, got, count * sizeof *x);
+        assert_memory_equal(sum2, sum1, count * sizeof *x);
+        // In place (out == x, f32).
+        ok(tdm_cuk_add_rmsnorm(stream, d_x, NULL, d_w, 1e-6f, d_x, 0, N, dim));
         from_dev(alone, d_x, (size_t)dim * sizeof *x);
         assert_memory_equal(alone, got, (size_t)dim * sizeof *x);
-        tdm_cuda_dev_free(dev, d_x);
+        tdm_cuda_dev_free(dev, d_x), tdm_cuda_dev_free(dev, d_x2), tdm_cuda_dev_free(dev, d_y);
         tdm_cuda_dev_free(dev, d_w);
-        tdm_cuda_dev_free(dev, d_o);
-        free(x), free(wt), free(want), free(got), free(alone);
+        tdm_cuda_dev_free(dev, d_o), tdm_cuda_dev_free(dev, d_ob);
+        free(x), free(wt), free(want), free(got), free(alone), free(bits);
+        free(y), free(sum1), free(sum2), free(fused);
     }
 }
 
@@ -256,10 +285,15 @@ static void test_silu_add_bf16(void **state)
     fill(gu, N * 2 * INTER, 6.0f);
     cpu->silu_mul(cpu_be(), gu, want, N, INTER);
     float *d_gu = to_dev(gu, sizeof gu), *d_o = dev_zeros(sizeof got);
-    ok(tdm_cuk_silu_mul(stream, d_gu, d_o, N, INTER));
+    ok(tdm_cuk_silu_mul(stream, d_gu, d_o, 0, N, INTER));
     from_dev(got, d_o, sizeof got);
     printf("silu_mul: max error %g\n",
            check_close("silu_mul", got, want, N * INTER, 1e-5f * max_abs(want, N * INTER)));
+    uint16_t act[N * INTER];
+    ok(tdm_cuk_silu_mul(stream, d_gu, d_o, 1, N, INTER));
+    from_dev(act, d_o, sizeof act);
+    for (int i = 0; i < N * INTER; i++)
+        assert_int_equal(act[i], bf16_bits(got[i]));
 
     float x[COUNT], y[COUNT], sum[COUNT];
     fill(x, COUNT, 4.0f);
@@ -270,31 +304,8 @@ static void test_silu_add_bf16(void **state)
     ok(tdm_cuk_add(stream, d_x, d_y, COUNT));
     from_dev(sum, d_x, sizeof sum);
     assert_memory_equal(sum, want, sizeof sum); // one rounded f32 add: exact everywhere
-
-    // f32 -> bf16: round to nearest even, ties, specials.
-    float specials[8] = {1.0f,
-                         -2.5f,
-                         1.00390625f /* tie: 1 + 2^-8, to even */,
-                         1.01171875f /* tie: to odd+1 */,
-                         INFINITY,
-                         -INFINITY,
-                         NAN,
-                         3.4e38f};
-    float src[COUNT];
-    memcpy(src, x, sizeof src);
-    memcpy(src, specials, sizeof specials);
-    uint16_t bits[COUNT];
-    float *d_src = to_dev(src, sizeof src);
-    uint16_t *d_bits = dev_zeros(sizeof bits);
-    ok(tdm_cuk_to_bf16(stream, d_src, d_bits, COUNT));
-    from_dev(bits, d_bits, sizeof bits);
-    for (int i = 0; i < COUNT; i++)
-        assert_int_equal(bits[i], bf16_bits(src[i]));
-    assert_int_equal(bits[2], 0x3f80); // 1 + 2^-8 rounds down to even 1.0
-    assert_int_equal(bits[3], 0x3f82); // 1 + 2^-7 + 2^-8 rounds up to even
     tdm_cuda_dev_free(dev, d_gu), tdm_cuda_dev_free(dev, d_o);
     tdm_cuda_dev_free(dev, d_x), tdm_cuda_dev_free(dev, d_y);
-    tdm_cuda_dev_free(dev, d_src), tdm_cuda_dev_free(dev, d_bits);
 }
 
 // ---- GEMM ------------------------------------------------------------------------------------
@@ -309,10 +320,12 @@ static void test_gemm(void **state)
     fill(x, N * COLS, 2.0f);
     fill(bias, ROWS, 1.0f);
     uint16_t *d_w = to_dev(w, sizeof w);
-    float *d_x = to_dev(x, sizeof x), *d_b = to_dev(bias, sizeof bias);
-    uint16_t *d_xb = dev_zeros(N * COLS * sizeof(uint16_t));
+    uint16_t xb[N * COLS];
+    for (int i = 0; i < N * COLS; i++)
+        xb[i] = bf16_bits(x[i]); // the bf16 input the producing kernel writes
+    float *d_b = to_dev(bias, sizeof bias);
+    uint16_t *d_xb = to_dev(xb, sizeof xb);
     float *d_y = dev_zeros(sizeof y);
-    ok(tdm_cuk_to_bf16(stream, d_x, d_xb, N * COLS));
     assert_int_equal(tdm_cuda_dev_gemm_bf16(dev, d_w, ROWS, COLS, d_xb, N, d_b, d_y), TDM_OK);
     from_dev(y, d_y, sizeof y);
     float worst = 0.0f;
@@ -335,7 +348,7 @@ static void test_gemm(void **state)
                      TDM_OK);
     from_dev(y1, d_y, sizeof y1);
     assert_memory_equal(y1, y + 4 * ROWS, sizeof y1);
-    tdm_cuda_dev_free(dev, d_w), tdm_cuda_dev_free(dev, d_x), tdm_cuda_dev_free(dev, d_b);
+    tdm_cuda_dev_free(dev, d_w), tdm_cuda_dev_free(dev, d_b);
     tdm_cuda_dev_free(dev, d_xb), tdm_cuda_dev_free(dev, d_y);
 }
 
@@ -358,8 +371,9 @@ struct attn_case {
 // the selected sequences are packed from row 0; out_host gets [rows][q_dim].
 static void dev_attention(const struct attn_case *c, const float *qkv_host, int qkv_dim,
                           const int *bt, const int *sel, int ns, void *d_kc, void *d_vc,
-                          float *out_host, int *rows_out)
+                          void *out_host, int out_bf16, int *rows_out)
 {
+    size_t out_elem = out_bf16 ? sizeof(uint16_t) : sizeof(float);
     int32_t row[NSEQ], ntok[NSEQ], start[NSEQ], dec[NSEQ], tiles[2 * 32];
     int32_t bts[NSEQ * BT_STRIDE];
     struct tdm_cuk_seq seqs[NSEQ];
@@ -391,7 +405,8 @@ static void dev_attention(const struct attn_case *c, const float *qkv_host, int 
         .kv_type = c->kv_type,
         .q = to_dev(q, (size_t)total * qkv_dim * sizeof *q),
         .q_stride = qkv_dim,
-        .out = dev_zeros((size_t)total * q_dim * sizeof(float)),
+        .out = dev_zeros((size_t)total * q_dim * out_elem),
+        .out_bf16 = out_bf16,
         .k_cache = d_kc,
         .v_cache = d_vc,
         .seqs = to_dev(seqs, (size_t)ns * sizeof seqs[0]),
@@ -413,7 +428,7 @@ static void dev_attention(const struct attn_case *c, const float *qkv_host, int 
         .scale = 1.0f / sqrtf((float)c->hd),
     };
     ok(tdm_cuk_attention(stream, &a));
-    from_dev(out_host, a.out, (size_t)total * q_dim * sizeof(float));
+    from_dev(out_host, a.out, (size_t)total * q_dim * out_elem);
     *rows_out = total;
     tdm_cuda_dev_free(dev, (void *)a.q), tdm_cuda_dev_free(dev, a.out);
     tdm_cuda_dev_free(dev, (void *)a.seqs), tdm_cuda_dev_free(dev, (void *)a.block_tables);
@@ -519,11 +534,17 @@ static void run_attention_case(const struct attn_case *c)
     }
 
     int all[NSEQ] = {0, 1, 2, 3, 4, 5}, n_rows;
-    dev_attention(c, qkv, qkv_dim, bt, all, NSEQ, d_kc, d_vc, got, &n_rows);
+    dev_attention(c, qkv, qkv_dim, bt, all, NSEQ, d_kc, d_vc, got, 0, &n_rows);
     assert_int_equal(n_rows, rows);
     float e = check_close("attention", got, want, (size_t)rows * q_dim, 2e-5f);
     printf("attention heads %d/%d head_dim %d kv %s: max error %g\n", c->n_heads, c->n_kv_heads,
            c->hd, bf16 ? "bf16" : "f32", e);
+    // The o GEMM's input: every output (prefill, one split, several) rounded.
+    uint16_t *obits = malloc((size_t)rows * q_dim * sizeof *obits);
+    dev_attention(c, qkv, qkv_dim, bt, all, NSEQ, d_kc, d_vc, obits, 1, &n_rows);
+    for (size_t i = 0; i < (size_t)rows * q_dim; i++)
+        assert_int_equal(obits[i], bf16_bits(got[i]));
+    free(obits);
 
     // Batch invariance: each of a prefill, a two-split decode and a short
     // decode, alone, gives bitwise its rows of the batch.
@@ -531,7 +552,7 @@ static void run_attention_case(const struct attn_case *c)
     for (int i = 0; i < 3; i++) {
         int s = alone[i], n1;
         float *one = malloc((size_t)seq_ntok[s] * q_dim * sizeof *one);
-        dev_attention(c, qkv, qkv_dim, bt, &s, 1, d_kc, d_vc, one, &n1);
+        dev_attention(c, qkv, qkv_dim, bt, &s, 1, d_kc, d_vc, one, 0, &n1);
         assert_int_equal(n1, seq_ntok[s]);
         assert_memory_equal(one, got + (size_t)aseqs[s].row * q_dim,
                             (size_t)seq_ntok[s] * q_dim * sizeof *one);
@@ -554,6 +575,225 @@ static void test_attention(void **state)
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         run_attention_case(&cases[i]);
+}
+
+// RoPE and the KV store fused: rope_kv_store is bitwise rope then kv_store
+// (the qkv rows and the pool), and a decode-only batch's attention with
+// inv_freq (RoPE of the query and the new token's store inside the decode
+// kernel) is bitwise rope_kv_store then attention: the outputs (f32 and bf16),
+// the pool, and the qkv rows it leaves un-rotated. Positions 0 and 5 (one
+// split), 255 (the new token closes the first split), 256 (opens the second),
+// 300 and 700 (two and three splits), and a padding row (slot -1: nothing
+// stored); each sequence alone, with no combine launched for a one-split
+// batch, is bitwise its row of the batch.
+#define FZ_SEQS 7
+#define FZ_BS 16
+#define FZ_BLOCKS 128
+#define FZ_BT 48
+
+struct fz_run {
+    void *k, *v; // device pools (FZ_BLOCKS blocks)
+    float *qkv;  // device qkv rows of the selected sequences
+    void *out;   // device output
+};
+
+static void fz_attend(const struct attn_case *c, const int *start, const int32_t *bt_all,
+                      const int32_t *slots_all, const int *sel, int ns, const float *qkv_host,
+                      int qkv_dim, const float *d_freq, int fused, int out_bf16, void *kc, void *vc,
+                      void *out_host, float *qkv_after)
+{
+    int32_t row[FZ_SEQS], ntok[FZ_SEQS], st[FZ_SEQS], dec[FZ_SEQS], tiles[2], slots[FZ_SEQS];
+    int32_t bts[FZ_SEQS * FZ_BT], pos[FZ_SEQS];
+    struct tdm_cuk_seq seqs[FZ_SEQS];
+    float *q = malloc((size_t)ns * qkv_dim * sizeof *q);
+    for (int i = 0; i < ns; i++) {
+        row[i] = i;
+        ntok[i] = 1;
+        st[i] = pos[i] = start[sel[i]];
+        slots[i] = slots_all[sel[i]];
+        memcpy(bts + i * FZ_BT, bt_all + sel[i] * FZ_BT, FZ_BT * sizeof(int32_t));
+        memcpy(q + (size_t)i * qkv_dim, qkv_host + (size_t)sel[i] * qkv_dim,
+               (size_t)qkv_dim * sizeof *q);
+    }
+    struct tdm_cuk_plan plan;
+    ok(tdm_cuk_attn_plan(row, ntok, st, ns, c->n_heads, c->hd, seqs, dec, tiles, 1, &plan));
+    assert_int_equal(plan.n_tiles, 0);
+    int q_dim = c->n_heads * c->hd;
+    size_t out_elem = out_bf16 ? sizeof(uint16_t) : sizeof(float);
+    float *d_q = to_dev(q, (size_t)ns * qkv_dim * sizeof *q);
+    int32_t *d_slots = to_dev(slots, (size_t)ns * sizeof *slots);
+    int32_t *d_pos = to_dev(pos, (size_t)ns * sizeof *pos);
+    if (!fused)
+        ok(tdm_cuk_rope_kv_store(stream, c->kv_type, d_q, qkv_dim, c->n_heads, c->n_kv_heads, c->hd,
+                                 d_pos, d_freq, d_slots, ns, kc, vc, FZ_BS));
+    struct tdm_cuk_attn_args a = {
+        .kv_type = c->kv_type,
+        .q = d_q,
+        .q_stride = qkv_dim,
+        .out = dev_zeros((size_t)ns * q_dim * out_elem),
+        .out_bf16 = out_bf16,
+        .inv_freq = fused ? d_freq : NULL,
+        .slots = d_slots,
+        .k_cache = kc,
+        .v_cache = vc,
+        .seqs = to_dev(seqs, (size_t)ns * sizeof seqs[0]),
+        .block_tables = to_dev(bts, (size_t)ns * FZ_BT * sizeof(int32_t)),
+        .bt_stride = FZ_BT,
+        .decode_seqs = to_dev(dec, (size_t)ns * sizeof(int32_t)),
+        .n_decode = plan.n_decode,
+        .max_splits = plan.max_splits,
+        .part_o = dev_zeros(plan.part_floats * sizeof(float)),
+        .part_ml = dev_zeros(plan.part_floats / c->hd * 2 * sizeof(float)),
+        .n_heads = c->n_heads,
+        .n_kv_heads = c->n_kv_heads,
+        .head_dim = c->hd,
+        .block_size = FZ_BS,
+        .scale = 1.0f / sqrtf((float)c->hd),
+    };
+#ifndef TDM_CUDA_TEST_GPU
+    tdm_emu_launch_log(1);
+#endif
+    ok(tdm_cuk_attention(stream, &a));
+#ifndef TDM_CUDA_TEST_GPU
+    // One launch per decode batch, two when a sequence spans several splits.
+    assert_int_equal(tdm_emu_launches(NULL, 0), plan.max_splits > 1 ? 2 : 1);
+    tdm_emu_launch_log(0);
+#endif
+    from_dev(out_host, a.out, (size_t)ns * q_dim * out_elem);
+    if (qkv_after)
+        from_dev(qkv_after, d_q, (size_t)ns * qkv_dim * sizeof *q);
+    tdm_cuda_dev_free(dev, d_q), tdm_cuda_dev_free(dev, d_slots), tdm_cuda_dev_free(dev, d_pos);
+    tdm_cuda_dev_free(dev, a.out), tdm_cuda_dev_free(dev, (void *)a.seqs);
+    tdm_cuda_dev_free(dev, (void *)a.block_tables), tdm_cuda_dev_free(dev, (void *)a.decode_seqs);
+    tdm_cuda_dev_free(dev, a.part_o), tdm_cuda_dev_free(dev, a.part_ml);
+    free(q);
+}
+
+static void run_fused_case(const struct attn_case *c)
+{
+    const int start[FZ_SEQS] = {0, 5, 255, 256, 300, 700, 0};
+    bool bf16 = c->kv_type == TDM_CUK_KV_BF16;
+    int q_dim = c->n_heads * c->hd, kv_dim = c->n_kv_heads * c->hd, qkv_dim = q_dim + 2 * kv_dim;
+    size_t elem = bf16 ? 2 : 4, pool_elems = (size_t)FZ_BLOCKS * kv_dim * FZ_BS;
+    // Old KV (random) and each sequence's own blocks (disjoint and scattered:
+    // a new token's block is its sequence's alone), the last one's padding.
+    void *pool_k = malloc(pool_elems * elem), *pool_v = malloc(pool_elems * elem);
+    for (size_t i = 0; i < pool_elems; i++) {
+        float k = frand(), v = frand();
+        if (bf16) {
+            ((uint16_t *)pool_k)[i] = bf16_bits(k);
+            ((uint16_t *)pool_v)[i] = bf16_bits(v);
+        } else {
+            ((float *)pool_k)[i] = k;
+            ((float *)pool_v)[i] = v;
+        }
+    }
+    int32_t bt[FZ_SEQS * FZ_BT], slots[FZ_SEQS];
+    int next = 0;
+    for (int s = 0; s < FZ_SEQS; s++) {
+        assert_true(next + start[s] / FZ_BS + 1 <= FZ_BLOCKS);
+        int nb = start[s] / FZ_BS + 1;
+        for (int b = 0; b < FZ_BT; b++)
+            bt[s * FZ_BT + b] = b < nb ? (next + b) * 37 % FZ_BLOCKS : 0;
+        slots[s] =
+            s == FZ_SEQS - 1 ? -1 : bt[s * FZ_BT + start[s] / FZ_BS] * FZ_BS + start[s] % FZ_BS;
+        next += nb;
+    }
+    float *qkv = malloc((size_t)FZ_SEQS * qkv_dim * sizeof *qkv), inv_freq[64];
+    fill(qkv, (size_t)FZ_SEQS * qkv_dim, 2.0f);
+    for (int i = 0; i < c->hd / 2; i++)
+        inv_freq[i] = (float)(1.0 / pow(1000000.0, (double)(2 * i) / c->hd));
+    float *d_freq = to_dev(inv_freq, sizeof inv_freq);
+    size_t out_f = (size_t)FZ_SEQS * q_dim;
+    float *ref = malloc(out_f * sizeof *ref), *got = malloc(out_f * sizeof *got);
+    float *qkv_ref = malloc((size_t)FZ_SEQS * qkv_dim * sizeof *qkv);
+    float *qkv_got = malloc((size_t)FZ_SEQS * qkv_dim * sizeof *qkv);
+    uint16_t *bits = malloc(out_f * sizeof *bits);
+    void *kref = to_dev(pool_k, pool_elems * elem), *vref = to_dev(pool_v, pool_elems * elem);
+    void *kf = to_dev(pool_k, pool_elems * elem), *vf = to_dev(pool_v, pool_elems * elem);
+    void *ks = to_dev(pool_k, pool_elems * elem), *vs = to_dev(pool_v, pool_elems * elem);
+    int all[FZ_SEQS];
+    for (int s = 0; s < FZ_SEQS; s++)
+        all[s] = s;
+
+    // Separate kernels: rope, kv_store.
+    float *d_q = to_dev(qkv, (size_t)FZ_SEQS * qkv_dim * sizeof *qkv);
+    int32_t pos[FZ_SEQS];
+    memcpy(pos, start, sizeof pos);
+    int32_t *d_pos = to_dev(pos, sizeof pos), *d_slots = to_dev(slots, sizeof slots);
+    ok(tdm_cuk_rope(stream, d_q, FZ_SEQS, qkv_dim, c->n_heads + c->n_kv_heads, c->hd, d_pos,
+                    d_freq));
+    ok(tdm_cuk_kv_store(stream, c->kv_type, d_q + q_dim, d_q + q_dim + kv_dim, qkv_dim, d_slots,
+                        FZ_SEQS, ks, vs, c->n_kv_heads, c->hd, FZ_BS));
+    float *qkv_sep = malloc((size_t)FZ_SEQS * qkv_dim * sizeof *qkv);
+    from_dev(qkv_sep, d_q, (size_t)FZ_SEQS * qkv_dim * sizeof *qkv);
+
+    // rope_kv_store then attention (the reference), then the fused decode.
+    fz_attend(c, start, bt, slots, all, FZ_SEQS, qkv, qkv_dim, d_freq, 0, 0, kref, vref, ref,
+              qkv_ref);
+    assert_memory_equal(qkv_ref, qkv_sep, (size_t)FZ_SEQS * qkv_dim * sizeof *qkv);
+    fz_attend(c, start, bt, slots, all, FZ_SEQS, qkv, qkv_dim, d_freq, 1, 0, kf, vf, got, qkv_got);
+    assert_memory_equal(got, ref, out_f * sizeof *ref);
+    assert_memory_equal(qkv_got, qkv, (size_t)FZ_SEQS * qkv_dim * sizeof *qkv); // not rotated
+    void *h1 = malloc(pool_elems * elem), *h2 = malloc(pool_elems * elem);
+    void *h3 = malloc(pool_elems * elem);
+    for (int kvi = 0; kvi < 2; kvi++) {
+        from_dev(h1, kvi ? vref : kref, pool_elems * elem);
+        from_dev(h2, kvi ? vf : kf, pool_elems * elem);
+        from_dev(h3, kvi ? vs : ks, pool_elems * elem);
+        assert_memory_equal(h1, h3, pool_elems * elem);
+        assert_memory_equal(h2, h1, pool_elems * elem);
+        // The padding row stored nothing: only the six new rows changed.
+        const uint8_t *a = h1, *b = kvi ? pool_v : pool_k;
+        size_t changed = 0;
+        for (size_t i = 0; i < pool_elems; i++)
+            changed += memcmp(a + i * elem, b + i * elem, elem) != 0;
+        assert_true(changed > 0 && changed <= (size_t)(FZ_SEQS - 1) * kv_dim);
+    }
+    fz_attend(c, start, bt, slots, all, FZ_SEQS, qkv, qkv_dim, d_freq, 1, 1, kf, vf, bits, NULL);
+    for (size_t i = 0; i < out_f; i++)
+        assert_int_equal(bits[i], bf16_bits(ref[i]));
+    // Alone: one split (no combine launched), the split boundary, three splits.
+    const int alone[4] = {1, 2, 3, 5};
+    for (int i = 0; i < 4; i++) {
+        fz_attend(c, start, bt, slots, &alone[i], 1, qkv, qkv_dim, d_freq, 1, 0, kf, vf, got, NULL);
+        assert_memory_equal(got, ref + (size_t)alone[i] * q_dim, (size_t)q_dim * sizeof *got);
+    }
+    printf("fused rope + store + decode attention, heads %d/%d head_dim %d kv %s: bitwise\n",
+           c->n_heads, c->n_kv_heads, c->hd, bf16 ? "bf16" : "f32");
+    tdm_cuda_dev_free(dev, kref), tdm_cuda_dev_free(dev, vref), tdm_cuda_dev_free(dev, kf);
+    tdm_cuda_dev_free(dev, vf), tdm_cuda_dev_free(dev, ks), tdm_cuda_dev_free(dev, vs);
+    tdm_cuda_dev_free(dev, d_freq), tdm_cuda_dev_free(dev, d_q), tdm_cuda_dev_free(dev, d_pos);
+    tdm_cuda_dev_free(dev, d_slots);
+    free(pool_k), free(pool_v), free(qkv), free(ref), free(got), free(qkv_ref), free(qkv_got);
+    free(qkv_sep), free(bits), free(h1), free(h2), free(h3);
+}
+
+static void test_rope_store_fused(void **state)
+{
+    (void)state;
+    const struct attn_case cases[] = {
+        {7, 1, 64, TDM_CUK_KV_F32},
+        {14, 2, 64, TDM_CUK_KV_BF16},
+        {12, 1, 128, TDM_CUK_KV_F32}, // two decode blocks per KV head store the same row
+        {4, 2, 16, TDM_CUK_KV_BF16},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        run_fused_case(&cases[i]);
+    // RoPE inside attention serves decode-only batches.
+    struct tdm_cuk_attn_args a = {.kv_type = TDM_CUK_KV_F32,
+                                  .n_heads = 4,
+                                  .n_kv_heads = 2,
+                                  .head_dim = 64,
+                                  .block_size = 16,
+                                  .n_tiles = 1,
+                                  .inv_freq = (const float *)&a,
+                                  .slots = (const int32_t *)&a};
+    assert_int_equal(tdm_cuk_attention(stream, &a), TDM_CUK_EINVAL);
+    assert_non_null(strstr(tdm_cuk_errmsg(), "decode-only"));
+    assert_int_equal(tdm_cuk_rope_kv_store(stream, TDM_CUK_KV_F32, NULL, 10, 2, 1, 4, NULL, NULL,
+                                           NULL, 1, NULL, NULL, 16),
+                     TDM_CUK_EINVAL);
 }
 
 // Export/import kernels: blocks in list order, widened exactly from bf16 and
@@ -639,6 +879,16 @@ static void test_kv_gather_scatter(void **state)
         for (int i = 0; i < BE; i++)
             assert_true(out[b * BE + i] == bf16_value(pool[list[b] * BE + i]));
     fill(in, 2 * BE, 3.0f);
+    // f32 -> bf16: round to nearest even, ties, specials.
+    const float specials[8] = {1.0f,
+                               -2.5f,
+                               1.00390625f /* tie: 1 + 2^-8, to even */,
+                               1.01171875f /* tie: to odd+1 */,
+                               INFINITY,
+                               -INFINITY,
+                               NAN,
+                               3.4e38f};
+    memcpy(in, specials, sizeof specials);
     int32_t list2[2] = {5, 0};
     assert_int_equal(tdm_cuda_dev_h2d(dev, d_list, list2, sizeof list2), TDM_OK);
     assert_int_equal(tdm_cuda_dev_h2d(dev, d_buf, in, sizeof in), TDM_OK);
@@ -651,6 +901,8 @@ static void test_kv_gather_scatter(void **state)
                                    : pool[i];
         assert_int_equal(back[i], want);
     }
+    assert_int_equal(back[5 * BE + 2], 0x3f80); // 1 + 2^-8 rounds down to even 1.0
+    assert_int_equal(back[5 * BE + 3], 0x3f82); // 1 + 2^-7 + 2^-8 rounds up to even
     assert_int_equal(tdm_cuk_kv_gather(stream, TDM_CUK_KV_BF16, d_pool, d_list, 0, BE, d_buf),
                      TDM_CUK_EINVAL);
     tdm_cuda_dev_free(dev, d_pool), tdm_cuda_dev_free(dev, d_list), tdm_cuda_dev_free(dev, d_buf);
@@ -722,6 +974,7 @@ int main(void)
         cmocka_unit_test(test_gemm),
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_errors),
+        cmocka_unit_test(test_rope_store_fused),
         cmocka_unit_test(test_kv_gather_scatter),
         cmocka_unit_test(test_argmax_rows),
     };

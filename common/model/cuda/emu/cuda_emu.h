@@ -89,6 +89,13 @@ template <class F, class... A> std::function<void()> bind_args(F f, A... a)
 #define __shared__ static
 #define __restrict__ __restrict
 
+// A product rounded on its own (never contracted into an FMA).
+static inline float __fmul_rn(float a, float b)
+{
+    volatile float p = a * b;
+    return p;
+}
+
 static inline void __syncthreads(void)
 {
     ::tdm_emu::syncthreads();
