@@ -17,7 +17,7 @@
 //                             (goal: bf16 2x f32)
 // plus tokens/s for decode and prefill and the peak RSS. Without --model it writes
 // the Qwen2.5-0.5B-shaped random model into the build folder once and reuses it.
-// --batches and --prefill choose other decode batch sizes (up to 64) and prefill
+// --batches and --prefill choose other decode batch sizes (up to 256) and prefill
 // chunks (up to 4096 tokens; the table above needs the defaults 1,8,32 and 512,
 // otherwise one line per point is printed); --json FILE also writes the first
 // mode's figures for bench/gpu/check.sh (tandem-gpu-report reads them).
@@ -43,7 +43,7 @@
 
 #define PROMPT 32   // context of every decoding sequence
 #define PREFILL 512 // the default prefill chunk, and the token budget of prompt steps
-#define MAX_BATCH 64
+#define MAX_BATCH 256 // issue 26: the served table goes to 256 streams
 #define MAX_PREFILL 4096
 #define MAX_POINTS 8
 

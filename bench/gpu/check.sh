@@ -27,7 +27,7 @@
 #                mid-transfer), with no stack workaround: LD_PRELOAD is unset
 #   7 probe      tandem-gpu-probe: HBM read/copy/d2d bandwidth, bf16 GEMM peak
 #   8 engine     tandem-bench-engine --device cuda: decode tok/s at batch
-#                1/8/32/64, prefill tok/s for 512- and 2048-token chunks
+#                1/8/32/64/256, prefill tok/s for 512- and 2048-token chunks
 #   9 serve      one decode worker on --device cuda, tandem-bench at
 #                concurrency 1, 64 and 256 (random 128-token prompts, 128
 #                output tokens): output tok/s, TTFT and ITL p50/p99, and the
@@ -408,7 +408,7 @@ else
     model_args=()
     [ "$have_models" = 1 ] && help_has "$engine" --model && model_args=(--model "$big")
     if run_step engine "$engine" ${model_args[@]+"${model_args[@]}"} --device cuda --bf16-only \
-        --batches 1,8,32,64 --prefill 512,2048 --json "$logs/engine.json"; then
+        --batches 1,8,32,64,256 --prefill 512,2048 --json "$logs/engine.json"; then
         have_engine=1
     fi
 fi
