@@ -153,8 +153,15 @@ class Cluster:
         cmd = [binary, "--model", self.model, "--host", "127.0.0.1", "--port", str(w.http_port),
                "--nng-url", "tcp://127.0.0.1:%d" % w.nng_port, "--threads", "1",
                "--kv-cache-memory", "64MiB"] + self.worker_args + self.kind_args[w.kind]
+        env = dict(os.environ)
+        if w.route_nng_port != w.nng_port:
+            # Peers reach this worker's inbox through a proxy (test_faults.py):
+            # the handshake binds each connection to the inbox's own endpoint,
+            # so the proxy's is declared (docs/pd-protocol.md, Authentication).
+            env["TANDEM_INTERNAL_ALIASES"] = "127.0.0.1:%d" % w.route_nng_port
         w.proc = subprocess.Popen(cmd, stdout=self._log("%s%d" % (w.kind, w.idx)),
-                                  stderr=subprocess.STDOUT, preexec_fn=self.worker_preexec)
+                                  stderr=subprocess.STDOUT, preexec_fn=self.worker_preexec,
+                                  env=env)
         register(w.proc)
 
     def wait_health(self, port, proc, timeout=30):

@@ -13,6 +13,7 @@
 // it about once in 60 runs. With streams the connection lifecycle is ours.
 #include "transport.h"
 
+#include <arpa/inet.h>
 #include <nng/nng.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -261,23 +262,40 @@ static int stream_io(nng_stream *s, bool send, void *buf, size_t n, double deadl
 // With a shared secret (TANDEM_INTERNAL_SECRET_FILE or TANDEM_INTERNAL_SECRET,
 // or tdm_net_set_secret), every connection starts with a mutual proof of the
 // secret before any frame is read, so a peer without it can neither submit
-// work nor receive any (issue 11: the nng ports served anyone):
-//   dialer -> listener: "TDMA" u16 version u16 0, nonce_d[16]              (24 bytes)
-//   listener -> dialer: "TDMA" u16 version u16 0, nonce_l[16],
-//                       HMAC(K, "L" | nonce_d | nonce_l)                     (56 bytes)
-//   dialer -> listener: HMAC(K, "D" | nonce_l | nonce_d)                     (32 bytes)
-// Each side answers only after checking the other's proof (the listener's MAC
-// is checked before the dialer sends its own), nonces are fresh per
-// connection (no replay), and the one-letter role prefix keeps a MAC made for
-// one direction from being reflected in the other. Each step has a 2 s limit,
-// so a silent connection costs one reader thread for 2 s at most. Traffic is
-// not encrypted: keep the ports on the pod network behind the NetworkPolicy
-// (deploy/k8s) or loopback.
+// work nor receive any (issue 11: the nng ports served anyone). Version 2
+// (issue 29: version 1 could be relayed):
+//   hello     dialer -> listener: u32 0x41444d54, u16 2, u16 0, nonce_d[16],
+//                                 id_d u64, target[20]                       (52 bytes)
+//   challenge listener -> dialer: u32 0x41444d54, u16 2, u16 0, nonce_l[16],
+//                                 id_l u64                                   (32 bytes)
+//   proof     dialer -> listener: HMAC(K, "D" | hello | challenge)           (32 bytes)
+//   confirm   listener -> dialer: HMAC(K, "L" | hello | challenge)           (32 bytes)
+// target is the listener's endpoint as the dialer's socket reaches it (the
+// peer address after DNS: family, port, IP); the listener refuses a hello
+// whose target is not the local endpoint the connection arrived at, before it
+// answers. The dialer proves first and the listener signs nothing until that
+// proof checks, so no inbox is a signing oracle; each MAC covers both nonces
+// (fresh per connection: no replay), both process ids, the endpoint and its
+// role letter (direction: a MAC is never reflected). A relay (a process that
+// took a dead worker's port and forwards a redialing peer's handshake to
+// another inbox) fails: the other inbox sees a target that is not its own, and
+// a rewritten target breaks the dialer's MAC. Peers must therefore reach an
+// inbox at the address it receives on (no destination NAT between Tandem
+// processes: the manifests dial pod IPs). Each step has a 2 s limit, so a
+// silent connection costs one reader thread for 2 s at most. Traffic is not
+// encrypted: keep the ports on the pod network behind the NetworkPolicy
+// (deploy/k8s) or loopback. docs/pd-protocol.md has the protocol and the
+// attack it prevents.
 #define AUTH_MAGIC 0x41444d54u // "TDMA"
-#define AUTH_VERSION 1
+#define AUTH_VERSION 2
 #define AUTH_STEP_S 2.0
 #define AUTH_MIN_KEY 16
 #define AUTH_MAX_KEY 1024
+#define AUTH_HELLO 52
+#define AUTH_CHALLENGE 32
+// Integers little-endian like the frames, except the endpoint's port and
+// address, which are in network order as the socket gives them.
+#define AUTH_EP 20 // an endpoint: family (4, 6 or 0), 0, port u16 (network order), address[16]
 
 static pthread_mutex_t g_auth_mu = PTHREAD_MUTEX_INITIALIZER;
 static bool g_auth_set; // set explicitly or loaded from the environment
@@ -365,14 +383,85 @@ static void auth_nonce(unsigned char n[16])
     }
 }
 
-static void auth_mac(const unsigned char *key, size_t klen, char role, const unsigned char a[16],
-                     const unsigned char b[16], unsigned char out[32])
+// MAC of the transcript: role letter, hello, challenge.
+static void auth_mac(const unsigned char *key, size_t klen, char role,
+                     const unsigned char hello[AUTH_HELLO],
+                     const unsigned char challenge[AUTH_CHALLENGE], unsigned char out[32])
 {
-    unsigned char msg[33];
+    unsigned char msg[1 + AUTH_HELLO + AUTH_CHALLENGE];
     msg[0] = (unsigned char)role;
-    memcpy(msg + 1, a, 16);
-    memcpy(msg + 17, b, 16);
+    memcpy(msg + 1, hello, AUTH_HELLO);
+    memcpy(msg + 1 + AUTH_HELLO, challenge, AUTH_CHALLENGE);
     tdm_hmac_sha256(key, klen, msg, sizeof msg, out);
+}
+
+// This process's id in handshakes (drawn once).
+static uint64_t auth_self_id(void)
+{
+    static _Atomic uint64_t id;
+    uint64_t v = atomic_load(&id);
+    if (v == 0) {
+        uint64_t mine = tdm_net_new_instance_id() | 1;
+        if (atomic_compare_exchange_strong(&id, &v, mine))
+            v = mine;
+    }
+    return v;
+}
+
+static void put_u64(uint8_t *p, uint64_t v)
+{
+    put_u32(p, (uint32_t)v);
+    put_u32(p + 4, (uint32_t)(v >> 32));
+}
+
+// The stream's local (NNG_OPT_LOCADDR) or remote endpoint as 20 bytes; an
+// IPv4-mapped IPv6 address is written as IPv4 (a dual-stack listener sees
+// ::ffff:a.b.c.d where the dialer saw a.b.c.d). Non-IP streams: family 0.
+static void auth_endpoint(nng_stream *s, const char *which, unsigned char ep[AUTH_EP])
+{
+    memset(ep, 0, AUTH_EP);
+    nng_sockaddr sa;
+    if (nng_stream_get_addr(s, which, &sa) != 0)
+        return;
+    static const unsigned char mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+    if (sa.s_family == NNG_AF_INET) {
+        ep[0] = 4;
+        memcpy(ep + 2, &sa.s_in.sa_port, 2); // network order, as stored
+        memcpy(ep + 4, &sa.s_in.sa_addr, 4);
+    } else if (sa.s_family == NNG_AF_INET6 && memcmp(sa.s_in6.sa_addr, mapped, 12) == 0) {
+        ep[0] = 4;
+        memcpy(ep + 2, &sa.s_in6.sa_port, 2);
+        memcpy(ep + 4, sa.s_in6.sa_addr + 12, 4);
+    } else if (sa.s_family == NNG_AF_INET6) {
+        ep[0] = 6;
+        memcpy(ep + 2, &sa.s_in6.sa_port, 2);
+        memcpy(ep + 4, sa.s_in6.sa_addr, 16);
+    }
+}
+
+// "a.b.c.d:port" or "[v6]:port" of an endpoint, for messages.
+static void auth_ep_text(const unsigned char ep[AUTH_EP], char *out, size_t n)
+{
+    unsigned port = ((unsigned)ep[2] << 8) | ep[3];
+    if (ep[0] == 4) {
+        snprintf(out, n, "%u.%u.%u.%u:%u", ep[4], ep[5], ep[6], ep[7], port);
+    } else if (ep[0] == 6) {
+        size_t at = (size_t)snprintf(out, n, "[");
+        for (int i = 0; i < 16 && at < n; i += 2)
+            at += (size_t)snprintf(out + at, n - at, "%s%x", i ? ":" : "",
+                                   ((unsigned)ep[4 + i] << 8) | ep[5 + i]);
+        if (at < n)
+            snprintf(out + at, n - at, "]:%u", port);
+    } else {
+        snprintf(out, n, "(not an IP endpoint)");
+    }
+}
+
+static void auth_header(unsigned char *p)
+{
+    put_u32(p, AUTH_MAGIC);
+    put_u16(p + 4, AUTH_VERSION);
+    put_u16(p + 6, 0);
 }
 
 // Logs at most one refused or dropped connection a second (a scanner or a
@@ -386,34 +475,144 @@ static void warn_limited(const char *fmt, const char *where, const char *why)
         TDM_LOG_WARN(MOD, fmt, where, why);
 }
 
+// ---- endpoint aliases -----------------------------------------------------------------------
+#define AUTH_MAX_ALIASES 16
+static pthread_mutex_t g_alias_mu = PTHREAD_MUTEX_INITIALIZER;
+static bool g_alias_set;
+static unsigned char g_alias[AUTH_MAX_ALIASES][AUTH_EP];
+static int g_n_alias;
+
+// "a.b.c.d:port" or "[v6]:port" -> an endpoint; false when malformed.
+static bool parse_endpoint(const char *s, size_t n, unsigned char ep[AUTH_EP])
+{
+    char host[64];
+    const char *colon;
+    memset(ep, 0, AUTH_EP);
+    if (n >= 2 && s[0] == '[') {
+        const char *close = memchr(s, ']', n);
+        if (close == NULL || close + 1 >= s + n || close[1] != ':' ||
+            (size_t)(close - s - 1) >= sizeof host)
+            return false;
+        memcpy(host, s + 1, (size_t)(close - s - 1));
+        host[close - s - 1] = '\0';
+        colon = close + 1;
+    } else {
+        colon = NULL;
+        for (size_t i = 0; i < n; i++)
+            if (s[i] == ':')
+                colon = s + i;
+        if (colon == NULL || (size_t)(colon - s) >= sizeof host)
+            return false;
+        memcpy(host, s, (size_t)(colon - s));
+        host[colon - s] = '\0';
+    }
+    unsigned long port = 0;
+    size_t digits = 0;
+    for (const char *p = colon + 1; p < s + n; p++, digits++) {
+        if (*p < '0' || *p > '9' || port > 65535)
+            return false;
+        port = port * 10 + (unsigned long)(*p - '0');
+    }
+    if (digits == 0 || port == 0 || port > 65535)
+        return false;
+    ep[2] = (unsigned char)(port >> 8);
+    ep[3] = (unsigned char)port;
+    unsigned char a[16];
+    if (inet_pton(AF_INET, host, a) == 1) {
+        ep[0] = 4;
+        memcpy(ep + 4, a, 4);
+    } else if (inet_pton(AF_INET6, host, a) == 1) {
+        static const unsigned char mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+        bool v4 = memcmp(a, mapped, 12) == 0;
+        ep[0] = v4 ? 4 : 6;
+        memcpy(ep + 4, v4 ? a + 12 : a, v4 ? 4 : 16);
+    } else {
+        return false;
+    }
+    return true;
+}
+
+int tdm_net_set_aliases(const char *list, char *err, size_t errlen)
+{
+    unsigned char eps[AUTH_MAX_ALIASES][AUTH_EP];
+    int n = 0;
+    for (const char *p = list ? list : ""; *p;) {
+        while (*p == ',' || *p == ' ')
+            p++;
+        if (!*p)
+            break;
+        size_t len = strcspn(p, ", ");
+        if (n == AUTH_MAX_ALIASES)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_INTERNAL_ALIASES: more than %d endpoints", AUTH_MAX_ALIASES);
+        if (!parse_endpoint(p, len, eps[n]))
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_INTERNAL_ALIASES: '%.*s' is not IP:port or [IPv6]:port",
+                              (int)(len > 80 ? 80 : len), p);
+        n++;
+        p += len;
+    }
+    pthread_mutex_lock(&g_alias_mu);
+    memcpy(g_alias, eps, sizeof(eps[0]) * (size_t)n);
+    g_n_alias = n;
+    g_alias_set = true;
+    pthread_mutex_unlock(&g_alias_mu);
+    return TDM_OK;
+}
+
+// TANDEM_INTERNAL_ALIASES, once, unless tdm_net_set_aliases came first.
+static int alias_load(char *err, size_t errlen)
+{
+    pthread_mutex_lock(&g_alias_mu);
+    bool done = g_alias_set;
+    pthread_mutex_unlock(&g_alias_mu);
+    return done ? TDM_OK : tdm_net_set_aliases(getenv("TANDEM_INTERNAL_ALIASES"), err, errlen);
+}
+
+// True when ep is one of the aliases.
+static bool alias_match(const unsigned char ep[AUTH_EP])
+{
+    bool hit = false;
+    pthread_mutex_lock(&g_alias_mu);
+    for (int i = 0; i < g_n_alias && !hit; i++)
+        hit = memcmp(g_alias[i], ep, AUTH_EP) == 0;
+    pthread_mutex_unlock(&g_alias_mu);
+    return hit;
+}
+
 // The dialer's side. 0, or nonzero with why set.
 static int auth_dialer(nng_stream *s, const unsigned char *key, size_t klen, char *why,
                        size_t wl)
 {
-    unsigned char hello[24], nonce_d[16], reply[56], mac[32];
-    put_u32(hello, AUTH_MAGIC);
-    put_u16(hello + 4, AUTH_VERSION);
-    put_u16(hello + 6, 0);
-    auth_nonce(nonce_d);
-    memcpy(hello + 8, nonce_d, 16);
+    unsigned char hello[AUTH_HELLO], challenge[AUTH_CHALLENGE], mac[32], confirm[32];
+    auth_header(hello);
+    auth_nonce(hello + 8);
+    put_u64(hello + 24, auth_self_id());
+    auth_endpoint(s, NNG_OPT_REMADDR, hello + 32);
     if (stream_io(s, true, hello, sizeof hello, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
-        stream_io(s, false, reply, sizeof reply, tdm_now() + AUTH_STEP_S, NULL) != 0) {
-        snprintf(why, wl, "no handshake answer (does the peer have the same "
-                          "TANDEM_INTERNAL_SECRET?)");
+        stream_io(s, false, challenge, sizeof challenge, tdm_now() + AUTH_STEP_S, NULL) != 0) {
+        snprintf(why, wl,
+                 "no handshake answer (does the peer have the same "
+                 "TANDEM_INTERNAL_SECRET and version? does it receive on the "
+                 "address dialed, with no NAT between?)");
         return -1;
     }
-    if (get_u32(reply) != AUTH_MAGIC || get_u16(reply + 4) != AUTH_VERSION) {
-        snprintf(why, wl, "the peer answered no handshake (it runs without a secret?)");
+    if (get_u32(challenge) != AUTH_MAGIC || get_u16(challenge + 4) != AUTH_VERSION) {
+        snprintf(why, wl,
+                 "the peer answered no handshake of version %d (it runs without a "
+                 "secret, or an older Tandem?)",
+                 AUTH_VERSION);
         return -1;
     }
-    auth_mac(key, klen, 'L', nonce_d, reply + 8, mac);
-    if (!tdm_ct_equal(mac, reply + 24, 32)) {
+    auth_mac(key, klen, 'D', hello, challenge, mac);
+    if (stream_io(s, true, mac, sizeof mac, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
+        stream_io(s, false, confirm, sizeof confirm, tdm_now() + AUTH_STEP_S, NULL) != 0) {
+        snprintf(why, wl, "the peer refused the proof (a different TANDEM_INTERNAL_SECRET)");
+        return -1;
+    }
+    auth_mac(key, klen, 'L', hello, challenge, mac);
+    if (!tdm_ct_equal(mac, confirm, 32)) {
         snprintf(why, wl, "the peer's proof is wrong (a different TANDEM_INTERNAL_SECRET)");
-        return -1;
-    }
-    auth_mac(key, klen, 'D', reply + 8, nonce_d, mac);
-    if (stream_io(s, true, mac, sizeof mac, tdm_now() + AUTH_STEP_S, NULL) != 0) {
-        snprintf(why, wl, "the connection closed during the handshake");
         return -1;
     }
     return 0;
@@ -423,8 +622,9 @@ static int auth_dialer(nng_stream *s, const unsigned char *key, size_t klen, cha
 static int auth_listener(nng_stream *s, const unsigned char *key, size_t klen,
                          const atomic_bool *stop, char *why, size_t wl)
 {
-    unsigned char hello[24], reply[56], mac[32], proof[32];
-    int rv = stream_io(s, false, hello, sizeof hello, tdm_now() + AUTH_STEP_S, stop);
+    unsigned char hello[AUTH_HELLO], challenge[AUTH_CHALLENGE], mac[32], proof[32];
+    unsigned char self[AUTH_EP];
+    int rv = stream_io(s, false, hello, 8, tdm_now() + AUTH_STEP_S, stop);
     if (rv == NNG_ECLOSED || rv == NNG_ECONNRESET || rv == NNG_ECONNSHUT) {
         snprintf(why, wl, "closed before the handshake");
         return -2; // a port probe (a readiness check's connect and close): not worth a warning
@@ -433,25 +633,46 @@ static int auth_listener(nng_stream *s, const unsigned char *key, size_t klen,
         snprintf(why, wl, "no handshake within %.0f s", AUTH_STEP_S);
         return -1;
     }
-    if (get_u32(hello) != AUTH_MAGIC || get_u16(hello + 4) != AUTH_VERSION) {
+    if (get_u32(hello) != AUTH_MAGIC) {
         snprintf(why, wl, "no handshake (magic 0x%08x): an unauthenticated peer or a peer "
                           "without TANDEM_INTERNAL_SECRET",
                  get_u32(hello));
         return -1;
     }
-    put_u32(reply, AUTH_MAGIC);
-    put_u16(reply + 4, AUTH_VERSION);
-    put_u16(reply + 6, 0);
-    auth_nonce(reply + 8);
-    auth_mac(key, klen, 'L', hello + 8, reply + 8, reply + 24);
-    if (stream_io(s, true, reply, sizeof reply, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
+    if (get_u16(hello + 4) != AUTH_VERSION) {
+        snprintf(why, wl, "handshake version %u, this process speaks %d (an older Tandem?)",
+                 get_u16(hello + 4), AUTH_VERSION);
+        return -1;
+    }
+    if (stream_io(s, false, hello + 8, sizeof hello - 8, tdm_now() + AUTH_STEP_S, stop) != 0) {
+        snprintf(why, wl, "no handshake within %.0f s", AUTH_STEP_S);
+        return -1;
+    }
+    // Bound to this endpoint before anything is signed or even answered.
+    auth_endpoint(s, NNG_OPT_LOCADDR, self);
+    if (memcmp(self, hello + 32, AUTH_EP) != 0 && !alias_match(hello + 32)) {
+        char dialed[48], here[48]; // "[8 groups]:port" fits
+        auth_ep_text(hello + 32, dialed, sizeof dialed);
+        auth_ep_text(self, here, sizeof here);
+        snprintf(why, wl, "dialed %s, arrived at %s: a relay, or NAT between peers", dialed, here);
+        return -1;
+    }
+    auth_header(challenge);
+    auth_nonce(challenge + 8);
+    put_u64(challenge + 24, auth_self_id());
+    if (stream_io(s, true, challenge, sizeof challenge, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
         stream_io(s, false, proof, sizeof proof, tdm_now() + AUTH_STEP_S, stop) != 0) {
         snprintf(why, wl, "the peer gave no proof (a different secret, or not a Tandem peer)");
         return -1;
     }
-    auth_mac(key, klen, 'D', reply + 8, hello + 8, mac);
+    auth_mac(key, klen, 'D', hello, challenge, mac);
     if (!tdm_ct_equal(mac, proof, 32)) {
         snprintf(why, wl, "the peer's proof is wrong (a different TANDEM_INTERNAL_SECRET)");
+        return -1;
+    }
+    auth_mac(key, klen, 'L', hello, challenge, mac);
+    if (stream_io(s, true, mac, sizeof mac, tdm_now() + AUTH_STEP_S, NULL) != 0) {
+        snprintf(why, wl, "the connection closed during the handshake");
         return -1;
     }
     return 0;
@@ -766,6 +987,8 @@ int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, si
     if (url == NULL || strlen(url) >= 200)
         return tdm_seterr(err, errlen, TDM_EINVAL, "inbox: bad url");
     int arc = auth_load(err, errlen);
+    if (arc == TDM_OK)
+        arc = alias_load(err, errlen);
     if (arc != TDM_OK)
         return arc;
     struct tdm_net_inbox *in = calloc(1, sizeof *in);
@@ -804,6 +1027,12 @@ int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, si
         free(in);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "inbox: cannot start the acceptor thread");
     }
+    if (in->key_len == 0)
+        TDM_LOG_WARN(MOD,
+                     "inbox %s: no TANDEM_INTERNAL_SECRET: any process that reaches this port "
+                     "(any local process, at least) can submit work and receive results; set "
+                     "TANDEM_INTERNAL_SECRET_FILE (tandem up and the manifests do)",
+                     in->url);
     *out = in;
     return TDM_OK;
 }

@@ -92,6 +92,15 @@ uint64_t tdm_net_new_instance_id(void);
 int tdm_net_set_secret(const void *key, size_t len, char *err, size_t errlen);
 // True when connections made now would be authenticated (the environment is read).
 bool tdm_net_authenticated(void);
+// The handshake binds a connection to the inbox's own endpoint (the local
+// address it arrives at): a peer that dials another address (a relay, a
+// proxy, destination NAT) is refused. Endpoints this process's inboxes are
+// also reached at, deliberately (a TCP proxy in front of a worker, a published
+// port), are listed as "IP:port" or "[IPv6]:port", comma-separated, in
+// TANDEM_INTERNAL_ALIASES (read when the first inbox is made, unless this was
+// called first; NULL or "" clears). TDM_EINVAL with err naming a bad entry;
+// at most 16.
+int tdm_net_set_aliases(const char *list, char *err, size_t errlen);
 
 // ---- inbox: the address a process listens on --------------------------------------------
 struct tdm_net_inbox;

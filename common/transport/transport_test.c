@@ -827,6 +827,172 @@ static void test_authentication(void **state)
     assert_int_equal(tdm_net_set_secret(NULL, 0, err, sizeof err), TDM_OK);
 }
 
+// A relay (issue 29, part 2): a local process listens on a port (a dead
+// worker's, say) and, for each connection, dials another inbox and copies
+// bytes both ways. Without a secret it carries frames (nothing to prove); with
+// one, version 1's handshake let the relayed peer's proof through and the
+// inbox then took the relay's frames; now the inbox refuses the hello (the
+// peer dialed the relay's endpoint, not the inbox's), so nothing arrives.
+struct relay {
+    int lfd, port, target_port;
+    atomic_int conns;
+    atomic_bool stop;
+    pthread_t th;
+};
+
+static void *relay_main(void *arg)
+{
+    struct relay *r = arg;
+    while (!atomic_load(&r->stop)) {
+        struct pollfd lp = {.fd = r->lfd, .events = POLLIN};
+        if (poll(&lp, 1, 50) <= 0)
+            continue;
+        int a = accept(r->lfd, NULL, NULL);
+        if (a < 0)
+            continue;
+        atomic_fetch_add(&r->conns, 1);
+        int b = raw_connect(r->target_port);
+        struct pollfd p[2] = {{.fd = a, .events = POLLIN}, {.fd = b, .events = POLLIN}};
+        char buf[4096];
+        bool open = true;
+        while (open && !atomic_load(&r->stop)) {
+            if (poll(p, 2, 50) <= 0)
+                continue;
+            for (int i = 0; i < 2 && open; i++) {
+                if (!(p[i].revents & (POLLIN | POLLHUP | POLLERR)))
+                    continue;
+                ssize_t n = read(p[i].fd, buf, sizeof buf);
+                open = n > 0 && write(p[1 - i].fd, buf, (size_t)n) == n;
+            }
+        }
+        close(a);
+        close(b);
+    }
+    return NULL;
+}
+
+static void relay_start(struct relay *r, int target_port)
+{
+    memset(r, 0, sizeof *r);
+    r->target_port = target_port;
+    r->lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(bind(r->lfd, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(listen(r->lfd, 8), 0);
+    socklen_t len = sizeof a;
+    assert_int_equal(getsockname(r->lfd, (struct sockaddr *)&a, &len), 0);
+    r->port = ntohs(a.sin_port);
+    assert_int_equal(pthread_create(&r->th, NULL, relay_main, r), 0);
+}
+
+static void relay_stop(struct relay *r)
+{
+    atomic_store(&r->stop, true);
+    pthread_join(r->th, NULL);
+    close(r->lfd);
+}
+
+// Through a relay to a fresh inbox: the message that arrived (NULL: none).
+// alias: the relay's endpoint is declared an alias of the inbox (a proxy the
+// operator runs on purpose).
+static struct tdm_net_msg *send_via_relay(const char *secret, bool alias, int *conns)
+{
+    char err[256], url[64];
+    assert_int_equal(tdm_net_set_secret(secret, secret ? strlen(secret) : 0, err, sizeof err),
+                     TDM_OK);
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    struct relay r;
+    relay_start(&r, url_port(tdm_net_inbox_url(in)));
+    snprintf(url, sizeof url, "tcp://127.0.0.1:%d", r.port);
+    assert_int_equal(tdm_net_set_aliases(alias ? url + 6 : NULL, err, sizeof err), TDM_OK);
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+    (void)tdm_net_send(ob, url, TDM_NET_CANCEL, "relayed", 7, NULL, 0, 1.5, err, sizeof err);
+    struct tdm_net_msg *m = recv_one(in, 1.0);
+    *conns = atomic_load(&r.conns);
+    tdm_net_outbox_free(ob);
+    relay_stop(&r);
+    tdm_net_inbox_free(in);
+    return m;
+}
+
+static atomic_int open_warnings;
+static void count_open_warning(int level, const char *module, const char *msg)
+{
+    (void)module;
+    if (level == TDM_LOG_LEVEL_WARN && strstr(msg, "no TANDEM_INTERNAL_SECRET"))
+        atomic_fetch_add(&open_warnings, 1);
+}
+
+static void test_relay_refused(void **state)
+{
+    (void)state;
+    int conns = 0;
+    tdm_log_set_sink(count_open_warning);
+    struct tdm_net_msg *m = send_via_relay(NULL, false, &conns); // the relay works: open ports
+    tdm_log_set_sink(NULL);
+    assert_int_equal(atomic_load(&open_warnings), 1); // and the open inbox said so
+    assert_non_null(m);
+    assert_memory_equal(tdm_net_msg_frame(m)->msg, "relayed", 7);
+    tdm_net_msg_free(m);
+    const char *secret = "0123456789abcdef-secret-one";
+    m = send_via_relay(secret, false, &conns);
+    assert_true(conns >= 1); // the peer dialed through the relay, and was refused
+    assert_null(m);
+    // The same relay declared an alias of the inbox (a proxy run on purpose).
+    m = send_via_relay(secret, true, &conns);
+    assert_non_null(m);
+    tdm_net_msg_free(m);
+    char err[256];
+    assert_int_equal(tdm_net_set_aliases(NULL, err, sizeof err), TDM_OK);
+    assert_int_equal(
+        tdm_net_set_aliases("127.0.0.1:9001, [::1]:9002,[::ffff:10.0.0.1]:1", err, sizeof err),
+        TDM_OK);
+    const char *bad[] = {"127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000",
+                         "host:80",   "[::1]80",     "1.2.3.4:12x"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(tdm_net_set_aliases(bad[i], err, sizeof err), TDM_EINVAL);
+        assert_non_null(strstr(err, "TANDEM_INTERNAL_ALIASES"));
+    }
+    assert_int_equal(tdm_net_set_aliases(NULL, err, sizeof err), TDM_OK);
+
+    // The inbox signs nothing before the dialer's proof: a stranger's hello
+    // (right endpoint, no secret) gets a 32-byte challenge without a MAC, and
+    // a wrong proof gets the connection closed with nothing more; a hello
+    // naming another endpoint is closed at once, unanswered.
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    int port = url_port(tdm_net_inbox_url(in));
+    for (int wrong_target = 0; wrong_target < 2; wrong_target++) {
+        uint8_t hello[52] = {0x54, 0x4d, 0x44, 0x41, 2, 0, 0, 0}; // u32 0x41444d54, u16 2 (LE)
+        hello[32] = 4;
+        hello[34] = (uint8_t)((port + wrong_target) >> 8);
+        hello[35] = (uint8_t)(port + wrong_target);
+        hello[36] = 127, hello[39] = 1;
+        int fd = raw_connect(port);
+        assert_int_equal(write(fd, hello, sizeof hello), (ssize_t)sizeof hello);
+        uint8_t reply[64];
+        double t0 = tdm_now();
+        ssize_t n = read(fd, reply, sizeof reply);
+        if (wrong_target) {
+            assert_true(n <= 0);
+            assert_true(tdm_now() - t0 < 1.5); // refused, not timed out
+        } else {
+            assert_int_equal(n, 32); // magic, version, nonce, id: no MAC
+            assert_memory_equal(reply, hello, 8);
+            uint8_t proof[32] = {0};
+            assert_int_equal(write(fd, proof, sizeof proof), (ssize_t)sizeof proof);
+            assert_true(read(fd, reply, sizeof reply) <= 0);
+        }
+        close(fd);
+    }
+    assert_null(recv_one(in, 0.1));
+    tdm_net_inbox_free(in);
+    assert_int_equal(tdm_net_set_secret(NULL, 0, err, sizeof err), TDM_OK);
+}
+
 static void test_instance_ids(void **state)
 {
     (void)state;
@@ -850,6 +1016,7 @@ int main(void)
         cmocka_unit_test(test_outbox_free_while_dialing),
         cmocka_unit_test(test_outbox_peer_bounds),
         cmocka_unit_test(test_authentication),
+        cmocka_unit_test(test_relay_refused),
         cmocka_unit_test(test_instance_ids),
     };
     return tdm_test_exit(cmocka_run_group_tests(tests, NULL, NULL));
