@@ -58,7 +58,8 @@ struct tdm_backend {
     int err;                      // first failure since the last sync/download (TDM_OK if none)
     char errmsg[256];
 
-    struct dev_buf am_ids; // [n] int32 token ids of argmax_rows, device
+    struct dev_buf am_ids;  // [n] int32 token ids of argmax_rows, device
+    struct dev_buf am_part; // argmax_rows' per-chunk winners (tdm_cuk_argmax_scratch)
     // begin_forward's staging: host copies, and their device twins.
     int n_rows, n_seqs;                                  // of the staged forward
     int32_t *h_slots;                                    // [cap_rows] flat KV slot of each new row
@@ -184,6 +185,7 @@ static void cuda_destroy(struct tdm_backend *be)
     if (be == NULL)
         return;
     buf_free(be, &be->am_ids);
+    buf_free(be, &be->am_part);
     for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++)
         tdm_cuda_dev_graph_free(be->dev, be->graphs[i].graph);
     buf_free(be, &be->d_meta);
@@ -339,11 +341,12 @@ static void cuda_matmul(struct tdm_backend *be, const struct tdm_weight *w, cons
 // 151 936). After the head GEMM, on the engine's thread, outside any capture.
 static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int cols, int32_t *ids)
 {
-    if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK) {
+    if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
+        buf_reserve(be, &be->am_part, tdm_cuk_argmax_scratch(n, cols) + 16) != TDM_OK) {
         fail(be, TDM_ENOMEM, "argmax: %s", "out of device memory for the ids");
         return take_err(be);
     }
-    launch_check(be, tdm_cuk_argmax_rows(be->stream, x, n, cols, be->am_ids.p));
+    launch_check(be, tdm_cuk_argmax_rows(be->stream, x, n, cols, be->am_ids.p, be->am_part.p));
     if (be->err != TDM_OK)
         return take_err(be);
     return cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));

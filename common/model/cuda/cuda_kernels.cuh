@@ -257,26 +257,21 @@ __global__ void kv_gather_kernel(const KV *pool, const int32_t *blocks, size_t b
         dst[i] = kv_load(&src[i]);
 }
 
-// grid (n), block 256: ids[row] = the index of the first largest of x[row][0..cols)
-// by `>` (NaN never wins; 0 when nothing is above -inf), the sampler's greedy
-// argmax. Each thread keeps the first largest of its strided elements (its
-// indices ascend); the tree then keeps the larger value, the lower index on a
-// tie: the same index whatever the batch (one CTA per row).
+// Greedy sampling on the device: the index of the first largest of a row by
+// `>` (NaN never wins; 0 when nothing is above -inf), the sampler's argmax. A
+// row runs in chunks of TDM_CUK_ARGMAX_CHUNK columns, one CTA each (batch 1
+// over a 151 936-token vocabulary: 149 CTAs, not one), then one CTA per row
+// merges the chunks' winners; a row of one chunk is finished by its CTA. Each
+// thread keeps the first largest of its strided elements (its indices
+// ascend); the tree then keeps the larger value, the lower index on a tie: the
+// same index whatever the batch.
 #define TDM_CUK_ARGMAX_THREADS 256
-__global__ void argmax_rows_kernel(const float *x, int cols, int32_t *ids)
+
+// The block's (value, index) winner from each thread's (bv, bi); bi -1: none.
+__device__ __forceinline__ void argmax_tree(float bv, int bi, float *out_v, int *out_i)
 {
     __shared__ float sv[TDM_CUK_ARGMAX_THREADS];
     __shared__ int si[TDM_CUK_ARGMAX_THREADS];
-    const float *r = x + (size_t)blockIdx.x * cols;
-    float bv = -INFINITY;
-    int bi = -1;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = r[c];
-        if (v > bv) {
-            bv = v;
-            bi = c;
-        }
-    }
     sv[threadIdx.x] = bv;
     si[threadIdx.x] = bi;
     __syncthreads();
@@ -291,8 +286,60 @@ __global__ void argmax_rows_kernel(const float *x, int cols, int32_t *ids)
         }
         __syncthreads();
     }
+    *out_v = sv[0];
+    *out_i = si[0];
+    __syncthreads(); // sv/si reused by the next call
+}
+
+// grid (n, chunks), block 256: chunk blockIdx.y of row blockIdx.x. One chunk:
+// ids[row]; else the chunk's winner to part_v/part_i[row][chunk].
+__global__ void argmax_chunk_kernel(const float *x, int cols, float *part_v, int32_t *part_i,
+                                    int32_t *ids)
+{
+    const float *r = x + (size_t)blockIdx.x * cols;
+    int c0 = blockIdx.y * TDM_CUK_ARGMAX_CHUNK;
+    int c1 = c0 + TDM_CUK_ARGMAX_CHUNK < cols ? c0 + TDM_CUK_ARGMAX_CHUNK : cols;
+    float bv = -INFINITY;
+    int bi = -1;
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        float v = r[c];
+        if (v > bv) {
+            bv = v;
+            bi = c;
+        }
+    }
+    float wv;
+    int wi;
+    argmax_tree(bv, bi, &wv, &wi);
+    if (threadIdx.x != 0)
+        return;
+    if (gridDim.y == 1) {
+        ids[blockIdx.x] = wi < 0 ? 0 : wi;
+    } else {
+        part_v[(size_t)blockIdx.x * gridDim.y + blockIdx.y] = wv;
+        part_i[(size_t)blockIdx.x * gridDim.y + blockIdx.y] = wi;
+    }
+}
+
+// grid (n), block 256: the winner of a row's chunks (ascending chunks hold
+// ascending indices, so `>` keeps the first on a tie).
+__global__ void argmax_merge_kernel(const float *part_v, const int32_t *part_i, int chunks,
+                                    int32_t *ids)
+{
+    const float *pv = part_v + (size_t)blockIdx.x * chunks;
+    const int32_t *pi = part_i + (size_t)blockIdx.x * chunks;
+    float bv = -INFINITY;
+    int bi = -1;
+    for (int z = threadIdx.x; z < chunks; z += blockDim.x)
+        if (pi[z] >= 0 && (bi < 0 || pv[z] > bv)) {
+            bv = pv[z];
+            bi = pi[z];
+        }
+    float wv;
+    int wi;
+    argmax_tree(bv, bi, &wv, &wi);
     if (threadIdx.x == 0)
-        ids[blockIdx.x] = si[0] < 0 ? 0 : si[0];
+        ids[blockIdx.x] = wi < 0 ? 0 : wi;
 }
 
 template <class KV>

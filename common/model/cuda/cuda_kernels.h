@@ -143,8 +143,12 @@ int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int
                      int head_dim, int block_size);
 // ids[i] = the index of the first largest of x[i][0..cols) by `>` (ties: the
 // lowest index; NaN never wins; 0 when nothing is above -inf), i < n: greedy
-// sampling on the device (one CTA per row). ids is device memory.
-int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *ids);
+// sampling on the device, a CTA per chunk of TDM_CUK_ARGMAX_CHUNK columns of a
+// row, then (rows of several chunks) a merge launch. scratch: device memory of
+// tdm_cuk_argmax_scratch(n, cols) bytes (0: NULL is fine). ids is device memory.
+#define TDM_CUK_ARGMAX_CHUNK 1024
+size_t tdm_cuk_argmax_scratch(int n, int cols);
+int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *ids, void *scratch);
 // out[i][block_elems] = f32 of pool block blocks[i], i < n (export), and the
 // reverse: pool block blocks[i] = in[i] rounded to the pool's type (import).
 // block_elems = n_kv_heads * block_size * head_dim.

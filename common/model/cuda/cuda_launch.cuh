@@ -255,13 +255,31 @@ int tdm_cuk_kv_gather(void *stream, int type, const void *pool, const int32_t *b
     return tdm_cuk::launched("kv_gather");
 }
 
-int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *ids)
+size_t tdm_cuk_argmax_scratch(int n, int cols)
 {
-    if (n <= 0 || cols <= 0)
+    int chunks = cols <= 0 ? 0 : (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
+    if (n <= 0 || chunks <= 1)
+        return 0;
+    return (size_t)n * (size_t)chunks * (sizeof(float) + sizeof(int32_t));
+}
+
+int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *ids, void *scratch)
+{
+    if (n <= 0 || cols <= 0 || n > 65535)
         return tdm_cuk::fail(TDM_CUK_EINVAL, "argmax_rows: n %d, cols %d", n, cols);
-    TDM_CUDA_LAUNCH(tdm_cuk::argmax_rows_kernel, dim3((unsigned)n), dim3(TDM_CUK_ARGMAX_THREADS), 0,
-                    stream, x, cols, ids);
-    return tdm_cuk::launched("argmax_rows");
+    int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
+    if (chunks > 1 && scratch == NULL)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "argmax_rows: %d chunks need scratch", chunks);
+    float *pv = (float *)scratch;
+    int32_t *pi = chunks > 1 ? (int32_t *)(pv + (size_t)n * chunks) : NULL;
+    TDM_CUDA_LAUNCH(tdm_cuk::argmax_chunk_kernel, dim3((unsigned)n, (unsigned)chunks),
+                    dim3(TDM_CUK_ARGMAX_THREADS), 0, stream, x, cols, pv, pi, ids);
+    int rc = tdm_cuk::launched("argmax_rows");
+    if (rc != TDM_CUK_OK || chunks == 1)
+        return rc;
+    TDM_CUDA_LAUNCH(tdm_cuk::argmax_merge_kernel, dim3((unsigned)n), dim3(TDM_CUK_ARGMAX_THREADS),
+                    0, stream, pv, pi, chunks, ids);
+    return tdm_cuk::launched("argmax_rows merge");
 }
 
 int tdm_cuk_kv_scatter(void *stream, int type, void *pool, const int32_t *blocks, int n,

@@ -800,12 +800,14 @@ static void test_rope_store_fused(void **state)
 // rounded to nearest even into it; other blocks untouched.
 // The device argmax of greedy rows: the first largest by `>` (the sampler's
 // rule): ties keep the lowest index, NaN never wins, a row with nothing above
-// -inf gives 0; widths below, at and above one CTA's 256 threads and the real
-// vocabulary; each row alone equals its row in the batch.
+// -inf gives 0; widths below, at and above one CTA's 256 threads, at and
+// past a chunk (1024 columns: one launch, then a merge), ties across chunks
+// and the real vocabulary (149 CTAs at batch 1); each row alone equals its row
+// in the batch.
 static void test_argmax_rows(void **state)
 {
     (void)state;
-    const int widths[] = {1, 255, 256, 1000, 151936};
+    const int widths[] = {1, 255, 256, 1000, 1024, 1025, 2049, 151936};
     enum { N = 8 };
     for (size_t wi = 0; wi < sizeof widths / sizeof widths[0]; wi++) {
         int cols = widths[wi];
@@ -829,6 +831,13 @@ static void test_argmax_rows(void **state)
             // Row 4: +inf once, late.
             x[4 * (size_t)cols + cols - 1] = INFINITY;
         }
+        if (cols > 2048) {
+            // Ties across chunks: the first chunk's index wins.
+            x[6 * (size_t)cols + 1030] = 60.0f;
+            x[6 * (size_t)cols + cols - 3] = 60.0f;
+            x[7 * (size_t)cols + 5] = 60.0f;
+            x[7 * (size_t)cols + 1030] = 60.0f;
+        }
         for (int r = 0; r < N; r++) {
             const float *row = x + (size_t)r * cols;
             int32_t b = 0;
@@ -840,6 +849,10 @@ static void test_argmax_rows(void **state)
                 }
             want[r] = b;
         }
+        if (cols > 2048) {
+            assert_int_equal(want[6], 1030);
+            assert_int_equal(want[7], 5);
+        }
         if (cols > 300) {
             assert_int_equal(want[1], 299);
             assert_int_equal(want[2], cols - 2);
@@ -848,17 +861,38 @@ static void test_argmax_rows(void **state)
         }
         float *d_x = to_dev(x, count * sizeof *x);
         int32_t *d_ids = dev_zeros(sizeof got);
-        ok(tdm_cuk_argmax_rows(stream, d_x, N, cols, d_ids));
+        size_t sb = tdm_cuk_argmax_scratch(N, cols);
+        assert_true(sb == 0 || cols > TDM_CUK_ARGMAX_CHUNK);
+        void *d_scratch = sb ? dev_zeros(sb) : NULL;
+        ok(tdm_cuk_argmax_rows(stream, d_x, N, cols, d_ids, d_scratch));
         from_dev(got, d_ids, sizeof got);
         assert_memory_equal(got, want, sizeof want);
-        ok(tdm_cuk_argmax_rows(stream, d_x + 5 * (size_t)cols, 1, cols, d_ids));
+#ifndef TDM_CUDA_TEST_GPU
+        tdm_emu_launch_log(1);
+#endif
+        ok(tdm_cuk_argmax_rows(stream, d_x + 5 * (size_t)cols, 1, cols, d_ids, d_scratch));
         from_dev(&alone, d_ids, sizeof alone);
         assert_int_equal(alone, want[5]);
+#ifndef TDM_CUDA_TEST_GPU
+        // Batch 1 over the real vocabulary fills an H200's 132 SMs (149 CTAs).
+        struct tdm_emu_launch l[2];
+        size_t nl = tdm_emu_launches(l, 2);
+        tdm_emu_launch_log(0);
+        int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
+        assert_int_equal(nl, chunks > 1 ? 2 : 1);
+        assert_int_equal(l[0].ctas, (unsigned long long)chunks);
+        if (cols == 151936)
+            assert_true(l[0].ctas >= 132);
+#endif
         tdm_cuda_dev_free(dev, d_x);
         tdm_cuda_dev_free(dev, d_ids);
+        tdm_cuda_dev_free(dev, d_scratch);
         free(x);
     }
-    assert_int_equal(tdm_cuk_argmax_rows(stream, NULL, 0, 10, NULL), TDM_CUK_EINVAL);
+    assert_int_equal(tdm_cuk_argmax_rows(stream, NULL, 0, 10, NULL, NULL), TDM_CUK_EINVAL);
+    assert_int_equal(
+        tdm_cuk_argmax_rows(stream, (const float *)&state, 1, 5000, (int32_t *)&state, NULL),
+        TDM_CUK_EINVAL); // several chunks and no scratch
 }
 
 static void test_kv_gather_scatter(void **state)
