@@ -20,14 +20,17 @@ router and on the decode worker, both staying up (issue 29).
 """
 import http.client
 import json
+import os
 import resource
 import selectors
+import signal
 import socket
 import struct
 import threading
 import time
 
-from pd_harness import Cluster, check, metric_sum, metrics, parse_args, post, request
+from pd_harness import (Cluster, Worker, check, free_port, metric_sum, metrics, parse_args, post,
+                        request)
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 
@@ -86,6 +89,97 @@ def unauthenticated_frames(cl):
     after = metric_sum(metrics(cl.decode[0].http_port), "vllm:request_success_total")
     check(after == before, "an unauthenticated GenerateRequest was served (%s -> %s)" %
           (before, after))
+
+
+def relay_attack(cl):
+    """The relay of issue 29, part 2: a process without the secret holds an
+    address the router dials (a dead worker's, here an endpoint added to the
+    router's config) and relays each connection byte for byte to the decode
+    worker's inbox, then injects its own GenerateRequest once the router's
+    proof went through. Version 1 of the handshake let the router's proof open
+    the relayed connection; now the worker refuses the hello (it names the
+    relay's endpoint, not the worker's), closes the connection and serves
+    nothing."""
+    w = cl.decode[0]
+    gen = b"\x0a\x05relay" + b"\x22\x03\x01\x02\x03" + b"\x30\x04"
+    before = metric_sum(metrics(w.http_port), "vllm:request_success_total")
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+    lsock.settimeout(0.2)
+    relay_port = lsock.getsockname()[1]
+    seen = {"conns": 0, "injected": 0, "closed_by_worker": 0}
+    stop = threading.Event()
+
+    def pump(a):
+        b = socket.create_connection(("127.0.0.1", w.nng_port), timeout=5)
+        sel = selectors.DefaultSelector()
+        sel.register(a, selectors.EVENT_READ)
+        sel.register(b, selectors.EVENT_READ)
+        from_router, injected = 0, False
+        try:
+            while not stop.is_set():
+                for key, _ in sel.select(timeout=0.2):
+                    src = key.fileobj
+                    dst = b if src is a else a
+                    try:
+                        data = src.recv(65536)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        if src is b:
+                            seen["closed_by_worker"] += 1
+                        return
+                    dst.sendall(data)
+                    if src is a:
+                        from_router += len(data)
+                    if src is a and from_router >= 52 + 32 and not injected:
+                        b.sendall(frame(1, gen))  # after the router's proof
+                        injected = True
+                        seen["injected"] += 1
+        except OSError:
+            pass
+        finally:
+            a.close()
+            b.close()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                a, _ = lsock.accept()
+            except socket.timeout:
+                continue
+            seen["conns"] += 1
+            threading.Thread(target=pump, args=(a,), daemon=True).start()
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    fake = Worker("decode", 9, free_port(), relay_port)
+    cl.decode.append(fake)
+    try:
+        cl.write_config("round_robin", "never")
+        os.kill(cl.router_proc.pid, signal.SIGHUP)
+        t0 = time.time()
+        while time.time() - t0 < 10 and seen["closed_by_worker"] < 1:
+            time.sleep(0.1)
+    finally:
+        cl.decode.remove(fake)
+        cl.write_config("round_robin", "never")
+        os.kill(cl.router_proc.pid, signal.SIGHUP)
+        stop.set()
+        th.join()
+        lsock.close()
+    check(seen["conns"] >= 1, "the router never dialed the relay's address")
+    check(seen["closed_by_worker"] >= 1,
+          "the worker kept a relayed connection open: %r" % seen)
+    time.sleep(0.5)
+    after = metric_sum(metrics(w.http_port), "vllm:request_success_total")
+    check(after == before, "a relayed GenerateRequest was served (%s -> %s)" % (before, after))
+    log = os.path.join(cl.args.workdir, "decode0-%d.log" % os.getpid())
+    with open(log, errors="replace") as f:
+        check("a relay, or NAT between peers" in f.read(),
+              "the worker did not log the refused relay (%s)" % log)
+    return seen
 
 
 def connection_flood(cl):
@@ -414,14 +508,15 @@ def main():
     nested_constraints(cl)
     hostile_constraints(cl)
     unauthenticated_frames(cl)
+    relayed = relay_attack(cl)
     connection_flood(cl)
     for port in (cl.router_port, cl.decode[0].http_port):
         st, _, body = post(port, "/v1/completions", {"prompt": "hello", "max_tokens": 4})
         check(st == 200 and body["choices"][0]["finish_reason"] == "length",
               "a normal request after the hostile ones: %d %r" % (st, body))
     alive(cl)
-    print("hostile_input: nested JSON refused on %d services x %d routes; all alive" %
-          (len(ports), len(ROUTES)))
+    print("hostile_input: nested JSON refused on %d services x %d routes; relay refused %r; "
+          "all alive" % (len(ports), len(ROUTES), relayed))
 
 
 if __name__ == "__main__":
