@@ -17,39 +17,85 @@
 
 #include "core.h"
 
-int tdm_json_check_depth(const char *text, size_t len, int max_depth, char *err, size_t errlen)
+// text[i] opens a string: the index of its closing quote (len when none).
+static size_t string_end(const char *text, size_t len, size_t i)
 {
+    for (i++; i < len; i++) {
+        if (text[i] == '\\')
+            i++; // the escaped byte cannot end the string
+        else if (text[i] == '"')
+            return i;
+    }
+    return len;
+}
+
+// One scan for both questions: the values cJSON would build (the root, every
+// array element, every object member) and the first byte where nesting passes
+// max_depth (len when it never does). Deeper text goes on being counted as if
+// it were max_depth deep.
+static size_t scan(const char *text, size_t len, int max_depth, size_t *too_deep_at)
+{
+    // For the container at depth d: is it an array, and is that array still
+    // waiting for its first element (counted when it starts; the others at
+    // their commas)? Object members count at their colons.
+    bool is_array[TDM_JSON_MAX_DEPTH + 1], waiting[TDM_JSON_MAX_DEPTH + 1];
+    int maxd = max_depth < 0 ? 0 : max_depth < TDM_JSON_MAX_DEPTH ? max_depth : TDM_JSON_MAX_DEPTH;
     int depth = 0;
-    bool in_string = false;
+    size_t n = len > 0 ? 1 : 0; // the root
+    *too_deep_at = len;
     for (size_t i = 0; i < len; i++) {
         char c = text[i];
-        if (in_string) {
-            if (c == '\\')
-                i++; // the escaped byte cannot end the string
-            else if (c == '"')
-                in_string = false;
+        if (c == ' ' || c == '\t' || c == '\r' || c == '\n')
             continue;
+        int d = depth < maxd ? depth : maxd;
+        if (depth > 0 && is_array[d] && waiting[d] && c != ']') {
+            n++; // an array's first element
+            waiting[d] = false;
         }
         switch (c) {
         case '"':
-            in_string = true;
+            i = string_end(text, len, i);
             break;
         case '[':
         case '{':
-            if (++depth > max_depth)
-                return tdm_seterr(err, errlen, TDM_EINVAL,
-                                  "JSON nests deeper than %d levels (at byte %zu)", max_depth, i);
+            if (++depth > max_depth && *too_deep_at == len)
+                *too_deep_at = i;
+            d = depth < maxd ? depth : maxd;
+            is_array[d] = c == '[';
+            waiting[d] = c == '[';
             break;
         case ']':
         case '}':
             if (depth > 0)
-                depth--;
+                depth--; // unbalanced closers only lower the count, never below zero
+            break;
+        case ',':
+            n += depth > 0 && is_array[d]; // the next element
+            break;
+        case ':':
+            n++;
             break;
         default:
             break;
         }
     }
+    return n;
+}
+
+int tdm_json_check_depth(const char *text, size_t len, int max_depth, char *err, size_t errlen)
+{
+    size_t at;
+    (void)scan(text, len, max_depth, &at);
+    if (at < len)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "JSON nests deeper than %d levels (at byte %zu)",
+                          max_depth, at);
     return TDM_OK;
+}
+
+size_t tdm_json_count_values(const char *text, size_t len)
+{
+    size_t at;
+    return scan(text, len, TDM_JSON_MAX_DEPTH, &at);
 }
 
 bool tdm_json_has_nul_escape(const char *text, size_t len)

@@ -78,6 +78,9 @@ struct tdm_http_config {
 // system (malloc_trim) after its response, so a burst of large requests does
 // not leave the process at its peak size.
 #define TDM_HTTP_LARGE_BODY ((size_t)1 << 20)
+// Free bytes the allocator's arenas may keep after a request before they are
+// returned to the system (malloc_trim), whatever the request's size.
+#define TDM_HTTP_TRIM_FREE ((size_t)8 << 20)
 
 struct tdm_http_server;
 struct tdm_http_conn; // one request being handled (opaque)

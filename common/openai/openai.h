@@ -32,6 +32,12 @@
 // made the router peak at 1.2 GB before the worker's bound refused it). A
 // worker's --max-waiting (1024 by default) bounds it further at routing.
 #define TDM_OAI_MAX_SEQUENCES 4096
+// A body whose JSON parse tree (TDM_JSON_NODE_BYTES a value, counted before
+// parsing) would exceed this many bytes per body byte, plus the slack, is
+// refused (400): the parse of any body under the size limit stays within ~20x
+// its size (issue 29, part 3).
+#define TDM_OAI_PARSE_BYTES_PER_BODY_BYTE 20
+#define TDM_OAI_PARSE_SLACK ((size_t)1 << 20)
 #define TDM_OAI_ID_HEX 32 // random 128-bit ids are 32 lowercase hex digits
 
 // ---- errors ---------------------------------------------------------------------------

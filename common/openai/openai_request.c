@@ -786,6 +786,18 @@ static int parse_root(cJSON **root, const char *json, size_t len, struct tdm_oai
         return tdm_oai_seterr(e, 400, NULL,
                               "The request body is not accepted: strings must not contain "
                               "NUL characters (\\u0000)");
+    // The parse tree's memory, bounded by the body's size before it is built
+    // (issue 29, part 3): ~80 bytes a value, so a dense array ("[1,1,1,...]":
+    // 2 body bytes a value) would take 40x the body; a real request (token
+    // ids of 3+ digits, text) stays far under the bound.
+    size_t values = json ? tdm_json_count_values(json, len) : 0;
+    if (json && (double)values * TDM_JSON_NODE_BYTES >
+                    (double)TDM_OAI_PARSE_BYTES_PER_BODY_BYTE * (double)len + TDM_OAI_PARSE_SLACK)
+        return tdm_oai_seterr(e, 400, NULL,
+                              "The request body is not accepted: its %zu JSON values would take "
+                              "%.1f MiB to parse, over %d x its %zu bytes + 1 MiB",
+                              values, (double)values * TDM_JSON_NODE_BYTES / 1048576.0,
+                              TDM_OAI_PARSE_BYTES_PER_BODY_BYTE, len);
     const char *end = NULL;
     *root = json ? cJSON_ParseWithLengthOpts(json, len, &end, false) : NULL;
     if (!*root)

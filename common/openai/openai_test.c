@@ -255,6 +255,42 @@ static void test_validation_errors(void **state)
         expect_error(C, many, 400, "n", "n x prompts must be at most 4096 sequences");
         free(many);
     }
+    // The parse tree bounded by the body's size before it is built: a dense
+    // array of one-digit ids (2 body bytes a value) is refused at 200 000
+    // values; 100 000 three-digit ids ("123, ": 5 bytes a value) parse;
+    // so do 20 000 one-digit ids (within the 1 MiB slack).
+    {
+        size_t cap = 16 + 8 * 200000 + 32;
+        char *dense = malloc(cap), *w = dense;
+        assert_non_null(dense);
+        w += sprintf(w, "{\"prompt\":[");
+        for (int i = 0; i < 200000; i++)
+            w += sprintf(w, "%s1", i ? "," : "");
+        sprintf(w, "]}");
+        expect_error(C, dense, 400, "", "JSON values would take 15.3 MiB to parse, over 20 x");
+        struct tdm_oai_request r;
+        struct tdm_oai_error e;
+        w = dense + sprintf(dense, "{\"prompt\":[");
+        for (int i = 0; i < 20000; i++)
+            w += sprintf(w, "%s1", i ? "," : "");
+        sprintf(w, "]}");
+        assert_int_equal(parse(&r, C, dense, &e), TDM_OK);
+        assert_int_equal(r.n_prompts, 1);
+        tdm_oai_request_fini(&r);
+        w = dense + sprintf(dense, "{\"prompt\":[");
+        for (int i = 0; i < 100000; i++)
+            w += sprintf(w, "%s%d", i ? ", " : "", 100 + i % 900);
+        sprintf(w, "]}");
+        if (parse(&r, C, dense, &e) != TDM_OK)
+            fail_msg("100 000 ids: %d %s", e.status, e.message);
+        tdm_oai_request_fini(&r);
+        free(dense);
+        // The count: root, elements, members.
+        const char *j = "{\"a\":[1,[2,3],{},\"x,]\"],\"b\":{\"c\":[]}}";
+        assert_int_equal(tdm_json_count_values(j, strlen(j)), 10);
+        assert_int_equal(tdm_json_count_values("[]", 2), 1);
+        assert_int_equal(tdm_json_count_values(" [ 1 ] ", 7), 2);
+    }
     expect_error(C, "{\"prompt\":\"x\",\"n\":100000}", 400, "n", "n must be at most 128");
     expect_error(C, "{\"prompt\":\"x\",\"n\":2,\"temperature\":0}", 400, "n",
                  "n must be 1 when using greedy sampling, got 2.");
