@@ -327,11 +327,11 @@ int tdm_utf8_encode(uint32_t cp, char out[4]);
 // cJSON_Parse* on any text that came from outside the process.
 int tdm_json_check_depth(const char *text, size_t len, int max_depth, char *err, size_t errlen);
 
-// How many values cJSON builds for text[0..len) (scanned, not parsed: the
-// root, every array element and every object member; strings skipped), for
-// its memory: about TDM_JSON_NODE_BYTES each. Call after tdm_json_check_depth
-// (deeper text is counted as if it were as deep as the limit).
-size_t tdm_json_count_values(const char *text, size_t len);
+// tdm_json_check_depth that also gives, in the same scan, *values: how many
+// values cJSON builds for the text (the root, every array element and every
+// object member), for its memory: about TDM_JSON_NODE_BYTES each.
+int tdm_json_check_depth_count(const char *text, size_t len, int max_depth, size_t *values,
+                               char *err, size_t errlen);
 #define TDM_JSON_NODE_BYTES 80 // a cJSON node (64 bytes) and its allocation's header
 
 // True when a string in the JSON text holds a \u0000 escape (or a raw NUL):

@@ -82,20 +82,21 @@ static size_t scan(const char *text, size_t len, int max_depth, size_t *too_deep
     return n;
 }
 
-int tdm_json_check_depth(const char *text, size_t len, int max_depth, char *err, size_t errlen)
+int tdm_json_check_depth_count(const char *text, size_t len, int max_depth, size_t *values,
+                               char *err, size_t errlen)
 {
-    size_t at;
-    (void)scan(text, len, max_depth, &at);
+    size_t at, n = scan(text, len, max_depth, &at);
+    if (values)
+        *values = n;
     if (at < len)
         return tdm_seterr(err, errlen, TDM_EINVAL, "JSON nests deeper than %d levels (at byte %zu)",
                           max_depth, at);
     return TDM_OK;
 }
 
-size_t tdm_json_count_values(const char *text, size_t len)
+int tdm_json_check_depth(const char *text, size_t len, int max_depth, char *err, size_t errlen)
 {
-    size_t at;
-    return scan(text, len, TDM_JSON_MAX_DEPTH, &at);
+    return tdm_json_check_depth_count(text, len, max_depth, NULL, err, errlen);
 }
 
 bool tdm_json_has_nul_escape(const char *text, size_t len)

@@ -995,9 +995,10 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
     // cudagraph capture sizes): rows n_seqs .. bucket-1 are padding (token 0
     // at position 0, no KV write) whose outputs are never read.
     // ... all LAST or all ARGMAX (the graph ends with the head's logits either
-    // way; the ARGMAX rows' ids are taken after it).
-    bool graph = ops->graph_begin != NULL && !m->opts.enforce_eager && all_decode && !any_hook &&
-                 (n_argmax == 0 || n_argmax == n_seqs);
+    // way; the ARGMAX rows' ids are taken after it): the head's rows are then
+    // the batch's rows in order (in_order).
+    bool in_order = all_decode && (n_argmax == 0 || n_argmax == n_seqs);
+    bool graph = ops->graph_begin != NULL && !m->opts.enforce_eager && in_order && !any_hook;
     int n_seqs_run = n_seqs;
     if (graph) {
         int bucket = 1;
@@ -1079,7 +1080,7 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
     // norm of every row in one op. Else the rows that want logits are
     // gathered (in batch order) into d after the add, then normed into h.
     const float *head_in = m->d;
-    if (graph || (all_decode && (n_argmax == 0 || n_argmax == n_seqs))) {
+    if (in_order) {
         add_norm(m, pending, m->final_norm, m->h, n);
         head_in = NULL;
     } else if (pending) {

@@ -778,7 +778,9 @@ static int parse_root(cJSON **root, const char *json, size_t len, struct tdm_oai
 {
     char depth_err[96];
     *root = NULL;
-    if (json && tdm_json_check_depth(json, len, TDM_JSON_MAX_DEPTH, depth_err, sizeof depth_err))
+    size_t values = 0; // counted by the nesting check's scan
+    if (json && tdm_json_check_depth_count(json, len, TDM_JSON_MAX_DEPTH, &values, depth_err,
+                                           sizeof depth_err))
         return tdm_oai_seterr(e, 400, NULL, "The request body is not accepted: %s", depth_err);
     // cJSON ends its strings at a decoded \u0000, which would silently cut a
     // prompt ("a\u0000bbbb" became 1 token): refuse it instead.
@@ -790,9 +792,8 @@ static int parse_root(cJSON **root, const char *json, size_t len, struct tdm_oai
     // (issue 29, part 3): ~80 bytes a value, so a dense array ("[1,1,1,...]":
     // 2 body bytes a value) would take 40x the body; a real request (token
     // ids of 3+ digits, text) stays far under the bound.
-    size_t values = json ? tdm_json_count_values(json, len) : 0;
-    if (json && (double)values * TDM_JSON_NODE_BYTES >
-                    (double)TDM_OAI_PARSE_BYTES_PER_BODY_BYTE * (double)len + TDM_OAI_PARSE_SLACK)
+    if ((double)values * TDM_JSON_NODE_BYTES >
+        (double)TDM_OAI_PARSE_BYTES_PER_BODY_BYTE * (double)len + TDM_OAI_PARSE_SLACK)
         return tdm_oai_seterr(e, 400, NULL,
                               "The request body is not accepted: its %zu JSON values would take "
                               "%.1f MiB to parse, over %d x its %zu bytes + 1 MiB",

@@ -287,9 +287,16 @@ static void test_validation_errors(void **state)
         free(dense);
         // The count: root, elements, members.
         const char *j = "{\"a\":[1,[2,3],{},\"x,]\"],\"b\":{\"c\":[]}}";
-        assert_int_equal(tdm_json_count_values(j, strlen(j)), 10);
-        assert_int_equal(tdm_json_count_values("[]", 2), 1);
-        assert_int_equal(tdm_json_count_values(" [ 1 ] ", 7), 2);
+        size_t v = 0;
+        assert_int_equal(tdm_json_check_depth_count(j, strlen(j), TDM_JSON_MAX_DEPTH, &v, NULL, 0),
+                         TDM_OK);
+        assert_int_equal(v, 10);
+        assert_int_equal(tdm_json_check_depth_count("[]", 2, TDM_JSON_MAX_DEPTH, &v, NULL, 0),
+                         TDM_OK);
+        assert_int_equal(v, 1);
+        assert_int_equal(tdm_json_check_depth_count(" [ 1 ] ", 7, TDM_JSON_MAX_DEPTH, &v, NULL, 0),
+                         TDM_OK);
+        assert_int_equal(v, 2);
     }
     expect_error(C, "{\"prompt\":\"x\",\"n\":100000}", 400, "n", "n must be at most 128");
     expect_error(C, "{\"prompt\":\"x\",\"n\":2,\"temperature\":0}", 400, "n",

@@ -960,35 +960,40 @@ static int cuda_graph_end(struct tdm_backend *be)
     return be->err;
 }
 
+// The staged forward's cache, in this backend's memory: NULL (the backend's
+// error set, naming op) when kv is another storage or the batch is not the
+// one begin_forward staged.
+static struct cuda_kv_storage *staged_storage(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                                              int n_seqs, const char *op)
+{
+    struct tdm_kv_storage *st = tdm_kv_storage(kv);
+    if (st->ops != &kvs_ops || n_seqs != be->n_seqs) {
+        fail(be, TDM_EINVAL, "%s: no begin_forward for this batch and cache", op);
+        return NULL;
+    }
+    return (struct cuda_kv_storage *)st;
+}
+
 static void cuda_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
                           const struct tdm_attn_seq *seqs, int n_seqs, const float *k,
                           const float *v, int stride)
 {
     (void)seqs;
-    struct tdm_kv_storage *st = tdm_kv_storage(kv);
-    if (st->ops != &kvs_ops || n_seqs != be->n_seqs) {
-        fail(be, TDM_EINVAL, "kv_store: %s", "no begin_forward for this batch and cache");
+    struct cuda_kv_storage *s = staged_storage(be, kv, n_seqs, "kv_store");
+    if (s == NULL)
         return;
-    }
     const struct tdm_kv_config *c = tdm_kv_config(kv);
-    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
     launch_check(be, tdm_cuk_kv_store(be->stream, s->type, k, v, stride, be->m_slots, be->n_rows,
                                       s->k[layer], s->v[layer], c->num_kv_heads, c->head_dim,
                                       c->block_size));
 }
 
-// Attention of the staged batch (bf16 out); with inv_freq, a decode-only
-// batch's RoPE and KV store run inside the decode kernel.
-static void attend(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer, int n_seqs,
+// Attention of the staged batch over s (bf16 out); with inv_freq, a
+// decode-only batch's RoPE and KV store run inside the decode kernel.
+static void attend(struct tdm_backend *be, struct cuda_kv_storage *s, int block_size, int layer,
                    const float *q, int q_stride, void *out, int n_heads, int n_kv_heads,
                    int head_dim, float scale, const float *inv_freq)
 {
-    struct tdm_kv_storage *st = tdm_kv_storage(kv);
-    if (st->ops != &kvs_ops || n_seqs != be->n_seqs) {
-        fail(be, TDM_EINVAL, "attention: %s", "no begin_forward for this batch and cache");
-        return;
-    }
-    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
     const struct tdm_cuk_plan *p = &be->plan;
     size_t part = (size_t)p->n_decode * (size_t)n_heads * (size_t)p->max_splits;
     if (buf_reserve(be, &be->d_part_o, part * (size_t)head_dim * sizeof(float) + 4) ||
@@ -1019,7 +1024,7 @@ static void attend(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer, i
         .n_heads = n_heads,
         .n_kv_heads = n_kv_heads,
         .head_dim = head_dim,
-        .block_size = tdm_kv_config(kv)->block_size,
+        .block_size = block_size,
         .scale = scale,
     };
     launch_check(be, tdm_cuk_attention(be->stream, &a));
@@ -1031,7 +1036,10 @@ static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int 
                            float scale)
 {
     (void)seqs;
-    attend(be, kv, layer, n_seqs, q, q_stride, out, n_heads, n_kv_heads, head_dim, scale, NULL);
+    struct cuda_kv_storage *s = staged_storage(be, kv, n_seqs, "attention");
+    if (s != NULL)
+        attend(be, s, tdm_kv_config(kv)->block_size, layer, q, q_stride, out, n_heads, n_kv_heads,
+               head_dim, scale, NULL);
 }
 
 // A decode-only batch: one launch (RoPE and the KV store inside the decode
@@ -1044,22 +1052,19 @@ static void cuda_rope_store_attention(struct tdm_backend *be, struct tdm_kv_cach
                                       float scale)
 {
     (void)seqs;
-    struct tdm_kv_storage *st = tdm_kv_storage(kv);
-    if (st->ops != &kvs_ops || n_seqs != be->n_seqs) {
-        fail(be, TDM_EINVAL, "attention: %s", "no begin_forward for this batch and cache");
+    struct cuda_kv_storage *s = staged_storage(be, kv, n_seqs, "attention");
+    if (s == NULL)
         return;
-    }
+    int bs = tdm_kv_config(kv)->block_size;
     if (be->plan.n_tiles == 0) {
-        attend(be, kv, layer, n_seqs, qkv, qkv_stride, out, n_heads, n_kv_heads, head_dim, scale,
+        attend(be, s, bs, layer, qkv, qkv_stride, out, n_heads, n_kv_heads, head_dim, scale,
                inv_freq);
         return;
     }
-    const struct tdm_kv_config *c = tdm_kv_config(kv);
-    struct cuda_kv_storage *s = (struct cuda_kv_storage *)st;
     launch_check(be, tdm_cuk_rope_kv_store(be->stream, s->type, qkv, qkv_stride, n_heads,
                                            n_kv_heads, head_dim, pos, inv_freq, be->m_slots,
-                                           be->n_rows, s->k[layer], s->v[layer], c->block_size));
-    attend(be, kv, layer, n_seqs, qkv, qkv_stride, out, n_heads, n_kv_heads, head_dim, scale, NULL);
+                                           be->n_rows, s->k[layer], s->v[layer], bs));
+    attend(be, s, bs, layer, qkv, qkv_stride, out, n_heads, n_kv_heads, head_dim, scale, NULL);
 }
 
 const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
