@@ -10,6 +10,8 @@ of holding a thread. --http-max-conns-per-ip 3: a fourth open connection's
 request gets 429. Ten 10 MB /tokenize calls: RSS back near where it started
 (it used to grow by ~360 MB a call, to 3.5 GB on the tiny model), and with
 more at once than --max-large-requests the rest get 503 + Retry-After.
+--http-memory-budget 64: a 10 MB body (counted at ~211 MiB with its parse)
+is a 413 naming the flag, a 1 MB one (~22 MiB) is served (issue 29, part 3).
 OPTIONS * is 204 with Allow, an absolute-form target is served as its path
 on this server's port and 400 for another server (civetweb closed both
 connections in silence).
@@ -208,6 +210,16 @@ def big_tokenize(srv, srv8):
     return start, seq_end, end, peak[0], seq_s, codes
 
 
+def memory_budget(srv):
+    big = json.dumps({"prompt": "word " * 2000000}).encode()
+    st, _, data = srv.request("POST", "/tokenize", big, timeout=120)
+    check(st == 413 and b"--http-memory-budget" in data,
+          "a 10 MB body against a 64 MiB budget: %d %r" % (st, data[:300]))
+    small = json.dumps({"prompt": "word " * 200000}).encode()
+    st, _, data = srv.request("POST", "/tokenize", small, timeout=120)
+    check(st == 200, "a 1 MB body against a 64 MiB budget: %d %r" % (st, data[:300]))
+
+
 def main():
     args = parse_args()
     # Under AddressSanitizer, freed memory waits in a quarantine (256 MB by
@@ -226,6 +238,11 @@ def main():
     srv8 = Server(args, model, "--threads", "1", "--http-threads", "8", "--max-large-requests",
                   "2")
     start, seq_end, end, peak, seq_s, codes = big_tokenize(srv, srv8)
+    srv8.stop()
+    srv64 = Server(args, model, "--threads", "1", "--http-threads", "4", "--http-memory-budget",
+                   "64")
+    memory_budget(srv64)
+    srv64.stop()
     st, _, body = srv.post_json("/v1/completions", {"prompt": "after", "max_tokens": 2})
     check(st == 200, "a normal request at the end: %d %r" % (st, body))
     check(srv.proc.poll() is None, "tandem-decode died")

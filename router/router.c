@@ -62,6 +62,7 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
     o->http_header_timeout = 10.0;
     o->http_body_timeout = 30.0;
     o->max_large_requests = 4;
+    o->http_memory_budget_mib = 2048;
     snprintf(o->log_level, sizeof o->log_level, "info");
     o->watch = true;
     o->stream_migration = true;
@@ -103,9 +104,11 @@ static const struct tdm_flag router_flags[] = {
     STR("model", model, "DIR", "model folder for the tokenizer, chat template, config.json"),
     STR("served-model-name", served_model_name, "NAME", "name in requests and responses"),
     STR("chat-template", chat_template, "FILE", "override the tokenizer's chat template"),
-    {.name = "enable-auto-tool-choice", .kind = TDM_FLAG_BOOL,
+    {.name = "enable-auto-tool-choice",
+     .kind = TDM_FLAG_BOOL,
      .offset = OFF(enable_auto_tool_choice),
-     .help = "tool_choice \"auto\": parse tool calls out of the\noutput (needs --tool-call-parser)"},
+     .help =
+         "tool_choice \"auto\": parse tool calls out of the\noutput (needs --tool-call-parser)"},
     STR("tool-call-parser", tool_call_parser, "NAME",
         "hermes (Qwen2.5, Hermes) or llama3_json (Llama 3.x)"),
     STR("host", host, "ADDR", "HTTP listen address (default 0.0.0.0)"),
@@ -124,31 +127,46 @@ static const struct tdm_flag router_flags[] = {
         "open connections per client address; beyond it 429\n(default 0 = no cap)"),
     NUM("max-large-requests", TDM_FLAG_INT, max_large_requests, 1, 1 << 20, "N",
         "requests with bodies over 1 MiB at once; beyond it 503\n+ Retry-After (default 4)"),
+    NUM("http-memory-budget", TDM_FLAG_INT, http_memory_budget_mib, 1, 1 << 22, "MIB",
+        "memory the requests in progress may count (each\n~21 x its body + 1 MiB); "
+        "beyond it 503 +\nRetry-After, 413 for one over it alone (default 2048)"),
     NUM("max-model-len", TDM_FLAG_INT, max_model_len, 0, 1e9, "N",
         "context length (default config.json's)"),
     NUM("liveness-timeout", TDM_FLAG_DOUBLE, liveness_timeout, 0.05, 3600, "S",
         "worker silent this long mid-stream = lost (default 1)"),
     NUM("load-interval", TDM_FLAG_DOUBLE, load_interval, 0.01, 60, "S",
         "load query period (default 0.2)"),
-    {.name = "watch-config", .kind = TDM_FLAG_BOOL, .offset = OFF(watch),
+    {.name = "watch-config",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(watch),
      .help = "reload the config when its file changes (default)"},
-    {.name = "no-watch-config", .kind = TDM_FLAG_NOT, .offset = OFF(watch),
+    {.name = "no-watch-config",
+     .kind = TDM_FLAG_NOT,
+     .offset = OFF(watch),
      .help = "reload only on SIGHUP"},
-    {.name = "stream-migration", .kind = TDM_FLAG_BOOL, .offset = OFF(stream_migration),
+    {.name = "stream-migration",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(stream_migration),
      .help = "a stream whose decode worker is lost continues on another,\nwith the tokens "
              "already sent (default)"},
-    {.name = "no-stream-migration", .kind = TDM_FLAG_NOT, .offset = OFF(stream_migration),
+    {.name = "no-stream-migration",
+     .kind = TDM_FLAG_NOT,
+     .offset = OFF(stream_migration),
      .help = "a lost decode worker ends its streams with an error event"},
     NUM("stream-interval", TDM_FLAG_INT, stream_interval, 1, 1 << 20, "N",
         "streams: after the first token, send tokens N per event\n(fewer, larger events; "
         "default 1 = each as it comes)"),
-    {.name = "debug-headers", .kind = TDM_FLAG_BOOL, .offset = OFF(debug_headers),
+    {.name = "debug-headers",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(debug_headers),
      .help = "answer with x-tandem-decode (the worker's address) and\nx-tandem-phases (phase "
              "times); off by default: internals\nare not told to clients"},
     NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
         "on SIGTERM, open requests may finish this long (default 30)"),
     STR("log-level", log_level, "LEVEL", "err|warn|info|debug (default info)"),
-    {.name = "otlp-traces-endpoint", .kind = TDM_FLAG_FN, .fn = set_otlp_traces_endpoint,
+    {.name = "otlp-traces-endpoint",
+     .kind = TDM_FLAG_FN,
+     .fn = set_otlp_traces_endpoint,
      .metavar = "URL",
      .help = "export per-request trace spans as OTLP/HTTP JSON\nto URL/v1/traces (default "
              "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,\nelse off; docs/observability.md)"},
@@ -1653,6 +1671,7 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     hc.body_timeout_ms = (int)(o->http_body_timeout * 1000.0);
     hc.max_conns_per_ip = o->http_max_conns_per_ip;
     hc.max_large_requests = o->max_large_requests;
+    hc.memory_budget = (size_t)o->http_memory_budget_mib << 20;
     hc.api_key = o->api_key[0] ? o->api_key : NULL;
     hc.error_body = tdm_oai_http_error_body;
     static const struct {

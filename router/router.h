@@ -46,6 +46,7 @@ struct tdm_router_opts {
     double http_body_timeout;    // --http-body-timeout S; default 30
     int http_max_conns_per_ip;   // --http-max-conns-per-ip N; 0 = no cap (default)
     int max_large_requests;      // --max-large-requests N: bodies over 1 MiB at once; default 4
+    int http_memory_budget_mib;  // --http-memory-budget MIB; default 2048 (as on the workers)
     int max_model_len;           // --max-model-len; 0 = config.json's max_position_embeddings
     char log_level[16];          // --log-level; default info
     bool watch;                  // --[no-]watch-config: reload on file change; default on

@@ -163,6 +163,7 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
     hc.body_timeout_ms = (int)(cfg->http_body_timeout * 1000.0);
     hc.max_conns_per_ip = cfg->http_max_conns_per_ip;
     hc.max_large_requests = cfg->max_large_requests;
+    hc.memory_budget = (size_t)cfg->http_memory_budget_mib << 20;
     hc.api_key = cfg->api_key[0] ? cfg->api_key : NULL;
     hc.error_body = tdm_oai_http_error_body;
     static const struct {

@@ -76,6 +76,8 @@ struct tdm_worker_config {
     int http_max_conns_per_ip;              // --http-max-conns-per-ip N; 0 = no cap (default)
     int max_large_requests;                 // --max-large-requests N: bodies over 1 MiB at
                                             // once; default 4
+    int http_memory_budget_mib;             // --http-memory-budget MIB: requests in progress
+                                            // counted at their body + parse; default 2048
     char otlp_traces_endpoint[TDM_WORKER_STR]; // --otlp-traces-endpoint URL (vLLM's flag): export
                                                // spans as OTLP/HTTP JSON to URL/v1/traces; "" =
                                                // $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off

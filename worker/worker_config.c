@@ -40,6 +40,7 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->http_header_timeout = 10.0;
     cfg->http_body_timeout = 30.0;
     cfg->max_large_requests = 4;
+    cfg->http_memory_budget_mib = 2048;
     snprintf(cfg->trace_service_name, sizeof cfg->trace_service_name, "tandem-decode");
     cfg->kv_transfer = TDM_KVX_AUTO;
 }
@@ -402,6 +403,9 @@ static const struct tdm_flag decode_flags[] = {
         "open connections per client address; beyond\nit 429 (default 0 = no cap)"),
     INT("max-large-requests", max_large_requests, 1, 1 << 20, "N",
         "requests with bodies over 1 MiB at once;\nbeyond it 503 + Retry-After (default 4)"),
+    INT("http-memory-budget", http_memory_budget_mib, 1, 1 << 22, "MIB",
+        "memory the requests in progress may count (each\n~21 x its body + 1 MiB); "
+        "beyond it 503\n+ Retry-After, 413 for one over it alone (default 2048)"),
     {.name = "otlp-traces-endpoint",
      .kind = TDM_FLAG_FN,
      .fn = set_otlp_traces_endpoint,

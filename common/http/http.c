@@ -52,10 +52,12 @@ struct tdm_http_server {
     int max_conns_per_ip;   // <= 0: no cap
     int max_large_requests; // > 0
     tdm_http_error_body_fn error_body; // NULL = text/plain errors
-    pthread_mutex_t mu;     // guards ips and n_large
+    pthread_mutex_t mu;                // guards ips, n_large and mem_counted
     struct ip_count *ips;   // [n_ips] open connections per client address (with a cap only)
     size_t n_ips, cap_ips;
     int n_large; // large requests being handled
+    size_t mem_budget;  // memory_budget, > 0
+    size_t mem_counted; // tdm_http_request_memory of the requests being handled (under mu)
     struct route *routes;
     size_t n_routes;
     bool started;
@@ -83,6 +85,10 @@ struct tdm_http_conn {
     char *frame; // SSE framing buffer, grown as needed
     size_t frame_cap;
     bool large;      // holds one of max_large_requests
+    size_t mem;      // counted against mem_budget (memory_take)
+    bool mem_never;  // read_body's 413 was the memory budget (the request alone is over it)
+    size_t mem_refused_len; // the body size memory_take refused
+    bool mem_busy;          // read_body's 503 was the memory budget, not max_large_requests
     bool body_stall; // read_body's 408 was a stall (no data for a while), not its deadline
     bool must_close; // answered before its body was read: the connection closes
     bool drainable;  // ... unless the rest of the body can be read and dropped (drain_body)
@@ -165,6 +171,7 @@ int tdm_http_server_new(struct tdm_http_server **out, const struct tdm_http_conf
     s->max_conns_per_ip = cfg->max_conns_per_ip > 0 ? cfg->max_conns_per_ip : 0;
     s->max_large_requests =
         cfg->max_large_requests > 0 ? cfg->max_large_requests : DEFAULT_LARGE_REQUESTS;
+    s->mem_budget = cfg->memory_budget ? cfg->memory_budget : TDM_HTTP_DEFAULT_MEMORY_BUDGET;
     pthread_mutex_init(&s->mu, NULL);
     s->error_body = cfg->error_body;
     if (cfg->api_key && *cfg->api_key && !(s->api_key = strdup(cfg->api_key)))
@@ -709,8 +716,63 @@ static void large_release(struct tdm_http_conn *c)
     c->large = false;
 }
 
-// Reads the request body into c->body. Returns 0, 413 (over the limit), 503
-// (max_large_requests are being handled), 408 (not received within
+size_t tdm_http_request_memory(size_t body_len)
+{
+    // Saturating: a declared length near SIZE_MAX must not wrap to a small count.
+    if (body_len >
+        (SIZE_MAX - TDM_HTTP_REQUEST_BASE - TDM_HTTP_TREE_SLACK) / (TDM_JSON_NODE_BYTES + 1))
+        return SIZE_MAX;
+    size_t tree = body_len * TDM_JSON_NODE_BYTES;
+    size_t bound = body_len * TDM_HTTP_TREE_PER_BODY_BYTE + TDM_HTTP_TREE_SLACK;
+    return body_len + (tree < bound ? tree : bound) + TDM_HTTP_REQUEST_BASE;
+}
+
+size_t tdm_http_memory_in_use(struct tdm_http_server *s)
+{
+    pthread_mutex_lock(&s->mu);
+    size_t n = s->mem_counted;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+// Counts the request as using tdm_http_request_memory(body_len) (it grows as a
+// chunked body does). 0; 413 (more than the whole budget: mem_never); 503 (it
+// does not fit beside the requests being handled now: mem_busy).
+static int memory_take(struct tdm_http_conn *c, size_t body_len)
+{
+    struct tdm_http_server *s = c->srv;
+    size_t want = tdm_http_request_memory(body_len);
+    if (want <= c->mem)
+        return 0;
+    c->mem_refused_len = body_len;
+    if (want > s->mem_budget) {
+        c->mem_never = true;
+        return 413;
+    }
+    pthread_mutex_lock(&s->mu);
+    bool ok = s->mem_counted - c->mem + want <= s->mem_budget;
+    if (ok) {
+        s->mem_counted = s->mem_counted - c->mem + want;
+        c->mem = want;
+    }
+    pthread_mutex_unlock(&s->mu);
+    c->mem_busy = !ok;
+    return ok ? 0 : 503;
+}
+
+static void memory_release(struct tdm_http_conn *c)
+{
+    if (!c->mem)
+        return;
+    pthread_mutex_lock(&c->srv->mu);
+    c->srv->mem_counted -= c->mem;
+    pthread_mutex_unlock(&c->srv->mu);
+    c->mem = 0;
+}
+
+// Reads the request body into c->body. Returns 0, 413 (over the limit, or
+// over the whole memory budget), 503 (max_large_requests are being handled, or
+// the memory budget is taken), 408 (not received within
 // body_timeout_ms) or 400 (the client went away or sent a broken chunked
 // body). civetweb's read waits up to header_timeout_ms for data and returns 0
 // (or -1 for a chunked body) when it stalls that long: a read that long is a
@@ -728,6 +790,9 @@ static int read_body(struct tdm_http_conn *c)
         return 413;
     if (declared == 0 || (declared < 0 && !method_has_body(c->ri->request_method)))
         return 0;
+    int mst = memory_take(c, declared > 0 ? (size_t)declared : 0);
+    if (mst)
+        return mst;
     if (declared >= (long long)TDM_HTTP_LARGE_BODY && !large_acquire(c))
         return 503;
     double t0 = tdm_now();
@@ -775,6 +840,8 @@ static int read_body(struct tdm_http_conn *c)
         len += (size_t)n;
         if (len > limit)
             return 413;
+        if (declared < 0 && (mst = memory_take(c, len)))
+            return mst; // a chunked body, counted as it arrives
         if (!c->large && len >= TDM_HTTP_LARGE_BODY && !large_acquire(c))
             return 503; // a chunked body that turned out large
         if (now - t0 > body_s && (declared < 0 || len < (size_t)declared))
@@ -1128,9 +1195,17 @@ static int on_begin_request(struct mg_connection *mg)
     }
     if (body_status == 413) {
         c.drainable = true;
-        char msg[160];
-        snprintf(msg, sizeof msg, "The request body is larger than the limit of %zu bytes",
-                 s->max_body);
+        char msg[300];
+        if (c.mem_never)
+            snprintf(msg, sizeof msg,
+                     "The request body is too large for this server's memory budget: a body "
+                     "of %zu bytes counts as %.1f MiB (the body and its parse), over the whole "
+                     "%.0f MiB (--http-memory-budget)",
+                     c.mem_refused_len, tdm_http_request_memory(c.mem_refused_len) / 1048576.0,
+                     s->mem_budget / 1048576.0);
+        else
+            snprintf(msg, sizeof msg, "The request body is larger than the limit of %zu bytes",
+                     s->max_body);
         tdm_http_respond_error(&c, 413, msg);
         goto done;
     }
@@ -1153,10 +1228,16 @@ static int on_begin_request(struct mg_connection *mg)
     }
     if (body_status == 503) {
         c.drainable = true;
-        char msg[200];
-        snprintf(msg, sizeof msg,
-                 "The server is handling %d requests with bodies over %zu bytes; retry later",
-                 s->max_large_requests, TDM_HTTP_LARGE_BODY);
+        char msg[300];
+        if (c.mem_busy)
+            snprintf(msg, sizeof msg,
+                     "The server's requests in progress use its memory budget (%.0f MiB, "
+                     "--http-memory-budget); retry later",
+                     s->mem_budget / 1048576.0);
+        else
+            snprintf(msg, sizeof msg,
+                     "The server is handling %d requests with bodies over %zu bytes; retry later",
+                     s->max_large_requests, TDM_HTTP_LARGE_BODY);
         tdm_http_add_header(&c, "Retry-After", "1");
         tdm_http_respond_error(&c, 503, msg);
         goto done;
@@ -1182,6 +1263,7 @@ done:
                   c.body_len, c.bytes_out, (tdm_now() - t0) * 1e3, c.gone ? " client_gone" : "");
     bool large = c.large || c.body_len >= TDM_HTTP_LARGE_BODY || c.bytes_out >= TDM_HTTP_LARGE_BODY;
     large_release(&c);
+    memory_release(&c);
     int status = c.status ? c.status : 500;
     bool must_close = c.must_close;
     conn_fini(&c);

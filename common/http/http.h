@@ -43,6 +43,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+struct tdm_http_server;
+struct tdm_http_conn; // one request being handled (opaque)
+
 // Builds the body of an error the server answers by itself (status 401, 404,
 // 405, 413, 400 for an unreadable body, 500 for a handler that sent nothing or
 // out of memory): a heap NUL-terminated JSON string the server frees, or NULL
@@ -69,6 +72,11 @@ struct tdm_http_config {
                              // connection is closed. <= 0 = no cap
     int max_large_requests;  // requests with a body over TDM_HTTP_LARGE_BODY handled at once;
                              // beyond it 503 + Retry-After before the body is read. <= 0 = 4
+    size_t memory_budget;    // bytes the requests being handled may be counted as using
+                             // (tdm_http_request_memory each, from when the body's size is
+                             // known to the response's end); a request that does not fit
+                             // now gets 503 + Retry-After, one that never could 413.
+                             // 0 = TDM_HTTP_DEFAULT_MEMORY_BUDGET
     tdm_http_error_body_fn error_body; // JSON body of the server's own errors; NULL = the
                                        // message as text/plain
 };
@@ -78,12 +86,25 @@ struct tdm_http_config {
 // system (malloc_trim) after its response, so a burst of large requests does
 // not leave the process at its peak size.
 #define TDM_HTTP_LARGE_BODY ((size_t)1 << 20)
+// The memory a request with a body is counted as using against the server's
+// memory_budget (issue 29, part 3): its body, the JSON tree a front may build
+// from it (TDM_JSON_NODE_BYTES a value, a value at least one body byte, and no
+// more than TDM_HTTP_TREE_PER_BODY_BYTE x the body + TDM_HTTP_TREE_SLACK: the
+// OpenAI front refuses a denser body before parsing it), and
+// TDM_HTTP_REQUEST_BASE for the rest (tokens, the response). A request without
+// a body (GET /health, /metrics) counts nothing, so a full budget never hides
+// the server's health.
+#define TDM_HTTP_TREE_PER_BODY_BYTE 20
+#define TDM_HTTP_TREE_SLACK ((size_t)1 << 20)
+#define TDM_HTTP_REQUEST_BASE ((size_t)64 << 10)
+#define TDM_HTTP_DEFAULT_MEMORY_BUDGET ((size_t)2 << 30)
+size_t tdm_http_request_memory(size_t body_len);
+// The bytes counted against memory_budget now (requests being handled).
+size_t tdm_http_memory_in_use(struct tdm_http_server *s);
+
 // Free bytes the allocator's arenas may keep after a request before they are
 // returned to the system (malloc_trim), whatever the request's size.
 #define TDM_HTTP_TRIM_FREE ((size_t)8 << 20)
-
-struct tdm_http_server;
-struct tdm_http_conn; // one request being handled (opaque)
 
 // A route handler. It must answer (respond or SSE) before returning; when it
 // returns without answering, the server sends a 500 error body.

@@ -687,6 +687,163 @@ static void test_slow_clients_and_targets(void **state)
     tdm_http_server_free(srv);
 }
 
+// A handler that holds its request until released (test_memory_budget).
+struct hold {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool inside, release;
+};
+
+static void h_hold(struct tdm_http_conn *c, void *arg)
+{
+    struct hold *h = arg;
+    pthread_mutex_lock(&h->mu);
+    h->inside = true;
+    pthread_cond_broadcast(&h->cv);
+    while (!h->release)
+        pthread_cond_wait(&h->cv, &h->mu);
+    pthread_mutex_unlock(&h->mu);
+    tdm_http_respond(c, 200, NULL, "held", 4);
+}
+
+struct hold_client {
+    int port;
+    char *req;
+    char *resp;
+};
+
+static void *hold_client_run(void *arg)
+{
+    struct hold_client *hc = arg;
+    hc->resp = roundtrip(hc->port, hc->req);
+    return NULL;
+}
+
+// A request of n body bytes to path ("Content-Length", or chunked in 4 KiB
+// chunks), "Connection: close"; heap.
+static char *body_request(const char *path, size_t n, bool chunked)
+{
+    char *req = malloc(n + n / 1024 * 16 + 256);
+    int hl = sprintf(req, "POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n", path);
+    char *p = req + hl;
+    if (!chunked) {
+        p += sprintf(p, "Content-Length: %zu\r\n\r\n", n);
+        memset(p, 'x', n);
+        p[n] = '\0';
+        return req;
+    }
+    p += sprintf(p, "Transfer-Encoding: chunked\r\n\r\n");
+    for (size_t left = n; left;) {
+        size_t k = left < 4096 ? left : 4096;
+        p += sprintf(p, "%zx\r\n", k);
+        memset(p, 'x', k);
+        p += k;
+        p += sprintf(p, "\r\n");
+        left -= k;
+    }
+    strcpy(p, "0\r\n\r\n");
+    return req;
+}
+
+// The memory budget (issue 29, part 3): a request counts its body and the
+// parse its body may cost from when its size is known to its response's end;
+// one over the whole budget is a 413, one that does not fit beside the
+// requests in progress a 503 + Retry-After (a chunked body as it grows), a
+// bodiless GET counts nothing, and the count goes back to 0.
+static void test_memory_budget(void **state)
+{
+    (void)state;
+    assert_int_equal(tdm_http_request_memory(0), TDM_HTTP_REQUEST_BASE);
+    assert_int_equal(tdm_http_request_memory(1000),
+                     1000 + 1000 * TDM_JSON_NODE_BYTES + TDM_HTTP_REQUEST_BASE);
+    size_t mib = (size_t)1 << 20;
+    assert_int_equal(tdm_http_request_memory(mib), mib + TDM_HTTP_TREE_PER_BODY_BYTE * mib +
+                                                       TDM_HTTP_TREE_SLACK + TDM_HTTP_REQUEST_BASE);
+    assert_true(tdm_http_request_memory(SIZE_MAX / 2) == SIZE_MAX);
+
+    struct hold h = {.inside = false};
+    pthread_mutex_init(&h.mu, NULL);
+    tdm_cond_init(&h.cv);
+    size_t held = 20000;
+    struct tdm_http_config cfg = {.host = "127.0.0.1",
+                                  .num_threads = 8,
+                                  .max_body_bytes = 65536,
+                                  .memory_budget =
+                                      tdm_http_request_memory(held) + tdm_http_request_memory(1000),
+                                  .error_body = tdm_oai_http_error_body};
+    struct tdm_http_server *srv = NULL;
+    char err[256];
+    assert_int_equal(tdm_http_server_new(&srv, &cfg, err, sizeof err), TDM_OK);
+    tdm_http_route(srv, "GET", "/health", h_health, NULL);
+    tdm_http_route(srv, "POST", "/echo", h_echo, NULL);
+    tdm_http_route(srv, "POST", "/hold", h_hold, &h);
+    assert_int_equal(tdm_http_server_start(srv, err, sizeof err), TDM_OK);
+    int port = tdm_http_server_port(srv);
+    char v[64];
+
+    // Over the whole budget (under the body limit): 413 naming the flag.
+    char *req = body_request("/echo", 40000, false);
+    char *r = roundtrip(port, req);
+    assert_oai_error(r, 413, "RequestTooLargeError");
+    assert_non_null(strstr(r, "--http-memory-budget"));
+    free(r);
+    free(req);
+
+    struct hold_client hc = {.port = port, .req = body_request("/hold", held, false)};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, hold_client_run, &hc), 0);
+    pthread_mutex_lock(&h.mu);
+    while (!h.inside)
+        pthread_cond_wait(&h.cv, &h.mu);
+    pthread_mutex_unlock(&h.mu);
+    assert_int_equal(tdm_http_memory_in_use(srv), tdm_http_request_memory(held));
+
+    // Beside it: a second large body does not fit now (503 + Retry-After),
+    // neither does a chunked one once it grows; a small one does, and a GET
+    // counts nothing.
+    for (int chunked = 0; chunked < 2; chunked++) {
+        req = body_request("/echo", held, chunked);
+        r = roundtrip(port, req);
+        assert_oai_error(r, 503, "ServiceUnavailableError");
+        assert_string_equal(header_of(r, "Retry-After", v, sizeof v), "1");
+        assert_non_null(strstr(r, "memory budget"));
+        free(r);
+        free(req);
+    }
+    req = body_request("/echo", 500, false);
+    r = roundtrip(port, req);
+    assert_int_equal(status_of(r), 200);
+    assert_int_equal(strlen(body_of(r)), 500);
+    free(r);
+    free(req);
+    r = roundtrip(port, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert_int_equal(status_of(r), 200);
+    free(r);
+
+    pthread_mutex_lock(&h.mu);
+    h.release = true;
+    pthread_cond_broadcast(&h.cv);
+    pthread_mutex_unlock(&h.mu);
+    pthread_join(th, NULL);
+    assert_int_equal(status_of(hc.resp), 200);
+    free(hc.resp);
+    free(hc.req);
+    // The count is returned once the handler's thread is done with the request.
+    for (int i = 0; i < 200 && tdm_http_memory_in_use(srv); i++)
+        usleep(10000);
+    assert_int_equal(tdm_http_memory_in_use(srv), 0);
+    for (int chunked = 0; chunked < 2; chunked++) {
+        req = body_request("/echo", held, chunked);
+        r = roundtrip(port, req);
+        assert_int_equal(status_of(r), 200);
+        free(r);
+        free(req);
+    }
+    tdm_http_server_free(srv);
+    pthread_mutex_destroy(&h.mu);
+    pthread_cond_destroy(&h.cv);
+}
+
 static void test_error_body_fallback(void **state)
 {
     (void)state;
@@ -728,6 +885,7 @@ int main(void)
     const struct CMUnitTest alone[] = {
         cmocka_unit_test(test_error_body_fallback),
         cmocka_unit_test(test_slow_clients_and_targets),
+        cmocka_unit_test(test_memory_budget),
     };
     return cmocka_run_group_tests(tests, setup, teardown) |
            cmocka_run_group_tests(alone, NULL, NULL);

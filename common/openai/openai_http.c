@@ -18,6 +18,12 @@
 #include "metrics.h"
 #include "trace.h"
 
+// The HTTP server counts a request's parse at the bound the request parser
+// enforces (http.h's tdm_http_request_memory).
+_Static_assert(TDM_HTTP_TREE_PER_BODY_BYTE == TDM_OAI_PARSE_BYTES_PER_BODY_BYTE &&
+                   TDM_HTTP_TREE_SLACK == TDM_OAI_PARSE_SLACK,
+               "the HTTP memory budget counts the parse bound openai_request enforces");
+
 // ---- errors ----------------------------------------------------------------------------------
 char *tdm_oai_http_error_body(int status, const char *message)
 {
