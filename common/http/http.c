@@ -1243,9 +1243,16 @@ static int on_begin_request(struct mg_connection *mg)
         goto done;
     }
     if (body_status) {
+        // civetweb 1.15 (Debian bookworm's) refuses a chunk extension
+        // ("1a;name=value"), valid HTTP/1.1 that clients do not send in
+        // practice; later civetweb skips it. Trailers are read and dropped.
         tdm_http_respond_error(&c, body_status,
                                body_status == 500 ? "out of memory"
-                                                  : "The request body could not be read");
+                               : ri->content_length < 0
+                                   ? "The chunked request body could not be read: the client "
+                                     "went away or its chunk framing is malformed (chunk "
+                                     "extensions, \"size;name=value\", are not supported)"
+                                   : "The request body could not be read");
         goto done;
     }
     r->fn(&c, r->arg);
