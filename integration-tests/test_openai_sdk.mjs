@@ -256,11 +256,19 @@ async function zodStructured() {
         checkUsage(c.usage, 'zod parse');
 
         // The stream helper: it parses the final message with the zod schema and
-        // reports the partial JSON as it grows.
-        let deltas = 0, lastSnapshot = null;
+        // reports the partial JSON as it grows. How many events carry it is the
+        // server's pacing (a busy HTTP thread rightly merges tokens into one
+        // event, as vLLM does): the test checks each event's shape and that
+        // they add up to the content, never their number (issue 28, item 8).
+        let deltas = 0, lastSnapshot = '';
         const runner = client.chat.completions.stream(req);
         runner.on('content.delta', (e) => {
             deltas++;
+            // (A token that ends inside a UTF-8 character adds "" until the
+            // character is complete.)
+            assert.ok(typeof e.delta === 'string', `content.delta event ${deltas}: ${e.delta}`);
+            assert.equal(e.snapshot, lastSnapshot + e.delta,
+                         `content.delta ${deltas}: snapshot = the previous one + delta`);
             lastSnapshot = e.snapshot;
         });
         const final = await runner.finalChatCompletion();
@@ -268,7 +276,7 @@ async function zodStructured() {
         assert.equal(final.choices[0].finish_reason, 'stop', 'zod stream finish');
         assert.equal(fm.content, ch.message.content, 'streamed == non-stream (seeded)');
         assert.equal(lastSnapshot, fm.content, 'content.delta snapshots end at the content');
-        assert.ok(deltas >= 2, `content.delta events: ${deltas}`);
+        assert.ok(deltas >= 1 && lastSnapshot.length > 0, `content.delta events: ${deltas}`);
         checkZodRecord(fm.parsed, `zod stream helper (seed ${seed})`);
         parsedSeen.push(JSON.stringify(ch.message.parsed));
     }
