@@ -56,6 +56,7 @@ struct tdm_http_server {
     struct ip_count *ips;   // [n_ips] open connections per client address (with a cap only)
     size_t n_ips, cap_ips;
     int n_large; // large requests being handled
+    char port_flag[48]; // named in a bind failure
     size_t mem_budget;  // memory_budget, > 0
     size_t mem_counted; // tdm_http_request_memory of the requests being handled (under mu)
     struct route *routes;
@@ -171,6 +172,8 @@ int tdm_http_server_new(struct tdm_http_server **out, const struct tdm_http_conf
     s->max_conns_per_ip = cfg->max_conns_per_ip > 0 ? cfg->max_conns_per_ip : 0;
     s->max_large_requests =
         cfg->max_large_requests > 0 ? cfg->max_large_requests : DEFAULT_LARGE_REQUESTS;
+    snprintf(s->port_flag, sizeof s->port_flag, "%s",
+             cfg->port_flag && *cfg->port_flag ? cfg->port_flag : "--port");
     s->mem_budget = cfg->memory_budget ? cfg->memory_budget : TDM_HTTP_DEFAULT_MEMORY_BUDGET;
     pthread_mutex_init(&s->mu, NULL);
     s->error_body = cfg->error_body;
@@ -227,9 +230,17 @@ int tdm_http_route(struct tdm_http_server *s, const char *method, const char *pa
     return TDM_OK;
 }
 
+// civetweb's own words for a failed bind ("cannot bind to 0.0.0.0:8001: 98
+// (Address already in use)"), logged on the thread that runs mg_start2: kept so
+// that tdm_http_server_start's error says the cause, not only "Failed to setup
+// server ports" (issue 28, item 6).
+static _Thread_local char bind_failure[200];
+
 static int on_log_message(const struct mg_connection *conn, const char *message)
 {
     (void)conn;
+    if (strncmp(message, "cannot bind", 11) == 0 && !bind_failure[0])
+        snprintf(bind_failure, sizeof bind_failure, "%s", message);
     TDM_LOG_WARN("http", "civetweb: %s", message);
     return 1; // handled: civetweb prints nothing itself
 }
@@ -283,10 +294,22 @@ int tdm_http_server_start(struct tdm_http_server *s, char *err, size_t errlen)
     unsigned code = 0;
     struct mg_error_data ed = {.code = &code, .text = text, .text_buffer_size = sizeof text};
     struct mg_init_data init = {.callbacks = &cb, .user_data = s, .configuration_options = options};
+    bind_failure[0] = '\0';
     s->ctx = mg_start2(&init, &ed);
-    if (!s->ctx)
+    if (!s->ctx) {
+        // "cannot bind to H:P: 98 (Address already in use)": the part in parentheses.
+        const char *why = strrchr(bind_failure, '(');
+        if (why) {
+            char cause[120];
+            snprintf(cause, sizeof cause, "%s", why + 1);
+            cause[strcspn(cause, ")")] = '\0';
+            return tdm_seterr(err, errlen, TDM_ETRANSPORT,
+                              "http: cannot listen on %s: %s (choose another port with %s)", ports,
+                              cause, s->port_flag);
+        }
         return tdm_seterr(err, errlen, TDM_ETRANSPORT, "http: cannot listen on %s: %s", ports,
                           text[0] ? text : "civetweb failed to start");
+    }
     struct mg_server_port bound[4];
     int n = mg_get_server_ports(s->ctx, 4, bound);
     if (n > 0)

@@ -55,6 +55,8 @@ typedef char *(*tdm_http_error_body_fn)(int status, const char *message);
 struct tdm_http_config {
     const char *host;                  // address to bind: "127.0.0.1", "0.0.0.0"; NULL = "0.0.0.0"
     int port;                          // 0 = an ephemeral port (see tdm_http_server_port)
+    const char *port_flag;             // the option that sets port, named when it cannot be
+                                       // bound; NULL = "--port"
     int num_threads;                   // worker threads = concurrent requests (streams hold one
                                        // each); <= 0 = 64
     size_t max_body_bytes;             // request body limit; 0 = 16 MiB

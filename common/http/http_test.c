@@ -596,7 +596,16 @@ static void test_lifecycle_and_errors(void **state)
     struct tdm_http_config dup = {.host = "127.0.0.1", .port = f->port, .num_threads = 1};
     assert_int_equal(tdm_http_server_new(&s, &dup, err, sizeof err), TDM_OK);
     assert_int_equal(tdm_http_server_start(s, err, sizeof err), TDM_ETRANSPORT);
+    // The error says why and which option to change (issue 28, item 6).
     assert_non_null(strstr(err, "cannot listen"));
+    assert_non_null(strstr(err, "Address already in use"));
+    assert_non_null(strstr(err, "with --port"));
+    tdm_http_server_free(s);
+    dup.port_flag = "--metrics-port";
+    assert_int_equal(tdm_http_server_new(&s, &dup, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_http_server_start(s, err, sizeof err), TDM_ETRANSPORT);
+    assert_non_null(
+        strstr(err, "Address already in use (choose another port with --metrics-port)"));
     tdm_http_server_free(s);
     // Routes only before start; stop twice is fine.
     assert_int_equal(tdm_http_route(f->srv, "GET", "/late", h_health, NULL), TDM_EBUSY);

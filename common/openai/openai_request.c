@@ -770,7 +770,11 @@ static int parse_model(const cJSON *root, char **model, const struct tdm_oai_mod
     if (get_string(root, "model", model, e) < 0)
         return e->status == 500 ? TDM_ENOMEM : TDM_EINVAL;
     if (*model && m && m->served_name && strcmp(*model, m->served_name) != 0)
-        return tdm_oai_seterr(e, 404, "model", "The model `%.200s` does not exist.", *model);
+        // vLLM's words, and which model is served (issue 28, item 6).
+        return tdm_oai_seterr(e, 404, "model",
+                              "The model `%.200s` does not exist. This server serves `%.200s` "
+                              "(GET /v1/models lists it).",
+                              *model, m->served_name);
     return TDM_OK;
 }
 
@@ -801,8 +805,12 @@ static int parse_root(cJSON **root, const char *json, size_t len, struct tdm_oai
                               TDM_OAI_PARSE_BYTES_PER_BODY_BYTE, len);
     const char *end = NULL;
     *root = json ? cJSON_ParseWithLengthOpts(json, len, &end, false) : NULL;
-    if (!*root)
-        return tdm_oai_seterr(e, 400, NULL, "The request body is not valid JSON");
+    if (!*root) {
+        // cJSON points its parse end at the first byte it could not read.
+        size_t at = json && end && end >= json && end <= json + len ? (size_t)(end - json) : 0;
+        return tdm_oai_seterr(e, 400, NULL, "The request body is not valid JSON (near byte %zu)",
+                              at);
+    }
     // cJSON stops after the first value: anything but whitespace after it
     // (a second object, smuggled bytes) makes the body invalid.
     while (end && end < json + len && (*end == ' ' || *end == '\t' || *end == '\r' || *end == '\n'))

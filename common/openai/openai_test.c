@@ -200,13 +200,14 @@ static void test_validation_errors(void **state)
 {
     (void)state;
     const enum tdm_oai_kind C = TDM_OAI_COMPLETION;
-    expect_error(C, "not json", 400, "", "not valid JSON");
+    expect_error(C, "not json", 400, "", "not valid JSON (near byte 0)");
+    expect_error(C, "{\"prompt\": \"x\",, \"n\": 1}", 400, "", "not valid JSON (near byte 16)");
     expect_error(C, "[1,2]", 400, "", "must be a JSON object");
     expect_error(C, "{\"prompt\":\"x\"} {\"prompt\":\"y\"}", 400, "",
                  "not valid JSON: trailing data at byte 15");
     expect_error(C, "{\"prompt\":\"x\"}GET / HTTP/1.1", 400, "", "trailing data");
     expect_error(C, "{\"model\":\"foo\",\"prompt\":\"x\"}", 404, "model",
-                 "The model `foo` does not exist.");
+                 "The model `foo` does not exist. This server serves `qwen`");
     expect_error(C, "{\"model\":7,\"prompt\":\"x\"}", 400, "model",
                  "Input should be a valid string");
     expect_error(C, "{\"prompt\":\"x\",\"temperature\":3}", 400, "temperature",

@@ -1008,8 +1008,11 @@ int tdm_net_inbox_new(struct tdm_net_inbox **out, const char *url, char *err, si
     if (rv != 0) {
         nng_stream_listener_free(in->listener);
         free(in);
-        return tdm_seterr(err, errlen, TDM_ETRANSPORT, "inbox: cannot listen on %s: %s", url,
-                          nng_strerror(rv));
+        // Both roles set their inbox with --nng-url: a port in use names it
+        // (issue 28, item 6).
+        return tdm_seterr(err, errlen, TDM_ETRANSPORT, "inbox: cannot listen on %s: %s%s", url,
+                          rv == NNG_EADDRINUSE ? "Address already in use" : nng_strerror(rv),
+                          rv == NNG_EADDRINUSE ? " (choose another port with --nng-url)" : "");
     }
     snprintf(in->url, sizeof in->url, "%s", url);
     size_t n = strlen(url);

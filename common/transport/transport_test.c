@@ -211,6 +211,7 @@ static void test_inbox_outbox(void **state)
                      TDM_EINVAL);
     struct tdm_net_inbox *bad = NULL;
     assert_int_equal(tdm_net_inbox_new(&bad, saved, err, sizeof err), TDM_ETRANSPORT);
+    assert_non_null(strstr(err, "Address already in use (choose another port with --nng-url)"));
 
     // A closed inbox answers ECLOSED.
     tdm_net_inbox_close(in);
