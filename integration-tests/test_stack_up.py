@@ -92,6 +92,19 @@ def main():
                       {"model": "tandem-test", "prompt": "The launcher starts", "max_tokens": 12,
                        "temperature": 0, "ignore_eos": True})
     check(s == 200 and body["usage"]["completion_tokens"] == 12, "router completion: %s" % body)
+    # Tools work out of the box (issue 28, item 3): the model's chat template
+    # writes Hermes <tool_call> tags, so tandem up turned on tool choice "auto"
+    # (the SDKs' default whenever tools are sent) with the hermes parser.
+    check('tool_choice "auto" is on: --enable-auto-tool-choice --tool-call-parser hermes'
+          in st.log(), "tandem up did not turn on tool choice auto:\n" + st.log())
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object",
+                                              "properties": {"city": {"type": "string"}}}}}]
+    s, _, tbody = post(st.port(), "/v1/chat/completions",
+                       {"model": "tandem-test", "max_tokens": 8, "tools": tools,
+                        "messages": [{"role": "user", "content": "Weather in Paris?"}]})
+    check(s == 200 and tbody["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls"),
+          "chat with tools, tool_choice auto by default: %d %s" % (s, tbody))
     stream = Stream(st.port(), "/v1/completions",
                     {"model": "tandem-test", "prompt": "The launcher starts", "max_tokens": 12,
                      "temperature": 0, "ignore_eos": True, "stream": True})

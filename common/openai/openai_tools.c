@@ -58,6 +58,55 @@ const char *tdm_oai_tool_parser_name(enum tdm_oai_tool_parser p)
     return "none";
 }
 
+enum tdm_oai_tool_parser tdm_oai_tool_parser_for_template(const char *t)
+{
+    if (!t)
+        return TDM_OAI_TOOL_PARSER_NONE;
+    if (strstr(t, "<tool_call>"))
+        return TDM_OAI_TOOL_PARSER_HERMES;
+    if (strstr(t, "ipython") && strstr(t, "\"parameters\": "))
+        return TDM_OAI_TOOL_PARSER_LLAMA3_JSON;
+    return TDM_OAI_TOOL_PARSER_NONE;
+}
+
+int tdm_oai_tool_parser_for_model(const char *dir, enum tdm_oai_tool_parser *out, char *err,
+                                  size_t errlen)
+{
+    *out = TDM_OAI_TOOL_PARSER_NONE;
+    char path[4096];
+    char *text = NULL;
+    size_t len = 0;
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    if (tdm_read_file(path, &text, &len, NULL, 0) == TDM_OK) {
+        cJSON *cfg = cJSON_ParseWithLength(text, len);
+        free(text);
+        if (!cfg)
+            return tdm_seterr(err, errlen, TDM_EPROTO, "%s: not valid JSON", path);
+        const cJSON *tpl = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
+        const char *t = cJSON_IsString(tpl) ? tpl->valuestring : NULL;
+        const cJSON *it;
+        if (cJSON_IsArray(tpl))
+            cJSON_ArrayForEach(it, tpl)
+            {
+                const cJSON *name = cJSON_GetObjectItemCaseSensitive(it, "name");
+                const cJSON *body = cJSON_GetObjectItemCaseSensitive(it, "template");
+                if (cJSON_IsString(name) && strcmp(name->valuestring, "default") == 0 &&
+                    cJSON_IsString(body))
+                    t = body->valuestring;
+            }
+        *out = tdm_oai_tool_parser_for_template(t);
+        cJSON_Delete(cfg);
+        if (t)
+            return TDM_OK;
+    }
+    snprintf(path, sizeof path, "%s/chat_template.jinja", dir);
+    if (tdm_read_file(path, &text, &len, NULL, 0) == TDM_OK) {
+        *out = tdm_oai_tool_parser_for_template(text);
+        free(text);
+    }
+    return TDM_OK;
+}
+
 void tdm_oai_tool_request_fini(struct tdm_oai_tool_request *t)
 {
     if (t == NULL)

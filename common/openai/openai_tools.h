@@ -32,6 +32,18 @@ enum tdm_oai_tool_parser {
 int tdm_oai_tool_parser_config(bool enable_auto_tool_choice, const char *parser_name,
                                enum tdm_oai_tool_parser *out, char *err, size_t errlen);
 const char *tdm_oai_tool_parser_name(enum tdm_oai_tool_parser p); // "hermes", ... or "none"
+// The parser whose format a chat template writes tool calls in, read from the
+// template's text: "<tool_call>" tags (Qwen2.5, Hermes 2/3) -> HERMES; the
+// "ipython" role with {"name": ..., "parameters": ...} calls (Llama 3.1-3.3) ->
+// LLAMA3_JSON; anything else (no tools, or a format without a parser here:
+// functionary, Command R, firefunction) -> NONE. `tandem up` turns on tool
+// choice "auto" with it (issue 28, item 3).
+enum tdm_oai_tool_parser tdm_oai_tool_parser_for_template(const char *template_text);
+// The same for a model folder: tokenizer_config.json's chat_template (a string,
+// or the entry named "default"), else chat_template.jinja. NONE when the folder
+// has no template; TDM_EPROTO (with err) for an unreadable tokenizer_config.json.
+int tdm_oai_tool_parser_for_model(const char *model_dir, enum tdm_oai_tool_parser *out, char *err,
+                                  size_t errlen);
 
 // ---- request ----------------------------------------------------------------------------
 #define TDM_OAI_MAX_TOOLS 1024 // tools per request

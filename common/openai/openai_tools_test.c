@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 #include <cmocka.h>
@@ -232,6 +234,100 @@ static void test_tokenize_form(void **state)
     tdm_oai_tokenize_fini(&t);
 }
 
+static void write_text(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+// The parser `tandem up` turns on for a model (issue 28, item 3), from its
+// chat template's text, in each place a model folder keeps it.
+static void test_parser_for_template(void **state)
+{
+    (void)state;
+    assert_int_equal(tdm_oai_tool_parser_for_template(NULL), TDM_OAI_TOOL_PARSER_NONE);
+    assert_int_equal(tdm_oai_tool_parser_for_template("{{ messages }}"), TDM_OAI_TOOL_PARSER_NONE);
+    assert_int_equal(tdm_oai_tool_parser_for_template(
+                         "{%- for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>\n"),
+                     TDM_OAI_TOOL_PARSER_HERMES);
+    assert_int_equal(tdm_oai_tool_parser_for_template(
+                         "<|start_header_id|>ipython<|end_header_id|> {\"name\": function name, "
+                         "\"parameters\": dictionary of argument name and its value}"),
+                     TDM_OAI_TOOL_PARSER_LLAMA3_JSON);
+    // ipython without Llama's call shape (functionary's <function=...>): none.
+    assert_int_equal(tdm_oai_tool_parser_for_template("ipython <function=get_weather>{...}"),
+                     TDM_OAI_TOOL_PARSER_NONE);
+
+    char dir[] = "/tmp/tdm-tools-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char cfg[256], jinja[256], err[256];
+    snprintf(cfg, sizeof cfg, "%s/tokenizer_config.json", dir);
+    snprintf(jinja, sizeof jinja, "%s/chat_template.jinja", dir);
+    enum tdm_oai_tool_parser p = TDM_OAI_TOOL_PARSER_HERMES;
+    assert_int_equal(tdm_oai_tool_parser_for_model(dir, &p, err, sizeof err), TDM_OK);
+    assert_int_equal(p, TDM_OAI_TOOL_PARSER_NONE); // no template at all
+    write_text(cfg, "{\"chat_template\": \"x<tool_call>y\"}");
+    assert_int_equal(tdm_oai_tool_parser_for_model(dir, &p, err, sizeof err), TDM_OK);
+    assert_int_equal(p, TDM_OAI_TOOL_PARSER_HERMES);
+    write_text(cfg, "{\"chat_template\": [{\"name\": \"tool_use\", \"template\": \"<tool_call>\"},"
+                    " {\"name\": \"default\", \"template\": \"plain\"}]}");
+    assert_int_equal(tdm_oai_tool_parser_for_model(dir, &p, err, sizeof err), TDM_OK);
+    assert_int_equal(p, TDM_OAI_TOOL_PARSER_NONE); // the default one counts
+    write_text(cfg, "{\"bos_token\": null}");
+    write_text(jinja, "ipython \"parameters\": ");
+    assert_int_equal(tdm_oai_tool_parser_for_model(dir, &p, err, sizeof err), TDM_OK);
+    assert_int_equal(p, TDM_OAI_TOOL_PARSER_LLAMA3_JSON);
+    write_text(cfg, "{\"chat_template\": ");
+    assert_int_equal(tdm_oai_tool_parser_for_model(dir, &p, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "tokenizer_config.json: not valid JSON"));
+    unlink(cfg);
+    unlink(jinja);
+    rmdir(dir);
+}
+
+// Every real template in shared/chat-templates gets the parser vLLM's docs
+// pair it with (hermes: Qwen2.5, Hermes 2 Pro / 3; llama3_json: Llama
+// 3.1-3.3), and none where Tandem has no parser for its format.
+static void test_parser_for_shared_templates(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *file;
+        enum tdm_oai_tool_parser want;
+    } table[] = {
+        {"Qwen-Qwen2.5-7B-Instruct.jinja", TDM_OAI_TOOL_PARSER_HERMES},
+        {"NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", TDM_OAI_TOOL_PARSER_HERMES},
+        {"NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", TDM_OAI_TOOL_PARSER_HERMES},
+        {"meta-llama-Llama-3.1-8B-Instruct.jinja", TDM_OAI_TOOL_PARSER_LLAMA3_JSON},
+        {"meta-llama-Llama-3.2-3B-Instruct.jinja", TDM_OAI_TOOL_PARSER_LLAMA3_JSON},
+        {"meta-llama-Llama-3.3-70B-Instruct.jinja", TDM_OAI_TOOL_PARSER_LLAMA3_JSON},
+        {"meetkai-functionary-medium-v3.1.jinja", TDM_OAI_TOOL_PARSER_NONE},
+        {"CohereForAI-c4ai-command-r-plus-tool_use.jinja", TDM_OAI_TOOL_PARSER_NONE},
+        {"fireworks-ai-llama-3-firefunction-v2.jinja", TDM_OAI_TOOL_PARSER_NONE},
+        {"deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", TDM_OAI_TOOL_PARSER_NONE},
+    };
+    char path[1024];
+    snprintf(path, sizeof path, "%s/chat-templates", TANDEM_SHARED_DIR);
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        print_message("%s is absent: the real templates are not checked\n", path);
+        skip();
+    }
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+        snprintf(path, sizeof path, "%s/chat-templates/%s", TANDEM_SHARED_DIR, table[i].file);
+        char *text = NULL;
+        size_t len = 0;
+        char err[256];
+        assert_int_equal(tdm_read_file(path, &text, &len, err, sizeof err), TDM_OK);
+        if (tdm_oai_tool_parser_for_template(text) != table[i].want)
+            fail_msg("%s: %s", table[i].file,
+                     tdm_oai_tool_parser_name(tdm_oai_tool_parser_for_template(text)));
+        free(text);
+    }
+}
+
 static void test_parser_config(void **state)
 {
     (void)state;
@@ -383,9 +479,14 @@ static void test_constraint(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_tool_choice),  cmocka_unit_test(test_tool_errors),
-        cmocka_unit_test(test_conversation), cmocka_unit_test(test_parser_config),
-        cmocka_unit_test(test_constraint),   cmocka_unit_test(test_tokenize_form),
+        cmocka_unit_test(test_tool_choice),
+        cmocka_unit_test(test_tool_errors),
+        cmocka_unit_test(test_conversation),
+        cmocka_unit_test(test_parser_config),
+        cmocka_unit_test(test_constraint),
+        cmocka_unit_test(test_tokenize_form),
+        cmocka_unit_test(test_parser_for_template),
+        cmocka_unit_test(test_parser_for_shared_templates),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -58,6 +58,7 @@
 #include "core.h"
 #include "hub.h"
 #include "mkmodel.h"
+#include "openai.h"
 #include "transport.h"
 
 #define MAX_WORKERS 64
@@ -66,7 +67,7 @@
 
 // Version of the demo model's shapes: bump it when demo_spec changes so an old
 // cached folder is not mistaken for the new one.
-#define DEMO_MODEL_VERSION "v1"
+#define DEMO_MODEL_VERSION "v2" // v2: a chat template that renders tools (hermes)
 
 // ---- options ------------------------------------------------------------------------------
 
@@ -90,7 +91,9 @@ struct up_opts {
     const char *bin_dir;     // --bin-dir: where the service binaries are
     bool no_router;          // --no-router: workers only (decode workers serve the API)
     bool restart;            // --restart on-failure (default) | never
-    bool auto_tool_choice;   // --enable-auto-tool-choice, passed to the router and workers
+    bool auto_tool_choice;   // --enable-auto-tool-choice, passed to the router and workers;
+                             // on by default where the model's chat template has a parser
+    bool no_auto_tools;      // --no-auto-tool-choice: not even by default
     const char *tool_parser; // --tool-call-parser NAME, likewise; NULL = none
     const char *device;      // --device, passed to the workers; NULL = theirs (auto)
     double gpu_util;         // --gpu-memory-utilization per worker; 0 = 0.9 / workers
@@ -213,7 +216,12 @@ static const struct tdm_flag up_flags[] = {
     {.name = "enable-auto-tool-choice",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(auto_tool_choice),
-     .help = "tool_choice \"auto\" on every process (with --tool-call-parser)"},
+     .help = "tool_choice \"auto\" on every process (default: on, with\nthe parser the "
+             "model's chat template calls for)"},
+    {.name = "no-auto-tool-choice",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(no_auto_tools),
+     .help = "tool_choice \"auto\" off (vLLM's default: a 400)"},
     PTR("tool-call-parser", tool_parser, "NAME",
         "hermes or llama3_json (docs/tool-calling.md), for every process"),
     PTR("bin-dir", bin_dir, "DIR",
@@ -223,8 +231,9 @@ static const struct tdm_flag up_flags[] = {
      .kind = TDM_FLAG_FN,
      .fn = set_restart,
      .metavar = "WHEN",
-     .help = "on-failure (default: a child that dies is started again,\nbackoff 1 s doubling to 30 s; "
-             "the others keep serving), never\n(a death stops the stack)"},
+     .help =
+         "on-failure (default: a child that dies is started again,\nbackoff 1 s doubling to 30 s; "
+         "the others keep serving), never\n(a death stops the stack)"},
     {.name = "no-router",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(no_router),
@@ -1505,6 +1514,24 @@ static int cmd_up(int argc, char **argv)
         if (!served)
             served = "tandem-demo";
     }
+
+    // Tool choice "auto" (the SDKs' default whenever tools are sent) works out of
+    // the box: the parser the model's chat template writes calls for, unless
+    // the user chose (issue 28, item 3).
+    if (!o.no_auto_tools && !(o.tool_parser && *o.tool_parser)) {
+        enum tdm_oai_tool_parser tp = TDM_OAI_TOOL_PARSER_NONE;
+        if (tdm_oai_tool_parser_for_model(model, &tp, err, sizeof err) != TDM_OK)
+            say("reading the chat template for tool calls: %s", err);
+        if (tp != TDM_OAI_TOOL_PARSER_NONE) {
+            o.auto_tool_choice = true;
+            o.tool_parser = tdm_oai_tool_parser_name(tp);
+            say("tool_choice \"auto\" is on: --enable-auto-tool-choice --tool-call-parser %s "
+                "(the model's chat template writes %s calls; --no-auto-tool-choice turns it off)",
+                o.tool_parser, o.tool_parser);
+        }
+    }
+    if (o.no_auto_tools)
+        o.auto_tool_choice = false;
 
     // Again just before the start: a long download gave other programs time to
     // take a port found free earlier.

@@ -525,9 +525,38 @@ out:
 
 static const char *const special_tokens[3] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
 
+// ChatML, and with tools the Hermes convention Qwen2.5 uses (written here, not
+// copied): the tools' signatures in a system block, assistant calls as
+// <tool_call>{"name", "arguments"}</tool_call>, tool results as a user turn in
+// <tool_response> tags. Without tools it renders exactly the plain ChatML of
+// earlier demo models. `tandem up` reads "<tool_call>" in it and turns on tool
+// choice "auto" with the hermes parser (issue 28, item 3).
 static const char chatml_template[] =
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}"
+    "{% endif %}"
+    "{{ '# Tools\\n\\nThese functions are available; call any of them when it helps the user. "
+    "Their signatures, in <tools></tools> tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nTo call one, write its name and a JSON object of arguments in "
+    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant' }}{% if message['content'] %}"
+    "{{ '\\n' + message['content'] }}{% endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{%- if f['arguments'] is string %}{{ f['arguments'] }}{% else %}"
+    "{{ f['arguments'] | tojson }}{% endif %}{{ '}\\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{%- elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endif %}{%- endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
 static const char split_regex[] =

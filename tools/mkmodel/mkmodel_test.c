@@ -19,6 +19,7 @@
 #include "core.h"
 #include "hf.h"
 #include "mkmodel.h"
+#include "openai.h"
 #include "tokenizer.h"
 
 static void check_tokenizer(const char *dir, int vocab)
@@ -60,6 +61,30 @@ static void check_tokenizer(const char *dir, int vocab)
     assert_int_equal(tdm_chat_render(t, &msg, 1, true, &prompt, err, sizeof err), TDM_OK);
     assert_string_equal(prompt, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     free(prompt);
+    // With tools: the Hermes convention (issue 28, item 3), rendered as
+    // python3-jinja2 renders this template (checked when it was written).
+    const char *msgs =
+        "[{\"role\":\"system\",\"content\":\"S\"},{\"role\":\"user\",\"content\":\"w?\"},"
+        "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c1\",\"type\":"
+        "\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":{\"city\":"
+        "\"Paris\"}}}]},{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"content\":\"sunny\"}]";
+    const char *tools = "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\"}}]";
+    assert_int_equal(tdm_chat_render_json(t, msgs, tools, true, &prompt, err, sizeof err), TDM_OK);
+    assert_string_equal(
+        prompt,
+        "<|im_start|>system\nS\n\n# Tools\n\nThese functions are available; call any of them "
+        "when it helps the user. Their signatures, in <tools></tools> tags:\n<tools>\n"
+        "{\"type\": \"function\", \"function\": {\"name\": \"get_weather\"}}\n</tools>\n\n"
+        "To call one, write its name and a JSON object of arguments in <tool_call></tool_call> "
+        "tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+        "</tool_call><|im_end|>\n<|im_start|>user\nw?<|im_end|>\n<|im_start|>assistant\n"
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n");
+    free(prompt);
+    enum tdm_oai_tool_parser tp;
+    assert_int_equal(tdm_oai_tool_parser_for_model(dir, &tp, err, sizeof err), TDM_OK);
+    assert_int_equal(tp, TDM_OAI_TOOL_PARSER_HERMES);
     tdm_chat_template_free(t);
     tdm_tok_free(tok);
 }
