@@ -689,6 +689,9 @@ static int put_path(const char *path, char *out, size_t cap, char *err, size_t e
     return TDM_OK;
 }
 
+static int resolve_id(const char *model, const char *revision, struct tdm_hub_opts *opts,
+                      char *path_out, size_t cap, char *err, size_t errlen);
+
 int tdm_hub_resolve_model(const char *model, const char *revision, struct tdm_hub_opts *opts,
                           char *path_out, size_t cap, char *err, size_t errlen)
 {
@@ -702,6 +705,25 @@ int tdm_hub_resolve_model(const char *model, const char *revision, struct tdm_hu
                           "'%s' is a file; --model takes a model folder or a Hugging Face id",
                           model);
     }
+    int rc = resolve_id(model, revision, opts, path_out, cap, err, errlen);
+    if (rc != TDM_OK && rc != TDM_ENOMEM && err && errlen) {
+        // Either reading may be the one meant (a relative folder that is not
+        // here is also a valid id, "models/Qwen2.5-0.5B-Instruct"): say both
+        // (issue 28, item 4).
+        char why[1200], cwd[512];
+        snprintf(why, sizeof why, "%s", err);
+        if (!getcwd(cwd, sizeof cwd))
+            snprintf(cwd, sizeof cwd, ".");
+        tdm_seterr(err, errlen, rc,
+                   "there is no folder '%s' here (from %s), and as a Hugging Face id: %s", model,
+                   model[0] == '/' ? "/" : cwd, why);
+    }
+    return rc;
+}
+
+static int resolve_id(const char *model, const char *revision, struct tdm_hub_opts *opts,
+                      char *path_out, size_t cap, char *err, size_t errlen)
+{
     int rc = tdm_hub_validate_id(model, err, errlen);
     if (rc != TDM_OK)
         return rc;

@@ -798,6 +798,10 @@ static void test_retry_5xx_and_give_up(void **state)
     assert_non_null(strstr(err, "config.json"));
     assert_non_null(strstr(err, "(after 0 retries)"));
     assert_non_null(strstr(err, "HF_HUB_OFFLINE=1"));
+    // Both readings of the name in one message (issue 28, item 4): a relative
+    // folder that is not here, and a Hub id the Hub could not give.
+    assert_non_null(strstr(err, "there is no folder '" REPO "' here (from "));
+    assert_non_null(strstr(err, "and as a Hugging Face id: HEAD"));
     f->o.retry_base_s = 0.01;
 }
 

@@ -29,6 +29,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -630,8 +631,14 @@ static void wcache_job_run(struct wcache_job *j)
     double t0 = tdm_now();
     j->rc = tdm_wcache_write(j->id, j->entries, j->n, e, sizeof e);
     j->seconds = tdm_now() - t0;
+    struct stat st;
     if (j->rc == TDM_OK)
-        TDM_LOG_INFO("model", "weight cache written: %s in %.2f s", j->id->path, j->seconds);
+        // Where and how big, so a first start's disk use is no surprise (issue
+        // 28, item 4).
+        TDM_LOG_INFO("model",
+                     "weight cache written: %s (%.0f MB of packed weights, in %.2f s; later "
+                     "starts map it; --no-weight-cache or TANDEM_CACHE=off to go without)",
+                     j->id->path, stat(j->id->path, &st) == 0 ? st.st_size / 1e6 : 0.0, j->seconds);
     else
         TDM_LOG_WARN("model", "weight cache not written (the model still serves): %s", e);
 }
