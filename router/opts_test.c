@@ -87,6 +87,10 @@ static void test_tool_flags(void **state)
                        "--tool-call-parser", "pythonic", NULL};
     assert_int_equal(parse(&o, err, sizeof err, 8, unknown), TDM_EINVAL);
     assert_non_null(strstr(err, "unknown parser \"pythonic\""));
+    // --max-model-len with vLLM's suffixes, as on the workers (issue 28, item 5).
+    char *len[] = {"r", "--model", "m", "--config", "x.yaml", "--max-model-len", "32K", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 7, len), TDM_OK);
+    assert_int_equal(o.max_model_len, 32768);
 }
 
 // --otlp-traces-endpoint (vLLM's flag): kept when it is an http(s) URL, a

@@ -130,7 +130,7 @@ static const struct tdm_flag router_flags[] = {
     NUM("http-memory-budget", TDM_FLAG_INT, http_memory_budget_mib, 1, 1 << 22, "MIB",
         "memory the requests in progress may count (each\n~21 x its body + 1 MiB); "
         "beyond it 503 +\nRetry-After, 413 for one over it alone (default 2048)"),
-    NUM("max-model-len", TDM_FLAG_INT, max_model_len, 0, 1e9, "N",
+    NUM("max-model-len", TDM_FLAG_HINT, max_model_len, 0, 1e9, "N",
         "context length (default config.json's)"),
     NUM("liveness-timeout", TDM_FLAG_DOUBLE, liveness_timeout, 0.05, 3600, "S",
         "worker silent this long mid-stream = lost (default 1)"),

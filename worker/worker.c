@@ -137,6 +137,7 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
                                          &tool_parser, err, errlen);
     if (prc != TDM_OK)
         return prc;
+    tdm_worker_config_apply_process(cfg);
     struct tdm_worker *s = calloc(1, sizeof *s);
     if (s == NULL)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");

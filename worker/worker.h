@@ -88,10 +88,18 @@ struct tdm_worker_config {
                                             // default auto (P/D roles only)
     struct tdm_spec_config spec; // --speculative-config JSON (vLLM's; method "ngram" only);
                                  // num_speculative_tokens 0 = off (default)
+    // vLLM flags a `vllm serve` line carries over (issue 28, item 5):
+    bool has_seed;          // --seed N given: requests without a seed draw theirs from N's
+    uint64_t seed;          // stream (tdm_sampling_set_process_seed); default: entropy
+    bool log_requests;      // one INFO line per request; --disable-log-requests: off
+    bool disable_log_stats; // --disable-log-stats: accepted (Tandem logs no periodic stats)
+    bool trust_remote_code; // --trust-remote-code: accepted; no remote code ever runs
 };
 
 // Fills the defaults above.
 void tdm_worker_config_default(struct tdm_worker_config *cfg);
+// Applies the process-wide parts of cfg (--seed) before the engine starts.
+void tdm_worker_config_apply_process(const struct tdm_worker_config *cfg);
 
 // Sets one option by its flag name without the leading "--" ("max-num-seqs";
 // '_' and '-' are interchangeable). value is the text after the flag, or for

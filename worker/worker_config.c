@@ -6,6 +6,7 @@
 // the flags, "key: value") accept exactly the same things with the same checks
 // and messages, and --help lists that table. Flags given on the command line
 // override the file, as in vLLM.
+#include <errno.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +17,7 @@
 #include "core.h"
 #include "kvx.h"
 #include "model.h"
+#include "sampling.h"
 #include "trace.h"
 #include "worker.h"
 
@@ -40,6 +42,7 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->http_header_timeout = 10.0;
     cfg->http_body_timeout = 30.0;
     cfg->max_large_requests = 4;
+    cfg->log_requests = true;
     cfg->http_memory_budget_mib = 2048;
     snprintf(cfg->trace_service_name, sizeof cfg->trace_service_name, "tandem-decode");
     cfg->kv_transfer = TDM_KVX_AUTO;
@@ -63,6 +66,11 @@ static int set_kv_cache_dtype(void *o, const char *v, char *err, size_t errlen)
 {
     struct tdm_worker_config *cfg = o;
     char e[200];
+    if (strncmp(v, "fp8", 3) == 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--kv-cache-dtype %s: fp8 KV is not supported yet (the GPU kernels "
+                          "read bf16 or f32 KV); supported: auto (bf16), bf16, f32",
+                          v);
     if (tdm_kv_dtype_parse(v, &cfg->kv_cache_dtype, e, sizeof e) != TDM_OK)
         return tdm_seterr(err, errlen, TDM_EINVAL, "--kv-cache-dtype: %s", e);
     return TDM_OK;
@@ -77,15 +85,99 @@ static int set_dtype(void *o, const char *v, char *err, size_t errlen)
     struct tdm_worker_config *cfg = o;
     if (strcmp(v, "bf16") == 0 || strcmp(v, "bfloat16") == 0 || strcmp(v, "auto") == 0)
         return TDM_OK;
+    // vLLM's half/float16 (GPUs without bf16): Tandem's kernels take bf16
+    // weights, and a float16 checkpoint is converted at load. bf16 keeps
+    // float32's range with fewer mantissa bits, so outputs differ slightly
+    // from a float16 run.
+    if (strcmp(v, "half") == 0 || strcmp(v, "float16") == 0 || strcmp(v, "fp16") == 0) {
+        TDM_LOG_WARN("worker",
+                     "--dtype %s: Tandem computes with bf16 weights (a float16 checkpoint is "
+                     "converted at load); outputs differ slightly from a float16 run",
+                     v);
+        return TDM_OK;
+    }
+    if (strcmp(v, "float32") == 0 || strcmp(v, "float") == 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--dtype %s: not supported: Tandem keeps weights in bf16 (activations "
+                          "and accumulation are already f32); use auto or bfloat16, and "
+                          "--kv-cache-dtype f32 for an f32 KV cache",
+                          v);
     if (strcmp(v, "int8") == 0) {
         TDM_LOG_WARN("worker", "--dtype int8 is deprecated: it means --quantization int8");
         cfg->int8 = true;
         return TDM_OK;
     }
     return tdm_seterr(err, errlen, TDM_EINVAL,
-                      "--dtype: expected auto, bfloat16 or bf16, got \"%s\" (weight "
-                      "quantization is --quantization int8)",
+                      "--dtype: expected auto, bfloat16, bf16, half or float16, got \"%s\" "
+                      "(weight quantization is --quantization int8)",
                       v);
+}
+
+// --tensor-parallel-size and --pipeline-parallel-size (and -dp): 1 is what
+// Tandem does; more is refused with how Tandem scales instead.
+static int set_parallel(const char *flag, const char *v, char *err, size_t errlen)
+{
+    char *end;
+    long n = strtol(v, &end, 10);
+    if (*v == '\0' || *end != '\0' || n < 1)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: expected 1, got \"%s\"", flag, v);
+    if (n > 1)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--%s %ld: not supported: each Tandem worker runs the whole model on "
+                          "one device; it scales by adding workers (tandem up --decode N, or "
+                          "more pods with llm-d.ai/role=decode|prefill) behind the router",
+                          flag, n);
+    return TDM_OK;
+}
+
+static int set_tensor_parallel(void *o, const char *v, char *err, size_t errlen)
+{
+    (void)o;
+    return set_parallel("tensor-parallel-size", v, err, errlen);
+}
+
+static int set_pipeline_parallel(void *o, const char *v, char *err, size_t errlen)
+{
+    (void)o;
+    return set_parallel("pipeline-parallel-size", v, err, errlen);
+}
+
+static int set_data_parallel(void *o, const char *v, char *err, size_t errlen)
+{
+    (void)o;
+    return set_parallel("data-parallel-size", v, err, errlen);
+}
+
+static int set_seed(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_worker_config *cfg = o;
+    char *end;
+    errno = 0;
+    long long s = strtoll(v, &end, 10);
+    if (*v == '\0' || *end != '\0' || errno != 0 || s < 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--seed: expected a non-negative integer, got \"%s\"", v);
+    cfg->has_seed = true;
+    cfg->seed = (uint64_t)s;
+    return TDM_OK;
+}
+
+static int set_trust_remote_code(void *o, const char *v, char *err, size_t errlen)
+{
+    (void)v;
+    (void)err;
+    (void)errlen;
+    struct tdm_worker_config *cfg = o;
+    cfg->trust_remote_code = true;
+    TDM_LOG_INFO("worker", "--trust-remote-code: accepted; no remote code runs (Tandem runs the "
+                           "Qwen2 architecture natively and never executes a model's Python)");
+    return TDM_OK;
+}
+
+void tdm_worker_config_apply_process(const struct tdm_worker_config *cfg)
+{
+    if (cfg->has_seed)
+        tdm_sampling_set_process_seed(cfg->seed);
 }
 
 static int set_quantization(void *o, const char *v, char *err, size_t errlen)
@@ -259,8 +351,10 @@ static const struct tdm_flag decode_flags[] = {
     STR("served-model-name", served_model_name, "NAME",
         "model name in the API and metrics\n(default: config.json _name_or_path, else the\n"
         "folder name)"),
-    INT("max-model-len", max_model_len, 2, INT_MAX / 2, "N",
-        "context length (default: the model's)"),
+    TDM_FLAG_FIELD(struct tdm_worker_config, "max-model-len", TDM_FLAG_HINT, max_model_len,
+                   .min = 2, .max = INT_MAX / 2, .metavar = "N",
+                   .help = "context length (default: the model's); vLLM's\nsuffixes: 4k = 4000, "
+                           "32K = 32768"),
     INT("max-num-seqs", max_num_seqs, 1, 65536, "N", "running requests at most (default 64)"),
     INT("max-num-batched-tokens", max_num_batched_tokens, 1, 1 << 20, "N",
         "tokens per engine step (default 512)"),
@@ -406,6 +500,40 @@ static const struct tdm_flag decode_flags[] = {
     INT("http-memory-budget", http_memory_budget_mib, 1, 1 << 22, "MIB",
         "memory the requests in progress may count (each\n~21 x its body + 1 MiB); "
         "beyond it 503\n+ Retry-After, 413 for one over it alone (default 2048)"),
+    {.name = "seed",
+     .kind = TDM_FLAG_FN,
+     .fn = set_seed,
+     .metavar = "N",
+     .help = "requests without a seed draw theirs from N's stream:\nthe same requests in the "
+             "same order sample the same\noutputs (default: a fresh seed each)"},
+    {.name = "tensor-parallel-size",
+     .kind = TDM_FLAG_FN,
+     .fn = set_tensor_parallel,
+     .metavar = "1",
+     .help = "vLLM's; 1 only (Tandem scales by adding workers)"},
+    {.name = "pipeline-parallel-size",
+     .kind = TDM_FLAG_FN,
+     .fn = set_pipeline_parallel,
+     .metavar = "1",
+     .help = "vLLM's; 1 only"},
+    {.name = "data-parallel-size",
+     .kind = TDM_FLAG_FN,
+     .fn = set_data_parallel,
+     .metavar = "1",
+     .help = "vLLM's; 1 only (N workers behind the router instead)"},
+    {.name = "trust-remote-code",
+     .kind = TDM_FLAG_FN,
+     .fn = set_trust_remote_code,
+     .no_value = true,
+     .help = "vLLM's; accepted: no remote code ever runs"},
+    {.name = "disable-log-requests",
+     .kind = TDM_FLAG_NOT,
+     .offset = OFF(log_requests),
+     .help = "no INFO line per request"},
+    {.name = "disable-log-stats",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(disable_log_stats),
+     .help = "vLLM's; accepted (Tandem logs no periodic stats:\nthey are on /metrics)"},
     {.name = "otlp-traces-endpoint",
      .kind = TDM_FLAG_FN,
      .fn = set_otlp_traces_endpoint,
@@ -548,10 +676,34 @@ int tdm_worker_config_parse_args(struct tdm_worker_config *cfg, int argc, char *
                 return TDM_EINVAL;
         }
     }
-    int rc = tdm_flags_parse(&decode_table, cfg, argc, argv, NULL, 0, NULL, err, errlen);
+    // The model may come as vllm serve takes it, a positional argument
+    // ("tandem-decode MODEL --port 8001"; a leading "serve" is skipped, so a
+    // `vllm serve` line works with only its first word changed).
+    char *rest[2];
+    int n_rest = 0;
+    int rc = tdm_flags_parse(&decode_table, cfg, argc, argv, rest, 2, &n_rest, err, errlen);
     if (rc != TDM_OK)
         return rc;
+    const char *pos = n_rest == 2 && strcmp(rest[0], "serve") == 0 ? rest[1]
+                      : n_rest == 1                                ? rest[0]
+                                                                   : NULL;
+    if (n_rest == 2 && !pos)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "unexpected argument \"%.200s\" (the model is the one positional "
+                          "argument)",
+                          rest[1]);
+    if (pos) {
+        if (cfg->model[0] && strcmp(cfg->model, pos) != 0)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "the model is given twice: \"%.200s\" and --model \"%.200s\"", pos,
+                              cfg->model);
+        if (strlen(pos) >= sizeof cfg->model)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "the model \"%.60s...\" is too long", pos);
+        snprintf(cfg->model, sizeof cfg->model, "%s", pos);
+    }
     if (cfg->model[0] == '\0')
-        return tdm_seterr(err, errlen, TDM_EINVAL, "--model DIR is required");
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "no model: give it as --model DIR|ORG/NAME or as the first argument "
+                          "(as vllm serve MODEL)");
     return TDM_OK;
 }

@@ -252,9 +252,10 @@ void worker_handle_generate(struct tdm_worker *s, struct tdm_http_conn *c, enum 
     const char *finish = k.client_gone ? "abort" : "-";
     if (!k.client_gone && k.oai.n_choices && k.oai.choices[0].finish != TDM_FINISH_NONE)
         finish = tdm_finish_name(k.oai.choices[0].finish);
-    TDM_LOG_INFO(WORKER_MOD,
-                 "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
-                 k.oai.resp.id, k.oai.n_choices, u.prompt_tokens, u.completion_tokens, finish);
+    if (s->cfg.log_requests)
+        TDM_LOG_INFO(WORKER_MOD,
+                     "req=%s done choices=%zu prompt_tokens=%d completion_tokens=%d finish=%s",
+                     k.oai.resp.id, k.oai.n_choices, u.prompt_tokens, u.completion_tokens, finish);
 out:
     trace_call(&k, &span);
     call_fini(&k);

@@ -201,6 +201,8 @@ enum tdm_flag_kind {
     TDM_FLAG_STR,    // char[size] at offset: a copy of the value
     TDM_FLAG_PTR,    // const char * at offset: points at the value (in argv)
     TDM_FLAG_INT,    // int at offset: a base-10 integer in [min, max]
+    TDM_FLAG_HINT,   // int at offset: as INT, also with vLLM's human-readable suffixes
+                     // (tdm_parse_human_int: 4k = 4000, 32K = 32768)
     TDM_FLAG_DOUBLE, // double at offset: a number in [min, max]
     TDM_FLAG_FLOAT,  // float at offset: a number in [min, max]
     TDM_FLAG_BYTES,  // size_t at offset: a byte size ("2GiB", "512MiB", "4096") in [min, max]
@@ -264,6 +266,12 @@ void tdm_flags_help(const struct tdm_flags *t, FILE *f);
 // Returns true when main should return *exit_code now.
 bool tdm_flags_main(const struct tdm_flags *t, void *opts, int argc, char **argv, char **rest,
                     int max_rest, int *n_rest, const char *prog, int *exit_code);
+// Parses an integer as vLLM's human_readable_int does (--max-model-len 4k):
+// digits, or digits with a decimal suffix k/m/g (x 1e3/1e6/1e9, a fraction
+// allowed: 25.6k = 25600) or a binary one K/M/G (x 2^10/2^20/2^30, whole numbers
+// only). TDM_OK, or TDM_EINVAL with the reason in err (a fraction with a binary
+// suffix names the decimal one: "did you mean 25.6k?").
+int tdm_parse_human_int(const char *text, long long *out, char *err, size_t errlen);
 // Parses a byte size: digits with an optional fraction and a unit B, K/KiB/k,
 // KB, M/MiB, MB, G/GiB, GB, T/TiB, TB (binary unless it ends in "B" after a
 // decimal prefix). TDM_OK or TDM_EINVAL (not a whole number of bytes).

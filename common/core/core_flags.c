@@ -100,6 +100,56 @@ static void norm_name(char *buf, size_t cap, const char *name)
     buf[i] = '\0';
 }
 
+int tdm_parse_human_int(const char *s, long long *out, char *err, size_t errlen)
+{
+    size_t n = s ? strlen(s) : 0;
+    size_t digits = strspn(s ? s : "", "0123456789");
+    if (n == 0 || digits == 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "not a number");
+    char last = s[n - 1];
+    const char *dec = strchr("kmg", last), *bin = strchr("KMG", last);
+    if (!(dec || bin) || n == 1) { // a plain number
+        if (digits != n || n > 18)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "not a whole number");
+        *out = strtoll(s, NULL, 10);
+        return TDM_OK;
+    }
+    // digits [. digits] suffix
+    size_t frac = 0;
+    if (s[digits] == '.') {
+        frac = strspn(s + digits + 1, "0123456789");
+        if (frac == 0)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "not a number");
+    }
+    size_t body = digits + (frac ? frac + 1 : 0);
+    if (body != n - 1 || digits > 12)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "not a number");
+    if (bin && frac)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "decimals are not allowed with binary suffixes like %c; did you mean "
+                          "%.*s%c?",
+                          last, (int)(n - 1), s, (char)(last - 'A' + 'a'));
+    int e = dec ? 3 * (int)(dec - "kmg" + 1) : 10 * (int)(bin - "KMG" + 1);
+    if (bin) {
+        *out = strtoll(s, NULL, 10) << e;
+        return TDM_OK;
+    }
+    // Decimal: int(float(number) * 10^e), as vLLM computes it, exactly for the
+    // digits given (no binary float rounding of 25.6 * 1000).
+    long long whole = strtoll(s, NULL, 10), f = 0, scale = 1;
+    for (size_t i = 0; i < frac; i++) {
+        if (scale < 1000000000000LL) {
+            f = f * 10 + (s[digits + 1 + i] - '0');
+            scale *= 10;
+        }
+    }
+    long long p = 1;
+    for (int i = 0; i < e; i++)
+        p *= 10;
+    *out = whole * p + f * p / scale;
+    return TDM_OK;
+}
+
 static const struct tdm_flag *find_flag(const struct tdm_flags *t, const char *norm)
 {
     for (size_t i = 0; i < t->n; i++)
@@ -144,6 +194,19 @@ static int apply(const struct tdm_flag *f, void *opts, const char *v, char *err,
             return tdm_seterr(err, errlen, TDM_EINVAL,
                               "--%s: expected an integer in [%ld, %ld], got \"%s\"", n,
                               (long)f->min, (long)f->max, v);
+        int iv = (int)i;
+        memcpy(field, &iv, sizeof iv);
+        return TDM_OK;
+    }
+    case TDM_FLAG_HINT: {
+        long long i = 0;
+        char why[160] = "";
+        if (tdm_parse_human_int(v, &i, why, sizeof why) != TDM_OK || (double)i < f->min ||
+            (double)i > f->max)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "--%s: expected an integer in [%ld, %ld] (4096, 4k = 4000, 4K = "
+                              "4096), got \"%s\"%s%s",
+                              n, (long)f->min, (long)f->max, v, why[0] ? ": " : "", why);
         int iv = (int)i;
         memcpy(field, &iv, sizeof iv);
         return TDM_OK;

@@ -480,12 +480,34 @@ static void test_flags_take_and_help(void **state)
     assert_null(strstr(buf, "--speed")); // hidden: another spelling of --mode
 
     size_t b;
+    long long b_ll;
     assert_int_equal(tdm_parse_bytes("512MiB", &b), TDM_OK);
     assert_int_equal(b, (size_t)512 << 20);
     assert_int_equal(tdm_parse_bytes("1.5GB", &b), TDM_OK);
     assert_int_equal(b, 1500000000u);
     assert_int_equal(tdm_parse_bytes("1.5", &b), TDM_EINVAL);
     assert_int_equal(tdm_parse_bytes("GiB", &b), TDM_EINVAL);
+
+    // vLLM's human_readable_int (--max-model-len 4k), value for value.
+    static const struct {
+        const char *text;
+        long long want; // -1: refused
+    } hints[] = {
+        {"4096", 4096},    {"4k", 4000},    {"4K", 4096},       {"32K", 32768}, {"25.6k", 25600},
+        {"1.5m", 1500000}, {"2M", 2097152}, {"1g", 1000000000}, {"0.001k", 1},  {"25.6K", -1},
+        {"k", -1},         {"4kk", -1},     {"4.k", -1},        {"-4", -1},     {"4 k", -1},
+        {"4t", -1},        {"", -1},        {"0x10", -1},
+    };
+    char why[160];
+    for (size_t i = 0; i < sizeof hints / sizeof hints[0]; i++) {
+        long long v = -7;
+        int rc = tdm_parse_human_int(hints[i].text, &v, why, sizeof why);
+        if (hints[i].want < 0 ? rc == TDM_OK : (rc != TDM_OK || v != hints[i].want))
+            fail_msg("\"%s\": rc %d value %lld, want %lld", hints[i].text, rc, v, hints[i].want);
+    }
+    assert_int_equal(tdm_parse_human_int("25.6K", &b_ll, why, sizeof why), TDM_EINVAL);
+    assert_string_equal(why, "decimals are not allowed with binary suffixes like K; did you mean "
+                             "25.6k?");
 }
 
 // RFC 4231 test cases 2 (short key) and 6 (a key longer than the block).

@@ -32,6 +32,8 @@
 
 #include <float.h>
 #include <math.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -147,9 +149,23 @@ int tdm_sampling_params_validate(const struct tdm_sampling_params *p, int vocab_
 
 // An unseeded request draws its seed from the kernel's entropy pool (getrandom),
 // shared by the whole process; if that fails, from the clock and a counter.
+static _Atomic bool process_seeded;
+static _Atomic uint64_t process_stream;
+
+void tdm_sampling_set_process_seed(uint64_t seed)
+{
+    atomic_store(&process_stream, seed);
+    atomic_store(&process_seeded, true);
+}
+
 static uint64_t entropy_seed(void)
 {
     uint64_t seed;
+    if (atomic_load(&process_seeded)) {
+        // splitmix64: the stream advances by its constant, each draw is mixed.
+        uint64_t x = atomic_fetch_add(&process_stream, 0x9E3779B97F4A7C15ull);
+        return tdm_splitmix64(&x);
+    }
     if (getrandom(&seed, sizeof seed, 0) == (ssize_t)sizeof seed)
         return seed;
     static _Atomic uint64_t counter;

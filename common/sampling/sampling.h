@@ -71,6 +71,13 @@ struct tdm_sample_result {
 
 struct tdm_sampler;
 
+// The process's seed for requests without one (vLLM's --seed): from this call
+// on, each unseeded sampler created takes the next seed of a splitmix64 stream
+// started at seed, so a server given the same requests in the same order
+// samples the same outputs run after run. Without it (the default) each takes
+// a seed from the kernel's entropy pool. A request's own "seed" always wins.
+void tdm_sampling_set_process_seed(uint64_t seed);
+
 // prompt: the prompt ids (the repetition penalty counts them, as vLLM does).
 // eos_ids: the model's EOS ids (masked before min_tokens unless ignore_eos... see .c).
 int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *p, int vocab_size,

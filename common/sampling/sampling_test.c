@@ -715,6 +715,48 @@ static void test_seeds(void **state)
     tdm_sampler_free(u2);
 }
 
+// --seed (vLLM's): unseeded samplers take successive seeds of the process's
+// stream, so the same requests in the same order sample the same outputs after
+// a restart (the stream started again); a request's own seed still wins. Last
+// in the list: it leaves the process seeded.
+static void test_process_seed(void **state)
+{
+    (void)state;
+    enum { N = 200 };
+    static float master[1000], work[1000];
+    random_logits(master, 1000, 2.0f);
+    int32_t d[4][N], a[N], a2[N];
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    for (int run = 0; run < 2; run++) {
+        tdm_sampling_set_process_seed(7);
+        struct tdm_sampler *u1 = make(&p, 1000), *u2 = make(&p, 1000);
+        for (int i = 0; i < N; i++) {
+            d[2 * run][i] = draw(u1, master, work, 1000);
+            d[2 * run + 1][i] = draw(u2, master, work, 1000);
+        }
+        tdm_sampler_free(u1);
+        tdm_sampler_free(u2);
+    }
+    assert_memory_equal(d[0], d[2], sizeof d[0]);
+    assert_memory_equal(d[1], d[3], sizeof d[1]);
+    int differ = 0;
+    for (int i = 0; i < N; i++)
+        differ += d[0][i] != d[1][i];
+    assert_true(differ > N / 2);
+    tdm_sampling_set_process_seed(8);
+    struct tdm_sampler *u = make(&p, 1000);
+    differ = 0;
+    for (int i = 0; i < N; i++)
+        differ += draw(u, master, work, 1000) != d[0][i];
+    assert_true(differ > N / 2);
+    tdm_sampler_free(u);
+    sequence(42, a, N, master, work);
+    tdm_sampling_set_process_seed(7);
+    sequence(42, a2, N, master, work);
+    assert_memory_equal(a, a2, sizeof a);
+}
+
 // A sampler that replays the first k tokens of another's stream (a migrated
 // stream, issue 11 part 6) continues it exactly: the RNG draws and the output
 // history (presence/frequency penalties) are where the original's were.
@@ -1192,6 +1234,7 @@ int main(void)
         cmocka_unit_test(test_simd_passes),
         cmocka_unit_test(test_simd_sampler_equal),
         cmocka_unit_test(test_plain_greedy),
+        cmocka_unit_test(test_process_seed), // last: it leaves the process seeded
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
