@@ -202,8 +202,8 @@ async function structured() {
         'two constraints -> BadRequestError');
     await assert.rejects(
         client.chat.completions.create({ ...req, response_format: { type: 'json_schema',
-            json_schema: { name: 'n', schema: { type: 'integer', minimum: 0 } } } }),
-        (e) => e instanceof OpenAI.BadRequestError && /"minimum" is not supported/.test(e.message),
+            json_schema: { name: 'n', schema: { type: 'number', multipleOf: 0.5 } } } }),
+        (e) => e instanceof OpenAI.BadRequestError && /multipleOf 0.5 is not supported/.test(e.message),
         'unsupported keyword -> BadRequestError');
     return `structured outputs ok (${JSON.stringify(msg.parsed)}, ${cc.choices[0].text})`;
 }

@@ -88,6 +88,26 @@ int gb_mark_rules(const struct gb *b, bool classes_pass, uint8_t *mark);
 
 // Regex into b: appends to seq. json_string: the regex describes the decoded
 // contents of a JSON string (quote, backslash and control bytes are escaped).
+// Bounds of a JSON number (grammar_range.c); lo/hi are integers, closed
+// unless *_open. The caller checks that some value fits (the regexes assume it).
+struct gr_bounds {
+    bool has_lo, has_hi, lo_open, hi_open;
+    long long lo, hi; // |lo|, |hi| <= TDM_GRAMMAR_MAX_BOUND
+    int frac_digits;  // numbers: at most this many fraction digits (multipleOf 10^-p); 0 = any
+};
+// multipleOf k over a wide range: the values of up to this many digits (all
+// within +-TDM_GRAMMAR_MULTIPLE_SPAN, inside JavaScript's safe integers).
+#define TDM_GRAMMAR_MULTIPLE_DIGITS 15
+#define TDM_GRAMMAR_MULTIPLE_SPAN 999999999999999LL
+#define TDM_GRAMMAR_MAX_BOUND 1000000000000000000LL // 1e18
+// Integer digits where a side is unbounded: every value parses to a finite double.
+#define TDM_GRAMMAR_MAX_INT_DIGITS 300
+// A regex for the integers in [lo, hi] (inclusive; lo_open/hi_open ignored),
+// canonical JSON text; heap, NULL on ENOMEM.
+char *gr_int_range_regex(const struct gr_bounds *r);
+// A regex for the decimal values within r (integral bounds, open or closed),
+// sign, integer part and an optional fraction; heap, NULL on ENOMEM.
+char *gr_number_range_regex(const struct gr_bounds *r);
 int gr_regex_compile(struct gb *b, struct gb_seq *seq, const char *pat, size_t len,
                      bool json_string);
 

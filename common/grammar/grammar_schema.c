@@ -8,8 +8,10 @@
 //   - additionalProperties absent or false: only the listed properties (as
 //     xgrammar's strict mode); true or a schema: refused. An object schema with
 //     no "properties" at all is any JSON object.
+//   - integer/number bounds (minimum, maximum, exclusive*): grammar_range.c;
+//     multipleOf is refused.
 //   - oneOf is compiled as anyOf; allOf, not, if/then/else, patternProperties,
-//     prefixItems, minimum/maximum and the other unlisted keywords are refused
+//     prefixItems and the other unlisted keywords are refused
 //     with a message naming the keyword. Annotations (title, description,
 //     default, examples, $schema, $id, $comment, deprecated, readOnly, writeOnly)
 //     are ignored.
@@ -17,6 +19,7 @@
 //     nesting is bounded at match time by TDM_GRAMMAR_MAX_STACK).
 // Schema text is depth-checked (TDM_JSON_MAX_DEPTH) before cJSON parses it.
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -210,8 +213,12 @@ static void make_shared(struct sc *c)
     make_ws(c);
     make_character(c);
     c->string = string_rule(c, 0, -1);
-    c->integer = regex_rule(c, "-?(0|[1-9][0-9]*)");
-    c->number = regex_rule(c, "-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?");
+    // Finite values only (issue 28, item 2: "2E1111" parsed to Infinity and the
+    // SDK's parse threw): at most 300 integer digits (< 1e300), and a number with
+    // an exponent keeps 200 digits and a two-digit exponent (< 1e299).
+    c->integer = regex_rule(c, "-?(0|[1-9][0-9]{0,299})");
+    c->number = regex_rule(c, "-?(0|[1-9][0-9]{0,299})(\\.[0-9]+)?|"
+                              "-?(0|[1-9][0-9]{0,199})(\\.[0-9]+)?[eE][+-]?[0-9]{1,2}");
     c->value = gb_rule_new(b); // filled below: it refers to object and array
     c->object_any = any_object_rule(c);
     c->array_any = array_rule(c, c->value, 0, -1);
@@ -246,7 +253,7 @@ static bool in_list(const char *k, const char *const *list)
 
 static int fail(struct sc *c, const char *path, const char *fmt, const char *arg)
 {
-    char what[160];
+    char what[240];
     snprintf(what, sizeof what, fmt, arg);
     return gb_fail(&c->b, TDM_EINVAL, "json schema %s: %s", path, what);
 }
@@ -295,13 +302,17 @@ static int format_rule(struct sc *c, const char *format, const char *path)
         {"uuid", "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"},
         {"email",
          "[a-zA-Z0-9._%+-]{1,64}@[a-zA-Z0-9-]{1,63}(\\.[a-zA-Z0-9-]{1,63})*\\.[a-zA-Z]{2,24}"},
+        {"uri", "[a-zA-Z][a-zA-Z0-9+.-]{0,31}:[A-Za-z0-9._~:/?#@!$&'()*+,;=%-]{1,2000}"},
+        {"ipv4", "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])(\\.(25[0-5]|2[0-4][0-9]|1[0-9]{2}|"
+                 "[1-9]?[0-9])){3}"},
     };
 #undef DATE
 #undef TIME
     for (size_t i = 0; i < sizeof formats / sizeof formats[0]; i++)
         if (!strcmp(format, formats[i].name))
             return regex_string_rule(c, formats[i].regex);
-    fail(c, path, "format \"%s\" is not supported (date, time, date-time, uuid, email are)",
+    fail(c, path,
+         "format \"%s\" is not supported (date, time, date-time, uuid, email, ipv4, uri are)",
          format);
     return -1;
 }
@@ -321,8 +332,11 @@ static int string_schema(struct sc *c, const cJSON *s, const char *path)
         return fail(c, path, "%s with minLength/maxLength is not supported",
                     pattern ? "pattern" : "format"),
                -1;
-    if (pattern && format)
-        return fail(c, path, "pattern with format is not supported%s", ""), -1;
+    // A pattern beside a format (zod writes both for z.email(), z.ipv4(),
+    // z.uuid(), z.iso.date()...): the pattern constrains, the format is read as
+    // the annotation JSON Schema 2020-12 makes it by default.
+    if (pattern && format && !cJSON_IsString(format))
+        return fail(c, path, "format must be a string%s", ""), -1;
     if (pattern) {
         if (!cJSON_IsString(pattern))
             return fail(c, path, "pattern must be a string%s", ""), -1;
@@ -469,14 +483,215 @@ static int object_schema(struct sc *c, const cJSON *s, const char *path)
     return b->err ? -1 : r;
 }
 
+// One bound: minimum/maximum (a number), or exclusiveMinimum/exclusiveMaximum
+// as a number (draft 6+) or as draft 4's boolean that makes the other one
+// exclusive. Keeps the stricter of two. false when the schema is refused.
+static bool read_bound(struct sc *c, const cJSON *s, const char *path, bool upper, bool *has,
+                       double *v, bool *open)
+{
+    const char *inc = upper ? "maximum" : "minimum";
+    const char *exc = upper ? "exclusiveMaximum" : "exclusiveMinimum";
+    const cJSON *a = cJSON_GetObjectItemCaseSensitive(s, inc);
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(s, exc);
+    char msg[160];
+    *has = false;
+    *open = false;
+    if (a) {
+        if (!cJSON_IsNumber(a))
+            return fail(c, path, "%s must be a number", inc), false;
+        *has = true;
+        *v = a->valuedouble;
+    }
+    if (cJSON_IsBool(e)) {
+        if (cJSON_IsTrue(e)) {
+            if (!a) {
+                snprintf(msg, sizeof msg, "%s true needs %s", exc, inc);
+                return fail(c, path, "%s", msg), false;
+            }
+            *open = true;
+        }
+    } else if (e) {
+        if (!cJSON_IsNumber(e))
+            return fail(c, path, "%s must be a number", exc), false;
+        double x = e->valuedouble;
+        if (!*has || (upper ? x <= *v : x >= *v)) {
+            *has = true;
+            *v = x;
+            *open = true;
+        }
+    }
+    if (*has && !(*v >= -(double)TDM_GRAMMAR_MAX_BOUND && *v <= (double)TDM_GRAMMAR_MAX_BOUND)) {
+        snprintf(msg, sizeof msg, "%s %g is out of the supported range (|bound| <= 1e18)",
+                 e && *open ? exc : inc, *v);
+        return fail(c, path, "%s", msg), false;
+    }
+    return true;
+}
+
+// Multiples of k within [lo, hi] as literal alternatives (a small range).
+static int multiples_literal_rule(struct sc *c, long long k, long long lo, long long hi)
+{
+    int r = gb_rule_new(&c->b);
+    long long first = lo % k == 0 ? lo : lo >= 0 ? lo + (k - lo % k) : lo - lo % k;
+    struct gb_seq s = {0};
+    char t[32];
+    for (long long x = first; x <= hi && !c->b.err; x += k) {
+        s.n = 0;
+        snprintf(t, sizeof t, "%lld", x);
+        lit(c, &s, t);
+        gb_rule_add(&c->b, r, &s);
+    }
+    gb_seq_free(&s);
+    return r;
+}
+
+// Multiples of k of up to TDM_GRAMMAR_MULTIPLE_DIGITS digits, either sign: the
+// remainder automaton as rules R[l][m] (l digits may follow, m = the value so
+// far mod k).
+static int multiples_dfa_rule(struct sc *c, int k)
+{
+    struct gb *b = &c->b;
+    const int L = TDM_GRAMMAR_MULTIPLE_DIGITS;
+    int *R = malloc(sizeof *R * (size_t)L * (size_t)k);
+    if (!R) {
+        gb_fail(b, TDM_ENOMEM, "out of memory");
+        return -1;
+    }
+    for (int i = 0; i < L * k; i++)
+        R[i] = gb_rule_new(b);
+    struct gb_seq s = {0};
+    char d[2] = {0};
+    for (int l = 0; l < L && !b->err; l++)
+        for (int m = 0; m < k; m++) {
+            int rule = R[l * k + m];
+            if (m == 0) {
+                s.n = 0;
+                gb_rule_add(b, rule, &s); // the number may end here
+            }
+            for (int dig = 0; l > 0 && dig <= 9; dig++) {
+                s.n = 0;
+                d[0] = (char)('0' + dig);
+                lit(c, &s, d);
+                gb_seq_ref(b, &s, R[(l - 1) * k + (m * 10 + dig) % k]);
+                gb_rule_add(b, rule, &s);
+            }
+        }
+    // number ::= "0" | "-"? [1-9] R[L-1][digit mod k]
+    int top = gb_rule_new(b);
+    s.n = 0;
+    lit(c, &s, "0");
+    gb_rule_add(b, top, &s);
+    for (int neg = 0; neg < 2; neg++)
+        for (int dig = 1; dig <= 9; dig++) {
+            s.n = 0;
+            if (neg)
+                lit(c, &s, "-");
+            d[0] = (char)('0' + dig);
+            lit(c, &s, d);
+            gb_seq_ref(b, &s, R[(L - 1) * k + dig % k]);
+            gb_rule_add(b, top, &s);
+        }
+    gb_seq_free(&s);
+    free(R);
+    return b->err ? -1 : top;
+}
+
+// integer and number with bounds and multipleOf (issue 28, item 2): exact
+// integer ranges (zod's z.number().int() writes +-(2^53 - 1)); numbers with
+// integral bounds; multipleOf a whole k (as literals when at most 1000
+// multiples are in bounds, else the remainder automaton over values of up to
+// 15 digits when the bounds allow every one of them), or 0.1, 0.01, ... 1e-9 on
+// a number (that many fraction digits at most).
+static int numeric_schema(struct sc *c, const cJSON *s, const char *path, bool integer)
+{
+    const cJSON *mo = cJSON_GetObjectItemCaseSensitive(s, "multipleOf");
+    long long step = 0;  // a whole multipleOf
+    int frac_digits = 0; // multipleOf 10^-p on a number
+    char msg[160];
+    if (mo) {
+        if (!cJSON_IsNumber(mo) || !(mo->valuedouble > 0))
+            return fail(c, path, "%s", "multipleOf must be a positive number"), -1;
+        double m = mo->valuedouble;
+        int p = (int)lround(-log10(m));
+        if (m == floor(m) && m <= 1e6) {
+            step = (long long)m;
+        } else if (p >= 1 && p <= 9 && fabs(m - pow(10, -p)) <= 1e-12 * m) {
+            if (!integer) // every integer is a multiple of 0.1
+                frac_digits = p;
+        } else {
+            snprintf(msg, sizeof msg,
+                     "multipleOf %g is not supported (whole numbers up to 1e6, and 0.1, 0.01, "
+                     "... 1e-9 on numbers, are)",
+                     m);
+            return fail(c, path, "%s", msg), -1;
+        }
+        if (step > 1)
+            integer = true; // a number that is a multiple of a whole k is an integer
+    }
+    struct gr_bounds r = {0};
+    double lo = 0, hi = 0;
+    if (!read_bound(c, s, path, false, &r.has_lo, &lo, &r.lo_open) ||
+        !read_bound(c, s, path, true, &r.has_hi, &hi, &r.hi_open))
+        return -1;
+    r.frac_digits = frac_digits;
+    if (!r.has_lo && !r.has_hi && step <= 1 && !frac_digits)
+        return integer ? c->integer : c->number;
+    if (integer) { // to closed integer bounds
+        if (r.has_lo) {
+            double L = ceil(lo);
+            r.lo = (long long)L + (r.lo_open && L == lo ? 1 : 0);
+        }
+        if (r.has_hi) {
+            double H = floor(hi);
+            r.hi = (long long)H - (r.hi_open && H == hi ? 1 : 0);
+        }
+        r.lo_open = r.hi_open = false;
+        if (r.has_lo && r.has_hi && r.lo > r.hi)
+            return fail(c, path, "%s", "no integer is within minimum/maximum"), -1;
+        if (step > 1) {
+            const long long wide = TDM_GRAMMAR_MULTIPLE_SPAN;
+            if (r.has_lo && r.has_hi && (r.hi - r.lo) / step <= 1000)
+                return multiples_literal_rule(c, step, r.lo, r.hi);
+            if ((!r.has_lo || r.lo <= -wide) && (!r.has_hi || r.hi >= wide) && step <= 1000)
+                return multiples_dfa_rule(c, (int)step);
+            snprintf(msg, sizeof msg,
+                     "multipleOf %lld within these bounds is not supported (at most 1000 "
+                     "multiples in bounds, or bounds beyond +-(10^15 - 1) with multipleOf <= 1000, "
+                     "are)",
+                     step);
+            return fail(c, path, "%s", msg), -1;
+        }
+    } else {
+        if ((r.has_lo && lo != floor(lo)) || (r.has_hi && hi != floor(hi))) {
+            snprintf(msg, sizeof msg,
+                     "a number's bounds must be whole numbers (got %g..%g); an integer's may be "
+                     "any",
+                     r.has_lo ? lo : -INFINITY, r.has_hi ? hi : INFINITY);
+            return fail(c, path, "%s", msg), -1;
+        }
+        r.lo = (long long)lo;
+        r.hi = (long long)hi;
+        if (r.has_lo && r.has_hi && (r.lo > r.hi || (r.lo == r.hi && (r.lo_open || r.hi_open))))
+            return fail(c, path, "%s", "no number is within minimum/maximum"), -1;
+    }
+    char *re = integer ? gr_int_range_regex(&r) : gr_number_range_regex(&r);
+    if (!re) {
+        gb_fail(&c->b, TDM_ENOMEM, "out of memory");
+        return -1;
+    }
+    int rule = regex_rule(c, re);
+    free(re);
+    return rule;
+}
+
 static int type_rule(struct sc *c, const cJSON *s, const char *type, const char *path)
 {
     if (!strcmp(type, "string"))
         return string_schema(c, s, path);
     if (!strcmp(type, "integer"))
-        return c->integer;
+        return numeric_schema(c, s, path, true);
     if (!strcmp(type, "number"))
-        return c->number;
+        return numeric_schema(c, s, path, false);
     if (!strcmp(type, "object"))
         return object_schema(c, s, path);
     if (!strcmp(type, "array"))
@@ -547,10 +762,27 @@ static int ref_rule(struct sc *c, const cJSON *target, const char *path)
     return c->b.err ? -1 : r;
 }
 
-static const char *const known[] = {"type",      "properties", "required", "additionalProperties",
-                                    "items",     "minItems",   "maxItems", "minLength",
-                                    "maxLength", "pattern",    "format",   "enum",
-                                    "const",     "anyOf",      "oneOf",    "$ref",
+static const char *const known[] = {"type",
+                                    "properties",
+                                    "required",
+                                    "additionalProperties",
+                                    "items",
+                                    "minItems",
+                                    "maxItems",
+                                    "minLength",
+                                    "maxLength",
+                                    "pattern",
+                                    "format",
+                                    "enum",
+                                    "const",
+                                    "anyOf",
+                                    "oneOf",
+                                    "$ref",
+                                    "minimum",
+                                    "maximum",
+                                    "exclusiveMinimum",
+                                    "exclusiveMaximum",
+                                    "multipleOf",
                                     NULL};
 
 static int schema_rule(struct sc *c, const cJSON *s, const char *path)
@@ -666,6 +898,12 @@ static int schema_rule(struct sc *c, const cJSON *s, const char *path)
              cJSON_GetObjectItemCaseSensitive(s, "minLength") ||
              cJSON_GetObjectItemCaseSensitive(s, "maxLength"))
         r = string_schema(c, s, path);
+    else if (cJSON_GetObjectItemCaseSensitive(s, "minimum") ||
+             cJSON_GetObjectItemCaseSensitive(s, "maximum") ||
+             cJSON_GetObjectItemCaseSensitive(s, "exclusiveMinimum") ||
+             cJSON_GetObjectItemCaseSensitive(s, "exclusiveMaximum") ||
+             cJSON_GetObjectItemCaseSensitive(s, "multipleOf"))
+        r = numeric_schema(c, s, path, false);
     else
         r = c->value;
 out:

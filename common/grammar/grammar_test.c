@@ -367,12 +367,168 @@ static void test_json_object(void **state)
     tdm_grammar_unref(g);
 }
 
+// Whether text is a JSON number within [lo, hi] (open ends as given).
+static bool in_bounds(const char *text, bool has_lo, double lo, bool lo_open, bool has_hi,
+                      double hi, bool hi_open)
+{
+    double v = strtod(text, NULL);
+    return (!has_lo || (lo_open ? v > lo : v >= lo)) && (!has_hi || (hi_open ? v < hi : v <= hi));
+}
+
+// Numeric bounds (issue 28, item 2), against brute force: every integer text in
+// a window, and numbers with fractions, match the schema exactly when they are
+// within its bounds (open and closed, one side or both, draft 4's booleans).
+static void test_schema_bounds(void **state)
+{
+    (void)state;
+    static const struct {
+        bool has_lo, lo_open, has_hi, hi_open;
+        int lo, hi;
+    } cases[] = {
+        {true, false, true, false, 0, 100},    {true, false, true, false, -5, 5},
+        {true, false, true, false, -1234, -7}, {true, true, true, true, -10, 10},
+        {true, false, false, false, 37, 0},    {false, false, true, false, 0, -215},
+        {false, false, true, true, 0, 999},    {true, true, false, false, -1000, 0},
+        {true, false, true, false, 7, 7},      {true, false, true, false, 99, 1001},
+        {true, true, true, false, 0, 0 + 1},   {true, false, true, false, 0, 0},
+    };
+    char text[96], sch[256];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        for (int integer = 0; integer < 2; integer++) {
+            int n = snprintf(sch, sizeof sch, "{\"type\":\"%s\"", integer ? "integer" : "number");
+            if (cases[i].has_lo)
+                n += snprintf(sch + n, sizeof sch - (size_t)n, ",\"%s\":%d",
+                              cases[i].lo_open ? "exclusiveMinimum" : "minimum", cases[i].lo);
+            if (cases[i].has_hi)
+                n += snprintf(sch + n, sizeof sch - (size_t)n, ",\"%s\":%d",
+                              cases[i].hi_open ? "exclusiveMaximum" : "maximum", cases[i].hi);
+            snprintf(sch + n, sizeof sch - (size_t)n, "}");
+            struct tdm_grammar *g = schema(sch);
+            static const char *const fracs[] = {"", ".0", ".00", ".5", ".05", ".999", ".001"};
+            // -40..40, each bound +-3, and far values.
+            int vals[160], nv = 0;
+            for (int v = -40; v <= 40; v++)
+                vals[nv++] = v;
+            for (int d = -3; d <= 3; d++)
+                vals[nv++] = cases[i].lo + d, vals[nv++] = cases[i].hi + d;
+            static const int far[] = {-1500, -1235, -1234, -1001, -1000, -999, 999,
+                                      1000,  1001,  1500,  215,   -215,  216,  -216};
+            for (size_t k = 0; k < sizeof far / sizeof far[0]; k++)
+                vals[nv++] = far[k];
+            for (int vi = 0; vi < nv; vi++) {
+                int v = vals[vi];
+                for (size_t f = 0; f < (integer ? 1 : sizeof fracs / sizeof fracs[0]); f++) {
+                    for (int neg0 = 0; neg0 < (v == 0 ? 2 : 1); neg0++) {
+                        snprintf(text, sizeof text, "%s%d%s", neg0 ? "-" : "", v, fracs[f]);
+                        bool want = in_bounds(text, cases[i].has_lo, cases[i].lo, cases[i].lo_open,
+                                              cases[i].has_hi, cases[i].hi, cases[i].hi_open);
+                        if (neg0 && integer)
+                            want = false; // "-0" is not canonical
+                        if (neg0 && !integer && !strcmp(fracs[f], ".0"))
+                            want = false; // "-0.0": zero written with a sign is not produced
+                        if (neg0 && !integer && (!strcmp(fracs[f], "") || !strcmp(fracs[f], ".00")))
+                            want = false;
+                        if (matches(g, text, strlen(text)) != want)
+                            fail_msg("%s: \"%s\" %s", sch, text, want ? "refused" : "accepted");
+                    }
+                }
+            }
+            // Far outside the window, and non-canonical forms.
+            const char *never[] = {"01", "+1", "1e2", "--1", "1.", ".5", NULL};
+            for (const char **p = never; *p; p++)
+                if (matches(g, *p, strlen(*p)))
+                    fail_msg("%s: \"%s\" accepted", sch, *p);
+            snprintf(text, sizeof text, "123456789012");
+            if (matches(g, text, strlen(text)) != (!cases[i].has_hi))
+                fail_msg("%s: \"%s\"", sch, text);
+            tdm_grammar_unref(g);
+        }
+    }
+    // zod's z.number().int(): the safe-integer range, exactly at its ends.
+    struct tdm_grammar *g = schema("{\"type\":\"integer\",\"minimum\":-9007199254740991,"
+                                   "\"maximum\":9007199254740991}");
+    const char *good[] = {
+        "0", "-1", "9007199254740991", "-9007199254740991", "9007199254740990", "1000000000000000",
+        NULL};
+    const char *bad[] = {
+        "9007199254740992", "-9007199254740992", "10000000000000000", "-0", "1.0", NULL};
+    check_corpus(g, good, bad);
+    tdm_grammar_unref(g);
+    // Draft 4's boolean exclusives; and a bound with a fraction on an integer.
+    g = schema("{\"type\":\"integer\",\"minimum\":0,\"exclusiveMinimum\":true,\"maximum\":2.5}");
+    const char *good4[] = {"1", "2", NULL}, *bad4[] = {"0", "3", NULL};
+    check_corpus(g, good4, bad4);
+    tdm_grammar_unref(g);
+    // Finite values only: no exponent or integer long enough to overflow a double.
+    g = schema("{\"type\":\"number\"}");
+    char big[400];
+    memset(big, '9', 300);
+    big[300] = '\0';
+    const char *goodn[] = {"1e99", "-1.5E-99", big, "0.1234567890123456789", NULL};
+    const char *badn[] = {"1e999", "2E1111", "1e100", NULL};
+    check_corpus(g, goodn, badn);
+    big[300] = '9';
+    big[301] = '\0';
+    assert_false(matches(g, big, strlen(big)));
+    tdm_grammar_unref(g);
+    // multipleOf: literals in a small range; the remainder automaton over a wide
+    // one (zod's .int().multipleOf(5)); 10^-p on numbers.
+    g = schema("{\"type\":\"integer\",\"multipleOf\":5,\"minimum\":-12,\"maximum\":100}");
+    const char *gm1[] = {"-10", "0", "5", "100", NULL}, *bm1[] = {"3", "105", "-15", "05", NULL};
+    check_corpus(g, gm1, bm1);
+    tdm_grammar_unref(g);
+    g = schema("{\"type\":\"integer\",\"minimum\":-9007199254740991,\"maximum\":"
+               "9007199254740991,\"multipleOf\":5}");
+    const char *gm2[] = {"0", "5", "-10", "123455", "999999999999995", NULL};
+    const char *bm2[] = {"7", "-3", "05", "-0", "1000000000000000", "12.5", NULL};
+    check_corpus(g, gm2, bm2);
+    tdm_grammar_unref(g);
+    g = schema("{\"type\":\"number\",\"multipleOf\":7}");
+    const char *gm3[] = {"14", "-7", "0", "700", NULL}, *bm3[] = {"15", "7.5", "14.0", NULL};
+    check_corpus(g, gm3, bm3);
+    tdm_grammar_unref(g);
+    g = schema("{\"type\":\"number\",\"multipleOf\":0.01,\"exclusiveMinimum\":0}");
+    const char *gm4[] = {"1.25", "0.01", "3.1", "7", "0.10", NULL};
+    const char *bm4[] = {"1.255", "0", "0.00", "-1", "0.001", NULL};
+    check_corpus(g, gm4, bm4);
+    tdm_grammar_unref(g);
+    g = schema("{\"type\":\"integer\",\"multipleOf\":0.01,\"maximum\":3}");
+    const char *gm5[] = {"3", "-40", NULL}, *bm5[] = {"4", "2.5", NULL};
+    check_corpus(g, gm5, bm5);
+    tdm_grammar_unref(g);
+    // zod's string formats come with a pattern: the pattern constrains.
+    g = schema("{\"type\":\"string\",\"format\":\"email\",\"pattern\":\"^[a-z]+@x\\\\.org$\"}");
+    const char *gz[] = {"\"ab@x.org\"", NULL}, *bz[] = {"\"a.b@y.com\"", NULL};
+    check_corpus(g, gz, bz);
+    tdm_grammar_unref(g);
+    g = schema("{\"type\":\"string\",\"format\":\"uri\"}");
+    const char *gu[] = {"\"https://example.org/a?b=1#c\"", "\"urn:isbn:0451450523\"", NULL};
+    const char *bu[] = {"\"no scheme\"", "\"://x\"", "\"http:\"", NULL};
+    check_corpus(g, gu, bu);
+    tdm_grammar_unref(g);
+    g = schema("{\"type\":\"string\",\"format\":\"ipv4\"}");
+    const char *goodip[] = {"\"0.0.0.0\"", "\"192.168.1.255\"", "\"255.255.255.255\"", NULL};
+    const char *badip[] = {"\"256.1.1.1\"", "\"01.2.3.4\"", "\"1.2.3\"", "\"1.2.3.4.5\"", NULL};
+    check_corpus(g, goodip, badip);
+    tdm_grammar_unref(g);
+}
+
 static void test_schema_errors(void **state)
 {
     (void)state;
 #define SF(text, needle) schema_fails(text, strlen(text), needle)
     SF("{\"type\":\"object\",\"allOf\":[]}", "\"allOf\"");
-    SF("{\"type\":\"integer\",\"minimum\":0}", "\"minimum\"");
+    SF("{\"type\":\"number\",\"multipleOf\":0.5}", "multipleOf 0.5 is not supported");
+    SF("{\"type\":\"integer\",\"multipleOf\":7,\"minimum\":0,\"maximum\":100000}",
+       "multipleOf 7 within these bounds");
+    SF("{\"type\":\"integer\",\"multipleOf\":-2}", "positive number");
+    SF("{\"type\":\"integer\",\"minimum\":5,\"maximum\":4}", "no integer is within");
+    SF("{\"type\":\"integer\",\"minimum\":1.5,\"maximum\":1.9}", "no integer is within");
+    SF("{\"type\":\"number\",\"minimum\":0.5}", "bounds must be whole numbers");
+    SF("{\"type\":\"number\",\"exclusiveMinimum\":2,\"maximum\":2}", "no number is within");
+    SF("{\"type\":\"integer\",\"maximum\":1e19}", "out of the supported range");
+    SF("{\"type\":\"integer\",\"minimum\":\"0\"}", "minimum must be a number");
+    SF("{\"type\":\"integer\",\"exclusiveMinimum\":true}", "needs minimum");
     SF("{\"type\":\"array\",\"prefixItems\":[]}", "\"prefixItems\"");
     SF("{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"}},"
        "\"additionalProperties\":true}",
@@ -383,7 +539,7 @@ static void test_schema_errors(void **state)
     SF("{\"enum\":[]}", "non-empty");
     SF("{\"anyOf\":[]}", "non-empty");
     SF("{\"type\":\"foo\"}", "unknown type");
-    SF("{\"type\":\"string\",\"format\":\"ipv4\"}", "format \"ipv4\"");
+    SF("{\"type\":\"string\",\"format\":\"hostname\"}", "format \"hostname\"");
     SF("{\"type\":\"string\",\"pattern\":\"(a)\\\\1\"}", "backreferences");
     SF("{\"type\":\"object\",\"properties\":{},\"required\":[\"a\"]}", "\"a\" is not in");
     SF("{\"type\":\"array\",\"maxItems\":-1}", "maxItems");
@@ -832,6 +988,18 @@ static void test_random_walks(void **state)
                  "{\"type\":\"array\",\"items\":{\"enum\":[\"x\",null,1.5]},\"minItems\":2,"
                  "\"maxItems\":4}",
                  10, 15);
+    // Bounds (issue 28, item 2): walks of the token masks end in values the
+    // validator finds within them.
+    random_walks(
+        small_vocab,
+        "{\"type\":\"object\",\"properties\":{\"n\":{\"type\":\"integer\",\"minimum\":"
+        "-9007199254740991,\"maximum\":9007199254740991},\"p\":{\"type\":\"integer\","
+        "\"minimum\":1,\"maximum\":12},\"x\":{\"type\":\"number\",\"exclusiveMinimum\":0,"
+        "\"maximum\":100},\"ip\":{\"type\":\"string\",\"format\":\"ipv4\"},\"m\":{\"type\":"
+        "\"integer\",\"minimum\":-9007199254740991,\"maximum\":9007199254740991,"
+        "\"multipleOf\":5},\"c\":{\"type\":\"number\",\"multipleOf\":0.01}},\"required\":"
+        "[\"n\",\"p\",\"x\",\"ip\",\"m\",\"c\"]}",
+        20, 16);
 }
 
 // One grammar and one vocab shared by four threads, each with its own matchers
@@ -948,14 +1116,23 @@ static int teardown(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_regex_corpus),       cmocka_unit_test(test_regex_errors),
-        cmocka_unit_test(test_regex_catastrophic), cmocka_unit_test(test_choice),
-        cmocka_unit_test(test_schema_corpus),      cmocka_unit_test(test_json_object),
-        cmocka_unit_test(test_schema_errors),      cmocka_unit_test(test_masks_small_vocab),
-        cmocka_unit_test(test_mask_api_errors),    cmocka_unit_test(test_random_walks),
-        cmocka_unit_test(test_masks_qwen2),        cmocka_unit_test(test_gbnf),
-        cmocka_unit_test(test_token_bytes),        cmocka_unit_test(test_threads),
-        cmocka_unit_test(test_mask_budget), cmocka_unit_test(test_accept_capacity),
+        cmocka_unit_test(test_regex_corpus),
+        cmocka_unit_test(test_regex_errors),
+        cmocka_unit_test(test_regex_catastrophic),
+        cmocka_unit_test(test_choice),
+        cmocka_unit_test(test_schema_corpus),
+        cmocka_unit_test(test_json_object),
+        cmocka_unit_test(test_schema_bounds),
+        cmocka_unit_test(test_schema_errors),
+        cmocka_unit_test(test_masks_small_vocab),
+        cmocka_unit_test(test_mask_api_errors),
+        cmocka_unit_test(test_random_walks),
+        cmocka_unit_test(test_masks_qwen2),
+        cmocka_unit_test(test_gbnf),
+        cmocka_unit_test(test_token_bytes),
+        cmocka_unit_test(test_threads),
+        cmocka_unit_test(test_mask_budget),
+        cmocka_unit_test(test_accept_capacity),
     };
     return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
 }

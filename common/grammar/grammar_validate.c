@@ -7,6 +7,7 @@
 // the grammar engine, so that the engine's outputs are checked by other code.
 #include "grammar_validate.h"
 
+#include <math.h>
 #include <regex.h>
 #include <stdio.h>
 #include <string.h>
@@ -105,6 +106,28 @@ static bool validate(const cJSON *v, const cJSON *s, const cJSON *root, char *wh
             if (sscanf(v->valuestring, "%4d-%2d-%2d%c", &y, &mo, &d, &tail) != 3 || mo < 1 ||
                 mo > 12 || d < 1 || d > 31 || strlen(v->valuestring) != 10)
                 return NOPE("date");
+        }
+    }
+    if (cJSON_IsNumber(v)) {
+        double x = v->valuedouble;
+        if (!isfinite(x))
+            return NOPE("not a finite number");
+        const cJSON *emn = cJSON_GetObjectItemCaseSensitive(s, "exclusiveMinimum");
+        const cJSON *emx = cJSON_GetObjectItemCaseSensitive(s, "exclusiveMaximum");
+        if ((k = cJSON_GetObjectItemCaseSensitive(s, "minimum")) &&
+            (cJSON_IsTrue(emn) ? x <= k->valuedouble : x < k->valuedouble))
+            return NOPE("minimum");
+        if ((k = cJSON_GetObjectItemCaseSensitive(s, "maximum")) &&
+            (cJSON_IsTrue(emx) ? x >= k->valuedouble : x > k->valuedouble))
+            return NOPE("maximum");
+        if (cJSON_IsNumber(emn) && x <= emn->valuedouble)
+            return NOPE("exclusiveMinimum");
+        if (cJSON_IsNumber(emx) && x >= emx->valuedouble)
+            return NOPE("exclusiveMaximum");
+        if ((k = cJSON_GetObjectItemCaseSensitive(s, "multipleOf"))) {
+            double q = x / k->valuedouble;
+            if (fabs(q - nearbyint(q)) > 1e-9 * fmax(1.0, fabs(q)))
+                return NOPE("multipleOf");
         }
     }
     if (cJSON_IsArray(v)) {
