@@ -283,6 +283,104 @@ async function zodStructured() {
     return `zod structured outputs ok (${parsedSeen.join(', ')})`;
 }
 
+// The schemas the SDK's users write (issue 28, item 2): zod idioms through
+// zodResponseFormat, and Pydantic-style schemas written by hand (there is no
+// PyPI here: model_json_schema()'s shapes, titles, $defs, Optional as anyOf
+// null, conint/confloat bounds), each paired with a zod validator. Every one
+// goes through chat.completions.parse; every output must validate. Strings are
+// bounded: a random-weights model under a constraint closes an unbounded
+// string only by chance (the unbounded formats are covered by grammar_test).
+const pydantic = (name, properties, required, defs) => ({
+    type: 'json_schema',
+    json_schema: {
+        name, strict: true,
+        schema: { ...(defs ? { $defs: defs } : {}), title: name, type: 'object', properties,
+                  required, additionalProperties: false },
+    },
+});
+const SCHEMA_TABLE = [
+    ['zod int', z.object({ n: z.number().int() })],
+    ['zod int nonnegative', z.object({ n: z.number().int().nonnegative() })],
+    ['zod positive', z.object({ p: z.number().positive() })],
+    ['zod int gte lte', z.object({ r: z.number().int().gte(1).lte(5) })],
+    ['zod gt lt', z.object({ t: z.number().gt(-10).lt(10) })],
+    ['zod int negative', z.object({ n: z.number().int().lt(0) })],
+    ['zod int multipleOf', z.object({ m: z.number().int().multipleOf(5) })],
+    ['zod multipleOf 0.01', z.object({ price: z.number().multipleOf(0.01).nonnegative() })],
+    ['zod ipv4', z.object({ ip: z.ipv4() })],
+    ['zod uuid', z.object({ id: z.uuid() })],
+    ['zod iso date', z.object({ d: z.iso.date() })],
+    ['zod string min max', z.object({ s: z.string().min(2).max(8) })],
+    ['zod enum array', z.object({ tags: z.array(z.enum(['a', 'b', 'c'])).min(1).max(3) })],
+    ['zod nullable enum', z.object({ mood: z.enum(['calm', 'busy']).nullable() })],
+    ['zod discriminated union', z.object({ shape: z.discriminatedUnion('kind', [
+        z.object({ kind: z.literal('circle'), r: z.number().int().gte(1).lte(9) }),
+        z.object({ kind: z.literal('box'), w: z.number().int().gte(1).lte(9), on: z.boolean() }),
+    ]) })],
+    ['zod nested', z.object({ a: z.object({ ok: z.boolean(), v: z.literal('x'),
+                                             n: z.number().int().gte(-3).lte(3) }) })],
+    ['pydantic item', pydantic('Item', {
+        name: { title: 'Name', type: 'string', maxLength: 8 },
+        qty: { title: 'Qty', type: 'integer', exclusiveMinimum: 0 },
+        price: { title: 'Price', type: 'number', minimum: 0 } }, ['name', 'qty', 'price']),
+     // (JSON Schema's integer, not zod's .int(): Python's int has no safe range)
+     z.object({ name: z.string().max(8), qty: z.number().gt(0).refine(Number.isInteger),
+                price: z.number().gte(0) })],
+    ['pydantic optional', pydantic('Note', {
+        note: { anyOf: [{ type: 'string', maxLength: 6 }, { type: 'null' }], default: null,
+                title: 'Note' } }, ['note']),
+     z.object({ note: z.string().max(6).nullable() })],
+    ['pydantic enum $defs conint', pydantic('Paint', {
+        color: { $ref: '#/$defs/Color' },
+        coats: { title: 'Coats', type: 'integer', minimum: 1, maximum: 4 } }, ['color', 'coats'],
+        { Color: { enum: ['red', 'green'], title: 'Color', type: 'string' } }),
+     z.object({ color: z.enum(['red', 'green']), coats: z.number().int().gte(1).lte(4) })],
+    ['pydantic conlist of conint', pydantic('Scores', {
+        scores: { title: 'Scores', type: 'array', minItems: 1, maxItems: 4,
+                  items: { type: 'integer', minimum: 0, maximum: 100 } } }, ['scores']),
+     z.object({ scores: z.array(z.number().int().gte(0).lte(100)).min(1).max(4) })],
+    ['pydantic IPv4Address', pydantic('Host', {
+        ip: { title: 'Ip', type: 'string', format: 'ipv4' } }, ['ip']),
+     z.object({ ip: z.ipv4() })],
+    ['pydantic condecimal', pydantic('Payment', {
+        amount: { title: 'Amount', type: 'number', exclusiveMinimum: 0, maximum: 1000,
+                  multipleOf: 0.01 } }, ['amount']),
+     z.object({ amount: z.number().gt(0).lte(1000).multipleOf(0.01) })],
+    ['pydantic confloat ge le', pydantic('Ratio', {
+        r: { title: 'R', type: 'number', minimum: -1, maximum: 1 } }, ['r']),
+     z.object({ r: z.number().gte(-1).lte(1) })],
+];
+
+async function schemaTable() {
+    let n = 0;
+    for (const [name, schema, check] of SCHEMA_TABLE) {
+        const isZod = check === undefined;
+        const req = {
+            model,
+            messages: [{ role: 'user', content: `Give a JSON value for ${name}.` }],
+            max_tokens: 400,
+            temperature: 1,
+            seed: 7 + n,
+            response_format: isZod ? zodResponseFormat(schema, name.replace(/\W+/g, '_')) : schema,
+        };
+        let c;
+        try {
+            c = await client.chat.completions.parse(req);
+        } catch (e) {
+            throw new Error(`${name}: ${e.message}\n  schema ${JSON.stringify(req.response_format)}`);
+        }
+        const ch = c.choices[0];
+        assert.equal(ch.finish_reason, 'stop', `${name}: finish ${ch.finish_reason}`);
+        const v = ch.message.parsed;
+        const res = (isZod ? schema : check).safeParse(v);
+        assert.ok(res.success, `${name}: ${ch.message.content} does not validate: ` +
+                  JSON.stringify(res.error?.issues));
+        assert.ok(Number.isFinite(JSON.stringify(v).length), name);
+        n++;
+    }
+    return `${n} SDK schemas (zod and Pydantic-style) parsed and validated`;
+}
+
 async function models() {
     const page = await client.models.list();
     const ids = page.data.map((m) => m.id);
@@ -303,7 +401,7 @@ async function models() {
 }
 
 try {
-    for (const step of [completions, chat, structured, zodStructured, models])
+    for (const step of [completions, chat, structured, zodStructured, schemaTable, models])
         console.log(`${label}: ${await step()}`);
 } catch (e) {
     console.error(`FAIL ${label}: ${e.stack || e}`);

@@ -102,6 +102,10 @@ struct gr_bounds {
 #define TDM_GRAMMAR_MAX_BOUND 1000000000000000000LL // 1e18
 // Integer digits where a side is unbounded: every value parses to a finite double.
 #define TDM_GRAMMAR_MAX_INT_DIGITS 300
+// Fraction digits of a JSON number the grammar writes: a double holds 17
+// significant digits, so more add nothing (and a weak model under a constraint
+// could otherwise write digits until max_tokens).
+#define TDM_GRAMMAR_MAX_FRAC_DIGITS 20
 // A regex for the integers in [lo, hi] (inclusive; lo_open/hi_open ignored),
 // canonical JSON text; heap, NULL on ENOMEM.
 char *gr_int_range_regex(const struct gr_bounds *r);

@@ -186,12 +186,10 @@ static void nonneg_number(struct rb *b, bool *any, bool neg, long long a, bool a
 {
     // Fractions: any, or of at most p digits (multipleOf 10^-p); a nonzero one
     // for an excluded integer bound (first nonzero digit at position j < p).
-    char frac[64], nonzero_frac[600], zero_frac[32];
-    if (p <= 0) {
-        snprintf(frac, sizeof frac, "(\\.[0-9]+)?");
-        snprintf(nonzero_frac, sizeof nonzero_frac, "\\.[0-9]*[1-9][0-9]*");
-        snprintf(zero_frac, sizeof zero_frac, "(\\.0+)?");
-    } else {
+    char frac[64], nonzero_frac[900], zero_frac[32];
+    if (p <= 0)
+        p = TDM_GRAMMAR_MAX_FRAC_DIGITS;
+    {
         snprintf(frac, sizeof frac, "(\\.[0-9]{1,%d})?", p);
         snprintf(zero_frac, sizeof zero_frac, "(\\.0{1,%d})?", p);
         int n = snprintf(nonzero_frac, sizeof nonzero_frac, "\\.(");

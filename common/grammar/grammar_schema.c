@@ -216,9 +216,10 @@ static void make_shared(struct sc *c)
     // Finite values only (issue 28, item 2: "2E1111" parsed to Infinity and the
     // SDK's parse threw): at most 300 integer digits (< 1e300), and a number with
     // an exponent keeps 200 digits and a two-digit exponent (< 1e299).
+    // Fractions of at most TDM_GRAMMAR_MAX_FRAC_DIGITS (20) digits.
     c->integer = regex_rule(c, "-?(0|[1-9][0-9]{0,299})");
-    c->number = regex_rule(c, "-?(0|[1-9][0-9]{0,299})(\\.[0-9]+)?|"
-                              "-?(0|[1-9][0-9]{0,199})(\\.[0-9]+)?[eE][+-]?[0-9]{1,2}");
+    c->number = regex_rule(c, "-?(0|[1-9][0-9]{0,299})(\\.[0-9]{1,20})?|"
+                              "-?(0|[1-9][0-9]{0,199})(\\.[0-9]{1,20})?[eE][+-]?[0-9]{1,2}");
     c->value = gb_rule_new(b); // filled below: it refers to object and array
     c->object_any = any_object_rule(c);
     c->array_any = array_rule(c, c->value, 0, -1);
