@@ -2,7 +2,7 @@
 """stack_demo: `tandem up` with no model: the built-in demo model, router + one decode worker.
 
 With XDG_CACHE_HOME pointing into the build folder: the first run generates
-the demo model into $XDG_CACHE_HOME/tandem/models/demo-v1 and serves it as
+the demo model into $XDG_CACHE_HOME/tandem/models/demo-v2 and serves it as
 `tandem-demo` with the router talking to the decode worker only (--prefill 0:
 no prefill section, pd_mode never); the second run reuses the folder without
 writing it again. A Hub id found in the Hugging Face cache is served offline
@@ -22,7 +22,7 @@ def main():
     xdg = os.path.abspath(os.path.join(args.workdir, "xdg-cache"))
     shutil.rmtree(xdg, ignore_errors=True)
     env = {"XDG_CACHE_HOME": xdg}
-    folder = os.path.join(xdg, "tandem", "models", "demo-v1")
+    folder = os.path.join(xdg, "tandem", "models", "demo-v2")
 
     st = Stack(args, env=env)
     st.wait_line(r"^tandem\s+\| generating the demo model \(preset demo")
@@ -68,7 +68,7 @@ def main():
     check(rc == 0, "second run exited %d" % rc)
     check(os.path.getmtime(os.path.join(folder, "model.safetensors")) == mtime,
           "the cached demo model was rewritten")
-    check(not any(n.startswith("demo-v1.tmp") for n in os.listdir(os.path.dirname(folder))),
+    check(not any(n.startswith("demo-v2.tmp") for n in os.listdir(os.path.dirname(folder))),
           "temporary folders left in the cache")
 
     # A Hub id already in the Hugging Face cache (as another tool would have

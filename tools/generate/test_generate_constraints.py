@@ -132,7 +132,7 @@ with open(gbnf_file, "w") as f:
     f.write('root ::= "[" num ("," num)* "]"\nnum ::= [1-9] [0-9]?\n')
 bad_schema = os.path.join(WORK, "bad.json")
 with open(bad_schema, "w") as f:
-    json.dump({"type": "integer", "minimum": 0}, f)
+    json.dump({"type": "integer", "allOf": []}, f)
 
 sweep("json-schema", ["--json-schema", schema_file], json_ok(validate), "json_schema")
 sweep("json-object", ["--json-object"], json_ok(lambda v: isinstance(v, dict)), "json_object",
@@ -152,7 +152,7 @@ check(out["constraint"] is None and out["timings"]["num_masks"] == 0, "unconstra
 
 error_case("two flags", ["--regex", "a", "--choice", "a,b"], r"at most one of --json-schema")
 error_case("unsupported keyword", ["--json-schema", bad_schema],
-           r'^tandem-generate: --json-schema: .*"minimum" is not supported')
+           r'^tandem-generate: --json-schema: .*"allOf" is not supported')
 error_case("missing file", ["--grammar", os.path.join(WORK, "absent.gbnf")],
            r"^tandem-generate: --grammar: .*absent\.gbnf")
 error_case("bad regex", ["--regex", "(a)\\1"], r"^tandem-generate: --regex: .*backreference")
