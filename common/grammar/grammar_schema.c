@@ -608,7 +608,7 @@ static int numeric_schema(struct sc *c, const cJSON *s, const char *path, bool i
     const cJSON *mo = cJSON_GetObjectItemCaseSensitive(s, "multipleOf");
     long long step = 0;  // a whole multipleOf
     int frac_digits = 0; // multipleOf 10^-p on a number
-    char msg[160];
+    char msg[220];
     if (mo) {
         if (!cJSON_IsNumber(mo) || !(mo->valuedouble > 0))
             return fail(c, path, "%s", "multipleOf must be a positive number"), -1;
