@@ -18,6 +18,7 @@
 
 #include "core.h"
 #include "openai_impl.h"
+#include "tokenizer.h"
 
 // ---- server configuration -----------------------------------------------------------------
 
@@ -78,22 +79,14 @@ int tdm_oai_tool_parser_for_model(const char *dir, enum tdm_oai_tool_parser *out
     size_t len = 0;
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
     if (tdm_read_file(path, &text, &len, NULL, 0) == TDM_OK) {
-        cJSON *cfg = cJSON_ParseWithLength(text, len);
+        cJSON *cfg = tdm_json_check_depth(text, len, TDM_JSON_MAX_DEPTH, NULL, 0) == TDM_OK
+                         ? cJSON_ParseWithLength(text, len)
+                         : NULL;
         free(text);
         if (!cfg)
             return tdm_seterr(err, errlen, TDM_EPROTO, "%s: not valid JSON", path);
-        const cJSON *tpl = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
-        const char *t = cJSON_IsString(tpl) ? tpl->valuestring : NULL;
-        const cJSON *it;
-        if (cJSON_IsArray(tpl))
-            cJSON_ArrayForEach(it, tpl)
-            {
-                const cJSON *name = cJSON_GetObjectItemCaseSensitive(it, "name");
-                const cJSON *body = cJSON_GetObjectItemCaseSensitive(it, "template");
-                if (cJSON_IsString(name) && strcmp(name->valuestring, "default") == 0 &&
-                    cJSON_IsString(body))
-                    t = body->valuestring;
-            }
+        // The template the tokenizer loader (and so the workers) would use.
+        const char *t = tdm_tok_config_chat_template(cfg);
         *out = tdm_oai_tool_parser_for_template(t);
         cJSON_Delete(cfg);
         if (t)

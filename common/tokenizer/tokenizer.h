@@ -58,6 +58,11 @@ int32_t tdm_tok_bos_id(const struct tdm_tokenizer *tok);
 int32_t tdm_tok_eos_id(const struct tdm_tokenizer *tok);
 int32_t tdm_tok_pad_id(const struct tdm_tokenizer *tok);
 const char *tdm_tok_chat_template(const struct tdm_tokenizer *tok);
+// The chat template a parsed tokenizer_config.json holds, as the loader reads
+// it: "chat_template" as a string, or the entry named "default" of a list of
+// {"name", "template"}; NULL when there is none. Borrowed from cfg.
+struct cJSON;
+const char *tdm_tok_config_chat_template(const struct cJSON *cfg);
 
 // ---- incremental detokenizer for streaming ------------------------------------------
 // Emits text only in complete UTF-8 characters: bytes of a character split across

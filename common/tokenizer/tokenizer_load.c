@@ -244,6 +244,26 @@ static const char gpt2_pattern[] =
 
 // ---- JSON helpers -------------------------------------------------------------------------
 
+const char *tdm_tok_config_chat_template(const cJSON *cfg)
+{
+    const cJSON *tpl = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
+    const char *text = NULL;
+    if (cJSON_IsString(tpl)) {
+        text = tpl->valuestring;
+    } else if (cJSON_IsArray(tpl)) {
+        // Named templates: [{"name": "default", "template": "..."}, ...].
+        const cJSON *it;
+        cJSON_ArrayForEach(it, tpl)
+        {
+            const cJSON *name = cJSON_GetObjectItemCaseSensitive(it, "name");
+            const cJSON *body = cJSON_GetObjectItemCaseSensitive(it, "template");
+            if (cJSON_IsString(name) && strcmp(name->valuestring, "default") == 0)
+                text = cJSON_IsString(body) ? body->valuestring : NULL;
+        }
+    }
+    return text;
+}
+
 static const char *json_str(const cJSON *obj, const char *key)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
@@ -656,20 +676,7 @@ static int load_config_tokens(struct tdm_tokenizer *tok, const cJSON *cfg, char 
             return LOAD_ERR(TDM_EPROTO, "tokenizer_config.json: %s %s is not in the vocabulary",
                             keys[i], names[i]);
     }
-    const cJSON *tpl = cJSON_GetObjectItemCaseSensitive(cfg, "chat_template");
-    const char *text = NULL;
-    if (cJSON_IsString(tpl)) {
-        text = tpl->valuestring;
-    } else if (cJSON_IsArray(tpl)) {
-        // Named templates: [{"name": "default", "template": "..."}, ...].
-        const cJSON *it;
-        cJSON_ArrayForEach(it, tpl)
-        {
-            const char *name = json_str(it, "name");
-            if (name && strcmp(name, "default") == 0)
-                text = json_str(it, "template");
-        }
-    }
+    const char *text = tdm_tok_config_chat_template(cfg);
     if (text && !(tok->chat_template = strdup(text)))
         return TDM_ENOMEM;
     return TDM_OK;
