@@ -208,8 +208,12 @@ int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int3
         if (rc == TDM_EBUSY) {
             size_t total = 0, healthy = 0;
             tdm_router_endpoints_count(ctl->eps, true, &total, &healthy);
+            size_t auth = tdm_router_endpoints_count_auth_failed(ctl->eps);
             tdm_seterr(err, errlen, TDM_EBUSY,
-                       "no healthy decode endpoint (%zu configured, %zu healthy)", total, healthy);
+                       "no healthy decode endpoint (%zu configured, %zu healthy)%s", total, healthy,
+                       auth ? "; some refuse the router's control-plane handshake: start them "
+                              "with this router's TANDEM_INTERNAL_SECRET"
+                            : "");
             tdm_router_metrics_request(mx(ctl), "no_endpoint");
         } else {
             tdm_seterr(err, errlen, rc, "routing failed: %s", tdm_strerror(rc));
@@ -231,7 +235,6 @@ int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int3
         to_target(&snap.eps[pick.prefill[i]], &route->prefill[route->n_prefill++]);
     tdm_router_endpoints_record_prefix(ctl->eps, route->decode.id, route->block_hashes_,
                                        route->n_blocks_);
-    tdm_router_metrics_pick(mx(ctl), route->decode.name, TDM_ROUTER_ROLE_DECODE);
     if (route->decision == TDM_ROUTER_DECISION_PREFILL_DECODE) {
         // The first candidate that is still there.
         route->prefill_idx = 0;
@@ -248,7 +251,6 @@ int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int3
             route->max_prefill_attempts = 1 + route->cfg->prefill_retries;
             tdm_router_endpoints_record_prefix(ctl->eps, p->id, route->block_hashes_,
                                                route->n_blocks_);
-            tdm_router_metrics_pick(mx(ctl), p->name, TDM_ROUTER_ROLE_PREFILL);
         } else {
             route->decision = TDM_ROUTER_DECISION_DECODE_ONLY;
             route->n_prefill = 0;
@@ -282,6 +284,22 @@ fail:
     tdm_router_config_unref(cfg);
     memset(route, 0, sizeof *route);
     return rc;
+}
+
+void tdm_router_control_route_sent(struct tdm_router_control *ctl, const struct tdm_router_route *r)
+{
+    if (!r || !r->decode_held_)
+        return;
+    tdm_router_metrics_pick(mx(ctl), r->decode.name, TDM_ROUTER_ROLE_DECODE);
+    if (r->prefill_held_)
+        tdm_router_metrics_pick(mx(ctl), r->prefill[r->prefill_idx].name, TDM_ROUTER_ROLE_PREFILL);
+}
+
+void tdm_router_control_route_unsent(struct tdm_router_control *ctl,
+                                     const struct tdm_router_route *r)
+{
+    if (r && r->decode_held_)
+        tdm_router_metrics_fallback(mx(ctl), r->decode.name, TDM_ROUTER_ROLE_DECODE);
 }
 
 void tdm_router_control_prefill_outcome(struct tdm_router_control *ctl,
@@ -362,6 +380,10 @@ char *tdm_router_control_config_json(struct tdm_router_control *ctl)
             v[i].role == TDM_ROUTER_ROLE_NONE ? "none" : tdm_router_role_name(v[i].role));
         cJSON_AddNumberToObject(e, "nng_port", v[i].nng_port);
         cJSON_AddBoolToObject(e, "healthy", v[i].healthy);
+        if (v[i].unhealthy_reason)
+            cJSON_AddStringToObject(e, "unhealthy_reason", v[i].unhealthy_reason);
+        else
+            cJSON_AddNullToObject(e, "unhealthy_reason");
         cJSON_AddBoolToObject(e, "draining", v[i].draining);
         cJSON_AddBoolToObject(e, "busy", v[i].busy);
         cJSON_AddNumberToObject(e, "inflight", v[i].inflight);

@@ -85,7 +85,7 @@ tdm_router_control_metrics(struct tdm_router_control *ctl); // NULL if none
 // Chooses where a request goes. tokens: the prompt's token ids (for prefix
 // matching and the decider); session: the session header value or NULL.
 // Acquires the decode endpoint and the first prefill one, records the prompt's
-// blocks in their prefix indexes, counts the pick and decision metrics, logs
+// blocks in their prefix indexes, counts the decision metrics, logs
 // the scores at DEBUG. TDM_EBUSY (err says which role) when no healthy decode
 // endpoint exists (the route is then empty: no route_done needed, but
 // harmless); TDM_ENOMEM.
@@ -99,6 +99,16 @@ int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int3
                                       size_t n, const char *session, const uint64_t *avoid,
                                       size_t n_avoid, struct tdm_router_route *route, char *err,
                                       size_t errlen);
+
+// The route's request was sent to its decode worker: counts the picks
+// (tandem:router_endpoint_picks_total, decode and prefill endpoint). Or it
+// could not be sent there (no connection, a failed handshake): counts a
+// fallback (tandem:router_endpoint_fallbacks_total) instead; the request then
+// goes elsewhere or fails, so a pick is only counted where a request went.
+void tdm_router_control_route_sent(struct tdm_router_control *ctl,
+                                   const struct tdm_router_route *r);
+void tdm_router_control_route_unsent(struct tdm_router_control *ctl,
+                                     const struct tdm_router_route *r);
 
 // The first chunk said who prefilled: remote (a prefill worker) or not (the
 // decode worker itself). A PREFILL_DECODE route prefilled locally counts

@@ -107,6 +107,7 @@ static void test_route_decode_only_and_prefix(void **state)
     assert_true(r.deadline > r.routed_at + 29.0);
     assert_non_null(r.cfg);
     uint64_t did = r.decode.id, first_decode = did;
+    tdm_router_control_route_sent(e.ctl, &r);
     tdm_router_control_route_done(e.ctl, &r, "success");
     assert_int_equal(inflight_of(&e, did), 0);
     assert_null(r.cfg);
@@ -124,6 +125,7 @@ static void test_route_decode_only_and_prefix(void **state)
     assert_int_equal(inflight_of(&e, r.prefill[1].id), 0); // only the one in use is held
     did = r.decode.id;
     uint64_t pid = r.prefill[0].id;
+    tdm_router_control_route_sent(e.ctl, &r);
     tdm_router_control_route_done(e.ctl, &r, "success");
     assert_int_equal(inflight_of(&e, pid), 0);
     // The same prompt again: the decode endpoint that has it wins and 48 of 64
@@ -133,6 +135,8 @@ static void test_route_decode_only_and_prefix(void **state)
     assert_true(r.decode.id == did);
     assert_int_equal(r.cached_tokens, 63);
     assert_int_equal(r.decision, TDM_ROUTER_DECISION_DECODE_ONLY);
+    // This one could not be sent there (issue 28, item 1): a fallback, not a pick.
+    tdm_router_control_route_unsent(e.ctl, &r);
     tdm_router_control_route_done(e.ctl, &r, "success");
 
     char *m = render(&e);
@@ -148,7 +152,14 @@ static void test_route_decode_only_and_prefix(void **state)
     assert_int_equal(tdm_router_endpoints_get(tdm_router_control_endpoints(e.ctl), did, &v), 0);
     snprintf(line, sizeof line,
              "tandem:router_endpoint_picks_total{endpoint=\"%s\",role=\"decode\"} %d", v.name,
-             first_decode == did ? 3 : 2);
+             first_decode == did ? 2 : 1);
+    expect_line(m, line);
+    snprintf(line, sizeof line,
+             "tandem:router_endpoint_fallbacks_total{endpoint=\"%s\",role=\"decode\"} 1", v.name);
+    expect_line(m, line);
+    assert_int_equal(tdm_router_endpoints_get(tdm_router_control_endpoints(e.ctl), pid, &v), 0);
+    snprintf(line, sizeof line,
+             "tandem:router_endpoint_picks_total{endpoint=\"%s\",role=\"prefill\"} 1", v.name);
     expect_line(m, line);
     free(m);
     env_close(&e);

@@ -227,6 +227,8 @@ struct endpoint {
     bool answered;    // an active check succeeded at least once
     bool grace_noted; // the "not answered within the grace" warning was logged
     bool busy;        // its last active check timed out while its load reports stayed fresh
+    bool auth_failed; // its nng inbox refuses the router's control-plane handshake
+    bool auth_logged; // the ERROR about it was logged (once until the handshake passes)
     int fails, succs; // consecutive failed / successful checks
     uint64_t health_epoch;
     int inflight;
@@ -311,6 +313,25 @@ static bool counts_ready(const struct endpoint *e)
     return e->healthy && !e->draining;
 }
 
+// Why an endpoint is not healthy: NULL when it is.
+static const char *unhealthy_reason(const struct endpoint *e, double now)
+{
+    if (e->healthy)
+        return NULL;
+    if (e->auth_failed)
+        return "auth";
+    if (!e->answered && now - e->added_at < TDM_ROUTER_STARTUP_GRACE_S)
+        return "starting";
+    return "health_check";
+}
+
+// The endpoint's health and reason series, as they stand (under mu).
+static void publish_health(struct tdm_router_endpoints *reg, const struct endpoint *e)
+{
+    tdm_router_metrics_endpoint_health(reg->metrics, e->name, e->role, e->healthy,
+                                       unhealthy_reason(e, tdm_now()));
+}
+
 static void update_ready_gauges(struct tdm_router_endpoints *reg)
 {
     if (!reg->metrics)
@@ -354,7 +375,7 @@ static struct endpoint *add_endpoint(struct tdm_router_endpoints *reg, const cha
     reg->eps[reg->n++] = e;
     if (!healthy)
         reg->health_due = true;
-    tdm_router_metrics_endpoint_health(reg->metrics, e->name, e->role, healthy);
+    publish_health(reg, e);
     TDM_LOG_INFO(MOD, "endpoint added: %s role=%s nng_port=%d", e->name,
                  role == TDM_ROUTER_ROLE_NONE ? "none" : tdm_router_role_name(role), nng_port);
     return e;
@@ -420,7 +441,7 @@ static void reap(struct tdm_router_endpoints *reg)
         struct endpoint *e = reg->eps[i];
         if (e->draining && e->inflight == 0) {
             TDM_LOG_INFO(MOD, "endpoint removed: %s", e->name);
-            tdm_router_metrics_endpoint_health(reg->metrics, e->name, e->role, false);
+            tdm_router_metrics_endpoint_health(reg->metrics, e->name, e->role, false, NULL);
             lru_fini(&e->lru);
             free(e);
             changed = true;
@@ -653,13 +674,14 @@ static void health_result(struct tdm_router_endpoints *reg, struct endpoint *e, 
         // (a pod that just became ready) joins at its first good check.
         bool fresh = e->fresh;
         e->fresh = false;
-        if (!e->healthy && (fresh || e->succs >= h->success_threshold)) {
+        // Its HTTP port answers, but the router cannot talk to its inbox: not healthy.
+        if (!e->healthy && !e->auth_failed && (fresh || e->succs >= h->success_threshold)) {
             e->healthy = true;
             e->health_epoch++;
             lru_fini(&e->lru); // likely restarted: its prefix cache is empty
             TDM_LOG_INFO(MOD, "endpoint %s healthy (epoch %llu)", e->name,
                          (unsigned long long)e->health_epoch);
-            tdm_router_metrics_endpoint_health(reg->metrics, e->name, e->role, true);
+            publish_health(reg, e);
             update_ready_gauges(reg);
         }
         return;
@@ -676,7 +698,7 @@ static void health_result(struct tdm_router_endpoints *reg, struct endpoint *e, 
         else
             TDM_LOG_WARN(MOD, "endpoint %s unhealthy after %d failures (last: %s)", e->name,
                          e->fails, why);
-        tdm_router_metrics_endpoint_health(reg->metrics, e->name, e->role, false);
+        publish_health(reg, e);
         update_ready_gauges(reg);
     } else if (!e->healthy && !e->answered && !starting && !e->grace_noted) {
         // It never came up: say so once, when the grace runs out.
@@ -862,6 +884,7 @@ void tdm_router_endpoints_check_health(struct tdm_router_endpoints *reg)
         }
         e->busy = false;
         health_result(reg, e, cs[i].ok, true, cs[i].why);
+        publish_health(reg, e); // the reason may change without a turn (starting's grace ends)
     }
     pthread_mutex_unlock(&reg->mu);
     free(pfd);
@@ -955,6 +978,7 @@ static void fill_view(const struct tdm_router_endpoints *reg, const struct endpo
     v->starting = !e->answered && now - e->added_at < TDM_ROUTER_STARTUP_GRACE_S;
     v->draining = e->draining;
     v->busy = e->busy;
+    v->unhealthy_reason = unhealthy_reason(e, now);
     v->health_epoch = e->health_epoch;
     v->instance = e->instance;
     v->inflight = e->inflight;
@@ -1034,6 +1058,16 @@ int tdm_router_endpoints_find(struct tdm_router_endpoints *reg, const char *name
         fill_view(reg, e, tdm_now(), out);
     pthread_mutex_unlock(&reg->mu);
     return e ? TDM_OK : TDM_ENOTFOUND;
+}
+
+size_t tdm_router_endpoints_count_auth_failed(struct tdm_router_endpoints *reg)
+{
+    size_t n = 0;
+    pthread_mutex_lock(&reg->mu);
+    for (size_t i = 0; i < reg->n; i++)
+        n += !reg->eps[i]->draining && reg->eps[i]->auth_failed;
+    pthread_mutex_unlock(&reg->mu);
+    return n;
 }
 
 void tdm_router_endpoints_count(struct tdm_router_endpoints *reg, bool decode, size_t *total,
@@ -1232,6 +1266,40 @@ size_t tdm_router_endpoints_prefix_size(struct tdm_router_endpoints *reg, uint64
     return n;
 }
 
+void tdm_router_endpoints_set_auth(struct tdm_router_endpoints *reg, uint64_t id, bool failed,
+                                   const char *why)
+{
+    pthread_mutex_lock(&reg->mu);
+    struct endpoint *e = find_by_id(reg, id);
+    if (e == NULL || e->auth_failed == failed) {
+        pthread_mutex_unlock(&reg->mu);
+        return;
+    }
+    e->auth_failed = failed;
+    if (failed) {
+        if (!e->auth_logged)
+            TDM_LOG_ERR(MOD,
+                        "endpoint %s refuses the router's control-plane handshake (%s): it is "
+                        "not routed to. Start it with the same TANDEM_INTERNAL_SECRET (or "
+                        "TANDEM_INTERNAL_SECRET_FILE) as this router; `tandem up` prints its "
+                        "secret file",
+                        e->name, why && *why ? why : "authentication failed");
+        e->auth_logged = true;
+        e->healthy = false;
+        e->succs = 0;
+        update_ready_gauges(reg);
+    } else {
+        // The handshake passes now (restarted with the secret): its next good
+        // HTTP check brings it in, as a new pod's first one does.
+        TDM_LOG_INFO(MOD, "endpoint %s: the control-plane handshake passes now", e->name);
+        e->auth_logged = false;
+        e->fresh = true;
+        reg->health_due = true;
+    }
+    publish_health(reg, e);
+    pthread_mutex_unlock(&reg->mu);
+}
+
 void tdm_router_endpoints_set_healthy(struct tdm_router_endpoints *reg, uint64_t id, bool healthy)
 {
     pthread_mutex_lock(&reg->mu);
@@ -1241,7 +1309,7 @@ void tdm_router_endpoints_set_healthy(struct tdm_router_endpoints *reg, uint64_t
         e->fails = e->succs = 0;
         if (healthy)
             e->health_epoch++;
-        tdm_router_metrics_endpoint_health(reg->metrics, e->name, e->role, healthy);
+        publish_health(reg, e);
         update_ready_gauges(reg);
     }
     pthread_mutex_unlock(&reg->mu);

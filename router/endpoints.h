@@ -74,6 +74,10 @@ struct tdm_router_endpoint_view {
     bool busy;                   // its last active health check timed out while its load
                                  // reports stayed fresh: overloaded, not dead (not counted as
                                  // a failed check)
+    const char *unhealthy_reason; // NULL when healthy, else "auth" (its nng inbox refuses
+                                  // the router's handshake: another TANDEM_INTERNAL_SECRET),
+                                  // "starting" (no check answered yet, within the grace) or
+                                  // "health_check" (its checks fail); a static string
     uint64_t health_epoch;       // increments on every unhealthy -> healthy turn
     uint64_t instance;           // the worker's instance id from its last report (0: none)
     int inflight;                // router-tracked requests in flight
@@ -167,6 +171,9 @@ int tdm_router_endpoints_find(struct tdm_router_endpoints *reg, const char *name
 // role_can_decode (decode = true) or role_can_prefill (decode = false).
 void tdm_router_endpoints_count(struct tdm_router_endpoints *reg, bool decode, size_t *total,
                                 size_t *healthy);
+// Endpoints (not draining, any role) whose nng inbox refuses the router's
+// handshake (tdm_router_endpoints_set_auth): named in "no healthy" errors.
+size_t tdm_router_endpoints_count_auth_failed(struct tdm_router_endpoints *reg);
 
 // ---- request path hooks (thread-safe, no allocation) --------------------------------------------
 // A request starts using the endpoint: in-flight + 1 (a draining endpoint is
@@ -254,6 +261,16 @@ size_t tdm_router_endpoints_list(struct tdm_router_endpoints *reg,
 size_t tdm_router_endpoints_prefix_size(struct tdm_router_endpoints *reg, uint64_t id);
 // Seeds the generator of snapshot seeds (tests replay decisions with it).
 void tdm_router_endpoints_set_seed(struct tdm_router_endpoints *reg, uint64_t seed);
+
+// The router's control-plane link to the endpoint's nng inbox (the load
+// poller's outbox, tdm_net_link_state): failed = its handshake fails (another
+// TANDEM_INTERNAL_SECRET, none, or not a Tandem inbox). Such an endpoint is
+// unhealthy at once, with reason "auth", whatever its HTTP checks say (they
+// pass: its HTTP port answers), and the router logs one ERROR for it naming
+// the variable to set; failed = false (the handshake passes again) lets its
+// next good check bring it back. why: the transport's reason.
+void tdm_router_endpoints_set_auth(struct tdm_router_endpoints *reg, uint64_t id, bool failed,
+                                   const char *why);
 
 // For tests: marks an endpoint healthy/unhealthy directly.
 void tdm_router_endpoints_set_healthy(struct tdm_router_endpoints *reg, uint64_t id, bool healthy);

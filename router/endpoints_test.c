@@ -645,6 +645,89 @@ static void test_active_health_checks(void **state)
     tdm_router_config_unref(cfg);
 }
 
+// An endpoint whose nng inbox refuses the router's handshake (issue 28, item
+// 1: a worker started by hand with another TANDEM_INTERNAL_SECRET) is not
+// healthy, with reason "auth", though its HTTP checks pass; the reason shows
+// in the view and the metrics, the count names it; once the handshake
+// passes, its next good check brings it back.
+static void test_auth_failure_unhealthy(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_http_config hc = {.host = "127.0.0.1", .port = 0, .num_threads = 2};
+    struct tdm_http_server *srv = NULL;
+    assert_int_equal(tdm_http_server_new(&srv, &hc, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_http_route(srv, "GET", "/health", health_handler, NULL), TDM_OK);
+    assert_int_equal(tdm_http_server_start(srv, err, sizeof err), TDM_OK);
+    atomic_store(&health_status, 200);
+    char text[512];
+    snprintf(text, sizeof text,
+             "policy: round_robin\n"
+             "health: {interval_seconds: 0.5, timeout_seconds: 0.5, failure_threshold: 2,"
+             " success_threshold: 2}\n"
+             "endpoints: {decode: ['127.0.0.1:%d']}\n",
+             tdm_http_server_port(srv));
+    struct tdm_router_config *cfg = cfg_of(text);
+    struct tdm_metrics_registry *mreg = NULL;
+    struct tdm_router_metrics m;
+    assert_int_equal(tdm_metrics_registry_new(&mreg, NULL, 0, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_router_metrics_register(&m, mreg, err, sizeof err), TDM_OK);
+    struct tdm_router_endpoints *reg = NULL;
+    assert_int_equal(tdm_router_endpoints_new(&reg, cfg, &m, err, sizeof err), TDM_OK);
+    struct tdm_router_endpoint_view v;
+    tdm_router_endpoints_check_health(reg);
+    assert_int_equal(tdm_router_endpoints_list(reg, &v, 1), 1);
+    assert_true(v.healthy);
+    assert_null(v.unhealthy_reason);
+    struct tdm_metrics_gauge *auth =
+        tdm_metrics_gauge_labels(m.endpoint_unhealthy, v.name, "decode", "auth");
+    struct tdm_metrics_gauge *hg = tdm_metrics_gauge_labels(m.endpoint_healthy, v.name, "decode");
+
+    tdm_router_endpoints_set_auth(reg, v.id, true, "the peer refused the proof");
+    assert_int_equal(tdm_router_endpoints_list(reg, &v, 1), 1);
+    assert_false(v.healthy);
+    assert_string_equal(v.unhealthy_reason, "auth");
+    assert_true(tdm_metrics_gauge_value(auth) == 1.0);
+    assert_true(tdm_metrics_gauge_value(hg) == 0.0);
+    assert_true(tdm_metrics_gauge_value(m.ready_decode) == 0.0);
+    assert_int_equal(tdm_router_endpoints_count_auth_failed(reg), 1);
+    // Its HTTP checks pass, and still it stays out.
+    for (int i = 0; i < 3; i++)
+        tdm_router_endpoints_check_health(reg);
+    assert_int_equal(tdm_router_endpoints_list(reg, &v, 1), 1);
+    assert_false(v.healthy);
+    assert_string_equal(v.unhealthy_reason, "auth");
+    struct tdm_router_snapshot snap;
+    assert_int_equal(tdm_router_endpoints_snapshot(reg, NULL, 0, &snap), TDM_OK);
+    assert_int_equal(snap.n, 1);
+    assert_false(snap.eps[0].healthy); // the policies never pick it
+    tdm_router_snapshot_free(&snap);
+
+    // The handshake passes again: back at its next good check.
+    tdm_router_endpoints_set_auth(reg, v.id, false, NULL);
+    assert_int_equal(tdm_router_endpoints_count_auth_failed(reg), 0);
+    tdm_router_endpoints_check_health(reg);
+    assert_int_equal(tdm_router_endpoints_list(reg, &v, 1), 1);
+    assert_true(v.healthy);
+    assert_null(v.unhealthy_reason);
+    assert_true(tdm_metrics_gauge_value(auth) == 0.0);
+    assert_true(tdm_metrics_gauge_value(hg) == 1.0);
+    // A failing check now is the other reason.
+    atomic_store(&health_status, 503);
+    tdm_router_endpoints_check_health(reg);
+    tdm_router_endpoints_check_health(reg);
+    assert_int_equal(tdm_router_endpoints_list(reg, &v, 1), 1);
+    assert_string_equal(v.unhealthy_reason, "health_check");
+    assert_true(tdm_metrics_gauge_value(tdm_metrics_gauge_labels(m.endpoint_unhealthy, v.name,
+                                                                 "decode", "health_check")) == 1.0);
+    assert_true(tdm_metrics_gauge_value(auth) == 0.0);
+    atomic_store(&health_status, 200);
+    tdm_router_endpoints_free(reg);
+    tdm_metrics_registry_free(mreg);
+    tdm_http_server_free(srv);
+    tdm_router_config_unref(cfg);
+}
+
 // A bound, listening socket on loopback whose backlog accepts the connect;
 // nobody reads. Returns the fd, its port in *port.
 static int silent_listener(int *port)
@@ -752,6 +835,7 @@ int main(void)
         cmocka_unit_test(test_health_timeout_busy),
         cmocka_unit_test(test_passive_health),
         cmocka_unit_test(test_active_health_checks),
+        cmocka_unit_test(test_auth_failure_unhealthy),
         cmocka_unit_test(test_health_timeout),
         cmocka_unit_test(test_default_resolver),
     };

@@ -506,6 +506,14 @@ static void *poll_main(void *arg)
             nng_url_of(views[i].host, views[i].nng_port, url, sizeof url);
             tdm_pd_send(s->poll_outbox, url, TDM_NET_LOAD_QUERY, &q.base, NULL, 0, 0, err,
                         sizeof err);
+            // Its inbox refusing our handshake (another secret) takes it out of
+            // routing with reason "auth"; a link that comes up or goes down
+            // (refused: a dead worker) says nothing against the secret.
+            char why[200];
+            enum tdm_net_link link = tdm_net_link_state(s->poll_outbox, url, why, sizeof why);
+            if (link != TDM_NET_LINK_UNKNOWN)
+                tdm_router_endpoints_set_auth(tdm_router_control_endpoints(s->ctl), views[i].id,
+                                              link == TDM_NET_LINK_AUTH, why);
             // Asked, delivered or not (a dead worker's connection is refused):
             // what liveness counts is that the router was running to ask.
             tdm_router_endpoints_note_query(tdm_router_control_endpoints(s->ctl), views[i].id,
@@ -1134,6 +1142,7 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
                       tdm_router_decision_name(k->route.decision));
     if (send_generates(k, err, errlen) != TDM_OK)
         return TDM_ROUTER_ATTEMPT_UNREACHABLE;
+    tdm_router_control_route_sent(s->ctl, &k->route);
     tdm_metrics_counter_inc(tdm_metrics_counter_labels(
         s->m_requests_by, tdm_router_decision_name(k->route.decision), k->route.decode.name));
     return TDM_ROUTER_ATTEMPT_OK;
@@ -1262,6 +1271,8 @@ static void abandon_route(struct call *k, enum tdm_router_attempt_end end, bool 
     k->phases[0] = '\0';
     if (end == TDM_ROUTER_ATTEMPT_LOST)
         tdm_metrics_counter_inc(s->m_lost);
+    if (end == TDM_ROUTER_ATTEMPT_UNREACHABLE) // never sent there: a fallback, not a pick
+        tdm_router_control_route_unsent(s->ctl, &k->route);
     if (end != TDM_ROUTER_ATTEMPT_BUSY) // busy is not dead: no health penalty
         tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
     if (s->rm && retrying)
@@ -1464,6 +1475,12 @@ static void on_health(struct tdm_http_conn *c, void *arg)
         tdm_oai_http_errorf(c, 503, NULL, "The server is draining.");
     else if (healthy > 0)
         tdm_http_respond(c, 200, "application/json", "", 0);
+    else if (tdm_router_endpoints_count_auth_failed(tdm_router_control_endpoints(s->ctl)))
+        tdm_oai_http_errorf(c, 503, NULL,
+                            "no healthy decode worker (%zu configured; some refuse the router's "
+                            "control-plane handshake: start them with this router's "
+                            "TANDEM_INTERNAL_SECRET)",
+                            total);
     else
         tdm_oai_http_errorf(c, 503, NULL, "no healthy decode worker (%zu configured)", total);
 }

@@ -34,6 +34,7 @@ int tdm_router_metrics_register(struct tdm_router_metrics *m, struct tdm_metrics
     static const char *const l_status[] = {"status", NULL};
     static const char *const l_ep_role[] = {"endpoint", "role", NULL};
     static const char *const l_ep_role_kind[] = {"endpoint", "role", "kind", NULL};
+    static const char *const l_ep_role_reason[] = {"endpoint", "role", "reason", NULL};
     static const char *const l_role[] = {"role", NULL};
     static const char *const l_result[] = {"result", NULL};
     int rc;
@@ -54,7 +55,14 @@ int tdm_router_metrics_register(struct tdm_router_metrics *m, struct tdm_metrics
     for (size_t i = 0; i < 4; i++)
         (void)tdm_metrics_counter_labels(m->requests, statuses[i]);
     REG_COUNTER(endpoint_picks, "tandem:router_endpoint_picks_total",
-                "Times an endpoint was picked, by the role it was picked for.", l_ep_role);
+                "Requests sent to an endpoint, by the role it was picked for (a pick whose "
+                "send failed counts in tandem:router_endpoint_fallbacks_total instead).",
+                l_ep_role);
+    REG_COUNTER(endpoint_fallbacks, "tandem:router_endpoint_fallbacks_total",
+                "Requests routed to an endpoint that could not be sent there (no connection, "
+                "or its control-plane handshake failed) and went to another endpoint or "
+                "failed.",
+                l_ep_role);
     REG_COUNTER(upstream_errors, "tandem:router_upstream_errors_total",
                 "Failed upstream calls by endpoint and kind (error, timeout).", l_ep_role_kind);
     REG_COUNTER(retries, "tandem:router_retries_total",
@@ -69,6 +77,15 @@ int tdm_router_metrics_register(struct tdm_router_metrics *m, struct tdm_metrics
                                   .label_names = l_ep_role,
                                   .n_label_names = 2};
     if ((rc = tdm_metrics_gauge_register(&m->endpoint_healthy, reg, &go, err, errlen)))
+        return rc;
+    go = (struct tdm_metrics_opts){
+        .name = "tandem:router_endpoint_unhealthy_reason",
+        .help = "1 for why the endpoint is not healthy: auth (its nng inbox refuses the router's "
+                "handshake: another TANDEM_INTERNAL_SECRET), starting (no check answered yet), "
+                "health_check (its checks fail); all 0 while healthy.",
+        .label_names = l_ep_role_reason,
+        .n_label_names = 3};
+    if ((rc = tdm_metrics_gauge_register(&m->endpoint_unhealthy, reg, &go, err, errlen)))
         return rc;
     go = (struct tdm_metrics_opts){.name = "tandem:router_ready_endpoints",
                                    .help = "Healthy endpoints that take new requests, by role.",
@@ -153,6 +170,14 @@ void tdm_router_metrics_pick(struct tdm_router_metrics *m, const char *endpoint,
             tdm_metrics_counter_labels(m->endpoint_picks, endpoint, role_label(role)));
 }
 
+void tdm_router_metrics_fallback(struct tdm_router_metrics *m, const char *endpoint,
+                                 enum tdm_router_role role)
+{
+    if (m && endpoint)
+        tdm_metrics_counter_inc(
+            tdm_metrics_counter_labels(m->endpoint_fallbacks, endpoint, role_label(role)));
+}
+
 void tdm_router_metrics_upstream_error(struct tdm_router_metrics *m, const char *endpoint,
                                        enum tdm_router_role role, bool timeout)
 {
@@ -181,12 +206,18 @@ void tdm_router_metrics_request(struct tdm_router_metrics *m, const char *status
 }
 
 void tdm_router_metrics_endpoint_health(struct tdm_router_metrics *m, const char *endpoint,
-                                        enum tdm_router_role role, bool healthy)
+                                        enum tdm_router_role role, bool healthy, const char *reason)
 {
-    if (m && endpoint)
+    if (!m || !endpoint)
+        return;
+    const char *r = role_label(role);
+    tdm_metrics_gauge_set(tdm_metrics_gauge_labels(m->endpoint_healthy, endpoint, r),
+                          healthy ? 1.0 : 0.0);
+    static const char *const reasons[] = {"auth", "starting", "health_check"};
+    for (size_t i = 0; i < sizeof reasons / sizeof *reasons; i++)
         tdm_metrics_gauge_set(
-            tdm_metrics_gauge_labels(m->endpoint_healthy, endpoint, role_label(role)),
-            healthy ? 1.0 : 0.0);
+            tdm_metrics_gauge_labels(m->endpoint_unhealthy, endpoint, r, reasons[i]),
+            !healthy && reason && !strcmp(reason, reasons[i]) ? 1.0 : 0.0);
 }
 
 void tdm_router_metrics_config_reload(struct tdm_router_metrics *m, bool success, double wall_time)

@@ -23,8 +23,10 @@ struct tdm_router_metrics {
     struct tdm_metrics_counter *pd_decision_by[2]; // [enum tdm_router_decision]
     // tandem:router_requests_total{status="success|error|cancelled|no_endpoint"}
     struct tdm_metrics_counter *requests;
-    // tandem:router_endpoint_picks_total{endpoint,role}: every pick of an endpoint
+    // tandem:router_endpoint_picks_total{endpoint,role}: requests sent to an endpoint
     struct tdm_metrics_counter *endpoint_picks;
+    // tandem:router_endpoint_fallbacks_total{endpoint,role}: routed there, not sendable
+    struct tdm_metrics_counter *endpoint_fallbacks;
     // tandem:router_upstream_errors_total{endpoint,role,kind="error|timeout"}
     struct tdm_metrics_counter *upstream_errors;
     // tandem:router_retries_total{endpoint,role}: a request retried away from endpoint
@@ -33,6 +35,8 @@ struct tdm_router_metrics {
     struct tdm_metrics_counter *prefill_fallback;
     // tandem:router_endpoint_healthy{endpoint,role} 1/0
     struct tdm_metrics_gauge *endpoint_healthy;
+    // tandem:router_endpoint_unhealthy_reason{endpoint,role,reason="auth|starting|health_check"}
+    struct tdm_metrics_gauge *endpoint_unhealthy;
     // tandem:router_ready_endpoints{role="prefill|decode"} healthy, not draining
     struct tdm_metrics_gauge *ready_endpoints;
     struct tdm_metrics_gauge *ready_prefill;
@@ -63,6 +67,8 @@ int tdm_router_metrics_register(struct tdm_router_metrics *m, struct tdm_metrics
 // Helpers for the per-endpoint families (NULL m is a no-op).
 void tdm_router_metrics_pick(struct tdm_router_metrics *m, const char *endpoint,
                              enum tdm_router_role role);
+void tdm_router_metrics_fallback(struct tdm_router_metrics *m, const char *endpoint,
+                                 enum tdm_router_role role);
 void tdm_router_metrics_upstream_error(struct tdm_router_metrics *m, const char *endpoint,
                                        enum tdm_router_role role, bool timeout);
 void tdm_router_metrics_retry(struct tdm_router_metrics *m, const char *endpoint,
@@ -71,7 +77,8 @@ void tdm_router_metrics_decision(struct tdm_router_metrics *m, enum tdm_router_d
 // status: "success", "error", "cancelled", "no_endpoint".
 void tdm_router_metrics_request(struct tdm_router_metrics *m, const char *status);
 void tdm_router_metrics_endpoint_health(struct tdm_router_metrics *m, const char *endpoint,
-                                        enum tdm_router_role role, bool healthy);
+                                        enum tdm_router_role role, bool healthy,
+                                        const char *reason); // reason: NULL when healthy
 void tdm_router_metrics_config_reload(struct tdm_router_metrics *m, bool success, double wall_time);
 
 #endif

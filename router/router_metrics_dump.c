@@ -25,7 +25,10 @@ int main(void)
     tdm_router_metrics_retry(&m, "10.0.0.2:8001", TDM_ROUTER_ROLE_PREFILL);
     tdm_router_metrics_decision(&m, TDM_ROUTER_DECISION_PREFILL_DECODE);
     tdm_router_metrics_request(&m, "success");
-    tdm_router_metrics_endpoint_health(&m, "[fd00::1]:8001", TDM_ROUTER_ROLE_PREFILL_DECODE, true);
+    tdm_router_metrics_endpoint_health(&m, "[fd00::1]:8001", TDM_ROUTER_ROLE_PREFILL_DECODE, true,
+                                       NULL);
+    tdm_router_metrics_endpoint_health(&m, "10.0.0.3:8001", TDM_ROUTER_ROLE_DECODE, false, "auth");
+    tdm_router_metrics_fallback(&m, "10.0.0.3:8001", TDM_ROUTER_ROLE_DECODE);
     tdm_router_metrics_config_reload(&m, true, tdm_wall_now());
     tdm_router_metrics_config_reload(&m, false, tdm_wall_now());
     tdm_metrics_counter_inc(m.prefill_fallback);

@@ -1177,6 +1177,12 @@ struct peer {
     size_t key_len;
     int users;        // under the outbox's mu: sends using this peer now
     double last_used; // under the outbox's mu: tdm_now() when the last send ended
+    // Under mu: dials in a row that reached the peer and failed its handshake
+    // (a dial that does not connect, or a handshake that passes, resets it),
+    // and the last such failure's reason (tdm_net_link_state).
+    int auth_fails;
+    char auth_why[200];
+    bool dialed; // a dial has finished (connected or not)
 };
 
 struct tdm_net_outbox {
@@ -1244,6 +1250,10 @@ static void *peer_watcher(void *arg)
             nng_aio_free(aio);
         }
         if (rv != 0) {
+            pthread_mutex_lock(&p->mu);
+            p->dialed = true;
+            p->auth_fails = 0; // not reachable: down, which says nothing about the secret
+            pthread_mutex_unlock(&p->mu);
             if (peer_nap(p, backoff))
                 break;
             backoff = backoff * 2 > p->reconnect_ms ? p->reconnect_ms : backoff * 2;
@@ -1254,6 +1264,11 @@ static void *peer_watcher(void *arg)
         char awhy[200];
         if (p->key_len && auth_dialer(s, p->key, p->key_len, awhy, sizeof awhy) != 0) {
             warn_limited("outbox: %s refused: %s", p->url, awhy);
+            pthread_mutex_lock(&p->mu);
+            p->dialed = true;
+            p->auth_fails++;
+            snprintf(p->auth_why, sizeof p->auth_why, "%s", awhy);
+            pthread_mutex_unlock(&p->mu);
             nng_stream_close(s);
             nng_stream_free(s);
             if (peer_nap(p, backoff))
@@ -1269,6 +1284,8 @@ static void *peer_watcher(void *arg)
             break;
         }
         p->s = s;
+        p->dialed = true;
+        p->auth_fails = 0;
         atomic_store(&p->drop, false);
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
@@ -1469,6 +1486,31 @@ bool tdm_net_connected(struct tdm_net_outbox *ob, const char *url)
     }
     pthread_mutex_unlock(&ob->mu);
     return up;
+}
+
+enum tdm_net_link tdm_net_link_state(struct tdm_net_outbox *ob, const char *url, char *why,
+                                     size_t whylen)
+{
+    enum tdm_net_link st = TDM_NET_LINK_UNKNOWN;
+    if (why && whylen)
+        why[0] = '\0';
+    pthread_mutex_lock(&ob->mu);
+    for (struct peer *p = ob->head; p; p = p->next) {
+        if (strcmp(p->url, url) != 0)
+            continue;
+        pthread_mutex_lock(&p->mu);
+        if (p->s)
+            st = TDM_NET_LINK_UP;
+        else if (p->auth_fails >= TDM_NET_AUTH_FAILS)
+            st = TDM_NET_LINK_AUTH;
+        else if (p->dialed)
+            st = TDM_NET_LINK_DOWN;
+        if (st == TDM_NET_LINK_AUTH && why && whylen)
+            snprintf(why, whylen, "%s", p->auth_why);
+        pthread_mutex_unlock(&p->mu);
+    }
+    pthread_mutex_unlock(&ob->mu);
+    return st;
 }
 
 // Writes one whole frame to p within deadline. 0 or an nng error (NNG_ETIMEDOUT

@@ -181,6 +181,18 @@ int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, cons
 // True when the outbox has a live connection to url now.
 bool tdm_net_connected(struct tdm_net_outbox *ob, const char *url);
 
+// What the outbox knows of its link to url: UNKNOWN (never dialed: no send to
+// it yet, or the first dial is under way), UP (connected now), DOWN (not
+// connected: refused, unreachable, or connected and lost), AUTH (the last
+// TDM_NET_AUTH_FAILS dials in a row reached the peer and its control-plane
+// handshake failed: the peer has another TANDEM_INTERNAL_SECRET, none, or is
+// not a Tandem inbox; why gets the last failure's reason). One failed
+// handshake is not enough: a peer that closes while it stops looks the same.
+#define TDM_NET_AUTH_FAILS 2
+enum tdm_net_link { TDM_NET_LINK_UNKNOWN, TDM_NET_LINK_UP, TDM_NET_LINK_DOWN, TDM_NET_LINK_AUTH };
+enum tdm_net_link tdm_net_link_state(struct tdm_net_outbox *ob, const char *url, char *why,
+                                     size_t whylen);
+
 // Bounds on the peers (URLs) an outbox keeps, each a connection and a watcher
 // thread that redials it: a peer unused for TDM_NET_PEER_IDLE_S is closed, and
 // a new URL beyond TDM_NET_MAX_PEERS evicts the least recently used idle one

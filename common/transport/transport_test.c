@@ -778,6 +778,14 @@ static void test_authentication(void **state)
         tdm_net_send(other, url, TDM_NET_CANCEL, "x", 1, NULL, 0, 1.0, err, sizeof err),
         TDM_ETIMEDOUT);
     assert_false(tdm_net_connected(other, url));
+    // ... and the outbox says why (issue 28, item 1): its dials reach the
+    // peer and fail the handshake, which a caller can tell from a dead peer.
+    char why[200];
+    assert_int_equal(tdm_net_link_state(other, url, why, sizeof why), TDM_NET_LINK_AUTH);
+    assert_non_null(strstr(why, "TANDEM_INTERNAL_SECRET"));
+    assert_int_equal(tdm_net_link_state(good, url, why, sizeof why), TDM_NET_LINK_UP);
+    assert_int_equal(tdm_net_link_state(good, "tcp://127.0.0.1:1", why, sizeof why),
+                     TDM_NET_LINK_UNKNOWN); // never sent to
     // An open outbox writes its frame on a connection the inbox then drops
     // unread (the frame header is no handshake).
     (void)tdm_net_send(open, url, TDM_NET_CANCEL, "y", 1, NULL, 0, 1.0, err, sizeof err);
@@ -819,6 +827,18 @@ static void test_authentication(void **state)
                                   0, 1.0, err, sizeof err),
                      TDM_ETIMEDOUT);
     assert_null(recv_one(open_in, 0.2));
+    assert_int_equal(tdm_net_link_state(auth, tdm_net_inbox_url(open_in), NULL, 0),
+                     TDM_NET_LINK_AUTH);
+    // A peer that is not there at all is down, not an authentication failure.
+    char gone[64];
+    snprintf(gone, sizeof gone, "%s", tdm_net_inbox_url(open_in));
+    tdm_net_inbox_free(open_in);
+    open_in = NULL;
+    (void)tdm_net_send(auth, gone, TDM_NET_CANCEL, "x", 1, NULL, 0, 0.5, err, sizeof err);
+    double until = tdm_now() + 5.0;
+    while (tdm_net_link_state(auth, gone, NULL, 0) != TDM_NET_LINK_DOWN && tdm_now() < until)
+        usleep(20000);
+    assert_int_equal(tdm_net_link_state(auth, gone, NULL, 0), TDM_NET_LINK_DOWN);
     tdm_net_outbox_free(auth);
     tdm_net_inbox_free(open_in);
 
