@@ -50,6 +50,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -392,10 +393,29 @@ struct child {
     int restarts;          // times it was started again after dying
     double started_at;     // tdm_now() of its last start
     double restart_at;     // > 0: dead, to be started again at this tdm_now()
+    bool retiring;         // `tandem scale` takes it away: out of the router config, draining
+    bool retired;          // stopped by `tandem scale`: never restarted, not in the config
 };
 
 static struct child children[MAX_CHILDREN];
 static int n_children;
+
+// The control socket `tandem scale` talks to (see "scaling" below): pump
+// notes a waiting connection, the serve loop answers it.
+static int ctl_listen_fd = -1;
+static bool ctl_pending, ctl_busy;
+
+// What cmd_up set up, for workers started later.
+static struct {
+    const char *model, *served;
+    char cfg_path[PATH_MAX];
+    int threads;
+    char bin[3][PATH_MAX]; // router, prefill, decode ("" = not found yet)
+    char run_dir[PATH_MAX];
+    char secret_path[PATH_MAX]; // written by us ("" = none, or the operator's file)
+    const char *secret_file;    // the file workers must use (ours or the operator's)
+    char sock_path[PATH_MAX];   // "" = no control socket
+} stk;
 
 // Signals reach the poll loop through this pipe (the handler writes the signal number).
 static int sig_pipe[2] = {-1, -1};
@@ -503,11 +523,17 @@ static void reap_children(void)
 // wrote, and reaps those that exited.
 static void pump(double timeout)
 {
-    struct pollfd pf[MAX_CHILDREN + 1];
-    struct child *who[MAX_CHILDREN + 1];
+    struct pollfd pf[MAX_CHILDREN + 2];
+    struct child *who[MAX_CHILDREN + 2];
     int n = 0;
     pf[n] = (struct pollfd){.fd = sig_pipe[0], .events = POLLIN};
     who[n++] = NULL;
+    int ctl_at = -1; // a `tandem scale` connection waiting: answered by the serve loop
+    if (ctl_listen_fd >= 0 && !ctl_busy && !ctl_pending) {
+        ctl_at = n;
+        pf[n] = (struct pollfd){.fd = ctl_listen_fd, .events = POLLIN};
+        who[n++] = NULL;
+    }
     for (int i = 0; i < n_children; i++) {
         if (children[i].fd >= 0) {
             pf[n] = (struct pollfd){.fd = children[i].fd, .events = POLLIN};
@@ -521,6 +547,8 @@ static void pump(double timeout)
                 continue;
             if (who[i]) {
                 read_child(who[i]);
+            } else if (i == ctl_at) {
+                ctl_pending = true;
             } else {
                 unsigned char b[64];
                 while (read(sig_pipe[0], b, sizeof b) > 0) {
@@ -783,13 +811,19 @@ static int pick_port(const char *host, int first, int last, struct tdm_rng *rng,
     return -1;
 }
 
-// Assigns every child's HTTP (and nng) port: fixed ones from --port, checked
-// free; or, with --port 0, distinct free ports outside the ephemeral range.
-static int assign_ports(const struct up_opts *o)
+// Assigns the HTTP (and nng) ports of children[from..]: fixed ones from
+// --port, checked free; or, with --port 0, distinct free ports outside the
+// ephemeral range. Children added later (`tandem scale`, from > 0) take the
+// next free ports after the highest in use, or free ones with --port 0.
+static int assign_ports(const struct up_opts *o, int from)
 {
     if (o->port == 0) {
         int held[2 * MAX_CHILDREN], n_held = 0, rc = 0;
         int taken[2 * MAX_CHILDREN], n_taken = 0;
+        for (int i = 0; i < from; i++) {
+            taken[n_taken++] = children[i].http_port;
+            taken[n_taken++] = children[i].nng_port;
+        }
         struct tdm_rng rng;
         tdm_rng_seed(&rng, (uint64_t)getpid() ^ (uint64_t)time(NULL) << 20 ^ (uint64_t)clock());
         int lo, hi;
@@ -799,7 +833,7 @@ static int assign_ports(const struct up_opts *o)
             first = hi + 1;
             last = 65535;
         }
-        for (int i = 0; i < n_children && !rc; i++) {
+        for (int i = from; i < n_children && !rc; i++) {
             struct child *c = &children[i];
             int *ports[2] = {&c->http_port, &c->nng_port};
             for (int k = 0; k < 2 && !rc; k++) {
@@ -821,8 +855,15 @@ static int assign_ports(const struct up_opts *o)
         return rc;
     }
     int next = o->port;
-    for (int i = 0; i < n_children; i++) {
+    for (int i = 0; i < from; i++)
+        if (children[i].http_port >= next)
+            next = children[i].http_port + 1;
+    for (int i = from; i < n_children; i++) {
         struct child *c = &children[i];
+        // A later worker skips ports another program took meanwhile.
+        while (from > 0 && next + 1000 <= 65535 &&
+               (probe_port(o->host, next, NULL) < 0 || probe_port(o->host, next + 1000, NULL) < 0))
+            next++;
         c->http_port = next++;
         c->nng_port = c->http_port + 1000;
         int ports[2] = {c->http_port, c->nng_port};
@@ -1020,6 +1061,8 @@ static int router_config_text(const struct up_opts *o, char *buf, size_t cap)
     const char *h = connect_host(o->host);
     for (int i = 0; i < n_children; i++) {
         const struct child *c = &children[i];
+        if (c->retiring || c->retired)
+            continue;
         struct tdm_router_short_endpoint e = {h, c->http_port, c->nng_port};
         if (c->role == CHILD_PREFILL)
             pre[np++] = e;
@@ -1133,7 +1176,7 @@ static bool stop_stack(const struct up_opts *o)
     bool clean = true;
     for (int i = 0; i < n_children; i++) {
         const struct child *c = &children[i];
-        if (!c->pid)
+        if (!c->pid || c->retired)
             continue;
         bool ok = (WIFEXITED(c->status) && WEXITSTATUS(c->status) == 0) ||
                   (WIFSIGNALED(c->status) && WTERMSIG(c->status) == SIGTERM);
@@ -1180,53 +1223,60 @@ static void arg(struct argv_buf *a, const char *fmt, ...)
     a->argv[a->n] = NULL;
 }
 
-static int launch_all(const struct up_opts *o, const char *model, const char *served,
-                      const char *router_cfg, int threads)
+// Starts child c with the stack's command line for its role.
+static int launch_child(const struct up_opts *o, struct child *c, const char *model,
+                        const char *served, const char *router_cfg, int threads)
 {
     char nh[300], ch[300];
     url_host(o->host, nh, sizeof nh);
     url_host(connect_host(o->host), ch, sizeof ch);
-    for (int i = 0; i < n_children; i++) {
-        struct child *c = &children[i];
-        if (!c->argv && !(c->argv = calloc(1, sizeof *c->argv))) {
-            say("%s: out of memory", c->name);
-            return -1;
-        }
-        struct argv_buf a = {.n = 0};
-        arg(&a, "%s", c->bin);
-        // The router's inbox gets a port chosen here too: left to the kernel it
-        // could take a worker's port in the moment between our probe and its bind.
-        if (c->role == CHILD_ROUTER)
-            arg(&a, "--config"), arg(&a, "%s", router_cfg), arg(&a, "--nng-url"),
-                arg(&a, "tcp://%s:%d", ch, c->nng_port);
-        arg(&a, "--model"), arg(&a, "%s", model);
-        arg(&a, "--host"), arg(&a, "%s", o->host);
-        arg(&a, "--port"), arg(&a, "%d", c->http_port);
-        if (served)
-            arg(&a, "--served-model-name"), arg(&a, "%s", served);
-        arg(&a, "--log-level"), arg(&a, "%s", o->log_level);
-        arg(&a, "--drain-timeout"), arg(&a, "%g", o->drain_timeout);
-        if (o->stream_interval > 1)
-            arg(&a, "--stream-interval"), arg(&a, "%d", o->stream_interval);
-        if (o->auto_tool_choice)
-            arg(&a, "--enable-auto-tool-choice");
-        if (o->tool_parser && *o->tool_parser)
-            arg(&a, "--tool-call-parser"), arg(&a, "%s", o->tool_parser);
-        if (c->role != CHILD_ROUTER) {
-            arg(&a, "--threads"), arg(&a, "%d", threads);
-            if (o->device)
-                arg(&a, "--device"), arg(&a, "%s", o->device);
-            if (device_may_be_gpu(o))
-                arg(&a, "--gpu-memory-utilization"), arg(&a, "%.2f", gpu_share(o));
-            if (!o->no_router)
-                arg(&a, "--nng-url"), arg(&a, "tcp://%s:%d", nh, c->nng_port);
-        }
-        *c->argv = a;
-        for (int k = 0; k < a.n; k++) // the copy's argv points into the copy
-            c->argv->argv[k] = c->argv->args[k];
-        if (start_child(c, c->argv->argv) != 0)
-            return -1;
+    if (!c->argv && !(c->argv = calloc(1, sizeof *c->argv))) {
+        say("%s: out of memory", c->name);
+        return -1;
     }
+    struct argv_buf a = {.n = 0};
+    arg(&a, "%s", c->bin);
+    // The router's inbox gets a port chosen here too: left to the kernel it
+    // could take a worker's port in the moment between our probe and its bind.
+    if (c->role == CHILD_ROUTER)
+        arg(&a, "--config"), arg(&a, "%s", router_cfg), arg(&a, "--nng-url"),
+            arg(&a, "tcp://%s:%d", ch, c->nng_port);
+    arg(&a, "--model"), arg(&a, "%s", model);
+    arg(&a, "--host"), arg(&a, "%s", o->host);
+    arg(&a, "--port"), arg(&a, "%d", c->http_port);
+    if (served)
+        arg(&a, "--served-model-name"), arg(&a, "%s", served);
+    arg(&a, "--log-level"), arg(&a, "%s", o->log_level);
+    arg(&a, "--drain-timeout"), arg(&a, "%g", o->drain_timeout);
+    if (o->stream_interval > 1)
+        arg(&a, "--stream-interval"), arg(&a, "%d", o->stream_interval);
+    if (o->auto_tool_choice)
+        arg(&a, "--enable-auto-tool-choice");
+    if (o->tool_parser && *o->tool_parser)
+        arg(&a, "--tool-call-parser"), arg(&a, "%s", o->tool_parser);
+    if (c->role != CHILD_ROUTER) {
+        arg(&a, "--threads"), arg(&a, "%d", threads);
+        if (o->device)
+            arg(&a, "--device"), arg(&a, "%s", o->device);
+        if (device_may_be_gpu(o))
+            arg(&a, "--gpu-memory-utilization"), arg(&a, "%.2f", gpu_share(o));
+        if (!o->no_router)
+            arg(&a, "--nng-url"), arg(&a, "tcp://%s:%d", nh, c->nng_port);
+    }
+    *c->argv = a;
+    for (int k = 0; k < a.n; k++) // the copy's argv points into the copy
+        c->argv->argv[k] = c->argv->args[k];
+    if (start_child(c, c->argv->argv) != 0)
+        return -1;
+    return 0;
+}
+
+static int launch_all(const struct up_opts *o, const char *model, const char *served,
+                      const char *router_cfg, int threads)
+{
+    for (int i = 0; i < n_children; i++)
+        if (launch_child(o, &children[i], model, served, router_cfg, threads) != 0)
+            return -1;
     return 0;
 }
 
@@ -1240,6 +1290,8 @@ static bool supervise(const struct up_opts *o)
     double now = tdm_now();
     for (int i = 0; i < n_children; i++) {
         struct child *c = &children[i];
+        if (c->retiring || c->retired)
+            continue; // `tandem scale` stops these itself
         if (c->exited && c->restart_at == 0) {
             char st[96];
             describe_status(c->status, st, sizeof st);
@@ -1427,6 +1479,13 @@ static void print_ready(const struct up_opts *o, const char *model, const char *
     }
     if (router_cfg[0])
         say("router config: %s", router_cfg);
+    if (stk.secret_file)
+        say("control-plane secret: %s (only you can read it); a worker you start by hand "
+            "needs TANDEM_INTERNAL_SECRET_FILE=%s",
+            stk.secret_file, stk.secret_file);
+    if (ctl_listen_fd >= 0)
+        say("more or fewer workers: tandem scale --port %d --decode N%s (control socket %s)",
+            api->http_port, o->no_router ? "" : " --prefill N", stk.sock_path);
     bool pd = !o->no_router && o->n_prefill > 0 && strcmp(o->pd_mode, "never") != 0;
     bool short_pd = pd && !strcmp(o->pd_mode, "always");
     say("try it (Ctrl-C stops the stack); %s:",
@@ -1449,6 +1508,536 @@ static void print_ready(const struct up_opts *o, const char *model, const char *
                o->pd_threshold / 7 * 2 + 20);
     }
     fflush(stdout);
+}
+
+// ---- scaling: the control socket and `tandem scale` ---------------------------------------
+// A running `tandem up` listens on a Unix socket in a folder only its user can
+// open (XDG_RUNTIME_DIR/tandem, else /tmp/tandem-UID, mode 0700, checked to be
+// the user's own), named after the API port: up-PORT.sock. Beside it,
+// up-PORT.secret (0600) holds the stack's control-plane secret, so that a
+// worker started by hand can join (TANDEM_INTERNAL_SECRET_FILE). One request
+// per connection, one line: "scale P D" (-1 = leave that role as it is) or
+// "status"; the answer is progress lines, then "ok ..." or "error ...".
+// Peers are checked with SO_PEERCRED as well: only this user's processes.
+
+// The per-user folder for sockets and secrets: created 0700 if missing; an
+// existing one must be a folder owned by this user that nobody else can open.
+static int run_dir(char *out, size_t cap, char *why, size_t whylen)
+{
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    int n = xdg && *xdg == '/' ? snprintf(out, cap, "%s/tandem", xdg)
+                               : snprintf(out, cap, "/tmp/tandem-%ld", (long)getuid());
+    if (n < 0 || (size_t)n >= cap) {
+        snprintf(why, whylen, "the run folder's path is too long");
+        return -1;
+    }
+    if (mkdir(out, 0700) != 0 && errno != EEXIST) {
+        fmt(why, whylen, "cannot create %s: %s", out, strerror(errno));
+        return -1;
+    }
+    struct stat st;
+    if (lstat(out, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != getuid() ||
+        (st.st_mode & 077) != 0) {
+        fmt(why, whylen, "%s is not a folder only you can open (remove it, or set XDG_RUNTIME_DIR)",
+            out);
+        return -1;
+    }
+    return 0;
+}
+
+static void sock_path_for(const char *dir, int port, char *out, size_t cap)
+{
+    if (fmt(out, cap, "%s/up-%d.sock", dir, port) != 0)
+        out[0] = '\0';
+}
+
+// Writes the secret into a new 0600 file (never through a link).
+static int write_secret(const char *path, const char *secret)
+{
+    unlink(path);
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return -1;
+    size_t len = strlen(secret);
+    bool ok = write(fd, secret, len) == (ssize_t)len && write(fd, "\n", 1) == 1;
+    ok = close(fd) == 0 && ok;
+    if (!ok)
+        unlink(path);
+    return ok ? 0 : -1;
+}
+
+// The secret file and the control socket for the stack whose API is on port.
+// Failures only lose the convenience (said once); the stack runs anyway.
+static void control_open(int port)
+{
+    char why[PATH_MAX + 128];
+    if (run_dir(stk.run_dir, sizeof stk.run_dir, why, sizeof why) != 0) {
+        say("no control socket (`tandem scale` will not find this stack): %s", why);
+        return;
+    }
+    const char *given = getenv("TANDEM_INTERNAL_SECRET_FILE");
+    if (given && *given) {
+        stk.secret_file = given;
+    } else if (fmt(stk.secret_path, sizeof stk.secret_path, "%s/up-%d.secret", stk.run_dir, port) ==
+                   0 &&
+               write_secret(stk.secret_path, getenv("TANDEM_INTERNAL_SECRET")) == 0) {
+        stk.secret_file = stk.secret_path;
+    } else {
+        say("cannot write the secret file %s: %s", stk.secret_path, strerror(errno));
+        stk.secret_path[0] = '\0';
+    }
+    sock_path_for(stk.run_dir, port, stk.sock_path, sizeof stk.sock_path);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (!stk.sock_path[0] || strlen(stk.sock_path) >= sizeof sa.sun_path) {
+        say("no control socket: the path under %s is too long for a Unix socket", stk.run_dir);
+        stk.sock_path[0] = '\0';
+        return;
+    }
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", stk.sock_path);
+    unlink(stk.sock_path); // a stale one: its ports were free, so its stack is gone
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    mode_t old = umask(0177);
+    int rc = fd < 0 ? -1 : bind(fd, (struct sockaddr *)&sa, sizeof sa);
+    umask(old);
+    if (rc != 0 || listen(fd, 4) != 0) {
+        say("no control socket %s: %s", stk.sock_path, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        stk.sock_path[0] = '\0';
+        return;
+    }
+    ctl_listen_fd = fd;
+}
+
+static void control_close(void)
+{
+    if (ctl_listen_fd >= 0)
+        close(ctl_listen_fd);
+    ctl_listen_fd = -1;
+    if (stk.sock_path[0])
+        unlink(stk.sock_path);
+    if (stk.secret_path[0])
+        unlink(stk.secret_path);
+}
+
+// A line to the `tandem scale` client (bounded by its send timeout; a client
+// that went away only loses the text) and to the launcher's own output.
+static void tell(int fd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void tell(int fd, const char *f, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, f);
+    vsnprintf(msg, sizeof msg, f, ap);
+    va_end(ap);
+    say("scale: %s", msg);
+    if (fd >= 0) {
+        size_t len = strlen(msg);
+        msg[len] = '\n';
+        if (send(fd, msg, len + 1, MSG_NOSIGNAL) < 0) {
+            // The client left: the scaling goes on regardless.
+        }
+    }
+}
+
+static int active_count(enum child_role role)
+{
+    int n = 0;
+    for (int i = 0; i < n_children; i++)
+        n += children[i].role == role && !children[i].retiring && !children[i].retired;
+    return n;
+}
+
+static int next_index(enum child_role role)
+{
+    int n = 0;
+    for (int i = 0; i < n_children; i++)
+        n += children[i].role == role;
+    return n;
+}
+
+// The router's count of successful config reloads (-1: not known).
+static long router_reloads(const char *host)
+{
+    static char body[1 << 18];
+    char why[96];
+    if (http_get(host, children[0].http_port, "/metrics", 2.0, body, sizeof body, why,
+                 sizeof why) != 200)
+        return -1;
+    const char *key = "tandem:router_config_reload_total{result=\"success\"} ";
+    const char *at = strstr(body, key);
+    return at ? atol(at + strlen(key)) : -1;
+}
+
+// Waits (pumping the children's output) until every child in new[0..n) is
+// healthy. 0, or -1 with the reason told to the client.
+static int wait_new_healthy(const struct up_opts *o, struct child **nw, int n, int cfd)
+{
+    const char *h = connect_host(o->host);
+    double deadline = tdm_now() + o->startup_timeout;
+    for (int left = n; left > 0;) {
+        pump(0.25);
+        if (stop_signals) {
+            tell(cfd, "error: the stack is stopping");
+            return -1;
+        }
+        left = 0;
+        for (int i = 0; i < n; i++) {
+            struct child *c = nw[i];
+            if (c->healthy)
+                continue;
+            if (c->exited) {
+                char st[96];
+                describe_status(c->status, st, sizeof st);
+                tell(cfd, "error: %s exited (%s) before it became healthy; see its log", c->name,
+                     st);
+                return -1;
+            }
+            if (check_child(o, h, c)) {
+                c->healthy = true;
+                tell(cfd, "%s healthy on port %d", c->name, c->http_port);
+            } else {
+                left++;
+            }
+        }
+        if (left && tdm_now() > deadline) {
+            tell(cfd, "error: new workers not healthy within --startup-timeout %.0f s",
+                 o->startup_timeout);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+// Stops the children in list[0..n) (SIGTERM: each drains; SIGKILL after
+// --drain-timeout + 15 s) and marks them retired.
+static void retire(const struct up_opts *o, struct child **list, int n)
+{
+    for (int i = 0; i < n; i++) {
+        list[i]->retiring = true;
+        if (child_running(list[i]))
+            kill(list[i]->pid, SIGTERM);
+    }
+    double deadline = tdm_now() + o->drain_timeout + 15.0;
+    for (bool any = true; any;) {
+        any = false;
+        for (int i = 0; i < n; i++)
+            any = any || child_running(list[i]);
+        if (!any)
+            break;
+        if (tdm_now() > deadline) {
+            for (int i = 0; i < n; i++)
+                if (child_running(list[i]))
+                    kill(list[i]->pid, SIGKILL);
+        }
+        pump(0.1);
+    }
+    for (int i = 0; i < n; i++) {
+        list[i]->retired = true;
+        list[i]->healthy = false;
+    }
+}
+
+// The router's config rewritten for the children now active (atomically: a
+// reload never reads half a file), then SIGHUP; waits until the router has
+// reloaded and counts the new workers ready.
+static int router_follow(const struct up_opts *o, int cfd)
+{
+    if (o->no_router)
+        return 0;
+    char text[16384], tmp[PATH_MAX + 8];
+    if (router_config_text(o, text, sizeof text) != 0 ||
+        fmt(tmp, sizeof tmp, "%s.new", stk.cfg_path) != 0) {
+        tell(cfd, "error: router config too long");
+        return -1;
+    }
+    FILE *f = fopen(tmp, "w");
+    bool ok = f && fputs(text, f) != EOF;
+    ok = f && fclose(f) == 0 && ok;
+    if (!ok || rename(tmp, stk.cfg_path) != 0) {
+        tell(cfd, "error: cannot write %s: %s", stk.cfg_path, strerror(errno));
+        unlink(tmp);
+        return -1;
+    }
+    const char *h = connect_host(o->host);
+    long before = router_reloads(h);
+    if (!child_running(&children[0])) {
+        tell(cfd, "the router is restarting: it reads the new config as it starts");
+        return 0;
+    }
+    kill(children[0].pid, SIGHUP);
+    double deadline = tdm_now() + 60.0;
+    char why[160] = "";
+    for (;;) {
+        pump(0.2);
+        long now = router_reloads(h);
+        if ((before < 0 || now > before) &&
+            router_sees_all(h, &children[0], o->n_prefill, o->n_decode, why, sizeof why))
+            break;
+        if (stop_signals || tdm_now() > deadline) {
+            tell(cfd, "error: the router did not take the new config (%s)",
+                 why[0] ? why : "no reload counted");
+            return -1;
+        }
+    }
+    tell(cfd, "router reloaded %s: %d prefill + %d decode workers", stk.cfg_path, o->n_prefill,
+         o->n_decode);
+    return 0;
+}
+
+// Scales the running stack to want_p prefill and want_d decode workers (-1:
+// as they are): new workers are started and awaited, then the router takes
+// the new config; workers taken away leave the router's config first (no new
+// requests), then drain and stop. The highest-numbered ones go first.
+static void scale(struct up_opts *o, int want_p, int want_d, int cfd)
+{
+    int have_p = active_count(CHILD_PREFILL), have_d = active_count(CHILD_DECODE);
+    if (want_p < 0)
+        want_p = have_p;
+    if (want_d < 0)
+        want_d = have_d;
+    if (want_d < 1 || want_d > MAX_WORKERS || want_p > MAX_WORKERS) {
+        tell(cfd, "error: --decode must be 1 to %d and --prefill 0 to %d", MAX_WORKERS,
+             MAX_WORKERS);
+        return;
+    }
+    if (o->no_router && want_p > 0) {
+        tell(cfd, "error: this stack runs without a router (--no-router): prefill workers need "
+                  "one");
+        return;
+    }
+    int add_p = want_p > have_p ? want_p - have_p : 0,
+        add_d = want_d > have_d ? want_d - have_d : 0;
+    if (n_children + add_p + add_d > MAX_CHILDREN) {
+        tell(cfd,
+             "error: this launcher has started %d processes, its limit is %d: restart the "
+             "stack to go further",
+             n_children, MAX_CHILDREN);
+        return;
+    }
+    if (add_p && !stk.bin[1][0] &&
+        find_bin(o, "tandem-prefill", "prefill", stk.bin[1], sizeof stk.bin[1]) != 0) {
+        stk.bin[1][0] = '\0';
+        tell(cfd, "error: tandem-prefill not found (see the launcher's log)");
+        return;
+    }
+    // Workers started later get the share the first ones got; on a GPU named
+    // outright, more than it has together is refused (with --device auto a
+    // worker that finds no room fails its startup, which is reported).
+    if (o->device && !strncmp(o->device, "cuda", 4) &&
+        gpu_share(o) * (want_p + want_d) > 1.0 + 1e-9) {
+        tell(cfd,
+             "error: %d workers x --gpu-memory-utilization %.2f is more than the one GPU "
+             "they share: start the stack with a smaller --gpu-memory-utilization",
+             want_p + want_d, gpu_share(o));
+        return;
+    }
+    tell(cfd, "scaling from %d prefill + %d decode to %d prefill + %d decode workers", have_p,
+         have_d, want_p, want_d);
+    // Up: start and await the new ones.
+    int first = n_children;
+    struct child *nw[2 * MAX_WORKERS];
+    int n_new = 0;
+    for (int i = 0; i < add_d; i++)
+        add_child(CHILD_DECODE, next_index(CHILD_DECODE), stk.bin[2]);
+    for (int i = 0; i < add_p; i++)
+        add_child(CHILD_PREFILL, next_index(CHILD_PREFILL), stk.bin[1]);
+    if (n_children > first && assign_ports(o, first) != 0) {
+        n_children = first;
+        tell(cfd, "error: no free ports for the new workers (see the launcher's log)");
+        return;
+    }
+    for (int i = first; i < n_children; i++) {
+        nw[n_new++] = &children[i];
+        if (launch_child(o, &children[i], stk.model, stk.served, stk.cfg_path, stk.threads) != 0) {
+            retire(o, nw, n_new);
+            tell(cfd, "error: cannot start %s", children[i].name);
+            return;
+        }
+        tell(cfd, "%s started: http://%s:%d, nng port %d, pid %ld", children[i].name,
+             connect_host(o->host), children[i].http_port, children[i].nng_port,
+             (long)children[i].pid);
+    }
+    if (n_new && wait_new_healthy(o, nw, n_new, cfd) != 0) {
+        retire(o, nw, n_new);
+        return;
+    }
+    // Down: the highest-numbered workers of each role leave the config.
+    struct child *gone[2 * MAX_WORKERS];
+    int n_gone = 0;
+    int drop[2] = {have_p - want_p, have_d - want_d};
+    enum child_role roles[2] = {CHILD_PREFILL, CHILD_DECODE};
+    for (int r = 0; r < 2; r++)
+        for (int i = n_children - 1; i >= 0 && drop[r] > 0; i--) {
+            struct child *c = &children[i];
+            if (c->role == roles[r] && !c->retiring && !c->retired) {
+                c->retiring = true;
+                gone[n_gone++] = c;
+                drop[r]--;
+            }
+        }
+    o->n_prefill = want_p;
+    o->n_decode = want_d;
+    int rc = router_follow(o, cfd);
+    if (n_gone) {
+        for (int i = 0; i < n_gone; i++)
+            tell(cfd, "%s leaves the router's config and drains (pid %ld)", gone[i]->name,
+                 (long)gone[i]->pid);
+        retire(o, gone, n_gone);
+        for (int i = 0; i < n_gone; i++)
+            tell(cfd, "%s stopped", gone[i]->name);
+    }
+    if (rc == 0)
+        tell(cfd, "ok: %d prefill + %d decode workers", want_p, want_d);
+}
+
+// Serves one control connection (pump saw it waiting).
+static void control_serve(struct up_opts *o)
+{
+    ctl_pending = false;
+    int cfd = accept4(ctl_listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    if (cfd < 0)
+        return;
+    struct ucred cred;
+    socklen_t cl = sizeof cred;
+    if (getsockopt(cfd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0 || cred.uid != getuid()) {
+        close(cfd);
+        return;
+    }
+    struct timeval tv = {.tv_sec = 2};
+    setsockopt(cfd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(cfd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    char line[128];
+    size_t got = 0;
+    while (got < sizeof line - 1) {
+        ssize_t r = recv(cfd, line + got, 1, 0);
+        if (r <= 0 || line[got] == '\n')
+            break;
+        got++;
+    }
+    line[got] = '\0';
+    ctl_busy = true;
+    int p = 0, d = 0;
+    char extra;
+    if (!strcmp(line, "status"))
+        tell(cfd, "ok: %d prefill + %d decode workers", active_count(CHILD_PREFILL),
+             active_count(CHILD_DECODE));
+    else if (sscanf(line, "scale %d %d %c", &p, &d, &extra) == 2)
+        scale(o, p, d, cfd);
+    else
+        tell(cfd, "error: unknown request \"%.60s\" (a newer or older tandem?)", line);
+    ctl_busy = false;
+    close(cfd);
+}
+
+// ---- tandem scale -------------------------------------------------------------------------
+
+struct scale_opts {
+    int port;           // --port: the stack's API port (router, or decode-0 with --no-router)
+    const char *socket; // --socket PATH instead
+    int n_prefill;      // -1: as it is
+    int n_decode;
+};
+
+static const struct tdm_flag scale_flags[] = {
+    TDM_FLAG_FIELD(struct scale_opts, "port", TDM_FLAG_INT, port, .min = 1, .max = 65535,
+                   .metavar = "P", .help = "the stack's API port, as given to tandem up (8000)"),
+    TDM_FLAG_FIELD(struct scale_opts, "socket", TDM_FLAG_PTR, socket, .metavar = "PATH",
+                   .help = "its control socket instead (tandem up prints it)"),
+    TDM_FLAG_FIELD(struct scale_opts, "prefill", TDM_FLAG_INT, n_prefill, .min = 0,
+                   .max = MAX_WORKERS, .metavar = "N", .help = "prefill workers wanted"),
+    TDM_FLAG_FIELD(struct scale_opts, "decode", TDM_FLAG_INT, n_decode, .min = 1,
+                   .max = MAX_WORKERS, .metavar = "M", .help = "decode workers wanted"),
+};
+
+static const struct tdm_flags scale_table = {
+    .usage = "usage: tandem scale [--port P | --socket PATH] [--prefill N] [--decode M]\n"
+             "Adds or removes workers of a running `tandem up` (on this machine, as the same\n"
+             "user); without --prefill/--decode it prints the counts.\n",
+    .flags = scale_flags,
+    .n = sizeof scale_flags / sizeof scale_flags[0],
+    .footer = "New workers are awaited and then added to the router; removed ones leave the\n"
+              "router first, then drain their requests and stop. Exit 0 when done.\n",
+};
+
+static int cmd_scale(int argc, char **argv)
+{
+    struct scale_opts so = {.port = 8000, .n_prefill = -1, .n_decode = -1};
+    char err[512];
+    int rc = tdm_flags_parse(&scale_table, &so, argc, argv, NULL, 0, NULL, err, sizeof err);
+    if (rc == 1) {
+        tdm_flags_help(&scale_table, stdout);
+        return 0;
+    }
+    if (rc != TDM_OK) {
+        fprintf(stderr, "tandem scale: %s (see tandem scale --help)\n", err);
+        return 2;
+    }
+    char path[PATH_MAX], dir[PATH_MAX];
+    if (so.socket) {
+        snprintf(path, sizeof path, "%s", so.socket);
+    } else {
+        if (run_dir(dir, sizeof dir, err, sizeof err) != 0) {
+            fprintf(stderr, "tandem scale: %s\n", err);
+            return 1;
+        }
+        sock_path_for(dir, so.port, path, sizeof path);
+    }
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (!path[0] || strlen(path) >= sizeof sa.sun_path) {
+        fprintf(stderr, "tandem scale: the control socket's path is too long\n");
+        return 1;
+    }
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        fprintf(stderr,
+                "tandem scale: no `tandem up` of yours is running with API port %d here (%s: "
+                "%s)\n",
+                so.port, path, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return 1;
+    }
+    char req[64];
+    if (so.n_prefill < 0 && so.n_decode < 0)
+        snprintf(req, sizeof req, "status\n");
+    else
+        snprintf(req, sizeof req, "scale %d %d\n", so.n_prefill, so.n_decode);
+    if (send(fd, req, strlen(req), MSG_NOSIGNAL) != (ssize_t)strlen(req)) {
+        fprintf(stderr, "tandem scale: %s: %s\n", path, strerror(errno));
+        close(fd);
+        return 1;
+    }
+    // Progress lines until the launcher closes; the last says ok or error.
+    char buf[4096], last[1024] = "";
+    size_t have = 0;
+    for (;;) {
+        ssize_t r = read(fd, buf + have, sizeof buf - 1 - have);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        have += (size_t)r;
+        buf[have] = '\0';
+        char *nl;
+        while ((nl = strchr(buf, '\n'))) {
+            *nl = '\0';
+            printf("%s\n", buf);
+            fflush(stdout);
+            snprintf(last, sizeof last, "%.*s", (int)(sizeof last - 1), buf);
+            have -= (size_t)(nl + 1 - buf);
+            memmove(buf, nl + 1, have + 1);
+        }
+        if (have == sizeof buf - 1)
+            have = 0; // an overlong line: dropped
+    }
+    close(fd);
+    if (!strncmp(last, "ok", 2))
+        return 0;
+    if (!last[0])
+        fprintf(stderr, "tandem scale: the launcher closed without an answer\n");
+    return 1;
 }
 
 static int cmd_up(int argc, char **argv)
@@ -1475,10 +2064,14 @@ static int cmd_up(int argc, char **argv)
         (o.n_prefill && find_bin(&o, "tandem-prefill", "prefill", bin[1], sizeof bin[1])) ||
         find_bin(&o, "tandem-decode", "decode", bin[2], sizeof bin[2]))
         return 1;
+    for (int i = 0; i < 3; i++) // for `tandem scale` (prefill's may be found later)
+        if ((i == 0 && !o.no_router) || (i == 1 && o.n_prefill) || i == 2)
+            snprintf(stk.bin[i], sizeof stk.bin[i], "%s", bin[i]);
     // The control plane's shared secret (common/transport): one drawn per run
     // unless the operator gave one, so the stack's nng ports refuse any other
     // process. Children inherit it through the environment.
-    if (!getenv("TANDEM_INTERNAL_SECRET_FILE") && !getenv("TANDEM_INTERNAL_SECRET")) {
+    const char *sf = getenv("TANDEM_INTERNAL_SECRET_FILE"), *sv = getenv("TANDEM_INTERNAL_SECRET");
+    if ((!sf || !*sf) && (!sv || !*sv)) { // set but empty counts as unset, as for the services
         char secret[65];
         for (int i = 0; i < 4; i++)
             snprintf(secret + 16 * i, 17, "%016llx",
@@ -1491,7 +2084,7 @@ static int cmd_up(int argc, char **argv)
         add_child(CHILD_DECODE, i, bin[2]);
     for (int i = 0; i < o.n_prefill; i++)
         add_child(CHILD_PREFILL, i, bin[1]);
-    if (assign_ports(&o) != 0) // a taken port is reported before any download
+    if (assign_ports(&o, 0) != 0) // a taken port is reported before any download
         return 1;
 
     // The model: a folder, a Hub id (downloaded or found in the cache), or the demo.
@@ -1535,7 +2128,7 @@ static int cmd_up(int argc, char **argv)
 
     // Again just before the start: a long download gave other programs time to
     // take a port found free earlier.
-    if (assign_ports(&o) != 0)
+    if (assign_ports(&o, 0) != 0)
         return 1;
     // Until here a Ctrl-C simply ends the launcher (a download resumes next time;
     // no child runs yet); from here on it stops the stack in order.
@@ -1553,6 +2146,13 @@ static int cmd_up(int argc, char **argv)
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         threads = cores > workers ? (int)(cores / workers) : 1;
     }
+    if (device_may_be_gpu(&o) && o.gpu_util == 0)
+        o.gpu_util = gpu_share(&o); // fixed now: workers `tandem scale` adds get the same
+    stk.model = model;
+    stk.served = served;
+    stk.threads = threads;
+    snprintf(stk.cfg_path, sizeof stk.cfg_path, "%s", cfg_path);
+    control_open(children[0].http_port);
     say("starting %s%d decode + %d prefill workers (%d threads each), model %s",
         o.no_router ? "" : "the router, ", o.n_decode, o.n_prefill, threads, model);
     if (device_may_be_gpu(&o))
@@ -1578,6 +2178,8 @@ static int cmd_up(int argc, char **argv)
                 }
             }
             dead = !supervise(&o);
+            if (ctl_pending && !stop_signals && !dead)
+                control_serve(&o); // `tandem scale`
         }
         if (dead) {
             stop_stack(&o);
@@ -1596,6 +2198,7 @@ static int cmd_up(int argc, char **argv)
         rc = 1;
     }
 out:
+    control_close();
     for (int i = 0; i < n_children; i++) {
         free(children[i].argv);
         children[i].argv = NULL;
@@ -1611,6 +2214,8 @@ int main(int argc, char **argv)
 {
     if (argc >= 2 && !strcmp(argv[1], "up"))
         return cmd_up(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "scale"))
+        return cmd_scale(argc - 1, argv + 1);
     if (argc >= 2 &&
         (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help"))) {
         fputs("usage: tandem COMMAND [options]\n"
@@ -1618,6 +2223,8 @@ int main(int argc, char **argv)
               "Commands:\n"
               "  up         run a whole stack on this machine: the router, N prefill and M\n"
               "             decode workers (a demo model unless --model says otherwise)\n"
+              "  scale      add or remove workers of a running `tandem up`: tandem scale\n"
+              "             [--port P] [--prefill N] [--decode M] (see tandem scale --help)\n"
               "  --version  print the version\n"
               "\n"
               "Options of `tandem up`:\n",
