@@ -301,6 +301,37 @@ def ambiguous_framing(port, name):
               "%s: after an ambiguous request the connection stayed open: %r" % (name, out[:400]))
 
 
+def oversized_heads(port, name):
+    """A 1 MB URL or header (issue 29, part 5: a TCP reset, or civetweb's
+    text/plain "400 Malformed message"): 431 in the OpenAI error format, at
+    once, naming the 16 KiB limit; the server serves the next request."""
+    for data in (b"GET /" + b"a" * (1 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                 b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) +
+                 b"\r\n\r\n"):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        t0 = time.time()
+        try:
+            s.sendall(data)  # the server stops reading at its limit
+        except OSError:
+            pass
+        out = b""
+        try:
+            while True:
+                b = s.recv(4096)
+                if not b:
+                    break
+                out += b
+        except OSError:
+            pass
+        s.close()
+        check(out.startswith(b"HTTP/1.1 431") and b"over 16 KiB" in out and
+              b'"code":431' in out.replace(b" ", b""),
+              "%s: a 1 MB head answered %r" % (name, out[:300]))
+        check(time.time() - t0 < 5, "%s: the 431 took %.1f s" % (name, time.time() - t0))
+    st, _, _ = request(port, "GET", "/health")
+    check(st == 200, "%s: /health %d after oversized heads" % (name, st))
+
+
 def heavy_request(cl):
     """n x prompts is admitted whole against the waiting-queue bound before any
     of it starts (issue 11, part 3): 128 x 20 = 2560 sequences against
@@ -569,6 +600,7 @@ def main():
         alive(cl)
     for name, port in ports.items():
         ambiguous_framing(port, name)
+        oversized_heads(port, name)
     heavy_request(cl)
     dense = dense_bodies(cl)
     nested_constraints(cl)

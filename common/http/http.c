@@ -28,6 +28,8 @@
 #define DEFAULT_HEADER_TIMEOUT_MS 10000
 #define DEFAULT_BODY_TIMEOUT_MS 30000
 #define DEFAULT_LARGE_REQUESTS 4
+#define KEEP_ALIVE_TIMEOUT_MS 5000 // civetweb's wait for a kept-alive connection's next request
+#define KEEP_ALIVE_TIMEOUT_TEXT "5000"
 // Largest response body copied next to its head to go out in one write.
 #define RESPOND_COPY_MAX (64u << 10)
 
@@ -117,6 +119,10 @@ const char *tdm_http_reason(int status)
         return "Request Timeout";
     case 413:
         return "Payload Too Large";
+    case 414:
+        return "URI Too Long";
+    case 431:
+        return "Request Header Fields Too Large";
     case 422:
         return "Unprocessable Entity";
     case 429:
@@ -247,6 +253,7 @@ static int on_log_message(const struct mg_connection *conn, const char *message)
 
 static int on_begin_request(struct mg_connection *mg);
 static int on_init_connection(const struct mg_connection *mg, void **conn_data);
+static int on_http_error(struct mg_connection *mg, int status, const char *msg);
 static void on_connection_close(const struct mg_connection *mg);
 
 static pthread_once_t library_once = PTHREAD_ONCE_INIT;
@@ -275,7 +282,7 @@ int tdm_http_server_start(struct tdm_http_server *s, char *err, size_t errlen)
         "enable_keep_alive",
         "yes",
         "keep_alive_timeout_ms",
-        "5000",
+        KEEP_ALIVE_TIMEOUT_TEXT,
         "request_timeout_ms", // civetweb: the whole header read, and each read/write stall
         timeout,
         "enable_auth_domain_check", // an absolute-form target on this port is served as its path
@@ -290,6 +297,7 @@ int tdm_http_server_start(struct tdm_http_server *s, char *err, size_t errlen)
     cb.init_connection = on_init_connection;
     cb.connection_close = on_connection_close;
     cb.log_message = on_log_message;
+    cb.http_error = on_http_error;
     char text[256] = "";
     unsigned code = 0;
     struct mg_error_data ed = {.code = &code, .text = text, .text_buffer_size = sizeof text};
@@ -992,8 +1000,22 @@ static void conn_fini(struct tdm_http_conn *c)
 // request), counted, counted and over the cap.
 static char conn_uncounted, conn_counted, conn_over_cap;
 
+// When civetweb began waiting for the head of the next request on this
+// worker thread's connection, and how long it waits (the header timeout for
+// a connection's first request, the keep-alive timeout for later ones): a
+// head that failed before that time was cut by its size (on_http_error).
+static _Thread_local double head_wait_start;
+static _Thread_local bool head_wait_first;
+
+static void head_wait_from(bool first)
+{
+    head_wait_start = tdm_now();
+    head_wait_first = first;
+}
+
 static int on_init_connection(const struct mg_connection *mg, void **conn_data)
 {
+    head_wait_from(true);
     struct tdm_http_server *s = mg_get_user_data(mg_get_context(mg));
     if (s != NULL && s->max_conns_per_ip > 0)
         *conn_data = &conn_uncounted;
@@ -1090,6 +1112,36 @@ static void write_raw(struct mg_connection *mg, int status, const char *headers,
               content_type ? content_type : "", content_type ? "\r\n" : "", blen);
     if (blen)
         mg_write(mg, body, blen);
+}
+
+// civetweb 1.15 answers every request whose head it cannot read with "400
+// Malformed message" in text/plain: one over its 16 KiB buffer (a long URL
+// or header, for which HTTP has 414 and 431) and one whose head did not
+// arrive within the timeout (408) alike, and reads neither. Told apart here
+// by the time the head took; answered in the server's error format
+// (issue 29, part 5). Other errors stay civetweb's (it answers 1 for them).
+static int on_http_error(struct mg_connection *mg, int status, const char *msg)
+{
+    struct tdm_http_server *s = mg_get_user_data(mg_get_context(mg));
+    if (s == NULL || status != 400 || msg == NULL || strcmp(msg, "Malformed message") != 0)
+        return 1;
+    double limit = (head_wait_first ? s->header_timeout_ms : KEEP_ALIVE_TIMEOUT_MS) / 1000.0;
+    bool timed_out = tdm_now() - head_wait_start >= limit * 0.9;
+    char text[200];
+    if (timed_out)
+        snprintf(text, sizeof text, "The request's line and headers were not received within %g s",
+                 limit);
+    else
+        snprintf(text, sizeof text,
+                 "The request line and headers are over %d KiB, this server's limit: shorten "
+                 "the URL or the headers",
+                 TDM_HTTP_MAX_HEAD_BYTES / 1024);
+    status = timed_out ? 408 : 431;
+    char *body = s->error_body ? s->error_body(status, text) : NULL;
+    write_raw(mg, status, "", body ? "application/json" : "text/plain; charset=utf-8",
+              body ? body : text);
+    free(body);
+    return 0;
 }
 
 // connection_close: releases the connection's count, and answers the
@@ -1306,5 +1358,6 @@ done:
         malloc_trim(0);
     if (must_close)
         force_close(ri);
+    head_wait_from(false);
     return must_close ? -1 : status;
 }

@@ -88,6 +88,9 @@ struct tdm_http_config {
 // system (malloc_trim) after its response, so a burst of large requests does
 // not leave the process at its peak size.
 #define TDM_HTTP_LARGE_BODY ((size_t)1 << 20)
+// The request line and headers together (civetweb's buffer, its
+// max_request_size default): a longer head is answered 431.
+#define TDM_HTTP_MAX_HEAD_BYTES 16384
 // The memory a request with a body is counted as using against the server's
 // memory_budget (issue 29, part 3): its body, the JSON tree a front may build
 // from it (TDM_JSON_NODE_BYTES a value, a value at least one body byte, and no
