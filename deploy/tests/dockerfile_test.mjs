@@ -6,7 +6,10 @@
 //    --no-install-recommends and the lists removed; the build configures with
 //    CMAKE_BUILD_TYPE=Release and builds named targets that exist in the
 //    source tree (add_executable); the runtime stage copies from the build
-//    stage, installs no -dev package or toolchain, runs as a non-root USER,
+//    stage (by default: a stage that only aliases another, FROM ${BINARIES},
+//    is followed with the ARG defaults to the stage that runs cmake --build;
+//    the other choice, prebuilt, is deploy/image/build.sh --runtime-from),
+//    installs no -dev package or toolchain, runs as a non-root USER,
 //    and uses exec-form CMD/ENTRYPOINT; no ADD; a .dockerignore for the
 //    context that leaves out build trees and .git.
 //  - Build packages: every REQUIRED dependency in the CMake files
@@ -74,7 +77,9 @@ function stagesOf(instrs) {
         } else if (ins.op === 'FROM') {
             const m = /^(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?$/i.exec(ins.text);
             const image = (m?.[1] || '').replace(/\$\{?(\w+)\}?/g, (_, k) => globalArgs[k] ?? '');
-            stages.push({ image, name: m?.[2] || String(stages.length), instrs: [], line: ins.line });
+            // FROM an earlier stage (an alias, e.g. FROM ${BINARIES} AS binaries) has no base image.
+            const parent = stages.find((st) => st.name === image);
+            stages.push({ image, name: m?.[2] || String(stages.length), instrs: [], line: ins.line, parent });
         } else if (stages.length) stages[stages.length - 1].instrs.push(ins);
     }
     return stages;
@@ -91,7 +96,7 @@ function aptPackages(runText) {
 
 // Base-image policies: each checks the stages' FROM images.
 const DEBIAN_BASES = (stages, where, chk) => {
-    for (const s of stages) {
+    for (const s of stages.filter((st) => !st.parent)) {
         chk.check(/^debian:bookworm(-[a-z0-9]+)?(@sha256:[0-9a-f]{64})?$/.test(s.image), `${where}:${s.line}`,
             `stage ${s.name} is based on "${s.image}", expected debian:bookworm (tagged)`);
     }
@@ -151,8 +156,16 @@ export function checkShape(text, where, chk, sourceTargets, checkBases = DEBIAN_
         const users = runtime.instrs.filter((x) => x.op === 'USER').map((x) => x.text.split(':')[0]);
         const last = users[users.length - 1];
         chk.check(last && last !== 'root' && last !== '0', w, `runs as ${last || 'root (no USER)'}`);
-        chk.check(runtime.instrs.some((x) => x.op === 'COPY' && build.some((b) => x.text.includes(`--from=${b.name}`))), w,
-            'copies nothing from the build stage');
+        // The stage the binaries come from, through aliases, with the ARG defaults:
+        // a plain build must compile them (the stage that runs cmake --build).
+        const froms = runtime.instrs.filter((x) => x.op === 'COPY').map((x) => /--from=(\S+)/.exec(x.text)?.[1]).filter(Boolean);
+        const source = (name) => {
+            let st = build.find((b) => b.name === name);
+            while (st?.parent) st = st.parent;
+            return st;
+        };
+        chk.check(froms.some((f) => source(f)?.instrs.some((x) => x.op === 'RUN' && /cmake\s+--build/.test(x.text))), w,
+            'copies nothing from the build stage (by default the binaries must come from the stage that compiles them)');
         for (const x of runtime.instrs.filter((y) => y.op === 'CMD' || y.op === 'ENTRYPOINT')) {
             let ok = false;
             try {
@@ -394,6 +407,8 @@ const MUTATIONS = [
     ['apt lists kept', (t) => t.replaceAll('rm -rf /var/lib/apt/lists/*', 'true')],
     ['unknown target', (t) => t.replace('--target tandem-router', '--target tandem-routr')],
     ['dev package at runtime', (t) => t.replace('libyaml-0-2 \\', 'libyaml-0-2 libyaml-dev \\')],
+    ['prebuilt binaries by default', (t) => t.replace('ARG BINARIES=build', 'ARG BINARIES=prebuilt')],
+    ['alias stage based on Ubuntu', (t) => t.replace('FROM ${BINARIES} AS binaries', 'FROM ubuntu:24.04 AS binaries')],
 ];
 for (const [what, mutate] of MUTATIONS) {
     const bad = mutate(text);
