@@ -30,16 +30,16 @@ struct tdm_chat_template {
 // ---- small helpers ------------------------------------------------------------------
 
 // Hands the buffer to the caller (*out, heap) or frees it on OOM.
-static int sb_finish(struct strbuf *b, char **out, char *err, size_t errlen)
+static int sb_finish(struct tdm_strbuf *b, char **out, char *err, size_t errlen)
 {
-    if (!b->oom && !b->data) { // nothing was appended: an empty string
-        chat_sb_addn(b, "", 0);
+    if (!b->failed && !b->p) { // nothing was appended: an empty string
+        tdm_strbuf_add(b, "", 0);
     }
-    if (b->oom) {
-        free(b->data);
+    if (b->failed) {
+        free(b->p);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory rendering the chat template");
     }
-    *out = b->data;
+    *out = b->p;
     return TDM_OK;
 }
 
@@ -201,7 +201,7 @@ static int render_json_now(const struct tdm_chat_template *t, const char *messag
                            char *err, size_t errlen)
 {
     *out = NULL;
-    struct strbuf prompt = {.limit = CHAT_MAX_OUTPUT};
+    struct tdm_strbuf prompt = {.limit = CHAT_MAX_OUTPUT};
     struct render r = {
         .arena = {.cap = CHAT_MAX_ARENA}, .out = &prompt, .err = err, .errlen = errlen};
     struct val messages, tools = chat_v_none();
@@ -228,7 +228,7 @@ static int render_json_now(const struct tdm_chat_template *t, const char *messag
         rc = chat_eval_render(&r, t->root);
     chat_arena_free(&r.arena);
     if (rc != TDM_OK) {
-        free(prompt.data);
+        free(prompt.p);
         return rc;
     }
     return sb_finish(&prompt, out, err, errlen);
@@ -303,19 +303,19 @@ int tdm_chat_render(const struct tdm_chat_template *t, const struct tdm_chat_msg
 // *out is heap.
 static int join_text_parts(const cJSON *parts, size_t idx, char **out, char *err, size_t errlen)
 {
-    struct strbuf b = {0};
+    struct tdm_strbuf b = {0};
     size_t j = 0, ntext = 0;
     const cJSON *part;
     cJSON_ArrayForEach(part, parts)
     {
         if (!cJSON_IsObject(part)) {
-            free(b.data);
+            free(b.p);
             return tdm_seterr(err, errlen, TDM_EINVAL,
                               "messages[%zu].content[%zu] must be an object", idx, j);
         }
         const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
         if (!cJSON_IsString(type)) {
-            free(b.data);
+            free(b.p);
             return tdm_seterr(err, errlen, TDM_EINVAL,
                               "messages[%zu].content[%zu].type must be a string", idx, j);
         }
@@ -324,18 +324,18 @@ static int join_text_parts(const cJSON *parts, size_t idx, char **out, char *err
                                 "messages[%zu].content[%zu]: content part type '%.40s' is not "
                                 "supported (only text)",
                                 idx, j, type->valuestring);
-            free(b.data);
+            free(b.p);
             return rc;
         }
         const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
         if (!cJSON_IsString(text)) {
-            free(b.data);
+            free(b.p);
             return tdm_seterr(err, errlen, TDM_EINVAL,
                               "messages[%zu].content[%zu].text must be a string", idx, j);
         }
         if (ntext++ > 0)
-            chat_sb_addc(&b, '\n');
-        chat_sb_add(&b, text->valuestring);
+            tdm_strbuf_addc(&b, '\n');
+        tdm_strbuf_adds(&b, text->valuestring);
         j++;
     }
     return sb_finish(&b, out, err, errlen);

@@ -114,13 +114,13 @@ static int do_strip(struct render *r, struct val s, struct val chars, bool left,
     size_t first_keep = n, last_keep_end = 0;
     for (size_t i = 0; i < n;) {
         uint32_t cp;
-        size_t len = chat_utf8_next(p, n, i, &cp);
+        size_t len = tdm_utf8_next(p, n, i, &cp);
         bool strip;
         if (use_chars) {
             strip = false;
             for (size_t j = 0; j < chars.u.str.n;) {
                 uint32_t c2;
-                size_t l2 = chat_utf8_next(chars.u.str.s, chars.u.str.n, j, &c2);
+                size_t l2 = tdm_utf8_next(chars.u.str.s, chars.u.str.n, j, &c2);
                 if (c2 == cp && l2 == len && memcmp(chars.u.str.s + j, p + i, len) == 0)
                     strip = true;
                 j += l2;
@@ -178,10 +178,10 @@ static bool cp_cased(uint32_t cp)
 }
 
 // Appends cp upper- or lower-cased; Python maps U+00DF (sharp s) to "SS" in upper().
-static void put_case(struct strbuf *b, uint32_t cp, bool upper, bool title)
+static void put_case(struct tdm_strbuf *b, uint32_t cp, bool upper, bool title)
 {
     if (cp == 0xDF && upper) {
-        chat_sb_add(b, title ? "Ss" : "SS");
+        tdm_strbuf_adds(b, title ? "Ss" : "SS");
         return;
     }
     chat_utf8_put(b, cp_case(cp, upper));
@@ -190,14 +190,14 @@ static void put_case(struct strbuf *b, uint32_t cp, bool upper, bool title)
 static int map_case(struct render *r, struct val s, int mode, struct val *out)
 {
     // mode 0 upper, 1 lower, 2 capitalize, 3 str.title, 4 swapcase
-    struct strbuf b = {.limit = CHAT_MAX_STRING};
+    struct tdm_strbuf b = {.limit = CHAT_MAX_STRING};
     bool prev_cased = false;
     size_t k = 0;
     for (size_t i = 0; i < s.u.str.n; k++) {
         uint32_t cp;
-        size_t len = chat_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
+        size_t len = tdm_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
         if (cp == 0xFFFD && len == 1 && (unsigned char)s.u.str.s[i] >= 0x80) {
-            chat_sb_addn(&b, s.u.str.s + i, 1); // invalid UTF-8: kept as it is
+            tdm_strbuf_add(&b, s.u.str.s + i, 1); // invalid UTF-8: kept as it is
             i += len;
             continue;
         }
@@ -221,7 +221,7 @@ static int map_case(struct render *r, struct val s, int mode, struct val *out)
         i += len;
     }
     int rc = chat_sb_to_val(r, &b, out);
-    free(b.data);
+    free(b.p);
     if (rc == TDM_OK && !chat_charge(r, s.u.str.n / 2))
         return r->rc;
     return rc;
@@ -232,7 +232,7 @@ static int do_replace(struct render *r, struct val s, struct val old, struct val
 {
     if (need_str(r, old, "replace") != TDM_OK || need_str(r, new_, "replace") != TDM_OK)
         return r->rc;
-    struct strbuf b = {.limit = CHAT_MAX_STRING};
+    struct tdm_strbuf b = {.limit = CHAT_MAX_STRING};
     const char *p = s.u.str.s, *end = s.u.str.s + s.u.str.n;
     int64_t done = 0;
     if (old.u.str.n == 0) { // Python inserts between every character
@@ -240,13 +240,13 @@ static int do_replace(struct render *r, struct val s, struct val old, struct val
         size_t i = 0;
         while (true) {
             if (count < 0 || done < count) {
-                chat_sb_addn(&b, new_.u.str.s, new_.u.str.n);
+                tdm_strbuf_add(&b, new_.u.str.s, new_.u.str.n);
                 done++;
             }
             if (i >= s.u.str.n)
                 break;
-            size_t len = chat_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
-            chat_sb_addn(&b, s.u.str.s + i, len);
+            size_t len = tdm_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
+            tdm_strbuf_add(&b, s.u.str.s + i, len);
             i += len;
         }
     } else {
@@ -254,17 +254,17 @@ static int do_replace(struct render *r, struct val s, struct val old, struct val
             const char *hit = find_bytes(p, (size_t)(end - p), old.u.str.s, old.u.str.n);
             if (!hit)
                 break;
-            chat_sb_addn(&b, p, (size_t)(hit - p));
-            chat_sb_addn(&b, new_.u.str.s, new_.u.str.n);
+            tdm_strbuf_add(&b, p, (size_t)(hit - p));
+            tdm_strbuf_add(&b, new_.u.str.s, new_.u.str.n);
             p = hit + old.u.str.n;
             done++;
         }
-        chat_sb_addn(&b, p, (size_t)(end - p));
+        tdm_strbuf_add(&b, p, (size_t)(end - p));
     }
     if (!chat_charge(r, s.u.str.n / 2))
         return r->rc;
     int rc = chat_sb_to_val(r, &b, out);
-    free(b.data);
+    free(b.p);
     return rc;
 }
 
@@ -337,7 +337,7 @@ static int do_split(struct render *r, struct val s, struct val sep, int64_t maxs
     int64_t splits = 0;
     while (i < n) {
         uint32_t cp;
-        size_t len = chat_utf8_next(p, n, i, &cp);
+        size_t len = tdm_utf8_next(p, n, i, &cp);
         if (chat_py_isspace(cp)) {
             i += len;
             continue;
@@ -350,7 +350,7 @@ static int do_split(struct render *r, struct val s, struct val sep, int64_t maxs
                 size_t k = end - 1;
                 while (k > start && ((unsigned char)p[k] & 0xC0) == 0x80)
                     k--;
-                chat_utf8_next(p, n, k, &cp);
+                tdm_utf8_next(p, n, k, &cp);
                 if (!chat_py_isspace(cp))
                     break;
                 end = k;
@@ -358,7 +358,7 @@ static int do_split(struct render *r, struct val s, struct val sep, int64_t maxs
             return push_str(r, l, p + start, end - start);
         }
         while (i < n) {
-            len = chat_utf8_next(p, n, i, &cp);
+            len = tdm_utf8_next(p, n, i, &cp);
             if (chat_py_isspace(cp))
                 break;
             i += len;
@@ -374,7 +374,7 @@ static int do_split(struct render *r, struct val s, struct val sep, int64_t maxs
 static size_t line_break_len(const char *p, size_t n, size_t i)
 {
     uint32_t cp;
-    size_t len = chat_utf8_next(p, n, i, &cp);
+    size_t len = tdm_utf8_next(p, n, i, &cp);
     if (cp == '\r' && i + 1 < n && p[i + 1] == '\n')
         return 2;
     if (cp == '\n' || cp == '\r' || cp == 0x0B || cp == 0x0C || cp == 0x1C || cp == 0x1D ||
@@ -398,7 +398,7 @@ static int do_splitlines(struct render *r, struct val s, bool keepends, struct v
             start = i;
         } else {
             uint32_t cp;
-            i += chat_utf8_next(p, n, i, &cp);
+            i += tdm_utf8_next(p, n, i, &cp);
         }
     }
     if (start < n)
@@ -429,7 +429,7 @@ int chat_v_iterate(struct render *r, struct val v, struct val *out)
             return r->rc;
         uint32_t cp;
         for (size_t i = 0; i < v.u.str.n;) {
-            size_t len = chat_utf8_next(v.u.str.s, v.u.str.n, i, &cp);
+            size_t len = tdm_utf8_next(v.u.str.s, v.u.str.n, i, &cp);
             if (push_str(r, out->u.list, v.u.str.s + i, len) != TDM_OK)
                 return r->rc;
             i += len;
@@ -579,8 +579,8 @@ int chat_get_item(struct render *r, struct val obj, struct val key, struct val *
                     size_t off = 0;
                     uint32_t cp;
                     for (int64_t k = 0; k < i; k++)
-                        off += chat_utf8_next(obj.u.str.s, obj.u.str.n, off, &cp);
-                    size_t len = chat_utf8_next(obj.u.str.s, obj.u.str.n, off, &cp);
+                        off += tdm_utf8_next(obj.u.str.s, obj.u.str.n, off, &cp);
+                    size_t len = tdm_utf8_next(obj.u.str.s, obj.u.str.n, off, &cp);
                     *out = chat_v_strn(obj.u.str.s + off, len);
                     return TDM_OK;
                 }
@@ -1002,11 +1002,11 @@ static int do_tojson(struct render *r, struct val v, const struct val *args,
     }
     if (arg(args, names, nargs, 3, "sort_keys", &a))
         o.sort_keys = chat_v_truthy(a);
-    struct strbuf b = {.limit = CHAT_MAX_STRING};
+    struct tdm_strbuf b = {.limit = CHAT_MAX_STRING};
     int rc = chat_val_to_json(r, v, &o, &b);
     if (rc == TDM_OK)
         rc = chat_sb_to_val(r, &b, out);
-    free(b.data);
+    free(b.p);
     return rc;
 }
 
@@ -1036,30 +1036,30 @@ static int do_indent(struct render *r, struct val s, const struct val *args,
     }
     // s += "\n"; lines = s.splitlines()
     struct val text;
-    struct strbuf tb = {.limit = CHAT_MAX_STRING};
-    chat_sb_addn(&tb, s.u.str.s, s.u.str.n);
-    chat_sb_addc(&tb, '\n');
+    struct tdm_strbuf tb = {.limit = CHAT_MAX_STRING};
+    tdm_strbuf_add(&tb, s.u.str.s, s.u.str.n);
+    tdm_strbuf_addc(&tb, '\n');
     int trc = chat_sb_to_val(r, &tb, &text);
-    free(tb.data);
+    free(tb.p);
     if (trc != TDM_OK)
         return trc;
     struct val lines;
     if (do_splitlines(r, text, false, &lines) != TDM_OK)
         return r->rc;
-    struct strbuf b = {.limit = CHAT_MAX_STRING};
+    struct tdm_strbuf b = {.limit = CHAT_MAX_STRING};
     struct vlist *l = lines.u.list;
     if (chat_v_truthy(first))
-        chat_sb_addn(&b, ind.u.str.s, ind.u.str.n);
+        tdm_strbuf_add(&b, ind.u.str.s, ind.u.str.n);
     for (size_t i = 0; i < l->n; i++) {
         if (i > 0) {
-            chat_sb_addc(&b, '\n');
+            tdm_strbuf_addc(&b, '\n');
             if (chat_v_truthy(blank) || l->items[i].u.str.n)
-                chat_sb_addn(&b, ind.u.str.s, ind.u.str.n);
+                tdm_strbuf_add(&b, ind.u.str.s, ind.u.str.n);
         }
-        chat_sb_addn(&b, l->items[i].u.str.s, l->items[i].u.str.n);
+        tdm_strbuf_add(&b, l->items[i].u.str.s, l->items[i].u.str.n);
     }
     int rc = chat_sb_to_val(r, &b, out);
-    free(b.data);
+    free(b.p);
     return rc;
 }
 
@@ -1343,22 +1343,22 @@ int chat_builtin_filter(struct render *r, int idx, struct val in, const struct v
         // rest lower.
         if ((rc = soft_str(r, in, &s)) != TDM_OK)
             return rc;
-        struct strbuf tb = {.limit = CHAT_MAX_STRING};
+        struct tdm_strbuf tb = {.limit = CHAT_MAX_STRING};
         bool start = true;
         for (size_t i = 0; i < s.u.str.n;) {
             uint32_t cp;
-            size_t len = chat_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
+            size_t len = tdm_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
             bool sep = cp == '-' || chat_py_isspace(cp) || cp == '(' || cp == '{' || cp == '[' ||
                        cp == '<';
             if (sep)
-                chat_sb_addn(&tb, s.u.str.s + i, len);
+                tdm_strbuf_add(&tb, s.u.str.s + i, len);
             else
                 put_case(&tb, cp, start, start);
             start = sep;
             i += len;
         }
         rc = chat_sb_to_val(r, &tb, out);
-        free(tb.data);
+        free(tb.p);
         return rc;
     }
     case F_COUNT:
@@ -1426,10 +1426,10 @@ int chat_builtin_filter(struct render *r, int idx, struct val in, const struct v
         }
         if ((rc = soft_str(r, in, &s)) != TDM_OK)
             return rc;
-        struct strbuf bb = {.limit = CHAT_MAX_STRING};
+        struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
         chat_html_escape(&bb, s.u.str.s, s.u.str.n);
         rc = chat_sb_to_val(r, &bb, out);
-        free(bb.data);
+        free(bb.p);
         out->markup = true;
         return rc;
     }
@@ -1513,19 +1513,19 @@ int chat_builtin_filter(struct render *r, int idx, struct val in, const struct v
         if (sep.kind != V_STR && soft_str(r, sep, &sep) != TDM_OK)
             return r->rc;
         bool by_attr = arg(args, names, nargs, 1, "attribute", &attr);
-        struct strbuf bb = {.limit = CHAT_MAX_STRING};
+        struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
         rc = TDM_OK;
         for (size_t i = 0; i < items.u.list->n && rc == TDM_OK; i++) {
             struct val it = items.u.list->items[i];
             if (by_attr && (rc = attr_path(r, it, attr, &it)) != TDM_OK)
                 break;
             if (i)
-                chat_sb_addn(&bb, sep.u.str.s, sep.u.str.n);
+                tdm_strbuf_add(&bb, sep.u.str.s, sep.u.str.n);
             rc = chat_v_to_text(r, it, &bb);
         }
         if (rc == TDM_OK)
             rc = chat_sb_to_val(r, &bb, out);
-        free(bb.data);
+        free(bb.p);
         return rc;
     }
     case F_LIST:
@@ -1577,11 +1577,11 @@ int chat_builtin_filter(struct render *r, int idx, struct val in, const struct v
             struct val chars;
             if (chat_v_iterate(r, in, &chars) != TDM_OK)
                 return r->rc;
-            struct strbuf bb = {.limit = CHAT_MAX_STRING};
+            struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
             for (size_t i = chars.u.list->n; i-- > 0;)
-                chat_sb_addn(&bb, chars.u.list->items[i].u.str.s, chars.u.list->items[i].u.str.n);
+                tdm_strbuf_add(&bb, chars.u.list->items[i].u.str.s, chars.u.list->items[i].u.str.n);
             rc = chat_sb_to_val(r, &bb, out);
-            free(bb.data);
+            free(bb.p);
             return rc;
         }
         if ((rc = chat_v_iterate(r, in, &a)) != TDM_OK ||
@@ -1742,12 +1742,12 @@ static int call_global(struct render *r, int fn, const struct val *args, const c
     struct val a;
     switch (fn) {
     case G_RAISE: {
-        struct strbuf b = {.limit = 1024};
+        struct tdm_strbuf b = {.limit = 1024};
         if (nargs)
             chat_v_to_text(r, args[0], &b);
         b.over = false;
-        int rc = chat_rerr(r, TDM_EINVAL, "raise_exception: %s", b.data ? b.data : "");
-        free(b.data);
+        int rc = chat_rerr(r, TDM_EINVAL, "raise_exception: %s", b.p ? b.p : "");
+        free(b.p);
         return rc;
     }
     case G_STRFTIME: {
@@ -1865,7 +1865,7 @@ static int str_window(struct render *r, struct val self, const struct val *args,
             *b1 = i;
             break;
         }
-        i += chat_utf8_next(self.u.str.s, self.u.str.n, i, &cp);
+        i += tdm_utf8_next(self.u.str.s, self.u.str.n, i, &cp);
         k++;
     }
     if (*cps < 0)
@@ -1944,21 +1944,21 @@ static int str_method(struct render *r, struct val self, const char *m, const st
         struct val items;
         if (!arg(args, names, nargs, 0, NULL, &a) || chat_v_iterate(r, a, &items) != TDM_OK)
             return chat_rerr(r, TDM_EINVAL, "join() needs an iterable");
-        struct strbuf bb = {.limit = CHAT_MAX_STRING};
+        struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
         for (size_t i = 0; i < items.u.list->n; i++) {
             struct val it = items.u.list->items[i];
             if (it.kind != V_STR) {
-                free(bb.data);
+                free(bb.p);
                 return chat_rerr(r, TDM_EINVAL,
                                  "sequence item %zu: expected str instance, %s found", i,
                                  chat_v_type_name(it));
             }
             if (i)
-                chat_sb_addn(&bb, self.u.str.s, self.u.str.n);
-            chat_sb_addn(&bb, it.u.str.s, it.u.str.n);
+                tdm_strbuf_add(&bb, self.u.str.s, self.u.str.n);
+            tdm_strbuf_add(&bb, it.u.str.s, it.u.str.n);
         }
         int rc = chat_sb_to_val(r, &bb, out);
-        free(bb.data);
+        free(bb.p);
         return rc;
     }
     if (M("find") || M("rfind") || M("count") || M("index") || M("rindex")) {

@@ -53,8 +53,8 @@ static int lookup(struct render *r, struct scope *sc, const char *name, size_t n
 
 static int emit(struct render *r, const char *s, size_t n)
 {
-    chat_sb_addn(r->out, s, n);
-    if (r->out->oom)
+    tdm_strbuf_add(r->out, s, n);
+    if (r->out->failed)
         return chat_rerr(r, TDM_ENOMEM, "out of memory");
     if (r->out->over)
         return chat_rerr(r, TDM_ECAPACITY, "output would exceed %zu bytes (limit)", r->out->limit);
@@ -64,14 +64,14 @@ static int emit(struct render *r, const char *s, size_t n)
 // Runs body with output going to a string value.
 static int capture(struct render *r, const struct node *body, struct scope *sc, struct val *out)
 {
-    struct strbuf buf = {.limit = CHAT_MAX_STRING};
-    struct strbuf *saved = r->out;
+    struct tdm_strbuf buf = {.limit = CHAT_MAX_STRING};
+    struct tdm_strbuf *saved = r->out;
     r->out = &buf;
     int rc = exec(r, body, sc);
     r->out = saved;
     if (rc == TDM_OK)
         rc = chat_sb_to_val(r, &buf, out);
-    free(buf.data);
+    free(buf.p);
     return rc;
 }
 
@@ -128,17 +128,17 @@ static int str_concat(struct render *r, struct val a, struct val b, struct val *
         *out = chat_v_strn(p, a.u.str.n + b.u.str.n);
         return TDM_OK;
     }
-    struct strbuf buf = {.limit = CHAT_MAX_STRING};
+    struct tdm_strbuf buf = {.limit = CHAT_MAX_STRING};
     if (a.markup)
-        chat_sb_addn(&buf, a.u.str.s, a.u.str.n);
+        tdm_strbuf_add(&buf, a.u.str.s, a.u.str.n);
     else
         chat_html_escape(&buf, a.u.str.s, a.u.str.n);
     if (b.markup)
-        chat_sb_addn(&buf, b.u.str.s, b.u.str.n);
+        tdm_strbuf_add(&buf, b.u.str.s, b.u.str.n);
     else
         chat_html_escape(&buf, b.u.str.s, b.u.str.n);
     int rc = chat_sb_to_val(r, &buf, out);
-    free(buf.data);
+    free(buf.p);
     out->markup = true;
     return rc;
 }
@@ -151,11 +151,11 @@ static int repeat(struct render *r, struct val seq, int64_t times, struct val *o
         if (seq.u.str.n && (uint64_t)times > CHAT_MAX_STRING / seq.u.str.n)
             return chat_rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)",
                              CHAT_MAX_STRING);
-        struct strbuf buf = {.limit = CHAT_MAX_STRING};
+        struct tdm_strbuf buf = {.limit = CHAT_MAX_STRING};
         for (int64_t k = 0; k < times; k++)
-            chat_sb_addn(&buf, seq.u.str.s, seq.u.str.n);
+            tdm_strbuf_add(&buf, seq.u.str.s, seq.u.str.n);
         int rc = chat_sb_to_val(r, &buf, out);
-        free(buf.data);
+        free(buf.p);
         out->markup = seq.markup;
         return rc;
     }
@@ -175,13 +175,13 @@ static int repeat(struct render *r, struct val seq, int64_t times, struct val *o
 static int arith(struct render *r, const char *op, struct val a, struct val b, struct val *out)
 {
     if (op[0] == '~') {
-        struct strbuf buf = {.limit = CHAT_MAX_STRING};
+        struct tdm_strbuf buf = {.limit = CHAT_MAX_STRING};
         int rc = chat_v_to_text(r, a, &buf);
         if (rc == TDM_OK)
             rc = chat_v_to_text(r, b, &buf);
         if (rc == TDM_OK)
             rc = chat_sb_to_val(r, &buf, out);
-        free(buf.data);
+        free(buf.p);
         return rc;
     }
     if (op[0] == '+' && a.kind == V_STR && b.kind == V_STR)
@@ -357,7 +357,7 @@ static int do_slice(struct render *r, struct val obj, struct val vs, struct val 
         uint32_t cp;
         while (i < obj.u.str.n) {
             offs[k++] = i;
-            i += chat_utf8_next(obj.u.str.s, obj.u.str.n, i, &cp);
+            i += tdm_utf8_next(obj.u.str.s, obj.u.str.n, i, &cp);
         }
         offs[k] = obj.u.str.n;
     } else {
@@ -399,15 +399,15 @@ static int do_slice(struct render *r, struct val obj, struct val vs, struct val 
         }
         return rc;
     }
-    struct strbuf buf = {.limit = CHAT_MAX_STRING};
+    struct tdm_strbuf buf = {.limit = CHAT_MAX_STRING};
     if (step == 1 && start < stop)
-        chat_sb_addn(&buf, obj.u.str.s + offs[start], offs[stop] - offs[start]);
+        tdm_strbuf_add(&buf, obj.u.str.s + offs[start], offs[stop] - offs[start]);
     else
         for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step)
-            chat_sb_addn(&buf, obj.u.str.s + offs[i], offs[i + 1] - offs[i]);
+            tdm_strbuf_add(&buf, obj.u.str.s + offs[i], offs[i + 1] - offs[i]);
     free(offs);
     rc = chat_sb_to_val(r, &buf, out);
-    free(buf.data);
+    free(buf.p);
     return rc;
 }
 

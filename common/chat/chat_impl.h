@@ -48,18 +48,8 @@ void *chat_arena_alloc(struct arena *a, size_t n); // zeroed, 16-aligned; NULL p
 char *chat_arena_strndup(struct arena *a, const char *s, size_t n);
 void chat_arena_free(struct arena *a);
 
-// ---- growable byte buffer (heap) ---------------------------------------------------
-struct strbuf {
-    char *data; // [cap] bytes, NUL-terminated at len; heap
-    size_t len;
-    size_t cap;
-    size_t limit; // 0: unlimited; growth past it sets over
-    bool oom;     // sticky
-    bool over;    // sticky: the limit was hit
-};
-void chat_sb_addn(struct strbuf *b, const char *s, size_t n);
-void chat_sb_add(struct strbuf *b, const char *s);
-void chat_sb_addc(struct strbuf *b, char c);
+// Text is built in core's struct tdm_strbuf, its limit set to the bound of
+// the string being built (CHAT_MAX_STRING, CHAT_MAX_OUTPUT).
 
 // ---- values ------------------------------------------------------------------------
 enum vkind {
@@ -138,7 +128,7 @@ struct scope {
 
 struct render {
     struct arena arena;    // every value of this render
-    struct strbuf *out;    // where output goes now (a capture swaps it)
+    struct tdm_strbuf *out; // where output goes now (a capture swaps it)
     struct scope *globals; // render variables + top-level sets
     char *err;             // message buffer (the caller's)
     size_t errlen;
@@ -178,18 +168,17 @@ bool chat_v_equal(struct val a, struct val b);
 int chat_v_compare(struct render *r, struct val a, struct val b, int *cmp); // Python <
 const char *chat_v_type_name(struct val v);
 // Python str(v) appended to b (jinja's soft_str); TDM_EINVAL for values with no text.
-int chat_v_to_text(struct render *r, struct val v, struct strbuf *b);
-int chat_v_repr(struct render *r, struct val v, struct strbuf *b);
+int chat_v_to_text(struct render *r, struct val v, struct tdm_strbuf *b);
+int chat_v_repr(struct render *r, struct val v, struct tdm_strbuf *b);
 int chat_v_stringify(struct render *r, struct val v, struct val *out); // str(v) as a V_STR
 void chat_py_float_repr(double f, char *buf, size_t n);
 size_t chat_utf8_len(const char *s, size_t n); // code points; invalid bytes count one each
-size_t chat_utf8_next(const char *s, size_t n, size_t i, uint32_t *cp);
-void chat_utf8_put(struct strbuf *b, uint32_t cp);
+void chat_utf8_put(struct tdm_strbuf *b, uint32_t cp);
 bool chat_py_isspace(uint32_t cp);
-void chat_html_escape(struct strbuf *b, const char *s, size_t n);
+void chat_html_escape(struct tdm_strbuf *b, const char *s, size_t n);
 
 // Takes a strbuf's bytes into the arena as a string value and resets the buffer.
-int chat_sb_to_val(struct render *r, struct strbuf *b, struct val *out);
+int chat_sb_to_val(struct render *r, struct tdm_strbuf *b, struct val *out);
 
 // ---- JSON --------------------------------------------------------------------------
 int chat_json_to_val(struct render *r, const char *text, size_t len, const char *what,
@@ -201,7 +190,8 @@ struct tojson_opts {
     bool sort_keys;
     bool ensure_ascii;
 };
-int chat_val_to_json(struct render *r, struct val v, const struct tojson_opts *o, struct strbuf *b);
+int chat_val_to_json(struct render *r, struct val v, const struct tojson_opts *o,
+                     struct tdm_strbuf *b);
 
 // ---- lexer -------------------------------------------------------------------------
 enum tok_kind {

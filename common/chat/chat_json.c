@@ -56,7 +56,7 @@ static int hex4(struct jp *p, uint32_t *v)
 static int jp_string(struct jp *p, struct val *out)
 {
     p->i++; // opening quote
-    struct strbuf b = {.limit = CHAT_MAX_STRING};
+    struct tdm_strbuf b = {.limit = CHAT_MAX_STRING};
     int rc = TDM_OK;
     while (true) {
         if (p->i >= p->n) {
@@ -77,7 +77,7 @@ static int jp_string(struct jp *p, struct val *out)
             while (p->i < p->n && p->s[p->i] != '"' && p->s[p->i] != '\\' &&
                    (unsigned char)p->s[p->i] >= 0x20)
                 p->i++;
-            chat_sb_addn(&b, p->s + start, p->i - start);
+            tdm_strbuf_add(&b, p->s + start, p->i - start);
             continue;
         }
         if (++p->i >= p->n) {
@@ -90,22 +90,22 @@ static int jp_string(struct jp *p, struct val *out)
         case '"':
         case '\\':
         case '/':
-            chat_sb_addc(&b, e);
+            tdm_strbuf_addc(&b, e);
             break;
         case 'b':
-            chat_sb_addc(&b, '\b');
+            tdm_strbuf_addc(&b, '\b');
             break;
         case 'f':
-            chat_sb_addc(&b, '\f');
+            tdm_strbuf_addc(&b, '\f');
             break;
         case 'n':
-            chat_sb_addc(&b, '\n');
+            tdm_strbuf_addc(&b, '\n');
             break;
         case 'r':
-            chat_sb_addc(&b, '\r');
+            tdm_strbuf_addc(&b, '\r');
             break;
         case 't':
-            chat_sb_addc(&b, '\t');
+            tdm_strbuf_addc(&b, '\t');
             break;
         case 'u':
             if ((rc = hex4(p, &cp)) != TDM_OK)
@@ -135,7 +135,7 @@ static int jp_string(struct jp *p, struct val *out)
     }
     rc = chat_sb_to_val(p->r, &b, out);
 done:
-    free(b.data);
+    free(b.p);
     return rc;
 }
 
@@ -291,63 +291,15 @@ int chat_json_to_val(struct render *r, const char *text, size_t len, const char 
 
 // ---- dump --------------------------------------------------------------------------
 
-static void json_string(struct strbuf *b, const char *s, size_t n, bool ascii)
+static void newline_indent(struct tdm_strbuf *b, const struct tojson_opts *o, int level)
 {
-    chat_sb_addc(b, '"');
-    for (size_t i = 0; i < n;) {
-        uint32_t cp;
-        size_t len = chat_utf8_next(s, n, i, &cp);
-        char esc[16];
-        switch (cp) {
-        case '"':
-            chat_sb_add(b, "\\\"");
-            break;
-        case '\\':
-            chat_sb_add(b, "\\\\");
-            break;
-        case '\n':
-            chat_sb_add(b, "\\n");
-            break;
-        case '\r':
-            chat_sb_add(b, "\\r");
-            break;
-        case '\t':
-            chat_sb_add(b, "\\t");
-            break;
-        case '\b':
-            chat_sb_add(b, "\\b");
-            break;
-        case '\f':
-            chat_sb_add(b, "\\f");
-            break;
-        default:
-            if (cp < 0x20 || (ascii && cp > 0x7E)) {
-                if (cp >= 0x10000) {
-                    uint32_t v = cp - 0x10000;
-                    snprintf(esc, sizeof esc, "\\u%04x\\u%04x", 0xD800 + (v >> 10),
-                             0xDC00 + (v & 0x3FF));
-                } else {
-                    snprintf(esc, sizeof esc, "\\u%04x", cp);
-                }
-                chat_sb_add(b, esc);
-            } else {
-                chat_sb_addn(b, s + i, len);
-            }
-        }
-        i += len;
-    }
-    chat_sb_addc(b, '"');
-}
-
-static void newline_indent(struct strbuf *b, const struct tojson_opts *o, int level)
-{
-    chat_sb_addc(b, '\n');
+    tdm_strbuf_addc(b, '\n');
     for (int k = 0; k < level; k++) {
         if (o->indent_str)
-            chat_sb_add(b, o->indent_str);
+            tdm_strbuf_adds(b, o->indent_str);
         else
             for (int s = 0; s < o->indent; s++)
-                chat_sb_addc(b, ' ');
+                tdm_strbuf_addc(b, ' ');
     }
 }
 
@@ -357,26 +309,26 @@ static bool indenting(const struct tojson_opts *o)
 }
 
 // Python json turns non-string keys into strings: True -> "true", 1 -> "1".
-static int key_text(struct render *r, struct val k, struct strbuf *b)
+static int key_text(struct render *r, struct val k, struct tdm_strbuf *b)
 {
     char num[64];
     switch (k.kind) {
     case V_STR:
-        chat_sb_addn(b, k.u.str.s, k.u.str.n);
+        tdm_strbuf_add(b, k.u.str.s, k.u.str.n);
         return TDM_OK;
     case V_BOOL:
-        chat_sb_add(b, k.u.b ? "true" : "false");
+        tdm_strbuf_adds(b, k.u.b ? "true" : "false");
         return TDM_OK;
     case V_NONE:
-        chat_sb_add(b, "null");
+        tdm_strbuf_adds(b, "null");
         return TDM_OK;
     case V_INT:
         snprintf(num, sizeof num, "%lld", (long long)k.u.i);
-        chat_sb_add(b, num);
+        tdm_strbuf_adds(b, num);
         return TDM_OK;
     case V_FLOAT:
         chat_py_float_repr(k.u.f, num, sizeof num);
-        chat_sb_add(b, num);
+        tdm_strbuf_adds(b, num);
         return TDM_OK;
     default:
         return chat_rerr(r, TDM_EINVAL,
@@ -385,7 +337,7 @@ static int key_text(struct render *r, struct val k, struct strbuf *b)
     }
 }
 
-static int dump(struct render *r, struct val v, const struct tojson_opts *o, struct strbuf *b,
+static int dump(struct render *r, struct val v, const struct tojson_opts *o, struct tdm_strbuf *b,
                 int level)
 {
     char num[64];
@@ -396,27 +348,27 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
         return r->rc;
     switch (v.kind) {
     case V_NONE:
-        chat_sb_add(b, "null");
+        tdm_strbuf_adds(b, "null");
         return TDM_OK;
     case V_BOOL:
-        chat_sb_add(b, v.u.b ? "true" : "false");
+        tdm_strbuf_adds(b, v.u.b ? "true" : "false");
         return TDM_OK;
     case V_INT:
         snprintf(num, sizeof num, "%lld", (long long)v.u.i);
-        chat_sb_add(b, num);
+        tdm_strbuf_adds(b, num);
         return TDM_OK;
     case V_FLOAT:
         if (isnan(v.u.f))
-            chat_sb_add(b, "NaN");
+            tdm_strbuf_adds(b, "NaN");
         else if (isinf(v.u.f))
-            chat_sb_add(b, v.u.f < 0 ? "-Infinity" : "Infinity");
+            tdm_strbuf_adds(b, v.u.f < 0 ? "-Infinity" : "Infinity");
         else {
             chat_py_float_repr(v.u.f, num, sizeof num);
-            chat_sb_add(b, num);
+            tdm_strbuf_adds(b, num);
         }
         return TDM_OK;
     case V_STR:
-        json_string(b, v.u.str.s, v.u.str.n, o->ensure_ascii);
+        tdm_strbuf_add_json_string(b, v.u.str.s, v.u.str.n, o->ensure_ascii);
         return TDM_OK;
     case V_LIST: {
         struct vlist *l = v.u.list;
@@ -424,13 +376,13 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
             return chat_rerr(r, TDM_EINVAL, "tojson: Object of type %s is not JSON serializable",
                              chat_v_type_name(v));
         if (l->n == 0) {
-            chat_sb_add(b, "[]");
+            tdm_strbuf_adds(b, "[]");
             return TDM_OK;
         }
-        chat_sb_addc(b, '[');
+        tdm_strbuf_addc(b, '[');
         for (size_t i = 0; i < l->n; i++) {
             if (i)
-                chat_sb_add(b, o->item_sep);
+                tdm_strbuf_adds(b, o->item_sep);
             if (indenting(o))
                 newline_indent(b, o, level + 1);
             if (dump(r, l->items[i], o, b, level + 1) != TDM_OK)
@@ -438,13 +390,13 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
         }
         if (indenting(o))
             newline_indent(b, o, level);
-        chat_sb_addc(b, ']');
+        tdm_strbuf_addc(b, ']');
         return TDM_OK;
     }
     case V_DICT: {
         struct vdict *d = v.u.dict;
         if (d->n == 0) {
-            chat_sb_add(b, "{}");
+            tdm_strbuf_adds(b, "{}");
             return TDM_OK;
         }
         // Key order: insertion order, or sorted (heap, so deep nesting stays cheap
@@ -474,20 +426,20 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
             }
         }
         if (rc == TDM_OK)
-            chat_sb_addc(b, '{');
+            tdm_strbuf_addc(b, '{');
         for (size_t i = 0; i < d->n && rc == TDM_OK; i++) {
             if (i)
-                chat_sb_add(b, o->item_sep);
+                tdm_strbuf_adds(b, o->item_sep);
             if (indenting(o))
                 newline_indent(b, o, level + 1);
-            struct strbuf kb = {0};
+            struct tdm_strbuf kb = {0};
             size_t k = order ? order[i] : i;
             rc = key_text(r, d->keys[k], &kb);
             if (rc == TDM_OK)
-                json_string(b, kb.data ? kb.data : "", kb.len, o->ensure_ascii);
-            free(kb.data);
+                tdm_strbuf_add_json_string(b, kb.p ? kb.p : "", kb.len, o->ensure_ascii);
+            free(kb.p);
             if (rc == TDM_OK) {
-                chat_sb_add(b, o->key_sep);
+                tdm_strbuf_adds(b, o->key_sep);
                 rc = dump(r, d->vals[k], o, b, level + 1);
             }
         }
@@ -496,7 +448,7 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
             return rc;
         if (indenting(o))
             newline_indent(b, o, level);
-        chat_sb_addc(b, '}');
+        tdm_strbuf_addc(b, '}');
         return TDM_OK;
     }
     default:
@@ -505,10 +457,11 @@ static int dump(struct render *r, struct val v, const struct tojson_opts *o, str
     }
 }
 
-int chat_val_to_json(struct render *r, struct val v, const struct tojson_opts *o, struct strbuf *b)
+int chat_val_to_json(struct render *r, struct val v, const struct tojson_opts *o,
+                     struct tdm_strbuf *b)
 {
     int rc = dump(r, v, o, b, 0);
-    if (rc == TDM_OK && b->oom)
+    if (rc == TDM_OK && b->failed)
         return chat_rerr(r, TDM_ENOMEM, "out of memory");
     if (rc == TDM_OK && b->over)
         return chat_rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)",

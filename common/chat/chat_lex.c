@@ -56,7 +56,7 @@ static void skip_ws(struct lexer *L)
     size_t j = L->i;
     while (j < L->n) {
         uint32_t cp;
-        size_t len = chat_utf8_next(L->s, L->n, j, &cp);
+        size_t len = tdm_utf8_next(L->s, L->n, j, &cp);
         if (!chat_py_isspace(cp))
             break;
         j += len;
@@ -70,7 +70,7 @@ static size_t rstrip_len(const char *s, size_t n)
     size_t end = 0, i = 0;
     while (i < n) {
         uint32_t cp;
-        size_t len = chat_utf8_next(s, n, i, &cp);
+        size_t len = tdm_utf8_next(s, n, i, &cp);
         i += len;
         if (!chat_py_isspace(cp))
             end = i;
@@ -93,12 +93,12 @@ static int lex_string(struct lexer *L, struct token *t)
 {
     char q = L->s[L->i];
     size_t j = L->i + 1;
-    struct strbuf b = {0};
+    struct tdm_strbuf b = {0};
     int rc = TDM_OK;
     while (j < L->n && L->s[j] != q) {
         char c = L->s[j];
         if (c != '\\' || j + 1 >= L->n) {
-            chat_sb_addc(&b, c);
+            tdm_strbuf_addc(&b, c);
             j++;
             continue;
         }
@@ -112,28 +112,28 @@ static int lex_string(struct lexer *L, struct token *t)
         case '\\':
         case '\'':
         case '"':
-            chat_sb_addc(&b, e);
+            tdm_strbuf_addc(&b, e);
             break;
         case 'a':
-            chat_sb_addc(&b, '\a');
+            tdm_strbuf_addc(&b, '\a');
             break;
         case 'b':
-            chat_sb_addc(&b, '\b');
+            tdm_strbuf_addc(&b, '\b');
             break;
         case 'f':
-            chat_sb_addc(&b, '\f');
+            tdm_strbuf_addc(&b, '\f');
             break;
         case 'n':
-            chat_sb_addc(&b, '\n');
+            tdm_strbuf_addc(&b, '\n');
             break;
         case 'r':
-            chat_sb_addc(&b, '\r');
+            tdm_strbuf_addc(&b, '\r');
             break;
         case 't':
-            chat_sb_addc(&b, '\t');
+            tdm_strbuf_addc(&b, '\t');
             break;
         case 'v':
-            chat_sb_addc(&b, '\v');
+            tdm_strbuf_addc(&b, '\v');
             break;
         case 'x':
             hex = 2;
@@ -154,8 +154,8 @@ static int lex_string(struct lexer *L, struct token *t)
                     cp = cp * 8 + (uint32_t)(L->s[j++] - '0');
                 chat_utf8_put(&b, cp);
             } else {
-                chat_sb_addc(&b, '\\');
-                chat_sb_addc(&b, e);
+                tdm_strbuf_addc(&b, '\\');
+                tdm_strbuf_addc(&b, e);
             }
         }
         if (hex) {
@@ -182,18 +182,18 @@ static int lex_string(struct lexer *L, struct token *t)
         rc = lex_err(L, "%s", "unterminated string literal");
         goto done;
     }
-    if (b.oom) {
+    if (b.failed) {
         rc = tdm_seterr(L->err, L->errlen, TDM_ENOMEM, "out of memory");
         goto done;
     }
     t->kind = T_STRING;
     t->n = b.len;
-    t->s = chat_arena_strndup(L->a, b.data ? b.data : "", b.len);
+    t->s = chat_arena_strndup(L->a, b.p ? b.p : "", b.len);
     if (!t->s)
         rc = tdm_seterr(L->err, L->errlen, TDM_ENOMEM, "out of memory");
     advance(L, j + 1);
 done:
-    free(b.data);
+    free(b.p);
     return rc;
 }
 

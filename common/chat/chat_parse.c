@@ -517,20 +517,20 @@ static struct node *parse_primary(struct parser *p)
         return nd;
     case T_STRING: {
         // Adjacent literals concatenate.
-        struct strbuf b = {0};
+        struct tdm_strbuf b = {0};
         while (cur(p)->kind == T_STRING) {
-            chat_sb_addn(&b, cur(p)->s, cur(p)->n);
+            tdm_strbuf_add(&b, cur(p)->s, cur(p)->n);
             next(p);
         }
         nd = mk(p, N_CONST, t->line);
-        char *s = nd ? chat_arena_strndup(p->a, b.data ? b.data : "", b.len) : NULL;
-        if (nd && (b.oom || !s)) {
+        char *s = nd ? chat_arena_strndup(p->a, b.p ? b.p : "", b.len) : NULL;
+        if (nd && (b.failed || !s)) {
             perr(p, t->line, "out of memory");
             nd = NULL;
         } else if (nd) {
             nd->v = chat_v_strn(s, b.len);
         }
-        free(b.data);
+        free(b.p);
         return nd;
     }
     case T_INT:

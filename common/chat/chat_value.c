@@ -65,41 +65,6 @@ void chat_arena_free(struct arena *a)
     a->used = 0;
 }
 
-// ---- strbuf ------------------------------------------------------------------------
-
-static void sb_reserve(struct strbuf *b, size_t extra)
-{
-    if (b->oom || b->over)
-        return;
-    if (b->limit && b->len + extra > b->limit) {
-        b->over = true;
-        return;
-    }
-    if (tdm_grow(&b->data, &b->cap, b->len + extra + 1, 1, 256) != TDM_OK)
-        b->oom = true;
-}
-
-void chat_sb_addn(struct strbuf *b, const char *s, size_t n)
-{
-    sb_reserve(b, n);
-    if (b->oom || b->over)
-        return;
-    if (n)
-        memcpy(b->data + b->len, s, n);
-    b->len += n;
-    b->data[b->len] = '\0';
-}
-
-void chat_sb_add(struct strbuf *b, const char *s)
-{
-    chat_sb_addn(b, s, strlen(s));
-}
-
-void chat_sb_addc(struct strbuf *b, char c)
-{
-    chat_sb_addn(b, &c, 1);
-}
-
 // ---- errors and work accounting ------------------------------------------------------
 
 int chat_rerr(struct render *r, int code, const char *fmt, ...)
@@ -184,14 +149,14 @@ int chat_v_str_copy(struct render *r, const char *s, size_t n, struct val *out)
     return TDM_OK;
 }
 
-int chat_sb_to_val(struct render *r, struct strbuf *b, struct val *out)
+int chat_sb_to_val(struct render *r, struct tdm_strbuf *b, struct val *out)
 {
-    if (b->oom)
+    if (b->failed)
         return chat_rerr(r, TDM_ENOMEM, "out of memory");
     if (b->over)
         return chat_rerr(r, TDM_ECAPACITY, "a string would exceed %u bytes (limit)",
                          CHAT_MAX_STRING);
-    int rc = chat_v_str_copy(r, b->data ? b->data : "", b->len, out);
+    int rc = chat_v_str_copy(r, b->p ? b->p : "", b->len, out);
     b->len = 0;
     return rc;
 }
@@ -524,56 +489,19 @@ void chat_py_float_repr(double f, char *buf, size_t n)
     snprintf(buf, n, "%s", out);
 }
 
-size_t chat_utf8_next(const char *str, size_t n, size_t i, uint32_t *cp)
-{
-    const unsigned char *s = (const unsigned char *)str;
-    unsigned char c = s[i];
-    size_t len;
-    uint32_t v;
-    if (c < 0x80) {
-        *cp = c;
-        return 1;
-    } else if ((c & 0xE0) == 0xC0) {
-        len = 2;
-        v = c & 0x1F;
-    } else if ((c & 0xF0) == 0xE0) {
-        len = 3;
-        v = c & 0x0F;
-    } else if ((c & 0xF8) == 0xF0) {
-        len = 4;
-        v = c & 0x07;
-    } else {
-        *cp = 0xFFFD;
-        return 1;
-    }
-    if (i + len > n) {
-        *cp = 0xFFFD;
-        return 1;
-    }
-    for (size_t k = 1; k < len; k++) {
-        if ((s[i + k] & 0xC0) != 0x80) {
-            *cp = 0xFFFD;
-            return 1;
-        }
-        v = (v << 6) | (s[i + k] & 0x3F);
-    }
-    *cp = v;
-    return len;
-}
-
 size_t chat_utf8_len(const char *s, size_t n)
 {
     size_t count = 0;
     uint32_t cp;
-    for (size_t i = 0; i < n; i += chat_utf8_next(s, n, i, &cp))
+    for (size_t i = 0; i < n; i += tdm_utf8_next(s, n, i, &cp))
         count++;
     return count;
 }
 
-void chat_utf8_put(struct strbuf *b, uint32_t cp)
+void chat_utf8_put(struct tdm_strbuf *b, uint32_t cp)
 {
     char buf[4];
-    chat_sb_addn(b, buf, (size_t)tdm_utf8_encode(cp, buf));
+    tdm_strbuf_add(b, buf, (size_t)tdm_utf8_encode(cp, buf));
 }
 
 // Python's str.isspace() for one code point.
@@ -585,65 +513,65 @@ bool chat_py_isspace(uint32_t cp)
 }
 
 // markupsafe.escape: & < > " ' become entities.
-void chat_html_escape(struct strbuf *b, const char *s, size_t n)
+void chat_html_escape(struct tdm_strbuf *b, const char *s, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
         switch (s[i]) {
         case '&':
-            chat_sb_add(b, "&amp;");
+            tdm_strbuf_adds(b, "&amp;");
             break;
         case '<':
-            chat_sb_add(b, "&lt;");
+            tdm_strbuf_adds(b, "&lt;");
             break;
         case '>':
-            chat_sb_add(b, "&gt;");
+            tdm_strbuf_adds(b, "&gt;");
             break;
         case '"':
-            chat_sb_add(b, "&#34;");
+            tdm_strbuf_adds(b, "&#34;");
             break;
         case '\'':
-            chat_sb_add(b, "&#39;");
+            tdm_strbuf_adds(b, "&#39;");
             break;
         default:
-            chat_sb_addc(b, s[i]);
+            tdm_strbuf_addc(b, s[i]);
         }
     }
 }
 
-static void str_repr(struct strbuf *b, const char *s, size_t n)
+static void str_repr(struct tdm_strbuf *b, const char *s, size_t n)
 {
     bool has_sq = memchr(s, '\'', n) != NULL, has_dq = memchr(s, '"', n) != NULL;
     char q = has_sq && !has_dq ? '"' : '\'';
-    chat_sb_addc(b, q);
+    tdm_strbuf_addc(b, q);
     for (size_t i = 0; i < n;) {
         uint32_t cp;
-        size_t len = chat_utf8_next(s, n, i, &cp);
+        size_t len = tdm_utf8_next(s, n, i, &cp);
         char esc[12];
         if (cp == (uint32_t)q || cp == '\\') {
-            chat_sb_addc(b, '\\');
-            chat_sb_addc(b, (char)cp);
+            tdm_strbuf_addc(b, '\\');
+            tdm_strbuf_addc(b, (char)cp);
         } else if (cp == '\n') {
-            chat_sb_add(b, "\\n");
+            tdm_strbuf_adds(b, "\\n");
         } else if (cp == '\r') {
-            chat_sb_add(b, "\\r");
+            tdm_strbuf_adds(b, "\\r");
         } else if (cp == '\t') {
-            chat_sb_add(b, "\\t");
+            tdm_strbuf_adds(b, "\\t");
         } else if (cp < 0x20 || (cp >= 0x7F && cp <= 0xA0) || cp == 0xAD) {
             snprintf(esc, sizeof esc, "\\x%02x", cp);
-            chat_sb_add(b, esc);
+            tdm_strbuf_adds(b, esc);
         } else if ((cp >= 0x2028 && cp <= 0x202F && cp != 0x202F) || cp == 0x2060 || cp == 0xFEFF ||
                    (cp >= 0x200B && cp <= 0x200F)) {
             snprintf(esc, sizeof esc, "\\u%04x", cp);
-            chat_sb_add(b, esc);
+            tdm_strbuf_adds(b, esc);
         } else {
-            chat_sb_addn(b, s + i, len);
+            tdm_strbuf_add(b, s + i, len);
         }
         i += len;
     }
-    chat_sb_addc(b, q);
+    tdm_strbuf_addc(b, q);
 }
 
-static int text_or_repr(struct render *r, struct val v, struct strbuf *b, bool repr)
+static int text_or_repr(struct render *r, struct val v, struct tdm_strbuf *b, bool repr)
 {
     char num[64];
     if (!chat_charge(r, 1) || !chat_stack_ok(r))
@@ -651,57 +579,57 @@ static int text_or_repr(struct render *r, struct val v, struct strbuf *b, bool r
     switch (v.kind) {
     case V_UNDEF:
         if (repr) // repr(jinja2.Undefined()), e.g. inside a printed dict
-            chat_sb_add(b, "Undefined");
+            tdm_strbuf_adds(b, "Undefined");
         return TDM_OK;
     case V_NONE:
-        chat_sb_add(b, "None");
+        tdm_strbuf_adds(b, "None");
         return TDM_OK;
     case V_BOOL:
-        chat_sb_add(b, v.u.b ? "True" : "False");
+        tdm_strbuf_adds(b, v.u.b ? "True" : "False");
         return TDM_OK;
     case V_INT:
         snprintf(num, sizeof num, "%lld", (long long)v.u.i);
-        chat_sb_add(b, num);
+        tdm_strbuf_adds(b, num);
         return TDM_OK;
     case V_FLOAT:
         chat_py_float_repr(v.u.f, num, sizeof num);
-        chat_sb_add(b, num);
+        tdm_strbuf_adds(b, num);
         return TDM_OK;
     case V_STR:
         if (repr)
             str_repr(b, v.u.str.s, v.u.str.n);
         else
-            chat_sb_addn(b, v.u.str.s, v.u.str.n);
+            tdm_strbuf_add(b, v.u.str.s, v.u.str.n);
         return TDM_OK;
     case V_LIST: {
         struct vlist *l = v.u.list;
         if (l->gen || l->view) // Python prints an address or a view type here
             return chat_rerr(r, TDM_EINVAL, "cannot convert a %s to text", chat_v_type_name(v));
-        chat_sb_addc(b, l->tuple ? '(' : '[');
+        tdm_strbuf_addc(b, l->tuple ? '(' : '[');
         for (size_t i = 0; i < l->n; i++) {
             if (i)
-                chat_sb_add(b, ", ");
+                tdm_strbuf_adds(b, ", ");
             if (text_or_repr(r, l->items[i], b, true) != TDM_OK)
                 return r->rc;
         }
         if (l->tuple && l->n == 1)
-            chat_sb_addc(b, ',');
-        chat_sb_addc(b, l->tuple ? ')' : ']');
+            tdm_strbuf_addc(b, ',');
+        tdm_strbuf_addc(b, l->tuple ? ')' : ']');
         return TDM_OK;
     }
     case V_DICT: {
         struct vdict *d = v.u.dict;
-        chat_sb_addc(b, '{');
+        tdm_strbuf_addc(b, '{');
         for (size_t i = 0; i < d->n; i++) {
             if (i)
-                chat_sb_add(b, ", ");
+                tdm_strbuf_adds(b, ", ");
             if (text_or_repr(r, d->keys[i], b, true) != TDM_OK)
                 return r->rc;
-            chat_sb_add(b, ": ");
+            tdm_strbuf_adds(b, ": ");
             if (text_or_repr(r, d->vals[i], b, true) != TDM_OK)
                 return r->rc;
         }
-        chat_sb_addc(b, '}');
+        tdm_strbuf_addc(b, '}');
         return TDM_OK;
     }
     default:
@@ -710,17 +638,17 @@ static int text_or_repr(struct render *r, struct val v, struct strbuf *b, bool r
     }
 }
 
-int chat_v_to_text(struct render *r, struct val v, struct strbuf *b)
+int chat_v_to_text(struct render *r, struct val v, struct tdm_strbuf *b)
 {
     int rc = text_or_repr(r, v, b, false);
-    if (rc == TDM_OK && b->oom)
+    if (rc == TDM_OK && b->failed)
         return chat_rerr(r, TDM_ENOMEM, "out of memory");
     if (rc == TDM_OK && b->over)
         return chat_rerr(r, TDM_ECAPACITY, "output would exceed %zu bytes (limit)", b->limit);
     return rc;
 }
 
-int chat_v_repr(struct render *r, struct val v, struct strbuf *b)
+int chat_v_repr(struct render *r, struct val v, struct tdm_strbuf *b)
 {
     return text_or_repr(r, v, b, true);
 }
@@ -731,10 +659,10 @@ int chat_v_stringify(struct render *r, struct val v, struct val *out)
         *out = v;
         return TDM_OK;
     }
-    struct strbuf b = {.limit = CHAT_MAX_STRING};
+    struct tdm_strbuf b = {.limit = CHAT_MAX_STRING};
     int rc = chat_v_to_text(r, v, &b);
     if (rc == TDM_OK)
         rc = chat_sb_to_val(r, &b, out);
-    free(b.data);
+    free(b.p);
     return rc;
 }

@@ -562,6 +562,43 @@ char *tdm_path_join(const char *dir, const char *name)
 
 // ---- UTF-8 -------------------------------------------------------------------------------------
 
+size_t tdm_utf8_next(const char *str, size_t n, size_t i, uint32_t *cp)
+{
+    const unsigned char *s = (const unsigned char *)str;
+    unsigned char c = s[i];
+    size_t len;
+    uint32_t v;
+    if (c < 0x80) {
+        *cp = c;
+        return 1;
+    } else if ((c & 0xE0) == 0xC0) {
+        len = 2;
+        v = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+        len = 3;
+        v = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+        len = 4;
+        v = c & 0x07;
+    } else {
+        *cp = 0xFFFD;
+        return 1;
+    }
+    if (i + len > n) {
+        *cp = 0xFFFD;
+        return 1;
+    }
+    for (size_t k = 1; k < len; k++) {
+        if ((s[i + k] & 0xC0) != 0x80) {
+            *cp = 0xFFFD;
+            return 1;
+        }
+        v = (v << 6) | (s[i + k] & 0x3F);
+    }
+    *cp = v;
+    return len;
+}
+
 int tdm_utf8_encode(uint32_t cp, char out[4])
 {
     if (cp < 0x80) {
@@ -615,6 +652,12 @@ int tdm_strbuf_reserve(struct tdm_strbuf *b, size_t more)
 {
     if (b->failed)
         return TDM_ENOMEM;
+    if (b->over)
+        return TDM_ECAPACITY;
+    if (b->limit && (more > b->limit || b->len > b->limit - more)) {
+        b->over = true;
+        return TDM_ECAPACITY;
+    }
     if (more > SIZE_MAX / 2 - b->len - 1) {
         b->failed = true;
         return TDM_ENOMEM;
@@ -637,13 +680,83 @@ int tdm_strbuf_reserve(struct tdm_strbuf *b, size_t more)
 
 int tdm_strbuf_add(struct tdm_strbuf *b, const void *s, size_t n)
 {
-    if (tdm_strbuf_reserve(b, n) != TDM_OK)
-        return TDM_ENOMEM;
+    int rc = tdm_strbuf_reserve(b, n);
+    if (rc != TDM_OK)
+        return rc;
     if (n)
         memcpy(b->p + b->len, s, n);
     b->len += n;
     b->p[b->len] = '\0';
     return TDM_OK;
+}
+
+int tdm_strbuf_adds(struct tdm_strbuf *b, const char *s)
+{
+    return tdm_strbuf_add(b, s, strlen(s));
+}
+
+int tdm_strbuf_addc(struct tdm_strbuf *b, char c)
+{
+    return tdm_strbuf_add(b, &c, 1);
+}
+
+int tdm_strbuf_add_json_string(struct tdm_strbuf *b, const char *s, size_t n, bool ascii)
+{
+    static const char hex[] = "0123456789abcdef";
+    tdm_strbuf_addc(b, '"');
+    size_t run = 0; // start of the bytes not yet copied
+    for (size_t i = 0; i < n;) {
+        unsigned char ch = (unsigned char)s[i];
+        uint32_t cp = ch;
+        size_t len = 1;
+        if (ch >= 0x80 && ascii)
+            len = tdm_utf8_next(s, n, i, &cp);
+        bool plain = cp >= 0x20 && cp != '"' && cp != '\\' && !(ascii && cp > 0x7E);
+        if (plain) { // copied with its run
+            i += len;
+            continue;
+        }
+        tdm_strbuf_add(b, s + run, i - run);
+        char esc[12] = {'\\', 0};
+        size_t m = 2;
+        switch (cp) {
+        case '"':
+        case '\\':
+            esc[1] = (char)cp;
+            break;
+        case '\b':
+            esc[1] = 'b';
+            break;
+        case '\f':
+            esc[1] = 'f';
+            break;
+        case '\n':
+            esc[1] = 'n';
+            break;
+        case '\r':
+            esc[1] = 'r';
+            break;
+        case '\t':
+            esc[1] = 't';
+            break;
+        default:
+            m = 0;
+            for (int k = 0; k < (cp >= 0x10000 ? 2 : 1); k++) {
+                uint32_t u = cp < 0x10000 ? cp
+                             : k == 0     ? 0xD800 + ((cp - 0x10000) >> 10)
+                                          : 0xDC00 + ((cp - 0x10000) & 0x3FF);
+                esc[m++] = '\\';
+                esc[m++] = 'u';
+                for (int sh = 12; sh >= 0; sh -= 4)
+                    esc[m++] = hex[(u >> sh) & 15];
+            }
+        }
+        tdm_strbuf_add(b, esc, m);
+        i += len;
+        run = i;
+    }
+    tdm_strbuf_add(b, s + run, n - run);
+    return tdm_strbuf_addc(b, '"');
 }
 
 void tdm_strbuf_fini(struct tdm_strbuf *b)

@@ -285,20 +285,35 @@ int tdm_mkdir_p(const char *path, bool parent_only, char *err, size_t errlen);
 
 // ---- growable text buffer (core.c) -----------------------------------------------------
 // Bytes that grow by doubling, NUL-terminated once anything was reserved or
-// added. Zeroed
-// storage is an empty buffer. A failed allocation makes the buffer failed for
-// good: later adds do nothing and return TDM_ENOMEM, so a writer of many
-// pieces may check once at the end (b->failed).
+// added. Zeroed storage is an empty buffer. A failed allocation makes the
+// buffer failed for good: later adds do nothing and return TDM_ENOMEM, so a
+// writer of many pieces may check once at the end (b->failed). With a limit,
+// an add that would take the buffer past it is dropped and makes the buffer
+// over for good (later adds return TDM_ECAPACITY): the chat template's output
+// bounds.
 struct tdm_strbuf {
-    char *p;     // [cap] heap bytes, p[len] == '\0'; NULL until the first reserve/add
-    size_t len;  // bytes written, the NUL not counted
-    size_t cap;  // bytes allocated
-    bool failed; // an allocation failed
+    char *p;      // [cap] heap bytes, p[len] == '\0'; NULL until the first reserve/add
+    size_t len;   // bytes written, the NUL not counted
+    size_t cap;   // bytes allocated
+    bool failed;  // an allocation failed
+    size_t limit; // 0: none; else len never exceeds it
+    bool over;    // an add was dropped for the limit
 };
-// Room for `more` bytes after len (and the NUL). TDM_OK or TDM_ENOMEM.
+// Room for `more` bytes after len (and the NUL). TDM_OK, TDM_ENOMEM or TDM_ECAPACITY.
 int tdm_strbuf_reserve(struct tdm_strbuf *b, size_t more);
-// Appends n bytes of s (n may be 0: the buffer then exists, ""). TDM_OK or TDM_ENOMEM.
+// Appends n bytes of s (n may be 0: the buffer then exists, ""). TDM_OK,
+// TDM_ENOMEM or TDM_ECAPACITY (nothing appended).
 int tdm_strbuf_add(struct tdm_strbuf *b, const void *s, size_t n);
+// Appends the string s, or the byte c.
+int tdm_strbuf_adds(struct tdm_strbuf *b, const char *s);
+int tdm_strbuf_addc(struct tdm_strbuf *b, char c);
+// Appends s[0..n) as a JSON string literal, the one escaper of the project:
+// '"' and '\\' escaped, \b \f \n \r \t, other bytes below 0x20 as \u00xx
+// (lowercase hex, as cJSON and Python's json print them); other bytes as they
+// are, or with ascii (Python's ensure_ascii) every code point above 0x7E as
+// \uxxxx (a surrogate pair above 0xFFFF; a byte that starts no valid UTF-8
+// sequence as \ufffd).
+int tdm_strbuf_add_json_string(struct tdm_strbuf *b, const char *s, size_t n, bool ascii);
 // Frees the bytes and zeroes the buffer (reusable; a NULL b is harmless).
 void tdm_strbuf_fini(struct tdm_strbuf *b);
 
@@ -321,6 +336,11 @@ static inline int tdm_grow(void *pp, size_t *cap, size_t need, size_t elem, size
 // Callers that take text from outside check the range (<= 0x10FFFF, no
 // surrogates) first; this only encodes.
 int tdm_utf8_encode(uint32_t cp, char out[4]);
+// Decodes the code point at s[i] (i < n) into *cp and returns its length in
+// bytes; a byte that starts no complete sequence decodes as U+FFFD, length 1.
+// Overlong forms and surrogates are not checked (the chat template's strings
+// count characters this way, as its tests pin).
+size_t tdm_utf8_next(const char *s, size_t n, size_t i, uint32_t *cp);
 
 // ---- JSON nesting -------------------------------------------------------------------
 // The deepest array/object nesting accepted in any JSON text (request bodies,

@@ -563,6 +563,47 @@ static void test_strbuf(void **state)
     assert_int_equal(b.len, 0);
     tdm_strbuf_fini(&b);
     assert_false(b.failed);
+
+    // A limit: an add past it is dropped whole, and the buffer stays over.
+    b = (struct tdm_strbuf){.limit = 5};
+    assert_int_equal(tdm_strbuf_adds(&b, "abcd"), TDM_OK);
+    assert_int_equal(tdm_strbuf_add(&b, "ef", 2), TDM_ECAPACITY);
+    assert_true(b.over);
+    assert_string_equal(b.p, "abcd");
+    assert_int_equal(tdm_strbuf_addc(&b, 'e'), TDM_ECAPACITY); // would fit, but sticky
+    assert_int_equal(b.len, 4);
+    tdm_strbuf_fini(&b);
+    b = (struct tdm_strbuf){.limit = 5};
+    assert_int_equal(tdm_strbuf_adds(&b, "abcde"), TDM_OK);            // exactly the limit
+    assert_int_equal(tdm_strbuf_reserve(&b, SIZE_MAX), TDM_ECAPACITY); // no overflow
+    tdm_strbuf_fini(&b);
+
+    // The one JSON string escaper: cJSON's and Python's forms.
+    static const struct {
+        const char *in;
+        size_t n;
+        bool ascii;
+        const char *out;
+    } js[] = {
+        {"plain", 5, false, "\"plain\""},
+        {"a\"b\\c", 5, false, "\"a\\\"b\\\\c\""},
+        {"\b\f\n\r\t", 5, false, "\"\\b\\f\\n\\r\\t\""},
+        {"\x01\x1f", 2, false, "\"\\u0001\\u001f\""},
+        {"nul\0x", 5, false, "\"nul\\u0000x\""},
+        {"caf\xc3\xa9 \xf0\x9f\x98\x80", 10, false, "\"caf\xc3\xa9 \xf0\x9f\x98\x80\""},
+        {"caf\xc3\xa9 \xf0\x9f\x98\x80", 10, true, "\"caf\\u00e9 \\ud83d\\ude00\""},
+        {"\x7f~", 2, true, "\"\\u007f~\""},
+        {"\x7f~", 2, false, "\"\x7f~\""},
+        {"\xff\xc3", 2, true, "\"\\ufffd\\ufffd\""},
+        {"\xff", 1, false, "\"\xff\""},
+        {"", 0, true, "\"\""},
+    };
+    for (size_t i = 0; i < sizeof js / sizeof js[0]; i++) {
+        b = (struct tdm_strbuf){0};
+        assert_int_equal(tdm_strbuf_add_json_string(&b, js[i].in, js[i].n, js[i].ascii), TDM_OK);
+        assert_string_equal(b.p, js[i].out);
+        tdm_strbuf_fini(&b);
+    }
     tdm_strbuf_fini(NULL);
 }
 

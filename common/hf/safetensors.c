@@ -620,50 +620,6 @@ int tdm_st_get(const struct tdm_safetensors *st, const char *name, int ndim, con
 
 // ---- writer -----------------------------------------------------------------------------------
 
-struct strbuf {
-    char *s;
-    size_t len, cap;
-    bool oom;
-};
-
-static void sb_put(struct strbuf *b, const char *s, size_t n)
-{
-    if (b->oom)
-        return;
-    if (tdm_grow(&b->s, &b->cap, b->len + n + 1, 1, 1024) != TDM_OK) {
-        b->oom = true;
-        return;
-    }
-    memcpy(b->s + b->len, s, n);
-    b->len += n;
-    b->s[b->len] = '\0';
-}
-
-static void sb_str(struct strbuf *b, const char *s)
-{
-    sb_put(b, s, strlen(s));
-}
-
-// A JSON string literal; bytes >= 0x80 pass through (names are UTF-8).
-static void sb_json_string(struct strbuf *b, const char *s)
-{
-    sb_put(b, "\"", 1);
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\') {
-            char esc[2] = {'\\', (char)ch};
-            sb_put(b, esc, 2);
-        } else if (ch < 0x20) {
-            char esc[8];
-            snprintf(esc, sizeof(esc), "\\u%04x", ch);
-            sb_str(b, esc);
-        } else {
-            sb_put(b, s, 1);
-        }
-    }
-    sb_put(b, "\"", 1);
-}
-
 static int cmp_name_ptr(const void *a, const void *b)
 {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
@@ -729,32 +685,32 @@ int tdm_st_write(const char *path, const struct tdm_tensor *tensors, size_t n, c
     if (rc)
         return rc;
 
-    struct strbuf hdr = {0};
-    sb_str(&hdr, "{\"__metadata__\":{\"format\":\"pt\"}");
+    struct tdm_strbuf hdr = {0};
+    tdm_strbuf_adds(&hdr, "{\"__metadata__\":{\"format\":\"pt\"}");
     uint64_t off = 0;
     for (size_t i = 0; i < n; i++) {
         const struct tdm_tensor *t = &tensors[i];
         char num[64];
-        sb_put(&hdr, ",", 1);
-        sb_json_string(&hdr, t->name);
-        sb_str(&hdr, ":{\"dtype\":\"");
-        sb_str(&hdr, tdm_dtype_name(t->dtype));
-        sb_str(&hdr, "\",\"shape\":[");
+        tdm_strbuf_add(&hdr, ",", 1);
+        tdm_strbuf_add_json_string(&hdr, t->name, strlen(t->name), false);
+        tdm_strbuf_adds(&hdr, ":{\"dtype\":\"");
+        tdm_strbuf_adds(&hdr, tdm_dtype_name(t->dtype));
+        tdm_strbuf_adds(&hdr, "\",\"shape\":[");
         for (int k = 0; k < t->ndim; k++) {
             snprintf(num, sizeof(num), "%s%" PRId64, k ? "," : "", t->shape[k]);
-            sb_str(&hdr, num);
+            tdm_strbuf_adds(&hdr, num);
         }
         snprintf(num, sizeof(num), "],\"data_offsets\":[%" PRIu64 ",%" PRIu64 "]}", off,
                  off + t->nbytes);
-        sb_str(&hdr, num);
+        tdm_strbuf_adds(&hdr, num);
         off += t->nbytes;
     }
-    sb_put(&hdr, "}", 1);
+    tdm_strbuf_add(&hdr, "}", 1);
     // Pad with spaces so the data starts 8-byte aligned, as the reference writer does.
-    while (!hdr.oom && hdr.len % 8 != 0)
-        sb_put(&hdr, " ", 1);
-    if (hdr.oom) {
-        free(hdr.s);
+    while (!hdr.failed && hdr.len % 8 != 0)
+        tdm_strbuf_add(&hdr, " ", 1);
+    if (hdr.failed) {
+        tdm_strbuf_fini(&hdr);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "%s: out of memory", path);
     }
 
@@ -762,7 +718,7 @@ int tdm_st_write(const char *path, const struct tdm_tensor *tensors, size_t n, c
     size_t plen = strlen(path);
     char *tmp = malloc(plen + 16);
     if (!tmp) {
-        free(hdr.s);
+        tdm_strbuf_fini(&hdr);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "%s: out of memory", path);
     }
     snprintf(tmp, plen + 16, "%s.tmp.XXXXXX", path);
@@ -782,7 +738,7 @@ int tdm_st_write(const char *path, const struct tdm_tensor *tensors, size_t n, c
     uint8_t lenbytes[8];
     for (int i = 0; i < 8; i++)
         lenbytes[i] = (uint8_t)((uint64_t)hdr.len >> (8 * i));
-    bool ok = fwrite(lenbytes, 1, 8, f) == 8 && fwrite(hdr.s, 1, hdr.len, f) == hdr.len;
+    bool ok = fwrite(lenbytes, 1, 8, f) == 8 && fwrite(hdr.p, 1, hdr.len, f) == hdr.len;
     for (size_t i = 0; ok && i < n; i++)
         ok = tensors[i].nbytes == 0 ||
              fwrite(tensors[i].data, 1, tensors[i].nbytes, f) == tensors[i].nbytes;
@@ -803,13 +759,13 @@ int tdm_st_write(const char *path, const struct tdm_tensor *tensors, size_t n, c
         goto fail_unlink;
     }
     free(tmp);
-    free(hdr.s);
+    tdm_strbuf_fini(&hdr);
     return TDM_OK;
 
 fail_unlink:
     unlink(tmp);
 fail_tmp:
     free(tmp);
-    free(hdr.s);
+    tdm_strbuf_fini(&hdr);
     return rc;
 }

@@ -390,55 +390,6 @@ static void out_int(struct tdm_strbuf *b, long long v)
     tdm_strbuf_add(b, num, (size_t)n);
 }
 
-// A JSON string as cJSON prints it: '"' and '\\' escaped, \b \f \n \r \t, other
-// bytes below 0x20 as \u00xx (lowercase hex), everything else as it is; runs
-// without escapes are copied whole.
-static void out_json_string(struct tdm_strbuf *b, const char *s)
-{
-    static const char hex[] = "0123456789abcdef";
-    tdm_strbuf_add(b, "\"", 1);
-    const char *run = s;
-    for (const char *p = s;; p++) {
-        unsigned char ch = (unsigned char)*p;
-        if (ch >= 0x20 && ch != '"' && ch != '\\')
-            continue;
-        tdm_strbuf_add(b, run, (size_t)(p - run));
-        if (ch == 0)
-            break;
-        char esc[6] = {'\\', 0, '0', '0', 0, 0};
-        size_t n = 2;
-        switch (ch) {
-        case '"':
-            esc[1] = '"';
-            break;
-        case '\\':
-            esc[1] = '\\';
-            break;
-        case '\b':
-            esc[1] = 'b';
-            break;
-        case '\f':
-            esc[1] = 'f';
-            break;
-        case '\n':
-            esc[1] = 'n';
-            break;
-        case '\r':
-            esc[1] = 'r';
-            break;
-        case '\t':
-            esc[1] = 't';
-            break;
-        default:
-            esc[1] = 'u', esc[4] = hex[ch >> 4], esc[5] = hex[ch & 15];
-            n = 6;
-        }
-        tdm_strbuf_add(b, esc, n);
-        run = p + 1;
-    }
-    tdm_strbuf_add(b, "\"", 1);
-}
-
 // Text that may hold invalid UTF-8, repaired as add_text repairs it.
 static void out_text(struct tdm_strbuf *b, const char *s, size_t len)
 {
@@ -447,7 +398,7 @@ static void out_text(struct tdm_strbuf *b, const char *s, size_t len)
         b->failed = true;
         return;
     }
-    out_json_string(b, fixed);
+    tdm_strbuf_add_json_string(b, fixed, strlen(fixed), false);
     free(fixed);
 }
 
@@ -473,14 +424,14 @@ static char *chunk_direct(const struct tdm_oai_response *r, const struct tdm_oai
         guess += 128 + choices[i].text_len + (choices[i].stop_str ? strlen(choices[i].stop_str) : 0);
     tdm_strbuf_reserve(&b, guess);
     OUT_LIT(&b, "{\"id\":");
-    out_json_string(&b, r->id);
+    tdm_strbuf_add_json_string(&b, r->id, strlen(r->id), false);
     if (chat)
         OUT_LIT(&b, ",\"object\":\"chat.completion.chunk\",\"created\":");
     else
         OUT_LIT(&b, ",\"object\":\"text_completion\",\"created\":");
     out_int(&b, (long long)r->created);
     OUT_LIT(&b, ",\"model\":");
-    out_json_string(&b, r->model);
+    tdm_strbuf_add_json_string(&b, r->model, strlen(r->model), false);
     OUT_LIT(&b, ",\"choices\":[");
     for (size_t i = 0; i < n; i++) {
         const struct tdm_oai_choice *c = &choices[i];
@@ -500,7 +451,7 @@ static char *chunk_direct(const struct tdm_oai_response *r, const struct tdm_oai
                               ? "tool_calls"
                               : tdm_finish_name(c->finish);
         if (fin)
-            out_json_string(&b, fin);
+            tdm_strbuf_add_json_string(&b, fin, strlen(fin), false);
         else
             OUT_LIT(&b, "null");
         OUT_LIT(&b, ",\"stop_reason\":");
