@@ -137,22 +137,17 @@ void tdm_rng_seed(struct tdm_rng *r, uint64_t seed)
         r->s[i] = tdm_splitmix64(&seed);
 }
 
-static uint64_t rotl64(uint64_t x, int k)
-{
-    return (x << k) | (x >> (64 - k));
-}
-
 uint64_t tdm_rng_next(struct tdm_rng *r)
 {
     uint64_t *s = r->s;
-    uint64_t result = rotl64(s[1] * 5, 7) * 9;
+    uint64_t result = tdm_rotl64(s[1] * 5, 7) * 9;
     uint64_t t = s[1] << 17;
     s[2] ^= s[0];
     s[3] ^= s[1];
     s[1] ^= s[2];
     s[0] ^= s[3];
     s[2] ^= t;
-    s[3] = rotl64(s[3], 45);
+    s[3] = tdm_rotl64(s[3], 45);
     return result;
 }
 

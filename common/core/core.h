@@ -129,6 +129,23 @@ uint64_t tdm_rng_next(struct tdm_rng *r);
 double tdm_rng_uniform(struct tdm_rng *r);
 // One splitmix64 step over *x (also a good 64-bit mixer).
 uint64_t tdm_splitmix64(uint64_t *x);
+// The 64-bit hashing steps the block hash (common/kv) and the weight cache's
+// checksum (common/model) share: a left rotation by r (0 < r < 64), and
+// murmur3's fmix64 avalanche. Their outputs are part of the block hashes the
+// router mirrors and of the cached weight files' checksums: never change them.
+static inline uint64_t tdm_rotl64(uint64_t x, int r)
+{
+    return (x << r) | (x >> (64 - r));
+}
+static inline uint64_t tdm_fmix64(uint64_t h)
+{
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdull;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    h ^= h >> 33;
+    return h;
+}
 
 // ---- time and files -----------------------------------------------------------------
 // Monotonic seconds (CLOCK_MONOTONIC).

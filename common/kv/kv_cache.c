@@ -98,33 +98,18 @@ struct tdm_kv_cache {
 #define P2 0xC2B2AE3D27D4EB4Full
 #define P3 0x165667B19E3779F9ull
 
-static inline uint64_t rotl64(uint64_t x, int r)
-{
-    return (x << r) | (x >> (64 - r));
-}
-
-static inline uint64_t fmix64(uint64_t h)
-{
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ull;
-    h ^= h >> 33;
-    return h;
-}
-
 uint64_t tdm_kv_block_hash(uint64_t parent, const int32_t *tokens, int n)
 {
     uint64_t acc = parent * P1 + P3;
     int i = 0;
     for (; i + 1 < n; i += 2) {
         uint64_t lane = (uint64_t)(uint32_t)tokens[i] | ((uint64_t)(uint32_t)tokens[i + 1] << 32);
-        acc = rotl64(acc ^ rotl64(lane * P2, 31) * P1, 27) * P1 + P3;
+        acc = tdm_rotl64(acc ^ tdm_rotl64(lane * P2, 31) * P1, 27) * P1 + P3;
     }
     if (i < n)
-        acc = rotl64(acc ^ (uint64_t)(uint32_t)tokens[i] * P1, 23) * P2 + P3;
+        acc = tdm_rotl64(acc ^ (uint64_t)(uint32_t)tokens[i] * P1, 23) * P2 + P3;
     acc ^= (uint64_t)n * P2;
-    acc = fmix64(acc);
+    acc = tdm_fmix64(acc);
     // 0 means "not full yet" in tdm_kv_seq.block_hashes.
     return acc ? acc : 1;
 }

@@ -73,21 +73,6 @@ struct tdm_wcache {
 #define P1 0x9E3779B185EBCA87ull
 #define P2 0xC2B2AE3D27D4EB4Full
 
-static inline uint64_t rotl64(uint64_t x, int r)
-{
-    return (x << r) | (x >> (64 - r));
-}
-
-static inline uint64_t fmix64(uint64_t h)
-{
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    h *= 0xc4ceb9fe1a85ec53ull;
-    h ^= h >> 33;
-    return h;
-}
-
 static uint64_t wc_sum(const void *data, size_t n)
 {
     const uint8_t *p = data;
@@ -97,13 +82,14 @@ static uint64_t wc_sum(const void *data, size_t n)
         for (int l = 0; l < 4; l++) {
             uint64_t w;
             memcpy(&w, p + i + 8 * l, 8);
-            v[l] = rotl64(v[l] + w * P2, 31) * P1;
+            v[l] = tdm_rotl64(v[l] + w * P2, 31) * P1;
         }
     }
-    uint64_t h = rotl64(v[0], 1) + rotl64(v[1], 7) + rotl64(v[2], 12) + rotl64(v[3], 18);
+    uint64_t h =
+        tdm_rotl64(v[0], 1) + tdm_rotl64(v[1], 7) + tdm_rotl64(v[2], 12) + tdm_rotl64(v[3], 18);
     for (; i < n; i++)
-        h = rotl64(h ^ (p[i] * P1), 11) * P2;
-    return fmix64(h ^ (uint64_t)n);
+        h = tdm_rotl64(h ^ (p[i] * P1), 11) * P2;
+    return tdm_fmix64(h ^ (uint64_t)n);
 }
 
 // ---- identity --------------------------------------------------------------------------
