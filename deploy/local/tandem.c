@@ -1593,7 +1593,7 @@ static void control_open(int port)
         stk.sock_path[0] = '\0';
         return;
     }
-    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", stk.sock_path);
+    memcpy(sa.sun_path, stk.sock_path, strlen(stk.sock_path) + 1); // length checked above
     unlink(stk.sock_path); // a stale one: its ports were free, so its stack is gone
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     mode_t old = umask(0177);
@@ -1988,7 +1988,7 @@ static int cmd_scale(int argc, char **argv)
         fprintf(stderr, "tandem scale: the control socket's path is too long\n");
         return 1;
     }
-    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    memcpy(sa.sun_path, path, strlen(path) + 1); // length checked above
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
         fprintf(stderr,
