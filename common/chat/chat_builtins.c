@@ -677,57 +677,6 @@ enum {
     F_COUNT_ALL
 };
 
-static const char *const filter_names[F_COUNT_ALL] = {
-    [F_ABS] = "abs",
-    [F_ATTR] = "attr",
-    [F_CAPITALIZE] = "capitalize",
-    [F_COUNT] = "count",
-    [F_D] = "d",
-    [F_DEFAULT] = "default",
-    [F_DICTSORT] = "dictsort",
-    [F_E] = "e",
-    [F_ESCAPE] = "escape",
-    [F_FIRST] = "first",
-    [F_FLOAT] = "float",
-    [F_FORCEESCAPE] = "forceescape",
-    [F_INDENT] = "indent",
-    [F_INT] = "int",
-    [F_ITEMS] = "items",
-    [F_JOIN] = "join",
-    [F_LAST] = "last",
-    [F_LENGTH] = "length",
-    [F_LIST] = "list",
-    [F_LOWER] = "lower",
-    [F_MAP] = "map",
-    [F_MAX] = "max",
-    [F_MIN] = "min",
-    [F_REJECT] = "reject",
-    [F_REJECTATTR] = "rejectattr",
-    [F_REPLACE] = "replace",
-    [F_REVERSE] = "reverse",
-    [F_ROUND] = "round",
-    [F_SAFE] = "safe",
-    [F_SELECT] = "select",
-    [F_SELECTATTR] = "selectattr",
-    [F_SORT] = "sort",
-    [F_STRING] = "string",
-    [F_SUM] = "sum",
-    [F_TITLE] = "title",
-    [F_TOJSON] = "tojson",
-    [F_TRIM] = "trim",
-    [F_UNIQUE] = "unique",
-    [F_UPPER] = "upper",
-    [F_WORDCOUNT] = "wordcount",
-};
-
-int chat_builtin_filter_index(const char *name)
-{
-    for (int i = 0; i < F_COUNT_ALL; i++)
-        if (strcmp(filter_names[i], name) == 0)
-            return i;
-    return -1;
-}
-
 // ---- tests ---------------------------------------------------------------------------
 
 enum {
@@ -1253,43 +1202,579 @@ static int parse_float_text(const char *s, size_t n, double *out)
     return 0;
 }
 
-// Each filter's parameters after its input, in order, as Jinja2 (and HF's tojson)
-// declare them; NULL entries end the list. map/select/reject/selectattr/rejectattr
-// take *args and **kwargs and are not checked here.
-static const char *const filter_params[F_COUNT_ALL][5] = {
-    [F_ATTR] = {"name"},
-    [F_D] = {"default_value", "boolean"},
-    [F_DEFAULT] = {"default_value", "boolean"},
-    [F_DICTSORT] = {"case_sensitive", "by", "reverse"},
-    [F_FLOAT] = {"default"},
-    [F_INDENT] = {"width", "first", "blank"},
-    [F_INT] = {"default", "base"},
-    [F_JOIN] = {"d", "attribute"},
-    [F_MAX] = {"case_sensitive", "attribute"},
-    [F_MIN] = {"case_sensitive", "attribute"},
-    [F_REPLACE] = {"old", "new", "count"},
-    [F_ROUND] = {"precision", "method"},
-    [F_SORT] = {"reverse", "case_sensitive", "attribute"},
-    [F_SUM] = {"attribute", "start"},
-    [F_TOJSON] = {"ensure_ascii", "indent", "separators", "sort_keys"},
-    [F_TRIM] = {"chars"},
-    [F_UNIQUE] = {"case_sensitive", "attribute"},
+// One filter call: its index (filters sharing a function tell theirs apart by
+// it) and its arguments after the input.
+struct fcall {
+    int idx;
+    const struct val *args;
+    const char *const *names;
+    size_t nargs;
 };
+
+// The call's argument at position pos or named name (arg).
+static bool farg(const struct fcall *c, size_t pos, const char *name, struct val *out)
+{
+    return arg(c->args, c->names, c->nargs, pos, name, out);
+}
+
+typedef int (*filter_fn)(struct render *r, const struct fcall *call, struct val in,
+                         struct val *out);
+
+static int f_abs(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)call;
+    if (in.kind == V_INT && in.u.i != INT64_MIN)
+        *out = chat_v_int(in.u.i < 0 ? -in.u.i : in.u.i);
+    else if (in.kind == V_FLOAT)
+        *out = chat_v_float(fabs(in.u.f));
+    else if (in.kind == V_BOOL)
+        *out = chat_v_int(in.u.b);
+    else
+        return chat_rerr(r, TDM_EINVAL, "bad operand type for abs(): '%s'", chat_v_type_name(in));
+    return TDM_OK;
+}
+
+static int f_attr(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val a;
+    if (!farg(call, 0, "name", &a) || need_str(r, a, "attr") != TDM_OK)
+        return chat_rerr(r, TDM_EINVAL, "attr needs a name");
+    return chat_get_attr(r, in, a.u.str.s, a.u.str.n, out);
+}
+
+static int f_case(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val s;
+    int rc;
+    if ((rc = soft_str(r, in, &s)) != TDM_OK)
+        return rc;
+    return map_case(r, s, call->idx == F_UPPER ? 0 : call->idx == F_LOWER ? 1 : 2, out);
+}
+
+static int f_title(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)call;
+    struct val s;
+    int rc;
+    // Jinja: words split on [-\s({[<]+; each word's first character upper, the
+    // rest lower.
+    if ((rc = soft_str(r, in, &s)) != TDM_OK)
+        return rc;
+    struct tdm_strbuf tb = {.limit = CHAT_MAX_STRING};
+    bool start = true;
+    for (size_t i = 0; i < s.u.str.n;) {
+        uint32_t cp;
+        size_t len = tdm_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
+        bool sep =
+            cp == '-' || chat_py_isspace(cp) || cp == '(' || cp == '{' || cp == '[' || cp == '<';
+        if (sep)
+            tdm_strbuf_add(&tb, s.u.str.s + i, len);
+        else
+            put_case(&tb, cp, start, start);
+        start = sep;
+        i += len;
+    }
+    rc = chat_sb_to_val(r, &tb, out);
+    free(tb.p);
+    return rc;
+}
+
+static int f_length(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)call;
+    switch (in.kind) {
+    case V_STR:
+        *out = chat_v_int((int64_t)chat_utf8_len(in.u.str.s, in.u.str.n));
+        return TDM_OK;
+    case V_LIST:
+        if (in.u.list->gen)
+            return chat_rerr(r, TDM_EINVAL, "object of type 'generator' has no len()");
+        *out = chat_v_int((int64_t)in.u.list->n);
+        return TDM_OK;
+    case V_DICT:
+        *out = chat_v_int((int64_t)in.u.dict->n);
+        return TDM_OK;
+    case V_UNDEF:
+        *out = chat_v_int(0);
+        return TDM_OK;
+    case V_LOOP:
+        *out = chat_v_int(in.u.loop->length);
+        return TDM_OK;
+    default:
+        return chat_rerr(r, TDM_EINVAL, "object of type '%s' has no len()", chat_v_type_name(in));
+    }
+}
+
+static int f_default(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)r;
+    struct val def = chat_v_strn("", 0), boolean = chat_v_bool(false);
+    farg(call, 0, "default_value", &def);
+    farg(call, 1, "boolean", &boolean);
+    *out = in.kind == V_UNDEF || (chat_v_truthy(boolean) && !chat_v_truthy(in)) ? def : in;
+    return TDM_OK;
+}
+
+static int f_dictsort(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    if (in.kind != V_DICT)
+        return chat_rerr(r, TDM_EINVAL, "dictsort needs a mapping, got %s", chat_v_type_name(in));
+    struct val cs = chat_v_bool(false), by = chat_v_strn("key", 3), rev = chat_v_bool(false), pairs;
+    farg(call, 0, "case_sensitive", &cs);
+    farg(call, 1, "by", &by);
+    farg(call, 2, "reverse", &rev);
+    if (chat_v_list_new(r, in.u.dict->n, &pairs) != TDM_OK)
+        return r->rc;
+    for (size_t i = 0; i < in.u.dict->n; i++) {
+        struct val t;
+        if (chat_v_list_new(r, 2, &t) != TDM_OK)
+            return r->rc;
+        t.u.list->tuple = true;
+        chat_v_list_push(r, t.u.list, in.u.dict->keys[i]);
+        chat_v_list_push(r, t.u.list, in.u.dict->vals[i]);
+        chat_v_list_push(r, pairs.u.list, t);
+    }
+    bool by_value = by.kind == V_STR && by.u.str.n == 5 && memcmp(by.u.str.s, "value", 5) == 0;
+    return do_sort(r, pairs, chat_v_truthy(rev), chat_v_truthy(cs),
+                   by_value ? chat_v_int(1) : chat_v_int(0), false, out);
+}
+
+static int f_escape(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val s;
+    int rc;
+    if (in.kind == V_STR && in.markup && call->idx != F_FORCEESCAPE) {
+        *out = in;
+        return TDM_OK;
+    }
+    if ((rc = soft_str(r, in, &s)) != TDM_OK)
+        return rc;
+    struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
+    chat_html_escape(&bb, s.u.str.s, s.u.str.n);
+    rc = chat_sb_to_val(r, &bb, out);
+    free(bb.p);
+    out->markup = true;
+    return rc;
+}
+
+static int f_first_last(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val items;
+    if (call->idx == F_LAST && in.kind == V_LIST && in.u.list->gen)
+        return chat_rerr(r, TDM_EINVAL, "'generator' object is not reversible");
+    if (chat_v_iterate(r, in, &items) != TDM_OK)
+        return r->rc;
+    if (items.u.list->n == 0)
+        *out = chat_v_undef(call->idx == F_FIRST ? "first" : "last");
+    else
+        *out = items.u.list->items[call->idx == F_FIRST ? 0 : items.u.list->n - 1];
+    return TDM_OK;
+}
+
+static int f_float(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)r;
+    struct val def = chat_v_float(0.0);
+    farg(call, 0, "default", &def);
+    double d;
+    if (in.kind == V_FLOAT)
+        *out = in;
+    else if (in.kind == V_INT || in.kind == V_BOOL)
+        *out = chat_v_float(in.kind == V_INT ? (double)in.u.i : in.u.b);
+    else if (in.kind == V_STR && parse_float_text(in.u.str.s, in.u.str.n, &d) == 0)
+        *out = chat_v_float(d);
+    else
+        *out = def;
+    return TDM_OK;
+}
+
+static int f_int(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)r;
+    struct val def = chat_v_int(0), base = chat_v_int(10);
+    farg(call, 0, "default", &def);
+    farg(call, 1, "base", &base);
+    int64_t i;
+    double d;
+    if (in.kind == V_INT)
+        *out = in;
+    else if (in.kind == V_BOOL)
+        *out = chat_v_int(in.u.b);
+    else if (in.kind == V_FLOAT && isfinite(in.u.f) && fabs(in.u.f) < 9.2e18)
+        *out = chat_v_int((int64_t)in.u.f);
+    else if (in.kind == V_STR && parse_int_text(in.u.str.s, in.u.str.n,
+                                                base.kind == V_INT ? (int)base.u.i : 10, &i) == 0)
+        *out = chat_v_int(i);
+    else if (in.kind == V_STR && parse_float_text(in.u.str.s, in.u.str.n, &d) == 0 && isfinite(d) &&
+             fabs(d) < 9.2e18)
+        *out = chat_v_int((int64_t)d);
+    else
+        *out = def;
+    return TDM_OK;
+}
+
+static int f_indent(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val s;
+    int rc;
+    if ((rc = soft_str(r, in, &s)) != TDM_OK)
+        return rc;
+    return do_indent(r, s, call->args, call->names, call->nargs, out);
+}
+
+static int f_items(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)call;
+    if (in.kind == V_UNDEF)
+        return chat_v_list_new(r, 0, out);
+    if (in.kind != V_DICT)
+        return chat_rerr(r, TDM_EINVAL, "Can only get item pairs from a mapping.");
+    if (chat_v_list_new(r, in.u.dict->n, out) != TDM_OK)
+        return r->rc;
+    for (size_t i = 0; i < in.u.dict->n; i++) {
+        struct val t;
+        if (chat_v_list_new(r, 2, &t) != TDM_OK)
+            return r->rc;
+        t.u.list->tuple = true;
+        chat_v_list_push(r, t.u.list, in.u.dict->keys[i]);
+        chat_v_list_push(r, t.u.list, in.u.dict->vals[i]);
+        chat_v_list_push(r, out->u.list, t);
+    }
+    out->u.list->gen = true;
+    return r->rc;
+}
+
+static int f_join(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    int rc;
+    struct val items, sep = chat_v_strn("", 0), attr;
+    farg(call, 0, "d", &sep);
+    if (chat_v_iterate(r, in, &items) != TDM_OK)
+        return r->rc;
+    if (sep.kind != V_STR && soft_str(r, sep, &sep) != TDM_OK)
+        return r->rc;
+    bool by_attr = farg(call, 1, "attribute", &attr);
+    struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
+    rc = TDM_OK;
+    for (size_t i = 0; i < items.u.list->n && rc == TDM_OK; i++) {
+        struct val it = items.u.list->items[i];
+        if (by_attr && (rc = attr_path(r, it, attr, &it)) != TDM_OK)
+            break;
+        if (i)
+            tdm_strbuf_add(&bb, sep.u.str.s, sep.u.str.n);
+        rc = chat_v_to_text(r, it, &bb);
+    }
+    if (rc == TDM_OK)
+        rc = chat_sb_to_val(r, &bb, out);
+    free(bb.p);
+    return rc;
+}
+
+static int f_list(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)call;
+    struct val a;
+    int rc;
+    if ((rc = chat_v_iterate(r, in, &a)) != TDM_OK)
+        return rc;
+    if (chat_v_list_new(r, a.u.list->n, out) != TDM_OK)
+        return r->rc;
+    for (size_t i = 0; i < a.u.list->n; i++)
+        chat_v_list_push(r, out->u.list, a.u.list->items[i]);
+    return r->rc;
+}
+
+static int f_map(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    return do_map(r, in, call->args, call->names, call->nargs, out);
+}
+
+static int f_max_min(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val items, cs = chat_v_bool(false), attr = chat_v_undef(NULL), sorted;
+    farg(call, 0, "case_sensitive", &cs);
+    farg(call, 1, "attribute", &attr);
+    if (chat_v_iterate(r, in, &items) != TDM_OK)
+        return r->rc;
+    if (items.u.list->n == 0) {
+        *out = chat_v_undef(call->idx == F_MAX ? "max" : "min");
+        return TDM_OK;
+    }
+    if (do_sort(r, items, call->idx == F_MAX, chat_v_truthy(cs), attr, false, &sorted) != TDM_OK)
+        return r->rc;
+    *out = sorted.u.list->items[0];
+    return TDM_OK;
+}
+
+static int f_select(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    return do_select(r, in, call->args, call->names, call->nargs, false, call->idx == F_SELECT,
+                     out);
+}
+
+static int f_selectattr(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    return do_select(r, in, call->args, call->names, call->nargs, true, call->idx == F_SELECTATTR,
+                     out);
+}
+
+static int f_replace(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val a, b, s;
+    int rc;
+    struct val count = chat_v_none();
+    if ((rc = soft_str(r, in, &s)) != TDM_OK)
+        return rc;
+    if (!farg(call, 0, "old", &a) || !farg(call, 1, "new", &b))
+        return chat_rerr(r, TDM_EINVAL, "replace needs old and new");
+    farg(call, 2, "count", &count);
+    int64_t c = -1;
+    if (count.kind != V_NONE && need_int(r, count, "replace count", &c) != TDM_OK)
+        return r->rc;
+    return do_replace(r, s, a, b, c, out);
+}
+
+static int f_reverse(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)call;
+    struct val a;
+    int rc;
+    if (in.kind == V_STR) {
+        struct val chars;
+        if (chat_v_iterate(r, in, &chars) != TDM_OK)
+            return r->rc;
+        struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
+        for (size_t i = chars.u.list->n; i-- > 0;)
+            tdm_strbuf_add(&bb, chars.u.list->items[i].u.str.s, chars.u.list->items[i].u.str.n);
+        rc = chat_sb_to_val(r, &bb, out);
+        free(bb.p);
+        return rc;
+    }
+    if ((rc = chat_v_iterate(r, in, &a)) != TDM_OK ||
+        chat_v_list_new(r, a.u.list->n, out) != TDM_OK)
+        return r->rc;
+    for (size_t i = a.u.list->n; i-- > 0;)
+        chat_v_list_push(r, out->u.list, a.u.list->items[i]);
+    out->u.list->gen = true; // reversed(): an iterator
+    return r->rc;
+}
+
+static int f_round(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val prec = chat_v_int(0), method = chat_v_strn("common", 6);
+    farg(call, 0, "precision", &prec);
+    farg(call, 1, "method", &method);
+    int64_t p = 0;
+    if (need_int(r, prec, "round precision", &p) != TDM_OK)
+        return r->rc;
+    if (in.kind != V_INT && in.kind != V_FLOAT && in.kind != V_BOOL)
+        return chat_rerr(r, TDM_EINVAL, "round needs a number, got %s", chat_v_type_name(in));
+    double x = in.kind == V_FLOAT ? in.u.f : in.kind == V_INT ? (double)in.u.i : in.u.b;
+    double m = pow(10.0, (double)p);
+    const char *how = method.kind == V_STR ? method.u.str.s : "common";
+    double y = strncmp(how, "ceil", 4) == 0    ? ceil(x * m) / m
+               : strncmp(how, "floor", 5) == 0 ? floor(x * m) / m
+                                               : nearbyint(x * m) / m;
+    *out = in.kind == V_FLOAT || strncmp(how, "common", 6) != 0 ? chat_v_float(y)
+                                                                : chat_v_int((int64_t)y);
+    return TDM_OK;
+}
+
+static int f_safe(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)call;
+    int rc;
+    if ((rc = soft_str(r, in, out)) != TDM_OK)
+        return rc;
+    out->markup = true;
+    return TDM_OK;
+}
+
+static int f_sort(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val rev = chat_v_bool(false), cs = chat_v_bool(false), attr = chat_v_undef(NULL);
+    farg(call, 0, "reverse", &rev);
+    farg(call, 1, "case_sensitive", &cs);
+    farg(call, 2, "attribute", &attr);
+    return do_sort(r, in, chat_v_truthy(rev), chat_v_truthy(cs), attr, false, out);
+}
+
+static int f_string(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)call;
+    return soft_str(r, in, out);
+}
+
+static int f_sum(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val attr = chat_v_undef(NULL), start = chat_v_int(0), items;
+    farg(call, 0, "attribute", &attr);
+    farg(call, 1, "start", &start);
+    if (chat_v_iterate(r, in, &items) != TDM_OK)
+        return r->rc;
+    struct val acc = start;
+    for (size_t i = 0; i < items.u.list->n; i++) {
+        struct val it = items.u.list->items[i];
+        if (attr.kind != V_UNDEF && attr_path(r, it, attr, &it) != TDM_OK)
+            return r->rc;
+        bool fl = acc.kind == V_FLOAT || it.kind == V_FLOAT;
+        if (!(acc.kind == V_INT || acc.kind == V_FLOAT || acc.kind == V_BOOL) ||
+            !(it.kind == V_INT || it.kind == V_FLOAT || it.kind == V_BOOL))
+            return chat_rerr(r, TDM_EINVAL, "sum: unsupported operand types '%s' and '%s'",
+                             chat_v_type_name(acc), chat_v_type_name(it));
+        double fa = acc.kind == V_FLOAT ? acc.u.f : acc.kind == V_INT ? (double)acc.u.i : acc.u.b;
+        double fb = it.kind == V_FLOAT ? it.u.f : it.kind == V_INT ? (double)it.u.i : it.u.b;
+        int64_t ia = acc.kind == V_INT ? acc.u.i : acc.u.b, ib = it.kind == V_INT ? it.u.i : it.u.b,
+                z;
+        if (fl)
+            acc = chat_v_float(fa + fb);
+        else if (__builtin_add_overflow(ia, ib, &z))
+            return chat_rerr(r, TDM_EINVAL, "integer overflow in sum");
+        else
+            acc = chat_v_int(z);
+    }
+    *out = acc;
+    return TDM_OK;
+}
+
+static int f_tojson(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    return do_tojson(r, in, call->args, call->names, call->nargs, out);
+}
+
+static int f_trim(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val s;
+    int rc;
+    struct val chars = chat_v_none();
+    farg(call, 0, "chars", &chars);
+    if ((rc = soft_str(r, in, &s)) != TDM_OK)
+        return rc;
+    return do_strip(r, s, chars, true, true, out);
+}
+
+static int f_unique(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    struct val items, cs = chat_v_bool(false), attr = chat_v_undef(NULL);
+    farg(call, 0, "case_sensitive", &cs);
+    farg(call, 1, "attribute", &attr);
+    if (chat_v_iterate(r, in, &items) != TDM_OK || chat_v_list_new(r, 0, out) != TDM_OK)
+        return r->rc;
+    struct val seen;
+    if (chat_v_list_new(r, 0, &seen) != TDM_OK)
+        return r->rc;
+    for (size_t i = 0; i < items.u.list->n; i++) {
+        struct val it = items.u.list->items[i], key = it;
+        if (attr.kind != V_UNDEF && attr_path(r, it, attr, &key) != TDM_OK)
+            return r->rc;
+        if (!chat_v_truthy(cs) && key.kind == V_STR && map_case(r, key, 1, &key) != TDM_OK)
+            return r->rc;
+        bool dup = false;
+        if (!chat_charge(r, seen.u.list->n))
+            return r->rc;
+        for (size_t j = 0; j < seen.u.list->n && !dup; j++)
+            dup = chat_v_equal(seen.u.list->items[j], key);
+        if (!dup && (chat_v_list_push(r, seen.u.list, key) != TDM_OK ||
+                     chat_v_list_push(r, out->u.list, it) != TDM_OK))
+            return r->rc;
+    }
+    out->u.list->gen = true;
+    return TDM_OK;
+}
+
+static int f_wordcount(struct render *r, const struct fcall *call, struct val in, struct val *out)
+{
+    (void)call;
+    struct val s;
+    int rc;
+    if ((rc = soft_str(r, in, &s)) != TDM_OK)
+        return rc;
+    int64_t words = 0;
+    bool in_word = false;
+    for (size_t i = 0; i < s.u.str.n; i++) {
+        unsigned char c = (unsigned char)s.u.str.s[i];
+        bool w = c >= 0x80 || c == '_' || (c >= '0' && c <= '9') || ascii_alpha((char)c);
+        if (w && !in_word)
+            words++;
+        in_word = w;
+    }
+    *out = chat_v_int(words);
+    return TDM_OK;
+}
+
+// The filters: name, function, and the parameters after the input in order,
+// as Jinja2 (and HF's tojson) declare them (NULL ends the list); varargs ones
+// (map, select, reject, selectattr, rejectattr) take *args and **kwargs and
+// are not checked by check_filter_args.
+static const struct filter {
+    const char *name;
+    filter_fn fn;
+    const char *params[5];
+    bool varargs;
+} filters[F_COUNT_ALL] = {
+    [F_ABS] = {"abs", f_abs},
+    [F_ATTR] = {"attr", f_attr, {"name"}},
+    [F_CAPITALIZE] = {"capitalize", f_case},
+    [F_COUNT] = {"count", f_length},
+    [F_D] = {"d", f_default, {"default_value", "boolean"}},
+    [F_DEFAULT] = {"default", f_default, {"default_value", "boolean"}},
+    [F_DICTSORT] = {"dictsort", f_dictsort, {"case_sensitive", "by", "reverse"}},
+    [F_E] = {"e", f_escape},
+    [F_ESCAPE] = {"escape", f_escape},
+    [F_FIRST] = {"first", f_first_last},
+    [F_FLOAT] = {"float", f_float, {"default"}},
+    [F_FORCEESCAPE] = {"forceescape", f_escape},
+    [F_INDENT] = {"indent", f_indent, {"width", "first", "blank"}},
+    [F_INT] = {"int", f_int, {"default", "base"}},
+    [F_ITEMS] = {"items", f_items},
+    [F_JOIN] = {"join", f_join, {"d", "attribute"}},
+    [F_LAST] = {"last", f_first_last},
+    [F_LENGTH] = {"length", f_length},
+    [F_LIST] = {"list", f_list},
+    [F_LOWER] = {"lower", f_case},
+    [F_MAP] = {"map", f_map, {NULL}, true},
+    [F_MAX] = {"max", f_max_min, {"case_sensitive", "attribute"}},
+    [F_MIN] = {"min", f_max_min, {"case_sensitive", "attribute"}},
+    [F_REJECT] = {"reject", f_select, {NULL}, true},
+    [F_REJECTATTR] = {"rejectattr", f_selectattr, {NULL}, true},
+    [F_REPLACE] = {"replace", f_replace, {"old", "new", "count"}},
+    [F_REVERSE] = {"reverse", f_reverse},
+    [F_ROUND] = {"round", f_round, {"precision", "method"}},
+    [F_SAFE] = {"safe", f_safe},
+    [F_SELECT] = {"select", f_select, {NULL}, true},
+    [F_SELECTATTR] = {"selectattr", f_selectattr, {NULL}, true},
+    [F_SORT] = {"sort", f_sort, {"reverse", "case_sensitive", "attribute"}},
+    [F_STRING] = {"string", f_string},
+    [F_SUM] = {"sum", f_sum, {"attribute", "start"}},
+    [F_TITLE] = {"title", f_title},
+    [F_TOJSON] = {"tojson", f_tojson, {"ensure_ascii", "indent", "separators", "sort_keys"}},
+    [F_TRIM] = {"trim", f_trim, {"chars"}},
+    [F_UNIQUE] = {"unique", f_unique, {"case_sensitive", "attribute"}},
+    [F_UPPER] = {"upper", f_case},
+    [F_WORDCOUNT] = {"wordcount", f_wordcount},
+};
+
+int chat_builtin_filter_index(const char *name)
+{
+    for (int i = 0; i < F_COUNT_ALL; i++)
+        if (strcmp(filters[i].name, name) == 0)
+            return i;
+    return -1;
+}
 
 // Python's TypeError for a call that does not fit the filter's signature.
 static int check_filter_args(struct render *r, int idx, const char *const *names, size_t nargs)
 {
-    if (idx == F_MAP || idx == F_SELECT || idx == F_REJECT || idx == F_SELECTATTR ||
-        idx == F_REJECTATTR)
+    if (filters[idx].varargs)
         return TDM_OK;
-    const char *const *params = filter_params[idx];
+    const char *const *params = filters[idx].params;
     size_t nparams = 0;
     while (nparams < 5 && params[nparams])
         nparams++;
     size_t npos = npositional(names, nargs);
     if (npos > nparams)
         return chat_rerr(r, TDM_EINVAL, "%s() takes %zu positional argument(s) but %zu were given",
-                         filter_names[idx], nparams, npos);
+                         filters[idx].name, nparams, npos);
     for (size_t i = 0; i < nargs; i++) {
         if (!names || !names[i])
             continue;
@@ -1299,10 +1784,10 @@ static int check_filter_args(struct render *r, int idx, const char *const *names
                 break;
         if (k == nparams)
             return chat_rerr(r, TDM_EINVAL, "%s() got an unexpected keyword argument '%s'",
-                             filter_names[idx], names[i]);
+                             filters[idx].name, names[i]);
         if (k < npos)
             return chat_rerr(r, TDM_EINVAL, "%s() got multiple values for argument '%s'",
-                             filter_names[idx], names[i]);
+                             filters[idx].name, names[i]);
     }
     return TDM_OK;
 }
@@ -1310,405 +1795,14 @@ static int check_filter_args(struct render *r, int idx, const char *const *names
 int chat_builtin_filter(struct render *r, int idx, struct val in, const struct val *args,
                         const char *const *names, size_t nargs, struct val *out)
 {
+    if (idx < 0 || idx >= F_COUNT_ALL)
+        return chat_rerr(r, TDM_EINVAL, "internal: unknown filter %d", idx);
     if (check_filter_args(r, idx, names, nargs) != TDM_OK)
         return r->rc;
-    struct val a, b, s;
-    int rc;
     if (!chat_charge(r, 1))
         return r->rc;
-    switch (idx) {
-    case F_ABS:
-        if (in.kind == V_INT && in.u.i != INT64_MIN)
-            *out = chat_v_int(in.u.i < 0 ? -in.u.i : in.u.i);
-        else if (in.kind == V_FLOAT)
-            *out = chat_v_float(fabs(in.u.f));
-        else if (in.kind == V_BOOL)
-            *out = chat_v_int(in.u.b);
-        else
-            return chat_rerr(r, TDM_EINVAL, "bad operand type for abs(): '%s'",
-                             chat_v_type_name(in));
-        return TDM_OK;
-    case F_ATTR:
-        if (!arg(args, names, nargs, 0, "name", &a) || need_str(r, a, "attr") != TDM_OK)
-            return chat_rerr(r, TDM_EINVAL, "attr needs a name");
-        return chat_get_attr(r, in, a.u.str.s, a.u.str.n, out);
-    case F_CAPITALIZE:
-    case F_LOWER:
-    case F_UPPER:
-        if ((rc = soft_str(r, in, &s)) != TDM_OK)
-            return rc;
-        return map_case(r, s, idx == F_UPPER ? 0 : idx == F_LOWER ? 1 : 2, out);
-    case F_TITLE: {
-        // Jinja: words split on [-\s({[<]+; each word's first character upper, the
-        // rest lower.
-        if ((rc = soft_str(r, in, &s)) != TDM_OK)
-            return rc;
-        struct tdm_strbuf tb = {.limit = CHAT_MAX_STRING};
-        bool start = true;
-        for (size_t i = 0; i < s.u.str.n;) {
-            uint32_t cp;
-            size_t len = tdm_utf8_next(s.u.str.s, s.u.str.n, i, &cp);
-            bool sep = cp == '-' || chat_py_isspace(cp) || cp == '(' || cp == '{' || cp == '[' ||
-                       cp == '<';
-            if (sep)
-                tdm_strbuf_add(&tb, s.u.str.s + i, len);
-            else
-                put_case(&tb, cp, start, start);
-            start = sep;
-            i += len;
-        }
-        rc = chat_sb_to_val(r, &tb, out);
-        free(tb.p);
-        return rc;
-    }
-    case F_COUNT:
-    case F_LENGTH:
-        switch (in.kind) {
-        case V_STR:
-            *out = chat_v_int((int64_t)chat_utf8_len(in.u.str.s, in.u.str.n));
-            return TDM_OK;
-        case V_LIST:
-            if (in.u.list->gen)
-                return chat_rerr(r, TDM_EINVAL, "object of type 'generator' has no len()");
-            *out = chat_v_int((int64_t)in.u.list->n);
-            return TDM_OK;
-        case V_DICT:
-            *out = chat_v_int((int64_t)in.u.dict->n);
-            return TDM_OK;
-        case V_UNDEF:
-            *out = chat_v_int(0);
-            return TDM_OK;
-        case V_LOOP:
-            *out = chat_v_int(in.u.loop->length);
-            return TDM_OK;
-        default:
-            return chat_rerr(r, TDM_EINVAL, "object of type '%s' has no len()",
-                             chat_v_type_name(in));
-        }
-    case F_D:
-    case F_DEFAULT: {
-        struct val def = chat_v_strn("", 0), boolean = chat_v_bool(false);
-        arg(args, names, nargs, 0, "default_value", &def);
-        arg(args, names, nargs, 1, "boolean", &boolean);
-        *out = in.kind == V_UNDEF || (chat_v_truthy(boolean) && !chat_v_truthy(in)) ? def : in;
-        return TDM_OK;
-    }
-    case F_DICTSORT: {
-        if (in.kind != V_DICT)
-            return chat_rerr(r, TDM_EINVAL, "dictsort needs a mapping, got %s",
-                             chat_v_type_name(in));
-        struct val cs = chat_v_bool(false), by = chat_v_strn("key", 3), rev = chat_v_bool(false),
-                   pairs;
-        arg(args, names, nargs, 0, "case_sensitive", &cs);
-        arg(args, names, nargs, 1, "by", &by);
-        arg(args, names, nargs, 2, "reverse", &rev);
-        if (chat_v_list_new(r, in.u.dict->n, &pairs) != TDM_OK)
-            return r->rc;
-        for (size_t i = 0; i < in.u.dict->n; i++) {
-            struct val t;
-            if (chat_v_list_new(r, 2, &t) != TDM_OK)
-                return r->rc;
-            t.u.list->tuple = true;
-            chat_v_list_push(r, t.u.list, in.u.dict->keys[i]);
-            chat_v_list_push(r, t.u.list, in.u.dict->vals[i]);
-            chat_v_list_push(r, pairs.u.list, t);
-        }
-        bool by_value = by.kind == V_STR && by.u.str.n == 5 && memcmp(by.u.str.s, "value", 5) == 0;
-        return do_sort(r, pairs, chat_v_truthy(rev), chat_v_truthy(cs),
-                       by_value ? chat_v_int(1) : chat_v_int(0), false, out);
-    }
-    case F_E:
-    case F_ESCAPE:
-    case F_FORCEESCAPE: {
-        if (in.kind == V_STR && in.markup && idx != F_FORCEESCAPE) {
-            *out = in;
-            return TDM_OK;
-        }
-        if ((rc = soft_str(r, in, &s)) != TDM_OK)
-            return rc;
-        struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
-        chat_html_escape(&bb, s.u.str.s, s.u.str.n);
-        rc = chat_sb_to_val(r, &bb, out);
-        free(bb.p);
-        out->markup = true;
-        return rc;
-    }
-    case F_FIRST:
-    case F_LAST: {
-        struct val items;
-        if (idx == F_LAST && in.kind == V_LIST && in.u.list->gen)
-            return chat_rerr(r, TDM_EINVAL, "'generator' object is not reversible");
-        if (chat_v_iterate(r, in, &items) != TDM_OK)
-            return r->rc;
-        if (items.u.list->n == 0)
-            *out = chat_v_undef(idx == F_FIRST ? "first" : "last");
-        else
-            *out = items.u.list->items[idx == F_FIRST ? 0 : items.u.list->n - 1];
-        return TDM_OK;
-    }
-    case F_FLOAT: {
-        struct val def = chat_v_float(0.0);
-        arg(args, names, nargs, 0, "default", &def);
-        double d;
-        if (in.kind == V_FLOAT)
-            *out = in;
-        else if (in.kind == V_INT || in.kind == V_BOOL)
-            *out = chat_v_float(in.kind == V_INT ? (double)in.u.i : in.u.b);
-        else if (in.kind == V_STR && parse_float_text(in.u.str.s, in.u.str.n, &d) == 0)
-            *out = chat_v_float(d);
-        else
-            *out = def;
-        return TDM_OK;
-    }
-    case F_INT: {
-        struct val def = chat_v_int(0), base = chat_v_int(10);
-        arg(args, names, nargs, 0, "default", &def);
-        arg(args, names, nargs, 1, "base", &base);
-        int64_t i;
-        double d;
-        if (in.kind == V_INT)
-            *out = in;
-        else if (in.kind == V_BOOL)
-            *out = chat_v_int(in.u.b);
-        else if (in.kind == V_FLOAT && isfinite(in.u.f) && fabs(in.u.f) < 9.2e18)
-            *out = chat_v_int((int64_t)in.u.f);
-        else if (in.kind == V_STR &&
-                 parse_int_text(in.u.str.s, in.u.str.n, base.kind == V_INT ? (int)base.u.i : 10,
-                                &i) == 0)
-            *out = chat_v_int(i);
-        else if (in.kind == V_STR && parse_float_text(in.u.str.s, in.u.str.n, &d) == 0 &&
-                 isfinite(d) && fabs(d) < 9.2e18)
-            *out = chat_v_int((int64_t)d);
-        else
-            *out = def;
-        return TDM_OK;
-    }
-    case F_INDENT:
-        if ((rc = soft_str(r, in, &s)) != TDM_OK)
-            return rc;
-        return do_indent(r, s, args, names, nargs, out);
-    case F_ITEMS:
-        if (in.kind == V_UNDEF)
-            return chat_v_list_new(r, 0, out);
-        if (in.kind != V_DICT)
-            return chat_rerr(r, TDM_EINVAL, "Can only get item pairs from a mapping.");
-        if (chat_v_list_new(r, in.u.dict->n, out) != TDM_OK)
-            return r->rc;
-        for (size_t i = 0; i < in.u.dict->n; i++) {
-            struct val t;
-            if (chat_v_list_new(r, 2, &t) != TDM_OK)
-                return r->rc;
-            t.u.list->tuple = true;
-            chat_v_list_push(r, t.u.list, in.u.dict->keys[i]);
-            chat_v_list_push(r, t.u.list, in.u.dict->vals[i]);
-            chat_v_list_push(r, out->u.list, t);
-        }
-        out->u.list->gen = true;
-        return r->rc;
-    case F_JOIN: {
-        struct val items, sep = chat_v_strn("", 0), attr;
-        arg(args, names, nargs, 0, "d", &sep);
-        if (chat_v_iterate(r, in, &items) != TDM_OK)
-            return r->rc;
-        if (sep.kind != V_STR && soft_str(r, sep, &sep) != TDM_OK)
-            return r->rc;
-        bool by_attr = arg(args, names, nargs, 1, "attribute", &attr);
-        struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
-        rc = TDM_OK;
-        for (size_t i = 0; i < items.u.list->n && rc == TDM_OK; i++) {
-            struct val it = items.u.list->items[i];
-            if (by_attr && (rc = attr_path(r, it, attr, &it)) != TDM_OK)
-                break;
-            if (i)
-                tdm_strbuf_add(&bb, sep.u.str.s, sep.u.str.n);
-            rc = chat_v_to_text(r, it, &bb);
-        }
-        if (rc == TDM_OK)
-            rc = chat_sb_to_val(r, &bb, out);
-        free(bb.p);
-        return rc;
-    }
-    case F_LIST:
-        if ((rc = chat_v_iterate(r, in, &a)) != TDM_OK)
-            return rc;
-        if (chat_v_list_new(r, a.u.list->n, out) != TDM_OK)
-            return r->rc;
-        for (size_t i = 0; i < a.u.list->n; i++)
-            chat_v_list_push(r, out->u.list, a.u.list->items[i]);
-        return r->rc;
-    case F_MAP:
-        return do_map(r, in, args, names, nargs, out);
-    case F_MAX:
-    case F_MIN: {
-        struct val items, cs = chat_v_bool(false), attr = chat_v_undef(NULL), sorted;
-        arg(args, names, nargs, 0, "case_sensitive", &cs);
-        arg(args, names, nargs, 1, "attribute", &attr);
-        if (chat_v_iterate(r, in, &items) != TDM_OK)
-            return r->rc;
-        if (items.u.list->n == 0) {
-            *out = chat_v_undef(idx == F_MAX ? "max" : "min");
-            return TDM_OK;
-        }
-        if (do_sort(r, items, idx == F_MAX, chat_v_truthy(cs), attr, false, &sorted) != TDM_OK)
-            return r->rc;
-        *out = sorted.u.list->items[0];
-        return TDM_OK;
-    }
-    case F_REJECT:
-    case F_SELECT:
-        return do_select(r, in, args, names, nargs, false, idx == F_SELECT, out);
-    case F_REJECTATTR:
-    case F_SELECTATTR:
-        return do_select(r, in, args, names, nargs, true, idx == F_SELECTATTR, out);
-    case F_REPLACE: {
-        struct val count = chat_v_none();
-        if ((rc = soft_str(r, in, &s)) != TDM_OK)
-            return rc;
-        if (!arg(args, names, nargs, 0, "old", &a) || !arg(args, names, nargs, 1, "new", &b))
-            return chat_rerr(r, TDM_EINVAL, "replace needs old and new");
-        arg(args, names, nargs, 2, "count", &count);
-        int64_t c = -1;
-        if (count.kind != V_NONE && need_int(r, count, "replace count", &c) != TDM_OK)
-            return r->rc;
-        return do_replace(r, s, a, b, c, out);
-    }
-    case F_REVERSE:
-        if (in.kind == V_STR) {
-            struct val chars;
-            if (chat_v_iterate(r, in, &chars) != TDM_OK)
-                return r->rc;
-            struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
-            for (size_t i = chars.u.list->n; i-- > 0;)
-                tdm_strbuf_add(&bb, chars.u.list->items[i].u.str.s, chars.u.list->items[i].u.str.n);
-            rc = chat_sb_to_val(r, &bb, out);
-            free(bb.p);
-            return rc;
-        }
-        if ((rc = chat_v_iterate(r, in, &a)) != TDM_OK ||
-            chat_v_list_new(r, a.u.list->n, out) != TDM_OK)
-            return r->rc;
-        for (size_t i = a.u.list->n; i-- > 0;)
-            chat_v_list_push(r, out->u.list, a.u.list->items[i]);
-        out->u.list->gen = true; // reversed(): an iterator
-        return r->rc;
-    case F_ROUND: {
-        struct val prec = chat_v_int(0), method = chat_v_strn("common", 6);
-        arg(args, names, nargs, 0, "precision", &prec);
-        arg(args, names, nargs, 1, "method", &method);
-        int64_t p = 0;
-        if (need_int(r, prec, "round precision", &p) != TDM_OK)
-            return r->rc;
-        if (in.kind != V_INT && in.kind != V_FLOAT && in.kind != V_BOOL)
-            return chat_rerr(r, TDM_EINVAL, "round needs a number, got %s", chat_v_type_name(in));
-        double x = in.kind == V_FLOAT ? in.u.f : in.kind == V_INT ? (double)in.u.i : in.u.b;
-        double m = pow(10.0, (double)p);
-        const char *how = method.kind == V_STR ? method.u.str.s : "common";
-        double y = strncmp(how, "ceil", 4) == 0    ? ceil(x * m) / m
-                   : strncmp(how, "floor", 5) == 0 ? floor(x * m) / m
-                                                   : nearbyint(x * m) / m;
-        *out = in.kind == V_FLOAT || strncmp(how, "common", 6) != 0 ? chat_v_float(y)
-                                                                    : chat_v_int((int64_t)y);
-        return TDM_OK;
-    }
-    case F_SAFE:
-        if ((rc = soft_str(r, in, out)) != TDM_OK)
-            return rc;
-        out->markup = true;
-        return TDM_OK;
-    case F_SORT: {
-        struct val rev = chat_v_bool(false), cs = chat_v_bool(false), attr = chat_v_undef(NULL);
-        arg(args, names, nargs, 0, "reverse", &rev);
-        arg(args, names, nargs, 1, "case_sensitive", &cs);
-        arg(args, names, nargs, 2, "attribute", &attr);
-        return do_sort(r, in, chat_v_truthy(rev), chat_v_truthy(cs), attr, false, out);
-    }
-    case F_STRING:
-        return soft_str(r, in, out);
-    case F_SUM: {
-        struct val attr = chat_v_undef(NULL), start = chat_v_int(0), items;
-        arg(args, names, nargs, 0, "attribute", &attr);
-        arg(args, names, nargs, 1, "start", &start);
-        if (chat_v_iterate(r, in, &items) != TDM_OK)
-            return r->rc;
-        struct val acc = start;
-        for (size_t i = 0; i < items.u.list->n; i++) {
-            struct val it = items.u.list->items[i];
-            if (attr.kind != V_UNDEF && attr_path(r, it, attr, &it) != TDM_OK)
-                return r->rc;
-            bool fl = acc.kind == V_FLOAT || it.kind == V_FLOAT;
-            if (!(acc.kind == V_INT || acc.kind == V_FLOAT || acc.kind == V_BOOL) ||
-                !(it.kind == V_INT || it.kind == V_FLOAT || it.kind == V_BOOL))
-                return chat_rerr(r, TDM_EINVAL, "sum: unsupported operand types '%s' and '%s'",
-                                 chat_v_type_name(acc), chat_v_type_name(it));
-            double fa = acc.kind == V_FLOAT ? acc.u.f
-                        : acc.kind == V_INT ? (double)acc.u.i
-                                            : acc.u.b;
-            double fb = it.kind == V_FLOAT ? it.u.f : it.kind == V_INT ? (double)it.u.i : it.u.b;
-            int64_t ia = acc.kind == V_INT ? acc.u.i : acc.u.b,
-                    ib = it.kind == V_INT ? it.u.i : it.u.b, z;
-            if (fl)
-                acc = chat_v_float(fa + fb);
-            else if (__builtin_add_overflow(ia, ib, &z))
-                return chat_rerr(r, TDM_EINVAL, "integer overflow in sum");
-            else
-                acc = chat_v_int(z);
-        }
-        *out = acc;
-        return TDM_OK;
-    }
-    case F_TOJSON:
-        return do_tojson(r, in, args, names, nargs, out);
-    case F_TRIM: {
-        struct val chars = chat_v_none();
-        arg(args, names, nargs, 0, "chars", &chars);
-        if ((rc = soft_str(r, in, &s)) != TDM_OK)
-            return rc;
-        return do_strip(r, s, chars, true, true, out);
-    }
-    case F_UNIQUE: {
-        struct val items, cs = chat_v_bool(false), attr = chat_v_undef(NULL);
-        arg(args, names, nargs, 0, "case_sensitive", &cs);
-        arg(args, names, nargs, 1, "attribute", &attr);
-        if (chat_v_iterate(r, in, &items) != TDM_OK || chat_v_list_new(r, 0, out) != TDM_OK)
-            return r->rc;
-        struct val seen;
-        if (chat_v_list_new(r, 0, &seen) != TDM_OK)
-            return r->rc;
-        for (size_t i = 0; i < items.u.list->n; i++) {
-            struct val it = items.u.list->items[i], key = it;
-            if (attr.kind != V_UNDEF && attr_path(r, it, attr, &key) != TDM_OK)
-                return r->rc;
-            if (!chat_v_truthy(cs) && key.kind == V_STR && map_case(r, key, 1, &key) != TDM_OK)
-                return r->rc;
-            bool dup = false;
-            if (!chat_charge(r, seen.u.list->n))
-                return r->rc;
-            for (size_t j = 0; j < seen.u.list->n && !dup; j++)
-                dup = chat_v_equal(seen.u.list->items[j], key);
-            if (!dup && (chat_v_list_push(r, seen.u.list, key) != TDM_OK ||
-                         chat_v_list_push(r, out->u.list, it) != TDM_OK))
-                return r->rc;
-        }
-        out->u.list->gen = true;
-        return TDM_OK;
-    }
-    case F_WORDCOUNT: {
-        if ((rc = soft_str(r, in, &s)) != TDM_OK)
-            return rc;
-        int64_t words = 0;
-        bool in_word = false;
-        for (size_t i = 0; i < s.u.str.n; i++) {
-            unsigned char c = (unsigned char)s.u.str.s[i];
-            bool w = c >= 0x80 || c == '_' || (c >= '0' && c <= '9') || ascii_alpha((char)c);
-            if (w && !in_word)
-                words++;
-            in_word = w;
-        }
-        *out = chat_v_int(words);
-        return TDM_OK;
-    }
-    }
-    return chat_rerr(r, TDM_EINVAL, "internal: unknown filter %d", idx);
+    const struct fcall c = {idx, args, names, nargs};
+    return filters[idx].fn(r, &c, in, out);
 }
 
 // ---- globals -------------------------------------------------------------------------
@@ -1892,163 +1986,254 @@ static int prefix_test(struct render *r, struct val self, size_t b0, size_t b1, 
     return TDM_OK;
 }
 
+// One str method call: the method's name (functions shared by several
+// methods tell theirs apart by it) and its arguments.
+struct mcall {
+    const char *m;
+    const struct val *args;
+    const char *const *names;
+    size_t nargs;
+};
+
+static bool marg(const struct mcall *c, size_t pos, const char *name, struct val *out)
+{
+    return arg(c->args, c->names, c->nargs, pos, name, out);
+}
+
+#define M(s) (strcmp(call->m, s) == 0)
+static int s_prefix(struct render *r, struct val self, const struct mcall *call, struct val *out)
+{
+    struct val a = chat_v_none();
+    bool res;
+    if (!marg(call, 0, NULL, &a))
+        return chat_rerr(r, TDM_EINVAL, "%s() takes at least 1 argument", call->m);
+    size_t b0, b1;
+    int64_t cp0, cps;
+    if (str_window(r, self, call->args, call->names, call->nargs, call->m, &b0, &b1, &cp0, &cps) !=
+            TDM_OK ||
+        prefix_test(r, self, b0, b1, cps, a, M("endswith"), &res) != TDM_OK)
+        return r->rc;
+    *out = chat_v_bool(res);
+    return TDM_OK;
+}
+
+static int s_split(struct render *r, struct val self, const struct mcall *call, struct val *out)
+{
+    struct val a = chat_v_none();
+    marg(call, 0, "sep", &a);
+    struct val ms = chat_v_int(-1);
+    marg(call, 1, "maxsplit", &ms);
+    int64_t maxsplit = -1;
+    if (need_int(r, ms, call->m, &maxsplit) != TDM_OK)
+        return r->rc;
+    return do_split(r, self, a, maxsplit, M("rsplit"), out);
+}
+
+static int s_strip(struct render *r, struct val self, const struct mcall *call, struct val *out)
+{
+    struct val a = chat_v_none();
+    marg(call, 0, "chars", &a);
+    return do_strip(r, self, a, !M("rstrip"), !M("lstrip"), out);
+}
+
+static int s_case(struct render *r, struct val self, const struct mcall *call, struct val *out)
+{
+    return map_case(r, self,
+                    M("upper")        ? 0
+                    : M("lower")      ? 1
+                    : M("capitalize") ? 2
+                    : M("title")      ? 3
+                                      : 4,
+                    out);
+}
+
+static int s_replace(struct render *r, struct val self, const struct mcall *call, struct val *out)
+{
+    struct val a = chat_v_none();
+    struct val b = chat_v_none();
+    struct val count = chat_v_int(-1);
+    if (!marg(call, 0, NULL, &a) || !marg(call, 1, NULL, &b))
+        return chat_rerr(r, TDM_EINVAL, "replace() needs old and new");
+    marg(call, 2, "count", &count);
+    int64_t c = -1;
+    if (need_int(r, count, "replace", &c) != TDM_OK)
+        return r->rc;
+    return do_replace(r, self, a, b, c, out);
+}
+
+static int s_join(struct render *r, struct val self, const struct mcall *call, struct val *out)
+{
+    struct val a = chat_v_none();
+    struct val items;
+    if (!marg(call, 0, NULL, &a) || chat_v_iterate(r, a, &items) != TDM_OK)
+        return chat_rerr(r, TDM_EINVAL, "join() needs an iterable");
+    struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
+    for (size_t i = 0; i < items.u.list->n; i++) {
+        struct val it = items.u.list->items[i];
+        if (it.kind != V_STR) {
+            free(bb.p);
+            return chat_rerr(r, TDM_EINVAL, "sequence item %zu: expected str instance, %s found", i,
+                             chat_v_type_name(it));
+        }
+        if (i)
+            tdm_strbuf_add(&bb, self.u.str.s, self.u.str.n);
+        tdm_strbuf_add(&bb, it.u.str.s, it.u.str.n);
+    }
+    int rc = chat_sb_to_val(r, &bb, out);
+    free(bb.p);
+    return rc;
+}
+
+static int s_find(struct render *r, struct val self, const struct mcall *call, struct val *out)
+{
+    struct val a = chat_v_none();
+    if (!marg(call, 0, NULL, &a) || need_str(r, a, call->m) != TDM_OK)
+        return chat_rerr(r, TDM_EINVAL, "%s() needs a string", call->m);
+    size_t b0, b1;
+    int64_t cp0, cps;
+    if (str_window(r, self, call->args, call->names, call->nargs, call->m, &b0, &b1, &cp0, &cps) !=
+        TDM_OK)
+        return r->rc;
+    const char *h = self.u.str.s + b0;
+    size_t hn = b1 - b0;
+    bool fits = cps >= 0 && a.u.str.n <= hn; // else no match at all (CPython's early out)
+    if (M("count")) {
+        int64_t c = 0;
+        if (!fits) {
+            c = 0;
+        } else if (a.u.str.n == 0) {
+            c = cps + 1;
+        } else {
+            for (const char *p = h;
+                 (p = find_bytes(p, hn - (size_t)(p - h), a.u.str.s, a.u.str.n)) != NULL;
+                 p += a.u.str.n)
+                c++;
+        }
+        *out = chat_v_int(c);
+        return TDM_OK;
+    }
+    const char *hit = NULL;
+    if (!fits) {
+        hit = NULL;
+    } else if (M("find") || M("index")) {
+        hit = find_bytes(h, hn, a.u.str.s, a.u.str.n);
+    } else {
+        for (const char *p = h;
+             (p = find_bytes(p, hn - (size_t)(p - h), a.u.str.s, a.u.str.n)) != NULL; p++) {
+            hit = p;
+            if (p == h + hn)
+                break;
+        }
+    }
+    if (!hit && (M("index") || M("rindex")))
+        return chat_rerr(r, TDM_EINVAL, "substring not found");
+    *out = chat_v_int(hit ? cp0 + (int64_t)chat_utf8_len(h, (size_t)(hit - h)) : -1);
+    return TDM_OK;
+}
+
+static int s_splitlines(struct render *r, struct val self, const struct mcall *call,
+                        struct val *out)
+{
+    struct val keep = chat_v_bool(false);
+    marg(call, 0, "keepends", &keep);
+    return do_splitlines(r, self, chat_v_truthy(keep), out);
+}
+
+static int s_remove(struct render *r, struct val self, const struct mcall *call, struct val *out)
+{
+    struct val a = chat_v_none();
+    bool res;
+    if (!marg(call, 0, NULL, &a) || need_str(r, a, call->m) != TDM_OK)
+        return chat_rerr(r, TDM_EINVAL, "%s() needs a string", call->m);
+    bool end = M("removesuffix");
+    if (prefix_test(r, self, 0, self.u.str.n, 0, a, end, &res) != TDM_OK)
+        return r->rc;
+    *out = self;
+    if (res) {
+        out->u.str.n -= a.u.str.n;
+        if (!end)
+            out->u.str.s += a.u.str.n;
+    }
+    return TDM_OK;
+}
+
+static int s_is(struct render *r, struct val self, const struct mcall *call, struct val *out)
+{
+    (void)r;
+    bool ok = self.u.str.n > 0, cased = false;
+    for (size_t i = 0; i < self.u.str.n; i++) {
+        char c = self.u.str.s[i];
+        bool d = c >= '0' && c <= '9', al = ascii_alpha(c);
+        if (M("isdigit"))
+            ok &= d;
+        else if (M("isalpha"))
+            ok &= al;
+        else if (M("isalnum"))
+            ok &= d || al;
+        else if (M("isspace"))
+            ok &= c == ' ' || (c >= 9 && c <= 13);
+        else if (al) {
+            cased = true;
+            ok &= M("islower") ? (c >= 'a' && c <= 'z') : (c >= 'A' && c <= 'Z');
+        }
+    }
+    if (M("islower") || M("isupper"))
+        ok = ok && cased;
+    *out = chat_v_bool(ok);
+    return TDM_OK;
+}
+#undef M
+
+// Python's str methods the renderer has, by name (sorted: bsearch).
+static const struct str_method_entry {
+    const char *name;
+    int (*fn)(struct render *r, struct val self, const struct mcall *call, struct val *out);
+} str_method_table[] = {
+    {"capitalize", s_case},
+    {"count", s_find},
+    {"endswith", s_prefix},
+    {"find", s_find},
+    {"index", s_find},
+    {"isalnum", s_is},
+    {"isalpha", s_is},
+    {"isdigit", s_is},
+    {"islower", s_is},
+    {"isspace", s_is},
+    {"isupper", s_is},
+    {"join", s_join},
+    {"lower", s_case},
+    {"lstrip", s_strip},
+    {"removeprefix", s_remove},
+    {"removesuffix", s_remove},
+    {"replace", s_replace},
+    {"rfind", s_find},
+    {"rindex", s_find},
+    {"rsplit", s_split},
+    {"rstrip", s_strip},
+    {"split", s_split},
+    {"splitlines", s_splitlines},
+    {"startswith", s_prefix},
+    {"strip", s_strip},
+    {"swapcase", s_case},
+    {"title", s_case},
+    {"upper", s_case},
+};
+
+static int cmp_method(const void *key, const void *e)
+{
+    return strcmp(key, ((const struct str_method_entry *)e)->name);
+}
+
 static int str_method(struct render *r, struct val self, const char *m, const struct val *args,
                       const char *const *names, size_t nargs, struct val *out)
 {
-    struct val a = chat_v_none(), b = chat_v_none();
-    bool res;
-#define M(s) (strcmp(m, s) == 0)
-    if (M("startswith") || M("endswith")) {
-        if (!arg(args, names, nargs, 0, NULL, &a))
-            return chat_rerr(r, TDM_EINVAL, "%s() takes at least 1 argument", m);
-        size_t b0, b1;
-        int64_t cp0, cps;
-        if (str_window(r, self, args, names, nargs, m, &b0, &b1, &cp0, &cps) != TDM_OK ||
-            prefix_test(r, self, b0, b1, cps, a, M("endswith"), &res) != TDM_OK)
-            return r->rc;
-        *out = chat_v_bool(res);
-        return TDM_OK;
-    }
-    if (M("split") || M("rsplit")) {
-        arg(args, names, nargs, 0, "sep", &a);
-        struct val ms = chat_v_int(-1);
-        arg(args, names, nargs, 1, "maxsplit", &ms);
-        int64_t maxsplit = -1;
-        if (need_int(r, ms, m, &maxsplit) != TDM_OK)
-            return r->rc;
-        return do_split(r, self, a, maxsplit, M("rsplit"), out);
-    }
-    if (M("strip") || M("lstrip") || M("rstrip")) {
-        arg(args, names, nargs, 0, "chars", &a);
-        return do_strip(r, self, a, !M("rstrip"), !M("lstrip"), out);
-    }
-    if (M("upper") || M("lower") || M("capitalize") || M("title") || M("swapcase"))
-        return map_case(r, self,
-                        M("upper")        ? 0
-                        : M("lower")      ? 1
-                        : M("capitalize") ? 2
-                        : M("title")      ? 3
-                                          : 4,
-                        out);
-    if (M("replace")) {
-        struct val count = chat_v_int(-1);
-        if (!arg(args, names, nargs, 0, NULL, &a) || !arg(args, names, nargs, 1, NULL, &b))
-            return chat_rerr(r, TDM_EINVAL, "replace() needs old and new");
-        arg(args, names, nargs, 2, "count", &count);
-        int64_t c = -1;
-        if (need_int(r, count, "replace", &c) != TDM_OK)
-            return r->rc;
-        return do_replace(r, self, a, b, c, out);
-    }
-    if (M("join")) {
-        struct val items;
-        if (!arg(args, names, nargs, 0, NULL, &a) || chat_v_iterate(r, a, &items) != TDM_OK)
-            return chat_rerr(r, TDM_EINVAL, "join() needs an iterable");
-        struct tdm_strbuf bb = {.limit = CHAT_MAX_STRING};
-        for (size_t i = 0; i < items.u.list->n; i++) {
-            struct val it = items.u.list->items[i];
-            if (it.kind != V_STR) {
-                free(bb.p);
-                return chat_rerr(r, TDM_EINVAL,
-                                 "sequence item %zu: expected str instance, %s found", i,
-                                 chat_v_type_name(it));
-            }
-            if (i)
-                tdm_strbuf_add(&bb, self.u.str.s, self.u.str.n);
-            tdm_strbuf_add(&bb, it.u.str.s, it.u.str.n);
-        }
-        int rc = chat_sb_to_val(r, &bb, out);
-        free(bb.p);
-        return rc;
-    }
-    if (M("find") || M("rfind") || M("count") || M("index") || M("rindex")) {
-        if (!arg(args, names, nargs, 0, NULL, &a) || need_str(r, a, m) != TDM_OK)
-            return chat_rerr(r, TDM_EINVAL, "%s() needs a string", m);
-        size_t b0, b1;
-        int64_t cp0, cps;
-        if (str_window(r, self, args, names, nargs, m, &b0, &b1, &cp0, &cps) != TDM_OK)
-            return r->rc;
-        const char *h = self.u.str.s + b0;
-        size_t hn = b1 - b0;
-        bool fits = cps >= 0 && a.u.str.n <= hn; // else no match at all (CPython's early out)
-        if (M("count")) {
-            int64_t c = 0;
-            if (!fits) {
-                c = 0;
-            } else if (a.u.str.n == 0) {
-                c = cps + 1;
-            } else {
-                for (const char *p = h;
-                     (p = find_bytes(p, hn - (size_t)(p - h), a.u.str.s, a.u.str.n)) != NULL;
-                     p += a.u.str.n)
-                    c++;
-            }
-            *out = chat_v_int(c);
-            return TDM_OK;
-        }
-        const char *hit = NULL;
-        if (!fits) {
-            hit = NULL;
-        } else if (M("find") || M("index")) {
-            hit = find_bytes(h, hn, a.u.str.s, a.u.str.n);
-        } else {
-            for (const char *p = h;
-                 (p = find_bytes(p, hn - (size_t)(p - h), a.u.str.s, a.u.str.n)) != NULL; p++) {
-                hit = p;
-                if (p == h + hn)
-                    break;
-            }
-        }
-        if (!hit && (M("index") || M("rindex")))
-            return chat_rerr(r, TDM_EINVAL, "substring not found");
-        *out = chat_v_int(hit ? cp0 + (int64_t)chat_utf8_len(h, (size_t)(hit - h)) : -1);
-        return TDM_OK;
-    }
-    if (M("splitlines")) {
-        struct val keep = chat_v_bool(false);
-        arg(args, names, nargs, 0, "keepends", &keep);
-        return do_splitlines(r, self, chat_v_truthy(keep), out);
-    }
-    if (M("removeprefix") || M("removesuffix")) {
-        if (!arg(args, names, nargs, 0, NULL, &a) || need_str(r, a, m) != TDM_OK)
-            return chat_rerr(r, TDM_EINVAL, "%s() needs a string", m);
-        bool end = M("removesuffix");
-        if (prefix_test(r, self, 0, self.u.str.n, 0, a, end, &res) != TDM_OK)
-            return r->rc;
-        *out = self;
-        if (res) {
-            out->u.str.n -= a.u.str.n;
-            if (!end)
-                out->u.str.s += a.u.str.n;
-        }
-        return TDM_OK;
-    }
-    if (M("isdigit") || M("isalpha") || M("isalnum") || M("isspace") || M("islower") ||
-        M("isupper")) {
-        bool ok = self.u.str.n > 0, cased = false;
-        for (size_t i = 0; i < self.u.str.n; i++) {
-            char c = self.u.str.s[i];
-            bool d = c >= '0' && c <= '9', al = ascii_alpha(c);
-            if (M("isdigit"))
-                ok &= d;
-            else if (M("isalpha"))
-                ok &= al;
-            else if (M("isalnum"))
-                ok &= d || al;
-            else if (M("isspace"))
-                ok &= c == ' ' || (c >= 9 && c <= 13);
-            else if (al) {
-                cased = true;
-                ok &= M("islower") ? (c >= 'a' && c <= 'z') : (c >= 'A' && c <= 'Z');
-            }
-        }
-        if (M("islower") || M("isupper"))
-            ok = ok && cased;
-        *out = chat_v_bool(ok);
-        return TDM_OK;
-    }
-#undef M
-    return chat_rerr(r, TDM_EINVAL, "str.%s() is not supported by this renderer", m);
+    const struct str_method_entry *e =
+        bsearch(m, str_method_table, sizeof str_method_table / sizeof *str_method_table,
+                sizeof *str_method_table, cmp_method);
+    if (e == NULL)
+        return chat_rerr(r, TDM_EINVAL, "str.%s() is not supported by this renderer", m);
+    const struct mcall call = {m, args, names, nargs};
+    return e->fn(r, self, &call, out);
 }
 
 static int dict_method(struct render *r, struct val self, const char *m, const struct val *args,
