@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// hub internals shared by hub.c, hub_http.c, hub_sha256.c and the tests: the
+// hub internals shared by hub.c, hub_http.c and the tests: the
 // resolved client settings, the metadata a HEAD on a resolve URL yields, the
 // libcurl transfers and SHA-256.
 #ifndef TDM_HUB_IMPL_H

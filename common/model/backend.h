@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // backend (internal to the model module): the compute operations a backend
 // provides, as a table of function pointers. model.c expresses the transformer
-// only through these; cpu/ implements them with threads and SIMD, and a CUDA
-// backend can implement the same table. Activation buffers come from the
+// only through these; cpu/ implements them with threads and SIMD, cuda/ with
+// CUDA kernels and cuBLASLt (a backend module loaded at run time). Activation buffers come from the
 // backend's alloc (host memory for the CPU backend, device memory for CUDA).
 //
 // Activations are f32 except those that feed a matmul (its x: the outputs of

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // runner: a small generation loop over the model, the paged KV cache and the
 // sampler, shared by tandem-generate, the model tests and the engine bench. It
-// is deliberately plain (not the serving scheduler in decode/): every step
+// is deliberately plain (not the serving scheduler, common/engine): every step
 // takes each active request in order, gives a prefilling request the next chunk
 // of its prompt (at most `chunk` tokens, within the step's token budget) and a
 // decoding request its last sampled token, runs one tdm_model_forward and

@@ -17,8 +17,12 @@
 // (tdm_kvx_cuda_ops, in the CUDA backend module) calls cudart and NCCL; unit tests
 // pass a fake. No CUDA or NCCL type appears here: handles and ids are bytes.
 //
-// Threads: none of these objects locks. A worker's engine thread owns its
-// cache and links (the thread that issues the copies and sends the frames).
+// Threads: the links table (tdm_kvx_links) locks its own map, so job threads
+// take and give back links concurrently; a taken link, a push and an NCCL
+// transfer belong to the one thread that uses them (a prefill job thread; a
+// decode job thread and its NCCL receive thread in turn); the IPC handle cache
+// is shared by a worker's job threads and locked by its owner (prefill.c's
+// ipc_mu). None of these calls the engine.
 #ifndef TDM_KVX_H
 #define TDM_KVX_H
 
