@@ -340,7 +340,7 @@ def main():
     a = ap.parse_args()
     a.slo_a = a.slo_a.split(",")
     a.slo_b = a.slo_b.split(",")
-    tandem = find_bin(a.build, "deploy/local/tandem")
+    tandem = find_bin(a.build, "tools/tandem/tandem")
     bench = find_bin(a.build, "bench/serve/tandem-bench")
     mkmodel = find_bin(a.build, "tools/mkmodel/tandem-mkmodel")
     for s in ("router/tandem-router", "prefill/tandem-prefill", "decode/tandem-decode"):

@@ -170,7 +170,7 @@ static int set_log_level(void *opts, const char *v, char *err, size_t errlen)
 }
 
 #define PTR(n, field, mv, h)                                                                       \
-    TDM_FLAG_FIELD(struct up_opts, n, TDM_FLAG_PTR, field, .metavar = mv, .help = h,            \
+    TDM_FLAG_FIELD(struct up_opts, n, TDM_FLAG_PTR, field, .metavar = mv, .help = h,               \
                    .empty_ok = true)
 #define NUM(n, k, field, lo, hi, mv, h)                                                            \
     TDM_FLAG_FIELD(struct up_opts, n, k, field, .min = lo, .max = hi, .metavar = mv, .help = h)
@@ -387,8 +387,8 @@ struct child {
     size_t line_len;
     bool healthy;
     bool exited;
-    int status;           // waitpid status once exited
-    char last_health[96]; // what the last /health check saw, for the startup error
+    int status;            // waitpid status once exited
+    char last_health[96];  // what the last /health check saw, for the startup error
     struct argv_buf *argv; // its command line, kept for restarts (heap)
     int restarts;          // times it was started again after dying
     double started_at;     // tdm_now() of its last start
@@ -892,7 +892,7 @@ static bool executable(const char *path)
 }
 
 // Finds a service binary: --bin-dir, the launcher's own folder (install prefix),
-// the build tree (build/deploy/local/tandem -> build/<sub>/<name>), then PATH.
+// the build tree (build/tools/tandem/tandem -> build/<sub>/<name>), then PATH.
 static int find_bin(const struct up_opts *o, const char *name, const char *sub, char *out,
                     size_t cap)
 {
@@ -1069,9 +1069,9 @@ static int router_config_text(const struct up_opts *o, char *buf, size_t cap)
         else if (c->role == CHILD_DECODE)
             dec[nd++] = e;
     }
-    return tdm_router_config_short_text("Written by `tandem up` for this run (deploy/local/tandem.c).",
-                                        o->policy, o->pd_mode, o->pd_threshold, pre, np, dec, nd,
-                                        buf, cap) == TDM_OK
+    return tdm_router_config_short_text(
+               "Written by `tandem up` for this run (tools/tandem/tandem.c).", o->policy,
+               o->pd_mode, o->pd_threshold, pre, np, dec, nd, buf, cap) == TDM_OK
                ? 0
                : -1;
 }
@@ -1504,8 +1504,7 @@ static void print_ready(const struct up_opts *o, const char *model, const char *
         printf("curl -s http://%s:%d/v1/completions -H 'Content-Type: application/json' -d "
                "\"{\\\"model\\\": \\\"%s\\\", \\\"max_tokens\\\": 32, \\\"prompt\\\": \\\"$(yes "
                "'Serving a language model is hard.' | head -%d | tr '\\n' ' ')\\\"}\"\n",
-               uh, api->http_port, name[0] ? name : "MODEL",
-               o->pd_threshold / 7 * 2 + 20);
+               uh, api->http_port, name[0] ? name : "MODEL", o->pd_threshold / 7 * 2 + 20);
     }
     fflush(stdout);
 }
@@ -2074,8 +2073,7 @@ static int cmd_up(int argc, char **argv)
     if ((!sf || !*sf) && (!sv || !*sv)) { // set but empty counts as unset, as for the services
         char secret[65];
         for (int i = 0; i < 4; i++)
-            snprintf(secret + 16 * i, 17, "%016llx",
-                     (unsigned long long)tdm_net_new_instance_id());
+            snprintf(secret + 16 * i, 17, "%016llx", (unsigned long long)tdm_net_new_instance_id());
         setenv("TANDEM_INTERNAL_SECRET", secret, 1);
     }
     if (!o.no_router)
