@@ -1289,9 +1289,11 @@ void tdm_router_endpoints_set_auth(struct tdm_router_endpoints *reg, uint64_t id
         e->succs = 0;
         update_ready_gauges(reg);
     } else {
-        // The handshake passes now (restarted with the secret): its next good
-        // HTTP check brings it in, as a new pod's first one does.
-        TDM_LOG_INFO(MOD, "endpoint %s: the control-plane handshake passes now", e->name);
+        // The handshake passes now (restarted with the secret), or its inbox
+        // is down (the HTTP checks judge it then): its next good check
+        // brings it in, as a new pod's first one does.
+        TDM_LOG_INFO(MOD, "endpoint %s: no longer refusing the handshake (%s)", e->name,
+                     why && *why ? why : "link changed");
         e->auth_logged = false;
         e->fresh = true;
         reg->health_due = true;

@@ -267,8 +267,9 @@ void tdm_router_endpoints_set_seed(struct tdm_router_endpoints *reg, uint64_t se
 // TANDEM_INTERNAL_SECRET, none, or not a Tandem inbox). Such an endpoint is
 // unhealthy at once, with reason "auth", whatever its HTTP checks say (they
 // pass: its HTTP port answers), and the router logs one ERROR for it naming
-// the variable to set; failed = false (the handshake passes again) lets its
-// next good check bring it back. why: the transport's reason.
+// the variable to set; failed = false (the handshake passes again, or the
+// inbox is not reachable at all) lets its next good check bring it back.
+// why: the transport's reason, or what changed.
 void tdm_router_endpoints_set_auth(struct tdm_router_endpoints *reg, uint64_t id, bool failed,
                                    const char *why);
 

@@ -512,8 +512,11 @@ static void *poll_main(void *arg)
             char why[200];
             enum tdm_net_link link = tdm_net_link_state(s->poll_outbox, url, why, sizeof why);
             if (link != TDM_NET_LINK_UNKNOWN)
-                tdm_router_endpoints_set_auth(tdm_router_control_endpoints(s->ctl), views[i].id,
-                                              link == TDM_NET_LINK_AUTH, why);
+                tdm_router_endpoints_set_auth(
+                    tdm_router_control_endpoints(s->ctl), views[i].id, link == TDM_NET_LINK_AUTH,
+                    link == TDM_NET_LINK_AUTH ? why
+                    : link == TDM_NET_LINK_UP ? "the handshake passes"
+                                              : "its inbox is not reachable");
             // Asked, delivered or not (a dead worker's connection is refused):
             // what liveness counts is that the router was running to ask.
             tdm_router_endpoints_note_query(tdm_router_control_endpoints(s->ctl), views[i].id,
