@@ -43,6 +43,27 @@ def wait_policy(cl, policy, timeout=10):
     check(False, "policy %s not active: %s" % (policy, fail_cfg))
 
 
+def router_view_settled(cl, busy_name, timeout=10):
+    """Waits until the router's view of the load is current: the busy worker
+    reported running its stream, every other decode worker reported nothing
+    running (a short request that just ended is still in a report up to one
+    load interval old, and two such reports would tie with the busy worker)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        st, _, cfg = request(cl.router_port, "GET", "/v1/router/config")
+        eps = {e["name"]: e for e in cfg.get("endpoints_state", [])} if st == 200 else {}
+        ok = bool(eps)
+        for w in cl.decode:
+            load = (eps.get(w.name) or {}).get("load") or {}
+            running = load.get("running", -1)
+            ok = ok and (running >= 1 if w.name == busy_name else running == 0)
+        if ok:
+            return
+        time.sleep(0.05)
+    check(False, "the router's load view did not settle: %s" %
+          request(cl.router_port, "GET", "/v1/router/config")[2])
+
+
 def main():
     args = parse_args()
     cl = Cluster(args, policy="round_robin", pd_mode="prefix",
@@ -169,6 +190,7 @@ def main():
     time.sleep(0.6)  # load reports show it running
     others = []
     for i in range(4):
+        router_view_settled(cl, busy_name)
         st, hdr, _ = post(cl.router_port, "/v1/completions",
                           {"prompt": [rnd.randrange(3, 500) for _ in range(8)], "max_tokens": 2})
         check(st == 200, "least_loaded status %d" % st)
