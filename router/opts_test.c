@@ -110,13 +110,45 @@ static void test_otlp_endpoint(void **state)
     assert_non_null(strstr(err, "--otlp-traces-endpoint: expected an http:// or https:// URL"));
 }
 
+// The flags every OpenAI front takes (common/openai/openai_front.h) mean the
+// same on the workers: worker/worker_config_test.c checks the same cases, word
+// for word (issue 27, part B: the two copies had drifted; the router checked
+// --log-level only in main, after parsing).
+static void test_front_flags(void **state)
+{
+    (void)state;
+    struct tdm_router_opts o;
+    char err[256];
+    char *ok[] = {"r",     "--model",          "m",   "--config", "x.yaml", "--log-level",
+                  "DEBUG", "--max-body-bytes", "1TB", NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 9, ok), TDM_OK);
+    assert_int_equal(o.max_body_bytes, (size_t)1000000000000ull);
+    assert_string_equal(o.log_level, "DEBUG");
+    static const char *const bad[][3] = {
+        {"--max-body-bytes", "2TB",
+         "--max-body-bytes: expected a byte size like 2GiB or 512MiB in [1024, 1000000000000], "
+         "got \"2TB\""},
+        {"--drain-timeout", "100000",
+         "--drain-timeout: expected a number in [0, 86400], got \"100000\""},
+        {"--log-level", "loud", "--log-level: expected err, warn, info or debug, got \"loud\""},
+        {"--served-model-name", "", "--served-model-name: expected a non-empty value"},
+        {"--otlp-traces-endpoint", "collector:4318",
+         "--otlp-traces-endpoint: expected an http:// or https:// URL, got \"collector:4318\""},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char *argv[] = {
+            "r", "--model", "m", "--config", "x.yaml", (char *)bad[i][0], (char *)bad[i][1], NULL};
+        assert_int_equal(parse(&o, err, sizeof err, 7, argv), TDM_EINVAL);
+        assert_string_equal(err, bad[i][2]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_policy_short_form),
-        cmocka_unit_test(test_tool_flags),
-        cmocka_unit_test(test_policy_errors),
-        cmocka_unit_test(test_otlp_endpoint),
+        cmocka_unit_test(test_policy_short_form), cmocka_unit_test(test_tool_flags),
+        cmocka_unit_test(test_policy_errors),     cmocka_unit_test(test_otlp_endpoint),
+        cmocka_unit_test(test_front_flags),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

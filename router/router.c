@@ -34,6 +34,7 @@
 #include "http.h"
 #include "metrics.h"
 #include "openai.h"
+#include "openai_front.h"
 #include "openai_http.h"
 #include "pd_codec.h"
 #include "retry.h"
@@ -80,16 +81,6 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
 #define OFF(field) offsetof(struct tdm_router_opts, field)
 // Strings may be empty, as before the table (an empty --api-key means none).
 
-// --otlp-traces-endpoint: checked at parse time (a startup error naming the flag).
-static int set_otlp_traces_endpoint(void *o, const char *v, char *err, size_t errlen)
-{
-    struct tdm_router_opts *opts = o;
-    int rc = tdm_trace_check_endpoint(v, err, errlen);
-    if (rc == TDM_OK)
-        snprintf(opts->otlp_traces_endpoint, sizeof opts->otlp_traces_endpoint, "%s", v);
-    return rc;
-}
-
 static const struct tdm_flag router_flags[] = {
     STR("config", config, "FILE", "routing config (docs/router-config.md); hot reloaded"),
     STR("policy", policy, "NAME",
@@ -102,36 +93,9 @@ static const struct tdm_flag router_flags[] = {
         "with --policy and --prefill: uncached prompt tokens above\nwhich to prefill remotely "
         "(default 256)"),
     STR("model", model, "DIR", "model folder for the tokenizer, chat template, config.json"),
-    STR("served-model-name", served_model_name, "NAME", "name in requests and responses"),
-    STR("chat-template", chat_template, "FILE", "override the tokenizer's chat template"),
-    {.name = "enable-auto-tool-choice",
-     .kind = TDM_FLAG_BOOL,
-     .offset = OFF(enable_auto_tool_choice),
-     .help =
-         "tool_choice \"auto\": parse tool calls out of the\noutput (needs --tool-call-parser)"},
-    STR("tool-call-parser", tool_call_parser, "NAME",
-        "hermes (Qwen2.5, Hermes) or llama3_json (Llama 3.x)"),
-    STR("host", host, "ADDR", "HTTP listen address (default 0.0.0.0)"),
-    NUM("port", TDM_FLAG_INT, port, 0, 65535, "N", "HTTP listen port (default 8000)"),
     STR("nng-url", nng_url, "URL", "the router's nng inbox (default tcp://127.0.0.1:0)"),
-    STR("api-key", api_key, "KEY", "require Authorization: Bearer KEY"),
     NUM("http-threads", TDM_FLAG_INT, http_threads, 1, 4096, "N",
         "concurrent HTTP requests (default 256)"),
-    NUM("max-body-bytes", TDM_FLAG_BYTES, max_body_bytes, 1024, 1e12, "N",
-        "request body limit (default 16777216)"),
-    NUM("http-header-timeout", TDM_FLAG_DOUBLE, http_header_timeout, 0.1, 3600, "S",
-        "time to send a request's headers; also the longest\nread/write stall (default 10)"),
-    NUM("http-body-timeout", TDM_FLAG_DOUBLE, http_body_timeout, 0.1, 86400, "S",
-        "time to send a request's body; beyond it 408 (default 30)"),
-    NUM("http-max-conns-per-ip", TDM_FLAG_INT, http_max_conns_per_ip, 0, 1 << 20, "N",
-        "open connections per client address; beyond it 429\n(default 0 = no cap)"),
-    NUM("max-large-requests", TDM_FLAG_INT, max_large_requests, 1, 1 << 20, "N",
-        "requests with bodies over 1 MiB at once; beyond it 503\n+ Retry-After (default 4)"),
-    NUM("http-memory-budget", TDM_FLAG_INT, http_memory_budget_mib, 1, 1 << 22, "MIB",
-        "memory the requests in progress may count (each\n~21 x its body + 1 MiB); "
-        "beyond it 503 +\nRetry-After, 413 for one over it alone (default 2048)"),
-    NUM("max-model-len", TDM_FLAG_HINT, max_model_len, 0, 1e9, "N",
-        "context length (default config.json's)"),
     NUM("liveness-timeout", TDM_FLAG_DOUBLE, liveness_timeout, 0.05, 3600, "S",
         "worker silent this long mid-stream = lost (default 1)"),
     NUM("load-interval", TDM_FLAG_DOUBLE, load_interval, 0.01, 60, "S",
@@ -153,23 +117,13 @@ static const struct tdm_flag router_flags[] = {
      .kind = TDM_FLAG_NOT,
      .offset = OFF(stream_migration),
      .help = "a lost decode worker ends its streams with an error event"},
-    NUM("stream-interval", TDM_FLAG_INT, stream_interval, 1, 1 << 20, "N",
-        "streams: after the first token, send tokens N per event\n(fewer, larger events; "
-        "default 1 = each as it comes)"),
     {.name = "debug-headers",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(debug_headers),
      .help = "answer with x-tandem-decode (the worker's address) and\nx-tandem-phases (phase "
              "times); off by default: internals\nare not told to clients"},
-    NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
-        "on SIGTERM, open requests may finish this long (default 30)"),
-    STR("log-level", log_level, "LEVEL", "err|warn|info|debug (default info)"),
-    {.name = "otlp-traces-endpoint",
-     .kind = TDM_FLAG_FN,
-     .fn = set_otlp_traces_endpoint,
-     .metavar = "URL",
-     .help = "export per-request trace spans as OTLP/HTTP JSON\nto URL/v1/traces (default "
-             "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,\nelse off; docs/observability.md)"},
+    TDM_OAI_FRONT_FLAGS(struct tdm_router_opts,
+                        "HTTP listen port (default 8000; 0 = any free port)"),
 };
 
 static const struct tdm_flags router_table = {

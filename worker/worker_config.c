@@ -17,6 +17,7 @@
 #include "core.h"
 #include "kvx.h"
 #include "model.h"
+#include "openai_front.h"
 #include "sampling.h"
 #include "trace.h"
 #include "worker.h"
@@ -193,17 +194,6 @@ static int set_quantization(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
-static int set_log_level(void *o, const char *v, char *err, size_t errlen)
-{
-    struct tdm_worker_config *cfg = o;
-    if (strcmp(v, "err") != 0 && strcmp(v, "warn") != 0 && strcmp(v, "info") != 0 &&
-        strcmp(v, "debug") != 0)
-        return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "--log-level: expected err, warn, info or debug, got \"%s\"", v);
-    snprintf(cfg->log_level, sizeof cfg->log_level, "%s", v);
-    return TDM_OK;
-}
-
 // --speculative-config: vLLM's JSON, method "ngram" (prompt lookup) only:
 // {"method":"ngram","num_speculative_tokens":K,"prompt_lookup_max":N,
 //  "prompt_lookup_min":M}. Unknown keys and methods are refused (vLLM's
@@ -324,16 +314,6 @@ static int set_gpu_memory_utilization(void *o, const char *v, char *err, size_t 
     return TDM_OK;
 }
 
-// --otlp-traces-endpoint: checked here, so a bad URL is a startup error before the model loads.
-static int set_otlp_traces_endpoint(void *o, const char *v, char *err, size_t errlen)
-{
-    struct tdm_worker_config *cfg = o;
-    int rc = tdm_trace_check_endpoint(v, err, errlen);
-    if (rc == TDM_OK)
-        snprintf(cfg->otlp_traces_endpoint, sizeof cfg->otlp_traces_endpoint, "%s", v);
-    return rc;
-}
-
 #define STR(n, field, mv, h)                                                                       \
     TDM_FLAG_FIELD(struct tdm_worker_config, n, TDM_FLAG_STR, field, .metavar = mv, .help = h)
 #define INT(n, field, lo, hi, mv, h)                                                               \
@@ -346,15 +326,7 @@ static const struct tdm_flag decode_flags[] = {
         "model folder, or a Hugging Face id fetched into\nthe HF cache (required; see "
         "docs/models.md)"),
     STR("revision", revision, "REV", "branch, tag or commit of a Hub id (default main)"),
-    STR("host", host, "ADDR", "listen address (default 0.0.0.0)"),
-    INT("port", port, 0, 65535, "N", "listen port (default 8001; 0 = any free port)"),
-    STR("served-model-name", served_model_name, "NAME",
-        "model name in the API and metrics\n(default: config.json _name_or_path, else the\n"
-        "folder name)"),
-    TDM_FLAG_FIELD(struct tdm_worker_config, "max-model-len", TDM_FLAG_HINT, max_model_len,
-                   .min = 2, .max = INT_MAX / 2, .metavar = "N",
-                   .help = "context length (default: the model's); vLLM's\nsuffixes: 4k = 4000, "
-                           "32K = 32768"),
+    TDM_OAI_FRONT_FLAGS(struct tdm_worker_config, "listen port (default 8001; 0 = any free port)"),
     INT("max-num-seqs", max_num_seqs, 1, 65536, "N", "running requests at most (default 64)"),
     INT("max-num-batched-tokens", max_num_batched_tokens, 1, 1 << 20, "N",
         "tokens per engine step (default 512)"),
@@ -396,7 +368,6 @@ static const struct tdm_flag decode_flags[] = {
      .kind = TDM_FLAG_NOT,
      .offset = OFF(enable_prefix_caching),
      .help = "turn prefix caching off"},
-    STR("api-key", api_key, "KEY", "require 'Authorization: Bearer KEY' on /v1/*"),
     INT("threads", threads, 0, 1024, "N", "compute threads (default: one per core)"),
     {.name = "device",
      .kind = TDM_FLAG_FN,
@@ -445,61 +416,10 @@ static const struct tdm_flag decode_flags[] = {
      .fn = set_quantization,
      .metavar = "int8|none",
      .help = "weight quantization: int8 = per-row int8 at load (default none)"},
-    STR("chat-template", chat_template, "FILE", "chat template overriding the tokenizer's"),
-    {.name = "enable-auto-tool-choice",
-     .kind = TDM_FLAG_BOOL,
-     .offset = OFF(enable_auto_tool_choice),
-     .help =
-         "tool_choice \"auto\": parse tool calls out of the\noutput (needs --tool-call-parser)"},
-    STR("tool-call-parser", tool_call_parser, "NAME",
-        "hermes (Qwen2.5, Hermes) or llama3_json (Llama 3.x)"),
     INT("max-waiting", max_waiting, 0, 1 << 20, "N",
         "waiting-queue bound; beyond it 503 (default 1024)"),
-    INT("stream-interval", stream_interval, 1, 1 << 20, "N",
-        "streams: after the first token, send tokens N per event\n(fewer, larger events; "
-        "default 1 = each as it comes)"),
-    {.name = "drain-timeout",
-     .kind = TDM_FLAG_DOUBLE,
-     .offset = OFF(drain_timeout),
-     .min = 0,
-     .max = 1e9,
-     .metavar = "SECONDS",
-     .help = "SIGTERM: time running requests get (default 30)"},
-    {.name = "log-level",
-     .kind = TDM_FLAG_FN,
-     .fn = set_log_level,
-     .metavar = "err|warn|info|debug",
-     .help = "(default info)"},
-    {.name = "max-body-bytes",
-     .kind = TDM_FLAG_BYTES,
-     .offset = OFF(max_body_bytes),
-     .min = 1024,
-     .max = 1.8e19,
-     .metavar = "BYTES",
-     .help = "request body limit; beyond it 413 (default 16MiB)"},
     INT("http-threads", http_threads, 0, 4096, "N",
         "HTTP worker threads (default max-num-seqs +\nmax-waiting, clamped to [16, 512])"),
-    {.name = "http-header-timeout",
-     .kind = TDM_FLAG_DOUBLE,
-     .offset = OFF(http_header_timeout),
-     .min = 0.1,
-     .max = 3600,
-     .metavar = "SECONDS",
-     .help = "time to send a request's headers; also the\nlongest read/write stall (default 10)"},
-    {.name = "http-body-timeout",
-     .kind = TDM_FLAG_DOUBLE,
-     .offset = OFF(http_body_timeout),
-     .min = 0.1,
-     .max = 86400,
-     .metavar = "SECONDS",
-     .help = "time to send a request's body; beyond it 408\n(default 30)"},
-    INT("http-max-conns-per-ip", http_max_conns_per_ip, 0, 1 << 20, "N",
-        "open connections per client address; beyond\nit 429 (default 0 = no cap)"),
-    INT("max-large-requests", max_large_requests, 1, 1 << 20, "N",
-        "requests with bodies over 1 MiB at once;\nbeyond it 503 + Retry-After (default 4)"),
-    INT("http-memory-budget", http_memory_budget_mib, 1, 1 << 22, "MIB",
-        "memory the requests in progress may count (each\n~21 x its body + 1 MiB); "
-        "beyond it 503\n+ Retry-After, 413 for one over it alone (default 2048)"),
     {.name = "seed",
      .kind = TDM_FLAG_FN,
      .fn = set_seed,
@@ -534,12 +454,6 @@ static const struct tdm_flag decode_flags[] = {
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(disable_log_stats),
      .help = "vLLM's; accepted (Tandem logs no periodic stats:\nthey are on /metrics)"},
-    {.name = "otlp-traces-endpoint",
-     .kind = TDM_FLAG_FN,
-     .fn = set_otlp_traces_endpoint,
-     .metavar = "URL",
-     .help = "export per-request trace spans as OTLP/HTTP JSON\nto URL/v1/traces (default "
-             "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,\nelse off; docs/observability.md)"},
     {.name = "config",
      .kind = TDM_FLAG_FN,
      .fn = set_config_done,

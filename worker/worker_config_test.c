@@ -416,14 +416,50 @@ static void test_otlp_endpoint(void **state)
                      TDM_EINVAL);
 }
 
+// The flags every OpenAI front takes (common/openai/openai_front.h) mean the
+// same on the router: router/opts_test.c checks the same cases, word for word
+// (issue 27, part B: the two copies had drifted).
+static void test_front_flags(void **state)
+{
+    (void)state;
+    struct tdm_worker_config c;
+    char err[256];
+    assert_int_equal(
+        parse(&c, err, sizeof err, 6, "/m", "--max-body-bytes", "1TB", "--log-level", "DEBUG"),
+        TDM_OK);
+    assert_int_equal(c.max_body_bytes, (size_t)1000000000000ull);
+    assert_string_equal(c.log_level, "DEBUG");
+    static const char *const bad[][3] = {
+        {"--max-body-bytes", "2TB",
+         "--max-body-bytes: expected a byte size like 2GiB or 512MiB in [1024, 1000000000000], "
+         "got \"2TB\""},
+        {"--drain-timeout", "100000",
+         "--drain-timeout: expected a number in [0, 86400], got \"100000\""},
+        {"--log-level", "loud", "--log-level: expected err, warn, info or debug, got \"loud\""},
+        {"--served-model-name", "", "--served-model-name: expected a non-empty value"},
+        {"--otlp-traces-endpoint", "collector:4318",
+         "--otlp-traces-endpoint: expected an http:// or https:// URL, got \"collector:4318\""},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(parse(&c, err, sizeof err, 4, "/m", bad[i][0], bad[i][1]), TDM_EINVAL);
+        assert_string_equal(err, bad[i][2]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_defaults),      cmocka_unit_test(test_flags),
-        cmocka_unit_test(test_otlp_endpoint), cmocka_unit_test(test_kv_transfer),
-        cmocka_unit_test(test_bad_flags),     cmocka_unit_test(test_device),
-        cmocka_unit_test(test_bytes),         cmocka_unit_test(test_config_file),
-        cmocka_unit_test(test_tool_flags),    cmocka_unit_test(test_vllm_command_lines),
+        cmocka_unit_test(test_front_flags),
+        cmocka_unit_test(test_defaults),
+        cmocka_unit_test(test_flags),
+        cmocka_unit_test(test_otlp_endpoint),
+        cmocka_unit_test(test_kv_transfer),
+        cmocka_unit_test(test_bad_flags),
+        cmocka_unit_test(test_device),
+        cmocka_unit_test(test_bytes),
+        cmocka_unit_test(test_config_file),
+        cmocka_unit_test(test_tool_flags),
+        cmocka_unit_test(test_vllm_command_lines),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

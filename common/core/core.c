@@ -53,20 +53,32 @@ void tdm_log_set_role(const char *role)
     log_role = role ? role : "tandem";
 }
 
-int tdm_log_set_level_name(const char *name)
+// The level a name means ("err", "warn", "info", "debug" in any case, or
+// "error"); -1 for none.
+static int log_level_of_name(const char *name)
 {
     static const char *names[] = {"err", "warn", "info", "debug"};
-    for (int i = 0; i < 4; i++) {
-        if (strcasecmp(name, names[i]) == 0) {
-            atomic_store_explicit(&tdm_log_level, i, memory_order_relaxed);
-            return TDM_OK;
-        }
-    }
-    if (strcasecmp(name, "error") == 0) {
-        atomic_store_explicit(&tdm_log_level, TDM_LOG_LEVEL_ERR, memory_order_relaxed);
-        return TDM_OK;
-    }
-    return TDM_EINVAL;
+    for (int i = 0; i < 4; i++)
+        if (strcasecmp(name, names[i]) == 0)
+            return i;
+    return strcasecmp(name, "error") == 0 ? TDM_LOG_LEVEL_ERR : -1;
+}
+
+int tdm_log_set_level_name(const char *name)
+{
+    int level = log_level_of_name(name);
+    if (level < 0)
+        return TDM_EINVAL;
+    atomic_store_explicit(&tdm_log_level, level, memory_order_relaxed);
+    return TDM_OK;
+}
+
+int tdm_log_check_level_name(const char *name, char *err, size_t errlen)
+{
+    if (log_level_of_name(name) < 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--log-level: expected err, warn, info or debug, got \"%.64s\"", name);
+    return TDM_OK;
 }
 
 void tdm_log_set_sink(void (*sink)(int level, const char *module, const char *msg))

@@ -85,6 +85,10 @@ extern _Atomic int tdm_log_level;
 // returns TDM_EINVAL for an unknown name.
 void tdm_log_set_role(const char *role);
 int tdm_log_set_level_name(const char *name);
+// Whether tdm_log_set_level_name would accept name, without setting it: TDM_OK,
+// or TDM_EINVAL with "--log-level: expected err, warn, info or debug, got ..."
+// (a flag table's check for --log-level).
+int tdm_log_check_level_name(const char *name, char *err, size_t errlen);
 
 // One line to stderr: `ts level role module msg`, or the message to the
 // sink when one is set.
@@ -240,6 +244,9 @@ struct tdm_flag {
     bool no_value;       // FN: the flag takes no value
     bool empty_ok;       // STR, PTR: "" is accepted (else "expected a non-empty value")
     bool hidden;         // not listed by tdm_flags_help (another spelling of a listed flag)
+    // STR: checks the value before it is copied; TDM_OK, or an error whose
+    // message names the flag ("--log-level: expected ..."). NULL = any value.
+    int (*check)(const char *value, char *err, size_t errlen);
 };
 
 // A table entry for field of the options struct T: name, kind, offset and size

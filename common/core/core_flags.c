@@ -184,6 +184,11 @@ static int apply(const struct tdm_flag *f, void *opts, const char *v, char *err,
         if (strlen(v) >= f->size)
             return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: value longer than %zu bytes", n,
                               f->size - 1);
+        if (f->check) {
+            int rc = f->check(v, err, errlen);
+            if (rc != TDM_OK)
+                return rc;
+        }
         memcpy(field, v, strlen(v) + 1);
         return TDM_OK;
     case TDM_FLAG_INT: {
