@@ -1635,39 +1635,23 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
     }
     s->poll_started = true;
 
-    struct tdm_http_config hc;
-    memset(&hc, 0, sizeof hc);
-    hc.host = o->host;
-    hc.port = o->port;
-    hc.num_threads = o->http_threads;
-    hc.max_body_bytes = o->max_body_bytes;
-    hc.header_timeout_ms = (int)(o->http_header_timeout * 1000.0);
-    hc.body_timeout_ms = (int)(o->http_body_timeout * 1000.0);
-    hc.max_conns_per_ip = o->http_max_conns_per_ip;
-    hc.max_large_requests = o->max_large_requests;
-    hc.memory_budget = (size_t)o->http_memory_budget_mib << 20;
-    hc.api_key = o->api_key[0] ? o->api_key : NULL;
-    hc.error_body = tdm_oai_http_error_body;
-    static const struct {
-        const char *method, *path;
-        tdm_http_handler_fn fn;
-    } routes[] = {
-        {"GET", "/health", on_health},
-        {"GET", "/ping", on_health},
-        {"GET", "/metrics", on_metrics},
-        {"GET", "/version", on_version},
-        {"GET", "/v1/models", on_models},
+    static const struct tdm_oai_route own[] = {
         {"GET", "/v1/router/config", on_router_config},
-        {"POST", "/v1/completions", on_completions},
-        {"POST", "/v1/chat/completions", on_chat},
-        {"POST", "/tokenize", on_tokenize},
-        {"POST", "/detokenize", on_detokenize},
     };
-    rc = tdm_http_server_new(&s->http, &hc, err, errlen);
-    for (size_t i = 0; rc == TDM_OK && i < sizeof routes / sizeof routes[0]; i++)
-        rc = tdm_http_route(s->http, routes[i].method, routes[i].path, routes[i].fn, s);
-    if (rc == TDM_OK)
-        rc = tdm_http_server_start(s->http, err, errlen);
+    static const struct tdm_oai_front_routes routes = {
+        .health = on_health,
+        .metrics = on_metrics,
+        .version = on_version,
+        .models = on_models,
+        .completions = on_completions,
+        .chat = on_chat,
+        .tokenize = on_tokenize,
+        .detokenize = on_detokenize,
+        .extra = own,
+        .n_extra = sizeof own / sizeof own[0],
+    };
+    struct tdm_oai_front_http fh = TDM_OAI_FRONT_HTTP(o, o->http_threads);
+    rc = tdm_oai_front_serve(&s->http, &fh, &routes, s, err, errlen);
     if (rc != TDM_OK)
         goto fail;
     *out = s;

@@ -154,40 +154,19 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
         long t = (long)cfg->max_num_seqs + cfg->max_waiting;
         threads = t < 16 ? 16 : t > 512 ? 512 : (int)t;
     }
-    struct tdm_http_config hc;
-    memset(&hc, 0, sizeof hc);
-    hc.host = cfg->host;
-    hc.port = cfg->port;
-    hc.num_threads = threads;
-    hc.max_body_bytes = cfg->max_body_bytes;
-    hc.header_timeout_ms = (int)(cfg->http_header_timeout * 1000.0);
-    hc.body_timeout_ms = (int)(cfg->http_body_timeout * 1000.0);
-    hc.max_conns_per_ip = cfg->http_max_conns_per_ip;
-    hc.max_large_requests = cfg->max_large_requests;
-    hc.memory_budget = (size_t)cfg->http_memory_budget_mib << 20;
-    hc.api_key = cfg->api_key[0] ? cfg->api_key : NULL;
-    hc.error_body = tdm_oai_http_error_body;
-    static const struct {
-        const char *method, *path;
-        tdm_http_handler_fn fn;
-    } routes[] = {
-        {"GET", "/health", on_health},
-        {"GET", "/ping", on_health},
-        {"GET", "/metrics", on_metrics},
-        {"GET", "/version", on_version},
-        {"GET", "/v1/models", on_models},
-        {"POST", "/v1/completions", on_completions},
-        {"POST", "/v1/chat/completions", on_chat},
-        {"POST", "/tokenize", on_tokenize},
-        {"POST", "/detokenize", on_detokenize},
+    static const struct tdm_oai_front_routes routes = {
+        .health = on_health,
+        .metrics = on_metrics,
+        .version = on_version,
+        .models = on_models,
+        .completions = on_completions,
+        .chat = on_chat,
+        .tokenize = on_tokenize,
+        .detokenize = on_detokenize,
     };
-    int rc = tdm_http_server_new(&s->http, &hc, err, errlen);
-    for (size_t i = 0; rc == TDM_OK && i < sizeof routes / sizeof routes[0]; i++)
-        rc = tdm_http_route(s->http, routes[i].method, routes[i].path, routes[i].fn, s);
-    if (rc == TDM_OK)
-        rc = tdm_http_server_start(s->http, err, errlen);
+    struct tdm_oai_front_http fh = TDM_OAI_FRONT_HTTP(cfg, threads);
+    int rc = tdm_oai_front_serve(&s->http, &fh, &routes, s, err, errlen);
     if (rc != TDM_OK) {
-        tdm_http_server_free(s->http);
         pthread_cond_destroy(&s->idle_cv);
         pthread_mutex_destroy(&s->mu);
         free(s);

@@ -238,6 +238,55 @@ bool tdm_oai_http_call_start(struct tdm_http_conn *c, struct tdm_oai_call *k,
     return true;
 }
 
+int tdm_oai_front_serve(struct tdm_http_server **out, const struct tdm_oai_front_http *f,
+                        const struct tdm_oai_front_routes *r, void *arg, char *err, size_t errlen)
+{
+    *out = NULL;
+    struct tdm_http_config hc;
+    memset(&hc, 0, sizeof hc);
+    hc.host = f->host;
+    hc.port = f->port;
+    hc.num_threads = f->threads;
+    hc.max_body_bytes = f->max_body_bytes;
+    hc.header_timeout_ms = (int)(f->header_timeout_s * 1000.0);
+    hc.body_timeout_ms = (int)(f->body_timeout_s * 1000.0);
+    hc.max_conns_per_ip = f->max_conns_per_ip;
+    hc.max_large_requests = f->max_large_requests;
+    hc.memory_budget = (size_t)f->memory_budget_mib << 20;
+    hc.api_key = f->api_key && f->api_key[0] ? f->api_key : NULL;
+    hc.error_body = tdm_oai_http_error_body;
+    const struct tdm_oai_route api[] = {
+        {"GET", "/health", r->health},
+        {"GET", "/ping", r->health},
+        {"GET", "/metrics", r->metrics},
+        {"GET", "/version", r->version},
+        {"GET", "/v1/models", r->models},
+        {"POST", "/v1/completions", r->completions},
+        {"POST", "/v1/chat/completions", r->chat},
+        {"POST", "/tokenize", r->tokenize},
+        {"POST", "/detokenize", r->detokenize},
+    };
+    struct tdm_http_server *s;
+    int rc = tdm_http_server_new(&s, &hc, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    size_t n_api = sizeof api / sizeof api[0];
+    for (size_t i = 0; rc == TDM_OK && i < n_api + r->n_extra; i++) {
+        const struct tdm_oai_route *rt = i < n_api ? &api[i] : &r->extra[i - n_api];
+        rc = rt->fn ? tdm_http_route(s, rt->method, rt->path, rt->fn, arg)
+                    : tdm_seterr(err, errlen, TDM_EINVAL, "no handler for %s %s", rt->method,
+                                 rt->path);
+    }
+    if (rc == TDM_OK)
+        rc = tdm_http_server_start(s, err, errlen);
+    if (rc != TDM_OK) {
+        tdm_http_server_free(s);
+        return rc;
+    }
+    *out = s;
+    return TDM_OK;
+}
+
 void tdm_oai_http_tokenize(struct tdm_http_conn *c, const struct tdm_oai_model_info *info,
                            const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
                            const char *chat_err, int max_model_len)

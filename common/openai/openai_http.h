@@ -30,6 +30,53 @@ int tdm_oai_http_fail(struct tdm_http_conn *c, int err, const char *detail);
 int tdm_oai_http_errorf(struct tdm_http_conn *c, int status, const char *param, const char *fmt,
                         ...) __attribute__((format(printf, 4, 5)));
 
+// ---- the server front ------------------------------------------------------------------------
+// Every Tandem server (the router, the decode and the prefill worker) answers
+// the same OpenAI API on one civetweb server, set up from the same flags
+// (openai_front.h) with the OpenAI error body: tdm_oai_front_serve builds it.
+struct tdm_oai_route {
+    const char *method, *path;
+    tdm_http_handler_fn fn;
+};
+struct tdm_oai_front_routes {
+    tdm_http_handler_fn health;               // GET /health and GET /ping
+    tdm_http_handler_fn metrics;              // GET /metrics
+    tdm_http_handler_fn version;              // GET /version
+    tdm_http_handler_fn models;               // GET /v1/models
+    tdm_http_handler_fn completions, chat;    // POST /v1/completions, /v1/chat/completions
+    tdm_http_handler_fn tokenize, detokenize; // POST /tokenize, /detokenize
+    const struct tdm_oai_route *extra;        // the server's own routes beside these
+    size_t n_extra;
+};
+// The HTTP settings the front's flags give (TDM_OAI_FRONT_HTTP).
+struct tdm_oai_front_http {
+    const char *host;
+    int port;
+    int threads; // worker threads = requests at once
+    size_t max_body_bytes;
+    double header_timeout_s, body_timeout_s;
+    int max_conns_per_ip, max_large_requests, memory_budget_mib;
+    const char *api_key; // "" = none
+};
+// The settings of an options struct o holding the front's flags
+// (TDM_OAI_FRONT_FLAGS), with threads worker threads.
+#define TDM_OAI_FRONT_HTTP(o, nthreads)                                                            \
+    ((struct tdm_oai_front_http){.host = (o)->host,                                                \
+                                 .port = (o)->port,                                                \
+                                 .threads = (nthreads),                                            \
+                                 .max_body_bytes = (o)->max_body_bytes,                            \
+                                 .header_timeout_s = (o)->http_header_timeout,                     \
+                                 .body_timeout_s = (o)->http_body_timeout,                         \
+                                 .max_conns_per_ip = (o)->http_max_conns_per_ip,                   \
+                                 .max_large_requests = (o)->max_large_requests,                    \
+                                 .memory_budget_mib = (o)->http_memory_budget_mib,                 \
+                                 .api_key = (o)->api_key})
+// Creates the server with f's settings, registers r's routes (every handler
+// gets arg) and starts it. TDM_OK with *out set, or the error with err filled
+// and *out NULL (nothing left to free): a port in use names --port.
+int tdm_oai_front_serve(struct tdm_http_server **out, const struct tdm_oai_front_http *f,
+                        const struct tdm_oai_front_routes *r, void *arg, char *err, size_t errlen);
+
 // ---- routes ----------------------------------------------------------------------------------
 // POST /tokenize and /detokenize: the request body through tdm_oai_tokenize_run
 // / tdm_oai_detokenize_run, answered with the body or the OpenAI error.

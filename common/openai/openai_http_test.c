@@ -792,6 +792,89 @@ static void test_fail_answer(void **state)
     cJSON_Delete(j);
     free(r);
 }
+// tdm_oai_front_serve: the API every server answers, its own routes beside it,
+// the front's settings (the key, the body limit, the OpenAI error body), and a
+// missing handler refused before anything listens.
+static void front_answer(struct tdm_http_conn *c, void *arg)
+{
+    char body[128];
+    snprintf(body, sizeof body, "{\"handler\":\"%s\",\"arg\":%d}", tdm_http_path(c), *(int *)arg);
+    tdm_http_respond(c, 200, "application/json", body, strlen(body));
+}
+
+static void test_front_serve(void **state)
+{
+    (void)state;
+    struct tdm_oai_route own[] = {{"GET", "/v1/own", front_answer}};
+    struct tdm_oai_front_routes routes = {
+        .health = front_answer,
+        .metrics = front_answer,
+        .version = front_answer,
+        .models = front_answer,
+        .completions = front_answer,
+        .chat = front_answer,
+        .tokenize = front_answer,
+        .detokenize = front_answer,
+        .extra = own,
+        .n_extra = 1,
+    };
+    struct {
+        char host[16], api_key[16];
+        int port, http_max_conns_per_ip, max_large_requests, http_memory_budget_mib;
+        size_t max_body_bytes;
+        double http_header_timeout, http_body_timeout;
+    } o = {"127.0.0.1", "k", 0, 0, 4, 64, 2048, 10, 30};
+    struct tdm_oai_front_http fh = TDM_OAI_FRONT_HTTP(&o, 4);
+    int arg = 7;
+    struct tdm_http_server *s = (struct tdm_http_server *)&arg;
+    char err[256];
+    assert_int_equal(tdm_oai_front_serve(&s, &fh, &routes, &arg, err, sizeof err), TDM_OK);
+    int port = tdm_http_server_port(s);
+    assert_true(port > 0);
+    static const char *const gets[] = {"/health", "/ping", "/metrics", "/version"};
+    for (size_t i = 0; i < sizeof gets / sizeof gets[0]; i++) {
+        char req[128];
+        snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                 gets[i]);
+        char *r = roundtrip(port, req);
+        assert_int_equal(status_of(r), 200); // served without the key
+        assert_non_null(strstr(body_of(r), "\"arg\":7"));
+        free(r);
+    }
+    char *r = roundtrip(port, "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert_oai_error(r, 401, "AuthenticationError");
+    free(r);
+    static const char *const keyed[][2] = {
+        {"GET", "/v1/models"}, {"POST", "/v1/completions"}, {"POST", "/v1/chat/completions"},
+        {"POST", "/tokenize"}, {"POST", "/detokenize"},     {"GET", "/v1/own"},
+    };
+    for (size_t i = 0; i < sizeof keyed / sizeof keyed[0]; i++) {
+        char req[256];
+        snprintf(req, sizeof req,
+                 "%s %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                 "Content-Length: 2\r\nConnection: close\r\n\r\n{}",
+                 keyed[i][0], keyed[i][1]);
+        r = roundtrip(port, req);
+        assert_int_equal(status_of(r), 200);
+        char want[64];
+        snprintf(want, sizeof want, "\"handler\":\"%s\"", keyed[i][1]);
+        assert_non_null(strstr(body_of(r), want));
+        free(r);
+    }
+    // The body limit from the settings, answered in the OpenAI format.
+    r = roundtrip(port, "POST /tokenize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                        "Content-Length: 4096\r\nConnection: close\r\n\r\n");
+    assert_oai_error(r, 413, "RequestTooLargeError");
+    free(r);
+    tdm_http_server_free(s);
+    // A route without a handler: refused, nothing to free.
+    routes.chat = NULL;
+    s = (struct tdm_http_server *)&arg;
+    assert_int_equal(tdm_oai_front_serve(&s, &fh, &routes, &arg, err, sizeof err), TDM_EINVAL);
+    assert_null(s);
+    assert_string_equal(err, "no handler for POST /v1/chat/completions");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -806,6 +889,7 @@ int main(void)
         cmocka_unit_test(test_oai_tokenize_routes),
         cmocka_unit_test(test_status_mapping),
         cmocka_unit_test(test_fail_answer),
+        cmocka_unit_test(test_front_serve),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
