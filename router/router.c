@@ -1152,27 +1152,15 @@ static void run_stream(struct call *k)
     k->client_gone = tdm_oai_http_stream(k->conn, &k->oai, stream_pump, k, 0) == TDM_ECLOSED;
 }
 
+static void phase_header_hook(void *arg)
+{
+    add_phase_header(arg);
+}
+
 static void run_collect(struct call *k)
 {
-    while (!tdm_oai_call_done(&k->oai)) {
-        int n = pump(k, 0.1);
-        if (n < 0) {
-            tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
-            return;
-        }
-        if (n == 0 && tdm_http_client_gone(k->conn)) {
-            k->client_gone = true;
-            return;
-        }
-    }
-    add_phase_header(k);
-    const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
-    if (bad) {
-        tdm_oai_http_fail(k->conn, bad->error, bad->message);
-        return;
-    }
-    tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));
-    k->client_gone = tdm_http_client_gone(k->conn);
+    k->client_gone =
+        tdm_oai_http_collect(k->conn, &k->oai, stream_pump, k, phase_header_hook) == TDM_ECLOSED;
 }
 
 static void call_fini(struct call *k)

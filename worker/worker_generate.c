@@ -174,23 +174,6 @@ static int pump(void *arg)
     return progressed;
 }
 
-static void run_collect(struct call *k)
-{
-    while (!tdm_oai_call_done(&k->oai)) {
-        if (pump(k) < 0) {
-            tdm_oai_http_errorf(k->conn, 500, NULL, "out of memory");
-            return;
-        }
-    }
-    const struct tdm_oai_asm *bad = tdm_oai_call_failed(&k->oai);
-    if (bad) {
-        tdm_oai_http_fail(k->conn, bad->error, bad->message);
-        return;
-    }
-    tdm_http_respond_json_owned(k->conn, 200, tdm_oai_call_body(&k->oai));
-    k->client_gone = tdm_http_client_gone(k->conn);
-}
-
 // The request's llm_request span (vLLM's name and attributes) with the engine
 // phases of choice 0 as children; emitted once the call ended.
 static void trace_call(struct call *k, struct tdm_span *span)
@@ -245,7 +228,7 @@ void worker_handle_generate(struct tdm_worker *s, struct tdm_http_conn *c, enum 
     if (k.oai.req.stream)
         k.client_gone = tdm_oai_http_stream(c, &k.oai, pump, &k, 1.0) == TDM_ECLOSED;
     else
-        run_collect(&k);
+        k.client_gone = tdm_oai_http_collect(c, &k.oai, pump, &k, NULL) == TDM_ECLOSED;
     // One line per request; finish=abort when the client went away.
     struct tdm_oai_usage u;
     tdm_oai_call_usage(&k.oai, &u);

@@ -161,6 +161,28 @@ int tdm_oai_http_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai
                                    k->req.include_usage ? &u : NULL);
 }
 
+int tdm_oai_http_collect(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai_pump_fn pump,
+                         void *arg, void (*before_answer)(void *arg))
+{
+    while (!tdm_oai_call_done(k)) {
+        int n = pump(arg);
+        if (n < 0) {
+            tdm_oai_http_errorf(c, 500, NULL, "out of memory");
+            return TDM_ENOMEM;
+        }
+        if (n == 0 && tdm_http_client_gone(c))
+            return TDM_ECLOSED;
+    }
+    if (before_answer)
+        before_answer(arg);
+    const struct tdm_oai_asm *bad = tdm_oai_call_failed(k);
+    if (bad)
+        tdm_oai_http_fail(c, bad->error, bad->message);
+    else
+        tdm_http_respond_json_owned(c, 200, tdm_oai_call_body(k));
+    return tdm_http_client_gone(c) ? TDM_ECLOSED : TDM_OK;
+}
+
 int tdm_oai_http_sse_finish(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
                             const struct tdm_oai_error *error, const struct tdm_oai_usage *usage)
 {

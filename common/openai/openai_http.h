@@ -128,6 +128,16 @@ typedef int (*tdm_oai_pump_fn)(void *arg);
 // runs).
 int tdm_oai_http_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai_pump_fn pump,
                         void *arg, double probe_idle_s);
+// Runs a call that is not streamed to its end: pumps until every choice
+// finished; after a pump without progress it checks the client, and one that
+// left ends the call unanswered (TDM_ECLOSED: the caller stops what still
+// runs). Then before_answer(arg) (NULL: none; e.g. headers that need the
+// finished call), and the answer: the call's body, or the first failed
+// choice's error (tdm_oai_http_fail). TDM_OK once answered (TDM_ECLOSED when
+// the client was gone by then), TDM_ENOMEM when a pump ran out of memory
+// (answered 500).
+int tdm_oai_http_collect(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai_pump_fn pump,
+                         void *arg, void (*before_answer)(void *arg));
 // Ends an OpenAI stream. With error: that error's body as an event (the client
 // already has a 200; the body is the one a request not yet answered would get)
 // then [DONE]; otherwise the usage chunk when usage != NULL (a failure there
