@@ -1335,12 +1335,11 @@ static bool supervise(const struct up_opts *o)
 // tandem:router_ready_endpoints gauge), so the first request can already be
 // disaggregated. Returns true when the counts match, or when the router does
 // not export the gauge (nothing more to wait for then).
-static bool router_sees_all(const char *host, const struct child *router, int n_prefill,
-                            int n_decode, char *why, size_t whylen)
+// metrics_sees_all reads a /metrics page already fetched; router_sees_all
+// fetches one.
+static bool metrics_sees_all(const char *body, int n_prefill, int n_decode, char *why,
+                             size_t whylen)
 {
-    static char body[1 << 18];
-    if (http_get(host, router->http_port, "/metrics", 1.0, body, sizeof body, why, whylen) != 200)
-        return false;
     static const char *const roles[2] = {"prefill", "decode"};
     int want[2] = {n_prefill, n_decode};
     for (int r = 0; r < 2; r++) {
@@ -1357,6 +1356,15 @@ static bool router_sees_all(const char *host, const struct child *router, int n_
         }
     }
     return true;
+}
+
+static bool router_sees_all(const char *host, const struct child *router, int n_prefill,
+                            int n_decode, char *why, size_t whylen)
+{
+    static char body[1 << 18];
+    if (http_get(host, router->http_port, "/metrics", 1.0, body, sizeof body, why, whylen) != 200)
+        return false;
+    return metrics_sees_all(body, n_prefill, n_decode, why, whylen);
 }
 
 // One readiness probe of c: /health 200; for a worker behind the router also
@@ -1655,6 +1663,36 @@ static int next_index(enum child_role role)
     return n;
 }
 
+// The router's count of successful config reloads in a /metrics page (-1:
+// not known).
+static long metrics_reloads(const char *body)
+{
+    const char *key = "tandem:router_config_reload_total{result=\"success\"} ";
+    const char *at = strstr(body, key);
+    return at ? atol(at + strlen(key)) : -1;
+}
+
+// One look at the router's /metrics, for router_follow: true when it counts a
+// reload after before (before < 0: any) and every worker ready. Else false,
+// with why set as router_sees_all sets it once the reload is counted (left
+// as it was while it is not).
+static bool router_took_config(const struct up_opts *o, const char *host, long before, char *why,
+                               size_t whylen)
+{
+    static char body[1 << 18];
+    char fetch_why[160];
+    int st = http_get(host, children[0].http_port, "/metrics", 2.0, body, sizeof body, fetch_why,
+                      sizeof fetch_why);
+    long now = st == 200 ? metrics_reloads(body) : -1;
+    if (!(before < 0 || now > before))
+        return false;
+    if (st != 200) {
+        snprintf(why, whylen, "%s", fetch_why);
+        return false;
+    }
+    return metrics_sees_all(body, o->n_prefill, o->n_decode, why, whylen);
+}
+
 // The router's count of successful config reloads (-1: not known).
 static long router_reloads(const char *host)
 {
@@ -1663,9 +1701,7 @@ static long router_reloads(const char *host)
     if (http_get(host, children[0].http_port, "/metrics", 2.0, body, sizeof body, why,
                  sizeof why) != 200)
         return -1;
-    const char *key = "tandem:router_config_reload_total{result=\"success\"} ";
-    const char *at = strstr(body, key);
-    return at ? atol(at + strlen(key)) : -1;
+    return metrics_reloads(body);
 }
 
 // Waits (pumping the children's output) until every child in new[0..n) is
@@ -1769,9 +1805,7 @@ static int router_follow(const struct up_opts *o, int cfd)
     char why[160] = "";
     for (;;) {
         pump(0.2);
-        long now = router_reloads(h);
-        if ((before < 0 || now > before) &&
-            router_sees_all(h, &children[0], o->n_prefill, o->n_decode, why, sizeof why))
+        if (router_took_config(o, h, before, why, sizeof why))
             break;
         if (stop_signals || tdm_now() > deadline) {
             tell(cfd, "error: the router did not take the new config (%s)",
