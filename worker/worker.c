@@ -253,15 +253,41 @@ static int kv_pool_blocks(struct tdm_worker *s, char *err, size_t errlen)
     return TDM_OK;
 }
 
-int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
+// The model options the worker's flags ask for.
+static void model_opts_from_config(const struct tdm_worker_config *cfg, struct tdm_model_opts *mo)
+{
+    tdm_model_opts_default(mo);
+    mo->weights = cfg->int8 ? TDM_WEIGHTS_INT8 : TDM_WEIGHTS_BF16;
+    mo->num_threads = cfg->threads;
+    mo->max_batch_tokens = cfg->max_num_batched_tokens;
+    mo->max_batch_seqs = cfg->max_num_seqs;
+    mo->enforce_eager = cfg->enforce_eager;
+    mo->weight_cache_dir = !cfg->weight_cache         ? NULL
+                           : cfg->weight_cache_dir[0] ? cfg->weight_cache_dir
+                                                      : "auto";
+    mo->weight_cache_background = true; // /health 200 does not wait for the entry
+}
+
+// s->device_desc for the device mo names ("cuda:0", "cpu", or why auto chose
+// the CPU).
+static void describe_device(struct tdm_worker *s, const struct tdm_model_opts *mo)
 {
     const struct tdm_worker_config *cfg = &s->cfg;
-    // A local folder is used as it is; an ORG/NAME id comes from the HF cache,
-    // downloaded first when missing (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply).
-    int hrc = tdm_text_resolve(cfg->model, cfg->revision, s->model_path, sizeof s->model_path, err,
-                               errlen);
-    if (hrc != TDM_OK)
-        return hrc;
+    bool chosen = cfg->device[0] == '\0' || strcmp(cfg->device, "auto") == 0;
+    const char *note = chosen ? tdm_model_device_auto_note() : "";
+    if (strcmp(mo->backend, "cpu") != 0)
+        snprintf(s->device_desc, sizeof s->device_desc, "%s:%d", mo->backend, mo->device);
+    else if (note[0])
+        snprintf(s->device_desc, sizeof s->device_desc, "cpu (--device auto: %s)", note);
+    else
+        snprintf(s->device_desc, sizeof s->device_desc, "cpu");
+}
+
+// The model and, on a second thread meanwhile, the text side (s->text); both
+// are done when this returns, whatever it returns.
+static int load_model_and_text(struct tdm_worker *s, char *err, size_t errlen)
+{
+    const struct tdm_worker_config *cfg = &s->cfg;
     struct text_load tl = {.s = s, .rc = TDM_OK};
     pthread_t th;
     bool threaded = pthread_create(&th, NULL, load_text_side, &tl) == 0;
@@ -269,26 +295,10 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
         load_text_side(&tl);
 
     struct tdm_model_opts mo;
-    tdm_model_opts_default(&mo);
-    mo.weights = cfg->int8 ? TDM_WEIGHTS_INT8 : TDM_WEIGHTS_BF16;
-    mo.num_threads = cfg->threads;
-    mo.max_batch_tokens = cfg->max_num_batched_tokens;
-    mo.max_batch_seqs = cfg->max_num_seqs;
-    mo.enforce_eager = cfg->enforce_eager;
-    mo.weight_cache_dir =
-        !cfg->weight_cache ? NULL : cfg->weight_cache_dir[0] ? cfg->weight_cache_dir : "auto";
-    mo.weight_cache_background = true; // /health 200 does not wait for the entry
+    model_opts_from_config(cfg, &mo);
     int rc = tdm_model_opts_set_device(&mo, cfg->device, err, errlen);
-    if (rc == TDM_OK) {
-        bool chosen = cfg->device[0] == '\0' || strcmp(cfg->device, "auto") == 0;
-        const char *note = chosen ? tdm_model_device_auto_note() : "";
-        if (strcmp(mo.backend, "cpu") != 0)
-            snprintf(s->device_desc, sizeof s->device_desc, "%s:%d", mo.backend, mo.device);
-        else if (note[0])
-            snprintf(s->device_desc, sizeof s->device_desc, "cpu (--device auto: %s)", note);
-        else
-            snprintf(s->device_desc, sizeof s->device_desc, "cpu");
-    }
+    if (rc == TDM_OK)
+        describe_device(s, &mo);
     if (rc == TDM_OK)
         rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);
     if (threaded)
@@ -300,18 +310,16 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
                  li->seconds, li->checkpoint_bytes, tdm_weight_cache_use_name(li->weight_cache));
     if (tl.rc != TDM_OK)
         return tdm_seterr(err, errlen, tl.rc, "%s", tl.err);
-    const struct tdm_model_config *mc = tdm_model_config(s->model);
-    rc = tdm_text_context_len(cfg->max_model_len, mc->max_position_embeddings, &s->max_model_len,
-                              err, errlen);
-    if (rc != TDM_OK)
-        return rc;
-    merge_eos_ids(s, mc);
-    rc = kv_pool_blocks(s, err, errlen);
-    if (rc != TDM_OK)
-        return rc;
-    int nb = s->num_blocks;
+    return TDM_OK;
+}
 
-    rc = tdm_metrics_registry_new(&s->reg, NULL, 0, err, errlen);
+// The metrics registry and the worker's series: the vLLM set (its
+// cache_config_info carries s->num_blocks), the tracer's, the prefill
+// backlog and, when speculating, vLLM's speculative decoding counters.
+static int register_metrics(struct tdm_worker *s, char *err, size_t errlen)
+{
+    const struct tdm_worker_config *cfg = &s->cfg;
+    int rc = tdm_metrics_registry_new(&s->reg, NULL, 0, err, errlen);
     if (rc != TDM_OK)
         return rc;
     struct tdm_metrics_vllm_config mcfg;
@@ -320,7 +328,7 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     mcfg.engine = "0";
     mcfg.max_model_len = s->max_model_len;
     mcfg.cache.block_size = cfg->block_size;
-    mcfg.cache.num_gpu_blocks = nb;
+    mcfg.cache.num_gpu_blocks = s->num_blocks;
     mcfg.cache.num_cpu_blocks = -1;
     mcfg.cache.gpu_memory_utilization = cfg->gpu_memory_utilization;
     mcfg.cache.enable_prefix_caching = cfg->enable_prefix_caching;
@@ -352,13 +360,17 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     if (rc != TDM_OK)
         return rc;
     // vLLM registers its speculative decoding counters only when speculating.
-    if (cfg->spec.num_speculative_tokens > 0) {
-        rc = tdm_metrics_spec_register(&s->spec_metrics, s->reg, s->text.served_name, "0",
-                                       cfg->spec.num_speculative_tokens, err, errlen);
-        if (rc != TDM_OK)
-            return rc;
-    }
+    if (cfg->spec.num_speculative_tokens > 0)
+        return tdm_metrics_spec_register(&s->spec_metrics, s->reg, s->text.served_name, "0",
+                                         cfg->spec.num_speculative_tokens, err, errlen);
+    return TDM_OK;
+}
 
+// The structured outputs' vocabulary trie and the engine over the loaded
+// model, its pool s->num_blocks blocks.
+static int start_engine(struct tdm_worker *s, char *err, size_t errlen)
+{
+    const struct tdm_worker_config *cfg = &s->cfg;
     // Structured outputs: the vocabulary's token trie, once per tokenizer
     // (~70 ms for Qwen2's 151 665 tokens). Without it the server still serves,
     // and a constrained request is a 400.
@@ -372,7 +384,7 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     tdm_engine_config_default(&ec);
     ec.grammar_vocab = s->gvocab;
     ec.block_size = cfg->block_size;
-    ec.num_blocks = nb;
+    ec.num_blocks = s->num_blocks;
     ec.enable_prefix_caching = cfg->enable_prefix_caching;
     ec.kv_dtype = cfg->kv_cache_dtype;
     ec.max_num_batched_tokens = cfg->max_num_batched_tokens;
@@ -386,7 +398,31 @@ int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
     // KV events for the router's exact prefix index (read by the P/D receiver's
     // load reports); with prefix caching off there are no cached blocks to report.
     ec.kv_event_capacity = cfg->enable_prefix_caching ? 8192 : 0;
-    rc = tdm_engine_new(&s->engine, s->model, &ec, err, errlen);
+    return tdm_engine_new(&s->engine, s->model, &ec, err, errlen);
+}
+
+int tdm_worker_load_unready(struct tdm_worker *s, char *err, size_t errlen)
+{
+    const struct tdm_worker_config *cfg = &s->cfg;
+    // A local folder is used as it is; an ORG/NAME id comes from the HF cache,
+    // downloaded first when missing (HF_HOME, HF_TOKEN, HF_HUB_OFFLINE apply).
+    int rc = tdm_text_resolve(cfg->model, cfg->revision, s->model_path, sizeof s->model_path, err,
+                              errlen);
+    if (rc == TDM_OK)
+        rc = load_model_and_text(s, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    const struct tdm_model_config *mc = tdm_model_config(s->model);
+    rc = tdm_text_context_len(cfg->max_model_len, mc->max_position_embeddings, &s->max_model_len,
+                              err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    merge_eos_ids(s, mc);
+    rc = kv_pool_blocks(s, err, errlen);
+    if (rc == TDM_OK)
+        rc = register_metrics(s, err, errlen);
+    if (rc == TDM_OK)
+        rc = start_engine(s, err, errlen);
     if (rc != TDM_OK)
         return rc;
     s->max_model_len = tdm_engine_get_config(s->engine)->max_model_len;

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // worker_config_test: the flag and config-file parser of the worker base
 // (defaults, every value kind, suffixes, file/flag precedence, error
-// messages with file:line). The server itself is covered by the Python
-// integration tests in integration-tests/.
+// messages with file:line). The server's lifecycle and routes are
+// worker_test's; requests end to end the Python integration tests'
+// (integration-tests/).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

@@ -339,20 +339,164 @@ static void print_json(const struct args *a, const int32_t *prompt, int n_prompt
     cJSON_Delete(o);
 }
 
+// What one run holds; gen_free releases it all.
+struct gen {
+    struct tdm_model *m;
+    struct tdm_kv_cache *kv;
+    struct tdm_tokenizer *tok; // NULL when the model has none and the prompt is ids
+    int32_t *prompt;           // [n_prompt]
+    int n_prompt;
+    int32_t *out_ids; // [max_tokens]
+    float *logits;    // [max_tokens][vocab_size] f32, host; only with --dump-logits
+    char *text;       // the decoded output, NULL without a tokenizer
+    char *constraint_text;
+    struct tdm_grammar_vocab *gvocab; // only with a constraint
+    double load_s;
+};
+
+static void gen_free(struct gen *g)
+{
+    free(g->text);
+    tdm_grammar_vocab_free(g->gvocab);
+    free(g->constraint_text);
+    free(g->logits);
+    free(g->out_ids);
+    free(g->prompt);
+    tdm_tok_free(g->tok);
+    tdm_kv_free(g->kv);
+    tdm_model_free(g->m);
+}
+
+// The model, loaded for one sequence at a time. 0, or 1 (told).
+static int load_model(const struct args *a, struct gen *g, char *err, size_t errlen)
+{
+    double t0 = tdm_now();
+    struct tdm_model_opts mo;
+    tdm_model_opts_default(&mo);
+    mo.weights = a->weights;
+    mo.num_threads = a->threads;
+    mo.enforce_eager = a->enforce_eager;
+    if (tdm_model_opts_set_device(&mo, a->device, err, errlen) != TDM_OK)
+        return fail("%s", err);
+    mo.max_batch_seqs = 1;
+    mo.max_batch_tokens = a->chunk < 512 ? a->chunk : 512;
+    if (tdm_model_load(&g->m, a->model, &mo, err, errlen) != TDM_OK)
+        return fail("%s", err);
+    g->load_s = tdm_now() - t0;
+    return 0;
+}
+
+// The tokenizer, the prompt's ids and, for a constraint, the grammar's view
+// of the vocabulary. 0, or 1 (told).
+static int load_prompt(const struct args *a, struct gen *g, char *err, size_t errlen)
+{
+    // The tokenizer is needed for text prompts; with ids it only decodes the output.
+    int trc = tdm_tok_load(&g->tok, a->model, err, errlen);
+    if (trc != TDM_OK) {
+        g->tok = NULL;
+        if (a->prompt != NULL)
+            return fail("%s", err);
+    }
+    if (a->prompt != NULL) {
+        size_t n;
+        if (tdm_tok_encode(g->tok, a->prompt, strlen(a->prompt), true, &g->prompt, &n) != TDM_OK ||
+            n == 0)
+            return fail("%s", "the prompt encodes to no tokens");
+        g->n_prompt = (int)n;
+    } else {
+        int prc = parse_ids(a->prompt_ids, &g->prompt, &g->n_prompt);
+        if (prc == TDM_ENOMEM)
+            return fail("%s", "out of memory");
+        if (prc != TDM_OK)
+            return fail("--prompt-ids needs comma-separated non-negative integers, got \"%s\"",
+                        a->prompt_ids);
+    }
+
+    if (a->sp.constraint != TDM_CONSTRAINT_NONE) {
+        if (g->tok == NULL) // err still says why the tokenizer did not load
+            return fail("structured outputs need the model's tokenizer: %s", err);
+        if (tdm_grammar_vocab_from_tokenizer(&g->gvocab, g->tok, -1, err, errlen) != TDM_OK)
+            return fail("%s", err);
+    }
+    return 0;
+}
+
+// A KV cache just large enough for the prompt and max_tokens, and the output
+// buffers. 0, or 1 (told).
+static int alloc_run(const struct args *a, struct gen *g, char *err, size_t errlen)
+{
+    struct tdm_kv_config kc;
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(g->m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = (g->n_prompt + a->max_tokens + kc.block_size - 1) / kc.block_size + 1;
+    kc.enable_prefix_caching = false;
+    kc.dtype = a->kv_dtype;
+    if (tdm_model_kv_new(g->m, &kc, &g->kv, err, errlen) != TDM_OK)
+        return fail("%s", err);
+
+    const struct tdm_model_config *cfg = tdm_model_config(g->m);
+    g->out_ids = malloc((size_t)a->max_tokens * sizeof *g->out_ids);
+    if (a->dump_logits)
+        g->logits = malloc((size_t)a->max_tokens * (size_t)cfg->vocab_size * sizeof *g->logits);
+    if (g->out_ids == NULL || (a->dump_logits && g->logits == NULL))
+        return fail("%s", "out of memory");
+    return 0;
+}
+
+// The output: --json's object, else the text, else the ids.
+static void print_output(const struct args *a, struct gen *g, const struct tdm_gen_request *req,
+                         const struct tdm_gen_stats *st)
+{
+    size_t text_len = 0;
+    if (g->tok != NULL &&
+        tdm_tok_decode(g->tok, g->out_ids, (size_t)req->n_out, true, &g->text, &text_len) != TDM_OK)
+        g->text = NULL;
+    if (a->json) {
+        print_json(a, g->prompt, g->n_prompt, req, g->text, g->load_s, st);
+    } else if (g->text != NULL) {
+        fwrite(g->text, 1, text_len, stdout);
+        fputc('\n', stdout);
+    } else {
+        for (int i = 0; i < req->n_out; i++)
+            printf("%s%d", i ? "," : "", (int)g->out_ids[i]);
+        fputc('\n', stdout);
+    }
+}
+
+// Runs the prompt (chunked prefill, then decode), writes --dump-logits and
+// prints the output. 0, or 1 (told).
+static int generate(const struct args *a, struct gen *g, char *err, size_t errlen)
+{
+    struct tdm_gen_request req;
+    memset(&req, 0, sizeof req);
+    req.prompt = g->prompt;
+    req.n_prompt = g->n_prompt;
+    req.max_tokens = a->max_tokens;
+    req.params = a->sp;
+    req.out_ids = g->out_ids;
+    req.logits_out = g->logits;
+    struct tdm_gen_opts go;
+    tdm_gen_opts_default(&go);
+    go.chunk = a->chunk;
+    go.grammar_vocab = g->gvocab;
+    struct tdm_gen_stats st;
+    if (tdm_gen_run(g->m, g->kv, &req, 1, &go, &st, err, errlen) != TDM_OK)
+        return fail("%s", err);
+    const struct tdm_model_config *cfg = tdm_model_config(g->m);
+    if (a->dump_logits && write_logits(a->dump_logits, g->logits,
+                                       (size_t)req.n_out * (size_t)cfg->vocab_size) != TDM_OK)
+        return fail("%s: cannot write the logits", a->dump_logits);
+    print_output(a, g, &req, &st);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     struct args a;
+    struct gen g;
     char err[512];
-    int rc = 1;
-    struct tdm_model *m = NULL;
-    struct tdm_kv_cache *kv = NULL;
-    struct tdm_tokenizer *tok = NULL;
-    int32_t *prompt = NULL, *out_ids = NULL;
-    float *logits = NULL;
-    char *text = NULL;
-    char *constraint_text = NULL;
-    struct tdm_grammar_vocab *gvocab = NULL;
-    int n_prompt = 0;
+    memset(&g, 0, sizeof g);
 
     bool stop = false;
     int exit_code = parse_args(&a, argc, argv, &stop);
@@ -360,136 +504,12 @@ int main(int argc, char **argv)
         return exit_code;
     tdm_log_set_role("generate");
     tdm_log_set_level_name("warn"); // stderr carries errors only
-    if (constraint_setup(&a, &constraint_text, err, sizeof err) != TDM_OK) {
-        fail("%s", err);
-        goto out;
-    }
-
-    double t0 = tdm_now();
-    struct tdm_model_opts mo;
-    tdm_model_opts_default(&mo);
-    mo.weights = a.weights;
-    mo.num_threads = a.threads;
-    mo.enforce_eager = a.enforce_eager;
-    if (tdm_model_opts_set_device(&mo, a.device, err, sizeof err) != TDM_OK) {
-        fail("%s", err);
-        goto out;
-    }
-    mo.max_batch_seqs = 1;
-    mo.max_batch_tokens = a.chunk < 512 ? a.chunk : 512;
-    if (tdm_model_load(&m, a.model, &mo, err, sizeof err) != TDM_OK) {
-        fail("%s", err);
-        goto out;
-    }
-    double load_s = tdm_now() - t0;
-    const struct tdm_model_config *cfg = tdm_model_config(m);
-
-    // The tokenizer is needed for text prompts; with ids it only decodes the output.
-    int trc = tdm_tok_load(&tok, a.model, err, sizeof err);
-    if (trc != TDM_OK) {
-        tok = NULL;
-        if (a.prompt != NULL) {
-            fail("%s", err);
-            goto out;
-        }
-    }
-    if (a.prompt != NULL) {
-        size_t n;
-        if (tdm_tok_encode(tok, a.prompt, strlen(a.prompt), true, &prompt, &n) != TDM_OK ||
-            n == 0) {
-            fail("%s", "the prompt encodes to no tokens");
-            goto out;
-        }
-        n_prompt = (int)n;
-    } else {
-        int prc = parse_ids(a.prompt_ids, &prompt, &n_prompt);
-        if (prc == TDM_ENOMEM) {
-            fail("%s", "out of memory");
-            goto out;
-        }
-        if (prc != TDM_OK) {
-            fail("--prompt-ids needs comma-separated non-negative integers, got \"%s\"",
-                 a.prompt_ids);
-            goto out;
-        }
-    }
-
-    if (a.sp.constraint != TDM_CONSTRAINT_NONE) {
-        if (tok == NULL) {
-            fail("structured outputs need the model's tokenizer: %s", err);
-            goto out;
-        }
-        if (tdm_grammar_vocab_from_tokenizer(&gvocab, tok, -1, err, sizeof err) != TDM_OK) {
-            fail("%s", err);
-            goto out;
-        }
-    }
-
-    struct tdm_kv_config kc;
-    memset(&kc, 0, sizeof kc);
-    tdm_model_kv_config(m, &kc);
-    kc.block_size = 16;
-    kc.num_blocks = (n_prompt + a.max_tokens + kc.block_size - 1) / kc.block_size + 1;
-    kc.enable_prefix_caching = false;
-    kc.dtype = a.kv_dtype;
-    if (tdm_model_kv_new(m, &kc, &kv, err, sizeof err) != TDM_OK) {
-        fail("%s", err);
-        goto out;
-    }
-
-    out_ids = malloc((size_t)a.max_tokens * sizeof *out_ids);
-    if (a.dump_logits)
-        logits = malloc((size_t)a.max_tokens * (size_t)cfg->vocab_size * sizeof *logits);
-    if (out_ids == NULL || (a.dump_logits && logits == NULL)) {
-        fail("%s", "out of memory");
-        goto out;
-    }
-    struct tdm_gen_request req;
-    memset(&req, 0, sizeof req);
-    req.prompt = prompt;
-    req.n_prompt = n_prompt;
-    req.max_tokens = a.max_tokens;
-    req.params = a.sp;
-    req.out_ids = out_ids;
-    req.logits_out = logits;
-    struct tdm_gen_opts go;
-    tdm_gen_opts_default(&go);
-    go.chunk = a.chunk;
-    go.grammar_vocab = gvocab;
-    struct tdm_gen_stats st;
-    if (tdm_gen_run(m, kv, &req, 1, &go, &st, err, sizeof err) != TDM_OK) {
-        fail("%s", err);
-        goto out;
-    }
-    if (a.dump_logits && write_logits(a.dump_logits, logits,
-                                      (size_t)req.n_out * (size_t)cfg->vocab_size) != TDM_OK) {
-        fail("%s: cannot write the logits", a.dump_logits);
-        goto out;
-    }
-    size_t text_len = 0;
-    if (tok != NULL &&
-        tdm_tok_decode(tok, out_ids, (size_t)req.n_out, true, &text, &text_len) != TDM_OK)
-        text = NULL;
-    if (a.json) {
-        print_json(&a, prompt, n_prompt, &req, text, load_s, &st);
-    } else if (text != NULL) {
-        fwrite(text, 1, text_len, stdout);
-        fputc('\n', stdout);
-    } else {
-        for (int i = 0; i < req.n_out; i++)
-            printf("%s%d", i ? "," : "", (int)out_ids[i]);
-        fputc('\n', stdout);
-    }
-    rc = 0;
-out:
-    free(text);
-    tdm_grammar_vocab_free(gvocab);
-    free(constraint_text);
-    free(logits);
-    free(out_ids);
-    free(prompt);
-    tdm_tok_free(tok);
-    tdm_kv_free(kv);
-    tdm_model_free(m);
+    int rc;
+    if (constraint_setup(&a, &g.constraint_text, err, sizeof err) != TDM_OK)
+        rc = fail("%s", err);
+    else
+        rc = load_model(&a, &g, err, sizeof err) || load_prompt(&a, &g, err, sizeof err) ||
+             alloc_run(&a, &g, err, sizeof err) || generate(&a, &g, err, sizeof err);
+    gen_free(&g);
     return rc;
 }

@@ -382,7 +382,8 @@ struct word {
     int count; // occurrences in the text
 };
 
-static int build_vocab(struct vocab *v, int target, char *err, size_t errlen)
+// The 256 byte tokens, ids 0..255, in GPT-2's byte-to-unicode spelling.
+static int add_byte_tokens(struct vocab *v, char *err, size_t errlen)
 {
     int cp[256];
     byte_unicode_table(cp);
@@ -395,19 +396,20 @@ static int build_vocab(struct vocab *v, int target, char *err, size_t errlen)
             return tdm_seterr(err, errlen, TDM_ENOMEM, "mkmodel: out of memory");
         }
     }
+    return TDM_OK;
+}
 
-    // Unique pieces of the text with their counts.
+// Unique pieces of the built-in text with their counts, as byte symbols, into
+// words[0..*nwords) (words has room for one per byte of the text). On failure
+// *nwords still counts the words to free.
+static int collect_words(struct word *words, int *nwords, char *err, size_t errlen)
+{
     size_t n = strlen(builtin_text);
-    struct word *words = calloc(n, sizeof *words);
-    struct pair_count *pairs = NULL;
-    int nwords = 0, rc = TDM_OK;
-    if (words == NULL)
-        return tdm_seterr(err, errlen, TDM_ENOMEM, "mkmodel: out of memory");
     for (size_t i = 0; i < n;) {
         size_t j = next_piece(builtin_text, i, n);
         int len = (int)(j - i);
         int w;
-        for (w = 0; w < nwords; w++) {
+        for (w = 0; w < *nwords; w++) {
             if (words[w].n != len)
                 continue;
             int k = 0;
@@ -416,75 +418,98 @@ static int build_vocab(struct vocab *v, int target, char *err, size_t errlen)
             if (k == len)
                 break;
         }
-        if (w == nwords) {
+        if (w == *nwords) {
             words[w].sym = malloc((size_t)len * sizeof(int));
-            if (words[w].sym == NULL) {
-                rc = tdm_seterr(err, errlen, TDM_ENOMEM, "mkmodel: out of memory");
-                goto out;
-            }
+            if (words[w].sym == NULL)
+                return tdm_seterr(err, errlen, TDM_ENOMEM, "mkmodel: out of memory");
             for (int k = 0; k < len; k++)
                 words[w].sym[k] = (unsigned char)builtin_text[i + k];
             words[w].n = len;
-            nwords++;
+            (*nwords)++;
         }
         words[w].count++;
         i = j;
     }
+    return TDM_OK;
+}
 
-    // Learn merges: most frequent adjacent pair (count >= 2) first. Each round
-    // lists every adjacent pair with its word's count, sorts and sums runs.
+// The most frequent adjacent pair (count >= 2) over the words, into *ba, *bb
+// (-1: none). pairs has room for every adjacent pair.
+static void most_frequent_pair(const struct word *words, int nwords, struct pair_count *pairs,
+                               int *ba, int *bb)
+{
+    // Every adjacent pair with its word's count, sorted; runs are summed.
+    int np = 0;
+    for (int w = 0; w < nwords; w++)
+        for (int k = 0; k + 1 < words[w].n; k++)
+            pairs[np++] = (struct pair_count){words[w].sym[k], words[w].sym[k + 1], words[w].count};
+    qsort(pairs, (size_t)np, sizeof *pairs, pair_cmp);
+    long best = 1;
+    *ba = -1;
+    *bb = -1;
+    for (int i = 0; i < np;) {
+        int j = i;
+        long cnt = 0;
+        while (j < np && pairs[j].a == pairs[i].a && pairs[j].b == pairs[i].b)
+            cnt += pairs[j++].count;
+        if (cnt > best) { // runs come in (a, b) order: ties keep the smaller pair
+            best = cnt;
+            *ba = pairs[i].a;
+            *bb = pairs[i].b;
+        }
+        i = j;
+    }
+}
+
+// Replaces every adjacent (a, b) in the words by id.
+static void apply_merge(struct word *words, int nwords, int a, int b, int id)
+{
+    for (int w = 0; w < nwords; w++) {
+        int o = 0;
+        for (int k = 0; k < words[w].n; k++) {
+            if (k + 1 < words[w].n && words[w].sym[k] == a && words[w].sym[k + 1] == b) {
+                words[w].sym[o++] = id;
+                k++;
+            } else {
+                words[w].sym[o++] = words[w].sym[k];
+            }
+        }
+        words[w].n = o;
+    }
+}
+
+// Learn merges: most frequent adjacent pair (count >= 2) first, until the
+// vocabulary holds target tokens or no pair repeats.
+static int learn_merges(struct vocab *v, int target, struct word *words, int nwords, char *err,
+                        size_t errlen)
+{
     int total_syms = 0;
     for (int w = 0; w < nwords; w++)
         total_syms += words[w].n;
-    pairs = malloc((size_t)(total_syms + 1) * sizeof *pairs);
-    if (pairs == NULL) {
-        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "mkmodel: out of memory");
-        goto out;
-    }
+    struct pair_count *pairs = malloc((size_t)(total_syms + 1) * sizeof *pairs);
+    if (pairs == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "mkmodel: out of memory");
+    int rc = TDM_OK;
     while (v->n < target) {
-        int np = 0;
-        for (int w = 0; w < nwords; w++)
-            for (int k = 0; k + 1 < words[w].n; k++)
-                pairs[np++] =
-                    (struct pair_count){words[w].sym[k], words[w].sym[k + 1], words[w].count};
-        qsort(pairs, (size_t)np, sizeof *pairs, pair_cmp);
-        long best = 1;
-        int ba = -1, bb = -1;
-        for (int i = 0; i < np;) {
-            int j = i;
-            long cnt = 0;
-            while (j < np && pairs[j].a == pairs[i].a && pairs[j].b == pairs[i].b)
-                cnt += pairs[j++].count;
-            if (cnt > best) { // runs come in (a, b) order: ties keep the smaller pair
-                best = cnt;
-                ba = pairs[i].a;
-                bb = pairs[i].b;
-            }
-            i = j;
-        }
+        int ba, bb;
+        most_frequent_pair(words, nwords, pairs, &ba, &bb);
         if (ba < 0)
             break;
         int id;
         bool added;
         if ((rc = vocab_merge(v, ba, bb, &id, &added)) != TDM_OK) {
             rc = tdm_seterr(err, errlen, rc, "mkmodel: out of memory");
-            goto out;
+            break;
         }
-        for (int w = 0; w < nwords; w++) {
-            int o = 0;
-            for (int k = 0; k < words[w].n; k++) {
-                if (k + 1 < words[w].n && words[w].sym[k] == ba && words[w].sym[k + 1] == bb) {
-                    words[w].sym[o++] = id;
-                    k++;
-                } else {
-                    words[w].sym[o++] = words[w].sym[k];
-                }
-            }
-            words[w].n = o;
-        }
+        apply_merge(words, nwords, ba, bb, id);
     }
+    free(pairs);
+    return rc;
+}
 
-    // Fill up with merges token + byte (letters first), in id order.
+// Fill up with merges token + byte (letters first), in id order.
+static int fill_byte_merges(struct vocab *v, int target, char *err, size_t errlen)
+{
     static const char order[] = "etaoinshrdlcumwfgypbvkjxqzETAOINSHRDLCUMWFGYPBVKJXQZ";
     int byte_order[256], nb = 0;
     bool used[256] = {false};
@@ -499,27 +524,39 @@ static int build_vocab(struct vocab *v, int target, char *err, size_t errlen)
         for (int k = 0; k < 256 && v->n < target; k++) {
             int b = byte_order[k];
             char *cand = concat2(v->str[i], v->str[b], 0);
-            if (cand == NULL) {
-                rc = tdm_seterr(err, errlen, TDM_ENOMEM, "mkmodel: out of memory");
-                goto out;
-            }
+            if (cand == NULL)
+                return tdm_seterr(err, errlen, TDM_ENOMEM, "mkmodel: out of memory");
             bool exists = vocab_find(v, cand) >= 0;
             free(cand);
             if (exists)
                 continue;
             int id;
             bool added;
-            if ((rc = vocab_merge(v, i, b, &id, &added)) != TDM_OK) {
-                rc = tdm_seterr(err, errlen, rc, "mkmodel: out of memory");
-                goto out;
-            }
+            int rc = vocab_merge(v, i, b, &id, &added);
+            if (rc != TDM_OK)
+                return tdm_seterr(err, errlen, rc, "mkmodel: out of memory");
         }
     }
-out:
+    return TDM_OK;
+}
+
+static int build_vocab(struct vocab *v, int target, char *err, size_t errlen)
+{
+    int rc = add_byte_tokens(v, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    struct word *words = calloc(strlen(builtin_text), sizeof *words);
+    if (words == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "mkmodel: out of memory");
+    int nwords = 0;
+    rc = collect_words(words, &nwords, err, errlen);
+    if (rc == TDM_OK)
+        rc = learn_merges(v, target, words, nwords, err, errlen);
+    if (rc == TDM_OK)
+        rc = fill_byte_merges(v, target, err, errlen);
     for (int w = 0; w < nwords; w++)
         free(words[w].sym);
     free(words);
-    free(pairs);
     return rc;
 }
 

@@ -1335,12 +1335,11 @@ static bool supervise(const struct up_opts *o)
 // tandem:router_ready_endpoints gauge), so the first request can already be
 // disaggregated. Returns true when the counts match, or when the router does
 // not export the gauge (nothing more to wait for then).
-static bool router_sees_all(const char *host, const struct child *router, int n_prefill,
-                            int n_decode, char *why, size_t whylen)
+// metrics_sees_all reads a /metrics page already fetched; router_sees_all
+// fetches one.
+static bool metrics_sees_all(const char *body, int n_prefill, int n_decode, char *why,
+                             size_t whylen)
 {
-    static char body[1 << 18];
-    if (http_get(host, router->http_port, "/metrics", 1.0, body, sizeof body, why, whylen) != 200)
-        return false;
     static const char *const roles[2] = {"prefill", "decode"};
     int want[2] = {n_prefill, n_decode};
     for (int r = 0; r < 2; r++) {
@@ -1357,6 +1356,15 @@ static bool router_sees_all(const char *host, const struct child *router, int n_
         }
     }
     return true;
+}
+
+static bool router_sees_all(const char *host, const struct child *router, int n_prefill,
+                            int n_decode, char *why, size_t whylen)
+{
+    static char body[1 << 18];
+    if (http_get(host, router->http_port, "/metrics", 1.0, body, sizeof body, why, whylen) != 200)
+        return false;
+    return metrics_sees_all(body, n_prefill, n_decode, why, whylen);
 }
 
 // One readiness probe of c: /health 200; for a worker behind the router also
@@ -1655,6 +1663,36 @@ static int next_index(enum child_role role)
     return n;
 }
 
+// The router's count of successful config reloads in a /metrics page (-1:
+// not known).
+static long metrics_reloads(const char *body)
+{
+    const char *key = "tandem:router_config_reload_total{result=\"success\"} ";
+    const char *at = strstr(body, key);
+    return at ? atol(at + strlen(key)) : -1;
+}
+
+// One look at the router's /metrics, for router_follow: true when it counts a
+// reload after before (before < 0: any) and every worker ready. Else false,
+// with why set as router_sees_all sets it once the reload is counted (left
+// as it was while it is not).
+static bool router_took_config(const struct up_opts *o, const char *host, long before, char *why,
+                               size_t whylen)
+{
+    static char body[1 << 18];
+    char fetch_why[160];
+    int st = http_get(host, children[0].http_port, "/metrics", 2.0, body, sizeof body, fetch_why,
+                      sizeof fetch_why);
+    long now = st == 200 ? metrics_reloads(body) : -1;
+    if (!(before < 0 || now > before))
+        return false;
+    if (st != 200) {
+        snprintf(why, whylen, "%s", fetch_why);
+        return false;
+    }
+    return metrics_sees_all(body, o->n_prefill, o->n_decode, why, whylen);
+}
+
 // The router's count of successful config reloads (-1: not known).
 static long router_reloads(const char *host)
 {
@@ -1663,9 +1701,7 @@ static long router_reloads(const char *host)
     if (http_get(host, children[0].http_port, "/metrics", 2.0, body, sizeof body, why,
                  sizeof why) != 200)
         return -1;
-    const char *key = "tandem:router_config_reload_total{result=\"success\"} ";
-    const char *at = strstr(body, key);
-    return at ? atol(at + strlen(key)) : -1;
+    return metrics_reloads(body);
 }
 
 // Waits (pumping the children's output) until every child in new[0..n) is
@@ -1769,9 +1805,7 @@ static int router_follow(const struct up_opts *o, int cfd)
     char why[160] = "";
     for (;;) {
         pump(0.2);
-        long now = router_reloads(h);
-        if ((before < 0 || now > before) &&
-            router_sees_all(h, &children[0], o->n_prefill, o->n_decode, why, sizeof why))
+        if (router_took_config(o, h, before, why, sizeof why))
             break;
         if (stop_signals || tdm_now() > deadline) {
             tell(cfd, "error: the router did not take the new config (%s)",
@@ -2039,6 +2073,159 @@ static int cmd_scale(int argc, char **argv)
     return 1;
 }
 
+// The binaries first: nothing is generated or downloaded for a stack that
+// cannot run. Fills bin[router, prefill, decode] and stk.bin; 0, or 1 (told).
+static int find_binaries(const struct up_opts *o, char bin[3][PATH_MAX])
+{
+    if ((!o->no_router && find_bin(o, "tandem-router", "router", bin[0], PATH_MAX)) ||
+        (o->n_prefill && find_bin(o, "tandem-prefill", "prefill", bin[1], PATH_MAX)) ||
+        find_bin(o, "tandem-decode", "decode", bin[2], PATH_MAX))
+        return 1;
+    for (int i = 0; i < 3; i++) // for `tandem scale` (prefill's may be found later)
+        if ((i == 0 && !o->no_router) || (i == 1 && o->n_prefill) || i == 2)
+            snprintf(stk.bin[i], sizeof stk.bin[i], "%s", bin[i]);
+    return 0;
+}
+
+// The control plane's shared secret (common/transport): one drawn per run
+// unless the operator gave one, so the stack's nng ports refuse any other
+// process. Children inherit it through the environment.
+static void draw_internal_secret(void)
+{
+    const char *sf = getenv("TANDEM_INTERNAL_SECRET_FILE"), *sv = getenv("TANDEM_INTERNAL_SECRET");
+    if ((!sf || !*sf) && (!sv || !*sv)) { // set but empty counts as unset, as for the services
+        char secret[65];
+        for (int i = 0; i < 4; i++)
+            snprintf(secret + 16 * i, 17, "%016llx", (unsigned long long)tdm_net_new_instance_id());
+        setenv("TANDEM_INTERNAL_SECRET", secret, 1);
+    }
+}
+
+// The model: a folder, a Hub id (downloaded or found in the cache), or the
+// demo. Writes its folder to model and the name clients send to *served;
+// 0, or 1 (told).
+static int resolve_model(const struct up_opts *o, char *model, size_t cap, const char **served)
+{
+    char err[1024];
+    *served = o->served_name;
+    if (o->model) {
+        struct tdm_hub_opts hub = {.progress = TDM_HUB_PROGRESS_AUTO};
+        int hrc = tdm_hub_resolve_model(o->model, o->revision, &hub, model, cap, err, sizeof err);
+        if (hrc != TDM_OK) {
+            say("--model %s: %s", o->model, err);
+            return 1;
+        }
+        struct stat mst;
+        if (!*served && !(stat(o->model, &mst) == 0 && S_ISDIR(mst.st_mode)))
+            *served = o->model; // a Hub id: clients send the id, as with vllm serve
+    } else {
+        if (demo_model(o, model, cap) != 0)
+            return 1;
+        if (!*served)
+            *served = "tandem-demo";
+    }
+    return 0;
+}
+
+// Tool choice "auto" (the SDKs' default whenever tools are sent) works out of
+// the box: the parser the model's chat template writes calls for, unless
+// the user chose (issue 28, item 3).
+static void choose_auto_tools(struct up_opts *o, const char *model)
+{
+    if (!o->no_auto_tools && !(o->tool_parser && *o->tool_parser)) {
+        char err[1024];
+        enum tdm_oai_tool_parser tp = TDM_OAI_TOOL_PARSER_NONE;
+        if (tdm_oai_tool_parser_for_model(model, &tp, err, sizeof err) != TDM_OK)
+            say("reading the chat template for tool calls: %s", err);
+        if (tp != TDM_OAI_TOOL_PARSER_NONE) {
+            o->auto_tool_choice = true;
+            o->tool_parser = tdm_oai_tool_parser_name(tp);
+            say("tool_choice \"auto\" is on: --enable-auto-tool-choice --tool-call-parser %s "
+                "(the model's chat template writes %s calls; --no-auto-tool-choice turns it off)",
+                o->tool_parser, o->tool_parser);
+        }
+    }
+    if (o->no_auto_tools)
+        o->auto_tool_choice = false;
+}
+
+// --threads-per-worker, or the cores shared out among the workers.
+static int worker_threads(const struct up_opts *o)
+{
+    int workers = o->n_prefill + o->n_decode;
+    int threads = o->threads_per_worker;
+    if (threads == 0) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        threads = cores > workers ? (int)(cores / workers) : 1;
+    }
+    return threads;
+}
+
+// Serves the ready stack until a signal (or, with --restart never, a child's
+// death), then stops it. The exit status.
+static int serve_until_stopped(struct up_opts *o, const char *cfg_path)
+{
+    bool dead = false;
+    while (!stop_signals && !dead) {
+        pump(0.5);
+        if (hup_pending) {
+            // SIGHUP: the router re-reads its config now (as tandem-router does).
+            hup_pending = 0;
+            if (!o->no_router && child_running(&children[0])) {
+                say("SIGHUP: the router reloads %s", cfg_path);
+                kill(children[0].pid, SIGHUP);
+            }
+        }
+        dead = !supervise(o);
+        if (ctl_pending && !stop_signals && !dead)
+            control_serve(o); // `tandem scale`
+    }
+    if (dead) {
+        stop_stack(o);
+        return 1;
+    }
+    say("stopping: router first, then the workers drain (a second Ctrl-C kills)");
+    int rc = stop_stack(o) ? 0 : 1;
+    say("stopped");
+    return rc;
+}
+
+// Starts every child, waits for the stack to be ready, serves, stops. model
+// and served must outlive the stack (stk keeps them). The exit status.
+static int run_stack(struct up_opts *o, const char *model, const char *served, const char *cfg_path,
+                     double t0)
+{
+    int threads = worker_threads(o);
+    if (device_may_be_gpu(o) && o->gpu_util == 0)
+        o->gpu_util = gpu_share(o); // fixed now: workers `tandem scale` adds get the same
+    stk.model = model;
+    stk.served = served;
+    stk.threads = threads;
+    snprintf(stk.cfg_path, sizeof stk.cfg_path, "%s", cfg_path);
+    control_open(children[0].http_port);
+    say("starting %s%d decode + %d prefill workers (%d threads each), model %s",
+        o->no_router ? "" : "the router, ", o->n_decode, o->n_prefill, threads, model);
+    if (device_may_be_gpu(o))
+        say("workers on --device %s; on a GPU each gets --gpu-memory-utilization %.2f of it",
+            o->device ? o->device : "auto", gpu_share(o));
+    if (launch_all(o, model, served, cfg_path, threads) != 0) {
+        stop_stack(o);
+        return 1;
+    }
+    int wrc = wait_ready(o);
+    if (wrc == 0) {
+        print_ready(o, model, served, cfg_path, t0);
+        return serve_until_stopped(o, cfg_path);
+    }
+    if (wrc == 1) {
+        say("stopping before the stack was ready");
+        return stop_stack(o) ? 0 : 1;
+    }
+    say("startup failed: stopping the rest");
+    stop_stack(o);
+    return 1;
+}
+
 static int cmd_up(int argc, char **argv)
 {
     struct up_opts o;
@@ -2057,25 +2244,10 @@ static int cmd_up(int argc, char **argv)
     int rc = 1;
     char cfg_dir[PATH_MAX] = "", cfg_path[PATH_MAX] = "";
 
-    // The binaries first: nothing is generated or downloaded for a stack that cannot run.
     char bin[3][PATH_MAX];
-    if ((!o.no_router && find_bin(&o, "tandem-router", "router", bin[0], sizeof bin[0])) ||
-        (o.n_prefill && find_bin(&o, "tandem-prefill", "prefill", bin[1], sizeof bin[1])) ||
-        find_bin(&o, "tandem-decode", "decode", bin[2], sizeof bin[2]))
+    if (find_binaries(&o, bin) != 0)
         return 1;
-    for (int i = 0; i < 3; i++) // for `tandem scale` (prefill's may be found later)
-        if ((i == 0 && !o.no_router) || (i == 1 && o.n_prefill) || i == 2)
-            snprintf(stk.bin[i], sizeof stk.bin[i], "%s", bin[i]);
-    // The control plane's shared secret (common/transport): one drawn per run
-    // unless the operator gave one, so the stack's nng ports refuse any other
-    // process. Children inherit it through the environment.
-    const char *sf = getenv("TANDEM_INTERNAL_SECRET_FILE"), *sv = getenv("TANDEM_INTERNAL_SECRET");
-    if ((!sf || !*sf) && (!sv || !*sv)) { // set but empty counts as unset, as for the services
-        char secret[65];
-        for (int i = 0; i < 4; i++)
-            snprintf(secret + 16 * i, 17, "%016llx", (unsigned long long)tdm_net_new_instance_id());
-        setenv("TANDEM_INTERNAL_SECRET", secret, 1);
-    }
+    draw_internal_secret();
     if (!o.no_router)
         add_child(CHILD_ROUTER, 0, bin[0]);
     for (int i = 0; i < o.n_decode; i++)
@@ -2085,44 +2257,11 @@ static int cmd_up(int argc, char **argv)
     if (assign_ports(&o, 0) != 0) // a taken port is reported before any download
         return 1;
 
-    // The model: a folder, a Hub id (downloaded or found in the cache), or the demo.
-    char model[PATH_MAX], err[1024];
-    const char *served = o.served_name;
-    if (o.model) {
-        struct tdm_hub_opts hub = {.progress = TDM_HUB_PROGRESS_AUTO};
-        int hrc =
-            tdm_hub_resolve_model(o.model, o.revision, &hub, model, sizeof model, err, sizeof err);
-        if (hrc != TDM_OK) {
-            say("--model %s: %s", o.model, err);
-            return 1;
-        }
-        struct stat mst;
-        if (!served && !(stat(o.model, &mst) == 0 && S_ISDIR(mst.st_mode)))
-            served = o.model; // a Hub id: clients send the id, as with vllm serve
-    } else {
-        if (demo_model(&o, model, sizeof model) != 0)
-            return 1;
-        if (!served)
-            served = "tandem-demo";
-    }
-
-    // Tool choice "auto" (the SDKs' default whenever tools are sent) works out of
-    // the box: the parser the model's chat template writes calls for, unless
-    // the user chose (issue 28, item 3).
-    if (!o.no_auto_tools && !(o.tool_parser && *o.tool_parser)) {
-        enum tdm_oai_tool_parser tp = TDM_OAI_TOOL_PARSER_NONE;
-        if (tdm_oai_tool_parser_for_model(model, &tp, err, sizeof err) != TDM_OK)
-            say("reading the chat template for tool calls: %s", err);
-        if (tp != TDM_OAI_TOOL_PARSER_NONE) {
-            o.auto_tool_choice = true;
-            o.tool_parser = tdm_oai_tool_parser_name(tp);
-            say("tool_choice \"auto\" is on: --enable-auto-tool-choice --tool-call-parser %s "
-                "(the model's chat template writes %s calls; --no-auto-tool-choice turns it off)",
-                o.tool_parser, o.tool_parser);
-        }
-    }
-    if (o.no_auto_tools)
-        o.auto_tool_choice = false;
+    char model[PATH_MAX]; // stk.model points here while the stack runs
+    const char *served;
+    if (resolve_model(&o, model, sizeof model, &served) != 0)
+        return 1;
+    choose_auto_tools(&o, model);
 
     // Again just before the start: a long download gave other programs time to
     // take a port found free earlier.
@@ -2134,68 +2273,10 @@ static int cmd_up(int argc, char **argv)
         say("cannot install signal handlers: %s", strerror(errno));
         return 1;
     }
-    if (!o.no_router &&
-        write_router_config(&o, cfg_dir, sizeof cfg_dir, cfg_path, sizeof cfg_path) != 0)
-        goto out;
+    if (o.no_router ||
+        write_router_config(&o, cfg_dir, sizeof cfg_dir, cfg_path, sizeof cfg_path) == 0)
+        rc = run_stack(&o, model, served, cfg_path, t0);
 
-    int workers = o.n_prefill + o.n_decode;
-    int threads = o.threads_per_worker;
-    if (threads == 0) {
-        long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        threads = cores > workers ? (int)(cores / workers) : 1;
-    }
-    if (device_may_be_gpu(&o) && o.gpu_util == 0)
-        o.gpu_util = gpu_share(&o); // fixed now: workers `tandem scale` adds get the same
-    stk.model = model;
-    stk.served = served;
-    stk.threads = threads;
-    snprintf(stk.cfg_path, sizeof stk.cfg_path, "%s", cfg_path);
-    control_open(children[0].http_port);
-    say("starting %s%d decode + %d prefill workers (%d threads each), model %s",
-        o.no_router ? "" : "the router, ", o.n_decode, o.n_prefill, threads, model);
-    if (device_may_be_gpu(&o))
-        say("workers on --device %s; on a GPU each gets --gpu-memory-utilization %.2f of it",
-            o.device ? o.device : "auto", gpu_share(&o));
-    if (launch_all(&o, model, served, cfg_path, threads) != 0) {
-        stop_stack(&o);
-        goto out;
-    }
-    int wrc = wait_ready(&o);
-    if (wrc == 0) {
-        print_ready(&o, model, served, cfg_path, t0);
-        // Serve until a signal (or, with --restart never, a child's death).
-        bool dead = false;
-        while (!stop_signals && !dead) {
-            pump(0.5);
-            if (hup_pending) {
-                // SIGHUP: the router re-reads its config now (as tandem-router does).
-                hup_pending = 0;
-                if (!o.no_router && child_running(&children[0])) {
-                    say("SIGHUP: the router reloads %s", cfg_path);
-                    kill(children[0].pid, SIGHUP);
-                }
-            }
-            dead = !supervise(&o);
-            if (ctl_pending && !stop_signals && !dead)
-                control_serve(&o); // `tandem scale`
-        }
-        if (dead) {
-            stop_stack(&o);
-            rc = 1;
-        } else {
-            say("stopping: router first, then the workers drain (a second Ctrl-C kills)");
-            rc = stop_stack(&o) ? 0 : 1;
-            say("stopped");
-        }
-    } else if (wrc == 1) {
-        say("stopping before the stack was ready");
-        rc = stop_stack(&o) ? 0 : 1;
-    } else {
-        say("startup failed: stopping the rest");
-        stop_stack(&o);
-        rc = 1;
-    }
-out:
     control_close();
     for (int i = 0; i < n_children; i++) {
         free(children[i].argv);
