@@ -1389,107 +1389,98 @@ static void *engine_main(void *arg)
 }
 
 // ---- creation and shutdown ----------------------------------------------------------------
-int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
-                   const struct tdm_engine_config *cfg_in, char *err, size_t errlen)
+
+// Checks cfg and resolves its defaults and the model's bounds in place
+// (mask_threads, the speculative config, max_model_len, the batch limits).
+static int engine_config_check(struct tdm_engine_config *cfg, struct tdm_model *model, char *err,
+                               size_t errlen)
 {
-    struct tdm_engine_config cfg;
-    int rc;
-    *out = NULL;
-    if (model == NULL)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: no model");
-    if (cfg_in)
-        cfg = *cfg_in;
-    else
-        tdm_engine_config_default(&cfg);
     const struct tdm_model_config *mc = tdm_model_config(model);
     const struct tdm_model_opts *mo = tdm_model_opts(model);
-    if (cfg.block_size <= 0)
+    if (cfg->block_size <= 0)
         return tdm_seterr(err, errlen, TDM_EINVAL, "engine: block_size must be > 0, got %d",
-                          cfg.block_size);
-    if (cfg.num_blocks < 0)
+                          cfg->block_size);
+    if (cfg->num_blocks < 0)
         return tdm_seterr(err, errlen, TDM_EINVAL, "engine: num_blocks must be >= 0, got %d",
-                          cfg.num_blocks);
-    if (cfg.max_num_batched_tokens <= 0 || cfg.max_num_seqs <= 0 || cfg.max_waiting <= 0 ||
-        cfg.max_model_len < 0)
+                          cfg->num_blocks);
+    if (cfg->max_num_batched_tokens <= 0 || cfg->max_num_seqs <= 0 || cfg->max_waiting <= 0 ||
+        cfg->max_model_len < 0)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "engine: max_num_batched_tokens, max_num_seqs and max_waiting must be "
                           "> 0 and max_model_len >= 0");
-    if (cfg.kv_event_capacity < 0)
+    if (cfg->kv_event_capacity < 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: kv_event_capacity must be >= 0, got %d",
+                          cfg->kv_event_capacity);
+    if (cfg->mask_threads < 0 || cfg->mask_threads > 64)
         return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "engine: kv_event_capacity must be >= 0, got %d", cfg.kv_event_capacity);
-    if (cfg.mask_threads < 0 || cfg.mask_threads > 64)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: mask_threads must be in [0, 64], got %d",
-                          cfg.mask_threads);
-    if (cfg.mask_threads == 0) { // a quarter of the cores, 1 to 4: the forward keeps the rest
+                          "engine: mask_threads must be in [0, 64], got %d", cfg->mask_threads);
+    if (cfg->mask_threads == 0) { // a quarter of the cores, 1 to 4: the forward keeps the rest
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        cfg.mask_threads = cores >= 16 ? 4 : cores >= 8 ? (int)(cores / 4) : 1;
+        cfg->mask_threads = cores >= 16 ? 4 : cores >= 8 ? (int)(cores / 4) : 1;
     }
     char serr[160];
-    if (tdm_spec_config_resolve(&cfg.spec, serr, sizeof serr) != TDM_OK)
+    if (tdm_spec_config_resolve(&cfg->spec, serr, sizeof serr) != TDM_OK)
         return tdm_seterr(err, errlen, TDM_EINVAL, "engine: speculative config: %s", serr);
-    if (cfg.max_model_len == 0)
-        cfg.max_model_len = mc->max_position_embeddings;
-    if (cfg.max_model_len > mc->max_position_embeddings || cfg.max_model_len < 2)
+    if (cfg->max_model_len == 0)
+        cfg->max_model_len = mc->max_position_embeddings;
+    if (cfg->max_model_len > mc->max_position_embeddings || cfg->max_model_len < 2)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "engine: max_model_len %d outside [2, %d] (the model's context)",
-                          cfg.max_model_len, mc->max_position_embeddings);
-    if (cfg.max_num_batched_tokens > mo->max_batch_tokens)
-        cfg.max_num_batched_tokens = mo->max_batch_tokens;
-    if (cfg.max_num_seqs > mo->max_batch_seqs)
-        cfg.max_num_seqs = mo->max_batch_seqs;
+                          cfg->max_model_len, mc->max_position_embeddings);
+    if (cfg->max_num_batched_tokens > mo->max_batch_tokens)
+        cfg->max_num_batched_tokens = mo->max_batch_tokens;
+    if (cfg->max_num_seqs > mo->max_batch_seqs)
+        cfg->max_num_seqs = mo->max_batch_seqs;
     // Every running request must get its decode token in every step, or the
     // tail of the running set would starve (vLLM requires the same).
-    if (cfg.max_num_seqs > cfg.max_num_batched_tokens)
-        cfg.max_num_seqs = cfg.max_num_batched_tokens;
+    if (cfg->max_num_seqs > cfg->max_num_batched_tokens)
+        cfg->max_num_seqs = cfg->max_num_batched_tokens;
+    return TDM_OK;
+}
 
-    struct tdm_kv_config kc;
-    memset(&kc, 0, sizeof kc);
-    tdm_model_kv_config(model, &kc);
-    kc.block_size = cfg.block_size;
-    kc.enable_prefix_caching = cfg.enable_prefix_caching;
-    kc.dtype = cfg.kv_dtype;
-    if (cfg.num_blocks == 0) {
-        kc.num_blocks = 1;
-        size_t bb = tdm_kv_block_bytes(&kc);
-        size_t nb = bb ? cfg.kv_memory_bytes / bb : 0;
+// The KV cache's config for cfg; sizes cfg->num_blocks from kv_memory_bytes
+// when it is 0.
+static int engine_kv_config(struct tdm_kv_config *kc, struct tdm_engine_config *cfg,
+                            struct tdm_model *model, char *err, size_t errlen)
+{
+    memset(kc, 0, sizeof *kc);
+    tdm_model_kv_config(model, kc);
+    kc->block_size = cfg->block_size;
+    kc->enable_prefix_caching = cfg->enable_prefix_caching;
+    kc->dtype = cfg->kv_dtype;
+    if (cfg->num_blocks == 0) {
+        kc->num_blocks = 1;
+        size_t bb = tdm_kv_block_bytes(kc);
+        size_t nb = bb ? cfg->kv_memory_bytes / bb : 0;
         if (nb < 1)
             return tdm_seterr(err, errlen, TDM_EINVAL,
                               "engine: kv_memory_bytes %zu holds no block of %zu bytes",
-                              cfg.kv_memory_bytes, bb);
-        cfg.num_blocks =
-            nb > (size_t)(INT32_MAX / cfg.block_size) ? INT32_MAX / cfg.block_size : (int)nb;
+                              cfg->kv_memory_bytes, bb);
+        cfg->num_blocks =
+            nb > (size_t)(INT32_MAX / cfg->block_size) ? INT32_MAX / cfg->block_size : (int)nb;
     }
-    kc.num_blocks = cfg.num_blocks;
+    kc->num_blocks = cfg->num_blocks;
+    return TDM_OK;
+}
 
-    struct tdm_engine *e = calloc(1, sizeof *e);
-    if (e == NULL)
-        return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
-    e->cfg = cfg;
-    e->model = model;
-    e->fused_argmax = tdm_model_fused_argmax(model);
-    e->m = cfg.metrics;
-    e->vocab = mc->vocab_size;
-    e->num_model_eos = mc->num_eos_token_ids;
-    for (int i = 0; i < mc->num_eos_token_ids; i++)
-        e->model_eos[i] = mc->eos_token_ids[i];
-    rc = tdm_model_kv_new(model, &kc, &e->kv, err, errlen);
-    if (rc != TDM_OK)
-        goto fail_engine;
-    if (cfg.kv_event_capacity > 0) {
-        e->kv_ev = calloc((size_t)cfg.kv_event_capacity, sizeof *e->kv_ev);
-        if (!e->kv_ev || tdm_kv_events_enable(e->kv, cfg.kv_event_capacity) != TDM_OK) {
-            rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory for %d KV events",
-                            cfg.kv_event_capacity);
-            goto fail_arrays;
-        }
+// The KV event buffer and the per-step arrays, sized by e->cfg. On failure the
+// caller frees what was allocated (engine_free_arrays).
+static int engine_alloc_arrays(struct tdm_engine *e, char *err, size_t errlen)
+{
+    const struct tdm_engine_config *cfg = &e->cfg;
+    if (cfg->kv_event_capacity > 0) {
+        e->kv_ev = calloc((size_t)cfg->kv_event_capacity, sizeof *e->kv_ev);
+        if (!e->kv_ev || tdm_kv_events_enable(e->kv, cfg->kv_event_capacity) != TDM_OK)
+            return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory for %d KV events",
+                              cfg->kv_event_capacity);
     }
-    size_t ns = (size_t)cfg.max_num_seqs;
+    size_t ns = (size_t)cfg->max_num_seqs;
     // Speculation: draft rows past the max_num_seqs decode rows, K per
     // sequence up to 64 in all (a step rarely verifies more; beyond, drafts
     // shrink, which changes speed, never output), and one verification's results.
-    int k = cfg.spec.num_speculative_tokens;
-    e->draft_rows = k * cfg.max_num_seqs < (k > 64 ? k : 64) ? k * cfg.max_num_seqs
-                                                             : (k > 64 ? k : 64);
+    int k = cfg->spec.num_speculative_tokens;
+    e->draft_rows =
+        k * cfg->max_num_seqs < (k > 64 ? k : 64) ? k * cfg->max_num_seqs : (k > 64 ? k : 64);
     if (k > 0)
         e->spec_res = calloc((size_t)k + 1, sizeof *e->spec_res);
     e->running = calloc(ns, sizeof *e->running);
@@ -1499,17 +1490,33 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     e->mask_jobs = calloc(ns, sizeof *e->mask_jobs);
     e->sjobs = calloc(ns, sizeof *e->sjobs);
     e->sjob_res = calloc(ns, sizeof *e->sjob_res);
-    if (cfg.grammar_vocab)
-        e->mask_words = tdm_grammar_mask_words(cfg.grammar_vocab);
+    if (cfg->grammar_vocab)
+        e->mask_words = tdm_grammar_mask_words(cfg->grammar_vocab);
     if (!e->running || !e->items || !e->batch || !e->logits || !e->mask_jobs || !e->sjobs ||
-        !e->sjob_res || (k > 0 && !e->spec_res)) {
-        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
-        goto fail_arrays;
-    }
-    if (pthread_mutex_init(&e->mu, NULL) != 0) {
-        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
-        goto fail_arrays;
-    }
+        !e->sjob_res || (k > 0 && !e->spec_res))
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
+    return TDM_OK;
+}
+
+static void engine_free_arrays(struct tdm_engine *e)
+{
+    free(e->running);
+    free(e->items);
+    free(e->batch);
+    free(e->logits);
+    free(e->spec_res);
+    free(e->sjobs);
+    free(e->sjob_res);
+    free(e->mask_jobs);
+    free(e->kv_ev);
+}
+
+// The engine's mutexes and condition variables; on failure none is left.
+static int engine_sync_init(struct tdm_engine *e, char *err, size_t errlen)
+{
+    int rc;
+    if (pthread_mutex_init(&e->mu, NULL) != 0)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: mutex init failed");
     if (tdm_cond_init(&e->wake) != TDM_OK) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
         goto fail_mu;
@@ -1526,12 +1533,71 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
         goto fail_mask_mu;
     }
+    return TDM_OK;
+
+fail_mask_mu:
+    pthread_mutex_destroy(&e->mask_mu);
+fail_idle:
+    pthread_cond_destroy(&e->idle_cv);
+fail_wake:
+    pthread_cond_destroy(&e->wake);
+fail_mu:
+    pthread_mutex_destroy(&e->mu);
+    return rc;
+}
+
+static void engine_sync_destroy(struct tdm_engine *e)
+{
+    pthread_cond_destroy(&e->mask_cv);
+    pthread_mutex_destroy(&e->mask_mu);
+    pthread_cond_destroy(&e->idle_cv);
+    pthread_cond_destroy(&e->wake);
+    pthread_mutex_destroy(&e->mu);
+}
+
+int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
+                   const struct tdm_engine_config *cfg_in, char *err, size_t errlen)
+{
+    struct tdm_engine_config cfg;
+    struct tdm_kv_config kc;
+    int rc;
+    *out = NULL;
+    if (model == NULL)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: no model");
+    if (cfg_in)
+        cfg = *cfg_in;
+    else
+        tdm_engine_config_default(&cfg);
+    if ((rc = engine_config_check(&cfg, model, err, errlen)) != TDM_OK)
+        return rc;
+    if ((rc = engine_kv_config(&kc, &cfg, model, err, errlen)) != TDM_OK)
+        return rc;
+
+    const struct tdm_model_config *mc = tdm_model_config(model);
+    struct tdm_engine *e = calloc(1, sizeof *e);
+    if (e == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
+    e->cfg = cfg;
+    e->model = model;
+    e->fused_argmax = tdm_model_fused_argmax(model);
+    e->m = cfg.metrics;
+    e->vocab = mc->vocab_size;
+    e->num_model_eos = mc->num_eos_token_ids;
+    for (int i = 0; i < mc->num_eos_token_ids; i++)
+        e->model_eos[i] = mc->eos_token_ids[i];
+    rc = tdm_model_kv_new(model, &kc, &e->kv, err, errlen);
+    if (rc != TDM_OK)
+        goto fail_engine;
+    if ((rc = engine_alloc_arrays(e, err, errlen)) != TDM_OK)
+        goto fail_arrays;
+    if ((rc = engine_sync_init(e, err, errlen)) != TDM_OK)
+        goto fail_arrays;
     pthread_mutex_lock(&e->mu);
     publish_stats(e);
     pthread_mutex_unlock(&e->mu);
     if (tdm_thread_create_deep(&e->thread, engine_main, e) != TDM_OK) {
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: cannot start the engine thread");
-        goto fail_mask_cv;
+        goto fail_sync;
     }
     TDM_LOG_INFO(MOD,
                  "started blocks=%d block_size=%d prefix_caching=%d max_num_batched_tokens=%d "
@@ -1541,26 +1607,10 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     *out = e;
     return TDM_OK;
 
-fail_mask_cv:
-    pthread_cond_destroy(&e->mask_cv);
-fail_mask_mu:
-    pthread_mutex_destroy(&e->mask_mu);
-fail_idle:
-    pthread_cond_destroy(&e->idle_cv);
-fail_wake:
-    pthread_cond_destroy(&e->wake);
-fail_mu:
-    pthread_mutex_destroy(&e->mu);
+fail_sync:
+    engine_sync_destroy(e);
 fail_arrays:
-    free(e->running);
-    free(e->items);
-    free(e->batch);
-    free(e->logits);
-    free(e->spec_res);
-    free(e->sjobs);
-    free(e->sjob_res);
-    free(e->mask_jobs);
-    free(e->kv_ev);
+    engine_free_arrays(e);
     tdm_kv_free(e->kv);
 fail_engine:
     free(e);
@@ -1618,15 +1668,7 @@ void tdm_engine_free(struct tdm_engine *e)
     pthread_cond_destroy(&e->idle_cv);
     pthread_cond_destroy(&e->wake);
     pthread_mutex_destroy(&e->mu);
-    free(e->running);
-    free(e->items);
-    free(e->batch);
-    free(e->logits);
-    free(e->spec_res);
-    free(e->sjobs);
-    free(e->sjob_res);
-    free(e->mask_jobs);
-    free(e->kv_ev);
+    engine_free_arrays(e);
     tdm_kv_free(e->kv);
     free(e);
 }
@@ -1691,13 +1733,13 @@ static int grammar_setup(struct tdm_engine *e, struct tdm_engine_request *r,
     return TDM_OK;
 }
 
-int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_params *p,
-                      struct tdm_engine_request **out, char *err, size_t errlen)
+// Checks a submitted request against the engine (id: the request's, for the
+// messages); sets *eos and *num_eos to the ids that end it (the request's own,
+// else the model's).
+static int submit_validate(const struct tdm_engine *e, const struct tdm_engine_request_params *p,
+                           const char *id, const int32_t **eos, int *num_eos, char *err,
+                           size_t errlen)
 {
-    *out = NULL;
-    if (e == NULL || p == NULL)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: no engine or params");
-    const char *id = p->id ? p->id : "-";
     int max_len = e->cfg.max_model_len;
     if (p->prompt == NULL || p->n_prompt <= 0)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: empty prompt", id);
@@ -1726,29 +1768,43 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     if (p->on_layer != NULL && p->kind != TDM_ENGINE_REQ_PREFILL_ONLY)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "req=%s: on_layer is for PREFILL_ONLY requests only", id);
-    const int32_t *eos = p->eos_ids ? p->eos_ids : e->model_eos;
-    int num_eos = p->eos_ids ? p->num_eos : e->num_model_eos;
-    if (num_eos < 0 || num_eos > TDM_MAX_EOS)
+    *eos = p->eos_ids ? p->eos_ids : e->model_eos;
+    *num_eos = p->eos_ids ? p->num_eos : e->num_model_eos;
+    if (*num_eos < 0 || *num_eos > TDM_MAX_EOS)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: num_eos %d outside [0, %d]", id,
-                          num_eos, TDM_MAX_EOS);
-    for (int i = 0; i < num_eos; i++)
-        if (eos[i] < 0 || eos[i] >= e->vocab)
+                          *num_eos, TDM_MAX_EOS);
+    for (int i = 0; i < *num_eos; i++)
+        if ((*eos)[i] < 0 || (*eos)[i] >= e->vocab)
             return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: EOS id %d outside the vocabulary",
-                              id, (int)eos[i]);
+                              id, (int)(*eos)[i]);
     char verr[160];
     int rc = tdm_sampling_params_validate(&p->sampling, e->vocab, verr, sizeof verr);
     if (rc != TDM_OK)
         return tdm_seterr(err, errlen, rc, "req=%s: %s", id, verr);
+    return TDM_OK;
+}
 
-    int max_gen = max_len - p->n_prompt;
-    if (p->max_tokens > 0 && p->max_tokens < max_gen)
-        max_gen = p->max_tokens;
-    if (p->kind == TDM_ENGINE_REQ_PREFILL_ONLY)
-        max_gen = 1;
+// Frees a request that never reached the engine (no sampler, mutex or condvar).
+static void request_discard(struct tdm_engine_request *r)
+{
+    tdm_grammar_matcher_free(r->gm);
+    free(r->gmask);
+    free(r->hist);
+    free(r->lp);
+    free(r->top);
+    free(r);
+}
 
+// A new request for p holding two references (the caller's and the engine's),
+// its fields, history (prompt copied in) and logprob buffers; NULL when out of
+// memory.
+static struct tdm_engine_request *request_new(struct tdm_engine *e,
+                                              const struct tdm_engine_request_params *p,
+                                              const char *id, int max_gen)
+{
     struct tdm_engine_request *r = calloc(1, sizeof *r);
     if (r == NULL)
-        return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
+        return NULL;
     atomic_init(&r->refs, 2);
     r->engine = e;
     snprintf(r->id, sizeof r->id, "%s", id);
@@ -1775,31 +1831,96 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
     if (r->num_top > 0)
         r->top = calloc((size_t)max_gen * (size_t)r->num_top, sizeof *r->top);
     if (r->hist == NULL || (r->want_logprobs && r->lp == NULL) || (r->num_top > 0 && !r->top)) {
-        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
-        goto fail_bufs;
+        request_discard(r);
+        return NULL;
     }
     memcpy(r->hist, p->prompt, (size_t)p->n_prompt * sizeof *r->hist);
+    return r;
+}
+
+// A constrained request's grammar state, advanced over its resumed tokens
+// (the prompt's last n_resume ids, from n_own on).
+static int request_grammar(struct tdm_engine *e, struct tdm_engine_request *r,
+                           const struct tdm_engine_request_params *p, const char *id,
+                           const int32_t *eos, int num_eos, size_t n_own, char *err, size_t errlen)
+{
+    int rc;
+    if ((rc = grammar_setup(e, r, p, eos, num_eos, err, errlen)) != TDM_OK)
+        return rc;
+    // A resumed stream's tokens were sampled under this constraint: the
+    // matcher follows them as it followed them on the first worker.
+    for (int i = 0; i < p->n_resume; i++) {
+        int32_t tok = p->prompt[n_own + (size_t)i];
+        int arc = tdm_grammar_matcher_accept_token(r->gm, tok);
+        if (arc != TDM_OK) {
+            char msg[160];
+            rc = tdm_grammar_accept_error(arc, tok, msg, sizeof msg);
+            return tdm_seterr(err, errlen, rc, "req=%s: resumed token at %d: %s", id, i, msg);
+        }
+    }
+    return TDM_OK;
+}
+
+// Appends r to the engine's inbox and wakes the engine thread, unless the
+// engine is shutting down or its waiting queue is full.
+static int submit_enqueue(struct tdm_engine *e, struct tdm_engine_request *r, char *err,
+                          size_t errlen)
+{
+    pthread_mutex_lock(&e->mu);
+    if (e->closed) {
+        pthread_mutex_unlock(&e->mu);
+        return tdm_seterr(err, errlen, TDM_ECLOSED, "engine: shutting down");
+    }
+    if (e->num_queued >= e->cfg.max_waiting) {
+        pthread_mutex_unlock(&e->mu);
+        return tdm_seterr(err, errlen, TDM_EBUSY, "the waiting queue is full (--max-waiting %d)",
+                          e->cfg.max_waiting);
+    }
+    r->state = REQ_NEW;
+    if (e->inbox_tail)
+        e->inbox_tail->inbox_next = r;
+    else
+        e->inbox_head = r;
+    e->inbox_tail = r;
+    e->num_queued++;
+    e->num_active++;
+    pthread_cond_signal(&e->wake);
+    pthread_mutex_unlock(&e->mu);
+    return TDM_OK;
+}
+
+int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_params *p,
+                      struct tdm_engine_request **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (e == NULL || p == NULL)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "engine: no engine or params");
+    const char *id = p->id ? p->id : "-";
+    const int32_t *eos = NULL;
+    int num_eos = 0;
+    int rc = submit_validate(e, p, id, &eos, &num_eos, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+
+    int max_gen = e->cfg.max_model_len - p->n_prompt;
+    if (p->max_tokens > 0 && p->max_tokens < max_gen)
+        max_gen = p->max_tokens;
+    if (p->kind == TDM_ENGINE_REQ_PREFILL_ONLY)
+        max_gen = 1;
+
+    struct tdm_engine_request *r = request_new(e, p, id, max_gen);
+    if (r == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
     size_t n_own = (size_t)(p->n_prompt - p->n_resume); // the prompt proper
     if (p->grammar || p->sampling.constraint != TDM_CONSTRAINT_NONE) {
-        if ((rc = grammar_setup(e, r, p, eos, num_eos, err, errlen)) != TDM_OK)
-            goto fail_bufs;
-        // A resumed stream's tokens were sampled under this constraint: the
-        // matcher follows them as it followed them on the first worker.
-        for (int i = 0; i < p->n_resume; i++) {
-            int32_t tok = p->prompt[n_own + (size_t)i];
-            int arc = tdm_grammar_matcher_accept_token(r->gm, tok);
-            if (arc != TDM_OK) {
-                char msg[160];
-                rc = tdm_grammar_accept_error(arc, tok, msg, sizeof msg);
-                rc = tdm_seterr(err, errlen, rc, "req=%s: resumed token at %d: %s", id, i, msg);
-                goto fail_bufs;
-            }
-        }
+        rc = request_grammar(e, r, p, id, eos, num_eos, n_own, err, errlen);
+        if (rc != TDM_OK)
+            goto fail_request;
     }
     rc = tdm_sampler_new(&r->sampler, &p->sampling, e->vocab, p->prompt, n_own, eos, num_eos);
     if (rc != TDM_OK) {
         rc = tdm_seterr(err, errlen, rc, "req=%s: sampler: %s", id, tdm_strerror(rc));
-        goto fail_bufs;
+        goto fail_request;
     }
     tdm_sampler_replay(r->sampler, p->prompt + n_own, (size_t)p->n_resume);
     // Constrained requests do not speculate: their masks follow one token per step.
@@ -1814,29 +1935,8 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
         rc = tdm_seterr(err, errlen, TDM_ENOMEM, "engine: condvar init failed");
         goto fail_mu;
     }
-
-    pthread_mutex_lock(&e->mu);
-    if (e->closed) {
-        pthread_mutex_unlock(&e->mu);
-        rc = tdm_seterr(err, errlen, TDM_ECLOSED, "engine: shutting down");
+    if ((rc = submit_enqueue(e, r, err, errlen)) != TDM_OK)
         goto fail_cv;
-    }
-    if (e->num_queued >= e->cfg.max_waiting) {
-        pthread_mutex_unlock(&e->mu);
-        rc = tdm_seterr(err, errlen, TDM_EBUSY, "the waiting queue is full (--max-waiting %d)",
-                        e->cfg.max_waiting);
-        goto fail_cv;
-    }
-    r->state = REQ_NEW;
-    if (e->inbox_tail)
-        e->inbox_tail->inbox_next = r;
-    else
-        e->inbox_head = r;
-    e->inbox_tail = r;
-    e->num_queued++;
-    e->num_active++;
-    pthread_cond_signal(&e->wake);
-    pthread_mutex_unlock(&e->mu);
     TDM_LOG_DEBUG(MOD, "req=%s submitted prompt=%d max_gen=%d", r->id, r->n_prompt, max_gen);
     *out = r;
     return TDM_OK;
@@ -1848,13 +1948,8 @@ fail_mu:
 fail_sampler:
     tdm_sampler_free(r->sampler);
     r->sampler = NULL;
-fail_bufs:
-    tdm_grammar_matcher_free(r->gm);
-    free(r->gmask);
-    free(r->hist);
-    free(r->lp);
-    free(r->top);
-    free(r);
+fail_request:
+    request_discard(r);
     return rc;
 }
 

@@ -702,22 +702,10 @@ static void wcache_finish(struct tdm_model *m, struct tdm_wcache_id **id)
     free(j);
 }
 
-static int model_load(struct tdm_model **out, const char *dir, const struct tdm_model_opts *opts,
-                      bool use_entry, bool *entry_bad, char *err, size_t errlen)
+// The options with their defaults filled in (backend, batch limits, threads).
+static int model_opts_resolve(struct tdm_model *m, const struct tdm_model_opts *opts, char *err,
+                              size_t errlen)
 {
-    struct tdm_wcache_id *wid = NULL;
-    struct tdm_model_opts defaults;
-    struct tdm_safetensors *st = NULL;
-    int rc;
-
-    *out = NULL;
-    if (opts == NULL) {
-        tdm_model_opts_default(&defaults);
-        opts = &defaults;
-    }
-    struct tdm_model *m = calloc(1, sizeof *m);
-    if (m == NULL)
-        return tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
     m->opts = *opts;
     if (m->opts.backend == NULL)
         m->opts.backend = "cpu";
@@ -729,63 +717,68 @@ static int model_load(struct tdm_model **out, const char *dir, const struct tdm_
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         m->opts.num_threads = n > 0 ? (int)n : 1;
     }
-    if (m->opts.weights != TDM_WEIGHTS_BF16 && m->opts.weights != TDM_WEIGHTS_INT8) {
-        rc = tdm_seterr(err, errlen, TDM_EINVAL, "model: unknown weight mode %d",
-                        (int)m->opts.weights);
-        goto fail;
-    }
+    if (m->opts.weights != TDM_WEIGHTS_BF16 && m->opts.weights != TDM_WEIGHTS_INT8)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "model: unknown weight mode %d",
+                          (int)m->opts.weights);
+    return TDM_OK;
+}
 
+// config.json, checked for what the forward supports, and the derived widths.
+static int model_config_load(struct tdm_model *m, const char *dir, char *err, size_t errlen)
+{
+    int rc;
     if ((rc = tdm_hf_config_load(&m->cfg, dir, err, errlen)) != TDM_OK)
-        goto fail;
+        return rc;
     const struct tdm_model_config *c = &m->cfg;
-    if (c->head_dim % 2 != 0) {
-        rc = tdm_seterr(err, errlen, TDM_EINVAL, "config.json: head_dim=%d is odd (RoPE pairs)",
-                        c->head_dim);
-        goto fail;
-    }
+    if (c->head_dim % 2 != 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "config.json: head_dim=%d is odd (RoPE pairs)",
+                          c->head_dim);
     if (c->use_sliding_window) {
         // Sliding-window attention is not implemented; refusing beats silently
         // attending to the whole context.
-        rc = tdm_seterr(err, errlen, TDM_EINVAL,
-                        "config.json: use_sliding_window=true is not supported");
-        goto fail;
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "config.json: use_sliding_window=true is not supported");
     }
     m->q_dim = c->num_attention_heads * c->head_dim;
     m->kv_dim = c->num_key_value_heads * c->head_dim;
     m->qkv_dim = m->q_dim + 2 * m->kv_dim;
+    return TDM_OK;
+}
 
+// The named backend, created.
+static int model_backend_open(struct tdm_model *m, char *err, size_t errlen)
+{
+    int rc;
     m->ops = tdm_backend_find(m->opts.backend);
-    if (m->ops == NULL) {
-        rc = tdm_seterr(err, errlen, TDM_EINVAL, "model: backend \"%s\" is not built in",
-                        m->opts.backend);
-        goto fail;
-    }
-    if ((rc = m->ops->create(&m->be, m->opts.num_threads, m->opts.device, err, errlen)) != TDM_OK) {
+    if (m->ops == NULL)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "model: backend \"%s\" is not built in",
+                          m->opts.backend);
+    if ((rc = m->ops->create(&m->be, m->opts.num_threads, m->opts.device, err, errlen)) != TDM_OK)
         m->be = NULL;
-        goto fail;
-    }
-    if ((rc = tdm_st_open(&st, dir, err, errlen)) != TDM_OK)
-        goto fail;
-    for (size_t i = 0; i < tdm_st_count(st); i++)
-        m->info.checkpoint_bytes += tdm_st_at(st, i)->nbytes;
-    wcache_begin(m, dir, use_entry, &wid);
+    return rc;
+}
 
+// Every weight from st (or the weight cache entry being adopted), in the
+// cache's entry order: the layers, the embedding, the head, the final norm.
+static int model_load_weights(struct tdm_model *m, const struct tdm_safetensors *st, char *err,
+                              size_t errlen)
+{
+    const struct tdm_model_config *c = &m->cfg;
     enum tdm_wtype want = m->opts.weights == TDM_WEIGHTS_INT8 ? TDM_W_Q8 : TDM_W_BF16;
     int hidden = c->hidden_size;
+    int rc;
     m->layers = calloc((size_t)c->num_hidden_layers, sizeof *m->layers);
-    if (m->layers == NULL) {
-        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
-        goto fail;
-    }
+    if (m->layers == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
     for (int l = 0; l < c->num_hidden_layers; l++)
         if ((rc = load_layer(m, st, l, want, err, errlen)) != TDM_OK)
-            goto fail;
+            return rc;
 
     const char *embed_name[1] = {"model.embed_tokens.weight"};
     int vocab_rows[1] = {c->vocab_size};
     if ((rc = load_weight(m, st, &m->embed, embed_name, vocab_rows, 1, hidden, TDM_W_BF16, err,
                           errlen)) != TDM_OK)
-        goto fail;
+        return rc;
     if (c->tie_word_embeddings && want == TDM_W_BF16) {
         m->head_is_embed = true;
     } else {
@@ -793,37 +786,37 @@ static int model_load(struct tdm_model **out, const char *dir, const struct tdm_
                                                            : "lm_head.weight"};
         if ((rc = load_weight(m, st, &m->lm_head, head_name, vocab_rows, 1, hidden, want, err,
                               errlen)) != TDM_OK)
-            goto fail;
+            return rc;
     }
     if ((rc = load_vec(m, st, "model.norm.weight", hidden, &m->final_norm, err, errlen)))
-        goto fail;
+        return rc;
     if (m->wcache != NULL && m->wcache_next != tdm_wcache_count(m->wcache)) {
         m->wcache_bad = true;
-        rc = tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %d entries, this model has %d",
-                        tdm_wcache_count(m->wcache), m->wcache_next);
-        goto fail;
+        return tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %d entries, this model has %d",
+                          tdm_wcache_count(m->wcache), m->wcache_next);
     }
-    tdm_st_free(st);
-    st = NULL;
-    wcache_finish(m, &wid);
-    free(m->prepared);
-    m->prepared = NULL;
-    m->n_prepared = m->cap_prepared = 0;
+    return TDM_OK;
+}
 
-    {
-        float *inv_freq = malloc((size_t)c->head_dim / 2 * sizeof *inv_freq);
-        if (inv_freq == NULL) {
-            rc = tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
-            goto fail;
-        }
-        compute_inv_freq(c, inv_freq);
-        rc =
-            upload_vec(m, inv_freq, (size_t)c->head_dim / 2, &m->inv_freq, err, errlen, "inv_freq");
-        free(inv_freq);
-        if (rc != TDM_OK)
-            goto fail;
-    }
+// RoPE's inverse frequencies, in backend memory.
+static int model_upload_inv_freq(struct tdm_model *m, char *err, size_t errlen)
+{
+    const struct tdm_model_config *c = &m->cfg;
+    float *inv_freq = malloc((size_t)c->head_dim / 2 * sizeof *inv_freq);
+    if (inv_freq == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
+    compute_inv_freq(c, inv_freq);
+    int rc =
+        upload_vec(m, inv_freq, (size_t)c->head_dim / 2, &m->inv_freq, err, errlen, "inv_freq");
+    free(inv_freq);
+    return rc;
+}
 
+// The activations and row tables for max_batch_tokens rows.
+static int model_alloc_activations(struct tdm_model *m, char *err, size_t errlen)
+{
+    const struct tdm_model_config *c = &m->cfg;
+    int hidden = c->hidden_size;
     size_t T = (size_t)m->opts.max_batch_tokens;
     m->x = alloc_f32(m, T * (size_t)hidden);
     m->h = alloc_f32(m, T * (size_t)hidden);
@@ -846,11 +839,48 @@ static int model_load(struct tdm_model **out, const char *dir, const struct tdm_
     }
     if (!m->x || !m->h || !m->d || !m->qkv || !m->attn || !m->gate_up || !m->act || !m->pos ||
         !m->ids || !m->aseqs || !m->argmax_ids || !m->ids_be || !m->pos_be ||
-        (!m->ops->host_memory && !m->logits_be)) {
-        rc = tdm_seterr(err, errlen, TDM_ENOMEM,
-                        "model: out of memory for activations of %zu tokens", T);
-        goto fail;
+        (!m->ops->host_memory && !m->logits_be))
+        return tdm_seterr(err, errlen, TDM_ENOMEM,
+                          "model: out of memory for activations of %zu tokens", T);
+    return TDM_OK;
+}
+
+static int model_load(struct tdm_model **out, const char *dir, const struct tdm_model_opts *opts,
+                      bool use_entry, bool *entry_bad, char *err, size_t errlen)
+{
+    struct tdm_wcache_id *wid = NULL;
+    struct tdm_model_opts defaults;
+    struct tdm_safetensors *st = NULL;
+    int rc;
+
+    *out = NULL;
+    if (opts == NULL) {
+        tdm_model_opts_default(&defaults);
+        opts = &defaults;
     }
+    struct tdm_model *m = calloc(1, sizeof *m);
+    if (m == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "model: out of memory");
+    if ((rc = model_opts_resolve(m, opts, err, errlen)) != TDM_OK ||
+        (rc = model_config_load(m, dir, err, errlen)) != TDM_OK ||
+        (rc = model_backend_open(m, err, errlen)) != TDM_OK ||
+        (rc = tdm_st_open(&st, dir, err, errlen)) != TDM_OK)
+        goto fail;
+    for (size_t i = 0; i < tdm_st_count(st); i++)
+        m->info.checkpoint_bytes += tdm_st_at(st, i)->nbytes;
+    wcache_begin(m, dir, use_entry, &wid);
+    if ((rc = model_load_weights(m, st, err, errlen)) != TDM_OK)
+        goto fail;
+    tdm_st_free(st);
+    st = NULL;
+    wcache_finish(m, &wid);
+    free(m->prepared);
+    m->prepared = NULL;
+    m->n_prepared = m->cap_prepared = 0;
+
+    if ((rc = model_upload_inv_freq(m, err, errlen)) != TDM_OK ||
+        (rc = model_alloc_activations(m, err, errlen)) != TDM_OK)
+        goto fail;
     *out = m;
     return TDM_OK;
 
@@ -957,26 +987,22 @@ static void scatter_argmax(struct tdm_model *m, const struct tdm_batch_seq *seqs
             *seqs[s].argmax_out = m->argmax_ids[k++];
 }
 
-int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
-                      const struct tdm_batch_seq *seqs, int n_seqs, float *logits)
+// One forward's shape: its rows, the head's rows and how it runs.
+struct fwd_plan {
+    int n;            // rows run (a graph's bucket: padding included)
+    int n_seqs_run;   // sequences run (a graph's bucket: padding included)
+    int n_logit_rows; // rows the head computes logits for (a graph's whole bucket)
+    int n_logit_real; // logits rows the caller gets
+    int n_argmax;     // ARGMAX rows
+    bool any_hook;    // a sequence has an on_layer hook
+    bool in_order;    // the head's rows are the batch's rows in order
+    bool graph;       // runs as a CUDA graph of its bucket
+};
+
+// Packs the rows: token ids, positions and each sequence's slice. Returns
+// whether the step is decode-only (one row per sequence, each LAST or ARGMAX).
+static bool pack_rows(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs)
 {
-    if (m == NULL || kv == NULL)
-        return TDM_EINVAL;
-    int n, n_logit_rows, n_argmax;
-    int rc = validate_batch(m, kv, seqs, n_seqs, &n, &n_logit_rows, &n_argmax);
-    if (rc != TDM_OK)
-        return rc;
-    if (n_logit_rows > 0 && logits == NULL)
-        return TDM_EINVAL;
-
-    const struct tdm_model_config *c = &m->cfg;
-    const struct tdm_backend_ops *ops = m->ops;
-    struct tdm_backend *be = m->be;
-    int hidden = c->hidden_size, inter = c->intermediate_size, hd = c->head_dim;
-    float eps = c->rms_norm_eps;
-    float scale = 1.0f / sqrtf((float)hd);
-
-    // Pack rows: token ids, positions and each sequence's slice.
     int row = 0;
     bool all_decode = true;
     for (int s = 0; s < n_seqs; s++) {
@@ -993,10 +1019,17 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         all_decode &=
             q->n_tokens == 1 && (q->logits == TDM_LOGITS_LAST || q->logits == TDM_LOGITS_ARGMAX);
     }
+    return all_decode;
+}
 
-    bool any_hook = false;
+// Decides how the packed batch runs; a graph step's padding rows are packed
+// after the batch's.
+static void plan_forward(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs,
+                         bool all_decode, struct fwd_plan *pl)
+{
+    pl->any_hook = false;
     for (int s = 0; s < n_seqs; s++)
-        any_hook |= seqs[s].on_layer != NULL;
+        pl->any_hook |= seqs[s].on_layer != NULL;
 
     // A decode-only step runs as a CUDA graph of its padded bucket (vLLM's
     // cudagraph capture sizes): rows n_seqs .. bucket-1 are padding (token 0
@@ -1004,10 +1037,11 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
     // ... all LAST or all ARGMAX (the graph ends with the head's logits either
     // way; the ARGMAX rows' ids are taken after it): the head's rows are then
     // the batch's rows in order (in_order).
-    bool in_order = all_decode && (n_argmax == 0 || n_argmax == n_seqs);
-    bool graph = ops->graph_begin != NULL && !m->opts.enforce_eager && in_order && !any_hook;
-    int n_seqs_run = n_seqs;
-    if (graph) {
+    pl->in_order = all_decode && (pl->n_argmax == 0 || pl->n_argmax == n_seqs);
+    pl->graph =
+        m->ops->graph_begin != NULL && !m->opts.enforce_eager && pl->in_order && !pl->any_hook;
+    pl->n_seqs_run = n_seqs;
+    if (pl->graph) {
         int bucket = 1;
         while (bucket < n_seqs)
             bucket *= 2;
@@ -1019,38 +1053,35 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             m->ids[s] = 0;
             m->pos[s] = 0;
         }
-        n_seqs_run = bucket;
-        n = bucket;
-        n_logit_rows = bucket; // the padding rows' logits are computed, never copied out
+        pl->n_seqs_run = bucket;
+        pl->n = bucket;
+        pl->n_logit_rows = bucket; // the padding rows' logits are computed, never copied out
     }
-    int n_logit_real = graph ? (n_argmax > 0 ? 0 : n_seqs) : n_logit_rows;
-    if (!ops->host_memory) {
-        if ((rc = ops->upload(be, m->ids_be, m->ids, (size_t)n * sizeof(int32_t))) != TDM_OK ||
-            (rc = ops->upload(be, m->pos_be, m->pos, (size_t)n * sizeof(int32_t))) != TDM_OK)
-            return rc;
-    }
-    bool replay = false;
-    if (graph) {
-        if ((rc = ops->graph_begin(be, kv, m->aseqs, n_seqs_run, &replay)) != TDM_OK)
-            return rc;
-        if (replay)
-            goto graph_done;
-    } else if (ops->begin_forward &&
-               (rc = ops->begin_forward(be, kv, m->aseqs, n_seqs)) != TDM_OK) {
-        return rc;
-    }
+    pl->n_logit_real = pl->graph ? (pl->n_argmax > 0 ? 0 : n_seqs) : pl->n_logit_rows;
+}
 
-    ops->embed(be, &m->embed, m->ids_be, n, m->x);
+// The decoder layers over the packed rows; *pending: the last sublayer's
+// output, still to be added to x (NULL when there are no layers).
+static int forward_layers(struct tdm_model *m, struct tdm_kv_cache *kv,
+                          const struct tdm_batch_seq *seqs, int n_seqs, const struct fwd_plan *pl,
+                          const float **pending)
+{
+    const struct tdm_model_config *c = &m->cfg;
+    const struct tdm_backend_ops *ops = m->ops;
+    struct tdm_backend *be = m->be;
+    int n = pl->n, n_seqs_run = pl->n_seqs_run, inter = c->intermediate_size, hd = c->head_dim;
+    float scale = 1.0f / sqrtf((float)hd);
+    int n_q = c->num_attention_heads, n_kv = c->num_key_value_heads;
+    int rc;
     // Each sublayer's output waits in d for the next norm, which adds it to x
     // (the residual) as it normalises: one op where the backend fuses them.
-    const float *pending = NULL;
-    int n_q = c->num_attention_heads, n_kv = c->num_key_value_heads;
+    *pending = NULL;
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const struct tdm_layer *L = &m->layers[l];
         // Attention block. q, k, v live side by side in each qkv row.
-        add_norm(m, pending, L->input_norm, m->h, n);
+        add_norm(m, *pending, L->input_norm, m->h, n);
         ops->matmul(be, &L->qkv, L->qkv_bias, m->h, m->qkv, n);
-        if (ops->rope_store_attention && !any_hook) {
+        if (ops->rope_store_attention && !pl->any_hook) {
             ops->rope_store_attention(be, kv, l, m->aseqs, n_seqs_run, m->qkv, m->qkv_dim,
                                       m->pos_be, m->inv_freq, m->attn, n_q, n_kv, hd, scale);
         } else {
@@ -1063,9 +1094,9 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             // a device stream: the mark orders the storage's exports and
             // waits after these stores, not after the layers above): a hook
             // may hand it to a sender while the layers above still compute.
-            if (any_hook && (rc = tdm_kv_mark_layer(kv, l)) != TDM_OK)
+            if (pl->any_hook && (rc = tdm_kv_mark_layer(kv, l)) != TDM_OK)
                 return rc;
-            for (int s = 0; any_hook && s < n_seqs; s++)
+            for (int s = 0; pl->any_hook && s < n_seqs; s++)
                 if (seqs[s].on_layer)
                     seqs[s].on_layer(seqs[s].layer_arg, l);
             ops->attention(be, kv, l, m->aseqs, n_seqs_run, m->qkv, m->qkv_dim, m->attn, n_q, n_kv,
@@ -1077,25 +1108,19 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         ops->matmul(be, &L->gate_up, NULL, m->h, m->gate_up, n);
         ops->silu_mul(be, m->gate_up, m->act, n, inter);
         ops->matmul(be, &L->down, NULL, m->act, m->d, n);
-        pending = m->d;
+        *pending = m->d;
     }
-    if (n_logit_rows == 0 && n_argmax == 0)
-        return ops->sync ? ops->sync(be) : TDM_OK; // x's last residual add is never read
+    return TDM_OK;
+}
 
-    // A decode step whose rows all want logits (or all their argmax), in
-    // batch order (every graph step): the last residual add and the final
-    // norm of every row in one op. Else the rows that want logits are
-    // gathered (in batch order) into d after the add, then normed into h.
-    const float *head_in = m->d;
-    if (in_order) {
-        add_norm(m, pending, m->final_norm, m->h, n);
-        head_in = NULL;
-    } else if (pending) {
-        ops->add(be, m->x, pending, (size_t)n * (size_t)hidden);
-    }
-    // ARGMAX rows follow the logits rows in d (batch order within each group).
+// Gathers the rows that want logits from x into d (batch order), the
+// ARGMAX rows after the logits rows (batch order within each group).
+static int gather_head_rows(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs,
+                            int n_logit_rows)
+{
+    int hidden = m->cfg.hidden_size;
     int out_row = 0, arg_row = n_logit_rows;
-    for (int s = 0; head_in && s < n_seqs; s++) {
+    for (int s = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         int first = m->aseqs[s].row, count = 0, *at = &out_row;
         if (q->logits == TDM_LOGITS_LAST || q->logits == TDM_LOGITS_ARGMAX) {
@@ -1109,19 +1134,45 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         if (count > 0) {
             // d and x are distinct buffers, so copy's no-overlap rule holds.
             size_t bytes = (size_t)count * hidden * sizeof(float);
-            if (ops->host_memory)
+            int rc;
+            if (m->ops->host_memory)
                 memcpy(m->d + (size_t)*at * hidden, m->x + (size_t)first * hidden, bytes);
-            else if ((rc = ops->copy(be, m->d + (size_t)*at * hidden, m->x + (size_t)first * hidden,
-                                     bytes)) != TDM_OK)
+            else if ((rc = m->ops->copy(m->be, m->d + (size_t)*at * hidden,
+                                        m->x + (size_t)first * hidden, bytes)) != TDM_OK)
                 return rc;
             *at += count;
         }
     }
+    return TDM_OK;
+}
+
+// The final norm and the head: on a host-memory backend into the caller's
+// logits (and the ARGMAX rows' ids), else into logits_be.
+static int forward_head(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs,
+                        const struct fwd_plan *pl, const float *pending, float *logits)
+{
+    const struct tdm_backend_ops *ops = m->ops;
+    struct tdm_backend *be = m->be;
+    int hidden = m->cfg.hidden_size, n_logit_rows = pl->n_logit_rows, n_argmax = pl->n_argmax;
+    int rc;
+    // A decode step whose rows all want logits (or all their argmax), in
+    // batch order (every graph step): the last residual add and the final
+    // norm of every row in one op. Else the rows that want logits are
+    // gathered (in batch order) into d after the add, then normed into h.
+    const float *head_in = m->d;
+    if (pl->in_order) {
+        add_norm(m, pending, m->final_norm, m->h, pl->n);
+        head_in = NULL;
+    } else if (pending) {
+        ops->add(be, m->x, pending, (size_t)pl->n * (size_t)hidden);
+    }
+    if (head_in && (rc = gather_head_rows(m, seqs, n_seqs, n_logit_rows)) != TDM_OK)
+        return rc;
     // A graph step's rows are its bucket's (padding included), all LAST or all
     // ARGMAX; else the LAST/ALL rows, then the ARGMAX rows.
-    int head_rows = graph ? n_logit_rows : n_logit_rows + n_argmax;
+    int head_rows = pl->graph ? n_logit_rows : n_logit_rows + n_argmax;
     if (head_in)
-        ops->rmsnorm(be, head_in, m->final_norm, eps, m->h, head_rows, hidden);
+        ops->rmsnorm(be, head_in, m->final_norm, m->cfg.rms_norm_eps, m->h, head_rows, hidden);
     // One lm_head read for all logit rows (n_logit_rows <= n fits the workspace).
     const struct tdm_weight *head = m->head_is_embed ? &m->embed : &m->lm_head;
     if (ops->host_memory) {
@@ -1137,20 +1188,74 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         return TDM_OK;
     }
     ops->matmul(be, head, NULL, m->h, m->logits_be, head_rows);
-graph_done:
-    if (graph && (rc = ops->graph_end(be)) != TDM_OK)
+    return TDM_OK;
+}
+
+// A device backend's step end: the graph closed, the logits rows downloaded
+// and the ARGMAX rows' ids taken.
+static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs,
+                          const struct fwd_plan *pl, float *logits)
+{
+    const struct tdm_backend_ops *ops = m->ops;
+    struct tdm_backend *be = m->be;
+    int vocab = m->cfg.vocab_size;
+    int rc;
+    if (pl->graph && (rc = ops->graph_end(be)) != TDM_OK)
         return rc;
     // Logits rows reach the host once per step, sampled there; greedy rows'
     // ids come from the device's argmax over the rows after them.
-    if (n_logit_real > 0 && (rc = ops->download(be, logits, m->logits_be,
-                                                (size_t)n_logit_real * (size_t)c->vocab_size *
-                                                    sizeof(float))) != TDM_OK)
+    if (pl->n_logit_real > 0 &&
+        (rc = ops->download(be, logits, m->logits_be,
+                            (size_t)pl->n_logit_real * (size_t)vocab * sizeof(float))) != TDM_OK)
         return rc;
-    if (n_argmax > 0) {
-        if ((rc = ops->argmax_rows(be, m->logits_be + (size_t)n_logit_real * c->vocab_size,
-                                   n_argmax, c->vocab_size, m->argmax_ids)) != TDM_OK)
+    if (pl->n_argmax > 0) {
+        if ((rc = ops->argmax_rows(be, m->logits_be + (size_t)pl->n_logit_real * vocab,
+                                   pl->n_argmax, vocab, m->argmax_ids)) != TDM_OK)
             return rc;
         scatter_argmax(m, seqs, n_seqs);
     }
     return TDM_OK;
+}
+
+int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
+                      const struct tdm_batch_seq *seqs, int n_seqs, float *logits)
+{
+    if (m == NULL || kv == NULL)
+        return TDM_EINVAL;
+    struct fwd_plan pl;
+    int rc = validate_batch(m, kv, seqs, n_seqs, &pl.n, &pl.n_logit_rows, &pl.n_argmax);
+    if (rc != TDM_OK)
+        return rc;
+    if (pl.n_logit_rows > 0 && logits == NULL)
+        return TDM_EINVAL;
+
+    const struct tdm_backend_ops *ops = m->ops;
+    struct tdm_backend *be = m->be;
+    bool all_decode = pack_rows(m, seqs, n_seqs);
+    plan_forward(m, seqs, n_seqs, all_decode, &pl);
+    if (!ops->host_memory) {
+        if ((rc = ops->upload(be, m->ids_be, m->ids, (size_t)pl.n * sizeof(int32_t))) != TDM_OK ||
+            (rc = ops->upload(be, m->pos_be, m->pos, (size_t)pl.n * sizeof(int32_t))) != TDM_OK)
+            return rc;
+    }
+    bool replay = false;
+    if (pl.graph) {
+        if ((rc = ops->graph_begin(be, kv, m->aseqs, pl.n_seqs_run, &replay)) != TDM_OK)
+            return rc;
+    } else if (ops->begin_forward &&
+               (rc = ops->begin_forward(be, kv, m->aseqs, n_seqs)) != TDM_OK) {
+        return rc;
+    }
+    if (!replay) { // a replayed graph already holds the step's logits
+        const float *pending;
+        ops->embed(be, &m->embed, m->ids_be, pl.n, m->x);
+        if ((rc = forward_layers(m, kv, seqs, n_seqs, &pl, &pending)) != TDM_OK)
+            return rc;
+        if (pl.n_logit_rows == 0 && pl.n_argmax == 0)
+            return ops->sync ? ops->sync(be) : TDM_OK; // x's last residual add is never read
+        if ((rc = forward_head(m, seqs, n_seqs, &pl, pending, logits)) != TDM_OK ||
+            ops->host_memory)
+            return rc;
+    }
+    return forward_finish(m, seqs, n_seqs, &pl, logits);
 }

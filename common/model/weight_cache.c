@@ -292,12 +292,72 @@ static uint64_t header_sum(const struct file_header *h)
     return wc_sum(&c, sizeof c);
 }
 
+// Reads and checks fd's header against the file's size (never through a map:
+// a file shorter than its header or than it says it is raises no SIGBUS).
+static int read_header(int fd, const struct tdm_wcache_id *id, struct file_header *h, char *err,
+                       size_t errlen)
+{
+    struct stat sb;
+    if (fstat(fd, &sb) != 0)
+        return tdm_seterr(err, errlen, TDM_EIO, "weight cache: %s: %s", id->path, strerror(errno));
+    if (sb.st_size < (off_t)sizeof *h || pread(fd, h, sizeof *h, 0) != (ssize_t)sizeof *h)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %s: truncated header", id->path);
+    if (memcmp(h->magic, WC_MAGIC, sizeof WC_MAGIC) != 0 || h->format != WC_FORMAT ||
+        h->byte_order != WC_BYTE_ORDER || header_sum(h) != h->header_sum)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %s: bad header", id->path);
+    if (h->file_size != (uint64_t)sb.st_size)
+        return tdm_seterr(err, errlen, TDM_EPROTO,
+                          "weight cache: %s: %lld bytes, its header says %llu (truncated?)",
+                          id->path, (long long)sb.st_size, (unsigned long long)h->file_size);
+    uint64_t meta = sizeof *h + (uint64_t)h->ident_len +
+                    (uint64_t)h->n_entries * sizeof(struct file_entry) + h->n_chunks * 8;
+    if (h->data_off % WC_ALIGN != 0 || h->data_off < meta || h->data_off > h->file_size ||
+        h->n_entries > (1u << 20) || h->ident_len > sizeof id->ident ||
+        h->n_chunks != (h->file_size - h->data_off + WC_CHUNK - 1) / WC_CHUNK)
+        return tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %s: inconsistent header",
+                          id->path);
+    return TDM_OK;
+}
+
+// c's entries from the mapped table tab, each span checked to lie in the
+// data region.
+static int read_entries(struct tdm_wcache *c, const struct file_header *h, const uint8_t *tab,
+                        const struct tdm_wcache_id *id, char *err, size_t errlen)
+{
+    const uint8_t *base = c->map;
+    c->n = (int)h->n_entries;
+    c->entries = calloc(h->n_entries ? h->n_entries : 1, sizeof *c->entries);
+    if (c->entries == NULL)
+        return tdm_seterr(err, errlen, TDM_ENOMEM, "weight cache: out of memory");
+    for (int i = 0; i < c->n; i++) {
+        struct file_entry fe;
+        memcpy(&fe, tab + (size_t)i * sizeof fe, sizeof fe);
+        struct tdm_wcache_entry *e = &c->entries[i];
+        if (fe.nspans < 1 || fe.nspans > TDM_WCACHE_MAX_SPANS)
+            return tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %s: entry %d has %d spans",
+                              id->path, i, fe.nspans);
+        e->type = (enum tdm_wtype)fe.type;
+        e->rows = fe.rows;
+        e->cols = fe.cols;
+        e->nspans = fe.nspans;
+        for (int s = 0; s < fe.nspans; s++) {
+            if (fe.off[s] < h->data_off || fe.off[s] % 64 != 0 || fe.bytes[s] > h->file_size ||
+                fe.off[s] > h->file_size - fe.bytes[s])
+                return tdm_seterr(err, errlen, TDM_EPROTO,
+                                  "weight cache: %s: entry %d span %d outside the file", id->path,
+                                  i, s);
+            e->ptr[s] = base + fe.off[s];
+            e->bytes[s] = (size_t)fe.bytes[s];
+        }
+    }
+    return TDM_OK;
+}
+
 int tdm_wcache_open(struct tdm_wcache **out, const struct tdm_wcache_id *id, int nthreads,
                     char *err, size_t errlen)
 {
     struct tdm_wcache *c = NULL;
     struct file_header h;
-    struct stat sb;
     int rc;
     *out = NULL;
     int fd = open(id->path, O_RDONLY | O_CLOEXEC);
@@ -307,39 +367,13 @@ int tdm_wcache_open(struct tdm_wcache **out, const struct tdm_wcache_id *id, int
         return tdm_seterr(err, errlen, TDM_EIO, "weight cache: %s: %s", id->path,
                           strerror(errno));
     }
-    if (fstat(fd, &sb) != 0) {
-        rc = tdm_seterr(err, errlen, TDM_EIO, "weight cache: %s: %s", id->path, strerror(errno));
+    if ((rc = read_header(fd, id, &h, err, errlen)) != TDM_OK)
         goto fail;
-    }
-    // The header is read with pread, so a file shorter than its header or
-    // than it says it is never gets touched through the map (no SIGBUS).
-    if (sb.st_size < (off_t)sizeof h || pread(fd, &h, sizeof h, 0) != (ssize_t)sizeof h) {
-        rc = tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %s: truncated header", id->path);
-        goto fail;
-    }
-    if (memcmp(h.magic, WC_MAGIC, sizeof WC_MAGIC) != 0 || h.format != WC_FORMAT ||
-        h.byte_order != WC_BYTE_ORDER || header_sum(&h) != h.header_sum) {
-        rc = tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %s: bad header", id->path);
-        goto fail;
-    }
-    if (h.file_size != (uint64_t)sb.st_size) {
-        rc = tdm_seterr(err, errlen, TDM_EPROTO,
-                        "weight cache: %s: %lld bytes, its header says %llu (truncated?)",
-                        id->path, (long long)sb.st_size, (unsigned long long)h.file_size);
-        goto fail;
-    }
-    uint64_t meta = sizeof h + (uint64_t)h.ident_len +
-                    (uint64_t)h.n_entries * sizeof(struct file_entry) + h.n_chunks * 8;
-    if (h.data_off % WC_ALIGN != 0 || h.data_off < meta || h.data_off > h.file_size ||
-        h.n_entries > (1u << 20) || h.ident_len > sizeof id->ident ||
-        h.n_chunks != (h.file_size - h.data_off + WC_CHUNK - 1) / WC_CHUNK) {
-        rc = tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %s: inconsistent header",
-                        id->path);
-        goto fail;
-    }
     c = calloc(1, sizeof *c);
-    if (c == NULL)
-        goto fail_oom;
+    if (c == NULL) {
+        rc = tdm_seterr(err, errlen, TDM_ENOMEM, "weight cache: out of memory");
+        goto fail;
+    }
     c->file_size = (size_t)h.file_size;
     c->map = mmap(NULL, c->file_size, PROT_READ, MAP_SHARED, fd, 0);
     if (c->map == MAP_FAILED) {
@@ -369,36 +403,9 @@ int tdm_wcache_open(struct tdm_wcache **out, const struct tdm_wcache_id *id, int
                         "weight cache: %s was built from another checkpoint (stale)", id->path);
         goto fail;
     }
-    c->n = (int)h.n_entries;
-    c->entries = calloc(h.n_entries ? h.n_entries : 1, sizeof *c->entries);
-    if (c->entries == NULL)
-        goto fail_oom;
     const uint8_t *tab = base + sizeof h + h.ident_len;
-    for (int i = 0; i < c->n; i++) {
-        struct file_entry fe;
-        memcpy(&fe, tab + (size_t)i * sizeof fe, sizeof fe);
-        struct tdm_wcache_entry *e = &c->entries[i];
-        if (fe.nspans < 1 || fe.nspans > TDM_WCACHE_MAX_SPANS) {
-            rc = tdm_seterr(err, errlen, TDM_EPROTO, "weight cache: %s: entry %d has %d spans",
-                            id->path, i, fe.nspans);
-            goto fail;
-        }
-        e->type = (enum tdm_wtype)fe.type;
-        e->rows = fe.rows;
-        e->cols = fe.cols;
-        e->nspans = fe.nspans;
-        for (int s = 0; s < fe.nspans; s++) {
-            if (fe.off[s] < h.data_off || fe.off[s] % 64 != 0 || fe.bytes[s] > h.file_size ||
-                fe.off[s] > h.file_size - fe.bytes[s]) {
-                rc = tdm_seterr(err, errlen, TDM_EPROTO,
-                                "weight cache: %s: entry %d span %d outside the file", id->path, i,
-                                s);
-                goto fail;
-            }
-            e->ptr[s] = base + fe.off[s];
-            e->bytes[s] = (size_t)fe.bytes[s];
-        }
-    }
+    if ((rc = read_entries(c, &h, tab, id, err, errlen)) != TDM_OK)
+        goto fail;
     int bad = verify_chunks(base + h.data_off, (size_t)(h.file_size - h.data_off),
                             tab + (size_t)c->n * sizeof(struct file_entry),
                             h.n_chunks, nthreads);
@@ -411,8 +418,6 @@ int tdm_wcache_open(struct tdm_wcache **out, const struct tdm_wcache_id *id, int
     *out = c;
     return TDM_OK;
 
-fail_oom:
-    rc = tdm_seterr(err, errlen, TDM_ENOMEM, "weight cache: out of memory");
 fail:
     if (fd >= 0)
         close(fd);
@@ -498,6 +503,115 @@ static void prune(const struct tdm_wcache_id *id)
     closedir(d);
 }
 
+// The file's entry table for entries, span offsets relative to the data
+// region (4 KiB-aligned, in order); sets *data_bytes to the region's size.
+static int layout_entries(const struct tdm_wcache_entry *entries, int n, struct file_entry *fe,
+                          uint64_t *data_bytes, char *err, size_t errlen)
+{
+    uint64_t bytes = 0;
+    for (int i = 0; i < n; i++) {
+        const struct tdm_wcache_entry *e = &entries[i];
+        if (e->nspans < 1 || e->nspans > TDM_WCACHE_MAX_SPANS)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "weight cache: entry %d has %d spans", i,
+                              e->nspans);
+        fe[i].type = (uint32_t)e->type;
+        fe[i].rows = e->rows;
+        fe[i].cols = e->cols;
+        fe[i].nspans = e->nspans;
+        for (int s = 0; s < e->nspans; s++) {
+            bytes = align_up(bytes, WC_ALIGN);
+            fe[i].off[s] = bytes;
+            fe[i].bytes[s] = e->bytes[s];
+            bytes += e->bytes[s];
+        }
+    }
+    *data_bytes = bytes;
+    return TDM_OK;
+}
+
+// The header's layout fields (not its checksums) for n entries and
+// data_bytes of data; shifts fe's offsets past data_off.
+static void layout_header(struct file_header *h, const struct tdm_wcache_id *id,
+                          struct file_entry *fe, int n, uint64_t data_bytes)
+{
+    memcpy(h->magic, WC_MAGIC, sizeof WC_MAGIC);
+    h->format = WC_FORMAT;
+    h->byte_order = WC_BYTE_ORDER;
+    h->n_entries = (uint32_t)n;
+    h->ident_len = (uint32_t)strlen(id->ident);
+    h->n_chunks = (data_bytes + WC_CHUNK - 1) / WC_CHUNK;
+    size_t meta_len = (size_t)h->ident_len + (size_t)n * sizeof *fe + (size_t)h->n_chunks * 8;
+    h->data_off = align_up(sizeof *h + meta_len, WC_STAGE);
+    h->file_size = h->data_off + data_bytes;
+    for (int i = 0; i < n; i++)
+        for (int s = 0; s < fe[i].nspans; s++)
+            fe[i].off[s] += h->data_off;
+}
+
+// Writes the data region in WC_STAGE pieces through stage ([WC_STAGE]) and
+// takes each chunk's checksum into sums; -1 (errno set) when a write fails.
+//
+// The pieces sit at WC_STAGE-aligned file offsets (spans copied into the
+// zeroed staging buffer, gaps included), so the page cache builds 2 MiB folios
+// that a read-only map of the file gets as PMD mappings: decode then streams
+// the weights at the speed of anonymous huge pages. Written 4 KiB-aligned span
+// by span instead, a third of the file was mapped with 4 KiB pages and
+// streamed at ~0.6x.
+static int write_data(int fd, const struct tdm_wcache_entry *entries, const struct file_entry *fe,
+                      int n, const struct file_header *h, uint64_t data_bytes, uint8_t *stage,
+                      uint64_t *sums)
+{
+    int si = 0, ss = 0; // first span that may still overlap the piece
+    for (uint64_t p0 = 0; p0 < data_bytes; p0 += WC_STAGE) {
+        uint64_t p1 = data_bytes - p0 < WC_STAGE ? data_bytes : p0 + WC_STAGE;
+        memset(stage, 0, (size_t)(p1 - p0));
+        for (int i = si, s0 = ss; i < n; i++, s0 = 0) {
+            bool past = false;
+            for (int sp = s0; sp < fe[i].nspans; sp++) {
+                uint64_t a = fe[i].off[sp] - h->data_off, b = a + fe[i].bytes[sp];
+                if (a >= p1) {
+                    past = true;
+                    break;
+                }
+                if (b <= p0) { // wholly before this piece: never needed again
+                    si = i;
+                    ss = sp + 1;
+                    continue;
+                }
+                uint64_t lo = a > p0 ? a : p0, hi = b < p1 ? b : p1;
+                memcpy(stage + (lo - p0), (const uint8_t *)entries[i].ptr[sp] + (lo - a),
+                       (size_t)(hi - lo));
+            }
+            if (past)
+                break;
+        }
+        for (uint64_t c0 = p0; c0 < p1; c0 += WC_CHUNK) {
+            size_t len = p1 - c0 < WC_CHUNK ? (size_t)(p1 - c0) : WC_CHUNK;
+            sums[c0 / WC_CHUNK] = wc_sum(stage + (c0 - p0), len);
+        }
+        if (pwrite_all(fd, stage, (size_t)(p1 - p0), h->data_off + p0) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+// Fills meta ([data_off - sizeof header]: ident, entry table, chunk sums,
+// zero padding) and h's checksums, then writes both; -1 (errno set) when a
+// write fails.
+static int write_meta(int fd, const struct tdm_wcache_id *id, const struct file_entry *fe, int n,
+                      const uint64_t *sums, uint8_t *meta, struct file_header *h)
+{
+    memcpy(meta, id->ident, h->ident_len);
+    memcpy(meta + h->ident_len, fe, (size_t)n * sizeof *fe);
+    memcpy(meta + h->ident_len + (size_t)n * sizeof *fe, sums, (size_t)h->n_chunks * 8);
+    h->meta_sum = wc_sum(meta, (size_t)(h->data_off - sizeof *h));
+    h->header_sum = header_sum(h);
+    if (pwrite_all(fd, meta, (size_t)(h->data_off - sizeof *h), sizeof *h) != 0 ||
+        pwrite_all(fd, h, sizeof *h, 0) != 0)
+        return -1;
+    return 0;
+}
+
 int tdm_wcache_write(const struct tdm_wcache_id *id, const struct tdm_wcache_entry *entries, int n,
                      char *err, size_t errlen)
 {
@@ -507,6 +621,7 @@ int tdm_wcache_write(const struct tdm_wcache_id *id, const struct tdm_wcache_ent
     uint8_t *meta = NULL, *stage = NULL;
     char tmp[sizeof id->path + 64];
     struct file_header h;
+    uint64_t data_bytes = 0;
     int fd = -1, rc;
     tmp[0] = '\0';
     memset(&h, 0, sizeof h);
@@ -517,38 +632,9 @@ int tdm_wcache_write(const struct tdm_wcache_id *id, const struct tdm_wcache_ent
     fe = calloc((size_t)n, sizeof *fe);
     if (fe == NULL)
         goto fail_oom;
-    // Offsets relative to the data region first, then shifted by data_off.
-    uint64_t data_bytes = 0;
-    for (int i = 0; i < n; i++) {
-        const struct tdm_wcache_entry *e = &entries[i];
-        if (e->nspans < 1 || e->nspans > TDM_WCACHE_MAX_SPANS) {
-            rc = tdm_seterr(err, errlen, TDM_EINVAL, "weight cache: entry %d has %d spans", i,
-                            e->nspans);
-            goto fail;
-        }
-        fe[i].type = (uint32_t)e->type;
-        fe[i].rows = e->rows;
-        fe[i].cols = e->cols;
-        fe[i].nspans = e->nspans;
-        for (int s = 0; s < e->nspans; s++) {
-            data_bytes = align_up(data_bytes, WC_ALIGN);
-            fe[i].off[s] = data_bytes;
-            fe[i].bytes[s] = e->bytes[s];
-            data_bytes += e->bytes[s];
-        }
-    }
-    memcpy(h.magic, WC_MAGIC, sizeof WC_MAGIC);
-    h.format = WC_FORMAT;
-    h.byte_order = WC_BYTE_ORDER;
-    h.n_entries = (uint32_t)n;
-    h.ident_len = (uint32_t)strlen(id->ident);
-    h.n_chunks = (data_bytes + WC_CHUNK - 1) / WC_CHUNK;
-    size_t meta_len = (size_t)h.ident_len + (size_t)n * sizeof *fe + (size_t)h.n_chunks * 8;
-    h.data_off = align_up(sizeof h + meta_len, WC_STAGE);
-    h.file_size = h.data_off + data_bytes;
-    for (int i = 0; i < n; i++)
-        for (int s = 0; s < fe[i].nspans; s++)
-            fe[i].off[s] += h.data_off;
+    if ((rc = layout_entries(entries, n, fe, &data_bytes, err, errlen)) != TDM_OK)
+        goto fail;
+    layout_header(&h, id, fe, n, data_bytes);
 
     snprintf(tmp, sizeof tmp, "%s.tmp.%ld.%u", id->path, (long)getpid(),
              atomic_fetch_add(&seq, 1));
@@ -558,60 +644,17 @@ int tdm_wcache_write(const struct tdm_wcache_id *id, const struct tdm_wcache_ent
         tmp[0] = '\0'; // not ours to remove
         goto fail;
     }
-    // The data region is written in WC_STAGE pieces at WC_STAGE-aligned file
-    // offsets (spans copied into a zeroed staging buffer, gaps included), so
-    // the page cache builds 2 MiB folios that a read-only map of the file gets
-    // as PMD mappings: decode then streams the weights at the speed of
-    // anonymous huge pages. Written 4 KiB-aligned span by span instead, a
-    // third of the file was mapped with 4 KiB pages and streamed at ~0.6x.
     // The chunk checksums are taken from the staging buffer.
     sums = calloc(h.n_chunks ? h.n_chunks : 1, sizeof *sums);
     stage = malloc(WC_STAGE);
     if (sums == NULL || stage == NULL)
         goto fail_oom;
-    {
-        int si = 0, ss = 0; // first span that may still overlap the piece
-        for (uint64_t p0 = 0; p0 < data_bytes; p0 += WC_STAGE) {
-            uint64_t p1 = data_bytes - p0 < WC_STAGE ? data_bytes : p0 + WC_STAGE;
-            memset(stage, 0, (size_t)(p1 - p0));
-            for (int i = si, s0 = ss; i < n; i++, s0 = 0) {
-                bool past = false;
-                for (int sp = s0; sp < fe[i].nspans; sp++) {
-                    uint64_t a = fe[i].off[sp] - h.data_off, b = a + fe[i].bytes[sp];
-                    if (a >= p1) {
-                        past = true;
-                        break;
-                    }
-                    if (b <= p0) { // wholly before this piece: never needed again
-                        si = i;
-                        ss = sp + 1;
-                        continue;
-                    }
-                    uint64_t lo = a > p0 ? a : p0, hi = b < p1 ? b : p1;
-                    memcpy(stage + (lo - p0), (const uint8_t *)entries[i].ptr[sp] + (lo - a),
-                           (size_t)(hi - lo));
-                }
-                if (past)
-                    break;
-            }
-            for (uint64_t c0 = p0; c0 < p1; c0 += WC_CHUNK) {
-                size_t len = p1 - c0 < WC_CHUNK ? (size_t)(p1 - c0) : WC_CHUNK;
-                sums[c0 / WC_CHUNK] = wc_sum(stage + (c0 - p0), len);
-            }
-            if (pwrite_all(fd, stage, (size_t)(p1 - p0), h.data_off + p0) != 0)
-                goto fail_io;
-        }
-    }
+    if (write_data(fd, entries, fe, n, &h, data_bytes, stage, sums) != 0)
+        goto fail_io;
     meta = calloc(1, (size_t)(h.data_off - sizeof h));
     if (meta == NULL)
         goto fail_oom;
-    memcpy(meta, id->ident, h.ident_len);
-    memcpy(meta + h.ident_len, fe, (size_t)n * sizeof *fe);
-    memcpy(meta + h.ident_len + (size_t)n * sizeof *fe, sums, (size_t)h.n_chunks * 8);
-    h.meta_sum = wc_sum(meta, (size_t)(h.data_off - sizeof h));
-    h.header_sum = header_sum(&h);
-    if (pwrite_all(fd, meta, (size_t)(h.data_off - sizeof h), sizeof h) != 0 ||
-        pwrite_all(fd, &h, sizeof h, 0) != 0)
+    if (write_meta(fd, id, fe, n, sums, meta, &h) != 0)
         goto fail_io;
     if (close(fd) != 0) {
         fd = -1;

@@ -926,6 +926,121 @@ struct attn_job {
 // rescale and one exp of the running max per span, not per chunk).
 #define ATTN_SPAN 128
 
+// attn_query's steps, inlined into it: its hot loop stays one function.
+#define ATTN_INLINE static inline __attribute__((always_inline))
+
+// The next chunk's keys and values, prefetched a share after each head.
+struct attn_prefetch {
+    const uint8_t *k, *v; // NULL: nothing to prefetch
+    size_t len;           // bytes of each
+    size_t share;         // bytes per head, whole lines
+};
+
+// Block blk's keys and values of layer j->layer in the pool's dtype; false
+// when blk is out of range.
+ATTN_INLINE bool attn_block(const struct attn_job *j, int blk, const void **kb, const void **vb)
+{
+    if (j->bf16)
+        *kb = tdm_kv_k_bf16(j->kv, j->layer, blk), *vb = tdm_kv_v_bf16(j->kv, j->layer, blk);
+    else
+        *kb = tdm_kv_k(j->kv, j->layer, blk), *vb = tdm_kv_v(j->kv, j->layer, blk);
+    return *kb && *vb;
+}
+
+// The chunk that starts at position pos, split over nh heads' shares.
+ATTN_INLINE struct attn_prefetch
+attn_prefetch_at(const struct attn_job *j, const struct tdm_attn_seq *sq, int pos, int kvh, int nh)
+{
+    struct attn_prefetch pf = {NULL, NULL, 0, 0};
+    int bs = j->block_size, hd = j->head_dim;
+    int nblk = sq->block_table[pos / bs], nslot = pos % bs;
+    int nn = bs - nslot < CPU_ATTN_CHUNK ? bs - nslot : CPU_ATTN_CHUNK;
+    size_t es = j->bf16 ? 2 : 4, noff = ((size_t)kvh * bs + nslot) * hd * es;
+    const uint8_t *nk_p = j->bf16 ? (const uint8_t *)tdm_kv_k_bf16(j->kv, j->layer, nblk)
+                                  : (const uint8_t *)tdm_kv_k(j->kv, j->layer, nblk);
+    const uint8_t *nv_p = j->bf16 ? (const uint8_t *)tdm_kv_v_bf16(j->kv, j->layer, nblk)
+                                  : (const uint8_t *)tdm_kv_v(j->kv, j->layer, nblk);
+    if (nk_p && nv_p) {
+        pf.k = nk_p + noff, pf.v = nv_p + noff;
+        pf.len = (size_t)nn * hd * es;
+        pf.share = (pf.len / 64 + (size_t)nh - 1) / (size_t)nh * 64;
+    }
+    return pf;
+}
+
+// Scores one chunk of nk keys (kb + off) for the nh query heads q into
+// s[g][n..n+nk), raising each head's span max mc[g]; kw: the widening buffer.
+ATTN_INLINE void attn_score_chunk(const struct attn_job *j, const float *q, const void *kb,
+                                  size_t off, int nk, int nh, bool widened, float *kw,
+                                  float (*s)[ATTN_SPAN], int n, float *mc,
+                                  const struct attn_prefetch *pf)
+{
+    int hd = j->head_dim;
+    // A bf16 key chunk is widened once for the whole group (exactly:
+    // the f32 kernel then computes what the bf16 kernel would, bit
+    // for bit), so the group's heads do not each widen it again.
+    const float *kc = (const float *)kb + off;
+    if (widened) {
+        j->k->widen_bf16((const uint16_t *)kb + off, kw, (size_t)nk * hd);
+        kc = kw;
+    }
+    // Head by head: the heads are independent, so the CPU overlaps
+    // one head's dependency chain with the next's.
+    for (int g = 0; g < nh; g++) {
+        float mx = j->bf16 && !widened
+                       ? j->k->attn_scores_bf16(q + (size_t)g * hd, (const uint16_t *)kb + off, nk,
+                                                hd, j->scale, s[g] + n)
+                       : j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale, s[g] + n);
+        mc[g] = mx > mc[g] ? mx : mc[g];
+        size_t b1 = (size_t)(g + 1) * pf->share < pf->len ? (size_t)(g + 1) * pf->share : pf->len;
+        for (size_t b = (size_t)g * pf->share; b < b1; b += 64) {
+            __builtin_prefetch(pf->k + b);
+            __builtin_prefetch(pf->v + b);
+        }
+    }
+}
+
+// The online softmax's step over a span of n scores: each head's new max,
+// the correction corr[g] of what it accumulated so far, its scores
+// exponentiated in place and its running sum l[g].
+ATTN_INLINE void attn_span_softmax(const struct attn_job *j, float (*s)[ATTN_SPAN], int n, int nh,
+                                   const float *mc, float *m, float *l, float *corr)
+{
+    for (int g = 0; g < nh; g++) {
+        float m_new = mc[g] > m[g] ? mc[g] : m[g];
+        corr[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
+        // The span's sum in a fixed order: chunk sums of 16, in turn.
+        float sum = 0.0f;
+        for (int o = 0; o < n; o += CPU_ATTN_CHUNK)
+            sum += j->k->attn_exp(s[g] + o, n - o < CPU_ATTN_CHUNK ? n - o : CPU_ATTN_CHUNK, m_new);
+        l[g] = l[g] * corr[g] + sum;
+        m[g] = m_new;
+    }
+}
+
+// acc = acc * corr + the span's weights times its value rows, run by run.
+ATTN_INLINE void attn_span_accum(const struct attn_job *j, float *acc, const float *corr,
+                                 float (*s)[ATTN_SPAN], const void *const *vrun,
+                                 const int *nrun_keys, int nrun, int nh)
+{
+    int hd = j->head_dim;
+    if (j->k->attn_accum_span) {
+        j->k->attn_accum_span(acc, corr, &s[0][0], ATTN_SPAN, vrun, nrun_keys, nrun, j->bf16, nh,
+                              hd);
+        return;
+    }
+    for (int g = 0; g < nh; g++)
+        for (int r = 0, o = 0; r < nrun; o += nrun_keys[r], r++) {
+            float c = r == 0 ? corr[g] : 1.0f;
+            if (j->bf16)
+                j->k->attn_accum_bf16(acc + (size_t)g * hd, c, s[g] + o, (const uint16_t *)vrun[r],
+                                      nrun_keys[r], hd);
+            else
+                j->k->attn_accum(acc + (size_t)g * hd, c, s[g] + o, (const float *)vrun[r],
+                                 nrun_keys[r], hd);
+        }
+}
+
 // One query row, heads h0..h0+nh-1 (all on KV head kvh): online softmax over
 // positions 0..p in spans of ATTN_SPAN aligned positions, each scored in
 // chunks of at most CPU_ATTN_CHUNK that never cross a block or a span, so the
@@ -967,11 +1082,7 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
                 nk = span_end - pos;
             size_t off = ((size_t)kvh * bs + slot) * hd;
             const void *kb, *vb;
-            if (j->bf16)
-                kb = tdm_kv_k_bf16(j->kv, j->layer, blk), vb = tdm_kv_v_bf16(j->kv, j->layer, blk);
-            else
-                kb = tdm_kv_k(j->kv, j->layer, blk), vb = tdm_kv_v(j->kv, j->layer, blk);
-            if (!kb || !vb) {
+            if (!attn_block(j, blk, &kb, &vb)) {
                 TDM_LOG_ERR("cpu", "attention: layer %d block %d out of range", j->layer, blk);
                 memset(acc, 0, sizeof(float) * (size_t)hd * nh);
                 return;
@@ -981,81 +1092,18 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
             // prefetched while this chunk is scored, a share after each head:
             // all 64 lines at once filled the core's miss buffers and stalled
             // it on the prefetches themselves, with nothing computing meanwhile.
-            const uint8_t *pf_k = NULL, *pf_v = NULL;
-            size_t pf_len = 0, pf_share = 0;
-            if (pos + nk <= p) {
-                int nblk = sq->block_table[(pos + nk) / bs], nslot = (pos + nk) % bs;
-                int nn = bs - nslot < CPU_ATTN_CHUNK ? bs - nslot : CPU_ATTN_CHUNK;
-                size_t es = j->bf16 ? 2 : 4, noff = ((size_t)kvh * bs + nslot) * hd * es;
-                const uint8_t *nk_p = j->bf16
-                                          ? (const uint8_t *)tdm_kv_k_bf16(j->kv, j->layer, nblk)
-                                          : (const uint8_t *)tdm_kv_k(j->kv, j->layer, nblk);
-                const uint8_t *nv_p = j->bf16
-                                          ? (const uint8_t *)tdm_kv_v_bf16(j->kv, j->layer, nblk)
-                                          : (const uint8_t *)tdm_kv_v(j->kv, j->layer, nblk);
-                if (nk_p && nv_p) {
-                    pf_k = nk_p + noff, pf_v = nv_p + noff;
-                    pf_len = (size_t)nn * hd * es;
-                    pf_share = (pf_len / 64 + (size_t)nh - 1) / (size_t)nh * 64;
-                }
-            }
-            // A bf16 key chunk is widened once for the whole group (exactly:
-            // the f32 kernel then computes what the bf16 kernel would, bit
-            // for bit), so the group's heads do not each widen it again.
-            const float *kc = (const float *)kb + off;
-            if (widened) {
-                j->k->widen_bf16((const uint16_t *)kb + off, kw, (size_t)nk * hd);
-                kc = kw;
-            }
-            // Head by head: the heads are independent, so the CPU overlaps
-            // one head's dependency chain with the next's.
-            for (int g = 0; g < nh; g++) {
-                float mx = j->bf16 && !widened
-                               ? j->k->attn_scores_bf16(q + (size_t)g * hd,
-                                                        (const uint16_t *)kb + off, nk, hd,
-                                                        j->scale, s[g] + n)
-                               : j->k->attn_scores(q + (size_t)g * hd, kc, nk, hd, j->scale,
-                                                   s[g] + n);
-                mc[g] = mx > mc[g] ? mx : mc[g];
-                size_t b1 =
-                    (size_t)(g + 1) * pf_share < pf_len ? (size_t)(g + 1) * pf_share : pf_len;
-                for (size_t b = (size_t)g * pf_share; b < b1; b += 64) {
-                    __builtin_prefetch(pf_k + b);
-                    __builtin_prefetch(pf_v + b);
-                }
-            }
+            struct attn_prefetch pf = {NULL, NULL, 0, 0};
+            if (pos + nk <= p)
+                pf = attn_prefetch_at(j, sq, pos + nk, kvh, nh);
+            attn_score_chunk(j, q, kb, off, nk, nh, widened, kw, s, n, mc, &pf);
             vrun[nrun] = j->bf16 ? (const void *)((const uint16_t *)vb + off)
                                  : (const void *)((const float *)vb + off);
             nrun_keys[nrun++] = nk;
             n += nk;
             pos += nk;
         }
-        for (int g = 0; g < nh; g++) {
-            float m_new = mc[g] > m[g] ? mc[g] : m[g];
-            corr[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - m_new);
-            // The span's sum in a fixed order: chunk sums of 16, in turn.
-            float sum = 0.0f;
-            for (int o = 0; o < n; o += CPU_ATTN_CHUNK)
-                sum += j->k->attn_exp(s[g] + o, n - o < CPU_ATTN_CHUNK ? n - o : CPU_ATTN_CHUNK,
-                                      m_new);
-            l[g] = l[g] * corr[g] + sum;
-            m[g] = m_new;
-        }
-        if (j->k->attn_accum_span) {
-            j->k->attn_accum_span(acc, corr, &s[0][0], ATTN_SPAN, vrun, nrun_keys, nrun, j->bf16,
-                                  nh, hd);
-        } else {
-            for (int g = 0; g < nh; g++)
-                for (int r = 0, o = 0; r < nrun; o += nrun_keys[r], r++) {
-                    float c = r == 0 ? corr[g] : 1.0f;
-                    if (j->bf16)
-                        j->k->attn_accum_bf16(acc + (size_t)g * hd, c, s[g] + o,
-                                              (const uint16_t *)vrun[r], nrun_keys[r], hd);
-                    else
-                        j->k->attn_accum(acc + (size_t)g * hd, c, s[g] + o,
-                                         (const float *)vrun[r], nrun_keys[r], hd);
-                }
-        }
+        attn_span_softmax(j, s, n, nh, mc, m, l, corr);
+        attn_span_accum(j, acc, corr, s, vrun, nrun_keys, nrun, nh);
     }
     for (int g = 0; g < nh; g++) {
         float inv = 1.0f / l[g];
