@@ -72,6 +72,40 @@ enum tdm_cpu_isa tdm_cpu_isa_best(void)
     return TDM_CPU_ISA_PORTABLE;
 }
 
+int tdm_cpu_isa_default(enum tdm_cpu_isa *out, char *err, size_t errlen)
+{
+    enum tdm_cpu_isa isa = tdm_cpu_isa_best();
+    const char *force = getenv("TANDEM_CPU_ISA");
+    if (force && *force) {
+        if (tdm_cpu_isa_parse(force, &isa) != TDM_OK)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_CPU_ISA=%s: expected portable, avx2, avx512 or amx", force);
+        if (!tdm_cpu_isa_supported(isa))
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_CPU_ISA=%s: this CPU does not support it", force);
+    }
+    *out = isa;
+    return TDM_OK;
+}
+
+const char *tdm_cpu_isa_matmul_path(enum tdm_cpu_isa isa, enum tdm_wtype type)
+{
+    switch (isa) {
+    case TDM_CPU_ISA_AMX:
+        return type == TDM_W_BF16 ? "amx-bf16 tiles"
+               : type == TDM_W_Q8 ? "avx512 vnni"
+                                  : "avx512 fma";
+    case TDM_CPU_ISA_AVX512:
+        return type == TDM_W_BF16 ? "avx512 vdpbf16ps"
+               : type == TDM_W_Q8 ? "avx512 vnni"
+                                  : "avx512 fma";
+    case TDM_CPU_ISA_AVX2:
+        return "avx2 fma";
+    default:
+        return "portable C";
+    }
+}
+
 static const struct cpu_kernels *isa_kernels(struct tdm_backend *be, enum tdm_cpu_isa isa)
 {
     switch (isa) {
@@ -137,16 +171,10 @@ static int cpu_create(struct tdm_backend **out, int num_threads, int device, cha
                       size_t errlen)
 {
     (void)device;
-    enum tdm_cpu_isa isa = tdm_cpu_isa_best();
-    const char *force = getenv("TANDEM_CPU_ISA");
-    if (force && *force) {
-        if (tdm_cpu_isa_parse(force, &isa) != TDM_OK)
-            return tdm_seterr(err, errlen, TDM_EINVAL,
-                              "TANDEM_CPU_ISA=%s: expected portable, avx2, avx512 or amx", force);
-        if (!tdm_cpu_isa_supported(isa))
-            return tdm_seterr(err, errlen, TDM_EINVAL,
-                              "TANDEM_CPU_ISA=%s: this CPU does not support it", force);
-    }
+    enum tdm_cpu_isa isa;
+    int rc = tdm_cpu_isa_default(&isa, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
     if (num_threads < 0 || num_threads > 1024)
         return tdm_seterr(err, errlen, TDM_EINVAL, "cpu backend: num_threads=%d out of range",
                           num_threads);

@@ -26,6 +26,13 @@ int tdm_cpu_isa_parse(const char *name, enum tdm_cpu_isa *out);
 int tdm_cpu_isa_supported(enum tdm_cpu_isa isa);
 // The best supported path.
 enum tdm_cpu_isa tdm_cpu_isa_best(void);
+// The path a new backend takes: TANDEM_CPU_ISA when set, else the best.
+// TDM_EINVAL (err says why) for an unknown name or one this CPU cannot run.
+int tdm_cpu_isa_default(enum tdm_cpu_isa *out, char *err, size_t errlen);
+// What computes matmuls of weights of type `type` on path isa, for every
+// batch size (the choice never depends on n): "amx-bf16 tiles",
+// "avx512 vdpbf16ps", "avx512 vnni", "avx512 fma", "avx2 fma", "portable C".
+const char *tdm_cpu_isa_matmul_path(enum tdm_cpu_isa isa, enum tdm_wtype type);
 
 // Switches the SIMD path of a backend; TDM_EINVAL when the CPU cannot run it.
 int tdm_cpu_backend_set_isa(struct tdm_backend *be, enum tdm_cpu_isa isa);
