@@ -22,11 +22,15 @@
 //            from token to token;
 //   C tile = 16 tokens x 16 output rows, f32.
 // Tiles 0-3 are C (2 token tiles x 2 panels), 4-5 A, 6-7 B: per k chunk 2 A
-// loads and 2 B loads feed 4 TDPBF16PS. One configuration (all tiles 16 x 64
-// bytes) serves every shape: mm_prep_x zeroes the pairs of xq past the last
-// k pair up to a multiple of 16 and the token rows past n up to a multiple of
-// 16, and the k tail of each panel is copied into a zeroed 16-row buffer, so
-// the padding multiplies zeros by zeros (which adds +0 and changes no bit).
+// loads and 2 B loads feed 4 TDPBF16PS. One configuration per call serves
+// every shape: all tiles 16 x 64 bytes, except that a call of n < 16 tokens
+// (decode) configures A and C with n rows. mm_prep_x zeroes the pairs of xq
+// past the last k pair up to a multiple of 16 and, for n > 16, the token rows
+// past n up to a multiple of 16; the k tail of each panel is copied into a
+// zeroed 16-row buffer. So k padding multiplies zeros by zeros (which adds +0
+// and changes no bit; a stale Inf there would make NaN). Token rows never mix
+// (C row m reads only A row m), so padding tokens reach only C rows that are
+// not stored; they are zeroed only so that no uninitialized memory is read.
 //
 // Accumulation: C tile element (token t, row r) starts at +0 and takes one
 // TDPBF16PS per 32-k chunk, chunks in ascending k, whatever n, the tile or
@@ -46,7 +50,8 @@ static AMX_ATTR void AMX_GEMM(const struct cpu_mm_args *a, int b0, int b1)
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < CPU_AMX_TILES; t++) {
-        cfg.rows[t] = CPU_AMX_ROWS;
+        // C (0-3) and A (4-5) have a row per token; B (6-7) a row per k pair.
+        cfg.rows[t] = (uint8_t)(t < 6 && a->n < CPU_AMX_ROWS ? a->n : CPU_AMX_ROWS);
         cfg.colsb[t] = CPU_AMX_COLSB;
     }
     AMX_LOADCFG(&cfg);

@@ -14,7 +14,8 @@
 //
 // Activations: the AVX-512 conversion (vcvtne2ps2bf16: nearest even,
 // denormals to zero) into xq, plus zeroed padding rows up to a multiple of
-// 16 tokens, so every A tile is whole; the emulated table converts with the
+// 16 tokens where n > 16, so every A tile is whole (decode configures tiles
+// of n rows instead); the emulated table converts with the
 // same rounding in C. Linux hands a process the AMX tile state only on
 // request (arch_prctl ARCH_REQ_XCOMP_PERM), made once by cpu_amx_available.
 #include <stdatomic.h>
@@ -32,15 +33,17 @@
 #define CPU_AMX_REAL 1
 #endif
 
-// Rows [n, ceil(n / 16) * 16) of xq read as zeros (the last A tile's padding
-// tokens); only the call that converts the last token writes them.
+// Rows [n, ceil(n / 16) * 16) of xq, up to the weight's k pairs rounded to
+// 16, read as zeros: the padding tokens of the last A tile when n > 16 (a
+// call of fewer tokens configures tiles of n rows). Only the call that
+// converts the last token writes them.
 static void zero_pad_tokens(const struct cpu_mm_args *a, int t1)
 {
-    if (t1 != a->n)
+    if (t1 != a->n || a->n < 16)
         return;
-    int n16 = (a->n + 15) / 16 * 16;
-    memset((uint32_t *)a->xq + (size_t)a->n * a->xq_stride, 0,
-           (size_t)(n16 - a->n) * a->xq_stride * sizeof(uint32_t));
+    size_t kp16 = ((size_t)(a->w->cols + 1) / 2 + 15) / 16 * 16;
+    for (int t = a->n; t < (a->n + 15) / 16 * 16; t++)
+        memset((uint32_t *)a->xq + (size_t)t * a->xq_stride, 0, kp16 * sizeof(uint32_t));
 }
 
 // ---- the emulated path (every host) ----------------------------------------------------------
