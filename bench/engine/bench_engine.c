@@ -15,7 +15,10 @@
 //                             KV read dominates), steps of both caches alternating
 //   KV capacity               blocks and tokens --kv-cache-memory holds per dtype
 //                             (goal: bf16 2x f32)
-// plus tokens/s for decode and prefill and the peak RSS. Without --model it writes
+// plus tokens/s for decode and prefill and the peak RSS, and on the CPU the
+// matmul path of each mode (ISA and kernel: AMX tiles, vdpbf16ps, VNNI...),
+// which is the same for every batch size and the prefill (with AMX tiles
+// pf/bf16 can pass 1: that peak is vdpbf16ps's). Without --model it writes
 // the Qwen2.5-0.5B-shaped random model into the build folder once and reuses it.
 // --batches and --prefill choose other decode batch sizes (up to 256) and prefill
 // chunks (up to 4096 tokens; the table above needs the defaults 1,8,32 and 512,
@@ -32,6 +35,7 @@
 #include <sys/stat.h>
 
 #include "core.h"
+#include "cpu_backend.h"
 #include "cpu_probe.h"
 #include "kv_cache.h"
 #include "mkmodel.h"
@@ -609,37 +613,52 @@ int main(int argc, char **argv)
     bf16_peak = bf16_peak2 > bf16_peak ? bf16_peak2 : bf16_peak;
 
     printf("model %s, %d threads, KV cache %s\n", dir, threads, tdm_kv_dtype_name(pl.kv_dtype));
+    // Which kernels computed each mode's matmuls (the same for every batch
+    // size and the prefill: the CPU backend never picks a path by n).
+    const char *paths[2] = {res[0].device, res[nmodes - 1].device};
+    enum tdm_cpu_isa isa = TDM_CPU_ISA_PORTABLE;
+    if (strcmp(res[0].device, "cpu") == 0 && tdm_cpu_isa_default(&isa, err, sizeof err) == TDM_OK) {
+        paths[0] = tdm_cpu_isa_matmul_path(isa, TDM_W_BF16);
+        paths[1] = tdm_cpu_isa_matmul_path(isa, TDM_W_Q8);
+        printf("cpu isa %s: matmuls of bf16 weights on %s, of int8 weights on %s (every row "
+               "below)\n",
+               tdm_cpu_isa_name(isa), paths[0], paths[1]);
+    }
     printf("machine (best of 2 probes): read %.2f GB/s, f32 FMA peak %.1f GFLOP/s, bf16 dot "
            "peak %.1f GFLOP/s\n\n",
            bw / 1e9, fma / 1e9, bf16_peak / 1e9);
     int i1 = find(pl.batches, pl.n_batches, 1), i8 = find(pl.batches, pl.n_batches, 8);
     int i32 = find(pl.batches, pl.n_batches, 32), ip = find(pl.prefill, pl.n_prefill, PREFILL);
     if (i1 >= 0 && i8 >= 0 && i32 >= 0 && ip >= 0) {
-        printf("%-5s %8s %8s %7s %8s %8s %9s %6s %6s %9s %7s %7s\n", "mode", "weights", "b1 step",
-               "b1/read", "b1 tok/s", "b8 tok/s", "b32 tok/s", "b8/b1", "b32/b1", "pf tok/s",
-               "pf/FMA", "pf/bf16");
+        printf("%-5s %8s %8s %7s %8s %8s %9s %6s %6s %9s %7s %7s  %s\n", "mode", "weights",
+               "b1 step", "b1/read", "b1 tok/s", "b8 tok/s", "b32 tok/s", "b8/b1", "b32/b1",
+               "pf tok/s", "pf/FMA", "pf/bf16", "matmul path");
         for (int mode = 0; mode < nmodes; mode++) {
             const struct result *r = &res[mode];
             double read_s = (double)r->weight_bytes / bw;
             double b1 = 1.0 / r->decode_s[i1], b8 = 8.0 / r->decode_s[i8];
             double b32 = 32.0 / r->decode_s[i32];
             double pf = r->prefill_flops[ip] / r->prefill_s[ip];
-            printf("%-5s %6.0fMB %6.1fms %7.2f %8.1f %8.1f %9.1f %6.2f %6.2f %9.1f %7.3f %7.3f\n",
+            printf("%-5s %6.0fMB %6.1fms %7.2f %8.1f %8.1f %9.1f %6.2f %6.2f %9.1f %7.3f %7.3f  "
+                   "%s\n",
                    names[mode], r->weight_bytes / 1e6, r->decode_s[i1] * 1e3,
                    r->decode_s[i1] / read_s, b1, b8, b32, b8 / b1, b32 / b1,
-                   PREFILL / r->prefill_s[ip], pf / fma, bf16_peak > 0 ? pf / bf16_peak : 0.0);
+                   PREFILL / r->prefill_s[ip], pf / fma, bf16_peak > 0 ? pf / bf16_peak : 0.0,
+                   paths[mode]);
         }
     } else {
         for (int mode = 0; mode < nmodes; mode++) {
             const struct result *r = &res[mode];
             for (int i = 0; i < pl.n_batches; i++)
-                printf("%-5s decode batch %-4d %9.2f ms/step %10.1f tok/s\n", names[mode],
-                       pl.batches[i], r->decode_s[i] * 1e3, pl.batches[i] / r->decode_s[i]);
+                printf("%-5s decode batch %-4d %9.2f ms/step %10.1f tok/s  [%s]\n", names[mode],
+                       pl.batches[i], r->decode_s[i] * 1e3, pl.batches[i] / r->decode_s[i],
+                       paths[mode]);
             for (int i = 0; i < pl.n_prefill; i++)
-                printf("%-5s prefill %-4d      %9.2f ms      %10.1f tok/s %7.3f of FMA peak\n",
+                printf("%-5s prefill %-4d      %9.2f ms      %10.1f tok/s %7.3f of FMA peak  "
+                       "[%s]\n",
                        names[mode], pl.prefill[i], r->prefill_s[i] * 1e3,
-                       pl.prefill[i] / r->prefill_s[i],
-                       r->prefill_flops[i] / r->prefill_s[i] / fma);
+                       pl.prefill[i] / r->prefill_s[i], r->prefill_flops[i] / r->prefill_s[i] / fma,
+                       paths[mode]);
         }
     }
     // Load time against one read of the checkpoint at the probed bandwidth:

@@ -10,7 +10,7 @@
 //                       weight set (goal >= 10)
 //   attn4096_b32_*      decode attention at 4096 tokens of context, batch 32, per
 //                       KV cache dtype, against its FLOP and byte bounds
-// Usage: tandem-bench-kernels [--threads N] [--isa portable|avx2|avx512] [--quick]
+// Usage: tandem-bench-kernels [--threads N] [--isa portable|avx2|avx512|amx] [--quick]
 // [--attention-only] (--quick: a 4-layer model, for smoke runs). Absolute numbers change with
 // the host; the ratios within one run are what this bench is for.
 #include <stdint.h>
@@ -205,7 +205,7 @@ static const struct tdm_flag bench_flags[] = {
     {.name = "isa",
      .kind = TDM_FLAG_PTR,
      .offset = OFF(isa_name),
-     .metavar = "portable|avx2|avx512",
+     .metavar = "portable|avx2|avx512|amx",
      .help = "kernel set (default: the best this CPU has)"},
     {.name = "quick", .kind = TDM_FLAG_BOOL, .offset = OFF(quick), .help = "fewer repetitions"},
     {.name = "attention-only",
@@ -214,7 +214,7 @@ static const struct tdm_flag bench_flags[] = {
      .help = "only the long-context attention lines (and the probes they need)"},
 };
 static const struct tdm_flags bench_table = {
-    .usage = "usage: tandem-bench-kernels [--threads N] [--isa portable|avx2|avx512] [--quick] "
+    .usage = "usage: tandem-bench-kernels [--threads N] [--isa portable|avx2|avx512|amx] [--quick] "
              "[--attention-only]\n",
     .flags = bench_flags,
     .n = sizeof bench_flags / sizeof bench_flags[0],

@@ -22,7 +22,7 @@
 #include "cpu_impl.h"
 
 // ---- ISA selection -------------------------------------------------------------------------
-static const char *const isa_names[TDM_CPU_ISA_COUNT] = {"portable", "avx2", "avx512"};
+static const char *const isa_names[TDM_CPU_ISA_COUNT] = {"portable", "avx2", "avx512", "amx"};
 
 const char *tdm_cpu_isa_name(enum tdm_cpu_isa isa)
 {
@@ -55,6 +55,9 @@ int tdm_cpu_isa_supported(enum tdm_cpu_isa isa)
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") &&
                __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case TDM_CPU_ISA_AMX:
+        // Every AMX CPU has the AVX-512 set the rest of the path uses.
+        return tdm_cpu_isa_supported(TDM_CPU_ISA_AVX512) && cpu_amx_available();
 #endif
     default:
         return 0;
@@ -69,10 +72,47 @@ enum tdm_cpu_isa tdm_cpu_isa_best(void)
     return TDM_CPU_ISA_PORTABLE;
 }
 
-static const struct cpu_kernels *isa_kernels(enum tdm_cpu_isa isa)
+int tdm_cpu_isa_default(enum tdm_cpu_isa *out, char *err, size_t errlen)
+{
+    enum tdm_cpu_isa isa = tdm_cpu_isa_best();
+    const char *force = getenv("TANDEM_CPU_ISA");
+    if (force && *force) {
+        if (tdm_cpu_isa_parse(force, &isa) != TDM_OK)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_CPU_ISA=%s: expected portable, avx2, avx512 or amx", force);
+        if (!tdm_cpu_isa_supported(isa))
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "TANDEM_CPU_ISA=%s: this CPU does not support it", force);
+    }
+    *out = isa;
+    return TDM_OK;
+}
+
+const char *tdm_cpu_isa_matmul_path(enum tdm_cpu_isa isa, enum tdm_wtype type)
+{
+    switch (isa) {
+    case TDM_CPU_ISA_AMX:
+        return type == TDM_W_BF16 ? "amx-bf16 tiles"
+               : type == TDM_W_Q8 ? "avx512 vnni"
+                                  : "avx512 fma";
+    case TDM_CPU_ISA_AVX512:
+        return type == TDM_W_BF16 ? "avx512 vdpbf16ps"
+               : type == TDM_W_Q8 ? "avx512 vnni"
+                                  : "avx512 fma";
+    case TDM_CPU_ISA_AVX2:
+        return "avx2 fma";
+    default:
+        return "portable C";
+    }
+}
+
+static const struct cpu_kernels *isa_kernels(struct tdm_backend *be, enum tdm_cpu_isa isa)
 {
     switch (isa) {
 #if defined(__x86_64__)
+    case TDM_CPU_ISA_AMX:
+        cpu_kernels_amx_fill(&be->k_amx, false);
+        return &be->k_amx;
     case TDM_CPU_ISA_AVX2:
         return &cpu_kernels_avx2;
     case TDM_CPU_ISA_AVX512:
@@ -88,8 +128,14 @@ int tdm_cpu_backend_set_isa(struct tdm_backend *be, enum tdm_cpu_isa isa)
     if ((unsigned)isa >= TDM_CPU_ISA_COUNT || !tdm_cpu_isa_supported(isa))
         return TDM_EINVAL;
     be->isa = isa;
-    be->k = isa_kernels(isa);
+    be->k = isa_kernels(be, isa);
     return TDM_OK;
+}
+
+void cpu_backend_use_amx_emu(struct tdm_backend *be)
+{
+    cpu_kernels_amx_fill(&be->k_amx, true);
+    be->k = &be->k_amx;
 }
 
 enum tdm_cpu_isa tdm_cpu_backend_isa(const struct tdm_backend *be)
@@ -125,16 +171,10 @@ static int cpu_create(struct tdm_backend **out, int num_threads, int device, cha
                       size_t errlen)
 {
     (void)device;
-    enum tdm_cpu_isa isa = tdm_cpu_isa_best();
-    const char *force = getenv("TANDEM_CPU_ISA");
-    if (force && *force) {
-        if (tdm_cpu_isa_parse(force, &isa) != TDM_OK)
-            return tdm_seterr(err, errlen, TDM_EINVAL,
-                              "TANDEM_CPU_ISA=%s: expected portable, avx2 or avx512", force);
-        if (!tdm_cpu_isa_supported(isa))
-            return tdm_seterr(err, errlen, TDM_EINVAL,
-                              "TANDEM_CPU_ISA=%s: this CPU does not support it", force);
-    }
+    enum tdm_cpu_isa isa;
+    int rc = tdm_cpu_isa_default(&isa, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
     if (num_threads < 0 || num_threads > 1024)
         return tdm_seterr(err, errlen, TDM_EINVAL, "cpu backend: num_threads=%d out of range",
                           num_threads);
@@ -146,7 +186,7 @@ static int cpu_create(struct tdm_backend **out, int num_threads, int device, cha
     if (!be)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cpu backend: out of memory");
     be->isa = isa;
-    be->k = isa_kernels(isa);
+    be->k = isa_kernels(be, isa);
     be->nthreads = num_threads;
     if (cpu_pool_new(&be->pool, num_threads) != TDM_OK) {
         free(be);

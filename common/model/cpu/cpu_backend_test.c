@@ -152,8 +152,8 @@ static void check_matmul_accuracy(struct tdm_backend *be, enum tdm_wtype t, int 
         // AVX-512 rounds activations to bf16 (relative error 2^-9 per product)
         // or quantizes them to int8 per 32-k block (error <= max|x|/254 per
         // element); the f32-activation paths have accumulation error only.
-        double tol = isa == TDM_CPU_ISA_AVX512 && t == TDM_W_BF16 ? 4e-3
-                     : isa == TDM_CPU_ISA_AVX512 && t == TDM_W_Q8 ? 1e-2
+        double tol = isa >= TDM_CPU_ISA_AVX512 && t == TDM_W_BF16 ? 4e-3
+                     : isa >= TDM_CPU_ISA_AVX512 && t == TDM_W_Q8 ? 1e-2
                                                                   : 1e-5;
         for (int i = 0; i < n; i++) {
             for (int r = 0; r < rows; r++) {

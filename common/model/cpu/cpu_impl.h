@@ -164,11 +164,19 @@ struct cpu_kernels {
 extern const struct cpu_kernels cpu_kernels_portable;
 extern const struct cpu_kernels cpu_kernels_avx2;
 extern const struct cpu_kernels cpu_kernels_avx512;
+// The AMX path's table (cpu_kernels_amx.c): the AVX-512 table with the BF16
+// matmul on AMX tiles; emulated: the portable table with the same tile kernel
+// on the software tile model (cpu_amx_emu.h), for tests on any host.
+void cpu_kernels_amx_fill(struct cpu_kernels *k, bool emulated);
+// CPUID says AMX-TILE and AMX-BF16 and Linux granted this process the tile
+// state (asked once).
+bool cpu_amx_available(void);
 
 // ---- the backend object ------------------------------------------------------------------------
 struct tdm_backend {
     enum tdm_cpu_isa isa;
     const struct cpu_kernels *k;
+    struct cpu_kernels k_amx; // the AMX table k points to on that path (cpu_kernels_amx_fill)
     struct cpu_pool *pool;
     int nthreads;
     uint32_t *xq;     // [CPU_MM_CHUNK_TOKENS][xq_stride] converted activations (see
@@ -181,6 +189,10 @@ struct tdm_backend {
     float *am_best;
     int32_t *am_idx;
 };
+// Tests: runs the emulated AMX table (cpu_kernels_amx_fill(.., true)) on be
+// until the next tdm_cpu_backend_set_isa.
+void cpu_backend_use_amx_emu(struct tdm_backend *be);
+
 // Rows of the weight one fused-argmax task multiplies into its tile (4 blocks:
 // a tile of 64 tokens is 64 KiB, in L2; the full logits of 64 rows of a
 // 151 936-token vocabulary are 39 MB).

@@ -199,7 +199,7 @@ static bool cpu_rounds_like_gpu(void)
     const char *force = getenv("TANDEM_CPU_ISA");
     if (force && tdm_cpu_isa_parse(force, &isa) != TDM_OK)
         isa = tdm_cpu_isa_best();
-    return isa == TDM_CPU_ISA_AVX512;
+    return isa == TDM_CPU_ISA_AVX512 || isa == TDM_CPU_ISA_AMX;
 }
 
 // The CPU's and the emulated CUDA backend's greedy tokens, and the argmax of
