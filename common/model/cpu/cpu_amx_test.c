@@ -525,10 +525,36 @@ static void test_hw_amx_kernel(void **state)
     ops->destroy(be);
 }
 
+// A backend takes amx only when TANDEM_CPU_ISA asks for it (docs/cpu-backend.md:
+// opt-in until the tile kernel has run on AMX silicon); asking for it works
+// exactly where the CPU has it.
+static void test_default_path(void **state)
+{
+    (void)state;
+    char err[256];
+    enum tdm_cpu_isa isa;
+    unsetenv("TANDEM_CPU_ISA");
+    assert_int_equal(tdm_cpu_isa_default(&isa, err, sizeof err), TDM_OK);
+    assert_int_not_equal(isa, TDM_CPU_ISA_AMX);
+    enum tdm_cpu_isa best = tdm_cpu_isa_best();
+    assert_int_equal(isa, best == TDM_CPU_ISA_AMX ? TDM_CPU_ISA_AVX512 : best);
+    setenv("TANDEM_CPU_ISA", "amx", 1);
+    int rc = tdm_cpu_isa_default(&isa, err, sizeof err);
+    unsetenv("TANDEM_CPU_ISA");
+    if (tdm_cpu_isa_supported(TDM_CPU_ISA_AMX)) {
+        assert_int_equal(rc, TDM_OK);
+        assert_int_equal(isa, TDM_CPU_ISA_AMX);
+    } else {
+        assert_int_equal(rc, TDM_EINVAL);
+        assert_string_equal(err, "TANDEM_CPU_ISA=amx: this CPU does not support it");
+    }
+}
+
 int main(int argc, char **argv)
 {
     tdm_test_filters(argc, argv);
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_default_path),
         cmocka_unit_test(test_emu_conversion_and_steps),
         cmocka_unit_test(test_emu_dpbf16ps),
         cmocka_unit_test(test_emu_kernel),
