@@ -714,59 +714,14 @@ enum {
     T_COUNT_ALL
 };
 
-static const char *const test_names[T_COUNT_ALL] = {
-    [T_BOOLEAN] = "boolean",
-    [T_CALLABLE] = "callable",
-    [T_DEFINED] = "defined",
-    [T_DIVISIBLEBY] = "divisibleby",
-    [T_EQ] = "eq",
-    [T_EQUALTO] = "equalto",
-    [T_ESCAPED] = "escaped",
-    [T_EVEN] = "even",
-    [T_FALSE] = "false",
-    [T_FLOAT_] = "float",
-    [T_GE] = "ge",
-    [T_GT] = "gt",
-    [T_GREATERTHAN] = "greaterthan",
-    [T_IN] = "in",
-    [T_INTEGER] = "integer",
-    [T_ITERABLE] = "iterable",
-    [T_LE] = "le",
-    [T_LESSTHAN] = "lessthan",
-    [T_LOWER] = "lower",
-    [T_LT] = "lt",
-    [T_MAPPING] = "mapping",
-    [T_NE] = "ne",
-    [T_NONE] = "none",
-    [T_NUMBER] = "number",
-    [T_ODD] = "odd",
-    [T_SAMEAS] = "sameas",
-    [T_SEQUENCE] = "sequence",
-    [T_STRING_] = "string",
-    [T_TRUE] = "true",
-    [T_UNDEFINED] = "undefined",
-    [T_UPPER] = "upper",
-};
+// A test on v, with a its argument (undefined for the tests that take none); idx tells apart
+// the tests sharing a function. Sets *out; returns TDM_OK or r->rc after an error.
+typedef int (*test_fn)(struct render *r, int idx, struct val v, struct val a, bool *out);
 
-int chat_builtin_test_index(const char *name)
+// The tests that look only at v's kind (and a bool's value).
+static int t_kind(struct render *r, int idx, struct val v, struct val a, bool *out)
 {
-    for (int i = 0; i < T_COUNT_ALL; i++)
-        if (strcmp(test_names[i], name) == 0)
-            return i;
-    return -1;
-}
-
-int chat_builtin_test(struct render *r, int idx, struct val v, const struct val *args, size_t nargs,
-                      bool *out)
-{
-    struct val a = nargs ? args[0] : chat_v_undef(NULL);
-    int cmp;
-    bool binary = idx == T_DIVISIBLEBY || idx == T_EQ || idx == T_EQUALTO || idx == T_NE ||
-                  idx == T_SAMEAS || idx == T_GE || idx == T_GT || idx == T_GREATERTHAN ||
-                  idx == T_LE || idx == T_LT || idx == T_LESSTHAN || idx == T_IN;
-    if (nargs != (binary ? 1u : 0u))
-        return chat_rerr(r, TDM_EINVAL, "test '%s' takes %d argument(s), got %zu", test_names[idx],
-                         binary ? 1 : 0, nargs);
+    (void)a;
     switch (idx) {
     case T_BOOLEAN:
         *out = v.kind == V_BOOL;
@@ -779,32 +734,6 @@ int chat_builtin_test(struct render *r, int idx, struct val v, const struct val 
         return TDM_OK;
     case T_UNDEFINED:
         *out = v.kind == V_UNDEF;
-        return TDM_OK;
-    case T_DIVISIBLEBY:
-    case T_EVEN:
-    case T_ODD: {
-        int64_t x = 0, d = idx == T_DIVISIBLEBY ? 0 : 2;
-        if (need_int(r, v, test_names[idx], &x) != TDM_OK ||
-            (idx == T_DIVISIBLEBY && need_int(r, a, "divisibleby", &d) != TDM_OK))
-            return r->rc;
-        if (d == 0)
-            return chat_rerr(r, TDM_EINVAL, "integer division or modulo by zero");
-        int64_t m = x % d;
-        *out = idx == T_ODD ? m != 0 : m == 0;
-        return TDM_OK;
-    }
-    case T_EQ:
-    case T_EQUALTO:
-        *out = chat_v_equal(v, a);
-        return TDM_OK;
-    case T_NE:
-        *out = !chat_v_equal(v, a);
-        return TDM_OK;
-    case T_SAMEAS:
-        *out = v.kind == a.kind && chat_v_equal(v, a) &&
-               (v.kind == V_NONE || v.kind == V_BOOL || v.kind == V_UNDEF ||
-                (v.kind == V_LIST && v.u.list == a.u.list) ||
-                (v.kind == V_DICT && v.u.dict == a.u.dict) || v.kind == V_INT);
         return TDM_OK;
     case T_ESCAPED:
         *out = v.kind == V_STR && v.markup;
@@ -824,21 +753,6 @@ int chat_builtin_test(struct render *r, int idx, struct val v, const struct val 
     case T_NUMBER:
         *out = v.kind == V_INT || v.kind == V_FLOAT || v.kind == V_BOOL;
         return TDM_OK;
-    case T_GE:
-    case T_GT:
-    case T_GREATERTHAN:
-    case T_LE:
-    case T_LT:
-    case T_LESSTHAN:
-        if (chat_v_compare(r, v, a, &cmp) != TDM_OK)
-            return r->rc;
-        *out = idx == T_GE                             ? cmp >= 0
-               : idx == T_LE                           ? cmp <= 0
-               : (idx == T_GT || idx == T_GREATERTHAN) ? cmp > 0
-                                                       : cmp < 0;
-        return TDM_OK;
-    case T_IN:
-        return chat_v_contains(r, a, v, out);
     case T_ITERABLE:
         *out = v.kind == V_LIST || v.kind == V_DICT || v.kind == V_STR || v.kind == V_UNDEF ||
                v.kind == V_LOOP;
@@ -856,28 +770,144 @@ int chat_builtin_test(struct render *r, int idx, struct val v, const struct val 
     case T_STRING_:
         *out = v.kind == V_STR;
         return TDM_OK;
-    case T_LOWER:
-    case T_UPPER: {
-        if (v.kind != V_STR) {
-            struct val s;
-            if (chat_v_stringify(r, v, &s) != TDM_OK)
-                return r->rc;
-            v = s;
-        }
-        bool cased = false, ok = true;
-        for (size_t i = 0; i < v.u.str.n; i++) {
-            char c = v.u.str.s[i];
-            if (ascii_alpha(c)) {
-                cased = true;
-                if (idx == T_LOWER ? (c >= 'A' && c <= 'Z') : (c >= 'a' && c <= 'z'))
-                    ok = false;
-            }
-        }
-        *out = cased && ok;
-        return TDM_OK;
-    }
     }
     return chat_rerr(r, TDM_EINVAL, "internal: unknown test %d", idx);
+}
+
+// eq/equalto(a), ne(a), and sameas(a): equal and, for a container, the same object.
+static int t_equal(struct render *r, int idx, struct val v, struct val a, bool *out)
+{
+    (void)r;
+    if (idx == T_NE)
+        *out = !chat_v_equal(v, a);
+    else if (idx == T_SAMEAS)
+        *out = v.kind == a.kind && chat_v_equal(v, a) &&
+               (v.kind == V_NONE || v.kind == V_BOOL || v.kind == V_UNDEF ||
+                (v.kind == V_LIST && v.u.list == a.u.list) ||
+                (v.kind == V_DICT && v.u.dict == a.u.dict) || v.kind == V_INT);
+    else
+        *out = chat_v_equal(v, a);
+    return TDM_OK;
+}
+
+// ge, gt/greaterthan, le, lt/lessthan (a).
+static int t_order(struct render *r, int idx, struct val v, struct val a, bool *out)
+{
+    int cmp;
+    if (chat_v_compare(r, v, a, &cmp) != TDM_OK)
+        return r->rc;
+    *out = idx == T_GE                             ? cmp >= 0
+           : idx == T_LE                           ? cmp <= 0
+           : (idx == T_GT || idx == T_GREATERTHAN) ? cmp > 0
+                                                   : cmp < 0;
+    return TDM_OK;
+}
+
+// in(a): v is in the container a.
+static int t_in(struct render *r, int idx, struct val v, struct val a, bool *out)
+{
+    (void)idx;
+    return chat_v_contains(r, a, v, out);
+}
+
+// lower, upper: v's string has cased letters, all of that case.
+static int t_case(struct render *r, int idx, struct val v, struct val a, bool *out)
+{
+    (void)a;
+    if (v.kind != V_STR) {
+        struct val s;
+        if (chat_v_stringify(r, v, &s) != TDM_OK)
+            return r->rc;
+        v = s;
+    }
+    bool cased = false, ok = true;
+    for (size_t i = 0; i < v.u.str.n; i++) {
+        char c = v.u.str.s[i];
+        if (ascii_alpha(c)) {
+            cased = true;
+            if (idx == T_LOWER ? (c >= 'A' && c <= 'Z') : (c >= 'a' && c <= 'z'))
+                ok = false;
+        }
+    }
+    *out = cased && ok;
+    return TDM_OK;
+}
+
+// divisibleby(a), even, odd: integers only. Defined after the table, whose names its
+// messages use.
+static int t_divisible(struct render *r, int idx, struct val v, struct val a, bool *out);
+
+// The tests: name, function, and whether it takes its one argument (the rest take none).
+static const struct test {
+    const char *name;
+    test_fn fn;
+    bool binary;
+} tests[T_COUNT_ALL] = {
+    [T_BOOLEAN] = {.name = "boolean", .fn = t_kind},
+    [T_CALLABLE] = {.name = "callable", .fn = t_kind},
+    [T_DEFINED] = {.name = "defined", .fn = t_kind},
+    [T_DIVISIBLEBY] = {.name = "divisibleby", .fn = t_divisible, .binary = true},
+    [T_EQ] = {.name = "eq", .fn = t_equal, .binary = true},
+    [T_EQUALTO] = {.name = "equalto", .fn = t_equal, .binary = true},
+    [T_ESCAPED] = {.name = "escaped", .fn = t_kind},
+    [T_EVEN] = {.name = "even", .fn = t_divisible},
+    [T_FALSE] = {.name = "false", .fn = t_kind},
+    [T_FLOAT_] = {.name = "float", .fn = t_kind},
+    [T_GE] = {.name = "ge", .fn = t_order, .binary = true},
+    [T_GT] = {.name = "gt", .fn = t_order, .binary = true},
+    [T_GREATERTHAN] = {.name = "greaterthan", .fn = t_order, .binary = true},
+    [T_IN] = {.name = "in", .fn = t_in, .binary = true},
+    [T_INTEGER] = {.name = "integer", .fn = t_kind},
+    [T_ITERABLE] = {.name = "iterable", .fn = t_kind},
+    [T_LE] = {.name = "le", .fn = t_order, .binary = true},
+    [T_LESSTHAN] = {.name = "lessthan", .fn = t_order, .binary = true},
+    [T_LOWER] = {.name = "lower", .fn = t_case},
+    [T_LT] = {.name = "lt", .fn = t_order, .binary = true},
+    [T_MAPPING] = {.name = "mapping", .fn = t_kind},
+    [T_NE] = {.name = "ne", .fn = t_equal, .binary = true},
+    [T_NONE] = {.name = "none", .fn = t_kind},
+    [T_NUMBER] = {.name = "number", .fn = t_kind},
+    [T_ODD] = {.name = "odd", .fn = t_divisible},
+    [T_SAMEAS] = {.name = "sameas", .fn = t_equal, .binary = true},
+    [T_SEQUENCE] = {.name = "sequence", .fn = t_kind},
+    [T_STRING_] = {.name = "string", .fn = t_kind},
+    [T_TRUE] = {.name = "true", .fn = t_kind},
+    [T_UNDEFINED] = {.name = "undefined", .fn = t_kind},
+    [T_UPPER] = {.name = "upper", .fn = t_case},
+};
+
+static int t_divisible(struct render *r, int idx, struct val v, struct val a, bool *out)
+{
+    int64_t x = 0, d = idx == T_DIVISIBLEBY ? 0 : 2;
+    if (need_int(r, v, tests[idx].name, &x) != TDM_OK ||
+        (idx == T_DIVISIBLEBY && need_int(r, a, "divisibleby", &d) != TDM_OK))
+        return r->rc;
+    if (d == 0)
+        return chat_rerr(r, TDM_EINVAL, "integer division or modulo by zero");
+    int64_t m = x % d;
+    *out = idx == T_ODD ? m != 0 : m == 0;
+    return TDM_OK;
+}
+
+int chat_builtin_test_index(const char *name)
+{
+    for (int i = 0; i < T_COUNT_ALL; i++)
+        if (strcmp(tests[i].name, name) == 0)
+            return i;
+    return -1;
+}
+
+int chat_builtin_test(struct render *r, int idx, struct val v, const struct val *args, size_t nargs,
+                      bool *out)
+{
+    if (idx < 0 || idx >= T_COUNT_ALL)
+        return chat_rerr(r, TDM_EINVAL, "internal: unknown test %d", idx);
+    struct val a = nargs ? args[0] : chat_v_undef(NULL);
+    bool binary = tests[idx].binary;
+    if (nargs != (binary ? 1u : 0u))
+        return chat_rerr(r, TDM_EINVAL, "test '%s' takes %d argument(s), got %zu", tests[idx].name,
+                         binary ? 1 : 0, nargs);
+    return tests[idx].fn(r, idx, v, a, out);
 }
 
 int chat_v_contains(struct render *r, struct val hay, struct val needle, bool *out)

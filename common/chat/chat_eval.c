@@ -534,6 +534,140 @@ static int eval_filter(struct render *r, const struct node *nd, struct scope *sc
 
 // ---- expressions ---------------------------------------------------------------------
 
+// a[start:stop:step]; a missing part is None.
+static int eval_slice(struct render *r, const struct node *nd, struct scope *sc, struct val *out)
+{
+    struct val a, s = chat_v_none(), e = chat_v_none(), t = chat_v_none();
+    int rc;
+    if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK ||
+        (nd->b && (rc = eval(r, nd->b, sc, &s)) != TDM_OK) ||
+        (nd->c && (rc = eval(r, nd->c, sc, &e)) != TDM_OK) ||
+        (nd->d && (rc = eval(r, nd->d, sc, &t)) != TDM_OK))
+        return rc;
+    return do_slice(r, a, s, e, t, out);
+}
+
+// "a is [not] test(args)": *out is the test's result, false when it failed.
+static int eval_test(struct render *r, const struct node *nd, struct scope *sc, struct val *out)
+{
+    struct val a;
+    struct val *args = NULL;
+    bool res = false;
+    int rc;
+    if ((rc = eval(r, nd->a, sc, &a)) == TDM_OK && (rc = eval_args(r, nd, sc, &args)) == TDM_OK)
+        rc = chat_builtin_test(r, nd->builtin, a, args, nd->nkids, &res);
+    free(args);
+    *out = chat_v_bool(res != nd->neg);
+    return rc;
+}
+
+// "not a", "-a", "+a".
+static int eval_unary(struct render *r, const struct node *nd, struct scope *sc, struct val *out)
+{
+    struct val a;
+    int rc;
+    if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK)
+        return rc;
+    if (nd->s[0] == 'n') {
+        *out = chat_v_bool(!chat_v_truthy(a));
+    } else if (a.kind == V_FLOAT) {
+        *out = chat_v_float(nd->s[0] == '-' ? -a.u.f : a.u.f);
+    } else if (a.kind == V_INT || a.kind == V_BOOL) {
+        int64_t i = as_i(a);
+        if (nd->s[0] == '-' && i == INT64_MIN)
+            return chat_rerr(r, TDM_EINVAL, "integer overflow in unary '-'");
+        *out = chat_v_int(nd->s[0] == '-' ? -i : i);
+    } else if (a.kind == V_UNDEF) {
+        return undefined_err(r, a);
+    } else {
+        return chat_rerr(r, TDM_EINVAL, "bad operand type for unary %s: '%s'", nd->s,
+                         chat_v_type_name(a));
+    }
+    return TDM_OK;
+}
+
+// "and" and "or" short-circuit to an operand, as Python's; the rest are arithmetic.
+static int eval_binary(struct render *r, const struct node *nd, struct scope *sc, struct val *out)
+{
+    struct val a, b;
+    int rc;
+    if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK)
+        return rc;
+    if (strcmp(nd->s, "and") == 0) {
+        if (!chat_v_truthy(a)) {
+            *out = a;
+            return TDM_OK;
+        }
+        return eval(r, nd->b, sc, out);
+    }
+    if (strcmp(nd->s, "or") == 0) {
+        if (chat_v_truthy(a)) {
+            *out = a;
+            return TDM_OK;
+        }
+        return eval(r, nd->b, sc, out);
+    }
+    if ((rc = eval(r, nd->b, sc, &b)) != TDM_OK)
+        return rc;
+    return arith(r, nd->s, a, b, out);
+}
+
+// A chain "a < b <= c": each comparison on its neighbours, stopping at the first false.
+static int eval_compare(struct render *r, const struct node *nd, struct scope *sc, struct val *out)
+{
+    struct val a, b;
+    int rc;
+    if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK)
+        return rc;
+    bool res = true;
+    for (size_t i = 0; i < nd->nkids && res; i++) {
+        if ((rc = eval(r, nd->kids[i], sc, &b)) != TDM_OK)
+            return rc;
+        if ((rc = compare_op(r, nd->names[i], a, b, &res)) != TDM_OK)
+            return rc;
+        a = b;
+    }
+    *out = chat_v_bool(res);
+    return TDM_OK;
+}
+
+// A list or tuple display.
+static int eval_list(struct render *r, const struct node *nd, struct scope *sc, struct val *out)
+{
+    struct val a;
+    int rc;
+    if ((rc = chat_v_list_new(r, nd->nkids, out)) != TDM_OK)
+        return rc;
+    out->u.list->tuple = nd->kind == N_TUPLE;
+    for (size_t i = 0; i < nd->nkids; i++) {
+        if ((rc = eval(r, nd->kids[i], sc, &a)) != TDM_OK ||
+            (rc = chat_v_list_push(r, out->u.list, a)) != TDM_OK)
+            return rc;
+    }
+    return TDM_OK;
+}
+
+// A dict display: kids are key, value, key, value...; keys must be hashable.
+static int eval_dict(struct render *r, const struct node *nd, struct scope *sc, struct val *out)
+{
+    struct val a, b;
+    int rc;
+    if ((rc = chat_v_dict_new(r, out)) != TDM_OK)
+        return rc;
+    for (size_t i = 0; i + 1 < nd->nkids; i += 2) {
+        if ((rc = eval(r, nd->kids[i], sc, &a)) != TDM_OK ||
+            (rc = eval(r, nd->kids[i + 1], sc, &b)) != TDM_OK)
+            return rc;
+        if (a.kind == V_LIST && !a.u.list->tuple)
+            return chat_rerr(r, TDM_EINVAL, "unhashable type: 'list'");
+        if (a.kind == V_DICT)
+            return chat_rerr(r, TDM_EINVAL, "unhashable type: 'dict'");
+        if ((rc = chat_v_dict_set(r, out->u.dict, a, b)) != TDM_OK)
+            return rc;
+    }
+    return TDM_OK;
+}
+
 static int eval(struct render *r, const struct node *nd, struct scope *sc, struct val *out)
 {
     if (!chat_charge(r, 1) || !chat_stack_ok(r))
@@ -554,81 +688,20 @@ static int eval(struct render *r, const struct node *nd, struct scope *sc, struc
         if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK || (rc = eval(r, nd->b, sc, &b)) != TDM_OK)
             return rc;
         return chat_get_item(r, a, b, out);
-    case N_SLICE: {
-        struct val s = chat_v_none(), e = chat_v_none(), t = chat_v_none();
-        if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK ||
-            (nd->b && (rc = eval(r, nd->b, sc, &s)) != TDM_OK) ||
-            (nd->c && (rc = eval(r, nd->c, sc, &e)) != TDM_OK) ||
-            (nd->d && (rc = eval(r, nd->d, sc, &t)) != TDM_OK))
-            return rc;
-        return do_slice(r, a, s, e, t, out);
-    }
+    case N_SLICE:
+        return eval_slice(r, nd, sc, out);
     case N_CALL:
         return eval_call(r, nd, sc, NULL, out);
     case N_FILTER:
         return eval_filter(r, nd, sc, NULL, out);
-    case N_TEST: {
-        struct val *args = NULL;
-        bool res = false;
-        if ((rc = eval(r, nd->a, sc, &a)) == TDM_OK && (rc = eval_args(r, nd, sc, &args)) == TDM_OK)
-            rc = chat_builtin_test(r, nd->builtin, a, args, nd->nkids, &res);
-        free(args);
-        *out = chat_v_bool(res != nd->neg);
-        return rc;
-    }
+    case N_TEST:
+        return eval_test(r, nd, sc, out);
     case N_UNARY:
-        if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK)
-            return rc;
-        if (nd->s[0] == 'n') {
-            *out = chat_v_bool(!chat_v_truthy(a));
-        } else if (a.kind == V_FLOAT) {
-            *out = chat_v_float(nd->s[0] == '-' ? -a.u.f : a.u.f);
-        } else if (a.kind == V_INT || a.kind == V_BOOL) {
-            int64_t i = as_i(a);
-            if (nd->s[0] == '-' && i == INT64_MIN)
-                return chat_rerr(r, TDM_EINVAL, "integer overflow in unary '-'");
-            *out = chat_v_int(nd->s[0] == '-' ? -i : i);
-        } else if (a.kind == V_UNDEF) {
-            return undefined_err(r, a);
-        } else {
-            return chat_rerr(r, TDM_EINVAL, "bad operand type for unary %s: '%s'", nd->s,
-                             chat_v_type_name(a));
-        }
-        return TDM_OK;
+        return eval_unary(r, nd, sc, out);
     case N_BINARY:
-        if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK)
-            return rc;
-        if (strcmp(nd->s, "and") == 0) {
-            if (!chat_v_truthy(a)) {
-                *out = a;
-                return TDM_OK;
-            }
-            return eval(r, nd->b, sc, out);
-        }
-        if (strcmp(nd->s, "or") == 0) {
-            if (chat_v_truthy(a)) {
-                *out = a;
-                return TDM_OK;
-            }
-            return eval(r, nd->b, sc, out);
-        }
-        if ((rc = eval(r, nd->b, sc, &b)) != TDM_OK)
-            return rc;
-        return arith(r, nd->s, a, b, out);
-    case N_COMPARE: {
-        if ((rc = eval(r, nd->a, sc, &a)) != TDM_OK)
-            return rc;
-        bool res = true;
-        for (size_t i = 0; i < nd->nkids && res; i++) {
-            if ((rc = eval(r, nd->kids[i], sc, &b)) != TDM_OK)
-                return rc;
-            if ((rc = compare_op(r, nd->names[i], a, b, &res)) != TDM_OK)
-                return rc;
-            a = b;
-        }
-        *out = chat_v_bool(res);
-        return TDM_OK;
-    }
+        return eval_binary(r, nd, sc, out);
+    case N_COMPARE:
+        return eval_compare(r, nd, sc, out);
     case N_COND:
         if ((rc = eval(r, nd->b, sc, &a)) != TDM_OK)
             return rc;
@@ -640,30 +713,9 @@ static int eval(struct render *r, const struct node *nd, struct scope *sc, struc
         return TDM_OK;
     case N_LIST:
     case N_TUPLE:
-        if ((rc = chat_v_list_new(r, nd->nkids, out)) != TDM_OK)
-            return rc;
-        out->u.list->tuple = nd->kind == N_TUPLE;
-        for (size_t i = 0; i < nd->nkids; i++) {
-            if ((rc = eval(r, nd->kids[i], sc, &a)) != TDM_OK ||
-                (rc = chat_v_list_push(r, out->u.list, a)) != TDM_OK)
-                return rc;
-        }
-        return TDM_OK;
+        return eval_list(r, nd, sc, out);
     case N_DICT:
-        if ((rc = chat_v_dict_new(r, out)) != TDM_OK)
-            return rc;
-        for (size_t i = 0; i + 1 < nd->nkids; i += 2) {
-            if ((rc = eval(r, nd->kids[i], sc, &a)) != TDM_OK ||
-                (rc = eval(r, nd->kids[i + 1], sc, &b)) != TDM_OK)
-                return rc;
-            if (a.kind == V_LIST && !a.u.list->tuple)
-                return chat_rerr(r, TDM_EINVAL, "unhashable type: 'list'");
-            if (a.kind == V_DICT)
-                return chat_rerr(r, TDM_EINVAL, "unhashable type: 'dict'");
-            if ((rc = chat_v_dict_set(r, out->u.dict, a, b)) != TDM_OK)
-                return rc;
-        }
-        return TDM_OK;
+        return eval_dict(r, nd, sc, out);
     default:
         return chat_rerr(r, TDM_EINVAL, "internal: statement node used as an expression");
     }

@@ -786,6 +786,120 @@ static const char *const known[] = {"type",
                                     "multipleOf",
                                     NULL};
 
+// "enum": one alternative per listed literal.
+static int enum_rule(struct sc *c, const cJSON *en, const char *path)
+{
+    if (!cJSON_IsArray(en) || cJSON_GetArraySize(en) == 0)
+        return fail(c, path, "enum must be a non-empty array%s", ""), -1;
+    int r = gb_rule_new(&c->b);
+    const cJSON *v;
+    cJSON_ArrayForEach(v, en) add_literal_alt(c, r, v, path);
+    return r;
+}
+
+// "anyOf" or "oneOf" (compiled alike): one alternative per subschema.
+static int any_of_rule(struct sc *c, const cJSON *any, const char *path)
+{
+    struct gb *b = &c->b;
+    if (!cJSON_IsArray(any) || cJSON_GetArraySize(any) == 0)
+        return fail(c, path, "anyOf/oneOf must be a non-empty array%s", ""), -1;
+    int r = gb_rule_new(b);
+    int i = 0;
+    const cJSON *v;
+    cJSON_ArrayForEach(v, any)
+    {
+        char sub[512];
+        snprintf(sub, sizeof sub, "%s/anyOf/%d", path, i++);
+        int alt_rule = schema_rule(c, v, sub);
+        struct gb_seq seq = {0};
+        if (alt_rule >= 0)
+            gb_seq_ref(b, &seq, alt_rule);
+        gb_rule_add(b, r, &seq);
+        gb_seq_free(&seq);
+    }
+    return r;
+}
+
+// "type": [names]: one alternative per named type.
+static int type_list_rule(struct sc *c, const cJSON *s, const cJSON *types, const char *path)
+{
+    struct gb *b = &c->b;
+    int r = gb_rule_new(b);
+    const cJSON *t;
+    cJSON_ArrayForEach(t, types)
+    {
+        if (!cJSON_IsString(t)) {
+            fail(c, path, "type must name types%s", "");
+            return r;
+        }
+        struct gb_seq seq = {0};
+        gb_seq_ref(b, &seq, type_rule(c, s, t->valuestring, path));
+        gb_rule_add(b, r, &seq);
+        gb_seq_free(&seq);
+    }
+    return r;
+}
+
+// No type: infer from the keywords present, else any value.
+static int inferred_rule(struct sc *c, const cJSON *s, const char *path)
+{
+    if (cJSON_GetObjectItemCaseSensitive(s, "properties") ||
+        cJSON_GetObjectItemCaseSensitive(s, "required") ||
+        cJSON_GetObjectItemCaseSensitive(s, "additionalProperties"))
+        return object_schema(c, s, path);
+    if (cJSON_GetObjectItemCaseSensitive(s, "items") ||
+        cJSON_GetObjectItemCaseSensitive(s, "minItems") ||
+        cJSON_GetObjectItemCaseSensitive(s, "maxItems"))
+        return array_schema(c, s, path);
+    if (cJSON_GetObjectItemCaseSensitive(s, "pattern") ||
+        cJSON_GetObjectItemCaseSensitive(s, "format") ||
+        cJSON_GetObjectItemCaseSensitive(s, "minLength") ||
+        cJSON_GetObjectItemCaseSensitive(s, "maxLength"))
+        return string_schema(c, s, path);
+    if (cJSON_GetObjectItemCaseSensitive(s, "minimum") ||
+        cJSON_GetObjectItemCaseSensitive(s, "maximum") ||
+        cJSON_GetObjectItemCaseSensitive(s, "exclusiveMinimum") ||
+        cJSON_GetObjectItemCaseSensitive(s, "exclusiveMaximum") ||
+        cJSON_GetObjectItemCaseSensitive(s, "multipleOf"))
+        return numeric_schema(c, s, path, false);
+    return c->value;
+}
+
+// The rule for an object schema whose keywords are all known. The first keyword present of
+// $ref, const, enum, anyOf/oneOf and type decides; the rest beside it are not checked.
+static int keyword_rule(struct sc *c, const cJSON *s, const char *path)
+{
+    const cJSON *ref = cJSON_GetObjectItemCaseSensitive(s, "$ref");
+    const cJSON *en = cJSON_GetObjectItemCaseSensitive(s, "enum");
+    const cJSON *cn = cJSON_GetObjectItemCaseSensitive(s, "const");
+    const cJSON *any = cJSON_GetObjectItemCaseSensitive(s, "anyOf");
+    if (!any)
+        any = cJSON_GetObjectItemCaseSensitive(s, "oneOf");
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(s, "type");
+    if (ref) {
+        if (!cJSON_IsString(ref))
+            return fail(c, path, "$ref must be a string%s", ""), -1;
+        const cJSON *t = resolve_ref(c, ref->valuestring, path);
+        return t ? ref_rule(c, t, ref->valuestring) : -1;
+    }
+    if (cn) {
+        int r = gb_rule_new(&c->b);
+        add_literal_alt(c, r, cn, path);
+        return r;
+    }
+    if (en)
+        return enum_rule(c, en, path);
+    if (any)
+        return any_of_rule(c, any, path);
+    if (cJSON_IsString(type))
+        return type_rule(c, s, type->valuestring, path);
+    if (cJSON_IsArray(type))
+        return type_list_rule(c, s, type, path);
+    if (type)
+        return fail(c, path, "type must be a string or an array%s", ""), -1;
+    return inferred_rule(c, s, path);
+}
+
 static int schema_rule(struct sc *c, const cJSON *s, const char *path)
 {
     struct gb *b = &c->b;
@@ -800,114 +914,18 @@ static int schema_rule(struct sc *c, const cJSON *s, const char *path)
     if (++c->depth > TDM_JSON_MAX_DEPTH)
         return fail(c, path, "schema nested too deeply%s", ""), -1;
     int r = -1;
+    bool all_known = true;
     const cJSON *k;
     cJSON_ArrayForEach(k, s)
     {
         if (!in_list(k->string, known) && !in_list(k->string, annotations)) {
             fail(c, path, "keyword \"%s\" is not supported", k->string);
-            goto out;
+            all_known = false;
+            break;
         }
     }
-    const cJSON *ref = cJSON_GetObjectItemCaseSensitive(s, "$ref");
-    const cJSON *en = cJSON_GetObjectItemCaseSensitive(s, "enum");
-    const cJSON *cn = cJSON_GetObjectItemCaseSensitive(s, "const");
-    const cJSON *any = cJSON_GetObjectItemCaseSensitive(s, "anyOf");
-    if (!any)
-        any = cJSON_GetObjectItemCaseSensitive(s, "oneOf");
-    const cJSON *type = cJSON_GetObjectItemCaseSensitive(s, "type");
-    if (ref) {
-        if (!cJSON_IsString(ref)) {
-            fail(c, path, "$ref must be a string%s", "");
-            goto out;
-        }
-        const cJSON *t = resolve_ref(c, ref->valuestring, path);
-        if (t)
-            r = ref_rule(c, t, ref->valuestring);
-        goto out;
-    }
-    if (cn) {
-        r = gb_rule_new(b);
-        add_literal_alt(c, r, cn, path);
-        goto out;
-    }
-    if (en) {
-        if (!cJSON_IsArray(en) || cJSON_GetArraySize(en) == 0) {
-            fail(c, path, "enum must be a non-empty array%s", "");
-            goto out;
-        }
-        r = gb_rule_new(b);
-        const cJSON *v;
-        cJSON_ArrayForEach(v, en) add_literal_alt(c, r, v, path);
-        goto out;
-    }
-    if (any) {
-        if (!cJSON_IsArray(any) || cJSON_GetArraySize(any) == 0) {
-            fail(c, path, "anyOf/oneOf must be a non-empty array%s", "");
-            goto out;
-        }
-        r = gb_rule_new(b);
-        int i = 0;
-        const cJSON *v;
-        cJSON_ArrayForEach(v, any)
-        {
-            char sub[512];
-            snprintf(sub, sizeof sub, "%s/anyOf/%d", path, i++);
-            int alt_rule = schema_rule(c, v, sub);
-            struct gb_seq seq = {0};
-            if (alt_rule >= 0)
-                gb_seq_ref(b, &seq, alt_rule);
-            gb_rule_add(b, r, &seq);
-            gb_seq_free(&seq);
-        }
-        goto out;
-    }
-    if (cJSON_IsString(type)) {
-        r = type_rule(c, s, type->valuestring, path);
-        goto out;
-    }
-    if (cJSON_IsArray(type)) {
-        r = gb_rule_new(b);
-        const cJSON *t;
-        cJSON_ArrayForEach(t, type)
-        {
-            if (!cJSON_IsString(t)) {
-                fail(c, path, "type must name types%s", "");
-                goto out;
-            }
-            struct gb_seq seq = {0};
-            gb_seq_ref(b, &seq, type_rule(c, s, t->valuestring, path));
-            gb_rule_add(b, r, &seq);
-            gb_seq_free(&seq);
-        }
-        goto out;
-    }
-    if (type) {
-        fail(c, path, "type must be a string or an array%s", "");
-        goto out;
-    }
-    // No type: infer from the keywords present, else any value.
-    if (cJSON_GetObjectItemCaseSensitive(s, "properties") ||
-        cJSON_GetObjectItemCaseSensitive(s, "required") ||
-        cJSON_GetObjectItemCaseSensitive(s, "additionalProperties"))
-        r = object_schema(c, s, path);
-    else if (cJSON_GetObjectItemCaseSensitive(s, "items") ||
-             cJSON_GetObjectItemCaseSensitive(s, "minItems") ||
-             cJSON_GetObjectItemCaseSensitive(s, "maxItems"))
-        r = array_schema(c, s, path);
-    else if (cJSON_GetObjectItemCaseSensitive(s, "pattern") ||
-             cJSON_GetObjectItemCaseSensitive(s, "format") ||
-             cJSON_GetObjectItemCaseSensitive(s, "minLength") ||
-             cJSON_GetObjectItemCaseSensitive(s, "maxLength"))
-        r = string_schema(c, s, path);
-    else if (cJSON_GetObjectItemCaseSensitive(s, "minimum") ||
-             cJSON_GetObjectItemCaseSensitive(s, "maximum") ||
-             cJSON_GetObjectItemCaseSensitive(s, "exclusiveMinimum") ||
-             cJSON_GetObjectItemCaseSensitive(s, "exclusiveMaximum") ||
-             cJSON_GetObjectItemCaseSensitive(s, "multipleOf"))
-        r = numeric_schema(c, s, path, false);
-    else
-        r = c->value;
-out:
+    if (all_known)
+        r = keyword_rule(c, s, path);
     c->depth--;
     return b->err ? -1 : r;
 }

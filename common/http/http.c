@@ -1232,6 +1232,156 @@ static void return_free_memory(bool large)
 #endif
 }
 
+// The checks before routing, in order: the per-address connection cap, ambiguous framing, the
+// API key. Returns true when one of them answered the request.
+static bool refuse_early(struct tdm_http_conn *c, const char *path, bool has_body)
+{
+    const struct tdm_http_server *s = c->srv;
+    const struct mg_request_info *ri = c->ri;
+    if (s->max_conns_per_ip > 0 && count_connection(c->mg, ri)) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "Too many connections from %.60s (the limit is %d)",
+                 ri->remote_addr, s->max_conns_per_ip);
+        c->must_close = true;
+        c->drainable = true;
+        tdm_http_add_header(c, "Connection", "close");
+        tdm_http_respond_error(c, 429, msg);
+        return true;
+    }
+    if (has_body)
+        tdm_http_add_header(c, "Connection", "close"); // dropped once the body is read
+
+    const char *framing = framing_error(ri);
+    if (framing) {
+        if (!has_body)
+            tdm_http_add_header(c, "Connection", "close");
+        c->must_close = true;
+        tdm_http_respond_error(c, 400, framing);
+        return true;
+    }
+    if (s->api_key && !path_exempt(s, path) && !authorized(c)) {
+        tdm_http_add_header(c, "WWW-Authenticate", "Bearer");
+        c->drainable = true;
+        tdm_http_respond_error(c, 401,
+                               "Unauthorized: a valid API key is required (Authorization: Bearer "
+                               "<key>)");
+        return true;
+    }
+    return false;
+}
+
+// The route for method and path, or NULL after answering 405 (a known path) or 404.
+static const struct route *route_or_refuse(struct tdm_http_conn *c, const char *method,
+                                           const char *path)
+{
+    bool known;
+    char allow[128];
+    const struct route *r = find_route(c->srv, method, path, &known, allow, sizeof allow);
+    if (r)
+        return r;
+    char msg[400];
+    c->drainable = true;
+    if (known) {
+        tdm_http_add_header(c, "Allow", allow);
+        snprintf(msg, sizeof msg, "Method %.16s is not allowed for %.200s (allowed: %.120s)",
+                 method, path, allow);
+        tdm_http_respond_error(c, 405, msg);
+    } else {
+        snprintf(msg, sizeof msg, "The path %.200s was not found", path);
+        tdm_http_respond_error(c, 404, msg);
+    }
+    return NULL;
+}
+
+// Answers a body that read_body did not read, by its status (nonzero): which limit refused it
+// or why the read failed.
+static void respond_body_error(struct tdm_http_conn *c, int body_status)
+{
+    const struct tdm_http_server *s = c->srv;
+    if (body_status == 413) {
+        c->drainable = true;
+        char msg[300];
+        if (c->mem_never)
+            snprintf(msg, sizeof msg,
+                     "The request body is too large for this server's memory budget: a body "
+                     "of %zu bytes counts as %.1f MiB (the body and its parse), over the whole "
+                     "%.0f MiB (--http-memory-budget)",
+                     c->mem_refused_len, tdm_http_request_memory(c->mem_refused_len) / 1048576.0,
+                     s->mem_budget / 1048576.0);
+        else
+            snprintf(msg, sizeof msg, "The request body is larger than the limit of %zu bytes",
+                     s->max_body);
+        tdm_http_respond_error(c, 413, msg);
+    } else if (body_status == 408) {
+        // Which limit ended it: a chunked body's read gives up after a stall
+        // of about the header timeout, before the body's own deadline (a 4
+        // GiB chunk header was answered after 20 s with "within 30 s").
+        char msg[200];
+        if (c->body_stall)
+            snprintf(msg, sizeof msg,
+                     "No part of the request body arrived for %.0f s (the limit on a "
+                     "stalled read, --http-header-timeout)",
+                     s->header_timeout_ms / 1000.0);
+        else
+            snprintf(msg, sizeof msg,
+                     "The request body was not received within %.0f s (--http-body-timeout)",
+                     s->body_timeout_ms / 1000.0);
+        tdm_http_respond_error(c, 408, msg);
+    } else if (body_status == 503) {
+        c->drainable = true;
+        char msg[300];
+        if (c->mem_busy)
+            snprintf(msg, sizeof msg,
+                     "The server's requests in progress use its memory budget (%.0f MiB, "
+                     "--http-memory-budget); retry later",
+                     s->mem_budget / 1048576.0);
+        else
+            snprintf(msg, sizeof msg,
+                     "The server is handling %d requests with bodies over %zu bytes; retry later",
+                     s->max_large_requests, TDM_HTTP_LARGE_BODY);
+        tdm_http_add_header(c, "Retry-After", "1");
+        tdm_http_respond_error(c, 503, msg);
+    } else {
+        // civetweb 1.15 (Debian bookworm's) refuses a chunk extension
+        // ("1a;name=value"), valid HTTP/1.1 that clients do not send in
+        // practice; later civetweb skips it. Trailers are read and dropped.
+        tdm_http_respond_error(c, body_status,
+                               body_status == 500 ? "out of memory"
+                               : c->ri->content_length < 0
+                                   ? "The chunked request body could not be read: the client "
+                                     "went away or its chunk framing is malformed (chunk "
+                                     "extensions, \"size;name=value\", are not supported)"
+                                   : "The request body could not be read");
+    }
+}
+
+// After the answer: drains what may be drained, logs the request, releases its memory and
+// finishes c. Returns on_begin_request's result: -1 to close the connection, else the status.
+static int finish_request(struct tdm_http_conn *c, const char *method, const char *path,
+                          bool has_body, double t0)
+{
+    const struct mg_request_info *ri = c->ri;
+    // The answer already said "Connection: close"; once the body is dropped
+    // civetweb may keep the connection (the client closes it), except one
+    // over the per-address cap, which closes either way.
+    if (c->must_close && c->drainable && has_body && drain_body(c) && c->status != 429)
+        c->must_close = false;
+    TDM_LOG_DEBUG("http", "%s %s status=%d in=%zu out=%zu ms=%.2f%s", method, path, c->status,
+                  c->body_len, c->bytes_out, (tdm_now() - t0) * 1e3, c->gone ? " client_gone" : "");
+    bool large =
+        c->large || c->body_len >= TDM_HTTP_LARGE_BODY || c->bytes_out >= TDM_HTTP_LARGE_BODY;
+    large_release(c);
+    memory_release(c);
+    int status = c->status ? c->status : 500;
+    bool must_close = c->must_close;
+    conn_fini(c);
+    return_free_memory(large);
+    if (must_close)
+        force_close(ri);
+    head_wait_from(false);
+    return must_close ? -1 : status;
+}
+
 static int on_begin_request(struct mg_connection *mg)
 {
     const struct mg_request_info *ri = mg_get_request_info(mg);
@@ -1243,146 +1393,28 @@ static int on_begin_request(struct mg_connection *mg)
     // A request with a body that is answered before the body is read closes
     // its connection: civetweb would otherwise read and discard the rest (a
     // thread held for as long as the client keeps sending).
-    bool has_body = ri->content_length > 0 ||
-                    (ri->content_length < 0 && method_has_body(method));
+    bool has_body = ri->content_length > 0 || (ri->content_length < 0 && method_has_body(method));
     if (has_body)
         c.must_close = true;
-    if (s->max_conns_per_ip > 0 && count_connection(mg, ri)) {
-        char msg[160];
-        snprintf(msg, sizeof msg, "Too many connections from %.60s (the limit is %d)",
-                 ri->remote_addr, s->max_conns_per_ip);
-        c.must_close = true;
-        c.drainable = true;
-        tdm_http_add_header(&c, "Connection", "close");
-        tdm_http_respond_error(&c, 429, msg);
-        goto done;
-    }
-    if (has_body)
-        tdm_http_add_header(&c, "Connection", "close"); // dropped once the body is read
-
-    const char *framing = framing_error(ri);
-    if (framing) {
-        if (!has_body)
-            tdm_http_add_header(&c, "Connection", "close");
-        c.must_close = true;
-        tdm_http_respond_error(&c, 400, framing);
-        goto done;
-    }
-    if (s->api_key && !path_exempt(s, path) && !authorized(&c)) {
-        tdm_http_add_header(&c, "WWW-Authenticate", "Bearer");
-        c.drainable = true;
-        tdm_http_respond_error(&c, 401,
-                               "Unauthorized: a valid API key is required (Authorization: Bearer "
-                               "<key>)");
-        goto done;
-    }
-    bool known;
-    char allow[128];
-    const struct route *r = find_route(s, method, path, &known, allow, sizeof allow);
-    if (!r) {
-        char msg[400];
-        c.drainable = true;
-        if (known) {
-            tdm_http_add_header(&c, "Allow", allow);
-            snprintf(msg, sizeof msg, "Method %.16s is not allowed for %.200s (allowed: %.120s)",
-                     method, path, allow);
-            tdm_http_respond_error(&c, 405, msg);
-        } else {
-            snprintf(msg, sizeof msg, "The path %.200s was not found", path);
-            tdm_http_respond_error(&c, 404, msg);
-        }
-        goto done;
-    }
+    if (refuse_early(&c, path, has_body))
+        return finish_request(&c, method, path, has_body, t0);
+    const struct route *r = route_or_refuse(&c, method, path);
+    if (!r)
+        return finish_request(&c, method, path, has_body, t0);
     int body_status = read_body(&c);
     if (body_status == 0 && has_body) {
         // The body is in: the connection may be kept alive again.
         c.must_close = false;
         drop_header(&c, "Connection");
     }
-    if (body_status == 413) {
-        c.drainable = true;
-        char msg[300];
-        if (c.mem_never)
-            snprintf(msg, sizeof msg,
-                     "The request body is too large for this server's memory budget: a body "
-                     "of %zu bytes counts as %.1f MiB (the body and its parse), over the whole "
-                     "%.0f MiB (--http-memory-budget)",
-                     c.mem_refused_len, tdm_http_request_memory(c.mem_refused_len) / 1048576.0,
-                     s->mem_budget / 1048576.0);
-        else
-            snprintf(msg, sizeof msg, "The request body is larger than the limit of %zu bytes",
-                     s->max_body);
-        tdm_http_respond_error(&c, 413, msg);
-        goto done;
-    }
-    if (body_status == 408) {
-        // Which limit ended it: a chunked body's read gives up after a stall
-        // of about the header timeout, before the body's own deadline (a 4
-        // GiB chunk header was answered after 20 s with "within 30 s").
-        char msg[200];
-        if (c.body_stall)
-            snprintf(msg, sizeof msg,
-                     "No part of the request body arrived for %.0f s (the limit on a "
-                     "stalled read, --http-header-timeout)",
-                     s->header_timeout_ms / 1000.0);
-        else
-            snprintf(msg, sizeof msg,
-                     "The request body was not received within %.0f s (--http-body-timeout)",
-                     s->body_timeout_ms / 1000.0);
-        tdm_http_respond_error(&c, 408, msg);
-        goto done;
-    }
-    if (body_status == 503) {
-        c.drainable = true;
-        char msg[300];
-        if (c.mem_busy)
-            snprintf(msg, sizeof msg,
-                     "The server's requests in progress use its memory budget (%.0f MiB, "
-                     "--http-memory-budget); retry later",
-                     s->mem_budget / 1048576.0);
-        else
-            snprintf(msg, sizeof msg,
-                     "The server is handling %d requests with bodies over %zu bytes; retry later",
-                     s->max_large_requests, TDM_HTTP_LARGE_BODY);
-        tdm_http_add_header(&c, "Retry-After", "1");
-        tdm_http_respond_error(&c, 503, msg);
-        goto done;
-    }
     if (body_status) {
-        // civetweb 1.15 (Debian bookworm's) refuses a chunk extension
-        // ("1a;name=value"), valid HTTP/1.1 that clients do not send in
-        // practice; later civetweb skips it. Trailers are read and dropped.
-        tdm_http_respond_error(&c, body_status,
-                               body_status == 500 ? "out of memory"
-                               : ri->content_length < 0
-                                   ? "The chunked request body could not be read: the client "
-                                     "went away or its chunk framing is malformed (chunk "
-                                     "extensions, \"size;name=value\", are not supported)"
-                                   : "The request body could not be read");
-        goto done;
+        respond_body_error(&c, body_status);
+        return finish_request(&c, method, path, has_body, t0);
     }
     r->fn(&c, r->arg);
     if (!c.status)
         tdm_http_respond_error(&c, 500, "The handler sent no response");
     else if (c.sse)
         tdm_http_sse_end(&c, false); // a handler that forgot to end still gets valid framing
-done:
-    // The answer already said "Connection: close"; once the body is dropped
-    // civetweb may keep the connection (the client closes it), except one
-    // over the per-address cap, which closes either way.
-    if (c.must_close && c.drainable && has_body && drain_body(&c) && c.status != 429)
-        c.must_close = false;
-    TDM_LOG_DEBUG("http", "%s %s status=%d in=%zu out=%zu ms=%.2f%s", method, path, c.status,
-                  c.body_len, c.bytes_out, (tdm_now() - t0) * 1e3, c.gone ? " client_gone" : "");
-    bool large = c.large || c.body_len >= TDM_HTTP_LARGE_BODY || c.bytes_out >= TDM_HTTP_LARGE_BODY;
-    large_release(&c);
-    memory_release(&c);
-    int status = c.status ? c.status : 500;
-    bool must_close = c.must_close;
-    conn_fini(&c);
-    return_free_memory(large);
-    if (must_close)
-        force_close(ri);
-    head_wait_from(false);
-    return must_close ? -1 : status;
+    return finish_request(&c, method, path, has_body, t0);
 }

@@ -509,154 +509,220 @@ done:
 
 // ---- GET into a partial file --------------------------------------------------------------
 
+// One download's state across its attempts.
+struct download {
+    const struct tdm_hub_client *c;
+    const char *url;         // the resolve URL every attempt starts at
+    const char *dest;        // the partial file
+    const char *label;       // the file's name in logs and the progress bar
+    long long expected_size; // -1 unknown
+    struct progress pg;
+    struct resp r;      // r.pg points at pg
+    char *cur;          // the URL of the attempt's last request (heap) or NULL
+    int attempt;        // retries since the last attempt that made progress
+    int total_attempts; // all attempts, bounded by MAX_TOTAL_ATTEMPTS
+    int rc;             // the result once an attempt ends in ATTEMPT_FAILED
+    char *err;
+    size_t errlen;
+};
+
+// How an attempt ended: the file is whole, try again (after a backoff, already waited), or give
+// up with d->rc and err filled.
+enum attempt_end { ATTEMPT_COMPLETE, ATTEMPT_RETRY, ATTEMPT_FAILED };
+
+// Opens dest to append what an earlier attempt or run left (emptied first when it is longer
+// than expected) and sets d->cur to the resolve URL. Sets *whole, opening nothing, when the file
+// already has every byte. Returns TDM_OK, TDM_EIO or TDM_ENOMEM.
+static int start_attempt(struct download *d, bool *whole)
+{
+    struct stat st;
+    long long have = stat(d->dest, &st) == 0 ? (long long)st.st_size : 0;
+    if (d->expected_size >= 0 && have > d->expected_size) {
+        if (truncate(d->dest, 0) != 0)
+            return tdm_seterr(d->err, d->errlen, TDM_EIO, "%s: %s", d->dest, strerror(errno));
+        have = 0;
+    }
+    if (d->expected_size >= 0 && have == d->expected_size && have > 0) {
+        *whole = true; // an earlier run got every byte
+        return TDM_OK;
+    }
+    d->r.fp = fopen(d->dest, "ab");
+    if (!d->r.fp)
+        return tdm_seterr(d->err, d->errlen, TDM_EIO, "%s: %s", d->dest, strerror(errno));
+    d->r.resume_from = have;
+    d->r.received = 0;
+    d->r.restarted = d->r.bad_range = d->r.write_failed = false;
+    d->pg.base = have;
+    free(d->cur);
+    d->cur = strdup(d->url); // every attempt starts at the resolve URL: CDN links expire
+    if (!d->cur) {
+        fclose(d->r.fp);
+        return tdm_seterr(d->err, d->errlen, TDM_ENOMEM, "out of memory");
+    }
+    return TDM_OK;
+}
+
+// GETs d->cur into d->r.fp, following up to MAX_HOPS redirects (d->cur becomes the last URL);
+// *cr is the last request's curl code. On failure closes d->r.fp and returns TDM_EPROTO or
+// TDM_ENOMEM.
+static int get_following_redirects(struct download *d, CURLcode *cr)
+{
+    for (int hops = 0;; hops++) {
+        resp_reset(&d->r);
+        *cr = perform(d->c, d->cur, false, &d->r);
+        if (*cr != CURLE_OK || d->r.status < 300 || d->r.status >= 400 || !loc_abs(&d->r))
+            return TDM_OK;
+        if (hops >= MAX_HOPS) {
+            fclose(d->r.fp);
+            return tdm_seterr(d->err, d->errlen, TDM_EPROTO, "too many redirects from %s", d->url);
+        }
+        char *next = strdup(loc_abs(&d->r));
+        if (!next) {
+            fclose(d->r.fp);
+            return tdm_seterr(d->err, d->errlen, TDM_ENOMEM, "out of memory");
+        }
+        free(d->cur);
+        d->cur = next;
+    }
+}
+
+// The file could not be written. A 206 for another range than asked starts the file over and
+// retries; anything else is a write error.
+static enum attempt_end after_write_failure(struct download *d)
+{
+    if (d->r.bad_range) {
+        // A 206 from elsewhere than we asked: start the file over.
+        if (truncate(d->dest, 0) != 0) {
+            d->rc = tdm_seterr(d->err, d->errlen, TDM_EIO, "%s: %s", d->dest, strerror(errno));
+            return ATTEMPT_FAILED;
+        }
+        if (d->attempt < d->c->max_retries && d->total_attempts < MAX_TOTAL_ATTEMPTS) {
+            TDM_LOG_WARN("hub", "%s: server answered an unexpected range, restarting", d->label);
+            backoff(d->c, d->attempt++);
+            return ATTEMPT_RETRY;
+        }
+        d->rc = tdm_seterr(d->err, d->errlen, TDM_EPROTO,
+                           "%s: server keeps answering the wrong "
+                           "byte range",
+                           d->cur);
+        return ATTEMPT_FAILED;
+    }
+    d->rc =
+        tdm_seterr(d->err, d->errlen, TDM_EIO, "%s: write failed: %s", d->dest, strerror(errno));
+    return ATTEMPT_FAILED;
+}
+
+// A 2xx must leave the file at the expected size; another answer is retried (after a backoff)
+// while it is retryable and the retries last.
+static enum attempt_end judge_answer(struct download *d, CURLcode cr)
+{
+    const struct resp *r = &d->r;
+    if (r->status == 416) {
+        // What we hold does not fit the remote file: start over.
+        if (truncate(d->dest, 0) != 0) {
+            d->rc = tdm_seterr(d->err, d->errlen, TDM_EIO, "%s: %s", d->dest, strerror(errno));
+            return ATTEMPT_FAILED;
+        }
+    }
+    if (r->restarted)
+        TDM_LOG_INFO("hub", "%s: server ignored the Range request, downloading from the start",
+                     d->label);
+    bool ok2xx = cr == CURLE_OK && r->status >= 200 && r->status < 300;
+    if (ok2xx) {
+        struct stat st;
+        if (stat(d->dest, &st) != 0) {
+            d->rc = tdm_seterr(d->err, d->errlen, TDM_EIO, "%s: %s", d->dest, strerror(errno));
+            return ATTEMPT_FAILED;
+        }
+        if (d->expected_size >= 0 && (long long)st.st_size != d->expected_size) {
+            // A complete answer of the wrong length: not a dropped link.
+            unlink(d->dest);
+            d->rc = tdm_seterr(d->err, d->errlen, TDM_EPROTO,
+                               "%s: size mismatch: got %lld bytes, the Hub reported %lld (%s); "
+                               "partial file deleted",
+                               d->label, (long long)st.st_size, d->expected_size, d->cur);
+            return ATTEMPT_FAILED;
+        }
+        return ATTEMPT_COMPLETE;
+    }
+    bool retry =
+        cr != CURLE_OK ? retryable_curl(cr) : (retryable_status(r->status) || r->status == 416);
+    if (!retry) {
+        d->rc = cr != CURLE_OK ? tdm_seterr(d->err, d->errlen, TDM_ETRANSPORT, "GET %s: %s%s",
+                                            d->cur, curl_easy_strerror(cr), unreachable_hint(cr))
+                               : status_error(r, d->cur, d->err, d->errlen);
+        return ATTEMPT_FAILED;
+    }
+    if (r->received > 0)
+        d->attempt = 0; // progress was made: the link works, just not for long
+    if (d->attempt >= d->c->max_retries || d->total_attempts >= MAX_TOTAL_ATTEMPTS) {
+        d->rc = tdm_seterr(
+            d->err, d->errlen, TDM_ETRANSPORT, "GET %s: %s (gave up after %d attempts)", d->cur,
+            cr != CURLE_OK ? curl_easy_strerror(cr) : "server error", d->total_attempts);
+        return ATTEMPT_FAILED;
+    }
+    if (d->pg.drawn) {
+        fputc('\n', stderr);
+        d->pg.drawn = false;
+    }
+    TDM_LOG_WARN("hub", "%s: %s after %lld bytes, resuming (retry %d/%d)", d->label,
+                 cr != CURLE_OK ? curl_easy_strerror(cr) : "server error",
+                 r->resume_from + r->received, d->attempt + 1, d->c->max_retries);
+    backoff(d->c, d->attempt++);
+    return ATTEMPT_RETRY;
+}
+
+// One GET (with its redirects) that appends to the partial file.
+static enum attempt_end run_attempt(struct download *d)
+{
+    bool whole = false;
+    if ((d->rc = start_attempt(d, &whole)) != TDM_OK)
+        return ATTEMPT_FAILED;
+    if (whole)
+        return ATTEMPT_COMPLETE;
+    CURLcode cr = CURLE_OK;
+    if ((d->rc = get_following_redirects(d, &cr)) != TDM_OK)
+        return ATTEMPT_FAILED;
+    bool flush_failed = fclose(d->r.fp) != 0;
+    d->r.fp = NULL;
+    d->total_attempts++;
+    if (d->r.write_failed || flush_failed || cr == CURLE_WRITE_ERROR)
+        return after_write_failure(d);
+    return judge_answer(d, cr);
+}
+
 int tdm_hub_http_download(const struct tdm_hub_client *c, const char *url, const char *dest,
                           long long expected_size, const char *label, char *err, size_t errlen)
 {
     pthread_once(&g_curl_once, curl_init_once);
     if (g_curl_init_rc != CURLE_OK)
         return tdm_seterr(err, errlen, TDM_ETRANSPORT, "curl_global_init failed");
-    struct progress pg = {
-        .label = label, .mode = c->progress, .total = expected_size, .t0 = tdm_now()};
-    struct resp r = {0};
-    resp_reset(&r);
-    r.pg = &pg;
-    char *cur = NULL;
-    int rc = TDM_OK, attempt = 0, total_attempts = 0;
-    for (;;) {
+    struct download d = {
+        .c = c,
+        .url = url,
+        .dest = dest,
+        .label = label,
+        .expected_size = expected_size,
+        .pg = {.label = label, .mode = c->progress, .total = expected_size, .t0 = tdm_now()},
+        .rc = TDM_OK,
+        .err = err,
+        .errlen = errlen,
+    };
+    resp_reset(&d.r);
+    d.r.pg = &d.pg;
+    enum attempt_end end;
+    do
+        end = run_attempt(&d);
+    while (end == ATTEMPT_RETRY);
+    if (end == ATTEMPT_COMPLETE && d.pg.mode == TDM_HUB_PROGRESS_BAR) {
         struct stat st;
-        long long have = stat(dest, &st) == 0 ? (long long)st.st_size : 0;
-        if (expected_size >= 0 && have > expected_size) {
-            if (truncate(dest, 0) != 0) {
-                rc = tdm_seterr(err, errlen, TDM_EIO, "%s: %s", dest, strerror(errno));
-                goto done;
-            }
-            have = 0;
-        }
-        if (expected_size >= 0 && have == expected_size && have > 0)
-            break; // an earlier run got every byte
-        r.fp = fopen(dest, "ab");
-        if (!r.fp) {
-            rc = tdm_seterr(err, errlen, TDM_EIO, "%s: %s", dest, strerror(errno));
-            goto done;
-        }
-        r.resume_from = have;
-        r.received = 0;
-        r.restarted = r.bad_range = r.write_failed = false;
-        pg.base = have;
-        free(cur);
-        cur = strdup(url); // every attempt starts at the resolve URL: CDN links expire
-        if (!cur) {
-            fclose(r.fp);
-            rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
-            goto done;
-        }
-        CURLcode cr = CURLE_OK;
-        for (int hops = 0;; hops++) {
-            resp_reset(&r);
-            cr = perform(c, cur, false, &r);
-            if (cr != CURLE_OK || r.status < 300 || r.status >= 400 || !loc_abs(&r))
-                break;
-            if (hops >= MAX_HOPS) {
-                fclose(r.fp);
-                rc = tdm_seterr(err, errlen, TDM_EPROTO, "too many redirects from %s", url);
-                goto done;
-            }
-            char *next = strdup(loc_abs(&r));
-            if (!next) {
-                fclose(r.fp);
-                rc = tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
-                goto done;
-            }
-            free(cur);
-            cur = next;
-        }
-        bool flush_failed = fclose(r.fp) != 0;
-        r.fp = NULL;
-        total_attempts++;
-        if (r.write_failed || flush_failed || cr == CURLE_WRITE_ERROR) {
-            if (r.bad_range) {
-                // A 206 from elsewhere than we asked: start the file over.
-                if (truncate(dest, 0) != 0) {
-                    rc = tdm_seterr(err, errlen, TDM_EIO, "%s: %s", dest, strerror(errno));
-                    goto done;
-                }
-                if (attempt < c->max_retries && total_attempts < MAX_TOTAL_ATTEMPTS) {
-                    TDM_LOG_WARN("hub", "%s: server answered an unexpected range, restarting",
-                                 label);
-                    backoff(c, attempt++);
-                    continue;
-                }
-                rc = tdm_seterr(err, errlen, TDM_EPROTO,
-                                "%s: server keeps answering the wrong "
-                                "byte range",
-                                cur);
-                goto done;
-            }
-            rc = tdm_seterr(err, errlen, TDM_EIO, "%s: write failed: %s", dest, strerror(errno));
-            goto done;
-        }
-        if (r.status == 416) {
-            // What we hold does not fit the remote file: start over.
-            if (truncate(dest, 0) != 0) {
-                rc = tdm_seterr(err, errlen, TDM_EIO, "%s: %s", dest, strerror(errno));
-                goto done;
-            }
-        }
-        if (r.restarted)
-            TDM_LOG_INFO("hub", "%s: server ignored the Range request, downloading from the start",
-                         label);
-        bool ok2xx = cr == CURLE_OK && r.status >= 200 && r.status < 300;
-        if (ok2xx) {
-            if (stat(dest, &st) != 0) {
-                rc = tdm_seterr(err, errlen, TDM_EIO, "%s: %s", dest, strerror(errno));
-                goto done;
-            }
-            if (expected_size >= 0 && (long long)st.st_size != expected_size) {
-                // A complete answer of the wrong length: not a dropped link.
-                unlink(dest);
-                rc = tdm_seterr(err, errlen, TDM_EPROTO,
-                                "%s: size mismatch: got %lld bytes, the Hub reported %lld (%s); "
-                                "partial file deleted",
-                                label, (long long)st.st_size, expected_size, cur);
-                goto done;
-            }
-            break;
-        }
-        bool retry =
-            cr != CURLE_OK ? retryable_curl(cr) : (retryable_status(r.status) || r.status == 416);
-        if (!retry) {
-            rc = cr != CURLE_OK ? tdm_seterr(err, errlen, TDM_ETRANSPORT, "GET %s: %s%s", cur,
-                                             curl_easy_strerror(cr), unreachable_hint(cr))
-                                : status_error(&r, cur, err, errlen);
-            goto done;
-        }
-        if (r.received > 0)
-            attempt = 0; // progress was made: the link works, just not for long
-        if (attempt >= c->max_retries || total_attempts >= MAX_TOTAL_ATTEMPTS) {
-            rc = tdm_seterr(err, errlen, TDM_ETRANSPORT, "GET %s: %s (gave up after %d attempts)",
-                            cur, cr != CURLE_OK ? curl_easy_strerror(cr) : "server error",
-                            total_attempts);
-            goto done;
-        }
-        if (pg.drawn) {
-            fputc('\n', stderr);
-            pg.drawn = false;
-        }
-        TDM_LOG_WARN("hub", "%s: %s after %lld bytes, resuming (retry %d/%d)", label,
-                     cr != CURLE_OK ? curl_easy_strerror(cr) : "server error",
-                     r.resume_from + r.received, attempt + 1, c->max_retries);
-        backoff(c, attempt++);
+        d.pg.base = stat(dest, &st) == 0 ? (long long)st.st_size : 0;
+        draw_bar(&d.pg, true);
     }
-    if (pg.mode == TDM_HUB_PROGRESS_BAR) {
-        struct stat st;
-        pg.base = stat(dest, &st) == 0 ? (long long)st.st_size : 0;
-        draw_bar(&pg, true);
-    }
-done:
-    if (rc != TDM_OK && pg.drawn)
+    if (d.rc != TDM_OK && d.pg.drawn)
         fputc('\n', stderr);
-    free(cur);
-    free(r.location);
-    free(r.redirect_url);
-    return rc;
+    free(d.cur);
+    free(d.r.location);
+    free(d.r.redirect_url);
+    return d.rc;
 }

@@ -649,6 +649,111 @@ static char *escape_help(const char *help)
     return t.p;
 }
 
+// Label i of a family in the order registry const labels (n_reg of them), the family's const
+// labels, then its variable label names.
+static const char *family_label_name(const struct tdm_metrics_registry *reg,
+                                     const struct tdm_metrics_opts *opts, size_t n_reg, size_t i)
+{
+    return i < n_reg                          ? reg->const_labels[i].name
+           : i < n_reg + opts->n_const_labels ? opts->const_labels[i - n_reg].name
+                                              : opts->label_names[i - n_reg - opts->n_const_labels];
+}
+
+// Every label name of the family must be valid ("le" is the histogram's own), unique, and a
+// const label must have a value.
+static int check_label_names(const struct tdm_metrics_registry *reg, enum family_kind kind,
+                             const struct tdm_metrics_opts *opts, size_t n_reg, char *err,
+                             size_t errlen)
+{
+    size_t n_all = n_reg + opts->n_const_labels + opts->n_label_names;
+    for (size_t i = 0; i < n_all; i++) {
+        const char *a = family_label_name(reg, opts, n_reg, i);
+        if (!valid_label_name(a) || (kind == KIND_HISTOGRAM && strcmp(a, "le") == 0))
+            return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: bad label name '%s'",
+                              opts->name, a ? a : "(null)");
+        if (i >= n_reg && i < n_reg + opts->n_const_labels && !opts->const_labels[i - n_reg].value)
+            return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: label %s has no value",
+                              opts->name, a);
+        for (size_t j = 0; j < i; j++) {
+            const char *b = family_label_name(reg, opts, n_reg, j);
+            if (strcmp(a, b) == 0)
+                return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: duplicate label '%s'",
+                                  opts->name, a);
+        }
+    }
+    return TDM_OK;
+}
+
+// A histogram's bucket bounds must be finite and increasing; a trailing +Inf is implicit, so
+// *n_bounds drops it and the +Inf line is written once.
+static int check_bounds(const char *name, const double *bounds, size_t *n_bounds, char *err,
+                        size_t errlen)
+{
+    size_t n = *n_bounds;
+    if (n && !bounds)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: bounds are NULL", name);
+    if (n && isinf(bounds[n - 1]) && bounds[n - 1] > 0)
+        n--;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(bounds[i]) || (i > 0 && !(bounds[i] > bounds[i - 1])))
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "metrics: %s: bucket bound %zu is not finite and increasing", name,
+                              i);
+    }
+    *n_bounds = n;
+    return TDM_OK;
+}
+
+// Fills f (f->reg set) with copies of its name (name_len bytes of opts->name), help, labels and
+// bounds, and its root series. Returns TDM_OK or TDM_ENOMEM, leaving what it built in f for
+// family_free.
+static int family_fill(struct family *f, const struct tdm_metrics_opts *opts, size_t name_len,
+                       size_t n_reg, const double *bounds, size_t n_bounds)
+{
+    const struct tdm_metrics_registry *reg = f->reg;
+    f->name = malloc(name_len + 1);
+    f->help = escape_help(opts->help);
+    if (!f->name || !f->help)
+        return TDM_ENOMEM;
+    memcpy(f->name, opts->name, name_len);
+    f->name[name_len] = '\0';
+    f->n_const_labels = n_reg + opts->n_const_labels;
+    if (f->n_const_labels) {
+        f->const_labels = calloc(f->n_const_labels, sizeof *f->const_labels);
+        if (!f->const_labels)
+            return TDM_ENOMEM;
+        for (size_t i = 0; i < f->n_const_labels; i++) {
+            const char *nm =
+                i < n_reg ? reg->const_labels[i].name : opts->const_labels[i - n_reg].name;
+            const char *val =
+                i < n_reg ? reg->const_labels[i].value : opts->const_labels[i - n_reg].value;
+            f->const_labels[i].name = dup_str(nm);
+            f->const_labels[i].value = dup_str(val);
+            if (!f->const_labels[i].name || !f->const_labels[i].value)
+                return TDM_ENOMEM;
+        }
+    }
+    if (opts->n_label_names) {
+        f->label_names = calloc(opts->n_label_names, sizeof *f->label_names);
+        if (!f->label_names)
+            return TDM_ENOMEM;
+        f->n_label_names = opts->n_label_names;
+        for (size_t i = 0; i < opts->n_label_names; i++)
+            if (!(f->label_names[i] = dup_str(opts->label_names[i])))
+                return TDM_ENOMEM;
+    }
+    if (n_bounds) {
+        f->bounds = malloc(n_bounds * sizeof *f->bounds);
+        if (!f->bounds)
+            return TDM_ENOMEM;
+        memcpy(f->bounds, bounds, n_bounds * sizeof *f->bounds);
+    }
+    f->n_bounds = n_bounds;
+    if (!(f->root = series_new(f, NULL)))
+        return TDM_ENOMEM;
+    return TDM_OK;
+}
+
 // Builds and links a family; on success *out_root is its root series.
 static int family_register(struct series **out_root, struct tdm_metrics_registry *reg,
                            enum family_kind kind, const struct tdm_metrics_opts *opts,
@@ -668,46 +773,13 @@ static int family_register(struct series **out_root, struct tdm_metrics_registry
     if ((opts->n_label_names && !opts->label_names) ||
         (opts->n_const_labels && !opts->const_labels))
         return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: label array is NULL", opts->name);
-
-    // Every label name of the family, to check validity and duplicates.
     size_t n_reg = opts->no_registry_labels ? 0 : reg->n_const_labels;
-    size_t n_all = n_reg + opts->n_const_labels + opts->n_label_names;
-    for (size_t i = 0; i < n_all; i++) {
-        const char *a = i < n_reg ? reg->const_labels[i].name
-                        : i < n_reg + opts->n_const_labels
-                            ? opts->const_labels[i - n_reg].name
-                            : opts->label_names[i - n_reg - opts->n_const_labels];
-        if (!valid_label_name(a) || (kind == KIND_HISTOGRAM && strcmp(a, "le") == 0))
-            return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: bad label name '%s'",
-                              opts->name, a ? a : "(null)");
-        if (i >= n_reg && i < n_reg + opts->n_const_labels && !opts->const_labels[i - n_reg].value)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: label %s has no value",
-                              opts->name, a);
-        for (size_t j = 0; j < i; j++) {
-            const char *b = j < n_reg ? reg->const_labels[j].name
-                            : j < n_reg + opts->n_const_labels
-                                ? opts->const_labels[j - n_reg].name
-                                : opts->label_names[j - n_reg - opts->n_const_labels];
-            if (strcmp(a, b) == 0)
-                return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: duplicate label '%s'",
-                                  opts->name, a);
-        }
-    }
-    if (kind == KIND_HISTOGRAM) {
-        if (n_bounds && !bounds)
-            return tdm_seterr(err, errlen, TDM_EINVAL, "metrics: %s: bounds are NULL", opts->name);
-        // A trailing +Inf is implicit; drop it so the +Inf line is written once.
-        if (n_bounds && isinf(bounds[n_bounds - 1]) && bounds[n_bounds - 1] > 0)
-            n_bounds--;
-        for (size_t i = 0; i < n_bounds; i++) {
-            if (!isfinite(bounds[i]) || (i > 0 && !(bounds[i] > bounds[i - 1])))
-                return tdm_seterr(err, errlen, TDM_EINVAL,
-                                  "metrics: %s: bucket bound %zu is not finite and increasing",
-                                  opts->name, i);
-        }
-    }
+    int rc = check_label_names(reg, kind, opts, n_reg, err, errlen);
+    if (rc == TDM_OK && kind == KIND_HISTOGRAM)
+        rc = check_bounds(opts->name, bounds, &n_bounds, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
 
-    int rc = TDM_ENOMEM;
     struct family *f = calloc(1, sizeof *f);
     if (!f)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "metrics: out of memory");
@@ -715,52 +787,16 @@ static int family_register(struct series **out_root, struct tdm_metrics_registry
     f->kind = kind;
     atomic_init(&f->next, NULL);
     atomic_init(&f->children, NULL);
-    f->name = malloc(name_len + 1);
-    f->help = escape_help(opts->help);
-    if (!f->name || !f->help)
+    if ((rc = family_fill(f, opts, name_len, n_reg, bounds, n_bounds)) != TDM_OK) {
+        tdm_seterr(err, errlen, TDM_ENOMEM, "metrics: out of memory");
         goto fail;
-    memcpy(f->name, opts->name, name_len);
-    f->name[name_len] = '\0';
-    f->n_const_labels = n_reg + opts->n_const_labels;
-    if (f->n_const_labels) {
-        f->const_labels = calloc(f->n_const_labels, sizeof *f->const_labels);
-        if (!f->const_labels)
-            goto fail;
-        for (size_t i = 0; i < f->n_const_labels; i++) {
-            const char *nm =
-                i < n_reg ? reg->const_labels[i].name : opts->const_labels[i - n_reg].name;
-            const char *val =
-                i < n_reg ? reg->const_labels[i].value : opts->const_labels[i - n_reg].value;
-            f->const_labels[i].name = dup_str(nm);
-            f->const_labels[i].value = dup_str(val);
-            if (!f->const_labels[i].name || !f->const_labels[i].value)
-                goto fail;
-        }
     }
-    if (opts->n_label_names) {
-        f->label_names = calloc(opts->n_label_names, sizeof *f->label_names);
-        if (!f->label_names)
-            goto fail;
-        f->n_label_names = opts->n_label_names;
-        for (size_t i = 0; i < opts->n_label_names; i++)
-            if (!(f->label_names[i] = dup_str(opts->label_names[i])))
-                goto fail;
-    }
-    if (n_bounds) {
-        f->bounds = malloc(n_bounds * sizeof *f->bounds);
-        if (!f->bounds)
-            goto fail;
-        memcpy(f->bounds, bounds, n_bounds * sizeof *f->bounds);
-    }
-    f->n_bounds = n_bounds;
-    if (!(f->root = series_new(f, NULL)))
-        goto fail;
 
     pthread_mutex_lock(&reg->lock);
     rc = check_collision(reg, kind, f->name, err, errlen);
     if (rc != TDM_OK) {
         pthread_mutex_unlock(&reg->lock);
-        goto fail_quiet;
+        goto fail;
     }
     if (reg->families_tail)
         atomic_store_explicit(&reg->families_tail->next, f, memory_order_release);
@@ -771,8 +807,6 @@ static int family_register(struct series **out_root, struct tdm_metrics_registry
     *out_root = f->root;
     return TDM_OK;
 fail:
-    tdm_seterr(err, errlen, TDM_ENOMEM, "metrics: out of memory");
-fail_quiet:
     family_free(f);
     return rc;
 }

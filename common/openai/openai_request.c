@@ -836,16 +836,22 @@ static int fail_code(const struct tdm_oai_error *e)
 }
 
 // ---- completions and chat -----------------------------------------------------------------------
-static int parse_request(struct tdm_oai_request *r, const cJSON *root,
-                         const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+// parse_request runs these stages in order; each returns TDM_OK or the code parse_request
+// returns, with e filled. The order is the order of the checks, so it decides which error a
+// request with several faults gets.
+typedef int (*request_stage_fn)(const cJSON *root, struct tdm_oai_request *r,
+                                const struct tdm_oai_model_info *m, struct tdm_oai_error *e);
+
+// What to run on: the model, and the messages and tools (chat) or the prompts (completions).
+static int parse_input(const cJSON *root, struct tdm_oai_request *r,
+                       const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
 {
     int rc;
-    bool chat = r->kind == TDM_OAI_CHAT;
     if (check_unsupported(root, r->kind, e) != TDM_OK)
         return TDM_EINVAL;
     if ((rc = parse_model(root, &r->model, m, e)) != TDM_OK)
         return rc;
-    if (chat) {
+    if (r->kind == TDM_OAI_CHAT) {
         if (parse_messages(root, &r->messages, &r->n_messages, &r->messages_json,
                            &r->conversation_json, e) != TDM_OK ||
             tdm_oai_tools_parse(root, m, false, &r->tools, e) != TDM_OK)
@@ -853,7 +859,13 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
     } else if (parse_prompts(root, r, m, e) != TDM_OK) {
         return fail_code(e);
     }
+    return TDM_OK;
+}
 
+static int parse_stream(const cJSON *root, struct tdm_oai_request *r,
+                        const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    (void)m;
     if (get_bool(root, "stream", &r->stream, e) < 0)
         return TDM_EINVAL;
     const cJSON *so = field(root, "stream_options");
@@ -868,7 +880,15 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
             get_bool(so, "continuous_usage_stats", &r->continuous_usage_stats, e) < 0)
             return TDM_EINVAL;
     }
+    return TDM_OK;
+}
 
+// max_tokens, and echo, which with max_tokens=0 on a completion means echo without generation.
+static int parse_max_tokens(const cJSON *root, struct tdm_oai_request *r,
+                            const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    (void)m;
+    bool chat = r->kind == TDM_OAI_CHAT;
     // max_tokens: chat prefers max_completion_tokens (vLLM: `max_completion_tokens or max_tokens`).
     int mt = 0, mct = 0;
     int has_mt = get_int(root, "max_tokens", &mt, e);
@@ -900,7 +920,15 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
             r->max_tokens = mt;
         }
     }
+    return TDM_OK;
+}
 
+// n, bounded alone and as sequences per request, and best_of, which may only equal n.
+static int parse_n(const cJSON *root, struct tdm_oai_request *r, const struct tdm_oai_model_info *m,
+                   struct tdm_oai_error *e)
+{
+    (void)m;
+    int rc;
     if ((rc = get_int(root, "n", &r->n, e)) < 0)
         return TDM_EINVAL;
     if (!rc)
@@ -909,7 +937,7 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
         return tdm_oai_seterr(e, 400, "n", "n must be at least 1, got %d.", r->n);
     if (r->n > TDM_OAI_MAX_N)
         return tdm_oai_seterr(e, 400, "n", "n must be at most %d, got %d.", TDM_OAI_MAX_N, r->n);
-    if (!chat && r->n_prompts * (size_t)r->n > TDM_OAI_MAX_SEQUENCES)
+    if (r->kind != TDM_OAI_CHAT && r->n_prompts * (size_t)r->n > TDM_OAI_MAX_SEQUENCES)
         return tdm_oai_seterr(e, 400, "n",
                               "n x prompts must be at most %d sequences per request, got %d x "
                               "%zu.",
@@ -923,14 +951,28 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
             "best_of must be greater than or equal to n, got n=%d and best_of=%d.", r->n, best_of);
     if (rc && best_of > r->n)
         return not_supported(e, "best_of", "best_of greater than n");
+    return TDM_OK;
+}
 
+static int parse_logprobs_and_stop(const cJSON *root, struct tdm_oai_request *r,
+                                   const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    (void)m;
     if (parse_logprobs(root, r, e) != TDM_OK)
         return TDM_EINVAL;
     if (r->echo && r->logprobs)
         return not_supported(e, "echo", "echo with logprobs needs prompt logprobs");
     if (parse_stop(root, r, e) != TDM_OK)
         return fail_code(e);
+    return TDM_OK;
+}
 
+// The boolean switches on detokenizing and on templating, with their defaults.
+static int parse_output_flags(const cJSON *root, struct tdm_oai_request *r,
+                              const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    (void)m;
+    bool chat = r->kind == TDM_OAI_CHAT;
     r->skip_special_tokens = true;
     r->spaces_between_special_tokens = true;
     r->add_special_tokens = !chat;
@@ -954,6 +996,14 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
                                   "Cannot set both `continue_final_message` and "
                                   "`add_generation_prompt` to True.");
     }
+    return TDM_OK;
+}
+
+// user, request_id and priority: who asked, and how to name and rank the request.
+static int parse_identity(const cJSON *root, struct tdm_oai_request *r,
+                          const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    (void)m;
     if (get_string(root, "user", &r->user, e) < 0 ||
         get_string(root, "request_id", &r->request_id, e) < 0)
         return fail_code(e);
@@ -971,12 +1021,18 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
     }
     if (get_int(root, "priority", &r->priority, e) < 0)
         return TDM_EINVAL;
+    return TDM_OK;
+}
 
+// Sampling and constraints, then the checks across fields parsed by earlier stages.
+static int parse_generation(const cJSON *root, struct tdm_oai_request *r,
+                            const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
     if (parse_sampling(root, r, m, e) != TDM_OK)
         return fail_code(e);
     if (parse_constraints(root, r, e) != TDM_OK)
         return fail_code(e);
-    if (chat && tdm_oai_tools_force(r, e) != TDM_OK)
+    if (r->kind == TDM_OAI_CHAT && tdm_oai_tools_force(r, e) != TDM_OK)
         return fail_code(e);
     if (r->max_tokens > 0 && r->sampling.min_tokens > r->max_tokens)
         return tdm_oai_seterr(e, 400, "min_tokens",
@@ -989,6 +1045,21 @@ static int parse_request(struct tdm_oai_request *r, const cJSON *root,
     if (m && m->vocab_size > 0 &&
         tdm_sampling_params_validate(&r->sampling, m->vocab_size, err, sizeof err) != TDM_OK)
         return tdm_oai_seterr(e, 400, NULL, "%s", err);
+    return TDM_OK;
+}
+
+static int parse_request(struct tdm_oai_request *r, const cJSON *root,
+                         const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    static const request_stage_fn stages[] = {
+        parse_input,        parse_stream,   parse_max_tokens, parse_n, parse_logprobs_and_stop,
+        parse_output_flags, parse_identity, parse_generation,
+    };
+    for (size_t i = 0; i < sizeof stages / sizeof stages[0]; i++) {
+        int rc = stages[i](root, r, m, e);
+        if (rc != TDM_OK)
+            return rc;
+    }
     return TDM_OK;
 }
 

@@ -676,6 +676,136 @@ static int step_hermes(struct tdm_oai_toolparse *p)
     }
 }
 
+// Each sequence state below either moves the parser on and asks step_seq to run the next state
+// (SEQ_AGAIN), or returns what step_seq returns: TDM_OK (wait for more output) or TDM_ENOMEM.
+// s, n: the output not yet consumed (from p->pos).
+enum { SEQ_AGAIN = -1 };
+
+// P_LLAMA_HEAD, P_REQ_HEAD: the calls open with <|python_tag|> or "{" (llama3_json) or "["
+// (required); anything else makes all of the output content.
+static int seq_head(struct tdm_oai_toolparse *p, const char *s, size_t n, bool llama)
+{
+    size_t i = 0;
+    skip_ws(s, n, &i);
+    if (i == n) {
+        if (!p->final)
+            return TDM_OK;
+        p->st = P_PLAIN; // only whitespace: it is the content
+        return SEQ_AGAIN;
+    }
+    if (llama) {
+        size_t tl = strlen(LLAMA_TAG);
+        size_t avail = n - i < tl ? n - i : tl;
+        if (memcmp(s + i, LLAMA_TAG, avail) == 0) {
+            if (avail < tl) {
+                if (!p->final)
+                    return TDM_OK; // may still become the tag
+                p->st = P_PLAIN;
+                return SEQ_AGAIN;
+            }
+            p->pos += i + tl;
+            p->st = P_SEQ_OBJ;
+            reset_call(p, p->pos);
+            return SEQ_AGAIN;
+        }
+    }
+    if (s[i] == (llama ? '{' : '[')) {
+        p->pos += llama ? i : i + 1;
+        p->st = P_SEQ_OBJ;
+        reset_call(p, p->pos);
+        return SEQ_AGAIN;
+    }
+    if (!llama)
+        call_failed(p);
+    p->st = P_PLAIN; // not a tool call: all of it is content
+    return SEQ_AGAIN;
+}
+
+// P_SEQ_OBJ: one call's object.
+static int seq_obj(struct tdm_oai_toolparse *p, const char *s, size_t n, bool llama)
+{
+    size_t i = 0, end = 0;
+    if (!llama) {
+        // required: "]" may close the array here only when it is empty
+        skip_ws(s, n, &i);
+        if (i < n && s[i] == ']' && p->n_calls == 0 && p->n_headers == 0) {
+            p->pos += i + 1;
+            p->st = P_REQ_END;
+            return SEQ_AGAIN;
+        }
+    } else if (p->final) {
+        skip_ws(s, n, &i);
+        if (i == n) { // "...;" then the end
+            p->pos += n;
+            return TDM_OK;
+        }
+    }
+    int r = run_call(p, s, n, p->final, false, &end);
+    if (r < 0)
+        return TDM_ENOMEM;
+    if (r == C_MORE)
+        return TDM_OK;
+    if (r == C_BAD) {
+        call_failed(p);
+        if (!p->header_sent && !p->dropping) {
+            // Unsent: the text from the last complete call on is content.
+            p->pos = p->seg_start;
+            p->st = P_PLAIN;
+        } else {
+            p->st = P_SWALLOW;
+        }
+        return SEQ_AGAIN;
+    }
+    p->pos += end;
+    p->seg_start = p->pos;
+    p->st = P_SEQ_SEP;
+    return SEQ_AGAIN;
+}
+
+// P_SEQ_SEP: after a call, ";" (llama3_json) or "," (required) starts the next one, and "]"
+// ends a required array.
+static int seq_sep(struct tdm_oai_toolparse *p, const char *s, size_t n, bool llama)
+{
+    size_t i = 0;
+    skip_ws(s, n, &i);
+    if (i == n)
+        return TDM_OK; // trailing whitespace is dropped at the end
+    if (s[i] == (llama ? ';' : ',')) {
+        p->pos += i + 1;
+        p->st = P_SEQ_OBJ;
+        reset_call(p, p->pos);
+        return SEQ_AGAIN;
+    }
+    if (!llama && s[i] == ']') {
+        p->pos += i + 1;
+        p->st = P_REQ_END;
+        return SEQ_AGAIN;
+    }
+    if (!llama) {
+        call_failed(p);
+        p->st = P_SWALLOW;
+        return SEQ_AGAIN;
+    }
+    // Text after the calls is content (vLLM drops it).
+    p->pos += i;
+    p->st = P_PLAIN;
+    return SEQ_AGAIN;
+}
+
+// P_REQ_END: after a required array's "]" only whitespace may follow.
+static int seq_req_end(struct tdm_oai_toolparse *p, const char *s, size_t n)
+{
+    size_t i = 0;
+    skip_ws(s, n, &i);
+    if (i < n) {
+        call_failed(p);
+        p->st = P_SWALLOW;
+        return SEQ_AGAIN;
+    }
+    p->pos += n;
+    return TDM_OK;
+}
+
 // llama3_json and required share the sequence states.
 static int step_seq(struct tdm_oai_toolparse *p)
 {
@@ -683,117 +813,21 @@ static int step_seq(struct tdm_oai_toolparse *p)
     for (;;) {
         const char *s = p->all.p + p->pos;
         size_t n = p->all.len - p->pos;
-        size_t i = 0;
+        int rc;
         switch (p->st) {
         case P_LLAMA_HEAD:
-        case P_REQ_HEAD: {
-            skip_ws(s, n, &i);
-            if (i == n) {
-                if (!p->final)
-                    return TDM_OK;
-                p->st = P_PLAIN; // only whitespace: it is the content
-                continue;
-            }
-            if (llama) {
-                size_t tl = strlen(LLAMA_TAG);
-                size_t avail = n - i < tl ? n - i : tl;
-                if (memcmp(s + i, LLAMA_TAG, avail) == 0) {
-                    if (avail < tl) {
-                        if (!p->final)
-                            return TDM_OK; // may still become the tag
-                        p->st = P_PLAIN;
-                        continue;
-                    }
-                    p->pos += i + tl;
-                    p->st = P_SEQ_OBJ;
-                    reset_call(p, p->pos);
-                    continue;
-                }
-            }
-            if (s[i] == (llama ? '{' : '[')) {
-                p->pos += llama ? i : i + 1;
-                p->st = P_SEQ_OBJ;
-                reset_call(p, p->pos);
-                continue;
-            }
-            if (!llama)
-                call_failed(p);
-            p->st = P_PLAIN; // not a tool call: all of it is content
-            continue;
-        }
-        case P_SEQ_OBJ: {
-            size_t end = 0;
-            if (!llama) {
-                // required: "]" may close the array here only when it is empty
-                skip_ws(s, n, &i);
-                if (i < n && s[i] == ']' && p->n_calls == 0 && p->n_headers == 0) {
-                    p->pos += i + 1;
-                    p->st = P_REQ_END;
-                    continue;
-                }
-                i = 0;
-            } else if (p->final) {
-                skip_ws(s, n, &i);
-                if (i == n) { // "...;" then the end
-                    p->pos += n;
-                    return TDM_OK;
-                }
-                i = 0;
-            }
-            int r = run_call(p, s, n, p->final, false, &end);
-            if (r < 0)
-                return TDM_ENOMEM;
-            if (r == C_MORE)
-                return TDM_OK;
-            if (r == C_BAD) {
-                call_failed(p);
-                if (!p->header_sent && !p->dropping) {
-                    // Unsent: the text from the last complete call on is content.
-                    p->pos = p->seg_start;
-                    p->st = P_PLAIN;
-                } else {
-                    p->st = P_SWALLOW;
-                }
-                continue;
-            }
-            p->pos += end;
-            p->seg_start = p->pos;
-            p->st = P_SEQ_SEP;
-            continue;
-        }
+        case P_REQ_HEAD:
+            rc = seq_head(p, s, n, llama);
+            break;
+        case P_SEQ_OBJ:
+            rc = seq_obj(p, s, n, llama);
+            break;
         case P_SEQ_SEP:
-            skip_ws(s, n, &i);
-            if (i == n)
-                return TDM_OK; // trailing whitespace is dropped at the end
-            if (s[i] == (llama ? ';' : ',')) {
-                p->pos += i + 1;
-                p->st = P_SEQ_OBJ;
-                reset_call(p, p->pos);
-                continue;
-            }
-            if (!llama && s[i] == ']') {
-                p->pos += i + 1;
-                p->st = P_REQ_END;
-                continue;
-            }
-            if (!llama) {
-                call_failed(p);
-                p->st = P_SWALLOW;
-                continue;
-            }
-            // Text after the calls is content (vLLM drops it).
-            p->pos += i;
-            p->st = P_PLAIN;
-            continue;
+            rc = seq_sep(p, s, n, llama);
+            break;
         case P_REQ_END:
-            skip_ws(s, n, &i);
-            if (i < n) {
-                call_failed(p);
-                p->st = P_SWALLOW;
-                continue;
-            }
-            p->pos += n;
-            return TDM_OK;
+            rc = seq_req_end(p, s, n);
+            break;
         case P_SWALLOW:
             p->pos += n;
             return TDM_OK;
@@ -805,6 +839,8 @@ static int step_seq(struct tdm_oai_toolparse *p)
             return TDM_OK;
         }
         }
+        if (rc != SEQ_AGAIN)
+            return rc;
     }
 }
 

@@ -684,8 +684,9 @@ static int load_config_tokens(struct tdm_tokenizer *tok, const cJSON *cfg, char 
 
 // ---- load ---------------------------------------------------------------------------------------
 
-static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, size_t *added_cap,
-                                 const cJSON *root, const cJSON *cfg, char *err, size_t errlen)
+// Model options Tandem does not implement are refused rather than silently ignored.
+static int check_bpe_options(struct tdm_tokenizer *tok, const cJSON *model, char *err,
+                             size_t errlen)
 {
     const char *type = json_str(model, "type");
     if (type && strcmp(type, "BPE") != 0)
@@ -705,24 +706,13 @@ static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, 
             return LOAD_ERR(TDM_EINVAL, "tokenizer.json: BPE %s is not supported", affixes[i]);
     }
     tok->ignore_merges = json_bool(model, "ignore_merges", false);
+    return TDM_OK;
+}
 
-    const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
-    const cJSON *merges = cJSON_GetObjectItemCaseSensitive(model, "merges");
-    if (!cJSON_IsObject(vocab))
-        return LOAD_ERR(TDM_EPROTO, "tokenizer.json: model.vocab is missing or not an object");
-    if (merges && !cJSON_IsArray(merges))
-        return LOAD_ERR(TDM_EPROTO, "tokenizer.json: model.merges is not an array");
-
-    // Added tokens first: their ids extend the id range.
-    int rc = load_added_list(tok, added_cap, cJSON_GetObjectItemCaseSensitive(root, "added_tokens"),
-                             false, err, errlen);
-    if (!rc && cfg)
-        rc = load_added_list(tok, added_cap,
-                             cJSON_GetObjectItemCaseSensitive(cfg, "added_tokens_decoder"), true,
-                             err, errlen);
-    if (rc)
-        return rc;
-
+// Sizes the id range from the vocab and the added tokens (already loaded) and allocates the
+// dense per-id tables, the arena for pieces and decoded bytes, and the vocab map.
+static int alloc_id_tables(struct tdm_tokenizer *tok, const cJSON *vocab, char *err, size_t errlen)
+{
     int32_t max_id = -1;
     size_t n_vocab = 0, arena_size = 0;
     const cJSON *it;
@@ -759,10 +749,15 @@ static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, 
     if (!tok->pieces || !tok->piece_lens || !tok->dec_bytes || !tok->dec_lens || !tok->id_flags ||
         !tok->arena)
         return TDM_ENOMEM;
-    if ((rc = str_map_init(&tok->vocab, n_vocab)))
-        return rc;
+    return str_map_init(&tok->vocab, n_vocab);
+}
 
+// Fills the tables alloc_id_tables sized: pieces into the arena and the vocab map, added tokens
+// and their flags, each id's byte-decoded form, and the id of each raw byte's piece.
+static void fill_id_tables(struct tdm_tokenizer *tok, const cJSON *vocab)
+{
     char *a = tok->arena;
+    const cJSON *it;
     cJSON_ArrayForEach(it, vocab)
     {
         int32_t id = json_id(it);
@@ -779,6 +774,7 @@ static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, 
         tok->piece_lens[ad->id] = (uint32_t)ad->len;
         tok->id_flags[ad->id] |= TOK_ID_ADDED | (ad->special ? TOK_ID_SPECIAL : 0);
     }
+    size_t vs = (size_t)tok->vocab_size;
     for (size_t id = 0; id < vs; id++) {
         if (!tok->pieces[id])
             continue;
@@ -793,8 +789,40 @@ static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, 
         int l = (int)utf8proc_encode_char(tok->byte_char[b], (utf8proc_uint8_t *)ch);
         tok->byte_id[b] = tok_str_map_get(&tok->vocab, ch, (size_t)l);
     }
+}
 
-    // Merges: "left right" strings or [left, right] pairs; the rank is the index.
+// Splits merge `rank` ("left right" or [left, right]) into its two symbols, which point into
+// the JSON. Returns TDM_EPROTO with the detail in err when it is neither form.
+static int merge_symbols(const cJSON *it, int32_t rank, const char **l, size_t *ll, const char **r,
+                         size_t *rl, char *err, size_t errlen)
+{
+    if (cJSON_IsString(it)) {
+        const char *sp = strchr(it->valuestring, ' ');
+        if (!sp || strchr(sp + 1, ' '))
+            return LOAD_ERR(TDM_EPROTO, "tokenizer.json: merge %d \"%s\" is not two symbols",
+                            (int)rank, it->valuestring);
+        *l = it->valuestring;
+        *ll = (size_t)(sp - *l);
+        *r = sp + 1;
+        *rl = strlen(*r);
+        return TDM_OK;
+    }
+    if (cJSON_IsArray(it) && cJSON_GetArraySize(it) == 2 &&
+        cJSON_IsString(cJSON_GetArrayItem(it, 0)) && cJSON_IsString(cJSON_GetArrayItem(it, 1))) {
+        *l = cJSON_GetArrayItem(it, 0)->valuestring;
+        *r = cJSON_GetArrayItem(it, 1)->valuestring;
+        *ll = strlen(*l);
+        *rl = strlen(*r);
+        return TDM_OK;
+    }
+    return LOAD_ERR(TDM_EPROTO, "tokenizer.json: merge %d is neither a string nor a pair",
+                    (int)rank);
+}
+
+// Merges: "left right" strings or [left, right] pairs; the rank is the index. Needs the vocab
+// map filled, since each merge's two symbols and their join must be tokens.
+static int load_merges(struct tdm_tokenizer *tok, const cJSON *merges, char *err, size_t errlen)
+{
     size_t n_merges = merges ? (size_t)cJSON_GetArraySize(merges) : 0;
     tok->merges_cap = 16;
     while (tok->merges_cap < n_merges * 2)
@@ -807,34 +835,14 @@ static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, 
     char *joined = NULL;
     size_t joined_cap = 0;
     int32_t rank = 0;
-    rc = TDM_OK;
+    int rc = TDM_OK;
+    const cJSON *it;
     cJSON_ArrayForEach(it, merges)
     {
         const char *l = NULL, *r = NULL;
         size_t ll = 0, rl = 0;
-        if (cJSON_IsString(it)) {
-            const char *sp = strchr(it->valuestring, ' ');
-            if (!sp || strchr(sp + 1, ' ')) {
-                rc = LOAD_ERR(TDM_EPROTO, "tokenizer.json: merge %d \"%s\" is not two symbols",
-                              (int)rank, it->valuestring);
-                break;
-            }
-            l = it->valuestring;
-            ll = (size_t)(sp - l);
-            r = sp + 1;
-            rl = strlen(r);
-        } else if (cJSON_IsArray(it) && cJSON_GetArraySize(it) == 2 &&
-                   cJSON_IsString(cJSON_GetArrayItem(it, 0)) &&
-                   cJSON_IsString(cJSON_GetArrayItem(it, 1))) {
-            l = cJSON_GetArrayItem(it, 0)->valuestring;
-            r = cJSON_GetArrayItem(it, 1)->valuestring;
-            ll = strlen(l);
-            rl = strlen(r);
-        } else {
-            rc = LOAD_ERR(TDM_EPROTO, "tokenizer.json: merge %d is neither a string nor a pair",
-                          (int)rank);
+        if ((rc = merge_symbols(it, rank, &l, &ll, &r, &rl, err, errlen)))
             break;
-        }
         int32_t lid = tok_str_map_get(&tok->vocab, l, ll);
         int32_t rid = tok_str_map_get(&tok->vocab, r, rl);
         if (ll + rl > joined_cap) {
@@ -861,6 +869,34 @@ static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, 
     }
     free(joined);
     return rc;
+}
+
+static int load_vocab_and_merges(struct tdm_tokenizer *tok, const cJSON *model, size_t *added_cap,
+                                 const cJSON *root, const cJSON *cfg, char *err, size_t errlen)
+{
+    int rc = check_bpe_options(tok, model, err, errlen);
+    if (rc)
+        return rc;
+    const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
+    const cJSON *merges = cJSON_GetObjectItemCaseSensitive(model, "merges");
+    if (!cJSON_IsObject(vocab))
+        return LOAD_ERR(TDM_EPROTO, "tokenizer.json: model.vocab is missing or not an object");
+    if (merges && !cJSON_IsArray(merges))
+        return LOAD_ERR(TDM_EPROTO, "tokenizer.json: model.merges is not an array");
+
+    // Added tokens first: their ids extend the id range.
+    rc = load_added_list(tok, added_cap, cJSON_GetObjectItemCaseSensitive(root, "added_tokens"),
+                         false, err, errlen);
+    if (!rc && cfg)
+        rc = load_added_list(tok, added_cap,
+                             cJSON_GetObjectItemCaseSensitive(cfg, "added_tokens_decoder"), true,
+                             err, errlen);
+    if (!rc)
+        rc = alloc_id_tables(tok, vocab, err, errlen);
+    if (rc)
+        return rc;
+    fill_id_tables(tok, vocab);
+    return load_merges(tok, merges, err, errlen);
 }
 
 static int load_from_json(struct tdm_tokenizer *tok, const cJSON *root, const cJSON *cfg, char *err,
