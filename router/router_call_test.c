@@ -1,0 +1,692 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tests of the router's call path (router_call.c: attempts under the retry
+// budget of retry.c, migration of a lost decode worker's streams) through a
+// real tdm_router_server on loopback, driven over HTTP, against fake decode
+// workers written here. A fake has what the router talks to: an HTTP server
+// whose /health answers 200 (the router's active health checks) and an inbox
+// (common/transport) that answers LoadQuery with LoadReport and a
+// GenerateRequest with TokenChunks sent to the reply_to inbox it names, as
+// decode/pd_receiver.c does. Its script: answer (tokens token_of(i) up to
+// max_tokens, i counted from the resume tokens on, then a length finish),
+// refuse as busy (EBUSY) or as closing (ECLOSED) before any token, be
+// unreachable (/health answers, nothing listens on its nng port), or go
+// silent after K tokens (no chunk, no load report: the router's liveness
+// check declares it lost).
+//
+// Routing is deterministic: --policy round_robin over the --decode list of a
+// fresh router. Its k-th pick (k from 0: the registry's pick sequence) takes
+// candidate k mod the number of candidates, the candidates being the
+// endpoints listed that have not failed the request yet, in list order: so
+// with A, B the first pick is A and a retry goes to B; with A, B, C, D the
+// picks are A, then C (of B, C, D), then B (of B, D).
+//
+// Cases: a plain completion (text and usage the tokens imply); an unreachable
+// decode worker and a busy one each retried on the next (one retry counted);
+// three failures of three kinds answered with the last worker's 503 error
+// body while a fourth healthy worker is never tried (3 routes in all); a
+// stream whose worker goes silent mid-stream, migrated (every token once, in
+// order; the second worker got the first one's tokens as resume_tokens; one
+// migration counted) or, with --no-stream-migration, ended with an error event.
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+#include <cmocka.h>
+
+#include "core.h"
+#include "http.h"
+#include "http_test_client.h"
+#include "mkmodel.h"
+#include "pd_codec.h"
+#include "router.h"
+#include "tokenizer.h"
+#include "transport.h"
+
+#define MAX_FAKES 4
+#define MAX_TOKENS 64
+
+static char model_dir[] = "/tmp/tdm_router_call_XXXXXX";
+static struct tdm_tokenizer *tok;
+
+// The i-th generated token of every fake: plain merged tokens of the tiny
+// tokenizer (vocab 512: ids 256..508 are merges, the last three special).
+static int32_t token_of(int i)
+{
+    return 300 + i;
+}
+
+// ---- fake decode worker ------------------------------------------------------------------------
+enum fake_mode {
+    FAKE_ANSWER,      // tokens up to max_tokens, then a length finish
+    FAKE_BUSY,        // an EBUSY error finish before any token (its waiting queue is full)
+    FAKE_REFUSE,      // an ECLOSED error finish before any token (loading or draining)
+    FAKE_UNREACHABLE, // /health answers; its nng port is bound but nothing listens
+    FAKE_DIE,         // die_after tokens, then silent: no chunk, no load report, ever
+};
+
+struct fake {
+    enum fake_mode mode;
+    int die_after; // FAKE_DIE
+    uint64_t instance;
+    struct tdm_http_server *http;
+    struct tdm_net_inbox *inbox; // NULL when unreachable
+    struct tdm_net_outbox *outbox;
+    int hold_fd; // FAKE_UNREACHABLE: the socket holding its nng port (-1: none)
+    int http_port, nng_port;
+    atomic_bool silent;
+
+    pthread_mutex_t mu;  // what it was asked (below)
+    int n_generates;     // GenerateRequests received
+    int n_reports;       // LoadReports sent
+    int32_t prompt[256]; // [n_prompt] of the last GenerateRequest
+    size_t n_prompt;
+    int32_t resume[MAX_TOKENS]; // [n_resume] its resume_tokens
+    size_t n_resume;
+    int max_tokens;
+};
+
+static void fake_on_health(struct tdm_http_conn *c, void *arg)
+{
+    (void)arg;
+    tdm_http_respond(c, 200, "text/plain", "ok", 2);
+}
+
+static void fake_send_chunk(struct fake *f, const Tandem__GenerateRequest *g, Tandem__TokenChunk *m)
+{
+    char err[256];
+    m->request_id = g->request_id;
+    m->to_instance = g->reply_to->instance;
+    m->from_instance = f->instance;
+    m->prompt_tokens = (int32_t)g->n_prompt;
+    if (m->stop_token == 0)
+        m->stop_token = -1;
+    tdm_pd_send(f->outbox, g->reply_to->url, TDM_NET_TOKENS, &m->base, NULL, 0, 1.0, err,
+                sizeof err);
+}
+
+// A GenerateRequest, answered on the inbox's reader thread as the script says.
+static void fake_generate(struct fake *f, const struct tdm_net_frame *fr)
+{
+    Tandem__GenerateRequest *g = tandem__generate_request__unpack(NULL, fr->msg_len, fr->msg);
+    if (g == NULL)
+        return;
+    pthread_mutex_lock(&f->mu);
+    f->n_generates++;
+    f->n_prompt = g->n_prompt < 256 ? g->n_prompt : 256;
+    if (f->n_prompt > 0)
+        memcpy(f->prompt, g->prompt, f->n_prompt * sizeof *f->prompt);
+    f->n_resume = g->n_resume_tokens < MAX_TOKENS ? g->n_resume_tokens : MAX_TOKENS;
+    if (f->n_resume > 0) // (an empty repeated field is NULL)
+        memcpy(f->resume, g->resume_tokens, f->n_resume * sizeof *f->resume);
+    f->max_tokens = g->max_tokens;
+    pthread_mutex_unlock(&f->mu);
+    if (g->reply_to == NULL || g->reply_to->url == NULL || !g->reply_to->url[0])
+        goto out;
+    Tandem__TokenChunk m = TANDEM__TOKEN_CHUNK__INIT;
+    if (f->mode == FAKE_BUSY || f->mode == FAKE_REFUSE) {
+        m.finished = true;
+        m.finish = tdm_pd_finish_to_proto(TDM_FINISH_ERROR);
+        m.error = f->mode == FAKE_BUSY ? TDM_EBUSY : TDM_ECLOSED;
+        m.message = f->mode == FAKE_BUSY ? "fake: the waiting queue is full" : "fake: draining";
+        fake_send_chunk(f, g, &m);
+        goto out;
+    }
+    int max = g->max_tokens < MAX_TOKENS ? g->max_tokens : MAX_TOKENS;
+    int first = (int)g->n_resume_tokens;
+    for (int i = first; i < max; i++) {
+        if (f->mode == FAKE_DIE && i == f->die_after) {
+            atomic_store(&f->silent, true);
+            break;
+        }
+        Tandem__TokenChunk c = TANDEM__TOKEN_CHUNK__INIT;
+        int32_t t = token_of(i);
+        c.first_index = i - first;
+        c.tokens = &t;
+        c.n_tokens = 1;
+        if (i + 1 == max) {
+            c.finished = true;
+            c.finish = tdm_pd_finish_to_proto(TDM_FINISH_LENGTH);
+        }
+        fake_send_chunk(f, g, &c);
+    }
+out:
+    tandem__generate_request__free_unpacked(g, NULL);
+}
+
+static void fake_load_query(struct fake *f, const struct tdm_net_frame *fr)
+{
+    Tandem__LoadQuery *q = tandem__load_query__unpack(NULL, fr->msg_len, fr->msg);
+    if (q == NULL)
+        return;
+    if (q->reply_to && q->reply_to->url && q->reply_to->url[0]) {
+        Tandem__LoadReport r = TANDEM__LOAD_REPORT__INIT;
+        r.instance = f->instance;
+        r.to_instance = q->reply_to->instance;
+        r.role = "decode";
+        r.model = "tiny";
+        r.seq = q->seq;
+        r.url = (char *)tdm_net_inbox_url(f->inbox);
+        char err[256];
+        if (tdm_pd_send(f->outbox, q->reply_to->url, TDM_NET_LOAD_REPORT, &r.base, NULL, 0, 0.5,
+                        err, sizeof err) == TDM_OK) {
+            pthread_mutex_lock(&f->mu);
+            f->n_reports++;
+            pthread_mutex_unlock(&f->mu);
+        }
+    }
+    tandem__load_query__free_unpacked(q, NULL);
+}
+
+static void fake_on_frame(void *arg, const struct tdm_net_frame *fr)
+{
+    struct fake *f = arg;
+    if (atomic_load(&f->silent))
+        return; // dead to the router: it hears nothing more from this worker
+    if (fr->type == TDM_NET_GENERATE)
+        fake_generate(f, fr);
+    else if (fr->type == TDM_NET_LOAD_QUERY)
+        fake_load_query(f, fr);
+}
+
+// A TCP port bound on 127.0.0.1 without listening: a dial is refused, and no
+// other socket takes the port while fd is open.
+static int hold_port(int *port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t len = sizeof a;
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    *port = ntohs(a.sin_port);
+    return fd;
+}
+
+static void fake_start(struct fake *f, enum fake_mode mode, int die_after)
+{
+    char err[256];
+    memset(f, 0, sizeof *f);
+    f->mode = mode;
+    f->die_after = die_after;
+    f->hold_fd = -1;
+    f->instance = tdm_net_new_instance_id();
+    pthread_mutex_init(&f->mu, NULL);
+    struct tdm_http_config hc = {.host = "127.0.0.1", .num_threads = 2};
+    assert_int_equal(tdm_http_server_new(&f->http, &hc, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_http_route(f->http, "GET", "/health", fake_on_health, f), TDM_OK);
+    assert_int_equal(tdm_http_server_start(f->http, err, sizeof err), TDM_OK);
+    f->http_port = tdm_http_server_port(f->http);
+    if (mode == FAKE_UNREACHABLE) {
+        f->hold_fd = hold_port(&f->nng_port);
+        return;
+    }
+    assert_int_equal(tdm_net_outbox_new(&f->outbox, 50, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_net_inbox_new(&f->inbox, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    const char *url = tdm_net_inbox_url(f->inbox);
+    f->nng_port = atoi(strrchr(url, ':') + 1);
+    tdm_net_inbox_handle_on_readers(f->inbox, fake_on_frame, f);
+}
+
+static void fake_stop(struct fake *f)
+{
+    if (f->inbox)
+        tdm_net_inbox_close(f->inbox); // no handler runs past this
+    tdm_net_inbox_free(f->inbox);
+    tdm_net_outbox_free(f->outbox);
+    tdm_http_server_free(f->http);
+    if (f->hold_fd >= 0)
+        close(f->hold_fd);
+    pthread_mutex_destroy(&f->mu);
+    memset(f, 0, sizeof *f);
+}
+
+static int fake_count(struct fake *f, const int *field)
+{
+    pthread_mutex_lock(&f->mu);
+    int v = *field;
+    pthread_mutex_unlock(&f->mu);
+    return v;
+}
+
+// ---- the rig: fakes and a router over them -----------------------------------------------------
+struct rig {
+    struct fake fakes[MAX_FAKES];
+    int n;
+    struct tdm_router_opts o;
+    struct tdm_router_server *router;
+    int port; // the router's HTTP port
+};
+
+static struct rig rig;
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {0, (long)ms * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+// Starts fakes of the given modes (FAKE_DIE ones go silent after die_after
+// tokens) and a router listing them in that order, then waits until every
+// reachable fake has answered the router's load queries.
+static void rig_start(int n, const enum fake_mode *modes, int die_after, bool migration)
+{
+    assert_true(n <= MAX_FAKES);
+    memset(&rig, 0, sizeof rig);
+    for (int i = 0; i < n; i++) {
+        fake_start(&rig.fakes[i], modes[i], die_after);
+        rig.n = i + 1;
+    }
+    char decode[512] = "";
+    for (int i = 0; i < n; i++) {
+        size_t len = strlen(decode);
+        snprintf(decode + len, sizeof decode - len, "%s127.0.0.1:%d:%d", i ? "," : "",
+                 rig.fakes[i].http_port, rig.fakes[i].nng_port);
+    }
+    char *argv[] = {"router_call_test",
+                    "--policy",
+                    "round_robin",
+                    "--decode",
+                    decode,
+                    "--model",
+                    model_dir,
+                    "--served-model-name",
+                    "tiny",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--http-threads",
+                    "8",
+                    "--liveness-timeout",
+                    "0.3",
+                    "--load-interval",
+                    "0.05",
+                    "--no-watch-config",
+                    migration ? "--stream-migration" : "--no-stream-migration"};
+    char err[512];
+    tdm_router_opts_default(&rig.o);
+    int rc = tdm_router_opts_parse_args(&rig.o, (int)(sizeof argv / sizeof argv[0]), argv, err,
+                                        sizeof err);
+    if (rc != TDM_OK)
+        fail_msg("router flags: %s", err);
+    rc = tdm_router_server_new(&rig.router, &rig.o, err, sizeof err);
+    if (rc != TDM_OK)
+        fail_msg("router: %s", err);
+    rig.port = tdm_router_server_port(rig.router);
+    // Every reachable fake has been asked and has answered a few times: the
+    // router knows its instance and its liveness counts from a fresh report.
+    double until = tdm_now() + 5.0;
+    for (int i = 0; i < n; i++) {
+        struct fake *f = &rig.fakes[i];
+        if (f->mode == FAKE_UNREACHABLE)
+            continue;
+        while (fake_count(f, &f->n_reports) < 3) {
+            if (tdm_now() > until)
+                fail_msg("fake %d never answered the router's load queries", i);
+            sleep_ms(5);
+        }
+    }
+}
+
+// Frees the router (first: it cancels what is still upstream), then the fakes.
+static void *rig_free_main(void *arg)
+{
+    atomic_bool *done = arg;
+    tdm_router_server_free(rig.router);
+    for (int i = 0; i < rig.n; i++)
+        fake_stop(&rig.fakes[i]);
+    atomic_store(done, true);
+    return NULL;
+}
+
+// Connects to 127.0.0.1:port and closes at once (refused is fine).
+static void poke(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0)
+        return;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    (void)connect(fd, (struct sockaddr *)&a, sizeof a);
+    close(fd);
+}
+
+// Stops everything. A civetweb server's stop waits for its listener's poll,
+// which wakes every 2 s (civetweb's SOCKET_TIMEOUT_QUANTUM) or on a
+// connection: the servers are freed on a thread while this one connects to
+// their ports, so a test's teardown takes milliseconds, not 2 s per server.
+static int rig_stop(void **state)
+{
+    (void)state;
+    int ports[MAX_FAKES + 1], n_ports = 0;
+    if (rig.router)
+        ports[n_ports++] = rig.port;
+    for (int i = 0; i < rig.n; i++)
+        ports[n_ports++] = rig.fakes[i].http_port;
+    atomic_bool done = false;
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, rig_free_main, &done), 0);
+    while (!atomic_load(&done)) {
+        for (int i = 0; i < n_ports; i++)
+            poke(ports[i]);
+        sleep_ms(5);
+    }
+    pthread_join(t, NULL);
+    if (rig.o.generated_dir[0]) { // --policy's config
+        unlink(rig.o.config);
+        rmdir(rig.o.generated_dir);
+    }
+    memset(&rig, 0, sizeof rig);
+    return 0;
+}
+
+// ---- client side -------------------------------------------------------------------------------
+// The sum of a series' samples (every label set) in the router's /metrics.
+static double metric(const char *name)
+{
+    char *r = roundtrip(rig.port, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert_int_equal(status_of(r), 200);
+    size_t nl = strlen(name);
+    double sum = 0;
+    for (const char *p = body_of(r); p && *p;) {
+        if (strncmp(p, name, nl) == 0 && (p[nl] == ' ' || p[nl] == '{')) {
+            const char *v = strchr(p, ' ');
+            if (p[nl] == '{') { // past the labels (values hold no '}')
+                v = strchr(p, '}');
+                v = v ? v + 1 : NULL;
+            }
+            if (v)
+                sum += strtod(v, NULL);
+        }
+        p = strchr(p, '\n');
+        p = p ? p + 1 : NULL;
+    }
+    free(r);
+    return sum;
+}
+
+// The text of tokens token_of(0 .. n-1).
+static char *expected_text(int n)
+{
+    int32_t ids[MAX_TOKENS];
+    for (int i = 0; i < n; i++)
+        ids[i] = token_of(i);
+    char *text = NULL;
+    size_t len = 0;
+    assert_int_equal(tdm_tok_decode(tok, ids, (size_t)n, true, &text, &len), TDM_OK);
+    assert_true(len > 0);
+    return text;
+}
+
+// A non-streamed completion of `max_tokens` tokens: asserts 200, the text
+// and usage the fakes' tokens imply and a length finish.
+static void assert_completion(char *resp, int max_tokens)
+{
+    if (status_of(resp) != 200)
+        fail_msg("expected 200, got: %s", resp);
+    cJSON *j = cJSON_Parse(body_of(resp));
+    assert_non_null(j);
+    const cJSON *c0 = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0);
+    assert_non_null(c0);
+    char *want = expected_text(max_tokens);
+    assert_string_equal(cJSON_GetObjectItem(c0, "text")->valuestring, want);
+    free(want);
+    assert_string_equal(cJSON_GetObjectItem(c0, "finish_reason")->valuestring, "length");
+    const cJSON *u = cJSON_GetObjectItem(j, "usage");
+    assert_int_equal(cJSON_GetObjectItem(u, "completion_tokens")->valueint, max_tokens);
+    cJSON_Delete(j);
+}
+
+static const char *completion_body =
+    "{\"model\":\"tiny\",\"prompt\":\"hello world\",\"max_tokens\":8}";
+
+// ---- cases -------------------------------------------------------------------------------------
+// One fake answers: 200 with its tokens' text, usage and a length finish; the
+// fake saw the router's tokenization of the prompt; nothing retried.
+static void test_plain_completion(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_ANSWER};
+    rig_start(1, modes, 0, true);
+    char *r = post(rig.port, "/v1/completions", completion_body);
+    assert_completion(r, 8);
+    cJSON *j = cJSON_Parse(body_of(r));
+    int prompt_tokens =
+        cJSON_GetObjectItem(cJSON_GetObjectItem(j, "usage"), "prompt_tokens")->valueint;
+    cJSON_Delete(j);
+    free(r);
+    int32_t *ids = NULL;
+    size_t n = 0;
+    assert_int_equal(tdm_tok_encode(tok, "hello world", strlen("hello world"), false, &ids, &n),
+                     TDM_OK);
+    struct fake *f = &rig.fakes[0];
+    assert_int_equal(fake_count(f, &f->n_generates), 1);
+    assert_int_equal(f->n_prompt, n);
+    assert_memory_equal(f->prompt, ids, n * sizeof *ids);
+    assert_int_equal(prompt_tokens, (int)n);
+    assert_int_equal(f->n_resume, 0);
+    assert_int_equal(f->max_tokens, 8);
+    free(ids);
+    assert_true(metric("tandem:router_retries_total") == 0);
+}
+
+// The first decode worker listed cannot be reached: the request is routed
+// to the second, which answers; one retry, counted against the first.
+static void test_unreachable_retried(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_UNREACHABLE, FAKE_ANSWER};
+    rig_start(2, modes, 0, true);
+    char *r = post(rig.port, "/v1/completions", completion_body);
+    assert_completion(r, 8);
+    free(r);
+    struct fake *ok = &rig.fakes[1];
+    assert_int_equal(fake_count(ok, &ok->n_generates), 1);
+    assert_true(metric("tandem:router_retries_total") == 1);
+    assert_true(metric("tandem:router_stream_migrations_total") == 0);
+}
+
+// The first refuses as busy before any token: retried on the second, the
+// client sees only the second's answer; one retry counted.
+static void test_busy_retried(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_BUSY, FAKE_ANSWER};
+    rig_start(2, modes, 0, true);
+    char *r = post(rig.port, "/v1/completions", completion_body);
+    assert_completion(r, 8);
+    free(r);
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(fake_count(&rig.fakes[i], &rig.fakes[i].n_generates), 1);
+    assert_true(metric("tandem:router_retries_total") == 1);
+}
+
+// Unreachable, then refused (closing), then busy (the picks A, C, B): the
+// budget's 3 routes are spent and the client gets the last worker's answer
+// (503, OpenAI error body, its message) while the fourth, healthy worker is
+// never tried.
+static void test_budget_spent(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_UNREACHABLE, FAKE_BUSY, FAKE_REFUSE, FAKE_ANSWER};
+    rig_start(4, modes, 0, true);
+    char *r = post(rig.port, "/v1/completions", completion_body);
+    if (status_of(r) != 503)
+        fail_msg("expected 503, got: %s", r);
+    assert_oai_error(r, 503, "ServiceUnavailableError");
+    cJSON *j = cJSON_Parse(body_of(r));
+    const char *msg = cJSON_GetObjectItem(cJSON_GetObjectItem(j, "error"), "message")->valuestring;
+    assert_non_null(strstr(msg, "fake: the waiting queue is full"));
+    cJSON_Delete(j);
+    free(r);
+    assert_int_equal(fake_count(&rig.fakes[1], &rig.fakes[1].n_generates), 1);
+    assert_int_equal(fake_count(&rig.fakes[2], &rig.fakes[2].n_generates), 1);
+    assert_int_equal(fake_count(&rig.fakes[3], &rig.fakes[3].n_generates), 0);
+    // The first two were retried away from; the third ended the budget.
+    assert_true(metric("tandem:router_retries_total") == 2);
+}
+
+// What the client saw of a streamed completion.
+struct stream_result {
+    char text[4096];         // the events' text, concatenated
+    int error_events;        // events carrying an "error" object
+    char error_message[256]; // the first one's message
+    int completion_tokens;   // the usage event's (-1: none)
+    char finish[32];         // the last finish_reason seen
+    bool done;               // [DONE] arrived
+};
+
+// Streams a completion of 12 tokens (with the usage event) and reads it whole.
+
+static void stream_request(struct stream_result *out)
+{
+    memset(out, 0, sizeof *out);
+    out->completion_tokens = -1;
+    char *r = post(rig.port, "/v1/completions",
+                   "{\"model\":\"tiny\",\"prompt\":\"hello world\",\"max_tokens\":12,"
+                   "\"stream\":true,\"stream_options\":{\"include_usage\":true}}");
+    if (status_of(r) != 200)
+        fail_msg("expected 200, got: %s", r);
+    size_t cap = strlen(r) + 1;
+    char *body = malloc(cap);
+    assert_non_null(body);
+    dechunk(body_of(r), body, cap);
+    free(r);
+    char *ev[256];
+    int n = sse_events(body, ev, 256);
+    for (int i = 0; i < n; i++) {
+        if (ev[i][0] == ':')
+            continue;
+        if (strcmp(ev[i], "[DONE]") == 0) {
+            out->done = true;
+            continue;
+        }
+        cJSON *j = cJSON_Parse(ev[i]);
+        assert_non_null(j);
+        const cJSON *e = cJSON_GetObjectItem(j, "error");
+        if (e && out->error_events++ == 0) {
+            const cJSON *m = cJSON_GetObjectItem(e, "message");
+            snprintf(out->error_message, sizeof out->error_message, "%s",
+                     cJSON_IsString(m) ? m->valuestring : "");
+        }
+        const cJSON *c0 = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), 0);
+        const cJSON *t = c0 ? cJSON_GetObjectItem(c0, "text") : NULL;
+        if (cJSON_IsString(t)) {
+            size_t len = strlen(out->text);
+            snprintf(out->text + len, sizeof out->text - len, "%s", t->valuestring);
+        }
+        const cJSON *fr = c0 ? cJSON_GetObjectItem(c0, "finish_reason") : NULL;
+        if (cJSON_IsString(fr))
+            snprintf(out->finish, sizeof out->finish, "%s", fr->valuestring);
+        const cJSON *u = cJSON_GetObjectItem(j, "usage");
+        if (cJSON_IsObject(u))
+            out->completion_tokens = cJSON_GetObjectItem(u, "completion_tokens")->valueint;
+        cJSON_Delete(j);
+    }
+    free(body);
+}
+
+// The stream's worker goes silent after 4 tokens: the router declares it
+// lost (--liveness-timeout) and continues the stream on the second worker,
+// which gets the 4 tokens as resume_tokens; the client sees all 12 once, in
+// order, with a length finish; one migration counted, no loss.
+static void test_stream_migrated(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_DIE, FAKE_ANSWER};
+    rig_start(2, modes, 4, true);
+    struct stream_result s;
+    stream_request(&s);
+    char *want = expected_text(12);
+    assert_string_equal(s.text, want);
+    free(want);
+    assert_int_equal(s.error_events, 0);
+    assert_string_equal(s.finish, "length");
+    assert_int_equal(s.completion_tokens, 12);
+    assert_true(s.done);
+    struct fake *a = &rig.fakes[0], *b = &rig.fakes[1];
+    assert_int_equal(fake_count(a, &a->n_generates), 1);
+    assert_int_equal(fake_count(b, &b->n_generates), 1);
+    pthread_mutex_lock(&b->mu);
+    assert_int_equal(b->n_resume, 4);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(b->resume[i], token_of(i));
+    assert_int_equal(b->n_prompt, a->n_prompt); // the same prompt, resumed after its tokens
+    assert_memory_equal(b->prompt, a->prompt, a->n_prompt * sizeof *a->prompt);
+    assert_int_equal(b->max_tokens, 12);
+    pthread_mutex_unlock(&b->mu);
+    assert_true(metric("tandem:router_stream_migrations_total") == 1);
+    assert_true(metric("tandem:router_decode_lost_total") == 0);
+}
+
+// The same with --no-stream-migration: the client has the 4 tokens, then an
+// error event; the second worker is never asked; the loss is counted.
+static void test_stream_lost_without_migration(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_DIE, FAKE_ANSWER};
+    rig_start(2, modes, 4, false);
+    struct stream_result s;
+    stream_request(&s);
+    char *want = expected_text(4);
+    assert_string_equal(s.text, want);
+    free(want);
+    assert_int_equal(s.error_events, 1);
+    assert_non_null(strstr(s.error_message, "stopped answering"));
+    struct fake *b = &rig.fakes[1];
+    assert_int_equal(fake_count(b, &b->n_generates), 0);
+    assert_true(metric("tandem:router_stream_migrations_total") == 0);
+    assert_true(metric("tandem:router_decode_lost_total") == 1);
+}
+
+// ---- main --------------------------------------------------------------------------------------
+static int setup(void **state)
+{
+    (void)state;
+    char err[256];
+    if (mkdtemp(model_dir) == NULL)
+        return -1;
+    struct tdm_mkmodel_spec spec;
+    if (tdm_mkmodel_preset(&spec, "tiny") != TDM_OK ||
+        tdm_mkmodel_write(&spec, model_dir, err, sizeof err) != TDM_OK ||
+        tdm_tok_load(&tok, model_dir, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "model: %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    tdm_tok_free(tok);
+    tdm_mkmodel_remove(model_dir);
+    return 0;
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_plain_completion, rig_stop),
+        cmocka_unit_test_teardown(test_unreachable_retried, rig_stop),
+        cmocka_unit_test_teardown(test_busy_retried, rig_stop),
+        cmocka_unit_test_teardown(test_budget_spent, rig_stop),
+        cmocka_unit_test_teardown(test_stream_migrated, rig_stop),
+        cmocka_unit_test_teardown(test_stream_lost_without_migration, rig_stop),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
