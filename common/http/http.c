@@ -11,14 +11,19 @@
 // request.
 #include "http.h"
 
+#include <arpa/inet.h>
 #include <civetweb.h>
 #include <malloc.h>
+#include <netinet/in.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "core.h"
 
@@ -349,11 +354,84 @@ int tdm_http_server_port(const struct tdm_http_server *s)
     return s && s->started ? s->port : 0;
 }
 
+// Wakes civetweb's listener while mg_stop waits for it: its poll wakes every
+// 2 s (SOCKET_TIMEOUT_QUANTUM) or on a connection, so a connection now and
+// then from here makes a stop take milliseconds instead of up to 2 s (every
+// service's shutdown, every test that stops a server). The connection is
+// closed at once; civetweb drops it unread.
+struct stop_poke {
+    struct sockaddr_storage addr;
+    socklen_t len;
+    atomic_bool done;
+};
+
+static void *stop_poke_main(void *arg)
+{
+    struct stop_poke *p = arg;
+    while (!atomic_load(&p->done)) {
+        int fd = socket(p->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd >= 0) {
+            (void)connect(fd, (struct sockaddr *)&p->addr, p->len);
+            close(fd);
+        }
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+// The loopback address of the bound listener: its own address, or 127.0.0.1
+// / ::1 for the wildcard. false when there is none to reach (not started).
+static bool stop_poke_addr(const struct tdm_http_server *s, struct stop_poke *p)
+{
+    if (s->port <= 0)
+        return false;
+    const char *host = s->host && *s->host ? s->host : "0.0.0.0";
+    if (strcmp(host, "0.0.0.0") == 0)
+        host = "127.0.0.1";
+    else if (strcmp(host, "::") == 0 || strcmp(host, "[::]") == 0)
+        host = "::1";
+    char bare[64];
+    size_t hl = strlen(host);
+    if (host[0] == '[' && hl > 2 && hl - 2 < sizeof bare && host[hl - 1] == ']') {
+        memcpy(bare, host + 1, hl - 2);
+        bare[hl - 2] = '\0';
+        host = bare;
+    }
+    struct sockaddr_in *a4 = (struct sockaddr_in *)&p->addr;
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&p->addr;
+    memset(&p->addr, 0, sizeof p->addr);
+    if (inet_pton(AF_INET, host, &a4->sin_addr) == 1) {
+        a4->sin_family = AF_INET;
+        a4->sin_port = htons((uint16_t)s->port);
+        p->len = sizeof *a4;
+        return true;
+    }
+    if (inet_pton(AF_INET6, host, &a6->sin6_addr) == 1) {
+        a6->sin6_family = AF_INET6;
+        a6->sin6_port = htons((uint16_t)s->port);
+        p->len = sizeof *a6;
+        return true;
+    }
+    return false; // a host name: the stop waits for the listener's own wake-up
+}
+
 void tdm_http_server_stop(struct tdm_http_server *s)
 {
     if (!s || !s->ctx)
         return;
+    struct stop_poke poke;
+    pthread_t th;
+    bool poking = s->started && stop_poke_addr(s, &poke);
+    if (poking) {
+        atomic_init(&poke.done, false);
+        poking = pthread_create(&th, NULL, stop_poke_main, &poke) == 0;
+    }
     mg_stop(s->ctx);
+    if (poking) {
+        atomic_store(&poke.done, true);
+        pthread_join(th, NULL);
+    }
     s->ctx = NULL;
     s->started = false;
 }
