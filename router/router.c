@@ -200,8 +200,8 @@ static int register_metrics(struct tdm_router_server *s, char *err, size_t errle
     if (rc == TDM_OK)
         rc = tdm_metrics_counter_register(&s->m_lost, s->reg, &o, err, errlen);
     o.name = "tandem:router_stream_migrations_total";
-    o.help = "Requests whose streams continued on another decode worker after theirs was lost "
-             "(--stream-migration).";
+    o.help = "Times a request's streams continued on another decode worker after theirs was "
+             "lost (--stream-migration; at most 2 per request).";
     if (rc == TDM_OK)
         rc = tdm_metrics_counter_register(&s->m_migrations, s->reg, &o, err, errlen);
     return rc;

@@ -65,6 +65,8 @@ struct call {
     bool never_fits;         // more sequences than the worker's waiting-queue bound (400)
     bool started;            // past start_with_retries: tokens may have reached the client
     int migrations;          // times its streams moved to another decode worker
+    uint64_t lost_ids[MAX_MIGRATIONS]; // the decode workers its streams were lost on: a
+                                       // migration avoids every one, not only the last
     char migrating_why[256]; // why the streams being migrated were lost (logged once)
     const char *session;
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
@@ -468,16 +470,15 @@ static int migrate_lost(struct call *k)
             ch->upstream_done = true;
         }
     }
-    k->migrations++;
+    k->lost_ids[k->migrations++] = k->route.decode.id;
     char old_name[TDM_ROUTER_NAME_MAX], err[256];
     snprintf(old_name, sizeof old_name, "%s", k->route.decode.name);
     const struct tdm_oai_tokenized_prompt *p0 = &k->oai.prompts[0];
-    uint64_t avoid = k->route.decode.id;
     struct tdm_router_route nr;
     memset(&nr, 0, sizeof nr);
     tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
-    int rc = tdm_router_control_route_avoiding(s->ctl, p0->ids, p0->n, k->session, &avoid, 1, &nr,
-                                               err, sizeof err);
+    int rc = tdm_router_control_route_avoiding(s->ctl, p0->ids, p0->n, k->session, k->lost_ids,
+                                               (size_t)k->migrations, &nr, err, sizeof err);
     if (rc != TDM_OK) {
         for (size_t i = 0; i < k->oai.n_choices; i++) {
             struct choice *ch = &k->choices[i];
@@ -516,7 +517,8 @@ static int migrate_lost(struct call *k)
         }
         moved++;
     }
-    tdm_metrics_counter_inc(s->m_migrations);
+    if (moved > 0) // a move that took no stream is no migration
+        tdm_metrics_counter_inc(s->m_migrations);
     TDM_LOG_WARN(MOD, "req=%s %s: %zu stream(s) migrated to %s", k->oai.resp.id, k->migrating_why,
                  moved, k->route.decode.name);
     k->migrating_why[0] = '\0';

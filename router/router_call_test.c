@@ -279,15 +279,17 @@ static void sleep_ms(int ms)
     nanosleep(&ts, NULL);
 }
 
-// Starts fakes of the given modes (FAKE_DIE ones go silent after die_after
-// tokens) and a router listing them in that order, then waits until every
-// reachable fake has answered the router's load queries.
+// Starts fakes of the given modes (the first FAKE_DIE one goes silent after
+// die_after tokens, the j-th after (j + 1) * die_after) and a router listing
+// them in that order, then waits until every reachable fake has answered the
+// router's load queries.
 static void rig_start(int n, const enum fake_mode *modes, int die_after, bool migration)
 {
     assert_true(n <= MAX_FAKES);
     memset(&rig, 0, sizeof rig);
-    for (int i = 0; i < n; i++) {
-        fake_start(&rig.fakes[i], modes[i], die_after);
+    for (int i = 0, dying = 0; i < n; i++) {
+        dying += modes[i] == FAKE_DIE;
+        fake_start(&rig.fakes[i], modes[i], die_after * (dying ? dying : 1));
         rig.n = i + 1;
     }
     char decode[512] = "";
@@ -598,6 +600,34 @@ static void test_stream_migrated(void **state)
     assert_true(metric("tandem:router_decode_lost_total") == 0);
 }
 
+// Two losses in one stream: A goes silent after 4 tokens, the stream moves to
+// B (round robin's second pick of C, B), B goes silent after 8; the second
+// move avoids both lost workers and so takes C (the third pick of C alone;
+// avoiding only B it would be A of A, C, which never answers), which ends the
+// stream: 12 tokens once each, two migrations counted.
+static void test_stream_migrated_twice(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_DIE, FAKE_ANSWER, FAKE_DIE};
+    rig_start(3, modes, 4, true);
+    struct stream_result s;
+    stream_request(&s);
+    char *want = expected_text(12);
+    assert_string_equal(s.text, want);
+    free(want);
+    assert_int_equal(s.error_events, 0);
+    assert_string_equal(s.finish, "length");
+    struct fake *a = &rig.fakes[0], *c = &rig.fakes[1], *b = &rig.fakes[2];
+    assert_int_equal(fake_count(a, &a->n_generates), 1);
+    assert_int_equal(fake_count(b, &b->n_generates), 1);
+    assert_int_equal(fake_count(c, &c->n_generates), 1);
+    pthread_mutex_lock(&c->mu);
+    assert_int_equal(c->n_resume, 8);
+    pthread_mutex_unlock(&c->mu);
+    assert_true(metric("tandem:router_stream_migrations_total") == 2);
+    assert_true(metric("tandem:router_decode_lost_total") == 0);
+}
+
 // The same with --no-stream-migration: the client has the 4 tokens, then an
 // error event; the second worker is never asked; the loss is counted.
 static void test_stream_lost_without_migration(void **state)
@@ -651,6 +681,7 @@ int main(void)
         cmocka_unit_test_teardown(test_busy_retried, rig_stop),
         cmocka_unit_test_teardown(test_budget_spent, rig_stop),
         cmocka_unit_test_teardown(test_stream_migrated, rig_stop),
+        cmocka_unit_test_teardown(test_stream_migrated_twice, rig_stop),
         cmocka_unit_test_teardown(test_stream_lost_without_migration, rig_stop),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
