@@ -12,7 +12,10 @@
 // Failure handling: a decode worker that cannot be reached before any token is
 // replaced by another route (up to 3 attempts); one that stops answering load
 // queries (liveness_timeout) or comes back with a new instance id mid-stream
-// ends the stream with an SSE error event; a client that disconnects, a stop
+// is lost: its streams continue on another decode worker with the tokens
+// already sent (stream_migration, default on; at most 2 moves, each avoiding
+// every worker lost so far), else end with an SSE error event; a client that
+// disconnects (seen when a write to it fails), a stop
 // string, or the request deadline sends Cancel to the decode worker (which
 // cancels its prefill worker), so KV is freed on both. Load reports arrive over
 // nng (LoadQuery every load_interval) and feed the endpoint registry.
