@@ -582,12 +582,17 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
     k->routed = true;
     router_nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url,
                       sizeof k->decode_url);
-    // Known dead (stale reports and no connection): do not wait for a send timeout.
+    // Known dead, so no send timeout to wait for: stale reports and no
+    // connection, or never heard from while the load poller's own dials to it
+    // fail (a worker not started yet, a wrong nng port).
     uint64_t inst = 0;
     double last = 0;
     router_live_get(s, k->route.decode.id, &inst, &last);
-    if (last > 0 && tdm_now() - last > s->o.liveness_timeout &&
-        !tdm_net_connected(s->outbox, k->decode_url)) {
+    bool stale = last > 0 && tdm_now() - last > s->o.liveness_timeout &&
+                 !tdm_net_connected(s->outbox, k->decode_url);
+    bool never_up = last == 0 &&
+                    tdm_net_link_state(s->poll_outbox, k->decode_url, NULL, 0) == TDM_NET_LINK_DOWN;
+    if (stale || never_up) {
         snprintf(err, errlen, "decode worker %s is not answering", k->route.decode.name);
         return TDM_ROUTER_ATTEMPT_UNREACHABLE;
     }

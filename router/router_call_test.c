@@ -452,15 +452,22 @@ static void test_plain_completion(void **state)
 }
 
 // The first decode worker listed cannot be reached: the request is routed
-// to the second, which answers; one retry, counted against the first.
+// to the second, which answers; one retry, counted against the first. The
+// router never heard from the first and its load poller's dials to it fail,
+// so the attempt is given up at once, not after the 1 s send timeout (by then
+// the rig has seen three load-query rounds: the poller dialed it).
 static void test_unreachable_retried(void **state)
 {
     (void)state;
     const enum fake_mode modes[] = {FAKE_UNREACHABLE, FAKE_ANSWER};
     rig_start(2, modes, 0, true);
+    double t0 = tdm_now();
     char *r = post(rig.port, "/v1/completions", completion_body);
+    double took = tdm_now() - t0;
     assert_completion(r, 8);
     free(r);
+    if (took >= 0.9) // the send timeout is 1.0 s
+        fail_msg("the unreachable worker was tried for %.2f s", took);
     struct fake *ok = &rig.fakes[1];
     assert_int_equal(fake_count(ok, &ok->n_generates), 1);
     assert_true(metric("tandem:router_retries_total") == 1);
