@@ -32,7 +32,7 @@
 #include "worker.h"
 #include "engine.h"
 #include "kv_cache.h"
-#include "kvx.h"
+#include "kv_transport.h"
 #include "metrics.h"
 #include "model.h"
 #include "pd_codec.h"
@@ -181,21 +181,13 @@ struct tdm_pd_receiver {
     // GPU-to-GPU transfer (issue 10): --kv-transfer, this node's id, our device
     // pool exported once (kv_pool empty when there is none: host KV, a CPU
     // build, or --kv-transfer nng/nccl), the pairs behind /health, the counter.
-    enum tdm_kvx_mode kv_setting;
-    char host_id[96];
+    // The transport table's worker-wide side (kv_transport.h): the pairs
+    // behind /health, one NCCL communicator per prefill worker.
+    struct tdm_kv_transport *kvt;
     uint8_t kv_pool[TDM_KVX_POOL_WIRE_BYTES];
     size_t kv_pool_len;
-    struct tdm_kvx_pairs *pairs;
     struct tdm_metrics_counter *transfers;
-    // NCCL: the device table, our KV storage (the receives' destination), one
-    // communicator per prefill worker; nccl false when NCCL cannot be offered.
-    const struct tdm_kvx_ops *kvx_ops;
-    struct tdm_kv_storage *storage;
-    bool nccl;
-    struct tdm_kvx_links *links;
-    void *kvx_pool_base;      // our device KV pool (the device the NCCL calls run on)
     uint64_t kvx_block_bytes; // one block of one layer's K (or V) in our pool, bytes
-    uint32_t kvx_num_blocks;
 
     // KV events of the load report being built (fill_load: one call at a time).
     struct tdm_kv_event kev[KV_EVENTS_PER_REPORT];
@@ -463,11 +455,12 @@ struct remote {
     struct tdm_span span;       // remote_prefill: the parent of the prefill worker's spans
     bool offered;               // our device pool and block ids go with the request
     int32_t *block_ids;         // [num_blocks] the reserved range's physical ids (offered)
-    // NCCL: the pair's link (held for this attempt), its communicator id, the
-    // receive thread and its receives.
-    struct tdm_kvx_link *link;
+    // NCCL: the mode's receiver (kv_transport.h; it holds the pair's link for
+    // this attempt), its communicator id, the receive thread.
+    struct tdm_kv_recv_host host;
+    struct tdm_kv_recv *kv;
+    bool has_nccl_id;
     uint8_t nccl_id[TDM_KVX_NCCL_ID_BYTES];
-    struct tdm_kvx_nccl *nx;
     pthread_t recv_thread;
     bool recv_started;
 };
@@ -513,14 +506,14 @@ static int remote_send_prefill(void *ctx, double timeout_s, char *err, size_t er
                                rx->kvc.dtype};
     struct tdm_kv_header kvh;
     tdm_pd_push_to_proto(&pr, &push, &rx->kvc, rx->parts.served_name, &kvh);
-    pr.kv_transfer = (char *)tdm_kvx_mode_name(rx->kv_setting);
-    pr.host_id = rx->host_id;
+    pr.kv_transfer = (char *)tdm_kv_transport_setting_name(rx->kvt);
+    pr.host_id = (char *)tdm_kv_transport_host_id(rx->kvt);
     if (x->offered) {
         pr.kv_pool.data = rx->kv_pool;
         pr.kv_pool.len = rx->kv_pool_len;
         pr.n_block_ids = (size_t)x->num_blocks;
         pr.block_ids = x->block_ids;
-        if (x->link != NULL) {
+        if (x->has_nccl_id) {
             pr.nccl_id.data = x->nccl_id;
             pr.nccl_id.len = sizeof x->nccl_id;
         }
@@ -677,8 +670,9 @@ static void remote_commit(void *ctx, const struct tdm_pd_attempt *a)
         char why[160];
         snprintf(why, sizeof why, "%s", j->transport_why);
         pthread_mutex_unlock(&rx->mu);
-        tdm_kvx_pairs_note(rx->pairs, x->t->url, mode, why);
-        tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->transfers, tdm_kvx_mode_name(mode)));
+        tdm_kv_transport_note(rx->kvt, x->t->url, mode, why);
+        tdm_metrics_counter_inc(
+            tdm_metrics_counter_labels(rx->transfers, tdm_kv_transport_of(mode)->name));
     }
     TDM_LOG_DEBUG(MOD, "req=%s KV from %s: blocks=%d bytes=%zu prefill=%.4f exposed=%.4f",
                   j->request_id, x->t->url, x->num_blocks, v->bytes_done, prefill_s, exposed);
@@ -742,11 +736,6 @@ static void remote_failed(const struct remote *x, const struct tdm_pd_attempt *a
 }
 
 // ---- NCCL receives of one attempt ----------------------------------------------------------
-static void pause_briefly(void)
-{
-    tdm_sleep(1e-4); // 0.1 ms: a layer group's receive takes well under a millisecond
-}
-
 // Over NCCL the last layer is in place when both counts reach it (caller holds rx->mu).
 static void nccl_progress_locked(struct djob *j, int num_layers)
 {
@@ -755,40 +744,28 @@ static void nccl_progress_locked(struct djob *j, int num_layers)
         j->t_kv_done = tdm_now();
 }
 
-// Makes our KV pool's device current on the calling thread (the CUDA
-// runtime's current device is per thread).
-static int use_our_device(struct tdm_pd_receiver *rx, char *err, size_t errlen)
+// The receiver's host (kv_transport.h): waits until the prefill worker said
+// it sends over NCCL (TDM_OK), chose another transport (TDM_ENOTFOUND), or
+// the attempt is over (TDM_ECLOSED: retired, cancelled, stopping).
+static int recv_wait_go(void *ctx)
 {
-    const struct tdm_kvx_ops *o = rx->kvx_ops;
-    char why[192] = "";
-    if (o->use_device_of != NULL &&
-        o->use_device_of(o->ctx, rx->kvx_pool_base, why, sizeof why) != 0)
-        return tdm_seterr(err, errlen, TDM_EBACKEND, "%s", why);
-    return TDM_OK;
-}
-
-enum recv_wait { RECV_GO, RECV_NOT_NCCL, RECV_OVER };
-
-// Waits until the prefill worker said it sends over NCCL, chose another
-// transport, or the attempt is over (retired, cancelled, stopping).
-static enum recv_wait recv_wait_go(struct remote *x)
-{
+    struct remote *x = ctx;
     struct djob *j = x->j;
     struct tdm_pd_receiver *rx = j->rx;
     pthread_mutex_lock(&rx->mu);
-    enum recv_wait w;
+    int w;
     for (;;) {
         if (j->transfer_id != x->tid || j->cancelled || atomic_load(&rx->net.stopping) ||
             j->kv_failed) {
-            w = RECV_OVER;
+            w = TDM_ECLOSED;
             break;
         }
         if (j->nccl_go) {
-            w = RECV_GO;
+            w = TDM_OK;
             break;
         }
         if (j->layers_done > 0 || j->writes_closed) {
-            w = RECV_NOT_NCCL; // KV came another way, or the transfer ended first
+            w = TDM_ENOTFOUND; // KV came another way, or the transfer ended first
             break;
         }
         timed_wait(rx, 0.05);
@@ -799,8 +776,9 @@ static enum recv_wait recv_wait_go(struct remote *x)
 
 // Why the receives must stop now (NULL: go on): the attempt retired or its
 // job stopped, or the prefill worker restarted (its end of the communicator is gone).
-static const char *recv_stop(struct remote *x)
+static const char *recv_stop(void *ctx)
 {
+    struct remote *x = ctx;
     struct djob *j = x->j;
     struct tdm_pd_receiver *rx = j->rx;
     pthread_mutex_lock(&rx->mu);
@@ -813,102 +791,41 @@ static const char *recv_stop(struct remote *x)
     return why;
 }
 
-// The receive thread of an attempt that offered NCCL: once the prefill worker
-// says it sends over the communicator, waits for init (nccl_timeout from
-// then), then posts each layer group's grouped receives into the reserved
-// blocks (kvx_nccl) and waits for their event while polling the communicator.
-// Any error, a timeout, the attempt's end or a prefill restart aborts the
-// communicator (the next transfer builds a new one) and fails the transfer
-// into the retry/local path. Memory safety: nccl_busy is cleared only when
-// every receive's event was observed complete (after an abort too); a
-// receive whose completion cannot be observed leaves it set for good.
+// n more layers received in place; bytes: the receives' total so far.
+static void recv_progress(void *ctx, int n, uint64_t bytes)
+{
+    struct remote *x = ctx;
+    struct djob *j = x->j;
+    struct tdm_pd_receiver *rx = j->rx;
+    pthread_mutex_lock(&rx->mu);
+    if (j->transfer_id == x->tid) {
+        j->nccl_layers += n;
+        j->bytes_done = (size_t)bytes;
+        nccl_progress_locked(j, rx->kvc.num_layers);
+        j->version++;
+        pthread_cond_broadcast(&rx->cv);
+    }
+    pthread_mutex_unlock(&rx->mu);
+}
+
+// The receive thread of an attempt that offered NCCL: the mode's receives
+// (the table's complete: init once the prefill worker says it sends, then
+// each layer group into the reserved blocks). Any error, a timeout, the
+// attempt's end or a prefill restart aborts the communicator (the next
+// transfer builds a new one) and fails the transfer into the retry/local
+// path. Memory safety: nccl_busy is cleared only when every receive's event
+// was observed complete (after an abort too); a receive whose completion
+// cannot be observed leaves it set for good.
 static void *recv_main(void *arg)
 {
     struct remote *x = arg;
     struct djob *j = x->j;
     struct tdm_pd_receiver *rx = j->rx;
-    int L = rx->kvc.num_layers, per = rx->cfg.layers_per_frame;
     char err[256] = "";
-    int rc = TDM_OK;
-    bool quiet = true;
-    enum recv_wait w = recv_wait_go(x);
-    if (w == RECV_GO && use_our_device(rx, err, sizeof err) != TDM_OK)
-        w = RECV_OVER; // aborted below; the transfer fails over
-    if (w == RECV_OVER) {
-        // The transfer failed or ended before any send: whatever state the
-        // peer's end is in (an init that timed out, an abort), this end is
-        // rebuilt by the next transfer rather than trusted.
-        tdm_kvx_link_abort(x->link);
-        rc = tdm_seterr(err, sizeof err, TDM_ECLOSED, "ended before the NCCL sends");
-    }
-    if (w == RECV_GO) {
-        tdm_kvx_link_extend(x->link, tdm_now());
-        while ((rc = tdm_kvx_link_poll(x->link, tdm_now(), err, sizeof err)) == TDM_EBUSY) {
-            const char *stop = recv_stop(x);
-            if (stop != NULL) {
-                tdm_kvx_link_abort(x->link);
-                rc = tdm_seterr(err, sizeof err, TDM_ECLOSED, "NCCL init: %s", stop);
-                break;
-            }
-            pause_briefly();
-        }
-    }
-    for (int first = 0; w == RECV_GO && rc == TDM_OK && first < L; first += per) {
-        int n = first + per <= L ? per : L - first;
-        double t0 = tdm_now();
-        rc = tdm_kvx_nccl_layers(x->nx, tdm_kvx_link_comm(x->link), first, n, err, sizeof err);
-        bool aborted = rc != TDM_OK;
-        if (aborted)
-            tdm_kvx_link_abort(x->link);
-        double give_up = aborted ? t0 + rx->cfg.nccl_timeout : 0;
-        int q;
-        while ((q = tdm_kvx_nccl_poll(x->nx)) == TDM_EBUSY) {
-            double now = tdm_now();
-            if (!aborted) {
-                char why[256] = "";
-                int lrc = tdm_kvx_link_poll(x->link, now, why, sizeof why);
-                const char *stop = lrc != TDM_OK && lrc != TDM_EBUSY ? why
-                                   : now - t0 > rx->cfg.nccl_timeout ? "receive timed out"
-                                                                     : recv_stop(x);
-                if (stop != NULL) {
-                    rc =
-                        tdm_seterr(err, sizeof err, TDM_ETRANSPORT,
-                                   "NCCL receive of layers %d..%d: %s", first, first + n - 1, stop);
-                    tdm_kvx_link_abort(x->link); // its kernels end; the event then completes
-                    aborted = true;
-                    give_up = now + rx->cfg.nccl_timeout;
-                }
-            } else if (now > give_up) {
-                break; // not observed: nccl_busy stays set (below)
-            }
-            pause_briefly();
-        }
-        if (rc == TDM_OK && q != TDM_OK) {
-            tdm_kvx_link_abort(x->link);
-            rc = tdm_seterr(err, sizeof err, TDM_ETRANSPORT, "NCCL receive of layers %d..%d failed",
-                            first, first + n - 1);
-        }
-        if (rc != TDM_OK)
-            break;
-        pthread_mutex_lock(&rx->mu);
-        if (j->transfer_id == x->tid) {
-            j->nccl_layers += n;
-            j->bytes_done = (size_t)tdm_kvx_nccl_bytes(x->nx);
-            nccl_progress_locked(j, L);
-            j->version++;
-            pthread_cond_broadcast(&rx->cv);
-        }
-        pthread_mutex_unlock(&rx->mu);
-    }
-    quiet = tdm_kvx_nccl_quiet(x->nx);
-    if (!quiet)
-        TDM_LOG_ERR(MOD,
-                    "req=%s an NCCL receive's completion is unknown: its blocks stay "
-                    "reserved",
-                    j->request_id);
-    tdm_kvx_links_give(rx->links, x->link); // the pair's next transfer may use it now
+    int rc = tdm_kv_recv_ops(x->kv)->complete(x->kv, err, sizeof err);
+    bool quiet = tdm_kv_recv_quiet(x->kv);
     pthread_mutex_lock(&rx->mu);
-    if (rc != TDM_OK && j->transfer_id == x->tid && !j->kv_failed) {
+    if (rc != TDM_OK && rc != TDM_ENOTFOUND && j->transfer_id == x->tid && !j->kv_failed) {
         j->kv_failed = true;
         snprintf(j->kv_err, sizeof j->kv_err, "%s", err);
     }
@@ -919,74 +836,67 @@ static void *recv_main(void *arg)
     return NULL;
 }
 
-// Offers NCCL for this attempt when this worker can: takes the pair's link
-// (busy with another transfer of the pair: no NCCL this time), keeps its
-// communicator when it is ready for this prefill instance, else makes a new
-// one (a new unique id; the old communicator aborted), prepares the receives
+// Offers NCCL for this attempt when this worker can (the table's prepare:
+// the pair's link taken, its communicator kept or made, the receives cut)
 // and starts the receive thread. False when NCCL is not offered.
 static bool nccl_offer(struct remote *x)
 {
     struct djob *j = x->j;
     struct tdm_pd_receiver *rx = j->rx;
-    if (!rx->nccl || !x->offered || x->num_blocks < 1)
+    const struct tdm_kv_transport_ops *nccl = tdm_kv_transport_of(TDM_KVX_NCCL);
+    if (!x->offered || x->num_blocks < 1)
         return false;
-    // A pair that moved its last transfer over CUDA IPC (same node) is not
-    // offered a communicator: each offer starts an init of our rank.
-    enum tdm_kvx_mode last;
-    if (tdm_kvx_pairs_get(rx->pairs, x->t->url, &last) == 0 && last == TDM_KVX_CUDA_IPC)
-        return false;
-    x->link = tdm_kvx_links_take(rx->links, x->t->url);
-    if (x->link == NULL)
-        return false;
+    x->host = (struct tdm_kv_recv_host){
+        .ctx = x, .wait_go = recv_wait_go, .stop = recv_stop, .progress = recv_progress};
+    struct tdm_kv_recv_params p = {.peer = x->t->url,
+                                   .peer_instance = x->t->instance,
+                                   .request_id = j->request_id,
+                                   .dst_blocks = (const int *)x->block_ids,
+                                   .num_blocks = x->num_blocks,
+                                   .layers_per_group = rx->cfg.layers_per_frame};
     char err[256] = "";
-    int rc = use_our_device(rx, err, sizeof err); // the init starts on this thread
-    if (rc == TDM_OK &&
-        (!tdm_kvx_link_ready_for(x->link, x->t->instance) || !tdm_kvx_link_id(x->link, x->nccl_id)))
-        rc = tdm_kvx_link_create(x->link, x->t->instance, tdm_now(), x->nccl_id, err, sizeof err);
-    if (rc == TDM_OK)
-        rc = tdm_kvx_nccl_new(&x->nx, rx->kvx_ops, TDM_KVX_DECODE,
-                              &(struct tdm_kvx_pool){.block_bytes = rx->kvx_block_bytes,
-                                                     .num_layers = (uint32_t)rx->kvc.num_layers,
-                                                     .num_blocks = rx->kvx_num_blocks},
-                              (const int *)x->block_ids, NULL, x->num_blocks, tdm_kv_storage_layer,
-                              rx->storage, rx->cfg.layers_per_frame, err, sizeof err);
-    if (rc == TDM_OK) {
-        pthread_mutex_lock(&rx->mu);
-        j->nccl = j->nccl_busy = true;
-        pthread_mutex_unlock(&rx->mu);
-        x->recv_started = pthread_create(&x->recv_thread, NULL, recv_main, x) == 0;
-        if (!x->recv_started) {
-            rc = tdm_seterr(err, sizeof err, TDM_ENOMEM, "no receive thread");
-            pthread_mutex_lock(&rx->mu);
-            j->nccl = j->nccl_busy = false;
-            pthread_mutex_unlock(&rx->mu);
-        }
+    if (tdm_kv_recv_new(&x->kv, rx->kvt, nccl, &x->host, &p) != TDM_OK)
+        return false;
+    if (nccl->prepare(x->kv, err, sizeof err) != TDM_OK) {
+        tdm_kv_recv_free(x->kv);
+        x->kv = NULL;
+        return false;
     }
-    if (rc == TDM_OK)
+    x->has_nccl_id = tdm_kv_recv_nccl_id(x->kv, x->nccl_id);
+    pthread_mutex_lock(&rx->mu);
+    j->nccl = j->nccl_busy = true;
+    pthread_mutex_unlock(&rx->mu);
+    x->recv_started = pthread_create(&x->recv_thread, NULL, recv_main, x) == 0;
+    if (x->recv_started)
         return true;
-    TDM_LOG_WARN(MOD, "req=%s NCCL not offered to %s: %s", j->request_id, x->t->url, err);
-    tdm_kvx_nccl_free(x->nx);
-    x->nx = NULL;
-    tdm_kvx_links_give(rx->links, x->link);
-    x->link = NULL;
+    TDM_LOG_WARN(MOD, "req=%s NCCL not offered to %s: no receive thread", j->request_id, x->t->url);
+    pthread_mutex_lock(&rx->mu);
+    j->nccl = j->nccl_busy = false;
+    pthread_mutex_unlock(&rx->mu);
+    nccl->abort(x->kv);
+    tdm_kv_recv_free(x->kv);
+    x->kv = NULL;
+    x->has_nccl_id = false;
     return false;
 }
 
 // After the attempt: the receive thread is over (so no receive of it can
-// land in the blocks the next candidate or local prefill gets), the link
-// goes back. False when a receive's completion stayed unknown.
+// land in the blocks the next candidate or local prefill gets), the mode's
+// state ends (the table's abort). False when a receive's completion stayed
+// unknown.
 static bool nccl_end(struct remote *x)
 {
     struct tdm_pd_receiver *rx = x->j->rx;
     bool quiet = true;
     if (x->recv_started) {
         pthread_join(x->recv_thread, NULL);
-        quiet = tdm_kvx_nccl_quiet(x->nx);
+        quiet = tdm_kv_recv_quiet(x->kv);
     }
-    if (quiet)
-        tdm_kvx_nccl_free(x->nx); // else its staging buffer must not be freed under it
-    x->nx = NULL;
-    x->link = NULL; // given back by the receive thread
+    if (x->kv != NULL) {
+        tdm_kv_recv_ops(x->kv)->abort(x->kv);
+        tdm_kv_recv_free(x->kv);
+        x->kv = NULL;
+    }
     pthread_mutex_lock(&rx->mu);
     x->j->nccl = x->j->nccl_go = false;
     pthread_mutex_unlock(&rx->mu);
@@ -1408,6 +1318,110 @@ static void on_result(void *arg, const struct tdm_net_frame *f)
         tandem__prefill_result__free_unpacked(r, NULL);
 }
 
+// An in-place KvData of the attempt (caller holds rx->mu): CUDA IPC says
+// layers are in our blocks; NCCL says "post your receives" (no layers), then
+// that a group's sends completed (the receive thread counts its own).
+static void kv_in_place_locked(struct tdm_pd_receiver *rx, struct djob *j, const Tandem__KvData *d,
+                               const struct tdm_net_frame *f, bool nccl)
+{
+    if (!j->offered || (nccl && !j->nccl)) {
+        j->kv_failed = true;
+        snprintf(j->kv_err, sizeof j->kv_err, "in-place KvData for a transfer offered no %s",
+                 nccl ? "NCCL communicator" : "pool");
+        return;
+    }
+    if (nccl && d->num_layers == 0 && j->layers_done == 0) {
+        // "Post your receives": the sends follow over the communicator.
+        j->nccl_go = true;
+        j->transport = TDM_KVX_NCCL;
+        j->t_first_frame = tdm_now();
+        return;
+    }
+    if (d->first_block != j->imp_first_block || d->num_blocks != j->imp_num_blocks ||
+        d->first_layer != j->layers_done || d->num_layers < 1 ||
+        d->first_layer + d->num_layers > rx->kvc.num_layers || f->payload_len != 0) {
+        j->kv_failed = true;
+        snprintf(j->kv_err, sizeof j->kv_err,
+                 "bad in-place KvData: layers %d+%d blocks %d+%d (expected layer %d)",
+                 d->first_layer, d->num_layers, d->first_block, d->num_blocks, j->layers_done);
+        return;
+    }
+    if (j->layers_done == 0) {
+        if (!nccl)
+            j->t_first_frame = tdm_now();
+        j->transport = nccl ? TDM_KVX_NCCL : TDM_KVX_CUDA_IPC;
+        snprintf(j->transport_why, sizeof j->transport_why, "%s",
+                 d->transport_why ? d->transport_why : "");
+    }
+    j->layers_done += d->num_layers;
+    // Over CUDA IPC the bytes are those the prefill worker copied into our
+    // pool (K and V of each block, of each layer); NCCL counts its receives.
+    if (!nccl)
+        j->bytes_done +=
+            (size_t)d->num_layers * 2 * (size_t)d->num_blocks * (size_t)rx->kvx_block_bytes;
+    if (nccl)
+        nccl_progress_locked(j, rx->kvc.num_layers);
+    else if (j->layers_done >= rx->kvc.num_layers)
+        j->t_kv_done = tdm_now();
+}
+
+// A KvData over nng (caller holds rx->mu): its layers imported straight from
+// the payload into the reserved blocks.
+static void kv_payload_locked(struct tdm_pd_receiver *rx, struct djob *j, const Tandem__KvData *d,
+                              const struct tdm_net_frame *f)
+{
+    size_t lb = tdm_pd_layer_bytes(&rx->kvc, j->imp_num_blocks);
+    if (d->first_block != j->imp_first_block || d->num_blocks != j->imp_num_blocks ||
+        d->first_layer != j->layers_done || d->num_layers < 1 ||
+        d->first_layer + d->num_layers > rx->kvc.num_layers ||
+        f->payload_len != lb * (size_t)d->num_layers) {
+        j->kv_failed = true;
+        snprintf(j->kv_err, sizeof j->kv_err,
+                 "bad KvData: layers %d+%d blocks %d+%d payload %zu (expected layer %d, blocks "
+                 "%d+%d, %zu bytes a layer)",
+                 d->first_layer, d->num_layers, d->first_block, d->num_blocks, f->payload_len,
+                 j->layers_done, j->imp_first_block, j->imp_num_blocks, lb);
+        return;
+    }
+    for (int l = 0; l < d->num_layers; l++) {
+        int rc =
+            tdm_engine_import_layer(rx->parts.engine, j->req, d->first_layer + l, d->first_block,
+                                    d->num_blocks, f->payload + (size_t)l * lb, lb);
+        if (rc != TDM_OK) {
+            j->kv_failed = true;
+            snprintf(j->kv_err, sizeof j->kv_err, "import of layer %d failed: %s",
+                     d->first_layer + l, tdm_strerror(rc));
+            return;
+        }
+    }
+    if (j->layers_done == 0) {
+        j->t_first_frame = tdm_now();
+        j->transport = TDM_KVX_NNG;
+        snprintf(j->transport_why, sizeof j->transport_why, "%s",
+                 d->transport_why ? d->transport_why : "");
+    }
+    j->layers_done += d->num_layers;
+    j->bytes_done += f->payload_len;
+    if (j->layers_done >= rx->kvc.num_layers)
+        j->t_kv_done = tdm_now();
+}
+
+// The closed frame of a retired attempt whose copies were awaited (caller
+// holds rx->mu): the job it belongs to, or NULL.
+static struct djob *find_closing(struct tdm_pd_receiver *rx, const Tandem__KvData *d)
+{
+    if (!d->closed || d->to_instance != rx->net.instance || d->transfer_id == 0)
+        return NULL;
+    for (struct djob *o = rx->jobs; o; o = o->next)
+        if (o->closing_tid == d->transfer_id &&
+            (o->prefill_instance == 0 || o->prefill_instance == d->from_instance))
+            return o;
+    return NULL;
+}
+
+// KvData from a prefill worker: checked against the job's current attempt
+// (instance, sender, state), then handled by its transport's kind: in place
+// (CUDA IPC, NCCL: kv_transport.h's table by KvData.transport) or a payload.
 static void on_kv_data(void *arg, const struct tdm_net_frame *f)
 {
     struct tdm_pd_receiver *rx = arg;
@@ -1416,20 +1430,13 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
         return;
     pthread_mutex_lock(&rx->mu);
     struct djob *j = find_attempt(rx, d->to_instance, d->transfer_id);
-    bool nccl = d->transport && strcmp(d->transport, "nccl") == 0;
-    bool in_place = nccl || (d->transport && strcmp(d->transport, "cuda-ipc") == 0);
-    if (j == NULL && d->closed && d->to_instance == rx->net.instance && d->transfer_id != 0) {
-        // The closed frame of a retired attempt whose copies were awaited.
-        for (struct djob *o = rx->jobs; o && j == NULL; o = o->next)
-            if (o->closing_tid == d->transfer_id &&
-                (o->prefill_instance == 0 || o->prefill_instance == d->from_instance))
-                j = o;
-        if (j != NULL) {
-            j->writes_closed = true;
-            j->closing_tid = 0;
-            goto signal;
-        }
-        goto out;
+    const struct tdm_kv_transport_ops *mode = tdm_kv_transport_by_name(d->transport);
+    bool nccl = mode == tdm_kv_transport_of(TDM_KVX_NCCL);
+    bool in_place = mode != NULL && mode->mode != TDM_KVX_NNG;
+    if (j == NULL && (j = find_closing(rx, d)) != NULL) {
+        j->writes_closed = true;
+        j->closing_tid = 0;
+        goto signal;
     }
     if (j == NULL)
         goto out;
@@ -1443,90 +1450,15 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
         goto out;
     if (d->error == 0 && d->num_layers == 0 && d->closed)
         goto signal; // a bare closed frame: nothing to import
-    if (d->error == 0 && !in_place)
-        j->writes_closed = true; // KV in the payload: this transfer writes nothing in place
-    if (d->error == 0 && in_place && (!j->offered || (nccl && !j->nccl))) {
-        j->kv_failed = true;
-        snprintf(j->kv_err, sizeof j->kv_err, "in-place KvData for a transfer offered no %s",
-                 nccl ? "NCCL communicator" : "pool");
-        goto signal;
-    }
-    if (d->error == 0 && nccl && d->num_layers == 0 && j->layers_done == 0) {
-        // "Post your receives": the sends follow over the communicator.
-        j->nccl_go = true;
-        j->transport = TDM_KVX_NCCL;
-        j->t_first_frame = tdm_now();
-        goto signal;
-    }
-    if (d->error == 0 && in_place) {
-        if (d->first_block != j->imp_first_block || d->num_blocks != j->imp_num_blocks ||
-            d->first_layer != j->layers_done || d->num_layers < 1 ||
-            d->first_layer + d->num_layers > rx->kvc.num_layers || f->payload_len != 0) {
-            j->kv_failed = true;
-            snprintf(j->kv_err, sizeof j->kv_err,
-                     "bad in-place KvData: layers %d+%d blocks %d+%d (expected layer %d)",
-                     d->first_layer, d->num_layers, d->first_block, d->num_blocks,
-                     j->layers_done);
-            goto signal;
-        }
-        if (j->layers_done == 0) {
-            if (!nccl)
-                j->t_first_frame = tdm_now();
-            j->transport = nccl ? TDM_KVX_NCCL : TDM_KVX_CUDA_IPC;
-            snprintf(j->transport_why, sizeof j->transport_why, "%s",
-                     d->transport_why ? d->transport_why : "");
-        }
-        j->layers_done += d->num_layers;
-        // Over CUDA IPC the bytes are those the prefill worker copied into our
-        // pool (K and V of each block, of each layer); NCCL counts its receives.
-        if (!nccl)
-            j->bytes_done +=
-                (size_t)d->num_layers * 2 * (size_t)d->num_blocks * (size_t)rx->kvx_block_bytes;
-        if (nccl)
-            nccl_progress_locked(j, rx->kvc.num_layers);
-        else if (j->layers_done >= rx->kvc.num_layers)
-            j->t_kv_done = tdm_now();
-        goto signal;
-    }
     if (d->error != 0) {
         j->kv_failed = true;
         snprintf(j->kv_err, sizeof j->kv_err, "prefill worker: %s", d->message);
-        goto signal;
+    } else if (in_place) {
+        kv_in_place_locked(rx, j, d, f, nccl);
+    } else {
+        j->writes_closed = true; // KV in the payload: this transfer writes nothing in place
+        kv_payload_locked(rx, j, d, f);
     }
-    size_t lb = tdm_pd_layer_bytes(&rx->kvc, j->imp_num_blocks);
-    if (d->first_block != j->imp_first_block || d->num_blocks != j->imp_num_blocks ||
-        d->first_layer != j->layers_done || d->num_layers < 1 ||
-        d->first_layer + d->num_layers > rx->kvc.num_layers ||
-        f->payload_len != lb * (size_t)d->num_layers) {
-        j->kv_failed = true;
-        snprintf(j->kv_err, sizeof j->kv_err,
-                 "bad KvData: layers %d+%d blocks %d+%d payload %zu (expected layer %d, blocks "
-                 "%d+%d, %zu bytes a layer)",
-                 d->first_layer, d->num_layers, d->first_block, d->num_blocks, f->payload_len,
-                 j->layers_done, j->imp_first_block, j->imp_num_blocks, lb);
-        goto signal;
-    }
-    for (int l = 0; l < d->num_layers; l++) {
-        int rc =
-            tdm_engine_import_layer(rx->parts.engine, j->req, d->first_layer + l, d->first_block,
-                                    d->num_blocks, f->payload + (size_t)l * lb, lb);
-        if (rc != TDM_OK) {
-            j->kv_failed = true;
-            snprintf(j->kv_err, sizeof j->kv_err, "import of layer %d failed: %s",
-                     d->first_layer + l, tdm_strerror(rc));
-            goto signal;
-        }
-    }
-    if (j->layers_done == 0) {
-        j->t_first_frame = tdm_now();
-        j->transport = TDM_KVX_NNG;
-        snprintf(j->transport_why, sizeof j->transport_why, "%s",
-                 d->transport_why ? d->transport_why : "");
-    }
-    j->layers_done += d->num_layers;
-    j->bytes_done += f->payload_len;
-    if (j->layers_done >= rx->kvc.num_layers)
-        j->t_kv_done = tdm_now();
 signal:
     j->version++;
     pthread_cond_broadcast(&rx->cv);
@@ -1638,7 +1570,7 @@ static const struct tdm_pd_metric_names metric_names = {
 static void health_details(void *arg, char *buf, size_t len)
 {
     struct tdm_pd_receiver *rx = arg;
-    tdm_kvx_pairs_json(rx->pairs, rx->kv_setting, buf, len);
+    tdm_kv_transport_health(rx->kvt, buf, len);
 }
 
 // --kv-transfer on the decode side: when CUDA IPC is allowed and our KV pool
@@ -1647,55 +1579,39 @@ static void health_details(void *arg, char *buf, size_t len)
 static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *server, char *err,
                              size_t errlen)
 {
-    rx->kv_setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer;
-    tdm_kvx_host_id(rx->host_id, sizeof rx->host_id);
     struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(rx->parts.engine));
-    // The CUDA module's table only for a pool on a device (a CPU worker never
-    // loads libtandem-cuda.so for it).
-    const struct tdm_kvx_ops *ops = rx->cfg.kvx_ops                ? rx->cfg.kvx_ops
-                                    : st->ops->device_pool != NULL ? tdm_kvx_cuda_ops()
-                                                                   : NULL;
-    struct tdm_kv_device_pool dp;
-    rx->kvx_ops = ops;
-    rx->storage = st;
-    bool ipc_ok = (rx->kv_setting == TDM_KVX_AUTO || rx->kv_setting == TDM_KVX_CUDA_IPC) &&
-                  ops != NULL && ops->ipc_export != NULL;
-    bool nccl_ok = (rx->kv_setting == TDM_KVX_AUTO || rx->kv_setting == TDM_KVX_NCCL) &&
-                   ops != NULL && ops->nccl_recv != NULL;
-    if ((ipc_ok || nccl_ok) && st->ops->device_pool != NULL &&
-        st->ops->device_pool(st, &dp) == TDM_OK) {
-        // The pool descriptor: its geometry serves NCCL too (the handle only IPC).
-        if (nccl_ok &&
-            tdm_kvx_links_new(&rx->links, ops, TDM_KVX_DECODE, rx->cfg.nccl_timeout, 64) == TDM_OK)
-            rx->nccl = true;
-        rx->kvx_block_bytes = dp.block_bytes;
-        rx->kvx_pool_base = dp.base;
-        rx->kvx_num_blocks = (uint32_t)tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks;
-        struct tdm_kvx_pool pool = {
-            .bytes = dp.bytes,
-            .layer_stride = dp.layer_stride,
-            .v_offset = dp.v_offset,
-            .block_bytes = dp.block_bytes,
-            .num_layers = (uint32_t)rx->kvc.num_layers,
-            .num_blocks = (uint32_t)tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks,
-            .elem_bytes = (uint32_t)dp.elem_bytes,
-            .gpu = true,
-            .nccl = rx->nccl,
-        };
-        char why[192] = "";
-        bool exported =
-            ipc_ok && ops->ipc_export(ops->ctx, dp.base, pool.handle, why, sizeof why) == 0;
-        if (ipc_ok && !exported)
-            TDM_LOG_WARN(MOD, "KV pool not exported for CUDA IPC (KV comes over %s): %s",
-                         rx->nccl ? "NCCL or nng" : "nng", why);
-        if (exported || rx->nccl) {
-            tdm_kvx_pool_encode(&pool, rx->kv_pool);
-            rx->kv_pool_len = sizeof rx->kv_pool;
-        }
-    }
-    int rc = tdm_kvx_pairs_new(&rx->pairs, 64);
+    int num_blocks = tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks;
+    struct tdm_kv_device_pool dp = {0};
+    struct tdm_kv_transport_config tc = {
+        .role = TDM_KVX_DECODE,
+        .setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer,
+        .ops = rx->cfg.kvx_ops,
+        .device = st->ops->device_pool != NULL,
+        .num_layers = rx->kvc.num_layers,
+        .num_blocks = num_blocks,
+        .own_layer = tdm_kv_storage_layer, // the receives' destination
+        .own_arg = st,
+        .nccl_timeout = rx->cfg.nccl_timeout,
+    };
+    tc.gpu = tc.device && st->ops->device_pool(st, &dp) == TDM_OK;
+    tc.pool_base = dp.base;
+    tc.elem_bytes = dp.elem_bytes;
+    tc.block_bytes = dp.block_bytes;
+    int rc = tdm_kv_transport_new(&rx->kvt, &tc);
     if (rc != TDM_OK)
         return tdm_seterr(err, errlen, rc, "pd: out of memory");
+    rx->kvx_block_bytes = dp.block_bytes;
+    // The pool descriptor: its geometry serves NCCL too (the handle only IPC).
+    struct tdm_kvx_pool pool = {
+        .bytes = dp.bytes,
+        .layer_stride = dp.layer_stride,
+        .v_offset = dp.v_offset,
+        .block_bytes = dp.block_bytes,
+        .num_layers = (uint32_t)rx->kvc.num_layers,
+        .num_blocks = (uint32_t)num_blocks,
+        .elem_bytes = (uint32_t)dp.elem_bytes,
+    };
+    rx->kv_pool_len = tdm_kv_transport_offer_pool(rx->kvt, pool, rx->kv_pool);
     static const char *const transport[] = {"transport"};
     struct tdm_metrics_opts o;
     memset(&o, 0, sizeof o);
@@ -1758,8 +1674,7 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
     return TDM_OK;
 fail:
     tdm_worker_set_health_details(server, NULL, NULL);
-    tdm_kvx_links_free(rx->links);
-    tdm_kvx_pairs_free(rx->pairs);
+    tdm_kv_transport_free(rx->kvt);
     pthread_cond_destroy(&rx->cv);
     pthread_mutex_destroy(&rx->mu);
     free(rx);
@@ -1784,8 +1699,7 @@ void tdm_pd_receiver_free(struct tdm_pd_receiver *rx)
     pthread_mutex_unlock(&rx->mu);
     tdm_pd_service_fini(&rx->net);
     tdm_worker_set_health_details(rx->server, NULL, NULL);
-    tdm_kvx_links_free(rx->links);
-    tdm_kvx_pairs_free(rx->pairs);
+    tdm_kv_transport_free(rx->kvt);
     pthread_cond_destroy(&rx->cv);
     pthread_mutex_destroy(&rx->mu);
     free(rx);

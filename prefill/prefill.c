@@ -28,7 +28,7 @@
 #include "worker.h"
 #include "engine.h"
 #include "kv_cache.h"
-#include "kvx.h"
+#include "kv_transport.h"
 #include "metrics.h"
 #include "model.h"
 #include "pd_codec.h"
@@ -127,25 +127,13 @@ struct pjob {
     bool have_times; // the engine finish was read: times is valid
     struct tdm_engine_times times;
 
-    // GPU-to-GPU transfer (issue 10), job thread only. offered: the decode
-    // worker named its device pool, so this transfer ends with a closed frame
-    // on every path (its memory-safety rule, docs/pd-protocol.md).
-    bool offered;
-    struct tdm_kvx_pool pool;
-    char decode_setting[16]; // its --kv-transfer ("" = nng)
-    char decode_host[96];
-    int *dst_blocks;              // [push.num_blocks] the decode worker's physical ids
-    enum tdm_kvx_mode mode;       // this transfer's transport (chosen before the first frame)
-    char why[160];                // why
-    struct tdm_kvx_push *dev;     // the CUDA IPC copies; NULL over nng
-    int *src_blocks;              // [push.num_blocks] our physical ids (leased per group)
-    bool closed_sent;
-    // NCCL: the decode worker's communicator id (PrefillRequest.nccl_id), the
-    // pair's link while this transfer holds it, and the sends.
-    bool has_nccl_id;
-    uint8_t nccl_id[TDM_KVX_NCCL_ID_BYTES];
-    struct tdm_kvx_link *link;
-    struct tdm_kvx_nccl *nx;
+    // The KV transfer (issue 27), job thread only: its mode's table is chosen
+    // before the first frame (kv_transport.h); host is how it reaches this
+    // job's engine request and the decode worker. An offered transfer (the
+    // decode worker named its device pool) ends with a closed frame on every
+    // path (its memory-safety rule, docs/pd-protocol.md).
+    struct tdm_kv_send_host host;
+    struct tdm_kv_send *kv;
 };
 
 struct tdm_prefill_service {
@@ -162,18 +150,9 @@ struct tdm_prefill_service {
 
     struct tdm_pd_metrics m;
 
-    // GPU-to-GPU transfer (issue 10).
-    enum tdm_kvx_mode kv_setting;         // --kv-transfer
-    const struct tdm_kvx_ops *kvx_ops;    // the device table; NULL in a CPU build
-    struct tdm_kv_device_pool own_pool;   // this engine's device pool (gpu only)
-    bool gpu;                             // the engine's KV pool is one device allocation
-    char host_id[96];
-    pthread_mutex_t ipc_mu;               // guards ipc (job threads share it)
-    struct tdm_kvx_ipc_cache *ipc;        // decode pools opened, per peer instance
-    struct tdm_kvx_pairs *pairs;          // /health details
-    bool nccl;                            // NCCL can move our KV: gpu, the table's NCCL calls,
-                                          // --kv-transfer auto or nccl
-    struct tdm_kvx_links *links;          // one NCCL communicator per decode worker
+    // GPU-to-GPU transfer (issue 10): the transport table's worker-wide side
+    // (IPC handle cache, NCCL links, the pairs behind /health).
+    struct tdm_kv_transport *kvt;
     struct tdm_metrics_counter *transfers; // tandem:kv_transfers_total{transport}
     struct tdm_metrics_counter *copy_seconds; // tandem:kv_copy_seconds_total (CUDA IPC)
 };
@@ -275,413 +254,79 @@ static int export_fill(void *arg, uint8_t *payload, size_t payload_len)
     return TDM_OK;
 }
 
-// The header every KvData frame of a job carries: layers first_layer..+n of
-// nb blocks of the push range, sent over mode (the transport's reason on the
-// first group only).
-static Tandem__KvData kv_data_head(const struct tdm_prefill_service *p, struct pjob *job,
-                                   enum tdm_kvx_mode mode, int first_layer, int n, int nb)
+// ---- the transport's host: this job's engine request and decode worker --------------------
+// Leases our blocks of the push range for layers [0, layers) (kv_transport.h).
+static int host_lease(void *ctx, int layers, int *src_blocks)
 {
+    struct pjob *job = ctx;
+    return tdm_engine_export_lease(job->svc->parts.engine, job->req, layers, job->push.first_block,
+                                   job->push.num_blocks, src_blocks);
+}
+
+static void host_unlease(void *ctx)
+{
+    struct pjob *job = ctx;
+    tdm_engine_export_unlease(job->svc->parts.engine, job->req);
+}
+
+// One KvData frame of the job as its transport asks: layers first_layer..+n
+// of the push range (over nng with their payload written in place by
+// export_fill), a device group in place, "post your receives", or closed.
+static int host_send(void *ctx, const struct tdm_kv_frame *f, char *err, size_t errlen)
+{
+    struct pjob *job = ctx;
+    struct tdm_prefill_service *p = job->svc;
     Tandem__KvData d = TANDEM__KV_DATA__INIT;
     d.transfer_id = job->transfer_id;
     d.to_instance = job->decode_instance;
     d.from_instance = p->net.instance;
-    d.first_layer = first_layer;
-    d.num_layers = n;
-    d.first_block = job->push.first_block;
-    d.num_blocks = nb;
-    d.transport = (char *)tdm_kvx_mode_name(mode);
-    d.transport_why = first_layer == 0 ? job->why : (char *)"";
-    return d;
-}
-
-// Sends layers [first_layer, first_layer + n) of the push range as one KvData frame.
-static int send_frame(struct tdm_prefill_service *p, struct pjob *job, int first_layer, int n,
-                      char *err, size_t errlen)
-{
-    struct export_arg a = {p, job, first_layer, n};
-    Tandem__KvData d = kv_data_head(p, job, TDM_KVX_NNG, first_layer, n, job->push.num_blocks);
-    size_t bytes = push_layer_bytes(p, job) * (size_t)n;
+    d.first_layer = f->first_layer;
+    d.num_layers = f->num_layers;
+    if (f->num_blocks > 0) {
+        d.first_block = job->push.first_block;
+        d.num_blocks = f->num_blocks;
+    }
+    d.transport = (char *)f->transport;
+    d.transport_why = (char *)f->why;
+    d.closed = f->closed;
+    d.copy_seconds = f->copy_seconds;
+    if (!f->payload)
+        return tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
+                           p->cfg.send_timeout, err, errlen);
+    struct export_arg a = {p, job, f->first_layer, f->num_layers};
+    size_t bytes = push_layer_bytes(p, job) * (size_t)f->num_layers;
     return tdm_pd_send_fill(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, bytes,
                             export_fill, &a, p->cfg.send_timeout, err, errlen);
 }
 
-// ---- GPU-to-GPU transfer (issue 10) --------------------------------------------------------
-static void pause_briefly(void)
-{
-    tdm_sleep(1e-4);
-}
-
-// Device-to-device needs the decode worker's pool to be laid out like ours.
-static int same_layout(struct tdm_prefill_service *p, struct pjob *job, char *err, size_t errlen)
-{
-    if (job->pool.elem_bytes != (uint32_t)p->own_pool.elem_bytes ||
-        job->pool.block_bytes != p->own_pool.block_bytes ||
-        job->pool.num_layers != (uint32_t)p->kvc.num_layers)
-        return tdm_seterr(err, errlen, TDM_EINVAL,
-                          "KV layouts differ (decode %u-byte elements, %llu-byte blocks; "
-                          "prefill %d, %zu)",
-                          job->pool.elem_bytes, (unsigned long long)job->pool.block_bytes,
-                          p->own_pool.elem_bytes, p->own_pool.block_bytes);
-    return TDM_OK;
-}
-
-// Our block ids of the push range into job->src_blocks: the prompt's table is
-// fixed from the final step on; leased (and dropped) here only to read it,
-// each group leases again.
-static int read_src_blocks(struct tdm_prefill_service *p, struct pjob *job, char *err,
-                           size_t errlen)
-{
-    int n = job->push.num_blocks;
-    job->src_blocks = malloc(sizeof(int) * (size_t)(n > 0 ? n : 1));
-    if (job->src_blocks == NULL)
-        return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
-    if (n > 0 && tdm_engine_export_lease(p->parts.engine, job->req, 1, job->push.first_block, n,
-                                         job->src_blocks) != TDM_OK)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "the prompt's KV is not exportable");
-    if (n > 0)
-        tdm_engine_export_unlease(p->parts.engine, job->req);
-    return TDM_OK;
-}
-
 // True when the job must stop waiting on a peer: cancel, shutdown, deadline.
-static bool job_gone(struct tdm_prefill_service *p, struct pjob *job)
+static bool job_gone(void *ctx)
 {
+    struct pjob *job = ctx;
+    struct tdm_prefill_service *p = job->svc;
     pthread_mutex_lock(&p->mu);
     bool cancelled = job->cancelled;
     pthread_mutex_unlock(&p->mu);
     return cancelled || atomic_load(&p->net.stopping) || tdm_now() > job->deadline;
 }
 
-// The NCCL side of a transfer: takes the pair's link, joins the decode
-// worker's communicator when its id (or the decode instance) is not the one
-// the link holds, waits for init (the link's deadline, the job's stop), tells
-// the decode worker to post its receives (a KvData "nccl" frame without
-// layers) and prepares the sends. Any failure aborts the communicator and
-// fails the transfer (the decode worker moves on to the next prefill worker
-// or local prefill; the next transfer builds a new communicator). `why0`:
-// the reason CUDA IPC was not used, kept in job->why.
-static int nccl_prepare(struct tdm_prefill_service *p, struct pjob *job, const char *why0)
+// Picks the transfer's mode before its first frame (kv_transport.h), counts it
+// per transport and notes it for /health. TDM_OK, or an error with err set
+// (nothing both sides allow works: the push fails and the decode worker moves on).
+static int start_transfer(struct tdm_prefill_service *p, struct pjob *job, char *err, size_t errlen)
 {
-    char err[256] = "";
-    int rc = same_layout(p, job, err, sizeof err);
-    // The decode worker offers a pair's communicator to one transfer at a
-    // time; our previous transfer of the pair may still be handing it back.
-    double until = tdm_now() + p->cfg.nccl_timeout;
-    while (rc == TDM_OK && (job->link = tdm_kvx_links_take(p->links, job->decode_url)) == NULL) {
-        if (job_gone(p, job) || tdm_now() > until)
-            rc = tdm_seterr(err, sizeof err, TDM_EBUSY,
-                            "the pair's communicator stayed busy with another transfer");
-        else
-            pause_briefly();
-    }
-    bool touched = rc == TDM_OK; // from here a failure leaves the communicator in doubt
-    uint8_t held[TDM_KVX_NCCL_ID_BYTES];
-    if (rc == TDM_OK &&
-        (!tdm_kvx_link_id(job->link, held) || memcmp(held, job->nccl_id, sizeof held) != 0 ||
-         tdm_kvx_link_instance(job->link) != job->decode_instance))
-        rc = tdm_kvx_link_join(job->link, job->decode_instance, tdm_now(), job->nccl_id, err,
-                               sizeof err);
-    // The link's own deadline bounds an init; a ready communicator that
-    // reports an operation in progress gets nccl_timeout too.
-    double give_up = tdm_now() + p->cfg.nccl_timeout;
-    while (rc == TDM_OK) {
-        rc = tdm_kvx_link_poll(job->link, tdm_now(), err, sizeof err);
-        if (rc != TDM_EBUSY)
-            break;
-        if (job_gone(p, job) || tdm_now() > give_up) {
-            tdm_kvx_link_abort(job->link);
-            rc = tdm_seterr(err, sizeof err, TDM_ETIMEDOUT, "%s",
-                            job_gone(p, job) ? "cancelled during NCCL init"
-                                             : "NCCL communicator not ready in time");
-            break;
-        }
-        rc = TDM_OK;
-        pause_briefly();
-    }
-    if (rc == TDM_OK)
-        rc = read_src_blocks(p, job, err, sizeof err);
-    if (rc == TDM_OK)
-        rc = tdm_kvx_nccl_new(&job->nx, p->kvx_ops, TDM_KVX_PREFILL, &job->pool, job->dst_blocks,
-                              job->src_blocks, job->push.num_blocks, tdm_kv_storage_layer,
-                              tdm_kv_storage(tdm_engine_kv(p->parts.engine)),
-                              job->push.layers_per_frame, err, sizeof err);
-    if (rc == TDM_OK) {
-        Tandem__KvData d = TANDEM__KV_DATA__INIT; // "post your receives"
-        d.transfer_id = job->transfer_id;
-        d.to_instance = job->decode_instance;
-        d.from_instance = p->net.instance;
-        d.first_block = job->push.first_block;
-        d.num_blocks = job->push.num_blocks;
-        d.transport = (char *)tdm_kvx_mode_name(TDM_KVX_NCCL);
-        rc = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
-                         p->cfg.send_timeout, err, sizeof err);
-    }
-    if (rc == TDM_OK) {
-        snprintf(job->why, sizeof job->why, "%s%s", why0 ? "cuda-ipc failed, " : "",
-                 why0 ? "nccl" : "gpus on both, nccl");
-        return TDM_OK;
-    }
-    TDM_LOG_WARN(MOD, "req=%s nccl to %s failed: %s", job->request_id, job->decode_url, err);
-    snprintf(job->why, sizeof job->why, "nccl failed: %.140s", err);
-    tdm_kvx_nccl_free(job->nx);
-    job->nx = NULL;
-    if (!touched) {
-        // Nothing joined or awaited (layouts differ, the link stayed busy):
-        // the decode worker's receive thread waits for our "nccl" frame, and
-        // a first frame of another transport ends it, so choose again.
-        tdm_kvx_links_give(p->links, job->link);
-        job->link = NULL;
-        return TDM_EBUSY;
-    }
-    // Joined or waited: the communicator's state is in doubt on both sides.
-    // Aborted here, and the transfer fails so the decode worker aborts its
-    // end too (a KvData error) and moves on; the next transfer rebuilds.
-    tdm_kvx_link_abort(job->link);
-    return TDM_ETRANSPORT;
-}
-
-// The KvData frame of a device-to-device group (NCCL or CUDA IPC): layers
-// first_layer..+n of nb blocks are in place on the decode side, copy_s the
-// copy's issue-to-completion time; the last group closes the transfer. TDM_OK
-// or tdm_pd_send's error.
-static int send_in_place(struct tdm_prefill_service *p, struct pjob *job, enum tdm_kvx_mode mode,
-                         int first_layer, int n, int nb, double copy_s, char *err, size_t errlen)
-{
-    Tandem__KvData d = kv_data_head(p, job, mode, first_layer, n, nb);
-    d.closed = first_layer + n == p->kvc.num_layers;
-    d.copy_seconds = copy_s;
-    int rc = tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
-                         p->cfg.send_timeout, err, errlen);
-    if (rc == TDM_OK && d.closed)
-        job->closed_sent = true;
-    return rc;
-}
-
-// Layers [first_layer, first_layer + n) as grouped ncclSends (kvx_nccl) of
-// leased blocks; the group's event awaited while the communicator is polled
-// for errors against nccl_timeout and the job's stop; then a KvData without
-// payload ("nccl", layers in place: the decode worker's receive completed
-// too, it counts its own). On any failure the communicator is aborted (its
-// kernels end), the event still awaited before the lease goes.
-static int send_nccl(struct tdm_prefill_service *p, struct pjob *job, int first_layer, int n,
-                     size_t *moved, char *err, size_t errlen)
-{
-    struct tdm_engine *e = p->parts.engine;
-    int nb = job->push.num_blocks;
-    uint64_t bytes0 = tdm_kvx_nccl_bytes(job->nx);
-    *moved = 0;
-    if (tdm_engine_export_lease(e, job->req, first_layer + n, job->push.first_block, nb,
-                                job->src_blocks) != TDM_OK)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "layers %d..%d not exportable", first_layer,
-                          first_layer + n - 1);
-    // From the lease on (it waited for the engine's kernels writing these
-    // layers): the copy's own time, issue to observed completion.
-    double t0 = tdm_now();
-    int rc = tdm_kvx_link_ready_for(job->link, job->decode_instance)
-                 ? tdm_kvx_nccl_layers(job->nx, tdm_kvx_link_comm(job->link), first_layer, n, err,
-                                       errlen)
-                 : tdm_seterr(err, errlen, TDM_ETRANSPORT, "the NCCL communicator is gone");
-    bool aborted = rc != TDM_OK;
-    if (aborted)
-        tdm_kvx_link_abort(job->link);
-    double give_up = 0; // after an abort: the aborted kernels end within moments
-    int q;
-    while ((q = tdm_kvx_nccl_poll(job->nx)) == TDM_EBUSY) {
-        double now = tdm_now();
-        if (!aborted) {
-            char why[256] = "";
-            int lrc = tdm_kvx_link_poll(job->link, now, why, sizeof why);
-            const char *stop = lrc != TDM_OK && lrc != TDM_EBUSY ? why
-                               : now - t0 > p->cfg.nccl_timeout  ? "send timed out"
-                               : job_gone(p, job)                ? "cancelled"
-                                                                 : NULL;
-            if (stop != NULL) {
-                rc = tdm_seterr(err, errlen, TDM_ETRANSPORT, "NCCL send of layers %d..%d: %s",
-                                first_layer, first_layer + n - 1, stop);
-                tdm_kvx_link_abort(job->link);
-                aborted = true;
-                give_up = now + p->cfg.nccl_timeout;
-            }
-        } else if (give_up > 0 && now > give_up) {
-            break; // its fate unknown: the lease stays (below)
-        }
-        pause_briefly();
-    }
-    if (tdm_kvx_nccl_quiet(job->nx))
-        tdm_engine_export_unlease(e, job->req);
-    else
-        TDM_LOG_ERR(MOD, "req=%s an NCCL send's completion is unknown: blocks stay leased",
-                    job->request_id);
-    if (rc == TDM_OK && q != TDM_OK) {
-        tdm_kvx_link_abort(job->link);
-        rc = tdm_seterr(err, errlen, TDM_ETRANSPORT, "NCCL send of layers %d..%d failed",
-                        first_layer, first_layer + n - 1);
-    }
-    if (rc != TDM_OK)
+    int rc = tdm_kv_send_choose(job->kv);
+    const char *why = tdm_kv_send_why(job->kv);
+    if (rc != TDM_OK) {
+        snprintf(err, errlen, "no KV transport: %s", why);
         return rc;
-    double copy_s = tdm_now() - t0;
-    tdm_metrics_counter_add(p->copy_seconds, copy_s);
-    *moved = (size_t)(tdm_kvx_nccl_bytes(job->nx) - bytes0);
-    bool closed = first_layer + n == p->kvc.num_layers;
-    rc = send_in_place(p, job, TDM_KVX_NCCL, first_layer, n, nb, copy_s, err, errlen);
-    if (closed) { // the last send completed: the pair's next transfer may have the link
-        tdm_kvx_links_give(p->links, job->link);
-        job->link = NULL;
     }
-    return rc;
-}
-
-// Picks this transfer's transport (tdm_kvx_choose over both sides; a CUDA IPC
-// handle that does not open, or a pool whose layout differs from ours, makes
-// it choose again without IPC) and prepares the copies. TDM_OK, or an error
-// with job->why set (nothing both sides allow works: the push fails and the
-// decode worker moves on).
-static int choose_transport(struct tdm_prefill_service *p, struct pjob *job)
-{
-    enum tdm_kvx_mode dset = TDM_KVX_NNG;
-    if (job->decode_setting[0] && tdm_kvx_mode_parse(job->decode_setting, &dset) != 0)
-        dset = TDM_KVX_NNG;
-    // NCCL is possible when the decode worker sent a communicator id with
-    // its pool (it holds the pair's link for this transfer).
-    struct tdm_kvx_side pre = {p->kv_setting, p->gpu, p->nccl, p->host_id};
-    struct tdm_kvx_side dec = {dset, job->offered && job->pool.gpu,
-                               job->offered && job->pool.nccl && job->has_nccl_id,
-                               job->decode_host};
-    enum tdm_kvx_ipc_open ipc = TDM_KVX_IPC_UNTRIED;
-    // The device copies and NCCL calls run on this job thread: our device first.
-    char derr[192] = "";
-    if (p->gpu && p->kvx_ops->use_device_of != NULL &&
-        p->kvx_ops->use_device_of(p->kvx_ops->ctx, p->own_pool.base, derr, sizeof derr) != 0) {
-        TDM_LOG_WARN(MOD, "req=%s %s: KV over nng", job->request_id, derr);
-        pre.gpu = pre.nccl = false;
-    }
-    bool nccl_tried = false;
-    for (int round = 0; round < 3; round++) {
-        if (tdm_kvx_choose(&pre, &dec, ipc, &job->mode, job->why, sizeof job->why) != 0)
-            return TDM_EINVAL;
-        if (job->mode == TDM_KVX_NCCL) {
-            int rc = nccl_prepare(p, job, ipc == TDM_KVX_IPC_FAILED ? job->why : NULL);
-            if (rc != TDM_EBUSY)
-                return rc;
-            dec.nccl = false; // choose again without NCCL (job->why says why)
-            nccl_tried = true;
-            continue;
-        }
-        if (job->mode != TDM_KVX_CUDA_IPC && nccl_tried)
-            return TDM_OK; // why: NCCL's failure
-        if (job->mode != TDM_KVX_CUDA_IPC) {
-            // Why not CUDA IPC (the first candidate): the settings, else what
-            // the choice restricted to it says.
-            struct tdm_kvx_side pi = pre, di = dec;
-            pi.setting = di.setting = TDM_KVX_CUDA_IPC;
-            enum tdm_kvx_mode m;
-            if (pre.setting != TDM_KVX_AUTO && pre.setting != TDM_KVX_CUDA_IPC)
-                snprintf(job->why, sizeof job->why, "prefill --kv-transfer %s",
-                         tdm_kvx_mode_name(pre.setting));
-            else if (dec.setting != TDM_KVX_AUTO && dec.setting != TDM_KVX_CUDA_IPC)
-                snprintf(job->why, sizeof job->why, "decode --kv-transfer %s",
-                         tdm_kvx_mode_name(dec.setting));
-            else if (ipc == TDM_KVX_IPC_UNTRIED &&
-                     tdm_kvx_choose(&pi, &di, ipc, &m, job->why, sizeof job->why) == 0)
-                snprintf(job->why, sizeof job->why, "cuda-ipc not chosen");
-            return TDM_OK;
-        }
-        char err[256] = "";
-        int rc = TDM_OK;
-        rc = same_layout(p, job, err, sizeof err);
-        void *base = NULL;
-        if (rc == TDM_OK) {
-            pthread_mutex_lock(&p->ipc_mu);
-            rc = tdm_kvx_ipc_cache_get(p->ipc, job->decode_url, job->decode_instance,
-                                       job->pool.handle, &base, err, sizeof err);
-            pthread_mutex_unlock(&p->ipc_mu);
-        }
-        int n = job->push.num_blocks;
-        if (rc == TDM_OK)
-            rc = read_src_blocks(p, job, err, sizeof err);
-        if (rc == TDM_OK)
-            rc = tdm_kvx_push_new(&job->dev, p->kvx_ops, &job->pool, base, job->dst_blocks,
-                                  tdm_kv_storage_layer,
-                                  tdm_kv_storage(tdm_engine_kv(p->parts.engine)), job->src_blocks,
-                                  n, err, sizeof err);
-        if (rc == TDM_OK) {
-            snprintf(job->why, sizeof job->why, "same host, pool handle open");
-            return TDM_OK;
-        }
-        TDM_LOG_WARN(MOD, "req=%s cuda-ipc to %s not possible: %s", job->request_id,
-                     job->decode_url, err);
-        snprintf(job->why, sizeof job->why, "cuda-ipc failed: %.140s", err);
-        tdm_kvx_push_free(job->dev);
-        job->dev = NULL;
-        ipc = TDM_KVX_IPC_FAILED; // choose again without it
-    }
-    return TDM_EINVAL;
-}
-
-// Layers [first_layer, first_layer + n) straight into the decode worker's
-// blocks: leased source blocks, copies on the device table's stream, the
-// event awaited (polled: a copy of a few MiB takes well under a millisecond),
-// then a KvData frame without payload saying they are in place.
-static int send_inplace(struct tdm_prefill_service *p, struct pjob *job, int first_layer, int n,
-                        size_t *copied, char *err, size_t errlen)
-{
-    struct tdm_engine *e = p->parts.engine;
-    int nb = job->push.num_blocks;
-    uint64_t bytes0 = tdm_kvx_push_bytes(job->dev);
-    *copied = 0;
-    if (tdm_engine_export_lease(e, job->req, first_layer + n, job->push.first_block, nb,
-                                job->src_blocks) != TDM_OK)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "layers %d..%d not exportable", first_layer,
-                          first_layer + n - 1);
-    // From the lease on (it waited for the engine's kernels writing these
-    // layers): the copy's own time, issue to observed completion.
-    double t0 = tdm_now();
-    int rc = tdm_kvx_push_layers(job->dev, first_layer, n, err, errlen);
-    // Wait for what was issued even after a failure: the lease must outlive
-    // every copy reading our blocks.
-    int q;
-    while ((q = tdm_kvx_push_poll(job->dev)) == TDM_EBUSY)
-        pause_briefly();
-    if (tdm_kvx_push_quiet(job->dev))
-        tdm_engine_export_unlease(e, job->req);
-    else
-        TDM_LOG_ERR(MOD, "req=%s a device copy's completion is unknown: blocks stay leased",
-                    job->request_id); // only this process's exit ends such a copy
-    if (rc == TDM_OK && q != TDM_OK)
-        rc = tdm_seterr(err, errlen, TDM_EBACKEND, "device copy of layers %d..%d failed",
-                        first_layer, first_layer + n - 1);
-    if (rc != TDM_OK)
-        return rc;
-    // Issue to observed completion (polled every 0.1 ms: slightly long).
-    double copy_s = tdm_now() - t0;
-    tdm_metrics_counter_add(p->copy_seconds, copy_s);
-    *copied = (size_t)(tdm_kvx_push_bytes(job->dev) - bytes0);
-    rc = send_in_place(p, job, TDM_KVX_CUDA_IPC, first_layer, n, nb, copy_s, err, errlen);
-    return rc;
-}
-
-// The last word of a transfer that was offered a device pool: no copy of it
-// is in flight or will be issued (every event observed). A copy whose
-// completion could not be observed gets no closed frame: the decode worker
-// then keeps the blocks until this process is gone.
-static void send_closed(struct tdm_prefill_service *p, struct pjob *job)
-{
-    if (!job->offered || job->closed_sent)
-        return;
-    while (tdm_kvx_push_poll(job->dev) == TDM_EBUSY)
-        pause_briefly();
-    if (!tdm_kvx_push_quiet(job->dev))
-        return;
-    Tandem__KvData d = TANDEM__KV_DATA__INIT;
-    d.transfer_id = job->transfer_id;
-    d.to_instance = job->decode_instance;
-    d.from_instance = p->net.instance;
-    d.transport = (char *)tdm_kvx_mode_name(job->dev ? TDM_KVX_CUDA_IPC : job->mode);
-    d.closed = true;
-    char err[256];
-    if (tdm_pd_send(p->net.outbox, job->decode_url, TDM_NET_KV_DATA, &d.base, NULL, 0,
-                    p->cfg.send_timeout, err, sizeof err) == TDM_OK)
-        job->closed_sent = true;
+    const struct tdm_kv_transport_ops *t = tdm_kv_send_ops(job->kv);
+    tdm_kv_transport_note(p->kvt, job->decode_url, t->mode, why);
+    tdm_metrics_counter_inc(tdm_metrics_counter_labels(p->transfers, t->name));
+    TDM_LOG_DEBUG(MOD, "req=%s transfer to %s over %s (%s)", job->request_id, job->decode_url,
+                  t->name, why);
+    return TDM_OK;
 }
 
 // Tells the decode worker the push failed, so it moves on at once (best effort).
@@ -786,6 +431,72 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
     return ok;
 }
 
+// Layers [first, first + n) over the transfer's mode (chosen before the first
+// group); *bytes what it moved, counted per group at once: the decode worker
+// may be done with the request before this job gets to its end. In place:
+// the device bytes copied (the pool's dtype), not the f32 payload size.
+static int push_group(struct tdm_prefill_service *p, struct pjob *job, int first, int n,
+                      size_t *bytes, char *err, size_t errlen)
+{
+    int rc = first == 0 ? start_transfer(p, job, err, errlen) : TDM_OK;
+    double copy_s = 0;
+    if (rc == TDM_OK)
+        rc = tdm_kv_send_ops(job->kv)->push_layers(job->kv, first, n, bytes, &copy_s, err, errlen);
+    if (copy_s > 0)
+        tdm_metrics_counter_add(p->copy_seconds, copy_s);
+    if (rc == TDM_OK)
+        tdm_metrics_counter_add(p->m.bytes, (double)*bytes);
+    return rc;
+}
+
+// A layer group that could not be sent: logged, counted, the decode worker
+// told where it waits on us, the prefill aborted.
+static void push_stopped(struct tdm_prefill_service *p, struct pjob *job, int rc, int first, int n,
+                         const char *err)
+{
+    pthread_mutex_lock(&p->mu);
+    bool cancelled = job->cancelled;
+    pthread_mutex_unlock(&p->mu);
+    TDM_LOG_WARN(MOD, "req=%s transfer=%016llx layers %d..%d not sent: %s", job->request_id,
+                 (unsigned long long)job->transfer_id, first, first + n - 1, err);
+    tdm_pd_metrics_fail(&p->m, cancelled ? "cancelled" : rc == TDM_EINVAL ? "export" : "send");
+    // Over NCCL the decode worker's receives wait on this transfer: it is
+    // told at once, as for a refused export.
+    if ((rc == TDM_EINVAL || tdm_kv_send_ops(job->kv)->mode == TDM_KVX_NCCL) && !cancelled)
+        send_kv_error(p, job, rc, err);
+    tdm_engine_abort(p->parts.engine, job->req, TDM_FINISH_ABORT);
+}
+
+// The trace: queue and prefill compute from the engine, the KV push from the
+// first frame to the last one sent.
+static void trace_job(struct tdm_prefill_service *p, struct pjob *job, double t_first_frame,
+                      double t_last_frame, int sent, size_t bytes, const char *err)
+{
+    int L = p->kvc.num_layers;
+    bool pushing = job->push.num_blocks > 0;
+    if (job->span.recording) {
+        struct tdm_tracer *t = p->parts.tracer;
+        double now = tdm_now();
+        if (job->have_times) {
+            struct tdm_trace_phases ph = {job->times.arrival, job->times.first_scheduled,
+                                          job->times.first_token, 0, "prefill"};
+            tdm_tracer_emit_phases(t, &job->span, &ph);
+        }
+        if (t_first_frame > 0) {
+            struct tdm_span kv;
+            tdm_span_begin_child(&kv, &job->span, "kv_push", TDM_SPAN_PRODUCER, t_first_frame);
+            kv.end = t_last_frame > 0 ? t_last_frame : now;
+            tdm_span_attr_int(&kv, "tandem.kv.layers", sent);
+            tdm_span_attr_int(&kv, "tandem.kv.bytes", (int64_t)bytes);
+            if (pushing && sent < L)
+                tdm_span_error(&kv, err[0] ? err : "push stopped");
+            tdm_tracer_emit(t, &kv);
+        }
+        job->span.end = now;
+        tdm_tracer_emit(t, &job->span);
+    }
+}
+
 // One PrefillRequest from submit to release. Frames go out as the push hook
 // reports layer groups final (while the engine computes the later layers); the
 // result goes out as soon as the first token is sampled, between two frames at
@@ -858,81 +569,25 @@ static void *job_main(void *arg)
         }
         if (frame_ready && !push_failed) {
             int n = want - sent;
-            int rc = TDM_OK;
-            if (t_first_frame == 0) {
+            size_t fb = 0;
+            if (t_first_frame == 0)
                 t_first_frame = tdm_now();
-                rc = choose_transport(p, job);
-                if (rc != TDM_OK)
-                    snprintf(err, sizeof err, "no KV transport: %s", job->why);
-                else
-                    tdm_kvx_pairs_note(p->pairs, job->decode_url, job->mode, job->why);
-                if (rc == TDM_OK)
-                    tdm_metrics_counter_inc(tdm_metrics_counter_labels(
-                        p->transfers, tdm_kvx_mode_name(job->mode)));
-                if (rc == TDM_OK)
-                    TDM_LOG_DEBUG(MOD, "req=%s transfer to %s over %s (%s)", job->request_id,
-                                  job->decode_url, tdm_kvx_mode_name(job->mode), job->why);
-            }
-            size_t fb = push_layer_bytes(p, job) * (size_t)n;
-            if (rc == TDM_OK)
-                rc = job->dev  ? send_inplace(p, job, sent, n, &fb, err, sizeof err)
-                     : job->nx ? send_nccl(p, job, sent, n, &fb, err, sizeof err)
-                               : send_frame(p, job, sent, n, err, sizeof err);
+            int rc = push_group(p, job, sent, n, &fb, err, sizeof err);
             if (rc == TDM_OK) {
-                // Counted per frame at once: the decode worker may be done
-                // with the request before this job gets to its end. In place:
-                // the device bytes copied (the pool's dtype), not the f32
-                // payload size.
-                tdm_metrics_counter_add(p->m.bytes, (double)fb);
                 sent += n;
                 bytes += fb;
                 t_last_frame = tdm_now();
                 continue;
             }
-            pthread_mutex_lock(&p->mu);
-            cancelled = job->cancelled;
-            pthread_mutex_unlock(&p->mu);
-            TDM_LOG_WARN(MOD, "req=%s transfer=%016llx layers %d..%d not sent: %s", job->request_id,
-                         (unsigned long long)job->transfer_id, sent, sent + n - 1, err);
-            tdm_pd_metrics_fail(&p->m, cancelled          ? "cancelled"
-                                       : rc == TDM_EINVAL ? "export"
-                                                          : "send");
-            // Over NCCL the decode worker's receives wait on this transfer: it
-            // is told at once, as for a refused export.
-            if ((rc == TDM_EINVAL || job->mode == TDM_KVX_NCCL) && !cancelled)
-                send_kv_error(p, job, rc, err);
+            push_stopped(p, job, rc, sent, n, err);
             push_failed = true;
-            // Nobody can use this prefill any more: stop computing it.
-            tdm_engine_abort(e, job->req, TDM_FINISH_ABORT);
-            aborted = true;
+            aborted = true; // nobody can use this prefill any more: stop computing it
             continue;
         }
         if (result_sent && (!pushing || push_failed || sent == L))
             break;
     }
-    // The trace: queue and prefill compute from the engine, the KV push from
-    // the first frame to the last one sent.
-    if (job->span.recording) {
-        struct tdm_tracer *t = p->parts.tracer;
-        double now = tdm_now();
-        if (job->have_times) {
-            struct tdm_trace_phases ph = {job->times.arrival, job->times.first_scheduled,
-                                          job->times.first_token, 0, "prefill"};
-            tdm_tracer_emit_phases(t, &job->span, &ph);
-        }
-        if (t_first_frame > 0) {
-            struct tdm_span kv;
-            tdm_span_begin_child(&kv, &job->span, "kv_push", TDM_SPAN_PRODUCER, t_first_frame);
-            kv.end = t_last_frame > 0 ? t_last_frame : now;
-            tdm_span_attr_int(&kv, "tandem.kv.layers", sent);
-            tdm_span_attr_int(&kv, "tandem.kv.bytes", (int64_t)bytes);
-            if (pushing && sent < L)
-                tdm_span_error(&kv, err[0] ? err : "push stopped");
-            tdm_tracer_emit(t, &kv);
-        }
-        job->span.end = now;
-        tdm_tracer_emit(t, &job->span);
-    }
+    trace_job(p, job, t_first_frame, t_last_frame, sent, bytes, err);
     job_end(job, pushing && sent == L, t_first_frame, bytes);
     return NULL;
 }
@@ -951,12 +606,7 @@ static void job_end(struct pjob *job, bool pushed, double t_first_frame, size_t 
                       job->request_id, (unsigned long long)job->transfer_id, job->push.num_blocks,
                       bytes, dt);
     }
-    send_closed(p, job); // before the KV goes back: no copy reads it any more
-    tdm_kvx_push_free(job->dev);
-    tdm_kvx_nccl_free(job->nx);
-    tdm_kvx_links_give(p->links, job->link);
-    free(job->dst_blocks);
-    free(job->src_blocks);
+    tdm_kv_send_free(job->kv); // closed frame before the KV goes back: no copy reads it
     // The handle is dropped and the job unlisted in one hold of p->mu: the
     // Cancel handler and tdm_prefill_service_free abort listed jobs' requests
     // under it, and must never see a handle already released (the engine may
@@ -1019,7 +669,7 @@ static void job_refuse_unstarted(struct tdm_prefill_service *p, const Tandem__Pr
         tdm_cond_wait_for(&job->cv, &job->mu, 0.1);
     pthread_mutex_unlock(&job->mu);
     reply_error(p, m, TDM_EBUSY, why); // with the closed frame of an offered pool
-    job->closed_sent = true;
+    tdm_kv_send_mark_closed(job->kv);
     tdm_pd_metrics_fail(&p->m, "thread");
     if (job->span.recording) {
         tdm_span_error(&job->span, why);
@@ -1078,17 +728,50 @@ static bool prefill_accept(struct tdm_prefill_service *p, const Tandem__PrefillR
     // A device pool offer: its descriptor and one block id per pushed block.
     struct tdm_kvx_pool pool;
     if (m->kv_pool.len > 0 &&
-        (tdm_kvx_pool_decode(&pool, m->kv_pool.data, m->kv_pool.len, err, sizeof err) != TDM_OK ||
-         m->n_block_ids != (size_t)push->num_blocks)) {
-        if (m->n_block_ids != (size_t)push->num_blocks)
-            snprintf(err, sizeof err, "kv_pool with %zu block ids for %d blocks", m->n_block_ids,
-                     push->num_blocks);
+        tdm_kv_send_check_offer(m->kv_pool.data, m->kv_pool.len, m->n_block_ids, push->num_blocks,
+                                &pool, err, sizeof err) != TDM_OK) {
         TDM_LOG_WARN(MOD, "req=%s refused: %s", m->request_id, err);
         reply_error(p, m, TDM_EPROTO, err);
         return false;
     }
     return true;
 }
+
+// The job's KV transfer (kv_transport.h) from the PrefillRequest: the
+// decode worker's settings and, with a device pool offer (checked by
+// prefill_accept), the pool, its block ids and the pair's communicator id.
+static int prefill_transfer_new(struct tdm_prefill_service *p, const Tandem__PrefillRequest *m,
+                                struct pjob *job)
+{
+    char err[256];
+    job->host = (struct tdm_kv_send_host){.ctx = job,
+                                          .lease = host_lease,
+                                          .unlease = host_unlease,
+                                          .send = host_send,
+                                          .gone = job_gone};
+    struct tdm_kv_send_params sp = {
+        .peer = job->decode_url,
+        .peer_instance = job->decode_instance,
+        .request_id = job->request_id,
+        .peer_setting = m->kv_transfer ? m->kv_transfer : "",
+        .peer_host = m->host_id ? m->host_id : "",
+        .num_blocks = job->push.num_blocks,
+        .layers_per_group = job->push.layers_per_frame,
+        .payload_layer_bytes = push_layer_bytes(p, job),
+    };
+    if (m->kv_pool.len > 0 && job->push.num_blocks > 0) {
+        tdm_kv_send_check_offer(m->kv_pool.data, m->kv_pool.len, m->n_block_ids,
+                                job->push.num_blocks, &sp.pool, err, sizeof err);
+        sp.offered = true;
+        sp.dst_blocks = (const int *)m->block_ids; // int32_t is int here
+        if (m->nccl_id.len == TDM_KVX_NCCL_ID_BYTES) {
+            sp.has_nccl_id = true;
+            memcpy(sp.nccl_id, m->nccl_id.data, TDM_KVX_NCCL_ID_BYTES);
+        }
+    }
+    return tdm_kv_send_new(&job->kv, p->kvt, &job->host, &sp);
+}
+_Static_assert(sizeof(int32_t) == sizeof(int), "block ids are passed as int");
 
 // Submits an accepted PrefillRequest as a PREFILL_ONLY engine request with the
 // push hook and starts its job thread (the job is listed before the submit, so
@@ -1107,31 +790,16 @@ static void prefill_start(struct tdm_prefill_service *p, const Tandem__PrefillRe
     job->svc = p;
     job->transfer_id = m->transfer_id;
     job->push = *push;
-    job->mode = TDM_KVX_NNG;
-    if (m->kv_pool.len > 0 && push->num_blocks > 0) { // checked by prefill_accept
-        tdm_kvx_pool_decode(&job->pool, m->kv_pool.data, m->kv_pool.len, err, sizeof err);
-        job->dst_blocks = malloc(sizeof(int) * (size_t)push->num_blocks);
-        if (job->dst_blocks == NULL) {
-            pthread_cond_destroy(&job->cv);
-            pthread_mutex_destroy(&job->mu);
-            free(job);
-            reply_error(p, m, TDM_ENOMEM, "out of memory");
-            return;
-        }
-        for (int i = 0; i < push->num_blocks; i++)
-            job->dst_blocks[i] = m->block_ids[i];
-        job->offered = true;
-        if (m->nccl_id.len == TDM_KVX_NCCL_ID_BYTES) {
-            job->has_nccl_id = true;
-            memcpy(job->nccl_id, m->nccl_id.data, TDM_KVX_NCCL_ID_BYTES);
-        }
-    }
-    snprintf(job->decode_setting, sizeof job->decode_setting, "%s",
-             m->kv_transfer ? m->kv_transfer : "");
-    snprintf(job->decode_host, sizeof job->decode_host, "%s", m->host_id ? m->host_id : "");
     snprintf(job->request_id, sizeof job->request_id, "%s", m->request_id);
     snprintf(job->decode_url, sizeof job->decode_url, "%s", m->reply_to->url);
     job->decode_instance = m->reply_to->instance;
+    if (prefill_transfer_new(p, m, job) != TDM_OK) {
+        pthread_cond_destroy(&job->cv);
+        pthread_mutex_destroy(&job->mu);
+        free(job);
+        reply_error(p, m, TDM_ENOMEM, "out of memory");
+        return;
+    }
     double now = tdm_now();
     double wall = (double)time(NULL);
     job->deadline = m->deadline_unix > 0 ? now + (m->deadline_unix - wall) : now + 600;
@@ -1186,7 +854,8 @@ static void prefill_start(struct tdm_prefill_service *p, const Tandem__PrefillRe
     if (rc != TDM_OK) {
         pthread_cond_destroy(&job->cv);
         pthread_mutex_destroy(&job->mu);
-        free(job->dst_blocks);
+        tdm_kv_send_mark_closed(job->kv); // reply_error sends the closed frame
+        tdm_kv_send_free(job->kv);
         free(job);
         reply_error(p, m, rc, err);
         tdm_pd_metrics_fail(&p->m, "submit");
@@ -1256,7 +925,7 @@ static const struct tdm_pd_metric_names metric_names = {
 static void health_details(void *arg, char *buf, size_t len)
 {
     struct tdm_prefill_service *p = arg;
-    tdm_kvx_pairs_json(p->pairs, p->kv_setting, buf, len);
+    tdm_kv_transport_health(p->kvt, buf, len);
 }
 
 // The GPU-to-GPU side of the service: --kv-transfer, this node's id, whether
@@ -1265,27 +934,23 @@ static void health_details(void *arg, char *buf, size_t len)
 static int prefill_kvx_init(struct tdm_prefill_service *p, struct tdm_worker *server, char *err,
                             size_t errlen)
 {
-    pthread_mutex_init(&p->ipc_mu, NULL);
-    p->kv_setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer;
-    tdm_kvx_host_id(p->host_id, sizeof p->host_id);
     struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(p->parts.engine));
-    // The CUDA module's table only for a pool on a device: a CPU worker never
-    // loads libtandem-cuda.so (and its CUDA libraries) for it.
-    p->kvx_ops = p->cfg.kvx_ops                 ? p->cfg.kvx_ops
-                 : st->ops->device_pool != NULL ? tdm_kvx_cuda_ops()
-                                                : NULL;
-    p->gpu = p->kvx_ops != NULL && st->ops->device_pool != NULL &&
-             st->ops->device_pool(st, &p->own_pool) == TDM_OK;
-    int rc = tdm_kvx_pairs_new(&p->pairs, 64);
-    if (rc == TDM_OK && p->kvx_ops != NULL)
-        rc = tdm_kvx_ipc_cache_new(&p->ipc, p->kvx_ops, 16);
-    // NCCL where the table has its calls (a fake table in tests may not).
-    if (rc == TDM_OK && p->gpu &&
-        (p->kv_setting == TDM_KVX_AUTO || p->kv_setting == TDM_KVX_NCCL) &&
-        p->kvx_ops->nccl_send != NULL &&
-        tdm_kvx_links_new(&p->links, p->kvx_ops, TDM_KVX_PREFILL, p->cfg.nccl_timeout, 64) ==
-            TDM_OK)
-        p->nccl = true;
+    struct tdm_kv_device_pool own = {0};
+    struct tdm_kv_transport_config tc = {
+        .role = TDM_KVX_PREFILL,
+        .setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer,
+        .ops = p->cfg.kvx_ops,
+        .device = st->ops->device_pool != NULL,
+        .num_layers = p->kvc.num_layers,
+        .own_layer = tdm_kv_storage_layer,
+        .own_arg = st,
+        .nccl_timeout = p->cfg.nccl_timeout,
+    };
+    tc.gpu = tc.device && st->ops->device_pool(st, &own) == TDM_OK;
+    tc.pool_base = own.base;
+    tc.elem_bytes = own.elem_bytes;
+    tc.block_bytes = own.block_bytes;
+    int rc = tdm_kv_transport_new(&p->kvt, &tc);
     if (rc != TDM_OK)
         return tdm_seterr(err, errlen, rc, "prefill: out of memory");
     static const char *const transport[] = {"transport"};
@@ -1351,10 +1016,7 @@ int tdm_prefill_service_new(struct tdm_prefill_service **out, struct tdm_worker 
     return TDM_OK;
 fail:
     tdm_worker_set_health_details(server, NULL, NULL);
-    tdm_kvx_links_free(p->links);
-    tdm_kvx_ipc_cache_free(p->ipc);
-    tdm_kvx_pairs_free(p->pairs);
-    pthread_mutex_destroy(&p->ipc_mu);
+    tdm_kv_transport_free(p->kvt);
     pthread_cond_destroy(&p->cv);
     pthread_mutex_destroy(&p->mu);
     free(p);
@@ -1376,10 +1038,7 @@ void tdm_prefill_service_free(struct tdm_prefill_service *p)
     pthread_mutex_unlock(&p->mu);
     tdm_pd_service_fini(&p->net);
     tdm_worker_set_health_details(p->server, NULL, NULL);
-    tdm_kvx_links_free(p->links);
-    tdm_kvx_ipc_cache_free(p->ipc);
-    tdm_kvx_pairs_free(p->pairs);
-    pthread_mutex_destroy(&p->ipc_mu);
+    tdm_kv_transport_free(p->kvt);
     pthread_cond_destroy(&p->cv);
     pthread_mutex_destroy(&p->mu);
     free(p);

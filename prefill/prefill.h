@@ -35,7 +35,7 @@ struct tdm_prefill_config {
                           // long after the prefill finished; default 30
     int layers_per_frame; // --layers-per-frame: upper bound on layers per KvData frame; default 4
     double send_timeout;  // seconds one frame may wait for the decode worker; default 5
-    const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = tdm_kvx_cuda_ops() (NULL in a
+    const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = the CUDA module's table (none in a
                                        // CPU build: KV over nng). Tests pass a fake table.
     double nccl_timeout; // NCCL: communicator init, and each layer group's send; default 10
 };

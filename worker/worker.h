@@ -83,9 +83,9 @@ struct tdm_worker_config {
                                                // $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off
     char trace_service_name[64]; // not a flag: service.name of the spans ("tandem-decode",
                                  // set by the role; $OTEL_SERVICE_NAME overrides)
-    int kv_transfer;                        // --kv-transfer nng|cuda-ipc|nccl|auto: enum
-                                            // tdm_kvx_mode (common/transport/cuda/kvx.h);
-                                            // default auto (P/D roles only)
+    int kv_transfer;             // --kv-transfer nng|cuda-ipc|nccl|auto: enum
+                                 // tdm_kvx_mode (common/kvx/kvx.h);
+                                 // default auto (P/D roles only)
     struct tdm_spec_config spec; // --speculative-config JSON (vLLM's; method "ngram" only);
                                  // num_speculative_tokens 0 = off (default)
     // vLLM flags a `vllm serve` line carries over (issue 28, item 5):

@@ -343,7 +343,7 @@ expect "pack over its size limit: exit 1" [ "$rc" -eq 1 ]
 expect "pack over its size limit: says so" grep -q "over the 0 MiB that can travel" <<<"$out"
 rm -rf "$work/pack-small"
 cat >>"$fb/CTestTestfile.cmake" <<EOF
-add_test(kvx_cuda_test "$fb/common/transport/cuda/kvx_cuda_test")
+add_test(kvx_cuda_test "$fb/common/kvx/kvx_cuda_test")
 set_tests_properties(kvx_cuda_test PROPERTIES LABELS "gpu")
 EOF
 out=$(CTEST=$ctest PYTHON=$python "$pack_sh" --build-dir "$fb" --no-build --src "$fs" \

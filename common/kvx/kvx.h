@@ -21,8 +21,10 @@
 // take and give back links concurrently; a taken link, a push and an NCCL
 // transfer belong to the one thread that uses them (a prefill job thread; a
 // decode job thread and its NCCL receive thread in turn); the IPC handle cache
-// is shared by a worker's job threads and locked by its owner (prefill.c's
-// ipc_mu). None of these calls the engine.
+// is shared by a worker's job threads and locked by its owner (the transport
+// table's ipc_mu, kv_send.c). None of these calls the engine. The roles do
+// not call kvx themselves: they go through the transport table
+// (kv_transport.h), one ops table per mode over these calls.
 #ifndef TDM_KVX_H
 #define TDM_KVX_H
 
