@@ -3,7 +3,7 @@
 # check_no_cuda_link.sh [--module MODULE] BINARY...: no binary links a CUDA
 # library (cudart, cuBLAS/cuBLASLt, NCCL, the driver), directly or through
 # another library (ldd is recursive): the CUDA backend is a module they load
-# (common/model/backend_module.h). With --module, that module must link
+# (common/engine/model/backend_module.h). With --module, that module must link
 # cudart and cuBLASLt (the check would otherwise pass on a module that lost
 # them). One line per offender; exit 1 when there is one.
 set -euo pipefail

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Fuzzes the chat template renderer (common/chat): a template comes from a
+// Fuzzes the chat template renderer (common/text/chat): a template comes from a
 // downloaded model's tokenizer_config.json or an operator's --chat-template,
 // and its messages and tools from any client. The input is the template text,
 // then (after a NUL byte) a messages JSON array, then (after another NUL) a

@@ -21,7 +21,7 @@
 //     events (stored/evicted hashes) from the worker can also feed exactly.
 //
 // Block hash (tdm_router_block_hashes): identical to the decode worker's KV
-// cache (common/kv, kv_hash_block): for block i of block_size tokens,
+// cache (common/engine/kv, kv_hash_block): for block i of block_size tokens,
 //   h_i = H(h_{i-1}, tokens[i*bs .. (i+1)*bs)), h_{-1} = 0,
 // H = an xxHash64-style accumulation of two 32-bit token ids per 64-bit lane
 // (P1 0x9E3779B185EBCA87, P2 0xC2B2AE3D27D4EB4F, P3 0x165667B19E3779F9), length

@@ -110,7 +110,7 @@ static void test_otlp_endpoint(void **state)
     assert_non_null(strstr(err, "--otlp-traces-endpoint: expected an http:// or https:// URL"));
 }
 
-// The flags every OpenAI front takes (common/openai/openai_front.h) mean the
+// The flags every OpenAI front takes (common/edge/openai/openai_front.h) mean the
 // same on the workers: worker/worker_config_test.c checks the same cases, word
 // for word (issue 27, part B: the two copies had drifted; the router checked
 // --log-level only in main, after parsing).

@@ -5,8 +5,8 @@
 // side router_inbox.c, the flags router_opts.c (router_impl.h ties them).
 //
 // The OpenAI response shaping (detokenization, stop strings, logprobs, echo,
-// usage, SSE) is the decode worker's own (common/openai's tdm_oai_call,
-// common/openai's tdm_oai_http_stream) so that text through the router equals
+// usage, SSE) is the decode worker's own (common/edge/openai's tdm_oai_call,
+// common/edge/openai's tdm_oai_http_stream) so that text through the router equals
 // text from the decode worker alone.
 #include "router.h"
 

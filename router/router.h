@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // router: the request path of `tandem-router`. It serves the OpenAI HTTP
-// surface (common/http + common/openai: /v1/completions, /v1/chat/completions,
+// surface (common/edge/http + common/edge/openai: /v1/completions, /v1/chat/completions,
 // /v1/models, /tokenize, /detokenize, /health, /metrics, /version and
 // GET /v1/router/config), tokenizes and applies the chat template itself (for
 // prefix-aware routing and the P/D decision), asks the control plane

@@ -2,7 +2,7 @@
 // router_call: one completions or chat call through the router. Tokenized and
 // routed (control.h), each choice gets an upstream stream on the routed decode
 // worker (GenerateRequest; with P/D a PrefillRequest first), read by the
-// call's HTTP worker thread (pump) into common/openai's assemblers, so text
+// call's HTTP worker thread (pump) into common/edge/openai's assemblers, so text
 // through the router equals text from the decode worker alone. Attempts run
 // under one retry budget (retry.h); a decode worker lost mid-stream is
 // replaced and the stream migrated with the tokens already sent.
@@ -51,7 +51,7 @@ struct choice {
 struct call {
     struct tdm_router_server *s;
     struct tdm_http_conn *conn;
-    struct tdm_oai_call oai; // request, prompts, choices' assemblers (common/openai)
+    struct tdm_oai_call oai; // request, prompts, choices' assemblers (common/edge/openai)
     struct choice *choices;  // [oai.n_choices]
     bool client_gone;
     double arrival;

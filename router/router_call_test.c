@@ -4,7 +4,7 @@
 // real tdm_router_server on loopback, driven over HTTP, against fake decode
 // workers written here. A fake has what the router talks to: an HTTP server
 // whose /health answers 200 (the router's active health checks) and an inbox
-// (common/transport) that answers LoadQuery with LoadReport and a
+// (common/edge/transport) that answers LoadQuery with LoadReport and a
 // GenerateRequest with TokenChunks sent to the reply_to inbox it names, as
 // decode/pd_receiver.c does. Its script: answer (tokens token_of(i) up to
 // max_tokens, i counted from the resume tokens on, then a length finish),

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // router_opts: tandem-router's flags (the OpenAI front's shared ones from
-// common/openai/openai_front.h and the router's own) and the --policy short
+// common/edge/openai/openai_front.h and the router's own) and the --policy short
 // form, written to a private routing config file.
 #include <errno.h>
 #include <stdio.h>

@@ -2,7 +2,7 @@
 // router_stream: what the router does with one choice's upstream stream, as
 // pure functions (no locks, no I/O, no clock of their own) that router.c's
 // pump calls and router_stream_test.c checks: a TokenChunk from the decode
-// worker into the choice (common/openai's shared step, tdm_oai_call_take,
+// worker into the choice (common/edge/openai's shared step, tdm_oai_call_take,
 // after the checks a peer's bytes need), the verdict on the decode worker's
 // liveness, and whether a failed attempt may be retried on another worker.
 // protobuf-c types appear here because this is the router's side of the wire

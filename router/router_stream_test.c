@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Tests of the router's per-choice stream steps (router_stream.c) with no
 // network and no threads: TokenChunks built in memory go into a real call
-// (common/openai, a small tokenizer from tools/mkmodel). Tokens in slices (a
+// (common/edge/openai, a small tokenizer from tools/mkmodel). Tokens in slices (a
 // chunk longer than one slice, with top logprobs), logprob and top lists of
 // the wrong length ignored and over-long top lists cut, a stop string that
 // ends the choice (the decode worker is to be cancelled), an EOS finish

@@ -36,7 +36,7 @@ static void handle_models(struct tdm_worker *s, struct tdm_http_conn *c)
 }
 
 // ---- routing --------------------------------------------------------------------------------
-// common/http has already matched (method, path), checked the API key and read
+// common/edge/http has already matched (method, path), checked the API key and read
 // the body under --max-body-bytes (404/405/401/413 never get here).
 static void on_health(struct tdm_http_conn *c, void *arg)
 {

@@ -84,7 +84,7 @@ struct tdm_worker_config {
     char trace_service_name[64]; // not a flag: service.name of the spans ("tandem-decode",
                                  // set by the role; $OTEL_SERVICE_NAME overrides)
     int kv_transfer;             // --kv-transfer nng|cuda-ipc|nccl|auto: enum
-                                 // tdm_kvx_mode (common/kvx/kvx.h);
+                                 // tdm_kvx_mode (common/engine/kvx/kvx.h);
                                  // default auto (P/D roles only)
     struct tdm_spec_config spec; // --speculative-config JSON (vLLM's; method "ngram" only);
                                  // num_speculative_tokens 0 = off (default)
@@ -175,7 +175,7 @@ struct tdm_worker_parts {
     struct tdm_engine *engine;
     struct tdm_model *model;
     struct tdm_metrics_registry *reg; // for the role's own tandem:* metrics
-    struct tdm_tracer *tracer;        // span exporter (common/trace); NULL = tracing off
+    struct tdm_tracer *tracer;        // span exporter (common/obs/trace); NULL = tracing off
     const char *served_name;
     const int32_t *eos_ids; // [num_eos] config.json's and generation_config.json's
     int num_eos;

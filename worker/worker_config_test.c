@@ -417,7 +417,7 @@ static void test_otlp_endpoint(void **state)
                      TDM_EINVAL);
 }
 
-// The flags every OpenAI front takes (common/openai/openai_front.h) mean the
+// The flags every OpenAI front takes (common/edge/openai/openai_front.h) mean the
 // same on the router: router/opts_test.c checks the same cases, word for word
 // (issue 27, part B: the two copies had drifted).
 static void test_front_flags(void **state)

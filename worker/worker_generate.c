@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // worker_generate: the worker's OpenAI generation path (see worker.h): parse,
-// chat template, tokenize and context checks (common/openai's tdm_oai_call)
+// chat template, tokenize and context checks (common/edge/openai's tdm_oai_call)
 // -> one engine request per choice -> read the engine's output streams into
 // the choices' assemblers (incremental detokenizer, stop-string matcher) ->
-// SSE chunks (common/openai's tdm_oai_http_stream, with this file's engine pump)
+// SSE chunks (common/edge/openai's tdm_oai_http_stream, with this file's engine pump)
 // or one body.
 // Invariants: an HTTP thread never touches the model or the KV cache, only the
 // engine's queues; every engine request a handler submitted is aborted (if
@@ -24,9 +24,9 @@
 #include "worker_impl.h"
 
 // ---- generation -------------------------------------------------------------------------
-// One call = the request's choices (common/openai: tokens -> text, stop
+// One call = the request's choices (common/edge/openai: tokens -> text, stop
 // strings, logprobs, finish) and one engine request per choice behind them;
-// common/openai's openai_http writes the stream. A failure is answered by
+// common/edge/openai's openai_http writes the stream. A failure is answered by
 // tdm_oai_error_from_err / tdm_oai_http_fail, as the router answers it (a full
 // waiting queue and a draining server are 503 with Retry-After).
 struct call {
@@ -39,7 +39,7 @@ struct call {
     struct tdm_engine_times times0; // choice 0's phases, for the trace
 };
 
-// Consumes one engine chunk into choice i (common/openai's shared step). A
+// Consumes one engine chunk into choice i (common/edge/openai's shared step). A
 // stop string that completes aborts the engine request (counted as
 // finished_reason "stop").
 static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c)

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // worker_test: the worker base's lifecycle and route table (worker.c) over
 // mkmodel's tiny model on 127.0.0.1, driven by raw sockets
-// (common/http/http_test_client): every API route 503 "loading" until ready
+// (common/edge/http/http_test_client): every API route 503 "loading" until ready
 // (also after tdm_worker_load_unready), /metrics empty until then, 200 and a
 // generation once ready, the role's /health details, 503 again once it
 // drains; the route table's methods; what the load computes (the KV pool

@@ -209,7 +209,7 @@ EOF
 sed 's/test_pd_gpu ok/test_decode_walkthrough ok/' "$fs/integration-tests/test_pd_gpu.py" \
     >"$fs/integration-tests/test_decode_walkthrough.py"
 mkdir -p "$fb/bench/gpu" "$fb/bench/engine" "$fb/bench/serve" "$fb/decode" "$fb/prefill" \
-    "$fb/router" "$fb/tools/mkmodel" "$fb/tools/generate" "$fb/common/model/cuda"
+    "$fb/router" "$fb/tools/mkmodel" "$fb/tools/generate" "$fb/common/engine/model/cuda"
 cp "$b/bench/gpu/tandem-gpu-probe" "$fb/bench/gpu/"
 cp "$report" "$fb/bench/gpu/tandem-gpu-report" # a real ELF: its libraries (cJSON ...) travel
 long_help='i=0; while [ $i -lt 3000 ]; do echo "  --flag-$i N  pads the help past a pipe buffer"; i=$((i + 1)); done'
@@ -280,10 +280,10 @@ EOF
 for f in router/tandem-router prefill/tandem-prefill; do
     printf '#!/bin/sh\necho "usage: %s --device D --kv-transfer T"\n' "$f" >"$fb/$f"
 done
-printf '#!/bin/sh\necho "cuda ops on the GPU: ok"\n' >"$fb/common/model/cuda/cuda_ops_gpu_test"
-printf '#!/bin/sh\nexit 1\n' >"$fb/common/model/cuda/unit_only_test"
+printf '#!/bin/sh\necho "cuda ops on the GPU: ok"\n' >"$fb/common/engine/model/cuda/cuda_ops_gpu_test"
+printf '#!/bin/sh\nexit 1\n' >"$fb/common/engine/model/cuda/unit_only_test"
 chmod +x "$fb"/bench/*/tandem-* "$fb"/decode/* "$fb"/prefill/* "$fb"/router/* "$fb"/tools/*/* \
-    "$fb"/common/model/cuda/*
+    "$fb"/common/engine/model/cuda/*
 # A real ELF linking a library of the build folder through a RUNPATH naming it,
 # and a backend module in lib/.
 printf 'int fakedep(void) { return 42; }\n' >"$work/fakedep.c"
@@ -298,9 +298,9 @@ expect "pack: the fake ELF and libraries compiled" [ -x "$fb/tools/tandem-fake-e
 echo "CMAKE_HOME_DIRECTORY:INTERNAL=$fs" >"$fb/CMakeCache.txt"
 echo "CMAKE_CUDA_ARCHITECTURES:STRING=90" >>"$fb/CMakeCache.txt"
 cat >"$fb/CTestTestfile.cmake" <<EOF
-add_test(cuda_ops_gpu_test "$fb/common/model/cuda/cuda_ops_gpu_test")
-set_tests_properties(cuda_ops_gpu_test PROPERTIES LABELS "gpu" SKIP_RETURN_CODE "77" TIMEOUT "60" WORKING_DIRECTORY "$fb/common/model/cuda")
-add_test(unit_only_test "$fb/common/model/cuda/unit_only_test")
+add_test(cuda_ops_gpu_test "$fb/common/engine/model/cuda/cuda_ops_gpu_test")
+set_tests_properties(cuda_ops_gpu_test PROPERTIES LABELS "gpu" SKIP_RETURN_CODE "77" TIMEOUT "60" WORKING_DIRECTORY "$fb/common/engine/model/cuda")
+add_test(unit_only_test "$fb/common/engine/model/cuda/unit_only_test")
 set_tests_properties(unit_only_test PROPERTIES LABELS "unit")
 add_test(decode_walkthrough_cuda "$(command -v "$python")" "$fs/integration-tests/test_decode_walkthrough.py" "--decode" "$fb/decode/tandem-decode" "--mkmodel" "$fb/tools/mkmodel/tandem-mkmodel" "--workdir" "$fb/integration-tests/work-cuda" "--server-flags" "--device cuda")
 set_tests_properties(decode_walkthrough_cuda PROPERTIES LABELS "gpu" SKIP_RETURN_CODE "77" TIMEOUT "300")
@@ -343,7 +343,7 @@ expect "pack over its size limit: exit 1" [ "$rc" -eq 1 ]
 expect "pack over its size limit: says so" grep -q "over the 0 MiB that can travel" <<<"$out"
 rm -rf "$work/pack-small"
 cat >>"$fb/CTestTestfile.cmake" <<EOF
-add_test(kvx_cuda_test "$fb/common/kvx/kvx_cuda_test")
+add_test(kvx_cuda_test "$fb/common/engine/kvx/kvx_cuda_test")
 set_tests_properties(kvx_cuda_test PROPERTIES LABELS "gpu")
 EOF
 out=$(CTEST=$ctest PYTHON=$python "$pack_sh" --build-dir "$fb" --no-build --src "$fs" \

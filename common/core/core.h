@@ -56,7 +56,7 @@ const char *tdm_finish_name(enum tdm_finish reason);
 
 // ---- structured-output constraint kind ------------------------------------------
 // What a request's constraint text is (issue 12; docs/structured-outputs.md):
-// the same numbers travel in SamplingParams.constraint_kind. common/grammar
+// the same numbers travel in SamplingParams.constraint_kind. common/engine/grammar
 // compiles (kind, text) into a grammar (tdm_grammar_compile_constraint).
 enum tdm_constraint_kind {
     TDM_CONSTRAINT_NONE = 0,    // unconstrained
@@ -133,8 +133,8 @@ uint64_t tdm_rng_next(struct tdm_rng *r);
 double tdm_rng_uniform(struct tdm_rng *r);
 // One splitmix64 step over *x (also a good 64-bit mixer).
 uint64_t tdm_splitmix64(uint64_t *x);
-// The 64-bit hashing steps the block hash (common/kv) and the weight cache's
-// checksum (common/model) share: a left rotation by r (0 < r < 64), and
+// The 64-bit hashing steps the block hash (common/engine/kv) and the weight cache's
+// checksum (common/engine/model) share: a left rotation by r (0 < r < 64), and
 // murmur3's fmix64 avalanche. Their outputs are part of the block hashes the
 // router mirrors and of the cached weight files' checksums: never change them.
 static inline uint64_t tdm_rotl64(uint64_t x, int r)

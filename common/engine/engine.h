@@ -95,7 +95,7 @@ void tdm_engine_free(struct tdm_engine *e);
 // tdm_engine_free.
 int tdm_engine_drain(struct tdm_engine *e, double timeout_s);
 
-// KV events (common/kv: STORED / EVICTED block hashes of the prefix cache) when
+// KV events (common/engine/kv: STORED / EVICTED block hashes of the prefix cache) when
 // cfg.kv_event_capacity > 0: the engine thread moves them after every step into
 // a buffer any thread can take from. Moves up to cap of the oldest into out and
 // returns how many (0 when off). *overflow (may be NULL) is true when events

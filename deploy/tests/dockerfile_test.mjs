@@ -348,7 +348,7 @@ function checkCuda(cudaText, debianPk, where, chk) {
     chk.check(/-DTANDEM_CUDA=ON\b/.test(buildText), where, 'the build does not configure -DTANDEM_CUDA=ON');
     chk.check(/-DCMAKE_CUDA_ARCHITECTURES=/.test(buildText), where, 'the build does not set CMAKE_CUDA_ARCHITECTURES (the GPUs the image runs on)');
     // The same binaries as the Debian image, plus the CUDA backend module
-    // (common/model/backend_module.h) where they look for it: ../lib.
+    // (common/engine/model/backend_module.h) where they look for it: ../lib.
     chk.check(/cmake\s+--build\s+[^&]*--target\s+tandem-cuda\b/.test(buildText), where,
         'the build does not build the CUDA backend module (--target tandem-cuda)');
     const runtimeCopies = stages[stages.length - 1].instrs.filter((x) => x.op === 'COPY').map((x) => x.text).join('\n');

@@ -4,7 +4,7 @@
 // processes - the way an operator would try it on a laptop before taking it to
 // a cluster:
 //
-//   1. the model: --model DIR or a Hugging Face id (common/hub), else the
+//   1. the model: --model DIR or a Hugging Face id (common/text/hub), else the
 //      built-in demo model, written once with the mkmodel library into
 //      $XDG_CACHE_HOME/tandem/models/<preset>-v1 and reused afterwards;
 //   2. the ports: the router on --port, decode worker i on port+1+i, prefill
@@ -2087,7 +2087,7 @@ static int find_binaries(const struct up_opts *o, char bin[3][PATH_MAX])
     return 0;
 }
 
-// The control plane's shared secret (common/transport): one drawn per run
+// The control plane's shared secret (common/edge/transport): one drawn per run
 // unless the operator gave one, so the stack's nng ports refuse any other
 // process. Children inherit it through the environment.
 static void draw_internal_secret(void)

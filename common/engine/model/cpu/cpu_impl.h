@@ -1,0 +1,211 @@
+// SPDX-License-Identifier: Apache-2.0
+// cpu_impl: internals shared by the CPU backend's files: the backend object,
+// the thread pool, the packed weight layout and the per-ISA kernel table.
+//
+// Packed weight layout (every dtype, every ISA path): rows are grouped in
+// blocks of CPU_BLOCK_ROWS = 64 rows = 4 panels of 16 rows; the last block keeps
+// only the panels it needs (G = ceil(rows_left / 16)), padding rows are zero.
+// Inside a block the reduction index is outermost, so one k step of all G
+// panels is a contiguous G * 64-byte run:
+//   BF16: [kp = ceil(cols/2)][G][16 rows][2] bf16  (a k pair per 32-bit lane, as
+//         vdpbf16ps consumes it; odd cols padded with a zero)
+//   Q8:   [kq = ceil(cols/32)*8][G][16 rows][4] int8 (a k quad per 32-bit lane,
+//         as vpdpbusd consumes it; cols padded with zeros to a multiple of 32),
+//         scales [nblocks*64] f32 (0 for padding rows)
+//   F32:  [cols][G][16 rows] f32
+// A 16-lane vector therefore holds one k (pair) of 16 output rows: every
+// output element accumulates in its own lane over k in order and no
+// horizontal reduction exists, so the result of an element depends on its row
+// and its token only, never on the tile or batch it is computed in.
+#ifndef TDM_CPU_IMPL_H
+#define TDM_CPU_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "cpu_backend.h"
+
+// Version of the packed layout above and of the Q8 quantization: bump it on
+// any change to what prepare_weight writes, so packed-weight cache files of
+// the old layout (common/engine/model/weight_cache.h) are never used.
+#define CPU_LAYOUT_VERSION 1
+#define CPU_PANEL_ROWS 16
+#define CPU_BLOCK_PANELS 4
+#define CPU_BLOCK_ROWS (CPU_PANEL_ROWS * CPU_BLOCK_PANELS)
+// Tokens converted and multiplied per pass of matmul (bounds the scratch).
+#define CPU_MM_CHUNK_TOKENS 512
+// Positions scored together in attention (a chunk never crosses a KV block).
+#define CPU_ATTN_CHUNK 16
+
+// ---- thread pool ---------------------------------------------------------------------
+// fn runs once on every thread (tid 0 is the caller) and returns before
+// cpu_pool_run does. The pool is driven by one thread at a time.
+typedef void (*cpu_task_fn)(void *arg, int tid, int nthreads);
+struct cpu_pool;
+int cpu_pool_new(struct cpu_pool **out, int nthreads);
+void cpu_pool_free(struct cpu_pool *p);
+void cpu_pool_run(struct cpu_pool *p, cpu_task_fn fn, void *arg);
+int cpu_pool_size(const struct cpu_pool *p);
+
+// ---- matmul arguments and weight geometry ------------------------------------------------
+struct cpu_mm_args {
+    const struct tdm_weight *w;
+    const float *bias; // [rows] or NULL
+    const float *x;    // [n][cols] f32
+    // Activations converted by mm_prep_x, [n][xq_stride] uint32 per token:
+    // BF16 weights: bf16 pairs; Q8 weights: int8 [kpad], then f32 scale and
+    // int32 sum of each 32-k block. NULL when the path reads f32 x.
+    const uint32_t *xq;
+    size_t xq_stride;
+    float *y; // [n][rows], or a tile of the rows (y_stride, y_row0)
+    int n;
+    // Where row r of token t goes: y + t * y_stride + (r - y_row0). 0 and 0 for
+    // the whole output; the fused argmax has mm_blocks write each chunk of rows
+    // into a small per-thread tile instead (y_row0 its first row).
+    size_t y_stride;
+    int y_row0;
+};
+
+static inline float *cpu_mm_y(const struct cpu_mm_args *a, int t, int r0)
+{
+    size_t stride = a->y_stride ? a->y_stride : (size_t)a->w->rows;
+    return a->y + (size_t)t * stride + (r0 - a->y_row0);
+}
+
+static inline int cpu_w_blocks(const struct tdm_weight *w)
+{
+    return (w->rows + CPU_BLOCK_ROWS - 1) / CPU_BLOCK_ROWS;
+}
+
+// Panels stored in block b.
+static inline int cpu_w_block_panels(const struct tdm_weight *w, int b)
+{
+    int left = w->rows - b * CPU_BLOCK_ROWS;
+    int g = (left + CPU_PANEL_ROWS - 1) / CPU_PANEL_ROWS;
+    return g < CPU_BLOCK_PANELS ? g : CPU_BLOCK_PANELS;
+}
+
+// Bytes of one k step (BF16: one k pair) of one panel.
+static inline size_t cpu_w_step_bytes(enum tdm_wtype t)
+{
+    (void)t;
+    return 64;
+}
+
+// Activation quantization block of the AVX-512 Q8 path (one scale per 32 k).
+#define CPU_Q8_BLOCK 32
+
+// Columns of a Q8 row including the zero padding.
+static inline int cpu_q8_kpad(int cols)
+{
+    return (cols + CPU_Q8_BLOCK - 1) / CPU_Q8_BLOCK * CPU_Q8_BLOCK;
+}
+
+// k steps per row: pairs for BF16, quads for Q8, columns for F32.
+static inline int cpu_w_steps(const struct tdm_weight *w)
+{
+    return w->type == TDM_W_BF16 ? (w->cols + 1) / 2
+           : w->type == TDM_W_Q8 ? cpu_q8_kpad(w->cols) / 4
+                                 : w->cols;
+}
+
+// Start of block b inside w->data.
+static inline const uint8_t *cpu_w_block(const struct tdm_weight *w, int b)
+{
+    size_t full = (size_t)cpu_w_steps(w) * CPU_BLOCK_PANELS * cpu_w_step_bytes(w->type);
+    return (const uint8_t *)w->data + (size_t)b * full;
+}
+
+// ---- per-ISA kernels -----------------------------------------------------------------------
+struct cpu_kernels {
+    const char *name;
+    // Converts x rows [t0, t1) into a->xq for BF16/Q8 weights; NULL when the
+    // path reads f32 x.
+    void (*mm_prep_x)(const struct cpu_mm_args *a, int t0, int t1);
+    // y rows of blocks [b0, b1) for all a->n tokens.
+    void (*mm_blocks)(const struct cpu_mm_args *a, int b0, int b1);
+    // out[i] = silu(gate[i]) * up[i] for i < inter.
+    void (*silu_mul_row)(const float *gate, const float *up, float *out, int inter);
+    // s[j] = scale * q . k[j] for j < nk (1 <= nk <= CPU_ATTN_CHUNK); k rows are
+    // head_dim apart. Returns max_j s[j].
+    float (*attn_scores)(const float *q, const float *k, int nk, int head_dim, float scale,
+                         float *s);
+    // s[j] = exp(s[j] - m) for j < nk (s[j] <= m); returns their sum (in a
+    // fixed order).
+    float (*attn_exp)(float *s, int nk, float m);
+    // acc = acc * corr + sum_j p[j] * v[j] (j ascending).
+    void (*attn_accum)(float *acc, float corr, const float *p, const float *v, int nk,
+                       int head_dim);
+    // The same two reading a bf16 pool: each element widened exactly to f32
+    // (a 16-bit shift), then the f32 arithmetic of the f32 kernels, so the
+    // result equals the f32 kernel on the widened keys and values.
+    float (*attn_scores_bf16)(const float *q, const uint16_t *k, int nk, int head_dim, float scale,
+                              float *s);
+    void (*attn_accum_bf16)(float *acc, float corr, const float *p, const uint16_t *v, int nk,
+                            int head_dim);
+    // attn_accum for heads g < nh of one GQA group sharing a span of value
+    // rows given as nrun runs (nv[r] rows at v[r], f32 or, with bf16, bf16
+    // widened exactly); acc rows and p rows (p_stride apart, j counting on
+    // across runs) per head, corr[g] per head. Each head's result is bit for
+    // bit attn_accum's (attn_accum_bf16's) called per run with corr[g] on the
+    // first and 1 on the others. NULL: the backend does exactly that.
+    void (*attn_accum_span)(float *acc, const float *corr, const float *p, int p_stride,
+                            const void *const *v, const int *nv, int nrun, bool bf16, int nh,
+                            int head_dim);
+    // dst[i] = src[i] widened exactly to f32, i < n.
+    void (*widen_bf16)(const uint16_t *src, float *dst, size_t n);
+    // The largest of x[0..n) by `>` (NaN never wins; -inf when nothing is
+    // above it): the fused argmax's scan of a tile row. NULL: a scalar loop.
+    float (*row_max)(const float *x, int n);
+};
+
+extern const struct cpu_kernels cpu_kernels_portable;
+extern const struct cpu_kernels cpu_kernels_avx2;
+extern const struct cpu_kernels cpu_kernels_avx512;
+// The AMX path's table (cpu_kernels_amx.c): the AVX-512 table with the BF16
+// matmul on AMX tiles; emulated: the portable table with the same tile kernel
+// on the software tile model (cpu_amx_emu.h), for tests on any host.
+void cpu_kernels_amx_fill(struct cpu_kernels *k, bool emulated);
+// CPUID says AMX-TILE and AMX-BF16 and Linux granted this process the tile
+// state (asked once).
+bool cpu_amx_available(void);
+
+// ---- the backend object ------------------------------------------------------------------------
+struct tdm_backend {
+    enum tdm_cpu_isa isa;
+    const struct cpu_kernels *k;
+    struct cpu_kernels k_amx; // the AMX table k points to on that path (cpu_kernels_amx_fill)
+    struct cpu_pool *pool;
+    int nthreads;
+    uint32_t *xq;     // [CPU_MM_CHUNK_TOKENS][xq_stride] converted activations (see
+                      // cpu_mm_args), host; grows in prepare_weight
+    size_t xq_stride; // uint32 per token: enough for the widest weight prepared
+    // The fused argmax's per-thread scratch (cpu_matmul_argmax), grown on use:
+    // [nthreads][CPU_ARGMAX_CHUNK_ROWS * CPU_MM_CHUNK_TOKENS] tiles and
+    // [nthreads][CPU_MM_CHUNK_TOKENS] best value and index so far.
+    float *am_tiles;
+    float *am_best;
+    int32_t *am_idx;
+};
+// Tests: runs the emulated AMX table (cpu_kernels_amx_fill(.., true)) on be
+// until the next tdm_cpu_backend_set_isa.
+void cpu_backend_use_amx_emu(struct tdm_backend *be);
+
+// Rows of the weight one fused-argmax task multiplies into its tile (4 blocks:
+// a tile of 64 tokens is 64 KiB, in L2; the full logits of 64 rows of a
+// 151 936-token vocabulary are 39 MB).
+#define CPU_ARGMAX_CHUNK_BLOCKS 4
+#define CPU_ARGMAX_CHUNK_ROWS (CPU_ARGMAX_CHUNK_BLOCKS * CPU_BLOCK_ROWS)
+
+static inline float cpu_bf16_to_f32(uint16_t h)
+{
+    union {
+        uint32_t u;
+        float f;
+    } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+#endif

@@ -1,0 +1,171 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_kernels (internal to the CUDA backend): C entry points that launch the
+// backend's own kernels, and the host-side planning of an attention call.
+// The same declarations are implemented twice from one kernel source
+// (cuda_kernels.cuh + cuda_launch.cuh): by nvcc for the GPU (cuda_kernels.cu)
+// and by g++ against the execution-model emulator (emu/cuda_kernels_emu.cpp,
+// tests only). No CUDA type appears here: a stream is a void * (a
+// cudaStream_t, NULL for the default stream; ignored by the emulator).
+//
+// Every pointer argument of a tdm_cuk_* launcher is device memory (host memory
+// on the emulator). Launchers return an enum tdm_cuk_status (the C++ side
+// cannot include core.h; the backend maps it to enum tdm_err): TDM_CUK_EINVAL
+// for a shape they do not support, TDM_CUK_ELAUNCH when the launch failed,
+// with the detail in tdm_cuk_errmsg. They are asynchronous on the GPU.
+//
+// Layouts (row-major, f32 unless noted):
+//   an activation that feeds a GEMM (the `out` of rmsnorm, silu_mul and
+//   attention) is f32 or bf16 by the launcher's out_bf16 flag: the CUDA
+//   backend's GEMMs take bf16, written by the kernel that produces it;
+//   activations x[n][row_stride]; bf16 is uint16 raw bits (round to nearest even);
+//   KV cache of one layer, K and V apart: [num_blocks][n_kv_heads][block_size][head_dim]
+//   in f32 or bf16 (enum tdm_cuk_kv_type), the same layout as the host pool of
+//   common/engine/kv, so a block's layer moves as one contiguous range.
+//
+// Batch invariance: every kernel maps an output row to blocks and threads by
+// that row's own shape only (its sequence's length for attention), never by n
+// or by the other sequences, and reduces in a fixed order; so a row's result
+// is bitwise the same whatever else shares the launch.
+#ifndef TDM_CUDA_KERNELS_H
+#define TDM_CUDA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum tdm_cuk_status { TDM_CUK_OK = 0, TDM_CUK_EINVAL = 1, TDM_CUK_ELAUNCH = 2 };
+
+enum tdm_cuk_kv_type { TDM_CUK_KV_F32 = 0, TDM_CUK_KV_BF16 = 1 };
+
+// Positions of one decode split (flash-decoding): a sequence of L cached
+// positions runs in ceil(L / TDM_CUK_DECODE_PART) splits, a function of L alone.
+#define TDM_CUK_DECODE_PART 256
+// Query heads of one KV head a decode block serves (reading K/V once for all).
+#define TDM_CUK_DECODE_GROUP 8
+// Query rows per prefill tile (FlashAttention-2 style), and keys per KV tile.
+#define TDM_CUK_PREFILL_BQ 16
+#define TDM_CUK_PREFILL_BK 16
+
+// One sequence of an attention launch (device memory, 16 bytes).
+struct tdm_cuk_seq {
+    int32_t row;       // first row of the sequence in q and out
+    int32_t n_tokens;  // new tokens (rows)
+    int32_t start_pos; // position of the first new token; it attends 0..start_pos+i
+    int32_t reserved;  // 0
+};
+
+// The host-built description of one attention call. `seqs`, `block_tables`,
+// `decode_seqs`, `prefill_tiles`, `part_o` and `part_ml` are device memory laid
+// out by tdm_cuk_attn_plan; q, out and the caches as in the header comment.
+struct tdm_cuk_attn_args {
+    int kv_type;    // enum tdm_cuk_kv_type (an int: C++ may not hold other values in the enum)
+    const float *q; // [rows][q_stride], heads at h * head_dim
+    int q_stride;
+    void *out; // [rows][n_heads * head_dim], f32 or (out_bf16) bf16
+    int out_bf16;
+    // Decode-only batches (n_tiles 0) may fuse RoPE and the KV store: with
+    // inv_freq [head_dim / 2] set, q is the un-rotated qkv row (k of the new
+    // token at q + n_heads * head_dim, v after it, same stride), position
+    // start_pos; the decode blocks rope the query and store the new k and v at
+    // slots[row] (flat block * block_size + offset; negative: padding, not
+    // stored) before reading the cache: tdm_cuk_rope_kv_store then attention,
+    // bitwise, in one launch. NULL: q is rotated and the new KV stored.
+    const float *inv_freq;
+    const int32_t *slots;
+    const void *k_cache, *v_cache;  // this layer's pool
+    const struct tdm_cuk_seq *seqs; // [n_seqs]
+    const int32_t *block_tables;    // [n_seqs][bt_stride]
+    int bt_stride;
+    const int32_t *decode_seqs; // [n_decode] seq indices with n_tokens == 1
+    int n_decode;
+    int max_splits;               // max over decode seqs of their split count
+    float *part_o;                // [n_decode][n_heads][max_splits][head_dim] scratch
+    float *part_ml;               // [n_decode][n_heads][max_splits][2] scratch (max, sum)
+    const int32_t *prefill_tiles; // [n_tiles][2] (seq index, first row in the seq)
+    int n_tiles;
+    int n_heads, n_kv_heads, head_dim, block_size;
+    float scale;
+};
+
+// The host half of an attention call: which kernel serves each sequence
+// (n_tokens == 1: decode kernel, else prefill tiles), how many splits, and the
+// scratch it needs. Fills host arrays the caller then copies to the device:
+//   seqs[n_seqs], decode_seqs[<= n_seqs], prefill_tiles[<= 2 * tiles];
+// returns the counts through the out-params. tiles_cap is the capacity of
+// prefill_tiles in tiles. TDM_CUK_EINVAL for a sequence with n_tokens < 1,
+// start_pos < 0 or too many tiles.
+struct tdm_cuk_plan {
+    int n_decode;
+    int n_tiles;
+    int max_splits;
+    size_t part_floats; // floats part_o needs (part_ml needs 2 / head_dim of it)
+};
+int tdm_cuk_attn_plan(const int32_t *row, const int32_t *n_tokens, const int32_t *start_pos,
+                      int n_seqs, int n_heads, int head_dim, struct tdm_cuk_seq *seqs,
+                      int32_t *decode_seqs, int32_t *prefill_tiles, int tiles_cap,
+                      struct tdm_cuk_plan *plan);
+// Splits of a decode over kv_len cached positions (kv_len >= 1).
+int tdm_cuk_decode_splits(int kv_len);
+
+// out[n][cols] = f32 of bf16 rows ids[i] of table[rows][cols]; ids outside
+// [0, rows) give zero rows.
+int tdm_cuk_embed(void *stream, const uint16_t *table, int rows, int cols, const int32_t *ids,
+                  int n, float *out);
+// The residual add and the norm of the next sublayer in one launch (one CTA
+// per row): with y, x += y first (written back); then out[n][dim] = x /
+// rms(x) * weight, f32 or (out_bf16) bf16. out may equal x when f32.
+int tdm_cuk_add_rmsnorm(void *stream, float *x, const float *y, const float *weight, float eps,
+                        void *out, int out_bf16, int n, int dim);
+// Rotate-half RoPE in place on x[n][row_stride], heads at h * head_dim for h < n_heads.
+int tdm_cuk_rope(void *stream, float *x, int n, int row_stride, int n_heads, int head_dim,
+                 const int32_t *pos, const float *inv_freq);
+// out[n][inter] = silu(gate_up[n][0:inter]) * gate_up[n][inter:2*inter], f32
+// or (out_bf16) bf16.
+int tdm_cuk_silu_mul(void *stream, const float *gate_up, void *out, int out_bf16, int n, int inter);
+// x[i] += y[i] for i < count.
+int tdm_cuk_add(void *stream, float *x, const float *y, size_t count);
+// RoPE of each row's n_q query and n_kv key heads in place (qkv rows of
+// `stride` floats: q heads, k heads, v heads side by side), then the row's k
+// and v into flat slot slots[i] as tdm_cuk_kv_store does (negative: not
+// stored): tdm_cuk_rope then tdm_cuk_kv_store, bitwise, in one launch.
+int tdm_cuk_rope_kv_store(void *stream, int type, float *qkv, int stride, int n_q, int n_kv,
+                          int head_dim, const int32_t *pos, const float *inv_freq,
+                          const int32_t *slots, int n, void *k_cache, void *v_cache,
+                          int block_size);
+// Writes rows i < n of k and v (row stride `stride` floats, n_kv_heads *
+// head_dim each) into flat slot slots[i] = block * block_size + offset of this
+// layer's caches; a negative slot skips the row (padding).
+int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int stride,
+                     const int32_t *slots, int n, void *k_cache, void *v_cache, int n_kv_heads,
+                     int head_dim, int block_size);
+// ids[i] = the index of the first largest of x[i][0..cols) by `>` (ties: the
+// lowest index; NaN never wins; 0 when nothing is above -inf), i < n: greedy
+// sampling on the device, a CTA per chunk of TDM_CUK_ARGMAX_CHUNK columns of a
+// row, then (rows of several chunks) a merge launch. scratch: device memory of
+// tdm_cuk_argmax_scratch(n, cols) bytes (0: NULL is fine). ids is device memory.
+#define TDM_CUK_ARGMAX_CHUNK 1024
+size_t tdm_cuk_argmax_scratch(int n, int cols);
+int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *ids, void *scratch);
+// out[i][block_elems] = f32 of pool block blocks[i], i < n (export), and the
+// reverse: pool block blocks[i] = in[i] rounded to the pool's type (import).
+// block_elems = n_kv_heads * block_size * head_dim.
+int tdm_cuk_kv_gather(void *stream, int type, const void *pool, const int32_t *blocks, int n,
+                      size_t block_elems, float *out);
+int tdm_cuk_kv_scatter(void *stream, int type, void *pool, const int32_t *blocks, int n,
+                       size_t block_elems, const float *in);
+// Causal GQA attention over the paged cache (see struct tdm_cuk_attn_args);
+// head_dim 16, 32, 64 or 128 (Qwen2.5 and Llama 3 use 64 and 128; 16 and 32
+// serve the tiny test models), any n_heads divisible by n_kv_heads.
+int tdm_cuk_attention(void *stream, const struct tdm_cuk_attn_args *a);
+
+// The detail of the last failed tdm_cuk_* call of this thread.
+const char *tdm_cuk_errmsg(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

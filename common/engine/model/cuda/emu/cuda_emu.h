@@ -1,0 +1,171 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda_emu: a small emulator of the CUDA execution model, so that the CUDA
+// backend's kernel bodies (common/engine/model/cuda/cuda_kernels.cuh) also compile as
+// host C++ and run in CI on a machine without a GPU. It is a test tool, never
+// a product path: nothing in a served binary links it.
+//
+// What it models:
+//   - threadIdx, blockIdx, blockDim, gridDim (one value per running fiber);
+//   - a block's threads as cooperative fibers (ucontext) on the calling OS
+//     thread; blocks run one after another, so a function-local `static`
+//     array is exactly one block's __shared__ memory;
+//   - __syncthreads: a fiber yields until every thread of its block is there;
+//     a barrier some threads reach after others exited is reported as a bug;
+//   - warp shuffles (__shfl_xor_sync, __shfl_down_sync) with a full mask: the
+//     32 lanes of a warp meet at a warp barrier, exchange through a slot per
+//     lane, and meet again before the slots are reused;
+//   - atomics: fibers never run at the same time, so a plain read-modify-write
+//     is atomic.
+// What it does not model: timing, memory spaces (device memory is host memory),
+// races between threads (a fiber runs until it waits), partial-warp masks.
+// Kernel bugs it detects (deadlock, a shuffle with exited lanes, a barrier with
+// exited threads, a block size that is not a multiple of 32) abort with a
+// message: the emulator runs only in tests, where that is the useful outcome.
+#ifndef TDM_CUDA_EMU_H
+#define TDM_CUDA_EMU_H
+
+#ifdef __CUDACC__
+#error "cuda_emu.h is the host emulator; nvcc builds use the real CUDA headers"
+#endif
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <functional>
+
+struct dim3 {
+    unsigned x, y, z;
+    constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_)
+    {
+    }
+};
+
+namespace tdm_emu
+{
+// The running fiber's coordinates (set by the scheduler at every switch).
+extern dim3 cur_thread_idx, cur_block_idx, cur_block_dim, cur_grid_dim;
+
+// Runs body once per thread of every block of grid (blocks in x, y, z order).
+// shmem (dynamic shared memory) must be 0: kernels size their __shared__
+// arrays statically (template parameters), which both compilers accept.
+// `stream` as tdm_emu_stream_work's; `name` the kernel's (the launch log).
+void launch(void *stream, const char *name, dim3 grid, dim3 block, size_t shmem,
+            const std::function<void()> &body);
+// Block barrier and warp barrier of the running fiber.
+void syncthreads();
+// Exchanges a 64-bit value among the running fiber's warp: every lane stores
+// `mine`, and gets the value lane `src` stored (its own when src is outside
+// the warp).
+uint64_t warp_exchange(uint64_t mine, int src);
+// Lane of the running fiber in its warp.
+int lane_id();
+// Blocks launched since the process started (tests check that work happened).
+unsigned long long blocks_run();
+
+// A kernel and its arguments evaluated now (by value), for launch or capture.
+template <class F, class... A> std::function<void()> bind_args(F f, A... a)
+{
+    return [=]() { f(a...); };
+}
+} // namespace tdm_emu
+
+// Graphs, streams, events and the launch log: the C API of emu/cuda_emu_api.h.
+#include "cuda_emu_api.h"
+
+#define threadIdx (::tdm_emu::cur_thread_idx)
+#define blockIdx (::tdm_emu::cur_block_idx)
+#define blockDim (::tdm_emu::cur_block_dim)
+#define gridDim (::tdm_emu::cur_grid_dim)
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+// One block runs at a time and its fibers share the calling OS thread, so a
+// function-local static is that block's shared memory.
+#define __shared__ static
+#define __restrict__ __restrict
+
+// A product rounded on its own (never contracted into an FMA).
+static inline float __fmul_rn(float a, float b)
+{
+    volatile float p = a * b;
+    return p;
+}
+
+static inline void __syncthreads(void)
+{
+    ::tdm_emu::syncthreads();
+}
+
+template <class T> static inline uint64_t tdm_emu_bits(T v)
+{
+    static_assert(sizeof(T) <= 8, "shuffle of a type wider than 64 bits");
+    uint64_t u = 0;
+    memcpy(&u, &v, sizeof v);
+    return u;
+}
+template <class T> static inline T tdm_emu_from_bits(uint64_t u)
+{
+    T v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+// Full-warp shuffles only (mask 0xffffffff, width 32), which is all the
+// kernels use.
+template <class T>
+static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32)
+{
+    (void)mask;
+    (void)width;
+    int src = ::tdm_emu::lane_id() ^ lane_mask;
+    return tdm_emu_from_bits<T>(::tdm_emu::warp_exchange(tdm_emu_bits(v), src));
+}
+template <class T>
+static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32)
+{
+    (void)mask;
+    (void)width;
+    int src = ::tdm_emu::lane_id() + (int)delta;
+    return tdm_emu_from_bits<T>(::tdm_emu::warp_exchange(tdm_emu_bits(v), src));
+}
+template <class T> static inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32)
+{
+    (void)mask;
+    (void)width;
+    return tdm_emu_from_bits<T>(::tdm_emu::warp_exchange(tdm_emu_bits(v), src_lane & 31));
+}
+
+// Fibers never run concurrently: read-modify-write is atomic by construction.
+template <class T> static inline T atomicAdd(T *p, T v)
+{
+    T old = *p;
+    *p = old + v;
+    return old;
+}
+template <class T> static inline T atomicMax(T *p, T v)
+{
+    T old = *p;
+    if (v > old)
+        *p = v;
+    return old;
+}
+
+static inline float __fdividef(float a, float b)
+{
+    return a / b;
+}
+static inline float rsqrtf(float x)
+{
+    return 1.0f / sqrtf(x);
+}
+
+#define TDM_CUDA_LAUNCH(kernel, grid, block, shmem, stream, ...)                                   \
+    ::tdm_emu::launch((void *)(stream), #kernel, (grid), (block), (shmem),                         \
+                      ::tdm_emu::bind_args(kernel, __VA_ARGS__))
+
+#endif
