@@ -43,7 +43,7 @@
 #define NIL UINT32_MAX
 #define MAX_DNS_ADDRS 256
 
-// ---- block hashes (common/engine/kv's chained hash, so the index keys what workers cache) -------------
+// ---- block hashes (common/engine/kv's chained hash, so the index keys what workers cache) -------
 size_t tdm_router_block_hashes(const int32_t *tokens, size_t n, int block_size, uint64_t *out,
                                size_t cap)
 {

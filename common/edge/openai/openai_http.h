@@ -146,7 +146,7 @@ int tdm_oai_http_collect(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oa
 int tdm_oai_http_sse_finish(struct tdm_http_conn *c, const struct tdm_oai_response *resp,
                             const struct tdm_oai_error *error, const struct tdm_oai_usage *usage);
 
-// ---- tracing (common/obs/trace, docs/observability.md) --------------------------------------------
+// ---- tracing (common/obs/trace, docs/observability.md) ------------------------------------------
 struct tdm_span;
 struct tdm_trace_ctx;
 // The request's W3C trace context from its traceparent and tracestate headers;
