@@ -389,15 +389,9 @@ static bool stop_poke_addr(const struct tdm_http_server *s, struct stop_poke *p)
     const char *host = s->host && *s->host ? s->host : "0.0.0.0";
     if (strcmp(host, "0.0.0.0") == 0)
         host = "127.0.0.1";
-    else if (strcmp(host, "::") == 0 || strcmp(host, "[::]") == 0)
+    else if (strcmp(host, "::") == 0)
         host = "::1";
-    char bare[64];
-    size_t hl = strlen(host);
-    if (host[0] == '[' && hl > 2 && hl - 2 < sizeof bare && host[hl - 1] == ']') {
-        memcpy(bare, host + 1, hl - 2);
-        bare[hl - 2] = '\0';
-        host = bare;
-    }
+    // The host is stored bare (the listener adds the brackets of an IPv6 one).
     struct sockaddr_in *a4 = (struct sockaddr_in *)&p->addr;
     struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&p->addr;
     memset(&p->addr, 0, sizeof p->addr);
