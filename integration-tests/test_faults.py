@@ -280,9 +280,9 @@ def check_split(cl, res, victim, t_fault, what, m0, moved_all=True):
     check(hit, "%s: no stream ran on %s (%s)" % (what, victim.name, [r["decode"] for r in res]))
     for r in res:
         check(r["how"] == "done" and r["finish"] == "length",
-              "%s: stream %d on %s%s ended %s after %d tokens (%s)"
+              "%s: stream %d on %s%s ended %s, finish_reason %s, after %d chunks (%s)"
               % (what, r["i"], r["decode"], " (interrupted)" if r in hit else "", r["how"],
-                 r["tokens"], r["error"]))
+                 r["finish"], r["tokens"], r["error"]))
     moved = migrations(cl) - m0
     check(moved >= len(hit) or not moved_all, "%s: %d streams interrupted, the router counts %d migrations"
           % (what, len(hit), moved))
@@ -292,8 +292,8 @@ def check_split(cl, res, victim, t_fault, what, m0, moved_all=True):
 def all_done(res, what):
     for r in res:
         check(r["how"] == "done" and r["finish"] == "length",
-              "%s: stream %d ended %s after %d tokens (%s)"
-              % (what, r["i"], r["how"], r["tokens"], r["error"]))
+              "%s: stream %d ended %s, finish_reason %s, after %d chunks (%s)"
+              % (what, r["i"], r["how"], r["finish"], r["tokens"], r["error"]))
 
 
 def settle(cl, what, timeout=30, router=True):
