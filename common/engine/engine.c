@@ -1674,6 +1674,19 @@ void tdm_engine_free(struct tdm_engine *e)
 }
 
 // ---- submit, abort, stream ------------------------------------------------------------------
+// Whether `count` more requests may queue now: TDM_ECLOSED while shutting
+// down, TDM_EBUSY when the waiting queue has no room for them (one message for
+// tdm_engine_admit and tdm_engine_submit, so every path answers alike). Under e->mu.
+static int queue_room_locked(struct tdm_engine *e, int count, char *err, size_t errlen)
+{
+    if (e->closed)
+        return tdm_seterr(err, errlen, TDM_ECLOSED, "engine: shutting down");
+    if (e->num_queued + count > e->cfg.max_waiting)
+        return tdm_seterr(err, errlen, TDM_EBUSY, "the waiting queue is full (--max-waiting %d)",
+                          e->cfg.max_waiting);
+    return TDM_OK;
+}
+
 int tdm_engine_admit(struct tdm_engine *e, int count, char *err, size_t errlen)
 {
     if (count > e->cfg.max_waiting)
@@ -1682,15 +1695,9 @@ int tdm_engine_admit(struct tdm_engine *e, int count, char *err, size_t errlen)
                           "(--max-waiting %d)",
                           count, e->cfg.max_waiting);
     pthread_mutex_lock(&e->mu);
-    bool room = !e->closed && e->num_queued + count <= e->cfg.max_waiting;
-    bool closed = e->closed;
+    int rc = queue_room_locked(e, count, err, errlen);
     pthread_mutex_unlock(&e->mu);
-    if (closed)
-        return tdm_seterr(err, errlen, TDM_ECLOSED, "engine: shutting down");
-    if (!room)
-        return tdm_seterr(err, errlen, TDM_EBUSY, "the waiting queue is full (--max-waiting %d)",
-                          e->cfg.max_waiting); // as tdm_engine_submit: one body on every path
-    return TDM_OK;
+    return rc;
 }
 
 // A constrained request's matcher (on the compiled grammar: the caller's, or
@@ -1867,14 +1874,10 @@ static int submit_enqueue(struct tdm_engine *e, struct tdm_engine_request *r, ch
                           size_t errlen)
 {
     pthread_mutex_lock(&e->mu);
-    if (e->closed) {
+    int rc = queue_room_locked(e, 1, err, errlen);
+    if (rc != TDM_OK) {
         pthread_mutex_unlock(&e->mu);
-        return tdm_seterr(err, errlen, TDM_ECLOSED, "engine: shutting down");
-    }
-    if (e->num_queued >= e->cfg.max_waiting) {
-        pthread_mutex_unlock(&e->mu);
-        return tdm_seterr(err, errlen, TDM_EBUSY, "the waiting queue is full (--max-waiting %d)",
-                          e->cfg.max_waiting);
+        return rc;
     }
     r->state = REQ_NEW;
     if (e->inbox_tail)
