@@ -677,10 +677,11 @@ static int connect_to(const char *host, int port, double timeout, char *why, siz
     return fd;
 }
 
-// GET path; returns the HTTP status (or -1 with *why set) and copies up to cap-1
-// bytes of the body into body (may be NULL) NUL-terminated.
-static int http_get(const char *host, int port, const char *path, double timeout, char *body,
-                    size_t cap, char *why, size_t whylen)
+// GET path; returns the HTTP status (or -1 with *why set) and, when body is not
+// NULL, appends the whole body to it (read to the end of the connection, up to
+// 64 MiB: a router's /metrics over many workers is no fixed size).
+static int http_get(const char *host, int port, const char *path, double timeout,
+                    struct tdm_strbuf *body, char *why, size_t whylen)
 {
     int fd = connect_to(host, port, timeout, why, whylen);
     if (fd < 0)
@@ -693,36 +694,44 @@ static int http_get(const char *host, int port, const char *path, double timeout
         close(fd);
         return -1;
     }
-    static char resp[1 << 18]; // single-threaded; large enough for a /metrics page
-    size_t got = 0;
+    struct tdm_strbuf resp = {.limit = (size_t)64 << 20};
     for (;;) {
-        ssize_t r = read(fd, resp + got, sizeof resp - 1 - got);
+        if (tdm_strbuf_reserve(&resp, 64 << 10) != TDM_OK) {
+            snprintf(why, whylen, "%s", resp.over ? "answer over 64 MiB" : "out of memory");
+            close(fd);
+            tdm_strbuf_fini(&resp);
+            return -1;
+        }
+        ssize_t r = read(fd, resp.p + resp.len, resp.cap - 1 - resp.len);
         if (r > 0) {
-            got += (size_t)r;
-            if (got == sizeof resp - 1)
-                break;
+            resp.len += (size_t)r;
+            resp.p[resp.len] = '\0';
             continue;
         }
         if (r < 0 && errno == EINTR)
             continue;
-        if (r < 0 && got == 0) {
+        if (r < 0 && resp.len == 0) {
             snprintf(why, whylen, "read: %s", errno == EAGAIN ? "timed out" : strerror(errno));
             close(fd);
+            tdm_strbuf_fini(&resp);
             return -1;
         }
         break;
     }
     close(fd);
-    resp[got] = '\0';
     int status = 0;
-    if (sscanf(resp, "HTTP/1.%*d %d", &status) != 1) {
+    if (sscanf(resp.p, "HTTP/1.%*d %d", &status) != 1) {
         snprintf(why, whylen, "not an HTTP answer");
+        tdm_strbuf_fini(&resp);
         return -1;
     }
-    if (body && cap) {
-        const char *b = strstr(resp, "\r\n\r\n");
-        snprintf(body, cap, "%s", b ? b + 4 : "");
+    const char *b = strstr(resp.p, "\r\n\r\n");
+    if (body && tdm_strbuf_adds(body, b ? b + 4 : "") != TDM_OK) {
+        snprintf(why, whylen, "out of memory");
+        tdm_strbuf_fini(&resp);
+        return -1;
     }
+    tdm_strbuf_fini(&resp);
     snprintf(why, whylen, "HTTP %d", status);
     return status;
 }
@@ -1361,10 +1370,11 @@ static bool metrics_sees_all(const char *body, int n_prefill, int n_decode, char
 static bool router_sees_all(const char *host, const struct child *router, int n_prefill,
                             int n_decode, char *why, size_t whylen)
 {
-    static char body[1 << 18];
-    if (http_get(host, router->http_port, "/metrics", 1.0, body, sizeof body, why, whylen) != 200)
-        return false;
-    return metrics_sees_all(body, n_prefill, n_decode, why, whylen);
+    struct tdm_strbuf body = {0};
+    bool all = http_get(host, router->http_port, "/metrics", 1.0, &body, why, whylen) == 200 &&
+               metrics_sees_all(body.p, n_prefill, n_decode, why, whylen);
+    tdm_strbuf_fini(&body);
+    return all;
 }
 
 // One readiness probe of c: /health 200; for a worker behind the router also
@@ -1374,8 +1384,7 @@ static bool router_sees_all(const char *host, const struct child *router, int n_
 // counted ready. Leaves what it saw in c->last_health.
 static bool check_child(const struct up_opts *o, const char *h, struct child *c)
 {
-    int st =
-        http_get(h, c->http_port, "/health", 1.0, NULL, 0, c->last_health, sizeof c->last_health);
+    int st = http_get(h, c->http_port, "/health", 1.0, NULL, c->last_health, sizeof c->last_health);
     if (st != 200)
         return false;
     if (c->role == CHILD_ROUTER)
@@ -1449,15 +1458,17 @@ static int wait_ready(const struct up_opts *o)
 // The served model name as the API reports it (for the curl line).
 static void served_name_from_api(const char *host, int port, char *out, size_t cap)
 {
-    char body[8192], why[128];
-    if (http_get(host, port, "/v1/models", 5.0, body, sizeof body, why, sizeof why) != 200)
-        return;
-    const char *id = strstr(body, "\"id\"");
-    if (!id || !(id = strchr(id + 4, '"')))
-        return;
-    const char *end = strchr(id + 1, '"');
-    if (end && (size_t)(end - id - 1) < cap)
-        snprintf(out, cap, "%.*s", (int)(end - id - 1), id + 1);
+    struct tdm_strbuf body = {0};
+    char why[128];
+    const char *id = NULL;
+    if (http_get(host, port, "/v1/models", 5.0, &body, why, sizeof why) == 200)
+        id = strstr(body.p, "\"id\"");
+    if (id && (id = strchr(id + 4, '"')) != NULL) {
+        const char *end = strchr(id + 1, '"');
+        if (end && (size_t)(end - id - 1) < cap)
+            snprintf(out, cap, "%.*s", (int)(end - id - 1), id + 1);
+    }
+    tdm_strbuf_fini(&body);
 }
 
 static void print_ready(const struct up_opts *o, const char *model, const char *served,
@@ -1679,29 +1690,32 @@ static long metrics_reloads(const char *body)
 static bool router_took_config(const struct up_opts *o, const char *host, long before, char *why,
                                size_t whylen)
 {
-    static char body[1 << 18];
+    struct tdm_strbuf body = {0};
     char fetch_why[160];
-    int st = http_get(host, children[0].http_port, "/metrics", 2.0, body, sizeof body, fetch_why,
-                      sizeof fetch_why);
-    long now = st == 200 ? metrics_reloads(body) : -1;
-    if (!(before < 0 || now > before))
-        return false;
-    if (st != 200) {
+    int st =
+        http_get(host, children[0].http_port, "/metrics", 2.0, &body, fetch_why, sizeof fetch_why);
+    long now = st == 200 ? metrics_reloads(body.p) : -1;
+    bool took = false;
+    if (before >= 0 && now <= before) // not counted yet: why stays as it was
+        ;
+    else if (st != 200)
         snprintf(why, whylen, "%s", fetch_why);
-        return false;
-    }
-    return metrics_sees_all(body, o->n_prefill, o->n_decode, why, whylen);
+    else
+        took = metrics_sees_all(body.p, o->n_prefill, o->n_decode, why, whylen);
+    tdm_strbuf_fini(&body);
+    return took;
 }
 
 // The router's count of successful config reloads (-1: not known).
 static long router_reloads(const char *host)
 {
-    static char body[1 << 18];
+    struct tdm_strbuf body = {0};
     char why[96];
-    if (http_get(host, children[0].http_port, "/metrics", 2.0, body, sizeof body, why,
-                 sizeof why) != 200)
-        return -1;
-    return metrics_reloads(body);
+    long n = http_get(host, children[0].http_port, "/metrics", 2.0, &body, why, sizeof why) == 200
+                 ? metrics_reloads(body.p)
+                 : -1;
+    tdm_strbuf_fini(&body);
+    return n;
 }
 
 // Waits (pumping the children's output) until every child in new[0..n) is
