@@ -10,27 +10,14 @@
 #include <string.h>
 
 #include "core.h"
-
-static uint32_t f32_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static float bits_f32(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "cpu_impl.h"
 
 // Denormal (input DAZ, output FTZ) -> zero of the same sign.
 static float flush(float f)
 {
-    uint32_t u = f32_bits(f);
+    uint32_t u = cpu_f32_bits(f);
     if ((u & 0x7f800000u) == 0)
-        return bits_f32(u & 0x80000000u);
+        return cpu_bits_f32(u & 0x80000000u);
     return f;
 }
 
@@ -46,7 +33,7 @@ float cpu_amx_emu_add(float x, float y)
 
 uint16_t cpu_amx_emu_f32_to_bf16(float f)
 {
-    uint32_t u = f32_bits(f);
+    uint32_t u = cpu_f32_bits(f);
     if ((u & 0x7f800000u) == 0) // zero or denormal: a zero of its sign
         return (uint16_t)((u >> 16) & 0x8000u);
     if ((u & 0x7fffffffu) > 0x7f800000u) // NaN: quieted
@@ -97,7 +84,7 @@ static float tile_bf16(const struct cpu_amx_emu *e, int t, int row, int idx)
 {
     uint16_t h;
     memcpy(&h, &e->tile[t][row][2 * idx], 2);
-    return bits_f32((uint32_t)h << 16);
+    return cpu_bits_f32((uint32_t)h << 16);
 }
 
 static float tile_f32(const struct cpu_amx_emu *e, int t, int row, int idx)

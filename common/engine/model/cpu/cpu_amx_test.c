@@ -29,6 +29,8 @@
 #include "cpu_amx_emu.h"
 #include "cpu_backend.h"
 #include "cpu_impl.h"
+#define CPU_TEST_SEED 0x2545f4914f6cdd1dull
+#include "cpu_test_util.h"
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <immintrin.h>
@@ -37,21 +39,7 @@
 
 static const struct tdm_backend_ops *ops = &tdm_cpu_backend_ops;
 
-// ---- helpers -----------------------------------------------------------------------------
-static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-
-static float frand(void) // uniform in [-1, 1)
-{
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(rng_state >> 40) / (double)(1ull << 23) - 1.0);
-}
-
-static void fill(float *x, size_t n, float amp)
-{
-    for (size_t i = 0; i < n; i++)
-        x[i] = frand() * amp;
-}
-
+// ---- helpers (frand, fill, make_backend: cpu_test_util.h) ---------------------------------
 static float bf(uint16_t h)
 {
     return cpu_bf16_to_f32(h);
@@ -59,40 +47,7 @@ static float bf(uint16_t h)
 
 static uint16_t bits16(float f) // f must be a bf16 value
 {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)(u >> 16);
-}
-
-static uint32_t bits32(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static float from_bits(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-// Round to nearest even, no flush (what prepare_weight does to f32 weights).
-static uint16_t weight_bf16(float f)
-{
-    uint32_t u = bits32(f);
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
-static struct tdm_backend *make_backend(int threads)
-{
-    struct tdm_backend *be = NULL;
-    char err[256] = "";
-    if (ops->create(&be, threads, 0, err, sizeof err) != TDM_OK)
-        fail_msg("create: %s", err);
-    return be;
+    return (uint16_t)(cpu_f32_bits(f) >> 16);
 }
 
 static void prepare_bf16(struct tdm_backend *be, struct tdm_weight *w, const float *m, int rows,
@@ -129,7 +84,7 @@ static void test_emu_conversion_and_steps(void **state)
     assert_int_equal(cpu_amx_emu_f32_to_bf16(FLT_MIN), 0x0080); // smallest normal stays
     assert_int_equal(cpu_amx_emu_f32_to_bf16(FLT_MAX), 0x7f80); // rounds to infinity
     assert_int_equal(cpu_amx_emu_f32_to_bf16(INFINITY), 0x7f80);
-    assert_int_equal(cpu_amx_emu_f32_to_bf16(from_bits(0x7f800001u)), 0x7fc0); // sNaN quieted
+    assert_int_equal(cpu_amx_emu_f32_to_bf16(cpu_bits_f32(0x7f800001u)), 0x7fc0); // sNaN quieted
 
     // One FMA step rounds once: (1 + 2^-12)^2 - 1 = 2^-11 + 2^-24 exactly
     // (a product rounded first would give 2^-11).
@@ -139,7 +94,7 @@ static void test_emu_conversion_and_steps(void **state)
     assert_true(cpu_amx_emu_fma(1.0f, 1.0f, 1e-40f) == 1.0f);
     assert_true(cpu_amx_emu_fma(0x1p-70f, 0x1p-70f, 0.0f) == 0.0f);
     assert_true(cpu_amx_emu_fma(0x1p-63f, 0x1p-63f, 0.0f) == FLT_MIN);
-    assert_int_equal(bits32(cpu_amx_emu_fma(-0x1p-70f, 0x1p-70f, -0.0f)), 0x80000000u);
+    assert_int_equal(cpu_f32_bits(cpu_amx_emu_fma(-0x1p-70f, 0x1p-70f, -0.0f)), 0x80000000u);
     assert_true(cpu_amx_emu_add(0x1p-100f, 1e-40f) == 0x1p-100f);
     assert_true(cpu_amx_emu_add(0x1.8p-126f, -0x1p-126f) == 0.0f); // 2^-127: denormal -> 0
     assert_true(cpu_amx_emu_add(FLT_MIN, -0x1p-127f) == FLT_MIN);  // a denormal input is 0
@@ -248,7 +203,7 @@ static const int token_counts[] = {1, 5, 16, 17, 33, 47};
 static void test_emu_kernel(void **state)
 {
     (void)state;
-    struct tdm_backend *be = make_backend(2);
+    struct tdm_backend *be = make_backend(ops, 2);
     cpu_backend_use_amx_emu(be);
     const int NMAX = 47;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
@@ -261,7 +216,7 @@ static void test_emu_kernel(void **state)
         fill(x, (size_t)NMAX * cols, 2.0f);
         fill(bias, rows, 1.0f);
         for (size_t i = 0; i < (size_t)rows * cols; i++)
-            wb[i] = weight_bf16(wm[i]);
+            wb[i] = tdm_f32_to_bf16(wm[i]);
         for (size_t i = 0; i < (size_t)NMAX * cols; i++)
             xb[i] = cpu_amx_emu_f32_to_bf16(x[i]);
         struct tdm_weight w;
@@ -275,7 +230,7 @@ static void test_emu_kernel(void **state)
                     const uint16_t *wr = wb + (size_t)r * cols, *xr = xb + (size_t)t * cols;
                     float want = kernel_elem(wr, xr, cols, bp ? bp + r : NULL);
                     float got = y[(size_t)t * rows + r];
-                    if (bits32(got) != bits32(want))
+                    if (cpu_f32_bits(got) != cpu_f32_bits(want))
                         fail_msg("shape %dx%d n %d token %d row %d: %a, per-element %a", rows, cols,
                                  n, t, r, got, want);
                     // And within f32 accumulation error of the exact product.
@@ -348,7 +303,7 @@ static void check_invariance(struct tdm_backend *be, struct tdm_backend *be1, in
 static void test_emu_batch_invariance(void **state)
 {
     (void)state;
-    struct tdm_backend *be = make_backend(2), *be1 = make_backend(1);
+    struct tdm_backend *be = make_backend(ops, 2), *be1 = make_backend(ops, 1);
     cpu_backend_use_amx_emu(be);
     cpu_backend_use_amx_emu(be1);
     check_invariance(be, be1, 70, 67);
@@ -366,7 +321,7 @@ static void test_hw_avx512_prep(void **state)
     (void)state;
     if (!tdm_cpu_isa_supported(TDM_CPU_ISA_AVX512))
         TDM_SKIP("this CPU has no AVX-512 BF16");
-    struct tdm_backend *be = make_backend(1);
+    struct tdm_backend *be = make_backend(ops, 1);
     const int rows = 20, cols = 77, n = 9;
     float *wm = malloc(sizeof(float) * rows * cols), *x = malloc(sizeof(float) * n * cols);
     assert_true(wm && x);
@@ -458,7 +413,7 @@ static void test_hw_amx_dpbf16ps(void **state)
         for (int order = 0; order < 2; order++)
             for (int m = 0; m < 16; m++)
                 for (int n = 0; n < 16; n++)
-                    diff[order] += bits32(Creal[m][n]) != bits32(Cemu[order][m][n]);
+                    diff[order] += cpu_f32_bits(Creal[m][n]) != cpu_f32_bits(Cemu[order][m][n]);
         if (diff[0] != 0)
             fail_msg("trial %d: TDPBF16PS differs from the model (SDM order) in %d of 256 "
                      "elements, from the sequential order in %d",
@@ -478,7 +433,7 @@ static void test_hw_amx_kernel(void **state)
     (void)state;
     if (!tdm_cpu_isa_supported(TDM_CPU_ISA_AMX))
         TDM_SKIP("this CPU (or kernel) has no AMX-BF16");
-    struct tdm_backend *be = make_backend(2);
+    struct tdm_backend *be = make_backend(ops, 2);
     const int N = 47;
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         int rows = shapes[si][0], cols = shapes[si][1];
@@ -503,7 +458,7 @@ static void test_hw_amx_kernel(void **state)
             ops->matmul(be, &w, bp, x, ye, n);
             int differ = 0;
             for (size_t i = 0; i < (size_t)n * rows; i++)
-                differ += bits32(ya[i]) != bits32(ye[i]);
+                differ += cpu_f32_bits(ya[i]) != cpu_f32_bits(ye[i]);
             if (differ)
                 fail_msg("shape %dx%d n %d: real AMX differs from the emulated kernel in %d of "
                          "%zu elements",

@@ -272,17 +272,6 @@ static float src_elem(const struct tdm_weight_src *s, size_t i)
     }
 }
 
-// Round to nearest even (NaN kept quiet).
-static uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
 static uint16_t src_elem_bf16(const struct tdm_weight_src *s, size_t i)
 {
     if (s->dtype == TDM_DTYPE_BF16) {
@@ -290,7 +279,7 @@ static uint16_t src_elem_bf16(const struct tdm_weight_src *s, size_t i)
         memcpy(&h, (const uint8_t *)s->data + 2 * i, 2);
         return h;
     }
-    return f32_to_bf16(src_elem(s, i));
+    return tdm_f32_to_bf16(src_elem(s, i));
 }
 
 // Byte offset of element (r, k) in the packed layout.

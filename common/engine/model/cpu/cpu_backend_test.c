@@ -25,52 +25,12 @@
 #include "cpu_backend.h"
 #include "cpu_impl.h"
 #include "cpu_probe.h"
+#include "cpu_test_util.h"
 #include "kv_cache.h"
 
 static const struct tdm_backend_ops *ops = &tdm_cpu_backend_ops;
 
-// ---- helpers -----------------------------------------------------------------------------
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static float frand(void) // uniform in [-1, 1)
-{
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(rng_state >> 40) / (double)(1ull << 23) - 1.0);
-}
-
-static void fill(float *x, size_t n, float amp)
-{
-    for (size_t i = 0; i < n; i++)
-        x[i] = frand() * amp;
-}
-
-static float bf16_round(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1);
-    u &= 0xffff0000u;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint16_t to_bf16_bits(float f)
-{
-    float r = bf16_round(f);
-    uint32_t u;
-    memcpy(&u, &r, 4);
-    return (uint16_t)(u >> 16);
-}
-
-static struct tdm_backend *make_backend(int threads)
-{
-    struct tdm_backend *be = NULL;
-    char err[256] = "";
-    int rc = ops->create(&be, threads, 0, err, sizeof err);
-    if (rc != TDM_OK)
-        fail_msg("create: %s", err);
-    return be;
-}
+// ---- helpers (frand, fill, bf16_round, make_backend: cpu_test_util.h) -------------------
 
 // Runs body once per supported ISA on be.
 #define FOR_EACH_ISA(be, isa)                                                                      \
@@ -110,7 +70,7 @@ static void prepare(struct tdm_backend *be, struct tdm_weight *w, const float *m
     const void *src = m;
     if (dt == TDM_DTYPE_BF16) {
         for (size_t i = 0; i < (size_t)rows * cols; i++)
-            scratch[i] = to_bf16_bits(m[i]);
+            scratch[i] = tdm_f32_to_bf16(m[i]);
         src = scratch;
     }
     size_t esz = dt == TDM_DTYPE_BF16 ? 2 : 4;
@@ -178,7 +138,7 @@ static void check_matmul_accuracy(struct tdm_backend *be, enum tdm_wtype t, int 
 static void test_matmul_accuracy(void **state)
 {
     (void)state;
-    struct tdm_backend *be = make_backend(2);
+    struct tdm_backend *be = make_backend(ops, 2);
     FOR_EACH_ISA(be, isa)
     {
         check_matmul_accuracy(be, TDM_W_F32, isa);
@@ -231,7 +191,7 @@ static void check_invariance(struct tdm_backend *be, struct tdm_backend *be1, en
 static void test_matmul_batch_invariance(void **state)
 {
     (void)state;
-    struct tdm_backend *be = make_backend(2), *be1 = make_backend(1);
+    struct tdm_backend *be = make_backend(ops, 2), *be1 = make_backend(ops, 1);
     FOR_EACH_ISA(be, isa)
     {
         assert_int_equal(tdm_cpu_backend_set_isa(be1, (enum tdm_cpu_isa)isa), TDM_OK);
@@ -247,7 +207,7 @@ static void test_matmul_batch_invariance(void **state)
 static void test_prepare_errors(void **state)
 {
     (void)state;
-    struct tdm_backend *be = make_backend(1);
+    struct tdm_backend *be = make_backend(ops, 1);
     float m[4] = {1, 2, 3, 4};
     struct tdm_weight w;
     struct tdm_weight_src part = {.data = m, .dtype = TDM_DTYPE_F32, .rows = 2};
@@ -289,7 +249,7 @@ static void test_prepare_errors(void **state)
 static void test_adopt_weight(void **state)
 {
     (void)state;
-    struct tdm_backend *be = make_backend(2);
+    struct tdm_backend *be = make_backend(ops, 2);
     const int rows = 130, cols = 67, n = 3;
     enum tdm_wtype types[3] = {TDM_W_BF16, TDM_W_Q8, TDM_W_F32};
     float *m = malloc((size_t)rows * cols * sizeof(float));
@@ -352,7 +312,7 @@ static void test_adopt_weight(void **state)
 static void test_embed(void **state)
 {
     (void)state;
-    struct tdm_backend *be = make_backend(2);
+    struct tdm_backend *be = make_backend(ops, 2);
     int rows = 70, cols = 33;
     float *wm = malloc(sizeof(float) * rows * cols);
     double *we = malloc(sizeof(double) * rows * cols);
@@ -381,7 +341,7 @@ static void test_embed(void **state)
 static void test_rmsnorm_silu_add(void **state)
 {
     (void)state;
-    struct tdm_backend *be = make_backend(2);
+    struct tdm_backend *be = make_backend(ops, 2);
     int n = 40, dim = 899, inter = 1001;
     float *x = malloc(sizeof(float) * n * dim), *wt = malloc(sizeof(float) * dim);
     float *o = malloc(sizeof(float) * n * dim), *gu = malloc(sizeof(float) * n * 2 * inter);
@@ -434,7 +394,7 @@ static void test_rmsnorm_silu_add(void **state)
 static void test_rope(void **state)
 {
     (void)state;
-    struct tdm_backend *be = make_backend(2);
+    struct tdm_backend *be = make_backend(ops, 2);
     int n = 9, heads = 3, hd = 64, stride = heads * hd + 10;
     float inv_freq[32];
     for (int i = 0; i < hd / 2; i++)
@@ -631,7 +591,7 @@ static void test_attention(void **state)
         {10, 2, 40, 16}, // group 5: heads in a four and a one
         {12, 1, 80, 16}, // group 12: a unit of 8 heads (4 + 4) and one of 4
     };
-    struct tdm_backend *be = make_backend(2), *be1 = make_backend(1);
+    struct tdm_backend *be = make_backend(ops, 2), *be1 = make_backend(ops, 1);
     FOR_EACH_ISA(be, isa)
     {
         assert_int_equal(tdm_cpu_backend_set_isa(be1, (enum tdm_cpu_isa)isa), TDM_OK);
@@ -660,7 +620,7 @@ static void test_attn_accum_span(void **state)
     float acc0[MAXH * MAXD], acc1[MAXH * MAXD], acc2[MAXH * MAXD], v[MAXK * MAXD];
     uint16_t vb[MAXK * MAXD];
     float p[MAXH][MAXK], corr[MAXH];
-    struct tdm_backend *be = make_backend(1);
+    struct tdm_backend *be = make_backend(ops, 1);
     int checked = 0;
     FOR_EACH_ISA(be, isa)
     {
@@ -720,7 +680,7 @@ static void test_attn_accum_span(void **state)
 static void test_attention_bad_block(void **state)
 {
     (void)state;
-    struct tdm_backend *be = make_backend(2);
+    struct tdm_backend *be = make_backend(ops, 2);
     struct tdm_kv_config cfg = {
         .num_layers = 1, .num_kv_heads = 1, .head_dim = 4, .block_size = 4, .num_blocks = 2};
     struct tdm_kv_cache *kv = NULL;

@@ -23,6 +23,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "backend.h"
 #include "cpu_backend.h"
@@ -206,6 +207,21 @@ static inline float cpu_bf16_to_f32(uint16_t h)
         float f;
     } v = {.u = (uint32_t)h << 16};
     return v.f;
+}
+
+// A float's bits and back.
+static inline uint32_t cpu_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float cpu_bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
 #endif
