@@ -171,12 +171,11 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
 }
 
 // The decode worker of this call is alive (router_stream.c's verdict on its
-// last load report and instance).
+// last load report and instance, read fresh: one registry entry).
 static bool upstream_alive(struct call *k, const struct choice *ch, char *why, size_t cap)
 {
-    uint64_t inst = 0;
-    double last = 0;
-    router_live_get(k->s, k->route.decode.id, &inst, &last);
+    struct tdm_router_liveness live;
+    router_live_get(k->s, k->route.decode.id, &live);
     pthread_mutex_lock(&k->s->mu);
     uint64_t st_inst = ch->st->instance;
     double heard = ch->st->heard;
@@ -188,11 +187,9 @@ static bool upstream_alive(struct call *k, const struct choice *ch, char *why, s
     double now = tdm_now(), tick = atomic_load(&k->s->poll_tick);
     if (tick > 0 && now - tick > k->s->o.load_interval + k->s->o.liveness_timeout)
         return true;
-    double unanswered = tdm_router_endpoints_unanswered_since(
-        tdm_router_control_endpoints(k->s->ctl), k->route.decode.id);
-    enum tdm_router_upstream v =
-        tdm_router_upstream_check(now, ch->st->started, last, k->s->o.liveness_timeout, inst,
-                                  st_inst, atomic_load(&k->s->resumed_at), unanswered);
+    enum tdm_router_upstream v = tdm_router_upstream_check(
+        now, ch->st->started, live.heard_at, k->s->o.liveness_timeout, live.instance, st_inst,
+        atomic_load(&k->s->resumed_at), live.unanswered_since);
     // A stream whose tokens keep arriving is alive, whatever its worker's
     // load reports (late on a loaded host): busy is not dead.
     if (v == TDM_ROUTER_UPSTREAM_SILENT && now - heard <= k->s->o.liveness_timeout)
@@ -329,10 +326,9 @@ static void release_upstream(struct call *k)
 // message for the old instance would be dropped by the new one); else 0.
 static uint64_t decode_instance(struct call *k)
 {
-    uint64_t inst = 0;
-    double last = 0;
-    router_live_get(k->s, k->route.decode.id, &inst, &last);
-    return tdm_now() - last > k->s->o.liveness_timeout ? 0 : inst;
+    struct tdm_router_liveness live;
+    router_live_get(k->s, k->route.decode.id, &live);
+    return tdm_now() - live.heard_at > k->s->o.liveness_timeout ? 0 : live.instance;
 }
 
 // Registers a new upstream stream for choice i and sends its GenerateRequest
@@ -428,10 +424,10 @@ static int send_generates(struct call *k, char *err, size_t errlen)
             router_nng_url_of(r->prefill[i].host, r->prefill[i].nng_port, target_urls[nt],
                               sizeof target_urls[nt]);
             targets[nt].url = target_urls[nt];
-            double l2 = 0;
-            router_live_get(s, r->prefill[i].id, &targets[nt].instance, &l2);
-            if (tdm_now() - l2 > s->o.liveness_timeout)
-                targets[nt].instance = 0;
+            struct tdm_router_liveness live;
+            router_live_get(s, r->prefill[i].id, &live);
+            targets[nt].instance =
+                tdm_now() - live.heard_at > s->o.liveness_timeout ? 0 : live.instance;
             target_ptr[nt] = &targets[nt];
             nt++;
         }
@@ -585,9 +581,9 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
     // Known dead, so no send timeout to wait for: stale reports and no
     // connection, or never heard from while the load poller's own dials to it
     // fail (a worker not started yet, a wrong nng port).
-    uint64_t inst = 0;
-    double last = 0;
-    router_live_get(s, k->route.decode.id, &inst, &last);
+    struct tdm_router_liveness live;
+    router_live_get(s, k->route.decode.id, &live);
+    double last = live.heard_at;
     bool stale = last > 0 && tdm_now() - last > s->o.liveness_timeout &&
                  !tdm_net_connected(s->outbox, k->decode_url);
     bool never_up = last == 0 &&
