@@ -3,7 +3,9 @@
 // metrics together and turns a prompt into a route (control.h). A route holds
 // a reference to the config it was made with and in-flight counts on the
 // endpoints it uses, so neither a reload nor a DNS change can pull them away
-// mid-request; route_done gives both back.
+// mid-request; route_done gives both back. A route enters the registry once
+// (tdm_router_endpoints_attempt_begin: the policy's pick runs there, on the
+// copied snapshot) and route_done once (attempt_end: report and release).
 #include "control.h"
 
 #include <stdio.h>
@@ -115,6 +117,9 @@ static void to_target(const struct tdm_router_endpoint_view *v, struct tdm_route
     t->nng_port = v->nng_port;
     t->role = v->role;
     t->health_epoch = v->health_epoch;
+    t->instance = v->instance;
+    t->heard_at = v->heard_at;
+    t->load = v->load;
 }
 
 static void log_scores(const struct tdm_router_config *cfg, size_t profile, const char *what,
@@ -147,45 +152,84 @@ static int pick_avoiding(const struct tdm_router_config *cfg, struct tdm_router_
     return rc;
 }
 
-// Snapshot, pick and acquire the decode endpoint; an endpoint may leave
-// between the snapshot and the acquire, so this picks again (3 times).
-static int pick_and_hold(struct tdm_router_control *ctl, const struct tdm_router_config *cfg,
-                         const uint64_t *hashes, size_t nb, const struct tdm_router_request *req,
-                         const uint64_t *avoid, size_t n_avoid, struct tdm_router_snapshot *snap,
-                         struct tdm_router_pick *pick, struct tdm_router_endpoint_score **scores)
+// What the pick works with; it runs inside tdm_router_endpoints_attempt_begin,
+// under the registry's lock, on the copied snapshot.
+struct pick_args {
+    const struct tdm_router_config *cfg;
+    const struct tdm_router_request *req;
+    const uint64_t *avoid; // [n_avoid] decode endpoints that failed the request
+    size_t n_avoid;
+    struct tdm_router_pick pick;
+    struct tdm_router_endpoint_score *scores; // [2 * snap->n] at DEBUG level, else NULL
+};
+
+// tdm_router_pick_fn: the policy's pick (pick_avoiding); the decode endpoint
+// and the first prefill candidate are the ones held.
+static int pick_locked(void *arg, struct tdm_router_snapshot *snap, struct tdm_router_held *held)
 {
-    int rc = TDM_OK;
-    for (int attempt = 0; attempt < 3; attempt++) {
-        tdm_router_snapshot_free(snap);
-        free(*scores);
-        *scores = NULL;
-        if ((rc = tdm_router_endpoints_snapshot(ctl->eps, hashes, nb, snap)))
-            break;
-        if (tdm_log_level >= TDM_LOG_LEVEL_DEBUG && snap->n)
-            *scores = calloc(2 * snap->n, sizeof **scores);
-        pick->decode_scores = *scores;
-        pick->prefill_scores = *scores ? *scores + snap->n : NULL;
-        rc = pick_avoiding(cfg, snap, req, avoid, n_avoid, pick);
-        if (rc)
-            break;
-        if (tdm_router_endpoints_acquire(ctl->eps, snap->eps[pick->decode].id) == TDM_OK)
-            return TDM_OK;
-        rc = TDM_EBUSY;
+    struct pick_args *a = arg;
+    if (tdm_log_level >= TDM_LOG_LEVEL_DEBUG && snap->n) // the scores' log only
+        a->scores = calloc(2 * snap->n, sizeof *a->scores);
+    a->pick.decode_scores = a->scores;
+    a->pick.prefill_scores = a->scores ? a->scores + snap->n : NULL;
+    int rc = pick_avoiding(a->cfg, snap, a->req, a->avoid, a->n_avoid, &a->pick);
+    if (rc)
+        return rc;
+    held->decode = a->pick.decode;
+    if (a->pick.decision == TDM_ROUTER_DECISION_PREFILL_DECODE && a->pick.n_prefill > 0)
+        held->prefill = a->pick.prefill[0];
+    return TDM_OK;
+}
+
+// The route from the pick attempt_begin held (route->cfg already set): the
+// decode target, the ranked prefill targets capped to the first (the held
+// one) and at most prefill_retries more, and the decision.
+static void fill_route(struct tdm_router_route *route, const struct tdm_router_snapshot *snap,
+                       const struct tdm_router_pick *pick)
+{
+    route->decision = pick->decision;
+    to_target(&snap->eps[pick->decode], &route->decode);
+    route->decode_held_ = true;
+    route->cached_tokens = pick->cached_tokens;
+    route->uncached_tokens = pick->uncached_tokens;
+    for (size_t i = 0; i < pick->n_prefill; i++)
+        to_target(&snap->eps[pick->prefill[i]], &route->prefill[route->n_prefill++]);
+    if (route->decision != TDM_ROUTER_DECISION_PREFILL_DECODE)
+        return;
+    if (route->n_prefill == 0) {
+        route->decision = TDM_ROUTER_DECISION_DECODE_ONLY;
+        return;
     }
-    return rc;
+    route->prefill_idx = 0;
+    route->prefill_held_ = true;
+    // The decode worker gets this one and at most prefill_retries more.
+    size_t cap = route->prefill_idx + 1 + (size_t)route->cfg->prefill_retries;
+    if (route->n_prefill > cap)
+        route->n_prefill = cap;
+    route->max_prefill_attempts = 1 + route->cfg->prefill_retries;
 }
 
-int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
-                             const char *session, struct tdm_router_route *route, char *err,
-                             size_t errlen)
+// The failed route's error: which role had nothing, and why.
+static int route_error(struct tdm_router_control *ctl, int rc, const struct tdm_router_held *held,
+                       char *err, size_t errlen)
 {
-    return tdm_router_control_route_avoiding(ctl, tokens, n, session, NULL, 0, route, err, errlen);
+    if (rc != TDM_EBUSY)
+        return tdm_seterr(err, errlen, rc, "routing failed: %s", tdm_strerror(rc));
+    tdm_seterr(err, errlen, TDM_EBUSY, "no healthy decode endpoint (%zu configured, %zu healthy)%s",
+               held->n_decode, held->n_decode_healthy,
+               held->n_auth_failed ? "; some refuse the router's control-plane handshake: start "
+                                     "them with this router's TANDEM_INTERNAL_SECRET"
+                                   : "");
+    tdm_router_metrics_request(mx(ctl), "no_endpoint");
+    return TDM_EBUSY;
 }
 
-int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int32_t *tokens,
-                                      size_t n, const char *session, const uint64_t *avoid,
-                                      size_t n_avoid, struct tdm_router_route *route, char *err,
-                                      size_t errlen)
+// route_avoiding and reroute: one entry into the registry (attempt_begin),
+// which applies prev (reroute's old route) around the new hold.
+static int route_with(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
+                      const char *session, const uint64_t *avoid, size_t n_avoid,
+                      const struct tdm_router_give_back *prev, struct tdm_router_route *route,
+                      char *err, size_t errlen)
 {
     memset(route, 0, sizeof *route);
     double t0 = tdm_now();
@@ -200,62 +244,24 @@ int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int3
     tdm_router_block_hashes(tokens, n, (int)bs, hashes, nb);
 
     struct tdm_router_request req = {.num_prompt_tokens = n, .session = session};
+    struct pick_args pa = {.cfg = cfg, .req = &req, .avoid = avoid, .n_avoid = n_avoid};
     struct tdm_router_snapshot snap = {0};
-    struct tdm_router_pick pick = {0};
-    struct tdm_router_endpoint_score *scores = NULL;
-    int rc = pick_and_hold(ctl, cfg, hashes, nb, &req, avoid, n_avoid, &snap, &pick, &scores);
+    struct tdm_router_held held;
+    int rc = tdm_router_endpoints_attempt_begin(ctl->eps, hashes, nb, pick_locked, &pa, prev, &snap,
+                                                &held);
     if (rc) {
-        if (rc == TDM_EBUSY) {
-            size_t total = 0, healthy = 0;
-            tdm_router_endpoints_count(ctl->eps, true, &total, &healthy);
-            size_t auth = tdm_router_endpoints_count_auth_failed(ctl->eps);
-            tdm_seterr(err, errlen, TDM_EBUSY,
-                       "no healthy decode endpoint (%zu configured, %zu healthy)%s", total, healthy,
-                       auth ? "; some refuse the router's control-plane handshake: start them "
-                              "with this router's TANDEM_INTERNAL_SECRET"
-                            : "");
-            tdm_router_metrics_request(mx(ctl), "no_endpoint");
-        } else {
-            tdm_seterr(err, errlen, rc, "routing failed: %s", tdm_strerror(rc));
-        }
-        goto fail;
+        route_error(ctl, rc, &held, err, errlen);
+        free(pa.scores);
+        tdm_router_snapshot_free(&snap);
+        free(hashes);
+        tdm_router_config_unref(cfg);
+        memset(route, 0, sizeof *route);
+        return rc;
     }
-
     route->cfg = cfg;
-    cfg = NULL;
-    route->decision = pick.decision;
-    to_target(&snap.eps[pick.decode], &route->decode);
-    route->decode_held_ = true;
-    route->cached_tokens = pick.cached_tokens;
-    route->uncached_tokens = pick.uncached_tokens;
     route->block_hashes_ = hashes;
     route->n_blocks_ = nb;
-    hashes = NULL;
-    for (size_t i = 0; i < pick.n_prefill; i++)
-        to_target(&snap.eps[pick.prefill[i]], &route->prefill[route->n_prefill++]);
-    tdm_router_endpoints_record_prefix(ctl->eps, route->decode.id, route->block_hashes_,
-                                       route->n_blocks_);
-    if (route->decision == TDM_ROUTER_DECISION_PREFILL_DECODE) {
-        // The first candidate that is still there.
-        route->prefill_idx = 0;
-        while (route->prefill_idx < route->n_prefill &&
-               tdm_router_endpoints_acquire(ctl->eps, route->prefill[route->prefill_idx].id))
-            route->prefill_idx++;
-        if (route->prefill_idx < route->n_prefill) {
-            const struct tdm_router_target *p = &route->prefill[route->prefill_idx];
-            route->prefill_held_ = true;
-            // The decode worker gets this one and at most prefill_retries more.
-            size_t cap = route->prefill_idx + 1 + (size_t)route->cfg->prefill_retries;
-            if (route->n_prefill > cap)
-                route->n_prefill = cap;
-            route->max_prefill_attempts = 1 + route->cfg->prefill_retries;
-            tdm_router_endpoints_record_prefix(ctl->eps, p->id, route->block_hashes_,
-                                               route->n_blocks_);
-        } else {
-            route->decision = TDM_ROUTER_DECISION_DECODE_ONLY;
-            route->n_prefill = 0;
-        }
-    }
+    fill_route(route, &snap, &pa.pick);
     tdm_router_metrics_decision(mx(ctl), route->decision);
     if (mx(ctl)) {
         tdm_metrics_gauge_inc(ctl->metrics.inflight);
@@ -263,26 +269,78 @@ int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int3
     }
     route->routed_at = tdm_now();
     route->deadline = route->routed_at + route->cfg->request_deadline_seconds;
-    if (scores) {
-        log_scores(route->cfg, route->cfg->decode_profile, "decode", &snap, pick.decode_scores);
-        if (pick.n_prefill)
-            log_scores(route->cfg, route->cfg->prefill_profile, "prefill", &snap,
-                       pick.prefill_scores);
+    if (pa.scores) {
+        log_scores(cfg, cfg->decode_profile, "decode", &snap, pa.pick.decode_scores);
+        if (pa.pick.n_prefill)
+            log_scores(cfg, cfg->prefill_profile, "prefill", &snap, pa.pick.prefill_scores);
     }
     TDM_LOG_DEBUG(MOD, "route decision=%s decode=%s prefill=%s prompt=%zu cached=%zu%s",
                   tdm_router_decision_name(route->decision), route->decode.name,
                   route->prefill_held_ ? route->prefill[route->prefill_idx].name : "-", n,
-                  route->cached_tokens, pick.fail_open ? " fail_open=1" : "");
-    free(scores);
+                  route->cached_tokens, pa.pick.fail_open ? " fail_open=1" : "");
+    free(pa.scores);
     tdm_router_snapshot_free(&snap);
     return TDM_OK;
+}
 
-fail:
-    free(scores);
-    tdm_router_snapshot_free(&snap);
-    free(hashes);
-    tdm_router_config_unref(cfg);
-    memset(route, 0, sizeof *route);
+int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
+                             const char *session, struct tdm_router_route *route, char *err,
+                             size_t errlen)
+{
+    return route_with(ctl, tokens, n, session, NULL, 0, NULL, route, err, errlen);
+}
+
+int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int32_t *tokens,
+                                      size_t n, const char *session, const uint64_t *avoid,
+                                      size_t n_avoid, struct tdm_router_route *route, char *err,
+                                      size_t errlen)
+{
+    return route_with(ctl, tokens, n, session, avoid, n_avoid, NULL, route, err, errlen);
+}
+
+// What route r gives back: its held endpoints, and a report on its decode
+// endpoint when report is set (the upstream error metric is counted here).
+static struct tdm_router_give_back route_end_of(struct tdm_router_control *ctl,
+                                                const struct tdm_router_route *r, bool report,
+                                                enum tdm_router_outcome outcome)
+{
+    struct tdm_router_give_back end = {0};
+    if (report && r->decode.id) {
+        end.report = r->decode.id;
+        end.outcome = outcome;
+        if (outcome != TDM_ROUTER_OUTCOME_SUCCESS)
+            tdm_router_metrics_upstream_error(mx(ctl), r->decode.name, r->decode.role,
+                                              outcome == TDM_ROUTER_OUTCOME_TIMEOUT);
+    }
+    if (r->cfg && r->decode_held_)
+        end.release[0] = r->decode.id;
+    if (r->cfg && r->prefill_held_)
+        end.release[1] = r->prefill[r->prefill_idx].id;
+    return end;
+}
+
+// route_done's part outside the registry: the request's status, the in-flight
+// gauge, the config reference; zeroes the route.
+static void route_finish(struct tdm_router_control *ctl, struct tdm_router_route *r,
+                         const char *status)
+{
+    tdm_router_metrics_request(mx(ctl), status ? status : "success");
+    if (mx(ctl))
+        tdm_metrics_gauge_dec(ctl->metrics.inflight);
+    tdm_router_config_unref(r->cfg);
+    free(r->block_hashes_);
+    memset(r, 0, sizeof *r);
+}
+
+int tdm_router_control_reroute(struct tdm_router_control *ctl, struct tdm_router_route *old,
+                               const int32_t *tokens, size_t n, const char *session,
+                               const uint64_t *avoid, size_t n_avoid,
+                               struct tdm_router_route *route, char *err, size_t errlen)
+{
+    struct tdm_router_give_back prev = route_end_of(ctl, old, true, TDM_ROUTER_OUTCOME_ERROR);
+    int rc = route_with(ctl, tokens, n, session, avoid, n_avoid, &prev, route, err, errlen);
+    if (rc == TDM_OK && old->cfg)
+        route_finish(ctl, old, "error"); // its endpoints went back in attempt_begin
     return rc;
 }
 
@@ -323,24 +381,34 @@ void tdm_router_control_report(struct tdm_router_control *ctl, const struct tdm_
                                           outcome == TDM_ROUTER_OUTCOME_TIMEOUT);
 }
 
+// route_done and route_done_report: one registry entry (attempt_end) when
+// the route holds endpoints or reports, none otherwise.
+static void route_done_with(struct tdm_router_control *ctl, struct tdm_router_route *r,
+                            const char *status, bool report, enum tdm_router_outcome outcome)
+{
+    if (!r)
+        return;
+    struct tdm_router_give_back end = route_end_of(ctl, r, report, outcome);
+    if (end.report || end.release[0] || end.release[1])
+        tdm_router_endpoints_attempt_end(ctl->eps, &end);
+    if (!r->cfg) {
+        memset(r, 0, sizeof *r);
+        return;
+    }
+    route_finish(ctl, r, status);
+}
+
 void tdm_router_control_route_done(struct tdm_router_control *ctl, struct tdm_router_route *r,
                                    const char *status)
 {
-    if (!r || !r->cfg) {
-        if (r)
-            memset(r, 0, sizeof *r);
-        return;
-    }
-    if (r->decode_held_)
-        tdm_router_endpoints_release(ctl->eps, r->decode.id);
-    if (r->prefill_held_)
-        tdm_router_endpoints_release(ctl->eps, r->prefill[r->prefill_idx].id);
-    tdm_router_metrics_request(mx(ctl), status ? status : "success");
-    if (mx(ctl))
-        tdm_metrics_gauge_dec(ctl->metrics.inflight);
-    tdm_router_config_unref(r->cfg);
-    free(r->block_hashes_);
-    memset(r, 0, sizeof *r);
+    route_done_with(ctl, r, status, false, TDM_ROUTER_OUTCOME_SUCCESS);
+}
+
+void tdm_router_control_route_done_report(struct tdm_router_control *ctl,
+                                          struct tdm_router_route *r, const char *status,
+                                          enum tdm_router_outcome outcome)
+{
+    route_done_with(ctl, r, status, true, outcome);
 }
 
 int tdm_router_control_reload(struct tdm_router_control *ctl, char *err, size_t errlen)

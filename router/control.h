@@ -6,21 +6,25 @@
 // decode worker tries them, the decision, and the config snapshot the request
 // keeps for its whole life (a reload never changes a request in flight).
 //
-// Typical use by router.c:
+// Typical use by router_call.c:
 //   tdm_router_control_new(&ctl, path, registry, ...); tdm_router_control_start(ctl, ...);
 //   per request:  tdm_router_control_route(ctl, tokens, n, session, &r, ...)
 //                 send GenerateRequest to r.decode with r.prefill[r.prefill_idx ..
 //                   r.n_prefill) as its prefill targets: the decode worker tries
 //                   them in order and prefills locally when all fail (the router
-//                   does not retry prefill itself)
+//                   does not retry prefill itself); the targets carry the load and
+//                   liveness the send needs, as of the route
 //                 first chunk: tdm_router_control_prefill_outcome(ctl, &r, remote?)
-//                 decode failure: tdm_router_control_report(...ERROR), route_done,
+//                 decode failure: tdm_router_control_route_done_report(...ERROR),
 //                   route again within the request's retry budget (retry.h)
-//                 tdm_router_control_route_done(ctl, &r, "success")
+//                 decode worker lost mid-stream: tdm_router_control_reroute
+//                 tdm_router_control_route_done_report(ctl, &r, "success", SUCCESS)
+// A route enters the endpoint registry's lock once and its end once (see
+// endpoints.h: tdm_router_endpoints_attempt_begin / _end).
 //   load reports: tdm_router_endpoints_on_report(tdm_router_control_endpoints(ctl), id, &rep, ...)
 //   SIGHUP:       tdm_router_control_reload(ctl, ...) from a normal thread
 //   GET /v1/router/config: tdm_router_control_config_json(ctl)
-// Thread-safe: route/report/prefill_outcome/route_done may run on any thread.
+// Thread-safe: route/reroute/report/prefill_outcome/route_done may run on any thread.
 #ifndef TDM_ROUTER_CONTROL_H
 #define TDM_ROUTER_CONTROL_H
 
@@ -44,6 +48,10 @@ struct tdm_router_target {
     int nng_port;
     enum tdm_router_role role;
     uint64_t health_epoch; // changed since the last request => drop cached connections
+    // As of the route (the snapshot it was picked on):
+    uint64_t instance;           // the worker's instance id from its last report (0: none)
+    double heard_at;             // tdm_now() when that report arrived (0: never)
+    struct tdm_router_load load; // its load in that report (admission: waiting, max_waiting)
 };
 
 struct tdm_router_route {
@@ -84,10 +92,10 @@ tdm_router_control_metrics(struct tdm_router_control *ctl); // NULL if none
 
 // Chooses where a request goes. tokens: the prompt's token ids (for prefix
 // matching and the decider); session: the session header value or NULL.
-// Acquires the decode endpoint and the first prefill one, records the prompt's
-// blocks in their prefix indexes, counts the decision metrics, logs
-// the scores at DEBUG. TDM_EBUSY (err says which role) when no healthy decode
-// endpoint exists (the route is then empty: no route_done needed, but
+// Picks on a snapshot, acquires the decode endpoint and the first prefill one
+// and records the prompt's blocks in their prefix indexes, all in one registry
+// entry; counts the decision metrics, logs the scores at DEBUG. TDM_EBUSY (err says which role)
+// when no healthy decode endpoint exists (the route is then empty: no route_done needed, but
 // harmless); TDM_ENOMEM.
 int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
                              const char *session, struct tdm_router_route *route, char *err,
@@ -99,6 +107,15 @@ int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int3
                                       size_t n, const char *session, const uint64_t *avoid,
                                       size_t n_avoid, struct tdm_router_route *route, char *err,
                                       size_t errlen);
+// route_avoiding in place of old, whose decode worker was lost (a stream
+// migration), in the same registry entry: old's decode endpoint is reported
+// failed (as tdm_router_control_report) before the pick, and on success old is
+// done ("error": its endpoints released after the new ones are held, old
+// zeroed). On failure old stays held (reported) and *route is empty.
+int tdm_router_control_reroute(struct tdm_router_control *ctl, struct tdm_router_route *old,
+                               const int32_t *tokens, size_t n, const char *session,
+                               const uint64_t *avoid, size_t n_avoid,
+                               struct tdm_router_route *route, char *err, size_t errlen);
 
 // The route's request was sent to its decode worker: counts the picks
 // (tandem:router_endpoint_picks_total, decode and prefill endpoint). Or it
@@ -122,6 +139,11 @@ void tdm_router_control_report(struct tdm_router_control *ctl, const struct tdm_
 // status ("success", "error", "cancelled"). Safe on a zeroed or failed route.
 void tdm_router_control_route_done(struct tdm_router_control *ctl, struct tdm_router_route *r,
                                    const char *status);
+// route_done with tdm_router_control_report(ctl, &r->decode, outcome) first,
+// in the same registry entry (nothing is reported for a zeroed route).
+void tdm_router_control_route_done_report(struct tdm_router_control *ctl,
+                                          struct tdm_router_route *r, const char *status,
+                                          enum tdm_router_outcome outcome);
 
 // SIGHUP: reloads the config file now (see tdm_router_config_store_reload).
 int tdm_router_control_reload(struct tdm_router_control *ctl, char *err, size_t errlen);

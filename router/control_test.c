@@ -3,8 +3,9 @@
 // held endpoints, prefix recording), the request.prefill_retries cap on the
 // prefill targets and the attempt budget sent with them, the local-prefill
 // fallback count, passive reports, the router metrics they move (rendered
-// through the registry), no-endpoint errors, a reload under a held route, and
-// the GET /v1/router/config body.
+// through the registry), no-endpoint errors, a reload under a held route, the
+// GET /v1/router/config body, and the registry entries a route, its end and a
+// migration's reroute take (one each).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -262,6 +263,99 @@ static void test_route_avoiding(void **state)
     env_close(&e);
 }
 
+static uint64_t request_entries(struct env *e)
+{
+    struct tdm_router_lock_entries n;
+    tdm_router_endpoints_lock_entries(tdm_router_control_endpoints(e->ctl), &n);
+    return n.request;
+}
+
+// A route takes the registry's lock once (pick, hold, record; the targets
+// carry load and liveness), its end once (report, release). A reroute (a
+// migration) is one entry too: the lost endpoint reported failed before the
+// pick, the new one held, the old released and done; when nothing is left,
+// the old route stays held (reported) until its own end.
+static void test_entries_and_reroute(void **state)
+{
+    (void)state;
+    struct env e;
+    env_open(&e, "policy: round_robin\nhealth: {failure_threshold: 1}\n"
+                 "endpoints: {decode: ['10.0.1.1:8001', '10.0.1.2:8001']}\n");
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
+    struct tdm_router_endpoint_view a, b;
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", &a), TDM_OK);
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.2:8001", &b), TDM_OK);
+    struct tdm_router_report rep = {.instance = 0xA, .load = {.waiting = 2, .max_waiting = 4}};
+    assert_int_equal(tdm_router_endpoints_on_report(eps, a.id, &rep, NULL, NULL), TDM_OK);
+    int32_t t[32] = {0};
+    char err[256];
+    struct tdm_router_route r, nr;
+    uint64_t e0 = request_entries(&e);
+    assert_int_equal(tdm_router_control_route(e.ctl, t, 32, NULL, &r, err, sizeof err), TDM_OK);
+    assert_int_equal(request_entries(&e) - e0, 1);
+    assert_true(r.decode.id == a.id); // round robin's first pick
+    assert_true(r.decode.instance == 0xA && r.decode.heard_at > 0);
+    assert_int_equal(r.decode.load.max_waiting, 4);
+    assert_int_equal(inflight_of(&e, a.id), 1);
+
+    // Migration: A is reported (threshold 1: out of the pick), B held, A done.
+    e0 = request_entries(&e);
+    assert_int_equal(
+        tdm_router_control_reroute(e.ctl, &r, t, 32, NULL, &a.id, 1, &nr, err, sizeof err), TDM_OK);
+    assert_int_equal(request_entries(&e) - e0, 1);
+    assert_null(r.cfg); // old done
+    assert_true(nr.decode.id == b.id);
+    assert_int_equal(inflight_of(&e, a.id), 0);
+    assert_int_equal(inflight_of(&e, b.id), 1);
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", &a), TDM_OK);
+    assert_false(a.healthy);
+    char *m = render(&e);
+    char line[256];
+    snprintf(
+        line, sizeof line,
+        "tandem:router_upstream_errors_total{endpoint=\"%s\",kind=\"error\",role=\"decode\"} 1",
+        a.name);
+    expect_line(m, line);
+    expect_line(m, "tandem:router_requests_total{status=\"error\"} 1");
+    expect_line(m, "tandem:router_inflight_requests 1");
+    free(m);
+
+    // B lost too, nothing left: B reported, still held, the new route empty.
+    e0 = request_entries(&e);
+    uint64_t both[2] = {a.id, b.id};
+    assert_int_equal(
+        tdm_router_control_reroute(e.ctl, &nr, t, 32, NULL, both, 2, &r, err, sizeof err),
+        TDM_EBUSY);
+    assert_int_equal(request_entries(&e) - e0, 1);
+    assert_null(r.cfg);
+    assert_non_null(nr.cfg);
+    assert_int_equal(inflight_of(&e, b.id), 1);
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.2:8001", &b), TDM_OK);
+    assert_false(b.healthy);
+
+    // Its end: the report and the release in one entry.
+    e0 = request_entries(&e);
+    tdm_router_control_route_done_report(e.ctl, &nr, "error", TDM_ROUTER_OUTCOME_ERROR);
+    assert_int_equal(request_entries(&e) - e0, 1);
+    assert_null(nr.cfg);
+    assert_int_equal(inflight_of(&e, b.id), 0);
+    m = render(&e);
+    snprintf(
+        line, sizeof line,
+        "tandem:router_upstream_errors_total{endpoint=\"%s\",kind=\"error\",role=\"decode\"} 2",
+        b.name);
+    expect_line(m, line);
+    expect_line(m, "tandem:router_requests_total{status=\"error\"} 2");
+    expect_line(m, "tandem:router_inflight_requests 0");
+    free(m);
+    // Nothing held, nothing reported: no entry.
+    e0 = request_entries(&e);
+    tdm_router_control_route_done_report(e.ctl, &nr, "error", TDM_ROUTER_OUTCOME_ERROR);
+    tdm_router_control_route_done(e.ctl, &r, "error");
+    assert_int_equal(request_entries(&e) - e0, 0);
+    env_close(&e);
+}
+
 static void test_no_endpoint(void **state)
 {
     (void)state;
@@ -387,6 +481,7 @@ int main(void)
         cmocka_unit_test(test_route_decode_only_and_prefix),
         cmocka_unit_test(test_prefill_retries_cap_and_fallback),
         cmocka_unit_test(test_route_avoiding),
+        cmocka_unit_test(test_entries_and_reroute),
         cmocka_unit_test(test_no_endpoint),
         cmocka_unit_test(test_reload_under_held_route_and_json),
         cmocka_unit_test(test_start_checks_health),

@@ -14,6 +14,13 @@
 // while a failed one needs success_threshold. A turn from unhealthy to healthy clears the
 // endpoint's prefix index: the worker most likely restarted with an empty cache.
 //
+// The request path enters mu twice per attempt: attempt_begin (snapshot, the
+// caller's pick on the copy, hold and record what was picked: no endpoint can
+// leave between the snapshot and the hold, so there is no retry loop) and
+// attempt_end (report, release). The pick runs under mu: it is a policy over
+// the copy (pure, no I/O), as cheap as the copy itself. reg->entries counts
+// every entry by kind, for tests.
+//
 // The prefix index is an LRU set of 64-bit block hashes per endpoint: a node
 // array linked twice (a hash chain per bucket, and the recency list), grown
 // by doubling up to lru_capacity_per_server, evicting the least recently
@@ -263,6 +270,8 @@ struct tdm_router_endpoints {
     void *resolve_arg;
     bool health_due; // a new endpoint wants a check now
 
+    struct tdm_router_lock_entries entries; // entries into mu by kind (lock_entries)
+
     pthread_mutex_t check_mu; // one health round / DNS refresh at a time
 
     pthread_t thread;
@@ -276,6 +285,21 @@ static uint64_t splitmix64(uint64_t *s)
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
+}
+
+// Who enters the lock, for tdm_router_endpoints_lock_entries.
+enum entry_kind { ENTRY_REQUEST, ENTRY_LIVENESS, ENTRY_OTHER };
+
+// Takes reg->mu and counts the entry (under it: exact, no atomics).
+static void reg_lock(struct tdm_router_endpoints *reg, enum entry_kind kind)
+{
+    pthread_mutex_lock(&reg->mu);
+    if (kind == ENTRY_REQUEST)
+        reg->entries.request++;
+    else if (kind == ENTRY_LIVENESS)
+        reg->entries.liveness++;
+    else
+        reg->entries.other++;
 }
 
 static void format_name(char *dst, const char *host, int port)
@@ -536,7 +560,7 @@ int tdm_router_endpoints_new(struct tdm_router_endpoints **out, const struct tdm
         tdm_router_endpoints_free(reg);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
     }
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     reconcile(reg, true);
     reg->health_due = false;
     pthread_mutex_unlock(&reg->mu);
@@ -569,7 +593,7 @@ void tdm_router_endpoints_free(struct tdm_router_endpoints *reg)
 void tdm_router_endpoints_set_resolver(struct tdm_router_endpoints *reg, tdm_router_resolve_fn fn,
                                        void *arg)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     reg->resolve = fn ? fn : tdm_router_resolve_getaddrinfo;
     reg->resolve_arg = fn ? arg : NULL;
     pthread_mutex_unlock(&reg->mu);
@@ -577,7 +601,7 @@ void tdm_router_endpoints_set_resolver(struct tdm_router_endpoints *reg, tdm_rou
 
 void tdm_router_endpoints_set_seed(struct tdm_router_endpoints *reg, uint64_t seed)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     reg->rng = seed;
     pthread_mutex_unlock(&reg->mu);
 }
@@ -585,7 +609,7 @@ void tdm_router_endpoints_set_seed(struct tdm_router_endpoints *reg, uint64_t se
 int tdm_router_endpoints_refresh_dns(struct tdm_router_endpoints *reg)
 {
     pthread_mutex_lock(&reg->check_mu);
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     struct tdm_router_config *cfg = tdm_router_config_ref(reg->cfg);
     tdm_router_resolve_fn fn = reg->resolve;
     void *arg = reg->resolve_arg;
@@ -610,7 +634,7 @@ int tdm_router_endpoints_refresh_dns(struct tdm_router_endpoints *reg)
             break;
         }
         memcpy(copy, addrs, (size_t)n * sizeof *copy);
-        pthread_mutex_lock(&reg->mu);
+        reg_lock(reg, ENTRY_OTHER);
         // The config may have been swapped meanwhile: match by name.
         bool stored = false;
         for (size_t j = 0; j < reg->n_dns; j++)
@@ -626,7 +650,7 @@ int tdm_router_endpoints_refresh_dns(struct tdm_router_endpoints *reg)
             free(copy);
     }
     free(addrs);
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     reconcile(reg, false);
     pthread_mutex_unlock(&reg->mu);
     tdm_router_config_unref(cfg);
@@ -637,7 +661,7 @@ int tdm_router_endpoints_refresh_dns(struct tdm_router_endpoints *reg)
 int tdm_router_endpoints_apply_config(struct tdm_router_endpoints *reg,
                                       const struct tdm_router_config *cfg)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     if (!remap_dns(reg, cfg)) {
         pthread_mutex_unlock(&reg->mu);
         return TDM_ENOMEM;
@@ -810,7 +834,7 @@ static void check_step(struct check *c, short revents)
 void tdm_router_endpoints_check_health(struct tdm_router_endpoints *reg)
 {
     pthread_mutex_lock(&reg->check_mu);
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     struct tdm_router_config *cfg = tdm_router_config_ref(reg->cfg);
     size_t n = reg->n;
     struct check *cs = calloc(n ? n : 1, sizeof *cs);
@@ -862,7 +886,7 @@ void tdm_router_endpoints_check_health(struct tdm_router_endpoints *reg)
     for (size_t i = 0; i < n; i++)
         if (cs[i].state != 3)
             check_finish(&cs[i], false, "timeout");
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     double now = tdm_now();
     for (size_t i = 0; i < n; i++) {
         struct endpoint *e = find_by_id(reg, cs[i].id);
@@ -901,7 +925,7 @@ static void *bg_main(void *arg)
 {
     struct tdm_router_endpoints *reg = arg;
     double next_dns = tdm_now(), next_health = tdm_now();
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     while (!reg->stop) {
         double now = tdm_now();
         bool dns = reg->cfg->n_dns && now >= next_dns;
@@ -916,7 +940,7 @@ static void *bg_main(void *arg)
                 tdm_router_endpoints_refresh_dns(reg);
             if (health)
                 tdm_router_endpoints_check_health(reg);
-            pthread_mutex_lock(&reg->mu);
+            reg_lock(reg, ENTRY_OTHER);
             continue;
         }
         reap(reg);
@@ -933,7 +957,7 @@ static void *bg_main(void *arg)
 
 int tdm_router_endpoints_start(struct tdm_router_endpoints *reg)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     if (reg->running) {
         pthread_mutex_unlock(&reg->mu);
         return TDM_OK;
@@ -947,7 +971,7 @@ int tdm_router_endpoints_start(struct tdm_router_endpoints *reg)
 
 void tdm_router_endpoints_stop(struct tdm_router_endpoints *reg)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     if (!reg->running) {
         pthread_mutex_unlock(&reg->mu);
         return;
@@ -956,7 +980,7 @@ void tdm_router_endpoints_stop(struct tdm_router_endpoints *reg)
     pthread_cond_broadcast(&reg->cv);
     pthread_mutex_unlock(&reg->mu);
     pthread_join(reg->thread, NULL);
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     reg->running = false;
     pthread_mutex_unlock(&reg->mu);
 }
@@ -986,21 +1010,20 @@ static void fill_view(const struct tdm_router_endpoints *reg, const struct endpo
     v->has_load = e->has_load;
     v->load_age_seconds = e->has_load ? now - e->load_at : -1.0;
     v->load_stale = !e->has_load || v->load_age_seconds > reg->cfg->load_stale_seconds;
+    v->heard_at = e->has_load ? e->load_at : 0;
 }
 
-int tdm_router_endpoints_snapshot(struct tdm_router_endpoints *reg, const uint64_t *block_hashes,
-                                  size_t n_blocks, struct tdm_router_snapshot *snap)
+// The snapshot of tdm_router_endpoints_snapshot (under mu). TDM_ENOMEM.
+static int snapshot_locked(struct tdm_router_endpoints *reg, const uint64_t *block_hashes,
+                           size_t n_blocks, struct tdm_router_snapshot *snap)
 {
     memset(snap, 0, sizeof *snap);
-    pthread_mutex_lock(&reg->mu);
     size_t n = 0;
     for (size_t i = 0; i < reg->n; i++)
         n += !reg->eps[i]->draining;
     snap->eps = calloc(n ? n : 1, sizeof *snap->eps);
-    if (!snap->eps) {
-        pthread_mutex_unlock(&reg->mu);
+    if (!snap->eps)
         return TDM_ENOMEM;
-    }
     double now = tdm_now();
     size_t max_match = (size_t)reg->cfg->max_prefix_blocks_to_match;
     if (!block_hashes)
@@ -1025,8 +1048,16 @@ int tdm_router_endpoints_snapshot(struct tdm_router_endpoints *reg, const uint64
     snap->seq = reg->pick_seq++;
     snap->seed = splitmix64(&reg->rng);
     snap->now = now;
-    pthread_mutex_unlock(&reg->mu);
     return TDM_OK;
+}
+
+int tdm_router_endpoints_snapshot(struct tdm_router_endpoints *reg, const uint64_t *block_hashes,
+                                  size_t n_blocks, struct tdm_router_snapshot *snap)
+{
+    reg_lock(reg, ENTRY_REQUEST);
+    int rc = snapshot_locked(reg, block_hashes, n_blocks, snap);
+    pthread_mutex_unlock(&reg->mu);
+    return rc;
 }
 
 void tdm_router_snapshot_free(struct tdm_router_snapshot *snap)
@@ -1041,7 +1072,7 @@ void tdm_router_snapshot_free(struct tdm_router_snapshot *snap)
 int tdm_router_endpoints_get(struct tdm_router_endpoints *reg, uint64_t id,
                              struct tdm_router_endpoint_view *out)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_REQUEST);
     struct endpoint *e = find_by_id(reg, id);
     if (e)
         fill_view(reg, e, tdm_now(), out);
@@ -1052,7 +1083,7 @@ int tdm_router_endpoints_get(struct tdm_router_endpoints *reg, uint64_t id,
 int tdm_router_endpoints_find(struct tdm_router_endpoints *reg, const char *name,
                               struct tdm_router_endpoint_view *out)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_REQUEST);
     struct endpoint *e = name ? find_by_name(reg, name) : NULL;
     if (e)
         fill_view(reg, e, tdm_now(), out);
@@ -1060,21 +1091,26 @@ int tdm_router_endpoints_find(struct tdm_router_endpoints *reg, const char *name
     return e ? TDM_OK : TDM_ENOTFOUND;
 }
 
-size_t tdm_router_endpoints_count_auth_failed(struct tdm_router_endpoints *reg)
+static size_t count_auth_failed_locked(const struct tdm_router_endpoints *reg)
 {
     size_t n = 0;
-    pthread_mutex_lock(&reg->mu);
     for (size_t i = 0; i < reg->n; i++)
         n += !reg->eps[i]->draining && reg->eps[i]->auth_failed;
+    return n;
+}
+
+size_t tdm_router_endpoints_count_auth_failed(struct tdm_router_endpoints *reg)
+{
+    reg_lock(reg, ENTRY_REQUEST);
+    size_t n = count_auth_failed_locked(reg);
     pthread_mutex_unlock(&reg->mu);
     return n;
 }
 
-void tdm_router_endpoints_count(struct tdm_router_endpoints *reg, bool decode, size_t *total,
-                                size_t *healthy)
+static void count_locked(const struct tdm_router_endpoints *reg, bool decode, size_t *total,
+                         size_t *healthy)
 {
     size_t t = 0, h = 0;
-    pthread_mutex_lock(&reg->mu);
     for (size_t i = 0; i < reg->n; i++) {
         const struct endpoint *e = reg->eps[i];
         if (e->draining)
@@ -1084,6 +1120,16 @@ void tdm_router_endpoints_count(struct tdm_router_endpoints *reg, bool decode, s
         t++;
         h += e->healthy;
     }
+    *total = t;
+    *healthy = h;
+}
+
+void tdm_router_endpoints_count(struct tdm_router_endpoints *reg, bool decode, size_t *total,
+                                size_t *healthy)
+{
+    size_t t, h;
+    reg_lock(reg, ENTRY_REQUEST);
+    count_locked(reg, decode, &t, &h);
     pthread_mutex_unlock(&reg->mu);
     if (total)
         *total = t;
@@ -1094,7 +1140,7 @@ void tdm_router_endpoints_count(struct tdm_router_endpoints *reg, bool decode, s
 size_t tdm_router_endpoints_list(struct tdm_router_endpoints *reg,
                                  struct tdm_router_endpoint_view *out, size_t cap)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     double now = tdm_now();
     size_t n = reg->n;
     for (size_t i = 0; i < n && i < cap; i++)
@@ -1104,43 +1150,141 @@ size_t tdm_router_endpoints_list(struct tdm_router_endpoints *reg,
 }
 
 // ---- request path hooks -------------------------------------------------------------------------
+// Each step under mu, so an attempt's two entries (attempt_begin, attempt_end)
+// and the one-step calls do exactly the same.
 
-int tdm_router_endpoints_acquire(struct tdm_router_endpoints *reg, uint64_t id)
+static struct endpoint *acquire_locked(struct tdm_router_endpoints *reg, uint64_t id)
 {
-    pthread_mutex_lock(&reg->mu);
     struct endpoint *e = find_by_id(reg, id);
     if (e)
         e->inflight++;
+    return e;
+}
+
+static void release_locked(struct tdm_router_endpoints *reg, uint64_t id)
+{
+    struct endpoint *e = find_by_id(reg, id);
+    if (e && e->inflight > 0)
+        e->inflight--;
+    if (e && e->draining && e->inflight == 0)
+        reap(reg); // the last request on a vanished endpoint: it goes now
+}
+
+static void report_locked(struct tdm_router_endpoints *reg, uint64_t id,
+                          enum tdm_router_outcome outcome)
+{
+    struct endpoint *e = find_by_id(reg, id);
+    if (e)
+        health_result(reg, e, outcome == TDM_ROUTER_OUTCOME_SUCCESS, false,
+                      outcome == TDM_ROUTER_OUTCOME_TIMEOUT ? "request timeout" : "request error");
+}
+
+static void record_prefix_locked(struct endpoint *e, const uint64_t *block_hashes, size_t n_blocks)
+{
+    // Insert deepest first so the prompt's first block ends most recent: the
+    // shared prefix is what later requests match, so it should outlive the tail.
+    for (size_t i = n_blocks; e && block_hashes && i > 0; i--)
+        lru_insert(&e->lru, block_hashes[i - 1]);
+}
+
+int tdm_router_endpoints_acquire(struct tdm_router_endpoints *reg, uint64_t id)
+{
+    reg_lock(reg, ENTRY_REQUEST);
+    struct endpoint *e = acquire_locked(reg, id);
     pthread_mutex_unlock(&reg->mu);
     return e ? TDM_OK : TDM_ENOTFOUND;
 }
 
 void tdm_router_endpoints_release(struct tdm_router_endpoints *reg, uint64_t id)
 {
-    pthread_mutex_lock(&reg->mu);
-    struct endpoint *e = find_by_id(reg, id);
-    if (e && e->inflight > 0)
-        e->inflight--;
-    if (e && e->draining && e->inflight == 0)
-        reap(reg); // the last request on a vanished endpoint: it goes now
+    reg_lock(reg, ENTRY_REQUEST);
+    release_locked(reg, id);
     pthread_mutex_unlock(&reg->mu);
 }
 
 void tdm_router_endpoints_report(struct tdm_router_endpoints *reg, uint64_t id,
                                  enum tdm_router_outcome outcome)
 {
-    pthread_mutex_lock(&reg->mu);
-    struct endpoint *e = find_by_id(reg, id);
-    if (e)
-        health_result(reg, e, outcome == TDM_ROUTER_OUTCOME_SUCCESS, false,
-                      outcome == TDM_ROUTER_OUTCOME_TIMEOUT ? "request timeout" : "request error");
+    reg_lock(reg, ENTRY_REQUEST);
+    report_locked(reg, id, outcome);
+    pthread_mutex_unlock(&reg->mu);
+}
+
+// Holds snap's endpoint i (in-flight + 1) and records the prompt's blocks in
+// its prefix index (under mu). Every snapshot endpoint is still in the table
+// while mu has stayed held since the snapshot: none was reaped.
+static void hold_locked(struct tdm_router_endpoints *reg, const struct tdm_router_snapshot *snap,
+                        size_t i, const uint64_t *block_hashes, size_t n_blocks)
+{
+    struct endpoint *e = acquire_locked(reg, snap->eps[i].id);
+    TDM_ASSERT(e != NULL);
+    record_prefix_locked(e, block_hashes, n_blocks);
+}
+
+static void attempt_end_locked(struct tdm_router_endpoints *reg,
+                               const struct tdm_router_give_back *end, bool release)
+{
+    if (end->report)
+        report_locked(reg, end->report, end->outcome);
+    for (size_t i = 0; release && i < 2; i++)
+        if (end->release[i])
+            release_locked(reg, end->release[i]);
+}
+
+int tdm_router_endpoints_attempt_begin(struct tdm_router_endpoints *reg,
+                                       const uint64_t *block_hashes, size_t n_blocks,
+                                       tdm_router_pick_fn pick, void *arg,
+                                       const struct tdm_router_give_back *prev,
+                                       struct tdm_router_snapshot *snap,
+                                       struct tdm_router_held *held)
+{
+    memset(held, 0, sizeof *held);
+    held->decode = held->prefill = SIZE_MAX;
+    reg_lock(reg, ENTRY_REQUEST);
+    if (prev)
+        attempt_end_locked(reg, prev, false); // its report counts before the pick
+    int rc = snapshot_locked(reg, block_hashes, n_blocks, snap);
+    if (rc == TDM_OK)
+        rc = pick(arg, snap, held);
+    if (rc == TDM_OK && held->decode >= snap->n)
+        rc = TDM_EBUSY; // (a pick that says OK without an endpoint: none)
+    if (rc == TDM_OK) {
+        hold_locked(reg, snap, held->decode, block_hashes, n_blocks);
+        if (held->prefill < snap->n)
+            hold_locked(reg, snap, held->prefill, block_hashes, n_blocks);
+        else
+            held->prefill = SIZE_MAX;
+        if (prev)
+            attempt_end_locked(reg, prev, true); // released after the new hold
+    } else if (rc == TDM_EBUSY) {
+        held->decode = held->prefill = SIZE_MAX;
+        count_locked(reg, true, &held->n_decode, &held->n_decode_healthy);
+        held->n_auth_failed = count_auth_failed_locked(reg);
+    }
+    pthread_mutex_unlock(&reg->mu);
+    return rc;
+}
+
+void tdm_router_endpoints_attempt_end(struct tdm_router_endpoints *reg,
+                                      const struct tdm_router_give_back *end)
+{
+    reg_lock(reg, ENTRY_REQUEST);
+    attempt_end_locked(reg, end, true);
+    pthread_mutex_unlock(&reg->mu);
+}
+
+void tdm_router_endpoints_lock_entries(struct tdm_router_endpoints *reg,
+                                       struct tdm_router_lock_entries *out)
+{
+    reg_lock(reg, ENTRY_OTHER);
+    *out = reg->entries;
     pthread_mutex_unlock(&reg->mu);
 }
 
 int tdm_router_endpoints_set_load(struct tdm_router_endpoints *reg, uint64_t id,
                                   const struct tdm_router_load *load)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
     if (e) {
         e->load = *load;
@@ -1157,7 +1301,7 @@ int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id
                                    bool *resynced)
 {
     bool re = false, resync = false;
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
     if (e) {
         re = r->instance != 0 && e->instance != 0 && e->instance != r->instance;
@@ -1191,7 +1335,7 @@ int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id
 
 void tdm_router_endpoints_note_query(struct tdm_router_endpoints *reg, uint64_t id, double now)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
     if (e && e->q_first == 0)
         e->q_first = now;
@@ -1202,20 +1346,21 @@ void tdm_router_endpoints_note_query(struct tdm_router_endpoints *reg, uint64_t 
 
 double tdm_router_endpoints_unanswered_since(struct tdm_router_endpoints *reg, uint64_t id)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_REQUEST);
     struct endpoint *e = find_by_id(reg, id);
     double t = e ? e->q_second : 0;
     pthread_mutex_unlock(&reg->mu);
     return t;
 }
 
-int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id, uint64_t *instance,
-                                  double *heard_at)
+int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id,
+                                  struct tdm_router_liveness *out)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_LIVENESS);
     struct endpoint *e = find_by_id(reg, id);
-    *instance = e ? e->instance : 0;
-    *heard_at = e && e->has_load ? e->load_at : 0;
+    out->instance = e ? e->instance : 0;
+    out->heard_at = e && e->has_load ? e->load_at : 0;
+    out->unanswered_since = e ? e->q_second : 0;
     pthread_mutex_unlock(&reg->mu);
     return e ? TDM_OK : TDM_ENOTFOUND;
 }
@@ -1223,12 +1368,8 @@ int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id,
 void tdm_router_endpoints_record_prefix(struct tdm_router_endpoints *reg, uint64_t id,
                                         const uint64_t *block_hashes, size_t n_blocks)
 {
-    pthread_mutex_lock(&reg->mu);
-    struct endpoint *e = find_by_id(reg, id);
-    // Insert deepest first so the prompt's first block ends most recent: the
-    // shared prefix is what later requests match, so it should outlive the tail.
-    for (size_t i = n_blocks; e && block_hashes && i > 0; i--)
-        lru_insert(&e->lru, block_hashes[i - 1]);
+    reg_lock(reg, ENTRY_REQUEST);
+    record_prefix_locked(find_by_id(reg, id), block_hashes, n_blocks);
     pthread_mutex_unlock(&reg->mu);
 }
 
@@ -1236,7 +1377,7 @@ int tdm_router_endpoints_apply_kv_event(struct tdm_router_endpoints *reg, uint64
                                         const uint64_t *stored, size_t n_stored,
                                         const uint64_t *evicted, size_t n_evicted)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
     if (e) {
         for (size_t i = 0; stored && i < n_stored; i++)
@@ -1250,7 +1391,7 @@ int tdm_router_endpoints_apply_kv_event(struct tdm_router_endpoints *reg, uint64
 
 void tdm_router_endpoints_clear_prefix(struct tdm_router_endpoints *reg, uint64_t id)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
     if (e)
         lru_fini(&e->lru);
@@ -1259,7 +1400,7 @@ void tdm_router_endpoints_clear_prefix(struct tdm_router_endpoints *reg, uint64_
 
 size_t tdm_router_endpoints_prefix_size(struct tdm_router_endpoints *reg, uint64_t id)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
     size_t n = e ? e->lru.n : 0;
     pthread_mutex_unlock(&reg->mu);
@@ -1269,7 +1410,7 @@ size_t tdm_router_endpoints_prefix_size(struct tdm_router_endpoints *reg, uint64
 void tdm_router_endpoints_set_auth(struct tdm_router_endpoints *reg, uint64_t id, bool failed,
                                    const char *why)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
     if (e == NULL || e->auth_failed == failed) {
         pthread_mutex_unlock(&reg->mu);
@@ -1304,7 +1445,7 @@ void tdm_router_endpoints_set_auth(struct tdm_router_endpoints *reg, uint64_t id
 
 void tdm_router_endpoints_set_healthy(struct tdm_router_endpoints *reg, uint64_t id, bool healthy)
 {
-    pthread_mutex_lock(&reg->mu);
+    reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
     if (e && e->healthy != healthy) {
         e->healthy = healthy;

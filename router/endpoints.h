@@ -29,8 +29,13 @@
 // So a KV event's hash is the same number the router computed for that prefix.
 //
 // Policies never see the registry: they get a snapshot (a plain array copied
-// under the lock, prefix matches for the request already counted), so no lock
-// is held while scoring.
+// under the lock, prefix matches for the request already counted). The request
+// path enters the lock twice per attempt: tdm_router_endpoints_attempt_begin
+// copies the snapshot, runs the caller's pick on the copy, holds and records
+// what was picked and hands the copy back (its views carry the load and
+// liveness the attempt reads), and tdm_router_endpoints_attempt_end reports and
+// releases; a stream's liveness check between them is one more entry each time
+// (tdm_router_endpoints_liveness).
 #ifndef TDM_ROUTER_ENDPOINTS_H
 #define TDM_ROUTER_ENDPOINTS_H
 
@@ -85,6 +90,7 @@ struct tdm_router_endpoint_view {
     bool has_load;               // a report arrived at least once
     bool load_stale;             // no report, or older than load_stale_seconds
     double load_age_seconds;     // seconds since the report (< 0: never)
+    double heard_at;             // tdm_now() when the report arrived (0: never); liveness
     int prefix_match_blocks;     // leading request blocks this endpoint is believed to cache
 };
 
@@ -175,18 +181,82 @@ void tdm_router_endpoints_count(struct tdm_router_endpoints *reg, bool decode, s
 // handshake (tdm_router_endpoints_set_auth): named in "no healthy" errors.
 size_t tdm_router_endpoints_count_auth_failed(struct tdm_router_endpoints *reg);
 
-// ---- request path hooks (thread-safe, no allocation) --------------------------------------------
-// A request starts using the endpoint: in-flight + 1 (a draining endpoint is
-// not removed while in-flight > 0). TDM_ENOTFOUND if the id is gone.
-int tdm_router_endpoints_acquire(struct tdm_router_endpoints *reg, uint64_t id);
-// The request is done with it: in-flight - 1.
-void tdm_router_endpoints_release(struct tdm_router_endpoints *reg, uint64_t id);
-
+// ---- an attempt's two entries (the request path) ------------------------------------------------
+// How a request went on an endpoint, for passive health (tdm_router_endpoints_report).
 enum tdm_router_outcome {
     TDM_ROUTER_OUTCOME_SUCCESS = 0, // a response came back (resets the failure count)
     TDM_ROUTER_OUTCOME_ERROR,       // connection refused/reset, 5xx, protocol error
     TDM_ROUTER_OUTCOME_TIMEOUT,     // no answer within the deadline
 };
+
+// The endpoints an attempt holds, as indices into the snapshot it was picked on.
+struct tdm_router_held {
+    size_t decode;  // the decode endpoint (SIZE_MAX: none picked)
+    size_t prefill; // the prefill endpoint in use (SIZE_MAX: none, decode-only)
+    // When the pick found nothing (TDM_EBUSY), for the error: decode-capable
+    // endpoints not draining, how many of those are healthy, and endpoints (not
+    // draining, any role) refusing the router's handshake; as
+    // tdm_router_endpoints_count and _count_auth_failed.
+    size_t n_decode, n_decode_healthy, n_auth_failed;
+};
+
+// The caller's pick on the copied snapshot: sets held->decode (and
+// held->prefill, or SIZE_MAX) and returns TDM_OK, or returns an error
+// (TDM_EBUSY: nothing to pick). It runs under the registry's lock, so it must
+// be quick and must not call the registry (a policy over the copy: no I/O, no
+// lock); it may change the copy's views (an avoided endpoint marked unhealthy).
+typedef int (*tdm_router_pick_fn)(void *arg, struct tdm_router_snapshot *snap,
+                                  struct tdm_router_held *held);
+
+// What an attempt gives back at its end.
+struct tdm_router_give_back {
+    uint64_t report;                 // endpoint to report on first (0: no report)
+    enum tdm_router_outcome outcome; // its outcome, as tdm_router_endpoints_report
+    uint64_t release[2];             // endpoints to release, as tdm_router_endpoints_release
+                                     // (0: none): the held decode and prefill endpoints
+};
+
+// An attempt's first entry, all under one lock: prev's report (when prev is
+// not NULL: the attempt this one replaces); the snapshot of
+// tdm_router_endpoints_snapshot; pick(arg, snap, held); then the picked
+// endpoints acquired (in-flight + 1) with block_hashes recorded in their
+// prefix indexes (decode first, as tdm_router_endpoints_record_prefix); then
+// prev's releases. *snap is the caller's (free with tdm_router_snapshot_free)
+// after TDM_OK and after a failed pick: its views are what the attempt reads
+// of its endpoints (admission load, instance ids, heard_at). On failure
+// nothing is held or recorded and prev is reported but not released; the
+// pick's error is returned (TDM_EBUSY with held's counts set), or TDM_ENOMEM.
+int tdm_router_endpoints_attempt_begin(struct tdm_router_endpoints *reg,
+                                       const uint64_t *block_hashes, size_t n_blocks,
+                                       tdm_router_pick_fn pick, void *arg,
+                                       const struct tdm_router_give_back *prev,
+                                       struct tdm_router_snapshot *snap,
+                                       struct tdm_router_held *held);
+// An attempt's last entry, under one lock: end's report, then its releases.
+void tdm_router_endpoints_attempt_end(struct tdm_router_endpoints *reg,
+                                      const struct tdm_router_give_back *end);
+
+// How many times the registry's lock was entered, by who (counted under the
+// lock, so exact; for tests that count a request's entries). request: the
+// request path's calls (attempt_begin, attempt_end) and the single-step calls
+// it could make instead (snapshot, get, find, count, count_auth_failed,
+// acquire, release, report, record_prefix, unanswered_since); liveness:
+// tdm_router_endpoints_liveness (a stream's check: once per wait that heard
+// nothing, so timing decides how many); other: everything else (reports, the
+// load poller, health checks, DNS, reloads, listings, test setters, this).
+struct tdm_router_lock_entries {
+    uint64_t request, liveness, other;
+};
+void tdm_router_endpoints_lock_entries(struct tdm_router_endpoints *reg,
+                                       struct tdm_router_lock_entries *out);
+
+// ---- request path hooks, one step each (thread-safe, no allocation)
+// ------------------------------- A request starts using the endpoint: in-flight + 1 (a draining
+// endpoint is not removed while in-flight > 0). TDM_ENOTFOUND if the id is gone.
+int tdm_router_endpoints_acquire(struct tdm_router_endpoints *reg, uint64_t id);
+// The request is done with it: in-flight - 1.
+void tdm_router_endpoints_release(struct tdm_router_endpoints *reg, uint64_t id);
+
 // Passive health: errors and timeouts count toward failure_threshold exactly as
 // failed active checks do; a success resets the count (it does not by itself
 // revive an unhealthy endpoint: the active check does that).
@@ -219,11 +289,15 @@ int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id
                                    const struct tdm_router_report *r, bool *restarted,
                                    bool *resynced);
 
-// The endpoint's liveness: the instance id of its last report (0: none yet)
-// and when that report arrived (tdm_now(); 0: never). TDM_ENOTFOUND (both 0)
-// for an unknown or removed id.
-int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id, uint64_t *instance,
-                                  double *heard_at);
+// What a stream's liveness check reads of its decode worker, in one lock entry.
+struct tdm_router_liveness {
+    uint64_t instance;       // the instance id of its last report (0: none yet)
+    double heard_at;         // when that report arrived (tdm_now(); 0: never)
+    double unanswered_since; // as tdm_router_endpoints_unanswered_since (0: fewer than two)
+};
+// The endpoint's liveness now. TDM_ENOTFOUND (all 0) for an unknown or removed id.
+int tdm_router_endpoints_liveness(struct tdm_router_endpoints *reg, uint64_t id,
+                                  struct tdm_router_liveness *out);
 
 // The load poller sent endpoint id a LoadQuery at `now` (tdm_now()). The
 // registry keeps when the first two queries since the endpoint's last report

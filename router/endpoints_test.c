@@ -3,7 +3,9 @@
 // discovery through a fake resolver (addresses added, vanished ones drained
 // after their in-flight requests), config reloads of the static list, load
 // staleness, reports (liveness, restarts, KV event batches), the prefix index
-// (routing records, KV events, LRU capacity),
+// (routing records, KV events, LRU capacity), an attempt's two lock entries
+// (what begin holds, records and hands back; what end reports and releases; a
+// replaced attempt's report before the pick and release after the hold),
 // passive health, and active health checks against a local HTTP server whose
 // /health flips between 200 and 503 (and a silent listener: dead, or busy while
 // load reports arrive).
@@ -328,10 +330,9 @@ static void test_on_report(void **state)
     struct tdm_router_endpoints *reg = reg_of(cfg);
     struct tdm_router_endpoint_view v;
     assert_true(find(reg, "10.0.0.1:8001", &v));
-    uint64_t inst = 7;
-    double heard = 7;
-    assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &inst, &heard), TDM_OK);
-    assert_true(inst == 0 && heard == 0); // never heard
+    struct tdm_router_liveness live = {7, 7, 7};
+    assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &live), TDM_OK);
+    assert_true(live.instance == 0 && live.heard_at == 0 && live.unanswered_since == 0); // never
     uint64_t h[4] = {101, 102, 103, 104};
     tdm_router_endpoints_record_prefix(reg, v.id, h, 2); // what the router routed there
     bool restarted = true, resynced = true;
@@ -346,11 +347,12 @@ static void test_on_report(void **state)
     assert_false(restarted);
     assert_false(resynced); // the first batch keeps what the router recorded itself
     assert_int_equal(tdm_router_endpoints_prefix_size(reg, v.id), 3);
-    assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &inst, &heard), TDM_OK);
-    assert_true(inst == 0xA);
-    assert_true(heard >= t0 && heard <= tdm_now());
+    assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &live), TDM_OK);
+    assert_true(live.instance == 0xA);
+    assert_true(live.heard_at >= t0 && live.heard_at <= tdm_now());
     assert_true(find(reg, "10.0.0.1:8001", &v));
     assert_true(v.has_load && v.load.waiting == 2 && v.instance == 0xA);
+    assert_true(v.heard_at == live.heard_at); // a view carries the same liveness
     // The next batch: applied on top.
     r.kv_batch = 6;
     r.stored = &h[3];
@@ -379,8 +381,8 @@ static void test_on_report(void **state)
     assert_true(restarted);
     assert_false(resynced);
     assert_int_equal(tdm_router_endpoints_prefix_size(reg, v.id), 0);
-    assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &inst, &heard), TDM_OK);
-    assert_true(inst == 0xB);
+    assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &live), TDM_OK);
+    assert_true(live.instance == 0xB);
     // Queries left unanswered: the second one's send time, until a report.
     assert_true(tdm_router_endpoints_unanswered_since(reg, v.id) == 0);
     tdm_router_endpoints_note_query(reg, v.id, 50.0);
@@ -388,6 +390,8 @@ static void test_on_report(void **state)
     tdm_router_endpoints_note_query(reg, v.id, 50.2);
     tdm_router_endpoints_note_query(reg, v.id, 50.4);
     assert_true(tdm_router_endpoints_unanswered_since(reg, v.id) == 50.2);
+    assert_int_equal(tdm_router_endpoints_liveness(reg, v.id, &live), TDM_OK);
+    assert_true(live.unanswered_since == 50.2 && live.instance == 0xB);
     assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &r2, NULL, NULL), TDM_OK);
     assert_true(tdm_router_endpoints_unanswered_since(reg, v.id) == 0);
     tdm_router_endpoints_note_query(reg, v.id, 51.0);
@@ -400,8 +404,8 @@ static void test_on_report(void **state)
     assert_true(tdm_router_endpoints_unanswered_since(reg, 999) == 0);
     // Unknown ids.
     assert_int_equal(tdm_router_endpoints_on_report(reg, 999, &r2, NULL, NULL), TDM_ENOTFOUND);
-    assert_int_equal(tdm_router_endpoints_liveness(reg, 999, &inst, &heard), TDM_ENOTFOUND);
-    assert_true(inst == 0 && heard == 0);
+    assert_int_equal(tdm_router_endpoints_liveness(reg, 999, &live), TDM_ENOTFOUND);
+    assert_true(live.instance == 0 && live.heard_at == 0 && live.unanswered_since == 0);
     tdm_router_endpoints_free(reg);
     tdm_router_config_unref(cfg);
 }
@@ -469,6 +473,150 @@ static void test_prefix_index(void **state)
     assert_int_equal(tdm_router_endpoints_prefix_size(reg, a.id), 6);
     tdm_router_endpoints_free(reg);
     tdm_router_config_unref(big);
+    tdm_router_config_unref(cfg);
+}
+
+// ---- an attempt's two entries ------------------------------------------------------------------
+// A pick that takes the first healthy endpoint of each role the snapshot
+// lists (decode, then prefill when want_prefill), or fails with TDM_EBUSY.
+struct first_pick {
+    bool want_prefill;
+    int calls;
+    uint64_t watch;     // an endpoint whose health the pick notes
+    bool watch_healthy; // as the pick saw it
+};
+
+static int pick_first(void *arg, struct tdm_router_snapshot *snap, struct tdm_router_held *held)
+{
+    struct first_pick *p = arg;
+    p->calls++;
+    for (size_t i = 0; i < snap->n; i++) {
+        const struct tdm_router_endpoint_view *v = &snap->eps[i];
+        if (v->id == p->watch)
+            p->watch_healthy = v->healthy;
+        if (!v->healthy)
+            continue;
+        if (held->decode == SIZE_MAX && v->role == TDM_ROUTER_ROLE_DECODE)
+            held->decode = i;
+        if (p->want_prefill && held->prefill == SIZE_MAX && v->role == TDM_ROUTER_ROLE_PREFILL)
+            held->prefill = i;
+    }
+    return held->decode == SIZE_MAX ? TDM_EBUSY : TDM_OK;
+}
+
+static int inflight(struct tdm_router_endpoints *reg, uint64_t id)
+{
+    struct tdm_router_endpoint_view v;
+    assert_int_equal(tdm_router_endpoints_get(reg, id, &v), TDM_OK);
+    return v.inflight;
+}
+
+static uint64_t request_entries(struct tdm_router_endpoints *reg)
+{
+    struct tdm_router_lock_entries e;
+    tdm_router_endpoints_lock_entries(reg, &e);
+    return e.request;
+}
+
+// attempt_begin holds the picked decode and prefill endpoints, records the
+// prompt's blocks on both and hands back the snapshot with their load and
+// liveness; attempt_end reports and releases; one lock entry each. A replaced
+// attempt (prev: a migration) is reported before the pick, so its failure is
+// in the snapshot, and released after the new hold; when the pick fails it is
+// reported, not released, nothing is held, and held says why.
+static void test_attempt_entries(void **state)
+{
+    (void)state;
+    struct tdm_router_config *cfg = cfg_of("policy: round_robin\n"
+                                           "health: {failure_threshold: 1}\n"
+                                           "endpoints:\n"
+                                           "  decode: ['10.0.0.1:8001', '10.0.0.2:8001']\n"
+                                           "  prefill: ['10.0.0.9:8101']\n");
+    struct tdm_router_endpoints *reg = reg_of(cfg);
+    struct tdm_router_endpoint_view a, b, p;
+    assert_true(find(reg, "10.0.0.1:8001", &a));
+    assert_true(find(reg, "10.0.0.2:8001", &b));
+    assert_true(find(reg, "10.0.0.9:8101", &p));
+    struct tdm_router_report rep = {.instance = 0xA, .load = {.waiting = 3, .max_waiting = 8}};
+    assert_int_equal(tdm_router_endpoints_on_report(reg, a.id, &rep, NULL, NULL), TDM_OK);
+    uint64_t h[3] = {11, 12, 13};
+
+    uint64_t e0 = request_entries(reg);
+    struct first_pick fp = {.want_prefill = true};
+    struct tdm_router_snapshot snap;
+    struct tdm_router_held held;
+    assert_int_equal(
+        tdm_router_endpoints_attempt_begin(reg, h, 3, pick_first, &fp, NULL, &snap, &held), TDM_OK);
+    assert_int_equal(request_entries(reg) - e0, 1);
+    assert_int_equal(fp.calls, 1);
+    assert_true(snap.eps[held.decode].id == a.id && snap.eps[held.prefill].id == p.id);
+    // The views carry what the attempt reads: load for admission, liveness.
+    const struct tdm_router_endpoint_view *dv = &snap.eps[held.decode];
+    assert_true(dv->instance == 0xA && dv->heard_at > 0);
+    assert_int_equal(dv->load.waiting, 3);
+    assert_int_equal(dv->load.max_waiting, 8);
+    assert_true(snap.eps[held.prefill].heard_at == 0); // never reported
+    tdm_router_snapshot_free(&snap);
+    assert_int_equal(inflight(reg, a.id), 1);
+    assert_int_equal(inflight(reg, p.id), 1);
+    assert_int_equal(inflight(reg, b.id), 0);
+    assert_int_equal(tdm_router_endpoints_prefix_size(reg, a.id), 3);
+    assert_int_equal(tdm_router_endpoints_prefix_size(reg, p.id), 3);
+    assert_int_equal(tdm_router_endpoints_prefix_size(reg, b.id), 0);
+
+    // A migration: A reported failed before the pick (threshold 1: unhealthy
+    // in the snapshot, so B is picked), then released after B is held.
+    struct tdm_router_give_back prev = {
+        .report = a.id, .outcome = TDM_ROUTER_OUTCOME_ERROR, .release = {a.id, p.id}};
+    struct first_pick fp2 = {.watch = a.id, .watch_healthy = true};
+    e0 = request_entries(reg);
+    assert_int_equal(
+        tdm_router_endpoints_attempt_begin(reg, h, 1, pick_first, &fp2, &prev, &snap, &held),
+        TDM_OK);
+    assert_int_equal(request_entries(reg) - e0, 1);
+    assert_false(fp2.watch_healthy);
+    assert_true(snap.eps[held.decode].id == b.id);
+    assert_true(held.prefill == SIZE_MAX);
+    tdm_router_snapshot_free(&snap);
+    assert_int_equal(inflight(reg, a.id), 0);
+    assert_int_equal(inflight(reg, p.id), 0);
+    assert_int_equal(inflight(reg, b.id), 1);
+    assert_int_equal(tdm_router_endpoints_prefix_size(reg, b.id), 1);
+
+    // Another migration finds nothing (B fails too): B reported, still held.
+    prev = (struct tdm_router_give_back){
+        .report = b.id, .outcome = TDM_ROUTER_OUTCOME_ERROR, .release = {b.id, 0}};
+    e0 = request_entries(reg);
+    assert_int_equal(
+        tdm_router_endpoints_attempt_begin(reg, h, 3, pick_first, &fp2, &prev, &snap, &held),
+        TDM_EBUSY);
+    assert_int_equal(request_entries(reg) - e0, 1);
+    tdm_router_snapshot_free(&snap);
+    assert_true(held.decode == SIZE_MAX && held.prefill == SIZE_MAX);
+    assert_int_equal(held.n_decode, 2);
+    assert_int_equal(held.n_decode_healthy, 0);
+    assert_int_equal(held.n_auth_failed, 0);
+    assert_true(find(reg, "10.0.0.2:8001", &b));
+    assert_false(b.healthy);
+    assert_int_equal(b.inflight, 1);
+    assert_int_equal(tdm_router_endpoints_prefix_size(reg, b.id), 1); // nothing recorded
+
+    // The end: a report (passive success) and the release, one entry.
+    tdm_router_endpoints_set_healthy(reg, b.id, true);
+    struct tdm_router_give_back end = {
+        .report = b.id, .outcome = TDM_ROUTER_OUTCOME_SUCCESS, .release = {b.id, 0}};
+    e0 = request_entries(reg);
+    tdm_router_endpoints_attempt_end(reg, &end);
+    assert_int_equal(request_entries(reg) - e0, 1);
+    assert_int_equal(inflight(reg, b.id), 0);
+    // Liveness checks are counted apart.
+    struct tdm_router_lock_entries l0, l1;
+    tdm_router_endpoints_lock_entries(reg, &l0);
+    struct tdm_router_liveness live;
+    assert_int_equal(tdm_router_endpoints_liveness(reg, a.id, &live), TDM_OK);
+    tdm_router_endpoints_lock_entries(reg, &l1);
+    assert_true(l1.liveness == l0.liveness + 1 && l1.request == l0.request);
+    tdm_router_endpoints_free(reg);
     tdm_router_config_unref(cfg);
 }
 
@@ -833,6 +981,7 @@ int main(void)
         cmocka_unit_test(test_prefix_index),
         cmocka_unit_test(test_on_report),
         cmocka_unit_test(test_health_timeout_busy),
+        cmocka_unit_test(test_attempt_entries),
         cmocka_unit_test(test_passive_health),
         cmocka_unit_test(test_active_health_checks),
         cmocka_unit_test(test_auth_failure_unhealthy),

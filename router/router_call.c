@@ -171,12 +171,11 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
 }
 
 // The decode worker of this call is alive (router_stream.c's verdict on its
-// last load report and instance).
+// last load report and instance, read fresh: one registry entry).
 static bool upstream_alive(struct call *k, const struct choice *ch, char *why, size_t cap)
 {
-    uint64_t inst = 0;
-    double last = 0;
-    router_live_get(k->s, k->route.decode.id, &inst, &last);
+    struct tdm_router_liveness live;
+    router_live_get(k->s, k->route.decode.id, &live);
     pthread_mutex_lock(&k->s->mu);
     uint64_t st_inst = ch->st->instance;
     double heard = ch->st->heard;
@@ -188,11 +187,9 @@ static bool upstream_alive(struct call *k, const struct choice *ch, char *why, s
     double now = tdm_now(), tick = atomic_load(&k->s->poll_tick);
     if (tick > 0 && now - tick > k->s->o.load_interval + k->s->o.liveness_timeout)
         return true;
-    double unanswered = tdm_router_endpoints_unanswered_since(
-        tdm_router_control_endpoints(k->s->ctl), k->route.decode.id);
-    enum tdm_router_upstream v =
-        tdm_router_upstream_check(now, ch->st->started, last, k->s->o.liveness_timeout, inst,
-                                  st_inst, atomic_load(&k->s->resumed_at), unanswered);
+    enum tdm_router_upstream v = tdm_router_upstream_check(
+        now, ch->st->started, live.heard_at, k->s->o.liveness_timeout, live.instance, st_inst,
+        atomic_load(&k->s->resumed_at), live.unanswered_since);
     // A stream whose tokens keep arriving is alive, whatever its worker's
     // load reports (late on a loaded host): busy is not dead.
     if (v == TDM_ROUTER_UPSTREAM_SILENT && now - heard <= k->s->o.liveness_timeout)
@@ -323,16 +320,13 @@ static void release_upstream(struct call *k)
     }
 }
 
-// Sends one GenerateRequest per choice to the routed decode worker.
-// The decode worker's instance id to address, from its last report: only
-// when that report is fresh (after a silence it may have restarted, and a
-// message for the old instance would be dropped by the new one); else 0.
-static uint64_t decode_instance(struct call *k)
+// The instance id to address a routed worker by, from its last report as of
+// the route: only when that report is fresh (after a silence it may have
+// restarted, and a message for the old instance would be dropped by the new
+// one); else 0.
+static uint64_t target_instance(const struct call *k, const struct tdm_router_target *t)
 {
-    uint64_t inst = 0;
-    double last = 0;
-    router_live_get(k->s, k->route.decode.id, &inst, &last);
-    return tdm_now() - last > k->s->o.liveness_timeout ? 0 : inst;
+    return tdm_now() - t->heard_at > k->s->o.liveness_timeout ? 0 : t->instance;
 }
 
 // Registers a new upstream stream for choice i and sends its GenerateRequest
@@ -413,9 +407,8 @@ static int send_choice(struct call *k, size_t i, uint64_t dec_inst, Tandem__Pref
 // Sends one GenerateRequest per choice to the routed decode worker.
 static int send_generates(struct call *k, char *err, size_t errlen)
 {
-    struct tdm_router_server *s = k->s;
     const struct tdm_router_route *r = &k->route;
-    uint64_t dec_inst = decode_instance(k);
+    uint64_t dec_inst = target_instance(k, &r->decode);
     Tandem__PrefillTarget targets[TDM_ROUTER_MAX_PREFILL_CANDIDATES];
     Tandem__PrefillTarget *target_ptr[TDM_ROUTER_MAX_PREFILL_CANDIDATES];
     char target_urls[TDM_ROUTER_MAX_PREFILL_CANDIDATES][300];
@@ -428,10 +421,7 @@ static int send_generates(struct call *k, char *err, size_t errlen)
             router_nng_url_of(r->prefill[i].host, r->prefill[i].nng_port, target_urls[nt],
                               sizeof target_urls[nt]);
             targets[nt].url = target_urls[nt];
-            double l2 = 0;
-            router_live_get(s, r->prefill[i].id, &targets[nt].instance, &l2);
-            if (tdm_now() - l2 > s->o.liveness_timeout)
-                targets[nt].instance = 0;
+            targets[nt].instance = target_instance(k, &r->prefill[i]);
             target_ptr[nt] = &targets[nt];
             nt++;
         }
@@ -476,9 +466,11 @@ static int migrate_lost(struct call *k)
     const struct tdm_oai_tokenized_prompt *p0 = &k->oai.prompts[0];
     struct tdm_router_route nr;
     memset(&nr, 0, sizeof nr);
-    tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
-    int rc = tdm_router_control_route_avoiding(s->ctl, p0->ids, p0->n, k->session, k->lost_ids,
-                                               (size_t)k->migrations, &nr, err, sizeof err);
+    double deadline = k->route.deadline; // the request's deadline does not restart
+    // The lost worker reported, the new route held, the old one released: one
+    // registry entry.
+    int rc = tdm_router_control_reroute(s->ctl, &k->route, p0->ids, p0->n, k->session, k->lost_ids,
+                                        (size_t)k->migrations, &nr, err, sizeof err);
     if (rc != TDM_OK) {
         for (size_t i = 0; i < k->oai.n_choices; i++) {
             struct choice *ch = &k->choices[i];
@@ -492,12 +484,11 @@ static int migrate_lost(struct call *k)
         k->lost = true;
         return 0;
     }
-    nr.deadline = k->route.deadline; // the request's deadline does not restart
-    tdm_router_control_route_done(s->ctl, &k->route, "error");
+    nr.deadline = deadline;
     k->route = nr;
     router_nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url,
                       sizeof k->decode_url);
-    uint64_t dec_inst = decode_instance(k);
+    uint64_t dec_inst = target_instance(k, &k->route.decode);
     size_t moved = 0;
     for (size_t i = 0; i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
@@ -584,10 +575,9 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
                       sizeof k->decode_url);
     // Known dead, so no send timeout to wait for: stale reports and no
     // connection, or never heard from while the load poller's own dials to it
-    // fail (a worker not started yet, a wrong nng port).
-    uint64_t inst = 0;
-    double last = 0;
-    router_live_get(s, k->route.decode.id, &inst, &last);
+    // fail (a worker not started yet, a wrong nng port). Its liveness and load
+    // are the route's (the snapshot it was picked on): no registry entry here.
+    double last = k->route.decode.heard_at;
     bool stale = last > 0 && tdm_now() - last > s->o.liveness_timeout &&
                  !tdm_net_connected(s->outbox, k->decode_url);
     bool never_up = last == 0 &&
@@ -600,24 +590,22 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
     // worker's waiting-queue bound from its last report, before anything is
     // sent (issue 11): more than the bound can never fit (400, no retry);
     // more than the room left is overload, not death: another worker, else 503.
-    struct tdm_router_endpoint_view v;
-    if (tdm_router_endpoints_get(tdm_router_control_endpoints(s->ctl), k->route.decode.id, &v) ==
-            TDM_OK &&
-        v.load.max_waiting > 0) {
+    const struct tdm_router_load *load = &k->route.decode.load;
+    if (load->max_waiting > 0) {
         int want = (int)k->oai.n_choices;
-        if (want > v.load.max_waiting) {
+        if (want > load->max_waiting) {
             k->never_fits = true;
             snprintf(err, errlen,
                      "%d sequences (n x prompts) exceed the waiting-queue bound (--max-waiting "
                      "%d)",
-                     want, v.load.max_waiting);
+                     want, load->max_waiting);
             return TDM_ROUTER_ATTEMPT_BUSY;
         }
-        if (want > 1 && v.load.waiting + want > v.load.max_waiting) {
+        if (want > 1 && load->waiting + want > load->max_waiting) {
             snprintf(err, errlen,
                      "The server is overloaded: the waiting queue is full (--max-waiting %d). "
                      "Retry later.",
-                     v.load.max_waiting);
+                     load->max_waiting);
             return TDM_ROUTER_ATTEMPT_BUSY;
         }
     }
@@ -747,11 +735,12 @@ static void abandon_route(struct call *k, enum tdm_router_attempt_end end, bool 
         tdm_metrics_counter_inc(s->m_lost);
     if (end == TDM_ROUTER_ATTEMPT_UNREACHABLE) // never sent there: a fallback, not a pick
         tdm_router_control_route_unsent(s->ctl, &k->route);
-    if (end != TDM_ROUTER_ATTEMPT_BUSY) // busy is not dead: no health penalty
-        tdm_router_control_report(s->ctl, &k->route.decode, TDM_ROUTER_OUTCOME_ERROR);
     if (s->rm && retrying)
         tdm_router_metrics_retry(s->rm, k->route.decode.name, k->route.decode.role);
-    tdm_router_control_route_done(s->ctl, &k->route, "error");
+    if (end != TDM_ROUTER_ATTEMPT_BUSY) // busy is not dead: no health penalty
+        tdm_router_control_route_done_report(s->ctl, &k->route, "error", TDM_ROUTER_OUTCOME_ERROR);
+    else
+        tdm_router_control_route_done(s->ctl, &k->route, "error");
     k->routed = false;
 }
 
@@ -861,6 +850,9 @@ void router_handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
 {
     struct call k;
     memset(&k, 0, sizeof k);
+    // The decode endpoint's passive report, made with the route's release.
+    bool report = false;
+    enum tdm_router_outcome outcome = TDM_ROUTER_OUTCOME_SUCCESS;
     k.s = s;
     k.conn = c;
     k.arrival = tdm_now();
@@ -903,9 +895,10 @@ void router_handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
     if (k.lost) {
         tdm_metrics_counter_inc(k.s->m_lost);
         // Counted once, by the report (tandem:router_upstream_errors_total).
-        tdm_router_control_report(s->ctl, &k.route.decode, TDM_ROUTER_OUTCOME_ERROR);
+        report = true;
+        outcome = TDM_ROUTER_OUTCOME_ERROR;
     } else if (!bad) {
-        tdm_router_control_report(s->ctl, &k.route.decode, TDM_ROUTER_OUTCOME_SUCCESS);
+        report = true;
     }
     if (s->rm)
         tdm_metrics_histogram_observe(s->rm->e2e, tdm_now() - k.arrival);
@@ -934,6 +927,8 @@ out:;
     trace_call(&k, status);
     call_fini(&k);
     pthread_cond_destroy(&k.cv);
-    if (k.routed)
+    if (k.routed && report)
+        tdm_router_control_route_done_report(s->ctl, &k.route, status, outcome);
+    else if (k.routed)
         tdm_router_control_route_done(s->ctl, &k.route, status);
 }

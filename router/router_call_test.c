@@ -27,6 +27,13 @@
 // stream whose worker goes silent mid-stream, migrated (every token once, in
 // order; the second worker got the first one's tokens as resume_tokens; one
 // migration counted) or, with --no-stream-migration, ended with an error event.
+// Each case also counts the request's entries into the endpoint registry's
+// lock (issue 27: one to route, one to give the route back, per attempt; a
+// migration's reroute is one): 2 for a plain completion or stream (8 before),
+// 4 for one retry (14 and 15 before), 6 for the spent budget (21), 3 and 4 for
+// one and two migrations (14 and 20), not counting the liveness checks of a
+// stream that heard nothing for a wait (one entry each, 2 before; timing
+// decides how many, so they are counted apart).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -52,6 +59,7 @@
 #include "mkmodel.h"
 #include "pd_codec.h"
 #include "router.h"
+#include "router_impl.h" // the server's control plane: its registry's lock entries
 #include "tokenizer.h"
 #include "transport.h"
 
@@ -361,6 +369,19 @@ static int rig_stop(void **state)
     return 0;
 }
 
+// The registry's lock entries so far, once no API call is running in the
+// router (a call gives its route back after the client has the response).
+static struct tdm_router_lock_entries lock_entries(void)
+{
+    double until = tdm_now() + 5.0;
+    while (atomic_load(&rig.router->inflight) > 0 && tdm_now() < until)
+        sleep_ms(1);
+    assert_int_equal(atomic_load(&rig.router->inflight), 0);
+    struct tdm_router_lock_entries e;
+    tdm_router_endpoints_lock_entries(tdm_router_control_endpoints(rig.router->ctl), &e);
+    return e;
+}
+
 // ---- client side -------------------------------------------------------------------------------
 // The sum of a series' samples (every label set) in the router's /metrics.
 static double metric(const char *name)
@@ -429,8 +450,10 @@ static void test_plain_completion(void **state)
     (void)state;
     const enum fake_mode modes[] = {FAKE_ANSWER};
     rig_start(1, modes, 0, true);
+    uint64_t before = lock_entries().request;
     char *r = post(rig.port, "/v1/completions", completion_body);
     assert_completion(r, 8);
+    assert_int_equal(lock_entries().request - before, 2); // route, route done (8 before)
     cJSON *j = cJSON_Parse(body_of(r));
     int prompt_tokens =
         cJSON_GetObjectItem(cJSON_GetObjectItem(j, "usage"), "prompt_tokens")->valueint;
@@ -461,11 +484,13 @@ static void test_unreachable_retried(void **state)
     (void)state;
     const enum fake_mode modes[] = {FAKE_UNREACHABLE, FAKE_ANSWER};
     rig_start(2, modes, 0, true);
+    uint64_t before = lock_entries().request;
     double t0 = tdm_now();
     char *r = post(rig.port, "/v1/completions", completion_body);
     double took = tdm_now() - t0;
     assert_completion(r, 8);
     free(r);
+    assert_int_equal(lock_entries().request - before, 4); // 2 attempts of 2 (14 before)
     if (took >= 0.9) // the send timeout is 1.0 s
         fail_msg("the unreachable worker was tried for %.2f s", took);
     struct fake *ok = &rig.fakes[1];
@@ -481,9 +506,11 @@ static void test_busy_retried(void **state)
     (void)state;
     const enum fake_mode modes[] = {FAKE_BUSY, FAKE_ANSWER};
     rig_start(2, modes, 0, true);
+    uint64_t before = lock_entries().request;
     char *r = post(rig.port, "/v1/completions", completion_body);
     assert_completion(r, 8);
     free(r);
+    assert_int_equal(lock_entries().request - before, 4); // 2 attempts of 2 (15 before)
     for (int i = 0; i < 2; i++)
         assert_int_equal(fake_count(&rig.fakes[i], &rig.fakes[i].n_generates), 1);
     assert_true(metric("tandem:router_retries_total") == 1);
@@ -498,7 +525,9 @@ static void test_budget_spent(void **state)
     (void)state;
     const enum fake_mode modes[] = {FAKE_UNREACHABLE, FAKE_BUSY, FAKE_REFUSE, FAKE_ANSWER};
     rig_start(4, modes, 0, true);
+    uint64_t before = lock_entries().request;
     char *r = post(rig.port, "/v1/completions", completion_body);
+    assert_int_equal(lock_entries().request - before, 6); // 3 attempts of 2 (21 before)
     if (status_of(r) != 503)
         fail_msg("expected 503, got: %s", r);
     assert_oai_error(r, 503, "ServiceUnavailableError");
@@ -574,6 +603,25 @@ static void stream_request(struct stream_result *out)
     free(body);
 }
 
+// A plain stream on one worker: all 12 tokens, and the registry entered
+// twice, as a non-streamed completion (8 times before).
+static void test_plain_stream(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_ANSWER};
+    rig_start(1, modes, 0, true);
+    uint64_t before = lock_entries().request;
+    struct stream_result s;
+    stream_request(&s);
+    assert_int_equal(lock_entries().request - before, 2);
+    char *want = expected_text(12);
+    assert_string_equal(s.text, want);
+    free(want);
+    assert_int_equal(s.error_events, 0);
+    assert_int_equal(s.completion_tokens, 12);
+    assert_true(s.done);
+}
+
 // The stream's worker goes silent after 4 tokens: the router declares it
 // lost (--liveness-timeout) and continues the stream on the second worker,
 // which gets the 4 tokens as resume_tokens; the client sees all 12 once, in
@@ -583,8 +631,13 @@ static void test_stream_migrated(void **state)
     (void)state;
     const enum fake_mode modes[] = {FAKE_DIE, FAKE_ANSWER};
     rig_start(2, modes, 4, true);
+    struct tdm_router_lock_entries before = lock_entries();
     struct stream_result s;
     stream_request(&s);
+    struct tdm_router_lock_entries after = lock_entries();
+    // Route, reroute (report A, hold B, release A), route done (14 before).
+    assert_int_equal(after.request - before.request, 3);
+    assert_true(after.liveness > before.liveness); // A's silence was checked
     char *want = expected_text(12);
     assert_string_equal(s.text, want);
     free(want);
@@ -617,8 +670,10 @@ static void test_stream_migrated_twice(void **state)
     (void)state;
     const enum fake_mode modes[] = {FAKE_DIE, FAKE_ANSWER, FAKE_DIE};
     rig_start(3, modes, 4, true);
+    uint64_t before = lock_entries().request;
     struct stream_result s;
     stream_request(&s);
+    assert_int_equal(lock_entries().request - before, 4); // 1 + 2 reroutes + 1 (20 before)
     char *want = expected_text(12);
     assert_string_equal(s.text, want);
     free(want);
@@ -642,8 +697,10 @@ static void test_stream_lost_without_migration(void **state)
     (void)state;
     const enum fake_mode modes[] = {FAKE_DIE, FAKE_ANSWER};
     rig_start(2, modes, 4, false);
+    uint64_t before = lock_entries().request;
     struct stream_result s;
     stream_request(&s);
+    assert_int_equal(lock_entries().request - before, 2); // route, route done (8 before)
     char *want = expected_text(4);
     assert_string_equal(s.text, want);
     free(want);
@@ -687,6 +744,7 @@ int main(void)
         cmocka_unit_test_teardown(test_unreachable_retried, rig_stop),
         cmocka_unit_test_teardown(test_busy_retried, rig_stop),
         cmocka_unit_test_teardown(test_budget_spent, rig_stop),
+        cmocka_unit_test_teardown(test_plain_stream, rig_stop),
         cmocka_unit_test_teardown(test_stream_migrated, rig_stop),
         cmocka_unit_test_teardown(test_stream_migrated_twice, rig_stop),
         cmocka_unit_test_teardown(test_stream_lost_without_migration, rig_stop),

@@ -94,11 +94,12 @@ static inline void router_nng_url_of(const char *host, int port, char *out, size
         snprintf(out, cap, "tcp://%s:%d", host, port);
 }
 
-// The endpoint's instance and last report time (0/0 when never heard of).
-static inline void router_live_get(struct tdm_router_server *s, uint64_t id, uint64_t *instance,
-                                   double *last)
+// The endpoint's liveness now: instance, last report time, unanswered queries
+// (all 0 when never heard of); one registry entry.
+static inline void router_live_get(struct tdm_router_server *s, uint64_t id,
+                                   struct tdm_router_liveness *live)
 {
-    tdm_router_endpoints_liveness(tdm_router_control_endpoints(s->ctl), id, instance, last);
+    tdm_router_endpoints_liveness(tdm_router_control_endpoints(s->ctl), id, live);
 }
 
 // ---- router_inbox.c ----------------------------------------------------------------------------
