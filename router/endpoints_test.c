@@ -930,9 +930,11 @@ static void test_health_timeout_busy(void **state)
     snprintf(text, sizeof text,
              "policy: round_robin\n"
              "health: {interval_seconds: 1, timeout_seconds: 0.1, failure_threshold: 1}\n"
-             "load_stale_seconds: 0.5\n"
+             "load_stale_seconds: 2\n"
              "endpoints: {decode: ['127.0.0.1:%d']}\n",
              port);
+    // The reports' staleness bound (2 s) leaves each round's 0.1 s check
+    // room on a loaded machine (0.5 s failed at a load average of 34).
     struct tdm_router_config *cfg = cfg_of(text);
     struct tdm_router_endpoints *reg = reg_of(cfg);
     struct tdm_router_snapshot snap;
@@ -948,7 +950,7 @@ static void test_health_timeout_busy(void **state)
         assert_true(snap.eps[0].busy);
         tdm_router_snapshot_free(&snap);
     }
-    sleep_ms(600); // the reports stop: silence is death again
+    sleep_ms(2100); // the reports stop: silence is death again
     tdm_router_endpoints_check_health(reg);
     assert_int_equal(tdm_router_endpoints_snapshot(reg, NULL, 0, &snap), TDM_OK);
     assert_false(snap.eps[0].healthy);
