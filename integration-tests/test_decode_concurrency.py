@@ -4,9 +4,13 @@
 - 20 concurrent streams all finish, each with its own id, [DONE] and exact usage;
 - a client that closes its connection mid-stream gets its request aborted: KV
   usage and running go back to 0 at once and request_success_total{abort} grows;
+  so does one that leaves a request that is not streamed (nothing is written
+  before its answer: the server probes the socket without writing);
 - with --max-num-seqs 1 --max-waiting 1, a third request while one runs and one
   waits is refused with 503, an OpenAI error body and Retry-After.
 """
+import json
+import socket
 import threading
 import time
 
@@ -113,6 +117,31 @@ def disconnect(srv):
     return kv, freed_s, gen
 
 
+def disconnect_unstreamed(srv):
+    """The same for a request that is not streamed: the client sends it and
+    leaves while it runs; nothing was written to it, so only the server's probe
+    of the socket can tell."""
+    t = srv.metrics()
+    abort_before = h.metric_value(t, "vllm:request_success_total", {"finished_reason": "abort"})
+    gen_before = h.metric_value(t, "vllm:generation_tokens_total")
+    body = json.dumps({"prompt": "Tell me a very long story.", "max_tokens": 30000,
+                       "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    wait_metric(srv, "vllm:num_requests_running", lambda v: v == 1, "the request is not running")
+    wait_metric(srv, "vllm:kv_cache_usage_perc", lambda v: v > 0, "no KV in use")
+    s.close()  # the client goes away before any byte of the answer
+    t0 = time.time()
+    t = wait_idle(srv, "after the client of a request not streamed left", timeout=5.0)
+    freed_s = time.time() - t0
+    abort_after = h.metric_value(t, "vllm:request_success_total", {"finished_reason": "abort"})
+    h.check(abort_after == abort_before + 1, "abort counter %g -> %g" % (abort_before, abort_after))
+    gen = h.metric_value(t, "vllm:generation_tokens_total") - gen_before
+    h.check(gen < 30000, "the left request generated all %d tokens" % gen)
+    return freed_s, gen
+
+
 def overflow(args, model):
     srv = h.Server(args, model, "--max-num-seqs", "1", "--max-waiting", "1")
     body = {"prompt": "A long one.", "max_tokens": 30000, "ignore_eos": True, "stream": True}
@@ -149,10 +178,12 @@ def main():
     srv = h.Server(args, model)
     twenty_streams(srv)
     kv, freed_s, gen = disconnect(srv)
+    un_freed_s, un_gen = disconnect_unstreamed(srv)
     h.check(srv.stop() == 0, "exit status")
     waiting_gone_s = overflow(args, model)
-    print("PASS: 20 streams; disconnect freed kv %.5f in %.3f s after %d tokens; overflow 503; "
-          "a waiting client that left was dropped after %.2f s" % (kv, freed_s, gen, waiting_gone_s))
+    print("PASS: 20 streams; disconnect freed kv %.5f in %.3f s after %d tokens; not streamed: "
+          "freed in %.3f s after %d tokens; overflow 503; a waiting client that left was dropped "
+          "after %.2f s" % (kv, freed_s, gen, un_freed_s, un_gen, waiting_gone_s))
 
 
 if __name__ == "__main__":

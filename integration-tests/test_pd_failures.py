@@ -7,10 +7,14 @@
     tandem:router_upstream_errors_total, and new requests succeed on the survivor;
   - the killed workers restarted on the same addresses serve again within
     seconds (no stale connection state in router, decode or prefill);
-  - a client that disconnects mid-stream: KV usage returns to 0 on every worker.
+  - a client that disconnects mid-stream: KV usage returns to 0 on every worker;
+    so does one that leaves a request that is not streamed (the router probes
+    its socket without writing and cancels upstream).
 """
+import json
 import random
 import signal
+import socket
 import time
 
 from pd_harness import (Cluster, Stream, check, metric_sum, metrics, parse_args, post,
@@ -147,6 +151,26 @@ def main():
         next(s.events())
         s.close()
     cl.wait_kv_free(timeout=10)
+    def decode_aborts():
+        return sum(v for w in cl.decode for k, v in metrics(w.http_port).items()
+                   if k.startswith("vllm:request_success_total{") and
+                   'finished_reason="abort"' in k)
+    aborts0 = decode_aborts()
+    un = json.dumps({"prompt": [rnd.randrange(3, 500) for _ in range(200)], "max_tokens": 6000,
+                     "ignore_eos": True, "temperature": 0}).encode()
+    sock = socket.create_connection(("127.0.0.1", cl.router_port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(un), un))
+    t0 = time.time()
+    while sum(metric_sum(metrics(w.http_port), "vllm:num_requests_running")
+              for w in cl.decode) < 1:
+        check(time.time() - t0 < 10, "the request that is not streamed never ran")
+        time.sleep(0.01)
+    sock.close()  # the client leaves before any byte of the answer
+    cl.wait_kv_free(timeout=5)
+    check(decode_aborts() == aborts0 + 1, "the request whose client left was not aborted "
+          "(decode aborts %g -> %g): it ran to its end" % (aborts0, decode_aborts()))
+    print("client disconnects (3 streams, 1 not streamed): KV freed everywhere", flush=True)
 
     # 5. A draining decode worker (SIGTERM) finishes its stream, refuses new
     # work, and the router sends that work to the other worker: no failures.

@@ -13,6 +13,8 @@
 
 #include <arpa/inet.h>
 #include <civetweb.h>
+#include <dirent.h>
+#include <errno.h>
 #include <malloc.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -101,7 +103,9 @@ struct tdm_http_conn {
     int status;       // answered status, 0 = not yet
     bool sse;         // an event stream is open
     bool chunked;     // the stream uses chunked framing
-    bool gone;        // a write failed
+    bool gone;        // a write failed, or a probe saw the client close (tdm_http_client_left)
+    bool fd_looked;   // conn_socket looked for the socket (fd: what it found, -1 none)
+    int fd;
     size_t bytes_out; // body bytes written
     char *hdr_name[MAX_EXTRA_HEADERS];
     char *hdr_value[MAX_EXTRA_HEADERS];
@@ -488,6 +492,84 @@ const char *tdm_http_remote_addr(const struct tdm_http_conn *c)
 
 bool tdm_http_client_gone(const struct tdm_http_conn *c)
 {
+    return c->gone;
+}
+
+// The address of a socket as civetweb writes remote_addr (inet_ntop; an
+// IPv4-mapped IPv6 peer of a dual-stack listener as its IPv4 form too), and its port.
+static bool sock_addr(const struct sockaddr_storage *ss, char *out, size_t cap, int *port)
+{
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)ss;
+        *port = ntohs(a->sin_port);
+        return inet_ntop(AF_INET, &a->sin_addr, out, (socklen_t)cap) != NULL;
+    }
+    if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)ss;
+        *port = ntohs(a->sin6_port);
+        return inet_ntop(AF_INET6, &a->sin6_addr, out, (socklen_t)cap) != NULL;
+    }
+    return false;
+}
+
+static bool same_addr(const char *sock, const char *civet)
+{
+    if (strcmp(sock, civet) == 0)
+        return true;
+    const char *mapped = "::ffff:"; // one side in the mapped form, the other not
+    size_t ml = strlen(mapped);
+    return (strncmp(sock, mapped, ml) == 0 && strcmp(sock + ml, civet) == 0) ||
+           (strncmp(civet, mapped, ml) == 0 && strcmp(civet + ml, sock) == 0);
+}
+
+// The kernel socket of c's connection, which civetweb 1.15 does not hand out:
+// the open socket of this process whose local port is the listener's and
+// whose peer is the request's remote address and port (a TCP 4-tuple is
+// unique, and the socket stays open while its handler runs). Looked up once
+// (a scan of /proc/self/fd); -1 when none matches.
+static int conn_socket(struct tdm_http_conn *c)
+{
+    if (c->fd_looked)
+        return c->fd;
+    c->fd_looked = true;
+    c->fd = -1;
+    DIR *d = opendir("/proc/self/fd");
+    if (d == NULL)
+        return -1;
+    int dfd = dirfd(d);
+    for (struct dirent *e; c->fd < 0 && (e = readdir(d)) != NULL;) {
+        char *end;
+        long fd = strtol(e->d_name, &end, 10);
+        if (*end != '\0' || end == e->d_name || fd == dfd || fd < 0 || fd > INT32_MAX)
+            continue;
+        struct sockaddr_storage local, peer;
+        socklen_t ll = sizeof local, pl = sizeof peer;
+        char laddr[INET6_ADDRSTRLEN], paddr[INET6_ADDRSTRLEN];
+        int lport, pport;
+        if (getsockname((int)fd, (struct sockaddr *)&local, &ll) != 0 ||
+            getpeername((int)fd, (struct sockaddr *)&peer, &pl) != 0 ||
+            !sock_addr(&local, laddr, sizeof laddr, &lport) ||
+            !sock_addr(&peer, paddr, sizeof paddr, &pport))
+            continue;
+        if (lport == c->ri->server_port && pport == c->ri->remote_port &&
+            same_addr(paddr, c->ri->remote_addr))
+            c->fd = (int)fd;
+    }
+    closedir(d);
+    return c->fd;
+}
+
+bool tdm_http_client_left(struct tdm_http_conn *c)
+{
+    if (c->gone)
+        return true;
+    int fd = conn_socket(c);
+    if (fd < 0)
+        return false;
+    char b;
+    ssize_t r = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+        c->gone = true; // end of stream (the client closed) or a reset
     return c->gone;
 }
 

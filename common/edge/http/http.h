@@ -175,8 +175,15 @@ int tdm_http_sse_event(struct tdm_http_conn *c, const char *json, size_t len);
 int tdm_http_sse_comment(struct tdm_http_conn *c, const char *text);
 // Ends the stream: "data: [DONE]\n\n" when done is true, then the last chunk.
 int tdm_http_sse_end(struct tdm_http_conn *c, bool done);
-// True once a write to this client failed.
+// True once a write to this client failed (or tdm_http_client_left saw it leave).
 bool tdm_http_client_gone(const struct tdm_http_conn *c);
+// Probes the client without writing (for a request whose answer is not begun:
+// a non-streamed generation): true when it closed its side of the connection
+// or reset it, as nginx and uvicorn take a client's end of stream for its
+// abort; false while it waits, or when its socket cannot be found. Its first
+// call finds the connection's socket (a scan of this process's open files,
+// a millisecond among thousands); later ones are one non-blocking peek.
+bool tdm_http_client_left(struct tdm_http_conn *c);
 
 // ---- status --------------------------------------------------------------------------------
 // The reason phrase for a status ("Not Found"), "Unknown" for others.

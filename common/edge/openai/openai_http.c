@@ -164,14 +164,21 @@ int tdm_oai_http_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai
 int tdm_oai_http_collect(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai_pump_fn pump,
                          void *arg, void (*before_answer)(void *arg))
 {
+    // The client is probed every TDM_OAI_COLLECT_PROBE_S: one that left stops
+    // the call's generation instead of letting it run to max_tokens for nobody.
+    double next_probe = tdm_now() + TDM_OAI_COLLECT_PROBE_S;
     while (!tdm_oai_call_done(k)) {
         int n = pump(arg);
         if (n < 0) {
             tdm_oai_http_errorf(c, 500, NULL, "out of memory");
             return TDM_ENOMEM;
         }
-        if (n == 0 && tdm_http_client_gone(c))
-            return TDM_ECLOSED;
+        double now = tdm_now();
+        if (now >= next_probe) {
+            next_probe = now + TDM_OAI_COLLECT_PROBE_S;
+            if (tdm_http_client_left(c))
+                return TDM_ECLOSED;
+        }
     }
     if (before_answer)
         before_answer(arg);

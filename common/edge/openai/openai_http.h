@@ -129,13 +129,14 @@ typedef int (*tdm_oai_pump_fn)(void *arg);
 int tdm_oai_http_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai_pump_fn pump,
                         void *arg, double probe_idle_s);
 // Runs a call that is not streamed to its end: pumps until every choice
-// finished; after a pump without progress it checks the client, and one that
-// left ends the call unanswered (TDM_ECLOSED: the caller stops what still
-// runs). Then before_answer(arg) (NULL: none; e.g. headers that need the
-// finished call), and the answer: the call's body, or the first failed
+// finished, probing the client every TDM_OAI_COLLECT_PROBE_S seconds without
+// writing (tdm_http_client_left); one that left ends the call unanswered
+// (TDM_ECLOSED: the caller stops what still runs). Then before_answer(arg) (NULL: none; e.g.
+// headers that need the finished call), and the answer: the call's body, or the first failed
 // choice's error (tdm_oai_http_fail). TDM_OK once answered (TDM_ECLOSED when
 // the client was gone by then), TDM_ENOMEM when a pump ran out of memory
 // (answered 500).
+#define TDM_OAI_COLLECT_PROBE_S 0.25
 int tdm_oai_http_collect(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai_pump_fn pump,
                          void *arg, void (*before_answer)(void *arg));
 // Ends an OpenAI stream. With error: that error's body as an event (the client
