@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "backend_module.h"
 #include "core.h"
 #include "worker.h"
 #include "engine.h"
@@ -1582,18 +1583,24 @@ static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *serv
     struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(rx->parts.engine));
     int num_blocks = tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks;
     struct tdm_kv_device_pool dp = {0};
+    bool device = st->ops->device_pool != NULL;
+    // The device table: the config's (tests), else the CUDA module's when our
+    // KV lives on a device (a CPU worker never loads libtandem-cuda.so for
+    // it); none where the module cannot load: KV over nng.
+    const struct tdm_kvx_ops *ops = rx->cfg.kvx_ops;
+    if (ops == NULL && device)
+        tdm_backend_module_kvx(&ops, NULL, 0);
     struct tdm_kv_transport_config tc = {
         .role = TDM_KVX_DECODE,
         .setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer,
-        .ops = rx->cfg.kvx_ops,
-        .device = st->ops->device_pool != NULL,
+        .ops = ops,
         .num_layers = rx->kvc.num_layers,
         .num_blocks = num_blocks,
         .own_layer = tdm_kv_storage_layer, // the receives' destination
         .own_arg = st,
         .nccl_timeout = rx->cfg.nccl_timeout,
     };
-    tc.gpu = tc.device && st->ops->device_pool(st, &dp) == TDM_OK;
+    tc.gpu = device && st->ops->device_pool(st, &dp) == TDM_OK;
     tc.pool_base = dp.base;
     tc.elem_bytes = dp.elem_bytes;
     tc.block_bytes = dp.block_bytes;

@@ -27,8 +27,6 @@ int tdm_kv_transport_new(struct tdm_kv_transport **out, const struct tdm_kv_tran
     if (t == NULL)
         return TDM_ENOMEM;
     t->c = *c;
-    if (t->c.ops == NULL && c->device)
-        t->c.ops = tdm_kvx_cuda_ops();
     t->gpu = t->c.ops != NULL && c->gpu;
     pthread_mutex_init(&t->ipc_mu, NULL);
     tdm_kvx_host_id(t->host_id, sizeof t->host_id);

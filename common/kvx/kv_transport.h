@@ -40,10 +40,10 @@ struct tdm_kv_transport;
 struct tdm_kv_transport_config {
     enum tdm_kvx_role role;        // which side of the pairs this worker is
     enum tdm_kvx_mode setting;     // its --kv-transfer
-    const struct tdm_kvx_ops *ops; // the device table; NULL: the CUDA module's (tdm_kvx_cuda_ops)
-                                   // when `device`, else none (nng only: a CPU worker
-                                   // never loads libtandem-cuda.so for it)
-    bool device;                   // our KV storage lives on a device
+    const struct tdm_kvx_ops *ops; // the device table, passed in (the CUDA module's from
+                                   // tdm_backend_module_kvx, a fake in tests); NULL: none,
+                                   // KV over nng only (a CPU worker never loads
+                                   // libtandem-cuda.so for it)
     bool gpu;                      // ... as one device allocation at pool_base (CUDA IPC and
                                    // NCCL can reach it; with a table only)
     void *pool_base;               // its base (the device the calls run on)
