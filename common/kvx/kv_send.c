@@ -255,13 +255,13 @@ static void nng_close(struct tdm_kv_send *s)
 const struct tdm_kv_transport_ops tdm_kv_transport_nng_ops = {
     .mode = TDM_KVX_NNG,
     .name = "nng",
+    .in_place = false,
     .offer = nng_offer,
     .push_layers = nng_push_layers,
     .poll = nng_poll,
     .close = nng_close,
-    .prepare = tdm_kv_frames_prepare,
-    .complete = tdm_kv_frames_complete,
-    .abort = tdm_kv_frames_abort,
+    .prepare = tdm_kv_nng_prepare,
+    .frame = tdm_kv_nng_frame,
 };
 
 // ---- the device modes' layer group --------------------------------------------------------
@@ -418,13 +418,13 @@ static void ipc_close(struct tdm_kv_send *s)
 const struct tdm_kv_transport_ops tdm_kv_transport_cuda_ipc_ops = {
     .mode = TDM_KVX_CUDA_IPC,
     .name = "cuda-ipc",
+    .in_place = true,
     .offer = ipc_offer,
     .push_layers = ipc_push_layers,
     .poll = ipc_poll,
     .close = ipc_close,
-    .prepare = tdm_kv_frames_prepare,
-    .complete = tdm_kv_frames_complete,
-    .abort = tdm_kv_frames_abort,
+    .prepare = tdm_kv_ipc_prepare,
+    .frame = tdm_kv_ipc_frame,
 };
 
 // ---- NCCL: grouped sends over the pair's communicator -------------------------------------
@@ -624,11 +624,13 @@ static void nccl_close(struct tdm_kv_send *s)
 const struct tdm_kv_transport_ops tdm_kv_transport_nccl_ops = {
     .mode = TDM_KVX_NCCL,
     .name = "nccl",
+    .in_place = true,
     .offer = nccl_offer,
     .push_layers = nccl_push_layers,
     .poll = nccl_poll,
     .close = nccl_close,
     .prepare = tdm_kv_nccl_prepare,
+    .frame = tdm_kv_nccl_frame,
     .complete = tdm_kv_nccl_complete,
     .abort = tdm_kv_nccl_abort,
 };
