@@ -2,10 +2,12 @@
 // pd_receiver: the decode worker's P/D side (see pd_receiver.h). The frame
 // handlers (run by the P/D service on the inbox's reader threads, one per peer
 // connection) start a job thread per GenerateRequest, hand PrefillResults to
-// their job, import KvData frames straight from the received message into the
-// reserved blocks (under the receiver lock, so a job that gives up cannot call
-// import_done while a layer is being written; frames may come before the
-// PrefillResult), and flip the cancel flag for Cancels. A handler never runs
+// their job, hand KvData frames to the attempt's KV receiver (kv_transport.h:
+// the table of the mode the frame names imports an nng payload straight from
+// the received message into the reserved blocks, or counts the layers CUDA
+// IPC or NCCL put there; under the receiver lock, so a job that gives up
+// cannot call import_done while a layer is being written; frames may come
+// before the PrefillResult), and flip the cancel flag for Cancels. A handler never runs
 // a request itself (it would stall every later frame of that peer, the
 // request's Cancel included): when no job thread can be started the request
 // is refused with TDM_EBUSY. A job thread owns its engine request(s) from
@@ -28,6 +30,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "backend_module.h"
 #include "core.h"
 #include "worker.h"
 #include "engine.h"
@@ -126,12 +129,10 @@ struct djob {
     Tandem__PrefillResult *result;  // owned once received
     struct tdm_engine_request *req; // current engine request (for cancel)
     bool importing;                 // KvData of transfer_id may be imported into req now
+    struct tdm_kv_recv *kv;         // the attempt's receiver (kv_transport.h) while frames
+                                    // may reach it: its tables take them (NULL after retire)
     uint64_t prefill_instance;      // KvData and an ok result must come from it; 0 = bound
                                     // to the first that does
-    int imp_first_block, imp_num_blocks;
-    int layers_done;
-    size_t bytes_done;
-    double t_first_frame, t_kv_done; // tdm_now() of the first frame / the last layer imported
     bool kv_failed;
     char kv_err[256];
     double prefill_heard; // tdm_now() of the prefill worker's last LoadReport for this attempt
@@ -139,20 +140,15 @@ struct djob {
     // prefill worker may write the reserved blocks itself until it says closed.
     bool offered;
     bool writes_closed;
-    bool peer_restarted;    // a LoadReport of the attempt came from another instance
-    uint64_t closing_tid;   // a retired attempt whose closed frame is still awaited
-    // NCCL (issue 10): the attempt offered the pair's communicator; the
-    // prefill worker said it sends over it (its first frame); layers our own
-    // receives completed; whether they may still write the reserved blocks
-    // (set before the attempt starts, cleared when the receive thread is quiet).
-    bool nccl, nccl_go;
-    int nccl_layers;
-    bool nccl_busy;
+    bool peer_restarted;  // a LoadReport of the attempt came from another instance
+    uint64_t closing_tid; // a retired attempt whose closed frame is still awaited
+    // A mode with receives of its own (NCCL) was offered: whether they may
+    // still write the reserved blocks (set before the attempt starts, cleared
+    // when the receive thread is quiet).
+    bool receives_busy;
     bool blocks_unsafe; // a receive's completion stayed unknown: the reserved blocks are never
                         // handed on (the import request is kept, not ended)
-    enum tdm_kvx_mode transport; // how the attempt's KV came (its first frame)
-    char transport_why[160];
-    uint64_t version;     // bumped with every change above made by a frame handler
+    uint64_t version;   // bumped with every change above made by a frame handler
 
     // The trace (job thread only): the llm_request span, parent = the router's
     // attempt span from GenerateRequest.traceparent; not recording when off.
@@ -187,7 +183,6 @@ struct tdm_pd_receiver {
     uint8_t kv_pool[TDM_KVX_POOL_WIRE_BYTES];
     size_t kv_pool_len;
     struct tdm_metrics_counter *transfers;
-    uint64_t kvx_block_bytes; // one block of one layer's K (or V) in our pool, bytes
 
     // KV events of the load report being built (fill_load: one call at a time).
     struct tdm_kv_event kev[KV_EVENTS_PER_REPORT];
@@ -455,8 +450,10 @@ struct remote {
     struct tdm_span span;       // remote_prefill: the parent of the prefill worker's spans
     bool offered;               // our device pool and block ids go with the request
     int32_t *block_ids;         // [num_blocks] the reserved range's physical ids (offered)
-    // NCCL: the mode's receiver (kv_transport.h; it holds the pair's link for
-    // this attempt), its communicator id, the receive thread.
+    // The attempt's receiver (kv_transport.h: every mode offered, the frames
+    // handed to their tables, the transfer's progress), the NCCL
+    // communicator id it offers, the receive thread of a mode with receives
+    // of its own.
     struct tdm_kv_recv_host host;
     struct tdm_kv_recv *kv;
     bool has_nccl_id;
@@ -580,16 +577,14 @@ static void remote_view(void *ctx, struct tdm_pd_attempt_view *v)
     v->peer_instance = r ? r->from_instance : j->prefill_instance;
     v->kv_failed = j->kv_failed;
     snprintf(v->kv_err, sizeof v->kv_err, "%s", j->kv_err);
-    // Over NCCL a layer is in place when our receive completed and the
-    // prefill worker's frame for it came (its send completed).
-    v->layers_done = j->transport == TDM_KVX_NCCL && j->nccl_layers < j->layers_done
-                         ? j->nccl_layers
-                         : j->layers_done;
-    v->bytes_done = j->bytes_done;
-    v->t_first_frame = j->t_first_frame;
-    v->t_kv_done = j->t_kv_done;
+    struct tdm_kv_recv_progress p;
+    tdm_kv_recv_progress(x->kv, &p);
+    v->layers_done = p.layers_done;
+    v->bytes_done = p.bytes_done;
+    v->t_first_frame = p.t_first_frame;
+    v->t_kv_done = p.t_kv_done;
     v->prefill_heard = j->prefill_heard;
-    v->writes_open = j->offered && (!j->writes_closed || j->nccl_busy);
+    v->writes_open = j->offered && (!j->writes_closed || j->receives_busy);
     v->peer_restarted = j->peer_restarted;
     pthread_mutex_unlock(&rx->mu);
 }
@@ -641,6 +636,7 @@ static void remote_retire(void *ctx)
     pthread_mutex_lock(&j->rx->mu);
     take_result_locked(x);
     j->importing = false;
+    j->kv = NULL;
     if (j->offered && !j->writes_closed)
         j->closing_tid = j->transfer_id; // its closed frame is still taken
     j->transfer_id = 0;
@@ -665,14 +661,10 @@ static void remote_commit(void *ctx, const struct tdm_pd_attempt *a)
     }
     tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->m.requests, "remote"));
     if (x->num_blocks > 0) {
-        pthread_mutex_lock(&rx->mu);
-        enum tdm_kvx_mode mode = j->transport;
-        char why[160];
-        snprintf(why, sizeof why, "%s", j->transport_why);
-        pthread_mutex_unlock(&rx->mu);
-        tdm_kv_transport_note(rx->kvt, x->t->url, mode, why);
-        tdm_metrics_counter_inc(
-            tdm_metrics_counter_labels(rx->transfers, tdm_kv_transport_of(mode)->name));
+        struct tdm_kv_recv_progress p;
+        tdm_kv_recv_progress(x->kv, &p);
+        tdm_kv_transport_note(rx->kvt, x->t->url, p.mode->mode, p.why);
+        tdm_metrics_counter_inc(tdm_metrics_counter_labels(rx->transfers, p.mode->name));
     }
     TDM_LOG_DEBUG(MOD, "req=%s KV from %s: blocks=%d bytes=%zu prefill=%.4f exposed=%.4f",
                   j->request_id, x->t->url, x->num_blocks, v->bytes_done, prefill_s, exposed);
@@ -735,18 +727,11 @@ static void remote_failed(const struct remote *x, const struct tdm_pd_attempt *a
     tdm_pd_metrics_fail(&rx->m, tdm_pd_attempt_why_name(a->why));
 }
 
-// ---- NCCL receives of one attempt ----------------------------------------------------------
-// Over NCCL the last layer is in place when both counts reach it (caller holds rx->mu).
-static void nccl_progress_locked(struct djob *j, int num_layers)
-{
-    if (j->transport == TDM_KVX_NCCL && j->t_kv_done == 0 && j->layers_done >= num_layers &&
-        j->nccl_layers >= num_layers)
-        j->t_kv_done = tdm_now();
-}
-
-// The receiver's host (kv_transport.h): waits until the prefill worker said
-// it sends over NCCL (TDM_OK), chose another transport (TDM_ENOTFOUND), or
-// the attempt is over (TDM_ECLOSED: retired, cancelled, stopping).
+// ---- the attempt's receiver --------------------------------------------------------------
+// The receiver's host (kv_transport.h): waits until the prefill worker's first
+// frame of the transfer came (TDM_OK), the transfer ended without one
+// (TDM_ENOTFOUND), or the attempt is over (TDM_ECLOSED: retired, cancelled,
+// stopping, failed).
 static int recv_wait_go(void *ctx)
 {
     struct remote *x = ctx;
@@ -760,12 +745,14 @@ static int recv_wait_go(void *ctx)
             w = TDM_ECLOSED;
             break;
         }
-        if (j->nccl_go) {
+        struct tdm_kv_recv_progress p;
+        tdm_kv_recv_progress(x->kv, &p);
+        if (p.t_first_frame > 0) {
             w = TDM_OK;
             break;
         }
-        if (j->layers_done > 0 || j->writes_closed) {
-            w = TDM_ENOTFOUND; // KV came another way, or the transfer ended first
+        if (j->writes_closed) {
+            w = TDM_ENOTFOUND; // the transfer ended first
             break;
         }
         timed_wait(rx, 0.05);
@@ -775,7 +762,7 @@ static int recv_wait_go(void *ctx)
 }
 
 // Why the receives must stop now (NULL: go on): the attempt retired or its
-// job stopped, or the prefill worker restarted (its end of the communicator is gone).
+// job stopped, or the prefill worker restarted (its end of the transfer is gone).
 static const char *recv_stop(void *ctx)
 {
     struct remote *x = ctx;
@@ -791,100 +778,89 @@ static const char *recv_stop(void *ctx)
     return why;
 }
 
-// n more layers received in place; bytes: the receives' total so far.
-static void recv_progress(void *ctx, int n, uint64_t bytes)
+// The receives moved more layers: the attempt's wait wakes (remote_view reads them).
+static void recv_progress(void *ctx)
 {
     struct remote *x = ctx;
     struct djob *j = x->j;
     struct tdm_pd_receiver *rx = j->rx;
     pthread_mutex_lock(&rx->mu);
     if (j->transfer_id == x->tid) {
-        j->nccl_layers += n;
-        j->bytes_done = (size_t)bytes;
-        nccl_progress_locked(j, rx->kvc.num_layers);
         j->version++;
         pthread_cond_broadcast(&rx->cv);
     }
     pthread_mutex_unlock(&rx->mu);
 }
 
-// The receive thread of an attempt that offered NCCL: the mode's receives
-// (the table's complete: init once the prefill worker says it sends, then
-// each layer group into the reserved blocks). Any error, a timeout, the
-// attempt's end or a prefill restart aborts the communicator (the next
-// transfer builds a new one) and fails the transfer into the retry/local
-// path. Memory safety: nccl_busy is cleared only when every receive's event
-// was observed complete (after an abort too); a receive whose completion
-// cannot be observed leaves it set for good.
+// One layer of a frame's payload into the reserved blocks (on the reader
+// thread, under rx->mu: a job that gives up cannot end the import meanwhile).
+static int recv_import(void *ctx, int layer, const uint8_t *kv, size_t bytes)
+{
+    struct remote *x = ctx;
+    return tdm_engine_import_layer(x->j->rx->parts.engine, x->req, layer, x->first_block,
+                                   x->num_blocks, kv, bytes);
+}
+
+// The receive thread of an attempt that offered a mode with receives of its
+// own (tdm_kv_recv_complete: NCCL's init once the prefill worker says it
+// sends, then each layer group into the reserved blocks). Any error, a
+// timeout, the attempt's end or a prefill restart fails the transfer into
+// the retry/local path. Memory safety: receives_busy is cleared only when
+// every receive's event was observed complete (after an abort too); a
+// receive whose completion cannot be observed leaves it set for good.
 static void *recv_main(void *arg)
 {
     struct remote *x = arg;
     struct djob *j = x->j;
     struct tdm_pd_receiver *rx = j->rx;
     char err[256] = "";
-    int rc = tdm_kv_recv_ops(x->kv)->complete(x->kv, err, sizeof err);
+    int rc = tdm_kv_recv_complete(x->kv, err, sizeof err);
     bool quiet = tdm_kv_recv_quiet(x->kv);
     pthread_mutex_lock(&rx->mu);
     if (rc != TDM_OK && rc != TDM_ENOTFOUND && j->transfer_id == x->tid && !j->kv_failed) {
         j->kv_failed = true;
         snprintf(j->kv_err, sizeof j->kv_err, "%s", err);
     }
-    j->nccl_busy = !quiet;
+    j->receives_busy = !quiet;
     j->version++;
     pthread_cond_broadcast(&rx->cv);
     pthread_mutex_unlock(&rx->mu);
     return NULL;
 }
 
-// Offers NCCL for this attempt when this worker can (the table's prepare:
-// the pair's link taken, its communicator kept or made, the receives cut)
-// and starts the receive thread. False when NCCL is not offered.
-static bool nccl_offer(struct remote *x)
+// The attempt's receiver: every mode this worker can receive by offered
+// (tdm_kv_recv_offer: nng always; CUDA IPC and NCCL with our pool), and the
+// receive thread started when one of them receives on its own. Called after
+// the attempt's fields are set (the receive thread reads them), before the
+// PrefillRequest goes out.
+static void recv_offer(struct remote *x)
 {
     struct djob *j = x->j;
     struct tdm_pd_receiver *rx = j->rx;
-    const struct tdm_kv_transport_ops *nccl = tdm_kv_transport_of(TDM_KVX_NCCL);
-    if (!x->offered || x->num_blocks < 1)
-        return false;
-    x->host = (struct tdm_kv_recv_host){
-        .ctx = x, .wait_go = recv_wait_go, .stop = recv_stop, .progress = recv_progress};
-    struct tdm_kv_recv_params p = {.peer = x->t->url,
-                                   .peer_instance = x->t->instance,
-                                   .request_id = j->request_id,
-                                   .dst_blocks = (const int *)x->block_ids,
-                                   .num_blocks = x->num_blocks,
-                                   .layers_per_group = rx->cfg.layers_per_frame};
-    char err[256] = "";
-    if (tdm_kv_recv_new(&x->kv, rx->kvt, nccl, &x->host, &p) != TDM_OK)
-        return false;
-    if (nccl->prepare(x->kv, err, sizeof err) != TDM_OK) {
-        tdm_kv_recv_free(x->kv);
-        x->kv = NULL;
-        return false;
-    }
+    tdm_kv_recv_offer(x->kv);
     x->has_nccl_id = tdm_kv_recv_nccl_id(x->kv, x->nccl_id);
+    if (!tdm_kv_recv_receives(x->kv))
+        return;
     pthread_mutex_lock(&rx->mu);
-    j->nccl = j->nccl_busy = true;
+    j->receives_busy = true;
     pthread_mutex_unlock(&rx->mu);
     x->recv_started = pthread_create(&x->recv_thread, NULL, recv_main, x) == 0;
     if (x->recv_started)
-        return true;
-    TDM_LOG_WARN(MOD, "req=%s NCCL not offered to %s: no receive thread", j->request_id, x->t->url);
+        return;
+    TDM_LOG_WARN(MOD, "req=%s receives of their own (NCCL) not offered to %s: no receive thread",
+                 j->request_id, x->t->url);
     pthread_mutex_lock(&rx->mu);
-    j->nccl = j->nccl_busy = false;
+    j->receives_busy = false;
     pthread_mutex_unlock(&rx->mu);
-    nccl->abort(x->kv);
-    tdm_kv_recv_free(x->kv);
-    x->kv = NULL;
+    tdm_kv_recv_withdraw(x->kv);
     x->has_nccl_id = false;
-    return false;
 }
 
 // After the attempt: the receive thread is over (so no receive of it can
-// land in the blocks the next candidate or local prefill gets), the mode's
-// state ends (the table's abort). False when a receive's completion stayed
+// land in the blocks the next candidate or local prefill gets), the offered
+// modes end (tdm_kv_recv_end). False when a receive's completion stayed
 // unknown.
-static bool nccl_end(struct remote *x)
+static bool recv_end(struct remote *x)
 {
     struct tdm_pd_receiver *rx = x->j->rx;
     bool quiet = true;
@@ -892,20 +868,73 @@ static bool nccl_end(struct remote *x)
         pthread_join(x->recv_thread, NULL);
         quiet = tdm_kv_recv_quiet(x->kv);
     }
-    if (x->kv != NULL) {
-        tdm_kv_recv_ops(x->kv)->abort(x->kv);
-        tdm_kv_recv_free(x->kv);
-        x->kv = NULL;
-    }
     pthread_mutex_lock(&rx->mu);
-    x->j->nccl = x->j->nccl_go = false;
+    x->j->kv = NULL; // retired already: no frame reaches it
     pthread_mutex_unlock(&rx->mu);
+    tdm_kv_recv_end(x->kv);
+    tdm_kv_recv_free(x->kv);
+    x->kv = NULL;
     return quiet;
 }
 
+// Readies one attempt on x: our device pool offered with the request when
+// in-place writes are allowed here (its block ids read once per attempt: the
+// reserved range is fixed), the attempt's receiver made, the job's attempt
+// fields set. False (nothing sent, not counted) when the receiver cannot be
+// made.
+static bool remote_begin(struct remote *x)
+{
+    struct djob *j = x->j;
+    struct tdm_pd_receiver *rx = j->rx;
+    int n = x->num_blocks;
+    if (rx->kv_pool_len > 0 && n > 0) {
+        x->block_ids = malloc(sizeof(int32_t) * (size_t)n);
+        int *ids = (int *)x->block_ids; // int32_t is int here (static assert below)
+        x->offered =
+            x->block_ids != NULL &&
+            tdm_engine_import_block_ids(rx->parts.engine, x->req, x->first_block, n, ids) == TDM_OK;
+    }
+    x->host = (struct tdm_kv_recv_host){.ctx = x,
+                                        .wait_go = recv_wait_go,
+                                        .stop = recv_stop,
+                                        .progress = recv_progress,
+                                        .import_layer = recv_import};
+    struct tdm_kv_recv_params p = {.peer = x->t->url,
+                                   .peer_instance = x->t->instance,
+                                   .request_id = j->request_id,
+                                   .offered = x->offered,
+                                   .dst_blocks = x->offered ? (const int *)x->block_ids : NULL,
+                                   .first_block = x->first_block,
+                                   .num_blocks = n,
+                                   .layers_per_group = rx->cfg.layers_per_frame,
+                                   .payload_layer_bytes = tdm_pd_layer_bytes(&rx->kvc, n)};
+    if (tdm_kv_recv_new(&x->kv, rx->kvt, &x->host, &p) != TDM_OK) {
+        TDM_LOG_WARN(MOD, "req=%s prefill %s not asked: out of memory", j->request_id, x->t->url);
+        return false;
+    }
+    pthread_mutex_lock(&rx->mu);
+    j->offered = x->offered;
+    j->receives_busy = false;
+    j->writes_closed = false;
+    j->peer_restarted = false;
+    j->closing_tid = 0;
+    j->transfer_id = x->tid;
+    snprintf(j->prefill_url, sizeof j->prefill_url, "%s", x->t->url);
+    j->result = NULL;
+    j->kv_failed = false;
+    j->kv_err[0] = '\0';
+    j->kv = x->kv;
+    j->importing = n > 0;
+    j->prefill_instance = x->t->instance; // 0: bound to whoever answers first
+    j->prefill_heard = 0;
+    pthread_mutex_unlock(&rx->mu);
+    return true;
+}
+
 // One listed prefill worker: asks it to prefill and push the reserved block
-// range [first_block, first_block + num_blocks) of req, imports the frames as
-// they come (the receive thread does), and on success finishes the import
+// range [first_block, first_block + num_blocks) of req, hands the frames to
+// the attempt's receiver as they come (the reader thread does; a receive
+// thread runs a mode's own receives), and on success finishes the import
 // with the first token and streams the request to the router (true). On
 // failure the blocks stay reserved for the next candidate: the attempt's
 // transfer id is retired, so its late frames are dropped.
@@ -913,7 +942,6 @@ static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
                        struct tdm_engine_request *req, int first_block, int num_blocks)
 {
     struct tdm_pd_receiver *rx = j->rx;
-    int L = rx->kvc.num_layers;
     if (t == NULL || t->url == NULL || t->url[0] == '\0' || strlen(t->url) >= sizeof j->prefill_url)
         return false;
     struct remote x = {.j = j,
@@ -922,38 +950,10 @@ static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
                        .first_block = first_block,
                        .num_blocks = num_blocks,
                        .tid = tdm_net_new_instance_id()};
-    // Our device pool goes with the request when in-place writes are allowed
-    // here; the ids are read once per attempt (the reserved range is fixed).
-    if (rx->kv_pool_len > 0 && num_blocks > 0) {
-        x.block_ids = malloc(sizeof(int32_t) * (size_t)num_blocks);
-        int *ids = (int *)x.block_ids; // int32_t is int here (static assert below)
-        x.offered = x.block_ids != NULL &&
-                    tdm_engine_import_block_ids(rx->parts.engine, req, first_block, num_blocks,
-                                                ids) == TDM_OK;
+    if (!remote_begin(&x)) {
+        free(x.block_ids);
+        return false;
     }
-    pthread_mutex_lock(&rx->mu);
-    j->offered = x.offered;
-    j->nccl = j->nccl_go = j->nccl_busy = false;
-    j->nccl_layers = 0;
-    j->writes_closed = false;
-    j->peer_restarted = false;
-    j->closing_tid = 0;
-    j->transport = TDM_KVX_NNG;
-    j->transport_why[0] = '\0';
-    j->transfer_id = x.tid;
-    snprintf(j->prefill_url, sizeof j->prefill_url, "%s", t->url);
-    j->result = NULL;
-    j->layers_done = num_blocks > 0 ? 0 : L; // nothing to import: complete
-    j->bytes_done = 0;
-    j->t_first_frame = j->t_kv_done = 0;
-    j->kv_failed = false;
-    j->kv_err[0] = '\0';
-    j->imp_first_block = first_block;
-    j->imp_num_blocks = num_blocks;
-    j->importing = num_blocks > 0;
-    j->prefill_instance = t->instance; // 0: bound to whoever answers first
-    j->prefill_heard = 0;
-    pthread_mutex_unlock(&rx->mu);
 
     struct tdm_pd_attempt_config ac;
     tdm_pd_attempt_config_default(&ac);
@@ -962,14 +962,14 @@ static bool try_remote(struct djob *j, const Tandem__PrefillTarget *t,
     ac.connect_grace = rx->cfg.connect_grace;
     ac.prefill_liveness = rx->cfg.prefill_liveness;
     ac.send_timeout = rx->cfg.send_timeout;
-    ac.num_layers = L;
+    ac.num_layers = rx->kvc.num_layers;
     tdm_span_begin_child(&x.span, &j->span, "remote_prefill", TDM_SPAN_CLIENT, tdm_now());
     tdm_span_attr_str(&x.span, "tandem.prefill.endpoint", t->url);
     ac.write_quarantine = rx->cfg.write_quarantine;
-    nccl_offer(&x); // after the attempt's fields: the receive thread reads them
+    recv_offer(&x); // after the attempt's fields: the receive thread reads them
     struct tdm_pd_attempt a;
     bool ok = tdm_pd_attempt_run(&a, &ac, &remote_ops, &x) == TDM_PD_ATTEMPT_COMMITTED;
-    if (!nccl_end(&x)) {
+    if (!recv_end(&x)) {
         // A receive into the reserved blocks may still land: they are never
         // handed on (the job keeps its engine request; see job_main).
         pthread_mutex_lock(&rx->mu);
@@ -1318,94 +1318,6 @@ static void on_result(void *arg, const struct tdm_net_frame *f)
         tandem__prefill_result__free_unpacked(r, NULL);
 }
 
-// An in-place KvData of the attempt (caller holds rx->mu): CUDA IPC says
-// layers are in our blocks; NCCL says "post your receives" (no layers), then
-// that a group's sends completed (the receive thread counts its own).
-static void kv_in_place_locked(struct tdm_pd_receiver *rx, struct djob *j, const Tandem__KvData *d,
-                               const struct tdm_net_frame *f, bool nccl)
-{
-    if (!j->offered || (nccl && !j->nccl)) {
-        j->kv_failed = true;
-        snprintf(j->kv_err, sizeof j->kv_err, "in-place KvData for a transfer offered no %s",
-                 nccl ? "NCCL communicator" : "pool");
-        return;
-    }
-    if (nccl && d->num_layers == 0 && j->layers_done == 0) {
-        // "Post your receives": the sends follow over the communicator.
-        j->nccl_go = true;
-        j->transport = TDM_KVX_NCCL;
-        j->t_first_frame = tdm_now();
-        return;
-    }
-    if (d->first_block != j->imp_first_block || d->num_blocks != j->imp_num_blocks ||
-        d->first_layer != j->layers_done || d->num_layers < 1 ||
-        d->first_layer + d->num_layers > rx->kvc.num_layers || f->payload_len != 0) {
-        j->kv_failed = true;
-        snprintf(j->kv_err, sizeof j->kv_err,
-                 "bad in-place KvData: layers %d+%d blocks %d+%d (expected layer %d)",
-                 d->first_layer, d->num_layers, d->first_block, d->num_blocks, j->layers_done);
-        return;
-    }
-    if (j->layers_done == 0) {
-        if (!nccl)
-            j->t_first_frame = tdm_now();
-        j->transport = nccl ? TDM_KVX_NCCL : TDM_KVX_CUDA_IPC;
-        snprintf(j->transport_why, sizeof j->transport_why, "%s",
-                 d->transport_why ? d->transport_why : "");
-    }
-    j->layers_done += d->num_layers;
-    // Over CUDA IPC the bytes are those the prefill worker copied into our
-    // pool (K and V of each block, of each layer); NCCL counts its receives.
-    if (!nccl)
-        j->bytes_done +=
-            (size_t)d->num_layers * 2 * (size_t)d->num_blocks * (size_t)rx->kvx_block_bytes;
-    if (nccl)
-        nccl_progress_locked(j, rx->kvc.num_layers);
-    else if (j->layers_done >= rx->kvc.num_layers)
-        j->t_kv_done = tdm_now();
-}
-
-// A KvData over nng (caller holds rx->mu): its layers imported straight from
-// the payload into the reserved blocks.
-static void kv_payload_locked(struct tdm_pd_receiver *rx, struct djob *j, const Tandem__KvData *d,
-                              const struct tdm_net_frame *f)
-{
-    size_t lb = tdm_pd_layer_bytes(&rx->kvc, j->imp_num_blocks);
-    if (d->first_block != j->imp_first_block || d->num_blocks != j->imp_num_blocks ||
-        d->first_layer != j->layers_done || d->num_layers < 1 ||
-        d->first_layer + d->num_layers > rx->kvc.num_layers ||
-        f->payload_len != lb * (size_t)d->num_layers) {
-        j->kv_failed = true;
-        snprintf(j->kv_err, sizeof j->kv_err,
-                 "bad KvData: layers %d+%d blocks %d+%d payload %zu (expected layer %d, blocks "
-                 "%d+%d, %zu bytes a layer)",
-                 d->first_layer, d->num_layers, d->first_block, d->num_blocks, f->payload_len,
-                 j->layers_done, j->imp_first_block, j->imp_num_blocks, lb);
-        return;
-    }
-    for (int l = 0; l < d->num_layers; l++) {
-        int rc =
-            tdm_engine_import_layer(rx->parts.engine, j->req, d->first_layer + l, d->first_block,
-                                    d->num_blocks, f->payload + (size_t)l * lb, lb);
-        if (rc != TDM_OK) {
-            j->kv_failed = true;
-            snprintf(j->kv_err, sizeof j->kv_err, "import of layer %d failed: %s",
-                     d->first_layer + l, tdm_strerror(rc));
-            return;
-        }
-    }
-    if (j->layers_done == 0) {
-        j->t_first_frame = tdm_now();
-        j->transport = TDM_KVX_NNG;
-        snprintf(j->transport_why, sizeof j->transport_why, "%s",
-                 d->transport_why ? d->transport_why : "");
-    }
-    j->layers_done += d->num_layers;
-    j->bytes_done += f->payload_len;
-    if (j->layers_done >= rx->kvc.num_layers)
-        j->t_kv_done = tdm_now();
-}
-
 // The closed frame of a retired attempt whose copies were awaited (caller
 // holds rx->mu): the job it belongs to, or NULL.
 static struct djob *find_closing(struct tdm_pd_receiver *rx, const Tandem__KvData *d)
@@ -1420,8 +1332,10 @@ static struct djob *find_closing(struct tdm_pd_receiver *rx, const Tandem__KvDat
 }
 
 // KvData from a prefill worker: checked against the job's current attempt
-// (instance, sender, state), then handled by its transport's kind: in place
-// (CUDA IPC, NCCL: kv_transport.h's table by KvData.transport) or a payload.
+// (instance, sender, state), then handed to the table of the transport it
+// names (kv_transport.h), which checks it against the transfer and lands or
+// counts its layers in the attempt's receiver. Under rx->mu, so a job that
+// gives up cannot end the import while a layer is being written.
 static void on_kv_data(void *arg, const struct tdm_net_frame *f)
 {
     struct tdm_pd_receiver *rx = arg;
@@ -1430,9 +1344,6 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
         return;
     pthread_mutex_lock(&rx->mu);
     struct djob *j = find_attempt(rx, d->to_instance, d->transfer_id);
-    const struct tdm_kv_transport_ops *mode = tdm_kv_transport_by_name(d->transport);
-    bool nccl = mode == tdm_kv_transport_of(TDM_KVX_NCCL);
-    bool in_place = mode != NULL && mode->mode != TDM_KVX_NNG;
     if (j == NULL && (j = find_closing(rx, d)) != NULL) {
         j->writes_closed = true;
         j->closing_tid = 0;
@@ -1450,14 +1361,25 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
         goto out;
     if (d->error == 0 && d->num_layers == 0 && d->closed)
         goto signal; // a bare closed frame: nothing to import
+    const struct tdm_kv_transport_ops *mode = tdm_kv_recv_table(d->transport);
+    struct tdm_kv_recv_frame kf = {.first_layer = d->first_layer,
+                                   .num_layers = d->num_layers,
+                                   .first_block = d->first_block,
+                                   .num_blocks = d->num_blocks,
+                                   .payload = f->payload,
+                                   .payload_len = f->payload_len,
+                                   .why = d->transport_why};
+    char err[sizeof j->kv_err];
     if (d->error != 0) {
         j->kv_failed = true;
         snprintf(j->kv_err, sizeof j->kv_err, "prefill worker: %s", d->message);
-    } else if (in_place) {
-        kv_in_place_locked(rx, j, d, f, nccl);
     } else {
-        j->writes_closed = true; // KV in the payload: this transfer writes nothing in place
-        kv_payload_locked(rx, j, d, f);
+        if (!mode->in_place)
+            j->writes_closed = true; // KV in the payload: this transfer writes nothing in place
+        if (mode->frame(j->kv, &kf, err, sizeof err) != TDM_OK) {
+            j->kv_failed = true;
+            snprintf(j->kv_err, sizeof j->kv_err, "%s", err);
+        }
     }
 signal:
     j->version++;
@@ -1582,25 +1504,30 @@ static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *serv
     struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(rx->parts.engine));
     int num_blocks = tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks;
     struct tdm_kv_device_pool dp = {0};
+    bool device = st->ops->device_pool != NULL;
+    // The device table: the config's (tests), else the CUDA module's when our
+    // KV lives on a device (a CPU worker never loads libtandem-cuda.so for
+    // it); none where the module cannot load: KV over nng.
+    const struct tdm_kvx_ops *ops = rx->cfg.kvx_ops;
+    if (ops == NULL && device)
+        tdm_backend_module_kvx(&ops, NULL, 0);
     struct tdm_kv_transport_config tc = {
         .role = TDM_KVX_DECODE,
         .setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer,
-        .ops = rx->cfg.kvx_ops,
-        .device = st->ops->device_pool != NULL,
+        .ops = ops,
         .num_layers = rx->kvc.num_layers,
         .num_blocks = num_blocks,
         .own_layer = tdm_kv_storage_layer, // the receives' destination
         .own_arg = st,
         .nccl_timeout = rx->cfg.nccl_timeout,
     };
-    tc.gpu = tc.device && st->ops->device_pool(st, &dp) == TDM_OK;
+    tc.gpu = device && st->ops->device_pool(st, &dp) == TDM_OK;
     tc.pool_base = dp.base;
     tc.elem_bytes = dp.elem_bytes;
     tc.block_bytes = dp.block_bytes;
     int rc = tdm_kv_transport_new(&rx->kvt, &tc);
     if (rc != TDM_OK)
         return tdm_seterr(err, errlen, rc, "pd: out of memory");
-    rx->kvx_block_bytes = dp.block_bytes;
     // The pool descriptor: its geometry serves NCCL too (the handle only IPC).
     struct tdm_kvx_pool pool = {
         .bytes = dp.bytes,

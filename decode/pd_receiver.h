@@ -40,8 +40,10 @@ struct tdm_pd_receiver_config {
     double send_timeout;     // seconds a frame may wait for its peer; default 2
     double write_quarantine; // in-place KV writes: a prefill worker disconnected this long is
                              // gone with its device context, its blocks are safe (default 2)
-    const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = the CUDA module's table (none in a
-                                       // CPU build: KV over nng). Tests pass a fake table.
+    const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = the CUDA module's table
+                                       // (tdm_backend_module_kvx, looked up when the KV
+                                       // pool is on a device; none in a CPU build: KV over
+                                       // nng). Tests pass a fake table.
     double nccl_timeout; // NCCL: communicator init (from the prefill worker's go), and each
                          // layer group's receive; default 10
 };

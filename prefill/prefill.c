@@ -24,6 +24,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "backend_module.h"
 #include "core.h"
 #include "worker.h"
 #include "engine.h"
@@ -936,17 +937,23 @@ static int prefill_kvx_init(struct tdm_prefill_service *p, struct tdm_worker *se
 {
     struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(p->parts.engine));
     struct tdm_kv_device_pool own = {0};
+    bool device = st->ops->device_pool != NULL;
+    // The device table: the config's (tests), else the CUDA module's when our
+    // KV lives on a device (a CPU worker never loads libtandem-cuda.so for
+    // it); none where the module cannot load: KV over nng.
+    const struct tdm_kvx_ops *ops = p->cfg.kvx_ops;
+    if (ops == NULL && device)
+        tdm_backend_module_kvx(&ops, NULL, 0);
     struct tdm_kv_transport_config tc = {
         .role = TDM_KVX_PREFILL,
         .setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer,
-        .ops = p->cfg.kvx_ops,
-        .device = st->ops->device_pool != NULL,
+        .ops = ops,
         .num_layers = p->kvc.num_layers,
         .own_layer = tdm_kv_storage_layer,
         .own_arg = st,
         .nccl_timeout = p->cfg.nccl_timeout,
     };
-    tc.gpu = tc.device && st->ops->device_pool(st, &own) == TDM_OK;
+    tc.gpu = device && st->ops->device_pool(st, &own) == TDM_OK;
     tc.pool_base = own.base;
     tc.elem_bytes = own.elem_bytes;
     tc.block_bytes = own.block_bytes;

@@ -35,8 +35,10 @@ struct tdm_prefill_config {
                           // long after the prefill finished; default 30
     int layers_per_frame; // --layers-per-frame: upper bound on layers per KvData frame; default 4
     double send_timeout;  // seconds one frame may wait for the decode worker; default 5
-    const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = the CUDA module's table (none in a
-                                       // CPU build: KV over nng). Tests pass a fake table.
+    const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = the CUDA module's table
+                                       // (tdm_backend_module_kvx, looked up when the KV
+                                       // pool is on a device; none in a CPU build: KV over
+                                       // nng). Tests pass a fake table.
     double nccl_timeout; // NCCL: communicator init, and each layer group's send; default 10
 };
 void tdm_prefill_config_default(struct tdm_prefill_config *cfg);

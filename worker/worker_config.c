@@ -14,6 +14,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "backend_module.h"
 #include "core.h"
 #include "kvx.h"
 #include "model.h"
@@ -286,6 +287,27 @@ static int set_device(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
+// True (err filled) when the CUDA backend module, which holds the device KV
+// transfer table, cannot serve device transport m here.
+static bool kvx_table_missing(enum tdm_kvx_mode m, char *err, size_t errlen)
+{
+    const struct tdm_kvx_ops *ops;
+    char why[1024];
+    if (tdm_backend_module_kvx(&ops, why, sizeof why) != TDM_OK) {
+        snprintf(err, errlen,
+                 "--kv-transfer %s needs the CUDA backend module (%s); without it KV moves over "
+                 "nng only: use nng or auto",
+                 tdm_kvx_mode_name(m), why);
+        return true;
+    }
+    if (ops == NULL) {
+        snprintf(err, errlen, "--kv-transfer %s: the CUDA backend module has no device transfer",
+                 tdm_kvx_mode_name(m));
+        return true;
+    }
+    return false;
+}
+
 // --kv-transfer: how KV moves between a prefill and a decode worker (issue
 // 10). A CPU build has only nng: asking for a device transport there is a
 // startup error rather than a silent nng.
@@ -296,7 +318,7 @@ static int set_kv_transfer(void *o, const char *v, char *err, size_t errlen)
     if (tdm_kvx_mode_parse(v, &m) != 0)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "--kv-transfer: expected nng, cuda-ipc, nccl or auto, got \"%s\"", v);
-    if (tdm_kvx_check_setting(m, err, errlen) != 0)
+    if (m != TDM_KVX_AUTO && m != TDM_KVX_NNG && kvx_table_missing(m, err, errlen))
         return TDM_EINVAL;
     cfg->kv_transfer = (int)m;
     return TDM_OK;

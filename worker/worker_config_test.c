@@ -15,6 +15,7 @@
 
 #include <cmocka.h>
 
+#include "backend_module.h"
 #include "core.h"
 #include "kvx.h"
 #include "worker.h"
@@ -67,7 +68,8 @@ static void test_kv_transfer(void **state)
     assert_int_equal(c.kv_transfer, TDM_KVX_NNG);
     assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--kv-transfer=auto"), TDM_OK);
     assert_int_equal(c.kv_transfer, TDM_KVX_AUTO);
-    bool cuda = tdm_kvx_cuda_ops() != NULL;
+    const struct tdm_kvx_ops *table = NULL;
+    bool cuda = tdm_backend_module_kvx(&table, err, sizeof err) == TDM_OK && table != NULL;
     const char *dev[] = {"cuda-ipc", "nccl"};
     enum tdm_kvx_mode want[] = {TDM_KVX_CUDA_IPC, TDM_KVX_NCCL};
     for (int i = 0; i < 2; i++) {
@@ -77,8 +79,11 @@ static void test_kv_transfer(void **state)
             assert_int_equal(c.kv_transfer, want[i]);
         } else {
             assert_int_equal(rc, TDM_EINVAL);
-            assert_non_null(strstr(err, "needs the CUDA backend module (libtandem-cuda.so"));
-            assert_non_null(strstr(err, dev[i]));
+            char head[64];
+            snprintf(head, sizeof head, "--kv-transfer %s needs the CUDA backend module (", dev[i]);
+            assert_ptr_equal(strstr(err, head), err);
+            assert_non_null(strstr(err, "(libtandem-cuda.so"));
+            assert_non_null(strstr(err, "); without it KV moves over nng only: use nng or auto"));
         }
     }
     assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--kv-transfer", "rdma"),

@@ -1,12 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 // kv_recv: the receiver side of the KV transport table (kv_transport.h): the
-// decode worker's attempt prepares a mode before its PrefillRequest goes out,
-// completes the mode's own receives once the prefill worker said it uses it,
-// and aborts it after the attempt. Only NCCL receives anything itself (nng
-// frames carry the KV, CUDA IPC frames say it is in place: the role imports
-// or counts them). Memory safety: tdm_kv_recv_quiet is true only when every
-// receive's event was observed complete; a receive whose completion cannot
-// be observed leaves it false for good and its buffers allocated.
+// decode worker's attempt offers every mode it can receive by before its
+// PrefillRequest goes out, hands each KvData frame to the table of the mode
+// that sent it, runs the receives of a mode that has its own (NCCL) on its
+// receive thread, and ends the offered modes after the attempt. Each mode
+// checks its frames against the transfer (layers in order, the push range,
+// the payload's size) and keeps the transfer's progress: nng imports the
+// payload through the role's host, CUDA IPC counts the layers the sender
+// copied into our blocks, NCCL counts the sender's groups and its own
+// receives (a layer is in place when both are done). Memory safety:
+// tdm_kv_recv_quiet is true only when every receive's event was observed
+// complete; a receive whose completion cannot be observed leaves it false for
+// good and its buffers allocated.
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,12 +24,24 @@
 
 struct tdm_kv_recv {
     struct tdm_kv_transport *t;
-    const struct tdm_kv_transport_ops *ops;
     const struct tdm_kv_recv_host *host;
     struct tdm_kv_recv_params p; // p.dst_blocks points at dst_blocks below
-    int *dst_blocks;             // [p.num_blocks]
+    int *dst_blocks;             // [p.num_blocks] (offered only)
+    bool offered[TDM_KVX_NCCL + 1]; // [enum tdm_kvx_mode] the modes offered (set before any
+                                    // frame, read-only after)
+    // The transfer's progress, under mu: frames (the role's reader thread),
+    // the receives (its receive thread) and the role's reads meet here.
+    pthread_mutex_t mu;
+    const struct tdm_kv_transport_ops *mode; // the first frame's mode (nng before any)
+    char why[160];                           // the first layers' transport_why
+    int layers_framed;   // layers the frames said are in place: the next frame's first layer
+    int layers_received; // NCCL: layers our own receives completed
+    int layers_done;     // layers in place (what the role sees)
+    bool go;             // NCCL: the sender said it sends over the communicator
+    size_t bytes_done;
+    double t_first_frame, t_kv_done;
     // NCCL: the pair's link while this attempt holds it, its communicator id,
-    // the receives.
+    // the receives (the receive thread's after the offer).
     struct tdm_kvx_link *link;
     bool has_id;
     uint8_t nccl_id[TDM_KVX_NCCL_ID_BYTES];
@@ -36,18 +54,16 @@ static void pause_briefly(void)
 }
 
 int tdm_kv_recv_new(struct tdm_kv_recv **out, struct tdm_kv_transport *t,
-                    const struct tdm_kv_transport_ops *ops, const struct tdm_kv_recv_host *host,
-                    const struct tdm_kv_recv_params *p)
+                    const struct tdm_kv_recv_host *host, const struct tdm_kv_recv_params *p)
 {
     *out = NULL;
     struct tdm_kv_recv *r = calloc(1, sizeof *r);
     if (r == NULL)
         return TDM_ENOMEM;
     r->t = t;
-    r->ops = ops;
     r->host = host;
     r->p = *p;
-    if (p->num_blocks > 0) {
+    if (p->offered && p->dst_blocks != NULL && p->num_blocks > 0) {
         r->dst_blocks = malloc(sizeof(int) * (size_t)p->num_blocks);
         if (r->dst_blocks == NULL) {
             free(r);
@@ -55,19 +71,91 @@ int tdm_kv_recv_new(struct tdm_kv_recv **out, struct tdm_kv_transport *t,
         }
         memcpy(r->dst_blocks, p->dst_blocks, sizeof(int) * (size_t)p->num_blocks);
     }
+    r->p.offered = r->dst_blocks != NULL;
     r->p.dst_blocks = r->dst_blocks;
+    pthread_mutex_init(&r->mu, NULL);
+    r->mode = &tdm_kv_transport_nng_ops;
+    if (p->num_blocks < 1)
+        r->layers_done = t->c.num_layers; // nothing to receive: complete
     *out = r;
     return TDM_OK;
 }
 
-const struct tdm_kv_transport_ops *tdm_kv_recv_ops(const struct tdm_kv_recv *r)
+void tdm_kv_recv_offer(struct tdm_kv_recv *r)
 {
-    return r->ops;
+    for (int m = TDM_KVX_NNG; m <= TDM_KVX_NCCL; m++) {
+        const struct tdm_kv_transport_ops *ops = tdm_kv_transport_of((enum tdm_kvx_mode)m);
+        char err[256] = "";
+        r->offered[m] = ops->prepare(r, err, sizeof err) == TDM_OK;
+    }
+}
+
+bool tdm_kv_recv_offered(const struct tdm_kv_recv *r, enum tdm_kvx_mode m)
+{
+    return m >= TDM_KVX_NNG && m <= TDM_KVX_NCCL && r->offered[m];
+}
+
+bool tdm_kv_recv_receives(const struct tdm_kv_recv *r)
+{
+    for (int m = TDM_KVX_NNG; m <= TDM_KVX_NCCL; m++)
+        if (r->offered[m] && tdm_kv_transport_of((enum tdm_kvx_mode)m)->complete != NULL)
+            return true;
+    return false;
+}
+
+int tdm_kv_recv_complete(struct tdm_kv_recv *r, char *err, size_t errlen)
+{
+    int rc = TDM_OK;
+    for (int m = TDM_KVX_NNG; m <= TDM_KVX_NCCL && rc == TDM_OK; m++) {
+        const struct tdm_kv_transport_ops *ops = tdm_kv_transport_of((enum tdm_kvx_mode)m);
+        if (r->offered[m] && ops->complete != NULL)
+            rc = ops->complete(r, err, errlen);
+    }
+    return rc;
+}
+
+void tdm_kv_recv_withdraw(struct tdm_kv_recv *r)
+{
+    for (int m = TDM_KVX_NNG; m <= TDM_KVX_NCCL; m++) {
+        const struct tdm_kv_transport_ops *ops = tdm_kv_transport_of((enum tdm_kvx_mode)m);
+        if (!r->offered[m] || ops->complete == NULL)
+            continue;
+        if (ops->abort != NULL)
+            ops->abort(r);
+        r->offered[m] = false;
+    }
+}
+
+void tdm_kv_recv_end(struct tdm_kv_recv *r)
+{
+    for (int m = TDM_KVX_NNG; m <= TDM_KVX_NCCL; m++) {
+        const struct tdm_kv_transport_ops *ops = tdm_kv_transport_of((enum tdm_kvx_mode)m);
+        if (r->offered[m] && ops->abort != NULL)
+            ops->abort(r);
+    }
+}
+
+const struct tdm_kv_transport_ops *tdm_kv_recv_table(const char *transport)
+{
+    const struct tdm_kv_transport_ops *ops = tdm_kv_transport_by_name(transport);
+    return ops != NULL ? ops : &tdm_kv_transport_nng_ops;
+}
+
+void tdm_kv_recv_progress(struct tdm_kv_recv *r, struct tdm_kv_recv_progress *p)
+{
+    pthread_mutex_lock(&r->mu);
+    p->mode = r->mode;
+    snprintf(p->why, sizeof p->why, "%s", r->why);
+    p->layers_done = r->layers_done;
+    p->bytes_done = r->bytes_done;
+    p->t_first_frame = r->t_first_frame;
+    p->t_kv_done = r->t_kv_done;
+    pthread_mutex_unlock(&r->mu);
 }
 
 bool tdm_kv_recv_nccl_id(const struct tdm_kv_recv *r, uint8_t id[TDM_KVX_NCCL_ID_BYTES])
 {
-    if (r == NULL || !r->has_id)
+    if (r == NULL || !r->has_id || !r->offered[TDM_KVX_NCCL])
         return false;
     memcpy(id, r->nccl_id, TDM_KVX_NCCL_ID_BYTES);
     return true;
@@ -82,6 +170,7 @@ void tdm_kv_recv_free(struct tdm_kv_recv *r)
 {
     if (r == NULL)
         return;
+    pthread_mutex_destroy(&r->mu);
     free(r->dst_blocks);
     free(r);
 }
@@ -126,33 +215,117 @@ static int use_our_device(const struct tdm_kv_transport *t, char *err, size_t er
     return TDM_OK;
 }
 
-// ---- nng and CUDA IPC: the frames are the transfer --------------------------------------
-int tdm_kv_frames_prepare(struct tdm_kv_recv *r, char *err, size_t errlen)
+// ---- the frames ----------------------------------------------------------------------------
+// The first layers of the transfer came over `mode` (caller holds r->mu).
+static void first_layers_locked(struct tdm_kv_recv *r, const struct tdm_kv_transport_ops *mode,
+                                const struct tdm_kv_recv_frame *f)
 {
-    (void)r, (void)err, (void)errlen;
+    r->mode = mode;
+    snprintf(r->why, sizeof r->why, "%s", f->why ? f->why : "");
+}
+
+// An in-place frame's layers and blocks against the transfer (caller holds r->mu).
+static int check_in_place(const struct tdm_kv_recv *r, const struct tdm_kv_recv_frame *f, char *err,
+                          size_t errlen)
+{
+    if (f->first_block != r->p.first_block || f->num_blocks != r->p.num_blocks ||
+        f->first_layer != r->layers_framed || f->num_layers < 1 ||
+        f->first_layer + f->num_layers > r->t->c.num_layers || f->payload_len != 0)
+        return tdm_seterr(err, errlen, TDM_EPROTO,
+                          "bad in-place KvData: layers %d+%d blocks %d+%d (expected layer %d)",
+                          f->first_layer, f->num_layers, f->first_block, f->num_blocks,
+                          r->layers_framed);
     return TDM_OK;
 }
 
-int tdm_kv_frames_complete(struct tdm_kv_recv *r, char *err, size_t errlen)
+// ---- nng: each frame carries its layers' KV ------------------------------------------------
+int tdm_kv_nng_prepare(struct tdm_kv_recv *r, char *err, size_t errlen)
 {
     (void)r, (void)err, (void)errlen;
-    return TDM_OK;
+    return TDM_OK; // always possible
 }
 
-void tdm_kv_frames_abort(struct tdm_kv_recv *r)
+// The frame's layers imported straight from its payload into the reserved blocks.
+int tdm_kv_nng_frame(struct tdm_kv_recv *r, const struct tdm_kv_recv_frame *f, char *err,
+                     size_t errlen)
 {
-    (void)r;
+    size_t lb = r->p.payload_layer_bytes;
+    int L = r->t->c.num_layers;
+    pthread_mutex_lock(&r->mu);
+    int rc = TDM_OK;
+    if (f->first_block != r->p.first_block || f->num_blocks != r->p.num_blocks ||
+        f->first_layer != r->layers_framed || f->num_layers < 1 ||
+        f->first_layer + f->num_layers > L || f->payload_len != lb * (size_t)f->num_layers)
+        rc = tdm_seterr(err, errlen, TDM_EPROTO,
+                        "bad KvData: layers %d+%d blocks %d+%d payload %zu (expected layer %d, "
+                        "blocks %d+%d, %zu bytes a layer)",
+                        f->first_layer, f->num_layers, f->first_block, f->num_blocks,
+                        f->payload_len, r->layers_framed, r->p.first_block, r->p.num_blocks, lb);
+    for (int l = 0; rc == TDM_OK && l < f->num_layers; l++) {
+        int irc = r->host->import_layer(r->host->ctx, f->first_layer + l,
+                                        f->payload + (size_t)l * lb, lb);
+        if (irc != TDM_OK)
+            rc = tdm_seterr(err, errlen, irc, "import of layer %d failed: %s", f->first_layer + l,
+                            tdm_strerror(irc));
+    }
+    if (rc == TDM_OK) {
+        if (r->layers_framed == 0) {
+            r->t_first_frame = tdm_now();
+            first_layers_locked(r, &tdm_kv_transport_nng_ops, f);
+        }
+        r->layers_framed += f->num_layers;
+        r->layers_done = r->layers_framed;
+        r->bytes_done += f->payload_len;
+        if (r->layers_done >= L)
+            r->t_kv_done = tdm_now();
+    }
+    pthread_mutex_unlock(&r->mu);
+    return rc;
+}
+
+// ---- CUDA IPC: the sender copies into our pool, its frames say where it got ----------------
+int tdm_kv_ipc_prepare(struct tdm_kv_recv *r, char *err, size_t errlen)
+{
+    (void)err, (void)errlen;
+    return r->p.offered ? TDM_OK : TDM_EBUSY; // our pool's handle goes with the request
+}
+
+// Layers the sender copied into our blocks; the bytes are its copies' (K and
+// V of each block of each layer).
+int tdm_kv_ipc_frame(struct tdm_kv_recv *r, const struct tdm_kv_recv_frame *f, char *err,
+                     size_t errlen)
+{
+    int L = r->t->c.num_layers;
+    pthread_mutex_lock(&r->mu);
+    int rc =
+        r->offered[TDM_KVX_CUDA_IPC]
+            ? check_in_place(r, f, err, errlen)
+            : tdm_seterr(err, errlen, TDM_EPROTO, "in-place KvData for a transfer offered no pool");
+    if (rc == TDM_OK) {
+        if (r->layers_framed == 0) {
+            r->t_first_frame = tdm_now();
+            first_layers_locked(r, &tdm_kv_transport_cuda_ipc_ops, f);
+        }
+        r->layers_framed += f->num_layers;
+        r->layers_done = r->layers_framed;
+        r->bytes_done += (size_t)f->num_layers * 2 * (size_t)f->num_blocks * r->t->c.block_bytes;
+        if (r->layers_done >= L)
+            r->t_kv_done = tdm_now();
+    }
+    pthread_mutex_unlock(&r->mu);
+    return rc;
 }
 
 // ---- NCCL: the receives of one attempt ----------------------------------------------------
-// Takes the pair's link (busy with another transfer of the pair: not offered
-// this time), keeps its communicator when it is ready for this prefill
-// instance, else makes a new one (a new unique id; the old communicator
-// aborted), and cuts the receives. TDM_EBUSY when NCCL is not offered.
+// With our pool offered: takes the pair's link (busy with another transfer
+// of the pair: not offered this time), keeps its communicator when it is
+// ready for this prefill instance, else makes a new one (a new unique id; the
+// old communicator aborted), and cuts the receives. TDM_EBUSY when NCCL is
+// not offered.
 int tdm_kv_nccl_prepare(struct tdm_kv_recv *r, char *err, size_t errlen)
 {
     struct tdm_kv_transport *t = r->t;
-    if (!t->nccl || r->p.num_blocks < 1 || tdm_kv_transport_last_ipc(t, r->p.peer))
+    if (!t->nccl || !r->p.offered || r->p.num_blocks < 1 || tdm_kv_transport_last_ipc(t, r->p.peer))
         return TDM_EBUSY;
     r->link = tdm_kvx_links_take(t->links, r->p.peer);
     if (r->link == NULL)
@@ -178,6 +351,63 @@ int tdm_kv_nccl_prepare(struct tdm_kv_recv *r, char *err, size_t errlen)
     tdm_kvx_links_give(t->links, r->link);
     r->link = NULL;
     return TDM_EBUSY;
+}
+
+// Over NCCL a layer is in place once the sender's frame for it came (its
+// send completed) and our receive completed (caller holds r->mu).
+static void nccl_count_locked(struct tdm_kv_recv *r)
+{
+    int L = r->t->c.num_layers;
+    bool nccl = r->mode == &tdm_kv_transport_nccl_ops; // else another mode's frames came
+    r->layers_done =
+        nccl && r->layers_received < r->layers_framed ? r->layers_received : r->layers_framed;
+    if (nccl && r->t_kv_done == 0 && r->layers_framed >= L && r->layers_received >= L)
+        r->t_kv_done = tdm_now();
+}
+
+// First "post your receives" (no layers: the sends follow over the
+// communicator, our receive thread goes), then a frame per group whose
+// sends completed.
+int tdm_kv_nccl_frame(struct tdm_kv_recv *r, const struct tdm_kv_recv_frame *f, char *err,
+                      size_t errlen)
+{
+    pthread_mutex_lock(&r->mu);
+    int rc = TDM_OK;
+    if (!r->offered[TDM_KVX_NCCL]) {
+        rc = tdm_seterr(err, errlen, TDM_EPROTO,
+                        "in-place KvData for a transfer offered no NCCL communicator");
+    } else if (f->num_layers == 0 && r->layers_framed == 0) {
+        r->go = true;
+        r->mode = &tdm_kv_transport_nccl_ops;
+        r->t_first_frame = tdm_now();
+    } else if ((rc = check_in_place(r, f, err, errlen)) == TDM_OK) {
+        if (r->layers_framed == 0)
+            first_layers_locked(r, &tdm_kv_transport_nccl_ops, f);
+        r->layers_framed += f->num_layers;
+        nccl_count_locked(r);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return rc;
+}
+
+// Whether the sender said it sends over the communicator.
+static bool nccl_go(struct tdm_kv_recv *r)
+{
+    pthread_mutex_lock(&r->mu);
+    bool go = r->go;
+    pthread_mutex_unlock(&r->mu);
+    return go;
+}
+
+// n more layers received into our blocks; bytes: the receives' total.
+static void nccl_received(struct tdm_kv_recv *r, int n, uint64_t bytes)
+{
+    pthread_mutex_lock(&r->mu);
+    r->layers_received += n;
+    r->bytes_done = (size_t)bytes;
+    nccl_count_locked(r);
+    pthread_mutex_unlock(&r->mu);
+    r->host->progress(r->host->ctx);
 }
 
 // Waits for the communicator's init (nccl_timeout from the sender's go).
@@ -246,6 +476,8 @@ int tdm_kv_nccl_complete(struct tdm_kv_recv *r, char *err, size_t errlen)
 {
     int L = r->t->c.num_layers, per = r->p.layers_per_group;
     int go = r->host->wait_go(r->host->ctx);
+    if (go == TDM_OK && !nccl_go(r))
+        go = TDM_ENOTFOUND; // the first frame was of another mode
     if (go == TDM_OK && use_our_device(r->t, err, errlen) != TDM_OK)
         go = TDM_ECLOSED; // aborted below; the transfer fails over
     int rc = TDM_OK;
@@ -262,7 +494,7 @@ int tdm_kv_nccl_complete(struct tdm_kv_recv *r, char *err, size_t errlen)
         int n = first + per <= L ? per : L - first;
         rc = nccl_group(r, first, n, err, errlen);
         if (rc == TDM_OK)
-            r->host->progress(r->host->ctx, n, tdm_kvx_nccl_bytes(r->nx));
+            nccl_received(r, n, tdm_kvx_nccl_bytes(r->nx));
     }
     if (!tdm_kvx_nccl_quiet(r->nx))
         TDM_LOG_ERR(MOD, "req=%s an NCCL receive's completion is unknown: its blocks stay reserved",

@@ -27,8 +27,6 @@ int tdm_kv_transport_new(struct tdm_kv_transport **out, const struct tdm_kv_tran
     if (t == NULL)
         return TDM_ENOMEM;
     t->c = *c;
-    if (t->c.ops == NULL && c->device)
-        t->c.ops = tdm_kvx_cuda_ops();
     t->gpu = t->c.ops != NULL && c->gpu;
     pthread_mutex_init(&t->ipc_mu, NULL);
     tdm_kvx_host_id(t->host_id, sizeof t->host_id);
@@ -257,13 +255,13 @@ static void nng_close(struct tdm_kv_send *s)
 const struct tdm_kv_transport_ops tdm_kv_transport_nng_ops = {
     .mode = TDM_KVX_NNG,
     .name = "nng",
+    .in_place = false,
     .offer = nng_offer,
     .push_layers = nng_push_layers,
     .poll = nng_poll,
     .close = nng_close,
-    .prepare = tdm_kv_frames_prepare,
-    .complete = tdm_kv_frames_complete,
-    .abort = tdm_kv_frames_abort,
+    .prepare = tdm_kv_nng_prepare,
+    .frame = tdm_kv_nng_frame,
 };
 
 // ---- the device modes' layer group --------------------------------------------------------
@@ -420,13 +418,13 @@ static void ipc_close(struct tdm_kv_send *s)
 const struct tdm_kv_transport_ops tdm_kv_transport_cuda_ipc_ops = {
     .mode = TDM_KVX_CUDA_IPC,
     .name = "cuda-ipc",
+    .in_place = true,
     .offer = ipc_offer,
     .push_layers = ipc_push_layers,
     .poll = ipc_poll,
     .close = ipc_close,
-    .prepare = tdm_kv_frames_prepare,
-    .complete = tdm_kv_frames_complete,
-    .abort = tdm_kv_frames_abort,
+    .prepare = tdm_kv_ipc_prepare,
+    .frame = tdm_kv_ipc_frame,
 };
 
 // ---- NCCL: grouped sends over the pair's communicator -------------------------------------
@@ -626,11 +624,13 @@ static void nccl_close(struct tdm_kv_send *s)
 const struct tdm_kv_transport_ops tdm_kv_transport_nccl_ops = {
     .mode = TDM_KVX_NCCL,
     .name = "nccl",
+    .in_place = true,
     .offer = nccl_offer,
     .push_layers = nccl_push_layers,
     .poll = nccl_poll,
     .close = nccl_close,
     .prepare = tdm_kv_nccl_prepare,
+    .frame = tdm_kv_nccl_frame,
     .complete = tdm_kv_nccl_complete,
     .abort = tdm_kv_nccl_abort,
 };

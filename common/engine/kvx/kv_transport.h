@@ -4,8 +4,10 @@
 // IPC (copies into the decode worker's opened pool) and NCCL (grouped sends
 // over the pair's communicator) -- is one struct tdm_kv_transport_ops filled
 // once beside the kvx code it drives; a role picks the table for a transfer
-// (tdm_kv_send_open: tdm_kvx_choose over both sides, falling back when a mode
-// cannot be offered) and then only calls the table, never kvx itself.
+// (the sender: tdm_kv_send_choose, tdm_kvx_choose over both sides, falling
+// back when a mode cannot be offered; the receiver: tdm_kv_recv_offer, every
+// mode it can receive by, then the table each KvData frame names) and then
+// only calls the table, never kvx itself.
 //
 // The sender's steps per layer group are the same for every mode: lease our
 // blocks of the group (the engine's kernels writing them are done), issue
@@ -40,10 +42,10 @@ struct tdm_kv_transport;
 struct tdm_kv_transport_config {
     enum tdm_kvx_role role;        // which side of the pairs this worker is
     enum tdm_kvx_mode setting;     // its --kv-transfer
-    const struct tdm_kvx_ops *ops; // the device table; NULL: the CUDA module's (tdm_kvx_cuda_ops)
-                                   // when `device`, else none (nng only: a CPU worker
-                                   // never loads libtandem-cuda.so for it)
-    bool device;                   // our KV storage lives on a device
+    const struct tdm_kvx_ops *ops; // the device table, passed in (the CUDA module's from
+                                   // tdm_backend_module_kvx, a fake in tests); NULL: none,
+                                   // KV over nng only (a CPU worker never loads
+                                   // libtandem-cuda.so for it)
     bool gpu;                      // ... as one device allocation at pool_base (CUDA IPC and
                                    // NCCL can reach it; with a table only)
     void *pool_base;               // its base (the device the calls run on)
@@ -131,26 +133,36 @@ struct tdm_kv_recv;
 // decode worker's own receives write its blocks and it waits for them
 // itself); close frees the mode's state (the pair's communicator given back).
 // Receiver (the decode worker's attempt): prepare readies this mode before
-// the PrefillRequest goes out (NCCL: the pair's link taken, its communicator
-// made or kept, the receives cut; TDM_EBUSY: not offered this time, nothing
-// held); complete runs the mode's own receives once the sender said it uses
-// this mode (NCCL: init awaited, then each layer group's receives into the
-// reserved blocks, progress reported; nng and CUDA IPC: nothing, their
-// frames carry the KV or say it is in place); abort ends the mode's state
-// after the attempt: the receives' buffers are freed only when quiet
-// (tdm_kv_recv_quiet), so a receive whose completion stayed unknown never
-// has its memory freed under it.
+// the PrefillRequest goes out (CUDA IPC: our pool offered; NCCL: the pair's
+// link taken, its communicator made or kept, the receives cut; TDM_EBUSY:
+// not offered this time, nothing held); frame takes one KvData frame of this
+// mode (nng: its payload imported into the reserved blocks through the
+// host; CUDA IPC: the layers the sender copied into them counted; NCCL: the
+// "post your receives", then the groups whose sends completed), checked
+// against the transfer (TDM_EPROTO or the import's error with err: the
+// transfer fails); complete runs the mode's own receives on a thread of the
+// role's once the sender said it uses this mode (NCCL: init awaited, then
+// each layer group's receives into the reserved blocks, progress reported;
+// NULL for nng and CUDA IPC, whose frames are the whole transfer); abort
+// ends the mode's state after the attempt (NULL: none): the receives'
+// buffers are freed only when quiet (tdm_kv_recv_quiet), so a receive whose
+// completion stayed unknown never has its memory freed under it.
+struct tdm_kv_recv_frame;
 struct tdm_kv_transport_ops {
     enum tdm_kvx_mode mode;
     const char *name; // tdm_kvx_mode_name(mode): the metrics label and the frame's transport
+    bool in_place;    // its frames say the KV is in our blocks (the sender may write them until
+                      // its closed frame); false: each frame carries its KV (nng)
     int (*offer)(struct tdm_kv_send *s, char *err, size_t errlen);
     int (*push_layers)(struct tdm_kv_send *s, int first, int n, size_t *bytes, double *copy_s,
                        char *err, size_t errlen);
     int (*poll)(struct tdm_kv_send *s);
     void (*close)(struct tdm_kv_send *s);
     int (*prepare)(struct tdm_kv_recv *r, char *err, size_t errlen);
-    int (*complete)(struct tdm_kv_recv *r, char *err, size_t errlen);
-    void (*abort)(struct tdm_kv_recv *r);
+    int (*frame)(struct tdm_kv_recv *r, const struct tdm_kv_recv_frame *f, char *err,
+                 size_t errlen);
+    int (*complete)(struct tdm_kv_recv *r, char *err, size_t errlen); // NULL: no receives
+    void (*abort)(struct tdm_kv_recv *r);                             // NULL: nothing held
 };
 
 extern const struct tdm_kv_transport_ops tdm_kv_transport_nng_ops;
@@ -190,40 +202,103 @@ const struct tdm_kv_transport_ops *tdm_kv_transport_of(enum tdm_kvx_mode m);
 const struct tdm_kv_transport_ops *tdm_kv_transport_by_name(const char *name);
 
 // ---- one transfer, receiver side ---------------------------------------------------------
-// What the receives need from the role; ctx is the role's attempt.
+// The decode worker's attempt receives through the tables only: before its
+// PrefillRequest it offers every mode it can receive by (tdm_kv_recv_offer:
+// each table's prepare, nng always), hands each KvData frame of the transfer
+// to the table the frame names (tdm_kv_recv_table(KvData.transport)->frame),
+// runs the receives of a mode that has its own on a thread
+// (tdm_kv_recv_complete) when tdm_kv_recv_receives says one was offered,
+// reads how far the transfer got (tdm_kv_recv_progress), and after the
+// attempt ends every offered mode (tdm_kv_recv_end).
+//
+// Threads and locks: frames come on the role's reader thread, in order, under
+// the role's lock; the receives run on the role's receive thread; the role
+// reads the progress under its lock. The progress is locked inside (taken
+// after the role's lock); the host is never called with it held, except
+// import_layer from a frame.
 struct tdm_kv_recv_host {
     void *ctx;
-    // Blocks until the sender said it sends over this mode (TDM_OK), chose
-    // another or ended first (TDM_ENOTFOUND), or the attempt is over
-    // (TDM_ECLOSED).
+    // Blocks until the transfer's first frame came (TDM_OK: the receives then
+    // see whether it named their mode), the transfer ended without one
+    // (TDM_ENOTFOUND), or the attempt is over (TDM_ECLOSED).
     int (*wait_go)(void *ctx);
     // Why the receives must stop now (NULL: go on).
     const char *(*stop)(void *ctx);
-    // n more layers are in place; bytes: moved by the receives so far.
-    void (*progress)(void *ctx, int n, uint64_t bytes);
+    // The receives moved more layers (tdm_kv_recv_progress says how far):
+    // wakes whoever waits on the transfer.
+    void (*progress)(void *ctx);
+    // nng: imports one layer's KV from a frame's payload (`bytes`, the
+    // transfer layout) into our reserved blocks of the push range. Called by
+    // the frame op (the role's lock held). TDM_OK or the engine's error.
+    int (*import_layer)(void *ctx, int layer, const uint8_t *kv, size_t bytes);
 };
 
 struct tdm_kv_recv_params {
     const char *peer;       // the prefill worker's nng URL (the pair's key)
     uint64_t peer_instance; // its instance id
     const char *request_id; // for logs
-    const int *dst_blocks;  // [num_blocks] our reserved physical ids (copied)
-    int num_blocks;
-    int layers_per_group; // the most layers one group carries
+    bool offered;           // our device pool goes with the request (dst_blocks valid)
+    const int *dst_blocks;  // [num_blocks] our reserved physical ids (copied); NULL unless offered
+    int first_block;        // the push range: its first block in the request's table
+    int num_blocks;         // its blocks (0: nothing to receive, the transfer is complete)
+    int layers_per_group;   // the most layers one group carries
+    size_t payload_layer_bytes; // nng: bytes of one layer in a frame's payload
 };
 
-// The attempt's receiver, for `ops` (prepare not called yet). TDM_OK or
-// TDM_ENOMEM. host and t must outlive it; p is copied.
+// One KvData frame of the transfer, as the role hands it over: of this
+// attempt, from its sender, without error (the role handles those).
+struct tdm_kv_recv_frame {
+    int first_layer, num_layers; // the layers it reports (0, 0: NCCL's "post your receives")
+    int first_block, num_blocks; // the push range it says it covers
+    const uint8_t *payload;      // nng: [num_layers][payload_layer_bytes] the layers' KV
+    size_t payload_len;          // bytes at payload (0 for the in-place modes)
+    const char *why;             // KvData.transport_why (the first group's says why the mode)
+};
+
+// How far one transfer got, read by the role (tdm_kv_recv_progress).
+struct tdm_kv_recv_progress {
+    const struct tdm_kv_transport_ops *mode; // how the KV comes: its first frame's (nng before)
+    char why[160];                           // the first layers' KvData.transport_why
+    int layers_done;                         // layers in place (NCCL: sent and received); all
+                                             // of them for a transfer of no blocks
+    size_t bytes_done;                       // KV bytes imported, copied or received so far
+    double t_first_frame;                    // tdm_now() of its first frame; 0: none yet
+    double t_kv_done;                        // tdm_now() when the last layer was in place; 0
+};
+
+// The attempt's receiver (nothing offered yet). TDM_OK or TDM_ENOMEM. host
+// and t must outlive it; p is copied.
 int tdm_kv_recv_new(struct tdm_kv_recv **out, struct tdm_kv_transport *t,
-                    const struct tdm_kv_transport_ops *ops, const struct tdm_kv_recv_host *host,
-                    const struct tdm_kv_recv_params *p);
-const struct tdm_kv_transport_ops *tdm_kv_recv_ops(const struct tdm_kv_recv *r);
-// NCCL: the communicator id to send with the PrefillRequest (after prepare).
-// False when the mode has none.
+                    const struct tdm_kv_recv_host *host, const struct tdm_kv_recv_params *p);
+// The receiver's side of the choice: every table's prepare, in mode order
+// (nng, CUDA IPC, NCCL); a mode whose prepare fails is not offered this time
+// (nng always is). Before the PrefillRequest goes out.
+void tdm_kv_recv_offer(struct tdm_kv_recv *r);
+// Whether mode m was offered.
+bool tdm_kv_recv_offered(const struct tdm_kv_recv *r, enum tdm_kvx_mode m);
+// Whether an offered mode has receives of its own: then the role runs
+// tdm_kv_recv_complete on a thread while the attempt runs.
+bool tdm_kv_recv_receives(const struct tdm_kv_recv *r);
+// The offered modes' receives (their complete), on the role's receive
+// thread. TDM_OK, TDM_ENOTFOUND (the KV came another way: nothing received),
+// or the error that fails the transfer, with err.
+int tdm_kv_recv_complete(struct tdm_kv_recv *r, char *err, size_t errlen);
+// Takes back the modes with receives of their own (the role could not start
+// their thread): ended (their abort) and no longer offered.
+void tdm_kv_recv_withdraw(struct tdm_kv_recv *r);
+// The table a KvData frame goes to, by its transport ("" and a name no mode
+// has: nng's, whose checks refuse what is not an nng frame).
+const struct tdm_kv_transport_ops *tdm_kv_recv_table(const char *transport);
+// A copy of the transfer's progress.
+void tdm_kv_recv_progress(struct tdm_kv_recv *r, struct tdm_kv_recv_progress *p);
+// NCCL: the communicator id to send with the PrefillRequest (after the
+// offer). False when NCCL is not offered.
 bool tdm_kv_recv_nccl_id(const struct tdm_kv_recv *r, uint8_t id[TDM_KVX_NCCL_ID_BYTES]);
 // True when no receive of this transfer can still write our blocks.
 bool tdm_kv_recv_quiet(const struct tdm_kv_recv *r);
-// Frees (after abort). Accepts NULL.
+// After the attempt (its receive thread joined): every offered mode's abort.
+void tdm_kv_recv_end(struct tdm_kv_recv *r);
+// Frees (after tdm_kv_recv_end). Accepts NULL.
 void tdm_kv_recv_free(struct tdm_kv_recv *r);
 // The transfer the pair made last went over CUDA IPC (then NCCL is not offered:
 // each offer starts an init of our rank).

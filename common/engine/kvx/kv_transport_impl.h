@@ -19,12 +19,18 @@ struct tdm_kv_transport {
     struct tdm_kvx_pairs *pairs;   // /health details
 };
 
-// The receiver side of the modes' tables (kv_recv.c): nng and CUDA IPC
-// receive nothing themselves (their frames are the transfer), NCCL its receives.
-int tdm_kv_frames_prepare(struct tdm_kv_recv *r, char *err, size_t errlen);
-int tdm_kv_frames_complete(struct tdm_kv_recv *r, char *err, size_t errlen);
-void tdm_kv_frames_abort(struct tdm_kv_recv *r);
+// The receiver side of the modes' tables (kv_recv.c): nng imports each
+// frame's payload, CUDA IPC counts the layers its frames say are in place,
+// NCCL runs its own receives and counts both.
+int tdm_kv_nng_prepare(struct tdm_kv_recv *r, char *err, size_t errlen);
+int tdm_kv_nng_frame(struct tdm_kv_recv *r, const struct tdm_kv_recv_frame *f, char *err,
+                     size_t errlen);
+int tdm_kv_ipc_prepare(struct tdm_kv_recv *r, char *err, size_t errlen);
+int tdm_kv_ipc_frame(struct tdm_kv_recv *r, const struct tdm_kv_recv_frame *f, char *err,
+                     size_t errlen);
 int tdm_kv_nccl_prepare(struct tdm_kv_recv *r, char *err, size_t errlen);
+int tdm_kv_nccl_frame(struct tdm_kv_recv *r, const struct tdm_kv_recv_frame *f, char *err,
+                      size_t errlen);
 int tdm_kv_nccl_complete(struct tdm_kv_recv *r, char *err, size_t errlen);
 void tdm_kv_nccl_abort(struct tdm_kv_recv *r);
 

@@ -6,8 +6,11 @@
 // pool with in-place frames, the last one closing; NCCL's "post your
 // receives" frame, grouped sends and the link handed back; the fallbacks
 // (a handle that does not open, layouts that differ) with their reasons;
-// a lease refused; the closed frame of an offered transfer on free; NCCL's
-// receiver (prepare, complete, abort) against the sender's table.
+// a lease refused; the closed frame of an offered transfer on free. The
+// receiver side against the sender's tables: the modes offered (the
+// generic choice), each mode's frames through its table (nng's payload
+// imported, CUDA IPC's and NCCL's layers counted) with their checks, NCCL's
+// own receives (complete), the progress the role reads.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -532,10 +535,13 @@ static void test_nccl_failures(void **state)
 }
 
 // ---- the receiver side ---------------------------------------------------------------------
+enum { LB = 2 * NBLK * BB, FIRST = 4 }; // one layer in an nng payload; the push range's start
+
 static struct {
-    int go;     // what wait_go answers
-    int layers; // progress reported
-    uint64_t bytes;
+    int go;          // what wait_go answers
+    int progressed;  // progress calls
+    int imports;     // layers imported
+    int fail_import; // refuse the import of layer fail_import - 1 (0: none)
 } R;
 
 static int r_wait_go(void *ctx)
@@ -550,36 +556,257 @@ static const char *r_stop(void *ctx)
     return NULL;
 }
 
-static void r_progress(void *ctx, int n, uint64_t bytes)
+static void r_progress(void *ctx)
 {
     (void)ctx;
-    R.layers += n;
-    R.bytes = bytes;
+    R.progressed++;
+}
+
+// The decode role's import: one layer in the transfer layout ([k/v][block]
+// [BB]) into the reserved blocks of our pool.
+static int r_import(void *ctx, int layer, const uint8_t *kv, size_t bytes)
+{
+    (void)ctx;
+    assert_int_equal(bytes, LB);
+    if (R.fail_import == layer + 1)
+        return TDM_ENOMEM;
+    R.imports++;
+    for (int v = 0; v < 2; v++)
+        for (int i = 0; i < NBLK; i++)
+            memcpy(DST[layer][v][THEIR_IDS[i]], kv + ((size_t)v * NBLK + i) * BB, BB);
+    return TDM_OK;
 }
 
 static const struct tdm_kv_recv_host RHOST = {
-    .wait_go = r_wait_go, .stop = r_stop, .progress = r_progress};
+    .wait_go = r_wait_go, .stop = r_stop, .progress = r_progress, .import_layer = r_import};
 
-static struct tdm_kv_recv *receiver(struct tdm_kv_transport *t)
+// The attempt's receiver over t, our pool offered or not, its modes offered.
+static struct tdm_kv_recv *receiver(struct tdm_kv_transport *t, bool offered)
 {
     struct tdm_kv_recv_params p = {.peer = "tcp://prefill:9002",
                                    .peer_instance = 9,
                                    .request_id = "r1",
-                                   .dst_blocks = THEIR_IDS,
+                                   .offered = offered,
+                                   .dst_blocks = offered ? THEIR_IDS : NULL,
+                                   .first_block = FIRST,
                                    .num_blocks = NBLK,
-                                   .layers_per_group = 1};
+                                   .layers_per_group = 1,
+                                   .payload_layer_bytes = LB};
     struct tdm_kv_recv *r = NULL;
-    assert_int_equal(tdm_kv_recv_new(&r, t, &tdm_kv_transport_nccl_ops, &RHOST, &p), TDM_OK);
+    assert_int_equal(tdm_kv_recv_new(&r, t, &RHOST, &p), TDM_OK);
+    tdm_kv_recv_offer(r);
     return r;
 }
 
-// Both ends through their tables: the decode side prepares NCCL (its
+// One sender frame as the decode role hands it to the receiver: to the table
+// its transport names; an nng frame's payload is its layers exported from
+// our blocks in the transfer layout.
+static int deliver_one(struct tdm_kv_recv *r, const struct tdm_kv_frame *sf, char *err,
+                       size_t errlen)
+{
+    static uint8_t payload[PL * LB];
+    struct tdm_kv_recv_frame f = {.first_layer = sf->first_layer,
+                                  .num_layers = sf->num_layers,
+                                  .first_block = FIRST,
+                                  .num_blocks = sf->num_blocks,
+                                  .why = sf->why};
+    if (sf->payload) {
+        for (int l = 0; l < sf->num_layers; l++)
+            for (int v = 0; v < 2; v++)
+                for (int i = 0; i < NBLK; i++)
+                    memcpy(payload + (size_t)l * LB + ((size_t)v * NBLK + i) * BB,
+                           SRC[sf->first_layer + l][v][OUR_IDS[i]], BB);
+        f.payload = payload;
+        f.payload_len = (size_t)sf->num_layers * LB;
+    }
+    return tdm_kv_recv_table(sf->transport)->frame(r, &f, err, errlen);
+}
+
+// Every frame the sender sent from `from` on (a bare closed frame is the role's own).
+static void deliver(struct tdm_kv_recv *r, int from)
+{
+    char err[256] = "";
+    for (int i = from; i < H.nframes; i++)
+        if (H.frames[i].num_layers > 0 || !H.frames[i].closed)
+            if (deliver_one(r, &H.frames[i], err, sizeof err) != TDM_OK)
+                fail_msg("frame %d refused: %s", i, err);
+}
+
+static void assert_landed(void)
+{
+    for (int l = 0; l < PL; l++)
+        for (int v = 0; v < 2; v++)
+            for (int i = 0; i < NBLK; i++)
+                assert_memory_equal(DST[l][v][THEIR_IDS[i]], SRC[l][v][OUR_IDS[i]], BB);
+}
+
+// A frame built by hand (the checks' cases).
+static int frame(struct tdm_kv_recv *r, const char *transport, int first, int n, int first_block,
+                 size_t payload_len, char *err, size_t errlen)
+{
+    static uint8_t payload[PL * LB + 1];
+    struct tdm_kv_recv_frame f = {.first_layer = first,
+                                  .num_layers = n,
+                                  .first_block = first_block,
+                                  .num_blocks = NBLK,
+                                  .payload = payload_len ? payload : NULL,
+                                  .payload_len = payload_len,
+                                  .why = ""};
+    return tdm_kv_recv_table(transport)->frame(r, &f, err, errlen);
+}
+
+// A CPU decode worker: only nng is offered and nothing receives on its own.
+// The sender's frames through nng's table land their payload in the reserved
+// blocks (the role's import), progress counted: the mode, why, layers,
+// bytes, first frame and last layer times. Then the checks: a frame out of
+// order, a payload of the wrong size, a failed import, in-place frames for a
+// transfer that offered no pool or communicator, a frame for no mode.
+static void test_nng_receive(void **state)
+{
+    (void)state;
+    memset(&R, 0, sizeof R);
+    struct tdm_kv_transport *dt = transport_of(TDM_KVX_DECODE, NULL, TDM_KVX_AUTO);
+    struct tdm_kv_transport *pt = transport(NULL, TDM_KVX_AUTO);
+    struct tdm_kv_recv *r = receiver(dt, false);
+    assert_true(tdm_kv_recv_offered(r, TDM_KVX_NNG));
+    assert_false(tdm_kv_recv_offered(r, TDM_KVX_CUDA_IPC));
+    assert_false(tdm_kv_recv_offered(r, TDM_KVX_NCCL));
+    assert_false(tdm_kv_recv_receives(r));
+    uint8_t id[TDM_KVX_NCCL_ID_BYTES];
+    assert_false(tdm_kv_recv_nccl_id(r, id));
+    struct tdm_kv_recv_progress p;
+    tdm_kv_recv_progress(r, &p);
+    assert_ptr_equal(p.mode, &tdm_kv_transport_nng_ops);
+    assert_int_equal(p.layers_done, 0);
+    assert_true(p.t_first_frame == 0);
+
+    struct tdm_kv_send_params sp = params(false, "node-a");
+    sp.payload_layer_bytes = LB;
+    struct tdm_kv_send *s = NULL;
+    assert_int_equal(tdm_kv_send_new(&s, pt, &HOST, &sp), TDM_OK);
+    assert_int_equal(tdm_kv_send_choose(s), TDM_OK);
+    push_all(s, LB);
+    deliver(r, 0);
+    assert_landed();
+    assert_int_equal(R.imports, PL);
+    tdm_kv_recv_progress(r, &p);
+    assert_ptr_equal(p.mode, &tdm_kv_transport_nng_ops);
+    assert_string_equal(p.why, tdm_kv_send_why(s));
+    assert_int_equal(p.layers_done, PL);
+    assert_int_equal(p.bytes_done, (size_t)PL * LB);
+    assert_true(p.t_first_frame > 0 && p.t_kv_done >= p.t_first_frame);
+    assert_int_equal(R.progressed, 0);
+    tdm_kv_send_free(s);
+    tdm_kv_recv_end(r);
+    tdm_kv_recv_free(r);
+
+    char err[256];
+    r = receiver(dt, false);
+    assert_int_equal(frame(r, "nng", 1, 1, FIRST, LB, err, sizeof err), TDM_EPROTO);
+    assert_string_equal(err, "bad KvData: layers 1+1 blocks 4+3 payload 96 (expected layer 0, "
+                             "blocks 4+3, 96 bytes a layer)");
+    assert_int_equal(frame(r, "", 0, 1, FIRST, LB + 1, err, sizeof err), TDM_EPROTO);
+    assert_int_equal(frame(r, "nng", 0, 1, FIRST + 1, LB, err, sizeof err), TDM_EPROTO);
+    assert_int_equal(frame(r, "nng", 0, PL + 1, FIRST, LB * (PL + 1), err, sizeof err), TDM_EPROTO);
+    R.fail_import = 2; // layer 1
+    assert_int_equal(frame(r, "nng", 0, 2, FIRST, 2 * LB, err, sizeof err), TDM_ENOMEM);
+    assert_string_equal(err, "import of layer 1 failed: out of memory");
+    tdm_kv_recv_progress(r, &p);
+    assert_int_equal(p.layers_done, 0); // the frame failed: nothing counted
+    assert_true(p.t_first_frame == 0);
+    R.fail_import = 0;
+    assert_int_equal(frame(r, "cuda-ipc", 0, 1, FIRST, 0, err, sizeof err), TDM_EPROTO);
+    assert_string_equal(err, "in-place KvData for a transfer offered no pool");
+    assert_int_equal(frame(r, "nccl", 0, 0, FIRST, 0, err, sizeof err), TDM_EPROTO);
+    assert_string_equal(err, "in-place KvData for a transfer offered no NCCL communicator");
+    // A transport no mode has goes to nng's table, whose checks see what it is.
+    assert_ptr_equal(tdm_kv_recv_table("carrier-pigeon"), &tdm_kv_transport_nng_ops);
+    assert_ptr_equal(tdm_kv_recv_table(NULL), &tdm_kv_transport_nng_ops);
+    assert_ptr_equal(tdm_kv_recv_table("nccl"), &tdm_kv_transport_nccl_ops);
+    assert_int_equal(frame(r, "carrier-pigeon", 0, 1, FIRST, 0, err, sizeof err), TDM_EPROTO);
+    assert_false(tdm_kv_transport_nng_ops.in_place);
+    assert_true(tdm_kv_transport_cuda_ipc_ops.in_place && tdm_kv_transport_nccl_ops.in_place);
+    tdm_kv_recv_end(r);
+    tdm_kv_recv_free(r);
+
+    // No blocks to receive: complete from the start.
+    struct tdm_kv_recv_params np = {.peer = "tcp://prefill:9002", .request_id = "r2"};
+    assert_int_equal(tdm_kv_recv_new(&r, dt, &RHOST, &np), TDM_OK);
+    tdm_kv_recv_offer(r);
+    tdm_kv_recv_progress(r, &p);
+    assert_int_equal(p.layers_done, PL);
+    tdm_kv_recv_end(r);
+    tdm_kv_recv_free(r);
+    tdm_kv_transport_free(dt);
+    tdm_kv_transport_free(pt);
+}
+
+// Same host, our pool offered: CUDA IPC offered (NCCL not, by the setting).
+// The sender's copies land in our pool and each in-place frame through CUDA
+// IPC's table counts its layers and the bytes copied; the last layer's frame
+// completes the transfer. Then: a frame again for layers already in place,
+// one with a payload, one for another block range.
+static void test_cuda_ipc_receive(void **state)
+{
+    (void)state;
+    memset(&R, 0, sizeof R);
+    struct tdm_kv_transport *dt = transport_of(TDM_KVX_DECODE, &OPS, TDM_KVX_CUDA_IPC);
+    struct tdm_kv_transport *pt = transport(&OPS, TDM_KVX_AUTO);
+    struct tdm_kv_recv *r = receiver(dt, true);
+    assert_true(tdm_kv_recv_offered(r, TDM_KVX_NNG));
+    assert_true(tdm_kv_recv_offered(r, TDM_KVX_CUDA_IPC));
+    assert_false(tdm_kv_recv_offered(r, TDM_KVX_NCCL));
+    assert_false(tdm_kv_recv_receives(r));
+
+    struct tdm_kv_send_params sp = params(true, "node-a");
+    struct tdm_kv_send *s = NULL;
+    assert_int_equal(tdm_kv_send_new(&s, pt, &HOST, &sp), TDM_OK);
+    assert_int_equal(tdm_kv_send_choose(s), TDM_OK);
+    assert_ptr_equal(tdm_kv_send_ops(s), &tdm_kv_transport_cuda_ipc_ops);
+    push_all(s, 2 * NBLK * BB);
+    assert_landed();
+    struct tdm_kv_recv_progress p;
+    char err[256] = "";
+    for (int i = 0; i < H.nframes; i++) {
+        assert_int_equal(deliver_one(r, &H.frames[i], err, sizeof err), TDM_OK);
+        tdm_kv_recv_progress(r, &p);
+        assert_int_equal(p.layers_done, i + 1);
+        assert_int_equal(p.bytes_done, (size_t)(i + 1) * 2 * NBLK * BB);
+        assert_true(p.t_first_frame > 0);
+        assert_true(i + 1 < PL ? p.t_kv_done == 0 : p.t_kv_done >= p.t_first_frame);
+    }
+    assert_ptr_equal(p.mode, &tdm_kv_transport_cuda_ipc_ops);
+    assert_string_equal(p.why, "same host, pool handle open");
+    assert_int_equal(R.imports, 0);
+    assert_int_equal(deliver_one(r, &H.frames[0], err, sizeof err), TDM_EPROTO);
+    assert_string_equal(err, "bad in-place KvData: layers 0+1 blocks 4+3 (expected layer 2)");
+    tdm_kv_send_free(s);
+    tdm_kv_recv_end(r);
+    tdm_kv_recv_free(r);
+
+    r = receiver(dt, true);
+    assert_int_equal(frame(r, "cuda-ipc", 0, 1, FIRST, 8, err, sizeof err), TDM_EPROTO);
+    assert_int_equal(frame(r, "cuda-ipc", 0, 1, FIRST + 1, 0, err, sizeof err), TDM_EPROTO);
+    assert_int_equal(frame(r, "cuda-ipc", 0, 0, FIRST, 0, err, sizeof err), TDM_EPROTO);
+    assert_int_equal(frame(r, "cuda-ipc", 0, 1, FIRST, 0, err, sizeof err), TDM_OK);
+    tdm_kv_recv_progress(r, &p);
+    assert_int_equal(p.layers_done, 1);
+    tdm_kv_recv_end(r);
+    tdm_kv_recv_free(r);
+    tdm_kv_transport_free(dt);
+    tdm_kv_transport_free(pt);
+}
+
+// Both ends through their tables: the decode side offers its modes (NCCL's
 // communicator id goes with the request), the prefill side chooses NCCL with
-// that id and sends every group, the decode side's complete receives them
-// into its reserved blocks, reporting progress, and is quiet after. Then:
-// the prefill worker chose another transport (nothing received), a pair
-// whose last transfer went over CUDA IPC (not offered), an attempt that
-// ended before the go (the communicator aborted).
+// that id and sends every group; the decode side takes the sender's frames
+// through NCCL's table ("post your receives", then each group: not in place
+// before our receive), and its receives (complete) land them in its reserved
+// blocks, reporting progress, and are quiet after. Then: the first frame was
+// nng's, or the prefill worker chose another way (nothing received); a pair
+// whose last transfer went over CUDA IPC (not offered); an attempt that ended
+// before the go (the communicator aborted); the receives withdrawn (no
+// thread): not offered, the link back for the next attempt.
 static void test_nccl_receive(void **state)
 {
     (void)state;
@@ -596,10 +823,10 @@ static void test_nccl_receive(void **state)
                                 .num_blocks = PB,
                                 .elem_bytes = 2};
     assert_int_equal(tdm_kv_transport_offer_pool(dt, geom, wire), TDM_KVX_POOL_WIRE_BYTES);
-    struct tdm_kv_recv *r = receiver(dt);
-    const struct tdm_kv_transport_ops *ops = tdm_kv_recv_ops(r);
-    char err[256] = "";
-    assert_int_equal(ops->prepare(r, err, sizeof err), TDM_OK);
+    struct tdm_kv_recv *r = receiver(dt, true);
+    assert_true(tdm_kv_recv_offered(r, TDM_KVX_NCCL));
+    assert_true(tdm_kv_recv_offered(r, TDM_KVX_CUDA_IPC));
+    assert_true(tdm_kv_recv_receives(r));
     struct tdm_kv_send_params p = params(true, "node-b");
     assert_true(tdm_kv_recv_nccl_id(r, p.nccl_id));
     struct tdm_kv_send *s = NULL;
@@ -607,40 +834,70 @@ static void test_nccl_receive(void **state)
     assert_int_equal(tdm_kv_send_choose(s), TDM_OK);
     assert_ptr_equal(tdm_kv_send_ops(s), &tdm_kv_transport_nccl_ops);
     push_all(s, 2 * NBLK * BB);
+    deliver(r, 0);
+    struct tdm_kv_recv_progress pr;
+    tdm_kv_recv_progress(r, &pr);
+    assert_ptr_equal(pr.mode, &tdm_kv_transport_nccl_ops);
+    assert_string_equal(pr.why, "gpus on both, nccl");
+    assert_true(pr.t_first_frame > 0);
+    assert_int_equal(pr.layers_done, 0); // sent, not yet received here
+    assert_true(pr.t_kv_done == 0);
     R.go = TDM_OK;
-    assert_int_equal(ops->complete(r, err, sizeof err), TDM_OK);
-    assert_int_equal(R.layers, PL);
-    assert_int_equal(R.bytes, (uint64_t)PL * 2 * NBLK * BB);
-    for (int l = 0; l < PL; l++)
-        for (int v = 0; v < 2; v++)
-            for (int i = 0; i < NBLK; i++)
-                assert_memory_equal(DST[l][v][THEIR_IDS[i]], SRC[l][v][OUR_IDS[i]], BB);
+    char err[256] = "";
+    assert_int_equal(tdm_kv_recv_complete(r, err, sizeof err), TDM_OK);
+    assert_int_equal(R.progressed, PL);
+    tdm_kv_recv_progress(r, &pr);
+    assert_int_equal(pr.layers_done, PL);
+    assert_int_equal(pr.bytes_done, (size_t)PL * 2 * NBLK * BB);
+    assert_true(pr.t_kv_done >= pr.t_first_frame);
+    assert_landed();
     assert_true(tdm_kv_recv_quiet(r));
-    ops->abort(r);
+    tdm_kv_recv_end(r);
     tdm_kv_recv_free(r);
     tdm_kv_send_free(s);
 
-    r = receiver(dt);
-    assert_int_equal(ops->prepare(r, err, sizeof err), TDM_OK);
+    // The first frame was nng's: the receives see it was not theirs.
+    r = receiver(dt, true);
+    assert_int_equal(frame(r, "nng", 0, 1, FIRST, LB, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_kv_recv_complete(r, err, sizeof err), TDM_ENOTFOUND);
+    tdm_kv_recv_end(r);
+    tdm_kv_recv_free(r);
+
+    r = receiver(dt, true);
     R.go = TDM_ENOTFOUND;
-    assert_int_equal(ops->complete(r, err, sizeof err), TDM_ENOTFOUND);
-    ops->abort(r);
+    assert_int_equal(tdm_kv_recv_complete(r, err, sizeof err), TDM_ENOTFOUND);
+    tdm_kv_recv_end(r);
     tdm_kv_recv_free(r);
 
     tdm_kv_transport_note(dt, "tcp://prefill:9002", TDM_KVX_CUDA_IPC, "same host");
-    r = receiver(dt);
-    assert_int_equal(ops->prepare(r, err, sizeof err), TDM_EBUSY);
+    r = receiver(dt, true);
+    assert_false(tdm_kv_recv_offered(r, TDM_KVX_NCCL));
+    assert_false(tdm_kv_recv_receives(r));
     assert_false(tdm_kv_recv_nccl_id(r, p.nccl_id));
+    assert_int_equal(frame(r, "nccl", 0, 0, FIRST, 0, err, sizeof err), TDM_EPROTO);
+    tdm_kv_recv_end(r);
     tdm_kv_recv_free(r);
 
     tdm_kv_transport_note(dt, "tcp://prefill:9002", TDM_KVX_NCCL, "");
-    r = receiver(dt);
-    assert_int_equal(ops->prepare(r, err, sizeof err), TDM_OK);
+    r = receiver(dt, true);
     int aborts = F.aborts;
     R.go = TDM_ECLOSED;
-    assert_int_equal(ops->complete(r, err, sizeof err), TDM_ECLOSED);
+    assert_int_equal(tdm_kv_recv_complete(r, err, sizeof err), TDM_ECLOSED);
     assert_int_equal(F.aborts, aborts + 1);
-    ops->abort(r);
+    tdm_kv_recv_end(r);
+    tdm_kv_recv_free(r);
+
+    r = receiver(dt, true);
+    tdm_kv_recv_withdraw(r);
+    assert_false(tdm_kv_recv_offered(r, TDM_KVX_NCCL));
+    assert_true(tdm_kv_recv_offered(r, TDM_KVX_CUDA_IPC));
+    assert_false(tdm_kv_recv_receives(r));
+    assert_false(tdm_kv_recv_nccl_id(r, p.nccl_id));
+    struct tdm_kv_recv *again = receiver(dt, true); // the link went back
+    assert_true(tdm_kv_recv_offered(again, TDM_KVX_NCCL));
+    tdm_kv_recv_end(again);
+    tdm_kv_recv_free(again);
+    tdm_kv_recv_end(r);
     tdm_kv_recv_free(r);
     tdm_kv_transport_free(dt);
     tdm_kv_transport_free(pt);
@@ -657,6 +914,8 @@ int main(void)
         cmocka_unit_test_setup(test_cuda_ipc_fallback, reset),
         cmocka_unit_test_setup(test_nccl, reset),
         cmocka_unit_test_setup(test_nccl_failures, reset),
+        cmocka_unit_test_setup(test_nng_receive, reset),
+        cmocka_unit_test_setup(test_cuda_ipc_receive, reset),
         cmocka_unit_test_setup(test_nccl_receive, reset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -14,8 +14,9 @@
 //     failure is returned as TDM_ETRANSPORT / TDM_ETIMEDOUT so the caller can
 //     retry the next prefill worker with the same blocks, then prefill locally.
 // The CUDA and NCCL calls go through struct tdm_kvx_ops: the real table
-// (tdm_kvx_cuda_ops, in the CUDA backend module) calls cudart and NCCL; unit tests
-// pass a fake. No CUDA or NCCL type appears here: handles and ids are bytes.
+// (tdm_kvx_cuda_table, in the CUDA backend module; the caller passes it in)
+// calls cudart and NCCL; unit tests pass a fake. No CUDA or NCCL type appears
+// here: handles and ids are bytes.
 //
 // Threads: the links table (tdm_kvx_links) locks its own map, so job threads
 // take and give back links concurrently; a taken link, a push and an NCCL
@@ -137,18 +138,11 @@ struct tdm_kvx_ops {
     int (*use_device_of)(void *ctx, const void *dev_ptr, char *err, size_t errlen);
 };
 
-// The real table (cudart + NCCL) of the CUDA backend module, loaded on first
-// use (kvx_device.c); NULL where the module cannot load, and then only nng
-// moves KV (tdm_kvx_check_setting says so at startup).
-const struct tdm_kvx_ops *tdm_kvx_cuda_ops(void);
-// The table itself, inside the module (kvx_cuda_ops.c; cuda_module.c
-// registers it): binaries reach it only through tdm_kvx_cuda_ops.
+// The real table (cudart + NCCL), inside the CUDA backend module
+// (kvx_cuda_ops.c; cuda_module.c registers it). Binaries reach it through the
+// module (tdm_backend_module_kvx, common/engine/model/backend_module.h) and hand it
+// to the transport; nothing in common/engine/kvx loads a module.
 const struct tdm_kvx_ops *tdm_kvx_cuda_table(void);
-
-// Whether `m` can be asked for here: every mode when the CUDA backend module
-// loads; nng and auto without. -1 with err ("--kv-transfer cuda-ipc needs the
-// CUDA backend module (libtandem-cuda.so not found ...)").
-int tdm_kvx_check_setting(enum tdm_kvx_mode m, char *err, size_t errlen);
 
 // ---- the decode worker's KV pool, as the prefill worker needs to address it ---------------
 // One device allocation holds every layer's K and V pool; a block of layer l

@@ -16,10 +16,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include "backend_module.h"
 #include "core.h"
 #include "kvx.h"
 
 #define BYTES (1 << 20)
+
+static const struct tdm_kvx_ops *table; // the CUDA module's (tdm_backend_module_kvx)
 
 static int fail(const char *what)
 {
@@ -66,7 +69,7 @@ static int test_ipc(void)
     struct tdm_kvx_ipc_cache *cache;
     char err[256];
     void *ptr = NULL, *again = NULL;
-    if (tdm_kvx_ipc_cache_new(&cache, tdm_kvx_cuda_ops(), 4) != TDM_OK)
+    if (tdm_kvx_ipc_cache_new(&cache, table, 4) != TDM_OK)
         return fail("cache_new");
     if (tdm_kvx_ipc_cache_get(cache, "child", 1, handle, &ptr, err, sizeof err) != TDM_OK) {
         fprintf(stderr, "%s\n", err);
@@ -95,7 +98,7 @@ static int test_nccl_timeout(void)
     struct tdm_kvx_link *l;
     uint8_t id[TDM_KVX_NCCL_ID_BYTES];
     char err[256];
-    if (tdm_kvx_link_new(&l, tdm_kvx_cuda_ops(), TDM_KVX_DECODE, 1.0) != TDM_OK)
+    if (tdm_kvx_link_new(&l, table, TDM_KVX_DECODE, 1.0) != TDM_OK)
         return fail("link_new");
     double t0 = tdm_now();
     if (tdm_kvx_link_create(l, 1, t0, id, err, sizeof err) != TDM_OK) {
@@ -129,6 +132,11 @@ int main(void)
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
         printf("SKIPPED: no GPU visible\n");
         return 77;
+    }
+    char err[1024];
+    if (tdm_backend_module_kvx(&table, err, sizeof err) != TDM_OK || table == NULL) {
+        fprintf(stderr, "%s\n", err);
+        return fail("the CUDA backend module's device transfer table");
     }
     int failed = test_ipc();
     failed |= test_nccl_timeout();

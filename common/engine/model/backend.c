@@ -2,7 +2,9 @@
 // backend registry: maps a backend name ("cpu", "cuda", "cuda-emu") to its
 // ops table. The CPU backend is built in; a device backend is a module loaded
 // at run time (backend_module.h), so nothing here, nor anywhere in the model
-// code, depends on how the binary was configured.
+// code, depends on how the binary was configured. The CUDA module's device KV
+// transfer table is handed out here too (tdm_backend_module_kvx), so the
+// transfer code (common/engine/kvx) needs no module loader.
 #include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
@@ -208,6 +210,16 @@ int tdm_backend_module_load(const char *name, const struct tdm_backend_module **
     else
         tdm_seterr(err, errlen, rc, "%s", lm->err);
     pthread_mutex_unlock(&modules_mu);
+    return rc;
+}
+
+int tdm_backend_module_kvx(const struct tdm_kvx_ops **out, char *err, size_t errlen)
+{
+    const struct tdm_backend_module *m;
+    *out = NULL;
+    int rc = tdm_backend_module_load("cuda", &m, err, errlen);
+    if (rc == TDM_OK)
+        *out = m->kvx;
     return rc;
 }
 

@@ -62,4 +62,12 @@ typedef const struct tdm_backend_module *(*tdm_backend_module_init_fn)(
 int tdm_backend_module_load(const char *name, const struct tdm_backend_module **out, char *err,
                             size_t errlen);
 
+// The device KV transfer table (struct tdm_kvx_ops, common/engine/kvx/kvx.h: CUDA
+// IPC and NCCL) of the CUDA backend module, libtandem-cuda.so, loaded on
+// first use. TDM_OK with *out, NULL when the module has no device transfer;
+// else tdm_backend_module_load's error with err and *out NULL. The workers
+// check --kv-transfer against it and the roles pass it to their KV transport
+// (struct tdm_kv_transport_config.ops): common/engine/kvx never loads a module.
+int tdm_backend_module_kvx(const struct tdm_kvx_ops **out, char *err, size_t errlen);
+
 #endif

@@ -7,7 +7,8 @@
 //   - broken modules fail with a message naming what is wrong: another API
 //     version, no init, a library it needs missing, no backend, no file; a
 //     name that could be a path is refused; the outcome is remembered;
-//   - the module refuses a binary of another API version.
+//   - the module refuses a binary of another API version;
+//   - the device KV transfer table is the CUDA module's (NULL without it).
 // argv[1]: the fixtures' folder, argv[2]: the build's module folder.
 #include <setjmp.h>
 #include <stdarg.h>
@@ -252,6 +253,27 @@ static void test_module_refuses_other_api(void **state)
     dlclose(h);
 }
 
+// The device KV transfer table (tdm_backend_module_kvx) is the CUDA module's
+// registration's: the real table where libtandem-cuda.so loads (a CUDA
+// build), else NULL with the loader's reason, the same as a load's.
+static void test_kvx_table(void **state)
+{
+    (void)state;
+    const struct tdm_backend_module *m;
+    const struct tdm_kvx_ops *kvx = (const void *)1;
+    char err[1024] = "", why[1024] = "";
+    int want = tdm_backend_module_load("cuda", &m, why, sizeof why);
+    assert_int_equal(tdm_backend_module_kvx(&kvx, err, sizeof err), want);
+    if (want == TDM_OK) {
+        assert_non_null(kvx);
+        assert_ptr_equal(kvx, m->kvx);
+    } else {
+        assert_null(kvx);
+        assert_string_equal(err, why);
+        assert_true(err[0] != '\0');
+    }
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 3) {
@@ -270,6 +292,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_device_flag),
         cmocka_unit_test(test_broken_modules),
         cmocka_unit_test(test_module_refuses_other_api),
+        cmocka_unit_test(test_kvx_table),
     };
     return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
 }
