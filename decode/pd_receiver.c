@@ -30,7 +30,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "backend_module.h"
 #include "core.h"
 #include "worker.h"
 #include "engine.h"
@@ -1501,31 +1500,10 @@ static void health_details(void *arg, char *buf, size_t len)
 static int receiver_kvx_init(struct tdm_pd_receiver *rx, struct tdm_worker *server, char *err,
                              size_t errlen)
 {
-    struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(rx->parts.engine));
     int num_blocks = tdm_kv_config(tdm_engine_kv(rx->parts.engine))->num_blocks;
-    struct tdm_kv_device_pool dp = {0};
-    bool device = st->ops->device_pool != NULL;
-    // The device table: the config's (tests), else the CUDA module's when our
-    // KV lives on a device (a CPU worker never loads libtandem-cuda.so for
-    // it); none where the module cannot load: KV over nng.
-    const struct tdm_kvx_ops *ops = rx->cfg.kvx_ops;
-    if (ops == NULL && device)
-        tdm_backend_module_kvx(&ops, NULL, 0);
-    struct tdm_kv_transport_config tc = {
-        .role = TDM_KVX_DECODE,
-        .setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer,
-        .ops = ops,
-        .num_layers = rx->kvc.num_layers,
-        .num_blocks = num_blocks,
-        .own_layer = tdm_kv_storage_layer, // the receives' destination
-        .own_arg = st,
-        .nccl_timeout = rx->cfg.nccl_timeout,
-    };
-    tc.gpu = device && st->ops->device_pool(st, &dp) == TDM_OK;
-    tc.pool_base = dp.base;
-    tc.elem_bytes = dp.elem_bytes;
-    tc.block_bytes = dp.block_bytes;
-    int rc = tdm_kv_transport_new(&rx->kvt, &tc);
+    struct tdm_kv_device_pool dp;
+    int rc = tdm_worker_kv_transport_new(server, TDM_KVX_DECODE, rx->cfg.kvx_ops,
+                                         rx->cfg.nccl_timeout, &rx->kvt, &dp);
     if (rc != TDM_OK)
         return tdm_seterr(err, errlen, rc, "pd: out of memory");
     // The pool descriptor: its geometry serves NCCL too (the handle only IPC).

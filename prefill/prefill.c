@@ -24,7 +24,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "backend_module.h"
 #include "core.h"
 #include "worker.h"
 #include "engine.h"
@@ -935,29 +934,9 @@ static void health_details(void *arg, char *buf, size_t len)
 static int prefill_kvx_init(struct tdm_prefill_service *p, struct tdm_worker *server, char *err,
                             size_t errlen)
 {
-    struct tdm_kv_storage *st = tdm_kv_storage(tdm_engine_kv(p->parts.engine));
-    struct tdm_kv_device_pool own = {0};
-    bool device = st->ops->device_pool != NULL;
-    // The device table: the config's (tests), else the CUDA module's when our
-    // KV lives on a device (a CPU worker never loads libtandem-cuda.so for
-    // it); none where the module cannot load: KV over nng.
-    const struct tdm_kvx_ops *ops = p->cfg.kvx_ops;
-    if (ops == NULL && device)
-        tdm_backend_module_kvx(&ops, NULL, 0);
-    struct tdm_kv_transport_config tc = {
-        .role = TDM_KVX_PREFILL,
-        .setting = (enum tdm_kvx_mode)tdm_worker_get_config(server)->kv_transfer,
-        .ops = ops,
-        .num_layers = p->kvc.num_layers,
-        .own_layer = tdm_kv_storage_layer,
-        .own_arg = st,
-        .nccl_timeout = p->cfg.nccl_timeout,
-    };
-    tc.gpu = device && st->ops->device_pool(st, &own) == TDM_OK;
-    tc.pool_base = own.base;
-    tc.elem_bytes = own.elem_bytes;
-    tc.block_bytes = own.block_bytes;
-    int rc = tdm_kv_transport_new(&p->kvt, &tc);
+    struct tdm_kv_device_pool own;
+    int rc = tdm_worker_kv_transport_new(server, TDM_KVX_PREFILL, p->cfg.kvx_ops,
+                                         p->cfg.nccl_timeout, &p->kvt, &own);
     if (rc != TDM_OK)
         return tdm_seterr(err, errlen, rc, "prefill: out of memory");
     static const char *const transport[] = {"transport"};

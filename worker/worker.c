@@ -16,7 +16,9 @@
 #include "core.h"
 #include "engine.h"
 #include "grammar.h"
+#include "backend_module.h"
 #include "http.h"
+#include "kv_transport.h"
 #include "metrics.h"
 #include "model.h"
 #include "openai.h"
@@ -506,6 +508,33 @@ void tdm_worker_free(struct tdm_worker *s)
 }
 
 // ---- for the roles (worker.h) ----------------------------------------------------------------
+int tdm_worker_kv_transport_new(struct tdm_worker *s, enum tdm_kvx_role role,
+                                const struct tdm_kvx_ops *table, double nccl_timeout,
+                                struct tdm_kv_transport **out, struct tdm_kv_device_pool *dp)
+{
+    struct tdm_kv_cache *kv = tdm_engine_kv(s->engine);
+    struct tdm_kv_storage *st = tdm_kv_storage(kv);
+    memset(dp, 0, sizeof *dp);
+    bool device = st->ops->device_pool != NULL;
+    if (table == NULL && device)
+        tdm_backend_module_kvx(&table, NULL, 0);
+    struct tdm_kv_transport_config tc = {
+        .role = role,
+        .setting = (enum tdm_kvx_mode)s->cfg.kv_transfer,
+        .ops = table,
+        .num_layers = tdm_kv_config(kv)->num_layers,
+        .num_blocks = tdm_kv_config(kv)->num_blocks,
+        .own_layer = tdm_kv_storage_layer, // a send's source, a receive's destination
+        .own_arg = st,
+        .nccl_timeout = nccl_timeout,
+    };
+    tc.gpu = device && st->ops->device_pool(st, dp) == TDM_OK;
+    tc.pool_base = dp->base;
+    tc.elem_bytes = dp->elem_bytes;
+    tc.block_bytes = dp->block_bytes;
+    return tdm_kv_transport_new(out, &tc);
+}
+
 int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out)
 {
     if (s->engine == NULL)

@@ -27,7 +27,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kv_cache.h" // enum tdm_kv_dtype
+#include "kv_cache.h" // enum tdm_kv_dtype, struct tdm_kv_device_pool
+#include "kvx.h"      // enum tdm_kvx_role
+
+struct tdm_kv_transport;
 #include "spec.h"     // struct tdm_spec_config
 
 // ---- configuration -------------------------------------------------------------------
@@ -188,6 +191,17 @@ struct tdm_worker_parts {
 int tdm_worker_parts(struct tdm_worker *s, struct tdm_worker_parts *out);
 // The config the worker runs with (borrowed, valid until tdm_worker_free).
 const struct tdm_worker_config *tdm_worker_get_config(const struct tdm_worker *s);
+// The KV transport of a P/D role on this worker's engine (after
+// tdm_worker_load): the role's side of the pairs, the worker's --kv-transfer,
+// the device table (table: a test's; NULL: the CUDA module's when the KV pool
+// lives on a device, else none, and none where the module cannot load: KV
+// then moves over nng; a CPU worker never loads libtandem-cuda.so for it),
+// the pool's geometry and nccl_timeout. *dp is the pool when it is one device
+// allocation (CUDA IPC and NCCL can reach it), zeroed otherwise. TDM_OK or
+// TDM_ENOMEM.
+int tdm_worker_kv_transport_new(struct tdm_worker *s, enum tdm_kvx_role role,
+                                const struct tdm_kvx_ops *table, double nccl_timeout,
+                                struct tdm_kv_transport **out, struct tdm_kv_device_pool *dp);
 // A role's details for /health: fn writes one JSON object's members (without
 // braces, e.g. "\"kv_transfer\":{...}") into buf; /health then answers 200 with
 // {"status":"ok",<members>} instead of an empty body. fn runs on an HTTP
