@@ -212,4 +212,36 @@ void tdm_worker_set_health_details(struct tdm_worker *s, tdm_worker_health_fn fn
 // True while the server accepts new requests (loaded, not draining).
 bool tdm_worker_ready(const struct tdm_worker *s);
 
+// ---- a role's main ---------------------------------------------------------------------
+// What a worker role adds to the worker base's command line (worker_main.c).
+struct tdm_worker_role {
+    const char *name;              // "decode", "prefill": the log role; "tandem-NAME: " on errors
+    const struct tdm_flags *flags; // its own flags, listed by --help after the worker's
+    void *cfg;                     // its config, defaulted by the caller; take_args fills it
+    // Takes the role's flags out of argv (before the worker parses the rest).
+    int (*take_args)(void *cfg, int *argc, char **argv, char *err, size_t errlen);
+    // The worker's defaults for this role (NULL: tdm_worker_config_default).
+    void (*worker_defaults)(struct tdm_worker_config *cfg);
+    // After the load, before ready: starts the role's side on s (*svc may stay
+    // NULL: nothing to run). TDM_OK, or an error with err set (the process exits 1).
+    int (*start)(void **svc, struct tdm_worker *s, void *cfg, char *err, size_t errlen);
+    // Its words in the ready line ("nng=URL instance=ID"); NULL: none.
+    void (*describe)(void *svc, char *buf, size_t cap);
+    // Stops and frees svc: before the worker's drain when stop_before_drain
+    // (prefill: its jobs abort and release their KV), else after it (decode:
+    // the streams it serves run out first).
+    void (*stop)(void *svc);
+    bool stop_before_drain;
+};
+
+// The main of a worker role: parses argv (the role's flags, then the
+// worker's; --help prints both), blocks SIGTERM/SIGINT in every thread, starts
+// the server (503 while loading), loads the model (the modules' startup lines
+// at debug only unless --log-level says otherwise), starts the role, sets
+// ready and logs one line ("ready model=... kv_capacity_tokens=...
+// listening=http://HOST:PORT startup_s=... device=..."); on the first signal
+// stops the role and drains (--drain-timeout), a second one ends the process
+// at once. Returns the exit status: 0, 1 when the start failed, 2 on a bad flag.
+int tdm_worker_main(int argc, char **argv, const struct tdm_worker_role *role);
+
 #endif
