@@ -260,14 +260,7 @@ int tdm_router_server_new(struct tdm_router_server **out, const struct tdm_route
         {"GET", "/v1/router/config", on_router_config},
     };
     static const struct tdm_oai_front_routes routes = {
-        .health = on_health,
-        .metrics = on_metrics,
-        .version = on_version,
-        .models = on_models,
-        .completions = on_completions,
-        .chat = on_chat,
-        .tokenize = on_tokenize,
-        .detokenize = on_detokenize,
+        TDM_OAI_FRONT_HANDLERS(on_),
         .extra = own,
         .n_extra = sizeof own / sizeof own[0],
     };

@@ -156,16 +156,7 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
         long t = (long)cfg->max_num_seqs + cfg->max_waiting;
         threads = t < 16 ? 16 : t > 512 ? 512 : (int)t;
     }
-    static const struct tdm_oai_front_routes routes = {
-        .health = on_health,
-        .metrics = on_metrics,
-        .version = on_version,
-        .models = on_models,
-        .completions = on_completions,
-        .chat = on_chat,
-        .tokenize = on_tokenize,
-        .detokenize = on_detokenize,
-    };
+    static const struct tdm_oai_front_routes routes = {TDM_OAI_FRONT_HANDLERS(on_)};
     struct tdm_oai_front_http fh = TDM_OAI_FRONT_HTTP(cfg, threads);
     int rc = tdm_oai_front_serve(&s->http, &fh, &routes, s, err, errlen);
     if (rc != TDM_OK) {

@@ -48,6 +48,13 @@ struct tdm_oai_front_routes {
     const struct tdm_oai_route *extra;        // the server's own routes beside these
     size_t n_extra;
 };
+// The API's handlers of a server that names them on_health, on_metrics, ...
+// on_detokenize (every Tandem server does): { TDM_OAI_FRONT_HANDLERS(on_) } or,
+// with routes of its own, { TDM_OAI_FRONT_HANDLERS(on_), .extra = ..., .n_extra = ... }.
+#define TDM_OAI_FRONT_HANDLERS(p)                                                                  \
+    .health = p##health, .metrics = p##metrics, .version = p##version, .models = p##models,        \
+    .completions = p##completions, .chat = p##chat, .tokenize = p##tokenize,                       \
+    .detokenize = p##detokenize
 // The HTTP settings the front's flags give (TDM_OAI_FRONT_HTTP).
 struct tdm_oai_front_http {
     const char *host;
