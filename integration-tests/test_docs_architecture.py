@@ -66,7 +66,7 @@ for m in re.finditer(r"`([^`\n]+)`", doc):
     if not re.search(r"\b%s\b" % re.escape(name), alltext):
         failures.append("line %d: `%s` is not in the code" % (line, t))
 
-# header basename -> file that owns it (the shortest path wins)
+# header basename -> file that owns it (the first in git's order: header names are unique)
 owner = {}
 for f in files:
     if f.endswith(".h") and not f.startswith(("integration-tests/", "bench/", "fuzz/")):

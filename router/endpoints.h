@@ -250,9 +250,9 @@ struct tdm_router_lock_entries {
 void tdm_router_endpoints_lock_entries(struct tdm_router_endpoints *reg,
                                        struct tdm_router_lock_entries *out);
 
-// ---- request path hooks, one step each (thread-safe, no allocation)
-// ------------------------------- A request starts using the endpoint: in-flight + 1 (a draining
-// endpoint is not removed while in-flight > 0). TDM_ENOTFOUND if the id is gone.
+// ---- one step each (thread-safe, no allocation) --------------------------------------------
+// A request starts using the endpoint: in-flight + 1 (a draining endpoint is
+// not removed while in-flight > 0). TDM_ENOTFOUND if the id is gone.
 int tdm_router_endpoints_acquire(struct tdm_router_endpoints *reg, uint64_t id);
 // The request is done with it: in-flight - 1.
 void tdm_router_endpoints_release(struct tdm_router_endpoints *reg, uint64_t id);

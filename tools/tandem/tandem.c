@@ -1696,12 +1696,12 @@ static bool router_took_config(const struct up_opts *o, const char *host, long b
         http_get(host, children[0].http_port, "/metrics", 2.0, &body, fetch_why, sizeof fetch_why);
     long now = st == 200 ? metrics_reloads(body.p) : -1;
     bool took = false;
-    if (before >= 0 && now <= before) // not counted yet: why stays as it was
-        ;
-    else if (st != 200)
-        snprintf(why, whylen, "%s", fetch_why);
-    else
-        took = metrics_sees_all(body.p, o->n_prefill, o->n_decode, why, whylen);
+    if (before < 0 || now > before) { // else not counted yet: why stays as it was
+        if (st != 200)
+            snprintf(why, whylen, "%s", fetch_why);
+        else
+            took = metrics_sees_all(body.p, o->n_prefill, o->n_decode, why, whylen);
+    }
     tdm_strbuf_fini(&body);
     return took;
 }
