@@ -174,19 +174,22 @@ static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChun
 // last load report and instance, read fresh: one registry entry).
 static bool upstream_alive(struct call *k, const struct choice *ch, char *why, size_t cap)
 {
+    // The router itself was stopped (SIGSTOP, starved) and its poller has not
+    // run since: the reports it did not read say nothing of the worker (the
+    // fault suite's router SIGSTOP failed every stream here). No verdict until
+    // the poller notes the stall; then silence counts from its return. The
+    // facts are read after the tick, so none is older than it (read before,
+    // a report the inbox processed meanwhile was missed: a live worker looked
+    // silent after a short router stop).
+    double now = tdm_now(), tick = atomic_load(&k->s->poll_tick);
+    if (tick > 0 && now - tick > k->s->o.load_interval + k->s->o.liveness_timeout)
+        return true;
     struct tdm_router_liveness live;
     router_live_get(k->s, k->route.decode.id, &live);
     pthread_mutex_lock(&k->s->mu);
     uint64_t st_inst = ch->st->instance;
     double heard = ch->st->heard;
     pthread_mutex_unlock(&k->s->mu);
-    // The router itself was stopped (SIGSTOP, starved) and its poller has not
-    // run since: the reports it did not read say nothing of the worker (the
-    // fault suite's router SIGSTOP failed every stream here). No verdict until
-    // the poller notes the stall; then silence counts from its return.
-    double now = tdm_now(), tick = atomic_load(&k->s->poll_tick);
-    if (tick > 0 && now - tick > k->s->o.load_interval + k->s->o.liveness_timeout)
-        return true;
     enum tdm_router_upstream v = tdm_router_upstream_check(
         now, ch->st->started, live.heard_at, k->s->o.liveness_timeout, live.instance, st_inst,
         atomic_load(&k->s->resumed_at), live.unanswered_since);
