@@ -911,13 +911,15 @@ static void test_metrics(void **state)
     struct tdm_engine *e = engine_make(128, 64, 8, 0, &m);
     assert_true(tdm_metrics_gauge_value(m.num_requests_running) == 0);
     assert_true(tdm_metrics_gauge_value(m.num_requests_waiting) == 0);
-    int32_t prompt[37], got[400];
+    int32_t prompt[37], got[2000];
     struct tdm_sampling_params sp;
     greedy(&sp);
     make_prompt(prompt, 37, 21);
-    struct tdm_engine_request *r = submit(e, prompt, 37, &sp, 300);
+    // Long enough (the pool holds 2 048 tokens) that it is still running when
+    // the gauge is read, on a loaded machine too; it is aborted.
+    struct tdm_engine_request *r = submit(e, prompt, 37, &sp, 1900);
     struct collected c = {0};
-    collect(r, got, 400, &c, 3);
+    collect(r, got, 2000, &c, 3);
     // Gauges are published after each step: running 1 while it decodes.
     double end = tdm_now() + WAIT_S;
     while (tdm_metrics_gauge_value(m.num_requests_running) != 1 && tdm_now() < end)
@@ -925,7 +927,7 @@ static void test_metrics(void **state)
     assert_true(tdm_metrics_gauge_value(m.num_requests_running) == 1);
     assert_true(tdm_metrics_gauge_value(m.kv_cache_usage_perc) > 0);
     assert_int_equal(tdm_engine_abort(e, r, TDM_FINISH_STOP), TDM_OK);
-    collect(r, got, 400, &c, 0);
+    collect(r, got, 2000, &c, 0);
     struct tdm_engine_stats s;
     wait_idle_stats(e, &s);
     assert_true(tdm_metrics_gauge_value(m.num_requests_running) == 0);
@@ -934,7 +936,7 @@ static void test_metrics(void **state)
     // Second request, same prompt: two full blocks (32 tokens) hit the prefix cache.
     struct tdm_engine_request *r2 = submit(e, prompt, 37, &sp, 6);
     struct collected c2 = {0};
-    collect(r2, got, 400, &c2, 0);
+    collect(r2, got, 2000, &c2, 0);
     wait_idle_stats(e, &s);
     assert_int_equal(c2.n, 6);
     assert_true(tdm_metrics_counter_value(m.generation_tokens) == c.n + 6);
@@ -954,7 +956,7 @@ static void test_metrics(void **state)
     assert_true(tdm_metrics_histogram_sum(m.request_generation_tokens) == c.n + 6);
     assert_true(tdm_metrics_histogram_sum(m.request_prompt_tokens) == 74);
     assert_int_equal((int)tdm_metrics_histogram_count(m.request_params_n), 2);
-    assert_true(tdm_metrics_histogram_sum(m.request_params_max_tokens) == 306);
+    assert_true(tdm_metrics_histogram_sum(m.request_params_max_tokens) == 1906);
     assert_int_equal((int)tdm_metrics_histogram_count(m.iteration_tokens_total), (int)s.num_steps);
     // Every token computed: 37 + (c.n - 1) decodes for r, 5 + 6 for r2 (32 cached).
     assert_true(tdm_metrics_histogram_sum(m.iteration_tokens_total) == 37 + (c.n - 1) + 5 + 5);

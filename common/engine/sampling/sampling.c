@@ -15,17 +15,18 @@
 //   top_k         keep logits >= the k-th largest (ties at the boundary stay)
 //   top_p         keep the smallest set, by probability, with mass >= p of the
 //                 distribution left by min_p and top_k (renormalised)
-//   draw          one uniform double from the request's xoshiro256** stream
+//   draw          sample_draw.h's: integer weights, a key from (seed, output
+//                 position), the same bits as the CUDA backend's device sampler
 //
 // On return the caller's logits hold the processed values before temperature.
 // Everything vocab-sized is allocated in tdm_sampler_new; sampling allocates
 // nothing. Top-k uses a k-sized insertion buffer in one pass (or quickselect for a
-// large k) instead of sorting the vocabulary; top-p without top-k is a quickselect
-// on probability mass. A sampler's draws depend only on its seed and its own
-// history: one 64-bit draw per sampled token, none for greedy. The passes over
+// large k) instead of sorting the vocabulary; top-p is a quickselect on integer
+// mass. A sampled token depends only on the row, the filters, the seed and its
+// position in the output (tdm_draw_key): no generator state. The passes over
 // the whole row (argmax, maximum, candidate and top-k scans) are
-// sampling_simd.c's, exact in AVX2 and in C alike; the exponentials and their
-// sums stay scalar and serial here, so no result depends on the path. A
+// sampling_simd.c's, exact in AVX2 and in C alike; the weights are
+// sample_draw.h's, the same bits on any IEEE machine. A
 // sampler is used by one thread at a time; different samplers may run on
 // different threads at once (the engine samples a step's rows in parallel).
 #include "sampling.h"
@@ -40,6 +41,7 @@
 #include <sys/random.h>
 
 #include "core.h"
+#include "sample_draw.h"
 #include "sampling_impl.h"
 
 #define TDM_SAMPLING_MIN_TEMP 0.01f // vLLM's _MAX_TEMP: smaller temperatures overflow
@@ -50,7 +52,8 @@ struct tdm_sampler {
     struct tdm_sampling_params p; // a copy; top_k 0 means off, temperature as used
     int vocab_size;
     bool greedy;
-    struct tdm_rng rng; // xoshiro256** state
+    uint64_t seed;     // the request's, or one the process chose (tdm_draw_key)
+    float inv_t;       // 1 / temperature (sampled requests)
     int num_generated; // tokens recorded by tdm_sampler_sample
     int32_t *eos_ids;  // [num_eos]
     int num_eos;
@@ -62,7 +65,9 @@ struct tdm_sampler {
     size_t words;        // ceil(vocab_size / 64)
     float *raw;          // [vocab_size] raw logits copy; NULL unless logprobs >= 0
     int32_t *cand;       // [vocab_size] candidate ids; NULL when greedy
-    float *weight;       // [vocab_size] candidate weights exp((l - max) / T), scratch
+    float *weight;       // [vocab_size] top_k's scratch
+    uint32_t *qw;        // [vocab_size] the candidates' weights (sample_draw.h)
+    uint32_t *qsel;      // [vocab_size] top_p's scratch copy of qw
 };
 
 // ---- parameters ------------------------------------------------------------------
@@ -145,7 +150,7 @@ int tdm_sampling_params_validate(const struct tdm_sampling_params *p, int vocab_
     return TDM_OK;
 }
 
-// ---- RNG: tdm_rng (xoshiro256** seeded through splitmix64, core.h) ---------------------
+// ---- seeds (the draw itself: sample_draw.h) ----------------------------------------------
 
 // An unseeded request draws its seed from the kernel's entropy pool (getrandom),
 // shared by the whole process; if that fails, from the clock and a counter.
@@ -207,7 +212,8 @@ int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *
                                   : b < -TDM_LOGIT_BIAS_LIMIT ? -TDM_LOGIT_BIAS_LIMIT
                                                               : b;
     }
-    tdm_rng_seed(&s->rng, p->has_seed ? p->seed : entropy_seed());
+    s->seed = p->has_seed ? p->seed : entropy_seed();
+    s->inv_t = s->greedy ? 0.0f : 1.0f / s->p.temperature;
 
     size_t v = (size_t)vocab_size;
     s->num_eos = num_eos;
@@ -243,7 +249,9 @@ int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *
     if (!s->greedy) {
         s->cand = malloc(v * sizeof(int32_t));
         s->weight = malloc(v * sizeof(float));
-        if (!s->cand || !s->weight)
+        s->qw = malloc(v * sizeof(uint32_t));
+        s->qsel = malloc(v * sizeof(uint32_t));
+        if (!s->cand || !s->weight || !s->qw || !s->qsel)
             goto fail;
     }
     *out = s;
@@ -265,112 +273,54 @@ void tdm_sampler_free(struct tdm_sampler *s)
     free(s->raw);
     free(s->cand);
     free(s->weight);
+    free(s->qw);
+    free(s->qsel);
     free(s);
 }
 
-// ---- selection helpers -------------------------------------------------------------------
+// ---- top-p over integer weights ------------------------------------------------------------
 
-// Order used for ties everywhere: larger weight first, then lower id.
-static bool before(const int32_t *ids, const float *w, size_t a, size_t b)
+uint32_t tdm_sampling_top_p_floor(uint32_t *q, size_t n, double bound)
 {
-    return w[a] > w[b] || (w[a] == w[b] && ids[a] < ids[b]);
-}
-
-static void swap2(int32_t *ids, float *w, size_t a, size_t b)
-{
-    int32_t ti = ids[a];
-    ids[a] = ids[b];
-    ids[b] = ti;
-    float tw = w[a];
-    w[a] = w[b];
-    w[b] = tw;
-}
-
-// Insertion sort of a short range by `before`.
-static void sort_small(int32_t *ids, float *w, size_t lo, size_t hi)
-{
-    for (size_t i = lo + 1; i < hi; i++)
-        for (size_t j = i; j > lo && before(ids, w, j, j - 1); j--)
-            swap2(ids, w, j, j - 1);
-}
-
-// Heap sort by `before` (first = largest weight): O(n log n) without recursion,
-// the fallback when the mass quickselect makes poor progress and for top-k sets.
-static void sift_down(int32_t *ids, float *w, size_t base, size_t root, size_t n)
-{
-    for (;;) {
-        size_t child = 2 * root + 1;
-        if (child >= n)
-            return;
-        // The root is the element that comes first in `before` order.
-        if (child + 1 < n && before(ids, w, base + child + 1, base + child))
-            child++;
-        if (!before(ids, w, base + child, base + root))
-            return;
-        swap2(ids, w, base + root, base + child);
-        root = child;
-    }
-}
-
-static void sort_range(int32_t *ids, float *w, size_t lo, size_t hi)
-{
-    size_t n = hi - lo;
-    if (n <= 32) {
-        sort_small(ids, w, lo, hi);
-        return;
-    }
-    for (size_t i = n / 2; i-- > 0;)
-        sift_down(ids, w, lo, i, n);
-    for (size_t end = n - 1; end > 0; end--) {
-        swap2(ids, w, lo, lo + end);
-        sift_down(ids, w, lo, 0, end);
-    }
-    // The heap pops the element that comes first in `before` order to the end, so
-    // the range is now last-to-first: reverse it.
-    for (size_t a = lo, b = hi - 1; a < b; a++, b--)
-        swap2(ids, w, a, b);
-}
-
-size_t tdm_sampling_select_top_p(int32_t *ids, float *w, size_t n, double target)
-{
+    // Invariant: every value of [0, lo) is kept, every value of [hi, n) is
+    // dropped, above = the weight of [0, lo) plus that of every dropped value
+    // greater than those of [lo, hi) (none: dropped values are the smallest).
+    // Three-way partition around a pivot v of [lo, hi): > v, == v, < v. v is
+    // kept iff above + mass(> v) < bound; then the values below v are kept only
+    // from the next smaller value on, whose G is above + mass(>= v).
     size_t lo = 0, hi = n;
-    double need = target; // mass still needed from [lo, hi); [0, lo) is kept
-    int budget = 64;      // partition rounds before falling back to a sort
-    while (hi - lo > 32 && budget-- > 0) {
-        size_t a = lo, b = lo + (hi - lo) / 2, c = hi - 1, piv;
-        // median of three positions, in `before` order
-        if (before(ids, w, a, b))
-            piv = before(ids, w, b, c) ? b : (before(ids, w, a, c) ? c : a);
-        else
-            piv = before(ids, w, a, c) ? a : (before(ids, w, b, c) ? c : b);
-        swap2(ids, w, piv, hi - 1);
-        size_t m = lo;
-        double mass = 0.0;
-        for (size_t i = lo; i < hi - 1; i++) {
-            if (before(ids, w, i, hi - 1)) {
-                mass += w[i];
-                swap2(ids, w, i, m);
-                m++;
+    uint64_t above = 0;
+    uint32_t floor_v = UINT32_MAX; // the smallest kept value so far
+    while (lo < hi) {
+        uint32_t a = q[lo], b = q[lo + (hi - lo) / 2], c = q[hi - 1];
+        uint32_t v = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+        size_t gt = lo, i = lo, lt = hi; // [lo, gt) > v, [gt, i) == v, [lt, hi) < v
+        uint64_t m_gt = 0, m_eq = 0;
+        while (i < lt) {
+            uint32_t x = q[i];
+            if (x > v) {
+                q[i++] = q[gt];
+                q[gt++] = x;
+                m_gt += x;
+            } else if (x < v) {
+                q[i] = q[--lt];
+                q[lt] = x;
+            } else {
+                m_eq += x;
+                i++;
             }
         }
-        swap2(ids, w, m, hi - 1); // the pivot now sits at m
-        if (mass >= need) {
-            hi = m; // the pivot's preceding mass already reaches target: cut before it
-        } else if (mass + w[m] >= need) {
-            return m + 1; // the pivot is the last one kept
+        if ((double)(above + m_gt) < bound) {
+            floor_v = v; // v and everything above it are kept
+            above += m_gt + m_eq;
+            if (!((double)above < bound))
+                break; // the next smaller value's G reaches the bound
+            lo = lt;
         } else {
-            need -= mass + w[m];
-            lo = m + 1;
+            hi = gt; // v is dropped: the floor is among the larger values
         }
     }
-    sort_range(ids, w, lo, hi);
-    double acc = 0.0;
-    for (size_t i = lo; i < hi; i++) {
-        if (acc >= need)
-            return i;
-        acc += w[i];
-    }
-    return hi;
+    return floor_v;
 }
 
 // Quickselect for the k-th largest of v[0..n) in place (k >= 1, k <= n).
@@ -466,64 +416,65 @@ static void apply_penalties(struct tdm_sampler *s, float *logits)
             logits[s->masked_ids[i]] = -INFINITY;
 }
 
-// Random path: builds the candidate set (min_p, top_k, top_p) in cand/weight and
-// draws from it. Returns -1 when no candidate has positive weight.
+// Random path, sample_draw.h's draw: the candidates (top_k, or every token
+// that can weigh > 0) in cand, their weights (min_p applied) in qw, the top_p
+// floor, then the draw over the kept ones in ascending id. Returns -1 when the
+// row has no finite maximum (the caller takes the argmax).
 static int32_t sample_random(struct tdm_sampler *s, const float *logits)
 {
     const struct tdm_sampling_params *p = &s->p;
     size_t v = (size_t)s->vocab_size, n = 0;
-    float inv_t = 1.0f / p->temperature;
     float lmax = -INFINITY;
     if (p->top_k > 0) {
-        // top_k: logits >= the k-th largest; the maximum is then among those few.
+        // top_k: logits >= the k-th largest finite one (all of them when fewer);
+        // the row's maximum is among those few.
         float thr = tdm_sampling_kth_largest(logits, v, (size_t)p->top_k, s->weight);
-        // l >= thr and l > -inf; for a finite l, l > -inf is l >= -FLT_MAX.
         n = tdm_sampling_collect_ge(logits, v, thr > -INFINITY ? thr : -FLT_MAX, s->cand);
         for (size_t j = 0; j < n; j++)
             lmax = fmaxf(lmax, logits[s->cand[j]]);
+        if (!isfinite(lmax))
+            return -1;
     } else {
         (void)tdm_sampling_argmax(logits, v, &lmax); // the first largest, as `>` finds it
         if (!isfinite(lmax))
             return -1;
-        // Tokens with weight below e^-30 of the best one are dropped before the exp:
-        // even 150k of them weigh < 2e-8, under float32 resolution of the mass.
-        float cutoff = lmax - 30.0f * p->temperature;
-        n = tdm_sampling_collect_ge(logits, v, cutoff, s->cand); // drops NaN
+        // A token 22 temperatures below the best weighs 0 (e^-22 * 2^31 < 1),
+        // so the ones below need no weight: the same candidates in effect.
+        n = tdm_sampling_collect_ge(logits, v, lmax - 22.0f * p->temperature, s->cand);
     }
-    if (!isfinite(lmax))
-        return -1;
-    // Weights exp((l - max) / T); min_p keeps weight >= min_p (the best one has 1).
-    float min_w = p->min_p;
-    double total = 0.0;
+    uint64_t total = 0;
     size_t kept = 0;
     for (size_t j = 0; j < n; j++) {
         int32_t id = s->cand[j];
-        float w = expf((logits[id] - lmax) * inv_t);
-        if (!(w >= min_w) || w <= 0.0f)
+        uint32_t q = tdm_draw_weight(logits[id], lmax, s->inv_t, p->min_p);
+        if (q == 0)
             continue;
         s->cand[kept] = id;
-        s->weight[kept] = w;
-        total += w;
-        kept++;
+        s->qw[kept++] = q;
+        total += q;
     }
-    n = kept;
-    if (n == 0)
+    if (kept == 0)
         return -1;
+    uint32_t floor_q = 0;
     if (p->top_p < 1.0f) {
-        n = tdm_sampling_select_top_p(s->cand, s->weight, n, (double)p->top_p * total);
-        total = 0.0;
-        for (size_t i = 0; i < n; i++)
-            total += s->weight[i];
+        memcpy(s->qsel, s->qw, kept * sizeof(uint32_t));
+        floor_q = tdm_sampling_top_p_floor(s->qsel, kept, tdm_draw_top_p_mass(p->top_p, total));
+        total = 0;
+        for (size_t j = 0; j < kept; j++)
+            total += s->qw[j] >= floor_q ? s->qw[j] : 0;
+        if (total == 0)
+            return -1;
     }
-    // One uniform double in [0, 1) from the top 53 bits.
-    double u = tdm_rng_uniform(&s->rng) * total;
-    double acc = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        acc += s->weight[i];
-        if (u < acc)
-            return s->cand[i];
+    uint64_t t = tdm_draw_target(tdm_draw_key(s->seed, (uint64_t)s->num_generated), total);
+    uint64_t acc = 0;
+    for (size_t j = 0; j < kept; j++) {
+        if (s->qw[j] < floor_q)
+            continue;
+        acc += s->qw[j];
+        if (acc > t)
+            return s->cand[j];
     }
-    return s->cand[n - 1]; // rounding left u just above the running sum
+    return -1; // not reached: acc ends at total > t
 }
 
 // log-softmax of the raw logits: the chosen token's value and the top N.
@@ -620,10 +571,29 @@ int tdm_sampler_verify(struct tdm_sampler *s, float *rows, const int32_t *draft,
     return n;
 }
 
+// Nothing but the raw logits decides the next token: no bias, penalty,
+// min_tokens mask or logprobs.
+static bool plain(const struct tdm_sampler *s)
+{
+    return s->p.num_logit_bias == 0 && s->seen == NULL && s->out_seen == NULL && s->raw == NULL &&
+           (s->num_generated >= s->p.min_tokens || s->num_masked == 0);
+}
+
 bool tdm_sampler_plain_greedy(const struct tdm_sampler *s)
 {
-    return s->greedy && s->p.num_logit_bias == 0 && s->seen == NULL && s->out_seen == NULL &&
-           s->raw == NULL && (s->num_generated >= s->p.min_tokens || s->num_masked == 0);
+    return s->greedy && plain(s);
+}
+
+bool tdm_sampler_draw_params(const struct tdm_sampler *s, struct tdm_draw_params *d)
+{
+    if (!plain(s))
+        return false;
+    *d = (struct tdm_draw_params){.inv_t = s->inv_t,
+                                  .top_p = s->p.top_p,
+                                  .min_p = s->p.min_p,
+                                  .top_k = s->p.top_k,
+                                  .key = tdm_draw_key(s->seed, (uint64_t)s->num_generated)};
+    return true;
 }
 
 bool tdm_sampler_eos_ends(const struct tdm_sampler *s)
@@ -653,8 +623,6 @@ int tdm_sampler_num_generated(const struct tdm_sampler *s)
 void tdm_sampler_replay(struct tdm_sampler *s, const int32_t *tokens, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
-        if (!s->greedy)
-            (void)tdm_rng_uniform(&s->rng); // the draw sample_random took for it
         if (tokens[i] >= 0 && tokens[i] < s->vocab_size)
             record(s, tokens[i]);
         else

@@ -93,16 +93,16 @@ int32_t tdm_sampler_sample(struct tdm_sampler *s, float *logits, struct tdm_samp
 // vocab_size floats (modified in place): row j is the target model's
 // distribution for the position of draft[j] (row n_draft: the one after the
 // last draft). Samples row 0, 1, ... in order exactly as tdm_sampler_sample
-// does (every filter and penalty, one RNG draw each, the history advancing),
+// does (every filter and penalty, the history advancing),
 // and stops after the first token that differs from its draft, is a stop
 // token (tdm_sampler_is_stop), or comes from the last row. For a point-mass
 // draft q = 1{draft} this is the rejection rule of speculative sampling:
 // draft accepted with probability min(1, p/q) = p(draft), and a rejection's
 // token is distributed as p without the draft, renormalized, i.e.
-// norm(max(0, p - q)); and the tokens and RNG draws are exactly those of
-// sampling the rows one step at a time, so a seeded request's output does
-// not depend on speculation. Writes the tokens to out[] (and res[] when not
-// NULL) and returns how many: 1 .. n_draft + 1.
+// norm(max(0, p - q)); and the tokens are exactly those of sampling the rows
+// one step at a time (each row's draw is keyed by its position), so a seeded
+// request's output does not depend on speculation. Writes the tokens to out[]
+// (and res[] when not NULL) and returns how many: 1 .. n_draft + 1.
 int tdm_sampler_verify(struct tdm_sampler *s, float *rows, const int32_t *draft, int n_draft,
                        int32_t *out, struct tdm_sample_result *res);
 
@@ -122,12 +122,21 @@ bool tdm_sampler_eos_ends(const struct tdm_sampler *s);
 // exactly as tdm_sampler_sample would have.
 bool tdm_sampler_plain_greedy(const struct tdm_sampler *s);
 
+// True when the next token is sample_draw.h's draw over the raw logits alone
+// (the same conditions as tdm_sampler_plain_greedy, sampled requests too), and
+// then *d holds what that draw needs (inv_t 0 for greedy; the key of the next
+// output position). A device may then draw the token from its logits row
+// (the CUDA backend's sample_rows) and the caller records it with
+// tdm_sampler_replay: the same token the sampler would have drawn from the
+// same row, and the sampler left as tdm_sampler_sample would have left it.
+struct tdm_draw_params;
+bool tdm_sampler_draw_params(const struct tdm_sampler *s, struct tdm_draw_params *d);
+
 // Records tokens as if this sampler had sampled them (a stream resumed on
-// another worker, issue 11 part 6): each joins the history (penalties,
-// min_tokens) and, when sampling, takes the one RNG draw its sampling took, so
-// the next draw is the one an uninterrupted run would make. (A step whose
-// logits were all non-finite took no draw; such a step is not replayed
-// exactly.)
+// another worker, issue 11 part 6; a token a device drew): each joins the
+// history (penalties, min_tokens) and advances the output position, which
+// keys the next draw (sample_draw.h), so the next token is the one an
+// uninterrupted run would draw.
 void tdm_sampler_replay(struct tdm_sampler *s, const int32_t *tokens, size_t n);
 
 #endif

@@ -6,14 +6,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Nucleus selection. Rearranges ids[0..n) and w[0..n) (unnormalised weights, >= 0)
-// so that the first m entries are the smallest set, in the order (weight
-// descending, id ascending), whose total weight reaches target; returns m (n when
-// the whole set is needed). An entry is kept iff the weight strictly before it in
-// that order is < target, which is vLLM's rule (cumsum of ascending probs <= 1-p
-// is dropped). Expected O(n): quickselect on the mass, a sort only of the last
-// small range.
-size_t tdm_sampling_select_top_p(int32_t *ids, float *w, size_t n, double target);
+// Nucleus selection over integer weights (sample_draw.h): the smallest value v
+// of q[0..n) (weights > 0) whose G(v), the total weight of the values > v, is
+// < bound; a token is kept iff its weight is >= that floor. This is vLLM's rule
+// (a token goes when the mass before it reaches p) with a tie at the boundary
+// kept whole. Rearranges q; expected O(n) (three-way quickselect on the mass).
+// UINT32_MAX when nothing is kept (bound <= 0).
+uint32_t tdm_sampling_top_p_floor(uint32_t *q, size_t n, double bound);
 
 // The k-th largest finite value of logits[0..n) (k >= 1, k <= n), using scratch[n]
 // floats when k is large; -INFINITY when fewer than k values are > -inf.

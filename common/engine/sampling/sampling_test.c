@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "sample_draw.h"
 #include "sampling.h"
 #include "sampling_impl.h"
 
@@ -278,20 +279,35 @@ static void test_top_p_small(void **state)
     tdm_sampler_free(s);
 }
 
-struct wid {
-    float w;
-    int32_t id;
-};
-static int cmp_wid(const void *a, const void *b)
+static int cmp_u32_desc(const void *a, const void *b)
 {
-    const struct wid *x = a, *y = b;
-    if (x->w != y->w)
-        return x->w > y->w ? -1 : 1;
-    return (x->id > y->id) - (x->id < y->id);
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x < y) - (x > y);
 }
 
-// The mass quickselect keeps exactly the brute-force nucleus (sort, then keep while
-// the mass before a token is < target), ties included.
+// The floor by brute force: sorted descending, the smallest value whose mass
+// strictly above it is < bound.
+static uint32_t floor_brute(const uint32_t *q, size_t n, double bound, uint32_t *sorted)
+{
+    memcpy(sorted, q, n * sizeof *q);
+    qsort(sorted, n, sizeof *sorted, cmp_u32_desc);
+    uint32_t floor_v = UINT32_MAX;
+    uint64_t above = 0;
+    for (size_t i = 0; i < n;) {
+        size_t j = i;
+        uint64_t eq = 0;
+        while (j < n && sorted[j] == sorted[i])
+            eq += sorted[j++];
+        if (!((double)above < bound))
+            break;
+        floor_v = sorted[i];
+        above += eq;
+        i = j;
+    }
+    return floor_v;
+}
+
+// The mass quickselect keeps exactly the brute-force nucleus, ties included.
 static void test_top_p_select_exact(void **state)
 {
     (void)state;
@@ -299,83 +315,70 @@ static void test_top_p_select_exact(void **state)
     static const double ps[] = {0.05, 0.5, 0.9, 0.999};
     for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
         size_t n = sizes[si];
-        int32_t *ids = malloc(n * sizeof *ids);
-        float *w = malloc(n * sizeof *w);
-        struct wid *ref = malloc(n * sizeof *ref);
-        unsigned char *in = calloc(n, 1);
-        assert_true(ids && w && ref && in);
+        uint32_t *q = malloc(n * sizeof *q), *work = malloc(n * sizeof *q),
+                 *sorted = malloc(n * sizeof *q);
+        assert_true(q && work && sorted);
         for (int ties = 0; ties < 2; ties++) {
             for (size_t pi = 0; pi < sizeof ps / sizeof ps[0]; pi++) {
-                double total = 0;
+                uint64_t total = 0;
                 for (size_t i = 0; i < n; i++) {
                     double u = test_uniform();
                     // ties: only 8 distinct weights, so the boundary falls inside a tie
-                    w[i] = ties ? (float)(1 + (int)(u * 8)) : (float)exp(8.0 * u);
-                    ids[i] = (int32_t)i;
-                    ref[i] = (struct wid){w[i], (int32_t)i};
-                    total += w[i];
+                    q[i] = ties ? (uint32_t)(1 + (int)(u * 8)) << 20
+                                : (uint32_t)(TDM_DRAW_ONE * exp(-20.0 * u));
+                    q[i] += q[i] == 0;
+                    total += q[i];
                 }
-                double target = ps[pi] * total;
-                qsort(ref, n, sizeof *ref, cmp_wid);
-                size_t want = 0;
-                double acc = 0;
-                while (want < n && acc < target)
-                    acc += ref[want++].w;
-                size_t got = tdm_sampling_select_top_p(ids, w, n, target);
+                double bound = ps[pi] * (double)total;
+                uint32_t want = floor_brute(q, n, bound, sorted);
+                memcpy(work, q, n * sizeof *q);
+                uint32_t got = tdm_sampling_top_p_floor(work, n, bound);
                 if (got != want)
-                    fail_msg("n=%zu p=%g ties=%d: kept %zu, expected %zu", n, ps[pi], ties, got,
+                    fail_msg("n=%zu p=%g ties=%d: floor %u, expected %u", n, ps[pi], ties, got,
                              want);
-                memset(in, 0, n);
-                for (size_t i = 0; i < got; i++)
-                    in[ids[i]] = 1;
-                for (size_t i = 0; i < want; i++)
-                    if (!in[ref[i].id])
-                        fail_msg("n=%zu p=%g: token %d missing from the nucleus", n, ps[pi],
-                                 ref[i].id);
+                // The kept set reaches the bound, and without its lightest value
+                // (a whole tie) it does not.
+                uint64_t kept = 0, lightest = 0;
+                for (size_t i = 0; i < n; i++) {
+                    kept += q[i] >= got ? q[i] : 0;
+                    lightest += q[i] == got ? q[i] : 0;
+                }
+                assert_true((double)kept >= bound || kept == total);
+                assert_true((double)(kept - lightest) < bound);
             }
         }
-        free(ids);
-        free(w);
-        free(ref);
-        free(in);
+        free(q);
+        free(work);
+        free(sorted);
     }
 }
 
-// When the target equals a prefix sum exactly, the next token (whose preceding
-// mass is then == target) is dropped: vLLM drops cumsum(ascending) <= 1 - p.
+// When the bound equals a prefix sum exactly, the next token (whose preceding
+// mass is then == bound) is dropped: vLLM drops cumsum(ascending) <= 1 - p.
 static void test_top_p_exact_boundary(void **state)
 {
     (void)state;
     for (size_t n = 8; n <= 4096; n *= 8) {
-        int32_t *ids = malloc(n * sizeof *ids);
-        float *w = malloc(n * sizeof *w);
-        assert_true(ids && w);
+        uint32_t *q = malloc(n * sizeof *q);
+        assert_non_null(q);
         for (size_t cut = 1; cut < n; cut += n / 7 + 1) {
-            // Distinct integer weights n, n-1, ..., 1 in shuffled positions: sums are exact.
-            for (size_t i = 0; i < n; i++) {
-                ids[i] = (int32_t)i;
-                w[i] = (float)(n - i);
-            }
+            // Distinct weights n, n-1, ..., 1 in shuffled positions.
+            for (size_t i = 0; i < n; i++)
+                q[i] = (uint32_t)(n - i);
             for (size_t i = n - 1; i > 0; i--) {
                 size_t j = (size_t)(test_uniform() * (double)(i + 1));
-                int32_t ti = ids[i];
-                ids[i] = ids[j];
-                ids[j] = ti;
-                float tw = w[i];
-                w[i] = w[j];
-                w[j] = tw;
+                uint32_t t = q[i];
+                q[i] = q[j];
+                q[j] = t;
             }
-            double target = 0;
+            double bound = 0;
             for (size_t i = 0; i < cut; i++)
-                target += (double)(n - i);
-            size_t got = tdm_sampling_select_top_p(ids, w, n, target);
-            if (got != cut)
-                fail_msg("n=%zu: target = mass of the best %zu, kept %zu", n, cut, got);
-            for (size_t i = 0; i < got; i++)
-                assert_true(w[i] > (float)(n - cut));
+                bound += (double)(n - i);
+            uint32_t got = tdm_sampling_top_p_floor(q, n, bound);
+            if (got != (uint32_t)(n - cut + 1))
+                fail_msg("n=%zu: bound = mass of the best %zu, floor %u", n, cut, got);
         }
-        free(ids);
-        free(w);
+        free(q);
     }
 }
 
@@ -384,9 +387,9 @@ static void test_top_p_large_vocab(void **state)
     (void)state;
     enum { V = 151936 };
     float *master = malloc(sizeof(float) * V), *work = malloc(sizeof(float) * V);
-    struct wid *ref = malloc(sizeof(struct wid) * V);
+    uint32_t *q = malloc(sizeof(uint32_t) * V), *sorted = malloc(sizeof(uint32_t) * V);
     unsigned char *in = calloc(V, 1);
-    assert_true(master && work && ref && in);
+    assert_true(master && work && q && sorted && in);
     random_logits(master, V, 12.0f);
     struct tdm_sampling_params p;
     tdm_sampling_params_default(&p);
@@ -394,21 +397,27 @@ static void test_top_p_large_vocab(void **state)
     p.temperature = 0.8f;
     p.has_seed = true;
     p.seed = 4;
-    // Brute-force nucleus of softmax(l / T).
+    // Brute-force nucleus of the draw's weights of softmax(l / T).
     float lmax = -INFINITY;
     for (int i = 0; i < V; i++)
         lmax = fmaxf(lmax, master[i]);
-    double total = 0;
-    for (int i = 0; i < V; i++) {
-        ref[i] = (struct wid){expf((master[i] - lmax) / 0.8f), i};
-        total += ref[i].w;
-    }
-    qsort(ref, V, sizeof *ref, cmp_wid);
-    double acc = 0;
-    for (int i = 0; i < V && acc < 0.8 * total; i++) {
-        acc += ref[i].w;
-        in[ref[i].id] = 1;
-    }
+    uint64_t total = 0;
+    for (int i = 0; i < V; i++)
+        total += q[i] = tdm_draw_weight(master[i], lmax, 1.0f / 0.8f, 0.0f);
+    size_t nz = 0;
+    for (int i = 0; i < V; i++)
+        if (q[i] > 0)
+            work[nz++] = (float)i; // ids of the weighted tokens, exact in a float
+    uint32_t *wq = malloc(sizeof(uint32_t) * nz);
+    assert_non_null(wq);
+    for (size_t j = 0; j < nz; j++)
+        wq[j] = q[(int)work[j]];
+    uint32_t floor_v = floor_brute(wq, nz, 0.8 * (double)total, sorted);
+    free(wq);
+    size_t n_in = 0;
+    for (int i = 0; i < V; i++)
+        n_in += in[i] = q[i] > 0 && q[i] >= floor_v;
+    assert_true(n_in > 1 && n_in < (size_t)V);
     struct tdm_sampler *s = make(&p, V);
     for (int i = 0; i < 200; i++) {
         int32_t t = draw(s, master, work, V);
@@ -418,8 +427,175 @@ static void test_top_p_large_vocab(void **state)
     tdm_sampler_free(s);
     free(master);
     free(work);
-    free(ref);
+    free(q);
+    free(sorted);
     free(in);
+}
+
+// ---- the draw (sample_draw.h) ---------------------------------------------------------
+
+// tdm_draw_exp against exp in double: within 4 ulp over [-87, 0], exactly 1 at
+// 0, 0 below -87 and for NaN/-inf.
+static void test_draw_exp(void **state)
+{
+    (void)state;
+    assert_true(tdm_draw_exp(0.0f) == 1.0f);
+    assert_true(tdm_draw_exp(-0.0f) == 1.0f);
+    assert_true(tdm_draw_exp(-87.5f) == 0.0f && tdm_draw_exp(-INFINITY) == 0.0f);
+    assert_true(tdm_draw_exp(NAN) == 0.0f);
+    double worst = 0;
+    for (int i = 0; i <= 2000000; i++) {
+        float x = (float)(-87.0 * i / 2000000.0);
+        double want = exp((double)x), got = tdm_draw_exp(x);
+        double ulp = ldexp(1.0, ilogb(want) - 23);
+        double e = fabs(got - want) / ulp;
+        worst = e > worst ? e : worst;
+    }
+    printf("tdm_draw_exp: worst error %.2f ulp over [-87, 0]\n", worst);
+    assert_true(worst <= 4.0);
+}
+
+// The draw by its definition (sample_draw.h's head comment), written plainly.
+static int32_t draw_reference(const float *l, int v, const struct tdm_draw_params *d, uint32_t *q,
+                              uint32_t *sorted)
+{
+    int32_t imax = 0;
+    float lmax = -INFINITY;
+    for (int i = 0; i < v; i++)
+        if (l[i] > lmax) {
+            lmax = l[i];
+            imax = i;
+        }
+    if (d->inv_t == 0.0f || !isfinite(lmax))
+        return imax;
+    float thr = -INFINITY;
+    if (d->top_k > 0) {
+        int m = 0;
+        for (int i = 0; i < v; i++)
+            if (l[i] > -INFINITY)
+                sorted[m++] = (uint32_t)i;
+        if (m >= d->top_k) {
+            float *vals = malloc(sizeof(float) * (size_t)m);
+            assert_non_null(vals);
+            for (int i = 0; i < m; i++)
+                vals[i] = l[sorted[i]];
+            for (int a = 0; a < d->top_k; a++) // partial selection sort, descending
+                for (int b = a + 1; b < m; b++)
+                    if (vals[b] > vals[a]) {
+                        float t = vals[a];
+                        vals[a] = vals[b];
+                        vals[b] = t;
+                    }
+            thr = vals[d->top_k - 1];
+            free(vals);
+        }
+    }
+    uint64_t total = 0;
+    size_t nz = 0;
+    for (int i = 0; i < v; i++) {
+        q[i] = l[i] >= thr ? tdm_draw_weight(l[i], lmax, d->inv_t, d->min_p) : 0;
+        total += q[i];
+        if (q[i] > 0)
+            sorted[nz++] = q[i];
+    }
+    uint32_t floor_v = 0;
+    if (d->top_p < 1.0f) {
+        uint32_t *tmp = malloc(sizeof(uint32_t) * (nz > 0 ? nz : 1));
+        assert_non_null(tmp);
+        floor_v = floor_brute(sorted, nz, tdm_draw_top_p_mass(d->top_p, total), tmp);
+        free(tmp);
+    }
+    uint64_t kept = 0;
+    for (int i = 0; i < v; i++)
+        kept += q[i] >= floor_v ? q[i] : 0;
+    uint64_t t = tdm_draw_target(d->key, kept), acc = 0;
+    for (int i = 0; i < v; i++) {
+        if (q[i] == 0 || q[i] < floor_v)
+            continue;
+        acc += q[i];
+        if (acc > t)
+            return i;
+    }
+    fail_msg("reference draw fell off the row");
+    return -1;
+}
+
+// The sampler's token = the definition's, for rows with ties, -inf and NaN,
+// over temperatures, top_k, top_p and min_p, at several output positions; and
+// tdm_sampler_draw_params says what the definition needs.
+static void test_draw_definition(void **state)
+{
+    (void)state;
+    enum { V = 3000 };
+    static float master[V], work[V];
+    static uint32_t q[V], sorted[V];
+    static const float temps[] = {0.0f, 0.05f, 0.7f, 1.0f, 1.9f};
+    static const int ks[] = {0, 1, 5, 40, 2999, 5000};
+    static const float ps[] = {1.0f, 0.95f, 0.5f, 0.01f};
+    static const float mps[] = {0.0f, 0.05f, 0.9f};
+    int checked = 0;
+    for (int row = 0; row < 6; row++) {
+        random_logits(master, V, row < 3 ? 8.0f : 30.0f);
+        if (row % 2)
+            for (int i = 0; i < V; i++) // ties: 16 distinct values
+                master[i] = floorf(master[i] / 2.0f);
+        if (row >= 4)
+            for (int i = 0; i < V; i += 7)
+                master[i] = i % 2 ? -INFINITY : NAN;
+        for (size_t ti = 0; ti < sizeof temps / sizeof *temps; ti++)
+            for (size_t ki = 0; ki < sizeof ks / sizeof *ks; ki++)
+                for (size_t pi = 0; pi < sizeof ps / sizeof *ps; pi++) {
+                    struct tdm_sampling_params p;
+                    tdm_sampling_params_default(&p);
+                    p.temperature = temps[ti];
+                    p.top_k = ks[ki];
+                    p.top_p = ps[pi];
+                    p.min_p = mps[(ti + ki + pi) % 3];
+                    p.has_seed = true;
+                    p.seed = 1000u + (uint64_t)row * 77u + ti * 13u + ki * 5u + pi;
+                    struct tdm_sampler *s = make(&p, V);
+                    for (int pos = 0; pos < 3; pos++) {
+                        struct tdm_draw_params d;
+                        assert_true(tdm_sampler_draw_params(s, &d));
+                        assert_true(d.key == tdm_draw_key(p.seed, (uint64_t)pos));
+                        int32_t want = draw_reference(master, V, &d, q, sorted);
+                        int32_t got = draw(s, master, work, V);
+                        if (got != want)
+                            fail_msg("row %d T=%g k=%d p=%g min_p=%g pos %d: %d, definition %d",
+                                     row, p.temperature, p.top_k, p.top_p, p.min_p, pos, got, want);
+                        checked++;
+                    }
+                    tdm_sampler_free(s);
+                }
+    }
+    printf("%d draws equal to the definition\n", checked);
+}
+
+// The outputs of one seed are pinned: a change of the draw (or of its key)
+// changes every seeded request's output, across versions and between the CPU
+// and a device; it must be deliberate (docs/sampling.md) and change this list.
+static void test_draw_golden(void **state)
+{
+    (void)state;
+    enum { V = 1000, N = 12 };
+    static float master[V], work[V];
+    for (int i = 0; i < V; i++)
+        master[i] = (float)((i * 37) % 101) / 10.0f; // 0.0 .. 10.0, ties
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.8f;
+    p.top_k = 200;
+    p.top_p = 0.9f;
+    p.has_seed = true;
+    p.seed = 20261206;
+    struct tdm_sampler *s = make(&p, V);
+    static const int32_t want[N] = {595, 565, 464, 221, 704, 232, 999, 352, 218, 292, 120, 906};
+    for (int i = 0; i < N; i++) {
+        int32_t t = draw(s, master, work, V);
+        printf("%d%s", t, i + 1 < N ? ", " : "\n");
+        assert_int_equal(t, want[i]);
+    }
+    tdm_sampler_free(s);
 }
 
 // ---- min-p ------------------------------------------------------------------------------
@@ -1220,6 +1396,9 @@ int main(void)
         cmocka_unit_test(test_top_p_select_exact),
         cmocka_unit_test(test_top_p_exact_boundary),
         cmocka_unit_test(test_top_p_large_vocab),
+        cmocka_unit_test(test_draw_exp),
+        cmocka_unit_test(test_draw_definition),
+        cmocka_unit_test(test_draw_golden),
         cmocka_unit_test(test_min_p),
         cmocka_unit_test(test_temperature_limit),
         cmocka_unit_test(test_unfiltered_chi_square),

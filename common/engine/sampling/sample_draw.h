@@ -1,0 +1,133 @@
+// SPDX-License-Identifier: Apache-2.0
+// sample_draw.h: the draw of a sampled token, written once for the CPU sampler
+// (sampling.c) and the CUDA backend's device sampler (cuda_kernels.cuh), so
+// that the same logits row gives the same token on both (issue 26 item 1).
+//
+// The token is a pure function of the row, the filters and a 64-bit key; every
+// step that could round differently on two machines is pinned down:
+//   key     tdm_draw_key(seed, position): a counter-based generator (two
+//           splitmix64 finalizers), keyed by the request's seed and the index
+//           of the token in its output. No state: a stream resumed elsewhere,
+//           a speculative row and a device row all take the same key.
+//   weight  q_i = floor(2^31 * exp((l_i - l_max) / T)) as an integer, from
+//           tdm_draw_exp: range reduction and a polynomial in separately
+//           rounded IEEE products and sums (no FMA contraction: the host files
+//           that include this build with -ffp-contract=off, device code uses
+//           __fmul_rn/__fadd_rn), so each q_i has the same bits everywhere.
+//           Tokens below min_p (exp(...) < min_p, the best token having 1) and
+//           outside top_k (l_i < the k-th largest finite logit) weigh 0.
+//   top_p   with Q the sum of the weights, the kept tokens are those whose
+//           value v has G(v) < top_p * Q, G(v) = the weight of the tokens with
+//           q > v: the smallest set of the heaviest tokens reaching top_p of
+//           the mass, a tie at the boundary kept whole. Integer sums are exact
+//           in any order, so a device's parallel reductions give the same set.
+//   draw    t = floor(key * Q' / 2^64) over the kept weight Q', and the token
+//           is the first (ascending id) whose running sum of kept weights
+//           exceeds t: token i with probability q_i / Q'.
+// Weights are quantised to 2^-31 of the best token: a token more than ~21.5
+// temperature-scaled nats below the best is never drawn (vLLM draws it with
+// probability under 5e-10 of the best one's).
+#ifndef TDM_SAMPLE_DRAW_H
+#define TDM_SAMPLE_DRAW_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define TDM_DRAW_FN static __host__ __device__ __forceinline__
+#else
+#define TDM_DRAW_FN static inline
+#endif
+
+#if defined(__CUDA_ARCH__)
+#define TDM_DRAW_MUL(a, b) __fmul_rn((a), (b))
+#define TDM_DRAW_ADD(a, b) __fadd_rn((a), (b))
+#define TDM_DRAW_SUB(a, b) __fsub_rn((a), (b))
+#else
+#define TDM_DRAW_MUL(a, b) ((a) * (b))
+#define TDM_DRAW_ADD(a, b) ((a) + (b))
+#define TDM_DRAW_SUB(a, b) ((a) - (b))
+#endif
+
+// The weight of the best token: exp(0) scaled.
+#define TDM_DRAW_ONE 2147483648u
+
+// What a row's draw needs besides its logits (the engine fills it from the
+// request's sampler, tdm_sampler_draw_params): inv_t 0 means greedy (the
+// first largest logit by `>`).
+struct tdm_draw_params {
+    float inv_t;   // 1 / temperature, or 0 for greedy
+    float top_p;   // (0, 1]; 1 = off
+    float min_p;   // [0, 1]; 0 = off
+    int32_t top_k; // 0 = off
+    uint64_t key;  // tdm_draw_key(seed, position)
+};
+
+TDM_DRAW_FN uint64_t tdm_draw_mix(uint64_t z)
+{
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ull;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+TDM_DRAW_FN uint64_t tdm_draw_key(uint64_t seed, uint64_t position)
+{
+    return tdm_draw_mix(tdm_draw_mix(seed) + 0x9E3779B97F4A7C15ull * (position + 1));
+}
+
+// exp(x) for x <= 0 within ~2 ulp; 0 below -87 (and for NaN); the same bits
+// on every IEEE machine (see the head comment).
+TDM_DRAW_FN float tdm_draw_exp(float x)
+{
+    if (!(x >= -87.0f))
+        return 0.0f;
+    // x = n ln2 + r, |r| <= ln2 / 2; n by the 1.5 * 2^23 rounding trick.
+    float t = TDM_DRAW_MUL(x, 1.44269504f);
+    float n = TDM_DRAW_SUB(TDM_DRAW_ADD(t, 12582912.0f), 12582912.0f);
+    float r = TDM_DRAW_SUB(x, TDM_DRAW_MUL(n, 0.693359375f)); // ln2's high 9 bits: exact
+    r = TDM_DRAW_SUB(r, TDM_DRAW_MUL(n, -2.12194440e-4f));
+    float p = 1.98412698e-4f; // e^r by its Taylor polynomial to r^7, Horner
+    p = TDM_DRAW_ADD(TDM_DRAW_MUL(p, r), 1.38888889e-3f);
+    p = TDM_DRAW_ADD(TDM_DRAW_MUL(p, r), 8.33333333e-3f);
+    p = TDM_DRAW_ADD(TDM_DRAW_MUL(p, r), 4.16666667e-2f);
+    p = TDM_DRAW_ADD(TDM_DRAW_MUL(p, r), 1.66666667e-1f);
+    p = TDM_DRAW_ADD(TDM_DRAW_MUL(p, r), 0.5f);
+    p = TDM_DRAW_ADD(TDM_DRAW_MUL(p, r), 1.0f);
+    p = TDM_DRAW_ADD(TDM_DRAW_MUL(p, r), 1.0f);
+    // 2^n for n in [-126, 0]: built from its bits.
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return TDM_DRAW_MUL(p, scale);
+}
+
+// A token's integer weight in [0, TDM_DRAW_ONE] (see the head comment); l_max
+// is the row's largest logit (finite), inv_t > 0.
+TDM_DRAW_FN uint32_t tdm_draw_weight(float l, float l_max, float inv_t, float min_p)
+{
+    float w = tdm_draw_exp(TDM_DRAW_MUL(TDM_DRAW_SUB(l, l_max), inv_t));
+    if (!(w >= min_p))
+        return 0;
+    return (uint32_t)TDM_DRAW_MUL(w, 2147483648.0f);
+}
+
+// top_p's bound on G(v) (kept iff G(v) < this): top_p * Q in double, exact
+// inputs (Q < 2^53), one rounding.
+TDM_DRAW_FN double tdm_draw_top_p_mass(float top_p, uint64_t total)
+{
+    return (double)top_p * (double)total;
+}
+
+// The draw's target in [0, total): the high half of key * total.
+TDM_DRAW_FN uint64_t tdm_draw_target(uint64_t key, uint64_t total)
+{
+#if defined(__CUDA_ARCH__)
+    return __umul64hi(key, total);
+#else
+    return (uint64_t)(((unsigned __int128)key * total) >> 64);
+#endif
+}
+
+#endif
