@@ -27,6 +27,7 @@
 #include "core.h"
 #include "engine.h"
 #include "grammar.h"
+#include "sample_draw.h"
 
 #define MOD "engine"
 
@@ -137,8 +138,11 @@ struct sched_item {
     struct tdm_engine_request *r;
     int take;
     bool logits;
-    bool fused;        // this step's token comes from the model's fused argmax
+    bool fused;        // this step's token comes from the model (its fused
+                       // argmax, or its device's draw: drawn)
+    bool drawn;        // ... its device's draw (TDM_LOGITS_SAMPLE) with draw
     int32_t fused_tok; // ... written here by the forward
+    struct tdm_draw_params draw;
 };
 
 struct tdm_engine {
@@ -171,6 +175,8 @@ struct tdm_engine {
     atomic_int sample_next;
     bool fused_argmax;              // the model's backend has the fused argmax LM head
     uint64_t fused_rows;            // tokens taken from it (plain greedy rows)
+    bool device_sampling;           // the model draws sampled tokens on its device
+    uint64_t drawn_rows;            // tokens drawn there (plain sampled rows)
     uint64_t parallel_sample_steps; // steps whose rows were sampled on several threads
     // Speculative decoding: draft_rows logits rows past the first max_num_seqs
     // bound the draft tokens of one step (draft_rows_left: this step's);
@@ -573,6 +579,7 @@ static void publish_stats(struct tdm_engine *e)
     s->num_steps = e->steps;
     s->num_parallel_sample_steps = e->parallel_sample_steps;
     s->num_fused_argmax_tokens = e->fused_rows;
+    s->num_device_drawn_tokens = e->drawn_rows;
     s->num_finished = e->finished;
     s->num_masks = e->num_masks;
     s->mask_seconds = e->mask_seconds;
@@ -1143,9 +1150,16 @@ static void run_step(struct tdm_engine *e, int n_items)
         // plain greedy token (no penalty, bias, mask or logprobs) is the
         // model's fused argmax: its logits row is never written (151 936
         // floats a row; 39 MB a step at 64 rows, issue 26).
-        it->fused = it->logits && r->n_draft == 0 && r->gm == NULL && e->fused_argmax &&
-                    tdm_sampler_plain_greedy(r->sampler);
+        // A plain sampled token (the same conditions, temperature > 0) is
+        // drawn on a device backend from the row where the head wrote it, by
+        // the sampler's own draw (sample_draw.h): only its id comes back.
+        bool plain_row = it->logits && r->n_draft == 0 && r->gm == NULL;
+        it->fused = plain_row && e->fused_argmax && tdm_sampler_plain_greedy(r->sampler);
+        it->drawn = plain_row && !it->fused && e->device_sampling &&
+                    tdm_sampler_draw_params(r->sampler, &it->draw);
+        it->fused |= it->drawn;
         enum tdm_logits_mode lm = !it->logits      ? TDM_LOGITS_NONE
+                                  : it->drawn      ? TDM_LOGITS_SAMPLE
                                   : it->fused      ? TDM_LOGITS_ARGMAX
                                   : r->n_draft > 0 ? TDM_LOGITS_ALL
                                                    : TDM_LOGITS_LAST;
@@ -1156,7 +1170,8 @@ static void run_step(struct tdm_engine *e, int n_items)
                                              .logits = lm,
                                              .on_layer = push ? layer_done : NULL,
                                              .layer_arg = push ? r : NULL,
-                                             .argmax_out = it->fused ? &it->fused_tok : NULL};
+                                             .token_out = it->fused ? &it->fused_tok : NULL,
+                                             .draw = it->drawn ? &it->draw : NULL};
         total += it->take;
     }
     // Masks of the constrained sequences that sample this step: computed on
@@ -1198,9 +1213,13 @@ static void run_step(struct tdm_engine *e, int n_items)
         if (!it->logits)
             continue;
         if (it->fused) {
-            // What tdm_sampler_sample would have recorded (plain greedy: no draw).
+            // What tdm_sampler_sample would have recorded (the token, and the
+            // output position that keys the next draw).
             tdm_sampler_replay(r->sampler, &it->fused_tok, 1);
-            e->fused_rows++;
+            if (it->drawn)
+                e->drawn_rows++;
+            else
+                e->fused_rows++;
             append_token(e, r, it->fused_tok, NULL, now);
             continue;
         }
@@ -1580,6 +1599,7 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     e->cfg = cfg;
     e->model = model;
     e->fused_argmax = tdm_model_fused_argmax(model);
+    e->device_sampling = tdm_model_device_sampling(model);
     e->m = cfg.metrics;
     e->vocab = mc->vocab_size;
     e->num_model_eos = mc->num_eos_token_ids;
@@ -1661,10 +1681,10 @@ void tdm_engine_free(struct tdm_engine *e)
     pthread_mutex_destroy(&e->mask_mu);
     TDM_LOG_INFO(MOD,
                  "stopped steps=%llu finished=%llu preemptions=%llu fused_argmax_tokens=%llu "
-                 "parallel_sample_steps=%llu",
+                 "device_drawn_tokens=%llu parallel_sample_steps=%llu",
                  (unsigned long long)e->steps, (unsigned long long)e->finished,
                  (unsigned long long)e->preemptions, (unsigned long long)e->fused_rows,
-                 (unsigned long long)e->parallel_sample_steps);
+                 (unsigned long long)e->drawn_rows, (unsigned long long)e->parallel_sample_steps);
     pthread_cond_destroy(&e->idle_cv);
     pthread_cond_destroy(&e->wake);
     pthread_mutex_destroy(&e->mu);

@@ -370,6 +370,8 @@ struct tdm_engine_stats {
                                         // host threads (enough rows and logits to pay)
     uint64_t num_fused_argmax_tokens;   // plain greedy tokens taken from the model's fused
                                         // argmax LM head (no logits row written)
+    uint64_t num_device_drawn_tokens;   // plain sampled tokens drawn on the model's device
+                                        // (TDM_LOGITS_SAMPLE: only their ids to the host)
     uint64_t num_finished; // requests finished (any reason)
     uint64_t num_masks;       // structured output: token masks computed
     double mask_seconds;      // time computing them (on the mask thread, overlapping the forward)

@@ -112,7 +112,8 @@ static int reference_on(struct tdm_model *m, const int32_t *prompt, int n_prompt
     tdm_model_kv_config(m, &kc);
     kc.block_size = 16;
     kc.num_blocks = 64;
-    assert_int_equal(tdm_kv_new(&kv, &kc, err, sizeof err), TDM_OK);
+    // In the model's memory (a device's pool on a device backend).
+    assert_int_equal(tdm_model_kv_new(m, &kc, &kv, err, sizeof err), TDM_OK);
     struct tdm_gen_request q;
     memset(&q, 0, sizeof q);
     q.prompt = prompt;
@@ -523,6 +524,79 @@ static void test_fused_greedy_matches_runner(void **state)
     wait_idle_stats(e, &s);
     assert_int_equal(s.num_fused_argmax_tokens, (N - 1) * MT);
     tdm_engine_free(e);
+}
+
+// Sampled rows on a device backend (the emulated CUDA module, --device
+// cuda-emu): plain sampled requests are drawn on the device (TDM_LOGITS_SAMPLE,
+// only ids to the host) and give the tokens the runner samples on the host
+// from the same model's logits, seed for seed; a request with a penalty is
+// sampled on the host; greedy rows take the device's argmax.
+static void test_device_draw_matches_runner(void **state)
+{
+    (void)state;
+    enum { N = 7, MT = 10 };
+    char err[256];
+    struct tdm_model_opts o;
+    tdm_model_opts_default(&o);
+    o.max_batch_tokens = 256;
+    o.max_batch_seqs = 32;
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda-emu", err, sizeof err), TDM_OK);
+    struct tdm_model *dm = NULL;
+    if (tdm_model_load(&dm, model_dir, &o, err, sizeof err) != TDM_OK)
+        fail_msg("cuda-emu load: %s", err);
+    assert_true(tdm_model_device_sampling(dm));
+    assert_false(tdm_model_device_sampling(model)); // the CPU samples on the host
+    struct tdm_engine_config c;
+    tdm_engine_config_default(&c);
+    c.num_blocks = 128;
+    c.max_num_batched_tokens = 64;
+    c.max_num_seqs = 8;
+    struct tdm_engine *e = NULL;
+    assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+    int32_t prompts[N][40], refs[N][MT], got[N][MT];
+    struct tdm_sampling_params sp[N];
+    struct tdm_engine_request *rs[N];
+    static const float temps[N] = {0.7f, 1.0f, 1.3f, 0.9f, 0.0f, 0.8f, 1.0f};
+    for (int i = 0; i < N; i++) {
+        int n = 6 + 3 * i;
+        make_prompt(prompts[i], n, 900 + (uint32_t)i);
+        tdm_sampling_params_default(&sp[i]);
+        sp[i].temperature = temps[i];
+        sp[i].top_k = i % 2 ? 20 : 0;
+        sp[i].top_p = i % 3 ? 0.9f : 1.0f;
+        sp[i].min_p = i == 3 ? 0.05f : 0.0f;
+        sp[i].ignore_eos = true;
+        sp[i].has_seed = true;
+        sp[i].seed = 4242u + (uint64_t)i;
+        if (i == N - 1)
+            sp[i].presence_penalty = 0.5f; // not plain: sampled from its row on the host
+        assert_int_equal(reference_on(dm, prompts[i], n, &sp[i], MT, refs[i], NULL), MT);
+    }
+    for (int i = 0; i < N; i++)
+        rs[i] = submit(e, prompts[i], 6 + 3 * i, &sp[i], MT);
+    for (int i = 0; i < N; i++) {
+        struct collected col = {0};
+        collect(rs[i], got[i], MT, &col, 0);
+        assert_int_equal(col.n, MT);
+        if (memcmp(got[i], refs[i], sizeof refs[i]) != 0)
+            fail_msg("request %d (T=%g): the engine's tokens differ from the runner's", i,
+                     sp[i].temperature);
+        tdm_engine_request_release(rs[i]);
+    }
+    struct tdm_engine_stats s;
+    wait_idle_stats(e, &s);
+    // Five plain sampled requests drawn on the device (their first token comes
+    // with the prompt's last chunk, a LAST row sampled on the host, unless the
+    // whole prompt fits a step with others: at least MT - 1 each), the greedy
+    // one by its argmax.
+    printf("device-drawn tokens %llu, fused argmax %llu\n",
+           (unsigned long long)s.num_device_drawn_tokens,
+           (unsigned long long)s.num_fused_argmax_tokens);
+    assert_true(s.num_device_drawn_tokens >= 5 * (MT - 1));
+    assert_true(s.num_device_drawn_tokens <= 5 * MT);
+    assert_true(s.num_fused_argmax_tokens >= MT - 1);
+    tdm_engine_free(e);
+    tdm_model_free(dm);
 }
 
 struct gate {
@@ -1890,6 +1964,7 @@ int main(void)
         cmocka_unit_test(test_concurrent_20),
         cmocka_unit_test(test_parallel_sampling_matches_runner),
         cmocka_unit_test(test_fused_greedy_matches_runner),
+        cmocka_unit_test(test_device_draw_matches_runner),
         cmocka_unit_test(test_continuous_batching),
         cmocka_unit_test(test_preemption),
         cmocka_unit_test(test_abort),

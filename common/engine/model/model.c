@@ -36,6 +36,7 @@
 #include "backend.h"
 #include "core.h"
 #include "model.h"
+#include "sample_draw.h"
 #include "weight_cache.h"
 
 // ---- structs --------------------------------------------------------------------------
@@ -85,7 +86,8 @@ struct tdm_model {
     float *logits_be;           // [T][vocab] backend memory; NULL on a host-memory backend,
                                 // which writes the caller's logits directly
     struct tdm_attn_seq *aseqs; // [max_batch_seqs]
-    int32_t *argmax_ids;        // [max_batch_seqs] the fused argmax's result, host
+    int32_t *chosen_ids;        // [max_batch_seqs] the ARGMAX and SAMPLE rows' tokens, host
+    struct tdm_draw_params *draw; // [max_batch_seqs] their draws (SAMPLE), host
     int pad_table[1];           // block table of a graph bucket's padding rows (block 0, read only)
 
     // Packed-weight cache (weight_cache.h). wcache: the mapped entry the
@@ -210,6 +212,11 @@ const struct tdm_model_config *tdm_model_config(const struct tdm_model *m)
 const struct tdm_model_opts *tdm_model_opts(const struct tdm_model *m)
 {
     return &m->opts;
+}
+
+bool tdm_model_device_sampling(const struct tdm_model *m)
+{
+    return !m->ops->host_memory && m->ops->sample_rows != NULL;
 }
 
 bool tdm_model_fused_argmax(const struct tdm_model *m)
@@ -493,7 +500,8 @@ void tdm_model_free(struct tdm_model *m)
     free(m->pos);
     free(m->ids);
     free(m->aseqs);
-    free(m->argmax_ids);
+    free(m->chosen_ids);
+    free(m->draw);
     free(m);
 }
 
@@ -828,7 +836,8 @@ static int model_alloc_activations(struct tdm_model *m, char *err, size_t errlen
     m->pos = calloc(T, sizeof *m->pos);
     m->ids = calloc(T, sizeof *m->ids);
     m->aseqs = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->aseqs);
-    m->argmax_ids = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->argmax_ids);
+    m->chosen_ids = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->chosen_ids);
+    m->draw = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->draw);
     if (m->ops->host_memory) {
         m->ids_be = m->ids;
         m->pos_be = m->pos;
@@ -838,7 +847,7 @@ static int model_alloc_activations(struct tdm_model *m, char *err, size_t errlen
         m->logits_be = alloc_f32(m, T * (size_t)c->vocab_size);
     }
     if (!m->x || !m->h || !m->d || !m->qkv || !m->attn || !m->gate_up || !m->act || !m->pos ||
-        !m->ids || !m->aseqs || !m->argmax_ids || !m->ids_be || !m->pos_be ||
+        !m->ids || !m->aseqs || !m->chosen_ids || !m->draw || !m->ids_be || !m->pos_be ||
         (!m->ops->host_memory && !m->logits_be))
         return tdm_seterr(err, errlen, TDM_ENOMEM,
                           "model: out of memory for activations of %zu tokens", T);
@@ -914,7 +923,7 @@ int tdm_model_load(struct tdm_model **out, const char *dir, const struct tdm_mod
 // Checks everything the kernels would otherwise trust; returns total rows.
 static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *kv,
                           const struct tdm_batch_seq *seqs, int n_seqs, int *n_rows,
-                          int *n_logit_rows, int *n_argmax)
+                          int *n_logit_rows, int *n_chosen)
 {
     const struct tdm_model_config *c = &m->cfg;
     const struct tdm_kv_config *kc = tdm_kv_config(kv);
@@ -923,7 +932,7 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
     if (kc->num_layers != c->num_hidden_layers || kc->num_kv_heads != c->num_key_value_heads ||
         kc->head_dim != c->head_dim || kc->block_size <= 0)
         return TDM_EINVAL;
-    int total = 0, logit_rows = 0, argmax_rows = 0;
+    int total = 0, logit_rows = 0, chosen_rows = 0;
     for (int s = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         if (q->tokens == NULL || q->block_table == NULL || q->n_tokens <= 0 || q->start_pos < 0)
@@ -949,9 +958,14 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
             logit_rows += q->n_tokens;
             break;
         case TDM_LOGITS_ARGMAX:
-            if (!tdm_model_fused_argmax(m) || q->argmax_out == NULL)
+            if (!tdm_model_fused_argmax(m) || q->token_out == NULL)
                 return TDM_EINVAL;
-            argmax_rows += 1;
+            chosen_rows += 1;
+            break;
+        case TDM_LOGITS_SAMPLE:
+            if (!tdm_model_device_sampling(m) || q->token_out == NULL || q->draw == NULL)
+                return TDM_EINVAL;
+            chosen_rows += 1;
             break;
         default:
             return TDM_EINVAL;
@@ -960,7 +974,7 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
     }
     *n_rows = total;
     *n_logit_rows = logit_rows;
-    *n_argmax = argmax_rows;
+    *n_chosen = chosen_rows;
     return TDM_OK;
 }
 
@@ -979,12 +993,20 @@ static void add_norm(struct tdm_model *m, const float *d, const float *weight, v
     m->ops->rmsnorm(m->be, m->x, weight, eps, out, n, dim);
 }
 
-// The fused argmax's ids (batch order of the ARGMAX rows) to their sequences.
-static void scatter_argmax(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs)
+// A row whose token the model chooses (the fused argmax, a device's draw):
+// its logits stay where they are made.
+static bool chosen(const struct tdm_batch_seq *q)
+{
+    return q->logits == TDM_LOGITS_ARGMAX || q->logits == TDM_LOGITS_SAMPLE;
+}
+
+// The chosen rows' tokens (batch order of the ARGMAX and SAMPLE rows) to
+// their sequences.
+static void scatter_chosen(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs)
 {
     for (int s = 0, k = 0; s < n_seqs; s++)
-        if (seqs[s].logits == TDM_LOGITS_ARGMAX)
-            *seqs[s].argmax_out = m->argmax_ids[k++];
+        if (chosen(&seqs[s]))
+            *seqs[s].token_out = m->chosen_ids[k++];
 }
 
 // One forward's shape: its rows, the head's rows and how it runs.
@@ -993,7 +1015,7 @@ struct fwd_plan {
     int n_seqs_run;   // sequences run (a graph's bucket: padding included)
     int n_logit_rows; // rows the head computes logits for (a graph's whole bucket)
     int n_logit_real; // logits rows the caller gets
-    int n_argmax;     // ARGMAX rows
+    int n_chosen;     // ARGMAX and SAMPLE rows
     bool any_hook;    // a sequence has an on_layer hook
     bool in_order;    // the head's rows are the batch's rows in order
     bool graph;       // runs as a CUDA graph of its bucket
@@ -1016,8 +1038,7 @@ static bool pack_rows(struct tdm_model *m, const struct tdm_batch_seq *seqs, int
             m->pos[row] = q->start_pos + i;
             row++;
         }
-        all_decode &=
-            q->n_tokens == 1 && (q->logits == TDM_LOGITS_LAST || q->logits == TDM_LOGITS_ARGMAX);
+        all_decode &= q->n_tokens == 1 && (q->logits == TDM_LOGITS_LAST || chosen(q));
     }
     return all_decode;
 }
@@ -1037,7 +1058,7 @@ static void plan_forward(struct tdm_model *m, const struct tdm_batch_seq *seqs, 
     // ... all LAST or all ARGMAX (the graph ends with the head's logits either
     // way; the ARGMAX rows' ids are taken after it): the head's rows are then
     // the batch's rows in order (in_order).
-    pl->in_order = all_decode && (pl->n_argmax == 0 || pl->n_argmax == n_seqs);
+    pl->in_order = all_decode && (pl->n_chosen == 0 || pl->n_chosen == n_seqs);
     pl->graph =
         m->ops->graph_begin != NULL && !m->opts.enforce_eager && pl->in_order && !pl->any_hook;
     pl->n_seqs_run = n_seqs;
@@ -1057,7 +1078,7 @@ static void plan_forward(struct tdm_model *m, const struct tdm_batch_seq *seqs, 
         pl->n = bucket;
         pl->n_logit_rows = bucket; // the padding rows' logits are computed, never copied out
     }
-    pl->n_logit_real = pl->graph ? (pl->n_argmax > 0 ? 0 : n_seqs) : pl->n_logit_rows;
+    pl->n_logit_real = pl->graph ? (pl->n_chosen > 0 ? 0 : n_seqs) : pl->n_logit_rows;
 }
 
 // The decoder layers over the packed rows; *pending: the last sublayer's
@@ -1114,7 +1135,8 @@ static int forward_layers(struct tdm_model *m, struct tdm_kv_cache *kv,
 }
 
 // Gathers the rows that want logits from x into d (batch order), the
-// ARGMAX rows after the logits rows (batch order within each group).
+// chosen rows (ARGMAX, SAMPLE) after the logits rows (batch order within each
+// group).
 static int gather_head_rows(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs,
                             int n_logit_rows)
 {
@@ -1123,10 +1145,10 @@ static int gather_head_rows(struct tdm_model *m, const struct tdm_batch_seq *seq
     for (int s = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         int first = m->aseqs[s].row, count = 0, *at = &out_row;
-        if (q->logits == TDM_LOGITS_LAST || q->logits == TDM_LOGITS_ARGMAX) {
+        if (q->logits == TDM_LOGITS_LAST || chosen(q)) {
             first += q->n_tokens - 1;
             count = 1;
-            if (q->logits == TDM_LOGITS_ARGMAX)
+            if (chosen(q))
                 at = &arg_row;
         } else if (q->logits == TDM_LOGITS_ALL) {
             count = q->n_tokens;
@@ -1153,7 +1175,7 @@ static int forward_head(struct tdm_model *m, const struct tdm_batch_seq *seqs, i
 {
     const struct tdm_backend_ops *ops = m->ops;
     struct tdm_backend *be = m->be;
-    int hidden = m->cfg.hidden_size, n_logit_rows = pl->n_logit_rows, n_argmax = pl->n_argmax;
+    int hidden = m->cfg.hidden_size, n_logit_rows = pl->n_logit_rows, n_chosen = pl->n_chosen;
     int rc;
     // A decode step whose rows all want logits (or all their argmax), in
     // batch order (every graph step): the last residual add and the final
@@ -1170,18 +1192,18 @@ static int forward_head(struct tdm_model *m, const struct tdm_batch_seq *seqs, i
         return rc;
     // A graph step's rows are its bucket's (padding included), all LAST or all
     // ARGMAX; else the LAST/ALL rows, then the ARGMAX rows.
-    int head_rows = pl->graph ? n_logit_rows : n_logit_rows + n_argmax;
+    int head_rows = pl->graph ? n_logit_rows : n_logit_rows + n_chosen;
     if (head_in)
         ops->rmsnorm(be, head_in, m->final_norm, m->cfg.rms_norm_eps, m->h, head_rows, hidden);
     // One lm_head read for all logit rows (n_logit_rows <= n fits the workspace).
     const struct tdm_weight *head = m->head_is_embed ? &m->embed : &m->lm_head;
     if (ops->host_memory) {
-        if (n_argmax > 0) {
+        if (n_chosen > 0) {
             // Greedy rows: the head's argmax without writing their logits.
             if ((rc = ops->matmul_argmax(be, head, NULL, m->h + (size_t)n_logit_rows * hidden,
-                                         n_argmax, m->argmax_ids)) != TDM_OK)
+                                         n_chosen, m->chosen_ids)) != TDM_OK)
                 return rc;
-            scatter_argmax(m, seqs, n_seqs);
+            scatter_chosen(m, seqs, n_seqs);
         }
         if (n_logit_rows > 0)
             ops->matmul(be, head, NULL, m->h, logits, n_logit_rows);
@@ -1192,7 +1214,8 @@ static int forward_head(struct tdm_model *m, const struct tdm_batch_seq *seqs, i
 }
 
 // A device backend's step end: the graph closed, the logits rows downloaded
-// and the ARGMAX rows' ids taken.
+// and the chosen rows' tokens taken: their argmax when all are greedy, else
+// the draw of each (an ARGMAX row's is the argmax: inv_t 0).
 static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs,
                           const struct fwd_plan *pl, float *logits)
 {
@@ -1202,18 +1225,28 @@ static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs,
     int rc;
     if (pl->graph && (rc = ops->graph_end(be)) != TDM_OK)
         return rc;
-    // Logits rows reach the host once per step, sampled there; greedy rows'
-    // ids come from the device's argmax over the rows after them.
+    // Logits rows reach the host once per step, sampled there; the chosen
+    // rows' tokens come from the device, over the rows after them.
     if (pl->n_logit_real > 0 &&
         (rc = ops->download(be, logits, m->logits_be,
                             (size_t)pl->n_logit_real * (size_t)vocab * sizeof(float))) != TDM_OK)
         return rc;
-    if (pl->n_argmax > 0) {
-        if ((rc = ops->argmax_rows(be, m->logits_be + (size_t)pl->n_logit_real * vocab,
-                                   pl->n_argmax, vocab, m->argmax_ids)) != TDM_OK)
-            return rc;
-        scatter_argmax(m, seqs, n_seqs);
+    if (pl->n_chosen == 0)
+        return TDM_OK;
+    float *rows = m->logits_be + (size_t)pl->n_logit_real * vocab;
+    bool any_draw = false;
+    for (int s = 0, k = 0; s < n_seqs; s++) {
+        const struct tdm_batch_seq *q = &seqs[s];
+        if (!chosen(q))
+            continue;
+        any_draw |= q->logits == TDM_LOGITS_SAMPLE;
+        m->draw[k++] = q->logits == TDM_LOGITS_SAMPLE ? *q->draw : (struct tdm_draw_params){0};
     }
+    rc = any_draw ? ops->sample_rows(be, rows, pl->n_chosen, vocab, m->draw, m->chosen_ids)
+                  : ops->argmax_rows(be, rows, pl->n_chosen, vocab, m->chosen_ids);
+    if (rc != TDM_OK)
+        return rc;
+    scatter_chosen(m, seqs, n_seqs);
     return TDM_OK;
 }
 
@@ -1223,7 +1256,7 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
     if (m == NULL || kv == NULL)
         return TDM_EINVAL;
     struct fwd_plan pl;
-    int rc = validate_batch(m, kv, seqs, n_seqs, &pl.n, &pl.n_logit_rows, &pl.n_argmax);
+    int rc = validate_batch(m, kv, seqs, n_seqs, &pl.n, &pl.n_logit_rows, &pl.n_chosen);
     if (rc != TDM_OK)
         return rc;
     if (pl.n_logit_rows > 0 && logits == NULL)
@@ -1251,7 +1284,7 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
         ops->embed(be, &m->embed, m->ids_be, pl.n, m->x);
         if ((rc = forward_layers(m, kv, seqs, n_seqs, &pl, &pending)) != TDM_OK)
             return rc;
-        if (pl.n_logit_rows == 0 && pl.n_argmax == 0)
+        if (pl.n_logit_rows == 0 && pl.n_chosen == 0)
             return ops->sync ? ops->sync(be) : TDM_OK; // x's last residual add is never read
         if ((rc = forward_head(m, seqs, n_seqs, &pl, pending, logits)) != TDM_OK ||
             ops->host_memory)

@@ -105,9 +105,19 @@ int tdm_model_kv_new(struct tdm_model *m, const struct tdm_kv_config *cfg,
 
 // LAST: the last token's logits row; ALL: every new token's row; ARGMAX: no
 // row, but the index of the last token's largest logit (the first largest by
-// `>`: what greedy sampling picks) in *argmax_out, computed without writing the
-// logits (the backend's fused LM head; only where tdm_model_fused_argmax).
-enum tdm_logits_mode { TDM_LOGITS_NONE = 0, TDM_LOGITS_LAST, TDM_LOGITS_ALL, TDM_LOGITS_ARGMAX };
+// `>`: what greedy sampling picks) in *token_out, computed without writing the
+// logits (the backend's fused LM head; only where tdm_model_fused_argmax);
+// SAMPLE: no row, but the token sample_draw.h's draw takes from the last
+// token's logits with *draw, in *token_out, drawn where the logits are (only
+// where tdm_model_device_sampling): the token the CPU sampler would draw from
+// that row.
+enum tdm_logits_mode {
+    TDM_LOGITS_NONE = 0,
+    TDM_LOGITS_LAST,
+    TDM_LOGITS_ALL,
+    TDM_LOGITS_ARGMAX,
+    TDM_LOGITS_SAMPLE
+};
 
 // Called inside tdm_model_forward, on the calling thread, right after layer
 // `layer` of this sequence's new tokens was written into the KV cache (layers
@@ -117,6 +127,8 @@ enum tdm_logits_mode { TDM_LOGITS_NONE = 0, TDM_LOGITS_LAST, TDM_LOGITS_ALL, TDM
 // writes only later layers of the cache). Must be cheap and must not block.
 typedef void (*tdm_layer_done_fn)(void *arg, int layer);
 
+struct tdm_draw_params; // sample_draw.h (common/engine/sampling)
+
 struct tdm_batch_seq {
     const int32_t *tokens;     // [n_tokens] the new tokens this step
     int n_tokens;
@@ -125,16 +137,21 @@ struct tdm_batch_seq {
     enum tdm_logits_mode logits;
     tdm_layer_done_fn on_layer; // optional per-layer hook (NULL: none, no cost)
     void *layer_arg;            // for on_layer
-    int32_t *argmax_out;        // TDM_LOGITS_ARGMAX: where the token goes (host)
+    int32_t *token_out;         // ARGMAX, SAMPLE: where the token goes (host)
+    const struct tdm_draw_params *draw; // SAMPLE: the draw's parameters (sample_draw.h)
 };
 
 // Whether m's backend has the fused argmax LM head (TDM_LOGITS_ARGMAX).
 bool tdm_model_fused_argmax(const struct tdm_model *m);
+// Whether m's backend draws sampled tokens where the logits are
+// (TDM_LOGITS_SAMPLE): a device backend with sample_rows; the CPU samples on
+// the host, where its logits are anyway.
+bool tdm_model_device_sampling(const struct tdm_model *m);
 
 // Runs one step: writes the new tokens' K/V into the cache and, per sequence,
 // logits rows into logits in batch order (n_tokens rows for ALL, 1 for LAST, 0
 // for NONE and ARGMAX), each vocab_size floats; ARGMAX sequences get their
-// token in *argmax_out (TDM_EINVAL where the backend has no fused argmax). TDM_EINVAL when the
+// token in *token_out (TDM_EINVAL where the backend has no fused argmax). TDM_EINVAL when the
 // batch exceeds max_batch_tokens/max_batch_seqs or a position exceeds the context. Runs fn(arg,
 // tid, nthreads) once on each host compute thread of m's backend (tid 0 on the caller) and returns
 // when all have: the CPU backend's compute threads, idle between forwards; a backend without host

@@ -433,7 +433,7 @@ static void fused_argmax_on(const char *isa, enum tdm_weight_mode mode)
                                           .start_pos = 0,
                                           .block_table = seqs[i].block_table,
                                           .logits = arg ? TDM_LOGITS_ARGMAX : TDM_LOGITS_LAST,
-                                          .argmax_out = arg ? &got[i] : NULL};
+                                          .token_out = arg ? &got[i] : NULL};
         }
         assert_int_equal(tdm_model_forward(m, kv, b, NS, pass == 0 ? ref : mixed), TDM_OK);
         for (int i = 0; i < NS; i++)

@@ -60,6 +60,7 @@ struct tdm_backend {
 
     struct dev_buf am_ids;  // [n] int32 token ids of argmax_rows, device
     struct dev_buf am_part; // argmax_rows' per-chunk winners (tdm_cuk_argmax_scratch)
+    struct dev_buf sp;      // [n] struct tdm_draw_params of sample_rows, device
     // begin_forward's staging: host copies, and their device twins.
     int n_rows, n_seqs;                                  // of the staged forward
     int32_t *h_slots;                                    // [cap_rows] flat KV slot of each new row
@@ -186,6 +187,7 @@ static void cuda_destroy(struct tdm_backend *be)
         return;
     buf_free(be, &be->am_ids);
     buf_free(be, &be->am_part);
+    buf_free(be, &be->sp);
     for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++)
         tdm_cuda_dev_graph_free(be->dev, be->graphs[i].graph);
     buf_free(be, &be->d_meta);
@@ -347,6 +349,24 @@ static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int c
         return take_err(be);
     }
     launch_check(be, tdm_cuk_argmax_rows(be->stream, x, n, cols, be->am_ids.p, be->am_part.p));
+    if (be->err != TDM_OK)
+        return take_err(be);
+    return cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));
+}
+
+// Sampled rows (issue 26 item 1): drawn on the device by the CPU sampler's
+// draw, and only the ids to the host, as the greedy rows' argmax.
+static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
+                            const struct tdm_draw_params *params, int32_t *ids)
+{
+    if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
+        buf_reserve(be, &be->sp, (size_t)n * sizeof *params) != TDM_OK) {
+        fail(be, TDM_ENOMEM, "sample: %s", "out of device memory for the parameters");
+        return take_err(be);
+    }
+    if (cuda_upload(be, be->sp.p, params, (size_t)n * sizeof *params) != TDM_OK)
+        return take_err(be);
+    launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->am_ids.p));
     if (be->err != TDM_OK)
         return take_err(be);
     return cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));
@@ -1097,4 +1117,5 @@ const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
     .silu_mul = cuda_silu_mul,
     .add = cuda_add,
     .argmax_rows = cuda_argmax_rows,
+    .sample_rows = cuda_sample_rows,
 };

@@ -342,6 +342,212 @@ __global__ void argmax_merge_kernel(const float *part_v, const int32_t *part_i, 
         ids[blockIdx.x] = wi < 0 ? 0 : wi;
 }
 
+// ---- sampling on the device (sample_draw.h's draw) -------------------------------------
+// grid (n), block TDM_CUK_ARGMAX_THREADS: row blockIdx.x's token by the draw
+// the CPU sampler makes (common/engine/sampling/sample_draw.h), so the same
+// row gives the same token. Every sum is an integer (exact in any order) and
+// every threshold is found by a radix walk of counts or masses, so no result
+// depends on the order threads add in. The row is overwritten with the
+// tokens' integer weights (it is scratch: nobody reads these rows after).
+//   1. the row's first largest (argmax_tree): greedy rows (inv_t 0) and rows
+//      without a finite maximum end there;
+//   2. top_k: the k-th largest finite logit, 8 bits at a time from the top of
+//      its order-preserving key (4 passes of a 256-bin count);
+//   3. each token's weight (tdm_draw_weight, 0 below the top_k threshold),
+//      written over its logit, and their total;
+//   4. top_p: the smallest kept weight, 8 bits at a time by mass: the first
+//      bin, from the top, whose mass with all heavier ones reaches the bound
+//      holds it (4 passes);
+//   5. the draw: each thread sums the kept weights of a contiguous span, the
+//      spans before it give its offset, and the one holding the target finds
+//      the token in its span.
+// One CTA a row (issue 26 item 1's first version); a row's passes over
+// 151 936 weights could be split over CTAs as the argmax is.
+__device__ __forceinline__ uint32_t draw_key_of(float v)
+{
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float draw_value_of(uint32_t k)
+{
+    uint32_t u = (k & 0x80000000u) ? (k & 0x7fffffffu) : ~k;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+// The k-th largest value of row[0..cols) above -inf (NaN never), or -inf
+// when fewer than k are.
+__device__ float draw_kth_largest(const float *row, int cols, int k)
+{
+    __shared__ unsigned int hist[256];
+    __shared__ uint32_t s_prefix;
+    __shared__ int s_left;
+    if (threadIdx.x == 0) {
+        s_prefix = 0;
+        s_left = k;
+    }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x)
+            hist[b] = 0;
+        __syncthreads();
+        uint32_t prefix = s_prefix;
+        uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            float v = row[c];
+            if (!(v > -INFINITY))
+                continue;
+            uint32_t key = draw_key_of(v);
+            if ((key & mask) == prefix)
+                atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int left = s_left;
+            unsigned long long seen = 0;
+            int b = 255;
+            for (; b >= 0; b--) {
+                if (seen + hist[b] >= (unsigned long long)left)
+                    break;
+                seen += hist[b];
+            }
+            if (b < 0) {
+                s_left = -1; // fewer than k: no threshold
+            } else {
+                s_left = left - (int)seen;
+                s_prefix = prefix | ((uint32_t)b << shift);
+            }
+        }
+        __syncthreads();
+        if (s_left < 0)
+            return -INFINITY;
+    }
+    return draw_value_of(s_prefix);
+}
+
+// The smallest kept weight of top_p: the smallest v with mass(q > v) < bound.
+__device__ uint32_t draw_top_p_floor(const uint32_t *q, int cols, double bound)
+{
+    __shared__ unsigned long long mass[256];
+    __shared__ uint32_t s_prefix;
+    __shared__ unsigned long long s_above;
+    if (threadIdx.x == 0) {
+        s_prefix = 0;
+        s_above = 0;
+    }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x)
+            mass[b] = 0;
+        __syncthreads();
+        uint32_t prefix = s_prefix;
+        uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);
+        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+            uint32_t w = q[c];
+            if (w != 0 && (w & mask) == prefix)
+                atomicAdd(&mass[(w >> shift) & 255u], (unsigned long long)w);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned long long above = s_above;
+            int b = 255;
+            for (; b > 0; b--) {
+                if ((double)(above + mass[b]) >= bound)
+                    break;
+                above += mass[b];
+            }
+            s_above = above;
+            s_prefix = prefix | ((uint32_t)b << shift);
+        }
+        __syncthreads();
+    }
+    return s_prefix;
+}
+
+// Block-wide sum of a 64-bit integer, to every thread.
+__device__ __forceinline__ unsigned long long draw_block_sum(unsigned long long v)
+{
+    __shared__ unsigned long long s_sum;
+    if (threadIdx.x == 0)
+        s_sum = 0;
+    __syncthreads();
+    atomicAdd(&s_sum, v);
+    __syncthreads();
+    unsigned long long t = s_sum;
+    __syncthreads();
+    return t;
+}
+
+__global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
+    sample_rows_kernel(float *x, int cols, const tdm_draw_params *params, int32_t *ids)
+{
+    __shared__ unsigned long long span_sum[TDM_CUK_ARGMAX_THREADS];
+    float *row = x + (size_t)blockIdx.x * cols;
+    const tdm_draw_params d = params[blockIdx.x];
+    // 1. The first largest.
+    float bv = -INFINITY;
+    int bi = -1;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = row[c];
+        if (v > bv) {
+            bv = v;
+            bi = c;
+        }
+    }
+    float lmax;
+    int imax;
+    argmax_tree(bv, bi, &lmax, &imax);
+    if (d.inv_t == 0.0f || !isfinite(lmax)) {
+        if (threadIdx.x == 0)
+            ids[blockIdx.x] = imax < 0 ? 0 : imax;
+        return;
+    }
+    // 2. top_k's threshold.
+    float thr = d.top_k > 0 ? draw_kth_largest(row, cols, d.top_k) : -INFINITY;
+    // 3. Weights over the logits, and their total.
+    uint32_t *q = (uint32_t *)row;
+    unsigned long long part = 0;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = row[c];
+        uint32_t w = v >= thr ? tdm_draw_weight(v, lmax, d.inv_t, d.min_p) : 0u;
+        q[c] = w;
+        part += w;
+    }
+    __syncthreads(); // every weight written before anyone reads them
+    unsigned long long total = draw_block_sum(part);
+    // 4. top_p's floor.
+    uint32_t floor_q = 1;
+    if (d.top_p < 1.0f) {
+        floor_q = draw_top_p_floor(q, cols, tdm_draw_top_p_mass(d.top_p, total));
+        floor_q = floor_q > 0 ? floor_q : 1;
+    }
+    // 5. The draw over contiguous spans.
+    int span = (cols + (int)blockDim.x - 1) / (int)blockDim.x;
+    int c0 = (int)threadIdx.x * span, c1 = c0 + span < cols ? c0 + span : cols;
+    unsigned long long mine = 0;
+    for (int c = c0; c < c1; c++)
+        mine += q[c] >= floor_q ? q[c] : 0u;
+    span_sum[threadIdx.x] = mine;
+    __syncthreads();
+    unsigned long long before = 0, kept = 0;
+    for (unsigned t = 0; t < blockDim.x; t++) {
+        before += t < threadIdx.x ? span_sum[t] : 0ull;
+        kept += span_sum[t];
+    }
+    unsigned long long target = tdm_draw_target(d.key, kept);
+    if (target >= before && target < before + mine) {
+        unsigned long long acc = before;
+        for (int c = c0; c < c1; c++) {
+            acc += q[c] >= floor_q ? q[c] : 0u;
+            if (acc > target) {
+                ids[blockIdx.x] = c;
+                break;
+            }
+        }
+    }
+}
+
 template <class KV>
 __global__ void kv_scatter_kernel(KV *pool, const int32_t *blocks, size_t block_elems,
                                   const float *in)

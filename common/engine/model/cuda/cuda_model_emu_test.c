@@ -49,6 +49,8 @@
 #include "kv_cache.h"
 #include "mkmodel.h"
 #include "model.h"
+#include "sample_draw.h"
+#include "sampling.h"
 
 static char tiny_dir[64], gqa7_dir[64];
 
@@ -656,38 +658,69 @@ static void test_graphs_vs_eager(void **state)
 #ifndef TDM_CUDA_TEST_GPU
     unsigned long long launches0 = tdm_emu_graph_launches();
 #endif
-    // Greedy rows' ids from the device argmax (TDM_LOGITS_ARGMAX): every third
-    // step all rows (still a graph: the ids are taken after it), every third
-    // step the middle row only (a mixed batch runs eager); the ids equal the
-    // argmax of the eager model's logits, the LAST rows' logits stay bitwise.
+    // Tokens the model chooses: greedy rows' ids from the device argmax
+    // (TDM_LOGITS_ARGMAX) and sampled rows' from the device's draw
+    // (TDM_LOGITS_SAMPLE, issue 26 item 1). Every third step all rows (row 0
+    // greedy, rows 1 and 2 sampled: still a graph, the tokens are taken after
+    // it), every third step the middle row only, sampled (a mixed batch runs
+    // eager). The ids equal the argmax of the eager model's logits, the drawn
+    // tokens what the CPU sampler draws from them with the same seed at the
+    // same position; the LAST rows' logits stay bitwise.
+    float *work = malloc((size_t)vocab * sizeof(float));
+    assert_non_null(work);
     for (int t = 0; t < STEPS_G; t++) {
         struct tdm_batch_seq bg[NS], be[NS];
-        int32_t ids[NS] = {-1, -1, -1};
+        int32_t ids[NS] = {-1, -1, -1}, drawn_want[NS] = {-1, -1, -1};
+        struct tdm_draw_params dp[NS];
+        struct tdm_sampler *smp[NS] = {NULL, NULL, NULL};
         for (int s = 0; s < NS; s++) {
             int pos = start[s] + t;
-            bool arg = t % 3 == 1 || (t % 3 == 2 && s == 1);
+            bool chosen = t % 3 == 1 || (t % 3 == 2 && s == 1);
+            bool draw = chosen && s > 0;
             assert_int_equal(tdm_kv_reserve(kg, &sg[s], pos + 1), TDM_OK);
             assert_int_equal(tdm_kv_reserve(ke, &se[s], pos + 1), TDM_OK);
+            if (draw) {
+                struct tdm_sampling_params p;
+                tdm_sampling_params_default(&p);
+                p.temperature = 0.8f;
+                p.top_k = s == 1 ? 0 : 40;
+                p.top_p = 0.9f;
+                p.has_seed = true;
+                p.seed = 50u + (uint64_t)s;
+                assert_int_equal(tdm_sampler_new(&smp[s], &p, vocab, NULL, 0, NULL, 0), TDM_OK);
+                tdm_sampler_replay(smp[s], h[s] + start[s], (size_t)t); // position t
+                assert_true(tdm_sampler_draw_params(smp[s], &dp[s]));
+            }
             bg[s] = (struct tdm_batch_seq){.tokens = h[s] + pos,
                                            .n_tokens = 1,
                                            .start_pos = pos,
                                            .block_table = sg[s].block_table,
-                                           .logits = arg ? TDM_LOGITS_ARGMAX : TDM_LOGITS_LAST,
-                                           .argmax_out = arg ? &ids[s] : NULL};
+                                           .logits = draw     ? TDM_LOGITS_SAMPLE
+                                                     : chosen ? TDM_LOGITS_ARGMAX
+                                                              : TDM_LOGITS_LAST,
+                                           .token_out = chosen ? &ids[s] : NULL,
+                                           .draw = draw ? &dp[s] : NULL};
             be[s] = bg[s];
             be[s].block_table = se[s].block_table;
             be[s].logits = TDM_LOGITS_LAST;
-            be[s].argmax_out = NULL;
+            be[s].token_out = NULL;
+            be[s].draw = NULL;
         }
         assert_int_equal(tdm_model_forward(mg, kg, bg, NS, lg), TDM_OK);
         assert_int_equal(tdm_model_forward(me, ke, be, NS, le), TDM_OK);
         for (int s = 0, row = 0; s < NS; s++) {
             const float *want = le + (size_t)s * vocab;
-            if (bg[s].logits == TDM_LOGITS_ARGMAX)
+            if (bg[s].logits == TDM_LOGITS_ARGMAX) {
                 assert_int_equal(ids[s], argmax(want, vocab));
-            else
+            } else if (bg[s].logits == TDM_LOGITS_SAMPLE) {
+                memcpy(work, want, (size_t)vocab * sizeof(float));
+                drawn_want[s] = tdm_sampler_sample(smp[s], work, NULL);
+                assert_int_equal(ids[s], drawn_want[s]);
+                tdm_sampler_free(smp[s]);
+            } else {
                 assert_memory_equal(lg + (size_t)row++ * vocab, want,
                                     (size_t)vocab * sizeof(float));
+            }
         }
         for (int s = 0; s < NS; s++) {
             int pos = start[s] + t;
@@ -714,6 +747,7 @@ static void test_graphs_vs_eager(void **state)
         tdm_kv_commit(ke, &se[2], h[2], pos + 1);
         h[2][pos + 1] = argmax(lg, vocab);
     }
+    free(work);
 #ifndef TDM_CUDA_TEST_GPU
     unsigned long long launches = tdm_emu_graph_launches() - launches0;
     printf("graph launches: %llu of %d steps\n", launches, STEPS_G + 3);

@@ -40,6 +40,8 @@
 #include "cuda_dev.h"
 #include "cuda_kernels.h"
 #include "kv_cache.h"
+#include "sample_draw.h"
+#include "sampling.h"
 #ifndef TDM_CUDA_TEST_GPU
 #include "emu/cuda_emu_api.h" // the launch log
 #endif
@@ -895,6 +897,162 @@ static void test_argmax_rows(void **state)
         TDM_CUK_EINVAL); // several chunks and no scratch
 }
 
+// Device sampling (issue 26 item 1): the kernel's token = the CPU sampler's
+// from the same row, for every kind of row and filter, several output
+// positions, each row alone = in the batch; the kernel's launches: one CTA a
+// row.
+struct sample_case {
+    float temperature, top_p, min_p;
+    int top_k;
+};
+
+static void sample_row_fill(float *row, int cols, int kind)
+{
+    fill(row, (size_t)cols, kind == 5 ? 30.0f : 8.0f);
+    switch (kind) {
+    case 1: // ties: 9 distinct values
+        for (int c = 0; c < cols; c++)
+            row[c] = floorf(row[c]);
+        break;
+    case 2: // NaN and -inf among them
+        for (int c = 0; c < cols; c += 5)
+            row[c] = c % 2 ? -INFINITY : NAN;
+        break;
+    case 3: // nothing above -inf
+        for (int c = 0; c < cols; c++)
+            row[c] = -INFINITY;
+        row[cols / 2] = NAN;
+        break;
+    case 4: // +inf once
+        row[cols - 1] = INFINITY;
+        break;
+    default:
+        break;
+    }
+}
+
+static void test_sample_rows(void **state)
+{
+    (void)state;
+    static const struct sample_case cases[] = {
+        {0.0f, 1.0f, 0.0f, 0},   {1.0f, 1.0f, 0.0f, 0}, {0.7f, 0.8f, 0.0f, 20},
+        {0.7f, 0.9f, 0.0f, 0},   {1.3f, 1.0f, 0.1f, 0}, {0.05f, 0.5f, 0.0f, 3},
+        {1.0f, 0.3f, 0.02f, 50}, {0.9f, 1.0f, 0.0f, 1}, {1.0f, 0.999f, 0.0f, 100000},
+        {0.6f, 0.05f, 0.5f, 0},
+    };
+    enum { NC = sizeof cases / sizeof cases[0], KINDS = 6 };
+    const int widths[] = {1, 7, 1000, 4099, 151936};
+    for (size_t wi = 0; wi < sizeof widths / sizeof widths[0]; wi++) {
+        int cols = widths[wi];
+        // Every case on every kind of row at the smaller widths; a few rows at
+        // the real vocabulary (the emulator runs each thread in turn).
+        int n = cols > 5000 ? 4 : NC * KINDS;
+        size_t count = (size_t)n * cols;
+        float *x = malloc(count * sizeof *x), *work = malloc((size_t)cols * sizeof *work);
+        struct tdm_draw_params *dp = malloc((size_t)n * sizeof *dp);
+        int32_t *want = malloc((size_t)n * sizeof *want), *got = malloc((size_t)n * sizeof *got);
+        assert_true(x && work && dp && want && got);
+        for (int pos = 0; pos < 3; pos++) {
+            for (int r = 0; r < n; r++) {
+                const struct sample_case *sc = &cases[(r + pos) % NC];
+                float *row = x + (size_t)r * cols;
+                sample_row_fill(row, cols, cols > 5000 ? r % 3 : (r / NC) % KINDS);
+                struct tdm_sampling_params p;
+                tdm_sampling_params_default(&p);
+                p.temperature = sc->temperature;
+                p.top_p = sc->top_p;
+                p.min_p = sc->min_p;
+                p.top_k = sc->top_k < cols ? sc->top_k : 0;
+                p.has_seed = true;
+                p.seed = 7000u + (uint64_t)r * 31u + (uint64_t)wi;
+                struct tdm_sampler *s = NULL;
+                assert_int_equal(tdm_sampler_new(&s, &p, cols, NULL, 0, NULL, 0), TDM_OK);
+                int32_t skip[3] = {0, 0, 0};
+                tdm_sampler_replay(s, skip, (size_t)pos);
+                assert_true(tdm_sampler_draw_params(s, &dp[r]));
+                memcpy(work, row, (size_t)cols * sizeof *work);
+                want[r] = tdm_sampler_sample(s, work, NULL);
+                tdm_sampler_free(s);
+            }
+            float *d_x = to_dev(x, count * sizeof *x);
+            struct tdm_draw_params *d_p = to_dev(dp, (size_t)n * sizeof *dp);
+            int32_t *d_ids = dev_zeros((size_t)n * sizeof *got);
+#ifndef TDM_CUDA_TEST_GPU
+            tdm_emu_launch_log(1);
+#endif
+            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, d_ids));
+#ifndef TDM_CUDA_TEST_GPU
+            struct tdm_emu_launch l[2];
+            assert_int_equal(tdm_emu_launches(l, 2), 1);
+            assert_int_equal(l[0].ctas, (unsigned long long)n);
+            tdm_emu_launch_log(0);
+#endif
+            from_dev(got, d_ids, (size_t)n * sizeof *got);
+            for (int r = 0; r < n; r++)
+                if (got[r] != want[r])
+                    fail_msg("cols %d pos %d row %d (T=%g k=%d p=%g min_p=%g): device %d, CPU %d",
+                             cols, pos, r, dp[r].inv_t == 0 ? 0.0 : 1.0 / dp[r].inv_t, dp[r].top_k,
+                             dp[r].top_p, dp[r].min_p, got[r], want[r]);
+            // A row alone (the last one, its logits again) = in the batch.
+            int last = n - 1;
+            assert_int_equal(
+                tdm_cuda_dev_h2d(dev, d_x, x + (size_t)last * cols, (size_t)cols * sizeof *x),
+                TDM_OK);
+            ok(tdm_cuk_sample_rows(stream, d_x, 1, cols, d_p + last, d_ids));
+            int32_t alone;
+            from_dev(&alone, d_ids, sizeof alone);
+            assert_int_equal(alone, want[last]);
+            tdm_cuda_dev_free(dev, d_x);
+            tdm_cuda_dev_free(dev, d_p);
+            tdm_cuda_dev_free(dev, d_ids);
+        }
+        free(x), free(work), free(dp), free(want), free(got);
+    }
+    assert_int_equal(tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL), TDM_CUK_EINVAL);
+}
+
+// top_p's bound met exactly: weights 2^31 (logit 0) and twice 2^30 (the logit
+// whose draw_exp is exactly 0.5), T 1, top_p 0.5: the bound is 2^31, the mass
+// heavier than the 2^30 tokens, so they are dropped (vLLM drops a token whose
+// preceding mass reaches p) and every draw is token 1, on both sides.
+static void test_sample_rows_boundary(void **state)
+{
+    (void)state;
+    enum { N = 16, COLS = 40 };
+    const float half = -0.693147182f;
+    assert_true(tdm_draw_weight(half, 0.0f, 1.0f, 0.0f) == TDM_DRAW_ONE / 2);
+    float x[N * COLS], work[COLS];
+    struct tdm_draw_params dp[N];
+    int32_t got[N];
+    for (int r = 0; r < N; r++) {
+        float *row = x + r * COLS;
+        for (int c = 0; c < COLS; c++)
+            row[c] = -INFINITY;
+        row[0] = half, row[1] = 0.0f, row[2] = half;
+        struct tdm_sampling_params p;
+        tdm_sampling_params_default(&p);
+        p.top_p = 0.5f;
+        p.has_seed = true;
+        p.seed = (uint64_t)r;
+        struct tdm_sampler *s = NULL;
+        assert_int_equal(tdm_sampler_new(&s, &p, COLS, NULL, 0, NULL, 0), TDM_OK);
+        assert_true(tdm_sampler_draw_params(s, &dp[r]));
+        memcpy(work, row, sizeof work);
+        assert_int_equal(tdm_sampler_sample(s, work, NULL), 1);
+        tdm_sampler_free(s);
+    }
+    float *d_x = to_dev(x, sizeof x);
+    struct tdm_draw_params *d_p = to_dev(dp, sizeof dp);
+    int32_t *d_ids = dev_zeros(sizeof got);
+    ok(tdm_cuk_sample_rows(stream, d_x, N, COLS, d_p, d_ids));
+    from_dev(got, d_ids, sizeof got);
+    for (int r = 0; r < N; r++)
+        assert_int_equal(got[r], 1);
+    tdm_cuda_dev_free(dev, d_x);
+    tdm_cuda_dev_free(dev, d_p);
+    tdm_cuda_dev_free(dev, d_ids);
+}
+
 static void test_kv_gather_scatter(void **state)
 {
     (void)state;
@@ -1011,6 +1169,8 @@ int main(void)
         cmocka_unit_test(test_rope_store_fused),
         cmocka_unit_test(test_kv_gather_scatter),
         cmocka_unit_test(test_argmax_rows),
+        cmocka_unit_test(test_sample_rows),
+        cmocka_unit_test(test_sample_rows_boundary),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
