@@ -143,6 +143,7 @@ struct sched_item {
     bool drawn;        // ... its device's draw (TDM_LOGITS_SAMPLE) with draw
     int32_t fused_tok; // ... written here by the forward
     struct tdm_draw_params draw;
+    int adj_off; // drawn: its logit adjustments in the engine's adj array
 };
 
 struct tdm_engine {
@@ -176,7 +177,9 @@ struct tdm_engine {
     bool fused_argmax;              // the model's backend has the fused argmax LM head
     uint64_t fused_rows;            // tokens taken from it (plain greedy rows)
     bool device_sampling;           // the model draws sampled tokens on its device
-    uint64_t drawn_rows;            // tokens drawn there (plain sampled rows)
+    uint64_t drawn_rows;            // tokens drawn there (rows without logprobs)
+    struct tdm_draw_adj *adj;       // [adj_cap] the drawn rows' logit adjustments, this step
+    int adj_cap;
     uint64_t parallel_sample_steps; // steps whose rows were sampled on several threads
     // Speculative decoding: draft_rows logits rows past the first max_num_seqs
     // bound the draft tokens of one step (draft_rows_left: this step's);
@@ -1136,10 +1139,33 @@ static void sample_rows(struct tdm_engine *e, double now)
     e->n_sjobs = 0;
 }
 
+// A row's draw on the device: its parameters and adjustments (at *used in
+// the step's adj array, grown as needed). False: the host samples it.
+static bool draw_prepare(struct tdm_engine *e, struct sched_item *it, int *used)
+{
+    struct tdm_sampler *s = it->r->sampler;
+    int room = e->adj_cap - *used;
+    int n = tdm_sampler_draw_prepare(s, &it->draw, e->adj + *used, room);
+    if (n < 0)
+        return false;
+    if (n > room) {
+        int cap = *used + n + 1024;
+        struct tdm_draw_adj *grown = realloc(e->adj, (size_t)cap * sizeof *grown);
+        if (grown == NULL)
+            return false;
+        e->adj = grown;
+        e->adj_cap = cap;
+        (void)tdm_sampler_draw_prepare(s, &it->draw, e->adj + *used, n);
+    }
+    it->adj_off = *used;
+    *used += n;
+    return true;
+}
+
 static void run_step(struct tdm_engine *e, int n_items)
 {
     struct tdm_metrics_vllm *m = e->m;
-    int total = 0;
+    int total = 0, adj_used = 0;
     for (int b = 0; b < n_items; b++) {
         struct sched_item *it = &e->items[b];
         struct tdm_engine_request *r = it->r;
@@ -1150,13 +1176,14 @@ static void run_step(struct tdm_engine *e, int n_items)
         // plain greedy token (no penalty, bias, mask or logprobs) is the
         // model's fused argmax: its logits row is never written (151 936
         // floats a row; 39 MB a step at 64 rows, issue 26).
-        // A plain sampled token (the same conditions, temperature > 0) is
-        // drawn on a device backend from the row where the head wrote it, by
-        // the sampler's own draw (sample_draw.h): only its id comes back.
+        // On a device backend every other token of such a row but one asking
+        // logprobs (penalties, bias and min_tokens masks included: the
+        // request's adjustments go with it) is drawn where the head wrote
+        // its row, by the sampler's own draw (sample_draw.h): only its id
+        // comes back.
         bool plain_row = it->logits && r->n_draft == 0 && r->gm == NULL;
         it->fused = plain_row && e->fused_argmax && tdm_sampler_plain_greedy(r->sampler);
-        it->drawn = plain_row && !it->fused && e->device_sampling &&
-                    tdm_sampler_draw_params(r->sampler, &it->draw);
+        it->drawn = plain_row && !it->fused && e->device_sampling && draw_prepare(e, it, &adj_used);
         it->fused |= it->drawn;
         enum tdm_logits_mode lm = !it->logits      ? TDM_LOGITS_NONE
                                   : it->drawn      ? TDM_LOGITS_SAMPLE
@@ -1174,6 +1201,10 @@ static void run_step(struct tdm_engine *e, int n_items)
                                              .draw = it->drawn ? &it->draw : NULL};
         total += it->take;
     }
+    // The adjustments' array settled (it may have grown), each drawn row's.
+    for (int b = 0; b < n_items; b++)
+        if (e->items[b].drawn)
+            e->batch[b].adj = e->adj + e->items[b].adj_off;
     // Masks of the constrained sequences that sample this step: computed on
     // the mask thread while the forward runs. Nothing at all when none is.
     e->n_mask_jobs = 0;
@@ -1523,6 +1554,7 @@ static void engine_free_arrays(struct tdm_engine *e)
     free(e->items);
     free(e->batch);
     free(e->logits);
+    free(e->adj);
     free(e->spec_res);
     free(e->sjobs);
     free(e->sjob_res);

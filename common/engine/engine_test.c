@@ -527,10 +527,11 @@ static void test_fused_greedy_matches_runner(void **state)
 }
 
 // Sampled rows on a device backend (the emulated CUDA module, --device
-// cuda-emu): plain sampled requests are drawn on the device (TDM_LOGITS_SAMPLE,
-// only ids to the host) and give the tokens the runner samples on the host
-// from the same model's logits, seed for seed; a request with a penalty is
-// sampled on the host; greedy rows take the device's argmax.
+// cuda-emu): sampled requests are drawn on the device (TDM_LOGITS_SAMPLE, only
+// ids to the host; penalties, bias and min_tokens as adjustments sent with
+// the row) and give the tokens the runner samples on the host from the same
+// model's logits, seed for seed; a request asking logprobs is sampled on the
+// host; plain greedy rows take the device's argmax.
 static void test_device_draw_matches_runner(void **state)
 {
     (void)state;
@@ -568,8 +569,17 @@ static void test_device_draw_matches_runner(void **state)
         sp[i].ignore_eos = true;
         sp[i].has_seed = true;
         sp[i].seed = 4242u + (uint64_t)i;
-        if (i == N - 1)
-            sp[i].presence_penalty = 0.5f; // not plain: sampled from its row on the host
+        if (i == 2)
+            sp[i].logprobs = 1; // its row comes to the host
+        if (i == N - 1) {
+            // Qwen2.5's generation_config penalty, and the OpenAI ones.
+            sp[i].repetition_penalty = 1.1f;
+            sp[i].presence_penalty = 0.5f;
+            sp[i].frequency_penalty = 0.3f;
+            sp[i].logit_bias[0] = (struct tdm_logit_bias){.token = prompts[i][2], .bias = 3.0f};
+            sp[i].num_logit_bias = 1;
+            sp[i].min_tokens = 4;
+        }
         assert_int_equal(reference_on(dm, prompts[i], n, &sp[i], MT, refs[i], NULL), MT);
     }
     for (int i = 0; i < N; i++)
@@ -585,16 +595,14 @@ static void test_device_draw_matches_runner(void **state)
     }
     struct tdm_engine_stats s;
     wait_idle_stats(e, &s);
-    // Five plain sampled requests drawn on the device (their first token comes
-    // with the prompt's last chunk, a LAST row sampled on the host, unless the
-    // whole prompt fits a step with others: at least MT - 1 each), the greedy
-    // one by its argmax.
+    // Every token of the five sampled requests drawn on the device (the first
+    // from the prompt's last row), of the greedy one by its argmax, and the
+    // one with logprobs sampled on the host.
     printf("device-drawn tokens %llu, fused argmax %llu\n",
            (unsigned long long)s.num_device_drawn_tokens,
            (unsigned long long)s.num_fused_argmax_tokens);
-    assert_true(s.num_device_drawn_tokens >= 5 * (MT - 1));
-    assert_true(s.num_device_drawn_tokens <= 5 * MT);
-    assert_true(s.num_fused_argmax_tokens >= MT - 1);
+    assert_int_equal(s.num_device_drawn_tokens, 5 * MT);
+    assert_int_equal(s.num_fused_argmax_tokens, MT);
     tdm_engine_free(e);
     tdm_model_free(dm);
 }

@@ -88,6 +88,8 @@ struct tdm_model {
     struct tdm_attn_seq *aseqs; // [max_batch_seqs]
     int32_t *chosen_ids;        // [max_batch_seqs] the ARGMAX and SAMPLE rows' tokens, host
     struct tdm_draw_params *draw; // [max_batch_seqs] their draws (SAMPLE), host
+    struct tdm_draw_adj *adj;     // [adj_cap] the SAMPLE rows' adjustments, one array, host
+    int adj_cap;
     int pad_table[1];           // block table of a graph bucket's padding rows (block 0, read only)
 
     // Packed-weight cache (weight_cache.h). wcache: the mapped entry the
@@ -502,6 +504,7 @@ void tdm_model_free(struct tdm_model *m)
     free(m->aseqs);
     free(m->chosen_ids);
     free(m->draw);
+    free(m->adj);
     free(m);
 }
 
@@ -963,8 +966,12 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
             chosen_rows += 1;
             break;
         case TDM_LOGITS_SAMPLE:
-            if (!tdm_model_device_sampling(m) || q->token_out == NULL || q->draw == NULL)
+            if (!tdm_model_device_sampling(m) || q->token_out == NULL || q->draw == NULL ||
+                q->draw->n_adj < 0 || (q->draw->n_adj > 0 && q->adj == NULL))
                 return TDM_EINVAL;
+            for (int i = 0; i < q->draw->n_adj; i++)
+                if (q->adj[i].token < 0 || q->adj[i].token >= c->vocab_size)
+                    return TDM_EINVAL;
             chosen_rows += 1;
             break;
         default:
@@ -1235,14 +1242,38 @@ static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs,
         return TDM_OK;
     float *rows = m->logits_be + (size_t)pl->n_logit_real * vocab;
     bool any_draw = false;
+    int n_adj = 0;
+    for (int s = 0; s < n_seqs; s++)
+        if (seqs[s].logits == TDM_LOGITS_SAMPLE) {
+            any_draw = true;
+            n_adj += seqs[s].draw->n_adj;
+        }
+    if (n_adj > m->adj_cap) {
+        struct tdm_draw_adj *grown = realloc(m->adj, (size_t)n_adj * sizeof *grown);
+        if (grown == NULL)
+            return TDM_ENOMEM;
+        m->adj = grown;
+        m->adj_cap = n_adj;
+    }
+    // The chosen rows' draws (a greedy row's: inv_t 0) and their adjustments
+    // in one array, each row's at its offset.
+    n_adj = 0;
     for (int s = 0, k = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         if (!chosen(q))
             continue;
-        any_draw |= q->logits == TDM_LOGITS_SAMPLE;
-        m->draw[k++] = q->logits == TDM_LOGITS_SAMPLE ? *q->draw : (struct tdm_draw_params){0};
+        struct tdm_draw_params *d = &m->draw[k++];
+        *d = (struct tdm_draw_params){0};
+        if (q->logits != TDM_LOGITS_SAMPLE)
+            continue;
+        *d = *q->draw;
+        d->adj_off = n_adj;
+        if (d->n_adj > 0)
+            memcpy(m->adj + n_adj, q->adj, (size_t)d->n_adj * sizeof *q->adj);
+        n_adj += d->n_adj;
     }
-    rc = any_draw ? ops->sample_rows(be, rows, pl->n_chosen, vocab, m->draw, m->chosen_ids)
+    rc = any_draw ? ops->sample_rows(be, rows, pl->n_chosen, vocab, m->draw, m->adj, n_adj,
+                                     m->chosen_ids)
                   : ops->argmax_rows(be, rows, pl->n_chosen, vocab, m->chosen_ids);
     if (rc != TDM_OK)
         return rc;

@@ -128,6 +128,7 @@ enum tdm_logits_mode {
 typedef void (*tdm_layer_done_fn)(void *arg, int layer);
 
 struct tdm_draw_params; // sample_draw.h (common/engine/sampling)
+struct tdm_draw_adj;
 
 struct tdm_batch_seq {
     const int32_t *tokens;     // [n_tokens] the new tokens this step
@@ -139,6 +140,7 @@ struct tdm_batch_seq {
     void *layer_arg;            // for on_layer
     int32_t *token_out;         // ARGMAX, SAMPLE: where the token goes (host)
     const struct tdm_draw_params *draw; // SAMPLE: the draw's parameters (sample_draw.h)
+    const struct tdm_draw_adj *adj;     // SAMPLE: its draw->n_adj logit adjustments
 };
 
 // Whether m's backend has the fused argmax LM head (TDM_LOGITS_ARGMAX).

@@ -30,6 +30,7 @@
 #ifndef TDM_SAMPLE_DRAW_H
 #define TDM_SAMPLE_DRAW_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -53,14 +54,29 @@
 #define TDM_DRAW_ONE 2147483648u
 
 // What a row's draw needs besides its logits (the engine fills it from the
-// request's sampler, tdm_sampler_draw_params): inv_t 0 means greedy (the
-// first largest logit by `>`).
+// request's sampler, tdm_sampler_draw_prepare): inv_t 0 means greedy (the
+// first largest logit by `>`). Before the draw, the tokens of adj[adj_off ..
+// adj_off + n_adj) (an array the caller passes beside the params) have their
+// logits adjusted by tdm_draw_adjust: logit bias, penalties, min_tokens mask.
 struct tdm_draw_params {
     float inv_t;   // 1 / temperature, or 0 for greedy
     float top_p;   // (0, 1]; 1 = off
     float min_p;   // [0, 1]; 0 = off
     int32_t top_k; // 0 = off
     uint64_t key;  // tdm_draw_key(seed, position)
+    float repetition, frequency, presence; // the request's penalties
+    int32_t adj_off, n_adj;                // its adjustments
+};
+
+// One token's adjustment, in vLLM's order (sampling.c's head comment).
+#define TDM_DRAW_ADJ_BIAS 1u   // + bias
+#define TDM_DRAW_ADJ_SEEN 2u   // in the prompt or the output: the repetition penalty
+#define TDM_DRAW_ADJ_MASKED 4u // an EOS or stop id before min_tokens: -inf
+struct tdm_draw_adj {
+    int32_t token;
+    uint32_t flags; // TDM_DRAW_ADJ_*
+    uint32_t count; // times in the output (> 0: the frequency and presence penalties)
+    float bias;
 };
 
 TDM_DRAW_FN uint64_t tdm_draw_mix(uint64_t z)
@@ -75,6 +91,29 @@ TDM_DRAW_FN uint64_t tdm_draw_mix(uint64_t z)
 TDM_DRAW_FN uint64_t tdm_draw_key(uint64_t seed, uint64_t position)
 {
     return tdm_draw_mix(tdm_draw_mix(seed) + 0x9E3779B97F4A7C15ull * (position + 1));
+}
+
+#if defined(__CUDA_ARCH__)
+#define TDM_DRAW_DIV(a, b) __fdiv_rn((a), (b))
+#else
+#define TDM_DRAW_DIV(a, b) ((a) / (b))
+#endif
+
+// A token's logit after its adjustment: bias, repetition (positive logits
+// divided, others multiplied), frequency * count + presence subtracted, then
+// the min_tokens mask; every operation rounded on its own.
+TDM_DRAW_FN float tdm_draw_adjust(float l, const struct tdm_draw_params *d,
+                                  const struct tdm_draw_adj *a)
+{
+    if (a->flags & TDM_DRAW_ADJ_BIAS)
+        l = TDM_DRAW_ADD(l, a->bias);
+    if (a->flags & TDM_DRAW_ADJ_SEEN)
+        l = l > 0.0f ? TDM_DRAW_DIV(l, d->repetition) : TDM_DRAW_MUL(l, d->repetition);
+    if (a->count > 0)
+        l = TDM_DRAW_SUB(l, TDM_DRAW_ADD(TDM_DRAW_MUL(d->frequency, (float)a->count), d->presence));
+    if (a->flags & TDM_DRAW_ADJ_MASKED)
+        l = -INFINITY;
+    return l;
 }
 
 // exp(x) for x <= 0 within ~2 ulp; 0 below -87 (and for NaN); the same bits

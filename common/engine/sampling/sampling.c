@@ -52,6 +52,7 @@ struct tdm_sampler {
     struct tdm_sampling_params p; // a copy; top_k 0 means off, temperature as used
     int vocab_size;
     bool greedy;
+    bool bias_unique;  // no token twice in logit_bias (a device applies each once)
     uint64_t seed;     // the request's, or one the process chose (tdm_draw_key)
     float inv_t;       // 1 / temperature (sampled requests)
     int num_generated; // tokens recorded by tdm_sampler_sample
@@ -206,6 +207,10 @@ int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *
         s->p.temperature = TDM_SAMPLING_MIN_TEMP;
     if (s->p.top_k < 0 || s->p.top_k >= vocab_size)
         s->p.top_k = 0;
+    s->bias_unique = true;
+    for (int i = 0; i < s->p.num_logit_bias; i++)
+        for (int j = 0; j < i; j++)
+            s->bias_unique &= s->p.logit_bias[i].token != s->p.logit_bias[j].token;
     for (int i = 0; i < s->p.num_logit_bias; i++) {
         float b = s->p.logit_bias[i].bias;
         s->p.logit_bias[i].bias = b > TDM_LOGIT_BIAS_LIMIT    ? TDM_LOGIT_BIAS_LIMIT
@@ -584,16 +589,101 @@ bool tdm_sampler_plain_greedy(const struct tdm_sampler *s)
     return s->greedy && plain(s);
 }
 
+static bool in_bitmaps(const struct tdm_sampler *s, int32_t t)
+{
+    uint64_t bit = 1ull << (t & 63);
+    return (s->seen && (s->seen[t >> 6] & bit)) || (s->out_seen && (s->out_seen[t >> 6] & bit));
+}
+
+// Token t's entry: in adj[0..sorted) (the bitmaps' tokens, ascending) when one
+// of the bitmaps has it, else in adj[sorted..*n) when `listed` (an earlier
+// list entry made it), else a new one at *n; NULL when that entry was not
+// written (past cap). *n counts every entry, written or not.
+static struct tdm_draw_adj *adj_entry(const struct tdm_sampler *s, struct tdm_draw_adj *adj, int *n,
+                                      int cap, int sorted, int32_t t, bool listed)
+{
+    if (in_bitmaps(s, t)) {
+        if (sorted > cap)
+            return NULL;
+        int lo = 0, hi = sorted;
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (adj[mid].token < t)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        return &adj[lo];
+    }
+    if (listed) {
+        for (int i = sorted; i < *n && i < cap; i++)
+            if (adj[i].token == t)
+                return &adj[i];
+        return NULL;
+    }
+    int k = (*n)++;
+    if (k >= cap)
+        return NULL;
+    adj[k] = (struct tdm_draw_adj){.token = t};
+    return &adj[k];
+}
+
+int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                             struct tdm_draw_adj *adj, int cap)
+{
+    const struct tdm_sampling_params *p = &s->p;
+    if (s->raw != NULL || !s->bias_unique)
+        return -1; // logprobs need the raw row; a repeated bias token adds twice
+    *d = (struct tdm_draw_params){.inv_t = s->inv_t,
+                                  .top_p = p->top_p,
+                                  .min_p = p->min_p,
+                                  .top_k = p->top_k,
+                                  .key = tdm_draw_key(s->seed, (uint64_t)s->num_generated),
+                                  .repetition = p->repetition_penalty,
+                                  .frequency = p->frequency_penalty,
+                                  .presence = p->presence_penalty};
+    // The tokens of the bitmaps in ascending order, then those of the bias and
+    // mask lists not among them: apply_penalties' operations, token by token.
+    int n = 0;
+    for (size_t wi = 0; (s->seen || s->out_seen) && wi < s->words; wi++) {
+        uint64_t seen = s->seen ? s->seen[wi] : 0, out = s->out_seen ? s->out_seen[wi] : 0;
+        for (uint64_t bits = seen | out; bits; bits &= bits - 1) {
+            int b = __builtin_ctzll(bits);
+            int32_t t = (int32_t)(wi * 64 + (size_t)b);
+            if (n < cap)
+                adj[n] = (struct tdm_draw_adj){.token = t,
+                                               .flags = (seen >> b) & 1 ? TDM_DRAW_ADJ_SEEN : 0,
+                                               .count = (out >> b) & 1 ? s->out_count[t] : 0};
+            n++;
+        }
+    }
+    int sorted = n;
+    for (int i = 0; i < p->num_logit_bias; i++) { // unique tokens (bias_unique)
+        struct tdm_draw_adj *a = adj_entry(s, adj, &n, cap, sorted, p->logit_bias[i].token, false);
+        if (a) {
+            a->flags |= TDM_DRAW_ADJ_BIAS;
+            a->bias = p->logit_bias[i].bias;
+        }
+    }
+    if (s->num_generated < p->min_tokens)
+        for (int i = 0; i < s->num_masked; i++) {
+            int32_t t = s->masked_ids[i];
+            bool listed = false;
+            for (int j = 0; j < p->num_logit_bias && !listed; j++)
+                listed = p->logit_bias[j].token == t;
+            for (int j = 0; j < i && !listed; j++)
+                listed = s->masked_ids[j] == t;
+            struct tdm_draw_adj *a = adj_entry(s, adj, &n, cap, sorted, t, listed);
+            if (a)
+                a->flags |= TDM_DRAW_ADJ_MASKED;
+        }
+    d->n_adj = n;
+    return n;
+}
+
 bool tdm_sampler_draw_params(const struct tdm_sampler *s, struct tdm_draw_params *d)
 {
-    if (!plain(s))
-        return false;
-    *d = (struct tdm_draw_params){.inv_t = s->inv_t,
-                                  .top_p = s->p.top_p,
-                                  .min_p = s->p.min_p,
-                                  .top_k = s->p.top_k,
-                                  .key = tdm_draw_key(s->seed, (uint64_t)s->num_generated)};
-    return true;
+    return plain(s) && tdm_sampler_draw_prepare(s, d, NULL, 0) == 0;
 }
 
 bool tdm_sampler_eos_ends(const struct tdm_sampler *s)

@@ -571,6 +571,76 @@ static void test_draw_definition(void **state)
     printf("%d draws equal to the definition\n", checked);
 }
 
+// A request with logit bias (a token of the prompt too), all three penalties
+// and min_tokens over EOS and a stop id: its adjustments (tdm_sampler_draw_
+// prepare) applied to the row with tdm_draw_adjust, then the definition's
+// draw, give the sampler's token, step after step as the history grows; a
+// short adj array is reported with the count it needs; logprobs refuse.
+static void test_draw_prepare(void **state)
+{
+    (void)state;
+    enum { V = 2000, STEPS = 12 };
+    static float master[V], work[V], adjusted[V];
+    static uint32_t q[V], sorted[V];
+    static struct tdm_draw_adj adj[V];
+    int32_t prompt[30], eos[2] = {7, 1999};
+    for (int i = 0; i < 30; i++)
+        prompt[i] = (int32_t)((i * 97) % V);
+    for (int variant = 0; variant < 4; variant++) {
+        struct tdm_sampling_params p;
+        tdm_sampling_params_default(&p);
+        p.temperature = variant == 3 ? 0.0f : 0.9f;
+        p.top_k = variant == 1 ? 50 : 0;
+        p.top_p = variant == 2 ? 0.7f : 1.0f;
+        p.repetition_penalty = variant == 2 ? 1.0f : 1.3f;
+        p.frequency_penalty = 0.4f;
+        p.presence_penalty = variant == 1 ? 0.0f : -0.5f;
+        p.min_tokens = 5;
+        p.stop_token_ids[0] = 11;
+        p.stop_token_ids[1] = 7; // also an EOS id: one entry
+        p.num_stop_token_ids = 2;
+        p.logit_bias[0] = (struct tdm_logit_bias){.token = prompt[3], .bias = 5.0f};
+        p.logit_bias[1] = (struct tdm_logit_bias){.token = 1500, .bias = -3.0f};
+        p.num_logit_bias = 2;
+        p.has_seed = true;
+        p.seed = 99u + (uint64_t)variant;
+        struct tdm_sampler *s = NULL;
+        assert_int_equal(tdm_sampler_new(&s, &p, V, prompt, 30, eos, 2), TDM_OK);
+        for (int step = 0; step < STEPS; step++) {
+            random_logits(master, V, 6.0f);
+            for (int i = 0; i < V; i += 3)
+                master[i] = master[i] * 0.3f - 1.0f; // negative logits too
+            struct tdm_draw_params d;
+            int need = tdm_sampler_draw_prepare(s, &d, adj, 3);
+            assert_true(need > 3);
+            assert_int_equal(tdm_sampler_draw_prepare(s, &d, adj, V), need);
+            assert_int_equal(d.n_adj, need);
+            memcpy(adjusted, master, sizeof master);
+            unsigned char hit[V] = {0};
+            for (int i = 0; i < need; i++) {
+                assert_false(hit[adj[i].token]); // each token once
+                hit[adj[i].token] = 1;
+                adjusted[adj[i].token] = tdm_draw_adjust(adjusted[adj[i].token], &d, &adj[i]);
+            }
+            assert_true(hit[prompt[3]] && hit[1500]);
+            assert_int_equal(hit[11], step < 5);
+            int32_t want = draw_reference(adjusted, V, &d, q, sorted);
+            int32_t got = draw(s, master, work, V);
+            if (got != want)
+                fail_msg("variant %d step %d: sampler %d, adjusted definition %d", variant, step,
+                         got, want);
+        }
+        tdm_sampler_free(s);
+    }
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.logprobs = 2;
+    struct tdm_sampler *s = make(&p, V);
+    struct tdm_draw_params d;
+    assert_int_equal(tdm_sampler_draw_prepare(s, &d, adj, V), -1);
+    tdm_sampler_free(s);
+}
+
 // The outputs of one seed are pinned: a change of the draw (or of its key)
 // changes every seeded request's output, across versions and between the CPU
 // and a device; it must be deliberate (docs/sampling.md) and change this list.
@@ -1399,6 +1469,7 @@ int main(void)
         cmocka_unit_test(test_draw_exp),
         cmocka_unit_test(test_draw_definition),
         cmocka_unit_test(test_draw_golden),
+        cmocka_unit_test(test_draw_prepare),
         cmocka_unit_test(test_min_p),
         cmocka_unit_test(test_temperature_limit),
         cmocka_unit_test(test_unfiltered_chi_square),

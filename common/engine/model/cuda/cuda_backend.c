@@ -61,6 +61,7 @@ struct tdm_backend {
     struct dev_buf am_ids;  // [n] int32 token ids of argmax_rows, device
     struct dev_buf am_part; // argmax_rows' per-chunk winners (tdm_cuk_argmax_scratch)
     struct dev_buf sp;      // [n] struct tdm_draw_params of sample_rows, device
+    struct dev_buf sadj;    // their struct tdm_draw_adj entries, device
     // begin_forward's staging: host copies, and their device twins.
     int n_rows, n_seqs;                                  // of the staged forward
     int32_t *h_slots;                                    // [cap_rows] flat KV slot of each new row
@@ -188,6 +189,7 @@ static void cuda_destroy(struct tdm_backend *be)
     buf_free(be, &be->am_ids);
     buf_free(be, &be->am_part);
     buf_free(be, &be->sp);
+    buf_free(be, &be->sadj);
     for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++)
         tdm_cuda_dev_graph_free(be->dev, be->graphs[i].graph);
     buf_free(be, &be->d_meta);
@@ -357,16 +359,21 @@ static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int c
 // Sampled rows (issue 26 item 1): drawn on the device by the CPU sampler's
 // draw, and only the ids to the host, as the greedy rows' argmax.
 static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
-                            const struct tdm_draw_params *params, int32_t *ids)
+                            const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
+                            int n_adj, int32_t *ids)
 {
+    size_t adj_bytes = (size_t)n_adj * sizeof *adj;
     if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
-        buf_reserve(be, &be->sp, (size_t)n * sizeof *params) != TDM_OK) {
+        buf_reserve(be, &be->sp, (size_t)n * sizeof *params) != TDM_OK ||
+        buf_reserve(be, &be->sadj, adj_bytes + 16) != TDM_OK) {
         fail(be, TDM_ENOMEM, "sample: %s", "out of device memory for the parameters");
         return take_err(be);
     }
-    if (cuda_upload(be, be->sp.p, params, (size_t)n * sizeof *params) != TDM_OK)
+    if (cuda_upload(be, be->sp.p, params, (size_t)n * sizeof *params) != TDM_OK ||
+        (n_adj > 0 && cuda_upload(be, be->sadj.p, adj, adj_bytes) != TDM_OK))
         return take_err(be);
-    launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->am_ids.p));
+    launch_check(be,
+                 tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->sadj.p, be->am_ids.p));
     if (be->err != TDM_OK)
         return take_err(be);
     return cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));

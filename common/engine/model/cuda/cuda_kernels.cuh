@@ -349,6 +349,8 @@ __global__ void argmax_merge_kernel(const float *part_v, const int32_t *part_i, 
 // every threshold is found by a radix walk of counts or masses, so no result
 // depends on the order threads add in. The row is overwritten with the
 // tokens' integer weights (it is scratch: nobody reads these rows after).
+//   0. the request's logit adjustments (tdm_draw_adjust: bias, penalties,
+//      min_tokens mask), a thread per adjusted token;
 //   1. the row's first largest (argmax_tree): greedy rows (inv_t 0) and rows
 //      without a finite maximum end there;
 //   2. top_k: the k-th largest finite logit, 8 bits at a time from the top of
@@ -480,11 +482,19 @@ __device__ __forceinline__ unsigned long long draw_block_sum(unsigned long long 
 }
 
 __global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
-    sample_rows_kernel(float *x, int cols, const tdm_draw_params *params, int32_t *ids)
+    sample_rows_kernel(float *x, int cols, const tdm_draw_params *params, const tdm_draw_adj *adj,
+                       int32_t *ids)
 {
     __shared__ unsigned long long span_sum[TDM_CUK_ARGMAX_THREADS];
     float *row = x + (size_t)blockIdx.x * cols;
     const tdm_draw_params d = params[blockIdx.x];
+    // 0. The row's adjustments (bias, penalties, mask: one entry a token).
+    for (int i = threadIdx.x; i < d.n_adj; i += blockDim.x) {
+        tdm_draw_adj a = adj[d.adj_off + i];
+        if (a.token >= 0 && a.token < cols)
+            row[a.token] = tdm_draw_adjust(row[a.token], &d, &a);
+    }
+    __syncthreads();
     // 1. The first largest.
     float bv = -INFINITY;
     int bi = -1;

@@ -151,12 +151,14 @@ int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int
 #define TDM_CUK_ARGMAX_CHUNK 1024
 size_t tdm_cuk_argmax_scratch(int n, int cols);
 int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *ids, void *scratch);
-// ids[i] = the token sample_draw.h's draw takes from x[i][0..cols) with
-// params[i] (inv_t 0: the first largest, as tdm_cuk_argmax_rows), i < n: the
-// same token the CPU sampler draws from the same row. x is overwritten (each
-// row with its tokens' integer weights). One CTA a row. params, ids: device.
+// ids[i] = the token sample_draw.h's draw takes from x[i][0..cols), adjusted
+// by adj[params[i].adj_off ..][0..params[i].n_adj), with params[i] (inv_t 0:
+// the first largest, as tdm_cuk_argmax_rows), i < n: the same token the CPU
+// sampler draws from the same row. x is overwritten (each row with its
+// tokens' integer weights). One CTA a row. params, adj, ids: device.
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
-                        const struct tdm_draw_params *params, int32_t *ids);
+                        const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
+                        int32_t *ids);
 // out[i][block_elems] = f32 of pool block blocks[i], i < n (export), and the
 // reverse: pool block blocks[i] = in[i] rounded to the pool's type (import).
 // block_elems = n_kv_heads * block_size * head_dim.

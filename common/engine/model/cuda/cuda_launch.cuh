@@ -283,12 +283,13 @@ int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *
 }
 
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
-                        const struct tdm_draw_params *params, int32_t *ids)
+                        const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
+                        int32_t *ids)
 {
     if (n <= 0 || cols <= 0 || n > 65535)
         return tdm_cuk::fail(TDM_CUK_EINVAL, "sample_rows: n %d, cols %d", n, cols);
     TDM_CUDA_LAUNCH(tdm_cuk::sample_rows_kernel, dim3((unsigned)n), dim3(TDM_CUK_ARGMAX_THREADS), 0,
-                    stream, x, cols, params, ids);
+                    stream, x, cols, params, adj, ids);
     return tdm_cuk::launched("sample_rows");
 }
 

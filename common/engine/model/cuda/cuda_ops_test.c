@@ -904,6 +904,8 @@ static void test_argmax_rows(void **state)
 struct sample_case {
     float temperature, top_p, min_p;
     int top_k;
+    float repetition, frequency, presence, bias;
+    int min_tokens;
 };
 
 static void sample_row_fill(float *row, int cols, int kind)
@@ -934,11 +936,21 @@ static void sample_row_fill(float *row, int cols, int kind)
 static void test_sample_rows(void **state)
 {
     (void)state;
+    // Filters, then the adjustments a device applies first: Qwen2.5's
+    // generation_config (T 0.7, top_k 20, top_p 0.8, repetition 1.1), the
+    // OpenAI penalties, logit bias, min_tokens over EOS and a stop id.
     static const struct sample_case cases[] = {
-        {0.0f, 1.0f, 0.0f, 0},   {1.0f, 1.0f, 0.0f, 0}, {0.7f, 0.8f, 0.0f, 20},
-        {0.7f, 0.9f, 0.0f, 0},   {1.3f, 1.0f, 0.1f, 0}, {0.05f, 0.5f, 0.0f, 3},
-        {1.0f, 0.3f, 0.02f, 50}, {0.9f, 1.0f, 0.0f, 1}, {1.0f, 0.999f, 0.0f, 100000},
-        {0.6f, 0.05f, 0.5f, 0},
+        {0.0f, 1.0f, 0.0f, 0, 1.0f, 0, 0, 0, 0},
+        {1.0f, 1.0f, 0.0f, 0, 1.0f, 0, 0, 0, 0},
+        {0.7f, 0.8f, 0.0f, 20, 1.1f, 0, 0, 0, 0},
+        {0.7f, 0.9f, 0.0f, 0, 1.0f, 0.5f, 0.3f, 0, 0},
+        {1.3f, 1.0f, 0.1f, 0, 1.0f, 0, 0, 4.0f, 0},
+        {0.05f, 0.5f, 0.0f, 3, 1.5f, 0, 0, 0, 3},
+        {1.0f, 0.3f, 0.02f, 50, 1.0f, 0, 0, 0, 0},
+        {0.9f, 1.0f, 0.0f, 1, 1.0f, 0, 0, 0, 0},
+        {1.0f, 0.999f, 0.0f, 100000, 1.2f, -0.4f, 0.6f, -2.0f, 2},
+        {0.6f, 0.05f, 0.5f, 0, 1.0f, 0, 0, 0, 0},
+        {0.0f, 1.0f, 0.0f, 0, 1.3f, 0.2f, 0, 1.0f, 1},
     };
     enum { NC = sizeof cases / sizeof cases[0], KINDS = 6 };
     const int widths[] = {1, 7, 1000, 4099, 151936};
@@ -951,7 +963,10 @@ static void test_sample_rows(void **state)
         float *x = malloc(count * sizeof *x), *work = malloc((size_t)cols * sizeof *work);
         struct tdm_draw_params *dp = malloc((size_t)n * sizeof *dp);
         int32_t *want = malloc((size_t)n * sizeof *want), *got = malloc((size_t)n * sizeof *got);
-        assert_true(x && work && dp && want && got);
+        int adj_room = cols + 40;
+        struct tdm_draw_adj *adj = malloc((size_t)n * adj_room * sizeof *adj);
+        assert_true(x && work && dp && want && got && adj);
+        int n_adj = 0;
         for (int pos = 0; pos < 3; pos++) {
             for (int r = 0; r < n; r++) {
                 const struct sample_case *sc = &cases[(r + pos) % NC];
@@ -963,24 +978,43 @@ static void test_sample_rows(void **state)
                 p.top_p = sc->top_p;
                 p.min_p = sc->min_p;
                 p.top_k = sc->top_k < cols ? sc->top_k : 0;
+                p.repetition_penalty = sc->repetition;
+                p.frequency_penalty = sc->frequency;
+                p.presence_penalty = sc->presence;
+                p.min_tokens = sc->min_tokens;
+                p.stop_token_ids[0] = cols - 1;
+                p.num_stop_token_ids = 1;
+                if (sc->bias != 0.0f) {
+                    p.logit_bias[0] = (struct tdm_logit_bias){.token = cols / 3, .bias = sc->bias};
+                    p.logit_bias[1] = (struct tdm_logit_bias){.token = 0, .bias = -sc->bias};
+                    p.num_logit_bias = cols > 1 ? 2 : 1;
+                }
                 p.has_seed = true;
                 p.seed = 7000u + (uint64_t)r * 31u + (uint64_t)wi;
+                int32_t prompt[12], hist[3], eos = 0;
+                for (int i = 0; i < 12; i++)
+                    prompt[i] = (r * 13 + i * 7) % cols;
+                for (int i = 0; i < 3; i++)
+                    hist[i] = (r + 5 * i) % cols;
                 struct tdm_sampler *s = NULL;
-                assert_int_equal(tdm_sampler_new(&s, &p, cols, NULL, 0, NULL, 0), TDM_OK);
-                int32_t skip[3] = {0, 0, 0};
-                tdm_sampler_replay(s, skip, (size_t)pos);
-                assert_true(tdm_sampler_draw_params(s, &dp[r]));
+                assert_int_equal(tdm_sampler_new(&s, &p, cols, prompt, 12, &eos, 1), TDM_OK);
+                tdm_sampler_replay(s, hist, (size_t)pos);
+                int k = tdm_sampler_draw_prepare(s, &dp[r], adj + n_adj, adj_room);
+                assert_true(k >= 0 && k <= adj_room);
+                dp[r].adj_off = n_adj;
+                n_adj += k;
                 memcpy(work, row, (size_t)cols * sizeof *work);
                 want[r] = tdm_sampler_sample(s, work, NULL);
                 tdm_sampler_free(s);
             }
             float *d_x = to_dev(x, count * sizeof *x);
             struct tdm_draw_params *d_p = to_dev(dp, (size_t)n * sizeof *dp);
+            struct tdm_draw_adj *d_adj = to_dev(adj, (size_t)(n_adj + 1) * sizeof *adj);
             int32_t *d_ids = dev_zeros((size_t)n * sizeof *got);
 #ifndef TDM_CUDA_TEST_GPU
             tdm_emu_launch_log(1);
 #endif
-            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, d_ids));
+            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, d_adj, d_ids));
 #ifndef TDM_CUDA_TEST_GPU
             struct tdm_emu_launch l[2];
             assert_int_equal(tdm_emu_launches(l, 2), 1);
@@ -998,17 +1032,19 @@ static void test_sample_rows(void **state)
             assert_int_equal(
                 tdm_cuda_dev_h2d(dev, d_x, x + (size_t)last * cols, (size_t)cols * sizeof *x),
                 TDM_OK);
-            ok(tdm_cuk_sample_rows(stream, d_x, 1, cols, d_p + last, d_ids));
+            ok(tdm_cuk_sample_rows(stream, d_x, 1, cols, d_p + last, d_adj, d_ids));
             int32_t alone;
             from_dev(&alone, d_ids, sizeof alone);
             assert_int_equal(alone, want[last]);
             tdm_cuda_dev_free(dev, d_x);
             tdm_cuda_dev_free(dev, d_p);
+            tdm_cuda_dev_free(dev, d_adj);
             tdm_cuda_dev_free(dev, d_ids);
+            n_adj = 0;
         }
-        free(x), free(work), free(dp), free(want), free(got);
+        free(x), free(work), free(dp), free(want), free(got), free(adj);
     }
-    assert_int_equal(tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL), TDM_CUK_EINVAL);
+    assert_int_equal(tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL, NULL), TDM_CUK_EINVAL);
 }
 
 // top_p's bound met exactly: weights 2^31 (logit 0) and twice 2^30 (the logit
@@ -1044,7 +1080,7 @@ static void test_sample_rows_boundary(void **state)
     float *d_x = to_dev(x, sizeof x);
     struct tdm_draw_params *d_p = to_dev(dp, sizeof dp);
     int32_t *d_ids = dev_zeros(sizeof got);
-    ok(tdm_cuk_sample_rows(stream, d_x, N, COLS, d_p, d_ids));
+    ok(tdm_cuk_sample_rows(stream, d_x, N, COLS, d_p, NULL, d_ids));
     from_dev(got, d_ids, sizeof got);
     for (int r = 0; r < N; r++)
         assert_int_equal(got[r], 1);
