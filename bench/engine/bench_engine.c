@@ -15,6 +15,13 @@
 //                             KV read dominates), steps of both caches alternating
 //   KV capacity               blocks and tokens --kv-cache-memory holds per dtype
 //                             (goal: bf16 2x f32)
+//   engine loop (--engine-loop) per decode batch: the serving engine's step
+//                             (scheduler, sampling with Qwen2.5's generation_config,
+//                             streaming) / the forward alone at that batch, and
+//                             the engine thread's CPU time per step and share of
+//                             the wall (issue 26 item 1: on a device backend that
+//                             thread is all the host's work; on the CPU it also
+//                             computes a share of the forward)
 // plus tokens/s for decode and prefill and the peak RSS, and on the CPU the
 // matmul path of each mode (ISA and kernel: AMX tiles, vdpbf16ps, VNNI...),
 // which is the same for every batch size and the prefill (with AMX tiles
@@ -28,6 +35,8 @@
 //                            [--batches LIST] [--prefill LIST] [--json FILE]
 //                            [--kv-cache-dtype auto|bf16|f32] [--long-context N]
 //                            [--long-batches LIST] [--kv-cache-memory BYTES]
+//                            [--engine-loop]
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +45,7 @@
 
 #include "core.h"
 #include "cpu_backend.h"
+#include "engine.h"
 #include "cpu_probe.h"
 #include "kv_cache.h"
 #include "mkmodel.h"
@@ -59,6 +69,7 @@ struct plan {
     int long_batches[MAX_POINTS], n_long; // --long-batches
     size_t kv_memory;                  // --kv-cache-memory: the capacity line's budget
     enum tdm_kv_dtype kv_dtype;        // --kv-cache-dtype of the main table (default bf16)
+    bool engine_loop;                  // --engine-loop: the serving engine at each batch
 };
 
 // KV cache element types compared at long context (the first is the reference).
@@ -77,6 +88,10 @@ struct result {
     double short_s[2]; // batch 1 at PROMPT tokens of context, per KV cache dtype (alternating)
     struct tdm_kv_config kc; // the model's KV geometry (block_size 16)
     const char *long_skip;   // why the long-context figures were not measured (NULL: measured)
+    // --engine-loop (bf16 only), per decode batch: seconds per engine step,
+    // the engine thread's CPU seconds per step, tokens drawn on the device.
+    double loop_s[MAX_POINTS], loop_cpu_s[MAX_POINTS], loop_share[MAX_POINTS];
+    unsigned long long loop_drawn[MAX_POINTS], loop_tokens[MAX_POINTS];
     char device[32]; // the backend the model ran on (tdm_model_opts.backend)
     struct tdm_model_load_info load; // load time, checkpoint bytes, weight cache use
 };
@@ -255,6 +270,122 @@ static double prefill_flops(const struct tdm_model_config *c, int n)
     return per_layer * c->num_hidden_layers + 2 * h * c->vocab_size;
 }
 
+// The CPU time of this process's thread named `comm` (the engine's
+// "tdm-engine"), in seconds, from its schedstat (nanoseconds on a CPU); -1
+// when there is none.
+static double thread_cpu_s(const char *comm)
+{
+    char path[300], name[64];
+    DIR *dir = opendir("/proc/self/task");
+    if (dir == NULL)
+        return -1;
+    double out = -1;
+    struct dirent *ent;
+    while ((ent = readdir(dir)) != NULL && out < 0) {
+        if (ent->d_name[0] == '.')
+            continue;
+        snprintf(path, sizeof path, "/proc/self/task/%s/comm", ent->d_name);
+        FILE *f = fopen(path, "r");
+        if (f == NULL)
+            continue;
+        bool match = fgets(name, sizeof name, f) != NULL &&
+                     strncmp(name, comm, strlen(comm)) == 0 &&
+                     (name[strlen(comm)] == '\n' || name[strlen(comm)] == 0);
+        fclose(f);
+        if (!match)
+            continue;
+        snprintf(path, sizeof path, "/proc/self/task/%s/schedstat", ent->d_name);
+        unsigned long long ns;
+        if ((f = fopen(path, "r")) != NULL) {
+            if (fscanf(f, "%llu", &ns) == 1)
+                out = (double)ns / 1e9;
+            fclose(f);
+        }
+    }
+    closedir(dir);
+    return out;
+}
+
+// The serving engine (tdm_engine: its own thread, scheduler, sampling,
+// streams) decoding `batch` requests of PROMPT-token prompts sampled with
+// Qwen2.5's generation_config (T 0.7, top_k 20, top_p 0.8, repetition 1.1;
+// seeded, EOS ignored) for 4 * steps tokens each: the step is each stream's
+// mean gap between its first and last token (the engine's own timestamps, one
+// token a stream a step), averaged over the streams; the engine thread's CPU
+// time (its schedstat) over the run is divided by the engine's steps and by
+// the run's wall time.
+static void time_engine_loop(struct tdm_model *m, int batch, int steps, struct result *r, int i)
+{
+    const struct tdm_model_config *c = tdm_model_config(m);
+    int max_tokens = 4 * steps;
+    struct tdm_engine_config ec;
+    tdm_engine_config_default(&ec);
+    ec.num_blocks = batch * ((PROMPT + max_tokens + 15) / 16 + 1) + 8;
+    ec.max_num_seqs = batch;
+    ec.max_num_batched_tokens = PREFILL;
+    ec.max_waiting = batch;
+    char err[512];
+    struct tdm_engine *e = NULL;
+    if (tdm_engine_new(&e, m, &ec, err, sizeof err) != TDM_OK)
+        die("engine", err);
+    struct tdm_engine_request *reqs[MAX_BATCH];
+    static int32_t prompts[MAX_BATCH][PROMPT];
+    struct tdm_engine_stats st0, st1;
+    tdm_engine_get_stats(e, &st0);
+    // The engine's thread names itself when it starts.
+    double cpu0 = thread_cpu_s("tdm-engine");
+    for (double until = tdm_now() + 2.0; cpu0 < 0 && tdm_now() < until; tdm_sleep(0.001))
+        cpu0 = thread_cpu_s("tdm-engine");
+    double t0 = tdm_now();
+    for (int s = 0; s < batch; s++) {
+        for (int t = 0; t < PROMPT; t++)
+            prompts[s][t] = (int32_t)((s * 7919 + t * 104729 + 17) % (c->vocab_size - 3));
+        struct tdm_engine_request_params p;
+        tdm_engine_request_params_default(&p);
+        p.id = "bench";
+        p.prompt = prompts[s];
+        p.n_prompt = PROMPT;
+        p.max_tokens = max_tokens;
+        p.sampling.temperature = 0.7f;
+        p.sampling.top_k = 20;
+        p.sampling.top_p = 0.8f;
+        p.sampling.repetition_penalty = 1.1f;
+        p.sampling.ignore_eos = true;
+        p.sampling.has_seed = true;
+        p.sampling.seed = (uint64_t)s + 1;
+        if (tdm_engine_submit(e, &p, &reqs[s], err, sizeof err) != TDM_OK)
+            die("engine submit", err);
+    }
+    double gap_sum = 0;
+    for (int s = 0; s < batch; s++) {
+        struct tdm_engine_chunk ch;
+        do {
+            if (tdm_engine_stream_next(reqs[s], 600.0, &ch) != TDM_OK)
+                die("engine", "a stream stalled");
+        } while (!ch.finished);
+        if (ch.error != TDM_OK || ch.first_index + ch.n != max_tokens)
+            die("engine", "a request did not finish with all its tokens");
+        struct tdm_engine_times tt;
+        tdm_engine_request_times(reqs[s], &tt);
+        gap_sum += (tt.last_token - tt.first_token) / (max_tokens - 1);
+    }
+    double wall = tdm_now() - t0, cpu = thread_cpu_s("tdm-engine") - cpu0;
+    // Stats settle at the engine's next loop, which comes promptly.
+    do {
+        tdm_sleep(0.001);
+        tdm_engine_get_stats(e, &st1);
+    } while (st1.num_running > 0);
+    uint64_t engine_steps = st1.num_steps - st0.num_steps;
+    r->loop_s[i] = gap_sum / batch;
+    r->loop_cpu_s[i] = cpu0 >= 0 && engine_steps > 0 ? cpu / (double)engine_steps : -1;
+    r->loop_share[i] = cpu0 >= 0 ? cpu / wall : -1;
+    r->loop_drawn[i] = st1.num_device_drawn_tokens;
+    r->loop_tokens[i] = (unsigned long long)batch * (unsigned long long)max_tokens;
+    for (int s = 0; s < batch; s++)
+        tdm_engine_request_release(reqs[s]);
+    tdm_engine_free(e);
+}
+
 static void run_mode(const char *dir, const struct tdm_model_opts *device,
                      enum tdm_weight_mode mode, int threads, int steps, const struct plan *pl,
                      bool weight_cache, struct result *r)
@@ -304,6 +435,9 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
     }
     tdm_kv_free(kv);
     kv = NULL;
+    if (mode == TDM_WEIGHTS_BF16 && pl->engine_loop)
+        for (int i = 0; i < pl->n_batches; i++)
+            time_engine_loop(m, pl->batches[i], steps, r, i);
     // Long context: a cache of each dtype just big enough for the largest batch.
     r->long_skip = NULL;
     if (strcmp(r->device, "cpu") != 0)
@@ -403,7 +537,18 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
     for (int i = 0; i < pl->n_prefill; i++)
         fprintf(f, "%s{\"tokens\": %d, \"seconds\": %.9g, \"flops\": %.9g}", i ? ", " : "",
                 pl->prefill[i], r->prefill_s[i], r->prefill_flops[i]);
-    fprintf(f, "]}\n");
+    fprintf(f, "]");
+    if (pl->engine_loop) {
+        fprintf(f, ",\n \"engine_loop\": [");
+        for (int i = 0; i < pl->n_batches; i++)
+            fprintf(f,
+                    "%s{\"batch\": %d, \"seconds\": %.9g, \"engine_cpu_seconds\": %.9g, "
+                    "\"engine_share\": %.6g, \"drawn_tokens\": %llu, \"tokens\": %llu}",
+                    i ? ", " : "", pl->batches[i], r->loop_s[i], r->loop_cpu_s[i], r->loop_share[i],
+                    r->loop_drawn[i], r->loop_tokens[i]);
+        fprintf(f, "]");
+    }
+    fprintf(f, "}\n");
     return fclose(f) == 0 ? 0 : -1;
 }
 
@@ -513,6 +658,11 @@ static const struct tdm_flag bench_flags[] = {
      .fn = set_kv_dtype,
      .metavar = "auto|bf16|f32",
      .help = "KV cache of the main table (default auto = bf16, the workers' default)"},
+    {.name = "engine-loop",
+     .kind = TDM_FLAG_BOOL,
+     .offset = offsetof(struct bench_args, pl.engine_loop),
+     .help = "also run the serving engine at each decode batch (Qwen2.5's sampling): its step "
+             "/ the forward's, and the engine thread's CPU time per step"},
     {.name = "json",
      .kind = TDM_FLAG_PTR,
      .offset = offsetof(struct bench_args, json),
@@ -538,7 +688,8 @@ static const struct tdm_flags bench_table = {
     .usage = "usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only] "
              "[--batches LIST] [--prefill LIST] [--json FILE] [--device cpu|cuda|cuda:N]\n"
              "       [--enforce-eager] [--kv-cache-dtype auto|bf16|f32] [--long-context N] "
-             "[--long-batches LIST] [--kv-cache-memory BYTES] [--no-weight-cache]\n",
+             "[--long-batches LIST] [--kv-cache-memory BYTES] [--no-weight-cache]\n"
+             "       [--engine-loop]\n",
     .flags = bench_flags,
     .n = sizeof bench_flags / sizeof bench_flags[0],
 };
@@ -693,6 +844,20 @@ int main(int argc, char **argv)
                PROMPT, res[0].short_s[0] * 1e3, res[0].short_s[1] * 1e3,
                res[0].short_s[0] / res[0].short_s[1],
                res[0].short_s[1] / ((double)res[0].weight_bytes / bw));
+    }
+    if (pl.engine_loop) {
+        printf("\nengine loop (%s weights; Qwen2.5's sampling: T 0.7, top_k 20, top_p 0.8, "
+               "repetition 1.1), by decode batch:\n",
+               names[0]);
+        for (int i = 0; i < pl.n_batches; i++) {
+            const struct result *r = &res[0];
+            printf("  batch %-4d step %8.2f ms  forward alone %8.2f ms  loop/forward %5.2f  "
+                   "engine thread CPU %7.2f ms/step (%.2f of the wall)  drawn on the device "
+                   "%llu of %llu tokens\n",
+                   pl.batches[i], r->loop_s[i] * 1e3, r->decode_s[i] * 1e3,
+                   r->loop_s[i] / r->decode_s[i], r->loop_cpu_s[i] * 1e3, r->loop_share[i],
+                   r->loop_drawn[i], r->loop_tokens[i]);
+        }
     }
     print_capacity(&res[0].kc, &pl);
     if (json != NULL && write_json(json, names[0], (size_t)threads, &pl, &res[0]) != 0) {

@@ -27,7 +27,9 @@
 #                mid-transfer), with no stack workaround: LD_PRELOAD is unset
 #   7 probe      tandem-gpu-probe: HBM read/copy/d2d bandwidth, bf16 GEMM peak
 #   8 engine     tandem-bench-engine --device cuda: decode tok/s at batch
-#                1/8/32/64/256, prefill tok/s for 512- and 2048-token chunks
+#                1/8/32/64/256, prefill tok/s for 512- and 2048-token chunks,
+#                and (--engine-loop) the serving engine's step beside the
+#                forward's with its thread's CPU time per step
 #   9 serve      one decode worker on --device cuda, tandem-bench at
 #                concurrency 1, 64 and 256 (random 128-token prompts, 128
 #                output tokens): output tok/s, TTFT and ITL p50/p99, and the
@@ -407,6 +409,9 @@ else
     # the GPU machine does not have): give it the model step's.
     model_args=()
     [ "$have_models" = 1 ] && help_has "$engine" --model && model_args=(--model "$big")
+    # The serving engine's step and its thread's CPU time per step beside the
+    # forward's (issue 26 item 1), where the bench has it.
+    help_has "$engine" --engine-loop && model_args+=(--engine-loop)
     if run_step engine "$engine" ${model_args[@]+"${model_args[@]}"} --device cuda --bf16-only \
         --batches 1,8,32,64,256 --prefill 512,2048 --json "$logs/engine.json"; then
         have_engine=1
