@@ -59,7 +59,8 @@ struct tdm_backend {
     char errmsg[256];
 
     struct dev_buf am_ids;  // [n] int32 token ids of argmax_rows, device
-    struct dev_buf am_part; // argmax_rows' per-chunk winners (tdm_cuk_argmax_scratch)
+    struct dev_buf
+        am_part; // argmax_rows' per-chunk winners (tdm_cuk_argmax_scratch), sample_rows' scratch
     struct dev_buf sp;      // [n] struct tdm_draw_params of sample_rows, device
     struct dev_buf sadj;    // their struct tdm_draw_adj entries, device
     // begin_forward's staging: host copies, and their device twins.
@@ -365,15 +366,16 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
     size_t adj_bytes = (size_t)n_adj * sizeof *adj;
     if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
         buf_reserve(be, &be->sp, (size_t)n * sizeof *params) != TDM_OK ||
-        buf_reserve(be, &be->sadj, adj_bytes + 16) != TDM_OK) {
+        buf_reserve(be, &be->sadj, adj_bytes + 16) != TDM_OK ||
+        buf_reserve(be, &be->am_part, tdm_cuk_sample_scratch(n, cols) + 16) != TDM_OK) {
         fail(be, TDM_ENOMEM, "sample: %s", "out of device memory for the parameters");
         return take_err(be);
     }
     if (cuda_upload(be, be->sp.p, params, (size_t)n * sizeof *params) != TDM_OK ||
         (n_adj > 0 && cuda_upload(be, be->sadj.p, adj, adj_bytes) != TDM_OK))
         return take_err(be);
-    launch_check(be,
-                 tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->sadj.p, be->am_ids.p));
+    launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->sadj.p, be->am_ids.p,
+                                         be->am_part.p));
     if (be->err != TDM_OK)
         return take_err(be);
     return cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));

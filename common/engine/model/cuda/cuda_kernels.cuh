@@ -481,60 +481,32 @@ __device__ __forceinline__ unsigned long long draw_block_sum(unsigned long long 
     return t;
 }
 
-__global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
-    sample_rows_kernel(float *x, int cols, const tdm_draw_params *params, const tdm_draw_adj *adj,
-                       int32_t *ids)
+// Steps 2-5 over n entries: values vals[j] (token idx[j], or j when idx is
+// NULL; -inf entries weigh nothing), lmax the row's largest logit: top_k's
+// threshold, the weights written to q[j] (q may alias vals: each thread
+// writes only the entries it read), top_p's floor, the draw; *out = the
+// token.
+__device__ void draw_over(const float *vals, const int32_t *idx, int n, uint32_t *q,
+                          const tdm_draw_params &d, float lmax, int32_t *out)
 {
     __shared__ unsigned long long span_sum[TDM_CUK_ARGMAX_THREADS];
-    float *row = x + (size_t)blockIdx.x * cols;
-    const tdm_draw_params d = params[blockIdx.x];
-    // 0. The row's adjustments (bias, penalties, mask: one entry a token).
-    for (int i = threadIdx.x; i < d.n_adj; i += blockDim.x) {
-        tdm_draw_adj a = adj[d.adj_off + i];
-        if (a.token >= 0 && a.token < cols)
-            row[a.token] = tdm_draw_adjust(row[a.token], &d, &a);
-    }
-    __syncthreads();
-    // 1. The first largest.
-    float bv = -INFINITY;
-    int bi = -1;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = row[c];
-        if (v > bv) {
-            bv = v;
-            bi = c;
-        }
-    }
-    float lmax;
-    int imax;
-    argmax_tree(bv, bi, &lmax, &imax);
-    if (d.inv_t == 0.0f || !isfinite(lmax)) {
-        if (threadIdx.x == 0)
-            ids[blockIdx.x] = imax < 0 ? 0 : imax;
-        return;
-    }
-    // 2. top_k's threshold.
-    float thr = d.top_k > 0 ? draw_kth_largest(row, cols, d.top_k) : -INFINITY;
-    // 3. Weights over the logits, and their total.
-    uint32_t *q = (uint32_t *)row;
+    float thr = d.top_k > 0 ? draw_kth_largest(vals, n, d.top_k) : -INFINITY;
     unsigned long long part = 0;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        float v = row[c];
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        float v = vals[c];
         uint32_t w = v >= thr ? tdm_draw_weight(v, lmax, d.inv_t, d.min_p) : 0u;
         q[c] = w;
         part += w;
     }
     __syncthreads(); // every weight written before anyone reads them
     unsigned long long total = draw_block_sum(part);
-    // 4. top_p's floor.
     uint32_t floor_q = 1;
     if (d.top_p < 1.0f) {
-        floor_q = draw_top_p_floor(q, cols, tdm_draw_top_p_mass(d.top_p, total));
+        floor_q = draw_top_p_floor(q, n, tdm_draw_top_p_mass(d.top_p, total));
         floor_q = floor_q > 0 ? floor_q : 1;
     }
-    // 5. The draw over contiguous spans.
-    int span = (cols + (int)blockDim.x - 1) / (int)blockDim.x;
-    int c0 = (int)threadIdx.x * span, c1 = c0 + span < cols ? c0 + span : cols;
+    int span = (n + (int)blockDim.x - 1) / (int)blockDim.x;
+    int c0 = (int)threadIdx.x * span, c1 = c0 + span < n ? c0 + span : n;
     unsigned long long mine = 0;
     for (int c = c0; c < c1; c++)
         mine += q[c] >= floor_q ? q[c] : 0u;
@@ -551,10 +523,139 @@ __global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
         for (int c = c0; c < c1; c++) {
             acc += q[c] >= floor_q ? q[c] : 0u;
             if (acc > target) {
-                ids[blockIdx.x] = c;
+                *out = idx ? idx[c] : c;
                 break;
             }
         }
+    }
+    __syncthreads(); // span_sum reused by the next block of this launch
+}
+
+// grid (n, chunks of TDM_CUK_ARGMAX_CHUNK columns), block TDM_CUK_ARGMAX_THREADS:
+// chunk blockIdx.y of row blockIdx.x. Applies the row's adjustments that fall
+// in the chunk, writes the chunk's first largest to part_v/part_i, and for a
+// sampled row with 0 < top_k <= TDM_CUK_SAMPLE_KMAX its candidates: every
+// element >= the chunk's own k-th largest finite value (all its finite ones
+// when it has fewer), in index order, to the chunk's TDM_CUK_SAMPLE_CAP slots
+// of cand_v/cand_i, the rest -inf; cand_n[row][chunk] = how many, or -1 (no
+// candidates: the row takes the full path; more than the slots hold: ties).
+// The row's k largest values are among the union of the chunks' lists (a
+// chunk's k-th largest is at most the row's), so the row's top_k set is.
+__global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
+    sample_chunk_kernel(float *x, int cols, const tdm_draw_params *params, const tdm_draw_adj *adj,
+                        float *part_v, int32_t *part_i, float *cand_v, int32_t *cand_i,
+                        int32_t *cand_n)
+{
+    __shared__ int counts[TDM_CUK_ARGMAX_THREADS];
+    float *row = x + (size_t)blockIdx.x * cols;
+    const tdm_draw_params d = params[blockIdx.x];
+    int c0 = blockIdx.y * TDM_CUK_ARGMAX_CHUNK;
+    int c1 = c0 + TDM_CUK_ARGMAX_CHUNK < cols ? c0 + TDM_CUK_ARGMAX_CHUNK : cols;
+    for (int i = threadIdx.x; i < d.n_adj; i += blockDim.x) {
+        tdm_draw_adj a = adj[d.adj_off + i];
+        if (a.token >= c0 && a.token < c1)
+            row[a.token] = tdm_draw_adjust(row[a.token], &d, &a);
+    }
+    __syncthreads();
+    float bv = -INFINITY;
+    int bi = -1;
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        float v = row[c];
+        if (v > bv) {
+            bv = v;
+            bi = c;
+        }
+    }
+    float wv;
+    int wi;
+    argmax_tree(bv, bi, &wv, &wi);
+    size_t slot = (size_t)blockIdx.x * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) {
+        part_v[slot] = wv;
+        part_i[slot] = wi;
+    }
+    if (d.inv_t == 0.0f || d.top_k <= 0 || d.top_k > TDM_CUK_SAMPLE_KMAX) {
+        if (threadIdx.x == 0)
+            cand_n[slot] = -1;
+        return;
+    }
+    float t = draw_kth_largest(row + c0, c1 - c0, d.top_k);
+    // Ordered compaction: each thread a contiguous span, offsets by the spans
+    // before it.
+    int len = c1 - c0, span = (len + (int)blockDim.x - 1) / (int)blockDim.x;
+    int s0 = c0 + (int)threadIdx.x * span, s1 = s0 + span < c1 ? s0 + span : c1;
+    int mine = 0;
+    for (int c = s0; c < s1; c++)
+        mine += row[c] >= t && row[c] > -INFINITY;
+    counts[threadIdx.x] = mine;
+    __syncthreads();
+    int before = 0, m = 0;
+    for (unsigned u = 0; u < blockDim.x; u++) {
+        before += u < threadIdx.x ? counts[u] : 0;
+        m += counts[u];
+    }
+    float *cv = cand_v + slot * TDM_CUK_SAMPLE_CAP;
+    int32_t *ci = cand_i + slot * TDM_CUK_SAMPLE_CAP;
+    if (m <= TDM_CUK_SAMPLE_CAP) {
+        int o = before;
+        for (int c = s0; c < s1; c++)
+            if (row[c] >= t && row[c] > -INFINITY) {
+                cv[o] = row[c];
+                ci[o++] = c;
+            }
+        for (int j = m + (int)threadIdx.x; j < TDM_CUK_SAMPLE_CAP; j += blockDim.x) {
+            cv[j] = -INFINITY;
+            ci[j] = c0;
+        }
+    }
+    if (threadIdx.x == 0)
+        cand_n[slot] = m <= TDM_CUK_SAMPLE_CAP ? m : -1;
+    __syncthreads(); // counts reused by the next block
+}
+
+// grid (n), block TDM_CUK_ARGMAX_THREADS, after sample_chunk_kernel: row
+// blockIdx.x's first largest from its chunks' (greedy rows and rows without a
+// finite maximum end there), then the draw over its chunks' candidates when
+// every chunk has them (top_k's fast path: chunks x TDM_CUK_SAMPLE_CAP
+// entries instead of the row), else over the whole row (one CTA).
+__global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
+    sample_rows_kernel(float *x, int cols, const tdm_draw_params *params, const float *part_v,
+                       const int32_t *part_i, float *cand_v, int32_t *cand_i, const int32_t *cand_n,
+                       int32_t *ids)
+{
+    __shared__ int s_full;
+    float *row = x + (size_t)blockIdx.x * cols;
+    const tdm_draw_params d = params[blockIdx.x];
+    int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
+    size_t first = (size_t)blockIdx.x * chunks;
+    float bv = -INFINITY;
+    int bi = -1;
+    for (int z = threadIdx.x; z < chunks; z += blockDim.x)
+        if (part_i[first + z] >= 0 && (bi < 0 || part_v[first + z] > bv)) {
+            bv = part_v[first + z];
+            bi = part_i[first + z];
+        }
+    float lmax;
+    int imax;
+    argmax_tree(bv, bi, &lmax, &imax);
+    if (d.inv_t == 0.0f || !isfinite(lmax)) {
+        if (threadIdx.x == 0)
+            ids[blockIdx.x] = imax < 0 ? 0 : imax;
+        return;
+    }
+    if (threadIdx.x == 0)
+        s_full = 0;
+    __syncthreads();
+    for (int z = threadIdx.x; z < chunks; z += blockDim.x)
+        if (cand_n[first + z] < 0)
+            atomicAdd(&s_full, 1);
+    __syncthreads();
+    if (s_full == 0) {
+        float *cv = cand_v + first * TDM_CUK_SAMPLE_CAP;
+        draw_over(cv, cand_i + first * TDM_CUK_SAMPLE_CAP, chunks * TDM_CUK_SAMPLE_CAP,
+                  (uint32_t *)cv, d, lmax, &ids[blockIdx.x]);
+    } else {
+        draw_over(row, NULL, cols, (uint32_t *)row, d, lmax, &ids[blockIdx.x]);
     }
 }
 

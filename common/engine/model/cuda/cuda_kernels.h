@@ -154,11 +154,19 @@ int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *
 // ids[i] = the token sample_draw.h's draw takes from x[i][0..cols), adjusted
 // by adj[params[i].adj_off ..][0..params[i].n_adj), with params[i] (inv_t 0:
 // the first largest, as tdm_cuk_argmax_rows), i < n: the same token the CPU
-// sampler draws from the same row. x is overwritten (each row with its
-// tokens' integer weights). One CTA a row. params, adj, ids: device.
+// sampler draws from the same row. x is overwritten. Two launches: a CTA per
+// TDM_CUK_ARGMAX_CHUNK columns of each row (the adjustments, the chunk's
+// maximum and, for 0 < top_k <= TDM_CUK_SAMPLE_KMAX, the chunk's top_k
+// candidates in up to TDM_CUK_SAMPLE_CAP slots), then a CTA per row (the draw
+// over its candidates, or over the whole row when a row has none or a chunk's
+// ties overflow its slots). scratch: device memory of
+// tdm_cuk_sample_scratch(n, cols) bytes. params, adj, ids: device.
+#define TDM_CUK_SAMPLE_KMAX 40
+#define TDM_CUK_SAMPLE_CAP 64
+size_t tdm_cuk_sample_scratch(int n, int cols);
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
                         const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                        int32_t *ids);
+                        int32_t *ids, void *scratch);
 // out[i][block_elems] = f32 of pool block blocks[i], i < n (export), and the
 // reverse: pool block blocks[i] = in[i] rounded to the pool's type (import).
 // block_elems = n_kv_heads * block_size * head_dim.

@@ -282,14 +282,39 @@ int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *
     return tdm_cuk::launched("argmax_rows merge");
 }
 
+// Per row and chunk: the chunk's maximum (value, index), its candidate count,
+// and TDM_CUK_SAMPLE_CAP candidate slots (value, index).
+size_t tdm_cuk_sample_scratch(int n, int cols)
+{
+    if (n <= 0 || cols <= 0)
+        return 0;
+    size_t slots = (size_t)n * (size_t)((cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK);
+    return slots * (sizeof(float) + 2 * sizeof(int32_t) +
+                    TDM_CUK_SAMPLE_CAP * (sizeof(float) + sizeof(int32_t)));
+}
+
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
                         const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                        int32_t *ids)
+                        int32_t *ids, void *scratch)
 {
-    if (n <= 0 || cols <= 0 || n > 65535)
-        return tdm_cuk::fail(TDM_CUK_EINVAL, "sample_rows: n %d, cols %d", n, cols);
+    if (n <= 0 || cols <= 0 || n > 65535 || scratch == NULL)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "sample_rows: n %d, cols %d%s", n, cols,
+                             scratch == NULL ? ", no scratch" : "");
+    int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
+    size_t slots = (size_t)n * chunks;
+    float *cand_v = (float *)scratch;
+    int32_t *cand_i = (int32_t *)(cand_v + slots * TDM_CUK_SAMPLE_CAP);
+    float *part_v = (float *)(cand_i + slots * TDM_CUK_SAMPLE_CAP);
+    int32_t *part_i = (int32_t *)(part_v + slots);
+    int32_t *cand_n = part_i + slots;
+    TDM_CUDA_LAUNCH(tdm_cuk::sample_chunk_kernel, dim3((unsigned)n, (unsigned)chunks),
+                    dim3(TDM_CUK_ARGMAX_THREADS), 0, stream, x, cols, params, adj, part_v, part_i,
+                    cand_v, cand_i, cand_n);
+    int rc = tdm_cuk::launched("sample_rows chunks");
+    if (rc != TDM_CUK_OK)
+        return rc;
     TDM_CUDA_LAUNCH(tdm_cuk::sample_rows_kernel, dim3((unsigned)n), dim3(TDM_CUK_ARGMAX_THREADS), 0,
-                    stream, x, cols, params, adj, ids);
+                    stream, x, cols, params, part_v, part_i, cand_v, cand_i, cand_n, ids);
     return tdm_cuk::launched("sample_rows");
 }
 

@@ -928,6 +928,10 @@ static void sample_row_fill(float *row, int cols, int kind)
     case 4: // +inf once
         row[cols - 1] = INFINITY;
         break;
+    case 6: // ties that a chunk's top_k slots hold: 32 distinct values
+        for (int c = 0; c < cols; c++)
+            row[c] = floorf(row[c] * 4.0f) / 4.0f;
+        break;
     default:
         break;
     }
@@ -952,7 +956,7 @@ static void test_sample_rows(void **state)
         {0.6f, 0.05f, 0.5f, 0, 1.0f, 0, 0, 0, 0},
         {0.0f, 1.0f, 0.0f, 0, 1.3f, 0.2f, 0, 1.0f, 1},
     };
-    enum { NC = sizeof cases / sizeof cases[0], KINDS = 6 };
+    enum { NC = sizeof cases / sizeof cases[0], KINDS = 7 };
     const int widths[] = {1, 7, 1000, 4099, 151936};
     for (size_t wi = 0; wi < sizeof widths / sizeof widths[0]; wi++) {
         int cols = widths[wi];
@@ -971,7 +975,7 @@ static void test_sample_rows(void **state)
             for (int r = 0; r < n; r++) {
                 const struct sample_case *sc = &cases[(r + pos) % NC];
                 float *row = x + (size_t)r * cols;
-                sample_row_fill(row, cols, cols > 5000 ? r % 3 : (r / NC) % KINDS);
+                sample_row_fill(row, cols, cols > 5000 ? (r % 2 ? 6 : 0) : (r / NC) % KINDS);
                 struct tdm_sampling_params p;
                 tdm_sampling_params_default(&p);
                 p.temperature = sc->temperature;
@@ -1011,14 +1015,19 @@ static void test_sample_rows(void **state)
             struct tdm_draw_params *d_p = to_dev(dp, (size_t)n * sizeof *dp);
             struct tdm_draw_adj *d_adj = to_dev(adj, (size_t)(n_adj + 1) * sizeof *adj);
             int32_t *d_ids = dev_zeros((size_t)n * sizeof *got);
+            void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(n, cols));
 #ifndef TDM_CUDA_TEST_GPU
             tdm_emu_launch_log(1);
 #endif
-            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, d_adj, d_ids));
+            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, d_adj, d_ids, d_scratch));
 #ifndef TDM_CUDA_TEST_GPU
-            struct tdm_emu_launch l[2];
-            assert_int_equal(tdm_emu_launches(l, 2), 1);
-            assert_int_equal(l[0].ctas, (unsigned long long)n);
+            // A CTA per 1 024 columns of each row (149 a row at the real
+            // vocabulary: more than an H200's 132 SMs at batch 1), then one a row.
+            struct tdm_emu_launch l[3];
+            int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
+            assert_int_equal(tdm_emu_launches(l, 3), 2);
+            assert_int_equal(l[0].ctas, (unsigned long long)n * chunks);
+            assert_int_equal(l[1].ctas, (unsigned long long)n);
             tdm_emu_launch_log(0);
 #endif
             from_dev(got, d_ids, (size_t)n * sizeof *got);
@@ -1032,7 +1041,7 @@ static void test_sample_rows(void **state)
             assert_int_equal(
                 tdm_cuda_dev_h2d(dev, d_x, x + (size_t)last * cols, (size_t)cols * sizeof *x),
                 TDM_OK);
-            ok(tdm_cuk_sample_rows(stream, d_x, 1, cols, d_p + last, d_adj, d_ids));
+            ok(tdm_cuk_sample_rows(stream, d_x, 1, cols, d_p + last, d_adj, d_ids, d_scratch));
             int32_t alone;
             from_dev(&alone, d_ids, sizeof alone);
             assert_int_equal(alone, want[last]);
@@ -1040,11 +1049,15 @@ static void test_sample_rows(void **state)
             tdm_cuda_dev_free(dev, d_p);
             tdm_cuda_dev_free(dev, d_adj);
             tdm_cuda_dev_free(dev, d_ids);
+            tdm_cuda_dev_free(dev, d_scratch);
             n_adj = 0;
         }
         free(x), free(work), free(dp), free(want), free(got), free(adj);
     }
-    assert_int_equal(tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL, NULL), TDM_CUK_EINVAL);
+    assert_int_equal(tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL, NULL, NULL),
+                     TDM_CUK_EINVAL);
+    assert_int_equal(tdm_cuk_sample_rows(stream, (float *)&state, 1, 10, NULL, NULL, NULL, NULL),
+                     TDM_CUK_EINVAL); // no scratch
 }
 
 // top_p's bound met exactly: weights 2^31 (logit 0) and twice 2^30 (the logit
@@ -1080,10 +1093,12 @@ static void test_sample_rows_boundary(void **state)
     float *d_x = to_dev(x, sizeof x);
     struct tdm_draw_params *d_p = to_dev(dp, sizeof dp);
     int32_t *d_ids = dev_zeros(sizeof got);
-    ok(tdm_cuk_sample_rows(stream, d_x, N, COLS, d_p, NULL, d_ids));
+    void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(N, COLS));
+    ok(tdm_cuk_sample_rows(stream, d_x, N, COLS, d_p, NULL, d_ids, d_scratch));
     from_dev(got, d_ids, sizeof got);
     for (int r = 0; r < N; r++)
         assert_int_equal(got[r], 1);
+    tdm_cuda_dev_free(dev, d_scratch);
     tdm_cuda_dev_free(dev, d_x);
     tdm_cuda_dev_free(dev, d_p);
     tdm_cuda_dev_free(dev, d_ids);
