@@ -1484,7 +1484,8 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
         goto out;
     if (d->error == 0 && d->num_layers == 0 && d->closed)
         goto signal; // a bare closed frame: nothing to import
-    const struct tdm_kv_transport_ops *mode = tdm_kv_recv_table(d->transport);
+    char err[sizeof j->kv_err];
+    const struct tdm_kv_transport_ops *mode = tdm_kv_recv_table(d->transport, err, sizeof err);
     struct tdm_kv_recv_frame kf = {.first_layer = d->first_layer,
                                    .num_layers = d->num_layers,
                                    .first_block = d->first_block,
@@ -1492,10 +1493,15 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
                                    .payload = f->payload,
                                    .payload_len = f->payload_len,
                                    .why = d->transport_why};
-    char err[sizeof j->kv_err];
     if (d->error != 0) {
         j->kv_failed = true;
         snprintf(j->kv_err, sizeof j->kv_err, "prefill worker: %s", d->message);
+    } else if (mode == NULL) {
+        // No table can check it: the transfer fails (the attempt cancels the
+        // prefill worker's job and moves on). Whether it writes in place is
+        // unknown too, so it says nothing about writes closed.
+        j->kv_failed = true;
+        snprintf(j->kv_err, sizeof j->kv_err, "%s", err);
     } else {
         if (!mode->in_place)
             j->writes_closed = true; // KV in the payload: this transfer writes nothing in place
