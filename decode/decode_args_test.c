@@ -24,11 +24,13 @@ static void test_decode_pd_args(void **state)
                     "5",
                     "--pd-prefill-liveness",
                     "0.5",
+                    "--pd-router-liveness=12",
                     NULL};
-    int argc = 8;
+    int argc = 9;
     struct tdm_pd_receiver_config cfg;
     tdm_pd_receiver_config_default(&cfg);
     assert_string_equal(cfg.nng_url, ""); // P/D off unless asked for
+    assert_true(cfg.router_liveness == 30);
     char err[256];
     assert_int_equal(tdm_pd_receiver_take_args(&cfg, &argc, argv, err, sizeof err), TDM_OK);
     assert_int_equal(argc, 3);
@@ -36,6 +38,7 @@ static void test_decode_pd_args(void **state)
     assert_string_equal(cfg.nng_url, "tcp://0.0.0.0:9301");
     assert_true(cfg.prefill_timeout == 5);
     assert_true(cfg.prefill_liveness == 0.5);
+    assert_true(cfg.router_liveness == 12);
     // --layers-per-frame is the prefill worker's spelling too (issue 14); the
     // old --pd-layers-per-frame still parses (hidden from --help).
     char *alias[] = {"d", "--pd-layers-per-frame", "6", NULL};
@@ -56,9 +59,9 @@ static void test_decode_pd_usage(void **state)
     assert_non_null(f);
     tdm_flags_help(tdm_pd_receiver_flags(), f);
     fclose(f);
-    static const char *const flags[] = {"--nng-url", "--pd-prefill-timeout",
-                                        "--pd-transfer-timeout", "--layers-per-frame",
-                                        "--pd-prefill-liveness"};
+    static const char *const flags[] = {
+        "--nng-url",          "--pd-prefill-timeout",  "--pd-transfer-timeout",
+        "--layers-per-frame", "--pd-prefill-liveness", "--pd-router-liveness"};
     for (size_t i = 0; i < sizeof flags / sizeof *flags; i++) {
         assert_non_null(strstr(u, flags[i]));
         // each one is really taken out of argv

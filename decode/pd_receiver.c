@@ -58,6 +58,7 @@ void tdm_pd_receiver_config_default(struct tdm_pd_receiver_config *cfg)
     cfg->prefill_liveness = 2.0;
     cfg->layers_per_frame = 4;
     cfg->send_timeout = 2;
+    cfg->router_liveness = 30;
     cfg->write_quarantine = 2;
     cfg->nccl_timeout = 10;
 }
@@ -89,6 +90,9 @@ static const struct tdm_flag receiver_flags[] = {
      .hidden = true},
     SECONDS("pd-prefill-liveness", prefill_liveness,
             "a prefill worker silent to load queries this\nlong counts as failed (default 2)"),
+    SECONDS("pd-router-liveness", router_liveness,
+            "a router connected but taking no byte of the\ntoken streams this long counts as "
+            "gone: its\nstreams end (default 30)"),
 };
 
 static const struct tdm_flags receiver_table = {
@@ -238,10 +242,12 @@ struct phases {
     const char *prefilled_by; // "" = local
 };
 
-// Sends one chunk; a router that cannot be reached within send_timeout makes
-// the caller abort (nobody is listening for these tokens any more).
+// Sends one chunk (TDM_OK, or the transport's error with err). TDM_EBUSY:
+// the router is connected but took none of it within send_timeout (its
+// reader is behind): nothing of it went out, so it may be sent again
+// (router_slow).
 static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const struct phases *ph,
-                      const Tandem__PrefillResult *first)
+                      const Tandem__PrefillResult *first, char *err, size_t errlen)
 {
     struct tdm_pd_receiver *rx = j->rx;
     Tandem__TokenChunk m = TANDEM__TOKEN_CHUNK__INIT;
@@ -252,19 +258,18 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
     m.first_index = c->first_index;
     m.n_tokens = (size_t)c->n;
     m.tokens = (int32_t *)c->tokens;
-    float lp_first = 0;
     float *lps = NULL;
     Tandem__TopLogprob *tops = NULL, **top_ptr = NULL;
     int nt = c->top ? c->num_top : 0;
     if (c->logprobs && c->n > 0) {
         lps = malloc((size_t)c->n * sizeof *lps);
         if (lps == NULL)
-            return TDM_ENOMEM;
+            return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
         memcpy(lps, c->logprobs, (size_t)c->n * sizeof *lps);
         // Output 0 of an imported request was sampled by the prefill worker: its
         // logprobs are the ones it reported (the replay here has no logits).
         if (first && c->first_index == 0)
-            lps[0] = lp_first = first->logprob;
+            lps[0] = first->logprob;
         m.n_logprobs = (size_t)c->n;
         m.logprobs = lps;
     }
@@ -276,7 +281,7 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
             free(lps);
             free(tops);
             free(top_ptr);
-            return TDM_ENOMEM;
+            return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
         }
         Tandem__TopLogprob init = TANDEM__TOP_LOGPROB__INIT;
         for (size_t i = 0; i < total; i++) {
@@ -309,20 +314,30 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
         m.phases = &pt;
         m.prefilled_by = (char *)ph->prefilled_by;
     }
-    char err[256];
     int rc = tdm_pd_send(rx->net.outbox, j->router_url, TDM_NET_TOKENS, &m.base, NULL, 0,
-                         rx->cfg.send_timeout, err, sizeof err);
-    if (rc != TDM_OK)
-        TDM_LOG_WARN(MOD, "req=%s router unreachable: %s", j->request_id, err);
-    (void)lp_first;
+                         rx->cfg.send_timeout, err, errlen);
     free(lps);
     free(tops);
     free(top_ptr);
     return rc;
 }
 
-// A final chunk without tokens (error, abort, or a finish decided here).
-static void send_finish(struct djob *j, enum tdm_finish reason, int error,
+// After a send to the router failed with rc: true when it is worth sending
+// again, the router being slow rather than gone. Slow is connected with its
+// reader behind (TDM_EBUSY: nothing of the frame went out); gone is no
+// connection within send_timeout, a connection that failed, or one that took
+// no byte for router_liveness (the outbox's stall limit drops it then, and
+// the send fails otherwise). A job that is stopping (the router's cancel,
+// the deadline, shutdown) does not wait for a slow router.
+static bool router_slow(struct djob *j, int rc)
+{
+    return rc == TDM_EBUSY && !job_stopped(j);
+}
+
+// A final chunk without tokens (error, abort, or a finish decided here). From
+// a job thread (wait_slow) a slow router is waited for, as for tokens; a
+// frame handler sends once (its connection's reader must not wait).
+static void send_finish(struct djob *j, bool wait_slow, enum tdm_finish reason, int error,
                         const char *message)
 {
     struct tdm_engine_chunk c;
@@ -333,51 +348,160 @@ static void send_finish(struct djob *j, enum tdm_finish reason, int error,
     c.error = error;
     c.message = message;
     c.num_prompt_tokens = (int)j->gen->n_prompt;
-    send_chunk(j, &c, NULL, NULL);
+    char err[256];
+    int rc;
+    while ((rc = send_chunk(j, &c, NULL, NULL, err, sizeof err)) != TDM_OK && wait_slow &&
+           router_slow(j, rc)) {
+    }
+    if (rc != TDM_OK)
+        TDM_LOG_WARN(MOD, "req=%s the router did not get the request's end: %s", j->request_id,
+                     err);
 }
 
-// Streams an engine request's outputs to the router until it finishes; aborts
-// it on cancel, deadline, shutdown or an unreachable router. Releases nothing:
-// the caller owns the handle.
+// ---- the token stream to the router ------------------------------------------------------
+// At most this many tokens go in one TokenChunk: after a stall of the router
+// the tokens generated meanwhile go out in frames of this size, so one send
+// packs at most 256 tokens (and their top logprobs).
+#define CHUNK_MAX_TOKENS 256
+
+// Appends the engine's next chunk c to *pend, the part of the stream read
+// from the engine and not sent yet (*have: pend holds something). The
+// engine's arrays are append-only and never move (tdm_engine_stream_next), so
+// c's tokens, logprobs and top logprobs follow pend's in memory; the finish
+// and the counts come with c.
+static void chunk_append(struct tdm_engine_chunk *pend, bool *have,
+                         const struct tdm_engine_chunk *c)
+{
+    if (!*have) {
+        *pend = *c;
+        *have = true;
+        return;
+    }
+    TDM_ASSERT(c->first_index == pend->first_index + pend->n);
+    int n = pend->n + c->n;
+    *pend = *c;
+    pend->first_index = c->first_index - (n - c->n);
+    pend->n = n;
+    pend->tokens = c->tokens - (n - c->n);
+    if (c->logprobs)
+        pend->logprobs = c->logprobs - (n - c->n);
+    if (c->top)
+        pend->top = c->top - (size_t)(n - c->n) * (size_t)c->num_top;
+}
+
+// Drops the first k tokens of *pend (they were sent).
+static void chunk_advance(struct tdm_engine_chunk *pend, int k)
+{
+    pend->first_index += k;
+    pend->n -= k;
+    pend->tokens += k;
+    if (pend->logprobs)
+        pend->logprobs += k;
+    if (pend->top)
+        pend->top += (size_t)k * (size_t)pend->num_top;
+}
+
+// The engine's finish of the streamed request was read (c): the job's record
+// of it, for the trace.
+static void note_finish(struct djob *j, struct tdm_engine_request *req,
+                        const struct tdm_engine_chunk *c)
+{
+    j->finished = true;
+    tdm_engine_request_times(req, &j->times);
+    j->prompt_tokens = c->num_prompt_tokens;
+    j->cached_tokens = c->num_cached_tokens;
+    j->completion_tokens = c->first_index + c->n;
+    // An abort is the router's cancel (a stop string, the client gone):
+    // not this worker's failure.
+    tdm_span_attr_str(&j->span, "tandem.finish_reason", tdm_finish_name(c->reason));
+    if (c->reason == TDM_FINISH_ERROR)
+        tdm_span_error(&j->span,
+                       c->message && c->message[0] ? c->message : tdm_finish_name(c->reason));
+}
+
+// Streams an engine request's outputs to the router until it finishes.
+// Backpressure from the router slows the stream and never ends it: while the
+// router is slow (router_slow), the tokens it has not taken stay where the
+// engine wrote them, in the request's own arrays (allocated at submit for its
+// max_tokens: a stalled router costs no memory the request would not use
+// anyway, and nothing is queued here), the engine keeps decoding, and each
+// send again carries every token not sent yet (at most CHUNK_MAX_TOKENS a
+// frame), in order, none twice (a failed send wrote nothing the router reads).
+// A router that is gone ends the stream: the engine request is aborted (its
+// KV freed at the engine's next step), no more tokens go out, and the finish
+// is an error saying why (ETRANSPORT), for a router that reads again after
+// all: never "abort", which reads like its own cancel. Cancel, deadline and
+// shutdown abort the request; then a send that fails stops the tokens and
+// only the finish is tried. Releases nothing: the caller owns the handle.
 static void stream_to_router(struct djob *j, struct tdm_engine_request *req,
                              const struct phases *ph, const Tandem__PrefillResult *first)
 {
     struct tdm_pd_receiver *rx = j->rx;
-    bool sent_first = false, aborted = false;
+    struct tdm_engine_chunk pend; // read from the engine, not sent yet
+    bool have = false, sent_first = false, aborted = false, stalled = false;
+    bool quiet = false;  // no more tokens go out, only the finish
+    char gone[320] = ""; // why the router counts as gone ("": it does not)
+    char err[256];
     for (;;) {
-        if (job_stopped(j) && !aborted) {
+        if (!aborted && (quiet || job_stopped(j))) {
             tdm_engine_abort(rx->parts.engine, req, TDM_FINISH_ABORT);
             aborted = true;
         }
         struct tdm_engine_chunk c;
-        int rc = tdm_engine_stream_next(req, 0.1, &c);
-        if (rc == TDM_ETIMEDOUT)
-            continue;
-        if (rc != TDM_OK)
+        int rc = tdm_engine_stream_next(req, have ? 0 : 0.1, &c);
+        if (rc == TDM_OK)
+            chunk_append(&pend, &have, &c);
+        else if (rc != TDM_ETIMEDOUT && !have)
             return;
-        if (c.finished && c.reason == TDM_FINISH_ABORT && tdm_now() > j->deadline)
-            c.message = "the request's deadline passed";
-        rc = send_chunk(j, &c, sent_first ? NULL : ph, first);
-        sent_first = true;
-        if (c.n > 0 && j->t_first_sent == 0)
-            j->t_first_sent = tdm_now();
-        if (c.finished) {
-            j->finished = true;
-            tdm_engine_request_times(req, &j->times);
-            j->prompt_tokens = c.num_prompt_tokens;
-            j->cached_tokens = c.num_cached_tokens;
-            j->completion_tokens = c.first_index + c.n;
-            // An abort is the router's cancel (a stop string, the client gone):
-            // not this worker's failure.
-            tdm_span_attr_str(&j->span, "tandem.finish_reason", tdm_finish_name(c.reason));
-            if (c.reason == TDM_FINISH_ERROR)
-                tdm_span_error(&j->span,
-                               c.message && c.message[0] ? c.message : tdm_finish_name(c.reason));
+        if (!have)
+            continue;
+        if (pend.finished && pend.reason == TDM_FINISH_ABORT && tdm_now() > j->deadline)
+            pend.message = "the request's deadline passed";
+        if (quiet) {
+            if (!pend.finished) {
+                have = false; // nobody takes them
+                continue;
+            }
+            note_finish(j, req, &pend);
+            struct tdm_engine_chunk fin = pend;
+            chunk_advance(&fin, fin.n); // the finish alone: the tokens before it did not go
+            if (gone[0]) {
+                fin.reason = TDM_FINISH_ERROR;
+                fin.error = TDM_ETRANSPORT;
+                fin.message = gone;
+            }
+            send_chunk(j, &fin, NULL, NULL, err, sizeof err);
             return;
         }
-        if (rc != TDM_OK && !aborted) {
-            tdm_engine_abort(rx->parts.engine, req, TDM_FINISH_ABORT);
-            aborted = true;
+        struct tdm_engine_chunk piece = pend;
+        if (piece.n > CHUNK_MAX_TOKENS) {
+            piece.n = CHUNK_MAX_TOKENS;
+            piece.finished = false;
+        }
+        rc = send_chunk(j, &piece, sent_first ? NULL : ph, first, err, sizeof err);
+        if (rc == TDM_OK) {
+            sent_first = true;
+            if (piece.n > 0 && j->t_first_sent == 0)
+                j->t_first_sent = tdm_now();
+            if (piece.finished) {
+                note_finish(j, req, &pend);
+                return;
+            }
+            chunk_advance(&pend, piece.n);
+            have = pend.n > 0 || pend.finished;
+            continue;
+        }
+        if (router_slow(j, rc)) {
+            if (!stalled)
+                TDM_LOG_INFO(MOD, "req=%s the router is slow to read: the stream waits (%s)",
+                             j->request_id, err);
+            stalled = true;
+            continue; // again, with what the engine made meanwhile
+        }
+        quiet = true;
+        if (!job_stopped(j)) {
+            snprintf(gone, sizeof gone, "router unreachable: %s", err);
+            TDM_LOG_WARN(MOD, "req=%s %s; request aborted", j->request_id, gone);
         }
     }
 }
@@ -421,7 +545,7 @@ static void run_local(struct djob *j)
     struct tdm_engine_request *req = NULL;
     int rc = tdm_engine_submit(rx->parts.engine, &ep, &req, err, sizeof err);
     if (rc != TDM_OK) {
-        send_finish(j, TDM_FINISH_ERROR, rc, err);
+        send_finish(j, true, TDM_FINISH_ERROR, rc, err);
         return;
     }
     pthread_mutex_lock(&rx->mu);
@@ -1039,7 +1163,7 @@ static enum reserve reserve_blocks(struct djob *j, struct tdm_engine_request **o
     struct tdm_engine_request *req = NULL;
     int rc = tdm_engine_submit(e, &ep, &req, err, sizeof err);
     if (rc != TDM_OK) {
-        send_finish(j, TDM_FINISH_ERROR, rc, err);
+        send_finish(j, true, TDM_FINISH_ERROR, rc, err);
         return RESERVE_DONE;
     }
     pthread_mutex_lock(&rx->mu);
@@ -1158,15 +1282,15 @@ static void *job_main(void *arg)
         bool cancelled = j->cancelled || atomic_load(&rx->net.stopping);
         pthread_mutex_unlock(&rx->mu);
         if (cancelled)
-            send_finish(j, TDM_FINISH_ABORT, 0, "cancelled");
+            send_finish(j, true, TDM_FINISH_ABORT, 0, "cancelled");
         else if (tdm_now() > j->deadline)
-            send_finish(j, TDM_FINISH_ERROR, TDM_ETIMEDOUT, "the request's deadline passed");
+            send_finish(j, true, TDM_FINISH_ERROR, TDM_ETIMEDOUT, "the request's deadline passed");
         else if (j->gen->n_prefill == 0 || j->gen->local_fallback) {
             tdm_metrics_counter_inc(tdm_metrics_counter_labels(
                 rx->m.requests, j->gen->n_prefill ? "fallback" : "local"));
             run_local(j);
         } else
-            send_finish(j, TDM_FINISH_ERROR, TDM_ETRANSPORT,
+            send_finish(j, true, TDM_FINISH_ERROR, TDM_ETRANSPORT,
                         "every listed prefill worker failed");
     }
     // Traced while still listed: trace_job reads rx, which
@@ -1182,7 +1306,7 @@ static void *job_main(void *arg)
 // span ends failed, the job is freed.
 static void refuse(struct djob *j, int code, const char *message)
 {
-    send_finish(j, TDM_FINISH_ERROR, code, message);
+    send_finish(j, false, TDM_FINISH_ERROR, code, message);
     tdm_span_error(&j->span, message);
     trace_job(j);
     job_free(j);
@@ -1244,7 +1368,7 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
             why = "resume_tokens leave nothing to generate within max_tokens";
         int32_t *joined = why ? NULL : malloc((g->n_prompt + g->n_resume_tokens) * sizeof *joined);
         if (joined == NULL) {
-            send_finish(j, TDM_FINISH_ERROR, why ? TDM_EINVAL : TDM_ENOMEM,
+            send_finish(j, false, TDM_FINISH_ERROR, why ? TDM_EINVAL : TDM_ENOMEM,
                         why ? why : "out of memory");
             job_free(j);
             return;
@@ -1360,7 +1484,8 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
         goto out;
     if (d->error == 0 && d->num_layers == 0 && d->closed)
         goto signal; // a bare closed frame: nothing to import
-    const struct tdm_kv_transport_ops *mode = tdm_kv_recv_table(d->transport);
+    char err[sizeof j->kv_err];
+    const struct tdm_kv_transport_ops *mode = tdm_kv_recv_table(d->transport, err, sizeof err);
     struct tdm_kv_recv_frame kf = {.first_layer = d->first_layer,
                                    .num_layers = d->num_layers,
                                    .first_block = d->first_block,
@@ -1368,10 +1493,15 @@ static void on_kv_data(void *arg, const struct tdm_net_frame *f)
                                    .payload = f->payload,
                                    .payload_len = f->payload_len,
                                    .why = d->transport_why};
-    char err[sizeof j->kv_err];
     if (d->error != 0) {
         j->kv_failed = true;
         snprintf(j->kv_err, sizeof j->kv_err, "prefill worker: %s", d->message);
+    } else if (mode == NULL) {
+        // No table can check it: the transfer fails (the attempt cancels the
+        // prefill worker's job and moves on). Whether it writes in place is
+        // unknown too, so it says nothing about writes closed.
+        j->kv_failed = true;
+        snprintf(j->kv_err, sizeof j->kv_err, "%s", err);
     } else {
         if (!mode->in_place)
             j->writes_closed = true; // KV in the payload: this transfer writes nothing in place
@@ -1571,6 +1701,9 @@ int tdm_pd_receiver_new(struct tdm_pd_receiver **out, struct tdm_worker *server,
             },
         .fill_load = fill_load,
         .arg = rx,
+        // A router that stops reading slows its streams; one that takes no
+        // byte for router_liveness is gone (stream_to_router).
+        .stall_s = cfg->router_liveness,
     };
     rc = tdm_pd_service_init(&rx->net, &net, err, errlen);
     if (rc != TDM_OK)

@@ -38,6 +38,8 @@ struct tdm_pd_receiver_config {
                              // counts as failed (hung, stopped); default 2
     int layers_per_frame;    // asked of the prefill worker; default 4
     double send_timeout;     // seconds a frame may wait for its peer; default 2
+    double router_liveness;  // --pd-router-liveness: a router connected but taking no byte of
+                             // our TokenChunks this long counts as gone; default 30
     double write_quarantine; // in-place KV writes: a prefill worker disconnected this long is
                              // gone with its device context, its blocks are safe (default 2)
     const struct tdm_kvx_ops *kvx_ops; // device copies; NULL = the CUDA module's table

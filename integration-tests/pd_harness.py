@@ -185,13 +185,14 @@ class Cluster:
         self.start_router()
         return self
 
-    def start_router(self, settle=0.6):
+    def start_router(self, settle=0.6, nng_url=None):
         """Starts (or, after a kill, restarts) the router on its ports and waits
-        for it to be healthy, then `settle` s for the workers' first load reports."""
+        for it to be healthy, then `settle` s for the workers' first load reports.
+        nng_url: its inbox instead of tcp://127.0.0.1:<router_nng>."""
         cmd = [self.args.router, "--config", self.config, "--model", self.model, "--host",
                "127.0.0.1", "--port", str(self.router_port), "--liveness-timeout", "1.0",
                "--debug-headers",
-               "--nng-url", "tcp://127.0.0.1:%d" % self.router_nng] + self.router_args
+               "--nng-url", nng_url or "tcp://127.0.0.1:%d" % self.router_nng] + self.router_args
         self.router_proc = subprocess.Popen(cmd, stdout=self._log("router"),
                                             stderr=subprocess.STDOUT)
         register(self.router_proc)

@@ -9,12 +9,18 @@
     seconds (no stale connection state in router, decode or prefill);
   - a client that disconnects mid-stream: KV usage returns to 0 on every worker;
     so does one that leaves a request that is not streamed (the router probes
-    its socket without writing and cancels upstream).
+    its socket without writing and cancels upstream);
+  - a router stopped for longer than the decode worker's send timeout while
+    a stream runs: the stream waits and then completes, every token, "length".
 """
+import atexit
 import json
+import os
 import random
+import shutil
 import signal
 import socket
+import tempfile
 import time
 
 from pd_harness import (Cluster, Stream, check, metric_sum, metrics, parse_args, post,
@@ -171,6 +177,55 @@ def main():
     check(decode_aborts() == aborts0 + 1, "the request whose client left was not aborted "
           "(decode aborts %g -> %g): it ran to its end" % (aborts0, decode_aborts()))
     print("client disconnects (3 streams, 1 not streamed): KV freed everywhere", flush=True)
+
+    # 4b. A stalled router slows a stream, never ends it. The router stopped
+    # (SIGSTOP) for longer than the decode worker's 2 s send timeout while a
+    # stream runs: the decode worker's TokenChunks fill the connection and
+    # its sends wait; once the router runs again the stream completes with
+    # every token and finish_reason "length" (it ended with "abort", or lost
+    # a chunk, when a send that timed out aborted the request). The router's
+    # inbox is a Unix socket here: a stopped reader blocks its sender after a
+    # few hundred chunks (TCP on loopback buffers megabytes first).
+    cl.router_proc.kill()
+    cl.router_proc.wait(timeout=20)
+    # A short path (a socket's is at most 107 bytes; a CI workdir may be longer).
+    sock_dir = tempfile.mkdtemp(prefix="tdm-router-")
+    atexit.register(shutil.rmtree, sock_dir, True)
+    cl.start_router(nng_url="ipc://" + os.path.join(sock_dir, "inbox.sock"))
+    routed_ok(cl, body, 2, "router on a Unix socket")
+    stall_body = dict(long_body, max_tokens=3000, stream_options={"include_usage": True})
+    s = Stream(cl.router_port, "/v1/completions", stall_body, timeout=120)
+    check(s.status == 200, "stream status %d" % s.status)
+    stalled_on = [w for w in cl.decode if w.name == s.headers.get("x-tandem-decode")][0]
+    log_path = os.path.join(cl.args.workdir, "decode%d-%d.log" % (stalled_on.idx, os.getpid()))
+    slow_lines0 = open(log_path, "rb").read().count(b"the router is slow to read")
+    events = s.events()
+    next(events)
+    cl.router_proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(5.0)
+    finally:
+        cl.router_proc.send_signal(signal.SIGCONT)
+    finish, usage, error = None, None, None
+    for ev in events:
+        if ev == "[DONE]":
+            break
+        if "error" in ev:
+            error = ev["error"]
+        for c in ev.get("choices", []):
+            finish = c.get("finish_reason") or finish
+        usage = ev.get("usage") or usage
+    s.close()
+    check(error is None, "router stalled 5 s: the stream failed: %s" % error)
+    check(finish == "length", "router stalled 5 s: the stream ended with %r" % finish)
+    check(usage and usage["completion_tokens"] == 3000,
+          "router stalled 5 s: %s tokens of 3000" % (usage and usage["completion_tokens"]))
+    slow = open(log_path, "rb").read().count(b"the router is slow to read") - slow_lines0
+    check(slow >= 1, "the stream never waited for the router (no 'the router is slow to read' "
+          "in %s): stop the router longer" % log_path)
+    cl.wait_kv_free(timeout=10)
+    print("router stalled 5 s: the stream waited and completed (3000 tokens, length)",
+          flush=True)
 
     # 5. A draining decode worker (SIGTERM) finishes its stream, refuses new
     # work, and the router sends that work to the other worker: no failures.

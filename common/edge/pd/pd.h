@@ -74,6 +74,10 @@ struct tdm_pd_service_config {
     tdm_net_frame_handler on[TDM_NET_TYPE_MAX + 1];
     tdm_pd_load_fn fill_load; // the load reported to a LoadQuery (tdm_pd_answer_load_query)
     void *arg;                // for the handlers and fill_load
+    double stall_s; // the outbox's stall limit (tdm_net_outbox_set_stall): a peer that takes
+                    // no byte this long while frames wait is gone, and a frame partly
+                    // written is finished until then; 0: none (such a frame is cut at its
+                    // send's timeout)
 };
 
 // Caller storage (embedded in the role's object); fields read-only to the role.

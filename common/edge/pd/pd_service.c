@@ -40,6 +40,7 @@ int tdm_pd_service_init(struct tdm_pd_service *s, const struct tdm_pd_service_co
     int rc = tdm_net_outbox_new(&s->outbox, 100, err, errlen);
     if (rc != TDM_OK)
         return rc;
+    tdm_net_outbox_set_stall(s->outbox, cfg->stall_s);
     rc = tdm_net_outbox_new(&s->liveness, 100, err, errlen);
     if (rc != TDM_OK)
         goto fail_outbox;

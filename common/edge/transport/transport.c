@@ -1157,9 +1157,11 @@ void tdm_net_msg_free(struct tdm_net_msg *m)
 // only ends when the connection does (an inbox never writes back), unpublishes
 // it and redials. Writers take send_mu for a whole frame, so frames never
 // interleave; the watcher frees a connection only while holding send_mu, so a
-// writer's connection stays valid while it writes. A write that fails or runs
-// out of time closes the connection (the frame may be half written: the peer's
-// reader drops the partial frame with the connection).
+// writer's connection stays valid while it writes. A peer that takes no byte
+// of a frame in time leaves its connection as it is (nothing of the frame went
+// out: the writer says busy); a write that fails, or stops with part of its
+// frame out, closes the connection (the peer's reader drops the partial frame
+// with it), unless the outbox's stall limit lets the frame finish.
 struct peer {
     struct peer *next;
     char *url;
@@ -1173,6 +1175,10 @@ struct peer {
     atomic_bool drop; // the current connection is finished (a writer failed on it, or
                       // stopping): ends the watcher's receive (stream_io's stop)
     pthread_mutex_t send_mu;
+    // Under send_mu (writers only): since when stuck_conn has taken no byte
+    // while a frame waited for it (0: it took the last bytes offered).
+    double stuck_since;
+    nng_stream *stuck_conn;
     const unsigned char *key; // the outbox's secret (key_len 0: no handshake)
     size_t key_len;
     int users;        // under the outbox's mu: sends using this peer now
@@ -1194,6 +1200,9 @@ struct tdm_net_outbox {
     int n_peers;    // under mu
     int max_peers;  // more distinct URLs evict the least recently used idle peer
     double idle_s;  // a peer unused this long is closed (its watcher stops redialing)
+    _Atomic double stall_s; // a connection taking no byte this long while frames wait is
+                            // dropped; a partly written frame waits for it (0: no limit,
+                            // such a frame is cut at its deadline)
 };
 
 int tdm_net_outbox_new(struct tdm_net_outbox **out, int reconnect_ms, char *err, size_t errlen)
@@ -1208,6 +1217,7 @@ int tdm_net_outbox_new(struct tdm_net_outbox **out, int reconnect_ms, char *err,
     (*out)->key_len = auth_key((*out)->key);
     (*out)->max_peers = TDM_NET_MAX_PEERS;
     (*out)->idle_s = TDM_NET_PEER_IDLE_S;
+    atomic_init(&(*out)->stall_s, 0.0);
     pthread_mutex_init(&(*out)->mu, NULL);
     (*out)->reconnect_ms = reconnect_ms > 0 ? reconnect_ms : 100;
     return TDM_OK;
@@ -1457,6 +1467,11 @@ static void peer_put(struct tdm_net_outbox *ob, struct peer *p)
     pthread_mutex_unlock(&ob->mu);
 }
 
+void tdm_net_outbox_set_stall(struct tdm_net_outbox *ob, double stall_s)
+{
+    atomic_store(&ob->stall_s, stall_s > 0 ? stall_s : 0);
+}
+
 void tdm_net_outbox_set_limits(struct tdm_net_outbox *ob, int max_peers, double idle_s)
 {
     pthread_mutex_lock(&ob->mu);
@@ -1513,9 +1528,31 @@ enum tdm_net_link tdm_net_link_state(struct tdm_net_outbox *ob, const char *url,
     return st;
 }
 
-// Writes one whole frame to p within deadline. 0 or an nng error (NNG_ETIMEDOUT
-// when no connection came up in time).
-static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double deadline)
+// How peer_write ends besides 0 (the whole frame is in the connection),
+// NNG_ETIMEDOUT (no connection came up by the deadline) and the nng error of
+// a connection that failed (negative: never an nng error).
+enum write_end {
+    WRITE_BUSY = -1,    // connected, but the peer took no byte of the frame by the deadline (or
+                        // the frames ahead of it still wait): nothing of it went out, the
+                        // connection stays
+    WRITE_CUT = -2,     // part of the frame went out by the deadline and no stall limit lets it
+                        // finish: the connection is dropped
+    WRITE_STALLED = -3, // the connection took no byte for the stall limit while frames waited:
+                        // the peer is gone, the connection is dropped
+};
+#define WRITE_SLICE_S 0.25 // a write waits in slices this long, so a stall is seen as it grows
+
+// Writes one whole frame to p: waits until deadline for a connection, then
+// for the writers ahead of it and for the peer to take the frame's first
+// byte. A frame whose first bytes went out cannot be taken back: without a
+// stall limit (stall_s 0) its connection is dropped at the deadline (the
+// peer's reader drops the partial frame with it); with one the frame is
+// finished however long the peer takes, as long as it keeps taking bytes. A
+// connection that takes no byte for stall_s while frames wait for it is
+// dropped whoever writes (the stall counts across writers: stuck_since). 0,
+// NNG_ETIMEDOUT, a WRITE_* code or the nng error that dropped the connection.
+static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double deadline,
+                      double stall_s)
 {
     for (;;) {
         // Wait (bounded) for a connection.
@@ -1529,10 +1566,11 @@ static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double de
         if (!up)
             return NNG_ETIMEDOUT;
 
-        // One writer at a time, bounded by the same deadline.
+        // One writer at a time, bounded by the same deadline: the peer is
+        // slow to take the frames ahead of this one, not gone.
         struct timespec rt = clock_at(CLOCK_REALTIME, deadline - tdm_now());
         if (pthread_mutex_timedlock(&p->send_mu, &rt) != 0)
-            return NNG_ETIMEDOUT;
+            return WRITE_BUSY;
         pthread_mutex_lock(&p->mu);
         nng_stream *s = p->s;
         pthread_mutex_unlock(&p->mu);
@@ -1542,10 +1580,48 @@ static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double de
                 return NNG_ETIMEDOUT;
             continue;
         }
-        int rv = stream_io(s, true, (void *)buf, size, deadline, NULL);
-        if (rv != 0) { // half a frame may be out: the connection is done
+        if (p->stuck_conn != s) { // a new connection: no stall yet
+            p->stuck_conn = s;
+            p->stuck_since = 0;
+        }
+        size_t done = 0;
+        int rv;
+        for (;;) {
+            double t0 = tdm_now();
+            double end = t0 + WRITE_SLICE_S;
+            if (done == 0 && end > deadline)
+                end = deadline; // nothing out yet: the caller's deadline holds
+            size_t moved = 0;
+            rv = stream_xfer(s, true, (void *)(buf + done), size - done, size - done, end, NULL,
+                             &moved);
+            done += moved;
+            if (moved > 0)
+                p->stuck_since = 0;
+            if (rv != NNG_ETIMEDOUT)
+                break; // written, or the connection failed
+            double now = tdm_now();
+            if (moved == 0 && p->stuck_since == 0)
+                p->stuck_since = t0;
+            if (stall_s > 0 && p->stuck_since > 0 && now - p->stuck_since >= stall_s) {
+                rv = WRITE_STALLED;
+                break;
+            }
+            if (now < deadline)
+                continue;
+            if (done == 0) {
+                rv = WRITE_BUSY;
+                break;
+            }
+            if (stall_s <= 0) {
+                rv = WRITE_CUT;
+                break;
+            }
+            // Part of the frame is out and the limit lets it finish: go on.
+        }
+        if (rv != 0 && rv != WRITE_BUSY) { // half a frame may be out: the connection is done
             atomic_store(&p->drop, true);
             nng_stream_close(s);
+            p->stuck_since = 0;
         }
         pthread_mutex_unlock(&p->send_mu);
         return rv;
@@ -1591,18 +1667,37 @@ int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, cons
     double now = tdm_now();
     double deadline = now + (timeout_s > 0 ? timeout_s : 0);
     int rv = 0;
+    double stall_s = atomic_load(&ob->stall_s);
     if (timeout_s <= 0 && !tdm_net_connected(ob, url))
         rv = NNG_ETIMEDOUT;
     else
-        rv = peer_write(p, body, size, timeout_s > 0 ? deadline : now + 0.5);
+        rv = peer_write(p, body, size, timeout_s > 0 ? deadline : now + 0.5, stall_s);
     free(body);
     peer_put(ob, p);
-    if (rv != 0) {
-        code = nng_to_tdm(rv);
-        return tdm_seterr(err, errlen, code, "send %s to %s: %s", tdm_net_type_name(type), url,
-                          rv == NNG_ETIMEDOUT ? "no connected peer" : nng_strerror(rv));
+    const char *what = tdm_net_type_name(type);
+    switch (rv) {
+    case 0:
+        return TDM_OK;
+    case NNG_ETIMEDOUT:
+        return tdm_seterr(err, errlen, TDM_ETIMEDOUT, "send %s to %s: no connected peer", what,
+                          url);
+    case WRITE_BUSY:
+        return tdm_seterr(err, errlen, TDM_EBUSY,
+                          "send %s to %s: the peer took none of it in %.2f s (its reader is "
+                          "behind); nothing was written, the connection stays",
+                          what, url, tdm_now() - now);
+    case WRITE_CUT:
+        return tdm_seterr(err, errlen, TDM_ETRANSPORT,
+                          "send %s to %s: timed out with part of it written: connection dropped",
+                          what, url);
+    case WRITE_STALLED:
+        return tdm_seterr(err, errlen, TDM_ETRANSPORT,
+                          "send %s to %s: the peer took no byte for %.1f s: connection dropped",
+                          what, url, stall_s);
+    default:
+        return tdm_seterr(err, errlen, nng_to_tdm(rv), "send %s to %s: %s", what, url,
+                          nng_strerror(rv));
     }
-    return TDM_OK;
 }
 
 struct copy_arg {

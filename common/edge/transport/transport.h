@@ -163,10 +163,16 @@ void tdm_net_outbox_free(struct tdm_net_outbox *ob);
 // Sends one frame to url, dialing on first use. Waits up to timeout_s for a
 // connected peer and for the frame to be written (0: only if a connection is up
 // now). TDM_OK once the whole frame is in the connection (delivery is not
-// confirmed: protocols above time out), TDM_ETIMEDOUT when no peer was
-// connected in time, TDM_EINVAL for a bad URL or type, TDM_ENOMEM,
-// TDM_ETRANSPORT when the connection failed mid-frame (it is then dropped and
-// redialed; err says why).
+// confirmed: protocols above time out); TDM_ETIMEDOUT when no peer was
+// connected in time; TDM_EBUSY when one was but took no byte of the frame in
+// time (its reader is behind, or the frames ahead of this one still wait):
+// backpressure, not a failure: nothing of the frame was written and the
+// connection stays, so the caller may send it again; TDM_EINVAL for a bad URL
+// or type; TDM_ENOMEM; TDM_ETRANSPORT when the connection failed (the peer
+// closed it, part of the frame was out when timeout_s ran out, or the peer
+// took no byte for the stall limit below): it is then dropped and redialed,
+// err says why. With a stall limit the call may return up to that long after
+// timeout_s (only while part of its frame is out).
 int tdm_net_send(struct tdm_net_outbox *ob, const char *url, int type, const void *msg,
                  size_t msg_len, const void *payload, size_t payload_len, double timeout_s,
                  char *err, size_t errlen);
@@ -178,6 +184,19 @@ typedef int (*tdm_net_fill_fn)(void *arg, uint8_t *payload, size_t payload_len);
 int tdm_net_send_fill(struct tdm_net_outbox *ob, const char *url, int type, const void *msg,
                       size_t msg_len, size_t payload_len, tdm_net_fill_fn fill, void *arg,
                       double timeout_s, char *err, size_t errlen);
+// A frame partly written when its send's timeout runs out cannot be taken
+// back: by default its connection is dropped then (the peer's reader drops
+// the partial frame with it), and the frames the caller sends again go on a
+// new connection. With a stall limit stall_s > 0 such a frame is finished
+// instead, however long the peer takes, as long as it keeps taking bytes;
+// and a connection that takes no byte for stall_s while frames wait for it
+// is dropped (the peer is gone: TDM_ETRANSPORT), whichever send sees it.
+// Until then a slow peer only makes senders wait (TDM_EBUSY). The decode
+// worker's outbox has one (--pd-router-liveness): a router that stops
+// reading slows its token streams and never cuts a frame. stall_s <= 0
+// restores the default. Any thread, any time (read at each send).
+void tdm_net_outbox_set_stall(struct tdm_net_outbox *ob, double stall_s);
+
 // True when the outbox has a live connection to url now.
 bool tdm_net_connected(struct tdm_net_outbox *ob, const char *url);
 

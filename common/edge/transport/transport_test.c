@@ -7,7 +7,9 @@
 // concurrent senders never interleave frames; a connection whose reader
 // thread cannot start is dropped without a leaked slot; frames arrive whole
 // however the byte stream cuts them (bursts, dribbles, larger than the
-// reader's buffer).
+// reader's buffer); a reader that stops makes sends busy, never loses or
+// cuts a frame, and one that stays stopped past the stall limit loses its
+// connection.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -667,6 +669,185 @@ static void test_peer_restart_storm(void **state)
     tdm_net_inbox_free(in);
 }
 
+// ---- a peer that stops reading ------------------------------------------------------------
+// The receiving side plays a stalled router: its frames are handled on the
+// inbox's readers, and the handler blocks while `stalled` is set, so the
+// reader stops reading and TCP pushes back on the sender once the socket
+// buffers are full (a few MiB on loopback: 128 KiB frames fill them fast).
+struct slow_reader {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stalled;
+    int next_seq; // the sequence number expected next
+    bool out_of_order;
+    int b_frames; // the second sender's frames seen
+};
+
+static void slow_handle(void *arg, const struct tdm_net_frame *f)
+{
+    struct slow_reader *r = arg;
+    pthread_mutex_lock(&r->mu);
+    while (r->stalled)
+        pthread_cond_wait(&r->cv, &r->mu);
+    char msg[32] = {0};
+    memcpy(msg, f->msg, f->msg_len < sizeof msg - 1 ? f->msg_len : sizeof msg - 1);
+    int seq = -1;
+    if (strcmp(msg, "b") == 0)
+        r->b_frames++;
+    else if (sscanf(msg, "%d", &seq) != 1 || seq != r->next_seq++)
+        r->out_of_order = true;
+    pthread_mutex_unlock(&r->mu);
+}
+
+static void slow_release(struct slow_reader *r)
+{
+    pthread_mutex_lock(&r->mu);
+    r->stalled = false;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+}
+
+enum { SLOW_FRAMES = 200, SLOW_PAYLOAD = 128 * 1024 };
+
+// Sends SLOW_FRAMES frames "seq" with 0.2 s timeouts, sending a frame again
+// while the answer is busy (as the decode worker's token stream does), until
+// each went out or another error came.
+struct slow_sender {
+    struct tdm_net_outbox *ob;
+    const char *url;
+    atomic_int sent;
+    atomic_int busy_streak;       // busy answers in a row for the current frame
+    _Atomic double in_send_since; // tdm_now() when the current send began; 0 between sends
+    int failed;                   // the error that stopped it (TDM_OK: none)
+    char err[256];
+};
+
+static void *slow_send(void *arg)
+{
+    struct slow_sender *s = arg;
+    static uint8_t payload[SLOW_PAYLOAD];
+    while (atomic_load(&s->sent) < SLOW_FRAMES) {
+        char msg[16];
+        int n = snprintf(msg, sizeof msg, "%d", atomic_load(&s->sent));
+        atomic_store(&s->in_send_since, tdm_now());
+        int rc = tdm_net_send(s->ob, s->url, TDM_NET_TOKENS, msg, (size_t)n, payload,
+                              sizeof payload, 0.2, s->err, sizeof s->err);
+        atomic_store(&s->in_send_since, 0.0);
+        if (rc == TDM_OK) {
+            atomic_fetch_add(&s->sent, 1);
+            atomic_store(&s->busy_streak, 0);
+        } else if (rc == TDM_EBUSY) {
+            atomic_fetch_add(&s->busy_streak, 1);
+        } else {
+            s->failed = rc;
+            break;
+        }
+    }
+    return NULL;
+}
+
+// True once the sender is held by the stalled peer: busy three times in a row
+// for one frame, or inside one send for over a second (a frame partly
+// written waits for its rest: the outbox's stall limit).
+static bool sender_held(struct slow_sender *s)
+{
+    double since = atomic_load(&s->in_send_since);
+    return atomic_load(&s->busy_streak) >= 3 || (since > 0 && tdm_now() - since > 1.0);
+}
+
+// A reader that stops for a while (a router stopped, or starved): senders
+// wait, none fails, nothing is lost. A send the peer takes no byte of is
+// TDM_EBUSY, its connection kept; a frame partly written when its timeout
+// runs out is finished once the peer reads again (the stall limit allows
+// it); afterwards every frame arrives whole, in order, once, on the same
+// connection.
+static void test_slow_reader(void **state)
+{
+    (void)state;
+    char err[256];
+    struct slow_reader r = {.stalled = true};
+    pthread_mutex_init(&r.mu, NULL);
+    pthread_cond_init(&r.cv, NULL);
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    tdm_net_inbox_handle_on_readers(in, slow_handle, &r);
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+    tdm_net_outbox_set_stall(ob, 30);
+    struct slow_sender a = {.ob = ob, .url = tdm_net_inbox_url(in)};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, slow_send, &a), 0);
+    double t0 = tdm_now();
+    while (!sender_held(&a)) {
+        assert_true(tdm_now() - t0 < 60);
+        assert_int_equal(a.failed, TDM_OK);
+        sleep_s(0.01);
+    }
+    assert_true(atomic_load(&a.sent) < SLOW_FRAMES);
+    // Another frame to the stalled peer: busy, nothing written, still connected.
+    assert_int_equal(tdm_net_send(ob, a.url, TDM_NET_CANCEL, "b", 1, NULL, 0, 0.2, err, sizeof err),
+                     TDM_EBUSY);
+    assert_non_null(strstr(err, "nothing was written"));
+    assert_true(tdm_net_connected(ob, a.url));
+    sleep_s(1.0); // held for many timeouts
+    slow_release(&r);
+    pthread_join(t, NULL);
+    assert_int_equal(a.failed, TDM_OK);
+    assert_int_equal(atomic_load(&a.sent), SLOW_FRAMES);
+    assert_int_equal(tdm_net_send(ob, a.url, TDM_NET_CANCEL, "b", 1, NULL, 0, 5, err, sizeof err),
+                     TDM_OK);
+    for (double end = tdm_now() + 10; tdm_now() < end;) {
+        pthread_mutex_lock(&r.mu);
+        bool all = r.next_seq == SLOW_FRAMES && r.b_frames == 1;
+        pthread_mutex_unlock(&r.mu);
+        if (all)
+            break;
+        sleep_s(0.01);
+    }
+    pthread_mutex_lock(&r.mu);
+    assert_false(r.out_of_order);
+    assert_int_equal(r.next_seq, SLOW_FRAMES);
+    assert_int_equal(r.b_frames, 1); // the busy send wrote nothing
+    pthread_mutex_unlock(&r.mu);
+    tdm_net_outbox_free(ob);
+    tdm_net_inbox_free(in);
+    pthread_cond_destroy(&r.cv);
+    pthread_mutex_destroy(&r.mu);
+}
+
+// A reader that never reads again: with a stall limit, the connection that
+// took no byte for that long is dropped and the send says so (the peer is
+// gone); the frames before it were delivered whole.
+static void test_stalled_reader_dropped(void **state)
+{
+    (void)state;
+    char err[256];
+    struct slow_reader r = {.stalled = true};
+    pthread_mutex_init(&r.mu, NULL);
+    pthread_cond_init(&r.cv, NULL);
+    struct tdm_net_inbox *in = NULL;
+    assert_int_equal(tdm_net_inbox_new(&in, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
+    tdm_net_inbox_handle_on_readers(in, slow_handle, &r);
+    struct tdm_net_outbox *ob = NULL;
+    assert_int_equal(tdm_net_outbox_new(&ob, 50, err, sizeof err), TDM_OK);
+    tdm_net_outbox_set_stall(ob, 0.5);
+    struct slow_sender a = {.ob = ob, .url = tdm_net_inbox_url(in)};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, slow_send, &a), 0);
+    pthread_join(t, NULL); // ends at the first error that is not busy
+    assert_int_equal(a.failed, TDM_ETRANSPORT);
+    assert_non_null(strstr(a.err, "took no byte for 0.5 s: connection dropped"));
+    assert_true(atomic_load(&a.sent) < SLOW_FRAMES);
+    slow_release(&r);
+    tdm_net_outbox_free(ob);
+    tdm_net_inbox_free(in);
+    pthread_mutex_lock(&r.mu);
+    assert_false(r.out_of_order); // the partial frame was dropped with its connection
+    pthread_mutex_unlock(&r.mu);
+    pthread_cond_destroy(&r.cv);
+    pthread_mutex_destroy(&r.mu);
+}
+
 // An outbox that keeps redialing a peer that is down is freed promptly, and
 // its sends fail within their timeout.
 static void test_outbox_free_while_dialing(void **state)
@@ -1034,6 +1215,8 @@ int main(void)
         cmocka_unit_test(test_inbox_frame_bursts),
         cmocka_unit_test(test_concurrent_senders),
         cmocka_unit_test(test_peer_restart_storm),
+        cmocka_unit_test(test_slow_reader),
+        cmocka_unit_test(test_stalled_reader_dropped),
         cmocka_unit_test(test_outbox_free_while_dialing),
         cmocka_unit_test(test_outbox_peer_bounds),
         cmocka_unit_test(test_authentication),

@@ -135,10 +135,23 @@ void tdm_kv_recv_end(struct tdm_kv_recv *r)
     }
 }
 
-const struct tdm_kv_transport_ops *tdm_kv_recv_table(const char *transport)
+const struct tdm_kv_transport_ops *tdm_kv_recv_table(const char *transport, char *err,
+                                                     size_t errlen)
 {
     const struct tdm_kv_transport_ops *ops = tdm_kv_transport_by_name(transport);
-    return ops != NULL ? ops : &tdm_kv_transport_nng_ops;
+    if (ops == NULL) {
+        // The peer's bytes: at most 32 of them, printable, in the message.
+        char name[33];
+        size_t n = 0;
+        for (; transport[n] && n < sizeof name - 1; n++)
+            name[n] = transport[n] >= 0x20 && transport[n] < 0x7f ? transport[n] : '?';
+        name[n] = '\0';
+        tdm_seterr(err, errlen, TDM_EPROTO,
+                   "KvData over transport \"%s%s\", which this worker does not know (it "
+                   "receives by nng, cuda-ipc, nccl): refused",
+                   name, transport[n] ? "..." : "");
+    }
+    return ops;
 }
 
 void tdm_kv_recv_progress(struct tdm_kv_recv *r, struct tdm_kv_recv_progress *p)

@@ -286,9 +286,14 @@ int tdm_kv_recv_complete(struct tdm_kv_recv *r, char *err, size_t errlen);
 // Takes back the modes with receives of their own (the role could not start
 // their thread): ended (their abort) and no longer offered.
 void tdm_kv_recv_withdraw(struct tdm_kv_recv *r);
-// The table a KvData frame goes to, by its transport ("" and a name no mode
-// has: nng's, whose checks refuse what is not an nng frame).
-const struct tdm_kv_transport_ops *tdm_kv_recv_table(const char *transport);
+// The table a KvData frame goes to, by its transport ("" or NULL: nng's, as
+// an earlier prefill worker sends it). NULL for a name no mode has, with err
+// (TDM_EPROTO: 'KvData over transport "x", which this worker does not know
+// ...'): the frame is refused and the transfer fails, since no table here
+// can check it -- taken as nng's it could be imported as if it were one, or
+// declare writes closed while its sender still writes our blocks in place.
+const struct tdm_kv_transport_ops *tdm_kv_recv_table(const char *transport, char *err,
+                                                     size_t errlen);
 // A copy of the transfer's progress.
 void tdm_kv_recv_progress(struct tdm_kv_recv *r, struct tdm_kv_recv_progress *p);
 // NCCL: the communicator id to send with the PrefillRequest (after the

@@ -619,7 +619,8 @@ static int deliver_one(struct tdm_kv_recv *r, const struct tdm_kv_frame *sf, cha
         f.payload = payload;
         f.payload_len = (size_t)sf->num_layers * LB;
     }
-    return tdm_kv_recv_table(sf->transport)->frame(r, &f, err, errlen);
+    const struct tdm_kv_transport_ops *mode = tdm_kv_recv_table(sf->transport, err, errlen);
+    return mode ? mode->frame(r, &f, err, errlen) : TDM_EPROTO;
 }
 
 // Every frame the sender sent from `from` on (a bare closed frame is the role's own).
@@ -652,7 +653,8 @@ static int frame(struct tdm_kv_recv *r, const char *transport, int first, int n,
                                   .payload = payload_len ? payload : NULL,
                                   .payload_len = payload_len,
                                   .why = ""};
-    return tdm_kv_recv_table(transport)->frame(r, &f, err, errlen);
+    const struct tdm_kv_transport_ops *mode = tdm_kv_recv_table(transport, err, errlen);
+    return mode ? mode->frame(r, &f, err, errlen) : TDM_EPROTO;
 }
 
 // A CPU decode worker: only nng is offered and nothing receives on its own.
@@ -719,11 +721,25 @@ static void test_nng_receive(void **state)
     assert_string_equal(err, "in-place KvData for a transfer offered no pool");
     assert_int_equal(frame(r, "nccl", 0, 0, FIRST, 0, err, sizeof err), TDM_EPROTO);
     assert_string_equal(err, "in-place KvData for a transfer offered no NCCL communicator");
-    // A transport no mode has goes to nng's table, whose checks see what it is.
-    assert_ptr_equal(tdm_kv_recv_table("carrier-pigeon"), &tdm_kv_transport_nng_ops);
-    assert_ptr_equal(tdm_kv_recv_table(NULL), &tdm_kv_transport_nng_ops);
-    assert_ptr_equal(tdm_kv_recv_table("nccl"), &tdm_kv_transport_nccl_ops);
-    assert_int_equal(frame(r, "carrier-pigeon", 0, 1, FIRST, 0, err, sizeof err), TDM_EPROTO);
+    assert_ptr_equal(tdm_kv_recv_table(NULL, err, sizeof err), &tdm_kv_transport_nng_ops);
+    assert_ptr_equal(tdm_kv_recv_table("", err, sizeof err), &tdm_kv_transport_nng_ops);
+    assert_ptr_equal(tdm_kv_recv_table("nccl", err, sizeof err), &tdm_kv_transport_nccl_ops);
+    // A transport no mode has is refused, whatever the frame holds: a good
+    // nng frame's layers and payload under another name are not imported.
+    int imported = R.imports;
+    assert_null(tdm_kv_recv_table("carrier-pigeon", err, sizeof err));
+    assert_string_equal(err, "KvData over transport \"carrier-pigeon\", which this worker does "
+                             "not know (it receives by nng, cuda-ipc, nccl): refused");
+    assert_int_equal(frame(r, "carrier-pigeon", 0, 1, FIRST, LB, err, sizeof err), TDM_EPROTO);
+    assert_int_equal(R.imports, imported);
+    assert_null(tdm_kv_recv_table("auto", err, sizeof err)); // a setting, not a transport
+    assert_null(
+        tdm_kv_recv_table("nng\n2026-12-01 INFO forged log line and more", err, sizeof err));
+    assert_string_equal(err, "KvData over transport \"nng?2026-12-01 INFO forged log l...\", "
+                             "which this worker does not know (it receives by nng, cuda-ipc, "
+                             "nccl): refused");
+    tdm_kv_recv_progress(r, &p);
+    assert_int_equal(p.layers_done, 0);
     assert_false(tdm_kv_transport_nng_ops.in_place);
     assert_true(tdm_kv_transport_cuda_ipc_ops.in_place && tdm_kv_transport_nccl_ops.in_place);
     tdm_kv_recv_end(r);
