@@ -41,6 +41,9 @@ struct choice {
     double last_token_at;  // for the inter-token histogram
     int32_t *got;          // [n_got] every token received from upstream, in order: what a
     size_t n_got, cap_got; // migrated stream resumes after (resume_tokens)
+    size_t upstream_base;  // n_got when the current upstream was asked (its first_index 0)
+    bool gap;              // a chunk did not start where the tokens received end (lost
+                           // in transit): the stream cannot go on from this upstream
     bool migrate;          // its decode worker was lost: continue it elsewhere (pump)
     Tandem__TokenChunk **spare; // [spare_cap] swapped with its stream's queue by pump, which
     size_t spare_cap;           // then reads the n_batch chunks in it (else empty)
@@ -67,7 +70,8 @@ struct call {
     int migrations;          // times its streams moved to another decode worker
     uint64_t lost_ids[MAX_MIGRATIONS]; // the decode workers its streams were lost on: a
                                        // migration avoids every one, not only the last
-    char migrating_why[256]; // why the streams being migrated were lost (logged once)
+    char migrating_why[320];           // why the streams being migrated were lost (logged once)
+    char gap_why[320];                 // the first gap of a choice's tokens (take_chunk)
     const char *session;
     pthread_cond_t cv; // signalled (under s->mu) when a chunk for this call arrives
 
@@ -130,6 +134,20 @@ static void note_phases(struct call *k, const Tandem__TokenChunk *m)
 static int take_chunk(struct call *k, struct choice *ch, const Tandem__TokenChunk *m)
 {
     struct tdm_router_metrics *rm = k->s->rm;
+    // A chunk begins where this upstream's tokens so far end; one that does
+    // not says tokens were lost between the worker and here: none of it is
+    // taken (the client would get a stream with a hole), and pump treats the
+    // upstream as lost.
+    size_t expected = ch->n_got - ch->upstream_base;
+    if (m->first_index < 0 || (size_t)m->first_index != expected) {
+        if (!ch->gap)
+            snprintf(k->gap_why, sizeof k->gap_why,
+                     "tokens were lost between decode worker %s and the router (a chunk began "
+                     "at token %d of its stream, %zu had arrived)",
+                     k->route.decode.name, (int)m->first_index, expected);
+        ch->gap = true;
+        return TDM_OK;
+    }
     note_phases(k, m);
     double now = tdm_now();
     if (m->n_tokens > 0) {
@@ -264,7 +282,8 @@ static int pump(struct call *k, double wait)
         ch->n_batch = 0;
         int rc = TDM_OK;
         for (size_t j = 0; j < n_batch; j++) {
-            if (rc == TDM_OK && !ch->a->done) { // after the finish: dropped, as Cancel would
+            // After the finish, or a gap: dropped, as Cancel would.
+            if (rc == TDM_OK && !ch->a->done && !ch->gap) {
                 rc = take_chunk(k, ch, batch[j]);
                 progressed++;
             }
@@ -280,7 +299,7 @@ static int pump(struct call *k, double wait)
         }
         if (ch->a->done)
             continue;
-        char why[256];
+        char why[320];
         if (tdm_now() > k->route.deadline) {
             tdm_oai_asm_fail(ch->a, TDM_ETIMEDOUT, "the request's deadline passed");
             send_cancel(k, ch);
@@ -288,7 +307,12 @@ static int pump(struct call *k, double wait)
             // Past the drain: the stream ends with an error event, not a cut.
             tdm_oai_asm_fail(ch->a, TDM_ECLOSED, "the router is shutting down");
             send_cancel(k, ch);
-        } else if (n_batch == 0 && !upstream_alive(k, ch, why, sizeof why)) {
+        } else if ((ch->gap && (k->started || ch->n_got == ch->upstream_base)) ||
+                   (!ch->gap && n_batch == 0 && !upstream_alive(k, ch, why, sizeof why))) {
+            // A gap after tokens were taken waits for the start (the stream then
+            // moves with them, or fails); one before any is a lost attempt.
+            if (ch->gap)
+                snprintf(why, sizeof why, "%s", k->gap_why);
             // Silent is not always dead: a worker that was stopped (SIGSTOP, a
             // long GC-like stall) or cut off by a partition still holds the
             // request and resumes generating it for nobody until max_tokens,
@@ -358,6 +382,8 @@ static int send_choice(struct call *k, size_t i, uint64_t dec_inst, Tandem__Pref
     router_stream_register(s, st);
     ch->st = st;
     ch->upstream_done = false;
+    ch->upstream_base = ch->n_got;
+    ch->gap = false;
 
     struct tdm_sampling_params sp = rq->sampling;
     if (sp.has_seed)

@@ -83,11 +83,13 @@ enum fake_mode {
     FAKE_REFUSE,      // an ECLOSED error finish before any token (loading or draining)
     FAKE_UNREACHABLE, // /health answers; its nng port is bound but nothing listens
     FAKE_DIE,         // die_after tokens, then silent: no chunk, no load report, ever
+    FAKE_GAP,         // every token but the one at die_after (lost in transit), then a
+                      // length finish; it keeps answering load queries
 };
 
 struct fake {
     enum fake_mode mode;
-    int die_after; // FAKE_DIE
+    int die_after; // FAKE_DIE, FAKE_GAP
     uint64_t instance;
     struct tdm_http_server *http;
     struct tdm_net_inbox *inbox; // NULL when unreachable
@@ -159,6 +161,8 @@ static void fake_generate(struct fake *f, const struct tdm_net_frame *fr)
             atomic_store(&f->silent, true);
             break;
         }
+        if (f->mode == FAKE_GAP && i == f->die_after && i + 1 < max)
+            continue; // this chunk never reaches the router
         Tandem__TokenChunk c = TANDEM__TOKEN_CHUNK__INIT;
         int32_t t = token_of(i);
         c.first_index = i - first;
@@ -296,7 +300,7 @@ static void rig_start(int n, const enum fake_mode *modes, int die_after, bool mi
     assert_true(n <= MAX_FAKES);
     memset(&rig, 0, sizeof rig);
     for (int i = 0, dying = 0; i < n; i++) {
-        dying += modes[i] == FAKE_DIE;
+        dying += modes[i] == FAKE_DIE || modes[i] == FAKE_GAP;
         fake_start(&rig.fakes[i], modes[i], die_after * (dying ? dying : 1));
         rig.n = i + 1;
     }
@@ -712,6 +716,45 @@ static void test_stream_lost_without_migration(void **state)
     assert_true(metric("tandem:router_decode_lost_total") == 1);
 }
 
+// The stream's worker loses its fifth chunk in transit and sends the rest: the
+// router takes none of the chunks after the hole (the client never sees a
+// stream with a token missing), counts the worker lost and continues the
+// stream on the second one from the 4 tokens it has; the client sees all 12
+// once, in order. Without migration: the 4 tokens, then an error event naming
+// the gap, never a finish as if nothing were missing.
+static void test_stream_gap(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_GAP, FAKE_ANSWER};
+    for (int migration = 1; migration >= 0; migration--) {
+        rig_start(2, modes, 4, migration);
+        struct stream_result s;
+        stream_request(&s);
+        struct fake *b = &rig.fakes[1];
+        if (migration) {
+            char *want = expected_text(12);
+            assert_string_equal(s.text, want);
+            free(want);
+            assert_int_equal(s.error_events, 0);
+            assert_string_equal(s.finish, "length");
+            assert_int_equal(s.completion_tokens, 12);
+            pthread_mutex_lock(&b->mu);
+            assert_int_equal(b->n_resume, 4);
+            pthread_mutex_unlock(&b->mu);
+            assert_true(metric("tandem:router_stream_migrations_total") == 1);
+        } else {
+            char *want = expected_text(4);
+            assert_string_equal(s.text, want);
+            free(want);
+            assert_int_equal(s.error_events, 1);
+            assert_non_null(strstr(s.error_message, "tokens were lost"));
+            assert_int_equal(fake_count(b, &b->n_generates), 0);
+        }
+        if (migration)
+            rig_stop(NULL); // the second round starts its own rig (the teardown stops it)
+    }
+}
+
 // ---- main --------------------------------------------------------------------------------------
 static int setup(void **state)
 {
@@ -748,6 +791,7 @@ int main(void)
         cmocka_unit_test_teardown(test_stream_migrated, rig_stop),
         cmocka_unit_test_teardown(test_stream_migrated_twice, rig_stop),
         cmocka_unit_test_teardown(test_stream_lost_without_migration, rig_stop),
+        cmocka_unit_test_teardown(test_stream_gap, rig_stop),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
