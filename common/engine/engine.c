@@ -180,6 +180,10 @@ struct tdm_engine {
     uint64_t drawn_rows;            // tokens drawn there (rows without logprobs)
     struct tdm_draw_adj *adj;       // [adj_cap] the drawn rows' logit adjustments, this step
     int adj_cap;
+    uint32_t *allow;    // [max_num_seqs][allow_words] drawn constrained rows' allow bitmaps
+    size_t allow_words; // ceil(vocab / 32)
+    bool masks_posted;  // this step's masks went to the mask threads
+    bool masks_waited;  // ... and were waited for (by the choose hook or after the forward)
     uint64_t parallel_sample_steps; // steps whose rows were sampled on several threads
     // Speculative decoding: draft_rows logits rows past the first max_num_seqs
     // bound the draft tokens of one step (draft_rows_left: this step's);
@@ -198,6 +202,7 @@ struct tdm_engine {
     size_t mask_words;
     struct tdm_engine_request **mask_jobs; // [max_num_seqs]
     int n_mask_jobs;
+    int n_step_items;        // the step's items (the choose hook reads items[] and batch[])
     pthread_t *mask_threads; // [cfg.mask_threads]
     int n_mask_threads;      // started
     bool mask_tried, mask_quit;
@@ -1058,6 +1063,43 @@ static void masks_wait(struct tdm_engine *e, bool posted)
     e->num_masks += (uint64_t)e->n_mask_jobs;
 }
 
+// The model's choose hook (tdm_model_set_choose_hook): before a step's tokens
+// are drawn on the device, the masks the mask threads computed while the
+// layers ran, as each drawn constrained row's allow bitmap over the model's
+// vocabulary: tdm_grammar_mask_apply's rule (the mask's tokens, none past the
+// grammar vocabulary, the ending ids as the matcher accepts the end).
+static void choose_hook(void *arg)
+{
+    struct tdm_engine *e = arg;
+    if (e->n_mask_jobs == 0)
+        return;
+    masks_wait(e, e->masks_posted);
+    e->masks_waited = true;
+    int32_t lim = tdm_grammar_vocab_size(e->cfg.grammar_vocab);
+    lim = lim < e->vocab ? lim : e->vocab;
+    for (int b = 0; b < e->n_step_items; b++) {
+        struct tdm_engine_request *r = e->items[b].r;
+        if (!e->items[b].drawn || r->gm == NULL || e->batch[b].allow == NULL)
+            continue;
+        uint32_t *a = e->allow + (size_t)b * e->allow_words;
+        size_t full = r->gmask_rc == TDM_OK ? (size_t)lim / 32 : 0;
+        if (full > 0)
+            memcpy(a, r->gmask, full * sizeof *a);
+        memset(a + full, 0, (e->allow_words - full) * sizeof *a);
+        if (r->gmask_rc == TDM_OK && lim % 32) // the word the grammar vocabulary ends in
+            a[full] = r->gmask[full] & ((1u << (lim % 32)) - 1u);
+        for (int i = 0; i < r->n_gend && i < TDM_GRAMMAR_MAX_END_IDS; i++) {
+            int32_t t = r->gend[i];
+            if (t < 0 || t >= e->vocab)
+                continue;
+            if (r->gmask_eos)
+                a[t / 32] |= 1u << (t % 32);
+            else
+                a[t / 32] &= ~(1u << (t % 32));
+        }
+    }
+}
+
 // Logits of tokens the grammar does not allow become -inf; the ending ids keep
 // their logit only where the output is complete.
 static void mask_apply(struct tdm_engine *e, struct tdm_engine_request *r, float *row)
@@ -1181,9 +1223,13 @@ static void run_step(struct tdm_engine *e, int n_items)
         // request's adjustments go with it) is drawn where the head wrote
         // its row, by the sampler's own draw (sample_draw.h): only its id
         // comes back.
-        bool plain_row = it->logits && r->n_draft == 0 && r->gm == NULL;
-        it->fused = plain_row && e->fused_argmax && tdm_sampler_plain_greedy(r->sampler);
-        it->drawn = plain_row && !it->fused && e->device_sampling && draw_prepare(e, it, &adj_used);
+        // A constrained row is drawn there too, its structured-output mask
+        // with it (filled by the choose hook once the mask threads are done).
+        bool plain_row = it->logits && r->n_draft == 0;
+        it->fused =
+            plain_row && r->gm == NULL && e->fused_argmax && tdm_sampler_plain_greedy(r->sampler);
+        it->drawn = plain_row && !it->fused && e->device_sampling &&
+                    (r->gm == NULL || e->allow != NULL) && draw_prepare(e, it, &adj_used);
         it->fused |= it->drawn;
         enum tdm_logits_mode lm = !it->logits      ? TDM_LOGITS_NONE
                                   : it->drawn      ? TDM_LOGITS_SAMPLE
@@ -1203,18 +1249,23 @@ static void run_step(struct tdm_engine *e, int n_items)
     }
     // The adjustments' array settled (it may have grown), each drawn row's.
     for (int b = 0; b < n_items; b++)
-        if (e->items[b].drawn)
+        if (e->items[b].drawn) {
             e->batch[b].adj = e->adj + e->items[b].adj_off;
+            if (e->items[b].r->gm && e->allow)
+                e->batch[b].allow = e->allow + (size_t)b * e->allow_words;
+        }
     // Masks of the constrained sequences that sample this step: computed on
     // the mask thread while the forward runs. Nothing at all when none is.
     e->n_mask_jobs = 0;
     for (int b = 0; b < n_items; b++)
         if (e->items[b].logits && e->items[b].r->gm)
             e->mask_jobs[e->n_mask_jobs++] = e->items[b].r;
-    bool posted = e->n_mask_jobs > 0 && masks_post(e);
+    e->masks_posted = e->n_mask_jobs > 0 && masks_post(e);
+    e->masks_waited = false;
+    e->n_step_items = n_items;
     int rc = tdm_model_forward(e->model, e->kv, e->batch, n_items, e->logits);
-    if (e->n_mask_jobs > 0)
-        masks_wait(e, posted);
+    if (e->n_mask_jobs > 0 && !e->masks_waited)
+        masks_wait(e, e->masks_posted);
     e->steps++;
     if (m)
         tdm_metrics_histogram_observe(m->iteration_tokens_total, total);
@@ -1243,6 +1294,16 @@ static void run_step(struct tdm_engine *e, int n_items)
         tdm_kv_commit(e->kv, &r->seq, r->hist, r->computed);
         if (!it->logits)
             continue;
+        if (r->gm && r->gmask_rc != TDM_OK) {
+            // No mask for this token (a grammar too ambiguous here, or memory
+            // ran out): the request ends with an error naming why instead of
+            // sampling unconstrained (a token drawn on the device is dropped).
+            row += !it->fused;
+            char msg[160];
+            int code = tdm_grammar_mask_error(r->gmask_rc, msg, sizeof msg);
+            finish_request(e, r, TDM_FINISH_ERROR, -1, code, msg, false);
+            continue;
+        }
         if (it->fused) {
             // What tdm_sampler_sample would have recorded (the token, and the
             // output position that keys the next draw).
@@ -1255,15 +1316,6 @@ static void run_step(struct tdm_engine *e, int n_items)
             continue;
         }
         float *lrow = e->logits + (size_t)row++ * (size_t)e->vocab;
-        if (r->gm && r->gmask_rc != TDM_OK) {
-            // No mask for this token (a grammar too ambiguous here, or memory
-            // ran out): the request ends with an error naming why instead of
-            // sampling unconstrained.
-            char msg[160];
-            int code = tdm_grammar_mask_error(r->gmask_rc, msg, sizeof msg);
-            finish_request(e, r, TDM_FINISH_ERROR, -1, code, msg, false);
-            continue;
-        }
         if (r->gm) {
             double t0 = tdm_now();
             mask_apply(e, r, lrow);
@@ -1555,6 +1607,7 @@ static void engine_free_arrays(struct tdm_engine *e)
     free(e->batch);
     free(e->logits);
     free(e->adj);
+    free(e->allow);
     free(e->spec_res);
     free(e->sjobs);
     free(e->sjob_res);
@@ -1631,7 +1684,17 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     e->cfg = cfg;
     e->model = model;
     e->fused_argmax = tdm_model_fused_argmax(model);
-    e->device_sampling = tdm_model_device_sampling(model);
+    e->device_sampling = tdm_model_device_sampling(model) && !cfg.host_sampling;
+    if (e->device_sampling && cfg.grammar_vocab) {
+        e->allow_words = ((size_t)mc->vocab_size + 31) / 32;
+        e->allow = calloc((size_t)cfg.max_num_seqs * e->allow_words, sizeof *e->allow);
+        if (e->allow == NULL) { // constrained rows then sample on the host
+            TDM_LOG_WARN(MOD, "no memory for device masks: constrained rows sample on the host");
+            e->allow_words = 0;
+        } else {
+            tdm_model_set_choose_hook(model, choose_hook, e);
+        }
+    }
     e->m = cfg.metrics;
     e->vocab = mc->vocab_size;
     e->num_model_eos = mc->num_eos_token_ids;
@@ -1702,6 +1765,8 @@ void tdm_engine_free(struct tdm_engine *e)
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->mu);
     pthread_join(e->thread, NULL);
+    if (e->allow != NULL)
+        tdm_model_set_choose_hook(e->model, NULL, NULL); // the model may serve another engine
     pthread_mutex_lock(&e->mask_mu);
     e->mask_quit = true;
     pthread_cond_broadcast(&e->mask_cv);

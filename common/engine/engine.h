@@ -72,6 +72,11 @@ struct tdm_engine_config {
     // speculate.
     struct tdm_spec_config spec;
     struct tdm_metrics_spec *spec_metrics; // vLLM's spec_decode counters to update; NULL = none
+    // On a device backend rows are drawn where their logits are (the
+    // sampler's own draw: the same tokens); true keeps every row's sampling on
+    // the host, as before it (tests compare the two, benches measure the
+    // difference). Default false.
+    bool host_sampling;
 };
 // Fills the defaults above.
 void tdm_engine_config_default(struct tdm_engine_config *cfg);

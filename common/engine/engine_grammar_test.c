@@ -497,6 +497,88 @@ static void test_stop_when_done_and_length(void **state)
     tdm_engine_free(e);
 }
 
+// Constrained rows drawn on a device (the emulated CUDA module): their masks,
+// computed by the mask threads while the layers run, go to the device with
+// the row (the choose hook) and the tokens equal those of the same engine
+// sampling every row on the host from the same logits, seed for seed: a
+// schema, a regex, a choice, greedy and with penalties, in one batch.
+static void test_device_masks(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_model_opts o;
+    tdm_model_opts_default(&o);
+    o.max_batch_tokens = 256;
+    o.max_batch_seqs = 16;
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda-emu", err, sizeof err), TDM_OK);
+    struct tdm_model *dm = NULL;
+    if (tdm_model_load(&dm, model_dir, &o, err, sizeof err) != TDM_OK)
+        fail_msg("cuda-emu load: %s", err);
+    assert_true(tdm_model_device_sampling(dm));
+    enum { N = 6 };
+    static const struct {
+        enum tdm_constraint_kind kind;
+        const char *text;
+        float temperature, repetition;
+    } reqs[N] = {
+        {TDM_CONSTRAINT_JSON_SCHEMA, nested_schema, 1.0f, 1.0f},
+        {TDM_CONSTRAINT_REGEX, regex_text, 1.0f, 1.0f},
+        {TDM_CONSTRAINT_CHOICE, "[\"alpha\",\"beta\",\"gamma delta\"]", 0.8f, 1.0f},
+        {TDM_CONSTRAINT_REGEX, regex_text, 0.0f, 1.0f},
+        {TDM_CONSTRAINT_JSON_SCHEMA, nested_schema, 0.7f, 1.1f},
+        {TDM_CONSTRAINT_NONE, NULL, 0.9f, 1.0f},
+    };
+    int32_t prompt[64];
+    int np;
+    prompt_of("Answer in JSON: the colour of", prompt, &np);
+    struct out got[2][N];
+    uint64_t drawn[2];
+    for (int host = 0; host < 2; host++) {
+        struct tdm_engine_config c;
+        tdm_engine_config_default(&c);
+        c.num_blocks = 256;
+        c.max_num_batched_tokens = 256;
+        c.max_num_seqs = 16;
+        c.grammar_vocab = gvocab;
+        c.mask_threads = 2;
+        c.host_sampling = host;
+        struct tdm_engine *e = NULL;
+        assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+        struct tdm_engine_request *r[N];
+        for (int i = 0; i < N; i++) {
+            struct tdm_sampling_params sp;
+            constrained(&sp, reqs[i].kind, reqs[i].text, 900u + (uint64_t)i);
+            sp.temperature = reqs[i].temperature;
+            sp.repetition_penalty = reqs[i].repetition;
+            r[i] = submit_kind(e, prompt, np, &sp, 40, TDM_ENGINE_REQ_GENERATE);
+        }
+        for (int i = 0; i < N; i++) {
+            collect(r[i], &got[host][i]);
+            tdm_engine_request_release(r[i]);
+        }
+        struct tdm_engine_stats s;
+        do {
+            usleep(1000);
+            tdm_engine_get_stats(e, &s);
+        } while (s.num_running > 0);
+        drawn[host] = s.num_device_drawn_tokens;
+        tdm_engine_free(e);
+    }
+    for (int i = 0; i < N; i++) {
+        const struct out *d = &got[0][i], *h = &got[1][i];
+        if (d->n != h->n || memcmp(d->ids, h->ids, (size_t)d->n * sizeof *d->ids) != 0 ||
+            d->reason != h->reason)
+            fail_msg("request %d: %d tokens (%s) drawn on the device, %d (%s) on the host", i, d->n,
+                     tdm_finish_name(d->reason), h->n, tdm_finish_name(h->reason));
+        assert_true(d->n > 0);
+    }
+    print_message("device masks: %llu tokens drawn on the device, %llu with host sampling\n",
+                  (unsigned long long)drawn[0], (unsigned long long)drawn[1]);
+    assert_true(drawn[0] > 0);
+    assert_int_equal(drawn[1], 0);
+    tdm_model_free(dm);
+}
+
 // P/D: the prefill side samples the first token under the mask, the decode
 // side continues the grammar from it; the tokens equal a local run's.
 static void test_pd_equivalence(void **state)
@@ -652,6 +734,7 @@ int main(void)
         cmocka_unit_test(test_resume_capacity),
         cmocka_unit_test(test_stop_when_done_and_length),
         cmocka_unit_test(test_pd_equivalence),
+        cmocka_unit_test(test_device_masks),
         cmocka_unit_test(test_refusals_and_no_cost),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -207,13 +207,14 @@ struct tdm_backend_ops {
     // Optional, for a backend whose memory is a device's: ids[i] (host) = the
     // token sample_draw.h's draw takes from x[i][0..cols) (device rows, as
     // matmul wrote them; overwritten) after the adjustments adj[params[i].
-    // adj_off ..][0..n_adj) (host, n_adj entries in all), with params[i]
-    // (host), i < n: the same token the CPU sampler draws from the same row
-    // (inv_t 0: argmax_rows'). Waits for the stream; TDM_OK or the backend's
-    // error.
+    // adj_off ..][0..n_adj) (host, n_adj entries in all) and the mask
+    // masks[params[i].mask_off ..][0..n_mask_words) (host, mask_words words in
+    // all), with params[i] (host), i < n: the same token the CPU sampler draws
+    // from the same row, masked alike (inv_t 0: argmax_rows'). Waits for the
+    // stream; TDM_OK or the backend's error.
     int (*sample_rows)(struct tdm_backend *be, float *x, int n, int cols,
                        const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                       int n_adj, int32_t *ids);
+                       int n_adj, const uint32_t *masks, size_t mask_words, int32_t *ids);
 };
 
 // The backend called `name`: "cpu" (built in), one a test registered, else

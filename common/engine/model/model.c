@@ -90,6 +90,10 @@ struct tdm_model {
     struct tdm_draw_params *draw; // [max_batch_seqs] their draws (SAMPLE), host
     struct tdm_draw_adj *adj;     // [adj_cap] the SAMPLE rows' adjustments, one array, host
     int adj_cap;
+    uint32_t *masks; // [mask_cap] the SAMPLE rows' allow bitmaps, one array, host
+    size_t mask_cap;
+    void (*choose_hook)(void *arg); // tdm_model_set_choose_hook
+    void *choose_arg;
     int pad_table[1];           // block table of a graph bucket's padding rows (block 0, read only)
 
     // Packed-weight cache (weight_cache.h). wcache: the mapped entry the
@@ -214,6 +218,12 @@ const struct tdm_model_config *tdm_model_config(const struct tdm_model *m)
 const struct tdm_model_opts *tdm_model_opts(const struct tdm_model *m)
 {
     return &m->opts;
+}
+
+void tdm_model_set_choose_hook(struct tdm_model *m, void (*fn)(void *arg), void *arg)
+{
+    m->choose_hook = fn;
+    m->choose_arg = arg;
 }
 
 bool tdm_model_device_sampling(const struct tdm_model *m)
@@ -505,6 +515,7 @@ void tdm_model_free(struct tdm_model *m)
     free(m->chosen_ids);
     free(m->draw);
     free(m->adj);
+    free(m->masks);
     free(m);
 }
 
@@ -1243,10 +1254,12 @@ static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs,
     float *rows = m->logits_be + (size_t)pl->n_logit_real * vocab;
     bool any_draw = false;
     int n_adj = 0;
+    size_t words = ((size_t)vocab + 31) / 32, mask_words = 0;
     for (int s = 0; s < n_seqs; s++)
         if (seqs[s].logits == TDM_LOGITS_SAMPLE) {
             any_draw = true;
             n_adj += seqs[s].draw->n_adj;
+            mask_words += seqs[s].allow ? words : 0;
         }
     if (n_adj > m->adj_cap) {
         struct tdm_draw_adj *grown = realloc(m->adj, (size_t)n_adj * sizeof *grown);
@@ -1255,9 +1268,19 @@ static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs,
         m->adj = grown;
         m->adj_cap = n_adj;
     }
+    if (mask_words > m->mask_cap) {
+        uint32_t *grown = realloc(m->masks, mask_words * sizeof *grown);
+        if (grown == NULL)
+            return TDM_ENOMEM;
+        m->masks = grown;
+        m->mask_cap = mask_words;
+    }
+    if (any_draw && m->choose_hook)
+        m->choose_hook(m->choose_arg); // the masks, computed while the layers ran
     // The chosen rows' draws (a greedy row's: inv_t 0) and their adjustments
     // in one array, each row's at its offset.
     n_adj = 0;
+    mask_words = 0;
     for (int s = 0, k = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
         if (!chosen(q))
@@ -1271,9 +1294,15 @@ static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs,
         if (d->n_adj > 0)
             memcpy(m->adj + n_adj, q->adj, (size_t)d->n_adj * sizeof *q->adj);
         n_adj += d->n_adj;
+        d->mask_off = (int32_t)mask_words;
+        d->n_mask_words = q->allow ? (int32_t)words : 0;
+        if (q->allow) {
+            memcpy(m->masks + mask_words, q->allow, words * sizeof *q->allow);
+            mask_words += words;
+        }
     }
     rc = any_draw ? ops->sample_rows(be, rows, pl->n_chosen, vocab, m->draw, m->adj, n_adj,
-                                     m->chosen_ids)
+                                     m->masks, mask_words, m->chosen_ids)
                   : ops->argmax_rows(be, rows, pl->n_chosen, vocab, m->chosen_ids);
     if (rc != TDM_OK)
         return rc;

@@ -141,7 +141,19 @@ struct tdm_batch_seq {
     int32_t *token_out;         // ARGMAX, SAMPLE: where the token goes (host)
     const struct tdm_draw_params *draw; // SAMPLE: the draw's parameters (sample_draw.h)
     const struct tdm_draw_adj *adj;     // SAMPLE: its draw->n_adj logit adjustments
+    // SAMPLE, structured output: NULL, or the tokens allowed, a bit each
+    // (ceil(vocab_size / 32) words; token t: bit t % 32 of word t / 32), read
+    // when the step's tokens are chosen: after the choose hook
+    // (tdm_model_set_choose_hook), which may fill it while the layers run.
+    const uint32_t *allow;
 };
+
+// fn(arg) runs in every tdm_model_forward that chooses tokens on the device
+// (TDM_LOGITS_SAMPLE rows), on the calling thread, after the forward's work
+// was issued and before the tokens are chosen: the engine waits there for the
+// structured-output masks its mask threads compute meanwhile and fills the
+// rows' allow bitmaps. NULL: none.
+void tdm_model_set_choose_hook(struct tdm_model *m, void (*fn)(void *arg), void *arg);
 
 // Whether m's backend has the fused argmax LM head (TDM_LOGITS_ARGMAX).
 bool tdm_model_fused_argmax(const struct tdm_model *m);

@@ -66,6 +66,11 @@ struct tdm_draw_params {
     uint64_t key;  // tdm_draw_key(seed, position)
     float repetition, frequency, presence; // the request's penalties
     int32_t adj_off, n_adj;                // its adjustments
+    // Structured output: the tokens allowed, one bit each (token t: bit t % 32
+    // of word t / 32) in mask words [mask_off, mask_off + n_mask_words) of an
+    // array the caller passes beside the params; a token without its bit (or
+    // past them) is -inf. n_mask_words 0: no mask.
+    int32_t mask_off, n_mask_words;
 };
 
 // One token's adjustment, in vLLM's order (sampling.c's head comment).

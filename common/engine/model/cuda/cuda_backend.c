@@ -63,6 +63,7 @@ struct tdm_backend {
         am_part; // argmax_rows' per-chunk winners (tdm_cuk_argmax_scratch), sample_rows' scratch
     struct dev_buf sp;      // [n] struct tdm_draw_params of sample_rows, device
     struct dev_buf sadj;    // their struct tdm_draw_adj entries, device
+    struct dev_buf smask;   // their structured-output masks, device
     // begin_forward's staging: host copies, and their device twins.
     int n_rows, n_seqs;                                  // of the staged forward
     int32_t *h_slots;                                    // [cap_rows] flat KV slot of each new row
@@ -191,6 +192,7 @@ static void cuda_destroy(struct tdm_backend *be)
     buf_free(be, &be->am_part);
     buf_free(be, &be->sp);
     buf_free(be, &be->sadj);
+    buf_free(be, &be->smask);
     for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++)
         tdm_cuda_dev_graph_free(be->dev, be->graphs[i].graph);
     buf_free(be, &be->d_meta);
@@ -361,21 +363,23 @@ static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int c
 // draw, and only the ids to the host, as the greedy rows' argmax.
 static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
                             const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                            int n_adj, int32_t *ids)
+                            int n_adj, const uint32_t *masks, size_t mask_words, int32_t *ids)
 {
-    size_t adj_bytes = (size_t)n_adj * sizeof *adj;
+    size_t adj_bytes = (size_t)n_adj * sizeof *adj, mask_bytes = mask_words * sizeof *masks;
     if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
         buf_reserve(be, &be->sp, (size_t)n * sizeof *params) != TDM_OK ||
         buf_reserve(be, &be->sadj, adj_bytes + 16) != TDM_OK ||
+        buf_reserve(be, &be->smask, mask_bytes + 16) != TDM_OK ||
         buf_reserve(be, &be->am_part, tdm_cuk_sample_scratch(n, cols) + 16) != TDM_OK) {
         fail(be, TDM_ENOMEM, "sample: %s", "out of device memory for the parameters");
         return take_err(be);
     }
     if (cuda_upload(be, be->sp.p, params, (size_t)n * sizeof *params) != TDM_OK ||
-        (n_adj > 0 && cuda_upload(be, be->sadj.p, adj, adj_bytes) != TDM_OK))
+        (n_adj > 0 && cuda_upload(be, be->sadj.p, adj, adj_bytes) != TDM_OK) ||
+        (mask_words > 0 && cuda_upload(be, be->smask.p, masks, mask_bytes) != TDM_OK))
         return take_err(be);
-    launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->sadj.p, be->am_ids.p,
-                                         be->am_part.p));
+    launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->sadj.p, be->smask.p,
+                                         be->am_ids.p, be->am_part.p));
     if (be->err != TDM_OK)
         return take_err(be);
     return cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));

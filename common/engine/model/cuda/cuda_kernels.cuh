@@ -533,18 +533,17 @@ __device__ void draw_over(const float *vals, const int32_t *idx, int n, uint32_t
 
 // grid (n, chunks of TDM_CUK_ARGMAX_CHUNK columns), block TDM_CUK_ARGMAX_THREADS:
 // chunk blockIdx.y of row blockIdx.x. Applies the row's adjustments that fall
-// in the chunk, writes the chunk's first largest to part_v/part_i, and for a
-// sampled row with 0 < top_k <= TDM_CUK_SAMPLE_KMAX its candidates: every
-// element >= the chunk's own k-th largest finite value (all its finite ones
-// when it has fewer), in index order, to the chunk's TDM_CUK_SAMPLE_CAP slots
-// of cand_v/cand_i, the rest -inf; cand_n[row][chunk] = how many, or -1 (no
-// candidates: the row takes the full path; more than the slots hold: ties).
-// The row's k largest values are among the union of the chunks' lists (a
-// chunk's k-th largest is at most the row's), so the row's top_k set is.
+// in the chunk and its structured-output mask, writes the chunk's first largest to part_v/part_i,
+// and for a sampled row with 0 < top_k <= TDM_CUK_SAMPLE_KMAX its candidates: every element >= the
+// chunk's own k-th largest finite value (all its finite ones when it has fewer), in index order, to
+// the chunk's TDM_CUK_SAMPLE_CAP slots of cand_v/cand_i, the rest -inf; cand_n[row][chunk] = how
+// many, or -1 (no candidates: the row takes the full path; more than the slots hold: ties). The
+// row's k largest values are among the union of the chunks' lists (a chunk's k-th largest is at
+// most the row's), so the row's top_k set is.
 __global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
     sample_chunk_kernel(float *x, int cols, const tdm_draw_params *params, const tdm_draw_adj *adj,
-                        float *part_v, int32_t *part_i, float *cand_v, int32_t *cand_i,
-                        int32_t *cand_n)
+                        const uint32_t *masks, float *part_v, int32_t *part_i, float *cand_v,
+                        int32_t *cand_i, int32_t *cand_n)
 {
     __shared__ int counts[TDM_CUK_ARGMAX_THREADS];
     float *row = x + (size_t)blockIdx.x * cols;
@@ -557,6 +556,15 @@ __global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
             row[a.token] = tdm_draw_adjust(row[a.token], &d, &a);
     }
     __syncthreads();
+    // The structured-output mask after the adjustments: -inf stays -inf
+    // through every adjustment, so this is the CPU's mask-then-sample.
+    if (d.n_mask_words > 0) {
+        const uint32_t *mk = masks + d.mask_off;
+        for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x)
+            if ((c >> 5) >= d.n_mask_words || !((mk[c >> 5] >> (c & 31)) & 1u))
+                row[c] = -INFINITY;
+        __syncthreads();
+    }
     float bv = -INFINITY;
     int bi = -1;
     for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {

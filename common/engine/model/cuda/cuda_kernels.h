@@ -152,7 +152,8 @@ int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int
 size_t tdm_cuk_argmax_scratch(int n, int cols);
 int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *ids, void *scratch);
 // ids[i] = the token sample_draw.h's draw takes from x[i][0..cols), adjusted
-// by adj[params[i].adj_off ..][0..params[i].n_adj), with params[i] (inv_t 0:
+// by adj[params[i].adj_off ..][0..params[i].n_adj) and masked by masks[params[i].
+// mask_off ..][0..n_mask_words) (structured output), with params[i] (inv_t 0:
 // the first largest, as tdm_cuk_argmax_rows), i < n: the same token the CPU
 // sampler draws from the same row. x is overwritten. Two launches: a CTA per
 // TDM_CUK_ARGMAX_CHUNK columns of each row (the adjustments, the chunk's
@@ -160,13 +161,13 @@ int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *
 // candidates in up to TDM_CUK_SAMPLE_CAP slots), then a CTA per row (the draw
 // over its candidates, or over the whole row when a row has none or a chunk's
 // ties overflow its slots). scratch: device memory of
-// tdm_cuk_sample_scratch(n, cols) bytes. params, adj, ids: device.
+// tdm_cuk_sample_scratch(n, cols) bytes. params, adj, masks, ids: device.
 #define TDM_CUK_SAMPLE_KMAX 40
 #define TDM_CUK_SAMPLE_CAP 64
 size_t tdm_cuk_sample_scratch(int n, int cols);
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
                         const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                        int32_t *ids, void *scratch);
+                        const uint32_t *masks, int32_t *ids, void *scratch);
 // out[i][block_elems] = f32 of pool block blocks[i], i < n (export), and the
 // reverse: pool block blocks[i] = in[i] rounded to the pool's type (import).
 // block_elems = n_kv_heads * block_size * head_dim.

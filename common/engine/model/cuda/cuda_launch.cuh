@@ -295,7 +295,7 @@ size_t tdm_cuk_sample_scratch(int n, int cols)
 
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
                         const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                        int32_t *ids, void *scratch)
+                        const uint32_t *masks, int32_t *ids, void *scratch)
 {
     if (n <= 0 || cols <= 0 || n > 65535 || scratch == NULL)
         return tdm_cuk::fail(TDM_CUK_EINVAL, "sample_rows: n %d, cols %d%s", n, cols,
@@ -308,8 +308,8 @@ int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
     int32_t *part_i = (int32_t *)(part_v + slots);
     int32_t *cand_n = part_i + slots;
     TDM_CUDA_LAUNCH(tdm_cuk::sample_chunk_kernel, dim3((unsigned)n, (unsigned)chunks),
-                    dim3(TDM_CUK_ARGMAX_THREADS), 0, stream, x, cols, params, adj, part_v, part_i,
-                    cand_v, cand_i, cand_n);
+                    dim3(TDM_CUK_ARGMAX_THREADS), 0, stream, x, cols, params, adj, masks, part_v,
+                    part_i, cand_v, cand_i, cand_n);
     int rc = tdm_cuk::launched("sample_rows chunks");
     if (rc != TDM_CUK_OK)
         return rc;

@@ -967,10 +967,11 @@ static void test_sample_rows(void **state)
         float *x = malloc(count * sizeof *x), *work = malloc((size_t)cols * sizeof *work);
         struct tdm_draw_params *dp = malloc((size_t)n * sizeof *dp);
         int32_t *want = malloc((size_t)n * sizeof *want), *got = malloc((size_t)n * sizeof *got);
-        int adj_room = cols + 40;
+        int adj_room = cols + 40, words = (cols + 31) / 32;
         struct tdm_draw_adj *adj = malloc((size_t)n * adj_room * sizeof *adj);
-        assert_true(x && work && dp && want && got && adj);
-        int n_adj = 0;
+        uint32_t *masks = malloc((size_t)n * words * sizeof *masks);
+        assert_true(x && work && dp && want && got && adj && masks);
+        int n_adj = 0, n_words = 0;
         for (int pos = 0; pos < 3; pos++) {
             for (int r = 0; r < n; r++) {
                 const struct sample_case *sc = &cases[(r + pos) % NC];
@@ -1008,18 +1009,35 @@ static void test_sample_rows(void **state)
                 dp[r].adj_off = n_adj;
                 n_adj += k;
                 memcpy(work, row, (size_t)cols * sizeof *work);
+                if ((r + pos) % 3 == 1) {
+                    // Structured output: about 3 tokens of 5 allowed, token r
+                    // always; the CPU masks the row (tdm_grammar_mask_apply's
+                    // effect), then samples.
+                    uint32_t *mk = masks + n_words;
+                    for (int w = 0; w < words; w++)
+                        mk[w] = (uint32_t)((frand() + 1.0) * 2147483647.0) |
+                                (uint32_t)((frand() + 1.0) * 2147483647.0);
+                    mk[(r % cols) / 32] |= 1u << ((r % cols) % 32);
+                    for (int c = 0; c < cols; c++)
+                        if (!((mk[c / 32] >> (c % 32)) & 1u))
+                            work[c] = -INFINITY;
+                    dp[r].mask_off = n_words;
+                    dp[r].n_mask_words = words;
+                    n_words += words;
+                }
                 want[r] = tdm_sampler_sample(s, work, NULL);
                 tdm_sampler_free(s);
             }
             float *d_x = to_dev(x, count * sizeof *x);
             struct tdm_draw_params *d_p = to_dev(dp, (size_t)n * sizeof *dp);
             struct tdm_draw_adj *d_adj = to_dev(adj, (size_t)(n_adj + 1) * sizeof *adj);
+            uint32_t *d_masks = to_dev(masks, (size_t)(n_words + 1) * sizeof *masks);
             int32_t *d_ids = dev_zeros((size_t)n * sizeof *got);
             void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(n, cols));
 #ifndef TDM_CUDA_TEST_GPU
             tdm_emu_launch_log(1);
 #endif
-            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, d_adj, d_ids, d_scratch));
+            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, d_adj, d_masks, d_ids, d_scratch));
 #ifndef TDM_CUDA_TEST_GPU
             // A CTA per 1 024 columns of each row (149 a row at the real
             // vocabulary: more than an H200's 132 SMs at batch 1), then one a row.
@@ -1041,7 +1059,8 @@ static void test_sample_rows(void **state)
             assert_int_equal(
                 tdm_cuda_dev_h2d(dev, d_x, x + (size_t)last * cols, (size_t)cols * sizeof *x),
                 TDM_OK);
-            ok(tdm_cuk_sample_rows(stream, d_x, 1, cols, d_p + last, d_adj, d_ids, d_scratch));
+            ok(tdm_cuk_sample_rows(stream, d_x, 1, cols, d_p + last, d_adj, d_masks, d_ids,
+                                   d_scratch));
             int32_t alone;
             from_dev(&alone, d_ids, sizeof alone);
             assert_int_equal(alone, want[last]);
@@ -1050,14 +1069,16 @@ static void test_sample_rows(void **state)
             tdm_cuda_dev_free(dev, d_adj);
             tdm_cuda_dev_free(dev, d_ids);
             tdm_cuda_dev_free(dev, d_scratch);
-            n_adj = 0;
+            tdm_cuda_dev_free(dev, d_masks);
+            n_adj = n_words = 0;
         }
-        free(x), free(work), free(dp), free(want), free(got), free(adj);
+        free(x), free(work), free(dp), free(want), free(got), free(adj), free(masks);
     }
-    assert_int_equal(tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL, NULL, NULL),
+    assert_int_equal(tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL, NULL, NULL, NULL),
                      TDM_CUK_EINVAL);
-    assert_int_equal(tdm_cuk_sample_rows(stream, (float *)&state, 1, 10, NULL, NULL, NULL, NULL),
-                     TDM_CUK_EINVAL); // no scratch
+    assert_int_equal(
+        tdm_cuk_sample_rows(stream, (float *)&state, 1, 10, NULL, NULL, NULL, NULL, NULL),
+        TDM_CUK_EINVAL); // no scratch
 }
 
 // top_p's bound met exactly: weights 2^31 (logit 0) and twice 2^30 (the logit
@@ -1094,7 +1115,7 @@ static void test_sample_rows_boundary(void **state)
     struct tdm_draw_params *d_p = to_dev(dp, sizeof dp);
     int32_t *d_ids = dev_zeros(sizeof got);
     void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(N, COLS));
-    ok(tdm_cuk_sample_rows(stream, d_x, N, COLS, d_p, NULL, d_ids, d_scratch));
+    ok(tdm_cuk_sample_rows(stream, d_x, N, COLS, d_p, NULL, NULL, d_ids, d_scratch));
     from_dev(got, d_ids, sizeof got);
     for (int r = 0; r < N; r++)
         assert_int_equal(got[r], 1);
