@@ -6,9 +6,10 @@
 //   - greedy tokens equal the CPU backend's, and so does the argmax of every
 //     logits row of a second prefill chunk (at offset 150 or 21) and of 12
 //     decode steps: a 270-token prompt on the tiny preset (head_dim 16) with
-//     f32 KV (decode past position 256: two flash-decoding splits), and 45-token
-//     prompts with bf16 KV (the product default) and on a Qwen2-style model
-//     with head_dim 64 and GQA 7 (7 query heads, 1 KV head);
+//     f32 KV (decode at positions 270 to 281: 9 flash-decoding splits), and
+//     45-token prompts (2 splits) with bf16 KV (the product default) and on
+//     a Qwen2-style model with head_dim 64 and GQA 7 (7 query heads, 1 KV
+//     head);
 //   - batch invariance: two sequences in one forward get bitwise the logits
 //     they get alone;
 //   - KV export/import through the storage interface: export from the device
@@ -629,8 +630,9 @@ static void test_kv_capacity(void **state)
 #endif
 
 // CUDA graphs vs --enforce-eager: three sequences (a bucket of 4 with one
-// padding row) decode 12 steps, crossing a block boundary and a split
-// boundary (position 256: a new graph key); logits bitwise equal every step,
+// padding row) decode 12 steps, crossing a block boundary and split
+// boundaries (position 256: 9 splits of 32, rounded up to 16, a new graph
+// key); logits bitwise equal every step,
 // and graphs were replayed. Then a batch of 1 (bucket 1) on the same model.
 static void test_graphs_vs_eager(void **state)
 {
@@ -718,8 +720,8 @@ static void test_graphs_vs_eager(void **state)
     unsigned long long launches = tdm_emu_graph_launches() - launches0;
     printf("graph launches: %llu of %d steps\n", launches, STEPS_G + 3);
     // 12 steps of bucket 4, 4 of them mixed (eager): the first warms up, and
-    // the split boundary at 256 changes the key once (warm-up again); bucket
-    // 1: one warm-up.
+    // the split count passing 8 at 256 changes the key once (warm-up again);
+    // bucket 1: one warm-up.
     assert_true(launches >= STEPS_G + 3 - 4 - 4);
 #endif
     for (int s = 0; s < NS; s++) {
