@@ -76,6 +76,12 @@ struct tdm_backend {
     uint8_t *h_meta;
     int cap_meta;
     struct dev_buf d_meta, d_part_o, d_part_ml;
+    // [cap][n_heads] int32 decode split counts (tdm_cuk_attn_args.part_done):
+    // zeroed when it grows, and every launch leaves it zero. A growth while
+    // a graph is being recorded zeroes it only in that graph (which is then
+    // dropped): part_done_unset asks the next forward to zero it first.
+    struct dev_buf d_part_done;
+    bool part_done_unset;
     const int32_t *m_slots, *m_bt, *m_dec, *m_tiles;
     const struct tdm_cuk_seq *m_seqs;
     struct tdm_cuk_plan plan;
@@ -199,6 +205,7 @@ static void cuda_destroy(struct tdm_backend *be)
     free(be->h_meta);
     buf_free(be, &be->d_part_o);
     buf_free(be, &be->d_part_ml);
+    buf_free(be, &be->d_part_done);
     free(be->h_slots);
     free(be->h_bt);
     free(be->h_row);
@@ -787,6 +794,13 @@ static int stage_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
         fail(be, TDM_EBACKEND, "begin_forward: %s", tdm_cuda_dev_errmsg(be->dev));
         return take_err(be);
     }
+    if (be->part_done_unset) {
+        if (tdm_cuda_dev_memset(be->dev, be->d_part_done.p, 0, be->d_part_done.bytes) != TDM_OK) {
+            fail(be, TDM_EBACKEND, "begin_forward: %s", tdm_cuda_dev_errmsg(be->dev));
+            return take_err(be);
+        }
+        be->part_done_unset = false;
+    }
     const struct tdm_kv_config *c = tdm_kv_config(kv);
     if (tdm_kv_storage(kv)->ops != &kvs_ops) {
         fail(be, TDM_EINVAL, "begin_forward: %s",
@@ -1029,7 +1043,17 @@ static void attend(struct tdm_backend *be, struct cuda_kv_storage *s, int block_
 {
     const struct tdm_cuk_plan *p = &be->plan;
     size_t part = (size_t)p->n_decode * (size_t)n_heads * (size_t)p->max_splits;
-    if (buf_reserve(be, &be->d_part_o, part * (size_t)head_dim * sizeof(float) + 4) ||
+    size_t counts = (size_t)p->n_decode * (size_t)n_heads * sizeof(int32_t) + 4;
+    int grew = dev_buf_grow(be->dev, &be->d_part_done, counts);
+    if (grew > 0) {
+        be->gen++;
+        if (tdm_cuda_dev_memset(be->dev, be->d_part_done.p, 0, be->d_part_done.bytes) != TDM_OK) {
+            fail(be, TDM_EBACKEND, "attention: %s", tdm_cuda_dev_errmsg(be->dev));
+            return;
+        }
+        be->part_done_unset = be->graph_cur >= 0 && be->graph_mode == 1;
+    }
+    if (grew < 0 || buf_reserve(be, &be->d_part_o, part * (size_t)head_dim * sizeof(float) + 4) ||
         buf_reserve(be, &be->d_part_ml, part * 2 * sizeof(float) + 4)) {
         fail(be, TDM_ENOMEM, "attention: %s", "out of device memory for decode splits");
         return;
@@ -1052,6 +1076,7 @@ static void attend(struct tdm_backend *be, struct cuda_kv_storage *s, int block_
         .max_splits = p->max_splits,
         .part_o = be->d_part_o.p,
         .part_ml = be->d_part_ml.p,
+        .part_done = be->d_part_done.p,
         .prefill_tiles = be->m_tiles,
         .n_tiles = p->n_tiles,
         .n_heads = n_heads,
@@ -1075,9 +1100,9 @@ static void cuda_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int 
                head_dim, scale, NULL);
 }
 
-// A decode-only batch: one launch (RoPE and the KV store inside the decode
-// kernel; two with the combine when a sequence spans several splits). Else
-// RoPE and the store in one launch, then attention.
+// A decode-only batch: one launch (RoPE, the KV store and the merge of a
+// sequence's splits inside the decode kernel). Else RoPE and the store in one
+// launch, then attention.
 static void cuda_rope_store_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int layer,
                                       const struct tdm_attn_seq *seqs, int n_seqs, float *qkv,
                                       int qkv_stride, const int32_t *pos, const float *inv_freq,

@@ -5,7 +5,8 @@
 //
 // Only the CUDA subset the emulator models is used: threadIdx/blockIdx/
 // blockDim/gridDim, static __shared__ arrays, __syncthreads, full-warp
-// __shfl_xor_sync. Blocks are one-dimensional and a multiple of 32 threads.
+// __shfl_xor_sync, atomicAdd, __threadfence, __ldcg and aligned 16-byte
+// loads (ld16). Blocks are one-dimensional and a multiple of 32 threads.
 //
 // Reductions run in a fixed order set by the block shape (never by the batch):
 // a strided per-thread partial, a butterfly inside each warp, then warps in
@@ -72,14 +73,28 @@ __device__ __forceinline__ void act_put(void *out, size_t i, float v, int bf16)
 // are rounded apart (__fmul_rn: never contracted into an FMA), so every kernel
 // that rotates (rope, rope_kv_store, the decode attention that ropes its own
 // query) gives the same bits.
+// rope_cs and rope_apply are its two halves, for a kernel that computes a
+// position's cos/sin table once and rotates many pairs with it.
+__device__ __forceinline__ void rope_cs(float p, float inv_freq, float *c, float *s)
+{
+    float ang = p * inv_freq;
+    *c = (float)cos((double)ang);
+    *s = (float)sin((double)ang);
+}
+
+__device__ __forceinline__ void rope_apply(float x1, float x2, float c, float s, float *o1,
+                                           float *o2)
+{
+    *o1 = __fmul_rn(x1, c) - __fmul_rn(x2, s);
+    *o2 = __fmul_rn(x2, c) + __fmul_rn(x1, s);
+}
+
 __device__ __forceinline__ void rope_rot(float x1, float x2, float p, float inv_freq, float *o1,
                                          float *o2)
 {
-    float ang = p * inv_freq;
-    float c = (float)cos((double)ang);
-    float s = (float)sin((double)ang);
-    *o1 = __fmul_rn(x1, c) - __fmul_rn(x2, s);
-    *o2 = __fmul_rn(x2, c) + __fmul_rn(x1, s);
+    float c, s;
+    rope_cs(p, inv_freq, &c, &s);
+    rope_apply(x1, x2, c, s, o1, o2);
 }
 
 __device__ __forceinline__ float warp_sum(float v)
@@ -687,41 +702,112 @@ __device__ __forceinline__ const KV *kv_row(const KV *cache, const int32_t *bt, 
 }
 
 // ---- decode attention (flash-decoding) ---------------------------------------------------
-// grid (n_decode, n_kv_heads * ceil(group / TDM_CUK_DECODE_GROUP), max_splits),
-// block 128. Block (s, u, z) serves up to TDM_CUK_DECODE_GROUP query heads of
-// one KV head (a GQA group, or a slice of a larger one), so each K and V
-// element of the split is read once for all of them. It scores the positions
-// [z * PART, min(L, (z + 1) * PART)) of decode sequence s (L = start_pos + 1)
-// and writes, per query head, the unnormalised sum of p * v with its max and
-// sum of exponentials; combine_kernel merges the splits in order. A sequence
-// of one split (L <= PART) is finished here: its output is that sum over the
-// sum of exponentials, whatever the other sequences' split counts, and the
-// combine skips it. Splits beyond the sequence's own count exit at once (the
-// whole block). Each head's arithmetic (dot order, softmax, accumulation
-// order) does not depend on how many heads share the block.
+#define TDM_CUK_DECODE_THREADS 128
+
+#ifdef __CUDACC__
+#define TDM_CUK_UNROLL _Pragma("unroll")
+#else
+#define TDM_CUK_UNROLL
+#endif
+
+// A 16-byte load; p must be 16-byte aligned (global or shared memory).
+__device__ __forceinline__ uint4 ld16(const void *p)
+{
+#ifdef __CUDACC__
+    return *(const uint4 *)p;
+#else
+    return tdm_emu_ld16(p);
+#endif
+}
+
+__device__ __forceinline__ float bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// The elements of a 16-byte chunk of a KV row as f32: 4 f32, or 8 bf16 (the
+// low half of each word first: little-endian). The last argument picks the
+// pool's type.
+__device__ __forceinline__ void kv_unpack(uint4 c, float *o, const float *)
+{
+    o[0] = bits_f32(c.x);
+    o[1] = bits_f32(c.y);
+    o[2] = bits_f32(c.z);
+    o[3] = bits_f32(c.w);
+}
+__device__ __forceinline__ void kv_unpack(uint4 c, float *o, const uint16_t *)
+{
+    const uint32_t w[4] = {c.x, c.y, c.z, c.w};
+    for (int i = 0; i < 4; i++) {
+        o[2 * i] = bits_f32(w[i] << 16);
+        o[2 * i + 1] = bits_f32(w[i] & 0xffff0000u);
+    }
+}
+
+// grid (n_decode, n_kv_heads * ceil(group / GMAX), max_splits), block 128.
+// Block (s, u, z) serves up to GMAX query heads of one KV head (a GQA group,
+// or a slice of a larger one) over the keys [z * PART, min(L, (z + 1) * PART))
+// of decode sequence s (L = start_pos + 1), and reads each K and V element of
+// them once, in one 16-byte load, for all those heads:
+//   - a lane holds one 16-byte chunk of a key row (VEC elements) and the same
+//     chunk of every head's query; LPK lanes make a row, so a warp reads KPW =
+//     32 / LPK rows a round and the 4 warps take the split's rows in turns
+//     (bf16, head_dim 64: 8 lanes a row, 16 rows a round, 2 rounds: every lane
+//     of every warp has keys at PART = 32, and issues its two K and two V
+//     loads before anything waits for them);
+//   - a key's score is its LPK lanes' partial dots summed by a butterfly; each
+//     warp keeps its own softmax (max, sum of exponentials) and its output sum
+//     over its keys, computed in the layout of the loads (P.V as parallel as
+//     the scores: no loop over keys in one thread);
+//   - after one barrier the warps merge in index order, rescaled by
+//     e^(m_w - M), into the split's (max M, sum, unnormalised output) per head.
+// A sequence of one split (L <= PART) is finished here: output = sum / sum of
+// exponentials. With several, each block writes its split's partial to
+// part_o/part_ml and counts itself done in part_done[s][first head of the
+// unit]; the block that counts last merges the sequence's splits in split
+// order (so the result does not depend on which block came last), writes the
+// output and sets the counter back to zero for the next launch: no combine
+// launch. Blocks of splits beyond the sequence's own count exit at once. Each
+// head's arithmetic is the same whatever shares the block or the launch, so a
+// row depends on its own sequence only.
 //
-// With inv_freq (a decode-only batch: rope, KV store and attention in one
+// With inv_freq (a decode-only batch: RoPE, KV store and attention in one
 // launch), q is the un-rotated qkv row: the block ropes its query heads in
 // shared memory, and the block of the last split ropes the new token's key
 // (at q + n_heads * HD in the row; v after it) and stores it and its value at
-// slots[row] (a negative slot: padding, nothing stored) before reading the
-// split, all with the arithmetic of rope_kv_store_kernel. Blocks of one KV head
-// that split a large group (> GMAX heads) each store the same values.
+// slots[row] (a negative slot: padding, nothing stored), all with the
+// arithmetic of rope_kv_store_kernel (cos and sin from one table per block),
+// and reads that row back from shared memory as stored instead of from the
+// cache. Blocks of one KV head that split a large group (> GMAX heads) each
+// store the same values.
 template <class KV, int HD>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(TDM_CUK_DECODE_THREADS)
     attn_decode_kernel(const float *q, int q_stride, const KV *k_cache, const KV *v_cache,
                        const tdm_cuk_seq *seqs, const int32_t *block_tables, int bt_stride,
                        const int32_t *decode_seqs, int max_splits, float *part_o, float *part_ml,
-                       void *out, int out_bf16, const float *inv_freq, const int32_t *slots,
-                       KV *k_store, KV *v_store, int n_heads, int n_kv_heads, int block_size,
-                       float scale)
+                       int32_t *part_done, void *out, int out_bf16, const float *inv_freq,
+                       const int32_t *slots, KV *k_store, KV *v_store, int n_heads, int n_kv_heads,
+                       int block_size, float scale)
 {
     constexpr int PART = TDM_CUK_DECODE_PART, GMAX = TDM_CUK_DECODE_GROUP;
-    constexpr int KR = (HD + 31) / 32; // head_dim elements per lane
+    constexpr int NW = TDM_CUK_DECODE_THREADS / 32;
+    constexpr int VEC = 16 / (int)sizeof(KV);             // elements of a 16-byte load
+    constexpr int LPK = HD / VEC;                         // lanes per key row
+    constexpr int KPW = 32 / LPK;                         // rows a warp reads per round
+    constexpr int R = (PART + NW * KPW - 1) / (NW * KPW); // rounds
+    constexpr int HALF = HD / 2;
+    static_assert(HD % VEC == 0 && LPK >= 1 && LPK <= 32 && 32 % LPK == 0,
+                  "a key row is a power-of-two count of 16-byte chunks, at most 32");
+    static_assert(HD <= TDM_CUK_DECODE_THREADS, "a thread per element of the new token's row");
     __shared__ float qs[GMAX][HD];
-    __shared__ float sc[GMAX][PART];
-    __shared__ float red[32];
-    __shared__ float m_s[GMAX], l_s[GMAX];
+    __shared__ float rope_c[HALF], rope_s[HALF];
+    __shared__ __align__(16) KV kv_new[2][HD];            // the new token's k and v as stored
+    __shared__ __align__(16) float po[NW][KPW][GMAX][HD]; // each row slot's output sum
+    __shared__ float wm[NW][GMAX], wl[NW][GMAX];          // each warp's max and sum
+    __shared__ int last_s;
+
     int si = decode_seqs[blockIdx.x];
     tdm_cuk_seq sq = seqs[si];
     int split = blockIdx.z;
@@ -730,6 +816,7 @@ __global__ void __launch_bounds__(128)
     if (p0 >= kv_len)
         return;
     int nk = kv_len - p0 < PART ? kv_len - p0 : PART;
+    int ns = (kv_len + PART - 1) / PART;
     int group = n_heads / n_kv_heads;
     int subs = (group + GMAX - 1) / GMAX;
     int kvh = blockIdx.y / subs;
@@ -737,129 +824,229 @@ __global__ void __launch_bounds__(128)
     int ng = kvh * group + group - h0 < GMAX ? kvh * group + group - h0 : GMAX;
     const int32_t *bt = block_tables + (size_t)si * bt_stride;
     const float *qrow = q + (size_t)sq.row * q_stride;
-    const float *qr = qrow + (size_t)h0 * HD;
-    for (int idx = threadIdx.x; idx < ng * HD; idx += blockDim.x)
-        qs[idx / HD][idx % HD] = qr[idx];
-    __syncthreads();
-    if (inv_freq) {
-        constexpr int HALF = HD / 2;
-        float p = (float)sq.start_pos;
-        for (int idx = threadIdx.x; idx < ng * HALF; idx += blockDim.x) {
-            int g = idx / HALF, i = idx % HALF;
-            rope_rot(qs[g][i], qs[g][i + HALF], p, inv_freq[i], &qs[g][i], &qs[g][i + HALF]);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int seg = lane / LPK, c = lane % LPK; // the lane's row of a round, its chunk of the row
+    // This block stores the new token: RoPE fused, not padding, its split.
+    int slot = inv_freq ? slots[sq.row] : -1;
+    bool store = slot >= 0 && p0 + nk == kv_len;
+
+    // Every K and V load of the split first; the stored row comes later from
+    // shared memory.
+    const uint4 zero = {0u, 0u, 0u, 0u};
+    uint4 kc[R], vc[R];
+    TDM_CUK_UNROLL
+    for (int r = 0; r < R; r++) {
+        int j = (r * NW + warp) * KPW + seg;
+        kc[r] = vc[r] = zero;
+        if (j < nk && !(store && p0 + j == kv_len - 1)) {
+            int pos = p0 + j;
+            size_t row =
+                ((size_t)bt[pos / block_size] * n_kv_heads + kvh) * block_size + pos % block_size;
+            kc[r] = ld16(k_cache + row * HD + c * VEC);
+            vc[r] = ld16(v_cache + row * HD + c * VEC);
         }
-        int slot = slots[sq.row];
-        if (p0 + nk == kv_len && slot >= 0) { // the split holding the new token
-            const float *kn = qrow + (size_t)(n_heads + kvh) * HD;
-            const float *vn = qrow + (size_t)(n_heads + n_kv_heads + kvh) * HD;
-            int blk = slot / block_size, off = slot % block_size;
-            size_t dst = (((size_t)blk * n_kv_heads + kvh) * block_size + off) * HD;
-            for (int i = threadIdx.x; i < HALF; i += blockDim.x) {
-                float k1, k2;
-                rope_rot(kn[i], kn[i + HALF], p, inv_freq[i], &k1, &k2);
-                kv_put(&k_store[dst + i], k1);
-                kv_put(&k_store[dst + i + HALF], k2);
-            }
-            for (int d = threadIdx.x; d < HD; d += blockDim.x)
-                kv_put(&v_store[dst + d], vn[d]);
-        }
-        __syncthreads(); // the rotated queries and the stored row, to every thread
     }
 
-    // Scores: a warp per position, lanes over head_dim; the key row is read
-    // once into registers and dotted with every head of the group.
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-    for (int j = warp; j < nk; j += nwarps) {
-        const KV *kr = kv_row(k_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD);
-        float kreg[KR];
-        for (int r = 0; r < KR; r++) {
-            int d = lane + 32 * r;
-            kreg[r] = d < HD ? kv_load(&kr[d]) : 0.0f;
-        }
-        for (int g = 0; g < ng; g++) {
-            float part = 0.0f;
-            for (int r = 0; r < KR; r++) {
-                int d = lane + 32 * r;
-                if (d < HD)
-                    part += qs[g][d] * kreg[r];
+    for (int idx = threadIdx.x; idx < ng * HD; idx += blockDim.x)
+        qs[idx / HD][idx % HD] = qrow[(size_t)h0 * HD + idx];
+    int t = threadIdx.x;
+    float kn1 = 0.0f, kn2 = 0.0f, vn = 0.0f; // the new token's k pair (t, t + HALF), v[t]
+    if (inv_freq) {
+        if (t < HALF)
+            rope_cs((float)sq.start_pos, inv_freq[t], &rope_c[t], &rope_s[t]);
+        if (store) {
+            const float *kr = qrow + (size_t)(n_heads + kvh) * HD;
+            if (t < HALF) {
+                kn1 = kr[t];
+                kn2 = kr[t + HALF];
             }
-            part = warp_sum(part);
-            if (lane == 0)
-                sc[g][j] = part * scale;
+            if (t < HD)
+                vn = kr[(size_t)n_kv_heads * HD + t];
         }
     }
-    __syncthreads();
-    for (int g = 0; g < ng; g++) {
+    __syncthreads(); // qs and the cos/sin table
+    if (inv_freq) {
+        for (int idx = t; idx < ng * HALF; idx += blockDim.x) {
+            int g = idx / HALF, i = idx % HALF;
+            rope_apply(qs[g][i], qs[g][i + HALF], rope_c[i], rope_s[i], &qs[g][i],
+                       &qs[g][i + HALF]);
+        }
+        if (store) {
+            size_t dst = (((size_t)(slot / block_size) * n_kv_heads + kvh) * block_size +
+                          slot % block_size) *
+                         HD;
+            if (t < HALF) {
+                float k1, k2;
+                rope_apply(kn1, kn2, rope_c[t], rope_s[t], &k1, &k2);
+                kv_put(&k_store[dst + t], k1);
+                kv_put(&k_store[dst + t + HALF], k2);
+                kv_put(&kv_new[0][t], k1);
+                kv_put(&kv_new[0][t + HALF], k2);
+            }
+            if (t < HD) {
+                kv_put(&v_store[dst + t], vn);
+                kv_put(&kv_new[1][t], vn);
+            }
+        }
+        __syncthreads(); // the rotated queries and the stored row
+        if (store) {
+            TDM_CUK_UNROLL
+            for (int r = 0; r < R; r++)
+                if (p0 + (r * NW + warp) * KPW + seg == kv_len - 1) {
+                    kc[r] = ld16(&kv_new[0][c * VEC]);
+                    vc[r] = ld16(&kv_new[1][c * VEC]);
+                }
+        }
+    }
+
+    // The lane's chunk of every head's query.
+    float qv[GMAX][VEC];
+    TDM_CUK_UNROLL
+    for (int g = 0; g < GMAX; g++) {
+        TDM_CUK_UNROLL
+        for (int e = 0; e < VEC; e++)
+            qv[g][e] = g < ng ? qs[g][c * VEC + e] : 0.0f;
+    }
+
+    // Scores, then this warp's softmax over its rows: p holds exponentials.
+    float p[R][GMAX];
+    TDM_CUK_UNROLL
+    for (int r = 0; r < R; r++) {
+        float kf[VEC];
+        kv_unpack(kc[r], kf, k_cache);
+        bool valid = (r * NW + warp) * KPW + seg < nk;
+        TDM_CUK_UNROLL
+        for (int g = 0; g < GMAX; g++) {
+            p[r][g] = -INFINITY;
+            if (g >= ng)
+                continue;
+            float dot = 0.0f;
+            TDM_CUK_UNROLL
+            for (int e = 0; e < VEC; e++)
+                dot += qv[g][e] * kf[e];
+            TDM_CUK_UNROLL
+            for (int o = LPK / 2; o > 0; o >>= 1)
+                dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            if (valid)
+                p[r][g] = dot * scale;
+        }
+    }
+    float wmax[GMAX], wsum[GMAX];
+    TDM_CUK_UNROLL
+    for (int g = 0; g < GMAX; g++) {
+        wmax[g] = -INFINITY;
+        wsum[g] = 0.0f;
+        if (g >= ng)
+            continue;
         float mx = -INFINITY;
-        for (int j = threadIdx.x; j < nk; j += blockDim.x)
-            mx = fmaxf(mx, sc[g][j]);
-        mx = block_max(mx, red);
+        TDM_CUK_UNROLL
+        for (int r = 0; r < R; r++)
+            mx = fmaxf(mx, p[r][g]);
+        TDM_CUK_UNROLL
+        for (int o = LPK; o < 32; o <<= 1)
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         float sum = 0.0f;
-        for (int j = threadIdx.x; j < nk; j += blockDim.x) {
-            float e = expf(sc[g][j] - mx);
-            sc[g][j] = e;
+        TDM_CUK_UNROLL
+        for (int r = 0; r < R; r++) {
+            float e = p[r][g] == -INFINITY ? 0.0f : expf(p[r][g] - mx);
+            p[r][g] = e;
             sum += e;
         }
-        sum = block_sum(sum, red); // its barriers also publish sc[g]
-        if (threadIdx.x == 0) {
-            m_s[g] = mx;
-            l_s[g] = sum;
+        TDM_CUK_UNROLL
+        for (int o = LPK; o < 32; o <<= 1)
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        wmax[g] = mx;
+        wsum[g] = sum;
+    }
+    // P.V over the lane's rows, in the lane's chunk.
+    float acc[GMAX][VEC];
+    TDM_CUK_UNROLL
+    for (int g = 0; g < GMAX; g++) {
+        TDM_CUK_UNROLL
+        for (int e = 0; e < VEC; e++)
+            acc[g][e] = 0.0f;
+    }
+    TDM_CUK_UNROLL
+    for (int r = 0; r < R; r++) {
+        float vf[VEC];
+        kv_unpack(vc[r], vf, v_cache);
+        TDM_CUK_UNROLL
+        for (int g = 0; g < GMAX; g++) {
+            TDM_CUK_UNROLL
+            for (int e = 0; e < VEC; e++)
+                acc[g][e] += p[r][g] * vf[e];
         }
     }
-    __syncthreads(); // l_s, read below by every thread of a single-split sequence
-    // Each V element once, into every head's accumulator.
-    bool single = kv_len <= PART;
-    size_t slot0 = ((size_t)blockIdx.x * n_heads + h0) * max_splits + split;
-    size_t out0 = ((size_t)sq.row * n_heads + h0) * HD;
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float acc[GMAX];
-        for (int g = 0; g < GMAX; g++)
-            acc[g] = 0.0f;
-        for (int j = 0; j < nk; j++) {
-            float v = kv_load(&kv_row(v_cache, bt, p0 + j, n_kv_heads, kvh, block_size, HD)[d]);
-            for (int g = 0; g < ng; g++)
-                acc[g] += sc[g][j] * v;
-        }
-        for (int g = 0; g < ng; g++) {
-            if (single)
-                act_put(out, out0 + (size_t)g * HD + d, acc[g] / l_s[g], out_bf16);
-            else
-                part_o[(slot0 + (size_t)g * max_splits) * HD + d] = acc[g];
+    TDM_CUK_UNROLL
+    for (int g = 0; g < GMAX; g++) {
+        if (g >= ng)
+            continue;
+        TDM_CUK_UNROLL
+        for (int e = 0; e < VEC; e++)
+            po[warp][seg][g][c * VEC + e] = acc[g][e];
+        if (lane == 0) {
+            wm[warp][g] = wmax[g];
+            wl[warp][g] = wsum[g];
         }
     }
-    if (threadIdx.x == 0 && !single)
-        for (int g = 0; g < ng; g++) {
-            part_ml[(slot0 + (size_t)g * max_splits) * 2] = m_s[g];
-            part_ml[(slot0 + (size_t)g * max_splits) * 2 + 1] = l_s[g];
-        }
-}
+    __syncthreads();
 
-// grid (n_decode, n_heads), block 128: out = sum_z o_z e^(m_z - M) / sum_z l_z e^(m_z - M)
-// for the sequences of more than one split (the decode kernel finished the others).
-template <int HD>
-__global__ void attn_combine_kernel(const tdm_cuk_seq *seqs, const int32_t *decode_seqs,
-                                    int max_splits, const float *part_o, const float *part_ml,
-                                    void *out, int out_bf16, int n_heads)
-{
-    tdm_cuk_seq sq = seqs[decode_seqs[blockIdx.x]];
-    int h = blockIdx.y;
-    int kv_len = sq.start_pos + 1;
-    int ns = (kv_len + TDM_CUK_DECODE_PART - 1) / TDM_CUK_DECODE_PART;
-    if (ns <= 1)
+    // The warps merged in index order (a warp without keys of this split adds nothing).
+    bool single = ns == 1;
+    size_t unit0 = (size_t)blockIdx.x * n_heads + h0; // the unit's first row of part_*
+    for (int idx = t; idx < ng * HD; idx += blockDim.x) {
+        int g = idx / HD, d = idx % HD;
+        float mx = -INFINITY;
+        for (int w = 0; w < NW; w++)
+            mx = fmaxf(mx, wm[w][g]);
+        float o = 0.0f, l = 0.0f;
+        for (int w = 0; w < NW; w++) {
+            if (wm[w][g] == -INFINITY)
+                continue;
+            float f = expf(wm[w][g] - mx), a = 0.0f;
+            for (int k = 0; k < KPW; k++)
+                a += po[w][k][g][d];
+            o += a * f;
+            l += wl[w][g] * f;
+        }
+        if (single) {
+            act_put(out, ((size_t)sq.row * n_heads + h0 + g) * HD + d, o / l, out_bf16);
+        } else {
+            size_t z = (unit0 + g) * max_splits + split;
+            part_o[z * HD + d] = o;
+            if (d == 0) {
+                part_ml[z * 2] = mx;
+                part_ml[z * 2 + 1] = l;
+            }
+        }
+    }
+    if (single)
         return;
-    size_t base = ((size_t)blockIdx.x * n_heads + h) * max_splits;
-    float M = -INFINITY;
-    for (int z = 0; z < ns; z++)
-        M = fmaxf(M, part_ml[(base + z) * 2]);
-    float L = 0.0f;
-    for (int z = 0; z < ns; z++)
-        L += part_ml[(base + z) * 2 + 1] * expf(part_ml[(base + z) * 2] - M);
-    size_t o0 = (size_t)sq.row * n_heads * HD + (size_t)h * HD;
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-        float acc = 0.0f;
+
+    // Count this split done; the last block of the unit merges every split.
+    __threadfence(); // this block's partials, before its count
+    __syncthreads();
+    if (t == 0)
+        last_s = atomicAdd(&part_done[unit0], 1) == ns - 1;
+    __syncthreads();
+    if (!last_s)
+        return;
+    __threadfence(); // the other blocks' partials, after their counts
+    if (t == 0)
+        part_done[unit0] = 0;
+    for (int idx = t; idx < ng * HD; idx += blockDim.x) {
+        int g = idx / HD, d = idx % HD;
+        size_t base = (unit0 + g) * max_splits;
+        float mx = -INFINITY;
         for (int z = 0; z < ns; z++)
-            acc += part_o[(base + z) * HD + d] * expf(part_ml[(base + z) * 2] - M);
-        act_put(out, o0 + d, acc / L, out_bf16);
+            mx = fmaxf(mx, __ldcg(&part_ml[(base + z) * 2]));
+        float o = 0.0f, l = 0.0f;
+        for (int z = 0; z < ns; z++) {
+            float f = expf(__ldcg(&part_ml[(base + z) * 2]) - mx);
+            l += __ldcg(&part_ml[(base + z) * 2 + 1]) * f;
+            o += __ldcg(&part_o[(base + z) * HD + d]) * f;
+        }
+        act_put(out, ((size_t)sq.row * n_heads + h0 + g) * HD + d, o / l, out_bf16);
     }
 }
 

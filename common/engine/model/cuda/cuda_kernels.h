@@ -43,8 +43,15 @@ enum tdm_cuk_status { TDM_CUK_OK = 0, TDM_CUK_EINVAL = 1, TDM_CUK_ELAUNCH = 2 };
 enum tdm_cuk_kv_type { TDM_CUK_KV_F32 = 0, TDM_CUK_KV_BF16 = 1 };
 
 // Positions of one decode split (flash-decoding): a sequence of L cached
-// positions runs in ceil(L / TDM_CUK_DECODE_PART) splits, a function of L alone.
-#define TDM_CUK_DECODE_PART 256
+// positions runs in ceil(L / TDM_CUK_DECODE_PART) splits, a function of L alone
+// (a fixed size, so a row never depends on the batch). 32 keys: at batch 1 a
+// KV head's keys spread over ceil(L / 32) blocks (64 blocks for Qwen2.5-0.5B's
+// 2 KV heads at 1 024 tokens, 132 from 2 081), each reading 8 KiB of bf16 K
+// and V at head_dim 64 in two 16-byte loads of each per lane; smaller splits
+// would make the f32 partials (GQA group x (head_dim + 2) floats a split)
+// nearly as many bytes as the KV they summarise. docs/gpu-backend.md ("Decode
+// attention") has the arithmetic.
+#define TDM_CUK_DECODE_PART 32
 // Query heads of one KV head a decode block serves (reading K/V once for all).
 #define TDM_CUK_DECODE_GROUP 8
 // Query rows per prefill tile (FlashAttention-2 style), and keys per KV tile.
@@ -60,8 +67,9 @@ struct tdm_cuk_seq {
 };
 
 // The host-built description of one attention call. `seqs`, `block_tables`,
-// `decode_seqs`, `prefill_tiles`, `part_o` and `part_ml` are device memory laid
-// out by tdm_cuk_attn_plan; q, out and the caches as in the header comment.
+// `decode_seqs`, `prefill_tiles`, `part_o`, `part_ml` and `part_done` are device
+// memory laid out by tdm_cuk_attn_plan (the part_* only when max_splits > 1);
+// q, out and the caches as in the header comment.
 struct tdm_cuk_attn_args {
     int kv_type;    // enum tdm_cuk_kv_type (an int: C++ may not hold other values in the enum)
     const float *q; // [rows][q_stride], heads at h * head_dim
@@ -86,6 +94,8 @@ struct tdm_cuk_attn_args {
     int max_splits;               // max over decode seqs of their split count
     float *part_o;                // [n_decode][n_heads][max_splits][head_dim] scratch
     float *part_ml;               // [n_decode][n_heads][max_splits][2] scratch (max, sum)
+    int32_t *part_done;           // [n_decode][n_heads] split counts: zero before a
+                                  // launch, and the launch leaves them zero
     const int32_t *prefill_tiles; // [n_tiles][2] (seq index, first row in the seq)
     int n_tiles;
     int n_heads, n_kv_heads, head_dim, block_size;
@@ -104,6 +114,7 @@ struct tdm_cuk_plan {
     int n_tiles;
     int max_splits;
     size_t part_floats; // floats part_o needs (part_ml needs 2 / head_dim of it)
+    size_t part_counts; // int32 counters part_done needs (n_decode * n_heads)
 };
 int tdm_cuk_attn_plan(const int32_t *row, const int32_t *n_tokens, const int32_t *start_pos,
                       int n_seqs, int n_heads, int head_dim, struct tdm_cuk_seq *seqs,

@@ -60,19 +60,13 @@ template <class KV, int HD> static int attention_typed(void *stream, const tdm_c
         int group = a->n_heads / a->n_kv_heads;
         int units = a->n_kv_heads * ((group + TDM_CUK_DECODE_GROUP - 1) / TDM_CUK_DECODE_GROUP);
         dim3 grid((unsigned)a->n_decode, (unsigned)units, (unsigned)a->max_splits);
-        TDM_CUDA_LAUNCH((attn_decode_kernel<KV, HD>), grid, dim3(128), 0, stream, a->q, a->q_stride,
-                        (const KV *)a->k_cache, (const KV *)a->v_cache, a->seqs, a->block_tables,
-                        a->bt_stride, a->decode_seqs, a->max_splits, a->part_o, a->part_ml, a->out,
-                        a->out_bf16, a->inv_freq, a->slots, (KV *)a->k_cache, (KV *)a->v_cache,
-                        a->n_heads, a->n_kv_heads, a->block_size, a->scale);
-        int rc = launched("attention decode");
-        if (rc != TDM_CUK_OK || a->max_splits == 1)
-            return rc; // one split each: the decode kernel wrote every output
-        dim3 cgrid((unsigned)a->n_decode, (unsigned)a->n_heads);
-        TDM_CUDA_LAUNCH((attn_combine_kernel<HD>), cgrid, dim3(128), 0, stream, a->seqs,
-                        a->decode_seqs, a->max_splits, a->part_o, a->part_ml, a->out, a->out_bf16,
-                        a->n_heads);
-        return launched("attention combine");
+        TDM_CUDA_LAUNCH((attn_decode_kernel<KV, HD>), grid, dim3(TDM_CUK_DECODE_THREADS), 0, stream,
+                        a->q, a->q_stride, (const KV *)a->k_cache, (const KV *)a->v_cache, a->seqs,
+                        a->block_tables, a->bt_stride, a->decode_seqs, a->max_splits, a->part_o,
+                        a->part_ml, a->part_done, a->out, a->out_bf16, a->inv_freq, a->slots,
+                        (KV *)a->k_cache, (KV *)a->v_cache, a->n_heads, a->n_kv_heads,
+                        a->block_size, a->scale);
+        return launched("attention decode");
     }
     return TDM_CUK_OK;
 }
@@ -113,7 +107,7 @@ int tdm_cuk_attn_plan(const int32_t *row, const int32_t *n_tokens, const int32_t
                       struct tdm_cuk_plan *plan)
 {
     plan->n_decode = plan->n_tiles = plan->max_splits = 0;
-    plan->part_floats = 0;
+    plan->part_floats = plan->part_counts = 0;
     for (int s = 0; s < n_seqs; s++) {
         if (n_tokens[s] < 1 || start_pos[s] < 0 || row[s] < 0)
             return tdm_cuk::fail(TDM_CUK_EINVAL,
@@ -140,8 +134,8 @@ int tdm_cuk_attn_plan(const int32_t *row, const int32_t *n_tokens, const int32_t
             plan->n_tiles++;
         }
     }
-    plan->part_floats =
-        (size_t)plan->n_decode * (size_t)n_heads * (size_t)plan->max_splits * (size_t)head_dim;
+    plan->part_counts = (size_t)plan->n_decode * (size_t)n_heads;
+    plan->part_floats = plan->part_counts * (size_t)plan->max_splits * (size_t)head_dim;
     return TDM_CUK_OK;
 }
 
@@ -337,12 +331,17 @@ int tdm_cuk_kv_scatter(void *stream, int type, void *pool, const int32_t *blocks
 int tdm_cuk_attention(void *stream, const struct tdm_cuk_attn_args *a)
 {
     if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads != 0 || a->block_size <= 0 ||
-        a->n_decode < 0 || a->n_tiles < 0 || (a->n_decode > 0 && a->max_splits <= 0))
+        a->n_decode < 0 || a->n_tiles < 0 ||
+        (a->n_decode > 0 && (a->max_splits <= 0 || a->max_splits > 65535)))
         return tdm_cuk::fail(TDM_CUK_EINVAL,
                              "attention: heads %d/%d, block %d, %d decode, "
                              "%d splits, %d tiles",
                              a->n_heads, a->n_kv_heads, a->block_size, a->n_decode, a->max_splits,
                              a->n_tiles);
+    if (a->n_decode > 0 && a->max_splits > 1 && (!a->part_o || !a->part_ml || !a->part_done))
+        return tdm_cuk::fail(TDM_CUK_EINVAL,
+                             "attention: %d decode splits need part_o, part_ml and part_done",
+                             a->max_splits);
     if (a->inv_freq && (a->n_tiles > 0 || a->slots == NULL))
         return tdm_cuk::fail(TDM_CUK_EINVAL,
                              "attention: RoPE in attention serves decode-only "

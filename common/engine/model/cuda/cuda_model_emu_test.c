@@ -6,9 +6,10 @@
 //   - greedy tokens equal the CPU backend's, and so does the argmax of every
 //     logits row of a second prefill chunk (at offset 150 or 21) and of 12
 //     decode steps: a 270-token prompt on the tiny preset (head_dim 16) with
-//     f32 KV (decode past position 256: two flash-decoding splits), and 45-token
-//     prompts with bf16 KV (the product default) and on a Qwen2-style model
-//     with head_dim 64 and GQA 7 (7 query heads, 1 KV head);
+//     f32 KV (decode at positions 270 to 281: 9 flash-decoding splits), and
+//     45-token prompts (2 splits) with bf16 KV (the product default) and on
+//     a Qwen2-style model with head_dim 64 and GQA 7 (7 query heads, 1 KV
+//     head);
 //   - batch invariance: two sequences in one forward get bitwise the logits
 //     they get alone;
 //   - KV export/import through the storage interface: export from the device
@@ -447,6 +448,71 @@ static size_t decode_step_launches(int layers, struct tdm_emu_launch *out, size_
     return n;
 }
 
+// Issue 26 item 2's rule for the decode attention at batch 1, on Qwen2.5-0.5B's
+// attention (14 query heads, 2 KV heads, head_dim 64, bf16 KV, blocks of 16):
+// at least as many CTAs as an H200 has SMs from TDM_ATTN_FILL_CONTEXT context
+// tokens on, in one launch. A CTA serves one KV head's GQA group over a fixed
+// split of 32 keys (TDM_CUK_DECODE_PART), so batch 1 runs 2 x ceil(L / 32)
+// CTAs: 2 at 32 tokens, 64 at 1 024, and 132 from L = 32 x 65 + 1 = 2 081.
+// 132 at 1 024 tokens would take splits of at most 15 keys, whose f32
+// partials (7 heads x 66 floats a split) would be nearly half the bytes of
+// the KV they summarise (docs/gpu-backend.md, decode attention). The kernel
+// before (splits of 256 keys, a combine launch past one) ran 2 x 9 = 18 CTAs
+// and a combine launch of 14 at 2 081 tokens: this test failed on it.
+#define TDM_ATTN_FILL_CONTEXT 2081
+#define TDM_H200_SMS 132
+
+// The launches of one layer's attention of a batch-1 decode at `context`
+// tokens with the 0.5B attention shape, through the emulated backend's ops as
+// a decode step calls them (begin_forward, then rope_store_attention).
+static size_t attention_launches(int context, struct tdm_emu_launch *out, size_t cap)
+{
+    enum { NH = 14, NKV = 2, HD = 64, QKV = (NH + 2 * NKV) * HD };
+    const struct tdm_backend_ops *ops = &tdm_cuda_emu_backend_ops;
+    struct tdm_backend *be = NULL;
+    char err[256];
+    setenv("TANDEM_CUDA_KV_DTYPE", "bf16", 1);
+    if (ops->create(&be, 1, 0, err, sizeof err) != TDM_OK)
+        fail_msg("cuda-emu backend: %s", err);
+    struct tdm_kv_config kc = {.num_layers = 1,
+                               .num_kv_heads = NKV,
+                               .head_dim = HD,
+                               .block_size = 16,
+                               .num_blocks = (context + 15) / 16};
+    struct tdm_kv_storage *st = NULL;
+    struct tdm_kv_cache *kv = NULL;
+    if (ops->kv_storage_new(be, &kc, &st, err, sizeof err) != TDM_OK ||
+        tdm_kv_new_with_storage(&kv, &kc, st, err, sizeof err) != TDM_OK)
+        fail_msg("kv: %s", err);
+    struct tdm_kv_seq s;
+    tdm_kv_seq_init(&s);
+    assert_int_equal(tdm_kv_reserve(kv, &s, context), TDM_OK);
+    struct tdm_attn_seq a = {
+        .row = 0, .n_tokens = 1, .start_pos = context - 1, .block_table = s.block_table};
+    float inv_freq[HD / 2];
+    for (int i = 0; i < HD / 2; i++)
+        inv_freq[i] = (float)(1.0 / pow(1000000.0, (double)(2 * i) / HD));
+    int32_t pos = context - 1;
+    float *qkv = ops->alloc(be, QKV * sizeof(float)), *d_freq = ops->alloc(be, sizeof inv_freq);
+    int32_t *d_pos = ops->alloc(be, sizeof pos);
+    void *o = ops->alloc(be, NH * HD * sizeof(uint16_t));
+    assert_true(qkv && d_freq && d_pos && o);
+    assert_int_equal(ops->upload(be, d_freq, inv_freq, sizeof inv_freq), TDM_OK);
+    assert_int_equal(ops->upload(be, d_pos, &pos, sizeof pos), TDM_OK);
+    assert_int_equal(ops->begin_forward(be, kv, &a, 1), TDM_OK);
+    tdm_emu_launch_log(1);
+    ops->rope_store_attention(be, kv, 0, &a, 1, qkv, QKV, d_pos, d_freq, o, NH, NKV, HD,
+                              1.0f / sqrtf((float)HD));
+    size_t n = tdm_emu_launches(out, cap);
+    tdm_emu_launch_log(0);
+    assert_int_equal(ops->sync(be), TDM_OK);
+    ops->release(be, qkv), ops->release(be, d_freq), ops->release(be, d_pos), ops->release(be, o);
+    tdm_kv_seq_release(kv, &s);
+    tdm_kv_free(kv);
+    ops->destroy(be);
+    return n;
+}
+
 // Issue 26 item 6, the launch budget of a batch-1 decode step on the emulated
 // backend: launches per layer (from a 1- and a 3-layer model, so the step's
 // embed and head cancel out), GEMMs included, and each kernel's CTA count
@@ -480,6 +546,22 @@ static void test_launch_budget(void **state)
     printf("kernels on fewer CTAs than an H200 has SMs: %zu of %zu launches (batch 1)\n", small,
            n1);
     assert_true(per_layer <= TDM_LAUNCHES_PER_LAYER_GOAL);
+
+    // Decode attention at batch 1, Qwen2.5-0.5B's attention shape (the rule above).
+    const int contexts[] = {32, 1024, TDM_ATTN_FILL_CONTEXT - 1, TDM_ATTN_FILL_CONTEXT};
+    unsigned long long fill_ctas = 0;
+    for (size_t i = 0; i < sizeof contexts / sizeof contexts[0]; i++) {
+        size_t n = attention_launches(contexts[i], one, CAP);
+        unsigned long long ctas = 0;
+        for (size_t j = 0; j < n && j < CAP; j++)
+            ctas += one[j].ctas;
+        printf("0.5B attention, batch 1, %4d tokens: %zu launch%s, %llu CTAs%s\n", contexts[i], n,
+               n == 1 ? "" : "es", ctas, ctas < TDM_H200_SMS ? " (< 132 SMs)" : "");
+        assert_int_equal(n, 1); // RoPE, KV store, the splits and their merge
+        if (contexts[i] == TDM_ATTN_FILL_CONTEXT)
+            fill_ctas = ctas;
+    }
+    assert_true(fill_ctas >= TDM_H200_SMS);
 }
 
 // What a push hook sees during a prefill forward on a device that runs behind
@@ -631,8 +713,9 @@ static void test_kv_capacity(void **state)
 #endif
 
 // CUDA graphs vs --enforce-eager: three sequences (a bucket of 4 with one
-// padding row) decode 12 steps, crossing a block boundary and a split
-// boundary (position 256: a new graph key); logits bitwise equal every step,
+// padding row) decode 12 steps, crossing a block boundary and split
+// boundaries (position 256: 9 splits of 32, rounded up to 16, a new graph
+// key); logits bitwise equal every step,
 // and graphs were replayed. Then a batch of 1 (bucket 1) on the same model.
 static void test_graphs_vs_eager(void **state)
 {
@@ -752,8 +835,8 @@ static void test_graphs_vs_eager(void **state)
     unsigned long long launches = tdm_emu_graph_launches() - launches0;
     printf("graph launches: %llu of %d steps\n", launches, STEPS_G + 3);
     // 12 steps of bucket 4, 4 of them mixed (eager): the first warms up, and
-    // the split boundary at 256 changes the key once (warm-up again); bucket
-    // 1: one warm-up.
+    // the split count passing 8 at 256 changes the key once (warm-up again);
+    // bucket 1: one warm-up.
     assert_true(launches >= STEPS_G + 3 - 4 - 4);
 #endif
     for (int s = 0; s < NS; s++) {

@@ -21,9 +21,11 @@
 // head), head_dim 64 and 128, f32 and bf16
 // KV, scattered (non-contiguous, permuted) block tables, a 37-token prefill
 // (not a multiple of the 16-row tile or the 16-token block), chunked prefill
-// at offsets 16 and 21, decodes at positions 5 and 300 (two decode splits of
-// 256) and a 1-token chunk, all in one launch; then batch invariance: a
-// sequence attended alone gives bitwise the rows it got in the batch.
+// at offsets 16 and 21, decodes at positions 5 and 300 (one and ten decode
+// splits of 32) and a 1-token chunk, all in one launch; then batch invariance:
+// a sequence attended alone gives bitwise the rows it got in the batch.
+// test_decode_splits adds the decode kernel's split boundaries, GQA groups 1 to
+// 12 and each sequence alone = in a batch, against the CPU backend too.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -420,6 +422,7 @@ static void dev_attention(const struct attn_case *c, const float *qkv_host, int 
         .part_o = plan.part_floats ? dev_zeros(plan.part_floats * sizeof(float)) : NULL,
         .part_ml =
             plan.part_floats ? dev_zeros(plan.part_floats / c->hd * 2 * sizeof(float)) : NULL,
+        .part_done = plan.part_counts ? dev_zeros(plan.part_counts * sizeof(int32_t)) : NULL,
         .prefill_tiles =
             plan.n_tiles ? to_dev(tiles, (size_t)plan.n_tiles * 2 * sizeof(int32_t)) : NULL,
         .n_tiles = plan.n_tiles,
@@ -436,6 +439,7 @@ static void dev_attention(const struct attn_case *c, const float *qkv_host, int 
     tdm_cuda_dev_free(dev, (void *)a.seqs), tdm_cuda_dev_free(dev, (void *)a.block_tables);
     tdm_cuda_dev_free(dev, (void *)a.decode_seqs), tdm_cuda_dev_free(dev, a.part_o);
     tdm_cuda_dev_free(dev, a.part_ml), tdm_cuda_dev_free(dev, (void *)a.prefill_tiles);
+    tdm_cuda_dev_free(dev, a.part_done);
     free(q);
 }
 
@@ -548,7 +552,7 @@ static void run_attention_case(const struct attn_case *c)
         assert_int_equal(obits[i], bf16_bits(got[i]));
     free(obits);
 
-    // Batch invariance: each of a prefill, a two-split decode and a short
+    // Batch invariance: each of a prefill, a ten-split decode and a short
     // decode, alone, gives bitwise its rows of the batch.
     const int alone[3] = {0, 2, 3};
     for (int i = 0; i < 3; i++) {
@@ -584,14 +588,21 @@ static void test_attention(void **state)
 // inv_freq (RoPE of the query and the new token's store inside the decode
 // kernel) is bitwise rope_kv_store then attention: the outputs (f32 and bf16),
 // the pool, and the qkv rows it leaves un-rotated. Positions 0 and 5 (one
-// split), 255 (the new token closes the first split), 256 (opens the second),
-// 300 and 700 (two and three splits), and a padding row (slot -1: nothing
-// stored); each sequence alone, with no combine launched for a one-split
-// batch, is bitwise its row of the batch.
+// split of 32), 255 (the new token closes the eighth split), 256 (opens the
+// ninth, alone in it), 300 and 700 (10 and 22 splits), and a padding row (slot
+// -1: nothing stored); one launch each time (no combine launch); each
+// sequence alone is bitwise its row of the batch.
 #define FZ_SEQS 7
 #define FZ_BS 16
 #define FZ_BLOCKS 128
 #define FZ_BT 48
+#define FZ_MAX_SEQS 16 // of one fz_attend call
+
+// How fz_attend stores the new rows and attends: rope_kv_store then attention
+// (the reference of the fused path), the fused decode (RoPE and the store
+// inside the kernel), or kv_store then attention with no RoPE (what the CPU
+// backend's attention is compared with).
+enum fz_mode { FZ_SEPARATE, FZ_FUSED, FZ_PLAIN };
 
 struct fz_run {
     void *k, *v; // device pools (FZ_BLOCKS blocks)
@@ -601,12 +612,13 @@ struct fz_run {
 
 static void fz_attend(const struct attn_case *c, const int *start, const int32_t *bt_all,
                       const int32_t *slots_all, const int *sel, int ns, const float *qkv_host,
-                      int qkv_dim, const float *d_freq, int fused, int out_bf16, void *kc, void *vc,
-                      void *out_host, float *qkv_after)
+                      int qkv_dim, const float *d_freq, enum fz_mode mode, int out_bf16, void *kc,
+                      void *vc, void *out_host, float *qkv_after)
 {
-    int32_t row[FZ_SEQS], ntok[FZ_SEQS], st[FZ_SEQS], dec[FZ_SEQS], tiles[2], slots[FZ_SEQS];
-    int32_t bts[FZ_SEQS * FZ_BT], pos[FZ_SEQS];
-    struct tdm_cuk_seq seqs[FZ_SEQS];
+    int32_t row[FZ_MAX_SEQS], ntok[FZ_MAX_SEQS], st[FZ_MAX_SEQS], dec[FZ_MAX_SEQS], tiles[2];
+    int32_t slots[FZ_MAX_SEQS], bts[FZ_MAX_SEQS * FZ_BT], pos[FZ_MAX_SEQS];
+    struct tdm_cuk_seq seqs[FZ_MAX_SEQS];
+    assert_true(ns <= FZ_MAX_SEQS);
     float *q = malloc((size_t)ns * qkv_dim * sizeof *q);
     for (int i = 0; i < ns; i++) {
         row[i] = i;
@@ -625,16 +637,20 @@ static void fz_attend(const struct attn_case *c, const int *start, const int32_t
     float *d_q = to_dev(q, (size_t)ns * qkv_dim * sizeof *q);
     int32_t *d_slots = to_dev(slots, (size_t)ns * sizeof *slots);
     int32_t *d_pos = to_dev(pos, (size_t)ns * sizeof *pos);
-    if (!fused)
+    int kv_dim = c->n_kv_heads * c->hd;
+    if (mode == FZ_SEPARATE)
         ok(tdm_cuk_rope_kv_store(stream, c->kv_type, d_q, qkv_dim, c->n_heads, c->n_kv_heads, c->hd,
                                  d_pos, d_freq, d_slots, ns, kc, vc, FZ_BS));
+    if (mode == FZ_PLAIN)
+        ok(tdm_cuk_kv_store(stream, c->kv_type, d_q + q_dim, d_q + q_dim + kv_dim, qkv_dim, d_slots,
+                            ns, kc, vc, c->n_kv_heads, c->hd, FZ_BS));
     struct tdm_cuk_attn_args a = {
         .kv_type = c->kv_type,
         .q = d_q,
         .q_stride = qkv_dim,
         .out = dev_zeros((size_t)ns * q_dim * out_elem),
         .out_bf16 = out_bf16,
-        .inv_freq = fused ? d_freq : NULL,
+        .inv_freq = mode == FZ_FUSED ? d_freq : NULL,
         .slots = d_slots,
         .k_cache = kc,
         .v_cache = vc,
@@ -646,6 +662,7 @@ static void fz_attend(const struct attn_case *c, const int *start, const int32_t
         .max_splits = plan.max_splits,
         .part_o = dev_zeros(plan.part_floats * sizeof(float)),
         .part_ml = dev_zeros(plan.part_floats / c->hd * 2 * sizeof(float)),
+        .part_done = dev_zeros(plan.part_counts * sizeof(int32_t)),
         .n_heads = c->n_heads,
         .n_kv_heads = c->n_kv_heads,
         .head_dim = c->hd,
@@ -657,17 +674,25 @@ static void fz_attend(const struct attn_case *c, const int *start, const int32_t
 #endif
     ok(tdm_cuk_attention(stream, &a));
 #ifndef TDM_CUDA_TEST_GPU
-    // One launch per decode batch, two when a sequence spans several splits.
-    assert_int_equal(tdm_emu_launches(NULL, 0), plan.max_splits > 1 ? 2 : 1);
+    // One launch per decode batch, however many splits (the last block of a
+    // sequence's splits merges them).
+    assert_int_equal(tdm_emu_launches(NULL, 0), 1);
     tdm_emu_launch_log(0);
 #endif
     from_dev(out_host, a.out, (size_t)ns * q_dim * out_elem);
+    // The split counts are left zero for the next launch.
+    int32_t *done = malloc(plan.part_counts * sizeof *done);
+    from_dev(done, a.part_done, plan.part_counts * sizeof *done);
+    for (size_t i = 0; i < plan.part_counts; i++)
+        assert_int_equal(done[i], 0);
+    free(done);
     if (qkv_after)
         from_dev(qkv_after, d_q, (size_t)ns * qkv_dim * sizeof *q);
     tdm_cuda_dev_free(dev, d_q), tdm_cuda_dev_free(dev, d_slots), tdm_cuda_dev_free(dev, d_pos);
     tdm_cuda_dev_free(dev, a.out), tdm_cuda_dev_free(dev, (void *)a.seqs);
     tdm_cuda_dev_free(dev, (void *)a.block_tables), tdm_cuda_dev_free(dev, (void *)a.decode_seqs);
     tdm_cuda_dev_free(dev, a.part_o), tdm_cuda_dev_free(dev, a.part_ml);
+    tdm_cuda_dev_free(dev, a.part_done);
     free(q);
 }
 
@@ -731,10 +756,11 @@ static void run_fused_case(const struct attn_case *c)
     from_dev(qkv_sep, d_q, (size_t)FZ_SEQS * qkv_dim * sizeof *qkv);
 
     // rope_kv_store then attention (the reference), then the fused decode.
-    fz_attend(c, start, bt, slots, all, FZ_SEQS, qkv, qkv_dim, d_freq, 0, 0, kref, vref, ref,
-              qkv_ref);
+    fz_attend(c, start, bt, slots, all, FZ_SEQS, qkv, qkv_dim, d_freq, FZ_SEPARATE, 0, kref, vref,
+              ref, qkv_ref);
     assert_memory_equal(qkv_ref, qkv_sep, (size_t)FZ_SEQS * qkv_dim * sizeof *qkv);
-    fz_attend(c, start, bt, slots, all, FZ_SEQS, qkv, qkv_dim, d_freq, 1, 0, kf, vf, got, qkv_got);
+    fz_attend(c, start, bt, slots, all, FZ_SEQS, qkv, qkv_dim, d_freq, FZ_FUSED, 0, kf, vf, got,
+              qkv_got);
     assert_memory_equal(got, ref, out_f * sizeof *ref);
     assert_memory_equal(qkv_got, qkv, (size_t)FZ_SEQS * qkv_dim * sizeof *qkv); // not rotated
     void *h1 = malloc(pool_elems * elem), *h2 = malloc(pool_elems * elem);
@@ -752,13 +778,15 @@ static void run_fused_case(const struct attn_case *c)
             changed += memcmp(a + i * elem, b + i * elem, elem) != 0;
         assert_true(changed > 0 && changed <= (size_t)(FZ_SEQS - 1) * kv_dim);
     }
-    fz_attend(c, start, bt, slots, all, FZ_SEQS, qkv, qkv_dim, d_freq, 1, 1, kf, vf, bits, NULL);
+    fz_attend(c, start, bt, slots, all, FZ_SEQS, qkv, qkv_dim, d_freq, FZ_FUSED, 1, kf, vf, bits,
+              NULL);
     for (size_t i = 0; i < out_f; i++)
         assert_int_equal(bits[i], bf16_bits(ref[i]));
-    // Alone: one split (no combine launched), the split boundary, three splits.
+    // Alone: one split, either side of a split boundary, 22 splits.
     const int alone[4] = {1, 2, 3, 5};
     for (int i = 0; i < 4; i++) {
-        fz_attend(c, start, bt, slots, &alone[i], 1, qkv, qkv_dim, d_freq, 1, 0, kf, vf, got, NULL);
+        fz_attend(c, start, bt, slots, &alone[i], 1, qkv, qkv_dim, d_freq, FZ_FUSED, 0, kf, vf, got,
+                  NULL);
         assert_memory_equal(got, ref + (size_t)alone[i] * q_dim, (size_t)q_dim * sizeof *got);
     }
     printf("fused rope + store + decode attention, heads %d/%d head_dim %d kv %s: bitwise\n",
@@ -796,6 +824,143 @@ static void test_rope_store_fused(void **state)
     assert_int_equal(tdm_cuk_rope_kv_store(stream, TDM_CUK_KV_F32, NULL, 10, 2, 1, 4, NULL, NULL,
                                            NULL, 1, NULL, NULL, 16),
                      TDM_CUK_EINVAL);
+}
+
+// The decode kernel's split paths (issue 26 item 2), per sequence, in one
+// batch: contexts of 1, 31, 32, 33, 40, 63, 64, 65 and 97 tokens (ending one
+// before, at and one after split boundaries; a last split of one key, where
+// most warps have none; a split of 8 keys; 4 splits), GQA groups 1 to 12 (a
+// group of 9 to 12 runs as two blocks per KV head) with head_dim 64 and bf16
+// KV (the product's) and with head_dim 128 and f32 KV, and the other two
+// pairings at groups 1, 7, 9 and 12. Against the CPU backend's attention
+// (2e-5, as test_attention); the sequences of 1, 32, 33 and 97 tokens alone
+// are bitwise their rows of the batch; and at head_dim 64 with bf16 KV the
+// fused decode (RoPE and the store inside, the new row read back from shared
+// memory at several row positions of a split) is bitwise rope_kv_store then
+// attention, pool included (test_rope_store_fused runs it alone). fz_attend
+// checks the split counts are left zero after every launch. Sized for the
+// emulator under ASan, where every shuffle is two fiber switches.
+#define DS_SEQS 9
+#define DS_BLOCKS 32
+
+static void run_decode_splits_case(const struct attn_case *c, bool check_fused)
+{
+    static const int len[DS_SEQS] = {1, 31, 32, 33, 40, 63, 64, 65, 97};
+    static const int alone[4] = {0, 2, 3, 8};
+    const int layer = 0;
+    bool bf16 = c->kv_type == TDM_CUK_KV_BF16;
+    int q_dim = c->n_heads * c->hd, kv_dim = c->n_kv_heads * c->hd, qkv_dim = q_dim + 2 * kv_dim;
+    size_t elem = bf16 ? 2 : 4, pool_elems = (size_t)DS_BLOCKS * kv_dim * FZ_BS;
+    struct tdm_kv_config cfg = {.num_layers = 1,
+                                .num_kv_heads = c->n_kv_heads,
+                                .head_dim = c->hd,
+                                .block_size = FZ_BS,
+                                .num_blocks = DS_BLOCKS};
+    struct tdm_kv_cache *kv;
+    char err[256];
+    assert_int_equal(tdm_kv_new(&kv, &cfg, err, sizeof err), TDM_OK);
+    // Old KV (bf16-exact for a bf16 pool: both sides attend over the same
+    // numbers), the device pool a copy of the CPU's.
+    float *hk = tdm_kv_k(kv, layer, 0), *hv = tdm_kv_v(kv, layer, 0);
+    fill(hk, pool_elems, 1.0f);
+    fill(hv, pool_elems, 1.0f);
+    void *pool_k = malloc(pool_elems * elem), *pool_v = malloc(pool_elems * elem);
+    for (size_t i = 0; i < pool_elems; i++) {
+        if (bf16) {
+            hk[i] = bf16_round(hk[i]);
+            hv[i] = bf16_round(hv[i]);
+            ((uint16_t *)pool_k)[i] = bf16_bits(hk[i]);
+            ((uint16_t *)pool_v)[i] = bf16_bits(hv[i]);
+        } else {
+            ((float *)pool_k)[i] = hk[i];
+            ((float *)pool_v)[i] = hv[i];
+        }
+    }
+    // Each sequence's blocks: its own, scattered over the pool.
+    int32_t bt[DS_SEQS * FZ_BT], slots[DS_SEQS];
+    int start[DS_SEQS], next = 0, all[DS_SEQS];
+    struct tdm_attn_seq aseqs[DS_SEQS];
+    for (int s = 0; s < DS_SEQS; s++) {
+        int nb = (len[s] + FZ_BS - 1) / FZ_BS;
+        assert_true(nb <= FZ_BT && next + nb <= DS_BLOCKS);
+        for (int b = 0; b < FZ_BT; b++)
+            bt[s * FZ_BT + b] = b < nb ? (next + b) * 37 % DS_BLOCKS : 0;
+        next += nb;
+        start[s] = len[s] - 1;
+        slots[s] = bt[s * FZ_BT + start[s] / FZ_BS] * FZ_BS + start[s] % FZ_BS;
+        all[s] = s;
+        aseqs[s] = (struct tdm_attn_seq){
+            .row = s, .n_tokens = 1, .start_pos = start[s], .block_table = bt + s * FZ_BT};
+    }
+    float *qkv = malloc((size_t)DS_SEQS * qkv_dim * sizeof *qkv), inv_freq[64];
+    fill(qkv, (size_t)DS_SEQS * qkv_dim, 2.0f);
+    for (int r = 0; bf16 && r < DS_SEQS; r++)
+        for (int i = q_dim; i < qkv_dim; i++)
+            qkv[(size_t)r * qkv_dim + i] = bf16_round(qkv[(size_t)r * qkv_dim + i]);
+    for (int i = 0; i < c->hd / 2; i++)
+        inv_freq[i] = (float)(1.0 / pow(1000000.0, (double)(2 * i) / c->hd));
+    float *d_freq = to_dev(inv_freq, sizeof inv_freq);
+    size_t out_f = (size_t)DS_SEQS * q_dim;
+    float *want = malloc(out_f * sizeof *want), *got = malloc(out_f * sizeof *got);
+    float *fused = malloc(out_f * sizeof *fused), *one = malloc((size_t)q_dim * sizeof *one);
+
+    // CPU: store the new rows, attend.
+    cpu->kv_store(cpu_be(), kv, layer, aseqs, DS_SEQS, qkv + q_dim, qkv + q_dim + kv_dim, qkv_dim);
+    cpu->attention(cpu_be(), kv, layer, aseqs, DS_SEQS, qkv, qkv_dim, want, c->n_heads,
+                   c->n_kv_heads, c->hd, 1.0f / sqrtf((float)c->hd));
+    // The device, the same batch: within the tolerance; each sequence alone: bitwise its row.
+    void *kp = to_dev(pool_k, pool_elems * elem), *vp = to_dev(pool_v, pool_elems * elem);
+    fz_attend(c, start, bt, slots, all, DS_SEQS, qkv, qkv_dim, d_freq, FZ_PLAIN, 0, kp, vp, got,
+              NULL);
+    float e = check_close("decode splits", got, want, out_f, 2e-5f);
+    for (int i = 0; i < 4; i++) {
+        int s = alone[i];
+        fz_attend(c, start, bt, slots, &s, 1, qkv, qkv_dim, d_freq, FZ_PLAIN, 0, kp, vp, one, NULL);
+        if (memcmp(one, got + (size_t)s * q_dim, (size_t)q_dim * sizeof *one) != 0)
+            fail_msg("decode of %d tokens alone differs from its row in the batch", len[s]);
+    }
+    printf("decode splits, heads %d/%d head_dim %d kv %s: max error %g; alone: bitwise\n",
+           c->n_heads, c->n_kv_heads, c->hd, bf16 ? "bf16" : "f32", e);
+    // Fused = rope_kv_store then attention, bitwise: outputs and pools.
+    if (check_fused) {
+        void *kr = to_dev(pool_k, pool_elems * elem), *vr = to_dev(pool_v, pool_elems * elem);
+        void *kf = to_dev(pool_k, pool_elems * elem), *vf = to_dev(pool_v, pool_elems * elem);
+        fz_attend(c, start, bt, slots, all, DS_SEQS, qkv, qkv_dim, d_freq, FZ_SEPARATE, 0, kr, vr,
+                  got, NULL);
+        fz_attend(c, start, bt, slots, all, DS_SEQS, qkv, qkv_dim, d_freq, FZ_FUSED, 0, kf, vf,
+                  fused, NULL);
+        assert_memory_equal(fused, got, out_f * sizeof *got);
+        void *h1 = malloc(pool_elems * elem), *h2 = malloc(pool_elems * elem);
+        for (int kvi = 0; kvi < 2; kvi++) {
+            from_dev(h1, kvi ? vr : kr, pool_elems * elem);
+            from_dev(h2, kvi ? vf : kf, pool_elems * elem);
+            assert_memory_equal(h1, h2, pool_elems * elem);
+        }
+        printf("  fused = rope_kv_store then attention: bitwise\n");
+        tdm_cuda_dev_free(dev, kr), tdm_cuda_dev_free(dev, vr), tdm_cuda_dev_free(dev, kf);
+        tdm_cuda_dev_free(dev, vf);
+        free(h1), free(h2);
+    }
+    tdm_cuda_dev_free(dev, kp), tdm_cuda_dev_free(dev, vp), tdm_cuda_dev_free(dev, d_freq);
+    free(pool_k), free(pool_v), free(qkv), free(want), free(got), free(fused), free(one);
+    tdm_kv_free(kv);
+}
+
+static void test_decode_splits(void **state)
+{
+    (void)state;
+    for (int group = 1; group <= 12; group++) {
+        struct attn_case product = {2 * group, 2, 64, TDM_CUK_KV_BF16};
+        struct attn_case wide = {2 * group, 2, 128, TDM_CUK_KV_F32};
+        run_decode_splits_case(&product, true);
+        run_decode_splits_case(&wide, false);
+        if (group == 1 || group == 7 || group == 9 || group == 12) {
+            struct attn_case narrow_f32 = {2 * group, 2, 64, TDM_CUK_KV_F32};
+            struct attn_case wide_bf16 = {2 * group, 2, 128, TDM_CUK_KV_BF16};
+            run_decode_splits_case(&narrow_f32, false);
+            run_decode_splits_case(&wide_bf16, false);
+        }
+    }
 }
 
 // Export/import kernels: blocks in list order, widened exactly from bf16 and
@@ -1198,8 +1363,9 @@ static void test_attention_errors(void **state)
     ntok[0] = 17; // two tiles into room for one
     assert_int_equal(tdm_cuk_attn_plan(row, ntok, start, 1, 4, 64, seqs, dec, tiles, 1, &plan),
                      TDM_CUK_EINVAL);
-    assert_int_equal(tdm_cuk_decode_splits(256), 1);
-    assert_int_equal(tdm_cuk_decode_splits(257), 2);
+    assert_int_equal(tdm_cuk_decode_splits(TDM_CUK_DECODE_PART), 1);
+    assert_int_equal(tdm_cuk_decode_splits(TDM_CUK_DECODE_PART + 1), 2);
+    assert_int_equal(tdm_cuk_decode_splits(1), 1);
 }
 
 static int group_setup(void **state)
@@ -1239,6 +1405,7 @@ int main(void)
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_errors),
         cmocka_unit_test(test_rope_store_fused),
+        cmocka_unit_test(test_decode_splits),
         cmocka_unit_test(test_kv_gather_scatter),
         cmocka_unit_test(test_argmax_rows),
         cmocka_unit_test(test_sample_rows),

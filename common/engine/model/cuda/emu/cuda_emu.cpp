@@ -422,6 +422,11 @@ unsigned long long blocks_run()
 {
     return S.blocks;
 }
+
+void kernel_bug(const char *what)
+{
+    die(what);
+}
 } // namespace tdm_emu
 
 using tdm_emu::capture_graph;

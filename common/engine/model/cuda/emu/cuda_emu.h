@@ -15,11 +15,13 @@
 //     32 lanes of a warp meet at a warp barrier, exchange through a slot per
 //     lane, and meet again before the slots are reused;
 //   - atomics: fibers never run at the same time, so a plain read-modify-write
-//     is atomic.
+//     is atomic; __threadfence and __ldcg (an L2 load) are therefore plain;
+//   - 16-byte vector loads (tdm_emu_ld16), which must be 16-byte aligned.
 // What it does not model: timing, memory spaces (device memory is host memory),
 // races between threads (a fiber runs until it waits), partial-warp masks.
 // Kernel bugs it detects (deadlock, a shuffle with exited lanes, a barrier with
-// exited threads, a block size that is not a multiple of 32) abort with a
+// exited threads, a block size that is not a multiple of 32, a misaligned
+// 16-byte load) abort with a
 // message: the emulator runs only in tests, where that is the useful outcome.
 #ifndef TDM_CUDA_EMU_H
 #define TDM_CUDA_EMU_H
@@ -63,6 +65,9 @@ uint64_t warp_exchange(uint64_t mine, int src);
 int lane_id();
 // Blocks launched since the process started (tests check that work happened).
 unsigned long long blocks_run();
+// Aborts naming a kernel bug the emulator found outside the scheduler (a
+// misaligned vector load).
+[[noreturn]] void kernel_bug(const char *what);
 
 // A kernel and its arguments evaluated now (by value), for launch or capture.
 template <class F, class... A> std::function<void()> bind_args(F f, A... a)
@@ -88,6 +93,39 @@ template <class F, class... A> std::function<void()> bind_args(F f, A... a)
 // function-local static is that block's shared memory.
 #define __shared__ static
 #define __restrict__ __restrict
+#define __align__(n) __attribute__((aligned(n)))
+
+// The 16-byte vector types the kernels load (CUDA's are 16-byte aligned too).
+struct __align__(16) uint4
+{
+    unsigned x, y, z, w;
+};
+struct __align__(16) float4
+{
+    float x, y, z, w;
+};
+
+// A 16-byte load: *(const uint4 *)p on the GPU, where an address that is not
+// 16-byte aligned faults, so it is a kernel bug here too. Read through memcpy
+// (the memory may hold any element type).
+static inline uint4 tdm_emu_ld16(const void *p)
+{
+    if ((uintptr_t)p % 16 != 0)
+        ::tdm_emu::kernel_bug("16-byte load from an address not 16-byte aligned");
+    uint4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// Memory is the host's, one block runs at a time, and loads never see a stale
+// cache: fences have nothing to order and an L2-only load is a load.
+static inline void __threadfence(void)
+{
+}
+template <class T> static inline T __ldcg(const T *p)
+{
+    return *p;
+}
 
 // A product rounded on its own (never contracted into an FMA).
 static inline float __fmul_rn(float a, float b)

@@ -4,8 +4,8 @@
 // memory writes before reads across the block; __shfl_xor_sync and
 // __shfl_down_sync exchange between the right lanes; kernel bugs the emulator
 // promises to catch (a barrier some threads skip, a shuffle with exited lanes,
-// a block size that is not a multiple of 32) abort the process (checked in a
-// child).
+// a block size that is not a multiple of 32, a misaligned 16-byte load) abort
+// the process (checked in a child).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -143,19 +143,28 @@ static __global__ void plain_kernel(int *x)
     x[threadIdx.x] = 1;
 }
 
+// A 16-byte load 4 bytes past an aligned address (a fault on the GPU).
+static __global__ void misaligned_load_kernel(int *x)
+{
+    uint4 v = tdm_emu_ld16(x + 1);
+    x[threadIdx.x] = (int)v.x;
+}
+
 static int child_signal(int which)
 {
     pid_t pid = fork();
     if (pid == 0) {
-        static int buf[1024];
+        alignas(16) static int buf[1024]; // so buf + 1 is misaligned for 16 bytes
         // The child's abort message is expected; keep the test log readable.
         (void)!freopen("/dev/null", "w", stderr);
         if (which == 0)
             TDM_CUDA_LAUNCH(divergent_barrier_kernel, dim3(1), dim3(64), 0, nullptr, buf);
         else if (which == 1)
             TDM_CUDA_LAUNCH(half_warp_shuffle_kernel, dim3(1), dim3(32), 0, nullptr, buf);
-        else
+        else if (which == 2)
             TDM_CUDA_LAUNCH(plain_kernel, dim3(1), dim3(48), 0, nullptr, buf);
+        else
+            TDM_CUDA_LAUNCH(misaligned_load_kernel, dim3(1), dim3(32), 0, nullptr, buf);
         _exit(0);
     }
     int st = 0;
@@ -169,6 +178,7 @@ static void test_bug_detection(void **state)
     assert_int_equal(child_signal(0), SIGABRT);
     assert_int_equal(child_signal(1), SIGABRT);
     assert_int_equal(child_signal(2), SIGABRT);
+    assert_int_equal(child_signal(3), SIGABRT);
 }
 
 int main(void)
