@@ -433,8 +433,13 @@ int tdm_oai_asm_stream_chunk(const struct tdm_oai_asm *a, const struct tdm_oai_r
         tdm_oai_toolparse_deltas(a->tools, &n_deltas);
     if (a->text.len == 0 && n_deltas == 0 && !*finish_now)
         return TDM_OK;
-    if (*finish_now && a->finish == TDM_FINISH_ERROR)
-        return TDM_OK; // reported as an error event by the caller
+    if (*finish_now && a->finish == TDM_FINISH_ERROR) {
+        if (a->text.len == 0 && n_deltas == 0)
+            return TDM_OK; // reported as an error event by the caller
+        // The text of the tokens that came before the error goes out first,
+        // without a finish (it arrived with the error, or in the same pump).
+        *finish_now = false;
+    }
     struct tdm_oai_choice oc;
     tdm_oai_asm_choice(a, *finish_now, prompt_ids, n_prompt_ids, &oc);
     *json = tdm_oai_chunk(r, &oc, 1, usage);

@@ -233,6 +233,29 @@ static void test_errors_and_stop_ids(void **state)
     assert_int_equal(a.finish, TDM_FINISH_ERROR);
     tdm_oai_asm_fini(&a);
 
+    // Text that came before the error (in the same pump) still goes out, as a
+    // chunk without a finish; then nothing: the error is the caller's event.
+    struct tdm_oai_response resp;
+    tdm_oai_response_init(&resp, TDM_OAI_COMPLETION, "m", "cmpl-e");
+    assert_int_equal(tdm_oai_asm_init(&a, &rq, tok, 0, 0), TDM_OK);
+    assert_int_equal(feed(&a, "Hi there"), -1);
+    tdm_oai_asm_fail(&a, TDM_ETRANSPORT, "tokens were lost");
+    finish_now = true;
+    assert_int_equal(tdm_oai_asm_stream_chunk(&a, &resp, NULL, 0, NULL, &json, &finish_now),
+                     TDM_OK);
+    assert_non_null(json);
+    assert_false(finish_now);
+    assert_non_null(strstr(json, "Hi there"));
+    assert_null(strstr(json, "\"finish_reason\":\""));
+    free(json);
+    tdm_oai_asm_sent(&a, finish_now);
+    assert_false(a.reported);
+    assert_int_equal(tdm_oai_asm_stream_chunk(&a, &resp, NULL, 0, NULL, &json, &finish_now),
+                     TDM_OK);
+    assert_null(json);
+    assert_true(finish_now);
+    tdm_oai_asm_fini(&a);
+
     struct tdm_sampling_params sp;
     memset(&sp, 0, sizeof sp);
     sp.stop_token_ids[0] = 42;
