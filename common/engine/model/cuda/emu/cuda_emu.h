@@ -15,7 +15,8 @@
 //     32 lanes of a warp meet at a warp barrier, exchange through a slot per
 //     lane, and meet again before the slots are reused;
 //   - atomics: fibers never run at the same time, so a plain read-modify-write
-//     is atomic.
+//     is atomic; __threadfence is a no-op for the same reason;
+//   - uint4 and its 16-byte loads (__ldg, __ldcs) as plain copies.
 // What it does not model: timing, memory spaces (device memory is host memory),
 // races between threads (a fiber runs until it waits), partial-warp masks.
 // Kernel bugs it detects (deadlock, a shuffle with exited lanes, a barrier with
@@ -153,6 +154,32 @@ template <class T> static inline T atomicMax(T *p, T v)
     if (v > old)
         *p = v;
     return old;
+}
+
+// 16-byte vectors and their loads (the GEMV's weight and activation reads):
+// __ldg (read-only path) and __ldcs (streaming) are plain copies here.
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w)
+{
+    return uint4{x, y, z, w};
+}
+template <class T> static inline T __ldg(const T *p)
+{
+    T v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+template <class T> static inline T __ldcs(const T *p)
+{
+    return __ldg(p);
+}
+
+// One block runs at a time, its fibers in turn: every write is visible to
+// every later read, so a memory fence orders nothing more.
+static inline void __threadfence(void)
+{
 }
 
 static inline float __fdividef(float a, float b)
