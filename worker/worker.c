@@ -255,6 +255,7 @@ static void model_opts_from_config(const struct tdm_worker_config *cfg, struct t
     mo->max_batch_tokens = cfg->max_num_batched_tokens;
     mo->max_batch_seqs = cfg->max_num_seqs;
     mo->enforce_eager = cfg->enforce_eager;
+    mo->batch_invariant = (enum tdm_batch_invariance)cfg->batch_invariant;
     mo->weight_cache_dir = !cfg->weight_cache         ? NULL
                            : cfg->weight_cache_dir[0] ? cfg->weight_cache_dir
                                                       : "auto";
@@ -292,6 +293,10 @@ static int load_model_and_text(struct tdm_worker *s, char *err, size_t errlen)
     int rc = tdm_model_opts_set_device(&mo, cfg->device, err, errlen);
     if (rc == TDM_OK)
         describe_device(s, &mo);
+    if (rc == TDM_OK && strcmp(mo.backend, "cpu") == 0 &&
+        cfg->batch_invariant == TDM_BATCH_INVARIANT_OFF)
+        TDM_LOG_WARN("worker", "--no-batch-invariant: no effect on the CPU backend, whose GEMMs "
+                               "are batch invariant at full speed");
     if (rc == TDM_OK)
         rc = tdm_model_load(&s->model, s->model_path, &mo, err, errlen);
     if (threaded)

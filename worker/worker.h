@@ -59,6 +59,8 @@ struct tdm_worker_config {
     char device[32];                        // --device cpu|cuda|cuda:N; "" = auto
     double gpu_memory_utilization;          // --gpu-memory-utilization; default 0.9 (device only)
     bool enforce_eager;                     // --enforce-eager: no CUDA graphs
+    int batch_invariant;                    // --[no-]batch-invariant: enum tdm_batch_invariance
+                                            // (model.h); 0 = the model's default (on)
     bool int8;                              // --dtype int8 (default bf16)
     bool weight_cache;                      // --[no-]weight-cache; default on
     char weight_cache_dir[TDM_WORKER_STR];  // --weight-cache-dir; "" = $TANDEM_CACHE/packed,

@@ -176,6 +176,30 @@ static int set_trust_remote_code(void *o, const char *v, char *err, size_t errle
     return TDM_OK;
 }
 
+// --batch-invariant[=BOOL] and --no-batch-invariant[=BOOL] (vLLM's
+// VLLM_BATCH_INVARIANT as a flag): the CUDA backend's GEMM mode, model.h's
+// enum tdm_batch_invariance. Neither given: the model's default.
+static int batch_invariant_flag(struct tdm_worker_config *cfg, const char *flag, bool negate,
+                                const char *v, char *err, size_t errlen)
+{
+    bool on = true;
+    if (v != NULL && tdm_parse_bool(v, &on) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: expected true or false, got \"%s\"", flag,
+                          v);
+    cfg->batch_invariant = on != negate ? TDM_BATCH_INVARIANT_ON : TDM_BATCH_INVARIANT_OFF;
+    return TDM_OK;
+}
+
+static int set_batch_invariant(void *o, const char *v, char *err, size_t errlen)
+{
+    return batch_invariant_flag(o, "batch-invariant", false, v, err, errlen);
+}
+
+static int set_no_batch_invariant(void *o, const char *v, char *err, size_t errlen)
+{
+    return batch_invariant_flag(o, "no-batch-invariant", true, v, err, errlen);
+}
+
 void tdm_worker_config_apply_process(const struct tdm_worker_config *cfg)
 {
     if (cfg->has_seed)
@@ -414,6 +438,19 @@ static const struct tdm_flag decode_flags[] = {
      .offset = OFF(enforce_eager),
      .help = "no CUDA graphs for decode steps (default: graphs\nper padded batch size 1, 2, 4, "
              "... on cuda)"},
+    {.name = "batch-invariant",
+     .kind = TDM_FLAG_FN,
+     .fn = set_batch_invariant,
+     .no_value = true,
+     .help = "a request's numbers do not depend on the batch it\nruns in (vLLM's "
+             "VLLM_BATCH_INVARIANT; the default for\nnow): every CUDA GEMM on cuBLASLt, one "
+             "algorithm\nper weight shape"},
+    {.name = "no-batch-invariant",
+     .kind = TDM_FLAG_FN,
+     .fn = set_no_batch_invariant,
+     .no_value = true,
+     .help = "on cuda: GEMMs of steps of up to 16 rows (decode)\non Tandem's split-K GEMV; a "
+             "row's numbers then\ndiffer between steps of <= 16 rows and larger ones"},
     {.name = "kv-transfer",
      .kind = TDM_FLAG_FN,
      .fn = set_kv_transfer,

@@ -18,6 +18,7 @@
 #include "backend_module.h"
 #include "core.h"
 #include "kvx.h"
+#include "model.h" // enum tdm_batch_invariance
 #include "worker.h"
 
 static int parse(struct tdm_worker_config *c, char *err, size_t errlen, int argc, ...)
@@ -316,6 +317,26 @@ static void test_device(void **state)
     assert_false(c.enforce_eager);
     assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--enforce-eager"), TDM_OK);
     assert_true(c.enforce_eager);
+    // The GEMM mode: neither flag is the model's default; the value forms
+    // the config file uses too.
+    assert_int_equal(c.batch_invariant, TDM_BATCH_INVARIANT_DEFAULT);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--no-batch-invariant"),
+                     TDM_OK);
+    assert_int_equal(c.batch_invariant, TDM_BATCH_INVARIANT_OFF);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--batch-invariant"), TDM_OK);
+    assert_int_equal(c.batch_invariant, TDM_BATCH_INVARIANT_ON);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--batch-invariant=false"),
+                     TDM_OK);
+    assert_int_equal(c.batch_invariant, TDM_BATCH_INVARIANT_OFF);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--no-batch-invariant=no"),
+                     TDM_OK);
+    assert_int_equal(c.batch_invariant, TDM_BATCH_INVARIANT_ON);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--batch-invariant=maybe"),
+                     TDM_EINVAL);
+    assert_string_equal(err, "--batch-invariant: expected true or false, got \"maybe\"");
+    assert_int_equal(tdm_worker_config_set(&c, "no_batch_invariant", NULL, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(c.batch_invariant, TDM_BATCH_INVARIANT_OFF);
     assert_int_equal(parse(&c, err, sizeof err, 7, "--model", "/m", "--gpu-memory-utilization",
                            "0.5", "--num-gpu-blocks-override", "100"),
                      TDM_OK);

@@ -93,6 +93,7 @@ struct result {
     double loop_s[MAX_POINTS], loop_cpu_s[MAX_POINTS], loop_share[MAX_POINTS];
     unsigned long long loop_drawn[MAX_POINTS], loop_tokens[MAX_POINTS];
     char device[32]; // the backend the model ran on (tdm_model_opts.backend)
+    bool batch_invariant; // the model's GEMM mode as resolved (tdm_model_opts.batch_invariant)
     struct tdm_model_load_info load; // load time, checkpoint bytes, weight cache use
 };
 
@@ -402,6 +403,7 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
     o.backend = device->backend;
     o.device = device->device;
     o.enforce_eager = device->enforce_eager;
+    o.batch_invariant = device->batch_invariant;
     o.weights = mode;
     o.num_threads = threads;
     o.max_batch_tokens = max_prefill;
@@ -411,6 +413,7 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
         die("load", err);
     r->load = *tdm_model_load_info(m);
     snprintf(r->device, sizeof r->device, "%s", o.backend != NULL ? o.backend : "cpu");
+    r->batch_invariant = tdm_model_opts(m)->batch_invariant == TDM_BATCH_INVARIANT_ON;
     const struct tdm_model_config *c = tdm_model_config(m);
     struct tdm_kv_config kc;
     memset(&kc, 0, sizeof kc);
@@ -527,8 +530,8 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
         return -1;
     fprintf(f,
             "{\"device\": \"%s\", \"weights\": \"%s\", \"threads\": %zu, \"weight_bytes\": "
-            "%zu,\n",
-            r->device, mode, threads, r->weight_bytes);
+            "%zu, \"batch_invariant\": %s,\n",
+            r->device, mode, threads, r->weight_bytes, r->batch_invariant ? "true" : "false");
     fprintf(f, " \"decode\": [");
     for (int i = 0; i < pl->n_batches; i++)
         fprintf(f, "%s{\"batch\": %d, \"seconds\": %.9g}", i ? ", " : "", pl->batches[i],
@@ -557,6 +560,7 @@ struct bench_args {
     const char *json; // --json FILE
     const char *device; // --device cpu|cuda|cuda:N; NULL = auto
     bool enforce_eager; // --enforce-eager
+    int batch_invariant; // --[no-]batch-invariant: enum tdm_batch_invariance; 0 = the default
     bool weight_cache;  // --[no-]weight-cache (default on)
     int threads, steps;
     bool bf16_only;
@@ -600,6 +604,29 @@ static int set_kv_dtype(void *o, const char *v, char *err, size_t errlen)
     if (tdm_kv_dtype_parse(v, &pl->kv_dtype, e, sizeof e) != TDM_OK)
         return tdm_seterr(err, errlen, TDM_EINVAL, "--kv-cache-dtype: %s", e);
     return TDM_OK;
+}
+
+// --batch-invariant / --no-batch-invariant (the workers' flags: model.h).
+static int set_invariant(void *o, const char *v, bool negate, const char *flag, char *err,
+                         size_t errlen)
+{
+    bool on = true;
+    if (v != NULL && tdm_parse_bool(v, &on) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: expected true or false, got \"%s\"", flag,
+                          v);
+    ((struct bench_args *)o)->batch_invariant =
+        on != negate ? TDM_BATCH_INVARIANT_ON : TDM_BATCH_INVARIANT_OFF;
+    return TDM_OK;
+}
+
+static int set_batch_invariant(void *o, const char *v, char *err, size_t errlen)
+{
+    return set_invariant(o, v, false, "batch-invariant", err, errlen);
+}
+
+static int set_no_batch_invariant(void *o, const char *v, char *err, size_t errlen)
+{
+    return set_invariant(o, v, true, "no-batch-invariant", err, errlen);
 }
 
 static const struct tdm_flag bench_flags[] = {
@@ -678,6 +705,16 @@ static const struct tdm_flag bench_flags[] = {
      .kind = TDM_FLAG_BOOL,
      .offset = offsetof(struct bench_args, enforce_eager),
      .help = "no CUDA graphs for decode steps"},
+    {.name = "batch-invariant",
+     .kind = TDM_FLAG_FN,
+     .fn = set_batch_invariant,
+     .no_value = true,
+     .help = "every GEMM on cuBLASLt, one algorithm per weight shape (the default)"},
+    {.name = "no-batch-invariant",
+     .kind = TDM_FLAG_FN,
+     .fn = set_no_batch_invariant,
+     .no_value = true,
+     .help = "on cuda: GEMMs of up to 16 rows on Tandem's split-K GEMV (check.sh measures both)"},
     {.name = "no-weight-cache",
      .kind = TDM_FLAG_NOT,
      .offset = offsetof(struct bench_args, weight_cache),
@@ -689,7 +726,7 @@ static const struct tdm_flags bench_table = {
              "[--batches LIST] [--prefill LIST] [--json FILE] [--device cpu|cuda|cuda:N]\n"
              "       [--enforce-eager] [--kv-cache-dtype auto|bf16|f32] [--long-context N] "
              "[--long-batches LIST] [--kv-cache-memory BYTES] [--no-weight-cache]\n"
-             "       [--engine-loop]\n",
+             "       [--engine-loop] [--batch-invariant | --no-batch-invariant]\n",
     .flags = bench_flags,
     .n = sizeof bench_flags / sizeof bench_flags[0],
 };
@@ -722,6 +759,7 @@ int main(int argc, char **argv)
     struct tdm_model_opts dev_opts;
     tdm_model_opts_default(&dev_opts);
     dev_opts.enforce_eager = a.enforce_eager;
+    dev_opts.batch_invariant = (enum tdm_batch_invariance)a.batch_invariant;
     if (tdm_model_opts_set_device(&dev_opts, a.device, err, sizeof err) != TDM_OK) {
         fprintf(stderr, "tandem-bench-engine: %s\n", err);
         return 2;
@@ -763,7 +801,8 @@ int main(int argc, char **argv)
     fma = fma2 > fma ? fma2 : fma;
     bf16_peak = bf16_peak2 > bf16_peak ? bf16_peak2 : bf16_peak;
 
-    printf("model %s, %d threads, KV cache %s\n", dir, threads, tdm_kv_dtype_name(pl.kv_dtype));
+    printf("model %s, %d threads, KV cache %s, batch invariant %s\n", dir, threads,
+           tdm_kv_dtype_name(pl.kv_dtype), res[0].batch_invariant ? "on" : "off");
     // Which kernels computed each mode's matmuls (the same for every batch
     // size and the prefill: the CPU backend never picks a path by n).
     const char *paths[2] = {res[0].device, res[nmodes - 1].device};

@@ -27,9 +27,15 @@
 #                mid-transfer), with no stack workaround: LD_PRELOAD is unset
 #   7 probe      tandem-gpu-probe: HBM read/copy/d2d bandwidth, bf16 GEMM peak
 #   8 engine     tandem-bench-engine --device cuda: decode tok/s at batch
-#                1/8/32/64/256, prefill tok/s for 512- and 2048-token chunks,
-#                and (--engine-loop) the serving engine's step beside the
-#                forward's with its thread's CPU time per step
+#                1/8/16/32/64/256, prefill tok/s for 512- and 2048-token
+#                chunks, and (--engine-loop) the serving engine's step beside
+#                the forward's with its thread's CPU time per step; with
+#                --batch-invariant where the bench has it (the mode compared)
+#   8b engine_fast the decode batches 1/8/16/32/64 again with
+#                --no-batch-invariant (GEMMs of up to 16 rows on Tandem's
+#                GEMV); the summary prints the cost of batch invariance per
+#                batch and issue 26 item 3's rule for the default (skipped,
+#                with a line, when the bench has no such flag)
 #   9 serve      one decode worker on --device cuda, tandem-bench at
 #                concurrency 1, 64 and 256 (random 128-token prompts, 128
 #                output tokens): output tok/s, TTFT and ITL p50/p99, and the
@@ -176,7 +182,7 @@ echo "check.sh: $(echo "$gpus" | head -n 1)$([ "$(echo "$gpus" | wc -l)" -gt 1 ]
 # is cut to its share of the 270 s left.
 TOTAL=480
 BUILD_STEPS="configure:45 build:165"
-RUN_STEPS="libs:5 model:25 ctest:100 gpu2:40 pd_gpu:60 probe:20 engine:45 serve:70 pd:35 pd_nng:35 ids:25 summary:5"
+RUN_STEPS="libs:5 model:25 ctest:90 gpu2:30 pd_gpu:60 probe:20 engine:45 engine_fast:20 serve:70 pd:35 pd_nng:35 ids:25 summary:5"
 if [ "$reuse" = 1 ]; then
     STEPS="$BUILD_STEPS"
     for s in $RUN_STEPS; do STEPS="$STEPS $s"; done
@@ -396,7 +402,7 @@ fi
 
 # ---- 8: the engine bench on the GPU ----------------------------------------------------------
 engine=$(bin tandem-bench-engine)
-have_engine=0
+have_engine=0 have_fast=0 engine_ok=0 modes=0
 if [ -z "$engine" ]; then
     record engine FAIL "tandem-bench-engine not built"
 elif ! help_has "$engine" --device; then
@@ -405,17 +411,34 @@ elif ! help_has "$engine" --device; then
 elif ! help_has "$engine" --json; then
     record engine FAIL "tandem-bench-engine has no --json flag to report to the summary"
 else
+    engine_ok=1
     # Without --model it writes its own model where it was built (a folder
     # the GPU machine does not have): give it the model step's.
     model_args=()
     [ "$have_models" = 1 ] && help_has "$engine" --model && model_args=(--model "$big")
+    extra=()
     # The serving engine's step and its thread's CPU time per step beside the
     # forward's (issue 26 item 1), where the bench has it.
-    help_has "$engine" --engine-loop && model_args+=(--engine-loop)
-    if run_step engine "$engine" ${model_args[@]+"${model_args[@]}"} --device cuda --bf16-only \
-        --batches 1,8,32,64,256 --prefill 512,2048 --json "$logs/engine.json"; then
+    help_has "$engine" --engine-loop && extra+=(--engine-loop)
+    # Both GEMM modes where the bench has them (issue 26 item 3): this run
+    # says --batch-invariant whatever the default is, engine_fast the other.
+    help_has "$engine" --no-batch-invariant && modes=1 && extra+=(--batch-invariant)
+    if run_step engine "$engine" ${model_args[@]+"${model_args[@]}"} ${extra[@]+"${extra[@]}"} \
+        --device cuda --bf16-only --batches 1,8,16,32,64,256 --prefill 512,2048 \
+        --json "$logs/engine.json"; then
         have_engine=1
     fi
+fi
+
+# ---- 8b: the engine bench without batch invariance ------------------------------------------
+if [ "$engine_ok" = 0 ]; then
+    record engine_fast skip "see the engine step: the cost of batch invariance not measured"
+elif [ "$modes" = 0 ]; then
+    record engine_fast skip "tandem-bench-engine has no --no-batch-invariant: the cost of batch invariance not measured"
+elif run_step engine_fast "$engine" ${model_args[@]+"${model_args[@]}"} --device cuda \
+    --bf16-only --no-batch-invariant --batches 1,8,16,32,64 --prefill 512 --long-context 0 \
+    --json "$logs/engine_fast.json"; then
+    have_fast=1
 fi
 
 # ---- 9: the serving benchmark, one decode worker on the GPU -----------------------------------
@@ -487,6 +510,7 @@ printf '%s\n' "${results[@]}"
 if [ "$have_probe" = 1 ] && [ -n "$report" ]; then
     args=(--probe "$logs/probe.json")
     [ "$have_engine" = 1 ] && args+=(--engine "$logs/engine.json")
+    [ "$have_engine" = 1 ] && [ "$have_fast" = 1 ] && args+=(--engine-fast "$logs/engine_fast.json")
     [ "$have_pd" = 1 ] && args+=(--pd "$logs/pd.json")
     if ! timeout "$(limit_of summary)" "$report" "${args[@]}" | tee "$logs/summary.txt"; then
         echo "  summary    FAIL tandem-gpu-report could not read the steps' JSON"

@@ -10,7 +10,7 @@
 #    JSON, a gpu-labelled ctest that passes, a tandem-bench-engine without
 #    --device and a tandem-decode without --kv-transfer, the real
 #    tandem-gpu-report: the engine step FAILS with a clear line (never runs the
-#    CPU path), the P/D step is skipped with a clear line, the summary carries
+#    CPU path; engine_fast skipped), the P/D step is skipped with a clear line, the summary carries
 #    the probe's figures, logs land in $OUT, exit 1
 #  4 two GPUs: the gpu2 step runs the gpu2-labelled tests
 #  5 binaries whose --help names the flags first and then runs past a pipe's
@@ -23,7 +23,8 @@
 #    file names the old folders, the ELF runs from its new place; a size
 #    limit it exceeds, or a gpu test not built, fails with a message
 #  7 check.sh --pack on that moved pack with a fake GPU: every step runs and
-#    passes (gpu2 skipped on one GPU): the libraries resolved through
+#    passes (gpu2 skipped on one GPU; the engine bench run in both GEMM
+#    modes, the summary with the cost of batch invariance): the libraries resolved through
 #    LD_LIBRARY_PATH (NCCL found in Python's nvidia/nccl/lib), the tests of
 #    tests.tsv run directly, pd_gpu alone, the serving bench against a worker
 #    whose tdm-engine thread is measured, P/D over cuda-ipc and nng, the ids
@@ -63,7 +64,7 @@ rc=$?
 echo "$out"
 expect "dry run: exit 0" [ "$rc" -eq 0 ]
 expect "dry run: names the GPU" grep -q "GPU 0: NVIDIA H200" <<<"$out"
-steps="configure build libs model ctest gpu2 pd_gpu probe engine serve pd pd_nng ids summary"
+steps="configure build libs model ctest gpu2 pd_gpu probe engine engine_fast serve pd pd_nng ids summary"
 for step in $steps; do
     expect "dry run: step $step has a limit" grep -Eq "step $step limit [0-9]+s" <<<"$out"
 done
@@ -117,6 +118,8 @@ expect "fake run: gpu2 skipped on one GPU" grep -Eq "^  gpu2 +skip .*one GPU vis
 expect "fake run: probe passed" grep -Eq "^  probe +ok" <<<"$out"
 expect "fake run: engine FAILS naming --device" grep -Eq "^  engine +FAIL .*no --device flag" <<<"$out"
 expect "fake run: the engine bench was not run on the CPU" [ ! -e "$work/engine-ran" ]
+expect "fake run: engine_fast skipped, pointing at the engine step" \
+    grep -Eq "^  engine_fast +skip +see the engine step" <<<"$out"
 expect "fake run: pd skipped naming --kv-transfer" grep -Eq "^  pd +skip .*--kv-transfer" <<<"$out"
 expect "fake run: summary has the probe figures" grep -q "read 4000 GB/s" <<<"$out"
 expect "fake run: summary has the goals, not measured" grep -q "decode batch 1, ms per token *not measured" <<<"$out"
@@ -213,12 +216,15 @@ mkdir -p "$fb/bench/gpu" "$fb/bench/engine" "$fb/bench/serve" "$fb/decode" "$fb/
 cp "$b/bench/gpu/tandem-gpu-probe" "$fb/bench/gpu/"
 cp "$report" "$fb/bench/gpu/tandem-gpu-report" # a real ELF: its libraries (cJSON ...) travel
 long_help='i=0; while [ $i -lt 3000 ]; do echo "  --flag-$i N  pads the help past a pipe buffer"; i=$((i + 1)); done'
+# Its batch-1 step: 0.5 ms batch invariant, 0.4 ms with --no-batch-invariant.
 cat >"$fb/bench/engine/tandem-bench-engine" <<EOF
 #!/bin/sh
-if [ "\$1" = --help ]; then echo "usage: tandem-bench-engine [--model DIR] --device D --json FILE"; $long_help; exit 0; fi
+if [ "\$1" = --help ]; then echo "usage: tandem-bench-engine [--model DIR] --device D --json FILE [--batch-invariant | --no-batch-invariant]"; $long_help; exit 0; fi
+bi=true b1=0.0005
+for a in "\$@"; do [ "\$a" = --no-batch-invariant ] && bi=false b1=0.0004; done
 while [ \$# -gt 1 ]; do [ "\$1" = --json ] && out=\$2; shift; done
-echo '{"device": "cuda", "weight_bytes": 1000000000,
- "decode": [{"batch": 1, "seconds": 0.0005}, {"batch": 64, "seconds": 0.002}],
+echo '{"device": "cuda", "batch_invariant": '\$bi', "weight_bytes": 1000000000,
+ "decode": [{"batch": 1, "seconds": '\$b1'}, {"batch": 64, "seconds": 0.002}],
  "prefill": [{"tokens": 2048, "seconds": 0.01, "flops": 2.8e12}]}' >"\$out"
 EOF
 # The fake decode worker: listens, answers /health, and runs a thread named
@@ -363,7 +369,7 @@ out=$(OUT="$work/out7" FAKE_OLD_DIRS="$fb:$fs" PYTHONPATH="$work/site" TANDEM_PY
 rc=$?
 echo "$out"
 expect "pack run: exit 0" [ "$rc" -eq 0 ]
-for step in libs model ctest pd_gpu probe engine serve pd pd_nng ids; do
+for step in libs model ctest pd_gpu probe engine engine_fast serve pd pd_nng ids; do
     expect "pack run: step $step ok" grep -Eq "^  $step +ok" <<<"$out"
 done
 expect "pack run: configure and build skipped (a pack)" \
@@ -392,6 +398,12 @@ expect "pack run: ids equal at 1000 to 3500 tokens" \
     bash -c 'for n in 1000 2048 2049 3000 3500; do grep -Eq "^ +$n tokens, chunk +256: equal" "$0" || exit 1; done' \
     "$work/out7/summary.txt"
 expect "pack run: no LD_PRELOAD reached the steps" bash -c '! grep -rq "LD_PRELOAD=" "$0"' "$work/out7"
+expect "pack run: the engine step ran --batch-invariant, engine_fast --no-batch-invariant" \
+    bash -c 'grep -q "\"batch_invariant\": true" "$0/engine.json" &&
+        grep -q "\"batch_invariant\": false" "$0/engine_fast.json"' "$work/out7"
+expect "pack run: the summary has the cost of batch invariance and the rule's verdict" \
+    bash -c 'grep -Eq "^  1 +0.500 +0.400 +\+25.0%" "$0" &&
+        grep -q "make --no-batch-invariant the default" "$0"' "$work/out7/summary.txt"
 
 echo "$fails failure(s)"
 [ "$fails" -eq 0 ]

@@ -167,6 +167,12 @@ int tdm_gpu_report_parse_engine(struct tdm_gpu_engine *out, const char *json, ch
     if (root == NULL)
         return TDM_EPROTO;
     get_str(root, "device", e.device, sizeof e.device, "?");
+    const cJSON *bi = cJSON_GetObjectItemCaseSensitive(root, "batch_invariant");
+    e.batch_invariant = cJSON_IsBool(bi) ? cJSON_IsTrue(bi) : -1;
+    if (bi != NULL && !cJSON_IsBool(bi)) {
+        tdm_seterr(err, errlen, TDM_EPROTO, "engine: batch_invariant is not true or false");
+        goto fail_root;
+    }
     if (!get_pos(root, "weight_bytes", &e.weight_bytes)) {
         BAD("engine", "weight_bytes");
         goto fail_root;
@@ -286,6 +292,46 @@ static const struct tdm_gpu_point *point(const struct tdm_gpu_point *pts, int n,
         if (pts[i].size == size)
             return &pts[i];
     return NULL;
+}
+
+int tdm_gpu_report_format_invariance(const struct tdm_gpu_engine *inv,
+                                     const struct tdm_gpu_engine *fast, char *buf, size_t buflen)
+{
+    struct out o = {.buf = buf, .len = buflen, .used = 0};
+    if (buflen == 0)
+        return -1;
+    buf[0] = '\0';
+    put(&o, "batch invariance (issue 26 item 3): decode step with --batch-invariant / "
+            "--no-batch-invariant\n");
+    if (inv == NULL || fast == NULL) {
+        put(&o, "  not measured (see the engine and engine_fast steps above)\n");
+        return -1;
+    }
+    put(&o, "  %-14s %14s %10s %8s\n", "decode batch", "invariant ms", "fast ms", "cost");
+    for (int i = 0; i < inv->n_decode; i++) {
+        const struct tdm_gpu_point *a = &inv->decode[i];
+        const struct tdm_gpu_point *b = point(fast->decode, fast->n_decode, a->size);
+        if (b != NULL)
+            put(&o, "  %-14d %14.3f %10.3f %+7.1f%%\n", a->size, a->seconds * 1e3, b->seconds * 1e3,
+                (a->seconds / b->seconds - 1) * 100);
+    }
+    const struct tdm_gpu_point *i1 = point(inv->decode, inv->n_decode, 1);
+    const struct tdm_gpu_point *i64 = point(inv->decode, inv->n_decode, 64);
+    const struct tdm_gpu_point *f1 = point(fast->decode, fast->n_decode, 1);
+    const struct tdm_gpu_point *f64 = point(fast->decode, fast->n_decode, 64);
+    if (i1 == NULL || i64 == NULL || f1 == NULL || f64 == NULL) {
+        put(&o, "  rule: not judged (batch 1 or 64 missing from a run)\n");
+        return -1;
+    }
+    double c1 = i1->seconds / f1->seconds - 1, c64 = i64->seconds / f64->seconds - 1;
+    bool keep = c1 <= TDM_GPU_REPORT_INVARIANCE_MAX && c64 <= TDM_GPU_REPORT_INVARIANCE_MAX;
+    put(&o,
+        "  rule: invariance costs %+.1f%% at batch 1 and %+.1f%% at batch 64 (it stays the "
+        "default only if <= %.0f%% at both): %s\n",
+        c1 * 100, c64 * 100, TDM_GPU_REPORT_INVARIANCE_MAX * 100,
+        keep ? "keep --batch-invariant the default"
+             : "make --no-batch-invariant the default (opt-in invariance, as vLLM's)");
+    return keep ? 0 : 1;
 }
 
 int tdm_gpu_report_format(const struct tdm_gpu_probe *probe, const struct tdm_gpu_engine *engine,

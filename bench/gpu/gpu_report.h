@@ -16,7 +16,9 @@
 //              device-to-device bandwidth (both count bytes read + written)
 // and the goals of issues 9 and 10: decode b1 <= 1.0 ms/token, b64 >= 20 000
 // tokens/s, prefill-2048 >= 40 % of the bf16 peak, exposed transfer <= 2 % of
-// TTFT at 2048 tokens, IPC >= 50 % of device-to-device.
+// TTFT at 2048 tokens, IPC >= 50 % of device-to-device. With a second engine
+// run without batch invariance: the cost of invariance per decode batch and
+// issue 26 item 3's rule for the default.
 //
 // Every value type here is caller storage; nothing allocates beyond the call.
 #ifndef TDM_GPU_REPORT_H
@@ -49,6 +51,7 @@ struct tdm_gpu_point {
 
 struct tdm_gpu_engine {
     char device[32];     // "cuda", "cuda:0", "cpu" as the bench reported it
+    int batch_invariant; // the bench's "batch_invariant": 1 true, 0 false, -1 absent
     double weight_bytes; // bytes one forward streams for the weights
     int n_decode, n_prefill;
     struct tdm_gpu_point decode[TDM_GPU_REPORT_MAX_POINTS];
@@ -91,6 +94,19 @@ double tdm_gpu_report_prefill_util(const struct tdm_gpu_probe *p, double flops, 
 // KV copy bandwidth (bytes read + written: 2 * kv_bytes / kv_window_s) over
 // the probed device-to-device bandwidth.
 double tdm_gpu_report_ipc_util(const struct tdm_gpu_probe *p, const struct tdm_gpu_pd_point *pt);
+
+// The cost of batch invariance (issue 26 item 3), from two engine runs on the
+// same GPU: `inv` with --batch-invariant (every GEMM on cuBLASLt), `fast` with
+// --no-batch-invariant (GEMMs of up to 16 rows on the GEMV). Per decode batch
+// both measured: the two step times and the cost inv / fast - 1; then the
+// rule: invariance stays the default only if its cost is at most
+// TDM_GPU_REPORT_INVARIANCE_MAX at batch 1 and at batch 64. Formats into buf
+// (NUL-terminated when buflen > 0); returns 0 when the rule keeps invariance
+// the default, 1 when it says to make --no-batch-invariant the default, -1
+// when batch 1 or 64 was not measured in both runs.
+#define TDM_GPU_REPORT_INVARIANCE_MAX 0.10
+int tdm_gpu_report_format_invariance(const struct tdm_gpu_engine *inv,
+                                     const struct tdm_gpu_engine *fast, char *buf, size_t buflen);
 
 // Formats the summary into buf (always NUL-terminated when buflen > 0).
 // `engine` and `pd` may be NULL (their steps failed or were skipped): the

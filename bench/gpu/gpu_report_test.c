@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Tests for gpu_report (check.sh's summary), all on the CPU: the probe, engine
 // and P/D documents parse, each missing or bad field is refused with its name,
-// the ratios are the stated formulas on hand-computed numbers, and the summary
-// marks each goal met, MISSED or not measured.
+// the ratios are the stated formulas on hand-computed numbers, the summary
+// marks each goal met, MISSED or not measured, and the cost of batch
+// invariance between two engine runs decides the default by issue 26's rule.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -219,12 +220,53 @@ static void test_format_goals(void **state)
     assert_int_equal(strlen(tiny), 15);
 }
 
+// The cost of batch invariance: ENGINE as the invariant run, a fast run 0.4 ms
+// at batch 1 (cost +25 %) and 2 ms at 64 (0 %); the rule then says to make
+// --no-batch-invariant the default; at 0.46 ms (+8.7 %) it keeps invariance.
+static void test_format_invariance(void **state)
+{
+    (void)state;
+    struct tdm_gpu_engine inv, fast;
+    char err[256], out[4096];
+    assert_int_equal(tdm_gpu_report_parse_engine(&inv, ENGINE, err, sizeof err), TDM_OK);
+    assert_int_equal(inv.batch_invariant, -1); // absent: an older bench
+    static const char *FAST =
+        "{\"device\": \"cuda\", \"batch_invariant\": false, \"weight_bytes\": 1000000000,"
+        " \"decode\": [{\"batch\": 1, \"seconds\": 0.0004}, {\"batch\": 16, \"seconds\": 0.001},"
+        "  {\"batch\": 64, \"seconds\": 0.002}], \"prefill\": []}";
+    assert_int_equal(tdm_gpu_report_parse_engine(&fast, FAST, err, sizeof err), TDM_OK);
+    assert_int_equal(fast.batch_invariant, 0);
+    assert_int_equal(tdm_gpu_report_format_invariance(&inv, &fast, out, sizeof out), 1);
+    printf("%s", out);
+    assert_non_null(strstr(out, "1                       0.500      0.400   +25.0%"));
+    assert_non_null(strstr(out, "64                      2.000      2.000    +0.0%"));
+    assert_null(strstr(out, "\n  8 ")); // batch 8: not in the fast run
+    assert_non_null(strstr(out, "make --no-batch-invariant the default"));
+    fast.decode[0].seconds = 0.00046;
+    assert_int_equal(tdm_gpu_report_format_invariance(&inv, &fast, out, sizeof out), 0);
+    assert_non_null(strstr(out, "+8.7% at batch 1 and +0.0% at batch 64"));
+    assert_non_null(strstr(out, "keep --batch-invariant the default"));
+    // Batch 64 missing from a run, or a run missing: not judged.
+    fast.n_decode = 2;
+    assert_int_equal(tdm_gpu_report_format_invariance(&inv, &fast, out, sizeof out), -1);
+    assert_non_null(strstr(out, "not judged"));
+    assert_int_equal(tdm_gpu_report_format_invariance(NULL, &fast, out, sizeof out), -1);
+    assert_non_null(strstr(out, "not measured"));
+    // batch_invariant must be a boolean when present.
+    assert_int_equal(tdm_gpu_report_parse_engine(&fast,
+                                                 "{\"batch_invariant\": 1, \"weight_bytes\": 1, "
+                                                 "\"decode\": [], \"prefill\": []}",
+                                                 err, sizeof err),
+                     TDM_EPROTO);
+    assert_non_null(strstr(err, "batch_invariant"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parse_probe),         cmocka_unit_test(test_probe_errors),
         cmocka_unit_test(test_parse_engine_and_pd), cmocka_unit_test(test_ratios),
-        cmocka_unit_test(test_format_goals),
+        cmocka_unit_test(test_format_goals),        cmocka_unit_test(test_format_invariance),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

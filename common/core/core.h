@@ -296,6 +296,9 @@ bool tdm_flags_main(const struct tdm_flags *t, void *opts, int argc, char **argv
 // only). TDM_OK, or TDM_EINVAL with the reason in err (a fraction with a binary
 // suffix names the decimal one: "did you mean 25.6k?").
 int tdm_parse_human_int(const char *text, long long *out, char *err, size_t errlen);
+// Parses a flag's boolean value as TDM_FLAG_BOOL does: true, True, 1, yes /
+// false, False, 0, no. TDM_OK or TDM_EINVAL (*out untouched).
+int tdm_parse_bool(const char *v, bool *out);
 // Parses a byte size: digits with an optional fraction and a unit B, K/KiB/k,
 // KB, M/MiB, MB, G/GiB, GB, T/TiB, TB (binary unless it ends in "B" after a
 // decimal prefix). TDM_OK or TDM_EINVAL (not a whole number of bytes).

@@ -59,7 +59,7 @@ int tdm_parse_bytes(const char *text, size_t *out)
     return TDM_EINVAL;
 }
 
-static int parse_bool(const char *v, bool *out)
+int tdm_parse_bool(const char *v, bool *out)
 {
     static const char *const yes[] = {"true", "True", "1", "yes"};
     static const char *const no[] = {"false", "False", "0", "no"};
@@ -242,7 +242,7 @@ static int apply(const struct tdm_flag *f, void *opts, const char *v, char *err,
     case TDM_FLAG_BOOL:
     case TDM_FLAG_NOT: {
         bool b = true;
-        if (v != NULL && parse_bool(v, &b) != TDM_OK)
+        if (v != NULL && tdm_parse_bool(v, &b) != TDM_OK)
             return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: expected true or false, got \"%s\"",
                               n, v);
         if (f->kind == TDM_FLAG_NOT)

@@ -13,7 +13,8 @@
 //
 // Batch invariance contract: for every op, each output row depends only on the
 // matching input rows and never on n (no split-K that depends on batch size, a
-// fixed reduction order per output element).
+// fixed reduction order per output element); matmul too unless
+// set_batch_invariant turned it off.
 #ifndef TDM_BACKEND_H
 #define TDM_BACKEND_H
 
@@ -73,6 +74,14 @@ struct tdm_backend_ops {
     // device: which accelerator (cuda:N); ignored by the CPU backend.
     int (*create)(struct tdm_backend **out, int num_threads, int device, char *err, size_t errlen);
     void (*destroy)(struct tdm_backend *be);
+    // Optional (NULL: every op is batch invariant at no cost, the CPU's case):
+    // on (the default) keeps the contract below for matmul too; off lets
+    // matmul take a faster path for small n whose rows depend on whether n is
+    // small (CUDA: Tandem's GEMV for n <= 16, cuBLASLt above; rows are still
+    // the same for every n within each range). Called once, right after
+    // create, before any weight is prepared (model.h, enum
+    // tdm_batch_invariance).
+    void (*set_batch_invariant)(struct tdm_backend *be, bool on);
     // Optional: accelerators visible to this process (0 when none); NULL for
     // a backend that needs no device (CPU).
     int (*device_count)(void);

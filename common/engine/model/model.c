@@ -739,6 +739,12 @@ static int model_opts_resolve(struct tdm_model *m, const struct tdm_model_opts *
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         m->opts.num_threads = n > 0 ? (int)n : 1;
     }
+    if (m->opts.batch_invariant == TDM_BATCH_INVARIANT_DEFAULT)
+        m->opts.batch_invariant = TDM_BATCH_INVARIANT_ON; // until a GPU run says otherwise
+    if (m->opts.batch_invariant != TDM_BATCH_INVARIANT_ON &&
+        m->opts.batch_invariant != TDM_BATCH_INVARIANT_OFF)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "model: unknown batch invariance mode %d",
+                          (int)m->opts.batch_invariant);
     if (m->opts.weights != TDM_WEIGHTS_BF16 && m->opts.weights != TDM_WEIGHTS_INT8)
         return tdm_seterr(err, errlen, TDM_EINVAL, "model: unknown weight mode %d",
                           (int)m->opts.weights);
@@ -775,9 +781,14 @@ static int model_backend_open(struct tdm_model *m, char *err, size_t errlen)
     if (m->ops == NULL)
         return tdm_seterr(err, errlen, TDM_EINVAL, "model: backend \"%s\" is not built in",
                           m->opts.backend);
-    if ((rc = m->ops->create(&m->be, m->opts.num_threads, m->opts.device, err, errlen)) != TDM_OK)
+    if ((rc = m->ops->create(&m->be, m->opts.num_threads, m->opts.device, err, errlen)) != TDM_OK) {
         m->be = NULL;
-    return rc;
+        return rc;
+    }
+    // Before any weight: the backend sizes its GEMM scratch by the mode.
+    if (m->ops->set_batch_invariant != NULL)
+        m->ops->set_batch_invariant(m->be, m->opts.batch_invariant == TDM_BATCH_INVARIANT_ON);
+    return TDM_OK;
 }
 
 // Every weight from st (or the weight cache entry being adopted), in the

@@ -21,6 +21,22 @@ enum tdm_weight_mode {
     TDM_WEIGHTS_INT8,      // int8 with one f32 scale per output row, quantized at load
 };
 
+// Whether a row's numbers may depend on the batch it is computed in (vLLM's
+// VLLM_BATCH_INVARIANT; --batch-invariant / --no-batch-invariant). Only the
+// CUDA backend has a choice: its GEMMs go to cuBLASLt with one algorithm per
+// weight shape whatever the batch (ON), or, for steps of up to 16 rows (decode
+// batches), to Tandem's split-K GEMV, which reads the weights at the
+// bandwidth, and to cuBLASLt above (OFF: a row's logits are the same in every
+// step of up to 16 rows and in every step of more, but the two differ). The
+// CPU backend is batch invariant either way. DEFAULT is ON until a GPU run
+// measures the cost (docs/gpu.md: invariance stays the default only if it
+// costs at most 10 % at batch 1 and 64).
+enum tdm_batch_invariance {
+    TDM_BATCH_INVARIANT_DEFAULT = 0, // tdm_model_load resolves it (today: ON)
+    TDM_BATCH_INVARIANT_ON,
+    TDM_BATCH_INVARIANT_OFF,
+};
+
 struct tdm_model_opts {
     enum tdm_weight_mode weights;
     int num_threads;       // compute threads; 0 = one per online core
@@ -29,6 +45,9 @@ struct tdm_model_opts {
     const char *backend;   // "cpu" (default) or "cuda" when built with TANDEM_CUDA
     int device;            // accelerator ordinal for "cuda" (--device cuda:N); default 0
     bool enforce_eager;    // --enforce-eager: no CUDA graphs (vLLM's flag); default false
+    // --[no-]batch-invariant; DEFAULT until tdm_model_load resolves it (then
+    // ON or OFF in tdm_model_opts of the model).
+    enum tdm_batch_invariance batch_invariant;
     // Packed-weight cache (docs/cpu-backend.md "Cold start"): NULL = none (the
     // default), "auto" = $TANDEM_CACHE/packed, else $XDG_CACHE_HOME/tandem/packed,
     // else ~/.cache/tandem/packed ($TANDEM_CACHE=off: none), else the folder.

@@ -26,8 +26,10 @@
 //
 // Batch invariance: the kernels map each row by its own shape (cuda_kernels.h)
 // and the GEMM's algorithm is fixed per weight shape (cuda_dev.h), so a row's
-// numbers do not depend on the rest of the batch. docs/gpu-backend.md says
-// what is and is not verified.
+// numbers do not depend on the rest of the batch. In the fast mode
+// (set_batch_invariant off) GEMMs of up to 16 rows take Tandem's GEMV
+// instead, whose rows are the same for every n <= 16 but not cuBLASLt's.
+// docs/gpu-backend.md says what is and is not verified.
 #include <stdbool.h>
 #include <stdint.h>
 #include <pthread.h>
@@ -55,6 +57,14 @@ struct tdm_backend {
     struct tdm_cuda_dev *dev;
     void *stream;
     enum tdm_cuk_kv_type kv_type; // element type of KV pools this backend makes
+    // true (the default): every GEMM through tdm_cuda_dev_gemm_bf16 (cuBLASLt,
+    // an algorithm per weight shape); false: GEMMs of up to
+    // TDM_CUK_GEMV_MAX_N rows through tdm_cuk_gemv (set_batch_invariant).
+    bool batch_invariant;
+    struct dev_buf gemv_part;     // the GEMV's split partials: the largest weight's
+                                  // tdm_cuk_gemv_part_bytes, device (fast mode only)
+    struct dev_buf gemv_counts;   // its row tiles' arrival counts, int32, device; zero
+                                  // between launches (each launch leaves them so)
     int err;                      // first failure since the last sync/download (TDM_OK if none)
     char errmsg[256];
 
@@ -173,6 +183,7 @@ static int cuda_create(struct tdm_backend **out, int num_threads, int device, ch
     be->stream = tdm_cuda_dev_stream(be->dev);
     be->graph_cur = -1;
     be->kv_type = TDM_CUK_KV_BF16;
+    be->batch_invariant = true;
     const char *kvd = getenv("TANDEM_CUDA_KV_DTYPE");
     if (kvd && *kvd) {
         if (strcmp(kvd, "f32") == 0) {
@@ -196,6 +207,8 @@ static void cuda_destroy(struct tdm_backend *be)
         return;
     buf_free(be, &be->am_ids);
     buf_free(be, &be->am_part);
+    buf_free(be, &be->gemv_part);
+    buf_free(be, &be->gemv_counts);
     buf_free(be, &be->sp);
     buf_free(be, &be->sadj);
     buf_free(be, &be->smask);
@@ -216,6 +229,14 @@ static void cuda_destroy(struct tdm_backend *be)
     free(be->h_seqs);
     tdm_cuda_dev_close(be->dev);
     free(be);
+}
+
+static void cuda_set_batch_invariant(struct tdm_backend *be, bool on)
+{
+    be->batch_invariant = on;
+    TDM_LOG_INFO("cuda", "batch_invariant=%s: %s", on ? "on" : "off",
+                 on ? "every GEMM on cuBLASLt, one algorithm per weight shape"
+                    : "GEMMs of up to 16 rows on Tandem's split-K GEMV, more on cuBLASLt");
 }
 
 static void *cuda_alloc(struct tdm_backend *be, size_t bytes)
@@ -288,6 +309,25 @@ static uint16_t src_bf16(const struct tdm_weight_src *s, size_t i)
     }
 }
 
+// The GEMV's scratch (fast mode) grown to a (rows, cols) weight's: split
+// partials, and arrival counts that start at zero. At load, never while a
+// graph is captured (a memset there would only be recorded). TDM_OK or
+// TDM_ENOMEM.
+static int gemv_scratch_reserve(struct tdm_backend *be, int rows, int cols)
+{
+    if (buf_reserve(be, &be->gemv_part, tdm_cuk_gemv_part_bytes(rows, cols)) != TDM_OK)
+        return TDM_ENOMEM;
+    int g = dev_buf_grow(be->dev, &be->gemv_counts, tdm_cuk_gemv_count_bytes(rows, cols));
+    if (g < 0)
+        return TDM_ENOMEM;
+    if (g > 0) {
+        be->gen++;
+        if (tdm_cuda_dev_memset(be->dev, be->gemv_counts.p, 0, be->gemv_counts.bytes) != TDM_OK)
+            return TDM_ENOMEM;
+    }
+    return TDM_OK;
+}
+
 static int cuda_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
                                const struct tdm_weight_src *parts, int nparts, int cols,
                                enum tdm_wtype want, char *err, size_t errlen)
@@ -326,6 +366,11 @@ static int cuda_prepare_weight(struct tdm_backend *be, struct tdm_weight *w,
         tdm_cuda_dev_free(be->dev, d);
         return rc;
     }
+    if (!be->batch_invariant && cols % 8 == 0 && gemv_scratch_reserve(be, rows, cols) != TDM_OK) {
+        tdm_cuda_dev_free(be->dev, d);
+        return tdm_seterr(err, errlen, TDM_ENOMEM,
+                          "cuda backend: out of device memory for the GEMV's scratch");
+    }
     w->type = TDM_W_BF16;
     w->rows = rows;
     w->cols = cols;
@@ -342,10 +387,24 @@ static void cuda_release_weight(struct tdm_backend *be, struct tdm_weight *w)
 
 // ---- compute ops ------------------------------------------------------------------------------
 // x is bf16 already (this backend's matmul-input format): the op that made it
-// wrote bf16, so a GEMM is one launch.
+// wrote bf16, so a GEMM is one launch. Fast mode (batch_invariant off): up to
+// TDM_CUK_GEMV_MAX_N rows on the GEMV (a weight whose columns are not a
+// multiple of 8 stays on cuBLASLt), more on cuBLASLt.
 static void cuda_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
                         const void *x, float *y, int n)
 {
+    if (!be->batch_invariant && n <= TDM_CUK_GEMV_MAX_N && w->cols % 8 == 0) {
+        if (tdm_cuk_gemv_part_bytes(w->rows, w->cols) > be->gemv_part.bytes ||
+            tdm_cuk_gemv_count_bytes(w->rows, w->cols) > be->gemv_counts.bytes) {
+            fail(be, TDM_EINVAL, "matmul: %s",
+                 "the GEMV's scratch was not sized for this weight (set_batch_invariant after "
+                 "prepare_weight)");
+            return;
+        }
+        launch_check(be, tdm_cuk_gemv(be->stream, w->data, w->rows, w->cols, x, n, bias, y,
+                                      be->gemv_part.p, be->gemv_counts.p));
+        return;
+    }
     if (tdm_cuda_dev_gemm_bf16(be->dev, w->data, w->rows, w->cols, x, n, bias, y) != TDM_OK)
         fail(be, TDM_EBACKEND, "matmul: %s", tdm_cuda_dev_errmsg(be->dev));
 }
@@ -1131,6 +1190,7 @@ const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
     .device_count = tdm_cuda_dev_count,
     .create = cuda_create,
     .destroy = cuda_destroy,
+    .set_batch_invariant = cuda_set_batch_invariant,
     .prepare_weight = cuda_prepare_weight,
     .release_weight = cuda_release_weight,
     .alloc = cuda_alloc,

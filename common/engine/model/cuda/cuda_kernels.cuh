@@ -5,8 +5,9 @@
 //
 // Only the CUDA subset the emulator models is used: threadIdx/blockIdx/
 // blockDim/gridDim, static __shared__ arrays, __syncthreads, full-warp
-// __shfl_xor_sync, atomicAdd, __threadfence, __ldcg and aligned 16-byte
-// loads (ld16). Blocks are one-dimensional and a multiple of 32 threads.
+// __shfl_xor_sync, atomics, __threadfence, __ldcg and aligned 16-byte loads
+// (ld16; __ldg, __ldcs of a uint4). Blocks are one-dimensional and a multiple
+// of 32 threads.
 //
 // Reductions run in a fixed order set by the block shape (never by the batch):
 // a strided per-thread partial, a butterfly inside each warp, then warps in
@@ -690,6 +691,132 @@ __global__ void kv_scatter_kernel(KV *pool, const int32_t *blocks, size_t block_
     const float *src = in + (size_t)blockIdx.x * block_elems;
     for (size_t i = threadIdx.x; i < block_elems; i += blockDim.x)
         kv_put(&dst[i], src[i]);
+}
+
+// ---- small-batch GEMM (GEMV with a fixed K-split) ----------------------------------------
+// grid (tiles, splits), block TDM_CUK_GEMV_THREADS: CTA (t, s) computes
+// y[m][row] for the TDM_CUK_GEMV_ROWS rows of tile t over split s's columns,
+// m < n <= NT. Warp w holds rows t * ROWS + w * RPW + {0 .. RPW-1}; lane l
+// takes the 8 columns at l * 8 of each span of the split, so a warp reads
+// 512 contiguous bytes of a weight row per span and each weight element is
+// loaded once (16 bytes at a time) for all n rows of x. A lane issues the
+// loads of UNROLL spans before using them (bytes in flight). Each (row, m)
+// accumulates with fmaf in a fixed order: the lane's spans in order, each
+// span's 8 columns in order, then the warp's butterfly, then the splits in
+// index order: nothing depends on n (NT only sizes the accumulators), so a
+// row's result is the same in every batch of up to NT rows. The loops over
+// spans and rows are unrolled (#pragma unroll) so that the accumulators and
+// loaded vectors stay in registers (without it nvcc kept them on the stack at
+// NT = 16).
+#define TDM_CUK_GEMV_THREADS 256
+#define TDM_CUK_GEMV_RPW (TDM_CUK_GEMV_ROWS / (TDM_CUK_GEMV_THREADS / 32))
+#define TDM_CUK_GEMV_UNROLL 4
+
+__device__ __forceinline__ float f32_of_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// The eight bf16 of a 16-byte load as f32 (element 2i in the low half of word i).
+__device__ __forceinline__ void bf16x8_to_f32(uint4 v, float *f)
+{
+    f[0] = f32_of_bits(v.x << 16);
+    f[1] = f32_of_bits(v.x & 0xffff0000u);
+    f[2] = f32_of_bits(v.y << 16);
+    f[3] = f32_of_bits(v.y & 0xffff0000u);
+    f[4] = f32_of_bits(v.z << 16);
+    f[5] = f32_of_bits(v.z & 0xffff0000u);
+    f[6] = f32_of_bits(v.w << 16);
+    f[7] = f32_of_bits(v.w & 0xffff0000u);
+}
+
+template <int NT>
+__global__ void __launch_bounds__(TDM_CUK_GEMV_THREADS)
+    gemv_kernel(const uint16_t *w, int rows, int cols, int spans, const uint16_t *x, int n,
+                const float *bias, float *y, float *part, int32_t *counts)
+{
+    constexpr int R = TDM_CUK_GEMV_RPW, U = TDM_CUK_GEMV_UNROLL, SPAN = TDM_CUK_GEMV_SPAN;
+    constexpr int ROWS = TDM_CUK_GEMV_ROWS;
+    __shared__ int last;
+    int tile = (int)blockIdx.x, split = (int)blockIdx.y, splits = (int)gridDim.y;
+    int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    int row0 = tile * ROWS + warp * R;
+    int k0 = split * spans * SPAN + lane * 8; // this lane's column in the split's first span
+    int k1 = (split + 1) * spans * SPAN < cols ? (split + 1) * spans * SPAN : cols;
+    float acc[R][NT];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < NT; m++)
+            acc[r][m] = 0.0f;
+    for (int j0 = 0; j0 < spans; j0 += U) {
+        uint4 wv[U][R];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int k = k0 + (j0 + u) * SPAN;
+            for (int r = 0; r < R; r++)
+                wv[u][r] = j0 + u < spans && k < k1 && row0 + r < rows
+                               ? __ldcs((const uint4 *)(w + (size_t)(row0 + r) * cols + k))
+                               : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int k = k0 + (j0 + u) * SPAN;
+            if (j0 + u >= spans || k >= k1)
+                continue; // past the split's end (so are the later spans)
+            float wf[R][8];
+            for (int r = 0; r < R; r++)
+                bf16x8_to_f32(wv[u][r], wf[r]);
+#pragma unroll
+            for (int m = 0; m < NT; m++) {
+                if (m < n) {
+                    float xf[8];
+                    bf16x8_to_f32(__ldg((const uint4 *)(x + (size_t)m * cols + k)), xf);
+                    for (int r = 0; r < R; r++)
+                        for (int e = 0; e < 8; e++)
+                            acc[r][m] = fmaf(wf[r][e], xf[e], acc[r][m]);
+                }
+            }
+        }
+    }
+    bool one = splits == 1;
+#pragma unroll
+    for (int m = 0; m < NT; m++) {
+        for (int r = 0; r < R && m < n; r++) {
+            float s = warp_sum(acc[r][m]); // every lane gets it
+            int row = row0 + r;
+            if (lane != (m * R + r) % 32 || row >= rows)
+                continue;
+            if (one)
+                y[(size_t)m * rows + row] = bias ? s + bias[row] : s;
+            else
+                part[((size_t)split * n + m) * rows + row] = s;
+        }
+    }
+    if (one)
+        return;
+    // The last CTA of the row tile to arrive adds the splits' partials in
+    // split order (whichever CTA that is, the sum is the same).
+    __threadfence(); // this CTA's partials visible before its arrival counts
+    __syncthreads();
+    if (threadIdx.x == 0)
+        last = atomicAdd(&counts[tile], 1) == splits - 1;
+    __syncthreads();
+    if (!last)
+        return;
+    if (threadIdx.x == 0)
+        counts[tile] = 0; // every split has arrived: ready for the next launch
+    for (int i = (int)threadIdx.x; i < n * ROWS; i += (int)blockDim.x) {
+        int m = i / ROWS, row = tile * ROWS + i % ROWS;
+        if (row >= rows)
+            continue;
+        // volatile: other CTAs wrote these; read them from L2, not a stale L1 line.
+        const volatile float *p = part + (size_t)m * rows + row;
+        float s = p[0];
+        for (int z = 1; z < splits; z++)
+            s += p[(size_t)z * n * rows];
+        y[(size_t)m * rows + row] = bias ? s + bias[row] : s;
+    }
 }
 
 // Address of position pos of KV head kvh in a paged layer.

@@ -179,6 +179,41 @@ size_t tdm_cuk_sample_scratch(int n, int cols);
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
                         const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
                         const uint32_t *masks, int32_t *ids, void *scratch);
+// Small-batch GEMM: y[n][rows] = x[n][cols] . w[rows][cols]^T (+ bias[rows]
+// when not NULL), bf16 w and x, f32 accumulation and y, for n <=
+// TDM_CUK_GEMV_MAX_N (decode steps): the CUDA backend's fast mode
+// (--no-batch-invariant) instead of a cuBLASLt call. Each weight element is
+// read once, in 16-byte loads, for all n rows. A CTA serves TDM_CUK_GEMV_ROWS
+// weight rows over one K-split: whole spans of TDM_CUK_GEMV_SPAN columns (a
+// warp's 32 lanes x 8 bf16). The split count is a function of the weight
+// shape alone (tdm_cuk_gemv_split), never of n: the fewest splits that give
+// at least TDM_CUK_GEMV_CTAS CTAs (two per SM of an H100/H200's 132),
+// capped at one span per split. Splits' partial sums go to `part`, and the
+// CTA of a row tile that arrives last (an integer count in `counts`, reset by
+// that CTA) adds them in split order, then the bias: no float atomics, so a
+// row's result is bitwise the same for every n <= TDM_CUK_GEMV_MAX_N (not
+// the same as cuBLASLt's, which sums in another order). cols must be a
+// multiple of 8, w and x 16-byte aligned. part: tdm_cuk_gemv_part_bytes,
+// counts: tdm_cuk_gemv_count_bytes of device memory, counts zeroed once
+// before the first launch (each launch leaves them zero); both NULL is fine
+// when the shape has one split. All device memory; one launch.
+#define TDM_CUK_GEMV_MAX_N 16
+#define TDM_CUK_GEMV_ROWS 16
+#define TDM_CUK_GEMV_SPAN 256
+#define TDM_CUK_GEMV_CTAS 264
+struct tdm_cuk_gemv_shape {
+    int tiles;           // row tiles: ceil(rows / TDM_CUK_GEMV_ROWS)
+    int splits;          // K-splits
+    int spans_per_split; // TDM_CUK_GEMV_SPAN-column spans in each split (the last may be short)
+};
+// The launch shape of a (rows, cols) weight: CTAs = tiles * splits at every n.
+struct tdm_cuk_gemv_shape tdm_cuk_gemv_split(int rows, int cols);
+// Scratch bytes of a weight shape (0 when it has one split): partial sums for
+// TDM_CUK_GEMV_MAX_N rows, and the row tiles' arrival counts.
+size_t tdm_cuk_gemv_part_bytes(int rows, int cols);
+size_t tdm_cuk_gemv_count_bytes(int rows, int cols);
+int tdm_cuk_gemv(void *stream, const uint16_t *w, int rows, int cols, const uint16_t *x, int n,
+                 const float *bias, float *y, float *part, int32_t *counts);
 // out[i][block_elems] = f32 of pool block blocks[i], i < n (export), and the
 // reverse: pool block blocks[i] = in[i] rounded to the pool's type (import).
 // block_elems = n_kv_heads * block_size * head_dim.

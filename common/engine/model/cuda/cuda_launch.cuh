@@ -71,6 +71,17 @@ template <class KV, int HD> static int attention_typed(void *stream, const tdm_c
     return TDM_CUK_OK;
 }
 
+template <int NT>
+static int gemv_typed(void *stream, const uint16_t *w, int rows, int cols, int spans,
+                      const tdm_cuk_gemv_shape &g, const uint16_t *x, int n, const float *bias,
+                      float *y, float *part, int32_t *counts)
+{
+    TDM_CUDA_LAUNCH((gemv_kernel<NT>), dim3((unsigned)g.tiles, (unsigned)g.splits),
+                    dim3(TDM_CUK_GEMV_THREADS), 0, stream, w, rows, cols, spans, x, n, bias, y,
+                    part, counts);
+    return launched("gemv");
+}
+
 template <class KV> static int attention_kv(void *stream, const tdm_cuk_attn_args *a)
 {
     switch (a->head_dim) {
@@ -274,6 +285,64 @@ int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *
     TDM_CUDA_LAUNCH(tdm_cuk::argmax_merge_kernel, dim3((unsigned)n), dim3(TDM_CUK_ARGMAX_THREADS),
                     0, stream, pv, pi, chunks, ids);
     return tdm_cuk::launched("argmax_rows merge");
+}
+
+struct tdm_cuk_gemv_shape tdm_cuk_gemv_split(int rows, int cols)
+{
+    struct tdm_cuk_gemv_shape g = {0, 0, 0};
+    if (rows <= 0 || cols <= 0)
+        return g;
+    int spans = (cols + TDM_CUK_GEMV_SPAN - 1) / TDM_CUK_GEMV_SPAN;
+    g.tiles = (rows + TDM_CUK_GEMV_ROWS - 1) / TDM_CUK_GEMV_ROWS;
+    // The fewest splits that reach TDM_CUK_GEMV_CTAS CTAs, at most one a span;
+    // then as few as the spans per split need (no split left empty).
+    int want = (TDM_CUK_GEMV_CTAS + g.tiles - 1) / g.tiles;
+    int splits = want < spans ? want : spans;
+    g.spans_per_split = (spans + splits - 1) / splits;
+    g.splits = (spans + g.spans_per_split - 1) / g.spans_per_split;
+    return g;
+}
+
+size_t tdm_cuk_gemv_part_bytes(int rows, int cols)
+{
+    struct tdm_cuk_gemv_shape g = tdm_cuk_gemv_split(rows, cols);
+    if (g.splits <= 1)
+        return 0;
+    return (size_t)g.splits * TDM_CUK_GEMV_MAX_N * (size_t)rows * sizeof(float);
+}
+
+size_t tdm_cuk_gemv_count_bytes(int rows, int cols)
+{
+    struct tdm_cuk_gemv_shape g = tdm_cuk_gemv_split(rows, cols);
+    return g.splits <= 1 ? 0 : (size_t)g.tiles * sizeof(int32_t);
+}
+
+int tdm_cuk_gemv(void *stream, const uint16_t *w, int rows, int cols, const uint16_t *x, int n,
+                 const float *bias, float *y, float *part, int32_t *counts)
+{
+    if (n < 1 || n > TDM_CUK_GEMV_MAX_N || rows <= 0 || cols <= 0 || cols % 8 != 0)
+        return tdm_cuk::fail(TDM_CUK_EINVAL,
+                             "gemv: n %d (1 to %d), %d x %d weight (columns a multiple of 8)", n,
+                             TDM_CUK_GEMV_MAX_N, rows, cols);
+    if (((uintptr_t)w | (uintptr_t)x) % 16 != 0)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "gemv: w %p and x %p must be 16-byte aligned",
+                             (const void *)w, (const void *)x);
+    struct tdm_cuk_gemv_shape g = tdm_cuk_gemv_split(rows, cols);
+    if (g.splits > 65535)
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "gemv: %d splits of %d columns", g.splits, cols);
+    if (g.splits > 1 && (part == NULL || counts == NULL))
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "gemv: %d x %d runs in %d splits: needs scratch", rows,
+                             cols, g.splits);
+    int s = g.spans_per_split;
+    if (n == 1)
+        return tdm_cuk::gemv_typed<1>(stream, w, rows, cols, s, g, x, n, bias, y, part, counts);
+    if (n == 2)
+        return tdm_cuk::gemv_typed<2>(stream, w, rows, cols, s, g, x, n, bias, y, part, counts);
+    if (n <= 4)
+        return tdm_cuk::gemv_typed<4>(stream, w, rows, cols, s, g, x, n, bias, y, part, counts);
+    if (n <= 8)
+        return tdm_cuk::gemv_typed<8>(stream, w, rows, cols, s, g, x, n, bias, y, part, counts);
+    return tdm_cuk::gemv_typed<16>(stream, w, rows, cols, s, g, x, n, bias, y, part, counts);
 }
 
 // Per row and chunk: the chunk's maximum (value, index), its candidate count,

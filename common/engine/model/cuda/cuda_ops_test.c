@@ -356,6 +356,183 @@ static void test_gemm(void **state)
     tdm_cuda_dev_free(dev, d_xb), tdm_cuda_dev_free(dev, d_y);
 }
 
+// ---- small-batch GEMM (tdm_cuk_gemv) ---------------------------------------------------------
+// Against a double-precision reference, on ragged shapes (rows not a multiple
+// of the 16-row tile, columns not a multiple of the 256-column span; the
+// 0.5B model's K of 896 and 4864), with and without bias, at n = 1 .. 16; and
+// each row of every batch bitwise the row computed alone (shapes of 264 CTAs
+// or more, which the emulator runs slowly: n = 3 and 16, rows 0, 2 and 15
+// alone). Tolerance: 2e-5 of
+// sum |w x| + |bias| per element; f32 accumulation along the kernel's tree
+// (a lane's <= 8 * spans-per-split products in order, 5 butterfly levels,
+// the splits) is within (8 * 19 + 5 + 19 + 1) * 2^-24 = 1.06e-5 of it at
+// K = 4864 in the worst case.
+struct gemv_case {
+    int rows, cols;
+    bool bias;
+    bool big; // n = 3 and 16 only
+};
+
+static void test_gemv(void **state)
+{
+    (void)state;
+    enum { N = TDM_CUK_GEMV_MAX_N };
+    static const struct gemv_case cases[] = {
+        {37, 896, true, false},   // 3.5 spans: 4 splits of one span, the last half full
+        {23, 4864, false, false}, // 19 spans in 19 splits
+        {21, 264, true, false},   // one full span and 8 columns: 2 splits
+        {300, 136, false, false}, // less than a span, one split
+        {1, 8, true, false},
+        {900, 4864, true, true},  // the down GEMM's K: 5 splits of 4 spans, the last of 3
+        {4500, 896, false, true}, // 282 tiles: one split of 3.5 spans
+    };
+    bool saw_one = false, saw_many = false;
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        int rows = cases[ci].rows, cols = cases[ci].cols;
+        struct tdm_cuk_gemv_shape g = tdm_cuk_gemv_split(rows, cols);
+        saw_one |= g.splits == 1;
+        saw_many |= g.splits > 1;
+        size_t nw = (size_t)rows * cols, nx = (size_t)N * cols, ny = (size_t)N * rows;
+        uint16_t *w = malloc(nw * sizeof *w), *xb = malloc(nx * sizeof *xb);
+        float *bias = malloc((size_t)rows * sizeof *bias), *y = malloc(ny * sizeof *y);
+        float *alone = malloc(ny * sizeof *alone);
+        assert_true(w && xb && bias && y && alone);
+        for (size_t i = 0; i < nw; i++)
+            w[i] = bf16_bits(frand());
+        for (size_t i = 0; i < nx; i++)
+            xb[i] = bf16_bits(frand() * 2.0f);
+        fill(bias, (size_t)rows, 1.0f);
+        const float *b = cases[ci].bias ? bias : NULL;
+        uint16_t *d_w = to_dev(w, nw * sizeof *w), *d_x = to_dev(xb, nx * sizeof *xb);
+        float *d_b = to_dev(bias, (size_t)rows * sizeof *bias), *d_y = dev_zeros(ny * sizeof *y);
+        size_t pb = tdm_cuk_gemv_part_bytes(rows, cols), cb = tdm_cuk_gemv_count_bytes(rows, cols);
+        assert_true((pb == 0) == (g.splits == 1) && (cb == 0) == (g.splits == 1));
+        float *d_part = pb ? dev_zeros(pb) : NULL;
+        int32_t *d_counts = cb ? dev_zeros(cb) : NULL;
+        // Each row alone (n = 1).
+        bool have_alone[N];
+        for (int m = 0; m < N; m++) {
+            have_alone[m] = !cases[ci].big || m == 0 || m == 2 || m == N - 1;
+            if (!have_alone[m])
+                continue;
+            ok(tdm_cuk_gemv(stream, d_w, rows, cols, d_x + (size_t)m * cols, 1, b ? d_b : NULL, d_y,
+                            d_part, d_counts));
+            from_dev(alone + (size_t)m * rows, d_y, (size_t)rows * sizeof *y);
+        }
+        double *ref = malloc(ny * sizeof *ref), *mag = malloc(ny * sizeof *mag);
+        assert_true(ref && mag);
+        for (int m = 0; m < N; m++)
+            for (int r = 0; r < rows; r++) {
+                double sum = b ? b[r] : 0.0, abs_sum = b ? fabs(b[r]) : 0.0;
+                for (int k = 0; k < cols; k++) {
+                    double p = (double)bf16_value(w[(size_t)r * cols + k]) *
+                               bf16_value(xb[(size_t)m * cols + k]);
+                    sum += p;
+                    abs_sum += fabs(p);
+                }
+                ref[(size_t)m * rows + r] = sum;
+                mag[(size_t)m * rows + r] = abs_sum;
+            }
+        float worst = 0.0f;
+        for (int n = 1; n <= N; n++) {
+            if (cases[ci].big && n != 3 && n != N)
+                continue;
+            ok(tdm_cuk_gemv(stream, d_w, rows, cols, d_x, n, b ? d_b : NULL, d_y, d_part,
+                            d_counts));
+            from_dev(y, d_y, (size_t)n * rows * sizeof *y);
+            for (size_t i = 0; i < (size_t)n * rows; i++) {
+                double e = fabs(y[i] - ref[i]);
+                if (!(e <= 2e-5 * mag[i]))
+                    fail_msg("gemv %dx%d n %d: y[%zu][%zu] = %.9g, reference %.9g "
+                             "(tolerance %.3g)",
+                             rows, cols, n, i / rows, i % rows, y[i], ref[i], 2e-5 * mag[i]);
+                worst = e / mag[i] > worst ? (float)(e / mag[i]) : worst;
+            }
+            // Batch invariance: every row as computed alone, bitwise.
+            for (int m = 0; m < n; m++)
+                if (have_alone[m] && memcmp(y + (size_t)m * rows, alone + (size_t)m * rows,
+                                            (size_t)rows * sizeof *y) != 0)
+                    fail_msg("gemv %dx%d: row %d of a batch of %d differs from the row alone", rows,
+                             cols, m, n);
+        }
+        if (cb) { // each launch leaves the arrival counts zero for the next
+            int32_t *counts = malloc(cb);
+            from_dev(counts, d_counts, cb);
+            for (size_t i = 0; i < cb / sizeof *counts; i++)
+                assert_int_equal(counts[i], 0);
+            free(counts);
+        }
+        printf("gemv %4d x %4d%s: %d tiles x %d splits of %d spans; n %s = rows alone; max "
+               "error %.2g of sum |w x|\n",
+               rows, cols, b ? " + bias" : "", g.tiles, g.splits, g.spans_per_split,
+               cases[ci].big ? "3, 16" : "1..16", worst);
+        tdm_cuda_dev_free(dev, d_w), tdm_cuda_dev_free(dev, d_x), tdm_cuda_dev_free(dev, d_b);
+        tdm_cuda_dev_free(dev, d_y), tdm_cuda_dev_free(dev, d_part);
+        tdm_cuda_dev_free(dev, d_counts);
+        free(w), free(xb), free(bias), free(y), free(alone), free(ref), free(mag);
+    }
+    assert_true(saw_one && saw_many);
+    // Shapes it does not serve.
+    uint16_t *p16 = dev_zeros(4096);
+    float *pf = dev_zeros(4096);
+    assert_int_equal(tdm_cuk_gemv(stream, p16, 4, 16, p16, 17, NULL, pf, NULL, NULL),
+                     TDM_CUK_EINVAL); // n > 16
+    assert_int_equal(tdm_cuk_gemv(stream, p16, 4, 12, p16, 1, NULL, pf, NULL, NULL),
+                     TDM_CUK_EINVAL); // columns not a multiple of 8
+    assert_int_equal(tdm_cuk_gemv(stream, p16 + 1, 4, 16, p16, 1, NULL, pf, NULL, NULL),
+                     TDM_CUK_EINVAL); // unaligned weight
+    assert_int_equal(tdm_cuk_gemv(stream, p16, 4, 4096, p16, 1, NULL, pf, NULL, NULL),
+                     TDM_CUK_EINVAL); // 16 splits and no scratch
+    tdm_cuda_dev_free(dev, p16), tdm_cuda_dev_free(dev, pf);
+}
+
+// The GEMV's grid for the Qwen2.5-0.5B GEMMs at batch 1: at least an H200's
+// 132 SMs each (issue 26 item 3), from the launch log of real launches of
+// the four layer GEMMs (zero weights), and the split rule for the LM head
+// (151 936 x 896: 9 496 CTAs, 272 MB of weights the emulator is not given).
+static void test_gemv_ctas(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *what;
+        int rows, cols;
+        int splits; // the split rule's choice
+    } shapes[] = {
+        {"qkv", 1152, 896, 4},  {"o", 896, 896, 4},          {"gate_up", 9728, 896, 1},
+        {"down", 896, 4864, 5}, {"lm_head", 151936, 896, 1},
+    };
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        int rows = shapes[i].rows, cols = shapes[i].cols;
+        struct tdm_cuk_gemv_shape g = tdm_cuk_gemv_split(rows, cols);
+        long long ctas = (long long)g.tiles * g.splits;
+        printf("0.5B %-8s %6d x %4d: %5d tiles x %d splits of %d spans = %lld CTAs\n",
+               shapes[i].what, rows, cols, g.tiles, g.splits, g.spans_per_split, ctas);
+        assert_int_equal(g.splits, shapes[i].splits);
+        assert_true(ctas >= 132);
+        if (rows > 10000)
+            continue;
+        uint16_t *d_w = dev_zeros((size_t)rows * cols * sizeof(uint16_t));
+        uint16_t *d_x = dev_zeros((size_t)cols * sizeof(uint16_t));
+        float *d_y = dev_zeros((size_t)rows * sizeof(float));
+        size_t pb = tdm_cuk_gemv_part_bytes(rows, cols), cb = tdm_cuk_gemv_count_bytes(rows, cols);
+        void *d_part = pb ? dev_zeros(pb) : NULL, *d_counts = cb ? dev_zeros(cb) : NULL;
+#ifndef TDM_CUDA_TEST_GPU
+        tdm_emu_launch_log(1);
+#endif
+        ok(tdm_cuk_gemv(stream, d_w, rows, cols, d_x, 1, NULL, d_y, d_part, d_counts));
+        assert_int_equal(tdm_cuda_dev_sync(dev), TDM_OK);
+#ifndef TDM_CUDA_TEST_GPU
+        struct tdm_emu_launch l[2];
+        size_t nl = tdm_emu_launches(l, 2);
+        tdm_emu_launch_log(0);
+        assert_int_equal(nl, 1);
+        assert_int_equal(l[0].ctas, (unsigned long long)ctas);
+#endif
+        tdm_cuda_dev_free(dev, d_w), tdm_cuda_dev_free(dev, d_x), tdm_cuda_dev_free(dev, d_y);
+        tdm_cuda_dev_free(dev, d_part), tdm_cuda_dev_free(dev, d_counts);
+    }
+}
+
 // ---- KV store and attention -------------------------------------------------------------------
 #define BS 16
 #define NUM_BLOCKS 48
@@ -1402,6 +1579,8 @@ int main(void)
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_silu_add_bf16),
         cmocka_unit_test(test_gemm),
+        cmocka_unit_test(test_gemv),
+        cmocka_unit_test(test_gemv_ctas),
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_errors),
         cmocka_unit_test(test_rope_store_fused),

@@ -16,7 +16,8 @@
 //     lane, and meet again before the slots are reused;
 //   - atomics: fibers never run at the same time, so a plain read-modify-write
 //     is atomic; __threadfence and __ldcg (an L2 load) are therefore plain;
-//   - 16-byte vector loads (tdm_emu_ld16), which must be 16-byte aligned.
+//   - 16-byte vector loads (tdm_emu_ld16, __ldg, __ldcs of a uint4), which
+//     must be 16-byte aligned.
 // What it does not model: timing, memory spaces (device memory is host memory),
 // races between threads (a fiber runs until it waits), partial-warp masks.
 // Kernel bugs it detects (deadlock, a shuffle with exited lanes, a barrier with
@@ -191,6 +192,25 @@ template <class T> static inline T atomicMax(T *p, T v)
     if (v > old)
         *p = v;
     return old;
+}
+
+// The GEMV's loads: __ldg (read-only path) and __ldcs (streaming) are plain
+// copies here; a 16-byte one must be aligned, as on the GPU.
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w)
+{
+    return uint4{x, y, z, w};
+}
+template <class T> static inline T __ldg(const T *p)
+{
+    if (sizeof(T) == 16 && (uintptr_t)p % 16 != 0)
+        ::tdm_emu::kernel_bug("16-byte load from an address not 16-byte aligned");
+    T v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+template <class T> static inline T __ldcs(const T *p)
+{
+    return __ldg(p);
 }
 
 static inline float __fdividef(float a, float b)
