@@ -702,9 +702,10 @@ __global__ void kv_scatter_kernel(KV *pool, const int32_t *blocks, size_t block_
 // loaded once (16 bytes at a time) for all n rows of x. A lane issues the
 // loads of UNROLL spans before using them (bytes in flight). Each (row, m)
 // accumulates with fmaf in a fixed order: the lane's spans in order, each
-// span's 8 columns in order, then the warp's butterfly, then the splits in
-// index order: nothing depends on n (NT only sizes the accumulators), so a
-// row's result is the same in every batch of up to NT rows. The loops over
+// span's 8 columns in order, then the warp's xor-butterfly tree over lanes
+// (warp_reduce_scatter), then the splits in index order: nothing depends on
+// n (NT only sizes the accumulators), so a row's result is the same in every
+// batch of up to TDM_CUK_GEMV_MAX_N rows. The loops over
 // spans and rows are unrolled (#pragma unroll) so that the accumulators and
 // loaded vectors stay in registers (without it nvcc kept them on the stack at
 // NT = 16).
@@ -730,6 +731,42 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 v, float *f)
     f[5] = f32_of_bits(v.z & 0xffff0000u);
     f[6] = f32_of_bits(v.w << 16);
     f[7] = f32_of_bits(v.w & 0xffff0000u);
+}
+
+// The sums over the warp's 32 lanes of each of a lane's V values v[0..V), by a
+// reduce-scatter: at the offsets 16, 8, 4, 2, 1 in turn a lane keeps half of
+// its live values (the upper half when its lane number has that offset's bit)
+// and adds its partner's partial of each, until one is left; then plain
+// butterfly steps. A value's sum is the xor-butterfly tree over lanes (the
+// partials of lanes L and L ^ o added, whichever lane keeps them; a + b is
+// b + a in IEEE), the same as warp_sum's whatever V is or which lane ends up
+// with it, in V - 1 + log2(32 / V) shuffles (31 for 32 values, not 160).
+// Returns the total of value lane / (32 / V), which 32 / V lanes hold alike.
+// One level at offset o with C live values (templates: every index is a
+// constant, so v stays in registers).
+template <int C> __device__ __forceinline__ void reduce_scatter_step(float *v, int lane, int o)
+{
+    if constexpr (C > 1) {
+        bool upper = (lane & o) != 0;
+#pragma unroll
+        for (int i = 0; i < C / 2; i++) {
+            float send = upper ? v[i] : v[C / 2 + i], mine = upper ? v[C / 2 + i] : v[i];
+            v[i] = mine + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    } else {
+        v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+    }
+}
+
+template <int V> __device__ __forceinline__ float warp_reduce_scatter(float *v, int lane)
+{
+    static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "V: a power of two up to 32");
+    reduce_scatter_step<V>(v, lane, 16);
+    reduce_scatter_step<(V > 1 ? V / 2 : 1)>(v, lane, 8);
+    reduce_scatter_step<(V > 2 ? V / 4 : 1)>(v, lane, 4);
+    reduce_scatter_step<(V > 4 ? V / 8 : 1)>(v, lane, 2);
+    reduce_scatter_step<(V > 8 ? V / 16 : 1)>(v, lane, 1);
+    return v[0];
 }
 
 template <int NT>
@@ -779,19 +816,16 @@ __global__ void __launch_bounds__(TDM_CUK_GEMV_THREADS)
             }
         }
     }
+    // Value j = r * NT + m of acc: this lane ends with the warp's sum of one.
+    constexpr int V = R * NT;
+    float total = warp_reduce_scatter<V>(&acc[0][0], lane);
+    int j = lane / (32 / V), jm = j % NT, jrow = row0 + j / NT;
     bool one = splits == 1;
-#pragma unroll
-    for (int m = 0; m < NT; m++) {
-        for (int r = 0; r < R && m < n; r++) {
-            float s = warp_sum(acc[r][m]); // every lane gets it
-            int row = row0 + r;
-            if (lane != (m * R + r) % 32 || row >= rows)
-                continue;
-            if (one)
-                y[(size_t)m * rows + row] = bias ? s + bias[row] : s;
-            else
-                part[((size_t)split * n + m) * rows + row] = s;
-        }
+    if (lane % (32 / V) == 0 && jm < n && jrow < rows) {
+        if (one)
+            y[(size_t)jm * rows + jrow] = bias ? total + bias[jrow] : total;
+        else
+            part[((size_t)split * n + jm) * rows + jrow] = total;
     }
     if (one)
         return;
