@@ -25,6 +25,7 @@
 
 #include "core.h"
 #include "engine.h"
+#include "test_skip.h"
 #include "grammar.h"
 #include "grammar_validate.h"
 #include "mkmodel.h"
@@ -724,8 +725,9 @@ static void test_refusals_and_no_cost(void **state)
     tdm_engine_free(e);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    tdm_test_filters(argc, argv);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_schema_outputs_validate),
         cmocka_unit_test(test_regex_choice_object),
@@ -737,5 +739,5 @@ int main(void)
         cmocka_unit_test(test_device_masks),
         cmocka_unit_test(test_refusals_and_no_cost),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
 }

@@ -21,6 +21,7 @@
 
 #include "core.h"
 #include "engine.h"
+#include "test_skip.h"
 #include "metrics.h"
 #include "mkmodel.h"
 #include "runner.h"
@@ -1964,8 +1965,9 @@ static void test_spec_adaptive(void **state)
     tdm_engine_free(e);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    tdm_test_filters(argc, argv);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_single_matches_runner),
         cmocka_unit_test(test_stop_and_logprobs),
@@ -1996,5 +1998,5 @@ int main(void)
     const char *filter = getenv("ENGINE_TEST_FILTER");
     if (filter != NULL)
         cmocka_set_test_filter(filter);
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
 }
