@@ -307,14 +307,11 @@ __device__ __forceinline__ void argmax_tree(float bv, int bi, float *out_v, int 
     __syncthreads(); // sv/si reused by the next call
 }
 
-// grid (n, chunks), block 256: chunk blockIdx.y of row blockIdx.x. One chunk:
-// ids[row]; else the chunk's winner to part_v/part_i[row][chunk].
-__global__ void argmax_chunk_kernel(const float *x, int cols, float *part_v, int32_t *part_i,
-                                    int32_t *ids)
+// The block's first largest of r[c0, c1) (index -1: nothing above -inf). Each
+// thread keeps the first largest of its strided elements (ascending indices).
+__device__ __forceinline__ void chunk_first_largest(const float *r, int c0, int c1, float *out_v,
+                                                    int *out_i)
 {
-    const float *r = x + (size_t)blockIdx.x * cols;
-    int c0 = blockIdx.y * TDM_CUK_ARGMAX_CHUNK;
-    int c1 = c0 + TDM_CUK_ARGMAX_CHUNK < cols ? c0 + TDM_CUK_ARGMAX_CHUNK : cols;
     float bv = -INFINITY;
     int bi = -1;
     for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
@@ -324,9 +321,35 @@ __global__ void argmax_chunk_kernel(const float *x, int cols, float *part_v, int
             bi = c;
         }
     }
+    argmax_tree(bv, bi, out_v, out_i);
+}
+
+// The block's winner of a row's chunk winners pv/pi[0, chunks) (ascending
+// chunks hold ascending indices, so `>` keeps the first on a tie).
+__device__ __forceinline__ void merge_winners(const float *pv, const int32_t *pi, int chunks,
+                                              float *out_v, int *out_i)
+{
+    float bv = -INFINITY;
+    int bi = -1;
+    for (int z = threadIdx.x; z < chunks; z += blockDim.x)
+        if (pi[z] >= 0 && (bi < 0 || pv[z] > bv)) {
+            bv = pv[z];
+            bi = pi[z];
+        }
+    argmax_tree(bv, bi, out_v, out_i);
+}
+
+// grid (n, chunks), block 256: chunk blockIdx.y of row blockIdx.x. One chunk:
+// ids[row]; else the chunk's winner to part_v/part_i[row][chunk].
+__global__ void argmax_chunk_kernel(const float *x, int cols, float *part_v, int32_t *part_i,
+                                    int32_t *ids)
+{
+    const float *r = x + (size_t)blockIdx.x * cols;
+    int c0 = blockIdx.y * TDM_CUK_ARGMAX_CHUNK;
+    int c1 = c0 + TDM_CUK_ARGMAX_CHUNK < cols ? c0 + TDM_CUK_ARGMAX_CHUNK : cols;
     float wv;
     int wi;
-    argmax_tree(bv, bi, &wv, &wi);
+    chunk_first_largest(r, c0, c1, &wv, &wi);
     if (threadIdx.x != 0)
         return;
     if (gridDim.y == 1) {
@@ -337,23 +360,14 @@ __global__ void argmax_chunk_kernel(const float *x, int cols, float *part_v, int
     }
 }
 
-// grid (n), block 256: the winner of a row's chunks (ascending chunks hold
-// ascending indices, so `>` keeps the first on a tie).
+// grid (n), block 256: the winner of a row's chunks.
 __global__ void argmax_merge_kernel(const float *part_v, const int32_t *part_i, int chunks,
                                     int32_t *ids)
 {
-    const float *pv = part_v + (size_t)blockIdx.x * chunks;
-    const int32_t *pi = part_i + (size_t)blockIdx.x * chunks;
-    float bv = -INFINITY;
-    int bi = -1;
-    for (int z = threadIdx.x; z < chunks; z += blockDim.x)
-        if (pi[z] >= 0 && (bi < 0 || pv[z] > bv)) {
-            bv = pv[z];
-            bi = pi[z];
-        }
     float wv;
     int wi;
-    argmax_tree(bv, bi, &wv, &wi);
+    merge_winners(part_v + (size_t)blockIdx.x * chunks, part_i + (size_t)blockIdx.x * chunks,
+                  chunks, &wv, &wi);
     if (threadIdx.x == 0)
         ids[blockIdx.x] = wi < 0 ? 0 : wi;
 }
@@ -581,18 +595,9 @@ __global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
                 row[c] = -INFINITY;
         __syncthreads();
     }
-    float bv = -INFINITY;
-    int bi = -1;
-    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
-        float v = row[c];
-        if (v > bv) {
-            bv = v;
-            bi = c;
-        }
-    }
     float wv;
     int wi;
-    argmax_tree(bv, bi, &wv, &wi);
+    chunk_first_largest(row, c0, c1, &wv, &wi);
     size_t slot = (size_t)blockIdx.x * gridDim.y + blockIdx.y;
     if (threadIdx.x == 0) {
         part_v[slot] = wv;
@@ -652,16 +657,9 @@ __global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
     const tdm_draw_params d = params[blockIdx.x];
     int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
     size_t first = (size_t)blockIdx.x * chunks;
-    float bv = -INFINITY;
-    int bi = -1;
-    for (int z = threadIdx.x; z < chunks; z += blockDim.x)
-        if (part_i[first + z] >= 0 && (bi < 0 || part_v[first + z] > bv)) {
-            bv = part_v[first + z];
-            bi = part_i[first + z];
-        }
     float lmax;
     int imax;
-    argmax_tree(bv, bi, &lmax, &imax);
+    merge_winners(part_v + first, part_i + first, chunks, &lmax, &imax);
     if (d.inv_t == 0.0f || !isfinite(lmax)) {
         if (threadIdx.x == 0)
             ids[blockIdx.x] = imax < 0 ? 0 : imax;
