@@ -394,7 +394,10 @@ __global__ void argmax_merge_kernel(const float *part_v, const int32_t *part_i, 
 //      spans before it give its offset, and the one holding the target finds
 //      the token in its span.
 // One CTA a row (issue 26 item 1's first version); a row's passes over
-// 151 936 weights could be split over CTAs as the argmax is.
+// 151 936 weights could be split over CTAs as the argmax is. The histogram
+// passes add a thread's run of one bin once (a shared atomic per change of
+// bin), so a row whose values share a few top bits does not serialise on one
+// shared address.
 __device__ __forceinline__ uint32_t draw_key_of(float v)
 {
     uint32_t u;
@@ -427,14 +430,30 @@ __device__ float draw_kth_largest(const float *row, int cols, int k)
         __syncthreads();
         uint32_t prefix = s_prefix;
         uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);
+        // A thread's elements mostly share their top bits (logits of one
+        // row span a few binades), so it counts a run of one bin in a
+        // register and adds the run once: a shared atomic per change of
+        // bin, not per element (one address took every element before).
+        int run_bin = -1;
+        unsigned int run = 0;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
             float v = row[c];
             if (!(v > -INFINITY))
                 continue;
             uint32_t key = draw_key_of(v);
-            if ((key & mask) == prefix)
-                atomicAdd(&hist[(key >> shift) & 255u], 1u);
+            if ((key & mask) != prefix)
+                continue;
+            int bin = (int)((key >> shift) & 255u);
+            if (bin != run_bin) {
+                if (run)
+                    atomicAdd(&hist[run_bin], run);
+                run_bin = bin;
+                run = 0;
+            }
+            run++;
         }
+        if (run)
+            atomicAdd(&hist[run_bin], run);
         __syncthreads();
         if (threadIdx.x == 0) {
             int left = s_left;
@@ -475,11 +494,26 @@ __device__ uint32_t draw_top_p_floor(const uint32_t *q, int cols, double bound)
         __syncthreads();
         uint32_t prefix = s_prefix;
         uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);
+        // Runs of one bin summed in a register, as in draw_kth_largest (most
+        // weights of a row fall in bin 0 of the first pass). Integer sums:
+        // the same masses in any grouping.
+        int run_bin = -1;
+        unsigned long long run = 0;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
             uint32_t w = q[c];
-            if (w != 0 && (w & mask) == prefix)
-                atomicAdd(&mass[(w >> shift) & 255u], (unsigned long long)w);
+            if (w == 0 || (w & mask) != prefix)
+                continue;
+            int bin = (int)((w >> shift) & 255u);
+            if (bin != run_bin) {
+                if (run_bin >= 0)
+                    atomicAdd(&mass[run_bin], run);
+                run_bin = bin;
+                run = 0;
+            }
+            run += w;
         }
+        if (run_bin >= 0)
+            atomicAdd(&mass[run_bin], run);
         __syncthreads();
         if (threadIdx.x == 0) {
             unsigned long long above = s_above;
