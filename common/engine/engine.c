@@ -144,6 +144,7 @@ struct sched_item {
     int32_t fused_tok; // ... written here by the forward
     struct tdm_draw_params draw;
     int adj_off; // drawn: its logit adjustments in the engine's adj array
+    struct tdm_draw_logprobs lp; // drawn with draw.logprobs: written by the forward
 };
 
 struct tdm_engine {
@@ -1218,11 +1219,11 @@ static void run_step(struct tdm_engine *e, int n_items)
         // plain greedy token (no penalty, bias, mask or logprobs) is the
         // model's fused argmax: its logits row is never written (151 936
         // floats a row; 39 MB a step at 64 rows, issue 26).
-        // On a device backend every other token of such a row but one asking
-        // logprobs (penalties, bias and min_tokens masks included: the
-        // request's adjustments go with it) is drawn where the head wrote
-        // its row, by the sampler's own draw (sample_draw.h): only its id
-        // comes back.
+        // On a device backend every other token of such a row (penalties,
+        // bias and min_tokens masks included: the request's adjustments go
+        // with it) is drawn where the head wrote its row, by the sampler's
+        // own draw (sample_draw.h): only its id comes back, and the logprobs
+        // a request asked (176 bytes instead of the row).
         // A constrained row is drawn there too, its structured-output mask
         // with it (filled by the choose hook once the mask threads are done).
         bool plain_row = it->logits && r->n_draft == 0;
@@ -1236,15 +1237,17 @@ static void run_step(struct tdm_engine *e, int n_items)
                                   : it->fused      ? TDM_LOGITS_ARGMAX
                                   : r->n_draft > 0 ? TDM_LOGITS_ALL
                                                    : TDM_LOGITS_LAST;
-        e->batch[b] = (struct tdm_batch_seq){.tokens = r->hist + r->computed,
-                                             .n_tokens = it->take,
-                                             .start_pos = r->computed,
-                                             .block_table = r->seq.block_table,
-                                             .logits = lm,
-                                             .on_layer = push ? layer_done : NULL,
-                                             .layer_arg = push ? r : NULL,
-                                             .token_out = it->fused ? &it->fused_tok : NULL,
-                                             .draw = it->drawn ? &it->draw : NULL};
+        e->batch[b] =
+            (struct tdm_batch_seq){.tokens = r->hist + r->computed,
+                                   .n_tokens = it->take,
+                                   .start_pos = r->computed,
+                                   .block_table = r->seq.block_table,
+                                   .logits = lm,
+                                   .on_layer = push ? layer_done : NULL,
+                                   .layer_arg = push ? r : NULL,
+                                   .token_out = it->fused ? &it->fused_tok : NULL,
+                                   .draw = it->drawn ? &it->draw : NULL,
+                                   .logprobs_out = it->drawn && it->draw.logprobs ? &it->lp : NULL};
         total += it->take;
     }
     // The adjustments' array settled (it may have grown), each drawn row's.
@@ -1312,7 +1315,10 @@ static void run_step(struct tdm_engine *e, int n_items)
                 e->drawn_rows++;
             else
                 e->fused_rows++;
-            append_token(e, r, it->fused_tok, NULL, now);
+            struct tdm_sample_result res = {0};
+            if (it->drawn && it->draw.logprobs)
+                tdm_sampler_draw_logprobs(&it->lp, it->fused_tok, &res);
+            append_token(e, r, it->fused_tok, it->drawn && it->draw.logprobs ? &res : NULL, now);
             continue;
         }
         float *lrow = e->logits + (size_t)row++ * (size_t)e->vocab;

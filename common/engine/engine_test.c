@@ -571,7 +571,7 @@ static void test_device_draw_matches_runner(void **state)
         sp[i].has_seed = true;
         sp[i].seed = 4242u + (uint64_t)i;
         if (i == 2)
-            sp[i].logprobs = 1; // its row comes to the host
+            sp[i].logprobs = 1; // drawn on the device too, its logprobs with it
         if (i == N - 1) {
             // Qwen2.5's generation_config penalty, and the OpenAI ones.
             sp[i].repetition_penalty = 1.1f;
@@ -596,15 +596,127 @@ static void test_device_draw_matches_runner(void **state)
     }
     struct tdm_engine_stats s;
     wait_idle_stats(e, &s);
-    // Every token of the five sampled requests drawn on the device (the first
-    // from the prompt's last row), of the greedy one by its argmax, and the
-    // one with logprobs sampled on the host.
+    // Every token of the six sampled requests drawn on the device (the first
+    // from the prompt's last row; the one asking logprobs too), of the greedy
+    // one by its argmax.
     printf("device-drawn tokens %llu, fused argmax %llu\n",
            (unsigned long long)s.num_device_drawn_tokens,
            (unsigned long long)s.num_fused_argmax_tokens);
-    assert_int_equal(s.num_device_drawn_tokens, 5 * MT);
+    assert_int_equal(s.num_device_drawn_tokens, 6 * MT);
     assert_int_equal(s.num_fused_argmax_tokens, MT);
     tdm_engine_free(e);
+    tdm_model_free(dm);
+}
+
+// What a request's stream gave: tokens, logprobs and top entries.
+struct lp_stream {
+    int32_t ids[16];
+    float lp[16];
+    struct tdm_token_logprob top[16][TDM_MAX_LOGPROBS];
+    int n, num_top;
+};
+
+static void collect_lp(struct tdm_engine_request *r, struct lp_stream *o)
+{
+    struct tdm_engine_chunk ch;
+    memset(o, 0, sizeof *o);
+    for (;;) {
+        assert_int_equal(tdm_engine_stream_next(r, WAIT_S, &ch), TDM_OK);
+        for (int i = 0; i < ch.n; i++) {
+            assert_true(o->n < 16);
+            assert_non_null(ch.logprobs);
+            o->ids[o->n] = ch.tokens[i];
+            o->lp[o->n] = ch.logprobs[i];
+            o->num_top = ch.num_top;
+            if (ch.num_top > 0)
+                memcpy(o->top[o->n], ch.top + (size_t)i * ch.num_top,
+                       (size_t)ch.num_top * sizeof *ch.top);
+            o->n++;
+        }
+        if (ch.finished)
+            return;
+    }
+}
+
+// Logprobs with device draws (issue 26 item 1): requests asking logprobs
+// (sampled with top 5, greedy with top 20, penalised with none) are drawn on
+// the emulated device with their logprobs, and give the same tokens, the same
+// top ids and the same logprobs (within 2e-6: a sum of exponentials in another
+// order) as the same engine sampling on the host.
+static void test_device_logprobs(void **state)
+{
+    (void)state;
+    enum { N = 3, MT = 8 };
+    char err[256];
+    struct tdm_model_opts o;
+    tdm_model_opts_default(&o);
+    o.max_batch_tokens = 256;
+    o.max_batch_seqs = 32;
+    assert_int_equal(tdm_model_opts_set_device(&o, "cuda-emu", err, sizeof err), TDM_OK);
+    struct tdm_model *dm = NULL;
+    if (tdm_model_load(&dm, model_dir, &o, err, sizeof err) != TDM_OK)
+        fail_msg("cuda-emu load: %s", err);
+    int32_t prompts[N][24];
+    struct tdm_sampling_params sp[N];
+    for (int i = 0; i < N; i++) {
+        make_prompt(prompts[i], 10 + 5 * i, 77 + (uint32_t)i);
+        tdm_sampling_params_default(&sp[i]);
+        sp[i].ignore_eos = true;
+        sp[i].has_seed = true;
+        sp[i].seed = 99u + (uint64_t)i;
+    }
+    sp[0].temperature = 0.8f, sp[0].top_p = 0.9f, sp[0].logprobs = 5;
+    sp[1].temperature = 0.0f, sp[1].logprobs = 20;
+    sp[2].temperature = 1.0f, sp[2].top_k = 20, sp[2].repetition_penalty = 1.3f;
+    sp[2].logprobs = 0;
+    struct lp_stream got[2][N];
+    unsigned long long drawn[2];
+    for (int host = 0; host < 2; host++) {
+        struct tdm_engine_config c;
+        tdm_engine_config_default(&c);
+        c.num_blocks = 64;
+        c.max_num_batched_tokens = 64;
+        c.max_num_seqs = 8;
+        c.host_sampling = host == 1;
+        struct tdm_engine *e = NULL;
+        assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+        struct tdm_engine_request *rs[N];
+        for (int i = 0; i < N; i++)
+            rs[i] = submit(e, prompts[i], 10 + 5 * i, &sp[i], MT);
+        for (int i = 0; i < N; i++) {
+            collect_lp(rs[i], &got[host][i]);
+            assert_int_equal(got[host][i].n, MT);
+            assert_int_equal(got[host][i].num_top, sp[i].logprobs);
+            tdm_engine_request_release(rs[i]);
+        }
+        struct tdm_engine_stats s;
+        wait_idle_stats(e, &s);
+        drawn[host] = s.num_device_drawn_tokens;
+        tdm_engine_free(e);
+    }
+    assert_int_equal(drawn[0], N * MT);
+    assert_int_equal(drawn[1], 0);
+    double worst = 0.0;
+    for (int i = 0; i < N; i++) {
+        const struct lp_stream *d = &got[0][i], *h = &got[1][i];
+        if (memcmp(d->ids, h->ids, sizeof d->ids) != 0)
+            fail_msg("request %d: device-drawn tokens differ from the host's", i);
+        for (int t = 0; t < MT; t++) {
+            worst = fmax(worst, fabs((double)d->lp[t] - h->lp[t]));
+            if (!(fabsf(d->lp[t] - h->lp[t]) <= 2e-6f * fmaxf(1.0f, fabsf(h->lp[t]))))
+                fail_msg("request %d token %d: logprob %.9g on the device, %.9g on the host", i, t,
+                         d->lp[t], h->lp[t]);
+            for (int j = 0; j < d->num_top; j++) {
+                const struct tdm_token_logprob *a = &d->top[t][j], *b = &h->top[t][j];
+                worst = fmax(worst, fabs((double)a->logprob - b->logprob));
+                if (a->token != b->token ||
+                    !(fabsf(a->logprob - b->logprob) <= 2e-6f * fmaxf(1.0f, fabsf(b->logprob))))
+                    fail_msg("request %d token %d top %d: device (%d, %.9g), host (%d, %.9g)", i, t,
+                             j, a->token, a->logprob, b->token, b->logprob);
+            }
+        }
+    }
+    printf("device logprobs: %d requests x %d tokens, max difference %.3g\n", N, MT, worst);
     tdm_model_free(dm);
 }
 
@@ -1975,6 +2087,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_parallel_sampling_matches_runner),
         cmocka_unit_test(test_fused_greedy_matches_runner),
         cmocka_unit_test(test_device_draw_matches_runner),
+        cmocka_unit_test(test_device_logprobs),
         cmocka_unit_test(test_continuous_batching),
         cmocka_unit_test(test_preemption),
         cmocka_unit_test(test_abort),

@@ -64,6 +64,7 @@ struct tdm_attn_seq {
 struct tdm_backend;
 struct tdm_draw_params; // sample_draw.h (common/engine/sampling)
 struct tdm_draw_adj;
+struct tdm_draw_logprobs;
 
 struct tdm_backend_ops {
     const char *name;
@@ -219,11 +220,14 @@ struct tdm_backend_ops {
     // adj_off ..][0..n_adj) (host, n_adj entries in all) and the mask
     // masks[params[i].mask_off ..][0..n_mask_words) (host, mask_words words in
     // all), with params[i] (host), i < n: the same token the CPU sampler draws
-    // from the same row, masked alike (inv_t 0: argmax_rows'). Waits for the
-    // stream; TDM_OK or the backend's error.
+    // from the same row, masked alike (inv_t 0: argmax_rows'). A row whose
+    // params ask logprobs also gets lp[i] (host): the CPU sampler's logprobs
+    // of the same row (tdm_draw_logprobs); other entries are not written.
+    // Waits for the stream; TDM_OK or the backend's error.
     int (*sample_rows)(struct tdm_backend *be, float *x, int n, int cols,
                        const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                       int n_adj, const uint32_t *masks, size_t mask_words, int32_t *ids);
+                       int n_adj, const uint32_t *masks, size_t mask_words, int32_t *ids,
+                       struct tdm_draw_logprobs *lp);
 };
 
 // The backend called `name`: "cpu" (built in), one a test registered, else

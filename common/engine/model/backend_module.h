@@ -26,7 +26,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define TDM_BACKEND_MODULE_API 2 // 2: set_batch_invariant in struct tdm_backend_ops
+#define TDM_BACKEND_MODULE_API                                                                     \
+    3 // 2: set_batch_invariant in struct tdm_backend_ops
+      // 3: sample_rows returns logprobs
 #define TDM_BACKEND_MODULE_INIT_SYMBOL "tdm_backend_module_init"
 
 struct tdm_backend_ops;

@@ -88,6 +88,7 @@ struct tdm_model {
     struct tdm_attn_seq *aseqs; // [max_batch_seqs]
     int32_t *chosen_ids;        // [max_batch_seqs] the ARGMAX and SAMPLE rows' tokens, host
     struct tdm_draw_params *draw; // [max_batch_seqs] their draws (SAMPLE), host
+    struct tdm_draw_logprobs *chosen_lp; // [max_batch_seqs] their logprobs (asked), host
     struct tdm_draw_adj *adj;     // [adj_cap] the SAMPLE rows' adjustments, one array, host
     int adj_cap;
     uint32_t *masks; // [mask_cap] the SAMPLE rows' allow bitmaps, one array, host
@@ -514,6 +515,7 @@ void tdm_model_free(struct tdm_model *m)
     free(m->aseqs);
     free(m->chosen_ids);
     free(m->draw);
+    free(m->chosen_lp);
     free(m->adj);
     free(m->masks);
     free(m);
@@ -863,6 +865,7 @@ static int model_alloc_activations(struct tdm_model *m, char *err, size_t errlen
     m->aseqs = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->aseqs);
     m->chosen_ids = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->chosen_ids);
     m->draw = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->draw);
+    m->chosen_lp = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->chosen_lp);
     if (m->ops->host_memory) {
         m->ids_be = m->ids;
         m->pos_be = m->pos;
@@ -872,8 +875,8 @@ static int model_alloc_activations(struct tdm_model *m, char *err, size_t errlen
         m->logits_be = alloc_f32(m, T * (size_t)c->vocab_size);
     }
     if (!m->x || !m->h || !m->d || !m->qkv || !m->attn || !m->gate_up || !m->act || !m->pos ||
-        !m->ids || !m->aseqs || !m->chosen_ids || !m->draw || !m->ids_be || !m->pos_be ||
-        (!m->ops->host_memory && !m->logits_be))
+        !m->ids || !m->aseqs || !m->chosen_ids || !m->draw || !m->chosen_lp || !m->ids_be ||
+        !m->pos_be || (!m->ops->host_memory && !m->logits_be))
         return tdm_seterr(err, errlen, TDM_ENOMEM,
                           "model: out of memory for activations of %zu tokens", T);
     return TDM_OK;
@@ -989,7 +992,9 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
             break;
         case TDM_LOGITS_SAMPLE:
             if (!tdm_model_device_sampling(m) || q->token_out == NULL || q->draw == NULL ||
-                q->draw->n_adj < 0 || (q->draw->n_adj > 0 && q->adj == NULL))
+                q->draw->n_adj < 0 || (q->draw->n_adj > 0 && q->adj == NULL) ||
+                (q->draw->logprobs && (q->logprobs_out == NULL || q->draw->top_logprobs < 0 ||
+                                       q->draw->top_logprobs > TDM_DRAW_MAX_LOGPROBS)))
                 return TDM_EINVAL;
             for (int i = 0; i < q->draw->n_adj; i++)
                 if (q->adj[i].token < 0 || q->adj[i].token >= c->vocab_size)
@@ -1030,12 +1035,15 @@ static bool chosen(const struct tdm_batch_seq *q)
 }
 
 // The chosen rows' tokens (batch order of the ARGMAX and SAMPLE rows) to
-// their sequences.
+// their sequences, with the logprobs of the rows that asked.
 static void scatter_chosen(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs)
 {
     for (int s = 0, k = 0; s < n_seqs; s++)
-        if (chosen(&seqs[s]))
+        if (chosen(&seqs[s])) {
+            if (seqs[s].logits == TDM_LOGITS_SAMPLE && seqs[s].draw->logprobs)
+                *seqs[s].logprobs_out = m->chosen_lp[k];
             *seqs[s].token_out = m->chosen_ids[k++];
+        }
 }
 
 // One forward's shape: its rows, the head's rows and how it runs.
@@ -1313,7 +1321,7 @@ static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs,
         }
     }
     rc = any_draw ? ops->sample_rows(be, rows, pl->n_chosen, vocab, m->draw, m->adj, n_adj,
-                                     m->masks, mask_words, m->chosen_ids)
+                                     m->masks, mask_words, m->chosen_ids, m->chosen_lp)
                   : ops->argmax_rows(be, rows, pl->n_chosen, vocab, m->chosen_ids);
     if (rc != TDM_OK)
         return rc;

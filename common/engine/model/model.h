@@ -148,6 +148,7 @@ typedef void (*tdm_layer_done_fn)(void *arg, int layer);
 
 struct tdm_draw_params; // sample_draw.h (common/engine/sampling)
 struct tdm_draw_adj;
+struct tdm_draw_logprobs;
 
 struct tdm_batch_seq {
     const int32_t *tokens;     // [n_tokens] the new tokens this step
@@ -165,6 +166,9 @@ struct tdm_batch_seq {
     // when the step's tokens are chosen: after the choose hook
     // (tdm_model_set_choose_hook), which may fill it while the layers run.
     const uint32_t *allow;
+    // SAMPLE with draw->logprobs: where the row's logprobs go (host), the CPU
+    // sampler's for the same row (tdm_sampler_draw_logprobs makes its result).
+    struct tdm_draw_logprobs *logprobs_out;
 };
 
 // fn(arg) runs in every tdm_model_forward that chooses tokens on the device

@@ -71,6 +71,22 @@ struct tdm_draw_params {
     // array the caller passes beside the params; a token without its bit (or
     // past them) is -inf. n_mask_words 0: no mask.
     int32_t mask_off, n_mask_words;
+    // Logprobs (OpenAI's `logprobs`): 0, or 1 with the drawn token's
+    // log-softmax of the row as the model gave it (vLLM's raw_logprobs: before
+    // the adjustments and the temperature; after the structured-output mask,
+    // as the host applies it first) and the top_logprobs largest of them.
+    int32_t logprobs, top_logprobs;
+};
+
+// What a row asking logprobs gets back with its token (a device's draw): the
+// fields of the CPU sampler's tdm_sample_result (sampling.h), top entries by
+// descending logprob with ties to the lower id, NaN logits never among them.
+#define TDM_DRAW_MAX_LOGPROBS 20
+struct tdm_draw_logprobs {
+    float logprob; // the drawn token's
+    int32_t num_top;
+    int32_t top_token[TDM_DRAW_MAX_LOGPROBS];
+    float top_logprob[TDM_DRAW_MAX_LOGPROBS];
 };
 
 // One token's adjustment, in vLLM's order (sampling.c's head comment).

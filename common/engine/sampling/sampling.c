@@ -632,8 +632,8 @@ int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params
                              struct tdm_draw_adj *adj, int cap)
 {
     const struct tdm_sampling_params *p = &s->p;
-    if (s->raw != NULL || !s->bias_unique)
-        return -1; // logprobs need the raw row; a repeated bias token adds twice
+    if (!s->bias_unique)
+        return -1; // a repeated bias token adds twice
     *d = (struct tdm_draw_params){.inv_t = s->inv_t,
                                   .top_p = p->top_p,
                                   .min_p = p->min_p,
@@ -641,7 +641,9 @@ int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params
                                   .key = tdm_draw_key(s->seed, (uint64_t)s->num_generated),
                                   .repetition = p->repetition_penalty,
                                   .frequency = p->frequency_penalty,
-                                  .presence = p->presence_penalty};
+                                  .presence = p->presence_penalty,
+                                  .logprobs = p->logprobs >= 0,
+                                  .top_logprobs = p->logprobs > 0 ? p->logprobs : 0};
     // The tokens of the bitmaps in ascending order, then those of the bias and
     // mask lists not among them: apply_penalties' operations, token by token.
     int n = 0;
@@ -679,6 +681,20 @@ int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params
         }
     d->n_adj = n;
     return n;
+}
+
+_Static_assert(TDM_DRAW_MAX_LOGPROBS == TDM_MAX_LOGPROBS,
+               "a device's logprobs (sample_draw.h) hold what a request may ask");
+
+void tdm_sampler_draw_logprobs(const struct tdm_draw_logprobs *lp, int32_t token,
+                               struct tdm_sample_result *res)
+{
+    res->token = token;
+    res->logprob = lp->logprob;
+    res->num_top = lp->num_top;
+    for (int j = 0; j < lp->num_top; j++)
+        res->top[j] =
+            (struct tdm_token_logprob){.token = lp->top_token[j], .logprob = lp->top_logprob[j]};
 }
 
 bool tdm_sampler_draw_params(const struct tdm_sampler *s, struct tdm_draw_params *d)

@@ -132,15 +132,22 @@ bool tdm_sampler_plain_greedy(const struct tdm_sampler *s);
 struct tdm_draw_params;
 bool tdm_sampler_draw_params(const struct tdm_sampler *s, struct tdm_draw_params *d);
 
-// The same for any request but one asking logprobs (-1: the host samples it,
-// from the raw row): *d, and in adj[0..cap) the adjustments of its logits
+// The same for any request (-1 only for a logit bias naming a token twice:
+// the host samples it): *d, and in adj[0..cap) the adjustments of its logits
 // that tdm_sampler_sample would make before the draw (logit bias, penalties
 // over the history, the min_tokens mask; one entry a token, each token once,
 // in no required order); returns how many there are (d->n_adj). When that is
 // more than cap, adj holds only the first cap: call again with room for all.
+// A request asking logprobs asks them of the device too (d->logprobs).
 struct tdm_draw_adj;
 int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params *d,
                              struct tdm_draw_adj *adj, int cap);
+// *res for a token a device drew with the logprobs it computed (lp): what
+// tdm_sampler_sample's res holds for the same row, the logprobs within the
+// rounding of a sum of exponentials in another order.
+struct tdm_draw_logprobs;
+void tdm_sampler_draw_logprobs(const struct tdm_draw_logprobs *lp, int32_t token,
+                               struct tdm_sample_result *res);
 
 // Records tokens as if this sampler had sampled them (a stream resumed on
 // another worker, issue 11 part 6; a token a device drew): each joins the

@@ -634,9 +634,30 @@ static void test_draw_prepare(void **state)
     }
     struct tdm_sampling_params p;
     tdm_sampling_params_default(&p);
+    // Logprobs go with the draw (a device computes them); logprobs 0 asks
+    // the token's alone; a bias naming a token twice stays on the host.
     p.logprobs = 2;
     struct tdm_sampler *s = make(&p, V);
     struct tdm_draw_params d;
+    assert_int_equal(tdm_sampler_draw_prepare(s, &d, adj, V), 0);
+    assert_int_equal(d.logprobs, 1);
+    assert_int_equal(d.top_logprobs, 2);
+    tdm_sampler_free(s);
+    p.logprobs = 0;
+    s = make(&p, V);
+    assert_int_equal(tdm_sampler_draw_prepare(s, &d, adj, V), 0);
+    assert_int_equal(d.logprobs, 1);
+    assert_int_equal(d.top_logprobs, 0);
+    tdm_sampler_free(s);
+    p.logprobs = -1;
+    s = make(&p, V);
+    assert_int_equal(tdm_sampler_draw_prepare(s, &d, adj, V), 0);
+    assert_int_equal(d.logprobs, 0);
+    tdm_sampler_free(s);
+    p.logit_bias[0] = (struct tdm_logit_bias){.token = 5, .bias = 1.0f};
+    p.logit_bias[1] = (struct tdm_logit_bias){.token = 5, .bias = 2.0f};
+    p.num_logit_bias = 2;
+    s = make(&p, V);
     assert_int_equal(tdm_sampler_draw_prepare(s, &d, adj, V), -1);
     tdm_sampler_free(s);
 }

@@ -74,6 +74,12 @@ struct tdm_backend {
     struct dev_buf sp;      // [n] struct tdm_draw_params of sample_rows, device
     struct dev_buf sadj;    // their struct tdm_draw_adj entries, device
     struct dev_buf smask;   // their structured-output masks, device
+    // Rows asking logprobs: their indices, then their struct tdm_draw_logprobs
+    // (device), and the host staging of both ([lp_cap] each).
+    struct dev_buf slp;
+    int32_t *h_lp_rows;
+    struct tdm_draw_logprobs *h_lp;
+    int lp_cap;
     // begin_forward's staging: host copies, and their device twins.
     int n_rows, n_seqs;                                  // of the staged forward
     int32_t *h_slots;                                    // [cap_rows] flat KV slot of each new row
@@ -212,6 +218,9 @@ static void cuda_destroy(struct tdm_backend *be)
     buf_free(be, &be->sp);
     buf_free(be, &be->sadj);
     buf_free(be, &be->smask);
+    buf_free(be, &be->slp);
+    free(be->h_lp_rows);
+    free(be->h_lp);
     for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++)
         tdm_cuda_dev_graph_free(be->dev, be->graphs[i].graph);
     buf_free(be, &be->d_meta);
@@ -427,28 +436,68 @@ static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int c
 
 // Sampled rows (issue 26 item 1): drawn on the device by the CPU sampler's
 // draw, and only the ids to the host, as the greedy rows' argmax.
+// The host staging of the rows asking logprobs, for n rows.
+static int lp_reserve(struct tdm_backend *be, int n)
+{
+    if (n <= be->lp_cap)
+        return TDM_OK;
+    int32_t *rows = realloc(be->h_lp_rows, (size_t)n * sizeof *rows);
+    if (rows)
+        be->h_lp_rows = rows;
+    struct tdm_draw_logprobs *lp = realloc(be->h_lp, (size_t)n * sizeof *lp);
+    if (lp)
+        be->h_lp = lp;
+    if (rows == NULL || lp == NULL)
+        return TDM_ENOMEM;
+    be->lp_cap = n;
+    return TDM_OK;
+}
+
 static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
                             const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                            int n_adj, const uint32_t *masks, size_t mask_words, int32_t *ids)
+                            int n_adj, const uint32_t *masks, size_t mask_words, int32_t *ids,
+                            struct tdm_draw_logprobs *lp)
 {
     size_t adj_bytes = (size_t)n_adj * sizeof *adj, mask_bytes = mask_words * sizeof *masks;
+    int n_lp = 0;
+    if (lp_reserve(be, n) != TDM_OK) {
+        fail(be, TDM_ENOMEM, "sample: %s", "out of memory for the logprobs' staging");
+        return take_err(be);
+    }
+    for (int i = 0; i < n; i++)
+        if (params[i].logprobs)
+            be->h_lp_rows[n_lp++] = i;
+    size_t rows_bytes = ((size_t)n_lp * sizeof(int32_t) + 15) / 16 * 16;
+    size_t lp_bytes = (size_t)n_lp * sizeof(struct tdm_draw_logprobs);
     if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
         buf_reserve(be, &be->sp, (size_t)n * sizeof *params) != TDM_OK ||
         buf_reserve(be, &be->sadj, adj_bytes + 16) != TDM_OK ||
         buf_reserve(be, &be->smask, mask_bytes + 16) != TDM_OK ||
-        buf_reserve(be, &be->am_part, tdm_cuk_sample_scratch(n, cols) + 16) != TDM_OK) {
+        buf_reserve(be, &be->slp, rows_bytes + lp_bytes + 16) != TDM_OK ||
+        buf_reserve(be, &be->am_part, tdm_cuk_sample_scratch(n, n_lp, cols) + 16) != TDM_OK) {
         fail(be, TDM_ENOMEM, "sample: %s", "out of device memory for the parameters");
         return take_err(be);
     }
+    int32_t *d_lp_rows = be->slp.p;
+    struct tdm_draw_logprobs *d_lp = (void *)((char *)be->slp.p + rows_bytes);
     if (cuda_upload(be, be->sp.p, params, (size_t)n * sizeof *params) != TDM_OK ||
         (n_adj > 0 && cuda_upload(be, be->sadj.p, adj, adj_bytes) != TDM_OK) ||
-        (mask_words > 0 && cuda_upload(be, be->smask.p, masks, mask_bytes) != TDM_OK))
+        (mask_words > 0 && cuda_upload(be, be->smask.p, masks, mask_bytes) != TDM_OK) ||
+        (n_lp > 0 &&
+         cuda_upload(be, d_lp_rows, be->h_lp_rows, (size_t)n_lp * sizeof(int32_t)) != TDM_OK))
         return take_err(be);
     launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->sadj.p, be->smask.p,
-                                         be->am_ids.p, be->am_part.p));
+                                         be->am_ids.p, d_lp_rows, n_lp, d_lp, be->am_part.p));
     if (be->err != TDM_OK)
         return take_err(be);
-    return cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));
+    int rc = cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));
+    if (rc != TDM_OK || n_lp == 0)
+        return rc;
+    if ((rc = cuda_download(be, be->h_lp, d_lp, lp_bytes)) != TDM_OK)
+        return rc;
+    for (int j = 0; j < n_lp; j++)
+        lp[be->h_lp_rows[j]] = be->h_lp[j];
+    return TDM_OK;
 }
 
 static void cuda_embed(struct tdm_backend *be, const struct tdm_weight *w, const int32_t *ids,

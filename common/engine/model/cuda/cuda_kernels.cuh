@@ -413,9 +413,9 @@ __device__ __forceinline__ float draw_value_of(uint32_t k)
     return v;
 }
 
-// The k-th largest value of row[0..cols) above -inf (NaN never), or -inf
-// when fewer than k are.
-__device__ float draw_kth_largest(const float *row, int cols, int k)
+// The k-th largest value of row[0..cols) above -inf (with_ninf: -inf
+// counted too; NaN never), or -inf when fewer than k are. k >= 1.
+__device__ float draw_kth_largest(const float *row, int cols, int k, bool with_ninf = false)
 {
     __shared__ unsigned int hist[256];
     __shared__ uint32_t s_prefix;
@@ -438,7 +438,7 @@ __device__ float draw_kth_largest(const float *row, int cols, int k)
         unsigned int run = 0;
         for (int c = threadIdx.x; c < cols; c += blockDim.x) {
             float v = row[c];
-            if (!(v > -INFINITY))
+            if (with_ninf ? v != v : !(v > -INFINITY))
                 continue;
             uint32_t key = draw_key_of(v);
             if ((key & mask) != prefix)
@@ -713,6 +713,208 @@ __global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
     } else {
         draw_over(row, NULL, cols, (uint32_t *)row, d, lmax, &ids[blockIdx.x]);
     }
+}
+
+// ---- logprobs on the device (the CPU sampler's fill_logprobs) -----------------------------
+// A row asking logprobs gets, with its token, the log-softmax of its logits as
+// the model gave them (after the structured-output mask, before adjustments
+// and temperature: the row the CPU sampler copies as raw) at the token, and
+// the top_logprobs largest (ties to the lower id, NaN never): the 16 + 160
+// bytes it needs come back instead of its 600 KB row. Two launches around the
+// draw, over the rows that ask only (lp_rows[j] = the row of the j-th):
+//   before: a CTA per (row, chunk of TDM_CUK_ARGMAX_CHUNK columns) copies the
+//   chunk, masked, to raw (the draw overwrites the row), and writes the
+//   chunk's maximum m, its sum of expf(l - m) (a fixed reduction tree, in
+//   double) and its top_logprobs first entries in (value desc, id asc) order,
+//   unsorted: every entry above the chunk's k-th largest, then the lowest
+//   ids of those equal to it;
+//   after: a CTA per row merges them: lse = max + log(sum_c s_c e^(m_c -
+//   max)), the top entries picked one at a time from the chunks' lists, and
+//   the drawn token's raw value. The host sums expf(l - max) over the row in
+//   id order instead: the same value within a few units of the last place.
+
+// The deterministic block sum of a double (a fixed tree), to every thread.
+__device__ __forceinline__ double lp_block_sum(double v)
+{
+    __shared__ double red[TDM_CUK_ARGMAX_THREADS];
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s)
+            red[threadIdx.x] += red[threadIdx.x + s];
+        __syncthreads();
+    }
+    double t = red[0];
+    __syncthreads();
+    return t;
+}
+
+// The logit the CPU sampler copies as raw: -inf where the row's
+// structured-output mask leaves the token out (the engine masks the row
+// before the sampler sees it).
+__device__ __forceinline__ float lp_raw(const float *row, int c, const tdm_draw_params &d,
+                                        const uint32_t *masks)
+{
+    if (d.n_mask_words > 0) {
+        const uint32_t *mk = masks + d.mask_off;
+        if ((c >> 5) >= d.n_mask_words || !((mk[c >> 5] >> (c & 31)) & 1u))
+            return -INFINITY;
+    }
+    return row[c];
+}
+
+// The exponent's shift of a chunk whose maximum is m: m, or 0 when m is not
+// finite (a chunk of -inf sums 0; a +inf makes the row's sum NaN, as the
+// host's inf - inf does).
+__device__ __forceinline__ float lp_shift(float m)
+{
+    return isfinite(m) ? m : 0.0f;
+}
+
+// grid (rows asking, chunks), block TDM_CUK_ARGMAX_THREADS; before
+// sample_chunk_kernel. Scratch per (asking row, chunk): lp_m, lp_s, and
+// TDM_DRAW_MAX_LOGPROBS slots of lp_cv/lp_ci (lp_cn of them used).
+__global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
+    logprob_chunk_kernel(const float *x, int cols, const tdm_draw_params *params,
+                         const uint32_t *masks, const int32_t *lp_rows, float *raw, float *lp_m,
+                         double *lp_s, float *lp_cv, int32_t *lp_ci, int32_t *lp_cn)
+{
+    __shared__ int gt_n[TDM_CUK_ARGMAX_THREADS], eq_n[TDM_CUK_ARGMAX_THREADS];
+    int row = lp_rows[blockIdx.x];
+    const tdm_draw_params d = params[row];
+    const float *r = x + (size_t)row * cols;
+    float *rr = raw + (size_t)blockIdx.x * cols;
+    int c0 = blockIdx.y * TDM_CUK_ARGMAX_CHUNK;
+    int c1 = c0 + TDM_CUK_ARGMAX_CHUNK < cols ? c0 + TDM_CUK_ARGMAX_CHUNK : cols;
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x)
+        rr[c] = lp_raw(r, c, d, masks);
+    __syncthreads();
+    float m;
+    int mi;
+    chunk_first_largest(rr, c0, c1, &m, &mi); // -inf when nothing is above it
+    float sh = lp_shift(m);
+    double part = 0.0;
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x)
+        part += (double)expf(rr[c] - sh);
+    double s = lp_block_sum(part);
+    size_t slot = (size_t)blockIdx.x * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) {
+        lp_m[slot] = m;
+        lp_s[slot] = s;
+    }
+    int k = d.top_logprobs;
+    if (k <= 0) {
+        if (threadIdx.x == 0)
+            lp_cn[slot] = 0;
+        return;
+    }
+    float t = draw_kth_largest(rr + c0, c1 - c0, k, true);
+    // Ordered spans: a thread's entries above t at the offset of the spans
+    // before it, then the lowest ids equal to t after all of those, while
+    // fewer than k are taken (fewer than k are above t by t's definition).
+    int len = c1 - c0, span = (len + (int)blockDim.x - 1) / (int)blockDim.x;
+    int s0 = c0 + (int)threadIdx.x * span, s1 = s0 + span < c1 ? s0 + span : c1;
+    int gt = 0, eq = 0;
+    for (int c = s0; c < s1; c++) {
+        gt += rr[c] > t;
+        eq += rr[c] == t;
+    }
+    gt_n[threadIdx.x] = gt;
+    eq_n[threadIdx.x] = eq;
+    __syncthreads();
+    int gt_before = 0, eq_before = 0, g = 0, e = 0;
+    for (unsigned u = 0; u < blockDim.x; u++) {
+        gt_before += u < threadIdx.x ? gt_n[u] : 0;
+        eq_before += u < threadIdx.x ? eq_n[u] : 0;
+        g += gt_n[u];
+        e += eq_n[u];
+    }
+    float *cv = lp_cv + slot * TDM_DRAW_MAX_LOGPROBS;
+    int32_t *ci = lp_ci + slot * TDM_DRAW_MAX_LOGPROBS;
+    int og = gt_before, oe = g + eq_before;
+    for (int c = s0; c < s1; c++) {
+        float v = rr[c];
+        if (v > t) {
+            cv[og] = v;
+            ci[og++] = c;
+        } else if (v == t && oe < k) {
+            cv[oe] = v;
+            ci[oe++] = c;
+        }
+    }
+    if (threadIdx.x == 0)
+        lp_cn[slot] = g + e < k ? g + e : k;
+    __syncthreads(); // gt_n/eq_n reused by the next block
+}
+
+// grid (rows asking), block TDM_CUK_ARGMAX_THREADS; after sample_rows_kernel
+// (ids holds the drawn tokens). out[j]: the j-th asking row's logprobs.
+__global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
+    logprob_rows_kernel(int cols, const tdm_draw_params *params, const int32_t *lp_rows,
+                        const float *raw, const float *lp_m, const double *lp_s, const float *lp_cv,
+                        int32_t *lp_ci, const int32_t *lp_cn, const int32_t *ids,
+                        tdm_draw_logprobs *out)
+{
+    __shared__ double s_lse;
+    int row = lp_rows[blockIdx.x];
+    const tdm_draw_params d = params[row];
+    int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
+    size_t first = (size_t)blockIdx.x * chunks;
+    const float *rr = raw + (size_t)blockIdx.x * cols;
+    // The row's maximum (the chunks' are never NaN), then the sum of every
+    // chunk's exponentials rescaled to it, in chunk order.
+    if (threadIdx.x == 0) {
+        float lmax = -INFINITY;
+        for (int z = 0; z < chunks; z++)
+            lmax = lp_m[first + z] > lmax ? lp_m[first + z] : lmax;
+        double tot = 0.0;
+        for (int z = 0; z < chunks; z++) {
+            double s = lp_s[first + z];
+            tot += s == 0.0 ? 0.0 : s * exp((double)lp_shift(lp_m[first + z]) - (double)lmax);
+        }
+        s_lse = (double)lmax + log(tot);
+    }
+    __syncthreads();
+    double lse = s_lse;
+    tdm_draw_logprobs *o = &out[blockIdx.x];
+    int32_t tok = ids[row];
+    if (threadIdx.x == 0)
+        o->logprob = (float)((double)rr[tok] - lse);
+    // The top entries, one a round: the largest value left, the lower id on a
+    // tie; taken entries' ids become -1.
+    int k = d.top_logprobs, n_top = 0;
+    for (int z = 0; z < chunks; z++)
+        n_top += lp_cn[first + z];
+    n_top = n_top < k ? n_top : k;
+    int n_slots = chunks * TDM_DRAW_MAX_LOGPROBS;
+    const float *cv = lp_cv + first * TDM_DRAW_MAX_LOGPROBS;
+    int32_t *ci = lp_ci + first * TDM_DRAW_MAX_LOGPROBS;
+    for (int j = 0; j < n_top; j++) {
+        float v = -INFINITY;
+        int id = -1, at = -1;
+        for (int q = threadIdx.x; q < n_slots; q += blockDim.x) {
+            int z = q / TDM_DRAW_MAX_LOGPROBS;
+            if (q % TDM_DRAW_MAX_LOGPROBS >= lp_cn[first + z] || ci[q] < 0)
+                continue;
+            if (id < 0 || cv[q] > v || (cv[q] == v && ci[q] < id)) {
+                v = cv[q];
+                id = ci[q];
+                at = q;
+            }
+        }
+        float wv;
+        int wi;
+        argmax_tree(v, id, &wv, &wi);
+        if (id >= 0 && id == wi)
+            ci[at] = -1;
+        if (threadIdx.x == 0) {
+            o->top_token[j] = wi;
+            o->top_logprob[j] = (float)((double)wv - lse);
+        }
+        __syncthreads(); // the taken entry marked before the next round
+    }
+    if (threadIdx.x == 0)
+        o->num_top = n_top;
 }
 
 template <class KV>

@@ -172,13 +172,17 @@ int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *
 // candidates in up to TDM_CUK_SAMPLE_CAP slots), then a CTA per row (the draw
 // over its candidates, or over the whole row when a row has none or a chunk's
 // ties overflow its slots). scratch: device memory of
-// tdm_cuk_sample_scratch(n, cols) bytes. params, adj, masks, ids: device.
+// tdm_cuk_sample_scratch(n, n_lp, cols) bytes. params, adj, masks, ids: device.
+// Rows asking logprobs (params' logprobs; their indices in lp_rows[0..n_lp),
+// device) get them in lp_out[0..n_lp) (device), in that order: the CPU
+// sampler's (fill_logprobs) from the same row, two more launches.
 #define TDM_CUK_SAMPLE_KMAX 40
 #define TDM_CUK_SAMPLE_CAP 64
-size_t tdm_cuk_sample_scratch(int n, int cols);
+size_t tdm_cuk_sample_scratch(int n, int n_lp, int cols);
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
                         const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                        const uint32_t *masks, int32_t *ids, void *scratch);
+                        const uint32_t *masks, int32_t *ids, const int32_t *lp_rows, int n_lp,
+                        struct tdm_draw_logprobs *lp_out, void *scratch);
 // Small-batch GEMM: y[n][rows] = x[n][cols] . w[rows][cols]^T (+ bias[rows]
 // when not NULL), bf16 w and x, f32 accumulation and y, for n <=
 // TDM_CUK_GEMV_MAX_N (decode steps): the CUDA backend's fast mode

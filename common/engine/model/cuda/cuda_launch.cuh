@@ -346,39 +346,86 @@ int tdm_cuk_gemv(void *stream, const uint16_t *w, int rows, int cols, const uint
 }
 
 // Per row and chunk: the chunk's maximum (value, index), its candidate count,
-// and TDM_CUK_SAMPLE_CAP candidate slots (value, index).
-size_t tdm_cuk_sample_scratch(int n, int cols)
+// and TDM_CUK_SAMPLE_CAP candidate slots (value, index); per row asking
+// logprobs, its masked copy and per chunk its maximum, sum of exponentials
+// and TDM_DRAW_MAX_LOGPROBS top slots (value, index) with their count. Each
+// array starts 16-byte aligned.
+namespace tdm_cuk
 {
-    if (n <= 0 || cols <= 0)
+struct sample_scratch {
+    float *cand_v, *part_v, *raw, *lp_m, *lp_cv;
+    int32_t *cand_i, *part_i, *cand_n, *lp_ci, *lp_cn;
+    double *lp_s;
+};
+
+static size_t sample_layout(int n, int n_lp, int cols, char *base, sample_scratch *s)
+{
+    size_t chunks = (size_t)((cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK);
+    size_t slots = (size_t)n * chunks, lp_slots = (size_t)n_lp * chunks, off = 0;
+    auto take = [&](size_t bytes) {
+        char *p = base ? base + off : nullptr;
+        off += (bytes + 15) / 16 * 16;
+        return (void *)p;
+    };
+    s->lp_s = (double *)take(lp_slots * sizeof(double));
+    s->cand_v = (float *)take(slots * TDM_CUK_SAMPLE_CAP * sizeof(float));
+    s->cand_i = (int32_t *)take(slots * TDM_CUK_SAMPLE_CAP * sizeof(int32_t));
+    s->part_v = (float *)take(slots * sizeof(float));
+    s->part_i = (int32_t *)take(slots * sizeof(int32_t));
+    s->cand_n = (int32_t *)take(slots * sizeof(int32_t));
+    s->raw = (float *)take((size_t)n_lp * (size_t)cols * sizeof(float));
+    s->lp_m = (float *)take(lp_slots * sizeof(float));
+    s->lp_cv = (float *)take(lp_slots * TDM_DRAW_MAX_LOGPROBS * sizeof(float));
+    s->lp_ci = (int32_t *)take(lp_slots * TDM_DRAW_MAX_LOGPROBS * sizeof(int32_t));
+    s->lp_cn = (int32_t *)take(lp_slots * sizeof(int32_t));
+    return off;
+}
+} // namespace tdm_cuk
+
+size_t tdm_cuk_sample_scratch(int n, int n_lp, int cols)
+{
+    if (n <= 0 || cols <= 0 || n_lp < 0)
         return 0;
-    size_t slots = (size_t)n * (size_t)((cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK);
-    return slots * (sizeof(float) + 2 * sizeof(int32_t) +
-                    TDM_CUK_SAMPLE_CAP * (sizeof(float) + sizeof(int32_t)));
+    tdm_cuk::sample_scratch s;
+    return tdm_cuk::sample_layout(n, n_lp, cols, nullptr, &s);
 }
 
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
                         const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                        const uint32_t *masks, int32_t *ids, void *scratch)
+                        const uint32_t *masks, int32_t *ids, const int32_t *lp_rows, int n_lp,
+                        struct tdm_draw_logprobs *lp_out, void *scratch)
 {
-    if (n <= 0 || cols <= 0 || n > 65535 || scratch == NULL)
-        return tdm_cuk::fail(TDM_CUK_EINVAL, "sample_rows: n %d, cols %d%s", n, cols,
-                             scratch == NULL ? ", no scratch" : "");
+    if (n <= 0 || cols <= 0 || n > 65535 || scratch == NULL || n_lp < 0 || n_lp > n ||
+        (n_lp > 0 && (lp_rows == NULL || lp_out == NULL)))
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "sample_rows: n %d, cols %d, %d asking logprobs%s", n,
+                             cols, n_lp, scratch == NULL ? ", no scratch" : "");
     int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
-    size_t slots = (size_t)n * chunks;
-    float *cand_v = (float *)scratch;
-    int32_t *cand_i = (int32_t *)(cand_v + slots * TDM_CUK_SAMPLE_CAP);
-    float *part_v = (float *)(cand_i + slots * TDM_CUK_SAMPLE_CAP);
-    int32_t *part_i = (int32_t *)(part_v + slots);
-    int32_t *cand_n = part_i + slots;
+    tdm_cuk::sample_scratch s;
+    tdm_cuk::sample_layout(n, n_lp, cols, (char *)scratch, &s);
+    float *cand_v = s.cand_v, *part_v = s.part_v;
+    int32_t *cand_i = s.cand_i, *part_i = s.part_i, *cand_n = s.cand_n;
+    int rc;
+    if (n_lp > 0) {
+        TDM_CUDA_LAUNCH(tdm_cuk::logprob_chunk_kernel, dim3((unsigned)n_lp, (unsigned)chunks),
+                        dim3(TDM_CUK_ARGMAX_THREADS), 0, stream, (const float *)x, cols, params,
+                        masks, lp_rows, s.raw, s.lp_m, s.lp_s, s.lp_cv, s.lp_ci, s.lp_cn);
+        if ((rc = tdm_cuk::launched("sample_rows logprobs chunks")) != TDM_CUK_OK)
+            return rc;
+    }
     TDM_CUDA_LAUNCH(tdm_cuk::sample_chunk_kernel, dim3((unsigned)n, (unsigned)chunks),
                     dim3(TDM_CUK_ARGMAX_THREADS), 0, stream, x, cols, params, adj, masks, part_v,
                     part_i, cand_v, cand_i, cand_n);
-    int rc = tdm_cuk::launched("sample_rows chunks");
-    if (rc != TDM_CUK_OK)
+    if ((rc = tdm_cuk::launched("sample_rows chunks")) != TDM_CUK_OK)
         return rc;
     TDM_CUDA_LAUNCH(tdm_cuk::sample_rows_kernel, dim3((unsigned)n), dim3(TDM_CUK_ARGMAX_THREADS), 0,
                     stream, x, cols, params, part_v, part_i, cand_v, cand_i, cand_n, ids);
-    return tdm_cuk::launched("sample_rows");
+    if ((rc = tdm_cuk::launched("sample_rows")) != TDM_CUK_OK || n_lp == 0)
+        return rc;
+    TDM_CUDA_LAUNCH(
+        tdm_cuk::logprob_rows_kernel, dim3((unsigned)n_lp), dim3(TDM_CUK_ARGMAX_THREADS), 0, stream,
+        cols, params, lp_rows, (const float *)s.raw, (const float *)s.lp_m, (const double *)s.lp_s,
+        (const float *)s.lp_cv, s.lp_ci, (const int32_t *)s.lp_cn, (const int32_t *)ids, lp_out);
+    return tdm_cuk::launched("sample_rows logprobs");
 }
 
 int tdm_cuk_kv_scatter(void *stream, int type, void *pool, const int32_t *blocks, int n,

@@ -890,13 +890,15 @@ static void graphs_vs_eager(const char *dir, enum tdm_batch_invariance bi)
     // it), every third step the middle row only, sampled (a mixed batch runs
     // eager). The ids equal the argmax of the eager model's logits, the drawn
     // tokens what the CPU sampler draws from them with the same seed at the
-    // same position; the LAST rows' logits stay bitwise.
+    // same position; the LAST rows' logits stay bitwise. Row 2 asks logprobs
+    // (top 3): the device's equal the CPU sampler's from the same logits.
     float *work = malloc((size_t)vocab * sizeof(float));
     assert_non_null(work);
     for (int t = 0; t < STEPS_G; t++) {
         struct tdm_batch_seq bg[NS], be[NS];
         int32_t ids[NS] = {-1, -1, -1}, drawn_want[NS] = {-1, -1, -1};
         struct tdm_draw_params dp[NS];
+        struct tdm_draw_logprobs lp[NS];
         struct tdm_sampler *smp[NS] = {NULL, NULL, NULL};
         for (int s = 0; s < NS; s++) {
             int pos = start[s] + t;
@@ -912,9 +914,11 @@ static void graphs_vs_eager(const char *dir, enum tdm_batch_invariance bi)
                 p.top_p = 0.9f;
                 p.has_seed = true;
                 p.seed = 50u + (uint64_t)s;
+                p.logprobs = s == 2 ? 3 : -1;
                 assert_int_equal(tdm_sampler_new(&smp[s], &p, vocab, NULL, 0, NULL, 0), TDM_OK);
                 tdm_sampler_replay(smp[s], h[s] + start[s], (size_t)t); // position t
-                assert_true(tdm_sampler_draw_params(smp[s], &dp[s]));
+                assert_int_equal(tdm_sampler_draw_prepare(smp[s], &dp[s], NULL, 0), 0);
+                assert_int_equal(dp[s].logprobs, s == 2);
             }
             bg[s] = (struct tdm_batch_seq){.tokens = h[s] + pos,
                                            .n_tokens = 1,
@@ -924,12 +928,19 @@ static void graphs_vs_eager(const char *dir, enum tdm_batch_invariance bi)
                                                      : chosen ? TDM_LOGITS_ARGMAX
                                                               : TDM_LOGITS_LAST,
                                            .token_out = chosen ? &ids[s] : NULL,
-                                           .draw = draw ? &dp[s] : NULL};
+                                           .draw = draw ? &dp[s] : NULL,
+                                           .logprobs_out = draw ? &lp[s] : NULL};
             be[s] = bg[s];
             be[s].block_table = se[s].block_table;
             be[s].logits = TDM_LOGITS_LAST;
             be[s].token_out = NULL;
             be[s].draw = NULL;
+        }
+        if (bg[2].logits == TDM_LOGITS_SAMPLE) {
+            // Logprobs asked and nowhere to put them: refused, nothing run.
+            bg[2].logprobs_out = NULL;
+            assert_int_equal(tdm_model_forward(mg, kg, bg, NS, lg), TDM_EINVAL);
+            bg[2].logprobs_out = &lp[2];
         }
         assert_int_equal(tdm_model_forward(mg, kg, bg, NS, lg), TDM_OK);
         assert_int_equal(tdm_model_forward(me, ke, be, NS, le), TDM_OK);
@@ -939,8 +950,19 @@ static void graphs_vs_eager(const char *dir, enum tdm_batch_invariance bi)
                 assert_int_equal(ids[s], argmax(want, vocab));
             } else if (bg[s].logits == TDM_LOGITS_SAMPLE) {
                 memcpy(work, want, (size_t)vocab * sizeof(float));
-                drawn_want[s] = tdm_sampler_sample(smp[s], work, NULL);
+                struct tdm_sample_result res;
+                drawn_want[s] = tdm_sampler_sample(smp[s], work, &res);
                 assert_int_equal(ids[s], drawn_want[s]);
+                if (dp[s].logprobs) {
+                    assert_int_equal(lp[s].num_top, 3);
+                    assert_true(fabsf(lp[s].logprob - res.logprob) <=
+                                2e-6f * fmaxf(1.0f, fabsf(res.logprob)));
+                    for (int j = 0; j < 3; j++) {
+                        assert_int_equal(lp[s].top_token[j], res.top[j].token);
+                        assert_true(fabsf(lp[s].top_logprob[j] - res.top[j].logprob) <=
+                                    2e-6f * fmaxf(1.0f, fabsf(res.top[j].logprob)));
+                    }
+                }
                 tdm_sampler_free(smp[s]);
             } else {
                 assert_memory_equal(lg + (size_t)row++ * vocab, want,

@@ -1279,6 +1279,37 @@ static void sample_row_fill(float *row, int cols, int kind)
     }
 }
 
+// A device's logprobs vs the CPU sampler's for the same row: the same count
+// and top ids (exact comparisons of the same floats), each logprob within
+// 2e-6 relative (a sum of 151 936 exponentials in another order; expf's last
+// bits), both NaN where the row's sum is.
+static double lp_max_rel; // the largest difference seen, relative
+
+static void lp_close(float on_dev, float on_cpu, const char *what, int cols, int row, int j)
+{
+    if (on_dev == on_dev && on_cpu == on_cpu && isfinite(on_cpu))
+        lp_max_rel = fmax(lp_max_rel, fabs((double)on_dev - on_cpu) / fmax(1.0, fabs(on_cpu)));
+    bool same = (on_dev != on_dev && on_cpu != on_cpu) || on_dev == on_cpu ||
+                fabsf(on_dev - on_cpu) <= 2e-6f * fmaxf(1.0f, fabsf(on_cpu));
+    if (!same)
+        fail_msg("cols %d row %d %s %d: device %.9g, CPU %.9g", cols, row, what, j, on_dev, on_cpu);
+}
+
+static void sample_lp_check(const struct tdm_draw_logprobs *got,
+                            const struct tdm_sample_result *want, int k, int cols, int row)
+{
+    if (got->num_top != want->num_top)
+        fail_msg("cols %d row %d: %d top logprobs on the device, %d on the CPU (%d asked)", cols,
+                 row, got->num_top, want->num_top, k);
+    lp_close(got->logprob, want->logprob, "token", cols, row, want->token);
+    for (int j = 0; j < want->num_top; j++) {
+        if (got->top_token[j] != want->top[j].token)
+            fail_msg("cols %d row %d top %d: device token %d, CPU %d", cols, row, j,
+                     got->top_token[j], want->top[j].token);
+        lp_close(got->top_logprob[j], want->top[j].logprob, "top", cols, row, j);
+    }
+}
+
 static void test_sample_rows(void **state)
 {
     (void)state;
@@ -1309,12 +1340,19 @@ static void test_sample_rows(void **state)
         float *x = malloc(count * sizeof *x), *work = malloc((size_t)cols * sizeof *work);
         struct tdm_draw_params *dp = malloc((size_t)n * sizeof *dp);
         int32_t *want = malloc((size_t)n * sizeof *want), *got = malloc((size_t)n * sizeof *got);
+        // Rows asking logprobs: the CPU sampler's result, the device's, and
+        // the asking rows' indices.
+        struct tdm_sample_result *want_lp = malloc((size_t)n * sizeof *want_lp);
+        struct tdm_draw_logprobs *got_lp = malloc((size_t)n * sizeof *got_lp);
+        int32_t *lp_rows = malloc((size_t)n * sizeof *lp_rows);
+        assert_true(want_lp && got_lp && lp_rows);
         int adj_room = cols + 40, words = (cols + 31) / 32;
         struct tdm_draw_adj *adj = malloc((size_t)n * adj_room * sizeof *adj);
         uint32_t *masks = malloc((size_t)n * words * sizeof *masks);
         assert_true(x && work && dp && want && got && adj && masks);
         int n_adj = 0, n_words = 0;
         for (int pos = 0; pos < 3; pos++) {
+            int n_lp = 0;
             for (int r = 0; r < n; r++) {
                 const struct sample_case *sc = &cases[(r + pos) % NC];
                 float *row = x + (size_t)r * cols;
@@ -1338,6 +1376,11 @@ static void test_sample_rows(void **state)
                 }
                 p.has_seed = true;
                 p.seed = 7000u + (uint64_t)r * 31u + (uint64_t)wi;
+                // Every other row asks logprobs (0, 1, 5 or 20 top entries),
+                // one in three of them with a structured-output mask.
+                static const int lp_asks[] = {0, 1, 5, 20};
+                if ((r + pos) % 2 == 0)
+                    p.logprobs = lp_asks[(r / 2 + pos) % 4];
                 int32_t prompt[12], hist[3], eos = 0;
                 for (int i = 0; i < 12; i++)
                     prompt[i] = (r * 13 + i * 7) % cols;
@@ -1367,7 +1410,10 @@ static void test_sample_rows(void **state)
                     dp[r].n_mask_words = words;
                     n_words += words;
                 }
-                want[r] = tdm_sampler_sample(s, work, NULL);
+                want[r] = tdm_sampler_sample(s, work, &want_lp[r]);
+                assert_int_equal(dp[r].logprobs, p.logprobs >= 0);
+                if (p.logprobs >= 0)
+                    lp_rows[n_lp++] = r;
                 tdm_sampler_free(s);
             }
             float *d_x = to_dev(x, count * sizeof *x);
@@ -1375,37 +1421,65 @@ static void test_sample_rows(void **state)
             struct tdm_draw_adj *d_adj = to_dev(adj, (size_t)(n_adj + 1) * sizeof *adj);
             uint32_t *d_masks = to_dev(masks, (size_t)(n_words + 1) * sizeof *masks);
             int32_t *d_ids = dev_zeros((size_t)n * sizeof *got);
-            void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(n, cols));
+            int32_t *d_lp_rows = to_dev(lp_rows, (size_t)(n_lp + 1) * sizeof *lp_rows);
+            struct tdm_draw_logprobs *d_lp = dev_zeros((size_t)(n_lp + 1) * sizeof *d_lp);
+            void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(n, n_lp, cols));
 #ifndef TDM_CUDA_TEST_GPU
             tdm_emu_launch_log(1);
 #endif
-            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, d_adj, d_masks, d_ids, d_scratch));
+            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, d_adj, d_masks, d_ids, d_lp_rows,
+                                   n_lp, d_lp, d_scratch));
 #ifndef TDM_CUDA_TEST_GPU
             // A CTA per 1 024 columns of each row (149 a row at the real
-            // vocabulary: more than an H200's 132 SMs at batch 1), then one a row.
-            struct tdm_emu_launch l[3];
+            // vocabulary: more than an H200's 132 SMs at batch 1), then one a
+            // row; the logprobs' per chunk of an asking row before them and
+            // per asking row after.
+            struct tdm_emu_launch l[5];
             int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
-            assert_int_equal(tdm_emu_launches(l, 3), 2);
-            assert_int_equal(l[0].ctas, (unsigned long long)n * chunks);
-            assert_int_equal(l[1].ctas, (unsigned long long)n);
+            assert_true(n_lp > 0);
+            assert_int_equal(tdm_emu_launches(l, 5), 4);
+            assert_int_equal(l[0].ctas, (unsigned long long)n_lp * chunks);
+            assert_int_equal(l[1].ctas, (unsigned long long)n * chunks);
+            assert_int_equal(l[2].ctas, (unsigned long long)n);
+            assert_int_equal(l[3].ctas, (unsigned long long)n_lp);
             tdm_emu_launch_log(0);
 #endif
             from_dev(got, d_ids, (size_t)n * sizeof *got);
+            from_dev(got_lp, d_lp, (size_t)n_lp * sizeof *got_lp);
             for (int r = 0; r < n; r++)
                 if (got[r] != want[r])
                     fail_msg("cols %d pos %d row %d (T=%g k=%d p=%g min_p=%g): device %d, CPU %d",
                              cols, pos, r, dp[r].inv_t == 0 ? 0.0 : 1.0 / dp[r].inv_t, dp[r].top_k,
                              dp[r].top_p, dp[r].min_p, got[r], want[r]);
+            for (int j = 0; j < n_lp; j++)
+                sample_lp_check(&got_lp[j], &want_lp[lp_rows[j]], dp[lp_rows[j]].top_logprobs, cols,
+                                lp_rows[j]);
             // A row alone (the last one, its logits again) = in the batch.
             int last = n - 1;
             assert_int_equal(
                 tdm_cuda_dev_h2d(dev, d_x, x + (size_t)last * cols, (size_t)cols * sizeof *x),
                 TDM_OK);
+            int32_t zero = 0;
+            assert_int_equal(tdm_cuda_dev_h2d(dev, d_lp_rows, &zero, sizeof zero), TDM_OK);
+            int alone_lp = dp[last].logprobs ? 1 : 0;
             ok(tdm_cuk_sample_rows(stream, d_x, 1, cols, d_p + last, d_adj, d_masks, d_ids,
-                                   d_scratch));
+                                   d_lp_rows, alone_lp, d_lp, d_scratch));
             int32_t alone;
             from_dev(&alone, d_ids, sizeof alone);
             assert_int_equal(alone, want[last]);
+            if (alone_lp) {
+                struct tdm_draw_logprobs one;
+                const struct tdm_draw_logprobs *in_batch = &got_lp[n_lp - 1];
+                from_dev(&one, d_lp, sizeof one);
+                assert_int_equal(one.num_top, in_batch->num_top);
+                assert_memory_equal(&one.logprob, &in_batch->logprob, sizeof one.logprob);
+                assert_memory_equal(one.top_token, in_batch->top_token,
+                                    (size_t)one.num_top * sizeof *one.top_token);
+                assert_memory_equal(one.top_logprob, in_batch->top_logprob,
+                                    (size_t)one.num_top * sizeof *one.top_logprob);
+            }
+            tdm_cuda_dev_free(dev, d_lp_rows);
+            tdm_cuda_dev_free(dev, d_lp);
             tdm_cuda_dev_free(dev, d_x);
             tdm_cuda_dev_free(dev, d_p);
             tdm_cuda_dev_free(dev, d_adj);
@@ -1415,12 +1489,19 @@ static void test_sample_rows(void **state)
             n_adj = n_words = 0;
         }
         free(x), free(work), free(dp), free(want), free(got), free(adj), free(masks);
+        free(want_lp), free(got_lp), free(lp_rows);
     }
-    assert_int_equal(tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL, NULL, NULL, NULL),
-                     TDM_CUK_EINVAL);
     assert_int_equal(
-        tdm_cuk_sample_rows(stream, (float *)&state, 1, 10, NULL, NULL, NULL, NULL, NULL),
-        TDM_CUK_EINVAL); // no scratch
+        tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL),
+        TDM_CUK_EINVAL);
+    assert_int_equal(tdm_cuk_sample_rows(stream, (float *)&state, 1, 10, NULL, NULL, NULL, NULL,
+                                         NULL, 0, NULL, NULL),
+                     TDM_CUK_EINVAL); // no scratch
+    assert_int_equal(tdm_cuk_sample_rows(stream, (float *)&state, 1, 10, NULL, NULL, NULL, NULL,
+                                         NULL, 1, NULL, (void *)&state),
+                     TDM_CUK_EINVAL); // logprobs asked, nowhere to put them
+    print_message("sample_rows logprobs: max difference %.3g relative to the CPU sampler's\n",
+                  lp_max_rel);
 }
 
 // top_p's bound met exactly: weights 2^31 (logit 0) and twice 2^30 (the logit
@@ -1456,8 +1537,8 @@ static void test_sample_rows_boundary(void **state)
     float *d_x = to_dev(x, sizeof x);
     struct tdm_draw_params *d_p = to_dev(dp, sizeof dp);
     int32_t *d_ids = dev_zeros(sizeof got);
-    void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(N, COLS));
-    ok(tdm_cuk_sample_rows(stream, d_x, N, COLS, d_p, NULL, NULL, d_ids, d_scratch));
+    void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(N, 0, COLS));
+    ok(tdm_cuk_sample_rows(stream, d_x, N, COLS, d_p, NULL, NULL, d_ids, NULL, 0, NULL, d_scratch));
     from_dev(got, d_ids, sizeof got);
     for (int r = 0; r < N; r++)
         assert_int_equal(got[r], 1);
