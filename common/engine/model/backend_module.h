@@ -26,7 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define TDM_BACKEND_MODULE_API 2 // 2: set_batch_invariant in struct tdm_backend_ops
+#define TDM_BACKEND_MODULE_API 3 // 2: set_batch_invariant; 3: matmul_runs (struct tdm_backend_ops)
 #define TDM_BACKEND_MODULE_INIT_SYMBOL "tdm_backend_module_init"
 
 struct tdm_backend_ops;
