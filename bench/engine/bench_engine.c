@@ -714,12 +714,14 @@ static const struct tdm_flag bench_flags[] = {
      .kind = TDM_FLAG_FN,
      .fn = set_batch_invariant,
      .no_value = true,
-     .help = "every GEMM on cuBLASLt, one algorithm per weight shape (the default)"},
+     .help = "every GEMM on cuBLASLt, one algorithm per weight shape and row class (the "
+             "default)"},
     {.name = "no-batch-invariant",
      .kind = TDM_FLAG_FN,
      .fn = set_no_batch_invariant,
      .no_value = true,
-     .help = "on cuda: GEMMs of up to 16 rows on Tandem's split-K GEMV (check.sh measures both)"},
+     .help = "on cuda: decode GEMMs of up to 16 rows on Tandem's split-K GEMV (check.sh "
+             "measures both)"},
     {.name = "no-weight-cache",
      .kind = TDM_FLAG_NOT,
      .offset = offsetof(struct bench_args, weight_cache),
