@@ -160,19 +160,27 @@ static int argmax(const float *x, int n)
     return b;
 }
 
-// One forward of n tokens of one sequence at pos; the last row's logits (all
-// n rows' with `all`) into out.
-static void step_mode(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
-                      int32_t *hist, int pos, int n, float *out, bool all)
+// One forward of n tokens of one sequence at pos, of a request whose prompt
+// is prompt_len tokens (its rows below it prompt rows; 0: all decode rows);
+// the last row's logits (all n rows' with `all`) into out.
+static void step_in(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                    int32_t *hist, int pos, int n, float *out, bool all, int prompt_len)
 {
     assert_int_equal(tdm_kv_reserve(kv, seq, pos + n), TDM_OK);
     struct tdm_batch_seq b = {.tokens = hist + pos,
                               .n_tokens = n,
                               .start_pos = pos,
                               .block_table = seq->block_table,
+                              .prompt_len = prompt_len,
                               .logits = all ? TDM_LOGITS_ALL : TDM_LOGITS_LAST};
     assert_int_equal(tdm_model_forward(m, kv, &b, 1, out), TDM_OK);
     tdm_kv_commit(kv, seq, hist, pos + n);
+}
+
+static void step_mode(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                      int32_t *hist, int pos, int n, float *out, bool all)
+{
+    step_in(m, kv, seq, hist, pos, n, out, all, 0);
 }
 
 static void step(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
@@ -182,18 +190,20 @@ static void step(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq
 }
 
 // Prefill in two chunks (logits of every row of the second) then greedy
-// decode; hist gets the STEPS + 1 new tokens after the prompt, logits
-// [prompt - chunk1 + STEPS][vocab]: the second chunk's rows, then each step's.
+// decode, the prompt's rows marked as such (on a GPU: the prompt class's GEMM
+// algorithm, then the decode class's); hist gets the STEPS + 1 new tokens
+// after the prompt, logits [prompt - chunk1 + STEPS][vocab]: the second
+// chunk's rows, then each step's.
 static void greedy(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
                    int32_t *hist, int prompt, int chunk1, float *logits)
 {
     int vocab = tdm_model_config(m)->vocab_size, n2 = prompt - chunk1;
-    step(m, kv, seq, hist, 0, chunk1, logits);
-    step_mode(m, kv, seq, hist, chunk1, n2, logits, true);
+    step_in(m, kv, seq, hist, 0, chunk1, logits, false, prompt);
+    step_in(m, kv, seq, hist, chunk1, n2, logits, true, prompt);
     hist[prompt] = argmax(logits + (size_t)(n2 - 1) * vocab, vocab);
     for (int s = 0; s < STEPS; s++) {
         float *row = logits + (size_t)(n2 + s) * vocab;
-        step(m, kv, seq, hist, prompt + s, 1, row);
+        step_in(m, kv, seq, hist, prompt + s, 1, row, false, prompt);
         hist[prompt + s + 1] = argmax(row, vocab);
     }
 }
@@ -1432,7 +1442,8 @@ static void ensure_big_model(void)
 
 // The 0.5B shape (14 heads / 2 KV heads, head_dim 64) on the GPU vs the CPU
 // backend: the argmax of every row of a 64-token prefill's second chunk
-// agrees (near-ties within 0.25 excepted).
+// agrees (near-ties within 0.25 excepted), its rows prompt rows (the prompt
+// class's GEMM algorithm).
 static void test_big_prefill_vs_cpu(void **state)
 {
     (void)state;
@@ -1446,10 +1457,10 @@ static void test_big_prefill_vs_cpu(void **state)
     float *lg = malloc((size_t)(n - c1) * vocab * sizeof(float));
     struct tdm_kv_seq sc, sg;
     tdm_kv_seq_init(&sc), tdm_kv_seq_init(&sg);
-    step(mc, kc, &sc, h, 0, c1, lc);
-    step(mg, kg, &sg, h, 0, c1, lg);
-    step_mode(mc, kc, &sc, h, c1, n - c1, lc, true);
-    step_mode(mg, kg, &sg, h, c1, n - c1, lg, true);
+    step_in(mc, kc, &sc, h, 0, c1, lc, false, n);
+    step_in(mg, kg, &sg, h, 0, c1, lg, false, n);
+    step_in(mc, kc, &sc, h, c1, n - c1, lc, true, n);
+    step_in(mg, kg, &sg, h, c1, n - c1, lg, true, n);
     int ties = 0;
     float worst = 0.0f;
     for (int r = 0; r < n - c1; r++) {
