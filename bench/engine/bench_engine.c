@@ -132,6 +132,7 @@ static double time_decode(struct tdm_model *m, struct tdm_kv_cache *kv, int batc
                                       .n_tokens = PROMPT,
                                       .start_pos = 0,
                                       .block_table = seqs[s].block_table,
+                                      .prompt_len = PROMPT,
                                       .logits = TDM_LOGITS_LAST};
     }
     // Prompts in groups that fit the step's token budget (PREFILL tokens).
@@ -150,6 +151,7 @@ static double time_decode(struct tdm_model *m, struct tdm_kv_cache *kv, int batc
                                           .n_tokens = 1,
                                           .start_pos = pos,
                                           .block_table = seqs[s].block_table,
+                                          .prompt_len = PROMPT,
                                           .logits = TDM_LOGITS_LAST};
         double t0 = tdm_now();
         if (tdm_model_forward(m, kv, b, batch, logits) != TDM_OK)
@@ -213,6 +215,7 @@ static void time_long(struct tdm_model *m, struct tdm_kv_cache **kvs, int n, int
                                               .n_tokens = 1,
                                               .start_pos = ctx + step,
                                               .block_table = seqs[d][s].block_table,
+                                              .prompt_len = ctx,
                                               .logits = TDM_LOGITS_LAST};
             double t0 = tdm_now();
             if (tdm_model_forward(m, kvs[d], b, batch, logits) != TDM_OK)
@@ -242,10 +245,12 @@ static double time_prefill(struct tdm_model *m, struct tdm_kv_cache *kv, int n, 
         tdm_kv_seq_init(&seq);
         if (tdm_kv_reserve(kv, &seq, n) != TDM_OK)
             die("kv", "cache too small");
+        // A prompt: its GEMMs take the prompt class's algorithm (model.h).
         struct tdm_batch_seq b = {.tokens = ids,
                                   .n_tokens = n,
                                   .start_pos = 0,
                                   .block_table = seq.block_table,
+                                  .prompt_len = n,
                                   .logits = TDM_LOGITS_LAST};
         double t0 = tdm_now();
         if (tdm_model_forward(m, kv, &b, 1, logits) != TDM_OK)
@@ -709,12 +714,14 @@ static const struct tdm_flag bench_flags[] = {
      .kind = TDM_FLAG_FN,
      .fn = set_batch_invariant,
      .no_value = true,
-     .help = "every GEMM on cuBLASLt, one algorithm per weight shape (the default)"},
+     .help = "every GEMM on cuBLASLt, one algorithm per weight shape and row class (the "
+             "default)"},
     {.name = "no-batch-invariant",
      .kind = TDM_FLAG_FN,
      .fn = set_no_batch_invariant,
      .no_value = true,
-     .help = "on cuda: GEMMs of up to 16 rows on Tandem's split-K GEMV (check.sh measures both)"},
+     .help = "on cuda: decode GEMMs of up to 16 rows on Tandem's split-K GEMV (check.sh "
+             "measures both)"},
     {.name = "no-weight-cache",
      .kind = TDM_FLAG_NOT,
      .offset = offsetof(struct bench_args, weight_cache),

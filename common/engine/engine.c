@@ -51,6 +51,11 @@ struct tdm_engine_request {
     void *layer_ctx;
     double arrival;
     int n_prompt;
+    // Prompt tokens proper: n_prompt less the resumed stream's output it ends
+    // with (n_resume). Their rows are the model's prompt rows (the GEMM class
+    // of model.h's prompt_len); the resumed output's are decode rows, as the
+    // uninterrupted run's and a preempted request's recomputed tokens are.
+    int n_own_prompt;
     int max_gen;    // generated tokens allowed: min(max_tokens, max_model_len - n_prompt)
     int max_tokens; // as requested (0 = up to the context); metrics observe max_gen
     int params_n;
@@ -1242,6 +1247,7 @@ static void run_step(struct tdm_engine *e, int n_items)
                                    .n_tokens = it->take,
                                    .start_pos = r->computed,
                                    .block_table = r->seq.block_table,
+                                   .prompt_len = r->n_own_prompt,
                                    .logits = lm,
                                    .on_layer = push ? layer_done : NULL,
                                    .layer_arg = push ? r : NULL,
@@ -1946,6 +1952,7 @@ static struct tdm_engine_request *request_new(struct tdm_engine *e,
     r->layer_ctx = p->layer_ctx;
     r->arrival = p->arrival_time > 0 ? p->arrival_time : tdm_now();
     r->n_prompt = p->n_prompt;
+    r->n_own_prompt = p->n_prompt - p->n_resume;
     r->max_gen = max_gen;
     r->max_tokens = p->max_tokens;
     r->params_n = p->params_n > 0 ? p->params_n : 1;

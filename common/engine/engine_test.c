@@ -19,6 +19,7 @@
 
 #include <cmocka.h>
 
+#include "backend.h"
 #include "core.h"
 #include "engine.h"
 #include "test_skip.h"
@@ -848,6 +849,158 @@ static void run_preempt_workload(int num_blocks, int32_t got[6][40], float lp[6]
     *metric_preempt = tdm_metrics_counter_value(m.num_preemptions);
     tdm_engine_free(e);
     tdm_metrics_registry_free(reg);
+}
+
+// ---- GEMM classes through the engine ----------------------------------------------------------
+// The engine tells the model each row's GEMM class (model.h prompt_len): a
+// row is a prompt row exactly when its position is below its request's
+// prompt length, whatever the chunk. "cpu-classes" is the CPU backend with a
+// matmul_runs (so the model splits its steps by class, as on CUDA) that
+// checks every row of every layer GEMM against that rule, from the rows'
+// positions its begin_forward saw.
+#define CLS_PROMPT 17 // every request's prompt length in the workload
+#define CLS_ROWS 512
+
+struct cls_counts {
+    long prompt_rows, decode_rows; // layer GEMM rows of each class
+    long recomputed_rows;          // decode rows of chunks of more than one token
+    long wrong;                    // rows of the other class than the rule's
+};
+
+static struct {
+    const struct tdm_backend_ops *cpu;
+    int vocab;             // rows of the LM head, whose rows are not the step's
+    int32_t pos[CLS_ROWS]; // the step's row positions
+    bool multi[CLS_ROWS];  // the row's chunk has more than one token
+    struct cls_counts n;
+} cls_rec;
+
+static int cls_begin_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
+                             const struct tdm_attn_seq *seqs, int n_seqs)
+{
+    (void)be, (void)kv;
+    for (int s = 0; s < n_seqs; s++)
+        for (int i = 0; i < seqs[s].n_tokens && seqs[s].row + i < CLS_ROWS; i++) {
+            cls_rec.pos[seqs[s].row + i] = seqs[s].start_pos + i;
+            cls_rec.multi[seqs[s].row + i] = seqs[s].n_tokens > 1;
+        }
+    return TDM_OK;
+}
+
+static void cls_check(int row, enum tdm_gemm_class cls)
+{
+    bool prompt = cls_rec.pos[row] < CLS_PROMPT;
+    cls_rec.n.wrong += prompt != (cls == TDM_GEMM_PROMPT);
+    cls_rec.n.prompt_rows += cls == TDM_GEMM_PROMPT;
+    cls_rec.n.decode_rows += cls == TDM_GEMM_DECODE;
+    cls_rec.n.recomputed_rows += cls == TDM_GEMM_DECODE && cls_rec.multi[row];
+}
+
+static void cls_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                       const void *x, float *y, int n)
+{
+    for (int r = 0; w->rows != cls_rec.vocab && r < n; r++)
+        cls_check(r, TDM_GEMM_DECODE);
+    cls_rec.cpu->matmul(be, w, bias, x, y, n);
+}
+
+static void cls_matmul_runs(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                            const void *x, float *y, const struct tdm_row_run *runs, int n_runs)
+{
+    for (int i = 0; i < n_runs; i++) {
+        for (int r = runs[i].row; r < runs[i].row + runs[i].n; r++)
+            cls_check(r, runs[i].cls);
+        // The CPU's matmul-input format is f32.
+        cls_rec.cpu->matmul(be, w, bias, (const float *)x + (size_t)runs[i].row * w->cols,
+                            y + (size_t)runs[i].row * w->rows, runs[i].n);
+    }
+}
+
+static void test_gemm_classes(void **state)
+{
+    (void)state;
+    static struct tdm_backend_ops ops;
+    ops = tdm_cpu_backend_ops;
+    assert_null(ops.begin_forward);
+    assert_null(ops.matmul_runs);
+    ops.name = "cpu-classes";
+    ops.begin_forward = cls_begin_forward;
+    ops.matmul = cls_matmul;
+    ops.matmul_runs = cls_matmul_runs;
+    cls_rec.cpu = &tdm_cpu_backend_ops;
+    cls_rec.vocab = vocab;
+    assert_int_equal(tdm_backend_register(&ops), TDM_OK);
+    struct tdm_model_opts o;
+    struct tdm_model *m = NULL;
+    char err[256];
+    tdm_model_opts_default(&o);
+    o.backend = "cpu-classes";
+    o.num_threads = 1;
+    o.max_batch_tokens = 256;
+    o.max_batch_seqs = 32;
+    assert_int_equal(tdm_model_load(&m, model_dir, &o, err, sizeof err), TDM_OK);
+    int L = tdm_model_config(m)->num_hidden_layers;
+
+    // A prompt of one token more than the step's budget of 16: chunks of 16
+    // and 1 (that 1-token chunk's row is a prompt row), then decodes; the
+    // tokens are the runner's (its rows all decode class: one algorithm on
+    // the CPU, so the same numbers).
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    tdm_engine_config_default(&c);
+    c.num_blocks = 256;
+    c.max_num_batched_tokens = 16;
+    assert_int_equal(tdm_engine_new(&e, m, &c, err, sizeof err), TDM_OK);
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    int32_t prompt[CLS_PROMPT], got[8], want[8];
+    make_prompt(prompt, CLS_PROMPT, 41);
+    struct tdm_engine_request *r = submit(e, prompt, CLS_PROMPT, &sp, 8);
+    struct collected col = {0};
+    collect(r, got, 8, &col, 0);
+    tdm_engine_request_release(r);
+    tdm_engine_free(e);
+    assert_int_equal(col.n, 8);
+    assert_int_equal(reference(prompt, CLS_PROMPT, &sp, 8, want, NULL), 8);
+    assert_memory_equal(got, want, sizeof want);
+    print_message("17-token prompt at a budget of 16: %ld prompt rows, %ld decode rows, %ld "
+                  "misclassified\n",
+                  cls_rec.n.prompt_rows, cls_rec.n.decode_rows, cls_rec.n.wrong);
+    assert_int_equal(cls_rec.n.wrong, 0);
+    assert_int_equal(cls_rec.n.prompt_rows, 4L * L * CLS_PROMPT);
+    assert_int_equal(cls_rec.n.decode_rows, 4L * L * 7); // the decodes after the first token
+
+    // Preemption (8 blocks hold two of the six 17 + 40-token requests): the
+    // generated tokens a preempted request recomputes are decode rows, in
+    // chunks with prompt rows or without.
+    cls_rec.n = (struct cls_counts){0};
+    c.num_blocks = 8;
+    c.max_num_seqs = 8;
+    assert_int_equal(tdm_engine_new(&e, m, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine_request *rs[6];
+    for (int i = 0; i < 6; i++) {
+        make_prompt(prompt, CLS_PROMPT, 900 + (uint32_t)i);
+        rs[i] = submit(e, prompt, CLS_PROMPT, &sp, 40);
+    }
+    int32_t out[40];
+    for (int i = 0; i < 6; i++) {
+        struct collected ci = {0};
+        collect(rs[i], out, 40, &ci, 0);
+        assert_int_equal(ci.n, 40);
+        tdm_engine_request_release(rs[i]);
+    }
+    struct tdm_engine_stats st;
+    wait_idle_stats(e, &st);
+    tdm_engine_free(e);
+    print_message("preemptions %llu: %ld prompt rows, %ld decode rows (%ld recomputed), %ld "
+                  "misclassified\n",
+                  (unsigned long long)st.num_preemptions, cls_rec.n.prompt_rows,
+                  cls_rec.n.decode_rows, cls_rec.n.recomputed_rows, cls_rec.n.wrong);
+    assert_true(st.num_preemptions > 0);
+    assert_int_equal(cls_rec.n.wrong, 0);
+    assert_true(cls_rec.n.prompt_rows >= 6L * 4 * L * CLS_PROMPT);
+    assert_true(cls_rec.n.recomputed_rows > 0);
+    tdm_model_free(m);
 }
 
 static void test_preemption(void **state)
@@ -2090,6 +2243,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_device_logprobs),
         cmocka_unit_test(test_continuous_batching),
         cmocka_unit_test(test_preemption),
+        cmocka_unit_test(test_gemm_classes),
         cmocka_unit_test(test_abort),
         cmocka_unit_test(test_queue_bound_and_bad_input),
         cmocka_unit_test(test_drain),

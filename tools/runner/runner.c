@@ -198,6 +198,7 @@ static int gen_schedule(struct gen_loop *g, int step, int *nb_out, bool *has_pre
                                               .n_tokens = take,
                                               .start_pos = r->computed,
                                               .block_table = r->seq.block_table,
+                                              .prompt_len = q->n_prompt,
                                               .logits = lm};
         g->batch_req[nb++] = i;
         budget -= take;

@@ -14,7 +14,8 @@
 // Batch invariance contract: for every op, each output row depends only on the
 // matching input rows and never on n (no split-K that depends on batch size, a
 // fixed reduction order per output element); matmul too unless
-// set_batch_invariant turned it off.
+// set_batch_invariant turned it off. A backend with matmul_runs keeps it per
+// GEMM class: a row's numbers depend on the row and its class, never on n.
 #ifndef TDM_BACKEND_H
 #define TDM_BACKEND_H
 
@@ -59,6 +60,24 @@ struct tdm_attn_seq {
     int start_pos;        // position of the first new token
     const int *block_table;
     bool pad; // a padding row of a graph bucket: no KV write, output unused
+};
+
+// Which of a weight's GEMM algorithms computes a row (matmul_runs). A prompt
+// row is a token of its request's prompt; a decode row is any other
+// (generated tokens, drafts being verified, generated tokens recomputed after
+// a preemption). The class is what the row is, never how its step is made up
+// (chunk sizes differ between a P/D prefill worker and a worker serving
+// directly), so a row gets the same numbers in either.
+enum tdm_gemm_class {
+    TDM_GEMM_DECODE = 0, // the algorithm of decode batches (every row without matmul_runs)
+    TDM_GEMM_PROMPT,     // the algorithm of long prompt chunks
+};
+
+// Rows [row, row + n) of a step's activations, all of one class.
+struct tdm_row_run {
+    int row;
+    int n;
+    enum tdm_gemm_class cls;
 };
 
 struct tdm_backend;
@@ -155,6 +174,14 @@ struct tdm_backend_ops {
     // x in the matmul-input format.
     void (*matmul)(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
                    const void *x, float *y, int n);
+    // Optional (NULL: one algorithm serves every row, the CPU's case): matmul
+    // over the rows of runs[0 .. n_runs) (ascending, disjoint; rows outside
+    // them are left alone), each run with its class's algorithm, which is the
+    // same for every run of that class and weight whatever its row count or
+    // offset. matmul is the decode class's. The model calls it for the layers'
+    // GEMMs of steps that have prompt rows, and matmul otherwise.
+    void (*matmul_runs)(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                        const void *x, float *y, const struct tdm_row_run *runs, int n_runs);
     // out[n][w->cols] = rows ids[i] of the embedding matrix w.
     void (*embed)(struct tdm_backend *be, const struct tdm_weight *w, const int32_t *ids, int n,
                   float *out);

@@ -27,8 +27,8 @@
 #include <stdint.h>
 
 #define TDM_BACKEND_MODULE_API                                                                     \
-    3 // 2: set_batch_invariant in struct tdm_backend_ops
-      // 3: sample_rows returns logprobs
+    4 // 2: set_batch_invariant; 3: matmul_runs (struct tdm_backend_ops);
+      // 4: sample_rows returns logprobs
 #define TDM_BACKEND_MODULE_INIT_SYMBOL "tdm_backend_module_init"
 
 struct tdm_backend_ops;

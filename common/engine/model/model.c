@@ -22,6 +22,14 @@
 // Each row's numbers depend only on that row and its own sequence's cache (the
 // backend's batch-invariance contract), so a sequence gets bitwise the same
 // logits whatever else shares the step.
+//
+// GEMM classes: on a backend with matmul_runs (CUDA) a layer's GEMM runs its
+// prompt rows with an algorithm of their own and its decode rows with the
+// decode algorithm, one call over the step's runs of rows of one class
+// (rows of a sequence are contiguous, its prompt rows first). A step without
+// prompt rows calls matmul as before (the same launches). The LM head is
+// decode class for every row: its rows are one per sequence (its drafts'
+// besides), a decode-sized GEMM whatever the step.
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -86,6 +94,8 @@ struct tdm_model {
     float *logits_be;           // [T][vocab] backend memory; NULL on a host-memory backend,
                                 // which writes the caller's logits directly
     struct tdm_attn_seq *aseqs; // [max_batch_seqs]
+    struct tdm_row_run *runs;   // [2 * max_batch_seqs] the step's GEMM runs (a sequence's
+                                // prompt rows, then its decode rows), host
     int32_t *chosen_ids;        // [max_batch_seqs] the ARGMAX and SAMPLE rows' tokens, host
     struct tdm_draw_params *draw; // [max_batch_seqs] their draws (SAMPLE), host
     struct tdm_draw_logprobs *chosen_lp; // [max_batch_seqs] their logprobs (asked), host
@@ -513,6 +523,7 @@ void tdm_model_free(struct tdm_model *m)
     free(m->pos);
     free(m->ids);
     free(m->aseqs);
+    free(m->runs);
     free(m->chosen_ids);
     free(m->draw);
     free(m->chosen_lp);
@@ -863,6 +874,7 @@ static int model_alloc_activations(struct tdm_model *m, char *err, size_t errlen
     m->pos = calloc(T, sizeof *m->pos);
     m->ids = calloc(T, sizeof *m->ids);
     m->aseqs = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->aseqs);
+    m->runs = calloc(2 * (size_t)m->opts.max_batch_seqs, sizeof *m->runs);
     m->chosen_ids = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->chosen_ids);
     m->draw = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->draw);
     m->chosen_lp = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->chosen_lp);
@@ -875,8 +887,8 @@ static int model_alloc_activations(struct tdm_model *m, char *err, size_t errlen
         m->logits_be = alloc_f32(m, T * (size_t)c->vocab_size);
     }
     if (!m->x || !m->h || !m->d || !m->qkv || !m->attn || !m->gate_up || !m->act || !m->pos ||
-        !m->ids || !m->aseqs || !m->chosen_ids || !m->draw || !m->chosen_lp || !m->ids_be ||
-        !m->pos_be || (!m->ops->host_memory && !m->logits_be))
+        !m->ids || !m->aseqs || !m->runs || !m->chosen_ids || !m->draw || !m->chosen_lp ||
+        !m->ids_be || !m->pos_be || (!m->ops->host_memory && !m->logits_be))
         return tdm_seterr(err, errlen, TDM_ENOMEM,
                           "model: out of memory for activations of %zu tokens", T);
     return TDM_OK;
@@ -963,7 +975,8 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
     int total = 0, logit_rows = 0, chosen_rows = 0;
     for (int s = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
-        if (q->tokens == NULL || q->block_table == NULL || q->n_tokens <= 0 || q->start_pos < 0)
+        if (q->tokens == NULL || q->block_table == NULL || q->n_tokens <= 0 || q->start_pos < 0 ||
+            q->prompt_len < 0)
             return TDM_EINVAL;
         if (q->n_tokens > m->opts.max_batch_tokens - total)
             return TDM_EINVAL;
@@ -1053,19 +1066,48 @@ struct fwd_plan {
     int n_logit_rows; // rows the head computes logits for (a graph's whole bucket)
     int n_logit_real; // logits rows the caller gets
     int n_chosen;     // ARGMAX and SAMPLE rows
+    int n_runs;       // m->runs: the rows by GEMM class (a backend with matmul_runs)
+    bool any_prompt;  // some row is a prompt row, on a backend with matmul_runs
     bool any_hook;    // a sequence has an on_layer hook
     bool in_order;    // the head's rows are the batch's rows in order
     bool graph;       // runs as a CUDA graph of its bucket
 };
 
-// Packs the rows: token ids, positions and each sequence's slice. Returns
-// whether the step is decode-only (one row per sequence, each LAST or ARGMAX).
-static bool pack_rows(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs)
+// Appends rows [row, row + n) of class cls to the step's runs, merged with
+// the last run when it is of the same class and ends at row.
+static void add_run(struct tdm_model *m, struct fwd_plan *pl, int row, int n,
+                    enum tdm_gemm_class cls)
+{
+    struct tdm_row_run *last = pl->n_runs > 0 ? &m->runs[pl->n_runs - 1] : NULL;
+    if (n <= 0)
+        return;
+    if (last && last->cls == cls && last->row + last->n == row)
+        last->n += n;
+    else
+        m->runs[pl->n_runs++] = (struct tdm_row_run){.row = row, .n = n, .cls = cls};
+}
+
+// Packs the rows: token ids, positions and each sequence's slice, and the
+// rows' GEMM runs by class where the backend has them (a sequence's rows at
+// positions below its prompt_len are prompt rows, by what they are, not by
+// the chunk). Returns whether the step is decode-only (one row per sequence,
+// each LAST or ARGMAX).
+static bool pack_rows(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs,
+                      struct fwd_plan *pl)
 {
     int row = 0;
     bool all_decode = true;
+    pl->n_runs = 0;
+    pl->any_prompt = false;
     for (int s = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
+        int n_prompt = q->prompt_len - q->start_pos;
+        n_prompt = n_prompt < 0 ? 0 : n_prompt > q->n_tokens ? q->n_tokens : n_prompt;
+        if (m->ops->matmul_runs) {
+            pl->any_prompt |= n_prompt > 0;
+            add_run(m, pl, row, n_prompt, TDM_GEMM_PROMPT);
+            add_run(m, pl, row + n_prompt, q->n_tokens - n_prompt, TDM_GEMM_DECODE);
+        }
         m->aseqs[s] = (struct tdm_attn_seq){.row = row,
                                             .n_tokens = q->n_tokens,
                                             .start_pos = q->start_pos,
@@ -1096,8 +1138,10 @@ static void plan_forward(struct tdm_model *m, const struct tdm_batch_seq *seqs, 
     // way; the ARGMAX rows' ids are taken after it): the head's rows are then
     // the batch's rows in order (in_order).
     pl->in_order = all_decode && (pl->n_chosen == 0 || pl->n_chosen == n_seqs);
-    pl->graph =
-        m->ops->graph_begin != NULL && !m->opts.enforce_eager && pl->in_order && !pl->any_hook;
+    // ... and no prompt row (a prompt's 1-token last chunk): a graph's GEMMs are
+    // its bucket's decode GEMMs.
+    pl->graph = m->ops->graph_begin != NULL && !m->opts.enforce_eager && pl->in_order &&
+                !pl->any_hook && !pl->any_prompt;
     pl->n_seqs_run = n_seqs;
     if (pl->graph) {
         int bucket = 1;
@@ -1116,6 +1160,18 @@ static void plan_forward(struct tdm_model *m, const struct tdm_batch_seq *seqs, 
         pl->n_logit_rows = bucket; // the padding rows' logits are computed, never copied out
     }
     pl->n_logit_real = pl->graph ? (pl->n_chosen > 0 ? 0 : n_seqs) : pl->n_logit_rows;
+}
+
+// A layer's GEMM over the step's rows: by class where the step has prompt
+// rows and the backend has classes, else one call (decode-only steps: the
+// launches of before).
+static void layer_matmul(struct tdm_model *m, const struct fwd_plan *pl, const struct tdm_weight *w,
+                         const float *bias, const void *x, float *y)
+{
+    if (pl->any_prompt)
+        m->ops->matmul_runs(m->be, w, bias, x, y, m->runs, pl->n_runs);
+    else
+        m->ops->matmul(m->be, w, bias, x, y, pl->n);
 }
 
 // The decoder layers over the packed rows; *pending: the last sublayer's
@@ -1138,7 +1194,7 @@ static int forward_layers(struct tdm_model *m, struct tdm_kv_cache *kv,
         const struct tdm_layer *L = &m->layers[l];
         // Attention block. q, k, v live side by side in each qkv row.
         add_norm(m, *pending, L->input_norm, m->h, n);
-        ops->matmul(be, &L->qkv, L->qkv_bias, m->h, m->qkv, n);
+        layer_matmul(m, pl, &L->qkv, L->qkv_bias, m->h, m->qkv);
         if (ops->rope_store_attention && !pl->any_hook) {
             ops->rope_store_attention(be, kv, l, m->aseqs, n_seqs_run, m->qkv, m->qkv_dim,
                                       m->pos_be, m->inv_freq, m->attn, n_q, n_kv, hd, scale);
@@ -1160,12 +1216,12 @@ static int forward_layers(struct tdm_model *m, struct tdm_kv_cache *kv,
             ops->attention(be, kv, l, m->aseqs, n_seqs_run, m->qkv, m->qkv_dim, m->attn, n_q, n_kv,
                            hd, scale);
         }
-        ops->matmul(be, &L->o, NULL, m->attn, m->d, n);
+        layer_matmul(m, pl, &L->o, NULL, m->attn, m->d);
         // MLP block (SwiGLU).
         add_norm(m, m->d, L->post_norm, m->h, n);
-        ops->matmul(be, &L->gate_up, NULL, m->h, m->gate_up, n);
+        layer_matmul(m, pl, &L->gate_up, NULL, m->h, m->gate_up);
         ops->silu_mul(be, m->gate_up, m->act, n, inter);
-        ops->matmul(be, &L->down, NULL, m->act, m->d, n);
+        layer_matmul(m, pl, &L->down, NULL, m->act, m->d);
         *pending = m->d;
     }
     return TDM_OK;
@@ -1343,7 +1399,7 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
 
     const struct tdm_backend_ops *ops = m->ops;
     struct tdm_backend *be = m->be;
-    bool all_decode = pack_rows(m, seqs, n_seqs);
+    bool all_decode = pack_rows(m, seqs, n_seqs, &pl);
     plan_forward(m, seqs, n_seqs, all_decode, &pl);
     if (!ops->host_memory) {
         if ((rc = ops->upload(be, m->ids_be, m->ids, (size_t)pl.n * sizeof(int32_t))) != TDM_OK ||

@@ -155,6 +155,10 @@ struct tdm_batch_seq {
     int n_tokens;
     int start_pos;             // position of tokens[0] = tokens already in the KV cache
     const int *block_table;    // covers positions [0, start_pos + n_tokens)
+    // The request's prompt length: rows at positions below it are prompt rows,
+    // the rest decode rows (backend.h, enum tdm_gemm_class), whatever the
+    // chunk. 0 (a caller that does not say): every row is a decode row.
+    int prompt_len;
     enum tdm_logits_mode logits;
     tdm_layer_done_fn on_layer; // optional per-layer hook (NULL: none, no cost)
     void *layer_arg;            // for on_layer

@@ -600,6 +600,10 @@ static void test_bad_batches(void **state)
     b.n_tokens = 0;
     assert_int_equal(tdm_model_forward(m, kv, &b, 1, logits), TDM_EINVAL);
     b.n_tokens = 4;
+    b.prompt_len = -1;
+    assert_int_equal(tdm_model_forward(m, kv, &b, 1, logits), TDM_EINVAL);
+    b.prompt_len = 4; // a prompt's rows: the same numbers on the CPU (one algorithm)
+    assert_int_equal(tdm_model_forward(m, kv, &b, 1, logits), TDM_OK);
     struct tdm_batch_seq three[3] = {b, b, b};
     assert_int_equal(tdm_model_forward(m, kv, three, 3, logits), TDM_EINVAL); // max_batch_seqs 2
     int bad_table[1] = {999};

@@ -25,10 +25,11 @@
 // caller never sees as success.
 //
 // Batch invariance: the kernels map each row by its own shape (cuda_kernels.h)
-// and the GEMM's algorithm is fixed per weight shape (cuda_dev.h), so a row's
-// numbers do not depend on the rest of the batch. In the fast mode
-// (set_batch_invariant off) GEMMs of up to 16 rows take Tandem's GEMV
-// instead, whose rows are the same for every n <= 16 but not cuBLASLt's.
+// and the GEMM's algorithm is fixed per weight shape and row class (cuda_dev.h:
+// prompt rows have their own, matmul_runs), so a row's numbers do not depend
+// on the rest of the batch. In the fast mode (set_batch_invariant off) decode
+// GEMMs of up to 16 rows take Tandem's GEMV instead, whose rows are the same
+// for every n <= 16 but not cuBLASLt's.
 // docs/gpu-backend.md says what is and is not verified.
 #include <stdbool.h>
 #include <stdint.h>
@@ -244,8 +245,9 @@ static void cuda_set_batch_invariant(struct tdm_backend *be, bool on)
 {
     be->batch_invariant = on;
     TDM_LOG_INFO("cuda", "batch_invariant=%s: %s", on ? "on" : "off",
-                 on ? "every GEMM on cuBLASLt, one algorithm per weight shape"
-                    : "GEMMs of up to 16 rows on Tandem's split-K GEMV, more on cuBLASLt");
+                 on ? "every GEMM on cuBLASLt, one algorithm per weight shape and row class"
+                    : "decode GEMMs of up to 16 rows on Tandem's split-K GEMV, the rest on "
+                      "cuBLASLt");
 }
 
 static void *cuda_alloc(struct tdm_backend *be, size_t bytes)
@@ -396,13 +398,16 @@ static void cuda_release_weight(struct tdm_backend *be, struct tdm_weight *w)
 
 // ---- compute ops ------------------------------------------------------------------------------
 // x is bf16 already (this backend's matmul-input format): the op that made it
-// wrote bf16, so a GEMM is one launch. Fast mode (batch_invariant off): up to
-// TDM_CUK_GEMV_MAX_N rows on the GEMV (a weight whose columns are not a
-// multiple of 8 stays on cuBLASLt), more on cuBLASLt.
-static void cuda_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
-                        const void *x, float *y, int n)
+// wrote bf16, so a GEMM is one launch. Fast mode (batch_invariant off): decode
+// runs of up to TDM_CUK_GEMV_MAX_N rows on the GEMV (a weight whose columns
+// are not a multiple of 8 stays on cuBLASLt), longer ones on cuBLASLt; prompt
+// rows always on cuBLASLt's prompt algorithm, so a prompt row's numbers do
+// not depend on its chunk's length in either mode.
+static void gemm_rows(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                      const uint16_t *x, float *y, int n, enum tdm_gemm_class cls)
 {
-    if (!be->batch_invariant && n <= TDM_CUK_GEMV_MAX_N && w->cols % 8 == 0) {
+    if (cls == TDM_GEMM_DECODE && !be->batch_invariant && n <= TDM_CUK_GEMV_MAX_N &&
+        w->cols % 8 == 0) {
         if (tdm_cuk_gemv_part_bytes(w->rows, w->cols) > be->gemv_part.bytes ||
             tdm_cuk_gemv_count_bytes(w->rows, w->cols) > be->gemv_counts.bytes) {
             fail(be, TDM_EINVAL, "matmul: %s",
@@ -414,8 +419,26 @@ static void cuda_matmul(struct tdm_backend *be, const struct tdm_weight *w, cons
                                       be->gemv_part.p, be->gemv_counts.p));
         return;
     }
-    if (tdm_cuda_dev_gemm_bf16(be->dev, w->data, w->rows, w->cols, x, n, bias, y) != TDM_OK)
+    enum tdm_cuda_gemm_class dc =
+        cls == TDM_GEMM_PROMPT ? TDM_CUDA_GEMM_PROMPT : TDM_CUDA_GEMM_DECODE;
+    if (tdm_cuda_dev_gemm_bf16(be->dev, w->data, w->rows, w->cols, x, n, bias, y, dc) != TDM_OK)
         fail(be, TDM_EBACKEND, "matmul: %s", tdm_cuda_dev_errmsg(be->dev));
+}
+
+static void cuda_matmul(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                        const void *x, float *y, int n)
+{
+    gemm_rows(be, w, bias, x, y, n, TDM_GEMM_DECODE);
+}
+
+// One GEMM a run, x and y offset by its first row: a step of prompt and
+// decode rows costs a launch more per GEMM than one call would.
+static void cuda_matmul_runs(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
+                             const void *x, float *y, const struct tdm_row_run *runs, int n_runs)
+{
+    for (int i = 0; i < n_runs; i++)
+        gemm_rows(be, w, bias, (const uint16_t *)x + (size_t)runs[i].row * (size_t)w->cols,
+                  y + (size_t)runs[i].row * (size_t)w->rows, runs[i].n, runs[i].cls);
 }
 
 // Greedy rows: their argmax on the device, and only the ids to the host (4
@@ -1254,6 +1277,7 @@ const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
     .graph_begin = cuda_graph_begin,
     .graph_end = cuda_graph_end,
     .matmul = cuda_matmul,
+    .matmul_runs = cuda_matmul_runs,
     .embed = cuda_embed,
     .rmsnorm = cuda_rmsnorm,
     .add_rmsnorm = cuda_add_rmsnorm,

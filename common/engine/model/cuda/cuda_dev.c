@@ -7,10 +7,14 @@
 // matmul, D = op(A) B (+ bias epilogue), with the weight [rows][cols]
 // row-major read as a column-major cols x rows matrix transposed:
 //   A = W (k x m, ld k, transposed), B = x^T (k x n, ld k), D = y^T (m x n, ld m).
-// The algorithm is picked once per weight shape and bias use (the heuristic is asked at a
-// fixed n = TDM_GEMM_PLAN_N) with split-K forced to 1 and no reduction scheme,
-// and reused for every n: the k reduction of an output element then runs in
-// the order of that one kernel configuration whatever n is.
+// The algorithm is picked once per weight shape, bias use and class (the
+// heuristic is asked at a fixed n: TDM_GEMM_PLAN_N for decode rows,
+// TDM_GEMM_PROMPT_PLAN_N for prompt rows) with split-K forced to 1 and no
+// reduction scheme, and reused for every n: the k reduction of an output
+// element then runs in the order of that one kernel configuration whatever n
+// is. No M buckets within a class: a bucket chosen by the run's row count
+// would make a prompt row's numbers depend on how many prompt rows share its
+// step, which differs between a P/D prefill worker and direct serving.
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,13 +27,18 @@
 #include "cuda_dev.h"
 #include "cuda_dev_held.h"
 
-#define TDM_GEMM_MAX_SHAPES 64
-#define TDM_GEMM_PLAN_N 64
+#define TDM_GEMM_MAX_SHAPES 64 // (weight shape, bias use, class) plans
+#define TDM_GEMM_PLAN_N 64     // decode class: the rows of a big decode batch
+// Prompt class: the rows of a full prefill chunk (engine's default token
+// budget and the 2 048-token prefill figure), where the GEMMs are
+// compute bound and want the largest tiles; shorter prompt runs reuse it.
+#define TDM_GEMM_PROMPT_PLAN_N 2048
 #define TDM_GEMM_WORKSPACE ((size_t)32 << 20)
 
 struct gemm_plan {
     int rows, cols;
     bool bias;
+    enum tdm_cuda_gemm_class cls;
     cublasLtMatmulAlgo_t algo;
 };
 
@@ -262,29 +271,52 @@ static int gemm_descs_make(struct gemm_descs *g, int rows, int cols, int n, cons
     return TDM_OK;
 }
 
-// The algorithm of a weight shape (with or without the bias epilogue): chosen
-// at n = TDM_GEMM_PLAN_N, split-K 1.
+// The alignment (a power of two, at most cuBLASLt's default of 256) that a
+// buffer of rows of row_bytes keeps at every row offset: buffers start
+// 256-byte aligned, and a class's run may start at any row of the step.
+static uint32_t row_alignment(size_t row_bytes)
+{
+    uint32_t a = 256;
+    while (a > 1 && row_bytes % a != 0)
+        a /= 2;
+    return a;
+}
+
+// The algorithm of a weight shape (with or without the bias epilogue) for
+// class cls: chosen at the class's n, split-K 1, among the algorithms that
+// take x and y at any row offset (for rows of 128 bf16 / 64 f32 or a multiple,
+// the 0.5B model's shapes among them, that is cuBLASLt's default of 256 bytes:
+// the decode class's algorithm is the one chosen before there were classes).
 static const cublasLtMatmulAlgo_t *gemm_plan(struct tdm_cuda_dev *d, int rows, int cols,
-                                             const float *bias)
+                                             const float *bias, enum tdm_cuda_gemm_class cls)
 {
     for (int i = 0; i < d->nplans; i++)
         if (d->plans[i].rows == rows && d->plans[i].cols == cols &&
-            d->plans[i].bias == (bias != NULL))
+            d->plans[i].bias == (bias != NULL) && d->plans[i].cls == cls)
             return &d->plans[i].algo;
     if (d->nplans == TDM_GEMM_MAX_SHAPES) {
-        snprintf(d->errmsg, sizeof d->errmsg, "gemm: more than %d weight shapes",
+        snprintf(d->errmsg, sizeof d->errmsg, "gemm: more than %d weight shapes and classes",
                  TDM_GEMM_MAX_SHAPES);
         return NULL;
     }
     struct gemm_descs g;
     const cublasLtMatmulAlgo_t *res = NULL;
     cublasLtMatmulPreference_t pref = NULL;
-    if (gemm_descs_make(&g, rows, cols, TDM_GEMM_PLAN_N, bias) != TDM_OK)
+    int plan_n = cls == TDM_CUDA_GEMM_PROMPT ? TDM_GEMM_PROMPT_PLAN_N : TDM_GEMM_PLAN_N;
+    if (gemm_descs_make(&g, rows, cols, plan_n, bias) != TDM_OK)
         goto out;
     size_t ws = TDM_GEMM_WORKSPACE;
+    uint32_t align_x = row_alignment((size_t)cols * sizeof(uint16_t));
+    uint32_t align_y = row_alignment((size_t)rows * sizeof(float));
     if (cublasLtMatmulPreferenceCreate(&pref) ||
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                             sizeof ws))
+                                             sizeof ws) ||
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                             &align_x, sizeof align_x) ||
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                             &align_y, sizeof align_y) ||
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                             &align_y, sizeof align_y))
         goto out;
     cublasLtMatmulHeuristicResult_t heur[8];
     int found = 0;
@@ -295,6 +327,7 @@ static const cublasLtMatmulAlgo_t *gemm_plan(struct tdm_cuda_dev *d, int rows, i
     p->rows = rows;
     p->cols = cols;
     p->bias = bias != NULL;
+    p->cls = cls;
     p->algo = heur[0].algo;
     int splitk = 1;
     cublasLtReductionScheme_t red = CUBLASLT_REDUCTION_SCHEME_NONE;
@@ -307,7 +340,8 @@ static const cublasLtMatmulAlgo_t *gemm_plan(struct tdm_cuda_dev *d, int rows, i
 out:
     if (res == NULL)
         snprintf(d->errmsg, sizeof d->errmsg,
-                 "gemm: no cuBLASLt algorithm for a %d x %d bf16 weight", rows, cols);
+                 "gemm: no cuBLASLt algorithm for a %d x %d bf16 weight (%s rows)", rows, cols,
+                 cls == TDM_CUDA_GEMM_PROMPT ? "prompt" : "decode");
     if (pref)
         cublasLtMatmulPreferenceDestroy(pref);
     gemm_descs_free(&g);
@@ -315,13 +349,14 @@ out:
 }
 
 int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, int cols,
-                           const uint16_t *x, int n, const float *bias, float *y)
+                           const uint16_t *x, int n, const float *bias, float *y,
+                           enum tdm_cuda_gemm_class cls)
 {
     if (rows <= 0 || cols <= 0 || n <= 0) {
         snprintf(d->errmsg, sizeof d->errmsg, "gemm: %d x %d weight, n %d", rows, cols, n);
         return TDM_EINVAL;
     }
-    const cublasLtMatmulAlgo_t *algo = gemm_plan(d, rows, cols, bias);
+    const cublasLtMatmulAlgo_t *algo = gemm_plan(d, rows, cols, bias, cls);
     if (algo == NULL)
         return TDM_EBACKEND;
     struct gemm_descs g;
@@ -336,9 +371,9 @@ int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, 
             if (!d->warned_fallback) {
                 d->warned_fallback = true;
                 TDM_LOG_WARN("cuda",
-                             "gemm %d x %d: the fixed algorithm refused n=%d; cuBLASLt chooses "
-                             "for such calls (batch invariance not guaranteed for them)",
-                             rows, cols, n);
+                             "gemm %d x %d: the fixed %s algorithm refused n=%d; cuBLASLt "
+                             "chooses for such calls (batch invariance not guaranteed for them)",
+                             rows, cols, cls == TDM_CUDA_GEMM_PROMPT ? "prompt" : "decode", n);
             }
             st = cublasLtMatmul(d->lt, g.op, &one, w, g.a, x, g.b, &zero, y, g.c, y, g.c, NULL,
                                 d->workspace, TDM_GEMM_WORKSPACE, d->stream);

@@ -59,13 +59,24 @@ int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t byte
 // kernel failed.
 int tdm_cuda_dev_sync(struct tdm_cuda_dev *d);
 
+// A GEMM's algorithm class (backend.h, enum tdm_gemm_class): each weight
+// shape has one algorithm per class.
+enum tdm_cuda_gemm_class {
+    TDM_CUDA_GEMM_DECODE = 0, // decode rows: the heuristic's pick for 64 rows
+    TDM_CUDA_GEMM_PROMPT,     // prompt rows: its pick for 2048 rows
+};
+
 // y[n][rows] = x[n][cols] . w[rows][cols]^T (+ bias[rows] when not NULL):
 // bf16 inputs, f32 accumulation and output. The algorithm is chosen once per
-// weight shape (rows, cols) and cached, never per n, so a row of y does not
-// depend on n (the backend's batch invariance; see docs/gpu-backend.md for
-// what cuBLASLt guarantees). x and y are activation buffers of the backend.
+// weight shape (rows, cols), bias use and class, and cached, never per n, so
+// a row of y does not depend on n (the backend's batch invariance; see
+// docs/gpu-backend.md for what cuBLASLt guarantees). x and y are activation
+// buffers of the backend, or such a buffer offset by whole rows (a step's run
+// of one class): the algorithm is one that every row offset's alignment
+// allows.
 int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, int cols,
-                           const uint16_t *x, int n, const float *bias, float *y);
+                           const uint16_t *x, int n, const float *bias, float *y,
+                           enum tdm_cuda_gemm_class cls);
 
 // CUDA graphs: between capture_begin and capture_end the stream's work
 // (kernels, d2d copies, memsets, GEMMs) is recorded into a graph instead of

@@ -160,19 +160,27 @@ static int argmax(const float *x, int n)
     return b;
 }
 
-// One forward of n tokens of one sequence at pos; the last row's logits (all
-// n rows' with `all`) into out.
-static void step_mode(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
-                      int32_t *hist, int pos, int n, float *out, bool all)
+// One forward of n tokens of one sequence at pos, of a request whose prompt
+// is prompt_len tokens (its rows below it prompt rows; 0: all decode rows);
+// the last row's logits (all n rows' with `all`) into out.
+static void step_in(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                    int32_t *hist, int pos, int n, float *out, bool all, int prompt_len)
 {
     assert_int_equal(tdm_kv_reserve(kv, seq, pos + n), TDM_OK);
     struct tdm_batch_seq b = {.tokens = hist + pos,
                               .n_tokens = n,
                               .start_pos = pos,
                               .block_table = seq->block_table,
+                              .prompt_len = prompt_len,
                               .logits = all ? TDM_LOGITS_ALL : TDM_LOGITS_LAST};
     assert_int_equal(tdm_model_forward(m, kv, &b, 1, out), TDM_OK);
     tdm_kv_commit(kv, seq, hist, pos + n);
+}
+
+static void step_mode(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
+                      int32_t *hist, int pos, int n, float *out, bool all)
+{
+    step_in(m, kv, seq, hist, pos, n, out, all, 0);
 }
 
 static void step(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
@@ -182,18 +190,20 @@ static void step(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq
 }
 
 // Prefill in two chunks (logits of every row of the second) then greedy
-// decode; hist gets the STEPS + 1 new tokens after the prompt, logits
-// [prompt - chunk1 + STEPS][vocab]: the second chunk's rows, then each step's.
+// decode, the prompt's rows marked as such (on a GPU: the prompt class's GEMM
+// algorithm, then the decode class's); hist gets the STEPS + 1 new tokens
+// after the prompt, logits [prompt - chunk1 + STEPS][vocab]: the second
+// chunk's rows, then each step's.
 static void greedy(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
                    int32_t *hist, int prompt, int chunk1, float *logits)
 {
     int vocab = tdm_model_config(m)->vocab_size, n2 = prompt - chunk1;
-    step(m, kv, seq, hist, 0, chunk1, logits);
-    step_mode(m, kv, seq, hist, chunk1, n2, logits, true);
+    step_in(m, kv, seq, hist, 0, chunk1, logits, false, prompt);
+    step_in(m, kv, seq, hist, chunk1, n2, logits, true, prompt);
     hist[prompt] = argmax(logits + (size_t)(n2 - 1) * vocab, vocab);
     for (int s = 0; s < STEPS; s++) {
         float *row = logits + (size_t)(n2 + s) * vocab;
-        step(m, kv, seq, hist, prompt + s, 1, row);
+        step_in(m, kv, seq, hist, prompt + s, 1, row, false, prompt);
         hist[prompt + s + 1] = argmax(row, vocab);
     }
 }
@@ -333,7 +343,9 @@ static void test_greedy_fast(void **state)
 }
 
 // Two sequences (a 40-token prefill and a decode at position 20) in one
-// forward get bitwise the logits they get alone.
+// forward get bitwise the logits they get alone: the prompt rows on the prompt
+// class's GEMM algorithm and the decode row on the decode class's in both (in
+// one step, a GEMM a class: the decode row's at an offset of 40 rows).
 static void test_batch_invariance(void **state)
 {
     (void)state;
@@ -360,11 +372,13 @@ static void test_batch_invariance(void **state)
              .n_tokens = 40,
              .start_pos = 0,
              .block_table = sa.block_table,
+             .prompt_len = 40,
              .logits = TDM_LOGITS_LAST},
             {.tokens = b + 20,
              .n_tokens = 1,
              .start_pos = 20,
              .block_table = sb.block_table,
+             .prompt_len = 20,
              .logits = TDM_LOGITS_LAST},
         };
         if (round == 0) {
@@ -705,6 +719,215 @@ static void test_launch_budget(void **state)
             fill_ctas = ctas;
     }
     assert_true(fill_ctas >= TDM_H200_SMS);
+}
+
+// ---- GEMM classes -------------------------------------------------------------------------------
+// Issue 26 item 5: prompt rows (positions below their sequence's prompt_len)
+// take the prompt class's GEMM algorithm, every other row the decode class's,
+// whatever the step's make-up. The emulator's GEMM is one loop for both, so
+// the launch log (its "gemm" and "gemm_prompt" entries and their rows) tells
+// which class each GEMM asked for.
+
+// The GEMMs of a launch log, by class: how many, and the rows of each.
+struct gemm_tally {
+    int prompt, decode; // GEMMs of each class
+    int prompt_n[64];   // rows of each prompt-class GEMM, in launch order
+    int decode_n[64];   // rows of each decode-class GEMM
+    int other;          // kernel launches
+    int gemv;           // of them, the fast mode's GEMV
+};
+
+static struct gemm_tally tally_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
+                                       const struct tdm_batch_seq *b, int n_seqs, float *logits)
+{
+    enum { CAP = 512 };
+    static struct tdm_emu_launch log[CAP];
+    tdm_emu_launch_log(1);
+    assert_int_equal(tdm_model_forward(m, kv, b, n_seqs, logits), TDM_OK);
+    size_t n = tdm_emu_launches(log, CAP);
+    tdm_emu_launch_log(0);
+    assert_true(n <= CAP);
+    struct gemm_tally t = {0};
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(log[i].name, "gemm_prompt") == 0) {
+            assert_true(t.prompt < 64);
+            t.prompt_n[t.prompt++] = log[i].gemm_n;
+        } else if (strcmp(log[i].name, "gemm") == 0) {
+            assert_true(t.decode < 64);
+            t.decode_n[t.decode++] = log[i].gemm_n;
+        } else {
+            t.other++;
+            t.gemv += strstr(log[i].name, "gemv_kernel") != NULL;
+        }
+    }
+    return t;
+}
+
+static struct tdm_batch_seq seq_chunk(int32_t *h, struct tdm_kv_seq *q, int pos, int n,
+                                      int prompt_len, enum tdm_logits_mode lm)
+{
+    return (struct tdm_batch_seq){.tokens = h + pos,
+                                  .n_tokens = n,
+                                  .start_pos = pos,
+                                  .block_table = q->block_table,
+                                  .prompt_len = prompt_len,
+                                  .logits = lm};
+}
+
+// Every GEMM of the tally's first `count` of a class has n rows.
+static void assert_rows(const int *got, int count, int n)
+{
+    for (int i = 0; i < count; i++)
+        assert_int_equal(got[i], n);
+}
+
+static void test_gemm_classes(void **state)
+{
+    (void)state;
+    struct tdm_model *m = load(tiny_dir, "cuda", "bf16"); // graphs on
+    int vocab = tdm_model_config(m)->vocab_size, L = tdm_model_config(m)->num_hidden_layers;
+    assert_true(4 * L + 1 <= 64);
+    struct tdm_kv_cache *kv = new_kv(m);
+    static int32_t a[64], b[64], c[64];
+    make_prompt(a, 40, vocab, 71);
+    make_prompt(b, 40, vocab, 72);
+    make_prompt(c, 40, vocab, 73);
+    struct tdm_kv_seq sa, sb, sc;
+    tdm_kv_seq_init(&sa), tdm_kv_seq_init(&sb), tdm_kv_seq_init(&sc);
+    assert_int_equal(tdm_kv_reserve(kv, &sa, 40), TDM_OK);
+    assert_int_equal(tdm_kv_reserve(kv, &sb, 40), TDM_OK);
+    assert_int_equal(tdm_kv_reserve(kv, &sc, 40), TDM_OK);
+    float *l1 = malloc(32 * (size_t)vocab * sizeof(float));
+    float *l2 = malloc(32 * (size_t)vocab * sizeof(float));
+
+    // A prompt chunk alone: its layers' GEMMs are prompt class; the head's
+    // row is decode class (the head is, for every row).
+    struct tdm_batch_seq q = seq_chunk(a, &sa, 0, 20, 20, TDM_LOGITS_LAST);
+    struct gemm_tally t = tally_forward(m, kv, &q, 1, l1);
+    assert_int_equal(t.prompt, 4 * L);
+    assert_rows(t.prompt_n, t.prompt, 20);
+    assert_int_equal(t.decode, 1);
+    assert_rows(t.decode_n, 1, 1);
+
+    // A's decodes (positions 20 ..): decode class only, and as graphs (a
+    // replayed step launches nothing the log sees).
+    unsigned long long graphs0 = tdm_emu_graph_launches();
+    for (int pos = 20; pos < 24; pos++) {
+        q = seq_chunk(a, &sa, pos, 1, 20, TDM_LOGITS_LAST);
+        t = tally_forward(m, kv, &q, 1, l1);
+        assert_int_equal(t.prompt, 0);
+    }
+    assert_true(tdm_emu_graph_launches() > graphs0); // bucket 1's graph exists
+
+    // A decode beside a prompt chunk: a GEMM a class per layer GEMM, the
+    // decode row's numbers bitwise its numbers alone (x and y offset).
+    q = seq_chunk(a, &sa, 24, 1, 20, TDM_LOGITS_LAST);
+    assert_int_equal(tdm_model_forward(m, kv, &q, 1, l1), TDM_OK);
+    struct tdm_batch_seq mixed[2] = {q, seq_chunk(b, &sb, 0, 12, 30, TDM_LOGITS_NONE)};
+    t = tally_forward(m, kv, mixed, 2, l2);
+    assert_int_equal(t.prompt, 4 * L);
+    assert_rows(t.prompt_n, t.prompt, 12);
+    assert_int_equal(t.decode, 4 * L + 1);
+    assert_rows(t.decode_n, t.decode, 1);
+    assert_memory_equal(l1, l2, (size_t)vocab * sizeof(float));
+
+    // The rest of B's prompt, its last token a chunk of its own: that row is
+    // still a prompt row (not a graph of decode GEMMs, though it decodes one
+    // token at the end of its sequence as a decode does).
+    q = seq_chunk(b, &sb, 12, 17, 30, TDM_LOGITS_NONE);
+    t = tally_forward(m, kv, &q, 1, NULL);
+    assert_int_equal(t.prompt, 4 * L);
+    assert_rows(t.prompt_n, t.prompt, 17);
+    graphs0 = tdm_emu_graph_launches();
+    q = seq_chunk(b, &sb, 29, 1, 30, TDM_LOGITS_LAST);
+    t = tally_forward(m, kv, &q, 1, l1);
+    assert_int_equal(tdm_emu_graph_launches(), graphs0);
+    assert_int_equal(t.prompt, 4 * L);
+    assert_rows(t.prompt_n, t.prompt, 1);
+    assert_int_equal(t.decode, 1);
+
+    // A chunk that runs past its prompt (a preempted request's recompute of
+    // its 20 prompt tokens and 5 generated ones): 20 prompt rows, 5 decode
+    // rows, every row's logits bitwise those of the chunk run as one class
+    // (the emulator's loop is one: the runs' offsets are what is checked).
+    q = seq_chunk(c, &sc, 0, 25, 20, TDM_LOGITS_ALL);
+    t = tally_forward(m, kv, &q, 1, l1);
+    assert_int_equal(t.prompt, 4 * L);
+    assert_rows(t.prompt_n, t.prompt, 20);
+    assert_int_equal(t.decode, 4 * L + 1);
+    assert_rows(t.decode_n, 4 * L, 5);
+    assert_int_equal(t.decode_n[4 * L], 25); // the head: all 25 rows
+    q.prompt_len = 0;                        // every row a decode row: one GEMM each
+    t = tally_forward(m, kv, &q, 1, l2);
+    assert_int_equal(t.prompt, 0);
+    assert_int_equal(t.decode, 4 * L + 1);
+    assert_memory_equal(l1, l2, 25 * (size_t)vocab * sizeof(float));
+
+    tdm_kv_seq_release(kv, &sa), tdm_kv_seq_release(kv, &sb), tdm_kv_seq_release(kv, &sc);
+    tdm_kv_free(kv);
+    tdm_model_free(m);
+
+    // --no-batch-invariant: the GEMV takes decode runs of up to 16 rows, never
+    // prompt rows (a prompt row's numbers do not depend on its chunk's length
+    // in either mode).
+    m = load_mode(tiny_dir, "cuda", "bf16", true, TDM_BATCH_INVARIANT_OFF);
+    kv = new_kv(m);
+    tdm_kv_seq_init(&sa), tdm_kv_seq_init(&sb);
+    assert_int_equal(tdm_kv_reserve(kv, &sa, 40), TDM_OK);
+    assert_int_equal(tdm_kv_reserve(kv, &sb, 40), TDM_OK);
+    q = seq_chunk(a, &sa, 0, 20, 20, TDM_LOGITS_NONE);
+    assert_int_equal(tdm_model_forward(m, kv, &q, 1, NULL), TDM_OK);
+    struct tdm_batch_seq fast[2] = {seq_chunk(a, &sa, 20, 1, 20, TDM_LOGITS_LAST),
+                                    seq_chunk(b, &sb, 0, 3, 30, TDM_LOGITS_NONE)};
+    t = tally_forward(m, kv, fast, 2, l1);
+    assert_int_equal(t.prompt, 4 * L);
+    assert_rows(t.prompt_n, t.prompt, 3);
+    assert_int_equal(t.decode, 0);
+    assert_int_equal(t.gemv, 4 * L + 1);
+    tdm_kv_seq_release(kv, &sa), tdm_kv_seq_release(kv, &sb);
+    tdm_kv_free(kv);
+    tdm_model_free(m);
+    free(l1), free(l2);
+}
+
+// A decode-only step whose rows say their prompt length issues the launches
+// of one that does not (no prompt-class GEMM, no launch more): the launch
+// budget's step with prompt_len set, against the same step without.
+static void test_gemm_classes_decode_launches(void **state)
+{
+    (void)state;
+    enum { CAP = 256 };
+    struct tdm_model *m = load_opts(tiny_dir, "cuda", "bf16", true);
+    int vocab = tdm_model_config(m)->vocab_size;
+    static struct tdm_emu_launch with[CAP], without[CAP];
+    size_t n[2];
+    for (int round = 0; round < 2; round++) {
+        struct tdm_kv_cache *kv = new_kv(m);
+        int32_t h[16];
+        make_prompt(h, 9, vocab, 4);
+        float *l = malloc((size_t)vocab * sizeof(float));
+        struct tdm_kv_seq q;
+        tdm_kv_seq_init(&q);
+        assert_int_equal(tdm_kv_reserve(kv, &q, 9), TDM_OK);
+        struct tdm_batch_seq pre = seq_chunk(h, &q, 0, 8, 8, TDM_LOGITS_LAST);
+        assert_int_equal(tdm_model_forward(m, kv, &pre, 1, l), TDM_OK);
+        struct tdm_batch_seq dec = seq_chunk(h, &q, 8, 1, round == 0 ? 8 : 0, TDM_LOGITS_LAST);
+        tdm_emu_launch_log(1);
+        assert_int_equal(tdm_model_forward(m, kv, &dec, 1, l), TDM_OK);
+        n[round] = tdm_emu_launches(round == 0 ? with : without, CAP);
+        tdm_emu_launch_log(0);
+        tdm_kv_seq_release(kv, &q);
+        tdm_kv_free(kv);
+        free(l);
+    }
+    assert_true(n[0] <= CAP);
+    assert_int_equal(n[0], n[1]);
+    for (size_t i = 0; i < n[0]; i++) {
+        assert_string_equal(with[i].name, without[i].name);
+        assert_true(with[i].ctas == without[i].ctas && with[i].gemm_n == without[i].gemm_n);
+        assert_true(strcmp(with[i].name, "gemm_prompt") != 0);
+    }
+    tdm_model_free(m);
 }
 
 // What a push hook sees during a prefill forward on a device that runs behind
@@ -1241,7 +1464,8 @@ static void ensure_big_model(void)
 
 // The 0.5B shape (14 heads / 2 KV heads, head_dim 64) on the GPU vs the CPU
 // backend: the argmax of every row of a 64-token prefill's second chunk
-// agrees (near-ties within 0.25 excepted).
+// agrees (near-ties within 0.25 excepted), its rows prompt rows (the prompt
+// class's GEMM algorithm).
 static void test_big_prefill_vs_cpu(void **state)
 {
     (void)state;
@@ -1255,10 +1479,10 @@ static void test_big_prefill_vs_cpu(void **state)
     float *lg = malloc((size_t)(n - c1) * vocab * sizeof(float));
     struct tdm_kv_seq sc, sg;
     tdm_kv_seq_init(&sc), tdm_kv_seq_init(&sg);
-    step(mc, kc, &sc, h, 0, c1, lc);
-    step(mg, kg, &sg, h, 0, c1, lg);
-    step_mode(mc, kc, &sc, h, c1, n - c1, lc, true);
-    step_mode(mg, kg, &sg, h, c1, n - c1, lg, true);
+    step_in(mc, kc, &sc, h, 0, c1, lc, false, n);
+    step_in(mg, kg, &sg, h, 0, c1, lg, false, n);
+    step_in(mc, kc, &sc, h, c1, n - c1, lc, true, n);
+    step_in(mg, kg, &sg, h, c1, n - c1, lg, true, n);
     int ties = 0;
     float worst = 0.0f;
     for (int r = 0; r < n - c1; r++) {
@@ -1385,6 +1609,8 @@ int main(void)
         cmocka_unit_test(test_kv_capacity),
         cmocka_unit_test(test_deferred_export_overlaps),
         cmocka_unit_test(test_launch_budget),
+        cmocka_unit_test(test_gemm_classes),
+        cmocka_unit_test(test_gemm_classes_decode_launches),
 #endif
         cmocka_unit_test(test_errors),
 #ifndef TDM_CUDA_TEST_GPU

@@ -313,9 +313,12 @@ static void test_silu_add_bf16(void **state)
 }
 
 // ---- GEMM ------------------------------------------------------------------------------------
-static void test_gemm(void **state)
+// Each class's algorithm (cuda_dev.h) against a double reference, and its
+// row 4 alone bitwise its row in the batch of 5 (on a GPU: cuBLASLt's
+// algorithm of that class, fixed per weight shape, at n = 5 and 1, x offset
+// by 4 rows).
+static void gemm_class(enum tdm_cuda_gemm_class cls)
 {
-    (void)state;
     enum { ROWS = 70, COLS = 67, N = 5 };
     uint16_t w[ROWS * COLS];
     float x[N * COLS], bias[ROWS], y[N * ROWS], y1[ROWS];
@@ -330,7 +333,7 @@ static void test_gemm(void **state)
     float *d_b = to_dev(bias, sizeof bias);
     uint16_t *d_xb = to_dev(xb, sizeof xb);
     float *d_y = dev_zeros(sizeof y);
-    assert_int_equal(tdm_cuda_dev_gemm_bf16(dev, d_w, ROWS, COLS, d_xb, N, d_b, d_y), TDM_OK);
+    assert_int_equal(tdm_cuda_dev_gemm_bf16(dev, d_w, ROWS, COLS, d_xb, N, d_b, d_y, cls), TDM_OK);
     from_dev(y, d_y, sizeof y);
     float worst = 0.0f;
     for (int t = 0; t < N; t++)
@@ -346,14 +349,22 @@ static void test_gemm(void **state)
                 fail_msg("gemm: y[%d][%d] = %.9g, reference %.9g", t, r, y[t * ROWS + r], ref);
             worst = e > worst ? e : worst;
         }
-    printf("gemm: max error %g\n", worst);
+    printf("gemm (%s class): max error %g\n", cls == TDM_CUDA_GEMM_PROMPT ? "prompt" : "decode",
+           worst);
     // Batch invariance: token 4 alone gives its row bitwise.
-    assert_int_equal(tdm_cuda_dev_gemm_bf16(dev, d_w, ROWS, COLS, d_xb + 4 * COLS, 1, d_b, d_y),
-                     TDM_OK);
+    assert_int_equal(
+        tdm_cuda_dev_gemm_bf16(dev, d_w, ROWS, COLS, d_xb + 4 * COLS, 1, d_b, d_y, cls), TDM_OK);
     from_dev(y1, d_y, sizeof y1);
     assert_memory_equal(y1, y + 4 * ROWS, sizeof y1);
     tdm_cuda_dev_free(dev, d_w), tdm_cuda_dev_free(dev, d_b);
     tdm_cuda_dev_free(dev, d_xb), tdm_cuda_dev_free(dev, d_y);
+}
+
+static void test_gemm(void **state)
+{
+    (void)state;
+    gemm_class(TDM_CUDA_GEMM_DECODE);
+    gemm_class(TDM_CUDA_GEMM_PROMPT);
 }
 
 // ---- small-batch GEMM (tdm_cuk_gemv) ---------------------------------------------------------

@@ -263,7 +263,8 @@ static void run_gemm(void *arg)
 }
 
 int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, int cols,
-                           const uint16_t *x, int n, const float *bias, float *y)
+                           const uint16_t *x, int n, const float *bias, float *y,
+                           enum tdm_cuda_gemm_class cls)
 {
     if (rows <= 0 || cols <= 0 || n <= 0) {
         snprintf(d->errmsg, sizeof d->errmsg, "gemm: %d x %d weight, n %d", rows, cols, n);
@@ -272,7 +273,9 @@ int tdm_cuda_dev_gemm_bf16(struct tdm_cuda_dev *d, const uint16_t *w, int rows, 
     if (on_device(d, "gemm") != TDM_OK) // a per-layer launch: bound by begin_forward
         return TDM_EBACKEND;
     struct gemm_work g = {.w = w, .x = x, .bias = bias, .y = y, .rows = rows, .cols = cols, .n = n};
-    tdm_emu_log_launch("gemm", 0);
+    // The loop is the same for both classes; the log tells the tests which
+    // class (cuBLASLt algorithm on a GPU) each GEMM asked for, and its rows.
+    tdm_emu_log_gemm(cls == TDM_CUDA_GEMM_PROMPT ? "gemm_prompt" : "gemm", n);
     tdm_emu_stream_work(NULL, run_gemm, &g, sizeof g);
     return TDM_OK;
 }

@@ -481,7 +481,14 @@ extern "C" void tdm_emu_log_launch(const char *name, unsigned long long ctas)
 {
     std::lock_guard<std::mutex> hold(tdm_emu::log_mu);
     if (tdm_emu::log_on)
-        tdm_emu::launch_log.push_back({name, ctas});
+        tdm_emu::launch_log.push_back({name, ctas, 0});
+}
+
+extern "C" void tdm_emu_log_gemm(const char *name, int n)
+{
+    std::lock_guard<std::mutex> hold(tdm_emu::log_mu);
+    if (tdm_emu::log_on)
+        tdm_emu::launch_log.push_back({name, 0, n});
 }
 
 extern "C" void tdm_emu_defer(int on)

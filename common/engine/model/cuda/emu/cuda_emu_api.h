@@ -56,16 +56,20 @@ void tdm_emu_event_sync(void *event);
 void tdm_emu_stream_wait_event(void *stream, void *event);
 
 // The launch log (tests: issue 26's launch budget): while on, every kernel
-// launch and every emulated GEMM (tdm_emu_log_launch from the device API) is
+// launch and every emulated GEMM (tdm_emu_log_gemm from the device API) is
 // recorded with its grid's CTA count (0 for a GEMM: cuBLASLt picks its own).
 struct tdm_emu_launch {
-    const char *name; // the kernel as written at the launch ("gemm" for a GEMM)
+    // The kernel as written at the launch; a GEMM: "gemm" (the decode class's
+    // algorithm) or "gemm_prompt" (the prompt class's: cuda_dev.h).
+    const char *name;
     unsigned long long ctas;
+    int gemm_n; // a GEMM's rows (its n); 0 for a kernel
 };
 void tdm_emu_launch_log(int on); // on clears the log
 // Copies up to cap entries in launch order; returns how many were logged.
 size_t tdm_emu_launches(struct tdm_emu_launch *out, size_t cap);
 void tdm_emu_log_launch(const char *name, unsigned long long ctas);
+void tdm_emu_log_gemm(const char *name, int n);
 
 #ifdef __cplusplus
 }
