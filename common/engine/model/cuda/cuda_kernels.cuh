@@ -5,9 +5,10 @@
 //
 // Only the CUDA subset the emulator models is used: threadIdx/blockIdx/
 // blockDim/gridDim, static __shared__ arrays, __syncthreads, full-warp
-// __shfl_xor_sync, atomics, __threadfence, __ldcg and aligned 16-byte loads
-// (ld16; __ldg, __ldcs of a uint4). Blocks are one-dimensional and a multiple
-// of 32 threads.
+// __shfl_xor_sync, atomics, __threadfence, __ldcg, aligned 16-byte loads
+// (ld16; __ldg, __ldcs of a uint4) and the warp-level matrix instructions of
+// cuda_mma.cuh (mma.sync m16n8k16 bf16, ldmatrix x4). Blocks are
+// one-dimensional and a multiple of 32 threads.
 //
 // Reductions run in a fixed order set by the block shape (never by the batch):
 // a strided per-thread partial, a butterfly inside each warp, then warps in
