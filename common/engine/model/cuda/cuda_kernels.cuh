@@ -1406,12 +1406,13 @@ __global__ void __launch_bounds__(128)
 
     uint32_t qa[KS][4];
     TDM_CUK_UNROLL
-    for (int kk = 0; kk < KS; kk++)
+    for (int kk = 0; kk < KS; kk++) {
         TDM_CUK_UNROLL
-    for (int f = 0; f < 4; f++) {
-        int r = rr[f % 2], d = kk * 16 + 2 * t + (f / 2) * 8;
-        const float *qr = q + (size_t)(sq.row + i0 + r) * q_stride + (size_t)h * HD + d;
-        qa[kk][f] = r < nq ? bf16x2(qr[0], qr[1]) : 0u;
+        for (int f = 0; f < 4; f++) {
+            int r = rr[f % 2], d = kk * 16 + 2 * t + (f / 2) * 8;
+            const float *qr = q + (size_t)(sq.row + i0 + r) * q_stride + (size_t)h * HD + d;
+            qa[kk][f] = r < nq ? bf16x2(qr[0], qr[1]) : 0u;
+        }
     }
     float o[DT][4];
     TDM_CUK_UNROLL
@@ -1441,28 +1442,29 @@ __global__ void __launch_bounds__(128)
         for (int nt = 0; nt < NT; nt++)
             sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
         TDM_CUK_UNROLL
-        for (int kk = 0; kk < KS; kk++)
+        for (int kk = 0; kk < KS; kk++) {
             TDM_CUK_UNROLL
-        for (int np = 0; np < NT / 2; np++) {
-            // Matrices: keys np*16 + {0..7, 8..15} x dims kk*16 + {0..7, 8..15};
-            // r[0], r[1] = B of key tile 2 np, r[2], r[3] = of 2 np + 1.
-            uint32_t b[4];
-            tdm_ldmatrix_x4(
-                b,
-                &ks[(np * 16 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 + ((lane / 8) % 2) * 8]);
-            tdm_mma_bf16_16816(sc[2 * np], qa[kk], &b[0], sc[2 * np]);
-            tdm_mma_bf16_16816(sc[2 * np + 1], qa[kk], &b[2], sc[2 * np + 1]);
+            for (int np = 0; np < NT / 2; np++) {
+                // Matrices: keys np*16 + {0..7, 8..15} x dims kk*16 + {0..7, 8..15};
+                // r[0], r[1] = B of key tile 2 np, r[2], r[3] = of 2 np + 1.
+                uint32_t b[4];
+                tdm_ldmatrix_x4(b, &ks[(np * 16 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 +
+                                       ((lane / 8) % 2) * 8]);
+                tdm_mma_bf16_16816(sc[2 * np], qa[kk], &b[0], sc[2 * np]);
+                tdm_mma_bf16_16816(sc[2 * np + 1], qa[kk], &b[2], sc[2 * np + 1]);
+            }
         }
 
         float mx[2] = {m[0], m[1]};
         TDM_CUK_UNROLL
-        for (int nt = 0; nt < NT; nt++)
+        for (int nt = 0; nt < NT; nt++) {
             TDM_CUK_UNROLL
-        for (int e = 0; e < 4; e++) {
-            int r = rr[e / 2], key = k0 + nt * 8 + 2 * t + e % 2;
-            float v = r < nq && key <= q_pos0 + r ? sc[nt][e] * scale : -INFINITY;
-            sc[nt][e] = v;
-            mx[e / 2] = fmaxf(mx[e / 2], v);
+            for (int e = 0; e < 4; e++) {
+                int r = rr[e / 2], key = k0 + nt * 8 + 2 * t + e % 2;
+                float v = r < nq && key <= q_pos0 + r ? sc[nt][e] * scale : -INFINITY;
+                sc[nt][e] = v;
+                mx[e / 2] = fmaxf(mx[e / 2], v);
+            }
         }
         float corr[2];
         TDM_CUK_UNROLL
@@ -1476,16 +1478,18 @@ __global__ void __launch_bounds__(128)
         uint32_t pa[BK / 16][4];
         float ps[2] = {0.0f, 0.0f};
         TDM_CUK_UNROLL
-        for (int nt = 0; nt < NT; nt++)
+        for (int nt = 0; nt < NT; nt++) {
             TDM_CUK_UNROLL
-        for (int hf = 0; hf < 2; hf++) {
-            float p2[2];
-            for (int e = 0; e < 2; e++) {
-                float v = sc[nt][hf * 2 + e];
-                p2[e] = v == -INFINITY ? 0.0f : bf16_to_f32(f32_to_bf16(expf(v - m[hf])));
-                ps[hf] += p2[e];
+            for (int hf = 0; hf < 2; hf++) {
+                float p2[2];
+                TDM_CUK_UNROLL
+                for (int e = 0; e < 2; e++) {
+                    float v = sc[nt][hf * 2 + e];
+                    p2[e] = v == -INFINITY ? 0.0f : bf16_to_f32(f32_to_bf16(expf(v - m[hf])));
+                    ps[hf] += p2[e];
+                }
+                pa[nt / 2][hf + 2 * (nt % 2)] = bf16x2(p2[0], p2[1]);
             }
-            pa[nt / 2][hf + 2 * (nt % 2)] = bf16x2(p2[0], p2[1]);
         }
         TDM_CUK_UNROLL
         for (int i = 0; i < 2; i++)
@@ -1498,17 +1502,17 @@ __global__ void __launch_bounds__(128)
             o[dt][3] *= corr[1];
         }
         TDM_CUK_UNROLL
-        for (int kb = 0; kb < BK / 16; kb++)
+        for (int kb = 0; kb < BK / 16; kb++) {
             TDM_CUK_UNROLL
-        for (int dp = 0; dp < DT / 2; dp++) {
-            // Matrices: keys kb*16 + {0..7, 8..15} x dims dp*16 + {0..7, 8..15}
-            // transposed; r[0], r[1] = B of dims tile 2 dp, r[2], r[3] = of 2 dp + 1.
-            uint32_t b[4];
-            tdm_ldmatrix_x4_trans(
-                b,
-                &vs[(kb * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD + dp * 16 + (lane / 16) * 8]);
-            tdm_mma_bf16_16816(o[2 * dp], pa[kb], &b[0], o[2 * dp]);
-            tdm_mma_bf16_16816(o[2 * dp + 1], pa[kb], &b[2], o[2 * dp + 1]);
+            for (int dp = 0; dp < DT / 2; dp++) {
+                // Matrices: keys kb*16 + {0..7, 8..15} x dims dp*16 + {0..7, 8..15}
+                // transposed; r[0], r[1] = B of dims tile 2 dp, r[2], r[3] = of 2 dp + 1.
+                uint32_t b[4];
+                tdm_ldmatrix_x4_trans(b, &vs[(kb * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD +
+                                             dp * 16 + (lane / 16) * 8]);
+                tdm_mma_bf16_16816(o[2 * dp], pa[kb], &b[0], o[2 * dp]);
+                tdm_mma_bf16_16816(o[2 * dp + 1], pa[kb], &b[2], o[2 * dp + 1]);
+            }
         }
     }
     if (idle)
@@ -1519,15 +1523,16 @@ __global__ void __launch_bounds__(128)
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
     }
     TDM_CUK_UNROLL
-    for (int dt = 0; dt < DT; dt++)
+    for (int dt = 0; dt < DT; dt++) {
         TDM_CUK_UNROLL
-    for (int e = 0; e < 4; e++) {
-        int r = rr[e / 2];
-        if (r < nq)
-            act_put(out,
-                    (size_t)(sq.row + i0 + r) * n_heads * HD + (size_t)h * HD + dt * 8 + 2 * t +
-                        e % 2,
-                    o[dt][e] / l[e / 2], out_bf16);
+        for (int e = 0; e < 4; e++) {
+            int r = rr[e / 2];
+            if (r < nq)
+                act_put(out,
+                        (size_t)(sq.row + i0 + r) * n_heads * HD + (size_t)h * HD + dt * 8 + 2 * t +
+                            e % 2,
+                        o[dt][e] / l[e / 2], out_bf16);
+        }
     }
 }
 } // namespace tdm_cuk
