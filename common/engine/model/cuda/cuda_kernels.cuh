@@ -5,9 +5,10 @@
 //
 // Only the CUDA subset the emulator models is used: threadIdx/blockIdx/
 // blockDim/gridDim, static __shared__ arrays, __syncthreads, full-warp
-// __shfl_xor_sync, atomics, __threadfence, __ldcg and aligned 16-byte loads
-// (ld16; __ldg, __ldcs of a uint4). Blocks are one-dimensional and a multiple
-// of 32 threads.
+// __shfl_xor_sync, atomics, __threadfence, __ldcg, aligned 16-byte loads
+// (ld16; __ldg, __ldcs of a uint4) and the warp-level matrix instructions of
+// cuda_mma.cuh (mma.sync m16n8k16 bf16, ldmatrix x4). Blocks are
+// one-dimensional and a multiple of 32 threads.
 //
 // Reductions run in a fixed order set by the block shape (never by the batch):
 // a strided per-thread partial, a butterfly inside each warp, then warps in
@@ -17,6 +18,7 @@
 #define TDM_CUDA_KERNELS_CUH
 
 #include "cuda_kernels.h"
+#include "cuda_mma.cuh"
 
 namespace tdm_cuk
 {
@@ -1446,19 +1448,23 @@ __global__ void __launch_bounds__(TDM_CUK_DECODE_THREADS)
 }
 
 // ---- prefill attention (FlashAttention-2 style) -------------------------------------------
-// grid (n_tiles, n_heads), block 128. A tile is BQ query rows of one sequence
-// for one head; it walks the key positions 0..(its last query's position) in
-// tiles of BK staged in shared memory, with an online softmax per query row
-// (running max m, sum l, output accumulator O rescaled by e^(m_old - m_new)).
-// Rows past the sequence's end and keys past a row's own position are masked.
+// f32 KV, on CUDA cores: f32 KV is the precision mode, and tensor cores would
+// round its K and V (and the query) to bf16.
+// grid (n_tiles, n_heads), block 128. A tile is TDM_CUK_PREFILL_BQ query rows
+// of one sequence for one head, run as sub-tiles of BQ rows; each walks the
+// key positions 0..(its last query's position) in tiles of BK staged in
+// shared memory, with an online softmax per query row (running max m, sum l,
+// output accumulator O rescaled by e^(m_old - m_new)). Rows past the
+// sequence's end and keys past a row's own position are masked.
+// attn_prefill_f32_rows: query rows i0 .. i0 + TDM_CUK_PREFILL_F32_BQ of sequence si, one head.
 template <class KV, int HD>
-__global__ void __launch_bounds__(128)
-    attn_prefill_kernel(const float *q, int q_stride, const KV *k_cache, const KV *v_cache,
-                        const tdm_cuk_seq *seqs, const int32_t *block_tables, int bt_stride,
-                        const int32_t *tiles, void *out, int out_bf16, int n_heads, int n_kv_heads,
-                        int block_size, float scale)
+__device__ __forceinline__ void
+attn_prefill_f32_rows(const float *q, int q_stride, const KV *k_cache, const KV *v_cache,
+                      const tdm_cuk_seq *seqs, const int32_t *block_tables, int bt_stride, int si,
+                      int i0, void *out, int out_bf16, int n_heads, int n_kv_heads, int block_size,
+                      float scale)
 {
-    constexpr int BQ = TDM_CUK_PREFILL_BQ, BK = TDM_CUK_PREFILL_BK;
+    constexpr int BQ = TDM_CUK_PREFILL_F32_BQ, BK = TDM_CUK_PREFILL_BK;
     // Rows of q and k padded by one float: the score loop's threads read one
     // column of several rows at once, which would otherwise hit one bank.
     __shared__ float qs[BQ][HD + 1];
@@ -1468,7 +1474,6 @@ __global__ void __launch_bounds__(128)
     __shared__ float sc[BQ][BK];
     __shared__ float m_s[BQ], l_s[BQ], corr_s[BQ];
 
-    int si = tiles[2 * blockIdx.x], i0 = tiles[2 * blockIdx.x + 1];
     tdm_cuk_seq sq = seqs[si];
     int h = blockIdx.y;
     int kvh = h / (n_heads / n_kv_heads);
@@ -1551,6 +1556,219 @@ __global__ void __launch_bounds__(128)
     }
 }
 
+template <class KV, int HD>
+__global__ void __launch_bounds__(128)
+    attn_prefill_kernel(const float *q, int q_stride, const KV *k_cache, const KV *v_cache,
+                        const tdm_cuk_seq *seqs, const int32_t *block_tables, int bt_stride,
+                        const int32_t *tiles, void *out, int out_bf16, int n_heads, int n_kv_heads,
+                        int block_size, float scale)
+{
+    for (int sub = 0; sub < TDM_CUK_PREFILL_BQ; sub += TDM_CUK_PREFILL_F32_BQ) {
+        if (tiles[2 * blockIdx.x + 1] + sub >= seqs[tiles[2 * blockIdx.x]].n_tokens)
+            break;
+        attn_prefill_f32_rows<KV, HD>(q, q_stride, k_cache, v_cache, seqs, block_tables, bt_stride,
+                                      tiles[2 * blockIdx.x], tiles[2 * blockIdx.x + 1] + sub, out,
+                                      out_bf16, n_heads, n_kv_heads, block_size, scale);
+        __syncthreads(); // the next sub-tile reuses the shared arrays
+    }
+}
+
+// ---- prefill attention on tensor cores (bf16 KV) -----------------------------------------
+// grid (n_tiles, n_heads), block 128: warp w holds query rows 16 w .. 16 w + 15
+// of the tile. The query is rounded to bf16 once, as mma A fragments in
+// registers. Key tiles of BK positions start at multiples of BK from position 0
+// and are staged in shared memory (K and V rows of bf16, as stored); per tile
+// a warp computes S = Q K^T (mma, B fragments by ldmatrix of K rows), masks
+// and scales it, updates each row's running max m (a max over the row's four
+// lanes, exact), rescales its accumulator O and partial sums l by
+// e^(m_old - m_new), rounds P = e^(S - m) to bf16 and adds P V (mma, B
+// fragments by ldmatrix .trans of V rows). l sums the rounded P, the weights
+// P V used. A row's output therefore depends on its own query and keys only:
+// every mma element is one row's dot product, a tile of keys none of a row's
+// sees leaves its m, l and O unchanged (corr = e^0 = 1, P = 0), so neither the
+// other rows of its tile, nor the chunking of its prompt, nor the batch moves
+// a bit. A row with no visible key yet (a padding row) keeps m = -inf,
+// corr = 1 and P = 0: no NaN; it is never written.
+__device__ __forceinline__ uint32_t bf16x2(float lo, float hi)
+{
+    return (uint32_t)f32_to_bf16(lo) | (uint32_t)f32_to_bf16(hi) << 16;
+}
+
+__device__ __forceinline__ void st16(void *p, uint4 v)
+{
+#ifdef __CUDACC__
+    *(uint4 *)p = v;
+#else
+    if ((uintptr_t)p % 16 != 0)
+        ::tdm_emu::kernel_bug("16-byte store to an address not 16-byte aligned");
+    memcpy(p, &v, sizeof v);
+#endif
+}
+
+template <int HD>
+__global__ void __launch_bounds__(128)
+    attn_prefill_mma_kernel(const float *q, int q_stride, const uint16_t *k_cache,
+                            const uint16_t *v_cache, const tdm_cuk_seq *seqs,
+                            const int32_t *block_tables, int bt_stride, const int32_t *tiles,
+                            void *out, int out_bf16, int n_heads, int n_kv_heads, int block_size,
+                            float scale)
+{
+    constexpr int BQ = TDM_CUK_PREFILL_BQ, BK = TDM_CUK_PREFILL_MMA_BK;
+    constexpr int KS = HD / 16; // k-steps of Q K^T
+    constexpr int NT = BK / 8;  // 8-key column tiles of S
+    constexpr int DT = HD / 8;  // 8-wide column tiles of O
+    // Rows 16 bytes longer than HD: ldmatrix's 8 rows of one matrix then fall
+    // on distinct banks; still 16-byte aligned.
+    constexpr int LD = HD + 8;
+    static_assert(BQ == 4 * 16 && HD % 16 == 0 && BK % 16 == 0, "tile shape");
+    __shared__ __align__(16) uint16_t ks[BK * LD];
+    __shared__ __align__(16) uint16_t vs[BK * LD];
+
+    int si = tiles[2 * blockIdx.x], i0 = tiles[2 * blockIdx.x + 1];
+    tdm_cuk_seq sq = seqs[si];
+    int h = blockIdx.y;
+    int kvh = h / (n_heads / n_kv_heads);
+    int nq = sq.n_tokens - i0 < BQ ? sq.n_tokens - i0 : BQ;
+    int q_pos0 = sq.start_pos + i0; // position of the tile's first query
+    int kv_end = q_pos0 + nq;       // keys [0, kv_end) are visible to some row
+    const int32_t *bt = block_tables + (size_t)si * bt_stride;
+    int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    int rw = warp * 16;               // the warp's first row in the tile
+    int rr[2] = {rw + g, rw + g + 8}; // this lane's two rows (c0/c1 and c2/c3)
+    bool idle = rw >= nq;             // warp-uniform: no row of the warp is real
+    int last_pos = q_pos0 + (rw + 15 < nq ? rw + 15 : nq - 1); // the warp's last row
+
+    uint32_t qa[KS][4];
+    TDM_CUK_UNROLL
+    for (int kk = 0; kk < KS; kk++) {
+        TDM_CUK_UNROLL
+        for (int f = 0; f < 4; f++) {
+            int r = rr[f % 2], d = kk * 16 + 2 * t + (f / 2) * 8;
+            const float *qr = q + (size_t)(sq.row + i0 + r) * q_stride + (size_t)h * HD + d;
+            qa[kk][f] = r < nq ? bf16x2(qr[0], qr[1]) : 0u;
+        }
+    }
+    float o[DT][4];
+    TDM_CUK_UNROLL
+    for (int dt = 0; dt < DT; dt++)
+        o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+    for (int k0 = 0; k0 < kv_end; k0 += BK) {
+        int nk = kv_end - k0 < BK ? kv_end - k0 : BK;
+        __syncthreads(); // every warp is done with the previous tile
+        for (int idx = (int)threadIdx.x; idx < BK * (HD / 8); idx += (int)blockDim.x) {
+            int j = idx / (HD / 8), c = idx % (HD / 8);
+            uint4 kc = make_uint4(0, 0, 0, 0), vc = make_uint4(0, 0, 0, 0);
+            if (j < nk) {
+                kc = ld16(kv_row(k_cache, bt, k0 + j, n_kv_heads, kvh, block_size, HD) + c * 8);
+                vc = ld16(kv_row(v_cache, bt, k0 + j, n_kv_heads, kvh, block_size, HD) + c * 8);
+            }
+            st16(&ks[j * LD + c * 8], kc);
+            st16(&vs[j * LD + c * 8], vc);
+        }
+        __syncthreads();
+        if (idle || k0 > last_pos)
+            continue; // no row of this warp sees a key of the tile: it would change nothing
+
+        float sc[NT][4];
+        TDM_CUK_UNROLL
+        for (int nt = 0; nt < NT; nt++)
+            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+        TDM_CUK_UNROLL
+        for (int kk = 0; kk < KS; kk++) {
+            TDM_CUK_UNROLL
+            for (int np = 0; np < NT / 2; np++) {
+                // Matrices: keys np*16 + {0..7, 8..15} x dims kk*16 + {0..7, 8..15};
+                // r[0], r[1] = B of key tile 2 np, r[2], r[3] = of 2 np + 1.
+                uint32_t b[4];
+                tdm_ldmatrix_x4(b, &ks[(np * 16 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 +
+                                       ((lane / 8) % 2) * 8]);
+                tdm_mma_bf16_16816(sc[2 * np], qa[kk], &b[0], sc[2 * np]);
+                tdm_mma_bf16_16816(sc[2 * np + 1], qa[kk], &b[2], sc[2 * np + 1]);
+            }
+        }
+
+        float mx[2] = {m[0], m[1]};
+        TDM_CUK_UNROLL
+        for (int nt = 0; nt < NT; nt++) {
+            TDM_CUK_UNROLL
+            for (int e = 0; e < 4; e++) {
+                int r = rr[e / 2], key = k0 + nt * 8 + 2 * t + e % 2;
+                float v = r < nq && key <= q_pos0 + r ? sc[nt][e] * scale : -INFINITY;
+                sc[nt][e] = v;
+                mx[e / 2] = fmaxf(mx[e / 2], v);
+            }
+        }
+        float corr[2];
+        TDM_CUK_UNROLL
+        for (int i = 0; i < 2; i++) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            corr[i] = mx[i] == -INFINITY ? 1.0f : expf(m[i] - mx[i]);
+            m[i] = mx[i];
+        }
+        // P as A fragments of P V: keys kb*16 + 2t (+8) are S's tiles 2 kb, 2 kb + 1.
+        uint32_t pa[BK / 16][4];
+        float ps[2] = {0.0f, 0.0f};
+        TDM_CUK_UNROLL
+        for (int nt = 0; nt < NT; nt++) {
+            TDM_CUK_UNROLL
+            for (int hf = 0; hf < 2; hf++) {
+                float p2[2];
+                TDM_CUK_UNROLL
+                for (int e = 0; e < 2; e++) {
+                    float v = sc[nt][hf * 2 + e];
+                    p2[e] = v == -INFINITY ? 0.0f : bf16_to_f32(f32_to_bf16(expf(v - m[hf])));
+                    ps[hf] += p2[e];
+                }
+                pa[nt / 2][hf + 2 * (nt % 2)] = bf16x2(p2[0], p2[1]);
+            }
+        }
+        TDM_CUK_UNROLL
+        for (int i = 0; i < 2; i++)
+            l[i] = l[i] * corr[i] + ps[i];
+        TDM_CUK_UNROLL
+        for (int dt = 0; dt < DT; dt++) {
+            o[dt][0] *= corr[0];
+            o[dt][1] *= corr[0];
+            o[dt][2] *= corr[1];
+            o[dt][3] *= corr[1];
+        }
+        TDM_CUK_UNROLL
+        for (int kb = 0; kb < BK / 16; kb++) {
+            TDM_CUK_UNROLL
+            for (int dp = 0; dp < DT / 2; dp++) {
+                // Matrices: keys kb*16 + {0..7, 8..15} x dims dp*16 + {0..7, 8..15}
+                // transposed; r[0], r[1] = B of dims tile 2 dp, r[2], r[3] = of 2 dp + 1.
+                uint32_t b[4];
+                tdm_ldmatrix_x4_trans(b, &vs[(kb * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD +
+                                             dp * 16 + (lane / 16) * 8]);
+                tdm_mma_bf16_16816(o[2 * dp], pa[kb], &b[0], o[2 * dp]);
+                tdm_mma_bf16_16816(o[2 * dp + 1], pa[kb], &b[2], o[2 * dp + 1]);
+            }
+        }
+    }
+    if (idle)
+        return;
+    TDM_CUK_UNROLL
+    for (int i = 0; i < 2; i++) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+    TDM_CUK_UNROLL
+    for (int dt = 0; dt < DT; dt++) {
+        TDM_CUK_UNROLL
+        for (int e = 0; e < 4; e++) {
+            int r = rr[e / 2];
+            if (r < nq)
+                act_put(out,
+                        (size_t)(sq.row + i0 + r) * n_heads * HD + (size_t)h * HD + dt * 8 + 2 * t +
+                            e % 2,
+                        o[dt][e] / l[e / 2], out_bf16);
+        }
+    }
+}
 } // namespace tdm_cuk
 
 #endif

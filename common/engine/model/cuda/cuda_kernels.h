@@ -54,9 +54,15 @@ enum tdm_cuk_kv_type { TDM_CUK_KV_F32 = 0, TDM_CUK_KV_BF16 = 1 };
 #define TDM_CUK_DECODE_PART 32
 // Query heads of one KV head a decode block serves (reading K/V once for all).
 #define TDM_CUK_DECODE_GROUP 8
-// Query rows per prefill tile (FlashAttention-2 style), and keys per KV tile.
-#define TDM_CUK_PREFILL_BQ 16
+// Query rows per prefill tile (FlashAttention-2 style): with bf16 KV four
+// warps of 16 rows on tensor cores over key tiles of TDM_CUK_PREFILL_MMA_BK;
+// with f32 KV the CUDA-core kernel runs the tile as sub-tiles of
+// TDM_CUK_PREFILL_F32_BQ rows over key tiles of TDM_CUK_PREFILL_BK (its f32
+// rows in shared memory would not fit 48 KiB at 64 rows of head_dim 128).
+#define TDM_CUK_PREFILL_BQ 64
+#define TDM_CUK_PREFILL_F32_BQ 16
 #define TDM_CUK_PREFILL_BK 16
+#define TDM_CUK_PREFILL_MMA_BK 64
 
 // One sequence of an attention launch (device memory, 16 bytes).
 struct tdm_cuk_seq {

@@ -44,14 +44,31 @@ static unsigned grid_for(size_t count, unsigned block)
     return g > 65535 ? 65535u : (unsigned)(g ? g : 1);
 }
 
+// Prefill: f32 KV on CUDA cores (the precision mode), bf16 KV on tensor cores.
+template <int HD>
+static void prefill_launch(void *stream, const tdm_cuk_attn_args *a, const float *)
+{
+    TDM_CUDA_LAUNCH((attn_prefill_kernel<float, HD>),
+                    dim3((unsigned)a->n_tiles, (unsigned)a->n_heads), dim3(128), 0, stream, a->q,
+                    a->q_stride, (const float *)a->k_cache, (const float *)a->v_cache, a->seqs,
+                    a->block_tables, a->bt_stride, a->prefill_tiles, a->out, a->out_bf16,
+                    a->n_heads, a->n_kv_heads, a->block_size, a->scale);
+}
+
+template <int HD>
+static void prefill_launch(void *stream, const tdm_cuk_attn_args *a, const uint16_t *)
+{
+    TDM_CUDA_LAUNCH((attn_prefill_mma_kernel<HD>), dim3((unsigned)a->n_tiles, (unsigned)a->n_heads),
+                    dim3(128), 0, stream, a->q, a->q_stride, (const uint16_t *)a->k_cache,
+                    (const uint16_t *)a->v_cache, a->seqs, a->block_tables, a->bt_stride,
+                    a->prefill_tiles, a->out, a->out_bf16, a->n_heads, a->n_kv_heads, a->block_size,
+                    a->scale);
+}
+
 template <class KV, int HD> static int attention_typed(void *stream, const tdm_cuk_attn_args *a)
 {
     if (a->n_tiles > 0) {
-        dim3 grid((unsigned)a->n_tiles, (unsigned)a->n_heads);
-        TDM_CUDA_LAUNCH((attn_prefill_kernel<KV, HD>), grid, dim3(128), 0, stream, a->q,
-                        a->q_stride, (const KV *)a->k_cache, (const KV *)a->v_cache, a->seqs,
-                        a->block_tables, a->bt_stride, a->prefill_tiles, a->out, a->out_bf16,
-                        a->n_heads, a->n_kv_heads, a->block_size, a->scale);
+        prefill_launch<HD>(stream, a, (const KV *)nullptr);
         int rc = launched("attention prefill");
         if (rc != TDM_CUK_OK)
             return rc;

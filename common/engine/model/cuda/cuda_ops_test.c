@@ -14,18 +14,23 @@
 //   rmsnorm, silu_mul, add: 1e-5 relative to the row's largest value (another
 //     summation order; the GPU's expf is within 2 ulp);
 //   attention: 2e-5 (another summation and exp order; with bf16 KV the CPU
-//     side is given the same bf16-rounded K/V, so the tolerance is the same);
+//     side is given the same bf16-rounded K/V, so the tolerance is the same),
+//     except the prefill with bf16 KV, on tensor cores with q and P rounded
+//     to bf16: 1.5e-2 (MMA_TOL_CPU, derived there), and against a host
+//     reference of its own arithmetic bitwise on the emulator (MMA_TOL_REF);
 //   GEMM (bf16 in, f32 accumulate): 1e-4 relative to sum |w x|, against a
 //     double-precision reference.
 // Attention covers GQA groups 1, 2, 7, 8 and 12 (two decode blocks per KV
 // head), head_dim 64 and 128, f32 and bf16
 // KV, scattered (non-contiguous, permuted) block tables, a 37-token prefill
-// (not a multiple of the 16-row tile or the 16-token block), chunked prefill
+// (not a multiple of the 64-row tile or the 16-token block), chunked prefill
 // at offsets 16 and 21, decodes at positions 5 and 300 (one and ten decode
 // splits of 32) and a 1-token chunk, all in one launch; then batch invariance:
 // a sequence attended alone gives bitwise the rows it got in the batch.
 // test_decode_splits adds the decode kernel's split boundaries, GQA groups 1 to
 // 12 and each sequence alone = in a batch, against the CPU backend too.
+// test_prefill_mma: the tensor-core prefill at head_dim 16 to 128 (see
+// run_prefill_mma_case), a prompt in ragged chunks = in one chunk, bitwise.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -44,6 +49,7 @@
 #include "kv_cache.h"
 #include "sample_draw.h"
 #include "sampling.h"
+#include "test_skip.h"
 #ifndef TDM_CUDA_TEST_GPU
 #include "emu/cuda_emu_api.h" // the launch log
 #endif
@@ -548,6 +554,15 @@ static void test_gemv_ctas(void **state)
 #define BS 16
 #define NUM_BLOCKS 48
 #define BT_STRIDE 19
+// Tolerance against the CPU backend (f32 throughout): the kernel rounds q and
+// P = e^(s - m) to bf16 (relative error <= 2^-9 each). With q and K uniform in
+// [-1, 1), a score moves by about 2^-9 sum_d |q_d k_d| / sqrt(head_dim) =
+// 2^-9 sqrt(head_dim) / 4 (0.0055 at head_dim 128), a weight by that plus
+// 2^-9 relative, and the output, a convex combination of V (|v - out| <= 2),
+// by at most twice the sum: 1.5e-2 absolute (the printed maxima are ~10x
+// below).
+#define MMA_TOL_CPU 1.5e-2f
+
 #define NSEQ 6
 
 // n_tokens and start_pos of the batch's sequences (see the file comment).
@@ -730,9 +745,23 @@ static void run_attention_case(const struct attn_case *c)
     int all[NSEQ] = {0, 1, 2, 3, 4, 5}, n_rows;
     dev_attention(c, qkv, qkv_dim, bt, all, NSEQ, d_kc, d_vc, got, 0, &n_rows);
     assert_int_equal(n_rows, rows);
-    float e = check_close("attention", got, want, (size_t)rows * q_dim, 2e-5f);
-    printf("attention heads %d/%d head_dim %d kv %s: max error %g\n", c->n_heads, c->n_kv_heads,
+    // Prefill rows with bf16 KV ran on tensor cores (q and P in bf16).
+    float e = 0.0f, e_mma = 0.0f;
+    for (int s = 0; s < NSEQ; s++) {
+        bool mma = bf16 && seq_ntok[s] > 1;
+        size_t at = (size_t)aseqs[s].row * q_dim, n = (size_t)seq_ntok[s] * q_dim;
+        float es = check_close(mma ? "attention (tensor cores)" : "attention", got + at, want + at,
+                               n, mma ? MMA_TOL_CPU : 2e-5f);
+        if (mma)
+            e_mma = es > e_mma ? es : e_mma;
+        else
+            e = es > e ? es : e;
+    }
+    printf("attention heads %d/%d head_dim %d kv %s: max error %g", c->n_heads, c->n_kv_heads,
            c->hd, bf16 ? "bf16" : "f32", e);
+    if (bf16)
+        printf(", prefill on tensor cores %g", e_mma);
+    printf("\n");
     // The o GEMM's input: every output (prefill, one split, several) rounded.
     uint16_t *obits = malloc((size_t)rows * q_dim * sizeof *obits);
     dev_attention(c, qkv, qkv_dim, bt, all, NSEQ, d_kc, d_vc, obits, 1, &n_rows);
@@ -769,6 +798,240 @@ static void test_attention(void **state)
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         run_attention_case(&cases[i]);
+}
+
+// ---- prefill attention on tensor cores (bf16 KV) ---------------------------------------------
+
+// Against mma_reference, which repeats the kernel's arithmetic: bitwise on the
+// emulator (its mma is specified: the 16 exact products added to c in double,
+// rounded once); on a GPU the mma's internal order may move a score's last
+// bit, which can flip the bf16 rounding of one P, moving an output by at most
+// 2^-8 of |V| <= 1.
+#ifdef TDM_CUDA_TEST_GPU
+#define MMA_TOL_REF (1.0f / 256.0f)
+#else
+#define MMA_TOL_REF 0.0f
+#endif
+
+// One query row at position pos (bf16 KV, values read from the f32 pool that
+// holds them exactly), as attn_prefill_mma_kernel computes it: q rounded to
+// bf16; per key tile of TDM_CUK_PREFILL_MMA_BK from position 0, each score the
+// f32 sum over 16-dim steps of (acc + 16 products, in double, rounded), times
+// scale; the running max m, corr = e^(m_old - m), P rounded to bf16; l kept as
+// four partial sums (a lane's columns 2t, 2t + 1 of every 8-key tile),
+// combined (l0 + l1) + (l2 + l3) at the end; O scaled by corr, then per 16 keys
+// (O + 16 products in double, rounded).
+static void mma_reference(const float *q, int pos, struct tdm_kv_cache *kv, int layer,
+                          const int *bt, int kvh, int n_kv_heads, int hd, float scale, float *out)
+{
+    enum { BK = TDM_CUK_PREFILL_MMA_BK };
+    float qb[128], o[128], m = -INFINITY, lq[4] = {0, 0, 0, 0};
+    for (int d = 0; d < hd; d++) {
+        qb[d] = bf16_round(q[d]);
+        o[d] = 0.0f;
+    }
+    for (int k0 = 0; k0 <= pos; k0 += BK) {
+        float sc[BK], p[BK], mx = m;
+        const float *vr[BK];
+        for (int j = 0; j < BK; j++) {
+            int key = k0 + j;
+            sc[j] = -INFINITY;
+            vr[j] = NULL;
+            if (key > pos)
+                continue;
+            size_t off = (((size_t)bt[key / BS] * n_kv_heads + kvh) * BS + key % BS) * hd;
+            const float *kr = tdm_kv_k(kv, layer, 0) + off;
+            vr[j] = tdm_kv_v(kv, layer, 0) + off;
+            float acc = 0.0f;
+            for (int d0 = 0; d0 < hd; d0 += 16) {
+                double a = acc;
+                for (int d = d0; d < d0 + 16; d++)
+                    a += (double)qb[d] * kr[d];
+                acc = (float)a;
+            }
+            sc[j] = acc * scale;
+            mx = fmaxf(mx, sc[j]);
+        }
+        float corr = mx == -INFINITY ? 1.0f : expf(m - mx);
+        m = mx;
+        for (int j = 0; j < BK; j++)
+            p[j] = sc[j] == -INFINITY ? 0.0f : bf16_round(expf(sc[j] - m));
+        for (int t = 0; t < 4; t++) {
+            float ps = 0.0f;
+            for (int nt = 0; nt < BK / 8; nt++)
+                for (int e = 0; e < 2; e++)
+                    ps += p[nt * 8 + 2 * t + e];
+            lq[t] = lq[t] * corr + ps;
+        }
+        for (int d = 0; d < hd; d++)
+            o[d] *= corr;
+        for (int kb = 0; kb < BK; kb += 16)
+            for (int d = 0; d < hd; d++) {
+                double a = o[d];
+                for (int j = kb; j < kb + 16; j++)
+                    if (vr[j] != NULL)
+                        a += (double)p[j] * vr[j][d];
+                o[d] = (float)a;
+            }
+    }
+    float l = (lq[0] + lq[1]) + (lq[2] + lq[3]);
+    for (int d = 0; d < hd; d++)
+        out[d] = o[d] / l;
+}
+
+// Prefill-only attention of ns sequences (rows packed from q's row 0, each
+// sequence its own block table bts + i * BT_STRIDE) into out_host (f32).
+static void dev_prefill(const struct attn_case *c, const float *q, int q_rows, int ns,
+                        const int32_t *ntok, const int32_t *start, const int32_t *bts, void *d_kc,
+                        void *d_vc, float *out_host)
+{
+    int32_t row[8], dec[8], tiles[2 * 32];
+    struct tdm_cuk_seq seqs[8];
+    int q_dim = c->n_heads * c->hd, total = 0;
+    assert_true(ns <= 8);
+    for (int i = 0; i < ns; i++) {
+        row[i] = total;
+        total += ntok[i];
+    }
+    assert_true(total <= q_rows);
+    struct tdm_cuk_plan plan;
+    ok(tdm_cuk_attn_plan(row, ntok, start, ns, c->n_heads, c->hd, seqs, dec, tiles, 32, &plan));
+    assert_int_equal(plan.n_decode, 0);
+    struct tdm_cuk_attn_args a = {
+        .kv_type = c->kv_type,
+        .q = to_dev(q, (size_t)total * q_dim * sizeof *q),
+        .q_stride = q_dim,
+        .out = dev_zeros((size_t)total * q_dim * sizeof(float)),
+        .k_cache = d_kc,
+        .v_cache = d_vc,
+        .seqs = to_dev(seqs, (size_t)ns * sizeof seqs[0]),
+        .block_tables = to_dev(bts, (size_t)ns * BT_STRIDE * sizeof(int32_t)),
+        .bt_stride = BT_STRIDE,
+        .prefill_tiles = to_dev(tiles, (size_t)plan.n_tiles * 2 * sizeof(int32_t)),
+        .n_tiles = plan.n_tiles,
+        .n_heads = c->n_heads,
+        .n_kv_heads = c->n_kv_heads,
+        .head_dim = c->hd,
+        .block_size = BS,
+        .scale = 1.0f / sqrtf((float)c->hd),
+    };
+    ok(tdm_cuk_attention(stream, &a));
+    from_dev(out_host, a.out, (size_t)total * q_dim * sizeof(float));
+    tdm_cuda_dev_free(dev, (void *)a.q), tdm_cuda_dev_free(dev, a.out);
+    tdm_cuda_dev_free(dev, (void *)a.seqs), tdm_cuda_dev_free(dev, (void *)a.block_tables);
+    tdm_cuda_dev_free(dev, (void *)a.prefill_tiles);
+}
+
+#define PM_SEQS 5
+// 129 tokens: three query tiles, the last of one row (position 128, the first
+// key of the third key tile); 15 and 17 (at offset 21) inside one tile; 37 at
+// offset 49: a query tile across the key tiles' boundary at 64, its first
+// warp's last row at position 64; 2 tokens, the shortest prefill.
+static const int32_t pm_start[PM_SEQS] = {0, 0, 21, 49, 0};
+static const int32_t pm_ntok[PM_SEQS] = {129, 15, 17, 37, 2};
+
+static void run_prefill_mma_case(const struct attn_case *c)
+{
+    const int layer = 0;
+    int q_dim = c->n_heads * c->hd, kv_dim = c->n_kv_heads * c->hd;
+    float scale = 1.0f / sqrtf((float)c->hd);
+    struct tdm_kv_config cfg = {.num_layers = 1,
+                                .num_kv_heads = c->n_kv_heads,
+                                .head_dim = c->hd,
+                                .block_size = BS,
+                                .num_blocks = NUM_BLOCKS};
+    struct tdm_kv_cache *kv;
+    char err[256];
+    assert_int_equal(tdm_kv_new(&kv, &cfg, err, sizeof err), TDM_OK);
+    // The whole pool holds bf16 values (every position the sequences will
+    // see is "already stored"): the CPU side attends over the same numbers.
+    size_t layer_floats = (size_t)NUM_BLOCKS * kv_dim * BS;
+    float *kf = tdm_kv_k(kv, layer, 0), *vf = tdm_kv_v(kv, layer, 0);
+    uint16_t *hk = malloc(layer_floats * 2), *hv = malloc(layer_floats * 2);
+    for (size_t i = 0; i < layer_floats; i++) {
+        kf[i] = bf16_round(frand());
+        vf[i] = bf16_round(frand());
+        hk[i] = bf16_bits(kf[i]);
+        hv[i] = bf16_bits(vf[i]);
+    }
+    void *d_kc = to_dev(hk, layer_floats * 2), *d_vc = to_dev(hv, layer_floats * 2);
+    int perm[NUM_BLOCKS], bt[PM_SEQS * BT_STRIDE];
+    for (int i = 0; i < NUM_BLOCKS; i++)
+        perm[i] = (i * 29 + 7) % NUM_BLOCKS; // scattered: 29 is prime to 48
+    struct tdm_attn_seq aseqs[PM_SEQS];
+    int next = 0, rows = 0;
+    for (int s = 0; s < PM_SEQS; s++) {
+        int nb = (pm_start[s] + pm_ntok[s] + BS - 1) / BS;
+        assert_true(nb <= BT_STRIDE && next + nb <= NUM_BLOCKS);
+        for (int b = 0; b < BT_STRIDE; b++)
+            bt[s * BT_STRIDE + b] = b < nb ? perm[next + b] : 0;
+        next += nb;
+        aseqs[s] = (struct tdm_attn_seq){.row = rows,
+                                         .n_tokens = pm_ntok[s],
+                                         .start_pos = pm_start[s],
+                                         .block_table = bt + s * BT_STRIDE};
+        rows += pm_ntok[s];
+    }
+    float *q = malloc((size_t)rows * q_dim * sizeof *q);
+    fill(q, (size_t)rows * q_dim, 1.0f);
+    float *want = malloc((size_t)rows * q_dim * sizeof *want);
+    float *got = malloc((size_t)rows * q_dim * sizeof *got);
+    float *part = malloc((size_t)rows * q_dim * sizeof *part);
+    float ref[128];
+    cpu->attention(cpu_be(), kv, layer, aseqs, PM_SEQS, q, q_dim, want, c->n_heads, c->n_kv_heads,
+                   c->hd, scale);
+    dev_prefill(c, q, rows, PM_SEQS, pm_ntok, pm_start, bt, d_kc, d_vc, got);
+    float e_cpu =
+        check_close("prefill (tensor cores) vs cpu", got, want, (size_t)rows * q_dim, MMA_TOL_CPU);
+    float e_ref = 0.0f;
+    for (int s = 0; s < PM_SEQS; s++)
+        for (int i = 0; i < pm_ntok[s]; i++)
+            for (int h = 0; h < c->n_heads; h++) {
+                size_t at = (size_t)(aseqs[s].row + i) * q_dim + (size_t)h * c->hd;
+                mma_reference(q + at, pm_start[s] + i, kv, layer, bt + s * BT_STRIDE,
+                              h / (c->n_heads / c->n_kv_heads), c->n_kv_heads, c->hd, scale, ref);
+                float e = check_close("prefill (tensor cores) vs its reference", got + at, ref,
+                                      (size_t)c->hd, MMA_TOL_REF);
+                e_ref = e > e_ref ? e : e_ref;
+            }
+    printf("prefill on tensor cores heads %d/%d head_dim %d: max error %g vs cpu (f32), %g vs "
+           "the bf16 reference\n",
+           c->n_heads, c->n_kv_heads, c->hd, e_cpu, e_ref);
+
+    // The 129-token prompt in three ragged chunks (37, 15, 77 tokens at
+    // positions 0, 37, 52), as three sequences of one launch and the last
+    // alone: bitwise its rows of the one-chunk run.
+    int32_t ch_start[3] = {0, 37, 52}, ch_ntok[3] = {37, 15, 77}, ch_bt[3 * BT_STRIDE];
+    for (int i = 0; i < 3; i++)
+        memcpy(ch_bt + i * BT_STRIDE, bt, BT_STRIDE * sizeof(int32_t));
+    dev_prefill(c, q, rows, 3, ch_ntok, ch_start, ch_bt, d_kc, d_vc, part);
+    assert_memory_equal(part, got, (size_t)pm_ntok[0] * q_dim * sizeof *part);
+    dev_prefill(c, q + (size_t)52 * q_dim, rows, 1, &ch_ntok[2], &ch_start[2], bt, d_kc, d_vc,
+                part);
+    assert_memory_equal(part, got + (size_t)52 * q_dim, (size_t)77 * q_dim * sizeof *part);
+    // Alone = in the batch: the sequence at offset 49.
+    dev_prefill(c, q + (size_t)aseqs[3].row * q_dim, rows, 1, &pm_ntok[3], &pm_start[3],
+                bt + 3 * BT_STRIDE, d_kc, d_vc, part);
+    assert_memory_equal(part, got + (size_t)aseqs[3].row * q_dim,
+                        (size_t)pm_ntok[3] * q_dim * sizeof *part);
+
+    tdm_cuda_dev_free(dev, d_kc), tdm_cuda_dev_free(dev, d_vc);
+    free(q), free(want), free(got), free(part), free(hk), free(hv);
+    tdm_kv_free(kv);
+}
+
+// GQA groups 1, 2 and 7; head_dim 16 and 32 (the tiny models), 64 and 128.
+static void test_prefill_mma(void **state)
+{
+    (void)state;
+    const struct attn_case cases[] = {
+        {2, 1, 16, TDM_CUK_KV_BF16},
+        {7, 1, 32, TDM_CUK_KV_BF16},
+        {7, 1, 64, TDM_CUK_KV_BF16},
+        {2, 2, 128, TDM_CUK_KV_BF16},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        run_prefill_mma_case(&cases[i]);
 }
 
 // RoPE and the KV store fused: rope_kv_store is bitwise rope then kv_store
@@ -1629,7 +1892,7 @@ static void test_attention_errors(void **state)
     struct tdm_cuk_plan plan;
     assert_int_equal(tdm_cuk_attn_plan(row, ntok, start, 1, 4, 64, seqs, dec, tiles, 1, &plan),
                      TDM_CUK_EINVAL);
-    ntok[0] = 17; // two tiles into room for one
+    ntok[0] = TDM_CUK_PREFILL_BQ + 1; // two tiles into room for one
     assert_int_equal(tdm_cuk_attn_plan(row, ntok, start, 1, 4, 64, seqs, dec, tiles, 1, &plan),
                      TDM_CUK_EINVAL);
     assert_int_equal(tdm_cuk_decode_splits(TDM_CUK_DECODE_PART), 1);
@@ -1657,8 +1920,9 @@ static int group_teardown(void **state)
     return 0;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    tdm_test_filters(argc, argv);
 #ifdef TDM_CUDA_TEST_GPU
     if (tdm_cuda_dev_count() <= 0) {
         printf("cuda_ops_gpu_test: no GPU visible; skipped\n");
@@ -1675,6 +1939,7 @@ int main(void)
         cmocka_unit_test(test_gemv_ctas),
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_attention_errors),
+        cmocka_unit_test(test_prefill_mma),
         cmocka_unit_test(test_rope_store_fused),
         cmocka_unit_test(test_decode_splits),
         cmocka_unit_test(test_kv_gather_scatter),
@@ -1682,5 +1947,5 @@ int main(void)
         cmocka_unit_test(test_sample_rows),
         cmocka_unit_test(test_sample_rows_boundary),
     };
-    return cmocka_run_group_tests(tests, group_setup, group_teardown);
+    return tdm_test_exit(cmocka_run_group_tests(tests, group_setup, group_teardown));
 }

@@ -90,6 +90,7 @@ enum fiber_state { RUNNABLE, AT_BLOCK_BARRIER, AT_WARP_BARRIER, DONE };
 
 constexpr size_t STACK_BYTES = 256 * 1024;
 constexpr unsigned MAX_THREADS = 1024;
+constexpr size_t GATHER_BYTES = 32;
 
 struct fiber {
 #ifdef TDM_EMU_ASM_SWITCH
@@ -109,6 +110,7 @@ struct scheduler {
 #endif
     std::vector<fiber> fibers;
     std::vector<uint64_t> slots; // [threads] one shuffle slot per lane
+    std::vector<unsigned char> gather; // [threads][GATHER_BYTES] warp_gather's slots
     char *stacks = nullptr;      // [MAX_THREADS][STACK_BYTES], mmap'd once, untouched until used
     int cur = -1;
     const std::function<void()> *body = nullptr;
@@ -372,6 +374,7 @@ static void run_grid(dim3 grid, dim3 block, size_t shmem, const std::function<vo
         S.stacks = (char *)p;
         S.fibers.resize(MAX_THREADS);
         S.slots.resize(MAX_THREADS);
+        S.gather.resize((size_t)MAX_THREADS * GATHER_BYTES);
     }
     if (S.body != nullptr)
         die("kernel launched from inside a kernel");
@@ -416,6 +419,98 @@ uint64_t warp_exchange(uint64_t mine, int src)
     S.fibers[(size_t)S.cur].state = AT_WARP_BARRIER;
     yield_to_scheduler();
     return got;
+}
+
+void warp_gather(const void *mine, size_t bytes, void *all)
+{
+    if (bytes > GATHER_BYTES)
+        die("warp_gather of more than 32 bytes a lane");
+    int t = linear_tid();
+    int base = t - t % 32;
+    memcpy(&S.gather[(size_t)t * GATHER_BYTES], mine, bytes);
+    S.fibers[(size_t)S.cur].state = AT_WARP_BARRIER;
+    yield_to_scheduler();
+    for (int l = 0; l < 32; l++)
+        memcpy((unsigned char *)all + (size_t)l * bytes,
+               &S.gather[(size_t)(base + l) * GATHER_BYTES], bytes);
+    S.fibers[(size_t)S.cur].state = AT_WARP_BARRIER;
+    yield_to_scheduler();
+}
+
+namespace
+{
+struct mma_frag {
+    uint32_t a[4], b[2];
+};
+
+float bf16_half(uint32_t reg, int k)
+{
+    uint32_t u = (k % 2 ? reg >> 16 : reg & 0xffffu) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+// Element (row, k) of the 16x16 A and (k, col) of the 16x8 B, found in the
+// lane and register the PTX ISA's m16n8k16 layout puts them in (groupID =
+// lane / 4, threadID_in_group = lane % 4): A's a0..a7 (4 registers of two
+// bf16, the lower index in the low half) are rows groupID (registers 0, 2)
+// and groupID + 8 (1, 3), columns tig * 2 + {0, 1} (registers 0, 1) and
+// + 8 (2, 3); B's b0..b3 are rows tig * 2 + {0, 1} (register 0) and + 8
+// (register 1), column groupID.
+float mma_a(const mma_frag *all, int row, int k)
+{
+    return bf16_half(all[(row % 8) * 4 + (k % 8) / 2].a[row / 8 + 2 * (k / 8)], k);
+}
+
+float mma_b(const mma_frag *all, int k, int col)
+{
+    return bf16_half(all[col * 4 + (k % 8) / 2].b[k / 8], k);
+}
+} // namespace
+
+// D = A B + C. A product of two bf16 is exact in f32 (8-bit significands);
+// the emulator adds the 16 products to c in k order in double and rounds to
+// f32 once. The hardware's internal order and rounding of the sum are not
+// modelled bit for bit: tests of an mma kernel against a GPU use a tolerance.
+void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4])
+{
+    mma_frag mine, all[32];
+    memcpy(mine.a, a, sizeof mine.a);
+    memcpy(mine.b, b, sizeof mine.b);
+    warp_gather(&mine, sizeof mine, all);
+    int lane = lane_id(), g = lane / 4, tig = lane % 4;
+    for (int e = 0; e < 4; e++) {
+        // c0, c1: row groupID, columns tig * 2 + {0, 1}; c2, c3: row groupID + 8.
+        int row = g + (e / 2) * 8, col = tig * 2 + e % 2;
+        double acc = c[e];
+        for (int k = 0; k < 16; k++)
+            acc += (double)mma_a(all, row, k) * (double)mma_b(all, k, col);
+        d[e] = (float)acc;
+    }
+}
+
+// Lane 8 m + i gives the address of row i of matrix m (16 bytes, aligned);
+// register m of lane L gets row L / 4, elements 2 (L % 4) + {0, 1} of matrix
+// m, or with .trans column L / 4, rows 2 (L % 4) + {0, 1}.
+void ldmatrix_x4(uint32_t r[4], const void *row, bool trans)
+{
+    if ((uintptr_t)row % 16 != 0)
+        die("ldmatrix row address not 16-byte aligned");
+    const unsigned char *rows[32];
+    warp_gather(&row, sizeof row, rows);
+    int lane = lane_id();
+    for (int m = 0; m < 4; m++) {
+        uint16_t lo, hi;
+        if (trans) {
+            memcpy(&lo, rows[m * 8 + 2 * (lane % 4)] + 2 * (lane / 4), 2);
+            memcpy(&hi, rows[m * 8 + 2 * (lane % 4) + 1] + 2 * (lane / 4), 2);
+        } else {
+            memcpy(&lo, rows[m * 8 + lane / 4] + 4 * (lane % 4), 2);
+            memcpy(&hi, rows[m * 8 + lane / 4] + 4 * (lane % 4) + 2, 2);
+        }
+        r[m] = (uint32_t)lo | (uint32_t)hi << 16;
+    }
 }
 
 unsigned long long blocks_run()

@@ -16,13 +16,17 @@
 //     lane, and meet again before the slots are reused;
 //   - atomics: fibers never run at the same time, so a plain read-modify-write
 //     is atomic; __threadfence and __ldcg (an L2 load) are therefore plain;
+//   - the warp-level matrix instructions mma.sync m16n8k16 (bf16 in, f32
+//     accumulate) and ldmatrix m8n8.x4 (plain and .trans): every lane gives
+//     its fragment registers or row address at a warp barrier and gets the
+//     elements the PTX ISA's fragment layouts give it;
 //   - 16-byte vector loads (tdm_emu_ld16, __ldg, __ldcs of a uint4), which
 //     must be 16-byte aligned.
 // What it does not model: timing, memory spaces (device memory is host memory),
 // races between threads (a fiber runs until it waits), partial-warp masks.
-// Kernel bugs it detects (deadlock, a shuffle with exited lanes, a barrier with
-// exited threads, a block size that is not a multiple of 32, a misaligned
-// 16-byte load) abort with a
+// Kernel bugs it detects (deadlock, a shuffle or matrix instruction with
+// exited lanes, a barrier with exited threads, a block size that is not a
+// multiple of 32, a misaligned 16-byte load or ldmatrix row) abort with a
 // message: the emulator runs only in tests, where that is the useful outcome.
 #ifndef TDM_CUDA_EMU_H
 #define TDM_CUDA_EMU_H
@@ -64,6 +68,14 @@ void syncthreads();
 uint64_t warp_exchange(uint64_t mine, int src);
 // Lane of the running fiber in its warp.
 int lane_id();
+// A warp collective wider than a shuffle: every lane stores `bytes` (at most
+// 32) from `mine`, and `all` gets the 32 lanes' bytes in lane order.
+void warp_gather(const void *mine, size_t bytes, void *all);
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 and
+// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16 of the PTX ISA, as warp
+// collectives over warp_gather (cuda_mma.cuh has their fragment layouts).
+void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]);
+void ldmatrix_x4(uint32_t r[4], const void *row, bool trans);
 // Blocks launched since the process started (tests check that work happened).
 unsigned long long blocks_run();
 // Aborts naming a kernel bug the emulator found outside the scheduler (a

@@ -2,10 +2,13 @@
 // Tests of the CUDA execution-model emulator itself: every (block, thread) of a
 // 3-D grid runs once with the right coordinates; __syncthreads orders shared
 // memory writes before reads across the block; __shfl_xor_sync and
-// __shfl_down_sync exchange between the right lanes; kernel bugs the emulator
-// promises to catch (a barrier some threads skip, a shuffle with exited lanes,
-// a block size that is not a multiple of 32, a misaligned 16-byte load) abort
-// the process (checked in a child).
+// __shfl_down_sync exchange between the right lanes; mma.sync m16n8k16 and
+// ldmatrix x4 (plain and .trans) hand every lane the elements the PTX ISA's
+// fragment layouts give it, written out here register by register; kernel
+// bugs the emulator promises to catch (a barrier some threads skip, a shuffle
+// or mma with exited lanes, a block size that is not a multiple of 32, a
+// misaligned 16-byte load or ldmatrix row) abort the process (checked in a
+// child).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -21,6 +24,7 @@ extern "C" {
 #include <unistd.h>
 
 #include "cuda_compat.h"
+#include "cuda_mma.cuh"
 
 static __global__ void coords_kernel(int *hits, unsigned *seen_dims)
 {
@@ -122,6 +126,108 @@ static void test_atomics(void **state)
     assert_int_equal(c, 5 * 96);
 }
 
+// ---- warp-level matrix instructions --------------------------------------------------------
+// Small distinct integers: every element tells where it came from, and
+// A B + C is exact in f32 whatever the summation order.
+static float mma_a_val(int row, int k)
+{
+    return (float)(row * 16 + k - 128);
+}
+static float mma_b_val(int k, int n)
+{
+    return (float)(k * 8 + n - 63);
+}
+static float mma_c_val(int row, int n)
+{
+    return (float)(row * 8 + n) * 1024.0f + 0.5f;
+}
+
+static uint32_t bf16_pair(float lo, float hi)
+{
+    uint32_t a, b;
+    memcpy(&a, &lo, 4);
+    memcpy(&b, &hi, 4);
+    return (a >> 16) | (b >> 16) << 16; // exact: the values are small integers
+}
+
+// Each lane's registers built from the PTX ISA's layout, spelt out.
+static __global__ void mma_kernel(float *d_out)
+{
+    int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    uint32_t a[4] = {bf16_pair(mma_a_val(g, 2 * t), mma_a_val(g, 2 * t + 1)),
+                     bf16_pair(mma_a_val(g + 8, 2 * t), mma_a_val(g + 8, 2 * t + 1)),
+                     bf16_pair(mma_a_val(g, 2 * t + 8), mma_a_val(g, 2 * t + 9)),
+                     bf16_pair(mma_a_val(g + 8, 2 * t + 8), mma_a_val(g + 8, 2 * t + 9))};
+    uint32_t b[2] = {bf16_pair(mma_b_val(2 * t, g), mma_b_val(2 * t + 1, g)),
+                     bf16_pair(mma_b_val(2 * t + 8, g), mma_b_val(2 * t + 9, g))};
+    float c[4] = {mma_c_val(g, 2 * t), mma_c_val(g, 2 * t + 1), mma_c_val(g + 8, 2 * t),
+                  mma_c_val(g + 8, 2 * t + 1)};
+    float d[4];
+    tdm_mma_bf16_16816(d, a, b, c);
+    for (int e = 0; e < 4; e++)
+        d_out[threadIdx.x * 4 + e] = d[e];
+}
+
+static void test_mma_layout(void **state)
+{
+    (void)state;
+    float d[64 * 4];
+    TDM_CUDA_LAUNCH(mma_kernel, dim3(1), dim3(64), 0, nullptr, d);
+    for (int lane = 0; lane < 64; lane++) {
+        int g = lane % 32 / 4, t = lane % 4;
+        for (int e = 0; e < 4; e++) {
+            int row = g + (e / 2) * 8, col = 2 * t + e % 2;
+            double want = mma_c_val(row, col);
+            for (int k = 0; k < 16; k++)
+                want += (double)mma_a_val(row, k) * mma_b_val(k, col);
+            if (d[lane * 4 + e] != (float)want)
+                fail_msg("lane %d d%d (row %d col %d): %g, want %g", lane, e, row, col,
+                         (double)d[lane * 4 + e], want);
+        }
+    }
+}
+
+// Four 8 x 8 matrices of b16 value m * 64 + row * 8 + col, rows 24 elements
+// (48 bytes) apart, matrix m at rows 8 * perm[m]: the lanes' row addresses are
+// what places them.
+static const int ldm_perm[4] = {2, 0, 3, 1};
+
+static __global__ void ldmatrix_kernel(const uint16_t *rows, uint32_t *plain, uint32_t *trans)
+{
+    int lane = threadIdx.x % 32, m = lane / 8, i = lane % 8;
+    const uint16_t *row = rows + (size_t)(ldm_perm[m] * 8 + i) * 24;
+    uint32_t r[4], rt[4];
+    tdm_ldmatrix_x4(r, row);
+    tdm_ldmatrix_x4_trans(rt, row);
+    for (int k = 0; k < 4; k++) {
+        plain[threadIdx.x * 4 + k] = r[k];
+        trans[threadIdx.x * 4 + k] = rt[k];
+    }
+}
+
+static void test_ldmatrix(void **state)
+{
+    (void)state;
+    alignas(16) static uint16_t rows[32 * 24];
+    for (int m = 0; m < 4; m++)
+        for (int i = 0; i < 8; i++)
+            for (int j = 0; j < 8; j++)
+                rows[(ldm_perm[m] * 8 + i) * 24 + j] = (uint16_t)(m * 64 + i * 8 + j);
+    uint32_t plain[64 * 4], trans[64 * 4];
+    TDM_CUDA_LAUNCH(ldmatrix_kernel, dim3(1), dim3(64), 0, nullptr, rows, plain, trans);
+    for (int lane = 0; lane < 64; lane++)
+        for (int m = 0; m < 4; m++) {
+            int l = lane % 32, r = l / 4, c = 2 * (l % 4);
+            uint32_t want = (uint32_t)(m * 64 + r * 8 + c) | (uint32_t)(m * 64 + r * 8 + c + 1)
+                                                                 << 16;
+            uint32_t want_t = (uint32_t)(m * 64 + c * 8 + r) | (uint32_t)(m * 64 + (c + 1) * 8 + r)
+                                                                   << 16;
+            if (plain[lane * 4 + m] != want || trans[lane * 4 + m] != want_t)
+                fail_msg("lane %d r%d: %#x / %#x (.trans), want %#x / %#x", lane, m,
+                         plain[lane * 4 + m], trans[lane * 4 + m], want, want_t);
+        }
+}
+
 // ---- bugs the emulator must refuse ----------------------------------------------------------
 static __global__ void divergent_barrier_kernel(int *x)
 {
@@ -141,6 +247,23 @@ static __global__ void half_warp_shuffle_kernel(int *x)
 static __global__ void plain_kernel(int *x)
 {
     x[threadIdx.x] = 1;
+}
+
+static __global__ void half_warp_mma_kernel(int *x)
+{
+    if (threadIdx.x % 32 >= 16)
+        return;
+    uint32_t a[4] = {0, 0, 0, 0}, b[2] = {0, 0};
+    float c[4] = {0, 0, 0, 0}, d[4];
+    tdm_mma_bf16_16816(d, a, b, c);
+    x[threadIdx.x] = (int)d[0];
+}
+
+static __global__ void misaligned_ldmatrix_kernel(int *x)
+{
+    uint32_t r[4];
+    tdm_ldmatrix_x4(r, (const uint16_t *)x + 4 * (threadIdx.x == 9));
+    x[threadIdx.x] = (int)r[0];
 }
 
 // A 16-byte load 4 bytes past an aligned address (a fault on the GPU).
@@ -163,8 +286,12 @@ static int child_signal(int which)
             TDM_CUDA_LAUNCH(half_warp_shuffle_kernel, dim3(1), dim3(32), 0, nullptr, buf);
         else if (which == 2)
             TDM_CUDA_LAUNCH(plain_kernel, dim3(1), dim3(48), 0, nullptr, buf);
-        else
+        else if (which == 3)
             TDM_CUDA_LAUNCH(misaligned_load_kernel, dim3(1), dim3(32), 0, nullptr, buf);
+        else if (which == 4)
+            TDM_CUDA_LAUNCH(half_warp_mma_kernel, dim3(1), dim3(32), 0, nullptr, buf);
+        else
+            TDM_CUDA_LAUNCH(misaligned_ldmatrix_kernel, dim3(1), dim3(32), 0, nullptr, buf);
         _exit(0);
     }
     int st = 0;
@@ -179,6 +306,8 @@ static void test_bug_detection(void **state)
     assert_int_equal(child_signal(1), SIGABRT);
     assert_int_equal(child_signal(2), SIGABRT);
     assert_int_equal(child_signal(3), SIGABRT);
+    assert_int_equal(child_signal(4), SIGABRT);
+    assert_int_equal(child_signal(5), SIGABRT);
 }
 
 int main(void)
@@ -186,6 +315,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_coords),        cmocka_unit_test(test_syncthreads),
         cmocka_unit_test(test_shuffles),      cmocka_unit_test(test_atomics),
+        cmocka_unit_test(test_mma_layout),    cmocka_unit_test(test_ldmatrix),
         cmocka_unit_test(test_bug_detection),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
