@@ -182,12 +182,11 @@ static int set_trust_remote_code(void *o, const char *v, char *err, size_t errle
 static int batch_invariant_flag(struct tdm_worker_config *cfg, const char *flag, bool negate,
                                 const char *v, char *err, size_t errlen)
 {
-    bool on = true;
-    if (v != NULL && tdm_parse_bool(v, &on) != TDM_OK)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: expected true or false, got \"%s\"", flag,
-                          v);
-    cfg->batch_invariant = on != negate ? TDM_BATCH_INVARIANT_ON : TDM_BATCH_INVARIANT_OFF;
-    return TDM_OK;
+    enum tdm_batch_invariance b;
+    int rc = tdm_batch_invariance_parse(flag, negate, v, &b, err, errlen);
+    if (rc == TDM_OK)
+        cfg->batch_invariant = b;
+    return rc;
 }
 
 static int set_batch_invariant(void *o, const char *v, char *err, size_t errlen)

@@ -615,13 +615,11 @@ static int set_kv_dtype(void *o, const char *v, char *err, size_t errlen)
 static int set_invariant(void *o, const char *v, bool negate, const char *flag, char *err,
                          size_t errlen)
 {
-    bool on = true;
-    if (v != NULL && tdm_parse_bool(v, &on) != TDM_OK)
-        return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: expected true or false, got \"%s\"", flag,
-                          v);
-    ((struct bench_args *)o)->batch_invariant =
-        on != negate ? TDM_BATCH_INVARIANT_ON : TDM_BATCH_INVARIANT_OFF;
-    return TDM_OK;
+    enum tdm_batch_invariance b;
+    int rc = tdm_batch_invariance_parse(flag, negate, v, &b, err, errlen);
+    if (rc == TDM_OK)
+        ((struct bench_args *)o)->batch_invariant = b;
+    return rc;
 }
 
 static int set_batch_invariant(void *o, const char *v, char *err, size_t errlen)

@@ -37,6 +37,7 @@ struct args {
     int threads;
     const char *device; // --device; NULL = auto
     bool enforce_eager; // --enforce-eager
+    enum tdm_batch_invariance batch_invariant; // --[no-]batch-invariant; DEFAULT: the model's
     int chunk;
     bool json;
     bool ignore_eos;
@@ -84,6 +85,18 @@ static int set_kv_dtype(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
+static int set_batch_invariant(void *o, const char *v, char *err, size_t errlen)
+{
+    return tdm_batch_invariance_parse("batch-invariant", false, v,
+                                      &((struct args *)o)->batch_invariant, err, errlen);
+}
+
+static int set_no_batch_invariant(void *o, const char *v, char *err, size_t errlen)
+{
+    return tdm_batch_invariance_parse("no-batch-invariant", true, v,
+                                      &((struct args *)o)->batch_invariant, err, errlen);
+}
+
 #define PTR(n, field, mv, h)                                                                       \
     TDM_FLAG_FIELD(struct args, n, TDM_FLAG_PTR, field, .metavar = mv, .help = h, .empty_ok = true)
 #define NUM(n, k, field, lo, hi, mv, h)                                                            \
@@ -123,6 +136,17 @@ static const struct tdm_flag generate_flags[] = {
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(enforce_eager),
      .help = "no CUDA graphs for decode steps"},
+    {.name = "batch-invariant",
+     .kind = TDM_FLAG_FN,
+     .fn = set_batch_invariant,
+     .no_value = true,
+     .help = "every GEMM on cuBLASLt, one algorithm per weight shape and row class (the "
+             "default)"},
+    {.name = "no-batch-invariant",
+     .kind = TDM_FLAG_FN,
+     .fn = set_no_batch_invariant,
+     .no_value = true,
+     .help = "on cuda: decode GEMMs of up to 16 rows on Tandem's split-K GEMV"},
     {.name = "json",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(json),
@@ -376,6 +400,7 @@ static int load_model(const struct args *a, struct gen *g, char *err, size_t err
     mo.weights = a->weights;
     mo.num_threads = a->threads;
     mo.enforce_eager = a->enforce_eager;
+    mo.batch_invariant = a->batch_invariant;
     if (tdm_model_opts_set_device(&mo, a->device, err, errlen) != TDM_OK)
         return fail("%s", err);
     mo.max_batch_seqs = 1;

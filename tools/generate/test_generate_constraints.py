@@ -9,7 +9,9 @@ grammar engine (a small validator for the schema's keywords, re.fullmatch,
 json.loads), that it ends on a generated EOS (as the engine and vLLM do), and
 that the bad cases are one-line errors with a non-zero exit: two constraint
 flags, an unsupported schema keyword (the grammar engine's message, as the
-HTTP 400 carries it), a missing file.
+HTTP 400 carries it), a missing file. Also the GEMM-mode flags (the
+workers'): --batch-invariant / --no-batch-invariant change nothing on the
+CPU backend (the same ids), and a value that is not a boolean is an error.
   test_generate_constraints.py MKMODEL GENERATE WORKDIR
 """
 import json
@@ -156,4 +158,10 @@ error_case("unsupported keyword", ["--json-schema", bad_schema],
 error_case("missing file", ["--grammar", os.path.join(WORK, "absent.gbnf")],
            r"^tandem-generate: --grammar: .*absent\.gbnf")
 error_case("bad regex", ["--regex", "(a)\\1"], r"^tandem-generate: --regex: .*backreference")
+
+ids = out["ids"]
+for flags in (["--no-batch-invariant"], ["--batch-invariant"], ["--batch-invariant=false"]):
+    check(generate(*flags)["ids"] == ids, "%s: other ids than the default on the CPU" % flags)
+error_case("bad batch-invariant", ["--no-batch-invariant=maybe"],
+           r'^tandem-generate: --no-batch-invariant: expected true or false, got "maybe"')
 print("PASS")

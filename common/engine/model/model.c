@@ -166,6 +166,17 @@ const char *tdm_model_device_auto_note(void)
     return auto_note;
 }
 
+int tdm_batch_invariance_parse(const char *flag, bool negate, const char *v,
+                               enum tdm_batch_invariance *out, char *err, size_t errlen)
+{
+    bool on = true;
+    if (v != NULL && tdm_parse_bool(v, &on) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: expected true or false, got \"%s\"", flag,
+                          v);
+    *out = on != negate ? TDM_BATCH_INVARIANT_ON : TDM_BATCH_INVARIANT_OFF;
+    return TDM_OK;
+}
+
 int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err, size_t errlen)
 {
     char why[1024];

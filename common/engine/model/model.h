@@ -72,6 +72,14 @@ void tdm_model_opts_default(struct tdm_model_opts *o);
 // N) is visible: asking for a GPU that is not there is a startup error, never
 // a silent fallback to the CPU.
 int tdm_model_opts_set_device(struct tdm_model_opts *o, const char *spec, char *err, size_t errlen);
+
+// The value of --batch-invariant[=BOOL] (negate false) or
+// --no-batch-invariant[=BOOL] (negate true), the flags of the workers,
+// tandem-bench-engine and tandem-generate (vLLM's VLLM_BATCH_INVARIANT as a
+// flag): v NULL is true. TDM_EINVAL with "--FLAG: expected true or false"
+// for anything but a boolean.
+int tdm_batch_invariance_parse(const char *flag, bool negate, const char *v,
+                               enum tdm_batch_invariance *out, char *err, size_t errlen);
 // Why the last "--device auto" chose the CPU ("no CUDA GPU visible", "no
 // CUDA backend: ..."); "" when it chose a GPU or auto was never asked.
 const char *tdm_model_device_auto_note(void);
