@@ -554,6 +554,28 @@ static void test_gemv_ctas(void **state)
 #define BS 16
 #define NUM_BLOCKS 48
 #define BT_STRIDE 19
+
+// Sequences' block tables (BT_STRIDE entries each in bt) taken in turn from
+// perm, a permutation of the pool, and their rows one after another in
+// aseqs; returns the rows.
+static int attn_tables(int n_seqs, const int *start, const int *ntok, const int *perm, int *bt,
+                       struct tdm_attn_seq *aseqs)
+{
+    int next = 0, rows = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int nb = (start[s] + ntok[s] + BS - 1) / BS;
+        assert_true(nb <= BT_STRIDE && next + nb <= NUM_BLOCKS);
+        for (int b = 0; b < BT_STRIDE; b++)
+            bt[s * BT_STRIDE + b] = b < nb ? perm[next + b] : 0;
+        next += nb;
+        aseqs[s] = (struct tdm_attn_seq){.row = rows,
+                                         .n_tokens = ntok[s],
+                                         .start_pos = start[s],
+                                         .block_table = bt + s * BT_STRIDE};
+        rows += ntok[s];
+    }
+    return rows;
+}
 // Tolerance against the CPU backend (f32 throughout): the kernel rounds q and
 // P = e^(s - m) to bf16 (relative error <= 2^-9 each). With q and K uniform in
 // [-1, 1), a score moves by about 2^-9 sum_d |q_d k_d| / sqrt(head_dim) =
@@ -680,20 +702,8 @@ static void run_attention_case(const struct attn_case *c)
         int t = perm[i];
         perm[i] = perm[j], perm[j] = t;
     }
-    int next = 0, rows = 0;
     struct tdm_attn_seq aseqs[NSEQ];
-    for (int s = 0; s < NSEQ; s++) {
-        int nb = (seq_start[s] + seq_ntok[s] + BS - 1) / BS;
-        assert_true(nb <= BT_STRIDE && next + nb <= NUM_BLOCKS);
-        for (int b = 0; b < BT_STRIDE; b++)
-            bt[s * BT_STRIDE + b] = b < nb ? perm[next + b] : 0;
-        next += nb;
-        aseqs[s] = (struct tdm_attn_seq){.row = rows,
-                                         .n_tokens = seq_ntok[s],
-                                         .start_pos = seq_start[s],
-                                         .block_table = bt + s * BT_STRIDE};
-        rows += seq_ntok[s];
-    }
+    int rows = attn_tables(NSEQ, seq_start, seq_ntok, perm, bt, aseqs);
     float *qkv = malloc((size_t)rows * qkv_dim * sizeof *qkv);
     fill(qkv, (size_t)rows * qkv_dim, 1.0f);
     for (int r = 0; bf16 && r < rows; r++)
@@ -959,19 +969,7 @@ static void run_prefill_mma_case(const struct attn_case *c)
     for (int i = 0; i < NUM_BLOCKS; i++)
         perm[i] = (i * 29 + 7) % NUM_BLOCKS; // scattered: 29 is prime to 48
     struct tdm_attn_seq aseqs[PM_SEQS];
-    int next = 0, rows = 0;
-    for (int s = 0; s < PM_SEQS; s++) {
-        int nb = (pm_start[s] + pm_ntok[s] + BS - 1) / BS;
-        assert_true(nb <= BT_STRIDE && next + nb <= NUM_BLOCKS);
-        for (int b = 0; b < BT_STRIDE; b++)
-            bt[s * BT_STRIDE + b] = b < nb ? perm[next + b] : 0;
-        next += nb;
-        aseqs[s] = (struct tdm_attn_seq){.row = rows,
-                                         .n_tokens = pm_ntok[s],
-                                         .start_pos = pm_start[s],
-                                         .block_table = bt + s * BT_STRIDE};
-        rows += pm_ntok[s];
-    }
+    int rows = attn_tables(PM_SEQS, pm_start, pm_ntok, perm, bt, aseqs);
     float *q = malloc((size_t)rows * q_dim * sizeof *q);
     fill(q, (size_t)rows * q_dim, 1.0f);
     float *want = malloc((size_t)rows * q_dim * sizeof *want);
