@@ -929,139 +929,116 @@ __global__ void kv_scatter_kernel(KV *pool, const int32_t *blocks, size_t block_
         kv_put(&dst[i], src[i]);
 }
 
-// ---- small-batch GEMM (GEMV with a fixed K-split) ----------------------------------------
+// ---- small-batch GEMM (GEMV with a fixed K-split) on tensor cores ------------------------
 // grid (tiles, splits), block TDM_CUK_GEMV_THREADS: CTA (t, s) computes
-// y[m][row] for the TDM_CUK_GEMV_ROWS rows of tile t over split s's columns,
-// m < n <= NT. Warp w holds rows t * ROWS + w * RPW + {0 .. RPW-1}; lane l
-// takes the 8 columns at l * 8 of each span of the split, so a warp reads
-// 512 contiguous bytes of a weight row per span and each weight element is
-// loaded once (16 bytes at a time) for all n rows of x. A lane issues the
-// loads of UNROLL spans before using them (bytes in flight). Each (row, m)
-// accumulates with fmaf in a fixed order: the lane's spans in order, each
-// span's 8 columns in order, then the warp's xor-butterfly tree over lanes
-// (warp_reduce_scatter), then the splits in index order: nothing depends on
-// n (NT only sizes the accumulators), so a row's result is the same in every
-// batch of up to TDM_CUK_GEMV_MAX_N rows. The loops over
-// spans and rows are unrolled (#pragma unroll) so that the accumulators and
-// loaded vectors stay in registers (without it nvcc kept them on the stack at
-// NT = 16).
+// y[m][row] for the TDM_CUK_GEMV_ROWS = 16 rows of tile t over split s's
+// columns, m < n <= 16, with mma.sync m16n8k16: A = the tile's 16 weight rows
+// x 16 columns, B = the same 16 columns of x for 8 decode rows (a second
+// mma for rows 8 .. 15 when n > 8), f32 accumulators in registers.
+//
+// Loads: warp w takes the 32 columns at w * 32 of each 256-column span;
+// lane (g = lane / 4, t = lane % 4) loads 16 bytes (8 bf16, columns 8t ..
+// 8t + 7 of the warp's 32) of weight rows g and g + 8, and of x rows g (and
+// g + 8), so each weight element is loaded once for all n rows and the
+// registers are the fragments as loaded (no shuffles, no shared memory).
+// A lane issues UNROLL spans' loads before using them (bytes in flight).
+//
+// The k permutation: with word i of a 16-byte load holding columns 8t + 2i,
+// 8t + 2i + 1 (low half first), the fragment layouts (cuda_mma.cuh) give
+//   mma 0: logical k 2t, 2t + 1 -> columns 8t, 8t + 1 (a[0], a[1], b[0]: word 0)
+//          logical k 2t + 8, 2t + 9 -> columns 8t + 2, 8t + 3 (a[2], a[3], b[1]: word 1)
+//   mma 1: the same with words 2 and 3 (columns 8t + 4 .. 8t + 7).
+// A and B take the same words of the same columns, so each mma sums 16
+// products w[row][c] x[m][c] over 16 distinct columns, and the two mmas
+// cover 8t .. 8t + 7 for t = 0 .. 3: all 32 columns, each once.
+//
+// Fixed summation order, nothing of it depends on n: per (row, m) the warp
+// chains its mmas (span by span, mma 0 then 1; inside an mma the hardware's
+// order, the emulator's exact sum rounded once), then the 8 warps' sums are
+// added in warp order through shared memory, then the splits in index order
+// by the tile's last CTA. Column m of an mma's D depends on column m of B
+// alone (each element of D is a dot product of a row of A and a column of
+// B), and the columns of decode rows >= n are zeros (never loaded): so a
+// row's result is bitwise the same for every n <= 16, including whether the
+// second mma runs. Past the split's end (cols a multiple of 8) a lane's A
+// and B are zeros; a warp whose 32 columns all lie past it skips the span
+// (shape-only, so again independent of n).
 #define TDM_CUK_GEMV_THREADS 256
-#define TDM_CUK_GEMV_RPW (TDM_CUK_GEMV_ROWS / (TDM_CUK_GEMV_THREADS / 32))
+#define TDM_CUK_GEMV_WARPS (TDM_CUK_GEMV_THREADS / 32)
 #define TDM_CUK_GEMV_UNROLL 4
 
-__device__ __forceinline__ float f32_of_bits(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-// The eight bf16 of a 16-byte load as f32 (element 2i in the low half of word i).
-__device__ __forceinline__ void bf16x8_to_f32(uint4 v, float *f)
-{
-    f[0] = f32_of_bits(v.x << 16);
-    f[1] = f32_of_bits(v.x & 0xffff0000u);
-    f[2] = f32_of_bits(v.y << 16);
-    f[3] = f32_of_bits(v.y & 0xffff0000u);
-    f[4] = f32_of_bits(v.z << 16);
-    f[5] = f32_of_bits(v.z & 0xffff0000u);
-    f[6] = f32_of_bits(v.w << 16);
-    f[7] = f32_of_bits(v.w & 0xffff0000u);
-}
-
-// The sums over the warp's 32 lanes of each of a lane's V values v[0..V), by a
-// reduce-scatter: at the offsets 16, 8, 4, 2, 1 in turn a lane keeps half of
-// its live values (the upper half when its lane number has that offset's bit)
-// and adds its partner's partial of each, until one is left; then plain
-// butterfly steps. A value's sum is the xor-butterfly tree over lanes (the
-// partials of lanes L and L ^ o added, whichever lane keeps them; a + b is
-// b + a in IEEE), the same as warp_sum's whatever V is or which lane ends up
-// with it, in V - 1 + log2(32 / V) shuffles (31 for 32 values, not 160).
-// Returns the total of value lane / (32 / V), which 32 / V lanes hold alike.
-// One level at offset o with C live values (templates: every index is a
-// constant, so v stays in registers).
-template <int C> __device__ __forceinline__ void reduce_scatter_step(float *v, int lane, int o)
-{
-    if constexpr (C > 1) {
-        bool upper = (lane & o) != 0;
-#pragma unroll
-        for (int i = 0; i < C / 2; i++) {
-            float send = upper ? v[i] : v[C / 2 + i], mine = upper ? v[C / 2 + i] : v[i];
-            v[i] = mine + __shfl_xor_sync(0xffffffffu, send, o);
-        }
-    } else {
-        v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
-    }
-}
-
-template <int V> __device__ __forceinline__ float warp_reduce_scatter(float *v, int lane)
-{
-    static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "V: a power of two up to 32");
-    reduce_scatter_step<V>(v, lane, 16);
-    reduce_scatter_step<(V > 1 ? V / 2 : 1)>(v, lane, 8);
-    reduce_scatter_step<(V > 2 ? V / 4 : 1)>(v, lane, 4);
-    reduce_scatter_step<(V > 4 ? V / 8 : 1)>(v, lane, 2);
-    reduce_scatter_step<(V > 8 ? V / 16 : 1)>(v, lane, 1);
-    return v[0];
-}
-
-template <int NT>
 __global__ void __launch_bounds__(TDM_CUK_GEMV_THREADS)
     gemv_kernel(const uint16_t *w, int rows, int cols, int spans, const uint16_t *x, int n,
                 const float *bias, float *y, float *part, int32_t *counts)
 {
-    constexpr int R = TDM_CUK_GEMV_RPW, U = TDM_CUK_GEMV_UNROLL, SPAN = TDM_CUK_GEMV_SPAN;
-    constexpr int ROWS = TDM_CUK_GEMV_ROWS;
+    constexpr int U = TDM_CUK_GEMV_UNROLL, SPAN = TDM_CUK_GEMV_SPAN;
+    constexpr int ROWS = TDM_CUK_GEMV_ROWS, WARPS = TDM_CUK_GEMV_WARPS, NMAX = TDM_CUK_GEMV_MAX_N;
+    static_assert(ROWS == 16 && NMAX == 16 && SPAN == WARPS * 32,
+                  "one m16n8k16 A tile a CTA, two n8 halves, 32 columns a warp");
+    __shared__ float red[WARPS][NMAX][ROWS]; // each warp's sums, added in warp order
     __shared__ int last;
     int tile = (int)blockIdx.x, split = (int)blockIdx.y, splits = (int)gridDim.y;
-    int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-    int row0 = tile * ROWS + warp * R;
-    int k0 = split * spans * SPAN + lane * 8; // this lane's column in the split's first span
+    int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    int ra = tile * ROWS + g, rb = ra + 8;
+    int kw = split * spans * SPAN + warp * 32; // the warp's first column in the split's first span
     int k1 = (split + 1) * spans * SPAN < cols ? (split + 1) * spans * SPAN : cols;
-    float acc[R][NT];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < NT; m++)
-            acc[r][m] = 0.0f;
+    int halves = n > 8 ? 2 : 1;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    float acc[2][4];
+    for (int h = 0; h < 2; h++)
+        for (int e = 0; e < 4; e++)
+            acc[h][e] = 0.0f;
     for (int j0 = 0; j0 < spans; j0 += U) {
-        uint4 wv[U][R];
+        uint4 wa[U], wb[U];
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            int k = k0 + (j0 + u) * SPAN;
-            for (int r = 0; r < R; r++)
-                wv[u][r] = j0 + u < spans && k < k1 && row0 + r < rows
-                               ? __ldcs((const uint4 *)(w + (size_t)(row0 + r) * cols + k))
-                               : make_uint4(0u, 0u, 0u, 0u);
+            int k = kw + (j0 + u) * SPAN + t * 8;
+            bool in = j0 + u < spans && k < k1;
+            wa[u] = in && ra < rows ? __ldcs((const uint4 *)(w + (size_t)ra * cols + k)) : zero;
+            wb[u] = in && rb < rows ? __ldcs((const uint4 *)(w + (size_t)rb * cols + k)) : zero;
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            int k = k0 + (j0 + u) * SPAN;
-            if (j0 + u >= spans || k >= k1)
-                continue; // past the split's end (so are the later spans)
-            float wf[R][8];
-            for (int r = 0; r < R; r++)
-                bf16x8_to_f32(wv[u][r], wf[r]);
+            // Warp-uniform: every lane of the warp runs the mmas or none does.
+            if (j0 + u >= spans || kw + (j0 + u) * SPAN >= k1)
+                break; // past the split's end (so are the later spans)
+            int k = kw + (j0 + u) * SPAN + t * 8;
+            uint32_t a0[4] = {wa[u].x, wb[u].x, wa[u].y, wb[u].y};
+            uint32_t a1[4] = {wa[u].z, wb[u].z, wa[u].w, wb[u].w};
 #pragma unroll
-            for (int m = 0; m < NT; m++) {
-                if (m < n) {
-                    float xf[8];
-                    bf16x8_to_f32(__ldg((const uint4 *)(x + (size_t)m * cols + k)), xf);
-                    for (int r = 0; r < R; r++)
-                        for (int e = 0; e < 8; e++)
-                            acc[r][m] = fmaf(wf[r][e], xf[e], acc[r][m]);
+            for (int h = 0; h < 2; h++) {
+                if (h < halves) {
+                    int m = h * 8 + g;
+                    uint4 xv =
+                        m < n && k < k1 ? __ldg((const uint4 *)(x + (size_t)m * cols + k)) : zero;
+                    uint32_t b0[2] = {xv.x, xv.y}, b1[2] = {xv.z, xv.w};
+                    tdm_mma_bf16_16816(acc[h], a0, b0, acc[h]);
+                    tdm_mma_bf16_16816(acc[h], a1, b1, acc[h]);
                 }
             }
         }
     }
-    // Value j = r * NT + m of acc: this lane ends with the warp's sum of one.
-    constexpr int V = R * NT;
-    float total = warp_reduce_scatter<V>(&acc[0][0], lane);
-    int j = lane / (32 / V), jm = j % NT, jrow = row0 + j / NT;
+    // D: acc[h][0], [1] = row g, decode rows 8h + 2t, 2t + 1; [2], [3] = row g + 8.
+    // Unrolled: acc stays in registers (a runtime index put it on the stack).
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+        if (h < halves)
+            for (int e = 0; e < 4; e++)
+                red[warp][h * 8 + 2 * t + e % 2][g + (e / 2) * 8] = acc[h][e];
+    __syncthreads();
     bool one = splits == 1;
-    if (lane % (32 / V) == 0 && jm < n && jrow < rows) {
-        if (one)
-            y[(size_t)jm * rows + jrow] = bias ? total + bias[jrow] : total;
-        else
-            part[((size_t)split * n + jm) * rows + jrow] = total;
+    {
+        int i = (int)threadIdx.x, m = i / ROWS, r = i % ROWS, row = tile * ROWS + r;
+        static_assert(TDM_CUK_GEMV_THREADS == NMAX * ROWS, "a thread per (x row, weight row)");
+        if (m < n && row < rows) {
+            float s = red[0][m][r];
+            for (int v = 1; v < WARPS; v++)
+                s += red[v][m][r];
+            if (one)
+                y[(size_t)m * rows + row] = bias ? s + bias[row] : s;
+            else
+                part[((size_t)split * n + m) * rows + row] = s;
+        }
     }
     if (one)
         return;

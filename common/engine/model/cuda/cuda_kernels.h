@@ -193,14 +193,13 @@ int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
 // when not NULL), bf16 w and x, f32 accumulation and y, for n <=
 // TDM_CUK_GEMV_MAX_N (decode steps): the CUDA backend's fast mode
 // (--no-batch-invariant) instead of a cuBLASLt call. Each weight element is
-// read once, in 16-byte loads, for all n rows. A CTA serves TDM_CUK_GEMV_ROWS
-// weight rows over one K-split: whole spans of TDM_CUK_GEMV_SPAN columns (a
-// warp's 32 lanes x 8 bf16). The split count is a function of the weight
-// shape alone (tdm_cuk_gemv_split), never of n: the fewest splits that give
-// at least TDM_CUK_GEMV_CTAS CTAs (two per SM of an H100/H200's 132),
-// capped at one span per split. Splits' partial sums go to `part`, and the
-// CTA of a row tile that arrives last (an integer count in `counts`, reset by
-// that CTA) adds them in split order, then the bias: no float atomics, so a
+// read once, in 16-byte loads, for all n rows, and multiplied on tensor cores
+// (mma.sync m16n8k16). A CTA serves TDM_CUK_GEMV_ROWS weight rows over one
+// K-split: whole spans of TDM_CUK_GEMV_SPAN columns (8 warps x 32). The split count is a function
+// of the weight shape alone (tdm_cuk_gemv_split), never of n: the fewest splits that give at least
+// TDM_CUK_GEMV_CTAS CTAs (two per SM of an H100/H200's 132), capped at one span per split. Splits'
+// partial sums go to `part`, and the CTA of a row tile that arrives last (an integer count in
+// `counts`, reset by that CTA) adds them in split order, then the bias: no float atomics, so a
 // row's result is bitwise the same for every n <= TDM_CUK_GEMV_MAX_N (not
 // the same as cuBLASLt's, which sums in another order). cols must be a
 // multiple of 8, w and x 16-byte aligned. part: tdm_cuk_gemv_part_bytes,

@@ -88,17 +88,6 @@ template <class KV, int HD> static int attention_typed(void *stream, const tdm_c
     return TDM_CUK_OK;
 }
 
-template <int NT>
-static int gemv_typed(void *stream, const uint16_t *w, int rows, int cols, int spans,
-                      const tdm_cuk_gemv_shape &g, const uint16_t *x, int n, const float *bias,
-                      float *y, float *part, int32_t *counts)
-{
-    TDM_CUDA_LAUNCH((gemv_kernel<NT>), dim3((unsigned)g.tiles, (unsigned)g.splits),
-                    dim3(TDM_CUK_GEMV_THREADS), 0, stream, w, rows, cols, spans, x, n, bias, y,
-                    part, counts);
-    return launched("gemv");
-}
-
 template <class KV> static int attention_kv(void *stream, const tdm_cuk_attn_args *a)
 {
     switch (a->head_dim) {
@@ -350,16 +339,10 @@ int tdm_cuk_gemv(void *stream, const uint16_t *w, int rows, int cols, const uint
     if (g.splits > 1 && (part == NULL || counts == NULL))
         return tdm_cuk::fail(TDM_CUK_EINVAL, "gemv: %d x %d runs in %d splits: needs scratch", rows,
                              cols, g.splits);
-    int s = g.spans_per_split;
-    if (n == 1)
-        return tdm_cuk::gemv_typed<1>(stream, w, rows, cols, s, g, x, n, bias, y, part, counts);
-    if (n == 2)
-        return tdm_cuk::gemv_typed<2>(stream, w, rows, cols, s, g, x, n, bias, y, part, counts);
-    if (n <= 4)
-        return tdm_cuk::gemv_typed<4>(stream, w, rows, cols, s, g, x, n, bias, y, part, counts);
-    if (n <= 8)
-        return tdm_cuk::gemv_typed<8>(stream, w, rows, cols, s, g, x, n, bias, y, part, counts);
-    return tdm_cuk::gemv_typed<16>(stream, w, rows, cols, s, g, x, n, bias, y, part, counts);
+    TDM_CUDA_LAUNCH(tdm_cuk::gemv_kernel, dim3((unsigned)g.tiles, (unsigned)g.splits),
+                    dim3(TDM_CUK_GEMV_THREADS), 0, stream, w, rows, cols, g.spans_per_split, x, n,
+                    bias, y, part, counts);
+    return tdm_cuk::launched("gemv");
 }
 
 // Per row and chunk: the chunk's maximum (value, index), its candidate count,

@@ -375,15 +375,19 @@ static void test_gemm(void **state)
 
 // ---- small-batch GEMM (tdm_cuk_gemv) ---------------------------------------------------------
 // Against a double-precision reference, on ragged shapes (rows not a multiple
-// of the 16-row tile, columns not a multiple of the 256-column span; the
-// 0.5B model's K of 896 and 4864), with and without bias, at n = 1 .. 16; and
-// each row of every batch bitwise the row computed alone (shapes of 264 CTAs
-// or more, which the emulator runs slowly: n = 3 and 16, rows 0, 2 and 15
-// alone). Tolerance: 2e-5 of
-// sum |w x| + |bias| per element; f32 accumulation along the kernel's tree
-// (a lane's <= 8 * spans-per-split products in order, 5 butterfly levels,
-// the splits) is within (8 * 19 + 5 + 19 + 1) * 2^-24 = 1.06e-5 of it at
-// K = 4864 in the worst case.
+// of the 16-row tile, columns not a multiple of the 256-column span nor of a
+// warp's 32 columns; the 0.5B model's K of 896 and 4864), with and without
+// bias, at n = 1 .. 16 (one mma half and two); and each row of every batch
+// bitwise the row computed alone (shapes of 264 CTAs or more, which the
+// emulator runs slowly: n = 3 and 16, rows 0, 2 and 15 alone); row 15 alone
+// is the last row of x's allocation, so a kernel that loads the decode rows
+// past n (the mma's padding columns) reads outside it (ASan). Tolerance: 2e-5
+// of sum |w x| + |bias| per element. The kernel's f32 sum of a (row, x row)
+// rounds once per mma (16 products added to the running sum: 2 per span of
+// the split), then at each of the 7 adds of the 8 warps' sums, the splits'
+// and the bias: at K = 4864 at most (2 * 19 + 7 + 18 + 1) * 2^-24 = 3.8e-6
+// of it (the emulator's mma rounds exactly once; a GPU's tensor cores add
+// the 16 products in their own order and precision, which the margin covers).
 struct gemv_case {
     int rows, cols;
     bool bias;
@@ -398,7 +402,7 @@ static void test_gemv(void **state)
         {37, 896, true, false},   // 3.5 spans: 4 splits of one span, the last half full
         {23, 4864, false, false}, // 19 spans in 19 splits
         {21, 264, true, false},   // one full span and 8 columns: 2 splits
-        {300, 136, false, false}, // less than a span, one split
+        {300, 136, false, false}, // less than a span, one split; warp 4 has 8 columns
         {1, 8, true, false},
         {900, 4864, true, true},  // the down GEMM's K: 5 splits of 4 spans, the last of 3
         {4500, 896, false, true}, // 282 tiles: one split of 3.5 spans
