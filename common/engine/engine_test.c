@@ -2266,5 +2266,5 @@ int main(int argc, char **argv)
     const char *filter = getenv("ENGINE_TEST_FILTER");
     if (filter != NULL)
         cmocka_set_test_filter(filter);
-    return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
+    return tdm_test_exit(tdm_run_group_tests(tests, setup, teardown));
 }
