@@ -130,11 +130,12 @@ struct tdm_backend_ops {
     // Activation memory (aligned to 64 bytes); free with release.
     void *(*alloc)(struct tdm_backend *be, size_t bytes);
     void (*release)(struct tdm_backend *be, void *p);
-    // Host -> backend memory, backend -> host (returns once dst holds the data,
-    // after every op issued before it), and inside backend memory (no
-    // overlap). TDM_OK, or the first error of any op since the last download
-    // or sync (ops themselves return nothing; a backend whose launches can
-    // fail keeps the first failure until then).
+    // Host -> backend memory (returns once src may be reused; a device backend
+    // may still have the copy queued, in order with its ops), backend -> host
+    // (returns once dst holds the data, after every op issued before it), and
+    // inside backend memory (no overlap). TDM_OK, or the first error of any op
+    // since the last download or sync (ops themselves return nothing; a
+    // backend whose launches can fail keeps the first failure until then).
     int (*upload)(struct tdm_backend *be, void *dst, const void *src, size_t bytes);
     int (*download)(struct tdm_backend *be, void *dst, const void *src, size_t bytes);
     int (*copy)(struct tdm_backend *be, void *dst, const void *src, size_t bytes);

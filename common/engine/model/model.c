@@ -1317,26 +1317,15 @@ static int forward_head(struct tdm_model *m, const struct tdm_batch_seq *seqs, i
     return TDM_OK;
 }
 
-// A device backend's step end: the graph closed, the logits rows downloaded
-// and the chosen rows' tokens taken: their argmax when all are greedy, else
-// the draw of each (an ARGMAX row's is the argmax: inv_t 0).
-static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs,
-                          const struct fwd_plan *pl, float *logits)
+// The chosen rows (over the logits rows after the n_logit_real LAST/ALL
+// ones): their tokens, and the logprobs their draws ask.
+static int forward_chosen(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs,
+                          const struct fwd_plan *pl)
 {
     const struct tdm_backend_ops *ops = m->ops;
     struct tdm_backend *be = m->be;
     int vocab = m->cfg.vocab_size;
     int rc;
-    if (pl->graph && (rc = ops->graph_end(be)) != TDM_OK)
-        return rc;
-    // Logits rows reach the host once per step, sampled there; the chosen
-    // rows' tokens come from the device, over the rows after them.
-    if (pl->n_logit_real > 0 &&
-        (rc = ops->download(be, logits, m->logits_be,
-                            (size_t)pl->n_logit_real * (size_t)vocab * sizeof(float))) != TDM_OK)
-        return rc;
-    if (pl->n_chosen == 0)
-        return TDM_OK;
     float *rows = m->logits_be + (size_t)pl->n_logit_real * vocab;
     bool any_draw = false;
     int n_adj = 0;
@@ -1393,6 +1382,29 @@ static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs,
     if (rc != TDM_OK)
         return rc;
     scatter_chosen(m, seqs, n_seqs);
+    return TDM_OK;
+}
+
+// A device backend's step end: the graph closed, the chosen rows' tokens
+// taken (their argmax when all are greedy, else the draw of each: an ARGMAX
+// row's is the argmax, inv_t 0) and the logits rows downloaded.
+static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs,
+                          const struct fwd_plan *pl, float *logits)
+{
+    const struct tdm_backend_ops *ops = m->ops;
+    struct tdm_backend *be = m->be;
+    int rc;
+    if (pl->graph && (rc = ops->graph_end(be)) != TDM_OK)
+        return rc;
+    // The chosen rows' tokens first: their draws are issued right behind the
+    // head, without a wait (their inputs are staged), and their ids come back
+    // in the step's wait; the logits rows (sampled on the host) then copy from
+    // an idle device.
+    if (pl->n_chosen > 0 && (rc = forward_chosen(m, seqs, n_seqs, pl)) != TDM_OK)
+        return rc;
+    if (pl->n_logit_real > 0)
+        return ops->download(be, logits, m->logits_be,
+                             (size_t)pl->n_logit_real * (size_t)m->cfg.vocab_size * sizeof(float));
     return TDM_OK;
 }
 

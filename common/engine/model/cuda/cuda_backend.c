@@ -76,11 +76,24 @@ struct tdm_backend {
     struct dev_buf sadj;    // their struct tdm_draw_adj entries, device
     struct dev_buf smask;   // their structured-output masks, device
     // Rows asking logprobs: their indices, then their struct tdm_draw_logprobs
-    // (device), and the host staging of both ([lp_cap] each).
+    // (device), and the host list of the indices ([lp_cap]).
     struct dev_buf slp;
     int32_t *h_lp_rows;
-    struct tdm_draw_logprobs *h_lp;
     int lp_cap;
+    // Pinned staging of a step's small host -> device copies (token ids,
+    // positions, the attention metadata, the draws' parameters, adjustments,
+    // masks and logprob rows; upload_async): each takes the next free bytes
+    // and is issued without a wait, so a step's only wait is the one at its
+    // end that brings its results back (issue 26 item 1: the host's round
+    // trips). The bytes are free again once the host has waited for the whole
+    // stream (stream_idle); a step bigger than the staging waits once and
+    // grows it.
+    uint8_t *stage;
+    size_t stage_cap, stage_used;
+    // Pinned landing of the chosen rows' ids and logprobs, read after the
+    // wait that ends the step.
+    uint8_t *h_out;
+    size_t cap_out;
     // begin_forward's staging: host copies, and their device twins.
     int n_rows, n_seqs;                                  // of the staged forward
     int32_t *h_slots;                                    // [cap_rows] flat KV slot of each new row
@@ -89,9 +102,8 @@ struct tdm_backend {
     struct tdm_cuk_seq *h_seqs;
     int cap_rows, cap_seqs, cap_bt, cap_tiles;
     // The five arrays above go to the device in one copy: packed (16-byte
-    // aligned pieces) in h_meta, copied to d_meta; the m_* point into d_meta.
-    uint8_t *h_meta;
-    int cap_meta;
+    // aligned pieces) in the staging, copied to d_meta; the m_* point into
+    // d_meta.
     struct dev_buf d_meta, d_part_o, d_part_ml;
     // [cap][n_heads] int32 decode split counts (tdm_cuk_attn_args.part_done):
     // zeroed when it grows, and every launch leaves it zero. A growth while
@@ -221,11 +233,13 @@ static void cuda_destroy(struct tdm_backend *be)
     buf_free(be, &be->smask);
     buf_free(be, &be->slp);
     free(be->h_lp_rows);
-    free(be->h_lp);
+    if (be->stage_used > 0)
+        (void)tdm_cuda_dev_sync(be->dev); // copies may still read the staging
+    tdm_cuda_dev_host_free(be->dev, be->stage);
+    tdm_cuda_dev_host_free(be->dev, be->h_out);
     for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++)
         tdm_cuda_dev_graph_free(be->dev, be->graphs[i].graph);
     buf_free(be, &be->d_meta);
-    free(be->h_meta);
     buf_free(be, &be->d_part_o);
     buf_free(be, &be->d_part_ml);
     buf_free(be, &be->d_part_done);
@@ -273,10 +287,80 @@ static int take_err(struct tdm_backend *be)
     return rc;
 }
 
+// ---- host <-> device copies --------------------------------------------------------------------
+// Uploads up to this size go through the pinned staging without a wait;
+// larger ones (weights) wait for their copy.
+#define TDM_CUDA_STAGE_MAX ((size_t)4 << 20)
+
+// The host waited for everything issued on the stream: the staging is free.
+static void stream_idle(struct tdm_backend *be)
+{
+    be->stage_used = 0;
+}
+
+// Waits for the stream (the copies and kernels issued so far).
+static int stream_wait(struct tdm_backend *be, const char *what)
+{
+    if (tdm_cuda_dev_sync(be->dev) != TDM_OK) {
+        fail(be, TDM_EBACKEND, what, tdm_cuda_dev_errmsg(be->dev));
+        return be->err;
+    }
+    stream_idle(be);
+    return be->err;
+}
+
+// Pinned room for a copy of `bytes` (16-byte aligned), NULL (be->err set)
+// when the host is out of pinned memory or the stream failed. Full staging:
+// the host waits for the stream, after which all of it is free, and grows it
+// when one copy needs more.
+static void *stage_take(struct tdm_backend *be, size_t bytes)
+{
+    size_t need = (bytes + 15) / 16 * 16;
+    if (be->stage_used + need > be->stage_cap) {
+        if (be->stage_used > 0 && stream_wait(be, "upload: %s") != TDM_OK)
+            return NULL;
+        if (need > be->stage_cap) {
+            size_t want = be->stage_cap ? be->stage_cap : (size_t)64 << 10;
+            while (want < need)
+                want *= 2;
+            uint8_t *p = tdm_cuda_dev_host_alloc(be->dev, want);
+            if (p == NULL) {
+                fail(be, TDM_ENOMEM, "upload: %s", "out of pinned host memory for the staging");
+                return NULL;
+            }
+            tdm_cuda_dev_host_free(be->dev, be->stage);
+            be->stage = p;
+            be->stage_cap = want;
+        }
+    }
+    void *r = be->stage + be->stage_used;
+    be->stage_used += need;
+    return r;
+}
+
+// dst (device) = src (any host memory, free for reuse on return), in stream
+// order, without waiting: src is copied to the staging first.
+static int upload_async(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
+{
+    if (bytes == 0 || be->err != TDM_OK)
+        return be->err;
+    void *s = stage_take(be, bytes);
+    if (s == NULL)
+        return be->err;
+    memcpy(s, src, bytes);
+    if (tdm_cuda_dev_h2d_async(be->dev, dst, s, bytes) != TDM_OK)
+        fail(be, TDM_EBACKEND, "upload: %s", tdm_cuda_dev_errmsg(be->dev));
+    return be->err;
+}
+
 static int cuda_upload(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
 {
+    if (bytes <= TDM_CUDA_STAGE_MAX)
+        return upload_async(be, dst, src, bytes);
     if (tdm_cuda_dev_h2d(be->dev, dst, src, bytes) != TDM_OK)
         fail(be, TDM_EBACKEND, "upload: %s", tdm_cuda_dev_errmsg(be->dev));
+    else
+        stream_idle(be); // the copy waited for the stream
     return be->err;
 }
 
@@ -284,6 +368,39 @@ static int cuda_download(struct tdm_backend *be, void *dst, const void *src, siz
 {
     if (tdm_cuda_dev_d2h(be->dev, dst, src, bytes) != TDM_OK)
         fail(be, TDM_EBACKEND, "download: %s", tdm_cuda_dev_errmsg(be->dev));
+    else
+        stream_idle(be);
+    return take_err(be);
+}
+
+// The chosen rows' results: each (src, bytes) pair copied to the pinned
+// landing in order (16-byte aligned pieces), then the step's one wait; *out[i]
+// = where piece i landed. TDM_OK or the step's first error.
+static int download_results(struct tdm_backend *be, int n, const void *const *src,
+                            const size_t *bytes, const uint8_t **out)
+{
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        total += (bytes[i] + 15) / 16 * 16;
+    if (total > be->cap_out) { // nothing lands in it now: the last step waited
+        uint8_t *p = tdm_cuda_dev_host_alloc(be->dev, total);
+        if (p == NULL) {
+            fail(be, TDM_ENOMEM, "download: %s", "out of pinned host memory for the results");
+            return take_err(be);
+        }
+        tdm_cuda_dev_host_free(be->dev, be->h_out);
+        be->h_out = p;
+        be->cap_out = total;
+    }
+    size_t off = 0;
+    for (int i = 0; i < n && be->err == TDM_OK; i++) {
+        out[i] = be->h_out + off;
+        if (tdm_cuda_dev_d2h_async(be->dev, be->h_out + off, src[i], bytes[i]) != TDM_OK)
+            fail(be, TDM_EBACKEND, "download: %s", tdm_cuda_dev_errmsg(be->dev));
+        off += (bytes[i] + 15) / 16 * 16;
+    }
+    if (be->err == TDM_OK)
+        (void)stream_wait(be, "download: %s");
     return take_err(be);
 }
 
@@ -296,8 +413,7 @@ static int cuda_copy(struct tdm_backend *be, void *dst, const void *src, size_t 
 
 static int cuda_sync(struct tdm_backend *be)
 {
-    if (tdm_cuda_dev_sync(be->dev) != TDM_OK)
-        fail(be, TDM_EBACKEND, "sync: %s", tdm_cuda_dev_errmsg(be->dev));
+    (void)stream_wait(be, "sync: %s");
     return take_err(be);
 }
 
@@ -454,24 +570,26 @@ static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int c
     launch_check(be, tdm_cuk_argmax_rows(be->stream, x, n, cols, be->am_ids.p, be->am_part.p));
     if (be->err != TDM_OK)
         return take_err(be);
-    return cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));
+    const void *src[1] = {be->am_ids.p};
+    size_t bytes[1] = {(size_t)n * sizeof(int32_t)};
+    const uint8_t *got[1];
+    int rc = download_results(be, 1, src, bytes, got);
+    if (rc == TDM_OK)
+        memcpy(ids, got[0], bytes[0]);
+    return rc;
 }
 
 // Sampled rows (issue 26 item 1): drawn on the device by the CPU sampler's
 // draw, and only the ids to the host, as the greedy rows' argmax.
-// The host staging of the rows asking logprobs, for n rows.
+// The list of the rows asking logprobs, for n rows.
 static int lp_reserve(struct tdm_backend *be, int n)
 {
     if (n <= be->lp_cap)
         return TDM_OK;
     int32_t *rows = realloc(be->h_lp_rows, (size_t)n * sizeof *rows);
-    if (rows)
-        be->h_lp_rows = rows;
-    struct tdm_draw_logprobs *lp = realloc(be->h_lp, (size_t)n * sizeof *lp);
-    if (lp)
-        be->h_lp = lp;
-    if (rows == NULL || lp == NULL)
+    if (rows == NULL)
         return TDM_ENOMEM;
+    be->h_lp_rows = rows;
     be->lp_cap = n;
     return TDM_OK;
 }
@@ -503,23 +621,27 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
     }
     int32_t *d_lp_rows = be->slp.p;
     struct tdm_draw_logprobs *d_lp = (void *)((char *)be->slp.p + rows_bytes);
-    if (cuda_upload(be, be->sp.p, params, (size_t)n * sizeof *params) != TDM_OK ||
-        (n_adj > 0 && cuda_upload(be, be->sadj.p, adj, adj_bytes) != TDM_OK) ||
-        (mask_words > 0 && cuda_upload(be, be->smask.p, masks, mask_bytes) != TDM_OK) ||
-        (n_lp > 0 &&
-         cuda_upload(be, d_lp_rows, be->h_lp_rows, (size_t)n_lp * sizeof(int32_t)) != TDM_OK))
+    // The inputs through the staging, the draw, and the ids and logprobs
+    // back in the step's one wait.
+    if (upload_async(be, be->sp.p, params, (size_t)n * sizeof *params) != TDM_OK ||
+        upload_async(be, be->sadj.p, adj, adj_bytes) != TDM_OK ||
+        upload_async(be, be->smask.p, masks, mask_bytes) != TDM_OK ||
+        upload_async(be, d_lp_rows, be->h_lp_rows, (size_t)n_lp * sizeof(int32_t)) != TDM_OK)
         return take_err(be);
     launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->sadj.p, be->smask.p,
                                          be->am_ids.p, d_lp_rows, n_lp, d_lp, be->am_part.p));
     if (be->err != TDM_OK)
         return take_err(be);
-    int rc = cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));
-    if (rc != TDM_OK || n_lp == 0)
+    const void *src[2] = {be->am_ids.p, d_lp};
+    size_t bytes[2] = {(size_t)n * sizeof(int32_t), lp_bytes};
+    const uint8_t *got[2];
+    int rc = download_results(be, 2, src, bytes, got);
+    if (rc != TDM_OK)
         return rc;
-    if ((rc = cuda_download(be, be->h_lp, d_lp, lp_bytes)) != TDM_OK)
-        return rc;
+    memcpy(ids, got[0], bytes[0]);
+    const struct tdm_draw_logprobs *dl = (const void *)got[1];
     for (int j = 0; j < n_lp; j++)
-        lp[be->h_lp_rows[j]] = be->h_lp[j];
+        lp[be->h_lp_rows[j]] = dl[j];
     return TDM_OK;
 }
 
@@ -996,18 +1118,17 @@ static int stage_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
         off[i] = total;
         total += (len[i] + 15) / 16 * 16;
     }
-    if (total > (size_t)INT32_MAX || !grow((void **)&be->h_meta, &be->cap_meta, (int)total, 1)) {
-        fail(be, TDM_ENOMEM, "begin_forward: %s", "out of host memory");
-        return take_err(be);
-    }
-    for (int i = 0; i < 5; i++)
-        if (len[i])
-            memcpy(be->h_meta + off[i], src[i], len[i]);
     if (buf_reserve(be, &be->d_meta, total) != TDM_OK) {
         fail(be, TDM_ENOMEM, "begin_forward: %s", "out of device memory for attention metadata");
         return take_err(be);
     }
-    if (tdm_cuda_dev_h2d(be->dev, be->d_meta.p, be->h_meta, total) != TDM_OK) {
+    uint8_t *h = stage_take(be, total);
+    if (h == NULL)
+        return take_err(be);
+    for (int i = 0; i < 5; i++)
+        if (len[i])
+            memcpy(h + off[i], src[i], len[i]);
+    if (tdm_cuda_dev_h2d_async(be->dev, be->d_meta.p, h, total) != TDM_OK) {
         fail(be, TDM_EBACKEND, "begin_forward: %s", tdm_cuda_dev_errmsg(be->dev));
         return take_err(be);
     }

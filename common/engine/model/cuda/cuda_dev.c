@@ -219,6 +219,55 @@ int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t byte
     return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaMemsetAsync", e);
 }
 
+void *tdm_cuda_dev_host_alloc(struct tdm_cuda_dev *d, size_t bytes)
+{
+    void *p = NULL;
+    if (tdm_cuda_dev_bind(d) != TDM_OK)
+        return NULL;
+    cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+        cuda_fail(d, "cudaHostAlloc", e);
+        return NULL;
+    }
+    return p;
+}
+
+void tdm_cuda_dev_host_free(struct tdm_cuda_dev *d, void *p)
+{
+    if (p) {
+        tdm_cuda_dev_bind(d);
+        cudaFreeHost(p);
+    }
+}
+
+// A copy issued while the stream captures would become part of the graph,
+// replayed with whatever the pinned memory holds then: refused, as h2d is.
+static int copy_async(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes,
+                      enum cudaMemcpyKind kind)
+{
+    if (bytes == 0)
+        return TDM_OK;
+    if (tdm_cuda_dev_bind(d) != TDM_OK)
+        return TDM_EBACKEND;
+    enum cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    cudaError_t e = cudaStreamIsCapturing(d->stream, &st);
+    if (e == cudaSuccess && st != cudaStreamCaptureStatusNone)
+        e = cudaErrorStreamCaptureUnsupported;
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(dst, src, bytes, kind, d->stream);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaMemcpyAsync", e);
+}
+
+int tdm_cuda_dev_h2d_async(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
+{
+    return copy_async(d, dst, src, bytes, cudaMemcpyHostToDevice);
+}
+
+int tdm_cuda_dev_d2h_async(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
+{
+    return copy_async(d, dst, src, bytes, cudaMemcpyDeviceToHost);
+}
+
 int tdm_cuda_dev_sync(struct tdm_cuda_dev *d)
 {
     if (tdm_cuda_dev_bind(d) != TDM_OK)

@@ -55,6 +55,16 @@ int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t 
 int tdm_cuda_dev_d2h(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes);
 int tdm_cuda_dev_d2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes);
 int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t bytes);
+// Pinned host memory (cudaHostAlloc), which the asynchronous copies below
+// read and write; NULL when out of memory.
+void *tdm_cuda_dev_host_alloc(struct tdm_cuda_dev *d, size_t bytes);
+void tdm_cuda_dev_host_free(struct tdm_cuda_dev *d, void *p); // NULL is fine
+// Stream-ordered copies that return at once, without waiting for the stream:
+// src (h2d) or dst (d2h) is pinned memory from tdm_cuda_dev_host_alloc, which
+// the caller leaves untouched until the stream has run the copy (a sync, or
+// a d2h, says so). Errors while capturing, as h2d and d2h.
+int tdm_cuda_dev_h2d_async(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes);
+int tdm_cuda_dev_d2h_async(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes);
 // Waits for the stream; TDM_EBACKEND (detail in tdm_cuda_dev_errmsg) when a
 // kernel failed.
 int tdm_cuda_dev_sync(struct tdm_cuda_dev *d);

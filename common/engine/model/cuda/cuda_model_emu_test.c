@@ -1034,6 +1034,173 @@ static void test_deferred_export_overlaps(void **state)
     tdm_model_free(m);
 }
 
+// Issue 26 item 1: a step is one round trip between the host and the device.
+// What a forward sends (token ids, positions, the attention metadata, the
+// draws' parameters, adjustments, masks and logprob rows) goes through pinned
+// staging without a wait; what comes back (logits rows, or the chosen ids and
+// logprobs) comes at its end, in one wait. On the emulator's deferred device
+// (nothing runs until the host waits, so every staged copy runs after the
+// host issued the whole step) the logits and tokens equal those of a
+// reference run as issued: no staging is reused before the device read it.
+static void test_host_waits(void **state)
+{
+    (void)state;
+    struct tdm_model *mg = load(tiny_dir, "cuda", "bf16");
+    struct tdm_model *me = load_opts(tiny_dir, "cuda", "bf16", true);
+    int vocab = tdm_model_config(mg)->vocab_size;
+    size_t words = ((size_t)vocab + 31) / 32;
+    struct tdm_kv_cache *kg = new_kv(mg), *ke = new_kv(me);
+    enum { NS = 3, STEPS_W = 9 };
+    const int start[NS] = {40, 17, 5};
+    int32_t h[NS][64];
+    struct tdm_kv_seq sg[NS], se[NS];
+    float *lg = malloc((size_t)NS * vocab * sizeof(float));
+    float *le = malloc((size_t)NS * vocab * sizeof(float));
+    float *work = malloc((size_t)vocab * sizeof(float));
+    uint32_t *allow = malloc(words * sizeof *allow);
+    assert_true(lg && le && work && allow);
+    for (size_t w = 0; w < words; w++)
+        allow[w] = 0x6db6db6du; // tokens t % 3 != 0 of every word (t = 32w + bit)
+    unsigned long long w0;
+    for (int s = 0; s < NS; s++) {
+        make_prompt(h[s], start[s], vocab, 70 + (uint32_t)s);
+        tdm_kv_seq_init(&sg[s]);
+        tdm_kv_seq_init(&se[s]);
+        // The prompt in two chunks: the first wants no logits (it ends with a
+        // sync), the second its last row's.
+        int c1 = start[s] - 3;
+        assert_int_equal(tdm_kv_reserve(kg, &sg[s], start[s]), TDM_OK);
+        for (int c = 0; c < 2; c++) {
+            struct tdm_batch_seq b = {.tokens = h[s] + (c ? c1 : 0),
+                                      .n_tokens = c ? start[s] - c1 : c1,
+                                      .start_pos = c ? c1 : 0,
+                                      .block_table = sg[s].block_table,
+                                      .prompt_len = start[s],
+                                      .logits = c ? TDM_LOGITS_LAST : TDM_LOGITS_NONE};
+            tdm_emu_defer(1);
+            w0 = tdm_emu_host_waits();
+            int rc = tdm_model_forward(mg, kg, &b, 1, lg);
+            unsigned long long waits = tdm_emu_host_waits() - w0;
+            tdm_emu_defer(0);
+            assert_int_equal(rc, TDM_OK);
+            printf("prompt %d chunk %d: %llu host waits\n", s, c, waits);
+            assert_int_equal(waits, 1);
+            assert_int_equal(tdm_emu_pending(NULL), 0);
+        }
+        tdm_kv_commit(kg, &sg[s], h[s], start[s]);
+        step(me, ke, &se[s], h[s], 0, start[s], le);
+        assert_memory_equal(lg, le, (size_t)vocab * sizeof(float));
+        h[s][start[s]] = argmax(le, vocab);
+    }
+    // Decode steps, three kinds in turn: every row's argmax (a graph), rows
+    // 1 and 2 drawn with penalties and a logit bias (row 2 with a structured-
+    // output mask and logprobs) beside row 0's argmax (a graph, tokens taken
+    // after it), and a LAST row beside a drawn and an argmax row (eager).
+    for (int t = 0; t < STEPS_W; t++) {
+        int kind = t % 3;
+        struct tdm_batch_seq bg[NS], be[NS];
+        int32_t ids[NS] = {-1, -1, -1};
+        struct tdm_draw_params dp[NS];
+        struct tdm_draw_adj adj[NS][96];
+        struct tdm_draw_logprobs lp[NS];
+        struct tdm_sampler *smp[NS] = {NULL, NULL, NULL};
+        for (int s = 0; s < NS; s++) {
+            int pos = start[s] + t;
+            bool draw = kind != 0 && s > 0 && !(kind == 2 && s == 2);
+            bool last = kind == 2 && s == 0;
+            assert_int_equal(tdm_kv_reserve(kg, &sg[s], pos + 1), TDM_OK);
+            assert_int_equal(tdm_kv_reserve(ke, &se[s], pos + 1), TDM_OK);
+            if (draw) {
+                struct tdm_sampling_params p;
+                tdm_sampling_params_default(&p);
+                p.temperature = 0.9f;
+                p.top_p = 0.95f;
+                p.repetition_penalty = 1.3f;
+                p.frequency_penalty = 0.5f;
+                p.presence_penalty = 0.25f;
+                p.logit_bias[0] = (struct tdm_logit_bias){.token = 7, .bias = 3.0f};
+                p.num_logit_bias = 1;
+                p.has_seed = true;
+                p.seed = 90u + (uint64_t)s;
+                p.logprobs = s == 2 ? 2 : -1;
+                assert_int_equal(
+                    tdm_sampler_new(&smp[s], &p, vocab, h[s], (size_t)start[s], NULL, 0), TDM_OK);
+                tdm_sampler_replay(smp[s], h[s] + start[s], (size_t)t);
+                int n_adj = tdm_sampler_draw_prepare(smp[s], &dp[s], adj[s], 96);
+                assert_true(n_adj > 1 && n_adj <= 96);
+            }
+            bg[s] = (struct tdm_batch_seq){.tokens = h[s] + pos,
+                                           .n_tokens = 1,
+                                           .start_pos = pos,
+                                           .block_table = sg[s].block_table,
+                                           .prompt_len = start[s],
+                                           .logits = last   ? TDM_LOGITS_LAST
+                                                     : draw ? TDM_LOGITS_SAMPLE
+                                                            : TDM_LOGITS_ARGMAX,
+                                           .token_out = last ? NULL : &ids[s],
+                                           .draw = draw ? &dp[s] : NULL,
+                                           .adj = draw ? adj[s] : NULL,
+                                           .allow = draw && s == 2 ? allow : NULL,
+                                           .logprobs_out = draw ? &lp[s] : NULL};
+            be[s] = (struct tdm_batch_seq){.tokens = h[s] + pos,
+                                           .n_tokens = 1,
+                                           .start_pos = pos,
+                                           .block_table = se[s].block_table,
+                                           .prompt_len = start[s],
+                                           .logits = TDM_LOGITS_LAST};
+        }
+        tdm_emu_defer(1);
+        w0 = tdm_emu_host_waits();
+        int rc = tdm_model_forward(mg, kg, bg, NS, lg);
+        unsigned long long waits = tdm_emu_host_waits() - w0;
+        tdm_emu_defer(0);
+        assert_int_equal(rc, TDM_OK);
+        printf("decode step %d (kind %d): %llu host waits\n", t, kind, waits);
+        // A step with LAST rows beside chosen ones copies the logits rows
+        // after the ids' wait, from an idle device: a second, short one.
+        assert_int_equal(waits, kind == 2 ? 2 : 1);
+        assert_int_equal(tdm_emu_pending(NULL), 0);
+        assert_int_equal(tdm_model_forward(me, ke, be, NS, le), TDM_OK);
+        for (int s = 0; s < NS; s++) {
+            const float *want = le + (size_t)s * vocab;
+            if (bg[s].logits == TDM_LOGITS_LAST) {
+                assert_memory_equal(lg, want, (size_t)vocab * sizeof(float));
+            } else if (bg[s].logits == TDM_LOGITS_ARGMAX) {
+                assert_int_equal(ids[s], argmax(want, vocab));
+            } else {
+                memcpy(work, want, (size_t)vocab * sizeof(float));
+                if (bg[s].allow)
+                    for (int v = 0; v < vocab; v++)
+                        if (!((allow[v / 32] >> (v % 32)) & 1u))
+                            work[v] = -INFINITY;
+                struct tdm_sample_result res;
+                int32_t tok = tdm_sampler_sample(smp[s], work, &res);
+                assert_int_equal(ids[s], tok);
+                if (dp[s].logprobs) {
+                    assert_int_equal(lp[s].num_top, 2);
+                    assert_int_equal(lp[s].top_token[0], res.top[0].token);
+                    assert_true(fabsf(lp[s].logprob - res.logprob) <=
+                                2e-6f * fmaxf(1.0f, fabsf(res.logprob)));
+                }
+                tdm_sampler_free(smp[s]);
+            }
+        }
+        for (int s = 0; s < NS; s++) {
+            int pos = start[s] + t;
+            tdm_kv_commit(kg, &sg[s], h[s], pos + 1);
+            tdm_kv_commit(ke, &se[s], h[s], pos + 1);
+            h[s][pos + 1] = argmax(le + (size_t)s * vocab, vocab);
+        }
+    }
+    for (int s = 0; s < NS; s++) {
+        tdm_kv_seq_release(kg, &sg[s]);
+        tdm_kv_seq_release(ke, &se[s]);
+    }
+    tdm_kv_free(kg), tdm_kv_free(ke);
+    free(lg), free(le), free(work), free(allow);
+    tdm_model_free(mg), tdm_model_free(me);
+}
+
 static void test_device_flag(void **state)
 {
     (void)state;
@@ -1608,6 +1775,7 @@ int main(void)
         cmocka_unit_test(test_device_flag),
         cmocka_unit_test(test_kv_capacity),
         cmocka_unit_test(test_deferred_export_overlaps),
+        cmocka_unit_test(test_host_waits),
         cmocka_unit_test(test_launch_budget),
         cmocka_unit_test(test_gemm_classes),
         cmocka_unit_test(test_gemm_classes_decode_launches),

@@ -5,6 +5,7 @@
 // deferred mode: tdm_emu_defer), and the GEMM is a plain loop:
 // each output element accumulates bf16(w) * bf16(x) in f32 over k in order,
 // the arithmetic cuBLASLt's bf16 GEMM does in another order. Test tool only.
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -146,11 +147,21 @@ size_t tdm_cuda_dev_held(struct tdm_cuda_dev *d)
     return held_total(&d->held);
 }
 
+// Calls that wait on the host for the device stream (h2d, d2h, sync): a
+// test's count of a step's round trips (cuda_emu_api.h).
+static _Atomic unsigned long long host_waits;
+
+unsigned long long tdm_emu_host_waits(void)
+{
+    return atomic_load(&host_waits);
+}
+
 int tdm_cuda_dev_h2d(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
 {
     tdm_cuda_dev_bind(d);
     if (not_while_capturing(d, "h2d copy") != TDM_OK)
         return TDM_EBACKEND;
+    atomic_fetch_add(&host_waits, 1);
     tdm_emu_stream_sync(NULL); // stream order: after the work issued so far
     if (bytes)
         memcpy(dst, src, bytes);
@@ -162,6 +173,7 @@ int tdm_cuda_dev_d2h(struct tdm_cuda_dev *d, void *dst, const void *src, size_t 
     tdm_cuda_dev_bind(d);
     if (not_while_capturing(d, "d2h copy") != TDM_OK)
         return TDM_EBACKEND;
+    atomic_fetch_add(&host_waits, 1);
     tdm_emu_stream_sync(NULL);
     if (bytes)
         memcpy(dst, src, bytes);
@@ -184,11 +196,48 @@ int tdm_cuda_dev_memset(struct tdm_cuda_dev *d, void *dst, int byte, size_t byte
     return TDM_OK;
 }
 
+// Pinned memory is host memory here; the asynchronous copies are stream
+// work that reads (h2d) or writes (d2h) it when the stream runs them, so in
+// deferred mode a caller that reuses it too early gets what CUDA would give.
+void *tdm_cuda_dev_host_alloc(struct tdm_cuda_dev *d, size_t bytes)
+{
+    (void)d;
+    return malloc(bytes ? bytes : 1);
+}
+
+void tdm_cuda_dev_host_free(struct tdm_cuda_dev *d, void *p)
+{
+    (void)d;
+    free(p);
+}
+
+static int copy_async(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes,
+                      const char *what)
+{
+    tdm_cuda_dev_bind(d);
+    if (not_while_capturing(d, what) != TDM_OK)
+        return TDM_EBACKEND;
+    struct copy_work w = {.dst = dst, .src = src, .bytes = bytes, .byte = -1};
+    tdm_emu_stream_work(NULL, run_copy, &w, sizeof w);
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_h2d_async(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
+{
+    return copy_async(d, dst, src, bytes, "h2d copy");
+}
+
+int tdm_cuda_dev_d2h_async(struct tdm_cuda_dev *d, void *dst, const void *src, size_t bytes)
+{
+    return copy_async(d, dst, src, bytes, "d2h copy");
+}
+
 int tdm_cuda_dev_sync(struct tdm_cuda_dev *d)
 {
     tdm_cuda_dev_bind(d);
     if (not_while_capturing(d, "sync") != TDM_OK)
         return TDM_EBACKEND;
+    atomic_fetch_add(&host_waits, 1);
     tdm_emu_stream_sync(NULL);
     return TDM_OK;
 }
