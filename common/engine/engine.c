@@ -150,6 +150,11 @@ struct sched_item {
     struct tdm_draw_params draw;
     int adj_off; // drawn: its logit adjustments in the engine's adj array
     struct tdm_draw_logprobs lp; // drawn with draw.logprobs: written by the forward
+    // A decode with drafts whose rows are all drawn on the device
+    // (TDM_LOGITS_DRAW_ALL): its 1 + n_draft rows' draws, tokens and
+    // logprobs at v_off in the engine's verification arrays.
+    bool verify_drawn;
+    int v_off;
 };
 
 struct tdm_engine {
@@ -197,6 +202,13 @@ struct tdm_engine {
     int draft_rows, draft_rows_left;
     int32_t spec_out[TDM_SPEC_MAX_TOKENS + 1];
     struct tdm_sample_result *spec_res; // [num_speculative_tokens + 1]; NULL when off
+    // Verification rows drawn on the device ([max_num_seqs + draft_rows] each,
+    // a step's; NULL when speculation is off): each row's draw (its drafts
+    // before it ahead of the history), token and logprobs.
+    struct tdm_draw_params *vdraw;
+    int32_t *vtok;
+    struct tdm_draw_logprobs *vlp;
+    uint64_t drawn_verify_rows; // rows verified there
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
     uint64_t spec_per_pos[TDM_SPEC_MAX_TOKENS];
     uint64_t prefix_queries, prefix_hits, preemptions, steps, finished;
@@ -594,6 +606,7 @@ static void publish_stats(struct tdm_engine *e)
     s->num_parallel_sample_steps = e->parallel_sample_steps;
     s->num_fused_argmax_tokens = e->fused_rows;
     s->num_device_drawn_tokens = e->drawn_rows;
+    s->num_device_verify_rows = e->drawn_verify_rows;
     s->num_finished = e->finished;
     s->num_masks = e->num_masks;
     s->mask_seconds = e->mask_seconds;
@@ -1114,17 +1127,15 @@ static void mask_apply(struct tdm_engine *e, struct tdm_engine_request *r, float
                            r->gend, r->n_gend, r->gmask_eos);
 }
 
-// Verifies r's drafts against its 1 + n_draft logits rows (tdm_sampler_verify:
-// exact for greedy and sampling), rolls the KV back to the accepted tokens
-// (the rejected drafts' positions are simply overwritten later; blocks wholly
-// past them go back to the pool) and appends the tokens. r->computed already
-// counts the last known token only.
-static void spec_verify(struct tdm_engine *e, struct tdm_engine_request *r, float *rows,
-                        double now)
+// Takes the n tokens a verification gave (e->spec_out; res: their logprobs,
+// or NULL): rolls the KV back to the accepted tokens (the rejected drafts'
+// positions are simply overwritten later; blocks wholly past them go back to
+// the pool) and appends the tokens. r->computed already counts the last known
+// token only.
+static void spec_accept(struct tdm_engine *e, struct tdm_engine_request *r, int n,
+                        const struct tdm_sample_result *res, double now)
 {
     const int32_t *draft = r->hist + r->n_tokens;
-    struct tdm_sample_result *res = r->want_logprobs ? e->spec_res : NULL;
-    int n = tdm_sampler_verify(r->sampler, rows, draft, r->n_draft, e->spec_out, res);
     int accepted = 0;
     while (accepted < n && accepted < r->n_draft && e->spec_out[accepted] == draft[accepted])
         accepted++;
@@ -1137,6 +1148,40 @@ static void spec_verify(struct tdm_engine *e, struct tdm_engine_request *r, floa
     r->n_draft = 0;
     for (int j = 0; j < n && r->state == REQ_RUNNING; j++)
         append_token(e, r, e->spec_out[j], res ? &res[j] : NULL, now);
+}
+
+// Verifies r's drafts against its 1 + n_draft logits rows (tdm_sampler_verify:
+// exact for greedy and sampling) on the host.
+static void spec_verify(struct tdm_engine *e, struct tdm_engine_request *r, float *rows, double now)
+{
+    const int32_t *draft = r->hist + r->n_tokens;
+    struct tdm_sample_result *res = r->want_logprobs ? e->spec_res : NULL;
+    int n = tdm_sampler_verify(r->sampler, rows, draft, r->n_draft, e->spec_out, res);
+    spec_accept(e, r, n, res, now);
+}
+
+// The same verification from the rows' tokens drawn on the device, each with
+// the drafts before it ahead of the history (tdm_sampler_draw_prepare_ahead):
+// the tokens tdm_sampler_verify takes from the same rows, recorded as it
+// records them, stopping where it stops.
+static void spec_verify_drawn(struct tdm_engine *e, struct tdm_engine_request *r,
+                              const struct sched_item *it, double now)
+{
+    const int32_t *draft = r->hist + r->n_tokens;
+    const int32_t *tok = e->vtok + it->v_off;
+    struct tdm_sample_result *res = r->want_logprobs ? e->spec_res : NULL;
+    int n = 0;
+    for (int j = 0; j <= r->n_draft; j++) {
+        e->spec_out[n] = tok[j];
+        if (res)
+            tdm_sampler_draw_logprobs(&e->vlp[it->v_off + j], tok[j], &res[n]);
+        n++;
+        tdm_sampler_replay(r->sampler, &tok[j], 1);
+        if (j == r->n_draft || tok[j] != draft[j] || tdm_sampler_is_stop(r->sampler, tok[j]))
+            break;
+    }
+    e->drawn_verify_rows += (uint64_t)r->n_draft + 1;
+    spec_accept(e, r, n, res, now);
 }
 
 // Sampling a step's rows: the engine thread alone took ~36 % of a decode
@@ -1187,13 +1232,15 @@ static void sample_rows(struct tdm_engine *e, double now)
     e->n_sjobs = 0;
 }
 
-// A row's draw on the device: its parameters and adjustments (at *used in
-// the step's adj array, grown as needed). False: the host samples it.
-static bool draw_prepare(struct tdm_engine *e, struct sched_item *it, int *used)
+// A draw's parameters and adjustments on the device, its drafts' first
+// n_ahead tokens ahead of the history (tdm_sampler_draw_prepare_ahead), at
+// *used in the step's adj array (grown as needed; *used moves past them).
+// False: the host samples the row.
+static bool adj_prepare(struct tdm_engine *e, const struct tdm_sampler *s,
+                        struct tdm_draw_params *d, const int32_t *ahead, int n_ahead, int *used)
 {
-    struct tdm_sampler *s = it->r->sampler;
     int room = e->adj_cap - *used;
-    int n = tdm_sampler_draw_prepare(s, &it->draw, e->adj + *used, room);
+    int n = tdm_sampler_draw_prepare_ahead(s, d, e->adj + *used, room, ahead, n_ahead);
     if (n < 0)
         return false;
     if (n > room) {
@@ -1203,17 +1250,44 @@ static bool draw_prepare(struct tdm_engine *e, struct sched_item *it, int *used)
             return false;
         e->adj = grown;
         e->adj_cap = cap;
-        (void)tdm_sampler_draw_prepare(s, &it->draw, e->adj + *used, n);
+        (void)tdm_sampler_draw_prepare_ahead(s, d, e->adj + *used, n, ahead, n_ahead);
     }
-    it->adj_off = *used;
+    d->adj_off = *used;
     *used += n;
+    return true;
+}
+
+// A row's draw on the device. False: the host samples it.
+static bool draw_prepare(struct tdm_engine *e, struct sched_item *it, int *used)
+{
+    if (!adj_prepare(e, it->r->sampler, &it->draw, NULL, 0, used))
+        return false;
+    it->adj_off = it->draw.adj_off;
+    return true;
+}
+
+// A decode with drafts verified on the device: each of its 1 + n_draft rows
+// drawn with the drafts before it ahead of the history, the draws at *v_used
+// in vdraw (adj_off: into the step's adj array). False: the rows come to the
+// host (tdm_sampler_verify).
+static bool verify_prepare(struct tdm_engine *e, struct sched_item *it, int *used, int *v_used)
+{
+    struct tdm_engine_request *r = it->r;
+    const int32_t *draft = r->hist + r->n_tokens;
+    int at = *used;
+    for (int j = 0; j <= r->n_draft; j++)
+        if (!adj_prepare(e, r->sampler, &e->vdraw[*v_used + j], draft, j, &at))
+            return false;
+    it->v_off = *v_used;
+    *v_used += r->n_draft + 1;
+    *used = at;
     return true;
 }
 
 static void run_step(struct tdm_engine *e, int n_items)
 {
     struct tdm_metrics_vllm *m = e->m;
-    int total = 0, adj_used = 0;
+    int total = 0, adj_used = 0, v_used = 0;
     for (int b = 0; b < n_items; b++) {
         struct sched_item *it = &e->items[b];
         struct tdm_engine_request *r = it->r;
@@ -1237,32 +1311,51 @@ static void run_step(struct tdm_engine *e, int n_items)
         it->drawn = plain_row && !it->fused && e->device_sampling &&
                     (r->gm == NULL || e->allow != NULL) && draw_prepare(e, it, &adj_used);
         it->fused |= it->drawn;
-        enum tdm_logits_mode lm = !it->logits      ? TDM_LOGITS_NONE
-                                  : it->drawn      ? TDM_LOGITS_SAMPLE
-                                  : it->fused      ? TDM_LOGITS_ARGMAX
-                                  : r->n_draft > 0 ? TDM_LOGITS_ALL
-                                                   : TDM_LOGITS_LAST;
-        e->batch[b] =
-            (struct tdm_batch_seq){.tokens = r->hist + r->computed,
-                                   .n_tokens = it->take,
-                                   .start_pos = r->computed,
-                                   .block_table = r->seq.block_table,
-                                   .prompt_len = r->n_own_prompt,
-                                   .logits = lm,
-                                   .on_layer = push ? layer_done : NULL,
-                                   .layer_arg = push ? r : NULL,
-                                   .token_out = it->fused ? &it->fused_tok : NULL,
-                                   .draw = it->drawn ? &it->draw : NULL,
-                                   .logprobs_out = it->drawn && it->draw.logprobs ? &it->lp : NULL};
+        // A decode with drafts on a device backend: every row drawn there,
+        // with the drafts before it ahead of the history, and only the
+        // tokens back (its 1 + n_draft logits rows stay there).
+        it->verify_drawn = it->logits && r->n_draft > 0 && it->take == r->n_draft + 1 &&
+                           e->device_sampling && e->vdraw != NULL &&
+                           verify_prepare(e, it, &adj_used, &v_used);
+        enum tdm_logits_mode lm = !it->logits        ? TDM_LOGITS_NONE
+                                  : it->drawn        ? TDM_LOGITS_SAMPLE
+                                  : it->verify_drawn ? TDM_LOGITS_DRAW_ALL
+                                  : it->fused        ? TDM_LOGITS_ARGMAX
+                                  : r->n_draft > 0   ? TDM_LOGITS_ALL
+                                                     : TDM_LOGITS_LAST;
+        int32_t *tok_out = it->fused          ? &it->fused_tok
+                           : it->verify_drawn ? e->vtok + it->v_off
+                                              : NULL;
+        const struct tdm_draw_params *draw = it->drawn          ? &it->draw
+                                             : it->verify_drawn ? e->vdraw + it->v_off
+                                                                : NULL;
+        struct tdm_draw_logprobs *lp_out = it->drawn && it->draw.logprobs ? &it->lp
+                                           : it->verify_drawn             ? e->vlp + it->v_off
+                                                                          : NULL;
+        e->batch[b] = (struct tdm_batch_seq){.tokens = r->hist + r->computed,
+                                             .n_tokens = it->take,
+                                             .start_pos = r->computed,
+                                             .block_table = r->seq.block_table,
+                                             .prompt_len = r->n_own_prompt,
+                                             .logits = lm,
+                                             .on_layer = push ? layer_done : NULL,
+                                             .layer_arg = push ? r : NULL,
+                                             .token_out = tok_out,
+                                             .draw = draw,
+                                             .logprobs_out = lp_out};
         total += it->take;
     }
-    // The adjustments' array settled (it may have grown), each drawn row's.
-    for (int b = 0; b < n_items; b++)
+    // The adjustments' array settled (it may have grown), each drawn row's
+    // (a verification's rows: at their offsets from its start).
+    for (int b = 0; b < n_items; b++) {
+        if (e->items[b].verify_drawn)
+            e->batch[b].adj = e->adj;
         if (e->items[b].drawn) {
             e->batch[b].adj = e->adj + e->items[b].adj_off;
             if (e->items[b].r->gm && e->allow)
                 e->batch[b].allow = e->allow + (size_t)b * e->allow_words;
         }
+    }
     // Masks of the constrained sequences that sample this step: computed on
     // the mask thread while the forward runs. Nothing at all when none is.
     e->n_mask_jobs = 0;
@@ -1292,6 +1385,11 @@ static void run_step(struct tdm_engine *e, int n_items)
     for (int b = 0; b < n_items; b++) {
         struct sched_item *it = &e->items[b];
         struct tdm_engine_request *r = it->r;
+        if (it->verify_drawn) {
+            r->computed += 1; // the last known token; spec_accept adds the accepted drafts
+            spec_verify_drawn(e, r, it, now);
+            continue;
+        }
         if (it->logits && r->n_draft > 0) {
             float *rows = e->logits + (size_t)row * (size_t)e->vocab;
             row += 1 + r->n_draft;
@@ -1595,8 +1693,13 @@ static int engine_alloc_arrays(struct tdm_engine *e, char *err, size_t errlen)
     int k = cfg->spec.num_speculative_tokens;
     e->draft_rows =
         k * cfg->max_num_seqs < (k > 64 ? k : 64) ? k * cfg->max_num_seqs : (k > 64 ? k : 64);
-    if (k > 0)
+    if (k > 0) {
+        size_t vrows = ns + (size_t)e->draft_rows;
         e->spec_res = calloc((size_t)k + 1, sizeof *e->spec_res);
+        e->vdraw = calloc(vrows, sizeof *e->vdraw);
+        e->vtok = calloc(vrows, sizeof *e->vtok);
+        e->vlp = calloc(vrows, sizeof *e->vlp);
+    }
     e->running = calloc(ns, sizeof *e->running);
     e->items = calloc(ns, sizeof *e->items);
     e->batch = calloc(ns, sizeof *e->batch);
@@ -1607,7 +1710,7 @@ static int engine_alloc_arrays(struct tdm_engine *e, char *err, size_t errlen)
     if (cfg->grammar_vocab)
         e->mask_words = tdm_grammar_mask_words(cfg->grammar_vocab);
     if (!e->running || !e->items || !e->batch || !e->logits || !e->mask_jobs || !e->sjobs ||
-        !e->sjob_res || (k > 0 && !e->spec_res))
+        !e->sjob_res || (k > 0 && (!e->spec_res || !e->vdraw || !e->vtok || !e->vlp)))
         return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
     return TDM_OK;
 }
@@ -1621,6 +1724,9 @@ static void engine_free_arrays(struct tdm_engine *e)
     free(e->adj);
     free(e->allow);
     free(e->spec_res);
+    free(e->vdraw);
+    free(e->vtok);
+    free(e->vlp);
     free(e->sjobs);
     free(e->sjob_res);
     free(e->mask_jobs);

@@ -377,6 +377,8 @@ struct tdm_engine_stats {
                                         // argmax LM head (no logits row written)
     uint64_t num_device_drawn_tokens;   // plain sampled tokens drawn on the model's device
                                         // (TDM_LOGITS_SAMPLE: only their ids to the host)
+    uint64_t num_device_verify_rows;    // speculative verification rows drawn there
+                                        // (TDM_LOGITS_DRAW_ALL: their logits stay there)
     uint64_t num_finished; // requests finished (any reason)
     uint64_t num_masks;       // structured output: token masks computed
     double mask_seconds;      // time computing them (on the mask thread, overlapping the forward)

@@ -2126,6 +2126,87 @@ static void test_spec_matches_runner(void **state)
     }
 }
 
+// Speculative verification on a device backend (--device cuda-emu): a decode
+// with drafts has every row drawn there (TDM_LOGITS_DRAW_ALL, each row with
+// the drafts before it ahead of the history; its logits stay there) and
+// takes the tokens and logprobs the host's verification (tdm_sampler_verify)
+// takes from the same rows: the same engine with host_sampling, request by
+// request (so both run the same forwards), for greedy, seeded, penalised (all
+// three penalties, a bias, min_tokens) and logprobs requests, and with a stop
+// id inside accepted runs.
+static void test_device_spec_verify(void **state)
+{
+    (void)state;
+    char err[256];
+    struct tdm_model *dm = emu_model();
+    struct tdm_engine *eng[2] = {NULL, NULL}; // 0: host verification, 1: on the device
+    for (int d = 0; d < 2; d++) {
+        struct tdm_engine_config c;
+        tdm_engine_config_default(&c);
+        c.num_blocks = 128;
+        c.max_num_batched_tokens = 64;
+        c.max_num_seqs = 8;
+        c.spec.num_speculative_tokens = 4;
+        c.spec.prompt_lookup_max = 3;
+        c.spec.prompt_lookup_min = 1;
+        c.host_sampling = d == 0;
+        assert_int_equal(tdm_engine_new(&eng[d], dm, &c, err, sizeof err), TDM_OK);
+    }
+    int accepted = 0;
+    for (int i = 0; i < SPEC_N; i++) {
+        int32_t prompt[48], got[2][SPEC_MAXTOK];
+        float lp[2][SPEC_MAXTOK];
+        struct tdm_sampling_params sp;
+        int n = spec_prompt(i, prompt), maxt = 9 + (i * 5) % (SPEC_MAXTOK - 9);
+        spec_params(i, &sp);
+        if (i % 4 == 3) {
+            sp.frequency_penalty = 0.3f;
+            sp.presence_penalty = 0.2f;
+            sp.logit_bias[0] = (struct tdm_logit_bias){.token = prompt[1], .bias = 2.0f};
+            sp.num_logit_bias = 1;
+            sp.min_tokens = 3;
+        }
+        struct collected col[2];
+        for (int pass = 0; pass < 2; pass++) {
+            for (int d = 0; d < 2; d++) {
+                col[d] = (struct collected){.lp = lp[d]};
+                struct tdm_engine_request *r = submit(eng[d], prompt, n, &sp, maxt);
+                collect(r, got[d], SPEC_MAXTOK, &col[d], 0);
+                tdm_engine_request_release(r);
+            }
+            if (col[0].n != col[1].n || memcmp(got[0], got[1], (size_t)col[0].n * 4) != 0)
+                fail_msg("request %d pass %d: %d tokens verified on the host, %d on the device", i,
+                         pass, col[0].n, col[1].n);
+            float dl = max_lp_diff(lp[0], lp[1], col[0].n);
+            if (dl > LP_TOL)
+                fail_msg("request %d: logprob differs by %.2e", i, (double)dl);
+            if (pass == 1 || i % 5 != 0 || i == 0)
+                break;
+            // Again with a stop id first seen mid-output: it must end there.
+            sp.stop_token_ids[0] = got[0][col[0].n / 2];
+            sp.num_stop_token_ids = 1;
+            sp.ignore_eos = false;
+        }
+    }
+    struct tdm_engine_stats st[2];
+    for (int d = 0; d < 2; d++)
+        wait_idle_stats(eng[d], &st[d]);
+    printf("device: %llu verification rows drawn, %llu drafts, %llu accepted (host: %llu, %llu)\n",
+           (unsigned long long)st[1].num_device_verify_rows, (unsigned long long)st[1].spec_drafts,
+           (unsigned long long)st[1].spec_accepted_tokens, (unsigned long long)st[0].spec_drafts,
+           (unsigned long long)st[0].spec_accepted_tokens);
+    accepted = (int)st[1].spec_accepted_tokens;
+    assert_int_equal(st[0].num_device_verify_rows, 0);
+    assert_true(st[1].num_device_verify_rows >= st[1].spec_draft_tokens + st[1].spec_drafts);
+    assert_true(accepted > 0 && st[1].spec_accepted_tokens < st[1].spec_draft_tokens);
+    assert_true(st[0].spec_accepted_tokens == st[1].spec_accepted_tokens);
+    for (int d = 0; d < 2; d++) {
+        assert_kv_ok(eng[d]);
+        tdm_engine_free(eng[d]);
+    }
+    tdm_model_free(dm);
+}
+
 // vLLM's spec_decode counters follow the engine's stats: drafts, draft
 // tokens, accepted tokens, and per position a count that never grows with
 // the position and sums to the accepted tokens.
@@ -2259,6 +2340,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_spec_propose),
         cmocka_unit_test(test_spec_adapt_policy),
         cmocka_unit_test(test_spec_matches_runner),
+        cmocka_unit_test(test_device_spec_verify),
         cmocka_unit_test(test_spec_metrics),
         cmocka_unit_test(test_spec_adaptive),
     };

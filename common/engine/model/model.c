@@ -886,9 +886,10 @@ static int model_alloc_activations(struct tdm_model *m, char *err, size_t errlen
     m->ids = calloc(T, sizeof *m->ids);
     m->aseqs = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->aseqs);
     m->runs = calloc(2 * (size_t)m->opts.max_batch_seqs, sizeof *m->runs);
-    m->chosen_ids = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->chosen_ids);
-    m->draw = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->draw);
-    m->chosen_lp = calloc((size_t)m->opts.max_batch_seqs, sizeof *m->chosen_lp);
+    // A chosen row a sequence, or every row of a DRAW_ALL one.
+    m->chosen_ids = calloc(T, sizeof *m->chosen_ids);
+    m->draw = calloc(T, sizeof *m->draw);
+    m->chosen_lp = calloc(T, sizeof *m->chosen_lp);
     if (m->ops->host_memory) {
         m->ids_be = m->ids;
         m->pos_be = m->pos;
@@ -1025,6 +1026,23 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
                     return TDM_EINVAL;
             chosen_rows += 1;
             break;
+        case TDM_LOGITS_DRAW_ALL:
+            if (!tdm_model_device_sampling(m) || q->token_out == NULL || q->draw == NULL ||
+                q->allow != NULL)
+                return TDM_EINVAL;
+            for (int r = 0; r < q->n_tokens; r++) {
+                const struct tdm_draw_params *d = &q->draw[r];
+                if (d->n_adj < 0 || d->adj_off < 0 || (d->n_adj > 0 && q->adj == NULL) ||
+                    (d->logprobs && (q->logprobs_out == NULL || d->top_logprobs < 0 ||
+                                     d->top_logprobs > TDM_DRAW_MAX_LOGPROBS)))
+                    return TDM_EINVAL;
+                for (int i = 0; i < d->n_adj; i++)
+                    if (q->adj[d->adj_off + i].token < 0 ||
+                        q->adj[d->adj_off + i].token >= c->vocab_size)
+                        return TDM_EINVAL;
+            }
+            chosen_rows += q->n_tokens;
+            break;
         default:
             return TDM_EINVAL;
         }
@@ -1051,22 +1069,38 @@ static void add_norm(struct tdm_model *m, const float *d, const float *weight, v
     m->ops->rmsnorm(m->be, m->x, weight, eps, out, n, dim);
 }
 
-// A row whose token the model chooses (the fused argmax, a device's draw):
-// its logits stay where they are made.
+// A sequence whose tokens the model chooses (the fused argmax, a device's
+// draw): its logits stay where they are made.
 static bool chosen(const struct tdm_batch_seq *q)
 {
-    return q->logits == TDM_LOGITS_ARGMAX || q->logits == TDM_LOGITS_SAMPLE;
+    return q->logits == TDM_LOGITS_ARGMAX || q->logits == TDM_LOGITS_SAMPLE ||
+           q->logits == TDM_LOGITS_DRAW_ALL;
 }
 
-// The chosen rows' tokens (batch order of the ARGMAX and SAMPLE rows) to
-// their sequences, with the logprobs of the rows that asked.
+// Its chosen rows: the last, or every one (DRAW_ALL).
+static int chosen_rows(const struct tdm_batch_seq *q)
+{
+    return q->logits == TDM_LOGITS_DRAW_ALL ? q->n_tokens : chosen(q) ? 1 : 0;
+}
+
+// The draw of a chosen row (NULL: the argmax).
+static const struct tdm_draw_params *row_draw(const struct tdm_batch_seq *q, int i)
+{
+    return q->logits == TDM_LOGITS_DRAW_ALL ? &q->draw[i]
+           : q->logits == TDM_LOGITS_SAMPLE ? q->draw
+                                            : NULL;
+}
+
+// The chosen rows' tokens (batch order of the ARGMAX, SAMPLE and DRAW_ALL
+// rows) to their sequences, with the logprobs of the rows that asked.
 static void scatter_chosen(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs)
 {
     for (int s = 0, k = 0; s < n_seqs; s++)
-        if (chosen(&seqs[s])) {
-            if (seqs[s].logits == TDM_LOGITS_SAMPLE && seqs[s].draw->logprobs)
-                *seqs[s].logprobs_out = m->chosen_lp[k];
-            *seqs[s].token_out = m->chosen_ids[k++];
+        for (int i = 0; i < chosen_rows(&seqs[s]); i++, k++) {
+            const struct tdm_draw_params *d = row_draw(&seqs[s], i);
+            if (d && d->logprobs)
+                seqs[s].logprobs_out[i] = m->chosen_lp[k];
+            seqs[s].token_out[i] = m->chosen_ids[k];
         }
 }
 
@@ -1250,8 +1284,8 @@ static int gather_head_rows(struct tdm_model *m, const struct tdm_batch_seq *seq
         const struct tdm_batch_seq *q = &seqs[s];
         int first = m->aseqs[s].row, count = 0, *at = &out_row;
         if (q->logits == TDM_LOGITS_LAST || chosen(q)) {
-            first += q->n_tokens - 1;
-            count = 1;
+            count = chosen_rows(q) > 1 ? q->n_tokens : 1;
+            first += q->n_tokens - count;
             if (chosen(q))
                 at = &arg_row;
         } else if (q->logits == TDM_LOGITS_ALL) {
@@ -1331,9 +1365,12 @@ static int forward_chosen(struct tdm_model *m, const struct tdm_batch_seq *seqs,
     int n_adj = 0;
     size_t words = ((size_t)vocab + 31) / 32, mask_words = 0;
     for (int s = 0; s < n_seqs; s++)
-        if (seqs[s].logits == TDM_LOGITS_SAMPLE) {
+        for (int i = 0; i < chosen_rows(&seqs[s]); i++) {
+            const struct tdm_draw_params *d = row_draw(&seqs[s], i);
+            if (d == NULL)
+                continue;
             any_draw = true;
-            n_adj += seqs[s].draw->n_adj;
+            n_adj += d->n_adj;
             mask_words += seqs[s].allow ? words : 0;
         }
     if (n_adj > m->adj_cap) {
@@ -1356,26 +1393,30 @@ static int forward_chosen(struct tdm_model *m, const struct tdm_batch_seq *seqs,
     // in one array, each row's at its offset.
     n_adj = 0;
     mask_words = 0;
-    for (int s = 0, k = 0; s < n_seqs; s++) {
-        const struct tdm_batch_seq *q = &seqs[s];
-        if (!chosen(q))
-            continue;
-        struct tdm_draw_params *d = &m->draw[k++];
-        *d = (struct tdm_draw_params){0};
-        if (q->logits != TDM_LOGITS_SAMPLE)
-            continue;
-        *d = *q->draw;
-        d->adj_off = n_adj;
-        if (d->n_adj > 0)
-            memcpy(m->adj + n_adj, q->adj, (size_t)d->n_adj * sizeof *q->adj);
-        n_adj += d->n_adj;
-        d->mask_off = (int32_t)mask_words;
-        d->n_mask_words = q->allow ? (int32_t)words : 0;
-        if (q->allow) {
-            memcpy(m->masks + mask_words, q->allow, words * sizeof *q->allow);
-            mask_words += words;
+    for (int s = 0, k = 0; s < n_seqs; s++)
+        for (int i = 0; i < chosen_rows(&seqs[s]); i++) {
+            const struct tdm_batch_seq *q = &seqs[s];
+            const struct tdm_draw_params *qd = row_draw(q, i);
+            struct tdm_draw_params *d = &m->draw[k++];
+            *d = (struct tdm_draw_params){0};
+            if (qd == NULL)
+                continue;
+            // A SAMPLE row's adjustments start at adj, a DRAW_ALL row's at its
+            // offset there.
+            const struct tdm_draw_adj *qa =
+                q->logits == TDM_LOGITS_DRAW_ALL ? q->adj + qd->adj_off : q->adj;
+            *d = *qd;
+            d->adj_off = n_adj;
+            if (d->n_adj > 0)
+                memcpy(m->adj + n_adj, qa, (size_t)d->n_adj * sizeof *qa);
+            n_adj += d->n_adj;
+            d->mask_off = (int32_t)mask_words;
+            d->n_mask_words = q->allow ? (int32_t)words : 0;
+            if (q->allow) {
+                memcpy(m->masks + mask_words, q->allow, words * sizeof *q->allow);
+                mask_words += words;
+            }
         }
-    }
     rc = any_draw ? ops->sample_rows(be, rows, pl->n_chosen, vocab, m->draw, m->adj, n_adj,
                                      m->masks, mask_words, m->chosen_ids, m->chosen_lp)
                   : ops->argmax_rows(be, rows, pl->n_chosen, vocab, m->chosen_ids);

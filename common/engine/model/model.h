@@ -143,7 +143,13 @@ enum tdm_logits_mode {
     TDM_LOGITS_LAST,
     TDM_LOGITS_ALL,
     TDM_LOGITS_ARGMAX,
-    TDM_LOGITS_SAMPLE
+    TDM_LOGITS_SAMPLE,
+    // SAMPLE on every row (a speculative step's verification rows, drafts
+    // ahead: tdm_sampler_draw_prepare_ahead): row i drawn with draw[i] and
+    // adj[draw[i].adj_off ..][0 .. draw[i].n_adj), its token to token_out[i]
+    // and, when draw[i].logprobs, its logprobs to logprobs_out[i]; no
+    // structured-output mask (allow NULL). A device backend only.
+    TDM_LOGITS_DRAW_ALL
 };
 
 // Called inside tdm_model_forward, on the calling thread, right after layer

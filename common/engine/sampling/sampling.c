@@ -595,14 +595,34 @@ static bool in_bitmaps(const struct tdm_sampler *s, int32_t t)
     return (s->seen && (s->seen[t >> 6] & bit)) || (s->out_seen && (s->out_seen[t >> 6] & bit));
 }
 
-// Token t's entry: in adj[0..sorted) (the bitmaps' tokens, ascending) when one
-// of the bitmaps has it, else in adj[sorted..*n) when `listed` (an earlier
-// list entry made it), else a new one at *n; NULL when that entry was not
-// written (past cap). *n counts every entry, written or not.
-static struct tdm_draw_adj *adj_entry(const struct tdm_sampler *s, struct tdm_draw_adj *adj, int *n,
-                                      int cap, int sorted, int32_t t, bool listed)
+// Tokens ahead of the history (tdm_sampler_draw_prepare_ahead): those
+// recorded in the bitmaps once they are, ascending, each once (extra), and
+// the whole list, for the counts.
+struct ahead {
+    const int32_t *tok;
+    int n;
+    int32_t extra[TDM_SAMPLER_MAX_AHEAD];
+    int n_extra;
+};
+
+static bool in_extra(const struct ahead *a, int32_t t)
 {
-    if (in_bitmaps(s, t)) {
+    for (int i = 0; i < a->n_extra; i++)
+        if (a->extra[i] == t)
+            return true;
+    return false;
+}
+
+// Token t's entry: in adj[0..sorted) (the bitmaps' tokens and the extra ones
+// ahead, ascending) when it is one of those, else in adj[sorted..*n) when
+// `listed` (an earlier list entry made it), else a new one at *n; NULL when
+// that entry was not written (past cap). *n counts every entry, written or
+// not.
+static struct tdm_draw_adj *adj_entry(const struct tdm_sampler *s, const struct ahead *ah,
+                                      struct tdm_draw_adj *adj, int *n, int cap, int sorted,
+                                      int32_t t, bool listed)
+{
+    if (in_bitmaps(s, t) || in_extra(ah, t)) {
         if (sorted > cap)
             return NULL;
         int lo = 0, hi = sorted;
@@ -628,46 +648,93 @@ static struct tdm_draw_adj *adj_entry(const struct tdm_sampler *s, struct tdm_dr
     return &adj[k];
 }
 
-int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params *d,
-                             struct tdm_draw_adj *adj, int cap)
+// Token t's entry from the bitmaps and the tokens ahead, as record() would
+// leave them: seen (the repetition penalty's history) and its output count.
+static struct tdm_draw_adj ahead_entry(const struct tdm_sampler *s, const struct ahead *ah,
+                                       int32_t t)
+{
+    uint64_t bit = 1ull << (t & 63);
+    bool seen = s->seen && (s->seen[t >> 6] & bit);
+    uint32_t count = s->out_seen && (s->out_seen[t >> 6] & bit) ? s->out_count[t] : 0;
+    for (int i = 0; i < ah->n; i++)
+        if (ah->tok[i] == t) {
+            seen |= s->seen != NULL;
+            count += s->out_seen != NULL;
+        }
+    return (struct tdm_draw_adj){.token = t, .flags = seen ? TDM_DRAW_ADJ_SEEN : 0, .count = count};
+}
+
+int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                                   struct tdm_draw_adj *adj, int cap, const int32_t *ahead,
+                                   int n_ahead)
 {
     const struct tdm_sampling_params *p = &s->p;
-    if (!s->bias_unique)
+    if (!s->bias_unique || n_ahead < 0 || n_ahead > TDM_SAMPLER_MAX_AHEAD)
         return -1; // a repeated bias token adds twice
+    // What record() would do with each token ahead: the tokens it would add
+    // to a bitmap that has none of them yet, ascending, each once.
+    struct ahead ah = {.tok = ahead, .n = n_ahead};
+    for (int i = 0; i < n_ahead; i++) {
+        int32_t t = ahead[i];
+        if (t < 0 || t >= s->vocab_size)
+            return -1;
+        if ((s->seen || s->out_seen) && !in_bitmaps(s, t) && !in_extra(&ah, t)) {
+            int k = ah.n_extra++;
+            while (k > 0 && ah.extra[k - 1] > t) {
+                ah.extra[k] = ah.extra[k - 1];
+                k--;
+            }
+            ah.extra[k] = t;
+        }
+    }
+    uint64_t generated = (uint64_t)s->num_generated + (uint64_t)n_ahead;
     *d = (struct tdm_draw_params){.inv_t = s->inv_t,
                                   .top_p = p->top_p,
                                   .min_p = p->min_p,
                                   .top_k = p->top_k,
-                                  .key = tdm_draw_key(s->seed, (uint64_t)s->num_generated),
+                                  .key = tdm_draw_key(s->seed, generated),
                                   .repetition = p->repetition_penalty,
                                   .frequency = p->frequency_penalty,
                                   .presence = p->presence_penalty,
                                   .logprobs = p->logprobs >= 0,
                                   .top_logprobs = p->logprobs > 0 ? p->logprobs : 0};
-    // The tokens of the bitmaps in ascending order, then those of the bias and
-    // mask lists not among them: apply_penalties' operations, token by token.
-    int n = 0;
-    for (size_t wi = 0; (s->seen || s->out_seen) && wi < s->words; wi++) {
-        uint64_t seen = s->seen ? s->seen[wi] : 0, out = s->out_seen ? s->out_seen[wi] : 0;
-        for (uint64_t bits = seen | out; bits; bits &= bits - 1) {
-            int b = __builtin_ctzll(bits);
-            int32_t t = (int32_t)(wi * 64 + (size_t)b);
+    // The tokens of the bitmaps and the extra ones ahead in ascending order,
+    // then those of the bias and mask lists not among them: apply_penalties'
+    // operations, token by token.
+    int n = 0, e = 0;
+    for (size_t wi = 0; (s->seen || s->out_seen) && wi <= s->words; wi++) {
+        uint64_t seen = 0, out = 0;
+        if (wi < s->words) {
+            seen = s->seen ? s->seen[wi] : 0;
+            out = s->out_seen ? s->out_seen[wi] : 0;
+        }
+        for (; e < ah.n_extra && (wi == s->words || (size_t)ah.extra[e] < wi * 64); e++) {
             if (n < cap)
-                adj[n] = (struct tdm_draw_adj){.token = t,
-                                               .flags = (seen >> b) & 1 ? TDM_DRAW_ADJ_SEEN : 0,
-                                               .count = (out >> b) & 1 ? s->out_count[t] : 0};
+                adj[n] = ahead_entry(s, &ah, ah.extra[e]);
+            n++;
+        }
+        for (uint64_t bits = seen | out; bits; bits &= bits - 1) {
+            int32_t t = (int32_t)(wi * 64 + (size_t)__builtin_ctzll(bits));
+            for (; e < ah.n_extra && ah.extra[e] < t; e++) {
+                if (n < cap)
+                    adj[n] = ahead_entry(s, &ah, ah.extra[e]);
+                n++;
+            }
+            if (n < cap)
+                adj[n] = ahead_entry(s, &ah, t);
             n++;
         }
     }
     int sorted = n;
     for (int i = 0; i < p->num_logit_bias; i++) { // unique tokens (bias_unique)
-        struct tdm_draw_adj *a = adj_entry(s, adj, &n, cap, sorted, p->logit_bias[i].token, false);
+        struct tdm_draw_adj *a =
+            adj_entry(s, &ah, adj, &n, cap, sorted, p->logit_bias[i].token, false);
         if (a) {
             a->flags |= TDM_DRAW_ADJ_BIAS;
             a->bias = p->logit_bias[i].bias;
         }
     }
-    if (s->num_generated < p->min_tokens)
+    if (generated < (uint64_t)p->min_tokens)
         for (int i = 0; i < s->num_masked; i++) {
             int32_t t = s->masked_ids[i];
             bool listed = false;
@@ -675,12 +742,18 @@ int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params
                 listed = p->logit_bias[j].token == t;
             for (int j = 0; j < i && !listed; j++)
                 listed = s->masked_ids[j] == t;
-            struct tdm_draw_adj *a = adj_entry(s, adj, &n, cap, sorted, t, listed);
+            struct tdm_draw_adj *a = adj_entry(s, &ah, adj, &n, cap, sorted, t, listed);
             if (a)
                 a->flags |= TDM_DRAW_ADJ_MASKED;
         }
     d->n_adj = n;
     return n;
+}
+
+int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                             struct tdm_draw_adj *adj, int cap)
+{
+    return tdm_sampler_draw_prepare_ahead(s, d, adj, cap, NULL, 0);
 }
 
 _Static_assert(TDM_DRAW_MAX_LOGPROBS == TDM_MAX_LOGPROBS,

@@ -17,6 +17,9 @@
 #define TDM_MAX_STOP_IDS 32
 #define TDM_MAX_LOGIT_BIAS 300
 #define TDM_MAX_LOGPROBS 20
+// Tokens tdm_sampler_draw_prepare_ahead looks ahead at most (a speculative
+// step's drafts: spec.h's TDM_SPEC_MAX_TOKENS).
+#define TDM_SAMPLER_MAX_AHEAD 16
 
 struct tdm_logit_bias {
     int32_t token;
@@ -142,6 +145,14 @@ bool tdm_sampler_draw_params(const struct tdm_sampler *s, struct tdm_draw_params
 struct tdm_draw_adj;
 int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params *d,
                              struct tdm_draw_adj *adj, int cap);
+// tdm_sampler_draw_prepare for the draw n_ahead tokens later, as if
+// ahead[0..n_ahead) had been recorded first (tdm_sampler_replay), s itself
+// unchanged: a speculative step's row after its drafts (row j: the first j
+// drafts ahead). The same entries, in the same order, as preparing after the
+// replay would give.
+int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                                   struct tdm_draw_adj *adj, int cap, const int32_t *ahead,
+                                   int n_ahead);
 // *res for a token a device drew with the logprobs it computed (lp): what
 // tdm_sampler_sample's res holds for the same row, the logprobs within the
 // rounding of a sum of exponentials in another order.

@@ -662,6 +662,68 @@ static void test_draw_prepare(void **state)
     tdm_sampler_free(s);
 }
 
+// A speculative step's rows are drawn with the drafts before them ahead of
+// the history (tdm_sampler_draw_prepare_ahead): each row's parameters and
+// adjustments equal, entry for entry, those of a twin sampler that recorded
+// the same tokens, for penalties on and off, ahead tokens new, repeated, in
+// the prompt or the output, a bias or min_tokens token, at word boundaries,
+// and min_tokens running out among them; a short array reports its count.
+static void test_draw_prepare_ahead(void **state)
+{
+    (void)state;
+    enum { V = 2000 };
+    static struct tdm_draw_adj got[V], want[V];
+    int32_t prompt[30], eos[1] = {1999};
+    for (int i = 0; i < 30; i++)
+        prompt[i] = (int32_t)((i * 97) % V);
+    const int32_t history[6] = {64, 500, 64, 3, 1500, 700};
+    const int32_t ahead[TDM_SAMPLER_MAX_AHEAD] = {63,  64, 1999, 63,  11,  prompt[4], 1500, 2,
+                                                  700, 0,  1998, 128, 127, 63,        5,    1};
+    int checked = 0;
+    for (int variant = 0; variant < 5; variant++) {
+        struct tdm_sampling_params p;
+        tdm_sampling_params_default(&p);
+        p.temperature = 0.8f;
+        p.repetition_penalty = variant == 0 || variant == 3 ? 1.2f : 1.0f;
+        p.frequency_penalty = variant <= 1 ? 0.3f : 0.0f;
+        p.presence_penalty = variant == 1 ? 0.5f : 0.0f;
+        p.min_tokens = variant == 4 ? 0 : 9;
+        p.stop_token_ids[0] = 11;
+        p.num_stop_token_ids = 1;
+        p.logit_bias[0] = (struct tdm_logit_bias){.token = 1500, .bias = 2.0f};
+        p.logit_bias[1] = (struct tdm_logit_bias){.token = 1998, .bias = -1.0f};
+        p.num_logit_bias = variant == 2 ? 0 : 2;
+        p.has_seed = true;
+        p.seed = 7u + (uint64_t)variant;
+        struct tdm_sampler *s = NULL;
+        assert_int_equal(tdm_sampler_new(&s, &p, V, prompt, 30, eos, 1), TDM_OK);
+        tdm_sampler_replay(s, history, 6);
+        for (int n = 0; n <= TDM_SAMPLER_MAX_AHEAD; n++) {
+            struct tdm_sampler *twin = NULL;
+            assert_int_equal(tdm_sampler_new(&twin, &p, V, prompt, 30, eos, 1), TDM_OK);
+            tdm_sampler_replay(twin, history, 6);
+            tdm_sampler_replay(twin, ahead, (size_t)n);
+            struct tdm_draw_params dg, dw;
+            int need = tdm_sampler_draw_prepare(twin, &dw, want, V);
+            if (need > 1)
+                assert_int_equal(tdm_sampler_draw_prepare_ahead(s, &dg, got, 1, ahead, n), need);
+            assert_int_equal(tdm_sampler_draw_prepare_ahead(s, &dg, got, V, ahead, n), need);
+            assert_memory_equal(&dg, &dw, sizeof dg);
+            assert_memory_equal(got, want, (size_t)need * sizeof *got);
+            tdm_sampler_free(twin);
+            checked++;
+        }
+        // Past the limit, or a token outside the vocabulary: the host samples.
+        int32_t bad[1] = {V};
+        struct tdm_draw_params d;
+        assert_int_equal(tdm_sampler_draw_prepare_ahead(s, &d, got, V, bad, 1), -1);
+        assert_int_equal(
+            tdm_sampler_draw_prepare_ahead(s, &d, got, V, ahead, TDM_SAMPLER_MAX_AHEAD + 1), -1);
+        tdm_sampler_free(s);
+    }
+    printf("%d rows ahead equal to a twin's after the replay\n", checked);
+}
+
 // The outputs of one seed are pinned: a change of the draw (or of its key)
 // changes every seeded request's output, across versions and between the CPU
 // and a device; it must be deliberate (docs/sampling.md) and change this list.
@@ -1491,6 +1553,7 @@ int main(void)
         cmocka_unit_test(test_draw_definition),
         cmocka_unit_test(test_draw_golden),
         cmocka_unit_test(test_draw_prepare),
+        cmocka_unit_test(test_draw_prepare_ahead),
         cmocka_unit_test(test_min_p),
         cmocka_unit_test(test_temperature_limit),
         cmocka_unit_test(test_unfiltered_chi_square),
