@@ -155,8 +155,11 @@ def main():
     # Requests until it serves one, for up to 20 s (40 quick requests once all
     # went to the stack's worker, under ASan on a loaded machine). One at a
     # time they never overlap, so the router's in-flight count cannot tell the
-    # workers apart (ties go at random), and a route to a worker never heard
-    # from whose control link is still down fails over to the other one.
+    # workers apart (ties go at random); and a route to it before the router
+    # has heard from it, while its control link is still down, fails over and
+    # counts as its failure: those failures can take it out of routing until
+    # its next health check (seen here: unhealthy after 2 requests, ~400 sent
+    # to the stack's worker meanwhile).
     served, i, deadline = 0, 0, time.time() + 20
     while not served and time.time() < deadline:
         post(api, "/v1/completions", {"model": "tandem-test", "prompt": "again %d" % i,
