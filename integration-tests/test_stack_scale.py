@@ -152,9 +152,14 @@ def main():
     hand = start_hand_worker(args, model, hp, hn, {"TANDEM_INTERNAL_SECRET_FILE": secret_file})
     wait_for("%s healthy" % name, lambda: endpoint_state(api).get(name, {}).get("healthy"))
     check(endpoint_state(api)[name]["unhealthy_reason"] is None, "reason left after recovery")
-    # Requests until it serves one, for up to 20 s: the policy may prefer the
-    # stack's worker until the new one's first load report (40 quick requests
-    # once all went there, under ASan on a loaded machine).
+    # Requests until it serves one, for up to 20 s (40 quick requests once all
+    # went to the stack's worker, under ASan on a loaded machine). One at a
+    # time they never overlap, so the router's in-flight count cannot tell the
+    # workers apart (ties go at random); and a route to it before the router
+    # has heard from it, while its control link is still down, fails over and
+    # counts as its failure: those failures can take it out of routing until
+    # its next health check (seen here: unhealthy after 2 requests, ~400 sent
+    # to the stack's worker meanwhile).
     served, i, deadline = 0, 0, time.time() + 20
     while not served and time.time() < deadline:
         post(api, "/v1/completions", {"model": "tandem-test", "prompt": "again %d" % i,
@@ -203,25 +208,35 @@ def main():
                 usage = ev["usage"]["completion_tokens"]
         results[i] = (s.status, fin, usage)
 
-    # least_loaded scores the workers' load reports: streams started within one
-    # report interval see the same loads and may all go to one worker (1 in 8
-    # for 4 streams), so streams are started, 4 at once then one by one, until
-    # decode-1 runs one (8 at most).
-    def d1_running():
-        return metric_sum(metrics(d1_port), "vllm:num_requests_running") >= 1
+    # 4 streams at once split 2 and 2: least_loaded counts the requests the
+    # router sent each worker since its last report in its queue, so streams
+    # routed within one report interval do not all see the same loads (on
+    # reported load alone all 4 went to one worker 1 time in 8). decode-1 is
+    # first heard from (a load report), as a route to a worker never heard
+    # from whose control link is down fails over whatever the policy says.
+    d1_name = [n for n in endpoint_state(api) if n.endswith(":%d" % d1_port)]
+    check(len(d1_name) == 1, "decode-1 not in endpoints_state: %s" % endpoint_state(api))
+    d1_name = d1_name[0]
+    wait_for("a load report from decode-1",
+             lambda: endpoint_state(api)[d1_name].get("load") is not None)
 
-    for i in range(8):
+    def picks():
+        return {k: v for k, v in metrics(api).items()
+                if k.startswith("tandem:router_endpoint_picks_total{") and 'role="decode"' in k}
+
+    before = picks()
+    for i in range(4):
         t = threading.Thread(target=run, args=(i,))
         t.start()
         streams.append(t)
-        if i < 3:
-            continue
-        end = time.time() + 3.0
-        while time.time() < end and not d1_running():
-            time.sleep(0.05)
-        if d1_running():
-            break
-    check(d1_running(), "decode-1 ran none of %d streams" % len(streams))
+    wait_for("4 streams routed",
+             lambda: sum(picks().values()) - sum(before.values()) == 4)
+    after = picks()
+    d1_key = 'tandem:router_endpoint_picks_total{endpoint="%s",role="decode"}' % d1_name
+    check(after.get(d1_key, 0) - before.get(d1_key, 0) == 2,
+          "4 streams at once did not split 2 and 2: picks before %s, after %s" % (before, after))
+    wait_for("decode-1 running its streams",
+             lambda: metric_sum(metrics(d1_port), "vllm:num_requests_running") >= 1)
     rc, out, err = scale(args, env, "--port", str(api), "--prefill", "0", "--decode", "1")
     check(rc == 0 and out.strip().splitlines()[-1] == "ok: 0 prefill + 1 decode workers",
           "scale down: rc %d\n%s%s" % (rc, out, err))

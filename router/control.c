@@ -455,6 +455,7 @@ char *tdm_router_control_config_json(struct tdm_router_control *ctl)
         cJSON_AddBoolToObject(e, "draining", v[i].draining);
         cJSON_AddBoolToObject(e, "busy", v[i].busy);
         cJSON_AddNumberToObject(e, "inflight", v[i].inflight);
+        cJSON_AddNumberToObject(e, "unreported", v[i].unreported);
         cJSON_AddNumberToObject(e, "health_epoch", (double)v[i].health_epoch);
         if (v[i].has_load) {
             cJSON *l = cJSON_AddObjectToObject(e, "load");

@@ -412,16 +412,23 @@ static void test_reload_under_held_route_and_json(void **state)
     assert_string_equal(cJSON_GetObjectItem(o, "policy")->valuestring, "least_loaded");
     cJSON *st = cJSON_GetObjectItem(o, "endpoints_state");
     assert_true(cJSON_GetArraySize(st) >= 2);
-    bool saw3 = false;
+    bool saw1 = false, saw3 = false;
     for (int i = 0; i < cJSON_GetArraySize(st); i++) {
         cJSON *x = cJSON_GetArrayItem(st, i);
         if (!strcmp(cJSON_GetObjectItem(x, "name")->valuestring, "10.0.1.3:8001")) {
             saw3 = true;
             assert_false(cJSON_IsTrue(cJSON_GetObjectItem(x, "healthy"))); // not checked yet
             assert_true(cJSON_IsNull(cJSON_GetObjectItem(x, "load")));
+            assert_true(cJSON_GetNumberValue(cJSON_GetObjectItem(x, "unreported")) == 0);
+        }
+        if (!strcmp(cJSON_GetObjectItem(x, "name")->valuestring, "10.0.1.1:8001")) {
+            // The held route, sent since no report: in flight and unreported.
+            saw1 = true;
+            assert_true(cJSON_GetNumberValue(cJSON_GetObjectItem(x, "inflight")) == 1);
+            assert_true(cJSON_GetNumberValue(cJSON_GetObjectItem(x, "unreported")) == 1);
         }
     }
-    assert_true(saw3);
+    assert_true(saw1 && saw3);
     assert_int_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "reloads"), "success")->valueint,
                      1);
     cJSON_Delete(o);

@@ -238,7 +238,9 @@ struct endpoint {
     bool auth_logged; // the ERROR about it was logged (once until the handshake passes)
     int fails, succs; // consecutive failed / successful checks
     uint64_t health_epoch;
-    int inflight;
+    int inflight;          // requests held (acquire .. release)
+    int sent_since_report; // of those, held since the last report: <= inflight (release
+                           // clamps it; a report resets it), the view's `unreported`
     struct tdm_router_load load;
     double load_at; // tdm_now() of the last report: load age and liveness
     bool has_load;
@@ -1006,6 +1008,7 @@ static void fill_view(const struct tdm_router_endpoints *reg, const struct endpo
     v->health_epoch = e->health_epoch;
     v->instance = e->instance;
     v->inflight = e->inflight;
+    v->unreported = e->sent_since_report;
     v->load = e->load;
     v->has_load = e->has_load;
     v->load_age_seconds = e->has_load ? now - e->load_at : -1.0;
@@ -1156,8 +1159,10 @@ size_t tdm_router_endpoints_list(struct tdm_router_endpoints *reg,
 static struct endpoint *acquire_locked(struct tdm_router_endpoints *reg, uint64_t id)
 {
     struct endpoint *e = find_by_id(reg, id);
-    if (e)
+    if (e) {
         e->inflight++;
+        e->sent_since_report++; // not in the worker's load until its next report
+    }
     return e;
 }
 
@@ -1166,6 +1171,11 @@ static void release_locked(struct tdm_router_endpoints *reg, uint64_t id)
     struct endpoint *e = find_by_id(reg, id);
     if (e && e->inflight > 0)
         e->inflight--;
+    // A request that finished is in neither the last report nor the worker's
+    // queue now. Which one finished is not known: the count sent since the
+    // report stays an upper bound of those still in flight.
+    if (e && e->sent_since_report > e->inflight)
+        e->sent_since_report = e->inflight;
     if (e && e->draining && e->inflight == 0)
         reap(reg); // the last request on a vanished endpoint: it goes now
 }
@@ -1281,17 +1291,25 @@ void tdm_router_endpoints_lock_entries(struct tdm_router_endpoints *reg,
     pthread_mutex_unlock(&reg->mu);
 }
 
+// A report's load, timestamped now (under mu): it shows every request the
+// router sent before it, so none is unreported any more, and it answers the
+// load poller's queries.
+static void take_load_locked(struct endpoint *e, const struct tdm_router_load *load)
+{
+    e->load = *load;
+    e->load_at = tdm_now();
+    e->has_load = true;
+    e->sent_since_report = 0;
+    e->q_first = e->q_second = 0;
+}
+
 int tdm_router_endpoints_set_load(struct tdm_router_endpoints *reg, uint64_t id,
                                   const struct tdm_router_load *load)
 {
     reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
-    if (e) {
-        e->load = *load;
-        e->load_at = tdm_now();
-        e->has_load = true;
-        e->q_first = e->q_second = 0;
-    }
+    if (e)
+        take_load_locked(e, load);
     pthread_mutex_unlock(&reg->mu);
     return e ? TDM_OK : TDM_ENOTFOUND;
 }
@@ -1307,10 +1325,7 @@ int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id
         re = r->instance != 0 && e->instance != 0 && e->instance != r->instance;
         if (r->instance != 0)
             e->instance = r->instance;
-        e->load = r->load;
-        e->load_at = tdm_now();
-        e->has_load = true;
-        e->q_first = e->q_second = 0;
+        take_load_locked(e, &r->load);
         if (re)
             lru_fini(&e->lru); // a new process: its prefix cache is empty
         if (r->has_kv_events) {

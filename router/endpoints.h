@@ -15,7 +15,12 @@
 //     the worker's instance id (a new one = a restart); load older than
 //     load_stale_seconds = treated as saturated (as llm-d does), and the router
 //     judges a stream's worker lost from the same time.
-//   - in-flight requests tracked by the router (acquire/release).
+//   - in-flight requests tracked by the router (acquire/release), and of those
+//     the ones held since the worker's last report (`unreported`): what its
+//     load does not show yet. Load-aware scorers add them to the reported
+//     queue (plugins.h, tdm_router_queue_estimate), so a burst between two
+//     reports spreads and a worker that has not reported yet is judged by the
+//     router's in-flight count alone instead of looking idle forever.
 //   - an approximate prefix index: an LRU set of the chained block hashes of the
 //     prompts routed there (capacity lru_capacity_per_server blocks), which KV
 //     events (stored/evicted hashes) from the worker can also feed exactly.
@@ -86,6 +91,9 @@ struct tdm_router_endpoint_view {
     uint64_t health_epoch;       // increments on every unhealthy -> healthy turn
     uint64_t instance;           // the worker's instance id from its last report (0: none)
     int inflight;                // router-tracked requests in flight
+    int unreported;              // of those, held since the last report (all of them when
+                                 // it never reported): a report resets it to 0, and it never
+                                 // exceeds inflight (a finished request is in no queue)
     struct tdm_router_load load; // last report (zeros if none yet)
     bool has_load;               // a report arrived at least once
     bool load_stale;             // no report, or older than load_stale_seconds

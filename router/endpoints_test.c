@@ -6,9 +6,10 @@
 // (routing records, KV events, LRU capacity), an attempt's two lock entries
 // (what begin holds, records and hands back; what end reports and releases; a
 // replaced attempt's report before the pick and release after the hold),
-// passive health, and active health checks against a local HTTP server whose
-// /health flips between 200 and 503 (and a silent listener: dead, or busy while
-// load reports arrive).
+// least_loaded spreading a burst between two reports (requests held since a
+// report count in the queue), passive health, and active health checks against
+// a local HTTP server whose /health flips between 200 and 503 (and a silent
+// listener: dead, or busy while load reports arrive).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -30,6 +31,7 @@
 #include "endpoints.h"
 #include "http.h"
 #include "kv_cache.h"
+#include "policy.h"
 #include "router_metrics.h"
 
 static struct tdm_router_config *cfg_of(const char *text)
@@ -620,6 +622,120 @@ static void test_attempt_entries(void **state)
     tdm_router_config_unref(cfg);
 }
 
+// The router's policy (as control.c runs it) on the snapshot: the decode pick.
+static int pick_policy(void *arg, struct tdm_router_snapshot *snap, struct tdm_router_held *held)
+{
+    const struct tdm_router_config *cfg = arg;
+    struct tdm_router_request req = {.num_prompt_tokens = 8};
+    struct tdm_router_pick pick = {0};
+    int rc = tdm_router_policy_pick(cfg, snap, &req, &pick);
+    held->decode = pick.decode;
+    return rc;
+}
+
+// One attempt through the registry: the decode endpoint it holds.
+static uint64_t route_one(struct tdm_router_endpoints *reg, struct tdm_router_config *cfg)
+{
+    struct tdm_router_snapshot snap;
+    struct tdm_router_held held;
+    assert_int_equal(
+        tdm_router_endpoints_attempt_begin(reg, NULL, 0, pick_policy, cfg, NULL, &snap, &held),
+        TDM_OK);
+    uint64_t id = snap.eps[held.decode].id;
+    tdm_router_snapshot_free(&snap);
+    return id;
+}
+
+static int unreported(struct tdm_router_endpoints *reg, uint64_t id)
+{
+    struct tdm_router_endpoint_view v;
+    assert_int_equal(tdm_router_endpoints_get(reg, id, &v), TDM_OK);
+    return v.unreported;
+}
+
+// least_loaded between two load reports: every request held since a report
+// counts in that endpoint's queue, so a burst spreads instead of herding onto
+// the endpoint whose report was lowest; a report resets the count; a finished
+// request leaves it; an endpoint that never reported is judged by its
+// in-flight requests alone, so it takes requests at once.
+static void test_unreported_requests_spread_a_burst(void **state)
+{
+    (void)state;
+    struct tdm_router_config *cfg = cfg_of("policy: least_loaded\n"
+                                           "endpoints:\n"
+                                           "  decode: ['10.0.0.1:8001', '10.0.0.2:8001']\n");
+    struct tdm_router_endpoints *reg = reg_of(cfg);
+    tdm_router_endpoints_set_seed(reg, 7);
+    struct tdm_router_endpoint_view a, b;
+    assert_true(find(reg, "10.0.0.1:8001", &a));
+    assert_true(find(reg, "10.0.0.2:8001", &b));
+    assert_int_equal(a.unreported, 0);
+    assert_int_equal(tdm_router_endpoints_set_load(reg, a.id, &(struct tdm_router_load){0}),
+                     TDM_OK);
+    assert_int_equal(
+        tdm_router_endpoints_set_load(reg, b.id, &(struct tdm_router_load){.waiting = 2}), TDM_OK);
+    // 8 requests before the next reports: a takes two (0, 1 < 2), then they
+    // alternate (ties at random), ending level: a 0 + 5, b 2 + 3.
+    uint64_t got[8];
+    int on_a = 0;
+    for (int i = 0; i < 8; i++) {
+        got[i] = route_one(reg, cfg);
+        on_a += got[i] == a.id;
+    }
+    assert_true(got[0] == a.id && got[1] == a.id);
+    assert_int_equal(on_a, 5);
+    assert_int_equal(unreported(reg, a.id), 5);
+    assert_int_equal(unreported(reg, b.id), 3);
+    // A finished request is in no queue: the count stays within the in-flight ones.
+    for (int i = 0; i < 3; i++)
+        tdm_router_endpoints_release(reg, a.id);
+    assert_int_equal(inflight(reg, a.id), 2);
+    assert_int_equal(unreported(reg, a.id), 2);
+    // a's report shows its 2 requests (waiting 2): nothing unreported there;
+    // b still has 2 + 3, so a takes the next one.
+    struct tdm_router_report rep = {.instance = 1, .load = {.waiting = 2}};
+    assert_int_equal(tdm_router_endpoints_on_report(reg, a.id, &rep, NULL, NULL), TDM_OK);
+    assert_int_equal(unreported(reg, a.id), 0);
+    assert_int_equal(inflight(reg, a.id), 2);
+    assert_int_equal(unreported(reg, b.id), 3);
+    assert_true(route_one(reg, cfg) == a.id);
+    assert_int_equal(unreported(reg, a.id), 1);
+    // b reports its queue drained: the next ones go there until the sums meet.
+    assert_int_equal(tdm_router_endpoints_set_load(reg, b.id, &(struct tdm_router_load){0}),
+                     TDM_OK);
+    assert_int_equal(unreported(reg, b.id), 0);
+    assert_true(route_one(reg, cfg) == b.id); // 0 < 2 + 1
+    assert_true(route_one(reg, cfg) == b.id); // 1 < 3
+    tdm_router_endpoints_free(reg);
+    tdm_router_config_unref(cfg);
+
+    // An endpoint that has not reported yet, beside one with requests in
+    // flight since its report: it takes the next request, every time.
+    cfg = cfg_of("policy: least_loaded\nload_stale_seconds: 30\n"
+                 "endpoints:\n"
+                 "  decode: ['10.0.0.1:8001', '10.0.0.2:8001']\n");
+    for (uint64_t seed = 1; seed <= 16; seed++) {
+        reg = reg_of(cfg);
+        tdm_router_endpoints_set_seed(reg, seed);
+        assert_true(find(reg, "10.0.0.1:8001", &a));
+        assert_true(find(reg, "10.0.0.2:8001", &b));
+        assert_int_equal(tdm_router_endpoints_set_load(reg, a.id, &(struct tdm_router_load){0}),
+                         TDM_OK);
+        assert_int_equal(tdm_router_endpoints_acquire(reg, a.id), TDM_OK);
+        assert_true(find(reg, "10.0.0.2:8001", &b));
+        assert_false(b.has_load);
+        assert_true(b.load_stale); // never reported: stale, as before
+        assert_true(route_one(reg, cfg) == b.id);
+        // Without a report its queue is the router's in-flight count: 1 each, a
+        // tie, then the other one (2 against 1).
+        assert_int_equal(unreported(reg, b.id), 1);
+        uint64_t x = route_one(reg, cfg), y = route_one(reg, cfg);
+        assert_true(x != y);
+        tdm_router_endpoints_free(reg);
+    }
+    tdm_router_config_unref(cfg);
+}
+
 static void test_passive_health(void **state)
 {
     (void)state;
@@ -984,6 +1100,7 @@ int main(void)
         cmocka_unit_test(test_on_report),
         cmocka_unit_test(test_health_timeout_busy),
         cmocka_unit_test(test_attempt_entries),
+        cmocka_unit_test(test_unreported_requests_spread_a_burst),
         cmocka_unit_test(test_passive_health),
         cmocka_unit_test(test_active_health_checks),
         cmocka_unit_test(test_auth_failure_unhealthy),

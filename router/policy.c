@@ -103,8 +103,8 @@ static void run_scorers(struct run *r, const struct tdm_router_request *req,
     };
     for (size_t k = 0; k < r->nc; k++) {
         const struct tdm_router_endpoint_view *e = &r->snap->eps[r->cand[k]];
-        ctx.lo_waiting = fmin(ctx.lo_waiting, e->load.waiting);
-        ctx.hi_waiting = fmax(ctx.hi_waiting, e->load.waiting);
+        ctx.lo_waiting = fmin(ctx.lo_waiting, tdm_router_queue_estimate(e));
+        ctx.hi_waiting = fmax(ctx.hi_waiting, tdm_router_queue_estimate(e));
         ctx.lo_running = fmin(ctx.lo_running, e->load.running);
         ctx.hi_running = fmax(ctx.hi_running, e->load.running);
         r->total[k] = 0.0;

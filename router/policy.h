@@ -12,7 +12,9 @@
 // none is picked), then the profile's filters in order (utilization-detector
 // drops saturated endpoints, stale load counting as saturated, and keeps all
 // when it would drop all: fail-open), then every scorer gives each candidate a
-// score in [0, 1], the total is the weighted sum, and the picker chooses:
+// score in [0, 1] (the queue scorers count the requests the router sent since
+// the endpoint's last report: endpoints.h, `unreported`), the total is the
+// weighted sum, and the picker chooses:
 // max-score (ties broken uniformly at random: llm-d-router#2515), random,
 // weighted-random, or round-robin.
 //

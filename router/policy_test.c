@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Tests of the routing policies on crafted snapshots: each policy's choice,
-// random tie-breaking spreading over equal endpoints, the saturation filter
-// with fail-open and stale load, health and role filtering, session affinity,
-// the weighted-random distribution and the P/D decider's thresholds.
+// least_loaded counting the requests sent since a report, random tie-breaking
+// spreading over equal endpoints, the saturation filter with fail-open and
+// stale load, health and role filtering, session affinity, the weighted-random
+// distribution and the P/D decider's thresholds.
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -62,6 +63,19 @@ static size_t pick_decode(const struct tdm_router_config *cfg, struct fixture *f
     struct tdm_router_request def = {.num_prompt_tokens = 100};
     assert_int_equal(tdm_router_policy_pick(cfg, &f->snap, req ? req : &def, &p), TDM_OK);
     return p.decode;
+}
+
+// Runs profile 0 over every endpoint of f with scores into sc[f->snap.n];
+// returns the best candidate.
+static size_t score_all(const struct tdm_router_config *cfg, struct fixture *f,
+                        struct tdm_router_endpoint_score *sc)
+{
+    size_t ranked[MAXE], n = 0;
+    assert_int_equal(
+        tdm_router_policy_run_profile(cfg, 0, true, &f->snap, NULL, ranked, MAXE, &n, sc, NULL),
+        TDM_OK);
+    assert_int_equal(n, f->snap.n);
+    return ranked[0];
 }
 
 static uint64_t mix(uint64_t x)
@@ -138,6 +152,64 @@ static void test_least_loaded_picks_least(void **state)
     f.eps[2].load.running = 9;
     f.eps[1].load.waiting = 0;
     assert_int_equal(pick_decode(cfg, &f, NULL), 1);
+    tdm_router_config_unref(cfg);
+}
+
+// least_loaded judges a worker by its reported queue plus the requests the
+// router sent it since that report (view.unreported), so a worker that has not
+// reported yet is judged by the router's in-flight count alone.
+static void test_least_loaded_counts_unreported(void **state)
+{
+    (void)state;
+    struct tdm_router_config *cfg = cfg_of("policy: least_loaded\n");
+    struct fixture f;
+    setup(&f, 2, TDM_ROUTER_ROLE_DECODE);
+    // 0 reported idle, but the router has sent it 2 since; 1 just joined: no
+    // report, nothing in flight. Reported load alone is a tie (random).
+    f.eps[0].inflight = f.eps[0].unreported = 2;
+    f.eps[1].has_load = false;
+    f.eps[1].load_stale = true;
+    f.eps[1].load_age_seconds = -1;
+    for (uint64_t s = 0; s < 64; s++) {
+        f.snap.seed = mix(s + 5);
+        assert_int_equal(pick_decode(cfg, &f, NULL), 1);
+    }
+    // Without a report its in-flight count is its whole queue: 3 sent, none
+    // reported, is more than 0's reported 1.
+    f.eps[0].inflight = 4; // sent before its report: in its load already
+    f.eps[0].unreported = 0;
+    f.eps[0].load.waiting = 1;
+    f.eps[1].inflight = f.eps[1].unreported = 3;
+    for (uint64_t s = 0; s < 16; s++) {
+        f.snap.seed = mix(s + 77);
+        assert_int_equal(pick_decode(cfg, &f, NULL), 0);
+    }
+    // The sum: 0 reported 1 waiting + 1 unreported = 2 < 3.
+    f.eps[0].unreported = 1;
+    assert_int_equal(pick_decode(cfg, &f, NULL), 0);
+    f.eps[0].unreported = 3; // 4 > 3
+    assert_int_equal(pick_decode(cfg, &f, NULL), 1);
+    // Scores: queue-scorer normalises the sums, load-aware-scorer reads the sum.
+    struct tdm_router_config *sc_cfg =
+        cfg_of("plugins:\n- type: queue-scorer\n"
+               "- {type: load-aware-scorer, parameters: {threshold: 8}}\n"
+               "schedulingProfiles:\n- name: d\n  plugins:\n"
+               "  - {pluginRef: queue-scorer}\n  - {pluginRef: load-aware-scorer}\n");
+    setup(&f, 3, TDM_ROUTER_ROLE_DECODE);
+    f.eps[0].load.waiting = 2; // 2 + 0
+    f.eps[1].unreported = 4;   // 0 + 4
+    f.eps[1].inflight = 4;
+    f.eps[2].load.waiting = 1; // 1 + 5
+    f.eps[2].unreported = 5;
+    f.eps[2].inflight = 7;
+    struct tdm_router_endpoint_score sc[3];
+    assert_int_equal(score_all(sc_cfg, &f, sc), 0);
+    assert_true(fabs(sc[0].scores[TDM_ROUTER_QUEUE_SCORER] - 1.0) < 1e-9);
+    assert_true(fabs(sc[1].scores[TDM_ROUTER_QUEUE_SCORER] - 0.5) < 1e-9);
+    assert_true(fabs(sc[2].scores[TDM_ROUTER_QUEUE_SCORER] - 0.0) < 1e-9);
+    assert_true(fabs(sc[1].scores[TDM_ROUTER_LOAD_AWARE_SCORER] - 0.25) < 1e-9);
+    assert_true(fabs(sc[2].scores[TDM_ROUTER_LOAD_AWARE_SCORER] - 0.125) < 1e-9);
+    tdm_router_config_unref(sc_cfg);
     tdm_router_config_unref(cfg);
 }
 
@@ -288,6 +360,11 @@ static void test_saturation_filter_fail_open_and_stale(void **state)
     f.eps[1].load_stale = false;
     f.eps[1].has_load = false; // never reported
     assert_int_equal(pick_decode(cfg, &f, NULL), 0);
+    // ... while 0's queue with what the router sent since its report (3 + 2)
+    // is longer than 1's (0): the filter drops 1 before any scorer counts.
+    f.eps[0].unreported = f.eps[0].inflight = 2;
+    f.eps[1].inflight = f.eps[1].unreported = 0;
+    assert_int_equal(pick_decode(cfg, &f, NULL), 0);
     // tdm_router_policy_saturated directly
     struct tdm_router_plugin_params par = {
         .utilization = {.queue_depth_threshold = 5, .kv_cache_util_threshold = 0.8}};
@@ -379,10 +456,7 @@ static void test_scorer_values(void **state)
     f.eps[1].prefix_match_blocks = 5;
     f.eps[2].inflight = 2;
     struct tdm_router_endpoint_score sc[3];
-    size_t ranked[3], n = 0;
-    assert_int_equal(
-        tdm_router_policy_run_profile(cfg, 0, true, &f.snap, NULL, ranked, 3, &n, sc, NULL), 0);
-    assert_int_equal(n, 3);
+    size_t best = score_all(cfg, &f, sc);
     assert_true(fabs(sc[0].scores[TDM_ROUTER_QUEUE_SCORER] - 1.0) < 1e-9);
     assert_true(fabs(sc[1].scores[TDM_ROUTER_QUEUE_SCORER] - 0.5) < 1e-9);
     assert_true(fabs(sc[2].scores[TDM_ROUTER_QUEUE_SCORER] - 0.0) < 1e-9);
@@ -397,7 +471,7 @@ static void test_scorer_values(void **state)
     // total = sum of weight * score (kv weighted 2)
     double t0 = 1.0 + 1.0 + 2 * 0.75 + 0.0 + 0.5 + 1.0;
     assert_true(fabs(sc[0].total - t0) < 1e-9);
-    assert_int_equal(ranked[0], 0);
+    assert_int_equal(best, 0);
     assert_true(isnan(sc[0].scores[TDM_ROUTER_SESSION_AFFINITY_SCORER]));
     char line[1024];
     size_t len = tdm_router_policy_format_scores(cfg, 0, &f.snap, sc, line, sizeof line);
@@ -521,6 +595,7 @@ int main(void)
         cmocka_unit_test(test_round_robin_cycles),
         cmocka_unit_test(test_random_spreads),
         cmocka_unit_test(test_least_loaded_picks_least),
+        cmocka_unit_test(test_least_loaded_counts_unreported),
         cmocka_unit_test(test_prefix_cache_picks_longest),
         cmocka_unit_test(test_session_affinity_sticks),
         cmocka_unit_test(test_ties_spread_randomly),

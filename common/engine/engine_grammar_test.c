@@ -25,6 +25,7 @@
 
 #include "core.h"
 #include "engine.h"
+#include "engine_test_util.h"
 #include "test_skip.h"
 #include "grammar.h"
 #include "grammar_validate.h"
@@ -507,14 +508,7 @@ static void test_device_masks(void **state)
 {
     (void)state;
     char err[256];
-    struct tdm_model_opts o;
-    tdm_model_opts_default(&o);
-    o.max_batch_tokens = 256;
-    o.max_batch_seqs = 16;
-    assert_int_equal(tdm_model_opts_set_device(&o, "cuda-emu", err, sizeof err), TDM_OK);
-    struct tdm_model *dm = NULL;
-    if (tdm_model_load(&dm, model_dir, &o, err, sizeof err) != TDM_OK)
-        fail_msg("cuda-emu load: %s", err);
+    struct tdm_model *dm = tdm_test_emu_model(model_dir, 16);
     assert_true(tdm_model_device_sampling(dm));
     enum { N = 6 };
     static const struct {

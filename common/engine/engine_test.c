@@ -22,6 +22,7 @@
 #include "backend.h"
 #include "core.h"
 #include "engine.h"
+#include "engine_test_util.h"
 #include "test_skip.h"
 #include "metrics.h"
 #include "mkmodel.h"
@@ -528,21 +529,6 @@ static void test_fused_greedy_matches_runner(void **state)
     tdm_engine_free(e);
 }
 
-// The tests' model on the emulated CUDA module (--device cuda-emu).
-static struct tdm_model *emu_model(void)
-{
-    char err[256];
-    struct tdm_model_opts o;
-    tdm_model_opts_default(&o);
-    o.max_batch_tokens = 256;
-    o.max_batch_seqs = 32;
-    assert_int_equal(tdm_model_opts_set_device(&o, "cuda-emu", err, sizeof err), TDM_OK);
-    struct tdm_model *dm = NULL;
-    if (tdm_model_load(&dm, model_dir, &o, err, sizeof err) != TDM_OK)
-        fail_msg("cuda-emu load: %s", err);
-    return dm;
-}
-
 // Sampled rows on a device backend (the emulated CUDA module, --device
 // cuda-emu): sampled requests are drawn on the device (TDM_LOGITS_SAMPLE, only
 // ids to the host; penalties, bias and min_tokens as adjustments sent with
@@ -554,7 +540,7 @@ static void test_device_draw_matches_runner(void **state)
     (void)state;
     enum { N = 7, MT = 10 };
     char err[256];
-    struct tdm_model *dm = emu_model();
+    struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
     assert_true(tdm_model_device_sampling(dm));
     assert_false(tdm_model_device_sampling(model)); // the CPU samples on the host
     struct tdm_engine_config c;
@@ -657,7 +643,7 @@ static void test_device_logprobs(void **state)
     (void)state;
     enum { N = 3, MT = 8 };
     char err[256];
-    struct tdm_model *dm = emu_model();
+    struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
     int32_t prompts[N][24];
     struct tdm_sampling_params sp[N];
     for (int i = 0; i < N; i++) {

@@ -63,10 +63,22 @@ struct tdm_router_score_ctx {
     const struct tdm_router_request *req; // may be NULL
     const size_t *cand;                   // [nc] snapshot indices that passed the filters
     size_t nc;
-    double lo_waiting, hi_waiting, lo_running, hi_running; // over the candidates
+    double lo_waiting, hi_waiting, lo_running, hi_running; // over the candidates (waiting:
+                                                           // tdm_router_queue_estimate)
     int max_prefix_blocks; // cfg->max_prefix_blocks_to_match (prefix score denominator cap)
     size_t session_target; // set by session-affinity's prepare; SIZE_MAX = none
 };
+
+// The queue a load-aware scorer judges an endpoint by: the waiting requests of
+// its last report plus the requests the router sent it since that report and
+// still has in flight (view.unreported). Without any report the reported queue
+// is 0, so the router's in-flight count alone. A request the worker has not
+// reported is counted as waiting: it enters the worker's queue first. Stale
+// load gets the same sum (the utilization-detector still counts it saturated).
+static inline double tdm_router_queue_estimate(const struct tdm_router_endpoint_view *e)
+{
+    return (double)e->load.waiting + (double)e->unreported;
+}
 
 // A picker's input: totals per candidate and the profile's random stream.
 struct tdm_router_pick_ctx {

@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // router plugins, scorers: each gives a candidate a score in [0, 1]; a
 // profile's total is the weighted sum (policy.c). Load scores come from the
-// workers' reports, the prefix score from the router's prefix index (the
-// snapshot's prefix_match_blocks), the session score from the session header:
-// the endpoint an llm-d style token (base64 of its name) names, else the
-// candidate a rendezvous hash of the session picks, so a session stays on one
-// endpoint while it exists and only a removed endpoint's sessions move.
+// workers' reports, the queue scores (queue-scorer, load-aware-scorer) adding
+// the requests the router sent since the report (tdm_router_queue_estimate);
+// the active-request score from the router's in-flight count; the prefix score
+// from the router's prefix index (the snapshot's prefix_match_blocks); the
+// session score from the session header: the endpoint an llm-d style token
+// (base64 of its name) names, else the candidate a rendezvous hash of the
+// session picks, so a session stays on one endpoint while it exists and only a
+// removed endpoint's sessions move.
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -34,7 +37,7 @@ static double score_queue(const struct tdm_router_score_ctx *ctx,
                           const struct tdm_router_plugin_params *p, size_t k)
 {
     (void)p;
-    return minmax_low(cand_ep(ctx, k)->load.waiting, ctx->lo_waiting, ctx->hi_waiting);
+    return minmax_low(tdm_router_queue_estimate(cand_ep(ctx, k)), ctx->lo_waiting, ctx->hi_waiting);
 }
 
 static double score_kv_util(const struct tdm_router_score_ctx *ctx,
@@ -55,10 +58,10 @@ static double score_running(const struct tdm_router_score_ctx *ctx,
 static double score_load_aware(const struct tdm_router_score_ctx *ctx,
                                const struct tdm_router_plugin_params *p, size_t k)
 {
-    int waiting = cand_ep(ctx, k)->load.waiting;
+    double waiting = tdm_router_queue_estimate(cand_ep(ctx, k));
     if (waiting <= 0)
         return 0.5;
-    return 0.5 * (1.0 - fmin(1.0, (double)waiting / (double)p->load_aware.threshold));
+    return 0.5 * (1.0 - fmin(1.0, waiting / (double)p->load_aware.threshold));
 }
 
 static double score_active(const struct tdm_router_score_ctx *ctx,

@@ -518,5 +518,5 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_hw_amx_dpbf16ps),
         cmocka_unit_test(test_hw_amx_kernel),
     };
-    return tdm_test_exit(cmocka_run_group_tests(tests, NULL, NULL));
+    return tdm_test_exit(tdm_run_group_tests(tests, NULL, NULL));
 }

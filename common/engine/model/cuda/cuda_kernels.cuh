@@ -1424,6 +1424,36 @@ __global__ void __launch_bounds__(TDM_CUK_DECODE_THREADS)
     }
 }
 
+// ---- prefill attention: one tile ---------------------------------------------------------
+// What both prefill kernels know of their tile before any work: query rows
+// i0 .. i0 + nq of sequence si for query head h (the grid's y), the KV head it
+// reads, the positions its rows see and the sequence's block table.
+struct prefill_tile {
+    tdm_cuk_seq sq;    // the sequence
+    int h, kvh;        // query head, and the KV head of its group
+    int nq;            // real query rows: at most the tile's rows, fewer at the sequence's end
+    int q_pos0;        // position of the tile's first query
+    int kv_end;        // keys [0, kv_end) are visible to some row
+    const int32_t *bt; // [bt_stride] the sequence's block table
+};
+
+// The tile of bq query rows starting at row i0 of sequence si, for head blockIdx.y.
+__device__ __forceinline__ prefill_tile prefill_tile_of(const tdm_cuk_seq *seqs,
+                                                        const int32_t *block_tables, int bt_stride,
+                                                        int si, int i0, int bq, int n_heads,
+                                                        int n_kv_heads)
+{
+    prefill_tile t;
+    t.sq = seqs[si];
+    t.h = blockIdx.y;
+    t.kvh = t.h / (n_heads / n_kv_heads);
+    t.nq = t.sq.n_tokens - i0 < bq ? t.sq.n_tokens - i0 : bq;
+    t.q_pos0 = t.sq.start_pos + i0;
+    t.kv_end = t.q_pos0 + t.nq;
+    t.bt = block_tables + (size_t)si * bt_stride;
+    return t;
+}
+
 // ---- prefill attention (FlashAttention-2 style) -------------------------------------------
 // f32 KV, on CUDA cores: f32 KV is the precision mode, and tensor cores would
 // round its K and V (and the query) to bf16.
@@ -1451,17 +1481,14 @@ attn_prefill_f32_rows(const float *q, int q_stride, const KV *k_cache, const KV 
     __shared__ float sc[BQ][BK];
     __shared__ float m_s[BQ], l_s[BQ], corr_s[BQ];
 
-    tdm_cuk_seq sq = seqs[si];
-    int h = blockIdx.y;
-    int kvh = h / (n_heads / n_kv_heads);
-    int nq = sq.n_tokens - i0 < BQ ? sq.n_tokens - i0 : BQ;
-    int q_pos0 = sq.start_pos + i0; // position of the tile's first query
-    int kv_end = q_pos0 + nq;       // keys [0, kv_end) are visible to some row
-    const int32_t *bt = block_tables + (size_t)si * bt_stride;
+    const prefill_tile tile =
+        prefill_tile_of(seqs, block_tables, bt_stride, si, i0, BQ, n_heads, n_kv_heads);
 
     for (int idx = threadIdx.x; idx < BQ * HD; idx += blockDim.x) {
         int r = idx / HD, d = idx % HD;
-        qs[r][d] = r < nq ? q[(size_t)(sq.row + i0 + r) * q_stride + (size_t)h * HD + d] : 0.0f;
+        qs[r][d] = r < tile.nq
+                       ? q[(size_t)(tile.sq.row + i0 + r) * q_stride + (size_t)tile.h * HD + d]
+                       : 0.0f;
         os[r][d] = 0.0f;
     }
     if (threadIdx.x < BQ) {
@@ -1470,14 +1497,16 @@ attn_prefill_f32_rows(const float *q, int q_stride, const KV *k_cache, const KV 
     }
     __syncthreads();
 
-    for (int k0 = 0; k0 < kv_end; k0 += BK) {
-        int nk = kv_end - k0 < BK ? kv_end - k0 : BK;
+    for (int k0 = 0; k0 < tile.kv_end; k0 += BK) {
+        int nk = tile.kv_end - k0 < BK ? tile.kv_end - k0 : BK;
         for (int idx = threadIdx.x; idx < BK * HD; idx += blockDim.x) {
             int j = idx / HD, d = idx % HD;
             float kv_k = 0.0f, kv_v = 0.0f;
             if (j < nk) {
-                kv_k = kv_load(&kv_row(k_cache, bt, k0 + j, n_kv_heads, kvh, block_size, HD)[d]);
-                kv_v = kv_load(&kv_row(v_cache, bt, k0 + j, n_kv_heads, kvh, block_size, HD)[d]);
+                kv_k = kv_load(
+                    &kv_row(k_cache, tile.bt, k0 + j, n_kv_heads, tile.kvh, block_size, HD)[d]);
+                kv_v = kv_load(
+                    &kv_row(v_cache, tile.bt, k0 + j, n_kv_heads, tile.kvh, block_size, HD)[d]);
             }
             ks[j][d] = kv_k;
             vs[j][d] = kv_v;
@@ -1486,7 +1515,7 @@ attn_prefill_f32_rows(const float *q, int q_stride, const KV *k_cache, const KV 
         for (int idx = threadIdx.x; idx < BQ * BK; idx += blockDim.x) {
             int r = idx / BK, j = idx % BK;
             float s = -INFINITY;
-            if (r < nq && j < nk && k0 + j <= q_pos0 + r) {
+            if (r < tile.nq && j < nk && k0 + j <= tile.q_pos0 + r) {
                 float dot = 0.0f;
                 for (int d = 0; d < HD; d++)
                     dot += qs[r][d] * ks[j][d];
@@ -1526,9 +1555,9 @@ attn_prefill_f32_rows(const float *q, int q_stride, const KV *k_cache, const KV 
         }
         __syncthreads();
     }
-    for (int idx = threadIdx.x; idx < nq * HD; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < tile.nq * HD; idx += blockDim.x) {
         int r = idx / HD, d = idx % HD;
-        act_put(out, (size_t)(sq.row + i0 + r) * n_heads * HD + (size_t)h * HD + d,
+        act_put(out, (size_t)(tile.sq.row + i0 + r) * n_heads * HD + (size_t)tile.h * HD + d,
                 os[r][d] / l_s[r], out_bf16);
     }
 }
@@ -1602,18 +1631,13 @@ __global__ void __launch_bounds__(128)
     __shared__ __align__(16) uint16_t vs[BK * LD];
 
     int si = tiles[2 * blockIdx.x], i0 = tiles[2 * blockIdx.x + 1];
-    tdm_cuk_seq sq = seqs[si];
-    int h = blockIdx.y;
-    int kvh = h / (n_heads / n_kv_heads);
-    int nq = sq.n_tokens - i0 < BQ ? sq.n_tokens - i0 : BQ;
-    int q_pos0 = sq.start_pos + i0; // position of the tile's first query
-    int kv_end = q_pos0 + nq;       // keys [0, kv_end) are visible to some row
-    const int32_t *bt = block_tables + (size_t)si * bt_stride;
+    const prefill_tile tile =
+        prefill_tile_of(seqs, block_tables, bt_stride, si, i0, BQ, n_heads, n_kv_heads);
     int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, g = lane / 4, t = lane % 4;
     int rw = warp * 16;               // the warp's first row in the tile
     int rr[2] = {rw + g, rw + g + 8}; // this lane's two rows (c0/c1 and c2/c3)
-    bool idle = rw >= nq;             // warp-uniform: no row of the warp is real
-    int last_pos = q_pos0 + (rw + 15 < nq ? rw + 15 : nq - 1); // the warp's last row
+    bool idle = rw >= tile.nq;        // warp-uniform: no row of the warp is real
+    int last_pos = tile.q_pos0 + (rw + 15 < tile.nq ? rw + 15 : tile.nq - 1); // the warp's last row
 
     uint32_t qa[KS][4];
     TDM_CUK_UNROLL
@@ -1621,8 +1645,9 @@ __global__ void __launch_bounds__(128)
         TDM_CUK_UNROLL
         for (int f = 0; f < 4; f++) {
             int r = rr[f % 2], d = kk * 16 + 2 * t + (f / 2) * 8;
-            const float *qr = q + (size_t)(sq.row + i0 + r) * q_stride + (size_t)h * HD + d;
-            qa[kk][f] = r < nq ? bf16x2(qr[0], qr[1]) : 0u;
+            const float *qr =
+                q + (size_t)(tile.sq.row + i0 + r) * q_stride + (size_t)tile.h * HD + d;
+            qa[kk][f] = r < tile.nq ? bf16x2(qr[0], qr[1]) : 0u;
         }
     }
     float o[DT][4];
@@ -1631,15 +1656,17 @@ __global__ void __launch_bounds__(128)
         o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
-    for (int k0 = 0; k0 < kv_end; k0 += BK) {
-        int nk = kv_end - k0 < BK ? kv_end - k0 : BK;
+    for (int k0 = 0; k0 < tile.kv_end; k0 += BK) {
+        int nk = tile.kv_end - k0 < BK ? tile.kv_end - k0 : BK;
         __syncthreads(); // every warp is done with the previous tile
         for (int idx = (int)threadIdx.x; idx < BK * (HD / 8); idx += (int)blockDim.x) {
             int j = idx / (HD / 8), c = idx % (HD / 8);
             uint4 kc = make_uint4(0, 0, 0, 0), vc = make_uint4(0, 0, 0, 0);
             if (j < nk) {
-                kc = ld16(kv_row(k_cache, bt, k0 + j, n_kv_heads, kvh, block_size, HD) + c * 8);
-                vc = ld16(kv_row(v_cache, bt, k0 + j, n_kv_heads, kvh, block_size, HD) + c * 8);
+                kc = ld16(kv_row(k_cache, tile.bt, k0 + j, n_kv_heads, tile.kvh, block_size, HD) +
+                          c * 8);
+                vc = ld16(kv_row(v_cache, tile.bt, k0 + j, n_kv_heads, tile.kvh, block_size, HD) +
+                          c * 8);
             }
             st16(&ks[j * LD + c * 8], kc);
             st16(&vs[j * LD + c * 8], vc);
@@ -1672,7 +1699,7 @@ __global__ void __launch_bounds__(128)
             TDM_CUK_UNROLL
             for (int e = 0; e < 4; e++) {
                 int r = rr[e / 2], key = k0 + nt * 8 + 2 * t + e % 2;
-                float v = r < nq && key <= q_pos0 + r ? sc[nt][e] * scale : -INFINITY;
+                float v = r < tile.nq && key <= tile.q_pos0 + r ? sc[nt][e] * scale : -INFINITY;
                 sc[nt][e] = v;
                 mx[e / 2] = fmaxf(mx[e / 2], v);
             }
@@ -1738,10 +1765,10 @@ __global__ void __launch_bounds__(128)
         TDM_CUK_UNROLL
         for (int e = 0; e < 4; e++) {
             int r = rr[e / 2];
-            if (r < nq)
+            if (r < tile.nq)
                 act_put(out,
-                        (size_t)(sq.row + i0 + r) * n_heads * HD + (size_t)h * HD + dt * 8 + 2 * t +
-                            e % 2,
+                        (size_t)(tile.sq.row + i0 + r) * n_heads * HD + (size_t)tile.h * HD +
+                            dt * 8 + 2 * t + e % 2,
                         o[dt][e] / l[e / 2], out_bf16);
         }
     }

@@ -600,6 +600,23 @@ struct attn_case {
     enum tdm_cuk_kv_type kv_type;
 };
 
+// The CPU's KV pool of the case's shape: num_layers layers of num_blocks
+// blocks of block_size tokens (uninitialised: each test fills what it reads).
+static struct tdm_kv_cache *attn_pool(const struct attn_case *c, int num_layers, int block_size,
+                                      int num_blocks)
+{
+    struct tdm_kv_config cfg = {.num_layers = num_layers,
+                                .num_kv_heads = c->n_kv_heads,
+                                .head_dim = c->hd,
+                                .block_size = block_size,
+                                .num_blocks = num_blocks};
+    struct tdm_kv_cache *kv = NULL;
+    char err[256];
+    if (tdm_kv_new(&kv, &cfg, err, sizeof err) != TDM_OK)
+        fail_msg("tdm_kv_new: %s", err);
+    return kv;
+}
+
 // Runs attention for sequences sel[0..ns) of the batch on the device; rows of
 // the selected sequences are packed from row 0; out_host gets [rows][q_dim].
 static void dev_attention(const struct attn_case *c, const float *qkv_host, int qkv_dim,
@@ -678,14 +695,7 @@ static void run_attention_case(const struct attn_case *c)
     int q_dim = c->n_heads * c->hd, kv_dim = c->n_kv_heads * c->hd;
     int qkv_dim = q_dim + 2 * kv_dim;
     bool bf16 = c->kv_type == TDM_CUK_KV_BF16;
-    struct tdm_kv_config cfg = {.num_layers = 2,
-                                .num_kv_heads = c->n_kv_heads,
-                                .head_dim = c->hd,
-                                .block_size = BS,
-                                .num_blocks = NUM_BLOCKS};
-    struct tdm_kv_cache *kv;
-    char err[256];
-    assert_int_equal(tdm_kv_new(&kv, &cfg, err, sizeof err), TDM_OK);
+    struct tdm_kv_cache *kv = attn_pool(c, 2, BS, NUM_BLOCKS);
     size_t layer_floats = (size_t)NUM_BLOCKS * kv_dim * BS;
     // Old KV everywhere (what earlier steps stored), rounded to bf16 for the
     // bf16 case so both sides attend over identical numbers.
@@ -949,14 +959,7 @@ static void run_prefill_mma_case(const struct attn_case *c)
     const int layer = 0;
     int q_dim = c->n_heads * c->hd, kv_dim = c->n_kv_heads * c->hd;
     float scale = 1.0f / sqrtf((float)c->hd);
-    struct tdm_kv_config cfg = {.num_layers = 1,
-                                .num_kv_heads = c->n_kv_heads,
-                                .head_dim = c->hd,
-                                .block_size = BS,
-                                .num_blocks = NUM_BLOCKS};
-    struct tdm_kv_cache *kv;
-    char err[256];
-    assert_int_equal(tdm_kv_new(&kv, &cfg, err, sizeof err), TDM_OK);
+    struct tdm_kv_cache *kv = attn_pool(c, 1, BS, NUM_BLOCKS);
     // The whole pool holds bf16 values (every position the sequences will
     // see is "already stored"): the CPU side attends over the same numbers.
     size_t layer_floats = (size_t)NUM_BLOCKS * kv_dim * BS;
@@ -1304,14 +1307,7 @@ static void run_decode_splits_case(const struct attn_case *c, bool check_fused)
     bool bf16 = c->kv_type == TDM_CUK_KV_BF16;
     int q_dim = c->n_heads * c->hd, kv_dim = c->n_kv_heads * c->hd, qkv_dim = q_dim + 2 * kv_dim;
     size_t elem = bf16 ? 2 : 4, pool_elems = (size_t)DS_BLOCKS * kv_dim * FZ_BS;
-    struct tdm_kv_config cfg = {.num_layers = 1,
-                                .num_kv_heads = c->n_kv_heads,
-                                .head_dim = c->hd,
-                                .block_size = FZ_BS,
-                                .num_blocks = DS_BLOCKS};
-    struct tdm_kv_cache *kv;
-    char err[256];
-    assert_int_equal(tdm_kv_new(&kv, &cfg, err, sizeof err), TDM_OK);
+    struct tdm_kv_cache *kv = attn_pool(c, 1, FZ_BS, DS_BLOCKS);
     // Old KV (bf16-exact for a bf16 pool: both sides attend over the same
     // numbers), the device pool a copy of the CPU's.
     float *hk = tdm_kv_k(kv, layer, 0), *hv = tdm_kv_v(kv, layer, 0);
