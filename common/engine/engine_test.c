@@ -2124,7 +2124,7 @@ static void test_device_spec_verify(void **state)
 {
     (void)state;
     char err[256];
-    struct tdm_model *dm = emu_model();
+    struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
     struct tdm_engine *eng[2] = {NULL, NULL}; // 0: host verification, 1: on the device
     for (int d = 0; d < 2; d++) {
         struct tdm_engine_config c;
