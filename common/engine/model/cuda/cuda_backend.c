@@ -399,8 +399,9 @@ static int download_results(struct tdm_backend *be, int n, const void *const *sr
             fail(be, TDM_EBACKEND, "download: %s", tdm_cuda_dev_errmsg(be->dev));
         off += (bytes[i] + 15) / 16 * 16;
     }
-    if (be->err == TDM_OK)
-        (void)stream_wait(be, "download: %s");
+    // Waited even after a failed copy: nothing may still land in the landing
+    // when the next step grows it.
+    (void)stream_wait(be, "download: %s");
     return take_err(be);
 }
 
