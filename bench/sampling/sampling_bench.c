@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "core.h"
+#include "sample_draw.h"
 #include "sampling.h"
 
 enum { VOCAB = 151936 };
@@ -58,6 +59,43 @@ static void run(const char *name, const struct tdm_sampling_params *p, const flo
     double dt = cpu_now() - t0 - copy;
     printf("%-44s %8.1f us/sample  (checksum %ld)\n", name, dt / iters * 1e6, sum % 1000);
     tdm_sampler_free(s);
+}
+
+// A device draw's host side (tdm_sampler_draw_prepare): the row's parameters
+// and its adjustments, rebuilt every step from the request's history. With a
+// repetition penalty (Qwen2.5's generation_config has 1.1) every token of the
+// prompt is an entry, sent to the device with the row each step.
+static void run_prepare(int prompt_len, int iters)
+{
+    int32_t *prompt = malloc((size_t)prompt_len * sizeof *prompt);
+    struct tdm_draw_adj *adj = malloc((size_t)(prompt_len + 256) * sizeof *adj);
+    if (!prompt || !adj)
+        exit(1);
+    for (int i = 0; i < prompt_len; i++)
+        prompt[i] = (int32_t)(uniform01() * VOCAB);
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.7f;
+    p.top_k = 20;
+    p.top_p = 0.8f;
+    p.repetition_penalty = 1.1f;
+    struct tdm_sampler *s = NULL;
+    if (tdm_sampler_new(&s, &p, VOCAB, prompt, (size_t)prompt_len, NULL, 0) != TDM_OK)
+        exit(1);
+    tdm_sampler_replay(s, prompt, prompt_len < 128 ? (size_t)prompt_len : 128); // 128 generated
+    struct tdm_draw_params d;
+    int n = 0;
+    double t0 = cpu_now();
+    for (int i = 0; i < iters * 10; i++)
+        n = tdm_sampler_draw_prepare(s, &d, adj, prompt_len + 256);
+    double dt = (cpu_now() - t0) / (iters * 10);
+    char name[64];
+    snprintf(name, sizeof name, "draw_prepare, %d-token prompt, rep 1.1", prompt_len);
+    printf("%-44s %8.2f us/row   (%d entries, %.1f KB a row a step)\n", name, dt * 1e6, n,
+           (double)n * sizeof *adj / 1024.0);
+    tdm_sampler_free(s);
+    free(prompt);
+    free(adj);
 }
 
 struct bench_args {
@@ -119,6 +157,8 @@ int main(int argc, char **argv)
     p.top_p = 0.8f;
     p.logprobs = 5;
     run("T=0.7 top_k=20 top_p=0.8 logprobs=5", &p, row, work, iters);
+    run_prepare(128, iters);
+    run_prepare(2000, iters);
     free(row);
     free(work);
     return 0;
