@@ -1598,6 +1598,47 @@ static void test_errors(void **state)
     assert_int_equal(tdm_kv_reserve(kv, &s2, 4), TDM_OK);
     b.block_table = s2.block_table;
     assert_int_equal(tdm_model_forward(m, kv, &b, 1, logits), TDM_OK);
+
+    // Every row drawn (TDM_LOGITS_DRAW_ALL, a speculative step's
+    // verification): greedy draws give each row's argmax of the ALL logits;
+    // a missing token_out, a mask, an adjustment out of the vocabulary or a
+    // CPU model are refused.
+    int vocab = tdm_model_config(m)->vocab_size;
+    float *all = malloc(4 * (size_t)vocab * sizeof(float));
+    assert_non_null(all);
+    struct tdm_batch_seq ba = b;
+    ba.logits = TDM_LOGITS_ALL;
+    assert_int_equal(tdm_model_forward(m, kv, &ba, 1, all), TDM_OK);
+    struct tdm_draw_params dp[4] = {{0}};
+    struct tdm_draw_adj adj[1] = {{.token = vocab, .flags = TDM_DRAW_ADJ_BIAS, .bias = 1.0f}};
+    int32_t tok[4] = {-1, -1, -1, -1};
+    uint32_t allow[1] = {~0u};
+    struct tdm_batch_seq bd = b;
+    bd.logits = TDM_LOGITS_DRAW_ALL;
+    bd.draw = dp;
+    bd.adj = adj;
+    assert_int_equal(tdm_model_forward(m, kv, &bd, 1, NULL), TDM_EINVAL); // no token_out
+    bd.token_out = tok;
+    bd.allow = allow;
+    assert_int_equal(tdm_model_forward(m, kv, &bd, 1, NULL), TDM_EINVAL);
+    bd.allow = NULL;
+    dp[2].n_adj = 1;
+    assert_int_equal(tdm_model_forward(m, kv, &bd, 1, NULL), TDM_EINVAL);
+    dp[2].n_adj = 0;
+    assert_int_equal(tdm_model_forward(m, kv, &bd, 1, NULL), TDM_OK);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(tok[i], argmax(all + (size_t)i * vocab, vocab));
+    struct tdm_model *cpu = load(tiny_dir, "cpu", "bf16");
+    struct tdm_kv_cache *ckv = new_kv(cpu);
+    struct tdm_kv_seq s3;
+    tdm_kv_seq_init(&s3);
+    assert_int_equal(tdm_kv_reserve(ckv, &s3, 4), TDM_OK);
+    bd.block_table = s3.block_table;
+    assert_int_equal(tdm_model_forward(cpu, ckv, &bd, 1, NULL), TDM_EINVAL);
+    tdm_kv_seq_release(ckv, &s3);
+    tdm_kv_free(ckv);
+    tdm_model_free(cpu);
+    free(all);
     tdm_kv_seq_release(host_kv, &s);
     tdm_kv_seq_release(kv, &s2);
     tdm_kv_free(host_kv);
