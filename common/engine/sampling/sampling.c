@@ -64,6 +64,14 @@ struct tdm_sampler {
     uint64_t *out_seen;  // [words] bitmap of output tokens; NULL: no presence/frequency
     uint32_t *out_count; // [vocab_size] occurrences in the output; with out_seen
     size_t words;        // ceil(vocab_size / 64)
+    // The distinct tokens of seen and out_seen, ascending: a device draw's
+    // adjustments (tdm_sampler_draw_prepare) walk them instead of both
+    // bitmaps (V / 64 words each: ~5 us a row a step at Qwen2.5's vocabulary,
+    // whatever the history). toks_lost: growing it ran out of memory once,
+    // and the host samples this request's rows from then on.
+    int32_t *toks;
+    int n_toks, cap_toks;
+    bool toks_lost;
     float *raw;          // [vocab_size] raw logits copy; NULL unless logprobs >= 0
     int32_t *cand;       // [vocab_size] candidate ids; NULL when greedy
     float *weight;       // [vocab_size] top_k's scratch
@@ -182,6 +190,40 @@ static uint64_t entropy_seed(void)
 
 // ---- construction ----------------------------------------------------------------------
 
+static bool in_bitmaps(const struct tdm_sampler *s, int32_t t)
+{
+    uint64_t bit = 1ull << (t & 63);
+    return (s->seen && (s->seen[t >> 6] & bit)) || (s->out_seen && (s->out_seen[t >> 6] & bit));
+}
+
+// Adds t (not yet among them) to the sampler's distinct tokens, in order.
+static void toks_insert(struct tdm_sampler *s, int32_t t)
+{
+    if (s->toks_lost)
+        return;
+    if (s->n_toks == s->cap_toks) {
+        int cap = s->cap_toks ? 2 * s->cap_toks : 256;
+        int32_t *grown = realloc(s->toks, (size_t)cap * sizeof *grown);
+        if (grown == NULL) {
+            s->toks_lost = true;
+            return;
+        }
+        s->toks = grown;
+        s->cap_toks = cap;
+    }
+    int lo = 0, hi = s->n_toks;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (s->toks[mid] < t)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    memmove(s->toks + lo + 1, s->toks + lo, (size_t)(s->n_toks - lo) * sizeof *s->toks);
+    s->toks[lo] = t;
+    s->n_toks++;
+}
+
 int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *p, int vocab_size,
                     const int32_t *prompt, size_t n_prompt, const int32_t *eos_ids, int num_eos)
 {
@@ -246,6 +288,14 @@ int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *
         if (!s->out_seen || !s->out_count)
             goto fail;
     }
+    if (s->seen) {
+        // The prompt's distinct tokens in order (out_seen is empty yet).
+        for (size_t wi = 0; wi < s->words; wi++)
+            for (uint64_t bits = s->seen[wi]; bits; bits &= bits - 1)
+                toks_insert(s, (int32_t)(wi * 64 + (size_t)__builtin_ctzll(bits)));
+        if (s->toks_lost)
+            goto fail;
+    }
     if (p->logprobs >= 0) {
         s->raw = malloc(v * sizeof(float));
         if (!s->raw)
@@ -275,6 +325,7 @@ void tdm_sampler_free(struct tdm_sampler *s)
     free(s->seen);
     free(s->out_seen);
     free(s->out_count);
+    free(s->toks);
     free(s->raw);
     free(s->cand);
     free(s->weight);
@@ -533,6 +584,8 @@ static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm
 static void record(struct tdm_sampler *s, int32_t token)
 {
     s->num_generated++;
+    if ((s->seen || s->out_seen) && !in_bitmaps(s, token))
+        toks_insert(s, token);
     if (s->seen)
         s->seen[token >> 6] |= 1ull << (token & 63);
     if (s->out_seen) {
@@ -587,12 +640,6 @@ static bool plain(const struct tdm_sampler *s)
 bool tdm_sampler_plain_greedy(const struct tdm_sampler *s)
 {
     return s->greedy && plain(s);
-}
-
-static bool in_bitmaps(const struct tdm_sampler *s, int32_t t)
-{
-    uint64_t bit = 1ull << (t & 63);
-    return (s->seen && (s->seen[t >> 6] & bit)) || (s->out_seen && (s->out_seen[t >> 6] & bit));
 }
 
 // Tokens ahead of the history (tdm_sampler_draw_prepare_ahead): those
@@ -669,8 +716,9 @@ int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_
                                    int n_ahead)
 {
     const struct tdm_sampling_params *p = &s->p;
-    if (!s->bias_unique || n_ahead < 0 || n_ahead > TDM_SAMPLER_MAX_AHEAD)
-        return -1; // a repeated bias token adds twice
+    // A repeated bias token adds twice; a lost token list cannot say them.
+    if (!s->bias_unique || s->toks_lost || n_ahead < 0 || n_ahead > TDM_SAMPLER_MAX_AHEAD)
+        return -1;
     // What record() would do with each token ahead: the tokens it would add
     // to a bitmap that has none of them yet, ascending, each once.
     struct ahead ah = {.tok = ahead, .n = n_ahead};
@@ -698,28 +746,18 @@ int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_
                                   .presence = p->presence_penalty,
                                   .logprobs = p->logprobs >= 0,
                                   .top_logprobs = p->logprobs > 0 ? p->logprobs : 0};
-    // The tokens of the bitmaps and the extra ones ahead in ascending order,
-    // then those of the bias and mask lists not among them: apply_penalties'
-    // operations, token by token.
+    // The tokens of the bitmaps (the sampler's distinct tokens) and the extra
+    // ones ahead in ascending order, then those of the bias and mask lists
+    // not among them: apply_penalties' operations, token by token.
     int n = 0, e = 0;
-    for (size_t wi = 0; (s->seen || s->out_seen) && wi <= s->words; wi++) {
-        uint64_t seen = 0, out = 0;
-        if (wi < s->words) {
-            seen = s->seen ? s->seen[wi] : 0;
-            out = s->out_seen ? s->out_seen[wi] : 0;
-        }
-        for (; e < ah.n_extra && (wi == s->words || (size_t)ah.extra[e] < wi * 64); e++) {
+    for (int i = 0; i <= s->n_toks; i++) {
+        int32_t t = i < s->n_toks ? s->toks[i] : INT32_MAX;
+        for (; e < ah.n_extra && ah.extra[e] < t; e++) {
             if (n < cap)
                 adj[n] = ahead_entry(s, &ah, ah.extra[e]);
             n++;
         }
-        for (uint64_t bits = seen | out; bits; bits &= bits - 1) {
-            int32_t t = (int32_t)(wi * 64 + (size_t)__builtin_ctzll(bits));
-            for (; e < ah.n_extra && ah.extra[e] < t; e++) {
-                if (n < cap)
-                    adj[n] = ahead_entry(s, &ah, ah.extra[e]);
-                n++;
-            }
+        if (i < s->n_toks) {
             if (n < cap)
                 adj[n] = ahead_entry(s, &ah, t);
             n++;
