@@ -472,6 +472,47 @@ static void test_not_up_excluded(void **state)
     env_close(&e);
 }
 
+// Prefill workers not up are no candidates either: the decode worker is not
+// sent to them; with none left the route is decode-only.
+static void test_not_up_prefill_excluded(void **state)
+{
+    (void)state;
+    struct env e;
+    env_open(&e, pd_cfg);
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
+    const char *names[3] = {"10.0.0.1:8101", "10.0.0.2:8101", "10.0.0.3:8101"};
+    uint64_t ids[3];
+    for (int i = 0; i < 3; i++) {
+        struct tdm_router_endpoint_view v;
+        assert_int_equal(tdm_router_endpoints_find(eps, names[i], &v), TDM_OK);
+        ids[i] = v.id;
+    }
+    int32_t tokens[64];
+    for (int i = 0; i < 64; i++)
+        tokens[i] = 1000 + i;
+    char err[256];
+    struct tdm_router_route r;
+    tdm_router_endpoints_set_link_down(eps, ids[0], true);
+    tdm_router_endpoints_set_link_down(eps, ids[1], true);
+    for (int k = 0; k < 4; k++) {
+        tokens[0] = 5000 + k; // a cold prompt each time: prefill-decode
+        assert_int_equal(tdm_router_control_route(e.ctl, tokens, 64, NULL, &r, err, sizeof err),
+                         TDM_OK);
+        assert_int_equal(r.decision, TDM_ROUTER_DECISION_PREFILL_DECODE);
+        assert_int_equal(r.n_prefill, 1); // 2 with the ones not up
+        assert_true(r.prefill[0].id == ids[2]);
+        tdm_router_control_route_done(e.ctl, &r, "success");
+    }
+    tdm_router_endpoints_set_link_down(eps, ids[2], true);
+    tokens[0] = 6000;
+    assert_int_equal(tdm_router_control_route(e.ctl, tokens, 64, NULL, &r, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(r.decision, TDM_ROUTER_DECISION_DECODE_ONLY);
+    assert_int_equal(r.n_prefill, 0);
+    tdm_router_control_route_done(e.ctl, &r, "success");
+    env_close(&e);
+}
+
 static void test_reload_under_held_route_and_json(void **state)
 {
     (void)state;
@@ -580,6 +621,7 @@ int main(void)
         cmocka_unit_test(test_entries_and_reroute),
         cmocka_unit_test(test_no_endpoint),
         cmocka_unit_test(test_not_up_excluded),
+        cmocka_unit_test(test_not_up_prefill_excluded),
         cmocka_unit_test(test_reload_under_held_route_and_json),
         cmocka_unit_test(test_start_checks_health),
     };
