@@ -5,13 +5,17 @@ A decode worker started by hand with another control-plane secret and added
 to the router's config is not counted healthy: the router shows it unhealthy
 with reason `auth` (/v1/router/config, tandem:router_endpoint_unhealthy_reason),
 logs one ERROR for it naming TANDEM_INTERNAL_SECRET, never counts a pick for
-it, and every request is served by the stack's own worker. Started again with
+it, and every request is served by the stack's own worker. Stopped, it is not
+up (never heard from, control link down: no candidate). Started again with
 the secret file `tandem up` printed (mode 0600 in a 0700 folder), it is healthy
-and serves. `tandem scale --prefill N --decode M` adds workers (awaited, then
-the router takes them) and removes them (they leave the router's config, then
-drain: streams running there finish whole); bad requests fail with a line
-saying why; the socket and the secret file are gone after the stack stops.
+and serves within seconds, with no failure charged to it. One listed with a
+wrong nng port (its /health answers) is healthy but not up: never routed to.
+`tandem scale --prefill N --decode M` adds workers (awaited, then the router
+takes them) and removes them (they leave the router's config, then drain:
+streams running there finish whole); bad requests fail with a line saying
+why; the socket and the secret file are gone after the stack stops.
 """
+import http.server
 import json
 import os
 import re
@@ -146,29 +150,71 @@ def main():
           "want one ERROR naming TANDEM_INTERNAL_SECRET for %s, got %s" % (name, errors))
     check(health(api) == 200, "router /health not 200 with one good worker")
 
-    # 2. Started again with the stack's secret file: healthy, and it serves.
+    # 2. Stopped, it is not up (never heard from, its control link down): no
+    # candidate, and /v1/router/config says so. Started again with the stack's
+    # secret file: healthy, and it serves.
     hand.terminate()
     hand.wait(30)
+    wait_for("%s not up" % name, lambda: endpoint_state(api).get(name, {}).get("not_up"))
     hand = start_hand_worker(args, model, hp, hn, {"TANDEM_INTERNAL_SECRET_FILE": secret_file})
     wait_for("%s healthy" % name, lambda: endpoint_state(api).get(name, {}).get("healthy"))
     check(endpoint_state(api)[name]["unhealthy_reason"] is None, "reason left after recovery")
-    # Requests until it serves one, for up to 20 s (40 quick requests once all
-    # went to the stack's worker, under ASan on a loaded machine). One at a
-    # time they never overlap, so the router's in-flight count cannot tell the
-    # workers apart (ties go at random); and a route to it before the router
-    # has heard from it, while its control link is still down, fails over and
-    # counts as its failure: those failures can take it out of routing until
-    # its next health check (seen here: unhealthy after 2 requests, ~400 sent
-    # to the stack's worker meanwhile).
-    served, i, deadline = 0, 0, time.time() + 20
-    while not served and time.time() < deadline:
+    # Requests until it serves one, for up to 5 s. One at a time they never
+    # overlap, so the router's in-flight count cannot tell the workers apart
+    # (ties go at random). Until its control link is up or it reports, it is
+    # no candidate, so nothing is sent there to fail over: no failure counts
+    # against it (before, such routes failed over, made it unhealthy until its
+    # next health check and kept it out for seconds: this loop ran up to 20 s).
+    served, i, t0 = 0, 0, time.time()
+    while not served and time.time() < t0 + 5:
         post(api, "/v1/completions", {"model": "tandem-test", "prompt": "again %d" % i,
                                       "max_tokens": 2})
         served = metric_sum(metrics(hp), "vllm:request_success_total")
         i += 1
-    check(served > 0, "the worker with the right secret never served (%d requests in 20 s)" % i)
+    check(served > 0, "the worker with the right secret never served (%d requests in 5 s)" % i)
+    print("recovered worker served after %d request(s), %.2f s" % (i, time.time() - t0))
+    charged = {k: v for k, v in metrics(api).items()
+               if v and 'endpoint="%s"' % name in k and k.split("{")[0] in (
+                   "tandem:router_upstream_errors_total", "tandem:router_endpoint_fallbacks_total",
+                   "tandem:router_retries_total")}
+    check(not charged, "failures charged to the recovered worker: %s" % charged)
     hand.terminate()
     hand.wait(30)
+
+    # 2b. A worker whose nng port is wrong: its /health answers (healthy), but
+    # the router's control link to it never comes up and it never reports: not
+    # up, so never a candidate and nothing charged to it (before, least_loaded
+    # preferred it, unreported and idle; each route there was refused, failed
+    # over and counted as its failure: unhealthy after 3).
+    class HealthOnly(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    hs = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HealthOnly)
+    threading.Thread(target=hs.serve_forever, daemon=True).start()
+    wrong = "127.0.0.1:%d" % hs.server_address[1]
+    add_to_config(cfg_path, hs.server_address[1], free_port())
+    st.proc.send_signal(signal.SIGHUP)
+    wait_for("%s healthy" % wrong, lambda: endpoint_state(api).get(wrong, {}).get("healthy"))
+    wait_for("%s not up" % wrong, lambda: endpoint_state(api).get(wrong, {}).get("not_up"))
+    for i in range(8):
+        s, _, body = post(api, "/v1/completions",
+                          {"model": "tandem-test", "prompt": "wrong port %d" % i, "max_tokens": 2})
+        check(s == 200, "request %d with a wrong-port worker listed: %d %s" % (i, s, body))
+    m = metrics(api)
+    charged = {k: v for k, v in m.items()
+               if v and 'endpoint="%s"' % wrong in k and k.split("{")[0] in (
+                   "tandem:router_endpoint_picks_total", "tandem:router_upstream_errors_total",
+                   "tandem:router_endpoint_fallbacks_total", "tandem:router_retries_total")}
+    check(not charged, "the wrong-port worker was routed to: %s" % charged)
+    ep = endpoint_state(api)[wrong]
+    check(ep["healthy"] is True and ep["not_up"] is True, "wrong-port worker: %s" % ep)
+    hs.shutdown()
 
     # 3. tandem scale: up to 1 prefill + 2 decode workers.
     rc, out, err = scale(args, env, "--port", str(api), "--prefill", "1", "--decode", "2")

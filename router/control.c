@@ -215,8 +215,14 @@ static int route_error(struct tdm_router_control *ctl, int rc, const struct tdm_
 {
     if (rc != TDM_EBUSY)
         return tdm_seterr(err, errlen, rc, "routing failed: %s", tdm_strerror(rc));
-    tdm_seterr(err, errlen, TDM_EBUSY, "no healthy decode endpoint (%zu configured, %zu healthy)%s",
-               held->n_decode, held->n_decode_healthy,
+    char not_up[128] = "";
+    if (held->n_decode_not_up)
+        snprintf(not_up, sizeof not_up,
+                 "; %zu not up yet (never reported, control-plane link down)",
+                 held->n_decode_not_up);
+    tdm_seterr(err, errlen, TDM_EBUSY,
+               "no healthy decode endpoint (%zu configured, %zu healthy)%s%s", held->n_decode,
+               held->n_decode_healthy, not_up,
                held->n_auth_failed ? "; some refuse the router's control-plane handshake: start "
                                      "them with this router's TANDEM_INTERNAL_SECRET"
                                    : "");
@@ -452,6 +458,7 @@ char *tdm_router_control_config_json(struct tdm_router_control *ctl)
             cJSON_AddStringToObject(e, "unhealthy_reason", v[i].unhealthy_reason);
         else
             cJSON_AddNullToObject(e, "unhealthy_reason");
+        cJSON_AddBoolToObject(e, "not_up", v[i].not_up); // healthy or not: no candidate
         cJSON_AddBoolToObject(e, "draining", v[i].draining);
         cJSON_AddBoolToObject(e, "busy", v[i].busy);
         cJSON_AddNumberToObject(e, "inflight", v[i].inflight);

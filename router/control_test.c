@@ -3,9 +3,9 @@
 // held endpoints, prefix recording), the request.prefill_retries cap on the
 // prefill targets and the attempt budget sent with them, the local-prefill
 // fallback count, passive reports, the router metrics they move (rendered
-// through the registry), no-endpoint errors, a reload under a held route, the
-// GET /v1/router/config body, and the registry entries a route, its end and a
-// migration's reroute take (one each).
+// through the registry), no-endpoint errors, workers not up left out, a
+// reload under a held route, the GET /v1/router/config body, and the registry
+// entries a route, its end and a migration's reroute take (one each).
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -383,6 +383,136 @@ static void test_no_endpoint(void **state)
     env_close(&e);
 }
 
+// Routes n times (each done at once); how many went to endpoint id.
+static int routes_to(struct env *e, uint64_t id, int n)
+{
+    int32_t t[4] = {1, 2, 3, 4};
+    char err[256];
+    int hits = 0;
+    for (int i = 0; i < n; i++) {
+        struct tdm_router_route r;
+        if (tdm_router_control_route(e->ctl, t, 4, NULL, &r, err, sizeof err) != TDM_OK)
+            fail_msg("route %d: %s", i, err);
+        hits += r.decode.id == id;
+        tdm_router_control_route_done(e->ctl, &r, "success");
+    }
+    return hits;
+}
+
+static cJSON *state_of(cJSON *config, const char *name)
+{
+    cJSON *st = cJSON_GetObjectItem(config, "endpoints_state");
+    for (int i = 0; i < cJSON_GetArraySize(st); i++) {
+        cJSON *x = cJSON_GetArrayItem(st, i);
+        if (!strcmp(cJSON_GetObjectItem(x, "name")->valuestring, name))
+            return x;
+    }
+    fail_msg("no endpoints_state for %s", name);
+    return NULL;
+}
+
+// A decode worker never heard from whose control link is down (not started
+// yet, restarting, a wrong nng port) is no candidate: round robin over two
+// would take it every other route. Healthy as far as its checks go, it stays
+// so (nothing is charged to it), and GET /v1/router/config says why it is
+// left out. Its link up, or its first report, makes it a candidate at once;
+// when only such workers are left, the route fails as with none (EBUSY,
+// counted no_endpoint) and says why.
+static void test_not_up_excluded(void **state)
+{
+    (void)state;
+    struct env e;
+    env_open(&e, "policy: round_robin\nendpoints: {decode: ['10.0.1.1:8001', '10.0.1.2:8001']}\n");
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
+    struct tdm_router_endpoint_view a, b;
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", &a), TDM_OK);
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.2:8001", &b), TDM_OK);
+    struct tdm_router_load ld = {.running = 1};
+    assert_int_equal(tdm_router_endpoints_set_load(eps, b.id, &ld), TDM_OK);
+    assert_int_equal(routes_to(&e, a.id, 2), 1); // both are candidates
+    tdm_router_endpoints_set_link_down(eps, a.id, true);
+    assert_int_equal(routes_to(&e, a.id, 8), 0);
+    assert_int_equal(tdm_router_endpoints_get(eps, a.id, &a), TDM_OK);
+    assert_true(a.not_up && a.healthy);
+    char *json = tdm_router_control_config_json(e.ctl);
+    cJSON *o = cJSON_Parse(json);
+    assert_true(cJSON_IsTrue(cJSON_GetObjectItem(state_of(o, "10.0.1.1:8001"), "not_up")));
+    assert_true(cJSON_IsTrue(cJSON_GetObjectItem(state_of(o, "10.0.1.1:8001"), "healthy")));
+    assert_true(cJSON_IsFalse(cJSON_GetObjectItem(state_of(o, "10.0.1.2:8001"), "not_up")));
+    cJSON_Delete(o);
+    free(json);
+    // A link down says nothing against one the router has heard from.
+    tdm_router_endpoints_set_link_down(eps, b.id, true);
+    assert_int_equal(routes_to(&e, b.id, 2), 2);
+    // Only a worker not up left: no route, saying why; nothing held.
+    tdm_router_endpoints_set_healthy(eps, b.id, false);
+    int32_t t[4] = {1, 2, 3, 4};
+    char err[256];
+    struct tdm_router_route r;
+    assert_int_equal(tdm_router_control_route(e.ctl, t, 4, NULL, &r, err, sizeof err), TDM_EBUSY);
+    assert_string_equal(err, "no healthy decode endpoint (2 configured, 1 healthy); 1 not up yet "
+                             "(never reported, control-plane link down)");
+    assert_null(r.cfg);
+    assert_int_equal(inflight_of(&e, a.id), 0);
+    char *m = render(&e);
+    expect_line(m, "tandem:router_requests_total{status=\"no_endpoint\"} 1");
+    free(m);
+    // Its link up: a candidate at once.
+    tdm_router_endpoints_set_healthy(eps, b.id, true);
+    tdm_router_endpoints_set_link_down(eps, a.id, false);
+    assert_int_equal(routes_to(&e, a.id, 2), 1);
+    // Down again, then its first report: a candidate at once, link or not.
+    tdm_router_endpoints_set_link_down(eps, a.id, true);
+    assert_int_equal(routes_to(&e, a.id, 2), 0);
+    struct tdm_router_report rep = {.instance = 0xA};
+    assert_int_equal(tdm_router_endpoints_on_report(eps, a.id, &rep, NULL, NULL), TDM_OK);
+    assert_int_equal(routes_to(&e, a.id, 2), 1);
+    assert_int_equal(tdm_router_endpoints_get(eps, a.id, &a), TDM_OK);
+    assert_true(!a.not_up && a.healthy);
+    env_close(&e);
+}
+
+// Prefill workers not up are no candidates either: the decode worker is not
+// sent to them; with none left the route is decode-only.
+static void test_not_up_prefill_excluded(void **state)
+{
+    (void)state;
+    struct env e;
+    env_open(&e, pd_cfg);
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
+    const char *names[3] = {"10.0.0.1:8101", "10.0.0.2:8101", "10.0.0.3:8101"};
+    uint64_t ids[3];
+    for (int i = 0; i < 3; i++) {
+        struct tdm_router_endpoint_view v;
+        assert_int_equal(tdm_router_endpoints_find(eps, names[i], &v), TDM_OK);
+        ids[i] = v.id;
+    }
+    int32_t tokens[64];
+    for (int i = 0; i < 64; i++)
+        tokens[i] = 1000 + i;
+    char err[256];
+    struct tdm_router_route r;
+    tdm_router_endpoints_set_link_down(eps, ids[0], true);
+    tdm_router_endpoints_set_link_down(eps, ids[1], true);
+    for (int k = 0; k < 4; k++) {
+        tokens[0] = 5000 + k; // a cold prompt each time: prefill-decode
+        assert_int_equal(tdm_router_control_route(e.ctl, tokens, 64, NULL, &r, err, sizeof err),
+                         TDM_OK);
+        assert_int_equal(r.decision, TDM_ROUTER_DECISION_PREFILL_DECODE);
+        assert_int_equal(r.n_prefill, 1); // 2 with the ones not up
+        assert_true(r.prefill[0].id == ids[2]);
+        tdm_router_control_route_done(e.ctl, &r, "success");
+    }
+    tdm_router_endpoints_set_link_down(eps, ids[2], true);
+    tokens[0] = 6000;
+    assert_int_equal(tdm_router_control_route(e.ctl, tokens, 64, NULL, &r, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(r.decision, TDM_ROUTER_DECISION_DECODE_ONLY);
+    assert_int_equal(r.n_prefill, 0);
+    tdm_router_control_route_done(e.ctl, &r, "success");
+    env_close(&e);
+}
+
 static void test_reload_under_held_route_and_json(void **state)
 {
     (void)state;
@@ -490,6 +620,8 @@ int main(void)
         cmocka_unit_test(test_route_avoiding),
         cmocka_unit_test(test_entries_and_reroute),
         cmocka_unit_test(test_no_endpoint),
+        cmocka_unit_test(test_not_up_excluded),
+        cmocka_unit_test(test_not_up_prefill_excluded),
         cmocka_unit_test(test_reload_under_held_route_and_json),
         cmocka_unit_test(test_start_checks_health),
     };

@@ -236,6 +236,7 @@ struct endpoint {
     bool busy;        // its last active check timed out while its load reports stayed fresh
     bool auth_failed; // its nng inbox refuses the router's control-plane handshake
     bool auth_logged; // the ERROR about it was logged (once until the handshake passes)
+    bool link_down;   // the load poller's link to its inbox is down (set_link_down)
     int fails, succs; // consecutive failed / successful checks
     uint64_t health_epoch;
     int inflight;          // requests held (acquire .. release)
@@ -1014,6 +1015,7 @@ static void fill_view(const struct tdm_router_endpoints *reg, const struct endpo
     v->load_age_seconds = e->has_load ? now - e->load_at : -1.0;
     v->load_stale = !e->has_load || v->load_age_seconds > reg->cfg->load_stale_seconds;
     v->heard_at = e->has_load ? e->load_at : 0;
+    v->not_up = tdm_router_endpoint_not_up(v->heard_at, e->link_down);
 }
 
 // The snapshot of tdm_router_endpoints_snapshot (under mu). TDM_ENOMEM.
@@ -1092,6 +1094,11 @@ int tdm_router_endpoints_find(struct tdm_router_endpoints *reg, const char *name
         fill_view(reg, e, tdm_now(), out);
     pthread_mutex_unlock(&reg->mu);
     return e ? TDM_OK : TDM_ENOTFOUND;
+}
+
+bool tdm_router_endpoint_not_up(double heard_at, bool link_down)
+{
+    return heard_at == 0 && link_down;
 }
 
 static size_t count_auth_failed_locked(const struct tdm_router_endpoints *reg)
@@ -1270,6 +1277,10 @@ int tdm_router_endpoints_attempt_begin(struct tdm_router_endpoints *reg,
         held->decode = held->prefill = SIZE_MAX;
         count_locked(reg, true, &held->n_decode, &held->n_decode_healthy);
         held->n_auth_failed = count_auth_failed_locked(reg);
+        for (size_t i = 0; i < snap->n; i++) {
+            const struct tdm_router_endpoint_view *v = &snap->eps[i];
+            held->n_decode_not_up += v->healthy && v->not_up && tdm_router_role_can_decode(v->role);
+        }
     }
     pthread_mutex_unlock(&reg->mu);
     return rc;
@@ -1455,6 +1466,15 @@ void tdm_router_endpoints_set_auth(struct tdm_router_endpoints *reg, uint64_t id
         reg->health_due = true;
     }
     publish_health(reg, e);
+    pthread_mutex_unlock(&reg->mu);
+}
+
+void tdm_router_endpoints_set_link_down(struct tdm_router_endpoints *reg, uint64_t id, bool down)
+{
+    reg_lock(reg, ENTRY_OTHER);
+    struct endpoint *e = find_by_id(reg, id);
+    if (e)
+        e->link_down = down;
     pthread_mutex_unlock(&reg->mu);
 }
 

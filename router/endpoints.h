@@ -99,8 +99,20 @@ struct tdm_router_endpoint_view {
     bool load_stale;             // no report, or older than load_stale_seconds
     double load_age_seconds;     // seconds since the report (< 0: never)
     double heard_at;             // tdm_now() when the report arrived (0: never); liveness
+    bool not_up;                 // tdm_router_endpoint_not_up: never reported and the load
+                                 // poller's link to its inbox is down (not started yet,
+                                 // restarting, a wrong nng port): no policy picks it, and
+                                 // nothing counts against its health for that
     int prefix_match_blocks;     // leading request blocks this endpoint is believed to cache
 };
+
+// The one test of whether the router can route to a worker at all: false when
+// it was never heard from (heard_at == 0: no load report) while the router's
+// control-plane link to its inbox is down (link_down). Such a worker is no
+// candidate (the view's not_up; policy.h) until the link is up or it reports,
+// as llm-d's EPP routes only to endpoints it considers ready; one it has heard
+// from and lost is judged by its health and liveness instead.
+bool tdm_router_endpoint_not_up(double heard_at, bool link_down);
 
 // What a policy scores: endpoints in registry order (stable: by id).
 struct tdm_router_snapshot {
@@ -204,8 +216,9 @@ struct tdm_router_held {
     // When the pick found nothing (TDM_EBUSY), for the error: decode-capable
     // endpoints not draining, how many of those are healthy, and endpoints (not
     // draining, any role) refusing the router's handshake; as
-    // tdm_router_endpoints_count and _count_auth_failed.
-    size_t n_decode, n_decode_healthy, n_auth_failed;
+    // tdm_router_endpoints_count and _count_auth_failed; and of the healthy
+    // decode-capable ones, those not up (the view's not_up).
+    size_t n_decode, n_decode_healthy, n_auth_failed, n_decode_not_up;
 };
 
 // The caller's pick on the copied snapshot: sets held->decode (and
@@ -354,6 +367,14 @@ void tdm_router_endpoints_set_seed(struct tdm_router_endpoints *reg, uint64_t se
 // why: the transport's reason, or what changed.
 void tdm_router_endpoints_set_auth(struct tdm_router_endpoints *reg, uint64_t id, bool failed,
                                    const char *why);
+
+// The load poller's link to the endpoint's inbox (its outbox,
+// tdm_net_link_state): down = not connected (refused, unreachable, lost).
+// With no report from it yet, a down link makes the endpoint not up (the
+// view's not_up: no candidate) until the link is up or a report arrives; the
+// poller sets it every round, so it lags the link by at most one load interval.
+// An endpoint starts with its link not known down.
+void tdm_router_endpoints_set_link_down(struct tdm_router_endpoints *reg, uint64_t id, bool down);
 
 // For tests: marks an endpoint healthy/unhealthy directly.
 void tdm_router_endpoints_set_healthy(struct tdm_router_endpoints *reg, uint64_t id, bool healthy);

@@ -2,8 +2,9 @@
 // Tests of the endpoint registry: block hashes equal the KV cache's, DNS
 // discovery through a fake resolver (addresses added, vanished ones drained
 // after their in-flight requests), config reloads of the static list, load
-// staleness, reports (liveness, restarts, KV event batches), the prefix index
-// (routing records, KV events, LRU capacity), an attempt's two lock entries
+// staleness, not up (never reported, link down), reports (liveness, restarts,
+// KV event batches), the prefix index (routing records, KV events, LRU
+// capacity), an attempt's two lock entries
 // (what begin holds, records and hands back; what end reports and releases; a
 // replaced attempt's report before the pick and release after the hold),
 // least_loaded spreading a burst between two reports (requests held since a
@@ -303,6 +304,42 @@ static void test_load_staleness(void **state)
     assert_true(snap.seq == seq0 + 1); // round robin position advances per snapshot
     tdm_router_snapshot_free(&snap);
     tdm_router_snapshot_free(NULL);
+    tdm_router_endpoints_free(reg);
+    tdm_router_config_unref(cfg);
+}
+
+// Not up = never reported while the poller's link is down: a new endpoint
+// is not (its link not known down), a down link makes it so, a link up or a
+// report ends it, and a link down after a report does not bring it back.
+static void test_not_up(void **state)
+{
+    (void)state;
+    assert_true(tdm_router_endpoint_not_up(0, true));
+    assert_false(tdm_router_endpoint_not_up(0, false));
+    assert_false(tdm_router_endpoint_not_up(12.5, true));
+    struct tdm_router_config *cfg =
+        cfg_of("policy: round_robin\nendpoints: {decode: ['10.0.0.1:8001']}\n");
+    struct tdm_router_endpoints *reg = reg_of(cfg);
+    struct tdm_router_endpoint_view v;
+    assert_true(find(reg, "10.0.0.1:8001", &v));
+    assert_false(v.not_up);
+    tdm_router_endpoints_set_link_down(reg, v.id, true);
+    tdm_router_endpoints_set_link_down(reg, 999, true); // unknown: ignored
+    assert_true(find(reg, "10.0.0.1:8001", &v));
+    assert_true(v.not_up);
+    assert_true(v.healthy); // nothing against its health
+    tdm_router_endpoints_set_link_down(reg, v.id, false);
+    assert_true(find(reg, "10.0.0.1:8001", &v));
+    assert_false(v.not_up);
+    tdm_router_endpoints_set_link_down(reg, v.id, true);
+    struct tdm_router_snapshot snap;
+    assert_int_equal(tdm_router_endpoints_snapshot(reg, NULL, 0, &snap), TDM_OK);
+    assert_true(snap.eps[0].not_up);
+    tdm_router_snapshot_free(&snap);
+    struct tdm_router_report rep = {.instance = 7};
+    assert_int_equal(tdm_router_endpoints_on_report(reg, v.id, &rep, NULL, NULL), TDM_OK);
+    assert_true(find(reg, "10.0.0.1:8001", &v));
+    assert_false(v.not_up); // heard from: its liveness judges it now
     tdm_router_endpoints_free(reg);
     tdm_router_config_unref(cfg);
 }
@@ -1096,6 +1133,7 @@ int main(void)
         cmocka_unit_test(test_dns_background_thread),
         cmocka_unit_test(test_apply_config),
         cmocka_unit_test(test_load_staleness),
+        cmocka_unit_test(test_not_up),
         cmocka_unit_test(test_prefix_index),
         cmocka_unit_test(test_on_report),
         cmocka_unit_test(test_health_timeout_busy),

@@ -603,14 +603,16 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
     router_nng_url_of(k->route.decode.host, k->route.decode.nng_port, k->decode_url,
                       sizeof k->decode_url);
     // Known dead, so no send timeout to wait for: stale reports and no
-    // connection, or never heard from while the load poller's own dials to it
-    // fail (a worker not started yet, a wrong nng port). Its liveness and load
-    // are the route's (the snapshot it was picked on): no registry entry here.
+    // connection, or not up (never heard from while the load poller's own
+    // dials to it fail: a worker not started yet, a wrong nng port). A worker
+    // not up is no candidate (policy.h), so that is only a link that went down
+    // since the poller's last round. Its liveness and load are the route's
+    // (the snapshot it was picked on): no registry entry here.
     double last = k->route.decode.heard_at;
     bool stale = last > 0 && tdm_now() - last > s->o.liveness_timeout &&
                  !tdm_net_connected(s->outbox, k->decode_url);
-    bool never_up = last == 0 &&
-                    tdm_net_link_state(s->poll_outbox, k->decode_url, NULL, 0) == TDM_NET_LINK_DOWN;
+    bool never_up = tdm_router_endpoint_not_up(
+        last, tdm_net_link_state(s->poll_outbox, k->decode_url, NULL, 0) == TDM_NET_LINK_DOWN);
     if (stale || never_up) {
         snprintf(err, errlen, "decode worker %s is not answering", k->route.decode.name);
         return TDM_ROUTER_ATTEMPT_UNREACHABLE;

@@ -16,21 +16,24 @@
 // Routing is deterministic: --policy round_robin over the --decode list of a
 // fresh router. Its k-th pick (k from 0: the registry's pick sequence) takes
 // candidate k mod the number of candidates, the candidates being the
-// endpoints listed that have not failed the request yet, in list order: so
-// with A, B the first pick is A and a retry goes to B; with A, B, C, D the
-// picks are A, then C (of B, C, D), then B (of B, D).
+// endpoints listed that are up (endpoints.h, not_up) and have not failed the
+// request yet, in list order: so with A, B the first pick is A and a retry
+// goes to B; with A, B, C, D the picks are A, then C (of B, C, D), then B (of
+// B, D).
 //
 // Cases: a plain completion (text and usage the tokens imply); an unreachable
-// decode worker and a busy one each retried on the next (one retry counted);
-// three failures of three kinds answered with the last worker's 503 error
-// body while a fourth healthy worker is never tried (3 routes in all); a
+// decode worker (never heard from, nothing on its nng port) is no candidate:
+// never tried, nothing counted against it, a candidate again once it listens,
+// and alone it gets the no-route 503; a busy one retried on the next (one
+// retry counted); three failures answered with the last worker's 503 error
+// body while a healthy worker is never tried (3 routes in all); a
 // stream whose worker goes silent mid-stream, migrated (every token once, in
 // order; the second worker got the first one's tokens as resume_tokens; one
 // migration counted) or, with --no-stream-migration, ended with an error event.
 // Each case also counts the request's entries into the endpoint registry's
 // lock (issue 27: one to route, one to give the route back, per attempt; a
 // migration's reroute is one): 2 for a plain completion or stream (8 before),
-// 4 for one retry (14 and 15 before), 6 for the spent budget (21), 3 and 4 for
+// 4 for one retry (14 and 15 before), 1 for no route, 6 for the spent budget (21), 3 and 4 for
 // one and two migrations (14 and 20), not counting the liveness checks of a
 // stream that heard nothing for a wait (one entry each, 2 before; timing
 // decides how many, so they are counted apart).
@@ -63,7 +66,7 @@
 #include "tokenizer.h"
 #include "transport.h"
 
-#define MAX_FAKES 4
+#define MAX_FAKES 5
 #define MAX_TOKENS 64
 
 static char model_dir[] = "/tmp/tdm_router_call_XXXXXX";
@@ -250,6 +253,22 @@ static void fake_start(struct fake *f, enum fake_mode mode, int die_after)
     assert_int_equal(tdm_net_inbox_new(&f->inbox, "tcp://127.0.0.1:0", err, sizeof err), TDM_OK);
     const char *url = tdm_net_inbox_url(f->inbox);
     f->nng_port = atoi(strrchr(url, ':') + 1);
+    tdm_net_inbox_handle_on_readers(f->inbox, fake_on_frame, f);
+}
+
+// An unreachable fake starts listening on its nng port and answers from now on
+// (a worker that was not up yet).
+static void fake_come_up(struct fake *f)
+{
+    assert_int_equal(f->mode, FAKE_UNREACHABLE);
+    char err[256], url[64];
+    close(f->hold_fd);
+    f->hold_fd = -1;
+    f->mode = FAKE_ANSWER;
+    snprintf(url, sizeof url, "tcp://127.0.0.1:%d", f->nng_port);
+    assert_int_equal(tdm_net_outbox_new(&f->outbox, 50, err, sizeof err), TDM_OK);
+    if (tdm_net_inbox_new(&f->inbox, url, err, sizeof err) != TDM_OK)
+        fail_msg("fake inbox on %s: %s", url, err);
     tdm_net_inbox_handle_on_readers(f->inbox, fake_on_frame, f);
 }
 
@@ -478,29 +497,104 @@ static void test_plain_completion(void **state)
     assert_true(metric("tandem:router_retries_total") == 0);
 }
 
-// The first decode worker listed cannot be reached: the request is routed
-// to the second, which answers; one retry, counted against the first. The
-// router never heard from the first and its load poller's dials to it fail,
-// so the attempt is given up at once, not after the 1 s send timeout (by then
-// the rig has seen three load-query rounds: the poller dialed it).
-static void test_unreachable_retried(void **state)
+// Whether the router holds fake i as not up (never heard from, its load
+// poller's link down: no candidate), waiting up to 5 s for it to be `want`.
+static void wait_not_up(int i, bool want)
+{
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", rig.fakes[i].http_port);
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(rig.router->ctl);
+    struct tdm_router_endpoint_view v;
+    double until = tdm_now() + 5.0;
+    for (;;) {
+        assert_int_equal(tdm_router_endpoints_find(eps, name, &v), TDM_OK);
+        if (v.not_up == want)
+            return;
+        if (tdm_now() > until)
+            fail_msg("fake %d: not_up stayed %d", i, v.not_up);
+        sleep_ms(5);
+    }
+}
+
+static bool fake_healthy(int i)
+{
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", rig.fakes[i].http_port);
+    struct tdm_router_endpoint_view v;
+    assert_int_equal(
+        tdm_router_endpoints_find(tdm_router_control_endpoints(rig.router->ctl), name, &v), TDM_OK);
+    return v.healthy;
+}
+
+// The first decode worker listed cannot be reached: the router never heard
+// from it and its load poller's dials to it fail, so it is no candidate.
+// Every request goes to the second at once: no retry, no fallback, no
+// upstream error, nothing counted against the first's health (before, every
+// other route went to it, was refused and failed over, and three such
+// refusals made it unhealthy). Once it listens it is a candidate again and
+// takes its share.
+static void test_not_up_not_a_candidate(void **state)
 {
     (void)state;
     const enum fake_mode modes[] = {FAKE_UNREACHABLE, FAKE_ANSWER};
     rig_start(2, modes, 0, true);
+    wait_not_up(0, true);
+    uint64_t before = lock_entries().request;
+    for (int i = 0; i < 4; i++) {
+        char *r = post(rig.port, "/v1/completions", completion_body);
+        assert_completion(r, 8);
+        free(r);
+    }
+    assert_int_equal(lock_entries().request - before, 8); // 4 requests of 1 attempt of 2
+    struct fake *ok = &rig.fakes[1];
+    assert_int_equal(fake_count(ok, &ok->n_generates), 4);
+    assert_true(metric("tandem:router_retries_total") == 0);
+    assert_true(metric("tandem:router_endpoint_fallbacks_total") == 0);
+    assert_true(metric("tandem:router_upstream_errors_total") == 0);
+    assert_true(fake_healthy(0));
+
+    fake_come_up(&rig.fakes[0]);
+    wait_not_up(0, false);
+    for (int i = 0; i < 2; i++) { // round robin over both again
+        char *r = post(rig.port, "/v1/completions", completion_body);
+        assert_completion(r, 8);
+        free(r);
+    }
+    assert_int_equal(fake_count(&rig.fakes[0], &rig.fakes[0].n_generates), 1);
+    assert_int_equal(fake_count(ok, &ok->n_generates), 5);
+    assert_true(metric("tandem:router_retries_total") == 0);
+    assert_true(metric("tandem:router_upstream_errors_total") == 0);
+}
+
+// The only decode worker is not up: the request gets the no-route answer
+// (503, OpenAI error body saying why) at once, in one registry entry, with
+// no send timeout waited for and nothing counted against the worker.
+static void test_none_up_no_route(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_UNREACHABLE};
+    rig_start(1, modes, 0, true);
+    wait_not_up(0, true);
     uint64_t before = lock_entries().request;
     double t0 = tdm_now();
     char *r = post(rig.port, "/v1/completions", completion_body);
     double took = tdm_now() - t0;
-    assert_completion(r, 8);
+    if (status_of(r) != 503)
+        fail_msg("expected 503, got: %s", r);
+    assert_oai_error(r, 503, "ServiceUnavailableError");
+    cJSON *j = cJSON_Parse(body_of(r));
+    const char *msg = cJSON_GetObjectItem(cJSON_GetObjectItem(j, "error"), "message")->valuestring;
+    if (!strstr(msg, "no healthy decode endpoint (1 configured, 1 healthy); 1 not up yet"))
+        fail_msg("message: %s", msg);
+    cJSON_Delete(j);
     free(r);
-    assert_int_equal(lock_entries().request - before, 4); // 2 attempts of 2 (14 before)
     if (took >= 0.9) // the send timeout is 1.0 s
-        fail_msg("the unreachable worker was tried for %.2f s", took);
-    struct fake *ok = &rig.fakes[1];
-    assert_int_equal(fake_count(ok, &ok->n_generates), 1);
-    assert_true(metric("tandem:router_retries_total") == 1);
-    assert_true(metric("tandem:router_stream_migrations_total") == 0);
+        fail_msg("the request took %.2f s", took);
+    assert_int_equal(lock_entries().request - before, 1); // the failed route alone
+    assert_true(metric("tandem:router_requests_total{status=\"no_endpoint\"}") == 1);
+    assert_true(metric("tandem:router_upstream_errors_total") == 0);
+    assert_true(metric("tandem:router_endpoint_fallbacks_total") == 0);
+    assert_true(fake_healthy(0));
 }
 
 // The first refuses as busy before any token: retried on the second, the
@@ -520,15 +614,18 @@ static void test_busy_retried(void **state)
     assert_true(metric("tandem:router_retries_total") == 1);
 }
 
-// Unreachable, then refused (closing), then busy (the picks A, C, B): the
-// budget's 3 routes are spent and the client gets the last worker's answer
-// (503, OpenAI error body, its message) while the fourth, healthy worker is
-// never tried.
+// Refused (closing), refused again, then busy (the picks B, D, C of the
+// candidates B, C, D, E: A is not up, so no candidate): the budget's 3 routes
+// are spent and the client gets the last worker's answer (503, OpenAI error
+// body, its message) while the fifth, healthy worker and the unreachable
+// first are never tried.
 static void test_budget_spent(void **state)
 {
     (void)state;
-    const enum fake_mode modes[] = {FAKE_UNREACHABLE, FAKE_BUSY, FAKE_REFUSE, FAKE_ANSWER};
-    rig_start(4, modes, 0, true);
+    const enum fake_mode modes[] = {FAKE_UNREACHABLE, FAKE_REFUSE, FAKE_BUSY, FAKE_REFUSE,
+                                    FAKE_ANSWER};
+    rig_start(5, modes, 0, true);
+    wait_not_up(0, true);
     uint64_t before = lock_entries().request;
     char *r = post(rig.port, "/v1/completions", completion_body);
     assert_int_equal(lock_entries().request - before, 6); // 3 attempts of 2 (21 before)
@@ -540,9 +637,9 @@ static void test_budget_spent(void **state)
     assert_non_null(strstr(msg, "fake: the waiting queue is full"));
     cJSON_Delete(j);
     free(r);
-    assert_int_equal(fake_count(&rig.fakes[1], &rig.fakes[1].n_generates), 1);
-    assert_int_equal(fake_count(&rig.fakes[2], &rig.fakes[2].n_generates), 1);
-    assert_int_equal(fake_count(&rig.fakes[3], &rig.fakes[3].n_generates), 0);
+    for (int i = 1; i <= 3; i++)
+        assert_int_equal(fake_count(&rig.fakes[i], &rig.fakes[i].n_generates), 1);
+    assert_int_equal(fake_count(&rig.fakes[4], &rig.fakes[4].n_generates), 0);
     // The first two were retried away from; the third ended the budget.
     assert_true(metric("tandem:router_retries_total") == 2);
 }
@@ -784,7 +881,8 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_plain_completion, rig_stop),
-        cmocka_unit_test_teardown(test_unreachable_retried, rig_stop),
+        cmocka_unit_test_teardown(test_not_up_not_a_candidate, rig_stop),
+        cmocka_unit_test_teardown(test_none_up_no_route, rig_stop),
         cmocka_unit_test_teardown(test_busy_retried, rig_stop),
         cmocka_unit_test_teardown(test_budget_spent, rig_stop),
         cmocka_unit_test_teardown(test_plain_stream, rig_stop),

@@ -165,6 +165,11 @@ void *router_poll_main(void *arg)
                     link == TDM_NET_LINK_AUTH ? why
                     : link == TDM_NET_LINK_UP ? "the handshake passes"
                                               : "its inbox is not reachable");
+            // Its link down before it ever reported: not up, no candidate
+            // (endpoints.h, tdm_router_endpoint_not_up); unknown = not dialed yet.
+            if (link != TDM_NET_LINK_UNKNOWN)
+                tdm_router_endpoints_set_link_down(tdm_router_control_endpoints(s->ctl),
+                                                   views[i].id, link == TDM_NET_LINK_DOWN);
             // Asked, delivered or not (a dead worker's connection is refused):
             // what liveness counts is that the router was running to ask.
             tdm_router_endpoints_note_query(tdm_router_control_endpoints(s->ctl), views[i].id,
