@@ -509,8 +509,9 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
         (n_lp > 0 &&
          cuda_upload(be, d_lp_rows, be->h_lp_rows, (size_t)n_lp * sizeof(int32_t)) != TDM_OK))
         return take_err(be);
-    launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->sadj.p, be->smask.p,
-                                         be->am_ids.p, d_lp_rows, n_lp, d_lp, be->am_part.p));
+    launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, params, be->sadj.p,
+                                         be->smask.p, be->am_ids.p, d_lp_rows, n_lp, d_lp,
+                                         be->am_part.p));
     if (be->err != TDM_OK)
         return take_err(be);
     int rc = cuda_download(be, ids, be->am_ids.p, (size_t)n * sizeof(int32_t));
