@@ -112,6 +112,16 @@ static void *dev_zeros(size_t bytes)
     return d;
 }
 
+// Scratch as a kernel may find it: what the last user left (here 0xA5 bytes),
+// never zeroed for it.
+static void *dev_garbage(size_t bytes)
+{
+    void *d = tdm_cuda_dev_alloc(dev, bytes);
+    assert_non_null(d);
+    assert_int_equal(tdm_cuda_dev_memset(dev, d, 0xA5, bytes), TDM_OK);
+    return d;
+}
+
 static void from_dev(void *host, const void *d, size_t bytes)
 {
     assert_int_equal(tdm_cuda_dev_sync(dev), TDM_OK);
@@ -1700,7 +1710,7 @@ static void test_sample_rows(void **state)
             int32_t *d_ids = dev_zeros((size_t)n * sizeof *got);
             int32_t *d_lp_rows = to_dev(lp_rows, (size_t)(n_lp + 1) * sizeof *lp_rows);
             struct tdm_draw_logprobs *d_lp = dev_zeros((size_t)(n_lp + 1) * sizeof *d_lp);
-            void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(n, n_lp, cols));
+            void *d_scratch = dev_garbage(tdm_cuk_sample_scratch(n, n_lp, cols));
 #ifndef TDM_CUDA_TEST_GPU
             tdm_emu_launch_log(1);
 #endif
@@ -1797,19 +1807,31 @@ static void test_sample_rows(void **state)
                   lp_max_rel);
 }
 
-// top_p's bound met exactly: weights 2^31 (logit 0) and twice 2^30 (the logit
-// whose draw_exp is exactly 0.5), T 1, top_p 0.5: the bound is 2^31, the mass
-// heavier than the 2^30 tokens, so they are dropped (vLLM drops a token whose
-// preceding mass reaches p) and every draw is the 2^31 token, on both sides.
-// In one chunk, then at the real vocabulary with the three tokens in the
-// first, a middle and the last chunk (the split path's walk by mass over the
-// chunk grid), once with top_k 100 (its count walk too).
+// Boundaries of the definition, on three tokens at ids at[0..2], every other
+// logit -inf, T 1, a flavour a row:
+//   0. top_p's bound met exactly: weights 2^31 (logit 0, at[1]) and twice 2^30
+//      (the logit whose draw_exp is exactly 0.5), top_p 0.5: the bound is
+//      2^31, the mass heavier than the 2^30 tokens, so they are dropped (vLLM
+//      drops a token whose preceding mass reaches p): every draw is at[1];
+//   1. top_p's floor between two weights 64 apart (logits -0.7 and the float
+//      below it: the same top 24 bits), top_p 0.6: the lighter one dropped
+//      (every other such row with a key that would draw it if kept);
+//   2. the draw's target equal to a running sum (three weights 2^31, top_p 1,
+//      keys set to give targets 2^31, 2^32 and 0): the token is the first
+//      whose running sum exceeds it, at[1], at[2] and at[0].
+// In one chunk, then at the real vocabulary with the tokens in the first, a
+// middle and the last chunk (the split path's walks and chunk pick), once
+// with top_k 100 (its count walk too). The CPU sampler agrees on flavours 0
+// and 1 (it takes its key from the seed).
 static void test_sample_rows_boundary(void **state)
 {
     (void)state;
-    enum { N = 16 };
-    const float half = -0.693147182f;
+    enum { N = 15 };
+    const float half = -0.693147182f, a = -0.7f, b = nextafterf(a, -INFINITY);
     assert_true(tdm_draw_weight(half, 0.0f, 1.0f, 0.0f) == TDM_DRAW_ONE / 2);
+    uint32_t qa = tdm_draw_weight(a, 0.0f, 1.0f, 0.0f), qb = tdm_draw_weight(b, 0.0f, 1.0f, 0.0f);
+    assert_true(qb < qa && qa >> 8 == qb >> 8);
+    const uint64_t keys[3] = {0x5555555555555556ull, 0xAAAAAAAAAAAAAAABull, 0};
     const int widths[] = {40, 151936, 151936};
     for (int wi = 0; wi < 3; wi++) {
         int cols = widths[wi], at[3] = {0, cols > 40 ? 70001 : 1, cols > 40 ? cols - 1 : 2};
@@ -1817,34 +1839,51 @@ static void test_sample_rows_boundary(void **state)
               *work = malloc((size_t)cols * sizeof *work);
         assert_true(x && work);
         struct tdm_draw_params dp[N];
-        int32_t got[N];
+        int32_t got[N], want[N];
         for (int r = 0; r < N; r++) {
+            int flavour = r % 3;
             float *row = x + (size_t)r * cols;
             for (int c = 0; c < cols; c++)
                 row[c] = -INFINITY;
-            row[at[0]] = half, row[at[1]] = 0.0f, row[at[2]] = half;
+            const float three[3][3] = {{half, 0.0f, half}, {a, 0.0f, b}, {0.0f, 0.0f, 0.0f}};
+            for (int j = 0; j < 3; j++)
+                row[at[j]] = three[flavour][j];
             struct tdm_sampling_params p;
             tdm_sampling_params_default(&p);
-            p.top_p = 0.5f;
+            p.top_p = flavour == 0 ? 0.5f : flavour == 1 ? 0.6f : 1.0f;
             p.top_k = wi == 2 ? 100 : 0;
             p.has_seed = true;
-            p.seed = (uint64_t)r;
+            p.seed = (uint64_t)r + 100u * (uint64_t)wi;
             struct tdm_sampler *s = NULL;
             assert_int_equal(tdm_sampler_new(&s, &p, cols, NULL, 0, NULL, 0), TDM_OK);
             assert_true(tdm_sampler_draw_params(s, &dp[r]));
             memcpy(work, row, (size_t)cols * sizeof *work);
-            assert_int_equal(tdm_sampler_sample(s, work, NULL), at[1]);
+            want[r] = tdm_sampler_sample(s, work, NULL);
+            if (flavour == 0)
+                assert_int_equal(want[r], at[1]);
+            else if (flavour == 1)
+                assert_true(want[r] == at[0] || want[r] == at[1]);
+            if (flavour == 1 && r % 2 == 0) {
+                // A key high enough that the lighter token, kept, would be drawn.
+                dp[r].key = 0xF000000000000000ull;
+                want[r] = at[1];
+            } else if (flavour == 2) {
+                dp[r].key = keys[r / 3 % 3];
+                want[r] = at[(r / 3 + 1) % 3];
+            }
             tdm_sampler_free(s);
         }
         float *d_x = to_dev(x, (size_t)N * cols * sizeof *x);
         struct tdm_draw_params *d_p = to_dev(dp, sizeof dp);
         int32_t *d_ids = dev_zeros(sizeof got);
-        void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(N, 0, cols));
+        void *d_scratch = dev_garbage(tdm_cuk_sample_scratch(N, 0, cols));
         ok(tdm_cuk_sample_rows(stream, d_x, N, cols, d_p, dp, NULL, NULL, d_ids, NULL, 0, NULL,
                                d_scratch));
         from_dev(got, d_ids, sizeof got);
         for (int r = 0; r < N; r++)
-            assert_int_equal(got[r], at[1]);
+            if (got[r] != want[r])
+                fail_msg("cols %d top_k %d row %d: device %d, want %d", cols, dp[r].top_k, r,
+                         got[r], want[r]);
         tdm_cuda_dev_free(dev, d_scratch);
         tdm_cuda_dev_free(dev, d_x);
         tdm_cuda_dev_free(dev, d_p);
