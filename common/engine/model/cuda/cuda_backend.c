@@ -629,8 +629,9 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
         upload_async(be, be->smask.p, masks, mask_bytes) != TDM_OK ||
         upload_async(be, d_lp_rows, be->h_lp_rows, (size_t)n_lp * sizeof(int32_t)) != TDM_OK)
         return take_err(be);
-    launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, be->sadj.p, be->smask.p,
-                                         be->am_ids.p, d_lp_rows, n_lp, d_lp, be->am_part.p));
+    launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, params, be->sadj.p,
+                                         be->smask.p, be->am_ids.p, d_lp_rows, n_lp, d_lp,
+                                         be->am_part.p));
     if (be->err != TDM_OK)
         return take_err(be);
     const void *src[2] = {be->am_ids.p, d_lp};

@@ -375,31 +375,43 @@ __global__ void argmax_merge_kernel(const float *part_v, const int32_t *part_i, 
 }
 
 // ---- sampling on the device (sample_draw.h's draw) -------------------------------------
-// grid (n), block TDM_CUK_ARGMAX_THREADS: row blockIdx.x's token by the draw
-// the CPU sampler makes (common/engine/sampling/sample_draw.h), so the same
-// row gives the same token. Every sum is an integer (exact in any order) and
-// every threshold is found by a radix walk of counts or masses, so no result
-// depends on the order threads add in. The row is overwritten with the
-// tokens' integer weights (it is scratch: nobody reads these rows after).
-//   0. the request's logit adjustments (tdm_draw_adjust: bias, penalties,
-//      min_tokens mask), a thread per adjusted token;
-//   1. the row's first largest (argmax_tree): greedy rows (inv_t 0) and rows
-//      without a finite maximum end there;
-//   2. top_k: the k-th largest finite logit, 8 bits at a time from the top of
-//      its order-preserving key (4 passes of a 256-bin count);
-//   3. each token's weight (tdm_draw_weight, 0 below the top_k threshold),
-//      written over its logit, and their total;
-//   4. top_p: the smallest kept weight, 8 bits at a time by mass: the first
-//      bin, from the top, whose mass with all heavier ones reaches the bound
-//      holds it (4 passes);
-//   5. the draw: each thread sums the kept weights of a contiguous span, the
-//      spans before it give its offset, and the one holding the target finds
-//      the token in its span.
-// One CTA a row (issue 26 item 1's first version); a row's passes over
-// 151 936 weights could be split over CTAs as the argmax is. The histogram
-// passes add a thread's run of one bin once (a shared atomic per change of
-// bin), so a row whose values share a few top bits does not serialise on one
-// shared address.
+// Row i's token by the draw the CPU sampler makes (common/engine/sampling/
+// sample_draw.h), so the same row gives the same token. Every sum is an
+// integer (exact in any order) and every threshold is found by a radix walk
+// of counts or masses, 8 bits at a time from the top (4 passes of a 256-bin
+// histogram), so no result depends on the order threads or CTAs add in. The
+// row is overwritten with the tokens' integer weights (it is scratch: nobody
+// reads these rows after). Launches (tdm_cuk_sample_rows), every (rows x
+// chunks) grid with a CTA per TDM_CUK_ARGMAX_CHUNK columns:
+//   sample_chunk_kernel (rows x chunks): the request's logit adjustments, the
+//     structured-output mask, the chunk's first largest and top_k's fast-path
+//     candidates;
+//   sample_rows_kernel (rows): the row's first largest from its chunks'
+//     (greedy rows and rows without a finite maximum end there); a row with
+//     0 < top_k <= TDM_CUK_SAMPLE_KMAX draws over its chunks' candidates (at
+//     most chunks x TDM_CUK_SAMPLE_CAP entries) in this CTA; every other
+//     sampled row (top_k 0 or > KMAX: the split path) gets its state here;
+//   sample_top_k_kernel x 4 (rows x chunks; a step with a top_k > KMAX
+//     row): the k-th largest finite logit, a 256-bin count histogram of each
+//     chunk added to the row's, a pass each;
+//   sample_weights_kernel (rows x chunks): each token's weight (0 below
+//     top_k's threshold) written over its logit, the chunk's total and
+//     top_p's first mass histogram; with top_p 1 the row's last CTA draws;
+//   sample_top_p_kernel x 4 (rows x chunks; a step with a top_p < 1 split
+//     row): passes 1 to 3 of top_p's walk by mass (the floor: the smallest
+//     kept weight), then each chunk's kept weight, and the row's last CTA
+//     draws.
+// The draw: the chunks' kept weights, in chunk order, pick the chunk holding
+// the target; the CTA then scans that chunk only (at most
+// TDM_CUK_ARGMAX_CHUNK weights). What still runs in one CTA a row: the merge
+// of the chunks' winners and the walks' bin choices (256 bins, redone by
+// every CTA of the next launch from the row's histogram), the draw over
+// top_k's candidates (fast path), and the chosen chunk's scan. One case walks
+// the whole row in one CTA, as before: a row with 0 < top_k <= KMAX whose
+// chunk holds more ties at its k-th place than its TDM_CUK_SAMPLE_CAP slots
+// (draw_over on the row, in sample_rows_kernel). The histogram passes add a
+// thread's run of one bin once (a shared atomic per change of bin), so a row
+// whose values share a few top bits does not serialise on one shared address.
 __device__ __forceinline__ uint32_t draw_key_of(float v)
 {
     uint32_t u;
@@ -597,6 +609,244 @@ __device__ void draw_over(const float *vals, const int32_t *idx, int n, uint32_t
     __syncthreads(); // span_sum reused by the next block of this launch
 }
 
+// ---- the split path: a sampled row's passes over its chunks ----
+// A row's state between the launches (tdm_cuk_sample_rows' scratch): the walks'
+// state entering each pass, [0] set by sample_rows_kernel, [p] (p >= 1) by
+// chunk 0's CTA of the launch that chose pass p - 1's bin (every CTA of that
+// launch chooses it from the row's histogram, the same way).
+struct sample_split_state {
+    unsigned long long p_above[5]; // top_p: the mass above the prefix's values
+    uint32_t p_prefix[5];          // top_p: the floor's bits chosen so far
+    uint32_t k_prefix[5];          // top_k: the threshold's key bits so far
+    int32_t k_left[5];             // top_k: rank left inside the prefix; -1: fewer than k
+    float lmax;                    // the row's largest logit (finite)
+    int32_t split;                 // 1: the row takes the split path
+    uint32_t done;                 // CTAs of the drawing launch arrived
+};
+#define TDM_CUK_SAMPLE_BINS 256
+static_assert(TDM_CUK_ARGMAX_THREADS == TDM_CUK_SAMPLE_BINS, "a thread a bin");
+
+// The bits of a value of radix pass p (0..3), from the top.
+__device__ __forceinline__ int draw_shift(int pass)
+{
+    return 24 - 8 * pass;
+}
+
+// The block's count of threads where pred holds, to every thread.
+__device__ __forceinline__ int draw_block_count(bool pred)
+{
+    __shared__ int s_n;
+    if (threadIdx.x == 0)
+        s_n = 0;
+    __syncthreads();
+    if (pred)
+        atomicAdd(&s_n, 1);
+    __syncthreads();
+    int n = s_n;
+    __syncthreads();
+    return n;
+}
+
+// s[b] = the sum of s[b..255] (256 bins, a thread a bin; s written and
+// synchronised before).
+__device__ __forceinline__ void draw_suffix_sum(unsigned long long *s)
+{
+    for (int off = 1; off < TDM_CUK_SAMPLE_BINS; off <<= 1) {
+        unsigned long long t =
+            (int)threadIdx.x + off < TDM_CUK_SAMPLE_BINS ? s[threadIdx.x + off] : 0ull;
+        __syncthreads();
+        s[threadIdx.x] += t;
+        __syncthreads();
+    }
+}
+
+// draw_kth_largest's bin choice for the pass at shift, from the row's count
+// histogram g: the highest bin whose count with all higher ones reaches the
+// rank left (the thread-0 scan there, as a suffix sum and a count).
+__device__ void draw_kth_step(const uint32_t *g, int shift, uint32_t *prefix, int32_t *left)
+{
+    __shared__ unsigned long long s[TDM_CUK_SAMPLE_BINS];
+    int32_t l = *left;
+    if (l < 0)
+        return;
+    s[threadIdx.x] = g[threadIdx.x];
+    __syncthreads();
+    draw_suffix_sum(s);
+    int n = draw_block_count(s[threadIdx.x] >= (unsigned long long)l);
+    if (n == 0) {
+        *left = -1; // fewer than k
+        return;
+    }
+    int b = n - 1; // the bins reaching the rank are 0..b
+    unsigned long long seen = b + 1 < TDM_CUK_SAMPLE_BINS ? s[b + 1] : 0ull;
+    *left = l - (int)seen;
+    *prefix |= (uint32_t)b << shift;
+    __syncthreads(); // s reused
+}
+
+// draw_top_p_floor's bin choice for the pass at shift, from the row's mass
+// histogram g: the highest bin b >= 1 whose mass with all heavier ones and
+// above reaches the bound, else 0.
+__device__ void draw_top_p_step(const unsigned long long *g, int shift, double bound,
+                                uint32_t *prefix, unsigned long long *above)
+{
+    __shared__ unsigned long long s[TDM_CUK_SAMPLE_BINS];
+    s[threadIdx.x] = g[threadIdx.x];
+    __syncthreads();
+    draw_suffix_sum(s);
+    unsigned long long a = *above;
+    int b = draw_block_count(threadIdx.x >= 1 && (double)(a + s[threadIdx.x]) >= bound);
+    *above = a + (b + 1 < TDM_CUK_SAMPLE_BINS ? s[b + 1] : 0ull);
+    *prefix |= (uint32_t)b << shift;
+    __syncthreads(); // s reused
+}
+
+// Adds the count histogram of the finite values of row[c0, c1) whose key
+// matches prefix above the pass's bits to the row's g (draw_kth_largest's).
+__device__ void draw_chunk_counts(const float *row, int c0, int c1, int shift, uint32_t prefix,
+                                  uint32_t *g)
+{
+    __shared__ unsigned int hist[TDM_CUK_SAMPLE_BINS];
+    hist[threadIdx.x] = 0;
+    __syncthreads();
+    uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);
+    int run_bin = -1;
+    unsigned int run = 0;
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        float v = row[c];
+        if (!(v > -INFINITY))
+            continue;
+        uint32_t key = draw_key_of(v);
+        if ((key & mask) != prefix)
+            continue;
+        int bin = (int)((key >> shift) & 255u);
+        if (bin != run_bin) {
+            if (run)
+                atomicAdd(&hist[run_bin], run);
+            run_bin = bin;
+            run = 0;
+        }
+        run++;
+    }
+    if (run)
+        atomicAdd(&hist[run_bin], run);
+    __syncthreads();
+    if (hist[threadIdx.x])
+        atomicAdd(&g[threadIdx.x], hist[threadIdx.x]);
+    __syncthreads(); // hist reused
+}
+
+// Adds the mass histogram of the weights of q[c0, c1) above 0 matching prefix
+// above the pass's bits to the row's g (draw_top_p_floor's).
+__device__ void draw_chunk_masses(const uint32_t *q, int c0, int c1, int shift, uint32_t prefix,
+                                  unsigned long long *g)
+{
+    __shared__ unsigned long long mass[TDM_CUK_SAMPLE_BINS];
+    mass[threadIdx.x] = 0;
+    __syncthreads();
+    uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);
+    int run_bin = -1;
+    unsigned long long run = 0;
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        uint32_t w = q[c];
+        if (w == 0 || (w & mask) != prefix)
+            continue;
+        int bin = (int)((w >> shift) & 255u);
+        if (bin != run_bin) {
+            if (run_bin >= 0)
+                atomicAdd(&mass[run_bin], run);
+            run_bin = bin;
+            run = 0;
+        }
+        run += w;
+    }
+    if (run_bin >= 0)
+        atomicAdd(&mass[run_bin], run);
+    __syncthreads();
+    if (mass[threadIdx.x])
+        atomicAdd(&g[threadIdx.x], mass[threadIdx.x]);
+    __syncthreads(); // mass reused
+}
+
+// After this CTA wrote its chunk's kept weight to seg[chunk]: the row's last
+// CTA to arrive draws (the target t over the sum of seg, then the first token
+// in id order whose running kept weight exceeds t): seg in chunk order picks
+// the chunk holding t, then this CTA scans that chunk's q (>= floor_q kept).
+// Other CTAs' writes are read through L2 (__ldcg).
+__device__ void draw_by_last_chunk(const uint32_t *q, int cols, const unsigned long long *seg,
+                                   int chunks, uint32_t floor_q, uint64_t key, uint32_t *done,
+                                   int32_t *out)
+{
+    __shared__ unsigned long long span_sum[TDM_CUK_ARGMAX_THREADS];
+    __shared__ int s_last, s_chunk;
+    __shared__ unsigned long long s_base;
+    __threadfence(); // this CTA's seg and weights visible before its arrival counts
+    __syncthreads();
+    if (threadIdx.x == 0)
+        s_last = atomicAdd(done, 1u) == (uint32_t)chunks - 1u;
+    __syncthreads();
+    if (!s_last)
+        return;
+    __threadfence(); // the other CTAs' writes, after their counts
+    if (threadIdx.x == 0) {
+        s_chunk = 0; // kept 0 (never: the best token weighs 2^31) draws nothing
+        s_base = 0;
+    }
+    int zspan = (chunks + (int)blockDim.x - 1) / (int)blockDim.x;
+    int z0 = (int)threadIdx.x * zspan, z1 = z0 + zspan < chunks ? z0 + zspan : chunks;
+    unsigned long long mine = 0;
+    for (int z = z0; z < z1; z++)
+        mine += __ldcg(&seg[z]);
+    span_sum[threadIdx.x] = mine;
+    __syncthreads();
+    unsigned long long before = 0, kept = 0;
+    for (unsigned t = 0; t < blockDim.x; t++) {
+        before += t < threadIdx.x ? span_sum[t] : 0ull;
+        kept += span_sum[t];
+    }
+    unsigned long long target = tdm_draw_target(key, kept);
+    if (target >= before && target < before + mine) {
+        unsigned long long acc = before;
+        for (int z = z0; z < z1; z++) {
+            unsigned long long w = __ldcg(&seg[z]);
+            if (acc + w > target) {
+                s_chunk = z;
+                s_base = acc;
+                break;
+            }
+            acc += w;
+        }
+    }
+    __syncthreads();
+    int c0 = s_chunk * TDM_CUK_ARGMAX_CHUNK;
+    int c1 = c0 + TDM_CUK_ARGMAX_CHUNK < cols ? c0 + TDM_CUK_ARGMAX_CHUNK : cols;
+    int span = (c1 - c0 + (int)blockDim.x - 1) / (int)blockDim.x;
+    int s0 = c0 + (int)threadIdx.x * span, s1 = s0 + span < c1 ? s0 + span : c1;
+    mine = 0;
+    for (int c = s0; c < s1; c++) {
+        uint32_t w = __ldcg(&q[c]);
+        mine += w >= floor_q ? w : 0u;
+    }
+    __syncthreads(); // everyone's chunk sums read
+    span_sum[threadIdx.x] = mine;
+    __syncthreads();
+    before = s_base;
+    for (unsigned t = 0; t < threadIdx.x; t++)
+        before += span_sum[t];
+    if (target >= before && target < before + mine) {
+        unsigned long long acc = before;
+        for (int c = s0; c < s1; c++) {
+            uint32_t w = __ldcg(&q[c]);
+            acc += w >= floor_q ? w : 0u;
+            if (acc > target) {
+                *out = c;
+                break;
+            }
+        }
+    }
+    __syncthreads(); // span_sum reused by the next block of this launch
+}
+
 // grid (n, chunks of TDM_CUK_ARGMAX_CHUNK columns), block TDM_CUK_ARGMAX_THREADS:
 // chunk blockIdx.y of row blockIdx.x. Applies the row's adjustments that fall
 // in the chunk and its structured-output mask, writes the chunk's first largest to part_v/part_i,
@@ -680,25 +930,48 @@ __global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
 
 // grid (n), block TDM_CUK_ARGMAX_THREADS, after sample_chunk_kernel: row
 // blockIdx.x's first largest from its chunks' (greedy rows and rows without a
-// finite maximum end there), then the draw over its chunks' candidates when
-// every chunk has them (top_k's fast path: chunks x TDM_CUK_SAMPLE_CAP
-// entries instead of the row), else over the whole row (one CTA).
+// finite maximum end there), then for 0 < top_k <= TDM_CUK_SAMPLE_KMAX the
+// draw over its chunks' candidates when every chunk has them (chunks x
+// TDM_CUK_SAMPLE_CAP entries instead of the row), else over the whole row
+// (one CTA: ties overflowing a chunk's slots). Every other sampled row takes
+// the split path: its state st[row] (every row's split flag is written) and
+// zeroed histograms kh[row][4][256] (top_k) and ph[row][4][256] (top_p).
 __global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
     sample_rows_kernel(float *x, int cols, const tdm_draw_params *params, const float *part_v,
                        const int32_t *part_i, float *cand_v, int32_t *cand_i, const int32_t *cand_n,
-                       int32_t *ids)
+                       sample_split_state *st, uint32_t *kh, unsigned long long *ph, int32_t *ids)
 {
     __shared__ int s_full;
     float *row = x + (size_t)blockIdx.x * cols;
     const tdm_draw_params d = params[blockIdx.x];
+    sample_split_state *s = &st[blockIdx.x];
     int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
     size_t first = (size_t)blockIdx.x * chunks;
     float lmax;
     int imax;
     merge_winners(part_v + first, part_i + first, chunks, &lmax, &imax);
-    if (d.inv_t == 0.0f || !isfinite(lmax)) {
+    bool sampled = d.inv_t != 0.0f && isfinite(lmax);
+    bool split = sampled && (d.top_k <= 0 || d.top_k > TDM_CUK_SAMPLE_KMAX);
+    if (threadIdx.x == 0) {
+        s->split = split;
+        s->lmax = lmax;
+        s->done = 0;
+        s->k_prefix[0] = 0;
+        s->k_left[0] = d.top_k;
+        s->p_prefix[0] = 0;
+        s->p_above[0] = 0;
+    }
+    if (!sampled) {
         if (threadIdx.x == 0)
             ids[blockIdx.x] = imax < 0 ? 0 : imax;
+        return;
+    }
+    if (split) {
+        size_t h = (size_t)blockIdx.x * 4 * TDM_CUK_SAMPLE_BINS;
+        for (int b = threadIdx.x; b < 4 * TDM_CUK_SAMPLE_BINS; b += blockDim.x) {
+            kh[h + b] = 0;
+            ph[h + b] = 0;
+        }
         return;
     }
     if (threadIdx.x == 0)
@@ -715,6 +988,131 @@ __global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
     } else {
         draw_over(row, NULL, cols, (uint32_t *)row, d, lmax, &ids[blockIdx.x]);
     }
+}
+
+// grid (n, chunks), block TDM_CUK_ARGMAX_THREADS, after sample_rows_kernel,
+// pass = 0..3 in turn: pass `pass` of top_k's walk (draw_kth_largest) for the
+// split rows with top_k > 0: every CTA chooses pass - 1's bin from the row's
+// kh[row][pass - 1] (chunk 0's CTA records it), then adds its chunk's counts
+// under the new prefix to kh[row][pass].
+__global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
+    sample_top_k_kernel(const float *x, int cols, const tdm_draw_params *params,
+                        sample_split_state *st, uint32_t *kh, int pass)
+{
+    sample_split_state *s = &st[blockIdx.x];
+    const tdm_draw_params d = params[blockIdx.x];
+    if (!s->split || d.top_k <= 0)
+        return;
+    const float *row = x + (size_t)blockIdx.x * cols;
+    uint32_t *g = kh + (size_t)blockIdx.x * 4 * TDM_CUK_SAMPLE_BINS;
+    uint32_t prefix = s->k_prefix[pass > 0 ? pass - 1 : 0];
+    int32_t left = s->k_left[pass > 0 ? pass - 1 : 0];
+    if (pass > 0) {
+        draw_kth_step(g + (pass - 1) * TDM_CUK_SAMPLE_BINS, draw_shift(pass - 1), &prefix, &left);
+        if (blockIdx.y == 0 && threadIdx.x == 0) {
+            s->k_prefix[pass] = prefix;
+            s->k_left[pass] = left;
+        }
+    }
+    if (left < 0)
+        return;
+    int c0 = blockIdx.y * TDM_CUK_ARGMAX_CHUNK;
+    int c1 = c0 + TDM_CUK_ARGMAX_CHUNK < cols ? c0 + TDM_CUK_ARGMAX_CHUNK : cols;
+    draw_chunk_counts(row, c0, c1, draw_shift(pass), prefix, g + pass * TDM_CUK_SAMPLE_BINS);
+}
+
+// grid (n, chunks), block TDM_CUK_ARGMAX_THREADS, after the top_k passes: for
+// the split rows, top_k's threshold (the last bin choice), each token's
+// weight written over its logit, the chunk's total to tot[row][chunk]; with
+// top_p < 1 the chunk's masses to ph[row][0] (top_p's pass 0), else the
+// row's last CTA draws (every weight is kept).
+__global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
+    sample_weights_kernel(float *x, int cols, const tdm_draw_params *params, sample_split_state *st,
+                          const uint32_t *kh, unsigned long long *ph, unsigned long long *tot,
+                          int32_t *ids)
+{
+    sample_split_state *s = &st[blockIdx.x];
+    const tdm_draw_params d = params[blockIdx.x];
+    if (!s->split)
+        return;
+    float *row = x + (size_t)blockIdx.x * cols;
+    uint32_t *q = (uint32_t *)row;
+    float thr = -INFINITY;
+    if (d.top_k > 0) {
+        uint32_t prefix = s->k_prefix[3];
+        int32_t left = s->k_left[3];
+        draw_kth_step(kh + ((size_t)blockIdx.x * 4 + 3) * TDM_CUK_SAMPLE_BINS, draw_shift(3),
+                      &prefix, &left);
+        thr = left < 0 ? -INFINITY : draw_value_of(prefix);
+    }
+    float lmax = s->lmax;
+    int c0 = blockIdx.y * TDM_CUK_ARGMAX_CHUNK;
+    int c1 = c0 + TDM_CUK_ARGMAX_CHUNK < cols ? c0 + TDM_CUK_ARGMAX_CHUNK : cols;
+    unsigned long long part = 0;
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        float v = row[c];
+        uint32_t w = v >= thr ? tdm_draw_weight(v, lmax, d.inv_t, d.min_p) : 0u;
+        q[c] = w;
+        part += w;
+    }
+    unsigned long long total = draw_block_sum(part); // synchronises: every weight written
+    unsigned long long *seg = tot + (size_t)blockIdx.x * gridDim.y;
+    if (threadIdx.x == 0)
+        seg[blockIdx.y] = total;
+    if (d.top_p < 1.0f)
+        draw_chunk_masses(q, c0, c1, draw_shift(0), 0u,
+                          ph + (size_t)blockIdx.x * 4 * TDM_CUK_SAMPLE_BINS);
+    else
+        draw_by_last_chunk(q, cols, seg, (int)gridDim.y, 1u, d.key, &s->done, &ids[blockIdx.x]);
+}
+
+// grid (n, chunks), block TDM_CUK_ARGMAX_THREADS, after sample_weights_kernel,
+// pass = 1..4 in turn, for the split rows with top_p < 1: the bound top_p * Q
+// (Q the sum of tot[row]), pass - 1's bin choice of top_p's walk
+// (draw_top_p_floor) from ph[row][pass - 1] (chunk 0's CTA records it); then
+// passes 1..3 add the chunk's masses under the new prefix to ph[row][pass],
+// and pass 4 (the floor known) writes the chunk's kept weight to
+// kept[row][chunk], and the row's last CTA draws.
+__global__ void __launch_bounds__(TDM_CUK_ARGMAX_THREADS)
+    sample_top_p_kernel(const float *x, int cols, const tdm_draw_params *params,
+                        sample_split_state *st, unsigned long long *ph,
+                        const unsigned long long *tot, unsigned long long *kept, int32_t *ids,
+                        int pass)
+{
+    sample_split_state *s = &st[blockIdx.x];
+    const tdm_draw_params d = params[blockIdx.x];
+    if (!s->split || !(d.top_p < 1.0f))
+        return;
+    const uint32_t *q = (const uint32_t *)(x + (size_t)blockIdx.x * cols);
+    unsigned long long *g = ph + (size_t)blockIdx.x * 4 * TDM_CUK_SAMPLE_BINS;
+    const unsigned long long *t = tot + (size_t)blockIdx.x * gridDim.y;
+    unsigned long long part = 0;
+    for (int z = threadIdx.x; z < (int)gridDim.y; z += blockDim.x)
+        part += t[z];
+    double bound = tdm_draw_top_p_mass(d.top_p, draw_block_sum(part));
+    uint32_t prefix = s->p_prefix[pass - 1];
+    unsigned long long above = s->p_above[pass - 1];
+    draw_top_p_step(g + (pass - 1) * TDM_CUK_SAMPLE_BINS, draw_shift(pass - 1), bound, &prefix,
+                    &above);
+    if (pass < 4 && blockIdx.y == 0 && threadIdx.x == 0) {
+        s->p_prefix[pass] = prefix;
+        s->p_above[pass] = above;
+    }
+    int c0 = blockIdx.y * TDM_CUK_ARGMAX_CHUNK;
+    int c1 = c0 + TDM_CUK_ARGMAX_CHUNK < cols ? c0 + TDM_CUK_ARGMAX_CHUNK : cols;
+    if (pass < 4) {
+        draw_chunk_masses(q, c0, c1, draw_shift(pass), prefix, g + pass * TDM_CUK_SAMPLE_BINS);
+        return;
+    }
+    uint32_t floor_q = prefix > 0 ? prefix : 1u;
+    unsigned long long mine = 0;
+    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x)
+        mine += q[c] >= floor_q ? q[c] : 0u;
+    unsigned long long k = draw_block_sum(mine);
+    unsigned long long *seg = kept + (size_t)blockIdx.x * gridDim.y;
+    if (threadIdx.x == 0)
+        seg[blockIdx.y] = k;
+    draw_by_last_chunk(q, cols, seg, (int)gridDim.y, floor_q, d.key, &s->done, &ids[blockIdx.x]);
 }
 
 // ---- logprobs on the device (the CPU sampler's fill_logprobs) -----------------------------

@@ -172,21 +172,28 @@ int tdm_cuk_argmax_rows(void *stream, const float *x, int n, int cols, int32_t *
 // by adj[params[i].adj_off ..][0..params[i].n_adj) and masked by masks[params[i].
 // mask_off ..][0..n_mask_words) (structured output), with params[i] (inv_t 0:
 // the first largest, as tdm_cuk_argmax_rows), i < n: the same token the CPU
-// sampler draws from the same row. x is overwritten. Two launches: a CTA per
-// TDM_CUK_ARGMAX_CHUNK columns of each row (the adjustments, the chunk's
-// maximum and, for 0 < top_k <= TDM_CUK_SAMPLE_KMAX, the chunk's top_k
-// candidates in up to TDM_CUK_SAMPLE_CAP slots), then a CTA per row (the draw
-// over its candidates, or over the whole row when a row has none or a chunk's
-// ties overflow its slots). scratch: device memory of
-// tdm_cuk_sample_scratch(n, n_lp, cols) bytes. params, adj, masks, ids: device.
-// Rows asking logprobs (params' logprobs; their indices in lp_rows[0..n_lp),
-// device) get them in lp_out[0..n_lp) (device), in that order: the CPU
-// sampler's (fill_logprobs) from the same row, two more launches.
+// sampler draws from the same row. x is overwritten. Launches (every one but
+// the second a CTA per TDM_CUK_ARGMAX_CHUNK columns of each row): the
+// adjustments, the chunk's maximum and, for 0 < top_k <= TDM_CUK_SAMPLE_KMAX,
+// the chunk's top_k candidates in up to TDM_CUK_SAMPLE_CAP slots; then a CTA
+// per row (greedy rows; the draw over the candidates, or over the whole row
+// when a chunk's ties overflow its slots). A step with a sampled row of top_k
+// 0 or > KMAX (the split path) adds: 4 passes of top_k's threshold when one
+// such row has top_k > 0, the weights (and with top_p 1 the draw), and 4
+// passes of top_p's floor and the draw when one such row has top_p < 1: 2, 3,
+// 7 or 11 launches. params_host: the host's copy of params[0..n), which
+// picks the launches (NULL: all of them). scratch: device memory of
+// tdm_cuk_sample_scratch(n, n_lp, cols) bytes. params, adj, masks, ids:
+// device. Rows asking logprobs (params' logprobs; their indices in
+// lp_rows[0..n_lp), device) get them in lp_out[0..n_lp) (device), in that
+// order: the CPU sampler's (fill_logprobs) from the same row, two more
+// launches.
 #define TDM_CUK_SAMPLE_KMAX 40
 #define TDM_CUK_SAMPLE_CAP 64
 size_t tdm_cuk_sample_scratch(int n, int n_lp, int cols);
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
-                        const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
+                        const struct tdm_draw_params *params,
+                        const struct tdm_draw_params *params_host, const struct tdm_draw_adj *adj,
                         const uint32_t *masks, int32_t *ids, const int32_t *lp_rows, int n_lp,
                         struct tdm_draw_logprobs *lp_out, void *scratch);
 // Small-batch GEMM: y[n][rows] = x[n][cols] . w[rows][cols]^T (+ bias[rows]

@@ -346,7 +346,9 @@ int tdm_cuk_gemv(void *stream, const uint16_t *w, int rows, int cols, const uint
 }
 
 // Per row and chunk: the chunk's maximum (value, index), its candidate count,
-// and TDM_CUK_SAMPLE_CAP candidate slots (value, index); per row asking
+// TDM_CUK_SAMPLE_CAP candidate slots (value, index), and the split path's
+// total and kept weight; per row the split path's state and its walks'
+// histograms (4 passes of 256 counts and 256 masses); per row asking
 // logprobs, its masked copy and per chunk its maximum, sum of exponentials
 // and TDM_DRAW_MAX_LOGPROBS top slots (value, index) with their count. Each
 // array starts 16-byte aligned.
@@ -356,18 +358,27 @@ struct sample_scratch {
     float *cand_v, *part_v, *raw, *lp_m, *lp_cv;
     int32_t *cand_i, *part_i, *cand_n, *lp_ci, *lp_cn;
     double *lp_s;
+    sample_split_state *st;
+    uint32_t *kh;
+    unsigned long long *ph, *tot, *kept;
 };
 
 static size_t sample_layout(int n, int n_lp, int cols, char *base, sample_scratch *s)
 {
     size_t chunks = (size_t)((cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK);
     size_t slots = (size_t)n * chunks, lp_slots = (size_t)n_lp * chunks, off = 0;
+    size_t bins = (size_t)n * 4 * TDM_CUK_SAMPLE_BINS;
     auto take = [&](size_t bytes) {
         char *p = base ? base + off : nullptr;
         off += (bytes + 15) / 16 * 16;
         return (void *)p;
     };
     s->lp_s = (double *)take(lp_slots * sizeof(double));
+    s->ph = (unsigned long long *)take(bins * sizeof(unsigned long long));
+    s->tot = (unsigned long long *)take(slots * sizeof(unsigned long long));
+    s->kept = (unsigned long long *)take(slots * sizeof(unsigned long long));
+    s->st = (sample_split_state *)take((size_t)n * sizeof(sample_split_state));
+    s->kh = (uint32_t *)take(bins * sizeof(uint32_t));
     s->cand_v = (float *)take(slots * TDM_CUK_SAMPLE_CAP * sizeof(float));
     s->cand_i = (int32_t *)take(slots * TDM_CUK_SAMPLE_CAP * sizeof(int32_t));
     s->part_v = (float *)take(slots * sizeof(float));
@@ -391,7 +402,8 @@ size_t tdm_cuk_sample_scratch(int n, int n_lp, int cols)
 }
 
 int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
-                        const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
+                        const struct tdm_draw_params *params,
+                        const struct tdm_draw_params *params_host, const struct tdm_draw_adj *adj,
                         const uint32_t *masks, int32_t *ids, const int32_t *lp_rows, int n_lp,
                         struct tdm_draw_logprobs *lp_out, void *scratch)
 {
@@ -402,29 +414,61 @@ int tdm_cuk_sample_rows(void *stream, float *x, int n, int cols,
     int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
     tdm_cuk::sample_scratch s;
     tdm_cuk::sample_layout(n, n_lp, cols, (char *)scratch, &s);
-    float *cand_v = s.cand_v, *part_v = s.part_v;
-    int32_t *cand_i = s.cand_i, *part_i = s.part_i, *cand_n = s.cand_n;
+    // The split path's launches that some row may need (all without the
+    // host's copy of the params): a sampled row with top_k 0 or > KMAX takes
+    // it, its top_k walk when top_k > 0, its top_p walk when top_p < 1.
+    bool split = params_host == NULL, walk_k = split, walk_p = split;
+    for (int i = 0; params_host != NULL && i < n; i++) {
+        const struct tdm_draw_params *p = &params_host[i];
+        if (p->inv_t == 0.0f || (p->top_k > 0 && p->top_k <= TDM_CUK_SAMPLE_KMAX))
+            continue;
+        split = true;
+        walk_k = walk_k || p->top_k > 0;
+        walk_p = walk_p || p->top_p < 1.0f;
+    }
+    dim3 grid((unsigned)n, (unsigned)chunks), block(TDM_CUK_ARGMAX_THREADS);
     int rc;
     if (n_lp > 0) {
         TDM_CUDA_LAUNCH(tdm_cuk::logprob_chunk_kernel, dim3((unsigned)n_lp, (unsigned)chunks),
-                        dim3(TDM_CUK_ARGMAX_THREADS), 0, stream, (const float *)x, cols, params,
-                        masks, lp_rows, s.raw, s.lp_m, s.lp_s, s.lp_cv, s.lp_ci, s.lp_cn);
+                        block, 0, stream, (const float *)x, cols, params, masks, lp_rows, s.raw,
+                        s.lp_m, s.lp_s, s.lp_cv, s.lp_ci, s.lp_cn);
         if ((rc = tdm_cuk::launched("sample_rows logprobs chunks")) != TDM_CUK_OK)
             return rc;
     }
-    TDM_CUDA_LAUNCH(tdm_cuk::sample_chunk_kernel, dim3((unsigned)n, (unsigned)chunks),
-                    dim3(TDM_CUK_ARGMAX_THREADS), 0, stream, x, cols, params, adj, masks, part_v,
-                    part_i, cand_v, cand_i, cand_n);
+    TDM_CUDA_LAUNCH(tdm_cuk::sample_chunk_kernel, grid, block, 0, stream, x, cols, params, adj,
+                    masks, s.part_v, s.part_i, s.cand_v, s.cand_i, s.cand_n);
     if ((rc = tdm_cuk::launched("sample_rows chunks")) != TDM_CUK_OK)
         return rc;
-    TDM_CUDA_LAUNCH(tdm_cuk::sample_rows_kernel, dim3((unsigned)n), dim3(TDM_CUK_ARGMAX_THREADS), 0,
-                    stream, x, cols, params, part_v, part_i, cand_v, cand_i, cand_n, ids);
-    if ((rc = tdm_cuk::launched("sample_rows")) != TDM_CUK_OK || n_lp == 0)
+    TDM_CUDA_LAUNCH(tdm_cuk::sample_rows_kernel, dim3((unsigned)n), block, 0, stream, x, cols,
+                    params, (const float *)s.part_v, (const int32_t *)s.part_i, s.cand_v, s.cand_i,
+                    (const int32_t *)s.cand_n, s.st, s.kh, s.ph, ids);
+    if ((rc = tdm_cuk::launched("sample_rows")) != TDM_CUK_OK)
         return rc;
-    TDM_CUDA_LAUNCH(
-        tdm_cuk::logprob_rows_kernel, dim3((unsigned)n_lp), dim3(TDM_CUK_ARGMAX_THREADS), 0, stream,
-        cols, params, lp_rows, (const float *)s.raw, (const float *)s.lp_m, (const double *)s.lp_s,
-        (const float *)s.lp_cv, s.lp_ci, (const int32_t *)s.lp_cn, (const int32_t *)ids, lp_out);
+    for (int pass = 0; walk_k && pass < 4; pass++) {
+        TDM_CUDA_LAUNCH(tdm_cuk::sample_top_k_kernel, grid, block, 0, stream, (const float *)x,
+                        cols, params, s.st, s.kh, pass);
+        if ((rc = tdm_cuk::launched("sample_rows top_k")) != TDM_CUK_OK)
+            return rc;
+    }
+    if (split) {
+        TDM_CUDA_LAUNCH(tdm_cuk::sample_weights_kernel, grid, block, 0, stream, x, cols, params,
+                        s.st, (const uint32_t *)s.kh, s.ph, s.tot, ids);
+        if ((rc = tdm_cuk::launched("sample_rows weights")) != TDM_CUK_OK)
+            return rc;
+    }
+    for (int pass = 1; walk_p && pass <= 4; pass++) {
+        TDM_CUDA_LAUNCH(tdm_cuk::sample_top_p_kernel, grid, block, 0, stream, (const float *)x,
+                        cols, params, s.st, s.ph, (const unsigned long long *)s.tot, s.kept, ids,
+                        pass);
+        if ((rc = tdm_cuk::launched("sample_rows top_p")) != TDM_CUK_OK)
+            return rc;
+    }
+    if (n_lp == 0)
+        return TDM_CUK_OK;
+    TDM_CUDA_LAUNCH(tdm_cuk::logprob_rows_kernel, dim3((unsigned)n_lp), block, 0, stream, cols,
+                    params, lp_rows, (const float *)s.raw, (const float *)s.lp_m,
+                    (const double *)s.lp_s, (const float *)s.lp_cv, s.lp_ci,
+                    (const int32_t *)s.lp_cn, (const int32_t *)ids, lp_out);
     return tdm_cuk::launched("sample_rows logprobs");
 }
 

@@ -112,6 +112,16 @@ static void *dev_zeros(size_t bytes)
     return d;
 }
 
+// Scratch as a kernel may find it: what the last user left (here 0xA5 bytes),
+// never zeroed for it.
+static void *dev_garbage(size_t bytes)
+{
+    void *d = tdm_cuda_dev_alloc(dev, bytes);
+    assert_non_null(d);
+    assert_int_equal(tdm_cuda_dev_memset(dev, d, 0xA5, bytes), TDM_OK);
+    return d;
+}
+
 static void from_dev(void *host, const void *d, size_t bytes)
 {
     assert_int_equal(tdm_cuda_dev_sync(dev), TDM_OK);
@@ -1605,9 +1615,10 @@ static void test_sample_rows(void **state)
     const int widths[] = {1, 7, 1000, 4099, 151936};
     for (size_t wi = 0; wi < sizeof widths / sizeof widths[0]; wi++) {
         int cols = widths[wi];
-        // Every case on every kind of row at the smaller widths; a few rows at
-        // the real vocabulary (the emulator runs each thread in turn).
-        int n = cols > 5000 ? 4 : NC * KINDS;
+        // Every case on every kind of row at the smaller widths; at the real
+        // vocabulary (the emulator runs each thread in turn) 11 rows, every
+        // case and every kind among them at each position.
+        int n = cols > 5000 ? NC : NC * KINDS;
         size_t count = (size_t)n * cols;
         float *x = malloc(count * sizeof *x), *work = malloc((size_t)cols * sizeof *work);
         struct tdm_draw_params *dp = malloc((size_t)n * sizeof *dp);
@@ -1628,7 +1639,7 @@ static void test_sample_rows(void **state)
             for (int r = 0; r < n; r++) {
                 const struct sample_case *sc = &cases[(r + pos) % NC];
                 float *row = x + (size_t)r * cols;
-                sample_row_fill(row, cols, cols > 5000 ? (r % 2 ? 6 : 0) : (r / NC) % KINDS);
+                sample_row_fill(row, cols, cols > 5000 ? r % KINDS : (r / NC) % KINDS);
                 struct tdm_sampling_params p;
                 tdm_sampling_params_default(&p);
                 p.temperature = sc->temperature;
@@ -1695,25 +1706,40 @@ static void test_sample_rows(void **state)
             int32_t *d_ids = dev_zeros((size_t)n * sizeof *got);
             int32_t *d_lp_rows = to_dev(lp_rows, (size_t)(n_lp + 1) * sizeof *lp_rows);
             struct tdm_draw_logprobs *d_lp = dev_zeros((size_t)(n_lp + 1) * sizeof *d_lp);
-            void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(n, n_lp, cols));
+            void *d_scratch = dev_garbage(tdm_cuk_sample_scratch(n, n_lp, cols));
 #ifndef TDM_CUDA_TEST_GPU
             tdm_emu_launch_log(1);
 #endif
-            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, d_adj, d_masks, d_ids, d_lp_rows,
+            ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, dp, d_adj, d_masks, d_ids, d_lp_rows,
                                    n_lp, d_lp, d_scratch));
 #ifndef TDM_CUDA_TEST_GPU
             // A CTA per 1 024 columns of each row (149 a row at the real
             // vocabulary: more than an H200's 132 SMs at batch 1), then one a
-            // row; the logprobs' per chunk of an asking row before them and
-            // per asking row after.
-            struct tdm_emu_launch l[5];
+            // row; with a sampled row of top_k 0 or > KMAX (the split path)
+            // every later one a CTA per chunk again: 4 top_k passes when such
+            // a row has top_k > 0, the weights, 4 top_p passes (the last
+            // draws) when one has top_p < 1; the logprobs' per chunk of an
+            // asking row first and per asking row last.
+            struct tdm_emu_launch l[16];
             int chunks = (cols + TDM_CUK_ARGMAX_CHUNK - 1) / TDM_CUK_ARGMAX_CHUNK;
-            assert_true(n_lp > 0);
-            assert_int_equal(tdm_emu_launches(l, 5), 4);
+            bool split = false, walk_k = false, walk_p = false;
+            for (int r = 0; r < n; r++) {
+                if (dp[r].inv_t == 0.0f || (dp[r].top_k > 0 && dp[r].top_k <= TDM_CUK_SAMPLE_KMAX))
+                    continue;
+                split = true;
+                walk_k |= dp[r].top_k > 0;
+                walk_p |= dp[r].top_p < 1.0f;
+            }
+            assert_true(n_lp > 0 && split && walk_p);
+            assert_true(walk_k || cols <= 50); // top_k 50 and 100 000 are cut to 0 below them
+            size_t nl = tdm_emu_launches(l, 16), want_nl = 4 + 4 * walk_k + split + 4 * walk_p;
+            assert_int_equal(nl, want_nl);
             assert_int_equal(l[0].ctas, (unsigned long long)n_lp * chunks);
-            assert_int_equal(l[1].ctas, (unsigned long long)n * chunks);
             assert_int_equal(l[2].ctas, (unsigned long long)n);
-            assert_int_equal(l[3].ctas, (unsigned long long)n_lp);
+            for (size_t j = 1; j + 1 < nl; j++)
+                if (j != 2)
+                    assert_int_equal(l[j].ctas, (unsigned long long)n * chunks);
+            assert_int_equal(l[nl - 1].ctas, (unsigned long long)n_lp);
             tdm_emu_launch_log(0);
 #endif
             from_dev(got, d_ids, (size_t)n * sizeof *got);
@@ -1726,7 +1752,9 @@ static void test_sample_rows(void **state)
             for (int j = 0; j < n_lp; j++)
                 sample_lp_check(&got_lp[j], &want_lp[lp_rows[j]], dp[lp_rows[j]].top_logprobs, cols,
                                 lp_rows[j]);
-            // A row alone (the last one, its logits again) = in the batch.
+            // A row alone (the last one, its logits again) = in the batch; at
+            // position 2 (top_k 0, top_p 1) without the host's params (every
+            // launch runs).
             int last = n - 1;
             assert_int_equal(
                 tdm_cuda_dev_h2d(dev, d_x, x + (size_t)last * cols, (size_t)cols * sizeof *x),
@@ -1734,8 +1762,9 @@ static void test_sample_rows(void **state)
             int32_t zero = 0;
             assert_int_equal(tdm_cuda_dev_h2d(dev, d_lp_rows, &zero, sizeof zero), TDM_OK);
             int alone_lp = dp[last].logprobs ? 1 : 0;
-            ok(tdm_cuk_sample_rows(stream, d_x, 1, cols, d_p + last, d_adj, d_masks, d_ids,
-                                   d_lp_rows, alone_lp, d_lp, d_scratch));
+            assert_true(pos != 2 || (dp[last].inv_t > 0.0f && dp[last].top_k == 0));
+            ok(tdm_cuk_sample_rows(stream, d_x, 1, cols, d_p + last, pos == 2 ? NULL : dp + last,
+                                   d_adj, d_masks, d_ids, d_lp_rows, alone_lp, d_lp, d_scratch));
             int32_t alone;
             from_dev(&alone, d_ids, sizeof alone);
             assert_int_equal(alone, want[last]);
@@ -1764,60 +1793,102 @@ static void test_sample_rows(void **state)
         free(want_lp), free(got_lp), free(lp_rows);
     }
     assert_int_equal(
-        tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL),
+        tdm_cuk_sample_rows(stream, NULL, 0, 10, NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL),
         TDM_CUK_EINVAL);
     assert_int_equal(tdm_cuk_sample_rows(stream, (float *)&state, 1, 10, NULL, NULL, NULL, NULL,
-                                         NULL, 0, NULL, NULL),
+                                         NULL, NULL, 0, NULL, NULL),
                      TDM_CUK_EINVAL); // no scratch
     assert_int_equal(tdm_cuk_sample_rows(stream, (float *)&state, 1, 10, NULL, NULL, NULL, NULL,
-                                         NULL, 1, NULL, (void *)&state),
+                                         NULL, NULL, 1, NULL, (void *)&state),
                      TDM_CUK_EINVAL); // logprobs asked, nowhere to put them
     print_message("sample_rows logprobs: max difference %.3g relative to the CPU sampler's\n",
                   lp_max_rel);
 }
 
-// top_p's bound met exactly: weights 2^31 (logit 0) and twice 2^30 (the logit
-// whose draw_exp is exactly 0.5), T 1, top_p 0.5: the bound is 2^31, the mass
-// heavier than the 2^30 tokens, so they are dropped (vLLM drops a token whose
-// preceding mass reaches p) and every draw is token 1, on both sides.
+// Boundaries of the definition, on three tokens at ids at[0..2], every other
+// logit -inf, T 1, a flavour a row:
+//   0. top_p's bound met exactly: weights 2^31 (logit 0, at[1]) and twice 2^30
+//      (the logit whose draw_exp is exactly 0.5), top_p 0.5: the bound is
+//      2^31, the mass heavier than the 2^30 tokens, so they are dropped (vLLM
+//      drops a token whose preceding mass reaches p): every draw is at[1];
+//   1. top_p's floor between two weights 64 apart (logits -0.7 and the float
+//      below it: the same top 24 bits), top_p 0.6: the lighter one dropped
+//      (every other such row with a key that would draw it if kept);
+//   2. the draw's target equal to a running sum (three weights 2^31, top_p 1,
+//      keys set to give targets 2^31, 2^32 and 0): the token is the first
+//      whose running sum exceeds it, at[1], at[2] and at[0].
+// In one chunk, then at the real vocabulary with the tokens in the first, a
+// middle and the last chunk (the split path's walks and chunk pick), once
+// with top_k 100 (its count walk too). The CPU sampler agrees on flavours 0
+// and 1 (it takes its key from the seed).
 static void test_sample_rows_boundary(void **state)
 {
     (void)state;
-    enum { N = 16, COLS = 40 };
-    const float half = -0.693147182f;
+    enum { N = 15 }; // 6 of them at the real vocabulary (slow under ASan's emulator)
+    const float half = -0.693147182f, a = -0.7f, b = nextafterf(a, -INFINITY);
     assert_true(tdm_draw_weight(half, 0.0f, 1.0f, 0.0f) == TDM_DRAW_ONE / 2);
-    float x[N * COLS], work[COLS];
-    struct tdm_draw_params dp[N];
-    int32_t got[N];
-    for (int r = 0; r < N; r++) {
-        float *row = x + r * COLS;
-        for (int c = 0; c < COLS; c++)
-            row[c] = -INFINITY;
-        row[0] = half, row[1] = 0.0f, row[2] = half;
-        struct tdm_sampling_params p;
-        tdm_sampling_params_default(&p);
-        p.top_p = 0.5f;
-        p.has_seed = true;
-        p.seed = (uint64_t)r;
-        struct tdm_sampler *s = NULL;
-        assert_int_equal(tdm_sampler_new(&s, &p, COLS, NULL, 0, NULL, 0), TDM_OK);
-        assert_true(tdm_sampler_draw_params(s, &dp[r]));
-        memcpy(work, row, sizeof work);
-        assert_int_equal(tdm_sampler_sample(s, work, NULL), 1);
-        tdm_sampler_free(s);
+    uint32_t qa = tdm_draw_weight(a, 0.0f, 1.0f, 0.0f), qb = tdm_draw_weight(b, 0.0f, 1.0f, 0.0f);
+    assert_true(qb < qa && qa >> 8 == qb >> 8);
+    const uint64_t keys[3] = {0x5555555555555556ull, 0xAAAAAAAAAAAAAAABull, 0};
+    const int widths[] = {40, 151936, 151936};
+    for (int wi = 0; wi < 3; wi++) {
+        int cols = widths[wi], at[3] = {0, cols > 40 ? 70001 : 1, cols > 40 ? cols - 1 : 2};
+        int n = cols > 40 ? 6 : N;
+        float *x = malloc((size_t)N * cols * sizeof *x),
+              *work = malloc((size_t)cols * sizeof *work);
+        assert_true(x && work);
+        struct tdm_draw_params dp[N];
+        int32_t got[N], want[N];
+        for (int r = 0; r < n; r++) {
+            int flavour = r % 3;
+            float *row = x + (size_t)r * cols;
+            for (int c = 0; c < cols; c++)
+                row[c] = -INFINITY;
+            const float three[3][3] = {{half, 0.0f, half}, {a, 0.0f, b}, {0.0f, 0.0f, 0.0f}};
+            for (int j = 0; j < 3; j++)
+                row[at[j]] = three[flavour][j];
+            struct tdm_sampling_params p;
+            tdm_sampling_params_default(&p);
+            p.top_p = flavour == 0 ? 0.5f : flavour == 1 ? 0.6f : 1.0f;
+            p.top_k = wi == 2 ? 100 : 0;
+            p.has_seed = true;
+            p.seed = (uint64_t)r + 100u * (uint64_t)wi;
+            struct tdm_sampler *s = NULL;
+            assert_int_equal(tdm_sampler_new(&s, &p, cols, NULL, 0, NULL, 0), TDM_OK);
+            assert_true(tdm_sampler_draw_params(s, &dp[r]));
+            memcpy(work, row, (size_t)cols * sizeof *work);
+            want[r] = tdm_sampler_sample(s, work, NULL);
+            if (flavour == 0)
+                assert_int_equal(want[r], at[1]);
+            else if (flavour == 1)
+                assert_true(want[r] == at[0] || want[r] == at[1]);
+            if (flavour == 1 && r % 2 == 0) {
+                // A key high enough that the lighter token, kept, would be drawn.
+                dp[r].key = 0xF000000000000000ull;
+                want[r] = at[1];
+            } else if (flavour == 2) {
+                dp[r].key = keys[(r / 3 + wi) % 3];
+                want[r] = at[(r / 3 + wi + 1) % 3];
+            }
+            tdm_sampler_free(s);
+        }
+        float *d_x = to_dev(x, (size_t)n * cols * sizeof *x);
+        struct tdm_draw_params *d_p = to_dev(dp, (size_t)n * sizeof *dp);
+        int32_t *d_ids = dev_zeros(sizeof got);
+        void *d_scratch = dev_garbage(tdm_cuk_sample_scratch(n, 0, cols));
+        ok(tdm_cuk_sample_rows(stream, d_x, n, cols, d_p, dp, NULL, NULL, d_ids, NULL, 0, NULL,
+                               d_scratch));
+        from_dev(got, d_ids, (size_t)n * sizeof *got);
+        for (int r = 0; r < n; r++)
+            if (got[r] != want[r])
+                fail_msg("cols %d top_k %d row %d: device %d, want %d", cols, dp[r].top_k, r,
+                         got[r], want[r]);
+        tdm_cuda_dev_free(dev, d_scratch);
+        tdm_cuda_dev_free(dev, d_x);
+        tdm_cuda_dev_free(dev, d_p);
+        tdm_cuda_dev_free(dev, d_ids);
+        free(x), free(work);
     }
-    float *d_x = to_dev(x, sizeof x);
-    struct tdm_draw_params *d_p = to_dev(dp, sizeof dp);
-    int32_t *d_ids = dev_zeros(sizeof got);
-    void *d_scratch = dev_zeros(tdm_cuk_sample_scratch(N, 0, COLS));
-    ok(tdm_cuk_sample_rows(stream, d_x, N, COLS, d_p, NULL, NULL, d_ids, NULL, 0, NULL, d_scratch));
-    from_dev(got, d_ids, sizeof got);
-    for (int r = 0; r < N; r++)
-        assert_int_equal(got[r], 1);
-    tdm_cuda_dev_free(dev, d_scratch);
-    tdm_cuda_dev_free(dev, d_x);
-    tdm_cuda_dev_free(dev, d_p);
-    tdm_cuda_dev_free(dev, d_ids);
 }
 
 static void test_kv_gather_scatter(void **state)
@@ -1945,5 +2016,5 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_sample_rows),
         cmocka_unit_test(test_sample_rows_boundary),
     };
-    return tdm_test_exit(cmocka_run_group_tests(tests, group_setup, group_teardown));
+    return tdm_test_exit(tdm_run_group_tests(tests, group_setup, group_teardown));
 }
