@@ -427,6 +427,39 @@ __device__ __forceinline__ float draw_value_of(uint32_t k)
     return v;
 }
 
+// One radix pass's counts: each value of row[c0, c1) above -inf (with_ninf:
+// -inf too; NaN never) whose key matches prefix under mask, added to the bin
+// of its key's 8 bits at shift in hist (shared; the caller zeroes it and
+// syncs after). A thread's values mostly share their top bits (logits of
+// one row span a few binades), so it counts a run of one bin in a register
+// and adds the run once: a shared atomic per change of bin, not per element
+// (one address took every element before).
+__device__ __forceinline__ void draw_count_pass(const float *row, int c0, int c1, bool with_ninf,
+                                                uint32_t mask, uint32_t prefix, int shift,
+                                                unsigned int *hist)
+{
+    int run_bin = -1;
+    unsigned int run = 0;
+    for (int c = c0 + (int)threadIdx.x; c < c1; c += (int)blockDim.x) {
+        float v = row[c];
+        if (with_ninf ? v != v : !(v > -INFINITY))
+            continue;
+        uint32_t key = draw_key_of(v);
+        if ((key & mask) != prefix)
+            continue;
+        int bin = (int)((key >> shift) & 255u);
+        if (bin != run_bin) {
+            if (run)
+                atomicAdd(&hist[run_bin], run);
+            run_bin = bin;
+            run = 0;
+        }
+        run++;
+    }
+    if (run)
+        atomicAdd(&hist[run_bin], run);
+}
+
 // The k-th largest value of row[0..cols) above -inf (with_ninf: -inf
 // counted too; NaN never), or -inf when fewer than k are. k >= 1.
 __device__ float draw_kth_largest(const float *row, int cols, int k, bool with_ninf = false)
@@ -444,30 +477,7 @@ __device__ float draw_kth_largest(const float *row, int cols, int k, bool with_n
         __syncthreads();
         uint32_t prefix = s_prefix;
         uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);
-        // A thread's elements mostly share their top bits (logits of one
-        // row span a few binades), so it counts a run of one bin in a
-        // register and adds the run once: a shared atomic per change of
-        // bin, not per element (one address took every element before).
-        int run_bin = -1;
-        unsigned int run = 0;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            float v = row[c];
-            if (with_ninf ? v != v : !(v > -INFINITY))
-                continue;
-            uint32_t key = draw_key_of(v);
-            if ((key & mask) != prefix)
-                continue;
-            int bin = (int)((key >> shift) & 255u);
-            if (bin != run_bin) {
-                if (run)
-                    atomicAdd(&hist[run_bin], run);
-                run_bin = bin;
-                run = 0;
-            }
-            run++;
-        }
-        if (run)
-            atomicAdd(&hist[run_bin], run);
+        draw_count_pass(row, 0, cols, with_ninf, mask, prefix, shift, hist);
         __syncthreads();
         if (threadIdx.x == 0) {
             int left = s_left;
@@ -492,6 +502,33 @@ __device__ float draw_kth_largest(const float *row, int cols, int k, bool with_n
     return draw_value_of(s_prefix);
 }
 
+// One radix pass's masses: each weight of q[c0, c1) above 0 whose bits match
+// prefix under mask, added to the bin of its 8 bits at shift in mass (shared;
+// the caller zeroes it and syncs after). Runs of one bin summed in a
+// register, as draw_count_pass does (most weights of a row fall in bin 0 of
+// the first pass). Integer sums: the same masses in any grouping.
+__device__ __forceinline__ void draw_mass_pass(const uint32_t *q, int c0, int c1, uint32_t mask,
+                                               uint32_t prefix, int shift, unsigned long long *mass)
+{
+    int run_bin = -1;
+    unsigned long long run = 0;
+    for (int c = c0 + (int)threadIdx.x; c < c1; c += (int)blockDim.x) {
+        uint32_t w = q[c];
+        if (w == 0 || (w & mask) != prefix)
+            continue;
+        int bin = (int)((w >> shift) & 255u);
+        if (bin != run_bin) {
+            if (run_bin >= 0)
+                atomicAdd(&mass[run_bin], run);
+            run_bin = bin;
+            run = 0;
+        }
+        run += w;
+    }
+    if (run_bin >= 0)
+        atomicAdd(&mass[run_bin], run);
+}
+
 // The smallest kept weight of top_p: the smallest v with mass(q > v) < bound.
 __device__ uint32_t draw_top_p_floor(const uint32_t *q, int cols, double bound)
 {
@@ -508,26 +545,7 @@ __device__ uint32_t draw_top_p_floor(const uint32_t *q, int cols, double bound)
         __syncthreads();
         uint32_t prefix = s_prefix;
         uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);
-        // Runs of one bin summed in a register, as in draw_kth_largest (most
-        // weights of a row fall in bin 0 of the first pass). Integer sums:
-        // the same masses in any grouping.
-        int run_bin = -1;
-        unsigned long long run = 0;
-        for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-            uint32_t w = q[c];
-            if (w == 0 || (w & mask) != prefix)
-                continue;
-            int bin = (int)((w >> shift) & 255u);
-            if (bin != run_bin) {
-                if (run_bin >= 0)
-                    atomicAdd(&mass[run_bin], run);
-                run_bin = bin;
-                run = 0;
-            }
-            run += w;
-        }
-        if (run_bin >= 0)
-            atomicAdd(&mass[run_bin], run);
+        draw_mass_pass(q, 0, cols, mask, prefix, shift, mass);
         __syncthreads();
         if (threadIdx.x == 0) {
             unsigned long long above = s_above;
@@ -710,26 +728,7 @@ __device__ void draw_chunk_counts(const float *row, int c0, int c1, int shift, u
     hist[threadIdx.x] = 0;
     __syncthreads();
     uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);
-    int run_bin = -1;
-    unsigned int run = 0;
-    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
-        float v = row[c];
-        if (!(v > -INFINITY))
-            continue;
-        uint32_t key = draw_key_of(v);
-        if ((key & mask) != prefix)
-            continue;
-        int bin = (int)((key >> shift) & 255u);
-        if (bin != run_bin) {
-            if (run)
-                atomicAdd(&hist[run_bin], run);
-            run_bin = bin;
-            run = 0;
-        }
-        run++;
-    }
-    if (run)
-        atomicAdd(&hist[run_bin], run);
+    draw_count_pass(row, c0, c1, false, mask, prefix, shift, hist);
     __syncthreads();
     if (hist[threadIdx.x])
         atomicAdd(&g[threadIdx.x], hist[threadIdx.x]);
@@ -745,23 +744,7 @@ __device__ void draw_chunk_masses(const uint32_t *q, int c0, int c1, int shift, 
     mass[threadIdx.x] = 0;
     __syncthreads();
     uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);
-    int run_bin = -1;
-    unsigned long long run = 0;
-    for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
-        uint32_t w = q[c];
-        if (w == 0 || (w & mask) != prefix)
-            continue;
-        int bin = (int)((w >> shift) & 255u);
-        if (bin != run_bin) {
-            if (run_bin >= 0)
-                atomicAdd(&mass[run_bin], run);
-            run_bin = bin;
-            run = 0;
-        }
-        run += w;
-    }
-    if (run_bin >= 0)
-        atomicAdd(&mass[run_bin], run);
+    draw_mass_pass(q, c0, c1, mask, prefix, shift, mass);
     __syncthreads();
     if (mass[threadIdx.x])
         atomicAdd(&g[threadIdx.x], mass[threadIdx.x]);
