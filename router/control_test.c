@@ -228,17 +228,32 @@ static void test_prefill_retries_cap_and_fallback(void **state)
     env_close(&e);
 }
 
+// Opens e on a config of two decode endpoints, 10.0.1.1 (a) and 10.0.1.2 (b),
+// round robin, with `extra` config lines before them ("" for none); returns
+// the registry.
+static struct tdm_router_endpoints *two_decodes(struct env *e, const char *extra,
+                                                struct tdm_router_endpoint_view *a,
+                                                struct tdm_router_endpoint_view *b)
+{
+    char text[512];
+    snprintf(text, sizeof text,
+             "policy: round_robin\n%sendpoints: {decode: ['10.0.1.1:8001', '10.0.1.2:8001']}\n",
+             extra);
+    env_open(e, text);
+    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e->ctl);
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", a), TDM_OK);
+    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.2:8001", b), TDM_OK);
+    return eps;
+}
+
 // A retry's route avoids the decode endpoints that failed the request, unless
 // no other healthy one is left.
 static void test_route_avoiding(void **state)
 {
     (void)state;
     struct env e;
-    env_open(&e, "policy: round_robin\nendpoints: {decode: ['10.0.1.1:8001', '10.0.1.2:8001']}\n");
-    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
     struct tdm_router_endpoint_view a, b;
-    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", &a), TDM_OK);
-    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.2:8001", &b), TDM_OK);
+    struct tdm_router_endpoints *eps = two_decodes(&e, "", &a, &b);
     int32_t t[4] = {1, 2, 3, 4};
     char err[256];
     struct tdm_router_route r;
@@ -279,12 +294,8 @@ static void test_entries_and_reroute(void **state)
 {
     (void)state;
     struct env e;
-    env_open(&e, "policy: round_robin\nhealth: {failure_threshold: 1}\n"
-                 "endpoints: {decode: ['10.0.1.1:8001', '10.0.1.2:8001']}\n");
-    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
     struct tdm_router_endpoint_view a, b;
-    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", &a), TDM_OK);
-    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.2:8001", &b), TDM_OK);
+    struct tdm_router_endpoints *eps = two_decodes(&e, "health: {failure_threshold: 1}\n", &a, &b);
     struct tdm_router_report rep = {.instance = 0xA, .load = {.waiting = 2, .max_waiting = 4}};
     assert_int_equal(tdm_router_endpoints_on_report(eps, a.id, &rep, NULL, NULL), TDM_OK);
     int32_t t[32] = {0};
@@ -422,11 +433,8 @@ static void test_not_up_excluded(void **state)
 {
     (void)state;
     struct env e;
-    env_open(&e, "policy: round_robin\nendpoints: {decode: ['10.0.1.1:8001', '10.0.1.2:8001']}\n");
-    struct tdm_router_endpoints *eps = tdm_router_control_endpoints(e.ctl);
     struct tdm_router_endpoint_view a, b;
-    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.1:8001", &a), TDM_OK);
-    assert_int_equal(tdm_router_endpoints_find(eps, "10.0.1.2:8001", &b), TDM_OK);
+    struct tdm_router_endpoints *eps = two_decodes(&e, "", &a, &b);
     struct tdm_router_load ld = {.running = 1};
     assert_int_equal(tdm_router_endpoints_set_load(eps, b.id, &ld), TDM_OK);
     assert_int_equal(routes_to(&e, a.id, 2), 1); // both are candidates
