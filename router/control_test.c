@@ -80,6 +80,16 @@ static void expect_line(const char *text, const char *line)
         fail_msg("metrics lack '%s'", line);
 }
 
+// tandem:router_ready_endpoints{role} is n.
+static void expect_ready(struct env *e, const char *role, int n)
+{
+    char line[128];
+    snprintf(line, sizeof line, "tandem:router_ready_endpoints{role=\"%s\"} %d", role, n);
+    char *m = render(e);
+    expect_line(m, line);
+    free(m);
+}
+
 static const char *pd_cfg = "policy: prefix_cache\n"
                             "pd_threshold_tokens: 32\n"
                             "request: {prefill_retries: 1, deadline_seconds: 30}\n"
@@ -426,9 +436,10 @@ static cJSON *state_of(cJSON *config, const char *name)
 // yet, restarting, a wrong nng port) is no candidate: round robin over two
 // would take it every other route. Healthy as far as its checks go, it stays
 // so (nothing is charged to it), and GET /v1/router/config says why it is
-// left out. Its link up, or its first report, makes it a candidate at once;
-// when only such workers are left, the route fails as with none (EBUSY,
-// counted no_endpoint) and says why.
+// left out, and tandem:router_ready_endpoints does not count it (it counts
+// what a policy can pick). Its link up, or its first report, makes it a
+// candidate at once; when only such workers are left, the route fails as with
+// none (EBUSY, counted no_endpoint) and says why.
 static void test_not_up_excluded(void **state)
 {
     (void)state;
@@ -438,8 +449,10 @@ static void test_not_up_excluded(void **state)
     struct tdm_router_load ld = {.running = 1};
     assert_int_equal(tdm_router_endpoints_set_load(eps, b.id, &ld), TDM_OK);
     assert_int_equal(routes_to(&e, a.id, 2), 1); // both are candidates
+    expect_ready(&e, "decode", 2);
     tdm_router_endpoints_set_link_down(eps, a.id, true);
     assert_int_equal(routes_to(&e, a.id, 8), 0);
+    expect_ready(&e, "decode", 1);
     assert_int_equal(tdm_router_endpoints_get(eps, a.id, &a), TDM_OK);
     assert_true(a.not_up && a.healthy);
     char *json = tdm_router_control_config_json(e.ctl);
@@ -452,6 +465,7 @@ static void test_not_up_excluded(void **state)
     // A link down says nothing against one the router has heard from.
     tdm_router_endpoints_set_link_down(eps, b.id, true);
     assert_int_equal(routes_to(&e, b.id, 2), 2);
+    expect_ready(&e, "decode", 1);
     // Only a worker not up left: no route, saying why; nothing held.
     tdm_router_endpoints_set_healthy(eps, b.id, false);
     int32_t t[4] = {1, 2, 3, 4};
@@ -464,24 +478,29 @@ static void test_not_up_excluded(void **state)
     assert_int_equal(inflight_of(&e, a.id), 0);
     char *m = render(&e);
     expect_line(m, "tandem:router_requests_total{status=\"no_endpoint\"} 1");
+    expect_line(m, "tandem:router_ready_endpoints{role=\"decode\"} 0");
     free(m);
     // Its link up: a candidate at once.
     tdm_router_endpoints_set_healthy(eps, b.id, true);
     tdm_router_endpoints_set_link_down(eps, a.id, false);
     assert_int_equal(routes_to(&e, a.id, 2), 1);
+    expect_ready(&e, "decode", 2);
     // Down again, then its first report: a candidate at once, link or not.
     tdm_router_endpoints_set_link_down(eps, a.id, true);
     assert_int_equal(routes_to(&e, a.id, 2), 0);
+    expect_ready(&e, "decode", 1);
     struct tdm_router_report rep = {.instance = 0xA};
     assert_int_equal(tdm_router_endpoints_on_report(eps, a.id, &rep, NULL, NULL), TDM_OK);
     assert_int_equal(routes_to(&e, a.id, 2), 1);
+    expect_ready(&e, "decode", 2);
     assert_int_equal(tdm_router_endpoints_get(eps, a.id, &a), TDM_OK);
     assert_true(!a.not_up && a.healthy);
     env_close(&e);
 }
 
 // Prefill workers not up are no candidates either: the decode worker is not
-// sent to them; with none left the route is decode-only.
+// sent to them, the ready gauge does not count them; with none left the route
+// is decode-only.
 static void test_not_up_prefill_excluded(void **state)
 {
     (void)state;
@@ -500,8 +519,11 @@ static void test_not_up_prefill_excluded(void **state)
         tokens[i] = 1000 + i;
     char err[256];
     struct tdm_router_route r;
+    expect_ready(&e, "prefill", 3);
     tdm_router_endpoints_set_link_down(eps, ids[0], true);
     tdm_router_endpoints_set_link_down(eps, ids[1], true);
+    expect_ready(&e, "prefill", 1);
+    expect_ready(&e, "decode", 2);
     for (int k = 0; k < 4; k++) {
         tokens[0] = 5000 + k; // a cold prompt each time: prefill-decode
         assert_int_equal(tdm_router_control_route(e.ctl, tokens, 64, NULL, &r, err, sizeof err),
@@ -512,6 +534,7 @@ static void test_not_up_prefill_excluded(void **state)
         tdm_router_control_route_done(e.ctl, &r, "success");
     }
     tdm_router_endpoints_set_link_down(eps, ids[2], true);
+    expect_ready(&e, "prefill", 0);
     tokens[0] = 6000;
     assert_int_equal(tdm_router_control_route(e.ctl, tokens, 64, NULL, &r, err, sizeof err),
                      TDM_OK);

@@ -335,11 +335,6 @@ static struct endpoint *find_by_id(struct tdm_router_endpoints *reg, uint64_t id
     return lo < reg->n && reg->eps[lo]->id == id ? reg->eps[lo] : NULL;
 }
 
-static bool counts_ready(const struct endpoint *e)
-{
-    return e->healthy && !e->draining;
-}
-
 // Why an endpoint is not healthy: NULL when it is.
 static const char *unhealthy_reason(const struct endpoint *e, double now)
 {
@@ -359,18 +354,27 @@ static void publish_health(struct tdm_router_endpoints *reg, const struct endpoi
                                        unhealthy_reason(e, tdm_now()));
 }
 
+static void fill_view(const struct tdm_router_endpoints *reg, const struct endpoint *e, double now,
+                      struct tdm_router_endpoint_view *v);
+
+// tandem:router_ready_endpoints{role}: the endpoints a policy can pick
+// (tdm_router_endpoint_ready on their view), by role (under mu). Called
+// wherever what it reads changes: health, draining, removal, the load
+// poller's link (set_link_down) and a first report (not_up).
 static void update_ready_gauges(struct tdm_router_endpoints *reg)
 {
     if (!reg->metrics)
         return;
     size_t np = 0, nd = 0;
+    double now = tdm_now();
     for (size_t i = 0; i < reg->n; i++) {
-        const struct endpoint *e = reg->eps[i];
-        if (!counts_ready(e))
+        struct tdm_router_endpoint_view v;
+        fill_view(reg, reg->eps[i], now, &v);
+        if (!tdm_router_endpoint_ready(&v))
             continue;
-        if (tdm_router_role_can_prefill(e->role))
+        if (tdm_router_role_can_prefill(v.role))
             np++;
-        if (tdm_router_role_can_decode(e->role))
+        if (tdm_router_role_can_decode(v.role))
             nd++;
     }
     tdm_metrics_gauge_set(reg->metrics->ready_prefill, (double)np);
@@ -1101,6 +1105,11 @@ bool tdm_router_endpoint_not_up(double heard_at, bool link_down)
     return heard_at == 0 && link_down;
 }
 
+bool tdm_router_endpoint_ready(const struct tdm_router_endpoint_view *v)
+{
+    return v->healthy && !v->not_up && !v->draining;
+}
+
 static size_t count_auth_failed_locked(const struct tdm_router_endpoints *reg)
 {
     size_t n = 0;
@@ -1304,14 +1313,18 @@ void tdm_router_endpoints_lock_entries(struct tdm_router_endpoints *reg,
 
 // A report's load, timestamped now (under mu): it shows every request the
 // router sent before it, so none is unreported any more, and it answers the
-// load poller's queries.
-static void take_load_locked(struct endpoint *e, const struct tdm_router_load *load)
+// load poller's queries. A first one makes a worker not up ready.
+static void take_load_locked(struct tdm_router_endpoints *reg, struct endpoint *e,
+                             const struct tdm_router_load *load)
 {
+    bool first = !e->has_load;
     e->load = *load;
     e->load_at = tdm_now();
     e->has_load = true;
     e->sent_since_report = 0;
     e->q_first = e->q_second = 0;
+    if (first)
+        update_ready_gauges(reg);
 }
 
 int tdm_router_endpoints_set_load(struct tdm_router_endpoints *reg, uint64_t id,
@@ -1320,7 +1333,7 @@ int tdm_router_endpoints_set_load(struct tdm_router_endpoints *reg, uint64_t id,
     reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
     if (e)
-        take_load_locked(e, load);
+        take_load_locked(reg, e, load);
     pthread_mutex_unlock(&reg->mu);
     return e ? TDM_OK : TDM_ENOTFOUND;
 }
@@ -1336,7 +1349,7 @@ int tdm_router_endpoints_on_report(struct tdm_router_endpoints *reg, uint64_t id
         re = r->instance != 0 && e->instance != 0 && e->instance != r->instance;
         if (r->instance != 0)
             e->instance = r->instance;
-        take_load_locked(e, &r->load);
+        take_load_locked(reg, e, &r->load);
         if (re)
             lru_fini(&e->lru); // a new process: its prefix cache is empty
         if (r->has_kv_events) {
@@ -1473,8 +1486,10 @@ void tdm_router_endpoints_set_link_down(struct tdm_router_endpoints *reg, uint64
 {
     reg_lock(reg, ENTRY_OTHER);
     struct endpoint *e = find_by_id(reg, id);
-    if (e)
+    if (e && e->link_down != down) {
         e->link_down = down;
+        update_ready_gauges(reg);
+    }
     pthread_mutex_unlock(&reg->mu);
 }
 

@@ -114,6 +114,13 @@ struct tdm_router_endpoint_view {
 // from and lost is judged by its health and liveness instead.
 bool tdm_router_endpoint_not_up(double heard_at, bool link_down);
 
+// Whether a policy may pick the endpoint (its role and the profile's filters
+// aside): healthy, up (not the view's not_up) and not draining. The one
+// predicate behind both the routing filter (policy.c) and the gauge
+// tandem:router_ready_endpoints{role}, which counts the endpoints of each role
+// for which it holds.
+bool tdm_router_endpoint_ready(const struct tdm_router_endpoint_view *v);
+
 // What a policy scores: endpoints in registry order (stable: by id).
 struct tdm_router_snapshot {
     struct tdm_router_endpoint_view *eps; // [n]

@@ -52,8 +52,8 @@ static const struct tdm_router_plugin *ref_plugin(const struct run *r, size_t i)
 }
 
 // Role, health and readiness first (an unhealthy endpoint, or one not up:
-// never heard from with its control link down, is never picked), then the
-// profile's filters in order.
+// never heard from with its control link down, is never picked:
+// tdm_router_endpoint_ready), then the profile's filters in order.
 static void run_filters(struct run *r, bool decode, size_t exclude, bool *fail_open)
 {
     const struct tdm_router_snapshot *snap = r->snap;
@@ -64,7 +64,7 @@ static void run_filters(struct run *r, bool decode, size_t exclude, bool *fail_o
     r->nc = 0;
     for (size_t i = 0; i < n; i++) {
         const struct tdm_router_endpoint_view *e = &snap->eps[i];
-        if (i != exclude && e->healthy && !e->not_up && !e->draining && role_fits(decode, e->role))
+        if (i != exclude && tdm_router_endpoint_ready(e) && role_fits(decode, e->role))
             r->cand[r->nc++] = i;
     }
     for (size_t f = 0; f < r->pr->n_refs && r->nc > 0; f++) {

@@ -8,14 +8,14 @@
 //
 // Per profile (llm-d's scheduling cycle): candidates are the snapshot's
 // endpoints whose role fits the profile (decode profile: role can decode;
-// prefill profile: role can prefill), healthy ones that are up only (not the
-// view's not_up: never heard from, control link down; when none is left, none
-// is picked), then the profile's filters in order (utilization-detector
-// drops saturated endpoints, stale load counting as saturated, and keeps all
-// when it would drop all: fail-open), then every scorer gives each candidate a
-// score in [0, 1] (the queue scorers count the requests the router sent since
-// the endpoint's last report: endpoints.h, `unreported`), the total is the
-// weighted sum, and the picker chooses:
+// prefill profile: role can prefill), healthy ones that are up only
+// (tdm_router_endpoint_ready; not the view's not_up: never heard from, control
+// link down; when none is left, none is picked), then the profile's filters in
+// order (utilization-detector drops saturated endpoints, stale load counting
+// as saturated, and keeps all when it would drop all: fail-open), then every
+// scorer gives each candidate a score in [0, 1] (the queue scorers count the
+// requests the router sent since the endpoint's last report: endpoints.h,
+// `unreported`), the total is the weighted sum, and the picker chooses:
 // max-score (ties broken uniformly at random: llm-d-router#2515), random,
 // weighted-random, or round-robin.
 //

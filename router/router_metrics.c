@@ -83,7 +83,9 @@ static const struct family families[] = {
      "health_check (its checks fail); all 0 while healthy.",
      l_ep_role_reason, NULL},
     {FAMILY_GAUGE, FIELD(ready_endpoints), "tandem:router_ready_endpoints",
-     "Healthy endpoints that take new requests, by role.", l_role, NULL},
+     "Endpoints the router can pick, by role: healthy, up (heard from, or its control-plane "
+     "link not down) and not draining.",
+     l_role, NULL},
     {FAMILY_GAUGE, FIELD(inflight), "tandem:router_inflight_requests",
      "Requests the router is handling now.", NULL, NULL},
     {FAMILY_HISTOGRAM, FIELD(ttft), "tandem:router_time_to_first_token_seconds",

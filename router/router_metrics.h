@@ -37,7 +37,8 @@ struct tdm_router_metrics {
     struct tdm_metrics_gauge *endpoint_healthy;
     // tandem:router_endpoint_unhealthy_reason{endpoint,role,reason="auth|starting|health_check"}
     struct tdm_metrics_gauge *endpoint_unhealthy;
-    // tandem:router_ready_endpoints{role="prefill|decode"} healthy, not draining
+    // tandem:router_ready_endpoints{role="prefill|decode"} the endpoints a policy can
+    // pick: healthy, up, not draining (endpoints.h, tdm_router_endpoint_ready)
     struct tdm_metrics_gauge *ready_endpoints;
     struct tdm_metrics_gauge *ready_prefill;
     struct tdm_metrics_gauge *ready_decode;
