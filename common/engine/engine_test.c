@@ -1898,7 +1898,12 @@ static void test_kv_events(void **state)
 }
 
 // ---- speculative decoding ------------------------------------------------------------------
-static struct tdm_engine *engine_make_spec(int num_blocks, int budget, int max_seqs, int k,
+// An engine on m (the shared CPU model, or a device one) speculating k tokens
+// from n-gram lookups of 1 to 3 tokens. host_sampling keeps verification on
+// the host on a device backend (engine.h); sm: the spec counters to update,
+// NULL for none.
+static struct tdm_engine *engine_make_spec(struct tdm_model *m, int num_blocks, int budget,
+                                           int max_seqs, int k, bool host_sampling,
                                            struct tdm_metrics_spec *sm)
 {
     struct tdm_engine_config c;
@@ -1912,7 +1917,8 @@ static struct tdm_engine *engine_make_spec(int num_blocks, int budget, int max_s
     c.spec.prompt_lookup_max = 3;
     c.spec.prompt_lookup_min = 1;
     c.spec_metrics = sm;
-    int rc = tdm_engine_new(&e, model, &c, err, sizeof err);
+    c.host_sampling = host_sampling;
+    int rc = tdm_engine_new(&e, m, &c, err, sizeof err);
     if (rc != TDM_OK)
         fprintf(stderr, "engine: %s\n", err);
     assert_int_equal(rc, TDM_OK);
@@ -2078,7 +2084,7 @@ static void test_spec_matches_runner(void **state)
     }
     for (int mode = 0; mode < 2; mode++) {
         // mode 0: one request at a time; mode 1: all together, budget 24.
-        struct tdm_engine *e = engine_make_spec(256, mode ? 24 : 256, 16, 4, NULL);
+        struct tdm_engine *e = engine_make_spec(model, 256, mode ? 24 : 256, 16, 4, false, NULL);
         struct tdm_engine_request *rs[SPEC_N];
         for (int i = 0; i < SPEC_N; i++) {
             int32_t got[SPEC_MAXTOK];
@@ -2123,21 +2129,10 @@ static void test_spec_matches_runner(void **state)
 static void test_device_spec_verify(void **state)
 {
     (void)state;
-    char err[256];
     struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
-    struct tdm_engine *eng[2] = {NULL, NULL}; // 0: host verification, 1: on the device
-    for (int d = 0; d < 2; d++) {
-        struct tdm_engine_config c;
-        tdm_engine_config_default(&c);
-        c.num_blocks = 128;
-        c.max_num_batched_tokens = 64;
-        c.max_num_seqs = 8;
-        c.spec.num_speculative_tokens = 4;
-        c.spec.prompt_lookup_max = 3;
-        c.spec.prompt_lookup_min = 1;
-        c.host_sampling = d == 0;
-        assert_int_equal(tdm_engine_new(&eng[d], dm, &c, err, sizeof err), TDM_OK);
-    }
+    struct tdm_engine *eng[2]; // 0: host verification, 1: on the device
+    for (int d = 0; d < 2; d++)
+        eng[d] = engine_make_spec(dm, 128, 64, 8, 4, d == 0, NULL);
     int accepted = 0;
     for (int i = 0; i < SPEC_N; i++) {
         int32_t prompt[48], got[2][SPEC_MAXTOK];
@@ -2204,7 +2199,7 @@ static void test_spec_metrics(void **state)
     char err[256];
     assert_int_equal(tdm_metrics_registry_new(&reg, NULL, 0, err, sizeof err), TDM_OK);
     assert_int_equal(tdm_metrics_spec_register(&sm, reg, "tiny", "0", 4, err, sizeof err), TDM_OK);
-    struct tdm_engine *e = engine_make_spec(128, 64, 4, 4, &sm);
+    struct tdm_engine *e = engine_make_spec(model, 128, 64, 4, 4, false, &sm);
     struct tdm_sampling_params sp;
     spec_params(0, &sp); // greedy: loops, so drafts are accepted
     int32_t prompt[48], got[64];
