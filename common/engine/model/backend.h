@@ -236,26 +236,38 @@ struct tdm_backend_ops {
     // memory. TDM_OK or TDM_ENOMEM.
     int (*matmul_argmax)(struct tdm_backend *be, const struct tdm_weight *w, const float *bias,
                          const float *x, int n, int32_t *ids);
-    // Optional, for a backend whose memory is a device's: ids[i] (host) = the
+    // Optional, for a backend whose memory is a device's: chosen ids[i] = the
     // index of the first largest of x[i][0..cols) (device rows, as matmul wrote
     // them), by the same rule, i < n: the greedy rows' logits stay on the
-    // device and only their ids come back. Waits for the stream; TDM_OK or the
-    // backend's error.
-    int (*argmax_rows)(struct tdm_backend *be, const float *x, int n, int cols, int32_t *ids);
-    // Optional, for a backend whose memory is a device's: ids[i] (host) = the
+    // device and only their ids come back, through take_results. Ends the
+    // forward without a wait; TDM_OK or the backend's error.
+    int (*argmax_rows)(struct tdm_backend *be, const float *x, int n, int cols);
+    // Optional, for a backend whose memory is a device's: chosen ids[i] = the
     // token sample_draw.h's draw takes from x[i][0..cols) (device rows, as
     // matmul wrote them; overwritten) after the adjustments adj[params[i].
     // adj_off ..][0..n_adj) (host, n_adj entries in all) and the mask
     // masks[params[i].mask_off ..][0..n_mask_words) (host, mask_words words in
     // all), with params[i] (host), i < n: the same token the CPU sampler draws
     // from the same row, masked alike (inv_t 0: argmax_rows'). A row whose
-    // params ask logprobs also gets lp[i] (host): the CPU sampler's logprobs
-    // of the same row (tdm_draw_logprobs); other entries are not written.
-    // Waits for the stream; TDM_OK or the backend's error.
+    // params ask logprobs also gets its logprobs: the CPU sampler's of the same
+    // row (tdm_draw_logprobs). Both come through take_results. Ends the
+    // forward without a wait (the host arrays may be reused on return); TDM_OK
+    // or the backend's error.
     int (*sample_rows)(struct tdm_backend *be, float *x, int n, int cols,
                        const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                       int n_adj, const uint32_t *masks, size_t mask_words, int32_t *ids,
-                       struct tdm_draw_logprobs *lp);
+                       int n_adj, const uint32_t *masks, size_t mask_words);
+    // With argmax_rows and sample_rows: the oldest of their results not yet
+    // taken (two forwards may be in flight; a third's are refused), once the
+    // device has them: ids[n] (host) and, for each row i whose params asked,
+    // lp[i] (host; other entries are not written). Waits for that forward
+    // only, not for one issued after it. TDM_OK or the backend's error.
+    int (*take_results)(struct tdm_backend *be, int32_t *ids, struct tdm_draw_logprobs *lp);
+    // With argmax_rows: ids[pairs[2i]] (device, a forward's token ids) = the
+    // chosen id pairs[2i + 1] of the last argmax_rows or sample_rows issued,
+    // i < n (pairs: host), read on the device in stream order: the token a
+    // step feeds back need not have reached the host. TDM_OK or the backend's
+    // error.
+    int (*gather_ids)(struct tdm_backend *be, int32_t *ids, const int32_t *pairs, int n);
 };
 
 // The backend called `name`: "cpu" (built in), one a test registered, else

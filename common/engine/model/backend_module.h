@@ -27,8 +27,8 @@
 #include <stdint.h>
 
 #define TDM_BACKEND_MODULE_API                                                                     \
-    4 // 2: set_batch_invariant; 3: matmul_runs (struct tdm_backend_ops);
-      // 4: sample_rows returns logprobs
+    5 // 2: set_batch_invariant; 3: matmul_runs (struct tdm_backend_ops);
+      // 4: sample_rows returns logprobs; 5: take_results, gather_ids
 #define TDM_BACKEND_MODULE_INIT_SYMBOL "tdm_backend_module_init"
 
 struct tdm_backend_ops;

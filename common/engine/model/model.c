@@ -105,6 +105,20 @@ struct tdm_model {
     size_t mask_cap;
     void (*choose_hook)(void *arg); // tdm_model_set_choose_hook
     void *choose_arg;
+    // Forwards in flight on a device backend (tdm_model_forward_issue), oldest
+    // first from fl_head: each one's chosen rows' destinations ([2][T]), until
+    // tdm_model_forward_wait takes its results.
+    struct chosen_dest {
+        int32_t *tok;
+        struct tdm_draw_logprobs *lp; // NULL: the row asked none
+    } * dest[2];
+    int dest_n[2];
+    int fl_head, n_inflight;
+    // The last forward issued: its chosen rows (the bound of a from_prev row's
+    // prev_row; 0 after a forward without them or a failed one). A host-memory
+    // backend's are in chosen_ids until the next forward's head.
+    int last_chosen;
+    int32_t *gpairs;            // [2 * max_batch_seqs] (row, prev_row) of the from_prev rows
     int pad_table[1];           // block table of a graph bucket's padding rows (block 0, read only)
 
     // Packed-weight cache (weight_cache.h). wcache: the mapped entry the
@@ -538,6 +552,9 @@ void tdm_model_free(struct tdm_model *m)
     free(m->chosen_ids);
     free(m->draw);
     free(m->chosen_lp);
+    free(m->dest[0]);
+    free(m->dest[1]);
+    free(m->gpairs);
     free(m->adj);
     free(m->masks);
     free(m);
@@ -890,6 +907,9 @@ static int model_alloc_activations(struct tdm_model *m, char *err, size_t errlen
     m->chosen_ids = calloc(T, sizeof *m->chosen_ids);
     m->draw = calloc(T, sizeof *m->draw);
     m->chosen_lp = calloc(T, sizeof *m->chosen_lp);
+    m->dest[0] = calloc(T, sizeof *m->dest[0]);
+    m->dest[1] = calloc(T, sizeof *m->dest[1]);
+    m->gpairs = calloc(2 * (size_t)m->opts.max_batch_seqs, sizeof *m->gpairs);
     if (m->ops->host_memory) {
         m->ids_be = m->ids;
         m->pos_be = m->pos;
@@ -900,7 +920,8 @@ static int model_alloc_activations(struct tdm_model *m, char *err, size_t errlen
     }
     if (!m->x || !m->h || !m->d || !m->qkv || !m->attn || !m->gate_up || !m->act || !m->pos ||
         !m->ids || !m->aseqs || !m->runs || !m->chosen_ids || !m->draw || !m->chosen_lp ||
-        !m->ids_be || !m->pos_be || (!m->ops->host_memory && !m->logits_be))
+        !m->dest[0] || !m->dest[1] || !m->gpairs || !m->ids_be || !m->pos_be ||
+        (!m->ops->host_memory && !m->logits_be))
         return tdm_seterr(err, errlen, TDM_ENOMEM,
                           "model: out of memory for activations of %zu tokens", T);
     return TDM_OK;
@@ -994,7 +1015,11 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
             return TDM_EINVAL;
         if (q->start_pos > c->max_position_embeddings - q->n_tokens)
             return TDM_EINVAL;
-        for (int i = 0; i < q->n_tokens; i++)
+        // A from_prev row's tokens[0] is the last forward's chosen token.
+        if (q->from_prev && (q->prev_row < 0 || q->prev_row >= m->last_chosen ||
+                             (!m->ops->host_memory && m->ops->gather_ids == NULL)))
+            return TDM_EINVAL;
+        for (int i = q->from_prev ? 1 : 0; i < q->n_tokens; i++)
             if (q->tokens[i] < 0 || q->tokens[i] >= c->vocab_size)
                 return TDM_EINVAL;
         int nblocks = (q->start_pos + q->n_tokens + kc->block_size - 1) / kc->block_size;
@@ -1091,17 +1116,30 @@ static const struct tdm_draw_params *row_draw(const struct tdm_batch_seq *q, int
                                             : NULL;
 }
 
-// The chosen rows' tokens (batch order of the ARGMAX, SAMPLE and DRAW_ALL
-// rows) to their sequences, with the logprobs of the rows that asked.
-static void scatter_chosen(struct tdm_model *m, const struct tdm_batch_seq *seqs, int n_seqs)
+// Where the chosen rows' tokens go (batch order of the ARGMAX, SAMPLE and
+// DRAW_ALL rows), with the logprobs of the rows that asked: out[k] for chosen
+// row k; returns their count.
+static int chosen_dests(const struct tdm_batch_seq *seqs, int n_seqs, struct chosen_dest *out)
 {
-    for (int s = 0, k = 0; s < n_seqs; s++)
+    int k = 0;
+    for (int s = 0; s < n_seqs; s++)
         for (int i = 0; i < chosen_rows(&seqs[s]); i++, k++) {
             const struct tdm_draw_params *d = row_draw(&seqs[s], i);
-            if (d && d->logprobs)
-                seqs[s].logprobs_out[i] = m->chosen_lp[k];
-            seqs[s].token_out[i] = m->chosen_ids[k];
+            out[k] = (struct chosen_dest){.tok = seqs[s].token_out + i,
+                                          .lp = d && d->logprobs ? seqs[s].logprobs_out + i : NULL};
         }
+    return k;
+}
+
+// The chosen rows' tokens and asked logprobs (chosen_ids, chosen_lp) to their
+// destinations.
+static void scatter_chosen(struct tdm_model *m, const struct chosen_dest *dest, int n)
+{
+    for (int k = 0; k < n; k++) {
+        if (dest[k].lp)
+            *dest[k].lp = m->chosen_lp[k];
+        *dest[k].tok = m->chosen_ids[k];
+    }
 }
 
 // One forward's shape: its rows, the head's rows and how it runs.
@@ -1112,6 +1150,7 @@ struct fwd_plan {
     int n_logit_real; // logits rows the caller gets
     int n_chosen;     // ARGMAX and SAMPLE rows
     int n_runs;       // m->runs: the rows by GEMM class (a backend with matmul_runs)
+    int n_gather;     // m->gpairs: from_prev rows whose token the device fills in
     bool any_prompt;  // some row is a prompt row, on a backend with matmul_runs
     bool any_hook;    // a sequence has an on_layer hook
     bool in_order;    // the head's rows are the batch's rows in order
@@ -1143,6 +1182,7 @@ static bool pack_rows(struct tdm_model *m, const struct tdm_batch_seq *seqs, int
     int row = 0;
     bool all_decode = true;
     pl->n_runs = 0;
+    pl->n_gather = 0;
     pl->any_prompt = false;
     for (int s = 0; s < n_seqs; s++) {
         const struct tdm_batch_seq *q = &seqs[s];
@@ -1159,6 +1199,14 @@ static bool pack_rows(struct tdm_model *m, const struct tdm_batch_seq *seqs, int
                                             .block_table = q->block_table};
         for (int i = 0; i < q->n_tokens; i++) {
             m->ids[row] = q->tokens[i];
+            if (i == 0 && q->from_prev && m->ops->host_memory) {
+                m->ids[row] = m->chosen_ids[q->prev_row]; // the last forward's, at its end
+            } else if (i == 0 && q->from_prev) {
+                m->ids[row] = 0; // gathered on the device once uploaded
+                m->gpairs[2 * pl->n_gather] = row;
+                m->gpairs[2 * pl->n_gather + 1] = q->prev_row;
+                pl->n_gather++;
+            }
             m->pos[row] = q->start_pos + i;
             row++;
         }
@@ -1341,7 +1389,7 @@ static int forward_head(struct tdm_model *m, const struct tdm_batch_seq *seqs, i
             if ((rc = ops->matmul_argmax(be, head, NULL, m->h + (size_t)n_logit_rows * hidden,
                                          n_chosen, m->chosen_ids)) != TDM_OK)
                 return rc;
-            scatter_chosen(m, seqs, n_seqs);
+            scatter_chosen(m, m->dest[0], chosen_dests(seqs, n_seqs, m->dest[0]));
         }
         if (n_logit_rows > 0)
             ops->matmul(be, head, NULL, m->h, logits, n_logit_rows);
@@ -1418,11 +1466,14 @@ static int forward_chosen(struct tdm_model *m, const struct tdm_batch_seq *seqs,
             }
         }
     rc = any_draw ? ops->sample_rows(be, rows, pl->n_chosen, vocab, m->draw, m->adj, n_adj,
-                                     m->masks, mask_words, m->chosen_ids, m->chosen_lp)
-                  : ops->argmax_rows(be, rows, pl->n_chosen, vocab, m->chosen_ids);
+                                     m->masks, mask_words)
+                  : ops->argmax_rows(be, rows, pl->n_chosen, vocab);
     if (rc != TDM_OK)
         return rc;
-    scatter_chosen(m, seqs, n_seqs);
+    // In flight until tdm_model_forward_wait takes its tokens.
+    int slot = (m->fl_head + m->n_inflight) % 2;
+    m->dest_n[slot] = chosen_dests(seqs, n_seqs, m->dest[slot]);
+    m->n_inflight++;
     return TDM_OK;
 }
 
@@ -1449,10 +1500,12 @@ static int forward_finish(struct tdm_model *m, const struct tdm_batch_seq *seqs,
     return TDM_OK;
 }
 
-int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
-                      const struct tdm_batch_seq *seqs, int n_seqs, float *logits)
+// Issues one forward; *issued: some of its work reached the backend.
+static int forward_issue(struct tdm_model *m, struct tdm_kv_cache *kv,
+                         const struct tdm_batch_seq *seqs, int n_seqs, float *logits, bool *issued)
 {
-    if (m == NULL || kv == NULL)
+    *issued = false;
+    if (m == NULL || kv == NULL || m->n_inflight >= 2)
         return TDM_EINVAL;
     struct fwd_plan pl;
     int rc = validate_batch(m, kv, seqs, n_seqs, &pl.n, &pl.n_logit_rows, &pl.n_chosen);
@@ -1465,9 +1518,13 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
     struct tdm_backend *be = m->be;
     bool all_decode = pack_rows(m, seqs, n_seqs, &pl);
     plan_forward(m, seqs, n_seqs, all_decode, &pl);
+    *issued = true;
+    m->last_chosen = 0;
     if (!ops->host_memory) {
         if ((rc = ops->upload(be, m->ids_be, m->ids, (size_t)pl.n * sizeof(int32_t))) != TDM_OK ||
-            (rc = ops->upload(be, m->pos_be, m->pos, (size_t)pl.n * sizeof(int32_t))) != TDM_OK)
+            (rc = ops->upload(be, m->pos_be, m->pos, (size_t)pl.n * sizeof(int32_t))) != TDM_OK ||
+            (pl.n_gather > 0 &&
+             (rc = ops->gather_ids(be, m->ids_be, m->gpairs, pl.n_gather)) != TDM_OK))
             return rc;
     }
     bool replay = false;
@@ -1485,9 +1542,69 @@ int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
             return rc;
         if (pl.n_logit_rows == 0 && pl.n_chosen == 0)
             return ops->sync ? ops->sync(be) : TDM_OK; // x's last residual add is never read
-        if ((rc = forward_head(m, seqs, n_seqs, &pl, pending, logits)) != TDM_OK ||
-            ops->host_memory)
+        if ((rc = forward_head(m, seqs, n_seqs, &pl, pending, logits)) != TDM_OK)
             return rc;
+        if (ops->host_memory) {
+            m->last_chosen = pl.n_chosen;
+            return TDM_OK;
+        }
     }
-    return forward_finish(m, seqs, n_seqs, &pl, logits);
+    if ((rc = forward_finish(m, seqs, n_seqs, &pl, logits)) == TDM_OK)
+        m->last_chosen = pl.n_chosen;
+    return rc;
+}
+
+// Takes the oldest forward in flight's tokens to their destinations.
+static int forward_take(struct tdm_model *m)
+{
+    int slot = m->fl_head;
+    m->fl_head = (m->fl_head + 1) % 2;
+    m->n_inflight--;
+    int rc = m->ops->take_results(m->be, m->chosen_ids, m->chosen_lp);
+    if (rc == TDM_OK)
+        scatter_chosen(m, m->dest[slot], m->dest_n[slot]);
+    return rc;
+}
+
+int tdm_model_forward_issue(struct tdm_model *m, struct tdm_kv_cache *kv,
+                            const struct tdm_batch_seq *seqs, int n_seqs, float *logits)
+{
+    bool issued;
+    int rc = forward_issue(m, kv, seqs, n_seqs, logits, &issued);
+    if (rc != TDM_OK && issued) {
+        // Every forward in flight ends with the failed one: the device idle,
+        // their results taken and dropped (the backend's error reported once).
+        if (m->ops->sync)
+            (void)m->ops->sync(m->be);
+        while (m->n_inflight > 0)
+            (void)forward_take(m);
+        m->last_chosen = 0;
+    }
+    return rc;
+}
+
+int tdm_model_forward_wait(struct tdm_model *m)
+{
+    if (m == NULL)
+        return TDM_EINVAL;
+    if (m->n_inflight == 0)
+        return TDM_OK;
+    int rc = forward_take(m);
+    if (rc != TDM_OK)
+        m->last_chosen = 0;
+    return rc;
+}
+
+int tdm_model_forward_pending(const struct tdm_model *m)
+{
+    return m ? m->n_inflight : 0;
+}
+
+int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
+                      const struct tdm_batch_seq *seqs, int n_seqs, float *logits)
+{
+    int rc = tdm_model_forward_issue(m, kv, seqs, n_seqs, logits);
+    while (rc == TDM_OK && m->n_inflight > 0)
+        rc = tdm_model_forward_wait(m);
+    return rc;
 }

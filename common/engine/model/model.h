@@ -187,6 +187,15 @@ struct tdm_batch_seq {
     // SAMPLE with draw->logprobs: where the row's logprobs go (host), the CPU
     // sampler's for the same row (tdm_sampler_draw_logprobs makes its result).
     struct tdm_draw_logprobs *logprobs_out;
+    // from_prev: tokens[0] is not read; the row's token is the one chosen for
+    // chosen row prev_row (batch order of the ARGMAX, SAMPLE and DRAW_ALL
+    // rows, as their token_out are written) of the forward issued last before
+    // this one, which had it (TDM_EINVAL otherwise). On a device it is taken
+    // where that forward left it, so it need not have reached the host yet:
+    // step N + 1 issued before step N's tokens are known (vLLM's async
+    // scheduling, SGLang's overlap scheduler).
+    bool from_prev;
+    int prev_row;
 };
 
 // fn(arg) runs in every tdm_model_forward that chooses tokens on the device
@@ -216,5 +225,24 @@ void tdm_model_host_parallel(struct tdm_model *m, void (*fn)(void *arg, int tid,
 
 int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
                       const struct tdm_batch_seq *seqs, int n_seqs, float *logits);
+
+// A forward in two halves (issue 26 item 1: the host's work for step N + 1
+// beside the device's step N). tdm_model_forward_issue issues it as
+// tdm_model_forward runs it, and on a device backend returns without waiting
+// when its chosen rows' tokens (ARGMAX, SAMPLE, DRAW_ALL) are all it brings
+// back: they, and their logprobs, are written by the tdm_model_forward_wait
+// that takes it (their destinations, and everything the seqs point to that the
+// forward reads, must stay valid until then; the host may reuse the rest on
+// return). Anything else (LAST and ALL logits rows, KV written for a push
+// hook) is done on return, as is every forward on a host-memory backend.
+// At most two forwards are in flight (a third issue: TDM_EINVAL). A failed
+// issue ends every forward in flight with it: their tokens are not written.
+int tdm_model_forward_issue(struct tdm_model *m, struct tdm_kv_cache *kv,
+                            const struct tdm_batch_seq *seqs, int n_seqs, float *logits);
+// Waits for the oldest forward in flight and writes its tokens; TDM_OK
+// at once when none is. Its error, or TDM_OK.
+int tdm_model_forward_wait(struct tdm_model *m);
+// Forwards in flight (0, 1 or 2).
+int tdm_model_forward_pending(const struct tdm_model *m);
 
 #endif

@@ -76,24 +76,43 @@ struct tdm_backend {
     struct dev_buf sadj;    // their struct tdm_draw_adj entries, device
     struct dev_buf smask;   // their structured-output masks, device
     // Rows asking logprobs: their indices, then their struct tdm_draw_logprobs
-    // (device), and the host list of the indices ([lp_cap]).
+    // (device).
     struct dev_buf slp;
-    int32_t *h_lp_rows;
-    int lp_cap;
-    // Pinned staging of a step's small host -> device copies (token ids,
-    // positions, the attention metadata, the draws' parameters, adjustments,
-    // masks and logprob rows; upload_async): each takes the next free bytes
-    // and is issued without a wait, so a step's only wait is the one at its
-    // end that brings its results back (issue 26 item 1: the host's round
-    // trips). The bytes are free again once the host has waited for the whole
-    // stream (stream_idle); a step bigger than the staging waits once and
-    // grows it.
-    uint8_t *stage;
-    size_t stage_cap, stage_used;
-    // Pinned landing of the chosen rows' ids and logprobs, read after the
-    // wait that ends the step.
-    uint8_t *h_out;
-    size_t cap_out;
+    struct dev_buf gpairs; // gather_ids' (row, chosen index) pairs, device
+    // Two forwards may be in flight (issue 26 item 1: the host issues step
+    // N + 1 while the device runs step N), each with an inflight slot:
+    // - its pinned staging of the small host -> device copies (token ids,
+    //   positions, the attention metadata, the draws' parameters,
+    //   adjustments, masks and logprob rows; upload_async): each takes the
+    //   next free bytes and is issued without a wait;
+    // - the pinned landing of its chosen rows' ids and logprobs, copied there
+    //   by results_issue, and the host list of its rows asking logprobs;
+    // - an event recorded after those copies: the slot's staging is free and
+    //   its results have landed once the device passed it.
+    // results_issue ends the current slot's forward and moves on to the
+    // other slot (waiting for its event if the host has not, before its
+    // staging is written again); take_results waits for the oldest slot's
+    // results. A full wait for the stream frees both (stream_idle).
+    struct inflight {
+        uint8_t *stage;
+        size_t stage_cap, stage_used;
+        bool fenced; // stage still read by copies before `event`
+        uint8_t *land;
+        size_t land_cap;
+        int32_t *lp_rows;
+        int lp_cap;
+        int n, n_lp;  // results: rows, rows asking logprobs
+        bool pending; // results issued, not taken
+        bool landed;  // ... and known to have landed (a full wait since)
+        size_t lp_at; // the logprobs' offset in land
+        void *event;
+    } fl[2];
+    int fl_cur;  // the slot of the forward being issued
+    int fl_head; // the oldest slot with pending results
+    // Device buffers replaced by a growth, freed at the next full wait
+    // (be_buf_grow).
+    void **grave;
+    int n_grave, cap_grave;
     // begin_forward's staging: host copies, and their device twins.
     int n_rows, n_seqs;                                  // of the staged forward
     int32_t *h_slots;                                    // [cap_rows] flat KV slot of each new row
@@ -149,10 +168,11 @@ static void launch_check(struct tdm_backend *be, int cuk_rc)
              tdm_cuk_errmsg());
 }
 
-// Grows b to at least bytes, by doubling (contents are not kept; the old
-// buffer must be idle). 1 when it grew, 0 when it was large enough, -1 when
-// out of device memory.
-static int dev_buf_grow(struct tdm_cuda_dev *dev, struct dev_buf *b, size_t bytes)
+// Grows b to at least bytes, by doubling (contents are not kept). The old
+// buffer is freed when old is NULL (it must be idle), else handed back in
+// *old. 1 when it grew, 0 when it was large enough, -1 when out of device
+// memory.
+static int dev_buf_grow(struct tdm_cuda_dev *dev, struct dev_buf *b, size_t bytes, void **old)
 {
     if (b->bytes >= bytes)
         return 0;
@@ -162,17 +182,48 @@ static int dev_buf_grow(struct tdm_cuda_dev *dev, struct dev_buf *b, size_t byte
     void *p = tdm_cuda_dev_alloc(dev, want);
     if (p == NULL)
         return -1;
-    tdm_cuda_dev_free(dev, b->p);
+    if (old)
+        *old = b->p;
+    else
+        tdm_cuda_dev_free(dev, b->p);
     b->p = p;
     b->bytes = want;
     return 1;
+}
+
+static int stream_wait(struct tdm_backend *be, const char *what);
+static void stream_idle(struct tdm_backend *be);
+
+// A backend buffer grown: the old one may still be read by work in flight
+// (a forward issued before, whose results are not taken), so it is freed
+// once the host has waited for the whole stream (stream_idle) rather than
+// now; growth is by doubling, so what waits is less than what is held.
+static int be_buf_grow(struct tdm_backend *be, struct dev_buf *b, size_t bytes)
+{
+    void *old = NULL;
+    int g = dev_buf_grow(be->dev, b, bytes, &old);
+    if (old == NULL)
+        return g;
+    if (be->n_grave == be->cap_grave) {
+        int cap = be->cap_grave ? 2 * be->cap_grave : 8;
+        void **grown = realloc(be->grave, (size_t)cap * sizeof *grown);
+        if (grown == NULL) { // no room to defer it: wait, then free it now
+            (void)stream_wait(be, "grow: %s");
+            tdm_cuda_dev_free(be->dev, old);
+            return g;
+        }
+        be->grave = grown;
+        be->cap_grave = cap;
+    }
+    be->grave[be->n_grave++] = old;
+    return g;
 }
 
 // A backend buffer: growing it marks graphs that used the old one stale.
 // TDM_OK or TDM_ENOMEM.
 static int buf_reserve(struct tdm_backend *be, struct dev_buf *b, size_t bytes)
 {
-    int g = dev_buf_grow(be->dev, b, bytes);
+    int g = be_buf_grow(be, b, bytes);
     if (g > 0)
         be->gen++;
     return g < 0 ? TDM_ENOMEM : TDM_OK;
@@ -201,6 +252,16 @@ static int cuda_create(struct tdm_backend **out, int num_threads, int device, ch
     }
     be->stream = tdm_cuda_dev_stream(be->dev);
     be->graph_cur = -1;
+    for (int i = 0; i < 2; i++) {
+        if (tdm_cuda_dev_event_new(be->dev, &be->fl[i].event) != TDM_OK) {
+            tdm_seterr(err, errlen, TDM_EBACKEND, "cuda backend: %s", tdm_cuda_dev_errmsg(be->dev));
+            for (int j = 0; j < i; j++)
+                tdm_cuda_dev_event_free(be->dev, be->fl[j].event);
+            tdm_cuda_dev_close(be->dev);
+            free(be);
+            return TDM_EBACKEND;
+        }
+    }
     be->kv_type = TDM_CUK_KV_BF16;
     be->batch_invariant = true;
     const char *kvd = getenv("TANDEM_CUDA_KV_DTYPE");
@@ -224,6 +285,10 @@ static void cuda_destroy(struct tdm_backend *be)
 {
     if (be == NULL)
         return;
+    // Work in flight may still use the buffers, the staging and the landings.
+    (void)tdm_cuda_dev_sync(be->dev);
+    stream_idle(be);
+    free(be->grave);
     buf_free(be, &be->am_ids);
     buf_free(be, &be->am_part);
     buf_free(be, &be->gemv_part);
@@ -232,11 +297,13 @@ static void cuda_destroy(struct tdm_backend *be)
     buf_free(be, &be->sadj);
     buf_free(be, &be->smask);
     buf_free(be, &be->slp);
-    free(be->h_lp_rows);
-    if (be->stage_used > 0)
-        (void)tdm_cuda_dev_sync(be->dev); // copies may still read the staging
-    tdm_cuda_dev_host_free(be->dev, be->stage);
-    tdm_cuda_dev_host_free(be->dev, be->h_out);
+    buf_free(be, &be->gpairs);
+    for (int i = 0; i < 2; i++) {
+        free(be->fl[i].lp_rows);
+        tdm_cuda_dev_host_free(be->dev, be->fl[i].stage);
+        tdm_cuda_dev_host_free(be->dev, be->fl[i].land);
+        tdm_cuda_dev_event_free(be->dev, be->fl[i].event);
+    }
     for (int i = 0; i < TDM_CUDA_GRAPH_SLOTS; i++)
         tdm_cuda_dev_graph_free(be->dev, be->graphs[i].graph);
     buf_free(be, &be->d_meta);
@@ -292,10 +359,18 @@ static int take_err(struct tdm_backend *be)
 // larger ones (weights) wait for their copy.
 #define TDM_CUDA_STAGE_MAX ((size_t)4 << 20)
 
-// The host waited for everything issued on the stream: the staging is free.
+// The host waited for everything issued on the stream: both slots' staging
+// is free and their pending results have landed.
 static void stream_idle(struct tdm_backend *be)
 {
-    be->stage_used = 0;
+    for (int i = 0; i < be->n_grave; i++)
+        tdm_cuda_dev_free(be->dev, be->grave[i]);
+    be->n_grave = 0;
+    for (int i = 0; i < 2; i++) {
+        be->fl[i].stage_used = 0;
+        be->fl[i].fenced = false;
+        be->fl[i].landed = be->fl[i].pending;
+    }
 }
 
 // Waits for the stream (the copies and kernels issued so far).
@@ -309,18 +384,36 @@ static int stream_wait(struct tdm_backend *be, const char *what)
     return be->err;
 }
 
-// Pinned room for a copy of `bytes` (16-byte aligned), NULL (be->err set)
-// when the host is out of pinned memory or the stream failed. Full staging:
-// the host waits for the stream, after which all of it is free, and grows it
-// when one copy needs more.
+// The host waits for slot f's event: the copies from its staging and into
+// its landing are done.
+static int slot_wait(struct tdm_backend *be, struct inflight *f)
+{
+    if (tdm_cuda_dev_event_sync(be->dev, f->event) != TDM_OK) {
+        fail(be, TDM_EBACKEND, "wait: %s", tdm_cuda_dev_errmsg(be->dev));
+        return be->err;
+    }
+    f->stage_used = 0;
+    f->fenced = false;
+    f->landed = f->pending;
+    return be->err;
+}
+
+// Pinned room for a copy of `bytes` (16-byte aligned) in the current slot's
+// staging, NULL (be->err set) when the host is out of pinned memory or the
+// stream failed. Staging still read by the slot's last forward: the host
+// waits for its event first. Full staging: the host waits for the stream,
+// after which all of it is free, and grows it when one copy needs more.
 static void *stage_take(struct tdm_backend *be, size_t bytes)
 {
+    struct inflight *f = &be->fl[be->fl_cur];
     size_t need = (bytes + 15) / 16 * 16;
-    if (be->stage_used + need > be->stage_cap) {
-        if (be->stage_used > 0 && stream_wait(be, "upload: %s") != TDM_OK)
+    if (f->fenced && slot_wait(be, f) != TDM_OK)
+        return NULL;
+    if (f->stage_used + need > f->stage_cap) {
+        if (f->stage_used > 0 && stream_wait(be, "upload: %s") != TDM_OK)
             return NULL;
-        if (need > be->stage_cap) {
-            size_t want = be->stage_cap ? be->stage_cap : (size_t)64 << 10;
+        if (need > f->stage_cap) {
+            size_t want = f->stage_cap ? f->stage_cap : (size_t)64 << 10;
             while (want < need)
                 want *= 2;
             uint8_t *p = tdm_cuda_dev_host_alloc(be->dev, want);
@@ -328,13 +421,13 @@ static void *stage_take(struct tdm_backend *be, size_t bytes)
                 fail(be, TDM_ENOMEM, "upload: %s", "out of pinned host memory for the staging");
                 return NULL;
             }
-            tdm_cuda_dev_host_free(be->dev, be->stage);
-            be->stage = p;
-            be->stage_cap = want;
+            tdm_cuda_dev_host_free(be->dev, f->stage);
+            f->stage = p;
+            f->stage_cap = want;
         }
     }
-    void *r = be->stage + be->stage_used;
-    be->stage_used += need;
+    void *r = f->stage + f->stage_used;
+    f->stage_used += need;
     return r;
 }
 
@@ -373,35 +466,74 @@ static int cuda_download(struct tdm_backend *be, void *dst, const void *src, siz
     return take_err(be);
 }
 
-// The chosen rows' results: each (src, bytes) pair copied to the pinned
-// landing in order (16-byte aligned pieces), then the step's one wait; *out[i]
-// = where piece i landed. TDM_OK or the step's first error.
-static int download_results(struct tdm_backend *be, int n, const void *const *src,
-                            const size_t *bytes, const uint8_t **out)
+// Ends the current slot's forward: its n chosen rows' ids (device ids) and,
+// for its n_lp rows asking logprobs (listed in the slot's lp_rows), theirs
+// (device lp) are copied to the slot's landing without a wait, the slot's
+// event is recorded after them, and the next forward takes the other slot.
+// take_results brings them to the caller. TDM_OK or the step's first error.
+static int results_issue(struct tdm_backend *be, int n, const int32_t *ids, int n_lp,
+                         const struct tdm_draw_logprobs *lp)
 {
-    size_t total = 0;
-    for (int i = 0; i < n; i++)
-        total += (bytes[i] + 15) / 16 * 16;
-    if (total > be->cap_out) { // nothing lands in it now: the last step waited
+    struct inflight *f = &be->fl[be->fl_cur];
+    if (f->pending) { // the model takes each forward's results before a third
+        fail(be, TDM_EINVAL, "results: %s", "a third forward in flight");
+        return take_err(be);
+    }
+    size_t ids_bytes = ((size_t)n * sizeof(int32_t) + 15) / 16 * 16;
+    size_t total = ids_bytes + (size_t)n_lp * sizeof *lp;
+    if (total > f->land_cap) { // nothing lands in it now: its last results were taken
         uint8_t *p = tdm_cuda_dev_host_alloc(be->dev, total);
         if (p == NULL) {
             fail(be, TDM_ENOMEM, "download: %s", "out of pinned host memory for the results");
             return take_err(be);
         }
-        tdm_cuda_dev_host_free(be->dev, be->h_out);
-        be->h_out = p;
-        be->cap_out = total;
+        tdm_cuda_dev_host_free(be->dev, f->land);
+        f->land = p;
+        f->land_cap = total;
     }
-    size_t off = 0;
-    for (int i = 0; i < n && be->err == TDM_OK; i++) {
-        out[i] = be->h_out + off;
-        if (tdm_cuda_dev_d2h_async(be->dev, be->h_out + off, src[i], bytes[i]) != TDM_OK)
-            fail(be, TDM_EBACKEND, "download: %s", tdm_cuda_dev_errmsg(be->dev));
-        off += (bytes[i] + 15) / 16 * 16;
+    if (be->err == TDM_OK &&
+        (tdm_cuda_dev_d2h_async(be->dev, f->land, ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
+         (n_lp > 0 && tdm_cuda_dev_d2h_async(be->dev, f->land + ids_bytes, lp,
+                                             (size_t)n_lp * sizeof *lp) != TDM_OK) ||
+         tdm_cuda_dev_event_record(be->dev, f->event) != TDM_OK))
+        fail(be, TDM_EBACKEND, "download: %s", tdm_cuda_dev_errmsg(be->dev));
+    if (be->err != TDM_OK) {
+        // Nothing may still land in the landing when a later step grows it.
+        (void)tdm_cuda_dev_sync(be->dev);
+        stream_idle(be);
+        return take_err(be);
     }
-    // Waited even after a failed copy: nothing may still land in the landing
-    // when the next step grows it.
-    (void)stream_wait(be, "download: %s");
+    f->n = n;
+    f->n_lp = n_lp;
+    f->lp_at = ids_bytes;
+    f->pending = true;
+    f->landed = false;
+    f->fenced = true;
+    if (!be->fl[be->fl_cur ^ 1].pending)
+        be->fl_head = be->fl_cur;
+    be->fl_cur ^= 1;
+    return TDM_OK;
+}
+
+// The oldest pending results (argmax_rows, sample_rows), once landed: ids[n]
+// and lp[i] of each row i that asked logprobs.
+static int cuda_take_results(struct tdm_backend *be, int32_t *ids, struct tdm_draw_logprobs *lp)
+{
+    struct inflight *f = &be->fl[be->fl_head];
+    if (!f->pending) {
+        fail(be, TDM_EINVAL, "take_results: %s", "no results issued");
+        return take_err(be);
+    }
+    if (!f->landed && slot_wait(be, f) != TDM_OK) {
+        f->pending = false;
+        return take_err(be);
+    }
+    f->pending = f->landed = false;
+    be->fl_head ^= 1;
+    memcpy(ids, f->land, (size_t)f->n * sizeof(int32_t));
+    const struct tdm_draw_logprobs *dl = (const void *)(f->land + f->lp_at);
+    for (int j = 0; j < f->n_lp; j++)
+        lp[f->lp_rows[j]] = dl[j];
     return take_err(be);
 }
 
@@ -445,7 +577,7 @@ static int gemv_scratch_reserve(struct tdm_backend *be, int rows, int cols)
 {
     if (buf_reserve(be, &be->gemv_part, tdm_cuk_gemv_part_bytes(rows, cols)) != TDM_OK)
         return TDM_ENOMEM;
-    int g = dev_buf_grow(be->dev, &be->gemv_counts, tdm_cuk_gemv_count_bytes(rows, cols));
+    int g = be_buf_grow(be, &be->gemv_counts, tdm_cuk_gemv_count_bytes(rows, cols));
     if (g < 0)
         return TDM_ENOMEM;
     if (g > 0) {
@@ -561,7 +693,7 @@ static void cuda_matmul_runs(struct tdm_backend *be, const struct tdm_weight *w,
 // Greedy rows: their argmax on the device, and only the ids to the host (4
 // bytes a row instead of the vocabulary's logits: 39 MB a step at 64 rows of
 // 151 936). After the head GEMM, on the engine's thread, outside any capture.
-static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int cols, int32_t *ids)
+static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int cols)
 {
     if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
         buf_reserve(be, &be->am_part, tdm_cuk_argmax_scratch(n, cols) + 16) != TDM_OK) {
@@ -571,44 +703,41 @@ static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int c
     launch_check(be, tdm_cuk_argmax_rows(be->stream, x, n, cols, be->am_ids.p, be->am_part.p));
     if (be->err != TDM_OK)
         return take_err(be);
-    const void *src[1] = {be->am_ids.p};
-    size_t bytes[1] = {(size_t)n * sizeof(int32_t)};
-    const uint8_t *got[1];
-    int rc = download_results(be, 1, src, bytes, got);
-    if (rc == TDM_OK)
-        memcpy(ids, got[0], bytes[0]);
-    return rc;
+    return results_issue(be, n, be->am_ids.p, 0, NULL);
 }
 
 // Sampled rows (issue 26 item 1): drawn on the device by the CPU sampler's
 // draw, and only the ids to the host, as the greedy rows' argmax.
-// The list of the rows asking logprobs, for n rows.
-static int lp_reserve(struct tdm_backend *be, int n)
+// The current slot's list of the rows asking logprobs, for n rows.
+static int32_t *lp_rows_reserve(struct tdm_backend *be, int n)
 {
-    if (n <= be->lp_cap)
-        return TDM_OK;
-    int32_t *rows = realloc(be->h_lp_rows, (size_t)n * sizeof *rows);
-    if (rows == NULL)
-        return TDM_ENOMEM;
-    be->h_lp_rows = rows;
-    be->lp_cap = n;
-    return TDM_OK;
+    struct inflight *f = &be->fl[be->fl_cur];
+    if (n > f->lp_cap) {
+        int32_t *rows = realloc(f->lp_rows, (size_t)n * sizeof *rows);
+        if (rows == NULL)
+            return NULL;
+        f->lp_rows = rows;
+        f->lp_cap = n;
+    }
+    return f->lp_rows;
 }
 
 static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
                             const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
-                            int n_adj, const uint32_t *masks, size_t mask_words, int32_t *ids,
-                            struct tdm_draw_logprobs *lp)
+                            int n_adj, const uint32_t *masks, size_t mask_words)
 {
     size_t adj_bytes = (size_t)n_adj * sizeof *adj, mask_bytes = mask_words * sizeof *masks;
     int n_lp = 0;
-    if (lp_reserve(be, n) != TDM_OK) {
-        fail(be, TDM_ENOMEM, "sample: %s", "out of memory for the logprobs' staging");
+    int32_t *lp_rows = be->fl[be->fl_cur].pending ? NULL : lp_rows_reserve(be, n);
+    if (lp_rows == NULL) {
+        fail(be, be->fl[be->fl_cur].pending ? TDM_EINVAL : TDM_ENOMEM, "sample: %s",
+             be->fl[be->fl_cur].pending ? "a third forward in flight"
+                                        : "out of memory for the logprobs' staging");
         return take_err(be);
     }
     for (int i = 0; i < n; i++)
         if (params[i].logprobs)
-            be->h_lp_rows[n_lp++] = i;
+            lp_rows[n_lp++] = i;
     size_t rows_bytes = ((size_t)n_lp * sizeof(int32_t) + 15) / 16 * 16;
     size_t lp_bytes = (size_t)n_lp * sizeof(struct tdm_draw_logprobs);
     if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
@@ -627,24 +756,36 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
     if (upload_async(be, be->sp.p, params, (size_t)n * sizeof *params) != TDM_OK ||
         upload_async(be, be->sadj.p, adj, adj_bytes) != TDM_OK ||
         upload_async(be, be->smask.p, masks, mask_bytes) != TDM_OK ||
-        upload_async(be, d_lp_rows, be->h_lp_rows, (size_t)n_lp * sizeof(int32_t)) != TDM_OK)
+        upload_async(be, d_lp_rows, lp_rows, (size_t)n_lp * sizeof(int32_t)) != TDM_OK)
         return take_err(be);
     launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, params, be->sadj.p,
                                          be->smask.p, be->am_ids.p, d_lp_rows, n_lp, d_lp,
                                          be->am_part.p));
     if (be->err != TDM_OK)
         return take_err(be);
-    const void *src[2] = {be->am_ids.p, d_lp};
-    size_t bytes[2] = {(size_t)n * sizeof(int32_t), lp_bytes};
-    const uint8_t *got[2];
-    int rc = download_results(be, 2, src, bytes, got);
-    if (rc != TDM_OK)
-        return rc;
-    memcpy(ids, got[0], bytes[0]);
-    const struct tdm_draw_logprobs *dl = (const void *)got[1];
-    for (int j = 0; j < n_lp; j++)
-        lp[be->h_lp_rows[j]] = dl[j];
-    return TDM_OK;
+    return results_issue(be, n, be->am_ids.p, n_lp, d_lp);
+}
+
+// The rows of a forward whose token is a chosen token of the forward before:
+// ids[pairs[2i]] = that forward's chosen id pairs[2i + 1], on the device,
+// where its argmax or draw left the ids (am_ids: the next draw overwrites
+// them only after this gather, in stream order). Outside a capture.
+static int cuda_gather_ids(struct tdm_backend *be, int32_t *ids, const int32_t *pairs, int n)
+{
+    if (n <= 0)
+        return be->err;
+    if (be->am_ids.p == NULL) {
+        fail(be, TDM_EINVAL, "gather_ids: %s", "no chosen ids on the device");
+        return be->err;
+    }
+    if (buf_reserve(be, &be->gpairs, (size_t)n * 2 * sizeof(int32_t)) != TDM_OK) {
+        fail(be, TDM_ENOMEM, "gather_ids: %s", "out of device memory for the pairs");
+        return be->err;
+    }
+    if (upload_async(be, be->gpairs.p, pairs, (size_t)n * 2 * sizeof(int32_t)) != TDM_OK)
+        return be->err;
+    launch_check(be, tdm_cuk_gather_ids(be->stream, ids, be->am_ids.p, be->gpairs.p, n));
+    return be->err;
 }
 
 static void cuda_embed(struct tdm_backend *be, const struct tdm_weight *w, const int32_t *ids,
@@ -749,7 +890,7 @@ static void *kvs_layer_v(struct tdm_kv_storage *st, int layer)
 // the side.
 static int stage_reserve(struct cuda_kv_storage *s, struct dev_buf *b, size_t bytes)
 {
-    return dev_buf_grow(s->be->dev, b, bytes) < 0 ? TDM_ENOMEM : TDM_OK;
+    return dev_buf_grow(s->be->dev, b, bytes, NULL) < 0 ? TDM_ENOMEM : TDM_OK;
 }
 
 static int side_fail(struct cuda_kv_storage *s, const char *what)
@@ -1298,7 +1439,7 @@ static void attend(struct tdm_backend *be, struct cuda_kv_storage *s, int block_
     const struct tdm_cuk_plan *p = &be->plan;
     size_t part = (size_t)p->n_decode * (size_t)n_heads * (size_t)p->max_splits;
     size_t counts = (size_t)p->n_decode * (size_t)n_heads * sizeof(int32_t) + 4;
-    int grew = dev_buf_grow(be->dev, &be->d_part_done, counts);
+    int grew = be_buf_grow(be, &be->d_part_done, counts);
     if (grew > 0) {
         be->gen++;
         if (tdm_cuda_dev_memset(be->dev, be->d_part_done.p, 0, be->d_part_done.bytes) != TDM_OK) {
@@ -1412,4 +1553,6 @@ const struct tdm_backend_ops TDM_CUDA_BACKEND_OPS = {
     .add = cuda_add,
     .argmax_rows = cuda_argmax_rows,
     .sample_rows = cuda_sample_rows,
+    .take_results = cuda_take_results,
+    .gather_ids = cuda_gather_ids,
 };

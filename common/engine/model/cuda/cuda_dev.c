@@ -514,6 +514,12 @@ int tdm_cuda_dev_event_record(struct tdm_cuda_dev *d, void *event)
     return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaEventRecord", e);
 }
 
+int tdm_cuda_dev_event_sync(struct tdm_cuda_dev *d, void *event)
+{
+    cudaError_t e = cudaEventSynchronize((cudaEvent_t)event);
+    return e == cudaSuccess ? TDM_OK : cuda_fail(d, "cudaEventSynchronize", e);
+}
+
 struct tdm_cuda_side {
     struct tdm_cuda_dev *d;
     cudaStream_t stream;

@@ -109,6 +109,9 @@ const char *tdm_cuda_dev_errmsg(const struct tdm_cuda_dev *d);
 int tdm_cuda_dev_event_new(struct tdm_cuda_dev *d, void **event);
 void tdm_cuda_dev_event_free(struct tdm_cuda_dev *d, void *event); // NULL is fine
 int tdm_cuda_dev_event_record(struct tdm_cuda_dev *d, void *event);
+// The host waits for `event` as it was last recorded (cudaEventSynchronize):
+// the device stream's work up to the mark, not what was issued after it.
+int tdm_cuda_dev_event_sync(struct tdm_cuda_dev *d, void *event);
 
 // ---- a side stream ---------------------------------------------------------------------------
 // A second stream of d with a pinned host buffer, for copies that must not queue

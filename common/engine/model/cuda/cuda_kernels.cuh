@@ -211,6 +211,14 @@ __global__ void add_kernel(float *x, const float *y, size_t count)
         x[i] += y[i];
 }
 
+// ids[pairs[2i]] = src[pairs[2i + 1]], i < n, grid-stride: a row whose token is
+// the previous forward's chosen token, taken where that forward left it.
+__global__ void gather_ids_kernel(int32_t *ids, const int32_t *src, const int32_t *pairs, int n)
+{
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        ids[pairs[2 * i]] = src[pairs[2 * i + 1]];
+}
+
 // ---- KV cache ----------------------------------------------------------------------------
 // grid (n), any block: row blockIdx.x goes to its flat slot.
 template <class KV>

@@ -160,6 +160,10 @@ int tdm_cuk_rope_kv_store(void *stream, int type, float *qkv, int stride, int n_
 int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int stride,
                      const int32_t *slots, int n, void *k_cache, void *v_cache, int n_kv_heads,
                      int head_dim, int block_size);
+// ids[pairs[2i]] = src[pairs[2i + 1]] for i < n (device memory, one launch):
+// the rows of a forward whose token is a chosen token of the forward before,
+// read where that forward's argmax or draw wrote it.
+int tdm_cuk_gather_ids(void *stream, int32_t *ids, const int32_t *src, const int32_t *pairs, int n);
 // ids[i] = the index of the first largest of x[i][0..cols) by `>` (ties: the
 // lowest index; NaN never wins; 0 when nothing is above -inf), i < n: greedy
 // sampling on the device, a CTA per chunk of TDM_CUK_ARGMAX_CHUNK columns of a

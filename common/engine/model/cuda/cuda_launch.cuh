@@ -206,6 +206,17 @@ int tdm_cuk_add(void *stream, float *x, const float *y, size_t count)
     return tdm_cuk::launched("add");
 }
 
+int tdm_cuk_gather_ids(void *stream, int32_t *ids, const int32_t *src, const int32_t *pairs, int n)
+{
+    if (n < 0 || (n > 0 && (ids == NULL || src == NULL || pairs == NULL)))
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "gather_ids: n %d", n);
+    if (n == 0)
+        return TDM_CUK_OK;
+    TDM_CUDA_LAUNCH(tdm_cuk::gather_ids_kernel, dim3(tdm_cuk::grid_for((size_t)n, 128)), dim3(128),
+                    0, stream, ids, src, pairs, n);
+    return tdm_cuk::launched("gather_ids");
+}
+
 int tdm_cuk_rope_kv_store(void *stream, int type, float *qkv, int stride, int n_q, int n_kv,
                           int head_dim, const int32_t *pos, const float *inv_freq,
                           const int32_t *slots, int n, void *k_cache, void *v_cache, int block_size)

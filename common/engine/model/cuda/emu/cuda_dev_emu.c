@@ -147,8 +147,8 @@ size_t tdm_cuda_dev_held(struct tdm_cuda_dev *d)
     return held_total(&d->held);
 }
 
-// Calls that wait on the host for the device stream (h2d, d2h, sync): a
-// test's count of a step's round trips (cuda_emu_api.h).
+// Calls that wait on the host for the device stream (h2d, d2h, sync, event
+// sync): a test's count of a step's round trips (cuda_emu_api.h).
 static _Atomic unsigned long long host_waits;
 
 unsigned long long tdm_emu_host_waits(void)
@@ -354,6 +354,16 @@ int tdm_cuda_dev_event_record(struct tdm_cuda_dev *d, void *event)
     if (on_device(d, "event record") != TDM_OK || not_while_capturing(d, "event record") != TDM_OK)
         return TDM_EBACKEND;
     tdm_emu_event_record(event, NULL);
+    return TDM_OK;
+}
+
+int tdm_cuda_dev_event_sync(struct tdm_cuda_dev *d, void *event)
+{
+    tdm_cuda_dev_bind(d);
+    if (not_while_capturing(d, "event sync") != TDM_OK)
+        return TDM_EBACKEND;
+    atomic_fetch_add(&host_waits, 1);
+    tdm_emu_event_sync(event); // the device stream up to the mark only
     return TDM_OK;
 }
 

@@ -70,7 +70,7 @@ void tdm_emu_launch_log(int on); // on clears the log
 size_t tdm_emu_launches(struct tdm_emu_launch *out, size_t cap);
 void tdm_emu_log_launch(const char *name, unsigned long long ctas);
 // Host waits for the device stream through the emulated device API
-// (cuda_dev_emu.c: h2d, d2h, sync) since the process started: a step's round
+// (cuda_dev_emu.c: h2d, d2h, sync, event sync) since the process started: a step's round
 // trips between the host and the device (issue 26 item 1).
 unsigned long long tdm_emu_host_waits(void);
 void tdm_emu_log_gemm(const char *name, int n);
