@@ -155,6 +155,12 @@ struct sched_item {
     // logprobs at v_off in the engine's verification arrays.
     bool verify_drawn;
     int v_off;
+    // Async scheduling: a row of the step built while the step before it is
+    // in flight (schedule_ahead), one position past that step's row of the
+    // request, its token that row's chosen one (the model's from_prev, row
+    // prev_row of that step).
+    bool ahead;
+    int prev_row;
 };
 
 struct tdm_engine {
@@ -177,6 +183,16 @@ struct tdm_engine {
     int num_importing;
     bool abort_all_applied;
     struct sched_item *items;    // [max_num_seqs] this step's schedule
+    // Async scheduling (issue 26 item 1; off: cfg.sync_scheduling, or a
+    // backend whose forwards end at issue): a step whose rows may all go on
+    // without their tokens (ahead_row) stays in flight, its items in
+    // fl_items (fl_n of them; 0: none), while the engine thread builds and
+    // issues the next one in items (the two arrays swap), then takes its
+    // tokens. Steps issued while another was in flight: async_steps.
+    struct sched_item *fl_items;
+    int fl_n;
+    bool async;
+    uint64_t async_steps;
     struct tdm_batch_seq *batch; // [max_num_seqs]
     float *logits;               // [max_num_seqs][vocab]
     // One step's plain samples (sample_rows): taken by the backend's host
@@ -607,6 +623,7 @@ static void publish_stats(struct tdm_engine *e)
     s->num_fused_argmax_tokens = e->fused_rows;
     s->num_device_drawn_tokens = e->drawn_rows;
     s->num_device_verify_rows = e->drawn_verify_rows;
+    s->num_async_steps = e->async_steps;
     s->num_finished = e->finished;
     s->num_masks = e->num_masks;
     s->mask_seconds = e->mask_seconds;
@@ -1284,13 +1301,37 @@ static bool verify_prepare(struct tdm_engine *e, struct sched_item *it, int *use
     return true;
 }
 
-static void run_step(struct tdm_engine *e, int n_items)
+// Builds the batch of the step scheduled in e->items[0 .. n_items) and
+// issues it: on a device backend its chosen tokens may still be on their way
+// on return (the step's finish waits for them). Each item holds a reference
+// to its request until then. adj_used: the step's adjustments already in
+// e->adj (schedule_ahead's). The issue's result.
+static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
 {
     struct tdm_metrics_vllm *m = e->m;
-    int total = 0, adj_used = 0, v_used = 0;
+    int total = 0, v_used = 0;
     for (int b = 0; b < n_items; b++) {
         struct sched_item *it = &e->items[b];
         struct tdm_engine_request *r = it->r;
+        atomic_fetch_add_explicit(&r->refs, 1, memory_order_relaxed);
+        if (it->ahead) {
+            // The row after the in-flight step's, its token that step's
+            // choice (no token of it read here).
+            e->batch[b] =
+                (struct tdm_batch_seq){.tokens = &it->fused_tok,
+                                       .n_tokens = 1,
+                                       .start_pos = r->computed + 1,
+                                       .block_table = r->seq.block_table,
+                                       .prompt_len = r->n_own_prompt,
+                                       .logits = it->drawn ? TDM_LOGITS_SAMPLE : TDM_LOGITS_ARGMAX,
+                                       .token_out = &it->fused_tok,
+                                       .draw = it->drawn ? &it->draw : NULL,
+                                       .logprobs_out = &it->lp,
+                                       .from_prev = true,
+                                       .prev_row = it->prev_row};
+            total++;
+            continue;
+        }
         // A PREFILL_ONLY request's logits row comes with its final chunk: only
         // then is each layer's KV of the whole prompt complete.
         bool push = r->on_layer != NULL && it->logits;
@@ -1365,26 +1406,41 @@ static void run_step(struct tdm_engine *e, int n_items)
     e->masks_posted = e->n_mask_jobs > 0 && masks_post(e);
     e->masks_waited = false;
     e->n_step_items = n_items;
-    int rc = tdm_model_forward(e->model, e->kv, e->batch, n_items, e->logits);
-    if (e->n_mask_jobs > 0 && !e->masks_waited)
-        masks_wait(e, e->masks_posted);
+    int rc = tdm_model_forward_issue(e->model, e->kv, e->batch, n_items, e->logits);
     e->steps++;
     if (m)
         tdm_metrics_histogram_observe(m->iteration_tokens_total, total);
+    return rc;
+}
+
+// Takes a step's results (items[0 .. n_items), rc: its forward's result,
+// issued and waited for): records each request's tokens, finishes requests,
+// samples the rows that came to the host, and drops the items' references. A
+// request no longer running (aborted while the step was in flight, or
+// finished by the token before it) has its row discarded.
+static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_items, int rc)
+{
+    if (e->n_mask_jobs > 0 && !e->masks_waited)
+        masks_wait(e, e->masks_posted);
     if (rc != TDM_OK) {
         char msg[96];
         snprintf(msg, sizeof msg, "model forward failed: %s", tdm_strerror(rc));
-        TDM_LOG_ERR(MOD, "step %llu: %s (%d sequences, %d tokens)", (unsigned long long)e->steps,
-                    msg, n_items, total);
+        TDM_LOG_ERR(MOD, "step %llu: %s (%d sequences)", (unsigned long long)e->steps, msg,
+                    n_items);
         for (int b = 0; b < n_items; b++)
-            finish_request(e, e->items[b].r, TDM_FINISH_ERROR, -1, rc, msg, false);
+            if (items[b].r->state == REQ_RUNNING)
+                finish_request(e, items[b].r, TDM_FINISH_ERROR, -1, rc, msg, false);
+        for (int b = 0; b < n_items; b++)
+            req_unref(items[b].r);
         return;
     }
     double now = tdm_now();
     int row = 0;
     for (int b = 0; b < n_items; b++) {
-        struct sched_item *it = &e->items[b];
+        struct sched_item *it = &items[b];
         struct tdm_engine_request *r = it->r;
+        if (r->state != REQ_RUNNING) // an async step's row of a finished request
+            continue;
         if (it->verify_drawn) {
             r->computed += 1; // the last known token; spec_accept adds the accepted drafts
             spec_verify_drawn(e, r, it, now);
@@ -1434,6 +1490,132 @@ static void run_step(struct tdm_engine *e, int n_items)
         e->sjobs[e->n_sjobs++] = (struct sample_job){.r = r, .row = lrow};
     }
     sample_rows(e, now);
+    for (int b = 0; b < n_items; b++)
+        req_unref(items[b].r);
+}
+
+// Whether the row of `it` may go on without its token (async scheduling): a
+// token chosen on the device, greedy or drawn without a draw that depends on
+// the tokens before it, one row, no drafts, no grammar, no push hook, and
+// room for the token after it.
+static bool ahead_row(const struct sched_item *it)
+{
+    const struct tdm_engine_request *r = it->r;
+    return it->logits && it->fused && it->take == 1 && !it->verify_drawn && r->n_draft == 0 &&
+           !r->spec_ok && r->gm == NULL && r->on_layer == NULL && r->n_gen + 2 <= r->max_gen &&
+           (!it->drawn || tdm_sampler_token_free(r->sampler));
+}
+
+// Whether the step after the one in flight may be issued before its tokens
+// are known: every row may go on, and nothing waits for the engine thread
+// (a request to admit, a control, an abort, a shutdown, a check).
+static bool ahead_step(struct tdm_engine *e, const struct sched_item *items, int n_items)
+{
+    if (!e->async ||
+        (e->wait_head != NULL && e->num_running + e->num_importing < e->cfg.max_num_seqs))
+        return false;
+    for (int b = 0; b < n_items; b++)
+        if (!ahead_row(&items[b]))
+            return false;
+    pthread_mutex_lock(&e->mu);
+    bool quiet = e->inbox_head == NULL && e->ctl_head == NULL && !e->check_req && !e->stop &&
+                 !(e->abort_all && !e->abort_all_applied);
+    pthread_mutex_unlock(&e->mu);
+    return quiet;
+}
+
+// The step after the one in flight (fl_items), into e->items: each of its
+// running requests' next row, one position further, its token the in-flight
+// row's (the model takes it on the device). Returns the rows (0: a block
+// could not be had without preempting, or a draw not prepared: the caller
+// waits for the step in flight and schedules as usual). *adj_used: the
+// draws' adjustments put in e->adj.
+static int schedule_ahead(struct tdm_engine *e, int *adj_used)
+{
+    int n = 0;
+    *adj_used = 0;
+    for (int b = 0; b < e->fl_n; b++) {
+        const struct sched_item *f = &e->fl_items[b];
+        struct tdm_engine_request *r = f->r;
+        if (r->state != REQ_RUNNING) // aborted while in flight
+            continue;
+        // The in-flight row is at position computed; this one at computed + 1.
+        if (tdm_kv_reserve(e->kv, &r->seq, r->computed + 2) != TDM_OK)
+            return 0;
+        struct sched_item *it = &e->items[n];
+        *it = (struct sched_item){.r = r,
+                                  .take = 1,
+                                  .logits = true,
+                                  .fused = true,
+                                  .drawn = f->drawn,
+                                  .ahead = true,
+                                  .prev_row = b};
+        if (it->drawn) {
+            // Prepared as after one token more, whichever it is: the draw
+            // does not depend on it (ahead_row), only on the count.
+            const int32_t any = 0;
+            if (!adj_prepare(e, r->sampler, &it->draw, &any, 1, adj_used))
+                return 0;
+            it->adj_off = it->draw.adj_off;
+        }
+        n++;
+    }
+    return n;
+}
+
+// Waits for the step in flight, the one issued before it if any, and takes
+// its results; rc: a failed issue since (every step in flight failed with it).
+static void finish_inflight(struct tdm_engine *e, int rc)
+{
+    if (rc == TDM_OK)
+        rc = tdm_model_forward_wait(e->model);
+    int n = e->fl_n;
+    e->fl_n = 0;
+    step_finish(e, e->fl_items, n, rc);
+}
+
+// The step in flight's successor issued ahead of its tokens where it may be
+// (then it is the step in flight on return), and the step in flight finished.
+static void step_ahead(struct tdm_engine *e)
+{
+    int adj_used, n = 0;
+    if (ahead_step(e, e->fl_items, e->fl_n))
+        n = schedule_ahead(e, &adj_used);
+    if (n == 0) {
+        finish_inflight(e, TDM_OK);
+        return;
+    }
+    int rc = step_issue(e, n, adj_used);
+    e->async_steps++;
+    if (rc != TDM_OK) {
+        // The model ended every forward in flight with the failed one.
+        finish_inflight(e, rc);
+        step_finish(e, e->items, n, rc);
+        return;
+    }
+    finish_inflight(e, TDM_OK);
+    struct sched_item *t = e->fl_items;
+    e->fl_items = e->items;
+    e->items = t;
+    e->fl_n = n;
+}
+
+// Runs the step scheduled in e->items: its results taken, or, where its rows
+// may go on without their tokens, left in flight (fl_items) for step_ahead.
+static void run_step(struct tdm_engine *e, int n_items)
+{
+    int rc = step_issue(e, n_items, 0);
+    if (rc == TDM_OK && tdm_model_forward_pending(e->model) > 0 &&
+        ahead_step(e, e->items, n_items)) {
+        struct sched_item *t = e->fl_items;
+        e->fl_items = e->items;
+        e->items = t;
+        e->fl_n = n_items;
+        return;
+    }
+    while (rc == TDM_OK && tdm_model_forward_pending(e->model) > 0)
+        rc = tdm_model_forward_wait(e->model);
+    step_finish(e, e->items, n_items, rc);
 }
 
 // Takes the inbox and the control list; applies aborts and releases.
@@ -1564,13 +1746,14 @@ static void *engine_main(void *arg)
         }
         publish_stats(e);
         drain_kv_events(e);
-        // Sleep when nothing can move: no new requests, no control, and either no
-        // active request or the last step could schedule nothing (blocks held).
-        while (e->inbox_head == NULL && e->ctl_head == NULL && !e->check_req &&
+        // Sleep when nothing can move: no step in flight, no new requests, no
+        // control, and either no active request or the last step could
+        // schedule nothing (blocks held).
+        while (e->fl_n == 0 && e->inbox_head == NULL && e->ctl_head == NULL && !e->check_req &&
                !(e->abort_all && !e->abort_all_applied) && !e->stop &&
                (e->num_active == 0 || !progressed))
             pthread_cond_wait(&e->wake, &e->mu);
-        bool exit_now = e->stop && e->num_active == 0 && e->num_held == 0 &&
+        bool exit_now = e->stop && e->fl_n == 0 && e->num_active == 0 && e->num_held == 0 &&
                         e->inbox_head == NULL && e->ctl_head == NULL;
         bool checking = e->check_req;
         pthread_mutex_unlock(&e->mu);
@@ -1588,6 +1771,15 @@ static void *engine_main(void *arg)
             while (e->import_head)
                 finish_request(e, e->import_head, TDM_FINISH_ABORT, -1, TDM_OK,
                                "engine shutting down", false);
+        }
+        if (e->fl_n > 0) {
+            // A step in flight: its successor issued before its tokens are
+            // known where it may be (and the loop comes back here), else it
+            // is finished and the step after it scheduled as usual.
+            step_ahead(e);
+            progressed = true;
+            if (e->fl_n > 0)
+                continue;
         }
         int n_items = schedule(e);
         progressed = n_items > 0;
@@ -1702,6 +1894,7 @@ static int engine_alloc_arrays(struct tdm_engine *e, char *err, size_t errlen)
     }
     e->running = calloc(ns, sizeof *e->running);
     e->items = calloc(ns, sizeof *e->items);
+    e->fl_items = calloc(ns, sizeof *e->fl_items);
     e->batch = calloc(ns, sizeof *e->batch);
     e->logits = malloc((ns + (size_t)e->draft_rows) * (size_t)e->vocab * sizeof(float));
     e->mask_jobs = calloc(ns, sizeof *e->mask_jobs);
@@ -1709,8 +1902,8 @@ static int engine_alloc_arrays(struct tdm_engine *e, char *err, size_t errlen)
     e->sjob_res = calloc(ns, sizeof *e->sjob_res);
     if (cfg->grammar_vocab)
         e->mask_words = tdm_grammar_mask_words(cfg->grammar_vocab);
-    if (!e->running || !e->items || !e->batch || !e->logits || !e->mask_jobs || !e->sjobs ||
-        !e->sjob_res || (k > 0 && (!e->spec_res || !e->vdraw || !e->vtok || !e->vlp)))
+    if (!e->running || !e->items || !e->fl_items || !e->batch || !e->logits || !e->mask_jobs ||
+        !e->sjobs || !e->sjob_res || (k > 0 && (!e->spec_res || !e->vdraw || !e->vtok || !e->vlp)))
         return tdm_seterr(err, errlen, TDM_ENOMEM, "engine: out of memory");
     return TDM_OK;
 }
@@ -1719,6 +1912,7 @@ static void engine_free_arrays(struct tdm_engine *e)
 {
     free(e->running);
     free(e->items);
+    free(e->fl_items);
     free(e->batch);
     free(e->logits);
     free(e->adj);
@@ -1803,6 +1997,7 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     e->model = model;
     e->fused_argmax = tdm_model_fused_argmax(model);
     e->device_sampling = tdm_model_device_sampling(model) && !cfg.host_sampling;
+    e->async = tdm_model_forward_async(model) && !cfg.sync_scheduling;
     if (e->device_sampling && cfg.grammar_vocab) {
         e->allow_words = ((size_t)mc->vocab_size + 31) / 32;
         e->allow = calloc((size_t)cfg.max_num_seqs * e->allow_words, sizeof *e->allow);

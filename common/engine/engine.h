@@ -77,6 +77,20 @@ struct tdm_engine_config {
     // the host, as before it (tests compare the two, benches measure the
     // difference). Default false.
     bool host_sampling;
+    // Async scheduling (vLLM's --async-scheduling; issue 26 item 1), on a
+    // backend whose forwards run behind the host (a device's): while a
+    // decode step is on the device, the engine thread builds and issues the
+    // next one, each row one position further with the token the device
+    // chose for it (tdm_model_forward_issue, from_prev), then takes the first
+    // step's tokens. A step goes ahead only when every row may: greedy, or
+    // sampled without repetition, presence or frequency penalty (whose draw
+    // does not depend on the token before it), no structured output, no
+    // speculative decoding, no push hook, and room for another token; and
+    // only while no request is waiting to be admitted, no abort or control is
+    // pending and no KV block is missing. A row whose request finished by the
+    // token before it is discarded. Output is the same either way. true turns
+    // it off: every step waits for its tokens before the next is scheduled.
+    bool sync_scheduling;
 };
 // Fills the defaults above.
 void tdm_engine_config_default(struct tdm_engine_config *cfg);
@@ -379,6 +393,8 @@ struct tdm_engine_stats {
                                         // (TDM_LOGITS_SAMPLE: only their ids to the host)
     uint64_t num_device_verify_rows;    // speculative verification rows drawn there
                                         // (TDM_LOGITS_DRAW_ALL: their logits stay there)
+    uint64_t num_async_steps;           // steps issued while the step before them was still
+                                        // on the device (async scheduling)
     uint64_t num_finished; // requests finished (any reason)
     uint64_t num_masks;       // structured output: token masks computed
     double mask_seconds;      // time computing them (on the mask thread, overlapping the forward)

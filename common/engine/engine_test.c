@@ -603,6 +603,176 @@ static void test_device_draw_matches_runner(void **state)
     tdm_model_free(dm);
 }
 
+// Async scheduling (issue 26 item 1) on a device backend (the emulated CUDA
+// module): a decode step whose rows may go on without their tokens stays on
+// the device while the next one is issued from the tokens it chose there
+// (from_prev). Requests of every kind that may go ahead (greedy by the fused
+// argmax, greedy and sampled with logprobs, top_k and top_p draws, min_tokens
+// over stop ids, a stop id that ends one early, max_tokens 3) give the
+// runner's tokens, and the same tokens and logprobs as the engine with async
+// scheduling off (sync_scheduling), which never issues ahead. An abort while
+// a step is in flight ends its request alone; every KV block comes back.
+enum { AS_N = 7, AS_MT = 12 };
+
+struct async_out {
+    int32_t ids[AS_N][AS_MT];
+    float lp[AS_N][AS_MT];
+    int n[AS_N];
+    struct tdm_engine_stats st;
+};
+
+static void async_engine(struct tdm_model *dm, bool sync, int32_t (*prompts)[24],
+                         const struct tdm_sampling_params *sp, const int *max_tokens,
+                         struct async_out *o)
+{
+    char err[256];
+    struct tdm_metrics_registry *reg = NULL;
+    struct tdm_metrics_vllm m;
+    assert_int_equal(tdm_metrics_registry_new(&reg, NULL, 0, err, sizeof err), TDM_OK);
+    struct tdm_metrics_vllm_config mc = {.model_name = "tiny", .max_model_len = 4096};
+    assert_int_equal(tdm_metrics_vllm_register(&m, reg, &mc, err, sizeof err), TDM_OK);
+    struct tdm_engine_config c;
+    tdm_engine_config_default(&c);
+    c.num_blocks = 128;
+    c.max_num_batched_tokens = 256;
+    c.max_num_seqs = 8;
+    c.sync_scheduling = sync;
+    c.metrics = &m;
+    struct tdm_engine *e = NULL;
+    assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine_request *rs[AS_N];
+    for (int i = 0; i < AS_N; i++)
+        rs[i] = submit(e, prompts[i], 8 + 2 * i, &sp[i], max_tokens[i]);
+    for (int i = 0; i < AS_N; i++) {
+        struct collected col = {.lp = o->lp[i]};
+        collect(rs[i], o->ids[i], AS_MT, &col, 0);
+        // 6 may end by a stop id once min_tokens ran out.
+        if (i != 6 && col.reason != (i == 4 ? TDM_FINISH_STOP : TDM_FINISH_LENGTH))
+            fail_msg("request %d: finish %d after %d tokens", i, (int)col.reason, col.n);
+        o->n[i] = col.n;
+        tdm_engine_request_release(rs[i]);
+    }
+    wait_idle_stats(e, &o->st);
+    assert_kv_ok(e);
+    // Every token counted is one a stream gave: a row discarded after its
+    // request ended (by the token before it) added none.
+    int total = 0;
+    for (int i = 0; i < AS_N; i++)
+        total += o->n[i];
+    assert_true(tdm_metrics_counter_value(m.generation_tokens) == total);
+    // An abort of a request whose step is in flight (or its successor): it
+    // ends with the abort; the other one runs to its end.
+    struct tdm_sampling_params g;
+    tdm_sampling_params_default(&g);
+    g.ignore_eos = true;
+    struct tdm_engine_request *a = submit(e, prompts[0], 8, &g, 200);
+    struct tdm_engine_request *b = submit(e, prompts[1], 10, &g, 40);
+    int32_t ids[200], bids[40];
+    struct collected ca = {0}, cb = {0};
+    collect(a, ids, 200, &ca, 5);
+    assert_int_equal(tdm_engine_abort(e, a, TDM_FINISH_ABORT), TDM_OK);
+    collect(a, ids, 200, &ca, 0);
+    assert_int_equal(ca.reason, TDM_FINISH_ABORT);
+    assert_true(ca.n < 200);
+    collect(b, bids, 40, &cb, 0);
+    assert_int_equal(cb.n, 40);
+    tdm_engine_request_release(a);
+    tdm_engine_request_release(b);
+    struct tdm_engine_stats st;
+    wait_idle_stats(e, &st);
+    assert_true(st.kv_usage == 0.0f);
+    assert_kv_ok(e);
+    // Penalties: a draw that depends on the token before it never goes
+    // ahead, and gives the runner's tokens.
+    struct tdm_sampling_params pen;
+    greedy(&pen);
+    pen.logprobs = -1;
+    int32_t pids[16], pref[16];
+    assert_int_equal(reference_on(dm, prompts[2], 12, &pen, 16, pref, NULL), 16);
+    struct tdm_engine_request *p = submit(e, prompts[2], 12, &pen, 16);
+    struct collected cp = {0};
+    collect(p, pids, 16, &cp, 0);
+    tdm_engine_request_release(p);
+    assert_int_equal(cp.n, 16);
+    assert_memory_equal(pids, pref, sizeof pref);
+    struct tdm_engine_stats st2;
+    wait_idle_stats(e, &st2);
+    assert_int_equal(st2.num_async_steps, st.num_async_steps);
+    tdm_engine_free(e);
+    tdm_metrics_registry_free(reg);
+}
+
+static void test_device_async(void **state)
+{
+    (void)state;
+    struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
+    assert_true(tdm_model_forward_async(dm));
+    assert_false(tdm_model_forward_async(model)); // the CPU's forwards end at issue
+    int32_t prompts[AS_N][24];
+    struct tdm_sampling_params sp[AS_N];
+    int max_tokens[AS_N];
+    for (int i = 0; i < AS_N; i++) {
+        make_prompt(prompts[i], 8 + 2 * i, 500 + (uint32_t)i);
+        tdm_sampling_params_default(&sp[i]);
+        sp[i].ignore_eos = true;
+        sp[i].has_seed = true;
+        sp[i].seed = 77u + (uint64_t)i;
+        max_tokens[i] = AS_MT;
+    }
+    sp[0].temperature = 0.0f;                     // greedy: the fused argmax
+    sp[1].temperature = 0.0f, sp[1].logprobs = 3; // greedy, drawn
+    sp[4].temperature = 2.0f; // the flattest draw: this model alone repeats one token
+    sp[2].temperature = 0.8f, sp[2].top_p = 0.9f;                   // top_p draw
+    sp[3].temperature = 1.0f, sp[3].top_k = 20, sp[3].logprobs = 2; // top_k, logprobs
+    sp[5].temperature = 0.9f, max_tokens[5] = 3;                    // short
+    sp[6].temperature = 0.7f, sp[6].min_tokens = 6;                 // min_tokens over stop ids
+    // Request 4's stop id is a token of its own run (seeded: the same run);
+    // request 6's stop ids are its greedy run's first tokens (masked until 6).
+    int32_t g4[AS_MT], g6[AS_MT];
+    struct tdm_sampling_params greedy = sp[0]; // set above: greedy
+    assert_int_equal(reference_on(dm, prompts[4], 16, &sp[4], AS_MT, g4, NULL), AS_MT);
+    assert_int_equal(reference_on(dm, prompts[6], 20, &greedy, AS_MT, g6, NULL), AS_MT);
+    // g4's first token from the fourth on that none before it is: it ends
+    // request 4 in a step whose successor went ahead.
+    int stop4 = 3;
+    for (bool seen = true; seen && stop4 < AS_MT; stop4 += seen) {
+        seen = false;
+        for (int k = 0; k < stop4; k++)
+            seen |= g4[k] == g4[stop4];
+    }
+    if (stop4 == AS_MT)
+        fail_msg("request 4's run repeats: no stop id ends it early");
+    sp[4].stop_token_ids[0] = g4[stop4], sp[4].num_stop_token_ids = 1;
+    for (int k = 0; k < 4; k++)
+        sp[6].stop_token_ids[k] = g6[k];
+    sp[6].num_stop_token_ids = 4;
+    sp[6].ignore_eos = false;
+    struct async_out *o[2] = {calloc(1, sizeof *o[0]), calloc(1, sizeof *o[1])};
+    assert_true(o[0] && o[1]);
+    async_engine(dm, false, prompts, sp, max_tokens, o[0]);
+    async_engine(dm, true, prompts, sp, max_tokens, o[1]);
+    printf("async steps: %llu of %llu (sync scheduling: %llu of %llu)\n",
+           (unsigned long long)o[0]->st.num_async_steps, (unsigned long long)o[0]->st.num_steps,
+           (unsigned long long)o[1]->st.num_async_steps, (unsigned long long)o[1]->st.num_steps);
+    assert_true(o[0]->st.num_async_steps >= 3);
+    assert_int_equal(o[1]->st.num_async_steps, 0);
+    for (int i = 0; i < AS_N; i++) {
+        int32_t ref[AS_MT];
+        int n = reference_on(dm, prompts[i], 8 + 2 * i, &sp[i], max_tokens[i], ref, NULL);
+        assert_int_equal(o[0]->n[i], n);
+        assert_int_equal(o[1]->n[i], n);
+        if (memcmp(o[0]->ids[i], ref, (size_t)n * sizeof *ref) != 0 ||
+            memcmp(o[1]->ids[i], ref, (size_t)n * sizeof *ref) != 0)
+            fail_msg("request %d: the engines' tokens differ from the runner's", i);
+        for (int t = 0; t < n; t++)
+            assert_true(fabsf(o[0]->lp[i][t] - o[1]->lp[i][t]) <= 1e-6f);
+    }
+    assert_int_equal(o[0]->n[4], stop4 + 1); // its stop id ended it
+    assert_true(o[0]->n[6] >= 6);
+    free(o[0]), free(o[1]);
+    tdm_model_free(dm);
+}
+
 // What a request's stream gave: tokens, logprobs and top entries.
 struct lp_stream {
     int32_t ids[16];
@@ -2322,6 +2492,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_spec_adapt_policy),
         cmocka_unit_test(test_spec_matches_runner),
         cmocka_unit_test(test_device_spec_verify),
+        cmocka_unit_test(test_device_async),
         cmocka_unit_test(test_spec_metrics),
         cmocka_unit_test(test_spec_adaptive),
     };

@@ -1600,6 +1600,11 @@ int tdm_model_forward_pending(const struct tdm_model *m)
     return m ? m->n_inflight : 0;
 }
 
+bool tdm_model_forward_async(const struct tdm_model *m)
+{
+    return !m->ops->host_memory && m->ops->take_results != NULL && m->ops->gather_ids != NULL;
+}
+
 int tdm_model_forward(struct tdm_model *m, struct tdm_kv_cache *kv,
                       const struct tdm_batch_seq *seqs, int n_seqs, float *logits)
 {

@@ -244,5 +244,9 @@ int tdm_model_forward_issue(struct tdm_model *m, struct tdm_kv_cache *kv,
 int tdm_model_forward_wait(struct tdm_model *m);
 // Forwards in flight (0, 1 or 2).
 int tdm_model_forward_pending(const struct tdm_model *m);
+// Whether m's forwards may be in flight after tdm_model_forward_issue (a
+// device backend that takes chosen tokens asynchronously) and take from_prev
+// rows; false: every forward ends at issue (the CPU backend).
+bool tdm_model_forward_async(const struct tdm_model *m);
 
 #endif
