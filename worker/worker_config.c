@@ -36,6 +36,7 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->enable_prefix_caching = true;
     cfg->kv_cache_dtype = TDM_KV_BF16; // auto
     cfg->weight_cache = true;
+    cfg->async_scheduling = true;
     cfg->max_waiting = 1024;
     cfg->stream_interval = 1;
     cfg->drain_timeout = 30.0;
@@ -437,6 +438,16 @@ static const struct tdm_flag decode_flags[] = {
      .offset = OFF(enforce_eager),
      .help = "no CUDA graphs for decode steps (default: graphs\nper padded batch size 1, 2, 4, "
              "... on cuda)"},
+    {.name = "async-scheduling",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(async_scheduling),
+     .help = "on a device (cuda), issue the next decode step\nbefore this one's tokens reach the "
+             "host, from the\ntokens chosen on the device (vLLM's flag; default on;\nrows with "
+             "penalties, grammars or drafts wait)"},
+    {.name = "no-async-scheduling",
+     .kind = TDM_FLAG_NOT,
+     .offset = OFF(async_scheduling),
+     .help = "every decode step waits for its tokens before the\nnext is scheduled"},
     {.name = "batch-invariant",
      .kind = TDM_FLAG_FN,
      .fn = set_batch_invariant,

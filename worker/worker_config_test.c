@@ -315,6 +315,12 @@ static void test_device(void **state)
     // The GPU memory flags (vLLM's names).
     assert_true(c.gpu_memory_utilization == 0.9);
     assert_false(c.enforce_eager);
+    assert_true(c.async_scheduling);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--no-async-scheduling"),
+                     TDM_OK);
+    assert_false(c.async_scheduling);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--async-scheduling"), TDM_OK);
+    assert_true(c.async_scheduling);
     assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--enforce-eager"), TDM_OK);
     assert_true(c.enforce_eager);
     // The GEMM mode: neither flag is the model's default; the value forms
