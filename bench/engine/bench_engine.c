@@ -21,7 +21,8 @@
 //                             the engine thread's CPU time per step and share of
 //                             the wall (issue 26 item 1: on a device backend that
 //                             thread is all the host's work; on the CPU it also
-//                             computes a share of the forward)
+//                             computes a share of the forward), and the steps
+//                             issued ahead (async scheduling; a device only)
 // plus tokens/s for decode and prefill and the peak RSS, and on the CPU the
 // matmul path of each mode (ISA and kernel: AMX tiles, vdpbf16ps, VNNI...),
 // which is the same for every batch size and the prefill (with AMX tiles
@@ -92,6 +93,9 @@ struct result {
     // the engine thread's CPU seconds per step, tokens drawn on the device.
     double loop_s[MAX_POINTS], loop_cpu_s[MAX_POINTS], loop_share[MAX_POINTS];
     unsigned long long loop_drawn[MAX_POINTS], loop_tokens[MAX_POINTS];
+    // ... engine steps, and those issued while the step before them was in
+    // flight (async scheduling: the engine thread's work beside the device's).
+    unsigned long long loop_steps[MAX_POINTS], loop_async[MAX_POINTS];
     char device[32]; // the backend the model ran on (tdm_model_opts.backend)
     bool batch_invariant; // the model's GEMM mode as resolved (tdm_model_opts.batch_invariant)
     struct tdm_model_load_info load; // load time, checkpoint bytes, weight cache use
@@ -386,6 +390,8 @@ static void time_engine_loop(struct tdm_model *m, int batch, int steps, struct r
     r->loop_cpu_s[i] = cpu0 >= 0 && engine_steps > 0 ? cpu / (double)engine_steps : -1;
     r->loop_share[i] = cpu0 >= 0 ? cpu / wall : -1;
     r->loop_drawn[i] = st1.num_device_drawn_tokens;
+    r->loop_steps[i] = engine_steps;
+    r->loop_async[i] = st1.num_async_steps - st0.num_async_steps;
     r->loop_tokens[i] = (unsigned long long)batch * (unsigned long long)max_tokens;
     for (int s = 0; s < batch; s++)
         tdm_engine_request_release(reqs[s]);
@@ -551,9 +557,10 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
         for (int i = 0; i < pl->n_batches; i++)
             fprintf(f,
                     "%s{\"batch\": %d, \"seconds\": %.9g, \"engine_cpu_seconds\": %.9g, "
-                    "\"engine_share\": %.6g, \"drawn_tokens\": %llu, \"tokens\": %llu}",
+                    "\"engine_share\": %.6g, \"drawn_tokens\": %llu, \"tokens\": %llu, "
+                    "\"steps\": %llu, \"async_steps\": %llu}",
                     i ? ", " : "", pl->batches[i], r->loop_s[i], r->loop_cpu_s[i], r->loop_share[i],
-                    r->loop_drawn[i], r->loop_tokens[i]);
+                    r->loop_drawn[i], r->loop_tokens[i], r->loop_steps[i], r->loop_async[i]);
         fprintf(f, "]");
     }
     fprintf(f, "}\n");
@@ -897,10 +904,10 @@ int main(int argc, char **argv)
             const struct result *r = &res[0];
             printf("  batch %-4d step %8.2f ms  forward alone %8.2f ms  loop/forward %5.2f  "
                    "engine thread CPU %7.2f ms/step (%.2f of the wall)  drawn on the device "
-                   "%llu of %llu tokens\n",
+                   "%llu of %llu tokens  issued ahead %llu of %llu steps\n",
                    pl.batches[i], r->loop_s[i] * 1e3, r->decode_s[i] * 1e3,
                    r->loop_s[i] / r->decode_s[i], r->loop_cpu_s[i] * 1e3, r->loop_share[i],
-                   r->loop_drawn[i], r->loop_tokens[i]);
+                   r->loop_drawn[i], r->loop_tokens[i], r->loop_async[i], r->loop_steps[i]);
         }
     }
     print_capacity(&res[0].kc, &pl);
