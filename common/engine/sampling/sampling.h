@@ -160,6 +160,17 @@ int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params
 int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_params *d,
                                    struct tdm_draw_adj *adj, int cap, const int32_t *ahead,
                                    int n_ahead);
+// The draw one token later, that token not known yet (async scheduling: a
+// device holds it, chosen row prev_row of the forward before): the key and
+// min_tokens as tdm_sampler_draw_prepare_ahead with one token ahead, the
+// history as recorded, and, when the sampler has a repetition, presence or
+// frequency penalty, one last entry TDM_DRAW_ADJ_PENDING (sample_draw.h)
+// naming prev_row and what one more occurrence of its token adds. Resolved
+// with that token (tdm_draw_resolve_pending), the entries are those of
+// tdm_sampler_draw_prepare after the token's tdm_sampler_replay, in another
+// order. -1 where tdm_sampler_draw_prepare gives -1, or prev_row < 0.
+int tdm_sampler_draw_prepare_pending(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                                     struct tdm_draw_adj *adj, int cap, int prev_row);
 // *res for a token a device drew with the logprobs it computed (lp): what
 // tdm_sampler_sample's res holds for the same row, the logprobs within the
 // rounding of a sum of exponentials in another order.
