@@ -642,11 +642,6 @@ bool tdm_sampler_plain_greedy(const struct tdm_sampler *s)
     return s->greedy && plain(s);
 }
 
-bool tdm_sampler_token_free(const struct tdm_sampler *s)
-{
-    return s->seen == NULL && s->out_seen == NULL;
-}
-
 // Tokens ahead of the history (tdm_sampler_draw_prepare_ahead): those
 // recorded in the bitmaps once they are, ascending, each once (extra), and
 // the whole list, for the counts.

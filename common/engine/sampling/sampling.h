@@ -125,13 +125,6 @@ bool tdm_sampler_eos_ends(const struct tdm_sampler *s);
 // exactly as tdm_sampler_sample would have.
 bool tdm_sampler_plain_greedy(const struct tdm_sampler *s);
 
-// True when no draw's parameters depend on which tokens were drawn before it
-// (no repetition, presence or frequency penalty: only the count of tokens
-// drawn keys the draw and ends min_tokens): a row may be prepared before the
-// token before it is known, by tdm_sampler_draw_prepare_ahead with any token
-// ahead (async scheduling).
-bool tdm_sampler_token_free(const struct tdm_sampler *s);
-
 // True when the next token is sample_draw.h's draw over the raw logits alone
 // (the same conditions as tdm_sampler_plain_greedy, sampled requests too), and
 // then *d holds what that draw needs (inv_t 0 for greedy; the key of the next

@@ -724,51 +724,6 @@ static void test_draw_prepare_ahead(void **state)
     printf("%d rows ahead equal to a twin's after the replay\n", checked);
 }
 
-// tdm_sampler_token_free: without repetition, presence or frequency penalty
-// a row prepared with any token ahead is the row prepared after the real one
-// (async scheduling prepares it before the token is known); with any of them
-// it is not, and the predicate says so.
-static void test_token_free(void **state)
-{
-    (void)state;
-    enum { V = 300 };
-    const int32_t prompt[5] = {3, 9, 9, 41, 7}, eos = 2;
-    for (int k = 0; k < 5; k++) {
-        struct tdm_sampling_params p;
-        tdm_sampling_params_default(&p);
-        p.temperature = 0.7f;
-        p.has_seed = true;
-        p.seed = 11;
-        p.min_tokens = 3; // masked by the count, whatever the tokens
-        p.logit_bias[0] = (struct tdm_logit_bias){.token = 5, .bias = 1.5f};
-        p.num_logit_bias = 1;
-        p.repetition_penalty = k == 1 ? 1.2f : 1.0f;
-        p.presence_penalty = k == 2 ? 0.5f : 0.0f;
-        p.frequency_penalty = k == 3 ? -0.5f : 0.0f;
-        p.temperature = k == 4 ? 0.0f : p.temperature;
-        struct tdm_sampler *s = NULL;
-        assert_int_equal(tdm_sampler_new(&s, &p, V, prompt, 5, &eos, 1), TDM_OK);
-        assert_int_equal(tdm_sampler_token_free(s), k == 0 || k == 4);
-        for (int n = 0; n < 4; n++) {
-            // The next row as prepared with token 0 ahead, then after 7 is
-            // recorded: equal exactly when token-free.
-            struct tdm_draw_params da, db;
-            struct tdm_draw_adj aa[64], ab[64];
-            const int32_t zero = 0, real = 7 + n;
-            int na = tdm_sampler_draw_prepare_ahead(s, &da, aa, 64, &zero, 1);
-            tdm_sampler_replay(s, &real, 1);
-            int nb = tdm_sampler_draw_prepare(s, &db, ab, 64);
-            bool same = na == nb && memcmp(&da, &db, sizeof da) == 0 &&
-                        memcmp(aa, ab, (size_t)na * sizeof *aa) == 0;
-            if (tdm_sampler_token_free(s))
-                assert_true(same);
-            else if (n == 0)
-                assert_false(same);
-        }
-        tdm_sampler_free(s);
-    }
-}
-
 static int adj_by_token(const void *a, const void *b)
 {
     const struct tdm_draw_adj *x = a, *y = b;
@@ -1704,7 +1659,6 @@ int main(void)
         cmocka_unit_test(test_draw_prepare),
         cmocka_unit_test(test_draw_prepare_ahead),
         cmocka_unit_test(test_draw_prepare_pending),
-        cmocka_unit_test(test_token_free),
         cmocka_unit_test(test_min_p),
         cmocka_unit_test(test_temperature_limit),
         cmocka_unit_test(test_unfiltered_chi_square),
