@@ -1249,15 +1249,28 @@ static void sample_rows(struct tdm_engine *e, double now)
     e->n_sjobs = 0;
 }
 
+// tdm_sampler_draw_prepare_pending when prev_row >= 0, else
+// tdm_sampler_draw_prepare_ahead.
+static int draw_prepare_at(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                           struct tdm_draw_adj *adj, int cap, const int32_t *ahead, int n_ahead,
+                           int prev_row)
+{
+    return prev_row >= 0 ? tdm_sampler_draw_prepare_pending(s, d, adj, cap, prev_row)
+                         : tdm_sampler_draw_prepare_ahead(s, d, adj, cap, ahead, n_ahead);
+}
+
 // A draw's parameters and adjustments on the device, its drafts' first
-// n_ahead tokens ahead of the history (tdm_sampler_draw_prepare_ahead), at
-// *used in the step's adj array (grown as needed; *used moves past them).
+// n_ahead tokens ahead of the history (tdm_sampler_draw_prepare_ahead), or,
+// prev_row >= 0, one token further whose token is chosen row prev_row of the
+// step in flight (tdm_sampler_draw_prepare_pending: the device merges it in),
+// at *used in the step's adj array (grown as needed; *used moves past them).
 // False: the host samples the row.
 static bool adj_prepare(struct tdm_engine *e, const struct tdm_sampler *s,
-                        struct tdm_draw_params *d, const int32_t *ahead, int n_ahead, int *used)
+                        struct tdm_draw_params *d, const int32_t *ahead, int n_ahead, int prev_row,
+                        int *used)
 {
     int room = e->adj_cap - *used;
-    int n = tdm_sampler_draw_prepare_ahead(s, d, e->adj + *used, room, ahead, n_ahead);
+    int n = draw_prepare_at(s, d, e->adj + *used, room, ahead, n_ahead, prev_row);
     if (n < 0)
         return false;
     if (n > room) {
@@ -1267,7 +1280,7 @@ static bool adj_prepare(struct tdm_engine *e, const struct tdm_sampler *s,
             return false;
         e->adj = grown;
         e->adj_cap = cap;
-        (void)tdm_sampler_draw_prepare_ahead(s, d, e->adj + *used, n, ahead, n_ahead);
+        (void)draw_prepare_at(s, d, e->adj + *used, n, ahead, n_ahead, prev_row);
     }
     d->adj_off = *used;
     *used += n;
@@ -1277,7 +1290,7 @@ static bool adj_prepare(struct tdm_engine *e, const struct tdm_sampler *s,
 // A row's draw on the device. False: the host samples it.
 static bool draw_prepare(struct tdm_engine *e, struct sched_item *it, int *used)
 {
-    if (!adj_prepare(e, it->r->sampler, &it->draw, NULL, 0, used))
+    if (!adj_prepare(e, it->r->sampler, &it->draw, NULL, 0, -1, used))
         return false;
     it->adj_off = it->draw.adj_off;
     return true;
@@ -1293,7 +1306,7 @@ static bool verify_prepare(struct tdm_engine *e, struct sched_item *it, int *use
     const int32_t *draft = r->hist + r->n_tokens;
     int at = *used;
     for (int j = 0; j <= r->n_draft; j++)
-        if (!adj_prepare(e, r->sampler, &e->vdraw[*v_used + j], draft, j, &at))
+        if (!adj_prepare(e, r->sampler, &e->vdraw[*v_used + j], draft, j, -1, &at))
             return false;
     it->v_off = *v_used;
     *v_used += r->n_draft + 1;
@@ -1495,15 +1508,15 @@ static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_it
 }
 
 // Whether the row of `it` may go on without its token (async scheduling): a
-// token chosen on the device, greedy or drawn without a draw that depends on
-// the tokens before it, one row, no drafts, no grammar, no push hook, and
-// room for the token after it.
+// token chosen on the device (greedy, or drawn: a penalty's dependence on
+// that token is merged in on the device, tdm_sampler_draw_prepare_pending),
+// one row, no drafts, no grammar, no push hook, and room for the token after
+// it.
 static bool ahead_row(const struct sched_item *it)
 {
     const struct tdm_engine_request *r = it->r;
     return it->logits && it->fused && it->take == 1 && !it->verify_drawn && r->n_draft == 0 &&
-           !r->spec_ok && r->gm == NULL && r->on_layer == NULL && r->n_gen + 2 <= r->max_gen &&
-           (!it->drawn || tdm_sampler_token_free(r->sampler));
+           !r->spec_ok && r->gm == NULL && r->on_layer == NULL && r->n_gen + 2 <= r->max_gen;
 }
 
 // Whether the step after the one in flight may be issued before its tokens
@@ -1551,10 +1564,10 @@ static int schedule_ahead(struct tdm_engine *e, int *adj_used)
                                   .ahead = true,
                                   .prev_row = b};
         if (it->drawn) {
-            // Prepared as after one token more, whichever it is: the draw
-            // does not depend on it (ahead_row), only on the count.
-            const int32_t any = 0;
-            if (!adj_prepare(e, r->sampler, &it->draw, &any, 1, adj_used))
+            // Prepared as after one token more: the key and min_tokens by the
+            // count; the penalties' part of that token (chosen row b of the
+            // step in flight) merged in on the device.
+            if (!adj_prepare(e, r->sampler, &it->draw, NULL, 0, b, adj_used))
                 return 0;
             it->adj_off = it->draw.adj_off;
         }

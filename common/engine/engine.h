@@ -82,10 +82,12 @@ struct tdm_engine_config {
     // decode step is on the device, the engine thread builds and issues the
     // next one, each row one position further with the token the device
     // chose for it (tdm_model_forward_issue, from_prev), then takes the first
-    // step's tokens. A step goes ahead only when every row may: greedy, or
-    // sampled without repetition, presence or frequency penalty (whose draw
-    // does not depend on the token before it), no structured output, no
-    // speculative decoding, no push hook, and room for another token; and
+    // step's tokens. A step goes ahead only when every row may: its token
+    // chosen on the device (greedy or sampled; a repetition, presence or
+    // frequency penalty's part of the token before it is merged into the
+    // draw on the device: tdm_sampler_draw_prepare_pending), no structured
+    // output, no speculative decoding, no push hook, and room for another
+    // token; and
     // only while no request is waiting to be admitted, no abort or control is
     // pending and no KV block is missing. A row whose request finished by the
     // token before it is discarded. Output is the same either way. true turns

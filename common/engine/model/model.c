@@ -1046,9 +1046,19 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
                 (q->draw->logprobs && (q->logprobs_out == NULL || q->draw->top_logprobs < 0 ||
                                        q->draw->top_logprobs > TDM_DRAW_MAX_LOGPROBS)))
                 return TDM_EINVAL;
-            for (int i = 0; i < q->draw->n_adj; i++)
-                if (q->adj[i].token < 0 || q->adj[i].token >= c->vocab_size)
+            for (int i = 0; i < q->draw->n_adj; i++) {
+                const struct tdm_draw_adj *a = &q->adj[i];
+                // A pending token (sample_draw.h): the last entry of a
+                // from_prev row, naming a chosen row of the last forward.
+                if ((a->flags & TDM_DRAW_ADJ_PENDING) &&
+                    (i != q->draw->n_adj - 1 || !q->from_prev || m->ops->host_memory ||
+                     (a->flags & ~(TDM_DRAW_ADJ_PENDING | TDM_DRAW_ADJ_SEEN)) != 0 ||
+                     a->token < 0 || a->token >= m->last_chosen))
                     return TDM_EINVAL;
+                if (!(a->flags & TDM_DRAW_ADJ_PENDING) &&
+                    (a->token < 0 || a->token >= c->vocab_size))
+                    return TDM_EINVAL;
+            }
             chosen_rows += 1;
             break;
         case TDM_LOGITS_DRAW_ALL:
@@ -1063,7 +1073,8 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
                     return TDM_EINVAL;
                 for (int i = 0; i < d->n_adj; i++)
                     if (q->adj[d->adj_off + i].token < 0 ||
-                        q->adj[d->adj_off + i].token >= c->vocab_size)
+                        q->adj[d->adj_off + i].token >= c->vocab_size ||
+                        (q->adj[d->adj_off + i].flags & TDM_DRAW_ADJ_PENDING))
                         return TDM_EINVAL;
             }
             chosen_rows += q->n_tokens;

@@ -178,7 +178,11 @@ struct tdm_batch_seq {
     void *layer_arg;            // for on_layer
     int32_t *token_out;         // ARGMAX, SAMPLE: where the token goes (host)
     const struct tdm_draw_params *draw; // SAMPLE: the draw's parameters (sample_draw.h)
-    const struct tdm_draw_adj *adj;     // SAMPLE: its draw->n_adj logit adjustments
+    // SAMPLE: its draw->n_adj logit adjustments; on a from_prev row of a
+    // device backend the last may be TDM_DRAW_ADJ_PENDING (sample_draw.h),
+    // naming a chosen row of the forward before: its token merged in on the
+    // device before the draw (tdm_sampler_draw_prepare_pending).
+    const struct tdm_draw_adj *adj;
     // SAMPLE, structured output: NULL, or the tokens allowed, a bit each
     // (ceil(vocab_size / 32) words; token t: bit t % 32 of word t / 32), read
     // when the step's tokens are chosen: after the choose hook

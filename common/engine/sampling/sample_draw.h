@@ -93,12 +93,56 @@ struct tdm_draw_logprobs {
 #define TDM_DRAW_ADJ_BIAS 1u   // + bias
 #define TDM_DRAW_ADJ_SEEN 2u   // in the prompt or the output: the repetition penalty
 #define TDM_DRAW_ADJ_MASKED 4u // an EOS or stop id before min_tokens: -inf
+// A pending token (async scheduling, tdm_sampler_draw_prepare_pending): the
+// entry's token field is not a token but the index of a chosen row of the
+// previous forward, whose chosen id t is the token before this row's draw,
+// not yet on the host; flags (SEEN) and count say what one more output
+// occurrence of t adds. Only a row's last entry; resolved before the draw by
+// tdm_draw_resolve_pending, once t is known (on the device, from where the
+// previous forward left its ids).
+#define TDM_DRAW_ADJ_PENDING 8u
 struct tdm_draw_adj {
     int32_t token;
     uint32_t flags; // TDM_DRAW_ADJ_*
     uint32_t count; // times in the output (> 0: the frequency and presence penalties)
     float bias;
 };
+
+// A row's last entry, PENDING, resolved to token t: entries of a row are
+// unique tokens (the draw applies them in parallel), so when t has an entry
+// among adj[0 .. *n_adj - 1) the pending one's SEEN and count merge into it
+// and the pending entry goes (*n_adj - 1); else the pending entry becomes t's.
+// adj: the row's entries, *n_adj of them; found: the index of t's entry among
+// the first *n_adj - 1, or -1 (a device finds it in parallel;
+// tdm_draw_resolve_pending searches it). Nothing when the last entry is not
+// PENDING. The same entries as preparing the row after t was recorded
+// (tdm_sampler_draw_prepare), in another order.
+TDM_DRAW_FN void tdm_draw_merge_pending(struct tdm_draw_adj *adj, int32_t *n_adj, int32_t token,
+                                        int32_t found)
+{
+    if (*n_adj <= 0 || !(adj[*n_adj - 1].flags & TDM_DRAW_ADJ_PENDING))
+        return;
+    struct tdm_draw_adj *p = &adj[*n_adj - 1];
+    uint32_t flags = p->flags & ~TDM_DRAW_ADJ_PENDING;
+    if (found >= 0) {
+        adj[found].flags |= flags;
+        adj[found].count += p->count;
+        *n_adj -= 1;
+    } else {
+        p->token = token;
+        p->flags = flags;
+    }
+}
+
+// tdm_draw_merge_pending with t's entry searched among the row's others.
+TDM_DRAW_FN void tdm_draw_resolve_pending(struct tdm_draw_adj *adj, int32_t *n_adj, int32_t token)
+{
+    int32_t found = -1;
+    for (int32_t i = 0; i + 1 < *n_adj && found < 0; i++)
+        if (adj[i].token == token)
+            found = i;
+    tdm_draw_merge_pending(adj, n_adj, token, found);
+}
 
 TDM_DRAW_FN uint64_t tdm_draw_mix(uint64_t z)
 {

@@ -642,11 +642,6 @@ bool tdm_sampler_plain_greedy(const struct tdm_sampler *s)
     return s->greedy && plain(s);
 }
 
-bool tdm_sampler_token_free(const struct tdm_sampler *s)
-{
-    return s->seen == NULL && s->out_seen == NULL;
-}
-
 // Tokens ahead of the history (tdm_sampler_draw_prepare_ahead): those
 // recorded in the bitmaps once they are, ascending, each once (extra), and
 // the whole list, for the counts.
@@ -716,9 +711,10 @@ static struct tdm_draw_adj ahead_entry(const struct tdm_sampler *s, const struct
     return (struct tdm_draw_adj){.token = t, .flags = seen ? TDM_DRAW_ADJ_SEEN : 0, .count = count};
 }
 
-int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_params *d,
-                                   struct tdm_draw_adj *adj, int cap, const int32_t *ahead,
-                                   int n_ahead)
+// tdm_sampler_draw_prepare_ahead, the draw's key and the min_tokens count
+// n_pending tokens further still (tokens not known yet, not in the history).
+static int prepare(const struct tdm_sampler *s, struct tdm_draw_params *d, struct tdm_draw_adj *adj,
+                   int cap, const int32_t *ahead, int n_ahead, int n_pending)
 {
     const struct tdm_sampling_params *p = &s->p;
     // A repeated bias token adds twice; a lost token list cannot say them.
@@ -740,7 +736,7 @@ int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_
             ah.extra[k] = t;
         }
     }
-    uint64_t generated = (uint64_t)s->num_generated + (uint64_t)n_ahead;
+    uint64_t generated = (uint64_t)s->num_generated + (uint64_t)n_ahead + (uint64_t)n_pending;
     *d = (struct tdm_draw_params){.inv_t = s->inv_t,
                                   .top_p = p->top_p,
                                   .min_p = p->min_p,
@@ -793,10 +789,36 @@ int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_
     return n;
 }
 
+int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                                   struct tdm_draw_adj *adj, int cap, const int32_t *ahead,
+                                   int n_ahead)
+{
+    return prepare(s, d, adj, cap, ahead, n_ahead, 0);
+}
+
 int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params *d,
                              struct tdm_draw_adj *adj, int cap)
 {
-    return tdm_sampler_draw_prepare_ahead(s, d, adj, cap, NULL, 0);
+    return prepare(s, d, adj, cap, NULL, 0, 0);
+}
+
+int tdm_sampler_draw_prepare_pending(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                                     struct tdm_draw_adj *adj, int cap, int prev_row)
+{
+    if (prev_row < 0)
+        return -1;
+    int n = prepare(s, d, adj, cap, NULL, 0, 1);
+    if (n < 0 || (s->seen == NULL && s->out_seen == NULL))
+        return n; // no penalty: the token before changes nothing
+    // What record() does with the pending token: the repetition penalty's
+    // history and one output occurrence.
+    if (n < cap)
+        adj[n] = (struct tdm_draw_adj){.token = prev_row,
+                                       .flags = TDM_DRAW_ADJ_PENDING |
+                                                (s->seen ? TDM_DRAW_ADJ_SEEN : 0u),
+                                       .count = s->out_seen != NULL};
+    d->n_adj = ++n;
+    return n;
 }
 
 _Static_assert(TDM_DRAW_MAX_LOGPROBS == TDM_MAX_LOGPROBS,

@@ -125,13 +125,6 @@ bool tdm_sampler_eos_ends(const struct tdm_sampler *s);
 // exactly as tdm_sampler_sample would have.
 bool tdm_sampler_plain_greedy(const struct tdm_sampler *s);
 
-// True when no draw's parameters depend on which tokens were drawn before it
-// (no repetition, presence or frequency penalty: only the count of tokens
-// drawn keys the draw and ends min_tokens): a row may be prepared before the
-// token before it is known, by tdm_sampler_draw_prepare_ahead with any token
-// ahead (async scheduling).
-bool tdm_sampler_token_free(const struct tdm_sampler *s);
-
 // True when the next token is sample_draw.h's draw over the raw logits alone
 // (the same conditions as tdm_sampler_plain_greedy, sampled requests too), and
 // then *d holds what that draw needs (inv_t 0 for greedy; the key of the next
@@ -160,6 +153,17 @@ int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params
 int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_params *d,
                                    struct tdm_draw_adj *adj, int cap, const int32_t *ahead,
                                    int n_ahead);
+// The draw one token later, that token not known yet (async scheduling: a
+// device holds it, chosen row prev_row of the forward before): the key and
+// min_tokens as tdm_sampler_draw_prepare_ahead with one token ahead, the
+// history as recorded, and, when the sampler has a repetition, presence or
+// frequency penalty, one last entry TDM_DRAW_ADJ_PENDING (sample_draw.h)
+// naming prev_row and what one more occurrence of its token adds. Resolved
+// with that token (tdm_draw_resolve_pending), the entries are those of
+// tdm_sampler_draw_prepare after the token's tdm_sampler_replay, in another
+// order. -1 where tdm_sampler_draw_prepare gives -1, or prev_row < 0.
+int tdm_sampler_draw_prepare_pending(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                                     struct tdm_draw_adj *adj, int cap, int prev_row);
 // *res for a token a device drew with the logprobs it computed (lp): what
 // tdm_sampler_sample's res holds for the same row, the logprobs within the
 // rounding of a sum of exponentials in another order.

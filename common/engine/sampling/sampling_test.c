@@ -668,51 +668,6 @@ static void test_draw_prepare(void **state)
 // the same tokens, for penalties on and off, ahead tokens new, repeated, in
 // the prompt or the output, a bias or min_tokens token, at word boundaries,
 // and min_tokens running out among them; a short array reports its count.
-// tdm_sampler_token_free: without repetition, presence or frequency penalty
-// a row prepared with any token ahead is the row prepared after the real one
-// (async scheduling prepares it before the token is known); with any of them
-// it is not, and the predicate says so.
-static void test_token_free(void **state)
-{
-    (void)state;
-    enum { V = 300 };
-    const int32_t prompt[5] = {3, 9, 9, 41, 7}, eos = 2;
-    for (int k = 0; k < 5; k++) {
-        struct tdm_sampling_params p;
-        tdm_sampling_params_default(&p);
-        p.temperature = 0.7f;
-        p.has_seed = true;
-        p.seed = 11;
-        p.min_tokens = 3; // masked by the count, whatever the tokens
-        p.logit_bias[0] = (struct tdm_logit_bias){.token = 5, .bias = 1.5f};
-        p.num_logit_bias = 1;
-        p.repetition_penalty = k == 1 ? 1.2f : 1.0f;
-        p.presence_penalty = k == 2 ? 0.5f : 0.0f;
-        p.frequency_penalty = k == 3 ? -0.5f : 0.0f;
-        p.temperature = k == 4 ? 0.0f : p.temperature;
-        struct tdm_sampler *s = NULL;
-        assert_int_equal(tdm_sampler_new(&s, &p, V, prompt, 5, &eos, 1), TDM_OK);
-        assert_int_equal(tdm_sampler_token_free(s), k == 0 || k == 4);
-        for (int n = 0; n < 4; n++) {
-            // The next row as prepared with token 0 ahead, then after 7 is
-            // recorded: equal exactly when token-free.
-            struct tdm_draw_params da, db;
-            struct tdm_draw_adj aa[64], ab[64];
-            const int32_t zero = 0, real = 7 + n;
-            int na = tdm_sampler_draw_prepare_ahead(s, &da, aa, 64, &zero, 1);
-            tdm_sampler_replay(s, &real, 1);
-            int nb = tdm_sampler_draw_prepare(s, &db, ab, 64);
-            bool same = na == nb && memcmp(&da, &db, sizeof da) == 0 &&
-                        memcmp(aa, ab, (size_t)na * sizeof *aa) == 0;
-            if (tdm_sampler_token_free(s))
-                assert_true(same);
-            else if (n == 0)
-                assert_false(same);
-        }
-        tdm_sampler_free(s);
-    }
-}
-
 static void test_draw_prepare_ahead(void **state)
 {
     (void)state;
@@ -767,6 +722,110 @@ static void test_draw_prepare_ahead(void **state)
         tdm_sampler_free(s);
     }
     printf("%d rows ahead equal to a twin's after the replay\n", checked);
+}
+
+static int adj_by_token(const void *a, const void *b)
+{
+    const struct tdm_draw_adj *x = a, *y = b;
+    return (x->token > y->token) - (x->token < y->token);
+}
+
+// Async scheduling prepares a row before the token before it is known
+// (tdm_sampler_draw_prepare_pending): with that token resolved into the
+// pending entry by sample_draw.h's rule (tdm_draw_resolve_pending, the one
+// the device runs), the row's parameters and entries (as a set) are those
+// prepared after the token's replay, for repetition 1.05 alone (Qwen2.5's
+// default), presence, frequency, all three and none (no pending entry), the
+// token new, in the prompt, in the output, a bias token and a min_tokens-
+// masked one, step after step while min_tokens runs out; a short array
+// reports its count; a negative row is refused.
+static void test_draw_prepare_pending(void **state)
+{
+    (void)state;
+    enum { V = 300, CAP = 64 };
+    const int32_t prompt[5] = {3, 9, 9, 41, 7}, eos = 2, history[3] = {9, 120, 64};
+    // New, in the prompt, in the output (twice), a bias token, the EOS id
+    // (masked while min_tokens lasts), a stop id.
+    const int32_t real[7] = {200, 41, 120, 64, 5, 2, 11};
+    int resolved_merged = 0, resolved_new = 0;
+    for (int k = 0; k < 5; k++) {
+        struct tdm_sampling_params p;
+        tdm_sampling_params_default(&p);
+        p.temperature = 0.7f;
+        p.has_seed = true;
+        p.seed = 11;
+        p.min_tokens = 6;
+        p.stop_token_ids[0] = 11;
+        p.num_stop_token_ids = 1;
+        p.logit_bias[0] = (struct tdm_logit_bias){.token = 5, .bias = 1.5f};
+        p.num_logit_bias = 1;
+        p.repetition_penalty = k == 0 || k == 3 ? 1.05f : 1.0f;
+        p.presence_penalty = k == 1 || k == 3 ? 0.5f : 0.0f;
+        p.frequency_penalty = k == 2 || k == 3 ? -0.5f : 0.0f;
+        for (int n = 0; n < 7; n++) {
+            // n more tokens of output first: min_tokens runs out on the way.
+            struct tdm_sampler *s = NULL;
+            assert_int_equal(tdm_sampler_new(&s, &p, V, prompt, 5, &eos, 1), TDM_OK);
+            for (int i = 0; i < n; i++)
+                tdm_sampler_replay(s, &history[i % 3], 1);
+            struct tdm_draw_params dp, dw;
+            struct tdm_draw_adj pend[CAP], want[CAP];
+            int np = tdm_sampler_draw_prepare_pending(s, &dp, pend, CAP, 4);
+            assert_true(np >= 0 && np < CAP);
+            assert_int_equal(dp.n_adj, np);
+            if (np > 1)
+                assert_int_equal(tdm_sampler_draw_prepare_pending(s, &dp, pend, 1, 4), np);
+            assert_int_equal(tdm_sampler_draw_prepare_pending(s, &dp, pend, CAP, 4), np);
+            bool penalised = k != 4;
+            if (penalised) {
+                const struct tdm_draw_adj *last = &pend[np - 1];
+                assert_int_equal(last->token, 4); // the previous forward's row
+                assert_int_equal(last->flags,
+                                 TDM_DRAW_ADJ_PENDING | (p.repetition_penalty != 1.0f ? 2u : 0u));
+                assert_int_equal(last->count, k != 0);
+            }
+            for (int i = 0; i + 1 < np; i++)
+                assert_false(pend[i].flags & TDM_DRAW_ADJ_PENDING);
+            for (int r = 0; r < 7; r++) {
+                struct tdm_sampler *after = NULL;
+                assert_int_equal(tdm_sampler_new(&after, &p, V, prompt, 5, &eos, 1), TDM_OK);
+                for (int i = 0; i < n; i++)
+                    tdm_sampler_replay(after, &history[i % 3], 1);
+                tdm_sampler_replay(after, &real[r], 1);
+                int nw = tdm_sampler_draw_prepare(after, &dw, want, CAP);
+                struct tdm_draw_adj got[CAP];
+                memcpy(got, pend, (size_t)np * sizeof *got);
+                struct tdm_draw_params dg = dp;
+                tdm_draw_resolve_pending(got, &dg.n_adj, real[r]);
+                if (penalised && dg.n_adj < np)
+                    resolved_merged++;
+                else if (penalised)
+                    resolved_new++;
+                assert_int_equal(dg.n_adj, nw);
+                assert_memory_equal(&dg, &dw, sizeof dg);
+                qsort(got, (size_t)nw, sizeof *got, adj_by_token);
+                qsort(want, (size_t)nw, sizeof *want, adj_by_token);
+                for (int i = 0; i < nw; i++)
+                    if (memcmp(&got[i], &want[i], sizeof got[i]) != 0)
+                        fail_msg("k %d n %d token %d: entry %d: token %d flags %u count %u, "
+                                 "after the replay token %d flags %u count %u",
+                                 k, n, real[r], i, got[i].token, got[i].flags, got[i].count,
+                                 want[i].token, want[i].flags, want[i].count);
+                tdm_sampler_free(after);
+            }
+            tdm_sampler_free(s);
+        }
+    }
+    // Both ways of the rule ran.
+    assert_true(resolved_merged > 0 && resolved_new > 0);
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.repetition_penalty = 1.05f;
+    struct tdm_sampler *s = make(&p, V);
+    struct tdm_draw_params d;
+    struct tdm_draw_adj adj[4];
+    assert_int_equal(tdm_sampler_draw_prepare_pending(s, &d, adj, 4, -1), -1);
+    tdm_sampler_free(s);
 }
 
 // The outputs of one seed are pinned: a change of the draw (or of its key)
@@ -1599,7 +1658,7 @@ int main(void)
         cmocka_unit_test(test_draw_golden),
         cmocka_unit_test(test_draw_prepare),
         cmocka_unit_test(test_draw_prepare_ahead),
-        cmocka_unit_test(test_token_free),
+        cmocka_unit_test(test_draw_prepare_pending),
         cmocka_unit_test(test_min_p),
         cmocka_unit_test(test_temperature_limit),
         cmocka_unit_test(test_unfiltered_chi_square),

@@ -735,9 +735,20 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
                                         : "out of memory for the logprobs' staging");
         return take_err(be);
     }
-    for (int i = 0; i < n; i++)
+    bool any_pending = false;
+    for (int i = 0; i < n; i++) {
         if (params[i].logprobs)
             lp_rows[n_lp++] = i;
+        any_pending |= params[i].n_adj > 0 &&
+                       (adj[params[i].adj_off + params[i].n_adj - 1].flags & TDM_DRAW_ADJ_PENDING);
+    }
+    // The previous forward's chosen ids, before am_ids may move (a moved
+    // buffer lives until the next full wait).
+    const int32_t *prev_ids = be->am_ids.p;
+    if (any_pending && prev_ids == NULL) {
+        fail(be, TDM_EINVAL, "sample: %s", "a pending token without chosen ids on the device");
+        return take_err(be);
+    }
     size_t rows_bytes = ((size_t)n_lp * sizeof(int32_t) + 15) / 16 * 16;
     size_t lp_bytes = (size_t)n_lp * sizeof(struct tdm_draw_logprobs);
     if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
@@ -758,6 +769,10 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
         upload_async(be, be->smask.p, masks, mask_bytes) != TDM_OK ||
         upload_async(be, d_lp_rows, lp_rows, (size_t)n_lp * sizeof(int32_t)) != TDM_OK)
         return take_err(be);
+    // Pending tokens (async scheduling) merged into their rows' entries from
+    // the previous forward's ids, which this draw overwrites only after.
+    if (any_pending)
+        launch_check(be, tdm_cuk_resolve_pending(be->stream, be->sp.p, be->sadj.p, prev_ids, n));
     launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, params, be->sadj.p,
                                          be->smask.p, be->am_ids.p, d_lp_rows, n_lp, d_lp,
                                          be->am_part.p));

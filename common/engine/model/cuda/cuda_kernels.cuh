@@ -219,6 +219,32 @@ __global__ void gather_ids_kernel(int32_t *ids, const int32_t *src, const int32_
         ids[pairs[2 * i]] = src[pairs[2 * i + 1]];
 }
 
+// grid (n rows), block TDM_CUK_RESOLVE_THREADS: a row whose last adjustment is
+// PENDING (sample_draw.h) gets its token, src[that entry's row] (the previous
+// forward's chosen ids), resolved into its entries: the block searches the
+// token's entry among the row's others, one thread merges
+// (tdm_draw_merge_pending) and fixes the row's n_adj. Other rows: nothing.
+__global__ void __launch_bounds__(TDM_CUK_RESOLVE_THREADS)
+    resolve_pending_kernel(tdm_draw_params *params, tdm_draw_adj *adj, const int32_t *src)
+{
+    __shared__ int32_t found[1];
+    tdm_draw_params *d = &params[blockIdx.x];
+    int32_t n = d->n_adj;
+    tdm_draw_adj *a = adj + d->adj_off;
+    if (n <= 0 || !(a[n - 1].flags & TDM_DRAW_ADJ_PENDING)) // the same for the whole block
+        return;
+    int32_t token = src[a[n - 1].token];
+    if (threadIdx.x == 0)
+        found[0] = -1;
+    __syncthreads();
+    for (int32_t i = threadIdx.x; i < n - 1; i += blockDim.x)
+        if (a[i].token == token) // a row's tokens are unique: one writer at most
+            found[0] = i;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        tdm_draw_merge_pending(a, &d->n_adj, token, found[0]);
+}
+
 // ---- KV cache ----------------------------------------------------------------------------
 // grid (n), any block: row blockIdx.x goes to its flat slot.
 template <class KV>

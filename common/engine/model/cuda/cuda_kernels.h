@@ -164,6 +164,14 @@ int tdm_cuk_kv_store(void *stream, int type, const float *k, const float *v, int
 // the rows of a forward whose token is a chosen token of the forward before,
 // read where that forward's argmax or draw wrote it.
 int tdm_cuk_gather_ids(void *stream, int32_t *ids, const int32_t *src, const int32_t *pairs, int n);
+// Rows i < n of a draw (tdm_cuk_sample_rows' params and adj, device) whose
+// last adjustment is TDM_DRAW_ADJ_PENDING: that entry resolved with token
+// src[its token field] (the previous forward's chosen ids, device) by
+// tdm_draw_merge_pending, params[i].n_adj fixed; one launch, a CTA a row,
+// before the draw. Other rows are left as they are.
+#define TDM_CUK_RESOLVE_THREADS 128
+int tdm_cuk_resolve_pending(void *stream, struct tdm_draw_params *params, struct tdm_draw_adj *adj,
+                            const int32_t *src, int n);
 // ids[i] = the index of the first largest of x[i][0..cols) by `>` (ties: the
 // lowest index; NaN never wins; 0 when nothing is above -inf), i < n: greedy
 // sampling on the device, a CTA per chunk of TDM_CUK_ARGMAX_CHUNK columns of a

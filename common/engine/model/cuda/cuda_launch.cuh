@@ -217,6 +217,18 @@ int tdm_cuk_gather_ids(void *stream, int32_t *ids, const int32_t *src, const int
     return tdm_cuk::launched("gather_ids");
 }
 
+int tdm_cuk_resolve_pending(void *stream, struct tdm_draw_params *params, struct tdm_draw_adj *adj,
+                            const int32_t *src, int n)
+{
+    if (n < 0 || n > 65535 || (n > 0 && (params == NULL || adj == NULL || src == NULL)))
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "resolve_pending: n %d", n);
+    if (n == 0)
+        return TDM_CUK_OK;
+    TDM_CUDA_LAUNCH(tdm_cuk::resolve_pending_kernel, dim3((unsigned)n),
+                    dim3(TDM_CUK_RESOLVE_THREADS), 0, stream, params, adj, src);
+    return tdm_cuk::launched("resolve_pending");
+}
+
 int tdm_cuk_rope_kv_store(void *stream, int type, float *qkv, int stride, int n_q, int n_kv,
                           int head_dim, const int32_t *pos, const float *inv_freq,
                           const int32_t *slots, int n, void *k_cache, void *v_cache, int block_size)

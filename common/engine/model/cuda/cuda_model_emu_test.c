@@ -1386,6 +1386,175 @@ static void test_forward_async(void **state)
     free(sync_run), free(async_run);
 }
 
+// Async scheduling with penalties: a drawn row prepared before the token
+// before it is known (tdm_sampler_draw_prepare_pending: its last entry
+// TDM_DRAW_ADJ_PENDING, naming the previous forward's chosen row) on a
+// from_prev row, the token merged in on the device before the draw. Rows:
+// repetition 1.05 alone (Qwen2.5-Instruct's default), presence + frequency
+// + repetition, and a greedy draw with repetition 2 and frequency 0.5 (it
+// would repeat without them), with logprobs; each step issued before the
+// one before it ran (deferred device). Tokens and logprobs equal those of
+// synchronous forwards drawn with the rows prepared after the real token.
+// Refusals: a pending entry on a row not from_prev, naming a row past the
+// last forward's chosen ones, not last, with a flag besides SEEN.
+enum { PP_NS = 3, PP_STEPS = 10, PP_CAP = 512 };
+
+struct pending_run {
+    int32_t tok[PP_STEPS + 1][PP_NS];
+    struct tdm_draw_logprobs lp[PP_STEPS + 1][PP_NS];
+    int n_pending; // rows issued with a pending entry
+};
+
+static void pending_samplers(struct tdm_sampler **smp, int vocab, int32_t (*prompt)[64],
+                             const int *start)
+{
+    for (int s = 0; s < PP_NS; s++) {
+        struct tdm_sampling_params p;
+        tdm_sampling_params_default(&p);
+        p.temperature = s == 2 ? 0.0f : 0.8f;
+        p.repetition_penalty = s == 0 ? 1.05f : s == 1 ? 1.3f : 2.0f;
+        p.presence_penalty = s == 1 ? 1.5f : 0.0f;
+        p.frequency_penalty = s == 1 ? 1.0f : s == 2 ? 0.5f : 0.0f;
+        p.logprobs = s == 2 ? 2 : s == 0 ? 0 : -1;
+        p.has_seed = true;
+        p.seed = 900u + (uint64_t)s;
+        assert_int_equal(tdm_sampler_new(&smp[s], &p, vocab, prompt[s], (size_t)start[s], NULL, 0),
+                         TDM_OK);
+    }
+}
+
+static void pending_model(struct tdm_model *m, bool async, struct pending_run *out)
+{
+    int vocab = tdm_model_config(m)->vocab_size;
+    const int start[PP_NS] = {21, 9, 14};
+    int32_t prompt[PP_NS][64];
+    struct tdm_kv_cache *kv = new_kv(m);
+    struct tdm_kv_seq q[PP_NS];
+    struct tdm_sampler *smp[PP_NS];
+    static struct tdm_draw_adj adj[PP_NS][PP_CAP];
+    for (int s = 0; s < PP_NS; s++) {
+        make_prompt(prompt[s], start[s], vocab, 700 + (uint32_t)s);
+        tdm_kv_seq_init(&q[s]);
+        assert_int_equal(tdm_kv_reserve(kv, &q[s], start[s] + PP_STEPS), TDM_OK);
+    }
+    pending_samplers(smp, vocab, prompt, start);
+    memset(out, 0xff, sizeof *out);
+    out->n_pending = 0;
+    if (async)
+        tdm_emu_defer(1);
+    for (int t = 0; t <= PP_STEPS; t++) {
+        struct tdm_batch_seq b[PP_NS];
+        struct tdm_draw_params dp[PP_NS];
+        int32_t given[PP_NS];
+        for (int s = 0; s < PP_NS; s++) {
+            bool ahead = async && t > 0;
+            int n = ahead ? tdm_sampler_draw_prepare_pending(smp[s], &dp[s], adj[s], PP_CAP, s)
+                          : tdm_sampler_draw_prepare(smp[s], &dp[s], adj[s], PP_CAP);
+            assert_true(n >= 0 && n <= PP_CAP);
+            if (ahead) {
+                assert_true(adj[s][n - 1].flags & TDM_DRAW_ADJ_PENDING);
+                out->n_pending++;
+            }
+            given[s] = t > 0 && !async ? out->tok[t - 1][s] : 0;
+            b[s] = (struct tdm_batch_seq){.tokens = t == 0 ? prompt[s] : &given[s],
+                                          .n_tokens = t == 0 ? start[s] : 1,
+                                          .start_pos = t == 0 ? 0 : start[s] + t - 1,
+                                          .block_table = q[s].block_table,
+                                          .prompt_len = start[s],
+                                          .logits = TDM_LOGITS_SAMPLE,
+                                          .token_out = &out->tok[t][s],
+                                          .draw = &dp[s],
+                                          .adj = adj[s],
+                                          .logprobs_out = &out->lp[t][s],
+                                          .from_prev = ahead,
+                                          .prev_row = s};
+        }
+        if (!async) {
+            assert_int_equal(tdm_model_forward(m, kv, b, PP_NS, NULL), TDM_OK);
+            for (int s = 0; s < PP_NS; s++)
+                tdm_sampler_replay(smp[s], &out->tok[t][s], 1);
+            continue;
+        }
+        // Issued before step t - 1 ran; then step t - 1's tokens recorded.
+        assert_int_equal(tdm_model_forward_issue(m, kv, b, PP_NS, NULL), TDM_OK);
+        if (t > 0) {
+            assert_int_equal(tdm_model_forward_pending(m), 2);
+            assert_int_equal(out->tok[t - 1][0], -1);
+            assert_int_equal(tdm_model_forward_wait(m), TDM_OK);
+            for (int s = 0; s < PP_NS; s++)
+                tdm_sampler_replay(smp[s], &out->tok[t - 1][s], 1);
+        }
+    }
+    if (async) {
+        assert_int_equal(tdm_model_forward_wait(m), TDM_OK);
+        tdm_emu_defer(0);
+    }
+    if (async) {
+        // Refusals, after a forward of PP_NS chosen rows.
+        struct tdm_draw_params d;
+        int n = tdm_sampler_draw_prepare_pending(smp[0], &d, adj[0], PP_CAP, 0);
+        int32_t tok = 0, got = -1;
+        struct tdm_draw_logprobs lp;
+        struct tdm_batch_seq bad = {.tokens = &tok,
+                                    .n_tokens = 1,
+                                    .start_pos = start[0] + PP_STEPS,
+                                    .block_table = q[0].block_table,
+                                    .logits = TDM_LOGITS_SAMPLE,
+                                    .token_out = &got,
+                                    .draw = &d,
+                                    .adj = adj[0],
+                                    .logprobs_out = &lp,
+                                    .from_prev = false,
+                                    .prev_row = 0};
+        assert_int_equal(tdm_kv_reserve(kv, &q[0], start[0] + PP_STEPS + 1), TDM_OK);
+        assert_int_equal(tdm_model_forward(m, kv, &bad, 1, NULL), TDM_EINVAL); // not from_prev
+        bad.from_prev = true;
+        adj[0][n - 1].token = PP_NS;
+        assert_int_equal(tdm_model_forward(m, kv, &bad, 1, NULL), TDM_EINVAL); // past the rows
+        adj[0][n - 1].token = 0;
+        adj[0][n - 1].flags |= TDM_DRAW_ADJ_BIAS;
+        assert_int_equal(tdm_model_forward(m, kv, &bad, 1, NULL), TDM_EINVAL); // a bias
+        adj[0][n - 1].flags &= ~TDM_DRAW_ADJ_BIAS;
+        d.n_adj = n + 1;
+        adj[0][n] = (struct tdm_draw_adj){.token = 3};
+        assert_int_equal(tdm_model_forward(m, kv, &bad, 1, NULL), TDM_EINVAL); // not last
+        d.n_adj = n;
+        assert_int_equal(tdm_model_forward(m, kv, &bad, 1, NULL), TDM_OK);
+        assert_true(got >= 0 && got < vocab);
+    }
+    for (int s = 0; s < PP_NS; s++) {
+        tdm_sampler_free(smp[s]);
+        tdm_kv_seq_release(kv, &q[s]);
+    }
+    tdm_kv_free(kv);
+}
+
+static void test_forward_pending_penalties(void **state)
+{
+    (void)state;
+    struct pending_run *sync_run = malloc(sizeof *sync_run), *async_run = malloc(sizeof *async_run);
+    assert_true(sync_run && async_run);
+    struct tdm_model *m = load(tiny_dir, "cuda", "bf16");
+    pending_model(m, false, sync_run);
+    pending_model(m, true, async_run);
+    assert_int_equal(async_run->n_pending, PP_STEPS * PP_NS);
+    int repeats = 0;
+    for (int t = 0; t <= PP_STEPS; t++)
+        for (int s = 0; s < PP_NS; s++) {
+            if (async_run->tok[t][s] != sync_run->tok[t][s])
+                fail_msg("step %d row %d: async %d, sync %d", t, s, async_run->tok[t][s],
+                         sync_run->tok[t][s]);
+            if (s != 1)
+                assert_memory_equal(&async_run->lp[t][s], &sync_run->lp[t][s],
+                                    sizeof async_run->lp[t][s]);
+            repeats += t > 0 && sync_run->tok[t][s] == sync_run->tok[t - 1][s];
+        }
+    printf("%d rows with a pending token equal to synchronous forwards (%d repeats)\n",
+           async_run->n_pending, repeats);
+    tdm_model_free(m);
+    free(sync_run), free(async_run);
+}
+
 static void test_device_flag(void **state)
 {
     (void)state;
@@ -2003,6 +2172,7 @@ int main(void)
         cmocka_unit_test(test_deferred_export_overlaps),
         cmocka_unit_test(test_host_waits),
         cmocka_unit_test(test_forward_async),
+        cmocka_unit_test(test_forward_pending_penalties),
         cmocka_unit_test(test_launch_budget),
         cmocka_unit_test(test_gemm_classes),
         cmocka_unit_test(test_gemm_classes_decode_launches),

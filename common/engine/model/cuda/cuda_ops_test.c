@@ -1938,6 +1938,71 @@ static void test_kv_gather_scatter(void **state)
     tdm_cuda_dev_free(dev, d_pool), tdm_cuda_dev_free(dev, d_list), tdm_cuda_dev_free(dev, d_buf);
 }
 
+// A drawn row's pending token (sample_draw.h's TDM_DRAW_ADJ_PENDING) resolved
+// on the device (tdm_cuk_resolve_pending) from the previous forward's ids:
+// each row's entries and n_adj as the host's tdm_draw_resolve_pending leaves
+// them: merged into an entry past the block's threads (index 250 of 300),
+// at index 0 (with a bias and a mask kept), a new token, a row of the pending
+// entry alone; rows without one (three entries, or none) untouched.
+static void test_resolve_pending(void **state)
+{
+    (void)state;
+    enum { ROWS = 6, BIG = 300, TOTAL = 2 * (BIG + 1) + 3 + 1 + 3 };
+    static struct tdm_draw_adj adj[TOTAL], want[TOTAL], got[TOTAL];
+    struct tdm_draw_params params[ROWS], wantp[ROWS], gotp[ROWS];
+    const int32_t prev[4] = {7 * 250, 5, 42, 11};
+    int at = 0;
+    for (int r = 0; r < ROWS; r++) {
+        params[r] = (struct tdm_draw_params){.adj_off = at};
+        int n = r < 2 ? BIG : r == 2 ? 3 : r == 3 ? 0 : r == 4 ? 0 : 2;
+        for (int i = 0; i < n; i++)
+            adj[at++] = (struct tdm_draw_adj){.token = r == 5 && i == 0 ? 11 : 7 * i,
+                                              .flags = r == 5 && i == 0
+                                                           ? TDM_DRAW_ADJ_BIAS | TDM_DRAW_ADJ_MASKED
+                                                           : TDM_DRAW_ADJ_SEEN,
+                                              .count = (uint32_t)(i % 3),
+                                              .bias = 0.5f};
+        if (r != 2 && r != 3) // row 2: none; row 3: no entries at all
+            adj[at++] = (struct tdm_draw_adj){.token = r == 0   ? 0
+                                                       : r == 1 ? 1
+                                                       : r == 4 ? 2
+                                                                : 3,
+                                              .flags = TDM_DRAW_ADJ_PENDING | TDM_DRAW_ADJ_SEEN,
+                                              .count = 1};
+        params[r].n_adj = at - params[r].adj_off;
+    }
+    assert_int_equal(at, TOTAL);
+    memcpy(want, adj, sizeof adj);
+    memcpy(wantp, params, sizeof params);
+    for (int r = 0; r < ROWS; r++) {
+        struct tdm_draw_adj *a = want + wantp[r].adj_off;
+        int32_t n = wantp[r].n_adj;
+        if (n > 0 && (a[n - 1].flags & TDM_DRAW_ADJ_PENDING))
+            tdm_draw_resolve_pending(a, &wantp[r].n_adj, prev[a[n - 1].token]);
+    }
+    assert_int_equal(wantp[0].n_adj, BIG); // merged
+    assert_int_equal(want[250].count, 250 % 3 + 1);
+    assert_int_equal(wantp[1].n_adj, BIG + 1); // new
+    assert_int_equal(want[wantp[1].adj_off + BIG].token, 5);
+    assert_int_equal(wantp[4].n_adj, 1);
+    assert_int_equal(wantp[5].n_adj, 2);
+    assert_int_equal(want[wantp[5].adj_off].flags,
+                     TDM_DRAW_ADJ_BIAS | TDM_DRAW_ADJ_MASKED | TDM_DRAW_ADJ_SEEN);
+    struct tdm_draw_params *d_params = to_dev(params, sizeof params);
+    struct tdm_draw_adj *d_adj = to_dev(adj, sizeof adj);
+    int32_t *d_prev = to_dev(prev, sizeof prev);
+    ok(tdm_cuk_resolve_pending(stream, d_params, d_adj, d_prev, ROWS));
+    from_dev(gotp, d_params, sizeof gotp);
+    from_dev(got, d_adj, sizeof got);
+    assert_memory_equal(gotp, wantp, sizeof gotp);
+    for (int r = 0; r < ROWS; r++)
+        assert_memory_equal(got + wantp[r].adj_off, want + wantp[r].adj_off,
+                            (size_t)wantp[r].n_adj * sizeof *got);
+    assert_int_equal(tdm_cuk_resolve_pending(stream, d_params, d_adj, d_prev, -1), TDM_CUK_EINVAL);
+    ok(tdm_cuk_resolve_pending(stream, d_params, d_adj, d_prev, 0));
+    tdm_cuda_dev_free(dev, d_params), tdm_cuda_dev_free(dev, d_adj), tdm_cuda_dev_free(dev, d_prev);
+}
+
 static void test_attention_errors(void **state)
 {
     (void)state;
@@ -2015,6 +2080,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_argmax_rows),
         cmocka_unit_test(test_sample_rows),
         cmocka_unit_test(test_sample_rows_boundary),
+        cmocka_unit_test(test_resolve_pending),
     };
     return tdm_test_exit(tdm_run_group_tests(tests, group_setup, group_teardown));
 }
