@@ -13,10 +13,11 @@ endfunction()
 # tdm_test(name SOURCES ... DEPS ... [LABELS ...] [ARGS ...] [SPLIT test_fn ...]):
 # a cmocka test binary as a ctest. A test that skips (TDM_SKIP, test_skip.h)
 # makes the binary exit 77, which ctest reports as skipped (SKIP_RETURN_CODE),
-# never as passed. SPLIT names test functions that depend on the host (an
-# ISA's kernels): each becomes a ctest of its own, name.fn (--only fn), and the
-# binary's main ctest runs the rest (--skip fn), so a host without that ISA
-# skips those alone.
+# never as passed. SPLIT names test functions that each become a ctest of
+# their own, name.fn (--only fn), the binary's main ctest running the rest
+# (--skip fn): those that depend on the host (an ISA's kernels, label
+# host-isa: a host without that ISA skips those alone), and long cases, so
+# that ctest -j balances.
 function(tdm_test name)
   cmake_parse_arguments(T "" "" "SOURCES;DEPS;LABELS;ARGS;SPLIT" ${ARGN})
   add_executable(${name} ${T_SOURCES})

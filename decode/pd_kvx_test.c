@@ -1629,9 +1629,8 @@ static void pc_start(void)
     fragment(dw, 1000); // the prefill worker's tables fragment as the runs go on
 }
 
-static void test_prefix_cache_after_ipc(void **state)
+static void prefix_cache_after_ipc(void)
 {
-    (void)state;
     double t0 = tdm_now();
 #ifdef PC_SANITIZED
     static const int lengths[] = {1, 15, 16, 17, 255, 1100, 0};
@@ -1643,9 +1642,8 @@ static void test_prefix_cache_after_ipc(void **state)
     printf("prefix cache after cuda-ipc: %.1f s\n", tdm_now() - t0);
 }
 
-static void test_prefix_cache_after_nccl(void **state)
+static void prefix_cache_after_nccl(void)
 {
-    (void)state;
     double t0 = tdm_now();
     setenv("TANDEM_HOST_ID", "node-b", 1); // another node: NCCL
     restart_prefill(NULL, 120);
@@ -1666,9 +1664,20 @@ static void test_prefix_cache_after_nccl(void **state)
     ref = NULL;
 }
 
+// Both parts in one test, in this order: the NCCL part runs on the workers
+// and pools the cuda-ipc part started and used, so the two cannot run apart,
+// and together they are over half of the binary's time (a ctest of their
+// own: tdm_test's SPLIT).
+static void test_prefix_cache(void **state)
+{
+    (void)state;
+    prefix_cache_after_ipc();
+    prefix_cache_after_nccl();
+}
+
 int main(int argc, char **argv)
 {
-    tdm_test_filters(argc, argv); // --only / --skip PATTERN
+    tdm_test_filters(argc, argv); // --only / --skip PATTERN (tdm_test's SPLIT)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_ipc_open_fails),
         cmocka_unit_test(test_equivalence),
@@ -1679,9 +1688,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_nccl_peer_restart),
         cmocka_unit_test(test_nccl_one_transfer_per_pair),
         cmocka_unit_test(test_nccl_layouts_differ),
-        cmocka_unit_test(test_prefix_cache_after_ipc),
-        cmocka_unit_test(test_prefix_cache_after_nccl),
+        cmocka_unit_test(test_prefix_cache),
         cmocka_unit_test(test_fake_stream_order), // last: its copy counts
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return tdm_test_exit(tdm_run_group_tests(tests, setup, teardown));
 }

@@ -2143,8 +2143,9 @@ static void test_big_batch16_fast(void **state)
 }
 #endif
 
-int main(void)
+int main(int argc, char **argv)
 {
+    tdm_test_filters(argc, argv); // --only / --skip PATTERN (tdm_test's SPLIT)
 #ifdef TDM_CUDA_TEST_GPU
     struct tdm_model_opts probe;
     char err[256];
@@ -2188,5 +2189,5 @@ int main(void)
         cmocka_unit_test(test_big_batch16_fast),
 #endif
     };
-    return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
+    return tdm_test_exit(tdm_run_group_tests(tests, setup, teardown));
 }
