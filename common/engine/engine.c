@@ -1576,6 +1576,16 @@ static int schedule_ahead(struct tdm_engine *e, int *adj_used)
     return n;
 }
 
+// The step just issued (e->items[0 .. n)) becomes the step in flight; its
+// items' array is the next step's no more (the two arrays swap).
+static void put_in_flight(struct tdm_engine *e, int n)
+{
+    struct sched_item *t = e->fl_items;
+    e->fl_items = e->items;
+    e->items = t;
+    e->fl_n = n;
+}
+
 // Waits for the step in flight, the one issued before it if any, and takes
 // its results; rc: a failed issue since (every step in flight failed with it).
 static void finish_inflight(struct tdm_engine *e, int rc)
@@ -1607,10 +1617,7 @@ static void step_ahead(struct tdm_engine *e)
         return;
     }
     finish_inflight(e, TDM_OK);
-    struct sched_item *t = e->fl_items;
-    e->fl_items = e->items;
-    e->items = t;
-    e->fl_n = n;
+    put_in_flight(e, n);
 }
 
 // Runs the step scheduled in e->items: its results taken, or, where its rows
@@ -1620,10 +1627,7 @@ static void run_step(struct tdm_engine *e, int n_items)
     int rc = step_issue(e, n_items, 0);
     if (rc == TDM_OK && tdm_model_forward_pending(e->model) > 0 &&
         ahead_step(e, e->items, n_items)) {
-        struct sched_item *t = e->fl_items;
-        e->fl_items = e->items;
-        e->items = t;
-        e->fl_n = n_items;
+        put_in_flight(e, n_items);
         return;
     }
     while (rc == TDM_OK && tdm_model_forward_pending(e->model) > 0)

@@ -361,16 +361,22 @@ static int take_err(struct tdm_backend *be)
 
 // The host waited for everything issued on the stream: both slots' staging
 // is free and their pending results have landed.
+// The device passed slot f's event: its staging is free and its pending
+// results have landed.
+static void slot_idle(struct inflight *f)
+{
+    f->stage_used = 0;
+    f->fenced = false;
+    f->landed = f->pending;
+}
+
 static void stream_idle(struct tdm_backend *be)
 {
     for (int i = 0; i < be->n_grave; i++)
         tdm_cuda_dev_free(be->dev, be->grave[i]);
     be->n_grave = 0;
-    for (int i = 0; i < 2; i++) {
-        be->fl[i].stage_used = 0;
-        be->fl[i].fenced = false;
-        be->fl[i].landed = be->fl[i].pending;
-    }
+    slot_idle(&be->fl[0]);
+    slot_idle(&be->fl[1]);
 }
 
 // Waits for the stream (the copies and kernels issued so far).
@@ -392,9 +398,7 @@ static int slot_wait(struct tdm_backend *be, struct inflight *f)
         fail(be, TDM_EBACKEND, "wait: %s", tdm_cuda_dev_errmsg(be->dev));
         return be->err;
     }
-    f->stage_used = 0;
-    f->fenced = false;
-    f->landed = f->pending;
+    slot_idle(f);
     return be->err;
 }
 
@@ -466,6 +470,19 @@ static int cuda_download(struct tdm_backend *be, void *dst, const void *src, siz
     return take_err(be);
 }
 
+// The current slot, free for a forward's results; NULL (be->err set, what
+// naming the op) when its last results were not taken: the model takes each
+// forward's results before a third is issued.
+static struct inflight *results_slot(struct tdm_backend *be, const char *what)
+{
+    struct inflight *f = &be->fl[be->fl_cur];
+    if (f->pending) {
+        fail(be, TDM_EINVAL, what, "a third forward in flight");
+        return NULL;
+    }
+    return f;
+}
+
 // Ends the current slot's forward: its n chosen rows' ids (device ids) and,
 // for its n_lp rows asking logprobs (listed in the slot's lp_rows), theirs
 // (device lp) are copied to the slot's landing without a wait, the slot's
@@ -474,11 +491,9 @@ static int cuda_download(struct tdm_backend *be, void *dst, const void *src, siz
 static int results_issue(struct tdm_backend *be, int n, const int32_t *ids, int n_lp,
                          const struct tdm_draw_logprobs *lp)
 {
-    struct inflight *f = &be->fl[be->fl_cur];
-    if (f->pending) { // the model takes each forward's results before a third
-        fail(be, TDM_EINVAL, "results: %s", "a third forward in flight");
+    struct inflight *f = results_slot(be, "results: %s");
+    if (f == NULL)
         return take_err(be);
-    }
     size_t ids_bytes = ((size_t)n * sizeof(int32_t) + 15) / 16 * 16;
     size_t total = ids_bytes + (size_t)n_lp * sizeof *lp;
     if (total > f->land_cap) { // nothing lands in it now: its last results were taken
@@ -708,10 +723,9 @@ static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int c
 
 // Sampled rows (issue 26 item 1): drawn on the device by the CPU sampler's
 // draw, and only the ids to the host, as the greedy rows' argmax.
-// The current slot's list of the rows asking logprobs, for n rows.
-static int32_t *lp_rows_reserve(struct tdm_backend *be, int n)
+// Slot f's list of the rows asking logprobs, for n rows.
+static int32_t *lp_rows_reserve(struct inflight *f, int n)
 {
-    struct inflight *f = &be->fl[be->fl_cur];
     if (n > f->lp_cap) {
         int32_t *rows = realloc(f->lp_rows, (size_t)n * sizeof *rows);
         if (rows == NULL)
@@ -728,11 +742,12 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
 {
     size_t adj_bytes = (size_t)n_adj * sizeof *adj, mask_bytes = mask_words * sizeof *masks;
     int n_lp = 0;
-    int32_t *lp_rows = be->fl[be->fl_cur].pending ? NULL : lp_rows_reserve(be, n);
+    struct inflight *f = results_slot(be, "sample: %s");
+    if (f == NULL)
+        return take_err(be);
+    int32_t *lp_rows = lp_rows_reserve(f, n);
     if (lp_rows == NULL) {
-        fail(be, be->fl[be->fl_cur].pending ? TDM_EINVAL : TDM_ENOMEM, "sample: %s",
-             be->fl[be->fl_cur].pending ? "a third forward in flight"
-                                        : "out of memory for the logprobs' staging");
+        fail(be, TDM_ENOMEM, "sample: %s", "out of memory for the logprobs' staging");
         return take_err(be);
     }
     bool any_pending = false;
