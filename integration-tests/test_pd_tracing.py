@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Per-request traces through router -> decode -> prefill (issue 11, part 7).
 
-An OTLP/HTTP receiver stub (http.server in this process) collects what the
-services export. The router finds it through OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+An OTLP/HTTP receiver of the test's own (http.server in this process) collects
+what the services export. The router finds it through OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
 (the environment), the workers through --otlp-traces-endpoint (the flag).
   - a disaggregated request with the client's traceparent/tracestate: every
     span carries the client's trace id; the router's llm_request is a child of
