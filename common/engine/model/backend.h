@@ -250,9 +250,14 @@ struct tdm_backend_ops {
     // all), with params[i] (host), i < n: the same token the CPU sampler draws
     // from the same row, masked alike (inv_t 0: argmax_rows'). A row whose
     // params ask logprobs also gets its logprobs: the CPU sampler's of the same
-    // row (tdm_draw_logprobs). Both come through take_results. Ends the
-    // forward without a wait (the host arrays may be reused on return); TDM_OK
-    // or the backend's error.
+    // row (tdm_draw_logprobs). Both come through take_results. A row whose
+    // params name a list (tdm_draw_params.list) takes its entries from the
+    // backend's list (list_load: its own entries are loaded into it first;
+    // else adj_off and n_adj are not read), and its drawn token is recorded
+    // there (tdm_draw_record); a list read before its first load, or two rows
+    // of one list in a call, are refused (TDM_EINVAL). Ends the forward
+    // without a wait (the host arrays may be reused on return); TDM_OK or the
+    // backend's error.
     int (*sample_rows)(struct tdm_backend *be, float *x, int n, int cols,
                        const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
                        int n_adj, const uint32_t *masks, size_t mask_words);

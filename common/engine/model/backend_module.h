@@ -27,8 +27,9 @@
 #include <stdint.h>
 
 #define TDM_BACKEND_MODULE_API                                                                     \
-    5 // 2: set_batch_invariant; 3: matmul_runs (struct tdm_backend_ops);
-      // 4: sample_rows returns logprobs; 5: take_results, gather_ids
+    6 // 2: set_batch_invariant; 3: matmul_runs (struct tdm_backend_ops);
+      // 4: sample_rows returns logprobs; 5: take_results, gather_ids;
+      // 6: adjustment lists (struct tdm_draw_params: rec_*, list*)
 #define TDM_BACKEND_MODULE_INIT_SYMBOL "tdm_backend_module_init"
 
 struct tdm_backend_ops;

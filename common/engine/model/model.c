@@ -1044,7 +1044,12 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
             if (!tdm_model_device_sampling(m) || q->token_out == NULL || q->draw == NULL ||
                 q->draw->n_adj < 0 || (q->draw->n_adj > 0 && q->adj == NULL) ||
                 (q->draw->logprobs && (q->logprobs_out == NULL || q->draw->top_logprobs < 0 ||
-                                       q->draw->top_logprobs > TDM_DRAW_MAX_LOGPROBS)))
+                                       q->draw->top_logprobs > TDM_DRAW_MAX_LOGPROBS)) ||
+                (q->draw->rec_flags & ~TDM_DRAW_ADJ_SEEN) != 0 ||
+                // A device list (sample_draw.h): a row read from it brings
+                // no entries of its own.
+                q->draw->list < 0 || (q->draw->list_load != 0 && q->draw->list_load != 1) ||
+                (q->draw->list > 0 && !q->draw->list_load && q->draw->n_adj != 0))
                 return TDM_EINVAL;
             for (int i = 0; i < q->draw->n_adj; i++) {
                 const struct tdm_draw_adj *a = &q->adj[i];
@@ -1068,6 +1073,7 @@ static int validate_batch(const struct tdm_model *m, const struct tdm_kv_cache *
             for (int r = 0; r < q->n_tokens; r++) {
                 const struct tdm_draw_params *d = &q->draw[r];
                 if (d->n_adj < 0 || d->adj_off < 0 || (d->n_adj > 0 && q->adj == NULL) ||
+                    d->list != 0 ||
                     (d->logprobs && (q->logprobs_out == NULL || d->top_logprobs < 0 ||
                                      d->top_logprobs > TDM_DRAW_MAX_LOGPROBS)))
                     return TDM_EINVAL;

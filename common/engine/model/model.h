@@ -181,7 +181,12 @@ struct tdm_batch_seq {
     // SAMPLE: its draw->n_adj logit adjustments; on a from_prev row of a
     // device backend the last may be TDM_DRAW_ADJ_PENDING (sample_draw.h),
     // naming a chosen row of the forward before: its token merged in on the
-    // device before the draw (tdm_sampler_draw_prepare_pending).
+    // device before the draw (tdm_sampler_draw_prepare_pending). With
+    // draw->list (device sampling only; sample_draw.h) the entries are kept
+    // on the device in that list between steps: loaded from these
+    // (list_load), or, without entries here (n_adj 0), as the list's last
+    // draw left them, each draw's token recorded into it (rec_flags,
+    // rec_count); not on DRAW_ALL rows.
     const struct tdm_draw_adj *adj;
     // SAMPLE, structured output: NULL, or the tokens allowed, a bit each
     // (ceil(vocab_size / 32) words; token t: bit t % 32 of word t / 32), read

@@ -76,6 +76,19 @@ struct tdm_draw_params {
     // the adjustments and the temperature; after the structured-output mask,
     // as the host applies it first) and the top_logprobs largest of them.
     int32_t logprobs, top_logprobs;
+    // What one more output occurrence of a token adds to its entry (the
+    // sampler's record(): SEEN for the repetition penalty, 1 to count for
+    // the frequency and presence penalties; 0 and 0: nothing).
+    uint32_t rec_flags, rec_count;
+    // A device's adjustment list (a device backend that keeps a request's
+    // adjustments between steps, issue 26 item 1): list > 0 names it (list
+    // list - 1 of the caller's numbering); list_load 1: the row's n_adj
+    // entries at adj_off replace the list's, 0: the list's entries as the
+    // step before left them are the row's (adj_off and n_adj not read).
+    // After the draw its token is recorded into the list
+    // (tdm_draw_record with rec_flags, rec_count), so the next step's row
+    // needs no upload. 0: the row's own entries only.
+    int32_t list, list_load;
 };
 
 // What a row asking logprobs gets back with its token (a device's draw): the
@@ -108,30 +121,43 @@ struct tdm_draw_adj {
     float bias;
 };
 
+// A token t recorded into a list of entries (unique tokens) as the sampler's
+// record() does, flags OR'd into t's entry and count added to it, found its
+// index among adj[0 .. *n_adj) or -1; without one, a new last entry (*n_adj
+// grows: the caller has room for it) unless flags and count are both 0. The
+// same entries, in another order, as preparing the row after t
+// (tdm_sampler_draw_prepare) where the list was the row's before.
+TDM_DRAW_FN void tdm_draw_record(struct tdm_draw_adj *adj, int32_t *n_adj, int32_t token,
+                                 uint32_t flags, uint32_t count, int32_t found)
+{
+    if (flags == 0 && count == 0)
+        return;
+    if (found >= 0) {
+        adj[found].flags |= flags;
+        adj[found].count += count;
+        return;
+    }
+    adj[*n_adj] = (struct tdm_draw_adj){.token = token, .flags = flags, .count = count, .bias = 0};
+    *n_adj += 1;
+}
+
 // A row's last entry, PENDING, resolved to token t: entries of a row are
-// unique tokens (the draw applies them in parallel), so when t has an entry
-// among adj[0 .. *n_adj - 1) the pending one's SEEN and count merge into it
-// and the pending entry goes (*n_adj - 1); else the pending entry becomes t's.
-// adj: the row's entries, *n_adj of them; found: the index of t's entry among
-// the first *n_adj - 1, or -1 (a device finds it in parallel;
-// tdm_draw_resolve_pending searches it). Nothing when the last entry is not
-// PENDING. The same entries as preparing the row after t was recorded
-// (tdm_sampler_draw_prepare), in another order.
+// unique tokens (the draw applies them in parallel), so the pending entry
+// goes (*n_adj - 1) and t is recorded (tdm_draw_record) with its SEEN and
+// count among the others: merged into t's entry, or the pending entry
+// becomes t's. adj: the row's entries, *n_adj of them; found: the index of
+// t's entry among the first *n_adj - 1, or -1 (a device finds it in
+// parallel; tdm_draw_resolve_pending searches it). Nothing when the last
+// entry is not PENDING. The same entries as preparing the row after t was
+// recorded (tdm_sampler_draw_prepare), in another order.
 TDM_DRAW_FN void tdm_draw_merge_pending(struct tdm_draw_adj *adj, int32_t *n_adj, int32_t token,
                                         int32_t found)
 {
     if (*n_adj <= 0 || !(adj[*n_adj - 1].flags & TDM_DRAW_ADJ_PENDING))
         return;
-    struct tdm_draw_adj *p = &adj[*n_adj - 1];
-    uint32_t flags = p->flags & ~TDM_DRAW_ADJ_PENDING;
-    if (found >= 0) {
-        adj[found].flags |= flags;
-        adj[found].count += p->count;
-        *n_adj -= 1;
-    } else {
-        p->token = token;
-        p->flags = flags;
-    }
+    struct tdm_draw_adj p = adj[*n_adj - 1];
+    *n_adj -= 1;
+    tdm_draw_record(adj, n_adj, token, p.flags & ~TDM_DRAW_ADJ_PENDING, p.count, found);
 }
 
 // tdm_draw_merge_pending with t's entry searched among the row's others.

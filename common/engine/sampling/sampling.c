@@ -713,6 +713,24 @@ static struct tdm_draw_adj ahead_entry(const struct tdm_sampler *s, const struct
 
 // tdm_sampler_draw_prepare_ahead, the draw's key and the min_tokens count
 // n_pending tokens further still (tokens not known yet, not in the history).
+// A draw's parameters at output index `generated`, without its entries.
+static void draw_params(const struct tdm_sampler *s, struct tdm_draw_params *d, uint64_t generated)
+{
+    const struct tdm_sampling_params *p = &s->p;
+    *d = (struct tdm_draw_params){.inv_t = s->inv_t,
+                                  .top_p = p->top_p,
+                                  .min_p = p->min_p,
+                                  .top_k = p->top_k,
+                                  .key = tdm_draw_key(s->seed, generated),
+                                  .repetition = p->repetition_penalty,
+                                  .frequency = p->frequency_penalty,
+                                  .presence = p->presence_penalty,
+                                  .logprobs = p->logprobs >= 0,
+                                  .top_logprobs = p->logprobs > 0 ? p->logprobs : 0,
+                                  .rec_flags = s->seen ? TDM_DRAW_ADJ_SEEN : 0u,
+                                  .rec_count = s->out_seen != NULL};
+}
+
 static int prepare(const struct tdm_sampler *s, struct tdm_draw_params *d, struct tdm_draw_adj *adj,
                    int cap, const int32_t *ahead, int n_ahead, int n_pending)
 {
@@ -737,16 +755,7 @@ static int prepare(const struct tdm_sampler *s, struct tdm_draw_params *d, struc
         }
     }
     uint64_t generated = (uint64_t)s->num_generated + (uint64_t)n_ahead + (uint64_t)n_pending;
-    *d = (struct tdm_draw_params){.inv_t = s->inv_t,
-                                  .top_p = p->top_p,
-                                  .min_p = p->min_p,
-                                  .top_k = p->top_k,
-                                  .key = tdm_draw_key(s->seed, generated),
-                                  .repetition = p->repetition_penalty,
-                                  .frequency = p->frequency_penalty,
-                                  .presence = p->presence_penalty,
-                                  .logprobs = p->logprobs >= 0,
-                                  .top_logprobs = p->logprobs > 0 ? p->logprobs : 0};
+    draw_params(s, d, generated);
     // The tokens of the bitmaps (the sampler's distinct tokens) and the extra
     // ones ahead in ascending order, then those of the bias and mask lists
     // not among them: apply_penalties' operations, token by token.
@@ -813,10 +822,8 @@ int tdm_sampler_draw_prepare_pending(const struct tdm_sampler *s, struct tdm_dra
     // What record() does with the pending token: the repetition penalty's
     // history and one output occurrence.
     if (n < cap)
-        adj[n] = (struct tdm_draw_adj){.token = prev_row,
-                                       .flags = TDM_DRAW_ADJ_PENDING |
-                                                (s->seen ? TDM_DRAW_ADJ_SEEN : 0u),
-                                       .count = s->out_seen != NULL};
+        adj[n] = (struct tdm_draw_adj){
+            .token = prev_row, .flags = TDM_DRAW_ADJ_PENDING | d->rec_flags, .count = d->rec_count};
     d->n_adj = ++n;
     return n;
 }
@@ -833,6 +840,15 @@ void tdm_sampler_draw_logprobs(const struct tdm_draw_logprobs *lp, int32_t token
     for (int j = 0; j < lp->num_top; j++)
         res->top[j] =
             (struct tdm_token_logprob){.token = lp->top_token[j], .logprob = lp->top_logprob[j]};
+}
+
+int tdm_sampler_draw_list_params(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                                 int n_pending)
+{
+    if (!s->bias_unique || s->toks_lost || n_pending < 0 || n_pending > 1)
+        return -1;
+    draw_params(s, d, (uint64_t)s->num_generated + (uint64_t)n_pending);
+    return 0;
 }
 
 bool tdm_sampler_draw_params(const struct tdm_sampler *s, struct tdm_draw_params *d)

@@ -164,6 +164,13 @@ int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_
 // order. -1 where tdm_sampler_draw_prepare gives -1, or prev_row < 0.
 int tdm_sampler_draw_prepare_pending(const struct tdm_sampler *s, struct tdm_draw_params *d,
                                      struct tdm_draw_adj *adj, int cap, int prev_row);
+// The parameters of the draw n_pending (0 or 1) tokens after the history,
+// as tdm_sampler_draw_prepare(_pending) gives them, without its entries
+// (n_adj 0): a row whose entries a device keeps from the step before
+// (tdm_draw_params.list), in O(1) instead of O(the entries). 0, or -1 where
+// tdm_sampler_draw_prepare gives -1.
+int tdm_sampler_draw_list_params(const struct tdm_sampler *s, struct tdm_draw_params *d,
+                                 int n_pending);
 // *res for a token a device drew with the logprobs it computed (lp): what
 // tdm_sampler_sample's res holds for the same row, the logprobs within the
 // rounding of a sum of exponentials in another order.

@@ -811,6 +811,24 @@ static void test_draw_prepare_pending(void **state)
                                  "after the replay token %d flags %u count %u",
                                  k, n, real[r], i, got[i].token, got[i].flags, got[i].count,
                                  want[i].token, want[i].flags, want[i].count);
+                // A device list's rule: the entries before the token with it
+                // recorded (tdm_draw_record) are the entries after it, but
+                // where min_tokens runs out between them (the masks go: a
+                // list is loaded again there).
+                struct tdm_draw_params d0, dl;
+                if (n + 1 != p.min_tokens) {
+                    int32_t nl = tdm_sampler_draw_prepare(s, &d0, got, CAP), found = -1;
+                    for (int i = 0; i < nl; i++)
+                        found = got[i].token == real[r] ? i : found;
+                    tdm_draw_record(got, &nl, real[r], d0.rec_flags, d0.rec_count, found);
+                    assert_int_equal(nl, nw);
+                    qsort(got, (size_t)nw, sizeof *got, adj_by_token);
+                    assert_memory_equal(got, want, (size_t)nw * sizeof *got);
+                    assert_int_equal(tdm_sampler_draw_list_params(s, &dl, 1), 0);
+                    dl.adj_off = dp.adj_off;
+                    dl.n_adj = dp.n_adj;
+                    assert_memory_equal(&dl, &dp, sizeof dl);
+                }
                 tdm_sampler_free(after);
             }
             tdm_sampler_free(s);
@@ -825,6 +843,7 @@ static void test_draw_prepare_pending(void **state)
     struct tdm_draw_params d;
     struct tdm_draw_adj adj[4];
     assert_int_equal(tdm_sampler_draw_prepare_pending(s, &d, adj, 4, -1), -1);
+    assert_int_equal(tdm_sampler_draw_list_params(s, &d, 2), -1);
     tdm_sampler_free(s);
 }
 

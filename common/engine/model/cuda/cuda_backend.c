@@ -73,7 +73,27 @@ struct tdm_backend {
     struct dev_buf
         am_part; // argmax_rows' per-chunk winners (tdm_cuk_argmax_scratch), sample_rows' scratch
     struct dev_buf sp;      // [n] struct tdm_draw_params of sample_rows, device
-    struct dev_buf sadj;    // their struct tdm_draw_adj entries, device
+    // struct tdm_draw_adj entries, device: the adjustment lists kept between
+    // a request's steps (tdm_draw_params.list; lists[L]: list L's region,
+    // entries [at, at + cap), bound: the most entries it can hold after the
+    // steps issued), lists_used entries in all, and past them the step's own
+    // entries (sample_rows' adj). A list that outgrows its region moves to a
+    // new one past the others (the old one is not reused: a list's regions
+    // double, so what is left behind is less than what is used); sadj grows
+    // by doubling, its lists copied over in stream order.
+    struct dev_buf sadj;
+    struct adj_list {
+        int32_t at, cap, bound;
+        bool loaded;
+        uint64_t stamp; // the last sample_rows that named it
+    } * lists;
+    int n_lists;
+    int32_t lists_used;
+    uint64_t sample_calls;
+    struct dev_buf list_n;   // [n_lists] int32 each list's entry count, device
+    struct dev_buf lists_at; // [n] int32 each row's list region (list_bind), device
+    int32_t *h_lists_at;     // its host twin
+    int h_lists_cap;
     struct dev_buf smask;   // their structured-output masks, device
     // Rows asking logprobs: their indices, then their struct tdm_draw_logprobs
     // (device).
@@ -197,13 +217,17 @@ static void stream_idle(struct tdm_backend *be);
 // A backend buffer grown: the old one may still be read by work in flight
 // (a forward issued before, whose results are not taken), so it is freed
 // once the host has waited for the whole stream (stream_idle) rather than
-// now; growth is by doubling, so what waits is less than what is held.
-static int be_buf_grow(struct tdm_backend *be, struct dev_buf *b, size_t bytes)
+// now; growth is by doubling, so what waits is less than what is held. Its
+// first `keep` bytes are copied to the new one, in stream order (after the
+// work issued before, which reads and writes the old one).
+static int be_buf_grow_keep(struct tdm_backend *be, struct dev_buf *b, size_t bytes, size_t keep)
 {
     void *old = NULL;
     int g = dev_buf_grow(be->dev, b, bytes, &old);
     if (old == NULL)
         return g;
+    if (keep > 0 && tdm_cuda_dev_d2d(be->dev, b->p, old, keep) != TDM_OK)
+        fail(be, TDM_EBACKEND, "grow: %s", tdm_cuda_dev_errmsg(be->dev));
     if (be->n_grave == be->cap_grave) {
         int cap = be->cap_grave ? 2 * be->cap_grave : 8;
         void **grown = realloc(be->grave, (size_t)cap * sizeof *grown);
@@ -217,6 +241,11 @@ static int be_buf_grow(struct tdm_backend *be, struct dev_buf *b, size_t bytes)
     }
     be->grave[be->n_grave++] = old;
     return g;
+}
+
+static int be_buf_grow(struct tdm_backend *be, struct dev_buf *b, size_t bytes)
+{
+    return be_buf_grow_keep(be, b, bytes, 0);
 }
 
 // A backend buffer: growing it marks graphs that used the old one stale.
@@ -295,6 +324,10 @@ static void cuda_destroy(struct tdm_backend *be)
     buf_free(be, &be->gemv_counts);
     buf_free(be, &be->sp);
     buf_free(be, &be->sadj);
+    buf_free(be, &be->list_n);
+    buf_free(be, &be->lists_at);
+    free(be->lists);
+    free(be->h_lists_at);
     buf_free(be, &be->smask);
     buf_free(be, &be->slp);
     buf_free(be, &be->gpairs);
@@ -736,6 +769,106 @@ static int32_t *lp_rows_reserve(struct inflight *f, int n)
     return f->lp_rows;
 }
 
+// Lists (tdm_draw_params.list) a backend keeps at most: ids 0 .. 2^20 - 1.
+#define TDM_CUDA_MAX_LISTS (1 << 20)
+
+// sadj holding at least `entries` entries, the lists' regions kept.
+static int arena_reserve(struct tdm_backend *be, int64_t entries)
+{
+    size_t sz = sizeof(struct tdm_draw_adj);
+    if (entries > INT32_MAX) {
+        fail(be, TDM_ENOMEM, "sample: %s", "adjustment lists past 2^31 entries");
+        return be->err;
+    }
+    if (be_buf_grow_keep(be, &be->sadj, (size_t)entries * sz + 16, (size_t)be->lists_used * sz) < 0)
+        fail(be, TDM_ENOMEM, "sample: %s", "out of device memory for the adjustments");
+    return be->err;
+}
+
+// List `id` known to the host table and to list_n on the device.
+static int lists_reserve(struct tdm_backend *be, int id)
+{
+    if (id < be->n_lists)
+        return be->err;
+    if (id >= TDM_CUDA_MAX_LISTS) {
+        fail(be, TDM_EINVAL, "sample: %s", "an adjustment list past the 2^20 a backend keeps");
+        return be->err;
+    }
+    int cap = be->n_lists ? be->n_lists : 64;
+    while (cap <= id)
+        cap *= 2;
+    struct adj_list *grown = realloc(be->lists, (size_t)cap * sizeof *grown);
+    if (grown == NULL) {
+        fail(be, TDM_ENOMEM, "sample: %s", "out of memory for the adjustment lists");
+        return be->err;
+    }
+    memset(grown + be->n_lists, 0, (size_t)(cap - be->n_lists) * sizeof *grown);
+    be->lists = grown;
+    if (be_buf_grow_keep(be, &be->list_n, (size_t)cap * sizeof(int32_t),
+                         (size_t)be->n_lists * sizeof(int32_t)) < 0) {
+        fail(be, TDM_ENOMEM, "sample: %s", "out of device memory for the adjustment lists");
+        return be->err;
+    }
+    be->n_lists = cap;
+    return be->err;
+}
+
+// The lists a draw's rows name: each one's region, moved to a larger one
+// (its entries copied in stream order) when the entries it may hold once
+// this draw's token is recorded outgrow it; at[i] = row i's region, -1
+// without a list; *any: some row has one. The step's own n_adj entries then
+// go at *step_at, past every list. TDM_OK or be's error.
+static int lists_plan(struct tdm_backend *be, const struct tdm_draw_params *params, int n,
+                      int n_adj, int32_t *at, int32_t *step_at, bool *any)
+{
+    size_t sz = sizeof(struct tdm_draw_adj);
+    be->sample_calls++;
+    *any = false;
+    for (int i = 0; i < n; i++) {
+        const struct tdm_draw_params *d = &params[i];
+        at[i] = -1;
+        if (d->list <= 0)
+            continue;
+        if (lists_reserve(be, d->list - 1) != TDM_OK)
+            return be->err;
+        struct adj_list *l = &be->lists[d->list - 1];
+        if (l->stamp == be->sample_calls) {
+            fail(be, TDM_EINVAL, "sample: %s", "two rows of one adjustment list in a draw");
+            return be->err;
+        }
+        if (!d->list_load && !l->loaded) {
+            fail(be, TDM_EINVAL, "sample: %s", "an adjustment list read before it was loaded");
+            return be->err;
+        }
+        l->stamp = be->sample_calls;
+        int64_t bound = (d->list_load ? (int64_t)d->n_adj : (int64_t)l->bound) +
+                        ((d->rec_flags | d->rec_count) != 0);
+        if (bound > l->cap) {
+            int64_t cap = l->cap > 0 ? 2 * (int64_t)l->cap : 256;
+            while (cap < bound)
+                cap *= 2;
+            if (arena_reserve(be, be->lists_used + cap) != TDM_OK)
+                return be->err;
+            if (!d->list_load && l->cap > 0 &&
+                tdm_cuda_dev_d2d(be->dev, (char *)be->sadj.p + (size_t)be->lists_used * sz,
+                                 (char *)be->sadj.p + (size_t)l->at * sz,
+                                 (size_t)l->cap * sz) != TDM_OK) {
+                fail(be, TDM_EBACKEND, "sample: %s", tdm_cuda_dev_errmsg(be->dev));
+                return be->err;
+            }
+            l->at = be->lists_used;
+            l->cap = (int32_t)cap;
+            be->lists_used += (int32_t)cap;
+        }
+        l->bound = (int32_t)bound;
+        l->loaded = true;
+        at[i] = l->at;
+        *any = true;
+    }
+    *step_at = be->lists_used;
+    return arena_reserve(be, (int64_t)be->lists_used + n_adj);
+}
+
 static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
                             const struct tdm_draw_params *params, const struct tdm_draw_adj *adj,
                             int n_adj, const uint32_t *masks, size_t mask_words)
@@ -750,12 +883,23 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
         fail(be, TDM_ENOMEM, "sample: %s", "out of memory for the logprobs' staging");
         return take_err(be);
     }
+    if (n > be->h_lists_cap) {
+        int32_t *grown = realloc(be->h_lists_at, (size_t)n * sizeof *grown);
+        if (grown == NULL) {
+            fail(be, TDM_ENOMEM, "sample: %s", "out of memory for the lists' staging");
+            return take_err(be);
+        }
+        be->h_lists_at = grown;
+        be->h_lists_cap = n;
+    }
     bool any_pending = false;
     for (int i = 0; i < n; i++) {
-        if (params[i].logprobs)
+        const struct tdm_draw_params *d = &params[i];
+        if (d->logprobs)
             lp_rows[n_lp++] = i;
-        any_pending |= params[i].n_adj > 0 &&
-                       (adj[params[i].adj_off + params[i].n_adj - 1].flags & TDM_DRAW_ADJ_PENDING);
+        // A list row read from its list has no entries of its own here.
+        any_pending |= (d->list <= 0 || d->list_load) && d->n_adj > 0 &&
+                       (adj[d->adj_off + d->n_adj - 1].flags & TDM_DRAW_ADJ_PENDING);
     }
     // The previous forward's chosen ids, before am_ids may move (a moved
     // buffer lives until the next full wait).
@@ -764,11 +908,15 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
         fail(be, TDM_EINVAL, "sample: %s", "a pending token without chosen ids on the device");
         return take_err(be);
     }
+    int32_t step_at = 0;
+    bool any_list = false;
+    if (lists_plan(be, params, n, n_adj, be->h_lists_at, &step_at, &any_list) != TDM_OK)
+        return take_err(be);
     size_t rows_bytes = ((size_t)n_lp * sizeof(int32_t) + 15) / 16 * 16;
     size_t lp_bytes = (size_t)n_lp * sizeof(struct tdm_draw_logprobs);
     if (buf_reserve(be, &be->am_ids, (size_t)n * sizeof(int32_t)) != TDM_OK ||
         buf_reserve(be, &be->sp, (size_t)n * sizeof *params) != TDM_OK ||
-        buf_reserve(be, &be->sadj, adj_bytes + 16) != TDM_OK ||
+        buf_reserve(be, &be->lists_at, (size_t)n * sizeof(int32_t)) != TDM_OK ||
         buf_reserve(be, &be->smask, mask_bytes + 16) != TDM_OK ||
         buf_reserve(be, &be->slp, rows_bytes + lp_bytes + 16) != TDM_OK ||
         buf_reserve(be, &be->am_part, tdm_cuk_sample_scratch(n, n_lp, cols) + 16) != TDM_OK) {
@@ -777,20 +925,40 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
     }
     int32_t *d_lp_rows = be->slp.p;
     struct tdm_draw_logprobs *d_lp = (void *)((char *)be->slp.p + rows_bytes);
-    // The inputs through the staging, the draw, and the ids and logprobs
-    // back in the step's one wait.
-    if (upload_async(be, be->sp.p, params, (size_t)n * sizeof *params) != TDM_OK ||
-        upload_async(be, be->sadj.p, adj, adj_bytes) != TDM_OK ||
+    struct tdm_draw_adj *arena = be->sadj.p;
+    // The inputs through the staging (the params' entries moved past the
+    // lists, where the step's go), the draw, and the ids and logprobs back
+    // in the step's one wait.
+    struct tdm_draw_params *sp = stage_take(be, (size_t)n * sizeof *params);
+    if (sp == NULL)
+        return take_err(be);
+    memcpy(sp, params, (size_t)n * sizeof *params);
+    for (int i = 0; i < n; i++)
+        sp[i].adj_off += step_at;
+    if (tdm_cuda_dev_h2d_async(be->dev, be->sp.p, sp, (size_t)n * sizeof *params) != TDM_OK)
+        fail(be, TDM_EBACKEND, "upload: %s", tdm_cuda_dev_errmsg(be->dev));
+    if (upload_async(be, arena + step_at, adj, adj_bytes) != TDM_OK ||
+        (any_list &&
+         upload_async(be, be->lists_at.p, be->h_lists_at, (size_t)n * sizeof(int32_t)) != TDM_OK) ||
         upload_async(be, be->smask.p, masks, mask_bytes) != TDM_OK ||
         upload_async(be, d_lp_rows, lp_rows, (size_t)n_lp * sizeof(int32_t)) != TDM_OK)
         return take_err(be);
-    // Pending tokens (async scheduling) merged into their rows' entries from
-    // the previous forward's ids, which this draw overwrites only after.
+    // The rows' lists bound (loaded from their entries, or as the step
+    // before left them); then pending tokens (async scheduling) merged into
+    // their rows' entries from the previous forward's ids, which this draw
+    // overwrites only after; after the draw, its tokens recorded into the
+    // lists.
+    if (any_list)
+        launch_check(
+            be, tdm_cuk_list_bind(be->stream, be->sp.p, arena, be->lists_at.p, be->list_n.p, n));
     if (any_pending)
-        launch_check(be, tdm_cuk_resolve_pending(be->stream, be->sp.p, be->sadj.p, prev_ids, n));
-    launch_check(be, tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, params, be->sadj.p,
-                                         be->smask.p, be->am_ids.p, d_lp_rows, n_lp, d_lp,
-                                         be->am_part.p));
+        launch_check(be, tdm_cuk_resolve_pending(be->stream, be->sp.p, arena, prev_ids, n));
+    launch_check(be,
+                 tdm_cuk_sample_rows(be->stream, x, n, cols, be->sp.p, params, arena, be->smask.p,
+                                     be->am_ids.p, d_lp_rows, n_lp, d_lp, be->am_part.p));
+    if (any_list)
+        launch_check(
+            be, tdm_cuk_list_record(be->stream, be->sp.p, arena, be->am_ids.p, be->list_n.p, n));
     if (be->err != TDM_OK)
         return take_err(be);
     return results_issue(be, n, be->am_ids.p, n_lp, d_lp);

@@ -245,6 +245,60 @@ __global__ void __launch_bounds__(TDM_CUK_RESOLVE_THREADS)
         tdm_draw_merge_pending(a, &d->n_adj, token, found[0]);
 }
 
+// grid (n rows), block TDM_CUK_RESOLVE_THREADS: a row with a device list
+// (params' list > 0, sample_draw.h) gets its entries there, at entry lists_at[row] of adj:
+// list_load, the row's n_adj entries at adj_off copied there and the list's
+// count set; else the count the list has. Then the row's adj_off and n_adj
+// name the list's entries. Other rows: nothing.
+__global__ void __launch_bounds__(TDM_CUK_RESOLVE_THREADS)
+    list_bind_kernel(tdm_draw_params *params, tdm_draw_adj *adj, const int32_t *lists_at,
+                     int32_t *list_n)
+{
+    tdm_draw_params *d = &params[blockIdx.x];
+    int32_t list = d->list - 1, at = lists_at[blockIdx.x];
+    if (list < 0) // the same for the whole block
+        return;
+    if (d->list_load) {
+        for (int32_t i = threadIdx.x; i < d->n_adj; i += blockDim.x)
+            adj[at + i] = adj[d->adj_off + i]; // the step's entries and the list do not overlap
+        __syncthreads();                       // every thread read d before thread 0 writes it
+        if (threadIdx.x == 0) {
+            list_n[list] = d->n_adj;
+            d->adj_off = at;
+        }
+    } else if (threadIdx.x == 0) {
+        d->n_adj = list_n[list];
+        d->adj_off = at;
+    }
+}
+
+// grid (n rows), block TDM_CUK_RESOLVE_THREADS: a row with a device list gets
+// its drawn token ids[row] recorded into it (tdm_draw_record with the row's
+// rec_flags and rec_count; the block searches the token's entry), and the
+// list's count set. Other rows: nothing.
+__global__ void __launch_bounds__(TDM_CUK_RESOLVE_THREADS)
+    list_record_kernel(const tdm_draw_params *params, tdm_draw_adj *adj, const int32_t *ids,
+                       int32_t *list_n)
+{
+    __shared__ int32_t found[1];
+    const tdm_draw_params *d = &params[blockIdx.x];
+    if (d->list <= 0)
+        return;
+    int32_t n = d->n_adj, token = ids[blockIdx.x];
+    tdm_draw_adj *a = adj + d->adj_off;
+    if (threadIdx.x == 0)
+        found[0] = -1;
+    __syncthreads();
+    for (int32_t i = threadIdx.x; i < n; i += blockDim.x)
+        if (a[i].token == token) // a list's tokens are unique: one writer at most
+            found[0] = i;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        tdm_draw_record(a, &n, token, d->rec_flags, d->rec_count, found[0]);
+        list_n[d->list - 1] = n;
+    }
+}
+
 // ---- KV cache ----------------------------------------------------------------------------
 // grid (n), any block: row blockIdx.x goes to its flat slot.
 template <class KV>

@@ -172,6 +172,18 @@ int tdm_cuk_gather_ids(void *stream, int32_t *ids, const int32_t *src, const int
 #define TDM_CUK_RESOLVE_THREADS 128
 int tdm_cuk_resolve_pending(void *stream, struct tdm_draw_params *params, struct tdm_draw_adj *adj,
                             const int32_t *src, int n);
+// Adjustment lists kept on the device between a request's steps
+// (tdm_draw_params.list): before a draw, rows i < n with a list get their
+// entries there, at entry lists_at[i] of adj (a list_load row's own entries,
+// at its adj_off, copied there first, and list_n[list - 1] set), adj_off and
+// n_adj naming them (list_bind, one launch, a CTA a row, before
+// tdm_cuk_resolve_pending); after it, each such row's drawn token ids[i]
+// recorded into its list by tdm_draw_record and list_n updated
+// (list_record). All device memory; other rows are left as they are.
+int tdm_cuk_list_bind(void *stream, struct tdm_draw_params *params, struct tdm_draw_adj *adj,
+                      const int32_t *lists_at, int32_t *list_n, int n);
+int tdm_cuk_list_record(void *stream, const struct tdm_draw_params *params,
+                        struct tdm_draw_adj *adj, const int32_t *ids, int32_t *list_n, int n);
 // ids[i] = the index of the first largest of x[i][0..cols) by `>` (ties: the
 // lowest index; NaN never wins; 0 when nothing is above -inf), i < n: greedy
 // sampling on the device, a CTA per chunk of TDM_CUK_ARGMAX_CHUNK columns of a

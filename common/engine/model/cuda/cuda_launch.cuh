@@ -229,6 +229,32 @@ int tdm_cuk_resolve_pending(void *stream, struct tdm_draw_params *params, struct
     return tdm_cuk::launched("resolve_pending");
 }
 
+int tdm_cuk_list_bind(void *stream, struct tdm_draw_params *params, struct tdm_draw_adj *adj,
+                      const int32_t *lists_at, int32_t *list_n, int n)
+{
+    if (n < 0 || n > 65535 ||
+        (n > 0 && (params == NULL || adj == NULL || lists_at == NULL || list_n == NULL)))
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "list_bind: n %d", n);
+    if (n == 0)
+        return TDM_CUK_OK;
+    TDM_CUDA_LAUNCH(tdm_cuk::list_bind_kernel, dim3((unsigned)n), dim3(TDM_CUK_RESOLVE_THREADS), 0,
+                    stream, params, adj, lists_at, list_n);
+    return tdm_cuk::launched("list_bind");
+}
+
+int tdm_cuk_list_record(void *stream, const struct tdm_draw_params *params,
+                        struct tdm_draw_adj *adj, const int32_t *ids, int32_t *list_n, int n)
+{
+    if (n < 0 || n > 65535 ||
+        (n > 0 && (params == NULL || adj == NULL || ids == NULL || list_n == NULL)))
+        return tdm_cuk::fail(TDM_CUK_EINVAL, "list_record: n %d", n);
+    if (n == 0)
+        return TDM_CUK_OK;
+    TDM_CUDA_LAUNCH(tdm_cuk::list_record_kernel, dim3((unsigned)n), dim3(TDM_CUK_RESOLVE_THREADS),
+                    0, stream, params, adj, ids, list_n);
+    return tdm_cuk::launched("list_record");
+}
+
 int tdm_cuk_rope_kv_store(void *stream, int type, float *qkv, int stride, int n_q, int n_kv,
                           int head_dim, const int32_t *pos, const float *inv_freq,
                           const int32_t *slots, int n, void *k_cache, void *v_cache, int block_size)

@@ -1403,6 +1403,8 @@ struct pending_run {
     int32_t tok[PP_STEPS + 1][PP_NS];
     struct tdm_draw_logprobs lp[PP_STEPS + 1][PP_NS];
     int n_pending; // rows issued with a pending entry
+    int n_list;    // rows read from their device list, without entries
+    int n0;        // row 0's entries at its first step
 };
 
 static void pending_samplers(struct tdm_sampler **smp, int vocab, int32_t (*prompt)[64],
@@ -1418,12 +1420,21 @@ static void pending_samplers(struct tdm_sampler **smp, int vocab, int32_t (*prom
         p.logprobs = s == 2 ? 2 : s == 0 ? 0 : -1;
         p.has_seed = true;
         p.seed = 900u + (uint64_t)s;
+        // Row 0: a logit bias of 240 tokens, so that its list (with the
+        // prompt's and the output's tokens) outgrows the device's first
+        // region of 256 entries midway.
+        for (int i = 0; s == 0 && i < 240; i++)
+            p.logit_bias[p.num_logit_bias++] =
+                (struct tdm_logit_bias){.token = 2 * i + 1, .bias = 0.02f * (float)(i % 7 - 3)};
         assert_int_equal(tdm_sampler_new(&smp[s], &p, vocab, prompt[s], (size_t)start[s], NULL, 0),
                          TDM_OK);
     }
 }
 
-static void pending_model(struct tdm_model *m, bool async, struct pending_run *out)
+// lists: each row's entries kept on the device (tdm_draw_params.list):
+// loaded at the first step (and row 1's again at step 5, from a pending
+// entry when async), else read from the list as the step before left it.
+static void pending_model(struct tdm_model *m, bool async, bool lists, struct pending_run *out)
 {
     int vocab = tdm_model_config(m)->vocab_size;
     const int start[PP_NS] = {21, 9, 14};
@@ -1440,6 +1451,7 @@ static void pending_model(struct tdm_model *m, bool async, struct pending_run *o
     pending_samplers(smp, vocab, prompt, start);
     memset(out, 0xff, sizeof *out);
     out->n_pending = 0;
+    out->n_list = 0;
     if (async)
         tdm_emu_defer(1);
     for (int t = 0; t <= PP_STEPS; t++) {
@@ -1448,12 +1460,21 @@ static void pending_model(struct tdm_model *m, bool async, struct pending_run *o
         int32_t given[PP_NS];
         for (int s = 0; s < PP_NS; s++) {
             bool ahead = async && t > 0;
-            int n = ahead ? tdm_sampler_draw_prepare_pending(smp[s], &dp[s], adj[s], PP_CAP, s)
-                          : tdm_sampler_draw_prepare(smp[s], &dp[s], adj[s], PP_CAP);
+            bool from_list = lists && t > 0 && !(s == 1 && t == 5);
+            int n = from_list ? tdm_sampler_draw_list_params(smp[s], &dp[s], ahead)
+                    : ahead   ? tdm_sampler_draw_prepare_pending(smp[s], &dp[s], adj[s], PP_CAP, s)
+                              : tdm_sampler_draw_prepare(smp[s], &dp[s], adj[s], PP_CAP);
             assert_true(n >= 0 && n <= PP_CAP);
-            if (ahead) {
+            if (t == 0 && s == 0)
+                out->n0 = n;
+            if (ahead && !from_list) {
                 assert_true(adj[s][n - 1].flags & TDM_DRAW_ADJ_PENDING);
                 out->n_pending++;
+            }
+            if (lists) {
+                dp[s].list = s + 1;
+                dp[s].list_load = !from_list;
+                out->n_list += from_list;
             }
             given[s] = t > 0 && !async ? out->tok[t - 1][s] : 0;
             b[s] = (struct tdm_batch_seq){.tokens = t == 0 ? prompt[s] : &given[s],
@@ -1521,6 +1542,31 @@ static void pending_model(struct tdm_model *m, bool async, struct pending_run *o
         d.n_adj = n;
         assert_int_equal(tdm_model_forward(m, kv, &bad, 1, NULL), TDM_OK);
         assert_true(got >= 0 && got < vocab);
+        if (lists) {
+            // A list row with entries of its own (the model), a list never
+            // loaded and two rows of one list (the backend), then a good one.
+            struct tdm_draw_params dl;
+            assert_int_equal(tdm_sampler_draw_list_params(smp[0], &dl, 0), 0);
+            dl.list = 1;
+            dl.n_adj = 1;
+            bad.from_prev = false;
+            bad.draw = &dl;
+            assert_int_equal(tdm_model_forward(m, kv, &bad, 1, NULL), TDM_EINVAL);
+            dl.n_adj = 0;
+            dl.list = 77;
+            assert_int_equal(tdm_model_forward(m, kv, &bad, 1, NULL), TDM_EINVAL);
+            dl.list = 1;
+            int32_t got1 = -1;
+            struct tdm_batch_seq two[2] = {bad, bad};
+            two[1].block_table = q[1].block_table;
+            two[1].start_pos = start[1] + PP_STEPS;
+            two[1].token_out = &got1;
+            assert_int_equal(tdm_kv_reserve(kv, &q[1], start[1] + PP_STEPS + 1), TDM_OK);
+            assert_int_equal(tdm_model_forward(m, kv, two, 2, NULL), TDM_EINVAL);
+            got = -1;
+            assert_int_equal(tdm_model_forward(m, kv, &bad, 1, NULL), TDM_OK);
+            assert_true(got >= 0 && got < vocab);
+        }
     }
     for (int s = 0; s < PP_NS; s++) {
         tdm_sampler_free(smp[s]);
@@ -1535,22 +1581,30 @@ static void test_forward_pending_penalties(void **state)
     struct pending_run *sync_run = malloc(sizeof *sync_run), *async_run = malloc(sizeof *async_run);
     assert_true(sync_run && async_run);
     struct tdm_model *m = load(tiny_dir, "cuda", "bf16");
-    pending_model(m, false, sync_run);
-    pending_model(m, true, async_run);
-    assert_int_equal(async_run->n_pending, PP_STEPS * PP_NS);
+    pending_model(m, false, false, sync_run);
     int repeats = 0;
-    for (int t = 0; t <= PP_STEPS; t++)
-        for (int s = 0; s < PP_NS; s++) {
-            if (async_run->tok[t][s] != sync_run->tok[t][s])
-                fail_msg("step %d row %d: async %d, sync %d", t, s, async_run->tok[t][s],
-                         sync_run->tok[t][s]);
-            if (s != 1)
-                assert_memory_equal(&async_run->lp[t][s], &sync_run->lp[t][s],
-                                    sizeof async_run->lp[t][s]);
-            repeats += t > 0 && sync_run->tok[t][s] == sync_run->tok[t - 1][s];
-        }
-    printf("%d rows with a pending token equal to synchronous forwards (%d repeats)\n",
-           async_run->n_pending, repeats);
+    for (int mode = 0; mode < 3; mode++) {
+        // Async with pending entries; lists synchronous; lists async.
+        bool async = mode != 1, lists = mode > 0;
+        pending_model(m, async, lists, async_run);
+        assert_int_equal(async_run->n_pending, !async ? 0 : lists ? 1 : PP_STEPS * PP_NS);
+        assert_int_equal(async_run->n_list, lists ? PP_STEPS * PP_NS - 1 : 0);
+        for (int t = 0; t <= PP_STEPS; t++)
+            for (int s = 0; s < PP_NS; s++) {
+                if (async_run->tok[t][s] != sync_run->tok[t][s])
+                    fail_msg("mode %d step %d row %d: %d, sync %d", mode, t, s,
+                             async_run->tok[t][s], sync_run->tok[t][s]);
+                if (s != 1)
+                    assert_memory_equal(&async_run->lp[t][s], &sync_run->lp[t][s],
+                                        sizeof async_run->lp[t][s]);
+                repeats += mode == 0 && t > 0 && sync_run->tok[t][s] == sync_run->tok[t - 1][s];
+            }
+    }
+    // Row 0's list outgrew its first region of 256 entries (moved midway).
+    assert_true(sync_run->n0 + 1 <= 256 && sync_run->n0 + 1 + PP_STEPS > 256);
+    printf("rows with a pending token and rows read from device lists equal to synchronous "
+           "forwards (%d repeats; row 0: %d entries at first)\n",
+           repeats, sync_run->n0);
     tdm_model_free(m);
     free(sync_run), free(async_run);
 }
