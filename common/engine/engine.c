@@ -95,6 +95,13 @@ struct tdm_engine_request {
     bool spec_ok; // speculation on, request unconstrained and not PREFILL_ONLY
     int n_draft;
     struct tdm_spec_adapt spec_adapt; // adaptive off (spec.h)
+    // Its device list (engine's list_*; 0: none): valid for the draw at
+    // output index list_pos while list_epoch is the engine's; loaded with
+    // the min_tokens masks (list_masked: loaded again once they go).
+    int adj_list;
+    int list_pos;
+    bool list_masked;
+    uint64_t list_epoch;
     double t_first_sched, t_first_token, t_last_token;
 
     // Guarded by engine->mu.
@@ -207,6 +214,16 @@ struct tdm_engine {
     uint64_t drawn_rows;            // tokens drawn there (rows without logprobs)
     struct tdm_draw_adj *adj;       // [adj_cap] the drawn rows' logit adjustments, this step
     int adj_cap;
+    // Device lists (tdm_draw_params.list): a drawn request with a
+    // repetition, presence or frequency penalty keeps its entries on the
+    // device between steps (list_load once, then read there: list_rows), so
+    // a row's upload is O(1) instead of its history's distinct tokens. Ids
+    // 1 .. n_lists, freed ones on list_free (n_list_free); a failed step
+    // makes every list stale (list_epoch).
+    int *list_free;
+    int n_list_free, list_free_cap, n_lists;
+    uint64_t list_epoch;
+    uint64_t list_rows;
     uint32_t *allow;    // [max_num_seqs][allow_words] drawn constrained rows' allow bitmaps
     size_t allow_words; // ceil(vocab / 32)
     bool masks_posted;  // this step's masks went to the mask threads
@@ -473,6 +490,32 @@ static void drop_kv(struct tdm_engine *e, struct tdm_engine_request *r)
     tdm_kv_seq_release(e->kv, &r->seq);
 }
 
+// r's device list id (a new one when it has none).
+static int list_take(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    if (r->adj_list == 0)
+        r->adj_list = e->n_list_free > 0 ? e->list_free[--e->n_list_free] : ++e->n_lists;
+    return r->adj_list;
+}
+
+// r's list id back to the engine (r finished; the next request given it
+// loads the list before reading it).
+static void list_put(struct tdm_engine *e, struct tdm_engine_request *r)
+{
+    if (r->adj_list == 0)
+        return;
+    if (e->n_list_free == e->list_free_cap) {
+        int cap = e->list_free_cap ? 2 * e->list_free_cap : 64;
+        int *grown = realloc(e->list_free, (size_t)cap * sizeof *grown);
+        if (grown == NULL)
+            return; // the id is not reused
+        e->list_free = grown;
+        e->list_free_cap = cap;
+    }
+    e->list_free[e->n_list_free++] = r->adj_list;
+    r->adj_list = 0;
+}
+
 // Publishes the finish to the stream and the callback, drops KV unless held, and
 // drops the engine's reference unless the KV is held (then release_kv drops it).
 // `with_token`: the finishing output carries the token just generated.
@@ -492,6 +535,7 @@ static void finish_request(struct tdm_engine *e, struct tdm_engine_request *r,
         list_unlink(&e->import_head, r);
         e->num_importing--;
     }
+    list_put(e, r);
     bool hold = r->kind == TDM_ENGINE_REQ_PREFILL_ONLY && r->state == REQ_RUNNING &&
                 (reason == TDM_FINISH_STOP || reason == TDM_FINISH_LENGTH);
     if (!hold)
@@ -624,6 +668,7 @@ static void publish_stats(struct tdm_engine *e)
     s->num_device_drawn_tokens = e->drawn_rows;
     s->num_device_verify_rows = e->drawn_verify_rows;
     s->num_async_steps = e->async_steps;
+    s->num_device_list_rows = e->list_rows;
     s->num_finished = e->finished;
     s->num_masks = e->num_masks;
     s->mask_seconds = e->mask_seconds;
@@ -1287,13 +1332,46 @@ static bool adj_prepare(struct tdm_engine *e, const struct tdm_sampler *s,
     return true;
 }
 
+// A row's draw on the device, one token after the step in flight's when
+// prev_row >= 0 (that step's chosen row prev_row). A request with a
+// repetition, presence or frequency penalty keeps its entries on the device
+// (its list): loaded with this row, or, where the list holds the entries of
+// this very draw (its last draw was the token before this one's, and the
+// min_tokens masks have not gone since its load), read there: the row's
+// parameters alone are prepared and uploaded. False: the host samples it.
+static bool row_draw_prepare(struct tdm_engine *e, struct sched_item *it, int prev_row, int *used)
+{
+    struct tdm_engine_request *r = it->r;
+    int pending = prev_row >= 0;
+    int at = tdm_sampler_num_generated(r->sampler) + pending;
+    bool masked = at < tdm_sampler_min_tokens(r->sampler);
+    if (r->adj_list > 0 && r->list_epoch == e->list_epoch && r->list_pos == at &&
+        (masked || !r->list_masked)) {
+        if (tdm_sampler_draw_list_params(r->sampler, &it->draw, pending) != 0)
+            return false;
+        it->draw.list = r->adj_list;
+        it->adj_off = 0;
+        r->list_pos = at + 1;
+        e->list_rows++;
+        return true;
+    }
+    if (!adj_prepare(e, r->sampler, &it->draw, NULL, 0, prev_row, used))
+        return false;
+    it->adj_off = it->draw.adj_off;
+    if (it->draw.rec_flags != 0 || it->draw.rec_count != 0) {
+        it->draw.list = list_take(e, r);
+        it->draw.list_load = 1;
+        r->list_pos = at + 1;
+        r->list_masked = masked;
+        r->list_epoch = e->list_epoch;
+    }
+    return true;
+}
+
 // A row's draw on the device. False: the host samples it.
 static bool draw_prepare(struct tdm_engine *e, struct sched_item *it, int *used)
 {
-    if (!adj_prepare(e, it->r->sampler, &it->draw, NULL, 0, -1, used))
-        return false;
-    it->adj_off = it->draw.adj_off;
-    return true;
+    return row_draw_prepare(e, it, -1, used);
 }
 
 // A decode with drafts verified on the device: each of its 1 + n_draft rows
@@ -1437,6 +1515,7 @@ static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_it
         masks_wait(e, e->masks_posted);
     if (rc != TDM_OK) {
         char msg[96];
+        e->list_epoch++; // what the device lists hold is not known
         snprintf(msg, sizeof msg, "model forward failed: %s", tdm_strerror(rc));
         TDM_LOG_ERR(MOD, "step %llu: %s (%d sequences)", (unsigned long long)e->steps, msg,
                     n_items);
@@ -1563,14 +1642,12 @@ static int schedule_ahead(struct tdm_engine *e, int *adj_used)
                                   .drawn = f->drawn,
                                   .ahead = true,
                                   .prev_row = b};
-        if (it->drawn) {
-            // Prepared as after one token more: the key and min_tokens by the
-            // count; the penalties' part of that token (chosen row b of the
-            // step in flight) merged in on the device.
-            if (!adj_prepare(e, r->sampler, &it->draw, NULL, 0, b, adj_used))
-                return 0;
-            it->adj_off = it->draw.adj_off;
-        }
+        // Prepared as after one token more: the key and min_tokens by the
+        // count; the penalties' part of that token (chosen row b of the step
+        // in flight) merged in on the device, or recorded there into the
+        // request's list by that step's draw.
+        if (it->drawn && !row_draw_prepare(e, it, b, adj_used))
+            return 0;
         n++;
     }
     return n;
@@ -1933,6 +2010,7 @@ static void engine_free_arrays(struct tdm_engine *e)
     free(e->batch);
     free(e->logits);
     free(e->adj);
+    free(e->list_free);
     free(e->allow);
     free(e->spec_res);
     free(e->vdraw);

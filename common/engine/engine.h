@@ -397,6 +397,8 @@ struct tdm_engine_stats {
                                         // (TDM_LOGITS_DRAW_ALL: their logits stay there)
     uint64_t num_async_steps;           // steps issued while the step before them was still
                                         // on the device (async scheduling)
+    uint64_t num_device_list_rows;      // drawn rows whose penalties' entries the device kept
+                                        // from the step before (no upload: a device list)
     uint64_t num_finished; // requests finished (any reason)
     uint64_t num_masks;       // structured output: token masks computed
     double mask_seconds;      // time computing them (on the mask thread, overlapping the forward)

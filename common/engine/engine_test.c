@@ -797,6 +797,80 @@ static void test_device_async(void **state)
     tdm_model_free(dm);
 }
 
+// Device lists (issue 26 item 1: a penalised request's entries kept on the
+// device between steps, loaded once and read there after): on the emulated
+// module, side by side and async, (A) a 200-token prompt with Qwen2.5's
+// repetition 1.05, (B) a greedy draw with presence 0.5 whose stop id has a
+// bias of +30 and is masked by min_tokens 4 (the list loaded again when the
+// masks go: then the stop id is drawn and ends it), and after them (C) a
+// request given a freed list id, with frequency 0.5. Tokens = the runner's;
+// most rows read from their lists.
+static void test_device_lists(void **state)
+{
+    (void)state;
+    enum { NA = 200, MTA = 24, MTB = 12, MTC = 12 };
+    struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
+    struct tdm_engine_config c;
+    tdm_engine_config_default(&c);
+    c.num_blocks = 128;
+    c.max_num_batched_tokens = 64;
+    c.max_num_seqs = 8;
+    char err[256];
+    struct tdm_engine *e = NULL;
+    assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+    static int32_t pa[NA];
+    int32_t pb[30], pc[20];
+    make_prompt(pa, NA, 61);
+    make_prompt(pb, 30, 62);
+    make_prompt(pc, 20, 63);
+    struct tdm_sampling_params sa, sb, sc;
+    tdm_sampling_params_default(&sa);
+    sa.temperature = 0.8f, sa.repetition_penalty = 1.05f, sa.ignore_eos = true;
+    sa.has_seed = true, sa.seed = 31;
+    tdm_sampling_params_default(&sb);
+    sb.temperature = 0.0f, sb.presence_penalty = 0.5f, sb.ignore_eos = true;
+    sb.min_tokens = 4;
+    sb.stop_token_ids[0] = pb[3], sb.num_stop_token_ids = 1;
+    sb.logit_bias[0] = (struct tdm_logit_bias){.token = pb[3], .bias = 30.0f};
+    sb.num_logit_bias = 1;
+    sc = sa;
+    sc.repetition_penalty = 1.0f, sc.frequency_penalty = 0.5f, sc.seed = 32;
+    int32_t ra[MTA], rb[MTB], rc[MTC], ga[MTA], gb[MTB], gcc[MTC];
+    assert_int_equal(reference_on(dm, pa, NA, &sa, MTA, ra, NULL), MTA);
+    int nb = reference_on(dm, pb, 30, &sb, MTB, rb, NULL);
+    assert_int_equal(nb, 5); // the stop id, once min_tokens let it
+    assert_int_equal(rb[4], pb[3]);
+    assert_int_equal(reference_on(dm, pc, 20, &sc, MTC, rc, NULL), MTC);
+    struct tdm_engine_request *a = submit(e, pa, NA, &sa, MTA), *b = submit(e, pb, 30, &sb, MTB);
+    struct collected ca = {0}, cb = {0}, cc = {0};
+    collect(a, ga, MTA, &ca, 0);
+    collect(b, gb, MTB, &cb, 0);
+    tdm_engine_request_release(a);
+    tdm_engine_request_release(b);
+    struct tdm_engine_stats s1, s2;
+    wait_idle_stats(e, &s1);
+    struct tdm_engine_request *r3 = submit(e, pc, 20, &sc, MTC);
+    collect(r3, gcc, MTC, &cc, 0);
+    tdm_engine_request_release(r3);
+    wait_idle_stats(e, &s2);
+    assert_int_equal(ca.n, MTA);
+    assert_int_equal(cb.n, nb);
+    assert_int_equal(cc.n, MTC);
+    if (memcmp(ga, ra, sizeof ra) != 0 || memcmp(gb, rb, (size_t)nb * sizeof *rb) != 0 ||
+        memcmp(gcc, rc, sizeof rc) != 0)
+        fail_msg("the engine's tokens differ from the runner's");
+    printf("rows read from device lists: %llu of A's and B's %d, %llu of C's %d\n",
+           (unsigned long long)s1.num_device_list_rows, MTA + nb,
+           (unsigned long long)(s2.num_device_list_rows - s1.num_device_list_rows), MTC);
+    // A's rows after its first, B's three before min_tokens (rows issued
+    // ahead and left unused may add to it), C's after its first.
+    assert_true(s1.num_device_list_rows >= (uint64_t)(MTA - 1 + 3));
+    assert_int_equal(s2.num_device_list_rows - s1.num_device_list_rows, MTC - 1);
+    assert_true(s2.kv_usage == 0.0f);
+    tdm_engine_free(e);
+    tdm_model_free(dm);
+}
+
 // What a request's stream gave: tokens, logprobs and top entries.
 struct lp_stream {
     int32_t ids[16];
@@ -2517,6 +2591,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_spec_matches_runner),
         cmocka_unit_test(test_device_spec_verify),
         cmocka_unit_test(test_device_async),
+        cmocka_unit_test(test_device_lists),
         cmocka_unit_test(test_spec_metrics),
         cmocka_unit_test(test_spec_adaptive),
     };

@@ -137,7 +137,11 @@ TDM_DRAW_FN void tdm_draw_record(struct tdm_draw_adj *adj, int32_t *n_adj, int32
         adj[found].count += count;
         return;
     }
-    adj[*n_adj] = (struct tdm_draw_adj){.token = token, .flags = flags, .count = count, .bias = 0};
+    struct tdm_draw_adj *e = &adj[*n_adj];
+    e->token = token;
+    e->flags = flags;
+    e->count = count;
+    e->bias = 0.0f;
     *n_adj += 1;
 }
 

@@ -880,6 +880,11 @@ int tdm_sampler_num_generated(const struct tdm_sampler *s)
     return s->num_generated;
 }
 
+int tdm_sampler_min_tokens(const struct tdm_sampler *s)
+{
+    return s->p.min_tokens;
+}
+
 void tdm_sampler_replay(struct tdm_sampler *s, const int32_t *tokens, size_t n)
 {
     for (size_t i = 0; i < n; i++) {

@@ -113,6 +113,8 @@ int tdm_sampler_verify(struct tdm_sampler *s, float *rows, const int32_t *draft,
 // once min_tokens were generated.
 bool tdm_sampler_is_stop(const struct tdm_sampler *s, int32_t token);
 int tdm_sampler_num_generated(const struct tdm_sampler *s);
+// The request's min_tokens (EOS and stop ids masked below it).
+int tdm_sampler_min_tokens(const struct tdm_sampler *s);
 // True when an EOS id drawn next would end the request: not ignore_eos, and
 // min_tokens reached by then (the draw is not masked).
 bool tdm_sampler_eos_ends(const struct tdm_sampler *s);
