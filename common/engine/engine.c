@@ -148,6 +148,8 @@ struct tdm_engine_request {
 
 struct sched_item {
     struct tdm_engine_request *r;
+    int start; // the position of its first row (the request's computed, or past
+               // its rows of the step in flight: schedule_ahead)
     int take;
     bool logits;
     bool fused;        // this step's token comes from the model (its fused
@@ -764,8 +766,11 @@ static bool schedule_running(struct tdm_engine *e, struct tdm_engine_request *r,
                 r->n_draft = keep;
             }
             r->sched_take = t;
-            e->items[*n_items] = (struct sched_item){
-                .r = r, .take = t, .logits = r->computed + t == r->n_tokens + r->n_draft};
+            e->items[*n_items] =
+                (struct sched_item){.r = r,
+                                    .start = r->computed,
+                                    .take = t,
+                                    .logits = r->computed + t == r->n_tokens + r->n_draft};
             (*n_items)++;
             *budget -= t;
             return true;
@@ -864,8 +869,8 @@ static bool admit_one(struct tdm_engine *e, int *n_items, int *budget)
     r->computed = match;
     e->running[e->num_running++] = r;
     r->sched_take = take;
-    e->items[*n_items] =
-        (struct sched_item){.r = r, .take = take, .logits = match + take == r->n_tokens};
+    e->items[*n_items] = (struct sched_item){
+        .r = r, .start = match, .take = take, .logits = match + take == r->n_tokens};
     (*n_items)++;
     *budget -= take;
     return true;
@@ -1411,7 +1416,7 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
             e->batch[b] =
                 (struct tdm_batch_seq){.tokens = &it->fused_tok,
                                        .n_tokens = 1,
-                                       .start_pos = r->computed + 1,
+                                       .start_pos = it->start,
                                        .block_table = r->seq.block_table,
                                        .prompt_len = r->n_own_prompt,
                                        .logits = it->drawn ? TDM_LOGITS_SAMPLE : TDM_LOGITS_ARGMAX,
@@ -1464,9 +1469,9 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
         struct tdm_draw_logprobs *lp_out = it->drawn && it->draw.logprobs ? &it->lp
                                            : it->verify_drawn             ? e->vlp + it->v_off
                                                                           : NULL;
-        e->batch[b] = (struct tdm_batch_seq){.tokens = r->hist + r->computed,
+        e->batch[b] = (struct tdm_batch_seq){.tokens = r->hist + it->start,
                                              .n_tokens = it->take,
-                                             .start_pos = r->computed,
+                                             .start_pos = it->start,
                                              .block_table = r->seq.block_table,
                                              .prompt_len = r->n_own_prompt,
                                              .logits = lm,
@@ -1586,70 +1591,92 @@ static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_it
         req_unref(items[b].r);
 }
 
-// Whether the row of `it` may go on without its token (async scheduling): a
-// token chosen on the device (greedy, or drawn: a penalty's dependence on
-// that token is merged in on the device, tdm_sampler_draw_prepare_pending),
-// one row, no drafts, no grammar, no push hook, and room for the token after
-// it.
+// Whether the rows of `it` may go on without its token (async scheduling):
+// a prompt chunk with more of the prompt after it (its successor's tokens
+// are known), or a row whose token is chosen on the device (greedy, or
+// drawn: a penalty's dependence on that token is merged in on the device,
+// tdm_sampler_draw_prepare_pending, or recorded into its device list) of a
+// request with room for the token after it: a decode row, or a prompt's
+// last chunk. Not for drafts, grammar (its mask needs the token), or a push
+// hook.
 static bool ahead_row(const struct sched_item *it)
 {
     const struct tdm_engine_request *r = it->r;
-    return it->logits && it->fused && it->take == 1 && !it->verify_drawn && r->n_draft == 0 &&
-           !r->spec_ok && r->gm == NULL && r->on_layer == NULL && r->n_gen + 2 <= r->max_gen;
+    if (it->verify_drawn || r->n_draft != 0 || r->on_layer != NULL)
+        return false;
+    if (!it->logits)
+        return true;
+    return it->fused && !r->spec_ok && r->gm == NULL && r->n_gen + 2 <= r->max_gen;
 }
 
 // Whether the step after the one in flight may be issued before its tokens
 // are known: every row may go on, and nothing waits for the engine thread
-// (a request to admit, a control, an abort, a shutdown, a check).
+// (a control, an abort, a shutdown, a check). Requests waiting for
+// admission join it (schedule_ahead).
 static bool ahead_step(struct tdm_engine *e, const struct sched_item *items, int n_items)
 {
-    if (!e->async ||
-        (e->wait_head != NULL && e->num_running + e->num_importing < e->cfg.max_num_seqs))
+    if (!e->async)
         return false;
     for (int b = 0; b < n_items; b++)
         if (!ahead_row(&items[b]))
             return false;
     pthread_mutex_lock(&e->mu);
-    bool quiet = e->inbox_head == NULL && e->ctl_head == NULL && !e->check_req && !e->stop &&
+    bool quiet = e->ctl_head == NULL && !e->check_req && !e->stop &&
                  !(e->abort_all && !e->abort_all_applied);
     pthread_mutex_unlock(&e->mu);
     return quiet;
 }
 
 // The step after the one in flight (fl_items), into e->items: each of its
-// running requests' next row, one position further, its token the in-flight
-// row's (the model takes it on the device). Returns the rows (0: a block
-// could not be had without preempting, or a draw not prepared: the caller
-// waits for the step in flight and schedules as usual). *adj_used: the
-// draws' adjustments put in e->adj.
+// running requests' next rows, past its rows in flight: the next chunk of
+// its prompt, or its next decode row, whose token is the in-flight row's
+// (chosen row k of that step: the model takes it on the device). Then, with
+// the token budget and sequence slots left, requests waiting for admission
+// (their first chunk), as schedule() admits them. Returns the items (0: a
+// block could not be had without preempting, or a draw not prepared: the
+// caller waits for the step in flight and schedules as usual). *adj_used:
+// the draws' adjustments put in e->adj.
 static int schedule_ahead(struct tdm_engine *e, int *adj_used)
 {
-    int n = 0;
+    int n = 0, budget = e->cfg.max_num_batched_tokens;
     *adj_used = 0;
-    for (int b = 0; b < e->fl_n; b++) {
+    for (int b = 0, k = 0; b < e->fl_n; b++) {
         const struct sched_item *f = &e->fl_items[b];
         struct tdm_engine_request *r = f->r;
-        if (r->state != REQ_RUNNING) // aborted while in flight
+        int prev_row = f->logits ? k++ : -1; // its chosen row in the step in flight
+        if (r->state != REQ_RUNNING)         // aborted while in flight
             continue;
-        // The in-flight row is at position computed; this one at computed + 1.
-        if (tdm_kv_reserve(e->kv, &r->seq, r->computed + 2) != TDM_OK)
+        int at = f->start + f->take;
+        int take = f->logits ? 1 : r->n_tokens - at;
+        if (take > budget)
+            take = budget;
+        if (take < 1 || tdm_kv_reserve(e->kv, &r->seq, at + take) != TDM_OK)
             return 0;
-        struct sched_item *it = &e->items[n];
+        budget -= take;
+        struct sched_item *it = &e->items[n++];
+        if (!f->logits) {
+            *it = (struct sched_item){
+                .r = r, .start = at, .take = take, .logits = at + take == r->n_tokens};
+            continue;
+        }
         *it = (struct sched_item){.r = r,
+                                  .start = at,
                                   .take = 1,
                                   .logits = true,
                                   .fused = true,
                                   .drawn = f->drawn,
                                   .ahead = true,
-                                  .prev_row = b};
+                                  .prev_row = prev_row};
         // Prepared as after one token more: the key and min_tokens by the
-        // count; the penalties' part of that token (chosen row b of the step
-        // in flight) merged in on the device, or recorded there into the
-        // request's list by that step's draw.
-        if (it->drawn && !row_draw_prepare(e, it, b, adj_used))
+        // count; the penalties' part of that token merged in on the device,
+        // or recorded there into the request's list by that step's draw.
+        if (it->drawn && !row_draw_prepare(e, it, prev_row, adj_used))
             return 0;
-        n++;
     }
+    while (e->wait_head != NULL && budget > 0 &&
+           e->num_running + e->num_importing < e->cfg.max_num_seqs)
+        if (!admit_one(e, &n, &budget))
+            break;
     return n;
 }
 
@@ -1693,8 +1720,14 @@ static void step_ahead(struct tdm_engine *e)
         step_finish(e, e->items, n, rc);
         return;
     }
+    bool pending = tdm_model_forward_pending(e->model) > 1;
     finish_inflight(e, TDM_OK);
-    put_in_flight(e, n);
+    if (pending) {
+        put_in_flight(e, n);
+        return;
+    }
+    // Prompt chunks alone: the forward ended at issue (the model waited).
+    step_finish(e, e->items, n, TDM_OK);
 }
 
 // Runs the step scheduled in e->items: its results taken, or, where its rows

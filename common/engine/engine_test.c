@@ -797,6 +797,90 @@ static void test_device_async(void **state)
     tdm_model_free(dm);
 }
 
+// Async scheduling through admissions and chunked prompts: while the chain
+// of steps issued ahead runs (A decoding), requests arrive (B and C after
+// A's third token, D after its tenth) and join the step built ahead; their
+// prompts (up to 45 tokens, a budget of 16 tokens a step: up to 4 chunks)
+// are chunked inside the chain, and a last chunk's token feeds the
+// request's next row on the device. The runner's tokens, and those of the
+// same engine with sync scheduling; the steps not issued ahead are few: the
+// first, and those after a request's last row (no room for a row after it).
+enum { AM_N = 4, AM_MT = 24 };
+
+static void admit_run(struct tdm_model *dm, bool sync, int32_t (*p)[48], const int *np,
+                      const struct tdm_sampling_params *sp, const int *mt, int32_t (*ids)[AM_MT],
+                      int *n, struct tdm_engine_stats *st)
+{
+    char err[256];
+    struct tdm_engine_config c;
+    tdm_engine_config_default(&c);
+    c.num_blocks = 128;
+    c.max_num_batched_tokens = 16;
+    c.max_num_seqs = 4;
+    c.sync_scheduling = sync;
+    struct tdm_engine *e = NULL;
+    assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine_request *r[AM_N];
+    struct collected col[AM_N];
+    memset(col, 0, sizeof col);
+    r[0] = submit(e, p[0], np[0], &sp[0], mt[0]);
+    collect(r[0], ids[0], AM_MT, &col[0], 3);
+    r[1] = submit(e, p[1], np[1], &sp[1], mt[1]);
+    r[2] = submit(e, p[2], np[2], &sp[2], mt[2]);
+    collect(r[0], ids[0], AM_MT, &col[0], 10);
+    r[3] = submit(e, p[3], np[3], &sp[3], mt[3]);
+    for (int i = 0; i < AM_N; i++) {
+        collect(r[i], ids[i], AM_MT, &col[i], 0);
+        n[i] = col[i].n;
+        tdm_engine_request_release(r[i]);
+    }
+    wait_idle_stats(e, st);
+    assert_kv_ok(e);
+    assert_true(st->kv_usage == 0.0f);
+    tdm_engine_free(e);
+}
+
+static void test_device_async_admit(void **state)
+{
+    (void)state;
+    struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
+    int32_t p[AM_N][48];
+    const int np[AM_N] = {10, 45, 30, 20}, mt[AM_N] = {24, 12, 12, 8};
+    struct tdm_sampling_params sp[AM_N];
+    for (int i = 0; i < AM_N; i++) {
+        make_prompt(p[i], np[i], 800 + (uint32_t)i);
+        tdm_sampling_params_default(&sp[i]);
+        sp[i].ignore_eos = true;
+        sp[i].has_seed = true;
+        sp[i].seed = 5u + (uint64_t)i;
+    }
+    sp[0].temperature = 0.0f;                                   // the fused argmax
+    sp[1].temperature = 0.8f, sp[1].repetition_penalty = 1.05f; // a device list
+    sp[2].temperature = 0.0f, sp[2].logprobs = 2;               // greedy, drawn
+    sp[3].temperature = 1.0f, sp[3].top_k = 20;
+    int32_t ref[AM_N][AM_MT], ids[2][AM_N][AM_MT];
+    int n[2][AM_N];
+    struct tdm_engine_stats st[2];
+    for (int i = 0; i < AM_N; i++)
+        assert_int_equal(reference_on(dm, p[i], np[i], &sp[i], mt[i], ref[i], NULL), mt[i]);
+    admit_run(dm, false, p, np, sp, mt, ids[0], n[0], &st[0]);
+    admit_run(dm, true, p, np, sp, mt, ids[1], n[1], &st[1]);
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < AM_N; i++) {
+            assert_int_equal(n[k][i], mt[i]);
+            if (memcmp(ids[k][i], ref[i], (size_t)mt[i] * sizeof *ref[i]) != 0)
+                fail_msg("request %d (%s scheduling): the engine's tokens differ from the "
+                         "runner's",
+                         i, k ? "sync" : "async");
+        }
+    printf("async scheduling: %llu of %llu steps issued ahead (sync: %llu of %llu)\n",
+           (unsigned long long)st[0].num_async_steps, (unsigned long long)st[0].num_steps,
+           (unsigned long long)st[1].num_async_steps, (unsigned long long)st[1].num_steps);
+    assert_int_equal(st[1].num_async_steps, 0);
+    assert_true(st[0].num_steps - st[0].num_async_steps <= 1 + AM_N);
+    tdm_model_free(dm);
+}
+
 // Device lists (issue 26 item 1: a penalised request's entries kept on the
 // device between steps, loaded once and read there after): on the emulated
 // module, side by side and async, (A) a 200-token prompt with Qwen2.5's
@@ -2592,6 +2676,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_device_spec_verify),
         cmocka_unit_test(test_device_async),
         cmocka_unit_test(test_device_lists),
+        cmocka_unit_test(test_device_async_admit),
         cmocka_unit_test(test_spec_metrics),
         cmocka_unit_test(test_spec_adaptive),
     };
