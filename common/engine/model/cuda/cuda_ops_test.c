@@ -2027,6 +2027,98 @@ static void test_resolve_pending(void **state)
     tdm_cuda_dev_free(dev, d_params), tdm_cuda_dev_free(dev, d_adj), tdm_cuda_dev_free(dev, d_prev);
 }
 
+// Device lists (tdm_draw_params.list): list_bind loads a list_load row's
+// entries into its list's region (300 of them: past the block's threads)
+// and points the row there; a row reading its list gets the list's count;
+// a row without a list is left alone. list_record then records each list
+// row's drawn token by the host's rule (tdm_draw_record): merged into an
+// entry, appended, appended to an empty list, nothing for a row without a
+// list, and nothing when the row records nothing (rec 0 and 0).
+static void test_list_kernels(void **state)
+{
+    (void)state;
+    enum { ROWS = 5, BIG = 300, ARENA = 2048, STEP = 1500 };
+    static struct tdm_draw_adj arena[ARENA], want[ARENA], got[ARENA];
+    struct tdm_draw_params params[ROWS], wantp[ROWS], gotp[ROWS];
+    int32_t list_n[8] = {0}, want_n[8], got_n[8];
+    const int32_t at[ROWS] = {0, 512, -1, 1024, 1280};
+    const int32_t ids[ROWS] = {7 * 120, 9, 3, 77, 5};
+    memset(arena, 0, sizeof arena);
+    for (int i = 0; i < BIG; i++) // row 0's entries, in the step's part
+        arena[STEP + i] =
+            (struct tdm_draw_adj){.token = 7 * i,
+                                  .flags = i % 2 ? TDM_DRAW_ADJ_SEEN : TDM_DRAW_ADJ_BIAS,
+                                  .count = 1,
+                                  .bias = 0.25f};
+    for (int i = 0; i < 5; i++) // list 2 as a step before left it
+        arena[512 + i] = (struct tdm_draw_adj){.token = 100 + i, .flags = TDM_DRAW_ADJ_SEEN};
+    list_n[1] = 5;
+    for (int i = 0; i < 3; i++) // list 5 (row 4): read, records nothing
+        arena[1280 + i] = (struct tdm_draw_adj){.token = 5 + i, .count = 2};
+    list_n[4] = 3;
+    params[0] = (struct tdm_draw_params){
+        .adj_off = STEP, .n_adj = BIG, .list = 1, .list_load = 1, .rec_flags = TDM_DRAW_ADJ_SEEN};
+    params[1] = (struct tdm_draw_params){.adj_off = 9, .n_adj = 77, .list = 2, .rec_count = 1};
+    params[2] = (struct tdm_draw_params){.adj_off = STEP, .n_adj = 4};
+    params[3] = (struct tdm_draw_params){
+        .adj_off = STEP + BIG, .n_adj = 0, .list = 4, .list_load = 1, .rec_count = 1};
+    params[4] = (struct tdm_draw_params){.list = 5};
+    memcpy(want, arena, sizeof arena);
+    memcpy(wantp, params, sizeof params);
+    memcpy(want_n, list_n, sizeof list_n);
+    for (int r = 0; r < ROWS; r++) {
+        struct tdm_draw_params *d = &wantp[r];
+        if (d->list <= 0)
+            continue;
+        if (d->list_load) {
+            memcpy(want + at[r], want + d->adj_off, (size_t)d->n_adj * sizeof *want);
+            want_n[d->list - 1] = d->n_adj;
+        } else {
+            d->n_adj = want_n[d->list - 1];
+        }
+        d->adj_off = at[r];
+    }
+    struct tdm_draw_params *d_params = to_dev(params, sizeof params);
+    struct tdm_draw_adj *d_arena = to_dev(arena, sizeof arena);
+    int32_t *d_at = to_dev(at, sizeof at), *d_n = to_dev(list_n, sizeof list_n);
+    int32_t *d_ids = to_dev(ids, sizeof ids);
+    ok(tdm_cuk_list_bind(stream, d_params, d_arena, d_at, d_n, ROWS));
+    from_dev(gotp, d_params, sizeof gotp);
+    from_dev(got, d_arena, sizeof got);
+    from_dev(got_n, d_n, sizeof got_n);
+    assert_memory_equal(gotp, wantp, sizeof gotp);
+    assert_memory_equal(got, want, sizeof got);
+    assert_memory_equal(got_n, want_n, sizeof got_n);
+    for (int r = 0; r < ROWS; r++) {
+        const struct tdm_draw_params *d = &wantp[r];
+        if (d->list <= 0)
+            continue;
+        struct tdm_draw_adj *a = want + d->adj_off;
+        int32_t n = d->n_adj, found = -1;
+        for (int i = 0; i < n; i++)
+            found = a[i].token == ids[r] ? i : found;
+        tdm_draw_record(a, &n, ids[r], d->rec_flags, d->rec_count, found);
+        want_n[d->list - 1] = n;
+    }
+    assert_int_equal(want[120].flags, TDM_DRAW_ADJ_BIAS | TDM_DRAW_ADJ_SEEN); // merged
+    assert_int_equal(want_n[0], BIG);
+    assert_int_equal(want_n[1], 6); // appended
+    assert_int_equal(want[512 + 5].token, 9);
+    assert_int_equal(want_n[3], 1); // appended to an empty list
+    assert_int_equal(want_n[4], 3); // nothing recorded
+    ok(tdm_cuk_list_record(stream, d_params, d_arena, d_ids, d_n, ROWS));
+    from_dev(got, d_arena, sizeof got);
+    from_dev(got_n, d_n, sizeof got_n);
+    assert_memory_equal(got, want, sizeof got);
+    assert_memory_equal(got_n, want_n, sizeof got_n);
+    assert_int_equal(tdm_cuk_list_bind(stream, d_params, d_arena, d_at, d_n, -1), TDM_CUK_EINVAL);
+    assert_int_equal(tdm_cuk_list_record(stream, d_params, d_arena, d_ids, NULL, 1),
+                     TDM_CUK_EINVAL);
+    ok(tdm_cuk_list_record(stream, d_params, d_arena, d_ids, d_n, 0));
+    tdm_cuda_dev_free(dev, d_params), tdm_cuda_dev_free(dev, d_arena);
+    tdm_cuda_dev_free(dev, d_at), tdm_cuda_dev_free(dev, d_n), tdm_cuda_dev_free(dev, d_ids);
+}
+
 static void test_attention_errors(void **state)
 {
     (void)state;
@@ -2105,6 +2197,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_sample_rows),
         cmocka_unit_test(test_sample_rows_boundary),
         cmocka_unit_test(test_resolve_pending),
+        cmocka_unit_test(test_list_kernels),
     };
     return tdm_test_exit(tdm_run_group_tests(tests, group_setup, group_teardown));
 }
