@@ -95,7 +95,7 @@ struct result {
     unsigned long long loop_drawn[MAX_POINTS], loop_tokens[MAX_POINTS];
     // ... engine steps, and those issued while the step before them was in
     // flight (async scheduling: the engine thread's work beside the device's).
-    unsigned long long loop_steps[MAX_POINTS], loop_async[MAX_POINTS];
+    unsigned long long loop_steps[MAX_POINTS], loop_async[MAX_POINTS], loop_list[MAX_POINTS];
     char device[32]; // the backend the model ran on (tdm_model_opts.backend)
     bool batch_invariant; // the model's GEMM mode as resolved (tdm_model_opts.batch_invariant)
     struct tdm_model_load_info load; // load time, checkpoint bytes, weight cache use
@@ -392,6 +392,7 @@ static void time_engine_loop(struct tdm_model *m, int batch, int steps, struct r
     r->loop_drawn[i] = st1.num_device_drawn_tokens;
     r->loop_steps[i] = engine_steps;
     r->loop_async[i] = st1.num_async_steps - st0.num_async_steps;
+    r->loop_list[i] = st1.num_device_list_rows - st0.num_device_list_rows;
     r->loop_tokens[i] = (unsigned long long)batch * (unsigned long long)max_tokens;
     for (int s = 0; s < batch; s++)
         tdm_engine_request_release(reqs[s]);
@@ -558,9 +559,10 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
             fprintf(f,
                     "%s{\"batch\": %d, \"seconds\": %.9g, \"engine_cpu_seconds\": %.9g, "
                     "\"engine_share\": %.6g, \"drawn_tokens\": %llu, \"tokens\": %llu, "
-                    "\"steps\": %llu, \"async_steps\": %llu}",
+                    "\"steps\": %llu, \"async_steps\": %llu, \"list_rows\": %llu}",
                     i ? ", " : "", pl->batches[i], r->loop_s[i], r->loop_cpu_s[i], r->loop_share[i],
-                    r->loop_drawn[i], r->loop_tokens[i], r->loop_steps[i], r->loop_async[i]);
+                    r->loop_drawn[i], r->loop_tokens[i], r->loop_steps[i], r->loop_async[i],
+                    r->loop_list[i]);
         fprintf(f, "]");
     }
     fprintf(f, "}\n");
@@ -904,10 +906,12 @@ int main(int argc, char **argv)
             const struct result *r = &res[0];
             printf("  batch %-4d step %8.2f ms  forward alone %8.2f ms  loop/forward %5.2f  "
                    "engine thread CPU %7.2f ms/step (%.2f of the wall)  drawn on the device "
-                   "%llu of %llu tokens  issued ahead %llu of %llu steps\n",
+                   "%llu of %llu tokens (%llu from device lists)  issued ahead %llu of %llu "
+                   "steps\n",
                    pl.batches[i], r->loop_s[i] * 1e3, r->decode_s[i] * 1e3,
                    r->loop_s[i] / r->decode_s[i], r->loop_cpu_s[i] * 1e3, r->loop_share[i],
-                   r->loop_drawn[i], r->loop_tokens[i], r->loop_async[i], r->loop_steps[i]);
+                   r->loop_drawn[i], r->loop_tokens[i], r->loop_list[i], r->loop_async[i],
+                   r->loop_steps[i]);
         }
     }
     print_capacity(&res[0].kc, &pl);
