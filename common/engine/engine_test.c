@@ -952,6 +952,39 @@ static void test_device_lists(void **state)
     assert_int_equal(s2.num_device_list_rows - s1.num_device_list_rows, MTC - 1);
     assert_true(s2.kv_usage == 0.0f);
     tdm_engine_free(e);
+    // Preemption: two penalised requests whose KV outgrows a pool of 10
+    // blocks; the one preempted recomputes its tokens and reads its list
+    // again where its draws left it (its draws' positions unchanged).
+    c.num_blocks = 10;
+    assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+    enum { MTP = 40 };
+    int32_t pd[2][60], rp[2][MTP], gp[2][MTP];
+    const int npd[2] = {60, 50};
+    struct tdm_sampling_params sd[2];
+    struct tdm_engine_request *rq[2];
+    for (int i = 0; i < 2; i++) {
+        make_prompt(pd[i], npd[i], 64 + (uint32_t)i);
+        sd[i] = sa;
+        sd[i].repetition_penalty = 1.1f, sd[i].frequency_penalty = 0.3f * (float)i;
+        sd[i].seed = 40u + (uint64_t)i;
+        assert_int_equal(reference_on(dm, pd[i], npd[i], &sd[i], MTP, rp[i], NULL), MTP);
+    }
+    for (int i = 0; i < 2; i++)
+        rq[i] = submit(e, pd[i], npd[i], &sd[i], MTP);
+    for (int i = 0; i < 2; i++) {
+        struct collected cq = {0};
+        collect(rq[i], gp[i], MTP, &cq, 0);
+        tdm_engine_request_release(rq[i]);
+        assert_int_equal(cq.n, MTP);
+        if (memcmp(gp[i], rp[i], sizeof rp[i]) != 0)
+            fail_msg("preempted run, request %d: the engine's tokens differ from the runner's", i);
+    }
+    wait_idle_stats(e, &s2);
+    printf("with preemption: %llu preemptions, %llu rows read from device lists\n",
+           (unsigned long long)s2.num_preemptions, (unsigned long long)s2.num_device_list_rows);
+    assert_true(s2.num_preemptions > 0);
+    assert_true(s2.num_device_list_rows >= (uint64_t)(MTP - 1));
+    tdm_engine_free(e);
     tdm_model_free(dm);
 }
 
