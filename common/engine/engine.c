@@ -1516,8 +1516,16 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
 // finished by the token before it) has its row discarded.
 static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_items, int rc)
 {
-    if (e->n_mask_jobs > 0 && !e->masks_waited)
+    // The masks posted last are this step's when it has a constrained row
+    // that chooses a token (a step in flight has none when the one after it
+    // went ahead: that one's masks are not waited for here).
+    bool masked = false;
+    for (int b = 0; b < n_items && !masked; b++)
+        masked = items[b].logits && items[b].r->gm != NULL;
+    if (masked && e->n_mask_jobs > 0 && !e->masks_waited) {
         masks_wait(e, e->masks_posted);
+        e->masks_waited = true;
+    }
     if (rc != TDM_OK) {
         char msg[96];
         e->list_epoch++; // what the device lists hold is not known
