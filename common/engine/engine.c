@@ -230,6 +230,14 @@ struct tdm_engine {
     size_t allow_words; // ceil(vocab / 32)
     bool masks_posted;  // this step's masks went to the mask threads
     bool masks_waited;  // ... and were waited for (by the choose hook or after the forward)
+    // The step whose masks are the jobs (its items' array), and whether they
+    // wait for the step in flight before it: a step built ahead with a
+    // constrained row of a request in that step (its grammar follows that
+    // step's token) computes them in the choose hook, once that step was
+    // taken and finished there (fl_taken).
+    const struct sched_item *mask_items;
+    bool masks_deferred;
+    bool fl_taken;
     uint64_t parallel_sample_steps; // steps whose rows were sampled on several threads
     // Speculative decoding: draft_rows logits rows past the first max_num_seqs
     // bound the draft tokens of one step (draft_rows_left: this step's);
@@ -1154,11 +1162,29 @@ static void masks_wait(struct tdm_engine *e, bool posted)
 // layers ran, as each drawn constrained row's allow bitmap over the model's
 // vocabulary: tdm_grammar_mask_apply's rule (the mask's tokens, none past the
 // grammar vocabulary, the ending ids as the matcher accepts the end).
+static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_items, int rc);
+
 static void choose_hook(void *arg)
 {
     struct tdm_engine *e = arg;
     if (e->n_mask_jobs == 0)
         return;
+    if (e->masks_deferred) {
+        // A row of this step follows a token of the step in flight: that
+        // step taken and finished first (its tokens recorded, the grammars
+        // advanced by them) while this step's layers run, then the masks.
+        int rc = tdm_model_forward_wait(e->model);
+        int n = e->fl_n;
+        e->fl_n = 0;
+        e->fl_taken = true;
+        step_finish(e, e->fl_items, n, rc);
+        int k = 0; // a request that token ended has its row discarded: no mask
+        for (int i = 0; i < e->n_mask_jobs; i++)
+            if (e->mask_jobs[i]->state == REQ_RUNNING)
+                e->mask_jobs[k++] = e->mask_jobs[i];
+        e->n_mask_jobs = k;
+        e->masks_posted = k > 0 && masks_post(e);
+    }
     masks_wait(e, e->masks_posted);
     e->masks_waited = true;
     int32_t lim = tdm_grammar_vocab_size(e->cfg.grammar_vocab);
@@ -1495,11 +1521,17 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
     }
     // Masks of the constrained sequences that sample this step: computed on
     // the mask thread while the forward runs. Nothing at all when none is.
+    // A step built ahead with a row whose grammar follows the step in
+    // flight's token: computed in the choose hook after that step.
     e->n_mask_jobs = 0;
+    e->masks_deferred = false;
     for (int b = 0; b < n_items; b++)
-        if (e->items[b].logits && e->items[b].r->gm)
+        if (e->items[b].logits && e->items[b].r->gm) {
             e->mask_jobs[e->n_mask_jobs++] = e->items[b].r;
-    e->masks_posted = e->n_mask_jobs > 0 && masks_post(e);
+            e->masks_deferred |= e->items[b].ahead;
+        }
+    e->mask_items = e->items;
+    e->masks_posted = e->n_mask_jobs > 0 && !e->masks_deferred && masks_post(e);
     e->masks_waited = false;
     e->n_step_items = n_items;
     int rc = tdm_model_forward_issue(e->model, e->kv, e->batch, n_items, e->logits);
@@ -1516,13 +1548,9 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
 // finished by the token before it) has its row discarded.
 static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_items, int rc)
 {
-    // The masks posted last are this step's when it has a constrained row
-    // that chooses a token (a step in flight has none when the one after it
-    // went ahead: that one's masks are not waited for here).
-    bool masked = false;
-    for (int b = 0; b < n_items && !masked; b++)
-        masked = items[b].logits && items[b].r->gm != NULL;
-    if (masked && e->n_mask_jobs > 0 && !e->masks_waited) {
+    // The masks posted last, when they are this step's (not those of a step
+    // issued after it, ahead).
+    if (e->mask_items == items && e->n_mask_jobs > 0 && !e->masks_waited) {
         masks_wait(e, e->masks_posted);
         e->masks_waited = true;
     }
@@ -1614,7 +1642,7 @@ static bool ahead_row(const struct sched_item *it)
         return false;
     if (!it->logits)
         return true;
-    return it->fused && !r->spec_ok && r->gm == NULL && r->n_gen + 2 <= r->max_gen;
+    return it->fused && !r->spec_ok && (r->gm == NULL || it->drawn) && r->n_gen + 2 <= r->max_gen;
 }
 
 // Whether the step after the one in flight may be issued before its tokens
@@ -1722,14 +1750,20 @@ static void step_ahead(struct tdm_engine *e)
     }
     int rc = step_issue(e, n, adj_used);
     e->async_steps++;
+    // The step in flight taken by the choose hook already (a constrained row
+    // followed its token).
+    bool taken = e->fl_taken;
+    e->fl_taken = false;
     if (rc != TDM_OK) {
         // The model ended every forward in flight with the failed one.
-        finish_inflight(e, rc);
+        if (!taken)
+            finish_inflight(e, rc);
         step_finish(e, e->items, n, rc);
         return;
     }
-    bool pending = tdm_model_forward_pending(e->model) > 1;
-    finish_inflight(e, TDM_OK);
+    bool pending = tdm_model_forward_pending(e->model) > (taken ? 0 : 1);
+    if (!taken)
+        finish_inflight(e, TDM_OK);
     if (pending) {
         put_in_flight(e, n);
         return;

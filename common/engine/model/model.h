@@ -211,7 +211,9 @@ struct tdm_batch_seq {
 // (TDM_LOGITS_SAMPLE rows), on the calling thread, after the forward's work
 // was issued and before the tokens are chosen: the engine waits there for the
 // structured-output masks its mask threads compute meanwhile and fills the
-// rows' allow bitmaps. NULL: none.
+// rows' allow bitmaps. It may take the forward in flight before this one
+// (tdm_model_forward_wait: its tokens, which a mask may follow); this
+// forward's chosen rows are issued after it returns. NULL: none.
 void tdm_model_set_choose_hook(struct tdm_model *m, void (*fn)(void *arg), void *arg);
 
 // Whether m's backend has the fused argmax LM head (TDM_LOGITS_ARGMAX).
