@@ -102,6 +102,7 @@ struct tdm_engine_request {
     int list_pos;
     bool list_masked;
     uint64_t list_epoch;
+    uint64_t ahead_mark; // the engine's ahead_marks when a step built ahead took its rows
     double t_first_sched, t_first_token, t_last_token;
 
     // Guarded by engine->mu.
@@ -200,6 +201,7 @@ struct tdm_engine {
     // tokens. Steps issued while another was in flight: async_steps.
     struct sched_item *fl_items;
     int fl_n;
+    uint64_t ahead_marks; // schedule_ahead's calls (a request's ahead_mark)
     bool async;
     uint64_t async_steps;
     struct tdm_batch_seq *batch; // [max_num_seqs]
@@ -1663,51 +1665,88 @@ static bool ahead_step(struct tdm_engine *e, const struct sched_item *items, int
     return quiet;
 }
 
-// The step after the one in flight (fl_items), into e->items: each of its
-// running requests' next rows, past its rows in flight: the next chunk of
-// its prompt, or its next decode row, whose token is the in-flight row's
-// (chosen row k of that step: the model takes it on the device). Then, with
-// the token budget and sequence slots left, requests waiting for admission
-// (their first chunk), as schedule() admits them. Returns the items (0: a
-// block could not be had without preempting, or a draw not prepared: the
-// caller waits for the step in flight and schedules as usual). *adj_used:
-// the draws' adjustments put in e->adj.
+// An item for r's next rows from position `start` (its tokens known: a
+// prompt chunk, or a decode row whose token is in its history) within
+// *budget, at e->items[*n]; none when no budget is left (r waits, as in
+// schedule()). False: a block could not be had without preempting.
+static bool ahead_item(struct tdm_engine *e, int *n, int *budget, struct tdm_engine_request *r,
+                       int start)
+{
+    int take = r->n_tokens - start < *budget ? r->n_tokens - start : *budget;
+    if (take < 1)
+        return true;
+    if (tdm_kv_reserve(e->kv, &r->seq, start + take) != TDM_OK)
+        return false;
+    *budget -= take;
+    e->items[(*n)++] = (struct sched_item){
+        .r = r, .start = start, .take = take, .logits = start + take == r->n_tokens};
+    r->ahead_mark = e->ahead_marks;
+    return true;
+}
+
+// The step after the one in flight (fl_items), into e->items, as schedule()
+// builds one: decode rows first, then prompt chunks, then admissions. Each
+// request with rows in flight gets its next rows past them: its next decode
+// row, whose token is the in-flight row's (chosen row k of that step: the
+// model takes it on the device), or its prompt's next chunk; a running
+// request without rows in flight (a chunk the budget did not reach, a
+// request whose imported KV arrived meanwhile) gets its next rows from its
+// history; a request the budget does not reach waits, as in schedule().
+// Then, with the token budget and sequence slots left, requests waiting for
+// admission. Returns the items (0: none, a block could not be had without
+// preempting, or a draw was not prepared: the caller waits for the step in
+// flight and schedules as usual).
+// *adj_used: the draws' adjustments put in e->adj.
 static int schedule_ahead(struct tdm_engine *e, int *adj_used)
 {
     int n = 0, budget = e->cfg.max_num_batched_tokens;
+    uint64_t mark = ++e->ahead_marks;
     *adj_used = 0;
-    for (int b = 0, k = 0; b < e->fl_n; b++) {
-        const struct sched_item *f = &e->fl_items[b];
-        struct tdm_engine_request *r = f->r;
-        int prev_row = f->logits ? k++ : -1; // its chosen row in the step in flight
-        if (r->state != REQ_RUNNING)         // aborted while in flight
-            continue;
-        int at = f->start + f->take;
-        int take = f->logits ? 1 : r->n_tokens - at;
-        if (take > budget)
-            take = budget;
-        if (take < 1 || tdm_kv_reserve(e->kv, &r->seq, at + take) != TDM_OK)
-            return 0;
-        budget -= take;
-        struct sched_item *it = &e->items[n++];
-        if (!f->logits) {
-            *it = (struct sched_item){
-                .r = r, .start = at, .take = take, .logits = at + take == r->n_tokens};
-            continue;
+    for (int b = 0; b < e->fl_n; b++)
+        e->fl_items[b].r->ahead_mark = mark; // rows in flight: scheduled past them
+    for (int pass = 0; pass < 2; pass++) {
+        for (int b = 0, k = 0; b < e->fl_n; b++) {
+            const struct sched_item *f = &e->fl_items[b];
+            struct tdm_engine_request *r = f->r;
+            int prev_row = f->logits ? k++ : -1; // its chosen row in the step in flight
+            // Aborted while in flight, or not this pass's (decodes first).
+            if (r->state != REQ_RUNNING || f->logits != (pass == 0))
+                continue;
+            int at = f->start + f->take;
+            if (!f->logits) {
+                if (!ahead_item(e, &n, &budget, r, at))
+                    return 0;
+                continue;
+            }
+            if (budget < 1)
+                continue; // it waits: its token is taken with the step in flight
+            if (tdm_kv_reserve(e->kv, &r->seq, at + 1) != TDM_OK)
+                return 0;
+            budget--;
+            struct sched_item *it = &e->items[n++];
+            *it = (struct sched_item){.r = r,
+                                      .start = at,
+                                      .take = 1,
+                                      .logits = true,
+                                      .fused = true,
+                                      .drawn = f->drawn,
+                                      .ahead = true,
+                                      .prev_row = prev_row};
+            // Prepared as after one token more: the key and min_tokens by
+            // the count; the penalties' part of that token merged in on the
+            // device, or recorded there into the request's list by that
+            // step's draw.
+            if (it->drawn && !row_draw_prepare(e, it, prev_row, adj_used))
+                return 0;
         }
-        *it = (struct sched_item){.r = r,
-                                  .start = at,
-                                  .take = 1,
-                                  .logits = true,
-                                  .fused = true,
-                                  .drawn = f->drawn,
-                                  .ahead = true,
-                                  .prev_row = prev_row};
-        // Prepared as after one token more: the key and min_tokens by the
-        // count; the penalties' part of that token merged in on the device,
-        // or recorded there into the request's list by that step's draw.
-        if (it->drawn && !row_draw_prepare(e, it, prev_row, adj_used))
-            return 0;
+        for (int i = 0; i < e->num_running; i++) {
+            struct tdm_engine_request *r = e->running[i];
+            bool decode = r->n_tokens - r->computed == 1;
+            if (r->ahead_mark == mark || decode != (pass == 0) || r->n_tokens <= r->computed)
+                continue;
+            if (!ahead_item(e, &n, &budget, r, r->computed))
+                return 0;
+        }
     }
     while (e->wait_head != NULL && budget > 0 &&
            e->num_running + e->num_importing < e->cfg.max_num_seqs)
@@ -1764,12 +1803,20 @@ static void step_ahead(struct tdm_engine *e)
     bool pending = tdm_model_forward_pending(e->model) > (taken ? 0 : 1);
     if (!taken)
         finish_inflight(e, TDM_OK);
-    if (pending) {
+    // In flight only when its tokens are all it brings back: a row sampled
+    // on the host has its logits in e->logits, which the loop's controls
+    // may write (an import's first token) before the step is finished.
+    bool chosen_only = true;
+    for (int b = 0; b < n; b++)
+        chosen_only &= !e->items[b].logits || e->items[b].fused || e->items[b].verify_drawn;
+    if (pending && chosen_only) {
         put_in_flight(e, n);
         return;
     }
-    // Prompt chunks alone: the forward ended at issue (the model waited).
-    step_finish(e, e->items, n, TDM_OK);
+    // Finished now (prompt chunks alone: the forward ended at issue).
+    while (rc == TDM_OK && tdm_model_forward_pending(e->model) > 0)
+        rc = tdm_model_forward_wait(e->model);
+    step_finish(e, e->items, n, rc);
 }
 
 // Runs the step scheduled in e->items: its results taken, or, where its rows

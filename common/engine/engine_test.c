@@ -881,6 +881,99 @@ static void test_device_async_admit(void **state)
     tdm_model_free(dm);
 }
 
+// P/D on the emulated module, the decode side's import landing while its
+// steps go ahead: A decodes (a chain of steps issued ahead) when B's
+// imported KV and first token arrive (import_done, applied between two
+// links of the chain). B, a running request without rows in flight, is
+// scheduled in the next step built ahead: its tokens are the runner's, and
+// it ends while A still runs (it does not wait for the chain to end).
+static void test_device_import_ahead(void **state)
+{
+    (void)state;
+    enum { NP = 40, MT = 8, MTA = 300 };
+    struct tdm_model *dm = tdm_test_emu_model(model_dir, 64);
+    int layers = tdm_model_config(dm)->num_hidden_layers;
+    char err[256];
+    int32_t pa[10], pb[NP], ref[MT], got[MT + 1];
+    static int32_t ga[MTA];
+    make_prompt(pa, 10, 71);
+    make_prompt(pb, NP, 72);
+    struct tdm_sampling_params sa, sb;
+    tdm_sampling_params_default(&sa);
+    sa.temperature = 0.0f, sa.ignore_eos = true;
+    tdm_sampling_params_default(&sb);
+    sb.temperature = 0.8f, sb.has_seed = true, sb.seed = 7, sb.ignore_eos = true;
+    sb.repetition_penalty = 1.05f;
+    assert_int_equal(reference_on(dm, pb, NP, &sb, MT, ref, NULL), MT);
+    struct tdm_engine_config c;
+    tdm_engine_config_default(&c);
+    c.num_blocks = 128;
+    c.max_num_batched_tokens = 64;
+    c.max_num_seqs = 8;
+    // Prefill worker: B's first token and its KV.
+    struct tdm_engine *pe = NULL;
+    assert_int_equal(tdm_engine_new(&pe, dm, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    tdm_engine_request_params_default(&p);
+    p.prompt = pb;
+    p.n_prompt = NP;
+    p.sampling = sb;
+    p.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
+    assert_int_equal(tdm_engine_submit(pe, &p, &r, err, sizeof err), TDM_OK);
+    struct collected cp = {0};
+    collect(r, got, MT + 1, &cp, 0);
+    assert_int_equal(cp.n, 1);
+    assert_int_equal(got[0], ref[0]);
+    struct tdm_kv_header h;
+    assert_int_equal(tdm_engine_kv_header(pe, r, "tiny", &h), TDM_OK);
+    int nb = h.num_blocks;
+    size_t layer_len = 2 * (size_t)nb * (size_t)h.num_kv_heads * (size_t)h.block_size *
+                       (size_t)h.head_dim * (h.dtype == 1 ? 2u : 4u);
+    void **payload = calloc((size_t)layers, sizeof *payload);
+    assert_non_null(payload);
+    for (int l = 0; l < layers; l++) {
+        payload[l] = malloc(layer_len);
+        assert_int_equal(tdm_engine_export_layer(pe, r, l, 0, nb, payload[l], layer_len), TDM_OK);
+    }
+    assert_int_equal(tdm_engine_release_kv(pe, r), TDM_OK);
+    tdm_engine_request_release(r);
+    tdm_engine_free(pe);
+    // Decode worker: A's chain, then B's import.
+    struct tdm_engine *de = NULL;
+    assert_int_equal(tdm_engine_new(&de, dm, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine_request *a = submit(de, pa, 10, &sa, MTA);
+    struct collected ca = {0}, cb = {0};
+    collect(a, ga, MTA, &ca, 5);
+    p.kind = TDM_ENGINE_REQ_IMPORT_KV;
+    p.max_tokens = MT;
+    assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
+    int fb = -1, n = -1;
+    assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
+    assert_int_equal(n, nb);
+    for (int l = 0; l < layers; l++)
+        assert_int_equal(tdm_engine_import_layer(de, r, l, 0, nb, payload[l], layer_len), TDM_OK);
+    assert_int_equal(tdm_engine_import_done(de, r, got[0], true), TDM_OK);
+    collect(r, got, MT + 1, &cb, 0);
+    struct tdm_engine_stats st;
+    tdm_engine_get_stats(de, &st);
+    assert_int_equal(cb.n, MT);
+    assert_memory_equal(got, ref, sizeof ref);
+    collect(a, ga, MTA, &ca, 0);
+    assert_int_equal(ca.n, MTA);
+    printf("B imported and done after %llu steps of A's %d (%llu issued ahead)\n",
+           (unsigned long long)st.num_steps, MTA, (unsigned long long)st.num_async_steps);
+    assert_true(st.num_steps < MTA / 2);
+    assert_true(st.num_async_steps > 0);
+    tdm_engine_request_release(a);
+    tdm_engine_request_release(r);
+    for (int l = 0; l < layers; l++)
+        free(payload[l]);
+    free(payload);
+    tdm_engine_free(de);
+    tdm_model_free(dm);
+}
+
 // Device lists (issue 26 item 1: a penalised request's entries kept on the
 // device between steps, loaded once and read there after): on the emulated
 // module, side by side and async, (A) a 200-token prompt with Qwen2.5's
@@ -2710,6 +2803,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_device_async),
         cmocka_unit_test(test_device_lists),
         cmocka_unit_test(test_device_async_admit),
+        cmocka_unit_test(test_device_import_ahead),
         cmocka_unit_test(test_spec_metrics),
         cmocka_unit_test(test_spec_adaptive),
     };
