@@ -1079,6 +1079,22 @@ void tdm_net_inbox_set_max_conns(struct tdm_net_inbox *in, int n)
     pthread_mutex_unlock(&in->mu);
 }
 
+int tdm_net_inbox_conns(struct tdm_net_inbox *in)
+{
+    pthread_mutex_lock(&in->mu);
+    int n = in->readers;
+    pthread_mutex_unlock(&in->mu);
+    return n;
+}
+
+size_t tdm_net_inbox_queued(struct tdm_net_inbox *in)
+{
+    pthread_mutex_lock(&in->mu);
+    size_t n = in->queued;
+    pthread_mutex_unlock(&in->mu);
+    return n;
+}
+
 const char *tdm_net_inbox_url(const struct tdm_net_inbox *in)
 {
     return in->url;
