@@ -52,6 +52,7 @@
 #include "pd_receiver.h"
 #include "pd.h"
 #include "prefill.h"
+#include "sanitizer.h"
 #include "tandem.pb-c.h"
 #include "test_skip.h"
 #include "transport.h"
@@ -1395,12 +1396,8 @@ static void test_nccl_layouts_differ(void **state)
 // Under ASan or TSan the emulated kernels are several times slower and the
 // test is near its ctest limit: prompts up to 1 100 tokens there (three
 // prefill chunks; the lengths past it run in every plain build).
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if TDM_SANITIZE_ADDRESS || TDM_SANITIZE_THREAD
 #define PC_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define PC_SANITIZED 1
-#endif
 #endif
 #ifdef PC_SANITIZED
 #define PC_LONGEST 1100

@@ -159,19 +159,22 @@ def main():
     hand = start_hand_worker(args, model, hp, hn, {"TANDEM_INTERNAL_SECRET_FILE": secret_file})
     wait_for("%s healthy" % name, lambda: endpoint_state(api).get(name, {}).get("healthy"))
     check(endpoint_state(api)[name]["unhealthy_reason"] is None, "reason left after recovery")
-    # Requests until it serves one, for up to 5 s. One at a time they never
-    # overlap, so the router's in-flight count cannot tell the workers apart
-    # (ties go at random). Until its control link is up or it reports, it is
-    # no candidate, so nothing is sent there to fail over: no failure counts
-    # against it (before, such routes failed over, made it unhealthy until its
-    # next health check and kept it out for seconds: this loop ran up to 20 s).
+    # Requests until it serves one, for up to 5 s and at least 20 requests.
+    # One at a time they never overlap, so the router's in-flight count cannot
+    # tell the workers apart (ties go at random: a slow machine, which fits
+    # only a few requests in 5 s, would miss it 1 time in 2^n). Until its
+    # control link is up or it reports, it is no candidate, so nothing is sent
+    # there to fail over: no failure counts against it (before, such routes
+    # failed over, made it unhealthy until its next health check and kept it
+    # out for seconds: this loop ran up to 20 s; `charged` below catches that).
     served, i, t0 = 0, 0, time.time()
-    while not served and time.time() < t0 + 5:
+    while not served and (time.time() < t0 + 5 or i < 20):
         post(api, "/v1/completions", {"model": "tandem-test", "prompt": "again %d" % i,
                                       "max_tokens": 2})
         served = metric_sum(metrics(hp), "vllm:request_success_total")
         i += 1
-    check(served > 0, "the worker with the right secret never served (%d requests in 5 s)" % i)
+    check(served > 0, "the worker with the right secret never served (%d requests in %.1f s)"
+          % (i, time.time() - t0))
     print("recovered worker served after %d request(s), %.2f s" % (i, time.time() - t0))
     charged = {k: v for k, v in metrics(api).items()
                if v and 'endpoint="%s"' % name in k and k.split("{")[0] in (

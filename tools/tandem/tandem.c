@@ -1789,7 +1789,11 @@ static void retire(const struct up_opts *o, struct child **list, int n)
 
 // The router's config rewritten for the children now active (atomically: a
 // reload never reads half a file), then SIGHUP; waits until the router has
-// reloaded and counts the new workers ready.
+// reloaded and counts the new workers ready. The router also reloads a changed
+// file by itself (its watcher, within a 100 ms debounce), and a reload of the
+// bytes already active counts nothing; so the count to exceed is read before
+// the file changes: read after, it may include the watcher's reload, and the
+// SIGHUP's would then never be counted (a 60 s wait and "no reload counted").
 static int router_follow(const struct up_opts *o, int cfd)
 {
     if (o->no_router)
@@ -1800,6 +1804,8 @@ static int router_follow(const struct up_opts *o, int cfd)
         tell(cfd, "error: router config too long");
         return -1;
     }
+    const char *h = connect_host(o->host);
+    long before = router_reloads(h);
     FILE *f = fopen(tmp, "w");
     bool ok = f && fputs(text, f) != EOF;
     ok = f && fclose(f) == 0 && ok;
@@ -1808,8 +1814,6 @@ static int router_follow(const struct up_opts *o, int cfd)
         unlink(tmp);
         return -1;
     }
-    const char *h = connect_host(o->host);
-    long before = router_reloads(h);
     if (!child_running(&children[0])) {
         tell(cfd, "the router is restarting: it reads the new config as it starts");
         return 0;

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "core.h"
+#include "sanitizer.h"
 
 #define MAX_EXTRA_HEADERS 16
 #define DEFAULT_THREADS 64
@@ -40,15 +41,9 @@
 // mallinfo2 and malloc_trim would only run glibc's lazy initialisation, and
 // from several HTTP threads at once that races (an ASan SEGV in int_mallinfo,
 // seen in CI). They are left out there.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if TDM_SANITIZE_ADDRESS || TDM_SANITIZE_THREAD || TDM_SANITIZE_MEMORY
 #define GLIBC_MALLOC 0
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) ||                        \
-    __has_feature(memory_sanitizer)
-#define GLIBC_MALLOC 0
-#endif
-#endif
-#ifndef GLIBC_MALLOC
+#else
 #define GLIBC_MALLOC 1
 #endif
 #define KEEP_ALIVE_TIMEOUT_MS 5000 // civetweb's wait for a kept-alive connection's next request

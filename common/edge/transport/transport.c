@@ -1079,6 +1079,22 @@ void tdm_net_inbox_set_max_conns(struct tdm_net_inbox *in, int n)
     pthread_mutex_unlock(&in->mu);
 }
 
+int tdm_net_inbox_conns(struct tdm_net_inbox *in)
+{
+    pthread_mutex_lock(&in->mu);
+    int n = in->readers;
+    pthread_mutex_unlock(&in->mu);
+    return n;
+}
+
+size_t tdm_net_inbox_queued(struct tdm_net_inbox *in)
+{
+    pthread_mutex_lock(&in->mu);
+    size_t n = in->queued;
+    pthread_mutex_unlock(&in->mu);
+    return n;
+}
+
 const char *tdm_net_inbox_url(const struct tdm_net_inbox *in)
 {
     return in->url;
@@ -1488,6 +1504,13 @@ int tdm_net_outbox_peers(struct tdm_net_outbox *ob)
     return n;
 }
 
+// True when p has a connection a frame can go on (under p->mu): one a writer
+// dropped is done, though p->s keeps it until the watcher has seen it end.
+static bool peer_up(struct peer *p)
+{
+    return p->s != NULL && !atomic_load(&p->drop);
+}
+
 bool tdm_net_connected(struct tdm_net_outbox *ob, const char *url)
 {
     pthread_mutex_lock(&ob->mu);
@@ -1495,7 +1518,7 @@ bool tdm_net_connected(struct tdm_net_outbox *ob, const char *url)
     for (struct peer *p = ob->head; p; p = p->next) {
         if (strcmp(p->url, url) == 0) {
             pthread_mutex_lock(&p->mu);
-            up = p->s != NULL;
+            up = peer_up(p);
             pthread_mutex_unlock(&p->mu);
         }
     }
@@ -1514,7 +1537,7 @@ enum tdm_net_link tdm_net_link_state(struct tdm_net_outbox *ob, const char *url,
         if (strcmp(p->url, url) != 0)
             continue;
         pthread_mutex_lock(&p->mu);
-        if (p->s)
+        if (peer_up(p))
             st = TDM_NET_LINK_UP;
         else if (p->auth_fails >= TDM_NET_AUTH_FAILS)
             st = TDM_NET_LINK_AUTH;
@@ -1555,13 +1578,15 @@ static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double de
                       double stall_s)
 {
     for (;;) {
-        // Wait (bounded) for a connection.
+        // Wait (bounded) for a connection (peer_up: not one a writer dropped,
+        // which the watcher, a thread that may run late, has yet to clear; a
+        // write to it would only time out and say "busy, the connection stays").
         struct timespec until = clock_at(CLOCK_MONOTONIC, deadline - tdm_now());
         pthread_mutex_lock(&p->mu);
-        while (!p->s && !p->stopping && tdm_now() < deadline)
+        while (!peer_up(p) && !p->stopping && tdm_now() < deadline)
             if (pthread_cond_timedwait(&p->cv, &p->mu, &until) != 0)
                 break;
-        bool up = p->s != NULL;
+        bool up = peer_up(p);
         pthread_mutex_unlock(&p->mu);
         if (!up)
             return NNG_ETIMEDOUT;
@@ -1572,7 +1597,7 @@ static int peer_write(struct peer *p, const uint8_t *buf, size_t size, double de
         if (pthread_mutex_timedlock(&p->send_mu, &rt) != 0)
             return WRITE_BUSY;
         pthread_mutex_lock(&p->mu);
-        nng_stream *s = p->s;
+        nng_stream *s = peer_up(p) ? p->s : NULL;
         pthread_mutex_unlock(&p->mu);
         if (s == NULL) { // lost while waiting for the writer ahead: wait again
             pthread_mutex_unlock(&p->send_mu);

@@ -124,6 +124,13 @@ void tdm_net_inbox_close(struct tdm_net_inbox *in);
 #define TDM_NET_INBOX_MAX_CONNS 1024
 // Changes that limit (n >= 1; tests use a small one).
 void tdm_net_inbox_set_max_conns(struct tdm_net_inbox *in, int n);
+// What the inbox holds now: connections open (each with its reader thread; one
+// refused at the limit is never counted, one whose peer left is counted until
+// its reader has seen it go) and frames queued for tdm_net_inbox_recv. A
+// snapshot (it may change as soon as it is read): tests wait on it instead of
+// sleeping for "long enough".
+int tdm_net_inbox_conns(struct tdm_net_inbox *in);
+size_t tdm_net_inbox_queued(struct tdm_net_inbox *in);
 // The URL peers should dial: the listen URL with port 0 replaced by the bound port.
 const char *tdm_net_inbox_url(const struct tdm_net_inbox *in);
 // Waits up to timeout_s (< 0: no limit) for a frame. TDM_OK with *out (free with

@@ -49,6 +49,7 @@
 #include "kv_cache.h"
 #include "sample_draw.h"
 #include "sampling.h"
+#include "sanitizer.h"
 #include "test_skip.h"
 #ifndef TDM_CUDA_TEST_GPU
 #include "emu/cuda_emu_api.h" // the launch log
@@ -65,14 +66,7 @@
 // smaller widths (top_k 50 keeps the count walk). The release build's run of
 // this test (CI's last step) keeps the full width, so whatever fails only at
 // it still fails CI.
-#if defined(__SANITIZE_ADDRESS__)
-#define SAMPLE_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define SAMPLE_SANITIZED 1
-#endif
-#endif
-#if defined(SAMPLE_SANITIZED) && !defined(TDM_CUDA_TEST_GPU)
+#if TDM_SANITIZE_ADDRESS && !defined(TDM_CUDA_TEST_GPU)
 enum { SAMPLE_VOCAB = 20000, SAMPLE_MID = 9001 };
 #else
 enum { SAMPLE_VOCAB = 151936, SAMPLE_MID = 70001 };
