@@ -468,6 +468,16 @@ static void *stage_take(struct tdm_backend *be, size_t bytes)
     return r;
 }
 
+// dst (device) = `bytes` the caller wrote at staged (stage_take's), in
+// stream order, without waiting; what names the op in an error.
+static int stage_send(struct tdm_backend *be, void *dst, const void *staged, size_t bytes,
+                      const char *what)
+{
+    if (tdm_cuda_dev_h2d_async(be->dev, dst, staged, bytes) != TDM_OK)
+        fail(be, TDM_EBACKEND, what, tdm_cuda_dev_errmsg(be->dev));
+    return be->err;
+}
+
 // dst (device) = src (any host memory, free for reuse on return), in stream
 // order, without waiting: src is copied to the staging first.
 static int upload_async(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
@@ -478,9 +488,7 @@ static int upload_async(struct tdm_backend *be, void *dst, const void *src, size
     if (s == NULL)
         return be->err;
     memcpy(s, src, bytes);
-    if (tdm_cuda_dev_h2d_async(be->dev, dst, s, bytes) != TDM_OK)
-        fail(be, TDM_EBACKEND, "upload: %s", tdm_cuda_dev_errmsg(be->dev));
-    return be->err;
+    return stage_send(be, dst, s, bytes, "upload: %s");
 }
 
 static int cuda_upload(struct tdm_backend *be, void *dst, const void *src, size_t bytes)
@@ -754,19 +762,25 @@ static int cuda_argmax_rows(struct tdm_backend *be, const float *x, int n, int c
     return results_issue(be, n, be->am_ids.p, 0, NULL);
 }
 
+// Grows a host array to n elements of size sz; false when out of memory.
+static bool grow(void **p, int *cap, int n, size_t sz)
+{
+    if (n <= *cap)
+        return true;
+    void *q = realloc(*p, (size_t)n * sz);
+    if (q == NULL)
+        return false;
+    *p = q;
+    *cap = n;
+    return true;
+}
+
 // Sampled rows (issue 26 item 1): drawn on the device by the CPU sampler's
 // draw, and only the ids to the host, as the greedy rows' argmax.
 // Slot f's list of the rows asking logprobs, for n rows.
 static int32_t *lp_rows_reserve(struct inflight *f, int n)
 {
-    if (n > f->lp_cap) {
-        int32_t *rows = realloc(f->lp_rows, (size_t)n * sizeof *rows);
-        if (rows == NULL)
-            return NULL;
-        f->lp_rows = rows;
-        f->lp_cap = n;
-    }
-    return f->lp_rows;
+    return grow((void **)&f->lp_rows, &f->lp_cap, n, sizeof *f->lp_rows) ? f->lp_rows : NULL;
 }
 
 // Lists (tdm_draw_params.list) a backend keeps at most: ids 0 .. 2^20 - 1.
@@ -883,14 +897,9 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
         fail(be, TDM_ENOMEM, "sample: %s", "out of memory for the logprobs' staging");
         return take_err(be);
     }
-    if (n > be->h_lists_cap) {
-        int32_t *grown = realloc(be->h_lists_at, (size_t)n * sizeof *grown);
-        if (grown == NULL) {
-            fail(be, TDM_ENOMEM, "sample: %s", "out of memory for the lists' staging");
-            return take_err(be);
-        }
-        be->h_lists_at = grown;
-        be->h_lists_cap = n;
+    if (!grow((void **)&be->h_lists_at, &be->h_lists_cap, n, sizeof *be->h_lists_at)) {
+        fail(be, TDM_ENOMEM, "sample: %s", "out of memory for the lists' staging");
+        return take_err(be);
     }
     bool any_pending = false;
     for (int i = 0; i < n; i++) {
@@ -935,9 +944,8 @@ static int cuda_sample_rows(struct tdm_backend *be, float *x, int n, int cols,
     memcpy(sp, params, (size_t)n * sizeof *params);
     for (int i = 0; i < n; i++)
         sp[i].adj_off += step_at;
-    if (tdm_cuda_dev_h2d_async(be->dev, be->sp.p, sp, (size_t)n * sizeof *params) != TDM_OK)
-        fail(be, TDM_EBACKEND, "upload: %s", tdm_cuda_dev_errmsg(be->dev));
-    if (upload_async(be, arena + step_at, adj, adj_bytes) != TDM_OK ||
+    if (stage_send(be, be->sp.p, sp, (size_t)n * sizeof *params, "upload: %s") != TDM_OK ||
+        upload_async(be, arena + step_at, adj, adj_bytes) != TDM_OK ||
         (any_list &&
          upload_async(be, be->lists_at.p, be->h_lists_at, (size_t)n * sizeof(int32_t)) != TDM_OK) ||
         upload_async(be, be->smask.p, masks, mask_bytes) != TDM_OK ||
@@ -1362,19 +1370,6 @@ static int cuda_kv_storage_new(struct tdm_backend *be, const struct tdm_kv_confi
 }
 
 // ---- attention ---------------------------------------------------------------------------------
-// Grows a host array to n elements of size sz; false when out of memory.
-static bool grow(void **p, int *cap, int n, size_t sz)
-{
-    if (n <= *cap)
-        return true;
-    void *q = realloc(*p, (size_t)n * sz);
-    if (q == NULL)
-        return false;
-    *p = q;
-    *cap = n;
-    return true;
-}
-
 // Stages the attention metadata of a forward. fixed_bt_stride / fixed_splits
 // (0 = as the batch needs) give a graph step its bucket's fixed shapes.
 static int stage_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
@@ -1469,10 +1464,8 @@ static int stage_forward(struct tdm_backend *be, struct tdm_kv_cache *kv,
     for (int i = 0; i < 5; i++)
         if (len[i])
             memcpy(h + off[i], src[i], len[i]);
-    if (tdm_cuda_dev_h2d_async(be->dev, be->d_meta.p, h, total) != TDM_OK) {
-        fail(be, TDM_EBACKEND, "begin_forward: %s", tdm_cuda_dev_errmsg(be->dev));
+    if (stage_send(be, be->d_meta.p, h, total, "begin_forward: %s") != TDM_OK)
         return take_err(be);
-    }
     const uint8_t *base = be->d_meta.p;
     be->m_slots = (const int32_t *)(base + off[0]);
     be->m_bt = (const int32_t *)(base + off[1]);
