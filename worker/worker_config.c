@@ -443,7 +443,7 @@ static const struct tdm_flag decode_flags[] = {
      .offset = OFF(async_scheduling),
      .help = "on a device (cuda), issue the next decode step\nbefore this one's tokens reach the "
              "host, from the\ntokens chosen on the device (vLLM's flag; default on;\nrows with "
-             "grammars or drafts wait)"},
+             "drafts wait)"},
     {.name = "no-async-scheduling",
      .kind = TDM_FLAG_NOT,
      .offset = OFF(async_scheduling),

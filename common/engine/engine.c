@@ -102,7 +102,7 @@ struct tdm_engine_request {
     int list_pos;
     bool list_masked;
     uint64_t list_epoch;
-    uint64_t ahead_mark; // the engine's ahead_marks when a step built ahead took its rows
+    uint64_t ahead_mark; // the engine's ahead_marks when it had rows in the step in flight
     double t_first_sched, t_first_token, t_last_token;
 
     // Guarded by engine->mu.
@@ -1372,7 +1372,7 @@ static bool adj_prepare(struct tdm_engine *e, const struct tdm_sampler *s,
 // this very draw (its last draw was the token before this one's, and the
 // min_tokens masks have not gone since its load), read there: the row's
 // parameters alone are prepared and uploaded. False: the host samples it.
-static bool row_draw_prepare(struct tdm_engine *e, struct sched_item *it, int prev_row, int *used)
+static bool draw_prepare(struct tdm_engine *e, struct sched_item *it, int prev_row, int *used)
 {
     struct tdm_engine_request *r = it->r;
     int pending = prev_row >= 0;
@@ -1399,12 +1399,6 @@ static bool row_draw_prepare(struct tdm_engine *e, struct sched_item *it, int pr
         r->list_epoch = e->list_epoch;
     }
     return true;
-}
-
-// A row's draw on the device. False: the host samples it.
-static bool draw_prepare(struct tdm_engine *e, struct sched_item *it, int *used)
-{
-    return row_draw_prepare(e, it, -1, used);
 }
 
 // A decode with drafts verified on the device: each of its 1 + n_draft rows
@@ -1474,7 +1468,7 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
         it->fused =
             plain_row && r->gm == NULL && e->fused_argmax && tdm_sampler_plain_greedy(r->sampler);
         it->drawn = plain_row && !it->fused && e->device_sampling &&
-                    (r->gm == NULL || e->allow != NULL) && draw_prepare(e, it, &adj_used);
+                    (r->gm == NULL || e->allow != NULL) && draw_prepare(e, it, -1, &adj_used);
         it->fused |= it->drawn;
         // A decode with drafts on a device backend: every row drawn there,
         // with the drafts before it ahead of the history, and only the
@@ -1665,22 +1659,21 @@ static bool ahead_step(struct tdm_engine *e, const struct sched_item *items, int
     return quiet;
 }
 
-// An item for r's next rows from position `start` (its tokens known: a
-// prompt chunk, or a decode row whose token is in its history) within
-// *budget, at e->items[*n]; none when no budget is left (r waits, as in
-// schedule()). False: a block could not be had without preempting.
+// An item for r's rows [start, end) within *budget (its first rows when
+// the budget is short), at e->items[*n]; none when no budget is left (r
+// waits, as in schedule()). Its last row chooses a token when it reaches
+// end. False: a block could not be had without preempting.
 static bool ahead_item(struct tdm_engine *e, int *n, int *budget, struct tdm_engine_request *r,
-                       int start)
+                       int start, int end)
 {
-    int take = r->n_tokens - start < *budget ? r->n_tokens - start : *budget;
+    int take = end - start < *budget ? end - start : *budget;
     if (take < 1)
         return true;
     if (tdm_kv_reserve(e->kv, &r->seq, start + take) != TDM_OK)
         return false;
     *budget -= take;
-    e->items[(*n)++] = (struct sched_item){
-        .r = r, .start = start, .take = take, .logits = start + take == r->n_tokens};
-    r->ahead_mark = e->ahead_marks;
+    e->items[(*n)++] =
+        (struct sched_item){.r = r, .start = start, .take = take, .logits = start + take == end};
     return true;
 }
 
@@ -1703,7 +1696,7 @@ static int schedule_ahead(struct tdm_engine *e, int *adj_used)
     uint64_t mark = ++e->ahead_marks;
     *adj_used = 0;
     for (int b = 0; b < e->fl_n; b++)
-        e->fl_items[b].r->ahead_mark = mark; // rows in flight: scheduled past them
+        e->fl_items[b].r->ahead_mark = mark; // rows in flight: scheduled past them below
     for (int pass = 0; pass < 2; pass++) {
         for (int b = 0, k = 0; b < e->fl_n; b++) {
             const struct sched_item *f = &e->fl_items[b];
@@ -1712,31 +1705,23 @@ static int schedule_ahead(struct tdm_engine *e, int *adj_used)
             // Aborted while in flight, or not this pass's (decodes first).
             if (r->state != REQ_RUNNING || f->logits != (pass == 0))
                 continue;
-            int at = f->start + f->take;
-            if (!f->logits) {
-                if (!ahead_item(e, &n, &budget, r, at))
-                    return 0;
-                continue;
-            }
-            if (budget < 1)
-                continue; // it waits: its token is taken with the step in flight
-            if (tdm_kv_reserve(e->kv, &r->seq, at + 1) != TDM_OK)
+            // Past its rows in flight: the prompt's next chunk, or one decode
+            // row (the in-flight row's token is not in its history yet).
+            int at = f->start + f->take, added = n;
+            if (!ahead_item(e, &n, &budget, r, at, f->logits ? at + 1 : r->n_tokens))
                 return 0;
-            budget--;
-            struct sched_item *it = &e->items[n++];
-            *it = (struct sched_item){.r = r,
-                                      .start = at,
-                                      .take = 1,
-                                      .logits = true,
-                                      .fused = true,
-                                      .drawn = f->drawn,
-                                      .ahead = true,
-                                      .prev_row = prev_row};
+            if (!f->logits || n == added)
+                continue; // a chunk, or no budget: it waits for the step in flight
+            struct sched_item *it = &e->items[added];
+            it->fused = true;
+            it->drawn = f->drawn;
+            it->ahead = true;
+            it->prev_row = prev_row;
             // Prepared as after one token more: the key and min_tokens by
             // the count; the penalties' part of that token merged in on the
             // device, or recorded there into the request's list by that
             // step's draw.
-            if (it->drawn && !row_draw_prepare(e, it, prev_row, adj_used))
+            if (it->drawn && !draw_prepare(e, it, prev_row, adj_used))
                 return 0;
         }
         for (int i = 0; i < e->num_running; i++) {
@@ -1744,7 +1729,7 @@ static int schedule_ahead(struct tdm_engine *e, int *adj_used)
             bool decode = r->n_tokens - r->computed == 1;
             if (r->ahead_mark == mark || decode != (pass == 0) || r->n_tokens <= r->computed)
                 continue;
-            if (!ahead_item(e, &n, &budget, r, r->computed))
+            if (!ahead_item(e, &n, &budget, r, r->computed, r->n_tokens))
                 return 0;
         }
     }
@@ -1774,6 +1759,15 @@ static void finish_inflight(struct tdm_engine *e, int rc)
     int n = e->fl_n;
     e->fl_n = 0;
     step_finish(e, e->fl_items, n, rc);
+}
+
+// The step just issued (e->items[0 .. n), rc: its issue's result) waited
+// for and finished.
+static void step_wait_finish(struct tdm_engine *e, int n, int rc)
+{
+    while (rc == TDM_OK && tdm_model_forward_pending(e->model) > 0)
+        rc = tdm_model_forward_wait(e->model);
+    step_finish(e, e->items, n, rc);
 }
 
 // The step in flight's successor issued ahead of its tokens where it may be
@@ -1814,9 +1808,7 @@ static void step_ahead(struct tdm_engine *e)
         return;
     }
     // Finished now (prompt chunks alone: the forward ended at issue).
-    while (rc == TDM_OK && tdm_model_forward_pending(e->model) > 0)
-        rc = tdm_model_forward_wait(e->model);
-    step_finish(e, e->items, n, rc);
+    step_wait_finish(e, n, rc);
 }
 
 // Runs the step scheduled in e->items: its results taken, or, where its rows
@@ -1829,9 +1821,7 @@ static void run_step(struct tdm_engine *e, int n_items)
         put_in_flight(e, n_items);
         return;
     }
-    while (rc == TDM_OK && tdm_model_forward_pending(e->model) > 0)
-        rc = tdm_model_forward_wait(e->model);
-    step_finish(e, e->items, n_items, rc);
+    step_wait_finish(e, n_items, rc);
 }
 
 // Takes the inbox and the control list; applies aborts and releases.

@@ -78,20 +78,21 @@ struct tdm_engine_config {
     // difference). Default false.
     bool host_sampling;
     // Async scheduling (vLLM's --async-scheduling; issue 26 item 1), on a
-    // backend whose forwards run behind the host (a device's): while a
-    // decode step is on the device, the engine thread builds and issues the
-    // next one, each row one position further with the token the device
-    // chose for it (tdm_model_forward_issue, from_prev), then takes the first
-    // step's tokens. A step goes ahead only when every row may: its token
-    // chosen on the device (greedy or sampled; a repetition, presence or
-    // frequency penalty's part of the token before it is merged into the
-    // draw on the device: tdm_sampler_draw_prepare_pending), no structured
-    // output, no speculative decoding, no push hook, and room for another
-    // token; and
-    // only while no request is waiting to be admitted, no abort or control is
-    // pending and no KV block is missing. A row whose request finished by the
-    // token before it is discarded. Output is the same either way. true turns
-    // it off: every step waits for its tokens before the next is scheduled.
+    // backend whose forwards run behind the host (a device's): while a step
+    // is on the device, the engine thread builds and issues the next one,
+    // each decode row one position further with the token the device chose
+    // for it (tdm_model_forward_issue, from_prev), prompts' next chunks, and
+    // requests admitted meanwhile, then takes the first step's tokens. A
+    // step goes ahead only when every row of the one in flight may: a prompt
+    // chunk with more to come, or a row whose token is chosen on the device
+    // (greedy or sampled; a repetition, presence or frequency penalty's part
+    // of the token before it is merged into the draw on the device; a
+    // structured-output mask computed once that token is taken, while the
+    // layers run), no speculative decoding, no push hook, and room for
+    // another token; and only while no abort or control is pending and no KV
+    // block is missing. A row whose request finished by the token before it
+    // is discarded. Output is the same either way. true turns it off: every
+    // step waits for its tokens before the next is scheduled.
     bool sync_scheduling;
 };
 // Fills the defaults above.
