@@ -155,8 +155,11 @@ static int reference(const int32_t *prompt, int n_prompt, const struct tdm_sampl
     return reference_on(model, prompt, n_prompt, sp, max_tokens, out, lp);
 }
 
-static struct tdm_engine *engine_make(int num_blocks, int budget, int max_seqs, int max_waiting,
-                                      struct tdm_metrics_vllm *m)
+// An engine on model `on` (budget, max_seqs, max_waiting: 0 for the
+// defaults; sync: sync_scheduling).
+static struct tdm_engine *engine_make_on(struct tdm_model *on, int num_blocks, int budget,
+                                         int max_seqs, int max_waiting, bool sync,
+                                         struct tdm_metrics_vllm *m)
 {
     struct tdm_engine_config c;
     struct tdm_engine *e = NULL;
@@ -169,12 +172,20 @@ static struct tdm_engine *engine_make(int num_blocks, int budget, int max_seqs, 
         c.max_num_seqs = max_seqs;
     if (max_waiting > 0)
         c.max_waiting = max_waiting;
+    c.sync_scheduling = sync;
     c.metrics = m;
-    int rc = tdm_engine_new(&e, model, &c, err, sizeof err);
+    int rc = tdm_engine_new(&e, on, &c, err, sizeof err);
     if (rc != TDM_OK)
         fprintf(stderr, "engine: %s\n", err);
     assert_int_equal(rc, TDM_OK);
     return e;
+}
+
+// The same on the tests' shared model.
+static struct tdm_engine *engine_make(int num_blocks, int budget, int max_seqs, int max_waiting,
+                                      struct tdm_metrics_vllm *m)
+{
+    return engine_make_on(model, num_blocks, budget, max_seqs, max_waiting, false, m);
 }
 
 static struct tdm_engine_request *submit(struct tdm_engine *e, const int32_t *prompt, int n,
@@ -539,17 +550,10 @@ static void test_device_draw_matches_runner(void **state)
 {
     (void)state;
     enum { N = 7, MT = 10 };
-    char err[256];
     struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
     assert_true(tdm_model_device_sampling(dm));
     assert_false(tdm_model_device_sampling(model)); // the CPU samples on the host
-    struct tdm_engine_config c;
-    tdm_engine_config_default(&c);
-    c.num_blocks = 128;
-    c.max_num_batched_tokens = 64;
-    c.max_num_seqs = 8;
-    struct tdm_engine *e = NULL;
-    assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine *e = engine_make_on(dm, 128, 64, 8, 0, false, NULL);
     int32_t prompts[N][40], refs[N][MT], got[N][MT];
     struct tdm_sampling_params sp[N];
     struct tdm_engine_request *rs[N];
@@ -634,15 +638,7 @@ static void async_engine(struct tdm_model *dm, bool sync, int32_t (*prompts)[24]
     assert_int_equal(tdm_metrics_registry_new(&reg, NULL, 0, err, sizeof err), TDM_OK);
     struct tdm_metrics_vllm_config mc = {.model_name = "tiny", .max_model_len = 4096};
     assert_int_equal(tdm_metrics_vllm_register(&m, reg, &mc, err, sizeof err), TDM_OK);
-    struct tdm_engine_config c;
-    tdm_engine_config_default(&c);
-    c.num_blocks = 128;
-    c.max_num_batched_tokens = 256;
-    c.max_num_seqs = 8;
-    c.sync_scheduling = sync;
-    c.metrics = &m;
-    struct tdm_engine *e = NULL;
-    assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine *e = engine_make_on(dm, 128, 256, 8, 0, sync, &m);
     struct tdm_engine_request *rs[AS_N];
     for (int i = 0; i < AS_N; i++)
         rs[i] = submit(e, prompts[i], 8 + 2 * i, &sp[i], max_tokens[i]);
@@ -811,15 +807,7 @@ static void admit_run(struct tdm_model *dm, bool sync, int32_t (*p)[48], const i
                       const struct tdm_sampling_params *sp, const int *mt, int32_t (*ids)[AM_MT],
                       int *n, struct tdm_engine_stats *st)
 {
-    char err[256];
-    struct tdm_engine_config c;
-    tdm_engine_config_default(&c);
-    c.num_blocks = 128;
-    c.max_num_batched_tokens = 16;
-    c.max_num_seqs = 4;
-    c.sync_scheduling = sync;
-    struct tdm_engine *e = NULL;
-    assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine *e = engine_make_on(dm, 128, 16, 4, 0, sync, NULL);
     struct tdm_engine_request *r[AM_N];
     struct collected col[AM_N];
     memset(col, 0, sizeof col);
@@ -881,6 +869,59 @@ static void test_device_async_admit(void **state)
     tdm_model_free(dm);
 }
 
+// A P/D prefill worker's part, on pe (its model of `layers` layers): the
+// prompt's PREFILL_ONLY request, its one token (first), then each layer's KV
+// of its nb blocks exported (payload[l], layer_len bytes each: K then V,
+// [nb][heads][block_size][head_dim] of the header's dtype) and the KV
+// released.
+struct pd_export {
+    int32_t first;
+    int nb, layers;
+    size_t layer_len;
+    void **payload;
+};
+
+static void pd_prefill_export(struct tdm_engine *pe, int layers, const int32_t *prompt, int np,
+                              const struct tdm_sampling_params *sp, struct pd_export *x)
+{
+    char err[256];
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = np;
+    p.sampling = *sp;
+    p.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
+    assert_int_equal(tdm_engine_submit(pe, &p, &r, err, sizeof err), TDM_OK);
+    int32_t got[2];
+    struct collected c = {0};
+    collect(r, got, 2, &c, 0);
+    assert_int_equal(c.n, 1);
+    assert_true(c.kv_held);
+    struct tdm_kv_header h;
+    assert_int_equal(tdm_engine_kv_header(pe, r, "tiny", &h), TDM_OK);
+    *x = (struct pd_export){.first = got[0], .nb = h.num_blocks, .layers = layers};
+    x->layer_len = 2 * (size_t)x->nb * (size_t)h.num_kv_heads * (size_t)h.block_size *
+                   (size_t)h.head_dim * tdm_kv_dtype_size(h.dtype);
+    x->payload = calloc((size_t)layers, sizeof *x->payload);
+    assert_non_null(x->payload);
+    for (int l = 0; l < layers; l++) {
+        x->payload[l] = malloc(x->layer_len);
+        assert_non_null(x->payload[l]);
+        assert_int_equal(tdm_engine_export_layer(pe, r, l, 0, x->nb, x->payload[l], x->layer_len),
+                         TDM_OK);
+    }
+    assert_int_equal(tdm_engine_release_kv(pe, r), TDM_OK);
+    tdm_engine_request_release(r);
+}
+
+static void pd_export_free(struct pd_export *x)
+{
+    for (int l = 0; l < x->layers; l++)
+        free(x->payload[l]);
+    free(x->payload);
+}
+
 // P/D on the emulated module, the decode side's import landing while its
 // steps go ahead: A decodes (a chain of steps issued ahead) when B's
 // imported KV and first token arrive (import_done, applied between two
@@ -905,55 +946,33 @@ static void test_device_import_ahead(void **state)
     sb.temperature = 0.8f, sb.has_seed = true, sb.seed = 7, sb.ignore_eos = true;
     sb.repetition_penalty = 1.05f;
     assert_int_equal(reference_on(dm, pb, NP, &sb, MT, ref, NULL), MT);
-    struct tdm_engine_config c;
-    tdm_engine_config_default(&c);
-    c.num_blocks = 128;
-    c.max_num_batched_tokens = 64;
-    c.max_num_seqs = 8;
     // Prefill worker: B's first token and its KV.
-    struct tdm_engine *pe = NULL;
-    assert_int_equal(tdm_engine_new(&pe, dm, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine *pe = engine_make_on(dm, 128, 64, 8, 0, false, NULL);
+    struct pd_export x;
+    pd_prefill_export(pe, layers, pb, NP, &sb, &x);
+    tdm_engine_free(pe);
+    assert_int_equal(x.first, ref[0]);
+    // Decode worker: A's chain, then B's import.
+    struct tdm_engine *de = engine_make_on(dm, 128, 64, 8, 0, false, NULL);
+    struct tdm_engine_request *a = submit(de, pa, 10, &sa, MTA);
+    struct collected ca = {0}, cb = {0};
+    collect(a, ga, MTA, &ca, 5);
     struct tdm_engine_request_params p;
     struct tdm_engine_request *r = NULL;
     tdm_engine_request_params_default(&p);
     p.prompt = pb;
     p.n_prompt = NP;
     p.sampling = sb;
-    p.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
-    assert_int_equal(tdm_engine_submit(pe, &p, &r, err, sizeof err), TDM_OK);
-    struct collected cp = {0};
-    collect(r, got, MT + 1, &cp, 0);
-    assert_int_equal(cp.n, 1);
-    assert_int_equal(got[0], ref[0]);
-    struct tdm_kv_header h;
-    assert_int_equal(tdm_engine_kv_header(pe, r, "tiny", &h), TDM_OK);
-    int nb = h.num_blocks;
-    size_t layer_len = 2 * (size_t)nb * (size_t)h.num_kv_heads * (size_t)h.block_size *
-                       (size_t)h.head_dim * (h.dtype == 1 ? 2u : 4u);
-    void **payload = calloc((size_t)layers, sizeof *payload);
-    assert_non_null(payload);
-    for (int l = 0; l < layers; l++) {
-        payload[l] = malloc(layer_len);
-        assert_int_equal(tdm_engine_export_layer(pe, r, l, 0, nb, payload[l], layer_len), TDM_OK);
-    }
-    assert_int_equal(tdm_engine_release_kv(pe, r), TDM_OK);
-    tdm_engine_request_release(r);
-    tdm_engine_free(pe);
-    // Decode worker: A's chain, then B's import.
-    struct tdm_engine *de = NULL;
-    assert_int_equal(tdm_engine_new(&de, dm, &c, err, sizeof err), TDM_OK);
-    struct tdm_engine_request *a = submit(de, pa, 10, &sa, MTA);
-    struct collected ca = {0}, cb = {0};
-    collect(a, ga, MTA, &ca, 5);
     p.kind = TDM_ENGINE_REQ_IMPORT_KV;
     p.max_tokens = MT;
     assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
     int fb = -1, n = -1;
     assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
-    assert_int_equal(n, nb);
+    assert_int_equal(n, x.nb);
     for (int l = 0; l < layers; l++)
-        assert_int_equal(tdm_engine_import_layer(de, r, l, 0, nb, payload[l], layer_len), TDM_OK);
-    assert_int_equal(tdm_engine_import_done(de, r, got[0], true), TDM_OK);
+        assert_int_equal(tdm_engine_import_layer(de, r, l, 0, x.nb, x.payload[l], x.layer_len),
+                         TDM_OK);
+    assert_int_equal(tdm_engine_import_done(de, r, x.first, true), TDM_OK);
     collect(r, got, MT + 1, &cb, 0);
     struct tdm_engine_stats st;
     tdm_engine_get_stats(de, &st);
@@ -967,9 +986,7 @@ static void test_device_import_ahead(void **state)
     assert_true(st.num_async_steps > 0);
     tdm_engine_request_release(a);
     tdm_engine_request_release(r);
-    for (int l = 0; l < layers; l++)
-        free(payload[l]);
-    free(payload);
+    pd_export_free(&x);
     tdm_engine_free(de);
     tdm_model_free(dm);
 }
@@ -987,14 +1004,7 @@ static void test_device_lists(void **state)
     (void)state;
     enum { NA = 200, MTA = 24, MTB = 12, MTC = 12 };
     struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
-    struct tdm_engine_config c;
-    tdm_engine_config_default(&c);
-    c.num_blocks = 128;
-    c.max_num_batched_tokens = 64;
-    c.max_num_seqs = 8;
-    char err[256];
-    struct tdm_engine *e = NULL;
-    assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+    struct tdm_engine *e = engine_make_on(dm, 128, 64, 8, 0, false, NULL);
     static int32_t pa[NA];
     int32_t pb[30], pc[20];
     make_prompt(pa, NA, 61);
@@ -1048,8 +1058,7 @@ static void test_device_lists(void **state)
     // Preemption: two penalised requests whose KV outgrows a pool of 10
     // blocks; the one preempted recomputes its tokens and reads its list
     // again where its draws left it (its draws' positions unchanged).
-    c.num_blocks = 10;
-    assert_int_equal(tdm_engine_new(&e, dm, &c, err, sizeof err), TDM_OK);
+    e = engine_make_on(dm, 10, 64, 8, 0, false, NULL);
     enum { MTP = 40 };
     int32_t pd[2][60], rp[2][MTP], gp[2][MTP];
     const int npd[2] = {60, 50};
@@ -2146,37 +2155,16 @@ static void test_pd_import_roundtrip(void **state)
 
     // Prefill worker.
     struct tdm_engine *pe = engine_make(64, 32, 8, 0, NULL);
+    struct pd_export x;
+    pd_prefill_export(pe, layers, prompt, NP, &sp, &x);
+    tdm_engine_free(pe);
+    int32_t first = x.first;
+    assert_int_equal(first, ref[0]);
+    int nb = x.nb;
+    size_t layer_len = x.layer_len;
+    void **payload = x.payload;
     struct tdm_engine_request_params p;
     struct tdm_engine_request *r = NULL;
-    tdm_engine_request_params_default(&p);
-    p.prompt = prompt;
-    p.n_prompt = NP;
-    p.sampling = sp;
-    p.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
-    assert_int_equal(tdm_engine_submit(pe, &p, &r, err, sizeof err), TDM_OK);
-    struct collected c = {0};
-    collect(r, got, MT + 1, &c, 0);
-    assert_int_equal(c.n, 1);
-    assert_true(c.kv_held);
-    int32_t first = got[0];
-    assert_int_equal(first, ref[0]);
-    struct tdm_kv_header h;
-    assert_int_equal(tdm_engine_kv_header(pe, r, "tiny", &h), TDM_OK);
-    int nb = h.num_blocks;
-    struct tdm_kv_config kc;
-    memset(&kc, 0, sizeof kc);
-    tdm_model_kv_config(model, &kc);
-    kc.block_size = 16;
-    // tdm_kv_layer_bytes: K then V, each [nb][heads][16][head_dim] f32.
-    size_t layer_len = tdm_kv_block_bytes(&kc) / (size_t)layers * (size_t)nb;
-    void **payload = calloc((size_t)layers, sizeof *payload);
-    for (int l = 0; l < layers; l++) {
-        payload[l] = malloc(layer_len);
-        assert_int_equal(tdm_engine_export_layer(pe, r, l, 0, nb, payload[l], layer_len), TDM_OK);
-    }
-    assert_int_equal(tdm_engine_release_kv(pe, r), TDM_OK);
-    tdm_engine_request_release(r);
-    tdm_engine_free(pe);
 
     // Decode worker.
     struct tdm_engine *de = engine_make(64, 32, 8, 0, NULL);
@@ -2265,9 +2253,7 @@ static void test_pd_import_roundtrip(void **state)
     assert_int_equal(cz.reason, TDM_FINISH_ABORT);
     assert_int_equal(tdm_engine_import_done(NULL, r, first, true), TDM_EINVAL);
     tdm_engine_request_release(r);
-    for (int l = 0; l < layers; l++)
-        free(payload[l]);
-    free(payload);
+    pd_export_free(&x);
 }
 
 // A stop token id ends the request with reason stop and names the id; logprobs
