@@ -144,27 +144,6 @@ struct out {
     char message[160];
 };
 
-static struct tdm_engine_request *submit_kind(struct tdm_engine *e, const int32_t *prompt, int n,
-                                              const struct tdm_sampling_params *sp,
-                                              int max_tokens, enum tdm_engine_kind kind)
-{
-    struct tdm_engine_request_params p;
-    struct tdm_engine_request *r = NULL;
-    char err[256];
-    tdm_engine_request_params_default(&p);
-    p.id = "g";
-    p.prompt = prompt;
-    p.n_prompt = n;
-    p.sampling = *sp;
-    p.max_tokens = max_tokens;
-    p.kind = kind;
-    int rc = tdm_engine_submit(e, &p, &r, err, sizeof err);
-    if (rc != TDM_OK)
-        fprintf(stderr, "submit: %s\n", err);
-    assert_int_equal(rc, TDM_OK);
-    return r;
-}
-
 static void collect(struct tdm_engine_request *r, struct out *o)
 {
     struct tdm_engine_chunk ch;
@@ -206,7 +185,7 @@ static int run_batch(struct tdm_engine *e, enum tdm_constraint_kind kind, const 
     for (int i = 0; i < count; i++) {
         struct tdm_sampling_params sp;
         constrained(&sp, kind, text, seed0 + (uint64_t)i);
-        r[i] = submit_kind(e, prompt, np, &sp, MAXT, TDM_ENGINE_REQ_GENERATE);
+        r[i] = tdm_test_submit(e, prompt, np, &sp, MAXT, TDM_ENGINE_REQ_GENERATE);
     }
     int stops = 0;
     for (int i = 0; i < count; i++) {
@@ -351,8 +330,9 @@ static void test_mask_budget_error(void **state)
     constrained(&sp, TDM_CONSTRAINT_REGEX, hostile, 7);
     sp.constraint_len = sizeof hostile - 1;
     constrained(&plain, TDM_CONSTRAINT_NONE, NULL, 8);
-    struct tdm_engine_request *a = submit_kind(e, prompt, np, &sp, 8, TDM_ENGINE_REQ_GENERATE);
-    struct tdm_engine_request *b = submit_kind(e, prompt, np, &plain, 8, TDM_ENGINE_REQ_GENERATE);
+    struct tdm_engine_request *a = tdm_test_submit(e, prompt, np, &sp, 8, TDM_ENGINE_REQ_GENERATE);
+    struct tdm_engine_request *b =
+        tdm_test_submit(e, prompt, np, &plain, 8, TDM_ENGINE_REQ_GENERATE);
     struct out oa, ob;
     collect(a, &oa);
     collect(b, &ob);
@@ -430,7 +410,7 @@ static void test_stop_when_done_and_length(void **state)
     constrained(&sp, TDM_CONSTRAINT_CHOICE, "[\"beta\"]", 1);
     sp.temperature = 0.0f;
     struct out o;
-    struct tdm_engine_request *r = submit_kind(e, prompt, np, &sp, 50, TDM_ENGINE_REQ_GENERATE);
+    struct tdm_engine_request *r = tdm_test_submit(e, prompt, np, &sp, 50, TDM_ENGINE_REQ_GENERATE);
     collect(r, &o);
     tdm_engine_request_release(r);
     assert_int_equal(o.reason, TDM_FINISH_STOP);
@@ -447,14 +427,14 @@ static void test_stop_when_done_and_length(void **state)
 
     // Reproducible: the same ids again.
     struct out o2;
-    r = submit_kind(e, prompt, np, &sp, 50, TDM_ENGINE_REQ_GENERATE);
+    r = tdm_test_submit(e, prompt, np, &sp, 50, TDM_ENGINE_REQ_GENERATE);
     collect(r, &o2);
     tdm_engine_request_release(r);
     assert_int_equal(o2.n, o.n);
     assert_memory_equal(o2.ids, o.ids, (size_t)o.n * sizeof o.ids[0]);
 
     // max_tokens ends exactly where the grammar does: "length", no EOS.
-    r = submit_kind(e, prompt, np, &sp, grammar_tokens, TDM_ENGINE_REQ_GENERATE);
+    r = tdm_test_submit(e, prompt, np, &sp, grammar_tokens, TDM_ENGINE_REQ_GENERATE);
     collect(r, &o2);
     tdm_engine_request_release(r);
     assert_int_equal(o2.reason, TDM_FINISH_LENGTH);
@@ -464,7 +444,7 @@ static void test_stop_when_done_and_length(void **state)
     // min_tokens hiding the ending ids: the output is complete, so the request
     // stops at once without one (an EOS could not be drawn).
     sp.min_tokens = grammar_tokens + 5;
-    r = submit_kind(e, prompt, np, &sp, 50, TDM_ENGINE_REQ_GENERATE);
+    r = tdm_test_submit(e, prompt, np, &sp, 50, TDM_ENGINE_REQ_GENERATE);
     collect(r, &o2);
     tdm_engine_request_release(r);
     assert_int_equal(o2.reason, TDM_FINISH_STOP);
@@ -474,7 +454,7 @@ static void test_stop_when_done_and_length(void **state)
 
     // max_tokens reached mid-object: "length", the text a prefix of a valid one.
     constrained(&sp, TDM_CONSTRAINT_JSON_SCHEMA, nested_schema, 5);
-    r = submit_kind(e, prompt, np, &sp, 4, TDM_ENGINE_REQ_GENERATE);
+    r = tdm_test_submit(e, prompt, np, &sp, 4, TDM_ENGINE_REQ_GENERATE);
     collect(r, &o);
     tdm_engine_request_release(r);
     assert_int_equal(o.reason, TDM_FINISH_LENGTH);
@@ -489,7 +469,7 @@ static void test_stop_when_done_and_length(void **state)
     constrained(&sp, TDM_CONSTRAINT_REGEX, "x{3}", 9);
     sp.ignore_eos = true;
     sp.min_tokens = 10;
-    r = submit_kind(e, prompt, np, &sp, 20, TDM_ENGINE_REQ_GENERATE);
+    r = tdm_test_submit(e, prompt, np, &sp, 20, TDM_ENGINE_REQ_GENERATE);
     collect(r, &o);
     tdm_engine_request_release(r);
     assert_int_equal(o.reason, TDM_FINISH_STOP);
@@ -551,7 +531,7 @@ static void test_device_masks(void **state)
             constrained(&sp, reqs[i].kind, reqs[i].text, 900u + (uint64_t)i);
             sp.temperature = reqs[i].temperature;
             sp.repetition_penalty = reqs[i].repetition;
-            r[i] = submit_kind(e, prompt, np, &sp, 40, TDM_ENGINE_REQ_GENERATE);
+            r[i] = tdm_test_submit(e, prompt, np, &sp, 40, TDM_ENGINE_REQ_GENERATE);
             struct tdm_engine_stats s0;
             for (int w = 0; k == 0 && w < 5000; w++) { // its first steps
                 tdm_engine_get_stats(e, &s0);
@@ -607,15 +587,15 @@ static void test_pd_equivalence(void **state)
         struct tdm_sampling_params sp;
         constrained(&sp, TDM_CONSTRAINT_JSON_SCHEMA, nested_schema, seed);
         struct tdm_engine *le = engine_make(true);
-        struct tdm_engine_request *r = submit_kind(le, prompt, np, &sp, MAXT,
-                                                   TDM_ENGINE_REQ_GENERATE);
+        struct tdm_engine_request *r =
+            tdm_test_submit(le, prompt, np, &sp, MAXT, TDM_ENGINE_REQ_GENERATE);
         struct out local;
         collect(r, &local);
         tdm_engine_request_release(r);
         tdm_engine_free(le);
 
         struct tdm_engine *pe = engine_make(true);
-        r = submit_kind(pe, prompt, np, &sp, 0, TDM_ENGINE_REQ_PREFILL_ONLY);
+        r = tdm_test_submit(pe, prompt, np, &sp, 0, TDM_ENGINE_REQ_PREFILL_ONLY);
         struct out first;
         collect(r, &first);
         assert_int_equal(first.n, 1);
@@ -639,7 +619,7 @@ static void test_pd_equivalence(void **state)
         tdm_engine_free(pe);
 
         struct tdm_engine *de = engine_make(true);
-        r = submit_kind(de, prompt, np, &sp, MAXT, TDM_ENGINE_REQ_IMPORT_KV);
+        r = tdm_test_submit(de, prompt, np, &sp, MAXT, TDM_ENGINE_REQ_IMPORT_KV);
         int fb, nb;
         assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &nb), TDM_OK);
         for (int l = 0; l < layers; l++)
@@ -705,7 +685,7 @@ static void test_refusals_and_no_cost(void **state)
     tdm_sampling_params_default(&sp);
     sp.has_seed = true;
     sp.ignore_eos = true;
-    r = submit_kind(e, prompt, np, &sp, 12, TDM_ENGINE_REQ_GENERATE);
+    r = tdm_test_submit(e, prompt, np, &sp, 12, TDM_ENGINE_REQ_GENERATE);
     struct out o;
     collect(r, &o);
     tdm_engine_request_release(r);

@@ -191,20 +191,7 @@ static struct tdm_engine *engine_make(int num_blocks, int budget, int max_seqs, 
 static struct tdm_engine_request *submit(struct tdm_engine *e, const int32_t *prompt, int n,
                                          const struct tdm_sampling_params *sp, int max_tokens)
 {
-    struct tdm_engine_request_params p;
-    struct tdm_engine_request *r = NULL;
-    char err[256];
-    tdm_engine_request_params_default(&p);
-    p.id = "t";
-    p.prompt = prompt;
-    p.n_prompt = n;
-    p.sampling = *sp;
-    p.max_tokens = max_tokens;
-    int rc = tdm_engine_submit(e, &p, &r, err, sizeof err);
-    if (rc != TDM_OK)
-        fprintf(stderr, "submit: %s\n", err);
-    assert_int_equal(rc, TDM_OK);
-    return r;
+    return tdm_test_submit(e, prompt, n, sp, max_tokens, TDM_ENGINE_REQ_GENERATE);
 }
 
 struct collected {
@@ -884,15 +871,8 @@ struct pd_export {
 static void pd_prefill_export(struct tdm_engine *pe, int layers, const int32_t *prompt, int np,
                               const struct tdm_sampling_params *sp, struct pd_export *x)
 {
-    char err[256];
-    struct tdm_engine_request_params p;
-    struct tdm_engine_request *r = NULL;
-    tdm_engine_request_params_default(&p);
-    p.prompt = prompt;
-    p.n_prompt = np;
-    p.sampling = *sp;
-    p.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
-    assert_int_equal(tdm_engine_submit(pe, &p, &r, err, sizeof err), TDM_OK);
+    struct tdm_engine_request *r =
+        tdm_test_submit(pe, prompt, np, sp, 0, TDM_ENGINE_REQ_PREFILL_ONLY);
     int32_t got[2];
     struct collected c = {0};
     collect(r, got, 2, &c, 0);
@@ -934,7 +914,6 @@ static void test_device_import_ahead(void **state)
     enum { NP = 40, MT = 8, MTA = 300 };
     struct tdm_model *dm = tdm_test_emu_model(model_dir, 64);
     int layers = tdm_model_config(dm)->num_hidden_layers;
-    char err[256];
     int32_t pa[10], pb[NP], ref[MT], got[MT + 1];
     static int32_t ga[MTA];
     make_prompt(pa, 10, 71);
@@ -957,15 +936,7 @@ static void test_device_import_ahead(void **state)
     struct tdm_engine_request *a = submit(de, pa, 10, &sa, MTA);
     struct collected ca = {0}, cb = {0};
     collect(a, ga, MTA, &ca, 5);
-    struct tdm_engine_request_params p;
-    struct tdm_engine_request *r = NULL;
-    tdm_engine_request_params_default(&p);
-    p.prompt = pb;
-    p.n_prompt = NP;
-    p.sampling = sb;
-    p.kind = TDM_ENGINE_REQ_IMPORT_KV;
-    p.max_tokens = MT;
-    assert_int_equal(tdm_engine_submit(de, &p, &r, err, sizeof err), TDM_OK);
+    struct tdm_engine_request *r = tdm_test_submit(de, pb, NP, &sb, MT, TDM_ENGINE_REQ_IMPORT_KV);
     int fb = -1, n = -1;
     assert_int_equal(tdm_engine_import_wait(r, WAIT_S, &fb, &n), TDM_OK);
     assert_int_equal(n, x.nb);
