@@ -366,6 +366,12 @@ static int set_gpu_memory_utilization(void *o, const char *v, char *err, size_t 
     TDM_FLAG_FIELD(struct tdm_worker_config, n, TDM_FLAG_INT, field, .min = lo, .max = hi,      \
                    .metavar = mv, .help = h)
 #define OFF(field) offsetof(struct tdm_worker_config, field)
+// --NAME and --no-NAME for a bool field (help_on, help_off: each one's help).
+#define BOOL_PAIR(n, field, help_on, help_off)                                                     \
+    {.name = n, .kind = TDM_FLAG_BOOL, .offset = OFF(field), .help = help_on},                     \
+    {                                                                                              \
+        .name = "no-" n, .kind = TDM_FLAG_NOT, .offset = OFF(field), .help = help_off              \
+    }
 
 static const struct tdm_flag decode_flags[] = {
     STR("model", model, "DIR|ORG/NAME",
@@ -406,14 +412,8 @@ static const struct tdm_flag decode_flags[] = {
      .help = "speculative decoding (vLLM's): '{\"method\":\"ngram\",\n"
              "\"num_speculative_tokens\":K,\"prompt_lookup_max\":N,\n\"prompt_lookup_min\":M}' "
              "(n-gram prompt lookup;\ndefault off)"},
-    {.name = "enable-prefix-caching",
-     .kind = TDM_FLAG_BOOL,
-     .offset = OFF(enable_prefix_caching),
-     .help = "reuse cached prompt prefixes (default)"},
-    {.name = "no-enable-prefix-caching",
-     .kind = TDM_FLAG_NOT,
-     .offset = OFF(enable_prefix_caching),
-     .help = "turn prefix caching off"},
+    BOOL_PAIR("enable-prefix-caching", enable_prefix_caching,
+              "reuse cached prompt prefixes (default)", "turn prefix caching off"),
     INT("threads", threads, 0, 1024, "N", "compute threads (default: one per core)"),
     {.name = "device",
      .kind = TDM_FLAG_FN,
@@ -422,15 +422,10 @@ static const struct tdm_flag decode_flags[] = {
      .help = "where the model computes (default: cuda when the CUDA\nbackend module "
              "libtandem-cuda.so loads and a GPU is\nvisible, else cpu; cuda-emu[:N] runs the "
              "CUDA backend\non its CPU emulator, for checks)"},
-    {.name = "weight-cache",
-     .kind = TDM_FLAG_BOOL,
-     .offset = OFF(weight_cache),
-     .help = "map the packed weights from the cache folder when an\nentry for this checkpoint "
-             "exists, else write one\n(CPU, checkpoints >= 64 MiB; default on)"},
-    {.name = "no-weight-cache",
-     .kind = TDM_FLAG_NOT,
-     .offset = OFF(weight_cache),
-     .help = "pack the checkpoint at every start, write no cache"},
+    BOOL_PAIR("weight-cache", weight_cache,
+              "map the packed weights from the cache folder when an\nentry for this checkpoint "
+              "exists, else write one\n(CPU, checkpoints >= 64 MiB; default on)",
+              "pack the checkpoint at every start, write no cache"),
     STR("weight-cache-dir", weight_cache_dir, "DIR",
         "packed-weight cache folder (default $TANDEM_CACHE/packed,\nelse ~/.cache/tandem/packed)"),
     {.name = "enforce-eager",
@@ -438,16 +433,11 @@ static const struct tdm_flag decode_flags[] = {
      .offset = OFF(enforce_eager),
      .help = "no CUDA graphs for decode steps (default: graphs\nper padded batch size 1, 2, 4, "
              "... on cuda)"},
-    {.name = "async-scheduling",
-     .kind = TDM_FLAG_BOOL,
-     .offset = OFF(async_scheduling),
-     .help = "on a device (cuda), issue the next decode step\nbefore this one's tokens reach the "
-             "host, from the\ntokens chosen on the device (vLLM's flag; default on;\nrows with "
-             "drafts wait)"},
-    {.name = "no-async-scheduling",
-     .kind = TDM_FLAG_NOT,
-     .offset = OFF(async_scheduling),
-     .help = "every decode step waits for its tokens before the\nnext is scheduled"},
+    BOOL_PAIR("async-scheduling", async_scheduling,
+              "on a device (cuda), issue the next decode step\nbefore this one's tokens reach the "
+              "host, from the\ntokens chosen on the device (vLLM's flag; default on;\nrows with "
+              "drafts wait)",
+              "every decode step waits for its tokens before the\nnext is scheduled"),
     {.name = "batch-invariant",
      .kind = TDM_FLAG_FN,
      .fn = set_batch_invariant,
