@@ -711,8 +711,13 @@ static struct tdm_draw_adj ahead_entry(const struct tdm_sampler *s, const struct
     return (struct tdm_draw_adj){.token = t, .flags = seen ? TDM_DRAW_ADJ_SEEN : 0, .count = count};
 }
 
-// tdm_sampler_draw_prepare_ahead, the draw's key and the min_tokens count
-// n_pending tokens further still (tokens not known yet, not in the history).
+// Whether a device can draw for s: a repeated bias token adds twice, and a
+// lost token list cannot say the history's tokens.
+static bool drawable(const struct tdm_sampler *s)
+{
+    return s->bias_unique && !s->toks_lost;
+}
+
 // A draw's parameters at output index `generated`, without its entries.
 static void draw_params(const struct tdm_sampler *s, struct tdm_draw_params *d, uint64_t generated)
 {
@@ -731,12 +736,13 @@ static void draw_params(const struct tdm_sampler *s, struct tdm_draw_params *d, 
                                   .rec_count = s->out_seen != NULL};
 }
 
+// tdm_sampler_draw_prepare_ahead, the draw's key and the min_tokens count
+// n_pending tokens further still (tokens not known yet, not in the history).
 static int prepare(const struct tdm_sampler *s, struct tdm_draw_params *d, struct tdm_draw_adj *adj,
                    int cap, const int32_t *ahead, int n_ahead, int n_pending)
 {
     const struct tdm_sampling_params *p = &s->p;
-    // A repeated bias token adds twice; a lost token list cannot say them.
-    if (!s->bias_unique || s->toks_lost || n_ahead < 0 || n_ahead > TDM_SAMPLER_MAX_AHEAD)
+    if (!drawable(s) || n_ahead < 0 || n_ahead > TDM_SAMPLER_MAX_AHEAD)
         return -1;
     // What record() would do with each token ahead: the tokens it would add
     // to a bitmap that has none of them yet, ascending, each once.
@@ -845,7 +851,7 @@ void tdm_sampler_draw_logprobs(const struct tdm_draw_logprobs *lp, int32_t token
 int tdm_sampler_draw_list_params(const struct tdm_sampler *s, struct tdm_draw_params *d,
                                  int n_pending)
 {
-    if (!s->bias_unique || s->toks_lost || n_pending < 0 || n_pending > 1)
+    if (!drawable(s) || n_pending < 0 || n_pending > 1)
         return -1;
     draw_params(s, d, (uint64_t)s->num_generated + (uint64_t)n_pending);
     return 0;
