@@ -22,6 +22,7 @@
 
 #include "backend.h"
 #include "core.h"
+#include "cpu_backend.h"
 #include "kv_cache.h"
 #include "mkmodel.h"
 #include "model.h"
@@ -391,12 +392,19 @@ static void batch_invariance_on(const char *isa)
 static void test_batch_invariance(void **state)
 {
     (void)state;
+    // The default path (amx where the CPU has it), AVX-512 beside it on an AMX
+    // host (the path it serves on without AMX), and the reference path.
+    bool amx = tdm_cpu_isa_best() == TDM_CPU_ISA_AMX;
     batch_invariance_on(NULL);
+    if (amx)
+        batch_invariance_on("avx512");
     batch_invariance_on("portable"); // the reference path of the CPU backend
     // The bf16 KV cache: each stored element is rounded on its own, so batch
     // invariance holds bit for bit there too.
     kv_dtype = TDM_KV_BF16;
     batch_invariance_on(NULL);
+    if (amx)
+        batch_invariance_on("avx512");
     batch_invariance_on("portable");
     kv_dtype = TDM_KV_F32;
 }
@@ -460,6 +468,8 @@ static void test_fused_argmax(void **state)
     (void)state;
     fused_argmax_on(NULL, TDM_WEIGHTS_BF16);
     fused_argmax_on(NULL, TDM_WEIGHTS_INT8);
+    if (tdm_cpu_isa_best() == TDM_CPU_ISA_AMX)
+        fused_argmax_on("avx512", TDM_WEIGHTS_BF16);
     fused_argmax_on("portable", TDM_WEIGHTS_BF16);
     // A mode the backend lacks, or no output pointer: refused.
     struct tdm_model *m = load(model_dir, TDM_WEIGHTS_BF16, 2);

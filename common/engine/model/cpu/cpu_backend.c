@@ -74,13 +74,9 @@ enum tdm_cpu_isa tdm_cpu_isa_best(void)
 
 int tdm_cpu_isa_default(enum tdm_cpu_isa *out, char *err, size_t errlen)
 {
-    // AMX only when asked for: its kernel has not run on AMX silicon yet (only
-    // on the tile emulator), so a serving process does not depend on it until
-    // its hardware tests (cpu_amx_test.test_hw_*, cpu_backend_test on every
-    // supported path) have passed on such a host.
+    // The best path this CPU has, AMX included (its hardware tests,
+    // cpu_amx_test.test_hw_*, pass on Sapphire Rapids: docs/cpu-backend.md).
     enum tdm_cpu_isa isa = tdm_cpu_isa_best();
-    if (isa == TDM_CPU_ISA_AMX)
-        isa = TDM_CPU_ISA_AVX512;
     const char *force = getenv("TANDEM_CPU_ISA");
     if (force && *force) {
         if (tdm_cpu_isa_parse(force, &isa) != TDM_OK)
