@@ -26,8 +26,8 @@ int tdm_cpu_isa_parse(const char *name, enum tdm_cpu_isa *out);
 int tdm_cpu_isa_supported(enum tdm_cpu_isa isa);
 // The best supported path.
 enum tdm_cpu_isa tdm_cpu_isa_best(void);
-// The path a new backend takes: TANDEM_CPU_ISA when set, else the best but
-// amx (opt-in with TANDEM_CPU_ISA=amx until its kernel has run on AMX silicon).
+// The path a new backend takes: TANDEM_CPU_ISA when set, else the best
+// (amx where the CPU has AMX).
 // TDM_EINVAL (err says why) for an unknown name or one this CPU cannot run.
 int tdm_cpu_isa_default(enum tdm_cpu_isa *out, char *err, size_t errlen);
 // What computes matmuls of weights of type `type` on path isa, for every
