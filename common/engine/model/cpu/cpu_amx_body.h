@@ -22,15 +22,20 @@
 //            from token to token;
 //   C tile = 16 tokens x 16 output rows, f32.
 // Tiles 0-3 are C (2 token tiles x 2 panels), 4-5 A, 6-7 B: per k chunk 2 A
-// loads and 2 B loads feed 4 TDPBF16PS. One configuration per call serves
-// every shape: all tiles 16 x 64 bytes, except that a call of n < 16 tokens
-// (decode) configures A and C with n rows. mm_prep_x zeroes the pairs of xq
-// past the last k pair up to a multiple of 16 and, for n > 16, the token rows
-// past n up to a multiple of 16; the k tail of each panel is copied into a
-// zeroed 16-row buffer. So k padding multiplies zeros by zeros (which adds +0
-// and changes no bit; a stale Inf there would make NaN). Token rows never mix
-// (C row m reads only A row m), so padding tokens reach only C rows that are
-// not stored; they are zeroed only so that no uninitialized memory is read.
+// loads and 2 B loads feed 4 TDPBF16PS. A lone token tile (decode, or the
+// odd last tile) takes C tiles 0-3 as 4 panels: 1 A load and 4 B loads (tiles
+// 6 and 7 in turn) per k chunk, so the block is read in one pass rather than
+// two. The first pass over a block (the one that streams it from memory)
+// prefetches the lines CPU_STREAM_PREFETCH bytes past the next chunk into L2
+// (cpu_impl.h; a->stream_prefetch): with only the hardware's prefetchers,
+// batch-1 decode streamed at ~75% of the read probe on Sapphire Rapids. One configuration per call
+// serves every shape: all tiles 16 x 64 bytes, except that a call of n < 16 tokens (decode)
+// configures A and C with n rows. mm_prep_x zeroes the pairs of xq past the last k pair up to a
+// multiple of 16 and, for n > 16, the token rows past n up to a multiple of 16; the k tail of each
+// panel is copied into a zeroed 16-row buffer. So k padding multiplies zeros by zeros (which adds
+// +0 and changes no bit; a stale Inf there would make NaN). Token rows never mix (C row m reads
+// only A row m), so padding tokens reach only C rows that are not stored; they are zeroed only so
+// that no uninitialized memory is read.
 //
 // Accumulation: C tile element (token t, row r) starts at +0 and takes one
 // TDPBF16PS per 32-k chunk, chunks in ascending k, whatever n, the tile or
@@ -72,14 +77,26 @@ static AMX_ATTR void AMX_GEMM(const struct cpu_mm_args *a, int b0, int b1)
         for (int tt = 0; tt < ntt; tt += 2) {
             const bool two_t = tt + 1 < ntt;
             const uint8_t *xa = (const uint8_t *)a->xq + (size_t)tt * 16 * xs;
-            for (int g = 0; g < G; g += 2) {
+            // One token tile (decode, or an odd last one): C tiles 0-3 are
+            // 4 panels, so the block is read in one pass; else 2 x 2.
+            const bool wide = !two_t;
+            for (int g = 0; g < G; g += wide ? 4 : 2) {
                 const bool two_g = g + 1 < G;
+                const int np = G - g < 4 ? G - g : 4; // panels of a wide pass
                 AMX_ZERO(0);
                 AMX_ZERO(1);
                 AMX_ZERO(2);
                 AMX_ZERO(3);
                 for (int c = 0; c < nck; c++) {
                     const uint8_t *bp = wb + ((size_t)c * 16 * G + g) * 64;
+                    if (tt == 0 && g == 0 && a->stream_prefetch) {
+                        // The first pass over the block streams it from
+                        // memory: the next lines of the stream into L2,
+                        // CPU_STREAM_PREFETCH bytes ahead (cpu_impl.h).
+                        const uint8_t *ahead = wb + (size_t)(c + 1) * 16 * bs + CPU_STREAM_PREFETCH;
+                        for (int l = 0; l < 16 * G; l++)
+                            __builtin_prefetch(ahead + (size_t)l * 64, 0, 2);
+                    }
                     size_t bstride = bs, bnext = 64;
                     if (ktail && c == nck - 1) {
                         bp = btail[g][0];
@@ -89,6 +106,21 @@ static AMX_ATTR void AMX_GEMM(const struct cpu_mm_args *a, int b0, int b1)
                     AMX_LOAD(4, xa + (size_t)c * 64, xs);
                     AMX_LOAD(6, bp, bstride);
                     AMX_DP(0, 4, 6);
+                    if (wide) {
+                        if (np > 1) {
+                            AMX_LOAD(7, bp + bnext, bstride);
+                            AMX_DP(1, 4, 7);
+                        }
+                        if (np > 2) {
+                            AMX_LOAD(6, bp + 2 * bnext, bstride);
+                            AMX_DP(2, 4, 6);
+                        }
+                        if (np > 3) {
+                            AMX_LOAD(7, bp + 3 * bnext, bstride);
+                            AMX_DP(3, 4, 7);
+                        }
+                        continue;
+                    }
                     if (two_g) {
                         AMX_LOAD(7, bp + bnext, bstride);
                         AMX_DP(1, 4, 7);
@@ -102,8 +134,8 @@ static AMX_ATTR void AMX_GEMM(const struct cpu_mm_args *a, int b0, int b1)
                 }
                 // Epilogue: y = C (+ bias), tokens < n and rows < w->rows only.
                 for (int q = 0; q < 4; q++) {
-                    const int ti = q / 2, gi = q % 2;
-                    if ((ti && !two_t) || (gi && !two_g))
+                    const int ti = wide ? 0 : q / 2, gi = wide ? q : q % 2;
+                    if (wide ? q >= np : (ti && !two_t) || (gi && !two_g))
                         continue;
                     const int t0 = (tt + ti) * 16, r0 = b * CPU_BLOCK_ROWS + (g + gi) * 16;
                     const int nt = a->n - t0 < 16 ? a->n - t0 : 16;

@@ -169,6 +169,17 @@ static void *alloc_aligned(size_t bytes)
     return p;
 }
 
+// Whether the CPU is Intel's (cpu_impl.h, CPU_STREAM_PREFETCH).
+static bool cpu_is_intel(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel");
+#else
+    return false;
+#endif
+}
+
 static int cpu_create(struct tdm_backend **out, int num_threads, int device, char *err,
                       size_t errlen)
 {
@@ -190,6 +201,7 @@ static int cpu_create(struct tdm_backend **out, int num_threads, int device, cha
     be->isa = isa;
     be->k = isa_kernels(be, isa);
     be->nthreads = num_threads;
+    be->stream_prefetch = cpu_is_intel();
     if (cpu_pool_new(&be->pool, num_threads) != TDM_OK) {
         free(be);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "cpu backend: cannot start %d threads",
@@ -565,7 +577,8 @@ static void mm_job_init(struct mm_job *j, struct tdm_backend *be, const struct t
                                .x = x + (size_t)t0 * w->cols,
                                .xq = be->xq,
                                .xq_stride = be->xq_stride,
-                               .n = nc}};
+                               .n = nc,
+                               .stream_prefetch = be->stream_prefetch}};
     atomic_init(&j->next, 0);
 }
 

@@ -37,6 +37,14 @@
 #define CPU_BLOCK_ROWS (CPU_PANEL_ROWS * CPU_BLOCK_PANELS)
 // Tokens converted and multiplied per pass of matmul (bounds the scratch).
 #define CPU_MM_CHUNK_TOKENS 512
+// Bytes ahead of a weight stream that a kernel reading it without the next-
+// block prefetch (decode, small batches) prefetches into L2, a line per line
+// it reads, on Intel CPUs (cpu_mm_args.stream_prefetch). On Sapphire Rapids
+// the hardware prefetchers alone kept one core's stream at ~75% of the read
+// probe's rate (a 272 MB GEMV at n = 1: 11.4 GB/s against 15.4; 14.3 with
+// this); on Zen 4 the stream ran at the probe's rate without it, and a
+// software prefetch 8 KiB ahead into L1 measured slower there.
+#define CPU_STREAM_PREFETCH 2048
 // Positions scored together in attention (a chunk never crosses a KV block).
 #define CPU_ATTN_CHUNK 16
 
@@ -67,6 +75,10 @@ struct cpu_mm_args {
     // into a small per-thread tile instead (y_row0 its first row).
     size_t y_stride;
     int y_row0;
+    // Whether a kernel streaming a weight from memory (decode, small batches)
+    // prefetches CPU_STREAM_PREFETCH ahead of its reads (tdm_backend's
+    // stream_prefetch).
+    bool stream_prefetch;
 };
 
 static inline float *cpu_mm_y(const struct cpu_mm_args *a, int t, int r0)
@@ -180,9 +192,10 @@ struct tdm_backend {
     struct cpu_kernels k_amx; // the AMX table k points to on that path (cpu_kernels_amx_fill)
     struct cpu_pool *pool;
     int nthreads;
-    uint32_t *xq;     // [CPU_MM_CHUNK_TOKENS][xq_stride] converted activations (see
-                      // cpu_mm_args), host; grows in prepare_weight
-    size_t xq_stride; // uint32 per token: enough for the widest weight prepared
+    bool stream_prefetch; // cpu_mm_args.stream_prefetch: an Intel CPU
+    uint32_t *xq;         // [CPU_MM_CHUNK_TOKENS][xq_stride] converted activations (see
+                          // cpu_mm_args), host; grows in prepare_weight
+    size_t xq_stride;     // uint32 per token: enough for the widest weight prepared
     // The fused argmax's per-thread scratch (cpu_matmul_argmax), grown on use:
     // [nthreads][CPU_ARGMAX_CHUNK_ROWS * CPU_MM_CHUNK_TOKENS] tiles and
     // [nthreads][CPU_MM_CHUNK_TOKENS] best value and index so far.

@@ -100,6 +100,17 @@ static void mm_prep_x(const struct cpu_mm_args *a, int t0, int t1)
     }
 }
 
+// The G lines CPU_STREAM_PREFETCH bytes past a k step's weights, into L2:
+// the stream runs on through the next block (blocks are contiguous), and a
+// prefetch past the weight's end is harmless.
+AI void stream_prefetch(const uint8_t *wj, const int G)
+{
+#pragma GCC unroll 4
+    for (int g = 0; g < CPU_BLOCK_PANELS; g++)
+        if (g < G)
+            _mm_prefetch((const char *)wj + CPU_STREAM_PREFETCH + g * 64, _MM_HINT_T1);
+}
+
 // Rows [row0, row0 + 16 G) x tokens [t0, t0 + T) of weight type WT.
 AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const int T, int t0,
              int row0, const uint8_t *pf, int pf_lines, const int WT)
@@ -122,6 +133,8 @@ AI void tile(const struct cpu_mm_args *a, const uint8_t *wb, const int G, const 
             if (pf) {
                 for (int l = 0; l < pf_lines; l++)
                     _mm_prefetch((const char *)pf + ((size_t)j * pf_lines + l) * 64, _MM_HINT_T0);
+            } else if (pf_lines < 0) {
+                stream_prefetch(wj, G);
             }
             __m512bh wv[CPU_BLOCK_PANELS];
 #pragma GCC unroll 4
@@ -228,6 +241,8 @@ AI void tile_q8v(const struct cpu_mm_args *a, const uint8_t *wb, const int G, co
             if (pf) {
                 for (int l = 0; l < pf_lines; l++)
                     _mm_prefetch((const char *)pf + ((size_t)j * pf_lines + l) * 64, _MM_HINT_T0);
+            } else if (pf_lines < 0) {
+                stream_prefetch(wj, G);
             }
             __m512i wv[CPU_BLOCK_PANELS];
 #pragma GCC unroll 4
@@ -358,9 +373,13 @@ TILE_DISPATCH(tile_f32, TDM_W_F32)
 // Tiles of a batch of at least PF_TILES tiles prefetch the chunk's next block,
 // a quarter per tile over the first four, so the block is in L2 when its turn
 // comes. With fewer tiles a block computes too briefly for a prefetch stream
-// to keep pace (measured slower than leaving it to the hardware). Decode streams
-// each chunk contiguously and the hardware prefetchers keep up with that
-// (software prefetch ahead of the stream measured slower).
+// to keep pace (measured slower than leaving it to the hardware). There
+// (decode, small batches) on an Intel CPU the first tile, which streams the
+// block from memory, is told so by pf_lines < 0 (pf NULL): it prefetches
+// CPU_STREAM_PREFETCH bytes ahead of its reads into L2 (cpu_impl.h: on Zen 4
+// the hardware's prefetchers alone kept up, on Sapphire Rapids they did not).
+// Only that tile: the others read the block from cache, and a prefetch per
+// line there cost int8 prefill 13%.
 #define PF_TILES 4
 
 static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
@@ -391,7 +410,9 @@ static void mm_blocks(const struct cpu_mm_args *a, int b0, int b1)
         for (int t0 = 0, ti = 0; t0 < a->n; ti++) {
             int T = (a->n - t0 + (ntiles - ti) - 1) / (ntiles - ti);
             const uint8_t *pf = next && ti < pft ? next + (size_t)ti * share : NULL;
-            fn(a, wb, G, T, t0, b * CPU_BLOCK_ROWS, pf, pf_lines);
+            // A small batch's first tile streams the block (see PF_TILES).
+            int lines = ntiles >= PF_TILES ? pf_lines : ti == 0 && a->stream_prefetch ? -1 : 0;
+            fn(a, wb, G, T, t0, b * CPU_BLOCK_ROWS, pf, lines);
             t0 += T;
         }
     }
