@@ -32,11 +32,15 @@
 // chunks (up to 4096 tokens; the table above needs the defaults 1,8,32 and 512,
 // otherwise one line per point is printed); --json FILE also writes the first
 // mode's figures for bench/gpu/check.sh (tandem-gpu-report reads them).
+// --peer FILE reads llama.cpp's figures on this machine (bench/peer/llamacpp.sh
+// measures them: bench_peer.h) and prints them with Tandem's ratios to them
+// from this run; without it a line says how to get them (no figure of the peer
+// is written here). A missing or malformed FILE is refused before anything runs.
 // Usage: tandem-bench-engine [--model DIR] [--threads N] [--steps N] [--bf16-only]
 //                            [--batches LIST] [--prefill LIST] [--json FILE]
 //                            [--kv-cache-dtype auto|bf16|f32] [--long-context N]
 //                            [--long-batches LIST] [--kv-cache-memory BYTES]
-//                            [--engine-loop]
+//                            [--engine-loop] [--peer FILE]
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +48,7 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 
+#include "bench_peer.h"
 #include "core.h"
 #include "cpu_backend.h"
 #include "engine.h"
@@ -572,6 +577,7 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
 struct bench_args {
     const char *dir;  // --model DIR; NULL = a generated model of Qwen2.5-0.5B's shape
     const char *json; // --json FILE
+    const char *peer; // --peer FILE: bench/peer/llamacpp.sh's figures; NULL = none given
     const char *device; // --device cpu|cuda|cuda:N; NULL = auto
     bool enforce_eager; // --enforce-eager
     int batch_invariant; // --[no-]batch-invariant: enum tdm_batch_invariance; 0 = the default
@@ -707,6 +713,12 @@ static const struct tdm_flag bench_flags[] = {
      .offset = offsetof(struct bench_args, json),
      .metavar = "FILE",
      .help = "also write the first mode's figures as JSON"},
+    {.name = "peer",
+     .kind = TDM_FLAG_PTR,
+     .offset = offsetof(struct bench_args, peer),
+     .metavar = "FILE",
+     .help = "llama.cpp's figures on this machine (bench/peer/llamacpp.sh LLAMA_SRC writes\n"
+             "build/peer/llamacpp.json): print them and Tandem's ratios to them"},
     {.name = "device",
      .kind = TDM_FLAG_PTR,
      .offset = offsetof(struct bench_args, device),
@@ -740,7 +752,7 @@ static const struct tdm_flags bench_table = {
              "[--batches LIST] [--prefill LIST] [--json FILE] [--device cpu|cuda|cuda:N]\n"
              "       [--enforce-eager] [--kv-cache-dtype auto|bf16|f32] [--long-context N] "
              "[--long-batches LIST] [--kv-cache-memory BYTES] [--no-weight-cache]\n"
-             "       [--engine-loop] [--batch-invariant | --no-batch-invariant]\n",
+             "       [--engine-loop] [--batch-invariant | --no-batch-invariant] [--peer FILE]\n",
     .flags = bench_flags,
     .n = sizeof bench_flags / sizeof bench_flags[0],
 };
@@ -770,6 +782,11 @@ int main(int argc, char **argv)
     bool bf16_only = a.bf16_only;
     struct plan pl = a.pl;
     char err[512];
+    struct tdm_bench_peer peer;
+    if (a.peer != NULL && tdm_bench_peer_load(&peer, a.peer, err, sizeof err) != TDM_OK) {
+        fprintf(stderr, "tandem-bench-engine: --peer %s\n", err);
+        return 2;
+    }
     struct tdm_model_opts dev_opts;
     tdm_model_opts_default(&dev_opts);
     dev_opts.enforce_eager = a.enforce_eager;
@@ -924,8 +941,19 @@ int main(int argc, char **argv)
     printf("\ngoals: b1/read <= 1.3, b32/b1 >= 10, pf/FMA >= 0.5 (prefill of %d tokens); "
            "long context bf16/f32 >= 1.3 (KV-bound batches), KV capacity bf16 = 2x f32\n",
            PREFILL);
-    printf("reference (llama.cpp on this machine): bf16 33 tok/s decode, 340 tok/s prefill-512; "
-           "Q8_0 40 / 227\n");
+    // Tandem's side of the peer ratios: bf16 and int8 at batch 1 and prefill-512.
+    struct tdm_bench_peer_tandem mine = {0};
+    if (i1 >= 0) {
+        mine.bf16_b1 = 1.0 / res[0].decode_s[i1];
+        mine.int8_b1 = nmodes > 1 ? 1.0 / res[1].decode_s[i1] : 0;
+    }
+    if (ip >= 0) {
+        mine.bf16_prefill512 = PREFILL / res[0].prefill_s[ip];
+        mine.int8_prefill512 = nmodes > 1 ? PREFILL / res[1].prefill_s[ip] : 0;
+    }
+    char peer_lines[640];
+    tdm_bench_peer_format(a.peer != NULL ? &peer : NULL, &mine, peer_lines, sizeof peer_lines);
+    fputs(peer_lines, stdout);
     printf("peak RSS %.0f MB\n", ru.ru_maxrss / 1024.0);
     return 0;
 }
