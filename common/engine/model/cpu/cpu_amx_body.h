@@ -26,7 +26,7 @@
 // odd last tile) takes C tiles 0-3 as 4 panels: 1 A load and 4 B loads (tiles
 // 6 and 7 in turn) per k chunk, so the block is read in one pass rather than
 // two. The first pass over a block (the one that streams it from memory)
-// prefetches the lines CPU_STREAM_PREFETCH bytes past the next chunk into L2
+// prefetches the lines CPU_STREAM_PREFETCH / 2 bytes past the next chunk into L2
 // (cpu_impl.h; a->stream_prefetch): with only the hardware's prefetchers,
 // batch-1 decode streamed at ~75% of the read probe on Sapphire Rapids. One configuration per call
 // serves every shape: all tiles 16 x 64 bytes, except that a call of n < 16 tokens (decode)
@@ -92,8 +92,9 @@ static AMX_ATTR void AMX_GEMM(const struct cpu_mm_args *a, int b0, int b1)
                     if (tt == 0 && g == 0 && a->stream_prefetch) {
                         // The first pass over the block streams it from
                         // memory: the next lines of the stream into L2,
-                        // CPU_STREAM_PREFETCH bytes ahead (cpu_impl.h).
-                        const uint8_t *ahead = wb + (size_t)(c + 1) * 16 * bs + CPU_STREAM_PREFETCH;
+                        // past the next chunk (cpu_impl.h).
+                        const uint8_t *ahead =
+                            wb + (size_t)(c + 1) * 16 * bs + CPU_STREAM_PREFETCH / 2;
                         for (int l = 0; l < 16 * G; l++)
                             __builtin_prefetch(ahead + (size_t)l * 64, 0, 2);
                     }

@@ -41,10 +41,14 @@
 // block prefetch (decode, small batches) prefetches into L2, a line per line
 // it reads, on Intel CPUs (cpu_mm_args.stream_prefetch). On Sapphire Rapids
 // the hardware prefetchers alone kept one core's stream at ~75% of the read
-// probe's rate (a 272 MB GEMV at n = 1: 11.4 GB/s against 15.4; 14.3 with
-// this); on Zen 4 the stream ran at the probe's rate without it, and a
-// software prefetch 8 KiB ahead into L1 measured slower there.
-#define CPU_STREAM_PREFETCH 2048
+// probe's rate (a 272 MB GEMV at n = 1 on one core: 11.4 GB/s against the
+// probe's 15.4; 13.4-14.1 with 1-2 KiB, 14.7 with 4 KiB, 14.3-14.6 with 6-8
+// KiB); on Zen 4 the stream ran at the probe's rate without it, and a
+// software prefetch 8 KiB ahead into L1 measured slower there. The AMX
+// kernel, which takes a whole 4 KiB chunk per tile pass, prefetches from half
+// of this past the next chunk (15.0-15.2 GB/s there; 13.5 at the next
+// chunk's start, 13.2-13.5 a whole chunk further).
+#define CPU_STREAM_PREFETCH 4096
 // Positions scored together in attention (a chunk never crosses a KV block).
 #define CPU_ATTN_CHUNK 16
 
