@@ -6,26 +6,16 @@
 #include "bench_peer.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
 
+#include "bench_json.h"
 #include "core.h"
 
 // ---- parsing ---------------------------------------------------------------------------
-// A positive finite number at key, or false.
-static bool get_pos(const cJSON *o, const char *key, double *out)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) || v->valuedouble <= 0)
-        return false;
-    *out = v->valuedouble;
-    return true;
-}
-
 // The {"pp512": .., "tg128": ..} object at key; on failure err names the bad field.
 static int get_figures(const cJSON *root, const char *key, struct tdm_bench_peer_figures *out,
                        char *err, size_t errlen)
@@ -33,10 +23,10 @@ static int get_figures(const cJSON *root, const char *key, struct tdm_bench_peer
     const cJSON *o = cJSON_GetObjectItemCaseSensitive(root, key);
     if (!cJSON_IsObject(o))
         return tdm_seterr(err, errlen, TDM_EPROTO, "%s missing or not an object", key);
-    if (!get_pos(o, "pp512", &out->pp512))
+    if (!tdm_bench_json_pos(o, "pp512", &out->pp512))
         return tdm_seterr(err, errlen, TDM_EPROTO, "%s.pp512 missing or not a positive number",
                           key);
-    if (!get_pos(o, "tg128", &out->tg128))
+    if (!tdm_bench_json_pos(o, "tg128", &out->tg128))
         return tdm_seterr(err, errlen, TDM_EPROTO, "%s.tg128 missing or not a positive number",
                           key);
     return TDM_OK;
@@ -44,14 +34,9 @@ static int get_figures(const cJSON *root, const char *key, struct tdm_bench_peer
 
 int tdm_bench_peer_parse(struct tdm_bench_peer *out, const char *json, char *err, size_t errlen)
 {
-    char why[160];
-    if (tdm_json_check_depth(json, strlen(json), TDM_JSON_MAX_DEPTH, why, sizeof why) != TDM_OK)
-        return tdm_seterr(err, errlen, TDM_EPROTO, "%s", why);
-    cJSON *root = cJSON_Parse(json);
-    if (root == NULL || !cJSON_IsObject(root)) {
-        cJSON_Delete(root);
-        return tdm_seterr(err, errlen, TDM_EPROTO, "not a JSON object");
-    }
+    cJSON *root = tdm_bench_json_object(json, NULL, err, errlen);
+    if (root == NULL)
+        return TDM_EPROTO;
     int rc = TDM_EPROTO;
     struct tdm_bench_peer p;
     memset(&p, 0, sizeof p);
@@ -98,59 +83,43 @@ int tdm_bench_peer_load(struct tdm_bench_peer *out, const char *path, char *err,
 }
 
 // ---- formatting ------------------------------------------------------------------------
-// Appends to buf at *off, never past buflen (the output is cut, still NUL-terminated).
-static void put(char *buf, size_t buflen, size_t *off, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-
-static void put(char *buf, size_t buflen, size_t *off, const char *fmt, ...)
-{
-    if (*off >= buflen)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(buf + *off, buflen - *off, fmt, ap);
-    va_end(ap);
-    if (n > 0)
-        *off += (size_t)n < buflen - *off ? (size_t)n : buflen - *off;
-}
-
 // "0.43x tg128" or "not measured" (Tandem's figure is 0 when the run skipped it).
-static void put_ratio(char *buf, size_t buflen, size_t *off, double tandem, double peer,
-                      const char *test)
+static void put_ratio(struct tdm_bench_out *o, double tandem, double peer, const char *test)
 {
     if (tandem > 0)
-        put(buf, buflen, off, "%.2fx %s", tandem / peer, test);
+        tdm_bench_put(o, "%.2fx %s", tandem / peer, test);
     else
-        put(buf, buflen, off, "not measured");
+        tdm_bench_put(o, "not measured");
 }
 
 void tdm_bench_peer_format(const struct tdm_bench_peer *p, const struct tdm_bench_peer_tandem *t,
                            char *buf, size_t buflen)
 {
-    size_t off = 0;
+    struct tdm_bench_out o = {.buf = buf, .len = buflen, .used = 0};
     if (buflen == 0)
         return;
     buf[0] = '\0';
     if (p == NULL) {
-        put(buf, buflen, &off,
-            "llama.cpp on this machine: no peer figures given (bench/peer/llamacpp.sh "
-            "LLAMA_SRC measures them; then --peer build/peer/llamacpp.json)\n");
+        tdm_bench_put(&o,
+                      "llama.cpp on this machine: no peer figures given (bench/peer/llamacpp.sh "
+                      "LLAMA_SRC measures them; then --peer build/peer/llamacpp.json)\n");
         return;
     }
     char threads[32] = "";
     if (p->threads > 0)
         snprintf(threads, sizeof threads, ", %d threads", p->threads);
-    put(buf, buflen, &off,
+    tdm_bench_put(
+        &o,
         "llama.cpp %.12s on this machine (bench/peer/llamacpp.sh%s): bf16 %.1f tok/s decode "
         "(tg128), %.1f tok/s prefill-512 (pp512); Q8_0 %.1f / %.1f\n",
         p->commit, threads, p->bf16.tg128, p->bf16.pp512, p->q8_0.tg128, p->q8_0.pp512);
-    put(buf, buflen, &off, "Tandem / llama.cpp, this run: bf16 decode b1 ");
-    put_ratio(buf, buflen, &off, t->bf16_b1, p->bf16.tg128, "tg128");
-    put(buf, buflen, &off, ", prefill-512 ");
-    put_ratio(buf, buflen, &off, t->bf16_prefill512, p->bf16.pp512, "pp512");
-    put(buf, buflen, &off, "; int8 vs Q8_0 decode b1 ");
-    put_ratio(buf, buflen, &off, t->int8_b1, p->q8_0.tg128, "tg128");
-    put(buf, buflen, &off, ", prefill-512 ");
-    put_ratio(buf, buflen, &off, t->int8_prefill512, p->q8_0.pp512, "pp512");
-    put(buf, buflen, &off, "\n");
+    tdm_bench_put(&o, "Tandem / llama.cpp, this run: bf16 decode b1 ");
+    put_ratio(&o, t->bf16_b1, p->bf16.tg128, "tg128");
+    tdm_bench_put(&o, ", prefill-512 ");
+    put_ratio(&o, t->bf16_prefill512, p->bf16.pp512, "pp512");
+    tdm_bench_put(&o, "; int8 vs Q8_0 decode b1 ");
+    put_ratio(&o, t->int8_b1, p->q8_0.tg128, "tg128");
+    tdm_bench_put(&o, ", prefill-512 ");
+    put_ratio(&o, t->int8_prefill512, p->q8_0.pp512, "pp512");
+    tdm_bench_put(&o, "\n");
 }

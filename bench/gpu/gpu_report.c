@@ -6,12 +6,12 @@
 #include "gpu_report.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
 
+#include "bench_json.h"
 #include "core.h"
 
 // ---- goals (issues 9 and 10) -----------------------------------------------------------
@@ -22,16 +22,6 @@
 #define GOAL_IPC_UTIL 0.50           // IPC copy / device-to-device bandwidth, at least
 
 // ---- JSON helpers --------------------------------------------------------------------
-// A positive finite number at key, or false.
-static bool get_pos(const cJSON *o, const char *key, double *out)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) || v->valuedouble <= 0)
-        return false;
-    *out = v->valuedouble;
-    return true;
-}
-
 // A non-negative finite number at key (absent reads as 0), or false when present and bad.
 static bool get_nonneg_opt(const cJSON *o, const char *key, double *out)
 {
@@ -48,7 +38,7 @@ static bool get_nonneg_opt(const cJSON *o, const char *key, double *out)
 static bool get_int_pos(const cJSON *o, const char *key, int *out)
 {
     double d;
-    if (!get_pos(o, key, &d) || d > 1e9 || d != floor(d))
+    if (!tdm_bench_json_pos(o, key, &d) || d > 1e9 || d != floor(d))
         return false;
     *out = (int)d;
     return true;
@@ -58,23 +48,6 @@ static void get_str(const cJSON *o, const char *key, char *out, size_t outlen, c
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
     snprintf(out, outlen, "%s", cJSON_IsString(v) ? v->valuestring : dflt);
-}
-
-static cJSON *parse_object(const char *json, const char *what, char *err, size_t errlen)
-{
-    char why[160];
-    if (json != NULL &&
-        tdm_json_check_depth(json, strlen(json), TDM_JSON_MAX_DEPTH, why, sizeof why) != TDM_OK) {
-        tdm_seterr(err, errlen, TDM_EPROTO, "%s: %s", what, why);
-        return NULL;
-    }
-    cJSON *root = json ? cJSON_Parse(json) : NULL;
-    if (root == NULL || !cJSON_IsObject(root)) {
-        cJSON_Delete(root);
-        tdm_seterr(err, errlen, TDM_EPROTO, "%s: not a JSON object", what);
-        return NULL;
-    }
-    return root;
 }
 
 #define BAD(what, key)                                                                             \
@@ -87,7 +60,7 @@ int tdm_gpu_report_parse_probe(struct tdm_gpu_probe *out, const char *json, char
     int rc = TDM_EPROTO;
     struct tdm_gpu_probe p;
     memset(&p, 0, sizeof p);
-    cJSON *root = parse_object(json, "probe", err, errlen);
+    cJSON *root = tdm_bench_json_object(json, "probe", err, errlen);
     if (root == NULL)
         return TDM_EPROTO;
     const cJSON *dev = cJSON_GetObjectItemCaseSensitive(root, "device");
@@ -105,14 +78,14 @@ int tdm_gpu_report_parse_probe(struct tdm_gpu_probe *out, const char *json, char
         BAD("probe", "device.sms");
         goto fail_root;
     }
-    if (!get_pos(dev, "mem_bytes", &p.mem_bytes)) {
+    if (!tdm_bench_json_pos(dev, "mem_bytes", &p.mem_bytes)) {
         BAD("probe", "device.mem_bytes");
         goto fail_root;
     }
     static const char *const keys[] = {"read_gbs", "copy_gbs", "d2d_gbs", "bf16_tflops"};
     double *vals[] = {&p.read_gbs, &p.copy_gbs, &p.d2d_gbs, &p.bf16_tflops};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
-        if (!get_pos(root, keys[i], vals[i])) {
+        if (!tdm_bench_json_pos(root, keys[i], vals[i])) {
             BAD("probe", keys[i]);
             goto fail_root;
         }
@@ -148,7 +121,8 @@ static int parse_points(const cJSON *root, const char *name, const char *size_ke
         struct tdm_gpu_point *pt = &pts[*n];
         memset(pt, 0, sizeof *pt);
         if (!cJSON_IsObject(it) || !get_int_pos(it, size_key, &pt->size) ||
-            !get_pos(it, "seconds", &pt->seconds) || (flops && !get_pos(it, "flops", &pt->flops)))
+            !tdm_bench_json_pos(it, "seconds", &pt->seconds) ||
+            (flops && !tdm_bench_json_pos(it, "flops", &pt->flops)))
             return tdm_seterr(err, errlen, TDM_EPROTO,
                               "engine: %s[%d] needs positive %s, seconds%s", name, *n, size_key,
                               flops ? " and flops" : "");
@@ -163,7 +137,7 @@ int tdm_gpu_report_parse_engine(struct tdm_gpu_engine *out, const char *json, ch
     int rc = TDM_EPROTO;
     struct tdm_gpu_engine e;
     memset(&e, 0, sizeof e);
-    cJSON *root = parse_object(json, "engine", err, errlen);
+    cJSON *root = tdm_bench_json_object(json, "engine", err, errlen);
     if (root == NULL)
         return TDM_EPROTO;
     get_str(root, "device", e.device, sizeof e.device, "?");
@@ -173,7 +147,7 @@ int tdm_gpu_report_parse_engine(struct tdm_gpu_engine *out, const char *json, ch
         tdm_seterr(err, errlen, TDM_EPROTO, "engine: batch_invariant is not true or false");
         goto fail_root;
     }
-    if (!get_pos(root, "weight_bytes", &e.weight_bytes)) {
+    if (!tdm_bench_json_pos(root, "weight_bytes", &e.weight_bytes)) {
         BAD("engine", "weight_bytes");
         goto fail_root;
     }
@@ -194,7 +168,7 @@ int tdm_gpu_report_parse_pd(struct tdm_gpu_pd *out, const char *json, char *err,
     int rc = TDM_EPROTO;
     struct tdm_gpu_pd d;
     memset(&d, 0, sizeof d);
-    cJSON *root = parse_object(json, "pd", err, errlen);
+    cJSON *root = tdm_bench_json_object(json, "pd", err, errlen);
     if (root == NULL)
         return TDM_EPROTO;
     get_str(root, "transport", d.transport, sizeof d.transport, "?");
@@ -210,8 +184,8 @@ int tdm_gpu_report_parse_pd(struct tdm_gpu_pd *out, const char *json, char *err,
     {
         struct tdm_gpu_pd_point *pt = &d.points[d.n];
         if (!cJSON_IsObject(it) || !get_int_pos(it, "tokens", &pt->tokens) ||
-            !get_pos(it, "ttft_direct_s", &pt->ttft_direct_s) ||
-            !get_pos(it, "ttft_pd_s", &pt->ttft_pd_s) ||
+            !tdm_bench_json_pos(it, "ttft_direct_s", &pt->ttft_direct_s) ||
+            !tdm_bench_json_pos(it, "ttft_pd_s", &pt->ttft_pd_s) ||
             !get_nonneg_opt(it, "transfer_s", &pt->transfer_s) ||
             !get_nonneg_opt(it, "kv_bytes", &pt->kv_bytes) ||
             !get_nonneg_opt(it, "kv_window_s", &pt->kv_window_s)) {
@@ -254,35 +228,17 @@ double tdm_gpu_report_ipc_util(const struct tdm_gpu_probe *p, const struct tdm_g
 }
 
 // ---- formatting ----------------------------------------------------------------------
-struct out {
-    char *buf;
-    size_t len, used;
-};
-
-static void put(struct out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void put(struct out *o, const char *fmt, ...)
-{
-    if (o->used >= o->len)
-        return;
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(o->buf + o->used, o->len - o->used, fmt, ap);
-    va_end(ap);
-    if (n > 0)
-        o->used = o->used + (size_t)n < o->len ? o->used + (size_t)n : o->len - 1;
-}
-
 // One goal line; returns 1 when missed.
-static int goal(struct out *o, const char *what, bool measured, double value, const char *unit,
-                bool at_most, double bound)
+static int goal(struct tdm_bench_out *o, const char *what, bool measured, double value,
+                const char *unit, bool at_most, double bound)
 {
     if (!measured) {
-        put(o, "  goal %-44s not measured\n", what);
+        tdm_bench_put(o, "  goal %-44s not measured\n", what);
         return 0;
     }
     bool met = at_most ? value <= bound : value >= bound;
-    put(o, "  goal %-44s %10.3f %-8s %s %g: %s\n", what, value, unit, at_most ? "<=" : ">=", bound,
-        met ? "met" : "MISSED");
+    tdm_bench_put(o, "  goal %-44s %10.3f %-8s %s %g: %s\n", what, value, unit,
+                  at_most ? "<=" : ">=", bound, met ? "met" : "MISSED");
     return met ? 0 : 1;
 }
 
@@ -297,35 +253,36 @@ static const struct tdm_gpu_point *point(const struct tdm_gpu_point *pts, int n,
 int tdm_gpu_report_format_invariance(const struct tdm_gpu_engine *inv,
                                      const struct tdm_gpu_engine *fast, char *buf, size_t buflen)
 {
-    struct out o = {.buf = buf, .len = buflen, .used = 0};
+    struct tdm_bench_out o = {.buf = buf, .len = buflen, .used = 0};
     if (buflen == 0)
         return -1;
     buf[0] = '\0';
-    put(&o, "batch invariance (issue 26 item 3): decode step with --batch-invariant / "
-            "--no-batch-invariant\n");
+    tdm_bench_put(&o, "batch invariance (issue 26 item 3): decode step with --batch-invariant / "
+                      "--no-batch-invariant\n");
     if (inv == NULL || fast == NULL) {
-        put(&o, "  not measured (see the engine and engine_fast steps above)\n");
+        tdm_bench_put(&o, "  not measured (see the engine and engine_fast steps above)\n");
         return -1;
     }
-    put(&o, "  %-14s %14s %10s %8s\n", "decode batch", "invariant ms", "fast ms", "cost");
+    tdm_bench_put(&o, "  %-14s %14s %10s %8s\n", "decode batch", "invariant ms", "fast ms", "cost");
     for (int i = 0; i < inv->n_decode; i++) {
         const struct tdm_gpu_point *a = &inv->decode[i];
         const struct tdm_gpu_point *b = point(fast->decode, fast->n_decode, a->size);
         if (b != NULL)
-            put(&o, "  %-14d %14.3f %10.3f %+7.1f%%\n", a->size, a->seconds * 1e3, b->seconds * 1e3,
-                (a->seconds / b->seconds - 1) * 100);
+            tdm_bench_put(&o, "  %-14d %14.3f %10.3f %+7.1f%%\n", a->size, a->seconds * 1e3,
+                          b->seconds * 1e3, (a->seconds / b->seconds - 1) * 100);
     }
     const struct tdm_gpu_point *i1 = point(inv->decode, inv->n_decode, 1);
     const struct tdm_gpu_point *i64 = point(inv->decode, inv->n_decode, 64);
     const struct tdm_gpu_point *f1 = point(fast->decode, fast->n_decode, 1);
     const struct tdm_gpu_point *f64 = point(fast->decode, fast->n_decode, 64);
     if (i1 == NULL || i64 == NULL || f1 == NULL || f64 == NULL) {
-        put(&o, "  rule: not judged (batch 1 or 64 missing from a run)\n");
+        tdm_bench_put(&o, "  rule: not judged (batch 1 or 64 missing from a run)\n");
         return -1;
     }
     double c1 = i1->seconds / f1->seconds - 1, c64 = i64->seconds / f64->seconds - 1;
     bool keep = c1 <= TDM_GPU_REPORT_INVARIANCE_MAX && c64 <= TDM_GPU_REPORT_INVARIANCE_MAX;
-    put(&o,
+    tdm_bench_put(
+        &o,
         "  rule: invariance costs %+.1f%% at batch 1 and %+.1f%% at batch 64 (it stays the "
         "default only if <= %.0f%% at both): %s\n",
         c1 * 100, c64 * 100, TDM_GPU_REPORT_INVARIANCE_MAX * 100,
@@ -337,45 +294,49 @@ int tdm_gpu_report_format_invariance(const struct tdm_gpu_engine *inv,
 int tdm_gpu_report_format(const struct tdm_gpu_probe *probe, const struct tdm_gpu_engine *engine,
                           const struct tdm_gpu_pd *pd, char *buf, size_t buflen)
 {
-    struct out o = {.buf = buf, .len = buflen, .used = 0};
+    struct tdm_bench_out o = {.buf = buf, .len = buflen, .used = 0};
     if (buflen == 0)
         return 0;
     buf[0] = '\0';
     int missed = 0;
-    put(&o, "device  %s (sm_%d%d, %d SMs, %.1f GiB)\n", probe->device, probe->cc_major,
-        probe->cc_minor, probe->sm_count, probe->mem_bytes / (1024.0 * 1024 * 1024));
-    put(&o,
+    tdm_bench_put(&o, "device  %s (sm_%d%d, %d SMs, %.1f GiB)\n", probe->device, probe->cc_major,
+                  probe->cc_minor, probe->sm_count, probe->mem_bytes / (1024.0 * 1024 * 1024));
+    tdm_bench_put(
+        &o,
         "probe   read %.0f GB/s, copy kernel %.0f GB/s, cudaMemcpy d2d %.0f GB/s (read+write), "
         "bf16 GEMM %dx%dx%d %.1f TFLOP/s\n",
         probe->read_gbs, probe->copy_gbs, probe->d2d_gbs, probe->gemm_m, probe->gemm_n,
         probe->gemm_k, probe->bf16_tflops);
 
     if (engine == NULL) {
-        put(&o, "engine  not measured (see the engine step above)\n");
+        tdm_bench_put(&o, "engine  not measured (see the engine step above)\n");
     } else {
-        put(&o, "engine  device %s, weights %.0f MB (one read at the probed bandwidth: %.3f ms)\n",
+        tdm_bench_put(
+            &o, "engine  device %s, weights %.0f MB (one read at the probed bandwidth: %.3f ms)\n",
             engine->device, engine->weight_bytes / 1e6,
             engine->weight_bytes / (probe->read_gbs * 1e9) * 1e3);
-        put(&o, "  %-14s %10s %12s %14s\n", "decode batch", "step ms", "tokens/s",
-            "weight-read/bw");
+        tdm_bench_put(&o, "  %-14s %10s %12s %14s\n", "decode batch", "step ms", "tokens/s",
+                      "weight-read/bw");
         for (int i = 0; i < engine->n_decode; i++) {
             const struct tdm_gpu_point *p = &engine->decode[i];
-            put(&o, "  %-14d %10.3f %12.0f %14.3f\n", p->size, p->seconds * 1e3,
-                p->size / p->seconds,
-                tdm_gpu_report_decode_bw_util(probe, engine->weight_bytes, p->seconds));
+            tdm_bench_put(&o, "  %-14d %10.3f %12.0f %14.3f\n", p->size, p->seconds * 1e3,
+                          p->size / p->seconds,
+                          tdm_gpu_report_decode_bw_util(probe, engine->weight_bytes, p->seconds));
         }
-        put(&o, "  %-14s %10s %12s %14s\n", "prefill tokens", "ms", "tokens/s", "TFLOP/s / peak");
+        tdm_bench_put(&o, "  %-14s %10s %12s %14s\n", "prefill tokens", "ms", "tokens/s",
+                      "TFLOP/s / peak");
         for (int i = 0; i < engine->n_prefill; i++) {
             const struct tdm_gpu_point *p = &engine->prefill[i];
-            put(&o, "  %-14d %10.3f %12.0f %14.3f\n", p->size, p->seconds * 1e3,
-                p->size / p->seconds, tdm_gpu_report_prefill_util(probe, p->flops, p->seconds));
+            tdm_bench_put(&o, "  %-14d %10.3f %12.0f %14.3f\n", p->size, p->seconds * 1e3,
+                          p->size / p->seconds,
+                          tdm_gpu_report_prefill_util(probe, p->flops, p->seconds));
         }
     }
     // Figures from another device (the CPU backend) are shown, never judged as the GPU's.
     bool on_gpu = engine != NULL && strncmp(engine->device, "cuda", 4) == 0;
     if (engine != NULL && !on_gpu)
-        put(&o, "  (ran on %s, not a GPU: the decode and prefill goals are not judged)\n",
-            engine->device);
+        tdm_bench_put(&o, "  (ran on %s, not a GPU: the decode and prefill goals are not judged)\n",
+                      engine->device);
     const struct tdm_gpu_point *b1 = on_gpu ? point(engine->decode, engine->n_decode, 1) : NULL;
     const struct tdm_gpu_point *b64 = on_gpu ? point(engine->decode, engine->n_decode, 64) : NULL;
     const struct tdm_gpu_point *p2k =
@@ -383,19 +344,19 @@ int tdm_gpu_report_format(const struct tdm_gpu_probe *probe, const struct tdm_gp
 
     const struct tdm_gpu_pd_point *pd2k = NULL, *pdmax = NULL;
     if (pd == NULL) {
-        put(&o, "pd      not measured (see the P/D step above)\n");
+        tdm_bench_put(&o, "pd      not measured (see the P/D step above)\n");
     } else {
         // The goals are issue 10's for CUDA IPC; another transport's figures are shown only.
         bool ipc = strcmp(pd->transport, "cuda-ipc") == 0;
-        put(&o, "pd      one GPU, --kv-transfer %s%s\n", pd->transport,
-            ipc ? "" : " (the P/D goals are for cuda-ipc: not judged)");
-        put(&o, "  %-8s %12s %10s %12s %12s %10s\n", "tokens", "TTFT direct", "TTFT P/D",
-            "exposed ms", "exposed/TTFT", "KV/d2d bw");
+        tdm_bench_put(&o, "pd      one GPU, --kv-transfer %s%s\n", pd->transport,
+                      ipc ? "" : " (the P/D goals are for cuda-ipc: not judged)");
+        tdm_bench_put(&o, "  %-8s %12s %10s %12s %12s %10s\n", "tokens", "TTFT direct", "TTFT P/D",
+                      "exposed ms", "exposed/TTFT", "KV/d2d bw");
         for (int i = 0; i < pd->n; i++) {
             const struct tdm_gpu_pd_point *p = &pd->points[i];
-            put(&o, "  %-8d %10.1fms %8.1fms %12.3f %12.4f %10.3f\n", p->tokens,
-                p->ttft_direct_s * 1e3, p->ttft_pd_s * 1e3, p->transfer_s * 1e3,
-                p->transfer_s / p->ttft_pd_s, tdm_gpu_report_ipc_util(probe, p));
+            tdm_bench_put(&o, "  %-8d %10.1fms %8.1fms %12.3f %12.4f %10.3f\n", p->tokens,
+                          p->ttft_direct_s * 1e3, p->ttft_pd_s * 1e3, p->transfer_s * 1e3,
+                          p->transfer_s / p->ttft_pd_s, tdm_gpu_report_ipc_util(probe, p));
             if (ipc && p->tokens == 2048)
                 pd2k = p;
             if (ipc && p->kv_bytes > 0 && p->kv_window_s > 0 &&
@@ -404,7 +365,7 @@ int tdm_gpu_report_format(const struct tdm_gpu_probe *probe, const struct tdm_gp
         }
     }
 
-    put(&o, "goals (issues 9 and 10)\n");
+    tdm_bench_put(&o, "goals (issues 9 and 10)\n");
     missed += goal(&o, "decode batch 1, ms per token", b1 != NULL, b1 ? b1->seconds * 1e3 : 0, "ms",
                    true, GOAL_DECODE_B1_MS);
     missed += goal(&o, "decode batch 64, tokens/s", b64 != NULL, b64 ? 64 / b64->seconds : 0,
