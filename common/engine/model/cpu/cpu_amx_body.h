@@ -26,16 +26,18 @@
 // odd last tile) takes C tiles 0-3 as 4 panels: 1 A load and 4 B loads (tiles
 // 6 and 7 in turn) per k chunk, so the block is read in one pass rather than
 // two. The first pass over a block (the one that streams it from memory)
-// prefetches the lines CPU_STREAM_PREFETCH / 2 bytes past the next chunk into L2
-// (cpu_impl.h; a->stream_prefetch): with only the hardware's prefetchers,
-// batch-1 decode streamed at ~75% of the read probe on Sapphire Rapids. One configuration per call
-// serves every shape: all tiles 16 x 64 bytes, except that a call of n < 16 tokens (decode)
-// configures A and C with n rows. mm_prep_x zeroes the pairs of xq past the last k pair up to a
-// multiple of 16 and, for n > 16, the token rows past n up to a multiple of 16; the k tail of each
-// panel is copied into a zeroed 16-row buffer. So k padding multiplies zeros by zeros (which adds
-// +0 and changes no bit; a stale Inf there would make NaN). Token rows never mix (C row m reads
-// only A row m), so padding tokens reach only C rows that are not stored; they are zeroed only so
-// that no uninitialized memory is read.
+// prefetches the lines CPU_STREAM_PREFETCH / 2 bytes past the next chunk into
+// L2 (cpu_impl.h; a->stream_prefetch): with only the hardware's prefetchers,
+// batch-1 decode streamed at ~75% of the read probe on Sapphire Rapids. One
+// configuration per call serves every shape: all tiles 16 x 64 bytes, except
+// that a call of n < 16 tokens (decode) configures A and C with n rows.
+// mm_prep_x zeroes the pairs of xq past the last k pair up to a multiple of 16
+// and, for n > 16, the token rows past n up to a multiple of 16; the k tail of
+// each panel is copied into a zeroed 16-row buffer. So k padding multiplies
+// zeros by zeros (which adds +0 and changes no bit; a stale Inf there would
+// make NaN). Token rows never mix (C row m reads only A row m), so padding
+// tokens reach only C rows that are not stored; they are zeroed only so that
+// no uninitialized memory is read.
 //
 // Accumulation: C tile element (token t, row r) starts at +0 and takes one
 // TDPBF16PS per 32-k chunk, chunks in ascending k, whatever n, the tile or
