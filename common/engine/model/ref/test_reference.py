@@ -26,6 +26,10 @@ Each CPU path the machine supports is checked:
     differ only at a near-tie: where the reference's own top-2 gap is below
     the logit difference measured at that very step; such steps are counted and
     printed, and more than 2% of them fails the test.
+  * AMX (bf16 weights on AMX-BF16 tiles, where the CPU has them; the other
+    ops as AVX-512) rounds matmul inputs as AVX-512 does and accumulates each
+    32-k chunk in the tile unit's order: the same reference and tolerances as
+    AVX-512.
 Every path runs twice: with --kv-cache-dtype f32 (the claims above, exact as
 before) and with the bf16 KV cache (path "+kv_bf16"), which is checked twice:
   * against the reference with bf16_kv=True (K after RoPE and V rounded to
@@ -60,8 +64,11 @@ except ImportError:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qwen2_ref  # noqa: E402
 
-TOL = {"portable": 1e-4, "avx2": 1e-4, "avx512": 3e-2,
-       "portable+kv_bf16": 1e-2, "avx2+kv_bf16": 1e-2, "avx512+kv_bf16": 3e-2}
+TOL = {"portable": 1e-4, "avx2": 1e-4, "avx512": 3e-2, "amx": 3e-2,
+       "portable+kv_bf16": 1e-2, "avx2+kv_bf16": 1e-2, "avx512+kv_bf16": 3e-2,
+       "amx+kv_bf16": 3e-2}
+# Paths whose matmul inputs are rounded to bf16 (checked against bf16_acts).
+BF16_ACTS = ("avx512", "amx")
 TOL_KV_BF16 = 5e-2
 KV_DTYPES = ["f32", "bf16"]
 MAX_NEAR_TIE_FRACTION = 0.02
@@ -122,7 +129,7 @@ def run(cmd, env=None):
 
 def supported_isas(generate, model_dir):
     isas = []
-    for isa in ("portable", "avx2", "avx512"):
+    for isa in ("portable", "avx2", "avx512", "amx"):
         env = dict(os.environ, TANDEM_CPU_ISA=isa)
         rc, _, err = run([generate, "--model", model_dir, "--prompt-ids", "1", "--max-tokens",
                           "1", "--threads", "1"], env)
@@ -177,11 +184,11 @@ def main():
                 ids = json.loads(out)["ids"]
                 eng = np.fromfile(dump, dtype="<f4").reshape(len(ids), vocab)
                 # Against the reference that rounds what this path rounds
-                # (matmul inputs on avx512, K/V with a bf16 cache), teacher-
+                # (matmul inputs on avx512 and amx, K/V with a bf16 cache), teacher-
                 # forced on the engine's tokens.
-                ref = refs[(isa == "avx512", kvd == "bf16")].forward(
+                ref = refs[(isa in BF16_ACTS, kvd == "bf16")].forward(
                     prompt + ids)[plen - 1:plen - 1 + len(ids)]
-                ok, rel, ties = compare(eng, ref, ids, isa == "avx512" or kvd == "bf16")
+                ok, rel, ties = compare(eng, ref, ids, isa in BF16_ACTS or kvd == "bf16")
                 worst[path] = max(worst.get(path, 0.0), rel)
                 checked += 1
                 steps[path] = steps.get(path, 0) + len(ids)
@@ -192,7 +199,7 @@ def main():
                 if kvd == "bf16":
                     # Fidelity against the f32 cache: the plain f32-KV
                     # reference of this path, same near-tie rule, TOL_KV_BF16.
-                    ref32 = refs[(isa == "avx512", False)].forward(
+                    ref32 = refs[(isa in BF16_ACTS, False)].forward(
                         prompt + ids)[plen - 1:plen - 1 + len(ids)]
                     ok32, rel32, ties32 = compare(eng, ref32, ids, True)
                     worst32[path] = max(worst32.get(path, 0.0), rel32)
