@@ -221,6 +221,13 @@ struct tdm_backend_ops {
     // out[n][inter] = silu(gate_up[n][0:inter]) * gate_up[n][inter:2*inter]
     // (matmul-input format).
     void (*silu_mul)(struct tdm_backend *be, const float *gate_up, void *out, int n, int inter);
+    // Optional (NULL, or false returned: matmul into a [n][w->rows] buffer,
+    // then silu_mul): silu_mul of x . w^T (w: inter gate rows, then inter up
+    // rows; inter = w->rows / 2) into out[n][inter] without writing the
+    // product out, with the bits of the two ops. A backend returns false for
+    // a shape or batch it does not fuse; it has then written nothing.
+    bool (*matmul_silu_mul)(struct tdm_backend *be, const struct tdm_weight *w, const void *x,
+                            void *out, int n);
     // x[i] += y[i] for i < count.
     void (*add)(struct tdm_backend *be, float *x, const float *y, size_t count);
     // Optional: runs fn(arg, tid, nthreads) once on each of the backend's host

@@ -1329,8 +1329,13 @@ static int forward_layers(struct tdm_model *m, struct tdm_kv_cache *kv,
         layer_matmul(m, pl, &L->o, NULL, m->attn, m->d);
         // MLP block (SwiGLU).
         add_norm(m, m->d, L->post_norm, m->h, n);
-        layer_matmul(m, pl, &L->gate_up, NULL, m->h, m->gate_up);
-        ops->silu_mul(be, m->gate_up, m->act, n, inter);
+        // The product [n][2 * inter] round-trips through memory unless the
+        // backend fuses the two (the decode class's GEMM only).
+        if (pl->any_prompt || !ops->matmul_silu_mul ||
+            !ops->matmul_silu_mul(be, &L->gate_up, m->h, m->act, n)) {
+            layer_matmul(m, pl, &L->gate_up, NULL, m->h, m->gate_up);
+            ops->silu_mul(be, m->gate_up, m->act, n, inter);
+        }
         layer_matmul(m, pl, &L->down, NULL, m->act, m->d);
         *pending = m->d;
     }

@@ -391,6 +391,62 @@ static void test_rmsnorm_silu_add(void **state)
     ops->destroy(be);
 }
 
+// matmul_silu_mul against matmul then silu_mul, bit for bit, on every path
+// (the emulated AMX kernel too) and weight type: batches past the token chunk
+// and with a ragged last token tile, a cols count that pads; below the fusing
+// batch, or when inter is not whole blocks, it declines and writes nothing.
+static void check_silu_fused(struct tdm_backend *be, const char *path, enum tdm_wtype t)
+{
+    static const int cases[][3] = {{64, 128, 45}, {77, 192, 96}, {600, 64, 33}, {300, 80, 16}};
+    uint16_t *scratch = malloc(sizeof(uint16_t) * 2 * 192 * 96);
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        int n = cases[c][0], inter = cases[c][1], cols = cases[c][2];
+        float *m = malloc(sizeof(float) * 2 * inter * cols), *x = malloc(sizeof(float) * n * cols);
+        float *gu = malloc(sizeof(float) * n * 2 * inter),
+              *want = malloc(sizeof(float) * n * inter);
+        float *got = malloc(sizeof(float) * n * inter);
+        fill(m, (size_t)2 * inter * cols, 0.5f);
+        fill(x, (size_t)n * cols, 2.0f);
+        struct tdm_weight w;
+        prepare(be, &w, m, 2 * inter, cols, t, TDM_DTYPE_F32, scratch);
+        ops->matmul(be, &w, NULL, x, gu, n);
+        ops->silu_mul(be, gu, want, n, inter);
+        for (int i = 0; i < n * inter; i++)
+            got[i] = -12345.0f;
+        bool fused = ops->matmul_silu_mul(be, &w, x, got, n);
+        if (inter % CPU_BLOCK_ROWS != 0) {
+            assert_false(fused);
+            for (int i = 0; i < n * inter; i++)
+                assert_true(got[i] == -12345.0f);
+        } else {
+            assert_true(fused);
+            if (memcmp(got, want, sizeof(float) * n * inter) != 0)
+                fail_msg("%s type %d: n %d inter %d cols %d: fused != matmul + silu_mul", path,
+                         (int)t, n, inter, cols);
+        }
+        // Below the fusing batch the caller runs the two ops.
+        assert_false(ops->matmul_silu_mul(be, &w, x, got, CPU_SILU_FUSE_MIN_TOKENS - 1));
+        ops->release_weight(be, &w);
+        free(m), free(x), free(gu), free(want), free(got);
+    }
+    free(scratch);
+}
+
+static void test_matmul_silu_fused(void **state)
+{
+    (void)state;
+    struct tdm_backend *be = make_backend(ops, 2);
+    static const enum tdm_wtype types[] = {TDM_W_F32, TDM_W_BF16, TDM_W_Q8};
+    FOR_EACH_ISA(be, isa)
+    {
+        for (int i = 0; i < 3; i++)
+            check_silu_fused(be, tdm_cpu_isa_name((enum tdm_cpu_isa)isa), types[i]);
+    }
+    cpu_backend_use_amx_emu(be);
+    check_silu_fused(be, "amx (emulated)", TDM_W_BF16);
+    ops->destroy(be);
+}
+
 static void test_rope(void **state)
 {
     (void)state;
@@ -725,7 +781,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_prepare_errors),   cmocka_unit_test(test_embed),
         cmocka_unit_test(test_rmsnorm_silu_add), cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention),        cmocka_unit_test(test_attention_bad_block),
-        cmocka_unit_test(test_attn_accum_span),
+        cmocka_unit_test(test_attn_accum_span),  cmocka_unit_test(test_matmul_silu_fused),
         cmocka_unit_test(test_probes),           cmocka_unit_test(test_adopt_weight),
     };
     return tdm_test_exit(cmocka_run_group_tests(tests, NULL, NULL));

@@ -206,10 +206,18 @@ struct tdm_backend {
     float *am_tiles;
     float *am_best;
     int32_t *am_idx;
+    // cpu_matmul_silu_mul's per-thread gate and up tiles, grown on use:
+    // [nthreads][2][CPU_MM_CHUNK_TOKENS * CPU_BLOCK_ROWS].
+    float *sm_tiles;
 };
 // Tests: runs the emulated AMX table (cpu_kernels_amx_fill(.., true)) on be
 // until the next tdm_cpu_backend_set_isa.
 void cpu_backend_use_amx_emu(struct tdm_backend *be);
+
+// Tokens from which matmul_silu_mul fuses: a smaller batch's product
+// ([n][2 * inter] f32, 2.5 MB at 64 tokens of Qwen2.5-0.5B) stays in cache
+// anyway, and matmul's chunking of small batches keeps the weight streams long.
+#define CPU_SILU_FUSE_MIN_TOKENS 64
 
 // Rows of the weight one fused-argmax task multiplies into its tile (4 blocks:
 // a tile of 64 tokens is 64 KiB, in L2; the full logits of 64 rows of a
