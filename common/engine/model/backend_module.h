@@ -27,9 +27,10 @@
 #include <stdint.h>
 
 #define TDM_BACKEND_MODULE_API                                                                     \
-    6 // 2: set_batch_invariant; 3: matmul_runs (struct tdm_backend_ops);
+    7 // 2: set_batch_invariant; 3: matmul_runs (struct tdm_backend_ops);
       // 4: sample_rows returns logprobs; 5: take_results, gather_ids;
-      // 6: adjustment lists (struct tdm_draw_params: rec_*, list*)
+      // 6: adjustment lists (struct tdm_draw_params: rec_*, list*);
+      // 7: matmul_silu_mul
 #define TDM_BACKEND_MODULE_INIT_SYMBOL "tdm_backend_module_init"
 
 struct tdm_backend_ops;
