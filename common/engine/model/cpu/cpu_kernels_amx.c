@@ -46,6 +46,13 @@ static void zero_pad_tokens(const struct cpu_mm_args *a, int t1)
         memset((uint32_t *)a->xq + (size_t)t * a->xq_stride, 0, kp16 * sizeof(uint32_t));
 }
 
+// K chunks (32 k each) per pass of the two-token-tile GEMM (cpu_amx_body.h):
+// the pass's two A tiles per chunk, 2 KiB, stay in L1 for the block's second
+// panel pair.
+#ifndef CPU_AMX_KPASS
+#define CPU_AMX_KPASS 10
+#endif
+
 // ---- the emulated path (every host) ----------------------------------------------------------
 // Tokens [t0, t1) to bf16 pairs as the AVX-512 conversion writes them: pairs
 // up to a multiple of 16 (zero past cols), then the padding tokens.
