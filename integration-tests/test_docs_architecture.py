@@ -13,6 +13,9 @@ Two checks over the source tree, no build needed:
    only headers of the folders it may call (and its own, the standard and
    third-party libraries, generated protobuf headers where `proto` is
    allowed). Tests, benches and fuzzers are not held to it.
+4. Core's `sanitizer.h` is the one place that asks the compiler which
+   sanitizer is on (GCC's __SANITIZE_* macros, clang's __has_feature): code
+   elsewhere that asked only GCC missed clang's builds (the fuzzers').
 """
 import os
 import re
@@ -196,8 +199,18 @@ for f in files:
             failures.append("%s includes %s (%s), which %s may not call (may call: %s)" %
                             (f, inc, hdir, d, own_rules[d]))
 
+# ---- 4. sanitizer.h asks the compiler -----------------------------------------------------
+SANITIZER_ASK = re.compile(r"__SANITIZE_[A-Z]+__|__has_feature\s*\(\s*\w*sanitizer")
+for f in files:
+    if f.endswith((".c", ".h", ".cu", ".cuh")) and f != "common/core/sanitizer.h":
+        for i, text in enumerate(code.get(f, "").splitlines(), 1):
+            if SANITIZER_ASK.search(text):
+                failures.append("%s:%d asks the compiler for its sanitizer: include sanitizer.h "
+                                "and use TDM_SANITIZE_*" % (f, i))
+
 for line in failures:
     print("FAIL: docs/architecture.md: " + line)
 if failures:
     sys.exit(1)
-print("docs/architecture.md: every code name exists; every include follows the layers and the module map")
+print("docs/architecture.md: every code name exists; every include follows the layers and the "
+      "module map; only sanitizer.h asks the compiler for its sanitizer")

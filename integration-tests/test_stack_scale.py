@@ -13,7 +13,8 @@ wrong nng port (its /health answers) is healthy but not up: never routed to.
 `tandem scale --prefill N --decode M` adds workers (awaited, then the router
 takes them) and removes them (they leave the router's config, then drain:
 streams running there finish whole); bad requests fail with a line saying
-why; the socket and the secret file are gone after the stack stops.
+why, and so does a scaling while the router's /metrics does not answer (within
+seconds); the socket and the secret file are gone after the stack stops.
 """
 import http.server
 import json
@@ -312,6 +313,31 @@ def main():
     check(rc == 2 and "--decode" in err, "decode 0: %d %r" % (rc, err))
     rc, _, err = scale(args, env, "--port", str(api), "--bogus")
     check(rc == 2, "unknown flag: %d %r" % (rc, err))
+
+    # 5b. A router whose /metrics does not answer (stopped): the reload count
+    # read before the config changes is retried for a few seconds, then the
+    # scaling fails with one line saying so (before, that read was given up
+    # after 2 s, any state was accepted as the reload, and a stopped router
+    # was waited on for 60 s). Running again, the router takes the next scaling.
+    router_pid = re.search(r"OpenAI API, policy \S+\s+pid (\d+)", st.log())
+    check(router_pid is not None, "no router pid line:\n%s" % st.log())
+    router_pid = int(router_pid.group(1))
+    os.kill(router_pid, signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        rc, out, err = scale(args, env, "--port", str(api), "--decode", "1")
+        took = time.time() - t0
+    finally:
+        os.kill(router_pid, signal.SIGCONT)
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    check(rc == 1 and last.startswith("error: the router's /metrics") and
+          "did not answer within" in last, "router stopped: rc %d\n%s%s" % (rc, out, err))
+    check(took < 30, "router stopped: scale took %.1f s" % took)
+    # (A config with other bytes: a reload of the active bytes counts nothing.)
+    rc, out, err = scale(args, env, "--port", str(api), "--prefill", "1", "--decode", "1")
+    check(rc == 0 and out.strip().splitlines()[-1] == "ok: 1 prefill + 1 decode workers",
+          "router running again: rc %d\n%s%s" % (rc, out, err))
+    print("router stopped: scale failed in %.1f s: %s" % (took, last))
 
     # 6. Stopped: the socket and the secret file are gone.
     check(st.stop() == 0, "tandem up exit status:\n%s" % st.log())

@@ -313,7 +313,8 @@ static int load_model_and_text(struct tdm_worker *s, char *err, size_t errlen)
 
 // The metrics registry and the worker's series: the vLLM set (its
 // cache_config_info carries s->num_blocks), the tracer's, the prefill
-// backlog and, when speculating, vLLM's speculative decoding counters.
+// backlog, the async scheduling counters and, when speculating, vLLM's
+// speculative decoding counters.
 static int register_metrics(struct tdm_worker *s, char *err, size_t errlen)
 {
     const struct tdm_worker_config *cfg = &s->cfg;
@@ -357,6 +358,19 @@ static int register_metrics(struct tdm_worker *s, char *err, size_t errlen)
     rc = tdm_metrics_gauge_register(&s->prompt_tokens_waiting, s->reg, &po, err, errlen);
     if (rc != TDM_OK)
         return rc;
+    // The engine's async scheduling at work (0 where the backend's forwards
+    // end at issue, the CPU's): steps issued ahead, rows read from device lists.
+    struct tdm_metrics_opts co = po;
+    co.name = "tandem:engine_steps_ahead_total";
+    co.help = "Engine steps issued while the step before them was still on the device.";
+    rc = tdm_metrics_counter_register(&s->steps_ahead, s->reg, &co, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
+    co.name = "tandem:engine_list_rows_total";
+    co.help = "Sampled rows whose penalty entries the device kept from the step before.";
+    rc = tdm_metrics_counter_register(&s->list_rows, s->reg, &co, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
     // vLLM registers its speculative decoding counters only when speculating.
     if (cfg->spec.num_speculative_tokens > 0)
         return tdm_metrics_spec_register(&s->spec_metrics, s->reg, s->text.served_name, "0",
@@ -391,6 +405,8 @@ static int start_engine(struct tdm_worker *s, char *err, size_t errlen)
     ec.max_waiting = cfg->max_waiting;
     ec.metrics = &s->metrics;
     ec.prompt_tokens_waiting = s->prompt_tokens_waiting;
+    ec.steps_ahead = s->steps_ahead;
+    ec.list_rows = s->list_rows;
     ec.spec = cfg->spec;
     ec.sync_scheduling = !cfg->async_scheduling;
     ec.spec_metrics = cfg->spec.num_speculative_tokens > 0 ? &s->spec_metrics : NULL;

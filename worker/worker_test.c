@@ -153,6 +153,10 @@ static void test_lifecycle(void **state)
     expect(s, "GET", "/metrics", 200, "vllm:cache_config_info");
     expect(s, "GET", "/metrics", 200, "num_gpu_blocks=\"32\"");
     expect(s, "GET", "/metrics", 200, "tandem:num_prompt_tokens_waiting");
+    expect(s, "GET", "/metrics", 200, "# TYPE tandem:engine_steps_ahead_total counter");
+    expect(s, "GET", "/metrics", 200, "# TYPE tandem:engine_list_rows_total counter");
+    expect(s, "GET", "/metrics", 200, "tandem:engine_steps_ahead_total{");
+    expect(s, "GET", "/metrics", 200, "tandem:engine_list_rows_total{");
     resp = post(tdm_worker_port(s), "/v1/completions",
                 "{\"prompt\":\"hello\",\"max_tokens\":3,\"ignore_eos\":true}");
     assert_int_equal(status_of(resp), 200);

@@ -679,6 +679,9 @@ static void publish_stats(struct tdm_engine *e)
     s->num_fused_argmax_tokens = e->fused_rows;
     s->num_device_drawn_tokens = e->drawn_rows;
     s->num_device_verify_rows = e->drawn_verify_rows;
+    // The counters advance by what the last snapshot lacked.
+    tdm_metrics_counter_add(e->cfg.steps_ahead, (double)(e->async_steps - s->num_async_steps));
+    tdm_metrics_counter_add(e->cfg.list_rows, (double)(e->list_rows - s->num_device_list_rows));
     s->num_async_steps = e->async_steps;
     s->num_device_list_rows = e->list_rows;
     s->num_finished = e->finished;

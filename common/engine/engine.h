@@ -57,6 +57,11 @@ struct tdm_engine_config {
     // tandem:num_prompt_tokens_waiting (stats.num_prompt_tokens_waiting) to
     // update; NULL = none
     struct tdm_metrics_gauge *prompt_tokens_waiting;
+    // tandem:engine_steps_ahead_total and tandem:engine_list_rows_total
+    // (stats.num_async_steps, stats.num_device_list_rows) to advance with the
+    // stats; NULL = none
+    struct tdm_metrics_counter *steps_ahead;
+    struct tdm_metrics_counter *list_rows;
     int kv_event_capacity;            // > 0: record KV events (tdm_engine_take_kv_events) in
                                       // buffers of this many events; default 0 = off
     // Structured outputs: the tokenizer's token trie (tdm_grammar_vocab_from_tokenizer),

@@ -969,13 +969,27 @@ static void test_device_import_ahead(void **state)
 // bias of +30 and is masked by min_tokens 4 (the list loaded again when the
 // masks go: then the stop id is drawn and ends it), and after them (C) a
 // request given a freed list id, with frequency 0.5. Tokens = the runner's;
-// most rows read from their lists.
+// most rows read from their lists. tandem:engine_list_rows_total and
+// tandem:engine_steps_ahead_total follow the stats.
 static void test_device_lists(void **state)
 {
     (void)state;
     enum { NA = 200, MTA = 24, MTB = 12, MTC = 12 };
     struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
-    struct tdm_engine *e = engine_make_on(dm, 128, 64, 8, 0, false, NULL);
+    struct tdm_metrics_registry *reg = NULL;
+    struct tdm_metrics_counter *ahead = NULL, *lrows = NULL;
+    char err[256];
+    assert_int_equal(tdm_metrics_registry_new(&reg, NULL, 0, err, sizeof err), TDM_OK);
+    const struct tdm_metrics_opts ao = {.name = "tandem:engine_steps_ahead_total", .help = "x"};
+    const struct tdm_metrics_opts lo = {.name = "tandem:engine_list_rows_total", .help = "x"};
+    assert_int_equal(tdm_metrics_counter_register(&ahead, reg, &ao, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_metrics_counter_register(&lrows, reg, &lo, err, sizeof err), TDM_OK);
+    struct tdm_engine_config ec;
+    struct tdm_engine *e = NULL;
+    tdm_engine_config_default(&ec);
+    ec.num_blocks = 128, ec.max_num_batched_tokens = 64, ec.max_num_seqs = 8;
+    ec.steps_ahead = ahead, ec.list_rows = lrows;
+    assert_int_equal(tdm_engine_new(&e, dm, &ec, err, sizeof err), TDM_OK);
     static int32_t pa[NA];
     int32_t pb[30], pc[20];
     make_prompt(pa, NA, 61);
@@ -1025,7 +1039,11 @@ static void test_device_lists(void **state)
     assert_true(s1.num_device_list_rows >= (uint64_t)(MTA - 1 + 3));
     assert_int_equal(s2.num_device_list_rows - s1.num_device_list_rows, MTC - 1);
     assert_true(s2.kv_usage == 0.0f);
+    assert_true(s2.num_async_steps > 0);
+    assert_true(tdm_metrics_counter_value(lrows) == (double)s2.num_device_list_rows);
+    assert_true(tdm_metrics_counter_value(ahead) == (double)s2.num_async_steps);
     tdm_engine_free(e);
+    tdm_metrics_registry_free(reg);
     // Preemption: two penalised requests whose KV outgrows a pool of 10
     // blocks; the one preempted recomputes its tokens and reads its list
     // again where its draws left it (its draws' positions unchanged).

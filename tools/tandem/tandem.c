@@ -1706,14 +1706,18 @@ static bool router_took_config(const struct up_opts *o, const char *host, long b
     return took;
 }
 
-// The router's count of successful config reloads (-1: not known).
-static long router_reloads(const char *host)
+// How long router_follow tries to read the router's reload count before it
+// changes the config (each read waits up to 2 s for an answer).
+#define ROUTER_FIRST_READ_S 6.0
+
+// The router's count of successful config reloads: >= 0; -1 where its
+// /metrics answers without one; -2 where it does not answer 200 (why says
+// how it failed).
+static long router_reloads(const char *host, char *why, size_t whylen)
 {
     struct tdm_strbuf body = {0};
-    char why[96];
-    long n = http_get(host, children[0].http_port, "/metrics", 2.0, &body, why, sizeof why) == 200
-                 ? metrics_reloads(body.p)
-                 : -1;
+    int st = http_get(host, children[0].http_port, "/metrics", 2.0, &body, why, whylen);
+    long n = st == 200 ? metrics_reloads(body.p) : -2;
     tdm_strbuf_fini(&body);
     return n;
 }
@@ -1794,6 +1798,10 @@ static void retire(const struct up_opts *o, struct child **list, int n)
 // bytes already active counts nothing; so the count to exceed is read before
 // the file changes: read after, it may include the watcher's reload, and the
 // SIGHUP's would then never be counted (a 60 s wait and "no reload counted").
+// That first read is retried for ROUTER_FIRST_READ_S; a router whose /metrics
+// never answers still gets the new config and the SIGHUP (it takes them once
+// it answers again: the file then matches the workers this launcher runs),
+// but the scaling fails, as nothing can tell its reload from the state before.
 static int router_follow(const struct up_opts *o, int cfd)
 {
     if (o->no_router)
@@ -1805,7 +1813,13 @@ static int router_follow(const struct up_opts *o, int cfd)
         return -1;
     }
     const char *h = connect_host(o->host);
-    long before = router_reloads(h);
+    char why[160] = "";
+    long before = -1; // a router not running reads the new file as it starts
+    double until = tdm_now() + ROUTER_FIRST_READ_S;
+    while (child_running(&children[0]) && (before = router_reloads(h, why, sizeof why)) == -2 &&
+           !stop_signals && tdm_now() < until)
+        pump(0.2);
+    bool unanswered = before == -2 && child_running(&children[0]);
     FILE *f = fopen(tmp, "w");
     bool ok = f && fputs(text, f) != EOF;
     ok = f && fclose(f) == 0 && ok;
@@ -1819,8 +1833,16 @@ static int router_follow(const struct up_opts *o, int cfd)
         return 0;
     }
     kill(children[0].pid, SIGHUP);
+    if (unanswered) {
+        tell(cfd,
+             "error: the router's /metrics (http://%s:%d/metrics) did not answer within %.0f s "
+             "(%s): %s is written and the router signalled, but its reload cannot be confirmed",
+             h, children[0].http_port, ROUTER_FIRST_READ_S, why[0] ? why : "no answer",
+             stk.cfg_path);
+        return -1;
+    }
+    why[0] = '\0';
     double deadline = tdm_now() + 60.0;
-    char why[160] = "";
     for (;;) {
         pump(0.2);
         if (router_took_config(o, h, before, why, sizeof why))

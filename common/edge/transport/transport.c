@@ -288,7 +288,7 @@ static int stream_io(nng_stream *s, bool send, void *buf, size_t n, double deadl
 // attack it prevents.
 #define AUTH_MAGIC 0x41444d54u // "TDMA"
 #define AUTH_VERSION 2
-#define AUTH_STEP_S 2.0
+#define AUTH_STEP_S 2.0 // each step's limit, unless tdm_net_set_handshake_step (tests)
 #define AUTH_MIN_KEY 16
 #define AUTH_MAX_KEY 1024
 #define AUTH_HELLO 52
@@ -301,6 +301,19 @@ static pthread_mutex_t g_auth_mu = PTHREAD_MUTEX_INITIALIZER;
 static bool g_auth_set; // set explicitly or loaded from the environment
 static unsigned char g_auth_key[AUTH_MAX_KEY];
 static size_t g_auth_len; // 0: no secret, connections are not authenticated
+static atomic_int g_auth_step_ms = (int)(AUTH_STEP_S * 1000); // each step's limit
+
+static double auth_step(void)
+{
+    return atomic_load(&g_auth_step_ms) / 1000.0;
+}
+
+void tdm_net_set_handshake_step(double step_s)
+{
+    if (!(step_s > 0)) // also NaN
+        step_s = AUTH_STEP_S;
+    atomic_store(&g_auth_step_ms, (int)((step_s < 3600 ? step_s : 3600) * 1000));
+}
 
 int tdm_net_set_secret(const void *key, size_t len, char *err, size_t errlen)
 {
@@ -589,8 +602,8 @@ static int auth_dialer(nng_stream *s, const unsigned char *key, size_t klen, cha
     auth_nonce(hello + 8);
     put_u64(hello + 24, auth_self_id());
     auth_endpoint(s, NNG_OPT_REMADDR, hello + 32);
-    if (stream_io(s, true, hello, sizeof hello, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
-        stream_io(s, false, challenge, sizeof challenge, tdm_now() + AUTH_STEP_S, NULL) != 0) {
+    if (stream_io(s, true, hello, sizeof hello, tdm_now() + auth_step(), NULL) != 0 ||
+        stream_io(s, false, challenge, sizeof challenge, tdm_now() + auth_step(), NULL) != 0) {
         snprintf(why, wl,
                  "no handshake answer (does the peer have the same "
                  "TANDEM_INTERNAL_SECRET and version? does it receive on the "
@@ -605,8 +618,8 @@ static int auth_dialer(nng_stream *s, const unsigned char *key, size_t klen, cha
         return -1;
     }
     auth_mac(key, klen, 'D', hello, challenge, mac);
-    if (stream_io(s, true, mac, sizeof mac, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
-        stream_io(s, false, confirm, sizeof confirm, tdm_now() + AUTH_STEP_S, NULL) != 0) {
+    if (stream_io(s, true, mac, sizeof mac, tdm_now() + auth_step(), NULL) != 0 ||
+        stream_io(s, false, confirm, sizeof confirm, tdm_now() + auth_step(), NULL) != 0) {
         snprintf(why, wl, "the peer refused the proof (a different TANDEM_INTERNAL_SECRET)");
         return -1;
     }
@@ -624,13 +637,13 @@ static int auth_listener(nng_stream *s, const unsigned char *key, size_t klen,
 {
     unsigned char hello[AUTH_HELLO], challenge[AUTH_CHALLENGE], mac[32], proof[32];
     unsigned char self[AUTH_EP];
-    int rv = stream_io(s, false, hello, 8, tdm_now() + AUTH_STEP_S, stop);
+    int rv = stream_io(s, false, hello, 8, tdm_now() + auth_step(), stop);
     if (rv == NNG_ECLOSED || rv == NNG_ECONNRESET || rv == NNG_ECONNSHUT) {
         snprintf(why, wl, "closed before the handshake");
         return -2; // a port probe (a readiness check's connect and close): not worth a warning
     }
     if (rv != 0) {
-        snprintf(why, wl, "no handshake within %.0f s", AUTH_STEP_S);
+        snprintf(why, wl, "no handshake within %.0f s", auth_step());
         return -1;
     }
     if (get_u32(hello) != AUTH_MAGIC) {
@@ -644,8 +657,8 @@ static int auth_listener(nng_stream *s, const unsigned char *key, size_t klen,
                  get_u16(hello + 4), AUTH_VERSION);
         return -1;
     }
-    if (stream_io(s, false, hello + 8, sizeof hello - 8, tdm_now() + AUTH_STEP_S, stop) != 0) {
-        snprintf(why, wl, "no handshake within %.0f s", AUTH_STEP_S);
+    if (stream_io(s, false, hello + 8, sizeof hello - 8, tdm_now() + auth_step(), stop) != 0) {
+        snprintf(why, wl, "no handshake within %.0f s", auth_step());
         return -1;
     }
     // Bound to this endpoint before anything is signed or even answered.
@@ -660,8 +673,8 @@ static int auth_listener(nng_stream *s, const unsigned char *key, size_t klen,
     auth_header(challenge);
     auth_nonce(challenge + 8);
     put_u64(challenge + 24, auth_self_id());
-    if (stream_io(s, true, challenge, sizeof challenge, tdm_now() + AUTH_STEP_S, NULL) != 0 ||
-        stream_io(s, false, proof, sizeof proof, tdm_now() + AUTH_STEP_S, stop) != 0) {
+    if (stream_io(s, true, challenge, sizeof challenge, tdm_now() + auth_step(), NULL) != 0 ||
+        stream_io(s, false, proof, sizeof proof, tdm_now() + auth_step(), stop) != 0) {
         snprintf(why, wl, "the peer gave no proof (a different secret, or not a Tandem peer)");
         return -1;
     }
@@ -671,7 +684,7 @@ static int auth_listener(nng_stream *s, const unsigned char *key, size_t klen,
         return -1;
     }
     auth_mac(key, klen, 'L', hello, challenge, mac);
-    if (stream_io(s, true, mac, sizeof mac, tdm_now() + AUTH_STEP_S, NULL) != 0) {
+    if (stream_io(s, true, mac, sizeof mac, tdm_now() + auth_step(), NULL) != 0) {
         snprintf(why, wl, "the connection closed during the handshake");
         return -1;
     }

@@ -101,6 +101,11 @@ bool tdm_net_authenticated(void);
 // called first; NULL or "" clears). TDM_EINVAL with err naming a bad entry;
 // at most 16.
 int tdm_net_set_aliases(const char *list, char *err, size_t errlen);
+// Each handshake step's limit in seconds, for the connections handshaking
+// from then on (default 2 s; step_s <= 0 restores it). For tests: one that
+// tells a prompt refusal from a step run out raises it, so that a loaded
+// machine cannot make the one look like the other.
+void tdm_net_set_handshake_step(double step_s);
 
 // ---- inbox: the address a process listens on --------------------------------------------
 struct tdm_net_inbox;

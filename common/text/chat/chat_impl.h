@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "core.h"
+#include "sanitizer.h"
 
 // ---- limits (stated in docs/chat-templates.md) -----------------------------------
 #define CHAT_MAX_OUTPUT (8u << 20)             // bytes of rendered prompt
@@ -30,7 +31,7 @@
 #define CHAT_MAX_JSON_DEPTH TDM_JSON_MAX_DEPTH // nesting of messages/tools JSON (core.h)
 // Bytes of C stack one render may use; sanitizer builds have frames about twice
 // as large, so they get twice the budget.
-#if defined(__SANITIZE_ADDRESS__)
+#if TDM_SANITIZE_ADDRESS
 #define CHAT_MAX_STACK (96u << 10)
 #else
 #define CHAT_MAX_STACK (48u << 10)
