@@ -64,6 +64,25 @@ def router_view_settled(cl, busy_name, timeout=10):
           request(cl.router_port, "GET", "/v1/router/config")[2])
 
 
+def prefix_blocks(cl, name):
+    st, _, cfg = request(cl.router_port, "GET", "/v1/router/config")
+    eps = {e["name"]: e for e in cfg.get("endpoints_state", [])} if st == 200 else {}
+    return (eps.get(name) or {}).get("prefix_blocks", 0)
+
+
+def wait_prefix_blocks(cl, name, at_least, timeout=15):
+    """Waits until the router's index holds at least at_least block hashes
+    for worker name (its load reports carry the KV events every 0.2 s; a
+    loaded machine delays them, so a fixed sleep was a race)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if prefix_blocks(cl, name) >= at_least:
+            return
+        time.sleep(0.05)
+    check(False, "the router indexed %d blocks of %s, expected %d" %
+          (prefix_blocks(cl, name), name, at_least))
+
+
 def main():
     args = parse_args()
     cl = Cluster(args, policy="round_robin", pd_mode="prefix",
@@ -167,9 +186,11 @@ def main():
     for rnd_i in range(2):
         for w in cl.decode:
             p = [rnd.randrange(3, 500) for _ in range(320)]
+            indexed = prefix_blocks(cl, w.name)
             st, _, _ = post(w.http_port, "/v1/completions", {"prompt": p, "max_tokens": 2})
             check(st == 200, "direct request to %s status %d" % (w.name, st))
-            time.sleep(0.8)  # load reports every 0.2 s carry the KV events
+            # The load reports carry the KV events of its 20 full blocks.
+            wait_prefix_blocks(cl, w.name, indexed + 320 // 16)
             st, hdr, _ = post(cl.router_port, "/v1/completions", {"prompt": p, "max_tokens": 2})
             check(st == 200, "kv-events request status %d" % st)
             check(hdr.get("x-tandem-decode") == w.name,
