@@ -1039,7 +1039,9 @@ static void test_authentication(void **state)
     assert_true(read(raw, &b, 1) <= 0);
     double t0 = tdm_now();
     assert_true(read(silent, &b, 1) <= 0);
-    assert_true(tdm_now() - t0 < 4.0);
+    // The step's 2 s, plus PROMPT_S for a loaded machine (a connection never
+    // closed blocks the read until ctest's timeout: a failure too).
+    assert_true(tdm_now() - t0 < 2.0 + PROMPT_S);
     close(raw);
     close(silent);
     // The good peer still gets through.
