@@ -232,6 +232,15 @@ def main():
     check(m.get('tandem:router_ready_endpoints{role="prefill"}') == 1.0, "prefill not ready")
     rc, out, _ = scale(args, env, "--port", str(api))
     check(rc == 0 and "ok: 1 prefill + 2 decode workers" in out, "status: %d %s" % (rc, out))
+    # 3b. To the counts that run: the config's bytes are already the file's,
+    # and a reload of them would count nothing; the scaling only checks that
+    # the router sees every worker (before: a 60 s wait, then rc 1).
+    t0 = time.time()
+    rc, out, err = scale(args, env, "--port", str(api), "--prefill", "1", "--decode", "2")
+    took = time.time() - t0
+    check(rc == 0 and out.strip().splitlines()[-1] == "ok: 1 prefill + 2 decode workers" and
+          "router already has" in out, "same counts: rc %d\n%s%s" % (rc, out, err))
+    check(took < 20, "same counts: scale took %.1f s" % took)
     new = re.search(r"decode-1 started: http://[^:]+:(\d+), nng port \d+, pid (\d+)",
                     st.log())
     check(new is not None, "no decode-1 start line:\n%s" % st.log())

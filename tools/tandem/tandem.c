@@ -1791,6 +1791,21 @@ static void retire(const struct up_opts *o, struct child **list, int n)
     }
 }
 
+// Whether the file at path holds exactly text.
+static bool file_holds(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return false;
+    size_t n = strlen(text), got = 0;
+    char buf[4096];
+    bool same = true;
+    for (size_t r; same && (r = fread(buf, 1, sizeof buf, f)) > 0; got += r)
+        same = got + r <= n && memcmp(buf, text + got, r) == 0;
+    fclose(f);
+    return same && got == n;
+}
+
 // The router's config rewritten for the children now active (atomically: a
 // reload never reads half a file), then SIGHUP; waits until the router has
 // reloaded and counts the new workers ready. The router also reloads a changed
@@ -1802,6 +1817,9 @@ static void retire(const struct up_opts *o, struct child **list, int n)
 // never answers still gets the new config and the SIGHUP (it takes them once
 // it answers again: the file then matches the workers this launcher runs),
 // but the scaling fails, as nothing can tell its reload from the state before.
+// A config whose bytes are already the file's (a scaling to the counts that
+// run) is neither written nor signalled, as no reload of it would be counted:
+// the router is only checked to see every worker ready.
 static int router_follow(const struct up_opts *o, int cfd)
 {
     if (o->no_router)
@@ -1814,38 +1832,42 @@ static int router_follow(const struct up_opts *o, int cfd)
     }
     const char *h = connect_host(o->host);
     char why[160] = "";
+    bool same = file_holds(stk.cfg_path, text);
     long before = -1; // a router not running reads the new file as it starts
     double until = tdm_now() + ROUTER_FIRST_READ_S;
     while (child_running(&children[0]) && (before = router_reloads(h, why, sizeof why)) == -2 &&
            !stop_signals && tdm_now() < until)
         pump(0.2);
     bool unanswered = before == -2 && child_running(&children[0]);
-    FILE *f = fopen(tmp, "w");
-    bool ok = f && fputs(text, f) != EOF;
-    ok = f && fclose(f) == 0 && ok;
-    if (!ok || rename(tmp, stk.cfg_path) != 0) {
-        tell(cfd, "error: cannot write %s: %s", stk.cfg_path, strerror(errno));
-        unlink(tmp);
-        return -1;
+    if (!same) {
+        FILE *f = fopen(tmp, "w");
+        bool ok = f && fputs(text, f) != EOF;
+        ok = f && fclose(f) == 0 && ok;
+        if (!ok || rename(tmp, stk.cfg_path) != 0) {
+            tell(cfd, "error: cannot write %s: %s", stk.cfg_path, strerror(errno));
+            unlink(tmp);
+            return -1;
+        }
     }
     if (!child_running(&children[0])) {
         tell(cfd, "the router is restarting: it reads the new config as it starts");
         return 0;
     }
-    kill(children[0].pid, SIGHUP);
+    if (!same)
+        kill(children[0].pid, SIGHUP);
     if (unanswered) {
         tell(cfd,
              "error: the router's /metrics (http://%s:%d/metrics) did not answer within %.0f s "
-             "(%s): %s is written and the router signalled, but its reload cannot be confirmed",
+             "(%s): %s %s, but the router's state cannot be confirmed",
              h, children[0].http_port, ROUTER_FIRST_READ_S, why[0] ? why : "no answer",
-             stk.cfg_path);
+             stk.cfg_path, same ? "is unchanged" : "is written and the router signalled");
         return -1;
     }
     why[0] = '\0';
     double deadline = tdm_now() + 60.0;
     for (;;) {
         pump(0.2);
-        if (router_took_config(o, h, before, why, sizeof why))
+        if (router_took_config(o, h, same ? -1 : before, why, sizeof why))
             break;
         if (stop_signals || tdm_now() > deadline) {
             tell(cfd, "error: the router did not take the new config (%s)",
@@ -1853,8 +1875,8 @@ static int router_follow(const struct up_opts *o, int cfd)
             return -1;
         }
     }
-    tell(cfd, "router reloaded %s: %d prefill + %d decode workers", stk.cfg_path, o->n_prefill,
-         o->n_decode);
+    tell(cfd, "router %s %s: %d prefill + %d decode workers", same ? "already has" : "reloaded",
+         stk.cfg_path, o->n_prefill, o->n_decode);
     return 0;
 }
 
