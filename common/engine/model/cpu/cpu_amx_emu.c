@@ -42,6 +42,25 @@ uint16_t cpu_amx_emu_f32_to_bf16(float f)
     return (uint16_t)(u >> 16);
 }
 
+float cpu_amx_emu_exp(float x)
+{
+    // vmaxps/vminps return the second operand when either is NaN, as fmaxf
+    // and fminf return the number.
+    x = fmaxf(x, -87.33f);
+    x = fminf(x, 88.0f);
+    float n = nearbyintf(x * 1.44269504f);
+    float r = fmaf(-n, 0.693359375f, x);
+    r = fmaf(-n, -2.12194440e-4f, r);
+    float p = 1.0f / 720;
+    p = fmaf(p, r, 1.0f / 120);
+    p = fmaf(p, r, 1.0f / 24);
+    p = fmaf(p, r, 1.0f / 6);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    return ldexpf(p, (int)n);
+}
+
 void cpu_amx_emu_loadconfig(struct cpu_amx_emu *e, const struct cpu_amx_cfg *cfg,
                             enum cpu_amx_order order)
 {

@@ -80,5 +80,9 @@ float cpu_amx_emu_add(float x, float y);
 // VCVTNE2PS2BF16 on one element: round to nearest even, a denormal input
 // becomes a zero of its sign, a NaN stays a quiet NaN.
 uint16_t cpu_amx_emu_f32_to_bf16(float f);
+// cpu_exp512 (cpu_avx512_math.h) on one lane, bit for bit: the same clamps,
+// products, fused steps and scaling, each rounded as the vector instruction
+// rounds it (MXCSR's default: nearest even, no DAZ or FTZ).
+float cpu_amx_emu_exp(float x);
 
 #endif

@@ -9,7 +9,8 @@
 // an AVX-512 host: the model's bf16 conversion against vcvtne2ps2bf16. On an
 // AMX host only (else they exit 77 as separate ctests): the real TDPBF16PS
 // against the model on crafted and random tiles, and the real tile kernel
-// against the emulated one and the AVX-512 one.
+// against the emulated one and the AVX-512 one, the real tile attention
+// against the emulated one.
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -29,6 +30,7 @@
 #include "cpu_amx_emu.h"
 #include "cpu_backend.h"
 #include "cpu_impl.h"
+#include "kv_cache.h"
 #define CPU_TEST_SEED 0x2545f4914f6cdd1dull
 #include "cpu_test_util.h"
 
@@ -480,6 +482,92 @@ static void test_hw_amx_kernel(void **state)
     ops->destroy(be);
 }
 
+// The real tile attention (cpu_amx_attn_body.h) against its model on the
+// emulated tiles with the scalar twins of its AVX-512 helpers: bit for bit,
+// for f32 and bf16 pools, head_dim 64 in place (bf16, whole 16-key chunks
+// per block) and padded or copied shapes, prompts past one span (128), GQA
+// groups 1, 7 and 12 (a unit of 8 heads and one of 4), prefill in one piece
+// and then a decode step of every sequence.
+static void test_hw_amx_attention(void **state)
+{
+    (void)state;
+    if (!tdm_cpu_isa_supported(TDM_CPU_ISA_AMX))
+        TDM_SKIP("this CPU (or kernel) has no AMX-BF16");
+    static const int cases[][4] = {
+        // heads, kv heads, head_dim, block size
+        {14, 2, 64, 16}, {4, 4, 64, 32}, {7, 1, 128, 16}, {12, 1, 40, 16}, {4, 2, 18, 5},
+    };
+    const int n_seqs = 3, lens[3] = {1, 37, 300};
+    struct tdm_backend *be = make_backend(ops, 2);
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)
+        for (int pool = 0; pool < 2; pool++) {
+            const int nh = cases[ci][0], nkv = cases[ci][1], hd = cases[ci][2], bs = cases[ci][3];
+            int nblocks = 0;
+            for (int s = 0; s < n_seqs; s++)
+                nblocks += (lens[s] + 1 + bs - 1) / bs;
+            struct tdm_kv_config cfg = {.num_layers = 1,
+                                        .num_kv_heads = nkv,
+                                        .head_dim = hd,
+                                        .block_size = bs,
+                                        .num_blocks = nblocks,
+                                        .dtype = pool ? TDM_KV_BF16 : TDM_KV_F32};
+            struct tdm_kv_cache *kv = NULL;
+            char err[256] = "";
+            if (tdm_kv_new(&kv, &cfg, err, sizeof err) != TDM_OK)
+                fail_msg("kv: %s", err);
+            int tables[3][64], next = nblocks - 1; // handed out from the end, interleaved
+            for (int b = 0; b < 64; b++)
+                for (int s = 0; s < n_seqs; s++)
+                    if (b * bs < lens[s] + 1)
+                        tables[s][b] = next--;
+            const int qd = nh * hd, kvd = nkv * hd, stride = qd + 2 * kvd;
+            const int total = lens[0] + lens[1] + lens[2];
+            float *qkv = malloc(sizeof(float) * (size_t)(total + n_seqs) * stride);
+            // Outputs of the decode step land in rows total + s.
+            const size_t out_n = (size_t)(total + n_seqs) * qd;
+            float *o_real = malloc(sizeof(float) * out_n), *o_emu = malloc(sizeof(float) * out_n);
+            assert_true(qkv && o_real && o_emu);
+            fill(qkv, (size_t)(total + n_seqs) * stride, 1.5f);
+            struct tdm_attn_seq seqs[3], dec[3];
+            for (int s = 0, row = 0; s < n_seqs; row += lens[s], s++) {
+                seqs[s] = (struct tdm_attn_seq){
+                    .row = row, .n_tokens = lens[s], .start_pos = 0, .block_table = tables[s]};
+                dec[s] = (struct tdm_attn_seq){.row = total + s,
+                                               .n_tokens = 1,
+                                               .start_pos = lens[s],
+                                               .block_table = tables[s]};
+            }
+            const float scale = 1.0f / sqrtf((float)hd);
+            ops->kv_store(be, kv, 0, seqs, n_seqs, qkv + qd, qkv + qd + kvd, stride);
+            ops->kv_store(be, kv, 0, dec, n_seqs, qkv + qd, qkv + qd + kvd, stride);
+            for (int step = 0; step < 2; step++) {
+                const struct tdm_attn_seq *ss = step ? dec : seqs;
+                for (int path = 0; path < 2; path++) {
+                    float *o = path ? o_emu : o_real;
+                    if (path)
+                        cpu_backend_use_amx_emu(be);
+                    else
+                        assert_int_equal(tdm_cpu_backend_set_isa(be, TDM_CPU_ISA_AMX), TDM_OK);
+                    memset(o, 0, sizeof(float) * out_n);
+                    ops->attention(be, kv, 0, ss, n_seqs, qkv, stride, o, nh, nkv, hd, scale);
+                }
+                size_t i0 = step ? (size_t)total * qd : 0;
+                size_t n = step ? (size_t)n_seqs * qd : (size_t)total * qd;
+                int differ = 0;
+                for (size_t i = i0; i < i0 + n; i++)
+                    differ += cpu_f32_bits(o_real[i]) != cpu_f32_bits(o_emu[i]);
+                if (differ)
+                    fail_msg("heads %d/%d hd %d bs %d %s pool, %s: real tiles differ from the "
+                             "model in %d of %zu outputs",
+                             nh, nkv, hd, bs, pool ? "bf16" : "f32", step ? "decode" : "prefill",
+                             differ, n);
+            }
+            free(qkv), free(o_real), free(o_emu);
+            tdm_kv_free(kv);
+        }
+    ops->destroy(be);
+}
+
 // A backend takes the best path the CPU has, amx where it has AMX (and the
 // kernel grants the tile state); asking for amx works exactly there.
 static void test_default_path(void **state)
@@ -515,6 +603,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_hw_avx512_prep),
         cmocka_unit_test(test_hw_amx_dpbf16ps),
         cmocka_unit_test(test_hw_amx_kernel),
+        cmocka_unit_test(test_hw_amx_attention),
     };
     return tdm_test_exit(tdm_run_group_tests(tests, NULL, NULL));
 }

@@ -222,6 +222,7 @@ static void cpu_destroy(struct tdm_backend *be)
     free(be->am_best);
     free(be->am_idx);
     free(be->sm_tiles);
+    free(be->attn_scratch);
     free(be);
 }
 
@@ -1001,37 +1002,12 @@ static void cpu_kv_store(struct tdm_backend *be, struct tdm_kv_cache *kv, int la
     }
 }
 
-// Query tokens per attention task in prefill.
-#define ATTN_TASK_TOKENS 16
-
-struct attn_job {
-    struct tdm_kv_cache *kv;
-    const struct cpu_kernels *k;
-    int layer;
-    const struct tdm_attn_seq *seqs;
-    int n_seqs;
-    const float *q;
-    int q_stride;
-    float *out;
-    int n_heads, n_kv_heads, head_dim;
-    float scale;
-    int block_size;
-    bool bf16;             // the pool holds bf16 (else f32)
-    const int *task_start; // [n_seqs + 1] prefix sums of tasks per sequence
-    _Atomic int next;
-};
-
-// Query heads of one GQA group handled together: the group shares each K/V
-// chunk, read once from L2 into L1 for all of them.
-#define ATTN_MAX_GROUP 8
 // Largest head_dim whose bf16 key chunk is widened into a stack buffer once
 // per group; a larger one uses the scores kernel that widens as it reads.
 #define ATTN_WIDEN_MAX_HD 256
-// Keys per online-softmax step: positions [k * ATTN_SPAN, (k + 1) * ATTN_SPAN)
-// are scored chunk by chunk, then rescaled, exponentiated and accumulated
-// together, the accumulators staying in registers for the whole span (one
-// rescale and one exp of the running max per span, not per chunk).
-#define ATTN_SPAN 128
+// A span's chunks are scored one by one, then rescaled, exponentiated and
+// accumulated together, the accumulators staying in registers for the whole
+// span.
 
 // attn_query's steps, inlined into it: its hot loop stays one function.
 #define ATTN_INLINE static inline __attribute__((always_inline))
@@ -1045,7 +1021,7 @@ struct attn_prefetch {
 
 // Block blk's keys and values of layer j->layer in the pool's dtype; false
 // when blk is out of range.
-ATTN_INLINE bool attn_block(const struct attn_job *j, int blk, const void **kb, const void **vb)
+ATTN_INLINE bool attn_block(const struct cpu_attn_job *j, int blk, const void **kb, const void **vb)
 {
     if (j->bf16)
         *kb = tdm_kv_k_bf16(j->kv, j->layer, blk), *vb = tdm_kv_v_bf16(j->kv, j->layer, blk);
@@ -1055,8 +1031,9 @@ ATTN_INLINE bool attn_block(const struct attn_job *j, int blk, const void **kb, 
 }
 
 // The chunk that starts at position pos, split over nh heads' shares.
-ATTN_INLINE struct attn_prefetch
-attn_prefetch_at(const struct attn_job *j, const struct tdm_attn_seq *sq, int pos, int kvh, int nh)
+ATTN_INLINE struct attn_prefetch attn_prefetch_at(const struct cpu_attn_job *j,
+                                                  const struct tdm_attn_seq *sq, int pos, int kvh,
+                                                  int nh)
 {
     struct attn_prefetch pf = {NULL, NULL, 0, 0};
     int bs = j->block_size, hd = j->head_dim;
@@ -1077,9 +1054,9 @@ attn_prefetch_at(const struct attn_job *j, const struct tdm_attn_seq *sq, int po
 
 // Scores one chunk of nk keys (kb + off) for the nh query heads q into
 // s[g][n..n+nk), raising each head's span max mc[g]; kw: the widening buffer.
-ATTN_INLINE void attn_score_chunk(const struct attn_job *j, const float *q, const void *kb,
+ATTN_INLINE void attn_score_chunk(const struct cpu_attn_job *j, const float *q, const void *kb,
                                   size_t off, int nk, int nh, bool widened, float *kw,
-                                  float (*s)[ATTN_SPAN], int n, float *mc,
+                                  float (*s)[CPU_ATTN_SPAN], int n, float *mc,
                                   const struct attn_prefetch *pf)
 {
     int hd = j->head_dim;
@@ -1110,8 +1087,8 @@ ATTN_INLINE void attn_score_chunk(const struct attn_job *j, const float *q, cons
 // The online softmax's step over a span of n scores: each head's new max,
 // the correction corr[g] of what it accumulated so far, its scores
 // exponentiated in place and its running sum l[g].
-ATTN_INLINE void attn_span_softmax(const struct attn_job *j, float (*s)[ATTN_SPAN], int n, int nh,
-                                   const float *mc, float *m, float *l, float *corr)
+ATTN_INLINE void attn_span_softmax(const struct cpu_attn_job *j, float (*s)[CPU_ATTN_SPAN], int n,
+                                   int nh, const float *mc, float *m, float *l, float *corr)
 {
     for (int g = 0; g < nh; g++) {
         float m_new = mc[g] > m[g] ? mc[g] : m[g];
@@ -1126,14 +1103,14 @@ ATTN_INLINE void attn_span_softmax(const struct attn_job *j, float (*s)[ATTN_SPA
 }
 
 // acc = acc * corr + the span's weights times its value rows, run by run.
-ATTN_INLINE void attn_span_accum(const struct attn_job *j, float *acc, const float *corr,
-                                 float (*s)[ATTN_SPAN], const void *const *vrun,
+ATTN_INLINE void attn_span_accum(const struct cpu_attn_job *j, float *acc, const float *corr,
+                                 float (*s)[CPU_ATTN_SPAN], const void *const *vrun,
                                  const int *nrun_keys, int nrun, int nh)
 {
     int hd = j->head_dim;
     if (j->k->attn_accum_span) {
-        j->k->attn_accum_span(acc, corr, &s[0][0], ATTN_SPAN, vrun, nrun_keys, nrun, j->bf16, nh,
-                              hd);
+        j->k->attn_accum_span(acc, corr, &s[0][0], CPU_ATTN_SPAN, vrun, nrun_keys, nrun, j->bf16,
+                              nh, hd);
         return;
     }
     for (int g = 0; g < nh; g++)
@@ -1149,22 +1126,22 @@ ATTN_INLINE void attn_span_accum(const struct attn_job *j, float *acc, const flo
 }
 
 // One query row, heads h0..h0+nh-1 (all on KV head kvh): online softmax over
-// positions 0..p in spans of ATTN_SPAN aligned positions, each scored in
+// positions 0..p in spans of CPU_ATTN_SPAN aligned positions, each scored in
 // chunks of at most CPU_ATTN_CHUNK that never cross a block or a span, so the
 // chunking (and each head's result) depends on p only, never on how the
 // prompt was split into steps or which heads share the pass.
-static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, int i, int kvh,
+static void attn_query(const struct cpu_attn_job *j, const struct tdm_attn_seq *sq, int i, int kvh,
                        int h0, int nh)
 {
     int hd = j->head_dim, bs = j->block_size;
     int p = sq->start_pos + i;
     const float *q = j->q + (size_t)(sq->row + i) * j->q_stride + (size_t)h0 * hd;
     float *acc = j->out + (size_t)(sq->row + i) * j->n_heads * hd + (size_t)h0 * hd;
-    float s[ATTN_MAX_GROUP][ATTN_SPAN];
-    float m[ATTN_MAX_GROUP], l[ATTN_MAX_GROUP];
+    float s[CPU_ATTN_MAX_GROUP][CPU_ATTN_SPAN];
+    float m[CPU_ATTN_MAX_GROUP], l[CPU_ATTN_MAX_GROUP];
     // The span's value rows, run by run (a run never crosses a block).
-    const void *vrun[ATTN_SPAN];
-    int nrun_keys[ATTN_SPAN];
+    const void *vrun[CPU_ATTN_SPAN];
+    int nrun_keys[CPU_ATTN_SPAN];
     // One bf16 key chunk widened: 16 KiB of stack at most.
     float kw[CPU_ATTN_CHUNK * ATTN_WIDEN_MAX_HD] __attribute__((aligned(64)));
     bool widened = j->bf16 && hd <= ATTN_WIDEN_MAX_HD;
@@ -1172,10 +1149,10 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
         m[g] = -INFINITY, l[g] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)hd * nh);
     for (int pos = 0; pos <= p;) {
-        int span_end = (pos / ATTN_SPAN + 1) * ATTN_SPAN;
+        int span_end = (pos / CPU_ATTN_SPAN + 1) * CPU_ATTN_SPAN;
         if (span_end > p + 1)
             span_end = p + 1;
-        float mc[ATTN_MAX_GROUP], corr[ATTN_MAX_GROUP];
+        float mc[CPU_ATTN_MAX_GROUP], corr[CPU_ATTN_MAX_GROUP];
         for (int g = 0; g < nh; g++)
             mc[g] = -INFINITY;
         int n = 0, nrun = 0;
@@ -1220,21 +1197,20 @@ static void attn_query(const struct attn_job *j, const struct tdm_attn_seq *sq, 
 }
 
 // Tasks of a sequence: (head unit, token chunk), a head unit being up to
-// ATTN_MAX_GROUP query heads of one KV head.
-static int attn_units(const struct attn_job *j)
+// CPU_ATTN_MAX_GROUP query heads of one KV head.
+static int attn_units(const struct cpu_attn_job *j)
 {
     int group = j->n_heads / j->n_kv_heads;
-    return j->n_kv_heads * ((group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP);
+    return j->n_kv_heads * ((group + CPU_ATTN_MAX_GROUP - 1) / CPU_ATTN_MAX_GROUP);
 }
 
 static void attn_task(void *arg, int tid, int nthreads)
 {
-    (void)tid;
     (void)nthreads;
-    struct attn_job *j = arg;
+    struct cpu_attn_job *j = arg;
     int total = j->task_start[j->n_seqs];
     int group = j->n_heads / j->n_kv_heads;
-    int nsub = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
+    int nsub = (group + CPU_ATTN_MAX_GROUP - 1) / CPU_ATTN_MAX_GROUP;
     for (;;) {
         int t = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (t >= total)
@@ -1244,16 +1220,21 @@ static void attn_task(void *arg, int tid, int nthreads)
             s++;
         const struct tdm_attn_seq *sq = &j->seqs[s];
         int local = t - j->task_start[s];
-        int chunks = (sq->n_tokens + ATTN_TASK_TOKENS - 1) / ATTN_TASK_TOKENS;
+        int chunks = (sq->n_tokens + CPU_ATTN_TASK_TOKENS - 1) / CPU_ATTN_TASK_TOKENS;
         int unit = local / chunks;
         int c = local % chunks;
         int kvh = unit / nsub;
-        int h0 = kvh * group + (unit % nsub) * ATTN_MAX_GROUP;
-        int nh =
-            kvh * group + group - h0 < ATTN_MAX_GROUP ? kvh * group + group - h0 : ATTN_MAX_GROUP;
-        int i1 =
-            (c + 1) * ATTN_TASK_TOKENS < sq->n_tokens ? (c + 1) * ATTN_TASK_TOKENS : sq->n_tokens;
-        for (int i = c * ATTN_TASK_TOKENS; i < i1; i++)
+        int h0 = kvh * group + (unit % nsub) * CPU_ATTN_MAX_GROUP;
+        int nh = kvh * group + group - h0 < CPU_ATTN_MAX_GROUP ? kvh * group + group - h0
+                                                               : CPU_ATTN_MAX_GROUP;
+        int i1 = (c + 1) * CPU_ATTN_TASK_TOKENS < sq->n_tokens ? (c + 1) * CPU_ATTN_TASK_TOKENS
+                                                               : sq->n_tokens;
+        if (j->tile_scratch) {
+            j->k->attn_tile(j, sq, c * CPU_ATTN_TASK_TOKENS, i1, kvh, h0, nh,
+                            j->tile_scratch + (size_t)tid * cpu_attn_tile_scratch(j->head_dim));
+            continue;
+        }
+        for (int i = c * CPU_ATTN_TASK_TOKENS; i < i1; i++)
             attn_query(j, sq, i, kvh, h0, nh);
     }
 }
@@ -1272,29 +1253,48 @@ static void cpu_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int l
                     head_dim);
         return;
     }
+    // The tile kernel's scratch (the AMX path), grown on use; without it the
+    // per-query kernels run, as they do for a head_dim above the tiles' limit.
+    uint8_t *tile_scratch = NULL;
+    if (be->k->attn_tile && head_dim <= CPU_ATTN_TILE_MAX_HD) {
+        size_t need = (size_t)be->nthreads * cpu_attn_tile_scratch(head_dim);
+        if (need > be->attn_scratch_bytes) {
+            uint8_t *p = alloc_aligned(need);
+            if (p) {
+                free(be->attn_scratch);
+                be->attn_scratch = p, be->attn_scratch_bytes = need;
+            }
+        }
+        if (need <= be->attn_scratch_bytes)
+            tile_scratch = be->attn_scratch;
+        else
+            TDM_LOG_ERR("cpu", "attention: no memory for the tile kernel's scratch (%zu bytes)",
+                        need);
+    }
     int task_start[ATTN_MAX_SEQS + 1];
     for (int s0 = 0; s0 < n_seqs; s0 += ATTN_MAX_SEQS) {
         int ns = n_seqs - s0 < ATTN_MAX_SEQS ? n_seqs - s0 : ATTN_MAX_SEQS;
-        struct attn_job j = {.kv = kv,
-                             .k = be->k,
-                             .layer = layer,
-                             .seqs = seqs + s0,
-                             .n_seqs = ns,
-                             .q = q,
-                             .q_stride = q_stride,
-                             .out = out,
-                             .n_heads = n_heads,
-                             .n_kv_heads = n_kv_heads,
-                             .head_dim = head_dim,
-                             .scale = scale,
-                             .block_size = tdm_kv_config(kv)->block_size,
-                             .bf16 = tdm_kv_dtype(kv) == TDM_KV_BF16,
-                             .task_start = task_start};
+        struct cpu_attn_job j = {.kv = kv,
+                                 .k = be->k,
+                                 .layer = layer,
+                                 .seqs = seqs + s0,
+                                 .n_seqs = ns,
+                                 .q = q,
+                                 .q_stride = q_stride,
+                                 .out = out,
+                                 .n_heads = n_heads,
+                                 .n_kv_heads = n_kv_heads,
+                                 .head_dim = head_dim,
+                                 .scale = scale,
+                                 .block_size = tdm_kv_config(kv)->block_size,
+                                 .bf16 = tdm_kv_dtype(kv) == TDM_KV_BF16,
+                                 .task_start = task_start,
+                                 .tile_scratch = tile_scratch};
         atomic_init(&j.next, 0);
         int units = attn_units(&j);
         task_start[0] = 0;
         for (int s = 0; s < ns; s++) {
-            int chunks = (seqs[s0 + s].n_tokens + ATTN_TASK_TOKENS - 1) / ATTN_TASK_TOKENS;
+            int chunks = (seqs[s0 + s].n_tokens + CPU_ATTN_TASK_TOKENS - 1) / CPU_ATTN_TASK_TOKENS;
             task_start[s + 1] = task_start[s] + chunks * units;
         }
         if (task_start[ns] == 1)

@@ -51,6 +51,18 @@
 #define CPU_STREAM_PREFETCH 4096
 // Positions scored together in attention (a chunk never crosses a KV block).
 #define CPU_ATTN_CHUNK 16
+// Query tokens per attention task in prefill.
+#define CPU_ATTN_TASK_TOKENS 16
+// Query heads of one GQA group handled together: the group shares each K/V
+// chunk, read once from L2 into L1 for all of them.
+#define CPU_ATTN_MAX_GROUP 8
+// Keys per online-softmax step: positions [k * CPU_ATTN_SPAN, (k + 1) *
+// CPU_ATTN_SPAN) are scored, then rescaled, exponentiated and accumulated
+// together (one rescale and one exp of the running max per span).
+#define CPU_ATTN_SPAN 128
+// Largest head_dim the tile attention (cpu_kernels.attn_tile) takes; a larger
+// one runs the per-query kernels on every path.
+#define CPU_ATTN_TILE_MAX_HD 256
 
 // ---- thread pool ---------------------------------------------------------------------
 // fn runs once on every thread (tid 0 is the caller) and returns before
@@ -135,6 +147,43 @@ static inline const uint8_t *cpu_w_block(const struct tdm_weight *w, int b)
     return (const uint8_t *)w->data + (size_t)b * full;
 }
 
+// ---- attention job ---------------------------------------------------------------------------
+struct tdm_kv_cache;
+struct tdm_attn_seq;
+// One attention call (cpu_backend.c's cpu_attention), shared by its tasks.
+struct cpu_attn_job {
+    struct tdm_kv_cache *kv;
+    const struct cpu_kernels *k;
+    int layer;
+    const struct tdm_attn_seq *seqs;
+    int n_seqs;
+    const float *q;
+    int q_stride;
+    float *out;
+    int n_heads, n_kv_heads, head_dim;
+    float scale;
+    int block_size;
+    bool bf16;             // the pool holds bf16 (else f32)
+    const int *task_start; // [n_seqs + 1] prefix sums of tasks per sequence
+    _Atomic int next;
+    // attn_tile's per-thread scratch: cpu_attn_tile_scratch(head_dim) bytes a
+    // thread, 64-aligned; NULL when the path has no attn_tile.
+    uint8_t *tile_scratch;
+};
+
+// Bytes of attn_tile's scratch for one thread: [tiles][hdp / 2][16] Q pairs,
+// [tiles][hdp][16] f32 accumulators, [tiles][16] running max and sum, the
+// span's keys [SPAN][hdp] and values [SPAN][hdp] and transposed values
+// [hdp][SPAN] in bf16, its scores [SPAN][16] f32, weights [SPAN / 2][16]
+// pairs and one parked set of 4 C tiles; hdp: head_dim rounded up to 32.
+static inline size_t cpu_attn_tile_scratch(int head_dim)
+{
+    size_t hdp = ((size_t)head_dim + 31) / 32 * 32;
+    size_t tiles = CPU_ATTN_TASK_TOKENS * CPU_ATTN_MAX_GROUP / 16;
+    return tiles * hdp / 2 * 64 + tiles * hdp * 64 + tiles * 2 * 64 + 3 * CPU_ATTN_SPAN * hdp * 2 +
+           CPU_ATTN_SPAN * 64 + CPU_ATTN_SPAN / 2 * 64 + 4 * 1024;
+}
+
 // ---- per-ISA kernels -----------------------------------------------------------------------
 struct cpu_kernels {
     const char *name;
@@ -176,6 +225,14 @@ struct cpu_kernels {
     // The largest of x[0..n) by `>` (NaN never wins; -inf when nothing is
     // above it): the fused argmax's scan of a tile row. NULL: a scalar loop.
     float (*row_max)(const float *x, int n);
+    // Attention on AMX tiles (cpu_amx_attn_body.h) of query tokens [i0, i1)
+    // (at most CPU_ATTN_TASK_TOKENS) of sequence sq, query heads h0..h0+nh-1
+    // (nh <= CPU_ATTN_MAX_GROUP) of KV head kvh, head_dim <=
+    // CPU_ATTN_TILE_MAX_HD; scratch: the thread's cpu_attn_tile_scratch bytes.
+    // Each query's result depends on its position, its q and the cache only,
+    // as the per-query kernels'. NULL: those (attn_query per token).
+    void (*attn_tile)(const struct cpu_attn_job *j, const struct tdm_attn_seq *sq, int i0, int i1,
+                      int kvh, int h0, int nh, uint8_t *scratch);
 };
 
 extern const struct cpu_kernels cpu_kernels_portable;
@@ -209,6 +266,9 @@ struct tdm_backend {
     // cpu_matmul_silu_mul's per-thread gate and up tiles, grown on use:
     // [nthreads][2][CPU_MM_CHUNK_TOKENS * CPU_BLOCK_ROWS].
     float *sm_tiles;
+    // attn_tile's per-thread scratch, grown on use: [nthreads][attn_scratch_bytes].
+    uint8_t *attn_scratch;
+    size_t attn_scratch_bytes;
 };
 // Tests: runs the emulated AMX table (cpu_kernels_amx_fill(.., true)) on be
 // until the next tdm_cpu_backend_set_isa.

@@ -18,12 +18,17 @@
 // of n rows instead); the emulated table converts with the
 // same rounding in C. Linux hands a process the AMX tile state only on
 // request (arch_prctl ARCH_REQ_XCOMP_PERM), made once by cpu_amx_available.
+#include <math.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <string.h>
 
+#include "backend.h"
+#include "core.h"
 #include "cpu_amx_emu.h"
+#include "cpu_avx512_math.h"
 #include "cpu_impl.h"
+#include "kv_cache.h"
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
@@ -52,6 +57,33 @@ static void zero_pad_tokens(const struct cpu_mm_args *a, int t1)
 #ifndef CPU_AMX_KPASS
 #define CPU_AMX_KPASS 10
 #endif
+
+// Attention (cpu_amx_attn_body.h): prefetches into L2 the key and value rows
+// of KV head kvh at positions [p0, p1) of sequence sq, block by block (the
+// next span's, a 16-key share per chunk of this one: all its lines at once
+// would fill the core's miss buffers with nothing computing meanwhile).
+static void attn_prefetch(const struct cpu_attn_job *j, const struct tdm_attn_seq *sq, int kvh,
+                          int p0, int p1)
+{
+    const int bs = j->block_size;
+    const size_t es = j->bf16 ? 2 : 4, row = (size_t)j->head_dim * es;
+    for (int pos = p0; pos < p1;) {
+        const int blk = sq->block_table[pos / bs], slot = pos % bs;
+        const int run = bs - slot < p1 - pos ? bs - slot : p1 - pos;
+        const uint8_t *kb = j->bf16 ? (const uint8_t *)tdm_kv_k_bf16(j->kv, j->layer, blk)
+                                    : (const uint8_t *)tdm_kv_k(j->kv, j->layer, blk);
+        const uint8_t *vb = j->bf16 ? (const uint8_t *)tdm_kv_v_bf16(j->kv, j->layer, blk)
+                                    : (const uint8_t *)tdm_kv_v(j->kv, j->layer, blk);
+        if (kb && vb) {
+            const size_t off = ((size_t)kvh * bs + slot) * row;
+            for (size_t b = 0; b < (size_t)run * row; b += 64) {
+                __builtin_prefetch(kb + off + b, 0, 2);
+                __builtin_prefetch(vb + off + b, 0, 2);
+            }
+        }
+        pos += run;
+    }
+}
 
 // ---- the emulated path (every host) ----------------------------------------------------------
 // Tokens [t0, t1) to bf16 pairs as the AVX-512 conversion writes them: pairs
@@ -83,6 +115,77 @@ static void emu_prep_x(const struct cpu_mm_args *a, int t0, int t1)
 #define AMX_DP(c, a, b) cpu_amx_emu_dpbf16ps(&emu_, (c), (a), (b))
 #define AMX_RELEASE() ((void)emu_)
 #include "cpu_amx_body.h"
+
+// The scalar twins of the real path's attention helpers (amx_to_bf16,
+// amx_softmax, amx_accum below), lane by lane the same operations.
+static void emu_to_bf16(uint16_t *dst, const float *src, int n)
+{
+    for (int i = 0; i < n; i++)
+        dst[i] = cpu_amx_emu_f32_to_bf16(src[i]);
+}
+
+// The online softmax's step over a row tile's scores sT ([t16 keys][16
+// rows]; t16, t32: keys rounded to 16 and 32) of the span at s0: keys past
+// a row's position prow[r] are masked out; m, l the running max and sum,
+// corr the correction of what was accumulated so far; pT the weights in key
+// pairs ([t32 / 2][16] bf16 pairs, zero past t16).
+static void emu_softmax(const float *sT, int t16, int t32, int s0, const int *prow, float scale,
+                        float *m, float *l, float *corr, uint32_t *pT)
+{
+    for (int r = 0; r < 16; r++) {
+        float mc = -INFINITY;
+        for (int k = 0; k < t16; k++) {
+            float s = sT[(size_t)k * 16 + r] * scale;
+            if (s0 + k <= prow[r] && s > mc)
+                mc = s;
+        }
+        float m_new = mc > m[r] ? mc : m[r];
+        corr[r] = m[r] == -INFINITY ? 0.0f : cpu_amx_emu_exp(m[r] - m_new);
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k = 0; k < t16; k += 2) {
+            float p[2];
+            for (int e = 0; e < 2; e++) {
+                float s = sT[(size_t)(k + e) * 16 + r] * scale;
+                p[e] = s0 + k + e <= prow[r] ? cpu_amx_emu_exp(s - m_new) : 0.0f;
+                sum[(k + e) % 4] += p[e];
+            }
+            pT[(size_t)k / 2 * 16 + r] = (uint32_t)cpu_amx_emu_f32_to_bf16(p[0]) |
+                                         (uint32_t)cpu_amx_emu_f32_to_bf16(p[1]) << 16;
+        }
+        for (int k = t16; k < t32; k += 2)
+            pT[(size_t)k / 2 * 16 + r] = 0;
+        float lc = l[r] * corr[r];
+        float ls = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+        l[r] = lc + ls;
+        m[r] = m_new;
+    }
+}
+
+// vT[d][k] = vrow[k][d] for keys k < nk (a multiple of 32) and dims d < hd,
+// zero for d in [hd, hdp): the span's value rows transposed into the A tiles
+// of O^T = V^T . P^T (vT rows CPU_ATTN_SPAN keys apart).
+static void emu_transpose(uint16_t *vT, const uint16_t *const *vrow, int nk, int hd, int hdp)
+{
+    for (int k = 0; k < nk; k++)
+        for (int d = 0; d < hdp; d++)
+            vT[(size_t)d * CPU_ATTN_SPAN + k] = d < hd ? vrow[k][d] : 0;
+}
+
+// acc[d][r] = acc[d][r] * corr[r] + c[d][r] for dims d < nd, rows r < 16.
+static void emu_accum(float *acc, const float *c, const float *corr, int nd)
+{
+    for (int d = 0; d < nd; d++)
+        for (int r = 0; r < 16; r++) {
+            float a = acc[(size_t)d * 16 + r] * corr[r];
+            acc[(size_t)d * 16 + r] = a + c[(size_t)d * 16 + r];
+        }
+}
+
+#define AMX_ATTN attn_emu
+#define AMXV(name) emu_##name
+#include "cpu_amx_attn_body.h"
+#undef AMX_ATTN
+#undef AMXV
 #undef AMX_GEMM
 #undef AMX_ATTR
 #undef AMX_STATE
@@ -137,6 +240,135 @@ bool cpu_amx_available(void)
 #define AMX_RELEASE() _tile_release()
 #include "cpu_amx_body.h"
 
+#define AMXV_ATTR                                                                                  \
+    static inline __attribute__((always_inline, target("amx-tile,amx-bf16," CPU_AVX512_TARGET)))
+
+AMXV_ATTR void amx_to_bf16(uint16_t *dst, const float *src, int n)
+{
+    int i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+        _mm512_storeu_si512(dst + i, (__m512i)h);
+    }
+    for (; i < n; i++) // vcvtne2ps2bf16's rounding (cpu_amx_emu.h)
+        dst[i] = cpu_amx_emu_f32_to_bf16(src[i]);
+}
+
+// emu_softmax's operations, 16 rows a vector.
+AMXV_ATTR void amx_softmax(const float *sT, int t16, int t32, int s0, const int *prow, float scale,
+                           float *m, float *l, float *corr, uint32_t *pT)
+{
+    const __m512i pr = _mm512_loadu_si512(prow);
+    const __m512 vs = _mm512_set1_ps(scale);
+    __m512 mc = _mm512_set1_ps(-INFINITY);
+    for (int k = 0; k < t16; k++) {
+        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sT + (size_t)k * 16), vs);
+        __mmask16 ok = _mm512_cmp_epi32_mask(_mm512_set1_epi32(s0 + k), pr, _MM_CMPINT_LE);
+        mc = _mm512_mask_max_ps(mc, ok, s, mc); // s > mc ? s : mc
+    }
+    const __m512 vm = _mm512_loadu_ps(m);
+    const __m512 m_new = _mm512_max_ps(mc, vm); // mc > m ? mc : m
+    __mmask16 seen = _mm512_cmp_ps_mask(vm, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+    const __m512 c = _mm512_maskz_mov_ps(seen, cpu_exp512(_mm512_sub_ps(vm, m_new)));
+    _mm512_storeu_ps(corr, c);
+    // Word 2r: row r's even key, word 2r + 1: its odd key.
+    const __m512i inter =
+        _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    for (int k = 0; k < t16; k += 2) {
+        __m512 p[2];
+        for (int e = 0; e < 2; e++) {
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(sT + (size_t)(k + e) * 16), vs);
+            __mmask16 ok = _mm512_cmp_epi32_mask(_mm512_set1_epi32(s0 + k + e), pr, _MM_CMPINT_LE);
+            p[e] = _mm512_maskz_mov_ps(ok, cpu_exp512(_mm512_sub_ps(s, m_new)));
+            sum[(k + e) % 4] = _mm512_add_ps(sum[(k + e) % 4], p[e]);
+        }
+        __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]);
+        _mm512_storeu_si512(pT + (size_t)k / 2 * 16, _mm512_permutexvar_epi16(inter, h));
+    }
+    for (int k = t16; k < t32; k += 2)
+        _mm512_storeu_si512(pT + (size_t)k / 2 * 16, _mm512_setzero_si512());
+    __m512 lc = _mm512_mul_ps(_mm512_loadu_ps(l), c);
+    __m512 ls = _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3]));
+    _mm512_storeu_ps(l, _mm512_add_ps(lc, ls));
+    _mm512_storeu_ps(m, m_new);
+}
+
+// The 16 x 16 transpose of 32-bit elements: x[i] dword j -> x[j] dword i.
+AMXV_ATTR void amx_transpose16_epi32(__m512i x[16])
+{
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+    }
+    // u[4i + c], 128-bit lane L: rows 4i..4i+3 of column 4L + c.
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+        __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+        __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+        x[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+        x[4 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        x[8 + c] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+        x[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+    }
+}
+
+// emu_transpose, 32 keys x 32 dims at a time: key pairs interleaved into
+// dwords (vpermt2w), then two 16 x 16 dword transposes.
+AMXV_ATTR void amx_transpose(uint16_t *vT, const uint16_t *const *vrow, int nk, int hd, int hdp)
+{
+    // Words 2d, 2d + 1: dim d of the even and of the odd key (lo: d < 16).
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                        8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int d0 = 0; d0 < hdp; d0 += 32) {
+        const __mmask32 m = hd - d0 >= 32 ? (__mmask32)0xffffffffu
+                            : hd > d0     ? (__mmask32)((1u << (hd - d0)) - 1u)
+                                          : 0;
+        for (int k0 = 0; k0 < nk; k0 += 32) {
+            __m512i a[16], b[16];
+            for (int p = 0; p < 16; p++) {
+                __m512i e = _mm512_maskz_loadu_epi16(m, vrow[k0 + 2 * p] + d0);
+                __m512i o = _mm512_maskz_loadu_epi16(m, vrow[k0 + 2 * p + 1] + d0);
+                a[p] = _mm512_permutex2var_epi16(e, lo, o);
+                b[p] = _mm512_permutex2var_epi16(e, hi, o);
+            }
+            amx_transpose16_epi32(a);
+            amx_transpose16_epi32(b);
+            for (int d = 0; d < 16; d++) {
+                _mm512_storeu_si512(vT + (size_t)(d0 + d) * CPU_ATTN_SPAN + k0, a[d]);
+                _mm512_storeu_si512(vT + (size_t)(d0 + 16 + d) * CPU_ATTN_SPAN + k0, b[d]);
+            }
+        }
+    }
+}
+
+AMXV_ATTR void amx_accum(float *acc, const float *c, const float *corr, int nd)
+{
+    const __m512 vc = _mm512_loadu_ps(corr);
+    for (int d = 0; d < nd; d++) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)d * 16), vc);
+        _mm512_storeu_ps(acc + (size_t)d * 16,
+                         _mm512_add_ps(a, _mm512_loadu_ps(c + (size_t)d * 16)));
+    }
+}
+
+#undef AMX_ATTR
+#define AMX_ATTR __attribute__((target("amx-tile,amx-bf16," CPU_AVX512_TARGET)))
+#define AMX_ATTN attn_amx
+#define AMXV(name) amx_##name
+#include "cpu_amx_attn_body.h"
+
 static void amx_prep_x(const struct cpu_mm_args *a, int t0, int t1)
 {
     cpu_kernels_avx512.mm_prep_x(a, t0, t1);
@@ -159,12 +391,14 @@ void cpu_kernels_amx_fill(struct cpu_kernels *k, bool emulated)
         k->name = "amx-emu";
         k->mm_prep_x = emu_prep_x;
         k->mm_blocks = emu_mm_blocks;
+        k->attn_tile = attn_emu;
         return;
     }
     *k = cpu_kernels_avx512;
     k->name = "amx";
     k->mm_prep_x = amx_prep_x;
     k->mm_blocks = amx_mm_blocks;
+    k->attn_tile = attn_amx;
 }
 
 #else
@@ -181,6 +415,7 @@ void cpu_kernels_amx_fill(struct cpu_kernels *k, bool emulated)
     k->name = "amx-emu";
     k->mm_prep_x = emu_prep_x;
     k->mm_blocks = emu_mm_blocks;
+    k->attn_tile = attn_emu;
 }
 
 #endif

@@ -17,6 +17,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "cpu_avx512_math.h"
 #include "cpu_impl.h"
 
 #if defined(__x86_64__)
@@ -30,26 +31,6 @@
 AI __mmask16 lanes_mask(int n)
 {
     return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-}
-
-// exp(x) for x in [-87.3, 88]: 2^n * p(r), r = x - n ln2, degree-6 Taylor
-// polynomial (|r| <= 0.35: error below 2 ulp).
-AI __m512 exp_ps(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 // ---- matmul ---------------------------------------------------------------------------------
@@ -425,7 +406,7 @@ static void silu_mul_row(const float *gate, const float *up, float *out, int int
         __mmask16 m = lanes_mask(inter - i);
         __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
         __m512 u = _mm512_maskz_loadu_ps(m, up + i);
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 e = cpu_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
         __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(s, u));
     }
@@ -511,7 +492,7 @@ static float attn_exp(float *s, int nk, float m)
 {
     __mmask16 mk = lanes_mask(nk);
     __m512 v = _mm512_maskz_loadu_ps(mk, s);
-    __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(v, _mm512_set1_ps(m))));
+    __m512 e = _mm512_maskz_mov_ps(mk, cpu_exp512(_mm512_sub_ps(v, _mm512_set1_ps(m))));
     _mm512_mask_storeu_ps(s, mk, e);
     return _mm512_reduce_add_ps(e);
 }

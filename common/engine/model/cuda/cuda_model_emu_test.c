@@ -208,6 +208,17 @@ static void greedy(struct tdm_model *m, struct tdm_kv_cache *kv, struct tdm_kv_s
     }
 }
 
+// The CPU reference computes attention in f32, as the CUDA kernels do: on an
+// AMX host, whose best path runs attention on bf16 tiles (q, K, V and the
+// softmax weights rounded; docs/cpu-backend.md), the reference models take
+// the AVX-512 path (matmul activations rounded to bf16 as there, f32
+// attention). TANDEM_CPU_ISA, where set, still chooses.
+static void cpu_reference_path(void)
+{
+    if (getenv("TANDEM_CPU_ISA") == NULL && tdm_cpu_isa_best() == TDM_CPU_ISA_AMX)
+        setenv("TANDEM_CPU_ISA", "avx512", 1);
+}
+
 // Whether the CPU backend's bf16 matmuls round activations to bf16 as the
 // CUDA kernels do (cuBLASLt takes bf16 operands): the AVX-512 path does
 // (vdpbf16ps); the AVX2 and portable paths keep activations in f32, so on a
@@ -2200,6 +2211,7 @@ static void test_big_batch16_fast(void **state)
 int main(int argc, char **argv)
 {
     tdm_test_filters(argc, argv); // --only / --skip PATTERN (tdm_test's SPLIT)
+    cpu_reference_path();
 #ifdef TDM_CUDA_TEST_GPU
     struct tdm_model_opts probe;
     char err[256];

@@ -44,6 +44,7 @@
 
 #include "backend.h"
 #include "core.h"
+#include "cpu_backend.h"
 #include "cuda_dev.h"
 #include "cuda_kernels.h"
 #include "kv_cache.h"
@@ -171,6 +172,17 @@ static float check_close(const char *what, const float *a, const float *b, size_
         worst = e > worst ? e : worst;
     }
     return worst;
+}
+
+// The CPU reference computes attention in f32, as the CUDA kernels do: on an
+// AMX host, whose best path runs attention on bf16 tiles (q, K, V and the
+// softmax weights rounded; docs/cpu-backend.md), the reference takes the
+// AVX-512 path (matmul activations rounded to bf16 as there, f32 attention).
+// TANDEM_CPU_ISA, where set, still chooses.
+static void cpu_reference_path(void)
+{
+    if (getenv("TANDEM_CPU_ISA") == NULL && tdm_cpu_isa_best() == TDM_CPU_ISA_AMX)
+        setenv("TANDEM_CPU_ISA", "avx512", 1);
 }
 
 static struct tdm_backend *cpu_be(void)
@@ -2167,6 +2179,7 @@ static int group_teardown(void **state)
 int main(int argc, char **argv)
 {
     tdm_test_filters(argc, argv);
+    cpu_reference_path();
 #ifdef TDM_CUDA_TEST_GPU
     if (tdm_cuda_dev_count() <= 0) {
         printf("cuda_ops_gpu_test: no GPU visible; skipped\n");
