@@ -67,17 +67,17 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
 
     // Rows: position (-1: a padding row, every key masked) and q in pairs.
     int prow[TMAX * 16];
+    _Alignas(64) uint16_t qh[CPU_ATTN_TILE_MAX_HD]; // one q row in bf16, zeros past hd
     for (int r = 0; r < T * 16; r++) {
         prow[r] = r < R ? sq->start_pos + i0 + r / nh : -1;
+        memset(qh, 0, sizeof qh);
+        if (r < R)
+            AMXV(to_bf16)
+            (qh, j->q + (size_t)(sq->row + i0 + r / nh) * j->q_stride + (size_t)(h0 + r % nh) * hd,
+             hd);
         uint32_t *dst = qT + (size_t)(r / 16) * (hdp / 2) * 16 + r % 16;
-        const float *q = r < R ? j->q + (size_t)(sq->row + i0 + r / nh) * j->q_stride +
-                                     (size_t)(h0 + r % nh) * hd
-                               : NULL;
-        for (int pp = 0; pp < hdp / 2; pp++) {
-            uint32_t lo = q && 2 * pp < hd ? cpu_amx_emu_f32_to_bf16(q[2 * pp]) : 0;
-            uint32_t hi = q && 2 * pp + 1 < hd ? cpu_amx_emu_f32_to_bf16(q[2 * pp + 1]) : 0;
-            dst[(size_t)pp * 16] = lo | hi << 16;
-        }
+        for (int pp = 0; pp < hdp / 2; pp++)
+            dst[(size_t)pp * 16] = (uint32_t)qh[2 * pp] | (uint32_t)qh[2 * pp + 1] << 16;
     }
     memset(acc, 0, (size_t)T * hdp * 64);
     for (int r = 0; r < T * 16; r++)
@@ -135,7 +135,8 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
                     AMXV(to_bf16)(kd, (const float *)(kbase + off), hd);
                     AMXV(to_bf16)(vd, (const float *)(vbase + off), hd);
                 }
-                memset(kd + hd, 0, (size_t)(hdp - hd) * 2);
+                if (hdp > hd)
+                    memset(kd + hd, 0, (size_t)(hdp - hd) * 2);
                 vrow[k + i] = vd;
             }
             k += run;
