@@ -70,12 +70,16 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
     _Alignas(64) uint16_t qh[CPU_ATTN_TILE_MAX_HD]; // one q row in bf16, zeros past hd
     for (int r = 0; r < T * 16; r++) {
         prow[r] = r < R ? sq->start_pos + i0 + r / nh : -1;
-        memset(qh, 0, sizeof qh);
-        if (r < R)
-            AMXV(to_bf16)
-            (qh, j->q + (size_t)(sq->row + i0 + r / nh) * j->q_stride + (size_t)(h0 + r % nh) * hd,
-             hd);
         uint32_t *dst = qT + (size_t)(r / 16) * (hdp / 2) * 16 + r % 16;
+        if (r >= R) { // a padding row: zeros
+            for (int pp = 0; pp < hdp / 2; pp++)
+                dst[(size_t)pp * 16] = 0;
+            continue;
+        }
+        const float *q = j->q + (size_t)(sq->row + i0 + r / nh) * j->q_stride;
+        AMXV(to_bf16)(qh, q + (size_t)(h0 + r % nh) * hd, hd);
+        for (int d = hd; d < hdp; d++)
+            qh[d] = 0;
         for (int pp = 0; pp < hdp / 2; pp++)
             dst[(size_t)pp * 16] = (uint32_t)qh[2 * pp] | (uint32_t)qh[2 * pp + 1] << 16;
     }
