@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// cpu_amx_attn_body: causal GQA attention over the paged KV cache on AMX-BF16
-// tiles, written once against the tile macros of cpu_amx_body.h (AMX_ATTR,
+// cpu_amx_attn_body: causal GQA attention over a bf16 paged KV cache on
+// AMX-BF16 tiles (an f32 pool keeps the per-query f32 kernels: it is the
+// choice of f32 attention), written once against the tile macros of cpu_amx_body.h (AMX_ATTR,
 // AMX_STATE, AMX_LOADCFG, AMX_ZERO, AMX_LOAD, AMX_STORE, AMX_DP, AMX_RELEASE)
 // plus
 //   AMX_ATTN      the function's name
@@ -12,10 +13,13 @@
 // A task's rows are its (query token, head) pairs, token-major (row r: token
 // i0 + r / nh, head h0 + r % nh), 16 to a row tile. Per span of
 // CPU_ATTN_SPAN positions (as the per-query kernels' spans):
-//   keys and values of the span are copied into kb / vb as bf16 rows of hdp
-//   (head_dim rounded up to 32) dims, zeros past head_dim and past the span's
-//   last key (up to a multiple of 32), and the values transposed into vT;
-//   S^T = K . Q^T, per 16 keys: A = 16 key rows of kb (32 dims a tile), B =
+//   the span's keys are read in place when their rows are whole 32-dim tiles
+//   and the blocks hold whole 16-key chunks, else copied into kb as rows of
+//   hdp (head_dim rounded up to 32) dims, zeros past head_dim; the values,
+//   zeros past the span's last key (up to a multiple of 32) and past
+//   head_dim, are transposed into vT (the prefetches of the next rows are
+//   spread over the span's pieces of work);
+//   S^T = K . Q^T, per 16 keys: A = 16 key rows (32 dims a tile), B =
 //   the row tile's q in pairs of dims ([16 pairs][16 rows][2] bf16, packed
 //   once per task), C = [16 keys][16 rows] f32, one TDPBF16PS per 32 dims;
 //   the online softmax step (AMXV(softmax)) runs on S^T a lane per row:
@@ -25,8 +29,9 @@
 //   O^T = V^T . P^T ([16 key pairs][16 rows][2] bf16);
 //   O^T per 16 dims: A = 16 dims x 32 keys of vT, one TDPBF16PS per 32 keys,
 //   C from zero each span; acc = acc * corr + C (AMXV(accum)).
-// The output is acc * (1 / l). q, the keys, the values and p are rounded to
-// bf16 (nearest even); scores, sums and accumulators are f32.
+// The output is acc * (1 / l). q and p are rounded to bf16 (nearest even),
+// as the keys and values are in the pool; scores, sums and accumulators are
+// f32.
 //
 // Invariance: a row's result depends on its position, its q and the cache
 // only. Tile rows never mix (C row / column n reads only its own A row / B
@@ -53,9 +58,7 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
     sp += (size_t)TMAX * hdp * 64;
     float *mrow = (float *)sp, *lrow = mrow + TMAX * 16; // [T][16] each
     sp += (size_t)TMAX * 2 * 64;
-    uint16_t *kb = (uint16_t *)sp; // [SPAN][hdp]
-    sp += (size_t)SPAN * hdp * 2;
-    uint16_t *vb = (uint16_t *)sp; // [SPAN][hdp]
+    uint16_t *kb = (uint16_t *)sp; // [SPAN][hdp] (copied keys)
     sp += (size_t)SPAN * hdp * 2;
     uint16_t *vT = (uint16_t *)sp; // [hdp][SPAN]
     sp += (size_t)SPAN * hdp * 2;
@@ -95,11 +98,10 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
     AMX_LOADCFG(&cfg);
 
     const int pmax = sq->start_pos + i1 - 1;
-    const size_t es = j->bf16 ? 2 : 4;
-    // A bf16 pool whose rows are whole 32-dim tiles and whose blocks hold
-    // whole 16-key chunks is read in place: keys as A tiles, values by the
-    // transposition. Else the span is copied (converted) into kb / vb first.
-    const bool direct = j->bf16 && hd == hdp && bs % 16 == 0;
+    // Keys whose rows are whole 32-dim tiles, in blocks that hold whole
+    // 16-key chunks, are read in place as A tiles; else the span's keys are
+    // copied into kb first. Values are read in place by the transposition.
+    const bool direct = hd == hdp && bs % 16 == 0;
     const uint16_t *kchunk[SPAN / 16]; // first key row of each 16-key chunk, hdp apart
     const uint16_t *vrow[SPAN];        // each key's value row (hd dims)
     static const uint16_t zero_row[CPU_ATTN_TILE_MAX_HD];
@@ -110,10 +112,8 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
         for (int k = 0; k < nkeys;) {
             const int pos = s0 + k, blk = sq->block_table[pos / bs], slot = pos % bs;
             const int run = bs - slot < nkeys - k ? bs - slot : nkeys - k;
-            const uint8_t *kbase = j->bf16 ? (const uint8_t *)tdm_kv_k_bf16(j->kv, j->layer, blk)
-                                           : (const uint8_t *)tdm_kv_k(j->kv, j->layer, blk);
-            const uint8_t *vbase = j->bf16 ? (const uint8_t *)tdm_kv_v_bf16(j->kv, j->layer, blk)
-                                           : (const uint8_t *)tdm_kv_v(j->kv, j->layer, blk);
+            const uint16_t *kbase = tdm_kv_k_bf16(j->kv, j->layer, blk);
+            const uint16_t *vbase = tdm_kv_v_bf16(j->kv, j->layer, blk);
             if (!kbase || !vbase) {
                 TDM_LOG_ERR("cpu", "attention: layer %d block %d out of range", j->layer, blk);
                 AMX_RELEASE();
@@ -124,24 +124,16 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
                 return;
             }
             for (int i = 0; i < run; i++) {
-                const size_t off = ((size_t)kvh * bs + slot + i) * hd * es;
+                const size_t off = ((size_t)kvh * bs + slot + i) * hd;
+                vrow[k + i] = vbase + off;
                 if (direct) {
                     if ((k + i) % 16 == 0)
-                        kchunk[(k + i) / 16] = (const uint16_t *)(kbase + off);
-                    vrow[k + i] = (const uint16_t *)(vbase + off);
+                        kchunk[(k + i) / 16] = kbase + off;
                     continue;
                 }
-                uint16_t *kd = kb + (size_t)(k + i) * hdp, *vd = vb + (size_t)(k + i) * hdp;
-                if (j->bf16) {
-                    memcpy(kd, kbase + off, (size_t)hd * 2);
-                    memcpy(vd, vbase + off, (size_t)hd * 2);
-                } else {
-                    AMXV(to_bf16)(kd, (const float *)(kbase + off), hd);
-                    AMXV(to_bf16)(vd, (const float *)(vbase + off), hd);
-                }
-                if (hdp > hd)
-                    memset(kd + hd, 0, (size_t)(hdp - hd) * 2);
-                vrow[k + i] = vd;
+                uint16_t *kd = kb + (size_t)(k + i) * hdp;
+                memcpy(kd, kbase + off, (size_t)hd * 2);
+                memset(kd + hd, 0, (size_t)(hdp - hd) * 2);
             }
             k += run;
         }
@@ -156,7 +148,16 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
         // and +0 times a stale Inf or NaN of the pool would be NaN.
         for (int k = nkeys; k < n32; k++)
             vrow[k] = zero_row;
-        AMXV(transpose)(vT, vrow, n32, hd, hdp);
+        // The memory reads are spread over the span's work: this span's keys
+        // are prefetched while its values are transposed, 32 keys a piece,
+        // and the next span's values while its scores are taken (below);
+        // a span's lines all at once would fill the core's miss buffers
+        // with nothing computing meanwhile.
+        for (int k0 = 0; k0 < n32; k0 += 32) {
+            if (k0 < nkeys)
+                attn_prefetch(j, sq, kvh, s0 + k0, s0 + (k0 + 32 < nkeys ? k0 + 32 : nkeys), false);
+            AMXV(transpose)(vT + k0, vrow + k0, 32, hd, hdp);
+        }
 
         for (int tt = 0; tt < T; tt++) {
             const int last = (tt + 1) * 16 < R ? (tt + 1) * 16 - 1 : R - 1;
@@ -168,7 +169,7 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
             for (int c = 0; c < t16; c += 16) {
                 if (tt == 0 && s0 + SPAN + c <= pmax) {
                     const int p1 = s0 + SPAN + c + 16;
-                    attn_prefetch(j, sq, kvh, s0 + SPAN + c, p1 < pmax + 1 ? p1 : pmax + 1);
+                    attn_prefetch(j, sq, kvh, s0 + SPAN + c, p1 < pmax + 1 ? p1 : pmax + 1, true);
                 }
                 AMX_ZERO(0);
                 for (int dc = 0; dc < hdp / 32; dc++) {

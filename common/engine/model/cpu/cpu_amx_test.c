@@ -483,11 +483,11 @@ static void test_hw_amx_kernel(void **state)
 }
 
 // The real tile attention (cpu_amx_attn_body.h) against its model on the
-// emulated tiles with the scalar twins of its AVX-512 helpers: bit for bit,
-// for f32 and bf16 pools, head_dim 64 in place (bf16, whole 16-key chunks
-// per block) and padded or copied shapes, prompts past one span (128), GQA
-// groups 1, 7 and 12 (a unit of 8 heads and one of 4), prefill in one piece
-// and then a decode step of every sequence.
+// emulated tiles with the scalar twins of its AVX-512 helpers: bit for bit
+// (bf16 pools: an f32 pool runs the per-query f32 kernels), head_dim 64 in
+// place (whole 16-key chunks per block) and padded or copied shapes, prompts past one span (128),
+// GQA groups 1, 7 and 12 (a unit of 8 heads and one of 4), prefill in one piece and then a decode
+// step of every sequence.
 static void test_hw_amx_attention(void **state)
 {
     (void)state;
@@ -499,72 +499,68 @@ static void test_hw_amx_attention(void **state)
     };
     const int n_seqs = 3, lens[3] = {1, 37, 300};
     struct tdm_backend *be = make_backend(ops, 2);
-    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)
-        for (int pool = 0; pool < 2; pool++) {
-            const int nh = cases[ci][0], nkv = cases[ci][1], hd = cases[ci][2], bs = cases[ci][3];
-            int nblocks = 0;
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const int nh = cases[ci][0], nkv = cases[ci][1], hd = cases[ci][2], bs = cases[ci][3];
+        int nblocks = 0;
+        for (int s = 0; s < n_seqs; s++)
+            nblocks += (lens[s] + 1 + bs - 1) / bs;
+        struct tdm_kv_config cfg = {.num_layers = 1,
+                                    .num_kv_heads = nkv,
+                                    .head_dim = hd,
+                                    .block_size = bs,
+                                    .num_blocks = nblocks,
+                                    .dtype = TDM_KV_BF16};
+        struct tdm_kv_cache *kv = NULL;
+        char err[256] = "";
+        if (tdm_kv_new(&kv, &cfg, err, sizeof err) != TDM_OK)
+            fail_msg("kv: %s", err);
+        int tables[3][64], next = nblocks - 1; // handed out from the end, interleaved
+        for (int b = 0; b < 64; b++)
             for (int s = 0; s < n_seqs; s++)
-                nblocks += (lens[s] + 1 + bs - 1) / bs;
-            struct tdm_kv_config cfg = {.num_layers = 1,
-                                        .num_kv_heads = nkv,
-                                        .head_dim = hd,
-                                        .block_size = bs,
-                                        .num_blocks = nblocks,
-                                        .dtype = pool ? TDM_KV_BF16 : TDM_KV_F32};
-            struct tdm_kv_cache *kv = NULL;
-            char err[256] = "";
-            if (tdm_kv_new(&kv, &cfg, err, sizeof err) != TDM_OK)
-                fail_msg("kv: %s", err);
-            int tables[3][64], next = nblocks - 1; // handed out from the end, interleaved
-            for (int b = 0; b < 64; b++)
-                for (int s = 0; s < n_seqs; s++)
-                    if (b * bs < lens[s] + 1)
-                        tables[s][b] = next--;
-            const int qd = nh * hd, kvd = nkv * hd, stride = qd + 2 * kvd;
-            const int total = lens[0] + lens[1] + lens[2];
-            float *qkv = malloc(sizeof(float) * (size_t)(total + n_seqs) * stride);
-            // Outputs of the decode step land in rows total + s.
-            const size_t out_n = (size_t)(total + n_seqs) * qd;
-            float *o_real = malloc(sizeof(float) * out_n), *o_emu = malloc(sizeof(float) * out_n);
-            assert_true(qkv && o_real && o_emu);
-            fill(qkv, (size_t)(total + n_seqs) * stride, 1.5f);
-            struct tdm_attn_seq seqs[3], dec[3];
-            for (int s = 0, row = 0; s < n_seqs; row += lens[s], s++) {
-                seqs[s] = (struct tdm_attn_seq){
-                    .row = row, .n_tokens = lens[s], .start_pos = 0, .block_table = tables[s]};
-                dec[s] = (struct tdm_attn_seq){.row = total + s,
-                                               .n_tokens = 1,
-                                               .start_pos = lens[s],
-                                               .block_table = tables[s]};
-            }
-            const float scale = 1.0f / sqrtf((float)hd);
-            ops->kv_store(be, kv, 0, seqs, n_seqs, qkv + qd, qkv + qd + kvd, stride);
-            ops->kv_store(be, kv, 0, dec, n_seqs, qkv + qd, qkv + qd + kvd, stride);
-            for (int step = 0; step < 2; step++) {
-                const struct tdm_attn_seq *ss = step ? dec : seqs;
-                for (int path = 0; path < 2; path++) {
-                    float *o = path ? o_emu : o_real;
-                    if (path)
-                        cpu_backend_use_amx_emu(be);
-                    else
-                        assert_int_equal(tdm_cpu_backend_set_isa(be, TDM_CPU_ISA_AMX), TDM_OK);
-                    memset(o, 0, sizeof(float) * out_n);
-                    ops->attention(be, kv, 0, ss, n_seqs, qkv, stride, o, nh, nkv, hd, scale);
-                }
-                size_t i0 = step ? (size_t)total * qd : 0;
-                size_t n = step ? (size_t)n_seqs * qd : (size_t)total * qd;
-                int differ = 0;
-                for (size_t i = i0; i < i0 + n; i++)
-                    differ += cpu_f32_bits(o_real[i]) != cpu_f32_bits(o_emu[i]);
-                if (differ)
-                    fail_msg("heads %d/%d hd %d bs %d %s pool, %s: real tiles differ from the "
-                             "model in %d of %zu outputs",
-                             nh, nkv, hd, bs, pool ? "bf16" : "f32", step ? "decode" : "prefill",
-                             differ, n);
-            }
-            free(qkv), free(o_real), free(o_emu);
-            tdm_kv_free(kv);
+                if (b * bs < lens[s] + 1)
+                    tables[s][b] = next--;
+        const int qd = nh * hd, kvd = nkv * hd, stride = qd + 2 * kvd;
+        const int total = lens[0] + lens[1] + lens[2];
+        float *qkv = malloc(sizeof(float) * (size_t)(total + n_seqs) * stride);
+        // Outputs of the decode step land in rows total + s.
+        const size_t out_n = (size_t)(total + n_seqs) * qd;
+        float *o_real = malloc(sizeof(float) * out_n), *o_emu = malloc(sizeof(float) * out_n);
+        assert_true(qkv && o_real && o_emu);
+        fill(qkv, (size_t)(total + n_seqs) * stride, 1.5f);
+        struct tdm_attn_seq seqs[3], dec[3];
+        for (int s = 0, row = 0; s < n_seqs; row += lens[s], s++) {
+            seqs[s] = (struct tdm_attn_seq){
+                .row = row, .n_tokens = lens[s], .start_pos = 0, .block_table = tables[s]};
+            dec[s] = (struct tdm_attn_seq){
+                .row = total + s, .n_tokens = 1, .start_pos = lens[s], .block_table = tables[s]};
         }
+        const float scale = 1.0f / sqrtf((float)hd);
+        ops->kv_store(be, kv, 0, seqs, n_seqs, qkv + qd, qkv + qd + kvd, stride);
+        ops->kv_store(be, kv, 0, dec, n_seqs, qkv + qd, qkv + qd + kvd, stride);
+        for (int step = 0; step < 2; step++) {
+            const struct tdm_attn_seq *ss = step ? dec : seqs;
+            for (int path = 0; path < 2; path++) {
+                float *o = path ? o_emu : o_real;
+                if (path)
+                    cpu_backend_use_amx_emu(be);
+                else
+                    assert_int_equal(tdm_cpu_backend_set_isa(be, TDM_CPU_ISA_AMX), TDM_OK);
+                memset(o, 0, sizeof(float) * out_n);
+                ops->attention(be, kv, 0, ss, n_seqs, qkv, stride, o, nh, nkv, hd, scale);
+            }
+            size_t i0 = step ? (size_t)total * qd : 0;
+            size_t n = step ? (size_t)n_seqs * qd : (size_t)total * qd;
+            int differ = 0;
+            for (size_t i = i0; i < i0 + n; i++)
+                differ += cpu_f32_bits(o_real[i]) != cpu_f32_bits(o_emu[i]);
+            if (differ)
+                fail_msg("heads %d/%d hd %d bs %d, %s: real tiles differ from the "
+                         "model in %d of %zu outputs",
+                         nh, nkv, hd, bs, step ? "decode" : "prefill", differ, n);
+        }
+        free(qkv), free(o_real), free(o_emu);
+        tdm_kv_free(kv);
+    }
     ops->destroy(be);
 }
 

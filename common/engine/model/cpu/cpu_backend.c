@@ -1253,10 +1253,11 @@ static void cpu_attention(struct tdm_backend *be, struct tdm_kv_cache *kv, int l
                     head_dim);
         return;
     }
-    // The tile kernel's scratch (the AMX path), grown on use; without it the
-    // per-query kernels run, as they do for a head_dim above the tiles' limit.
+    // The tile kernel's scratch (the AMX path, bf16 pools), grown on use;
+    // without it the per-query kernels run, as they do for an f32 pool (the
+    // choice of f32 attention) and a head_dim above the tiles' limit.
     uint8_t *tile_scratch = NULL;
-    if (be->k->attn_tile && head_dim <= CPU_ATTN_TILE_MAX_HD) {
+    if (be->k->attn_tile && head_dim <= CPU_ATTN_TILE_MAX_HD && tdm_kv_dtype(kv) == TDM_KV_BF16) {
         size_t need = (size_t)be->nthreads * cpu_attn_tile_scratch(head_dim);
         if (need > be->attn_scratch_bytes) {
             uint8_t *p = alloc_aligned(need);

@@ -173,14 +173,14 @@ struct cpu_attn_job {
 
 // Bytes of attn_tile's scratch for one thread: [tiles][hdp / 2][16] Q pairs,
 // [tiles][hdp][16] f32 accumulators, [tiles][16] running max and sum, the
-// span's keys [SPAN][hdp] and values [SPAN][hdp] and transposed values
-// [hdp][SPAN] in bf16, its scores [SPAN][16] f32, weights [SPAN / 2][16]
-// pairs and one parked set of 4 C tiles; hdp: head_dim rounded up to 32.
+// span's keys [SPAN][hdp] and transposed values [hdp][SPAN] in bf16, its
+// scores [SPAN][16] f32, weights [SPAN / 2][16] pairs and one parked set of
+// 4 C tiles; hdp: head_dim rounded up to 32.
 static inline size_t cpu_attn_tile_scratch(int head_dim)
 {
     size_t hdp = ((size_t)head_dim + 31) / 32 * 32;
     size_t tiles = CPU_ATTN_TASK_TOKENS * CPU_ATTN_MAX_GROUP / 16;
-    return tiles * hdp / 2 * 64 + tiles * hdp * 64 + tiles * 2 * 64 + 3 * CPU_ATTN_SPAN * hdp * 2 +
+    return tiles * hdp / 2 * 64 + tiles * hdp * 64 + tiles * 2 * 64 + 2 * CPU_ATTN_SPAN * hdp * 2 +
            CPU_ATTN_SPAN * 64 + CPU_ATTN_SPAN / 2 * 64 + 4 * 1024;
 }
 
@@ -225,7 +225,7 @@ struct cpu_kernels {
     // The largest of x[0..n) by `>` (NaN never wins; -inf when nothing is
     // above it): the fused argmax's scan of a tile row. NULL: a scalar loop.
     float (*row_max)(const float *x, int n);
-    // Attention on AMX tiles (cpu_amx_attn_body.h) of query tokens [i0, i1)
+    // Attention on AMX tiles (cpu_amx_attn_body.h; bf16 pools) of query tokens [i0, i1)
     // (at most CPU_ATTN_TASK_TOKENS) of sequence sq, query heads h0..h0+nh-1
     // (nh <= CPU_ATTN_MAX_GROUP) of KV head kvh, head_dim <=
     // CPU_ATTN_TILE_MAX_HD; scratch: the thread's cpu_attn_tile_scratch bytes.

@@ -58,28 +58,24 @@ static void zero_pad_tokens(const struct cpu_mm_args *a, int t1)
 #define CPU_AMX_KPASS 10
 #endif
 
-// Attention (cpu_amx_attn_body.h): prefetches into L2 the key and value rows
-// of KV head kvh at positions [p0, p1) of sequence sq, block by block (the
-// next span's, a 16-key share per chunk of this one: all its lines at once
-// would fill the core's miss buffers with nothing computing meanwhile).
+// Attention (cpu_amx_attn_body.h): prefetches into L2 the key (values: v)
+// rows of KV head kvh at positions [p0, p1) of sequence sq, block by block.
 static void attn_prefetch(const struct cpu_attn_job *j, const struct tdm_attn_seq *sq, int kvh,
-                          int p0, int p1)
+                          int p0, int p1, bool v)
 {
     const int bs = j->block_size;
     const size_t es = j->bf16 ? 2 : 4, row = (size_t)j->head_dim * es;
     for (int pos = p0; pos < p1;) {
         const int blk = sq->block_table[pos / bs], slot = pos % bs;
         const int run = bs - slot < p1 - pos ? bs - slot : p1 - pos;
-        const uint8_t *kb = j->bf16 ? (const uint8_t *)tdm_kv_k_bf16(j->kv, j->layer, blk)
-                                    : (const uint8_t *)tdm_kv_k(j->kv, j->layer, blk);
-        const uint8_t *vb = j->bf16 ? (const uint8_t *)tdm_kv_v_bf16(j->kv, j->layer, blk)
-                                    : (const uint8_t *)tdm_kv_v(j->kv, j->layer, blk);
-        if (kb && vb) {
-            const size_t off = ((size_t)kvh * bs + slot) * row;
-            for (size_t b = 0; b < (size_t)run * row; b += 64) {
-                __builtin_prefetch(kb + off + b, 0, 2);
-                __builtin_prefetch(vb + off + b, 0, 2);
-            }
+        const uint8_t *base = j->bf16 ? (const uint8_t *)(v ? tdm_kv_v_bf16(j->kv, j->layer, blk)
+                                                            : tdm_kv_k_bf16(j->kv, j->layer, blk))
+                                      : (const uint8_t *)(v ? tdm_kv_v(j->kv, j->layer, blk)
+                                                            : tdm_kv_k(j->kv, j->layer, blk));
+        if (base) {
+            const uint8_t *p = base + ((size_t)kvh * bs + slot) * row;
+            for (size_t b = 0; b < (size_t)run * row; b += 64)
+                __builtin_prefetch(p + b, 0, 2);
         }
         pos += run;
     }
