@@ -21,17 +21,21 @@
 //   spread over the span's pieces of work);
 //   S^T = K . Q^T, per 16 keys: A = 16 key rows (32 dims a tile), B =
 //   the row tile's q in pairs of dims ([16 pairs][16 rows][2] bf16, packed
-//   once per task), C = [16 keys][16 rows] f32, one TDPBF16PS per 32 dims;
+//   once per task) as hi + lo (hi = q rounded to bf16, lo = the rest
+//   rounded: q to ~16 bits, as the scores' exp amplifies their error), C =
+//   [16 keys][16 rows] f32, per 32 dims one TDPBF16PS with hi, then lo;
 //   the online softmax step (AMXV(softmax)) runs on S^T a lane per row:
 //   scores times scale, keys past a row's position masked out, the span's
 //   max, corr = exp(m_old - m_new), p = exp(s - m_new), the running sum in
 //   four partials by key mod 4, and p written in key pairs as the B tiles of
-//   O^T = V^T . P^T ([16 key pairs][16 rows][2] bf16);
-//   O^T per 16 dims: A = 16 dims x 32 keys of vT, one TDPBF16PS per 32 keys,
-//   C from zero each span; acc = acc * corr + C (AMXV(accum)).
-// The output is acc * (1 / l). q and p are rounded to bf16 (nearest even),
-// as the keys and values are in the pool; scores, sums and accumulators are
-// f32.
+//   O^T = V^T . P^T ([16 key pairs][16 rows][2] bf16), as hi + lo too;
+//   O^T per 16 dims: A = 16 dims x 32 keys of vT, per 32 keys one
+//   TDPBF16PS with hi, then lo, C from zero each span; acc = acc * corr + C
+//   (AMXV(accum)).
+// The output is acc * (1 / l). q and p are carried as two bf16 each (~16
+// bits: rounding either to one bf16 doubled the error of the model_reference
+// corpus), the keys and values are bf16 in the pool; scores, sums and
+// accumulators are f32.
 //
 // Invariance: a row's result depends on its position, its q and the cache
 // only. Tile rows never mix (C row / column n reads only its own A row / B
@@ -52,8 +56,8 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
     const int hdp = (hd + 31) / 32 * 32;
     const int R = (i1 - i0) * nh, T = (R + 15) / 16;
     uint8_t *sp = scratch;
-    uint32_t *qT = (uint32_t *)sp; // [T][hdp / 2][16] dim pairs of q
-    sp += (size_t)TMAX * hdp / 2 * 64;
+    uint32_t *qT = (uint32_t *)sp; // [T][hi, lo][hdp / 2][16] dim pairs of q
+    sp += (size_t)TMAX * hdp * 64;
     float *acc = (float *)sp; // [T][hdp][16]
     sp += (size_t)TMAX * hdp * 64;
     float *mrow = (float *)sp, *lrow = mrow + TMAX * 16; // [T][16] each
@@ -64,27 +68,37 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
     sp += (size_t)SPAN * hdp * 2;
     float *sT = (float *)sp; // [SPAN][16]
     sp += (size_t)SPAN * 64;
-    uint32_t *pT = (uint32_t *)sp; // [SPAN / 2][16]
-    sp += (size_t)SPAN / 2 * 64;
+    uint32_t *pT = (uint32_t *)sp; // [hi, lo][SPAN / 2][16]
+    sp += (size_t)SPAN * 64;
     float *cpk = (float *)sp; // [4][16][16]: a set of C tiles
 
     // Rows: position (-1: a padding row, every key masked) and q in pairs.
     int prow[TMAX * 16];
-    _Alignas(64) uint16_t qh[CPU_ATTN_TILE_MAX_HD]; // one q row in bf16, zeros past hd
+    // q = hi + lo, both bf16: hi = q rounded, lo = (q - hi) rounded (the
+    // difference is exact in f32), so the scores see q to ~16 bits.
+    _Alignas(64) uint16_t qh[2][CPU_ATTN_TILE_MAX_HD]; // zeros past hd
+    _Alignas(64) float qr[CPU_ATTN_TILE_MAX_HD];
     for (int r = 0; r < T * 16; r++) {
         prow[r] = r < R ? sq->start_pos + i0 + r / nh : -1;
-        uint32_t *dst = qT + (size_t)(r / 16) * (hdp / 2) * 16 + r % 16;
+        uint32_t *dst = qT + (size_t)(r / 16) * 2 * (hdp / 2) * 16 + r % 16;
         if (r >= R) { // a padding row: zeros
-            for (int pp = 0; pp < hdp / 2; pp++)
+            for (int pp = 0; pp < hdp; pp++)
                 dst[(size_t)pp * 16] = 0;
             continue;
         }
-        const float *q = j->q + (size_t)(sq->row + i0 + r / nh) * j->q_stride;
-        AMXV(to_bf16)(qh, q + (size_t)(h0 + r % nh) * hd, hd);
-        for (int d = hd; d < hdp; d++)
-            qh[d] = 0;
-        for (int pp = 0; pp < hdp / 2; pp++)
-            dst[(size_t)pp * 16] = (uint32_t)qh[2 * pp] | (uint32_t)qh[2 * pp + 1] << 16;
+        const float *q =
+            j->q + (size_t)(sq->row + i0 + r / nh) * j->q_stride + (size_t)(h0 + r % nh) * hd;
+        AMXV(to_bf16)(qh[0], q, hd);
+        for (int d = 0; d < hd; d++)
+            qr[d] = q[d] - cpu_bf16_to_f32(qh[0][d]);
+        AMXV(to_bf16)(qh[1], qr, hd);
+        for (int h = 0; h < 2; h++) {
+            for (int d = hd; d < hdp; d++)
+                qh[h][d] = 0;
+            for (int pp = 0; pp < hdp / 2; pp++)
+                dst[((size_t)h * (hdp / 2) + pp) * 16] =
+                    (uint32_t)qh[h][2 * pp] | (uint32_t)qh[h][2 * pp + 1] << 16;
+        }
     }
     memset(acc, 0, (size_t)T * hdp * 64);
     for (int r = 0; r < T * 16; r++)
@@ -165,7 +179,7 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
                 continue; // every row of the tile is past this span
             const int nkt = prow[last] - s0 + 1 < nkeys ? prow[last] - s0 + 1 : nkeys;
             const int t16 = (nkt + 15) / 16 * 16, t32 = (nkt + 31) / 32 * 32;
-            const uint32_t *qt = qT + (size_t)tt * (hdp / 2) * 16;
+            const uint32_t *qt = qT + (size_t)tt * 2 * (hdp / 2) * 16;
             for (int c = 0; c < t16; c += 16) {
                 if (tt == 0 && s0 + SPAN + c <= pmax) {
                     const int p1 = s0 + SPAN + c + 16;
@@ -176,6 +190,8 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
                     AMX_LOAD(4, kchunk[c / 16] + dc * 32, (size_t)hdp * 2);
                     AMX_LOAD(5, qt + (size_t)dc * 16 * 16, 64);
                     AMX_DP(0, 4, 5);
+                    AMX_LOAD(6, qt + ((size_t)hdp / 2 + (size_t)dc * 16) * 16, 64);
+                    AMX_DP(0, 4, 6);
                 }
                 AMX_STORE(0, sT + (size_t)c * 16, 64);
             }
@@ -193,15 +209,20 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
                 const uint16_t *va = vT + (size_t)dg * 16 * SPAN;
                 for (int c = 0; c < t32; c += 32) {
                     AMX_LOAD(5, pT + (size_t)c / 2 * 16, 64);
+                    AMX_LOAD(7, pT + (size_t)(SPAN + c) / 2 * 16, 64);
                     AMX_LOAD(4, va + c, SPAN * 2);
                     AMX_DP(0, 4, 5);
+                    AMX_DP(0, 4, 7);
                     AMX_LOAD(6, va + 16 * SPAN + c, SPAN * 2);
                     AMX_DP(1, 6, 5);
+                    AMX_DP(1, 6, 7);
                     if (four) {
                         AMX_LOAD(4, va + 32 * SPAN + c, SPAN * 2);
                         AMX_DP(2, 4, 5);
+                        AMX_DP(2, 4, 7);
                         AMX_LOAD(6, va + 48 * SPAN + c, SPAN * 2);
                         AMX_DP(3, 6, 5);
+                        AMX_DP(3, 6, 7);
                     }
                 }
                 AMX_STORE(0, cpk, 64);

@@ -171,17 +171,17 @@ struct cpu_attn_job {
     uint8_t *tile_scratch;
 };
 
-// Bytes of attn_tile's scratch for one thread: [tiles][hdp / 2][16] Q pairs,
+// Bytes of attn_tile's scratch for one thread: [tiles][2][hdp / 2][16] Q pairs,
 // [tiles][hdp][16] f32 accumulators, [tiles][16] running max and sum, the
 // span's keys [SPAN][hdp] and transposed values [hdp][SPAN] in bf16, its
-// scores [SPAN][16] f32, weights [SPAN / 2][16] pairs and one parked set of
+// scores [SPAN][16] f32, weights [2][SPAN / 2][16] pairs and one parked set of
 // 4 C tiles; hdp: head_dim rounded up to 32.
 static inline size_t cpu_attn_tile_scratch(int head_dim)
 {
     size_t hdp = ((size_t)head_dim + 31) / 32 * 32;
     size_t tiles = CPU_ATTN_TASK_TOKENS * CPU_ATTN_MAX_GROUP / 16;
-    return tiles * hdp / 2 * 64 + tiles * hdp * 64 + tiles * 2 * 64 + 2 * CPU_ATTN_SPAN * hdp * 2 +
-           CPU_ATTN_SPAN * 64 + CPU_ATTN_SPAN / 2 * 64 + 4 * 1024;
+    return tiles * hdp * 64 + tiles * hdp * 64 + tiles * 2 * 64 + 2 * CPU_ATTN_SPAN * hdp * 2 +
+           CPU_ATTN_SPAN * 64 + CPU_ATTN_SPAN * 64 + 4 * 1024;
 }
 
 // ---- per-ISA kernels -----------------------------------------------------------------------

@@ -124,7 +124,9 @@ static void emu_to_bf16(uint16_t *dst, const float *src, int n)
 // rows]; t16, t32: keys rounded to 16 and 32) of the span at s0: keys past
 // a row's position prow[r] are masked out; m, l the running max and sum,
 // corr the correction of what was accumulated so far; pT the weights in key
-// pairs ([t32 / 2][16] bf16 pairs, zero past t16).
+// pairs ([t32 / 2][16] bf16 pairs, zero past t16) as hi, and at pT +
+// CPU_ATTN_SPAN / 2 * 16 as lo: hi = p rounded to bf16, lo = (p - hi)
+// rounded (the difference is exact in f32).
 static void emu_softmax(const float *sT, int t16, int t32, int s0, const int *prow, float scale,
                         float *m, float *l, float *corr, uint32_t *pT)
 {
@@ -145,11 +147,18 @@ static void emu_softmax(const float *sT, int t16, int t32, int s0, const int *pr
                 p[e] = s0 + k + e <= prow[r] ? cpu_amx_emu_exp(s - m_new) : 0.0f;
                 sum[(k + e) % 4] += p[e];
             }
-            pT[(size_t)k / 2 * 16 + r] = (uint32_t)cpu_amx_emu_f32_to_bf16(p[0]) |
-                                         (uint32_t)cpu_amx_emu_f32_to_bf16(p[1]) << 16;
+            uint16_t hi[2], lo[2];
+            for (int e = 0; e < 2; e++) {
+                hi[e] = cpu_amx_emu_f32_to_bf16(p[e]);
+                lo[e] = cpu_amx_emu_f32_to_bf16(p[e] - cpu_bf16_to_f32(hi[e]));
+            }
+            pT[(size_t)k / 2 * 16 + r] = (uint32_t)hi[0] | (uint32_t)hi[1] << 16;
+            pT[(size_t)(CPU_ATTN_SPAN + k) / 2 * 16 + r] = (uint32_t)lo[0] | (uint32_t)lo[1] << 16;
         }
-        for (int k = t16; k < t32; k += 2)
+        for (int k = t16; k < t32; k += 2) {
             pT[(size_t)k / 2 * 16 + r] = 0;
+            pT[(size_t)(CPU_ATTN_SPAN + k) / 2 * 16 + r] = 0;
+        }
         float lc = l[r] * corr[r];
         float ls = (sum[0] + sum[1]) + (sum[2] + sum[3]);
         l[r] = lc + ls;
@@ -283,9 +292,20 @@ AMXV_ATTR void amx_softmax(const float *sT, int t16, int t32, int s0, const int 
         }
         __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]);
         _mm512_storeu_si512(pT + (size_t)k / 2 * 16, _mm512_permutexvar_epi16(inter, h));
+        // The rest, p - hi (exact), rounded: hi widened back by a shift.
+        __m512 r0 = _mm512_sub_ps(p[0], _mm512_castsi512_ps(_mm512_slli_epi32(
+                                            _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
+        __m512 r1 =
+            _mm512_sub_ps(p[1], _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)));
+        __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(r1, r0);
+        _mm512_storeu_si512(pT + (size_t)(CPU_ATTN_SPAN + k) / 2 * 16,
+                            _mm512_permutexvar_epi16(inter, lo));
     }
-    for (int k = t16; k < t32; k += 2)
+    for (int k = t16; k < t32; k += 2) {
         _mm512_storeu_si512(pT + (size_t)k / 2 * 16, _mm512_setzero_si512());
+        _mm512_storeu_si512(pT + (size_t)(CPU_ATTN_SPAN + k) / 2 * 16, _mm512_setzero_si512());
+    }
     __m512 lc = _mm512_mul_ps(_mm512_loadu_ps(l), c);
     __m512 ls = _mm512_add_ps(_mm512_add_ps(sum[0], sum[1]), _mm512_add_ps(sum[2], sum[3]));
     _mm512_storeu_ps(l, _mm512_add_ps(lc, ls));
