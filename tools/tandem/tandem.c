@@ -1794,16 +1794,13 @@ static void retire(const struct up_opts *o, struct child **list, int n)
 // Whether the file at path holds exactly text.
 static bool file_holds(const char *path, const char *text)
 {
-    FILE *f = fopen(path, "r");
-    if (!f)
+    char *bytes, err[256];
+    size_t len;
+    if (tdm_read_file(path, &bytes, &len, err, sizeof err) != TDM_OK)
         return false;
-    size_t n = strlen(text), got = 0;
-    char buf[4096];
-    bool same = true;
-    for (size_t r; same && (r = fread(buf, 1, sizeof buf, f)) > 0; got += r)
-        same = got + r <= n && memcmp(buf, text + got, r) == 0;
-    fclose(f);
-    return same && got == n;
+    bool same = len == strlen(text) && memcmp(bytes, text, len) == 0;
+    free(bytes);
+    return same;
 }
 
 // The router's config rewritten for the children now active (atomically: a

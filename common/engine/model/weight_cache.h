@@ -66,8 +66,12 @@ int tdm_wcache_id_init(struct tdm_wcache_id *id, const char *folder, const char 
 struct tdm_wcache;
 
 // Maps id->path read-only and verifies it (checksums on up to nthreads
-// threads). TDM_ENOTFOUND when there is no entry; TDM_EPROTO with err saying
-// what is wrong when it is stale, truncated or corrupt; TDM_EIO, TDM_ENOMEM.
+// threads). When the verified map is only partly mapped with 2 MiB pages (the
+// page cache held the entry partly in small folios), its data pages that no
+// other process maps are dropped from the page cache and read again from disk,
+// once (logged at INFO): decode streams the weights from this map.
+// TDM_ENOTFOUND when there is no entry; TDM_EPROTO with err saying what is
+// wrong when it is stale, truncated or corrupt; TDM_EIO, TDM_ENOMEM.
 int tdm_wcache_open(struct tdm_wcache **out, const struct tdm_wcache_id *id, int nthreads,
                     char *err, size_t errlen);
 // Entries in the order they were written; the memory stays mapped until

@@ -22,22 +22,22 @@
 //            from token to token;
 //   C tile = 16 tokens x 16 output rows, f32.
 // Tiles 0-3 are C (2 token tiles x 2 panels), 4-5 A, 6-7 B: per k chunk 2 A
-// loads and 2 B loads feed 4 TDPBF16PS. The k chunks of a token tile pair
-// run in passes of about CPU_AMX_KPASS chunks (cpu_kernels_amx.c), each pass
-// over both panel pairs of the block, C parked in a local buffer between
-// passes: a whole k of A tiles (2 x 28 KiB at k = 896) does not stay in the
-// 48 KiB L1 while the B tiles stream through, a pass's does, so the second
-// panel pair reads A from L1 rather than L2 (one thread, 512 tokens: the
-// fused gate/up 10.9-11.6 -> 9.5-10.3 ms, down 5.75-6.0 -> 5.0-5.3 ms). A
-// lone token tile (decode, or the
-// odd last tile) takes C tiles 0-3 as 4 panels: 1 A load and 4 B loads (tiles
-// 6 and 7 in turn) per k chunk, so the block is read in one pass rather than
-// two. The first pass over a block (the one that streams it from memory)
-// prefetches the lines CPU_STREAM_PREFETCH / 2 bytes past the next chunk into
-// L2 (cpu_impl.h; a->stream_prefetch): with only the hardware's prefetchers,
-// batch-1 decode streamed at ~75% of the read probe on Sapphire Rapids. One
-// configuration per call serves every shape: all tiles 16 x 64 bytes, except
-// that a call of n < 16 tokens (decode) configures A and C with n rows.
+// loads and 2 B loads feed 4 TDPBF16PS. The k chunks of a token tile pair run
+// in passes of about CPU_AMX_KPASS chunks (cpu_kernels_amx.c), each pass over
+// both panel pairs of the block, C parked in a local buffer between passes: a
+// whole k of A tiles (2 x 28 KiB at k = 896) does not stay in the 48 KiB L1
+// while the B tiles stream through, a pass's does, so the second panel pair
+// reads A from L1 rather than L2 (one thread, 512 tokens: the fused gate/up
+// 10.9-11.6 -> 9.5-10.3 ms, down 5.75-6.0 -> 5.0-5.3 ms). A lone token tile
+// (decode, or the odd last tile) takes C tiles 0-3 as 4 panels: 1 A load and 4
+// B loads (tiles 6 and 7 in turn) per k chunk, so the block is read in one
+// pass rather than two. The first pass over a block (the one that streams it
+// from memory) prefetches the lines CPU_STREAM_PREFETCH / 2 bytes past the
+// next chunk into L2 (cpu_impl.h; a->stream_prefetch): with only the
+// hardware's prefetchers, batch-1 decode streamed at ~75% of the read probe on
+// Sapphire Rapids. One configuration per call serves every shape: all tiles
+// 16 x 64 bytes, except that a call of n < 16 tokens (decode) configures A and
+// C with n rows.
 // mm_prep_x zeroes the pairs of xq past the last k pair up to a multiple of 16
 // and, for n > 16, the token rows past n up to a multiple of 16; the k tail of
 // each panel is copied into a zeroed 16-row buffer. So k padding multiplies
