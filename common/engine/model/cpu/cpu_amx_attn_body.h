@@ -5,9 +5,10 @@
 // AMX_STATE, AMX_LOADCFG, AMX_ZERO, AMX_LOAD, AMX_STORE, AMX_DP, AMX_RELEASE)
 // plus
 //   AMX_ATTN      the function's name
-//   AMXV(name)    the element-wise helpers of the instantiation: to_bf16,
-//                 softmax and accum (AVX-512 for the real tiles, their scalar
-//                 twins for the software model, bit for bit the same)
+//   AMXV(name)    the element-wise helpers of the instantiation: pack_q,
+//                 softmax, transpose, accum and finish (AVX-512 for the
+//                 real tiles, their scalar twins for the software model,
+//                 bit for bit the same)
 // and included twice by cpu_kernels_amx.c. No include guard, on purpose.
 //
 // A task's rows are its (query token, head) pairs, token-major (row r: token
@@ -72,33 +73,19 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
     sp += (size_t)SPAN * 64;
     float *cpk = (float *)sp; // [4][16][16]: a set of C tiles
 
-    // Rows: position (-1: a padding row, every key masked) and q in pairs.
+    // Rows: position (-1: a padding row, every key masked) and q as hi + lo
+    // in dim pairs (AMXV(pack_q)).
     int prow[TMAX * 16];
-    // q = hi + lo, both bf16: hi = q rounded, lo = (q - hi) rounded (the
-    // difference is exact in f32), so the scores see q to ~16 bits.
-    _Alignas(64) uint16_t qh[2][CPU_ATTN_TILE_MAX_HD]; // zeros past hd
-    _Alignas(64) float qr[CPU_ATTN_TILE_MAX_HD];
-    for (int r = 0; r < T * 16; r++) {
-        prow[r] = r < R ? sq->start_pos + i0 + r / nh : -1;
-        uint32_t *dst = qT + (size_t)(r / 16) * 2 * (hdp / 2) * 16 + r % 16;
-        if (r >= R) { // a padding row: zeros
-            for (int pp = 0; pp < hdp; pp++)
-                dst[(size_t)pp * 16] = 0;
-            continue;
+    for (int tt = 0; tt < T; tt++) {
+        const float *qrow[16];
+        for (int i = 0; i < 16; i++) {
+            const int r = tt * 16 + i;
+            prow[r] = r < R ? sq->start_pos + i0 + r / nh : -1;
+            qrow[i] = r < R ? j->q + (size_t)(sq->row + i0 + r / nh) * j->q_stride +
+                                  (size_t)(h0 + r % nh) * hd
+                            : NULL;
         }
-        const float *q =
-            j->q + (size_t)(sq->row + i0 + r / nh) * j->q_stride + (size_t)(h0 + r % nh) * hd;
-        AMXV(to_bf16)(qh[0], q, hd);
-        for (int d = 0; d < hd; d++)
-            qr[d] = q[d] - cpu_bf16_to_f32(qh[0][d]);
-        AMXV(to_bf16)(qh[1], qr, hd);
-        for (int h = 0; h < 2; h++) {
-            for (int d = hd; d < hdp; d++)
-                qh[h][d] = 0;
-            for (int pp = 0; pp < hdp / 2; pp++)
-                dst[((size_t)h * (hdp / 2) + pp) * 16] =
-                    (uint32_t)qh[h][2 * pp] | (uint32_t)qh[h][2 * pp + 1] << 16;
-        }
+        AMXV(pack_q)(qT + (size_t)tt * 2 * (hdp / 2) * 16, qrow, hd, hdp);
     }
     memset(acc, 0, (size_t)T * hdp * 64);
     for (int r = 0; r < T * 16; r++)
@@ -237,12 +224,14 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
         }
     }
     AMX_RELEASE();
-    for (int r = 0; r < R; r++) {
-        float *o =
-            j->out + (size_t)(sq->row + i0 + r / nh) * j->n_heads * hd + (size_t)(h0 + r % nh) * hd;
-        const float *a = acc + (size_t)(r / 16) * hdp * 16 + r % 16;
-        float inv = 1.0f / lrow[r];
-        for (int d = 0; d < hd; d++)
-            o[d] = a[(size_t)d * 16] * inv;
+    for (int tt = 0; tt < T; tt++) {
+        float *orow[16];
+        for (int i = 0; i < 16; i++) {
+            const int r = tt * 16 + i;
+            orow[i] = r < R ? j->out + (size_t)(sq->row + i0 + r / nh) * j->n_heads * hd +
+                                  (size_t)(h0 + r % nh) * hd
+                            : NULL;
+        }
+        AMXV(finish)(orow, acc + (size_t)tt * hdp * 16, lrow + tt * 16, hd);
     }
 }

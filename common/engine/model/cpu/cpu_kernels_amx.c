@@ -112,14 +112,9 @@ static void emu_prep_x(const struct cpu_mm_args *a, int t0, int t1)
 #define AMX_RELEASE() ((void)emu_)
 #include "cpu_amx_body.h"
 
-// The scalar twins of the real path's attention helpers (amx_to_bf16,
-// amx_softmax, amx_accum below), lane by lane the same operations.
-static void emu_to_bf16(uint16_t *dst, const float *src, int n)
-{
-    for (int i = 0; i < n; i++)
-        dst[i] = cpu_amx_emu_f32_to_bf16(src[i]);
-}
-
+// The scalar twins of the real path's attention helpers (amx_pack_q,
+// amx_softmax, amx_transpose, amx_accum, amx_finish below), lane by lane the
+// same operations.
 // The online softmax's step over a row tile's scores sT ([t16 keys][16
 // rows]; t16, t32: keys rounded to 16 and 32) of the span at s0: keys past
 // a row's position prow[r] are masked out; m, l the running max and sum,
@@ -174,6 +169,42 @@ static void emu_transpose(uint16_t *vT, const uint16_t *const *vrow, int nk, int
     for (int k = 0; k < nk; k++)
         for (int d = 0; d < hdp; d++)
             vT[(size_t)d * CPU_ATTN_SPAN + k] = d < hd ? vrow[k][d] : 0;
+}
+
+// One row tile's q (qrow[i] NULL: a padding row, zeros) as hi + lo bf16 in
+// dim pairs, qt[h][pp][i] = (x[2pp], x[2pp + 1]) of part h: hi = x rounded,
+// lo = (x - hi) rounded (the difference is exact in f32); zeros from hd to
+// hdp.
+static void emu_pack_q(uint32_t *qt, const float *const *qrow, int hd, int hdp)
+{
+    for (int i = 0; i < 16; i++)
+        for (int pp = 0; pp < hdp / 2; pp++) {
+            uint32_t hi = 0, lo = 0;
+            for (int e = 0; e < 2; e++) {
+                const int d = 2 * pp + e;
+                if (qrow[i] == NULL || d >= hd)
+                    continue;
+                uint16_t h = cpu_amx_emu_f32_to_bf16(qrow[i][d]);
+                uint16_t l = cpu_amx_emu_f32_to_bf16(qrow[i][d] - cpu_bf16_to_f32(h));
+                hi |= (uint32_t)h << (16 * e);
+                lo |= (uint32_t)l << (16 * e);
+            }
+            qt[(size_t)pp * 16 + i] = hi;
+            qt[((size_t)hdp / 2 + pp) * 16 + i] = lo;
+        }
+}
+
+// orow[i][d] = acc[d][i] * (1 / l[i]) for dims d < hd, of the rows whose
+// orow is not NULL.
+static void emu_finish(float *const *orow, const float *acc, const float *l, int hd)
+{
+    for (int i = 0; i < 16; i++) {
+        if (orow[i] == NULL)
+            continue;
+        float inv = 1.0f / l[i];
+        for (int d = 0; d < hd; d++)
+            orow[i][d] = acc[(size_t)d * 16 + i] * inv;
+    }
 }
 
 // acc[d][r] = acc[d][r] * corr[r] + c[d][r] for dims d < nd, rows r < 16.
@@ -247,17 +278,6 @@ bool cpu_amx_available(void)
 
 #define AMXV_ATTR                                                                                  \
     static inline __attribute__((always_inline, target("amx-tile,amx-bf16," CPU_AVX512_TARGET)))
-
-AMXV_ATTR void amx_to_bf16(uint16_t *dst, const float *src, int n)
-{
-    int i = 0;
-    for (; i + 32 <= n; i += 32) {
-        __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
-        _mm512_storeu_si512(dst + i, (__m512i)h);
-    }
-    for (; i < n; i++) // vcvtne2ps2bf16's rounding (cpu_amx_emu.h)
-        dst[i] = cpu_amx_emu_f32_to_bf16(src[i]);
-}
 
 // emu_softmax's operations, 16 rows a vector.
 AMXV_ATTR void amx_softmax(const float *sT, int t16, int t32, int s0, const int *prow, float scale,
@@ -366,6 +386,63 @@ AMXV_ATTR void amx_transpose(uint16_t *vT, const uint16_t *const *vrow, int nk, 
                 _mm512_storeu_si512(vT + (size_t)(d0 + 16 + d) * CPU_ATTN_SPAN + k0, b[d]);
             }
         }
+    }
+}
+
+AMXV_ATTR __mmask16 amx_lanes(int n)
+{
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+// emu_pack_q, 32 dims of the 16 rows at a time: each row's hi and lo pairs
+// converted in registers, then two 16 x 16 dword transposes.
+AMXV_ATTR void amx_pack_q(uint32_t *qt, const float *const *qrow, int hd, int hdp)
+{
+    for (int d0 = 0; d0 < hdp; d0 += 32) {
+        const __mmask16 m0 = amx_lanes(hd - d0), m1 = amx_lanes(hd - d0 - 16);
+        __m512i hi[16], lo[16];
+        for (int i = 0; i < 16; i++) {
+            if (qrow[i] == NULL) {
+                hi[i] = lo[i] = _mm512_setzero_si512();
+                continue;
+            }
+            __m512 x0 = _mm512_maskz_loadu_ps(m0, qrow[i] + d0);
+            __m512 x1 = _mm512_maskz_loadu_ps(m1, qrow[i] + d0 + 16);
+            __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+            __m512 r0 =
+                _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
+            __m512 r1 =
+                _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)));
+            hi[i] = h;
+            lo[i] = (__m512i)_mm512_cvtne2ps_pbh(r1, r0);
+        }
+        amx_transpose16_epi32(hi);
+        amx_transpose16_epi32(lo);
+        for (int pp = 0; pp < 16; pp++) {
+            _mm512_storeu_si512(qt + (size_t)(d0 / 2 + pp) * 16, hi[pp]);
+            _mm512_storeu_si512(qt + ((size_t)hdp / 2 + d0 / 2 + pp) * 16, lo[pp]);
+        }
+    }
+}
+
+// emu_finish, 16 dims of the 16 rows at a time (a dword transpose).
+AMXV_ATTR void amx_finish(float *const *orow, const float *acc, const float *l, int hd)
+{
+    _Alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l)));
+    for (int d0 = 0; d0 < hd; d0 += 16) {
+        __m512i x[16];
+        for (int i = 0; i < 16; i++)
+            x[i] = _mm512_loadu_si512(acc + (size_t)(d0 + i) * 16);
+        amx_transpose16_epi32(x);
+        const __mmask16 m = amx_lanes(hd - d0);
+        for (int i = 0; i < 16; i++)
+            if (orow[i] != NULL)
+                _mm512_mask_storeu_ps(
+                    orow[i] + d0, m,
+                    _mm512_mul_ps(_mm512_castsi512_ps(x[i]), _mm512_set1_ps(inv[i])));
     }
 }
 
