@@ -23,13 +23,16 @@ Each CPU path the machine supports is checked:
     steps then agree to the last bit, but an activation that lands within
     float32 noise of a bf16 rounding boundary rounds the other way and moves
     logits by up to ~1e-2 std in these tiny models. TOL = 3e-2, and a token may
-    differ only at a near-tie: where the reference's own top-2 gap is below
-    the logit difference measured at that very step; such steps are counted and
-    printed, and more than 2% of them fails the test.
+    differ only at a near-tie: where the engine picks the reference's
+    runner-up and the reference's own top-2 gap is at most twice the largest
+    logit difference measured at that very step (the two logits each off by
+    up to that difference: exactly the flips that difference explains); such
+    steps are counted and printed, and more than 2% of them fails the test.
   * AMX (bf16 weights on AMX-BF16 tiles, where the CPU has them; the other
     ops as AVX-512) rounds matmul inputs as AVX-512 does and accumulates each
     32-k chunk in the tile unit's order: the same reference and tolerances as
-    AVX-512.
+    AVX-512. With a bf16 KV cache its attention runs on tiles too, q and the
+    softmax weights carried as two bf16 each (docs/cpu-backend.md).
 Every path runs twice: with --kv-cache-dtype f32 (the claims above, exact as
 before) and with the bf16 KV cache (path "+kv_bf16"), which is checked twice:
   * against the reference with bf16_kv=True (K after RoPE and V rounded to
@@ -104,7 +107,8 @@ PROMPTS = [(1, 256), (5, 4), (16, 8), (17, 5), (33, 16), (40, 7), (70, 32), (100
 def compare(eng, ref, ids, allow_near_ties):
     """(ok, max|eng-ref|/std, near-tie count): every token is the reference's
     argmax, or (allow_near_ties) its runner-up where the reference's own top-2
-    gap is below the logit difference measured at that very step."""
+    gap is at most twice the largest logit difference measured at that very
+    step (a flip needs the two logits' errors to sum to the gap)."""
     ref_ids = [int(t) for t in ref.argmax(axis=1)]
     diff = np.abs(eng - ref).max(axis=1)
     rel = float((diff / ref.std(axis=1)).max())
@@ -114,7 +118,7 @@ def compare(eng, ref, ids, allow_near_ties):
     for i, (a, b) in enumerate(zip(ids, ref_ids)):
         if a == b:
             continue
-        if allow_near_ties and gap[i] <= diff[i] and ref[i, a] >= top2[i, 0]:
+        if allow_near_ties and gap[i] <= 2 * diff[i] and ref[i, a] >= top2[i, 0]:
             ties += 1
         else:
             ok = False
