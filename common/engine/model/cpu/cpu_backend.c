@@ -843,18 +843,57 @@ static float sum_squares(const float *x, int dim)
     return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
+static void rmsnorm_row(const float *x, const float *weight, float eps, float *o, int dim)
+{
+    float inv = 1.0f / sqrtf(sum_squares(x, dim) / (float)dim + eps);
+    for (int i = 0; i < dim; i++)
+        o[i] = x[i] * inv * weight[i];
+}
+
 static void rmsnorm_task(void *arg, int tid, int nthreads)
 {
     struct rows_job *j = arg;
     int t0, t1;
     split_range(j->n, tid, nthreads, &t0, &t1);
+    for (int t = t0; t < t1; t++)
+        rmsnorm_row(j->x + (size_t)t * j->dim, j->weight, j->eps, j->out + (size_t)t * j->dim,
+                    j->dim);
+}
+
+// add_rmsnorm: x += y row by row, then the row's rmsnorm, while the row is
+// in L1 (one pass and one fork/join instead of two); the same operations as
+// add then rmsnorm, so the same bits.
+struct add_norm_job {
+    float *x;
+    const float *y, *weight;
+    float *out;
+    float eps;
+    int n, dim;
+};
+
+static void add_rmsnorm_task(void *arg, int tid, int nthreads)
+{
+    struct add_norm_job *j = arg;
+    int t0, t1;
+    split_range(j->n, tid, nthreads, &t0, &t1);
     for (int t = t0; t < t1; t++) {
-        const float *x = j->x + (size_t)t * j->dim;
-        float *o = j->out + (size_t)t * j->dim;
-        float inv = 1.0f / sqrtf(sum_squares(x, j->dim) / (float)j->dim + j->eps);
+        float *x = j->x + (size_t)t * j->dim;
+        const float *y = j->y + (size_t)t * j->dim;
         for (int i = 0; i < j->dim; i++)
-            o[i] = x[i] * inv * j->weight[i];
+            x[i] += y[i];
+        rmsnorm_row(x, j->weight, j->eps, j->out + (size_t)t * j->dim, j->dim);
     }
+}
+
+static void cpu_add_rmsnorm(struct tdm_backend *be, float *x, const float *y, const float *weight,
+                            float eps, void *outv, int n, int dim)
+{
+    struct add_norm_job j = {
+        .x = x, .y = y, .weight = weight, .out = outv, .eps = eps, .n = n, .dim = dim};
+    if ((size_t)n * dim < 32768)
+        add_rmsnorm_task(&j, 0, 1);
+    else
+        cpu_pool_run(be->pool, add_rmsnorm_task, &j);
 }
 
 static void cpu_rmsnorm(struct tdm_backend *be, const float *x, const float *weight, float eps,
@@ -1347,6 +1386,7 @@ const struct tdm_backend_ops tdm_cpu_backend_ops = {
     .matmul = cpu_matmul,
     .embed = cpu_embed,
     .rmsnorm = cpu_rmsnorm,
+    .add_rmsnorm = cpu_add_rmsnorm,
     .rope = cpu_rope,
     .kv_store = cpu_kv_store,
     .attention = cpu_attention,

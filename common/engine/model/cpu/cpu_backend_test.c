@@ -387,6 +387,25 @@ static void test_rmsnorm_silu_add(void **state)
         ops->add(be, a, o, cnt);
         for (size_t i = 0; i < cnt; i++)
             assert_true(a[i] == x[i] + o[i]);
+
+        // add_rmsnorm is add then rmsnorm, bit for bit (x and out), for a
+        // batch run on the pool (n * dim >= 32768) and a single row.
+        assert_non_null(ops->add_rmsnorm);
+        float *b = malloc(sizeof(float) * cnt), *ob = malloc(sizeof(float) * cnt);
+        assert_true(b && ob);
+        const int row_counts[2] = {n, 1};
+        for (int c = 0; c < 2; c++) {
+            const int rows = row_counts[c];
+            size_t rc = (size_t)rows * dim;
+            memcpy(b, x, sizeof(float) * rc);
+            memcpy(a, x, sizeof(float) * rc);
+            ops->add_rmsnorm(be, b, o, wt, 1e-6f, ob, rows, dim);
+            ops->add(be, a, o, rc);
+            ops->rmsnorm(be, a, wt, 1e-6f, s, rows, dim);
+            assert_memory_equal(b, a, sizeof(float) * rc);
+            assert_memory_equal(ob, s, sizeof(float) * rc);
+        }
+        free(b), free(ob);
     }
     free(x), free(wt), free(o), free(gu), free(s), free(a);
     ops->destroy(be);
