@@ -368,12 +368,10 @@ static void test_corrupt_entries(void **state)
     damage_and_check(garbage_file);
 }
 
-// A well-formed entry (right source, valid checksums) whose weights do not
-// fit the model: the load redoes the weights without it and rewrites it.
-static void test_misfit_entry(void **state)
+// The cache identity of the test model's bf16 weights on the CPU backend
+// (malloc'd: the caller frees it).
+static struct tdm_wcache_id *cpu_bf16_id(void)
 {
-    (void)state;
-    clear_cache();
     struct tdm_wcache_id *id = malloc(sizeof *id);
     assert_non_null(id);
     char err[256];
@@ -381,6 +379,17 @@ static void test_misfit_entry(void **state)
     assert_int_equal(tdm_wcache_id_init(id, cache_dir, model_dir, "cpu", ops->layout_version,
                                         "bf16", err, sizeof err),
                      TDM_OK);
+    return id;
+}
+
+// A well-formed entry (right source, valid checksums) whose weights do not
+// fit the model: the load redoes the weights without it and rewrites it.
+static void test_misfit_entry(void **state)
+{
+    (void)state;
+    clear_cache();
+    struct tdm_wcache_id *id = cpu_bf16_id();
+    char err[256];
     static _Alignas(64) uint8_t blob[64 * 64 * 2];
     struct tdm_wcache_entry e = {.type = TDM_W_BF16, .rows = 64, .cols = 64, .nspans = 1};
     e.ptr[0] = blob;
@@ -404,13 +413,8 @@ static void test_partly_small_page_cache(void **state)
 {
     (void)state;
     clear_cache();
-    struct tdm_wcache_id *id = malloc(sizeof *id);
-    assert_non_null(id);
+    struct tdm_wcache_id *id = cpu_bf16_id();
     char err[256];
-    const struct tdm_backend_ops *ops = tdm_backend_find("cpu");
-    assert_int_equal(tdm_wcache_id_init(id, cache_dir, model_dir, "cpu", ops->layout_version,
-                                        "bf16", err, sizeof err),
-                     TDM_OK);
     enum { ROWS = 2048, COLS = 2048 }; // 8 MiB of bf16 per entry
     const size_t bytes = (size_t)ROWS * COLS * 2;
     uint8_t *blob = aligned_alloc(64, 2 * bytes); // [2][ROWS][COLS] bf16
