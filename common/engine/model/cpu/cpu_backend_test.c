@@ -27,6 +27,7 @@
 #include "cpu_probe.h"
 #include "cpu_test_util.h"
 #include "kv_cache.h"
+#include "sanitizer.h"
 
 static const struct tdm_backend_ops *ops = &tdm_cpu_backend_ops;
 
@@ -682,10 +683,16 @@ static void test_attention(void **state)
             run_attention_case(be, be1, &cases[i], name, tiles, TDM_KV_BF16);
         }
     }
-    // The tile kernel on the software tile model, on every host.
+    // The tile kernel on the software tile model, on every host. Under
+    // AddressSanitizer (where the model's TDPBF16PS runs ~25x slower: 3 min
+    // for every case) only the cases whose head_dim pads to whole tiles (18,
+    // 2, 40, 80: keys copied, block sizes 5 and 3 among them); the release
+    // build's run (CI's last step) takes them all.
     cpu_backend_use_amx_emu(be);
     cpu_backend_use_amx_emu(be1);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (TDM_SANITIZE_ADDRESS && cases[i].head_dim % 32 == 0)
+            continue;
         run_attention_case(be, be1, &cases[i], "amx-emu", true, TDM_KV_F32);
         run_attention_case(be, be1, &cases[i], "amx-emu", true, TDM_KV_BF16);
     }
