@@ -223,6 +223,9 @@ static void cpu_destroy(struct tdm_backend *be)
     free(be->am_idx);
     free(be->sm_tiles);
     free(be->attn_scratch);
+    free(be->rope_cs);
+    free(be->rope_pos);
+    free(be->rope_inv);
     free(be);
 }
 
@@ -824,9 +827,6 @@ struct rows_job {
     float *out;
     float eps;
     int n, dim;
-    int row_stride, n_heads, head_dim;
-    const int32_t *pos;
-    const float *inv_freq;
     const struct cpu_kernels *k;
 };
 
@@ -907,44 +907,107 @@ static void cpu_rmsnorm(struct tdm_backend *be, const float *x, const float *wei
         cpu_pool_run(be->pool, rmsnorm_task, &j);
 }
 
-static void rope_row(float *x, int n_heads, int head_dim, int32_t pos, const float *inv_freq)
+// The cos and sin of one position's angles: HF computes the angle in f32
+// (pos * inv_freq) and its cos/sin; we take that f32 angle and evaluate
+// cos/sin in double, rounded once. cs: [half] cos, then [half] sin.
+static void rope_angles(float *cs, int half, int32_t pos, const float *inv_freq)
+{
+    for (int i = 0; i < half; i++) {
+        float ang = (float)pos * inv_freq[i];
+        cs[i] = (float)cos((double)ang);
+        cs[half + i] = (float)sin((double)ang);
+    }
+}
+
+static void rope_row(float *x, int n_heads, int head_dim, const float *cs)
 {
     int half = head_dim / 2;
-    for (int i = 0; i < half; i++) {
-        // HF computes the angle in f32 (pos * inv_freq) and its cos/sin; we take
-        // that f32 angle and evaluate cos/sin in double, rounded once.
-        float ang = (float)pos * inv_freq[i];
-        float c = (float)cos((double)ang);
-        float s = (float)sin((double)ang);
-        for (int h = 0; h < n_heads; h++) {
-            float *v = x + (size_t)h * head_dim;
+    const float *c = cs, *s = cs + half;
+    for (int h = 0; h < n_heads; h++) {
+        float *v = x + (size_t)h * head_dim;
+        for (int i = 0; i < half; i++) {
             float x1 = v[i], x2 = v[i + half];
-            v[i] = x1 * c - x2 * s;
-            v[i + half] = x2 * c + x1 * s;
+            v[i] = x1 * c[i] - x2 * s[i];
+            v[i + half] = x2 * c[i] + x1 * s[i];
         }
     }
 }
 
+struct rope_job {
+    float *x;
+    int n, row_stride, n_heads, head_dim;
+    const int32_t *pos;
+    const float *inv_freq;
+    float *cs; // [n][head_dim] cos/sin per token; NULL: computed per row on the stack
+    bool fill; // compute the table's rows (a new table) before using them
+};
+
 static void rope_task(void *arg, int tid, int nthreads)
 {
-    struct rows_job *j = arg;
-    int t0, t1;
+    struct rope_job *j = arg;
+    int t0, t1, half = j->head_dim / 2;
     split_range(j->n, tid, nthreads, &t0, &t1);
-    for (int t = t0; t < t1; t++)
-        rope_row(j->out + (size_t)t * j->row_stride, j->n_heads, j->head_dim, j->pos[t],
-                 j->inv_freq);
+    float local[2 * 512]; // head_dim <= 1024 (checked by cpu_rope)
+    for (int t = t0; t < t1; t++) {
+        float *cs = j->cs ? j->cs + (size_t)t * 2 * half : local;
+        if (!j->cs || j->fill)
+            rope_angles(cs, half, j->pos[t], j->inv_freq);
+        rope_row(j->x + (size_t)t * j->row_stride, j->n_heads, j->head_dim, cs);
+    }
+}
+
+// The table of the call's positions: the last one when the positions and
+// inv_freq values are the same (*fill false), else the buffers grown and
+// marked for filling (*fill true); NULL when they cannot grow (the caller
+// then computes the angles per row).
+static float *rope_table(struct tdm_backend *be, const int32_t *pos, int n, int half,
+                         const float *inv_freq, bool *fill)
+{
+    *fill = false;
+    if (be->rope_n == n && be->rope_half == half &&
+        memcmp(be->rope_pos, pos, sizeof(int32_t) * (size_t)n) == 0 &&
+        memcmp(be->rope_inv, inv_freq, sizeof(float) * (size_t)half) == 0)
+        return be->rope_cs;
+    be->rope_n = be->rope_half = 0;
+    if ((size_t)n > be->rope_cap || (size_t)half > be->rope_half_cap) {
+        size_t cap = (size_t)n > be->rope_cap ? (size_t)n : be->rope_cap;
+        size_t hcap = (size_t)half > be->rope_half_cap ? (size_t)half : be->rope_half_cap;
+        float *cs = malloc(sizeof(float) * cap * 2 * hcap);
+        int32_t *p = malloc(sizeof(int32_t) * cap);
+        float *inv = malloc(sizeof(float) * hcap);
+        if (!cs || !p || !inv) {
+            free(cs), free(p), free(inv);
+            return NULL;
+        }
+        free(be->rope_cs), free(be->rope_pos), free(be->rope_inv);
+        be->rope_cs = cs, be->rope_pos = p, be->rope_inv = inv;
+        be->rope_cap = cap, be->rope_half_cap = hcap;
+    }
+    memcpy(be->rope_pos, pos, sizeof(int32_t) * (size_t)n);
+    memcpy(be->rope_inv, inv_freq, sizeof(float) * (size_t)half);
+    be->rope_n = n, be->rope_half = half;
+    *fill = true;
+    return be->rope_cs;
 }
 
 static void cpu_rope(struct tdm_backend *be, float *x, int n, int row_stride, int n_heads,
                      int head_dim, const int32_t *pos, const float *inv_freq)
 {
-    struct rows_job j = {.out = x,
+    if (head_dim > 1024) {
+        TDM_LOG_ERR("cpu", "rope: head_dim %d above 1024", head_dim);
+        return;
+    }
+    struct rope_job j = {.x = x,
                          .n = n,
                          .row_stride = row_stride,
                          .n_heads = n_heads,
                          .head_dim = head_dim,
                          .pos = pos,
                          .inv_freq = inv_freq};
+    // The layers of a forward rotate the same positions: their angles are
+    // computed once (the table), the same values as per call.
+    if (n >= 4)
+        j.cs = rope_table(be, pos, n, head_dim / 2, inv_freq, &j.fill);
     if (n < 4)
         rope_task(&j, 0, 1);
     else

@@ -494,6 +494,30 @@ static void test_rope(void **state)
         for (int i = heads * hd; i < stride; i++)
             assert_true(x[t * stride + i] == x0[t * stride + i]);
     }
+    // The backend keeps the last call's cos/sin while the positions and
+    // inv_freq stay (a forward's layers): a second call with them, a call
+    // with a position changed (in the same buffer) and one with another
+    // inv_freq value each give the bits of a fresh backend's first call.
+    float *y = malloc(sizeof(float) * n * stride), *z = malloc(sizeof(float) * n * stride);
+    assert_true(y && z);
+    for (int round = 0; round < 3; round++) {
+        if (round == 1)
+            pos[4] = 101;
+        if (round == 2)
+            inv_freq[5] *= 1.5f;
+        memcpy(y, x0, sizeof(float) * n * stride);
+        ops->rope(be, y, n, stride, heads, hd, pos, inv_freq);
+        struct tdm_backend *fresh = make_backend(ops, 1);
+        memcpy(z, x0, sizeof(float) * n * stride);
+        ops->rope(fresh, z, n, stride, heads, hd, pos, inv_freq);
+        ops->destroy(fresh);
+        assert_memory_equal(y, z, sizeof(float) * n * stride);
+        if (round == 0)
+            assert_memory_equal(y, x, sizeof(float) * n * stride);
+        else
+            assert_memory_not_equal(y, x, sizeof(float) * n * stride);
+    }
+    free(y), free(z);
     free(x), free(x0);
     ops->destroy(be);
 }
@@ -772,13 +796,18 @@ static void test_attn_accum_span(void **state)
         TDM_SKIP("no ISA of this CPU has attn_accum_span (AVX-512)");
 }
 
-// A block id outside the pool is logged and skipped, never dereferenced.
-static void test_attention_bad_block(void **state)
+// A block id outside the pool is logged and skipped, never dereferenced:
+// the query rows whose context needs it get zeros, the others stay finite. For a bf16 pool on the
+// amx path (and its tile model) the tile kernel zeroes every row of the task that reaches the bad
+// block (here all six tokens, one task).
+static void check_attention_bad_block(struct tdm_backend *be, enum tdm_kv_dtype dtype, bool tiles)
 {
-    (void)state;
-    struct tdm_backend *be = make_backend(ops, 2);
-    struct tdm_kv_config cfg = {
-        .num_layers = 1, .num_kv_heads = 1, .head_dim = 4, .block_size = 4, .num_blocks = 2};
+    struct tdm_kv_config cfg = {.num_layers = 1,
+                                .num_kv_heads = 1,
+                                .head_dim = 4,
+                                .block_size = 4,
+                                .num_blocks = 2,
+                                .dtype = dtype};
     struct tdm_kv_cache *kv = NULL;
     char err[128];
     assert_int_equal(tdm_kv_new(&kv, &cfg, err, sizeof err), TDM_OK);
@@ -791,10 +820,23 @@ static void test_attention_bad_block(void **state)
     ops->attention(be, kv, 0, &seq, 1, qkv, 12, out, 2, 1, 4, 0.5f);
     // Tokens 0..3 live in block 0 and are fine; 4 and 5 need block 7: zeros.
     for (int i = 0; i < 4 * 8; i++)
-        assert_true(isfinite(out[i]));
+        assert_true(tiles ? out[i] == 0.0f : isfinite(out[i]));
     for (int i = 4 * 8; i < 6 * 8; i++)
         assert_true(out[i] == 0.0f);
     tdm_kv_free(kv);
+}
+
+static void test_attention_bad_block(void **state)
+{
+    (void)state;
+    struct tdm_backend *be = make_backend(ops, 2);
+    FOR_EACH_ISA(be, isa)
+    {
+        check_attention_bad_block(be, TDM_KV_F32, false);
+        check_attention_bad_block(be, TDM_KV_BF16, isa == TDM_CPU_ISA_AMX);
+    }
+    cpu_backend_use_amx_emu(be);
+    check_attention_bad_block(be, TDM_KV_BF16, true);
     ops->destroy(be);
 }
 

@@ -269,6 +269,14 @@ struct tdm_backend {
     // attn_tile's per-thread scratch, grown on use: [nthreads][attn_scratch_bytes].
     uint8_t *attn_scratch;
     size_t attn_scratch_bytes;
+    // rope's cos/sin of the last call's positions, [rope_n][2 * rope_half]
+    // (cos then sin), reused while a call has the same positions and
+    // inv_freq values (the layers of one forward); grown on use.
+    float *rope_cs;
+    int32_t *rope_pos;              // [rope_n] the positions the table holds
+    float *rope_inv;                // [rope_half] the inv_freq values it was made with
+    size_t rope_cap, rope_half_cap; // tokens and half head_dims the buffers hold
+    int rope_n, rope_half;          // 0, 0: no table
 };
 // Tests: runs the emulated AMX table (cpu_kernels_amx_fill(.., true)) on be
 // until the next tdm_cpu_backend_set_isa.
