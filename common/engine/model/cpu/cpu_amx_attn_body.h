@@ -155,8 +155,11 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
         // a span's lines all at once would fill the core's miss buffers
         // with nothing computing meanwhile.
         for (int k0 = 0; k0 < n32; k0 += 32) {
-            if (k0 < nkeys)
-                attn_prefetch(j, sq, kvh, s0 + k0, s0 + (k0 + 32 < nkeys ? k0 + 32 : nkeys), false);
+            // In place keys only (copied ones were read above), through the
+            // chunk pointers just resolved.
+            for (int c = k0; direct && c < k0 + 32 && c < nkeys; c += 16)
+                for (size_t b = 0; b < (size_t)16 * hd * 2; b += 64)
+                    __builtin_prefetch((const uint8_t *)kchunk[c / 16] + b, 0, 2);
             AMXV(transpose)(vT + k0, vrow + k0, 32, hd, hdp);
         }
 
@@ -170,7 +173,7 @@ static AMX_ATTR void AMX_ATTN(const struct cpu_attn_job *j, const struct tdm_att
             for (int c = 0; c < t16; c += 16) {
                 if (tt == 0 && s0 + SPAN + c <= pmax) {
                     const int p1 = s0 + SPAN + c + 16;
-                    attn_prefetch(j, sq, kvh, s0 + SPAN + c, p1 < pmax + 1 ? p1 : pmax + 1, true);
+                    attn_prefetch_values(j, sq, kvh, s0 + SPAN + c, p1 < pmax + 1 ? p1 : pmax + 1);
                 }
                 AMX_ZERO(0);
                 for (int dc = 0; dc < hdp / 32; dc++) {

@@ -58,22 +58,20 @@ static void zero_pad_tokens(const struct cpu_mm_args *a, int t1)
 #define CPU_AMX_KPASS 10
 #endif
 
-// Attention (cpu_amx_attn_body.h): prefetches into L2 the key (values: v)
-// rows of KV head kvh at positions [p0, p1) of sequence sq, block by block.
-static void attn_prefetch(const struct cpu_attn_job *j, const struct tdm_attn_seq *sq, int kvh,
-                          int p0, int p1, bool v)
+// Attention (cpu_amx_attn_body.h; bf16 pools): prefetches into L2 the value
+// rows of KV head kvh at positions [p0, p1) of sequence sq (the next span's),
+// block by block.
+static void attn_prefetch_values(const struct cpu_attn_job *j, const struct tdm_attn_seq *sq,
+                                 int kvh, int p0, int p1)
 {
     const int bs = j->block_size;
-    const size_t es = j->bf16 ? 2 : 4, row = (size_t)j->head_dim * es;
+    const size_t row = (size_t)j->head_dim * 2;
     for (int pos = p0; pos < p1;) {
         const int blk = sq->block_table[pos / bs], slot = pos % bs;
         const int run = bs - slot < p1 - pos ? bs - slot : p1 - pos;
-        const uint8_t *base = j->bf16 ? (const uint8_t *)(v ? tdm_kv_v_bf16(j->kv, j->layer, blk)
-                                                            : tdm_kv_k_bf16(j->kv, j->layer, blk))
-                                      : (const uint8_t *)(v ? tdm_kv_v(j->kv, j->layer, blk)
-                                                            : tdm_kv_k(j->kv, j->layer, blk));
+        const uint16_t *base = tdm_kv_v_bf16(j->kv, j->layer, blk);
         if (base) {
-            const uint8_t *p = base + ((size_t)kvh * bs + slot) * row;
+            const uint8_t *p = (const uint8_t *)base + ((size_t)kvh * bs + slot) * row;
             for (size_t b = 0; b < (size_t)run * row; b += 64)
                 __builtin_prefetch(p + b, 0, 2);
         }
@@ -279,6 +277,20 @@ bool cpu_amx_available(void)
 #define AMXV_ATTR                                                                                  \
     static inline __attribute__((always_inline, target("amx-tile,amx-bf16," CPU_AVX512_TARGET)))
 
+// x0 (words 0-15) and x1 (words 16-31) as two bf16 each: *hi = x rounded
+// (vcvtne2ps2bf16), *lo = (x - hi) rounded, hi widened back by a shift (the
+// difference is exact in f32).
+AMXV_ATTR void amx_split_bf16(__m512 x0, __m512 x1, __m512i *hi, __m512i *lo)
+{
+    __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+    __m512 r0 = _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
+    __m512 r1 = _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)));
+    *hi = h;
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(r1, r0);
+}
+
 // emu_softmax's operations, 16 rows a vector.
 AMXV_ATTR void amx_softmax(const float *sT, int t16, int t32, int s0, const int *prow, float scale,
                            float *m, float *l, float *corr, uint32_t *pT)
@@ -310,15 +322,9 @@ AMXV_ATTR void amx_softmax(const float *sT, int t16, int t32, int s0, const int 
             p[e] = _mm512_maskz_mov_ps(ok, cpu_exp512(_mm512_sub_ps(s, m_new)));
             sum[(k + e) % 4] = _mm512_add_ps(sum[(k + e) % 4], p[e]);
         }
-        __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]);
+        __m512i h, lo;
+        amx_split_bf16(p[0], p[1], &h, &lo);
         _mm512_storeu_si512(pT + (size_t)k / 2 * 16, _mm512_permutexvar_epi16(inter, h));
-        // The rest, p - hi (exact), rounded: hi widened back by a shift.
-        __m512 r0 = _mm512_sub_ps(p[0], _mm512_castsi512_ps(_mm512_slli_epi32(
-                                            _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
-        __m512 r1 =
-            _mm512_sub_ps(p[1], _mm512_castsi512_ps(_mm512_slli_epi32(
-                                    _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)));
-        __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(r1, r0);
         _mm512_storeu_si512(pT + (size_t)(CPU_ATTN_SPAN + k) / 2 * 16,
                             _mm512_permutexvar_epi16(inter, lo));
     }
@@ -408,15 +414,7 @@ AMXV_ATTR void amx_pack_q(uint32_t *qt, const float *const *qrow, int hd, int hd
             }
             __m512 x0 = _mm512_maskz_loadu_ps(m0, qrow[i] + d0);
             __m512 x1 = _mm512_maskz_loadu_ps(m1, qrow[i] + d0 + 16);
-            __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
-            __m512 r0 =
-                _mm512_sub_ps(x0, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                      _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16)));
-            __m512 r1 =
-                _mm512_sub_ps(x1, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                      _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)));
-            hi[i] = h;
-            lo[i] = (__m512i)_mm512_cvtne2ps_pbh(r1, r0);
+            amx_split_bf16(x0, x1, &hi[i], &lo[i]);
         }
         amx_transpose16_epi32(hi);
         amx_transpose16_epi32(lo);
