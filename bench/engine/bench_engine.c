@@ -101,6 +101,9 @@ struct result {
     // ... engine steps, and those issued while the step before them was in
     // flight (async scheduling: the engine thread's work beside the device's).
     unsigned long long loop_steps[MAX_POINTS], loop_async[MAX_POINTS], loop_list[MAX_POINTS];
+    // The engine loop's KV cache dtype, asked of the engine it made (the
+    // decode and prefill rows use the plan's).
+    enum tdm_kv_dtype loop_kv_dtype;
     char device[32]; // the backend the model ran on (tdm_model_opts.backend)
     bool batch_invariant; // the model's GEMM mode as resolved (tdm_model_opts.batch_invariant)
     struct tdm_model_load_info load; // load time, checkpoint bytes, weight cache use
@@ -329,7 +332,10 @@ static double thread_cpu_s(const char *comm)
 // token a stream a step), averaged over the streams; the engine thread's CPU
 // time (its schedstat) over the run is divided by the engine's steps and by
 // the run's wall time.
-static void time_engine_loop(struct tdm_model *m, int batch, int steps, struct result *r, int i)
+// The engine's pool has the KV dtype of the forward it is compared with
+// (the plan's --kv-cache-dtype; the engine's own default is f32).
+static void time_engine_loop(struct tdm_model *m, enum tdm_kv_dtype kv_dtype, int batch, int steps,
+                             struct result *r, int i)
 {
     const struct tdm_model_config *c = tdm_model_config(m);
     int max_tokens = 4 * steps;
@@ -339,10 +345,12 @@ static void time_engine_loop(struct tdm_model *m, int batch, int steps, struct r
     ec.max_num_seqs = batch;
     ec.max_num_batched_tokens = PREFILL;
     ec.max_waiting = batch;
+    ec.kv_dtype = kv_dtype;
     char err[512];
     struct tdm_engine *e = NULL;
     if (tdm_engine_new(&e, m, &ec, err, sizeof err) != TDM_OK)
         die("engine", err);
+    r->loop_kv_dtype = tdm_engine_kv_dtype(e);
     struct tdm_engine_request *reqs[MAX_BATCH];
     static int32_t prompts[MAX_BATCH][PROMPT];
     struct tdm_engine_stats st0, st1;
@@ -457,7 +465,7 @@ static void run_mode(const char *dir, const struct tdm_model_opts *device,
     kv = NULL;
     if (mode == TDM_WEIGHTS_BF16 && pl->engine_loop)
         for (int i = 0; i < pl->n_batches; i++)
-            time_engine_loop(m, pl->batches[i], steps, r, i);
+            time_engine_loop(m, pl->kv_dtype, pl->batches[i], steps, r, i);
     // Long context: a cache of each dtype just big enough for the largest batch.
     r->long_skip = NULL;
     if (strcmp(r->device, "cpu") != 0)
@@ -547,8 +555,9 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
         return -1;
     fprintf(f,
             "{\"device\": \"%s\", \"weights\": \"%s\", \"threads\": %zu, \"weight_bytes\": "
-            "%zu, \"batch_invariant\": %s,\n",
-            r->device, mode, threads, r->weight_bytes, r->batch_invariant ? "true" : "false");
+            "%zu, \"batch_invariant\": %s, \"kv_cache_dtype\": \"%s\",\n",
+            r->device, mode, threads, r->weight_bytes, r->batch_invariant ? "true" : "false",
+            tdm_kv_dtype_name(pl->kv_dtype));
     fprintf(f, " \"decode\": [");
     for (int i = 0; i < pl->n_batches; i++)
         fprintf(f, "%s{\"batch\": %d, \"seconds\": %.9g}", i ? ", " : "", pl->batches[i],
@@ -559,7 +568,8 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
                 pl->prefill[i], r->prefill_s[i], r->prefill_flops[i]);
     fprintf(f, "]");
     if (pl->engine_loop) {
-        fprintf(f, ",\n \"engine_loop\": [");
+        fprintf(f, ",\n \"engine_loop_kv_cache_dtype\": \"%s\",\n \"engine_loop\": [",
+                tdm_kv_dtype_name(r->loop_kv_dtype));
         for (int i = 0; i < pl->n_batches; i++)
             fprintf(f,
                     "%s{\"batch\": %d, \"seconds\": %.9g, \"engine_cpu_seconds\": %.9g, "
@@ -916,9 +926,9 @@ int main(int argc, char **argv)
                res[0].short_s[1] / ((double)res[0].weight_bytes / bw));
     }
     if (pl.engine_loop) {
-        printf("\nengine loop (%s weights; Qwen2.5's sampling: T 0.7, top_k 20, top_p 0.8, "
-               "repetition 1.1), by decode batch:\n",
-               names[0]);
+        printf("\nengine loop (%s weights, KV cache %s; Qwen2.5's sampling: T 0.7, top_k 20, top_p "
+               "0.8, repetition 1.1), by decode batch:\n",
+               names[0], tdm_kv_dtype_name(res[0].loop_kv_dtype));
         for (int i = 0; i < pl.n_batches; i++) {
             const struct result *r = &res[0];
             printf("  batch %-4d step %8.2f ms  forward alone %8.2f ms  loop/forward %5.2f  "

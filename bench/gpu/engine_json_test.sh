@@ -27,6 +27,21 @@ done
 grep -q '"device": "cpu"' "$work/engine.json"
 grep -q "ran on cpu, not a GPU" "$work/summary.txt"
 grep -Eq "decode batch 64, tokens/s +not measured" "$work/summary.txt"
+# The engine loop runs on the KV cache dtype of the forward it is compared
+# with: the default (bf16, as the workers) and an explicit f32.
+for dt in auto f32; do
+    args=()
+    [ "$dt" = auto ] || args=(--kv-cache-dtype "$dt")
+    "$engine" --model "$work/tiny" --threads 1 --steps 1 --bf16-only --batches 1,3 --prefill 8 \
+        --long-context 0 --engine-loop "${args[@]}" --json "$work/loop.json" >"$work/loop.txt"
+    want=$([ "$dt" = auto ] && echo bf16 || echo "$dt")
+    grep -q "\"kv_cache_dtype\": \"$want\"" "$work/loop.json" ||
+        { cat "$work/loop.json"; echo "forward's KV dtype is not $want"; exit 1; }
+    grep -q "\"engine_loop_kv_cache_dtype\": \"$want\"" "$work/loop.json" ||
+        { cat "$work/loop.json"; echo "the engine loop's KV dtype is not $want"; exit 1; }
+    grep -q "engine loop (bf16 weights, KV cache $want;" "$work/loop.txt" ||
+        { cat "$work/loop.txt"; echo "the engine loop's header lacks KV cache $want"; exit 1; }
+done
 # Bad lists are refused.
 if "$engine" --batches 1,257 >/dev/null 2>&1; then echo "--batches 257 accepted"; exit 1; fi
 if "$engine" --prefill 8,x >/dev/null 2>&1; then echo "--prefill 8,x accepted"; exit 1; fi
