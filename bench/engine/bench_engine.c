@@ -351,9 +351,11 @@ static void time_engine_loop(struct tdm_model *m, enum tdm_kv_dtype kv_dtype, in
     tdm_engine_config_default(&ec);
     ec.num_blocks = batch * ((PROMPT + max_tokens + 15) / 16 + 1) + 8;
     ec.max_num_seqs = batch;
-    // Every prompt in the first step: each stream's first token comes from
-    // it, so the gaps timed are decode steps only (a prompt prefilled in a
-    // later step would put that step's prefill into the others' gaps).
+    // Every prompt in the first step (as far as the model's token limit per
+    // forward allows; the engine clamps the budget to it): each stream's first
+    // token comes from it, so the gaps timed are decode steps only (a prompt
+    // prefilled in a later step would put that step's prefill into the
+    // others' gaps).
     ec.max_num_batched_tokens = batch * PROMPT > PREFILL ? batch * PROMPT : PREFILL;
     ec.max_waiting = batch;
     ec.kv_dtype = kv_dtype;
