@@ -942,12 +942,15 @@ struct rope_job {
     bool fill; // compute the table's rows (a new table) before using them
 };
 
+// Half head_dims rope_task's stack row holds; a wider head takes the table.
+#define CPU_ROPE_LOCAL_HALF 512
+
 static void rope_task(void *arg, int tid, int nthreads)
 {
     struct rope_job *j = arg;
     int t0, t1, half = j->head_dim / 2;
     split_range(j->n, tid, nthreads, &t0, &t1);
-    float local[2 * 512]; // head_dim <= 1024 (checked by cpu_rope)
+    float local[2 * CPU_ROPE_LOCAL_HALF]; // without a table: half <= this (cpu_rope)
     for (int t = t0; t < t1; t++) {
         float *cs = j->cs ? j->cs + (size_t)t * 2 * half : local;
         if (!j->cs || j->fill)
@@ -993,10 +996,6 @@ static float *rope_table(struct tdm_backend *be, const int32_t *pos, int n, int 
 static void cpu_rope(struct tdm_backend *be, float *x, int n, int row_stride, int n_heads,
                      int head_dim, const int32_t *pos, const float *inv_freq)
 {
-    if (head_dim > 1024) {
-        TDM_LOG_ERR("cpu", "rope: head_dim %d above 1024", head_dim);
-        return;
-    }
     struct rope_job j = {.x = x,
                          .n = n,
                          .row_stride = row_stride,
@@ -1005,9 +1004,15 @@ static void cpu_rope(struct tdm_backend *be, float *x, int n, int row_stride, in
                          .pos = pos,
                          .inv_freq = inv_freq};
     // The layers of a forward rotate the same positions: their angles are
-    // computed once (the table), the same values as per call.
-    if (n >= 4)
+    // computed once (the table), the same values as per call. A head wider
+    // than rope_task's stack row always takes the table.
+    const bool wide = head_dim / 2 > CPU_ROPE_LOCAL_HALF;
+    if (n >= 4 || wide)
         j.cs = rope_table(be, pos, n, head_dim / 2, inv_freq, &j.fill);
+    if (wide && !j.cs) {
+        TDM_LOG_ERR("cpu", "rope: out of memory for the cos/sin table of head_dim %d", head_dim);
+        return;
+    }
     if (n < 4)
         rope_task(&j, 0, 1);
     else

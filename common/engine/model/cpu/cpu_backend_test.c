@@ -519,6 +519,28 @@ static void test_rope(void **state)
     }
     free(y), free(z);
     free(x), free(x0);
+    // A head wider than the per-row stack buffer (half 1024 > 512): one
+    // token and five, against the same reference.
+    for (int nn = 1; nn <= 5; nn += 4) {
+        int whd = 2048, wst = whd;
+        float *wf = malloc(sizeof(float) * whd / 2), *w0 = malloc(sizeof(float) * nn * wst),
+              *w = malloc(sizeof(float) * nn * wst);
+        assert_true(wf && w0 && w);
+        for (int i = 0; i < whd / 2; i++)
+            wf[i] = (float)(1.0 / pow(1000000.0, 2.0 * i / whd));
+        fill(w0, (size_t)nn * wst, 2.0f);
+        memcpy(w, w0, sizeof(float) * nn * wst);
+        ops->rope(be, w, nn, wst, 1, whd, pos, wf);
+        for (int t = 0; t < nn; t++)
+            for (int i = 0; i < whd / 2; i++) {
+                double ang = (double)(float)((float)pos[t] * wf[i]);
+                double c = cos(ang), s = sin(ang);
+                const float *a = w0 + t * wst, *b = w + t * wst;
+                assert_float_equal(b[i], a[i] * c - a[i + whd / 2] * s, 2e-6);
+                assert_float_equal(b[i + whd / 2], a[i + whd / 2] * c + a[i] * s, 2e-6);
+            }
+        free(wf), free(w0), free(w);
+    }
     ops->destroy(be);
 }
 
