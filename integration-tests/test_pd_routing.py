@@ -47,16 +47,21 @@ def router_view_settled(cl, busy_name, timeout=10):
     """Waits until the router's view of the load is current: the busy worker
     reported running its stream, every other decode worker reported nothing
     running (a short request that just ended is still in a report up to one
-    load interval old, and two such reports would tie with the busy worker)."""
+    load interval old, and two such reports would tie with the busy worker)
+    and has nothing in flight from the router (the client can read a
+    response's end before the router releases it; until then its queue
+    estimate counts it, and the busy worker's empty queue outscores it)."""
     end = time.time() + timeout
     while time.time() < end:
         st, _, cfg = request(cl.router_port, "GET", "/v1/router/config")
         eps = {e["name"]: e for e in cfg.get("endpoints_state", [])} if st == 200 else {}
         ok = bool(eps)
         for w in cl.decode:
-            load = (eps.get(w.name) or {}).get("load") or {}
+            ep = eps.get(w.name) or {}
+            load = ep.get("load") or {}
             running = load.get("running", -1)
-            ok = ok and (running >= 1 if w.name == busy_name else running == 0)
+            idle = ep.get("inflight", -1) == 0 and ep.get("unreported", -1) == 0
+            ok = ok and (running >= 1 if w.name == busy_name else running == 0 and idle)
         if ok:
             return
         time.sleep(0.05)
