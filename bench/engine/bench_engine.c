@@ -334,7 +334,8 @@ static double thread_cpu_s(const char *comm)
 // Qwen2.5's generation_config (T 0.7, top_k 20, top_p 0.8, repetition 1.1;
 // seeded, EOS ignored) for steps + 1 tokens each: the step is each stream's
 // mean gap between its first and last token (the engine's own timestamps, one
-// token a stream a step), averaged over the streams. Those steps decode the
+// token a stream a step), averaged over the streams the last prompt step
+// started (the others' gaps also hold that step). Those steps decode the
 // positions time_decode times, and its mean is the reference: mean against
 // mean at the same context (a longer run's attention would cost more, and a
 // best step is below a mean by the machine's noise). The engine thread's CPU
@@ -351,11 +352,9 @@ static void time_engine_loop(struct tdm_model *m, enum tdm_kv_dtype kv_dtype, in
     tdm_engine_config_default(&ec);
     ec.num_blocks = batch * ((PROMPT + max_tokens + 15) / 16 + 1) + 8;
     ec.max_num_seqs = batch;
-    // Every prompt in the first step (as far as the model's token limit per
-    // forward allows; the engine clamps the budget to it): each stream's first
-    // token comes from it, so the gaps timed are decode steps only (a prompt
-    // prefilled in a later step would put that step's prefill into the
-    // others' gaps).
+    // Every prompt in the first step as far as the model's token limit per
+    // forward allows (the engine clamps the budget to it); the gaps timed are
+    // those of the streams the last prompt step started (below).
     ec.max_num_batched_tokens = batch * PROMPT > PREFILL ? batch * PROMPT : PREFILL;
     ec.max_waiting = batch;
     ec.kv_dtype = kv_dtype;
@@ -392,7 +391,7 @@ static void time_engine_loop(struct tdm_model *m, enum tdm_kv_dtype kv_dtype, in
         if (tdm_engine_submit(e, &p, &reqs[s], err, sizeof err) != TDM_OK)
             die("engine submit", err);
     }
-    double gap_sum = 0;
+    static struct tdm_engine_times times[MAX_BATCH];
     for (int s = 0; s < batch; s++) {
         struct tdm_engine_chunk ch;
         do {
@@ -401,10 +400,21 @@ static void time_engine_loop(struct tdm_model *m, enum tdm_kv_dtype kv_dtype, in
         } while (!ch.finished);
         if (ch.error != TDM_OK || ch.first_index + ch.n != max_tokens)
             die("engine", "a request did not finish with all its tokens");
-        struct tdm_engine_times tt;
-        tdm_engine_request_times(reqs[s], &tt);
-        gap_sum += (tt.last_token - tt.first_token) / (max_tokens - 1);
+        tdm_engine_request_times(reqs[s], &times[s]);
     }
+    // The streams whose first token came from the last prompt step: their
+    // gaps hold decode steps only (an earlier stream's also hold the later
+    // prompt steps, when the prompts did not fit one step). A step stamps
+    // its tokens with one time.
+    double last_first = 0, gap_sum = 0;
+    int n_gaps = 0;
+    for (int s = 0; s < batch; s++)
+        last_first = times[s].first_token > last_first ? times[s].first_token : last_first;
+    for (int s = 0; s < batch; s++)
+        if (times[s].first_token >= last_first) {
+            gap_sum += (times[s].last_token - times[s].first_token) / (max_tokens - 1);
+            n_gaps++;
+        }
     double wall = tdm_now() - t0, cpu = thread_cpu_s("tdm-engine") - cpu0;
     // Stats settle at the engine's next loop, which comes promptly.
     do {
@@ -412,7 +422,7 @@ static void time_engine_loop(struct tdm_model *m, enum tdm_kv_dtype kv_dtype, in
         tdm_engine_get_stats(e, &st1);
     } while (st1.num_running > 0);
     uint64_t engine_steps = st1.num_steps - st0.num_steps;
-    r->loop_s[i] = gap_sum / batch;
+    r->loop_s[i] = gap_sum / n_gaps;
     r->loop_cpu_s[i] = cpu0 >= 0 && engine_steps > 0 ? cpu / (double)engine_steps : -1;
     r->loop_share[i] = cpu0 >= 0 ? cpu / wall : -1;
     r->loop_drawn[i] = st1.num_device_drawn_tokens;
