@@ -371,6 +371,17 @@ static int register_metrics(struct tdm_worker *s, char *err, size_t errlen)
     rc = tdm_metrics_counter_register(&s->list_rows, s->reg, &co, err, errlen);
     if (rc != TDM_OK)
         return rc;
+    // The engine thread's time by phase: the host's share of a step
+    // (docs/metrics.md).
+    static const char *const phase_label[] = {"phase"};
+    co.name = "tandem:engine_thread_seconds_total";
+    co.help = "Engine thread wall time by phase (schedule, prepare, forward, wait, finish, "
+              "other, idle).";
+    co.label_names = phase_label;
+    co.n_label_names = 1;
+    rc = tdm_metrics_counter_register(&s->thread_seconds, s->reg, &co, err, errlen);
+    if (rc != TDM_OK)
+        return rc;
     // vLLM registers its speculative decoding counters only when speculating.
     if (cfg->spec.num_speculative_tokens > 0)
         return tdm_metrics_spec_register(&s->spec_metrics, s->reg, s->text.served_name, "0",
@@ -406,6 +417,7 @@ static int start_engine(struct tdm_worker *s, char *err, size_t errlen)
     ec.metrics = &s->metrics;
     ec.prompt_tokens_waiting = s->prompt_tokens_waiting;
     ec.steps_ahead = s->steps_ahead;
+    ec.thread_seconds = s->thread_seconds;
     ec.list_rows = s->list_rows;
     ec.spec = cfg->spec;
     ec.sync_scheduling = !cfg->async_scheduling;

@@ -40,6 +40,7 @@ struct tdm_worker {
     struct tdm_metrics_vllm metrics;
     struct tdm_metrics_gauge *prompt_tokens_waiting; // tandem:num_prompt_tokens_waiting
     struct tdm_metrics_counter *steps_ahead;         // tandem:engine_steps_ahead_total
+    struct tdm_metrics_counter *thread_seconds;      // tandem:engine_thread_seconds_total{phase}
     struct tdm_metrics_counter *list_rows;           // tandem:engine_list_rows_total
     struct tdm_metrics_spec spec_metrics; // vllm:spec_decode_* (registered when speculating)
     struct tdm_engine *engine;

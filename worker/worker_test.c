@@ -21,6 +21,7 @@
 #include "core.h"
 #include "http_test_client.h"
 #include "mkmodel.h"
+#include "engine.h" // tdm_engine_phase_name
 #include "worker.h"
 
 static char model_dir[64]; // mkmodel's tiny model: vocab 512, eos 511 (config) + [511, 509]
@@ -97,6 +98,27 @@ static void expect(struct tdm_worker *s, const char *method, const char *path, i
     free(resp);
 }
 
+// The value of tandem:engine_thread_seconds_total's series for phase, -1
+// where /metrics has none.
+static double thread_seconds(struct tdm_worker *s, const char *phase)
+{
+    int st;
+    char *resp = request(s, "GET", "/metrics", &st);
+    char key[64];
+    snprintf(key, sizeof key, "phase=\"%s\"} ", phase);
+    double v = -1;
+    for (const char *at = body_of(resp); (at = strstr(at, "tandem:engine_thread_seconds_total{"));
+         at++) {
+        const char *k = strstr(at, key), *eol = strchr(at, '\n');
+        if (k && (!eol || k < eol)) {
+            v = strtod(k + strlen(key), NULL);
+            break;
+        }
+    }
+    free(resp);
+    return v;
+}
+
 // Every route of the table answers "loading" (or, for /metrics and
 // /version, its loading-time answer).
 static void expect_loading(struct tdm_worker *s)
@@ -162,6 +184,16 @@ static void test_lifecycle(void **state)
     assert_int_equal(status_of(resp), 200);
     assert_non_null(strstr(body_of(resp), "\"completion_tokens\":3"));
     free(resp);
+    // The engine thread's phases: the forwards of those tokens counted (the
+    // stats are published when the loop comes round after the last step),
+    // and every phase has its series.
+    expect(s, "GET", "/metrics", 200, "# TYPE tandem:engine_thread_seconds_total counter");
+    double fwd = 0;
+    for (int i = 0; i < 200 && (fwd = thread_seconds(s, "forward")) <= 0; i++)
+        tdm_sleep(0.01);
+    assert_true(fwd > 0);
+    for (int p = 0; p < TDM_ENGINE_PHASES; p++)
+        assert_true(thread_seconds(s, tdm_engine_phase_name(p)) >= 0);
 
     // A role's details join /health's body.
     tdm_worker_set_health_details(s, health_details, "decode");

@@ -103,6 +103,9 @@ struct result {
     // ... engine steps, and those issued while the step before them was in
     // flight (async scheduling: the engine thread's work beside the device's).
     unsigned long long loop_steps[MAX_POINTS], loop_async[MAX_POINTS], loop_list[MAX_POINTS];
+    // ... the engine thread's wall seconds per step by phase over the run
+    // (tdm_engine_stats.phase_seconds: where the host's share goes).
+    double loop_phase[MAX_POINTS][TDM_ENGINE_PHASES];
     // The engine loop's KV cache dtype, asked of the engine it made (the
     // decode and prefill rows use the plan's).
     enum tdm_kv_dtype loop_kv_dtype;
@@ -429,6 +432,10 @@ static void time_engine_loop(struct tdm_model *m, enum tdm_kv_dtype kv_dtype, in
     r->loop_steps[i] = engine_steps;
     r->loop_async[i] = st1.num_async_steps - st0.num_async_steps;
     r->loop_list[i] = st1.num_device_list_rows - st0.num_device_list_rows;
+    for (int p = 0; p < TDM_ENGINE_PHASES; p++)
+        r->loop_phase[i][p] =
+            engine_steps > 0 ? (st1.phase_seconds[p] - st0.phase_seconds[p]) / (double)engine_steps
+                             : -1;
     r->loop_tokens[i] = (unsigned long long)batch * (unsigned long long)max_tokens;
     for (int s = 0; s < batch; s++)
         tdm_engine_request_release(reqs[s]);
@@ -602,6 +609,15 @@ static int write_json(const char *path, const char *mode, size_t threads, const 
                     i ? ", " : "", pl->batches[i], r->loop_s[i], r->loop_cpu_s[i], r->loop_share[i],
                     r->loop_drawn[i], r->loop_tokens[i], r->loop_steps[i], r->loop_async[i],
                     r->loop_list[i], r->decode_mean_s[i]);
+        fprintf(f, "]");
+        // Each batch's engine-thread phases (seconds a step), in the same order.
+        fprintf(f, ",\n \"engine_loop_phases\": [");
+        for (int i = 0; i < pl->n_batches; i++) {
+            fprintf(f, "%s{\"batch\": %d", i ? ", " : "", pl->batches[i]);
+            for (int p = 0; p < TDM_ENGINE_PHASES; p++)
+                fprintf(f, ", \"%s_seconds\": %.9g", tdm_engine_phase_name(p), r->loop_phase[i][p]);
+            fprintf(f, "}");
+        }
         fprintf(f, "]");
     }
     fprintf(f, "}\n");
@@ -963,6 +979,10 @@ int main(int argc, char **argv)
                    r->loop_s[i] / r->decode_mean_s[i], r->loop_cpu_s[i] * 1e3, r->loop_share[i],
                    r->loop_drawn[i], r->loop_tokens[i], r->loop_list[i], r->loop_async[i],
                    r->loop_steps[i]);
+            printf("             engine thread per step (prompt steps included):");
+            for (int p = 0; p < TDM_ENGINE_PHASES; p++)
+                printf(" %s %.3f ms", tdm_engine_phase_name(p), r->loop_phase[i][p] * 1e3);
+            printf("\n");
         }
     }
     print_capacity(&res[0].kc, &pl);

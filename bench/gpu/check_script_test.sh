@@ -228,7 +228,9 @@ echo '{"device": "cuda", "batch_invariant": '\$bi', "weight_bytes": 1000000000,
  "prefill": [{"tokens": 2048, "seconds": 0.01, "flops": 2.8e12}]}' >"\$out"
 EOF
 # The fake decode worker: listens, answers /health, and runs a thread named
-# tdm-engine that spends 0.3 s of CPU on each request before it is answered.
+# tdm-engine that spends 0.3 s of CPU on each request before it is answered;
+# its /metrics has that time as tandem:engine_thread_seconds_total's forward
+# phase.
 cat >"$fb/decode/tandem-decode" <<EOF
 #!$python
 import ctypes, http.server, sys, threading, time
@@ -238,6 +240,7 @@ if "--help" in sys.argv:
         print("  --flag-%d N  pads the help past a pipe buffer" % i)
     sys.exit(0)
 busy = threading.Event()
+forward_s = [0.0]
 def engine():
     ctypes.CDLL(None).prctl(15, b"tdm-engine", 0, 0, 0)  # PR_SET_NAME
     while True:
@@ -245,10 +248,18 @@ def engine():
         t = time.monotonic()
         while time.monotonic() - t < 0.3:  # a request's compute: 30 clock ticks
             pass
+        forward_s[0] += time.monotonic() - t
         busy.clear()
 threading.Thread(target=engine, daemon=True).start()
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
+        if self.path == "/metrics":
+            self.send_response(200)
+            self.end_headers()
+            for ph, v in (("forward", forward_s[0]), ("wait", 0.0)):
+                self.wfile.write(('tandem:engine_thread_seconds_total{model_name="x",engine="0",'
+                                  'phase="%s"} %.6f\\n' % (ph, v)).encode())
+            return
         busy.set()
         while busy.is_set():
             time.sleep(0.01)
@@ -390,6 +401,12 @@ expect "pack run: the engine thread's share was measured" \
     "$python" -c 'import json, sys; r = json.load(open(sys.argv[1]))["runs"]
 sys.exit(0 if len(r) == 3 and all(x["engine_core_share"] is not None and x["engine_core_share"] > 0 for x in r) else 1)' \
     "$work/out7/serve.json"
+expect "pack run: the engine thread's phases were read from /metrics" \
+    "$python" -c 'import json, sys; r = json.load(open(sys.argv[1]))["runs"]
+sys.exit(0 if len(r) == 3 and all(x["engine_phases"] and x["engine_phases"]["forward"] > 0 and
+                                  x["engine_phases"]["wait"] == 0 for x in r) else 1)' \
+    "$work/out7/serve.json"
+expect "pack run: the phases in the serving table" grep -q "engine thread's wall by phase: forward" "$work/out7/serve.log"
 expect "pack run: the worker got --device cuda" grep -q "worker: .*--device cuda" "$work/out7/serve.log"
 expect "pack run: P/D over cuda-ipc in the report, nng in the tables" \
     bash -c 'grep -q "cuda-ipc" "$0/pd.json" && grep -q "P/D over nng" "$0/summary.txt" &&

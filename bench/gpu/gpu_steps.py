@@ -13,7 +13,11 @@ machine's Python runs it as it is).
     names), and the engine thread's share of one core during the run: the
     utime + stime of the worker's thread named tdm-engine
     (/proc/PID/task/TID/stat, fields 14 and 15) read before and after the run,
-    over the run's wall time (1.0 = one core busy all the time).
+    over the run's wall time (1.0 = one core busy all the time); and where the
+    worker exports tandem:engine_thread_seconds_total{phase} (/metrics, read
+    before and after the run), that thread's wall time by phase over the
+    run's: the host's share of a step (schedule, prepare, forward: the
+    launches on a GPU, finish) beside its waits for the device (wait).
   gpu_steps.py ids --generate BIN --model DIR --json FILE
       [--lengths 1000,2048,2049,3000,3500] [--chunks 256,2048] [--max-tokens 16]
     Greedy ids of tandem-generate --device cuda equal --device cpu for random
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 ENGINE_THREAD = "tdm-engine"  # common/engine/engine.c names its thread so
 
@@ -56,6 +61,27 @@ def engine_ticks(pid):
         fields = stat[stat.rindex(")") + 2:].split()
         return int(fields[11]) + int(fields[12])  # fields 14 and 15 of stat(5)
     return None
+
+
+PHASE_RE = re.compile(
+    r'^tandem:engine_thread_seconds_total\{[^}]*phase="([a-z]+)"[^}]*\} (\S+)$', re.M)
+
+
+def engine_phases(port):
+    """The worker's tandem:engine_thread_seconds_total by phase (seconds), or
+    None when its /metrics has no such series."""
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=10) as r:
+            text = r.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    got = {}
+    for m in PHASE_RE.finditer(text):
+        try:
+            got[m.group(1)] = float(m.group(2))
+        except ValueError:
+            pass
+    return got or None
 
 
 class Worker:
@@ -117,15 +143,20 @@ def serve(args):
                    "--percentiles", "50,99", "--seed", str(c), "--json", out]
             if w.served_name:
                 cmd += ["--served-model-name", w.served_name]
+            p0 = engine_phases(w.port)
             t0, e0 = time.monotonic(), engine_ticks(w.proc.pid)
             r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             wall, e1 = time.monotonic() - t0, engine_ticks(w.proc.pid)
+            p1 = engine_phases(w.port)
             sys.stdout.write(r.stdout)
             share = None
             if e0 is not None and e1 is not None and wall > 0:
                 share = (e1 - e0) / hz / wall
+            phases = None
+            if p0 is not None and p1 is not None and wall > 0:
+                phases = {k: (v - p0.get(k, 0.0)) / wall for k, v in p1.items()}
             row = {"concurrency": c, "exit": r.returncode, "wall_s": wall,
-                   "engine_core_share": share}
+                   "engine_core_share": share, "engine_phases": phases}
             try:
                 with open(out) as f:
                     res = json.load(f)
@@ -163,6 +194,10 @@ def serve_table(doc):
             fmt(r.get("median_itl_ms"), "%.2f"), fmt(r.get("p99_itl_ms"), "%.2f"),
             fmt(r.get("engine_core_share"), "%.2f") + ("  (%s)" % r["error"] if "error" in r
                                                        else "")))
+        ph = r.get("engine_phases")
+        if ph:
+            lines.append("        engine thread's wall by phase: " + "  ".join(
+                "%s %.2f" % (k, v) for k, v in sorted(ph.items(), key=lambda kv: -kv[1])))
     return "\n".join(lines) + "\n"
 
 

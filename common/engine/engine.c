@@ -257,6 +257,12 @@ struct tdm_engine {
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted;
     uint64_t spec_per_pos[TDM_SPEC_MAX_TOKENS];
     uint64_t prefix_queries, prefix_hits, preemptions, steps, finished;
+    // The engine thread's time by phase (phase_enter): phase_s[p] seconds
+    // charged, `phase` the one running since phase_t; phase_ctr the
+    // thread_seconds family's series (NULL: none).
+    double phase_s[TDM_ENGINE_PHASES], phase_t;
+    int phase;
+    struct tdm_metrics_counter *phase_ctr[TDM_ENGINE_PHASES];
 
     // Structured output: mask threads fill the step's masks while the engine
     // thread runs the forward (started at the first constrained step). A post
@@ -658,10 +664,37 @@ static int64_t prompt_tokens_waiting(const struct tdm_engine *e)
     return n;
 }
 
+static const char *const phase_names[TDM_ENGINE_PHASES] = {"schedule", "prepare", "forward", "wait",
+                                                           "finish",   "other",   "idle"};
+
+const char *tdm_engine_phase_name(int phase)
+{
+    return phase >= 0 && phase < TDM_ENGINE_PHASES ? phase_names[phase] : NULL;
+}
+
+// Charges the time since the last switch to the phase that ran and makes p
+// the running one; returns the one it replaced (to go back to: phases nest,
+// e.g. a step finished by the choose hook inside a forward).
+static int phase_enter(struct tdm_engine *e, int p)
+{
+    double now = tdm_now();
+    int prev = e->phase;
+    e->phase_s[prev] += now - e->phase_t;
+    e->phase_t = now;
+    e->phase = p;
+    return prev;
+}
+
 static void publish_stats(struct tdm_engine *e)
 {
-    // Called with e->mu held.
+    // Called with e->mu held, on the engine thread (or before it starts).
     struct tdm_engine_stats *s = &e->stats;
+    phase_enter(e, e->phase); // charged up to now
+    for (int p = 0; p < TDM_ENGINE_PHASES; p++) {
+        if (e->phase_ctr[p])
+            tdm_metrics_counter_add(e->phase_ctr[p], e->phase_s[p] - s->phase_seconds[p]);
+        s->phase_seconds[p] = e->phase_s[p];
+    }
     s->num_running = e->num_running;
     s->num_waiting = e->num_queued;
     s->num_held = e->num_held;
@@ -1169,6 +1202,15 @@ static void masks_wait(struct tdm_engine *e, bool posted)
 // grammar vocabulary, the ending ids as the matcher accepts the end).
 static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_items, int rc);
 
+// tdm_model_forward_wait, its time charged to TDM_ENGINE_PHASE_WAIT.
+static int forward_wait(struct tdm_engine *e)
+{
+    int prev = phase_enter(e, TDM_ENGINE_PHASE_WAIT);
+    int rc = tdm_model_forward_wait(e->model);
+    phase_enter(e, prev);
+    return rc;
+}
+
 static void choose_hook(void *arg)
 {
     struct tdm_engine *e = arg;
@@ -1178,7 +1220,7 @@ static void choose_hook(void *arg)
         // A row of this step follows a token of the step in flight: that
         // step taken and finished first (its tokens recorded, the grammars
         // advanced by them) while this step's layers run, then the masks.
-        int rc = tdm_model_forward_wait(e->model);
+        int rc = forward_wait(e);
         int n = e->fl_n;
         e->fl_n = 0;
         e->fl_taken = true;
@@ -1430,6 +1472,7 @@ static bool verify_prepare(struct tdm_engine *e, struct sched_item *it, int *use
 static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
 {
     struct tdm_metrics_vllm *m = e->m;
+    int prev = phase_enter(e, TDM_ENGINE_PHASE_PREPARE);
     int total = 0, v_used = 0;
     for (int b = 0; b < n_items; b++) {
         struct sched_item *it = &e->items[b];
@@ -1533,7 +1576,9 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
     e->masks_posted = e->n_mask_jobs > 0 && !e->masks_deferred && masks_post(e);
     e->masks_waited = false;
     e->n_step_items = n_items;
+    phase_enter(e, TDM_ENGINE_PHASE_FORWARD);
     int rc = tdm_model_forward_issue(e->model, e->kv, e->batch, n_items, e->logits);
+    phase_enter(e, prev);
     e->steps++;
     if (m)
         tdm_metrics_histogram_observe(m->iteration_tokens_total, total);
@@ -1545,7 +1590,7 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
 // samples the rows that came to the host, and drops the items' references. A
 // request no longer running (aborted while the step was in flight, or
 // finished by the token before it) has its row discarded.
-static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_items, int rc)
+static void step_results(struct tdm_engine *e, struct sched_item *items, int n_items, int rc)
 {
     // The masks posted last, when they are this step's (not those of a step
     // issued after it, ahead).
@@ -1624,6 +1669,13 @@ static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_it
     sample_rows(e, now);
     for (int b = 0; b < n_items; b++)
         req_unref(items[b].r);
+}
+
+static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_items, int rc)
+{
+    int prev = phase_enter(e, TDM_ENGINE_PHASE_FINISH);
+    step_results(e, items, n_items, rc);
+    phase_enter(e, prev);
 }
 
 // Whether the rows of `it` may go on without its token (async scheduling):
@@ -1758,7 +1810,7 @@ static void put_in_flight(struct tdm_engine *e, int n)
 static void finish_inflight(struct tdm_engine *e, int rc)
 {
     if (rc == TDM_OK)
-        rc = tdm_model_forward_wait(e->model);
+        rc = forward_wait(e);
     int n = e->fl_n;
     e->fl_n = 0;
     step_finish(e, e->fl_items, n, rc);
@@ -1769,7 +1821,7 @@ static void finish_inflight(struct tdm_engine *e, int rc)
 static void step_wait_finish(struct tdm_engine *e, int n, int rc)
 {
     while (rc == TDM_OK && tdm_model_forward_pending(e->model) > 0)
-        rc = tdm_model_forward_wait(e->model);
+        rc = forward_wait(e);
     step_finish(e, e->items, n, rc);
 }
 
@@ -1778,8 +1830,11 @@ static void step_wait_finish(struct tdm_engine *e, int n, int rc)
 static void step_ahead(struct tdm_engine *e)
 {
     int adj_used, n = 0;
-    if (ahead_step(e, e->fl_items, e->fl_n))
+    if (ahead_step(e, e->fl_items, e->fl_n)) {
+        int prev = phase_enter(e, TDM_ENGINE_PHASE_SCHEDULE);
         n = schedule_ahead(e, &adj_used);
+        phase_enter(e, prev);
+    }
     if (n == 0) {
         finish_inflight(e, TDM_OK);
         return;
@@ -1960,8 +2015,11 @@ static void *engine_main(void *arg)
         // schedule nothing (blocks held).
         while (e->fl_n == 0 && e->inbox_head == NULL && e->ctl_head == NULL && !e->check_req &&
                !(e->abort_all && !e->abort_all_applied) && !e->stop &&
-               (e->num_active == 0 || !progressed))
+               (e->num_active == 0 || !progressed)) {
+            int prev = phase_enter(e, TDM_ENGINE_PHASE_IDLE);
             pthread_cond_wait(&e->wake, &e->mu);
+            phase_enter(e, prev);
+        }
         bool exit_now = e->stop && e->fl_n == 0 && e->num_active == 0 && e->num_held == 0 &&
                         e->inbox_head == NULL && e->ctl_head == NULL;
         bool checking = e->check_req;
@@ -1990,7 +2048,9 @@ static void *engine_main(void *arg)
             if (e->fl_n > 0)
                 continue;
         }
+        int prev = phase_enter(e, TDM_ENGINE_PHASE_SCHEDULE);
         int n_items = schedule(e);
+        phase_enter(e, prev);
         progressed = n_items > 0;
         if (n_items > 0)
             run_step(e, n_items);
@@ -2230,6 +2290,10 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
         goto fail_arrays;
     if ((rc = engine_sync_init(e, err, errlen)) != TDM_OK)
         goto fail_arrays;
+    e->phase = TDM_ENGINE_PHASE_OTHER;
+    e->phase_t = tdm_now();
+    for (int p = 0; e->cfg.thread_seconds && p < TDM_ENGINE_PHASES; p++)
+        e->phase_ctr[p] = tdm_metrics_counter_labels(e->cfg.thread_seconds, phase_names[p]);
     pthread_mutex_lock(&e->mu);
     publish_stats(e);
     pthread_mutex_unlock(&e->mu);

@@ -62,6 +62,9 @@ struct tdm_engine_config {
     // stats; NULL = none
     struct tdm_metrics_counter *steps_ahead;
     struct tdm_metrics_counter *list_rows;
+    // tandem:engine_thread_seconds_total{phase} (stats.phase_seconds): a
+    // counter family with the one variable label "phase"; NULL = none
+    struct tdm_metrics_counter *thread_seconds;
     int kv_event_capacity;            // > 0: record KV events (tdm_engine_take_kv_events) in
                                       // buffers of this many events; default 0 = off
     // Structured outputs: the tokenizer's token trie (tdm_grammar_vocab_from_tokenizer),
@@ -375,6 +378,21 @@ int tdm_engine_import_block_ids(struct tdm_engine *e, struct tdm_engine_request 
                                 int first_block, int nblocks, int *ids);
 
 // ---- stats -----------------------------------------------------------------------------
+// Where the engine thread's time goes (tdm_engine_stats.phase_seconds,
+// tandem:engine_thread_seconds_total{phase}); each instant counts in one.
+enum tdm_engine_phase {
+    TDM_ENGINE_PHASE_SCHEDULE, // choosing the step's rows and admitting requests
+    TDM_ENGINE_PHASE_PREPARE,  // the step's batch: rows, draws' parameters, masks posted
+    TDM_ENGINE_PHASE_FORWARD,  // tdm_model_forward_issue: the whole forward on the CPU
+                               // (the engine thread is compute thread 0), the launches on
+                               // a device
+    TDM_ENGINE_PHASE_WAIT,     // tdm_model_forward_wait: for the device (0 on the CPU)
+    TDM_ENGINE_PHASE_FINISH,   // a step's results: host sampling, tokens, outputs
+    TDM_ENGINE_PHASE_OTHER,    // the loop's bookkeeping: controls, stats, KV events
+    TDM_ENGINE_PHASE_IDLE,     // asleep: nothing to run
+    TDM_ENGINE_PHASES
+};
+
 struct tdm_engine_stats {
     int num_running;     // requests in the running set
     int num_waiting;     // submitted or preempted, not running
@@ -406,6 +424,9 @@ struct tdm_engine_stats {
     uint64_t num_device_list_rows;      // drawn rows whose penalties' entries the device kept
                                         // from the step before (no upload: a device list)
     uint64_t num_finished; // requests finished (any reason)
+    // The engine thread's wall time by phase since its start (enum
+    // tdm_engine_phase), as of the last snapshot: their sum is its lifetime.
+    double phase_seconds[TDM_ENGINE_PHASES];
     uint64_t num_masks;       // structured output: token masks computed
     double mask_seconds;      // time computing them (on the mask thread, overlapping the forward)
     double mask_wait_seconds; // engine-thread time on masks: waiting for them after the
@@ -418,6 +439,9 @@ struct tdm_engine_stats {
 };
 // A consistent snapshot as of the end of the engine's last step (or idle point).
 void tdm_engine_get_stats(struct tdm_engine *e, struct tdm_engine_stats *out);
+// The phase's name ("schedule", ...), the label of
+// tandem:engine_thread_seconds_total; NULL for a value out of range.
+const char *tdm_engine_phase_name(int phase);
 
 // For tests: runs tdm_kv_check on the engine's cache at the engine's next idle
 // point (or between steps) and returns its result.

@@ -1042,6 +1042,9 @@ static void test_device_lists(void **state)
     assert_true(s2.num_async_steps > 0);
     assert_true(tdm_metrics_counter_value(lrows) == (double)s2.num_device_list_rows);
     assert_true(tdm_metrics_counter_value(ahead) == (double)s2.num_async_steps);
+    // The emulated device's forwards are waited for (the engine thread's
+    // wait phase), unlike the CPU's (test_thread_phases).
+    assert_true(s2.phase_seconds[TDM_ENGINE_PHASE_WAIT] > 0);
     tdm_engine_free(e);
     tdm_metrics_registry_free(reg);
     // Preemption: two penalised requests whose KV outgrows a pool of 10
@@ -1706,6 +1709,72 @@ static void test_prompt_tokens_waiting(void **state)
     tdm_engine_request_release(r1);
     tdm_engine_request_release(r2);
     tdm_engine_request_release(r3);
+    tdm_engine_free(e);
+    tdm_metrics_registry_free(reg);
+}
+
+// The engine thread's time by phase (stats.phase_seconds and
+// tandem:engine_thread_seconds_total{phase}): on the CPU the forwards run in
+// the forward phase and nothing waits for a device; each instant counts in
+// one phase, so they add up to at most the time since the engine was made;
+// the sleep between two requests is idle; the counters follow the stats.
+static void test_thread_phases(void **state)
+{
+    (void)state;
+    struct tdm_metrics_registry *reg = NULL;
+    struct tdm_metrics_counter *fam = NULL;
+    char err[256];
+    assert_int_equal(tdm_metrics_registry_new(&reg, NULL, 0, err, sizeof err), TDM_OK);
+    static const char *const label[] = {"phase"};
+    const struct tdm_metrics_opts o = {.name = "tandem:engine_thread_seconds_total",
+                                       .help = "x",
+                                       .label_names = label,
+                                       .n_label_names = 1};
+    assert_int_equal(tdm_metrics_counter_register(&fam, reg, &o, err, sizeof err), TDM_OK);
+    struct tdm_engine_config ec;
+    tdm_engine_config_default(&ec);
+    ec.num_blocks = 128, ec.max_num_batched_tokens = 64, ec.max_num_seqs = 8;
+    ec.thread_seconds = fam;
+    const double t0 = tdm_now();
+    struct tdm_engine *e = NULL;
+    assert_int_equal(tdm_engine_new(&e, model, &ec, err, sizeof err), TDM_OK);
+    int32_t prompt[40], got[16];
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    make_prompt(prompt, 40, 71);
+    struct tdm_engine_stats s[2];
+    for (int round = 0; round < 2; round++) {
+        if (round == 1)
+            tdm_sleep(0.05); // the engine asleep: idle
+        struct tdm_engine_request *r = submit(e, prompt, 40, &sp, 8);
+        struct collected c = {0};
+        collect(r, got, 16, &c, 0);
+        tdm_engine_request_release(r);
+        assert_int_equal(c.n, 8);
+        wait_idle_stats(e, &s[round]);
+    }
+    const double t1 = tdm_now();
+    double sum = 0;
+    for (int p = 0; p < TDM_ENGINE_PHASES; p++) {
+        const double v = s[1].phase_seconds[p];
+        printf("%-8s %.6f s\n", tdm_engine_phase_name(p), v);
+        assert_true(v >= s[0].phase_seconds[p]);
+        struct tdm_metrics_counter *c = tdm_metrics_counter_labels(fam, tdm_engine_phase_name(p));
+        assert_non_null(c);
+        assert_true(fabs(tdm_metrics_counter_value(c) - v) <= 1e-9 + 1e-9 * v);
+        sum += v;
+    }
+    assert_true(sum > 0 && sum <= t1 - t0);
+    assert_true(s[1].phase_seconds[TDM_ENGINE_PHASE_SCHEDULE] > 0);
+    assert_true(s[1].phase_seconds[TDM_ENGINE_PHASE_PREPARE] > 0);
+    assert_true(s[1].phase_seconds[TDM_ENGINE_PHASE_FORWARD] > 0);
+    assert_true(s[1].phase_seconds[TDM_ENGINE_PHASE_FINISH] > 0);
+    assert_true(s[1].phase_seconds[TDM_ENGINE_PHASE_WAIT] == 0);
+    assert_true(s[1].phase_seconds[TDM_ENGINE_PHASE_IDLE] -
+                    s[0].phase_seconds[TDM_ENGINE_PHASE_IDLE] >=
+                0.04);
+    assert_null(tdm_engine_phase_name(TDM_ENGINE_PHASES));
+    assert_null(tdm_engine_phase_name(-1));
     tdm_engine_free(e);
     tdm_metrics_registry_free(reg);
 }
@@ -2764,6 +2833,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_queue_bound_and_bad_input),
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_metrics),
+        cmocka_unit_test(test_thread_phases),
         cmocka_unit_test(test_prompt_tokens_waiting),
         cmocka_unit_test(test_unfit),
         cmocka_unit_test(test_prefill_only_export),
