@@ -14,7 +14,9 @@ wrong nng port (its /health answers) is healthy but not up: never routed to.
 takes them) and removes them (they leave the router's config, then drain:
 streams running there finish whole); bad requests fail with a line saying
 why, and so does a scaling while the router's /metrics does not answer (within
-seconds); the socket and the secret file are gone after the stack stops.
+seconds); one whose router config cannot be written changes nothing (its new
+workers stop, the ones it would take away stay and serve); the socket and the
+secret file are gone after the stack stops.
 """
 import http.server
 import json
@@ -347,6 +349,44 @@ def main():
     check(rc == 0 and out.strip().splitlines()[-1] == "ok: 1 prefill + 1 decode workers",
           "router running again: rc %d\n%s%s" % (rc, out, err))
     print("router stopped: scale failed in %.1f s: %s" % (took, last))
+
+    # 5c. The router's config cannot be written (a folder where the new file
+    # goes): nothing changes. The decode worker started for the scaling up
+    # stops (the router was never told of it); the prefill worker of the
+    # scaling down stays, in the config, and serves (before, it was drained
+    # and stopped while the router still routed to it).
+    with open(cfg_path) as f:
+        cfg_before = f.read()
+    pre = re.findall(r"prefill-(\d+) started: http://[^:]+:(\d+), nng port \d+, pid (\d+)",
+                     st.log())
+    check(pre, "no prefill start line:\n%s" % st.log())
+    pre_port, pre_pid = int(pre[-1][1]), int(pre[-1][2])
+    os.mkdir(cfg_path + ".new")
+    try:
+        rc, out, err = scale(args, env, "--port", str(api), "--prefill", "0", "--decode", "2")
+    finally:
+        os.rmdir(cfg_path + ".new")
+    lines = out.strip().splitlines()
+    check(rc == 1 and lines and lines[-1] == "error: nothing changed: 1 prefill + 1 decode "
+          "workers, as before" and any(x.startswith("error: cannot write") for x in lines),
+          "config not writable: rc %d\n%s%s" % (rc, out, err))
+    started = re.search(r"(decode-\d+) started: http://[^:]+:\d+, nng port \d+, pid (\d+)", out)
+    check(started is not None and "%s stopped: the router was not told of it" % started.group(1)
+          in out, "config not writable, the new worker:\n%s" % out)
+    check(not pid_alive(int(started.group(2))), "%s still runs" % started.group(1))
+    check(pid_alive(pre_pid) and health(pre_port) == 200, "the prefill worker was stopped")
+    with open(cfg_path) as f:
+        check(f.read() == cfg_before, "the router config changed")
+    m = metrics(api)
+    check(m.get('tandem:router_ready_endpoints{role="prefill"}') == 1.0 and
+          m.get('tandem:router_ready_endpoints{role="decode"}') == 1.0,
+          "router endpoints after a failed scaling: %s" % {
+              k: v for k, v in m.items() if k.startswith("tandem:router_ready_endpoints")})
+    s, _, body = post(api, "/v1/completions", {"model": "tandem-test", "prompt": "unchanged",
+                                               "max_tokens": 3})
+    check(s == 200, "after a failed scaling: %d %s" % (s, body))
+    rc, out, _ = scale(args, env, "--port", str(api))
+    check(rc == 0 and "ok: 1 prefill + 1 decode workers" in out, "status: %d %s" % (rc, out))
 
     # 6. Stopped: the socket and the secret file are gone.
     check(st.stop() == 0, "tandem up exit status:\n%s" % st.log())

@@ -1817,6 +1817,11 @@ static bool file_holds(const char *path, const char *text)
 // A config whose bytes are already the file's (a scaling to the counts that
 // run) is neither written nor signalled, as no reload of it would be counted:
 // the router is only checked to see every worker ready.
+// Returns 0, ROUTER_UNCHANGED where the file could not be written (the
+// router's config is still the one before: nothing changed for it), or -1
+// where the reload was not confirmed (the file is written, the router may
+// take it later).
+#define ROUTER_UNCHANGED (-2)
 static int router_follow(const struct up_opts *o, int cfd)
 {
     if (o->no_router)
@@ -1825,7 +1830,7 @@ static int router_follow(const struct up_opts *o, int cfd)
     if (router_config_text(o, text, sizeof text) != 0 ||
         fmt(tmp, sizeof tmp, "%s.new", stk.cfg_path) != 0) {
         tell(cfd, "error: router config too long");
-        return -1;
+        return ROUTER_UNCHANGED;
     }
     const char *h = connect_host(o->host);
     char why[160] = "";
@@ -1843,7 +1848,7 @@ static int router_follow(const struct up_opts *o, int cfd)
         if (!ok || rename(tmp, stk.cfg_path) != 0) {
             tell(cfd, "error: cannot write %s: %s", stk.cfg_path, strerror(errno));
             unlink(tmp);
-            return -1;
+            return ROUTER_UNCHANGED;
         }
     }
     if (!child_running(&children[0])) {
@@ -1971,6 +1976,26 @@ static void scale(struct up_opts *o, int want_p, int want_d, int cfd)
     o->n_prefill = want_p;
     o->n_decode = want_d;
     int rc = router_follow(o, cfd);
+    if (rc == ROUTER_UNCHANGED) {
+        // The router still routes by the config before: the workers taken
+        // away stay (they may hold its streams), and the new ones, which it
+        // was never told of, stop. Nothing changed.
+        for (int i = 0; i < n_gone; i++)
+            gone[i]->retiring = false;
+        o->n_prefill = have_p;
+        o->n_decode = have_d;
+        if (n_new) {
+            retire(o, nw, n_new);
+            for (int i = 0; i < n_new; i++)
+                tell(cfd, "%s stopped: the router was not told of it", nw[i]->name);
+        }
+        tell(cfd, "error: nothing changed: %d prefill + %d decode workers, as before", have_p,
+             have_d);
+        return;
+    }
+    // Written: the router takes the file now or, where that was not
+    // confirmed (rc -1, said above), once it answers again; the workers
+    // taken away are out of it either way.
     if (n_gone) {
         for (int i = 0; i < n_gone; i++)
             tell(cfd, "%s leaves the router's config and drains (pid %ld)", gone[i]->name,
