@@ -12,7 +12,11 @@
 # small multiple of ITL p50 at 1. Printed: ITL p50 at each level, output tok/s,
 # the ratio ITL p50(64) / ITL p50(1) against the goal <= 8, and the CPU share of
 # the engine thread (tdm-engine, from /proc/PID/task/*/stat: utime + stime over
-# the run's wall time; 1.0 = one core busy all along) and of the whole process.
+# the run's wall time; 1.0 = one core busy all along) and of the whole process,
+# and the engine thread's wall time per engine step by phase (the worker's
+# tandem:engine_thread_seconds_total{phase} over vllm:iteration_tokens_total's
+# count, from /metrics before and after each level): forward (here mostly the
+# LM head) beside finish (sampling, tokens, outputs), schedule and prepare.
 # Ratios are measured in one run; the machine's speed cancels out of them.
 #
 # Usage: bench/hostloop/bench_hostloop.sh [BUILD_DIR] [WORK_DIR]
@@ -108,9 +112,27 @@ print(eng, ticks("/proc/%s/stat" % pid))
 PYEOF
 }
 
+# The engine thread's seconds by phase and the engine's steps, as JSON.
+phases() {
+    "$PY" - "$PORT" <<'PYEOF'
+import http.client, json, re, sys
+c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=10)
+c.request("GET", "/metrics")
+text = c.getresponse().read().decode()
+got = {m.group(1): float(m.group(2)) for m in re.finditer(
+    r'^tandem:engine_thread_seconds_total\{[^}]*phase="([a-z]+)"[^}]*\} (\S+)$', text, re.M)}
+steps = sum(float(m.group(1)) for m in re.finditer(
+    r'^vllm:iteration_tokens_total_count\{[^}]*\} (\S+)$', text, re.M))
+if not got:
+    sys.exit("bench_hostloop: no tandem:engine_thread_seconds_total on /metrics")
+print(json.dumps({"phases": got, "steps": steps}))
+PYEOF
+}
+
 for C in $LEVELS; do
     N=$((C * 2))
     [ "$N" -lt 16 ] && N=16
+    phases >"$WORK/c$C.ph0"
     T0=$(cpu_ticks)
     W0=$("$PY" -c 'import time; print(time.time())')
     "$BENCH" --base-url "http://127.0.0.1:$PORT" --model hostloop --tokenizer "$MODEL" \
@@ -119,6 +141,7 @@ for C in $LEVELS; do
         --json "$WORK/c$C.json" >"$WORK/c$C.txt" 2>&1 || { cat "$WORK/c$C.txt"; exit 1; }
     W1=$("$PY" -c 'import time; print(time.time())')
     T1=$(cpu_ticks)
+    phases >"$WORK/c$C.ph1"
     echo "$T0 $T1 $W0 $W1" >"$WORK/c$C.cpu"
 done
 
@@ -140,6 +163,17 @@ for c in levels:
     print("%-6d %7.2fms %7.2fms %12.1f %10.2f %12.2f %8d" % (
         c, j["p50_itl_ms"], j["p99_itl_ms"], j["output_throughput"], j["engine_share"],
         j["process_share"], j.get("failed", 0)))
+print()
+print("engine thread per engine step (ms, by phase):")
+for c in levels:
+    a, b = [json.load(open("%s/c%d.ph%d" % (work, c, k))) for k in (0, 1)]
+    steps = b["steps"] - a["steps"]
+    per = {k: (v - a["phases"].get(k, 0.0)) / steps * 1e3 for k, v in b["phases"].items()} \
+        if steps > 0 else {}
+    rows[c]["engine_phase_ms"] = per
+    print("  conc %-4d %6d steps  %s" % (c, steps, "  ".join(
+        "%s %.3f" % (k, per[k]) for k in ("schedule", "prepare", "forward", "wait", "finish",
+                                           "other", "idle") if k in per)))
 lo, hi = min(levels), max(levels)
 if lo != hi and rows[lo]["p50_itl_ms"] > 0:
     r = rows[hi]["p50_itl_ms"] / rows[lo]["p50_itl_ms"]
@@ -149,7 +183,8 @@ if lo != hi and rows[lo]["p50_itl_ms"] > 0:
     print("output tok/s at %d / at %d = %.1f" % (hi, lo, rows[hi]["output_throughput"] /
           rows[lo]["output_throughput"]))
     json.dump({"levels": {str(c): {k: rows[c][k] for k in ("p50_itl_ms", "p99_itl_ms",
-               "output_throughput", "engine_share", "process_share")} for c in levels},
+               "output_throughput", "engine_share", "process_share", "engine_phase_ms")}
+                          for c in levels},
                "itl_p50_ratio": r}, open("%s/summary.json" % work, "w"), indent=1)
 print("results in %s" % work)
 if any(rows[c].get("failed", 0) for c in levels):

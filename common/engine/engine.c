@@ -601,8 +601,11 @@ static void finish_request(struct tdm_engine *e, struct tdm_engine_request *r,
     r->error = error;
     r->pub_gen = r->n_gen;
     r->pub_finished = true;
-    pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
+    // Woken after the unlock (our reference keeps r), so that the reader
+    // does not wake only to wait for the mutex (a second futex call and
+    // switch on every token).
+    pthread_cond_broadcast(&r->cv);
     if (!hold)
         req_unref(r);
 }
@@ -623,8 +626,8 @@ static void deliver_token(struct tdm_engine_request *r)
     }
     pthread_mutex_lock(&r->mu);
     r->pub_gen = r->n_gen;
-    pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
+    pthread_cond_broadcast(&r->cv); // after the unlock, as in finish_request
 }
 
 static void release_held(struct tdm_engine *e, struct tdm_engine_request *r)
