@@ -571,10 +571,7 @@ static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm
             top[j].token = (int32_t)i;
             top[j].logprob = l;
         }
-    double sum = 0.0;
-    for (int t = 0; t < v; t++)
-        sum += expf(raw[t] - lmax);
-    double lse = (double)lmax + log(sum);
+    double lse = (double)lmax + log(tdm_sampling_sum_exp(raw, (size_t)v, lmax));
     res->logprob = (float)((double)raw[token] - lse);
     res->num_top = filled;
     for (int j = 0; j < filled; j++)

@@ -40,5 +40,11 @@ int32_t tdm_sampling_argmax(const float *x, size_t n, float *max_out);
 size_t tdm_sampling_collect_ge(const float *x, size_t n, float thr, int32_t *out);
 // The first index j in [i, n) with x[j] > floor_v (NaN never), or n.
 size_t tdm_sampling_next_above(const float *x, size_t i, size_t n, float floor_v);
+// The sum of exp(x[i] - m) over x[0..n) (the log-softmax's denominator), each
+// term by sample_draw.h's tdm_draw_exp (~2 ulp; 0 below -87) widened to
+// double, in 8 partial sums by i mod 8 added in a fixed tree: the same bits on
+// both paths. NaN when some x[i] - m is NaN (a NaN logit, +inf with m +inf,
+// m -inf), as a device's logprobs are.
+double tdm_sampling_sum_exp(const float *x, size_t n, float m);
 
 #endif

@@ -5,14 +5,16 @@
 // Every pass here is exact, so both paths return bitwise the same thing: an
 // argmax is an index and its value (the first of the largest, by `>`, so ties
 // keep the lowest index, -0 and +0 tie, NaN never wins), a scan returns
-// indices. Nothing here rounds; the sums of exponentials stay in sampling.c,
-// in their serial order, so logprobs and seeded draws are unchanged.
+// indices. The one pass that rounds, the log-softmax's sum of exponentials,
+// does the same operations on both paths (sample_draw.h's exp, lane by lane,
+// and 8 partial sums in one order), so it too gives the same bits.
 #include <math.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "sample_draw.h"
 #include "sampling_impl.h"
 
 // ---- portable C ------------------------------------------------------------------------
@@ -45,6 +47,25 @@ static size_t next_above_portable(const float *x, size_t i, size_t n, float floo
     while (i < n && !(x[i] > floor_v))
         i++;
     return i;
+}
+
+// The 8 partial sums added in their fixed tree.
+static double sum_parts(const double part[8])
+{
+    return ((part[0] + part[1]) + (part[2] + part[3])) +
+           ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+static double sum_exp_portable(const float *x, size_t n, float m)
+{
+    double part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    bool nan = false;
+    for (size_t i = 0; i < n; i++) {
+        float t = x[i] - m;
+        nan |= t != t;
+        part[i % 8] += (double)tdm_draw_exp(t);
+    }
+    return nan ? (double)NAN : sum_parts(part);
 }
 
 // ---- AVX2 --------------------------------------------------------------------------------
@@ -152,6 +173,55 @@ AVX2_FN static size_t next_above_avx2(const float *x, size_t i, size_t n, float 
     return next_above_portable(x, i, n, floor_v);
 }
 
+// tdm_draw_exp on 8 lanes, operation for operation (no FMA: the module
+// builds with -ffp-contract=off, and these are separate multiplies and adds).
+AVX2_FN static __m256 exp_avx2(__m256 x)
+{
+    const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ); // else 0 (NaN too)
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    __m256 n = _mm256_sub_ps(_mm256_add_ps(t, magic), magic);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    static const float c[7] = {
+        1.38888889e-3f, 8.33333333e-3f, 4.16666667e-2f, 1.66666667e-1f, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(1.98412698e-4f);
+    for (int k = 0; k < 7; k++)
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c[k]));
+    // 2^n from its bits; n is a whole number (exact in the conversion) in
+    // [-126, 0] where ok, anything elsewhere (masked below).
+    __m256i bits =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), ok);
+}
+
+// sum_exp_portable's partial sums: lanes 0-3 of a block of 8 in one double
+// vector, 4-7 in the other.
+AVX2_FN static double sum_exp_avx2(const float *x, size_t n, float m)
+{
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    __m256 nan = _mm256_setzero_ps();
+    const __m256 vm = _mm256_set1_ps(m);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 t = _mm256_sub_ps(_mm256_loadu_ps(x + i), vm);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
+        __m256 e = exp_avx2(t);
+        a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    double part[8];
+    _mm256_storeu_pd(part, a0);
+    _mm256_storeu_pd(part + 4, a1);
+    bool any_nan = _mm256_movemask_ps(nan) != 0;
+    for (; i < n; i++) {
+        float t = x[i] - m;
+        any_nan |= t != t;
+        part[i % 8] += (double)tdm_draw_exp(t);
+    }
+    return any_nan ? (double)NAN : sum_parts(part);
+}
+
 #endif
 
 // ---- dispatch ----------------------------------------------------------------------------
@@ -228,4 +298,13 @@ size_t tdm_sampling_next_above(const float *x, size_t i, size_t n, float floor_v
         return next_above_avx2(x, i, n, floor_v);
 #endif
     return next_above_portable(x, i, n, floor_v);
+}
+
+double tdm_sampling_sum_exp(const float *x, size_t n, float m)
+{
+#ifdef HAVE_AVX2_PATH
+    if (simd() == TDM_SAMPLING_SIMD_AVX2)
+        return sum_exp_avx2(x, n, m);
+#endif
+    return sum_exp_portable(x, n, m);
 }

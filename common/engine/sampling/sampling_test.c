@@ -1482,6 +1482,25 @@ static void check_passes(const float *x, size_t n, int32_t *ids, int32_t *ids2)
             assert_int_equal(tdm_sampling_next_above(x, i, n, thr[t]),
                              ref_next_above(x, i, n, thr[t]));
     }
+    // The log-softmax's sum: its definition's bits (tdm_draw_exp's terms in
+    // 8 partial sums by index mod 8, added in a fixed tree) on either path,
+    // and within 1e-6 of the sum of exponentials where every value is finite.
+    // NaN where a term's argument is (a NaN logit, +inf - +inf, -inf - -inf).
+    double part[8] = {0, 0, 0, 0, 0, 0, 0, 0}, exact = 0.0;
+    bool finite = true, nan = false;
+    for (size_t i = 0; i < n; i++) {
+        part[i % 8] += (double)tdm_draw_exp(x[i] - rmax);
+        finite = finite && isfinite(x[i]);
+        nan = nan || isnan(x[i] - rmax);
+        exact += exp((double)x[i] - (double)rmax);
+    }
+    double want = nan ? (double)NAN
+                      : ((part[0] + part[1]) + (part[2] + part[3])) +
+                            ((part[4] + part[5]) + (part[6] + part[7]));
+    double got = tdm_sampling_sum_exp(x, n, rmax);
+    assert_memory_equal(&got, &want, sizeof got);
+    if (finite && n > 0)
+        assert_true(fabs(got - exact) <= 1e-6 * exact);
 }
 
 static void test_simd_passes(void **state)
