@@ -1674,6 +1674,7 @@ static void step_results(struct tdm_engine *e, struct sched_item *items, int n_i
         req_unref(items[b].r);
 }
 
+// step_results, its time charged to TDM_ENGINE_PHASE_FINISH.
 static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_items, int rc)
 {
     int prev = phase_enter(e, TDM_ENGINE_PHASE_FINISH);
