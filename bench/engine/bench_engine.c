@@ -992,9 +992,33 @@ int main(int argc, char **argv)
     }
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    printf("\ngoals: b1/read <= 1.3, b32/b1 >= 10, pf/FMA >= 0.5 (prefill of %d tokens); "
-           "long context bf16/f32 >= 1.3 (KV-bound batches), KV capacity bf16 = 2x f32\n",
-           PREFILL);
+    // The goals, each with this run's figure of the first mode (bf16) and a
+    // verdict: batch 1 at most 1.10 x one read of the weights and b32/b1 at
+    // least 16 (issue 30), prefill at least 1.4 x the f32 FMA peak (issue 26's
+    // CPU bar), bf16 KV at least 1.3 x f32 at long context where decode is
+    // bound by the KV reads (the largest --long-batches here), KV capacity 2x.
+    printf("\ngoals (%s, this run):", names[0]);
+    if (i1 >= 0) {
+        double v = res[0].decode_s[i1] / ((double)res[0].weight_bytes / bw);
+        printf(" b1/read %.2f <= 1.10: %s;", v, v <= 1.10 ? "met" : "MISSED");
+    }
+    if (i1 >= 0 && i32 >= 0) {
+        double v = 32.0 * res[0].decode_s[i1] / res[0].decode_s[i32];
+        printf(" b32/b1 %.2f >= 16: %s;", v, v >= 16 ? "met" : "MISSED");
+    }
+    if (ip >= 0) {
+        double v = res[0].prefill_flops[ip] / res[0].prefill_s[ip] / fma;
+        printf(" pf/FMA %.2f >= 1.4 (prefill of %d tokens): %s;", v, PREFILL,
+               v >= 1.4 ? "met" : "MISSED");
+    }
+    if (pl.long_ctx > 0 && res[0].long_skip == NULL && pl.n_long > 0) {
+        int i = pl.n_long - 1;
+        double v = res[0].long_s[0][i] / res[0].long_s[1][i];
+        printf(" long context bf16/f32 %.2f >= 1.3 (batch %d at %d tokens; KV-bound batches): "
+               "%s;",
+               v, pl.long_batches[i], pl.long_ctx, v >= 1.3 ? "met" : "MISSED");
+    }
+    printf(" KV capacity bf16 = 2x f32 (above)\n");
     // Tandem's side of the peer ratios: bf16 and int8 at batch 1 and prefill-512.
     struct tdm_bench_peer_tandem mine = {0};
     if (i1 >= 0) {
