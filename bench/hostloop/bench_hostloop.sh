@@ -12,11 +12,13 @@
 # small multiple of ITL p50 at 1. Printed: ITL p50 at each level, output tok/s,
 # the ratio ITL p50(64) / ITL p50(1) against the goal <= 8, and the CPU share of
 # the engine thread (tdm-engine, from /proc/PID/task/*/stat: utime + stime over
-# the run's wall time; 1.0 = one core busy all along) and of the whole process,
+# the bench's duration, first request to last answer; 1.0 = one core busy all
+# along) and of the whole process,
 # and the engine thread's wall time per engine step by phase (the worker's
 # tandem:engine_thread_seconds_total{phase} over vllm:iteration_tokens_total's
-# count, from /metrics before and after each level): forward (here mostly the
-# LM head) beside finish (sampling, tokens, outputs), schedule and prepare.
+# count, from /metrics before and after each level; idle less the script's
+# time outside the bench's duration): forward (here mostly the LM head)
+# beside finish (sampling, tokens, outputs), schedule and prepare.
 # Ratios are measured in one run; the machine's speed cancels out of them.
 #
 # Usage: bench/hostloop/bench_hostloop.sh [BUILD_DIR] [WORK_DIR]
@@ -156,9 +158,14 @@ rows = {}
 for c in levels:
     j = json.load(open("%s/c%d.json" % (work, c)))
     e0, p0, e1, p1, w0, w1 = [float(x) for x in open("%s/c%d.cpu" % (work, c)).read().split()]
+    # Over the bench's own duration (first request sent to last answer): the
+    # script's wall also holds tandem-bench's start (its tokenizer, the
+    # prompts), when the worker has nothing to do.
     wall = w1 - w0
-    j["engine_share"] = (e1 - e0) / hz / wall if wall > 0 else 0.0
-    j["process_share"] = (p1 - p0) / hz / wall if wall > 0 else 0.0
+    dur = j.get("duration") or wall
+    j["engine_share"] = (e1 - e0) / hz / dur if dur > 0 else 0.0
+    j["process_share"] = (p1 - p0) / hz / dur if dur > 0 else 0.0
+    j["outside_s"] = max(0.0, wall - dur)
     rows[c] = j
     print("%-6d %7.2fms %7.2fms %12.1f %10.2f %12.2f %8d" % (
         c, j["p50_itl_ms"], j["p99_itl_ms"], j["output_throughput"], j["engine_share"],
@@ -168,8 +175,11 @@ print("engine thread per engine step (ms, by phase):")
 for c in levels:
     a, b = [json.load(open("%s/c%d.ph%d" % (work, c, k))) for k in (0, 1)]
     steps = b["steps"] - a["steps"]
-    per = {k: (v - a["phases"].get(k, 0.0)) / steps * 1e3 for k, v in b["phases"].items()} \
-        if steps > 0 else {}
+    # The idle phase less the time outside the bench's duration (asleep then).
+    d = {k: v - a["phases"].get(k, 0.0) for k, v in b["phases"].items()}
+    if "idle" in d:
+        d["idle"] = max(0.0, d["idle"] - rows[c]["outside_s"])
+    per = {k: v / steps * 1e3 for k, v in d.items()} if steps > 0 else {}
     rows[c]["engine_phase_ms"] = per
     print("  conc %-4d %6d steps  %s" % (c, steps, "  ".join(
         "%s %.3f" % (k, per[k]) for k in ("schedule", "prepare", "forward", "wait", "finish",
