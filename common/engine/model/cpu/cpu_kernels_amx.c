@@ -58,20 +58,23 @@ static void zero_pad_tokens(const struct cpu_mm_args *a, int t1)
 #define CPU_AMX_KPASS 10
 #endif
 
-// Attention (cpu_amx_attn_body.h; bf16 pools): prefetches into L2 the value
-// rows of KV head kvh at positions [p0, p1) of sequence sq (the next span's),
-// block by block.
-static void attn_prefetch_values(const struct cpu_attn_job *j, const struct tdm_attn_seq *sq,
-                                 int kvh, int p0, int p1)
+// Attention (cpu_amx_attn_body.h; bf16 pools): prefetches into L2 the key
+// and value rows of KV head kvh at positions [p0, p1) of sequence sq (the
+// next span's), block by block.
+static void attn_prefetch_kv(const struct cpu_attn_job *j, const struct tdm_attn_seq *sq, int kvh,
+                             int p0, int p1)
 {
     const int bs = j->block_size;
     const size_t row = (size_t)j->head_dim * 2;
     for (int pos = p0; pos < p1;) {
         const int blk = sq->block_table[pos / bs], slot = pos % bs;
         const int run = bs - slot < p1 - pos ? bs - slot : p1 - pos;
-        const uint16_t *base = tdm_kv_v_bf16(j->kv, j->layer, blk);
-        if (base) {
-            const uint8_t *p = (const uint8_t *)base + ((size_t)kvh * bs + slot) * row;
+        const uint16_t *base[2] = {tdm_kv_v_bf16(j->kv, j->layer, blk),
+                                   tdm_kv_k_bf16(j->kv, j->layer, blk)};
+        for (int kv = 0; kv < 2; kv++) {
+            if (base[kv] == NULL)
+                continue;
+            const uint8_t *p = (const uint8_t *)base[kv] + ((size_t)kvh * bs + slot) * row;
             for (size_t b = 0; b < (size_t)run * row; b += 64)
                 __builtin_prefetch(p + b, 0, 2);
         }
