@@ -62,6 +62,18 @@ struct tdm_engine_request {
     int params_index;
     int num_top;        // top-N logprobs per token (0 when none)
     bool want_logprobs; // logprobs >= 0
+    // Prompt logprobs (params.want_prompt_logprobs): positions [1, plp_done)
+    // are filled as the prompt's rows are computed, in order, each chunk's
+    // rows with their logits (TDM_LOGITS_ALL); all n_prompt of them before
+    // the first token is published, never written after (so readers may hold
+    // them). While pending the request takes no prefix-cache hit.
+    bool want_plp;
+    int plp_top;
+    int plp_done;
+    float *plp;                         // [n_prompt]
+    int32_t *plp_rank;                  // [n_prompt]
+    struct tdm_token_logprob *plp_tops; // [n_prompt][plp_top]
+    struct tdm_prompt_logprobs plp_view;
 
     // Structured output (NULL gm: unconstrained). gm and gmask are written by
     // the mask thread during a step's forward and by the engine thread
@@ -153,6 +165,9 @@ struct sched_item {
                // its rows of the step in flight: schedule_ahead)
     int take;
     bool logits;
+    bool plp;          // prompt rows of a request whose prompt logprobs are pending:
+                       // every row's logits (TDM_LOGITS_ALL; the last one samples
+                       // when logits is set too)
     bool fused;        // this step's token comes from the model (its fused
                        // argmax, or its device's draw: drawn)
     bool drawn;        // ... its device's draw (TDM_LOGITS_SAMPLE) with draw
@@ -245,6 +260,10 @@ struct tdm_engine {
     // bound the draft tokens of one step (draft_rows_left: this step's);
     // spec_out/spec_res: one verification's tokens and logprobs.
     int draft_rows, draft_rows_left;
+    // Prompt logprobs: e->logits grows by plp_rows rows at the first such
+    // request (0 until then); a step's prompt-logprob chunks take at most
+    // that many rows together (plp_rows_left).
+    int plp_rows, plp_rows_left;
     int32_t spec_out[TDM_SPEC_MAX_TOKENS + 1];
     struct tdm_sample_result *spec_res; // [num_speculative_tokens + 1]; NULL when off
     // Verification rows drawn on the device ([max_num_seqs + draft_rows] each,
@@ -328,6 +347,22 @@ static int blocks_for(const struct tdm_engine *e, int tokens)
     return (tokens + e->cfg.block_size - 1) / e->cfg.block_size;
 }
 
+// Prompt logprobs (engine.h): rows of e->logits kept for them, as a step's
+// budget; each costs vocab floats (0.6 MB for Qwen2.5's vocabulary).
+#define ENGINE_PLP_ROWS 32
+
+static bool plp_pending(const struct tdm_engine_request *r)
+{
+    return r->want_plp && r->plp_done < r->n_prompt;
+}
+
+// The prompt logprobs that go with output index i: all of them with the
+// first token, when asked.
+static const struct tdm_prompt_logprobs *plp_with(const struct tdm_engine_request *r, int i)
+{
+    return i == 0 && r->want_plp && r->plp_done >= r->n_prompt ? &r->plp_view : NULL;
+}
+
 static void req_free(struct tdm_engine_request *r)
 {
     tdm_grammar_matcher_free(r->gm);
@@ -336,6 +371,9 @@ static void req_free(struct tdm_engine_request *r)
     free(r->hist);
     free(r->lp);
     free(r->top);
+    free(r->plp);
+    free(r->plp_rank);
+    free(r->plp_tops);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
     free(r);
@@ -585,6 +623,7 @@ static void finish_request(struct tdm_engine *e, struct tdm_engine_request *r,
             o.logprob = r->lp ? r->lp[i] : 0.0f;
             o.num_top = r->num_top;
             o.top = r->top ? r->top + (size_t)i * (size_t)r->num_top : NULL;
+            o.prompt_logprobs = plp_with(r, i);
         }
         o.finished = true;
         o.reason = reason;
@@ -622,6 +661,7 @@ static void deliver_token(struct tdm_engine_request *r)
         o.logprob = r->lp ? r->lp[i] : 0.0f;
         o.num_top = r->num_top;
         o.top = r->top ? r->top + (size_t)i * (size_t)r->num_top : NULL;
+        o.prompt_logprobs = plp_with(r, i);
         r->on_output(r->ctx, &o);
     }
     pthread_mutex_lock(&r->mu);
@@ -774,6 +814,8 @@ static void unschedule(struct tdm_engine *e, int *n_items, int *budget,
     for (int i = 0; i < *n_items; i++) {
         if (e->items[i].r == r) {
             *budget += e->items[i].take;
+            if (e->items[i].plp)
+                e->plp_rows_left += e->items[i].take;
             e->draft_rows_left += r->n_draft;
             r->n_draft = 0;
             memmove(&e->items[i], &e->items[i + 1],
@@ -802,6 +844,11 @@ static bool schedule_running(struct tdm_engine *e, struct tdm_engine_request *r,
     int take = r->n_tokens + r->n_draft - r->computed;
     if (take > *budget)
         take = *budget;
+    bool plp = plp_pending(r);
+    if (plp && take > e->plp_rows_left)
+        take = e->plp_rows_left;
+    if (take < 1)
+        return true; // the step's prompt-logprob rows are taken: the next step
     for (;;) {
         // A prompt chunk, and a decode's drafts, shrink to what the free blocks
         // hold before anyone is preempted for them; a decode token needs its block.
@@ -815,10 +862,13 @@ static bool schedule_running(struct tdm_engine *e, struct tdm_engine_request *r,
                 r->n_draft = keep;
             }
             r->sched_take = t;
+            if (plp)
+                e->plp_rows_left -= t;
             e->items[*n_items] =
                 (struct sched_item){.r = r,
                                     .start = r->computed,
                                     .take = t,
+                                    .plp = plp,
                                     .logits = r->computed + t == r->n_tokens + r->n_draft};
             (*n_items)++;
             *budget -= t;
@@ -848,6 +898,22 @@ static void count_prefix(struct tdm_engine *e, int queried, int hit)
         tdm_metrics_counter_add(e->m->prefix_cache_queries, queried);
         tdm_metrics_counter_add(e->m->prefix_cache_hits, hit);
     }
+}
+
+// e->logits with room for the prompt-logprob rows (grown at the first
+// request that asks for them; the engine thread only, between steps). False
+// when out of memory.
+static bool plp_rows_ready(struct tdm_engine *e)
+{
+    if (e->plp_rows > 0)
+        return true;
+    size_t rows = (size_t)e->cfg.max_num_seqs + (size_t)e->draft_rows + ENGINE_PLP_ROWS;
+    float *l = realloc(e->logits, rows * (size_t)e->vocab * sizeof(float));
+    if (l == NULL)
+        return false;
+    e->logits = l;
+    e->plp_rows = e->plp_rows_left = ENGINE_PLP_ROWS;
+    return true;
 }
 
 // Takes the waiting head off the queue as admitted (the caller sets its state).
@@ -904,22 +970,37 @@ static bool admit_one(struct tdm_engine *e, int *n_items, int *budget)
         fail_unfit(e, r, r->n_tokens);
         return true;
     }
-    int match = tdm_kv_match_prefix(e->kv, &r->seq, r->hist, r->n_tokens);
+    // Prompt logprobs pending: every prompt row is computed (no prefix-cache
+    // hit, as in vLLM), within the step's rows for them.
+    bool plp = plp_pending(r);
+    if (plp && !plp_rows_ready(e)) {
+        finish_request(e, r, TDM_FINISH_ERROR, -1, TDM_ENOMEM,
+                       "out of memory for the prompt logprobs' logits rows", false);
+        return true;
+    }
+    if (plp && e->plp_rows_left < 1)
+        return false;
+    int match = plp ? 0 : tdm_kv_match_prefix(e->kv, &r->seq, r->hist, r->n_tokens);
     int take = r->n_tokens - match;
     if (take > *budget)
         take = *budget;
+    if (plp && take > e->plp_rows_left)
+        take = e->plp_rows_left;
     if (tdm_kv_reserve(e->kv, &r->seq, match + take) != TDM_OK) {
         tdm_kv_seq_release(e->kv, &r->seq); // drop the prefix references; retry later
         return false;
     }
-    count_prefix(e, r->n_tokens, match);
+    if (!plp)
+        count_prefix(e, r->n_tokens, match);
+    if (plp)
+        e->plp_rows_left -= take;
     admitted(e, r, match);
     r->state = REQ_RUNNING;
     r->computed = match;
     e->running[e->num_running++] = r;
     r->sched_take = take;
     e->items[*n_items] = (struct sched_item){
-        .r = r, .start = match, .take = take, .logits = match + take == r->n_tokens};
+        .r = r, .start = match, .take = take, .plp = plp, .logits = match + take == r->n_tokens};
     (*n_items)++;
     *budget -= take;
     return true;
@@ -980,6 +1061,7 @@ static int schedule(struct tdm_engine *e)
         e->running[i]->n_draft = 0;
     }
     e->draft_rows_left = e->draft_rows;
+    e->plp_rows_left = e->plp_rows;
     // Decodes first (one token each), then prompt chunks of running requests. A
     // preemption removes the tail of `running`, so indices before i stay valid.
     for (int pass = 0; pass < 2; pass++) {
@@ -1513,7 +1595,7 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
         // a request asked (176 bytes instead of the row).
         // A constrained row is drawn there too, its structured-output mask
         // with it (filled by the choose hook once the mask threads are done).
-        bool plain_row = it->logits && r->n_draft == 0;
+        bool plain_row = it->logits && r->n_draft == 0 && !it->plp;
         it->fused =
             plain_row && r->gm == NULL && e->fused_argmax && tdm_sampler_plain_greedy(r->sampler);
         it->drawn = plain_row && !it->fused && e->device_sampling &&
@@ -1525,7 +1607,8 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
         it->verify_drawn = it->logits && r->n_draft > 0 && it->take == r->n_draft + 1 &&
                            e->device_sampling && e->vdraw != NULL &&
                            verify_prepare(e, it, &adj_used, &v_used);
-        enum tdm_logits_mode lm = !it->logits        ? TDM_LOGITS_NONE
+        enum tdm_logits_mode lm = it->plp            ? TDM_LOGITS_ALL
+                                  : !it->logits      ? TDM_LOGITS_NONE
                                   : it->drawn        ? TDM_LOGITS_SAMPLE
                                   : it->verify_drawn ? TDM_LOGITS_DRAW_ALL
                                   : it->fused        ? TDM_LOGITS_ARGMAX
@@ -1588,6 +1671,31 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
     return rc;
 }
 
+// Prompt logprobs from a chunk's rows (TDM_LOGITS_ALL): row j is the
+// distribution after position it->start + j, so prompt token
+// it->start + j + 1's. Positions filled before a preemption are not written
+// again (the same values: a row's logits do not depend on its chunk).
+static void plp_from_rows(struct tdm_engine *e, struct tdm_engine_request *r,
+                          const struct sched_item *it, const float *rows)
+{
+    struct tdm_sample_result res;
+    for (int j = 0; j < it->take; j++) {
+        int p = it->start + j + 1;
+        if (p >= r->n_prompt)
+            break;
+        if (p < r->plp_done)
+            continue;
+        memset(&res, 0, sizeof res);
+        tdm_logprobs_of_row(rows + (size_t)j * (size_t)e->vocab, e->vocab, r->hist[p], r->plp_top,
+                            &res, &r->plp_rank[p]);
+        r->plp[p] = res.logprob;
+        if (r->plp_top > 0)
+            memcpy(r->plp_tops + (size_t)p * (size_t)r->plp_top, res.top,
+                   (size_t)r->plp_top * sizeof *res.top);
+        r->plp_done = p + 1;
+    }
+}
+
 // Takes a step's results (items[0 .. n_items), rc: its forward's result,
 // issued and waited for): records each request's tokens, finishes requests,
 // samples the rows that came to the host, and drops the items' references. A
@@ -1635,6 +1743,12 @@ static void step_results(struct tdm_engine *e, struct sched_item *items, int n_i
         }
         r->computed += it->take;
         tdm_kv_commit(e->kv, &r->seq, r->hist, r->computed);
+        if (it->plp) {
+            // Every row's logits; the last one samples below when the
+            // chunk ends the prompt.
+            plp_from_rows(e, r, it, e->logits + (size_t)row * (size_t)e->vocab);
+            row += it->take - (it->logits ? 1 : 0);
+        }
         if (!it->logits)
             continue;
         if (r->gm && r->gmask_rc != TDM_OK) {
@@ -1693,7 +1807,7 @@ static void step_finish(struct tdm_engine *e, struct sched_item *items, int n_it
 static bool ahead_row(const struct sched_item *it)
 {
     const struct tdm_engine_request *r = it->r;
-    if (it->verify_drawn || r->n_draft != 0 || r->on_layer != NULL)
+    if (it->verify_drawn || r->n_draft != 0 || r->on_layer != NULL || it->plp)
         return false;
     if (!it->logits)
         return true;
@@ -1788,14 +1902,19 @@ static int schedule_ahead(struct tdm_engine *e, int *adj_used)
             bool decode = r->n_tokens - r->computed == 1;
             if (r->ahead_mark == mark || decode != (pass == 0) || r->n_tokens <= r->computed)
                 continue;
+            if (plp_pending(r))
+                return 0; // its rows' logits go to e->logits: a step of its own
             if (!ahead_item(e, &n, &budget, r, r->computed, r->n_tokens))
                 return 0;
         }
     }
     while (e->wait_head != NULL && budget > 0 &&
-           e->num_running + e->num_importing < e->cfg.max_num_seqs)
+           e->num_running + e->num_importing < e->cfg.max_num_seqs) {
+        if (plp_pending(e->wait_head))
+            return 0; // admitted by a step of its own (schedule)
         if (!admit_one(e, &n, &budget))
             break;
+    }
     return n;
 }
 
@@ -1864,7 +1983,8 @@ static void step_ahead(struct tdm_engine *e)
     // may write (an import's first token) before the step is finished.
     bool chosen_only = true;
     for (int b = 0; b < n; b++)
-        chosen_only &= !e->items[b].logits || e->items[b].fused || e->items[b].verify_drawn;
+        chosen_only &= (!e->items[b].logits || e->items[b].fused || e->items[b].verify_drawn) &&
+                       !e->items[b].plp;
     if (pending && chosen_only) {
         put_in_flight(e, n);
         return;
@@ -2480,6 +2600,13 @@ static int submit_validate(const struct tdm_engine *e, const struct tdm_engine_r
             return tdm_seterr(err, errlen, TDM_EINVAL,
                               "req=%s: prompt token %d (at %d) outside the vocabulary of %d", id,
                               (int)p->prompt[i], i, e->vocab);
+    if (p->want_prompt_logprobs &&
+        (p->kind != TDM_ENGINE_REQ_GENERATE || p->n_resume != 0 || p->prompt_top_logprobs < 0 ||
+         p->prompt_top_logprobs > TDM_MAX_LOGPROBS))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "req=%s: prompt logprobs need a GENERATE request without resumed "
+                          "output and a top count in [0, %d]",
+                          id, TDM_MAX_LOGPROBS);
     if (p->on_layer != NULL && p->kind != TDM_ENGINE_REQ_PREFILL_ONLY)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "req=%s: on_layer is for PREFILL_ONLY requests only", id);
@@ -2507,6 +2634,9 @@ static void request_discard(struct tdm_engine_request *r)
     free(r->hist);
     free(r->lp);
     free(r->top);
+    free(r->plp);
+    free(r->plp_rank);
+    free(r->plp_tops);
     free(r);
 }
 
@@ -2546,7 +2676,22 @@ static struct tdm_engine_request *request_new(struct tdm_engine *e,
         r->lp = calloc((size_t)max_gen, sizeof *r->lp);
     if (r->num_top > 0)
         r->top = calloc((size_t)max_gen * (size_t)r->num_top, sizeof *r->top);
-    if (r->hist == NULL || (r->want_logprobs && r->lp == NULL) || (r->num_top > 0 && !r->top)) {
+    r->want_plp = p->want_prompt_logprobs;
+    r->plp_top = r->want_plp ? p->prompt_top_logprobs : 0;
+    r->plp_done = 1; // position 0 has none
+    if (r->want_plp) {
+        r->plp = calloc((size_t)p->n_prompt, sizeof *r->plp);
+        r->plp_rank = calloc((size_t)p->n_prompt, sizeof *r->plp_rank);
+        if (r->plp_top > 0)
+            r->plp_tops = calloc((size_t)p->n_prompt * (size_t)r->plp_top, sizeof *r->plp_tops);
+        r->plp_view = (struct tdm_prompt_logprobs){.n = p->n_prompt,
+                                                   .num_top = r->plp_top,
+                                                   .logprob = r->plp,
+                                                   .rank = r->plp_rank,
+                                                   .top = r->plp_tops};
+    }
+    if (r->hist == NULL || (r->want_logprobs && r->lp == NULL) || (r->num_top > 0 && !r->top) ||
+        (r->want_plp && (!r->plp || !r->plp_rank || (r->plp_top > 0 && !r->plp_tops)))) {
         request_discard(r);
         return NULL;
     }
@@ -2952,6 +3097,7 @@ int tdm_engine_stream_next(struct tdm_engine_request *r, double timeout_s,
     out->logprobs = r->lp ? r->lp + i : NULL;
     out->top = r->top ? r->top + (size_t)i * (size_t)r->num_top : NULL;
     out->num_top = r->num_top;
+    out->prompt_logprobs = out->n > 0 ? plp_with(r, i) : NULL;
     out->num_prompt_tokens = r->n_prompt;
     out->num_cached_tokens = r->num_cached;
     out->stop_token = -1;

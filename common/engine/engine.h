@@ -178,6 +178,15 @@ struct tdm_engine_request_params {
                             // has (a stream resumed here after its worker was lost): the
                             // sampler counts them as generated (tdm_sampler_replay), so
                             // the continuation is the uninterrupted run's. 0 .. n_prompt-1
+    // Prompt logprobs (vLLM's prompt_logprobs; completions echo + logprobs):
+    // the logprob and rank of every prompt token given the ones before it,
+    // and the top prompt_top_logprobs (0..TDM_MAX_LOGPROBS) alternatives,
+    // from the raw logits (struct tdm_prompt_logprobs), delivered with the
+    // first token. GENERATE requests without n_resume only. Every prompt row
+    // is then computed with its logits (no prefix-cache hit), at most 32 such
+    // rows a step across requests.
+    bool want_prompt_logprobs;
+    int prompt_top_logprobs;
     int max_tokens;         // tokens to generate at most; 0 = up to the context. Generation
                             // also ends (length) when prompt + output reach max_model_len.
     const int32_t *eos_ids; // [num_eos] EOS ids; NULL = the model's config.json ones
@@ -223,6 +232,9 @@ struct tdm_engine_output {
     float logprob; // chosen token's logprob when logprobs >= 0, else 0
     int num_top;   // top-N entries (sampling.logprobs when > 0)
     const struct tdm_token_logprob *top; // [num_top]
+    // index 0 of a request with want_prompt_logprobs: its prompt's (valid
+    // while the handle is held), else NULL
+    const struct tdm_prompt_logprobs *prompt_logprobs;
     int num_prompt_tokens;
     int num_cached_tokens; // prompt tokens served by the prefix cache at first admission
     int num_generated;     // generated tokens so far, this one included
@@ -285,6 +297,10 @@ struct tdm_engine_chunk {
     const float *logprobs;               // [n], NULL unless logprobs >= 0
     const struct tdm_token_logprob *top; // [n][num_top], NULL unless logprobs > 0
     int num_top;
+    // With the chunk of first_index 0 (n >= 1) of a request with
+    // want_prompt_logprobs: its prompt's (valid while the handle is held);
+    // else NULL (also when it ended before its first token)
+    const struct tdm_prompt_logprobs *prompt_logprobs;
     int num_prompt_tokens;
     int num_cached_tokens;
     bool finished; // the request is over; later calls return TDM_ECLOSED

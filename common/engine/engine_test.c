@@ -2364,6 +2364,230 @@ static void test_stop_and_logprobs(void **state)
     tdm_engine_free(e);
 }
 
+// The reference prompt logprobs: the whole prompt in one forward on a fresh
+// cache (every row's logits), log-softmax in double, the rank by counting
+// larger logits, and the top 3 ids (ties to the lower id).
+static void prompt_lp_reference(struct tdm_model *m, const int32_t *prompt, int n, float *lp,
+                                int32_t *rank, int32_t (*top3)[3])
+{
+    struct tdm_kv_config kc;
+    struct tdm_kv_cache *kv = NULL;
+    char err[256];
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 64;
+    assert_int_equal(tdm_model_kv_new(m, &kc, &kv, err, sizeof err), TDM_OK);
+    struct tdm_kv_seq seq;
+    tdm_kv_seq_init(&seq);
+    assert_int_equal(tdm_kv_reserve(kv, &seq, n), TDM_OK);
+    float *logits = malloc((size_t)n * (size_t)vocab * sizeof(float));
+    assert_non_null(logits);
+    struct tdm_batch_seq b = {.tokens = prompt,
+                              .n_tokens = n,
+                              .start_pos = 0,
+                              .block_table = seq.block_table,
+                              .prompt_len = n,
+                              .logits = TDM_LOGITS_ALL};
+    assert_int_equal(tdm_model_forward(m, kv, &b, 1, logits), TDM_OK);
+    for (int p = 1; p < n; p++) {
+        const float *row = logits + (size_t)(p - 1) * (size_t)vocab;
+        double mx = row[0], sum = 0;
+        for (int v = 1; v < vocab; v++)
+            mx = row[v] > mx ? row[v] : mx;
+        for (int v = 0; v < vocab; v++)
+            sum += exp(row[v] - mx);
+        lp[p] = (float)(row[prompt[p]] - mx - log(sum));
+        rank[p] = 1;
+        for (int v = 0; v < vocab; v++)
+            rank[p] += row[v] > row[prompt[p]];
+        for (int k = 0; k < 3; k++) {
+            int best = -1;
+            for (int v = 0; v < vocab; v++) {
+                bool taken = false;
+                for (int j = 0; j < k; j++)
+                    taken |= top3[p][j] == v;
+                if (!taken && (best < 0 || row[v] > row[best]))
+                    best = v;
+            }
+            top3[p][k] = best;
+        }
+    }
+    free(logits);
+    tdm_kv_seq_release(kv, &seq);
+    tdm_kv_free(kv);
+}
+
+// A request's prompt logprobs (vLLM's prompt_logprobs): every prompt token's
+// logprob, rank and top 3 as one forward of the whole prompt gives them,
+// with the first token's chunk, whatever the chunks (a budget of 24 tokens,
+// two such requests sharing a step's 32 rows), although the same prompt sits
+// in the prefix cache (no hit for them: every row is computed); the tokens
+// are the runner's. A request without them gets none; bad asks are refused.
+static void test_prompt_logprobs(void **state)
+{
+    (void)state;
+    enum { NP = 70, MT = 6 };
+    int32_t prompt[NP], ref[MT], got[MT];
+    float ref_lp[NP];
+    int32_t ref_rank[NP], ref_top[NP][3];
+    make_prompt(prompt, NP, 515);
+    prompt_lp_reference(model, prompt, NP, ref_lp, ref_rank, ref_top);
+    struct tdm_sampling_params sp;
+    greedy(&sp);
+    assert_int_equal(reference(prompt, NP, &sp, MT, ref, NULL), MT);
+
+    struct tdm_engine *e = engine_make(64, 24, 8, 0, NULL);
+    // The prompt into the prefix cache first.
+    struct tdm_engine_request *warm = submit(e, prompt, NP, &sp, MT);
+    struct collected cw = {0};
+    collect(warm, got, MT, &cw, 0);
+    tdm_engine_request_release(warm);
+
+    struct tdm_engine_request_params p;
+    char err[256];
+    struct tdm_engine_request *r[2] = {NULL, NULL};
+    for (int k = 0; k < 2; k++) {
+        tdm_engine_request_params_default(&p);
+        p.id = "plp";
+        p.prompt = prompt;
+        p.n_prompt = NP;
+        p.sampling = sp;
+        p.max_tokens = MT;
+        p.want_prompt_logprobs = true;
+        p.prompt_top_logprobs = 3;
+        assert_int_equal(tdm_engine_submit(e, &p, &r[k], err, sizeof err), TDM_OK);
+    }
+    for (int k = 0; k < 2; k++) {
+        struct tdm_engine_chunk ch;
+        int n = 0;
+        bool seen = false;
+        for (bool fin = false; !fin;) {
+            assert_int_equal(tdm_engine_stream_next(r[k], WAIT_S, &ch), TDM_OK);
+            if (ch.first_index == 0 && ch.n > 0) {
+                const struct tdm_prompt_logprobs *pl = ch.prompt_logprobs;
+                assert_non_null(pl);
+                seen = true;
+                assert_int_equal(pl->n, NP);
+                assert_int_equal(pl->num_top, 3);
+                assert_int_equal(ch.num_cached_tokens, 0);
+                for (int i = 1; i < NP; i++) {
+                    if (fabsf(pl->logprob[i] - ref_lp[i]) > LP_TOL)
+                        fail_msg("position %d: logprob %g, reference %g", i, pl->logprob[i],
+                                 ref_lp[i]);
+                    assert_int_equal(pl->rank[i], ref_rank[i]);
+                    for (int j = 0; j < 3; j++)
+                        assert_int_equal(pl->top[(size_t)i * 3 + (size_t)j].token, ref_top[i][j]);
+                    assert_true(pl->top[(size_t)i * 3].logprob >= pl->logprob[i]);
+                }
+            } else {
+                assert_null(ch.prompt_logprobs);
+            }
+            for (int i = 0; i < ch.n; i++)
+                got[n++] = ch.tokens[i];
+            fin = ch.finished;
+        }
+        assert_true(seen);
+        assert_int_equal(n, MT);
+        assert_memory_equal(got, ref, sizeof ref);
+        tdm_engine_request_release(r[k]);
+    }
+    // Without them: none.
+    struct tdm_engine_request *plain = submit(e, prompt, NP, &sp, 1);
+    struct tdm_engine_chunk ch;
+    assert_int_equal(tdm_engine_stream_next(plain, WAIT_S, &ch), TDM_OK);
+    assert_null(ch.prompt_logprobs);
+    assert_true(ch.num_cached_tokens > 0);
+    tdm_engine_request_release(plain);
+    // Refused: a top count past 20, resumed output, a prefill-only request.
+    struct tdm_engine_request *bad = NULL;
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = NP;
+    p.sampling = sp;
+    p.want_prompt_logprobs = true;
+    p.prompt_top_logprobs = 21;
+    assert_int_equal(tdm_engine_submit(e, &p, &bad, err, sizeof err), TDM_EINVAL);
+    p.prompt_top_logprobs = 0;
+    p.n_resume = 2;
+    assert_int_equal(tdm_engine_submit(e, &p, &bad, err, sizeof err), TDM_EINVAL);
+    p.n_resume = 0;
+    p.kind = TDM_ENGINE_REQ_PREFILL_ONLY;
+    assert_int_equal(tdm_engine_submit(e, &p, &bad, err, sizeof err), TDM_EINVAL);
+    assert_null(bad);
+    tdm_engine_free(e);
+}
+
+// On a device backend with async scheduling: a prompt-logprob request
+// admitted while another decodes (its steps issued ahead) gets its prompt's
+// logprobs as one forward there gives them and the runner's tokens, and the
+// other request's tokens are unchanged.
+static void test_device_prompt_logprobs(void **state)
+{
+    (void)state;
+    enum { NP = 45, MT = 5, MT0 = 40 };
+    struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
+    int32_t prompt[NP], p0[12], ref[MT], ref0[MT0], got[MT], got0[MT0];
+    float ref_lp[NP];
+    int32_t ref_rank[NP], ref_top[NP][3];
+    make_prompt(prompt, NP, 616);
+    make_prompt(p0, 12, 617);
+    prompt_lp_reference(dm, prompt, NP, ref_lp, ref_rank, ref_top);
+    struct tdm_sampling_params sp, sp0;
+    greedy(&sp);
+    tdm_sampling_params_default(&sp0);
+    sp0.temperature = 0.0f; // the fused argmax: steps go ahead
+    sp0.ignore_eos = true;
+    assert_int_equal(reference_on(dm, prompt, NP, &sp, MT, ref, NULL), MT);
+    assert_int_equal(reference_on(dm, p0, 12, &sp0, MT0, ref0, NULL), MT0);
+    struct tdm_engine *e = engine_make_on(dm, 64, 32, 8, 0, false, NULL);
+    struct tdm_engine_request *r0 = submit(e, p0, 12, &sp0, MT0);
+    struct collected c0 = {0};
+    collect(r0, got0, MT0, &c0, 4); // decoding now
+    struct tdm_engine_request_params p;
+    char err[256];
+    struct tdm_engine_request *r = NULL;
+    tdm_engine_request_params_default(&p);
+    p.id = "plp";
+    p.prompt = prompt;
+    p.n_prompt = NP;
+    p.sampling = sp;
+    p.max_tokens = MT;
+    p.want_prompt_logprobs = true;
+    p.prompt_top_logprobs = 3;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
+    struct tdm_engine_chunk ch;
+    int n = 0;
+    for (bool fin = false; !fin;) {
+        assert_int_equal(tdm_engine_stream_next(r, WAIT_S, &ch), TDM_OK);
+        if (ch.first_index == 0 && ch.n > 0) {
+            const struct tdm_prompt_logprobs *pl = ch.prompt_logprobs;
+            assert_non_null(pl);
+            for (int i = 1; i < NP; i++) {
+                if (fabsf(pl->logprob[i] - ref_lp[i]) > LP_TOL)
+                    fail_msg("position %d: logprob %g, reference %g", i, pl->logprob[i], ref_lp[i]);
+                assert_int_equal(pl->rank[i], ref_rank[i]);
+                assert_int_equal(pl->top[(size_t)i * 3].token, ref_top[i][0]);
+            }
+        }
+        for (int i = 0; i < ch.n; i++)
+            got[n++] = ch.tokens[i];
+        fin = ch.finished;
+    }
+    assert_int_equal(n, MT);
+    assert_memory_equal(got, ref, sizeof ref);
+    collect(r0, got0, MT0, &c0, 0);
+    assert_int_equal(c0.n, MT0);
+    assert_memory_equal(got0, ref0, sizeof ref0);
+    struct tdm_engine_stats st;
+    tdm_engine_get_stats(e, &st);
+    assert_true(st.num_async_steps > 0);
+    tdm_engine_request_release(r);
+    tdm_engine_request_release(r0);
+    tdm_engine_free(e);
+    tdm_model_free(dm);
+}
+
 // KV events come out of the engine: a finished 40-token prompt stored its two
 // full prompt blocks under the chained hashes the router computes; the engine
 // without kv_event_capacity reports none.
@@ -2850,6 +3074,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_device_async_admit),
         cmocka_unit_test(test_device_import_ahead),
         cmocka_unit_test(test_spec_metrics),
+        cmocka_unit_test(test_prompt_logprobs),
+        cmocka_unit_test(test_device_prompt_logprobs),
         cmocka_unit_test(test_spec_adaptive),
     };
     // ENGINE_TEST_FILTER=test_preemption runs one test (cmocka glob).

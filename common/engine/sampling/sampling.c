@@ -533,11 +533,10 @@ static int32_t sample_random(struct tdm_sampler *s, const float *logits)
     return -1; // not reached: acc ends at total > t
 }
 
-// log-softmax of the raw logits: the chosen token's value and the top N.
-static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm_sample_result *res)
+void tdm_logprobs_of_row(const float *raw, int vocab, int32_t token, int k,
+                         struct tdm_sample_result *res, int32_t *rank)
 {
-    const float *raw = s->raw;
-    int v = s->vocab_size, k = s->p.logprobs;
+    size_t v = (size_t)vocab;
     // Pass 1: the maximum. Pass 2: the top k by value (ties to the lower id),
     // kept in a descending insertion buffer: the first k non-NaN values (-inf
     // included) fill it, then only values above its last entry enter. Pass 3:
@@ -571,11 +570,26 @@ static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm
             top[j].token = (int32_t)i;
             top[j].logprob = l;
         }
-    double lse = (double)lmax + log(tdm_sampling_sum_exp(raw, (size_t)v, lmax));
+    double lse = (double)lmax + log(tdm_sampling_sum_exp(raw, v, lmax));
+    res->token = token;
     res->logprob = (float)((double)raw[token] - lse);
     res->num_top = filled;
     for (int j = 0; j < filled; j++)
         top[j].logprob = (float)((double)top[j].logprob - lse);
+    if (rank) {
+        // vLLM's rank: 1 + the tokens strictly more likely (NaN never is).
+        const float t = raw[token];
+        int32_t above = 0;
+        for (size_t j = 0; j < v; j++)
+            above += raw[j] > t;
+        *rank = above + 1;
+    }
+}
+
+// log-softmax of the raw logits: the chosen token's value and the top N.
+static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm_sample_result *res)
+{
+    tdm_logprobs_of_row(s->raw, s->vocab_size, token, s->p.logprobs, res, NULL);
 }
 
 static void record(struct tdm_sampler *s, int32_t token)

@@ -72,6 +72,26 @@ struct tdm_sample_result {
     struct tdm_token_logprob top[TDM_MAX_LOGPROBS];
 };
 
+// Prompt logprobs (vLLM's prompt_logprobs; completions echo with logprobs):
+// entry i is prompt token i given the tokens before it, from the raw logits
+// (log-softmax, as tdm_token_logprob); entry 0 has none (vLLM's None) and
+// holds zeros.
+struct tdm_prompt_logprobs {
+    int n;                               // prompt tokens
+    int num_top;                         // top-N entries per position (0..TDM_MAX_LOGPROBS)
+    const float *logprob;                // [n] the prompt token's logprob
+    const int32_t *rank;                 // [n] its rank: 1 + the tokens more likely
+    const struct tdm_token_logprob *top; // [n][num_top], by logprob, ties to the lower id
+};
+
+// The log-softmax of one raw logits row of vocab floats: token's logprob
+// into res (token, logprob), the top k (0..TDM_MAX_LOGPROBS; by value, ties
+// to the lower id, NaN skipped) into res->top / num_top, and when rank is not
+// NULL token's rank (1 + the count of larger values). What a sampled token's
+// logprobs are (tdm_sampler_sample), for any row.
+void tdm_logprobs_of_row(const float *raw, int vocab, int32_t token, int k,
+                         struct tdm_sample_result *res, int32_t *rank);
+
 struct tdm_sampler;
 
 // The process's seed for requests without one (vLLM's --seed): from this call
