@@ -305,6 +305,39 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
     m.message = (char *)(c->message ? c->message : "");
     m.prompt_tokens = c->num_prompt_tokens;
     m.cached_tokens = c->num_cached_tokens;
+    // Prompt logprobs with the first chunk (views of the engine's arrays;
+    // the tops as pointers, the wire's repeated message).
+    const struct tdm_prompt_logprobs *pl = c->prompt_logprobs;
+    Tandem__TopLogprob *ptops = NULL, **ptop_ptr = NULL;
+    if (pl && pl->n > 0) {
+        size_t total = (size_t)pl->n * (size_t)pl->num_top;
+        if (total > 0) {
+            ptops = calloc(total, sizeof *ptops);
+            ptop_ptr = calloc(total, sizeof *ptop_ptr);
+            if (ptops == NULL || ptop_ptr == NULL) {
+                free(lps);
+                free(tops);
+                free(top_ptr);
+                free(ptops);
+                free(ptop_ptr);
+                return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
+            }
+            Tandem__TopLogprob init = TANDEM__TOP_LOGPROB__INIT;
+            for (size_t i = 0; i < total; i++) {
+                ptops[i] = init;
+                ptops[i].token = pl->top[i].token;
+                ptops[i].logprob = pl->top[i].logprob;
+                ptop_ptr[i] = &ptops[i];
+            }
+        }
+        m.n_prompt_logprobs = (size_t)pl->n;
+        m.prompt_logprobs = (float *)pl->logprob;
+        m.n_prompt_ranks = (size_t)pl->n;
+        m.prompt_ranks = (int32_t *)pl->rank;
+        m.prompt_num_top = pl->num_top;
+        m.n_prompt_top = total;
+        m.prompt_top = ptop_ptr;
+    }
     if (ph) {
         pt.queue = ph->queue;
         pt.prefill = ph->prefill;
@@ -319,6 +352,8 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
     free(lps);
     free(tops);
     free(top_ptr);
+    free(ptops);
+    free(ptop_ptr);
     return rc;
 }
 
@@ -525,6 +560,8 @@ static void fill_params(struct djob *j, struct tdm_engine_request_params *ep)
     ep->n_resume = j->n_resume;
     ep->sampling = j->sampling;
     ep->max_tokens = j->gen->max_tokens > 0 ? j->gen->max_tokens - j->n_resume : 0;
+    ep->want_prompt_logprobs = j->gen->want_prompt_logprobs;
+    ep->prompt_top_logprobs = j->gen->prompt_top_logprobs;
     if (j->gen->n_eos_ids) {
         ep->eos_ids = j->gen->eos_ids;
         ep->num_eos = (int)j->gen->n_eos_ids;
@@ -1356,6 +1393,12 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
     if (tdm_pd_sampling_from_proto(g->sampling, &j->sampling, err, sizeof err) != TDM_OK ||
         g->n_prompt == 0 || g->n_eos_ids > 64) {
         refuse(j, TDM_EINVAL, g->n_prompt == 0 ? "empty prompt" : err);
+        return;
+    }
+    if (g->want_prompt_logprobs && (g->n_prefill > 0 || g->n_resume_tokens > 0)) {
+        refuse(j, TDM_EINVAL,
+               "prompt logprobs with prefill targets or resume_tokens (such a request is "
+               "prefilled here, from its prompt alone)");
         return;
     }
     if (g->n_resume_tokens > 0) {

@@ -10,7 +10,72 @@ back to 0 everywhere afterwards. Run with --decode-flags "--speculative-config
 speculated."""
 import random
 
-from pd_harness import Cluster, check, metric_sum, metrics, parse_args, post, stream_text
+from pd_harness import (Cluster, Stream, check, metric_sum, metrics, parse_args, post,
+                        stream_text)
+
+
+def close(a, b):
+    return a is None and b is None or (a is not None and b is not None and abs(a - b) < 1e-4)
+
+
+def check_prompt_logprobs(cl):
+    """Prompt logprobs (vLLM's prompt_logprobs; echo with logprobs, as
+    lm-evaluation-harness's loglikelihood asks them) through the router equal
+    the decode worker's own, which computes them there (no remote prefill)."""
+    prompt = "the quick brown fox jumps over the lazy dog"
+    ask = dict(prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1, n=1)
+    st, hdr, a = post(cl.router_port, "/v1/completions", ask)
+    check(st == 200, "echo+logprobs via router: %d %s" % (st, a))
+    check("prefill=tcp://" not in hdr.get("x-tandem-phases", ""),
+          "a prompt-logprob request was prefilled remotely: %r" % hdr.get("x-tandem-phases"))
+    served = [w for w in cl.decode if w.name == hdr.get("x-tandem-decode")][0]
+    st, _, b = post(served.http_port, "/v1/completions", ask)
+    check(st == 200, "echo+logprobs direct: %d" % st)
+    la, lb = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+    check(a["choices"][0]["text"].startswith(prompt), "echo text %r" % a["choices"][0]["text"])
+    check(la["tokens"] == lb["tokens"] and la["text_offset"] == lb["text_offset"],
+          "echo tokens/offsets differ")
+    n_prompt = a["usage"]["prompt_tokens"]
+    check(len(la["tokens"]) == n_prompt + 1, "echo: %d entries for %d prompt tokens + 1"
+          % (len(la["tokens"]), n_prompt))
+    check(la["token_logprobs"][0] is None and la["top_logprobs"][0] is None,
+          "the first prompt token has a logprob")
+    check(all(close(x, y) for x, y in zip(la["token_logprobs"], lb["token_logprobs"])),
+          "echo logprobs differ: %s vs %s" % (la["token_logprobs"], lb["token_logprobs"]))
+    check(all(x is not None and x <= 0 for x in la["token_logprobs"][1:]), "bad logprobs")
+    # vLLM's prompt_logprobs: the same values, with ranks.
+    st, _, c = post(cl.router_port, "/v1/completions",
+                    dict(prompt=prompt, max_tokens=2, temperature=0, prompt_logprobs=2))
+    check(st == 200, "prompt_logprobs via router: %d %s" % (st, c))
+    pl = c["choices"][0]["prompt_logprobs"]
+    check(len(pl) == n_prompt and pl[0] is None, "prompt_logprobs: %s" % pl[:2])
+    for i in range(1, n_prompt):
+        entry = pl[i]
+        check(2 <= len(entry) <= 3, "position %d: %d entries" % (i, len(entry)))
+        first = next(iter(entry.values()))
+        check(close(first["logprob"], la["token_logprobs"][i]) and first["rank"] >= 1,
+              "position %d: %s vs echo %s" % (i, first, la["token_logprobs"][i]))
+    # Streamed: the prompt's chunk carries the same entries.
+    s = Stream(cl.router_port, "/v1/completions", dict(ask, stream=True))
+    check(s.status == 200, "stream status %d" % s.status)
+    first = None
+    for ev in s.events():
+        if ev == "[DONE]":
+            break
+        check("error" not in ev, "stream error event: %s" % ev)
+        if first is None:
+            first = ev["choices"][0]
+    s.close()
+    check(first["text"] == prompt, "stream: first chunk %r" % first["text"])
+    check(first["logprobs"]["tokens"] == la["tokens"][:n_prompt] and
+          all(close(x, y) for x, y in zip(first["logprobs"]["token_logprobs"],
+                                          la["token_logprobs"][:n_prompt])),
+          "stream: the prompt's entries differ")
+    # Refused as vLLM refuses them.
+    st, _, e = post(cl.router_port, "/v1/completions",
+                    dict(prompt=prompt, prompt_logprobs=1, stream=True))
+    check(st == 400 and "stream" in str(e), "prompt_logprobs with stream: %d %s" % (st, e))
+    print("prompt logprobs: %d prompt tokens equal through the router and direct" % n_prompt)
 
 
 def main():
@@ -71,6 +136,7 @@ def main():
         sa, _, _, _ = stream_text(cl.router_port, dict(body, n=1))
         sb, _, _, _ = stream_text(cl.decode[1].http_port, dict(body, n=1))
         check(sa == sb, "%s: streamed %r != %r" % (extra, sa, sb))
+    check_prompt_logprobs(cl)
     # Validation errors come from the router itself.
     st, _, err = post(cl.router_port, "/v1/completions", {"prompt": "x", "temperature": 9})
     check(st == 400 and "temperature" in str(err), "bad temperature: %d %s" % (st, err))

@@ -403,9 +403,15 @@ static int send_choice(struct call *k, size_t i, uint64_t dec_inst, Tandem__Pref
     g.max_tokens = p->max_tokens;
     g.deadline_unix = (double)time(NULL) + (left > 0 ? left : 0);
     g.arrival_unix = (double)time(NULL);
+    int plp = tdm_oai_call_prompt_lp(&k->oai, i);
     if (resume && ch->n_got > 0) {
         g.n_resume_tokens = ch->n_got;
         g.resume_tokens = ch->got;
+    } else if (plp >= 0) {
+        // Prompt logprobs: every prompt row's logits, computed where the
+        // request decodes (a prefill worker sends only the first token's).
+        g.want_prompt_logprobs = true;
+        g.prompt_top_logprobs = plp;
     } else {
         g.n_prefill = nt;
         g.prefill = targets;

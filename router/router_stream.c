@@ -5,6 +5,9 @@
 // keeps them as pointers, the shared step wants [n][num_top] values.
 #include "router_stream.h"
 
+#include <stdint.h>
+#include <stdlib.h>
+
 #include "core.h"
 #include "pd_codec.h"
 #include "sampling.h"
@@ -27,6 +30,40 @@ int tdm_router_take_chunk(struct tdm_oai_call *k, size_t i, const Tandem__TokenC
     if (m->finished && reason == TDM_FINISH_NONE)
         reason = TDM_FINISH_ERROR; // finished without a reason: a broken peer
     struct tdm_token_logprob top[SLICE * TDM_MAX_LOGPROBS];
+    // Prompt logprobs (first chunk of a request that asked): a view for the
+    // call, which copies them; a malformed set is ignored.
+    struct tdm_prompt_logprobs plp = {0};
+    struct tdm_token_logprob *plp_top = NULL;
+    bool with_plp = m->n_prompt_logprobs > 0 && m->n_prompt_ranks == m->n_prompt_logprobs &&
+                    m->n_prompt_logprobs <= INT32_MAX && m->prompt_num_top >= 0 &&
+                    m->prompt_num_top <= TDM_MAX_LOGPROBS &&
+                    m->n_prompt_top == m->n_prompt_logprobs * (size_t)m->prompt_num_top;
+    if (with_plp && m->n_prompt_top > 0) {
+        plp_top = malloc(m->n_prompt_top * sizeof *plp_top);
+        if (plp_top == NULL)
+            return TDM_ENOMEM;
+        for (size_t t = 0; t < m->n_prompt_top; t++) {
+            plp_top[t].token = m->prompt_top[t]->token;
+            plp_top[t].logprob = m->prompt_top[t]->logprob;
+        }
+    }
+    // A decode worker that did not bring the prompt logprobs asked for (one
+    // older than them): the choice fails rather than answer without them.
+    if (!with_plp && m->first_index == 0 && m->n_tokens > 0 && !a->done &&
+        tdm_oai_call_prompt_lp(k, i) >= 0 && k->prompts[a->prompt_idx].plp == NULL) {
+        tdm_oai_asm_fail(a, TDM_ETRANSPORT,
+                         "the decode worker returned no prompt logprobs (is it older than "
+                         "the router?)");
+        out->stopped = !m->finished; // the caller cancels what still generates
+        out->upstream_done = m->finished;
+        return TDM_OK;
+    }
+    if (with_plp)
+        plp = (struct tdm_prompt_logprobs){.n = (int)m->n_prompt_logprobs,
+                                           .num_top = m->prompt_num_top,
+                                           .logprob = m->prompt_logprobs,
+                                           .rank = m->prompt_ranks,
+                                           .top = plp_top};
     for (size_t start = 0; start < m->n_tokens || (start == 0 && m->finished);) {
         size_t n = m->n_tokens - start < SLICE ? m->n_tokens - start : SLICE;
         for (size_t t = 0; t < n; t++)
@@ -42,6 +79,7 @@ int tdm_router_take_chunk(struct tdm_oai_call *k, size_t i, const Tandem__TokenC
             .logprobs = with_lp ? m->logprobs + start : NULL,
             .top = keep ? top : NULL,
             .num_top = keep,
+            .prompt_logprobs = with_plp && start == 0 ? &plp : NULL,
             .finished = last && m->finished,
             .reason = reason,
             .stop_token = m->stop_token,
@@ -49,13 +87,16 @@ int tdm_router_take_chunk(struct tdm_oai_call *k, size_t i, const Tandem__TokenC
             .message = m->message,
         };
         bool stopped = false;
-        if (tdm_oai_call_take(k, i, &g, tok_eos, gen, &stopped) != TDM_OK)
+        if (tdm_oai_call_take(k, i, &g, tok_eos, gen, &stopped) != TDM_OK) {
+            free(plp_top);
             return TDM_ENOMEM;
+        }
         out->stopped = out->stopped || stopped;
         start += n;
         if (last)
             break;
     }
+    free(plp_top);
     out->upstream_done = m->finished;
     bool refusal = m->finished && !was_done && a->finish == TDM_FINISH_ERROR &&
                    a->completion_tokens == 0;

@@ -105,6 +105,63 @@ static size_t encode(const char *text, int32_t **ids)
     return n;
 }
 
+// Prompt logprobs from the wire reach the call (the prompt's entries in the
+// body); a malformed set is ignored; a first chunk without them when they
+// were asked (an older decode worker) fails the choice and cancels upstream.
+static void test_prompt_logprobs(void **state)
+{
+    (void)state;
+    int32_t tok1[1] = {7};
+    struct tdm_oai_call k;
+    start(&k, "{\"prompt\":\"Hello world\",\"max_tokens\":4,\"prompt_logprobs\":1}");
+    size_t np = k.prompts[0].n;
+    assert_true(np >= 2 && np <= 16);
+    float plp[16] = {0};
+    int32_t rank[16] = {0};
+    Tandem__TopLogprob tops[16], *top_ptr[16];
+    for (size_t i = 0; i < np; i++) {
+        Tandem__TopLogprob t0 = TANDEM__TOP_LOGPROB__INIT;
+        plp[i] = i ? -1.0f : 0.0f;
+        rank[i] = i ? 3 : 0;
+        tops[i] = t0;
+        tops[i].token = 9;
+        tops[i].logprob = -0.5f;
+        top_ptr[i] = &tops[i];
+    }
+    struct chunk *c = calloc(1, sizeof *c);
+    make_chunk(c, tok1, 1, 0, 0);
+    c->m.n_prompt_logprobs = np;
+    c->m.prompt_logprobs = plp;
+    c->m.n_prompt_ranks = np;
+    c->m.prompt_ranks = rank;
+    c->m.prompt_num_top = 1;
+    c->m.n_prompt_top = np;
+    c->m.prompt_top = top_ptr;
+    c->m.finished = true;
+    c->m.finish = TANDEM__FINISH_REASON__FINISH_LENGTH;
+    struct tdm_router_take r;
+    assert_int_equal(tdm_router_take_chunk(&k, 0, &c->m, tdm_tok_eos_id(tok), &gen, &r), TDM_OK);
+    assert_non_null(k.prompts[0].plp);
+    assert_int_equal(k.prompts[0].plp_rank[1], 3);
+    char *body = tdm_oai_call_body(&k);
+    assert_non_null(strstr(body, "\"prompt_logprobs\":[null,{"));
+    assert_non_null(strstr(body, "\"rank\":3"));
+    free(body);
+    tdm_oai_call_fini(&k);
+
+    // Asked, not brought (ranks of another length: ignored as malformed).
+    start(&k, "{\"prompt\":\"Hello world\",\"max_tokens\":4,\"prompt_logprobs\":1}");
+    c->m.n_prompt_ranks = np - 1;
+    c->m.finished = false;
+    assert_int_equal(tdm_router_take_chunk(&k, 0, &c->m, tdm_tok_eos_id(tok), &gen, &r), TDM_OK);
+    assert_true(k.choices[0].done);
+    assert_int_equal(k.choices[0].finish, TDM_FINISH_ERROR);
+    assert_non_null(strstr(k.choices[0].message, "no prompt logprobs"));
+    assert_true(r.stopped); // the decode worker is cancelled
+    tdm_oai_call_fini(&k);
+    free(c);
+}
+
 static void test_tokens_in_slices(void **state)
 {
     (void)state;
@@ -320,6 +377,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tokens_in_slices),
+        cmocka_unit_test(test_prompt_logprobs),
         cmocka_unit_test(test_stop_string_and_eos),
         cmocka_unit_test(test_finish_errors_and_refusal),
         cmocka_unit_test(test_upstream_check),

@@ -50,6 +50,7 @@ static int take_chunk(struct call *k, size_t i, const struct tdm_engine_chunk *c
         .logprobs = c->logprobs,
         .top = c->top,
         .num_top = c->num_top,
+        .prompt_logprobs = c->prompt_logprobs,
         .finished = c->finished,
         .reason = c->reason,
         .stop_token = c->stop_token,
@@ -124,6 +125,9 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
         ep.num_eos = s->num_eos;
         ep.arrival_time = arrival;
         ep.params_n = rq->n;
+        int plp = tdm_oai_call_prompt_lp(&k->oai, i);
+        ep.want_prompt_logprobs = plp >= 0;
+        ep.prompt_top_logprobs = plp >= 0 ? plp : 0;
         char err[512];
         int rc = tdm_engine_submit(s->engine, &ep, &k->reqs[i], err, sizeof err);
         if (rc != TDM_OK) {

@@ -136,6 +136,10 @@ struct tdm_oai_request {
     bool echo;                    // completions: prepend the prompt text
     bool logprobs;                // return logprobs of generated tokens
     int top_logprobs;             // completions: the logprobs int; chat: top_logprobs
+    int prompt_logprobs;          // completions: vLLM's prompt_logprobs (top N per prompt
+                                  // token, non-stream only), -1 when absent; with echo and
+                                  // logprobs the echoed prompt's entries come from the same
+                                  // computation (tdm_oai_call_prompt_lp)
     char *stop[TDM_OAI_MAX_STOP]; // stop strings (heap, non-empty)
     size_t n_stop;
     bool include_stop_str_in_output;
@@ -211,6 +215,11 @@ struct tdm_oai_tokenized_prompt {
     char *text; // the prompt text for echo (heap; NULL when not needed)
     size_t text_len;
     int max_tokens; // resolved against the context left (tdm_oai_request_max_tokens)
+    // Prompt logprobs once a generator brought them (tdm_oai_call_take): [n]
+    // entries, entry 0 without a logprob (vLLM's None), each with its top
+    // alternatives, and each token's rank; NULL until then.
+    struct tdm_oai_token_logprob *plp;
+    int32_t *plp_rank;
 };
 struct tdm_tokenizer;
 // Tokenizes the request's prompts (completions: one per prompt) or renders and
@@ -307,6 +316,7 @@ struct tdm_oai_token_logprob {
     float logprob;
     int num_top; // entries in top (the request's top_logprobs)
     const struct tdm_oai_top_logprob *top;
+    bool no_logprob; // an echoed prompt's first token: null logprob and top_logprobs
 };
 
 // One choice of a body or chunk. All pointers are borrowed.
@@ -322,6 +332,18 @@ struct tdm_oai_choice {
     size_t n_logprobs;
     size_t text_offset;       // completions logprobs: code points of text before this
                               // choice's first token (echoed prompt + earlier chunks)
+    // completions echo with logprobs: the prompt's entries (top cut to
+    // echo_top) before `logprobs`, offsets from 0 through both (vLLM's one
+    // list of prompt + output tokens)
+    const struct tdm_oai_token_logprob *echo_logprobs;
+    size_t n_echo_logprobs;
+    int echo_top;
+    // vLLM's prompt_logprobs field (non-stream): [n_prompt_logprobs] entries
+    // with their ranks, top cut to prompt_top; NULL omits the field
+    const struct tdm_oai_token_logprob *prompt_logprobs;
+    const int32_t *prompt_ranks;
+    size_t n_prompt_logprobs;
+    int prompt_top;
     const int32_t *token_ids; // return_token_ids: this choice's ids (NULL: field omitted)
     size_t n_token_ids;
     const int32_t *prompt_token_ids; // return_token_ids: non-stream choices, first stream chunk
@@ -432,6 +454,7 @@ struct tdm_oai_asm {
     size_t chars_sent; // stream: code points already sent (text_offset)
     int tokens_sent;   // stream: completion_tokens when the last chunk went out
     bool first_sent;   // stream: prompt_token_ids went out
+    bool echo_sent;    // stream with echo: the prompt's chunk went out
     struct tdm_strbuf clean; // scratch for the UTF-8 cleaning
     struct tdm_oai_toolparse *tools; // stream with tool parsing: text goes through it (text
                                      // then holds its content), its deltas wait for the chunk
@@ -474,6 +497,19 @@ int tdm_oai_asm_body_choice(const struct tdm_oai_asm *a, bool echo, const char *
                             size_t prompt_text_len, const int32_t *prompt_ids,
                             size_t n_prompt_ids, struct tdm_strbuf *joined,
                             struct tdm_oai_choice *oc);
+// A prompt's logprobs as a generator brings them (with its first tokens):
+// copied into p->plp / plp_rank with each token's text (entry 0 marked
+// no_logprob). Only the first set is kept; one whose length is not the
+// prompt's is ignored. TDM_OK / TDM_ENOMEM. _free drops them (prompts_free
+// does).
+int tdm_oai_prompt_lp_set(struct tdm_oai_tokenized_prompt *p, const struct tdm_prompt_logprobs *pl,
+                          const struct tdm_tokenizer *tok);
+void tdm_oai_prompt_lp_free(struct tdm_oai_tokenized_prompt *p);
+// Points oc's echo entries (echo with logprobs) and prompt_logprobs field at
+// p's prompt logprobs, as rq asks (nothing when p has none).
+void tdm_oai_prompt_lp_choice(const struct tdm_oai_request *rq,
+                              const struct tdm_oai_tokenized_prompt *p, bool echo,
+                              struct tdm_oai_choice *oc);
 // The non-stream body of n finished choices: choices[i] continues
 // prompts[choices[i]->prompt_idx]; with echo each text starts with its prompt.
 // Heap string; NULL on ENOMEM.
@@ -551,6 +587,9 @@ struct tdm_oai_gen_chunk {
     const float *logprobs;               // [n] or NULL (not asked for)
     const struct tdm_token_logprob *top; // [n][num_top] or NULL
     int num_top;                         // <= TDM_MAX_LOGPROBS
+    // The prompt's logprobs (with the choice's first tokens) when the server
+    // asked for them (tdm_oai_call_prompt_lp), else NULL
+    const struct tdm_prompt_logprobs *prompt_logprobs;
     bool finished;                       // the generator is done with this choice
     enum tdm_finish reason;              // finished: why (not NONE)
     int32_t stop_token;                  // finished by a stop token id: that id, else -1
@@ -567,6 +606,15 @@ struct tdm_oai_gen_chunk {
 // ignored. TDM_OK / TDM_ENOMEM.
 int tdm_oai_call_take(struct tdm_oai_call *k, size_t i, const struct tdm_oai_gen_chunk *c,
                       int32_t tok_eos, const struct tdm_generation_config *gen, bool *stopped);
+// The prompt logprobs choice i's generator must bring (their top count), or
+// -1 for none: asked of the first choice of each prompt only, when the
+// request has prompt_logprobs or echo with logprobs (the top count is the
+// larger of the two asks).
+int tdm_oai_call_prompt_lp(const struct tdm_oai_call *k, size_t i);
+// Stream, completions with echo and logprobs: whether choice i's echo chunk
+// may go now (its prompt's logprobs came, or the choice that brings them
+// ended without them).
+bool tdm_oai_call_echo_ready(const struct tdm_oai_call *k, size_t i);
 // Stream, completions with echo: choice i's first chunk, its prompt's text alone
 // (no logprobs entries, token_ids [] and prompt_token_ids with return_token_ids,
 // usage as in tdm_oai_call_chunk), sent before any generated text of the

@@ -18,17 +18,21 @@
 
 // ---- buffers ----------------------------------------------------------------------------
 
+static void entry_clear(struct tdm_oai_token_logprob *it)
+{
+    free((char *)it->token);
+    if (it->top) {
+        for (int j = 0; j < it->num_top; j++)
+            free((char *)it->top[j].token);
+        free((void *)it->top);
+    }
+    memset(it, 0, sizeof *it);
+}
 
 static void lps_clear(struct tdm_oai_asm *a)
 {
-    for (size_t i = 0; i < a->n_lps; i++) {
-        free((char *)a->lps[i].token);
-        if (a->lps[i].top) {
-            for (int j = 0; j < a->lps[i].num_top; j++)
-                free((char *)a->lps[i].top[j].token);
-            free((void *)a->lps[i].top);
-        }
-    }
+    for (size_t i = 0; i < a->n_lps; i++)
+        entry_clear(&a->lps[i]);
     a->n_lps = 0;
 }
 
@@ -43,33 +47,82 @@ static char *token_text(const struct tdm_tokenizer *tok, int32_t id, size_t *len
     return t;
 }
 
-static int lps_add(struct tdm_oai_asm *a, int32_t id, float logprob,
-                   const struct tdm_token_logprob *top, int num_top)
+// One entry: the token's text, its logprob and its alternatives' (top may be
+// NULL). On TDM_ENOMEM *it holds nothing.
+static int entry_fill(const struct tdm_tokenizer *tok, struct tdm_oai_token_logprob *it, int32_t id,
+                      float logprob, const struct tdm_token_logprob *top, int num_top)
 {
-    if (tdm_grow(&a->lps, &a->cap_lps, a->n_lps + 1, sizeof *a->lps, 16) != TDM_OK)
-        return TDM_ENOMEM;
-    struct tdm_oai_token_logprob *it = &a->lps[a->n_lps];
     memset(it, 0, sizeof *it);
     it->id = id;
     it->logprob = logprob;
-    it->token = token_text(a->tok, id, &it->token_len);
+    it->token = token_text(tok, id, &it->token_len);
     if (it->token == NULL)
         return TDM_ENOMEM;
     if (num_top > 0 && top != NULL) {
         struct tdm_oai_top_logprob *t = calloc((size_t)num_top, sizeof *t);
         if (t == NULL) {
-            free((char *)it->token);
+            entry_clear(it);
             return TDM_ENOMEM;
-        }
-        for (int j = 0; j < num_top; j++) {
-            t[j].id = top[j].token;
-            t[j].logprob = top[j].logprob;
-            t[j].token = token_text(a->tok, top[j].token, &t[j].token_len);
         }
         it->top = t;
         it->num_top = num_top;
+        for (int j = 0; j < num_top; j++) {
+            t[j].id = top[j].token;
+            t[j].logprob = top[j].logprob;
+            t[j].token = token_text(tok, top[j].token, &t[j].token_len);
+            if (t[j].token == NULL) {
+                entry_clear(it);
+                return TDM_ENOMEM;
+            }
+        }
     }
+    return TDM_OK;
+}
+
+static int lps_add(struct tdm_oai_asm *a, int32_t id, float logprob,
+                   const struct tdm_token_logprob *top, int num_top)
+{
+    if (tdm_grow(&a->lps, &a->cap_lps, a->n_lps + 1, sizeof *a->lps, 16) != TDM_OK)
+        return TDM_ENOMEM;
+    if (entry_fill(a->tok, &a->lps[a->n_lps], id, logprob, top, num_top) != TDM_OK)
+        return TDM_ENOMEM;
     a->n_lps++;
+    return TDM_OK;
+}
+
+void tdm_oai_prompt_lp_free(struct tdm_oai_tokenized_prompt *p)
+{
+    for (size_t i = 0; p->plp && i < p->n; i++)
+        entry_clear(&p->plp[i]);
+    free(p->plp);
+    free(p->plp_rank);
+    p->plp = NULL;
+    p->plp_rank = NULL;
+}
+
+int tdm_oai_prompt_lp_set(struct tdm_oai_tokenized_prompt *p, const struct tdm_prompt_logprobs *pl,
+                          const struct tdm_tokenizer *tok)
+{
+    if (p->plp != NULL || pl == NULL || (size_t)pl->n != p->n || pl->num_top < 0 ||
+        pl->num_top > TDM_MAX_LOGPROBS)
+        return TDM_OK; // kept the first; one not of this prompt is ignored
+    p->plp = calloc(p->n ? p->n : 1, sizeof *p->plp);
+    p->plp_rank = calloc(p->n ? p->n : 1, sizeof *p->plp_rank);
+    if (p->plp == NULL || p->plp_rank == NULL) {
+        tdm_oai_prompt_lp_free(p);
+        return TDM_ENOMEM;
+    }
+    for (size_t i = 0; i < p->n; i++) {
+        const struct tdm_token_logprob *top =
+            i > 0 && pl->top ? pl->top + i * (size_t)pl->num_top : NULL;
+        if (entry_fill(tok, &p->plp[i], p->ids[i], i > 0 ? pl->logprob[i] : 0.0f, top,
+                       top ? pl->num_top : 0) != TDM_OK) {
+            tdm_oai_prompt_lp_free(p);
+            return TDM_ENOMEM;
+        }
+        p->plp[i].no_logprob = i == 0;
+        p->plp_rank[i] = i > 0 ? pl->rank[i] : 0;
+    }
     return TDM_OK;
 }
 
@@ -365,6 +418,25 @@ int tdm_oai_asm_body_choice(const struct tdm_oai_asm *a, bool echo, const char *
     return rc;
 }
 
+void tdm_oai_prompt_lp_choice(const struct tdm_oai_request *rq,
+                              const struct tdm_oai_tokenized_prompt *p, bool echo,
+                              struct tdm_oai_choice *oc)
+{
+    if (p->plp == NULL)
+        return;
+    if (echo && rq->logprobs) {
+        oc->echo_logprobs = p->plp;
+        oc->n_echo_logprobs = p->n;
+        oc->echo_top = rq->top_logprobs;
+    }
+    if (rq->prompt_logprobs >= 0) {
+        oc->prompt_logprobs = p->plp;
+        oc->prompt_ranks = p->plp_rank;
+        oc->n_prompt_logprobs = p->n;
+        oc->prompt_top = rq->prompt_logprobs;
+    }
+}
+
 char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
                        const struct tdm_oai_asm *const *choices, size_t n,
                        const struct tdm_oai_tokenized_prompt *prompts,
@@ -387,6 +459,7 @@ char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
                                     &joined[i], &oc[i]) != TDM_OK)
             oom = true;
         const struct tdm_oai_request *rq = choices[i]->req;
+        tdm_oai_prompt_lp_choice(rq, p, echo, &oc[i]);
         enum tdm_oai_tool_format tf = rq->kind == TDM_OAI_CHAT
                                           ? tdm_oai_tool_format_of(&rq->tools)
                                           : TDM_OAI_TOOL_FORMAT_NONE;

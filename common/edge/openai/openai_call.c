@@ -115,6 +115,8 @@ int tdm_oai_call_echo_chunk(struct tdm_oai_call *k, size_t i, char **json)
     oc.stop_token = -1;
     oc.has_logprobs = k->req.logprobs;
     oc.text_offset = a->chars_sent;
+    tdm_oai_prompt_lp_choice(&k->req, p, true, &oc);
+    oc.prompt_logprobs = NULL; // a non-stream field
     if (k->req.return_token_ids) {
         oc.token_ids = none;
         if (!a->first_sent) {
@@ -128,7 +130,28 @@ int tdm_oai_call_echo_chunk(struct tdm_oai_call *k, size_t i, char **json)
         return TDM_ENOMEM;
     a->chars_sent += tdm_oai_utf8_chars(p->text, p->text_len);
     a->first_sent = true;
+    a->echo_sent = true;
     return TDM_OK;
+}
+
+int tdm_oai_call_prompt_lp(const struct tdm_oai_call *k, size_t i)
+{
+    const struct tdm_oai_request *rq = &k->req;
+    if (rq->kind != TDM_OAI_COMPLETION || i % (size_t)rq->n != 0)
+        return -1;
+    int top = rq->prompt_logprobs;
+    if (rq->echo && rq->logprobs && rq->top_logprobs > top)
+        top = rq->top_logprobs;
+    return top;
+}
+
+bool tdm_oai_call_echo_ready(const struct tdm_oai_call *k, size_t i)
+{
+    const struct tdm_oai_asm *a = &k->choices[i];
+    if (!(k->req.echo && k->req.logprobs))
+        return true;
+    size_t owner = (size_t)a->prompt_idx * (size_t)k->req.n;
+    return k->prompts[a->prompt_idx].plp != NULL || k->choices[owner].done;
 }
 
 int tdm_oai_call_take(struct tdm_oai_call *k, size_t i, const struct tdm_oai_gen_chunk *c,
@@ -136,6 +159,9 @@ int tdm_oai_call_take(struct tdm_oai_call *k, size_t i, const struct tdm_oai_gen
 {
     struct tdm_oai_asm *a = &k->choices[i];
     *stopped = false;
+    if (c->prompt_logprobs &&
+        tdm_oai_prompt_lp_set(&k->prompts[a->prompt_idx], c->prompt_logprobs, a->tok) != TDM_OK)
+        return TDM_ENOMEM;
     for (size_t t = 0; t < c->n && !a->done; t++) {
         int32_t id = c->tokens[t];
         // The EOS or stop id that ended the choice is its last token.

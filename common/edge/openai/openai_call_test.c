@@ -337,6 +337,137 @@ static void test_echo_chunk(void **state)
     tdm_oai_call_fini(&k);
 }
 
+// A prompt's logprobs as a generator brings them: entry i has logprob
+// -0.25 i, rank i, and the alternatives (the token itself, then id 5).
+struct plp_fixture {
+    float lp[64];
+    int32_t rank[64];
+    struct tdm_token_logprob top[64 * 2];
+    struct tdm_prompt_logprobs pl;
+};
+
+static void plp_make(struct plp_fixture *f, const struct tdm_oai_tokenized_prompt *p)
+{
+    assert_true(p->n <= 64);
+    memset(f, 0, sizeof *f);
+    for (size_t i = 1; i < p->n; i++) {
+        f->lp[i] = -0.25f * (float)i;
+        f->rank[i] = (int32_t)i;
+        f->top[2 * i] = (struct tdm_token_logprob){p->ids[i], f->lp[i]};
+        f->top[2 * i + 1] = (struct tdm_token_logprob){5, -9.0f};
+    }
+    f->pl = (struct tdm_prompt_logprobs){
+        .n = (int)p->n, .num_top = 2, .logprob = f->lp, .rank = f->rank, .top = f->top};
+}
+
+// Prompt logprobs: asked of each prompt's first choice only, with the larger
+// top count; brought once, they give every choice of the prompt its echoed
+// entries (first null, offsets from 0 through the output, top cut to the
+// request's logprobs) and the prompt_logprobs field (ranks; the token, then
+// its alternatives); the streamed echo chunk waits for them and carries them.
+static void test_prompt_logprobs_out(void **state)
+{
+    (void)state;
+    struct tdm_oai_call k;
+    struct tdm_oai_error e;
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"Hello world\",\"max_tokens\":2,\"echo\":true,"
+                           "\"logprobs\":1,\"prompt_logprobs\":2,\"n\":2,\"temperature\":1}",
+                           NULL, &e),
+                     TDM_OK);
+    assert_int_equal(tdm_oai_call_prompt_lp(&k, 0), 2);
+    assert_int_equal(tdm_oai_call_prompt_lp(&k, 1), -1);
+    const struct tdm_oai_tokenized_prompt *p = &k.prompts[0];
+    size_t np = p->n;
+    assert_true(np >= 2);
+    struct plp_fixture f;
+    plp_make(&f, p);
+    int32_t tok7 = 7;
+    float lp7 = -1.5f;
+    struct tdm_oai_gen_chunk g = {.tokens = &tok7,
+                                  .n = 1,
+                                  .logprobs = &lp7,
+                                  .prompt_logprobs = &f.pl,
+                                  .finished = true,
+                                  .reason = TDM_FINISH_LENGTH,
+                                  .stop_token = -1};
+    bool stopped = false;
+    assert_int_equal(tdm_oai_call_take(&k, 1,
+                                       &(struct tdm_oai_gen_chunk){.tokens = &tok7,
+                                                                   .n = 1,
+                                                                   .logprobs = &lp7,
+                                                                   .finished = true,
+                                                                   .reason = TDM_FINISH_LENGTH,
+                                                                   .stop_token = -1},
+                                       2, NULL, &stopped),
+                     TDM_OK);
+    assert_int_equal(tdm_oai_call_take(&k, 0, &g, 2, NULL, &stopped), TDM_OK);
+    char *body = tdm_oai_call_body(&k);
+    assert_non_null(body);
+    cJSON *j = cJSON_Parse(body);
+    free(body);
+    for (int c = 0; c < 2; c++) {
+        const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItem(j, "choices"), c);
+        const cJSON *lps = cJSON_GetObjectItem(ch, "logprobs");
+        const cJSON *tl = cJSON_GetObjectItem(lps, "token_logprobs");
+        const cJSON *tops = cJSON_GetObjectItem(lps, "top_logprobs");
+        const cJSON *off = cJSON_GetObjectItem(lps, "text_offset");
+        assert_int_equal(cJSON_GetArraySize(tl), (int)np + 1);
+        assert_true(cJSON_IsNull(cJSON_GetArrayItem(tl, 0)));
+        assert_true(cJSON_IsNull(cJSON_GetArrayItem(tops, 0)));
+        assert_true(cJSON_GetArrayItem(tl, 1)->valuedouble == -0.25);
+        assert_true(cJSON_GetArrayItem(tl, (int)np)->valuedouble == -1.5);
+        assert_int_equal(cJSON_GetArrayItem(off, 0)->valueint, 0);
+        // top cut to logprobs 1: the token itself is the one alternative kept
+        assert_int_equal(cJSON_GetArraySize(cJSON_GetArrayItem(tops, 1)), 1);
+        int last = 0;
+        for (int i = 0; i < cJSON_GetArraySize(off); i++) {
+            assert_true(cJSON_GetArrayItem(off, i)->valueint >= last);
+            last = cJSON_GetArrayItem(off, i)->valueint;
+        }
+        assert_int_equal(last, 11); // "Hello world": the output's offset follows the prompt's
+        const cJSON *pl = cJSON_GetObjectItem(ch, "prompt_logprobs");
+        assert_int_equal(cJSON_GetArraySize(pl), (int)np);
+        assert_true(cJSON_IsNull(cJSON_GetArrayItem(pl, 0)));
+        char key[16];
+        snprintf(key, sizeof key, "%d", (int)p->ids[1]);
+        const cJSON *e1 = cJSON_GetObjectItem(cJSON_GetArrayItem(pl, 1), key);
+        assert_non_null(e1);
+        assert_int_equal(cJSON_GetObjectItem(e1, "rank")->valueint, 1);
+        assert_true(cJSON_GetObjectItem(e1, "logprob")->valuedouble == -0.25);
+        assert_true(cJSON_IsString(cJSON_GetObjectItem(e1, "decoded_token")));
+        const cJSON *e5 = cJSON_GetObjectItem(cJSON_GetArrayItem(pl, 1), "5");
+        assert_int_equal(cJSON_GetObjectItem(e5, "rank")->valueint, 2);
+    }
+    cJSON_Delete(j);
+    tdm_oai_call_fini(&k);
+
+    // Streamed echo with logprobs: the prompt's chunk waits for them.
+    assert_int_equal(start(&k, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"Hello world\",\"max_tokens\":2,\"echo\":true,"
+                           "\"logprobs\":0,\"stream\":true}",
+                           NULL, &e),
+                     TDM_OK);
+    assert_int_equal(tdm_oai_call_prompt_lp(&k, 0), 0);
+    assert_false(tdm_oai_call_echo_ready(&k, 0));
+    plp_make(&f, &k.prompts[0]);
+    g.finished = false;
+    assert_int_equal(tdm_oai_call_take(&k, 0, &g, 2, NULL, &stopped), TDM_OK);
+    assert_true(tdm_oai_call_echo_ready(&k, 0));
+    char *json = NULL;
+    assert_int_equal(tdm_oai_call_echo_chunk(&k, 0, &json), TDM_OK);
+    j = cJSON_Parse(json);
+    free(json);
+    const cJSON *lps = cJSON_GetObjectItem(choice0(j), "logprobs");
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetObjectItem(lps, "tokens")), (int)np);
+    assert_true(cJSON_IsNull(cJSON_GetArrayItem(cJSON_GetObjectItem(lps, "token_logprobs"), 0)));
+    assert_int_equal(cJSON_GetArrayItem(cJSON_GetObjectItem(lps, "text_offset"), 0)->valueint, 0);
+    assert_null(cJSON_GetObjectItem(choice0(j), "prompt_logprobs"));
+    cJSON_Delete(j);
+    assert_true(k.choices[0].echo_sent);
+    tdm_oai_call_fini(&k);
+}
+
 // ---- tool calls ---------------------------------------------------------------------------------
 #define TOOL_BODY(extra)                                                                           \
     "{\"messages\":[{\"role\":\"user\",\"content\":\"Weather in Paris?\"}],\"tools\":[{\"type\":"  \
@@ -510,6 +641,7 @@ int main(void)
         cmocka_unit_test(test_done_failed_usage_body),
         cmocka_unit_test(test_stream_chunks_usage_per_prompt),
         cmocka_unit_test(test_echo_chunk),
+        cmocka_unit_test(test_prompt_logprobs_out),
         cmocka_unit_test(test_tool_calls_body),
         cmocka_unit_test(test_tool_calls_stream),
     };

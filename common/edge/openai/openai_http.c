@@ -79,9 +79,20 @@ static int sse_send(struct tdm_http_conn *c, char *json)
     return rc == TDM_OK ? TDM_OK : TDM_ECLOSED;
 }
 
+static int echo_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t i);
+
 // Writes choice i's pending text (and its finish once known), if any.
 static int flush_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t i)
 {
+    // Echo with logprobs: the prompt's chunk waits for its logprobs, which
+    // come with the first token; the choice's text waits for it.
+    if (k->req.echo && !k->choices[i].echo_sent) {
+        if (!tdm_oai_call_echo_ready(k, i))
+            return TDM_OK;
+        int rc = echo_choice(c, k, i);
+        if (rc != TDM_OK)
+            return rc;
+    }
     // --stream-interval N: the first token goes out at once (time to first
     // token), later ones N at a time, the rest with the finish.
     const struct tdm_oai_asm *a = &k->choices[i];
@@ -100,18 +111,27 @@ static int flush_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t 
     return rc;
 }
 
+// Completions with echo: the prompt's chunk (the generated tokens'
+// text_offset counts it).
+static int echo_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t i)
+{
+    char *json = NULL;
+    if (tdm_oai_call_echo_chunk(k, i, &json) != TDM_OK)
+        return TDM_ENOMEM;
+    k->choices[i].echo_sent = true; // also when the prompt's text is empty
+    return json ? sse_send(c, json) : TDM_OK;
+}
+
 // Choice i's first chunk: chat names the assistant role; completions with echo
-// send the prompt text (the generated tokens' text_offset counts it).
+// send the prompt text now, unless its logprobs are asked for (flush_choice
+// sends it with them).
 static int open_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t i)
 {
     if (k->req.kind == TDM_OAI_CHAT)
         return sse_send(c, tdm_oai_chat_role_chunk(&k->resp, k->choices[i].index));
-    if (!k->req.echo)
+    if (!k->req.echo || !tdm_oai_call_echo_ready(k, i))
         return TDM_OK;
-    char *json = NULL;
-    if (tdm_oai_call_echo_chunk(k, i, &json) != TDM_OK)
-        return TDM_ENOMEM;
-    return json ? sse_send(c, json) : TDM_OK;
+    return echo_choice(c, k, i);
 }
 
 int tdm_oai_http_stream(struct tdm_http_conn *c, struct tdm_oai_call *k, tdm_oai_pump_fn pump,

@@ -136,7 +136,6 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         {"functions", "use tools"},
         {"function_call", "use tool_choice"},
         {"use_beam_search", NULL},
-        {"prompt_logprobs", "no prompt logprobs"},
         {"allowed_token_ids", NULL},
         {"bad_words", NULL},
         {"truncate_prompt_tokens", NULL},
@@ -169,6 +168,8 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         const cJSON *echo = field(root, "echo");
         if (echo && !cJSON_IsFalse(echo))
             return not_supported(e, "echo", "chat echo");
+        if (!is_empty_value(field(root, "prompt_logprobs")))
+            return not_supported(e, "prompt_logprobs", "prompt logprobs are a completions field");
     }
     return TDM_OK;
 }
@@ -960,8 +961,30 @@ static int parse_logprobs_and_stop(const cJSON *root, struct tdm_oai_request *r,
     (void)m;
     if (parse_logprobs(root, r, e) != TDM_OK)
         return TDM_EINVAL;
-    if (r->echo && r->logprobs)
-        return not_supported(e, "echo", "echo with logprobs needs prompt logprobs");
+    // prompt_logprobs (completions; chat refused it above), as vLLM checks it.
+    int plp = 0, rc = r->kind == TDM_OAI_COMPLETION ? get_int(root, "prompt_logprobs", &plp, e) : 0;
+    if (rc < 0)
+        return TDM_EINVAL;
+    if (rc) {
+        if (r->stream && (plp > 0 || plp == -1))
+            return tdm_oai_seterr(e, 400, "prompt_logprobs",
+                                  "`prompt_logprobs` are not available when `stream=True`.");
+        if (plp < -1)
+            return tdm_oai_seterr(e, 400, "prompt_logprobs",
+                                  "`prompt_logprobs` must be a positive value or -1.");
+        int asked = plp == -1 && m && m->vocab_size > 0 ? m->vocab_size : plp;
+        if (plp == -1 || plp > TDM_MAX_LOGPROBS)
+            return tdm_oai_seterr(e, 400, "prompt_logprobs",
+                                  "Requested prompt logprobs of %d, which is greater than max "
+                                  "allowed: %d",
+                                  asked, TDM_MAX_LOGPROBS);
+        r->prompt_logprobs = plp;
+    }
+    // The prompt's logprobs come with the first generated token: echo
+    // without generation has none to give.
+    if (r->echo_only && (r->logprobs || r->prompt_logprobs >= 0))
+        return not_supported(e, r->logprobs ? "logprobs" : "prompt_logprobs",
+                             "prompt logprobs with max_tokens 0 (use max_tokens 1)");
     if (parse_stop(root, r, e) != TDM_OK)
         return fail_code(e);
     return TDM_OK;
@@ -1069,6 +1092,7 @@ int tdm_oai_request_parse(struct tdm_oai_request *req, enum tdm_oai_kind kind, c
 {
     memset(req, 0, sizeof *req);
     req->kind = kind;
+    req->prompt_logprobs = -1;
     tdm_sampling_params_default(&req->sampling);
     cJSON *root;
     int rc = parse_root(&root, json, len, e);

@@ -118,17 +118,22 @@ static bool add_completion_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
     cJSON *tops = cJSON_AddArrayToObject(lp, "top_logprobs");
     if (!offsets || !token_lps || !tokens || !tops)
         return false;
-    size_t offset = c->text_offset;
-    for (size_t i = 0; i < c->n_logprobs; i++) {
-        const struct tdm_oai_token_logprob *t = &c->logprobs[i];
+    // With echo the prompt's entries come first and the offsets run from 0
+    // through both (vLLM's single list of prompt and output tokens).
+    size_t offset = c->n_echo_logprobs > 0 ? 0 : c->text_offset;
+    for (size_t i = 0; i < c->n_echo_logprobs + c->n_logprobs; i++) {
+        bool echoed = i < c->n_echo_logprobs;
+        const struct tdm_oai_token_logprob *t =
+            echoed ? &c->echo_logprobs[i] : &c->logprobs[i - c->n_echo_logprobs];
+        int num_top = echoed && t->num_top > c->echo_top ? c->echo_top : t->num_top;
         char *tok = tdm_oai_utf8_dup(t->token ? t->token : "", t->token ? t->token_len : 0);
         if (!tok)
             return false;
         double v = isnan(t->logprob) || t->logprob < LOGPROB_FLOOR ? LOGPROB_FLOOR : t->logprob;
         cJSON *o = cJSON_CreateNumber((double)offset);
-        cJSON *l = cJSON_CreateNumber(v);
+        cJSON *l = t->no_logprob ? cJSON_CreateNull() : cJSON_CreateNumber(v);
         cJSON *s = cJSON_CreateString(tok);
-        cJSON *top = cJSON_CreateObject();
+        cJSON *top = t->no_logprob ? cJSON_CreateNull() : cJSON_CreateObject();
         bool ok = o && l && s && top;
         if (ok) {
             cJSON_AddItemToArray(offsets, o);
@@ -143,17 +148,17 @@ static bool add_completion_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
         }
         // The top dict holds the alternatives and the sampled token; pieces that
         // decode to the same text share a key (a Python dict keeps one).
-        for (int k = 0; ok && k <= t->num_top; k++) {
-            const char *piece = k < t->num_top ? t->top[k].token : t->token;
-            size_t plen = k < t->num_top ? t->top[k].token_len : t->token_len;
-            float plp = k < t->num_top ? t->top[k].logprob : t->logprob;
+        for (int k = 0; ok && !t->no_logprob && k <= num_top; k++) {
+            const char *piece = k < num_top ? t->top[k].token : t->token;
+            size_t plen = k < num_top ? t->top[k].token_len : t->token_len;
+            float plp = k < num_top ? t->top[k].logprob : t->logprob;
             char *key = tdm_oai_utf8_dup(piece ? piece : "", piece ? plen : 0);
             if (!key) {
                 ok = false;
                 break;
             }
             bool seen = cJSON_GetObjectItemCaseSensitive(top, key) != NULL;
-            if (!(k == t->num_top && seen)) {
+            if (!(k == num_top && seen)) {
                 double pv = isnan(plp) || plp < LOGPROB_FLOOR ? LOGPROB_FLOOR : plp;
                 cJSON *num = cJSON_CreateNumber(pv);
                 if (!num)
@@ -218,6 +223,47 @@ static bool add_chat_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
             if (!add_chat_token(alt, t->top[k].token, t->top[k].token_len, t->top[k].logprob))
                 return false;
         }
+    }
+    return true;
+}
+
+// vLLM's prompt_logprobs: [null, {"<id>": {"logprob", "rank", "decoded_token"},
+// ...}, ...]: per prompt token after the first, the token itself, then its
+// top alternatives (ranks 1..N; the token is not repeated among them).
+static bool add_prompt_logprob(cJSON *dict, int32_t id, float lp, int rank, const char *text,
+                               size_t len)
+{
+    char key[16];
+    snprintf(key, sizeof key, "%d", (int)id);
+    if (cJSON_GetObjectItemCaseSensitive(dict, key) != NULL)
+        return true;
+    cJSON *o = cJSON_AddObjectToObject(dict, key);
+    return o && add_logprob(o, "logprob", lp) && cJSON_AddNumberToObject(o, "rank", rank) &&
+           add_text(o, "decoded_token", text, len);
+}
+
+static bool add_prompt_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
+{
+    cJSON *arr = cJSON_AddArrayToObject(obj, "prompt_logprobs");
+    if (!arr)
+        return false;
+    for (size_t i = 0; i < c->n_prompt_logprobs; i++) {
+        const struct tdm_oai_token_logprob *t = &c->prompt_logprobs[i];
+        cJSON *dict = t->no_logprob ? cJSON_CreateNull() : cJSON_CreateObject();
+        if (!dict || !cJSON_AddItemToArray(arr, dict)) {
+            cJSON_Delete(dict);
+            return false;
+        }
+        if (t->no_logprob)
+            continue;
+        if (!add_prompt_logprob(dict, t->id, t->logprob, c->prompt_ranks[i], t->token,
+                                t->token_len))
+            return false;
+        int num_top = t->num_top < c->prompt_top ? t->num_top : c->prompt_top;
+        for (int k = 0; k < num_top; k++)
+            if (!add_prompt_logprob(dict, t->top[k].id, t->top[k].logprob, k + 1, t->top[k].token,
+                                    t->top[k].token_len))
+                return false;
     }
     return true;
 }
@@ -325,6 +371,8 @@ static bool add_choice(cJSON *choices, enum tdm_oai_kind kind, bool stream,
         return false;
     if (c->token_ids && !add_ids(o, "token_ids", c->token_ids, c->n_token_ids))
         return false;
+    if (c->prompt_logprobs && !add_prompt_logprobs(o, c))
+        return false;
     if (c->prompt_token_ids &&
         !add_ids(o, "prompt_token_ids", c->prompt_token_ids, c->n_prompt_token_ids))
         return false;
@@ -407,7 +455,7 @@ static void out_text(struct tdm_strbuf *b, const char *s, size_t len)
 static bool chunk_is_plain(const struct tdm_oai_choice *c)
 {
     return !c->has_logprobs && !c->token_ids && !c->prompt_token_ids && c->n_tool_deltas == 0 &&
-           !c->content_null;
+           !c->prompt_logprobs && !c->content_null;
 }
 
 // cJSON prints a number whose value fits an int with %d and others with

@@ -369,14 +369,25 @@ static void test_validation_errors(void **state)
                  "Input should be a valid number");
     expect_error(C, "{\"prompt\":\"x\",\"logit_bias\":[1]}", 400, "logit_bias",
                  "Input should be a valid dictionary");
-    expect_error(C, "{\"prompt\":\"x\",\"echo\":true,\"logprobs\":1}", 400, "echo",
-                 "not supported");
+    // Prompt logprobs as vLLM checks them; echo without generation has none.
+    expect_error(C, "{\"prompt\":\"x\",\"prompt_logprobs\":1,\"stream\":true}", 400,
+                 "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.");
+    expect_error(C, "{\"prompt\":\"x\",\"prompt_logprobs\":-2}", 400, "prompt_logprobs",
+                 "`prompt_logprobs` must be a positive value or -1.");
+    expect_error(C, "{\"prompt\":\"x\",\"prompt_logprobs\":21}", 400, "prompt_logprobs",
+                 "Requested prompt logprobs of 21, which is greater than max allowed: 20");
+    expect_error(C, "{\"prompt\":\"x\",\"prompt_logprobs\":-1}", 400, "prompt_logprobs",
+                 "Requested prompt logprobs of 1000, which is greater than max allowed: 20");
+    expect_error(C, "{\"prompt\":\"x\",\"prompt_logprobs\":\"2\"}", 400, "prompt_logprobs",
+                 "integer");
+    expect_error(C, "{\"prompt\":\"x\",\"echo\":true,\"max_tokens\":0,\"logprobs\":1}", 400,
+                 "logprobs", "use max_tokens 1");
+    expect_error(C, "{\"prompt\":\"x\",\"echo\":true,\"max_tokens\":0,\"prompt_logprobs\":0}", 400,
+                 "prompt_logprobs", "use max_tokens 1");
     // Features vLLM has and Tandem does not: refused, not ignored.
     expect_error(C, "{\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "suffix",
                  "suffix is not supported");
     expect_error(C, "{\"prompt\":\"x\",\"use_beam_search\":true}", 400, "use_beam_search",
-                 "not supported");
-    expect_error(C, "{\"prompt\":\"x\",\"prompt_logprobs\":1}", 400, "prompt_logprobs",
                  "not supported");
     expect_error(C, "{\"prompt\":\"x\",\"allowed_token_ids\":[1]}", 400, "allowed_token_ids",
                  "not supported");
@@ -400,6 +411,34 @@ static void test_unsupported_noop_values_accepted(void **state)
         }
         tdm_oai_request_fini(&r);
     }
+}
+
+// prompt_logprobs and echo with logprobs are accepted (completions): the
+// request keeps the count; echo with logprobs keeps its logprobs.
+static void test_prompt_logprobs_accepted(void **state)
+{
+    (void)state;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION, "{\"prompt\":\"x\"}", &e), TDM_OK);
+    assert_int_equal(r.prompt_logprobs, -1);
+    tdm_oai_request_fini(&r);
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"prompt_logprobs\":3}", &e),
+                     TDM_OK);
+    assert_int_equal(r.prompt_logprobs, 3);
+    tdm_oai_request_fini(&r);
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"x\",\"prompt_logprobs\":0,\"stream\":true}", &e),
+                     TDM_OK);
+    assert_int_equal(r.prompt_logprobs, 0);
+    tdm_oai_request_fini(&r);
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"x\",\"echo\":true,\"logprobs\":2,\"max_tokens\":1}", &e),
+                     TDM_OK);
+    assert_true(r.echo && r.logprobs);
+    assert_int_equal(r.top_logprobs, 2);
+    assert_int_equal(r.prompt_logprobs, -1);
+    tdm_oai_request_fini(&r);
 }
 
 // ---- structured outputs ------------------------------------------------------------------
@@ -785,6 +824,8 @@ static void test_chat_request(void **state)
         400, "tool_choice", "When using `tool_choice`, `tools` must be set.");
     expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"echo\":true}", 400,
                  "echo", "not supported");
+    expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"prompt_logprobs\":1}",
+                 400, "prompt_logprobs", "not supported");
     expect_error(
         K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"max_completion_tokens\":0}",
         400, "max_completion_tokens", "max_tokens must be at least 1, got 0.");
@@ -1301,6 +1342,7 @@ int main(void)
         cmocka_unit_test(test_prompt_forms),
         cmocka_unit_test(test_validation_errors),
         cmocka_unit_test(test_unsupported_noop_values_accepted),
+        cmocka_unit_test(test_prompt_logprobs_accepted),
         cmocka_unit_test(test_echo_without_generation),
         cmocka_unit_test(test_generation_config_defaults),
         cmocka_unit_test(test_max_tokens_resolution),

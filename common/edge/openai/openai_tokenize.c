@@ -179,6 +179,7 @@ int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oa
 void tdm_oai_prompts_free(struct tdm_oai_tokenized_prompt *p, size_t n)
 {
     for (size_t i = 0; p && i < n; i++) {
+        tdm_oai_prompt_lp_free(&p[i]);
         free(p[i].ids);
         free(p[i].text);
     }
