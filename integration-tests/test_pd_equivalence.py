@@ -71,6 +71,14 @@ def check_prompt_logprobs(cl):
           all(close(x, y) for x, y in zip(first["logprobs"]["token_logprobs"],
                                           la["token_logprobs"][:n_prompt])),
           "stream: the prompt's entries differ")
+    # echo without generation (max_tokens 0): the prompt alone with its
+    # entries (one token generated for them and dropped, as vLLM).
+    st, _, z = post(cl.router_port, "/v1/completions", dict(ask, max_tokens=0))
+    check(st == 200, "echo max_tokens 0 + logprobs: %d %s" % (st, z))
+    lz = z["choices"][0]["logprobs"]
+    check(z["choices"][0]["text"] == prompt and lz["tokens"] == la["tokens"][:n_prompt] and
+          all(close(x, y) for x, y in zip(lz["token_logprobs"], la["token_logprobs"])),
+          "echo max_tokens 0: %s" % z["choices"][0])
     # Refused as vLLM refuses them.
     st, _, e = post(cl.router_port, "/v1/completions",
                     dict(prompt=prompt, prompt_logprobs=1, stream=True))

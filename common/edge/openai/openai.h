@@ -129,6 +129,9 @@ struct tdm_oai_request {
                              // completions default 16; chat -1 = not given
     bool echo_only;          // completions echo with max_tokens 0: return the prompt
                              // only, generate nothing
+    bool echo_prompt_only;   // the same with logprobs or prompt_logprobs: as vLLM, one
+                             // token is generated (max_tokens 1) for the prompt's
+                             // logprobs and counted in usage, but not returned
     int n;                   // choices per prompt, 1..TDM_OAI_MAX_N
     bool stream;
     bool include_usage;           // stream_options.include_usage

@@ -301,6 +301,8 @@ int tdm_oai_asm_token(struct tdm_oai_asm *a, int32_t id, float logprob,
     if (a->done)
         return TDM_OK;
     a->completion_tokens++;
+    if (rq->echo_prompt_only)
+        return TDM_OK; // generated for the prompt's logprobs only
     if (rq->logprobs && lps_add(a, id, logprob, top, num_top) != TDM_OK)
         return TDM_ENOMEM;
     if (rq->return_token_ids) {

@@ -981,10 +981,12 @@ static int parse_logprobs_and_stop(const cJSON *root, struct tdm_oai_request *r,
         r->prompt_logprobs = plp;
     }
     // The prompt's logprobs come with the first generated token: echo
-    // without generation has none to give.
-    if (r->echo_only && (r->logprobs || r->prompt_logprobs >= 0))
-        return not_supported(e, r->logprobs ? "logprobs" : "prompt_logprobs",
-                             "prompt logprobs with max_tokens 0 (use max_tokens 1)");
+    // without generation generates one and drops it (vLLM).
+    if (r->echo_only && (r->logprobs || r->prompt_logprobs >= 0)) {
+        r->echo_only = false;
+        r->echo_prompt_only = true;
+        r->max_tokens = 1;
+    }
     if (parse_stop(root, r, e) != TDM_OK)
         return fail_code(e);
     return TDM_OK;

@@ -380,10 +380,6 @@ static void test_validation_errors(void **state)
                  "Requested prompt logprobs of 1000, which is greater than max allowed: 20");
     expect_error(C, "{\"prompt\":\"x\",\"prompt_logprobs\":\"2\"}", 400, "prompt_logprobs",
                  "integer");
-    expect_error(C, "{\"prompt\":\"x\",\"echo\":true,\"max_tokens\":0,\"logprobs\":1}", 400,
-                 "logprobs", "use max_tokens 1");
-    expect_error(C, "{\"prompt\":\"x\",\"echo\":true,\"max_tokens\":0,\"prompt_logprobs\":0}", 400,
-                 "prompt_logprobs", "use max_tokens 1");
     // Features vLLM has and Tandem does not: refused, not ignored.
     expect_error(C, "{\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "suffix",
                  "suffix is not supported");
@@ -438,6 +434,20 @@ static void test_prompt_logprobs_accepted(void **state)
     assert_true(r.echo && r.logprobs);
     assert_int_equal(r.top_logprobs, 2);
     assert_int_equal(r.prompt_logprobs, -1);
+    assert_false(r.echo_prompt_only);
+    tdm_oai_request_fini(&r);
+    // echo with max_tokens 0: the prompt alone, or with its logprobs one
+    // token generated for them (vLLM).
+    assert_int_equal(
+        parse(&r, TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"echo\":true,\"max_tokens\":0}", &e),
+        TDM_OK);
+    assert_true(r.echo_only && !r.echo_prompt_only);
+    tdm_oai_request_fini(&r);
+    assert_int_equal(parse(&r, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"x\",\"echo\":true,\"max_tokens\":0,\"logprobs\":1}", &e),
+                     TDM_OK);
+    assert_true(!r.echo_only && r.echo_prompt_only);
+    assert_int_equal(r.max_tokens, 1);
     tdm_oai_request_fini(&r);
 }
 
