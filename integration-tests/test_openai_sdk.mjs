@@ -53,6 +53,20 @@ async function completions() {
     if (ch.finish_reason === 'length')
         assert.equal(c.usage.completion_tokens, 16, 'length after max_tokens');
 
+    // A loglikelihood request as lm-evaluation-harness sends it: the prompt
+    // echoed with every token's logprob (the first has none).
+    const ll = await client.completions.create(
+        { model, prompt: 'The capital of France is Paris', max_tokens: 1, temperature: 0,
+          echo: true, logprobs: 1 });
+    const lc = ll.choices[0];
+    assert.ok(lc.text.startsWith('The capital of France is Paris'), `echo text ${lc.text}`);
+    const tl = lc.logprobs.token_logprobs;
+    assert.equal(tl.length, ll.usage.prompt_tokens + 1, 'one entry per prompt token + 1');
+    assert.equal(tl[0], null, 'the first prompt token has no logprob');
+    assert.equal(lc.logprobs.top_logprobs[0], null);
+    assert.ok(tl.slice(1).every((x) => typeof x === 'number' && x <= 0), `logprobs ${tl}`);
+    assert.equal(lc.logprobs.text_offset[0], 0);
+
     const stream = await client.completions.create(
         { ...req, stream: true, stream_options: { include_usage: true } });
     let text = '', finish = null, usage = null, id = null, chunks = 0;
