@@ -242,6 +242,31 @@ struct phases {
     const char *prefilled_by; // "" = local
 };
 
+// The wire's repeated TopLogprob of src[total]: the messages and the
+// pointers to them (both heap; freed by the caller). TDM_OK / TDM_ENOMEM
+// (nothing allocated).
+static int wire_tops(const struct tdm_token_logprob *src, size_t total, Tandem__TopLogprob **tops,
+                     Tandem__TopLogprob ***ptrs)
+{
+    *tops = calloc(total, sizeof **tops);
+    *ptrs = calloc(total, sizeof **ptrs);
+    if (*tops == NULL || *ptrs == NULL) {
+        free(*tops);
+        free(*ptrs);
+        *tops = NULL;
+        *ptrs = NULL;
+        return TDM_ENOMEM;
+    }
+    Tandem__TopLogprob init = TANDEM__TOP_LOGPROB__INIT;
+    for (size_t i = 0; i < total; i++) {
+        (*tops)[i] = init;
+        (*tops)[i].token = src[i].token;
+        (*tops)[i].logprob = src[i].logprob;
+        (*ptrs)[i] = &(*tops)[i];
+    }
+    return TDM_OK;
+}
+
 // Sends one chunk (TDM_OK, or the transport's error with err). TDM_EBUSY:
 // the router is connected but took none of it within send_timeout (its
 // reader is behind): nothing of it went out, so it may be sent again
@@ -275,24 +300,15 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
     }
     if (nt > 0 && c->n > 0) {
         size_t total = (size_t)c->n * (size_t)nt;
-        tops = calloc(total, sizeof *tops);
-        top_ptr = calloc(total, sizeof *top_ptr);
-        if (tops == NULL || top_ptr == NULL) {
+        if (wire_tops(c->top, total, &tops, &top_ptr) != TDM_OK) {
             free(lps);
-            free(tops);
-            free(top_ptr);
             return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
         }
-        Tandem__TopLogprob init = TANDEM__TOP_LOGPROB__INIT;
-        for (size_t i = 0; i < total; i++) {
-            tops[i] = init;
-            tops[i].token = c->top[i].token;
-            tops[i].logprob = c->top[i].logprob;
-            if (first && c->first_index == 0 && i < (size_t)nt && i < first->n_top) {
-                tops[i].token = first->top[i]->token;
-                tops[i].logprob = first->top[i]->logprob;
-            }
-            top_ptr[i] = &tops[i];
+        // Output 0 of an imported request: the prefill worker's alternatives.
+        for (size_t i = 0; first && c->first_index == 0 && i < (size_t)nt && i < first->n_top;
+             i++) {
+            tops[i].token = first->top[i]->token;
+            tops[i].logprob = first->top[i]->logprob;
         }
         m.num_top = nt;
         m.n_top = total;
@@ -311,24 +327,11 @@ static int send_chunk(struct djob *j, const struct tdm_engine_chunk *c, const st
     Tandem__TopLogprob *ptops = NULL, **ptop_ptr = NULL;
     if (pl && pl->n > 0) {
         size_t total = (size_t)pl->n * (size_t)pl->num_top;
-        if (total > 0) {
-            ptops = calloc(total, sizeof *ptops);
-            ptop_ptr = calloc(total, sizeof *ptop_ptr);
-            if (ptops == NULL || ptop_ptr == NULL) {
-                free(lps);
-                free(tops);
-                free(top_ptr);
-                free(ptops);
-                free(ptop_ptr);
-                return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
-            }
-            Tandem__TopLogprob init = TANDEM__TOP_LOGPROB__INIT;
-            for (size_t i = 0; i < total; i++) {
-                ptops[i] = init;
-                ptops[i].token = pl->top[i].token;
-                ptops[i].logprob = pl->top[i].logprob;
-                ptop_ptr[i] = &ptops[i];
-            }
+        if (total > 0 && wire_tops(pl->top, total, &ptops, &ptop_ptr) != TDM_OK) {
+            free(lps);
+            free(tops);
+            free(top_ptr);
+            return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
         }
         m.n_prompt_logprobs = (size_t)pl->n;
         m.prompt_logprobs = (float *)pl->logprob;

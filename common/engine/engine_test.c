@@ -2418,6 +2418,64 @@ static void prompt_lp_reference(struct tdm_model *m, const int32_t *prompt, int 
     tdm_kv_free(kv);
 }
 
+// A request for prompt[0 .. np) asking its prompt's logprobs with their top 3.
+static struct tdm_engine_request *submit_plp(struct tdm_engine *e, const int32_t *prompt, int np,
+                                             const struct tdm_sampling_params *sp, int max_tokens)
+{
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    char err[256];
+    tdm_engine_request_params_default(&p);
+    p.id = "plp";
+    p.prompt = prompt;
+    p.n_prompt = np;
+    p.sampling = *sp;
+    p.max_tokens = max_tokens;
+    p.want_prompt_logprobs = true;
+    p.prompt_top_logprobs = 3;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
+    return r;
+}
+
+// Reads r's stream to the finish into got[cap] (returns the count): its first
+// chunk carries the prompt logprobs, equal to the reference (lp within
+// LP_TOL, ranks and top 3 ids exact), and no other chunk does.
+static int read_plp(struct tdm_engine_request *r, int np, const float *ref_lp,
+                    const int32_t *ref_rank, int32_t (*ref_top)[3], int32_t *got, int cap)
+{
+    struct tdm_engine_chunk ch;
+    int n = 0;
+    bool seen = false;
+    for (bool fin = false; !fin;) {
+        assert_int_equal(tdm_engine_stream_next(r, WAIT_S, &ch), TDM_OK);
+        const struct tdm_prompt_logprobs *pl = ch.prompt_logprobs;
+        if (ch.first_index == 0 && ch.n > 0) {
+            assert_non_null(pl);
+            seen = true;
+            assert_int_equal(pl->n, np);
+            assert_int_equal(pl->num_top, 3);
+            assert_int_equal(ch.num_cached_tokens, 0);
+            for (int i = 1; i < np; i++) {
+                if (fabsf(pl->logprob[i] - ref_lp[i]) > LP_TOL)
+                    fail_msg("position %d: logprob %g, reference %g", i, pl->logprob[i], ref_lp[i]);
+                assert_int_equal(pl->rank[i], ref_rank[i]);
+                for (int j = 0; j < 3; j++)
+                    assert_int_equal(pl->top[(size_t)i * 3 + (size_t)j].token, ref_top[i][j]);
+                assert_true(pl->top[(size_t)i * 3].logprob >= pl->logprob[i]);
+            }
+        } else {
+            assert_null(pl);
+        }
+        for (int i = 0; i < ch.n; i++) {
+            assert_true(n < cap);
+            got[n++] = ch.tokens[i];
+        }
+        fin = ch.finished;
+    }
+    assert_true(seen);
+    return n;
+}
+
 // A request's prompt logprobs (vLLM's prompt_logprobs): every prompt token's
 // logprob, rank and top 3 as one forward of the whole prompt gives them,
 // with the first token's chunk, whatever the chunks (a budget of 24 tokens,
@@ -2444,51 +2502,11 @@ static void test_prompt_logprobs(void **state)
     collect(warm, got, MT, &cw, 0);
     tdm_engine_request_release(warm);
 
-    struct tdm_engine_request_params p;
-    char err[256];
-    struct tdm_engine_request *r[2] = {NULL, NULL};
+    struct tdm_engine_request *r[2];
+    for (int k = 0; k < 2; k++)
+        r[k] = submit_plp(e, prompt, NP, &sp, MT);
     for (int k = 0; k < 2; k++) {
-        tdm_engine_request_params_default(&p);
-        p.id = "plp";
-        p.prompt = prompt;
-        p.n_prompt = NP;
-        p.sampling = sp;
-        p.max_tokens = MT;
-        p.want_prompt_logprobs = true;
-        p.prompt_top_logprobs = 3;
-        assert_int_equal(tdm_engine_submit(e, &p, &r[k], err, sizeof err), TDM_OK);
-    }
-    for (int k = 0; k < 2; k++) {
-        struct tdm_engine_chunk ch;
-        int n = 0;
-        bool seen = false;
-        for (bool fin = false; !fin;) {
-            assert_int_equal(tdm_engine_stream_next(r[k], WAIT_S, &ch), TDM_OK);
-            if (ch.first_index == 0 && ch.n > 0) {
-                const struct tdm_prompt_logprobs *pl = ch.prompt_logprobs;
-                assert_non_null(pl);
-                seen = true;
-                assert_int_equal(pl->n, NP);
-                assert_int_equal(pl->num_top, 3);
-                assert_int_equal(ch.num_cached_tokens, 0);
-                for (int i = 1; i < NP; i++) {
-                    if (fabsf(pl->logprob[i] - ref_lp[i]) > LP_TOL)
-                        fail_msg("position %d: logprob %g, reference %g", i, pl->logprob[i],
-                                 ref_lp[i]);
-                    assert_int_equal(pl->rank[i], ref_rank[i]);
-                    for (int j = 0; j < 3; j++)
-                        assert_int_equal(pl->top[(size_t)i * 3 + (size_t)j].token, ref_top[i][j]);
-                    assert_true(pl->top[(size_t)i * 3].logprob >= pl->logprob[i]);
-                }
-            } else {
-                assert_null(ch.prompt_logprobs);
-            }
-            for (int i = 0; i < ch.n; i++)
-                got[n++] = ch.tokens[i];
-            fin = ch.finished;
-        }
-        assert_true(seen);
-        assert_int_equal(n, MT);
+        assert_int_equal(read_plp(r[k], NP, ref_lp, ref_rank, ref_top, got, MT), MT);
         assert_memory_equal(got, ref, sizeof ref);
         tdm_engine_request_release(r[k]);
     }
@@ -2500,6 +2518,8 @@ static void test_prompt_logprobs(void **state)
     assert_true(ch.num_cached_tokens > 0);
     tdm_engine_request_release(plain);
     // Refused: a top count past 20, resumed output, a prefill-only request.
+    struct tdm_engine_request_params p;
+    char err[256];
     struct tdm_engine_request *bad = NULL;
     tdm_engine_request_params_default(&p);
     p.prompt = prompt;
@@ -2544,37 +2564,8 @@ static void test_device_prompt_logprobs(void **state)
     struct tdm_engine_request *r0 = submit(e, p0, 12, &sp0, MT0);
     struct collected c0 = {0};
     collect(r0, got0, MT0, &c0, 4); // decoding now
-    struct tdm_engine_request_params p;
-    char err[256];
-    struct tdm_engine_request *r = NULL;
-    tdm_engine_request_params_default(&p);
-    p.id = "plp";
-    p.prompt = prompt;
-    p.n_prompt = NP;
-    p.sampling = sp;
-    p.max_tokens = MT;
-    p.want_prompt_logprobs = true;
-    p.prompt_top_logprobs = 3;
-    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
-    struct tdm_engine_chunk ch;
-    int n = 0;
-    for (bool fin = false; !fin;) {
-        assert_int_equal(tdm_engine_stream_next(r, WAIT_S, &ch), TDM_OK);
-        if (ch.first_index == 0 && ch.n > 0) {
-            const struct tdm_prompt_logprobs *pl = ch.prompt_logprobs;
-            assert_non_null(pl);
-            for (int i = 1; i < NP; i++) {
-                if (fabsf(pl->logprob[i] - ref_lp[i]) > LP_TOL)
-                    fail_msg("position %d: logprob %g, reference %g", i, pl->logprob[i], ref_lp[i]);
-                assert_int_equal(pl->rank[i], ref_rank[i]);
-                assert_int_equal(pl->top[(size_t)i * 3].token, ref_top[i][0]);
-            }
-        }
-        for (int i = 0; i < ch.n; i++)
-            got[n++] = ch.tokens[i];
-        fin = ch.finished;
-    }
-    assert_int_equal(n, MT);
+    struct tdm_engine_request *r = submit_plp(e, prompt, NP, &sp, MT);
+    assert_int_equal(read_plp(r, NP, ref_lp, ref_rank, ref_top, got, MT), MT);
     assert_memory_equal(got, ref, sizeof ref);
     collect(r0, got0, MT0, &c0, 0);
     assert_int_equal(c0.n, MT0);
