@@ -159,6 +159,14 @@ struct tdm_engine_request {
     int import_first_block, import_num_blocks;
 };
 
+// A prompt logprob to compute: prompt token pos of r from the logits row
+// before it.
+struct plp_row {
+    struct tdm_engine_request *r;
+    int pos;
+    const float *row;
+};
+
 struct sched_item {
     struct tdm_engine_request *r;
     int start; // the position of its first row (the request's computed, or past
@@ -262,8 +270,12 @@ struct tdm_engine {
     int draft_rows, draft_rows_left;
     // Prompt logprobs: e->logits grows by plp_rows rows at the first such
     // request (0 until then); a step's prompt-logprob chunks take at most
-    // that many rows together (plp_rows_left).
+    // that many rows together (plp_rows_left). Their rows' logprobs are
+    // computed on the backend's host threads, prow_next handing them out.
     int plp_rows, plp_rows_left;
+    struct plp_row *prow; // [plp_rows]
+    int n_prow;
+    atomic_int prow_next;
     int32_t spec_out[TDM_SPEC_MAX_TOKENS + 1];
     struct tdm_sample_result *spec_res; // [num_speculative_tokens + 1]; NULL when off
     // Verification rows drawn on the device ([max_num_seqs + draft_rows] each,
@@ -347,9 +359,13 @@ static int blocks_for(const struct tdm_engine *e, int tokens)
     return (tokens + e->cfg.block_size - 1) / e->cfg.block_size;
 }
 
-// Prompt logprobs (engine.h): rows of e->logits kept for them, as a step's
-// budget; each costs vocab floats (0.6 MB for Qwen2.5's vocabulary).
-#define ENGINE_PLP_ROWS 32
+// Prompt logprobs (engine.h): the host memory kept for their rows when
+// cfg.prompt_logprob_rows is 0; each row costs vocab floats (0.6 MB for
+// Qwen2.5's vocabulary). Fewer rows mean smaller prompt chunks for such
+// requests, each step reading the weights again: with 32 rows a 1024-token
+// prompt took 3.2x its plain prefill on the Qwen2.5-0.5B shape.
+#define ENGINE_PLP_BYTES ((size_t)128 << 20)
+#define ENGINE_PLP_MIN_ROWS 32
 
 static bool plp_pending(const struct tdm_engine_request *r)
 {
@@ -907,12 +923,17 @@ static bool plp_rows_ready(struct tdm_engine *e)
 {
     if (e->plp_rows > 0)
         return true;
-    size_t rows = (size_t)e->cfg.max_num_seqs + (size_t)e->draft_rows + ENGINE_PLP_ROWS;
-    float *l = realloc(e->logits, rows * (size_t)e->vocab * sizeof(float));
-    if (l == NULL)
+    int n = e->cfg.prompt_logprob_rows;
+    size_t rows = (size_t)e->cfg.max_num_seqs + (size_t)e->draft_rows + (size_t)n;
+    struct plp_row *pr = calloc((size_t)n, sizeof *pr);
+    float *l = pr ? realloc(e->logits, rows * (size_t)e->vocab * sizeof(float)) : NULL;
+    if (l == NULL) {
+        free(pr);
         return false;
+    }
     e->logits = l;
-    e->plp_rows = e->plp_rows_left = ENGINE_PLP_ROWS;
+    e->prow = pr;
+    e->plp_rows = e->plp_rows_left = n;
     return true;
 }
 
@@ -1671,29 +1692,58 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
     return rc;
 }
 
-// Prompt logprobs from a chunk's rows (TDM_LOGITS_ALL): row j is the
-// distribution after position it->start + j, so prompt token
-// it->start + j + 1's. Positions filled before a preemption are not written
+// Prompt logprobs from a chunk's rows (TDM_LOGITS_ALL), queued: row j is
+// the distribution after position it->start + j, so prompt token
+// it->start + j + 1's. Positions filled before a preemption are not queued
 // again (the same values: a row's logits do not depend on its chunk).
+// plp_run computes them before the step's tokens go out.
 static void plp_from_rows(struct tdm_engine *e, struct tdm_engine_request *r,
                           const struct sched_item *it, const float *rows)
 {
-    struct tdm_sample_result res;
     for (int j = 0; j < it->take; j++) {
         int p = it->start + j + 1;
         if (p >= r->n_prompt)
             break;
         if (p < r->plp_done)
             continue;
-        memset(&res, 0, sizeof res);
-        tdm_logprobs_of_row(rows + (size_t)j * (size_t)e->vocab, e->vocab, r->hist[p], r->plp_top,
-                            &res, &r->plp_rank[p]);
-        r->plp[p] = res.logprob;
-        if (r->plp_top > 0)
-            memcpy(r->plp_tops + (size_t)p * (size_t)r->plp_top, res.top,
-                   (size_t)r->plp_top * sizeof *res.top);
+        e->prow[e->n_prow++] = (struct plp_row){r, p, rows + (size_t)j * (size_t)e->vocab};
         r->plp_done = p + 1;
     }
+}
+
+static void plp_task(void *arg, int tid, int nthreads)
+{
+    struct tdm_engine *e = arg;
+    (void)tid, (void)nthreads;
+    struct tdm_sample_result res;
+    for (;;) {
+        int i = atomic_fetch_add(&e->prow_next, 1);
+        if (i >= e->n_prow)
+            return;
+        const struct plp_row *q = &e->prow[i];
+        struct tdm_engine_request *r = q->r;
+        memset(&res, 0, sizeof res);
+        tdm_logprobs_of_row(q->row, e->vocab, r->hist[q->pos], r->plp_top, &res,
+                            &r->plp_rank[q->pos]);
+        r->plp[q->pos] = res.logprob;
+        if (r->plp_top > 0)
+            memcpy(r->plp_tops + (size_t)q->pos * (size_t)r->plp_top, res.top,
+                   (size_t)r->plp_top * sizeof *res.top);
+    }
+}
+
+// The queued prompt logprobs, on the backend's host threads when there are
+// enough (each row is its own, written to its own position).
+static void plp_run(struct tdm_engine *e)
+{
+    if (e->n_prow == 0)
+        return;
+    atomic_store(&e->prow_next, 0);
+    if (e->n_prow >= 2)
+        tdm_model_host_parallel(e->model, plp_task, e);
+    else
+        plp_task(e, 0, 1);
+    e->n_prow = 0;
 }
 
 // Takes a step's results (items[0 .. n_items), rc: its forward's result,
@@ -1783,6 +1833,7 @@ static void step_results(struct tdm_engine *e, struct sched_item *items, int n_i
         }
         e->sjobs[e->n_sjobs++] = (struct sample_job){.r = r, .row = lrow};
     }
+    plp_run(e); // before any token of theirs goes out
     sample_rows(e, now);
     for (int b = 0; b < n_items; b++)
         req_unref(items[b].r);
@@ -2232,6 +2283,18 @@ static int engine_config_check(struct tdm_engine_config *cfg, struct tdm_model *
     // tail of the running set would starve (vLLM requires the same).
     if (cfg->max_num_seqs > cfg->max_num_batched_tokens)
         cfg->max_num_seqs = cfg->max_num_batched_tokens;
+    if (cfg->prompt_logprob_rows < 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "engine: prompt_logprob_rows must be >= 0, got %d",
+                          cfg->prompt_logprob_rows);
+    if (cfg->prompt_logprob_rows == 0) {
+        size_t rows = ENGINE_PLP_BYTES / ((size_t)mc->vocab_size * sizeof(float));
+        cfg->prompt_logprob_rows = rows < ENGINE_PLP_MIN_ROWS ? ENGINE_PLP_MIN_ROWS
+                                   : rows > (size_t)INT32_MAX ? INT32_MAX
+                                                              : (int)rows;
+    }
+    if (cfg->prompt_logprob_rows > cfg->max_num_batched_tokens)
+        cfg->prompt_logprob_rows = cfg->max_num_batched_tokens;
     return TDM_OK;
 }
 
@@ -2308,6 +2371,7 @@ static void engine_free_arrays(struct tdm_engine *e)
     free(e->fl_items);
     free(e->batch);
     free(e->logits);
+    free(e->prow);
     free(e->adj);
     free(e->list_free);
     free(e->allow);

@@ -53,6 +53,11 @@ struct tdm_engine_config {
     int max_model_len;                // prompt + generated tokens; 0 = the model's context
     int max_waiting;                  // bounded waiting queue: submit returns TDM_EBUSY when this
                                       // many requests wait; default 1024
+    int prompt_logprob_rows;          // prompt rows a step computes with their logits for
+                                      // requests asking prompt logprobs (their chunks), kept
+                                      // on the host at the first such request; 0 = as many
+                                      // as 128 MiB hold (220 for a 151 936 vocabulary), at
+                                      // least 32; capped by max_num_batched_tokens
     struct tdm_metrics_vllm *metrics; // vLLM metric handles to update; NULL = none
     // tandem:num_prompt_tokens_waiting (stats.num_prompt_tokens_waiting) to
     // update; NULL = none
@@ -183,8 +188,8 @@ struct tdm_engine_request_params {
     // and the top prompt_top_logprobs (0..TDM_MAX_LOGPROBS) alternatives,
     // from the raw logits (struct tdm_prompt_logprobs), delivered with the
     // first token. GENERATE requests without n_resume only. Every prompt row
-    // is then computed with its logits (no prefix-cache hit), at most 32 such
-    // rows a step across requests.
+    // is then computed with its logits (no prefix-cache hit), at most
+    // cfg.prompt_logprob_rows such rows a step across requests.
     bool want_prompt_logprobs;
     int prompt_top_logprobs;
     int max_tokens;         // tokens to generate at most; 0 = up to the context. Generation

@@ -2479,7 +2479,7 @@ static int read_plp(struct tdm_engine_request *r, int np, const float *ref_lp,
 // A request's prompt logprobs (vLLM's prompt_logprobs): every prompt token's
 // logprob, rank and top 3 as one forward of the whole prompt gives them,
 // with the first token's chunk, whatever the chunks (a budget of 24 tokens,
-// two such requests sharing a step's 32 rows), although the same prompt sits
+// two such requests sharing a step's 16 prompt-logprob rows), although the same prompt sits
 // in the prefix cache (no hit for them: every row is computed); the tokens
 // are the runner's. A request without them gets none; bad asks are refused.
 static void test_prompt_logprobs(void **state)
@@ -2495,7 +2495,21 @@ static void test_prompt_logprobs(void **state)
     greedy(&sp);
     assert_int_equal(reference(prompt, NP, &sp, MT, ref, NULL), MT);
 
-    struct tdm_engine *e = engine_make(64, 24, 8, 0, NULL);
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    char cerr[256];
+    tdm_engine_config_default(&c);
+    c.num_blocks = 64;
+    c.max_num_batched_tokens = 24;
+    c.max_num_seqs = 8;
+    c.prompt_logprob_rows = -1;
+    assert_int_equal(tdm_engine_new(&e, model, &c, cerr, sizeof cerr), TDM_EINVAL);
+    c.prompt_logprob_rows = 0; // as many as 128 MiB hold: the token budget here
+    assert_int_equal(tdm_engine_new(&e, model, &c, cerr, sizeof cerr), TDM_OK);
+    assert_int_equal(tdm_engine_get_config(e)->prompt_logprob_rows, 24);
+    tdm_engine_free(e);
+    c.prompt_logprob_rows = 16;
+    assert_int_equal(tdm_engine_new(&e, model, &c, cerr, sizeof cerr), TDM_OK);
     // The prompt into the prefix cache first.
     struct tdm_engine_request *warm = submit(e, prompt, NP, &sp, MT);
     struct collected cw = {0};
