@@ -1011,10 +1011,10 @@ static bool admit_one(struct tdm_engine *e, int *n_items, int *budget)
         tdm_kv_seq_release(e->kv, &r->seq); // drop the prefix references; retry later
         return false;
     }
-    if (!plp)
-        count_prefix(e, r->n_tokens, match);
     if (plp)
         e->plp_rows_left -= take;
+    else
+        count_prefix(e, r->n_tokens, match);
     admitted(e, r, match);
     r->state = REQ_RUNNING;
     r->computed = match;

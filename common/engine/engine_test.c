@@ -101,22 +101,41 @@ static float max_lp_diff(const float *a, const float *b, int n)
 }
 #define LP_TOL 1e-4f
 
+// A fresh cache of 64 blocks of 16 for m's references, in the model's
+// memory (a device's pool on a device backend).
+static struct tdm_kv_cache *reference_kv(struct tdm_model *m)
+{
+    struct tdm_kv_config kc;
+    struct tdm_kv_cache *kv = NULL;
+    char err[256];
+    memset(&kc, 0, sizeof kc);
+    tdm_model_kv_config(m, &kc);
+    kc.block_size = 16;
+    kc.num_blocks = 64;
+    assert_int_equal(tdm_model_kv_new(m, &kc, &kv, err, sizeof err), TDM_OK);
+    return kv;
+}
+
+// log-softmax of row[nv] at tok, in double.
+static float reference_logprob(const float *row, int nv, int32_t tok)
+{
+    double mx = row[0], sum = 0;
+    for (int v = 1; v < nv; v++)
+        mx = row[v] > mx ? row[v] : mx;
+    for (int v = 0; v < nv; v++)
+        sum += exp(row[v] - mx);
+    return (float)(row[tok] - mx - log(sum));
+}
+
 // The runner's output for one request alone on a fresh cache (the reference).
 // lp (optional, [max_tokens]): each token's logprob, log-softmax of the raw logits.
 static int reference_on(struct tdm_model *m, const int32_t *prompt, int n_prompt,
                         const struct tdm_sampling_params *sp, int max_tokens, int32_t *out,
                         float *lp)
 {
-    struct tdm_kv_config kc;
-    struct tdm_kv_cache *kv = NULL;
     char err[256];
     int nv = tdm_model_config(m)->vocab_size;
-    memset(&kc, 0, sizeof kc);
-    tdm_model_kv_config(m, &kc);
-    kc.block_size = 16;
-    kc.num_blocks = 64;
-    // In the model's memory (a device's pool on a device backend).
-    assert_int_equal(tdm_model_kv_new(m, &kc, &kv, err, sizeof err), TDM_OK);
+    struct tdm_kv_cache *kv = reference_kv(m);
     struct tdm_gen_request q;
     memset(&q, 0, sizeof q);
     q.prompt = prompt;
@@ -134,15 +153,8 @@ static int reference_on(struct tdm_model *m, const int32_t *prompt, int n_prompt
     if (rc != TDM_OK)
         fprintf(stderr, "runner: %s\n", err);
     assert_int_equal(rc, TDM_OK);
-    for (int t = 0; lp && t < q.n_out; t++) {
-        const float *row = logits + (size_t)t * (size_t)nv;
-        double mx = row[0], sum = 0;
-        for (int v = 1; v < nv; v++)
-            mx = row[v] > mx ? row[v] : mx;
-        for (int v = 0; v < nv; v++)
-            sum += exp(row[v] - mx);
-        lp[t] = (float)(row[out[t]] - mx - log(sum));
-    }
+    for (int t = 0; lp && t < q.n_out; t++)
+        lp[t] = reference_logprob(logits + (size_t)t * (size_t)nv, nv, out[t]);
     free(logits);
     tdm_kv_free(kv);
     return q.n_out;
@@ -2370,18 +2382,12 @@ static void test_stop_and_logprobs(void **state)
 static void prompt_lp_reference(struct tdm_model *m, const int32_t *prompt, int n, float *lp,
                                 int32_t *rank, int32_t (*top3)[3])
 {
-    struct tdm_kv_config kc;
-    struct tdm_kv_cache *kv = NULL;
-    char err[256];
-    memset(&kc, 0, sizeof kc);
-    tdm_model_kv_config(m, &kc);
-    kc.block_size = 16;
-    kc.num_blocks = 64;
-    assert_int_equal(tdm_model_kv_new(m, &kc, &kv, err, sizeof err), TDM_OK);
+    int nv = tdm_model_config(m)->vocab_size;
+    struct tdm_kv_cache *kv = reference_kv(m);
     struct tdm_kv_seq seq;
     tdm_kv_seq_init(&seq);
     assert_int_equal(tdm_kv_reserve(kv, &seq, n), TDM_OK);
-    float *logits = malloc((size_t)n * (size_t)vocab * sizeof(float));
+    float *logits = malloc((size_t)n * (size_t)nv * sizeof(float));
     assert_non_null(logits);
     struct tdm_batch_seq b = {.tokens = prompt,
                               .n_tokens = n,
@@ -2391,19 +2397,14 @@ static void prompt_lp_reference(struct tdm_model *m, const int32_t *prompt, int 
                               .logits = TDM_LOGITS_ALL};
     assert_int_equal(tdm_model_forward(m, kv, &b, 1, logits), TDM_OK);
     for (int p = 1; p < n; p++) {
-        const float *row = logits + (size_t)(p - 1) * (size_t)vocab;
-        double mx = row[0], sum = 0;
-        for (int v = 1; v < vocab; v++)
-            mx = row[v] > mx ? row[v] : mx;
-        for (int v = 0; v < vocab; v++)
-            sum += exp(row[v] - mx);
-        lp[p] = (float)(row[prompt[p]] - mx - log(sum));
+        const float *row = logits + (size_t)(p - 1) * (size_t)nv;
+        lp[p] = reference_logprob(row, nv, prompt[p]);
         rank[p] = 1;
-        for (int v = 0; v < vocab; v++)
+        for (int v = 0; v < nv; v++)
             rank[p] += row[v] > row[prompt[p]];
         for (int k = 0; k < 3; k++) {
             int best = -1;
-            for (int v = 0; v < vocab; v++) {
+            for (int v = 0; v < nv; v++) {
                 bool taken = false;
                 for (int j = 0; j < k; j++)
                     taken |= top3[p][j] == v;
