@@ -958,7 +958,6 @@ static int parse_n(const cJSON *root, struct tdm_oai_request *r, const struct td
 static int parse_logprobs_and_stop(const cJSON *root, struct tdm_oai_request *r,
                                    const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
 {
-    (void)m;
     if (parse_logprobs(root, r, e) != TDM_OK)
         return TDM_EINVAL;
     // prompt_logprobs (completions; chat refused it above), as vLLM checks it.
