@@ -132,6 +132,8 @@ struct tdm_oai_request {
     bool echo_prompt_only;   // the same with logprobs or prompt_logprobs: as vLLM, one
                              // token is generated (max_tokens 1) for the prompt's
                              // logprobs and counted in usage, but not returned
+    int truncate_prompt_tokens; // keep only the prompt's last N tokens (vLLM's left
+                                // truncation); -1 in the body is max_model_len; 0 = none
     int n;                   // choices per prompt, 1..TDM_OAI_MAX_N
     bool stream;
     bool include_usage;           // stream_options.include_usage

@@ -370,6 +370,63 @@ static void test_prompts_build(void **state)
     tdm_oai_prompts_free(p, n);
     tdm_oai_request_fini(&rq);
 
+    // truncate_prompt_tokens keeps the last N tokens (vLLM's left
+    // truncation); an echo shows the kept tokens' text.
+    body = "{\"prompt\":[\"Hello world\",\"Hello\"],\"echo\":true,\"max_tokens\":5,"
+           "\"truncate_prompt_tokens\":1}";
+    assert_int_equal(tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, body, strlen(body), &info, &e),
+                     TDM_OK);
+    assert_int_equal(tdm_oai_prompts_build(&rq, &info, tok, NULL, "", &p, &n, &total, &e), TDM_OK);
+    assert_int_equal(n, 2);
+    assert_int_equal(total, 2);
+    assert_int_equal(p[0].n, 1);
+    assert_int_equal(p[0].ids[0], 1879);
+    assert_string_equal(p[0].text, " world");
+    assert_int_equal(p[1].n, 1);
+    assert_int_equal(p[1].ids[0], 9707);
+    assert_string_equal(p[1].text, "Hello");
+    tdm_oai_prompts_free(p, n);
+    tdm_oai_request_fini(&rq);
+    body = "{\"prompt\":[9707,1879,9707],\"echo\":true,\"truncate_prompt_tokens\":2}";
+    assert_int_equal(tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, body, strlen(body), &info, &e),
+                     TDM_OK);
+    assert_int_equal(tdm_oai_prompts_build(&rq, &info, tok, NULL, "", &p, &n, &total, &e), TDM_OK);
+    assert_int_equal(p[0].n, 2);
+    assert_string_equal(p[0].text, " worldHello");
+    tdm_oai_prompts_free(p, n);
+    tdm_oai_request_fini(&rq);
+    // A prompt longer than the context fits once truncated; shorter ones are
+    // untouched; -1 truncates to the context, which leaves no room to generate.
+    {
+        char big[1024], *w = big;
+        w += sprintf(w, "{\"prompt\":[[");
+        for (int i = 0; i < 80; i++)
+            w += sprintf(w, "%s%d", i ? "," : "", 100 + i);
+        sprintf(w, "],[7,8]],\"max_tokens\":4,\"truncate_prompt_tokens\":60}");
+        assert_int_equal(
+            tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, big, strlen(big), &info, &e), TDM_OK);
+        assert_int_equal(tdm_oai_prompts_build(&rq, &info, tok, NULL, "", &p, &n, &total, &e),
+                         TDM_OK);
+        assert_int_equal(p[0].n, 60);
+        assert_int_equal(p[0].ids[0], 120);
+        assert_int_equal(p[0].ids[59], 179);
+        assert_int_equal(p[1].n, 2);
+        assert_int_equal(total, 62);
+        tdm_oai_prompts_free(p, n);
+        tdm_oai_request_fini(&rq);
+        char *t = strstr(big, "60}");
+        memcpy(t, "-1}", 3);
+        assert_int_equal(
+            tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, big, strlen(big), &info, &e), TDM_OK);
+        assert_int_equal(rq.truncate_prompt_tokens, 64);
+        assert_int_not_equal(tdm_oai_prompts_build(&rq, &info, tok, NULL, "", &p, &n, &total, &e),
+                             TDM_OK);
+        assert_int_equal(e.status, 400);
+        assert_non_null(strstr(e.message, "your request has 64 input tokens"));
+        tdm_oai_prompts_free(p, n);
+        tdm_oai_request_fini(&rq);
+    }
+
     // Too long for the context: the max_tokens check's 400.
     body = "{\"prompt\":\"Hello\",\"max_tokens\":64}";
     assert_int_equal(tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, body, strlen(body), &info, &e),

@@ -138,7 +138,6 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         {"use_beam_search", NULL},
         {"allowed_token_ids", NULL},
         {"bad_words", NULL},
-        {"truncate_prompt_tokens", NULL},
         {"logits_processors", NULL},
         {"prompt_embeds", NULL},
         {"return_tokens_as_token_ids", NULL},
@@ -884,11 +883,11 @@ static int parse_stream(const cJSON *root, struct tdm_oai_request *r,
     return TDM_OK;
 }
 
-// max_tokens, and echo, which with max_tokens=0 on a completion means echo without generation.
+// max_tokens, truncate_prompt_tokens, and echo, which with max_tokens=0 on a completion means echo
+// without generation.
 static int parse_max_tokens(const cJSON *root, struct tdm_oai_request *r,
                             const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
 {
-    (void)m;
     bool chat = r->kind == TDM_OAI_CHAT;
     // max_tokens: chat prefers max_completion_tokens (vLLM: `max_completion_tokens or max_tokens`).
     int mt = 0, mct = 0;
@@ -911,6 +910,28 @@ static int parse_max_tokens(const cJSON *root, struct tdm_oai_request *r,
         mt_name = "max_completion_tokens";
     }
     r->max_tokens = chat ? -1 : 16;
+    // truncate_prompt_tokens, as vLLM checks it (-1: the model's context).
+    int tpt = 0, has_tpt = get_int(root, "truncate_prompt_tokens", &tpt, e);
+    if (has_tpt < 0)
+        return TDM_EINVAL;
+    if (has_tpt) {
+        int max_len = m ? m->max_model_len : 0;
+        if (tpt < -1)
+            return tdm_oai_seterr(e, 400, "truncate_prompt_tokens",
+                                  "truncate_prompt_tokens: Input should be greater than or equal "
+                                  "to -1");
+        if (tpt == 0)
+            return tdm_oai_seterr(e, 400, "truncate_prompt_tokens",
+                                  "truncate_prompt_tokens must be >= 1, got 0");
+        if (tpt == -1)
+            tpt = max_len; // unknown context (0): no truncation
+        if (max_len > 0 && tpt > max_len)
+            return tdm_oai_seterr(e, 400, "truncate_prompt_tokens",
+                                  "truncate_prompt_tokens value (%d) is greater than "
+                                  "max_model_len (%d). Please, select a smaller truncation size.",
+                                  tpt, max_len);
+        r->truncate_prompt_tokens = tpt;
+    }
     if (has_mt) {
         if (!chat && mt == 0 && r->echo) {
             r->echo_only = true; // vLLM: echo without generation

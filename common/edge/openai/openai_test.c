@@ -234,6 +234,16 @@ static void test_validation_errors(void **state)
     expect_error(C, "{\"prompt\":\"x\",\"frequency_penalty\":-3}", 400, "frequency_penalty",
                  "frequency_penalty must be in [-2, 2], got -3.0.");
     expect_error(C, "{\"prompt\":\"x\",\"n\":0}", 400, "n", "n must be at least 1, got 0.");
+    expect_error(C, "{\"prompt\":\"x\",\"truncate_prompt_tokens\":0}", 400,
+                 "truncate_prompt_tokens", "truncate_prompt_tokens must be >= 1, got 0");
+    expect_error(C, "{\"prompt\":\"x\",\"truncate_prompt_tokens\":-2}", 400,
+                 "truncate_prompt_tokens", "Input should be greater than or equal to -1");
+    expect_error(C, "{\"prompt\":\"x\",\"truncate_prompt_tokens\":101}", 400,
+                 "truncate_prompt_tokens",
+                 "truncate_prompt_tokens value (101) is greater than max_model_len (100). Please, "
+                 "select a smaller truncation size.");
+    expect_error(C, "{\"prompt\":\"x\",\"truncate_prompt_tokens\":\"5\"}", 400,
+                 "truncate_prompt_tokens", "Input should be a valid integer");
     // n x prompts bounded while parsing, before anything is copied or tokenized.
     {
         size_t cap = 16 + 5 * (TDM_OAI_MAX_SEQUENCES + 1) + 32;

@@ -166,6 +166,23 @@ int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oa
                 p->text_len = 0;
             }
         }
+        if (rq->truncate_prompt_tokens > 0 && p->n > (size_t)rq->truncate_prompt_tokens) {
+            // vLLM's left truncation: the last N tokens stay. An echo shows
+            // what the model saw: the text of the kept tokens.
+            size_t keep = (size_t)rq->truncate_prompt_tokens;
+            memmove(p->ids, p->ids + (p->n - keep), keep * sizeof *p->ids);
+            p->n = keep;
+            if (p->text != NULL) {
+                free(p->text);
+                p->text = NULL;
+                p->text_len = 0;
+                if (tdm_tok_decode(tok, p->ids, p->n, false, &p->text, &p->text_len) != TDM_OK) {
+                    p->text = strdup("");
+                    if (p->text == NULL)
+                        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+                }
+            }
+        }
         if (p->n == 0)
             return tdm_oai_seterr(e, 400, "prompt", "The decoder prompt cannot be empty");
         int rc = tdm_oai_request_max_tokens(rq, info, p->n, &p->max_tokens, e);
