@@ -9,6 +9,8 @@
 - n > 1 with a seed: n distinct indexes, usage sums, same seed -> same choices;
 - several prompts in one request: one choice group each, prompt_tokens summed;
 - echo; logprobs (completions and chat); max_tokens default 16;
+- return_tokens_as_token_ids ("token_id:<id>" in logprobs); truncate_prompt_tokens
+  (the prompt's last N tokens: the continuation of those alone);
 - chat stream: role chunk first, content deltas, finish, [DONE];
 - --stream-interval 4: tokens go out at least 4 per event after the first;
 - generation_config.json defaults apply when the request is silent (top_k 1
@@ -110,6 +112,20 @@ def main():
                 zip(lp["top_logprobs"], lp["token_logprobs"])), "greedy token not the top one")
     r = comp(srv, prompt="Hello", ignore_eos=True)
     h.check(r["usage"]["completion_tokens"] == 16, "default max_tokens: %r" % r["usage"])
+    # return_tokens_as_token_ids: the logprobs name the ids the choice has.
+    r = comp(srv, **dict(greedy, logprobs=2, max_tokens=5, return_tokens_as_token_ids=True))
+    lp = r["choices"][0]["logprobs"]
+    want = ["token_id:%d" % i for i in ref_ids[:5]]
+    h.check(lp["tokens"] == want, "tokens as ids %r != %r" % (lp["tokens"], want))
+    h.check(all(k.startswith("token_id:") for t in lp["top_logprobs"] for k in t),
+            "top_logprobs as ids %r" % lp["top_logprobs"])
+    # truncate_prompt_tokens: the prompt's last tokens only, the same greedy
+    # continuation as that prompt alone.
+    r = comp(srv, **dict(greedy, prompt=[7, 8, 9] + PROMPT_IDS,
+                         truncate_prompt_tokens=len(PROMPT_IDS)))
+    h.check(r["choices"][0]["token_ids"] == ref_ids and
+            r["usage"]["prompt_tokens"] == len(PROMPT_IDS) and
+            r["choices"][0]["prompt_token_ids"] == PROMPT_IDS, "truncate_prompt_tokens %r" % r)
 
     # ---- chat, non-stream and stream
     msgs = [{"role": "user", "content": "Say something."}]

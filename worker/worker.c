@@ -145,6 +145,7 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
     s->cfg = *cfg;
     s->info.tool_parser = tool_parser;
+    s->info.return_tokens_as_token_ids = cfg->return_tokens_as_token_ids;
     atomic_init(&s->state, STATE_LOADING);
     atomic_init(&s->inflight, 0);
     pthread_mutex_init(&s->mu, NULL);

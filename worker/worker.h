@@ -68,6 +68,7 @@ struct tdm_worker_config {
                                             // else ~/.cache/tandem/packed
     char chat_template[TDM_WORKER_STR];     // --chat-template FILE; "" = tokenizer's
     bool enable_auto_tool_choice;           // --enable-auto-tool-choice (vLLM's)
+    bool return_tokens_as_token_ids;        // --return-tokens-as-token-ids (vLLM's)
     char tool_call_parser[64];              // --tool-call-parser hermes|llama3_json; "" = none
     int max_waiting;                        // --max-waiting; default 1024
     int stream_interval;                    // --stream-interval N (vLLM's): after a stream's

@@ -96,6 +96,7 @@ struct up_opts {
                              // on by default where the model's chat template has a parser
     bool no_auto_tools;      // --no-auto-tool-choice: not even by default
     const char *tool_parser; // --tool-call-parser NAME, likewise; NULL = none
+    bool tokens_as_ids;      // --return-tokens-as-token-ids, passed to the router and workers
     const char *device;      // --device, passed to the workers; NULL = theirs (auto)
     double gpu_util;         // --gpu-memory-utilization per worker; 0 = 0.9 / workers
 };
@@ -225,6 +226,10 @@ static const struct tdm_flag up_flags[] = {
      .help = "tool_choice \"auto\" off (vLLM's default: a 400)"},
     PTR("tool-call-parser", tool_parser, "NAME",
         "hermes or llama3_json (docs/tool-calling.md), for every process"),
+    {.name = "return-tokens-as-token-ids",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(tokens_as_ids),
+     .help = "logprobs name tokens \"token_id:<id>\" by default, on every\nprocess"},
     PTR("bin-dir", bin_dir, "DIR",
         "where tandem-router/-prefill/-decode are (default: next to\ntandem, the build tree, "
         "then PATH)"),
@@ -1263,6 +1268,8 @@ static int launch_child(const struct up_opts *o, struct child *c, const char *mo
         arg(&a, "--enable-auto-tool-choice");
     if (o->tool_parser && *o->tool_parser)
         arg(&a, "--tool-call-parser"), arg(&a, "%s", o->tool_parser);
+    if (o->tokens_as_ids)
+        arg(&a, "--return-tokens-as-token-ids");
     if (c->role != CHILD_ROUTER) {
         arg(&a, "--threads"), arg(&a, "%d", threads);
         if (o->device)

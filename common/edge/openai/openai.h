@@ -93,6 +93,7 @@ struct tdm_oai_model_info {
     const struct tdm_generation_config *gen; // generation_config.json defaults; may be NULL
     enum tdm_oai_tool_parser tool_parser; // --enable-auto-tool-choice --tool-call-parser:
                                           // the parser of tool_choice "auto" (NONE: refused)
+    bool return_tokens_as_token_ids;      // --return-tokens-as-token-ids: the requests' default
 };
 
 // ---- completions and chat requests -------------------------------------------------------
@@ -152,6 +153,8 @@ struct tdm_oai_request {
     bool spaces_between_special_tokens; // default true (accepted; byte-level BPE decode is
                                         // unaffected by it)
     bool return_token_ids;              // add prompt_token_ids / token_ids to choices
+    bool return_tokens_as_token_ids;    // logprobs name tokens "token_id:<id>" (the request's
+                                        // field, else the server's flag)
     char *user;                         // NULL when absent
     char *request_id;                   // the body's request_id, NULL when absent
     int priority;                       // accepted (0 default); scheduling ignores it
@@ -333,6 +336,7 @@ struct tdm_oai_choice {
     const char *stop_str; // stop_reason: the matched stop string, else NULL
     int32_t stop_token;   // stop_reason: the matched stop token id, else -1
     bool has_logprobs;    // logprobs object (else null)
+    bool tokens_as_ids;   // return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     const struct tdm_oai_token_logprob *logprobs;
     size_t n_logprobs;
     size_t text_offset;       // completions logprobs: code points of text before this

@@ -387,6 +387,7 @@ void tdm_oai_asm_choice(const struct tdm_oai_asm *a, bool with_finish, const int
                                 tdm_oai_toolparse_calls(a->tools) > 0;
     }
     oc->has_logprobs = a->req->logprobs;
+    oc->tokens_as_ids = a->req->return_tokens_as_token_ids;
     oc->logprobs = a->lps;
     oc->n_logprobs = a->n_lps;
     oc->text_offset = a->chars_sent;

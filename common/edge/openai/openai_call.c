@@ -114,6 +114,7 @@ int tdm_oai_call_echo_chunk(struct tdm_oai_call *k, size_t i, char **json)
     oc.text_len = p->text_len;
     oc.stop_token = -1;
     oc.has_logprobs = k->req.logprobs;
+    oc.tokens_as_ids = k->req.return_tokens_as_token_ids;
     oc.text_offset = a->chars_sent;
     tdm_oai_prompt_lp_choice(&k->req, p, true, &oc);
     oc.prompt_logprobs = NULL; // a non-stream field

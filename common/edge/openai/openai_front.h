@@ -8,10 +8,9 @@
 // must have these fields (char arrays of any size, the rest as typed):
 //   char served_model_name[], chat_template[], tool_call_parser[], host[],
 //   api_key[], log_level[], otlp_traces_endpoint[];
-//   bool enable_auto_tool_choice; int port, max_model_len, stream_interval,
-//   http_max_conns_per_ip, max_large_requests, http_memory_budget_mib;
-//   size_t max_body_bytes; double http_header_timeout, http_body_timeout,
-//   drain_timeout.
+//   bool enable_auto_tool_choice, return_tokens_as_token_ids; int port, max_model_len,
+//   stream_interval, http_max_conns_per_ip, max_large_requests, http_memory_budget_mib; size_t
+//   max_body_bytes; double http_header_timeout, http_body_timeout, drain_timeout.
 // port_help is --port's help (the default differs: 8000 on the router, 8001
 // on a worker). What differs by role stays in the role's own table: --model
 // (a worker also takes a Hub id), --http-threads (a worker sizes its pool from
@@ -43,6 +42,9 @@
         TDM_OAI_FRONT_STR_(T, "tool-call-parser", tool_call_parser, "NAME",                        \
                            "hermes (Qwen2.5, Hermes) or llama3_json (Llama 3.x)",                  \
                            .empty_ok = false),                                                     \
+        TDM_FLAG_FIELD(T, "return-tokens-as-token-ids", TDM_FLAG_BOOL, return_tokens_as_token_ids, \
+                       .help = "logprobs name tokens \"token_id:<id>\" (a\nrequest's "             \
+                               "return_tokens_as_token_ids\ndefault)"),                            \
         TDM_OAI_FRONT_STR_(T, "host", host, "ADDR", "HTTP listen address (default 0.0.0.0)",       \
                            .empty_ok = false),                                                     \
         TDM_OAI_FRONT_NUM_(T, "port", TDM_FLAG_INT, port, 0, 65535, "N", port_help),               \

@@ -140,7 +140,6 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         {"bad_words", NULL},
         {"logits_processors", NULL},
         {"prompt_embeds", NULL},
-        {"return_tokens_as_token_ids", NULL},
         {"logprob_token_ids", NULL},
         {"cache_salt", NULL},
         {"chat_template", "the server renders the model's own template"},
@@ -1016,7 +1015,6 @@ static int parse_logprobs_and_stop(const cJSON *root, struct tdm_oai_request *r,
 static int parse_output_flags(const cJSON *root, struct tdm_oai_request *r,
                               const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
 {
-    (void)m;
     bool chat = r->kind == TDM_OAI_CHAT;
     r->skip_special_tokens = true;
     r->spaces_between_special_tokens = true;
@@ -1028,6 +1026,11 @@ static int parse_output_flags(const cJSON *root, struct tdm_oai_request *r,
         get_bool(root, "add_special_tokens", &r->add_special_tokens, e) < 0 ||
         get_bool(root, "return_token_ids", &r->return_token_ids, e) < 0)
         return TDM_EINVAL;
+    // vLLM: the request's value or the server's --return-tokens-as-token-ids.
+    bool as_ids = false;
+    if (get_bool(root, "return_tokens_as_token_ids", &as_ids, e) < 0)
+        return TDM_EINVAL;
+    r->return_tokens_as_token_ids = as_ids || (m && m->return_tokens_as_token_ids);
     // vLLM's hermes parser (adjust_request): some models mark <tool_call> as a
     // special token, which skipping would remove before the parser sees it.
     if (chat && tdm_oai_tool_format_of(&r->tools) == TDM_OAI_TOOL_FORMAT_HERMES)

@@ -104,6 +104,20 @@ static bool add_finish(cJSON *obj, enum tdm_finish f)
 }
 
 // ---- logprobs ----------------------------------------------------------------------------------
+// A token as the logprobs show it: its text (invalid UTF-8 repaired), or with
+// return_tokens_as_token_ids vLLM's "token_id:<id>", which names tokens whose
+// text is not valid UTF-8 on its own. Heap; NULL when out of memory.
+static char *token_shown(const struct tdm_oai_choice *c, int32_t id, const char *text, size_t len)
+{
+    if (c->tokens_as_ids) {
+        char *s = malloc(24);
+        if (s)
+            snprintf(s, 24, "token_id:%d", (int)id);
+        return s;
+    }
+    return tdm_oai_utf8_dup(text ? text : "", text ? len : 0);
+}
+
 // Completions format: {"text_offset":[..],"token_logprobs":[..],"tokens":[..],
 // "top_logprobs":[{token: logprob, ...}, ..]}. Offsets count code points, as
 // Python's len() of the token strings vLLM accumulates.
@@ -126,7 +140,7 @@ static bool add_completion_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
         const struct tdm_oai_token_logprob *t =
             echoed ? &c->echo_logprobs[i] : &c->logprobs[i - c->n_echo_logprobs];
         int num_top = echoed && t->num_top > c->echo_top ? c->echo_top : t->num_top;
-        char *tok = tdm_oai_utf8_dup(t->token ? t->token : "", t->token ? t->token_len : 0);
+        char *tok = token_shown(c, t->id, t->token, t->token_len);
         if (!tok)
             return false;
         double v = isnan(t->logprob) || t->logprob < LOGPROB_FLOOR ? LOGPROB_FLOOR : t->logprob;
@@ -152,7 +166,7 @@ static bool add_completion_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
             const char *piece = k < num_top ? t->top[k].token : t->token;
             size_t plen = k < num_top ? t->top[k].token_len : t->token_len;
             float plp = k < num_top ? t->top[k].logprob : t->logprob;
-            char *key = tdm_oai_utf8_dup(piece ? piece : "", piece ? plen : 0);
+            char *key = token_shown(c, k < num_top ? t->top[k].id : t->id, piece, plen);
             if (!key) {
                 ok = false;
                 break;
@@ -180,9 +194,10 @@ static bool add_completion_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
 
 // Chat format: {"content":[{"token","logprob","bytes":[..],"top_logprobs":[{"token",
 // "logprob","bytes"}]}]}; bytes are the UTF-8 of the (repaired) token text.
-static bool add_chat_token(cJSON *obj, const char *token, size_t len, float lp)
+static bool add_chat_token(cJSON *obj, const struct tdm_oai_choice *c, int32_t id,
+                           const char *token, size_t len, float lp)
 {
-    char *tok = tdm_oai_utf8_dup(token ? token : "", token ? len : 0);
+    char *tok = token_shown(c, id, token, len);
     if (!tok)
         return false;
     bool ok = cJSON_AddStringToObject(obj, "token", tok) && add_logprob(obj, "logprob", lp);
@@ -209,7 +224,7 @@ static bool add_chat_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
             cJSON_Delete(entry);
             return false;
         }
-        if (!add_chat_token(entry, t->token, t->token_len, t->logprob))
+        if (!add_chat_token(entry, c, t->id, t->token, t->token_len, t->logprob))
             return false;
         cJSON *tops = cJSON_AddArrayToObject(entry, "top_logprobs");
         if (!tops)
@@ -220,7 +235,8 @@ static bool add_chat_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
                 cJSON_Delete(alt);
                 return false;
             }
-            if (!add_chat_token(alt, t->top[k].token, t->top[k].token_len, t->top[k].logprob))
+            if (!add_chat_token(alt, c, t->top[k].id, t->top[k].token, t->top[k].token_len,
+                                t->top[k].logprob))
                 return false;
         }
     }

@@ -1188,6 +1188,50 @@ static void test_logprobs_formats(void **state)
     assert_num(j, "choices.0.logprobs.content.1.top_logprobs.1.logprob", -9999.0);
     assert_num(j, "choices.0.logprobs.content.1.top_logprobs.1.bytes.0", 0xEF);
     cJSON_Delete(j);
+
+    // return_tokens_as_token_ids: every token named "token_id:<id>" (the
+    // split character too), its bytes those of the name; completions'
+    // offsets run over the names, as vLLM's len() of them.
+    c.tokens_as_ids = true;
+    j = parse_json(tdm_oai_body(&r, &c, 1, NULL));
+    assert_str(j, "choices.0.logprobs.content.0.token", "token_id:1");
+    assert_str(j, "choices.0.logprobs.content.1.top_logprobs.1.token", "token_id:4");
+    assert_int_equal(cJSON_GetArraySize(get(j, "choices.0.logprobs.content.1.bytes")), 10);
+    assert_num(j, "choices.0.logprobs.content.1.bytes.9", '3');
+    cJSON_Delete(j);
+    tdm_oai_response_init(&r, TDM_OAI_COMPLETION, "qwen", NULL);
+    j = parse_json(tdm_oai_chunk(&r, &c, 1, NULL));
+    assert_str(j, "choices.0.logprobs.tokens.0", "token_id:1");
+    assert_str(j, "choices.0.logprobs.tokens.1", "token_id:3");
+    assert_num(j, "choices.0.logprobs.text_offset.1", 14);
+    t1 = get(j, "choices.0.logprobs.top_logprobs.1");
+    assert_int_equal(cJSON_GetArraySize(t1), 2);
+    assert_num(t1, "token_id:3", -0.5);
+    assert_num(t1, "token_id:4", -9999.0);
+    cJSON_Delete(j);
+
+    // The request's field, or the server's default.
+    struct tdm_oai_request rq;
+    struct tdm_oai_error e;
+    assert_int_equal(parse(&rq, TDM_OAI_COMPLETION,
+                           "{\"prompt\":\"x\",\"logprobs\":1,\"return_tokens_as_token_ids\":true}",
+                           &e),
+                     TDM_OK);
+    assert_true(rq.return_tokens_as_token_ids);
+    tdm_oai_request_fini(&rq);
+    assert_int_equal(parse(&rq, TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"logprobs\":1}", &e),
+                     TDM_OK);
+    assert_false(rq.return_tokens_as_token_ids);
+    tdm_oai_request_fini(&rq);
+    struct tdm_oai_model_info as_ids = model;
+    as_ids.return_tokens_as_token_ids = true;
+    const char *body = "{\"prompt\":\"x\"}";
+    assert_int_equal(
+        tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, body, strlen(body), &as_ids, &e), TDM_OK);
+    assert_true(rq.return_tokens_as_token_ids);
+    tdm_oai_request_fini(&rq);
+    expect_error(TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"return_tokens_as_token_ids\":1}", 400,
+                 "return_tokens_as_token_ids", "valid boolean");
 }
 
 static void test_error_bodies(void **state)
