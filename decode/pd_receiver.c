@@ -565,6 +565,7 @@ static void fill_params(struct djob *j, struct tdm_engine_request_params *ep)
     ep->max_tokens = j->gen->max_tokens > 0 ? j->gen->max_tokens - j->n_resume : 0;
     ep->want_prompt_logprobs = j->gen->want_prompt_logprobs;
     ep->prompt_top_logprobs = j->gen->prompt_top_logprobs;
+    ep->priority = j->gen->priority;
     if (j->gen->n_eos_ids) {
         ep->eos_ids = j->gen->eos_ids;
         ep->num_eos = (int)j->gen->n_eos_ids;
@@ -652,6 +653,7 @@ static int remote_send_prefill(void *ctx, double timeout_s, char *err, size_t er
     pr.n_eos_ids = j->gen->n_eos_ids;
     pr.eos_ids = j->gen->eos_ids;
     pr.deadline_unix = j->gen->deadline_unix;
+    pr.priority = j->gen->priority;
     pr.model = (char *)rx->parts.served_name;
     pr.hold_seconds = rx->cfg.transfer_timeout;
     char tp[TDM_TRACEPARENT_LEN + 1];

@@ -9,6 +9,8 @@
 - n > 1 with a seed: n distinct indexes, usage sums, same seed -> same choices;
 - several prompts in one request: one choice group each, prompt_tokens summed;
 - echo; logprobs (completions and chat); max_tokens default 16;
+- priority: refused under fcfs (vLLM's 400); --scheduling-policy priority
+  starts a waiting request of lower priority value first;
 - return_tokens_as_token_ids ("token_id:<id>" in logprobs); truncate_prompt_tokens
   (the prompt's last N tokens: the continuation of those alone);
 - chat stream: role chunk first, content deltas, finish, [DONE];
@@ -19,6 +21,8 @@
 import json
 import os
 import shutil
+import threading
+import time
 
 import decode_harness as h
 
@@ -146,6 +150,12 @@ def main():
     h.check(all(e["object"] == "chat.completion.chunk" and e["id"] == evs[0]["id"] for e in evs),
             "chat chunk ids/objects")
     h.check(evs[-1]["choices"][0]["finish_reason"] == "length", "chat finish %r" % evs[-1])
+    # fcfs (the default) refuses a priority other than 0, in vLLM's words.
+    st, _, r = srv.post_json("/v1/completions", dict(greedy, priority=2))
+    h.check(st == 400 and r["error"]["message"] ==
+            "Got priority 2 but Priority scheduling is not enabled.", "fcfs priority %d %r" % (st, r))
+    h.check(comp(srv, **dict(greedy, priority=0))["choices"][0]["token_ids"] == ref_ids,
+            "priority 0 under fcfs")
     h.check(srv.stop() == 0, "exit status")
 
     # ---- --stream-interval 4 (vLLM's flag): after the first token at least 4
@@ -165,6 +175,34 @@ def main():
                 "stream-interval %d: tokens per event %r" % (interval, per))
         print("stream-interval %d: tokens per event %r" % (interval, per))
         h.check(srv.stop() == 0, "exit status")
+
+    # ---- --scheduling-policy priority: one request runs at a time; while a
+    # long one runs, a request of priority 10 arrives, then one of -1: the
+    # later one starts (and so finishes) first.
+    srv = h.Server(args, slow, "--scheduling-policy", "priority", "--max-num-seqs", "1")
+    blocker = h.Stream(srv, "/v1/completions", dict(greedy, max_tokens=600, stream=True))
+    h.check(blocker.status == 200, "blocker status %d" % blocker.status)
+    evs = blocker.events()
+    next(evs)  # the blocker runs
+    done = {}
+
+    def ask(name, prio):
+        st, _, r = srv.post_json("/v1/completions", dict(greedy, max_tokens=8, priority=prio))
+        done[name] = (time.monotonic(), st, r)
+
+    low = threading.Thread(target=ask, args=("low", 10))
+    low.start()
+    time.sleep(0.05)
+    high = threading.Thread(target=ask, args=("high", -1))
+    high.start()
+    rest = list(evs)
+    blocker.close()
+    low.join(60)
+    high.join(60)
+    h.check(rest and rest[-1] == "[DONE]", "blocker stream did not finish")
+    h.check(done["low"][1] == 200 and done["high"][1] == 200, "priority requests %r" % done)
+    h.check(done["high"][0] < done["low"][0], "priority -1 finished after priority 10")
+    h.check(srv.stop() == 0, "exit status")
 
     # ---- generation_config.json defaults
     gdir = os.path.join(args.workdir, "tiny-topk1")

@@ -136,8 +136,36 @@ def main():
     check(s == 200 and body["usage"]["completion_tokens"] == 3, "prefill direct: %d %r" % (s, body))
     wait_metric(pf, "vllm:request_success_total", lambda v: v == before + 1,
                 "the prefill worker did not count its direct request")
+
+    # A priority other than 0 on an fcfs worker: vLLM's 400, the same directly
+    # and through the router (which passes the priority on), streamed or not.
+    wait_metric(d, "vllm:num_requests_running", lambda v: v == 0, "requests still running")
+    wait_metric(d, "vllm:num_requests_waiting", lambda v: v == 0, "requests still waiting")
+    prio = {"prompt": "urgent", "max_tokens": 3, "priority": 2}
+    for port in (d, cl.router_port):
+        for stream in (False, True):
+            st, _, b = post(port, "/v1/completions", dict(prio, stream=stream))
+            check(st == 400 and b["error"]["message"] ==
+                  "Got priority 2 but Priority scheduling is not enabled.",
+                  "priority on fcfs (port %d, stream %s): %d %r" % (port, stream, st, b))
+    cl.stop()
+
+    # --scheduling-policy priority on the decode worker, fcfs on the prefill
+    # worker: a routed request's priority reaches the decode worker, whose
+    # prefill worker (fcfs) ignores it; the tokens are the direct run's.
+    cl = Cluster(args, n_prefill=1, n_decode=1, pd_mode="always", model=model,
+                 decode_args=["--scheduling-policy", "priority"]).start()
+    greedy = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
+              "ignore_eos": True, "return_token_ids": True, "priority": 3}
+    s1, _, direct = post(cl.decode[0].http_port, "/v1/completions", greedy)
+    s2, _, routed = post(cl.router_port, "/v1/completions", greedy)
+    check(s1 == 200 and s2 == 200 and
+          routed["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"],
+          "priority through P/D: %d %r / %d %r" % (s1, direct, s2, routed))
+    cl.stop()
     print("PASS: a full queue is 503, Retry-After 1 and the same body on all 4 paths: %s; the "
-          "prefill worker serves and counts a direct request" % e["message"])
+          "prefill worker serves and counts a direct request; priority: 400 on fcfs on all 4 "
+          "paths, served through P/D to a priority decode worker" % e["message"])
 
 
 if __name__ == "__main__":

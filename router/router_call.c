@@ -403,6 +403,7 @@ static int send_choice(struct call *k, size_t i, uint64_t dec_inst, Tandem__Pref
     g.max_tokens = p->max_tokens;
     g.deadline_unix = (double)time(NULL) + (left > 0 ? left : 0);
     g.arrival_unix = (double)time(NULL);
+    g.priority = k->oai.req.priority;
     int plp = tdm_oai_call_prompt_lp(&k->oai, i);
     if (resume && ch->n_got > 0) {
         g.n_resume_tokens = ch->n_got;

@@ -422,6 +422,7 @@ static int start_engine(struct tdm_worker *s, char *err, size_t errlen)
     ec.list_rows = s->list_rows;
     ec.spec = cfg->spec;
     ec.sync_scheduling = !cfg->async_scheduling;
+    ec.priority_scheduling = cfg->priority_scheduling;
     ec.spec_metrics = cfg->spec.num_speculative_tokens > 0 ? &s->spec_metrics : NULL;
     // KV events for the router's exact prefix index (read by the P/D receiver's
     // load reports); with prefix caching off there are no cached blocks to report.

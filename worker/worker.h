@@ -64,6 +64,7 @@ struct tdm_worker_config {
     bool int8;                              // --dtype int8 (default bf16)
     bool weight_cache;                      // --[no-]weight-cache; default on
     bool async_scheduling;                  // --[no-]async-scheduling; default on
+    bool priority_scheduling;               // --scheduling-policy priority (default fcfs)
     char weight_cache_dir[TDM_WORKER_STR];  // --weight-cache-dir; "" = $TANDEM_CACHE/packed,
                                             // else ~/.cache/tandem/packed
     char chat_template[TDM_WORKER_STR];     // --chat-template FILE; "" = tokenizer's

@@ -79,6 +79,20 @@ static int set_kv_cache_dtype(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
+// --scheduling-policy: vLLM's fcfs (the default) or priority.
+static int set_scheduling_policy(void *o, const char *v, char *err, size_t errlen)
+{
+    struct tdm_worker_config *cfg = o;
+    if (strcmp(v, "fcfs") == 0)
+        cfg->priority_scheduling = false;
+    else if (strcmp(v, "priority") == 0)
+        cfg->priority_scheduling = true;
+    else
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--scheduling-policy: unknown policy \"%.64s\" (fcfs or priority)", v);
+    return TDM_OK;
+}
+
 // --dtype is the compute type as vLLM names it (Tandem computes bf16 weights
 // against f32 activations: auto, bfloat16 and bf16 all mean that); the weight
 // quantization is --quantization. "--dtype int8" is the old spelling of
@@ -433,6 +447,13 @@ static const struct tdm_flag decode_flags[] = {
      .offset = OFF(enforce_eager),
      .help = "no CUDA graphs for decode steps (default: graphs\nper padded batch size 1, 2, 4, "
              "... on cuda)"},
+    {.name = "scheduling-policy",
+     .kind = TDM_FLAG_FN,
+     .fn = set_scheduling_policy,
+     .metavar = "fcfs|priority",
+     .help = "fcfs (default): requests start in arrival order, and\na priority other than 0 is "
+             "refused (400); priority:\nthe waiting ones start by (priority, arrival),\nlowest "
+             "first, and a preemption takes the running\nrequest of the highest (vLLM's flag)"},
     BOOL_PAIR("async-scheduling", async_scheduling,
               "on a device (cuda), issue the next decode step\nbefore this one's tokens reach the "
               "host, from the\ntokens chosen on the device (vLLM's flag; default on;\nrows with "

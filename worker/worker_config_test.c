@@ -153,6 +153,7 @@ static void test_vllm_command_lines(void **state)
         {"vllm serve mistralai/Mistral-7B-v0.1 --gpu-memory-utilization 0.95 --max-model-len 8192",
          NULL},
         {"vllm serve meta-llama/Llama-2-7b-hf --enable-prefix-caching", NULL},
+        {"vllm serve Qwen/Qwen2.5-7B-Instruct --scheduling-policy priority", NULL},
         {"vllm serve Qwen/Qwen2.5-7B-Instruct --enable-auto-tool-choice --tool-call-parser hermes",
          NULL},
         {"vllm serve Qwen/Qwen2.5-7B-Instruct --trust-remote-code --dtype half --max-model-len 32K "
@@ -321,6 +322,17 @@ static void test_device(void **state)
     assert_false(c.async_scheduling);
     assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--async-scheduling"), TDM_OK);
     assert_true(c.async_scheduling);
+    // vLLM's --scheduling-policy: fcfs (the default) or priority.
+    assert_false(c.priority_scheduling);
+    assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--scheduling-policy=priority"),
+                     TDM_OK);
+    assert_true(c.priority_scheduling);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--scheduling-policy", "fcfs"),
+                     TDM_OK);
+    assert_false(c.priority_scheduling);
+    assert_int_equal(parse(&c, err, sizeof err, 5, "--model", "/m", "--scheduling-policy", "lifo"),
+                     TDM_EINVAL);
+    assert_non_null(strstr(err, "--scheduling-policy: unknown policy \"lifo\" (fcfs or priority)"));
     assert_int_equal(parse(&c, err, sizeof err, 4, "--model", "/m", "--enforce-eager"), TDM_OK);
     assert_true(c.enforce_eager);
     // The GEMM mode: neither flag is the model's default; the value forms

@@ -50,6 +50,7 @@ struct tdm_engine_request {
     tdm_engine_layer_fn on_layer; // PREFILL_ONLY push hook (NULL = none)
     void *layer_ctx;
     double arrival;
+    int priority; // cfg.priority_scheduling's rank: (priority, arrival), lowest first
     int n_prompt;
     // Prompt tokens proper: n_prompt less the resumed stream's output it ends
     // with (n_resume). Their rows are the model's prompt rows (the GEMM class
@@ -453,6 +454,42 @@ static void wait_push_front(struct tdm_engine *e, struct tdm_engine_request *r)
     r->state = REQ_WAITING;
 }
 
+// Priority scheduling's order: true when a is served after b, by (priority,
+// arrival); equal ranks keep their order.
+static bool ranks_after(const struct tdm_engine_request *a, const struct tdm_engine_request *b)
+{
+    return a->priority != b->priority ? a->priority > b->priority : a->arrival > b->arrival;
+}
+
+// Queues r: fcfs at the back (a preempted request at the front), priority
+// scheduling behind the last waiting request it does not rank before.
+static void wait_enqueue(struct tdm_engine *e, struct tdm_engine_request *r, bool preempted)
+{
+    if (!e->cfg.priority_scheduling) {
+        if (preempted)
+            wait_push_front(e, r);
+        else
+            wait_push_back(e, r);
+        return;
+    }
+    struct tdm_engine_request *q = e->wait_tail;
+    while (q && ranks_after(q, r))
+        q = q->prev;
+    if (q == NULL) {
+        wait_push_front(e, r);
+        return;
+    }
+    r->prev = q;
+    r->next = q->next;
+    if (q->next)
+        q->next->prev = r;
+    else
+        e->wait_tail = r;
+    q->next = r;
+    e->num_waiting_local++;
+    r->state = REQ_WAITING;
+}
+
 static void wait_remove(struct tdm_engine *e, struct tdm_engine_request *r)
 {
     if (r->prev)
@@ -814,7 +851,7 @@ static void preempt(struct tdm_engine *e, struct tdm_engine_request *r)
     r->computed = 0;
     r->sched_take = 0;
     r->n_draft = 0;
-    wait_push_front(e, r);
+    wait_enqueue(e, r, true);
     pthread_mutex_lock(&e->mu);
     e->num_queued++;
     pthread_mutex_unlock(&e->mu);
@@ -850,8 +887,21 @@ static void fail_unfit(struct tdm_engine *e, struct tdm_engine_request *r, int t
     finish_request(e, r, TDM_FINISH_ERROR, -1, TDM_ECAPACITY, msg, false);
 }
 
-// Schedules one running request's next tokens (take <= budget), preempting the
-// most recently admitted running requests while its blocks do not fit. Returns
+// The running request a preemption takes: fcfs the one admitted last;
+// priority scheduling the one of the highest (priority, arrival), the later
+// admitted of equals.
+static struct tdm_engine_request *preempt_victim(const struct tdm_engine *e)
+{
+    struct tdm_engine_request *v = e->running[e->num_running - 1];
+    if (e->cfg.priority_scheduling)
+        for (int i = e->num_running - 2; i >= 0; i--)
+            if (ranks_after(e->running[i], v))
+                v = e->running[i];
+    return v;
+}
+
+// Schedules one running request's next tokens (take <= budget), preempting
+// running requests (preempt_victim) while its blocks do not fit. Returns
 // true when r was scheduled, false when r itself was preempted or failed. A
 // decode's draft tokens (r->n_draft) ride along after its token.
 static bool schedule_running(struct tdm_engine *e, struct tdm_engine_request *r, int *n_items,
@@ -890,7 +940,7 @@ static bool schedule_running(struct tdm_engine *e, struct tdm_engine_request *r,
             *budget -= t;
             return true;
         }
-        struct tdm_engine_request *victim = e->running[e->num_running - 1];
+        struct tdm_engine_request *victim = preempt_victim(e);
         if (victim == r && blocks_for(e, r->computed + 1) > e->cfg.num_blocks) {
             fail_unfit(e, r, r->computed + 1);
             return false;
@@ -1083,8 +1133,9 @@ static int schedule(struct tdm_engine *e)
     }
     e->draft_rows_left = e->draft_rows;
     e->plp_rows_left = e->plp_rows;
-    // Decodes first (one token each), then prompt chunks of running requests. A
-    // preemption removes the tail of `running`, so indices before i stay valid.
+    // Decodes first (one token each), then prompt chunks of running requests.
+    // A preemption removes a request from `running` (fcfs its tail, priority
+    // scheduling any): the pass starts over, the ones scheduled are skipped.
     for (int pass = 0; pass < 2; pass++) {
         for (int i = 0; i < e->num_running && budget > 0; i++) {
             struct tdm_engine_request *r = e->running[i];
@@ -1093,8 +1144,10 @@ static int schedule(struct tdm_engine *e)
                 continue;
             if (is_decode)
                 propose(e, r, budget);
-            if (!schedule_running(e, r, &n_items, &budget, &preempted))
-                i--; // r left the running set (preempted itself or failed)
+            int before = e->num_running;
+            bool kept = schedule_running(e, r, &n_items, &budget, &preempted);
+            if (!kept || e->num_running != before)
+                i = -1; // r or others left the running set (preempted or failed)
         }
     }
     // vLLM v1: no admissions in a step that had to preempt.
@@ -2084,7 +2137,7 @@ static void take_control(struct tdm_engine *e, bool *abort_all, bool *stop)
     while (in) {
         struct tdm_engine_request *next = in->inbox_next;
         in->inbox_next = NULL;
-        wait_push_back(e, in);
+        wait_enqueue(e, in, false);
         in = next;
     }
     // The control list is LIFO; order does not matter for aborts.
@@ -2652,6 +2705,9 @@ static int submit_validate(const struct tdm_engine *e, const struct tdm_engine_r
     if (p->max_tokens < 0)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: max_tokens must be >= 0, got %d", id,
                           p->max_tokens);
+    if (p->priority != 0 && !e->cfg.priority_scheduling)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "Got priority %d but Priority scheduling is not enabled.", p->priority);
     if (p->n_resume < 0 || p->n_resume >= p->n_prompt)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: n_resume %d outside [0, %d)", id,
                           p->n_resume, p->n_prompt);
@@ -2724,6 +2780,7 @@ static struct tdm_engine_request *request_new(struct tdm_engine *e,
     r->on_layer = p->on_layer;
     r->layer_ctx = p->layer_ctx;
     r->arrival = p->arrival_time > 0 ? p->arrival_time : tdm_now();
+    r->priority = p->priority;
     r->n_prompt = p->n_prompt;
     r->n_own_prompt = p->n_prompt - p->n_resume;
     r->max_gen = max_gen;
@@ -2808,6 +2865,11 @@ static int submit_enqueue(struct tdm_engine *e, struct tdm_engine_request *r, ch
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->mu);
     return TDM_OK;
+}
+
+bool tdm_engine_priority_scheduling(const struct tdm_engine *e)
+{
+    return e != NULL && e->cfg.priority_scheduling;
 }
 
 int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_params *p,

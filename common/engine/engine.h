@@ -107,9 +107,21 @@ struct tdm_engine_config {
     // is discarded. Output is the same either way. true turns it off: every
     // step waits for its tokens before the next is scheduled.
     bool sync_scheduling;
+    // vLLM's --scheduling-policy priority: the waiting queue runs in order of
+    // (priority, arrival), the lowest first (a request that arrives with a
+    // lower value goes ahead of those waiting, never ahead of running ones),
+    // and when a running request needs a KV block that is not free, the
+    // running request of the highest (priority, arrival) is preempted (fcfs:
+    // the one admitted last), and waits in that order again. false (fcfs,
+    // the default): a request's priority must be 0 (TDM_EINVAL, vLLM's "Got
+    // priority N but Priority scheduling is not enabled.").
+    bool priority_scheduling;
 };
 // Fills the defaults above.
 void tdm_engine_config_default(struct tdm_engine_config *cfg);
+struct tdm_engine;
+// cfg.priority_scheduling of a running engine.
+bool tdm_engine_priority_scheduling(const struct tdm_engine *e);
 
 // Creates the KV cache from cfg and the model's geometry and starts the engine
 // thread. model must outlive the engine and is used by no other thread
@@ -197,6 +209,7 @@ struct tdm_engine_request_params {
     const int32_t *eos_ids; // [num_eos] EOS ids; NULL = the model's config.json ones
     int num_eos;
     double arrival_time; // tdm_now() when the request arrived; 0 = at submit
+    int priority;        // cfg.priority_scheduling: lower is served first; else must be 0
     int params_n;        // the API request's n (this is one of its n sequences), for
                          // vllm:request_params_n; 0 = 1
     int params_index;    // which of the n sequences this is (0 .. n-1): only sequence 0

@@ -1507,6 +1507,135 @@ static void test_preemption(void **state)
     }
 }
 
+// Priority scheduling: the order requests start (their first output) and
+// finish in, as the engine thread reports them.
+struct prio_log {
+    int started[8], finished[8];
+    int n_started, n_finished;
+};
+struct prio_req {
+    struct prio_log *log;
+    int label;
+};
+
+static void prio_output(void *ctx, const struct tdm_engine_output *o)
+{
+    struct prio_req *p = ctx;
+    if (o->index == 0)
+        p->log->started[p->log->n_started++] = p->label;
+    if (o->finished)
+        p->log->finished[p->log->n_finished++] = p->label;
+}
+
+static struct tdm_engine *engine_prio(int num_blocks, int max_seqs, bool prio)
+{
+    struct tdm_engine_config c;
+    struct tdm_engine *e = NULL;
+    char err[256];
+    tdm_engine_config_default(&c);
+    c.num_blocks = num_blocks;
+    c.max_num_batched_tokens = 64;
+    c.max_num_seqs = max_seqs;
+    c.priority_scheduling = prio;
+    assert_int_equal(tdm_engine_new(&e, model, &c, err, sizeof err), TDM_OK);
+    return e;
+}
+
+static struct tdm_engine_request *submit_prio(struct tdm_engine *e, const int32_t *prompt, int n,
+                                              int max_tokens, int priority, struct prio_req *pr)
+{
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    char err[256];
+    tdm_engine_request_params_default(&p);
+    greedy(&p.sampling);
+    p.id = "prio";
+    p.prompt = prompt;
+    p.n_prompt = n;
+    p.max_tokens = max_tokens;
+    p.priority = priority;
+    p.on_output = prio_output;
+    p.ctx = pr;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
+    return r;
+}
+
+// vLLM's --scheduling-policy priority: waiting requests start in order of
+// (priority, arrival), lowest first; a preemption takes the running request
+// of the highest (priority, arrival) where fcfs takes the one admitted last;
+// fcfs refuses a priority other than 0 in vLLM's words.
+static void test_priority_scheduling(void **state)
+{
+    (void)state;
+    int32_t prompt[24], got[64];
+    make_prompt(prompt, 20, 31);
+    // One running at a time: A runs, B..E wait and start by priority.
+    struct tdm_engine *e = engine_prio(256, 1, true);
+    struct prio_log log = {0};
+    struct prio_req pr[5];
+    int prio[5] = {0, 5, 0, -3, 5};
+    struct tdm_engine_request *r[5];
+    for (int i = 0; i < 5; i++)
+        pr[i] = (struct prio_req){.log = &log, .label = i};
+    r[0] = submit_prio(e, prompt, 20, 30, prio[0], &pr[0]);
+    struct collected c0 = {0};
+    collect(r[0], got, 64, &c0, 1); // A is running before the others arrive
+    for (int i = 1; i < 5; i++)
+        r[i] = submit_prio(e, prompt, 20, 3, prio[i], &pr[i]);
+    for (int i = 0; i < 5; i++) {
+        struct collected c = {0};
+        collect(r[i], got, 64, i == 0 ? &c0 : &c, 0);
+        tdm_engine_request_release(r[i]);
+    }
+    // A first (running: never overtaken), then D (-3), C (0), B and E (5, by arrival).
+    int want[5] = {0, 3, 2, 1, 4};
+    assert_int_equal(log.n_started, 5);
+    assert_memory_equal(log.started, want, sizeof want);
+    tdm_engine_free(e);
+
+    // Preemption's victim. Three requests of 20 + 40 tokens need 4 blocks each
+    // and 8 blocks hold two: decodes run out of blocks. fcfs preempts the one
+    // admitted last (C, which finishes last); priority scheduling the one of
+    // the highest priority (B, 9), which then waits behind C.
+    for (int mode = 0; mode < 2; mode++) {
+        e = engine_prio(8, 8, mode == 1);
+        memset(&log, 0, sizeof log);
+        int p3[3] = {0, mode == 1 ? 9 : 0, 0};
+        for (int i = 0; i < 3; i++) {
+            pr[i] = (struct prio_req){.log = &log, .label = i};
+            r[i] = submit_prio(e, prompt, 20, 40, p3[i], &pr[i]);
+        }
+        for (int i = 0; i < 3; i++) {
+            struct collected c = {0};
+            collect(r[i], got, 64, &c, 0);
+            assert_int_equal(c.reason, TDM_FINISH_LENGTH);
+            assert_int_equal(c.n, 40);
+            tdm_engine_request_release(r[i]);
+        }
+        struct tdm_engine_stats s;
+        tdm_engine_get_stats(e, &s);
+        assert_true(s.num_preemptions > 0);
+        assert_int_equal(log.n_finished, 3);
+        assert_int_equal(log.finished[2], mode == 1 ? 1 : 2);
+        assert_kv_ok(e);
+        tdm_engine_free(e);
+    }
+
+    // fcfs: a priority other than 0 is refused.
+    e = engine_prio(64, 4, false);
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *bad = NULL;
+    char err[256];
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = 20;
+    p.priority = 2;
+    assert_int_equal(tdm_engine_submit(e, &p, &bad, err, sizeof err), TDM_EINVAL);
+    assert_null(bad);
+    assert_string_equal(err, "Got priority 2 but Priority scheduling is not enabled.");
+    tdm_engine_free(e);
+}
+
 static void test_abort(void **state)
 {
     (void)state;
@@ -3060,6 +3189,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_preemption),
         cmocka_unit_test(test_gemm_classes),
         cmocka_unit_test(test_abort),
+        cmocka_unit_test(test_priority_scheduling),
         cmocka_unit_test(test_queue_bound_and_bad_input),
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_metrics),

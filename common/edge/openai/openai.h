@@ -157,7 +157,8 @@ struct tdm_oai_request {
                                         // field, else the server's flag)
     char *user;                         // NULL when absent
     char *request_id;                   // the body's request_id, NULL when absent
-    int priority;                       // accepted (0 default); scheduling ignores it
+    int priority;                       // 0 default; the engine orders by it (priority
+                                        // scheduling) or refuses one other than 0 (fcfs)
 
     // Sampling with generation_config.json defaults applied (tdm_hf_sampling_resolve);
     // logprobs = top_logprobs when logprobs is on, else -1. Token ids are checked
