@@ -566,6 +566,7 @@ static void fill_params(struct djob *j, struct tdm_engine_request_params *ep)
     ep->want_prompt_logprobs = j->gen->want_prompt_logprobs;
     ep->prompt_top_logprobs = j->gen->prompt_top_logprobs;
     ep->priority = j->gen->priority;
+    ep->cache_salt = j->gen->cache_salt;
     if (j->gen->n_eos_ids) {
         ep->eos_ids = j->gen->eos_ids;
         ep->num_eos = (int)j->gen->n_eos_ids;
@@ -654,6 +655,7 @@ static int remote_send_prefill(void *ctx, double timeout_s, char *err, size_t er
     pr.eos_ids = j->gen->eos_ids;
     pr.deadline_unix = j->gen->deadline_unix;
     pr.priority = j->gen->priority;
+    pr.cache_salt = j->gen->cache_salt;
     pr.model = (char *)rx->parts.served_name;
     pr.hold_seconds = rx->cfg.transfer_timeout;
     char tp[TDM_TRACEPARENT_LEN + 1];
@@ -1404,6 +1406,10 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
         refuse(j, TDM_EINVAL,
                "prompt logprobs with prefill targets or resume_tokens (such a request is "
                "prefilled here, from its prompt alone)");
+        return;
+    }
+    if (g->cache_salt && strlen(g->cache_salt) > 1024) {
+        refuse(j, TDM_EINVAL, "cache_salt over 1024 bytes");
         return;
     }
     if (g->n_resume_tokens > 0) {

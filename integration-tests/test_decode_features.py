@@ -11,6 +11,7 @@
 - echo; logprobs (completions and chat); max_tokens default 16;
 - priority: refused under fcfs (vLLM's 400); --scheduling-policy priority
   starts a waiting request of lower priority value first;
+- cache_salt: prefix hits only between requests of the same salt, same output;
 - return_tokens_as_token_ids ("token_id:<id>" in logprobs); truncate_prompt_tokens
   (the prompt's last N tokens: the continuation of those alone);
 - chat stream: role chunk first, content deltas, finish, [DONE];
@@ -150,6 +151,25 @@ def main():
     h.check(all(e["object"] == "chat.completion.chunk" and e["id"] == evs[0]["id"] for e in evs),
             "chat chunk ids/objects")
     h.check(evs[-1]["choices"][0]["finish_reason"] == "length", "chat finish %r" % evs[-1])
+    # cache_salt (vLLM's): prefix-cache hits only between requests of the same
+    # salt; the output does not change. A prompt of 40 tokens: 32 can hit.
+    long_ids = list(range(300, 340))
+
+    def hits():
+        return h.metric_value(srv.metrics(), "vllm:prefix_cache_hits_total") or 0
+
+    base = dict(greedy, prompt=long_ids, max_tokens=4)
+    want = comp(srv, **base)["choices"][0]["token_ids"]
+    got = []
+    for salt, gain in (("tenant-a", 0), ("tenant-b", 0), ("tenant-a", 32), (None, 32)):
+        before = hits()
+        body = dict(base, cache_salt=salt) if salt else base
+        got.append(comp(srv, **body)["choices"][0]["token_ids"])
+        h.check(hits() - before == gain, "cache_salt %r: %s prefix hits, want %d"
+                % (salt, hits() - before, gain))
+    h.check(all(g == want for g in got), "cache_salt changed the output")
+    st, _, r = srv.post_json("/v1/completions", dict(base, cache_salt=""))
+    h.check(st == 400 and "cache_salt" in r["error"]["message"], "empty cache_salt %d %r" % (st, r))
     # fcfs (the default) refuses a priority other than 0, in vLLM's words.
     st, _, r = srv.post_json("/v1/completions", dict(greedy, priority=2))
     h.check(st == 400 and r["error"]["message"] ==

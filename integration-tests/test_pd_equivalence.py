@@ -28,6 +28,9 @@ def check_prompt_logprobs(cl):
     check(st == 200, "echo+logprobs via router: %d %s" % (st, a))
     check("prefill=tcp://" not in hdr.get("x-tandem-phases", ""),
           "a prompt-logprob request was prefilled remotely: %r" % hdr.get("x-tandem-phases"))
+    # ... and routed (and counted) as decode-only, whatever the pd_mode.
+    check("decision=decode-only" in hdr.get("x-tandem-phases", ""),
+          "a prompt-logprob request's decision: %r" % hdr.get("x-tandem-phases"))
     served = [w for w in cl.decode if w.name == hdr.get("x-tandem-decode")][0]
     st, _, b = post(served.http_port, "/v1/completions", ask)
     check(st == 200, "echo+logprobs direct: %d" % st)
@@ -123,6 +126,19 @@ def main():
             check(text == routed["choices"][0]["text"], "n=%d: streamed text differs" % n)
             check(ids == routed["choices"][0]["token_ids"], "n=%d: streamed ids differ" % n)
             n_checked += 1
+    # cache_salt through P/D: the salt goes to the decode and the prefill
+    # worker, which cache the blocks under it; the tokens are the direct
+    # run's on either decode worker (one of them then hits its salted blocks).
+    salted = dict(prompt=" ".join("w%d" % i for i in range(60)), max_tokens=8, temperature=0,
+                  ignore_eos=True, return_token_ids=True, cache_salt="tenant-7")
+    st, hdr, routed = post(cl.router_port, "/v1/completions", salted)
+    check(st == 200, "cache_salt via router: %d %s" % (st, routed))
+    check("prefill=tcp://" in hdr.get("x-tandem-phases", ""),
+          "cache_salt request not prefilled remotely: %r" % hdr.get("x-tandem-phases"))
+    for w in cl.decode:
+        st, _, direct = post(w.http_port, "/v1/completions", salted)
+        check(st == 200 and direct["choices"][0]["token_ids"] == routed["choices"][0]["token_ids"],
+              "cache_salt: routed %s != direct %s" % (routed, direct))
     # A chat request and a stop string through both paths.
     chat = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 10,
             "temperature": 0}

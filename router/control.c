@@ -232,8 +232,8 @@ static int route_error(struct tdm_router_control *ctl, int rc, const struct tdm_
 
 // route_avoiding and reroute: one entry into the registry (attempt_begin),
 // which applies prev (reroute's old route) around the new hold.
-static int route_with(struct tdm_router_control *ctl, const int32_t *tokens, size_t n,
-                      const char *session, const uint64_t *avoid, size_t n_avoid,
+static int route_with(struct tdm_router_control *ctl, const int32_t *tokens,
+                      const struct tdm_router_request *ask, const uint64_t *avoid, size_t n_avoid,
                       const struct tdm_router_give_back *prev, struct tdm_router_route *route,
                       char *err, size_t errlen)
 {
@@ -241,15 +241,16 @@ static int route_with(struct tdm_router_control *ctl, const int32_t *tokens, siz
     double t0 = tdm_now();
     struct tdm_router_config *cfg = tdm_router_config_store_get(ctl->store, NULL);
     size_t bs = (size_t)cfg->block_size_tokens;
+    size_t n = ask->num_prompt_tokens;
     size_t nb = tokens ? n / bs : 0;
     uint64_t *hashes = NULL;
     if (nb && !(hashes = malloc(nb * sizeof *hashes))) {
         tdm_router_config_unref(cfg);
         return tdm_seterr(err, errlen, TDM_ENOMEM, "out of memory");
     }
-    tdm_router_block_hashes(tokens, n, (int)bs, hashes, nb);
+    tdm_router_block_hashes(tokens, n, (int)bs, ask->hash_root, hashes, nb);
 
-    struct tdm_router_request req = {.num_prompt_tokens = n, .session = session};
+    struct tdm_router_request req = *ask;
     struct pick_args pa = {.cfg = cfg, .req = &req, .avoid = avoid, .n_avoid = n_avoid};
     struct tdm_router_snapshot snap = {0};
     struct tdm_router_held held;
@@ -293,15 +294,16 @@ int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *toke
                              const char *session, struct tdm_router_route *route, char *err,
                              size_t errlen)
 {
-    return route_with(ctl, tokens, n, session, NULL, 0, NULL, route, err, errlen);
+    struct tdm_router_request req = {.num_prompt_tokens = n, .session = session};
+    return route_with(ctl, tokens, &req, NULL, 0, NULL, route, err, errlen);
 }
 
 int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int32_t *tokens,
-                                      size_t n, const char *session, const uint64_t *avoid,
+                                      const struct tdm_router_request *req, const uint64_t *avoid,
                                       size_t n_avoid, struct tdm_router_route *route, char *err,
                                       size_t errlen)
 {
-    return route_with(ctl, tokens, n, session, avoid, n_avoid, NULL, route, err, errlen);
+    return route_with(ctl, tokens, req, avoid, n_avoid, NULL, route, err, errlen);
 }
 
 // What route r gives back: its held endpoints, and a report on its decode
@@ -339,12 +341,12 @@ static void route_finish(struct tdm_router_control *ctl, struct tdm_router_route
 }
 
 int tdm_router_control_reroute(struct tdm_router_control *ctl, struct tdm_router_route *old,
-                               const int32_t *tokens, size_t n, const char *session,
+                               const int32_t *tokens, const struct tdm_router_request *req,
                                const uint64_t *avoid, size_t n_avoid,
                                struct tdm_router_route *route, char *err, size_t errlen)
 {
     struct tdm_router_give_back prev = route_end_of(ctl, old, true, TDM_ROUTER_OUTCOME_ERROR);
-    int rc = route_with(ctl, tokens, n, session, avoid, n_avoid, &prev, route, err, errlen);
+    int rc = route_with(ctl, tokens, req, avoid, n_avoid, &prev, route, err, errlen);
     if (rc == TDM_OK && old->cfg)
         route_finish(ctl, old, "error"); // its endpoints went back in attempt_begin
     return rc;

@@ -102,9 +102,14 @@ int tdm_router_control_route(struct tdm_router_control *ctl, const int32_t *toke
                              size_t errlen);
 // tdm_router_control_route for a retry: the decode endpoints in avoid[0..n_avoid)
 // (those that already failed the request) are not picked while another
-// healthy decode endpoint exists; when none does, they may be.
+// healthy decode endpoint exists; when none does, they may be. A request
+// with decode_only is prefilled on its decode worker whatever the pd_mode
+// (prompt logprobs need every prompt row's logits there): no prefill pick,
+// decision decode-only.
+// req: the request as the policy sees it (num_prompt_tokens = the tokens'
+// count, session, decode_only, hash_root).
 int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int32_t *tokens,
-                                      size_t n, const char *session, const uint64_t *avoid,
+                                      const struct tdm_router_request *req, const uint64_t *avoid,
                                       size_t n_avoid, struct tdm_router_route *route, char *err,
                                       size_t errlen);
 // route_avoiding in place of old, whose decode worker was lost (a stream
@@ -113,7 +118,7 @@ int tdm_router_control_route_avoiding(struct tdm_router_control *ctl, const int3
 // done ("error": its endpoints released after the new ones are held, old
 // zeroed). On failure old stays held (reported) and *route is empty.
 int tdm_router_control_reroute(struct tdm_router_control *ctl, struct tdm_router_route *old,
-                               const int32_t *tokens, size_t n, const char *session,
+                               const int32_t *tokens, const struct tdm_router_request *req,
                                const uint64_t *avoid, size_t n_avoid,
                                struct tdm_router_route *route, char *err, size_t errlen);
 

@@ -268,21 +268,25 @@ static void test_route_avoiding(void **state)
     char err[256];
     struct tdm_router_route r;
     for (int i = 0; i < 4; i++) { // round robin alone would alternate
-        assert_int_equal(
-            tdm_router_control_route_avoiding(e.ctl, t, 4, NULL, &a.id, 1, &r, err, sizeof err),
-            TDM_OK);
+        assert_int_equal(tdm_router_control_route_avoiding(
+                             e.ctl, t, &(struct tdm_router_request){.num_prompt_tokens = 4}, &a.id,
+                             1, &r, err, sizeof err),
+                         TDM_OK);
         assert_true(r.decode.id == b.id);
         tdm_router_control_route_done(e.ctl, &r, "success");
     }
     uint64_t both[2] = {a.id, b.id};
-    assert_int_equal(
-        tdm_router_control_route_avoiding(e.ctl, t, 4, NULL, both, 2, &r, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_router_control_route_avoiding(
+                         e.ctl, t, &(struct tdm_router_request){.num_prompt_tokens = 4}, both, 2,
+                         &r, err, sizeof err),
+                     TDM_OK);
     tdm_router_control_route_done(e.ctl, &r, "success");
     // Avoidance never makes an unhealthy endpoint pickable.
     tdm_router_endpoints_set_healthy(eps, b.id, false);
-    assert_int_equal(
-        tdm_router_control_route_avoiding(e.ctl, t, 4, NULL, &a.id, 1, &r, err, sizeof err),
-        TDM_OK);
+    assert_int_equal(tdm_router_control_route_avoiding(
+                         e.ctl, t, &(struct tdm_router_request){.num_prompt_tokens = 4}, &a.id, 1,
+                         &r, err, sizeof err),
+                     TDM_OK);
     assert_true(r.decode.id == a.id);
     tdm_router_control_route_done(e.ctl, &r, "success");
     env_close(&e);
@@ -321,8 +325,10 @@ static void test_entries_and_reroute(void **state)
 
     // Migration: A is reported (threshold 1: out of the pick), B held, A done.
     e0 = request_entries(&e);
-    assert_int_equal(
-        tdm_router_control_reroute(e.ctl, &r, t, 32, NULL, &a.id, 1, &nr, err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_router_control_reroute(
+                         e.ctl, &r, t, &(struct tdm_router_request){.num_prompt_tokens = 32}, &a.id,
+                         1, &nr, err, sizeof err),
+                     TDM_OK);
     assert_int_equal(request_entries(&e) - e0, 1);
     assert_null(r.cfg); // old done
     assert_true(nr.decode.id == b.id);
@@ -344,9 +350,10 @@ static void test_entries_and_reroute(void **state)
     // B lost too, nothing left: B reported, still held, the new route empty.
     e0 = request_entries(&e);
     uint64_t both[2] = {a.id, b.id};
-    assert_int_equal(
-        tdm_router_control_reroute(e.ctl, &nr, t, 32, NULL, both, 2, &r, err, sizeof err),
-        TDM_EBUSY);
+    assert_int_equal(tdm_router_control_reroute(
+                         e.ctl, &nr, t, &(struct tdm_router_request){.num_prompt_tokens = 32}, both,
+                         2, &r, err, sizeof err),
+                     TDM_EBUSY);
     assert_int_equal(request_entries(&e) - e0, 1);
     assert_null(r.cfg);
     assert_non_null(nr.cfg);

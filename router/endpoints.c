@@ -51,13 +51,13 @@
 #define MAX_DNS_ADDRS 256
 
 // ---- block hashes (common/engine/kv's chained hash, so the index keys what workers cache) -------
-size_t tdm_router_block_hashes(const int32_t *tokens, size_t n, int block_size, uint64_t *out,
-                               size_t cap)
+size_t tdm_router_block_hashes(const int32_t *tokens, size_t n, int block_size, uint64_t root,
+                               uint64_t *out, size_t cap)
 {
     if (block_size <= 0 || !tokens)
         return 0;
     size_t nb = n / (size_t)block_size;
-    uint64_t h = 0;
+    uint64_t h = root;
     for (size_t i = 0; i < nb && i < cap; i++) {
         h = tdm_kv_block_hash(h, tokens + i * (size_t)block_size, block_size);
         out[i] = h;

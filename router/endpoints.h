@@ -27,7 +27,8 @@
 //
 // Block hash (tdm_router_block_hashes): identical to the decode worker's KV
 // cache (common/engine/kv, kv_hash_block): for block i of block_size tokens,
-//   h_i = H(h_{i-1}, tokens[i*bs .. (i+1)*bs)), h_{-1} = 0,
+//   h_i = H(h_{i-1}, tokens[i*bs .. (i+1)*bs)), h_{-1} = 0 (or, for a request
+//   with a cache_salt, tdm_kv_salt_hash of it),
 // H = an xxHash64-style accumulation of two 32-bit token ids per 64-bit lane
 // (P1 0x9E3779B185EBCA87, P2 0xC2B2AE3D27D4EB4F, P3 0x165667B19E3779F9), length
 // mixed in, murmur3 fmix64 finish, 0 mapped to 1. Only full blocks are hashed.
@@ -135,9 +136,11 @@ void tdm_router_snapshot_free(struct tdm_router_snapshot *snap); // frees eps; N
 // ---- block hashes ----------------------------------------------------------------------------
 // Writes the chained hashes of the full blocks of tokens[0..n) into out (at most
 // cap); returns the number of full blocks (n / block_size) even when larger than
-// cap (like snprintf). block_size <= 0 returns 0.
-size_t tdm_router_block_hashes(const int32_t *tokens, size_t n, int block_size, uint64_t *out,
-                               size_t cap);
+// cap (like snprintf). block_size <= 0 returns 0. root is the chain's root
+// (h_{-1}): 0, or the request's cache_salt's (tdm_kv_salt_hash), as the
+// workers hash that request's blocks.
+size_t tdm_router_block_hashes(const int32_t *tokens, size_t n, int block_size, uint64_t root,
+                               uint64_t *out, size_t cap);
 
 // ---- registry --------------------------------------------------------------------------------
 // A resolver for DNS names (tests inject a fake). Writes up to cap numeric

@@ -87,7 +87,7 @@ static void test_block_hashes_match_kv_cache(void **state)
     assert_int_equal(tdm_kv_reserve(kv, &seq, n), TDM_OK);
     tdm_kv_commit(kv, &seq, tokens, n);
     uint64_t h[8];
-    size_t nb = tdm_router_block_hashes(tokens, (size_t)n, 16, h, 8);
+    size_t nb = tdm_router_block_hashes(tokens, (size_t)n, 16, 0, h, 8);
     assert_int_equal(nb, 5);
     for (size_t i = 0; i < nb; i++)
         assert_true(h[i] == seq.block_hashes[i]);
@@ -96,14 +96,14 @@ static void test_block_hashes_match_kv_cache(void **state)
     memcpy(t2, tokens, sizeof t2);
     t2[0] ^= 1;
     uint64_t h2[2];
-    tdm_router_block_hashes(t2, 32, 16, h2, 2);
+    tdm_router_block_hashes(t2, 32, 16, 0, h2, 2);
     assert_true(h2[0] != h[0] && h2[1] != h[1]);
     // cap smaller than the block count: returns the count, writes cap.
     uint64_t one[1];
-    assert_int_equal(tdm_router_block_hashes(tokens, (size_t)n, 16, one, 1), 5);
+    assert_int_equal(tdm_router_block_hashes(tokens, (size_t)n, 16, 0, one, 1), 5);
     assert_true(one[0] == h[0]);
-    assert_int_equal(tdm_router_block_hashes(tokens, 15, 16, one, 1), 0);
-    assert_int_equal(tdm_router_block_hashes(tokens, 15, 0, one, 1), 0);
+    assert_int_equal(tdm_router_block_hashes(tokens, 15, 16, 0, one, 1), 0);
+    assert_int_equal(tdm_router_block_hashes(tokens, 15, 0, 0, one, 1), 0);
     tdm_kv_seq_release(kv, &seq);
     tdm_kv_free(kv);
 }
@@ -464,7 +464,7 @@ static void test_prefix_index(void **state)
     for (int i = 0; i < 16 * 8; i++)
         tokens[i] = i;
     uint64_t h[8];
-    assert_int_equal(tdm_router_block_hashes(tokens, 16 * 8, 16, h, 8), 8);
+    assert_int_equal(tdm_router_block_hashes(tokens, 16 * 8, 16, 0, h, 8), 8);
     assert_int_equal(snapshot_match(reg, h, 4, a.id), 0);
     tdm_router_endpoints_record_prefix(reg, a.id, h, 4);
     assert_int_equal(snapshot_match(reg, h, 4, a.id), 4);

@@ -210,7 +210,7 @@ int tdm_router_policy_pick(const struct tdm_router_config *cfg,
     pick->uncached_tokens = prompt - cached;
 
     bool disagg = false;
-    if (cfg->prefill_profile != SIZE_MAX && prompt > 0) {
+    if (cfg->prefill_profile != SIZE_MAX && prompt > 0 && !(req && req->decode_only)) {
         if (cfg->pd_mode == TDM_ROUTER_PD_ALWAYS)
             disagg = true;
         else if (cfg->pd_mode == TDM_ROUTER_PD_PREFIX)

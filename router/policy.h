@@ -38,6 +38,10 @@
 struct tdm_router_request {
     size_t num_prompt_tokens; // prompt length in tokens
     const char *session;      // the session header's value, NULL when absent
+    bool decode_only;         // prefilled on the decode worker whatever the pd_mode (prompt
+                              // logprobs): no prefill pick
+    uint64_t hash_root;       // the block hashes' chain root: 0, or tdm_kv_salt_hash of the
+                              // request's cache_salt (what the workers cache it under)
 };
 
 enum tdm_router_decision {

@@ -554,6 +554,13 @@ static void test_pd_decider(void **state)
     req.num_prompt_tokens = 1;
     assert_int_equal(tdm_router_policy_pick(cfg, &f.snap, &req, &p), TDM_OK);
     assert_int_equal(p.decision, TDM_ROUTER_DECISION_PREFILL_DECODE);
+    // A request prefilled where it decodes (prompt logprobs): decode-only
+    // even under always, with no prefill pick.
+    req.decode_only = true;
+    assert_int_equal(tdm_router_policy_pick(cfg, &f.snap, &req, &p), TDM_OK);
+    assert_int_equal(p.decision, TDM_ROUTER_DECISION_DECODE_ONLY);
+    assert_int_equal(p.n_prefill, 0);
+    req.decode_only = false;
     tdm_router_config_unref(cfg);
     cfg = cfg_of("policy: round_robin\npd_mode: never\n");
     req.num_prompt_tokens = 100000;

@@ -16,6 +16,7 @@
 #include "control.h"
 #include "core.h"
 #include "http.h"
+#include "kv_cache.h"
 #include "metrics.h"
 #include "openai.h"
 #include "openai_http.h"
@@ -404,6 +405,7 @@ static int send_choice(struct call *k, size_t i, uint64_t dec_inst, Tandem__Pref
     g.deadline_unix = (double)time(NULL) + (left > 0 ? left : 0);
     g.arrival_unix = (double)time(NULL);
     g.priority = k->oai.req.priority;
+    g.cache_salt = k->oai.req.cache_salt ? k->oai.req.cache_salt : "";
     int plp = tdm_oai_call_prompt_lp(&k->oai, i);
     if (resume && ch->n_got > 0) {
         g.n_resume_tokens = ch->n_got;
@@ -438,6 +440,24 @@ static int send_choice(struct call *k, size_t i, uint64_t dec_inst, Tandem__Pref
     if (rc != TDM_OK)
         ch->upstream_done = true; // never arrived: nothing to cancel
     return rc;
+}
+
+// The call as the routing policy sees it: its first prompt's length, the
+// session, whether it is prefilled on its decode worker whatever the pd_mode
+// (a choice asks prompt logprobs: a prefill worker computes only the last
+// row's logits; the route is then decode-only, and counted so), and its
+// cache_salt's chain root (the block hashes its workers cache it under).
+static struct tdm_router_request route_ask(const struct call *k, const char *session)
+{
+    struct tdm_router_request q = {
+        .num_prompt_tokens = k->oai.prompts[0].n,
+        .session = session,
+        .hash_root = k->oai.req.cache_salt
+                         ? tdm_kv_salt_hash(k->oai.req.cache_salt, strlen(k->oai.req.cache_salt))
+                         : 0};
+    for (size_t i = 0; i < k->oai.n_choices && !q.decode_only; i++)
+        q.decode_only = tdm_oai_call_prompt_lp(&k->oai, i) >= 0;
+    return q;
 }
 
 // Sends one GenerateRequest per choice to the routed decode worker.
@@ -505,7 +525,8 @@ static int migrate_lost(struct call *k)
     double deadline = k->route.deadline; // the request's deadline does not restart
     // The lost worker reported, the new route held, the old one released: one
     // registry entry.
-    int rc = tdm_router_control_reroute(s->ctl, &k->route, p0->ids, p0->n, k->session, k->lost_ids,
+    struct tdm_router_request ask = route_ask(k, k->session);
+    int rc = tdm_router_control_reroute(s->ctl, &k->route, p0->ids, &ask, k->lost_ids,
                                         (size_t)k->migrations, &nr, err, sizeof err);
     if (rc != TDM_OK) {
         for (size_t i = 0; i < k->oai.n_choices; i++) {
@@ -595,8 +616,9 @@ static enum tdm_router_attempt_end start_attempt(struct call *k, const struct td
     struct tdm_span route;
     tdm_span_begin_child(&route, &k->span, "route", TDM_SPAN_INTERNAL, tdm_now());
     tdm_span_attr_int(&route, "tandem.attempt", k->n_attempts);
-    int rrc = tdm_router_control_route_avoiding(s->ctl, p0->ids, p0->n, session, b->failed,
-                                                b->n_failed, &k->route, err, errlen);
+    struct tdm_router_request ask = route_ask(k, session);
+    int rrc = tdm_router_control_route_avoiding(s->ctl, p0->ids, &ask, b->failed, b->n_failed,
+                                                &k->route, err, errlen);
     route.end = tdm_now();
     if (rrc != TDM_OK) {
         tdm_span_error(&route, err);

@@ -126,6 +126,7 @@ static int submit_all(struct call *k, double arrival, struct tdm_oai_error *e)
         ep.arrival_time = arrival;
         ep.params_n = rq->n;
         ep.priority = rq->priority;
+        ep.cache_salt = rq->cache_salt;
         int plp = tdm_oai_call_prompt_lp(&k->oai, i);
         ep.want_prompt_logprobs = plp >= 0;
         ep.prompt_top_logprobs = plp >= 0 ? plp : 0;

@@ -2792,6 +2792,8 @@ static struct tdm_engine_request *request_new(struct tdm_engine *e,
     r->n_tokens = p->n_prompt;
     r->stop_token = -1;
     tdm_kv_seq_init(&r->seq);
+    if (p->cache_salt)
+        r->seq.root_hash = tdm_kv_salt_hash(p->cache_salt, strlen(p->cache_salt));
     r->hist = malloc(((size_t)p->n_prompt + (size_t)max_gen) * sizeof *r->hist);
     if (r->want_logprobs)
         r->lp = calloc((size_t)max_gen, sizeof *r->lp);

@@ -210,6 +210,9 @@ struct tdm_engine_request_params {
     int num_eos;
     double arrival_time; // tdm_now() when the request arrived; 0 = at submit
     int priority;        // cfg.priority_scheduling: lower is served first; else must be 0
+    const char *cache_salt; // vLLM's cache_salt (NULL or "" = none): the request's KV blocks
+                            // are cached under tdm_kv_salt_hash of it, so prefix hits come
+                            // only from requests with the same salt (docs/kv-cache.md)
     int params_n;        // the API request's n (this is one of its n sequences), for
                          // vllm:request_params_n; 0 = 1
     int params_index;    // which of the n sequences this is (0 .. n-1): only sequence 0

@@ -1636,6 +1636,44 @@ static void test_priority_scheduling(void **state)
     tdm_engine_free(e);
 }
 
+// cache_salt: a request's prefix hits come only from requests of the same
+// salt (none is a salt of its own); the tokens are the same either way.
+static void test_cache_salt(void **state)
+{
+    (void)state;
+    struct tdm_engine *e = engine_make(256, 64, 4, 0, NULL);
+    int32_t prompt[40], got[5][8];
+    make_prompt(prompt, 40, 77);
+    const char *salts[5] = {NULL, "tenant-a", "tenant-b", "tenant-a", NULL};
+    // Prefix hits so far, in tokens (a prompt of 40: two full blocks can hit):
+    // salt b misses salt a's, salt a hits its own, no salt hits the first's.
+    uint64_t want_hits[5] = {0, 0, 0, 32, 64};
+    uint64_t hits0 = 0;
+    for (int i = 0; i < 5; i++) {
+        struct tdm_engine_request_params p;
+        struct tdm_engine_request *r = NULL;
+        char err[256];
+        tdm_engine_request_params_default(&p);
+        greedy(&p.sampling);
+        p.prompt = prompt;
+        p.n_prompt = 40;
+        p.max_tokens = 8;
+        p.cache_salt = salts[i];
+        assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
+        struct collected c = {0};
+        collect(r, got[i], 8, &c, 0);
+        assert_int_equal(c.n, 8);
+        assert_memory_equal(got[i], got[0], sizeof got[0]);
+        tdm_engine_request_release(r);
+        struct tdm_engine_stats s;
+        wait_idle_stats(e, &s);
+        if (i == 0)
+            hits0 = s.prefix_hits;
+        assert_int_equal(s.prefix_hits - hits0, want_hits[i]);
+    }
+    tdm_engine_free(e);
+}
+
 static void test_abort(void **state)
 {
     (void)state;
@@ -3190,6 +3228,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_gemm_classes),
         cmocka_unit_test(test_abort),
         cmocka_unit_test(test_priority_scheduling),
+        cmocka_unit_test(test_cache_salt),
         cmocka_unit_test(test_queue_bound_and_bad_input),
         cmocka_unit_test(test_drain),
         cmocka_unit_test(test_metrics),

@@ -157,6 +157,8 @@ struct tdm_oai_request {
                                         // field, else the server's flag)
     char *user;                         // NULL when absent
     char *request_id;                   // the body's request_id, NULL when absent
+    char *cache_salt; // vLLM's cache_salt (non-empty), NULL when absent: prefix-cache hits
+                      // only between requests of the same salt
     int priority;                       // 0 default; the engine orders by it (priority
                                         // scheduling) or refuses one other than 0 (fcfs)
 

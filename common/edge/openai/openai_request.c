@@ -141,7 +141,6 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         {"logits_processors", NULL},
         {"prompt_embeds", NULL},
         {"logprob_token_ids", NULL},
-        {"cache_salt", NULL},
         {"chat_template", "the server renders the model's own template"},
         {"documents", NULL},
         {"audio", NULL},
@@ -1047,7 +1046,8 @@ static int parse_output_flags(const cJSON *root, struct tdm_oai_request *r,
     return TDM_OK;
 }
 
-// user, request_id and priority: who asked, and how to name and rank the request.
+// user, request_id, priority and cache_salt: who asked, how to name and rank
+// the request, and whose cached prefixes it may use.
 static int parse_identity(const cJSON *root, struct tdm_oai_request *r,
                           const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
 {
@@ -1069,6 +1069,17 @@ static int parse_identity(const cJSON *root, struct tdm_oai_request *r,
     }
     if (get_int(root, "priority", &r->priority, e) < 0)
         return TDM_EINVAL;
+    // cache_salt (vLLM's): a non-empty string; it keys the prefix cache, so
+    // it also goes on the P/D wire (at most 1 KiB, like other short fields).
+    if (get_string(root, "cache_salt", &r->cache_salt, e) < 0)
+        return fail_code(e);
+    if (r->cache_salt && r->cache_salt[0] == '\0')
+        return tdm_oai_seterr(e, 400, "cache_salt",
+                              "Parameter 'cache_salt' must be a non-empty string if provided.");
+    if (r->cache_salt && strlen(r->cache_salt) > 1024)
+        return tdm_oai_seterr(e, 400, "cache_salt",
+                              "cache_salt must be at most 1024 bytes, got %zu.",
+                              strlen(r->cache_salt));
     return TDM_OK;
 }
 
@@ -1150,6 +1161,7 @@ void tdm_oai_request_fini(struct tdm_oai_request *req)
         free(req->stop[i]);
     free(req->user);
     free(req->request_id);
+    free(req->cache_salt);
     free(req->constraint_text);
     memset(req, 0, sizeof *req);
 }

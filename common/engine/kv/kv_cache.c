@@ -55,6 +55,7 @@ struct kv_block {
     uint64_t hash;  // chained hash when hashed
     int parent;     // canonical parent block when hashed (-1 = first block)
     uint32_t parent_gen;
+    uint64_t root; // a first block's chain root (tdm_kv_seq.root_hash) when hashed
     uint32_t gen; // bumped each time the block leaves the map
     int alias;    // unhashed full block: pinned cached twin with identical content (-1 = none)
 };
@@ -97,6 +98,24 @@ struct tdm_kv_cache {
 #define P1 0x9E3779B185EBCA87ull
 #define P2 0xC2B2AE3D27D4EB4Full
 #define P3 0x165667B19E3779F9ull
+
+uint64_t tdm_kv_salt_hash(const char *salt, size_t len)
+{
+    if (salt == NULL || len == 0)
+        return 0;
+    // The salt's bytes as the block hash of their 32-bit words (the last one
+    // zero-padded), its length mixed in: chained onto a constant so that no
+    // salt's root is a block's hash.
+    uint64_t h = 0x5A17C0DE5A17C0DEull;
+    for (size_t i = 0; i < len; i += 64) {
+        int32_t w[16] = {0};
+        size_t n = len - i < 64 ? len - i : 64;
+        memcpy(w, salt + i, n);
+        h = tdm_kv_block_hash(h, w, (int)((n + 3) / 4));
+    }
+    h = tdm_fmix64(h ^ (uint64_t)len * P1);
+    return h ? h : 1;
+}
 
 uint64_t tdm_kv_block_hash(uint64_t parent, const int32_t *tokens, int n)
 {
@@ -161,9 +180,10 @@ static int32_t *kv_tokens_of(const struct tdm_kv_cache *kv, int b)
 
 // ---- prefix map -----------------------------------------------------------------------
 
-// Finds the cached block with this identity: hash, parent link and tokens. -1 if none.
+// Finds the cached block with this identity: hash, parent link (a first
+// block: its chain root) and tokens. -1 if none.
 static int map_find(const struct tdm_kv_cache *kv, uint64_t hash, int parent, uint32_t parent_gen,
-                    const int32_t *tokens)
+                    uint64_t root, const int32_t *tokens)
 {
     size_t bs_bytes = (size_t)kv->cfg.block_size * sizeof(int32_t);
     for (size_t i = hash & kv->slot_mask;; i = (i + 1) & kv->slot_mask) {
@@ -173,7 +193,8 @@ static int map_find(const struct tdm_kv_cache *kv, uint64_t hash, int parent, ui
         if (s->hash != hash)
             continue;
         const struct kv_block *bl = &kv->blocks[s->block];
-        if (bl->parent == parent && (parent < 0 || bl->parent_gen == parent_gen) &&
+        if (bl->parent == parent &&
+            (parent < 0 ? bl->root == root : bl->parent_gen == parent_gen) &&
             memcmp(kv_tokens_of(kv, s->block), tokens, bs_bytes) == 0)
             return s->block;
     }
@@ -656,7 +677,9 @@ void tdm_kv_seq_release(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq)
     }
     free(seq->block_table);
     free(seq->block_hashes);
+    uint64_t root = seq->root_hash;
     tdm_kv_seq_init(seq);
+    seq->root_hash = root;
 }
 
 // Takes a reference on a cached block found by the prefix map.
@@ -682,14 +705,14 @@ int tdm_kv_match_prefix(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const i
     // At most (n - 1) tokens may come from the cache so that one is computed.
     int max_blocks = (n - 1) / bs;
     kv->queries += (uint64_t)n;
-    uint64_t parent_hash = 0;
+    uint64_t parent_hash = seq->root_hash;
     int parent = -1;
     uint32_t parent_gen = 0;
     int m = 0;
     for (; m < max_blocks; m++) {
         const int32_t *blk = tokens + (size_t)m * (size_t)bs;
         uint64_t h = kv->hash_fn(parent_hash, blk, bs);
-        int b = map_find(kv, h, parent, parent_gen, blk);
+        int b = map_find(kv, h, parent, parent_gen, seq->root_hash, blk);
         if (b < 0)
             break;
         if (seq_grow(seq, m + 1) != TDM_OK)
@@ -802,7 +825,7 @@ static void seq_publish_block(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
     if (bl->hashed || bl->alias >= 0)
         return; // a prefix hit, or published by an earlier commit
     const int32_t *blk = tokens + (size_t)i * (size_t)bs;
-    int twin = map_find(kv, seq->block_hashes[i], parent, parent_gen, blk);
+    int twin = map_find(kv, seq->block_hashes[i], parent, parent_gen, seq->root_hash, blk);
     if (twin >= 0) {
         block_incref(kv, twin);
         bl->alias = twin;
@@ -811,6 +834,7 @@ static void seq_publish_block(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq,
     bl->hash = seq->block_hashes[i];
     bl->parent = parent;
     bl->parent_gen = parent_gen;
+    bl->root = parent < 0 ? seq->root_hash : 0;
     memcpy(kv_tokens_of(kv, b), blk, (size_t)bs * sizeof(int32_t));
     map_insert(kv, b);
 }
@@ -846,7 +870,7 @@ void tdm_kv_commit(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq, const int32_
     }
     int old_full = seq->num_tokens / bs;
     int new_full = total_tokens / bs;
-    uint64_t h = old_full > 0 ? seq->block_hashes[old_full - 1] : 0;
+    uint64_t h = old_full > 0 ? seq->block_hashes[old_full - 1] : seq->root_hash;
     for (int i = old_full; i < new_full; i++) {
         h = kv->hash_fn(h, tokens + (size_t)i * (size_t)bs, bs);
         seq->block_hashes[i] = h;
@@ -1000,7 +1024,8 @@ int tdm_kv_check(const struct tdm_kv_cache *kv, char *err, size_t errlen)
             else if (bl->parent < -1 || bl->parent >= nb || bl->parent == b)
                 rc = tdm_seterr(err, errlen, TDM_EPROTO, "kv check: block %d has parent %d", b,
                                 bl->parent);
-            else if (map_find(kv, bl->hash, bl->parent, bl->parent_gen, kv_tokens_of(kv, b)) != b)
+            else if (map_find(kv, bl->hash, bl->parent, bl->parent_gen, bl->root,
+                              kv_tokens_of(kv, b)) != b)
                 rc = tdm_seterr(
                     err, errlen, TDM_EPROTO,
                     "kv check: hashed block %d is not what the map finds for its identity", b);

@@ -64,6 +64,12 @@ struct tdm_kv_config {
 // is harmless because cache hits are verified against the stored tokens.
 uint64_t tdm_kv_block_hash(uint64_t parent, const int32_t *tokens, int n);
 
+// The chain's root for a request's cache_salt (vLLM's): the first block's
+// parent hash in place of 0, so salted blocks hash apart from unsalted ones
+// and from other salts' (the router hashes with the same root). Never 0;
+// len 0 (no salt) gives 0.
+uint64_t tdm_kv_salt_hash(const char *salt, size_t len);
+
 // Bytes one block takes across all layers (K and V), in cfg's dtype (0 for a
 // bad geometry or dtype).
 size_t tdm_kv_block_bytes(const struct tdm_kv_config *cfg);
@@ -167,11 +173,16 @@ struct tdm_kv_seq {
     int num_tokens;            // tokens whose KV is computed and committed
     int num_cached_tokens;     // of those, how many came from the prefix cache
     uint64_t *block_hashes;    // [cap_blocks] chained hash of each full block (0 = not full yet)
+    // The chain's root (the first block's parent hash): 0, or the request's
+    // cache salt's (tdm_kv_salt_hash). Blocks of different roots never match,
+    // not even on a hash collision: a first block's identity includes it.
+    uint64_t root_hash;
 };
-void tdm_kv_seq_init(struct tdm_kv_seq *seq);
+void tdm_kv_seq_init(struct tdm_kv_seq *seq); // root_hash 0
 // Drops the sequence's references; full hashed blocks stay cached (evictable,
 // the sequence's last block first in eviction order). Frees the arrays and
-// re-inits seq, so releasing twice or releasing an empty seq is harmless.
+// re-inits seq keeping its root_hash, so releasing twice or releasing an
+// empty seq is harmless and a preempted request keeps its salt.
 void tdm_kv_seq_release(struct tdm_kv_cache *kv, struct tdm_kv_seq *seq);
 
 // On an empty seq: finds the longest run of cached full blocks matching tokens

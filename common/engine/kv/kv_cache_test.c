@@ -725,6 +725,59 @@ static void test_forced_collisions(void **state)
     tdm_kv_free(kv);
 }
 
+// cache_salt (vLLM's): a sequence's chain root keys its blocks. Same tokens
+// under another root (none, or another salt) never hit, even when every hash
+// collides; the same root hits; a released seq keeps its root (a preempted
+// request comes back with its salt).
+static void admit_salted(struct tdm_kv_cache *kv, struct tdm_kv_seq *s, const int32_t *t, int n,
+                         uint64_t root, int want_hit)
+{
+    tdm_kv_seq_init(s);
+    s->root_hash = root;
+    assert_int_equal(tdm_kv_match_prefix(kv, s, t, n), want_hit);
+    assert_int_equal(tdm_kv_reserve(kv, s, n), TDM_OK);
+    tdm_kv_commit(kv, s, t, n);
+}
+
+static void test_cache_salt(void **state)
+{
+    (void)state;
+    assert_int_equal(tdm_kv_salt_hash(NULL, 0), 0);
+    assert_int_equal(tdm_kv_salt_hash("x", 0), 0);
+    uint64_t r1 = tdm_kv_salt_hash("tenant-a", 8), r2 = tdm_kv_salt_hash("tenant-b", 8);
+    assert_true(r1 != 0 && r2 != 0 && r1 != r2);
+    assert_true(r1 == tdm_kv_salt_hash("tenant-a", 8));
+    assert_true(tdm_kv_salt_hash("tenant-a\0", 9) != r1); // the length counts
+    for (int collide = 0; collide < 2; collide++) {
+        struct tdm_kv_cache *kv = make_cache(1, 1, 2, 4, 64, true);
+        if (collide)
+            tdm_kv_set_hash_fn(kv, colliding_hash);
+        int32_t t[9] = {5, 6, 7, 8, 9, 10, 11, 12, 13};
+        struct tdm_kv_seq plain, a, b, a2, b2;
+        admit_salted(kv, &plain, t, 9, 0, 0);
+        admit_salted(kv, &a, t, 9, r1, 0);  // not the unsalted blocks
+        admit_salted(kv, &b, t, 9, r2, 0);  // nor salt a's
+        admit_salted(kv, &a2, t, 9, r1, 8); // salt a's own
+        admit_salted(kv, &b2, t, 9, r2, 8);
+        assert_int_equal(a2.block_table[0], a.block_table[0]);
+        assert_int_equal(b2.block_table[1], b.block_table[1]);
+        if (!collide) {
+            assert_true(a.block_hashes[0] != plain.block_hashes[0]);
+            assert_true(a.block_hashes[0] == tdm_kv_block_hash(r1, t, 4));
+            assert_true(a.block_hashes[1] == tdm_kv_block_hash(a.block_hashes[0], t + 4, 4));
+        }
+        assert_consistent(kv);
+        tdm_kv_seq_release(kv, &a2);
+        assert_true(a2.root_hash == r1);
+        assert_int_equal(tdm_kv_match_prefix(kv, &a2, t, 9), 8);
+        struct tdm_kv_seq *all[] = {&plain, &a, &b, &a2, &b2};
+        for (int i = 0; i < 5; i++)
+            tdm_kv_seq_release(kv, all[i]);
+        assert_consistent(kv);
+        tdm_kv_free(kv);
+    }
+}
+
 // ---- export / import -----------------------------------------------------------------------
 
 static void fill_pool(struct tdm_kv_cache *kv, uint32_t seed)
@@ -1470,6 +1523,7 @@ int main(void)
         cmocka_unit_test_prestate(test_random_workload, (void *)&wl[4]),
         cmocka_unit_test_prestate(test_random_workload, (void *)&wl[5]),
         cmocka_unit_test(test_forced_collisions),
+        cmocka_unit_test(test_cache_salt),
         cmocka_unit_test_prestate(test_export_import, (void *)(intptr_t)4),
         cmocka_unit_test_prestate(test_export_import, (void *)(intptr_t)1),
         cmocka_unit_test_prestate(test_export_import, (void *)(intptr_t)32),
