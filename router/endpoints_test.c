@@ -104,6 +104,17 @@ static void test_block_hashes_match_kv_cache(void **state)
     assert_true(one[0] == h[0]);
     assert_int_equal(tdm_router_block_hashes(tokens, 15, 16, 0, one, 1), 0);
     assert_int_equal(tdm_router_block_hashes(tokens, 15, 0, 0, one, 1), 0);
+    // A request with a cache_salt: the worker's salted chain, from the same root.
+    struct tdm_kv_seq salted;
+    tdm_kv_seq_init(&salted);
+    salted.root_hash = tdm_kv_salt_hash("tenant", 6);
+    assert_int_equal(tdm_kv_reserve(kv, &salted, n), TDM_OK);
+    tdm_kv_commit(kv, &salted, tokens, n);
+    uint64_t hs[8];
+    assert_int_equal(tdm_router_block_hashes(tokens, (size_t)n, 16, salted.root_hash, hs, 8), 5);
+    for (size_t i = 0; i < nb; i++)
+        assert_true(hs[i] == salted.block_hashes[i] && hs[i] != h[i]);
+    tdm_kv_seq_release(kv, &salted);
     tdm_kv_seq_release(kv, &seq);
     tdm_kv_free(kv);
 }
