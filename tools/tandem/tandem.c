@@ -98,6 +98,7 @@ struct up_opts {
     const char *tool_parser; // --tool-call-parser NAME, likewise; NULL = none
     bool tokens_as_ids;      // --return-tokens-as-token-ids, passed to the router and workers
     const char *device;      // --device, passed to the workers; NULL = theirs (auto)
+    const char *sched;       // --scheduling-policy, passed to the workers; NULL = theirs (fcfs)
     double gpu_util;         // --gpu-memory-utilization per worker; 0 = 0.9 / workers
 };
 
@@ -116,6 +117,17 @@ static int set_pd_mode(void *opts, const char *v, char *err, size_t errlen)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "--pd-mode: expected prefix, always or never, got \"%s\"", v);
     ((struct up_opts *)opts)->pd_mode = v;
+    return TDM_OK;
+}
+
+// --scheduling-policy: the workers' (vLLM's) fcfs or priority, checked here
+// so a typo fails before anything starts.
+static int set_sched(void *opts, const char *v, char *err, size_t errlen)
+{
+    if (strcmp(v, "fcfs") != 0 && strcmp(v, "priority") != 0)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--scheduling-policy: unknown policy \"%.64s\" (fcfs or priority)", v);
+    ((struct up_opts *)opts)->sched = v;
     return TDM_OK;
 }
 
@@ -250,6 +262,12 @@ static const struct tdm_flag up_flags[] = {
      .metavar = "D",
      .help = "every worker's --device: cpu, auto, cuda, cuda:N, cuda-emu\n(default: the workers' "
              "own, auto); on a GPU all workers share it"},
+    {.name = "scheduling-policy",
+     .kind = TDM_FLAG_FN,
+     .fn = set_sched,
+     .metavar = "P",
+     .help = "every worker's --scheduling-policy: fcfs (default) or\npriority (requests' "
+             "priority field orders the queue)"},
     NUM("gpu-memory-utilization", TDM_FLAG_DOUBLE, gpu_util, 0.01, 1.0, "F",
         "each worker's share of the GPU's memory (default 0.9 / workers,\nso they fit on one "
         "GPU together)"),
@@ -1274,6 +1292,8 @@ static int launch_child(const struct up_opts *o, struct child *c, const char *mo
         arg(&a, "--threads"), arg(&a, "%d", threads);
         if (o->device)
             arg(&a, "--device"), arg(&a, "%s", o->device);
+        if (o->sched)
+            arg(&a, "--scheduling-policy"), arg(&a, "%s", o->sched);
         if (device_may_be_gpu(o))
             arg(&a, "--gpu-memory-utilization"), arg(&a, "%.2f", gpu_share(o));
         if (!o->no_router)
