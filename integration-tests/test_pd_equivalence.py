@@ -86,6 +86,21 @@ def check_prompt_logprobs(cl):
     st, _, e = post(cl.router_port, "/v1/completions",
                     dict(prompt=prompt, prompt_logprobs=1, stream=True))
     check(st == 400 and "stream" in str(e), "prompt_logprobs with stream: %d %s" % (st, e))
+    # Chat: the rendered conversation's logprobs in the response's top-level
+    # prompt_logprobs (vLLM's), through the router as directly.
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1,
+            "temperature": 0, "prompt_logprobs": 1}
+    st, hdr, ca = post(cl.router_port, "/v1/chat/completions", chat)
+    check(st == 200 and "decision=decode-only" in hdr.get("x-tandem-phases", ""),
+          "chat prompt_logprobs via router: %d %s %r" % (st, ca, hdr.get("x-tandem-phases")))
+    served = [w for w in cl.decode if w.name == hdr.get("x-tandem-decode")][0]
+    st, _, cb = post(served.http_port, "/v1/chat/completions", chat)
+    pa, pb = ca.get("prompt_logprobs"), cb.get("prompt_logprobs")
+    check(st == 200 and pa and len(pa) == ca["usage"]["prompt_tokens"] and pa[0] is None and
+          "prompt_logprobs" not in ca["choices"][0], "chat prompt_logprobs: %s" % ca)
+    check(len(pa) == len(pb) and all(
+        set(x) == set(y) and all(close(x[k]["logprob"], y[k]["logprob"]) for k in x)
+        for x, y in zip(pa[1:], pb[1:])), "chat prompt_logprobs differ via router")
     print("prompt logprobs: %d prompt tokens equal through the router and direct" % n_prompt)
 
 

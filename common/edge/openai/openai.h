@@ -142,8 +142,9 @@ struct tdm_oai_request {
     bool echo;                    // completions: prepend the prompt text
     bool logprobs;                // return logprobs of generated tokens
     int top_logprobs;             // completions: the logprobs int; chat: top_logprobs
-    int prompt_logprobs;          // completions: vLLM's prompt_logprobs (top N per prompt
-                                  // token, non-stream only), -1 when absent; with echo and
+    int prompt_logprobs;          // vLLM's prompt_logprobs (top N per prompt token,
+                                  // non-stream only; completions per choice, chat in the
+                                  // response), -1 when absent; with echo and
                                   // logprobs the echoed prompt's entries come from the same
                                   // computation (tdm_oai_call_prompt_lp)
     char *stop[TDM_OAI_MAX_STOP]; // stop strings (heap, non-empty)
@@ -351,7 +352,8 @@ struct tdm_oai_choice {
     size_t n_echo_logprobs;
     int echo_top;
     // vLLM's prompt_logprobs field (non-stream): [n_prompt_logprobs] entries
-    // with their ranks, top cut to prompt_top; NULL omits the field
+    // with their ranks, top cut to prompt_top; NULL omits the field. Chat
+    // writes the first such choice's at the response's top level.
     const struct tdm_oai_token_logprob *prompt_logprobs;
     const int32_t *prompt_ranks;
     size_t n_prompt_logprobs;

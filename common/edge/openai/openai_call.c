@@ -138,7 +138,7 @@ int tdm_oai_call_echo_chunk(struct tdm_oai_call *k, size_t i, char **json)
 int tdm_oai_call_prompt_lp(const struct tdm_oai_call *k, size_t i)
 {
     const struct tdm_oai_request *rq = &k->req;
-    if (rq->kind != TDM_OAI_COMPLETION || i % (size_t)rq->n != 0)
+    if (i % (size_t)rq->n != 0)
         return -1;
     int top = rq->prompt_logprobs;
     if (rq->echo && rq->logprobs && rq->top_logprobs > top)

@@ -340,15 +340,15 @@ static void test_echo_chunk(void **state)
 // A prompt's logprobs as a generator brings them: entry i has logprob
 // -0.25 i, rank i, and the alternatives (the token itself, then id 5).
 struct plp_fixture {
-    float lp[64];
-    int32_t rank[64];
-    struct tdm_token_logprob top[64 * 2];
+    float lp[256];
+    int32_t rank[256];
+    struct tdm_token_logprob top[256 * 2];
     struct tdm_prompt_logprobs pl;
 };
 
 static void plp_make(struct plp_fixture *f, const struct tdm_oai_tokenized_prompt *p)
 {
-    assert_true(p->n <= 64);
+    assert_true(p->n <= 256);
     memset(f, 0, sizeof *f);
     for (size_t i = 1; i < p->n; i++) {
         f->lp[i] = -0.25f * (float)i;
@@ -465,6 +465,46 @@ static void test_prompt_logprobs_out(void **state)
     assert_null(cJSON_GetObjectItem(choice0(j), "prompt_logprobs"));
     cJSON_Delete(j);
     assert_true(k.choices[0].echo_sent);
+    tdm_oai_call_fini(&k);
+
+    // Chat (vLLM's chat prompt_logprobs): asked of the first choice, they go
+    // in the response's top-level prompt_logprobs, not in a choice.
+    struct tdm_chat_template *t = NULL;
+    char err[256];
+    assert_int_equal(tdm_chat_template_new(&t, NULL, "qwen2", err, sizeof err), TDM_OK);
+    const char *chat = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":1,"
+                       "\"prompt_logprobs\":1,\"n\":2,\"temperature\":1}";
+    assert_int_equal(
+        tdm_oai_call_init(&k, TDM_OAI_CHAT, chat, strlen(chat), &info, tok, t, NULL, NULL, &e),
+        TDM_OK);
+    tdm_chat_template_free(t);
+    assert_int_equal(tdm_oai_call_prompt_lp(&k, 0), 1);
+    assert_int_equal(tdm_oai_call_prompt_lp(&k, 1), -1);
+    plp_make(&f, &k.prompts[0]);
+    g.finished = true;
+    assert_int_equal(tdm_oai_call_take(&k, 0, &g, 2, NULL, &stopped), TDM_OK);
+    assert_int_equal(tdm_oai_call_take(&k, 1,
+                                       &(struct tdm_oai_gen_chunk){.tokens = &tok7,
+                                                                   .n = 1,
+                                                                   .finished = true,
+                                                                   .reason = TDM_FINISH_LENGTH,
+                                                                   .stop_token = -1},
+                                       2, NULL, &stopped),
+                     TDM_OK);
+    body = tdm_oai_call_body(&k);
+    j = cJSON_Parse(body);
+    free(body);
+    assert_null(cJSON_GetObjectItem(choice0(j), "prompt_logprobs"));
+    const cJSON *pl = cJSON_GetObjectItem(j, "prompt_logprobs");
+    assert_int_equal(cJSON_GetArraySize(pl), (int)k.prompts[0].n);
+    assert_true(cJSON_IsNull(cJSON_GetArrayItem(pl, 0)));
+    char key[16];
+    snprintf(key, sizeof key, "%d", (int)k.prompts[0].ids[1]);
+    const cJSON *e1 = cJSON_GetObjectItem(cJSON_GetArrayItem(pl, 1), key);
+    assert_int_equal(cJSON_GetObjectItem(e1, "rank")->valueint, 1);
+    assert_true(cJSON_GetObjectItem(e1, "logprob")->valuedouble == -0.25);
+    assert_int_equal(cJSON_GetArraySize(cJSON_GetArrayItem(pl, 1)), 1); // top 1 is the token
+    cJSON_Delete(j);
     tdm_oai_call_fini(&k);
 }
 

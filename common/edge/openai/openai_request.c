@@ -165,8 +165,6 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         const cJSON *echo = field(root, "echo");
         if (echo && !cJSON_IsFalse(echo))
             return not_supported(e, "echo", "chat echo");
-        if (!is_empty_value(field(root, "prompt_logprobs")))
-            return not_supported(e, "prompt_logprobs", "prompt logprobs are a completions field");
     }
     return TDM_OK;
 }
@@ -979,8 +977,8 @@ static int parse_logprobs_and_stop(const cJSON *root, struct tdm_oai_request *r,
 {
     if (parse_logprobs(root, r, e) != TDM_OK)
         return TDM_EINVAL;
-    // prompt_logprobs (completions; chat refused it above), as vLLM checks it.
-    int plp = 0, rc = r->kind == TDM_OAI_COMPLETION ? get_int(root, "prompt_logprobs", &plp, e) : 0;
+    // prompt_logprobs (completions and chat), as vLLM checks it.
+    int plp = 0, rc = get_int(root, "prompt_logprobs", &plp, e);
     if (rc < 0)
         return TDM_EINVAL;
     if (rc) {

@@ -387,7 +387,7 @@ static bool add_choice(cJSON *choices, enum tdm_oai_kind kind, bool stream,
         return false;
     if (c->token_ids && !add_ids(o, "token_ids", c->token_ids, c->n_token_ids))
         return false;
-    if (c->prompt_logprobs && !add_prompt_logprobs(o, c))
+    if (kind == TDM_OAI_COMPLETION && c->prompt_logprobs && !add_prompt_logprobs(o, c))
         return false;
     if (c->prompt_token_ids &&
         !add_ids(o, "prompt_token_ids", c->prompt_token_ids, c->n_prompt_token_ids))
@@ -417,6 +417,15 @@ static char *build(const struct tdm_oai_response *r, const struct tdm_oai_choice
         goto done;
     if (!stream && !cJSON_AddNullToObject(root, "system_fingerprint"))
         goto done;
+    // Chat: vLLM's prompt_logprobs belong to the response (its one prompt),
+    // from the first choice that has them.
+    for (size_t i = 0; r->kind == TDM_OAI_CHAT && !stream && i < n; i++) {
+        if (choices[i].prompt_logprobs) {
+            if (!add_prompt_logprobs(root, &choices[i]))
+                goto done;
+            break;
+        }
+    }
     out = cJSON_PrintUnformatted(root);
 done:
     cJSON_Delete(root);

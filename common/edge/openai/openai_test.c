@@ -844,8 +844,12 @@ static void test_chat_request(void **state)
         400, "tool_choice", "When using `tool_choice`, `tools` must be set.");
     expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"echo\":true}", 400,
                  "echo", "not supported");
-    expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"prompt_logprobs\":1}",
-                 400, "prompt_logprobs", "not supported");
+    expect_error(K,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"prompt_logprobs\":1,"
+                 "\"stream\":true}",
+                 400, "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.");
+    expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"prompt_logprobs\":21}",
+                 400, "prompt_logprobs", "greater than max allowed: 20");
     expect_error(
         K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"max_completion_tokens\":0}",
         400, "max_completion_tokens", "max_tokens must be at least 1, got 0.");
