@@ -273,8 +273,10 @@ def main():
 
     # --device: every worker on one (emulated) GPU, each with its share of it;
     # the CUDA backend's module over its CPU emulator stands in for a GPU here.
+    # --scheduling-policy goes to every worker likewise (a request's priority
+    # is then served, not refused).
     st = Stack(args, "--model", model, "--prefill", "1", "--decode", "1", "--pd-mode", "always",
-               "--device", "cuda-emu")
+               "--device", "cuda-emu", "--scheduling-policy", "priority")
     st.wait_line(r"^tandem\s+\| workers on --device cuda-emu; on a GPU each gets "
                  r"--gpu-memory-utilization 0\.45 of it")
     for w in ("decode-0", "prefill-0"):
@@ -282,15 +284,19 @@ def main():
         with open("/proc/%d/cmdline" % st.endpoints[w]["pid"], "rb") as f:
             argv = f.read().split(b"\0")
         i = argv.index(b"--gpu-memory-utilization")
-        check(argv[argv.index(b"--device") + 1] == b"cuda-emu" and argv[i + 1] == b"0.45",
+        check(argv[argv.index(b"--device") + 1] == b"cuda-emu" and argv[i + 1] == b"0.45" and
+              argv[argv.index(b"--scheduling-policy") + 1] == b"priority",
               "%s started with %r" % (w, argv))
     s, _, body = post(st.port(), "/v1/completions",
-                      {"prompt": "one GPU for all", "max_tokens": 3, "temperature": 0})
+                      {"prompt": "one GPU for all", "max_tokens": 3, "temperature": 0,
+                       "priority": 4})
     check(s == 200 and body["usage"]["completion_tokens"] == 3,
           "completion on cuda-emu workers: %d %r" % (s, body))
     check(st.stop() == 0, "tandem up --device cuda-emu did not exit 0:\n" + st.log())
     st.check_children_gone()
     for bad, why in ((["--device", "tpu"], "--device: expected cpu, auto, cuda, cuda:N"),
+                     (["--scheduling-policy", "lifo"],
+                      "--scheduling-policy: unknown policy \"lifo\" (fcfs or priority)"),
                      (["--device", "cpu", "--gpu-memory-utilization", "0.5"],
                       "does not apply to --device cpu"),
                      (["--prefill", "1", "--gpu-memory-utilization", "0.6"],
