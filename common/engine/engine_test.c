@@ -169,28 +169,40 @@ static int reference(const int32_t *prompt, int n_prompt, const struct tdm_sampl
 
 // An engine on model `on` (budget, max_seqs, max_waiting: 0 for the
 // defaults; sync: sync_scheduling).
+// The tests' engine config: the defaults with these (0 keeps a default).
+static void engine_config(struct tdm_engine_config *c, int num_blocks, int budget, int max_seqs,
+                          int max_waiting, bool sync, struct tdm_metrics_vllm *m)
+{
+    tdm_engine_config_default(c);
+    c->num_blocks = num_blocks;
+    if (budget > 0)
+        c->max_num_batched_tokens = budget;
+    if (max_seqs > 0)
+        c->max_num_seqs = max_seqs;
+    if (max_waiting > 0)
+        c->max_waiting = max_waiting;
+    c->sync_scheduling = sync;
+    c->metrics = m;
+}
+
+static struct tdm_engine *engine_new_on(struct tdm_model *on, const struct tdm_engine_config *c)
+{
+    struct tdm_engine *e = NULL;
+    char err[256];
+    int rc = tdm_engine_new(&e, on, c, err, sizeof err);
+    if (rc != TDM_OK)
+        fprintf(stderr, "engine: %s\n", err);
+    assert_int_equal(rc, TDM_OK);
+    return e;
+}
+
 static struct tdm_engine *engine_make_on(struct tdm_model *on, int num_blocks, int budget,
                                          int max_seqs, int max_waiting, bool sync,
                                          struct tdm_metrics_vllm *m)
 {
     struct tdm_engine_config c;
-    struct tdm_engine *e = NULL;
-    char err[256];
-    tdm_engine_config_default(&c);
-    c.num_blocks = num_blocks;
-    if (budget > 0)
-        c.max_num_batched_tokens = budget;
-    if (max_seqs > 0)
-        c.max_num_seqs = max_seqs;
-    if (max_waiting > 0)
-        c.max_waiting = max_waiting;
-    c.sync_scheduling = sync;
-    c.metrics = m;
-    int rc = tdm_engine_new(&e, on, &c, err, sizeof err);
-    if (rc != TDM_OK)
-        fprintf(stderr, "engine: %s\n", err);
-    assert_int_equal(rc, TDM_OK);
-    return e;
+    engine_config(&c, num_blocks, budget, max_seqs, max_waiting, sync, m);
+    return engine_new_on(on, &c);
 }
 
 // The same on the tests' shared model.
@@ -1530,15 +1542,9 @@ static void prio_output(void *ctx, const struct tdm_engine_output *o)
 static struct tdm_engine *engine_prio(int num_blocks, int max_seqs, bool prio)
 {
     struct tdm_engine_config c;
-    struct tdm_engine *e = NULL;
-    char err[256];
-    tdm_engine_config_default(&c);
-    c.num_blocks = num_blocks;
-    c.max_num_batched_tokens = 64;
-    c.max_num_seqs = max_seqs;
+    engine_config(&c, num_blocks, 64, max_seqs, 0, false, NULL);
     c.priority_scheduling = prio;
-    assert_int_equal(tdm_engine_new(&e, model, &c, err, sizeof err), TDM_OK);
-    return e;
+    return engine_new_on(model, &c);
 }
 
 static struct tdm_engine_request *submit_prio(struct tdm_engine *e, const int32_t *prompt, int n,
