@@ -1408,10 +1408,6 @@ static void on_generate(void *arg, const struct tdm_net_frame *f)
                "prefilled here, from its prompt alone)");
         return;
     }
-    if (g->cache_salt && strlen(g->cache_salt) > 1024) {
-        refuse(j, TDM_EINVAL, "cache_salt over 1024 bytes");
-        return;
-    }
     if (g->n_resume_tokens > 0) {
         // A migrated stream: computed here from prompt + the tokens the client
         // has, as one prompt whose tail the sampler replays (fill_params).

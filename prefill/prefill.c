@@ -822,7 +822,7 @@ static void prefill_start(struct tdm_prefill_service *p, const Tandem__PrefillRe
     ep->n_prompt = (int)m->n_prompt;
     ep->kind = TDM_ENGINE_REQ_PREFILL_ONLY;
     ep->max_tokens = 1;
-    ep->priority = tdm_engine_priority_scheduling(p->parts.engine) ? m->priority : 0;
+    ep->priority = tdm_engine_get_config(p->parts.engine)->priority_scheduling ? m->priority : 0;
     ep->cache_salt = m->cache_salt;
     ep->on_output = job_on_output;
     ep->ctx = job;

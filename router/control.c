@@ -250,8 +250,7 @@ static int route_with(struct tdm_router_control *ctl, const int32_t *tokens,
     }
     tdm_router_block_hashes(tokens, n, (int)bs, ask->hash_root, hashes, nb);
 
-    struct tdm_router_request req = *ask;
-    struct pick_args pa = {.cfg = cfg, .req = &req, .avoid = avoid, .n_avoid = n_avoid};
+    struct pick_args pa = {.cfg = cfg, .req = ask, .avoid = avoid, .n_avoid = n_avoid};
     struct tdm_router_snapshot snap = {0};
     struct tdm_router_held held;
     int rc = tdm_router_endpoints_attempt_begin(ctl->eps, hashes, nb, pick_locked, &pa, prev, &snap,

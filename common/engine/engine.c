@@ -428,28 +428,20 @@ const struct tdm_engine_config *tdm_engine_get_config(const struct tdm_engine *e
 }
 
 // ---- waiting queue and running set (engine thread) ---------------------------------------
-static void wait_push_back(struct tdm_engine *e, struct tdm_engine_request *r)
+// Links r into the waiting queue after q (NULL: at the front).
+static void wait_insert_after(struct tdm_engine *e, struct tdm_engine_request *q,
+                              struct tdm_engine_request *r)
 {
-    r->prev = e->wait_tail;
-    r->next = NULL;
-    if (e->wait_tail)
-        e->wait_tail->next = r;
-    else
-        e->wait_head = r;
-    e->wait_tail = r;
-    e->num_waiting_local++;
-    r->state = REQ_WAITING;
-}
-
-static void wait_push_front(struct tdm_engine *e, struct tdm_engine_request *r)
-{
-    r->prev = NULL;
-    r->next = e->wait_head;
-    if (e->wait_head)
-        e->wait_head->prev = r;
+    r->prev = q;
+    r->next = q ? q->next : e->wait_head;
+    if (r->next)
+        r->next->prev = r;
     else
         e->wait_tail = r;
-    e->wait_head = r;
+    if (q)
+        q->next = r;
+    else
+        e->wait_head = r;
     e->num_waiting_local++;
     r->state = REQ_WAITING;
 }
@@ -465,29 +457,12 @@ static bool ranks_after(const struct tdm_engine_request *a, const struct tdm_eng
 // scheduling behind the last waiting request it does not rank before.
 static void wait_enqueue(struct tdm_engine *e, struct tdm_engine_request *r, bool preempted)
 {
-    if (!e->cfg.priority_scheduling) {
-        if (preempted)
-            wait_push_front(e, r);
-        else
-            wait_push_back(e, r);
-        return;
-    }
     struct tdm_engine_request *q = e->wait_tail;
-    while (q && ranks_after(q, r))
+    if (!e->cfg.priority_scheduling && preempted)
+        q = NULL;
+    while (e->cfg.priority_scheduling && q && ranks_after(q, r))
         q = q->prev;
-    if (q == NULL) {
-        wait_push_front(e, r);
-        return;
-    }
-    r->prev = q;
-    r->next = q->next;
-    if (q->next)
-        q->next->prev = r;
-    else
-        e->wait_tail = r;
-    q->next = r;
-    e->num_waiting_local++;
-    r->state = REQ_WAITING;
+    wait_insert_after(e, q, r);
 }
 
 static void wait_remove(struct tdm_engine *e, struct tdm_engine_request *r)
@@ -1145,8 +1120,8 @@ static int schedule(struct tdm_engine *e)
             if (is_decode)
                 propose(e, r, budget);
             int before = e->num_running;
-            bool kept = schedule_running(e, r, &n_items, &budget, &preempted);
-            if (!kept || e->num_running != before)
+            (void)schedule_running(e, r, &n_items, &budget, &preempted);
+            if (e->num_running != before)
                 i = -1; // r or others left the running set (preempted or failed)
         }
     }
@@ -2705,6 +2680,9 @@ static int submit_validate(const struct tdm_engine *e, const struct tdm_engine_r
     if (p->max_tokens < 0)
         return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: max_tokens must be >= 0, got %d", id,
                           p->max_tokens);
+    if (p->cache_salt && strlen(p->cache_salt) > TDM_ENGINE_CACHE_SALT_MAX)
+        return tdm_seterr(err, errlen, TDM_EINVAL, "req=%s: cache_salt over %d bytes", id,
+                          TDM_ENGINE_CACHE_SALT_MAX);
     if (p->priority != 0 && !e->cfg.priority_scheduling)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "Got priority %d but Priority scheduling is not enabled.", p->priority);
@@ -2867,11 +2845,6 @@ static int submit_enqueue(struct tdm_engine *e, struct tdm_engine_request *r, ch
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->mu);
     return TDM_OK;
-}
-
-bool tdm_engine_priority_scheduling(const struct tdm_engine *e)
-{
-    return e != NULL && e->cfg.priority_scheduling;
 }
 
 int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_params *p,

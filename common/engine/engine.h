@@ -38,6 +38,9 @@ struct tdm_engine_request;
 struct tdm_grammar;
 struct tdm_grammar_vocab;
 
+// A request's cache_salt, at most (the API's bound too: it travels on the P/D wire).
+#define TDM_ENGINE_CACHE_SALT_MAX 1024
+
 // ---- configuration -------------------------------------------------------------------
 struct tdm_engine_config {
     int block_size;                   // KV tokens per block; default 16
@@ -119,9 +122,6 @@ struct tdm_engine_config {
 };
 // Fills the defaults above.
 void tdm_engine_config_default(struct tdm_engine_config *cfg);
-struct tdm_engine;
-// cfg.priority_scheduling of a running engine.
-bool tdm_engine_priority_scheduling(const struct tdm_engine *e);
 
 // Creates the KV cache from cfg and the model's geometry and starts the engine
 // thread. model must outlive the engine and is used by no other thread
@@ -210,7 +210,8 @@ struct tdm_engine_request_params {
     int num_eos;
     double arrival_time; // tdm_now() when the request arrived; 0 = at submit
     int priority;        // cfg.priority_scheduling: lower is served first; else must be 0
-    const char *cache_salt; // vLLM's cache_salt (NULL or "" = none): the request's KV blocks
+    const char *cache_salt; // vLLM's cache_salt (NULL or "" = none; at most
+                            // TDM_ENGINE_CACHE_SALT_MAX bytes): the request's KV blocks
                             // are cached under tdm_kv_salt_hash of it, so prefix hits come
                             // only from requests with the same salt (docs/kv-cache.md)
     int params_n;        // the API request's n (this is one of its n sequences), for

@@ -1677,6 +1677,26 @@ static void test_cache_salt(void **state)
             hits0 = s.prefix_hits;
         assert_int_equal(s.prefix_hits - hits0, want_hits[i]);
     }
+    // Over TDM_ENGINE_CACHE_SALT_MAX bytes (a salt that came over the wire): refused.
+    char big[TDM_ENGINE_CACHE_SALT_MAX + 2];
+    memset(big, 's', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    struct tdm_engine_request_params p;
+    struct tdm_engine_request *r = NULL;
+    char err[256];
+    tdm_engine_request_params_default(&p);
+    p.prompt = prompt;
+    p.n_prompt = 40;
+    p.max_tokens = 4;
+    p.cache_salt = big;
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_EINVAL);
+    assert_null(r);
+    assert_non_null(strstr(err, "cache_salt over 1024 bytes"));
+    big[TDM_ENGINE_CACHE_SALT_MAX] = '\0'; // exactly the bound: taken
+    struct collected c = {0};
+    assert_int_equal(tdm_engine_submit(e, &p, &r, err, sizeof err), TDM_OK);
+    collect(r, got[0], 8, &c, 0);
+    tdm_engine_request_release(r);
     tdm_engine_free(e);
 }
 

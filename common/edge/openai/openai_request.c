@@ -1068,7 +1068,8 @@ static int parse_identity(const cJSON *root, struct tdm_oai_request *r,
     if (get_int(root, "priority", &r->priority, e) < 0)
         return TDM_EINVAL;
     // cache_salt (vLLM's): a non-empty string; it keys the prefix cache, so
-    // it also goes on the P/D wire (at most 1 KiB, like other short fields).
+    // it also goes on the P/D wire (at most 1 KiB: the engine's
+    // TDM_ENGINE_CACHE_SALT_MAX, which this module cannot include).
     if (get_string(root, "cache_salt", &r->cache_salt, e) < 0)
         return fail_code(e);
     if (r->cache_salt && r->cache_salt[0] == '\0')

@@ -106,6 +106,20 @@ int tdm_oai_chat_prompt(const struct tdm_oai_request *req, const struct tdm_chat
     return TDM_OK;
 }
 
+// p's echo text from its ids (ids the tokenizer rejects echo ""), replacing
+// any text it had. TDM_OK or TDM_ENOMEM.
+static int echo_text_of_ids(const struct tdm_tokenizer *tok, struct tdm_oai_tokenized_prompt *p)
+{
+    free(p->text);
+    p->text = NULL;
+    p->text_len = 0;
+    if (tdm_tok_decode(tok, p->ids, p->n, false, &p->text, &p->text_len) == TDM_OK)
+        return TDM_OK;
+    p->text = strdup("");
+    p->text_len = 0;
+    return p->text ? TDM_OK : TDM_ENOMEM;
+}
+
 int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oai_model_info *info,
                           const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
                           const char *chat_err, struct tdm_oai_tokenized_prompt **out,
@@ -122,6 +136,7 @@ int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oa
     for (size_t i = 0; i < np; i++) {
         struct tdm_oai_tokenized_prompt *p = &(*out)[i];
         const char *text = NULL;
+        bool from_ids = false; // a token-id prompt
         size_t text_len = 0;
         char *rendered = NULL;
         if (rq->kind == TDM_OAI_CHAT) {
@@ -159,30 +174,19 @@ int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oa
             if (p->ids == NULL)
                 return tdm_oai_seterr(e, 500, NULL, "out of memory");
             memcpy(p->ids, rq->prompts[i].ids, p->n * sizeof *p->ids);
-            // Echo of a token-id prompt: its text (ids the tokenizer rejects echo "").
-            if (rq->echo && tdm_tok_decode(tok, p->ids, p->n, false, &p->text, &p->text_len) !=
-                                TDM_OK) {
-                p->text = strdup("");
-                p->text_len = 0;
-            }
+            from_ids = true;
         }
-        if (rq->truncate_prompt_tokens > 0 && p->n > (size_t)rq->truncate_prompt_tokens) {
-            // vLLM's left truncation: the last N tokens stay. An echo shows
-            // what the model saw: the text of the kept tokens.
+        // vLLM's left truncation: the last N tokens stay.
+        bool cut = rq->truncate_prompt_tokens > 0 && p->n > (size_t)rq->truncate_prompt_tokens;
+        if (cut) {
             size_t keep = (size_t)rq->truncate_prompt_tokens;
             memmove(p->ids, p->ids + (p->n - keep), keep * sizeof *p->ids);
             p->n = keep;
-            if (p->text != NULL) {
-                free(p->text);
-                p->text = NULL;
-                p->text_len = 0;
-                if (tdm_tok_decode(tok, p->ids, p->n, false, &p->text, &p->text_len) != TDM_OK) {
-                    p->text = strdup("");
-                    if (p->text == NULL)
-                        return tdm_oai_seterr(e, 500, NULL, "out of memory");
-                }
-            }
         }
+        // An echo shows what the model saw: a token-id prompt's or a cut
+        // prompt's text is that of its (kept) ids.
+        if (rq->echo && (from_ids || cut) && echo_text_of_ids(tok, p) != TDM_OK)
+            return tdm_oai_seterr(e, 500, NULL, "out of memory");
         if (p->n == 0)
             return tdm_oai_seterr(e, 400, "prompt", "The decoder prompt cannot be empty");
         int rc = tdm_oai_request_max_tokens(rq, info, p->n, &p->max_tokens, e);
