@@ -88,6 +88,10 @@ static int fuzz_one(const uint8_t *data, size_t size)
         int prompt_tokens = 0;
         (void)tdm_oai_prompts_build(&req, &info, tok, chat, chat_err, &p, &n, &prompt_tokens, &e);
         tdm_oai_prompts_free(p, n);
+        if (tdm_oai_bad_words_build(&req, &info, tok, &e) == TDM_OK) {
+            char err[256];
+            (void)tdm_sampling_params_validate(&req.sampling, info.vocab_size, err, sizeof err);
+        }
         tdm_oai_request_fini(&req);
         break;
     }

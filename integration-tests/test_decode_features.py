@@ -14,6 +14,9 @@
 - cache_salt: prefix hits only between requests of the same salt, same output;
 - return_tokens_as_token_ids ("token_id:<id>" in logprobs); truncate_prompt_tokens
   (the prompt's last N tokens: the continuation of those alone);
+- allowed_token_ids: every token from the set, the reference's where it is in
+  the set; bad_words: a one-token word never comes, a two-token word's last
+  token never follows its first (the reference up to there, then another);
 - chat stream: role chunk first, content deltas, finish, [DONE];
 - --stream-interval 4: tokens go out at least 4 per event after the first;
 - generation_config.json defaults apply when the request is silent (top_k 1
@@ -43,6 +46,83 @@ def stream_text(srv, path, body):
     st.close()
     h.check(evs and evs[-1] == "[DONE]", "no [DONE]")
     return evs[:-1]
+
+
+def one_token_word(srv, tid):
+    """A bad word that bans the single token tid by vLLM's tokenization (the
+    word lstripped; after a space too, where that is one other token as the
+    word alone is), or None."""
+    _, _, dt = srv.post_json("/detokenize", {"tokens": [tid]})
+    word = dt["prompt"].lstrip()
+    if not word:
+        return None
+    forms = []
+    for form in (word, " " + word):
+        _, _, t = srv.post_json("/tokenize", {"prompt": form, "add_special_tokens": False})
+        forms.append(t["tokens"])
+    if forms[0] == [tid] or (forms[1] == [tid] and len(forms[0]) == 1):
+        return word
+    return None
+
+
+def check_token_masks(srv, greedy, greedy_ids):
+    """allowed_token_ids and bad_words against a greedy and a seeded
+    reference (the tiny model's greedy output may repeat one token)."""
+    sampled = dict(greedy, temperature=1.0, seed=123, max_tokens=24)
+    ref_ids = comp(srv, **sampled)["choices"][0]["token_ids"]
+    # allowed_token_ids without the greedy first token: every token from the
+    # set, and the first one another; with the greedy tokens' own set, the
+    # greedy output.
+    allowed = sorted(set(ref_ids[:8]) - {greedy_ids[0]})
+    for body in (greedy, sampled):
+        ids = comp(srv, **dict(body, allowed_token_ids=allowed))["choices"][0]["token_ids"]
+        h.check(len(ids) == body["max_tokens"] and set(ids) <= set(allowed) and
+                (body is sampled or ids[0] != greedy_ids[0]),
+                "allowed_token_ids %s gave %s" % (allowed, ids))
+    r = comp(srv, **dict(greedy, allowed_token_ids=sorted(set(greedy_ids))))
+    h.check(r["choices"][0]["token_ids"] == greedy_ids, "allowed_token_ids of the greedy's own")
+    # The bad words against a seeded draw over a few word tokens (the tiny
+    # model's own choices repeat one token for long).
+    words = []
+    for w in ("is", "he", "in", "on", "it", "re", "a", "e"):
+        _, _, t = srv.post_json("/tokenize", {"prompt": w, "add_special_tokens": False})
+        if len(t["tokens"]) == 1:
+            words.append(t["tokens"][0])
+    h.check(len(words) >= 3, "fewer than 3 one-token words: %s" % words)
+    masked = dict(sampled, temperature=2.0, allowed_token_ids=words[:3])
+    ref_ids = comp(srv, **masked)["choices"][0]["token_ids"]
+    # A one-token bad word: never drawn; the reference up to its first place.
+    cands = [(i, t) for i, t in enumerate(ref_ids) if one_token_word(srv, t)]
+    h.check(cands, "no reference token is a word of its own: %s" % ref_ids)
+    i, tid = cands[0]
+    ids = comp(srv, **dict(masked, bad_words=[one_token_word(srv, tid)]))["choices"][0]["token_ids"]
+    h.check(tid not in ids and ids[:i] == ref_ids[:i] and len(ids) == len(ref_ids),
+            "bad word %d (first at %d): %s vs reference %s" % (tid, i, ids, ref_ids))
+    # A two-token bad word: its last token never follows its first; the
+    # reference up to the first place it did.
+    for i in range(len(ref_ids) - 1):
+        a, b = ref_ids[i], ref_ids[i + 1]
+        _, _, dt = srv.post_json("/detokenize", {"tokens": [a, b]})
+        word = dt["prompt"]
+        _, _, t = srv.post_json("/tokenize", {"prompt": word.lstrip(),
+                                              "add_special_tokens": False})
+        if word == word.lstrip() and t["tokens"] == [a, b]:
+            break
+    else:
+        h.check(False, "no two reference tokens make a word: %s" % ref_ids)
+    for stream in (False, True):
+        body = dict(masked, bad_words=[word])
+        if stream:
+            evs = stream_text(srv, "/v1/completions", body)
+            ids = [t for e in evs if e["choices"] for t in e["choices"][0].get("token_ids") or []]
+        else:
+            ids = comp(srv, **body)["choices"][0]["token_ids"]
+        h.check(ids[:i + 1] == ref_ids[:i + 1] and ids[i + 1] != b and
+                not any(x == a and y == b for x, y in zip(ids, ids[1:])),
+                "bad word %r = [%d, %d] at %d (stream %s): %s vs reference %s"
+                % (word, a, b, i, stream, ids, ref_ids))
+    print("allowed_token_ids %s; bad words: %d, then %r = [%d, %d] at %d"
+          % (allowed, tid, word, a, b, i))
 
 
 def main():
@@ -131,6 +211,7 @@ def main():
     h.check(r["choices"][0]["token_ids"] == ref_ids and
             r["usage"]["prompt_tokens"] == len(PROMPT_IDS) and
             r["choices"][0]["prompt_token_ids"] == PROMPT_IDS, "truncate_prompt_tokens %r" % r)
+    check_token_masks(srv, greedy, ref_ids)
 
     # ---- chat, non-stream and stream
     msgs = [{"role": "user", "content": "Say something."}]

@@ -18,6 +18,37 @@ def close(a, b):
     return a is None and b is None or (a is not None and b is not None and abs(a - b) < 1e-4)
 
 
+def check_token_masks(cl):
+    """allowed_token_ids and bad_words through P/D: the prefill worker draws
+    the first token under them as the decode worker draws the rest, so the
+    routed tokens are the direct ones, and the first obeys both."""
+    port = cl.decode[0].http_port
+    words = []
+    for w in ("is", "he", "in", "on", "it", "re", "a", "e"):
+        _, _, t = post(port, "/tokenize", {"prompt": w, "add_special_tokens": False})
+        if len(t["tokens"]) == 1:
+            words.append((w, t["tokens"][0]))
+    check(len(words) >= 3, "fewer than 3 one-token words: %s" % words)
+    base = dict(prompt=" ".join("m%d" % i for i in range(60)), max_tokens=8, temperature=0,
+                ignore_eos=True, return_token_ids=True,
+                allowed_token_ids=[t for _, t in words])
+    _, _, plain = post(port, "/v1/completions", base)
+    first = plain["choices"][0]["token_ids"][0]
+    word = [w for w, t in words if t == first][0]
+    body = dict(base, bad_words=[word])
+    st, hdr, routed = post(cl.router_port, "/v1/completions", body)
+    check(st == 200, "bad_words via router: %d %s" % (st, routed))
+    check("prefill=tcp://" in hdr.get("x-tandem-phases", ""),
+          "bad_words request not prefilled remotely: %r" % hdr.get("x-tandem-phases"))
+    ids = routed["choices"][0]["token_ids"]
+    check(first not in ids and set(ids) <= set(t for _, t in words),
+          "routed %s: the bad word's %d, or a token outside %s" % (ids, first, words))
+    for w in cl.decode:
+        st, _, direct = post(w.http_port, "/v1/completions", body)
+        check(st == 200 and direct["choices"][0]["token_ids"] == ids,
+              "allowed_token_ids + bad_words: routed %s != direct %s" % (ids, direct))
+
+
 def check_prompt_logprobs(cl):
     """Prompt logprobs (vLLM's prompt_logprobs; echo with logprobs, as
     lm-evaluation-harness's loglikelihood asks them) through the router equal
@@ -154,6 +185,7 @@ def main():
         st, _, direct = post(w.http_port, "/v1/completions", salted)
         check(st == 200 and direct["choices"][0]["token_ids"] == routed["choices"][0]["token_ids"],
               "cache_salt: routed %s != direct %s" % (routed, direct))
+    check_token_masks(cl)
     # A chat request and a stop string through both paths.
     chat = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 10,
             "temperature": 0}

@@ -1549,8 +1549,10 @@ static bool adj_prepare(struct tdm_engine *e, const struct tdm_sampler *s,
 // repetition, presence or frequency penalty keeps its entries on the device
 // (its list): loaded with this row, or, where the list holds the entries of
 // this very draw (its last draw was the token before this one's, and the
-// min_tokens masks have not gone since its load), read there: the row's
-// parameters alone are prepared and uploaded. False: the host samples it.
+// min_tokens masks have not gone since its load, and the sampler's entries
+// change only by the tokens drawn: no bad word of two tokens or more), read
+// there: the row's parameters alone are prepared and uploaded. False: the
+// host samples it.
 static bool draw_prepare(struct tdm_engine *e, struct sched_item *it, int prev_row, int *used)
 {
     struct tdm_engine_request *r = it->r;
@@ -1558,9 +1560,8 @@ static bool draw_prepare(struct tdm_engine *e, struct sched_item *it, int prev_r
     int at = tdm_sampler_num_generated(r->sampler) + pending;
     bool masked = at < tdm_sampler_min_tokens(r->sampler);
     if (r->adj_list > 0 && r->list_epoch == e->list_epoch && r->list_pos == at &&
-        (masked || !r->list_masked)) {
-        if (tdm_sampler_draw_list_params(r->sampler, &it->draw, pending) != 0)
-            return false;
+        (masked || !r->list_masked) &&
+        tdm_sampler_draw_list_params(r->sampler, &it->draw, pending) == 0) {
         it->draw.list = r->adj_list;
         it->adj_off = 0;
         r->list_pos = at + 1;

@@ -168,6 +168,17 @@ struct tdm_oai_request {
     // against vocab_size. max_tokens is resolved separately, once the prompt
     // length is known (tdm_oai_request_max_tokens).
     struct tdm_sampling_params sampling;
+    // vLLM's allowed_token_ids (heap; sampling.allowed_token_ids points here),
+    // NULL when absent.
+    int32_t *allowed_token_ids;
+    size_t n_allowed_token_ids;
+    // vLLM's bad_words (heap, non-empty strings; none when absent), and once
+    // the prompts' tokenizer made them token sequences (tdm_oai_bad_words_build)
+    // those (heap; sampling.bad_word_ids / bad_word_lens point here).
+    char **bad_words;
+    size_t n_bad_words;
+    int32_t *bad_word_ids;
+    int32_t *bad_word_lens;
 
     // Structured output (response_format, structured_outputs, guided_*): the
     // constraint's text (heap, owned; sampling.constraint_text points here) and
@@ -245,6 +256,16 @@ int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oa
                           const char *chat_err, struct tdm_oai_tokenized_prompt **out,
                           size_t *n_out, int *prompt_tokens, struct tdm_oai_error *e);
 void tdm_oai_prompts_free(struct tdm_oai_tokenized_prompt *p, size_t n); // NULL is fine
+// The request's bad_words as the token sequences its sampling params forbid
+// (vLLM's SamplingParams.update_from_tokenizer): each word with its leading
+// whitespace stripped, tokenized without special tokens, and again after one
+// space when that gives another first token and as many tokens (the word
+// inside a text). Errors as vLLM's: a word of no tokens, more than
+// TDM_MAX_BAD_WORDS sequences or TDM_MAX_BAD_WORD_TOKENS tokens, an id
+// outside the model's vocabulary. TDM_OK (nothing to do without bad_words),
+// or an error code with e filled.
+int tdm_oai_bad_words_build(struct tdm_oai_request *req, const struct tdm_oai_model_info *info,
+                            const struct tdm_tokenizer *tok, struct tdm_oai_error *e);
 // A chat request's prompt text: its conversation (tool calls and results
 // included) and its tools rendered with chat (NULL: the model has none, chat_err
 // says why). *out heap. TDM_OK, or an error code with e (400 on "messages" when

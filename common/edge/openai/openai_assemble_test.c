@@ -343,6 +343,76 @@ static void test_tokenize_run(void **state)
     assert_int_equal(e.status, 400);
 }
 
+// Token ids of text (no special tokens), into ids[]; their count.
+static size_t encode(const char *text, int32_t *ids)
+{
+    int32_t *got = NULL;
+    size_t n = 0;
+    assert_int_equal(tdm_tok_encode(tok, text, strlen(text), false, &got, &n), TDM_OK);
+    memcpy(ids, got, n * sizeof *ids);
+    free(got);
+    return n;
+}
+
+// bad_words become vLLM's token sequences: each word without its leading
+// whitespace, then with one space when that is another first token of the
+// same length; the sampling params point at them. A word of whitespace
+// alone, and too many sequences, are vLLM's 400s.
+static void test_bad_words_build(void **state)
+{
+    (void)state;
+    if (tok == NULL)
+        TDM_SKIP("the Qwen2 tokenizer in ../shared/models is absent");
+    struct tdm_oai_model_info info = {.vocab_size = tdm_tok_vocab_size(tok), .max_model_len = 64};
+    struct tdm_oai_error e;
+    struct tdm_oai_request rq;
+    const char *body = "{\"prompt\":\"x\",\"bad_words\":[\"Hello\",\"  world\",\"Hello world\"]}";
+    assert_int_equal(tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, body, strlen(body), &info, &e),
+                     TDM_OK);
+    assert_int_equal(rq.n_bad_words, 3);
+    assert_int_equal(rq.sampling.num_bad_words, 0); // until the tokenizer made them sequences
+    assert_int_equal(tdm_oai_bad_words_build(&rq, &info, tok, &e), TDM_OK);
+    const char *forms[6] = {"Hello", " Hello", "world", " world", "Hello world", " Hello world"};
+    int32_t want[32], lens[6];
+    size_t total = 0;
+    for (int i = 0; i < 6; i++) {
+        lens[i] = (int32_t)encode(forms[i], want + total);
+        total += (size_t)lens[i];
+    }
+    // Each spaced form here is another first token of the same length.
+    assert_int_equal(lens[0], lens[1]);
+    assert_int_not_equal(want[0], want[1]);
+    assert_int_equal(rq.sampling.num_bad_words, 6);
+    assert_ptr_equal(rq.sampling.bad_word_ids, rq.bad_word_ids);
+    assert_memory_equal(rq.sampling.bad_word_lens, lens, sizeof lens);
+    assert_memory_equal(rq.sampling.bad_word_ids, want, total * sizeof *want);
+    char err[256];
+    assert_int_equal(tdm_sampling_params_validate(&rq.sampling, info.vocab_size, err, sizeof err),
+                     TDM_OK);
+    tdm_oai_request_fini(&rq);
+
+    body = "{\"prompt\":\"x\",\"bad_words\":[\"ok\",\" \\n \"]}";
+    assert_int_equal(tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, body, strlen(body), &info, &e),
+                     TDM_OK);
+    assert_int_equal(tdm_oai_bad_words_build(&rq, &info, tok, &e), TDM_EINVAL);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.param, "bad_words");
+    assert_string_equal(e.message, "bad_words entries must tokenize to at least one token.");
+    tdm_oai_request_fini(&rq);
+
+    // 100 words of two sequences each: past vLLM's 128.
+    char big[2048] = "{\"prompt\":\"x\",\"bad_words\":[";
+    for (int i = 0; i < 100; i++)
+        snprintf(big + strlen(big), sizeof big - strlen(big), "%s\"w%d\"", i ? "," : "", i);
+    strcat(big, "]}");
+    assert_int_equal(tdm_oai_request_parse(&rq, TDM_OAI_COMPLETION, big, strlen(big), &info, &e),
+                     TDM_OK);
+    assert_int_equal(tdm_oai_bad_words_build(&rq, &info, tok, &e), TDM_EINVAL);
+    assert_non_null(strstr(e.message, "Too many bad words after tokenization: 129. The max number "
+                                      "is 128."));
+    tdm_oai_request_fini(&rq);
+}
+
 static void test_prompts_build(void **state)
 {
     (void)state;
@@ -453,12 +523,10 @@ static void test_prompts_build(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_stop_string),
-        cmocka_unit_test(test_stream_chunks),
-        cmocka_unit_test(test_errors_and_stop_ids),
-        cmocka_unit_test(test_invalid_utf8_cleaned),
-        cmocka_unit_test(test_tokenize_run),
-        cmocka_unit_test(test_prompts_build),
+        cmocka_unit_test(test_stop_string),         cmocka_unit_test(test_stream_chunks),
+        cmocka_unit_test(test_errors_and_stop_ids), cmocka_unit_test(test_invalid_utf8_cleaned),
+        cmocka_unit_test(test_tokenize_run),        cmocka_unit_test(test_prompts_build),
+        cmocka_unit_test(test_bad_words_build),
     };
     return tdm_test_exit(cmocka_run_group_tests(tests, setup, teardown));
 }

@@ -26,6 +26,8 @@ int tdm_oai_call_init(struct tdm_oai_call *k, enum tdm_oai_kind kind, const char
                           k->req.request_id ? k->req.request_id : base_id);
     rc = tdm_oai_prompts_build(&k->req, info, tok, chat, chat_err, &k->prompts, &k->n_prompts,
                                &k->prompt_tokens, e);
+    if (rc == TDM_OK)
+        rc = tdm_oai_bad_words_build(&k->req, info, tok, e);
     if (rc != TDM_OK || k->req.echo_only)
         return rc;
     size_t n = (size_t)k->req.n, n_choices = k->n_prompts * n;

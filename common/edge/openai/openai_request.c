@@ -136,8 +136,6 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         {"functions", "use tools"},
         {"function_call", "use tool_choice"},
         {"use_beam_search", NULL},
-        {"allowed_token_ids", NULL},
-        {"bad_words", NULL},
         {"logits_processors", NULL},
         {"prompt_embeds", NULL},
         {"logprob_token_ids", NULL},
@@ -577,6 +575,72 @@ static int parse_stop_ids(const cJSON *root, struct tdm_sampling_params *p,
     return TDM_OK;
 }
 
+// allowed_token_ids (vLLM's): a non-empty list of token ids, kept in r and
+// lent to the sampling params.
+static int parse_allowed_ids(const cJSON *root, struct tdm_oai_request *r,
+                             const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    const cJSON *a = field(root, "allowed_token_ids");
+    if (!a)
+        return TDM_OK;
+    if (!cJSON_IsArray(a))
+        return tdm_oai_seterr(e, 400, "allowed_token_ids",
+                              "allowed_token_ids: Input should be a valid list");
+    int n = cJSON_GetArraySize(a);
+    if (n == 0)
+        return tdm_oai_seterr(e, 400, "allowed_token_ids",
+                              "allowed_token_ids is not None and empty!");
+    r->allowed_token_ids = malloc((size_t)n * sizeof *r->allowed_token_ids);
+    if (!r->allowed_token_ids)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    const cJSON *it;
+    cJSON_ArrayForEach(it, a)
+    {
+        if (!json_is_int(it, -2147483648.0, 2147483647.0))
+            return tdm_oai_seterr(e, 400, "allowed_token_ids",
+                                  "allowed_token_ids must contain only integers");
+        int v = (int)it->valuedouble;
+        if (v < 0 || (m && m->vocab_size > 0 && v >= m->vocab_size))
+            return tdm_oai_seterr(e, 400, "allowed_token_ids",
+                                  "allowed_token_ids contains out-of-vocab token id!");
+        r->allowed_token_ids[r->n_allowed_token_ids++] = v;
+    }
+    r->sampling.allowed_token_ids = r->allowed_token_ids;
+    r->sampling.num_allowed_token_ids = (int)r->n_allowed_token_ids;
+    return TDM_OK;
+}
+
+// bad_words (vLLM's): a list of non-empty strings, kept in r until the
+// prompts' tokenizer turns them into token sequences (tdm_oai_bad_words_build).
+static int parse_bad_words(const cJSON *root, struct tdm_oai_request *r, struct tdm_oai_error *e)
+{
+    const cJSON *b = field(root, "bad_words");
+    if (!b)
+        return TDM_OK;
+    if (!cJSON_IsArray(b))
+        return tdm_oai_seterr(e, 400, "bad_words", "bad_words: Input should be a valid list");
+    int n = cJSON_GetArraySize(b);
+    if (n > TDM_MAX_BAD_WORDS)
+        return tdm_oai_seterr(e, 400, "bad_words",
+                              "Too many bad words after tokenization: %d. The max number is %d.", n,
+                              TDM_MAX_BAD_WORDS);
+    r->bad_words = calloc(n > 0 ? (size_t)n : 1, sizeof *r->bad_words);
+    if (!r->bad_words)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    const cJSON *it;
+    cJSON_ArrayForEach(it, b)
+    {
+        if (!cJSON_IsString(it))
+            return tdm_oai_seterr(e, 400, "bad_words", "bad_words must contain only strings");
+        if (!it->valuestring[0])
+            return tdm_oai_seterr(e, 400, "bad_words", "bad_words cannot contain an empty string.");
+        if (!(r->bad_words[r->n_bad_words] = strdup(it->valuestring)))
+            return tdm_oai_seterr(e, 500, NULL, "out of memory");
+        r->n_bad_words++;
+    }
+    return TDM_OK;
+}
+
 static int parse_logit_bias(const cJSON *root, struct tdm_sampling_params *p,
                             const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
 {
@@ -711,6 +775,8 @@ static int parse_sampling(const cJSON *root, struct tdm_oai_request *r,
     if (parse_stop_ids(root, p, m, e) != TDM_OK)
         return TDM_EINVAL;
     if (parse_logit_bias(root, p, m, e) != TDM_OK)
+        return TDM_EINVAL;
+    if (parse_allowed_ids(root, r, m, e) != TDM_OK || parse_bad_words(root, r, e) != TDM_OK)
         return TDM_EINVAL;
 
     struct tdm_sampling_resolved res;
@@ -1162,6 +1228,12 @@ void tdm_oai_request_fini(struct tdm_oai_request *req)
     free(req->request_id);
     free(req->cache_salt);
     free(req->constraint_text);
+    free(req->allowed_token_ids);
+    for (size_t i = 0; i < req->n_bad_words; i++)
+        free(req->bad_words[i]);
+    free(req->bad_words);
+    free(req->bad_word_ids);
+    free(req->bad_word_lens);
     memset(req, 0, sizeof *req);
 }
 

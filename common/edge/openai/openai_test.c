@@ -395,8 +395,53 @@ static void test_validation_errors(void **state)
                  "suffix is not supported");
     expect_error(C, "{\"prompt\":\"x\",\"use_beam_search\":true}", 400, "use_beam_search",
                  "not supported");
-    expect_error(C, "{\"prompt\":\"x\",\"allowed_token_ids\":[1]}", 400, "allowed_token_ids",
-                 "not supported");
+}
+
+// allowed_token_ids and bad_words (vLLM's): kept and lent to the sampling
+// params; malformed values are vLLM's 400s.
+static void test_allowed_ids_and_bad_words(void **state)
+{
+    (void)state;
+    const enum tdm_oai_kind C = TDM_OAI_COMPLETION;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    const char *ok =
+        "{\"prompt\":\"x\",\"allowed_token_ids\":[5,999,5],\"bad_words\":[\"a\",\" b\"]}";
+    assert_int_equal(parse(&r, C, ok, &e), TDM_OK);
+    assert_int_equal(r.n_allowed_token_ids, 3);
+    assert_int_equal(r.sampling.num_allowed_token_ids, 3);
+    assert_ptr_equal(r.sampling.allowed_token_ids, r.allowed_token_ids);
+    assert_int_equal(r.allowed_token_ids[1], 999);
+    assert_int_equal(r.n_bad_words, 2);
+    assert_string_equal(r.bad_words[1], " b");
+    tdm_oai_request_fini(&r);
+    ok = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"allowed_token_ids\":[1],"
+         "\"bad_words\":[]}";
+    assert_int_equal(parse(&r, TDM_OAI_CHAT, ok, &e), TDM_OK);
+    assert_int_equal(r.sampling.num_allowed_token_ids, 1);
+    assert_int_equal(r.n_bad_words, 0);
+    tdm_oai_request_fini(&r);
+
+    expect_error(C, "{\"prompt\":\"x\",\"allowed_token_ids\":[]}", 400, "allowed_token_ids",
+                 "allowed_token_ids is not None and empty!");
+    expect_error(C, "{\"prompt\":\"x\",\"allowed_token_ids\":[1,1000]}", 400, "allowed_token_ids",
+                 "allowed_token_ids contains out-of-vocab token id!");
+    expect_error(C, "{\"prompt\":\"x\",\"allowed_token_ids\":[-1]}", 400, "allowed_token_ids",
+                 "out-of-vocab");
+    expect_error(C, "{\"prompt\":\"x\",\"allowed_token_ids\":[1.5]}", 400, "allowed_token_ids",
+                 "only integers");
+    expect_error(C, "{\"prompt\":\"x\",\"allowed_token_ids\":3}", 400, "allowed_token_ids",
+                 "valid list");
+    expect_error(C, "{\"prompt\":\"x\",\"bad_words\":\"a\"}", 400, "bad_words", "valid list");
+    expect_error(C, "{\"prompt\":\"x\",\"bad_words\":[\"a\",\"\"]}", 400, "bad_words",
+                 "bad_words cannot contain an empty string.");
+    expect_error(C, "{\"prompt\":\"x\",\"bad_words\":[1]}", 400, "bad_words", "only strings");
+    char big[2048] = "{\"prompt\":\"x\",\"bad_words\":[";
+    for (int i = 0; i < TDM_MAX_BAD_WORDS + 1; i++)
+        strcat(big, i ? ",\"w\"" : "\"w\"");
+    strcat(big, "]}");
+    expect_error(C, big, 400, "bad_words",
+                 "Too many bad words after tokenization: 129. The max number is 128.");
 }
 
 static void test_unsupported_noop_values_accepted(void **state)
@@ -1410,6 +1455,7 @@ int main(void)
         cmocka_unit_test(test_prompt_forms),
         cmocka_unit_test(test_validation_errors),
         cmocka_unit_test(test_unsupported_noop_values_accepted),
+        cmocka_unit_test(test_allowed_ids_and_bad_words),
         cmocka_unit_test(test_prompt_logprobs_accepted),
         cmocka_unit_test(test_echo_without_generation),
         cmocka_unit_test(test_generation_config_defaults),

@@ -206,3 +206,92 @@ void tdm_oai_prompts_free(struct tdm_oai_tokenized_prompt *p, size_t n)
     }
     free(p);
 }
+
+int tdm_oai_bad_words_build(struct tdm_oai_request *req, const struct tdm_oai_model_info *info,
+                            const struct tdm_tokenizer *tok, struct tdm_oai_error *e)
+{
+    if (req->n_bad_words == 0)
+        return TDM_OK;
+    free(req->bad_word_ids);
+    free(req->bad_word_lens);
+    req->bad_word_ids = malloc(TDM_MAX_BAD_WORD_TOKENS * sizeof *req->bad_word_ids);
+    req->bad_word_lens = malloc(TDM_MAX_BAD_WORDS * sizeof *req->bad_word_lens);
+    if (!req->bad_word_ids || !req->bad_word_lens)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    int n_words = 0, total = 0, rc = TDM_OK;
+    char *spaced = NULL;
+    int32_t *ids = NULL;
+    for (size_t w = 0; w < req->n_bad_words && rc == TDM_OK; w++) {
+        const char *word = req->bad_words[w];
+        while (*word == ' ' || (*word >= '\t' && *word <= '\r')) // Python's lstrip(), ASCII
+            word++;
+        size_t len = strlen(word);
+        free(spaced);
+        spaced = malloc(len + 2);
+        if (!spaced) {
+            rc = tdm_oai_seterr(e, 500, NULL, "out of memory");
+            break;
+        }
+        spaced[0] = ' ';
+        memcpy(spaced + 1, word, len + 1);
+        for (int prefix = 0; prefix < 2; prefix++) {
+            size_t n = 0;
+            free(ids);
+            ids = NULL;
+            if (tdm_tok_encode(tok, prefix ? spaced : word, prefix ? len + 1 : len, false, &ids,
+                               &n) != TDM_OK) {
+                rc = tdm_oai_seterr(e, 500, NULL, "tokenization failed");
+                break;
+            }
+            if (n == 0) {
+                if (!prefix) {
+                    rc = tdm_oai_seterr(e, 400, "bad_words",
+                                        "bad_words entries must tokenize to at least one token.");
+                    break;
+                }
+                continue;
+            }
+            // The spaced form only where it is another word: another first
+            // token, and as many tokens as the word alone.
+            if (prefix) {
+                const int32_t *last = req->bad_word_ids + total - req->bad_word_lens[n_words - 1];
+                if (ids[0] == last[0] || (int)n != req->bad_word_lens[n_words - 1])
+                    continue;
+            }
+            if (n_words == TDM_MAX_BAD_WORDS) {
+                rc = tdm_oai_seterr(
+                    e, 400, "bad_words",
+                    "Too many bad words after tokenization: %d. The max number is %d.", n_words + 1,
+                    TDM_MAX_BAD_WORDS);
+                break;
+            }
+            if (n > (size_t)(TDM_MAX_BAD_WORD_TOKENS - total)) {
+                rc = tdm_oai_seterr(e, 400, "bad_words",
+                                    "bad_words hold more than %d tokens after tokenization",
+                                    TDM_MAX_BAD_WORD_TOKENS);
+                break;
+            }
+            for (size_t i = 0; i < n && rc == TDM_OK; i++)
+                if (ids[i] < 0 || (info && info->vocab_size > 0 && ids[i] >= info->vocab_size))
+                    rc = tdm_oai_seterr(
+                        e, 400, "bad_words",
+                        "The model vocabulary size is %d, but the following tokens were "
+                        "specified as bad: [%d]. All token id values should be integers "
+                        "satisfying: 0 <= token_id <= %d.",
+                        info->vocab_size, (int)ids[i], info->vocab_size - 1);
+            if (rc != TDM_OK)
+                break;
+            memcpy(req->bad_word_ids + total, ids, n * sizeof *ids);
+            req->bad_word_lens[n_words++] = (int32_t)n;
+            total += (int)n;
+        }
+    }
+    free(spaced);
+    free(ids);
+    if (rc != TDM_OK)
+        return rc;
+    req->sampling.bad_word_ids = req->bad_word_ids;
+    req->sampling.bad_word_lens = req->bad_word_lens;
+    req->sampling.num_bad_words = n_words;
+    return TDM_OK;
+}

@@ -3,6 +3,7 @@
 // sampling params, the KV header check, the push target.
 #include "pd_codec.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,6 +70,20 @@ void tdm_pd_sampling_to_proto(const struct tdm_sampling_params *p, struct tdm_pd
         m->constraint.data = (uint8_t *)(uintptr_t)p->constraint_text; // borrowed, packed only
         m->constraint.len = p->constraint_len;
     }
+    // Borrowed, packed only.
+    if (p->num_allowed_token_ids > 0) {
+        m->n_allowed_token_ids = (size_t)p->num_allowed_token_ids;
+        m->allowed_token_ids = (int32_t *)(uintptr_t)p->allowed_token_ids;
+    }
+    if (p->num_bad_words > 0) {
+        size_t total = 0;
+        for (int i = 0; i < p->num_bad_words; i++)
+            total += (size_t)p->bad_word_lens[i];
+        m->n_bad_word_ids = total;
+        m->bad_word_ids = (int32_t *)(uintptr_t)p->bad_word_ids;
+        m->n_bad_word_lens = (size_t)p->num_bad_words;
+        m->bad_word_lens = (int32_t *)(uintptr_t)p->bad_word_lens;
+    }
 }
 
 int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampling_params *out,
@@ -114,6 +129,25 @@ int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampl
         out->constraint_text = m->constraint.data ? (const char *)m->constraint.data : "";
         out->constraint_len = m->constraint.data ? m->constraint.len : 0;
     }
+    // Borrowed from m; the engine checks the ids and the words' lengths.
+    if (m->n_allowed_token_ids > INT32_MAX || m->n_bad_word_lens > TDM_MAX_BAD_WORDS ||
+        m->n_bad_word_ids > TDM_MAX_BAD_WORD_TOKENS)
+        return tdm_seterr(err, errlen, TDM_EPROTO,
+                          "allowed_token_ids or bad words: %zu ids, %zu words of %zu tokens",
+                          m->n_allowed_token_ids, m->n_bad_word_lens, m->n_bad_word_ids);
+    size_t total = 0;
+    for (size_t i = 0; i < m->n_bad_word_lens; i++)
+        total +=
+            m->bad_word_lens[i] > 0 ? (size_t)m->bad_word_lens[i] : TDM_MAX_BAD_WORD_TOKENS + 1;
+    if (total != m->n_bad_word_ids)
+        return tdm_seterr(err, errlen, TDM_EPROTO,
+                          "bad words: lengths sum to %zu tokens, %zu ids sent", total,
+                          m->n_bad_word_ids);
+    out->allowed_token_ids = m->allowed_token_ids;
+    out->num_allowed_token_ids = (int)m->n_allowed_token_ids;
+    out->bad_word_ids = m->bad_word_ids;
+    out->bad_word_lens = m->bad_word_lens;
+    out->num_bad_words = (int)m->n_bad_word_lens;
     return TDM_OK;
 }
 

@@ -31,8 +31,9 @@ struct tdm_pd_sampling_msg {
 void tdm_pd_sampling_to_proto(const struct tdm_sampling_params *p, struct tdm_pd_sampling_msg *out);
 // TDM_EPROTO (err says which field) when m is NULL or a list is too long;
 // value ranges are the engine's to check (tdm_engine_submit validates).
-// Constraint text: to_proto's message and from_proto's params BORROW it (from
-// p, from m): keep the source alive while the message / params are in use.
+// Constraint text, allowed_token_ids and bad words: to_proto's message and
+// from_proto's params BORROW them (from p, from m): keep the source alive
+// while the message / params are in use.
 int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampling_params *out,
                                char *err, size_t errlen);
 

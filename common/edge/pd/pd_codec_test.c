@@ -46,6 +46,12 @@ static void test_sampling_round_trip(void **state)
     p.constraint = TDM_CONSTRAINT_JSON_SCHEMA;
     p.constraint_text = schema;
     p.constraint_len = sizeof schema - 1;
+    const int32_t allowed[3] = {4, 8, 15}, bad_ids[5] = {1, 2, 3, 2, 9}, bad_lens[3] = {1, 2, 2};
+    p.allowed_token_ids = allowed;
+    p.num_allowed_token_ids = 3;
+    p.bad_word_ids = bad_ids;
+    p.bad_word_lens = bad_lens;
+    p.num_bad_words = 3;
     struct tdm_pd_sampling_msg *sm = malloc(sizeof *sm);
     tdm_pd_sampling_to_proto(&p, sm);
     size_t n = protobuf_c_message_get_packed_size(&sm->msg.base);
@@ -70,6 +76,19 @@ static void test_sampling_round_trip(void **state)
     assert_int_equal(q.constraint, TDM_CONSTRAINT_JSON_SCHEMA);
     assert_int_equal(q.constraint_len, sizeof schema - 1);
     assert_memory_equal(q.constraint_text, schema, sizeof schema - 1);
+    assert_int_equal(q.num_allowed_token_ids, 3);
+    assert_memory_equal(q.allowed_token_ids, allowed, sizeof allowed);
+    assert_int_equal(q.num_bad_words, 3);
+    assert_memory_equal(q.bad_word_lens, bad_lens, sizeof bad_lens);
+    assert_memory_equal(q.bad_word_ids, bad_ids, sizeof bad_ids);
+
+    // Bad words whose lengths do not add up to the ids sent are refused.
+    m->bad_word_lens[2] = 3;
+    assert_int_equal(tdm_pd_sampling_from_proto(m, &q, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "bad words"));
+    m->bad_word_lens[2] = -1;
+    assert_int_equal(tdm_pd_sampling_from_proto(m, &q, err, sizeof err), TDM_EPROTO);
+    m->bad_word_lens[2] = 2;
 
     // json_object travels with no text; an unknown kind is refused.
     m->constraint_kind = TDM_CONSTRAINT_JSON_OBJECT;

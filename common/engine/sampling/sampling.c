@@ -9,6 +9,9 @@
 //                 OUTPUT tokens only
 //   min_tokens    EOS ids and stop ids -> -inf while fewer than min_tokens tokens
 //                 were generated (vLLM masks EOS here even with ignore_eos)
+//   allowed_token_ids  every other token -> -inf
+//   bad_words     a word's last token -> -inf where the output ends with the
+//                 word's other tokens (the -inf masks commute with the rest)
 //   temperature 0 -> greedy argmax (ties: lowest id); otherwise l / T, with T
 //                 raised to 0.01 when smaller (vLLM's _MAX_TEMP guard)
 //   min_p         keep p >= min_p * p_max
@@ -72,6 +75,17 @@ struct tdm_sampler {
     int32_t *toks;
     int n_toks, cap_toks;
     bool toks_lost;
+    uint64_t *allow; // [words] allowed_token_ids' bitmap; NULL: every token
+    // bad_words (copies): word i is bad_lens[i] ids of bad_ids after words
+    // 0 .. i-1. The last bad_pre output tokens (the longest word's prefix)
+    // in a ring, token number k (from 0) at bad_hist[k % bad_pre]; hist_n
+    // counts the tokens recorded.
+    int32_t *bad_ids;
+    int32_t *bad_lens;
+    int n_bad;
+    int bad_pre;
+    int32_t *bad_hist;
+    uint64_t hist_n;
     float *raw;          // [vocab_size] raw logits copy; NULL unless logprobs >= 0
     int32_t *cand;       // [vocab_size] candidate ids; NULL when greedy
     float *weight;       // [vocab_size] top_k's scratch
@@ -148,6 +162,40 @@ int tdm_sampling_params_validate(const struct tdm_sampling_params *p, int vocab_
         if (!isfinite(b->bias))
             return tdm_seterr(err, errlen, TDM_EINVAL,
                               "logit_bias for token %d must be a finite number", (int)b->token);
+    }
+    if (p->num_allowed_token_ids < 0 || (p->num_allowed_token_ids > 0 && !p->allowed_token_ids))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "allowed_token_ids: %d ids without their array",
+                          p->num_allowed_token_ids);
+    for (int i = 0; i < p->num_allowed_token_ids; i++)
+        if (p->allowed_token_ids[i] < 0 || p->allowed_token_ids[i] >= vocab_size)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "allowed_token_ids contains out-of-vocab token id %d (vocabulary "
+                              "[0, %d))",
+                              (int)p->allowed_token_ids[i], vocab_size);
+    if (p->num_bad_words < 0 || p->num_bad_words > TDM_MAX_BAD_WORDS)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "Too many bad words after tokenization: %d. The max number is %d.",
+                          p->num_bad_words, TDM_MAX_BAD_WORDS);
+    if (p->num_bad_words > 0 && (!p->bad_word_ids || !p->bad_word_lens))
+        return tdm_seterr(err, errlen, TDM_EINVAL, "bad_words: %d words without their arrays",
+                          p->num_bad_words);
+    for (int i = 0, total = 0; i < p->num_bad_words; i++) {
+        int len = p->bad_word_lens[i];
+        if (len < 1)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "bad_words entries must tokenize to at least one token.");
+        if (len > TDM_MAX_BAD_WORD_TOKENS - total)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "bad_words: more than %d tokens after tokenization",
+                              TDM_MAX_BAD_WORD_TOKENS);
+        for (int j = total; j < total + len; j++)
+            if (p->bad_word_ids[j] < 0 || p->bad_word_ids[j] >= vocab_size)
+                return tdm_seterr(err, errlen, TDM_EINVAL,
+                                  "The model vocabulary size is %d, but the following tokens were "
+                                  "specified as bad: [%d]. All token id values should be integers "
+                                  "satisfying: 0 <= token_id <= %d.",
+                                  vocab_size, (int)p->bad_word_ids[j], vocab_size - 1);
+        total += len;
     }
     if ((unsigned)p->constraint >= TDM_CONSTRAINT_COUNT)
         return tdm_seterr(err, errlen, TDM_EINVAL, "unknown constraint kind %d",
@@ -296,6 +344,32 @@ int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *
         if (s->toks_lost)
             goto fail;
     }
+    if (p->num_allowed_token_ids > 0) {
+        s->allow = calloc(s->words, sizeof(uint64_t));
+        if (!s->allow)
+            goto fail;
+        for (int i = 0; i < p->num_allowed_token_ids; i++)
+            s->allow[p->allowed_token_ids[i] >> 6] |= 1ull << (p->allowed_token_ids[i] & 63);
+    }
+    if (p->num_bad_words > 0) {
+        int total = 0;
+        for (int i = 0; i < p->num_bad_words; i++) {
+            total += p->bad_word_lens[i];
+            if (p->bad_word_lens[i] - 1 > s->bad_pre)
+                s->bad_pre = p->bad_word_lens[i] - 1;
+        }
+        s->bad_ids = malloc((size_t)total * sizeof *s->bad_ids);
+        s->bad_lens = malloc((size_t)p->num_bad_words * sizeof *s->bad_lens);
+        s->bad_hist = malloc((size_t)(s->bad_pre > 0 ? s->bad_pre : 1) * sizeof *s->bad_hist);
+        if (!s->bad_ids || !s->bad_lens || !s->bad_hist)
+            goto fail;
+        memcpy(s->bad_ids, p->bad_word_ids, (size_t)total * sizeof *s->bad_ids);
+        memcpy(s->bad_lens, p->bad_word_lens, (size_t)p->num_bad_words * sizeof *s->bad_lens);
+        s->n_bad = p->num_bad_words;
+    }
+    // The copies are the sampler's: the borrowed arrays may go.
+    s->p.allowed_token_ids = NULL;
+    s->p.bad_word_ids = s->p.bad_word_lens = NULL;
     if (p->logprobs >= 0) {
         s->raw = malloc(v * sizeof(float));
         if (!s->raw)
@@ -326,6 +400,10 @@ void tdm_sampler_free(struct tdm_sampler *s)
     free(s->out_seen);
     free(s->out_count);
     free(s->toks);
+    free(s->allow);
+    free(s->bad_ids);
+    free(s->bad_lens);
+    free(s->bad_hist);
     free(s->raw);
     free(s->cand);
     free(s->weight);
@@ -444,6 +522,35 @@ float tdm_sampling_kth_largest(const float *logits, size_t n, size_t k, float *s
 
 // ---- the per-token path -------------------------------------------------------------------
 
+// The tokens the bad words ban from the next draw, the output being the
+// recorded tokens then ahead[0 .. n_ahead): each word whose other tokens end
+// it gives its last token (vLLM's rule: a word longer than the output plus
+// one never does). Into ban[] (TDM_MAX_BAD_WORDS), each token once; returns
+// how many.
+static int bad_bans(const struct tdm_sampler *s, const int32_t *ahead, int n_ahead, int32_t *ban)
+{
+    int n = 0;
+    const int32_t *word = s->bad_ids;
+    for (int i = 0; i < s->n_bad; word += s->bad_lens[i++]) {
+        int pre = s->bad_lens[i] - 1;
+        if ((uint64_t)pre > s->hist_n + (uint64_t)n_ahead)
+            continue;
+        bool hit = true;
+        for (int k = 1; k <= pre && hit; k++) { // the k-th output token from the end
+            int32_t t =
+                k <= n_ahead
+                    ? ahead[n_ahead - k]
+                    : s->bad_hist[(s->hist_n - (uint64_t)(k - n_ahead)) % (uint64_t)s->bad_pre];
+            hit = t == word[pre - k];
+        }
+        for (int j = 0; j < n && hit; j++)
+            hit = ban[j] != word[pre];
+        if (hit)
+            ban[n++] = word[pre];
+    }
+    return n;
+}
+
 static void apply_penalties(struct tdm_sampler *s, float *logits)
 {
     const struct tdm_sampling_params *p = &s->p;
@@ -470,6 +577,18 @@ static void apply_penalties(struct tdm_sampler *s, float *logits)
     if (s->num_generated < p->min_tokens)
         for (int i = 0; i < s->num_masked; i++)
             logits[s->masked_ids[i]] = -INFINITY;
+    if (s->allow)
+        for (size_t wi = 0; wi < s->words; wi++) {
+            uint64_t out = ~s->allow[wi];
+            if (wi == s->words - 1 && s->vocab_size % 64)
+                out &= (1ull << (s->vocab_size % 64)) - 1;
+            for (; out; out &= out - 1)
+                logits[wi * 64 + (size_t)__builtin_ctzll(out)] = -INFINITY;
+        }
+    int32_t ban[TDM_MAX_BAD_WORDS];
+    int n_ban = bad_bans(s, NULL, 0, ban);
+    for (int i = 0; i < n_ban; i++)
+        logits[ban[i]] = -INFINITY;
 }
 
 // Random path, sample_draw.h's draw: the candidates (top_k, or every token
@@ -595,6 +714,9 @@ static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm
 static void record(struct tdm_sampler *s, int32_t token)
 {
     s->num_generated++;
+    if (s->bad_pre > 0)
+        s->bad_hist[s->hist_n % (uint64_t)s->bad_pre] = token;
+    s->hist_n++;
     if ((s->seen || s->out_seen) && !in_bitmaps(s, token))
         toks_insert(s, token);
     if (s->seen)
@@ -645,6 +767,7 @@ int tdm_sampler_verify(struct tdm_sampler *s, float *rows, const int32_t *draft,
 static bool plain(const struct tdm_sampler *s)
 {
     return s->p.num_logit_bias == 0 && s->seen == NULL && s->out_seen == NULL && s->raw == NULL &&
+           s->allow == NULL && s->n_bad == 0 &&
            (s->num_generated >= s->p.min_tokens || s->num_masked == 0);
 }
 
@@ -722,11 +845,12 @@ static struct tdm_draw_adj ahead_entry(const struct tdm_sampler *s, const struct
     return (struct tdm_draw_adj){.token = t, .flags = seen ? TDM_DRAW_ADJ_SEEN : 0, .count = count};
 }
 
-// Whether a device can draw for s: a repeated bias token adds twice, and a
-// lost token list cannot say the history's tokens.
+// Whether a device can draw for s: a repeated bias token adds twice, a lost
+// token list cannot say the history's tokens, and allowed_token_ids would be
+// an entry for nearly every token.
 static bool drawable(const struct tdm_sampler *s)
 {
-    return s->bias_unique && !s->toks_lost;
+    return s->bias_unique && !s->toks_lost && s->allow == NULL;
 }
 
 // A draw's parameters at output index `generated`, without its entries.
@@ -753,7 +877,8 @@ static int prepare(const struct tdm_sampler *s, struct tdm_draw_params *d, struc
                    int cap, const int32_t *ahead, int n_ahead, int n_pending)
 {
     const struct tdm_sampling_params *p = &s->p;
-    if (!drawable(s) || n_ahead < 0 || n_ahead > TDM_SAMPLER_MAX_AHEAD)
+    if (!drawable(s) || n_ahead < 0 || n_ahead > TDM_SAMPLER_MAX_AHEAD ||
+        (n_pending > 0 && s->bad_pre > 0))
         return -1;
     // What record() would do with each token ahead: the tokens it would add
     // to a bitmap that has none of them yet, ascending, each once.
@@ -799,7 +924,8 @@ static int prepare(const struct tdm_sampler *s, struct tdm_draw_params *d, struc
             a->bias = p->logit_bias[i].bias;
         }
     }
-    if (generated < (uint64_t)p->min_tokens)
+    bool masking = generated < (uint64_t)p->min_tokens;
+    if (masking)
         for (int i = 0; i < s->num_masked; i++) {
             int32_t t = s->masked_ids[i];
             bool listed = false;
@@ -811,6 +937,20 @@ static int prepare(const struct tdm_sampler *s, struct tdm_draw_params *d, struc
             if (a)
                 a->flags |= TDM_DRAW_ADJ_MASKED;
         }
+    // The bad words' bans, masked as min_tokens masks (unique tokens).
+    int32_t ban[TDM_MAX_BAD_WORDS];
+    int n_ban = bad_bans(s, ahead, n_ahead, ban);
+    for (int i = 0; i < n_ban; i++) {
+        int32_t t = ban[i];
+        bool listed = false;
+        for (int j = 0; j < p->num_logit_bias && !listed; j++)
+            listed = p->logit_bias[j].token == t;
+        for (int j = 0; masking && j < s->num_masked && !listed; j++)
+            listed = s->masked_ids[j] == t;
+        struct tdm_draw_adj *a = adj_entry(s, &ah, adj, &n, cap, sorted, t, listed);
+        if (a)
+            a->flags |= TDM_DRAW_ADJ_MASKED;
+    }
     d->n_adj = n;
     return n;
 }
@@ -862,7 +1002,7 @@ void tdm_sampler_draw_logprobs(const struct tdm_draw_logprobs *lp, int32_t token
 int tdm_sampler_draw_list_params(const struct tdm_sampler *s, struct tdm_draw_params *d,
                                  int n_pending)
 {
-    if (!drawable(s) || n_pending < 0 || n_pending > 1)
+    if (!drawable(s) || n_pending < 0 || n_pending > 1 || s->bad_pre > 0)
         return -1;
     draw_params(s, d, (uint64_t)s->num_generated + (uint64_t)n_pending);
     return 0;

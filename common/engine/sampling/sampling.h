@@ -17,6 +17,10 @@
 #define TDM_MAX_STOP_IDS 32
 #define TDM_MAX_LOGIT_BIAS 300
 #define TDM_MAX_LOGPROBS 20
+// bad_words after tokenization: vLLM's VLLM_MAX_NUM_BAD_WORDS token sequences
+// a request, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS tokens in all.
+#define TDM_MAX_BAD_WORDS 128
+#define TDM_MAX_BAD_WORD_TOKENS 1024
 // Tokens tdm_sampler_draw_prepare_ahead looks ahead at most (a speculative
 // step's drafts: spec.h's TDM_SPEC_MAX_TOKENS).
 #define TDM_SAMPLER_MAX_AHEAD 16
@@ -51,6 +55,20 @@ struct tdm_sampling_params {
     enum tdm_constraint_kind constraint;
     const char *constraint_text;
     size_t constraint_len;
+    // vLLM's allowed_token_ids: when num_allowed_token_ids > 0, only these
+    // tokens may be drawn (every other logit is -inf before the draw; the
+    // logprobs stay those of the raw logits). Duplicates are fine. BORROWED
+    // as constraint_text is; the sampler keeps its own copy.
+    const int32_t *allowed_token_ids;
+    int num_allowed_token_ids;
+    // vLLM's bad_words as token sequences (the HTTP front tokenizes each word
+    // with and without a leading space, tdm_oai_bad_words_build): word i is
+    // the bad_word_lens[i] ids that follow words 0 .. i-1 in bad_word_ids. A
+    // word's last token is -inf wherever the output so far (not the prompt)
+    // ends with its other tokens: a one-token word is never drawn. BORROWED.
+    const int32_t *bad_word_ids;
+    const int32_t *bad_word_lens;
+    int num_bad_words;
 };
 
 // vLLM's fallbacks (temperature 1, top_p 1, top_k off, min_p 0, penalties off, logprobs -1).
@@ -141,7 +159,8 @@ bool tdm_sampler_eos_ends(const struct tdm_sampler *s);
 
 // True when the next token is the plain argmax of the raw logits: greedy, with
 // no logit bias, no repetition/presence/frequency penalty, no EOS or stop id
-// masked for min_tokens any more, and no logprobs asked. The caller may then
+// masked for min_tokens any more, no allowed_token_ids or bad_words, and no
+// logprobs asked. The caller may then
 // take the argmax elsewhere (the model's fused LM head: the logits row is never
 // written) and record it with tdm_sampler_replay, which leaves the sampler
 // exactly as tdm_sampler_sample would have.
@@ -157,13 +176,14 @@ bool tdm_sampler_plain_greedy(const struct tdm_sampler *s);
 struct tdm_draw_params;
 bool tdm_sampler_draw_params(const struct tdm_sampler *s, struct tdm_draw_params *d);
 
-// The same for any request (-1 only for a logit bias naming a token twice:
-// the host samples it): *d, and in adj[0..cap) the adjustments of its logits
-// that tdm_sampler_sample would make before the draw (logit bias, penalties
-// over the history, the min_tokens mask; one entry a token, each token once,
-// in no required order); returns how many there are (d->n_adj). When that is
-// more than cap, adj holds only the first cap: call again with room for all.
-// A request asking logprobs asks them of the device too (d->logprobs).
+// The same for any request (-1 for a logit bias naming a token twice, and for
+// allowed_token_ids, whose mask is not a few entries: the host samples it):
+// *d, and in adj[0..cap) the adjustments of its logits that
+// tdm_sampler_sample would make before the draw (logit bias, penalties over
+// the history, the min_tokens mask, the bad words' last tokens the output
+// now leads to; one entry a token, each token once, in no required order); returns how many there
+// are (d->n_adj). When that is more than cap, adj holds only the first cap: call again with room
+// for all. A request asking logprobs asks them of the device too (d->logprobs).
 struct tdm_draw_adj;
 int tdm_sampler_draw_prepare(const struct tdm_sampler *s, struct tdm_draw_params *d,
                              struct tdm_draw_adj *adj, int cap);
@@ -183,14 +203,18 @@ int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_
 // naming prev_row and what one more occurrence of its token adds. Resolved
 // with that token (tdm_draw_resolve_pending), the entries are those of
 // tdm_sampler_draw_prepare after the token's tdm_sampler_replay, in another
-// order. -1 where tdm_sampler_draw_prepare gives -1, or prev_row < 0.
+// order. -1 where tdm_sampler_draw_prepare gives -1, where a bad word of two
+// tokens or more may follow that token (which tokens it bans is not known
+// yet), or prev_row < 0.
 int tdm_sampler_draw_prepare_pending(const struct tdm_sampler *s, struct tdm_draw_params *d,
                                      struct tdm_draw_adj *adj, int cap, int prev_row);
 // The parameters of the draw n_pending (0 or 1) tokens after the history,
 // as tdm_sampler_draw_prepare(_pending) gives them, without its entries
 // (n_adj 0): a row whose entries a device keeps from the step before
 // (tdm_draw_params.list), in O(1) instead of O(the entries). 0, or -1 where
-// tdm_sampler_draw_prepare gives -1.
+// tdm_sampler_draw_prepare gives -1 and where the entries change otherwise
+// than by the drawn token's record (a bad word of two tokens or more: its
+// ban follows the last tokens): prepare the row whole then.
 int tdm_sampler_draw_list_params(const struct tdm_sampler *s, struct tdm_draw_params *d,
                                  int n_pending);
 // *res for a token a device drew with the logprobs it computed (lp): what

@@ -1680,6 +1680,212 @@ static void test_plain_greedy(void **state)
     tdm_sampler_free(b);
 }
 
+// allowed_token_ids: greedy takes the best allowed token, a draw never leaves
+// the set (over many seeds, with the set's mass checked against its
+// renormalised probabilities), the logprobs stay those of the raw row, the
+// fast paths are refused (not plain, no device draw), and bad lists are
+// refused with vLLM's message.
+static void test_allowed_token_ids(void **state)
+{
+    (void)state;
+    enum { V = 300, DRAWS = 4000 };
+    static float master[V], work[V];
+    const int32_t allowed[5] = {5, 77, 299, 5, 130}; // a duplicate is fine
+    random_logits(master, V, 4.0f);
+    master[200] = 50.0f; // the row's best, not allowed
+    master[130] = 3.0f, master[77] = 2.0f, master[5] = 1.0f, master[299] = 2.5f;
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.0f;
+    p.allowed_token_ids = allowed;
+    p.num_allowed_token_ids = 5;
+    p.logprobs = 2;
+    struct tdm_sampler *s = make(&p, V);
+    assert_false(tdm_sampler_plain_greedy(s));
+    struct tdm_draw_params d;
+    struct tdm_draw_adj adj[8];
+    assert_int_equal(tdm_sampler_draw_prepare(s, &d, adj, 8), -1);
+    assert_false(tdm_sampler_draw_params(s, &d));
+    struct tdm_sample_result res;
+    memcpy(work, master, sizeof master);
+    assert_int_equal(tdm_sampler_sample(s, work, &res), 130);
+    // Logprobs of the raw row: the top one is 200, which was not drawable.
+    assert_int_equal(res.num_top, 2);
+    assert_int_equal(res.top[0].token, 200);
+    tdm_sampler_free(s);
+
+    p.temperature = 1.0f;
+    p.logprobs = -1;
+    int count[V] = {0};
+    for (int i = 0; i < DRAWS; i++) {
+        p.has_seed = true;
+        p.seed = 1000u + (uint64_t)i;
+        s = make(&p, V);
+        count[draw(s, master, work, V)]++;
+        tdm_sampler_free(s);
+    }
+    double z = exp(1.0) + exp(2.0) + exp(2.5) + exp(3.0);
+    const int32_t set[4] = {5, 77, 130, 299};
+    int in_set = 0;
+    for (int k = 0; k < 4; k++) {
+        double pk = exp((double)master[set[k]]) / z;
+        double sd = sqrt(DRAWS * pk * (1 - pk));
+        if (fabs(count[set[k]] - DRAWS * pk) > 5 * sd)
+            fail_msg("token %d drawn %d times, expected %.0f", set[k], count[set[k]], DRAWS * pk);
+        in_set += count[set[k]];
+    }
+    assert_int_equal(in_set, DRAWS);
+
+    const int32_t outside[2] = {3, V};
+    p.allowed_token_ids = outside;
+    p.num_allowed_token_ids = 2;
+    expect_invalid(&p, "allowed_token_ids contains out-of-vocab token id 300");
+    p.num_allowed_token_ids = -1;
+    expect_invalid(&p, "allowed_token_ids");
+}
+
+// vLLM's bad-words rule over the whole output, for the reference: the set of
+// last tokens of the words whose other tokens end out[0 .. n).
+static bool bad_banned(const int32_t *ids, const int32_t *lens, int n_words, const int32_t *out,
+                       int n, int32_t t)
+{
+    for (int i = 0, off = 0; i < n_words; off += lens[i++]) {
+        int pre = lens[i] - 1;
+        if (ids[off + pre] != t || pre > n)
+            continue;
+        if (memcmp(out + n - pre, ids + off, (size_t)pre * sizeof *out) == 0)
+            return true;
+    }
+    return false;
+}
+
+// bad_words: step after step, a greedy sampler takes the best token the rule
+// leaves, over an output steered into the words' prefixes (one-token words,
+// two- and three-token words sharing a prefix, a repeated token, a word
+// longer than the ring's need, words longer than the output so far); the
+// device entries mask exactly the banned tokens (beside a bias and the
+// min_tokens masks), rows ahead of the history equal a twin's after the
+// replay, and a row after a pending token is refused while a word of two
+// tokens or more could follow it (allowed with one-token words only, whose
+// list the device may keep).
+static void test_bad_words(void **state)
+{
+    (void)state;
+    enum { V = 64, STEPS = 120, CAP = 64 };
+    const int32_t ids[] = {9, 4, 5, 4, 5, 6, 7, 7, 1, 2, 3, 4, 5, 6, 8, 40};
+    const int32_t lens[] = {1, 2, 3, 2, 6, 1, 1};
+    const int n_words = 7;
+    static float master[V], work[V], masked[V];
+    static int32_t out[STEPS];
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.0f;
+    p.has_seed = true; // the twin's key equal
+    p.seed = 5;
+    p.bad_word_ids = ids;
+    p.bad_word_lens = lens;
+    p.num_bad_words = n_words;
+    p.min_tokens = 3;
+    p.stop_token_ids[0] = 8; // also a bad word: one entry
+    p.num_stop_token_ids = 1;
+    p.logit_bias[0] = (struct tdm_logit_bias){.token = 6, .bias = 0.5f};
+    p.num_logit_bias = 1;
+    int32_t eos = 63;
+    struct tdm_sampler *s = NULL;
+    assert_int_equal(tdm_sampler_new(&s, &p, V, NULL, 0, &eos, 1), TDM_OK);
+    assert_false(tdm_sampler_plain_greedy(s));
+    int bans_seen = 0;
+    for (int step = 0; step < STEPS; step++) {
+        random_logits(master, V, 1.0f);
+        // Steer toward the words: the next token of some word is the best.
+        const int32_t lead[] = {9, 4, 5, 6, 7, 1, 2, 3, 40};
+        master[lead[(step * 7 + step / 3) % 9]] = 5.0f;
+        master[lead[(step * 5 + 1) % 9]] = 4.0f;
+        memcpy(masked, master, sizeof master);
+        masked[6] += 0.5f;
+        int n_banned = 0;
+        for (int t = 0; t < V; t++)
+            if (bad_banned(ids, lens, n_words, out, step, t) || (step < 3 && (t == 8 || t == 63))) {
+                masked[t] = -INFINITY;
+                n_banned += t != 8 && t != 63;
+            }
+        bans_seen += n_banned;
+        int32_t want = 0;
+        for (int t = 1; t < V; t++)
+            want = masked[t] > masked[want] ? t : want;
+        struct tdm_draw_params d;
+        struct tdm_draw_adj adj[CAP];
+        int n = tdm_sampler_draw_prepare(s, &d, adj, CAP);
+        assert_true(n >= 0 && n <= CAP);
+        float viaadj[V];
+        memcpy(viaadj, master, sizeof master);
+        for (int i = 0; i < n; i++)
+            viaadj[adj[i].token] = tdm_draw_adjust(viaadj[adj[i].token], &d, &adj[i]);
+        assert_memory_equal(viaadj, masked, sizeof masked);
+        // A row two tokens ahead equals a twin's after their replay.
+        const int32_t two[2] = {4, 5};
+        struct tdm_sampler *twin = NULL;
+        assert_int_equal(tdm_sampler_new(&twin, &p, V, NULL, 0, &eos, 1), TDM_OK);
+        tdm_sampler_replay(twin, out, (size_t)step);
+        tdm_sampler_replay(twin, two, 2);
+        struct tdm_draw_params dg, dw;
+        struct tdm_draw_adj got[CAP], wantadj[CAP];
+        int need = tdm_sampler_draw_prepare(twin, &dw, wantadj, CAP);
+        assert_int_equal(tdm_sampler_draw_prepare_ahead(s, &dg, got, CAP, two, 2), need);
+        assert_memory_equal(&dg, &dw, sizeof dg);
+        assert_memory_equal(got, wantadj, (size_t)need * sizeof *got);
+        tdm_sampler_free(twin);
+        // Which tokens a two- or three-token word bans depends on the token
+        // before: not known for a pending row, nor kept in a list.
+        assert_int_equal(tdm_sampler_draw_prepare_pending(s, &d, adj, CAP, 0), -1);
+        assert_int_equal(tdm_sampler_draw_list_params(s, &d, 0), -1);
+        memcpy(work, master, sizeof master);
+        int32_t got_tok = tdm_sampler_sample(s, work, NULL);
+        if (got_tok != want)
+            fail_msg("step %d: sampler %d, reference %d", step, got_tok, want);
+        out[step] = got_tok;
+    }
+    printf("%d bans over %d steps\n", bans_seen, STEPS);
+    assert_true(bans_seen > STEPS / 4);
+    for (int step = 0; step < STEPS; step++)
+        assert_false(bad_banned(ids, lens, n_words, out, step, out[step]));
+    tdm_sampler_free(s);
+
+    // One-token words only: static bans, fine for a pending row and a list.
+    const int32_t one_ids[2] = {9, 12}, one_lens[2] = {1, 1};
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.7f;
+    p.repetition_penalty = 1.1f;
+    p.bad_word_ids = one_ids;
+    p.bad_word_lens = one_lens;
+    p.num_bad_words = 2;
+    s = make(&p, V);
+    struct tdm_draw_params d;
+    struct tdm_draw_adj adj[CAP];
+    int n = tdm_sampler_draw_prepare_pending(s, &d, adj, CAP, 3);
+    assert_int_equal(n, 3); // two bans, then the pending entry
+    assert_int_equal(adj[0].token, 9);
+    assert_int_equal(adj[0].flags, TDM_DRAW_ADJ_MASKED);
+    assert_int_equal(adj[1].token, 12);
+    assert_true(adj[2].flags & TDM_DRAW_ADJ_PENDING);
+    assert_int_equal(tdm_sampler_draw_list_params(s, &d, 1), 0);
+    tdm_sampler_free(s);
+
+    // Validation: vLLM's messages.
+    const int32_t zero_len[1] = {0}, big[1] = {100}, long_len[1] = {TDM_MAX_BAD_WORD_TOKENS + 1};
+    p.bad_word_lens = zero_len;
+    p.num_bad_words = 1;
+    expect_invalid(&p, "bad_words entries must tokenize to at least one token.");
+    p.bad_word_ids = big;
+    p.bad_word_lens = one_lens;
+    expect_invalid(&p, "The model vocabulary size is 100, but the following tokens were "
+                       "specified as bad: [100]");
+    p.bad_word_lens = long_len;
+    expect_invalid(&p, "more than 1024 tokens");
+    p.num_bad_words = TDM_MAX_BAD_WORDS + 1;
+    expect_invalid(&p, "Too many bad words after tokenization: 129. The max number is 128.");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1711,6 +1917,8 @@ int main(void)
         cmocka_unit_test(test_simd_passes),
         cmocka_unit_test(test_simd_sampler_equal),
         cmocka_unit_test(test_plain_greedy),
+        cmocka_unit_test(test_allowed_token_ids),
+        cmocka_unit_test(test_bad_words),
         cmocka_unit_test(test_process_seed), // last: it leaves the process seeded
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
