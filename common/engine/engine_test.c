@@ -618,6 +618,87 @@ static void test_device_draw_matches_runner(void **state)
     tdm_model_free(dm);
 }
 
+// allowed_token_ids and bad_words on a device backend (the emulated CUDA
+// module, async scheduling on): each word is made of the request's own
+// unconstrained tokens, so it bites. A one-token word with the repetition
+// penalty (static bans: rows go ahead and keep a device list), a two-token
+// word with presence and frequency penalties (its bans follow the last
+// token: no row ahead, no list), a greedy two-token word (drawn, not the
+// fused argmax) and allowed_token_ids (its rows sampled on the host) give
+// the runner's tokens, which differ from the unconstrained ones; the three
+// bad-word requests' tokens are all drawn on the device.
+static void test_device_token_masks(void **state)
+{
+    (void)state;
+    enum { N = 4, MT = 10 };
+    struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
+    struct tdm_engine *e = engine_make_on(dm, 128, 64, 8, 0, false, NULL);
+    int32_t prompts[N][24], plain[N][MT], refs[N][MT], got[N][MT];
+    int32_t words[N][2], lens[N][1], allowed[3];
+    struct tdm_sampling_params sp[N];
+    struct tdm_engine_request *rs[N];
+    for (int i = 0; i < N; i++) {
+        make_prompt(prompts[i], 12 + i, 1300 + (uint32_t)i);
+        tdm_sampling_params_default(&sp[i]);
+        sp[i].temperature = i == 2 ? 0.0f : 0.8f;
+        sp[i].ignore_eos = true;
+        sp[i].has_seed = true;
+        sp[i].seed = 77u + (uint64_t)i;
+        sp[i].repetition_penalty = i == 0 ? 1.05f : 1.0f;
+        sp[i].presence_penalty = i == 1 ? 0.4f : 0.0f;
+        sp[i].frequency_penalty = i == 1 ? 0.2f : 0.0f;
+        assert_int_equal(reference_on(dm, prompts[i], 12 + i, &sp[i], MT, plain[i], NULL), MT);
+        if (i == 0) { // one token: the unconstrained output's second
+            words[i][0] = plain[i][1];
+            lens[i][0] = 1;
+        } else if (i < 3) { // two: its third and fourth, or second and third
+            words[i][0] = plain[i][i == 1 ? 2 : 1];
+            words[i][1] = plain[i][i == 1 ? 3 : 2];
+            lens[i][0] = 2;
+        } else { // allowed: the first token not among them
+            allowed[0] = (plain[i][0] + 1) % vocab;
+            allowed[1] = plain[i][3];
+            allowed[2] = plain[i][5] != plain[i][0] ? plain[i][5] : (plain[i][0] + 2) % vocab;
+            sp[i].allowed_token_ids = allowed;
+            sp[i].num_allowed_token_ids = 3;
+        }
+        if (i < 3) {
+            sp[i].bad_word_ids = words[i];
+            sp[i].bad_word_lens = lens[i];
+            sp[i].num_bad_words = 1;
+        }
+        assert_int_equal(reference_on(dm, prompts[i], 12 + i, &sp[i], MT, refs[i], NULL), MT);
+        if (memcmp(plain[i], refs[i], sizeof refs[i]) == 0)
+            fail_msg("request %d: the mask changed nothing", i);
+    }
+    // The two-token words together (their rows refuse to go ahead), the
+    // one-token word alone (its rows go ahead), then allowed_token_ids (a
+    // host-sampled row keeps every step from going ahead).
+    static const int phase[3][2] = {{1, 3}, {0, 1}, {3, 4}};
+    for (int k = 0; k < 3; k++) {
+        int lo = phase[k][0], hi = phase[k][1];
+        for (int i = lo; i < hi; i++)
+            rs[i] = submit(e, prompts[i], 12 + i, &sp[i], MT);
+        for (int i = lo; i < hi; i++) {
+            struct collected col = {0};
+            collect(rs[i], got[i], MT, &col, 0);
+            assert_int_equal(col.n, MT);
+            if (memcmp(got[i], refs[i], sizeof refs[i]) != 0)
+                fail_msg("request %d: the engine's tokens differ from the runner's", i);
+            tdm_engine_request_release(rs[i]);
+        }
+    }
+    struct tdm_engine_stats s;
+    wait_idle_stats(e, &s);
+    printf("device-drawn tokens %llu, device list rows %llu, steps ahead %llu\n",
+           (unsigned long long)s.num_device_drawn_tokens,
+           (unsigned long long)s.num_device_list_rows, (unsigned long long)s.num_async_steps);
+    assert_int_equal(s.num_device_drawn_tokens, 3 * MT);
+    assert_true(s.num_async_steps > 0 && s.num_device_list_rows > 0);
+    tdm_engine_free(e);
+    tdm_model_free(dm);
+}
+
 // Async scheduling (issue 26 item 1) on a device backend (the emulated CUDA
 // module): a decode step whose rows may go on without their tokens stays on
 // the device while the next one is issued from the tokens it chose there
@@ -3248,6 +3329,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_parallel_sampling_matches_runner),
         cmocka_unit_test(test_fused_greedy_matches_runner),
         cmocka_unit_test(test_device_draw_matches_runner),
+        cmocka_unit_test(test_device_token_masks),
         cmocka_unit_test(test_device_logprobs),
         cmocka_unit_test(test_continuous_batching),
         cmocka_unit_test(test_preemption),
