@@ -18,6 +18,9 @@
   the set; bad_words: a one-token word never comes, a two-token word's last
   token never follows its first (the reference up to there, then another);
 - chat stream: role chunk first, content deltas, finish, [DONE];
+- chat continue_final_message (the prompt ends with the final message), echo
+  (its content first, in the body and the stream), chat_template_kwargs, the
+  answer's role without add_generation_prompt;
 - --stream-interval 4: tokens go out at least 4 per event after the first;
 - generation_config.json defaults apply when the request is silent (top_k 1
   makes sampling greedy) and the request's own values win.
@@ -123,6 +126,40 @@ def check_token_masks(srv, greedy, greedy_ids):
                 % (word, a, b, i, stream, ids, ref_ids))
     print("allowed_token_ids %s; bad words: %d, then %r = [%d, %d] at %d"
           % (allowed, tid, word, a, b, i))
+
+
+def check_chat_continue(srv):
+    """continue_final_message (the prompt ends with the final message's
+    content), echo (that content before the answer, non-stream and as the
+    stream's first content delta), chat_template_kwargs accepted, and the
+    answer's role continuing the final message without add_generation_prompt."""
+    msgs = [{"role": "user", "content": "Say something."},
+            {"role": "assistant", "content": "Once upon"}]
+    cont = dict(messages=msgs, add_generation_prompt=False, continue_final_message=True)
+    _, _, whole = srv.post_json("/tokenize", dict(messages=msgs, add_generation_prompt=False))
+    _, _, cut = srv.post_json("/tokenize", cont)
+    _, _, tail = srv.post_json("/tokenize", {"prompt": "Once upon", "add_special_tokens": False})
+    h.check(cut["count"] < whole["count"] and
+            cut["tokens"][-len(tail["tokens"]):] == tail["tokens"],
+            "continue_final_message: %s vs %s" % (cut["tokens"], whole["tokens"]))
+    body = dict(cont, max_tokens=5, temperature=0, ignore_eos=True, echo=True,
+                chat_template_kwargs={"enable_thinking": False})
+    st, _, r = srv.post_json("/v1/chat/completions", body)
+    h.check(st == 200, "continue+echo: %d %r" % (st, r))
+    m = r["choices"][0]["message"]
+    h.check(m["role"] == "assistant" and m["content"].startswith("Once upon") and
+            r["usage"]["prompt_tokens"] == cut["count"], "continue+echo %r" % r)
+    evs = stream_text(srv, "/v1/chat/completions", body)
+    h.check(evs[1]["choices"][0]["delta"] == {"content": "Once upon"},
+            "echo's stream delta %r" % evs[1])
+    content = "".join(e["choices"][0]["delta"].get("content", "") for e in evs[1:] if e["choices"])
+    h.check(content == m["content"], "echo stream %r != %r" % (content, m["content"]))
+    st, _, r = srv.post_json("/v1/chat/completions", dict(
+        messages=msgs[:1], add_generation_prompt=False, max_tokens=2))
+    h.check(st == 200 and r["choices"][0]["message"]["role"] == "user", "role %r" % r)
+    st, _, r = srv.post_json("/v1/chat/completions", dict(
+        messages=msgs, chat_template_kwargs={"tokenize": True}, max_tokens=2))
+    h.check(st == 400 and "tokenize" in r["error"]["message"], "kwargs tokenize %d %r" % (st, r))
 
 
 def main():
@@ -232,6 +269,7 @@ def main():
     h.check(all(e["object"] == "chat.completion.chunk" and e["id"] == evs[0]["id"] for e in evs),
             "chat chunk ids/objects")
     h.check(evs[-1]["choices"][0]["finish_reason"] == "length", "chat finish %r" % evs[-1])
+    check_chat_continue(srv)
     # cache_salt (vLLM's): prefix-cache hits only between requests of the same
     # salt; the output does not change. A prompt of 40 tokens: 32 can hit.
     long_ids = list(range(300, 340))

@@ -193,6 +193,19 @@ def main():
     st2, _, b = post(cl.decode[0].http_port, "/v1/chat/completions", chat)
     check(st == 200 and st2 == 200, "chat status %d/%d" % (st, st2))
     check(a["choices"][0]["message"] == b["choices"][0]["message"], "chat differs")
+    # continue_final_message with echo and chat_template_kwargs: the router
+    # renders, echoes and names the role as the decode worker does.
+    cont = {"messages": [{"role": "user", "content": "hello there"},
+                         {"role": "assistant", "content": "Well,"}],
+            "add_generation_prompt": False, "continue_final_message": True, "echo": True,
+            "chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 6,
+            "temperature": 0}
+    st, _, a = post(cl.router_port, "/v1/chat/completions", cont)
+    st2, _, b = post(cl.decode[0].http_port, "/v1/chat/completions", cont)
+    check(st == 200 and st2 == 200, "continue+echo status %d/%d %s" % (st, st2, a))
+    check(a["choices"][0]["message"] == b["choices"][0]["message"] and
+          a["choices"][0]["message"]["content"].startswith("Well,") and
+          a["usage"] == b["usage"], "continue+echo: router %s != direct %s" % (a, b))
     # n > 1 (each choice seeded seed + i), echo, stop strings: same bodies.
     for extra in ({"n": 3, "temperature": 1.0, "seed": 77},
                   {"echo": True, "temperature": 0},

@@ -274,9 +274,12 @@ def main():
     # --device: every worker on one (emulated) GPU, each with its share of it;
     # the CUDA backend's module over its CPU emulator stands in for a GPU here.
     # --scheduling-policy goes to every worker likewise (a request's priority
-    # is then served, not refused).
+    # is then served, not refused), and --default-chat-template-kwargs to
+    # every process.
+    kwargs = '{"enable_thinking": false}'
     st = Stack(args, "--model", model, "--prefill", "1", "--decode", "1", "--pd-mode", "always",
-               "--device", "cuda-emu", "--scheduling-policy", "priority")
+               "--device", "cuda-emu", "--scheduling-policy", "priority",
+               "--default-chat-template-kwargs", kwargs)
     st.wait_line(r"^tandem\s+\| workers on --device cuda-emu; on a GPU each gets "
                  r"--gpu-memory-utilization 0\.45 of it")
     for w in ("decode-0", "prefill-0"):
@@ -285,7 +288,8 @@ def main():
             argv = f.read().split(b"\0")
         i = argv.index(b"--gpu-memory-utilization")
         check(argv[argv.index(b"--device") + 1] == b"cuda-emu" and argv[i + 1] == b"0.45" and
-              argv[argv.index(b"--scheduling-policy") + 1] == b"priority",
+              argv[argv.index(b"--scheduling-policy") + 1] == b"priority" and
+              argv[argv.index(b"--default-chat-template-kwargs") + 1] == kwargs.encode(),
               "%s started with %r" % (w, argv))
     s, _, body = post(st.port(), "/v1/completions",
                       {"prompt": "one GPU for all", "max_tokens": 3, "temperature": 0,
@@ -297,6 +301,8 @@ def main():
     for bad, why in ((["--device", "tpu"], "--device: expected cpu, auto, cuda, cuda:N"),
                      (["--scheduling-policy", "lifo"],
                       "--scheduling-policy: unknown policy \"lifo\" (fcfs or priority)"),
+                     (["--default-chat-template-kwargs", '{"tokenize": true}'],
+                      "--default-chat-template-kwargs: Found unexpected chat template kwargs"),
                      (["--device", "cpu", "--gpu-memory-utilization", "0.5"],
                       "does not apply to --device cpu"),
                      (["--prefill", "1", "--gpu-memory-utilization", "0.6"],

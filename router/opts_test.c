@@ -124,7 +124,23 @@ static void test_front_flags(void **state)
     assert_int_equal(parse(&o, err, sizeof err, 9, ok), TDM_OK);
     assert_int_equal(o.max_body_bytes, (size_t)1000000000000ull);
     assert_string_equal(o.log_level, "DEBUG");
+    char *kw[] = {"r",
+                  "--model",
+                  "m",
+                  "--config",
+                  "x.yaml",
+                  "--default-chat-template-kwargs",
+                  "{\"enable_thinking\": false}",
+                  NULL};
+    assert_int_equal(parse(&o, err, sizeof err, 7, kw), TDM_OK);
+    assert_string_equal(o.default_chat_template_kwargs, "{\"enable_thinking\": false}");
     static const char *const bad[][3] = {
+        {"--default-chat-template-kwargs", "{\"tokenize\": true}",
+         "--default-chat-template-kwargs: Found unexpected chat template kwargs from request: "
+         "{'tokenize'}"},
+        {"--default-chat-template-kwargs", "[1]",
+         "--default-chat-template-kwargs: chat_template_kwargs: Input should be a valid "
+         "dictionary"},
         {"--max-body-bytes", "2TB",
          "--max-body-bytes: expected a byte size like 2GiB or 512MiB in [1024, 1000000000000], "
          "got \"2TB\""},

@@ -39,6 +39,7 @@ struct tdm_router_opts {
     char chat_template[1024];    // --chat-template FILE; "" = the tokenizer's
     bool enable_auto_tool_choice; // --enable-auto-tool-choice (vLLM's)
     bool return_tokens_as_token_ids; // --return-tokens-as-token-ids (vLLM's)
+    char default_chat_template_kwargs[1024]; // --default-chat-template-kwargs JSON; "" = none
     char tool_call_parser[64];    // --tool-call-parser hermes|llama3_json; "" = none
     char host[256];              // --host; default 0.0.0.0
     int port;                    // --port; default 8000; 0 = any free port

@@ -146,6 +146,8 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
     s->cfg = *cfg;
     s->info.tool_parser = tool_parser;
     s->info.return_tokens_as_token_ids = cfg->return_tokens_as_token_ids;
+    s->info.default_chat_template_kwargs =
+        cfg->default_chat_template_kwargs[0] ? cfg->default_chat_template_kwargs : NULL;
     atomic_init(&s->state, STATE_LOADING);
     atomic_init(&s->inflight, 0);
     pthread_mutex_init(&s->mu, NULL);

@@ -244,7 +244,7 @@ struct tdm_flag {
     bool no_value;       // FN: the flag takes no value
     bool empty_ok;       // STR, PTR: "" is accepted (else "expected a non-empty value")
     bool hidden;         // not listed by tdm_flags_help (another spelling of a listed flag)
-    // STR: checks the value before it is copied; TDM_OK, or an error whose
+    // STR, PTR: checks the value before it is kept; TDM_OK, or an error whose
     // message names the flag ("--log-level: expected ..."). NULL = any value.
     int (*check)(const char *value, char *err, size_t errlen);
 };

@@ -177,11 +177,7 @@ static int apply(const struct tdm_flag *f, void *opts, const char *v, char *err,
     case TDM_FLAG_PTR:
         if (*v == '\0' && !f->empty_ok)
             return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: expected a non-empty value", n);
-        if (f->kind == TDM_FLAG_PTR) {
-            memcpy(field, &v, sizeof v);
-            return TDM_OK;
-        }
-        if (strlen(v) >= f->size)
+        if (f->kind == TDM_FLAG_STR && strlen(v) >= f->size)
             return tdm_seterr(err, errlen, TDM_EINVAL, "--%s: value longer than %zu bytes", n,
                               f->size - 1);
         if (f->check) {
@@ -189,7 +185,10 @@ static int apply(const struct tdm_flag *f, void *opts, const char *v, char *err,
             if (rc != TDM_OK)
                 return rc;
         }
-        memcpy(field, v, strlen(v) + 1);
+        if (f->kind == TDM_FLAG_PTR)
+            memcpy(field, &v, sizeof v);
+        else
+            memcpy(field, v, strlen(v) + 1);
         return TDM_OK;
     case TDM_FLAG_INT: {
         char *end;

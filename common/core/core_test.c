@@ -300,6 +300,12 @@ static int set_mode(void *o, const char *v, char *err, size_t errlen)
     return TDM_OK;
 }
 
+static int check_path(const char *v, char *err, size_t errlen)
+{
+    return strstr(v, "..") ? tdm_seterr(err, errlen, TDM_EINVAL, "--path: no \"..\" in \"%s\"", v)
+                           : TDM_OK;
+}
+
 static const struct tdm_flag opt_flags[] = {
     {.name = "name",
      .kind = TDM_FLAG_STR,
@@ -312,7 +318,8 @@ static const struct tdm_flag opt_flags[] = {
      .offset = offsetof(struct opts, path),
      .metavar = "DIR",
      .help = "a folder\nsecond line",
-     .empty_ok = true},
+     .empty_ok = true,
+     .check = check_path},
     {.name = "num-things",
      .kind = TDM_FLAG_INT,
      .offset = offsetof(struct opts, n),
@@ -415,6 +422,10 @@ static void test_flags_parse(void **state)
     assert_string_equal(err, "--on: expected true or false, got \"maybe\"");
     assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 2, "--mode=medium"), TDM_EINVAL);
     assert_string_equal(err, "--mode: expected fast or slow, got \"medium\"");
+    // A check runs for a kept pointer too.
+    assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 2, "--path=../x"), TDM_EINVAL);
+    assert_string_equal(err, "--path: no \"..\" in \"../x\"");
+    assert_null(o.path);
     assert_int_equal(parse_opts(&o, NULL, NULL, err, sizeof err, 2, "stray"), TDM_EINVAL);
     assert_string_equal(err, "unexpected argument \"stray\"");
     assert_int_equal(parse_opts(&o, rest, &n_rest, err, sizeof err, 3, "a", "b"), TDM_EINVAL);

@@ -96,6 +96,7 @@ struct up_opts {
                              // on by default where the model's chat template has a parser
     bool no_auto_tools;      // --no-auto-tool-choice: not even by default
     const char *tool_parser; // --tool-call-parser NAME, likewise; NULL = none
+    const char *chat_kwargs; // --default-chat-template-kwargs JSON, likewise; NULL = none
     bool tokens_as_ids;      // --return-tokens-as-token-ids, passed to the router and workers
     const char *device;      // --device, passed to the workers; NULL = theirs (auto)
     const char *sched;       // --scheduling-policy, passed to the workers; NULL = theirs (fcfs)
@@ -238,6 +239,13 @@ static const struct tdm_flag up_flags[] = {
      .help = "tool_choice \"auto\" off (vLLM's default: a 400)"},
     PTR("tool-call-parser", tool_parser, "NAME",
         "hermes or llama3_json (docs/tool-calling.md), for every process"),
+    {.name = "default-chat-template-kwargs",
+     .kind = TDM_FLAG_PTR,
+     .offset = OFF(chat_kwargs),
+     .metavar = "JSON",
+     .check = tdm_oai_check_chat_template_kwargs,
+     .help = "chat template variables under every chat request's\nchat_template_kwargs, on "
+             "every process"},
     {.name = "return-tokens-as-token-ids",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(tokens_as_ids),
@@ -1288,6 +1296,8 @@ static int launch_child(const struct up_opts *o, struct child *c, const char *mo
         arg(&a, "--tool-call-parser"), arg(&a, "%s", o->tool_parser);
     if (o->tokens_as_ids)
         arg(&a, "--return-tokens-as-token-ids");
+    if (o->chat_kwargs)
+        arg(&a, "--default-chat-template-kwargs"), arg(&a, "%s", o->chat_kwargs);
     if (c->role != CHILD_ROUTER) {
         arg(&a, "--threads"), arg(&a, "%d", threads);
         if (o->device)

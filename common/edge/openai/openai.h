@@ -94,6 +94,9 @@ struct tdm_oai_model_info {
     enum tdm_oai_tool_parser tool_parser; // --enable-auto-tool-choice --tool-call-parser:
                                           // the parser of tool_choice "auto" (NONE: refused)
     bool return_tokens_as_token_ids;      // --return-tokens-as-token-ids: the requests' default
+    // --default-chat-template-kwargs: a JSON object (checked at startup) under
+    // every chat request's chat_template_kwargs; NULL: none.
+    const char *default_chat_template_kwargs;
 };
 
 // ---- completions and chat requests -------------------------------------------------------
@@ -124,6 +127,9 @@ struct tdm_oai_request {
     struct tdm_oai_tool_request tools; // tools, tool_choice, parallel_tool_calls
     bool add_generation_prompt;  // default true
     bool continue_final_message; // default false; exclusive with add_generation_prompt
+    char *chat_template_kwargs;  // chat: the template's extra variables, compact JSON object
+                                 // (the server's defaults under the request's; heap), NULL
+                                 // when none
 
     bool add_special_tokens; // completions default true, chat default false (vLLM)
     int max_tokens;          // the request's max_tokens / max_completion_tokens;
@@ -270,6 +276,17 @@ int tdm_oai_bad_words_build(struct tdm_oai_request *req, const struct tdm_oai_mo
 // included) and its tools rendered with chat (NULL: the model has none, chat_err
 // says why). *out heap. TDM_OK, or an error code with e (400 on "messages" when
 // the template raises, 500 out of memory).
+// --default-chat-template-kwargs' check: a JSON object that a request's
+// chat_template_kwargs may hold (the flag's table check). TDM_EINVAL with err.
+int tdm_oai_check_chat_template_kwargs(const char *value, char *err, size_t errlen);
+// The role of a chat's answer, as vLLM's get_chat_request_role: "assistant"
+// with add_generation_prompt, else the final message's role (the answer
+// continues it).
+const char *tdm_oai_response_role(const struct tdm_oai_request *req);
+// A chat's echo (vLLM's chat echo): the final message's content (a list's
+// texts joined by newlines) where its role is the answer's, else "". *text
+// heap. TDM_OK or TDM_ENOMEM.
+int tdm_oai_chat_echo(const struct tdm_oai_request *req, char **text);
 int tdm_oai_chat_prompt(const struct tdm_oai_request *req, const struct tdm_chat_template *chat,
                         const char *chat_err, char **out, struct tdm_oai_error *e);
 
@@ -284,6 +301,7 @@ struct tdm_oai_tokenize_request {
     bool add_generation_prompt;  // default true
     bool continue_final_message; // default false
     bool return_token_strs;      // default false
+    char *chat_template_kwargs;  // chat form: as tdm_oai_request's
     char *conversation_json;     // chat form: the messages as the template sees them
     struct tdm_oai_tool_request tools; // chat form: the tools rendered (tool_choice unused)
 };
@@ -327,6 +345,7 @@ struct tdm_oai_response {
     char id[96];       // "cmpl-<base>" or "chatcmpl-<base>"
     int64_t created;   // Unix seconds
     const char *model; // borrowed; the served model name
+    const char *role;  // chat: the answer's role (borrowed; NULL: "assistant")
 };
 // base_id: the request's id (request_id field or X-Request-Id header; at most 80
 // bytes are used), or NULL for 32 random hex digits.

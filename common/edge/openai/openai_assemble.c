@@ -458,11 +458,12 @@ char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
     bool oom = false;
     for (size_t i = 0; i < n; i++) {
         const struct tdm_oai_tokenized_prompt *p = &prompts[choices[i]->prompt_idx];
-        if (tdm_oai_asm_body_choice(choices[i], echo, p->text, p->text_len, p->ids, p->n,
+        const struct tdm_oai_request *rq = choices[i]->req;
+        bool echo_prompt = echo && rq->kind == TDM_OAI_COMPLETION; // chat's: below
+        if (tdm_oai_asm_body_choice(choices[i], echo_prompt, p->text, p->text_len, p->ids, p->n,
                                     &joined[i], &oc[i]) != TDM_OK)
             oom = true;
-        const struct tdm_oai_request *rq = choices[i]->req;
-        tdm_oai_prompt_lp_choice(rq, p, echo, &oc[i]);
+        tdm_oai_prompt_lp_choice(rq, p, echo_prompt, &oc[i]);
         enum tdm_oai_tool_format tf = rq->kind == TDM_OAI_CHAT
                                           ? tdm_oai_tool_format_of(&rq->tools)
                                           : TDM_OAI_TOOL_FORMAT_NONE;
@@ -480,6 +481,21 @@ char *tdm_oai_asm_body(const struct tdm_oai_response *r, bool echo,
         oc[i].text_len = content[i] ? strlen(content[i]) : 0;
         oc[i].content_null = content[i] == NULL;
         oc[i].finish_tool_calls = rq->tools.choice == TDM_OAI_TOOL_CHOICE_AUTO && n_calls[i] > 0;
+    }
+    // vLLM's chat echo: the final message's content before the answer's
+    // content (after tool parsing; tdm_oai_chat_echo).
+    for (size_t i = 0; echo && i < n; i++) {
+        const struct tdm_oai_tokenized_prompt *p = &prompts[choices[i]->prompt_idx];
+        if (choices[i]->req->kind != TDM_OAI_CHAT || p->text == NULL || p->text_len == 0)
+            continue;
+        tdm_strbuf_fini(&joined[i]);
+        const char *t = oc[i].text ? oc[i].text : "";
+        if (tdm_strbuf_add(&joined[i], p->text, p->text_len) != TDM_OK ||
+            tdm_strbuf_add(&joined[i], t, oc[i].content_null ? 0 : oc[i].text_len) != TDM_OK)
+            oom = true;
+        oc[i].text = joined[i].p ? joined[i].p : "";
+        oc[i].text_len = joined[i].len;
+        oc[i].content_null = false;
     }
     if (!oom)
         body = tdm_oai_body(r, oc, n, usage);

@@ -329,6 +329,27 @@ static void test_tokenize_run(void **state)
     assert_null(body);
     assert_int_equal(e.status, 400);
     assert_non_null(strstr(e.message, "no template"));
+    // With a template: chat_template_kwargs reach it, and continue_final_message
+    // cuts after the final message (the same rendering as a chat request).
+    struct tdm_chat_template *t = NULL;
+    char err[256];
+    assert_int_equal(tdm_chat_template_new(&t,
+                                           "{{ greeting }}{% for m in messages %}|{{ m.content }}#"
+                                           "{% endfor %}",
+                                           NULL, err, sizeof err),
+                     TDM_OK);
+    const char *kw =
+        "{\"messages\":[{\"role\":\"assistant\",\"content\":\"Hello\"}],"
+        "\"add_generation_prompt\":false,\"continue_final_message\":true,"
+        "\"chat_template_kwargs\":{\"greeting\":\"Hello world\"},\"return_token_strs\":true}";
+    assert_int_equal(tdm_oai_tokenize_run(kw, strlen(kw), &info, tok, t, NULL, 4096, &body, &e),
+                     TDM_OK);
+    // "Hello world|Hello": 9707 1879 then '|' and 9707, the '#' cut off.
+    assert_non_null(strstr(body, "\"count\":4"));
+    assert_non_null(strstr(body, "\"tokens\":[9707,1879,"));
+    assert_null(strstr(body, "#"));
+    free(body);
+    tdm_chat_template_free(t);
     // A bad body is the parser's 400.
     assert_int_not_equal(tdm_oai_tokenize_run("{", 1, &info, tok, NULL, "", 4096, &body, &e), TDM_OK);
     assert_int_equal(e.status, 400);

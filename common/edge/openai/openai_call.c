@@ -24,6 +24,8 @@ int tdm_oai_call_init(struct tdm_oai_call *k, enum tdm_oai_kind kind, const char
         return rc;
     tdm_oai_response_init(&k->resp, kind, info->served_name,
                           k->req.request_id ? k->req.request_id : base_id);
+    if (kind == TDM_OAI_CHAT)
+        k->resp.role = tdm_oai_response_role(&k->req);
     rc = tdm_oai_prompts_build(&k->req, info, tok, chat, chat_err, &k->prompts, &k->n_prompts,
                                &k->prompt_tokens, e);
     if (rc == TDM_OK)
@@ -115,6 +117,12 @@ int tdm_oai_call_echo_chunk(struct tdm_oai_call *k, size_t i, char **json)
     oc.text = p->text;
     oc.text_len = p->text_len;
     oc.stop_token = -1;
+    if (k->req.kind == TDM_OAI_CHAT) {
+        // vLLM's chat echo: a content delta alone, no logprobs or ids.
+        *json = tdm_oai_chunk(&k->resp, &oc, 1, NULL);
+        a->echo_sent = true;
+        return *json ? TDM_OK : TDM_ENOMEM;
+    }
     oc.has_logprobs = k->req.logprobs;
     oc.tokens_as_ids = k->req.return_tokens_as_token_ids;
     oc.text_offset = a->chars_sent;
@@ -143,7 +151,7 @@ int tdm_oai_call_prompt_lp(const struct tdm_oai_call *k, size_t i)
     if (i % (size_t)rq->n != 0)
         return -1;
     int top = rq->prompt_logprobs;
-    if (rq->echo && rq->logprobs && rq->top_logprobs > top)
+    if (rq->echo && rq->logprobs && rq->kind == TDM_OAI_COMPLETION && rq->top_logprobs > top)
         top = rq->top_logprobs;
     return top;
 }
@@ -151,7 +159,7 @@ int tdm_oai_call_prompt_lp(const struct tdm_oai_call *k, size_t i)
 bool tdm_oai_call_echo_ready(const struct tdm_oai_call *k, size_t i)
 {
     const struct tdm_oai_asm *a = &k->choices[i];
-    if (!(k->req.echo && k->req.logprobs))
+    if (!(k->req.echo && k->req.logprobs && k->req.kind == TDM_OAI_COMPLETION))
         return true;
     size_t owner = (size_t)a->prompt_idx * (size_t)k->req.n;
     return k->prompts[a->prompt_idx].plp != NULL || k->choices[owner].done;

@@ -508,6 +508,134 @@ static void test_prompt_logprobs_out(void **state)
     tdm_oai_call_fini(&k);
 }
 
+// ---- chat: continue_final_message, echo, the answer's role
+// --------------------------------------- A chat call on template text (NULL: the built-in qwen2).
+static int start_chat_on(struct tdm_oai_call *k, const char *tmpl, const char *body,
+                         struct tdm_oai_error *e)
+{
+    struct tdm_chat_template *t = NULL;
+    char err[256];
+    assert_int_equal(tdm_chat_template_new(&t, tmpl, tmpl ? NULL : "qwen2", err, sizeof err),
+                     TDM_OK);
+    memset(e, 0, sizeof *e);
+    int rc = tdm_oai_call_init(k, TDM_OAI_CHAT, body, strlen(body), &info, tok, t, NULL, NULL, e);
+    tdm_chat_template_free(t);
+    return rc;
+}
+
+static bool ends_with(const char *s, const char *tail)
+{
+    size_t n = strlen(s), m = strlen(tail);
+    return n >= m && strcmp(s + n - m, tail) == 0;
+}
+
+// continue_final_message cuts the prompt after the final message's content
+// (HF's rule: its last occurrence, else stripped, else 400); chat echo puts
+// the final message's content before the answer's when its role is the
+// answer's (vLLM), in the body and as the stream's first content delta; the
+// answer's role continues the final message without add_generation_prompt.
+static void test_chat_continue_and_echo(void **state)
+{
+    (void)state;
+    struct tdm_oai_call k;
+    struct tdm_oai_error e;
+#define ASSIST(content, extra)                                                                     \
+    "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"},{\"role\":\"assistant\","               \
+    "\"content\":" content "}],\"max_tokens\":4" extra "}"
+    assert_int_equal(start_chat_on(&k, NULL, ASSIST("\"The answer is\"", ""), &e), TDM_OK);
+    assert_true(ends_with(k.prompts[0].text, "The answer is<|im_end|>\n<|im_start|>assistant\n"));
+    tdm_oai_call_fini(&k);
+    const char *cont = ",\"add_generation_prompt\":false,\"continue_final_message\":true";
+    char body[512];
+    snprintf(body, sizeof body, ASSIST("\"The answer is\"", "%s"), cont);
+    assert_int_equal(start_chat_on(&k, NULL, body, &e), TDM_OK);
+    assert_true(ends_with(k.prompts[0].text, "<|im_start|>assistant\nThe answer is"));
+    // Its ids are those of that text.
+    int32_t *ids = NULL;
+    size_t n = 0;
+    assert_int_equal(
+        tdm_tok_encode(tok, k.prompts[0].text, strlen(k.prompts[0].text), false, &ids, &n), TDM_OK);
+    assert_int_equal(n, k.prompts[0].n);
+    assert_memory_equal(ids, k.prompts[0].ids, n * sizeof *ids);
+    free(ids);
+    tdm_oai_call_fini(&k);
+    // A template that strips the content: the stripped content's end.
+    const char *trim = "{% for m in messages %}{{ m.content | trim }}|{% endfor %}";
+    snprintf(body, sizeof body, ASSIST("\"  x y  \"", "%s"), cont);
+    assert_int_equal(start_chat_on(&k, trim, body, &e), TDM_OK);
+    assert_string_equal(k.prompts[0].text, "hi|x y");
+    tdm_oai_call_fini(&k);
+    // A template that drops it: HF's 400.
+    assert_int_equal(start_chat_on(&k, "{% for m in messages %}{{ m.role }}{% endfor %}", body, &e),
+                     TDM_EINVAL);
+    assert_int_equal(e.status, 400);
+    assert_non_null(strstr(e.message, "continue_final_message is set but the final message does "
+                                      "not appear in the chat"));
+    tdm_oai_call_fini(&k);
+
+    // Echo, continuing the assistant's message: its content, then the answer.
+    snprintf(body, sizeof body, ASSIST("\"Once\"", "%s,\"echo\":true"), cont);
+    assert_int_equal(start_chat_on(&k, NULL, body, &e), TDM_OK);
+    assert_int_equal(tdm_oai_call_prompt_lp(&k, 0), -1); // no prompt logprobs for a chat echo
+    char *json = NULL;
+    assert_int_equal(tdm_oai_call_echo_chunk(&k, 0, &json), TDM_OK);
+    cJSON *j = cJSON_Parse(json);
+    free(json);
+    const cJSON *delta = cJSON_GetObjectItem(choice0(j), "delta");
+    assert_string_equal(cJSON_GetObjectItem(delta, "content")->valuestring, "Once");
+    assert_null(cJSON_GetObjectItem(delta, "role"));
+    cJSON_Delete(j);
+    feed(&k, 0, " upon");
+    finish(&k, 0);
+    char *out = tdm_oai_call_body(&k);
+    j = cJSON_Parse(out);
+    free(out);
+    const cJSON *msg = cJSON_GetObjectItem(choice0(j), "message");
+    assert_string_equal(cJSON_GetObjectItem(msg, "content")->valuestring, "Once upon");
+    assert_string_equal(cJSON_GetObjectItem(msg, "role")->valuestring, "assistant");
+    cJSON_Delete(j);
+    tdm_oai_call_fini(&k);
+    // A list of parts is echoed joined by newlines; a new assistant message
+    // after a user's echoes nothing.
+    assert_int_equal(start_chat_on(&k, NULL,
+                                   ASSIST("[{\"type\":\"text\",\"text\":\"a\"},{\"type\":\"text\","
+                                          "\"text\":\"b\"}]",
+                                          ",\"add_generation_prompt\":false,\"echo\":true"),
+                                   &e),
+                     TDM_OK);
+    assert_string_equal(k.prompts[0].text, "a\nb");
+    tdm_oai_call_fini(&k);
+    assert_int_equal(
+        start_chat_on(&k, NULL,
+                      "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"echo\":true}", &e),
+        TDM_OK);
+    assert_string_equal(k.prompts[0].text, "");
+    tdm_oai_call_fini(&k);
+    // Without add_generation_prompt the answer continues the final message's
+    // role (vLLM's get_chat_request_role): "user" here, in the body and the
+    // stream's role chunk.
+    assert_int_equal(start_chat_on(&k, NULL,
+                                   "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                                   "\"add_generation_prompt\":false,\"echo\":true}",
+                                   &e),
+                     TDM_OK);
+    assert_string_equal(k.prompts[0].text, "hi");
+    json = tdm_oai_chat_role_chunk(&k.resp, 0);
+    assert_non_null(strstr(json, "\"role\":\"user\""));
+    free(json);
+    feed(&k, 0, " there");
+    finish(&k, 0);
+    out = tdm_oai_call_body(&k);
+    j = cJSON_Parse(out);
+    free(out);
+    msg = cJSON_GetObjectItem(choice0(j), "message");
+    assert_string_equal(cJSON_GetObjectItem(msg, "role")->valuestring, "user");
+    assert_string_equal(cJSON_GetObjectItem(msg, "content")->valuestring, "hi there");
+    cJSON_Delete(j);
+    tdm_oai_call_fini(&k);
+#undef ASSIST
+}
+
 // ---- tool calls ---------------------------------------------------------------------------------
 #define TOOL_BODY(extra)                                                                           \
     "{\"messages\":[{\"role\":\"user\",\"content\":\"Weather in Paris?\"}],\"tools\":[{\"type\":"  \
@@ -682,6 +810,7 @@ int main(void)
         cmocka_unit_test(test_stream_chunks_usage_per_prompt),
         cmocka_unit_test(test_echo_chunk),
         cmocka_unit_test(test_prompt_logprobs_out),
+        cmocka_unit_test(test_chat_continue_and_echo),
         cmocka_unit_test(test_tool_calls_body),
         cmocka_unit_test(test_tool_calls_stream),
     };

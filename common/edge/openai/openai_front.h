@@ -7,7 +7,7 @@
 // struct tdm_flag table (common/core/core.h) for the options struct T, which
 // must have these fields (char arrays of any size, the rest as typed):
 //   char served_model_name[], chat_template[], tool_call_parser[], host[],
-//   api_key[], log_level[], otlp_traces_endpoint[];
+//   api_key[], log_level[], otlp_traces_endpoint[], default_chat_template_kwargs[];
 //   bool enable_auto_tool_choice, return_tokens_as_token_ids; int port, max_model_len,
 //   stream_interval, http_max_conns_per_ip, max_large_requests, http_memory_budget_mib; size_t
 //   max_body_bytes; double http_header_timeout, http_body_timeout, drain_timeout.
@@ -22,6 +22,7 @@
 #include <stddef.h>
 
 #include "core.h"
+#include "openai.h" // tdm_oai_check_chat_template_kwargs
 #include "trace.h"
 
 #define TDM_OAI_FRONT_STR_(T, n, field, mv, h, ...)                                                \
@@ -45,6 +46,11 @@
         TDM_FLAG_FIELD(T, "return-tokens-as-token-ids", TDM_FLAG_BOOL, return_tokens_as_token_ids, \
                        .help = "logprobs name tokens \"token_id:<id>\" (a\nrequest's "             \
                                "return_tokens_as_token_ids\ndefault)"),                            \
+        TDM_OAI_FRONT_STR_(T, "default-chat-template-kwargs", default_chat_template_kwargs,        \
+                           "JSON",                                                                 \
+                           "chat template variables under every chat\nrequest's "                  \
+                           "chat_template_kwargs, e.g.\n'{\"enable_thinking\": false}'",           \
+                           .check = tdm_oai_check_chat_template_kwargs),                           \
         TDM_OAI_FRONT_STR_(T, "host", host, "ADDR", "HTTP listen address (default 0.0.0.0)",       \
                            .empty_ok = false),                                                     \
         TDM_OAI_FRONT_NUM_(T, "port", TDM_FLAG_INT, port, 0, 65535, "N", port_help),               \

@@ -122,13 +122,15 @@ static int echo_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t i
     return json ? sse_send(c, json) : TDM_OK;
 }
 
-// Choice i's first chunk: chat names the assistant role; completions with echo
-// send the prompt text now, unless its logprobs are asked for (flush_choice
-// sends it with them).
+// Choice i's first chunk: chat names the answer's role (then, with echo, the
+// final message's content); completions with echo send the prompt text now,
+// unless its logprobs are asked for (flush_choice sends it with them).
 static int open_choice(struct tdm_http_conn *c, struct tdm_oai_call *k, size_t i)
 {
-    if (k->req.kind == TDM_OAI_CHAT)
-        return sse_send(c, tdm_oai_chat_role_chunk(&k->resp, k->choices[i].index));
+    if (k->req.kind == TDM_OAI_CHAT) {
+        int rc = sse_send(c, tdm_oai_chat_role_chunk(&k->resp, k->choices[i].index));
+        return rc == TDM_OK && k->req.echo ? echo_choice(c, k, i) : rc;
+    }
     if (!k->req.echo || !tdm_oai_call_echo_ready(k, i))
         return TDM_OK;
     return echo_choice(c, k, i);

@@ -156,14 +156,6 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
                              "JSON whitespace is fixed (at most 4 bytes per place)");
     if (kind == TDM_OAI_COMPLETION && !is_empty_value(field(root, "tools")))
         return not_supported(e, "tools", "tools are a chat feature");
-    const cJSON *ctk = field(root, "chat_template_kwargs");
-    if (ctk && !(cJSON_IsObject(ctk) && !ctk->child))
-        return not_supported(e, "chat_template_kwargs", NULL);
-    if (kind == TDM_OAI_CHAT) {
-        const cJSON *echo = field(root, "echo");
-        if (echo && !cJSON_IsFalse(echo))
-            return not_supported(e, "echo", "chat echo");
-    }
     return TDM_OK;
 }
 
@@ -1074,6 +1066,104 @@ static int parse_logprobs_and_stop(const cJSON *root, struct tdm_oai_request *r,
     return TDM_OK;
 }
 
+// chat_template_kwargs (vLLM's): the server's --default-chat-template-kwargs
+// (m->default_chat_template_kwargs) overlaid with the request's object. Its
+// add_generation_prompt and continue_final_message win over the request's
+// fields of those names (vLLM updates its template arguments with the
+// kwargs); the rest go to the template as variables, compact JSON in *out
+// (heap; NULL when none). chat_template and tokenize are vLLM's 400; messages
+// and tools come from the request's own fields only.
+static int parse_chat_kwargs(const cJSON *root, const struct tdm_oai_model_info *m, char **out,
+                             bool *add_generation_prompt, bool *continue_final_message,
+                             struct tdm_oai_error *e)
+{
+    *out = NULL;
+    const cJSON *req = field(root, "chat_template_kwargs");
+    if (req && !cJSON_IsObject(req))
+        return tdm_oai_seterr(e, 400, "chat_template_kwargs",
+                              "chat_template_kwargs: Input should be a valid dictionary");
+    cJSON *kw = m && m->default_chat_template_kwargs ? cJSON_Parse(m->default_chat_template_kwargs)
+                                                     : cJSON_CreateObject();
+    if (!kw || !cJSON_IsObject(kw)) {
+        cJSON_Delete(kw);
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    }
+    int rc = TDM_OK;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, req)
+    {
+        cJSON *copy = cJSON_Duplicate(it, true);
+        if (!copy) {
+            rc = tdm_oai_seterr(e, 500, NULL, "out of memory");
+            break;
+        }
+        // A dict update: a default's place kept, its value replaced.
+        if (cJSON_GetObjectItemCaseSensitive(kw, it->string))
+            cJSON_ReplaceItemInObjectCaseSensitive(kw, it->string, copy);
+        else
+            cJSON_AddItemToObject(kw, it->string, copy);
+    }
+    for (cJSON *c = kw->child; c && rc == TDM_OK; c = c->next) {
+        const char *k = c->string;
+        if (strcmp(k, "chat_template") == 0 || strcmp(k, "tokenize") == 0)
+            rc = tdm_oai_seterr(e, 400, "chat_template_kwargs",
+                                "Found unexpected chat template kwargs from request: {'%s'}", k);
+        else if (strcmp(k, "messages") == 0 || strcmp(k, "tools") == 0)
+            rc =
+                tdm_oai_seterr(e, 400, "chat_template_kwargs",
+                               "chat_template_kwargs.%s: the request's own %s field sets it", k, k);
+        else if ((strcmp(k, "add_generation_prompt") == 0 ||
+                  strcmp(k, "continue_final_message") == 0) &&
+                 !cJSON_IsBool(c))
+            rc = tdm_oai_seterr(e, 400, "chat_template_kwargs",
+                                "chat_template_kwargs.%s: Input should be a valid boolean", k);
+    }
+    if (rc == TDM_OK) {
+        cJSON *g = cJSON_DetachItemFromObjectCaseSensitive(kw, "add_generation_prompt");
+        cJSON *c = cJSON_DetachItemFromObjectCaseSensitive(kw, "continue_final_message");
+        if (g)
+            *add_generation_prompt = cJSON_IsTrue(g);
+        if (c)
+            *continue_final_message = cJSON_IsTrue(c);
+        cJSON_Delete(g);
+        cJSON_Delete(c);
+        if (kw->child && !(*out = cJSON_PrintUnformatted(kw)))
+            rc = tdm_oai_seterr(e, 500, NULL, "out of memory");
+    }
+    cJSON_Delete(kw);
+    return rc;
+}
+
+int tdm_oai_check_chat_template_kwargs(const char *value, char *err, size_t errlen)
+{
+    cJSON *root = cJSON_CreateObject(), *kw = cJSON_Parse(value);
+    if (!root || !kw) {
+        cJSON_Delete(root);
+        cJSON_Delete(kw);
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "--default-chat-template-kwargs: expected a JSON object, got \"%.60s\"",
+                          value);
+    }
+    cJSON_AddItemToObject(root, "chat_template_kwargs", kw);
+    struct tdm_oai_error e = {0};
+    char *out = NULL;
+    bool g = true, c = false;
+    int rc = parse_chat_kwargs(root, NULL, &out, &g, &c, &e);
+    free(out);
+    cJSON_Delete(root);
+    return rc == TDM_OK ? TDM_OK
+                        : tdm_seterr(err, errlen, TDM_EINVAL, "--default-chat-template-kwargs: %s",
+                                     e.message);
+}
+
+const char *tdm_oai_response_role(const struct tdm_oai_request *req)
+{
+    if (req->add_generation_prompt || req->n_messages == 0 ||
+        !req->messages[req->n_messages - 1].role)
+        return "assistant";
+    return req->messages[req->n_messages - 1].role;
+}
+
 // The boolean switches on detokenizing and on templating, with their defaults.
 static int parse_output_flags(const cJSON *root, struct tdm_oai_request *r,
                               const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
@@ -1101,6 +1191,9 @@ static int parse_output_flags(const cJSON *root, struct tdm_oai_request *r,
     if (chat) {
         if (get_bool(root, "add_generation_prompt", &r->add_generation_prompt, e) < 0 ||
             get_bool(root, "continue_final_message", &r->continue_final_message, e) < 0)
+            return TDM_EINVAL;
+        if (parse_chat_kwargs(root, m, &r->chat_template_kwargs, &r->add_generation_prompt,
+                              &r->continue_final_message, e) != TDM_OK)
             return TDM_EINVAL;
         if (r->add_generation_prompt && r->continue_final_message)
             return tdm_oai_seterr(e, 400, "continue_final_message",
@@ -1234,6 +1327,7 @@ void tdm_oai_request_fini(struct tdm_oai_request *req)
     free(req->bad_words);
     free(req->bad_word_ids);
     free(req->bad_word_lens);
+    free(req->chat_template_kwargs);
     memset(req, 0, sizeof *req);
 }
 
@@ -1310,6 +1404,9 @@ static int parse_tokenize(struct tdm_oai_tokenize_request *r, const cJSON *root,
         get_bool(root, "continue_final_message", &r->continue_final_message, e) < 0 ||
         get_bool(root, "return_token_strs", &r->return_token_strs, e) < 0)
         return TDM_EINVAL;
+    if (chat && parse_chat_kwargs(root, m, &r->chat_template_kwargs, &r->add_generation_prompt,
+                                  &r->continue_final_message, e) != TDM_OK)
+        return fail_code(e);
     if (chat && r->add_generation_prompt && r->continue_final_message)
         return tdm_oai_seterr(e, 400, "continue_final_message",
                               "Cannot set both `continue_final_message` and "
@@ -1340,6 +1437,7 @@ void tdm_oai_tokenize_fini(struct tdm_oai_tokenize_request *req)
     free(req->prompt);
     tdm_chat_msgs_free(req->messages, req->n_messages);
     free(req->conversation_json);
+    free(req->chat_template_kwargs);
     tdm_oai_tool_request_fini(&req->tools);
     memset(req, 0, sizeof *req);
 }

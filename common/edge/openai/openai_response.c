@@ -347,7 +347,7 @@ static bool add_tool_deltas(cJSON *delta, const struct tdm_oai_choice *c)
 
 // ---- bodies and chunks
 // ---------------------------------------------------------------------------
-static bool add_choice(cJSON *choices, enum tdm_oai_kind kind, bool stream,
+static bool add_choice(cJSON *choices, enum tdm_oai_kind kind, const char *role, bool stream,
                        const struct tdm_oai_choice *c)
 {
     cJSON *o = cJSON_CreateObject();
@@ -364,7 +364,7 @@ static bool add_choice(cJSON *choices, enum tdm_oai_kind kind, bool stream,
         cJSON *msg = cJSON_AddObjectToObject(o, stream ? "delta" : "message");
         if (!msg)
             return false;
-        if (!stream && !cJSON_AddStringToObject(msg, "role", "assistant"))
+        if (!stream && !cJSON_AddStringToObject(msg, "role", role ? role : "assistant"))
             return false;
         if (c->content_null) {
             // Only tool calls: null in a message, no "content" in a delta.
@@ -411,7 +411,7 @@ static char *build(const struct tdm_oai_response *r, const struct tdm_oai_choice
     if (!arr)
         goto done;
     for (size_t i = 0; i < n; i++)
-        if (!add_choice(arr, r->kind, stream, &choices[i]))
+        if (!add_choice(arr, r->kind, r->role, stream, &choices[i]))
             goto done;
     if (usage && !add_usage(root, usage, !stream))
         goto done;
@@ -580,7 +580,7 @@ char *tdm_oai_chat_role_chunk(const struct tdm_oai_response *r, int index)
     cJSON *delta;
     if (!cJSON_AddNumberToObject(c, "index", index) ||
         !(delta = cJSON_AddObjectToObject(c, "delta")) ||
-        !cJSON_AddStringToObject(delta, "role", "assistant") ||
+        !cJSON_AddStringToObject(delta, "role", r->role ? r->role : "assistant") ||
         !cJSON_AddStringToObject(delta, "content", "") || !cJSON_AddNullToObject(c, "logprobs") ||
         !cJSON_AddNullToObject(c, "finish_reason"))
         goto done;

@@ -397,6 +397,89 @@ static void test_validation_errors(void **state)
                  "not supported");
 }
 
+// chat_template_kwargs (vLLM's): the server's defaults under the request's,
+// add_generation_prompt and continue_final_message taken out as the fields
+// they override, vLLM's 400s for chat_template and tokenize; the answer's
+// role (vLLM's get_chat_request_role); the flag's check.
+static void test_chat_template_kwargs(void **state)
+{
+    (void)state;
+    const enum tdm_oai_kind K = TDM_OAI_CHAT;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    struct tdm_oai_model_info m = model;
+    m.default_chat_template_kwargs = "{\"enable_thinking\":true,\"x\":[1,2]}";
+    const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],"
+                       "\"chat_template_kwargs\":{\"enable_thinking\":false,\"lang\":\"fr\"}}";
+    memset(&e, 0, sizeof e);
+    assert_int_equal(tdm_oai_request_parse(&r, K, body, strlen(body), &m, &e), TDM_OK);
+    assert_string_equal(r.chat_template_kwargs,
+                        "{\"enable_thinking\":false,\"x\":[1,2],\"lang\":\"fr\"}");
+    assert_string_equal(tdm_oai_response_role(&r), "assistant");
+    tdm_oai_request_fini(&r);
+    // No kwargs anywhere: none.
+    body = "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}]}";
+    assert_int_equal(parse(&r, K, body, &e), TDM_OK);
+    assert_null(r.chat_template_kwargs);
+    tdm_oai_request_fini(&r);
+    // Its add_generation_prompt wins over the field; the answer then
+    // continues the final message's role.
+    body = "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"},{\"role\":\"assistant\","
+           "\"content\":\"b\"}],\"chat_template_kwargs\":{\"add_generation_prompt\":false,"
+           "\"continue_final_message\":true}}";
+    assert_int_equal(parse(&r, K, body, &e), TDM_OK);
+    assert_false(r.add_generation_prompt);
+    assert_true(r.continue_final_message);
+    assert_null(r.chat_template_kwargs);
+    assert_string_equal(tdm_oai_response_role(&r), "assistant");
+    tdm_oai_request_fini(&r);
+    body = "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"add_generation_prompt\":false}";
+    assert_int_equal(parse(&r, K, body, &e), TDM_OK);
+    assert_string_equal(tdm_oai_response_role(&r), "user");
+    tdm_oai_request_fini(&r);
+    // Completions ignore it, as vLLM's completion request has no such field.
+    assert_int_equal(
+        parse(&r, TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"chat_template_kwargs\":{\"a\":1}}", &e),
+        TDM_OK);
+    assert_null(r.chat_template_kwargs);
+    tdm_oai_request_fini(&r);
+
+    expect_error(K,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],"
+                 "\"chat_template_kwargs\":{\"tokenize\":true}}",
+                 400, "chat_template_kwargs",
+                 "Found unexpected chat template kwargs from request: {'tokenize'}");
+    expect_error(K,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],"
+                 "\"chat_template_kwargs\":{\"chat_template\":\"x\"}}",
+                 400, "chat_template_kwargs", "{'chat_template'}");
+    expect_error(K,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],"
+                 "\"chat_template_kwargs\":{\"messages\":[]}}",
+                 400, "chat_template_kwargs", "the request's own messages field sets it");
+    expect_error(K,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],"
+                 "\"chat_template_kwargs\":[1]}",
+                 400, "chat_template_kwargs", "valid dictionary");
+    expect_error(K,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],"
+                 "\"chat_template_kwargs\":{\"add_generation_prompt\":1}}",
+                 400, "chat_template_kwargs", "valid boolean");
+    expect_error(K,
+                 "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],"
+                 "\"chat_template_kwargs\":{\"continue_final_message\":true}}",
+                 400, "continue_final_message", "Cannot set both");
+
+    char err[256];
+    assert_int_equal(
+        tdm_oai_check_chat_template_kwargs("{\"enable_thinking\":false}", err, sizeof err), TDM_OK);
+    assert_int_equal(tdm_oai_check_chat_template_kwargs("[1]", err, sizeof err), TDM_EINVAL);
+    assert_int_equal(tdm_oai_check_chat_template_kwargs("{\"tokenize\":1}", err, sizeof err),
+                     TDM_EINVAL);
+    assert_non_null(strstr(err, "tokenize"));
+    assert_int_equal(tdm_oai_check_chat_template_kwargs("{x", err, sizeof err), TDM_EINVAL);
+}
+
 // allowed_token_ids and bad_words (vLLM's): kept and lent to the sampling
 // params; malformed values are vLLM's 400s.
 static void test_allowed_ids_and_bad_words(void **state)
@@ -887,8 +970,6 @@ static void test_chat_request(void **state)
     expect_error(
         K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"tool_choice\":\"required\"}",
         400, "tool_choice", "When using `tool_choice`, `tools` must be set.");
-    expect_error(K, "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"echo\":true}", 400,
-                 "echo", "not supported");
     expect_error(K,
                  "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"prompt_logprobs\":1,"
                  "\"stream\":true}",
@@ -1456,6 +1537,7 @@ int main(void)
         cmocka_unit_test(test_validation_errors),
         cmocka_unit_test(test_unsupported_noop_values_accepted),
         cmocka_unit_test(test_allowed_ids_and_bad_words),
+        cmocka_unit_test(test_chat_template_kwargs),
         cmocka_unit_test(test_prompt_logprobs_accepted),
         cmocka_unit_test(test_echo_without_generation),
         cmocka_unit_test(test_generation_config_defaults),

@@ -5,11 +5,118 @@
 // turned into token ids with their max_tokens. The servers only move bytes.
 #include "openai.h"
 
+#include <cjson/cJSON.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
 #include "tokenizer.h"
+
+// The conversation's final message (conversation_json: the messages as the
+// template sees them): its role (heap; NULL without one) into *role when
+// role is not NULL, and its content into *content (heap): a string as it is,
+// null as "", a list of parts by their texts, joined by sep, or the last
+// part's alone where sep is NULL. TDM_OK or TDM_ENOMEM; *content "" when
+// there is no message.
+static int final_message(const char *conversation_json, const char *sep, char **role,
+                         char **content)
+{
+    *content = NULL;
+    if (role)
+        *role = NULL;
+    cJSON *msgs = conversation_json ? cJSON_Parse(conversation_json) : NULL;
+    int n = cJSON_GetArraySize(msgs);
+    const cJSON *last = n > 0 ? cJSON_GetArrayItem(msgs, n - 1) : NULL;
+    const cJSON *r = cJSON_GetObjectItemCaseSensitive(last, "role");
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(last, "content");
+    struct tdm_strbuf sb = {0};
+    int rc = TDM_OK;
+    if (cJSON_IsString(c)) {
+        rc = tdm_strbuf_add(&sb, c->valuestring, strlen(c->valuestring));
+    } else if (cJSON_IsArray(c)) {
+        const cJSON *part;
+        bool first = true;
+        cJSON_ArrayForEach(part, c)
+        {
+            const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
+            if (!cJSON_IsString(t) || rc != TDM_OK)
+                continue;
+            if (sep == NULL)
+                sb.len = 0; // the last part's text alone
+            else if (!first)
+                rc = tdm_strbuf_add(&sb, sep, strlen(sep));
+            if (rc == TDM_OK)
+                rc = tdm_strbuf_add(&sb, t->valuestring, strlen(t->valuestring));
+            first = false;
+        }
+    }
+    if (rc == TDM_OK)
+        rc = tdm_strbuf_add(&sb, "", 0); // NUL-terminated, also when empty
+    if (rc == TDM_OK && role && cJSON_IsString(r) && !(*role = strdup(r->valuestring)))
+        rc = TDM_ENOMEM;
+    cJSON_Delete(msgs);
+    if (rc != TDM_OK) {
+        tdm_strbuf_fini(&sb);
+        return TDM_ENOMEM;
+    }
+    *content = sb.p;
+    return TDM_OK;
+}
+
+// The last occurrence of needle[0 .. n) in hay, or NULL (Python's rindex).
+static const char *last_of(const char *hay, const char *needle, size_t n)
+{
+    size_t h = strlen(hay);
+    for (size_t i = h >= n ? h - n + 1 : 0; i-- > 0;)
+        if (memcmp(hay + i, needle, n) == 0)
+            return hay + i;
+    return NULL;
+}
+
+// Renders a chat (the request's conversation, tools and template kwargs)
+// and, with continue_final_message, cuts the prompt right after the final
+// message's content as HF's apply_chat_template does: its last occurrence
+// (of the last text part for a list), else of the content stripped of
+// whitespace where the template stripped it, else 400 in HF's words.
+static int render_chat(const struct tdm_chat_template *chat, const char *conversation_json,
+                       const char *tools_json, const char *kwargs, bool add_generation_prompt,
+                       bool continue_final_message, char **out, struct tdm_oai_error *e)
+{
+    char err[256];
+    int rc = tdm_chat_render_json_kw(chat, conversation_json, tools_json, kwargs,
+                                     add_generation_prompt, out, err, sizeof err);
+    if (rc != TDM_OK)
+        return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
+    if (!continue_final_message)
+        return TDM_OK;
+    char *final = NULL;
+    if (final_message(conversation_json, NULL, NULL, &final) != TDM_OK)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    size_t n = strlen(final);
+    const char *at = last_of(*out, final, n);
+    if (at == NULL) {
+        const char *s = final, *end = final + n; // Python's str.strip()
+        while (s < end && (*s == ' ' || (*s >= '\t' && *s <= '\r')))
+            s++;
+        while (end > s && (end[-1] == ' ' || (end[-1] >= '\t' && end[-1] <= '\r')))
+            end--;
+        n = (size_t)(end - s);
+        at = last_of(*out, s, n);
+    }
+    free(final);
+    if (at == NULL) {
+        free(*out);
+        *out = NULL;
+        return tdm_oai_seterr(e, 400, "continue_final_message",
+                              "continue_final_message is set but the final message does not "
+                              "appear in the chat after applying the chat template! This can "
+                              "happen if the chat template deletes portions of the final message. "
+                              "Please verify the chat template outputs the final message "
+                              "unmodified.");
+    }
+    (*out)[at - *out + n] = '\0';
+    return TDM_OK;
+}
 
 int tdm_oai_tokenize_run(const char *json, size_t len, const struct tdm_oai_model_info *info,
                          const struct tdm_tokenizer *tok, const struct tdm_chat_template *chat,
@@ -28,17 +135,15 @@ int tdm_oai_tokenize_run(const char *json, size_t len, const struct tdm_oai_mode
     size_t n = 0;
     char **strs = NULL;
     if (rq.messages != NULL) {
-        char err[256];
         if (chat == NULL) {
             rc = tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
                                 chat_err ? chat_err : "");
             goto out;
         }
-        if (tdm_chat_render_json(chat, rq.conversation_json, rq.tools.tools_json,
-                                 rq.add_generation_prompt, &rendered, err, sizeof err) != TDM_OK) {
-            rc = tdm_oai_seterr(e, 400, "messages", "%s", err);
+        rc = render_chat(chat, rq.conversation_json, rq.tools.tools_json, rq.chat_template_kwargs,
+                         rq.add_generation_prompt, rq.continue_final_message, &rendered, e);
+        if (rc != TDM_OK)
             goto out;
-        }
         text = rendered;
         text_len = strlen(rendered);
     }
@@ -98,11 +203,21 @@ int tdm_oai_chat_prompt(const struct tdm_oai_request *req, const struct tdm_chat
                               chat_err ? chat_err : "");
     // The conversation as vLLM hands it to the template: tool calls and tool
     // results included, and the tools when the request has them.
-    char err[256];
-    int rc = tdm_chat_render_json(chat, req->conversation_json, req->tools.tools_json,
-                                  req->add_generation_prompt, out, err, sizeof err);
-    if (rc != TDM_OK)
-        return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
+    return render_chat(chat, req->conversation_json, req->tools.tools_json,
+                       req->chat_template_kwargs, req->add_generation_prompt,
+                       req->continue_final_message, out, e);
+}
+
+int tdm_oai_chat_echo(const struct tdm_oai_request *req, char **text)
+{
+    char *role = NULL;
+    if (final_message(req->conversation_json, "\n", &role, text) != TDM_OK)
+        return TDM_ENOMEM;
+    // vLLM: the final message's content when its role is the response's.
+    const char *want = tdm_oai_response_role(req);
+    if (role == NULL || strcmp(role, want) != 0)
+        (*text)[0] = '\0';
+    free(role);
     return TDM_OK;
 }
 
@@ -143,9 +258,6 @@ int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oa
             if (chat == NULL)
                 return tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
                                       chat_err ? chat_err : "");
-            if (rq->continue_final_message)
-                return tdm_oai_seterr(e, 400, "continue_final_message",
-                                      "continue_final_message is not supported.");
             int rc = tdm_oai_chat_prompt(rq, chat, chat_err, &rendered, e);
             if (rc != TDM_OK)
                 return rc;
@@ -184,9 +296,18 @@ int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oa
             p->n = keep;
         }
         // An echo shows what the model saw: a token-id prompt's or a cut
-        // prompt's text is that of its (kept) ids.
-        if (rq->echo && (from_ids || cut) && echo_text_of_ids(tok, p) != TDM_OK)
+        // prompt's text is that of its (kept) ids. A chat's echo is vLLM's:
+        // the final message's content where its role is the response's.
+        if (rq->echo && (from_ids || cut) && rq->kind != TDM_OAI_CHAT &&
+            echo_text_of_ids(tok, p) != TDM_OK)
             return tdm_oai_seterr(e, 500, NULL, "out of memory");
+        if (rq->echo && rq->kind == TDM_OAI_CHAT) {
+            free(p->text);
+            p->text = NULL;
+            if (tdm_oai_chat_echo(rq, &p->text) != TDM_OK)
+                return tdm_oai_seterr(e, 500, NULL, "out of memory");
+            p->text_len = strlen(p->text);
+        }
         if (p->n == 0)
             return tdm_oai_seterr(e, 400, "prompt", "The decoder prompt cannot be empty");
         int rc = tdm_oai_request_max_tokens(rq, info, p->n, &p->max_tokens, e);

@@ -197,8 +197,8 @@ int tdm_chat_template_set_tokens(struct tdm_chat_template *t, const char *bos_to
 // ---- render -----------------------------------------------------------------------------
 
 static int render_json_now(const struct tdm_chat_template *t, const char *messages_json,
-                           const char *tools_json, bool add_generation_prompt, char **out,
-                           char *err, size_t errlen)
+                           const char *tools_json, const char *kwargs_json,
+                           bool add_generation_prompt, char **out, char *err, size_t errlen)
 {
     *out = NULL;
     struct tdm_strbuf prompt = {.limit = CHAT_MAX_OUTPUT};
@@ -223,6 +223,15 @@ static int render_json_now(const struct tdm_chat_template *t, const char *messag
         rc = SETV("documents", chat_v_none());
     if (rc == TDM_OK)
         rc = SETV("add_generation_prompt", chat_v_bool(add_generation_prompt));
+    // The request's chat_template_kwargs last: as HF's template kwargs, they
+    // win over the special tokens and the defaults above.
+    struct val kw;
+    if (rc == TDM_OK && kwargs_json)
+        rc = chat_json_to_val(&r, kwargs_json, strlen(kwargs_json), "chat_template_kwargs", &kw);
+    if (rc == TDM_OK && kwargs_json && kw.kind != V_DICT)
+        rc = chat_rerr(&r, TDM_EINVAL, "chat_template_kwargs must be an object");
+    for (size_t i = 0; rc == TDM_OK && kwargs_json && i < kw.u.dict->n; i++)
+        rc = chat_v_dict_set(&r, &r.globals->vars, kw.u.dict->keys[i], kw.u.dict->vals[i]);
 #undef SETV
     if (rc == TDM_OK)
         rc = chat_eval_render(&r, t->root);
@@ -236,7 +245,7 @@ static int render_json_now(const struct tdm_chat_template *t, const char *messag
 
 struct deep_render {
     const struct tdm_chat_template *t;
-    const char *messages_json, *tools_json;
+    const char *messages_json, *tools_json, *kwargs_json;
     bool add_generation_prompt;
     char **out;
     char *err;
@@ -247,24 +256,39 @@ struct deep_render {
 static void render_deep(void *arg)
 {
     struct deep_render *d = arg;
-    d->rc = render_json_now(d->t, d->messages_json, d->tools_json, d->add_generation_prompt, d->out,
-                            d->err, d->errlen);
+    d->rc = render_json_now(d->t, d->messages_json, d->tools_json, d->kwargs_json,
+                            d->add_generation_prompt, d->out, d->err, d->errlen);
 }
 
 // A render runs on a deep stack (core.h's tdm_call_deep): the evaluator, the
 // JSON conversion and tojson recurse per level of the template and of the
 // request's messages and tools, within CHAT_MAX_STACK, which an HTTP worker's
 // ~100 KiB stack (part of it spent before the handler) could not hold.
+int tdm_chat_render_json_kw(const struct tdm_chat_template *t, const char *messages_json,
+                            const char *tools_json, const char *kwargs_json,
+                            bool add_generation_prompt, char **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    struct deep_render d = {.t = t,
+                            .messages_json = messages_json,
+                            .tools_json = tools_json,
+                            .kwargs_json = kwargs_json,
+                            .add_generation_prompt = add_generation_prompt,
+                            .out = out,
+                            .err = err,
+                            .errlen = errlen,
+                            .rc = TDM_ENOMEM};
+    if (tdm_call_deep(render_deep, &d) != TDM_OK)
+        return tdm_seterr(err, errlen, TDM_EBUSY, "chat template: no thread to render on");
+    return d.rc;
+}
+
 int tdm_chat_render_json(const struct tdm_chat_template *t, const char *messages_json,
                          const char *tools_json, bool add_generation_prompt, char **out, char *err,
                          size_t errlen)
 {
-    *out = NULL;
-    struct deep_render d = {t,   messages_json, tools_json, add_generation_prompt,
-                            out, err,           errlen,     TDM_ENOMEM};
-    if (tdm_call_deep(render_deep, &d) != TDM_OK)
-        return tdm_seterr(err, errlen, TDM_EBUSY, "chat template: no thread to render on");
-    return d.rc;
+    return tdm_chat_render_json_kw(t, messages_json, tools_json, NULL, add_generation_prompt, out,
+                                   err, errlen);
 }
 
 int tdm_chat_render(const struct tdm_chat_template *t, const struct tdm_chat_msg *msgs, size_t n,

@@ -60,6 +60,15 @@ int tdm_chat_render(const struct tdm_chat_template *t, const struct tdm_chat_msg
 int tdm_chat_render_json(const struct tdm_chat_template *t, const char *messages_json,
                          const char *tools_json, bool add_generation_prompt, char **out, char *err,
                          size_t errlen);
+// The same with extra template variables (vLLM's chat_template_kwargs, such as
+// {"enable_thinking": false}): kwargs_json is a JSON object (or NULL: none)
+// whose members the template sees as variables of their JSON values, set
+// after the special tokens, messages, tools, documents and
+// add_generation_prompt (so they win over them, as HF's template kwargs do;
+// a caller that must keep some of those refuses them first).
+int tdm_chat_render_json_kw(const struct tdm_chat_template *t, const char *messages_json,
+                            const char *tools_json, const char *kwargs_json,
+                            bool add_generation_prompt, char **out, char *err, size_t errlen);
 
 // Parses an OpenAI "messages" JSON array (content as a string, null, or a list of
 // {"type":"text","text":...} parts). *msgs is heap; free with tdm_chat_msgs_free.

@@ -138,6 +138,68 @@ static void test_real_qwen25_config(void **state)
 }
 
 // The built-in names and the embedded texts render their formats.
+// chat_template_kwargs: each member a variable of its JSON value, winning
+// over the special tokens and add_generation_prompt (HF's template kwargs);
+// anything but an object refused.
+static void test_template_kwargs(void **state)
+{
+    (void)state;
+    struct tdm_chat_template *t =
+        make("{{ bos_token }}|{{ enable_thinking if enable_thinking is defined else 'unset' }}|"
+             "{{ x[1] if x is defined }}|{{ add_generation_prompt }}|{{ messages | length }}",
+             NULL);
+    assert_int_equal(tdm_chat_template_set_tokens(t, "<b>", NULL, NULL), TDM_OK);
+    char err[256], *out = NULL;
+    assert_int_equal(tdm_chat_render_json_kw(t, "[]", NULL, NULL, false, &out, err, sizeof err),
+                     TDM_OK);
+    assert_string_equal(out, "<b>|unset||False|0");
+    free(out);
+    const char *kw = "{\"bos_token\":\"<B2>\",\"enable_thinking\":false,\"x\":[1,\"two\"],"
+                     "\"add_generation_prompt\":true}";
+    assert_int_equal(tdm_chat_render_json_kw(t, "[{\"role\":\"user\",\"content\":\"a\"}]", NULL, kw,
+                                             false, &out, err, sizeof err),
+                     TDM_OK);
+    assert_string_equal(out, "<B2>|False|two|True|1");
+    free(out);
+    assert_int_equal(tdm_chat_render_json_kw(t, "[]", NULL, "[1]", false, &out, err, sizeof err),
+                     TDM_EINVAL);
+    assert_null(out);
+    assert_non_null(strstr(err, "chat_template_kwargs must be an object"));
+    tdm_chat_template_free(t);
+}
+
+// The real Llama 3.1 template reads date_string when given (vLLM users pass
+// it in chat_template_kwargs) and defaults it otherwise.
+static void test_template_kwargs_llama31(void **state)
+{
+    (void)state;
+    char *path =
+        tdm_path_join(TANDEM_SHARED_DIR, "chat-templates/meta-llama-Llama-3.1-8B-Instruct.jinja");
+    char *text = NULL, err[256];
+    size_t len;
+    if (access(path, R_OK) != 0) {
+        free(path);
+        TDM_SKIP("the Llama 3.1 template in ../shared/chat-templates is absent");
+    }
+    assert_int_equal(tdm_read_file(path, &text, &len, err, sizeof err), TDM_OK);
+    free(path);
+    struct tdm_chat_template *t = make(text, NULL);
+    free(text);
+    assert_int_equal(tdm_chat_template_set_tokens(t, "<|begin_of_text|>", NULL, NULL), TDM_OK);
+    const char *msgs = "[{\"role\":\"user\",\"content\":\"Hi\"}]";
+    char *out = NULL;
+    assert_int_equal(tdm_chat_render_json_kw(t, msgs, NULL, "{\"date_string\":\"01 Jan 2030\"}",
+                                             true, &out, err, sizeof err),
+                     TDM_OK);
+    assert_non_null(strstr(out, "Today Date: 01 Jan 2030\n"));
+    free(out);
+    assert_int_equal(tdm_chat_render_json_kw(t, msgs, NULL, NULL, true, &out, err, sizeof err),
+                     TDM_OK);
+    assert_non_null(strstr(out, "Today Date: 26 Jul 2024\n"));
+    free(out);
+    tdm_chat_template_free(t);
+}
+
 static void test_builtin_names(void **state)
 {
     (void)state;
@@ -737,6 +799,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_real_qwen25_config),
         cmocka_unit_test(test_builtin_names),
+        cmocka_unit_test(test_template_kwargs),
+        cmocka_unit_test(test_template_kwargs_llama31),
         cmocka_unit_test(test_whitespace_control),
         cmocka_unit_test(test_expressions),
         cmocka_unit_test(test_load_errors),
