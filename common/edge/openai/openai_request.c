@@ -537,6 +537,31 @@ static int parse_stop(const cJSON *root, struct tdm_oai_request *r, struct tdm_o
     return TDM_OK;
 }
 
+// The token ids of the JSON list `list` (the request's field `name`) into
+// out[] (room for all of them): how many; -1 with e set for an item that is
+// not an integer; -2 with *oov the first id outside [0, vocabulary), whose
+// error the caller words (vLLM words it per field).
+static int token_ids_of(const cJSON *list, const char *name, const struct tdm_oai_model_info *m,
+                        int32_t *out, int *oov, struct tdm_oai_error *e)
+{
+    int n = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, list)
+    {
+        if (!json_is_int(it, -2147483648.0, 2147483647.0)) {
+            tdm_oai_seterr(e, 400, name, "%s must contain only integers", name);
+            return -1;
+        }
+        int v = (int)it->valuedouble;
+        if (v < 0 || (m && m->vocab_size > 0 && v >= m->vocab_size)) {
+            *oov = v;
+            return -2;
+        }
+        out[n++] = v;
+    }
+    return n;
+}
+
 static int parse_stop_ids(const cJSON *root, struct tdm_sampling_params *p,
                           const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
 {
@@ -550,20 +575,15 @@ static int parse_stop_ids(const cJSON *root, struct tdm_sampling_params *p,
         return tdm_oai_seterr(e, 400, "stop_token_ids",
                               "stop_token_ids may hold at most %d ids, got %d", TDM_MAX_STOP_IDS,
                               cJSON_GetArraySize(s));
-    const cJSON *it;
-    cJSON_ArrayForEach(it, s)
-    {
-        if (!json_is_int(it, -2147483648.0, 2147483647.0))
-            return tdm_oai_seterr(e, 400, "stop_token_ids",
-                                  "stop_token_ids must contain only integers");
-        int v = (int)it->valuedouble;
-        if (v < 0 || (m && m->vocab_size > 0 && v >= m->vocab_size))
-            return tdm_oai_seterr(e, 400, "stop_token_ids",
-                                  "token_id(s) [%d] in stop_token_ids contain out-of-vocab token "
-                                  "ids. Vocabulary size: %d",
-                                  v, m ? m->vocab_size : 0);
-        p->stop_token_ids[p->num_stop_token_ids++] = v;
-    }
+    int oov = 0, n = token_ids_of(s, "stop_token_ids", m, p->stop_token_ids, &oov, e);
+    if (n == -2)
+        return tdm_oai_seterr(e, 400, "stop_token_ids",
+                              "token_id(s) [%d] in stop_token_ids contain out-of-vocab token ids. "
+                              "Vocabulary size: %d",
+                              oov, m ? m->vocab_size : 0);
+    if (n < 0)
+        return TDM_EINVAL;
+    p->num_stop_token_ids = n;
     return TDM_OK;
 }
 
@@ -585,18 +605,14 @@ static int parse_allowed_ids(const cJSON *root, struct tdm_oai_request *r,
     r->allowed_token_ids = malloc((size_t)n * sizeof *r->allowed_token_ids);
     if (!r->allowed_token_ids)
         return tdm_oai_seterr(e, 500, NULL, "out of memory");
-    const cJSON *it;
-    cJSON_ArrayForEach(it, a)
-    {
-        if (!json_is_int(it, -2147483648.0, 2147483647.0))
-            return tdm_oai_seterr(e, 400, "allowed_token_ids",
-                                  "allowed_token_ids must contain only integers");
-        int v = (int)it->valuedouble;
-        if (v < 0 || (m && m->vocab_size > 0 && v >= m->vocab_size))
-            return tdm_oai_seterr(e, 400, "allowed_token_ids",
-                                  "allowed_token_ids contains out-of-vocab token id!");
-        r->allowed_token_ids[r->n_allowed_token_ids++] = v;
-    }
+    int oov = 0;
+    n = token_ids_of(a, "allowed_token_ids", m, r->allowed_token_ids, &oov, e);
+    if (n == -2)
+        return tdm_oai_seterr(e, 400, "allowed_token_ids",
+                              "allowed_token_ids contains out-of-vocab token id!");
+    if (n < 0)
+        return TDM_EINVAL;
+    r->n_allowed_token_ids = (size_t)n;
     r->sampling.allowed_token_ids = r->allowed_token_ids;
     r->sampling.num_allowed_token_ids = (int)r->n_allowed_token_ids;
     return TDM_OK;
