@@ -160,6 +160,11 @@ def check_chat_continue(srv):
     st, _, r = srv.post_json("/v1/chat/completions", dict(
         messages=msgs, chat_template_kwargs={"tokenize": True}, max_tokens=2))
     h.check(st == 400 and "tokenize" in r["error"]["message"], "kwargs tokenize %d %r" % (st, r))
+    st, _, r = srv.post_json("/v1/chat/completions", dict(
+        messages=msgs, chat_template="{{ 1 }}", max_tokens=2))
+    h.check(st == 400 and r["error"]["message"].startswith(
+        "Chat template is passed with request, but --trust-request-chat-template is not set."),
+        "untrusted chat_template: %d %r" % (st, r))
 
 
 def main():
@@ -361,6 +366,24 @@ def main():
     outs = {tuple(comp(srv, **dict(silent, seed=s, top_k=0, temperature=1.5))["choices"][0]
                   ["token_ids"]) for s in range(3)}
     h.check(len(outs) > 1, "the request's top_k did not override generation_config")
+    h.check(srv.stop() == 0, "exit status")
+
+    # ---- a request's own chat_template: vLLM's 400 unless trusted, then
+    # rendered (its /tokenize equals the prompt it makes), with the server's
+    # --default-chat-template-kwargs under the request's.
+    own = dict(messages=[{"role": "user", "content": "hi"}],
+               chat_template="[{{ who }}]{% for m in messages %}{{ m.content }}{% endfor %}")
+    srv = h.Server(args, model, "--trust-request-chat-template",
+                   "--default-chat-template-kwargs", '{"who": "server"}')
+    for kw, who in ((None, "server"), ({"who": "me"}, "me")):
+        body = dict(own, chat_template_kwargs=kw) if kw else own
+        _, _, t = srv.post_json("/tokenize", body)
+        _, _, want = srv.post_json("/tokenize", {"prompt": "[%s]hi" % who,
+                                                 "add_special_tokens": False})
+        h.check(t["tokens"] == want["tokens"], "own template %r: %r != %r" % (kw, t, want))
+        st, _, r = srv.post_json("/v1/chat/completions", dict(body, max_tokens=2))
+        h.check(st == 200 and r["usage"]["prompt_tokens"] == want["count"],
+                "own template chat %d %r" % (st, r))
     h.check(srv.stop() == 0, "exit status")
     print("PASS: stop strings, stop ids, n/seed, multi-prompt, echo, logprobs, chat, "
           "generation_config defaults")

@@ -148,6 +148,7 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
     s->info.return_tokens_as_token_ids = cfg->return_tokens_as_token_ids;
     s->info.default_chat_template_kwargs =
         cfg->default_chat_template_kwargs[0] ? cfg->default_chat_template_kwargs : NULL;
+    s->info.trust_request_chat_template = cfg->trust_request_chat_template;
     atomic_init(&s->state, STATE_LOADING);
     atomic_init(&s->inflight, 0);
     pthread_mutex_init(&s->mu, NULL);

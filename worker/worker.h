@@ -70,6 +70,7 @@ struct tdm_worker_config {
     char chat_template[TDM_WORKER_STR];     // --chat-template FILE; "" = tokenizer's
     bool enable_auto_tool_choice;           // --enable-auto-tool-choice (vLLM's)
     bool return_tokens_as_token_ids;        // --return-tokens-as-token-ids (vLLM's)
+    bool trust_request_chat_template;       // --trust-request-chat-template (vLLM's)
     char default_chat_template_kwargs[TDM_WORKER_STR]; // --default-chat-template-kwargs JSON
                                                        // (vLLM's); "" = none
     char tool_call_parser[64];              // --tool-call-parser hermes|llama3_json; "" = none

@@ -98,6 +98,7 @@ struct up_opts {
     const char *tool_parser; // --tool-call-parser NAME, likewise; NULL = none
     const char *chat_kwargs; // --default-chat-template-kwargs JSON, likewise; NULL = none
     bool tokens_as_ids;      // --return-tokens-as-token-ids, passed to the router and workers
+    bool trust_templates;    // --trust-request-chat-template, likewise
     const char *device;      // --device, passed to the workers; NULL = theirs (auto)
     const char *sched;       // --scheduling-policy, passed to the workers; NULL = theirs (fcfs)
     double gpu_util;         // --gpu-memory-utilization per worker; 0 = 0.9 / workers
@@ -246,6 +247,10 @@ static const struct tdm_flag up_flags[] = {
      .check = tdm_oai_check_chat_template_kwargs,
      .help = "chat template variables under every chat request's\nchat_template_kwargs, on "
              "every process"},
+    {.name = "trust-request-chat-template",
+     .kind = TDM_FLAG_BOOL,
+     .offset = OFF(trust_templates),
+     .help = "chat requests may bring their own chat_template, on every\nprocess"},
     {.name = "return-tokens-as-token-ids",
      .kind = TDM_FLAG_BOOL,
      .offset = OFF(tokens_as_ids),
@@ -1253,7 +1258,7 @@ static void arg(struct argv_buf *a, const char *fmt, ...) __attribute__((format(
 static void arg(struct argv_buf *a, const char *fmt, ...)
 {
     if (a->n >= 32)
-        return; // never reached: the longest command line has 20 words
+        return; // never reached: the longest command line has 23 words
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(a->args[a->n], sizeof a->args[a->n], fmt, ap);
@@ -1296,6 +1301,8 @@ static int launch_child(const struct up_opts *o, struct child *c, const char *mo
         arg(&a, "--tool-call-parser"), arg(&a, "%s", o->tool_parser);
     if (o->tokens_as_ids)
         arg(&a, "--return-tokens-as-token-ids");
+    if (o->trust_templates)
+        arg(&a, "--trust-request-chat-template");
     if (o->chat_kwargs)
         arg(&a, "--default-chat-template-kwargs"), arg(&a, "%s", o->chat_kwargs);
     if (c->role != CHILD_ROUTER) {

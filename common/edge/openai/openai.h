@@ -97,6 +97,9 @@ struct tdm_oai_model_info {
     // --default-chat-template-kwargs: a JSON object (checked at startup) under
     // every chat request's chat_template_kwargs; NULL: none.
     const char *default_chat_template_kwargs;
+    // --trust-request-chat-template: a chat request may bring its own
+    // chat_template (else vLLM's 400).
+    bool trust_request_chat_template;
 };
 
 // ---- completions and chat requests -------------------------------------------------------
@@ -127,6 +130,8 @@ struct tdm_oai_request {
     struct tdm_oai_tool_request tools; // tools, tool_choice, parallel_tool_calls
     bool add_generation_prompt;  // default true
     bool continue_final_message; // default false; exclusive with add_generation_prompt
+    char *chat_template;         // chat: the request's own template text (heap; only with
+                                 // --trust-request-chat-template), NULL when absent
     char *chat_template_kwargs;  // chat: the template's extra variables, compact JSON object
                                  // (the server's defaults under the request's; heap), NULL
                                  // when none
@@ -301,6 +306,7 @@ struct tdm_oai_tokenize_request {
     bool add_generation_prompt;  // default true
     bool continue_final_message; // default false
     bool return_token_strs;      // default false
+    char *chat_template;         // chat form: as tdm_oai_request's
     char *chat_template_kwargs;  // chat form: as tdm_oai_request's
     char *conversation_json;     // chat form: the messages as the template sees them
     struct tdm_oai_tool_request tools; // chat form: the tools rendered (tool_choice unused)

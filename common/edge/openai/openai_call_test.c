@@ -636,6 +636,50 @@ static void test_chat_continue_and_echo(void **state)
 #undef ASSIST
 }
 
+// A request's own chat_template (--trust-request-chat-template) renders the
+// chat with the server template's special tokens, also where the server has
+// no template; one that does not compile is a 400 naming chat_template.
+static void test_chat_own_template(void **state)
+{
+    (void)state;
+    struct tdm_oai_call k;
+    struct tdm_oai_error e;
+    info.trust_request_chat_template = true;
+    struct tdm_chat_template *t = NULL;
+    char err[256];
+    assert_int_equal(tdm_chat_template_new(&t, "{{ bos_token }}server", NULL, err, sizeof err),
+                     TDM_OK);
+    assert_int_equal(tdm_chat_template_set_tokens(t, "<B>", NULL, NULL), TDM_OK);
+    const char *body = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":2,"
+                       "\"chat_template\":\"{{ bos_token }}|{% for m in messages %}{{ m.content }}"
+                       "{% endfor %}\"}";
+    memset(&e, 0, sizeof e);
+    assert_int_equal(
+        tdm_oai_call_init(&k, TDM_OAI_CHAT, body, strlen(body), &info, tok, t, NULL, NULL, &e),
+        TDM_OK);
+    assert_string_equal(k.prompts[0].text, "<B>|hi");
+    tdm_oai_call_fini(&k);
+    // No server template: the request's alone (no special tokens to lend).
+    const char *plain =
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":2,"
+        "\"chat_template\":\"{% for m in messages %}{{ m.content }}!{% endfor %}\"}";
+    assert_int_equal(tdm_oai_call_init(&k, TDM_OAI_CHAT, plain, strlen(plain), &info, tok, NULL,
+                                       "none", NULL, &e),
+                     TDM_OK);
+    assert_string_equal(k.prompts[0].text, "hi!");
+    tdm_oai_call_fini(&k);
+    const char *bad = "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
+                      "\"chat_template\":\"{% for %}\"}";
+    assert_int_equal(
+        tdm_oai_call_init(&k, TDM_OAI_CHAT, bad, strlen(bad), &info, tok, t, NULL, NULL, &e),
+        TDM_EINVAL);
+    assert_int_equal(e.status, 400);
+    assert_string_equal(e.param, "chat_template");
+    tdm_oai_call_fini(&k);
+    tdm_chat_template_free(t);
+    info.trust_request_chat_template = false;
+}
+
 // ---- tool calls ---------------------------------------------------------------------------------
 #define TOOL_BODY(extra)                                                                           \
     "{\"messages\":[{\"role\":\"user\",\"content\":\"Weather in Paris?\"}],\"tools\":[{\"type\":"  \
@@ -811,6 +855,7 @@ int main(void)
         cmocka_unit_test(test_echo_chunk),
         cmocka_unit_test(test_prompt_logprobs_out),
         cmocka_unit_test(test_chat_continue_and_echo),
+        cmocka_unit_test(test_chat_own_template),
         cmocka_unit_test(test_tool_calls_body),
         cmocka_unit_test(test_tool_calls_stream),
     };

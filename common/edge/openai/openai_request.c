@@ -139,8 +139,6 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         {"logits_processors", NULL},
         {"prompt_embeds", NULL},
         {"logprob_token_ids", NULL},
-        {"chat_template", "the server renders the model's own template"},
-        {"documents", NULL},
         {"audio", NULL},
         {"modalities", NULL},
         {"mm_processor_kwargs", NULL},
@@ -1083,12 +1081,38 @@ static int parse_logprobs_and_stop(const cJSON *root, struct tdm_oai_request *r,
 }
 
 // chat_template_kwargs (vLLM's): the server's --default-chat-template-kwargs
-// (m->default_chat_template_kwargs) overlaid with the request's object. Its
+// (m->default_chat_template_kwargs), the request's documents (a list of
+// {string: string} objects, the template's `documents`: RAG templates) and
+// over both the request's object. Its
 // add_generation_prompt and continue_final_message win over the request's
 // fields of those names (vLLM updates its template arguments with the
 // kwargs); the rest go to the template as variables, compact JSON in *out
 // (heap; NULL when none). chat_template and tokenize are vLLM's 400; messages
 // and tools come from the request's own fields only.
+static const char untrusted_template[] =
+    "Chat template is passed with request, but --trust-request-chat-template is not set. Refused "
+    "request with untrusted chat template.";
+
+// A chat's own chat_template (vLLM's): its text in *out (heap; NULL when
+// absent), refused in vLLM's words unless the server trusts them
+// (--trust-request-chat-template).
+static int parse_chat_template(const cJSON *root, const struct tdm_oai_model_info *m, char **out,
+                               struct tdm_oai_error *e)
+{
+    *out = NULL;
+    const cJSON *t = field(root, "chat_template");
+    if (!t)
+        return TDM_OK;
+    if (!cJSON_IsString(t))
+        return tdm_oai_seterr(e, 400, "chat_template",
+                              "chat_template: Input should be a valid string");
+    if (!(m && m->trust_request_chat_template))
+        return tdm_oai_seterr(e, 400, NULL, "%s", untrusted_template);
+    if (!(*out = strdup(t->valuestring)))
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    return TDM_OK;
+}
+
 static int parse_chat_kwargs(const cJSON *root, const struct tdm_oai_model_info *m, char **out,
                              bool *add_generation_prompt, bool *continue_final_message,
                              struct tdm_oai_error *e)
@@ -1105,9 +1129,37 @@ static int parse_chat_kwargs(const cJSON *root, const struct tdm_oai_model_info 
         return tdm_oai_seterr(e, 500, NULL, "out of memory");
     }
     int rc = TDM_OK;
-    const cJSON *it;
+    const cJSON *docs = field(root, "documents"), *it, *d;
+    if (docs && !cJSON_IsArray(docs))
+        rc = tdm_oai_seterr(e, 400, "documents", "documents: Input should be a valid list");
+    int di = 0;
+    cJSON_ArrayForEach(d, docs)
+    {
+        if (rc == TDM_OK && !cJSON_IsObject(d))
+            rc = tdm_oai_seterr(e, 400, "documents",
+                                "documents.%d: Input should be a valid dictionary", di);
+        cJSON_ArrayForEach(it, d)
+        {
+            if (rc == TDM_OK && !cJSON_IsString(it))
+                rc = tdm_oai_seterr(e, 400, "documents",
+                                    "documents.%d.%.40s: Input should be a valid string", di,
+                                    it->string);
+        }
+        di++;
+    }
+    if (rc == TDM_OK && docs) {
+        cJSON *copy = cJSON_Duplicate(docs, true);
+        if (!copy)
+            rc = tdm_oai_seterr(e, 500, NULL, "out of memory");
+        else if (cJSON_GetObjectItemCaseSensitive(kw, "documents"))
+            cJSON_ReplaceItemInObjectCaseSensitive(kw, "documents", copy);
+        else
+            cJSON_AddItemToObject(kw, "documents", copy);
+    }
     cJSON_ArrayForEach(it, req)
     {
+        if (rc != TDM_OK)
+            break;
         cJSON *copy = cJSON_Duplicate(it, true);
         if (!copy) {
             rc = tdm_oai_seterr(e, 500, NULL, "out of memory");
@@ -1121,7 +1173,9 @@ static int parse_chat_kwargs(const cJSON *root, const struct tdm_oai_model_info 
     }
     for (cJSON *c = kw->child; c && rc == TDM_OK; c = c->next) {
         const char *k = c->string;
-        if (strcmp(k, "chat_template") == 0 || strcmp(k, "tokenize") == 0)
+        if (strcmp(k, "chat_template") == 0 && !(m && m->trust_request_chat_template))
+            rc = tdm_oai_seterr(e, 400, NULL, "%s", untrusted_template);
+        else if (strcmp(k, "chat_template") == 0 || strcmp(k, "tokenize") == 0)
             rc = tdm_oai_seterr(e, 400, "chat_template_kwargs",
                                 "Found unexpected chat template kwargs from request: {'%s'}", k);
         else if (strcmp(k, "messages") == 0 || strcmp(k, "tools") == 0)
@@ -1208,7 +1262,8 @@ static int parse_output_flags(const cJSON *root, struct tdm_oai_request *r,
         if (get_bool(root, "add_generation_prompt", &r->add_generation_prompt, e) < 0 ||
             get_bool(root, "continue_final_message", &r->continue_final_message, e) < 0)
             return TDM_EINVAL;
-        if (parse_chat_kwargs(root, m, &r->chat_template_kwargs, &r->add_generation_prompt,
+        if (parse_chat_template(root, m, &r->chat_template, e) != TDM_OK ||
+            parse_chat_kwargs(root, m, &r->chat_template_kwargs, &r->add_generation_prompt,
                               &r->continue_final_message, e) != TDM_OK)
             return TDM_EINVAL;
         if (r->add_generation_prompt && r->continue_final_message)
@@ -1344,6 +1399,7 @@ void tdm_oai_request_fini(struct tdm_oai_request *req)
     free(req->bad_word_ids);
     free(req->bad_word_lens);
     free(req->chat_template_kwargs);
+    free(req->chat_template);
     memset(req, 0, sizeof *req);
 }
 
@@ -1420,8 +1476,9 @@ static int parse_tokenize(struct tdm_oai_tokenize_request *r, const cJSON *root,
         get_bool(root, "continue_final_message", &r->continue_final_message, e) < 0 ||
         get_bool(root, "return_token_strs", &r->return_token_strs, e) < 0)
         return TDM_EINVAL;
-    if (chat && parse_chat_kwargs(root, m, &r->chat_template_kwargs, &r->add_generation_prompt,
-                                  &r->continue_final_message, e) != TDM_OK)
+    if (chat && (parse_chat_template(root, m, &r->chat_template, e) != TDM_OK ||
+                 parse_chat_kwargs(root, m, &r->chat_template_kwargs, &r->add_generation_prompt,
+                                   &r->continue_final_message, e) != TDM_OK))
         return fail_code(e);
     if (chat && r->add_generation_prompt && r->continue_final_message)
         return tdm_oai_seterr(e, 400, "continue_final_message",
@@ -1454,6 +1511,7 @@ void tdm_oai_tokenize_fini(struct tdm_oai_tokenize_request *req)
     tdm_chat_msgs_free(req->messages, req->n_messages);
     free(req->conversation_json);
     free(req->chat_template_kwargs);
+    free(req->chat_template);
     tdm_oai_tool_request_fini(&req->tools);
     memset(req, 0, sizeof *req);
 }

@@ -74,17 +74,36 @@ static const char *last_of(const char *hay, const char *needle, size_t n)
 }
 
 // Renders a chat (the request's conversation, tools and template kwargs)
-// and, with continue_final_message, cuts the prompt right after the final
-// message's content as HF's apply_chat_template does: its last occurrence
-// (of the last text part for a list), else of the content stripped of
-// whitespace where the template stripped it, else 400 in HF's words.
-static int render_chat(const struct tdm_chat_template *chat, const char *conversation_json,
-                       const char *tools_json, const char *kwargs, bool add_generation_prompt,
-                       bool continue_final_message, char **out, struct tdm_oai_error *e)
+// with the server's template chat, or the request's own template text
+// (own: with chat's special tokens) and, with continue_final_message, cuts
+// the prompt right after the final message's content as HF's
+// apply_chat_template does: its last occurrence (of the last text part for a
+// list), else of the content stripped of whitespace where the template
+// stripped it, else 400 in HF's words.
+static int render_chat(const struct tdm_chat_template *chat, const char *chat_err, const char *own,
+                       const char *conversation_json, const char *tools_json, const char *kwargs,
+                       bool add_generation_prompt, bool continue_final_message, char **out,
+                       struct tdm_oai_error *e)
 {
     char err[256];
+    struct tdm_chat_template *mine = NULL;
+    if (own) {
+        int rc = tdm_chat_template_new(&mine, own, NULL, err, sizeof err);
+        if (rc == TDM_OK)
+            rc = tdm_chat_template_copy_vars(mine, chat);
+        if (rc != TDM_OK) {
+            tdm_chat_template_free(mine);
+            return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "chat_template", "%s",
+                                  rc == TDM_ENOMEM ? "out of memory" : err);
+        }
+        chat = mine;
+    }
+    if (chat == NULL)
+        return tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
+                              chat_err ? chat_err : "");
     int rc = tdm_chat_render_json_kw(chat, conversation_json, tools_json, kwargs,
                                      add_generation_prompt, out, err, sizeof err);
+    tdm_chat_template_free(mine);
     if (rc != TDM_OK)
         return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
     if (!continue_final_message)
@@ -135,13 +154,9 @@ int tdm_oai_tokenize_run(const char *json, size_t len, const struct tdm_oai_mode
     size_t n = 0;
     char **strs = NULL;
     if (rq.messages != NULL) {
-        if (chat == NULL) {
-            rc = tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
-                                chat_err ? chat_err : "");
-            goto out;
-        }
-        rc = render_chat(chat, rq.conversation_json, rq.tools.tools_json, rq.chat_template_kwargs,
-                         rq.add_generation_prompt, rq.continue_final_message, &rendered, e);
+        rc = render_chat(chat, chat_err, rq.chat_template, rq.conversation_json,
+                         rq.tools.tools_json, rq.chat_template_kwargs, rq.add_generation_prompt,
+                         rq.continue_final_message, &rendered, e);
         if (rc != TDM_OK)
             goto out;
         text = rendered;
@@ -198,13 +213,10 @@ int tdm_oai_chat_prompt(const struct tdm_oai_request *req, const struct tdm_chat
                         const char *chat_err, char **out, struct tdm_oai_error *e)
 {
     *out = NULL;
-    if (chat == NULL)
-        return tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
-                              chat_err ? chat_err : "");
     // The conversation as vLLM hands it to the template: tool calls and tool
     // results included, and the tools when the request has them.
-    return render_chat(chat, req->conversation_json, req->tools.tools_json,
-                       req->chat_template_kwargs, req->add_generation_prompt,
+    return render_chat(chat, chat_err, req->chat_template, req->conversation_json,
+                       req->tools.tools_json, req->chat_template_kwargs, req->add_generation_prompt,
                        req->continue_final_message, out, e);
 }
 
@@ -255,9 +267,6 @@ int tdm_oai_prompts_build(const struct tdm_oai_request *req, const struct tdm_oa
         size_t text_len = 0;
         char *rendered = NULL;
         if (rq->kind == TDM_OAI_CHAT) {
-            if (chat == NULL)
-                return tdm_oai_seterr(e, 400, NULL, "This model has no usable chat template: %s",
-                                      chat_err ? chat_err : "");
             int rc = tdm_oai_chat_prompt(rq, chat, chat_err, &rendered, e);
             if (rc != TDM_OK)
                 return rc;

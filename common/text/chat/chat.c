@@ -183,6 +183,14 @@ int tdm_chat_template_set_var(struct tdm_chat_template *t, const char *name, con
     return TDM_OK;
 }
 
+int tdm_chat_template_copy_vars(struct tdm_chat_template *dst, const struct tdm_chat_template *src)
+{
+    int rc = TDM_OK;
+    for (size_t i = 0; src && i < src->nvars && rc == TDM_OK; i++)
+        rc = tdm_chat_template_set_var(dst, src->vars[i].name, src->vars[i].value);
+    return rc;
+}
+
 int tdm_chat_template_set_tokens(struct tdm_chat_template *t, const char *bos_token,
                                  const char *eos_token, const char *pad_token)
 {

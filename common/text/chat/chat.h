@@ -38,6 +38,11 @@ void tdm_chat_template_free(struct tdm_chat_template *t);
 // The built-in "llama3" name presets bos_token "<|begin_of_text|>".
 int tdm_chat_template_set_var(struct tdm_chat_template *t, const char *name, const char *value);
 
+// Sets every variable src has (its special tokens) on dst: a template a
+// request brought (vLLM's chat_template with --trust-request-chat-template)
+// sees the server's. src NULL: nothing. TDM_OK, TDM_ENOMEM, TDM_ECAPACITY.
+int tdm_chat_template_copy_vars(struct tdm_chat_template *dst, const struct tdm_chat_template *src);
+
 // Sets bos_token, eos_token and pad_token (HF passes the tokenizer's special
 // tokens to the template); a NULL leaves that variable as it is. Callers pass the
 // tokenizer's tokens: tdm_tok_id_to_piece(tok, tdm_tok_bos_id(tok)), and the same
