@@ -131,9 +131,11 @@ static void test_front_flags(void **state)
                   "x.yaml",
                   "--default-chat-template-kwargs",
                   "{\"enable_thinking\": false}",
+                  "--trust-request-chat-template",
                   NULL};
-    assert_int_equal(parse(&o, err, sizeof err, 7, kw), TDM_OK);
+    assert_int_equal(parse(&o, err, sizeof err, 8, kw), TDM_OK);
     assert_string_equal(o.default_chat_template_kwargs, "{\"enable_thinking\": false}");
+    assert_true(o.trust_request_chat_template);
     static const char *const bad[][3] = {
         {"--default-chat-template-kwargs", "{\"tokenize\": true}",
          "--default-chat-template-kwargs: Found unexpected chat template kwargs from request: "
