@@ -374,7 +374,7 @@ def main():
     own = dict(messages=[{"role": "user", "content": "hi"}],
                chat_template="[{{ who }}]{% for m in messages %}{{ m.content }}{% endfor %}")
     srv = h.Server(args, model, "--trust-request-chat-template",
-                   "--default-chat-template-kwargs", '{"who": "server"}')
+                   "--default-chat-template-kwargs", '{"who": "server"}', "--max-logprobs", "1")
     for kw, who in ((None, "server"), ({"who": "me"}, "me")):
         body = dict(own, chat_template_kwargs=kw) if kw else own
         _, _, t = srv.post_json("/tokenize", body)
@@ -384,6 +384,13 @@ def main():
         st, _, r = srv.post_json("/v1/chat/completions", dict(body, max_tokens=2))
         h.check(st == 200 and r["usage"]["prompt_tokens"] == want["count"],
                 "own template chat %d %r" % (st, r))
+    # --max-logprobs 1: vLLM's 400 above it.
+    h.check(comp(srv, prompt="x", max_tokens=1, logprobs=1)["choices"][0]["logprobs"],
+            "logprobs 1 under --max-logprobs 1")
+    st, _, r = srv.post_json("/v1/completions", dict(prompt="x", max_tokens=1, logprobs=2))
+    h.check(st == 400 and r["error"]["message"] ==
+            "Requested sample logprobs of 2, which is greater than max allowed: 1",
+            "--max-logprobs 1: %d %r" % (st, r))
     h.check(srv.stop() == 0, "exit status")
     print("PASS: stop strings, stop ids, n/seed, multi-prompt, echo, logprobs, chat, "
           "generation_config defaults")

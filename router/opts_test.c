@@ -136,7 +136,9 @@ static void test_front_flags(void **state)
     assert_int_equal(parse(&o, err, sizeof err, 8, kw), TDM_OK);
     assert_string_equal(o.default_chat_template_kwargs, "{\"enable_thinking\": false}");
     assert_true(o.trust_request_chat_template);
+    assert_int_equal(o.max_logprobs, 20);
     static const char *const bad[][3] = {
+        {"--max-logprobs", "21", "--max-logprobs: expected an integer in [0, 20], got \"21\""},
         {"--default-chat-template-kwargs", "{\"tokenize\": true}",
          "--default-chat-template-kwargs: Found unexpected chat template kwargs from request: "
          "{'tokenize'}"},

@@ -180,6 +180,8 @@ static int load_text_side(struct tdm_router_server *s, char *err, size_t errlen)
     s->info.default_chat_template_kwargs =
         s->o.default_chat_template_kwargs[0] ? s->o.default_chat_template_kwargs : NULL;
     s->info.trust_request_chat_template = s->o.trust_request_chat_template;
+    s->info.limit_logprobs = true;
+    s->info.max_logprobs = s->o.max_logprobs;
     s->info.served_name = s->text.served_name;
     s->info.vocab_size = mc.vocab_size;
     s->info.max_model_len = s->max_model_len;

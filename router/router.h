@@ -41,6 +41,7 @@ struct tdm_router_opts {
     bool return_tokens_as_token_ids; // --return-tokens-as-token-ids (vLLM's)
     char default_chat_template_kwargs[1024]; // --default-chat-template-kwargs JSON; "" = none
     bool trust_request_chat_template;        // --trust-request-chat-template (vLLM's)
+    int max_logprobs;                        // --max-logprobs (vLLM's; default 20)
     char tool_call_parser[64];    // --tool-call-parser hermes|llama3_json; "" = none
     char host[256];              // --host; default 0.0.0.0
     int port;                    // --port; default 8000; 0 = any free port

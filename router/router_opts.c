@@ -22,6 +22,7 @@ void tdm_router_opts_default(struct tdm_router_opts *o)
     snprintf(o->nng_url, sizeof o->nng_url, "tcp://127.0.0.1:0");
     o->http_threads = 256;
     o->stream_interval = 1;
+    o->max_logprobs = TDM_MAX_LOGPROBS;
     o->max_body_bytes = 16u << 20;
     o->http_header_timeout = 10.0;
     o->http_body_timeout = 30.0;

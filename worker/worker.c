@@ -149,6 +149,8 @@ int tdm_worker_new(struct tdm_worker **out, const struct tdm_worker_config *cfg,
     s->info.default_chat_template_kwargs =
         cfg->default_chat_template_kwargs[0] ? cfg->default_chat_template_kwargs : NULL;
     s->info.trust_request_chat_template = cfg->trust_request_chat_template;
+    s->info.limit_logprobs = true;
+    s->info.max_logprobs = cfg->max_logprobs;
     atomic_init(&s->state, STATE_LOADING);
     atomic_init(&s->inflight, 0);
     pthread_mutex_init(&s->mu, NULL);

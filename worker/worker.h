@@ -71,6 +71,7 @@ struct tdm_worker_config {
     bool enable_auto_tool_choice;           // --enable-auto-tool-choice (vLLM's)
     bool return_tokens_as_token_ids;        // --return-tokens-as-token-ids (vLLM's)
     bool trust_request_chat_template;       // --trust-request-chat-template (vLLM's)
+    int max_logprobs;                       // --max-logprobs (vLLM's; default 20)
     char default_chat_template_kwargs[TDM_WORKER_STR]; // --default-chat-template-kwargs JSON
                                                        // (vLLM's); "" = none
     char tool_call_parser[64];              // --tool-call-parser hermes|llama3_json; "" = none

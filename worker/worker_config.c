@@ -39,6 +39,7 @@ void tdm_worker_config_default(struct tdm_worker_config *cfg)
     cfg->async_scheduling = true;
     cfg->max_waiting = 1024;
     cfg->stream_interval = 1;
+    cfg->max_logprobs = TDM_MAX_LOGPROBS;
     cfg->drain_timeout = 30.0;
     snprintf(cfg->log_level, sizeof cfg->log_level, "info");
     cfg->max_body_bytes = (size_t)16 << 20;

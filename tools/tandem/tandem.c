@@ -89,6 +89,7 @@ struct up_opts {
     double startup_timeout;  // --startup-timeout: seconds until every /health is 200
     double drain_timeout;    // --drain-timeout: passed to the workers; SIGKILL 15 s later
     int stream_interval;     // --stream-interval, passed to the router and workers
+    int max_logprobs;        // --max-logprobs, likewise (-1: not given)
     const char *bin_dir;     // --bin-dir: where the service binaries are
     bool no_router;          // --no-router: workers only (decode workers serve the API)
     bool restart;            // --restart on-failure (default) | never
@@ -227,6 +228,8 @@ static const struct tdm_flag up_flags[] = {
         "seconds for every /health to turn 200 (default 600)"),
     NUM("drain-timeout", TDM_FLAG_DOUBLE, drain_timeout, 0, 86400, "S",
         "drain on stop, router and workers (default 30); SIGKILL 15 s\nafter"),
+    NUM("max-logprobs", TDM_FLAG_INT, max_logprobs, 0, 20, "N",
+        "the most logprobs a request may ask, on every process\n(default 20)"),
     NUM("stream-interval", TDM_FLAG_INT, stream_interval, 1, 1 << 20, "N",
         "streams send tokens N per event after the first (default 1),\nrouter and workers"),
     {.name = "enable-auto-tool-choice",
@@ -309,6 +312,7 @@ static void opts_default(struct up_opts *o)
     o->startup_timeout = 600;
     o->drain_timeout = 30;
     o->stream_interval = 1;
+    o->max_logprobs = -1;
     o->restart = true;
 }
 
@@ -1258,7 +1262,7 @@ static void arg(struct argv_buf *a, const char *fmt, ...) __attribute__((format(
 static void arg(struct argv_buf *a, const char *fmt, ...)
 {
     if (a->n >= 32)
-        return; // never reached: the longest command line has 23 words
+        return; // never reached: the longest command line has 25 words
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(a->args[a->n], sizeof a->args[a->n], fmt, ap);
@@ -1295,6 +1299,8 @@ static int launch_child(const struct up_opts *o, struct child *c, const char *mo
     arg(&a, "--drain-timeout"), arg(&a, "%g", o->drain_timeout);
     if (o->stream_interval > 1)
         arg(&a, "--stream-interval"), arg(&a, "%d", o->stream_interval);
+    if (o->max_logprobs >= 0)
+        arg(&a, "--max-logprobs"), arg(&a, "%d", o->max_logprobs);
     if (o->auto_tool_choice)
         arg(&a, "--enable-auto-tool-choice");
     if (o->tool_parser && *o->tool_parser)

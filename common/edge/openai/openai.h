@@ -97,6 +97,10 @@ struct tdm_oai_model_info {
     // --default-chat-template-kwargs: a JSON object (checked at startup) under
     // every chat request's chat_template_kwargs; NULL: none.
     const char *default_chat_template_kwargs;
+    // --max-logprobs (vLLM's): with limit_logprobs, the most logprobs and
+    // prompt_logprobs a request may ask (0..TDM_MAX_LOGPROBS); without, 20.
+    bool limit_logprobs;
+    int max_logprobs;
     // --trust-request-chat-template: a chat request may bring its own
     // chat_template (else vLLM's 400).
     bool trust_request_chat_template;

@@ -9,7 +9,7 @@
 //   char served_model_name[], chat_template[], tool_call_parser[], host[],
 //   api_key[], log_level[], otlp_traces_endpoint[], default_chat_template_kwargs[];
 //   bool enable_auto_tool_choice, return_tokens_as_token_ids, trust_request_chat_template;
-//   int port, max_model_len,
+//   int port, max_model_len, max_logprobs,
 //   stream_interval, http_max_conns_per_ip, max_large_requests, http_memory_budget_mib; size_t
 //   max_body_bytes; double http_header_timeout, http_body_timeout, drain_timeout.
 // port_help is --port's help (the default differs: 8000 on the router, 8001
@@ -52,6 +52,9 @@
                            "chat template variables under every chat\nrequest's "                  \
                            "chat_template_kwargs, e.g.\n'{\"enable_thinking\": false}'",           \
                            .check = tdm_oai_check_chat_template_kwargs),                           \
+        TDM_OAI_FRONT_NUM_(T, "max-logprobs", TDM_FLAG_INT, max_logprobs, 0, 20, "N",              \
+                           "the most logprobs and prompt_logprobs a request\nmay ask (default "    \
+                           "20, the most there is room for)"),                                     \
         TDM_FLAG_FIELD(T, "trust-request-chat-template", TDM_FLAG_BOOL,                            \
                        trust_request_chat_template,                                                \
                        .help = "a chat request may bring its own chat_template\n(else 400)"),      \

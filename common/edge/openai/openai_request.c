@@ -798,7 +798,14 @@ static int parse_sampling(const cJSON *root, struct tdm_oai_request *r,
     return TDM_OK;
 }
 
-static int parse_logprobs(const cJSON *root, struct tdm_oai_request *r, struct tdm_oai_error *e)
+// The most logprobs a request may ask: --max-logprobs, else vLLM's default 20.
+static int max_logprobs(const struct tdm_oai_model_info *m)
+{
+    return m && m->limit_logprobs ? m->max_logprobs : TDM_MAX_LOGPROBS;
+}
+
+static int parse_logprobs(const cJSON *root, struct tdm_oai_request *r,
+                          const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
 {
     int rc, v = 0;
     if (r->kind == TDM_OAI_COMPLETION) {
@@ -823,11 +830,11 @@ static int parse_logprobs(const cJSON *root, struct tdm_oai_request *r, struct t
                                   "when using `top_logprobs`, `logprobs` must be set to true.");
         r->logprobs = on;
     }
-    if (v > TDM_MAX_LOGPROBS)
+    if (v > max_logprobs(m))
         return tdm_oai_seterr(e, 400, "logprobs",
                               "Requested sample logprobs of %d, which is greater than max "
                               "allowed: %d",
-                              v, TDM_MAX_LOGPROBS);
+                              v, max_logprobs(m));
     r->top_logprobs = v;
     return TDM_OK;
 }
@@ -1047,7 +1054,7 @@ static int parse_n(const cJSON *root, struct tdm_oai_request *r, const struct td
 static int parse_logprobs_and_stop(const cJSON *root, struct tdm_oai_request *r,
                                    const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
 {
-    if (parse_logprobs(root, r, e) != TDM_OK)
+    if (parse_logprobs(root, r, m, e) != TDM_OK)
         return TDM_EINVAL;
     // prompt_logprobs (completions and chat), as vLLM checks it.
     int plp = 0, rc = get_int(root, "prompt_logprobs", &plp, e);
@@ -1061,11 +1068,11 @@ static int parse_logprobs_and_stop(const cJSON *root, struct tdm_oai_request *r,
             return tdm_oai_seterr(e, 400, "prompt_logprobs",
                                   "`prompt_logprobs` must be a positive value or -1.");
         int asked = plp == -1 && m && m->vocab_size > 0 ? m->vocab_size : plp;
-        if (plp == -1 || plp > TDM_MAX_LOGPROBS)
+        if (plp == -1 || plp > max_logprobs(m))
             return tdm_oai_seterr(e, 400, "prompt_logprobs",
                                   "Requested prompt logprobs of %d, which is greater than max "
                                   "allowed: %d",
-                                  asked, TDM_MAX_LOGPROBS);
+                                  asked, max_logprobs(m));
         r->prompt_logprobs = plp;
     }
     // The prompt's logprobs come with the first generated token: echo

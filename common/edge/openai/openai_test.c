@@ -510,6 +510,46 @@ static void test_chat_template_kwargs(void **state)
     assert_int_equal(tdm_oai_check_chat_template_kwargs("{x", err, sizeof err), TDM_EINVAL);
 }
 
+// --max-logprobs lowers the cap of logprobs, top_logprobs and prompt_logprobs
+// (vLLM's words with its value).
+static void test_max_logprobs(void **state)
+{
+    (void)state;
+    struct tdm_oai_model_info m = model;
+    m.limit_logprobs = true;
+    m.max_logprobs = 3;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    const struct {
+        enum tdm_oai_kind kind;
+        const char *body, *param, *message; // message NULL: accepted
+    } cases[] = {
+        {TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"logprobs\":3}", NULL, NULL},
+        {TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"logprobs\":4}", "logprobs",
+         "Requested sample logprobs of 4, which is greater than max allowed: 3"},
+        {TDM_OAI_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"logprobs\":true,\"top_logprobs\":"
+         "4}",
+         "logprobs", "Requested sample logprobs of 4, which is greater than max allowed: 3"},
+        {TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"prompt_logprobs\":3}", NULL, NULL},
+        {TDM_OAI_COMPLETION, "{\"prompt\":\"x\",\"prompt_logprobs\":4}", "prompt_logprobs",
+         "Requested prompt logprobs of 4, which is greater than max allowed: 3"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        memset(&e, 0, sizeof e);
+        int rc =
+            tdm_oai_request_parse(&r, cases[i].kind, cases[i].body, strlen(cases[i].body), &m, &e);
+        if (cases[i].message == NULL) {
+            assert_int_equal(rc, TDM_OK);
+            tdm_oai_request_fini(&r);
+            continue;
+        }
+        assert_int_equal(rc, TDM_EINVAL);
+        assert_string_equal(e.param, cases[i].param);
+        assert_string_equal(e.message, cases[i].message);
+    }
+}
+
 // allowed_token_ids and bad_words (vLLM's): kept and lent to the sampling
 // params; malformed values are vLLM's 400s.
 static void test_allowed_ids_and_bad_words(void **state)
@@ -1568,6 +1608,7 @@ int main(void)
         cmocka_unit_test(test_unsupported_noop_values_accepted),
         cmocka_unit_test(test_allowed_ids_and_bad_words),
         cmocka_unit_test(test_chat_template_kwargs),
+        cmocka_unit_test(test_max_logprobs),
         cmocka_unit_test(test_prompt_logprobs_accepted),
         cmocka_unit_test(test_echo_without_generation),
         cmocka_unit_test(test_generation_config_defaults),
