@@ -69,7 +69,10 @@ static int fuzz_one(const uint8_t *data, size_t size)
     struct tdm_oai_model_info info = {.served_name = "m",
                                       .vocab_size = tdm_tok_vocab_size(tok),
                                       .max_model_len = 4096,
-                                      .tool_parser = TDM_OAI_TOOL_PARSER_HERMES};
+                                      .tool_parser = TDM_OAI_TOOL_PARSER_HERMES,
+                                      .trust_request_chat_template = (data[0] & 0x10) != 0,
+                                      .default_chat_template_kwargs =
+                                          data[0] & 0x20 ? "{\"enable_thinking\":false}" : NULL};
     static const enum tdm_oai_tool_format formats[4] = {
         TDM_OAI_TOOL_FORMAT_HERMES, TDM_OAI_TOOL_FORMAT_LLAMA3_JSON, TDM_OAI_TOOL_FORMAT_REQUIRED,
         TDM_OAI_TOOL_FORMAT_NAMED};
