@@ -626,10 +626,10 @@ static int parse_bad_words(const cJSON *root, struct tdm_oai_request *r, struct 
     if (!cJSON_IsArray(b))
         return tdm_oai_seterr(e, 400, "bad_words", "bad_words: Input should be a valid list");
     int n = cJSON_GetArraySize(b);
-    if (n > TDM_MAX_BAD_WORDS)
+    if (n > TDM_MAX_BAD_WORDS) // a word is one sequence or two: vLLM stops at one too many
         return tdm_oai_seterr(e, 400, "bad_words",
-                              "Too many bad words after tokenization: %d. The max number is %d.", n,
-                              TDM_MAX_BAD_WORDS);
+                              "Too many bad words after tokenization: %d. The max number is %d.",
+                              TDM_MAX_BAD_WORDS + 1, TDM_MAX_BAD_WORDS);
     r->bad_words = calloc(n > 0 ? (size_t)n : 1, sizeof *r->bad_words);
     if (!r->bad_words)
         return tdm_oai_seterr(e, 500, NULL, "out of memory");
