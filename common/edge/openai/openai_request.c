@@ -1120,6 +1120,44 @@ static int parse_chat_template(const cJSON *root, const struct tdm_oai_model_inf
     return TDM_OK;
 }
 
+// documents (vLLM's list[dict[str, str]]), in pydantic's words.
+static int check_documents(const cJSON *docs, struct tdm_oai_error *e)
+{
+    if (!cJSON_IsArray(docs))
+        return tdm_oai_seterr(e, 400, "documents", "documents: Input should be a valid list");
+    int di = 0;
+    const cJSON *d, *it;
+    cJSON_ArrayForEach(d, docs)
+    {
+        if (!cJSON_IsObject(d))
+            return tdm_oai_seterr(e, 400, "documents",
+                                  "documents.%d: Input should be a valid dictionary", di);
+        cJSON_ArrayForEach(it, d)
+        {
+            if (!cJSON_IsString(it))
+                return tdm_oai_seterr(e, 400, "documents",
+                                      "documents.%d.%.40s: Input should be a valid string", di,
+                                      it->string);
+        }
+        di++;
+    }
+    return TDM_OK;
+}
+
+// A copy of v under key in obj, as Python's dict update: a key obj has keeps
+// its place, its value replaced. TDM_OK, or 500 with e.
+static int dict_put(cJSON *obj, const char *key, const cJSON *v, struct tdm_oai_error *e)
+{
+    cJSON *copy = cJSON_Duplicate(v, true);
+    if (!copy)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    if (cJSON_GetObjectItemCaseSensitive(obj, key))
+        cJSON_ReplaceItemInObjectCaseSensitive(obj, key, copy);
+    else
+        cJSON_AddItemToObject(obj, key, copy);
+    return TDM_OK;
+}
+
 static int parse_chat_kwargs(const cJSON *root, const struct tdm_oai_model_info *m, char **out,
                              bool *add_generation_prompt, bool *continue_final_message,
                              struct tdm_oai_error *e)
@@ -1135,48 +1173,14 @@ static int parse_chat_kwargs(const cJSON *root, const struct tdm_oai_model_info 
         cJSON_Delete(kw);
         return tdm_oai_seterr(e, 500, NULL, "out of memory");
     }
-    int rc = TDM_OK;
-    const cJSON *docs = field(root, "documents"), *it, *d;
-    if (docs && !cJSON_IsArray(docs))
-        rc = tdm_oai_seterr(e, 400, "documents", "documents: Input should be a valid list");
-    int di = 0;
-    cJSON_ArrayForEach(d, docs)
-    {
-        if (rc == TDM_OK && !cJSON_IsObject(d))
-            rc = tdm_oai_seterr(e, 400, "documents",
-                                "documents.%d: Input should be a valid dictionary", di);
-        cJSON_ArrayForEach(it, d)
-        {
-            if (rc == TDM_OK && !cJSON_IsString(it))
-                rc = tdm_oai_seterr(e, 400, "documents",
-                                    "documents.%d.%.40s: Input should be a valid string", di,
-                                    it->string);
-        }
-        di++;
-    }
-    if (rc == TDM_OK && docs) {
-        cJSON *copy = cJSON_Duplicate(docs, true);
-        if (!copy)
-            rc = tdm_oai_seterr(e, 500, NULL, "out of memory");
-        else if (cJSON_GetObjectItemCaseSensitive(kw, "documents"))
-            cJSON_ReplaceItemInObjectCaseSensitive(kw, "documents", copy);
-        else
-            cJSON_AddItemToObject(kw, "documents", copy);
-    }
+    const cJSON *docs = field(root, "documents"), *it;
+    int rc = docs ? check_documents(docs, e) : TDM_OK;
+    if (rc == TDM_OK && docs)
+        rc = dict_put(kw, "documents", docs, e);
     cJSON_ArrayForEach(it, req)
     {
-        if (rc != TDM_OK)
-            break;
-        cJSON *copy = cJSON_Duplicate(it, true);
-        if (!copy) {
-            rc = tdm_oai_seterr(e, 500, NULL, "out of memory");
-            break;
-        }
-        // A dict update: a default's place kept, its value replaced.
-        if (cJSON_GetObjectItemCaseSensitive(kw, it->string))
-            cJSON_ReplaceItemInObjectCaseSensitive(kw, it->string, copy);
-        else
-            cJSON_AddItemToObject(kw, it->string, copy);
+        if (rc == TDM_OK)
+            rc = dict_put(kw, it->string, it, e);
     }
     for (cJSON *c = kw->child; c && rc == TDM_OK; c = c->next) {
         const char *k = c->string;

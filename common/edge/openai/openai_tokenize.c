@@ -5,62 +5,17 @@
 // turned into token ids with their max_tokens. The servers only move bytes.
 #include "openai.h"
 
-#include <cjson/cJSON.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
 #include "tokenizer.h"
 
-// The conversation's final message (conversation_json: the messages as the
-// template sees them): its role (heap; NULL without one) into *role when
-// role is not NULL, and its content into *content (heap): a string as it is,
-// null as "", a list of parts by their texts, joined by sep, or the last
-// part's alone where sep is NULL. TDM_OK or TDM_ENOMEM; *content "" when
-// there is no message.
-static int final_message(const char *conversation_json, const char *sep, char **role,
-                         char **content)
+// The final message's content (as the template sees it: a list's texts joined
+// by newlines, null as ""), "" without messages.
+static const char *final_content(const struct tdm_chat_msg *msgs, size_t n)
 {
-    *content = NULL;
-    if (role)
-        *role = NULL;
-    cJSON *msgs = conversation_json ? cJSON_Parse(conversation_json) : NULL;
-    int n = cJSON_GetArraySize(msgs);
-    const cJSON *last = n > 0 ? cJSON_GetArrayItem(msgs, n - 1) : NULL;
-    const cJSON *r = cJSON_GetObjectItemCaseSensitive(last, "role");
-    const cJSON *c = cJSON_GetObjectItemCaseSensitive(last, "content");
-    struct tdm_strbuf sb = {0};
-    int rc = TDM_OK;
-    if (cJSON_IsString(c)) {
-        rc = tdm_strbuf_add(&sb, c->valuestring, strlen(c->valuestring));
-    } else if (cJSON_IsArray(c)) {
-        const cJSON *part;
-        bool first = true;
-        cJSON_ArrayForEach(part, c)
-        {
-            const cJSON *t = cJSON_GetObjectItemCaseSensitive(part, "text");
-            if (!cJSON_IsString(t) || rc != TDM_OK)
-                continue;
-            if (sep == NULL)
-                sb.len = 0; // the last part's text alone
-            else if (!first)
-                rc = tdm_strbuf_add(&sb, sep, strlen(sep));
-            if (rc == TDM_OK)
-                rc = tdm_strbuf_add(&sb, t->valuestring, strlen(t->valuestring));
-            first = false;
-        }
-    }
-    if (rc == TDM_OK)
-        rc = tdm_strbuf_add(&sb, "", 0); // NUL-terminated, also when empty
-    if (rc == TDM_OK && role && cJSON_IsString(r) && !(*role = strdup(r->valuestring)))
-        rc = TDM_ENOMEM;
-    cJSON_Delete(msgs);
-    if (rc != TDM_OK) {
-        tdm_strbuf_fini(&sb);
-        return TDM_ENOMEM;
-    }
-    *content = sb.p;
-    return TDM_OK;
+    return n > 0 && msgs[n - 1].content ? msgs[n - 1].content : "";
 }
 
 // The last occurrence of needle[0 .. n) in hay, or NULL (Python's rindex).
@@ -75,14 +30,14 @@ static const char *last_of(const char *hay, const char *needle, size_t n)
 
 // Renders a chat (the request's conversation, tools and template kwargs)
 // with the server's template chat, or the request's own template text
-// (own: with chat's special tokens) and, with continue_final_message, cuts
-// the prompt right after the final message's content as HF's
-// apply_chat_template does: its last occurrence (of the last text part for a
-// list), else of the content stripped of whitespace where the template
-// stripped it, else 400 in HF's words.
+// (own: with chat's special tokens) and, with continue_final_message (final:
+// the final message's content; NULL without it), cuts the prompt right after
+// that content as HF's apply_chat_template does: its last occurrence, else
+// that of the content stripped of whitespace where the template stripped it,
+// else 400 in HF's words.
 static int render_chat(const struct tdm_chat_template *chat, const char *chat_err, const char *own,
                        const char *conversation_json, const char *tools_json, const char *kwargs,
-                       bool add_generation_prompt, bool continue_final_message, char **out,
+                       bool add_generation_prompt, const char *final, char **out,
                        struct tdm_oai_error *e)
 {
     char err[256];
@@ -106,11 +61,8 @@ static int render_chat(const struct tdm_chat_template *chat, const char *chat_er
     tdm_chat_template_free(mine);
     if (rc != TDM_OK)
         return tdm_oai_seterr(e, rc == TDM_ENOMEM ? 500 : 400, "messages", "%s", err);
-    if (!continue_final_message)
+    if (final == NULL)
         return TDM_OK;
-    char *final = NULL;
-    if (final_message(conversation_json, NULL, NULL, &final) != TDM_OK)
-        return tdm_oai_seterr(e, 500, NULL, "out of memory");
     size_t n = strlen(final);
     const char *at = last_of(*out, final, n);
     if (at == NULL) {
@@ -122,7 +74,6 @@ static int render_chat(const struct tdm_chat_template *chat, const char *chat_er
         n = (size_t)(end - s);
         at = last_of(*out, s, n);
     }
-    free(final);
     if (at == NULL) {
         free(*out);
         *out = NULL;
@@ -156,7 +107,9 @@ int tdm_oai_tokenize_run(const char *json, size_t len, const struct tdm_oai_mode
     if (rq.messages != NULL) {
         rc = render_chat(chat, chat_err, rq.chat_template, rq.conversation_json,
                          rq.tools.tools_json, rq.chat_template_kwargs, rq.add_generation_prompt,
-                         rq.continue_final_message, &rendered, e);
+                         rq.continue_final_message ? final_content(rq.messages, rq.n_messages)
+                                                   : NULL,
+                         &rendered, e);
         if (rc != TDM_OK)
             goto out;
         text = rendered;
@@ -215,22 +168,20 @@ int tdm_oai_chat_prompt(const struct tdm_oai_request *req, const struct tdm_chat
     *out = NULL;
     // The conversation as vLLM hands it to the template: tool calls and tool
     // results included, and the tools when the request has them.
-    return render_chat(chat, chat_err, req->chat_template, req->conversation_json,
-                       req->tools.tools_json, req->chat_template_kwargs, req->add_generation_prompt,
-                       req->continue_final_message, out, e);
+    return render_chat(
+        chat, chat_err, req->chat_template, req->conversation_json, req->tools.tools_json,
+        req->chat_template_kwargs, req->add_generation_prompt,
+        req->continue_final_message ? final_content(req->messages, req->n_messages) : NULL, out, e);
 }
 
 int tdm_oai_chat_echo(const struct tdm_oai_request *req, char **text)
 {
-    char *role = NULL;
-    if (final_message(req->conversation_json, "\n", &role, text) != TDM_OK)
-        return TDM_ENOMEM;
     // vLLM: the final message's content when its role is the response's.
-    const char *want = tdm_oai_response_role(req);
-    if (role == NULL || strcmp(role, want) != 0)
-        (*text)[0] = '\0';
-    free(role);
-    return TDM_OK;
+    size_t n = req->n_messages;
+    const char *role = n > 0 ? req->messages[n - 1].role : NULL;
+    bool same = role && strcmp(role, tdm_oai_response_role(req)) == 0;
+    *text = strdup(same ? final_content(req->messages, n) : "");
+    return *text ? TDM_OK : TDM_ENOMEM;
 }
 
 // p's echo text from its ids (ids the tokenizer rejects echo ""), replacing

@@ -829,6 +829,23 @@ static struct tdm_draw_adj *adj_entry(const struct tdm_sampler *s, const struct 
     return &adj[k];
 }
 
+// Token t masked (-inf) in a row's entries (adj_entry's arguments): its entry
+// is an earlier one's where the logit bias or masked_ids[0 .. n_masked)
+// names it.
+static void mask_entry(const struct tdm_sampler *s, const struct ahead *ah,
+                       struct tdm_draw_adj *adj, int *n, int cap, int sorted, int32_t t,
+                       int n_masked)
+{
+    bool listed = false;
+    for (int j = 0; j < s->p.num_logit_bias && !listed; j++)
+        listed = s->p.logit_bias[j].token == t;
+    for (int j = 0; j < n_masked && !listed; j++)
+        listed = s->masked_ids[j] == t;
+    struct tdm_draw_adj *a = adj_entry(s, ah, adj, n, cap, sorted, t, listed);
+    if (a)
+        a->flags |= TDM_DRAW_ADJ_MASKED;
+}
+
 // Token t's entry from the bitmaps and the tokens ahead, as record() would
 // leave them: seen (the repetition penalty's history) and its output count.
 static struct tdm_draw_adj ahead_entry(const struct tdm_sampler *s, const struct ahead *ah,
@@ -924,33 +941,14 @@ static int prepare(const struct tdm_sampler *s, struct tdm_draw_params *d, struc
             a->bias = p->logit_bias[i].bias;
         }
     }
-    bool masking = generated < (uint64_t)p->min_tokens;
-    if (masking)
-        for (int i = 0; i < s->num_masked; i++) {
-            int32_t t = s->masked_ids[i];
-            bool listed = false;
-            for (int j = 0; j < p->num_logit_bias && !listed; j++)
-                listed = p->logit_bias[j].token == t;
-            for (int j = 0; j < i && !listed; j++)
-                listed = s->masked_ids[j] == t;
-            struct tdm_draw_adj *a = adj_entry(s, &ah, adj, &n, cap, sorted, t, listed);
-            if (a)
-                a->flags |= TDM_DRAW_ADJ_MASKED;
-        }
-    // The bad words' bans, masked as min_tokens masks (unique tokens).
+    // The min_tokens masks, then the bad words' bans (unique tokens).
+    int n_masked = generated < (uint64_t)p->min_tokens ? s->num_masked : 0;
+    for (int i = 0; i < n_masked; i++)
+        mask_entry(s, &ah, adj, &n, cap, sorted, s->masked_ids[i], i);
     int32_t ban[TDM_MAX_BAD_WORDS];
     int n_ban = bad_bans(s, ahead, n_ahead, ban);
-    for (int i = 0; i < n_ban; i++) {
-        int32_t t = ban[i];
-        bool listed = false;
-        for (int j = 0; j < p->num_logit_bias && !listed; j++)
-            listed = p->logit_bias[j].token == t;
-        for (int j = 0; masking && j < s->num_masked && !listed; j++)
-            listed = s->masked_ids[j] == t;
-        struct tdm_draw_adj *a = adj_entry(s, &ah, adj, &n, cap, sorted, t, listed);
-        if (a)
-            a->flags |= TDM_DRAW_ADJ_MASKED;
-    }
+    for (int i = 0; i < n_ban; i++)
+        mask_entry(s, &ah, adj, &n, cap, sorted, ban[i], n_masked);
     d->n_adj = n;
     return n;
 }
