@@ -297,6 +297,9 @@ static void config_free(struct tdm_router_config *cfg)
     free(cfg->dns_endpoints);
     free(cfg->health.path);
     free(cfg->session_header);
+    for (size_t i = 0; i < cfg->flow.n_objectives; i++)
+        free(cfg->flow.objectives[i].name);
+    free(cfg->flow.objectives);
     free(cfg->source_path);
     free(cfg->api_version);
     free(cfg->short_policy);
@@ -646,13 +649,14 @@ static int parse_profiles(struct pctx *c, yaml_node_t *n, struct tdm_router_conf
                 return perr(c, rk, refn, "no plugin named '%s'", ref);
             enum tdm_router_plugin_kind kind = tdm_router_plugin_type_kind(cfg->plugins[pi].type);
             if (kind == TDM_ROUTER_PLUGIN_DECIDER || kind == TDM_ROUTER_PLUGIN_PROFILE_HANDLER ||
-                kind == TDM_ROUTER_PLUGIN_PRODUCER)
+                kind == TDM_ROUTER_PLUGIN_PRODUCER || kind == TDM_ROUTER_PLUGIN_FLOW_POLICY)
                 return perr(c, rk, refn,
                             "'%s' is a %s: it is configured at the top level, not in a profile",
                             ref,
                             kind == TDM_ROUTER_PLUGIN_DECIDER           ? "decider"
                             : kind == TDM_ROUTER_PLUGIN_PROFILE_HANDLER ? "profile handler"
-                                                                        : "producer");
+                            : kind == TDM_ROUTER_PLUGIN_PRODUCER        ? "producer"
+                                                                        : "flow control policy");
             for (size_t k = 0; k < pr->n_refs; k++)
                 if (pr->refs[k].plugin == pi)
                     return perr(c, rk, refn, "'%s' is listed twice in this profile", ref);
@@ -1178,6 +1182,326 @@ static int parse_prefix_index(struct pctx *c, yaml_node_t *n, struct tdm_router_
 // Plugin parameters that configure the router as a whole: the prefix index
 // (the deprecated handler's hashBlockSize, then the producer's, else the
 // scorer's, when they differ from the table default) and the session header.
+// ---- flow control: featureGates, flowControl, saturationDetector, objectives ------------------
+
+// A Kubernetes quantity (llm-d's maxBytes, maxRequests): a whole number, or a
+// number with a decimal (k M G T P E) or binary (Ki Mi Gi Ti Pi Ei) suffix or
+// an exponent (1e9). Fractions round up, as Quantity.Value() does.
+static int read_quantity(struct pctx *c, const char *path, yaml_node_t *n, long long *out)
+{
+    static const struct {
+        const char *s;
+        double m;
+    } suf[] = {{"", 1},        {"k", 1e3},     {"M", 1e6},     {"G", 1e9},     {"T", 1e12},
+               {"P", 1e15},    {"E", 1e18},    {"Ki", 1024.0}, {"Mi", 0x1p20}, {"Gi", 0x1p30},
+               {"Ti", 0x1p40}, {"Pi", 0x1p50}, {"Ei", 0x1p60}};
+    const char *s = scalar(n);
+    if (!s)
+        return perr(c, path, n, "expected a quantity, got %s", node_kind(n));
+    errno = 0;
+    char *end = NULL;
+    double v = (*s >= '0' && *s <= '9') || *s == '.' ? strtod(s, &end) : NAN;
+    double mult = 0;
+    for (size_t i = 0; end && !isnan(v) && i < sizeof suf / sizeof suf[0]; i++)
+        if (!strcmp(end, suf[i].s))
+            mult = suf[i].m;
+    if (errno || isnan(v) || mult == 0 || !isfinite(v * mult))
+        return perr(c, path, n, "expected a quantity such as 1000, 500M or 1Gi, got '%s'", s);
+    double q = ceil(v * mult);
+    if (q > 0x1p62)
+        return perr(c, path, n, "'%s' is out of range (at most 2^62)", s);
+    *out = (long long)q;
+    return TDM_OK;
+}
+
+// A Go duration (llm-d's defaultRequestTTL): "30s", "1m30s", "500ms", "1.5h",
+// or 0. Units h, m, s, ms, us (µs), ns.
+static int read_duration(struct pctx *c, const char *path, yaml_node_t *n, double *out, double max)
+{
+    static const struct {
+        const char *u;
+        double sec;
+    } units[] = {{"ns", 1e-9}, {"us", 1e-6}, {"\xc2\xb5s", 1e-6}, {"ms", 1e-3},
+                 {"s", 1},     {"m", 60},    {"h", 3600}};
+    const char *s = scalar(n);
+    if (!s)
+        return perr(c, path, n, "expected a duration, got %s", node_kind(n));
+    double total = 0;
+    bool ok = *s != '\0';
+    if (!strcmp(s, "0")) {
+        *out = 0;
+        return TDM_OK;
+    }
+    for (const char *p = s; ok && *p;) {
+        if (!((*p >= '0' && *p <= '9') || *p == '.')) {
+            ok = false;
+            break;
+        }
+        char *end = NULL;
+        errno = 0;
+        double v = strtod(p, &end);
+        if (errno || end == p) {
+            ok = false;
+            break;
+        }
+        size_t best = 0, best_len = 0; // the longest unit that matches ("ms" before "m")
+        for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+            size_t l = strlen(units[i].u);
+            if (l > best_len && !strncmp(end, units[i].u, l))
+                best = i, best_len = l;
+        }
+        if (best_len == 0) {
+            ok = false;
+            break;
+        }
+        total += v * units[best].sec;
+        p = end + best_len;
+    }
+    if (!ok || !isfinite(total))
+        return perr(c, path, n, "expected a duration such as 30s, 500ms or 1m30s, got '%s'", s);
+    if (total > max)
+        return perr(c, path, n, "'%s' is longer than %gs", s, max);
+    *out = total;
+    return TDM_OK;
+}
+
+// A policy reference: a plugin's name (of the right type family), else a type
+// name of that family itself (llm-d's defaults are referred to by type).
+static int read_policy_ref(struct pctx *c, const char *path, yaml_node_t *n,
+                           const struct tdm_router_config *cfg, bool fairness,
+                           enum tdm_router_plugin_type *out)
+{
+    const char *ref = scalar(n);
+    if (!ref)
+        return perr(c, path, n, "expected a string, got %s", node_kind(n));
+    const char *known = fairness ? "global-strict-fairness-policy, round-robin-fairness-policy"
+                                 : "fcfs-ordering-policy";
+    size_t pi = tdm_router_config_find_plugin(cfg, ref);
+    int t = pi != SIZE_MAX ? (int)cfg->plugins[pi].type : tdm_router_plugin_lookup(ref);
+    bool fits = fairness
+                    ? t == TDM_ROUTER_GLOBAL_STRICT_FAIRNESS || t == TDM_ROUTER_ROUND_ROBIN_FAIRNESS
+                    : t == TDM_ROUTER_FCFS_ORDERING;
+    if (!fits)
+        return perr(c, path, n, "'%s' is not %s policy (known: %s)", ref,
+                    fairness ? "a fairness" : "an ordering", known);
+    *out = (enum tdm_router_plugin_type)t;
+    return TDM_OK;
+}
+
+// One band (with_priority: a priorityBands entry; else defaultPriorityBand).
+static int parse_band(struct pctx *c, const char *path, yaml_node_t *n,
+                      const struct tdm_router_config *cfg, bool with_priority,
+                      struct tdm_router_flow_band *b)
+{
+    static const char *const keys[] = {"priority",          "maxRequests",       "maxBytes",
+                                       "fairnessPolicyRef", "orderingPolicyRef", NULL};
+    static const char *const dkeys[] = {"maxRequests", "maxBytes", "fairnessPolicyRef",
+                                        "orderingPolicyRef", NULL};
+    if (n->type != YAML_MAPPING_NODE)
+        return perr(c, path, n, "expected a mapping, got %s", node_kind(n));
+    int rc = check_keys(c, path, n, with_priority ? keys : dkeys);
+    if (rc)
+        return rc;
+    char kp[PATH_MAX_];
+    yaml_node_t *v;
+    if (with_priority) {
+        join(kp, sizeof kp, path, "priority");
+        if (!(v = map_get(c, n, "priority")))
+            return perr(c, kp, n, "missing");
+        if ((rc = read_int(c, kp, v, &b->priority, -1000000000LL, 1000000000LL)))
+            return rc;
+    }
+    join(kp, sizeof kp, path, "maxRequests");
+    if ((v = map_get(c, n, "maxRequests")) && (rc = read_quantity(c, kp, v, &b->max_requests)))
+        return rc;
+    join(kp, sizeof kp, path, "maxBytes");
+    if ((v = map_get(c, n, "maxBytes")) && (rc = read_quantity(c, kp, v, &b->max_bytes)))
+        return rc;
+    if (b->max_bytes == 0)
+        b->max_bytes = TDM_ROUTER_FLOW_BAND_MAX_BYTES;
+    join(kp, sizeof kp, path, "fairnessPolicyRef");
+    if ((v = map_get(c, n, "fairnessPolicyRef")) &&
+        (rc = read_policy_ref(c, kp, v, cfg, true, &b->fairness)))
+        return rc;
+    join(kp, sizeof kp, path, "orderingPolicyRef");
+    if ((v = map_get(c, n, "orderingPolicyRef")) &&
+        (rc = read_policy_ref(c, kp, v, cfg, false, &b->ordering)))
+        return rc;
+    return TDM_OK;
+}
+
+static void band_defaults(struct tdm_router_flow_band *b)
+{
+    memset(b, 0, sizeof *b);
+    b->max_bytes = TDM_ROUTER_FLOW_BAND_MAX_BYTES;
+    b->fairness = TDM_ROUTER_GLOBAL_STRICT_FAIRNESS;
+    b->ordering = TDM_ROUTER_FCFS_ORDERING;
+}
+
+static int parse_flow_control(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
+{
+    static const char *const keys[] = {"maxBytes",      "maxRequests",         "defaultRequestTTL",
+                                       "priorityBands", "defaultPriorityBand", NULL};
+    struct tdm_router_flow_config *fc = &cfg->flow;
+    if (n->type != YAML_MAPPING_NODE)
+        return perr(c, "flowControl", n, "expected a mapping, got %s", node_kind(n));
+    int rc = check_keys(c, "flowControl", n, keys);
+    yaml_node_t *v;
+    if (rc)
+        return rc;
+    if ((v = map_get(c, n, "maxBytes")) &&
+        (rc = read_quantity(c, "flowControl.maxBytes", v, &fc->max_bytes)))
+        return rc;
+    if ((v = map_get(c, n, "maxRequests")) &&
+        (rc = read_quantity(c, "flowControl.maxRequests", v, &fc->max_requests)))
+        return rc;
+    if ((v = map_get(c, n, "defaultRequestTTL")) &&
+        (rc = read_duration(c, "flowControl.defaultRequestTTL", v, &fc->default_ttl, 86400)))
+        return rc;
+    if ((v = map_get(c, n, "defaultPriorityBand")) &&
+        (rc = parse_band(c, "flowControl.defaultPriorityBand", v, cfg, false, &fc->default_band)))
+        return rc;
+    yaml_node_t *bands = map_get(c, n, "priorityBands");
+    if (bands && !is_null(bands)) {
+        if (bands->type != YAML_SEQUENCE_NODE)
+            return perr(c, "flowControl.priorityBands", bands, "expected a list, got %s",
+                        node_kind(bands));
+        if (seq_len(bands) > TDM_ROUTER_FLOW_MAX_BANDS)
+            return perr(c, "flowControl.priorityBands", bands, "more than %d bands",
+                        TDM_ROUTER_FLOW_MAX_BANDS);
+        for (size_t i = 0; i < seq_len(bands); i++) {
+            char path[PATH_MAX_];
+            pathf(path, sizeof path, "flowControl.priorityBands[%zu]", i);
+            yaml_node_t *it = node_at(c, bands->data.sequence.items.start[i]);
+            struct tdm_router_flow_band *b = &fc->bands[fc->n_bands];
+            band_defaults(b);
+            if ((rc = parse_band(c, path, it, cfg, true, b)))
+                return rc;
+            for (size_t j = 0; j < fc->n_bands; j++)
+                if (fc->bands[j].priority == b->priority)
+                    return perr(c, path, it, "priority %d is listed twice (also band %zu)",
+                                b->priority, j);
+            fc->n_bands++;
+        }
+    }
+    return TDM_OK;
+}
+
+static int parse_saturation_detector(struct pctx *c, yaml_node_t *root,
+                                     struct tdm_router_config *cfg)
+{
+    static const char *const keys[] = {"pluginRef", NULL};
+    yaml_node_t *n = map_get(c, root, "saturationDetector");
+    const char *ref = "utilization-detector";
+    yaml_node_t *refn = NULL;
+    int rc;
+    if (n && !is_null(n)) {
+        if (n->type != YAML_MAPPING_NODE)
+            return perr(c, "saturationDetector", n, "expected a mapping, got %s", node_kind(n));
+        if ((rc = check_keys(c, "saturationDetector", n, keys)))
+            return rc;
+        if ((refn = map_get(c, n, "pluginRef")) && !(ref = scalar(refn)))
+            return perr(c, "saturationDetector.pluginRef", refn, "expected a string, got %s",
+                        node_kind(refn));
+    }
+    size_t pi = tdm_router_config_find_plugin(cfg, ref);
+    struct tdm_router_plugin_params p;
+    if (pi != SIZE_MAX && cfg->plugins[pi].type == TDM_ROUTER_UTILIZATION_DETECTOR) {
+        p = cfg->plugins[pi].params;
+    } else if (pi == SIZE_MAX && !strcmp(ref, "utilization-detector")) {
+        tdm_router_plugin_params_init(&p, TDM_ROUTER_UTILIZATION_DETECTOR);
+    } else if (pi != SIZE_MAX) {
+        return perr(c, "saturationDetector.pluginRef", refn,
+                    "'%s' is a %s, not a saturation detector (known: utilization-detector)", ref,
+                    tdm_router_plugin_type_name(cfg->plugins[pi].type));
+    } else {
+        return perr(c, "saturationDetector.pluginRef", refn,
+                    "no plugin named '%s' (known detector: utilization-detector)", ref);
+    }
+    cfg->flow.queue_depth_threshold = p.utilization.queue_depth_threshold;
+    cfg->flow.kv_cache_util_threshold = p.utilization.kv_cache_util_threshold;
+    return TDM_OK;
+}
+
+static int parse_objectives(struct pctx *c, yaml_node_t *n, struct tdm_router_config *cfg)
+{
+    if (is_null(n))
+        return TDM_OK;
+    if (n->type != YAML_MAPPING_NODE)
+        return perr(c, "objectives", n, "expected a mapping of name: priority, got %s",
+                    node_kind(n));
+    size_t cnt = (size_t)(n->data.mapping.pairs.top - n->data.mapping.pairs.start);
+    cfg->flow.objectives = calloc(cnt ? cnt : 1, sizeof *cfg->flow.objectives);
+    if (!cfg->flow.objectives)
+        return tdm_seterr(c->err, c->errlen, TDM_ENOMEM, "objectives: out of memory");
+    for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
+        yaml_node_t *k = node_at(c, p->key);
+        const char *name = scalar(k);
+        char path[PATH_MAX_];
+        pathf(path, sizeof path, "objectives.%.100s", name ? name : "?");
+        if (!name || !*name || strlen(name) > 253)
+            return perr(c, "objectives", k, "an objective name must be 1 to 253 bytes");
+        for (size_t j = 0; j < cfg->flow.n_objectives; j++)
+            if (!strcmp(cfg->flow.objectives[j].name, name))
+                return perr(c, path, k, "listed twice");
+        struct tdm_router_objective *o = &cfg->flow.objectives[cfg->flow.n_objectives];
+        int rc = read_int(c, path, node_at(c, p->value), &o->priority, -1000000000LL, 1000000000LL);
+        if (rc)
+            return rc;
+        if ((rc = set_string(c, &o->name, name)))
+            return rc;
+        cfg->flow.n_objectives++;
+    }
+    return TDM_OK;
+}
+
+static int parse_flow(struct pctx *c, yaml_node_t *root, struct tdm_router_config *cfg)
+{
+    int rc;
+    yaml_node_t *v;
+    band_defaults(&cfg->flow.default_band);
+    if ((v = map_get(c, root, "featureGates")) && !is_null(v)) {
+        if (v->type != YAML_SEQUENCE_NODE)
+            return perr(c, "featureGates", v, "expected a list, got %s", node_kind(v));
+        for (size_t i = 0; i < seq_len(v); i++) {
+            char path[PATH_MAX_];
+            pathf(path, sizeof path, "featureGates[%zu]", i);
+            yaml_node_t *g = node_at(c, v->data.sequence.items.start[i]);
+            const char *s = scalar(g);
+            if (!s)
+                return perr(c, path, g, "expected a string, got %s", node_kind(g));
+            if (strcmp(s, "flowControl"))
+                return perr(c, path, g, "unknown feature gate '%s' (known: flowControl)", s);
+            cfg->flow.enabled = true;
+        }
+    }
+    if ((v = map_get(c, root, "flowControl")) && !is_null(v) &&
+        (rc = parse_flow_control(c, v, cfg)))
+        return rc;
+    if ((rc = parse_saturation_detector(c, root, cfg)))
+        return rc;
+    if ((v = map_get(c, root, "objectives")) && (rc = parse_objectives(c, v, cfg)))
+        return rc;
+    return TDM_OK;
+}
+
+const struct tdm_router_flow_band *tdm_router_flow_band_of(const struct tdm_router_flow_config *fc,
+                                                           int priority)
+{
+    for (size_t i = 0; i < fc->n_bands; i++)
+        if (fc->bands[i].priority == priority)
+            return &fc->bands[i];
+    return &fc->default_band;
+}
+
+int tdm_router_objective_priority(const struct tdm_router_flow_config *fc, const char *name)
+{
+    for (size_t i = 0; name && i < fc->n_objectives; i++)
+        if (!strcmp(fc->objectives[i].name, name))
+            return fc->objectives[i].priority;
+    return 0;
+}
+
 static int apply_plugin_globals(struct pctx *c, struct tdm_router_config *cfg)
 {
     struct tdm_router_plugin_params def;
@@ -1212,12 +1536,22 @@ static int apply_plugin_globals(struct pctx *c, struct tdm_router_config *cfg)
 
 static int parse_root(struct pctx *c, yaml_node_t *root, struct tdm_router_config *cfg)
 {
-    static const char *const keys[] = {"apiVersion", "kind",
-                                       "plugins",    "schedulingProfiles",
-                                       "policy",     "pd_threshold_tokens",
-                                       "pd_mode",    "endpoints",
-                                       "health",     "load_stale_seconds",
-                                       "request",    "prefix_index",
+    static const char *const keys[] = {"apiVersion",
+                                       "kind",
+                                       "plugins",
+                                       "schedulingProfiles",
+                                       "policy",
+                                       "pd_threshold_tokens",
+                                       "pd_mode",
+                                       "endpoints",
+                                       "health",
+                                       "load_stale_seconds",
+                                       "request",
+                                       "prefix_index",
+                                       "featureGates",
+                                       "flowControl",
+                                       "saturationDetector",
+                                       "objectives",
                                        NULL};
     int rc;
     if (!root || root->type != YAML_MAPPING_NODE)
@@ -1311,6 +1645,8 @@ static int parse_root(struct pctx *c, yaml_node_t *root, struct tdm_router_confi
         return rc;
 
     if ((rc = apply_plugin_globals(c, cfg)))
+        return rc;
+    if ((rc = parse_flow(c, root, cfg)))
         return rc;
     if (!cfg->session_header && (rc = set_string(c, &cfg->session_header, "x-session-token")))
         return rc;
@@ -1472,6 +1808,51 @@ static void add_params_json(cJSON *o, const struct tdm_router_plugin *pl)
     }
 }
 
+static void add_band_json(cJSON *b, const struct tdm_router_flow_band *fb)
+{
+    cJSON_AddNumberToObject(b, "maxRequests", (double)fb->max_requests);
+    cJSON_AddNumberToObject(b, "maxBytes", (double)fb->max_bytes);
+    cJSON_AddStringToObject(b, "fairnessPolicyRef", tdm_router_plugin_type_name(fb->fairness));
+    cJSON_AddStringToObject(b, "orderingPolicyRef", tdm_router_plugin_type_name(fb->ordering));
+}
+
+// featureGates, flowControl (the TTL as a Go duration in seconds), the
+// saturation detector's thresholds, the objectives.
+static void add_flow_json(cJSON *o, const struct tdm_router_flow_config *fc)
+{
+    cJSON *g = cJSON_AddArrayToObject(o, "featureGates");
+    if (g && fc->enabled)
+        cJSON_AddItemToArray(g, cJSON_CreateString("flowControl"));
+    cJSON *f = cJSON_AddObjectToObject(o, "flowControl");
+    if (f) {
+        cJSON_AddNumberToObject(f, "maxRequests", (double)fc->max_requests);
+        cJSON_AddNumberToObject(f, "maxBytes", (double)fc->max_bytes);
+        char ttl[48];
+        snprintf(ttl, sizeof ttl, "%gs", fc->default_ttl);
+        cJSON_AddStringToObject(f, "defaultRequestTTL", ttl);
+        cJSON *bands = cJSON_AddArrayToObject(f, "priorityBands");
+        for (size_t i = 0; bands && i < fc->n_bands; i++) {
+            cJSON *b = cJSON_CreateObject();
+            if (!b)
+                break;
+            cJSON_AddItemToArray(bands, b);
+            cJSON_AddNumberToObject(b, "priority", fc->bands[i].priority);
+            add_band_json(b, &fc->bands[i]);
+        }
+        cJSON *d = cJSON_AddObjectToObject(f, "defaultPriorityBand");
+        if (d)
+            add_band_json(d, &fc->default_band);
+    }
+    cJSON *sd = cJSON_AddObjectToObject(o, "saturationDetector");
+    if (sd) {
+        cJSON_AddNumberToObject(sd, "queueDepthThreshold", fc->queue_depth_threshold);
+        cJSON_AddNumberToObject(sd, "kvCacheUtilThreshold", fc->kv_cache_util_threshold);
+    }
+    cJSON *ob = cJSON_AddObjectToObject(o, "objectives");
+    for (size_t i = 0; ob && i < fc->n_objectives; i++)
+        cJSON_AddNumberToObject(ob, fc->objectives[i].name, fc->objectives[i].priority);
+}
+
 static void format_rfc3339(double t, char buf[40])
 {
     time_t s = (time_t)t;
@@ -1600,6 +1981,7 @@ cJSON *tdm_router_config_json_object_(const struct tdm_router_config *cfg, doubl
         cJSON_AddNumberToObject(px, "max_prefix_blocks_to_match", cfg->max_prefix_blocks_to_match);
         cJSON_AddNumberToObject(px, "lru_capacity_per_server", cfg->lru_capacity_per_server);
     }
+    add_flow_json(o, &cfg->flow);
     return o;
 }
 

@@ -55,6 +55,8 @@ enum tdm_router_plugin_kind {
     TDM_ROUTER_PLUGIN_DECIDER,
     TDM_ROUTER_PLUGIN_PROFILE_HANDLER,
     TDM_ROUTER_PLUGIN_PRODUCER,
+    TDM_ROUTER_PLUGIN_FLOW_POLICY, // flow control's fairness and ordering policies (no
+                                   // profile may list one; flowControl's bands name them)
 };
 
 enum tdm_router_plugin_type {
@@ -84,6 +86,10 @@ enum tdm_router_plugin_type {
     TDM_ROUTER_DISAGG_PROFILE_HANDLER, // "disagg-profile-handler" ("pd-profile-handler" deprecated)
     // producers
     TDM_ROUTER_APPROX_PREFIX_PRODUCER, // "approx-prefix-cache-producer": sets the prefix index
+    // flow control policies (a priority band's fairnessPolicyRef / orderingPolicyRef)
+    TDM_ROUTER_GLOBAL_STRICT_FAIRNESS, // "global-strict-fairness-policy": one order per band
+    TDM_ROUTER_ROUND_ROBIN_FAIRNESS,   // "round-robin-fairness-policy": flows take turns
+    TDM_ROUTER_FCFS_ORDERING,          // "fcfs-ordering-policy": arrival order within a flow
     TDM_ROUTER_PLUGIN_TYPE_COUNT,
 };
 // The registered type name ("queue-scorer"); NULL when out of range.
@@ -178,6 +184,50 @@ struct tdm_router_health_config {
     char *path;              // "/health"
 };
 
+// ---- flow control (llm-d's EPP flow control layer) ----------------------------------------
+// With the flowControl feature gate the router holds requests in priority
+// bands while the pool is saturated and dispatches them, highest band first,
+// as capacity frees up (router/flow.h). Without it, only requests of negative
+// priority (sheddable) are refused while the pool is saturated.
+struct tdm_router_flow_band {
+    int priority;                         // higher = more important (llm-d's sense)
+    long long max_requests;               // queued requests in the band (0 = no limit)
+    long long max_bytes;                  // queued request bytes in the band (llm-d: 1 GB)
+    enum tdm_router_plugin_type fairness; // GLOBAL_STRICT or ROUND_ROBIN _FAIRNESS
+    enum tdm_router_plugin_type ordering; // FCFS_ORDERING
+};
+#define TDM_ROUTER_FLOW_BAND_MAX_BYTES 1000000000LL // a band's maxBytes when 0 or omitted
+#define TDM_ROUTER_FLOW_MAX_BANDS 64
+
+// An InferenceObjective as the router knows it: the name a request gives in
+// the x-gateway-inference-objective header, and its priority.
+struct tdm_router_objective {
+    char *name;
+    int priority;
+};
+
+struct tdm_router_flow_config {
+    bool enabled;           // featureGates lists flowControl
+    long long max_requests; // queued requests over all bands (0 = no limit)
+    long long max_bytes;    // queued request bytes over all bands (0 = no limit)
+    double default_ttl;     // seconds a request may wait (0 = until request.deadline_seconds)
+    struct tdm_router_flow_band bands[TDM_ROUTER_FLOW_MAX_BANDS]; // [n_bands], priorities unique
+    size_t n_bands;
+    struct tdm_router_flow_band default_band; // for priorities no band lists
+    // Saturation: the utilization detector's thresholds (saturationDetector.pluginRef,
+    // else its defaults). An endpoint's saturation is max(queue / queue_depth,
+    // kv usage / kv_util); the pool's is their mean (1 when it has none).
+    int queue_depth_threshold;               // 5
+    double kv_cache_util_threshold;          // 0.8
+    struct tdm_router_objective *objectives; // [n_objectives] (Tandem: no CRDs)
+    size_t n_objectives;
+};
+// The band a priority falls in (the default band when none lists it).
+const struct tdm_router_flow_band *tdm_router_flow_band_of(const struct tdm_router_flow_config *fc,
+                                                           int priority);
+// The priority of an objective name (0 when name is NULL or not listed, as llm-d).
+int tdm_router_objective_priority(const struct tdm_router_flow_config *fc, const char *name);
+
 // ---- the whole config ----------------------------------------------------------------------
 enum tdm_router_pd_mode {
     TDM_ROUTER_PD_NEVER = 0, // decode-only always (no decider, or nonCachedTokens 0)
@@ -221,6 +271,10 @@ struct tdm_router_config {
     int block_size_tokens;          // 16
     int max_prefix_blocks_to_match; // 256
     int lru_capacity_per_server;    // 31250
+
+    // Flow control and saturation (featureGates, flowControl, saturationDetector,
+    // objectives).
+    struct tdm_router_flow_config flow;
 
     // Private: reference count and the original text.
     _Atomic int refs_;

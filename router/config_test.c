@@ -212,9 +212,9 @@ static void test_example_random_json(void **state)
 static void test_every_example_parses(void **state)
 {
     (void)state;
-    static const char *const tested[] = {"round-robin.yaml",  "least-loaded.yaml",
-                                         "prefix-cache.yaml", "session-affinity.yaml",
-                                         "pd-llm-d.yaml",     "random.json"};
+    static const char *const tested[] = {
+        "round-robin.yaml", "least-loaded.yaml", "prefix-cache.yaml", "session-affinity.yaml",
+        "pd-llm-d.yaml",    "random.json",       "flow-control.yaml"};
     char dir[512];
     snprintf(dir, sizeof dir, "%s/deploy/config", TANDEM_SOURCE_DIR);
     DIR *d = opendir(dir);
@@ -537,6 +537,126 @@ static void test_json_view(void **state)
     tdm_router_config_unref(c);
 }
 
+// Flow control: the example's gate, limits, bands, policy refs, detector
+// thresholds and objectives; the defaults without it; every error class.
+static void test_flow_control(void **state)
+{
+    (void)state;
+    struct tdm_router_config *c = load_example("flow-control.yaml");
+    const struct tdm_router_flow_config *fc = &c->flow;
+    assert_true(fc->enabled);
+    assert_int_equal(fc->max_requests, 2000);
+    assert_int_equal(fc->max_bytes, 0);
+    assert_true(fc->default_ttl == 60.0);
+    assert_int_equal(fc->n_bands, 2);
+    assert_int_equal(fc->bands[0].priority, 100);
+    assert_int_equal(fc->bands[0].max_requests, 200);
+    assert_int_equal(fc->bands[0].max_bytes, TDM_ROUTER_FLOW_BAND_MAX_BYTES);
+    assert_int_equal(fc->bands[0].fairness, TDM_ROUTER_ROUND_ROBIN_FAIRNESS);
+    assert_int_equal(fc->bands[0].ordering, TDM_ROUTER_FCFS_ORDERING);
+    assert_int_equal(fc->bands[1].priority, -10);
+    assert_int_equal(fc->bands[1].max_bytes, 50LL << 20);
+    assert_int_equal(fc->bands[1].fairness, TDM_ROUTER_GLOBAL_STRICT_FAIRNESS);
+    assert_int_equal(fc->default_band.max_bytes, 200LL << 20);
+    assert_int_equal(fc->queue_depth_threshold, 4);
+    assert_true(fc->kv_cache_util_threshold == 0.85);
+    assert_int_equal(tdm_router_objective_priority(fc, "interactive"), 100);
+    assert_int_equal(tdm_router_objective_priority(fc, "batch"), -10);
+    assert_int_equal(tdm_router_objective_priority(fc, "nope"), 0);
+    assert_int_equal(tdm_router_objective_priority(fc, NULL), 0);
+    assert_ptr_equal(tdm_router_flow_band_of(fc, -10), &fc->bands[1]);
+    assert_ptr_equal(tdm_router_flow_band_of(fc, 5), &fc->default_band);
+    char *s = tdm_router_config_to_json(c, 0);
+    cJSON *o = cJSON_Parse(s);
+    assert_string_equal(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "featureGates"), 0)->valuestring,
+                        "flowControl");
+    cJSON *f = cJSON_GetObjectItem(o, "flowControl");
+    assert_string_equal(cJSON_GetObjectItem(f, "defaultRequestTTL")->valuestring, "60s");
+    cJSON *b0 = cJSON_GetArrayItem(cJSON_GetObjectItem(f, "priorityBands"), 0);
+    assert_string_equal(cJSON_GetObjectItem(b0, "fairnessPolicyRef")->valuestring,
+                        "round-robin-fairness-policy");
+    assert_int_equal(cJSON_GetObjectItem(cJSON_GetObjectItem(o, "objectives"), "batch")->valueint,
+                     -10);
+    cJSON_Delete(o);
+    free(s);
+    tdm_router_config_unref(c);
+
+    // Off by default; the detector's defaults, or a utilization-detector's own parameters.
+    c = parse_ok("policy: round_robin\n");
+    assert_false(c->flow.enabled);
+    assert_int_equal(c->flow.queue_depth_threshold, 5);
+    assert_true(c->flow.kv_cache_util_threshold == 0.8);
+    assert_int_equal(c->flow.default_band.max_bytes, TDM_ROUTER_FLOW_BAND_MAX_BYTES);
+    tdm_router_config_unref(c);
+    const char *base =
+        "plugins:\n- {type: utilization-detector, parameters: {queueDepthThreshold: 9}}\n"
+        "- {name: rr, type: round-robin-fairness-policy}\n"
+        "- {type: queue-scorer}\n"
+        "schedulingProfiles: [{name: a, plugins: [{pluginRef: queue-scorer}]}]\n";
+    char text[1024];
+    snprintf(text, sizeof text,
+             "%sfeatureGates: [flowControl]\nflowControl:\n  maxBytes: 1.5G\n  maxRequests: 2k\n"
+             "  defaultRequestTTL: 1m30.5s\n"
+             "  priorityBands: [{priority: 1, fairnessPolicyRef: round-robin-fairness-policy}]\n",
+             base);
+    c = parse_ok(text);
+    assert_int_equal(c->flow.max_bytes, 1500000000LL);
+    assert_int_equal(c->flow.max_requests, 2000);
+    assert_true(c->flow.default_ttl == 90.5);
+    assert_int_equal(c->flow.bands[0].fairness, TDM_ROUTER_ROUND_ROBIN_FAIRNESS);
+    assert_int_equal(c->flow.queue_depth_threshold, 9); // the plugin named utilization-detector
+    tdm_router_config_unref(c);
+
+    // Errors.
+    parse_err("policy: round_robin\nfeatureGates: [flowControll]\n",
+              "featureGates[0]: unknown feature gate 'flowControll' (known: flowControl)");
+    parse_err("policy: round_robin\nfeatureGates: flowControl\n", "featureGates: expected a list");
+    parse_err("policy: round_robin\nflowControl: {maxBytes: 1Gb}\n",
+              "flowControl.maxBytes: expected a quantity such as 1000, 500M or 1Gi, got '1Gb'");
+    parse_err("policy: round_robin\nflowControl: {maxRequests: -3}\n",
+              "flowControl.maxRequests: expected a quantity");
+    parse_err("policy: round_robin\nflowControl: {defaultRequestTTL: 30}\n",
+              "flowControl.defaultRequestTTL: expected a duration such as 30s, 500ms or 1m30s, "
+              "got '30'");
+    parse_err("policy: round_robin\nflowControl: {defaultRequestTTL: 2d}\n",
+              "flowControl.defaultRequestTTL: expected a duration");
+    parse_err("policy: round_robin\nflowControl: {defaultRequestTTL: 25h}\n",
+              "flowControl.defaultRequestTTL: '25h' is longer than 86400s");
+    parse_err("policy: round_robin\nflowControl: {maxReqs: 3}\n",
+              "flowControl.maxReqs: unknown key");
+    parse_err("policy: round_robin\nflowControl: {priorityBands: [{maxRequests: 3}]}\n",
+              "flowControl.priorityBands[0].priority: missing");
+    parse_err("policy: round_robin\nflowControl: {priorityBands: [{priority: 1}, {priority: 1}]}\n",
+              "flowControl.priorityBands[1]: priority 1 is listed twice (also band 0)");
+    parse_err("policy: round_robin\nflowControl: {defaultPriorityBand: {priority: 1}}\n",
+              "flowControl.defaultPriorityBand.priority: unknown key");
+    parse_err(
+        "policy: round_robin\nflowControl: {priorityBands: [{priority: 1, "
+        "fairnessPolicyRef: fcfs-ordering-policy}]}\n",
+        "flowControl.priorityBands[0].fairnessPolicyRef: 'fcfs-ordering-policy' is not a "
+        "fairness policy (known: global-strict-fairness-policy, round-robin-fairness-policy)");
+    parse_err("policy: round_robin\nflowControl: {priorityBands: [{priority: 1, "
+              "orderingPolicyRef: edf-ordering-policy}]}\n",
+              "'edf-ordering-policy' is not an ordering policy (known: fcfs-ordering-policy)");
+    snprintf(text, sizeof text,
+             "%sflowControl: {priorityBands: [{priority: 2, orderingPolicyRef: rr}]}\n", base);
+    parse_err(text, "orderingPolicyRef: 'rr' is not an ordering policy");
+    snprintf(text, sizeof text, "%ssaturationDetector: {pluginRef: queue-scorer}\n", base);
+    parse_err(text, "saturationDetector.pluginRef: 'queue-scorer' is a queue-scorer, not a "
+                    "saturation detector (known: utilization-detector)");
+    parse_err("policy: round_robin\nsaturationDetector: {pluginRef: concurrency-detector}\n",
+              "saturationDetector.pluginRef: no plugin named 'concurrency-detector'");
+    parse_err("policy: round_robin\nobjectives: [a, b]\n",
+              "objectives: expected a mapping of name: priority");
+    parse_err("policy: round_robin\nobjectives: {gold: high}\n",
+              "objectives.gold: expected an integer, got 'high'");
+    snprintf(text, sizeof text, "%s  - {pluginRef: rr}\n",
+             "plugins: [{name: rr, type: round-robin-fairness-policy}, "
+             "{type: queue-scorer}]\nschedulingProfiles:\n- name: a\n  plugins:\n");
+    parse_err(text, "'rr' is a flow control policy: it is configured at the top level, not in a "
+                    "profile");
+}
+
 static void test_names(void **state)
 {
     (void)state;
@@ -569,6 +689,7 @@ int main(void)
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_error_line_numbers_and_file),
         cmocka_unit_test(test_json_view),
+        cmocka_unit_test(test_flow_control),
         cmocka_unit_test(test_names),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -14,6 +14,7 @@
 
 #include "config_impl.h"
 #include "core.h"
+#include "flow.h"
 #include "retry.h"
 
 #define MOD "router-control"
@@ -23,6 +24,7 @@ struct tdm_router_control {
     bool has_metrics;
     struct tdm_router_config_store *store;
     struct tdm_router_endpoints *eps;
+    struct tdm_router_flow *flow; // flow control's queues (used while the gate is on)
 };
 
 static struct tdm_router_metrics *mx(struct tdm_router_control *ctl)
@@ -37,6 +39,123 @@ static void on_reload(const struct tdm_router_config *new_cfg,
     struct tdm_router_control *ctl = arg;
     if (tdm_router_endpoints_apply_config(ctl->eps, new_cfg) != TDM_OK)
         TDM_LOG_ERR(MOD, "applying the new endpoint list failed (out of memory)");
+}
+
+// ---- flow control ---------------------------------------------------------------------------
+// The pool's saturation as llm-d's utilization detector computes it: the mean
+// over the ready endpoints of max(queue / queueDepthThreshold, KV usage /
+// kvCacheUtilThreshold), where the queue is the reported waiting requests plus
+// the ones routed there since that report; an endpoint without a fresh report
+// counts 1, and a pool with no ready endpoint is saturated.
+// Every endpoint's view (caller frees); NULL on ENOMEM.
+static struct tdm_router_endpoint_view *list_endpoints(struct tdm_router_control *ctl, size_t *n)
+{
+    size_t cap = 32;
+    struct tdm_router_endpoint_view *v = NULL;
+    for (;;) {
+        struct tdm_router_endpoint_view *nv = realloc(v, cap * sizeof *v);
+        if (!nv) {
+            free(v);
+            return NULL;
+        }
+        v = nv;
+        *n = tdm_router_endpoints_list(ctl->eps, v, cap);
+        if (*n <= cap)
+            return v;
+        cap = *n;
+    }
+}
+
+static double pool_saturation(void *arg)
+{
+    struct tdm_router_control *ctl = arg;
+    struct tdm_router_config *cfg = tdm_router_config_store_get(ctl->store, NULL);
+    double qd = cfg->flow.queue_depth_threshold, kv = cfg->flow.kv_cache_util_threshold;
+    tdm_router_config_unref(cfg);
+    size_t n = 0;
+    struct tdm_router_endpoint_view *v = list_endpoints(ctl, &n);
+    if (!v)
+        return 1.0; // no room to look: hold requests rather than flood
+    double sum = 0;
+    size_t ready = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!tdm_router_endpoint_ready(&v[i]))
+            continue;
+        ready++;
+        if (!v[i].has_load || v[i].load_stale) {
+            sum += 1.0;
+            continue;
+        }
+        double q = ((double)v[i].load.waiting + (double)v[i].unreported) / qd;
+        double k = v[i].load.kv_usage / kv;
+        sum += q > k ? q : k;
+    }
+    free(v);
+    double sat = ready ? sum / (double)ready : 1.0;
+    if (mx(ctl))
+        tdm_metrics_gauge_set(ctl->metrics.pool_saturation, sat);
+    return sat;
+}
+
+static void queue_change(void *arg, int priority, int requests, long long bytes)
+{
+    struct tdm_router_control *ctl = arg;
+    tdm_router_metrics_flow_queue(mx(ctl), priority, requests, bytes);
+}
+
+double tdm_router_control_saturation(struct tdm_router_control *ctl)
+{
+    return pool_saturation(ctl);
+}
+
+enum tdm_router_flow_outcome tdm_router_control_admit(struct tdm_router_control *ctl,
+                                                      const struct tdm_router_admit_ask *ask,
+                                                      struct tdm_router_flow_ticket *t)
+{
+    struct tdm_router_config *cfg = tdm_router_config_store_get(ctl->store, NULL);
+    int priority = tdm_router_objective_priority(&cfg->flow, ask->objective);
+    memset(t, 0, sizeof *t);
+    if (!cfg->flow.enabled) {
+        // llm-d without flow control: sheddable requests are dropped while
+        // the pool is saturated; the others always pass.
+        t->outcome = priority < 0 && pool_saturation(ctl) >= 1.0 ? TDM_ROUTER_FLOW_SHED
+                                                                 : TDM_ROUTER_FLOW_DISPATCHED;
+    } else {
+        double deadline =
+            ask->deadline > 0 ? ask->deadline : tdm_now() + cfg->request_deadline_seconds;
+        if (cfg->flow.default_ttl > 0 && tdm_now() + cfg->flow.default_ttl < deadline)
+            deadline = tdm_now() + cfg->flow.default_ttl;
+        struct tdm_router_flow_ask fa = {.cfg = &cfg->flow,
+                                         .priority = priority,
+                                         .fairness_id = ask->fairness_id,
+                                         .bytes = ask->bytes,
+                                         .deadline = deadline,
+                                         .gone = ask->gone,
+                                         .gone_arg = ask->gone_arg};
+        tdm_router_flow_admit(ctl->flow, &fa, t);
+    }
+    if (cfg->flow.enabled || t->outcome != TDM_ROUTER_FLOW_DISPATCHED)
+        tdm_router_metrics_flow_outcome(mx(ctl), priority, t->outcome, t->waited);
+    if (t->outcome != TDM_ROUTER_FLOW_DISPATCHED)
+        TDM_LOG_INFO(MOD, "flow control: %s (priority %d, waited %.3fs)",
+                     tdm_router_flow_outcome_name(t->outcome), priority, t->waited);
+    tdm_router_config_unref(cfg);
+    return t->outcome;
+}
+
+void tdm_router_control_admitted(struct tdm_router_control *ctl, struct tdm_router_flow_ticket *t)
+{
+    tdm_router_flow_routed(ctl->flow, t);
+}
+
+void tdm_router_control_load_changed(struct tdm_router_control *ctl)
+{
+    tdm_router_flow_kick(ctl->flow);
+}
+
+void tdm_router_control_stop_flow(struct tdm_router_control *ctl)
+{
+    tdm_router_flow_stop(ctl->flow);
 }
 
 int tdm_router_control_new(struct tdm_router_control **out, const char *config_path,
@@ -59,6 +178,13 @@ int tdm_router_control_new(struct tdm_router_control **out, const char *config_p
     tdm_router_config_unref(cfg);
     if (rc)
         goto fail_store;
+    struct tdm_router_flow_hooks hooks = {
+        .saturation = pool_saturation, .queue_change = queue_change, .arg = ctl};
+    if ((rc = tdm_router_flow_new(&ctl->flow, &hooks))) {
+        tdm_seterr(err, errlen, rc, "out of memory");
+        tdm_router_endpoints_free(ctl->eps);
+        goto fail_store;
+    }
     tdm_router_config_store_on_reload(ctl->store, on_reload, ctl);
     *out = ctl;
     return TDM_OK;
@@ -90,6 +216,7 @@ void tdm_router_control_free(struct tdm_router_control *ctl)
     // The store's watcher calls into the registry: stop it first.
     tdm_router_config_store_free(ctl->store);
     tdm_router_endpoints_free(ctl->eps);
+    tdm_router_flow_free(ctl->flow);
     free(ctl);
 }
 
@@ -403,6 +530,7 @@ static void route_done_with(struct tdm_router_control *ctl, struct tdm_router_ro
         return;
     }
     route_finish(ctl, r, status);
+    tdm_router_flow_kick(ctl->flow); // its endpoints have room again
 }
 
 void tdm_router_control_route_done(struct tdm_router_control *ctl, struct tdm_router_route *r,
@@ -428,20 +556,11 @@ char *tdm_router_control_config_json(struct tdm_router_control *ctl)
     cJSON *o = tdm_router_config_store_json_object_(ctl->store);
     if (!o)
         return NULL;
-    size_t cap = 64, n;
-    struct tdm_router_endpoint_view *v = NULL;
-    for (;;) {
-        struct tdm_router_endpoint_view *nv = realloc(v, cap * sizeof *v);
-        if (!nv) {
-            free(v);
-            cJSON_Delete(o);
-            return NULL;
-        }
-        v = nv;
-        n = tdm_router_endpoints_list(ctl->eps, v, cap);
-        if (n <= cap)
-            break;
-        cap = n;
+    size_t n = 0;
+    struct tdm_router_endpoint_view *v = list_endpoints(ctl, &n);
+    if (!v) {
+        cJSON_Delete(o);
+        return NULL;
     }
     cJSON *arr = cJSON_AddArrayToObject(o, "endpoints_state");
     for (size_t i = 0; arr && i < n; i++) {
@@ -481,6 +600,14 @@ char *tdm_router_control_config_json(struct tdm_router_control *ctl)
                                 (double)tdm_router_endpoints_prefix_size(ctl->eps, v[i].id));
     }
     free(v);
+    struct tdm_router_flow_stats fs;
+    tdm_router_flow_stats(ctl->flow, &fs);
+    cJSON *fl = cJSON_AddObjectToObject(o, "flow_control_state");
+    if (fl) {
+        cJSON_AddNumberToObject(fl, "queued", (double)fs.queued);
+        cJSON_AddNumberToObject(fl, "queued_bytes", (double)fs.bytes);
+        cJSON_AddNumberToObject(fl, "pool_saturation", pool_saturation(ctl));
+    }
     char *s = cJSON_Print(o);
     cJSON_Delete(o);
     return s;

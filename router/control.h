@@ -34,6 +34,7 @@
 
 #include "config.h"
 #include "endpoints.h"
+#include "flow.h"
 #include "policy.h"
 #include "router_metrics.h"
 
@@ -121,6 +122,33 @@ int tdm_router_control_reroute(struct tdm_router_control *ctl, struct tdm_router
                                const int32_t *tokens, const struct tdm_router_request *req,
                                const uint64_t *avoid, size_t n_avoid,
                                struct tdm_router_route *route, char *err, size_t errlen);
+
+// ---- flow control (docs/router-config.md, "Flow control") --------------------------------------
+// Before a request is routed: with the flowControl gate on, it waits while the
+// pool is saturated (router/flow.h) and may be refused (RejectedCapacity) or
+// evicted (EvictedTTL, EvictedContextCancelled, EvictedOther); with it off,
+// only a request of negative priority is refused (SHED) while the pool is
+// saturated. Its priority is the objective's (config `objectives`; 0 when
+// none). On DISPATCHED the caller routes and sends it and then calls
+// tdm_router_control_admitted (whatever the outcome).
+struct tdm_router_admit_ask {
+    const char *objective;   // x-gateway-inference-objective, or NULL
+    const char *fairness_id; // x-gateway-inference-fairness-id, or NULL ("default-flow")
+    long long bytes;         // the request body's size
+    double deadline;         // tdm_now() time past which it may not wait (the request's deadline)
+    bool (*gone)(void *arg); // the client left? (may be NULL)
+    void *gone_arg;
+};
+enum tdm_router_flow_outcome tdm_router_control_admit(struct tdm_router_control *ctl,
+                                                      const struct tdm_router_admit_ask *ask,
+                                                      struct tdm_router_flow_ticket *t);
+void tdm_router_control_admitted(struct tdm_router_control *ctl, struct tdm_router_flow_ticket *t);
+// A load report arrived: waiting requests may go.
+void tdm_router_control_load_changed(struct tdm_router_control *ctl);
+// Shutdown: evicts the waiting requests (EvictedOther) and refuses new ones.
+void tdm_router_control_stop_flow(struct tdm_router_control *ctl);
+// The pool's saturation now (mean over ready endpoints; 1 = saturated).
+double tdm_router_control_saturation(struct tdm_router_control *ctl);
 
 // The route's request was sent to its decode worker: counts the picks
 // (tandem:router_endpoint_picks_total, decode and prefill endpoint). Or it

@@ -124,7 +124,9 @@ int tdm_router_server_drain(struct tdm_router_server *s, double timeout_s)
         // The pumps see stopping and end their streams with an error event and
         // [DONE] (and cancel upstream) while the connections are still open;
         // the server stops only after that (or 2 s), never mid-event.
+        // Requests still waiting in flow control leave with a 503.
         atomic_store(&s->stopping, true);
+        tdm_router_control_stop_flow(s->ctl);
         double end = tdm_now() + 2.0;
         while (atomic_load(&s->inflight) > 0 && tdm_now() < end) {
             struct timespec ts = {0, 10 * 1000 * 1000};
@@ -286,6 +288,8 @@ void tdm_router_server_free(struct tdm_router_server *s)
     if (s == NULL)
         return;
     atomic_store(&s->stopping, true);
+    if (s->ctl)
+        tdm_router_control_stop_flow(s->ctl); // waiting requests leave (503)
     if (s->http) {
         tdm_http_server_stop(s->http); // handlers return; their calls cancel upstream
         tdm_http_server_free(s->http);

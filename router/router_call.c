@@ -67,6 +67,7 @@ struct call {
     bool busy;               // the decode worker refused it as busy (EBUSY) before any token
     char busy_why[256];      // its message
     bool never_fits;         // more sequences than the worker's waiting-queue bound (400)
+    struct tdm_router_flow_ticket ticket; // flow control's admission (its token until routed)
     bool started;            // past start_with_retries: tokens may have reached the client
     int migrations;          // times its streams moved to another decode worker
     uint64_t lost_ids[MAX_MIGRATIONS]; // the decode workers its streams were lost on: a
@@ -742,6 +743,7 @@ static void run_collect(struct call *k)
 
 static void call_fini(struct call *k)
 {
+    tdm_router_control_admitted(k->s->ctl, &k->ticket); // never routed: the token goes back
     release_upstream(k);
     for (size_t i = 0; k->choices && i < k->oai.n_choices; i++) {
         struct choice *ch = &k->choices[i];
@@ -817,6 +819,10 @@ static bool start_with_retries(struct call *k)
     for (;;) {
         char err[512];
         enum tdm_router_attempt_end end = start_attempt(k, &budget, session, err, sizeof err);
+        // Routed and sent (its load counts on its endpoint, and it reached the
+        // worker ahead of the next one), or not: flow control may dispatch the
+        // next request.
+        tdm_router_control_admitted(k->s->ctl, &k->ticket);
         uint64_t busy_ep = end == TDM_ROUTER_ATTEMPT_BUSY ? k->route.decode.id : 0;
         if (end == TDM_ROUTER_ATTEMPT_BUSY) {
             // Nothing was sent and the worker is fine: release the route
@@ -868,6 +874,64 @@ static bool start_with_retries(struct call *k)
             tdm_oai_http_error(k->conn, &e);
             return false;
         }
+    }
+}
+
+// ---- flow control -----------------------------------------------------------------------------
+static bool client_left(void *arg)
+{
+    return tdm_http_client_left(arg);
+}
+
+// Flow control's admission (control.h): waits while the pool is saturated
+// (flowControl gate), or refuses a sheddable request. False when the call was
+// answered here (429, 503: llm-d's statuses and messages, and its
+// x-llm-d-request-dropped-reason header) or the client left while it waited.
+static bool admit(struct call *k)
+{
+    struct tdm_router_server *s = k->s;
+    size_t body = 0;
+    (void)tdm_http_body(k->conn, &body);
+    struct tdm_router_admit_ask ask = {
+        .objective = tdm_http_header(k->conn, "x-gateway-inference-objective"),
+        .fairness_id = tdm_http_header(k->conn, "x-gateway-inference-fairness-id"),
+        .bytes = (long long)body,
+        .deadline = 0, // the config's request.deadline_seconds from now
+        .gone = client_left,
+        .gone_arg = k->conn};
+    struct tdm_span q;
+    tdm_span_begin_child(&q, &k->span, "flow_control", TDM_SPAN_INTERNAL, tdm_now());
+    enum tdm_router_flow_outcome o = tdm_router_control_admit(s->ctl, &ask, &k->ticket);
+    q.end = tdm_now();
+    tdm_span_attr_str(&q, "tandem.flow_control.outcome", tdm_router_flow_outcome_name(o));
+    if (o != TDM_ROUTER_FLOW_DISPATCHED)
+        tdm_span_error(&q, tdm_router_flow_outcome_name(o));
+    if (k->ticket.queued || o != TDM_ROUTER_FLOW_DISPATCHED)
+        tdm_tracer_emit(s->tracer, &q);
+    switch (o) {
+    case TDM_ROUTER_FLOW_DISPATCHED:
+        return true;
+    case TDM_ROUTER_FLOW_EVICTED_CANCELLED:
+        k->client_gone = true;
+        return false;
+    case TDM_ROUTER_FLOW_REJECTED_CAPACITY:
+        tdm_http_add_header(k->conn, "x-llm-d-request-dropped-reason", "rejected-saturated");
+        tdm_http_add_header(k->conn, "Retry-After", "1");
+        tdm_oai_http_errorf(k->conn, 429, NULL, "request rejected pre-queue: queue at capacity");
+        return false;
+    case TDM_ROUTER_FLOW_SHED:
+        tdm_http_add_header(k->conn, "Retry-After", "1");
+        tdm_oai_http_errorf(k->conn, 429, NULL, "system saturated, sheddable request dropped");
+        return false;
+    case TDM_ROUTER_FLOW_EVICTED_TTL:
+        tdm_http_add_header(k->conn, "x-llm-d-request-dropped-reason", "rejected-ttl-expired");
+        tdm_oai_http_errorf(k->conn, 503, NULL,
+                            "request timed out in queue: request evicted from queue: request TTL "
+                            "expired");
+        return false;
+    default:
+        tdm_oai_http_errorf(k->conn, 503, NULL, "The server is shutting down.");
+        return false;
     }
 }
 
@@ -942,6 +1006,8 @@ void router_handle_generate(struct tdm_router_server *s, struct tdm_http_conn *c
         k.choices[i].a = &k.oai.choices[i];
         k.choices[i].upstream_done = true;
     }
+    if (!admit(&k))
+        goto out;
     if (!start_with_retries(&k))
         goto out;
     k.started = true;

@@ -100,6 +100,7 @@ struct fake {
     int hold_fd; // FAKE_UNREACHABLE: the socket holding its nng port (-1: none)
     int http_port, nng_port;
     atomic_bool silent;
+    atomic_int waiting; // the waiting queue its load reports give
 
     pthread_mutex_t mu;  // what it was asked (below)
     int n_generates;     // GenerateRequests received
@@ -109,6 +110,8 @@ struct fake {
     int32_t resume[MAX_TOKENS]; // [n_resume] its resume_tokens
     size_t n_resume;
     int max_tokens;
+    int order[16]; // [n_order] the max_tokens of each GenerateRequest, in arrival order
+    int n_order;
 };
 
 static void fake_on_health(struct tdm_http_conn *c, void *arg)
@@ -145,6 +148,8 @@ static void fake_generate(struct fake *f, const struct tdm_net_frame *fr)
     if (f->n_resume > 0) // (an empty repeated field is NULL)
         memcpy(f->resume, g->resume_tokens, f->n_resume * sizeof *f->resume);
     f->max_tokens = g->max_tokens;
+    if (f->n_order < 16)
+        f->order[f->n_order++] = (int)g->max_tokens;
     pthread_mutex_unlock(&f->mu);
     if (g->reply_to == NULL || g->reply_to->url == NULL || !g->reply_to->url[0])
         goto out;
@@ -193,6 +198,7 @@ static void fake_load_query(struct fake *f, const struct tdm_net_frame *fr)
         r.role = "decode";
         r.model = "tiny";
         r.seq = q->seq;
+        r.waiting = atomic_load(&f->waiting);
         r.url = (char *)tdm_net_inbox_url(f->inbox);
         char err[256];
         if (tdm_pd_send(f->outbox, q->reply_to->url, TDM_NET_LOAD_REPORT, &r.base, NULL, 0, 0.5,
@@ -314,7 +320,18 @@ static void sleep_ms(int ms)
 // die_after tokens, the j-th after (j + 1) * die_after) and a router listing
 // them in that order, then waits until every reachable fake has answered the
 // router's load queries.
+static void rig_start_with(int n, const enum fake_mode *modes, int die_after, bool migration,
+                           const char *config_fmt);
+
 static void rig_start(int n, const enum fake_mode *modes, int die_after, bool migration)
+{
+    rig_start_with(n, modes, die_after, migration, NULL);
+}
+
+// config_fmt: a router config with one "%d %d" (the first fake's HTTP and nng
+// ports) in place of --policy round_robin --decode.
+static void rig_start_with(int n, const enum fake_mode *modes, int die_after, bool migration,
+                           const char *config_fmt)
 {
     assert_true(n <= MAX_FAKES);
     memset(&rig, 0, sizeof rig);
@@ -329,11 +346,19 @@ static void rig_start(int n, const enum fake_mode *modes, int die_after, bool mi
         snprintf(decode + len, sizeof decode - len, "%s127.0.0.1:%d:%d", i ? "," : "",
                  rig.fakes[i].http_port, rig.fakes[i].nng_port);
     }
+    static char config_path[300];
+    if (config_fmt) {
+        snprintf(config_path, sizeof config_path, "%s/router.yaml", model_dir);
+        FILE *cf = fopen(config_path, "w");
+        assert_non_null(cf);
+        fprintf(cf, config_fmt, rig.fakes[0].http_port, rig.fakes[0].nng_port);
+        fclose(cf);
+    }
     char *argv[] = {"router_call_test",
-                    "--policy",
-                    "round_robin",
-                    "--decode",
-                    decode,
+                    config_fmt ? "--config" : "--policy",
+                    config_fmt ? config_path : "round_robin",
+                    config_fmt ? "--decode" : "--decode",
+                    config_fmt ? "" : decode,
                     "--model",
                     model_dir,
                     "--served-model-name",
@@ -852,6 +877,162 @@ static void test_stream_gap(void **state)
     }
 }
 
+// ---- flow control ------------------------------------------------------------------------------
+// A completion of max_tokens tokens with extra header lines (each ending "\r\n").
+static char *post_with(const char *headers, int max_tokens)
+{
+    char body[160], req[1024];
+    snprintf(body, sizeof body, "{\"model\":\"tiny\",\"prompt\":\"hello world\",\"max_tokens\":%d}",
+             max_tokens);
+    snprintf(req, sizeof req,
+             "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+             "Content-Type: application/json\r\n%sContent-Length: %zu\r\n\r\n%s",
+             headers, strlen(body), body);
+    return roundtrip(rig.port, req);
+}
+
+struct bg_call {
+    pthread_t th;
+    const char *headers;
+    int max_tokens;
+    char *resp;
+};
+
+static void *bg_call_main(void *arg)
+{
+    struct bg_call *b = arg;
+    b->resp = post_with(b->headers, b->max_tokens);
+    return NULL;
+}
+
+// Waits until the router's flow-control queue holds n requests (5 s at most).
+static void wait_queued(double n)
+{
+    double until = tdm_now() + 5.0;
+    while (metric("tandem:router_flow_control_queue_size") != n) {
+        if (tdm_now() > until)
+            fail_msg("the flow-control queue never held %g (holds %g)", n,
+                     metric("tandem:router_flow_control_queue_size"));
+        sleep_ms(10);
+    }
+}
+
+static void unlink_config(void)
+{
+    char path[300];
+    snprintf(path, sizeof path, "%s/router.yaml", model_dir);
+    unlink(path);
+}
+
+static const char *flow_config = "featureGates: [flowControl]\n"
+                                 "policy: round_robin\n"
+                                 "flowControl:\n"
+                                 "  priorityBands: [{priority: 10, maxRequests: 1}]\n"
+                                 "objectives: {gold: 10}\n"
+                                 "endpoints:\n"
+                                 "  decode: [{host: 127.0.0.1, http_port: %d, nng_port: %d}]\n";
+
+// With the flowControl gate, a saturated pool (its one worker reports 10
+// waiting, twice queueDepthThreshold 5) holds requests in the router: a
+// standard one (priority 0) and then a gold one (priority 10) wait; a second
+// gold one finds its band full (maxRequests 1): 429 with llm-d's message and
+// dropped-reason header. When the worker reports an empty queue, the gold
+// request reaches it first, then the standard one, and both complete.
+static void test_flow_control_priority(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_ANSWER};
+    rig_start_with(1, modes, 0, true, flow_config);
+    struct fake *f = &rig.fakes[0];
+    atomic_store(&f->waiting, 10);
+    sleep_ms(200); // a report with the queue
+    struct bg_call std = {.headers = "", .max_tokens = 5};
+    struct bg_call gold = {.headers = "x-gateway-inference-objective: gold\r\n", .max_tokens = 3};
+    assert_int_equal(pthread_create(&std.th, NULL, bg_call_main, &std), 0);
+    wait_queued(1);
+    assert_int_equal(pthread_create(&gold.th, NULL, bg_call_main, &gold), 0);
+    wait_queued(2);
+    char *r = post_with("x-gateway-inference-objective: gold\r\n", 4);
+    assert_int_equal(status_of(r), 429);
+    assert_non_null(strstr(r, "request rejected pre-queue: queue at capacity"));
+    assert_non_null(strstr(r, "x-llm-d-request-dropped-reason: rejected-saturated"));
+    assert_non_null(strstr(r, "Retry-After: 1"));
+    assert_non_null(strstr(r, "\"type\":\"RateLimitError\""));
+    free(r);
+    assert_true(metric("tandem:router_flow_control_pool_saturation") >= 1.0);
+    assert_int_equal(fake_count(f, &f->n_generates), 0);
+    atomic_store(&f->waiting, 0);
+    pthread_join(gold.th, NULL);
+    pthread_join(std.th, NULL);
+    assert_completion(gold.resp, 3);
+    assert_completion(std.resp, 5);
+    free(gold.resp);
+    free(std.resp);
+    pthread_mutex_lock(&f->mu);
+    assert_int_equal(f->n_order, 2);
+    assert_int_equal(f->order[0], 3); // gold first
+    assert_int_equal(f->order[1], 5);
+    pthread_mutex_unlock(&f->mu);
+    assert_true(metric("tandem:router_flow_control_queue_size") == 0);
+    // Dispatched (2) and RejectedCapacity (1) are counted by priority and outcome.
+    assert_true(metric("tandem:router_flow_control_request_queue_duration_seconds_count") == 3);
+    unlink_config();
+}
+
+// A request waits at most defaultRequestTTL: 503 with llm-d's message and
+// header, and the worker never saw it.
+static void test_flow_control_ttl(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_ANSWER};
+    rig_start_with(1, modes, 0, true,
+                   "featureGates: [flowControl]\npolicy: round_robin\n"
+                   "flowControl: {defaultRequestTTL: 300ms}\n"
+                   "endpoints:\n  decode: [{host: 127.0.0.1, http_port: %d, nng_port: %d}]\n");
+    struct fake *f = &rig.fakes[0];
+    atomic_store(&f->waiting, 6);
+    sleep_ms(200);
+    double t0 = tdm_now();
+    char *r = post_with("", 4);
+    double took = tdm_now() - t0;
+    assert_int_equal(status_of(r), 503);
+    assert_non_null(strstr(r, "request TTL expired"));
+    assert_non_null(strstr(r, "x-llm-d-request-dropped-reason: rejected-ttl-expired"));
+    free(r);
+    assert_true(took >= 0.29 && took < 5);
+    assert_int_equal(fake_count(f, &f->n_generates), 0);
+    unlink_config();
+}
+
+// Without the gate, nothing waits: a sheddable request (negative priority)
+// is refused while the pool is saturated (429, llm-d's message), any other
+// goes through; with room, the sheddable one goes through too.
+static void test_flow_control_off_sheds(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_ANSWER};
+    rig_start_with(1, modes, 0, true,
+                   "policy: round_robin\nobjectives: {batch: -1}\n"
+                   "endpoints:\n  decode: [{host: 127.0.0.1, http_port: %d, nng_port: %d}]\n");
+    struct fake *f = &rig.fakes[0];
+    atomic_store(&f->waiting, 10);
+    sleep_ms(200);
+    char *r = post_with("x-gateway-inference-objective: batch\r\n", 4);
+    assert_int_equal(status_of(r), 429);
+    assert_non_null(strstr(r, "system saturated, sheddable request dropped"));
+    free(r);
+    r = post_with("", 4);
+    assert_completion(r, 4);
+    free(r);
+    atomic_store(&f->waiting, 0);
+    sleep_ms(200);
+    r = post_with("x-gateway-inference-objective: batch\r\n", 4);
+    assert_completion(r, 4);
+    free(r);
+    assert_int_equal(fake_count(f, &f->n_generates), 2);
+    unlink_config();
+}
+
 // ---- main --------------------------------------------------------------------------------------
 static int setup(void **state)
 {
@@ -890,6 +1071,9 @@ int main(void)
         cmocka_unit_test_teardown(test_stream_migrated_twice, rig_stop),
         cmocka_unit_test_teardown(test_stream_lost_without_migration, rig_stop),
         cmocka_unit_test_teardown(test_stream_gap, rig_stop),
+        cmocka_unit_test_teardown(test_flow_control_priority, rig_stop),
+        cmocka_unit_test_teardown(test_flow_control_ttl, rig_stop),
+        cmocka_unit_test_teardown(test_flow_control_off_sheds, rig_stop),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -105,6 +105,7 @@ static void on_load_report(struct tdm_router_server *s, const struct tdm_net_fra
         bool restarted = false, resynced = false;
         tdm_router_endpoints_on_report(tdm_router_control_endpoints(s->ctl), ep_id, &rep,
                                        &restarted, &resynced);
+        tdm_router_control_load_changed(s->ctl); // flow control: requests may go
         // Streams of an old instance fail at their next liveness check.
         if (restarted)
             TDM_LOG_INFO(MOD, "endpoint id=%llu restarted (new instance %016llx)",

@@ -7,6 +7,7 @@
 #include "router_metrics.h"
 
 #include <stddef.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "core.h"
@@ -26,6 +27,17 @@ static const char *const l_ep_role_kind[] = {"endpoint", "role", "kind", NULL};
 static const char *const l_ep_role_reason[] = {"endpoint", "role", "reason", NULL};
 static const char *const l_role[] = {"role", NULL};
 static const char *const l_result[] = {"result", NULL};
+static const char *const l_priority[] = {"priority", NULL};
+static const char *const l_priority_outcome[] = {"priority", "outcome", NULL};
+
+// Flow control's time in queue (llm-d: 0.1 ms .. 60 s).
+static const double *queue_buckets(size_t *n)
+{
+    static const double bounds[] = {0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1,
+                                    0.5,    1,      5,     10,    30,   60};
+    *n = sizeof bounds / sizeof *bounds;
+    return bounds;
+}
 
 // tandem:router_scheduling_seconds: picks take microseconds.
 static const double *sched_buckets(size_t *n)
@@ -107,6 +119,25 @@ static const struct family families[] = {
      "Time to pick endpoints for a request (llm-d: "
      "llm_d_epp_scheduler_e2e_duration_seconds).",
      NULL, sched_buckets},
+    {FAMILY_GAUGE, FIELD(pool_saturation), "tandem:router_flow_control_pool_saturation",
+     "The pool's saturation as of the last flow-control decision: the mean over ready "
+     "endpoints of max(queue / queueDepthThreshold, KV usage / kvCacheUtilThreshold); "
+     ">= 1 holds requests (llm-d: inference_extension_flow_control_pool_saturation).",
+     NULL, NULL},
+    {FAMILY_GAUGE, FIELD(flow_queue_size), "tandem:router_flow_control_queue_size",
+     "Requests waiting in the router's flow-control queue, by priority band (llm-d: "
+     "inference_extension_flow_control_queue_size).",
+     l_priority, NULL},
+    {FAMILY_GAUGE, FIELD(flow_queue_bytes), "tandem:router_flow_control_queue_bytes",
+     "Body bytes of the requests waiting in the flow-control queue, by priority band "
+     "(llm-d: inference_extension_flow_control_queue_bytes).",
+     l_priority, NULL},
+    {FAMILY_HISTOGRAM, FIELD(flow_queue_duration),
+     "tandem:router_flow_control_request_queue_duration_seconds",
+     "Time a request spent in flow control, by priority and outcome (Dispatched, "
+     "RejectedCapacity, EvictedTTL, EvictedContextCancelled, EvictedOther, Shed) (llm-d: "
+     "inference_extension_flow_control_request_queue_duration_seconds).",
+     l_priority_outcome, queue_buckets},
     {FAMILY_COUNTER, FIELD(config_reload), "tandem:router_config_reload_total",
      "Config reloads by result (success, failure: old config kept).", l_result, NULL},
     {FAMILY_GAUGE, FIELD(config_last_success),
@@ -163,6 +194,30 @@ int tdm_router_metrics_register(struct tdm_router_metrics *m, struct tdm_metrics
         !m->config_reload_success || !m->config_reload_failure)
         return tdm_seterr(err, errlen, TDM_ENOMEM, "router metrics: out of memory");
     return TDM_OK;
+}
+
+void tdm_router_metrics_flow_queue(struct tdm_router_metrics *m, int priority, int requests,
+                                   long long bytes)
+{
+    if (!m)
+        return;
+    char p[16];
+    snprintf(p, sizeof p, "%d", priority);
+    tdm_metrics_gauge_add(tdm_metrics_gauge_labels(m->flow_queue_size, p), requests);
+    tdm_metrics_gauge_add(tdm_metrics_gauge_labels(m->flow_queue_bytes, p), (double)bytes);
+}
+
+void tdm_router_metrics_flow_outcome(struct tdm_router_metrics *m, int priority,
+                                     enum tdm_router_flow_outcome outcome, double waited)
+{
+    if (!m)
+        return;
+    char p[16];
+    snprintf(p, sizeof p, "%d", priority);
+    tdm_metrics_histogram_observe(
+        tdm_metrics_histogram_labels(m->flow_queue_duration, p,
+                                     tdm_router_flow_outcome_name(outcome)),
+        waited);
 }
 
 static const char *role_label(enum tdm_router_role role)

@@ -12,6 +12,7 @@
 
 #include <stddef.h>
 
+#include "flow.h"
 #include "metrics.h"
 #include "policy.h"
 
@@ -52,6 +53,13 @@ struct tdm_router_metrics {
     struct tdm_metrics_histogram *kv_transfer; // tandem:router_kv_transfer_seconds (whole)
     struct tdm_metrics_histogram *kv_transfer_exposed; // tandem:router_kv_transfer_exposed_seconds
     struct tdm_metrics_histogram *routing;     // tandem:router_scheduling_seconds (pick time)
+    // flow control (router/flow.h): the pool's saturation, the queue by priority band
+    // (requests, bytes), time in queue by priority and outcome
+    struct tdm_metrics_gauge *pool_saturation;         // tandem:router_flow_control_pool_saturation
+    struct tdm_metrics_gauge *flow_queue_size;         // ..._queue_size{priority}
+    struct tdm_metrics_gauge *flow_queue_bytes;        // ..._queue_bytes{priority}
+    struct tdm_metrics_histogram *flow_queue_duration; // ..._request_queue_duration_seconds
+                                                       //   {priority,outcome}
     // tandem:router_config_reload_total{result="success|failure"}
     struct tdm_metrics_counter *config_reload;
     struct tdm_metrics_counter *config_reload_success;
@@ -81,5 +89,11 @@ void tdm_router_metrics_endpoint_health(struct tdm_router_metrics *m, const char
                                         enum tdm_router_role role, bool healthy,
                                         const char *reason); // reason: NULL when healthy
 void tdm_router_metrics_config_reload(struct tdm_router_metrics *m, bool success, double wall_time);
+// Flow control: a request entered (+1, +bytes) or left (-1, -bytes) a band's queue;
+// a request's admission ended with outcome after waited seconds.
+void tdm_router_metrics_flow_queue(struct tdm_router_metrics *m, int priority, int requests,
+                                   long long bytes);
+void tdm_router_metrics_flow_outcome(struct tdm_router_metrics *m, int priority,
+                                     enum tdm_router_flow_outcome outcome, double waited);
 
 #endif

@@ -28,6 +28,9 @@ static const struct tdm_router_plugin_ops *const registry[TDM_ROUTER_PLUGIN_TYPE
     [TDM_ROUTER_SINGLE_PROFILE_HANDLER] = &tdm_router_single_profile_handler_ops,
     [TDM_ROUTER_DISAGG_PROFILE_HANDLER] = &tdm_router_disagg_profile_handler_ops,
     [TDM_ROUTER_APPROX_PREFIX_PRODUCER] = &tdm_router_approx_prefix_producer_ops,
+    [TDM_ROUTER_GLOBAL_STRICT_FAIRNESS] = &tdm_router_global_strict_fairness_ops,
+    [TDM_ROUTER_ROUND_ROBIN_FAIRNESS] = &tdm_router_round_robin_fairness_ops,
+    [TDM_ROUTER_FCFS_ORDERING] = &tdm_router_fcfs_ordering_ops,
 };
 
 const struct tdm_router_plugin_ops *tdm_router_plugin_ops_of(enum tdm_router_plugin_type type)

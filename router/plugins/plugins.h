@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // router plugins: every plugin type (filter, scorer, picker, P/D decider,
-// profile handler, producer) as one ops table: its registered name, its kind,
+// profile handler, producer, flow control policy) as one ops table: its registered name, its kind,
 // its parameter table and the function its kind calls. One table drives the
 // whole life of a parameter: config.c parses and validates a plugin's
 // `parameters` mapping by walking the table (unknown keys, types and ranges
@@ -146,5 +146,7 @@ extern const struct tdm_router_plugin_ops tdm_router_max_score_picker_ops,
 extern const struct tdm_router_plugin_ops tdm_router_prefix_pd_decider_ops,
     tdm_router_always_disagg_decider_ops, tdm_router_single_profile_handler_ops,
     tdm_router_disagg_profile_handler_ops, tdm_router_approx_prefix_producer_ops;
+extern const struct tdm_router_plugin_ops tdm_router_global_strict_fairness_ops,
+    tdm_router_round_robin_fairness_ops, tdm_router_fcfs_ordering_ops;
 
 #endif
