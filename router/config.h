@@ -73,6 +73,8 @@ enum tdm_router_plugin_type {
     TDM_ROUTER_LOAD_AWARE_SCORER,    // "load-aware-scorer": 0.5 at empty queue -> 0 at threshold
     TDM_ROUTER_SESSION_AFFINITY_SCORER, // "session-affinity-scorer"
     TDM_ROUTER_ACTIVE_REQUEST_SCORER, // "active-request-scorer": router-tracked in-flight requests
+    TDM_ROUTER_COLOCATION_SCORER,     // "colocation-scorer" (Tandem): a prefill endpoint on the
+                                      // chosen decode endpoint's host (one pod: CUDA IPC)
     // pickers
     TDM_ROUTER_MAX_SCORE_PICKER,       // "max-score-picker": highest total, random among ties
     TDM_ROUTER_RANDOM_PICKER,          // "random-picker"

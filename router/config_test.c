@@ -176,8 +176,9 @@ static void test_example_pd_llm_d(void **state)
     struct tdm_router_config *c = load_example("pd-llm-d.yaml");
     assert_null(c->short_policy);
     assert_string_equal(c->api_version, "llm-d.ai/v1alpha1");
-    assert_int_equal(c->n_plugins, 10);
+    assert_int_equal(c->n_plugins, 11);
     assert_int_equal(c->n_profiles, 2);
+    assert_true(weight_of(c, c->prefill_profile, TDM_ROUTER_COLOCATION_SCORER) == 4.0);
     assert_string_equal(c->profiles[c->decode_profile].name, "decode");
     assert_string_equal(c->profiles[c->prefill_profile].name, "prefill");
     assert_int_equal(c->pd_mode, TDM_ROUTER_PD_PREFIX);
@@ -523,7 +524,7 @@ static void test_json_view(void **state)
                         "2026-01-01T00:00:00.250Z");
     assert_string_equal(cJSON_GetObjectItem(o, "kind")->valuestring, "EndpointPickerConfig");
     cJSON *pl = cJSON_GetObjectItem(o, "plugins");
-    assert_int_equal(cJSON_GetArraySize(pl), 10);
+    assert_int_equal(cJSON_GetArraySize(pl), 11);
     cJSON *pd = cJSON_GetObjectItem(o, "pd");
     assert_string_equal(cJSON_GetObjectItem(pd, "mode")->valuestring, "prefix");
     assert_int_equal(cJSON_GetObjectItem(pd, "threshold_tokens")->valueint, 256);

@@ -87,7 +87,7 @@ static void run_filters(struct run *r, bool decode, size_t exclude, bool *fail_o
 }
 
 // Every scorer of the profile, weighted, into r->total.
-static void run_scorers(struct run *r, const struct tdm_router_request *req,
+static void run_scorers(struct run *r, const struct tdm_router_request *req, size_t decode,
                         struct tdm_router_endpoint_score *scores)
 {
     struct tdm_router_score_ctx ctx = {
@@ -95,6 +95,7 @@ static void run_scorers(struct run *r, const struct tdm_router_request *req,
         .req = req,
         .cand = r->cand,
         .nc = r->nc,
+        .decode = decode < r->snap->n ? &r->snap->eps[decode] : NULL,
         .lo_waiting = INFINITY,
         .hi_waiting = -INFINITY,
         .lo_running = INFINITY,
@@ -152,7 +153,7 @@ static int run_profile(const struct tdm_router_config *cfg, size_t profile, bool
     run_filters(&r, decode, exclude, fail_open);
     if (r.nc == 0)
         return TDM_EBUSY;
-    run_scorers(&r, req, scores);
+    run_scorers(&r, req, decode ? SIZE_MAX : exclude, scores);
 
     // The picker orders the candidates: the first is the pick, the rest the retry order.
     uint64_t rng =

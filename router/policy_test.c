@@ -595,6 +595,52 @@ static void test_pd_decider(void **state)
     tdm_router_config_unref(cfg);
 }
 
+// colocation-scorer: two pods, each a decode and a prefill endpoint at one
+// address (overlays/gpu-one-pod). Whichever decode endpoint is picked, the
+// prefill endpoint of its own pod comes first, even when it is the busier
+// one; without the scorer the less loaded prefill endpoint would. In the
+// decode profile it scores every candidate 0.
+static void test_colocation_scorer(void **state)
+{
+    (void)state;
+    struct tdm_router_config *cfg = cfg_of(
+        "plugins:\n- {type: prefill-filter}\n- {type: decode-filter}\n- {type: queue-scorer}\n"
+        "- {type: colocation-scorer}\n- {type: always-disagg-pd-decider}\n"
+        "- {type: disagg-profile-handler}\nschedulingProfiles:\n"
+        "- {name: decode, plugins: [{pluginRef: decode-filter}, {pluginRef: colocation-scorer}, "
+        "{pluginRef: queue-scorer}]}\n"
+        "- {name: prefill, plugins: [{pluginRef: prefill-filter}, {pluginRef: queue-scorer}, "
+        "{pluginRef: colocation-scorer, weight: 4}]}\n");
+    struct fixture f;
+    setup_pd(&f);                                                       // 0, 1 prefill; 2, 3 decode
+    snprintf(f.eps[2].host, sizeof f.eps[2].host, "%s", f.eps[1].host); // pod B: 1 and 2
+    snprintf(f.eps[3].host, sizeof f.eps[3].host, "%s", f.eps[0].host); // pod A: 0 and 3
+    f.eps[0].load.waiting = 3; // pod A's prefill is the busier one
+    struct tdm_router_request req = {.num_prompt_tokens = 64};
+    int seen[2] = {0, 0};
+    for (int i = 0; i < 40; i++) {
+        f.snap.seed = (uint64_t)i * 7919u;
+        f.eps[2].load.waiting = i % 2; // the decode pick alternates
+        f.eps[3].load.waiting = 1 - i % 2;
+        struct tdm_router_pick p = {0};
+        assert_int_equal(tdm_router_policy_pick(cfg, &f.snap, &req, &p), TDM_OK);
+        assert_int_equal(p.decision, TDM_ROUTER_DECISION_PREFILL_DECODE);
+        assert_int_equal(p.n_prefill, 2);
+        assert_string_equal(f.eps[p.prefill[0]].host, f.eps[p.decode].host);
+        seen[p.decode - 2]++;
+    }
+    assert_true(seen[0] > 0 && seen[1] > 0);
+    // The decode profile: 0 for all (no decode endpoint yet).
+    struct tdm_router_endpoint_score sc[MAXE];
+    size_t ranked[MAXE], n = 0;
+    assert_int_equal(tdm_router_policy_run_profile(cfg, cfg->decode_profile, true, &f.snap, &req,
+                                                   ranked, MAXE, &n, sc, NULL),
+                     TDM_OK);
+    assert_true(sc[2].scores[TDM_ROUTER_COLOCATION_SCORER] == 0.0);
+    assert_true(sc[3].scores[TDM_ROUTER_COLOCATION_SCORER] == 0.0);
+    tdm_router_config_unref(cfg);
+}
+
 int main(void)
 {
     tdm_log_level = TDM_LOG_LEVEL_ERR;
@@ -611,6 +657,7 @@ int main(void)
         cmocka_unit_test(test_weighted_random),
         cmocka_unit_test(test_scorer_values),
         cmocka_unit_test(test_pd_decider),
+        cmocka_unit_test(test_colocation_scorer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

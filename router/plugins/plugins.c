@@ -19,6 +19,7 @@ static const struct tdm_router_plugin_ops *const registry[TDM_ROUTER_PLUGIN_TYPE
     [TDM_ROUTER_LOAD_AWARE_SCORER] = &tdm_router_load_aware_scorer_ops,
     [TDM_ROUTER_SESSION_AFFINITY_SCORER] = &tdm_router_session_affinity_scorer_ops,
     [TDM_ROUTER_ACTIVE_REQUEST_SCORER] = &tdm_router_active_request_scorer_ops,
+    [TDM_ROUTER_COLOCATION_SCORER] = &tdm_router_colocation_scorer_ops,
     [TDM_ROUTER_MAX_SCORE_PICKER] = &tdm_router_max_score_picker_ops,
     [TDM_ROUTER_RANDOM_PICKER] = &tdm_router_random_picker_ops,
     [TDM_ROUTER_WEIGHTED_RANDOM_PICKER] = &tdm_router_weighted_random_picker_ops,

@@ -62,6 +62,8 @@ struct tdm_router_score_ctx {
     const struct tdm_router_snapshot *snap;
     const struct tdm_router_request *req; // may be NULL
     const size_t *cand;                   // [nc] snapshot indices that passed the filters
+    const struct tdm_router_endpoint_view *decode; // the prefill profile: the decode endpoint
+                                                   // already picked; NULL in the decode profile
     size_t nc;
     double lo_waiting, hi_waiting, lo_running, hi_running; // over the candidates (waiting:
                                                            // tdm_router_queue_estimate)
@@ -139,7 +141,8 @@ extern const struct tdm_router_plugin_ops tdm_router_decode_filter_ops,
 extern const struct tdm_router_plugin_ops tdm_router_queue_scorer_ops,
     tdm_router_kv_cache_util_scorer_ops, tdm_router_running_scorer_ops,
     tdm_router_prefix_cache_scorer_ops, tdm_router_load_aware_scorer_ops,
-    tdm_router_session_affinity_scorer_ops, tdm_router_active_request_scorer_ops;
+    tdm_router_session_affinity_scorer_ops, tdm_router_active_request_scorer_ops,
+    tdm_router_colocation_scorer_ops;
 extern const struct tdm_router_plugin_ops tdm_router_max_score_picker_ops,
     tdm_router_random_picker_ops, tdm_router_weighted_random_picker_ops,
     tdm_router_round_robin_picker_ops;

@@ -268,3 +268,21 @@ const struct tdm_router_plugin_ops tdm_router_active_request_scorer_ops = {
     .n_params = N(active_params),
     .score = score_active,
 };
+
+// ---- colocation ------------------------------------------------------------------------------
+// A prefill endpoint at the address of the decode endpoint already picked: the
+// prefill container of the decode worker's own pod (overlays/gpu-one-pod: one
+// GPU, KV over CUDA IPC instead of NCCL). 1 there, 0 elsewhere; 0 for every
+// candidate of the decode profile (no decode endpoint picked yet).
+static double score_colocation(const struct tdm_router_score_ctx *ctx,
+                               const struct tdm_router_plugin_params *p, size_t k)
+{
+    (void)p;
+    return ctx->decode && !strcmp(cand_ep(ctx, k)->host, ctx->decode->host) ? 1.0 : 0.0;
+}
+
+const struct tdm_router_plugin_ops tdm_router_colocation_scorer_ops = {
+    .name = "colocation-scorer",
+    .kind = TDM_ROUTER_PLUGIN_SCORER,
+    .score = score_colocation,
+};
