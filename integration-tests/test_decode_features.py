@@ -17,6 +17,9 @@
 - allowed_token_ids: every token from the set, the reference's where it is in
   the set; bad_words: a one-token word never comes, a two-token word's last
   token never follows its first (the reference up to there, then another);
+- logprob_token_ids: each token's top logprobs are the chosen token, then the
+  ids once each, with the values the top-N list gives the same ids
+  (completions dict, chat list, chat stream);
 - chat stream: role chunk first, content deltas, finish, [DONE];
 - chat continue_final_message (the prompt ends with the final message), echo
   (its content first, in the body and the stream), chat_template_kwargs, the
@@ -126,6 +129,54 @@ def check_token_masks(srv, greedy, greedy_ids):
                 % (word, a, b, i, stream, ids, ref_ids))
     print("allowed_token_ids %s; bad words: %d, then %r = [%d, %d] at %d"
           % (allowed, tid, word, a, b, i))
+
+
+def check_logprob_token_ids(srv, greedy, greedy_ids):
+    """logprob_token_ids: the ids come back for every token, after the chosen
+    one, each once, with the logprobs the top-20 list gives them."""
+    body = dict(greedy, max_tokens=4, return_tokens_as_token_ids=True)
+    ref = comp(srv, **dict(body, logprobs=20))["choices"][0]["logprobs"]["top_logprobs"]
+    # Two ids from the first token's top 20 other than the chosen one, one
+    # twice, and the chosen one itself: each listed once.
+    alts = [int(k.split(":")[1]) for k in ref[0] if k != "token_id:%d" % greedy_ids[0]][:2]
+    ids = [alts[0], alts[1], alts[0], greedy_ids[0]]
+    r = comp(srv, **dict(body, logprobs=1, logprob_token_ids=ids))
+    lp = r["choices"][0]["logprobs"]
+    for i, top in enumerate(lp["top_logprobs"]):
+        keys = list(top)
+        want = ["token_id:%d" % greedy_ids[i]] + ["token_id:%d" % t for t in
+                                                  (alts[0], alts[1], greedy_ids[0])
+                                                  if t != greedy_ids[i]]
+        h.check(keys == want, "token %d: keys %s, want %s" % (i, keys, want))
+        h.check(abs(top[keys[0]] - lp["token_logprobs"][i]) < 1e-6, "chosen logprob %r" % top)
+        for k in keys:  # the top-20 list's value where it lists the id
+            if k in ref[i]:
+                h.check(abs(top[k] - ref[i][k]) < 1e-4, "%s: %g vs top-20 %g"
+                        % (k, top[k], ref[i][k]))
+    # Chat, whole and streamed: the list is the chosen token, then the ids.
+    chat = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 3,
+            "temperature": 0, "ignore_eos": True, "logprobs": True,
+            "return_tokens_as_token_ids": True, "logprob_token_ids": [alts[1], alts[0]]}
+    st, _, r = srv.post_json("/v1/chat/completions", chat)
+    h.check(st == 200, "chat %r" % r)
+    content = r["choices"][0]["logprobs"]["content"]
+    evs = stream_text(srv, "/v1/chat/completions", chat)
+    streamed = [c for e in evs if e["choices"] and e["choices"][0].get("logprobs")
+                for c in e["choices"][0]["logprobs"]["content"]]
+    for entries in (content, streamed):
+        h.check(len(entries) == 3, "chat entries %r" % entries)
+        for c in entries:
+            toks = [t["token"] for t in c["top_logprobs"]]
+            rest = [x for x in ("token_id:%d" % alts[1], "token_id:%d" % alts[0])
+                    if x != c["token"]]
+            h.check(toks == [c["token"]] + rest, "chat top %s (token %s)" % (toks, c["token"]))
+            h.check(c["top_logprobs"][0]["logprob"] == c["logprob"], "chat chosen %r" % c)
+    h.check([c["top_logprobs"] for c in content] == [c["top_logprobs"] for c in streamed],
+            "chat stream != whole")
+    st, _, r = srv.post_json("/v1/chat/completions", dict(chat, logprobs=False))
+    h.check(st == 400 and "`logprobs` must be set to true" in r["error"]["message"],
+            "without logprobs: %r" % r)
+    print("logprob_token_ids %s: completions and chat" % ids)
 
 
 def check_chat_continue(srv):
@@ -254,6 +305,7 @@ def main():
             r["usage"]["prompt_tokens"] == len(PROMPT_IDS) and
             r["choices"][0]["prompt_token_ids"] == PROMPT_IDS, "truncate_prompt_tokens %r" % r)
     check_token_masks(srv, greedy, ref_ids)
+    check_logprob_token_ids(srv, greedy, ref_ids)
 
     # ---- chat, non-stream and stream
     msgs = [{"role": "user", "content": "Say something."}]

@@ -49,6 +49,33 @@ def check_token_masks(cl):
               "allowed_token_ids + bad_words: routed %s != direct %s" % (ids, direct))
 
 
+def check_logprob_token_ids(cl):
+    """logprob_token_ids through P/D: the prefill worker gives the first
+    token's logprobs for the ids, the decode worker the rest's; the routed
+    logprobs are the direct ones (the same keys, in order; values within
+    1e-4), and the first token's list has the chosen token and the ids."""
+    body = dict(prompt=" ".join("q%d" % i for i in range(60)), max_tokens=4, temperature=0,
+                ignore_eos=True, return_token_ids=True, return_tokens_as_token_ids=True,
+                logprobs=1, logprob_token_ids=[11, 7, 11])
+    st, hdr, routed = post(cl.router_port, "/v1/completions", body)
+    check(st == 200, "logprob_token_ids via router: %d %s" % (st, routed))
+    check("prefill=tcp://" in hdr.get("x-tandem-phases", ""),
+          "logprob_token_ids request not prefilled remotely: %r" % hdr.get("x-tandem-phases"))
+    tops = routed["choices"][0]["logprobs"]["top_logprobs"]
+    ids = routed["choices"][0]["token_ids"]
+    want0 = ["token_id:%d" % ids[0]] + ["token_id:%d" % t for t in (11, 7) if t != ids[0]]
+    check(list(tops[0]) == want0, "first token's list %s, want %s" % (list(tops[0]), want0))
+    for w in cl.decode:
+        st, _, direct = post(w.http_port, "/v1/completions", body)
+        d = direct["choices"][0]["logprobs"]["top_logprobs"]
+        check(st == 200 and direct["choices"][0]["token_ids"] == ids and
+              [list(t) for t in d] == [list(t) for t in tops] and
+              all(close(t[k], u[k]) for t, u in zip(tops, d) for k in t),
+              "logprob_token_ids: routed %s != direct %s" % (tops, d))
+    print("logprob_token_ids: routed = direct on %d decode workers, first list %s"
+          % (len(cl.decode), want0))
+
+
 def check_prompt_logprobs(cl):
     """Prompt logprobs (vLLM's prompt_logprobs; echo with logprobs, as
     lm-evaluation-harness's loglikelihood asks them) through the router equal
@@ -186,6 +213,7 @@ def main():
         check(st == 200 and direct["choices"][0]["token_ids"] == routed["choices"][0]["token_ids"],
               "cache_salt: routed %s != direct %s" % (routed, direct))
     check_token_masks(cl)
+    check_logprob_token_ids(cl)
     # A chat request and a stop string through both paths.
     chat = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 10,
             "temperature": 0}

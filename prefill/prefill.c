@@ -356,7 +356,7 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
     bool have_token = false;
     int32_t first_token = -1;
     float first_lp = 0;
-    Tandem__TopLogprob top[TDM_MAX_LOGPROBS], *top_ptr[TDM_MAX_LOGPROBS];
+    Tandem__TopLogprob top[TDM_MAX_TOP_ENTRIES], *top_ptr[TDM_MAX_TOP_ENTRIES];
     int num_top = 0;
     // The finish callback ran just before the stream publishes it: the wait is short.
     for (int tries = 0; tries < 100; tries++) {
@@ -370,8 +370,10 @@ static bool send_result(struct tdm_prefill_service *p, struct pjob *job, bool pu
             first_token = c.tokens[0];
             first_lp = c.logprobs ? c.logprobs[0] : 0;
             num_top = c.top ? c.num_top : 0;
+            if (num_top > TDM_MAX_TOP_ENTRIES)
+                num_top = TDM_MAX_TOP_ENTRIES;
             Tandem__TopLogprob init = TANDEM__TOP_LOGPROB__INIT;
-            for (int i = 0; i < num_top && i < TDM_MAX_LOGPROBS; i++) {
+            for (int i = 0; i < num_top; i++) {
                 top[i] = init;
                 top[i].token = c.top[i].token;
                 top[i].logprob = c.top[i].logprob;

@@ -23,13 +23,13 @@ int tdm_router_take_chunk(struct tdm_oai_call *k, size_t i, const Tandem__TokenC
     bool was_done = a->done;
     bool with_lp = m->n_logprobs == m->n_tokens;
     int nt = m->num_top > 0 && m->n_top == m->n_tokens * (size_t)m->num_top ? m->num_top : 0;
-    // A request asks for at most TDM_MAX_LOGPROBS alternatives; more from a
-    // worker are cut, not trusted.
-    int keep = nt < TDM_MAX_LOGPROBS ? nt : TDM_MAX_LOGPROBS;
+    // A token's top list holds at most TDM_MAX_TOP_ENTRIES entries (top-N, or
+    // the chosen token and logprob_token_ids); more from a worker are cut, not trusted.
+    int keep = nt < TDM_MAX_TOP_ENTRIES ? nt : TDM_MAX_TOP_ENTRIES;
     enum tdm_finish reason = tdm_pd_finish_from_proto(m->finish);
     if (m->finished && reason == TDM_FINISH_NONE)
         reason = TDM_FINISH_ERROR; // finished without a reason: a broken peer
-    struct tdm_token_logprob top[SLICE * TDM_MAX_LOGPROBS];
+    struct tdm_token_logprob top[SLICE * TDM_MAX_TOP_ENTRIES];
     // Prompt logprobs (first chunk of a request that asked): a view for the
     // call, which copies them; a malformed set is ignored.
     struct tdm_prompt_logprobs plp = {0};

@@ -30,7 +30,7 @@ struct tdm_router_take {
 
 // Feeds TokenChunk m into choice i of k. Untrusted fields are made safe
 // first: logprobs are used only when there is one per token, top logprobs only
-// when there are num_top per token (and at most TDM_MAX_LOGPROBS of them), a
+// when there are num_top per token (and at most TDM_MAX_TOP_ENTRIES of them), a
 // finished chunk without a known reason is an error finish, and an error
 // finish without a code is TDM_ETRANSPORT. tok_eos and gen decide which stop
 // token the response names (tdm_oai_call_take). TDM_OK / TDM_ENOMEM.

@@ -2767,7 +2767,7 @@ static struct tdm_engine_request *request_new(struct tdm_engine *e,
     r->params_n = p->params_n > 0 ? p->params_n : 1;
     r->params_index = p->params_index;
     r->want_logprobs = p->sampling.logprobs >= 0;
-    r->num_top = p->sampling.logprobs > 0 ? p->sampling.logprobs : 0;
+    r->num_top = tdm_sampling_top_entries(&p->sampling);
     r->n_tokens = p->n_prompt;
     r->stop_token = -1;
     tdm_kv_seq_init(&r->seq);

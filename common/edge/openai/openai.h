@@ -187,6 +187,9 @@ struct tdm_oai_request {
     // NULL when absent.
     int32_t *allowed_token_ids;
     size_t n_allowed_token_ids;
+    // vLLM's logprob_token_ids (heap; sampling.logprob_token_ids points here),
+    // NULL when absent.
+    int32_t *logprob_token_ids;
     // vLLM's bad_words (heap, non-empty strings; none when absent), and once
     // the prompts' tokenizer made them token sequences (tdm_oai_bad_words_build)
     // those (heap; sampling.bad_word_ids / bad_word_lens point here).

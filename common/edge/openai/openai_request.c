@@ -138,7 +138,6 @@ static int check_unsupported(const cJSON *root, enum tdm_oai_kind kind, struct t
         {"use_beam_search", NULL},
         {"logits_processors", NULL},
         {"prompt_embeds", NULL},
-        {"logprob_token_ids", NULL},
         {"audio", NULL},
         {"modalities", NULL},
         {"mm_processor_kwargs", NULL},
@@ -616,6 +615,56 @@ static int parse_allowed_ids(const cJSON *root, struct tdm_oai_request *r,
     return TDM_OK;
 }
 
+// logprob_token_ids (vLLM's): each token's top logprobs are the chosen token
+// and these ids (at most 128, in the vocabulary) instead of the top-N; the
+// request must ask logprobs (chat: `logprobs: true`; completions: any
+// `logprobs`). Kept in r and lent to the sampling params, which then ask the
+// chosen token's logprob (logprobs 0) and the ids'.
+static int parse_logprob_ids(const cJSON *root, struct tdm_oai_request *r,
+                             const struct tdm_oai_model_info *m, struct tdm_oai_error *e)
+{
+    static const char name[] = "logprob_token_ids";
+    const cJSON *a = field(root, name);
+    if (!a)
+        return TDM_OK;
+    if (!cJSON_IsArray(a))
+        return tdm_oai_seterr(e, 400, name, "logprob_token_ids: Input should be a valid list");
+    int n = cJSON_GetArraySize(a);
+    if (n == 0)
+        return tdm_oai_seterr(e, 400, name, "`logprob_token_ids` must not be an empty list.");
+    if (n > TDM_MAX_LOGPROB_TOKEN_IDS)
+        return tdm_oai_seterr(e, 400, name,
+                              "Requested logprob_token_ids of length %d, which is greater than "
+                              "max allowed: %d",
+                              n, TDM_MAX_LOGPROB_TOKEN_IDS);
+    if (!r->logprobs)
+        return tdm_oai_seterr(
+            e, 400, name,
+            r->kind == TDM_OAI_CHAT
+                ? "when using `logprob_token_ids`, `logprobs` must be set to true."
+                : "when using `logprob_token_ids`, `logprobs` must be set.");
+    if (r->echo_prompt_only)
+        return tdm_oai_seterr(e, 400, name,
+                              "`logprob_token_ids` is not supported when `echo=True` and "
+                              "`max_tokens=0` because no output tokens are generated.");
+    r->logprob_token_ids = malloc((size_t)n * sizeof *r->logprob_token_ids);
+    if (!r->logprob_token_ids)
+        return tdm_oai_seterr(e, 500, NULL, "out of memory");
+    int oov = 0;
+    n = token_ids_of(a, name, m, r->logprob_token_ids, &oov, e);
+    if (n == -2)
+        return tdm_oai_seterr(e, 400, name,
+                              "token_id(s) [%d] in logprob_token_ids contain out-of-vocab token "
+                              "ids. Vocabulary size: %d",
+                              oov, m ? m->vocab_size : 0);
+    if (n < 0)
+        return TDM_EINVAL;
+    r->sampling.logprob_token_ids = r->logprob_token_ids;
+    r->sampling.num_logprob_token_ids = n;
+    r->sampling.logprobs = 0; // the chosen token's; the ids replace the top-N
+    return TDM_OK;
+}
+
 // bad_words (vLLM's): a list of non-empty strings, kept in r until the
 // prompts' tokenizer turns them into token sequences (tdm_oai_bad_words_build).
 static int parse_bad_words(const cJSON *root, struct tdm_oai_request *r, struct tdm_oai_error *e)
@@ -795,7 +844,7 @@ static int parse_sampling(const cJSON *root, struct tdm_oai_request *r,
     p->presence_penalty = (float)pres;
     p->frequency_penalty = (float)freq;
     p->logprobs = r->logprobs ? r->top_logprobs : -1;
-    return TDM_OK;
+    return parse_logprob_ids(root, r, m, e);
 }
 
 // The most logprobs a request may ask: --max-logprobs, else vLLM's default 20.
@@ -1404,6 +1453,7 @@ void tdm_oai_request_fini(struct tdm_oai_request *req)
     free(req->cache_salt);
     free(req->constraint_text);
     free(req->allowed_token_ids);
+    free(req->logprob_token_ids);
     for (size_t i = 0; i < req->n_bad_words; i++)
         free(req->bad_words[i]);
     free(req->bad_words);

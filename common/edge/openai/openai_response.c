@@ -230,6 +230,13 @@ static bool add_chat_logprobs(cJSON *obj, const struct tdm_oai_choice *c)
         if (!tops)
             return false;
         for (int k = 0; k < t->num_top; k++) {
+            // Each token once: with logprob_token_ids the chosen token leads
+            // the list and may be one of the ids too (vLLM lists it once).
+            int j = 0;
+            while (j < k && t->top[j].id != t->top[k].id)
+                j++;
+            if (j < k)
+                continue;
             cJSON *alt = cJSON_CreateObject();
             if (!alt || !cJSON_AddItemToArray(tops, alt)) {
                 cJSON_Delete(alt);

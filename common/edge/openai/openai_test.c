@@ -597,6 +597,64 @@ static void test_allowed_ids_and_bad_words(void **state)
                  "Too many bad words after tokenization: 129. The max number is 128.");
 }
 
+// logprob_token_ids: the ids lent to the sampling params, which then ask the
+// chosen token's logprob (0) whatever top_logprobs/logprobs said; vLLM's
+// checks and messages.
+static void test_logprob_token_ids(void **state)
+{
+    (void)state;
+    const enum tdm_oai_kind C = TDM_OAI_COMPLETION, H = TDM_OAI_CHAT;
+    struct tdm_oai_request r;
+    struct tdm_oai_error e;
+    assert_int_equal(
+        parse(&r, C, "{\"prompt\":\"x\",\"logprobs\":5,\"logprob_token_ids\":[7,999,7]}", &e),
+        TDM_OK);
+    assert_int_equal(r.sampling.num_logprob_token_ids, 3);
+    assert_ptr_equal(r.sampling.logprob_token_ids, r.logprob_token_ids);
+    assert_int_equal(r.logprob_token_ids[1], 999);
+    assert_int_equal(r.sampling.logprobs, 0);
+    assert_int_equal(tdm_sampling_top_entries(&r.sampling), 3);
+    tdm_oai_request_fini(&r);
+    assert_int_equal(
+        parse(&r, C, "{\"prompt\":\"x\",\"logprobs\":0,\"logprob_token_ids\":[1]}", &e), TDM_OK);
+    tdm_oai_request_fini(&r);
+    const char *chat = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":true,"
+                       "\"logprob_token_ids\":[3]}";
+    assert_int_equal(parse(&r, H, chat, &e), TDM_OK);
+    assert_int_equal(r.sampling.num_logprob_token_ids, 1);
+    assert_int_equal(r.sampling.logprobs, 0);
+    tdm_oai_request_fini(&r);
+
+    expect_error(
+        H, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprob_token_ids\":[3]}", 400,
+        "logprob_token_ids", "when using `logprob_token_ids`, `logprobs` must be set to true.");
+    expect_error(C, "{\"prompt\":\"x\",\"logprob_token_ids\":[3]}", 400, "logprob_token_ids",
+                 "when using `logprob_token_ids`, `logprobs` must be set.");
+    expect_error(C, "{\"prompt\":\"x\",\"logprobs\":1,\"logprob_token_ids\":[]}", 400,
+                 "logprob_token_ids", "`logprob_token_ids` must not be an empty list.");
+    expect_error(C, "{\"prompt\":\"x\",\"logprobs\":1,\"logprob_token_ids\":[1,1000]}", 400,
+                 "logprob_token_ids",
+                 "token_id(s) [1000] in logprob_token_ids contain out-of-vocab token ids. "
+                 "Vocabulary size: 1000");
+    expect_error(C, "{\"prompt\":\"x\",\"logprobs\":1,\"logprob_token_ids\":[\"a\"]}", 400,
+                 "logprob_token_ids", "only integers");
+    expect_error(C, "{\"prompt\":\"x\",\"logprobs\":1,\"logprob_token_ids\":5}", 400,
+                 "logprob_token_ids", "valid list");
+    expect_error(C,
+                 "{\"prompt\":\"x\",\"echo\":true,\"max_tokens\":0,\"logprobs\":1,"
+                 "\"logprob_token_ids\":[2]}",
+                 400, "logprob_token_ids",
+                 "`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
+                 "no output tokens are generated.");
+    char big[1024] = "{\"prompt\":\"x\",\"logprobs\":1,\"logprob_token_ids\":[";
+    for (int i = 0; i <= TDM_MAX_LOGPROB_TOKEN_IDS; i++)
+        strcat(big, i ? ",1" : "1");
+    strcat(big, "]}");
+    expect_error(C, big, 400, "logprob_token_ids",
+                 "Requested logprob_token_ids of length 129, which is greater than max allowed: "
+                 "128");
+}
+
 static void test_unsupported_noop_values_accepted(void **state)
 {
     (void)state;
@@ -1607,6 +1665,7 @@ int main(void)
         cmocka_unit_test(test_validation_errors),
         cmocka_unit_test(test_unsupported_noop_values_accepted),
         cmocka_unit_test(test_allowed_ids_and_bad_words),
+        cmocka_unit_test(test_logprob_token_ids),
         cmocka_unit_test(test_chat_template_kwargs),
         cmocka_unit_test(test_max_logprobs),
         cmocka_unit_test(test_prompt_logprobs_accepted),

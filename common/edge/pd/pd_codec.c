@@ -75,6 +75,10 @@ void tdm_pd_sampling_to_proto(const struct tdm_sampling_params *p, struct tdm_pd
         m->n_allowed_token_ids = (size_t)p->num_allowed_token_ids;
         m->allowed_token_ids = (int32_t *)(uintptr_t)p->allowed_token_ids;
     }
+    if (p->num_logprob_token_ids > 0) {
+        m->n_logprob_token_ids = (size_t)p->num_logprob_token_ids;
+        m->logprob_token_ids = (int32_t *)(uintptr_t)p->logprob_token_ids;
+    }
     if (p->num_bad_words > 0) {
         size_t total = 0;
         for (int i = 0; i < p->num_bad_words; i++)
@@ -131,10 +135,13 @@ int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampl
     }
     // Borrowed from m; the engine checks the ids and the words' lengths.
     if (m->n_allowed_token_ids > INT32_MAX || m->n_bad_word_lens > TDM_MAX_BAD_WORDS ||
-        m->n_bad_word_ids > TDM_MAX_BAD_WORD_TOKENS)
+        m->n_bad_word_ids > TDM_MAX_BAD_WORD_TOKENS ||
+        m->n_logprob_token_ids > TDM_MAX_LOGPROB_TOKEN_IDS)
         return tdm_seterr(err, errlen, TDM_EPROTO,
-                          "allowed_token_ids or bad words: %zu ids, %zu words of %zu tokens",
-                          m->n_allowed_token_ids, m->n_bad_word_lens, m->n_bad_word_ids);
+                          "allowed_token_ids, bad words or logprob_token_ids: %zu ids, %zu words "
+                          "of %zu tokens, %zu logprob ids",
+                          m->n_allowed_token_ids, m->n_bad_word_lens, m->n_bad_word_ids,
+                          m->n_logprob_token_ids);
     size_t total = 0;
     for (size_t i = 0; i < m->n_bad_word_lens; i++)
         total +=
@@ -148,6 +155,8 @@ int tdm_pd_sampling_from_proto(const Tandem__SamplingParams *m, struct tdm_sampl
     out->bad_word_ids = m->bad_word_ids;
     out->bad_word_lens = m->bad_word_lens;
     out->num_bad_words = (int)m->n_bad_word_lens;
+    out->logprob_token_ids = m->logprob_token_ids;
+    out->num_logprob_token_ids = (int)m->n_logprob_token_ids;
     return TDM_OK;
 }
 

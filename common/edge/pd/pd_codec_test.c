@@ -52,6 +52,9 @@ static void test_sampling_round_trip(void **state)
     p.bad_word_ids = bad_ids;
     p.bad_word_lens = bad_lens;
     p.num_bad_words = 3;
+    const int32_t lp_ids[2] = {11, 4};
+    p.logprob_token_ids = lp_ids;
+    p.num_logprob_token_ids = 2;
     struct tdm_pd_sampling_msg *sm = malloc(sizeof *sm);
     tdm_pd_sampling_to_proto(&p, sm);
     size_t n = protobuf_c_message_get_packed_size(&sm->msg.base);
@@ -81,6 +84,14 @@ static void test_sampling_round_trip(void **state)
     assert_int_equal(q.num_bad_words, 3);
     assert_memory_equal(q.bad_word_lens, bad_lens, sizeof bad_lens);
     assert_memory_equal(q.bad_word_ids, bad_ids, sizeof bad_ids);
+    assert_int_equal(q.num_logprob_token_ids, 2);
+    assert_memory_equal(q.logprob_token_ids, lp_ids, sizeof lp_ids);
+    // More logprob_token_ids than a request may ask are refused.
+    size_t saved_n = m->n_logprob_token_ids;
+    m->n_logprob_token_ids = TDM_MAX_LOGPROB_TOKEN_IDS + 1;
+    assert_int_equal(tdm_pd_sampling_from_proto(m, &q, err, sizeof err), TDM_EPROTO);
+    assert_non_null(strstr(err, "logprob ids"));
+    m->n_logprob_token_ids = saved_n;
 
     // Bad words whose lengths do not add up to the ids sent are refused.
     m->bad_word_lens[2] = 3;

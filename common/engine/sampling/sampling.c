@@ -76,6 +76,8 @@ struct tdm_sampler {
     int n_toks, cap_toks;
     bool toks_lost;
     uint64_t *allow; // [words] allowed_token_ids' bitmap; NULL: every token
+    int32_t *lp_ids; // [n_lp_ids] logprob_token_ids, each once, in request order; NULL: none
+    int n_lp_ids;
     // bad_words (copies): word i is bad_lens[i] ids of bad_ids after words
     // 0 .. i-1. The last bad_pre output tokens (the longest word's prefix)
     // in a ring, token number k (from 0) at bad_hist[k % bad_pre]; hist_n
@@ -172,6 +174,21 @@ int tdm_sampling_params_validate(const struct tdm_sampling_params *p, int vocab_
                               "allowed_token_ids contains out-of-vocab token id %d (vocabulary "
                               "[0, %d))",
                               (int)p->allowed_token_ids[i], vocab_size);
+    if (p->num_logprob_token_ids < 0 || p->num_logprob_token_ids > TDM_MAX_LOGPROB_TOKEN_IDS)
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "Requested logprob_token_ids of length %d, which is greater than max "
+                          "allowed: %d",
+                          p->num_logprob_token_ids, TDM_MAX_LOGPROB_TOKEN_IDS);
+    if (p->num_logprob_token_ids > 0 && (!p->logprob_token_ids || p->logprobs < 0))
+        return tdm_seterr(err, errlen, TDM_EINVAL,
+                          "logprob_token_ids: %d ids without their array or with logprobs off",
+                          p->num_logprob_token_ids);
+    for (int i = 0; i < p->num_logprob_token_ids; i++)
+        if (p->logprob_token_ids[i] < 0 || p->logprob_token_ids[i] >= vocab_size)
+            return tdm_seterr(err, errlen, TDM_EINVAL,
+                              "token_id(s) [%d] in logprob_token_ids contain out-of-vocab token "
+                              "ids. Vocabulary size: %d",
+                              (int)p->logprob_token_ids[i], vocab_size);
     if (p->num_bad_words < 0 || p->num_bad_words > TDM_MAX_BAD_WORDS)
         return tdm_seterr(err, errlen, TDM_EINVAL,
                           "Too many bad words after tokenization: %d. The max number is %d.",
@@ -272,6 +289,32 @@ static void toks_insert(struct tdm_sampler *s, int32_t t)
     s->n_toks++;
 }
 
+// ids[0..n) without repeats, first occurrences in order, into out; returns
+// their count (n <= TDM_MAX_LOGPROB_TOKEN_IDS: a quadratic scan is fine).
+static int distinct_ids(const int32_t *ids, int n, int32_t *out)
+{
+    int m = 0;
+    for (int i = 0; i < n; i++) {
+        int j = 0;
+        while (j < m && out[j] != ids[i])
+            j++;
+        if (j == m)
+            out[m++] = ids[i];
+    }
+    return m;
+}
+
+int tdm_sampling_top_entries(const struct tdm_sampling_params *p)
+{
+    if (p->num_logprob_token_ids > 0 && p->logprob_token_ids) {
+        int32_t tmp[TDM_MAX_LOGPROB_TOKEN_IDS];
+        int n = p->num_logprob_token_ids < TDM_MAX_LOGPROB_TOKEN_IDS ? p->num_logprob_token_ids
+                                                                     : TDM_MAX_LOGPROB_TOKEN_IDS;
+        return 1 + distinct_ids(p->logprob_token_ids, n, tmp);
+    }
+    return p->logprobs > 0 ? p->logprobs : 0;
+}
+
 int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *p, int vocab_size,
                     const int32_t *prompt, size_t n_prompt, const int32_t *eos_ids, int num_eos)
 {
@@ -367,8 +410,15 @@ int tdm_sampler_new(struct tdm_sampler **out, const struct tdm_sampling_params *
         memcpy(s->bad_lens, p->bad_word_lens, (size_t)p->num_bad_words * sizeof *s->bad_lens);
         s->n_bad = p->num_bad_words;
     }
+    if (p->num_logprob_token_ids > 0) {
+        s->lp_ids = malloc((size_t)p->num_logprob_token_ids * sizeof *s->lp_ids);
+        if (!s->lp_ids)
+            goto fail;
+        s->n_lp_ids = distinct_ids(p->logprob_token_ids, p->num_logprob_token_ids, s->lp_ids);
+    }
     // The copies are the sampler's: the borrowed arrays may go.
     s->p.allowed_token_ids = NULL;
+    s->p.logprob_token_ids = NULL;
     s->p.bad_word_ids = s->p.bad_word_lens = NULL;
     if (p->logprobs >= 0) {
         s->raw = malloc(v * sizeof(float));
@@ -401,6 +451,7 @@ void tdm_sampler_free(struct tdm_sampler *s)
     free(s->out_count);
     free(s->toks);
     free(s->allow);
+    free(s->lp_ids);
     free(s->bad_ids);
     free(s->bad_lens);
     free(s->bad_hist);
@@ -705,10 +756,26 @@ void tdm_logprobs_of_row(const float *raw, int vocab, int32_t token, int k,
     }
 }
 
-// log-softmax of the raw logits: the chosen token's value and the top N.
+// log-softmax of the raw logits: the chosen token's value and the top N, or
+// with logprob_token_ids the chosen token and the listed ids (vLLM's order:
+// the sampled token's column first, then the ids as asked).
 static void fill_logprobs(const struct tdm_sampler *s, int32_t token, struct tdm_sample_result *res)
 {
-    tdm_logprobs_of_row(s->raw, s->vocab_size, token, s->p.logprobs, res, NULL);
+    if (!s->lp_ids) {
+        tdm_logprobs_of_row(s->raw, s->vocab_size, token, s->p.logprobs, res, NULL);
+        return;
+    }
+    size_t v = (size_t)s->vocab_size;
+    float lmax;
+    (void)tdm_sampling_argmax(s->raw, v, &lmax);
+    double lse = (double)lmax + log(tdm_sampling_sum_exp(s->raw, v, lmax));
+    res->token = token;
+    res->logprob = (float)((double)s->raw[token] - lse);
+    res->top[0] = (struct tdm_token_logprob){token, res->logprob};
+    for (int i = 0; i < s->n_lp_ids; i++)
+        res->top[1 + i] =
+            (struct tdm_token_logprob){s->lp_ids[i], (float)((double)s->raw[s->lp_ids[i]] - lse)};
+    res->num_top = 1 + s->n_lp_ids;
 }
 
 static void record(struct tdm_sampler *s, int32_t token)
@@ -867,7 +934,7 @@ static struct tdm_draw_adj ahead_entry(const struct tdm_sampler *s, const struct
 // an entry for nearly every token.
 static bool drawable(const struct tdm_sampler *s)
 {
-    return s->bias_unique && !s->toks_lost && s->allow == NULL;
+    return s->bias_unique && !s->toks_lost && s->allow == NULL && s->lp_ids == NULL;
 }
 
 // A draw's parameters at output index `generated`, without its entries.

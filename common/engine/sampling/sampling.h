@@ -17,6 +17,11 @@
 #define TDM_MAX_STOP_IDS 32
 #define TDM_MAX_LOGIT_BIAS 300
 #define TDM_MAX_LOGPROBS 20
+// vLLM's logprob_token_ids: at most this many ids a request (MAX_LOGPROB_TOKEN_IDS).
+#define TDM_MAX_LOGPROB_TOKEN_IDS 128
+// Entries a token's top list may hold: the top-N, or with logprob_token_ids the
+// chosen token and the listed ids.
+#define TDM_MAX_TOP_ENTRIES (1 + TDM_MAX_LOGPROB_TOKEN_IDS)
 // bad_words after tokenization: vLLM's VLLM_MAX_NUM_BAD_WORDS token sequences
 // a request, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS tokens in all.
 #define TDM_MAX_BAD_WORDS 128
@@ -69,7 +74,19 @@ struct tdm_sampling_params {
     const int32_t *bad_word_ids;
     const int32_t *bad_word_lens;
     int num_bad_words;
+    // vLLM's logprob_token_ids: when num_logprob_token_ids > 0 (logprobs >= 0
+    // then), a token's top list is the chosen token and then these ids, each
+    // once, in this order (tdm_sampling_top_entries of them), with their raw
+    // logprobs, instead of the top-N. Its rows are sampled on the host.
+    // BORROWED; the sampler keeps its own copy.
+    const int32_t *logprob_token_ids;
+    int num_logprob_token_ids;
 };
+
+// Entries of each token's top list under p: 1 + the distinct logprob_token_ids
+// when there are any (the chosen token is listed once more when it is one of
+// them: one length for every token), else max(logprobs, 0).
+int tdm_sampling_top_entries(const struct tdm_sampling_params *p);
 
 // vLLM's fallbacks (temperature 1, top_p 1, top_k off, min_p 0, penalties off, logprobs -1).
 void tdm_sampling_params_default(struct tdm_sampling_params *p);
@@ -86,8 +103,8 @@ struct tdm_token_logprob {
 struct tdm_sample_result {
     int32_t token;
     float logprob;             // of the chosen token
-    int num_top;               // = params.logprobs when >= 0
-    struct tdm_token_logprob top[TDM_MAX_LOGPROBS];
+    int num_top;               // tdm_sampling_top_entries(params)
+    struct tdm_token_logprob top[TDM_MAX_TOP_ENTRIES];
 };
 
 // Prompt logprobs (vLLM's prompt_logprobs; completions echo with logprobs):

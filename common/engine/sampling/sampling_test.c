@@ -1744,6 +1744,83 @@ static void test_allowed_token_ids(void **state)
     expect_invalid(&p, "allowed_token_ids");
 }
 
+// logprob_token_ids: each token's top list is the chosen token, then the ids
+// once each in request order, with the raw row's log-softmax (what the top-N
+// path gives the same ids), one length for every token (the chosen token is
+// listed again when it is an id); such rows are not drawn on a device; and
+// vLLM's bounds and messages.
+static void test_logprob_token_ids(void **state)
+{
+    (void)state;
+    enum { V = 300 };
+    static float master[V], work[V];
+    const int32_t ids[5] = {77, 5, 77, 299, 130};
+    random_logits(master, V, 4.0f);
+    master[130] = 40.0f; // greedy picks 130, an id
+    struct tdm_sampling_params p;
+    tdm_sampling_params_default(&p);
+    p.temperature = 0.0f;
+    p.repetition_penalty = 1.3f; // the logprobs stay those of the raw row
+    p.logprobs = 0;
+    p.logprob_token_ids = ids;
+    p.num_logprob_token_ids = 5;
+    assert_int_equal(tdm_sampling_top_entries(&p), 5); // 1 + {77, 5, 299, 130}
+    struct tdm_sampler *s = make(&p, V);
+    struct tdm_draw_params d;
+    struct tdm_draw_adj adj[8];
+    assert_int_equal(tdm_sampler_draw_prepare(s, &d, adj, 8), -1); // host-sampled
+    // The reference: every token's raw log-softmax, through the top-N path.
+    struct tdm_sample_result ref;
+    tdm_logprobs_of_row(master, V, 0, 0, &ref, NULL);
+    double lse = (double)master[0] - (double)ref.logprob;
+    for (int step = 0; step < 2; step++) {
+        struct tdm_sample_result res;
+        memcpy(work, master, sizeof master);
+        int32_t tok = tdm_sampler_sample(s, work, &res);
+        assert_int_equal(res.num_top, 5);
+        assert_int_equal(res.top[0].token, tok);
+        assert_true(res.top[0].logprob == res.logprob);
+        const int32_t want[4] = {77, 5, 299, 130};
+        for (int i = 0; i < 4; i++) {
+            assert_int_equal(res.top[1 + i].token, want[i]);
+            double lp = (double)master[want[i]] - lse;
+            if (fabs(res.top[1 + i].logprob - lp) > 1e-4)
+                fail_msg("id %d: logprob %g, want %g", want[i], res.top[1 + i].logprob, lp);
+        }
+        assert_true(fabs(res.logprob - ((double)master[tok] - lse)) < 1e-4);
+        if (step == 0)
+            assert_int_equal(tok, 130); // an id: listed first and again last
+    }
+    tdm_sampler_free(s);
+
+    // Without ids: the top-N count as before.
+    p.num_logprob_token_ids = 0;
+    p.logprobs = 3;
+    assert_int_equal(tdm_sampling_top_entries(&p), 3);
+    p.logprobs = -1;
+    assert_int_equal(tdm_sampling_top_entries(&p), 0);
+
+    int32_t many[TDM_MAX_LOGPROB_TOKEN_IDS + 1];
+    for (int i = 0; i <= TDM_MAX_LOGPROB_TOKEN_IDS; i++)
+        many[i] = i;
+    p.logprobs = 0;
+    p.logprob_token_ids = many;
+    p.num_logprob_token_ids = TDM_MAX_LOGPROB_TOKEN_IDS;
+    s = make(&p, V); // 128: taken
+    tdm_sampler_free(s);
+    p.num_logprob_token_ids = TDM_MAX_LOGPROB_TOKEN_IDS + 1;
+    expect_invalid(&p, "Requested logprob_token_ids of length 129, which is greater than max "
+                       "allowed: 128");
+    const int32_t outside[2] = {3, V};
+    p.logprob_token_ids = outside;
+    p.num_logprob_token_ids = 2;
+    expect_invalid(&p, "token_id(s) [300] in logprob_token_ids contain out-of-vocab token ids. "
+                       "Vocabulary size: 100"); // expect_invalid's vocabulary
+    p.logprob_token_ids = ids;
+    p.logprobs = -1;
+    expect_invalid(&p, "with logprobs off");
+}
+
 // vLLM's bad-words rule over the whole output, for the reference: the set of
 // last tokens of the words whose other tokens end out[0 .. n).
 static bool bad_banned(const int32_t *ids, const int32_t *lens, int n_words, const int32_t *out,
@@ -1918,6 +1995,7 @@ int main(void)
         cmocka_unit_test(test_simd_sampler_equal),
         cmocka_unit_test(test_plain_greedy),
         cmocka_unit_test(test_allowed_token_ids),
+        cmocka_unit_test(test_logprob_token_ids),
         cmocka_unit_test(test_bad_words),
         cmocka_unit_test(test_process_seed), // last: it leaves the process seeded
     };
