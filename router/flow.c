@@ -19,10 +19,11 @@
 #define POLL_S 0.05
 // Dispatch retries from polls at most this often (each costs a registry snapshot).
 #define POLL_DISPATCH_S 0.01
-// A token not given back within this long is taken as given back (a holder
-// that routes takes microseconds; this only keeps a lost token from stalling
-// the queue).
-#define TOKEN_MAX_S 2.0
+// A token not given back within this long is taken as given back: a holder
+// routes and sends in microseconds, but a send to a worker that stopped
+// reading may block for its timeout, and the queue must not wait that long
+// (the holder's late give-back is then ignored: token_gen).
+#define TOKEN_MAX_S 0.25
 
 enum item_state { QUEUED, DISPATCHED, EVICTED };
 
