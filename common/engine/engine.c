@@ -228,6 +228,7 @@ struct tdm_engine {
     uint64_t ahead_marks; // schedule_ahead's calls (a request's ahead_mark)
     bool async;
     uint64_t async_steps;
+    uint64_t ahead_refused;      // steps ahead_step allowed whose schedule_ahead found none
     struct tdm_batch_seq *batch; // [max_num_seqs]
     float *logits;               // [max_num_seqs][vocab]
     // One step's plain samples (sample_rows): taken by the backend's host
@@ -787,6 +788,7 @@ static void publish_stats(struct tdm_engine *e)
     tdm_metrics_counter_add(e->cfg.steps_ahead, (double)(e->async_steps - s->num_async_steps));
     tdm_metrics_counter_add(e->cfg.list_rows, (double)(e->list_rows - s->num_device_list_rows));
     s->num_async_steps = e->async_steps;
+    s->num_ahead_refused = e->ahead_refused;
     s->num_device_list_rows = e->list_rows;
     s->num_finished = e->finished;
     s->num_masks = e->num_masks;
@@ -1891,6 +1893,10 @@ static bool ahead_row(const struct sched_item *it)
         return false;
     if (!it->logits)
         return true;
+    // A drawn row whose next draw cannot be prepared before this token is
+    // known (a bad word of two tokens or more) waits for it.
+    if (it->drawn && !tdm_sampler_draw_ahead_ok(r->sampler))
+        return false;
     return it->fused && !r->spec_ok && (r->gm == NULL || it->drawn) && r->n_gen + 2 <= r->max_gen;
 }
 
@@ -2033,12 +2039,14 @@ static void step_wait_finish(struct tdm_engine *e, int n, int rc)
 static void step_ahead(struct tdm_engine *e)
 {
     int adj_used, n = 0;
-    if (ahead_step(e, e->fl_items, e->fl_n)) {
+    bool tried = ahead_step(e, e->fl_items, e->fl_n);
+    if (tried) {
         int prev = phase_enter(e, TDM_ENGINE_PHASE_SCHEDULE);
         n = schedule_ahead(e, &adj_used);
         phase_enter(e, prev);
     }
     if (n == 0) {
+        e->ahead_refused += tried;
         finish_inflight(e, TDM_OK);
         return;
     }

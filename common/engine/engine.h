@@ -459,6 +459,9 @@ struct tdm_engine_stats {
                                         // (TDM_LOGITS_DRAW_ALL: their logits stay there)
     uint64_t num_async_steps;           // steps issued while the step before them was still
                                         // on the device (async scheduling)
+    uint64_t num_ahead_refused;         // steps in flight whose successor was built ahead and
+                                        // then refused (a block, a draw not preparable):
+                                        // wasted scheduling, the step waited for instead
     uint64_t num_device_list_rows;      // drawn rows whose penalties' entries the device kept
                                         // from the step before (no upload: a device list)
     uint64_t num_finished; // requests finished (any reason)

@@ -675,6 +675,7 @@ static void test_device_token_masks(void **state)
     // one-token word alone (its rows go ahead), then allowed_token_ids (a
     // host-sampled row keeps every step from going ahead).
     static const int phase[3][2] = {{1, 3}, {0, 1}, {3, 4}};
+    struct tdm_engine_stats s;
     for (int k = 0; k < 3; k++) {
         int lo = phase[k][0], hi = phase[k][1];
         for (int i = lo; i < hi; i++)
@@ -687,8 +688,13 @@ static void test_device_token_masks(void **state)
                 fail_msg("request %d: the engine's tokens differ from the runner's", i);
             tdm_engine_request_release(rs[i]);
         }
+        // No step was built ahead only to find a draw it could not prepare
+        // (the two-token words' rows are known to wait for their tokens).
+        wait_idle_stats(e, &s);
+        printf("phase %d: steps ahead %llu, refused %llu\n", k,
+               (unsigned long long)s.num_async_steps, (unsigned long long)s.num_ahead_refused);
+        assert_int_equal(s.num_ahead_refused, 0);
     }
-    struct tdm_engine_stats s;
     wait_idle_stats(e, &s);
     printf("device-drawn tokens %llu, device list rows %llu, steps ahead %llu\n",
            (unsigned long long)s.num_device_drawn_tokens,

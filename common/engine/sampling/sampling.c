@@ -1064,6 +1064,11 @@ void tdm_sampler_draw_logprobs(const struct tdm_draw_logprobs *lp, int32_t token
             (struct tdm_token_logprob){.token = lp->top_token[j], .logprob = lp->top_logprob[j]};
 }
 
+bool tdm_sampler_draw_ahead_ok(const struct tdm_sampler *s)
+{
+    return drawable(s) && s->bad_pre == 0;
+}
+
 int tdm_sampler_draw_list_params(const struct tdm_sampler *s, struct tdm_draw_params *d,
                                  int n_pending)
 {

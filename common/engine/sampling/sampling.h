@@ -225,6 +225,12 @@ int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_
 // yet), or prev_row < 0.
 int tdm_sampler_draw_prepare_pending(const struct tdm_sampler *s, struct tdm_draw_params *d,
                                      struct tdm_draw_adj *adj, int cap, int prev_row);
+// Whether tdm_sampler_draw_prepare_pending can prepare this sampler's next
+// draw before the token before it is known: its rows are drawable on a device
+// and no bad word of two tokens or more may ban after that token. The engine
+// asks it before issuing a step ahead (instead of building the step and
+// finding the draw refused).
+bool tdm_sampler_draw_ahead_ok(const struct tdm_sampler *s);
 // The parameters of the draw n_pending (0 or 1) tokens after the history,
 // as tdm_sampler_draw_prepare(_pending) gives them, without its entries
 // (n_adj 0): a row whose entries a device keeps from the step before

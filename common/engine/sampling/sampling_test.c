@@ -1769,6 +1769,7 @@ static void test_logprob_token_ids(void **state)
     struct tdm_draw_params d;
     struct tdm_draw_adj adj[8];
     assert_int_equal(tdm_sampler_draw_prepare(s, &d, adj, 8), -1); // host-sampled
+    assert_false(tdm_sampler_draw_ahead_ok(s));
     // The reference: every token's raw log-softmax, through the top-N path.
     struct tdm_sample_result ref;
     tdm_logprobs_of_row(master, V, 0, 0, &ref, NULL);
@@ -1916,6 +1917,7 @@ static void test_bad_words(void **state)
         // before: not known for a pending row, nor kept in a list.
         assert_int_equal(tdm_sampler_draw_prepare_pending(s, &d, adj, CAP, 0), -1);
         assert_int_equal(tdm_sampler_draw_list_params(s, &d, 0), -1);
+        assert_false(tdm_sampler_draw_ahead_ok(s)); // the engine asks before a step ahead
         memcpy(work, master, sizeof master);
         int32_t got_tok = tdm_sampler_sample(s, work, NULL);
         if (got_tok != want)
@@ -1946,6 +1948,7 @@ static void test_bad_words(void **state)
     assert_int_equal(adj[1].token, 12);
     assert_true(adj[2].flags & TDM_DRAW_ADJ_PENDING);
     assert_int_equal(tdm_sampler_draw_list_params(s, &d, 1), 0);
+    assert_true(tdm_sampler_draw_ahead_ok(s));
     tdm_sampler_free(s);
 
     // Validation: vLLM's messages.
