@@ -1347,6 +1347,24 @@ static int forward_wait(struct tdm_engine *e)
     return rc;
 }
 
+// allowed_token_ids (the sampler's 64-bit words) into row b's allow bitmap
+// (32-bit words, bits past the vocabulary clear), or ANDed into one a grammar
+// filled.
+static void allow_fill(struct tdm_engine *e, int b, const struct tdm_sampler *s)
+{
+    const uint64_t *bits = tdm_sampler_allow_bits(s);
+    uint32_t *a = e->allow + (size_t)b * e->allow_words;
+    for (size_t w = 0; w < e->allow_words; w++)
+        a[w] = (uint32_t)(bits[w / 2] >> (32 * (w % 2)));
+}
+
+static void allow_and(struct tdm_engine *e, uint32_t *a, const struct tdm_sampler *s)
+{
+    const uint64_t *bits = tdm_sampler_allow_bits(s);
+    for (size_t w = 0; bits && w < e->allow_words; w++)
+        a[w] &= (uint32_t)(bits[w / 2] >> (32 * (w % 2)));
+}
+
 static void choose_hook(void *arg)
 {
     struct tdm_engine *e = arg;
@@ -1392,6 +1410,7 @@ static void choose_hook(void *arg)
             else
                 a[t / 32] &= ~(1u << (t % 32));
         }
+        allow_and(e, a, r->sampler); // and allowed_token_ids, where given
     }
 }
 
@@ -1592,6 +1611,8 @@ static bool verify_prepare(struct tdm_engine *e, struct sched_item *it, int *use
     struct tdm_engine_request *r = it->r;
     const int32_t *draft = r->hist + r->n_tokens;
     int at = *used;
+    if (tdm_sampler_allow_bits(r->sampler) != NULL)
+        return false; // a verification's draws take no allow bitmap
     for (int j = 0; j <= r->n_draft; j++)
         if (!adj_prepare(e, r->sampler, &e->vdraw[*v_used + j], draft, j, -1, &at))
             return false;
@@ -1694,9 +1715,12 @@ static int step_issue(struct tdm_engine *e, int n_items, int adj_used)
         if (e->items[b].verify_drawn)
             e->batch[b].adj = e->adj;
         if (e->items[b].drawn) {
+            struct tdm_engine_request *r = e->items[b].r;
             e->batch[b].adj = e->adj + e->items[b].adj_off;
-            if (e->items[b].r->gm && e->allow)
+            if ((r->gm || tdm_sampler_allow_bits(r->sampler)) && e->allow)
                 e->batch[b].allow = e->allow + (size_t)b * e->allow_words;
+            if (!r->gm && e->batch[b].allow) // allowed_token_ids alone: static
+                allow_fill(e, b, r->sampler);
         }
     }
     // Masks of the constrained sequences that sample this step: computed on
@@ -2493,13 +2517,16 @@ int tdm_engine_new(struct tdm_engine **out, struct tdm_model *model,
     e->fused_argmax = tdm_model_fused_argmax(model);
     e->device_sampling = tdm_model_device_sampling(model) && !cfg.host_sampling;
     e->async = tdm_model_forward_async(model) && !cfg.sync_scheduling;
-    if (e->device_sampling && cfg.grammar_vocab) {
+    if (e->device_sampling) {
+        // Drawn rows' allow bitmaps: structured-output masks (filled by the
+        // choose hook) and allowed_token_ids (filled at issue).
         e->allow_words = ((size_t)mc->vocab_size + 31) / 32;
         e->allow = calloc((size_t)cfg.max_num_seqs * e->allow_words, sizeof *e->allow);
-        if (e->allow == NULL) { // constrained rows then sample on the host
-            TDM_LOG_WARN(MOD, "no memory for device masks: constrained rows sample on the host");
+        if (e->allow == NULL) { // such rows then sample on the host
+            TDM_LOG_WARN(MOD, "no memory for device masks: constrained rows and "
+                              "allowed_token_ids sample on the host");
             e->allow_words = 0;
-        } else {
+        } else if (cfg.grammar_vocab) {
             tdm_model_set_choose_hook(model, choose_hook, e);
         }
     }
@@ -2885,6 +2912,8 @@ int tdm_engine_submit(struct tdm_engine *e, const struct tdm_engine_request_para
             goto fail_request;
     }
     rc = tdm_sampler_new(&r->sampler, &p->sampling, e->vocab, p->prompt, n_own, eos, num_eos);
+    if (rc == TDM_OK) // drawn rows take allowed_token_ids as their allow bitmap (step_issue)
+        tdm_sampler_set_device_allow(r->sampler, e->allow != NULL);
     if (rc != TDM_OK) {
         rc = tdm_seterr(err, errlen, rc, "req=%s: sampler: %s", id, tdm_strerror(rc));
         goto fail_request;

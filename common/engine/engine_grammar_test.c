@@ -483,14 +483,18 @@ static void test_stop_when_done_and_length(void **state)
 // computed by the mask threads while the layers run, go to the device with
 // the row (the choose hook) and the tokens equal those of the same engine
 // sampling every row on the host from the same logits, seed for seed: a
-// schema, a regex, a choice, greedy and with penalties, in one batch.
+// schema, a regex, a choice, greedy and with penalties, in one batch; and
+// two requests of the regex [ab]{6} and one seed with allowed_token_ids
+// (every token without a 'b', every token without an 'a'), whose bitmaps are
+// ANDed into the grammar's: "aaaaaa" and "bbbbbb", on the device as on the
+// host (without the AND both would draw the same text).
 static void test_device_masks(void **state)
 {
     (void)state;
     char err[256];
     struct tdm_model *dm = tdm_test_emu_model(model_dir, 16);
     assert_true(tdm_model_device_sampling(dm));
-    enum { N = 6 };
+    enum { N = 8 };
     static const struct {
         enum tdm_constraint_kind kind;
         const char *text;
@@ -502,7 +506,27 @@ static void test_device_masks(void **state)
         {TDM_CONSTRAINT_REGEX, regex_text, 0.0f, 1.0f},
         {TDM_CONSTRAINT_JSON_SCHEMA, nested_schema, 0.7f, 1.1f},
         {TDM_CONSTRAINT_NONE, NULL, 0.9f, 1.0f},
+        {TDM_CONSTRAINT_REGEX, "[ab]{6}", 0.9f, 1.0f},
+        {TDM_CONSTRAINT_REGEX, "[ab]{6}", 0.9f, 1.0f},
     };
+    // Requests 6 and 7's allowed_token_ids: the tokens without a 'b', without an 'a'.
+    static const char *const want[2] = {"aaaaaa", "bbbbbb"};
+    int nv = tdm_tok_vocab_size(tok);
+    int32_t *only[2];
+    int n_only[2] = {0, 0};
+    for (int c = 0; c < 2; c++) {
+        only[c] = malloc((size_t)nv * sizeof *only[c]);
+        assert_non_null(only[c]);
+        for (int32_t t = 0; t < nv; t++) {
+            char *s = NULL;
+            size_t sl = 0;
+            if (tdm_tok_decode(tok, &t, 1, false, &s, &sl) != TDM_OK)
+                continue;
+            if (!memchr(s, c ? 'a' : 'b', sl))
+                only[c][n_only[c]++] = t;
+            free(s);
+        }
+    }
     int32_t prompt[64];
     int np;
     prompt_of("Answer in JSON: the colour of", prompt, &np);
@@ -524,13 +548,17 @@ static void test_device_masks(void **state)
         // ahead (async scheduling), and the constrained ones arrive while
         // they do, admitted into a step built ahead, their first token drawn
         // there under its mask.
-        static const int order[N] = {5, 0, 1, 2, 3, 4};
+        static const int order[N] = {5, 0, 1, 2, 3, 4, 6, 7};
         for (int k = 0; k < N; k++) {
             int i = order[k];
             struct tdm_sampling_params sp;
-            constrained(&sp, reqs[i].kind, reqs[i].text, 900u + (uint64_t)i);
+            constrained(&sp, reqs[i].kind, reqs[i].text, i >= 6 ? 906u : 900u + (uint64_t)i);
             sp.temperature = reqs[i].temperature;
             sp.repetition_penalty = reqs[i].repetition;
+            if (i >= 6) {
+                sp.allowed_token_ids = only[i - 6];
+                sp.num_allowed_token_ids = n_only[i - 6];
+            }
             r[i] = tdm_test_submit(e, prompt, np, &sp, 40, TDM_ENGINE_REQ_GENERATE);
             struct tdm_engine_stats s0;
             for (int w = 0; k == 0 && w < 5000; w++) { // its first steps
@@ -560,6 +588,13 @@ static void test_device_masks(void **state)
             fail_msg("request %d: %d tokens (%s) drawn on the device, %d (%s) on the host", i, d->n,
                      tdm_finish_name(d->reason), h->n, tdm_finish_name(h->reason));
         assert_true(d->n > 0);
+    }
+    for (int c = 0; c < 2; c++) {
+        size_t len = 0;
+        char *t = text_of(&got[0][6 + c], &len);
+        assert_string_equal(t, want[c]);
+        free(t);
+        free(only[c]);
     }
     print_message("device masks: %llu tokens drawn on the device (%llu steps issued ahead), %llu "
                   "with host sampling\n",

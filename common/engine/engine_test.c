@@ -624,17 +624,19 @@ static void test_device_draw_matches_runner(void **state)
 // penalty (static bans: rows go ahead and keep a device list), a two-token
 // word with presence and frequency penalties (its bans follow the last
 // token: no row ahead, no list), a greedy two-token word (drawn, not the
-// fused argmax) and allowed_token_ids (its rows sampled on the host) give
-// the runner's tokens, which differ from the unconstrained ones; the three
-// bad-word requests' tokens are all drawn on the device.
+// fused argmax), allowed_token_ids (the row's allow bitmap on the device)
+// and allowed_token_ids with logprobs (sampled on the host: vLLM's logprobs
+// come from the row before the mask) give the runner's tokens, which differ
+// from the unconstrained ones; all but the last request's tokens are drawn
+// on the device.
 static void test_device_token_masks(void **state)
 {
     (void)state;
-    enum { N = 4, MT = 10 };
+    enum { N = 5, MT = 10 };
     struct tdm_model *dm = tdm_test_emu_model(model_dir, 32);
     struct tdm_engine *e = engine_make_on(dm, 128, 64, 8, 0, false, NULL);
     int32_t prompts[N][24], plain[N][MT], refs[N][MT], got[N][MT];
-    int32_t words[N][2], lens[N][1], allowed[3];
+    int32_t words[N][2], lens[N][1], allowed[2][3];
     struct tdm_sampling_params sp[N];
     struct tdm_engine_request *rs[N];
     for (int i = 0; i < N; i++) {
@@ -656,11 +658,13 @@ static void test_device_token_masks(void **state)
             words[i][1] = plain[i][i == 1 ? 3 : 2];
             lens[i][0] = 2;
         } else { // allowed: the first token not among them
-            allowed[0] = (plain[i][0] + 1) % vocab;
-            allowed[1] = plain[i][3];
-            allowed[2] = plain[i][5] != plain[i][0] ? plain[i][5] : (plain[i][0] + 2) % vocab;
-            sp[i].allowed_token_ids = allowed;
+            int32_t *al = allowed[i - 3];
+            al[0] = (plain[i][0] + 1) % vocab;
+            al[1] = plain[i][3];
+            al[2] = plain[i][5] != plain[i][0] ? plain[i][5] : (plain[i][0] + 2) % vocab;
+            sp[i].allowed_token_ids = al;
             sp[i].num_allowed_token_ids = 3;
+            sp[i].logprobs = i == 4 ? 2 : -1;
         }
         if (i < 3) {
             sp[i].bad_word_ids = words[i];
@@ -672,9 +676,9 @@ static void test_device_token_masks(void **state)
             fail_msg("request %d: the mask changed nothing", i);
     }
     // The two-token words together (their rows refuse to go ahead), the
-    // one-token word alone (its rows go ahead), then allowed_token_ids (a
-    // host-sampled row keeps every step from going ahead).
-    static const int phase[3][2] = {{1, 3}, {0, 1}, {3, 4}};
+    // one-token word alone (its rows go ahead), then allowed_token_ids (the
+    // host-sampled row keeps the steps it is in from going ahead).
+    static const int phase[3][2] = {{1, 3}, {0, 1}, {3, 5}};
     struct tdm_engine_stats s;
     for (int k = 0; k < 3; k++) {
         int lo = phase[k][0], hi = phase[k][1];
@@ -699,7 +703,7 @@ static void test_device_token_masks(void **state)
     printf("device-drawn tokens %llu, device list rows %llu, steps ahead %llu\n",
            (unsigned long long)s.num_device_drawn_tokens,
            (unsigned long long)s.num_device_list_rows, (unsigned long long)s.num_async_steps);
-    assert_int_equal(s.num_device_drawn_tokens, 3 * MT);
+    assert_int_equal(s.num_device_drawn_tokens, 4 * MT);
     assert_true(s.num_async_steps > 0 && s.num_device_list_rows > 0);
     tdm_engine_free(e);
     tdm_model_free(dm);

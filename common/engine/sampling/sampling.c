@@ -76,6 +76,7 @@ struct tdm_sampler {
     int n_toks, cap_toks;
     bool toks_lost;
     uint64_t *allow; // [words] allowed_token_ids' bitmap; NULL: every token
+    bool device_allow; // the caller's device draws apply allow as the row's allow bitmap
     int32_t *lp_ids; // [n_lp_ids] logprob_token_ids, each once, in request order; NULL: none
     int n_lp_ids;
     // bad_words (copies): word i is bad_lens[i] ids of bad_ids after words
@@ -930,11 +931,25 @@ static struct tdm_draw_adj ahead_entry(const struct tdm_sampler *s, const struct
 }
 
 // Whether a device can draw for s: a repeated bias token adds twice, a lost
-// token list cannot say the history's tokens, and allowed_token_ids would be
-// an entry for nearly every token.
+// token list cannot say the history's tokens, allowed_token_ids would be an
+// entry for nearly every token (unless the caller's draws take it as the
+// row's allow bitmap, and no logprobs are asked: vLLM's come from the row
+// before that mask, a device's after it), and logprob_token_ids are not among
+// the device's logprobs.
 static bool drawable(const struct tdm_sampler *s)
 {
-    return s->bias_unique && !s->toks_lost && s->allow == NULL && s->lp_ids == NULL;
+    return s->bias_unique && !s->toks_lost && s->lp_ids == NULL &&
+           (s->allow == NULL || (s->device_allow && s->p.logprobs < 0));
+}
+
+void tdm_sampler_set_device_allow(struct tdm_sampler *s, bool on)
+{
+    s->device_allow = on;
+}
+
+const uint64_t *tdm_sampler_allow_bits(const struct tdm_sampler *s)
+{
+    return s->allow;
 }
 
 // A draw's parameters at output index `generated`, without its entries.

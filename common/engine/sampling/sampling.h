@@ -225,6 +225,14 @@ int tdm_sampler_draw_prepare_ahead(const struct tdm_sampler *s, struct tdm_draw_
 // yet), or prev_row < 0.
 int tdm_sampler_draw_prepare_pending(const struct tdm_sampler *s, struct tdm_draw_params *d,
                                      struct tdm_draw_adj *adj, int cap, int prev_row);
+// allowed_token_ids as a bitmap over the vocabulary (bit t of word t / 64),
+// NULL without them. A caller whose device draws apply it as each row's
+// allow bitmap says so with tdm_sampler_set_device_allow(s, true): the draw
+// functions then prepare such rows (those not asking logprobs) instead of
+// refusing them. A draw that cannot take an allow bitmap (a speculative
+// verification's) must not be prepared for a sampler with allow bits.
+const uint64_t *tdm_sampler_allow_bits(const struct tdm_sampler *s);
+void tdm_sampler_set_device_allow(struct tdm_sampler *s, bool on);
 // Whether tdm_sampler_draw_prepare_pending can prepare this sampler's next
 // draw before the token before it is known: its rows are drawable on a device
 // and no bad word of two tokens or more may ban after that token. The engine
