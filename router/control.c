@@ -131,7 +131,8 @@ enum tdm_router_flow_outcome tdm_router_control_admit(struct tdm_router_control 
                                          .bytes = ask->bytes,
                                          .deadline = deadline,
                                          .gone = ask->gone,
-                                         .gone_arg = ask->gone_arg};
+                                         .gone_arg = ask->gone_arg,
+                                         .may_wait = ask->may_wait};
         tdm_router_flow_admit(ctl->flow, &fa, t);
     }
     if (cfg->flow.enabled || t->outcome != TDM_ROUTER_FLOW_DISPATCHED)

@@ -138,6 +138,7 @@ struct tdm_router_admit_ask {
     double deadline;         // tdm_now() time past which it may not wait (the request's deadline)
     bool (*gone)(void *arg); // the client left? (may be NULL)
     void *gone_arg;
+    bool may_wait; // false: refused where it would have to wait (no thread to spare)
 };
 enum tdm_router_flow_outcome tdm_router_control_admit(struct tdm_router_control *ctl,
                                                       const struct tdm_router_admit_ask *ask,

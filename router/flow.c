@@ -239,7 +239,7 @@ void tdm_router_flow_admit(struct tdm_router_flow *f, const struct tdm_router_fl
             return;
         }
     }
-    if (over_capacity(f, ask)) {
+    if (!ask->may_wait || over_capacity(f, ask)) {
         pthread_mutex_unlock(&f->mu);
         t->outcome = TDM_ROUTER_FLOW_REJECTED_CAPACITY;
         return;

@@ -66,6 +66,8 @@ struct tdm_router_flow_ask {
     double deadline;         // tdm_now() time it leaves the queue unserved (EvictedTTL)
     bool (*gone)(void *arg); // may be NULL: the client left? (asked without the lock)
     void *gone_arg;
+    bool may_wait; // false: refused (RejectedCapacity) where it would have to wait
+                   // (the caller has no thread to spare for a waiter)
 };
 
 struct tdm_router_flow_ticket {

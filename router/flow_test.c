@@ -104,7 +104,8 @@ static void start(struct waiter *w, struct tdm_router_flow *f,
                                           .bytes = bytes,
                                           .deadline = tdm_now() + ttl,
                                           .gone = waiter_gone,
-                                          .gone_arg = w};
+                                          .gone_arg = w,
+                                          .may_wait = true};
     size_t before = 0;
     struct tdm_router_flow_stats st;
     tdm_router_flow_stats(f, &st);
@@ -141,11 +142,15 @@ static void test_straight_through_and_token(void **state)
     struct tdm_router_flow *f = new_flow();
     struct tdm_router_flow_config fc;
     config_init(&fc);
-    struct tdm_router_flow_ask ask = {.cfg = &fc, .deadline = tdm_now() + 10};
+    struct tdm_router_flow_ask ask = {.cfg = &fc, .deadline = tdm_now() + 10, .may_wait = false};
     struct tdm_router_flow_ticket t1;
-    tdm_router_flow_admit(f, &ask, &t1);
+    tdm_router_flow_admit(f, &ask, &t1); // straight through: no wait needed
     assert_int_equal(t1.outcome, TDM_ROUTER_FLOW_DISPATCHED);
     assert_false(t1.queued);
+    struct tdm_router_flow_ticket t2;
+    tdm_router_flow_admit(f, &ask, &t2); // the token is held: it would wait, and may not
+    assert_int_equal(t2.outcome, TDM_ROUTER_FLOW_REJECTED_CAPACITY);
+    assert_false(t2.queued);
     reset_order();
     struct waiter w;
     start(&w, f, &fc, "b", 0, NULL, 10, 10);
@@ -243,7 +248,7 @@ static void test_capacity(void **state)
     start(&w[1], f, &fc, "d60", 0, NULL, 60, 30);
     struct tdm_router_flow_ticket t;
     struct tdm_router_flow_ask ask = {
-        .cfg = &fc, .priority = 7, .bytes = 1, .deadline = tdm_now() + 5};
+        .cfg = &fc, .priority = 7, .bytes = 1, .deadline = tdm_now() + 5, .may_wait = true};
     tdm_router_flow_admit(f, &ask, &t); // band 7 holds 1 already
     assert_int_equal(t.outcome, TDM_ROUTER_FLOW_REJECTED_CAPACITY);
     assert_false(t.queued);
@@ -296,7 +301,7 @@ static void test_evictions(void **state)
     pthread_join(w[2].th, NULL);
     assert_int_equal(w[2].t.outcome, TDM_ROUTER_FLOW_EVICTED_OTHER);
     struct tdm_router_flow_ticket t;
-    struct tdm_router_flow_ask ask = {.cfg = &fc, .deadline = tdm_now() + 5};
+    struct tdm_router_flow_ask ask = {.cfg = &fc, .deadline = tdm_now() + 5, .may_wait = true};
     atomic_store(&g_sat, 0.0);
     tdm_router_flow_admit(f, &ask, &t); // stopped: refused even with room
     assert_int_equal(t.outcome, TDM_ROUTER_FLOW_EVICTED_OTHER);
@@ -340,7 +345,8 @@ static void test_closed_loop(void **state)
     for (int i = 0; i < 5; i++) {
         memset(&w[i], 0, sizeof w[i]);
         w[i].f = f;
-        w[i].ask = (struct tdm_router_flow_ask){.cfg = &fc, .deadline = tdm_now() + 30};
+        w[i].ask =
+            (struct tdm_router_flow_ask){.cfg = &fc, .deadline = tdm_now() + 30, .may_wait = true};
         assert_int_equal(pthread_create(&w[i].th, NULL, routing_waiter, &w[i]), 0);
     }
     struct tdm_router_flow_stats st;

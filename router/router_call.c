@@ -887,9 +887,13 @@ static bool client_left(void *arg)
 // (flowControl gate), or refuses a sheddable request. False when the call was
 // answered here (429, 503: llm-d's statuses and messages, and its
 // x-llm-d-request-dropped-reason header) or the client left while it waited.
+// A waiting request holds its HTTP thread: it may wait only while the API
+// handlers leave a reserve of threads free (max(2, --http-threads / 16)) for
+// /health, /metrics and the calls that free the pool; past it, 429.
 static bool admit(struct call *k)
 {
     struct tdm_router_server *s = k->s;
+    int reserve = s->o.http_threads / 16 > 2 ? s->o.http_threads / 16 : 2;
     size_t body = 0;
     (void)tdm_http_body(k->conn, &body);
     struct tdm_router_admit_ask ask = {
@@ -898,7 +902,8 @@ static bool admit(struct call *k)
         .bytes = (long long)body,
         .deadline = 0, // the config's request.deadline_seconds from now
         .gone = client_left,
-        .gone_arg = k->conn};
+        .gone_arg = k->conn,
+        .may_wait = atomic_load(&s->inflight) <= s->o.http_threads - reserve};
     struct tdm_span q;
     tdm_span_begin_child(&q, &k->span, "flow_control", TDM_SPAN_INTERNAL, tdm_now());
     enum tdm_router_flow_outcome o = tdm_router_control_admit(s->ctl, &ask, &k->ticket);

@@ -979,6 +979,41 @@ static void test_flow_control_priority(void **state)
     unlink_config();
 }
 
+// Waiting requests hold HTTP threads: with --http-threads 8 (a reserve of 2),
+// six wait and the seventh is refused at once (429), so /health still
+// answers; when the pool has room the six complete.
+static void test_flow_control_thread_reserve(void **state)
+{
+    (void)state;
+    const enum fake_mode modes[] = {FAKE_ANSWER};
+    rig_start_with(1, modes, 0, true,
+                   "featureGates: [flowControl]\npolicy: round_robin\n"
+                   "endpoints:\n  decode: [{host: 127.0.0.1, http_port: %d, nng_port: %d}]\n");
+    struct fake *f = &rig.fakes[0];
+    atomic_store(&f->waiting, 10);
+    sleep_ms(200);
+    struct bg_call calls[6];
+    for (int i = 0; i < 6; i++) {
+        calls[i] = (struct bg_call){.headers = "", .max_tokens = 2};
+        assert_int_equal(pthread_create(&calls[i].th, NULL, bg_call_main, &calls[i]), 0);
+        wait_queued(i + 1);
+    }
+    char *r = post_with("", 2);
+    assert_int_equal(status_of(r), 429);
+    assert_non_null(strstr(r, "queue at capacity"));
+    free(r);
+    r = roundtrip(rig.port, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    assert_int_equal(status_of(r), 200);
+    free(r);
+    atomic_store(&f->waiting, 0);
+    for (int i = 0; i < 6; i++) {
+        pthread_join(calls[i].th, NULL);
+        assert_completion(calls[i].resp, 2);
+        free(calls[i].resp);
+    }
+    unlink_config();
+}
+
 // A request waits at most defaultRequestTTL: 503 with llm-d's message and
 // header, and the worker never saw it.
 static void test_flow_control_ttl(void **state)
@@ -1073,6 +1108,7 @@ int main(void)
         cmocka_unit_test_teardown(test_stream_gap, rig_stop),
         cmocka_unit_test_teardown(test_flow_control_priority, rig_stop),
         cmocka_unit_test_teardown(test_flow_control_ttl, rig_stop),
+        cmocka_unit_test_teardown(test_flow_control_thread_reserve, rig_stop),
         cmocka_unit_test_teardown(test_flow_control_off_sheds, rig_stop),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
