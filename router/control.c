@@ -44,9 +44,21 @@ static void on_reload(const struct tdm_router_config *new_cfg,
 // ---- flow control ---------------------------------------------------------------------------
 // The pool's saturation as llm-d's utilization detector computes it: the mean
 // over the ready endpoints of max(queue / queueDepthThreshold, KV usage /
-// kvCacheUtilThreshold), where the queue is the reported waiting requests plus
-// the ones routed there since that report; an endpoint without a fresh report
-// counts 1, and a pool with no ready endpoint is saturated.
+// kvCacheUtilThreshold); an endpoint without a fresh report counts 1, and a
+// pool with no ready endpoint is saturated. The queue is the reported waiting
+// requests plus those of the requests routed there since that report that
+// the running batch cannot take (its reported running and bound): they wait
+// there. A worker that does not tell its bound counts them all.
+static double queue_projection(const struct tdm_router_endpoint_view *v)
+{
+    double sent = (double)v->unreported;
+    if (v->load.max_running > 0) {
+        double room = (double)v->load.max_running - (double)v->load.running;
+        sent = sent > room ? sent - (room > 0 ? room : 0) : 0;
+    }
+    return (double)v->load.waiting + sent;
+}
+
 // Every endpoint's view (caller frees); NULL on ENOMEM.
 static struct tdm_router_endpoint_view *list_endpoints(struct tdm_router_control *ctl, size_t *n)
 {
@@ -86,7 +98,7 @@ static double pool_saturation(void *arg)
             sum += 1.0;
             continue;
         }
-        double q = ((double)v[i].load.waiting + (double)v[i].unreported) / qd;
+        double q = queue_projection(&v[i]) / qd;
         double k = v[i].load.kv_usage / kv;
         sum += q > k ? q : k;
     }
@@ -590,6 +602,7 @@ char *tdm_router_control_config_json(struct tdm_router_control *ctl)
             if (l) {
                 cJSON_AddNumberToObject(l, "running", v[i].load.running);
                 cJSON_AddNumberToObject(l, "waiting", v[i].load.waiting);
+                cJSON_AddNumberToObject(l, "max_running", v[i].load.max_running);
                 cJSON_AddNumberToObject(l, "kv_usage", v[i].load.kv_usage);
                 cJSON_AddNumberToObject(l, "age_seconds", v[i].load_age_seconds);
                 cJSON_AddBoolToObject(l, "stale", v[i].load_stale);

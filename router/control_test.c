@@ -6,6 +6,7 @@
 // through the registry), no-endpoint errors, workers not up left out, a
 // reload under a held route, the GET /v1/router/config body, and the registry
 // entries a route, its end and a migration's reroute take (one each).
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -384,6 +385,41 @@ static void test_entries_and_reroute(void **state)
     env_close(&e);
 }
 
+// The pool's saturation (flow control): per endpoint max(queue / 5, KV /
+// 0.8), meaned. Requests routed since a report count as queue beyond the
+// room its running batch has (max_running - running); a worker that does not
+// tell its bound has every one counted. No fresh report: 1.
+static void test_saturation(void **state)
+{
+    (void)state;
+    struct env e;
+    struct tdm_router_endpoint_view a, b;
+    struct tdm_router_endpoints *eps = two_decodes(&e, "", &a, &b);
+    struct tdm_router_report ra = {.instance = 0xA, .load = {.running = 2, .max_running = 8}};
+    struct tdm_router_report rb = {.instance = 0xB, .load = {.waiting = 1, .kv_usage = 0.4}};
+    assert_int_equal(tdm_router_endpoints_on_report(eps, a.id, &ra, NULL, NULL), TDM_OK);
+    assert_int_equal(tdm_router_endpoints_on_report(eps, b.id, &rb, NULL, NULL), TDM_OK);
+    // A: 0; B: max(1/5, 0.4/0.8) = 0.5.
+    assert_true(fabs(tdm_router_control_saturation(e.ctl) - 0.25) < 1e-9);
+    int32_t t[4] = {1, 2, 3, 4};
+    char err[256];
+    struct tdm_router_route r[16];
+    int nr = 0;
+    for (int i = 0; i < 16; i++) { // round robin: 8 on each
+        assert_int_equal(tdm_router_control_route(e.ctl, t, 4, NULL, &r[nr++], err, sizeof err),
+                         TDM_OK);
+    }
+    // A: 8 sent, room 6: 2 wait -> 0.4; B (no bound told): 1 + 8 = 9 -> 1.8.
+    assert_true(fabs(tdm_router_control_saturation(e.ctl) - (0.4 + 1.8) / 2) < 1e-9);
+    for (int i = 0; i < nr; i++)
+        tdm_router_control_route_done(e.ctl, &r[i], "success");
+    // A report resets what was sent since: A = 0, B = 0.5 again.
+    assert_int_equal(tdm_router_endpoints_on_report(eps, a.id, &ra, NULL, NULL), TDM_OK);
+    assert_int_equal(tdm_router_endpoints_on_report(eps, b.id, &rb, NULL, NULL), TDM_OK);
+    assert_true(fabs(tdm_router_control_saturation(e.ctl) - 0.25) < 1e-9);
+    env_close(&e);
+}
+
 static void test_no_endpoint(void **state)
 {
     (void)state;
@@ -657,6 +693,7 @@ int main(void)
         cmocka_unit_test(test_prefill_retries_cap_and_fallback),
         cmocka_unit_test(test_route_avoiding),
         cmocka_unit_test(test_entries_and_reroute),
+        cmocka_unit_test(test_saturation),
         cmocka_unit_test(test_no_endpoint),
         cmocka_unit_test(test_not_up_excluded),
         cmocka_unit_test(test_not_up_prefill_excluded),

@@ -60,6 +60,7 @@ struct tdm_router_load {
     int waiting;     // queued requests (vllm:num_requests_waiting)
     double kv_usage; // KV cache usage fraction, 0..1 (vllm:kv_cache_usage_perc)
     int max_waiting; // the worker's waiting-queue bound; 0 = not told (an older worker)
+    int max_running; // the worker's running-batch bound; 0 = not told (an older worker)
 };
 
 // One endpoint as a policy sees it: a copy, valid as long as the snapshot.

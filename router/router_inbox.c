@@ -93,7 +93,7 @@ static void on_load_report(struct tdm_router_server *s, const struct tdm_net_fra
         const Tandem__KvEvents *kev = r->kv_events;
         struct tdm_router_report rep = {
             .instance = r->instance,
-            .load = {r->running, r->waiting, r->kv_usage, r->max_waiting},
+            .load = {r->running, r->waiting, r->kv_usage, r->max_waiting, r->max_running},
             .has_kv_events = kev != NULL,
             .kv_batch = kev ? kev->batch : 0,
             .kv_cleared = kev && kev->cleared,

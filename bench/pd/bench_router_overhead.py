@@ -11,6 +11,9 @@ both paths share every moment of the machine's load, so a busy shared machine
 adds noise to both alike instead of to whichever path ran while it was busy.
 With --base-router an older router runs beside the new one on the same decode
 worker and the clients rotate over three paths: before and after in one run.
+--base-extra-yaml appends YAML to the base router's config (the same binary
+with a feature on or off: e.g. "featureGates: [flowControl]" measures what
+flow control adds to a request while the pool has room).
 Prints, per concurrency and path, p50/p99 of TTFT (request sent -> first data
 event) and of inter-token latency (ITL: the gap between consecutive data
 events of one stream), the differences router - direct (goal: <= 0.5 ms p50
@@ -22,6 +25,8 @@ adds noise, most at 100 streams on a small machine.
   /usr/bin/python3 bench/pd/bench_router_overhead.py --build build
   /usr/bin/python3 bench/pd/bench_router_overhead.py --build build \\
       --base-router /tmp/old/tandem-router   # before/after: a third path, same run
+  /usr/bin/python3 bench/pd/bench_router_overhead.py --build build \\
+      --base-router build/router/tandem-router --base-extra-yaml "featureGates: [flowControl]"
 """
 import argparse
 import os
@@ -129,6 +134,8 @@ def main():
     ap.add_argument("--router", help="tandem-router binary (default BUILD/router/tandem-router)")
     ap.add_argument("--base-router", help="a second tandem-router (an older build) run beside the "
                     "first on the same decode worker, as a third path: before/after in one run")
+    ap.add_argument("--base-extra-yaml", default="",
+                    help="YAML appended to the base router's config (e.g. a feature gate)")
     ap.add_argument("--decode", help="tandem-decode binary (default BUILD/decode/tandem-decode)")
     ap.add_argument("--slow-model", action="store_true",
                     help="the harness's ~30x slower model (a decode step of milliseconds, so each "
@@ -159,8 +166,13 @@ def main():
     base = None
     if args.base_router:
         port, nng = h.free_port(), h.free_port()
+        base_config = cl.config
+        if args.base_extra_yaml:
+            base_config = cl.config + ".base.yaml"
+            with open(cl.config) as f, open(base_config, "w") as g:
+                g.write(f.read() + args.base_extra_yaml.replace("\\n", "\n") + "\n")
         base = subprocess.Popen(
-            [args.base_router, "--config", cl.config, "--model", cl.model, "--host", "127.0.0.1",
+            [args.base_router, "--config", base_config, "--model", cl.model, "--host", "127.0.0.1",
              "--port", str(port), "--liveness-timeout", "1.0", "--debug-headers", "--nng-url",
              "tcp://127.0.0.1:%d" % nng], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         h.register(base)

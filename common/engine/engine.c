@@ -816,6 +816,7 @@ void tdm_engine_get_stats(struct tdm_engine *e, struct tdm_engine_stats *out)
     *out = e->stats;
     pthread_mutex_unlock(&e->mu);
     out->max_waiting = e->cfg.max_waiting;
+    out->max_running = e->cfg.max_num_seqs;
 }
 
 // ---- scheduling (engine thread) ------------------------------------------------------------

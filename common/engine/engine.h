@@ -445,6 +445,7 @@ struct tdm_engine_stats {
     int num_total_blocks;
     int block_size;
     int max_waiting;         // the waiting-queue bound (config)
+    int max_running;         // the running batch's bound (config max_num_seqs)
     uint64_t prefix_queries; // prompt tokens looked up in the prefix cache at admission
     uint64_t prefix_hits;    // of those, tokens found
     uint64_t num_preemptions;

@@ -47,6 +47,8 @@ struct tdm_pd_load {
     int free_blocks, total_blocks, block_size;
     int held;        // prefill: KV held for export; decode: imports in progress
     int max_waiting; // the waiting-queue bound (the router admits n x prompts against it)
+    int max_running; // the running batch's bound (--max-num-seqs: the router's flow control
+                     // counts requests sent beyond it as waiting)
     const char *url; // this worker's inbox URL
     // KV events (decode workers): has_kv_events false = none sent, the router
     // keeps only its approximate index. Arrays borrowed, a hash in at most one.

@@ -22,6 +22,7 @@ void tdm_pd_service_load(const struct tdm_pd_service *s, const struct tdm_engine
     load->total_blocks = st->num_total_blocks;
     load->block_size = st->block_size;
     load->max_waiting = st->max_waiting;
+    load->max_running = st->max_running;
     load->url = tdm_net_inbox_url(s->inbox);
 }
 
@@ -48,6 +49,7 @@ void tdm_pd_answer_load_query(struct tdm_net_outbox *ob, const struct tdm_net_fr
         r.block_size = load.block_size;
         r.held = load.held;
         r.max_waiting = load.max_waiting;
+        r.max_running = load.max_running;
         r.seq = q->seq;
         r.url = (char *)(load.url ? load.url : "");
         Tandem__KvEvents kev = TANDEM__KV_EVENTS__INIT;
